@@ -1,0 +1,37 @@
+# All set-up happens here: a fresh clone needs only `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: demo test test-fast install dev serve clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+dev: $(VENV)/.dev
+
+demo: $(VENV)/.installed
+	$(PY) -m pdd.cli demo
+
+serve: $(VENV)/.installed
+	$(PY) -m pdd.cli serve
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not faults" --timeout=300
+
+clean:
+	rm -rf $(VENV) runs models

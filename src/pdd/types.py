@@ -1,0 +1,61 @@
+"""Small state records shared by the engine, the runtime roles, the policy layer and the simulator.
+
+Nothing here imports torch, sockets or clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Pipeline(str, Enum):
+    """Which instances serve a request (PDD report, "Pipelines").
+
+    ``P_RLD`` (finish on the relay without ever reaching MD) is never *planned*: it exists
+    only as the ``--allow-p-rld`` ablation and the degraded mode when no MD is reachable.
+    """
+
+    COLOCATED = "colocated"  # one engine prefills and decodes
+    P_D = "p_d"  # same-DC PD: decode in datacenter A over the fast path
+    P_MD = "p_md"  # prefill in A, decode in B over the WAN (delta transfer against MD's cache)
+    P_RLD_MD = "p_rld_md"  # relay decode in A hides the WAN transfer, hands over to MD
+    P_RLD = "p_rld"  # ablation / degraded only
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop token / string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI / vLLM names).
+
+    ``max_tokens`` counts output tokens including the first one sampled by P.
+    ``temperature == 0`` means greedy.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
