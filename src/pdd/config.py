@@ -1,0 +1,103 @@
+"""Configuration for a pdd topology (pydantic models; load from YAML or JSON).
+
+Units are in the field names. Defaults describe the embedded single-machine topology used by
+``pdd serve`` and ``pdd demo``; see docs/LINK.md for why the link numbers are what they are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
+MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineConfig(_Strict):
+    """One engine instance (P, RLD, MD or colocated)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    page_size: int = Field(16, ge=1, description="tokens per KV page")
+    num_pages: int = Field(2048, ge=4, description="KV pages in the pool")
+    max_batch_tokens: int = Field(512, ge=1, description="token budget of one forward pass")
+    prefill_chunk_tokens: int = Field(512, ge=1)
+    max_running: int = Field(64, ge=1, description="sequences in one batch at most")
+    max_model_len: int = Field(4096, ge=2, description="prompt + output tokens at most")
+    max_input_len: int = Field(4000, ge=1, description="prompt tokens at most")
+    torch_threads: int = Field(1, ge=1)
+
+
+class LinkConfig(_Strict):
+    """The emulated links.
+
+    ``wan_*``: the one line between datacenter A and B that every A<->B byte crosses.
+    ``fast_*``: the in-datacenter path P -> RLD (stands in for RDMA).
+    """
+
+    wan_gbps: float = Field(0.2, gt=0, description="WAN line rate per direction, Gbit/s")
+    wan_rtt_ms: float = Field(20.0, ge=0)
+    wan_jitter_ms: float = Field(1.0, ge=0)
+    fast_gbps: float = Field(8.0, gt=0, description="fast path rate, Gbit/s (paced at the sender)")
+    fast_rtt_ms: float = Field(0.1, ge=0)
+
+
+class PolicyConfig(_Strict):
+    """Knobs of the pure policy layer (pdd.policy)."""
+
+    pipeline_ttft_budget_ms: float = Field(
+        0.0,
+        ge=0,
+        description="P->MD is chosen when the missing KV's expected WAN time fits this budget; "
+        "0 always relays in pdd mode",
+    )
+    handoff_mode: Literal["one_shot", "catch_up", "auto"] = "one_shot"
+    catchup_threshold_tokens: int = Field(64, ge=1)
+    wan_order: Literal["fifo", "srf"] = "fifo"
+    allow_p_rld: bool = False
+
+
+class ClusterConfig(_Strict):
+    """A whole topology: one instance per tier (several come with the routing issue)."""
+
+    mode: Mode = "pdd"
+    model_path: str = "models/small"
+    model_preset: Literal["tiny", "small"] = "small"
+    model_seed: int = 0
+    host: str = "127.0.0.1"
+    base_port: int = Field(18000, ge=1024, le=65000)
+    gateway_port: int = Field(8000, ge=1, le=65535)
+    served_model_name: str = "pdd-small"
+    engine: EngineConfig = EngineConfig()
+    link: LinkConfig = LinkConfig()
+    policy: PolicyConfig = PolicyConfig()
+    request_timeout_s: float = Field(300.0, gt=0)
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if v not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        return v
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides) -> "ClusterConfig":
+        """Load from a YAML/JSON file (or defaults), then apply keyword overrides.
+
+        Raises ``pydantic.ValidationError`` naming the bad field.
+        """
+        data: dict = {}
+        if path is not None:
+            text = Path(path).read_text()
+            data = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
+            data = data or {}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)
