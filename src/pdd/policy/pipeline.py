@@ -1,0 +1,97 @@
+"""Pipeline choice: which instances serve a request (PDD report, "Pipelines").
+
+Rules (report):
+- Only two pipelines are *planned* in pdd mode: **P->MD** for high-hit requests (the WAN
+  increment is small, no relay is needed) and **P->RLD->MD** for low-hit requests (RLD masks
+  the WAN latency by decoding at once, "eager output tokens").
+- **P->RLD alone is excluded**: if low-hit requests finished on RLD, MD would never receive
+  their KV, MD's hit rate would drift below P's, more requests would become low-hit and RLD
+  would collapse under the load. It is returned only for the ``allow_p_rld`` ablation (low-hit
+  requests finish on RLD) and as the degraded mode when no MD is reachable.
+- The decision compares the expected WAN time of the *missing* KV (prompt minus what MD's
+  decode-side radix cache already holds, "DRC") against a TTFT budget.
+
+Pure: no I/O, no clock; callers pass the live WAN throughput estimate when they have one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd.types import Pipeline
+
+MODES = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
+
+
+@dataclass(frozen=True)
+class PipelineInputs:
+    """What the gateway knows when it plans a request.
+
+    mode: "colocated" | "same_dc_pd" | "cross_dc_pd" | "pdd".
+    prompt_tokens: prompt length.
+    md_cached_tokens: prompt tokens MD's radix cache already holds (whole pages).
+    kv_bytes_per_token: the model's KV bytes per token (a model property, never a constant).
+    wan_gbps_estimate: live measured WAN throughput if known, else the configured line rate.
+    wan_rtt_ms: WAN round-trip time.
+    ttft_budget_ms: P->MD is chosen when the missing KV's expected WAN time fits it;
+        0 (or less) means "always relay" in pdd mode (config.PolicyConfig semantics).
+    allow_p_rld: ablation: requests that do not fit the budget finish on RLD (P->RLD).
+    md_available: False when no MD is reachable (degraded: P->RLD).
+    """
+
+    mode: str
+    prompt_tokens: int
+    md_cached_tokens: int = 0
+    kv_bytes_per_token: int = 131072
+    wan_gbps_estimate: float = 10.0
+    wan_rtt_ms: float = 20.0
+    ttft_budget_ms: float = 0.0
+    allow_p_rld: bool = False
+    md_available: bool = True
+
+
+def missing_tokens(inp: PipelineInputs) -> int:
+    """Prompt tokens whose KV MD lacks: ``max(0, prompt_tokens - md_cached_tokens)``."""
+    return max(0, inp.prompt_tokens - max(0, inp.md_cached_tokens))
+
+
+def expected_wan_seconds(inp: PipelineInputs) -> float:
+    """Expected seconds until MD can emit the first token through the gateway over the WAN.
+
+    ``rtt + missing_tokens * kv_bytes_per_token * 8 / (wan_gbps_estimate * 1e9)``:
+    the KV crosses A->B (half an RTT of propagation plus serialisation at the estimated
+    throughput) and MD's token crosses back B->A (the other half RTT). Only the missing KV
+    counts (decode-side radix cache, report "DRC"). A non-positive rate gives ``inf``.
+    """
+    rtt_s = max(0.0, inp.wan_rtt_ms) / 1000.0
+    nbytes = missing_tokens(inp) * inp.kv_bytes_per_token
+    if nbytes == 0:
+        return rtt_s
+    if inp.wan_gbps_estimate <= 0:
+        return float("inf")
+    return rtt_s + nbytes * 8.0 / (inp.wan_gbps_estimate * 1e9)
+
+
+def choose_pipeline(inp: PipelineInputs) -> Pipeline:
+    """Choose the pipeline for one request.
+
+    - colocated -> COLOCATED; same_dc_pd -> P_D; cross_dc_pd -> P_MD (no relay exists there).
+    - pdd:
+        * MD unreachable -> P_RLD (degraded mode, never planned otherwise);
+        * budget > 0 and expected_wan_seconds <= budget -> P_MD (high-hit: small increment);
+        * otherwise -> P_RLD_MD (low-hit: RLD masks the WAN), or P_RLD when the
+          ``allow_p_rld`` ablation is on (report: the excluded pipeline that collapses).
+    """
+    if inp.mode == "colocated":
+        return Pipeline.COLOCATED
+    if inp.mode == "same_dc_pd":
+        return Pipeline.P_D
+    if inp.mode == "cross_dc_pd":
+        return Pipeline.P_MD
+    if inp.mode != "pdd":
+        raise ValueError(f"unknown mode {inp.mode!r}; expected one of {MODES}")
+    if not inp.md_available:
+        return Pipeline.P_RLD
+    if inp.ttft_budget_ms > 0 and expected_wan_seconds(inp) * 1000.0 <= inp.ttft_budget_ms + 1e-9:
+        return Pipeline.P_MD
+    return Pipeline.P_RLD if inp.allow_p_rld else Pipeline.P_RLD_MD

@@ -1,0 +1,59 @@
+"""Instance choice (PDD report, "Routing": a load-balancing router; P and MD lifecycles are
+decoupled so each side scales independently).
+
+Policies, over candidate instances of one tier (P, RLD or MD):
+
+- "round_robin": ``rr_counter % len(cands)``.
+- "load": least loaded: minimum of ``(running + queued, pages_used / pages_total, index)``.
+- "cache_aware": longest prefix held, balanced by load. With ``load = running + queued`` and
+  ``min_load`` the least load among candidates, the eligible set is
+  ``E = {c : load(c) <= min_load + load_slack}`` (no instance is chosen while it is more than
+  ``load_slack`` requests busier than the idlest one). Within E the score is, lexicographically,
+  ``(prefix_hit_tokens, -load, -pages_used / pages_total, -index)`` and the maximum wins:
+  the most reusable prefix, ties broken by load, then KV occupancy, then first listed.
+  Instances whose KV pool is full (pages_used >= pages_total) are eligible only when all are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+ROUTING_POLICIES = ("cache_aware", "load", "round_robin")
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    name: str
+    running: int = 0
+    queued: int = 0
+    pages_used: int = 0
+    pages_total: int = 1
+    prefix_hit_tokens: int = 0
+
+
+def _util(c: InstanceLoad) -> float:
+    return c.pages_used / c.pages_total if c.pages_total > 0 else 1.0
+
+
+def choose_instance(
+    cands: Sequence[InstanceLoad],
+    policy: str = "cache_aware",
+    rr_counter: int = 0,
+    load_slack: int = 8,
+) -> int:
+    """Index of the chosen candidate. Raises ValueError if ``cands`` is empty."""
+    n = len(cands)
+    if n == 0:
+        raise ValueError("no candidate instances")
+    if policy == "round_robin":
+        return rr_counter % n
+    if policy == "load":
+        return min(range(n), key=lambda i: (cands[i].running + cands[i].queued, _util(cands[i]), i))
+    if policy != "cache_aware":
+        raise ValueError(f"unknown routing policy {policy!r}; expected one of {ROUTING_POLICIES}")
+    idx = [i for i in range(n) if cands[i].pages_used < cands[i].pages_total] or list(range(n))
+    loads = {i: cands[i].running + cands[i].queued for i in idx}
+    min_load = min(loads.values())
+    elig = [i for i in idx if loads[i] <= min_load + load_slack]
+    return max(elig, key=lambda i: (cands[i].prefix_hit_tokens, -loads[i], -_util(cands[i]), -i))

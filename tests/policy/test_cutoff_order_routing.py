@@ -1,0 +1,59 @@
+import pytest
+
+from pdd.policy.cutoff import predict_rld_finishes_first, should_cut_off
+from pdd.policy.routing import InstanceLoad, choose_instance
+from pdd.policy.wan_order import TransferView, pick_next
+
+
+def test_should_cut_off_truth_table():
+    assert should_cut_off(True, False) is True
+    assert should_cut_off(True, True) is False
+    assert should_cut_off(False, False) is False
+    assert should_cut_off(False, True) is False
+
+
+def test_predict():
+    assert predict_rld_finishes_first(10, 0.02, 1.0) is True  # 0.2 s < 1 s
+    assert predict_rld_finishes_first(100, 0.02, 1.0) is False  # 2 s
+
+
+T = [TransferView("a", 500, 3), TransferView("b", 100, 7), TransferView("c", 100, 5), TransferView("d", 900, 1)]
+
+
+def test_fifo_and_srf():
+    assert pick_next(T, "fifo") == 3
+    assert pick_next(T, "srf") == 2  # tie on 100 bytes broken by enqueued_seq
+    with pytest.raises(ValueError):
+        pick_next([], "fifo")
+    with pytest.raises(ValueError):
+        pick_next(T, "lifo")
+
+
+def L(name, running=0, queued=0, used=0, total=100, hit=0):
+    return InstanceLoad(name, running, queued, used, total, hit)
+
+
+def test_round_robin_and_load():
+    c = [L("a", 3), L("b", 1, 1), L("c", 1, 1, used=10)]
+    assert choose_instance(c, "round_robin", rr_counter=7) == 1
+    assert choose_instance(c, "load") == 1  # load 2, util 0 beats c's util 0.1
+
+
+def test_cache_aware_prefers_longest_prefix_within_slack():
+    c = [L("a", running=2, hit=0), L("b", running=6, hit=4096), L("c", running=5, hit=4096)]
+    assert choose_instance(c, "cache_aware", load_slack=8) == 2  # tie on hit, lower load
+    assert choose_instance(c, "cache_aware", load_slack=3) == 2  # b (6 > 2+3) ineligible
+    assert choose_instance(c, "cache_aware", load_slack=2) == 0  # only a eligible
+
+
+def test_cache_aware_skips_full_pools():
+    c = [L("a", used=100, hit=9999), L("b", used=50, hit=10)]
+    assert choose_instance(c, "cache_aware") == 1
+    assert choose_instance([L("a", used=100), L("b", used=100, hit=5)], "cache_aware") == 1
+
+
+def test_empty_and_bad():
+    with pytest.raises(ValueError):
+        choose_instance([], "load")
+    with pytest.raises(ValueError):
+        choose_instance([L("a")], "random")

@@ -1,0 +1,70 @@
+import math
+
+import pytest
+
+from pdd.policy.pipeline import PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens
+from pdd.types import Pipeline
+
+
+def inp(**kw):
+    base = dict(mode="pdd", prompt_tokens=10_000, md_cached_tokens=9_000, kv_bytes_per_token=100_000,
+                wan_gbps_estimate=8.0, wan_rtt_ms=20.0, ttft_budget_ms=200.0)
+    base.update(kw)
+    return PipelineInputs(**base)
+
+
+def test_missing_tokens_clamped():
+    assert missing_tokens(inp()) == 1000
+    assert missing_tokens(inp(md_cached_tokens=20_000)) == 0
+    assert missing_tokens(inp(md_cached_tokens=-5)) == 10_000
+
+
+def test_expected_wan_seconds_exact():
+    # 1000 tok * 100 kB = 1e8 B = 8e8 bit at 8 Gbps = 0.1 s, + 20 ms RTT
+    assert expected_wan_seconds(inp()) == pytest.approx(0.12)
+    assert expected_wan_seconds(inp(md_cached_tokens=10_000)) == pytest.approx(0.02)
+    assert math.isinf(expected_wan_seconds(inp(wan_gbps_estimate=0.0)))
+
+
+def test_pdd_high_hit_goes_p_md():
+    assert choose_pipeline(inp()) is Pipeline.P_MD  # 120 ms <= 200 ms
+
+
+def test_pdd_low_hit_relays():
+    assert choose_pipeline(inp(md_cached_tokens=0)) is Pipeline.P_RLD_MD  # 1.02 s > 200 ms
+
+
+def test_budget_boundary_inclusive():
+    assert choose_pipeline(inp(ttft_budget_ms=120.0)) is Pipeline.P_MD
+    assert choose_pipeline(inp(ttft_budget_ms=119.9)) is Pipeline.P_RLD_MD
+
+
+def test_zero_budget_always_relays():
+    assert choose_pipeline(inp(ttft_budget_ms=0.0, md_cached_tokens=10_000, wan_rtt_ms=0.0)) is Pipeline.P_RLD_MD
+
+
+def test_p_rld_never_planned_without_ablation():
+    for cached in (0, 5_000, 9_999, 10_000):
+        for budget in (0.0, 50.0, 1e6):
+            assert choose_pipeline(inp(md_cached_tokens=cached, ttft_budget_ms=budget)) is not Pipeline.P_RLD
+
+
+def test_allow_p_rld_ablation_low_hit_finishes_on_rld():
+    assert choose_pipeline(inp(md_cached_tokens=0, allow_p_rld=True)) is Pipeline.P_RLD
+    assert choose_pipeline(inp(allow_p_rld=True)) is Pipeline.P_MD  # high hit still ends at MD
+
+
+def test_degraded_without_md():
+    assert choose_pipeline(inp(md_available=False)) is Pipeline.P_RLD
+
+
+def test_baseline_modes():
+    assert choose_pipeline(inp(mode="colocated")) is Pipeline.COLOCATED
+    assert choose_pipeline(inp(mode="same_dc_pd")) is Pipeline.P_D
+    assert choose_pipeline(inp(mode="cross_dc_pd", md_cached_tokens=0)) is Pipeline.P_MD
+    with pytest.raises(ValueError):
+        choose_pipeline(inp(mode="bogus"))
+
+
+def test_live_estimate_changes_decision():
+    assert choose_pipeline(inp(wan_gbps_estimate=2.0)) is Pipeline.P_RLD_MD  # 0.42 s
