@@ -1,0 +1,135 @@
+"""``pdd`` command line: make-model | serve | launch | demo | bench | sim | plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _config(args, **over):
+    from pydantic import ValidationError
+
+    from pdd.config import ClusterConfig
+
+    try:
+        return ClusterConfig.load(getattr(args, "config", None), **over)
+    except ValidationError as e:
+        errs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise SystemExit(f"pdd: invalid config: {errs}")
+    except FileNotFoundError as e:
+        raise SystemExit(f"pdd: config file not found: {e.filename}")
+
+
+def ensure_model(cfg) -> None:
+    """Write the configured random-weight checkpoint if the model directory has none."""
+    from pathlib import Path
+
+    if (Path(cfg.model_path) / "config.json").exists():
+        return
+    from pdd.modelgen import make_model
+
+    print(f"pdd: writing a {cfg.model_preset} random-weight checkpoint to {cfg.model_path} (seed {cfg.model_seed})")
+    make_model(cfg.model_path, preset=cfg.model_preset, seed=cfg.model_seed)
+
+
+def cmd_make_model(args) -> int:
+    from pdd.modelgen import make_model
+
+    make_model(args.out, preset=args.preset, seed=args.seed)
+    print(f"wrote {args.preset} checkpoint to {args.out}")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from pdd.launch import run_instance
+
+    cfg = _config(args)
+    run_instance(cfg, args.name or args.role)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from pdd.launch import Topology
+
+    cfg = _config(args, gateway_port=args.port, mode=args.mode)
+    ensure_model(cfg)
+    with Topology(cfg, log_dir=args.log_dir) as topo:
+        print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
+        try:
+            while all(p.poll() is None for p in topo.procs.values()):
+                time.sleep(0.5)
+            dead = [n for n, p in topo.procs.items() if p.poll() is not None]
+            print(f"pdd: instance(s) exited: {', '.join(dead)}; stopping", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+
+
+def cmd_demo(args) -> int:
+    from pdd.bench.demo import run_demo
+
+    cfg = _config(args)
+    kwargs = {"out_dir": args.out, "config": cfg}
+    if args.requests:
+        kwargs["n_requests"] = args.requests
+    if args.modes:
+        kwargs["modes"] = tuple(args.modes.split(","))
+    run_demo(**kwargs)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdd", description="Cross-datacenter Prefill / RelayDecode / MainDecode serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-model", help="write a deterministic random-weight HF-format checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", choices=["tiny", "small"], default="small")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("launch", help="start one instance of a topology")
+    p.add_argument("--role", required=True,
+                   choices=["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"])
+    p.add_argument("--name", help="instance name in the topology (default: derived from the role)")
+    p.add_argument("--config", help="cluster config (YAML or JSON)")
+    p.set_defaults(fn=cmd_launch)
+
+    p = sub.add_parser("serve", help="start the whole two-datacenter topology and keep the gateway up")
+    p.add_argument("--config")
+    p.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000)")
+    p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
+    p.add_argument("--log-dir", default=None)
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("demo", help="replay the Mooncake trace through every mode and compare")
+    p.add_argument("--config")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--modes", default=None, help="comma-separated subset of same_dc_pd,cross_dc_pd,pdd,colocated")
+    p.set_defaults(fn=cmd_demo)
+
+    try:
+        from pdd.sim.cli import add_plan_parser, add_sim_parser
+
+        add_sim_parser(sub)
+        add_plan_parser(sub)
+    except ImportError:
+        pass
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "launch" and not args.name:
+        from pdd.topology import ROLE_LINK
+
+        names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0", "colocated": "c0", "gateway": "gateway",
+                 ROLE_LINK: "link"}
+        args.name = names[args.role]
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The gateway's per-request state machine across P, RLD and MD (the request's one owner).
+
+``generate()`` plans a request (``policy.pipeline``), drives every tier over persistent
+connections, and yields the request's output tokens strictly by position, whichever decoder
+produced them, so the switch from RLD to MD neither drops nor repeats a token.
+
+Pipelines (PDD report, "Pipelines"):
+  colocated:  C.generate
+  P_D / P_MD: D.reserve -> P.prefill(targets=[D from its cached pages]) -> D decodes
+  P_RLD_MD:   MD.reserve + RLD.expect -> P.prefill(targets=[RLD all pages, MD missing pages])
+              -> RLD decodes -> MD.kv_ready -> RLD.handoff (ids) -> MD.extend -> MD decodes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pdd.config import ClusterConfig
+from pdd.policy.pipeline import PipelineInputs, choose_pipeline
+from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
+from pdd.transfer import rpc
+from pdd.types import Pipeline, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """A tier failed the request; the message says which and why."""
+
+
+@dataclass
+class TokenOut:
+    pos: int
+    token_id: int
+    tier: str
+    fin: str | None
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_len: int
+    sampling: SamplingParams
+    pipeline: Pipeline = Pipeline.P_MD
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_pos: int = 0
+    pending: dict = field(default_factory=dict)
+    finished: bool = False
+    p_cached_tokens: int = 0
+    md_cached_tokens: int = 0
+    wan_bytes_expected: int = 0
+    wan_bytes: int | None = None
+    handoff_pos: int | None = None
+    handoff_tokens: int = 0
+    rld_finished_first: bool = False
+    kv_ready: bool = False
+    error: str | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    events: dict = field(default_factory=dict)  # name -> perf_counter seconds
+
+
+class Orchestrator:
+    def __init__(self, cfg: ClusterConfig, lay: Layout):
+        self.cfg, self.layout = cfg, lay
+        self.peers: dict[str, rpc.Peer] = {}
+        self.reqs: dict[str, ReqState] = {}
+        self.totals = {"wan_bytes_expected": 0, "requests": 0, "completed": 0, "failed": 0, "handoffs": 0,
+                       "rld_finished_first": 0}
+        self.pipelines: dict[str, int] = {}
+        self.page_bytes: int | None = None
+        self._ids = itertools.count()
+        self.kv_bytes_per_token: int | None = None
+
+    # ------------------------------------------------------------------ connections
+    def handlers(self) -> dict:
+        return {"tok": self.on_tok, "kv_ready": self.on_kv_ready, "xfer_done": self.on_xfer_done}
+
+    async def start(self) -> None:
+        for s in self.layout.engines:
+            host, port, _wan = self.layout.address_from_a(s.name)
+            self.peers[s.name] = await rpc.connect(host, port, self.handlers(), role="gateway", name="gateway",
+                                                   retries=200, backoff_s=0.1)
+
+    async def close(self) -> None:
+        for p in self.peers.values():
+            await p.close()
+
+    def _one(self, role: str) -> tuple[str, rpc.Peer]:
+        s = self.layout.by_role(role)[0]
+        return s.name, self.peers[s.name]
+
+    # ------------------------------------------------------------------ inbound
+    async def on_tok(self, peer, h, payload):
+        st = self.reqs.get(h["rid"])
+        if st is None:
+            return None
+        st.queue.put_nowait(TokenOut(int(h["pos"]), int(h["id"]), h.get("tier", "?"), h.get("fin")))
+        return None
+
+    async def on_kv_ready(self, peer, h, payload):
+        st = self.reqs.get(h["rid"])
+        _, md = self._one(ROLE_MAIN)
+        if st is None or st.finished:
+            if st is not None:
+                st.rld_finished_first = True
+            self.totals["rld_finished_first"] += 1
+            await md.send({"t": "finish", "rid": h["rid"]})
+            return None
+        st.kv_ready = True
+        st.events["md_kv_ready"] = time.perf_counter()
+        asyncio.get_running_loop().create_task(self._handoff(st))
+        return None
+
+    async def on_xfer_done(self, peer, h, payload):
+        st = self.reqs.get(h["rid"])
+        wan = sum(v for k, v in h.get("bytes", {}).items() if self.layout.get(k).dc == "B")
+        if st is not None:
+            st.wan_bytes = wan
+        return None
+
+    # ------------------------------------------------------------------ handoff
+    async def _handoff(self, st: ReqState) -> None:
+        """One-shot handoff: RLD stops and returns its output ids; MD extends over them."""
+        _, md = self._one(ROLE_MAIN)
+        _, rld = self._one(ROLE_RELAY)
+        rep, _ = await rld.call({"t": "handoff", "rid": st.rid}, timeout=self.cfg.request_timeout_s)
+        if rep.get("finished"):
+            st.rld_finished_first = True
+            self.totals["rld_finished_first"] += 1
+            await md.send({"t": "finish", "rid": st.rid})
+            return
+        ids = rep["token_ids"]
+        st.handoff_pos = len(ids)
+        st.handoff_tokens = len(ids)
+        st.events["handoff"] = time.perf_counter()
+        self.totals["handoffs"] += 1
+        await md.send({"t": "extend", "rid": st.rid, "token_ids": ids})
+
+    # ------------------------------------------------------------------ plan + drive
+    def _plan(self, prompt_len: int, md_cached_tokens: int) -> Pipeline:
+        mode = self.cfg.mode
+        return choose_pipeline(
+            PipelineInputs(
+                mode=mode,
+                prompt_tokens=prompt_len,
+                md_cached_tokens=md_cached_tokens,
+                kv_bytes_per_token=self.kv_bytes_per_token or 0,
+                wan_gbps_estimate=self.cfg.link.wan_gbps,
+                wan_rtt_ms=self.cfg.link.wan_rtt_ms,
+                ttft_budget_ms=self.cfg.policy.pipeline_ttft_budget_ms,
+                allow_p_rld=self.cfg.policy.allow_p_rld,
+            )
+        )
+
+    async def generate(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None):
+        """Async iterator of :class:`TokenOut` in position order; the :class:`ReqState` is
+        available as ``self.reqs[rid]`` while it runs and is returned by :meth:`start_request`."""
+        st = await self.start_request(prompt_ids, sp, rid)
+        async for t in self.stream(st):
+            yield t
+
+    async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None) -> ReqState:
+        rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        st = ReqState(rid, len(prompt_ids), sp)
+        self.reqs[rid] = st
+        self.totals["requests"] += 1
+        try:
+            await self._launch(st, prompt_ids)
+        except Exception as e:
+            await self.abort(st)
+            self.totals["failed"] += 1
+            raise RequestFailed(f"request {rid} failed while starting: {e}") from e
+        self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
+        return st
+
+    async def _launch(self, st: ReqState, prompt: list[int]) -> None:
+        sampling = st.sampling.to_dict()
+        t = self.cfg.request_timeout_s
+        if self.cfg.mode == "colocated":
+            st.pipeline = Pipeline.COLOCATED
+            _, c = self._one(ROLE_COLOCATED)
+            rep, _ = await c.call({"t": "generate", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            st.p_cached_tokens = int(rep["p_cached_tokens"])
+            return
+        md_name, md = self._one(ROLE_MAIN)
+        md_wan = self.layout.get(md_name).dc == "B"
+        relay_possible = bool(self.layout.by_role(ROLE_RELAY))
+        reserve = md.call({"t": "reserve", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
+                           "relay": relay_possible}, timeout=t)
+        if relay_possible:
+            rld_name, rld = self._one(ROLE_RELAY)
+            expect = rld.call({"t": "expect", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            (rep, _), _ = await asyncio.gather(reserve, expect)
+        else:
+            rep, _ = await reserve
+        st.events["reserved"] = time.perf_counter()
+        self.page_bytes = int(rep["page_bytes"])
+        ps = self.cfg.engine.page_size
+        if self.kv_bytes_per_token is None:
+            self.kv_bytes_per_token = self.page_bytes // ps
+        st.md_cached_tokens = int(rep["md_cached_tokens"])
+        md_first = int(rep["md_cached_pages"])
+        n_pages = int(rep["n_pages"])
+        st.pipeline = self._plan(len(prompt), st.md_cached_tokens) if relay_possible else (
+            Pipeline.P_MD if md_wan else Pipeline.P_D)
+        relay = st.pipeline == Pipeline.P_RLD_MD
+        targets = [{"name": md_name, "first_page": md_first, "relay": relay}]
+        if relay:
+            targets.insert(0, {"name": rld_name, "first_page": 0, "relay": False})
+        elif relay_possible:
+            # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
+            await rld.call({"t": "abort", "rid": st.rid}, timeout=t)
+        if md_wan:
+            st.wan_bytes_expected = (n_pages - md_first) * self.page_bytes
+            self.totals["wan_bytes_expected"] += st.wan_bytes_expected
+        _, p = self._one(ROLE_PREFILL)
+        rep, _ = await p.call({"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
+                               "targets": targets}, timeout=t)
+        st.events["prefilled"] = time.perf_counter()
+        st.p_cached_tokens = int(rep["p_cached_tokens"])
+
+    async def stream(self, st: ReqState):
+        """Yield tokens in position order until the request finishes (or fails)."""
+        try:
+            while not st.finished:
+                try:
+                    tok = await asyncio.wait_for(st.queue.get(), timeout=self.cfg.request_timeout_s)
+                except asyncio.TimeoutError:
+                    raise RequestFailed(f"request {st.rid}: no token for {self.cfg.request_timeout_s:.0f} s")
+                if tok.pos < st.next_pos or tok.pos in st.pending:
+                    continue  # duplicate (never expected; kept as a guard)
+                st.pending[tok.pos] = tok
+                while st.next_pos in st.pending:
+                    t = st.pending.pop(st.next_pos)
+                    st.next_pos += 1
+                    if t.fin is not None:
+                        st.finished = True
+                    yield t
+                    if st.finished:
+                        break
+            self.totals["completed"] += 1
+        except BaseException:
+            if not st.finished:
+                self.totals["failed"] += 1
+                await self.abort(st)
+            raise
+        finally:
+            # a relayed request that finished before MD's KV arrived is settled by on_kv_ready
+            self.reqs.pop(st.rid, None)
+
+    async def abort(self, st: ReqState) -> None:
+        """Tell every engine to drop the request and free its pages (idempotent there)."""
+        st.finished = True
+        self.reqs.pop(st.rid, None)
+        for name, peer in self.peers.items():
+            try:
+                await peer.call({"t": "abort", "rid": st.rid}, timeout=10)
+            except Exception as e:  # the instance may be gone; it frees everything when it goes
+                log.warning("abort %s on %s failed: %s", st.rid, name, e)
+
+    # ------------------------------------------------------------------ stats
+    async def stats(self) -> dict:
+        inst = {}
+        for name, peer in self.peers.items():
+            try:
+                rep, _ = await peer.call({"t": "stats"}, timeout=10)
+                inst[name] = rep
+            except Exception as e:
+                inst[name] = {"error": str(e)}
+        out = {"mode": self.cfg.mode, "instances": inst, "totals": dict(self.totals), "pipelines": dict(self.pipelines)}
+        out["wan_bytes"] = sum(int(r.get("wan_bytes_sent", 0)) for r in inst.values() if isinstance(r, dict))
+        out["wan_bytes_expected"] = self.totals["wan_bytes_expected"]
+        out["wan_line_bytes"] = 0
+        if self.layout.link_control_port is not None:
+            try:
+                from pdd.transfer.link import query_stats
+
+                ls = await query_stats(self.cfg.host, self.layout.link_control_port)
+                out["link"] = ls
+                out["wan_line_bytes"] = int(ls.get("bytes_a_to_b", 0)) + int(ls.get("bytes_b_to_a", 0))
+            except Exception as e:
+                out["link"] = {"error": str(e)}
+        return out
+
+    async def flush(self) -> dict:
+        inst = {}
+        leaked = 0
+        for name, peer in self.peers.items():
+            rep, _ = await peer.call({"t": "flush"}, timeout=30)
+            inst[name] = {"pages_total": rep["pages_total"], "pages_free": rep["pages_free"],
+                          "live_requests": rep.get("live_requests", 0)}
+            leaked += int(rep["pages_total"]) - int(rep["pages_free"])
+        return {"instances": inst, "leaked_pages": leaked}

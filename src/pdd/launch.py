@@ -1,0 +1,192 @@
+"""Start instances as OS processes: one (``pdd launch``) or a whole topology (:class:`Topology`).
+
+Each instance is ``python -m pdd.cli launch --role ROLE --name NAME --config FILE``; it prints
+``READY NAME`` (or ``LINK READY``) on stdout once it serves. :class:`Topology` starts them in
+dependency order (link and MD first, the gateway last), waits for each, and stops them all on
+exit (SIGTERM, then SIGKILL after a grace period). Logs go to ``<log_dir>/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from pdd.config import ClusterConfig
+from pdd.topology import (ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY,
+                          InstanceSpec, Layout, layout)
+
+
+class LaunchError(RuntimeError):
+    """An instance did not come up; the message names it and quotes its log's tail."""
+
+
+def link_config(cfg: ClusterConfig, lay: Layout) -> dict:
+    """Config of the WAN emulator: one listen port per instance in datacenter B."""
+    routes = [{"listen_port": s.wan_port, "target_host": cfg.host, "target_port": s.port}
+              for s in lay.instances if s.dc == "B"]
+    return {"host": cfg.host, "control_port": lay.link_control_port, "gbps": cfg.link.wan_gbps,
+            "rtt_ms": cfg.link.wan_rtt_ms, "jitter_ms": cfg.link.wan_jitter_ms, "routes": routes}
+
+
+def run_instance(cfg: ClusterConfig, name: str) -> None:
+    """Run one instance of ``cfg``'s topology in this process until SIGTERM."""
+    lay = layout(cfg)
+    spec = lay.get(name)
+    if spec.role == ROLE_LINK:
+        from pdd.transfer.link import run_link
+
+        run_link(link_config(cfg, lay))
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.engine.torch_threads))
+    if spec.role == ROLE_GATEWAY:
+        from pdd.gateway.api import serve_gateway
+
+        asyncio.run(serve_gateway(cfg, lay))
+        return
+    from pdd.roles.base import serve_instance
+
+    if spec.role == ROLE_PREFILL:
+        from pdd.roles.prefill import PrefillInstance as cls
+    elif spec.role == ROLE_RELAY:
+        from pdd.roles.relay_decode import RelayDecodeInstance as cls
+    elif spec.role in (ROLE_MAIN, ROLE_COLOCATED):
+        from pdd.roles.main_decode import MainDecodeInstance as cls
+    else:
+        raise ValueError(f"unknown role {spec.role!r}")
+    asyncio.run(serve_instance(cls(cfg, spec, lay)))
+
+
+def _start_order(lay: Layout) -> list[InstanceSpec]:
+    rank = {ROLE_LINK: 0, ROLE_MAIN: 1, ROLE_COLOCATED: 1, ROLE_RELAY: 2, ROLE_PREFILL: 3, ROLE_GATEWAY: 4}
+    return sorted(lay.instances, key=lambda s: rank[s.role])
+
+
+class Topology:
+    """A running topology for ``cfg.mode``; use as a context manager.
+
+    Attributes: ``url`` (gateway base URL), ``procs`` (name -> Popen), ``layout``.
+    """
+
+    def __init__(self, cfg: ClusterConfig, log_dir: str | Path | None = None, start_timeout_s: float = 120.0):
+        self.cfg = cfg
+        self.layout = layout(cfg)
+        self.url = f"http://{cfg.host}:{cfg.gateway_port}"
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"pdd-{cfg.mode}-"))
+        self.start_timeout_s = start_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._cfg_file: Path | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Topology":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._cfg_file = self.log_dir / "cluster.json"
+        self._cfg_file.write_text(self.cfg.model_dump_json(indent=1))
+        try:
+            for spec in _start_order(self.layout):
+                self._spawn(spec)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, spec: InstanceSpec) -> None:
+        logf = open(self.log_dir / f"{spec.name}.log", "w")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.engine.torch_threads), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", spec.role, "--name", spec.name,
+               "--config", str(self._cfg_file)]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, text=True,
+                             start_new_session=True)
+        self.procs[spec.name] = p
+        ready = threading.Event()
+
+        def pump():
+            assert p.stdout is not None
+            for line in p.stdout:
+                logf.write(line)
+                logf.flush()
+                if "READY" in line:
+                    ready.set()
+            logf.close()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not ready.wait(0.05):
+            if p.poll() is not None:
+                raise LaunchError(f"{spec.name} ({spec.role}) exited with {p.returncode} before it was ready:\n"
+                                  + self._tail(spec.name))
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{spec.name} ({spec.role}) not ready after {self.start_timeout_s:.0f} s:\n"
+                                  + self._tail(spec.name))
+
+    def _tail(self, name: str, n: int = 30) -> str:
+        try:
+            return "".join((self.log_dir / f"{name}.log").read_text().splitlines(True)[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for name in reversed(list(self.procs)):
+            p = self.procs[name]
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.procs.clear()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Fault injection: signal one instance's process."""
+        os.killpg(self.procs[name].pid, sig)
+
+    # ------------------------------------------------------------------ queries
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/pdd/stats", timeout=30).json()
+
+    def flush(self) -> dict:
+        return httpx.post(f"{self.url}/pdd/flush", timeout=60).json()
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """User+system CPU seconds of each live instance process (from /proc)."""
+        out = {}
+        tck = os.sysconf("SC_CLK_TCK")
+        for name, p in self.procs.items():
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[name] = (int(fields[11]) + int(fields[12])) / tck
+            except (OSError, IndexError, ValueError):
+                out[name] = float("nan")
+        return out
+
+
+def config_from_args(config: str | None, **overrides) -> ClusterConfig:
+    return ClusterConfig.load(config, **overrides)
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True)

@@ -1,0 +1,241 @@
+"""What every engine instance (P, RLD, MD, colocated) shares: the engine thread, the RPC server,
+ordered token streams to the gateway, and the ``stats`` / ``flush`` / ``abort`` handlers.
+
+Message types handled here (all from the gateway):
+  ``stats`` -> instance counters; ``flush`` -> evict every unlocked radix-cache page and report
+  free pages; ``abort {rid}`` -> stop the request and free its pages (exactly once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+
+from pdd.config import ClusterConfig
+from pdd.roles.worker import EngineWorker
+from pdd.topology import InstanceSpec, Layout
+from pdd.transfer import rpc
+from pdd.types import FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def first_token_finish(token_id: int, sp: SamplingParams, eos_ids: set[int]) -> str | None:
+    """Finish reason after the first output token (sampled by P), or None to keep decoding."""
+    if not sp.ignore_eos and token_id in eos_ids:
+        return FinishReason.STOP.value
+    if token_id in set(sp.stop_token_ids):
+        return FinishReason.STOP.value
+    if sp.max_tokens <= 1:
+        return FinishReason.LENGTH.value
+    return None
+
+
+class OrderedSender:
+    """One-way messages to one peer, sent strictly in the order they were put."""
+
+    def __init__(self, peer):
+        self.peer = peer
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def put(self, header: dict, payload: bytes = b"") -> None:
+        self.q.put_nowait((header, payload))
+
+    async def flush(self) -> None:
+        await self.q.join()
+
+    async def _run(self) -> None:
+        while True:
+            header, payload = await self.q.get()
+            try:
+                await self.peer.send(header, payload)
+            except Exception as e:  # the peer went away; the request owner times out / aborts
+                log.warning("send %s to peer failed: %s", header.get("t"), e)
+            finally:
+                self.q.task_done()
+
+
+@dataclass
+class ReqCtx:
+    """Per-request state on one instance."""
+
+    rid: str
+    seq: object  # engine Sequence
+    sink: OrderedSender  # where this request's tokens go (the gateway)
+    sampling: SamplingParams
+    released: bool = False
+    in_engine: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class EngineInstance:
+    """Base for the engine roles. Subclasses add handlers in :meth:`handlers`."""
+
+    tier = "?"
+
+    def __init__(self, cfg: ClusterConfig, spec: InstanceSpec, lay: Layout):
+        self.cfg, self.spec, self.layout = cfg, spec, lay
+        self.reqs: dict[str, ReqCtx] = {}
+        self.sinks: dict[int, OrderedSender] = {}
+        self.server = None
+        self.engine = None
+        self.worker: EngineWorker | None = None
+        self.started_at = time.time()
+        self.counters: dict[str, int] = {"requests": 0, "aborted": 0, "finished": 0}
+
+    # ------------------------------------------------------------------ set-up
+    def load_engine(self):
+        from pdd.engine.engine import Engine
+
+        e = self.cfg.engine
+        return Engine.from_pretrained(
+            self.cfg.model_path,
+            num_pages=e.num_pages,
+            page_size=e.page_size,
+            dtype=e.dtype,
+            device=e.device,
+            max_batch_tokens=e.max_batch_tokens,
+            prefill_chunk_tokens=e.prefill_chunk_tokens,
+            max_running=e.max_running,
+        )
+
+    def handlers(self) -> dict:
+        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort}
+
+    async def start(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.cfg.engine.torch_threads)
+        self.engine = self.load_engine()
+        self.eos_ids = set(self.engine.eos_token_ids)
+        loop = asyncio.get_running_loop()
+        self.worker = EngineWorker(self.engine, loop, self.on_events)
+        self.worker.start()
+        self.server = rpc.Server(self.cfg.host, self.spec.port, self.handlers(), role=self.spec.role, name=self.spec.name)
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self.worker:
+            self.worker.stop()
+        if self.server:
+            await self.server.close()
+
+    def sink_for(self, peer) -> OrderedSender:
+        s = self.sinks.get(id(peer))
+        if s is None or s.peer is not peer:
+            s = OrderedSender(peer)
+            self.sinks[id(peer)] = s
+        return s
+
+    # ------------------------------------------------------------------ tokens
+    def emit(self, ctx: ReqCtx, pos: int, token_id: int, fin: str | None) -> None:
+        ctx.sink.put({"t": "tok", "rid": ctx.rid, "pos": pos, "id": int(token_id), "fin": fin, "tier": self.tier})
+
+    def on_events(self, events: list) -> None:
+        """Engine thread -> loop: stream each new token to its request's sink."""
+        for ev in events:
+            ctx = self.reqs.get(ev.seq_id)
+            if ctx is None:
+                continue
+            fin = ev.finish_reason.value if (ev.finished and ev.finish_reason is not None) else None
+            if ev.finished and fin is None:
+                fin = FinishReason.STOP.value
+            self.emit(ctx, ev.position, ev.token_id, fin)
+            if ev.finished:
+                ctx.in_engine = False
+                self.counters["finished"] += 1
+                asyncio.get_running_loop().create_task(self.release(ctx, cache=self.cache_on_finish))
+
+    cache_on_finish = True
+
+    async def release(self, ctx: ReqCtx, cache: bool) -> None:
+        """Free the request's pages exactly once (inserting whole pages into the radix cache)."""
+        if ctx.released:
+            return
+        ctx.released = True
+        self.reqs.pop(ctx.rid, None)
+        seq = ctx.seq
+        in_engine = ctx.in_engine
+
+        def _rel(e):
+            if in_engine:
+                try:
+                    e.remove(seq.seq_id)
+                except KeyError:
+                    pass
+            e.release(seq, cache=cache)
+
+        await self.worker.call(_rel)
+
+    # ------------------------------------------------------------------ handlers
+    async def on_stats(self, peer, h, payload):
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        e = self.engine
+        runner = getattr(e, "runner", None)
+        return {
+            "t": "stats_ok",
+            "name": self.spec.name,
+            "role": self.spec.role,
+            "dc": self.spec.dc,
+            "pages_total": e.pool.num_pages,
+            "pages_free": e.pool.num_free,
+            "page_bytes": e.pool.page_bytes,
+            "running": len(self.reqs),
+            "forward_calls": getattr(runner, "forward_calls", 0),
+            "engine_steps": self.worker.steps,
+            "engine_busy_s": round(self.worker.busy_s, 4),
+            "cpu_seconds": ru.ru_utime + ru.ru_stime,
+            "counters": dict(self.counters),
+            **self.extra_stats(),
+        }, b""
+
+    def extra_stats(self) -> dict:
+        return {}
+
+    async def on_flush(self, peer, h, payload):
+        def _flush(e):
+            e.flush_cache()
+            return e.pool.num_pages, e.pool.num_free
+
+        total, free = await self.worker.call(_flush)
+        return {"t": "flush_ok", "name": self.spec.name, "pages_total": total, "pages_free": free, "live_requests": len(self.reqs)}, b""
+
+    async def on_abort(self, peer, h, payload):
+        ctx = self.reqs.get(h["rid"])
+        if ctx is not None:
+            self.counters["aborted"] += 1
+            await self.release(ctx, cache=False)
+        return {"t": "abort_ok", "rid": h["rid"], "found": ctx is not None}, b""
+
+    # ------------------------------------------------------------------ KV receive (RLD, MD)
+    async def on_kv(self, peer, h, payload):
+        ctx = self.reqs.get(h["rid"])
+        if ctx is None:
+            return None  # aborted meanwhile: drop the frame
+        first, n = int(h["first_page"]), int(h["n_pages"])
+        pages = ctx.seq.page_table[first : first + n]
+        layers = tuple(h["layers"]) if h.get("layers") is not None else None
+        self.engine.pool.import_pages(pages, payload, layers=layers)
+        ctx.extra["pages_received"] = ctx.extra.get("pages_received", 0) + n
+        return None
+
+
+async def serve_instance(inst) -> None:
+    """Start an instance, print ``READY <name>`` and run until cancelled / SIGTERM."""
+    import signal
+
+    await inst.start()
+    print(f"READY {inst.spec.name}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:
+            pass
+    await stop.wait()
+    await inst.stop()

@@ -1,0 +1,127 @@
+"""P (datacenter A): prefill with a prefix (radix) cache, first token, dual-path KV send.
+
+``prefill {rid, prompt_ids, sampling, targets: [{"name", "first_page"}]}`` (a call from the
+gateway): P matches its radix cache (at least one prompt token is always computed, so the first
+token's logits exist), prefills the rest, samples the first output token, inserts the prompt's
+whole pages into its cache, replies ``{first_token, fin, p_cached_tokens, n_pages}`` and then
+streams pages ``[first_page, n_pages)`` to every target **at once** (the fast path to RLD, the WAN
+to MD), each stream ending with ``kv_done {first_token, fin}``. When every stream has drained it
+releases its references and tells the gateway ``xfer_done {rid, bytes: {target: payload bytes}}``.
+The partial last page is always sent: radix caches only hold whole pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish
+from pdd.transfer import rpc
+from pdd.transfer.kv import KVSender
+from pdd.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class PrefillInstance(EngineInstance):
+    tier = "p"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.first_token_waiters: dict[str, asyncio.Future] = {}
+        self.senders: dict[str, KVSender] = {}
+        self.bytes_sent: dict[str, int] = {}  # target name -> KV payload bytes
+        self.wan_bytes_sent = 0
+        self.prefix_hit_tokens = 0
+        self.prompt_tokens = 0
+
+    def handlers(self) -> dict:
+        return {**super().handlers(), "prefill": self.on_prefill}
+
+    def extra_stats(self) -> dict:
+        return {
+            "kv_bytes_sent": dict(self.bytes_sent),
+            "wan_bytes_sent": self.wan_bytes_sent,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+    async def sender_for(self, name: str) -> tuple[KVSender, bool]:
+        host, port, wan = self.layout.address_from_a(name)
+        s = self.senders.get(name)
+        if s is None or s.closed:
+            peer = await rpc.connect(host, port, {}, role=self.spec.role, name=self.spec.name)
+            rate = None if wan else self.cfg.link.fast_gbps
+            s = KVSender(peer, rate_gbps=rate, order=self.cfg.policy.wan_order if wan else "fifo")
+            self.senders[name] = s
+        return s, wan
+
+    def on_events(self, events: list) -> None:
+        for ev in events:
+            fut = self.first_token_waiters.pop(ev.seq_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(ev)
+
+    async def on_prefill(self, peer, h, payload):
+        rid = h["rid"]
+        prompt = list(h["prompt_ids"])
+        sp = SamplingParams.from_dict(h["sampling"])
+        p_sp = SamplingParams.from_dict({**sp.to_dict(), "max_tokens": 1, "ignore_eos": True})
+        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, p_sp, use_cache=True, min_uncached=1))
+        ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
+        self.reqs[rid] = ctx
+        self.counters["requests"] += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.first_token_waiters[rid] = fut
+
+        def _add(e):
+            e.add(seq)
+
+        ctx.in_engine = True
+        await self.worker.call(_add)
+        ev = await fut
+        ctx.in_engine = False
+        t0 = int(ev.token_id)
+        fin = first_token_finish(t0, sp, self.eos_ids)
+        cached = int(seq.num_cached_tokens)
+        self.prefix_hit_tokens += cached
+        self.prompt_tokens += len(prompt)
+        ps = self.engine.pool.page_size
+        n_pages = (len(prompt) + ps - 1) // ps
+        # P's own cache gets the prompt's whole pages now, so requests arriving while this one
+        # is still streaming already hit it (the sequence keeps its own refs until release).
+        await self.worker.call(lambda e: e.cache_prefix(seq, len(prompt)))
+        asyncio.get_running_loop().create_task(self._stream(ctx, h.get("targets", []), t0, fin, n_pages))
+        return {"t": "prefill_ok", "rid": rid, "first_token": t0, "fin": fin, "p_cached_tokens": cached, "n_pages": n_pages,
+                "page_bytes": self.engine.pool.page_bytes}, b""
+
+    async def _stream(self, ctx: ReqCtx, targets: list[dict], t0: int, fin: str | None, n_pages: int) -> None:
+        pool = self.engine.pool
+        table = list(ctx.seq.page_table[:n_pages])
+        result: dict[str, int] = {}
+        errors: dict[str, str] = {}
+
+        def reader(i: int, n: int):
+            return pool.export_pages(table[i : i + n])
+
+        async def one(t: dict) -> None:
+            name, first = t["name"], int(t["first_page"])
+            try:
+                sender, wan = await self.sender_for(name)
+                tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
+                                   layers=(0, self.engine.model_config.num_layers),
+                                   done_extra={"first_token": t0, "fin": fin, "relay": bool(t.get("relay"))})
+                await tr.done
+                result[name] = tr.bytes_sent
+                self.bytes_sent[name] = self.bytes_sent.get(name, 0) + tr.bytes_sent
+                if wan:
+                    self.wan_bytes_sent += tr.bytes_sent
+            except Exception as e:
+                log.exception("KV stream %s -> %s failed", ctx.rid, name)
+                errors[name] = str(e)
+
+        try:
+            await asyncio.gather(*(one(t) for t in targets))
+        finally:
+            await self.release(ctx, cache=True)
+            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "errors": errors})

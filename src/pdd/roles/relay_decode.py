@@ -1,0 +1,79 @@
+"""RLD (datacenter A): eager decode on KV from P's fast path; hands over token ids to MD.
+
+Messages:
+  ``expect {rid, prompt_ids, sampling}`` (call, gateway): allocate the prompt's pages.
+  ``kv`` / ``kv_done {first_token, fin}`` (from P): import pages; on done emit the first token
+  and start decoding at once ("eager output tokens", PDD report).
+  ``handoff {rid}`` (call, gateway, one-shot): stop decoding the request, reply with every output
+  token id so far (ids only: MD recomputes their KV in one extend), free its pages.
+"""
+
+from __future__ import annotations
+
+from pdd.roles.base import EngineInstance, ReqCtx
+from pdd.types import SamplingParams
+
+
+class RelayDecodeInstance(EngineInstance):
+    tier = "rld"
+    cache_on_finish = False  # RLD keeps no prefix cache: its KV is transient
+
+    def handlers(self) -> dict:
+        return {**super().handlers(), "expect": self.on_expect, "kv": self.on_kv, "kv_done": self.on_kv_done,
+                "handoff": self.on_handoff}
+
+    def extra_stats(self) -> dict:
+        return {"handoffs": self.counters.get("handoffs", 0)}
+
+    async def on_expect(self, peer, h, payload):
+        rid = h["rid"]
+        sp = SamplingParams.from_dict(h["sampling"])
+        prompt = list(h["prompt_ids"])
+        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=False))
+        self.reqs[rid] = ReqCtx(rid, seq, self.sink_for(peer), sp)
+        self.counters["requests"] += 1
+        return {"t": "expect_ok", "rid": rid, "n_pages": len(seq.page_table)}, b""
+
+    async def on_kv_done(self, peer, h, payload):
+        ctx = self.reqs.get(h["rid"])
+        if ctx is None:
+            return None
+        t0, fin = int(h["first_token"]), h.get("fin")
+        seq = ctx.seq
+
+        def _start(e):
+            e.kv_imported(seq, t0)
+            if fin is None:
+                e.add(seq)
+
+        ctx.in_engine = fin is None
+        await self.worker.call(_start)
+        self.emit(ctx, 0, t0, fin)
+        if fin is not None:
+            await self.release(ctx, cache=False)
+        return None
+
+    async def on_handoff(self, peer, h, payload):
+        rid = h["rid"]
+        ctx = self.reqs.get(rid)
+        if ctx is None or not ctx.in_engine:
+            return {"t": "handoff_ok", "rid": rid, "finished": True, "token_ids": []}, b""
+        seq = ctx.seq
+
+        def _take(e):
+            try:
+                e.remove(rid)
+            except KeyError:  # finished in the step that just ran; its events are on their way
+                return None
+            return list(seq.token_ids[seq.prompt_len :])
+
+        tokens = await self.worker.call(_take)
+        if tokens is None:
+            return {"t": "handoff_ok", "rid": rid, "finished": True, "token_ids": []}, b""
+        ctx.in_engine = False
+        # tokens emitted before the removal are queued on the sink ahead of this reply's
+        # effect; flush so the gateway has all of them before MD takes over.
+        await ctx.sink.flush()
+        await self.release(ctx, cache=False)
+        self.counters["handoffs"] = self.counters.get("handoffs", 0) + 1
+        return {"t": "handoff_ok", "rid": rid, "finished": False, "token_ids": tokens}, b""

@@ -1,0 +1,100 @@
+"""Runs an :class:`~pdd.engine.engine.Engine` on its own thread beside an asyncio event loop.
+
+The engine's state (running sequences, page tables, radix cache) is only ever touched on the
+engine thread: the event loop hands it work with :meth:`EngineWorker.call`, which runs a
+function between two forward passes and returns its result as an awaitable. Token events of
+each forward pass are handed back to the loop with ``call_soon_threadsafe``. So networking
+(KV frames, token streams) goes on while a forward pass runs, and no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    """Owns the engine thread.
+
+    ``on_events(events)`` runs on the event loop after every forward pass that produced
+    token events (a list of ``TokenEvent``).
+    """
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None]):
+        self.engine = engine
+        self.loop = loop
+        self.on_events = on_events
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+        self.busy_s = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._cmds.put(None)
+        self._thread.join(timeout=5)
+
+    def call(self, fn: Callable[[Any], Any]) -> "asyncio.Future[Any]":
+        """Run ``fn(engine)`` on the engine thread; the returned future resolves on the loop.
+
+        Exceptions raised by ``fn`` are set on the future.
+        """
+        fut = self.loop.create_future()
+        self._cmds.put((fn, fut))
+        return fut
+
+    def _resolve(self, fut: asyncio.Future, ok: bool, value: Any) -> None:
+        if fut.cancelled():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._cmds.get(block=block, timeout=0.05 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                res = fn(self.engine)
+                self.loop.call_soon_threadsafe(self._resolve, fut, True, res)
+            except BaseException as e:  # delivered to the awaiting coroutine
+                self.loop.call_soon_threadsafe(self._resolve, fut, False, e)
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.is_set():
+            has_work = self.engine.has_work()
+            self._drain(block=not has_work)
+            if self._stop.is_set() or not self.engine.has_work():
+                continue
+            t0 = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception:  # a failing step must not kill the instance silently
+                log.exception("engine step failed")
+                events = []
+                self.loop.call_soon_threadsafe(self._step_failed)
+            self.busy_s += time.perf_counter() - t0
+            self.steps += 1
+            if events:
+                self.loop.call_soon_threadsafe(self.on_events, events)
+
+    def _step_failed(self) -> None:
+        log.error("engine step raised; see the traceback above")

@@ -1,0 +1,87 @@
+"""Where each instance of a topology lives: name, role, datacenter, port, and how to reach it.
+
+Pure data derived from a :class:`~pdd.config.ClusterConfig`; the launcher starts what this
+describes and every instance reads it to find its peers. Every byte between datacenter A and B
+goes through the link emulator: an instance in B is reached from A at the link's listen port
+for it, never directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd.config import ClusterConfig
+
+ROLE_PREFILL = "prefill"
+ROLE_RELAY = "relay_decode"
+ROLE_MAIN = "main_decode"
+ROLE_COLOCATED = "colocated"
+ROLE_GATEWAY = "gateway"
+ROLE_LINK = "link"
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    name: str
+    role: str
+    dc: str  # "A" or "B"
+    port: int  # the port the instance itself listens on
+    wan_port: int | None = None  # link listen port that forwards to it (instances in B)
+
+
+@dataclass(frozen=True)
+class Layout:
+    mode: str
+    host: str
+    instances: tuple[InstanceSpec, ...]
+    link_control_port: int | None  # None when the mode has nothing in datacenter B
+
+    def get(self, name: str) -> InstanceSpec:
+        for s in self.instances:
+            if s.name == name:
+                return s
+        raise KeyError(f"no instance named {name!r} in the {self.mode} topology")
+
+    def by_role(self, role: str) -> list[InstanceSpec]:
+        return [s for s in self.instances if s.role == role]
+
+    def address_from_a(self, name: str) -> tuple[str, int, bool]:
+        """(host, port, crosses_wan) for reaching ``name`` from datacenter A."""
+        s = self.get(name)
+        if s.dc == "B":
+            assert s.wan_port is not None
+            return self.host, s.wan_port, True
+        return self.host, s.port, False
+
+    @property
+    def engines(self) -> list[InstanceSpec]:
+        return [s for s in self.instances if s.role not in (ROLE_GATEWAY, ROLE_LINK)]
+
+
+def layout(cfg: ClusterConfig) -> Layout:
+    """The embedded single-machine topology of ``cfg.mode`` (one instance per tier).
+
+    Ports: link control base+0, link listen ports base+1.., engines base+10.., gateway
+    ``cfg.gateway_port``.
+    """
+    b = cfg.base_port
+    gw = InstanceSpec("gateway", ROLE_GATEWAY, "A", cfg.gateway_port)
+    if cfg.mode == "colocated":
+        inst = (InstanceSpec("c0", ROLE_COLOCATED, "A", b + 10), gw)
+        return Layout(cfg.mode, cfg.host, inst, None)
+    if cfg.mode == "same_dc_pd":
+        inst = (InstanceSpec("p0", ROLE_PREFILL, "A", b + 10), InstanceSpec("d0", ROLE_MAIN, "A", b + 12), gw)
+        return Layout(cfg.mode, cfg.host, inst, None)
+    md = InstanceSpec("md0", ROLE_MAIN, "B", b + 12, wan_port=b + 1)
+    link = InstanceSpec("link", ROLE_LINK, "A", b)
+    if cfg.mode == "cross_dc_pd":
+        inst = (InstanceSpec("p0", ROLE_PREFILL, "A", b + 10), md, link, gw)
+    else:
+        inst = (
+            InstanceSpec("p0", ROLE_PREFILL, "A", b + 10),
+            InstanceSpec("rld0", ROLE_RELAY, "A", b + 11),
+            md,
+            link,
+            gw,
+        )
+    return Layout(cfg.mode, cfg.host, inst, b)
