@@ -1,0 +1,288 @@
+"""The built-in engine: sequences, prefix cache, pages, scheduling and sampling around one runner.
+
+Life of a sequence (all calls from one thread):
+
+    seq = engine.new_sequence(rid, prompt_ids, sampling)   # match prefix, lock, alloc pages
+    engine.add(seq)                                         # join the batch
+    events = engine.step()                                  # one forward call over the batch
+    ...                                                     # TokenEvent(finished=True) at the end
+    engine.release(engine.remove(rid))                      # or engine.finish(rid)
+
+KV produced elsewhere (P -> RLD / MD): allocate with ``new_sequence`` (``use_cache=False`` or
+with the matched prefix), import page bytes for tokens ``[seq.num_computed, prompt_len)`` into
+``seq.page_table`` via ``engine.pool.import_pages``, then ``engine.kv_imported(seq, first_token)``.
+Extend-decode handoff (MD): ``engine.append_tokens(seq, handed_ids)`` then ``engine.add(seq)``;
+the next ``step`` computes all handed-over tokens in one forward call and samples after them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pdd.types import FinishReason, SamplingParams
+
+from .config import ModelConfig
+from .kv_pool import KVPool, OutOfPages
+from .model import LlamaModel, load_model
+from .radix_cache import RadixCache
+from .runner import ModelRunner, RunItem
+from .sampler import Sampler
+from .scheduler import SchedulerConfig, SeqState, schedule
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token. ``position`` = index into the sequence's output tokens (0-based)."""
+
+    seq_id: object
+    token_id: int
+    position: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+def load_tokenizer(path: str):
+    """``tokenizers.Tokenizer`` from ``path/tokenizer.json`` (None when absent)."""
+    fn = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(fn):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(fn)
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, pool: KVPool, sched_cfg: SchedulerConfig | None = None,
+                 enable_prefix_cache: bool = True, tokenizer=None, model_path: str | None = None):
+        self.model = model
+        self.model_cfg: ModelConfig = model.cfg
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.sched_cfg = sched_cfg or SchedulerConfig()
+        self.radix = RadixCache(pool) if enable_prefix_cache else None
+        self.runner = ModelRunner(model, pool)
+        self.sampler = Sampler(self.model_cfg.eos_token_ids)
+        self.seqs: dict[object, Sequence] = {}  # added and not yet removed / released
+        self._arrival = itertools.count()
+        self._tokenizer = tokenizer
+        self.model_path = model_path
+        self.keep_logits = False  # tests: keep the float32 logits row of each sampled token
+        self.last_logits: dict[object, torch.Tensor] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str, num_pages: int = 1024, page_size: int = 16, dtype="float32",
+                        device="cpu", max_batch_tokens: int = 2048, max_running_seqs: int = 256,
+                        prefill_chunk_tokens: int = 512, enable_prefix_cache: bool = True) -> "Engine":
+        """Load an HF-format checkpoint directory and size a pool of ``num_pages`` pages."""
+        cfg = ModelConfig.from_pretrained(path)
+        model = load_model(path, cfg, dtype=dtype, device=device)
+        pool = KVPool(cfg, num_pages, page_size, dtype=dtype, device=device)
+        sc = SchedulerConfig(max_batch_tokens, max_running_seqs, prefill_chunk_tokens)
+        return cls(model, pool, sc, enable_prefix_cache, model_path=path)
+
+    @property
+    def tokenizer(self):
+        """``tokenizers.Tokenizer`` of the checkpoint (lazy)."""
+        if self._tokenizer is None and self.model_path:
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.model_cfg.eos_token_ids)
+
+    # -- pages -------------------------------------------------------------------------------
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _alloc(self, n: int, seq_id=None) -> list[int]:
+        """Allocate ``n`` pages, evicting unlocked radix leaves first if short."""
+        if n <= 0:
+            return []
+        if self.radix is not None:
+            while self.pool.num_free < n:
+                if self.radix.evict(n - self.pool.num_free) == 0:
+                    break
+        try:
+            return self.pool.alloc(n)
+        except OutOfPages as e:
+            raise OutOfPages(e.needed, e.free, seq_id) from None
+
+    def _ensure_pages(self, seq: Sequence, num_tokens: int) -> None:
+        need = self._pages_for(num_tokens) - len(seq.page_table)
+        if need > 0:
+            seq.page_table.extend(self._alloc(need, seq.seq_id))
+
+    # -- sequences ---------------------------------------------------------------------------
+    def new_sequence(self, seq_id, prompt_ids, sampling: SamplingParams | None = None,
+                     use_cache: bool = True, min_uncached: int = 1) -> Sequence:
+        """Create a sequence holding pages for its whole prompt.
+
+        With ``use_cache`` the longest cached whole-page prefix is matched, capped so that at
+        least ``min_uncached`` prompt tokens remain to compute; it is locked and its pages are
+        shared (``num_computed = num_cached_tokens`` = matched tokens). Raises ``OutOfPages``
+        (holding nothing) if the rest cannot be allocated even after evicting.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        match = None
+        pages: list[int] = []
+        if use_cache and self.radix is not None:
+            max_pages = max(0, len(prompt) - max(0, min_uncached)) // self.page_size
+            match = self.radix.match_prefix(prompt, max_pages)
+            pages = list(match.pages)
+        try:
+            new = self._alloc(self._pages_for(len(prompt)) - len(pages), seq_id)
+        except OutOfPages:
+            if match is not None:
+                self.radix.unlock(match)
+                self.pool.decref(match.pages)
+            raise
+        cached = len(pages) * self.page_size
+        return Sequence(seq_id=seq_id, token_ids=prompt, prompt_len=len(prompt),
+                        sampling=sampling or SamplingParams(), num_computed=cached,
+                        page_table=pages + new, num_cached_tokens=cached, prefix_match=match)
+
+    def add(self, seq: Sequence) -> None:
+        """Put ``seq`` into the running batch (FCFS order = order of ``add``)."""
+        if seq.status == SeqStatus.RELEASED:
+            raise ValueError(f"sequence {seq.seq_id} already released")
+        if seq.seq_id in self.seqs and self.seqs[seq.seq_id] is not seq:
+            raise ValueError(f"duplicate seq_id {seq.seq_id}")
+        if seq.status != SeqStatus.FINISHED:
+            seq.status = SeqStatus.RUNNING
+        seq.arrival = next(self._arrival)
+        self.seqs[seq.seq_id] = seq
+
+    def remove(self, seq_id) -> Sequence:
+        """Take a sequence out of the engine (e.g. RLD after handoff); it keeps its pages."""
+        seq = self.seqs.pop(seq_id)
+        if seq.status == SeqStatus.RUNNING:
+            seq.status = SeqStatus.WAITING
+        return seq
+
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Return a sequence's pages. With ``cache``, its whole computed pages are inserted into
+        the prefix cache first. Unlocks its prefix match. Idempotent."""
+        if seq.status == SeqStatus.RELEASED:
+            return
+        if self.seqs.get(seq.seq_id) is seq:
+            del self.seqs[seq.seq_id]
+        if cache and self.radix is not None:
+            n = min(seq.num_computed // self.page_size, len(seq.page_table))
+            if n:
+                self.radix.insert(seq.token_ids[:n * self.page_size], seq.page_table[:n])
+        if self.radix is not None:
+            self.radix.unlock(seq.prefix_match)
+        pages, seq.page_table = seq.page_table, []
+        self.pool.decref(pages)
+        seq.status = SeqStatus.RELEASED
+
+    def finish(self, seq_id, cache: bool = True) -> Sequence:
+        """``release(remove(seq_id), cache)``."""
+        seq = self.remove(seq_id)
+        self.release(seq, cache)
+        return seq
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked prefix-cache page; returns nodes removed."""
+        return self.radix.flush() if self.radix is not None else 0
+
+    def kv_imported(self, seq: Sequence, first_token_id: int | None = None, add: bool = True) -> FinishReason | None:
+        """Mark the prompt's KV as present (after ``pool.import_pages`` filled tokens
+        ``[seq.num_computed, prompt_len)``): sets ``num_computed = prompt_len``; appends
+        ``first_token_id`` (output 0, sampled by P) if given; and ``add``\\ s the sequence.
+        Returns the finish reason if the first token already ends it (then it is FINISHED)."""
+        if len(seq.page_table) < self._pages_for(seq.prompt_len):
+            raise ValueError("page table does not cover the prompt")
+        seq.num_computed = max(seq.num_computed, seq.prompt_len)
+        reason = None
+        if first_token_id is not None:
+            if seq.num_outputs != 0:
+                raise ValueError("kv_imported: sequence already has outputs")
+            seq.token_ids.append(int(first_token_id))
+            reason = self.sampler.check_stop(int(first_token_id), 1, seq.sampling)
+            if reason is not None:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        if add:
+            self.add(seq)
+        return reason
+
+    def append_tokens(self, seq: Sequence, token_ids, sample: bool = True) -> None:
+        """Append output tokens produced elsewhere (handoff). Their KV is computed by the next
+        steps in one extend; with ``sample=False`` no token is sampled after them (catch-up)."""
+        if seq.status in (SeqStatus.FINISHED, SeqStatus.RELEASED):
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}")
+        seq.token_ids.extend(int(t) for t in token_ids)
+        seq.can_sample = sample
+
+    # -- stepping ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return any(s.status == SeqStatus.RUNNING and s.pending > 0 for s in self.seqs.values())
+
+    def step(self) -> list[TokenEvent]:
+        """One forward call over a scheduled batch; returns the tokens sampled (possibly none,
+        e.g. for a prefill chunk). No work -> no forward call, ``[]``. Raises ``OutOfPages``
+        (with ``seq_id``) before the forward call if a growing sequence cannot get a page."""
+        states = [SeqState(s.seq_id, len(s.token_ids), s.num_computed, s.arrival, s.can_sample)
+                  for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.pending > 0]
+        if not states:
+            return []
+        plan = schedule(states, self.sched_cfg)
+        if not plan:
+            return []
+        seqs = [self.seqs[it.seq_id] for it in plan.items]
+        for seq, it in zip(seqs, plan.items):
+            self._ensure_pages(seq, it.start + it.num_tokens)
+        items = [RunItem(s.token_ids, it.start, it.num_tokens, s.page_table, it.sample)
+                 for s, it in zip(seqs, plan.items)]
+        logits = self.runner.forward(items)
+        sampled = []
+        for seq, it in zip(seqs, plan.items):
+            seq.num_computed = it.start + it.num_tokens
+            if it.sample:
+                sampled.append(seq)
+        if not sampled:
+            return []
+        toks = self.sampler.sample(logits, [s.sampling for s in sampled], [s.num_outputs for s in sampled])
+        events = []
+        for i, (seq, tok) in enumerate(zip(sampled, toks)):
+            seq.token_ids.append(tok)
+            n_out = seq.num_outputs
+            if self.keep_logits:
+                self.last_logits[seq.seq_id] = logits[i].detach().cpu()
+            reason = self.sampler.check_stop(tok, n_out, seq.sampling)
+            if reason is not None:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            events.append(TokenEvent(seq.seq_id, tok, n_out - 1, reason is not None, reason))
+        return events
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 use_cache: bool = True) -> list[list[int]]:
+        """Convenience (tests, demo): run prompts to completion, release with caching, return outputs."""
+        seqs = []
+        for p in prompts:
+            s = self.new_sequence(("gen", next(self._arrival)), p, sampling, use_cache=use_cache)
+            self.add(s)
+            seqs.append(s)
+        while self.has_work():
+            self.step()
+        for s in seqs:
+            self.release(s, cache=use_cache)
+        return [s.output_ids for s in seqs]
+
+    def stats(self) -> dict:
+        return {
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.num_free,
+            "running": sum(1 for s in self.seqs.values() if s.status == SeqStatus.RUNNING),
+            "forward_calls": self.runner.forward_calls,
+            "tokens_computed": self.runner.tokens_computed,
+            "radix": self.radix.stats() if self.radix is not None else None,
+        }

@@ -1,0 +1,150 @@
+"""Paged KV storage with reference counts.
+
+One tensor per instance, page-major so a page (or a layer range of a page) is contiguous:
+
+    buffer: [num_pages, num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]
+
+Token ``p`` of a sequence lives in page ``page_table[p // page_size]`` at slot ``p % page_size``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import ModelConfig, dtype_name, dtype_bytes
+from .model import torch_dtype
+
+LAYOUT = "page,layer,kv,slot,kv_head,head_dim"
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages. ``needed`` and ``free`` are page counts."""
+
+    def __init__(self, needed: int, free: int, seq_id=None):
+        super().__init__(f"out of KV pages: need {needed}, {free} free" + (f" (seq {seq_id})" if seq_id is not None else ""))
+        self.needed, self.free, self.seq_id = needed, free, seq_id
+
+
+class DoubleFree(RuntimeError):
+    """decref of a page whose refcount is already 0."""
+
+
+class KVPool:
+    """Fixed pool of KV pages. Allocation and ref counting are O(pages) Python, no tensor ops."""
+
+    def __init__(self, model_cfg: ModelConfig, num_pages: int, page_size: int, dtype="float32", device="cpu"):
+        self.model_cfg = model_cfg
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self.dtype_name = dtype_name(dtype)
+        self.dtype = torch_dtype(self.dtype_name)
+        self.device = torch.device(device)
+        self.num_layers = model_cfg.num_hidden_layers
+        self.num_kv_heads = model_cfg.num_key_value_heads
+        self.head_dim = model_cfg.head_dim
+        self.buffer = torch.zeros(
+            (self.num_pages, self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        self._ref = [0] * self.num_pages
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    # -- sizes (bytes) ---------------------------------------------------------------------
+    @property
+    def layer_page_bytes(self) -> int:
+        """Bytes of one layer of one page (K and V)."""
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype_name)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers."""
+        return self.num_layers * self.layer_page_bytes
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def refcount(self, page: int) -> int:
+        return self._ref[page]
+
+    # -- allocation ------------------------------------------------------------------------
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free pages (refcount 1 each). Raises :class:`OutOfPages` and takes none."""
+        if n > len(self._free):
+            raise OutOfPages(n, len(self._free))
+        out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self._ref[p] = 1
+        return out
+
+    def incref(self, pages) -> None:
+        for p in pages:
+            if self._ref[p] <= 0:
+                raise DoubleFree(f"incref of free page {p}")
+            self._ref[p] += 1
+
+    def decref(self, pages) -> None:
+        """Drop one ref per listed page; a page reaching 0 returns to the free list."""
+        for p in pages:
+            r = self._ref[p]
+            if r <= 0:
+                raise DoubleFree(f"decref of free page {p}")
+            self._ref[p] = r - 1
+            if r == 1:
+                self._free.append(p)
+
+    # -- raw bytes -------------------------------------------------------------------------
+    def _layers(self, layers) -> tuple[int, int]:
+        if layers is None:
+            return 0, self.num_layers
+        l0, l1 = int(layers[0]), int(layers[1])
+        if not (0 <= l0 < l1 <= self.num_layers):
+            raise ValueError(f"bad layer range {layers}")
+        return l0, l1
+
+    def _index(self, pages):
+        pages = [int(p) for p in pages]
+        if pages and pages == list(range(pages[0], pages[0] + len(pages))):
+            return slice(pages[0], pages[0] + len(pages))  # contiguous: view, no gather
+        return torch.tensor(pages, dtype=torch.long, device=self.device)
+
+    def export_pages(self, pages, layers=None) -> memoryview:
+        """Raw bytes of ``pages`` (in the given order) for layers ``[l0, l1)``:
+        ``len == len(pages) * (l1 - l0) * layer_page_bytes``, layout ``[page, layer, kv, slot, head, dim]``."""
+        l0, l1 = self._layers(layers)
+        t = self.buffer[self._index(pages), l0:l1]
+        t = t.contiguous().cpu().view(torch.uint8)
+        return memoryview(t.numpy()).cast("B")
+
+    def import_pages(self, pages, data, layers=None) -> None:
+        """Write bytes produced by :meth:`export_pages` (same pages count / layer range) into ``pages``."""
+        l0, l1 = self._layers(layers)
+        n = len(pages)
+        expected = n * (l1 - l0) * self.layer_page_bytes
+        arr = np.frombuffer(data, dtype=np.uint8)
+        if arr.size != expected:
+            raise ValueError(f"import_pages: got {arr.size} bytes, expected {expected}")
+        if n == 0:
+            return
+        src = torch.from_numpy(arr.copy()).view(self.dtype)
+        src = src.view(n, l1 - l0, 2, self.page_size, self.num_kv_heads, self.head_dim)
+        self.buffer[self._index(pages), l0:l1] = src.to(self.device, non_blocking=False)
+
+    def fingerprint(self) -> dict:
+        """What two instances must agree on to exchange raw pages."""
+        c = self.model_cfg
+        return {
+            "page_size": self.page_size,
+            "dtype": self.dtype_name,
+            "layout": LAYOUT,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "model": c.name,
+            "model_shape": f"{c.model_type}-h{c.hidden_size}-l{c.num_hidden_layers}-v{c.vocab_size}",
+        }

@@ -1,0 +1,150 @@
+"""Runs one batch (mixed decodes, extends and prefill chunks) as ONE model forward call.
+
+Each batch item contributes ``q_i`` new tokens on top of ``ctx_i`` tokens already in its pages.
+New K/V are written into the item's pages, then every new token attends causally over
+``[0, ctx_i + q_i)``. Decodes (q_i = 1) share one padded SDPA call; each extend / prefill chunk
+gets its own SDPA call (fresh K/V used directly when ctx_i = 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_pool import KVPool
+from .model import LlamaModel
+
+
+@dataclass
+class RunItem:
+    """Compute ``token_ids[start : start + num_tokens]`` of a sequence whose first ``start``
+    tokens already have KV in ``page_table`` (which must cover ``start + num_tokens`` tokens)."""
+
+    token_ids: list[int]
+    start: int
+    num_tokens: int
+    page_table: list[int]
+    want_logits: bool = True
+
+
+class PagedAttention:
+    """Attention backend for one forward call over a :class:`KVPool`."""
+
+    def __init__(self, pool: KVPool, items: list[RunItem]):
+        self.pool = pool
+        dev, ps = pool.device, pool.page_size
+        page_idx, slot_idx = [], []
+        dec_rows, dec_tables, dec_lens = [], [], []
+        self.extends = []  # (row0, n, start, page_table tensor or None)
+        row = 0
+        for it in items:
+            end = it.start + it.num_tokens
+            need = -(-end // ps)
+            if len(it.page_table) < need:
+                raise ValueError(f"page table covers {len(it.page_table)} pages, need {need}")
+            for p in range(it.start, end):
+                page_idx.append(it.page_table[p // ps])
+                slot_idx.append(p % ps)
+            if it.num_tokens == 1:
+                dec_rows.append(row)
+                dec_tables.append(it.page_table[:need])
+                dec_lens.append(end)
+            else:
+                pt = torch.tensor(it.page_table[:need], dtype=torch.long, device=dev) if it.start > 0 else None
+                self.extends.append((row, it.num_tokens, it.start, pt))
+            row += it.num_tokens
+        self.page_idx = torch.tensor(page_idx, dtype=torch.long, device=dev)
+        self.slot_idx = torch.tensor(slot_idx, dtype=torch.long, device=dev)
+        self.dec = None
+        if dec_rows:
+            maxp = max(len(t) for t in dec_tables)
+            padded = [t + [t[0]] * (maxp - len(t)) for t in dec_tables]
+            lmax = maxp * ps
+            lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+            mask = (torch.arange(lmax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            self.dec = (
+                torch.tensor(dec_rows, dtype=torch.long, device=dev),
+                torch.tensor(padded, dtype=torch.long, device=dev),
+                mask,  # [B, 1, 1, Lmax] bool
+            )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
+        kv = self.pool.buffer[:, layer]  # [P, 2, S, KVH, D] view
+        kv[self.page_idx, :, self.slot_idx] = torch.stack((k, v), dim=1).to(kv.dtype)
+        out = torch.empty_like(q)
+        t_all, h, d = q.shape
+        kvh = k.shape[1]
+        if self.dec is not None:
+            rows, tables, mask = self.dec
+            b, maxp = tables.shape
+            g = kv[tables]  # [B, maxp, 2, S, KVH, D]
+            kk = g[:, :, 0].reshape(b, -1, kvh, d).transpose(1, 2)
+            vv = g[:, :, 1].reshape(b, -1, kvh, d).transpose(1, 2)
+            qq = q[rows].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+            out[rows] = o.squeeze(2)
+        for row0, n, start, pt in self.extends:
+            qq = q[row0:row0 + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if pt is None:  # nothing cached: attend over the fresh K/V
+                kk = k[row0:row0 + n].transpose(0, 1).unsqueeze(0)
+                vv = v[row0:row0 + n].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+            else:
+                total = start + n
+                g = kv[pt]  # [np, 2, S, KVH, D]
+                kk = g[:, 0].reshape(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                vv = g[:, 1].reshape(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                qpos = torch.arange(start, total, device=q.device)
+                mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+            out[row0:row0 + n] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+class ModelRunner:
+    """Owns the model and the pool; ``forward_calls`` counts model forward calls,
+    ``tokens_computed`` the new tokens they processed."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool):
+        self.model = model
+        self.pool = pool
+        self.forward_calls = 0
+        self.tokens_computed = 0
+
+    @torch.inference_mode()
+    def forward(self, items: list[RunItem], all_logits: bool = False):
+        """Run ``items`` in one forward call.
+
+        Returns ``[N, vocab]`` float32 logits of the last token of each item with ``want_logits``
+        (in item order), or, if ``all_logits``, a list with one ``[num_tokens_i, vocab]`` tensor
+        per item.
+        """
+        if not items:
+            raise ValueError("empty batch")
+        dev = self.pool.device
+        ids, pos = [], []
+        for it in items:
+            ids.extend(it.token_ids[it.start:it.start + it.num_tokens])
+            pos.extend(range(it.start, it.start + it.num_tokens))
+        if len(ids) != sum(it.num_tokens for it in items):
+            raise ValueError("item asks for tokens past the end of token_ids")
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        backend = PagedAttention(self.pool, items)
+        hidden = self.model.hidden_states(input_ids, positions, backend)
+        self.forward_calls += 1
+        self.tokens_computed += len(ids)
+        if all_logits:
+            logits = self.model.logits(hidden)
+            return list(torch.split(logits, [it.num_tokens for it in items]))
+        rows, row = [], 0
+        for it in items:
+            row += it.num_tokens
+            if it.want_logits:
+                rows.append(row - 1)
+        if not rows:
+            return hidden.new_zeros((0, self.model.cfg.vocab_size), dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])

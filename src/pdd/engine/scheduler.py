@@ -1,0 +1,101 @@
+"""Pure batch formation (continuous batching with chunked prefill). No torch, no clock.
+
+The engine and the cluster simulator both call :func:`schedule` on plain :class:`SeqState`
+records. Policy, in order:
+
+1. **Decodes first**: every sequence with exactly 1 pending token (``num_tokens - num_computed
+   == 1``), in arrival order, 1 token each.
+2. **Extends / prefill chunks**, FCFS by arrival: each gets ``min(pending, prefill_chunk_tokens,
+   tokens left in the budget)`` tokens; a sequence whose pending tokens do not all fit is cut into
+   a chunk and continues in later steps (chunked prefill).
+
+Limits: at most ``max_batch_tokens`` new tokens and ``max_running_seqs`` sequences per batch.
+A plan item samples (``sample=True``) when it reaches the end of the sequence's token ids and
+the sequence allows sampling. Cost: O(n log n) in the number of states (one sort).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_tokens: int = 2048  # new tokens per forward call
+    max_running_seqs: int = 256  # sequences per forward call
+    prefill_chunk_tokens: int = 512  # at most this many tokens of one sequence per call (k > 1)
+
+    def __post_init__(self):
+        if self.max_batch_tokens < 1 or self.max_running_seqs < 1 or self.prefill_chunk_tokens < 1:
+            raise ValueError("scheduler limits must be >= 1")
+
+
+@dataclass
+class SeqState:
+    """What the scheduler needs to know about one sequence."""
+
+    seq_id: object
+    num_tokens: int  # len(token_ids): prompt + outputs so far
+    num_computed: int  # tokens whose KV is already in pages
+    arrival: int = 0  # order of arrival (smaller first); ties keep input order
+    can_sample: bool = True  # False: compute KV for pending tokens but do not sample (catch-up)
+
+    @property
+    def pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+
+@dataclass
+class PlanItem:
+    """Compute tokens ``[start, start + num_tokens)`` of ``seq_id``; sample after the last if ``sample``."""
+
+    seq_id: object
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class BatchPlan:
+    items: list[PlanItem] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for i in self.items if i.num_tokens == 1)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def schedule(states, cfg: SchedulerConfig) -> BatchPlan:
+    """Form one batch from ``states`` (any iterable of :class:`SeqState`-like objects)."""
+    order = sorted((s for s in states if s.num_tokens > s.num_computed), key=lambda s: s.arrival)
+    budget = cfg.max_batch_tokens
+    slots = cfg.max_running_seqs
+    items: list[PlanItem] = []
+    rest = []
+    for s in order:
+        if s.num_tokens - s.num_computed == 1:
+            if budget <= 0 or slots <= 0:
+                break
+            items.append(PlanItem(s.seq_id, s.num_computed, 1, getattr(s, "can_sample", True)))
+            budget -= 1
+            slots -= 1
+        else:
+            rest.append(s)
+    for s in rest:
+        if budget <= 0 or slots <= 0:
+            break
+        n = min(s.num_tokens - s.num_computed, cfg.prefill_chunk_tokens, budget)
+        end = s.num_computed + n
+        items.append(PlanItem(s.seq_id, s.num_computed, n, end == s.num_tokens and getattr(s, "can_sample", True)))
+        budget -= n
+        slots -= 1
+    return BatchPlan(items)

@@ -1,0 +1,196 @@
+"""``pdd make-model``: a deterministic random-weight Llama checkpoint with a real tokenizer.
+
+The directory written is a normal HF checkpoint (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``): our engine and
+``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` both load it. Same seed and preset
+give byte-identical files.
+
+Random models have flat logits; to make greedy decoding robust to float noise (batched vs
+unbatched, CPU vs CUDA, recomputed vs transferred KV), the LM head is scaled up so the gap
+between the top two logits is typically several units (see ``tests/engine/test_modelgen.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+from safetensors.torch import save_file
+
+PRESETS: dict[str, dict] = {
+    # unit tests: ~0.3 M parameters
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024, max_position_embeddings=4096),
+    # demo: ~4 M parameters; KV = 2*4*2*32*4 B = 2 KiB / token in fp32
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=32, vocab_size=4096, max_position_embeddings=8192),
+}
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+BOS, EOS = "<s>", "</s>"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Init scales (std of the normal draws). lm_head is large so that top-2 logit margins are wide.
+EMBED_STD = 1.0
+PROJ_STD = 0.08
+LM_HEAD_STD = 2.0
+
+_TEXT = """
+The prefill stage reads the whole prompt at once and is bound by compute, while the decode
+stage produces one token at a time and is bound by memory bandwidth. A request arrives at the
+gateway, which turns its text into token ids and chooses where it will be served. When two
+datacenters are linked by a wide area network, the key and value cache of a long prompt can
+take seconds to cross the line, so the relay decoder close to the prefill machine starts to
+answer at once and later hands the request over to the main decoder far away. The main decoder
+keeps a radix tree of prefixes it has already seen, so only the missing part of a prompt has to
+travel. Agents call tools many times in a row; each turn repeats the long history of the
+conversation and adds a few new lines, which is why most of the prompt is usually cached.
+Hello, how are you today? I am fine, thank you. What is the weather like in the city of
+Shanghai? It is sunny and warm, with a light wind from the sea. Please write a short poem
+about the moon, the river and the mountains. Once upon a time there was a small robot who
+wanted to learn how to read. Every morning it opened a book, looked at the letters and tried
+to guess the words. The numbers one two three four five six seven eight nine ten, and the
+days Monday Tuesday Wednesday Thursday Friday Saturday Sunday. def main(): return 0
+for i in range(10): print(i * i) # comment; x = [1, 2, 3]; y = {"key": "value"}
+"""
+
+_SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "an", "el", "or", "un", "ba", "de",
+              "fi", "go", "hu", "ja", "ke", "li", "mo", "nu", "pa", "qu", "ro", "si", "tu", "va",
+              "we", "xi", "yo", "za", "th", "sh", "ch", "er", "in", "on", "at", "es"]
+
+
+def _corpus() -> list[str]:
+    """Deterministic training text: real sentences plus seeded pseudo-words (enough merges)."""
+    rng = random.Random(1234)
+    lines = [ln for ln in _TEXT.strip().splitlines()] * 4
+    for _ in range(3000):
+        words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(8)]
+        lines.append(" ".join(words))
+    return lines
+
+
+def build_tokenizer(vocab_size: int):
+    """A ByteLevel BPE ``tokenizers.Tokenizer`` with exactly ``vocab_size`` entries (ids of
+    special tokens first: ``<s>`` = 0, ``</s>`` = 1), adding ``<s>`` in front of every encode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {vocab_size}")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))],
+    )
+    return tok
+
+
+def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal(*shape, std):
+        return (torch.randn(*shape, generator=g, dtype=torch.float32) * std).contiguous()
+
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=EMBED_STD)}
+    # Residual branches are scaled by 1/sqrt(h) so activations stay O(1) whatever the width.
+    ps = PROJ_STD * (64 / h) ** 0.5
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = normal(nh * hd, h, std=ps * 2)
+        w[p + "self_attn.k_proj.weight"] = normal(nkv * hd, h, std=ps * 2)
+        w[p + "self_attn.v_proj.weight"] = normal(nkv * hd, h, std=ps * 2)
+        w[p + "self_attn.o_proj.weight"] = normal(h, nh * hd, std=ps * 2)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=ps * 2)
+        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=ps * 2)
+        w[p + "mlp.down_proj.weight"] = normal(h, inter, std=ps * 2)
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    w["model.norm.weight"] = torch.ones(h)
+    w["lm_head.weight"] = normal(v, h, std=LM_HEAD_STD * (64 / h) ** 0.5)
+    return w
+
+
+def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = "llama") -> str:
+    """Write a random-weight checkpoint to ``out_dir`` and return ``out_dir``.
+
+    preset: ``"tiny"`` (unit tests) or ``"small"`` (demo); see :data:`PRESETS`.
+    family: only ``"llama"`` for now.
+    """
+    if family != "llama":
+        raise NotImplementedError(f"family {family!r} (only 'llama')")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer(p["vocab_size"])
+    bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **p,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "pdd_preset": preset,
+        "pdd_seed": seed,
+    }
+    _dump(os.path.join(out_dir, "config.json"), config)
+    _dump(os.path.join(out_dir, "generation_config.json"),
+          {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False})
+    _dump(os.path.join(out_dir, "tokenizer_config.json"), {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS, "eos_token": EOS, "unk_token": "<unk>", "pad_token": EOS,
+        "add_bos_token": True, "add_eos_token": False,
+        "model_max_length": p["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    })
+    _dump(os.path.join(out_dir, "special_tokens_map.json"),
+          {"bos_token": BOS, "eos_token": EOS, "unk_token": "<unk>", "pad_token": EOS})
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    save_file(_weights(p, seed), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def _dump(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="pdd make-model", description=make_model.__doc__)
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", default="llama")
+    a = ap.parse_args(argv)
+    print(make_model(a.out_dir, a.preset, a.seed, a.family))
+
+
+if __name__ == "__main__":
+    main()
