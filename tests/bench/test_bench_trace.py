@@ -1,0 +1,136 @@
+"""Trace replay: determinism, exact prefix sharing, scaling math, ideal hit rate."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdd.bench.trace import (
+    DEFAULT_TRACE,
+    Scale,
+    TokenSpace,
+    build_requests,
+    ideal_prefix_hit_rate,
+    ideal_prefix_hits,
+    load_trace,
+    workload_summary,
+)
+
+TS = TokenSpace(vocab_size=5000, first_normal_id=10, avoid_ids=frozenset({100, 200}))
+
+
+def rec(ts, inp, out, hids):
+    return {"timestamp": ts, "input_length": inp, "output_length": out, "hash_ids": hids}
+
+
+def common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_deterministic_and_seeded():
+    recs = load_trace(DEFAULT_TRACE, 0, 20)
+    a = build_requests(recs, Scale(), TS, seed=0)
+    b = build_requests(recs, Scale(), TS, seed=0)
+    c = build_requests(recs, Scale(), TS, seed=1)
+    assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]
+    assert [r.prompt_ids for r in a] != [r.prompt_ids for r in c]
+    allowed = set(TS.allowed().tolist())
+    for r in a:
+        assert set(r.prompt_ids) <= allowed
+        assert all(10 <= t < 5000 and t not in (100, 200) for t in r.prompt_ids)
+
+
+def test_exact_prefix_sharing_synthetic():
+    recs = [rec(0, 2048, 10, [1, 2, 3, 4]), rec(0, 1300, 10, [1, 2, 5]), rec(0, 600, 10, [9, 2])]
+    a, b, c = build_requests(recs, Scale(block_tokens=16), TS)
+    assert len(a.prompt_ids) == 64 and len(b.prompt_ids) == round(1300 * 16 / 512) == 41
+    assert common_prefix(a.prompt_ids, b.prompt_ids) == 32
+    assert common_prefix(a.prompt_ids, c.prompt_ids) == 0
+
+
+def test_exact_prefix_sharing_real_trace():
+    bt = 8
+    reqs = build_requests(DEFAULT_TRACE, Scale(block_tokens=bt, count=300), TS)
+    checked = 0
+    for i in range(len(reqs)):
+        for j in range(i + 1, min(len(reqs), i + 60)):
+            ha, hb = reqs[i].hash_ids, reqs[j].hash_ids
+            k = common_prefix(ha, hb)
+            la, lb = len(reqs[i].prompt_ids), len(reqs[j].prompt_ids)
+            if k < min(len(ha), len(hb)) and la > k * bt and lb > k * bt:
+                assert common_prefix(reqs[i].prompt_ids, reqs[j].prompt_ids) == k * bt
+                checked += 1
+    assert checked > 1000
+
+
+def test_scaling_math():
+    s = Scale(block_tokens=16)
+    assert s.input_tokens(6758, 14) == 211  # round(6758 / 32)
+    assert s.input_tokens(513, 2) == 17  # rounds to 16, but the last block keeps one token
+    assert s.input_tokens(1, 1) == 1
+    assert s.input_tokens(1024, 2) == 32
+    assert Scale(block_tokens=16, max_input_tokens=100).input_tokens(6758, 14) == 96  # whole blocks
+    assert Scale(block_tokens=16, max_input_tokens=10).input_tokens(6758, 14) == 10
+    assert s.output_tokens(500) == 62 and s.output_tokens(3) == 8 and s.output_tokens(10_000) == 96
+    assert Scale(output_scale=1.0, min_output_tokens=1, max_output_tokens=4).output_tokens(3) == 3
+
+    recs = [rec(1000, 512, 8, [1]), rec(2000, 512, 8, [2]), rec(4000, 512, 8, [3])]
+    arr = [r.arrival_s for r in build_requests(recs, Scale(time_scale=2.0), TS)]
+    assert arr == [0.0, 0.5, 1.5]
+    rate = build_requests(recs, Scale(target_rate_rps=2.0), TS)
+    assert [r.arrival_s for r in rate] == pytest.approx([0.0, 1 / 3, 1.0])
+    assert Scale(target_rate_rps=2.0).effective_time_scale([1000, 2000, 4000]) == pytest.approx(3.0)
+
+
+def test_truncation_keeps_whole_blocks_and_shares():
+    recs = [rec(0, 5000, 10, list(range(10))), rec(0, 5000, 10, list(range(10)))]
+    a, b = build_requests(recs, Scale(block_tokens=16, max_input_tokens=50), TS)
+    assert len(a.prompt_ids) == 48 and a.hash_ids == (0, 1, 2)
+    assert a.prompt_ids == b.prompt_ids
+
+
+def test_slice_indices_and_summary():
+    reqs = build_requests(DEFAULT_TRACE, Scale(start=5, count=7, target_rate_rps=1.5), TS)
+    assert [r.idx for r in reqs] == list(range(5, 12))
+    assert reqs[0].arrival_s == 0.0
+    assert all(r.trace_record["hash_ids"][: len(r.hash_ids)] == list(r.hash_ids) for r in reqs)
+    summ = workload_summary(reqs, Scale(start=5, count=7, target_rate_rps=1.5), DEFAULT_TRACE, page_size=16)
+    assert summ["requests"] == 7 and summ["trace"].endswith("mooncake_conversation_trace.jsonl")
+    assert summ["rate_rps"] == pytest.approx(1.5)
+    json.dumps(summ)
+
+
+def test_ideal_hit_rate():
+    recs = [
+        rec(0, 1024, 8, [1, 2]),  # 32 tokens, cold
+        rec(0, 1500, 8, [1, 2, 3]),  # 47 tokens, 32 hit
+        rec(0, 600, 8, [1, 4]),  # 19 tokens, 16 hit
+        rec(0, 100, 8, [5]),  # 3 tokens, cold
+        rec(0, 1000, 8, [5, 6]),  # 31 tokens: block 5 seen only 3 tokens long -> 3 hit
+    ]
+    reqs = build_requests(recs, Scale(block_tokens=16), TS)
+    assert [len(r.prompt_ids) for r in reqs] == [32, 47, 19, 3, 31]
+    assert ideal_prefix_hits(reqs) == [0, 32, 16, 0, 3]
+    assert ideal_prefix_hits(reqs, page_size=16, min_uncached=1) == [0, 32, 16, 0, 0]
+    assert ideal_prefix_hit_rate(reqs) == pytest.approx(51 / 132)
+    # a repeated identical prompt: everything but min_uncached hits
+    again = build_requests([recs[1], recs[1]], Scale(block_tokens=16), TS)
+    assert ideal_prefix_hits(again, min_uncached=1) == [0, 46]
+
+
+def test_token_space_from_model(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000, "bos_token_id": 1, "eos_token_id": 2}))
+    tok = {
+        "added_tokens": [{"id": i, "content": f"<s{i}>"} for i in (0, 1, 2, 3, 950)],
+        "model": {"vocab": {f"t{i}": i for i in range(900)}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    ts = TokenSpace.from_model(tmp_path)
+    assert ts.first_normal_id == 4 and ts.vocab_size == 951 and 950 in ts.avoid_ids
+    reqs = build_requests([rec(0, 4096, 8, list(range(8)))], Scale(block_tokens=64), ts)
+    assert all(4 <= t < 950 for t in reqs[0].prompt_ids)
