@@ -5,12 +5,14 @@ Life of a sequence (all calls from one thread):
     seq = engine.new_sequence(rid, prompt_ids, sampling)   # match prefix, lock, alloc pages
     engine.add(seq)                                         # join the batch
     events = engine.step()                                  # one forward call over the batch
-    ...                                                     # TokenEvent(finished=True) at the end
-    engine.release(engine.remove(rid))                      # or engine.finish(rid)
+    ...                                                     # TokenEvent(finished=True): seq left the batch
+    engine.release(seq)                                     # pages -> radix cache / free list
+    # to stop a running sequence early (abort, RLD handoff): engine.release(engine.remove(rid))
 
 KV produced elsewhere (P -> RLD / MD): allocate with ``new_sequence`` (``use_cache=False`` or
 with the matched prefix), import page bytes for tokens ``[seq.num_computed, prompt_len)`` into
-``seq.page_table`` via ``engine.pool.import_pages``, then ``engine.kv_imported(seq, first_token)``.
+``seq.page_table`` via ``engine.pool.import_pages``, then ``engine.kv_imported(seq, first_token)``
+and ``engine.add(seq)`` (or ``kv_imported(..., add=True)``) to start decoding.
 Extend-decode handoff (MD): ``engine.append_tokens(seq, handed_ids)`` then ``engine.add(seq)``;
 the next ``step`` computes all handed-over tokens in one forward call and samples after them.
 """
@@ -77,8 +79,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str, num_pages: int = 1024, page_size: int = 16, dtype="float32",
                         device="cpu", max_batch_tokens: int = 2048, max_running_seqs: int = 256,
-                        prefill_chunk_tokens: int = 512, enable_prefix_cache: bool = True) -> "Engine":
-        """Load an HF-format checkpoint directory and size a pool of ``num_pages`` pages."""
+                        prefill_chunk_tokens: int = 512, enable_prefix_cache: bool = True,
+                        max_running: int | None = None) -> "Engine":
+        """Load an HF-format checkpoint directory and size a pool of ``num_pages`` pages of
+        ``page_size`` tokens. ``max_running`` is an alias of ``max_running_seqs``."""
+        if max_running is not None:
+            max_running_seqs = max_running
         cfg = ModelConfig.from_pretrained(path)
         model = load_model(path, cfg, dtype=dtype, device=device)
         pool = KVPool(cfg, num_pages, page_size, dtype=dtype, device=device)
@@ -91,6 +97,10 @@ class Engine:
         if self._tokenizer is None and self.model_path:
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model_cfg
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -150,18 +160,24 @@ class Engine:
                         page_table=pages + new, num_cached_tokens=cached, prefix_match=match)
 
     def add(self, seq: Sequence) -> None:
-        """Put ``seq`` into the running batch (FCFS order = order of ``add``)."""
+        """Put ``seq`` into the running batch (FCFS order = order of first ``add``). Adding a
+        sequence already in the batch is a no-op; adding a FINISHED one is a no-op too (it
+        would have nothing to do)."""
         if seq.status == SeqStatus.RELEASED:
             raise ValueError(f"sequence {seq.seq_id} already released")
-        if seq.seq_id in self.seqs and self.seqs[seq.seq_id] is not seq:
+        cur = self.seqs.get(seq.seq_id)
+        if cur is seq or seq.status == SeqStatus.FINISHED:
+            return
+        if cur is not None:
             raise ValueError(f"duplicate seq_id {seq.seq_id}")
-        if seq.status != SeqStatus.FINISHED:
-            seq.status = SeqStatus.RUNNING
+        seq.status = SeqStatus.RUNNING
         seq.arrival = next(self._arrival)
         self.seqs[seq.seq_id] = seq
 
     def remove(self, seq_id) -> Sequence:
-        """Take a sequence out of the engine (e.g. RLD after handoff); it keeps its pages."""
+        """Take a running sequence out of the batch (e.g. RLD at handoff); it keeps its pages.
+        Raises ``KeyError`` if it is not in the batch (finished sequences leave the batch by
+        themselves in the ``step`` that finishes them)."""
         seq = self.seqs.pop(seq_id)
         if seq.status == SeqStatus.RUNNING:
             seq.status = SeqStatus.WAITING
@@ -184,21 +200,17 @@ class Engine:
         self.pool.decref(pages)
         seq.status = SeqStatus.RELEASED
 
-    def finish(self, seq_id, cache: bool = True) -> Sequence:
-        """``release(remove(seq_id), cache)``."""
-        seq = self.remove(seq_id)
-        self.release(seq, cache)
-        return seq
-
     def flush_cache(self) -> int:
         """Evict every unlocked prefix-cache page; returns nodes removed."""
         return self.radix.flush() if self.radix is not None else 0
 
-    def kv_imported(self, seq: Sequence, first_token_id: int | None = None, add: bool = True) -> FinishReason | None:
+    def kv_imported(self, seq: Sequence, first_token_id: int | None = None, add: bool = False) -> FinishReason | None:
         """Mark the prompt's KV as present (after ``pool.import_pages`` filled tokens
         ``[seq.num_computed, prompt_len)``): sets ``num_computed = prompt_len``; appends
-        ``first_token_id`` (output 0, sampled by P) if given; and ``add``\\ s the sequence.
-        Returns the finish reason if the first token already ends it (then it is FINISHED)."""
+        ``first_token_id`` (output 0, sampled by P) if given. With ``add=True`` it also
+        ``add``\\ s the sequence (otherwise call ``engine.add(seq)`` to start decoding).
+        Returns the finish reason if the first token already ends it (then it is FINISHED
+        and ``add`` does nothing)."""
         if len(seq.page_table) < self._pages_for(seq.prompt_len):
             raise ValueError("page table does not cover the prompt")
         seq.num_computed = max(seq.num_computed, seq.prompt_len)
@@ -260,6 +272,7 @@ class Engine:
             reason = self.sampler.check_stop(tok, n_out, seq.sampling)
             if reason is not None:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+                del self.seqs[seq.seq_id]  # leaves the batch; caller release()s it
             events.append(TokenEvent(seq.seq_id, tok, n_out - 1, reason is not None, reason))
         return events
 
