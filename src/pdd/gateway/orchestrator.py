@@ -83,7 +83,7 @@ class Orchestrator:
     async def start(self) -> None:
         for s in self.layout.engines:
             host, port, _wan = self.layout.address_from_a(s.name)
-            self.peers[s.name] = await rpc.connect(host, port, self.handlers(), role="gateway", name="gateway",
+            self.peers[s.name] = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
                                                    retries=200, backoff_s=0.1)
 
     async def close(self) -> None:

@@ -100,7 +100,7 @@ class EngineInstance:
             device=e.device,
             max_batch_tokens=e.max_batch_tokens,
             prefill_chunk_tokens=e.prefill_chunk_tokens,
-            max_running=e.max_running,
+            max_running_seqs=e.max_running,
         )
 
     def handlers(self) -> dict:
@@ -115,7 +115,7 @@ class EngineInstance:
         loop = asyncio.get_running_loop()
         self.worker = EngineWorker(self.engine, loop, self.on_events)
         self.worker.start()
-        self.server = rpc.Server(self.cfg.host, self.spec.port, self.handlers(), role=self.spec.role, name=self.spec.name)
+        self.server = rpc.Server(self.cfg.host, self.spec.port, self.handlers(), role=self.spec.role, instance=self.spec.name)
         await self.server.start()
 
     async def stop(self) -> None:
@@ -159,15 +159,9 @@ class EngineInstance:
         ctx.released = True
         self.reqs.pop(ctx.rid, None)
         seq = ctx.seq
-        in_engine = ctx.in_engine
 
         def _rel(e):
-            if in_engine:
-                try:
-                    e.remove(seq.seq_id)
-                except KeyError:
-                    pass
-            e.release(seq, cache=cache)
+            e.release(seq, cache=cache)  # also takes it out of the running batch
 
         await self.worker.call(_rel)
 

@@ -66,9 +66,7 @@ class MainDecodeInstance(EngineInstance):
         start = fin is None and not relay
 
         def _imported(e):
-            e.kv_imported(seq, t0)
-            if start:
-                e.add(seq)
+            e.kv_imported(seq, t0, add=start)
 
         ctx.in_engine = start
         await self.worker.call(_imported)
@@ -91,7 +89,7 @@ class MainDecodeInstance(EngineInstance):
         def _extend(e):
             # seq.token_ids is prompt + [first token]; the relay's ids start with that same token
             have = len(seq.token_ids) - seq.prompt_len
-            seq.token_ids.extend(ids[have:])
+            e.append_tokens(seq, ids[have:])
             e.add(seq)
 
         ctx.in_engine = True

@@ -30,6 +30,7 @@ class PrefillInstance(EngineInstance):
         super().__init__(*a, **kw)
         self.first_token_waiters: dict[str, asyncio.Future] = {}
         self.senders: dict[str, KVSender] = {}
+        self._sender_locks: dict[str, asyncio.Lock] = {}
         self.bytes_sent: dict[str, int] = {}  # target name -> KV payload bytes
         self.wan_bytes_sent = 0
         self.prefix_hit_tokens = 0
@@ -48,9 +49,14 @@ class PrefillInstance(EngineInstance):
 
     async def sender_for(self, name: str) -> tuple[KVSender, bool]:
         host, port, wan = self.layout.address_from_a(name)
+        lock = self._sender_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            return await self._sender_locked(name, host, port, wan)
+
+    async def _sender_locked(self, name: str, host: str, port: int, wan: bool) -> tuple[KVSender, bool]:
         s = self.senders.get(name)
-        if s is None or s.closed:
-            peer = await rpc.connect(host, port, {}, role=self.spec.role, name=self.spec.name)
+        if s is None or s.peer.closed:
+            peer = await rpc.connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=50)
             rate = None if wan else self.cfg.link.fast_gbps
             s = KVSender(peer, rate_gbps=rate, order=self.cfg.policy.wan_order if wan else "fifo")
             self.senders[name] = s
@@ -90,7 +96,12 @@ class PrefillInstance(EngineInstance):
         n_pages = (len(prompt) + ps - 1) // ps
         # P's own cache gets the prompt's whole pages now, so requests arriving while this one
         # is still streaming already hit it (the sequence keeps its own refs until release).
-        await self.worker.call(lambda e: e.cache_prefix(seq, len(prompt)))
+        def _cache_prefix(e):
+            n = len(prompt) // ps
+            if n and e.radix is not None:
+                e.radix.insert(prompt[: n * ps], seq.page_table[:n])
+
+        await self.worker.call(_cache_prefix)
         asyncio.get_running_loop().create_task(self._stream(ctx, h.get("targets", []), t0, fin, n_pages))
         return {"t": "prefill_ok", "rid": rid, "first_token": t0, "fin": fin, "p_cached_tokens": cached, "n_pages": n_pages,
                 "page_bytes": self.engine.pool.page_bytes}, b""
@@ -109,10 +120,10 @@ class PrefillInstance(EngineInstance):
             try:
                 sender, wan = await self.sender_for(name)
                 tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
-                                   layers=(0, self.engine.model_config.num_layers),
-                                   done_extra={"first_token": t0, "fin": fin, "relay": bool(t.get("relay"))})
-                await tr.done
-                result[name] = tr.bytes_sent
+                                   layers=(0, self.engine.model_cfg.num_hidden_layers),
+                                   done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay"))})
+                res = await tr
+                result[name] = res.bytes_sent
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + tr.bytes_sent
                 if wan:
                     self.wan_bytes_sent += tr.bytes_sent

@@ -42,9 +42,7 @@ class RelayDecodeInstance(EngineInstance):
         seq = ctx.seq
 
         def _start(e):
-            e.kv_imported(seq, t0)
-            if fin is None:
-                e.add(seq)
+            e.kv_imported(seq, t0, add=fin is None)
 
         ctx.in_engine = fin is None
         await self.worker.call(_start)
@@ -61,10 +59,9 @@ class RelayDecodeInstance(EngineInstance):
         seq = ctx.seq
 
         def _take(e):
-            try:
-                e.remove(rid)
-            except KeyError:  # finished in the step that just ran; its events are on their way
-                return None
+            if seq.is_finished or e.seqs.get(rid) is not seq:
+                return None  # finished in the step that just ran; its events are on their way
+            e.remove(rid)
             return list(seq.token_ids[seq.prompt_len :])
 
         tokens = await self.worker.call(_take)
