@@ -1,0 +1,122 @@
+"""Client against a fake OpenAI-style SSE server (uvicorn in a thread on a free port)."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdd.bench.client import replay, run_one, run_one_sync
+from pdd.bench.report import compute_modes
+from pdd.bench.trace import ReplayRequest
+
+# prompt[0] selects the behaviour of the fake server
+OK, HTTP_500, MID_ERROR, HANG, NO_DONE = 1, 2, 3, 4, 5
+
+
+def fake_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        prompt, n = body["prompt"], body["max_tokens"]
+        kind = prompt[0] if isinstance(prompt, list) else OK
+        assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["ignore_eos"]
+        if kind == HTTP_500:
+            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+
+        async def gen():
+            for pos in range(n):
+                if kind == HANG and pos == 1:
+                    await asyncio.sleep(30)
+                if kind == MID_ERROR and pos == 2:
+                    yield f"data: {json.dumps({'error': {'message': 'MD lost', 'type': 'server_error'}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                await asyncio.sleep(0.005)
+                chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "text": f"t{pos} ", "logprobs": None,
+                                      "finish_reason": "length" if pos == n - 1 else None}],
+                         "pdd": {"tier": "rld" if pos < 2 else "md", "pos": pos, "token_id": 100 + pos}}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if kind == NO_DONE:
+                return
+            usage = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"], "choices": [],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                               "total_tokens": len(prompt) + n, "prompt_tokens_details": {"cached_tokens": 0}},
+                     "pdd": {"pipeline": "p_rld_md", "wan_bytes": 10 * len(prompt), "wan_bytes_expected": 10 * len(prompt),
+                             "md_cached_tokens": 0, "p_cached_tokens": 0, "handoff_pos": 2}}
+            yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(fake_app(), log_level="warning", lifespan="off"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    th.join(5)
+    sock.close()
+
+
+def test_run_one_sync_ok(server_url):
+    rec = run_one_sync(server_url, [OK, 7, 8], 5, model="m")
+    assert rec.ok and rec.error is None and rec.http_status == 200
+    assert rec.pos == [0, 1, 2, 3, 4] and rec.tiers == ["rld", "rld", "md", "md", "md"]
+    assert rec.token_ids == [100, 101, 102, 103, 104] and rec.text == "t0 t1 t2 t3 t4 "
+    assert rec.finish_reason == "length"
+    assert rec.usage["completion_tokens"] == 5 and rec.pdd["pipeline"] == "p_rld_md" and rec.pdd["wan_bytes"] == 30
+    assert rec.send_s <= rec.token_times_s[0] <= rec.token_times_s[-1] <= rec.end_s
+    assert rec.ttft_ms > 0
+
+
+async def test_failures_are_recorded(server_url):
+    r500 = await run_one(server_url, [HTTP_500], 4)
+    assert not r500.ok and r500.http_status == 500 and r500.error == "HTTP 500: boom"
+    mid = await run_one(server_url, [MID_ERROR], 6)
+    assert not mid.ok and mid.error == "server error: MD lost" and len(mid.token_times_s) == 2
+    hang = await run_one(server_url, [HANG], 4, timeout_s=0.5)
+    assert not hang.ok and hang.error.startswith("Timeout") and len(hang.token_times_s) == 1
+    nodone = await run_one(server_url, [NO_DONE], 3)
+    assert not nodone.ok and nodone.error.startswith("incomplete stream") and len(nodone.token_times_s) == 3
+    refused = await run_one("http://127.0.0.1:9", [OK], 3, timeout_s=5)
+    assert not refused.ok and refused.error.startswith("ConnectError")
+
+
+async def test_replay_open_loop(server_url):
+    kinds = [OK, OK, HTTP_500, OK, MID_ERROR, OK]
+    reqs = [ReplayRequest(idx=10 + i, arrival_s=0.05 * i, prompt_ids=[k, 5, 6, 7], max_tokens=4, trace_record={})
+            for i, k in enumerate(kinds)]
+    seen = []
+    t = time.perf_counter()
+    recs = await replay(server_url, reqs, model="m", mode="pdd", timeout_s=5, progress=False, on_record=seen.append)
+    assert time.perf_counter() - t < 3
+    assert [r.idx for r in recs] == [10, 11, 12, 13, 14, 15] and len(seen) == 6
+    assert [r.ok for r in recs] == [True, True, False, True, False, True]
+    for q, r in zip(reqs, recs):
+        assert r.send_s >= q.arrival_s and r.send_s - q.arrival_s < 0.5  # open loop: sent on schedule
+        assert r.mode == "pdd" and r.prompt_tokens == 4 and r.max_tokens == 4
+    modes = compute_modes([r.to_dict() for r in recs])
+    m = modes["pdd"]
+    assert m["completed"] == 4 and m["failed"] == 2 and m["errors"] == {"HTTP 500": 1, "server error": 1}
+    assert m["wan_bytes"] == 4 * 40 and m["rld_output_token_share"] == 0.5 and m["stream_errors"] == 0
+    json.dumps([r.to_dict() for r in recs])
