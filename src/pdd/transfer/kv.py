@@ -1,0 +1,500 @@
+"""KV page streaming over a :class:`~pdd.transfer.rpc.Peer`.
+
+Wire messages (one-way, in this order per transfer)::
+
+    {"t": "kv", "rid", "first_page", "n_pages", "layers": [l0, l1] | None, "page_bytes"}
+        + payload of n_pages * page_bytes bytes (pages first_page .. first_page+n_pages-1
+          of the request's page table, layer range [l0, l1) of each page; None = all layers)
+    {"t": "kv_done", "rid", "first_page", "n_pages", "layers", "page_bytes", "bytes", **done_fields}
+        after the last chunk ("bytes": payload bytes sent for this transfer)
+    {"t": "kv_cancel", "rid", "bytes", "pages"} instead of kv_done when cancelled or failed
+
+Page indices are *request* page indices (positions in the request's page table), not pool
+slots: each side maps them through its own page table.
+
+Sender: one :class:`KVSender` per peer runs one loop that sends one chunk at a time, choosing
+the next chunk's transfer with ``pick(active_transfers) -> Transfer`` (the send order policy:
+:func:`pick_fifo`, :func:`pick_round_robin`, :func:`pick_shortest_remaining`, or any function
+with the same signature, e.g. from ``pdd.policy.wan_order``). Optional pacing at ``rate_gbps``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
+
+from .pacing import Pacer
+from .rpc import Peer
+from .wire import payload_view
+
+__all__ = [
+    "Transfer",
+    "TransferResult",
+    "KVSender",
+    "KVReceiver",
+    "PageReader",
+    "PickFn",
+    "pick_fifo",
+    "pick_round_robin",
+    "pick_shortest_remaining",
+    "ORDERS",
+    "resolve_order",
+]
+
+log = logging.getLogger("pdd.transfer.kv")
+
+PageReader = Callable[[int, int], Union[Any, Awaitable[Any]]]
+"""``page_reader(i, n)`` -> bytes-like (or awaitable of it) holding pages [i, i+n) of the request."""
+
+PickFn = Callable[[Sequence["Transfer"]], "Transfer"]
+
+_RESERVED_DONE_KEYS = frozenset({"t", "rid", "first_page", "n_pages", "layers", "page_bytes", "bytes", "cid", "reply"})
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of a :class:`Transfer` (``done`` resolves to this)."""
+
+    rid: Any
+    bytes_sent: int  # payload bytes only (framing excluded)
+    pages_sent: int
+    cancelled: bool
+    elapsed_s: float  # submit -> kv_done/kv_cancel handed to the transport
+
+
+class Transfer:
+    """One stream of pages of one request to one peer (created by :meth:`KVSender.submit`).
+
+    ``await transfer`` (or ``await transfer.done``) -> :class:`TransferResult`; on connection
+    loss or a page_reader error ``done`` raises instead (ConnectionError / the reader's error).
+    Attributes read by pick functions: ``rid``, ``seq`` (submission order), ``submitted_at``
+    (loop time, s), ``remaining_pages``, ``remaining_bytes``, ``bytes_sent``, ``last_sent_tick``
+    (the sender's chunk counter when this transfer last sent; -1 never), ``meta`` (caller's dict).
+    """
+
+    def __init__(
+        self,
+        sender: "KVSender",
+        rid: Any,
+        first_page: int,
+        n_pages: int,
+        page_bytes: int,
+        page_reader: PageReader,
+        layers: Optional[tuple[int, int]],
+        chunk_pages: int,
+        done_fields: dict,
+        meta: dict,
+        seq: int,
+    ):
+        loop = asyncio.get_running_loop()
+        self.sender = sender
+        self.rid = rid
+        self.first_page = first_page
+        self.n_pages = n_pages
+        self.page_bytes = page_bytes
+        self.page_reader = page_reader
+        self.layers = layers
+        self.chunk_pages = chunk_pages
+        self.done_fields = done_fields
+        self.meta = meta
+        self.seq = seq
+        self.submitted_at = loop.time()
+        self.started_at: Optional[float] = None
+        self.finished_at: Optional[float] = None
+        self.pages_sent = 0
+        self.bytes_sent = 0
+        self.chunks_sent = 0
+        self.last_sent_tick = -1
+        self.cancel_requested = False
+        self.done: asyncio.Future = loop.create_future()
+        # a failed transfer nobody awaits must not log "exception was never retrieved"
+        self.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    @property
+    def next_page(self) -> int:
+        return self.first_page + self.pages_sent
+
+    @property
+    def remaining_pages(self) -> int:
+        return self.n_pages - self.pages_sent
+
+    @property
+    def remaining_bytes(self) -> int:
+        return self.remaining_pages * self.page_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.n_pages * self.page_bytes
+
+    @property
+    def finished(self) -> bool:
+        return self.done.done()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.done.done() and not self.done.exception() and self.done.result().cancelled
+
+    def cancel(self) -> bool:
+        """Stop sending further chunks (a chunk already being written completes and is counted);
+        the sender then sends ``kv_cancel`` and ``done`` resolves with ``cancelled=True``.
+        Returns False if the transfer had already finished."""
+        if self.done.done() or self.cancel_requested:
+            return False
+        self.cancel_requested = True
+        self.sender._wake.set()
+        return True
+
+    def __await__(self):
+        return self.done.__await__()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Transfer rid={self.rid!r} pages {self.pages_sent}/{self.n_pages} "
+            f"from {self.first_page} layers={self.layers} bytes_sent={self.bytes_sent}>"
+        )
+
+
+# ------------------------------------------------------------------ order policies
+def pick_fifo(transfers: Sequence[Transfer]) -> Transfer:
+    """First submitted first: a transfer gets the whole line until it is done."""
+    return min(transfers, key=lambda t: t.seq)
+
+
+def pick_round_robin(transfers: Sequence[Transfer]) -> Transfer:
+    """One chunk each in turn (the transfer that sent least recently goes next)."""
+    return min(transfers, key=lambda t: (t.last_sent_tick, t.seq))
+
+
+def pick_shortest_remaining(transfers: Sequence[Transfer]) -> Transfer:
+    """Fewest remaining bytes first (ties: submission order); good for TTFT tails."""
+    return min(transfers, key=lambda t: (t.remaining_bytes, t.seq))
+
+
+ORDERS: dict[str, PickFn] = {
+    "fifo": pick_fifo,
+    "rr": pick_round_robin,
+    "round_robin": pick_round_robin,
+    "srf": pick_shortest_remaining,
+    "shortest_remaining": pick_shortest_remaining,
+}
+
+
+def resolve_order(order: Union[str, PickFn]) -> PickFn:
+    if callable(order):
+        return order
+    try:
+        return ORDERS[order]
+    except KeyError:
+        raise ValueError(f"unknown order {order!r}; known: {sorted(ORDERS)} or a pick(transfers) function") from None
+
+
+async def _maybe_await(x):
+    if inspect.isawaitable(x):
+        return await x
+    return x
+
+
+# ------------------------------------------------------------------ sender
+class KVSender:
+    """Streams KV pages of many requests to one peer, one chunk at a time.
+
+    ``rate_gbps``: pace payload bytes at this rate (Gbit/s; None = as fast as the connection
+    drains), or a shared :class:`~pdd.transfer.pacing.Pacer`.
+    ``order``: ``"fifo"`` | ``"rr"`` | ``"srf"`` or ``pick(transfers) -> transfer``.
+    ``chunk_pages``: default pages per ``kv`` frame. ``crc``: checksum kv payloads.
+    """
+
+    def __init__(
+        self,
+        peer: Peer,
+        rate_gbps: Union[None, float, Pacer] = None,
+        order: Union[str, PickFn] = "fifo",
+        *,
+        chunk_pages: int = 16,
+        crc: Optional[bool] = None,
+    ):
+        self.peer = peer
+        self.pacer = rate_gbps if isinstance(rate_gbps, Pacer) else Pacer(rate_gbps)
+        self.pick: PickFn = resolve_order(order)
+        self.chunk_pages = chunk_pages
+        self.crc = crc
+        self.active: list[Transfer] = []
+        self.bytes_sent = 0  # payload bytes, all transfers
+        self.chunks_sent = 0
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: Optional[asyncio.Task] = None
+        self._closed = False
+
+    def set_order(self, order: Union[str, PickFn]) -> None:
+        self.pick = resolve_order(order)
+
+    def submit(
+        self,
+        rid: Any,
+        first_page_index: int,
+        page_reader: PageReader,
+        n_pages: int,
+        page_bytes: int,
+        layers: Optional[tuple[int, int]] = None,
+        chunk_pages: Optional[int] = None,
+        done_fields: Optional[dict] = None,
+        meta: Optional[dict] = None,
+    ) -> Transfer:
+        """Queue pages ``[first_page_index, first_page_index + n_pages)`` of request ``rid``.
+
+        ``page_reader(i, n)`` (sync or async) returns the bytes of pages ``[i, i+n)``, exactly
+        ``n * page_bytes`` bytes (``page_bytes``: bytes per page for the ``layers`` range sent).
+        ``layers``: ``(l0, l1)`` half-open layer range, None = all layers.
+        ``done_fields``: extra keys for the closing ``kv_done`` (e.g. ``{"first_token": 42}``).
+        ``meta``: free dict for order policies. ``n_pages == 0`` sends only ``kv_done``.
+        Raises ConnectionError if the peer is closed.
+        """
+        if self._closed:
+            raise RuntimeError("KVSender is closed")
+        self.peer._check_open()
+        if n_pages < 0 or first_page_index < 0 or page_bytes < 0:
+            raise ValueError("n_pages, first_page_index and page_bytes must be >= 0")
+        done_fields = dict(done_fields or {})
+        bad = _RESERVED_DONE_KEYS & done_fields.keys()
+        if bad:
+            raise ValueError(f"done_fields may not set reserved keys {sorted(bad)}")
+        cp = chunk_pages or self.chunk_pages
+        if cp <= 0:
+            raise ValueError("chunk_pages must be > 0")
+        t = Transfer(
+            self,
+            rid,
+            int(first_page_index),
+            int(n_pages),
+            int(page_bytes),
+            page_reader,
+            tuple(layers) if layers is not None else None,
+            cp,
+            done_fields,
+            dict(meta or {}),
+            next(self._seq),
+        )
+        self.active.append(t)
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-sender-{peer_label(self.peer)}")
+        return t
+
+    def cancel(self, rid: Any) -> int:
+        """Cancel every active transfer of ``rid``; returns how many were cancelled."""
+        return sum(t.cancel() for t in list(self.active) if t.rid == rid)
+
+    def transfers(self, rid: Any = None) -> list[Transfer]:
+        return [t for t in self.active if rid is None or t.rid == rid]
+
+    async def close(self) -> None:
+        """Stop the loop; unfinished transfers fail with ConnectionError (no kv_cancel is sent)."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail_all(ConnectionError("KVSender closed"))
+
+    # -------------------------------------------------------------- loop
+    def _fail_all(self, exc: BaseException) -> None:
+        for t in self.active:
+            if not t.done.done():
+                t.finished_at = asyncio.get_running_loop().time()
+                t.done.set_exception(exc)
+        self.active.clear()
+
+    def _result(self, t: Transfer, cancelled: bool) -> TransferResult:
+        t.finished_at = asyncio.get_running_loop().time()
+        return TransferResult(t.rid, t.bytes_sent, t.pages_sent, cancelled, t.finished_at - t.submitted_at)
+
+    async def _finish_cancel(self, t: Transfer, error: Optional[BaseException] = None) -> None:
+        try:
+            await self.peer.send(
+                {"t": "kv_cancel", "rid": t.rid, "bytes": t.bytes_sent, "pages": t.pages_sent}, crc=self.crc
+            )
+        except ConnectionError:
+            pass  # the receiver drops the request's state when the connection goes
+        self.active.remove(t)
+        if not t.done.done():
+            if error is not None:
+                t.finished_at = asyncio.get_running_loop().time()
+                t.done.set_exception(error)
+            else:
+                t.done.set_result(self._result(t, True))
+        self.peer._check_open()
+
+    async def _finish_done(self, t: Transfer) -> None:
+        h = dict(t.done_fields)
+        h.update(
+            t="kv_done",
+            rid=t.rid,
+            first_page=t.first_page,
+            n_pages=t.n_pages,
+            layers=list(t.layers) if t.layers is not None else None,
+            page_bytes=t.page_bytes,
+            bytes=t.bytes_sent,
+        )
+        await self.peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
+        self.active.remove(t)
+        if not t.done.done():
+            t.done.set_result(self._result(t, False))
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                for t in [t for t in self.active if t.cancel_requested]:
+                    await self._finish_cancel(t)
+                if not self.active:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                t = self.pick(self.active)
+                if t not in self.active:
+                    raise RuntimeError(f"pick function returned a transfer that is not active: {t!r}")
+                if t.remaining_pages == 0:
+                    await self._finish_done(t)
+                    continue
+                n = min(t.chunk_pages, t.remaining_pages)
+                i = t.next_page
+                try:
+                    data = payload_view(await _maybe_await(t.page_reader(i, n)))
+                    if data.nbytes != n * t.page_bytes:
+                        raise ValueError(
+                            f"page_reader({i}, {n}) for rid {t.rid!r} returned {data.nbytes} bytes, "
+                            f"expected {n} x {t.page_bytes} = {n * t.page_bytes}"
+                        )
+                except Exception as e:
+                    log.error("transfer %r failed reading pages: %r", t, e)
+                    await self._finish_cancel(t, e)
+                    continue
+                if t.cancel_requested:
+                    continue
+                await self.pacer.wait(data.nbytes)
+                if t.cancel_requested:
+                    continue
+                if t.started_at is None:
+                    t.started_at = asyncio.get_running_loop().time()
+                header = {
+                    "t": "kv",
+                    "rid": t.rid,
+                    "first_page": i,
+                    "n_pages": n,
+                    "layers": list(t.layers) if t.layers is not None else None,
+                    "page_bytes": t.page_bytes,
+                }
+                await self.peer.send(header, data, crc=self.crc)
+                t.pages_sent += n
+                t.bytes_sent += data.nbytes
+                t.chunks_sent += 1
+                t.last_sent_tick = self.chunks_sent
+                self.chunks_sent += 1
+                self.bytes_sent += data.nbytes
+                if t.remaining_pages == 0 and not t.cancel_requested:
+                    await self._finish_done(t)
+        except asyncio.CancelledError:
+            raise
+        except ConnectionError as e:
+            self._fail_all(e)
+        except Exception as e:
+            log.exception("KV sender loop to %s failed", peer_label(self.peer))
+            self._fail_all(e)
+        finally:
+            self._task = None if not self._closed else self._task
+
+
+def peer_label(peer: Peer) -> str:
+    try:
+        return peer._label()
+    except Exception:
+        return "?"
+
+
+# ------------------------------------------------------------------ receiver
+class KVReceiver:
+    """Dispatches incoming ``kv`` / ``kv_done`` / ``kv_cancel`` frames to callbacks.
+
+    ``on_pages(rid, first_page, n_pages, layers, payload)``, ``on_done(rid, header)`` and
+    ``on_cancel(rid)`` may be sync or async (one-way handlers of a peer run in arrival order, so
+    a slow ``on_pages`` back-pressures the sender). ``layers`` is ``(l0, l1)`` or None.
+    A ``kv`` frame whose payload is not ``n_pages * page_bytes`` bytes is dropped (logged).
+    Counters: ``bytes_received[rid]``, ``pages_received[rid]`` (payload bytes / pages; kept for the
+    last ``keep_finished`` finished rids, or until :meth:`forget`), ``total_bytes``.
+    """
+
+    def __init__(
+        self,
+        on_pages: Callable[..., Any],
+        on_done: Optional[Callable[[Any, dict], Any]] = None,
+        on_cancel: Optional[Callable[[Any], Any]] = None,
+        *,
+        keep_finished: int = 10000,
+    ):
+        self.on_pages = on_pages
+        self.on_done = on_done
+        self.on_cancel = on_cancel
+        self.keep_finished = keep_finished
+        self.bytes_received: dict[Any, int] = {}
+        self.pages_received: dict[Any, int] = {}
+        self.total_bytes = 0
+        self.dropped_frames = 0
+        self._finished: "OrderedDict[Any, None]" = OrderedDict()
+
+    def handlers(self) -> dict:
+        """``{"kv": ..., "kv_done": ..., "kv_cancel": ...}`` to merge into a handler table."""
+        return {"kv": self._on_kv, "kv_done": self._on_done, "kv_cancel": self._on_cancel}
+
+    def register(self, target) -> None:
+        """Install the handlers on a Peer or Server (anything with ``.on(t, h)``) or a dict."""
+        for t, h in self.handlers().items():
+            if isinstance(target, dict):
+                target[t] = h
+            else:
+                target.on(t, h)
+
+    def forget(self, rid: Any) -> None:
+        self.bytes_received.pop(rid, None)
+        self.pages_received.pop(rid, None)
+        self._finished.pop(rid, None)
+
+    def _mark_finished(self, rid: Any) -> None:
+        self._finished[rid] = None
+        self._finished.move_to_end(rid)
+        while len(self._finished) > self.keep_finished:
+            old, _ = self._finished.popitem(last=False)
+            self.bytes_received.pop(old, None)
+            self.pages_received.pop(old, None)
+
+    async def _on_kv(self, peer: Peer, h: dict, payload) -> None:
+        rid = h.get("rid")
+        n = h.get("n_pages")
+        pb = h.get("page_bytes")
+        if not isinstance(n, int) or not isinstance(pb, int) or len(payload) != n * pb:
+            self.dropped_frames += 1
+            log.error("dropping kv frame rid=%r: payload %d bytes != n_pages %r x page_bytes %r", rid, len(payload), n, pb)
+            return
+        self.bytes_received[rid] = self.bytes_received.get(rid, 0) + len(payload)
+        self.pages_received[rid] = self.pages_received.get(rid, 0) + n
+        self.total_bytes += len(payload)
+        layers = h.get("layers")
+        await _maybe_await(self.on_pages(rid, h.get("first_page"), n, tuple(layers) if layers is not None else None, payload))
+
+    async def _on_done(self, peer: Peer, h: dict, payload) -> None:
+        rid = h.get("rid")
+        self._mark_finished(rid)
+        if self.on_done is not None:
+            await _maybe_await(self.on_done(rid, h))
+
+    async def _on_cancel(self, peer: Peer, h: dict, payload) -> None:
+        rid = h.get("rid")
+        self._mark_finished(rid)
+        if self.on_cancel is not None:
+            await _maybe_await(self.on_cancel(rid))

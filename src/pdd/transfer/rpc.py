@@ -1,0 +1,689 @@
+"""Persistent, multiplexed connections between pdd instances (asyncio streams).
+
+One :class:`Peer` is one TCP connection shared by all requests between two instances.
+Both sides can, at any time:
+
+- ``await peer.call(header, payload, timeout=s)`` -> ``(reply_header, reply_payload)``:
+  the request carries a ``"cid"`` (call id, unique per sending side); the reply carries the
+  same ``"cid"`` and ``"reply": True``. A handler exception comes back as
+  ``{"t": "error", "cid", "reply": True, "error": str}`` and raises :class:`RemoteError`.
+- ``await peer.send(header, payload)``: one-way message (no ``"cid"``).
+- receive: messages are dispatched by ``header["t"]`` to ``handler(peer, header, payload)``
+  (sync or async). For a call, the handler's return value is the reply: ``None`` (empty reply
+  ``{"t": "ok"}``), a header dict, or ``(header, payload)``.
+
+Ordering: one-way messages from a peer are handled **sequentially, in arrival order**, by one
+dispatcher task per connection (so ``kv`` frames and the ``kv_done`` after them are seen in
+order, and a slow handler back-pressures the sender through TCP). Calls are handled
+concurrently, each in its own task. A one-way handler may ``await peer.call(...)`` on the same
+peer (replies are read by the reader task, not the dispatcher).
+
+Writes: one lock per connection; a frame's buffers are written back to back and the lock is
+held through ``drain()``, so frames never interleave and at most about one frame is buffered
+per connection beyond the transport's high-water mark. When the connection closes (EOF,
+reset, protocol error or ``close()``), pending calls fail at once with ``ConnectionError``
+and later ``call``/``send`` raise ``ConnectionError``.
+
+Handshake: the connecting side sends ``{"t": "hello", "proto", "role", "instance",
+"fingerprint"}``; the accepting side checks it with ``handshake_check(local_fp, remote_fp)``
+and answers ``hello`` (its own identity) or ``{"t": "error", "error": reason}`` then closes;
+the connecting side checks the answer the same way. A failed check raises
+:class:`HandshakeError` (a ``ConnectionError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import weakref
+from typing import Any, Awaitable, Callable, Mapping, Optional, Union
+
+from . import wire
+from .wire import CrcError, WireError
+
+__all__ = [
+    "PROTO",
+    "RemoteError",
+    "HandshakeError",
+    "Handler",
+    "Peer",
+    "Server",
+    "connect",
+    "PeerPool",
+    "connect_cached",
+    "default_handshake_check",
+    "parse_addr",
+]
+
+log = logging.getLogger("pdd.transfer.rpc")
+
+PROTO = 1  # rpc protocol revision carried in "hello"
+STREAM_LIMIT_BYTES = 1 << 20  # StreamReader buffer limit
+DEFAULT_CALL_TIMEOUT_S = 60.0
+HANDSHAKE_TIMEOUT_S = 10.0
+
+Reply = Union[None, dict, tuple]
+Handler = Callable[["Peer", dict, bytes], Union[Reply, Awaitable[Reply]]]
+
+
+class RemoteError(Exception):
+    """The remote handler of a call raised; ``str(e)`` is the remote error text."""
+
+    def __init__(self, msg: str, header: dict | None = None):
+        super().__init__(msg)
+        self.header = header or {}
+
+
+class HandshakeError(ConnectionError):
+    """The two sides refused each other at connect time (e.g. KV fingerprint mismatch)."""
+
+
+def default_handshake_check(local_fp: Optional[dict], remote_fp: Optional[dict]) -> None:
+    """Refuse peers whose KV fingerprints disagree.
+
+    A side without a fingerprint (``None``, e.g. the gateway or the link control client) is
+    accepted by anyone. Otherwise every key present in both dicts must have equal values
+    (so adding a key on one side stays compatible). Raises :class:`HandshakeError`.
+    """
+    if local_fp is None or remote_fp is None:
+        return
+    if not isinstance(local_fp, dict) or not isinstance(remote_fp, dict):
+        raise HandshakeError(f"fingerprints must be dicts, got {type(local_fp).__name__}/{type(remote_fp).__name__}")
+    diffs = {k: (local_fp[k], remote_fp[k]) for k in local_fp.keys() & remote_fp.keys() if local_fp[k] != remote_fp[k]}
+    if diffs:
+        detail = ", ".join(f"{k}: local={a!r} remote={b!r}" for k, (a, b) in sorted(diffs.items()))
+        raise HandshakeError(f"KV fingerprint mismatch ({detail})")
+
+
+def parse_addr(addr: Union[str, tuple]) -> tuple[str, int]:
+    """``"host:port"`` or ``(host, port)`` -> ``(host, port)``."""
+    if isinstance(addr, str):
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"address must be 'host:port', got {addr!r}")
+        return host.strip("[]"), int(port)
+    host, port = addr
+    return str(host), int(port)
+
+
+async def _maybe_await(x):
+    if inspect.isawaitable(x):
+        return await x
+    return x
+
+
+def _normalize_reply(ret, req_header: dict) -> tuple[dict, Any]:
+    if ret is None:
+        return {"t": "ok"}, b""
+    if isinstance(ret, dict):
+        return dict(ret), b""
+    if isinstance(ret, tuple) and len(ret) == 2 and isinstance(ret[0], dict):
+        return dict(ret[0]), ret[1]
+    raise TypeError(
+        f"handler for {req_header.get('t')!r} returned {type(ret).__name__}; expected None, dict or (dict, payload)"
+    )
+
+
+class Peer:
+    """One persistent bidirectional connection to another instance.
+
+    ``handlers`` is a shared table (e.g. a :class:`Server`'s, used by all its peers);
+    :meth:`on` adds per-connection handlers that take precedence.
+    ``crc``: default for the ``crc`` flag of frames this side sends (bool).
+    ``max_payload_bytes``: largest payload accepted from the other side.
+    ``dispatch_queue``: one-way frames buffered before the reader stops reading (backpressure).
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handlers: Optional[dict] = None,
+        *,
+        name: str = "",
+        crc: bool = False,
+        max_payload_bytes: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
+        dispatch_queue: int = 64,
+    ):
+        self.reader = reader
+        self.writer = writer
+        self.handlers: dict = handlers if handlers is not None else {}
+        self._own_handlers: dict = {}
+        self.name = name
+        self.crc = crc
+        self.max_payload_bytes = max_payload_bytes
+        self.local_hello: dict = {}
+        self.remote_hello: dict = {}
+        self._cids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._wlock = asyncio.Lock()
+        self._queue: asyncio.Queue = asyncio.Queue(dispatch_queue)
+        self._tasks: set[asyncio.Task] = set()
+        self._reader_task: Optional[asyncio.Task] = None
+        self._dispatch_task: Optional[asyncio.Task] = None
+        self._closed = False
+        self._close_reason: Optional[BaseException] = None
+        self._closed_event = asyncio.Event()
+        self._on_close: list[Callable[["Peer"], Any]] = []
+        # counters (bytes: payload bytes only, framing excluded)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.frames_received = 0
+        self.frames_dropped = 0
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def remote_role(self) -> Optional[str]:
+        return self.remote_hello.get("role")
+
+    @property
+    def remote_instance(self) -> Optional[str]:
+        return self.remote_hello.get("instance")
+
+    @property
+    def remote_fingerprint(self) -> Optional[dict]:
+        return self.remote_hello.get("fingerprint")
+
+    @property
+    def peername(self):
+        return self.writer.get_extra_info("peername")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Peer {self.name or self.remote_instance or self.peername} {state}>"
+
+    # ---------------------------------------------------------------- lifecycle
+    def on(self, t: str, handler: Handler) -> None:
+        """Register ``handler(peer, header, payload)`` for message type ``t`` on this connection."""
+        self._own_handlers[t] = handler
+
+    def on_close(self, cb: Callable[["Peer"], Any]) -> None:
+        """Call ``cb(peer)`` (sync, or async -> scheduled) once when the connection closes."""
+        if self._closed:
+            self._spawn_cb(cb)
+        else:
+            self._on_close.append(cb)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self) -> None:
+        """Start the reader and dispatcher tasks (done by ``connect``/``Server`` after the handshake)."""
+        if self._reader_task is None:
+            self._reader_task = asyncio.create_task(self._read_loop(), name=f"peer-read-{self.name}")
+            self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name=f"peer-dispatch-{self.name}")
+
+    async def close(self) -> None:
+        """Close the connection; pending calls fail with ConnectionError. Idempotent."""
+        self._shutdown(ConnectionError("connection closed locally"))
+        await self.wait_closed()
+
+    async def wait_closed(self) -> None:
+        await self._closed_event.wait()
+        try:
+            await self.writer.wait_closed()
+        except Exception:
+            pass
+
+    def abort(self) -> None:
+        """Drop the connection at once (RST where possible), failing pending calls."""
+        self._shutdown(ConnectionError("connection aborted locally"), abort=True)
+
+    def _shutdown(self, reason: BaseException, abort: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_reason = reason
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"connection to {self._label()} lost: {reason}"))
+        self._pending.clear()
+        try:
+            if abort:
+                self.writer.transport.abort()
+            else:
+                self.writer.close()
+        except Exception:
+            pass
+        cur = asyncio.current_task()
+        for t in (self._reader_task, self._dispatch_task):
+            if t is not None and t is not cur and not t.done():
+                t.cancel()
+        for t in list(self._tasks):
+            if t is not cur:
+                t.cancel()
+        self._closed_event.set()
+        for cb in self._on_close:
+            self._spawn_cb(cb)
+        self._on_close.clear()
+
+    def _spawn_cb(self, cb) -> None:
+        try:
+            r = cb(self)
+            if inspect.isawaitable(r):
+                asyncio.ensure_future(r)
+        except Exception:
+            log.exception("on_close callback failed for %r", self)
+
+    def _label(self) -> str:
+        return self.name or str(self.remote_instance or self.peername)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionError(f"connection to {self._label()} is closed ({self._close_reason})")
+
+    # ---------------------------------------------------------------- sending
+    async def _write(self, header: dict, payload, crc: Optional[bool]) -> None:
+        self._check_open()
+        bufs = wire.encode_frame(header, payload, self.crc if crc is None else crc)
+        async with self._wlock:
+            self._check_open()
+            try:
+                for b in bufs:
+                    self.writer.write(b)
+                if len(bufs) > 1:
+                    self.bytes_sent += bufs[1].nbytes
+                self.frames_sent += 1
+                await self.writer.drain()
+            except (ConnectionError, OSError, RuntimeError) as e:
+                err = ConnectionError(f"send to {self._label()} failed: {e!r}")
+                self._shutdown(err)
+                raise err from e
+
+    async def send(self, header: dict, payload: Any = b"", *, crc: Optional[bool] = None) -> None:
+        """Send a one-way message (``header`` must have ``"t"``; any ``"cid"`` is removed).
+
+        Returns once the frame is handed to the transport (after ``drain()``).
+        Raises ConnectionError if the connection is closed.
+        """
+        if "cid" in header or "reply" in header:
+            header = {k: v for k, v in header.items() if k not in ("cid", "reply")}
+        await self._write(header, payload, crc)
+
+    async def call(
+        self,
+        header: dict,
+        payload: Any = b"",
+        *,
+        timeout: Optional[float] = DEFAULT_CALL_TIMEOUT_S,
+        crc: Optional[bool] = None,
+    ) -> tuple[dict, bytes]:
+        """Send a request and wait for its reply; returns ``(reply_header, reply_payload)``.
+
+        ``timeout`` in seconds (None: no limit; connection loss still fails it at once).
+        Raises RemoteError (remote handler failed), ConnectionError, TimeoutError.
+        """
+        self._check_open()
+        cid = next(self._cids)
+        header = dict(header)
+        header["cid"] = cid
+        header.pop("reply", None)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[cid] = fut
+        try:
+            await self._write(header, payload, crc)
+            if timeout is None:
+                rh, rp = await fut
+            else:
+                rh, rp = await asyncio.wait_for(fut, timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise TimeoutError(f"call {header.get('t')!r} to {self._label()} timed out after {timeout} s") from None
+        finally:
+            self._pending.pop(cid, None)
+            if not fut.done():
+                fut.cancel()
+        if rh.get("t") == "error":
+            raise RemoteError(str(rh.get("error", "remote error")), rh)
+        return rh, rp
+
+    # ---------------------------------------------------------------- receiving
+    async def _read_loop(self) -> None:
+        reason: BaseException = ConnectionError("connection closed by peer")
+        try:
+            while True:
+                try:
+                    header, payload = await wire.read_frame(self.reader, self.max_payload_bytes)
+                except CrcError as e:
+                    self.frames_dropped += 1
+                    log.warning("%r: %s", self, e)
+                    self._on_bad_crc(e)
+                    continue
+                self.frames_received += 1
+                self.bytes_received += len(payload)
+                if header.get("reply"):
+                    fut = self._pending.get(header.get("cid"))
+                    if fut is not None and not fut.done():
+                        fut.set_result((header, payload))
+                    continue
+                if "cid" in header:
+                    self._spawn(self._handle_call(header, payload))
+                else:
+                    await self._queue.put((header, payload))
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                reason = ConnectionError(f"connection closed mid-frame ({len(e.partial)} of {e.expected} bytes)")
+        except WireError as e:
+            log.error("%r: protocol error, closing: %s", self, e)
+            reason = ConnectionError(f"protocol error: {e}")
+        except asyncio.CancelledError:
+            reason = self._close_reason or ConnectionError("reader cancelled")
+        except (ConnectionError, OSError) as e:
+            reason = ConnectionError(f"connection lost: {e!r}")
+        except Exception as e:  # pragma: no cover - defensive
+            log.exception("%r: reader failed", self)
+            reason = ConnectionError(f"reader failed: {e!r}")
+        finally:
+            self._shutdown(reason)
+
+    def _on_bad_crc(self, e: CrcError) -> None:
+        h = e.header or {}
+        cid = h.get("cid")
+        if h.get("reply"):
+            fut = self._pending.get(cid)
+            if fut is not None and not fut.done():
+                fut.set_exception(WireError(str(e)))
+        elif cid is not None:
+            self._spawn(self._reply(h, {"t": "error", "error": f"frame dropped: {e}"}, b""))
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _handler(self, t: str):
+        h = self._own_handlers.get(t)
+        if h is None:
+            h = self.handlers.get(t)
+        if h is None:
+            h = self._own_handlers.get("*") or self.handlers.get("*")
+        return h
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            header, payload = await self._queue.get()
+            h = self._handler(header["t"])
+            if h is None:
+                log.warning("%r: no handler for one-way message %r, dropped", self, header["t"])
+                continue
+            try:
+                await _maybe_await(h(self, header, payload))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%r: handler for one-way %r failed", self, header["t"])
+
+    async def _handle_call(self, header: dict, payload) -> None:
+        h = self._handler(header["t"])
+        try:
+            if h is None:
+                raise LookupError(f"no handler for message type {header['t']!r}")
+            rh, rp = _normalize_reply(await _maybe_await(h(self, header, payload)), header)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("%r: handler for call %r raised %r", self, header["t"], e)
+            rh, rp = {"t": "error", "error": f"{type(e).__name__}: {e}"}, b""
+        await self._reply(header, rh, rp)
+
+    async def _reply(self, req: dict, rh: dict, rp) -> None:
+        rh["cid"] = req["cid"]
+        rh["reply"] = True
+        try:
+            await self._write(rh, rp, None)
+        except ConnectionError:
+            pass
+        except Exception as e:  # e.g. unencodable reply header
+            try:
+                await self._write({"t": "error", "cid": req["cid"], "reply": True, "error": f"bad reply: {e!r}"}, b"", None)
+            except ConnectionError:
+                pass
+
+
+# -------------------------------------------------------------------- handshake
+def _hello(role: str, instance: str, fingerprint: Optional[dict]) -> dict:
+    return {"t": "hello", "proto": PROTO, "role": role, "instance": instance, "fingerprint": fingerprint}
+
+
+async def _client_handshake(peer: Peer, hello: dict, check, timeout: float) -> None:
+    for b in wire.encode_frame(hello):
+        peer.writer.write(b)
+    await peer.writer.drain()
+    h, _ = await asyncio.wait_for(wire.read_frame(peer.reader, wire.MAX_HEADER_BYTES), timeout)
+    if h.get("t") == "error":
+        raise HandshakeError(f"peer refused connection: {h.get('error')}")
+    if h.get("t") != "hello":
+        raise HandshakeError(f"expected 'hello', got {h.get('t')!r}")
+    if h.get("proto") != PROTO:
+        raise HandshakeError(f"rpc proto mismatch: local {PROTO}, remote {h.get('proto')!r}")
+    check(hello.get("fingerprint"), h.get("fingerprint"))
+    peer.local_hello, peer.remote_hello = hello, h
+
+
+async def _server_handshake(peer: Peer, hello: dict, check, timeout: float) -> None:
+    h, _ = await asyncio.wait_for(wire.read_frame(peer.reader, wire.MAX_HEADER_BYTES), timeout)
+    try:
+        if h.get("t") != "hello":
+            raise HandshakeError(f"expected 'hello', got {h.get('t')!r}")
+        if h.get("proto") != PROTO:
+            raise HandshakeError(f"rpc proto mismatch: local {PROTO}, remote {h.get('proto')!r}")
+        check(hello.get("fingerprint"), h.get("fingerprint"))
+    except Exception as e:
+        for b in wire.encode_frame({"t": "error", "error": str(e)}):
+            peer.writer.write(b)
+        try:
+            await peer.writer.drain()
+        except Exception:
+            pass
+        raise HandshakeError(str(e)) from None
+    for b in wire.encode_frame(hello):
+        peer.writer.write(b)
+    await peer.writer.drain()
+    peer.local_hello, peer.remote_hello = hello, h
+
+
+# -------------------------------------------------------------------- server / client
+class Server:
+    """Accepts connections; each becomes a :class:`Peer` sharing ``handlers``.
+
+    ``port=0`` picks a free port (read ``server.port`` after ``start()``).
+    ``on_connect(peer)`` / ``on_disconnect(peer)``: sync or async callbacks.
+    ``handshake_check(local_fp, remote_fp)`` raises to refuse a peer.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        handlers: Optional[dict] = None,
+        *,
+        on_connect: Optional[Callable[[Peer], Any]] = None,
+        on_disconnect: Optional[Callable[[Peer], Any]] = None,
+        role: str = "",
+        instance: str = "",
+        fingerprint: Optional[dict] = None,
+        handshake_check: Callable[[Optional[dict], Optional[dict]], None] = default_handshake_check,
+        crc: bool = False,
+        max_payload_bytes: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ):
+        self.host = host
+        self.port = port
+        self.handlers: dict = handlers if handlers is not None else {}
+        self.on_connect = on_connect
+        self.on_disconnect = on_disconnect
+        self.hello = _hello(role, instance, fingerprint)
+        self.handshake_check = handshake_check
+        self.crc = crc
+        self.max_payload_bytes = max_payload_bytes
+        self.handshake_timeout_s = handshake_timeout_s
+        self.peers: set[Peer] = set()
+        self.refused = 0
+        self._server: Optional[asyncio.base_events.Server] = None
+        self._handshakes: set[asyncio.Task] = set()
+
+    def on(self, t: str, handler: Handler) -> None:
+        """Register a handler for message type ``t`` on all (current and future) connections."""
+        self.handlers[t] = handler
+
+    async def start(self) -> "Server":
+        self._server = await asyncio.start_server(self._accept, self.host, self.port, limit=STREAM_LIMIT_BYTES)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = Peer(reader, writer, self.handlers, crc=self.crc, max_payload_bytes=self.max_payload_bytes)
+        try:
+            await _server_handshake(peer, self.hello, self.handshake_check, self.handshake_timeout_s)
+        except Exception as e:
+            self.refused += 1
+            log.warning("refused connection from %s: %r", writer.get_extra_info("peername"), e)
+            writer.close()
+            return
+        peer.name = str(peer.remote_instance or peer.peername)
+        self.peers.add(peer)
+
+        def _gone(p: Peer) -> None:
+            self.peers.discard(p)
+            if self.on_disconnect is not None:
+                return self.on_disconnect(p)
+
+        peer.on_close(_gone)
+        peer.start()
+        if self.on_connect is not None:
+            try:
+                await _maybe_await(self.on_connect(peer))
+            except Exception:
+                log.exception("on_connect failed for %r", peer)
+
+    async def close(self) -> None:
+        """Stop accepting and close all peers."""
+        if self._server is not None:
+            self._server.close()
+        for p in list(self.peers):
+            await p.close()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+
+    async def __aenter__(self) -> "Server":
+        if self._server is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def connect(
+    host: str,
+    port: int,
+    handlers: Optional[dict] = None,
+    *,
+    role: str = "",
+    instance: str = "",
+    fingerprint: Optional[dict] = None,
+    handshake_check: Callable[[Optional[dict], Optional[dict]], None] = default_handshake_check,
+    retries: int = 0,
+    backoff_s: float = 0.1,
+    max_backoff_s: float = 2.0,
+    connect_timeout_s: float = 10.0,
+    crc: bool = False,
+    max_payload_bytes: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
+) -> Peer:
+    """Open a connection, do the handshake, return a started :class:`Peer`.
+
+    Retries refused/unreachable connects ``retries`` times with exponential backoff
+    (``backoff_s`` doubling up to ``max_backoff_s``, seconds). A :class:`HandshakeError` is never retried.
+    """
+    hello = _hello(role, instance, fingerprint)
+    delay = backoff_s
+    attempt = 0
+    while True:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=STREAM_LIMIT_BYTES), connect_timeout_s
+            )
+            peer = Peer(reader, writer, handlers, name=f"{host}:{port}", crc=crc, max_payload_bytes=max_payload_bytes)
+            try:
+                await _client_handshake(peer, hello, handshake_check, connect_timeout_s)
+            except HandshakeError:
+                writer.close()
+                raise
+            except BaseException as e:
+                writer.close()
+                if isinstance(e, (asyncio.IncompleteReadError, WireError)):
+                    raise ConnectionError(f"handshake with {host}:{port} failed: {e!r}") from e
+                raise
+            peer.start()
+            return peer
+        except HandshakeError:
+            raise
+        except (OSError, ConnectionError, asyncio.TimeoutError, TimeoutError) as e:
+            attempt += 1
+            if attempt > retries:
+                if isinstance(e, ConnectionError):
+                    raise
+                raise ConnectionError(f"cannot connect to {host}:{port}: {e!r}") from e
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_backoff_s)
+
+
+class PeerPool:
+    """One persistent connection per address, reconnecting when it dropped.
+
+    ``connect_kw`` go to :func:`connect` (handlers, role, instance, fingerprint, retries, ...).
+    """
+
+    def __init__(self, handlers: Optional[dict] = None, **connect_kw):
+        self.handlers = handlers if handlers is not None else {}
+        self.connect_kw = connect_kw
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.connects = 0
+
+    async def get(self, addr: Union[str, tuple]) -> Peer:
+        """The open Peer for ``addr`` (``"host:port"`` or ``(host, port)``), connecting if needed."""
+        key = parse_addr(addr)
+        p = self._peers.get(key)
+        if p is not None and not p.closed:
+            return p
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            p = self._peers.get(key)
+            if p is not None and not p.closed:
+                return p
+            p = await connect(key[0], key[1], self.handlers, **self.connect_kw)
+            self.connects += 1
+            self._peers[key] = p
+            return p
+
+    def peers(self) -> dict:
+        return {f"{h}:{p}": peer for (h, p), peer in self._peers.items() if not peer.closed}
+
+    async def close(self) -> None:
+        for p in list(self._peers.values()):
+            await p.close()
+        self._peers.clear()
+
+
+_default_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PeerPool]" = weakref.WeakKeyDictionary()
+
+
+async def connect_cached(addr: Union[str, tuple], pool: Optional[PeerPool] = None) -> Peer:
+    """``pool.get(addr)``; without ``pool``, a default pool per event loop (no handlers, anonymous hello)."""
+    if pool is None:
+        loop = asyncio.get_running_loop()
+        pool = _default_pools.get(loop)
+        if pool is None:
+            pool = _default_pools[loop] = PeerPool()
+    return await pool.get(addr)

@@ -1,0 +1,225 @@
+"""Frame format of every pdd connection (KV pages, control messages, link control port).
+
+A frame is::
+
+    prefix  16 bytes, struct "!2sBBIQ":
+              magic        b"PD"
+              version      u8   (VERSION = 1)
+              flags        u8   (bit 0 FLAG_CRC: header carries "crc32" of the payload;
+                                 bit 1 FLAG_MAC: reserved for an authenticated header/payload;
+                                 other bits reserved, must be 0)
+              header_len   u32  bytes of the msgpack header
+              payload_len  u64  bytes of the raw payload
+    header  msgpack map (str keys), always with "t": the message type (str)
+    payload raw bytes, never re-encoded (KV pages go out as the pool's own bytes)
+
+Decoding is strict: a bad magic, an unknown version or flag bit, a header over
+``MAX_HEADER_BYTES`` (1 MiB), a payload over the reader's ``max_payload_bytes``
+(default 256 MiB) or a header that is not a msgpack map with a str "t" raises
+:class:`WireError`; after such an error the stream is out of sync and must be closed.
+A CRC mismatch raises :class:`CrcError` (a WireError) *after* the whole frame was
+consumed: the stream is still in sync, only that frame is dropped.
+
+Future fields fit without a version bump: new header keys are ignored by old readers
+(e.g. ``"layers"`` ranges, ``"deadline_ms"``), new message types are dispatched by
+``"t"`` (``"kv_cancel"`` ...), and a MAC would use the reserved ``FLAG_MAC`` bit
+(old readers refuse frames carrying unknown flag bits rather than trusting them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import zlib
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "PREFIX",
+    "PREFIX_BYTES",
+    "FLAG_CRC",
+    "FLAG_MAC",
+    "KNOWN_FLAGS",
+    "MAX_HEADER_BYTES",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "WireError",
+    "CrcError",
+    "encode_frame",
+    "frame_bytes",
+    "decode_prefix",
+    "decode_header",
+    "decode_frame",
+    "read_frame",
+    "write_frame",
+    "payload_view",
+]
+
+MAGIC = b"PD"
+VERSION = 1
+PREFIX = struct.Struct("!2sBBIQ")
+PREFIX_BYTES = PREFIX.size  # 16
+
+FLAG_CRC = 0x01  # header["crc32"] = zlib.crc32(payload)
+FLAG_MAC = 0x02  # reserved: authenticated frames (not implemented; refused if set)
+KNOWN_FLAGS = FLAG_CRC
+
+MAX_HEADER_BYTES = 1 << 20  # 1 MiB
+DEFAULT_MAX_PAYLOAD_BYTES = 256 << 20  # 256 MiB
+
+_EMPTY = b""
+
+
+class WireError(Exception):
+    """Malformed or refused frame. Unless it is a :class:`CrcError`, the stream is out of sync."""
+
+
+class CrcError(WireError):
+    """Payload CRC mismatch. The frame was fully consumed (stream still in sync) and is dropped.
+
+    ``header`` is the decoded header of the dropped frame (so a call can be answered with an error).
+    """
+
+    def __init__(self, msg: str, header: dict | None = None):
+        super().__init__(msg)
+        self.header = header
+
+
+def payload_view(payload: Any) -> memoryview:
+    """A flat byte view (format "B", 1-D) of any C-contiguous buffer, without copying."""
+    mv = payload if isinstance(payload, memoryview) else memoryview(payload)
+    if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
+        mv = mv.cast("B")  # raises TypeError on non-contiguous buffers
+    return mv
+
+
+def encode_frame(header: dict, payload: Any = _EMPTY, crc: bool = False) -> list:
+    """Encode one frame as a list of buffers to write in order (no copy of ``payload``).
+
+    ``header``: dict with a str ``"t"``; it is not modified (a copy gets ``"crc32"`` when ``crc``).
+    ``payload``: any bytes-like / buffer object (bytes, bytearray, memoryview, numpy array).
+    Returns ``[prefix + header_bytes]`` or ``[prefix + header_bytes, payload_view]``.
+    """
+    t = header.get("t") if isinstance(header, dict) else None
+    if not isinstance(t, str):
+        raise WireError(f"header must be a dict with a str 't' (message type), got {header!r:.200}")
+    flags = 0
+    if payload is None or (isinstance(payload, bytes) and not payload):
+        pv = None
+        plen = 0
+    else:
+        pv = payload_view(payload)
+        plen = pv.nbytes
+        if plen == 0:
+            pv = None
+    if crc:
+        header = dict(header)
+        header["crc32"] = zlib.crc32(pv) if pv is not None else 0
+        flags |= FLAG_CRC
+    try:
+        hb = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise WireError(f"header for t={t!r} is not msgpack-encodable: {e}") from None
+    if len(hb) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(hb)} bytes exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
+    first = PREFIX.pack(MAGIC, VERSION, flags, len(hb), plen) + hb
+    return [first] if pv is None else [first, pv]
+
+
+def frame_bytes(header: dict, payload: Any = _EMPTY, crc: bool = False) -> bytes:
+    """The whole frame as one bytes object (copies; for tests and small messages)."""
+    return b"".join(bytes(b) for b in encode_frame(header, payload, crc))
+
+
+def decode_prefix(prefix: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[int, int, int]:
+    """Validate the 16-byte prefix; returns ``(flags, header_len, payload_len)`` in bytes."""
+    if len(prefix) != PREFIX_BYTES:
+        raise WireError(f"frame prefix must be {PREFIX_BYTES} bytes, got {len(prefix)}")
+    magic, version, flags, hlen, plen = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r} (expected {MAGIC!r}): not a pdd stream or stream out of sync")
+    if version != VERSION:
+        raise WireError(f"unsupported wire version {version} (this side speaks {VERSION})")
+    if flags & ~KNOWN_FLAGS:
+        raise WireError(f"unsupported frame flags 0x{flags:02x} (known: 0x{KNOWN_FLAGS:02x})")
+    if hlen == 0:
+        raise WireError("empty header (every frame needs a msgpack header with 't')")
+    if hlen > MAX_HEADER_BYTES:
+        raise WireError(f"header length {hlen} exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
+    if plen > max_payload_bytes:
+        raise WireError(f"payload length {plen} exceeds max_payload_bytes={max_payload_bytes}")
+    return flags, hlen, plen
+
+
+def decode_header(raw: bytes, flags: int = 0) -> dict:
+    """Decode and validate a msgpack header (a map with a str ``"t"``)."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types (ExtraData, ValueError, ...)
+        raise WireError(f"undecodable msgpack header: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise WireError(f"header is a {type(header).__name__}, expected a map")
+    if not isinstance(header.get("t"), str):
+        raise WireError(f"header lacks a str 't' (message type): {header!r:.200}")
+    if flags & FLAG_CRC and not isinstance(header.get("crc32"), int):
+        raise WireError("FLAG_CRC set but header has no int 'crc32'")
+    return header
+
+
+def _check_crc(header: dict, flags: int, payload) -> None:
+    if flags & FLAG_CRC:
+        got = zlib.crc32(payload)
+        if got != header["crc32"]:
+            raise CrcError(
+                f"payload crc32 mismatch for frame t={header.get('t')!r}: header says "
+                f"{header['crc32']:#010x}, payload has {got:#010x} ({len(payload)} bytes); frame dropped",
+                header,
+            )
+
+
+def decode_frame(buf: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, bytes, int]:
+    """Decode one frame from the start of ``buf``; returns ``(header, payload, bytes_consumed)``.
+
+    Raises :class:`asyncio.IncompleteReadError` when ``buf`` holds only part of a frame.
+    """
+    if len(buf) < PREFIX_BYTES:
+        raise asyncio.IncompleteReadError(bytes(buf), PREFIX_BYTES)
+    flags, hlen, plen = decode_prefix(bytes(buf[:PREFIX_BYTES]), max_payload_bytes)
+    end = PREFIX_BYTES + hlen + plen
+    if len(buf) < end:
+        raise asyncio.IncompleteReadError(bytes(buf), end)
+    header = decode_header(bytes(buf[PREFIX_BYTES : PREFIX_BYTES + hlen]), flags)
+    payload = bytes(buf[PREFIX_BYTES + hlen : end])
+    _check_crc(header, flags, payload)
+    return header, payload, end
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> tuple[dict, bytes]:
+    """Read one frame; returns ``(header, payload)`` (payload is ``b""`` when empty).
+
+    Raises :class:`asyncio.IncompleteReadError` on EOF (clean EOF between frames: ``partial == b""``),
+    :class:`WireError` on a malformed frame (close the stream), :class:`CrcError` on a CRC mismatch
+    (frame consumed and dropped; the stream may be read on).
+    """
+    prefix = await reader.readexactly(PREFIX_BYTES)
+    flags, hlen, plen = decode_prefix(prefix, max_payload_bytes)
+    header = decode_header(await reader.readexactly(hlen), flags)
+    payload = await reader.readexactly(plen) if plen else _EMPTY
+    _check_crc(header, flags, payload)
+    return header, payload
+
+
+def write_frame(writer: asyncio.StreamWriter | asyncio.WriteTransport, header: dict, payload: Any = _EMPTY, crc: bool = False) -> int:
+    """Write one frame to a StreamWriter/transport without awaiting; returns bytes written (framing incl.).
+
+    The caller must serialise writers (see ``rpc.Peer``) and ``await writer.drain()`` for backpressure.
+    """
+    n = 0
+    for b in encode_frame(header, payload, crc):
+        writer.write(b)
+        n += len(b) if isinstance(b, bytes) else b.nbytes
+    return n

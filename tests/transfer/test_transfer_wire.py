@@ -1,0 +1,198 @@
+import asyncio
+import struct
+import zlib
+
+import msgpack
+import pytest
+from hypothesis import given, settings, HealthCheck
+from hypothesis import strategies as st
+
+from pdd.transfer import wire
+from pdd.transfer.wire import CrcError, WireError
+
+
+def reader_with(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    r = asyncio.StreamReader()
+    r.feed_data(data)
+    if eof:
+        r.feed_eof()
+    return r
+
+
+async def test_roundtrip_empty_and_payload():
+    frames = [
+        ({"t": "ping"}, b""),
+        ({"t": "kv", "rid": "r1", "first_page": 3, "n_pages": 2, "layers": [0, 4], "page_bytes": 5}, bytes(range(10))),
+        ({"t": "x", "nested": {"a": [1, 2, None], "b": b"\x00\xff"}}, bytearray(b"abc")),
+    ]
+    data = b"".join(wire.frame_bytes(h, p) for h, p in frames)
+    r = reader_with(data)
+    for h, p in frames:
+        gh, gp = await wire.read_frame(r)
+        assert gh == h
+        assert bytes(gp) == bytes(p)
+    with pytest.raises(asyncio.IncompleteReadError) as ei:
+        await wire.read_frame(r)
+    assert ei.value.partial == b""
+
+
+def test_prefix_layout():
+    bufs = wire.encode_frame({"t": "a"}, b"xyz")
+    assert len(bufs) == 2
+    magic, ver, flags, hlen, plen = struct.unpack("!2sBBIQ", bytes(bufs[0][:16]))
+    assert (magic, ver, flags, plen) == (b"PD", 1, 0, 3)
+    assert msgpack.unpackb(bufs[0][16:]) == {"t": "a"}
+    assert hlen == len(bufs[0]) - 16
+    assert bytes(bufs[1]) == b"xyz"
+    # payload goes out without a copy
+    payload = bytearray(b"q" * 100)
+    bufs = wire.encode_frame({"t": "a"}, payload)
+    assert bufs[1].obj is payload
+
+
+def test_payload_view_multidim():
+    mv = memoryview(bytearray(24)).cast("B", (2, 3, 4))
+    bufs = wire.encode_frame({"t": "a"}, mv)
+    assert bufs[1].nbytes == 24 and bufs[1].ndim == 1
+    a = memoryview(bytearray(16)).cast("f")  # 4 floats
+    assert wire.encode_frame({"t": "a"}, a)[1].nbytes == 16
+
+
+async def test_crc_ok_and_mismatch_dropped():
+    good = wire.frame_bytes({"t": "kv", "n": 1}, b"hello", crc=True)
+    h, p = await wire.read_frame(reader_with(good))
+    assert h["crc32"] == zlib.crc32(b"hello") and p == b"hello"
+    bad = bytearray(good)
+    bad[-1] ^= 0x01
+    after = wire.frame_bytes({"t": "next"}, b"")
+    r = reader_with(bytes(bad) + after)
+    with pytest.raises(CrcError) as ei:
+        await wire.read_frame(r)
+    assert ei.value.header["t"] == "kv"
+    assert "crc32 mismatch" in str(ei.value)
+    # stream still in sync: the next frame reads fine
+    h, p = await wire.read_frame(r)
+    assert h == {"t": "next"}
+
+
+@pytest.mark.parametrize(
+    "prefix,msg",
+    [
+        (struct.pack("!2sBBIQ", b"XX", 1, 0, 5, 0), "bad magic"),
+        (struct.pack("!2sBBIQ", b"PD", 2, 0, 5, 0), "unsupported wire version 2"),
+        (struct.pack("!2sBBIQ", b"PD", 1, 0x02, 5, 0), "unsupported frame flags"),
+        (struct.pack("!2sBBIQ", b"PD", 1, 0, 0, 0), "empty header"),
+        (struct.pack("!2sBBIQ", b"PD", 1, 0, (1 << 20) + 1, 0), "MAX_HEADER_BYTES"),
+        (struct.pack("!2sBBIQ", b"PD", 1, 0, 5, 1 << 40), "max_payload_bytes"),
+    ],
+)
+async def test_bad_prefix(prefix, msg):
+    with pytest.raises(WireError, match=msg):
+        await wire.read_frame(reader_with(prefix + b"\x00" * 64))
+
+
+async def test_max_payload_configurable():
+    f = wire.frame_bytes({"t": "a"}, b"x" * 100)
+    with pytest.raises(WireError, match="max_payload_bytes=99"):
+        await wire.read_frame(reader_with(f), max_payload_bytes=99)
+    h, p = await wire.read_frame(reader_with(f), max_payload_bytes=100)
+    assert len(p) == 100
+
+
+@pytest.mark.parametrize(
+    "hb,msg",
+    [
+        (msgpack.packb([1, 2]), "expected a map"),
+        (msgpack.packb({"x": 1}), "lacks a str 't'"),
+        (msgpack.packb({"t": 5}), "lacks a str 't'"),
+        (msgpack.packb({"t": "a"}) + b"\x01", "undecodable"),
+        (b"\xc1", "undecodable"),
+        (msgpack.packb({1: 2, "t": "a"}), "undecodable"),
+    ],
+)
+async def test_bad_header(hb, msg):
+    data = struct.pack("!2sBBIQ", b"PD", 1, 0, len(hb), 0) + hb
+    with pytest.raises(WireError, match=msg):
+        await wire.read_frame(reader_with(data))
+
+
+async def test_crc_flag_without_field():
+    hb = msgpack.packb({"t": "a"})
+    data = struct.pack("!2sBBIQ", b"PD", 1, wire.FLAG_CRC, len(hb), 0) + hb
+    with pytest.raises(WireError, match="crc32"):
+        await wire.read_frame(reader_with(data))
+
+
+def test_encode_rejects_bad_header():
+    with pytest.raises(WireError):
+        wire.encode_frame({"x": 1})
+    with pytest.raises(WireError):
+        wire.encode_frame({"t": "a", "big": b"x" * (1 << 20)})
+    with pytest.raises(WireError, match="not msgpack-encodable"):
+        wire.encode_frame({"t": "a", "v": object()})
+    with pytest.raises(WireError, match="not msgpack-encodable"):
+        wire.encode_frame({"t": "a", "v": 2**64})
+
+
+async def test_truncated_frame_incomplete():
+    f = wire.frame_bytes({"t": "a"}, b"x" * 100)
+    for cut in (1, 15, 16, 18, len(f) - 1):
+        with pytest.raises(asyncio.IncompleteReadError):
+            await wire.read_frame(reader_with(f[:cut]))
+
+
+def test_decode_frame_sync():
+    f = wire.frame_bytes({"t": "a", "v": 1}, b"pay", crc=True) + b"rest"
+    h, p, n = wire.decode_frame(f)
+    assert h["v"] == 1 and p == b"pay" and f[n:] == b"rest"
+
+
+async def _decode_all(data: bytes) -> None:
+    r = reader_with(data)
+    for _ in range(len(data) + 1):
+        try:
+            await wire.read_frame(r, max_payload_bytes=1 << 16)
+        except CrcError:
+            continue
+        except (WireError, asyncio.IncompleteReadError):
+            return
+    raise AssertionError("decoder did not terminate")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300))
+def test_fuzz_random_bytes(data):
+    # any input ends in WireError / IncompleteReadError (EOF), never another exception or a hang
+    asyncio.run(asyncio.wait_for(_decode_all(data), 5))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5) | st.binary(max_size=5), max_size=4),
+    st.binary(max_size=64),
+    st.booleans(),
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4),
+)
+def test_fuzz_mutated_frames(extra, payload, crc, flips):
+    h = dict(extra)
+    h["t"] = "m"
+    f = bytearray(wire.frame_bytes(h, payload, crc=crc) * 2)
+    for pos, val in flips:
+        if pos < len(f):
+            f[pos] = val
+    asyncio.run(asyncio.wait_for(_decode_all(bytes(f)), 5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(st.text(max_size=8), st.integers(-(2**63), 2**64 - 1) | st.text() | st.none() | st.lists(st.integers(-(2**63), 2**63), max_size=3), max_size=6),
+    st.binary(max_size=512),
+    st.booleans(),
+)
+def test_roundtrip_property(extra, payload, crc):
+    h = dict(extra)
+    h["t"] = "p"
+    got_h, got_p, n = wire.decode_frame(wire.frame_bytes(h, payload, crc=crc))
+    if crc:
+        got_h.pop("crc32")
+    assert got_h == h and got_p == payload
