@@ -63,6 +63,13 @@ class PolicyConfig(_Strict):
     catchup_threshold_tokens: int = Field(64, ge=1)
     wan_order: Literal["fifo", "srf"] = "fifo"
     allow_p_rld: bool = False
+    handoff_min_tokens: int = Field(
+        0,
+        ge=0,
+        description="hand over only once RLD has streamed at least this many tokens (0: as soon as "
+        "MD has its KV). For tests and experiments that force the handoff point; a request that "
+        "finishes first is never handed over",
+    )
 
 
 class ClusterConfig(_Strict):

@@ -67,6 +67,11 @@ class MainDecodeInstance(EngineInstance):
 
         def _imported(e):
             e.kv_imported(seq, t0, add=start)
+            # the prompt's whole pages enter the DRC as soon as they are here, so a request
+            # arriving meanwhile with the same prefix does not ship them again
+            n = seq.prompt_len // e.page_size
+            if n and e.radix is not None:
+                e.radix.insert(seq.token_ids[: n * e.page_size], seq.page_table[:n])
 
         ctx.in_engine = start
         await self.worker.call(_imported)

@@ -1,0 +1,109 @@
+"""The official openai client against a running pdd topology (P -> RLD -> MD over the WAN)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import make_cfg
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pdd_topology(tmp_path_factory):
+    from pdd.launch import Topology
+    from pdd.modelgen import make_model
+
+    d = tmp_path_factory.mktemp("m") / "small"
+    make_model(str(d), preset="small", seed=0)
+    cfg = make_cfg(str(d), "pdd")
+    topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
+    topo.start()
+    yield topo
+    topo.stop()
+
+
+def test_streaming_completion_with_usage(pdd_topology):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=pdd_topology.url + "/v1", api_key="none")
+    stream = client.completions.create(model="pdd-small", prompt=list(range(200, 420)), max_tokens=40, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) == 40
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == 220 and usage.completion_tokens == 40 and usage.total_tokens == 260
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    tiers = [c.model_extra["pdd"]["tier"] for c in text_chunks]
+    assert tiers[0] == "rld"  # the relay answers first: TTFT does not wait for the WAN
+    assert set(tiers) <= {"rld", "md"}
+    positions = [c.model_extra["pdd"]["pos"] for c in text_chunks]
+    assert positions == list(range(40))
+
+
+def test_non_streaming_completion_and_prefix_hit(pdd_topology):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=pdd_topology.url + "/v1", api_key="none")
+    prompt = list(range(500, 700))
+    a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    _wait_idle(pdd_topology)
+    b = client.completions.create(model="pdd-small", prompt=prompt + [5, 6, 7], max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert a.usage.completion_tokens == 24 and a.choices[0].finish_reason == "length"
+    # the second prompt shares 200 tokens = 12 whole pages of 16 with the first
+    assert b.usage.prompt_tokens_details.cached_tokens == 192
+    assert b.model_extra["pdd"]["md_cached_tokens"] == 192
+    # only the pages MD lacked crossed the WAN: 203 tokens -> 13 pages, 12 cached -> 1 page
+    assert b.model_extra["pdd"]["wan_bytes_expected"] == 1 * 32768
+
+
+def _wait_idle(topo, timeout_s: float = 30.0) -> None:
+    """Wait until no engine holds a live request (MD settles after the client's stream ends)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        inst = topo.stats()["instances"]
+        if all(v.get("running", 0) == 0 for v in inst.values()):
+            return
+        time.sleep(0.05)
+    raise AssertionError("topology did not go idle")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": [], "max_tokens": 3}, "prompt"),
+    ({"prompt": [1, 2, 999999], "max_tokens": 3}, "prompt"),
+    ({"prompt": list(range(10, 4011)), "max_tokens": 3}, "prompt"),
+    ({"prompt": list(range(10, 3000)), "max_tokens": 2000}, "max_tokens"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+])
+def test_bad_requests_get_openai_400(pdd_topology, body, param):
+    r = httpx.post(pdd_topology.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+
+
+def test_malformed_json_then_still_serving(pdd_topology):
+    r = httpx.post(pdd_topology.url + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    ok = httpx.post(pdd_topology.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_models_and_health(pdd_topology):
+    assert httpx.get(pdd_topology.url + "/health").json()["status"] == "ok"
+    ids = [m["id"] for m in httpx.get(pdd_topology.url + "/v1/models").json()["data"]]
+    assert ids == ["pdd-small"]
