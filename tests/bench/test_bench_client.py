@@ -1,81 +1,13 @@
 """Client against a fake OpenAI-style SSE server (uvicorn in a thread on a free port)."""
 
-import asyncio
 import json
-import socket
-import threading
 import time
-
-import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdd.bench.client import replay, run_one, run_one_sync
 from pdd.bench.report import compute_modes
 from pdd.bench.trace import ReplayRequest
 
-# prompt[0] selects the behaviour of the fake server
-OK, HTTP_500, MID_ERROR, HANG, NO_DONE = 1, 2, 3, 4, 5
-
-
-def fake_app() -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        prompt, n = body["prompt"], body["max_tokens"]
-        kind = prompt[0] if isinstance(prompt, list) else OK
-        assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["ignore_eos"]
-        if kind == HTTP_500:
-            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
-
-        async def gen():
-            for pos in range(n):
-                if kind == HANG and pos == 1:
-                    await asyncio.sleep(30)
-                if kind == MID_ERROR and pos == 2:
-                    yield f"data: {json.dumps({'error': {'message': 'MD lost', 'type': 'server_error'}})}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                await asyncio.sleep(0.005)
-                chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
-                         "choices": [{"index": 0, "text": f"t{pos} ", "logprobs": None,
-                                      "finish_reason": "length" if pos == n - 1 else None}],
-                         "pdd": {"tier": "rld" if pos < 2 else "md", "pos": pos, "token_id": 100 + pos}}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            if kind == NO_DONE:
-                return
-            usage = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"], "choices": [],
-                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
-                               "total_tokens": len(prompt) + n, "prompt_tokens_details": {"cached_tokens": 0}},
-                     "pdd": {"pipeline": "p_rld_md", "wan_bytes": 10 * len(prompt), "wan_bytes_expected": 10 * len(prompt),
-                             "md_cached_tokens": 0, "p_cached_tokens": 0, "handoff_pos": 2}}
-            yield f"data: {json.dumps(usage)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(gen(), media_type="text/event-stream")
-
-    return app
-
-
-@pytest.fixture(scope="module")
-def server_url():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fake_app(), log_level="warning", lifespan="off"))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    th.join(5)
-    sock.close()
+from bench_fakes import HANG, HTTP_500, MID_ERROR, NO_DONE, OK  # noqa: E402
 
 
 def test_run_one_sync_ok(server_url):

@@ -121,3 +121,18 @@ def test_print_table():
     print_table(build_report(recs, server, commit="x"), console=Console(file=buf, width=200))
     out = buf.getvalue()
     assert "TTFT P90" in out and "pdd" in out and "cross_dc_pd" in out and "x0.31" in out
+
+
+def test_server_summary_deltas():
+    from pdd.bench.report import server_summary
+
+    entry = {
+        "stats_before": {"wan_line_bytes": 100, "instances": {"p": {"cpu_seconds": 1.0}}},
+        "stats": {"wan_line_bytes": 1100, "instances": {"p": {"cpu_seconds": 3.0}}},
+        "flush": {"leaked_pages": 2},
+    }
+    assert server_summary(entry) == {"wan_line_bytes": 1000, "cpu_seconds": 2.0, "leaked_pages": 2}
+    entry["proc_cpu_seconds_before"] = {"gw": 1.0, "p": 2.0}
+    entry["proc_cpu_seconds"] = {"gw": 1.5, "p": 4.0, "link": float("nan")}
+    assert server_summary(entry)["cpu_seconds"] == 2.5
+    assert server_summary(None) == {"wan_line_bytes": None, "cpu_seconds": None, "leaked_pages": None}

@@ -18,8 +18,9 @@ Definitions (all latencies in ms):
   duration (req/s); output_throughput = output tokens of completed requests / duration (tok/s).
 - wan_bytes, wan_bytes_expected: sums of the usage-chunk fields over all records of the mode.
 - rld_output_token_share = tokens with tier "rld" / all output tokens of completed requests.
-- wan_line_bytes, cpu_seconds (sum over the mode's instances), leaked_pages come from the
-  topology's ``stats()`` / ``flush()`` taken after the mode's run (server_stats.json).
+- wan_line_bytes, cpu_seconds (sum over the mode's processes), leaked_pages come from the
+  topology's ``stats()`` / ``flush()`` / ``cpu_seconds()`` taken around the mode's replay
+  (server_stats.json; see :func:`server_summary`).
 """
 
 from __future__ import annotations
@@ -82,21 +83,48 @@ def _stats(prefix: str, values: list[float]) -> dict:
     return out
 
 
-def server_summary(stats: Mapping | None, flush: Mapping | None) -> dict:
-    """wan_line_bytes, cpu_seconds (s, summed over instances) and leaked_pages from stats()/flush()."""
-    stats = stats or {}
-    flush = flush or {}
-    instances = stats.get("instances") or {}
-    cpu = sum(float(i.get("cpu_seconds") or 0.0) for i in instances.values()) if instances else None
+def _instances_cpu(stats: Mapping | None) -> float | None:
+    inst = (stats or {}).get("instances") or {}
+    vals = [i.get("cpu_seconds") for i in inst.values() if i.get("cpu_seconds") is not None]
+    return float(sum(vals)) if vals else None
+
+
+def _proc_cpu(per_proc: Mapping | None) -> float | None:
+    vals = [float(v) for v in (per_proc or {}).values() if v is not None and not math.isnan(float(v))]
+    return float(sum(vals)) if vals else None
+
+
+def server_summary(entry: Mapping | None) -> dict:
+    """wan_line_bytes, cpu_seconds (s) and leaked_pages of one mode's server_stats.json entry.
+
+    ``entry``: ``{"stats": stats() after the run, "flush": flush() after that, optional
+    "stats_before": stats() just before the replay, "proc_cpu_seconds" / "proc_cpu_seconds_before":
+    {process: CPU s} from Topology.cpu_seconds()}``. cpu_seconds sums the processes (from /proc
+    when given, else the instances' own ``cpu_seconds``); with a "before" it is the replay's
+    share (after - before), as is wan_line_bytes.
+    """
+    entry = entry or {}
+    stats, flush, before = entry.get("stats") or {}, entry.get("flush") or {}, entry.get("stats_before")
+    line = stats.get("wan_line_bytes")
+    if line is not None and before and before.get("wan_line_bytes") is not None:
+        line = int(line) - int(before["wan_line_bytes"])
+    if entry.get("proc_cpu_seconds") is not None:
+        cpu = _proc_cpu(entry["proc_cpu_seconds"])
+        if cpu is not None and entry.get("proc_cpu_seconds_before") is not None:
+            cpu -= _proc_cpu(entry["proc_cpu_seconds_before"]) or 0.0
+    else:
+        cpu = _instances_cpu(stats)
+        if cpu is not None and before:
+            cpu -= _instances_cpu(before) or 0.0
     return {
-        "wan_line_bytes": int(stats["wan_line_bytes"]) if stats.get("wan_line_bytes") is not None else None,
+        "wan_line_bytes": int(line) if line is not None else None,
         "cpu_seconds": cpu,
         "leaked_pages": int(flush["leaked_pages"]) if flush.get("leaked_pages") is not None else None,
     }
 
 
 def mode_metrics(records: Iterable[Mapping], server: Mapping | None = None) -> dict:
-    """All metrics of one mode's records; ``server`` is ``{"stats": ..., "flush": ...}`` or None."""
+    """All metrics of one mode's records; ``server`` is its server_stats.json entry (see server_summary)."""
     recs = list(records)
     done = [r for r in recs if is_completed(r)]
     lat = [request_latencies(r) for r in done]
@@ -155,8 +183,7 @@ def mode_metrics(records: Iterable[Mapping], server: Mapping | None = None) -> d
             "errors": dict(Counter(_error_kind(r.get("error")) for r in recs if not is_completed(r))),
         }
     )
-    srv = server or {}
-    m.update(server_summary(srv.get("stats"), srv.get("flush")))
+    m.update(server_summary(server))
     return m
 
 

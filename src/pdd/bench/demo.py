@@ -1,0 +1,218 @@
+"""The side-by-side demo: one Mooncake trace slice replayed through each mode on a fresh topology.
+
+For every mode: start a fresh ``Topology`` (new processes, empty caches), optionally warm it up
+(a short private prompt, then ``flush()`` so the replay starts from empty caches), take
+``stats()``, replay the requests open-loop, take ``stats()`` and ``flush()`` again, stop. Writes
+into ``out_dir``:
+
+- ``requests.jsonl``: one record per request and mode (client times of every token, tier of
+  every token, pipeline, bytes; see :class:`pdd.bench.client.RequestRecord`);
+- ``server_stats.json``: ``{mode: {"stats_before", "stats", "flush", "proc_cpu_seconds_before",
+  "proc_cpu_seconds"}}`` as returned by the topology;
+- ``report.json`` (:func:`pdd.bench.report.build_report`), ``ttft_cdf.png``,
+  ``timeline_<mode>.png``; and prints the comparison table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from pdd.bench.client import replay_sync, run_one_sync
+from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
+from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
+from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, block_token_ids, build_requests, workload_summary
+from pdd.config import ClusterConfig
+
+DEFAULT_MODES = ("same_dc_pd", "cross_dc_pd", "pdd")
+# First guess, to be tuned on the live system: 1/32 lengths, outputs / 8 in [8, 96], 1.5 req/s.
+DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 8, min_output_tokens=8, max_output_tokens=96,
+                      target_rate_rps=1.5)
+DEFAULT_REQUESTS = 48
+
+
+def ensure_model(config: ClusterConfig, console=None) -> Path:
+    """The model directory of ``config``; written with ``pdd.modelgen.make_model`` if missing."""
+    path = Path(config.model_path)
+    if not (path / "config.json").exists():
+        if console is not None:
+            console.print(f"making model {config.model_preset!r} (seed {config.model_seed}) in {path} ...")
+        from pdd.modelgen import make_model
+
+        make_model(str(path), config.model_preset, config.model_seed)
+    return path
+
+
+def fit_scale(scale: Scale, config: ClusterConfig, n_requests: int | None, start: int | None) -> Scale:
+    """``scale`` with the slice set and the prompt cap lowered to what the engine accepts
+    (``max_input_len`` and ``max_model_len - max_output_tokens``)."""
+    eng = config.engine
+    cap = min(eng.max_input_len, eng.max_model_len - scale.max_output_tokens)
+    if scale.max_input_tokens is not None:
+        cap = min(cap, scale.max_input_tokens)
+    upd: dict = {"max_input_tokens": max(1, cap)}
+    if n_requests is not None:
+        upd["count"] = n_requests
+    if start is not None:
+        upd["start"] = start
+    return dataclasses.replace(scale, **upd)
+
+
+def _default_topology(cfg: ClusterConfig, log_dir: Path):
+    from pdd.launch import Topology
+
+    return Topology(cfg, log_dir=log_dir)
+
+
+def _proc_cpu(topo) -> dict | None:
+    fn = getattr(topo, "cpu_seconds", None)
+    if fn is None:
+        return None
+    try:
+        return {k: (None if v != v else v) for k, v in fn().items()}  # NaN -> None (JSON)
+    except Exception:  # noqa: BLE001 - CPU accounting is best effort
+        return None
+
+
+def _warmup(topo, cfg: ClusterConfig, tokens: TokenSpace, seed: int, timeout_s: float, console) -> None:
+    """Run one short private prompt through the path (first-call costs), then flush the caches."""
+    prompt = block_token_ids((1 << 65) + seed, 2 * cfg.engine.page_size + 3, tokens, seed)
+    rec = run_one_sync(topo.url, prompt, 4, model=cfg.served_model_name, timeout_s=timeout_s)
+    if not rec.ok:
+        console.print(f"[yellow]warm-up request failed: {rec.error}")
+    topo.flush()
+
+
+def run_demo(
+    out_dir: str | Path = "runs/demo",
+    modes: Sequence[str] = DEFAULT_MODES,
+    n_requests: int | None = DEFAULT_REQUESTS,
+    scale: Scale = DEFAULT_SCALE,
+    config: ClusterConfig | None = None,
+    seed: int = 0,
+    *,
+    trace: str | Path = DEFAULT_TRACE,
+    start: int | None = None,
+    warmup: bool = True,
+    request_timeout_s: float | None = None,
+    progress: bool = True,
+    console=None,
+    topology_factory: Callable[..., object] | None = None,
+) -> dict:
+    """Replay the same trace slice through each mode on a fresh topology; returns the report dict.
+
+    ``n_requests`` / ``start``: the slice (override ``scale.count`` / ``scale.start``).
+    ``scale``: lengths and arrival rate (see :class:`pdd.bench.trace.Scale`); prompts are also capped
+    to the engine's limits. ``seed``: token-id generation seed. ``request_timeout_s``: per request
+    (default ``config.request_timeout_s``). ``topology_factory(cfg, log_dir=...)`` returns a context
+    manager with ``.url``, ``.stats()``, ``.flush()`` (default ``pdd.launch.Topology``).
+    """
+    from rich.console import Console
+
+    console = console or Console()
+    config = config or ClusterConfig()
+    factory = topology_factory or _default_topology
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timeout_s = request_timeout_s or config.request_timeout_s
+
+    model_path = ensure_model(config, console)
+    tokens = TokenSpace.from_model(model_path)
+    scale = fit_scale(scale, config, n_requests, start)
+    requests = build_requests(trace, scale, tokens, seed)
+    if not requests:
+        raise ValueError(f"no requests in {trace} slice start={scale.start} count={scale.count}")
+    workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
+    rate = f"{workload['rate_rps']:.2f} req/s" if workload["rate_rps"] else "all at once"
+    console.print(
+        f"workload: {workload['requests']} requests from {workload['trace']} [{scale.start}, "
+        f"{scale.start + len(requests)}), {workload['duration_s']:.1f} s of arrivals "
+        f"({rate}), prompt mean {workload['input_tokens_mean']:.0f} / max "
+        f"{workload['input_tokens_max']} tokens, output mean {workload['output_tokens_mean']:.0f} tokens, "
+        f"ideal prefix hit rate {100 * workload['ideal_prefix_hit_rate']:.1f}%"
+    )
+
+    req_path = out / "requests.jsonl"
+    req_path.write_text("")
+    server_stats: dict[str, dict] = {}
+    mode_errors: dict[str, str] = {}
+    all_records: list[dict] = []
+    for mode in modes:
+        cfg = config.model_copy(update={"mode": mode})
+        console.rule(f"[bold]{mode}")
+        t_start = time.monotonic()
+        entry: dict = {}
+        records: list = []
+        try:
+            with factory(cfg, log_dir=out / "logs" / mode) as topo:
+                console.print(f"topology up in {time.monotonic() - t_start:.1f} s at {topo.url}")
+                if warmup:
+                    _warmup(topo, cfg, tokens, seed, min(timeout_s, 120.0), console)
+                entry["stats_before"] = topo.stats()
+                entry["proc_cpu_seconds_before"] = _proc_cpu(topo)
+                records = replay_sync(topo.url, requests, model=cfg.served_model_name, mode=mode,
+                                      timeout_s=timeout_s, progress=progress, console=console)
+                entry["proc_cpu_seconds"] = _proc_cpu(topo)
+                entry["stats"] = topo.stats()
+                entry["flush"] = topo.flush()
+        except Exception as ex:  # noqa: BLE001 - one broken mode must not lose the others
+            mode_errors[mode] = f"{type(ex).__name__}: {ex}"
+            console.print(f"[red]{mode} failed: {mode_errors[mode]}")
+        dicts = [r.to_dict() for r in records]
+        write_jsonl(req_path, dicts, append=True)
+        all_records.extend(dicts)
+        server_stats[mode] = {k: v for k, v in entry.items() if v is not None}
+        (out / "server_stats.json").write_text(json.dumps(server_stats, indent=1))
+        if dicts:
+            m = compute_modes(dicts, server_stats)[mode]
+            console.print(
+                f"{mode}: {m['completed']} completed, {m['failed']} failed; TTFT P50 "
+                f"{m['median_ttft_ms'] or 0:,.0f} ms, P90 {m['p90_ttft_ms'] or 0:,.0f} ms; WAN "
+                f"{m['wan_bytes'] / 1e6:.2f} MB; leaked pages {m['leaked_pages']}; "
+                f"{time.monotonic() - t_start:.0f} s"
+            )
+            plot_token_timeline(dicts, out / f"timeline_{mode}.png", title=f"{mode}: tokens at the client")
+
+    report = build_report(
+        all_records, server_stats, config=json.loads(config.model_dump_json()), seed=seed, workload=workload,
+        link=config.link.model_dump(),
+    )
+    if mode_errors:
+        report["mode_errors"] = mode_errors
+    write_report(out / "report.json", report)
+    plot_ttft_cdf(all_records, out / "ttft_cdf.png", title=f"TTFT, {len(requests)} Mooncake requests")
+    print_table(report, console=console, title=f"pdd demo ({len(requests)} requests)")
+    console.print(f"wrote {req_path}, {out / 'report.json'}, {out / 'ttft_cdf.png'}")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pdd.bench.demo``: the demo with its tuning knobs on the command line."""
+    ap = argparse.ArgumentParser(prog="python -m pdd.bench.demo", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="cluster config (YAML or JSON)")
+    ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    ap.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    ap.add_argument("--start", type=int, default=0, help="first trace record")
+    ap.add_argument("--block-tokens", type=int, default=DEFAULT_SCALE.block_tokens)
+    ap.add_argument("--output-scale", type=float, default=DEFAULT_SCALE.output_scale)
+    ap.add_argument("--min-output", type=int, default=DEFAULT_SCALE.min_output_tokens)
+    ap.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
+    ap.add_argument("--max-input", type=int, default=None)
+    ap.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="mean arrivals, req/s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-warmup", action="store_true")
+    args = ap.parse_args(argv)
+    scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
+                  max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate)
+    run_demo(args.out, tuple(m for m in args.modes.split(",") if m), args.requests, scale,
+             ClusterConfig.load(args.config), args.seed, start=args.start, warmup=not args.no_warmup)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Demo end to end against a fake topology, plots, scale fitting."""
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from bench_fakes import FakeTopology
+from pdd.bench.demo import fit_scale, run_demo
+from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
+from pdd.bench.report import read_jsonl, recompute_report
+from pdd.bench.trace import Scale
+from pdd.config import ClusterConfig, EngineConfig
+
+
+def fake_model(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"vocab_size": 1024, "bos_token_id": 0, "eos_token_id": 1}))
+    tok = {"added_tokens": [{"id": i, "content": f"<{i}>"} for i in range(16)],
+           "model": {"vocab": {f"t{i}": i for i in range(1024)}}}
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
+def test_fit_scale():
+    cfg = ClusterConfig(engine=EngineConfig(max_model_len=1000, max_input_len=950))
+    s = fit_scale(Scale(max_output_tokens=96), cfg, 12, 3)
+    assert (s.max_input_tokens, s.count, s.start) == (904, 12, 3)
+    assert fit_scale(Scale(max_input_tokens=100), cfg, None, None).max_input_tokens == 100
+
+
+def test_run_demo_with_fake_topology(tmp_path, server_url):
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    FakeTopology.started.clear()
+    out = tmp_path / "demo"
+    scale = Scale(block_tokens=4, output_scale=1 / 100, min_output_tokens=2, max_output_tokens=5, target_rate_rps=50)
+    report = run_demo(out, ("cross_dc_pd", "pdd"), 6, scale, cfg, seed=1, request_timeout_s=10, progress=False,
+                      console=Console(file=open(tmp_path / "console.txt", "w"), width=160),
+                      topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    assert FakeTopology.started == ["cross_dc_pd", "pdd"]
+    recs = read_jsonl(out / "requests.jsonl")
+    assert len(recs) == 12 and {r["mode"] for r in recs} == {"cross_dc_pd", "pdd"}
+    assert all(r["ok"] and len(r["token_times_s"]) == r["max_tokens"] for r in recs)
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["modes"] == recompute_report(out / "requests.jsonl")
+    assert saved == json.loads(json.dumps(report))
+    pdd = saved["modes"]["pdd"]
+    assert pdd["completed"] == 6 and pdd["failed"] == 0 and pdd["leaked_pages"] == 0
+    # stats taken once after warm-up (calls=1) and once after the replay (calls=2)
+    assert pdd["wan_line_bytes"] == 1000 and pdd["cpu_seconds"] == pytest.approx(1.25)
+    assert saved["workload"]["requests"] == 6 and saved["workload"]["scale"]["block_tokens"] == 4
+    assert saved["link"]["wan_gbps"] == cfg.link.wan_gbps and saved["seed"] == 1
+    for name in ("ttft_cdf.png", "timeline_pdd.png", "server_stats.json"):
+        assert (out / name).stat().st_size > 0
+    assert "TTFT P90" in (tmp_path / "console.txt").read_text()
+
+
+def test_plots(tmp_path):
+    recs = [
+        {"mode": m, "idx": i, "ok": True, "send_s": 0.1 * i, "end_s": 0.1 * i + 0.5,
+         "token_times_s": [0.1 * i + 0.05 * (k + 1) + (0.2 if m == "cross_dc_pd" else 0) for k in range(5)],
+         "tiers": ["rld", "rld", "md", "md", "md"] if m == "pdd" else ["md"] * 5}
+        for m in ("pdd", "cross_dc_pd") for i in range(8)
+    ]
+    recs.append({"mode": "pdd", "idx": 99, "ok": False, "send_s": 0.0, "end_s": 1.0, "token_times_s": [], "tiers": []})
+    for p in (plot_ttft_cdf(recs, tmp_path / "cdf.png"), plot_token_timeline(recs, tmp_path / "tl.png")):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
