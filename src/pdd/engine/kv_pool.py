@@ -118,8 +118,8 @@ class KVPool:
         ``len == len(pages) * (l1 - l0) * layer_page_bytes``, layout ``[page, layer, kv, slot, head, dim]``."""
         l0, l1 = self._layers(layers)
         t = self.buffer[self._index(pages), l0:l1]
-        t = t.contiguous().cpu().view(torch.uint8)
-        return memoryview(t.numpy()).cast("B")
+        t = t.contiguous().cpu().view(torch.uint8).reshape(-1)
+        return memoryview(t.numpy())
 
     def import_pages(self, pages, data, layers=None) -> None:
         """Write bytes produced by :meth:`export_pages` (same pages count / layer range) into ``pages``."""
