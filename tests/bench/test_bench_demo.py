@@ -53,6 +53,7 @@ def test_run_demo_with_fake_topology(tmp_path, server_url):
     assert saved["link"]["wan_gbps"] == cfg.link.wan_gbps and saved["seed"] == 1
     for name in ("ttft_cdf.png", "timeline_pdd.png", "server_stats.json"):
         assert (out / name).stat().st_size > 0
+    assert saved["output_agreement"]["modes"]["pdd"] == {"compared": 6, "identical": 6, "diverged": []}
     assert "TTFT P90" in (tmp_path / "console.txt").read_text()
 
 

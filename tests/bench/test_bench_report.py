@@ -136,3 +136,18 @@ def test_server_summary_deltas():
     entry["proc_cpu_seconds"] = {"gw": 1.5, "p": 4.0, "link": float("nan")}
     assert server_summary(entry)["cpu_seconds"] == 2.5
     assert server_summary(None) == {"wan_line_bytes": None, "cpu_seconds": None, "leaked_pages": None}
+
+
+def test_output_agreement():
+    from pdd.bench.report import output_agreement
+
+    def r(mode, idx, ids, ok=True):
+        return {"mode": mode, "idx": idx, "ok": ok, "token_times_s": [0.0] * len(ids), "token_ids": ids}
+
+    recs = [r("same_dc_pd", 0, [1, 2, 3]), r("same_dc_pd", 1, [4, 5]), r("same_dc_pd", 2, [6]),
+            r("pdd", 0, [1, 2, 3]), r("pdd", 1, [4, 9]), r("pdd", 2, [6], ok=False),
+            r("cross_dc_pd", 1, [4, 5, 7])]
+    a = output_agreement(recs)
+    assert a["reference"] == "same_dc_pd"
+    assert a["modes"]["pdd"] == {"compared": 2, "identical": 1, "diverged": [{"idx": 1, "pos": 1}]}
+    assert a["modes"]["cross_dc_pd"] == {"compared": 1, "identical": 0, "diverged": [{"idx": 1, "pos": 2}]}

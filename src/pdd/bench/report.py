@@ -217,6 +217,41 @@ def ratios(modes: Mapping[str, Mapping]) -> dict:
     return out
 
 
+def output_agreement(records: Iterable[Mapping], reference: str | None = None) -> dict:
+    """Greedy output contract across modes: each mode's token ids vs the reference mode's.
+
+    Compares requests (by ``idx``) completed in both modes. Returns ``{"reference": mode,
+    "modes": {mode: {"compared", "identical", "diverged": [{"idx", "pos"}, ...]}}}`` where ``pos``
+    is the first differing position (or the shorter length). Near-ties of a random-weight model
+    may legitimately diverge; this lists them rather than hiding them.
+    """
+    by_mode: dict[str, dict[int, list]] = {}
+    for r in records:
+        if is_completed(r):
+            by_mode.setdefault(r["mode"], {})[r["idx"]] = list(r.get("token_ids") or [])
+    names = sorted(by_mode, key=_mode_key)
+    if reference is None:
+        reference = names[0] if names else None
+    out: dict[str, Any] = {"reference": reference, "modes": {}}
+    ref = by_mode.get(reference or "", {})
+    for mode in names:
+        if mode == reference:
+            continue
+        compared = identical = 0
+        diverged = []
+        for idx, ids in sorted(by_mode[mode].items()):
+            if idx not in ref:
+                continue
+            compared += 1
+            if ids == ref[idx]:
+                identical += 1
+                continue
+            pos = next((i for i, (a, b) in enumerate(zip(ids, ref[idx])) if a != b), min(len(ids), len(ref[idx])))
+            diverged.append({"idx": idx, "pos": pos})
+        out["modes"][mode] = {"compared": compared, "identical": identical, "diverged": diverged}
+    return out
+
+
 # ---------------------------------------------------------------- files
 
 
@@ -269,6 +304,7 @@ def build_report(
     """The report.json document (schema in docs and the module docstring)."""
     config = dict(config or {})
     link = dict(link or config.get("link") or {})
+    records = list(records)
     modes = compute_modes(records, server_stats)
     return {
         "git_commit": commit if commit is not None else git_commit(),
@@ -278,6 +314,7 @@ def build_report(
         "link": {k: link.get(k) for k in ("wan_gbps", "wan_rtt_ms", "fast_gbps")},
         "modes": modes,
         "ratios": ratios(modes),
+        "output_agreement": output_agreement(records),
     }
 
 
@@ -347,3 +384,9 @@ def print_table(report_or_modes: Mapping, console=None, title: str = "pdd benchm
     ]
     if parts:
         console.print("TTFT pdd / " + "; pdd / ".join(parts))
+    agree = report_or_modes.get("output_agreement")
+    if agree and agree.get("modes"):
+        console.print(
+            f"greedy outputs identical to {agree['reference']}: "
+            + ", ".join(f"{m} {a['identical']}/{a['compared']}" for m, a in agree["modes"].items())
+        )
