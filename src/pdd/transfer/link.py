@@ -1,0 +1,616 @@
+"""WAN line emulator: a TCP proxy in its own process that models ONE shared line.
+
+Run it as ``python -m pdd.transfer.link --config JSON_OR_PATH`` or ``run_link(cfg)``; it prints
+``LINK READY`` on stdout once every port listens. In tests, ``await Link(cfg).start()``.
+
+Config (dict, or an object with ``model_dump()``)::
+
+    host          listen host (default "127.0.0.1")
+    routes        [{"listen_port", "target_host", "target_port"}]   (also accepted:
+                  "listen": [{"port", "target": [host, port]}]); listen_port 0 picks a free port
+    gbps          line rate per direction, Gbit/s (10^9 bit/s)
+    rtt_ms        round-trip time, ms (each direction adds rtt_ms / 2)
+    jitter_ms     per-chunk extra one-way delay, uniform in [-jitter_ms, +jitter_ms] ms (clipped
+                  at 0, never reordering a connection's bytes), from random.Random(seed)
+    seed          RNG seed (default 0)
+    chunk_bytes   largest chunk read and scheduled at once, bytes (default 65536)
+    control_port  port of the control server (our wire protocol), None = none, 0 = pick
+
+Model. Side "a" is the connecting client, side "b" the target. Each direction (a_to_b, b_to_a)
+is one line shared by all connections through the emulator (all routes). A chunk read from a
+connection at time ``now`` is serialised onto its direction's line after everything admitted
+before it (``start = max(now, line_free)``, ``end = start + bytes*8/(gbps*1e9)``), then
+delivered to the other side at ``end + rtt_ms/2 + jitter``. A connection does not read its
+next chunk until the line has (nearly) finished its previous one, so a fast sender is held
+back by real TCP backpressure (its socket buffers fill) instead of queueing in the proxy;
+the proxy holds at most about one bandwidth-delay product in flight. A slow receiver
+back-pressures too (reading stops while its socket's write buffer is full). Concurrent
+connections interleave chunk by chunk: they share the line fairly.
+
+Control port messages: ``{"t": "stats"}`` -> ``{"t": "stats", "bytes_a_to_b", "bytes_b_to_a",
+"connections", ...}`` (bytes delivered, all connections, framing included);
+``{"t": "set", "gbps"?, "rtt_ms"?, "jitter_ms"?, "outage"?: bool}`` -> the new stats.
+An outage freezes the line: no byte moves and no connection is reset; when it ends, bytes in
+flight resume their remaining delay. Helpers: :func:`query_stats`, :func:`set_link`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import sys
+from collections import deque
+from typing import Any, Optional
+
+from . import rpc
+
+__all__ = ["Link", "run_link", "serve_link", "query_stats", "set_link", "normalize_config", "main"]
+
+log = logging.getLogger("pdd.transfer.link")
+
+DEFAULT_CHUNK_BYTES = 64 << 10
+RESUME_LEAD_S = 0.001  # let a connection read its next chunk this long before the line frees
+DELIVER_SLACK_S = 0.0002  # deliver chunks due within this window together
+WRITE_HIGH_WATER = 1 << 20
+
+
+def normalize_config(cfg: Any) -> dict:
+    """Accept the documented config forms; returns a plain dict with defaults filled in."""
+    if hasattr(cfg, "model_dump"):
+        cfg = cfg.model_dump()
+    elif isinstance(cfg, str):
+        cfg = json.loads(cfg)
+    cfg = dict(cfg)
+    routes = []
+    for r in cfg.get("routes", []) or []:
+        routes.append(
+            {
+                "listen_port": int(r["listen_port"]),
+                "target_host": str(r.get("target_host", "127.0.0.1")),
+                "target_port": int(r["target_port"]),
+            }
+        )
+    for r in cfg.get("listen", []) or []:
+        th, tp = r["target"]
+        routes.append({"listen_port": int(r.get("port", 0)), "target_host": str(th), "target_port": int(tp)})
+    out = {
+        "host": cfg.get("host", "127.0.0.1"),
+        "routes": routes,
+        "gbps": float(cfg.get("gbps", 1.0)),
+        "rtt_ms": float(cfg.get("rtt_ms", 0.0)),
+        "jitter_ms": float(cfg.get("jitter_ms", 0.0)),
+        "seed": int(cfg.get("seed", 0)),
+        "chunk_bytes": int(cfg.get("chunk_bytes", DEFAULT_CHUNK_BYTES)),
+        "control_port": cfg.get("control_port"),
+    }
+    if out["gbps"] <= 0:
+        raise ValueError("gbps must be > 0")
+    if out["rtt_ms"] < 0 or out["jitter_ms"] < 0:
+        raise ValueError("rtt_ms and jitter_ms must be >= 0")
+    if out["chunk_bytes"] < 1024:
+        raise ValueError("chunk_bytes must be >= 1024")
+    return out
+
+
+class _Line:
+    """One direction of the shared line."""
+
+    __slots__ = ("name", "free_at", "bytes_delivered", "bytes_admitted", "busy_s", "flows")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.free_at = 0.0  # loop time at which all admitted bytes are serialised
+        self.bytes_delivered = 0
+        self.bytes_admitted = 0
+        self.busy_s = 0.0
+        self.flows: set["_Flow"] = set()
+
+
+class _Flow:
+    """One direction of one proxied connection: reads ``src``, delivers to ``dst`` in order."""
+
+    __slots__ = (
+        "link", "line", "src", "dst", "queue", "queued_bytes", "last_deliver", "timer",
+        "resume_timer", "line_hold", "eof_read", "eof_sent", "dead", "finished",
+    )
+
+    def __init__(self, link: "Link", line: _Line, src: "_Side", dst: "_Side"):
+        self.link = link
+        self.line = line
+        self.src = src
+        self.dst = dst
+        self.queue: deque = deque()  # (deliver_at, bytes | None=EOF)
+        self.queued_bytes = 0
+        self.last_deliver = 0.0
+        self.timer: Optional[asyncio.TimerHandle] = None
+        self.resume_timer: Optional[asyncio.TimerHandle] = None
+        self.line_hold = False
+        self.eof_read = False
+        self.eof_sent = False
+        self.dead = False
+        self.finished = False  # EOF delivered, or killed
+
+    # -- admission (source side)
+    def admit(self, data) -> None:
+        if self.dead:
+            return  # the destination is gone: drop, as the network would
+        link = self.link
+        loop = link.loop
+        now = loop.time()
+        n = len(data)
+        line = self.line
+        start = line.free_at if line.free_at > now else now
+        ser = n * link._s_per_byte
+        end = start + ser
+        line.free_at = end
+        line.busy_s += ser
+        line.bytes_admitted += n
+        deliver = end + link._one_way_s
+        if link._jitter_s:
+            deliver += link.rng.uniform(-link._jitter_s, link._jitter_s)
+            if deliver < end:
+                deliver = end
+        if deliver < self.last_deliver:
+            deliver = self.last_deliver
+        self.last_deliver = deliver
+        self.queue.append((deliver, data))
+        self.queued_bytes += n
+        if self.timer is None and not link.outage:
+            self.timer = loop.call_at(deliver, self.flush)
+        # hold the source until the line has (nearly) serialised this chunk
+        hold_until = end - RESUME_LEAD_S
+        if hold_until > now:
+            self.line_hold = True
+            self.src.update_reading()
+            self.resume_timer = loop.call_at(hold_until, self._line_free)
+
+    def _line_free(self) -> None:
+        self.resume_timer = None
+        self.line_hold = False
+        self.src.update_reading()
+
+    def admit_eof(self) -> None:
+        if self.eof_read or self.dead:
+            return
+        self.eof_read = True
+        loop = self.link.loop
+        deliver = max(self.last_deliver, self.line.free_at + self.link._one_way_s)
+        self.last_deliver = deliver
+        self.queue.append((deliver, None))
+        if self.timer is None and not self.link.outage:
+            self.timer = loop.call_at(deliver, self.flush)
+
+    # -- delivery (destination side)
+    def flush(self) -> None:
+        self.timer = None
+        if self.dead or self.link.outage:
+            return
+        q = self.queue
+        loop = self.link.loop
+        horizon = loop.time() + DELIVER_SLACK_S
+        tr = self.dst.transport
+        delivered = 0
+        eof = False
+        while q and q[0][0] <= horizon:
+            _, data = q.popleft()
+            if data is None:
+                eof = True
+                break
+            if tr is not None:
+                tr.write(data)
+                delivered += len(data)
+            else:
+                self.queued_bytes -= len(data)
+        if delivered:
+            self.queued_bytes -= delivered
+            self.line.bytes_delivered += delivered
+        if eof:
+            self.eof_sent = self.finished = True
+            if tr is not None and tr.can_write_eof():
+                try:
+                    tr.write_eof()
+                except (OSError, RuntimeError):
+                    pass
+            self.dst.conn.maybe_close()
+            return
+        if q:
+            self.timer = loop.call_at(q[0][0], self.flush)
+
+    def shift(self, d: float) -> None:
+        """Delay everything in flight by ``d`` seconds (end of an outage)."""
+        if self.queue:
+            self.queue = deque((t + d, x) for t, x in self.queue)
+        self.last_deliver += d
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.queue:
+            self.timer = self.link.loop.call_at(self.queue[0][0], self.flush)
+
+    def kill(self) -> None:
+        self.dead = self.finished = True
+        for h in (self.timer, self.resume_timer):
+            if h is not None:
+                h.cancel()
+        self.timer = self.resume_timer = None
+        self.queue.clear()
+        self.queued_bytes = 0
+        self.line.flows.discard(self)
+
+
+class _Side(asyncio.BufferedProtocol):
+    """One socket of a proxied connection."""
+
+    def __init__(self, conn: "_Conn", name: str):
+        self.conn = conn
+        self.name = name
+        self.transport: Optional[asyncio.Transport] = None
+        self.out: Optional[_Flow] = None  # flow that carries what this side sends
+        self.into: Optional[_Flow] = None  # flow that delivers to this side
+        self.write_paused = False
+        self.reading = True
+        self.ready = False  # both ends connected
+        self._buf: Optional[bytearray] = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        try:
+            transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        except Exception:
+            pass
+        self.conn.side_made(self)
+
+    def get_buffer(self, sizehint: int):
+        if self._buf is None:
+            self._buf = bytearray(self.conn.link.chunk_bytes)
+        return self._buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        buf = self._buf
+        if nbytes == len(buf):
+            data = buf
+            self._buf = None  # handed over; a fresh one for the next read
+        elif nbytes <= len(buf) >> 2:
+            data = bytes(memoryview(buf)[:nbytes])  # small: copy, keep the buffer
+        else:
+            data = memoryview(buf)[:nbytes]
+            self._buf = None
+        self.out.admit(data)
+
+    def eof_received(self):
+        self.out.admit_eof()
+        self.reading = False
+        return True  # keep the transport open: the other direction may still deliver
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        self.conn.lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.into is not None:
+            self.into.src.update_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.into is not None:
+            self.into.src.update_reading()
+
+    def update_reading(self) -> None:
+        """Read iff connected, the line took our last chunk, the receiver keeps up and no outage."""
+        tr = self.transport
+        if tr is None or self.out is None:
+            return
+        want = (
+            self.ready
+            and not self.out.line_hold
+            and not self.out.eof_read
+            and not self.out.dst.write_paused
+            and not self.conn.link.outage
+        )
+        if want != self.reading:
+            self.reading = want
+            try:
+                if want:
+                    tr.resume_reading()
+                else:
+                    tr.pause_reading()
+            except Exception:
+                pass
+
+
+class _Conn:
+    """A proxied connection: side a (accepted) and side b (to the target)."""
+
+    def __init__(self, link: "Link", route: dict):
+        self.link = link
+        self.route = route
+        self.a = _Side(self, "a")
+        self.b: Optional[_Side] = None
+        self.closed = False
+
+    def side_made(self, side: _Side) -> None:
+        side.transport.pause_reading()  # until both ends are connected and the flows exist
+        side.reading = False
+        if side is self.a:
+            self.link.conns.add(self)
+            self.link.connections_total += 1
+            self.link.loop.create_task(self._connect_b())
+
+    async def _connect_b(self) -> None:
+        link = self.link
+        try:
+            _, b = await link.loop.create_connection(
+                lambda: _Side(self, "b"), self.route["target_host"], self.route["target_port"]
+            )
+        except OSError as e:
+            log.warning("link: cannot reach %s:%s: %r", self.route["target_host"], self.route["target_port"], e)
+            link.connect_failures += 1
+            self.abort()
+            return
+        if self.closed or self.a.transport is None:
+            b.transport.close()
+            return
+        self.b = b
+        ab = _Flow(link, link.a_to_b, self.a, b)
+        ba = _Flow(link, link.b_to_a, b, self.a)
+        self.a.out, self.a.into = ab, ba
+        b.out, b.into = ba, ab
+        link.a_to_b.flows.add(ab)
+        link.b_to_a.flows.add(ba)
+        self.a.ready = b.ready = True
+        self.a.update_reading()
+        b.update_reading()
+
+    def maybe_close(self) -> None:
+        if self.b is None or self.a.out is None:
+            return
+        if self.a.out.finished and self.b.out.finished:
+            self.close()
+
+    def lost(self, side: _Side, exc) -> None:
+        """A socket closed or reset: nothing more can go to it, but what it sent before is
+        already on the line and is delivered (followed by EOF) before the other side closes."""
+        if self.closed:
+            return
+        if side.out is None:
+            self.abort()
+            return
+        side.into.kill()
+        side.out.admit_eof()
+        self.maybe_close()
+
+    def _finish(self) -> None:
+        self.closed = True
+        self.link.conns.discard(self)
+        for s in (self.a, self.b):
+            if s is not None:
+                for f in (s.out, s.into):
+                    if f is not None:
+                        f.kill()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        for s in (self.a, self.b):
+            if s is not None and s.transport is not None:
+                s.transport.close()
+        self._finish()
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        for s in (self.a, self.b):
+            if s is not None and s.transport is not None:
+                s.transport.abort()
+        self._finish()
+
+
+class Link:
+    """The emulated line (in-process). ``await link.start()``; ``link.ports`` lists the actual
+    listen ports in route order; ``link.control_port`` the control server's port."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = normalize_config(cfg)
+        self.host = self.cfg["host"]
+        self.chunk_bytes = self.cfg["chunk_bytes"]
+        self.rng = random.Random(self.cfg["seed"])
+        self.a_to_b = _Line("a_to_b")
+        self.b_to_a = _Line("b_to_a")
+        self.conns: set[_Conn] = set()
+        self.connections_total = 0
+        self.connect_failures = 0
+        self.outage = False
+        self.outage_started: Optional[float] = None
+        self.outage_total_s = 0.0
+        self.ports: list[int] = []
+        self.control_port: Optional[int] = None
+        self._servers: list[asyncio.base_events.Server] = []
+        self._control: Optional[rpc.Server] = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._apply(self.cfg["gbps"], self.cfg["rtt_ms"], self.cfg["jitter_ms"])
+
+    def _apply(self, gbps: float, rtt_ms: float, jitter_ms: float) -> None:
+        if gbps <= 0 or rtt_ms < 0 or jitter_ms < 0:
+            raise ValueError("need gbps > 0, rtt_ms >= 0, jitter_ms >= 0")
+        self.gbps, self.rtt_ms, self.jitter_ms = float(gbps), float(rtt_ms), float(jitter_ms)
+        self._s_per_byte = 8.0 / (self.gbps * 1e9)
+        self._one_way_s = self.rtt_ms / 2000.0
+        self._jitter_s = self.jitter_ms / 1000.0
+
+    async def start(self) -> "Link":
+        self.loop = asyncio.get_running_loop()
+        for r in self.cfg["routes"]:
+            srv = await self.loop.create_server(
+                lambda r=r: _Conn(self, r).a, self.host, r["listen_port"], reuse_address=True
+            )
+            self._servers.append(srv)
+            self.ports.append(srv.sockets[0].getsockname()[1])
+        if self.cfg["control_port"] is not None:
+            self._control = rpc.Server(
+                self.host,
+                int(self.cfg["control_port"]),
+                {"stats": self._h_stats, "set": self._h_set},
+                role="link",
+                instance="link",
+            )
+            await self._control.start()
+            self.control_port = self._control.port
+        return self
+
+    async def close(self) -> None:
+        for s in self._servers:
+            s.close()
+        for c in list(self.conns):
+            c.abort()
+        if self._control is not None:
+            await self._control.close()
+        for s in self._servers:
+            try:
+                await asyncio.wait_for(s.wait_closed(), 1.0)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+
+    async def __aenter__(self) -> "Link":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- control
+    def set(self, gbps: Optional[float] = None, rtt_ms: Optional[float] = None,
+            jitter_ms: Optional[float] = None, outage: Optional[bool] = None) -> dict:
+        """Change rate (Gbit/s), RTT (ms), jitter (ms) for bytes admitted from now on; start/end an outage."""
+        self._apply(
+            self.gbps if gbps is None else gbps,
+            self.rtt_ms if rtt_ms is None else rtt_ms,
+            self.jitter_ms if jitter_ms is None else jitter_ms,
+        )
+        if outage is not None and bool(outage) != self.outage:
+            now = self.loop.time()
+            if outage:
+                self.outage = True
+                self.outage_started = now
+                for line in (self.a_to_b, self.b_to_a):
+                    for f in line.flows:
+                        if f.timer is not None:
+                            f.timer.cancel()
+                            f.timer = None
+                        f.src.update_reading()
+            else:
+                d = now - self.outage_started
+                self.outage = False
+                self.outage_total_s += d
+                for line in (self.a_to_b, self.b_to_a):
+                    if line.free_at > self.outage_started:
+                        line.free_at += d
+                    for f in list(line.flows):
+                        f.shift(d)
+                        if f.resume_timer is not None:
+                            f.resume_timer.cancel()
+                            f.resume_timer = None
+                            f.line_hold = False
+                        f.src.update_reading()
+        return self.stats()
+
+    def stats(self) -> dict:
+        """Counters; bytes are bytes delivered (all connections, framing included)."""
+        return {
+            "bytes_a_to_b": self.a_to_b.bytes_delivered,
+            "bytes_b_to_a": self.b_to_a.bytes_delivered,
+            "admitted_a_to_b": self.a_to_b.bytes_admitted,
+            "admitted_b_to_a": self.b_to_a.bytes_admitted,
+            "in_flight_a_to_b": sum(f.queued_bytes for f in self.a_to_b.flows),
+            "in_flight_b_to_a": sum(f.queued_bytes for f in self.b_to_a.flows),
+            "busy_s_a_to_b": self.a_to_b.busy_s,
+            "busy_s_b_to_a": self.b_to_a.busy_s,
+            "connections": len(self.conns),
+            "connections_total": self.connections_total,
+            "connect_failures": self.connect_failures,
+            "gbps": self.gbps,
+            "rtt_ms": self.rtt_ms,
+            "jitter_ms": self.jitter_ms,
+            "outage": self.outage,
+            "outage_total_s": self.outage_total_s,
+            "ports": list(self.ports),
+        }
+
+    def _h_stats(self, peer, h, p):
+        return dict(self.stats(), t="stats")
+
+    def _h_set(self, peer, h, p):
+        return dict(
+            self.set(h.get("gbps"), h.get("rtt_ms"), h.get("jitter_ms"), h.get("outage")),
+            t="stats",
+        )
+
+
+# ---------------------------------------------------------------- control clients
+def _strip(h: dict) -> dict:
+    return {k: v for k, v in h.items() if k not in ("t", "cid", "reply")}
+
+
+async def query_stats(host: str, port: int, timeout: float = 5.0) -> dict:
+    """Ask a running link's control port for its stats (one short-lived connection)."""
+    peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
+    try:
+        h, _ = await peer.call({"t": "stats"}, timeout=timeout)
+        return _strip(h)
+    finally:
+        await peer.close()
+
+
+async def set_link(host: str, port: int, timeout: float = 5.0, **kw) -> dict:
+    """``set_link(host, port, gbps=?, rtt_ms=?, jitter_ms=?, outage=?)`` -> new stats."""
+    peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
+    try:
+        h, _ = await peer.call(dict({k: v for k, v in kw.items() if v is not None}, t="set"), timeout=timeout)
+        return _strip(h)
+    finally:
+        await peer.close()
+
+
+# ---------------------------------------------------------------- process entry
+async def serve_link(cfg: Any, ready_line: str = "LINK READY") -> None:
+    """Start the link, print ``ready_line`` on stdout, serve until SIGTERM/SIGINT."""
+    link = Link(cfg)
+    await link.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    log.info("link %s gbps=%s rtt_ms=%s ports=%s control=%s", link.host, link.gbps, link.rtt_ms, link.ports, link.control_port)
+    print(ready_line, flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await link.close()
+
+
+def run_link(cfg: Any) -> None:
+    """Blocking: run the link in this process until SIGTERM/SIGINT."""
+    asyncio.run(serve_link(cfg))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m pdd.transfer.link", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="JSON text or path to a JSON file")
+    args = ap.parse_args(argv)
+    text = args.config
+    if not text.lstrip().startswith("{") and os.path.exists(text):
+        with open(text) as f:
+            text = f.read()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s link %(levelname)s %(message)s")
+    run_link(json.loads(text))
+
+
+if __name__ == "__main__":
+    main()

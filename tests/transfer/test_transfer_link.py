@@ -1,0 +1,300 @@
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdd.transfer import link as linkmod
+from pdd.transfer.kv import KVReceiver, KVSender
+from pdd.transfer.link import Link, query_stats, set_link
+from pdd.transfer.rpc import Server, connect
+
+
+class SinkServer:
+    """Plain TCP server: counts bytes per connection, records arrival times, optional echo."""
+
+    def __init__(self, reply: bytes = b"", read: bool = True):
+        self.conns = []
+        self.reply = reply
+        self.read = read
+        self.read_ok = asyncio.Event()
+        if read:
+            self.read_ok.set()
+
+    async def start(self):
+        self.server = await asyncio.start_server(self._cb, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _cb(self, r, w):
+        rec = {"bytes": 0, "data": bytearray(), "eof": asyncio.Event(), "t_last": None, "writer": w}
+        self.conns.append(rec)
+        await self.read_ok.wait()
+        while True:
+            d = await r.read(1 << 16)
+            if not d:
+                break
+            rec["bytes"] += len(d)
+            rec["data"] += d
+            rec["t_last"] = time.monotonic()
+        if self.reply:
+            w.write(self.reply)
+            await w.drain()
+        w.close()
+        rec["eof"].set()
+
+    async def close(self):
+        self.server.close()
+        for c in self.conns:
+            c["writer"].close()
+
+
+def cfg(port, **kw):
+    c = {"routes": [{"listen_port": 0, "target_host": "127.0.0.1", "target_port": port}], "control_port": 0}
+    c.update(kw)
+    return c
+
+
+async def send_all(port, data, chunk=1 << 16, eof=True):
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.monotonic()
+    for i in range(0, len(data), chunk):
+        w.write(data[i : i + chunk])
+        await w.drain()
+    if eof:
+        w.write_eof()
+    return r, w, t0
+
+
+async def wait_for(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+async def test_single_flow_time_and_exact_bytes():
+    sink = await SinkServer(reply=b"bye").start()
+    gbps, rtt_ms, n = 0.1, 40.0, 1_000_000  # 12.5 MB/s: 80 ms + 20 ms one way
+    async with Link(cfg(sink.port, gbps=gbps, rtt_ms=rtt_ms)) as link:
+        data = os.urandom(n)
+        r, w, t0 = await send_all(link.ports[0], data)
+        await wait_for(lambda: sink.conns and sink.conns[0]["eof"].is_set())
+        elapsed = sink.conns[0]["t_last"] - t0
+        expect = n * 8 / (gbps * 1e9) + rtt_ms / 2000
+        assert bytes(sink.conns[0]["data"]) == data
+        assert elapsed >= expect - 0.01, (elapsed, expect)  # lower bound: the model's own
+        assert elapsed < expect * 4 + 1.0, (elapsed, expect)  # generous: noisy shared machine
+        assert await r.read() == b"bye"
+        w.close()
+        st = link.stats()
+        assert st["bytes_a_to_b"] == n and st["bytes_b_to_a"] == 3
+        assert st["admitted_a_to_b"] == n
+        assert st["busy_s_a_to_b"] == pytest.approx(n * 8 / (gbps * 1e9))
+        await wait_for(lambda: link.stats()["connections"] == 0)
+        assert link.stats()["connections_total"] == 1
+    await sink.close()
+
+
+async def test_two_flows_share_the_line():
+    sink = await SinkServer().start()
+    gbps, n = 0.1, 500_000  # each alone: 40 ms; together: 80 ms
+    async with Link(cfg(sink.port, gbps=gbps, rtt_ms=0)) as link:
+        d1, d2 = os.urandom(n), os.urandom(n)
+        t0 = time.monotonic()
+        (r1, w1, _), (r2, w2, _) = await asyncio.gather(send_all(link.ports[0], d1), send_all(link.ports[0], d2))
+        await wait_for(lambda: len(sink.conns) == 2 and all(c["eof"].is_set() for c in sink.conns))
+        total = 2 * n * 8 / (gbps * 1e9)
+        ends = sorted(c["t_last"] - t0 for c in sink.conns)
+        assert sorted(bytes(c["data"]) for c in sink.conns) == sorted([d1, d2])
+        assert ends[1] >= total * 0.95, (ends, total)
+        # fair sharing: the first flow is not served alone first (it would end at total/2)
+        assert ends[0] >= total * 0.75, (ends, total)
+        assert link.stats()["bytes_a_to_b"] == 2 * n
+        w1.close()
+        w2.close()
+    await sink.close()
+
+
+async def test_backpressure_bounds_proxy_buffering():
+    # slow line: the proxy holds only ~a chunk or two per connection, the rest stays in the sender
+    sink = await SinkServer().start()
+    async with Link(cfg(sink.port, gbps=0.05, rtt_ms=0, chunk_bytes=16384)) as link:
+        r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        w.write(b"x" * (8 << 20))
+        await asyncio.sleep(0.3)
+        st = link.stats()
+        assert st["in_flight_a_to_b"] <= 4 * 16384
+        # at 6.25 MB/s about 1.9 MB can have been admitted in 0.3 s
+        assert st["admitted_a_to_b"] < 3_000_000
+        w.transport.abort()
+
+    # receiver not reading: admission stops (no unbounded buffering in the proxy)
+    sink2 = SinkServer(read=False)
+    await sink2.start()
+    async with Link(cfg(sink2.port, gbps=10.0, rtt_ms=0)) as link:
+        r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        w.write(b"y" * (24 << 20))
+        await asyncio.sleep(0.3)
+        a1 = link.stats()["admitted_a_to_b"]
+        await asyncio.sleep(0.2)
+        a2 = link.stats()["admitted_a_to_b"]
+        assert a1 == a2 and a1 < 16 << 20, (a1, a2)  # ~ socket buffers + 1 MiB high water
+        sink2.read_ok.set()  # now drain: everything arrives
+        await asyncio.sleep(0)
+        w.write_eof()
+        await wait_for(lambda: sink2.conns[0]["eof"].is_set(), 20)
+        assert sink2.conns[0]["bytes"] == 24 << 20
+        assert link.stats()["bytes_a_to_b"] == 24 << 20
+        w.close()
+    await sink.close()
+    await sink2.close()
+
+
+async def test_jitter_keeps_order_and_is_seeded():
+    sink = await SinkServer().start()
+    async with Link(cfg(sink.port, gbps=1.0, rtt_ms=4, jitter_ms=3, seed=7)) as link:
+        r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        msgs = [f"<{i}>".encode() for i in range(300)]
+        for m in msgs:
+            w.write(m)
+            await w.drain()
+            await asyncio.sleep(0.0005)
+        w.write_eof()
+        await wait_for(lambda: sink.conns and sink.conns[0]["eof"].is_set())
+        assert bytes(sink.conns[0]["data"]) == b"".join(msgs)
+        w.close()
+    a = Link(cfg(1, jitter_ms=1, seed=3)).rng.random()
+    assert a == Link(cfg(1, jitter_ms=1, seed=3)).rng.random()
+    await sink.close()
+
+
+async def test_outage_holds_bytes_without_reset():
+    sink = await SinkServer().start()
+    async with Link(cfg(sink.port, gbps=1.0, rtt_ms=10)) as link:
+        r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        w.write(b"a" * 1000)
+        await wait_for(lambda: sink.conns and sink.conns[0]["bytes"] == 1000)
+        st = await set_link("127.0.0.1", link.control_port, outage=True)
+        assert st["outage"] is True
+        w.write(b"b" * 5000)
+        await asyncio.sleep(0.15)
+        assert sink.conns[0]["bytes"] == 1000  # held
+        assert link.stats()["connections"] == 1
+        t_end = time.monotonic()
+        await set_link("127.0.0.1", link.control_port, outage=False)
+        await wait_for(lambda: sink.conns[0]["bytes"] == 6000)
+        assert sink.conns[0]["t_last"] - t_end >= 0.004  # still pays the one-way delay after the outage
+        assert bytes(sink.conns[0]["data"]) == b"a" * 1000 + b"b" * 5000
+        st = await query_stats("127.0.0.1", link.control_port)
+        assert st["outage"] is False and st["outage_total_s"] >= 0.14
+        # data sent during the outage before it ends is held too, also in flight
+        w.write(b"c" * 100)
+        await asyncio.sleep(0.001)
+        link.set(outage=True)
+        await asyncio.sleep(0.05)
+        link.set(outage=False)
+        await wait_for(lambda: sink.conns[0]["bytes"] == 6100)
+        w.close()
+    await sink.close()
+
+
+async def test_control_port_set_rate_and_stats():
+    sink = await SinkServer().start()
+    async with Link(cfg(sink.port, gbps=1.0, rtt_ms=2)) as link:
+        st = await set_link("127.0.0.1", link.control_port, gbps=0.04, rtt_ms=0)
+        assert st["gbps"] == 0.04 and st["rtt_ms"] == 0
+        n = 100_000  # 20 ms at 40 Mbit/s
+        r, w, t0 = await send_all(link.ports[0], b"z" * n)
+        await wait_for(lambda: sink.conns and sink.conns[0]["eof"].is_set())
+        assert sink.conns[0]["t_last"] - t0 >= 0.018
+        st = await query_stats("127.0.0.1", link.control_port)
+        assert st["bytes_a_to_b"] == n and st["connections_total"] == 1
+        assert {"bytes_a_to_b", "bytes_b_to_a", "connections", "gbps", "rtt_ms", "outage"} <= st.keys()
+        w.close()
+    await sink.close()
+
+
+async def test_rpc_and_kv_through_link():
+    got = {}
+    done = asyncio.Event()
+    recv = KVReceiver(lambda rid, f, n, l, p: got.__setitem__(f, bytes(p)), lambda rid, h: done.set())
+    handlers = recv.handlers()
+    handlers["echo"] = lambda peer, h, p: ({"t": "r"}, p)
+    server = await Server("127.0.0.1", 0, handlers, role="md").start()
+    async with Link(cfg(server.port, gbps=0.2, rtt_ms=10)) as link:
+        peer = await connect("127.0.0.1", link.ports[0], role="p")
+        assert peer.remote_role == "md"
+        t0 = time.monotonic()
+        h, p = await peer.call({"t": "echo"}, b"hi")
+        assert p == b"hi" and time.monotonic() - t0 >= 0.009  # one RTT
+        pb, npg = 4096, 100
+        blob = os.urandom(pb * npg)
+        snd = KVSender(peer, chunk_pages=8)
+        res = await snd.submit("r", 0, lambda i, n: blob[i * pb : (i + n) * pb], npg, pb)
+        await asyncio.wait_for(done.wait(), 10)
+        assert b"".join(got[i] for i in sorted(got)) == blob
+        assert sum(len(v) for v in got.values()) == pb * npg == res.bytes_sent == recv.bytes_received["r"]
+        st = link.stats()
+        assert st["bytes_a_to_b"] >= res.bytes_sent + 2
+        await peer.close()
+    await server.close()
+
+
+async def test_connection_close_propagates_and_unreachable_target():
+    sink = await SinkServer().start()
+    async with Link(cfg(sink.port, gbps=1.0, rtt_ms=20)) as link:
+        # sender closes right after writing: bytes in flight still arrive, then EOF
+        r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        w.write(b"q" * 300_000)
+        await w.drain()
+        w.close()
+        await wait_for(lambda: sink.conns and sink.conns[0]["eof"].is_set())
+        assert sink.conns[0]["bytes"] == 300_000
+        await wait_for(lambda: link.stats()["connections"] == 0)
+    await sink.close()
+    # target down: the client connection is closed, the link keeps serving
+    async with Link(cfg(sink.port)) as link:
+        r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        assert link.stats()["connect_failures"] == 1
+        w.close()
+
+
+def test_normalize_config_forms():
+    a = linkmod.normalize_config({"listen": [{"port": 5, "target": ["h", 6]}], "gbps": 2})
+    assert a["routes"] == [{"listen_port": 5, "target_host": "h", "target_port": 6}]
+    assert a["gbps"] == 2.0 and a["chunk_bytes"] == 65536 and a["control_port"] is None
+    with pytest.raises(ValueError):
+        linkmod.normalize_config({"gbps": 0})
+
+
+def test_link_process_cli():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    conf = json.dumps({"routes": [{"listen_port": 0, "target_host": "127.0.0.1", "target_port": 9}], "control_port": port, "gbps": 0.5})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdd.transfer.link", "--config", conf],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "LINK READY"
+        st = asyncio.run(query_stats("127.0.0.1", port))
+        assert st["gbps"] == 0.5 and st["bytes_a_to_b"] == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
