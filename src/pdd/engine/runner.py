@@ -79,10 +79,10 @@ class PagedAttention:
         kvh = k.shape[1]
         if self.dec is not None:
             rows, tables, mask = self.dec
-            b, maxp = tables.shape
-            g = kv[tables]  # [B, maxp, 2, S, KVH, D]
-            kk = g[:, :, 0].reshape(b, -1, kvh, d).transpose(1, 2)
-            vv = g[:, :, 1].reshape(b, -1, kvh, d).transpose(1, 2)
+            b = tables.shape[0]
+            flat = tables.reshape(-1)  # index_select per K / V: contiguous result, no extra copy
+            kk = torch.index_select(kv[:, 0], 0, flat).view(b, -1, kvh, d).transpose(1, 2)
+            vv = torch.index_select(kv[:, 1], 0, flat).view(b, -1, kvh, d).transpose(1, 2)
             qq = q[rows].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
             out[rows] = o.squeeze(2)
@@ -94,9 +94,8 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
             else:
                 total = start + n
-                g = kv[pt]  # [np, 2, S, KVH, D]
-                kk = g[:, 0].reshape(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
-                vv = g[:, 1].reshape(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                kk = torch.index_select(kv[:, 0], 0, pt).view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                vv = torch.index_select(kv[:, 1], 0, pt).view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
                 qpos = torch.arange(start, total, device=q.device)
                 mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
