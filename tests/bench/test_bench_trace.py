@@ -134,3 +134,21 @@ def test_token_space_from_model(tmp_path: Path):
     assert ts.first_normal_id == 4 and ts.vocab_size == 951 and 950 in ts.avoid_ids
     reqs = build_requests([rec(0, 4096, 8, list(range(8)))], Scale(block_tokens=64), ts)
     assert all(4 <= t < 950 for t in reqs[0].prompt_ids)
+
+
+def test_session_sampling_keeps_whole_conversations():
+    s = Scale(session_sample=50, count=40, target_rate_rps=2.0)
+    reqs = build_requests(DEFAULT_TRACE, s, TS)
+    assert len(reqs) == 40 and reqs == build_requests(DEFAULT_TRACE, s, TS)
+    assert [r.idx for r in reqs] == sorted(r.idx for r in reqs) and reqs[0].arrival_s == 0.0
+    keys = {r.trace_record["hash_ids"][1] for r in reqs if len(r.trace_record["hash_ids"]) > 1}
+    # every request of the trace up to the last kept one with a kept conversation key is kept
+    recs = load_trace(DEFAULT_TRACE, 0, reqs[-1].idx + 1)
+    expect = [i for i, r in enumerate(recs) if (r["hash_ids"][1] in keys if len(r["hash_ids"]) > 1 else s.keeps_session(r, i))]
+    assert expect == [r.idx for r in reqs]
+    contiguous = ideal_prefix_hit_rate(build_requests(DEFAULT_TRACE, Scale(count=40), TS))
+    assert contiguous < 0.06 < ideal_prefix_hit_rate(reqs)
+    whole_hour = build_requests(DEFAULT_TRACE, Scale(session_sample=50), TS)
+    assert 200 < len(whole_hour) < 260 and ideal_prefix_hit_rate(whole_hour) > 0.25
+    other = build_requests(DEFAULT_TRACE, Scale(session_sample=50, session_seed=1, count=40), TS)
+    assert [r.idx for r in other] != [r.idx for r in reqs]

@@ -204,11 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
     ap.add_argument("--max-input", type=int, default=None)
     ap.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="mean arrivals, req/s")
+    ap.add_argument("--session-sample", type=int, default=1, help="keep 1 in N conversations (all turns)")
+    ap.add_argument("--session-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true")
     args = ap.parse_args(argv)
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
-                  max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate)
+                  max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
+                  session_sample=args.session_sample, session_seed=args.session_seed)
     run_demo(args.out, tuple(m for m in args.modes.split(",") if m), args.requests, scale,
              ClusterConfig.load(args.config), args.seed, start=args.start, warmup=not args.no_warmup)
     return 0
