@@ -83,7 +83,7 @@ def plot_token_timeline(
             ax.plot([send], [row], marker="|", color="k", markersize=7, zorder=3)
         times = r.get("token_times_s") or []
         tiers = r.get("tiers") or [None] * len(times)
-        for tier in set(tiers):
+        for tier in sorted(set(tiers), key=lambda t: (t is None, str(t))):
             xs = [t for t, k in zip(times, tiers) if k == tier]
             ax.scatter(xs, [row] * len(xs), s=4, color=TIER_COLORS.get(tier, "tab:gray"), zorder=2,
                        label=None if tier in seen_tiers else str(tier))
