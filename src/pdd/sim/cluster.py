@@ -1,0 +1,1033 @@
+"""Discrete-event simulator (SimPy) of a two-datacenter pdd cluster.
+
+Every decision goes through the code the live runtime runs, looked up at call time (so a test
+can replace it and see the simulator change):
+
+- ``pdd.policy.pipeline.choose_pipeline`` (which pipeline), ``pdd.policy.handoff.decide_handoff``
+  (one-shot / catch-up rounds), ``pdd.policy.cutoff.should_cut_off`` (anomaly filter),
+  ``pdd.policy.wan_order.pick_next`` (WAN send order), ``pdd.policy.routing.choose_instance``;
+- ``pdd.engine.scheduler.schedule`` forms every batch of every instance (continuous batching,
+  chunked prefill, extends), so its small tail chunks appear here as they do in the engine.
+
+Model (units in names; all times in simulated seconds):
+
+- An *instance* is one engine (``gpus`` chips) with a roofline step-time model
+  (``hardware.StepCostModel``), a KV pool of ``kv_capacity_tokens`` and, on P / MD / colocated,
+  a prefix cache over the trace's 512-token blocks (LRU over unlocked blocks, children evicted
+  before their parents). Admission reserves the uncached prompt plus the output length; a
+  request that does not fit waits (FIFO).
+- Pure-decode batches advance to their next membership change in one event (``k`` steps at the
+  step time of the mid-point context); an arrival (or any message) wakes the instance, which
+  finishes the step in flight and re-plans.
+- Links: the WAN is *one* line shared by all A->B flows (processor sharing = TCP fairness, or
+  the runtime's frame scheduler order ``fifo`` / ``srf`` via ``pick_next``) plus half an RTT of
+  propagation each way; control messages and token streams cost the propagation only. The fast
+  path is one line per sending P instance (its NICs).
+- Request life follows docs/ARCHITECTURE.md: the gateway (in A) routes, asks MD to reserve
+  (an RTT), chooses the pipeline; P prefills and samples the first token; KV goes to RLD (fast)
+  and/or MD (WAN, only the blocks MD lacks); the first token reaches the client when the KV has
+  reached a decoder; RLD hands over token ids; MD extends and decodes; tokens from MD reach the
+  gateway half an RTT later.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import simpy
+
+import pdd.engine.scheduler as eng_sched
+import pdd.policy.cutoff as pol_cutoff
+import pdd.policy.handoff as pol_handoff
+import pdd.policy.pipeline as pol_pipeline
+import pdd.policy.routing as pol_routing
+import pdd.policy.wan_order as pol_wan
+from pdd.sim.hardware import Efficiency, StepCostModel, cost_model, get_chip
+from pdd.sim.models import get_model
+from pdd.types import Pipeline
+
+BLOCK = 512  # tokens per trace block (Mooncake hash granularity)
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class SimConfig:
+    """One simulated deployment. Counts are instances (each ``model.gpus_per_instance`` chips)."""
+
+    mode: str = "pdd"  # colocated | same_dc_pd | cross_dc_pd | pdd
+    model: str = "llama-3.1-8b"
+    kv_bytes_per_token: int | None = None  # override the model's
+    chip_a: str = "H100-SXM5-80GB"  # P, RLD, same-DC D, colocated
+    chip_b: str = "H200-SXM-141GB"  # MD
+    price_a: float | None = None  # USD per GPU-hour, overrides the chip profile
+    price_b: float | None = None
+    n_p: int = 1
+    n_rld: int = 1
+    n_md: int = 1
+    n_d: int = 1  # same_dc_pd decode instances (chip A)
+    n_c: int = 1  # colocated instances (chip A)
+    wan_gbps: float = 100.0
+    wan_rtt_ms: float = 20.0
+    wan_order: str = "ps"  # ps | fifo | srf
+    wan_usd_per_hour: float = 0.0  # the cross-DC line's price
+    fast_gbps: float | None = None  # per P instance; default chip nic_gbps x gpus
+    fast_rtt_ms: float = 0.02
+    max_batch_tokens: int = 8192
+    max_running_seqs: int = 256
+    prefill_chunk_tokens: int = 8192
+    max_prefill_inflight: int = 0  # admission: sequences in prefill at once per instance (0 = any)
+    ttft_budget_ms: float = 250.0  # pipeline policy budget (pdd: P->MD if the WAN fits it)
+    handoff_mode: str = "one_shot"
+    catchup_threshold: int = 64
+    allow_p_rld: bool = False
+    cutoff: bool = True
+    drc: bool = True  # decode-side radix cache on MD
+    p_cache: bool = True
+    routing: str = "cache_aware"
+    load_slack: int = 8
+    md_cache_frac: float = 1.0  # fraction of MD's free KV pool the DRC may keep (capacity studies)
+    p_cache_frac: float = 1.0
+    slo_ttft_s: float = 5.0
+    slo_tpot_s: float = 0.05
+    warmup_frac: float = 0.1  # leading fraction of requests excluded from the metrics
+    profile_a: str | None = None  # measured profile JSON (fits the roofline efficiencies)
+    profile_b: str | None = None
+    efficiency: Efficiency | None = None
+
+    def replace(self, **kw) -> "SimConfig":
+        return replace(self, **kw)
+
+    # derived --------------------------------------------------------------------------------
+    def model_profile(self):
+        m = get_model(self.model)
+        return m.with_kv_bytes(self.kv_bytes_per_token) if self.kv_bytes_per_token else m
+
+    def chip(self, which: str):
+        c = get_chip(self.chip_a if which == "a" else self.chip_b)
+        p = self.price_a if which == "a" else self.price_b
+        return c.priced(p) if p is not None else c
+
+    def tiers(self) -> dict[str, tuple[int, str]]:
+        """role -> (count, chip side)."""
+        if self.mode == "colocated":
+            return {"C": (self.n_c, "a")}
+        if self.mode == "same_dc_pd":
+            return {"P": (self.n_p, "a"), "D": (self.n_d, "a")}
+        if self.mode == "cross_dc_pd":
+            return {"P": (self.n_p, "a"), "MD": (self.n_md, "b")}
+        if self.mode == "pdd":
+            return {"P": (self.n_p, "a"), "RLD": (self.n_rld, "a"), "MD": (self.n_md, "b")}
+        raise ValueError(f"unknown mode {self.mode!r}")
+
+    def cross_dc(self) -> bool:
+        return self.mode in ("cross_dc_pd", "pdd")
+
+    def gpus(self) -> dict[str, int]:
+        g = self.model_profile().gpus_per_instance
+        out = {"a": 0, "b": 0}
+        for _, (n, side) in self.tiers().items():
+            out[side] += n * g
+        return out
+
+    def cost_per_hour(self) -> float:
+        g = self.gpus()
+        c = g["a"] * self.chip("a").usd_per_hour + g["b"] * self.chip("b").usd_per_hour
+        return c + (self.wan_usd_per_hour if self.cross_dc() else 0.0)
+
+    def describe(self) -> str:
+        t = self.tiers()
+        parts = [f"{n}{r}" for r, (n, _) in t.items()]
+        return f"{self.mode}[{'+'.join(parts)}]"
+
+
+# ----------------------------------------------------------------------------------------------
+# prefix cache
+
+
+class PrefixCache:
+    """Blocks of the trace's prefix hashes; LRU over unlocked blocks (parents kept fresher)."""
+
+    __slots__ = ("lru", "locks", "capacity_blocks")
+
+    def __init__(self, capacity_blocks: int):
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.locks: dict[int, int] = {}
+        self.capacity_blocks = capacity_blocks
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def match(self, blocks) -> int:
+        lru = self.lru
+        k = 0
+        for b in blocks:
+            if b in lru:
+                k += 1
+            else:
+                break
+        return k
+
+    def touch(self, blocks) -> None:
+        lru = self.lru
+        for b in reversed(blocks):
+            if b in lru:
+                lru.move_to_end(b)
+
+    def lock(self, blocks) -> None:
+        lk = self.locks
+        for b in blocks:
+            lk[b] = lk.get(b, 0) + 1
+
+    def unlock(self, blocks) -> None:
+        lk = self.locks
+        for b in blocks:
+            c = lk[b] - 1
+            if c:
+                lk[b] = c
+            else:
+                del lk[b]
+
+    def insert(self, blocks) -> int:
+        lru = self.lru
+        added = 0
+        for b in reversed(blocks):
+            if b in lru:
+                lru.move_to_end(b)
+            else:
+                lru[b] = None
+                added += 1
+        # reversed insertion put parents last (freshest): LRU evicts children first
+        return added
+
+    def evict(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        victims = []
+        lk = self.locks
+        for b in self.lru:
+            if b not in lk:
+                victims.append(b)
+                if len(victims) >= n:
+                    break
+        for b in victims:
+            del self.lru[b]
+        return len(victims)
+
+
+# ----------------------------------------------------------------------------------------------
+# requests and sequences
+
+
+class Req:
+    __slots__ = (
+        "rid", "arrival", "prompt", "out_len", "blocks", "n_full", "pipeline",
+        "p", "rld", "md", "d", "p_hit", "md_hit", "md_seq", "rld_seq",
+        "t_first", "t_last", "n_emitted", "max_gap", "t_done", "generated",
+        "prefill_done", "md_reserved", "md_kv_complete", "rld_finished", "finished", "cut_off",
+        "wan_flow", "fast_flow", "wan_bytes", "md_missing", "p_pending_flows", "p_locked",
+        "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
+        "t_md_kv", "handoff_mode", "handoff_deferred",
+    )
+
+    def __init__(self, rid: int, rec: dict):
+        self.rid = rid
+        self.arrival = rec["timestamp"] / 1000.0
+        self.prompt = int(rec["input_length"])
+        self.out_len = max(1, int(rec["output_length"]))
+        self.n_full = self.prompt // BLOCK
+        self.blocks = rec["hash_ids"]
+        self.pipeline = None
+        self.p = self.rld = self.md = self.d = None
+        self.p_hit = self.md_hit = 0
+        self.md_seq = self.rld_seq = None
+        self.t_first = self.t_last = self.t_done = None
+        self.n_emitted = 0
+        self.max_gap = 0.0
+        self.generated = 0
+        self.prefill_done = self.md_reserved = self.md_kv_complete = False
+        self.rld_finished = self.finished = self.cut_off = False
+        self.wan_flow = self.fast_flow = None
+        self.wan_bytes = 0.0
+        self.md_missing = 0
+        self.p_pending_flows = 0
+        self.p_locked = None
+        self.handoff_round = 0
+        self.handed = 0
+        self.rld_tokens = self.md_tokens = 0
+        self.stall = 0.0
+        self.t_prefill_done = self.t_md_kv = None
+        self.handoff_mode = ""
+        self.handoff_deferred = False
+
+
+class Seq:
+    """What the engine's scheduler sees (SeqState-compatible) plus simulator bookkeeping."""
+
+    __slots__ = ("seq_id", "num_tokens", "num_computed", "arrival", "can_sample", "req", "kind",
+                 "reserved", "locked", "emit_delay")
+
+    def __init__(self, req: Req, num_tokens: int, num_computed: int, arrival: int, kind: str,
+                 reserved: int, locked=None, emit_delay: float = 0.0):
+        self.seq_id = req.rid
+        self.num_tokens = num_tokens
+        self.num_computed = num_computed
+        self.arrival = arrival
+        self.can_sample = True
+        self.req = req
+        self.kind = kind  # "prefill" (P), "coloc", "decode" (D / RLD / MD)
+        self.reserved = reserved  # private KV tokens held
+        self.locked = locked  # cache blocks locked by this sequence
+        self.emit_delay = emit_delay  # token latency from this instance to the gateway
+
+
+# ----------------------------------------------------------------------------------------------
+# links
+
+
+class Flow:
+    __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done")
+
+    def __init__(self, rid, nbytes, seq, cb):
+        self.rid = rid
+        self.remaining = float(nbytes)
+        self.total = float(nbytes)
+        self.seq = seq
+        self.cb = cb
+        self.line = None
+        self.done = False
+
+
+class Line:
+    """One link: serialises flows at ``gbps`` (processor sharing or a send-order policy from
+    ``pdd.policy.wan_order``), then delivers after ``owd_s`` of propagation."""
+
+    def __init__(self, sim: "ClusterSim", name: str, gbps: float, owd_s: float, order: str = "ps"):
+        self.sim = sim
+        self.name = name
+        self.rate = gbps * 1e9 / 8.0
+        self.owd = owd_s
+        self.order = order
+        self.flows: list[Flow] = []
+        self.last_t = 0.0
+        self.version = 0
+        self.bytes_sent = 0.0
+        self.busy_s = 0.0
+        self.seq = 0
+
+    def _advance(self):
+        now = self.sim.env.now
+        dt = now - self.last_t
+        self.last_t = now
+        if dt <= 0 or not self.flows:
+            return
+        self.busy_s += dt
+        amount = self.rate * dt
+        if self.order == "ps":
+            share = amount / len(self.flows)
+            for f in self.flows:
+                f.remaining -= share
+        else:
+            f = self.flows[self._chosen()]
+            f.remaining -= amount
+        self.bytes_sent += amount
+
+    def _chosen(self) -> int:
+        views = [pol_wan.TransferView(f.rid, int(max(0.0, f.remaining)), f.seq) for f in self.flows]
+        return pol_wan.pick_next(views, self.order)
+
+    def _reschedule(self):
+        self.version += 1
+        if not self.flows:
+            return
+        if self.order == "ps":
+            dt = min(f.remaining for f in self.flows) * len(self.flows) / self.rate
+        else:
+            dt = self.flows[self._chosen()].remaining / self.rate
+        v = self.version
+        self.sim.after(max(0.0, dt), self._timer, v)
+
+    def _timer(self, v):
+        if v != self.version:
+            return
+        self._advance()
+        eps = 1e-6 * self.rate  # a microsecond's worth of bytes
+        done = [f for f in self.flows if f.remaining <= eps]
+        if not done:  # numerical leftovers
+            done = [min(self.flows, key=lambda f: f.remaining)]
+        for f in done:
+            self.flows.remove(f)
+            f.done = True
+            self.bytes_sent += max(0.0, f.remaining)
+            f.remaining = 0.0
+            self.sim.after(self.owd, f.cb)
+        self._reschedule()
+
+    def send(self, rid, nbytes: float, cb: Callable[[], None]) -> Flow:
+        f = Flow(rid, nbytes, self.seq, cb)
+        self.seq += 1
+        f.line = self
+        if nbytes <= 0:
+            f.done = True
+            self.sim.after(self.owd, cb)
+            return f
+        self._advance()
+        self.flows.append(f)
+        self._reschedule()
+        return f
+
+    def cancel(self, f: Flow) -> float:
+        """Stop a flow; returns the bytes it had left."""
+        if f.done or f not in self.flows:
+            return 0.0
+        self._advance()
+        self.flows.remove(f)
+        f.done = True
+        self._reschedule()
+        return max(0.0, f.remaining)
+
+
+# ----------------------------------------------------------------------------------------------
+# instances
+
+
+class Instance:
+    def __init__(self, sim: "ClusterSim", name: str, role: str, cm: StepCostModel, cache: bool,
+                 cache_frac: float = 1.0):
+        self.sim = sim
+        self.env = sim.env
+        self.name = name
+        self.role = role  # P, RLD, MD, D, C
+        self.cm = cm
+        self.pool = cm.kv_capacity_tokens()
+        if self.pool <= 0:
+            raise ValueError(f"{name}: the model's weights leave no KV room on {cm.chip.name}")
+        self.cache = PrefixCache(int(self.pool * cache_frac) // BLOCK) if cache else None
+        self.private = 0
+        self.seqs: dict[int, Seq] = {}
+        self.waiting: deque = deque()  # (need_tokens, admit_fn)
+        self.inbox: list[Callable[[], None]] = []
+        self.wake = None
+        self.busy_s = 0.0
+        self.steps = 0
+        self.tokens_out = 0
+        self.handoff_state = "catch_up"  # auto mode's current mode (hysteresis)
+        self.prefilling = 0
+        self.proc = self.env.process(self.run())
+
+    # --- memory ------------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self.private + (len(self.cache) * BLOCK if self.cache is not None else 0)
+
+    def try_alloc(self, n: int) -> bool:
+        free = self.pool - self.used
+        if free < n and self.cache is not None:
+            need_blocks = -(-(n - free) // BLOCK)
+            self.cache.evict(need_blocks)
+            free = self.pool - self.used
+        if free >= n:
+            self.private += n
+            return True
+        return False
+
+    def free(self, n: int) -> None:
+        self.private -= n
+        assert self.private >= 0, (self.name, self.private)
+
+    def cache_insert(self, blocks) -> None:
+        """Adopt whole blocks into the prefix cache, evicting others if the pool is short."""
+        c = self.cache
+        if c is None or not blocks:
+            return
+        c.insert(blocks)
+        over = self.used - self.pool
+        if over > 0:
+            c.evict(-(-over // BLOCK))
+        if len(c) > c.capacity_blocks:
+            c.evict(len(c) - c.capacity_blocks)
+        # blocks still over the pool (all locked) are tolerated: they are shared, not new
+        # memory in a real pool (the owners' private pages became the cached ones)
+
+    def load(self, prefix_hit_tokens: int = 0) -> pol_routing.InstanceLoad:
+        return pol_routing.InstanceLoad(self.name, len(self.seqs), len(self.waiting), self.used, self.pool,
+                                        prefix_hit_tokens)
+
+    # --- queueing ------------------------------------------------------------------------------
+    def enqueue(self, need, admit: Callable[[int], None], prefill: bool = False) -> None:
+        """Queue an admission: ``need`` tokens (or a function giving them at admission time);
+        ``admit(n)`` runs once they are allocated."""
+        self.waiting.append((need, admit, prefill))
+        self.poke()
+
+    def post(self, fn: Callable[[], None]) -> None:
+        self.inbox.append(fn)
+        self.poke()
+
+    def poke(self) -> None:
+        w = self.wake
+        if w is not None and not w.triggered:
+            w.succeed()
+
+    def _admit(self) -> None:
+        cap = self.sim.cfg.max_prefill_inflight
+        while self.waiting:
+            need, admit, prefill = self.waiting[0]
+            if prefill and cap and self.prefilling >= cap:
+                return
+            n = need() if callable(need) else need
+            if not self.try_alloc(n):
+                return
+            self.waiting.popleft()
+            admit(n)
+
+    def add(self, seq: Seq) -> None:
+        self.seqs[seq.seq_id] = seq
+        if seq.kind in ("prefill", "coloc") and seq.num_tokens - seq.num_computed > 1:
+            self.prefilling += 1
+
+    def remove(self, rid: int) -> Seq | None:
+        s = self.seqs.pop(rid, None)
+        return s
+
+    # --- the engine loop -----------------------------------------------------------------------
+    def run(self):
+        env = self.env
+        cfg = self.sim.sched_cfg
+        cm = self.cm
+        while True:
+            if self.inbox:
+                box, self.inbox = self.inbox, []
+                for fn in box:
+                    fn()
+            self._admit()
+            plan = eng_sched.schedule(self.seqs.values(), cfg)
+            if not plan:
+                self.wake = env.event()
+                yield self.wake
+                self.wake = None
+                continue
+            items = plan.items
+            seqs = self.seqs
+            if all(it.num_tokens == 1 and it.sample and seqs[it.seq_id].kind != "prefill"
+                   and seqs[it.seq_id].req.generated >= 1 for it in items):
+                # pure decode: advance to the next membership change in one event
+                k = min(seqs[it.seq_id].req.out_len - seqs[it.seq_id].req.generated for it in items)
+                k = max(1, min(k, 4096))
+                b = len(items)
+                sum_ctx = 0
+                for it in items:
+                    sum_ctx += it.start
+                dt = cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0)
+                t0 = env.now
+                self.wake = w = env.event()
+                yield env.timeout(k * dt) | w
+                self.wake = None
+                done = k
+                if w.triggered and env.now < t0 + k * dt - 1e-12:
+                    done = min(k, int((env.now - t0) / dt) + 1)
+                    rest = t0 + done * dt - env.now
+                    if rest > 0:
+                        yield env.timeout(rest)
+                self.busy_s += done * dt
+                self.steps += done
+                for it in items:
+                    s = seqs.get(it.seq_id)
+                    if s is None:
+                        continue
+                    s.num_computed += done
+                    s.num_tokens += done
+                    self.tokens_out += done
+                    self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
+            else:
+                dt = cm.step_time((it.start, it.num_tokens) for it in items)
+                yield env.timeout(dt)
+                self.busy_s += dt
+                self.steps += 1
+                for it in items:
+                    s = seqs.get(it.seq_id)
+                    if s is None:
+                        continue
+                    was_prefill = s.kind in ("prefill", "coloc") and s.num_tokens - s.num_computed > 1
+                    s.num_computed += it.num_tokens
+                    if was_prefill and s.num_computed >= s.num_tokens:
+                        self.prefilling -= 1
+                    if it.sample:
+                        s.num_tokens += 1
+                        self.tokens_out += 1
+                        self.sim.on_tokens(self, s, env.now + s.emit_delay, 1, dt)
+                    elif s.num_computed >= s.num_tokens:
+                        self.sim.on_caught_up(self, s)
+
+
+# ----------------------------------------------------------------------------------------------
+# the cluster
+
+
+class ClusterSim:
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        self.env = simpy.Environment()
+        self.model = cfg.model_profile()
+        self.sched_cfg = eng_sched.SchedulerConfig(
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_running_seqs=cfg.max_running_seqs,
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+        )
+        self.owd = cfg.wan_rtt_ms / 2000.0
+        self.tiers: dict[str, list[Instance]] = {}
+        eff = cfg.efficiency
+        for role, (n, side) in cfg.tiers().items():
+            chip = cfg.chip(side)
+            prof = cfg.profile_a if side == "a" else cfg.profile_b
+            cm = cost_model(chip, self.model, profile=prof)
+            if eff is not None and prof is None:
+                cm = StepCostModel(chip, self.model, None, eff)
+            cache = (role in ("P", "C") and cfg.p_cache) or (role == "MD" and cfg.drc)
+            frac = cfg.md_cache_frac if role == "MD" else cfg.p_cache_frac
+            self.tiers[role] = [Instance(self, f"{role}{i}", role, cm, cache, frac) for i in range(n)]
+            if n <= 0:
+                raise ValueError(f"{role} needs at least one instance")
+        self.wan = Line(self, "wan", cfg.wan_gbps, self.owd, cfg.wan_order) if cfg.cross_dc() else None
+        fast = cfg.fast_gbps or cfg.chip("a").nic_gbps * self.model.gpus_per_instance
+        self.fast = {p.name: Line(self, f"fast-{p.name}", fast, cfg.fast_rtt_ms / 2000.0, "ps")
+                     for p in self.tiers.get("P", [])}
+        self.reqs: list[Req] = []
+        self.rr = 0
+        self.order = 0
+        self.itl_v = array("d")
+        self.itl_n = array("d")
+        self.pipelines: dict[str, int] = {}
+        self.handoffs: dict[str, int] = {}
+        self.cutoffs = 0
+        self.wan_saved_bytes = 0.0
+        self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
+        self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
+
+    # --- helpers -------------------------------------------------------------------------------
+    def after(self, delay: float, fn, *args) -> None:
+        ev = self.env.timeout(delay)
+        ev.callbacks.append(lambda _e: fn(*args))
+
+    def _route(self, role: str, req: Req, with_cache: bool, policy: str | None = None) -> Instance:
+        insts = self.tiers[role]
+        if len(insts) == 1:
+            return insts[0]
+        pol = policy or self.cfg.routing
+        loads = []
+        for inst in insts:
+            hit = inst.cache.match(req.blocks[: req.n_full]) * BLOCK if (with_cache and inst.cache is not None) else 0
+            loads.append(inst.load(hit))
+        i = pol_routing.choose_instance(loads, pol, self.rr, self.cfg.load_slack)
+        self.rr += 1
+        return insts[i]
+
+    def _next_order(self) -> int:
+        self.order += 1
+        return self.order
+
+    # --- run -----------------------------------------------------------------------------------
+    def run(self, records, until: float | None = None) -> "ClusterSim":
+        self.reqs = [Req(i, r) for i, r in enumerate(records)]
+        self.env.process(self._arrivals())
+        self.env.run(until=until)
+        return self
+
+    def _arrivals(self):
+        env = self.env
+        for req in sorted(self.reqs, key=lambda r: r.arrival):
+            if req.arrival > env.now:
+                yield env.timeout(req.arrival - env.now)
+            self._on_arrival(req)
+
+    # --- request life --------------------------------------------------------------------------
+    def _on_arrival(self, req: Req) -> None:
+        mode = self.cfg.mode
+        if mode == "colocated":
+            c = self._route("C", req, True)
+            req.pipeline = Pipeline.COLOCATED
+            self._count_pipeline(req)
+            self._start_prefill(c, req, colocated=True)
+            return
+        p = self._route("P", req, True)
+        req.p = p
+        if mode == "same_dc_pd":
+            req.pipeline = Pipeline.P_D
+            self._count_pipeline(req)
+            self._start_prefill(p, req)
+            return
+        # cross-DC: ask MD to reserve (a WAN round trip), then plan
+        md = self._route("MD", req, True)
+        req.md = md
+        self.after(self.owd, self._md_reserve, req)
+
+    def _md_reserve(self, req: Req) -> None:
+        """At MD: match DRC, answer the gateway; the lock + allocation are queued at MD."""
+        md = req.md
+        cached = 0
+        if md.cache is not None:
+            k = md.cache.match(req.blocks[: req.n_full])
+            cached = min(k * BLOCK, req.prompt - 1)
+        req.md_hit = cached
+        self.after(self.owd, self._plan, req)
+
+    def _plan(self, req: Req) -> None:
+        cfg = self.cfg
+        md_ok = True
+        est = cfg.wan_gbps / (1 + len(self.wan.flows)) if self.wan is not None else cfg.wan_gbps
+        inp = pol_pipeline.PipelineInputs(
+            mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
+            kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=est,
+            wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms,
+            allow_p_rld=cfg.allow_p_rld, md_available=md_ok)
+        pl = pol_pipeline.choose_pipeline(inp)
+        req.pipeline = pl
+        self._count_pipeline(req)
+        if pl in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
+            req.rld = self._route("RLD", req, False, policy="load")
+        if pl in (Pipeline.P_MD, Pipeline.P_RLD_MD):
+            self._md_enqueue(req)
+        else:
+            req.md = None
+        self._start_prefill(req.p, req)
+
+    def _count_pipeline(self, req: Req) -> None:
+        v = req.pipeline.value
+        self.pipelines[v] = self.pipelines.get(v, 0) + 1
+        self.decisions.append((req.rid, v))
+
+    def _md_enqueue(self, req: Req) -> None:
+        md = req.md
+        blocks = req.blocks[: req.md_hit // BLOCK]
+        missing = req.prompt - req.md_hit
+        req.md_missing = missing
+
+        def admit(n: int):
+            if md.cache is not None and blocks:
+                md.cache.lock(blocks)
+                md.cache.touch(blocks)
+            seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", n, blocks, self.owd)
+            req.md_seq = seq
+            req.md_reserved = True
+            if req.cut_off:
+                self._md_release(req, cache=False)
+                return
+            self._maybe_send_wan(req)
+
+        md.enqueue(missing + req.out_len, admit)
+
+    def _start_prefill(self, inst: Instance, req: Req, colocated: bool = False) -> None:
+        full = req.blocks[: req.n_full]
+        extra = req.out_len if colocated else 0
+
+        def need() -> int:  # matched at admission time: the cache may change while waiting
+            k = inst.cache.match(full) if inst.cache is not None else 0
+            req.p_hit = min(k * BLOCK, req.prompt - 1)
+            return req.prompt - req.p_hit + extra
+
+        def admit(n: int):
+            locked = full[: req.p_hit // BLOCK]
+            if inst.cache is not None and locked:
+                inst.cache.lock(locked)
+                inst.cache.touch(locked)
+            seq = Seq(req, req.prompt, req.p_hit, self._next_order(), "coloc" if colocated else "prefill",
+                      n, locked, 0.0)
+            inst.add(seq)
+
+        inst.enqueue(need, admit, prefill=True)
+
+    # --- token events from instances --------------------------------------------------------------
+    def on_tokens(self, inst: Instance, s: Seq, t_first: float, n: int, dt: float) -> None:
+        req = s.req
+        role = inst.role
+        if s.kind == "prefill":
+            # P sampled the first token at the end of prefill
+            req.generated = 1
+            inst.remove(req.rid)
+            self._prefill_done(inst, req, s)
+            return
+        req.generated += n
+        self.decode_tokens[role] = self.decode_tokens.get(role, 0) + n
+        if role == "RLD":
+            req.rld_tokens += n
+        elif role == "MD":
+            req.md_tokens += n
+        self._emit(req, t_first, n, dt)
+        if req.generated >= req.out_len:
+            self._finish_on(inst, req, s)
+
+    def _emit(self, req: Req, t: float, n: int, dt: float) -> None:
+        if req.t_first is None:
+            req.t_first = t
+            req.t_last = t + (n - 1) * dt
+            req.n_emitted = n
+            if n > 1:
+                self.itl_v.append(dt)
+                self.itl_n.append(n - 1)
+            return
+        gap = t - req.t_last
+        if gap > req.max_gap:
+            req.max_gap = gap
+        self.itl_v.append(gap)
+        self.itl_n.append(1)
+        if n > 1:
+            self.itl_v.append(dt)
+            self.itl_n.append(n - 1)
+        req.t_last = t + (n - 1) * dt
+        req.n_emitted += n
+
+    def _prefill_done(self, p: Instance, req: Req, s: Seq) -> None:
+        now = self.env.now
+        req.prefill_done = True
+        req.t_prefill_done = now
+        if s.kind == "coloc":
+            return
+        # P caches the prompt's whole blocks, keeps them locked until its sends drain
+        full = req.blocks[: req.n_full]
+        if p.cache is not None:
+            if s.locked:
+                p.cache.unlock(s.locked)
+            p.free(s.reserved)
+            partial = req.prompt - req.n_full * BLOCK
+            p.private += partial  # the partial last page stays private until sends drain
+            p.cache.insert(full)
+            p.cache.lock(full)
+            req.p_locked = (full, partial)
+            over = p.used - p.pool
+            if over > 0:
+                p.cache.evict(-(-over // BLOCK))
+        else:
+            req.p_locked = ((), s.reserved)
+        pl = req.pipeline
+        kvb = self.model.kv_bytes_per_token
+        if pl == Pipeline.P_D:
+            req.d = d = self._route("D", req, False, policy="load")
+            req.p_pending_flows = 1
+
+            def admit_d(_n):
+                seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
+                req.fast_flow = self.fast[p.name].send(req.rid, req.prompt * kvb, lambda: self._kv_at_decoder(d, req, seq))
+
+            d.enqueue(req.prompt + req.out_len, admit_d)
+            return
+        if pl in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
+            rld = req.rld
+            req.p_pending_flows += 1
+
+            def admit_rld(_n):
+                seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
+                req.rld_seq = seq
+                req.fast_flow = self.fast[p.name].send(req.rid, req.prompt * kvb,
+                                                       lambda: self._kv_at_decoder(rld, req, seq))
+
+            rld.enqueue(req.prompt + req.out_len, admit_rld)
+        if pl in (Pipeline.P_MD, Pipeline.P_RLD_MD):
+            req.p_pending_flows += 1
+            self._maybe_send_wan(req)
+        if req.p_pending_flows == 0:
+            self._p_release(req)
+
+    def _maybe_send_wan(self, req: Req) -> None:
+        if not (req.prefill_done and req.md_reserved) or req.wan_flow is not None or req.cut_off:
+            return
+        nbytes = req.md_missing * self.model.kv_bytes_per_token
+        req.wan_bytes = nbytes
+        req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req))
+
+    def _flow_drained(self, req: Req) -> None:
+        req.p_pending_flows -= 1
+        if req.p_pending_flows == 0:
+            self._p_release(req)
+
+    def _p_release(self, req: Req) -> None:
+        p = req.p
+        if req.p_locked is None:
+            return
+        full, partial = req.p_locked
+        req.p_locked = None
+        if p.cache is not None and full:
+            p.cache.unlock(full)
+        p.free(partial)
+        p.poke()
+
+    def _kv_at_decoder(self, inst: Instance, req: Req, seq: Seq) -> None:
+        """KV (and P's first token) arrived at RLD / D over the fast path."""
+        self._flow_drained(req)
+        self._emit(req, self.env.now, 1, 0.0)
+        if req.generated >= req.out_len:
+            inst.free(seq.reserved)
+            if inst.role == "RLD":
+                self._rld_finished(inst, req)
+            else:
+                self._complete(req)
+            return
+
+        def add():
+            inst.add(seq)
+            if req.handoff_deferred:
+                req.handoff_deferred = False
+                self._handoff_round(inst, req)
+
+        inst.post(add)
+
+    def _kv_at_md(self, req: Req) -> None:
+        """The WAN transfer of the missing KV completed (propagation included)."""
+        self._flow_drained(req)
+        req.md_kv_complete = True
+        req.t_md_kv = self.env.now
+        md = req.md
+        if req.rld_finished or req.finished:
+            self._md_release(req, cache=True)
+            return
+        if req.pipeline == Pipeline.P_MD:
+            seq = req.md_seq
+            self._emit(req, self.env.now + self.owd, 1, 0.0)
+            if req.generated >= req.out_len:
+                self._md_release(req, cache=True)
+                self._complete(req)
+                return
+            md.post(lambda: md.add(seq))
+            return
+        # P->RLD->MD: tell RLD that MD is ready
+        rld = req.rld
+        self.after(self.owd, lambda: rld.post(lambda: self._handoff_round(rld, req)))
+
+    # --- handoff -----------------------------------------------------------------------------------
+    def _handoff_round(self, rld: Instance, req: Req) -> None:
+        if req.rld_finished or req.finished:
+            return
+        if req.rid not in rld.seqs:  # MD was faster than the fast path: hand over once RLD runs it
+            req.handoff_deferred = True
+            return
+        cfg = self.cfg
+        pending = req.generated - req.handed
+        dec = pol_handoff.decide_handoff(pol_handoff.HandoffInputs(
+            tokens_pending=pending, rld_running=len(rld.seqs), rld_capacity=cfg.max_running_seqs,
+            rld_pages_used=rld.used, rld_pages_total=rld.pool, threshold=cfg.catchup_threshold,
+            mode_config=cfg.handoff_mode, current_mode=rld.handoff_state, round_index=req.handoff_round))
+        if cfg.handoff_mode == "auto":
+            rld.handoff_state = dec.mode
+        req.handoff_mode = dec.mode
+        req.handoff_round += 1
+        n = dec.tokens_to_send
+        req.handed += n
+        upto = req.handed
+        md = req.md
+        md_seq = req.md_seq
+        if dec.final:
+            key = f"{dec.mode}"
+            self.handoffs[key] = self.handoffs.get(key, 0) + 1
+            seq = rld.remove(req.rid)
+            rld.free(seq.reserved)
+            rld.poke()
+
+            def at_md():
+                if req.finished:
+                    return
+                md_seq.num_tokens = req.prompt + upto
+                if md_seq.num_computed >= md_seq.num_tokens:
+                    md_seq.num_computed = md_seq.num_tokens - 1  # resample the last position
+                md_seq.can_sample = True
+                md_seq.arrival = self._next_order()
+                if req.rid not in md.seqs:
+                    md.add(md_seq)
+
+            self.after(self.owd, lambda: md.post(at_md))
+        else:
+            def at_md_partial():
+                if req.finished or req.rld_finished:
+                    return
+                md_seq.num_tokens = req.prompt + upto
+                md_seq.can_sample = False
+                md_seq.arrival = self._next_order()
+                if req.rid not in md.seqs:
+                    md.add(md_seq)
+
+            self.after(self.owd, lambda: md.post(at_md_partial))
+
+    def on_caught_up(self, inst: Instance, s: Seq) -> None:
+        """MD finished extending a catch-up round without sampling: tell RLD."""
+        req = s.req
+        rld = req.rld
+        if rld is None or req.rld_finished or req.finished:
+            return
+        self.after(self.owd, lambda: rld.post(lambda: self._handoff_round(rld, req)))
+
+    # --- finishing ---------------------------------------------------------------------------------
+    def _finish_on(self, inst: Instance, req: Req, s: Seq) -> None:
+        inst.remove(req.rid)
+        role = inst.role
+        if role == "RLD":
+            inst.free(s.reserved)
+            inst.poke()
+            self._rld_finished(inst, req)
+        elif role == "MD":
+            self._md_release(req, cache=True)
+            self._complete(req)
+        elif role == "C":
+            if inst.cache is not None:
+                if s.locked:
+                    inst.cache.unlock(s.locked)
+                inst.free(s.reserved)
+                inst.cache_insert(req.blocks[: req.n_full])
+            else:
+                inst.free(s.reserved)
+            inst.poke()
+            self._complete(req)
+        else:  # D
+            inst.free(s.reserved)
+            inst.poke()
+            self._complete(req)
+
+    def _rld_finished(self, rld: Instance, req: Req) -> None:
+        req.rld_finished = True
+        if req.pipeline == Pipeline.P_RLD_MD:
+            if pol_cutoff.should_cut_off(True, req.md_kv_complete):
+                if self.cfg.cutoff:
+                    req.cut_off = True
+                    self.cutoffs += 1
+                    if req.wan_flow is not None and not req.wan_flow.done:
+                        left = self.wan.cancel(req.wan_flow)
+                        self.wan_saved_bytes += left
+                        req.wan_bytes -= left
+                        self._flow_drained(req)
+                    elif req.wan_flow is None and req.prefill_done:
+                        # never started (MD reservation pending): nothing will be sent
+                        self.wan_saved_bytes += req.md_missing * self.model.kv_bytes_per_token
+                        self._flow_drained(req)
+                    self._md_release(req, cache=False)
+                # without cut-off the transfer runs on; MD caches it on arrival
+            else:
+                # MD already holds the KV: nothing to hand over; MD caches and frees
+                self._md_release(req, cache=True)
+        self._complete(req)
+
+    def _md_release(self, req: Req, cache: bool) -> None:
+        md = req.md
+        seq = req.md_seq
+        if md is None:
+            return
+        if seq is None:  # reservation still queued: its admission sees cut_off and releases
+            return
+        if seq.reserved < 0:
+            return
+        md.remove(req.rid)
+        if md.cache is not None and seq.locked:
+            md.cache.unlock(seq.locked)
+        md.free(seq.reserved)
+        seq.reserved = -1
+        if cache and md.cache is not None:
+            md.cache_insert(req.blocks[: req.n_full])
+        md.poke()
+
+    def _complete(self, req: Req) -> None:
+        if req.finished:
+            return
+        req.finished = True
+        req.t_done = req.t_last if req.t_last is not None else self.env.now
