@@ -317,3 +317,56 @@ async def test_server_disconnect_callback():
     await asyncio.wait_for(gone.wait(), 2)
     assert not server.peers
     await server.close()
+
+
+async def test_close_does_not_hang_when_remote_stops_reading():
+    stuck = asyncio.Event()
+
+    async def block(peer, h, p):  # one-way handler that never returns: the reader stops reading
+        stuck.set()
+        await asyncio.sleep(3600)
+
+    server = await start_server({"block": block})
+    peer = await connect("127.0.0.1", server.port)
+    try:
+        await peer.send({"t": "block"})
+        await asyncio.wait_for(stuck.wait(), 2)
+        big = b"x" * (4 << 20)
+        sender = asyncio.gather(*[peer.send({"t": "block"}, big) for _ in range(70)])
+        await asyncio.sleep(0.3)
+        assert not sender.done()  # backpressure: the writer is blocked in drain
+        t0 = asyncio.get_running_loop().time()
+        await peer.close(timeout_s=0.3)
+        assert asyncio.get_running_loop().time() - t0 < 2
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(sender, 2)
+    finally:
+        await server.close()
+
+
+async def test_dispatch_queue_bounded_in_bytes():
+    release = asyncio.Event()
+    n_seen = []
+
+    async def slow(peer, h, p):
+        await release.wait()
+        n_seen.append(len(p))
+
+    server = await Server("127.0.0.1", 0, {"s": slow}).start()
+    peer = await connect("127.0.0.1", server.port)
+    try:
+        sends = asyncio.gather(*[peer.send({"t": "s"}, b"x" * (1 << 20)) for _ in range(64)])
+        await asyncio.sleep(0.3)
+        (sp,) = server.peers
+        assert sp._q_bytes <= (16 << 20) + (1 << 20)
+        assert not sends.done()
+        release.set()
+        await asyncio.wait_for(sends, 5)
+        for _ in range(300):
+            if len(n_seen) == 64:
+                break
+            await asyncio.sleep(0.01)
+        assert n_seen == [1 << 20] * 64
+    finally:
+        await peer.close()
+        await server.close()

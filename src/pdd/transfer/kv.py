@@ -137,7 +137,8 @@ class Transfer:
 
     @property
     def cancelled(self) -> bool:
-        return self.done.done() and not self.done.exception() and self.done.result().cancelled
+        d = self.done
+        return d.done() and not d.cancelled() and d.exception() is None and d.result().cancelled
 
     def cancel(self) -> bool:
         """Stop sending further chunks (a chunk already being written completes and is counted);

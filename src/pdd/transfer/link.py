@@ -54,7 +54,7 @@ __all__ = ["Link", "run_link", "serve_link", "query_stats", "set_link", "normali
 log = logging.getLogger("pdd.transfer.link")
 
 DEFAULT_CHUNK_BYTES = 64 << 10
-RESUME_LEAD_S = 0.001  # let a connection read its next chunk this long before the line frees
+RESUME_LEAD_S = 0.004  # let a connection read its next chunk this long before the line frees
 DELIVER_SLACK_S = 0.0002  # deliver chunks due within this window together
 WRITE_HIGH_WATER = 1 << 20
 

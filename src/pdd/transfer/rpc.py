@@ -34,6 +34,7 @@ the connecting side checks the answer the same way. A failed check raises
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import itertools
 import logging
@@ -133,7 +134,8 @@ class Peer:
     :meth:`on` adds per-connection handlers that take precedence.
     ``crc``: default for the ``crc`` flag of frames this side sends (bool).
     ``max_payload_bytes``: largest payload accepted from the other side.
-    ``dispatch_queue``: one-way frames buffered before the reader stops reading (backpressure).
+    ``dispatch_queue`` / ``dispatch_queue_bytes``: one-way frames / payload bytes buffered for the
+    dispatcher before the reader stops reading (backpressure; one frame is always admitted).
     """
 
     def __init__(
@@ -145,7 +147,8 @@ class Peer:
         name: str = "",
         crc: bool = False,
         max_payload_bytes: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
-        dispatch_queue: int = 64,
+        dispatch_queue: int = 256,
+        dispatch_queue_bytes: int = 16 << 20,
     ):
         self.reader = reader
         self.writer = writer
@@ -159,7 +162,12 @@ class Peer:
         self._cids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._wlock = asyncio.Lock()
-        self._queue: asyncio.Queue = asyncio.Queue(dispatch_queue)
+        self._q: collections.deque = collections.deque()
+        self._q_bytes = 0
+        self._q_max = dispatch_queue
+        self._q_max_bytes = dispatch_queue_bytes
+        self._q_items = asyncio.Event()
+        self._q_space = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._reader_task: Optional[asyncio.Task] = None
         self._dispatch_task: Optional[asyncio.Task] = None
@@ -217,12 +225,20 @@ class Peer:
             self._reader_task = asyncio.create_task(self._read_loop(), name=f"peer-read-{self.name}")
             self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name=f"peer-dispatch-{self.name}")
 
-    async def close(self) -> None:
-        """Close the connection; pending calls fail with ConnectionError. Idempotent."""
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Close the connection; pending calls fail with ConnectionError. Idempotent.
+
+        Buffered frames are flushed for up to ``timeout_s`` seconds, then the socket is aborted
+        (a peer that stopped reading cannot make ``close`` hang).
+        """
         self._shutdown(ConnectionError("connection closed locally"))
-        await self.wait_closed()
+        try:
+            await asyncio.wait_for(self.wait_closed(), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            self.writer.transport.abort()
 
     async def wait_closed(self) -> None:
+        """Wait until the connection is closed (by either side) and the socket is released."""
         await self._closed_event.wait()
         try:
             await self.writer.wait_closed()
@@ -362,7 +378,12 @@ class Peer:
                 if "cid" in header:
                     self._spawn(self._handle_call(header, payload))
                 else:
-                    await self._queue.put((header, payload))
+                    while self._q and (len(self._q) >= self._q_max or self._q_bytes >= self._q_max_bytes):
+                        self._q_space.clear()
+                        await self._q_space.wait()
+                    self._q.append((header, payload))
+                    self._q_bytes += len(payload)
+                    self._q_items.set()
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 reason = ConnectionError(f"connection closed mid-frame ({len(e.partial)} of {e.expected} bytes)")
@@ -404,7 +425,12 @@ class Peer:
 
     async def _dispatch_loop(self) -> None:
         while True:
-            header, payload = await self._queue.get()
+            while not self._q:
+                self._q_items.clear()
+                await self._q_items.wait()
+            header, payload = self._q.popleft()
+            self._q_bytes -= len(payload)
+            self._q_space.set()
             h = self._handler(header["t"])
             if h is None:
                 log.warning("%r: no handler for one-way message %r, dropped", self, header["t"])
@@ -567,8 +593,7 @@ class Server:
         """Stop accepting and close all peers."""
         if self._server is not None:
             self._server.close()
-        for p in list(self.peers):
-            await p.close()
+        await asyncio.gather(*(p.close() for p in list(self.peers)), return_exceptions=True)
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
@@ -671,8 +696,7 @@ class PeerPool:
         return {f"{h}:{p}": peer for (h, p), peer in self._peers.items() if not peer.closed}
 
     async def close(self) -> None:
-        for p in list(self._peers.values()):
-            await p.close()
+        await asyncio.gather(*(p.close() for p in list(self._peers.values())), return_exceptions=True)
         self._peers.clear()
 
 
