@@ -300,3 +300,14 @@ async def test_bidirectional_kv_on_one_peer():
     finally:
         await peer.close()
         await server.close()
+
+
+async def test_policy_module_pick_adapter():
+    from pdd.transfer.kv import pick_from_index
+
+    try:
+        from pdd.policy import wan_order
+    except Exception:  # policy package not importable in this checkout
+        pytest.skip("pdd.policy.wan_order unavailable")
+    kv, done = await _order_run(pick_from_index(lambda ts: wan_order.pick_next(ts, "srf")))
+    assert kv == ["C"] + ["B"] * 2 + ["A"] * 4

@@ -298,3 +298,34 @@ def test_link_process_cli():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_many_connections_churn_no_leaks():
+    sink = await SinkServer(reply=b"ok").start()
+    async with Link(cfg(sink.port, gbps=1.0, rtt_ms=2, jitter_ms=1)) as link:
+
+        async def one(i):
+            r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+            w.write(bytes([i]) * (1000 * (i + 1)))
+            w.write_eof()
+            assert await asyncio.wait_for(r.read(), 5) == b"ok"
+            w.close()
+
+        await asyncio.gather(*[one(i) for i in range(30)])
+        # a client that resets mid-transfer
+        r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        w.write(b"z" * 100_000)
+        await asyncio.sleep(0.01)
+        import socket
+        import struct
+
+        w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.transport.abort()  # RST
+        await wait_for(lambda: link.stats()["connections"] == 0)
+        assert not link.a_to_b.flows and not link.b_to_a.flows
+        st = link.stats()
+        assert st["connections_total"] == 31
+        assert st["bytes_b_to_a"] == 30 * 2
+        assert st["bytes_a_to_b"] >= sum(1000 * (i + 1) for i in range(30))
+        assert st["in_flight_a_to_b"] == 0
+    await sink.close()

@@ -370,3 +370,40 @@ async def test_dispatch_queue_bounded_in_bytes():
     finally:
         await peer.close()
         await server.close()
+
+
+async def test_garbage_and_silent_clients_are_refused_server_survives():
+    server = await start_server({"x": lambda peer, h, p: {"t": "y"}}, handshake_timeout_s=0.2)
+    try:
+        for junk in (b"GET / HTTP/1.1\r\n\r\n", b"PD\x01\x00\x00\x00\x00\x05" + b"\x00" * 40, b"", b"PD"):
+            r, w = await asyncio.open_connection("127.0.0.1", server.port)
+            w.write(junk)
+            assert await asyncio.wait_for(r.read(), 3) == b""  # closed by the server
+            w.close()
+        assert server.refused == 4 and not server.peers
+        peer = await connect("127.0.0.1", server.port)
+        assert (await peer.call({"t": "x"}))[0]["t"] == "y"
+        await peer.close()
+    finally:
+        await server.close()
+
+
+async def test_call_timeout_covers_blocked_write():
+    async def block(peer, h, p):
+        await asyncio.sleep(3600)
+
+    server = await start_server({"block": block})
+    peer = await connect("127.0.0.1", server.port)
+    try:
+        await peer.send({"t": "block"})
+        # fill the pipe: server's dispatcher is stuck, so its reader stops after 16 MiB
+        filler = asyncio.gather(*[peer.send({"t": "block"}, b"x" * (4 << 20)) for _ in range(20)])
+        await asyncio.sleep(0.2)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError):
+            await peer.call({"t": "block"}, timeout=0.2)
+        assert asyncio.get_running_loop().time() - t0 < 1.5
+        filler.cancel()
+    finally:
+        await peer.close(timeout_s=0.2)
+        await server.close()

@@ -42,6 +42,7 @@ __all__ = [
     "pick_fifo",
     "pick_round_robin",
     "pick_shortest_remaining",
+    "pick_from_index",
     "ORDERS",
     "resolve_order",
 ]
@@ -116,6 +117,11 @@ class Transfer:
         self.done.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     @property
+    def enqueued_seq(self) -> int:
+        """Alias of ``seq`` (the field name ``pdd.policy.wan_order.TransferView`` uses)."""
+        return self.seq
+
+    @property
     def next_page(self) -> int:
         return self.first_page + self.pages_sent
 
@@ -183,6 +189,15 @@ ORDERS: dict[str, PickFn] = {
     "srf": pick_shortest_remaining,
     "shortest_remaining": pick_shortest_remaining,
 }
+
+
+def pick_from_index(index_fn: Callable[[Sequence["Transfer"]], int]) -> PickFn:
+    """Adapt an index-returning policy, e.g. ``pick_from_index(lambda ts: wan_order.pick_next(ts, "srf"))``."""
+
+    def pick(transfers: Sequence[Transfer]) -> Transfer:
+        return transfers[index_fn(transfers)]
+
+    return pick
 
 
 def resolve_order(order: Union[str, PickFn]) -> PickFn:

@@ -341,12 +341,10 @@ class Peer:
         fut = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
         try:
-            await self._write(header, payload, crc)
-            if timeout is None:
+            async with asyncio.timeout(timeout):  # covers a write blocked by backpressure too
+                await self._write(header, payload, crc)
                 rh, rp = await fut
-            else:
-                rh, rp = await asyncio.wait_for(fut, timeout)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             raise TimeoutError(f"call {header.get('t')!r} to {self._label()} timed out after {timeout} s") from None
         finally:
             self._pending.pop(cid, None)
