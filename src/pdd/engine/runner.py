@@ -12,9 +12,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kv_pool import KVPool
 from .model import LlamaModel
+
+# cuDNN attention (chosen by default for bf16 on Hopper) rebuilds a graph for every new shape:
+# ~35 ms per call here since shapes change every step; flash / mem-efficient take ~1 ms.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -133,7 +138,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         backend = PagedAttention(self.pool, items)
-        hidden = self.model.hidden_states(input_ids, positions, backend)
+        with sdpa_kernel(SDPA_BACKENDS):
+            hidden = self.model.hidden_states(input_ids, positions, backend)
         self.forward_calls += 1
         self.tokens_computed += len(ids)
         if all_logits:
