@@ -196,3 +196,73 @@ def test_roundtrip_property(extra, payload, crc):
     if crc:
         got_h.pop("crc32")
     assert got_h == h and got_p == payload
+
+
+async def _framestream_pair(chunks, delay=0.0):
+    """A FrameStream reading what a plain server writes in ``chunks`` (then EOF)."""
+
+    async def serve(r, w):
+        for c in chunks:
+            w.write(c)
+            await w.drain()
+            if delay:
+                await asyncio.sleep(delay)
+        w.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    _, fs = await loop.create_connection(lambda: wire.FrameStream(limit=1 << 16), "127.0.0.1", port)
+    return srv, fs
+
+
+async def test_framestream_reads_frames_split_anyhow():
+    import random
+
+    rng = random.Random(5)
+    frames = []
+    for i in range(40):
+        n = rng.choice([0, 1, 100, 5000, 40000, 70000, 300000])
+        frames.append(({"t": "f", "i": i}, bytes([i]) * n))
+    blob = b"".join(wire.frame_bytes(h, p, crc=(i % 3 == 0)) for i, (h, p) in enumerate(frames))
+    cuts, pos = [], 0
+    while pos < len(blob):
+        k = rng.choice([1, 7, 16, 1000, 65536, 200000])
+        cuts.append(blob[pos : pos + k])
+        pos += k
+    srv, fs = await _framestream_pair(cuts)
+    try:
+        for h, p in frames:
+            gh, gp = await asyncio.wait_for(wire.read_frame(fs), 5)
+            gh.pop("crc32", None)
+            assert gh == h and bytes(gp) == p
+        with pytest.raises(asyncio.IncompleteReadError) as ei:
+            await asyncio.wait_for(wire.read_frame(fs), 5)
+        assert ei.value.partial == b""
+    finally:
+        fs.close()
+        srv.close()
+
+
+async def test_framestream_eof_mid_large_payload_and_backpressure():
+    f = wire.frame_bytes({"t": "big"}, b"x" * 500_000)
+    srv, fs = await _framestream_pair([f[:300_000]])
+    try:
+        with pytest.raises(asyncio.IncompleteReadError) as ei:
+            await asyncio.wait_for(wire.read_frame(fs), 5)
+        assert len(ei.value.partial) == 300_000 - len(f) + 500_000
+    finally:
+        fs.close()
+        srv.close()
+    # many small frames not read yet: reading pauses at 2 x limit, resumes as they are consumed
+    small = [wire.frame_bytes({"t": "s", "i": i}, b"y" * 1000) for i in range(2000)]
+    srv, fs = await _framestream_pair(small)
+    try:
+        await asyncio.sleep(0.2)
+        assert fs._read_paused and len(fs._data) <= 2 * (1 << 16) + 256 * 1024
+        for i in range(2000):
+            h, p = await asyncio.wait_for(wire.read_frame(fs), 5)
+            assert h["i"] == i and len(p) == 1000
+    finally:
+        fs.close()
+        srv.close()

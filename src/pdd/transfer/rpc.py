@@ -61,7 +61,7 @@ __all__ = [
 log = logging.getLogger("pdd.transfer.rpc")
 
 PROTO = 1  # rpc protocol revision carried in "hello"
-STREAM_LIMIT_BYTES = 1 << 20  # StreamReader buffer limit
+STREAM_LIMIT_BYTES = 1 << 20  # unread bytes buffered per connection before reading pauses
 DEFAULT_CALL_TIMEOUT_S = 60.0
 HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -130,6 +130,9 @@ def _normalize_reply(ret, req_header: dict) -> tuple[dict, Any]:
 class Peer:
     """One persistent bidirectional connection to another instance.
 
+    ``reader`` / ``writer``: a :class:`~pdd.transfer.wire.FrameStream` (both roles; what
+    :func:`connect` and :class:`Server` use) or an asyncio StreamReader / StreamWriter pair.
+
     ``handlers`` is a shared table (e.g. a :class:`Server`'s, used by all its peers);
     :meth:`on` adds per-connection handlers that take precedence.
     ``crc``: default for the ``crc`` flag of frames this side sends (bool).
@@ -140,8 +143,8 @@ class Peer:
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        reader: Any,
+        writer: Any,
         handlers: Optional[dict] = None,
         *,
         name: str = "",
@@ -554,7 +557,10 @@ class Server:
         self.handlers[t] = handler
 
     async def start(self) -> "Server":
-        self._server = await asyncio.start_server(self._accept, self.host, self.port, limit=STREAM_LIMIT_BYTES)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: wire.FrameStream(STREAM_LIMIT_BYTES, on_made=self._made), self.host, self.port
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -562,10 +568,18 @@ class Server:
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _made(self, stream: wire.FrameStream) -> None:
+        t = asyncio.get_running_loop().create_task(self._accept(stream, stream))
+        self._handshakes.add(t)
+        t.add_done_callback(self._handshakes.discard)
+
+    async def _accept(self, reader: wire.FrameStream, writer: wire.FrameStream) -> None:
         peer = Peer(reader, writer, self.handlers, crc=self.crc, max_payload_bytes=self.max_payload_bytes)
         try:
             await _server_handshake(peer, self.hello, self.handshake_check, self.handshake_timeout_s)
+        except asyncio.CancelledError:
+            writer.close()
+            raise
         except Exception as e:
             self.refused += 1
             log.warning("refused connection from %s: %r", writer.get_extra_info("peername"), e)
@@ -591,6 +605,8 @@ class Server:
         """Stop accepting and close all peers."""
         if self._server is not None:
             self._server.close()
+        for t in list(self._handshakes):
+            t.cancel()
         await asyncio.gather(*(p.close() for p in list(self.peers)), return_exceptions=True)
         if self._server is not None:
             try:
@@ -633,9 +649,11 @@ async def connect(
     attempt = 0
     while True:
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=STREAM_LIMIT_BYTES), connect_timeout_s
+            _, stream = await asyncio.wait_for(
+                asyncio.get_running_loop().create_connection(lambda: wire.FrameStream(STREAM_LIMIT_BYTES), host, port),
+                connect_timeout_s,
             )
+            reader = writer = stream
             peer = Peer(reader, writer, handlers, name=f"{host}:{port}", crc=crc, max_payload_bytes=max_payload_bytes)
             try:
                 await _client_handshake(peer, hello, handshake_check, connect_timeout_s)

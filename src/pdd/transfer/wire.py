@@ -55,6 +55,7 @@ __all__ = [
     "read_frame",
     "write_frame",
     "payload_view",
+    "FrameStream",
 ]
 
 MAGIC = b"PD"
@@ -199,7 +200,9 @@ def decode_frame(buf: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
 async def read_frame(
     reader: asyncio.StreamReader, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 ) -> tuple[dict, bytes]:
-    """Read one frame; returns ``(header, payload)`` (payload is ``b""`` when empty).
+    """Read one frame; returns ``(header, payload)``: payload is bytes-like (``bytes``, or a
+    ``bytearray`` for large payloads read by a :class:`FrameStream`; ``b""`` when empty).
+    ``reader``: anything with ``async readexactly(n)`` (StreamReader, FrameStream).
 
     Raises :class:`asyncio.IncompleteReadError` on EOF (clean EOF between frames: ``partial == b""``),
     :class:`WireError` on a malformed frame (close the stream), :class:`CrcError` on a CRC mismatch
@@ -223,3 +226,177 @@ def write_frame(writer: asyncio.StreamWriter | asyncio.WriteTransport, header: d
         writer.write(b)
         n += len(b) if isinstance(b, bytes) else b.nbytes
     return n
+
+
+# --------------------------------------------------------------------------- stream
+_LARGE_READ_BYTES = 32 << 10  # readexactly(n >= this) receives straight into its own buffer
+_SCRATCH_BYTES = 256 << 10
+
+
+class FrameStream(asyncio.BufferedProtocol):
+    """A socket stream for frames with fewer copies than StreamReader/StreamWriter.
+
+    Acts as both reader (``readexactly``, what :func:`read_frame` needs) and writer (``write``,
+    ``drain``, ``close``, ``wait_closed``, ``transport``, ``get_extra_info``). A large
+    ``readexactly(n)`` (KV payloads) is received by ``recv_into`` directly into a fresh
+    ``bytearray(n)``, which is returned as is (no further copy). Reading pauses while more than
+    ``limit`` bytes are buffered unread; ``drain()`` waits while the transport's write buffer is
+    over its high-water mark.
+    """
+
+    def __init__(self, limit: int = 1 << 20, on_made=None):
+        self.limit = limit
+        self.transport: Any = None
+        self._on_made = on_made
+        self._scratch = bytearray(_SCRATCH_BYTES)
+        self._data = bytearray()
+        self._target: Any = None  # bytearray being filled by a large readexactly
+        self._tpos = 0
+        self._waiter: Any = None  # future of the (single) pending readexactly
+        self._want = 0
+        self._eof = False
+        self._exc: Any = None
+        self._read_paused = False
+        self._write_paused = False
+        self._drain_waiters: list = []
+        self._closed: Any = None
+
+    # -- protocol callbacks
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._closed = asyncio.get_running_loop().create_future()
+        if self._on_made is not None:
+            self._on_made(self)
+
+    def get_buffer(self, sizehint: int):
+        if self._target is not None:
+            return memoryview(self._target)[self._tpos :]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._target is not None:
+            self._tpos += nbytes
+            if self._tpos == len(self._target):
+                self._target = None  # full: later bytes go to the scratch buffer
+                self._wake()
+            return
+        self._data += memoryview(self._scratch)[:nbytes]
+        if self._waiter is not None and len(self._data) >= self._want:
+            self._wake()
+        if len(self._data) > 2 * self.limit and not self._read_paused:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self):
+        self._eof = True
+        self._wake()
+        return False  # close the transport (we never half-close)
+
+    def connection_lost(self, exc) -> None:
+        self._eof = True
+        self._exc = exc
+        self._wake()
+        err = ConnectionResetError("connection lost") if exc is None else exc
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_exception(err)
+        self._drain_waiters.clear()
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_result(None)
+        self._drain_waiters.clear()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _resume_reading(self) -> None:
+        if self._read_paused and self.transport is not None:
+            self._read_paused = False
+            try:
+                self.transport.resume_reading()
+            except Exception:
+                pass
+
+    # -- reader
+    async def readexactly(self, n: int):
+        """``n`` bytes (bytes, or a bytearray for large reads); IncompleteReadError at EOF."""
+        if self._waiter is not None:
+            raise RuntimeError("readexactly() called while another read is pending")
+        if n == 0:
+            return b""
+        if len(self._data) >= n:
+            out = bytes(memoryview(self._data)[:n])
+            del self._data[:n]
+            if len(self._data) <= self.limit:
+                self._resume_reading()
+            return out
+        loop = asyncio.get_running_loop()
+        if n >= _LARGE_READ_BYTES:
+            target = bytearray(n)
+            have = len(self._data)
+            target[:have] = self._data
+            self._data.clear()
+            self._target, self._tpos = target, have
+            self._resume_reading()
+            try:
+                while self._target is not None:
+                    if self._eof:
+                        raise asyncio.IncompleteReadError(bytes(target[: self._tpos]), n)
+                    self._waiter = loop.create_future()
+                    await self._waiter
+            finally:
+                self._waiter = None
+                self._target = None
+            return target
+        self._resume_reading()
+        try:
+            while len(self._data) < n:
+                if self._eof:
+                    raise asyncio.IncompleteReadError(bytes(self._data), n)
+                self._want = n
+                self._waiter = loop.create_future()
+                await self._waiter
+        finally:
+            self._waiter = None
+        out = bytes(memoryview(self._data)[:n])
+        del self._data[:n]
+        if len(self._data) <= self.limit:
+            self._resume_reading()
+        return out
+
+    # -- writer
+    def write(self, data) -> None:
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self._closed is not None and self._closed.done():
+            raise ConnectionResetError("connection lost")
+        if self.transport.is_closing():
+            await asyncio.sleep(0)  # let connection_lost run
+            if self._closed.done():
+                raise ConnectionResetError("connection lost")
+        if self._write_paused:
+            w = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(w)
+            await w
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    async def wait_closed(self) -> None:
+        if self._closed is not None:
+            await asyncio.shield(self._closed)
+
+    def get_extra_info(self, name: str, default=None):
+        return self.transport.get_extra_info(name, default) if self.transport is not None else default
