@@ -272,3 +272,26 @@ def test_prefix_match_is_locked_against_eviction(make_engine, prompts):
     assert eng.radix.num_nodes == 4
     eng.release(s)
     assert _all_free(eng)
+
+
+def test_starved_sequence_waits_while_others_run(make_engine, prompts):
+    eng = make_engine(num_pages=6, page_size=4, enable_prefix_cache=False)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    a = eng.new_sequence("a", list(range(10, 22)), sp)  # 12 tokens: 3 pages, full
+    b = eng.new_sequence("b", list(range(30, 41)), SamplingParams(max_tokens=2, ignore_eos=True))  # 11: 3 pages
+    assert eng.pool.num_free == 0
+    eng.add(a)
+    eng.add(b)
+    eng.step()  # both prefills; a's first token, b's first token
+    ev = eng.step()  # a needs page 4 for position 12: starved; b decodes and finishes
+    assert eng.starved == ["a"] and [e.seq_id for e in ev] == ["b"] and ev[0].finished
+    with pytest.raises(OutOfPages) as ei:
+        eng.step()  # nobody can run
+    assert ei.value.seq_id == "a"
+    eng.release(b)
+    ev = _run(eng, [a])
+    assert a.num_outputs == 6 and eng.starved == []
+    (ref,) = make_engine(num_pages=64, page_size=4).generate([list(range(10, 22))], sp, use_cache=False)
+    assert a.output_ids == ref
+    eng.release(a)
+    assert eng.pool.num_free == eng.pool.num_pages

@@ -73,6 +73,7 @@ class Engine:
         self._arrival = itertools.count()
         self._tokenizer = tokenizer
         self.model_path = model_path
+        self.starved: list = []  # seq ids that could not get a page in the last step
         self.keep_logits = False  # tests: keep the float32 logits row of each sampled token
         self.last_logits: dict[object, torch.Tensor] = {}
 
@@ -240,8 +241,13 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One forward call over a scheduled batch; returns the tokens sampled (possibly none,
-        e.g. for a prefill chunk). No work -> no forward call, ``[]``. Raises ``OutOfPages``
-        (with ``seq_id``) before the forward call if a growing sequence cannot get a page."""
+        e.g. for a prefill chunk). No work -> no forward call, ``[]``.
+
+        Pages for growing sequences are allocated first (evicting cache leaves if needed); a
+        sequence that cannot get one sits this step out (``engine.starved`` lists them) while
+        the others run. If no planned sequence can run, raises ``OutOfPages`` (its ``seq_id``
+        names the first starved sequence) before any forward call and without leaking: the
+        caller must free pages (abort / release something) or every later step raises too."""
         states = [SeqState(s.seq_id, len(s.token_ids), s.num_computed, s.arrival, s.can_sample)
                   for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.pending > 0]
         if not states:
@@ -249,14 +255,24 @@ class Engine:
         plan = schedule(states, self.sched_cfg)
         if not plan:
             return []
-        seqs = [self.seqs[it.seq_id] for it in plan.items]
-        for seq, it in zip(seqs, plan.items):
-            self._ensure_pages(seq, it.start + it.num_tokens)
+        seqs, plan_items, starved = [], [], []
+        for it in plan.items:  # decodes first: they only ever need one more page
+            seq = self.seqs[it.seq_id]
+            try:
+                self._ensure_pages(seq, it.start + it.num_tokens)
+            except OutOfPages as e:
+                starved.append(e)  # waits in the batch until pages come back
+                continue
+            seqs.append(seq)
+            plan_items.append(it)
+        self.starved = [e.seq_id for e in starved]
+        if not seqs:
+            raise starved[0]
         items = [RunItem(s.token_ids, it.start, it.num_tokens, s.page_table, it.sample)
-                 for s, it in zip(seqs, plan.items)]
+                 for s, it in zip(seqs, plan_items)]
         logits = self.runner.forward(items)
         sampled = []
-        for seq, it in zip(seqs, plan.items):
+        for seq, it in zip(seqs, plan_items):
             seq.num_computed = it.start + it.num_tokens
             if it.sample:
                 sampled.append(seq)
