@@ -266,3 +266,75 @@ async def test_framestream_eof_mid_large_payload_and_backpressure():
     finally:
         fs.close()
         srv.close()
+
+
+class _FakeTransport:
+    def __init__(self):
+        self.paused = False
+
+    def pause_reading(self):
+        self.paused = True
+
+    def resume_reading(self):
+        self.paused = False
+
+    def is_closing(self):
+        return False
+
+
+async def _feed_framestream(data: bytes, splits: list[int]) -> list:
+    """Feed ``data`` to a FrameStream the way a transport does (get_buffer/buffer_updated), in
+    pieces, while a reader decodes frames; returns the decoded headers."""
+    fs = wire.FrameStream(limit=1 << 12)
+    fs.connection_made(_FakeTransport())
+    got = []
+
+    async def feed():
+        pos, k = 0, 0
+        while pos < len(data):
+            piece = splits[k % len(splits)] if splits else len(data)
+            k += 1
+            end = min(len(data), pos + max(1, piece))
+            while pos < end:
+                buf = fs.get_buffer(-1)
+                n = min(len(buf), end - pos)
+                assert n > 0
+                buf[:n] = data[pos : pos + n]
+                fs.buffer_updated(n)
+                pos += n
+            await asyncio.sleep(0)
+        fs.eof_received()
+
+    async def read():
+        while True:
+            try:
+                h, p = await wire.read_frame(fs, max_payload_bytes=1 << 20)
+                got.append((h, bytes(p)))
+            except CrcError:
+                continue
+            except (WireError, asyncio.IncompleteReadError):
+                return
+
+    await asyncio.wait_for(asyncio.gather(feed(), read()), 5)
+    return got
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=400), st.lists(st.integers(1, 64), max_size=5))
+def test_fuzz_framestream_random_bytes(data, splits):
+    asyncio.run(_feed_framestream(data, splits))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.sampled_from([0, 3, 4095, 40000, 70000]), min_size=1, max_size=4),
+    st.lists(st.integers(1, 50000), max_size=5),
+    st.booleans(),
+)
+def test_framestream_roundtrip_any_split(sizes, splits, crc):
+    frames = [({"t": "x", "i": i}, bytes([i % 256]) * n) for i, n in enumerate(sizes)]
+    data = b"".join(wire.frame_bytes(h, p, crc=crc) for h, p in frames)
+    got = asyncio.run(_feed_framestream(data, splits))
+    for h, _ in got:
+        h.pop("crc32", None)
+    assert got == frames
