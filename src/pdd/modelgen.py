@@ -123,14 +123,40 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
+def _family_weights(cfg: dict, seed: int, family: str) -> dict[str, torch.Tensor]:
+    """Extra tensors of qwen2 (q/k/v biases) and qwen3 (q/k norms), from their own generator so
+    the llama tensors stay the same for a seed."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 1_000_003)
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    w: dict[str, torch.Tensor] = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        if family == "qwen2":
+            for name, n in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
+                w[p + name + ".bias"] = torch.randn(n * hd, generator=g) * 0.1
+        elif family == "qwen3":
+            for name in ("q_norm", "k_norm"):
+                w[p + name + ".weight"] = 1.0 + 0.1 * torch.randn(hd, generator=g)
+    return w
+
+
+FAMILIES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+              "sliding_window": None, "max_window_layers": 0},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+              "sliding_window": None, "max_window_layers": 0},
+}
+
+
 def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = "llama") -> str:
     """Write a random-weight checkpoint to ``out_dir`` and return ``out_dir``.
 
     preset: ``"tiny"`` (unit tests) or ``"small"`` (demo); see :data:`PRESETS`.
-    family: only ``"llama"`` for now.
+    family: ``"llama"`` (default), ``"qwen2"`` (q/k/v biases) or ``"qwen3"`` (q/k norms).
     """
-    if family != "llama":
-        raise NotImplementedError(f"family {family!r} (only 'llama')")
+    if family not in FAMILIES:
+        raise NotImplementedError(f"family {family!r}; choose from {sorted(FAMILIES)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset]
@@ -138,8 +164,7 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
     tok = build_tokenizer(p["vocab_size"])
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **FAMILIES[family],
         **p,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -170,7 +195,9 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
     _dump(os.path.join(out_dir, "special_tokens_map.json"),
           {"bos_token": BOS, "eos_token": EOS, "unk_token": "<unk>", "pad_token": EOS})
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    save_file(_weights(p, seed), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = _weights(p, seed)
+    weights.update(_family_weights(p, seed, family))
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 
@@ -187,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--family", default="llama")
+    ap.add_argument("--family", default="llama", choices=sorted(FAMILIES))
     a = ap.parse_args(argv)
     print(make_model(a.out_dir, a.preset, a.seed, a.family))
 

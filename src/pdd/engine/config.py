@@ -1,4 +1,4 @@
-"""Model configuration read from an HF-format ``config.json`` (Llama family).
+"""Model configuration read from an HF-format ``config.json`` (Llama family: llama, qwen2, qwen3).
 
 Only the fields the built-in engine needs are kept. ``kv_bytes_per_token`` is a model
 property (MLA / hybrid models would override it), never a constant elsewhere.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -44,7 +46,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q, k, v and o projections (llama / qwen3 option)
+    qkv_bias: bool = False  # bias on q, k, v only (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     model_type: str = "llama"
@@ -84,6 +88,11 @@ class ModelConfig:
         rtype = rp.get("rope_type", rp.get("type", "default")) if rp else "default"
         if rtype not in ("default", None):
             raise NotImplementedError(f"rope scaling {rtype!r} not supported")
+        mt = str(d.get("model_type", "llama"))
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(f"model_type {mt!r} not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+        if d.get("use_sliding_window"):
+            raise NotImplementedError("sliding-window attention not supported")
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -98,10 +107,12 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=bool(d.get("attention_bias", False)) and mt != "qwen2",
+            qkv_bias=mt == "qwen2",
+            qk_norm=mt == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            model_type=str(d.get("model_type", "llama")),
+            model_type=mt,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             name=name or str(d.get("_name_or_path", "")),
         )
@@ -111,8 +122,6 @@ class ModelConfig:
         """Read ``path/config.json``; eos ids are merged from ``generation_config.json`` if present."""
         with open(os.path.join(path, "config.json")) as f:
             d = json.load(f)
-        if d.get("model_type", "llama") != "llama":
-            raise NotImplementedError(f"model_type {d.get('model_type')!r} not supported (llama only)")
         cfg = cls.from_dict(d, name=os.path.basename(os.path.normpath(path)))
         gpath = os.path.join(path, "generation_config.json")
         if os.path.exists(gpath):

@@ -1,4 +1,5 @@
-"""Llama-family decoder in plain torch, loading HF-format safetensors.
+"""Llama-family decoder (llama, qwen2 q/k/v bias, qwen3 q/k norm) in plain torch, loading
+HF-format safetensors.
 
 The model knows nothing about pages: each layer hands its fresh q/k/v to an *attention
 backend* (``runner.PagedAttention``) that stores K/V and attends over the cached context.
@@ -72,16 +73,21 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.h, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        b = cfg.attention_bias
+        b = cfg.attention_bias or cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=b)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kvh * self.d, bias=b)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=b)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, backend: AttentionBackend):
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.h, self.d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.kvh, self.d), cos, sin)
+        q = self.q_proj(x).view(t, self.h, self.d)
+        k = self.k_proj(x).view(t, self.kvh, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(t, self.kvh, self.d)
         o = backend.attend(self.layer, q, k, v)
         return self.o_proj(o.reshape(t, self.h * self.d))
