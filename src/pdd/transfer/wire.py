@@ -198,8 +198,8 @@ def decode_frame(buf: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
-) -> tuple[dict, bytes]:
+    reader: Any, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> tuple[dict, Any]:
     """Read one frame; returns ``(header, payload)``: payload is bytes-like (``bytes``, or a
     ``bytearray`` for large payloads read by a :class:`FrameStream`; ``b""`` when empty).
     ``reader``: anything with ``async readexactly(n)`` (StreamReader, FrameStream).
