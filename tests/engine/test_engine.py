@@ -295,3 +295,17 @@ def test_starved_sequence_waits_while_others_run(make_engine, prompts):
     assert a.output_ids == ref
     eng.release(a)
     assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_max_running_limits_the_batch(make_engine, prompts):
+    eng = make_engine(max_running=2)
+    assert eng.sched_cfg.max_running_seqs == 2
+    seqs = [eng.new_sequence(i, p, GREEDY, use_cache=False) for i, p in enumerate(prompts[:3])]
+    for s in seqs:
+        eng.add(s)
+    eng.step()
+    assert [s.num_outputs for s in seqs] == [1, 1, 0]
+    _run(eng, seqs)
+    for s in seqs:
+        eng.release(s)
+    assert _all_free(eng)

@@ -73,6 +73,7 @@ class Engine:
         self._arrival = itertools.count()
         self._tokenizer = tokenizer
         self.model_path = model_path
+        self.evict_batch_pages = max(1, pool.num_pages // 128)  # at least this many per eviction
         self.starved: list = []  # seq ids that could not get a page in the last step
         self.keep_logits = False  # tests: keep the float32 logits row of each sampled token
         self.last_logits: dict[object, torch.Tensor] = {}
@@ -117,7 +118,9 @@ class Engine:
             return []
         if self.radix is not None:
             while self.pool.num_free < n:
-                if self.radix.evict(n - self.pool.num_free) == 0:
+                # evict in batches: each evict call walks the tree once
+                want = max(n - self.pool.num_free, self.evict_batch_pages)
+                if self.radix.evict(want) == 0:
                     break
         try:
             return self.pool.alloc(n)

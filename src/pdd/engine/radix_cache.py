@@ -61,11 +61,12 @@ class RadixCache:
         return self._clock
 
     def _chunks(self, token_ids, max_pages=None):
+        """Lazily yields the page keys (tuples of ``page_size`` token ids) of whole pages."""
         n = len(token_ids) // self.page_size
         if max_pages is not None:
             n = min(n, max(0, int(max_pages)))
         ps = self.page_size
-        return [tuple(token_ids[i * ps:(i + 1) * ps]) for i in range(n)]
+        return (tuple(token_ids[i * ps:(i + 1) * ps]) for i in range(n))
 
     # -- lookup ------------------------------------------------------------------------------
     def peek(self, token_ids, max_pages=None) -> int:
