@@ -67,16 +67,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from pdd.bench.demo import run_demo
+    from pdd.bench.demo import main as demo_main
 
-    cfg = _config(args)
-    kwargs = {"out_dir": args.out, "config": cfg}
-    if args.requests:
-        kwargs["n_requests"] = args.requests
-    if args.modes:
-        kwargs["modes"] = tuple(args.modes.split(","))
-    run_demo(**kwargs)
-    return 0
+    return demo_main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,11 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None)
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("demo", help="replay the Mooncake trace through every mode and compare")
-    p.add_argument("--config")
-    p.add_argument("--out", default="runs/demo")
-    p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--modes", default=None, help="comma-separated subset of same_dc_pd,cross_dc_pd,pdd,colocated")
+    p = sub.add_parser("demo", help="replay the Mooncake trace through every mode and compare (pdd demo --help)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_demo)
 
     try:
@@ -121,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":  # the demo owns its flags (pdd demo --help)
+        from pdd.bench.demo import main as demo_main
+
+        return int(demo_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "launch" and not args.name:
         from pdd.topology import ROLE_LINK

@@ -43,10 +43,10 @@ class LinkConfig(_Strict):
     ``fast_*``: the in-datacenter path P -> RLD (stands in for RDMA).
     """
 
-    wan_gbps: float = Field(0.2, gt=0, description="WAN line rate per direction, Gbit/s")
+    wan_gbps: float = Field(0.1, gt=0, description="WAN line rate per direction, Gbit/s")
     wan_rtt_ms: float = Field(20.0, ge=0)
     wan_jitter_ms: float = Field(1.0, ge=0)
-    fast_gbps: float = Field(8.0, gt=0, description="fast path rate, Gbit/s (paced at the sender)")
+    fast_gbps: float = Field(4.0, gt=0, description="fast path rate, Gbit/s (paced at the sender)")
     fast_rtt_ms: float = Field(0.1, ge=0)
 
 

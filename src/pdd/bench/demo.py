@@ -29,10 +29,12 @@ from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, block_token_ids, b
 from pdd.config import ClusterConfig
 
 DEFAULT_MODES = ("same_dc_pd", "cross_dc_pd", "pdd")
-# First guess, to be tuned on the live system: 1/32 lengths, outputs / 8 in [8, 96], 1.5 req/s.
-DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 8, min_output_tokens=8, max_output_tokens=96,
-                      target_rate_rps=1.5)
-DEFAULT_REQUESTS = 48
+# Tuned on the live system (docs/DEMO.md): prompts 1/32 (a 512-token block becomes 16 tokens),
+# outputs 1/4 in [16, 160], 1 in 100 conversations with all their turns (so prefix reuse is the
+# trace's), arrivals compressed to 2 requests/s.
+DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 4, min_output_tokens=16, max_output_tokens=160,
+                      target_rate_rps=2.0, session_sample=100)
+DEFAULT_REQUESTS = 100
 
 
 def ensure_model(config: ClusterConfig, console=None) -> Path:
@@ -192,7 +194,7 @@ def run_demo(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pdd.bench.demo``: the demo with its tuning knobs on the command line."""
-    ap = argparse.ArgumentParser(prog="python -m pdd.bench.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pdd demo", description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="cluster config (YAML or JSON)")
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
@@ -204,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
     ap.add_argument("--max-input", type=int, default=None)
     ap.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="mean arrivals, req/s")
-    ap.add_argument("--session-sample", type=int, default=1, help="keep 1 in N conversations (all turns)")
+    ap.add_argument("--session-sample", type=int, default=DEFAULT_SCALE.session_sample,
+                    help="keep 1 in N conversations (all their turns)")
     ap.add_argument("--session-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true")

@@ -16,7 +16,9 @@ Definitions (all latencies in ms):
   consecutive tokens of a request, pooled over requests.
 - duration_s = last ``end_s`` - first ``send_s`` of the mode; request_throughput = completed /
   duration (req/s); output_throughput = output tokens of completed requests / duration (tok/s).
-- wan_bytes, wan_bytes_expected: sums of the usage-chunk fields over all records of the mode.
+- wan_bytes, wan_bytes_expected: from the gateway's /pdd/stats (P's per-request transfer counts
+  summed, and the planned missing pages x page bytes), as deltas over the replay; without server
+  stats, sums of the usage-chunk fields.
 - rld_output_token_share = tokens with tier "rld" / all output tokens of completed requests.
 - wan_line_bytes, cpu_seconds (sum over the mode's processes), leaked_pages come from the
   topology's ``stats()`` / ``flush()`` / ``cpu_seconds()`` taken around the mode's replay
@@ -116,7 +118,18 @@ def server_summary(entry: Mapping | None) -> dict:
         cpu = _instances_cpu(stats)
         if cpu is not None and before:
             cpu -= _instances_cpu(before) or 0.0
+    out: dict = {}
+    # KV payload bytes P's transfer layer sent across the WAN (summed per request there) and the
+    # bytes planned from MD's cache state: authoritative over the usage chunks, which a request
+    # that ends on RLD before its WAN transfer drains reports before the count is final.
+    for key in ("wan_bytes", "wan_bytes_expected"):
+        if stats.get(key) is not None:
+            v = int(stats[key])
+            if before and before.get(key) is not None:
+                v -= int(before[key])
+            out[key] = v
     return {
+        **out,
         "wan_line_bytes": int(line) if line is not None else None,
         "cpu_seconds": cpu,
         "leaked_pages": int(flush["leaked_pages"]) if flush.get("leaked_pages") is not None else None,

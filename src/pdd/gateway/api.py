@@ -181,7 +181,8 @@ def _usage(st: ReqState, ntok: int) -> dict:
 def _pdd_summary(st: ReqState) -> dict[str, Any]:
     return {"pipeline": st.pipeline.value, "wan_bytes": st.wan_bytes, "wan_bytes_expected": st.wan_bytes_expected,
             "md_cached_tokens": st.md_cached_tokens, "p_cached_tokens": st.p_cached_tokens,
-            "handoff_pos": st.handoff_pos, "rld_finished_first": st.rld_finished_first}
+            "handoff_pos": st.handoff_pos, "rld_finished_first": st.rld_finished_first,
+            "events_ms": {k: round((v - st.t_arrival) * 1000, 2) for k, v in st.events.items()}}
 
 
 async def _sse(orch: Orchestrator, st: ReqState, tokenizer, cid: str, created: int, model: str, include_usage: bool):

@@ -207,39 +207,60 @@ class Orchestrator:
         md_name, md = self._one(ROLE_MAIN)
         md_wan = self.layout.get(md_name).dc == "B"
         relay_possible = bool(self.layout.by_role(ROLE_RELAY))
-        reserve = md.call({"t": "reserve", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
-                           "relay": relay_possible}, timeout=t)
-        if relay_possible:
-            rld_name, rld = self._one(ROLE_RELAY)
-            expect = rld.call({"t": "expect", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
-            (rep, _), _ = await asyncio.gather(reserve, expect)
-        else:
+        _, p = self._one(ROLE_PREFILL)
+        reserve = asyncio.ensure_future(md.call({"t": "reserve", "rid": st.rid, "prompt_ids": prompt,
+                                                 "sampling": sampling}, timeout=t))
+        p_call = None
+        try:
+            if relay_possible:
+                rld_name, rld = self._one(ROLE_RELAY)
+                await rld.call({"t": "expect", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+                st.events["rld_expect"] = time.perf_counter()
+                if self._always_relay():
+                    # the relay is planned whatever MD holds: P starts now and learns MD's part of
+                    # the plan a WAN round trip later, so TTFT never waits on the WAN
+                    st.pipeline = Pipeline.P_RLD_MD
+                    p_call = asyncio.ensure_future(p.call(
+                        {"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
+                         "targets": [{"name": rld_name, "first_page": 0, "relay": False},
+                                     {"name": md_name, "deferred": True}]}, timeout=t))
             rep, _ = await reserve
-        st.events["reserved"] = time.perf_counter()
+        except BaseException:
+            if p_call is not None:
+                p_call.cancel()
+            raise
+        st.events["md_reserved"] = time.perf_counter()
         self.page_bytes = int(rep["page_bytes"])
-        ps = self.cfg.engine.page_size
         if self.kv_bytes_per_token is None:
-            self.kv_bytes_per_token = self.page_bytes // ps
+            self.kv_bytes_per_token = self.page_bytes // self.cfg.engine.page_size
         st.md_cached_tokens = int(rep["md_cached_tokens"])
         md_first = int(rep["md_cached_pages"])
         n_pages = int(rep["n_pages"])
-        st.pipeline = self._plan(len(prompt), st.md_cached_tokens) if relay_possible else (
-            Pipeline.P_MD if md_wan else Pipeline.P_D)
-        relay = st.pipeline == Pipeline.P_RLD_MD
-        targets = [{"name": md_name, "first_page": md_first, "relay": relay}]
-        if relay:
-            targets.insert(0, {"name": rld_name, "first_page": 0, "relay": False})
-        elif relay_possible:
-            # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
-            await rld.call({"t": "abort", "rid": st.rid}, timeout=t)
         if md_wan:
             st.wan_bytes_expected = (n_pages - md_first) * self.page_bytes
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
-        _, p = self._one(ROLE_PREFILL)
-        rep, _ = await p.call({"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
-                               "targets": targets}, timeout=t)
+        if p_call is not None:
+            await p.send({"t": "target", "rid": st.rid, "name": md_name, "first_page": md_first, "relay": True})
+        else:
+            st.pipeline = self._plan(len(prompt), st.md_cached_tokens) if relay_possible else (
+                Pipeline.P_MD if md_wan else Pipeline.P_D)
+            relay = st.pipeline == Pipeline.P_RLD_MD
+            targets = [{"name": md_name, "first_page": md_first, "relay": relay}]
+            if relay:
+                targets.insert(0, {"name": rld_name, "first_page": 0, "relay": False})
+            elif relay_possible:
+                # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
+                await rld.call({"t": "abort", "rid": st.rid}, timeout=t)
+            p_call = p.call({"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
+                             "targets": targets}, timeout=t)
+        rep, _ = await p_call
         st.events["prefilled"] = time.perf_counter()
         st.p_cached_tokens = int(rep["p_cached_tokens"])
+
+    def _always_relay(self) -> bool:
+        """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""
+        return (self.cfg.mode == "pdd" and self.cfg.policy.pipeline_ttft_budget_ms <= 0
+                and not self.cfg.policy.allow_p_rld)
 
     async def stream(self, st: ReqState):
         """Yield tokens in position order until the request finishes (or fails)."""
@@ -254,6 +275,8 @@ class Orchestrator:
                 st.pending[tok.pos] = tok
                 while st.next_pos in st.pending:
                     t = st.pending.pop(st.next_pos)
+                    if st.next_pos == 0:
+                        st.events["first_token"] = time.perf_counter()
                     st.next_pos += 1
                     if t.fin is not None:
                         st.finished = True

@@ -31,13 +31,31 @@ class PrefillInstance(EngineInstance):
         self.first_token_waiters: dict[str, asyncio.Future] = {}
         self.senders: dict[str, KVSender] = {}
         self._sender_locks: dict[str, asyncio.Lock] = {}
+        self._deferred: dict[str, dict[str, asyncio.Future]] = {}  # rid -> target name -> plan
         self.bytes_sent: dict[str, int] = {}  # target name -> KV payload bytes
         self.wan_bytes_sent = 0
         self.prefix_hit_tokens = 0
         self.prompt_tokens = 0
 
     def handlers(self) -> dict:
-        return {**super().handlers(), "prefill": self.on_prefill}
+        return {**super().handlers(), "prefill": self.on_prefill, "target": self.on_target}
+
+    def _deferred_target(self, rid: str, name: str) -> asyncio.Future:
+        return self._deferred.setdefault(rid, {}).setdefault(name, asyncio.get_running_loop().create_future())
+
+    async def on_target(self, peer, h, payload):
+        """The plan of a target sent ``deferred`` in ``prefill`` (MD's cached pages arrive a WAN
+        round trip after P could start prefilling): ``{rid, name, first_page, relay}``."""
+        fut = self._deferred_target(h["rid"], h["name"])
+        if not fut.done():
+            fut.set_result({"first_page": int(h["first_page"]), "relay": bool(h.get("relay"))})
+        return None
+
+    async def on_abort(self, peer, h, payload):
+        for fut in self._deferred.pop(h["rid"], {}).values():
+            if not fut.done():
+                fut.cancel()
+        return await super().on_abort(peer, h, payload)
 
     def extra_stats(self) -> dict:
         return {
@@ -116,8 +134,11 @@ class PrefillInstance(EngineInstance):
             return pool.export_pages(table[i : i + n])
 
         async def one(t: dict) -> None:
-            name, first = t["name"], int(t["first_page"])
+            name = t["name"]
             try:
+                if t.get("deferred"):
+                    t = {**t, **await asyncio.wait_for(self._deferred_target(ctx.rid, name), self.cfg.request_timeout_s)}
+                first = int(t["first_page"])
                 sender, wan = await self.sender_for(name)
                 tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
                                    layers=(0, self.engine.model_cfg.num_hidden_layers),
@@ -134,5 +155,6 @@ class PrefillInstance(EngineInstance):
         try:
             await asyncio.gather(*(one(t) for t in targets))
         finally:
+            self._deferred.pop(ctx.rid, None)
             await self.release(ctx, cache=True)
             ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "errors": errors})
