@@ -91,12 +91,14 @@ class SimConfig:
     drc: bool = True  # decode-side radix cache on MD
     p_cache: bool = True
     routing: str = "cache_aware"
-    load_slack: int = 8
+    load_slack: int = 8  # cache-aware routing slack on P / colocated (requests)
+    md_load_slack: int = 64  # on MD: decoders hold tens of sequences, affinity matters more
     md_cache_frac: float = 1.0  # fraction of MD's free KV pool the DRC may keep (capacity studies)
     p_cache_frac: float = 1.0
     slo_ttft_s: float = 5.0
     slo_tpot_s: float = 0.05
-    warmup_frac: float = 0.1  # leading fraction of requests excluded from the metrics
+    warmup_frac: float = 0.1  # leading fraction of (measured) requests excluded from the metrics
+    measure_from_s: float = 0.0  # requests arriving earlier are warm-up, never measured
     profile_a: str | None = None  # measured profile JSON (fits the roofline efficiencies)
     profile_b: str | None = None
     efficiency: Efficiency | None = None
@@ -624,7 +626,8 @@ class ClusterSim:
         for inst in insts:
             hit = inst.cache.match(req.blocks[: req.n_full]) * BLOCK if (with_cache and inst.cache is not None) else 0
             loads.append(inst.load(hit))
-        i = pol_routing.choose_instance(loads, pol, self.rr, self.cfg.load_slack)
+        slack = self.cfg.md_load_slack if role == "MD" else self.cfg.load_slack
+        i = pol_routing.choose_instance(loads, pol, self.rr, slack)
         self.rr += 1
         return insts[i]
 
@@ -882,6 +885,23 @@ class ClusterSim:
         req.md_kv_complete = True
         req.t_md_kv = self.env.now
         md = req.md
+        seq = req.md_seq
+        if md.cache is not None and seq is not None and seq.reserved >= 0:
+            # MD caches the prompt's whole pages on arrival (the runtime does the same), locked
+            # by this request until it is released
+            full = req.blocks[: req.n_full]
+            if seq.locked:
+                md.cache.unlock(seq.locked)
+            md.free(seq.reserved)
+            keep = req.prompt - req.n_full * BLOCK + req.out_len
+            md.private += keep
+            seq.reserved = keep
+            md.cache.insert(full)
+            md.cache.lock(full)
+            seq.locked = full
+            over = md.used - md.pool
+            if over > 0:
+                md.cache.evict(-(-over // BLOCK))
         if req.rld_finished or req.finished:
             self._md_release(req, cache=True)
             return

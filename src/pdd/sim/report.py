@@ -40,8 +40,9 @@ def summarize(sim, slo_ttft_s: float | None = None, slo_tpot_s: float | None = N
     slo_ttft_s = cfg.slo_ttft_s if slo_ttft_s is None else slo_ttft_s
     slo_tpot_s = cfg.slo_tpot_s if slo_tpot_s is None else slo_tpot_s
     reqs = sorted(sim.reqs, key=lambda r: r.arrival)
-    w = int(len(reqs) * cfg.warmup_frac)
-    meas = reqs[w:]
+    reqs_m = [r for r in reqs if r.arrival >= cfg.measure_from_s - 1e-9]
+    w = int(len(reqs_m) * cfg.warmup_frac)
+    meas = reqs_m[w:]
     done = [r for r in meas if r.finished and r.t_first is not None]
     arr = np.array([r.arrival for r in meas]) if meas else np.zeros(1)
     span = float(arr.max() - arr.min()) if len(meas) > 1 else 1.0
@@ -78,6 +79,7 @@ def summarize(sim, slo_ttft_s: float | None = None, slo_tpot_s: float | None = N
             "utilisation": float(sim.wan.bytes_sent / (sim.wan.rate * end)),
             "busy_frac": float(sim.wan.busy_s / end),
             "cutoff_saved_bytes": float(sim.wan_saved_bytes),
+            "bytes_measured_requests": float(sum(r.wan_bytes for r in meas)),
         }
     cost = cfg.cost_per_hour()
     goodput = ok / span if span > 0 else 0.0

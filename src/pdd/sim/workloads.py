@@ -68,10 +68,16 @@ def _blocks(n_tokens: int) -> int:
 
 
 def generate_fixed(n_requests: int, rate: float, input_len: int, output_len: int, hit: float,
-                   n_prefixes: int = 64, seed: int = 0, zipf_a: float = 0.0) -> list[dict]:
+                   n_prefixes: int = 64, seed: int = 0, zipf_a: float = 0.0,
+                   warm_s: float = 0.0, warm_gap_s: float = 30.0) -> list[dict]:
     """Fixed-shape load: every prompt is ``input_len`` tokens whose first ``hit`` fraction
     (rounded down to whole blocks) is one of ``n_prefixes`` shared prefixes (uniform, or Zipf
-    with exponent ``zipf_a`` > 0) and the rest is unique; Poisson arrivals at ``rate``."""
+    with exponent ``zipf_a`` > 0) and the rest is unique; Poisson arrivals at ``rate``.
+
+    ``warm_s`` > 0 first sends one request per prefix spread over ``warm_s`` seconds (steady
+    state: the caches already hold the working set), then the measured load starts
+    ``warm_gap_s`` later; such warm-up records carry ``"warmup": True`` (exclude them with
+    ``SimConfig.measure_from_s = warm_start(records)``)."""
     rng = np.random.default_rng(seed)
     ids = _Ids()
     shared_blocks = int(hit * input_len) // BLOCK
@@ -82,14 +88,27 @@ def generate_fixed(n_requests: int, rate: float, input_len: int, output_len: int
         pick = rng.choice(n_prefixes, n_requests, p=w)
     else:
         pick = rng.integers(0, n_prefixes, n_requests)
-    ts = poisson_times(n_requests, rate, seed + 1)
     total_blocks = _blocks(input_len)
     out = []
+    t0 = 0.0
+    if warm_s > 0:
+        for j in range(n_prefixes):
+            h = prefixes[j] + ids.take(total_blocks - shared_blocks)
+            out.append({"timestamp": warm_s * 1000.0 * j / n_prefixes, "input_length": int(input_len),
+                        "output_length": int(output_len), "hash_ids": h, "warmup": True})
+        t0 = (warm_s + warm_gap_s) * 1000.0
+    ts = poisson_times(n_requests, rate, seed + 1) + t0
     for i in range(n_requests):
         h = prefixes[pick[i]] + ids.take(total_blocks - shared_blocks)
         out.append({"timestamp": float(ts[i]), "input_length": int(input_len),
                     "output_length": int(output_len), "hash_ids": h})
     return out
+
+
+def warm_start(records: Sequence[dict]) -> float:
+    """Seconds at which the measured (non warm-up) load starts."""
+    t = [r["timestamp"] for r in records if not r.get("warmup")]
+    return min(t) / 1000.0 if t else 0.0
 
 
 def generate_agentic(n_requests: int, seed: int = 0, rate: float = 2.0, *,

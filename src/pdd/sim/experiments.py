@@ -1,0 +1,545 @@
+"""Named simulator experiments: ``pdd sim experiment NAME --out DIR``.
+
+Each writes ``DIR/result.json`` (settings, rows, the checks against the PDD report's anchors)
+and ``DIR/NAME.png``, and returns the result dict. Every number comes from running the
+simulator; nothing here encodes an outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.report import summarize, table, write_json
+from pdd.sim.workloads import generate_agentic, generate_fixed, hit_histogram, prefix_hits, warm_start
+
+ATTAIN = 0.9  # a rate "meets the SLA" when >= 90% of its requests meet TTFT and TPOT
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def run(cfg: SimConfig, records) -> dict:
+    return summarize(ClusterSim(cfg).run(records))
+
+
+def sla_goodput(cfg: SimConfig, make: Callable[[float], list], lo: float, hi: float,
+                iters: int = 7, attain: float = ATTAIN) -> tuple[float, dict | None]:
+    """Highest request rate in [lo, hi] at which >= ``attain`` of requests meet the SLA
+    (bisection; the workload for a rate comes from ``make(rate)`` with a fixed seed).
+    Returns (rate, that run's summary); (0, None) when even ``lo`` fails."""
+    def ok(rate):
+        recs = make(rate)
+        c = cfg.replace(measure_from_s=warm_start(recs))
+        s = run(c, recs)
+        return s["slo_attainment"] >= attain, s
+
+    good, s_lo = ok(lo)
+    if not good:
+        return 0.0, None
+    best = (lo, s_lo)
+    g_hi, s_hi = ok(hi)
+    if g_hi:
+        return hi, s_hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        g, s = ok(mid)
+        if g:
+            lo, best = mid, (mid, s)
+        else:
+            hi = mid
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# cost-table
+
+
+def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv",
+               chip_a: str = "H100-SXM5-80GB", chip_b: str = "H200-SXM-141GB",
+               price_a: float = 2.50, premium: float = 0.25, wan_gbps: float = 100.0,
+               wan_usd_per_hour: float = 15.0, hit: float = 0.9, slo_ttft_s: float = 3.0,
+               slo_tpot_s: float = 0.05) -> dict:
+    """The report's setting: 64K total length (63K in + 1K out), cache hit ``hit``.
+
+    1. Same-DC homogeneous PD on 88 GPU-A: best P:D split and its SLA goodput G (the load at
+       which 88 GPU-A are needed to meet the SLA).
+    2. PDD on 43 GPU-A (P + RLD, best split) + 32 GPU-B + one WAN line: goodput, cost, BCR.
+    3. The cheapest PDD configuration that meets the SLA at rate G.
+    4. GPU-B price premium 20 / 25 / 30 %.
+    """
+    t0 = time.time()
+    n_req = 500 if quick else 1000
+    inp, outl = 63 * 1024, 1024
+
+    def make(rate):
+        return generate_fixed(n_req, rate, inp, outl, hit, n_prefixes=48, seed=7, warm_s=40.0)
+
+    base_cfg = SimConfig(mode="same_dc_pd", model=model, chip_a=chip_a, chip_b=chip_b, price_a=price_a,
+                         price_b=price_a * (1 + premium), wan_gbps=wan_gbps, wan_usd_per_hour=wan_usd_per_hour,
+                         slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+    hi = 60.0
+    iters = 5 if quick else 7
+    # 1. baseline split over 88 GPU-A
+    splits = {}
+    coarse = range(8, 49, 8) if quick else range(8, 49, 4)
+    for n_p in coarse:
+        g, _ = sla_goodput(base_cfg.replace(n_p=n_p, n_d=88 - n_p), make, 1.0, hi, iters)
+        splits[n_p] = g
+    best_p = max(splits, key=splits.get)
+    for n_p in (best_p - 2, best_p + 2):
+        if 1 <= n_p < 88 and n_p not in splits:
+            splits[n_p] = sla_goodput(base_cfg.replace(n_p=n_p, n_d=88 - n_p), make, 1.0, hi, iters)[0]
+    best_p = max(splits, key=splits.get)
+    g_base, s_base = sla_goodput(base_cfg.replace(n_p=best_p, n_d=88 - best_p), make, 1.0, hi, iters + 2)
+    base = base_cfg.replace(n_p=best_p, n_d=88 - best_p)
+
+    # 2. PDD on 43 A + 32 B
+    pdd_cfg = base_cfg.replace(mode="pdd", n_md=32)
+    psplits = {}
+    for n_p in (range(15, 42, 8) if quick else range(13, 42, 4)):
+        psplits[n_p] = sla_goodput(pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p), make, 1.0, hi, iters)[0]
+    bp = max(psplits, key=psplits.get)
+    for n_p in (bp - 2, bp + 2):
+        if 1 <= n_p < 43 and n_p not in psplits:
+            psplits[n_p] = sla_goodput(pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p), make, 1.0, hi, iters)[0]
+    bp = max(psplits, key=psplits.get)
+    pdd = pdd_cfg.replace(n_p=bp, n_rld=43 - bp)
+    g_pdd, s_pdd = sla_goodput(pdd, make, 1.0, hi, iters + 2)
+
+    # 3. cheapest PDD meeting the SLA at the baseline's goodput
+    recs = make(g_base)
+    ms = warm_start(recs)
+    evaluated = []
+
+    def meets(c):
+        s = run(c.replace(measure_from_s=ms), recs)
+        evaluated.append({"n_p": c.n_p, "n_rld": c.n_rld, "n_md": c.n_md, "attainment": s["slo_attainment"]})
+        return s["slo_attainment"] >= ATTAIN
+
+    md_range = range(12, 41, 4) if quick else range(12, 41, 2)
+    rld_opts = (2, 4) if quick else (1, 2, 4, 8)
+    for n_md in md_range:
+        for n_rld in rld_opts:
+            lo_p, hi_p = 1, 60
+            if not meets(pdd_cfg.replace(n_p=hi_p, n_rld=n_rld, n_md=n_md)):
+                continue
+            while hi_p - lo_p > 1:
+                mid = (lo_p + hi_p) // 2
+                if meets(pdd_cfg.replace(n_p=mid, n_rld=n_rld, n_md=n_md)):
+                    hi_p = mid
+                else:
+                    lo_p = mid
+            if not meets(pdd_cfg.replace(n_p=lo_p, n_rld=n_rld, n_md=n_md)):
+                pass
+            else:
+                hi_p = lo_p
+    feasible = [e for e in evaluated if e["attainment"] >= ATTAIN]
+
+    def cost_of(e, prem):
+        c = pdd_cfg.replace(n_p=e["n_p"], n_rld=e["n_rld"], n_md=e["n_md"], price_b=price_a * (1 + prem))
+        return c.cost_per_hour()
+
+    rows = []
+    sens = []
+    for prem in (0.20, 0.25, 0.30):
+        b = base.replace(price_b=price_a * (1 + prem))
+        p = pdd.replace(price_b=price_a * (1 + prem))
+        cb, cp = b.cost_per_hour(), p.cost_per_hour()
+        cheapest = min(feasible, key=lambda e: cost_of(e, prem)) if feasible else None
+        cc = cost_of(cheapest, prem) if cheapest else None
+        row = {
+            "premium": prem,
+            "baseline": f"88A ({best_p}P+{88 - best_p}D)",
+            "baseline_goodput_rps": g_base,
+            "baseline_cost_per_hour": cb,
+            "baseline_bcr": g_base / cb,
+            "pdd": f"43A ({bp}P+{43 - bp}RLD)+32B+line",
+            "pdd_goodput_rps": g_pdd,
+            "pdd_cost_per_hour": cp,
+            "pdd_bcr": g_pdd / cp,
+            "goodput_gain": g_pdd / g_base if g_base else None,
+            "cost_change": cp / cb - 1,
+            "bcr_gain": (g_pdd / cp) / (g_base / cb) if g_base else None,
+            "cheapest_pdd_matching": (f"{cheapest['n_p']}P+{cheapest['n_rld']}RLD+{cheapest['n_md']}MD"
+                                      if cheapest else None),
+            "cheapest_cost_per_hour": cc,
+            "cheapest_vs_43A32B": (cc / cp) if cc else None,
+            "cheapest_bcr_gain": ((g_base / cc) / (g_base / cb)) if cc else None,
+        }
+        sens.append(row)
+        rows.append(row)
+    main = sens[1]
+    checks = {
+        "bcr_gain_ge_1.3_at_25pct": main["bcr_gain"] is not None and main["bcr_gain"] >= 1.3,
+        "cheapest_matching_le_43A32B": main["cheapest_vs_43A32B"] is not None and main["cheapest_vs_43A32B"] <= 1.0,
+    }
+    res = {
+        "experiment": "cost-table",
+        "setting": {
+            "model": model, "chip_a": chip_a, "chip_b": chip_b, "price_a_usd_h": price_a,
+            "input_tokens": inp, "output_tokens": outl, "prefix_hit": hit,
+            "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "attainment": ATTAIN},
+            "wan_gbps": wan_gbps, "wan_usd_per_hour": wan_usd_per_hour, "requests_per_run": n_req,
+        },
+        "baseline_splits_goodput": splits,
+        "pdd_43A_splits_goodput": psplits,
+        "baseline_summary": s_base,
+        "pdd_summary": s_pdd,
+        "cheapest_search": evaluated,
+        "rows": rows,
+        "checks": checks,
+        "wall_s": time.time() - t0,
+    }
+    cols = ["premium", "baseline", "baseline_goodput_rps", "baseline_cost_per_hour", "baseline_bcr", "pdd",
+            "pdd_goodput_rps", "pdd_cost_per_hour", "pdd_bcr", "goodput_gain", "cost_change", "bcr_gain",
+            "cheapest_pdd_matching", "cheapest_cost_per_hour", "cheapest_vs_43A32B", "cheapest_bcr_gain"]
+    res["table"] = table(rows, cols)
+    plt = _plt()
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].plot(list(splits), list(splits.values()), "o-", label="same-DC PD, 88 A (x = P)")
+    ax[0].plot(list(psplits), list(psplits.values()), "s-", label="PDD, 43 A + 32 B (x = P)")
+    ax[0].set_xlabel("P instances")
+    ax[0].set_ylabel("SLA goodput (req/s)")
+    ax[0].legend()
+    names = ["88A baseline", "43A+32B PDD", "cheapest PDD"]
+    vals = [main["baseline_bcr"], main["pdd_bcr"], main["cheapest_bcr_gain"] * main["baseline_bcr"]
+            if main["cheapest_bcr_gain"] else 0]
+    ax[1].bar(names, vals)
+    ax[1].set_ylabel("BCR (req/s per $/h)")
+    ax[1].set_title(f"GPU-B premium 25%, {model}")
+    fig.tight_layout()
+    _save(fig, res, out, "cost-table")
+    return res
+
+
+def _save(fig, res: dict, out: Path, name: str) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / f"{name}.png", dpi=110)
+    write_json(res, out / "result.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# ttft
+
+
+def _agentic_cluster(wan_gbps: float = 10.0, **kw) -> dict[str, SimConfig]:
+    """Four modes on the same 12 GPUs of the calibrated 8B model (colocated 12 A; same-DC PD
+    6 P + 6 D; cross-DC PD 6 P + 6 MD; PDD 6 P + 2 RLD + 4 MD)."""
+    base = SimConfig(model="llama-3.1-8b", wan_gbps=wan_gbps, wan_rtt_ms=30.0, slo_ttft_s=2.0, slo_tpot_s=0.05,
+                     max_batch_tokens=8192, prefill_chunk_tokens=8192, **kw)
+    return {
+        "colocated": base.replace(mode="colocated", n_c=12),
+        "same_dc_pd": base.replace(mode="same_dc_pd", n_p=6, n_d=6),
+        "cross_dc_pd": base.replace(mode="cross_dc_pd", n_p=6, n_md=6),
+        "pdd": base.replace(mode="pdd", n_p=6, n_rld=2, n_md=4),
+    }
+
+
+def ttft(out: Path, quick: bool = False, rate: float = 2.0, wan_gbps: float = 15.0) -> dict:
+    n = 1500 if quick else 4000
+    recs = generate_agentic(n, seed=3, rate=rate)
+    cfgs = _agentic_cluster(wan_gbps)
+    extra = {
+        "cross_dc_pd (no DRC)": cfgs["cross_dc_pd"].replace(drc=False),
+        "pdd (srf WAN order)": cfgs["pdd"].replace(wan_order="srf"),
+        "pdd (catch-up)": cfgs["pdd"].replace(handoff_mode="catch_up"),
+    }
+    rows = []
+    sums = {}
+    for name, c in {**cfgs, **extra}.items():
+        s = run(c, recs)
+        sums[name] = s
+        rows.append({"mode": name, "config": s["config"], "median_ttft_ms": s["median_ttft_ms"],
+                     "p90_ttft_ms": s["p90_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
+                     "median_tpot_ms": s["median_tpot_ms"], "p99_itl_ms": s["p99_itl_ms"],
+                     "slo_attainment": s["slo_attainment"],
+                     "wan_GB": s["wan"]["bytes"] / 1e9 if s["wan"] else None})
+    ratio = sums["pdd"]["p90_ttft_ms"] / sums["cross_dc_pd"]["p90_ttft_ms"]
+    sens = []
+    for w in (10.0, 20.0, 25.0, 40.0):
+        c = _agentic_cluster(w)
+        a, b = run(c["cross_dc_pd"], recs), run(c["pdd"], recs)
+        sens.append({"wan_gbps": w, "cross_dc_p90_ttft_ms": a["p90_ttft_ms"], "pdd_p90_ttft_ms": b["p90_ttft_ms"],
+                     "ratio": b["p90_ttft_ms"] / a["p90_ttft_ms"], "cross_dc_wan_util": a["wan"]["utilisation"],
+                     "pdd_wan_util": b["wan"]["utilisation"]})
+    res = {
+        "experiment": "ttft",
+        "workload": {"generator": "generate_agentic", "requests": n, "rate": rate, "histogram": hit_histogram(recs)},
+        "setting": {"model": "llama-3.1-8b", "wan_gbps": wan_gbps, "wan_rtt_ms": 30.0, "chip_a": cfgs["pdd"].chip_a,
+                    "chip_b": cfgs["pdd"].chip_b},
+        "rows": rows,
+        "pdd_over_cross_dc_p90": ratio,
+        "wan_sensitivity": sens,
+        "wan_sensitivity_table": table(sens, list(sens[0].keys())),
+        "checks": {"pdd_p90_le_0.6x_cross_dc": ratio <= 0.6},
+        "summaries": sums,
+    }
+    res["table"] = table(rows, list(rows[0].keys()))
+    plt = _plt()
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("colocated", "same_dc_pd", "cross_dc_pd", "pdd"):
+        s = sums[name]
+        ax.bar(name, s["p90_ttft_ms"], alpha=0.5, label=f"{name} p90")
+        ax.plot([name], [s["median_ttft_ms"]], "k_", markersize=20)
+        ax.plot([name], [s["p99_ttft_ms"]], "r_", markersize=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT ms (bar p90, black p50, red p99)")
+    ax.set_title(f"agentic workload, {n} requests at {rate} req/s")
+    fig.tight_layout()
+    _save(fig, res, out, "ttft")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# drc
+
+
+def drc(out: Path, quick: bool = False) -> dict:
+    """WAN bytes of cross-DC PD with vs without the decode-side radix cache, at average prefix
+    hit rates 50-95%, with MD caches that hold only part of the working set (they evict)."""
+    hits = (0.5, 0.7, 0.9, 0.95) if quick else (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+    n = 400 if quick else 800
+    rows = []
+    base = SimConfig(mode="cross_dc_pd", model="llama-3.1-8b", n_p=4, n_md=4, wan_gbps=100.0, warmup_frac=0.0)
+    for h in hits:
+        # 48 shared prefixes of 20K-token prompts (40 blocks, so every hit rate is whole
+        # blocks), caches warmed first (one request per prefix). MD's DRC may keep 50%
+        # ("ample": the shared working set fits, unique suffixes evict) or 25% ("tight": shared
+        # prefixes evict too) of its KV pool.
+        recs = generate_fixed(n, 4.0, 20480, 128, h, n_prefixes=48, seed=11, warm_s=20.0)
+        meas = [x for x in recs if not x.get("warmup")]
+        r = {"hit": h, "workload_hit": float(
+            (prefix_hits(recs)[-len(meas):] * [x["input_length"] for x in meas]).sum()
+            / sum(x["input_length"] for x in meas))}
+        for key, drc_on, frac in (("drc", True, 0.5), ("drc_tight", True, 0.25), ("no_drc", False, 1.0)):
+            s = run(base.replace(drc=drc_on, md_cache_frac=frac, measure_from_s=warm_start(recs)), recs)
+            r[f"{key}_wan_GB"] = s["wan"]["bytes_measured_requests"] / 1e9
+            if drc_on:
+                r[f"{key}_md_hit"] = s["md_hit_token_weighted"]
+            r[f"{key}_p90_ttft_ms"] = s["p90_ttft_ms"]
+        r["bytes_ratio"] = r["drc_wan_GB"] / r["no_drc_wan_GB"]
+        r["bytes_ratio_tight"] = r["drc_tight_wan_GB"] / r["no_drc_wan_GB"]
+        rows.append(r)
+    r90 = next(r for r in rows if abs(r["hit"] - 0.9) < 1e-9)
+    res = {"experiment": "drc", "rows": rows, "checks": {"bytes_ratio_at_90_le_0.15": r90["bytes_ratio"] <= 0.15},
+           "setting": {"model": "llama-3.1-8b", "prompt": 20480, "output": 128, "prefixes": 48,
+                       "md_cache_frac": {"drc": 0.5, "drc_tight": 0.25}, "requests": n, "n_p": 4, "n_md": 4,
+                       "wan_gbps": 100.0}}
+    res["table"] = table(rows, list(rows[0].keys()))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["hit"] for r in rows], [r["drc_wan_GB"] for r in rows], "o-", label="with DRC (ample cache)")
+    ax.plot([r["hit"] for r in rows], [r["drc_tight_wan_GB"] for r in rows], "^-", label="with DRC (tight cache)")
+    ax.plot([r["hit"] for r in rows], [r["no_drc_wan_GB"] for r in rows], "s-", label="without DRC")
+    ax.set_xlabel("average prefix hit rate")
+    ax.set_ylabel("WAN GB")
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, res, out, "drc")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# goodput
+
+
+def goodput(out: Path, quick: bool = False) -> dict:
+    rates = (1.0, 2.0, 3.0, 4.0, 5.0) if quick else (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    n = 1000 if quick else 2500
+    cfgs = _agentic_cluster()
+    rows = []
+    curves = {m: [] for m in cfgs}
+    for r in rates:
+        recs = generate_agentic(n, seed=5, rate=r)
+        row = {"rate": r}
+        for m, c in cfgs.items():
+            s = run(c, recs)
+            row[f"{m}_attain"] = s["slo_attainment"]
+            row[f"{m}_goodput"] = s["goodput_rps"]
+            curves[m].append(s["goodput_rps"])
+        rows.append(row)
+    sla = {}
+    for m, c in cfgs.items():
+        sla[m] = max([r["rate"] for r in rows if r[f"{m}_attain"] >= ATTAIN], default=0.0)
+    res = {"experiment": "goodput", "rows": rows, "sla_goodput_rps": sla,
+           "cost_per_hour": {m: c.cost_per_hour() for m, c in cfgs.items()}}
+    res["table"] = table(rows, list(rows[0].keys()))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in cfgs:
+        ax.plot(rates, curves[m], "o-", label=m)
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("goodput within SLA (req/s)")
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, res, out, "goodput")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# bathtub
+
+
+def bathtub(out: Path, quick: bool = False) -> dict:
+    """Goodput vs prefix hit rate. ``tail`` = at most one sequence in prefill per P instance
+    (a request's last, small chunk runs alone: the unbatchable tail chunk); ``remedy`` = the
+    engine scheduler packs chunks of several requests into one batch."""
+    hits = [i / 10 for i in range(0, 11)] if not quick else [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    n = 300 if quick else 600
+    inp, outl = 24576 + 300, 256
+    base = SimConfig(mode="pdd", model="llama-3.1-8b", n_p=4, n_rld=2, n_md=4, wan_gbps=100.0,
+                     slo_ttft_s=4.0, slo_tpot_s=0.05, prefill_chunk_tokens=4096, max_batch_tokens=4096)
+    rows = []
+    for h in hits:
+        row = {"hit": h}
+        for name, c in (("tail", base.replace(max_prefill_inflight=1)), ("remedy", base)):
+            def make(rate, h=h):
+                return generate_fixed(n, rate, inp, outl, min(h, 0.999), n_prefixes=16, seed=13, warm_s=20.0)
+            g, s = sla_goodput(c, make, 0.2, 40.0, 6 if quick else 8)
+            row[f"{name}_goodput_rps"] = g
+            row[f"{name}_p_hit"] = s["p_hit_token_weighted"] if s else None
+        rows.append(row)
+    res = {"experiment": "bathtub", "rows": rows,
+           "setting": {"prompt": inp, "output": outl, "chunk": 4096, "model": "llama-3.1-8b"}}
+    res["table"] = table(rows, list(rows[0].keys()))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(hits, [r["tail_goodput_rps"] for r in rows], "o-", label="one prefill at a time (tail chunks alone)")
+    ax.plot(hits, [r["remedy_goodput_rps"] for r in rows], "s-", label="packed chunks (remedy)")
+    ax.set_xlabel("prefix hit rate")
+    ax.set_ylabel("SLA goodput (req/s)")
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, res, out, "bathtub")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# p-rld-collapse
+
+
+def p_rld_collapse(out: Path, quick: bool = False) -> dict:
+    """The excluded pipeline allowed: low-hit requests finish on RLD, MD never receives their
+    KV, MD's hit rate drifts below P's, more requests become low-hit and land on RLD."""
+    n = 1500 if quick else 4000
+    recs = generate_agentic(n, seed=9, rate=3.0)
+    base = _agentic_cluster()["pdd"].replace(ttft_budget_ms=400.0)
+    rows = []
+    series = {}
+    for name, c in (("pdd", base), ("allow P->RLD", base.replace(allow_p_rld=True))):
+        sim = ClusterSim(c).run(recs)
+        s = summarize(sim)
+        reqs = sorted(sim.reqs, key=lambda r: r.arrival)
+        k = max(1, len(reqs) // 10)
+        md_hit, p_hit, rld_share = [], [], []
+        for i in range(0, len(reqs) - k + 1, k):
+            w = reqs[i:i + k]
+            tot = sum(r.prompt for r in w)
+            md_hit.append(sum(r.md_hit for r in w) / tot)
+            p_hit.append(sum(r.p_hit for r in w) / tot)
+            rld_share.append(sum(1 for r in w if r.pipeline.value == "p_rld") / len(w))
+        series[name] = {"md_hit": md_hit, "p_hit": p_hit, "p_rld_share": rld_share}
+        rows.append({"variant": name, "md_hit": s["md_hit_token_weighted"], "p_hit": s["p_hit_token_weighted"],
+                     "rld_util": s["instances"]["RLD"]["utilisation"], "p90_ttft_ms": s["p90_ttft_ms"],
+                     "p90_tpot_ms": s["p90_tpot_ms"], "slo_attainment": s["slo_attainment"],
+                     "pipelines": str(s["pipelines"]), "rld_token_share": s["decode_token_share"].get("RLD", 0.0)})
+    res = {"experiment": "p-rld-collapse", "rows": rows, "series": series}
+    res["table"] = table(rows, list(rows[0].keys()))
+    plt = _plt()
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for name, sr in series.items():
+        ax[0].plot(sr["md_hit"], "o-", label=f"MD hit, {name}")
+        ax[0].plot(sr["p_hit"], "--", label=f"P hit, {name}")
+        ax[1].plot(sr["p_rld_share"], "o-", label=name)
+    ax[0].set_xlabel("time decile")
+    ax[0].set_ylabel("token-weighted hit")
+    ax[0].legend(fontsize=7)
+    ax[1].set_xlabel("time decile")
+    ax[1].set_ylabel("share of requests finishing on RLD")
+    ax[1].legend()
+    fig.tight_layout()
+    _save(fig, res, out, "p-rld-collapse")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# cutoff
+
+
+def cutoff(out: Path, quick: bool = False) -> dict:
+    n = 1500 if quick else 4000
+    recs = generate_agentic(n, seed=21, rate=3.0)
+    base = _agentic_cluster()["pdd"]
+    rows = []
+    for name, c in (("cut-off on", base), ("cut-off off", base.replace(cutoff=False))):
+        s = run(c, recs)
+        rows.append({"variant": name, "wan_GB": s["wan"]["bytes"] / 1e9, "wan_util": s["wan"]["utilisation"],
+                     "cutoffs": s["cutoffs"], "median_ttft_ms": s["median_ttft_ms"], "p90_ttft_ms": s["p90_ttft_ms"],
+                     "p99_ttft_ms": s["p99_ttft_ms"], "slo_attainment": s["slo_attainment"],
+                     "md_hit": s["md_hit_token_weighted"]})
+    res = {"experiment": "cutoff", "rows": rows,
+           "wan_bytes_ratio": rows[0]["wan_GB"] / rows[1]["wan_GB"] if rows[1]["wan_GB"] else None}
+    res["table"] = table(rows, list(rows[0].keys()))
+    plt = _plt()
+    fig, ax = plt.subplots(1, 2, figsize=(9, 4))
+    ax[0].bar([r["variant"] for r in rows], [r["wan_GB"] for r in rows])
+    ax[0].set_ylabel("WAN GB")
+    ax[1].bar([r["variant"] for r in rows], [r["p90_ttft_ms"] for r in rows])
+    ax[1].set_ylabel("P90 TTFT ms")
+    fig.tight_layout()
+    _save(fig, res, out, "cutoff")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# calibration (roofline vs the H200 measurements)
+
+
+def calibrate(out: Path, quick: bool = False, profile: str | None = None) -> dict:
+    from pdd.sim.hardware import DEFAULT_CALIBRATION, calibration_report
+
+    rep = calibration_report(profile or DEFAULT_CALIBRATION)
+    rows = [{"row": r["row"], "measured_ms": r["measured_s"] * 1e3, "model_ms": r["model_s"] * 1e3,
+             "rel_err": r["rel_err"]} for r in rep["rows"]]
+    res = {"experiment": "calibrate", **rep, "table": table(rows, list(rows[0].keys()))}
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    ax.loglog([r["measured_ms"] for r in rows], [r["model_ms"] for r in rows], "o")
+    lim = [min(r["measured_ms"] for r in rows) * 0.8, max(r["measured_ms"] for r in rows) * 1.2]
+    ax.plot(lim, lim, "k--")
+    ax.set_xlabel("measured ms (H200)")
+    ax.set_ylabel("roofline ms")
+    fig.tight_layout()
+    _save(fig, res, out, "calibrate")
+    return res
+
+
+EXPERIMENTS: dict[str, Callable[..., dict]] = {
+    "cost-table": cost_table,
+    "ttft": ttft,
+    "goodput": goodput,
+    "drc": drc,
+    "bathtub": bathtub,
+    "p-rld-collapse": p_rld_collapse,
+    "cutoff": cutoff,
+    "calibrate": calibrate,
+}
+
+
+def run_experiment(name: str, out: str | Path, quick: bool = False, **kw) -> dict:
+    if name not in EXPERIMENTS:
+        raise KeyError(f"unknown experiment {name!r}; known: {sorted(EXPERIMENTS)}")
+    return EXPERIMENTS[name](Path(out), quick=quick, **kw)
