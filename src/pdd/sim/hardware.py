@@ -167,10 +167,10 @@ def fit_profile(prof: dict, chip: Chip, model: ModelProfile) -> tuple[Efficiency
     for oh in [x * 0.00025 for x in range(0, 21)]:
         for ec in [x / 100 for x in range(40, 100, 1)]:
             for em in [x / 100 for x in range(60, 101, 1)]:
-                m = StepCostModel(chip, model, 1, Efficiency(ec, em, oh))
+                m = StepCostModel(chip, model, 1, Efficiency(ec, em, oh, 0.0))
                 err = sum(math.log(m.step_time(it) / t) ** 2 for _, it, t in base)
                 if best is None or err < best[0]:
-                    best = (err, Efficiency(ec, em, oh))
+                    best = (err, Efficiency(ec, em, oh, 0.0))
     eff = best[1]
     m = StepCostModel(chip, model, 1, eff)
     ext = [t - m.step_time(it) for name, it, t in rows if name.startswith("extend") and it[0][1] > 1]

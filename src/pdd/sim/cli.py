@@ -1,0 +1,222 @@
+"""`pdd sim ...` and `pdd plan ...` sub-commands (wired into the main CLI by pdd.cli).
+
+    pdd sim run --mode pdd --trace data/traces/mooncake_conversation_trace.jsonl --n-p 30 --n-rld 13 --n-md 32
+    pdd sim run --mode cross_dc_pd --agentic 3000 --rate 2
+    pdd sim experiment ttft --out runs/sim/ttft [--quick]
+    pdd sim agentic --n 5000 --rate 2 --out agentic.jsonl      (prints the seven-bin hit histogram)
+    pdd plan --workload agentic --rate 3 --slo-ttft 2 --slo-tpot 0.05 --wan 10:5,25:9,100:15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+
+def _cfg_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--mode", default="pdd", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"])
+    g.add_argument("--model", default="llama-3.1-8b", help="a profile in data/hardware/models.json")
+    g.add_argument("--kv-bytes-per-token", type=int, default=None)
+    g.add_argument("--chip-a", default="H100-SXM5-80GB")
+    g.add_argument("--chip-b", default="H200-SXM-141GB")
+    g.add_argument("--price-a", type=float, default=None, help="USD per GPU-hour (default: chip profile)")
+    g.add_argument("--price-b", type=float, default=None)
+    g.add_argument("--profile-a", default=None, help="measured profile JSON (format of ../shared/calibration)")
+    g.add_argument("--profile-b", default=None)
+    for n, d in (("p", 4), ("rld", 2), ("md", 4), ("d", 4), ("c", 8)):
+        g.add_argument(f"--n-{n}", type=int, default=d)
+    g.add_argument("--wan-gbps", type=float, default=25.0)
+    g.add_argument("--wan-rtt-ms", type=float, default=30.0)
+    g.add_argument("--wan-order", default="ps", choices=["ps", "fifo", "srf"])
+    g.add_argument("--wan-usd-per-hour", type=float, default=0.0)
+    g.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if the WAN fits)")
+    g.add_argument("--handoff", default="one_shot", choices=["one_shot", "catch_up", "auto"])
+    g.add_argument("--catchup-threshold", type=int, default=64)
+    g.add_argument("--allow-p-rld", action="store_true")
+    g.add_argument("--no-cutoff", action="store_true")
+    g.add_argument("--no-drc", action="store_true")
+    g.add_argument("--routing", default="cache_aware", choices=["cache_aware", "load", "round_robin"])
+    g.add_argument("--max-batch-tokens", type=int, default=8192)
+    g.add_argument("--prefill-chunk-tokens", type=int, default=8192)
+    g.add_argument("--max-running-seqs", type=int, default=256)
+    g.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    g.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default=None, help="Mooncake JSONL (default: the bundled conversation trace)")
+    g.add_argument("--limit", type=int, default=None)
+    g.add_argument("--scale-rate", type=float, default=1.0, help="replay this many times faster")
+    g.add_argument("--agentic", type=int, default=0, help="generate N agentic requests instead of a trace")
+    g.add_argument("--rate", type=float, default=2.0, help="req/s for generated workloads")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _make_cfg(a):
+    from pdd.sim.cluster import SimConfig
+
+    return SimConfig(
+        mode=a.mode, model=a.model, kv_bytes_per_token=a.kv_bytes_per_token, chip_a=a.chip_a, chip_b=a.chip_b,
+        price_a=a.price_a, price_b=a.price_b, profile_a=a.profile_a, profile_b=a.profile_b, n_p=a.n_p,
+        n_rld=a.n_rld, n_md=a.n_md, n_d=a.n_d, n_c=a.n_c, wan_gbps=a.wan_gbps, wan_rtt_ms=a.wan_rtt_ms,
+        wan_order=a.wan_order, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
+        handoff_mode=a.handoff, catchup_threshold=a.catchup_threshold, allow_p_rld=a.allow_p_rld,
+        cutoff=not a.no_cutoff, drc=not a.no_drc, routing=a.routing, max_batch_tokens=a.max_batch_tokens,
+        prefill_chunk_tokens=a.prefill_chunk_tokens, max_running_seqs=a.max_running_seqs,
+        slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
+
+
+def _records(a, rate=None):
+    from pdd.sim import workloads as W
+
+    if a.agentic:
+        return W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
+    recs = W.load_trace(a.trace or W.MOONCAKE_TRACE, limit=a.limit)
+    if rate is not None:
+        return W.retime(recs, rate, a.seed)
+    return W.scale_rate(recs, a.scale_rate) if a.scale_rate != 1.0 else recs
+
+
+def cmd_run(a) -> int:
+    from pdd.sim.cluster import ClusterSim
+    from pdd.sim.report import print_summary, summarize, write_json
+
+    recs = _records(a)
+    cfg = _make_cfg(a)
+    t0 = time.time()
+    sim = ClusterSim(cfg).run(recs)
+    wall = time.time() - t0
+    s = summarize(sim)
+    s["wall_s"] = wall
+    s["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print_summary(s)
+    print(f"simulated {len(recs)} requests ({s['duration_s']:.0f} s of traffic) in {wall:.1f} s wall, "
+          f"peak RSS {s['peak_rss_mb']:.0f} MB")
+    if a.json:
+        write_json(s, a.json)
+    return 0
+
+
+def cmd_experiment(a) -> int:
+    from pdd.sim.experiments import run_experiment
+
+    t0 = time.time()
+    res = run_experiment(a.name, a.out, quick=a.quick)
+    print(res.get("table", ""))
+    for k in ("wan_sensitivity_table",):
+        if k in res:
+            print(res[k])
+    if "checks" in res:
+        print("checks:", json.dumps(res["checks"]))
+    print(f"wrote {a.out}/result.json and {a.out}/{a.name}.png in {time.time() - t0:.0f} s")
+    return 0
+
+
+def cmd_agentic(a) -> int:
+    from pdd.sim.workloads import generate_agentic, print_hit_histogram, write_trace
+
+    recs = generate_agentic(a.n, seed=a.seed, rate=a.rate)
+    print_hit_histogram(recs)
+    if a.out:
+        write_trace(recs, a.out)
+        print(f"wrote {len(recs)} records to {a.out}")
+    return 0
+
+
+def add_sim_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("sim", help="discrete-event simulator of a two-datacenter cluster")
+    sp = p.add_subparsers(dest="sim_cmd", required=True)
+    r = sp.add_parser("run", help="simulate one deployment on a workload")
+    _cfg_args(r)
+    _workload_args(r)
+    r.add_argument("--json", default=None, help="write the summary here")
+    r.set_defaults(func=cmd_run)
+    from pdd.sim.experiments import EXPERIMENTS
+
+    e = sp.add_parser("experiment", help="run a named experiment")
+    e.add_argument("name", choices=sorted(EXPERIMENTS))
+    e.add_argument("--out", required=True)
+    e.add_argument("--quick", action="store_true", help="fewer points and requests")
+    e.set_defaults(func=cmd_experiment)
+    g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
+    g.add_argument("--n", type=int, default=5000)
+    g.add_argument("--rate", type=float, default=2.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default=None)
+    g.set_defaults(func=cmd_agentic)
+    return p
+
+
+def cmd_plan(a) -> int:
+    from pdd.sim.plan import WanOption, best_with_goodput, format_plan, search
+    from pdd.sim.workloads import generate_fixed
+
+    if a.workload == "fixed":
+        def make(rate):
+            return generate_fixed(a.requests, rate, a.input_len, a.output_len, a.hit, n_prefixes=48, seed=a.seed,
+                                  warm_s=40.0)
+    else:
+        a.agentic = a.requests if a.workload == "agentic" else 0
+
+        def make(rate):
+            return _records(a, rate)
+
+    base = _make_cfg(a)
+    wans = [WanOption(float(x.split(":")[0]), float(x.split(":")[1])) for x in a.wan.split(",")]
+    recs = make(a.rate)
+    found = search(recs, base, md_counts=range(a.md_min, a.md_max + 1, a.md_step),
+                   rld_counts=[int(x) for x in a.rld.split(",")], wans=wans, p_max=a.p_max,
+                   d_counts=range(a.md_min, a.md_max + 1, a.md_step),
+                   log=lambda r: print(f"  feasible: {r['config']} WAN {r['wan_gbps']} ${r['cost_per_hour']:.1f}/h",
+                                       file=sys.stderr))
+    if not found:
+        print("no configuration in the search space meets the SLO at this rate")
+        return 1
+    rows = best_with_goodput(found, make, a.rate, a.top)
+    print(format_plan(rows))
+    if a.json:
+        from pdd.sim.report import write_json
+
+        write_json({"rows": rows, "all_feasible": [{k: v for k, v in r.items() if k != "_cfg"} for r in found]},
+                   a.json)
+    return 0
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="size P / RLD / MD counts and the WAN line for a workload and SLO")
+    _cfg_args(p)
+    _workload_args(p)
+    p.add_argument("--workload", default="agentic", choices=["agentic", "trace", "fixed"])
+    p.add_argument("--requests", type=int, default=1500)
+    p.add_argument("--input-len", type=int, default=63 * 1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--hit", type=float, default=0.9)
+    p.add_argument("--wan", default="10:5,25:9,100:15", help="line options GBPS:USD_PER_HOUR, comma-separated")
+    p.add_argument("--md-min", type=int, default=2)
+    p.add_argument("--md-max", type=int, default=16)
+    p.add_argument("--md-step", type=int, default=2)
+    p.add_argument("--rld", default="1,2,4")
+    p.add_argument("--p-max", type=int, default=32)
+    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (``python -m pdd.sim.cli sim ...`` / ``... plan ...``)."""
+    ap = argparse.ArgumentParser(prog="pdd")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_sim_parser(sub)
+    add_plan_parser(sub)
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

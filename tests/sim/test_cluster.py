@@ -1,0 +1,87 @@
+import pytest
+
+from pdd.sim.cluster import BLOCK, ClusterSim, Line, PrefixCache, SimConfig
+from pdd.sim.report import summarize
+from pdd.sim.workloads import generate_agentic, generate_fixed
+
+RECS = generate_agentic(300, seed=4, rate=2.0)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "same_dc_pd", "cross_dc_pd", "pdd"])
+def test_modes_complete_and_free_every_page(mode):
+    cfg = SimConfig(mode=mode, n_p=2, n_rld=1, n_md=2, n_d=2, n_c=3, wan_gbps=10.0, warmup_frac=0.0)
+    sim = ClusterSim(cfg).run(RECS)
+    assert all(r.finished for r in sim.reqs)
+    assert all(r.n_emitted == r.out_len or r.generated >= r.out_len for r in sim.reqs)
+    for insts in sim.tiers.values():
+        for inst in insts:
+            assert inst.private == 0, inst.name  # every reservation returned exactly once
+            if inst.cache is not None:
+                assert not inst.cache.locks, inst.name
+            assert not inst.seqs and not inst.waiting
+    s = summarize(sim)
+    assert s["completed"] == len(RECS)
+    assert s["median_ttft_ms"] > 0 and s["median_tpot_ms"] > 0
+
+
+def test_emitted_tokens_equal_output_length():
+    cfg = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=2, wan_gbps=10.0, warmup_frac=0.0, handoff_mode="catch_up",
+                    catchup_threshold=4)
+    sim = ClusterSim(cfg).run(RECS)
+    for r in sim.reqs:
+        assert r.n_emitted == r.out_len, (r.rid, r.n_emitted, r.out_len, r.pipeline)
+
+
+def test_prefix_cache_lru_evicts_children_first_and_skips_locked():
+    c = PrefixCache(10)
+    c.insert([1, 2, 3])
+    c.insert([7, 8])
+    c.lock([7])
+    assert c.match([1, 2, 3, 4]) == 3
+    assert c.evict(2) == 2  # the chain 1-2-3: children (3, 2) go before the parent
+    assert c.match([1, 2, 3]) == 1
+    assert 7 in c.lru
+
+
+def test_line_processor_sharing_and_srf():
+    sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1))
+    done = {}
+    line = Line(sim, "x", 8.0, 0.0, "ps")  # 1 GB/s
+    line.send("a", 1e9, lambda: done.setdefault("a", sim.env.now))
+    line.send("b", 1e9, lambda: done.setdefault("b", sim.env.now))
+    sim.env.run()
+    assert done["a"] == pytest.approx(2.0) and done["b"] == pytest.approx(2.0)
+    sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1))
+    done = {}
+    line = Line(sim, "y", 8.0, 0.01, "srf")
+    line.send("big", 3e9, lambda: done.setdefault("big", sim.env.now))
+    line.send("small", 1e9, lambda: done.setdefault("small", sim.env.now))
+    sim.env.run()
+    assert done["small"] == pytest.approx(1.01) and done["big"] == pytest.approx(4.01)
+
+
+def test_drc_cuts_wan_bytes():
+    recs = generate_fixed(120, 2.0, 8192, 16, 0.9, n_prefixes=4, seed=1)
+    cfg = SimConfig(mode="cross_dc_pd", n_p=1, n_md=1, wan_gbps=100.0, warmup_frac=0.0)
+    with_drc = ClusterSim(cfg).run(recs).wan.bytes_sent
+    without = ClusterSim(cfg.replace(drc=False)).run(recs).wan.bytes_sent
+    assert without == pytest.approx(120 * 8192 * 131072)
+    assert with_drc < 0.2 * without
+
+
+def test_cutoff_cancels_wan_for_long_input_short_output():
+    rec = [{"timestamp": 0, "input_length": 60000, "output_length": 4, "hash_ids": list(range(118))}]
+    cfg = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=1.0, warmup_frac=0.0)
+    on = ClusterSim(cfg).run(rec)
+    off = ClusterSim(cfg.replace(cutoff=False)).run(rec)
+    assert on.cutoffs == 1 and off.cutoffs == 0
+    assert on.wan.bytes_sent < 0.1 * off.wan.bytes_sent
+    assert off.wan.bytes_sent == pytest.approx(60000 * 131072)
+    assert on.reqs[0].pipeline.value == "p_rld_md" and on.reqs[0].finished
+
+
+def test_cost_and_gpu_counts():
+    cfg = SimConfig(mode="pdd", n_p=30, n_rld=13, n_md=32, price_a=2.0, price_b=2.5, wan_usd_per_hour=10.0)
+    assert cfg.gpus() == {"a": 43, "b": 32}
+    assert cfg.cost_per_hour() == pytest.approx(43 * 2.0 + 32 * 2.5 + 10.0)
+    assert SimConfig(mode="same_dc_pd", n_p=30, n_d=58, price_a=2.0).cost_per_hour() == pytest.approx(176.0)
