@@ -87,6 +87,7 @@ class SimConfig:
     handoff_mode: str = "one_shot"
     catchup_threshold: int = 64
     allow_p_rld: bool = False
+    allow_p_rld_after_s: float = 0.0  # the ablation applies to arrivals from this time on
     cutoff: bool = True
     drc: bool = True  # decode-side radix cache on MD
     p_cache: bool = True
@@ -688,7 +689,7 @@ class ClusterSim:
             mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
             kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=est,
             wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms,
-            allow_p_rld=cfg.allow_p_rld, md_available=md_ok)
+            allow_p_rld=cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s, md_available=md_ok)
         pl = pol_pipeline.choose_pipeline(inp)
         req.pipeline = pl
         self._count_pipeline(req)
