@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         from pdd.bench.demo import main as demo_main
 
         return int(demo_main(argv[1:]) or 0)
+    if argv and argv[0] == "bench":  # so does the benchmark (pdd bench --help)
+        try:
+            from pdd.bench.bench import main as bench_main
+        except ImportError as e:
+            raise SystemExit(f"pdd bench is not available: {e}")
+        return int(bench_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     if args.cmd == "launch" and not args.name:
         from pdd.topology import ROLE_LINK

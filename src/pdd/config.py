@@ -43,7 +43,7 @@ class LinkConfig(_Strict):
     ``fast_*``: the in-datacenter path P -> RLD (stands in for RDMA).
     """
 
-    wan_gbps: float = Field(0.1, gt=0, description="WAN line rate per direction, Gbit/s")
+    wan_gbps: float = Field(0.05, gt=0, description="WAN line rate per direction, Gbit/s")
     wan_rtt_ms: float = Field(20.0, ge=0)
     wan_jitter_ms: float = Field(1.0, ge=0)
     fast_gbps: float = Field(4.0, gt=0, description="fast path rate, Gbit/s (paced at the sender)")
@@ -63,6 +63,7 @@ class PolicyConfig(_Strict):
     catchup_threshold_tokens: int = Field(64, ge=1)
     wan_order: Literal["fifo", "srf"] = "fifo"
     allow_p_rld: bool = False
+    cutoff: bool = Field(True, description="anomaly filter: cancel the WAN transfer of a request RLD finished first")
     handoff_min_tokens: int = Field(
         0,
         ge=0,

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdd.config import ClusterConfig
+from pdd.policy.cutoff import should_cut_off
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
@@ -67,6 +68,7 @@ class ReqState:
     handoff_pos: int | None = None
     handoff_tokens: int = 0
     rld_finished_first: bool = False
+    cut_off: bool = False
     kv_ready: bool = False
     error: str | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -78,8 +80,8 @@ class Orchestrator:
         self.cfg, self.layout = cfg, lay
         self.peers: dict[str, rpc.Peer] = {}
         self.reqs: dict[str, ReqState] = {}
-        self.totals = {"wan_bytes_expected": 0, "requests": 0, "completed": 0, "failed": 0, "handoffs": 0,
-                       "rld_finished_first": 0}
+        self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "requests": 0,
+                       "completed": 0, "failed": 0, "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self._ids = itertools.count()
@@ -87,7 +89,8 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ connections
     def handlers(self) -> dict:
-        return {"tok": self.on_tok, "kv_ready": self.on_kv_ready, "xfer_done": self.on_xfer_done}
+        return {"tok": self.on_tok, "kv_ready": self.on_kv_ready, "xfer_done": self.on_xfer_done,
+                "req_error": self.on_req_error}
 
     async def start(self) -> None:
         for s in self.layout.engines:
@@ -111,6 +114,13 @@ class Orchestrator:
         st.queue.put_nowait(TokenOut(int(h["pos"]), int(h["id"]), h.get("tier", "?"), h.get("fin")))
         return None
 
+    async def on_req_error(self, peer, h, payload):
+        st = self.reqs.get(h["rid"])
+        if st is not None:
+            st.error = str(h.get("error", "engine error"))
+            st.queue.put_nowait(None)
+        return None
+
     async def on_kv_ready(self, peer, h, payload):
         st = self.reqs.get(h["rid"])
         _, md = self._one(ROLE_MAIN)
@@ -128,9 +138,26 @@ class Orchestrator:
     async def on_xfer_done(self, peer, h, payload):
         st = self.reqs.get(h["rid"])
         wan = sum(v for k, v in h.get("bytes", {}).items() if self.layout.get(k).dc == "B")
+        # bytes of pages whose sending was cancelled (cut-off): expected = planned - cancelled
+        unsent = sum(v for k, v in h.get("unsent", {}).items() if self.layout.get(k).dc == "B")
+        if unsent:
+            self.totals["wan_bytes_cancelled"] += unsent
+            self.totals["wan_bytes_expected"] -= unsent
         if st is not None:
             st.wan_bytes = wan
         return None
+
+    async def _cut_off(self, st: ReqState) -> None:
+        """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
+        transfer; MD frees what it received on ``kv_cancel``."""
+        md_name, _ = self._one(ROLE_MAIN)
+        _, p = self._one(ROLE_PREFILL)
+        st.cut_off = True
+        self.totals["cut_offs"] += 1
+        try:
+            await p.send({"t": "cancel", "rid": st.rid, "name": md_name})
+        except Exception as e:  # P gone: its transfers die with it
+            log.warning("cut-off of %s failed: %s", st.rid, e)
 
     # ------------------------------------------------------------------ handoff
     async def _handoff(self, st: ReqState) -> None:
@@ -239,6 +266,7 @@ class Orchestrator:
         if md_wan:
             st.wan_bytes_expected = (n_pages - md_first) * self.page_bytes
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
+            self.totals["wan_bytes_planned"] += st.wan_bytes_expected
         if p_call is not None:
             await p.send({"t": "target", "rid": st.rid, "name": md_name, "first_page": md_first, "relay": True})
         else:
@@ -270,6 +298,8 @@ class Orchestrator:
                     tok = await asyncio.wait_for(st.queue.get(), timeout=self.cfg.request_timeout_s)
                 except asyncio.TimeoutError:
                     raise RequestFailed(f"request {st.rid}: no token for {self.cfg.request_timeout_s:.0f} s")
+                if tok is None:
+                    raise RequestFailed(f"request {st.rid} failed: {st.error}")
                 if tok.pos < st.next_pos or tok.pos in st.pending:
                     continue  # duplicate (never expected; kept as a guard)
                 st.pending[tok.pos] = tok
@@ -290,8 +320,12 @@ class Orchestrator:
                 await self.abort(st)
             raise
         finally:
-            # a relayed request that finished before MD's KV arrived is settled by on_kv_ready
             self.reqs.pop(st.rid, None)
+            if (st.finished and st.error is None and st.pipeline == Pipeline.P_RLD_MD
+                    and should_cut_off(rld_finished=True, md_kv_complete=st.kv_ready)):
+                if self.cfg.policy.cutoff:
+                    await self._cut_off(st)
+                # else: MD's kv_ready finds the request gone and tells MD to keep the KV
 
     async def abort(self, st: ReqState) -> None:
         """Tell every engine to drop the request and free its pages (idempotent there)."""

@@ -113,7 +113,7 @@ class EngineInstance:
         self.engine = self.load_engine()
         self.eos_ids = set(self.engine.eos_token_ids)
         loop = asyncio.get_running_loop()
-        self.worker = EngineWorker(self.engine, loop, self.on_events)
+        self.worker = EngineWorker(self.engine, loop, self.on_events, self.on_seq_failed)
         self.worker.start()
         self.server = rpc.Server(self.cfg.host, self.spec.port, self.handlers(), role=self.spec.role, instance=self.spec.name)
         await self.server.start()
@@ -151,6 +151,15 @@ class EngineInstance:
                 asyncio.get_running_loop().create_task(self.release(ctx, cache=self.cache_on_finish))
 
     cache_on_finish = True
+
+    def on_seq_failed(self, seq_id, error: str) -> None:
+        """The engine dropped a request (e.g. out of KV pages): tell its owner, forget it."""
+        ctx = self.reqs.pop(seq_id, None)
+        if ctx is None:
+            return
+        ctx.released = True  # the engine thread already released its pages
+        self.counters["failed"] = self.counters.get("failed", 0) + 1
+        ctx.sink.put({"t": "req_error", "rid": ctx.rid, "error": f"{self.spec.name}: {error}"})
 
     async def release(self, ctx: ReqCtx, cache: bool) -> None:
         """Free the request's pages exactly once (inserting whole pages into the radix cache)."""

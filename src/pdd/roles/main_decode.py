@@ -36,7 +36,8 @@ class MainDecodeInstance(EngineInstance):
 
     def handlers(self) -> dict:
         return {**super().handlers(), "reserve": self.on_reserve, "kv": self.on_kv, "kv_done": self.on_kv_done,
-                "extend": self.on_extend, "finish": self.on_finish, "generate": self.on_generate}
+                "extend": self.on_extend, "finish": self.on_finish, "generate": self.on_generate,
+                "kv_cancel": self.on_kv_cancel}
 
     def extra_stats(self) -> dict:
         return {"prefix_hit_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
@@ -100,6 +101,14 @@ class MainDecodeInstance(EngineInstance):
         ctx.in_engine = True
         self.counters["extends"] = self.counters.get("extends", 0) + 1
         await self.worker.call(_extend)
+        return None
+
+    async def on_kv_cancel(self, peer, h, payload):
+        """P cut the transfer off (RLD finished first): free what arrived, cache nothing."""
+        ctx = self.reqs.get(h["rid"])
+        if ctx is not None and not ctx.extra.get("kv_complete"):
+            self.counters["cut_offs"] = self.counters.get("cut_offs", 0) + 1
+            await self.release(ctx, cache=False)
         return None
 
     async def on_finish(self, peer, h, payload):

@@ -38,7 +38,21 @@ class PrefillInstance(EngineInstance):
         self.prompt_tokens = 0
 
     def handlers(self) -> dict:
-        return {**super().handlers(), "prefill": self.on_prefill, "target": self.on_target}
+        return {**super().handlers(), "prefill": self.on_prefill, "target": self.on_target,
+                "cancel": self.on_cancel}
+
+    async def on_cancel(self, peer, h, payload):
+        """Cut-off: stop sending request ``rid``'s pages to target ``name`` (sends kv_cancel)."""
+        rid, name = h["rid"], h["name"]
+        if rid not in self.reqs:
+            return None  # already drained and released: nothing left to cut
+        fut = self._deferred_target(rid, name)
+        if not fut.done():  # not planned yet: never start it
+            fut.set_result({"cancelled": True})
+        s = self.senders.get(name)
+        n = s.cancel(rid) if s is not None else 0
+        self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + n
+        return None
 
     def _deferred_target(self, rid: str, name: str) -> asyncio.Future:
         return self._deferred.setdefault(rid, {}).setdefault(name, asyncio.get_running_loop().create_future())
@@ -128,6 +142,7 @@ class PrefillInstance(EngineInstance):
         pool = self.engine.pool
         table = list(ctx.seq.page_table[:n_pages])
         result: dict[str, int] = {}
+        unsent: dict[str, int] = {}
         errors: dict[str, str] = {}
 
         def reader(i: int, n: int):
@@ -138,6 +153,8 @@ class PrefillInstance(EngineInstance):
             try:
                 if t.get("deferred"):
                     t = {**t, **await asyncio.wait_for(self._deferred_target(ctx.rid, name), self.cfg.request_timeout_s)}
+                    if t.get("cancelled"):
+                        return
                 first = int(t["first_page"])
                 sender, wan = await self.sender_for(name)
                 tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
@@ -145,6 +162,8 @@ class PrefillInstance(EngineInstance):
                                    done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay"))})
                 res = await tr
                 result[name] = res.bytes_sent
+                if res.cancelled:
+                    unsent[name] = (n_pages - first - res.pages_sent) * pool.page_bytes
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + tr.bytes_sent
                 if wan:
                     self.wan_bytes_sent += tr.bytes_sent
@@ -157,4 +176,4 @@ class PrefillInstance(EngineInstance):
         finally:
             self._deferred.pop(ctx.rid, None)
             await self.release(ctx, cache=True)
-            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "errors": errors})
+            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "unsent": unsent, "errors": errors})

@@ -25,10 +25,12 @@ class EngineWorker:
     token events (a list of ``TokenEvent``).
     """
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None]):
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None],
+                 on_seq_failed: Callable[[object, str], None] | None = None):
         self.engine = engine
         self.loop = loop
         self.on_events = on_events
+        self.on_seq_failed = on_seq_failed
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -87,14 +89,24 @@ class EngineWorker:
             t0 = time.perf_counter()
             try:
                 events = self.engine.step()
-            except Exception:  # a failing step must not kill the instance silently
-                log.exception("engine step failed")
+            except Exception as e:
                 events = []
-                self.loop.call_soon_threadsafe(self._step_failed)
+                self._fail_step(e)
             self.busy_s += time.perf_counter() - t0
             self.steps += 1
             if events:
                 self.loop.call_soon_threadsafe(self.on_events, events)
 
-    def _step_failed(self) -> None:
-        log.error("engine step raised; see the traceback above")
+    def _fail_step(self, e: Exception) -> None:
+        """A step that raised fails the sequence it names (OutOfPages carries ``seq_id``), or
+        every running sequence otherwise, so the loop never spins on the same error."""
+        seq_id = getattr(e, "seq_id", None)
+        victims = [seq_id] if seq_id is not None and seq_id in self.engine.seqs else list(self.engine.seqs)
+        log.error("engine step failed (%s: %s); failing %d request(s)", type(e).__name__, e, len(victims))
+        for sid in victims:
+            seq = self.engine.seqs.get(sid)
+            if seq is None:
+                continue
+            self.engine.release(seq, cache=False)
+            if self.on_seq_failed is not None:
+                self.loop.call_soon_threadsafe(self.on_seq_failed, sid, f"{type(e).__name__}: {e}")
