@@ -219,15 +219,22 @@ async def replay(
     console=None,
     on_record: Callable[[RequestRecord], None] | None = None,
     extra_body: dict | None = None,
+    max_in_flight: int | None = None,
+    label: str | None = None,
 ) -> list[RequestRecord]:
     """Replay ``requests`` open-loop against ``url`` (gateway base URL); records in request order.
 
     ``timeout_s``: per request, from its send to its stream end. ``max_connections`` defaults to
     the number of requests (every request may be in flight at once). ``on_record`` is called as
-    each request ends. ``progress`` shows a rich progress bar on ``console``.
+    each request ends. ``progress`` shows a rich progress bar on ``console`` (titled ``label``,
+    default ``mode``). ``max_in_flight``: at most this many requests in flight; requests are
+    then sent in order, each at its ``arrival_s`` or when a slot frees, whichever is later
+    (1 = one at a time, closed loop).
     """
     n = len(requests)
-    conns = max_connections or max(1, n)
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError("max_in_flight must be >= 1")
+    conns = max_connections or max(1, min(n, max_in_flight or n))
     limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     timeout = httpx.Timeout(timeout_s, connect=min(30.0, timeout_s), pool=None)
     records = [
@@ -244,7 +251,7 @@ async def replay(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"), console=console, transient=False,
         )
-        task = prog.add_task(mode or "replay", total=n, info="")
+        task = prog.add_task(label or mode or "replay", total=n, info="")
         prog.start()
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
@@ -265,8 +272,19 @@ async def replay(
             if on_record is not None:
                 on_record(rec)
 
+        async def worker(queue: asyncio.Queue) -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                await one(requests[i], records[i])
+
         try:
-            await asyncio.gather(*(one(q, r) for q, r in zip(requests, records)))
+            if max_in_flight is None or max_in_flight >= n:
+                await asyncio.gather(*(one(q, r) for q, r in zip(requests, records)))
+            else:
+                queue: asyncio.Queue = asyncio.Queue()
+                for i in range(n):
+                    queue.put_nowait(i)
+                await asyncio.gather(*(worker(queue) for _ in range(max_in_flight)))
         finally:
             if prog is not None:
                 prog.stop()

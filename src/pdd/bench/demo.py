@@ -89,6 +89,36 @@ def _warmup(topo, cfg: ClusterConfig, tokens: TokenSpace, seed: int, timeout_s: 
     topo.flush()
 
 
+def measured_replay(
+    topo,
+    requests: Sequence,
+    *,
+    model: str,
+    mode: str,
+    timeout_s: float,
+    progress: bool = True,
+    console=None,
+    flush: bool = True,
+    **replay_kw,
+) -> tuple[list, dict]:
+    """Replay ``requests`` on a running topology between two ``stats()`` snapshots.
+
+    Returns ``(records, entry)``: the client's :class:`~pdd.bench.client.RequestRecord` list and the
+    server_stats.json entry ``{"stats_before", "proc_cpu_seconds_before", "proc_cpu_seconds",
+    "stats", "flush"}`` (see :func:`pdd.bench.report.server_summary`). ``flush``: flush the caches
+    afterwards (the next replay on this topology starts empty; ``entry["flush"]`` reports leaked
+    pages). ``replay_kw`` go to :func:`pdd.bench.client.replay` (``max_in_flight``, ``label``, ...).
+    """
+    entry: dict = {"stats_before": topo.stats(), "proc_cpu_seconds_before": _proc_cpu(topo)}
+    records = replay_sync(topo.url, requests, model=model, mode=mode, timeout_s=timeout_s, progress=progress,
+                          console=console, **replay_kw)
+    entry["proc_cpu_seconds"] = _proc_cpu(topo)
+    entry["stats"] = topo.stats()
+    if flush:
+        entry["flush"] = topo.flush()
+    return records, entry
+
+
 def run_demo(
     out_dir: str | Path = "runs/demo",
     modes: Sequence[str] = DEFAULT_MODES,
@@ -154,13 +184,8 @@ def run_demo(
                 console.print(f"topology up in {time.monotonic() - t_start:.1f} s at {topo.url}")
                 if warmup:
                     _warmup(topo, cfg, tokens, seed, min(timeout_s, 120.0), console)
-                entry["stats_before"] = topo.stats()
-                entry["proc_cpu_seconds_before"] = _proc_cpu(topo)
-                records = replay_sync(topo.url, requests, model=cfg.served_model_name, mode=mode,
-                                      timeout_s=timeout_s, progress=progress, console=console)
-                entry["proc_cpu_seconds"] = _proc_cpu(topo)
-                entry["stats"] = topo.stats()
-                entry["flush"] = topo.flush()
+                records, entry = measured_replay(topo, requests, model=cfg.served_model_name, mode=mode,
+                                                 timeout_s=timeout_s, progress=progress, console=console)
         except Exception as ex:  # noqa: BLE001 - one broken mode must not lose the others
             mode_errors[mode] = f"{type(ex).__name__}: {ex}"
             console.print(f"[red]{mode} failed: {mode_errors[mode]}")

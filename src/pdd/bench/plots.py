@@ -33,10 +33,13 @@ def _by_mode(records: Iterable[Mapping]) -> dict[str, list[Mapping]]:
     return {m: out[m] for m in sorted(out, key=key)}
 
 
-def plot_ttft_cdf(records: Iterable[Mapping], path: str | Path, title: str = "TTFT CDF") -> Path:
+def plot_ttft_cdf(
+    records: Iterable[Mapping], path: str | Path, title: str = "TTFT CDF", slo_ttft_ms: float | None = None
+) -> Path:
     """Empirical CDF of TTFT (ms) of completed requests, one line per mode; writes a PNG.
 
     The x axis turns logarithmic when TTFTs span more than 30x. Legend shows P50 / P90 (ms).
+    ``slo_ttft_ms``: draw the SLO's TTFT bound as a vertical line.
     """
     path = Path(path)
     fig = _figure(7.0, 4.2)
@@ -53,6 +56,8 @@ def plot_ttft_cdf(records: Iterable[Mapping], path: str | Path, title: str = "TT
     if hi > 0 and lo > 0 and hi / lo > 30:
         ax.set_xscale("log")
     ax.axhline(0.9, color="0.7", linewidth=0.8, linestyle="--")
+    if slo_ttft_ms is not None:
+        ax.axvline(slo_ttft_ms, color="k", linewidth=0.9, linestyle=":", label=f"SLO TTFT {slo_ttft_ms:,.0f} ms")
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
@@ -98,6 +103,134 @@ def plot_token_timeline(
     ax.grid(True, axis="x", alpha=0.3)
     if seen_tiers:
         ax.legend(loc="upper right", fontsize=7, markerscale=3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def handoff_gap_profile(records: Iterable[Mapping], window: int = 10) -> dict[int, list[float]]:
+    """Inter-token gaps (ms) by token offset from the handoff, pooled over handed-over requests.
+
+    Offset ``k`` is the gap ending at token ``handoff index + k`` (offset 0: the gap into MD's
+    first token). Only completed records with ``pdd.handoff_pos`` set count.
+    """
+    prof: dict[int, list[float]] = {k: [] for k in range(-window, window + 1)}
+    for r in records:
+        if not is_completed(r):
+            continue
+        idx = handoff_index(r)
+        if idx is None:
+            continue
+        t = r["token_times_s"]
+        for k in range(-window, window + 1):
+            j = idx + k
+            if 1 <= j < len(t):
+                prof[k].append((t[j] - t[j - 1]) * 1000.0)
+    return prof
+
+
+def handoff_index(rec: Mapping) -> int | None:
+    """Index in the record's token list of the first token after the handoff (None: no handoff)."""
+    h = (rec.get("pdd") or {}).get("handoff_pos")
+    if h is None:
+        return None
+    pos = rec.get("pos") or []
+    if h in pos:
+        return pos.index(h)
+    n = len(rec.get("token_times_s") or [])
+    return int(h) if 0 <= int(h) < n else None
+
+
+def plot_handoff_gaps(records: Iterable[Mapping], path: str | Path, window: int = 10,
+                      title: str = "inter-token gaps around the handoff") -> Path:
+    """Median and P90 inter-token gap (ms) at each token offset from the handoff, one color per
+    mode (modes without handoffs are left out); dotted: the mode's median ITL. Writes a PNG."""
+    path = Path(path)
+    fig = _figure(7.0, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    any_line = False
+    for mode, recs in _by_mode(records).items():
+        prof = handoff_gap_profile(recs, window)
+        ks = [k for k in sorted(prof) if prof[k]]
+        if not ks:
+            continue
+        color = MODE_COLORS.get(mode)
+        n = len(prof[0]) if prof.get(0) else max(len(prof[k]) for k in ks)
+        ax.plot(ks, [np.median(prof[k]) for k in ks], marker="o", markersize=3, color=color,
+                label=f"{mode} median (n={n})")
+        ax.plot(ks, [np.percentile(prof[k], 90) for k in ks], linestyle="--", color=color, alpha=0.7,
+                label=f"{mode} P90")
+        itl = [g for r in recs if is_completed(r) for g in request_latencies(r)["itl_ms"]]
+        if itl:
+            ax.axhline(float(np.median(itl)), color=color, linestyle=":", linewidth=0.9)
+        any_line = True
+    ax.axvline(0, color="0.6", linewidth=0.8)
+    ax.set_xlabel("token offset from the handoff (0 = gap into MD's first token)")
+    ax.set_ylabel("inter-token gap (ms)")
+    ax.set_title(title if any_line else title + " (no handoffs)")
+    ax.grid(True, alpha=0.3)
+    if any_line:
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_wan_throughput(timelines: Mapping[str, Mapping], path: str | Path, line_gbps: float | None = None,
+                        title: str = "WAN line throughput") -> Path:
+    """WAN throughput (Mbit/s, both directions) over time, one line per mode; writes a PNG.
+
+    ``timelines``: ``{mode: {"t_s": [...], "bytes": [...]}}`` cumulative line bytes sampled at
+    times ``t_s`` (s since the replay start). ``line_gbps``: draw the line rate.
+    """
+    path = Path(path)
+    fig = _figure(7.0, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    key = lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m)  # noqa: E731
+    drawn = False
+    for mode in sorted(timelines, key=key):
+        t = np.asarray(timelines[mode].get("t_s") or [], dtype=float)
+        b = np.asarray(timelines[mode].get("bytes") or [], dtype=float)
+        if t.size < 2:
+            continue
+        dt = np.diff(t)
+        ok = dt > 0
+        rate = np.diff(b)[ok] * 8 / dt[ok] / 1e6
+        ax.step(t[1:][ok], rate, where="pre", color=MODE_COLORS.get(mode), label=mode, linewidth=1.3)
+        drawn = True
+    if line_gbps:
+        ax.axhline(line_gbps * 1000, color="k", linestyle=":", linewidth=0.9, label=f"line {line_gbps * 1000:g} Mbit/s")
+    ax.set_xlabel("time since replay start (s)")
+    ax.set_ylabel("WAN throughput (Mbit/s)")
+    ax.set_title(title if drawn else title + " (no WAN samples)")
+    ax.grid(True, alpha=0.3)
+    if drawn or line_gbps:
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_sweep(points: Mapping[str, Iterable[Mapping]], path: str | Path, threshold: float = 0.9,
+               title: str = "SLO attainment vs request rate") -> Path:
+    """SLO attainment (%) against offered rate (req/s), one line per mode; ``points``:
+    ``{mode: [{"rate_rps", "slo_attainment"}, ...]}``. Writes a PNG."""
+    path = Path(path)
+    fig = _figure(7.0, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    key = lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m)  # noqa: E731
+    for mode in sorted(points, key=key):
+        pts = sorted((p["rate_rps"], p["slo_attainment"]) for p in points[mode] if p.get("slo_attainment") is not None)
+        if pts:
+            ax.plot([x for x, _ in pts], [100 * y for _, y in pts], marker="o", color=MODE_COLORS.get(mode), label=mode)
+    ax.axhline(100 * threshold, color="0.5", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("offered request rate (req/s)")
+    ax.set_ylabel("requests meeting the SLO (%)")
+    ax.set_ylim(0, 102)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return path

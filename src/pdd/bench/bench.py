@@ -1,0 +1,793 @@
+"""``pdd bench``: replay a trace through modes, with a fixed SLO, goodput and an SLA-goodput sweep.
+
+One invocation:
+
+1. builds the workload from a Mooncake-format JSONL trace (the shared Mooncake trace, a generated
+   agentic trace, any file of ``{"timestamp", "input_length", "output_length", "hash_ids"}``
+   records), scaled as in ``pdd demo`` (:class:`pdd.bench.trace.Scale`);
+2. fixes the SLO (:mod:`pdd.bench.slo`) before anything is measured: a *reference run* of the
+   first ``--ref-requests`` requests through ``same_dc_pd``, one request in flight at a time
+   (back to back); SLO = TTFT <= 3 x its median TTFT and TPOT <= 1.5 x its median TPOT, unless
+   ``--slo ttft:MS tpot:MS`` gives them. The reference runs on the ``same_dc_pd`` topology of
+   the modes (flushed afterwards) or, when that mode is not benchmarked, on a topology of its own;
+   with ``--url`` it runs on the external server (the report says so);
+3. for each mode, on a fresh topology (new processes, empty caches): a warm-up request then a
+   cache flush; the *main run* (all requests at the offered rate, open loop); a flush; then, with
+   ``--sweep-rate``, the *sweep*: the first ``--sweep-requests`` requests replayed at the rates
+   :mod:`pdd.bench.sweep` picks, **on the same topology, caches flushed between rates** (every
+   point starts with empty caches, as the main run does). SLA goodput = the highest swept rate
+   at which >= 90% of requests meet the SLO.
+   With ``--url`` nothing is started: the one mode is the server's (GET /pdd/stats), and stats
+   come from that endpoint;
+4. writes ``--out``: ``report.json``, ``requests.jsonl`` (main runs), ``reference_requests.jsonl``,
+   ``sweep_requests.jsonl`` (with ``rate_rps``), ``server_stats.json``, ``ttft_cdf.png``,
+   ``handoff_gaps.png``, ``wan_throughput.png``, ``sweep.png`` (with a sweep),
+   ``timeline_<mode>.png``; prints the comparison table and the total wall time.
+
+report.json = :func:`pdd.bench.report.build_report`'s document (git_commit, config, seed,
+workload, link, modes, ratios, output_agreement) plus ``bench``, ``seeds``, ``slo``, ``sweep``,
+``wan_timeline`` and, in every ``modes[mode]``, the fields of :func:`bench_mode_extras`
+(``slo_met``, ``slo_attainment``, ``request_goodput``, ``meets_sla``, ``sla_goodput_rps``,
+``pipeline_mix``, ``handoff``, ``p_hit_rate``, ``md_hit_rate``, ``cutoffs``,
+``cpu_seconds_by_process``). See :data:`REPORT_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import shlex
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import httpx
+import numpy as np
+
+from pdd.bench.demo import _default_topology, _proc_cpu, _warmup, ensure_model, fit_scale, measured_replay
+from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
+                             plot_wan_throughput)
+from pdd.bench.report import (MODE_ORDER, _fmt, build_report, is_completed, mode_metrics, request_latencies,
+                              table_rows, write_jsonl, write_report)
+from pdd.bench.slo import SLA_ATTAINMENT, SLO, goodput, make_slo, parse_slo, reference_summary
+from pdd.bench.sweep import SweepPlan, at_rate, mean_rate, next_rate, parse_sweep, sla_goodput
+from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, workload_summary
+from pdd.config import MODES, ClusterConfig
+
+DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
+REFERENCE_MODE = "same_dc_pd"
+# The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
+# trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
+# trace's multi-turn prefix reuse (ideal hit rate ~30%).
+DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 4, min_output_tokens=16, max_output_tokens=160,
+                      target_rate_rps=2.0, session_sample=50)
+DEFAULT_REQUESTS = 200
+DEFAULT_REF_REQUESTS = 16
+DEFAULT_SWEEP = "auto"
+DEFAULT_SWEEP_REQUESTS = 48
+DEFAULT_SWEEP_POINTS = 3
+DEFAULT_SWEEP_TIMEOUT_S = 60.0
+HANDOFF_WINDOW = 3  # tokens either side of the handoff whose gaps count as the handoff's gap
+
+# report.json: top-level fields and the fields bench adds to every modes[mode] (the rest of a mode's
+# fields are report.mode_metrics', named as in vllm bench serve)
+REPORT_FIELDS = ("git_commit", "config", "seed", "seeds", "workload", "link", "modes", "ratios",
+                 "output_agreement", "bench", "slo", "sweep", "wan_timeline")
+MODE_EXTRA_FIELDS = ("slo_met", "slo_attainment", "request_goodput", "meets_sla", "sla_goodput_rps",
+                     "pipeline_mix", "handoff", "p_hit_rate", "md_hit_rate", "cutoffs", "cpu_seconds_by_process")
+
+
+# ---------------------------------------------------------------- per-mode metrics beyond report.mode_metrics
+
+
+def _pct(values: Sequence[float], p: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), p)) if len(values) else None
+
+
+def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None,
+                  window: int = HANDOFF_WINDOW) -> dict:
+    """Handoffs of one mode's completed records.
+
+    A record was handed over when ``pdd.handoff_pos`` is set (the position of MD's first token).
+    Its *handoff gap* is the largest client inter-token gap ending at a token within ``window``
+    tokens of that position (the gaps into tokens handoff-window .. handoff+window), in ms.
+    ``gap_over_median_itl`` divides it by ``median_itl_ms`` (the mode's median ITL).
+    ``by_mode``: ``pdd.handoff_mode`` counts ("one_shot" when absent); ``rounds``: ``pdd.handoff_rounds``
+    (1 when absent).
+    """
+    done = [r for r in records if is_completed(r)]
+    gaps: list[float] = []
+    positions: list[int] = []
+    rounds: list[int] = []
+    by_mode: dict[str, int] = {}
+    for r in done:
+        pd = r.get("pdd") or {}
+        if pd.get("handoff_pos") is None:
+            continue
+        positions.append(int(pd["handoff_pos"]))
+        by_mode[str(pd.get("handoff_mode") or "one_shot")] = by_mode.get(str(pd.get("handoff_mode") or "one_shot"), 0) + 1
+        rounds.append(int(pd.get("handoff_rounds") or 1))
+        idx = handoff_index(r)
+        t = r["token_times_s"]
+        if idx is None:
+            continue
+        g = [(t[j] - t[j - 1]) * 1000.0 for j in range(max(1, idx - window), min(len(t), idx + window + 1))]
+        if g:
+            gaps.append(max(g))
+    ratio = [g / median_itl_ms for g in gaps] if median_itl_ms else []
+    return {
+        "handoffs": len(positions),
+        "handed_over_share": len(positions) / len(done) if done else 0.0,
+        "by_mode": dict(sorted(by_mode.items())),
+        "rounds_mean": float(np.mean(rounds)) if rounds else None,
+        "rounds_max": max(rounds) if rounds else None,
+        "handoff_pos_mean": float(np.mean(positions)) if positions else None,
+        "handoff_pos_median": _pct(positions, 50),
+        "window_tokens": window,
+        "gap_ms": {"median": _pct(gaps, 50), "p90": _pct(gaps, 90), "p99": _pct(gaps, 99),
+                   "max": max(gaps) if gaps else None},
+        "median_itl_ms": median_itl_ms,
+        "gap_over_median_itl": {"median": _pct(ratio, 50), "p90": _pct(ratio, 90), "max": max(ratio) if ratio else None},
+    }
+
+
+def _role_delta(entry: Mapping | None, roles: tuple[str, ...], key: str) -> int | None:
+    entry = entry or {}
+    after = ((entry.get("stats") or {}).get("instances")) or {}
+    before = ((entry.get("stats_before") or {}).get("instances")) or {}
+    vals = [(name, inst.get(key)) for name, inst in after.items()
+            if isinstance(inst, dict) and inst.get("role") in roles and inst.get(key) is not None]
+    if not vals:
+        return None
+    return sum(int(v) - int((before.get(name) or {}).get(key) or 0) for name, v in vals)
+
+
+def hit_rates(records: Iterable[Mapping], entry: Mapping | None = None) -> dict:
+    """``p_hit_rate`` and ``md_hit_rate`` (0..1, None when unknown) of one mode's run.
+
+    From the server stats around the run (``prefix_hit_tokens / prompt_tokens`` of the instances
+    with role "prefill" (or "colocated") and "main_decode" (same_dc_pd's D too)), else from the
+    usage chunks (``p_cached_tokens``, ``md_cached_tokens`` over prompt tokens).
+    """
+    recs = list(records)
+    out: dict[str, float | None] = {}
+    for name, roles, field in (("p_hit_rate", ("prefill", "colocated"), "p_cached_tokens"),
+                               ("md_hit_rate", ("main_decode",), "md_cached_tokens")):
+        hits, prompts = _role_delta(entry, roles, "prefix_hit_tokens"), _role_delta(entry, roles, "prompt_tokens")
+        if hits is not None and prompts:
+            out[name] = hits / prompts
+            continue
+        with_info = [r for r in recs if (r.get("pdd") or {}).get(field) is not None]
+        if name == "md_hit_rate":
+            with_info = [r for r in with_info if (r.get("pdd") or {}).get("pipeline") not in ("colocated", None)]
+        total = sum(int(r.get("prompt_tokens") or 0) for r in with_info)
+        out[name] = sum(int(r["pdd"][field]) for r in with_info) / total if total else None
+    return out
+
+
+def cutoff_stats(records: Iterable[Mapping], entry: Mapping | None = None) -> dict:
+    """Anomaly cut-offs: requests RLD finished before MD had their KV (``pdd.rld_finished_first``),
+    the WAN bytes planned for them but not sent (expected - sent, >= 0), and any server counter
+    whose name mentions a cut-off or cancel (deltas over the run)."""
+    recs = list(records)
+    cut = [r for r in recs if (r.get("pdd") or {}).get("rld_finished_first")]
+    unsent = sum(max(0, int(r["pdd"].get("wan_bytes_expected") or 0) - int(r["pdd"].get("wan_bytes") or 0))
+                 for r in cut)
+    out: dict[str, Any] = {"requests": len(cut), "share": len(cut) / len(recs) if recs else 0.0,
+                           "wan_bytes_not_sent": unsent}
+    entry = entry or {}
+    after = (entry.get("stats") or {}).get("totals") or {}
+    before = (entry.get("stats_before") or {}).get("totals") or {}
+    server = {k: v - (before.get(k) or 0) for k, v in after.items()
+              if isinstance(v, (int, float)) and any(w in k for w in ("cut", "cancel", "rld_finished_first"))}
+    if server:
+        out["server"] = server
+    return out
+
+
+def bench_mode_extras(records: Iterable[Mapping], entry: Mapping | None, slo: SLO | None,
+                      median_itl_ms: float | None) -> dict:
+    """The fields bench adds to a mode's metrics (:data:`MODE_EXTRA_FIELDS` but ``sla_goodput_rps``)."""
+    recs = list(records)
+    pipes: dict[str, int] = {}
+    for r in recs:
+        p = (r.get("pdd") or {}).get("pipeline")
+        if p is not None:
+            pipes[str(p)] = pipes.get(str(p), 0) + 1
+    n_p = sum(pipes.values())
+    g = goodput(recs, slo) if slo is not None else {"slo_met": None, "slo_attainment": None,
+                                                     "request_goodput": None, "meets_sla": None}
+    cpu = None
+    entry = entry or {}
+    if entry.get("proc_cpu_seconds") is not None:
+        before = entry.get("proc_cpu_seconds_before") or {}
+        cpu = {k: (None if v is None else v - (before.get(k) or 0.0)) for k, v in entry["proc_cpu_seconds"].items()}
+    return {
+        **g,
+        "pipeline_mix": {k: v / n_p for k, v in sorted(pipes.items())} if n_p else {},
+        "handoff": handoff_stats(recs, median_itl_ms),
+        **hit_rates(recs, entry),
+        "cutoffs": cutoff_stats(recs, entry),
+        "cpu_seconds_by_process": cpu,
+    }
+
+
+def sweep_point(rate: float, records: Sequence[Mapping], entry: Mapping | None, slo: SLO, wall_s: float) -> dict:
+    """One sweep point's summary (rates req/s, latencies ms)."""
+    m = mode_metrics(records, entry)
+    g = goodput(records, slo)
+    return {
+        "rate_rps": rate,
+        "offered_rate_rps": mean_rate([r["arrival_s"] for r in records]),
+        "requests": len(records),
+        "completed": m["completed"],
+        "failed": m["failed"],
+        **g,
+        "request_throughput": m["request_throughput"],
+        "output_throughput": m["output_throughput"],
+        "median_ttft_ms": m["median_ttft_ms"],
+        "p90_ttft_ms": m["p90_ttft_ms"],
+        "median_tpot_ms": m["median_tpot_ms"],
+        "p90_tpot_ms": m["p90_tpot_ms"],
+        "duration_s": m["duration_s"],
+        "leaked_pages": m["leaked_pages"],
+        "wall_s": wall_s,
+    }
+
+
+# ---------------------------------------------------------------- topologies
+
+
+class RemoteTopology:
+    """A running gateway at ``url`` used like a Topology (nothing started or stopped).
+
+    ``stats()``: GET /pdd/stats (``{}`` when the server has none, e.g. vLLM); ``flush()``: POST
+    /pdd/flush, best effort.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> "RemoteTopology":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def stats(self) -> dict:
+        try:
+            r = httpx.get(f"{self.url}/pdd/stats", timeout=self.timeout_s, trust_env=False)
+            return r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def flush(self) -> dict:
+        try:
+            r = httpx.post(f"{self.url}/pdd/flush", timeout=60, trust_env=False)
+            return r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def mode(self) -> str:
+        return str(self.stats().get("mode") or "external")
+
+
+class WanSampler:
+    """Samples the cumulative WAN line bytes (both directions) every ``interval_s`` in a thread.
+
+    ``read() -> int | None`` returns the counter (None: skip this sample). ``t_s`` are seconds
+    since :meth:`start`.
+    """
+
+    def __init__(self, read: Callable[[], int | None], interval_s: float = 0.5):
+        self.read, self.interval_s = read, interval_s
+        self.t_s: list[float] = []
+        self.bytes: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def _sample(self) -> None:
+        try:
+            v = self.read()
+        except Exception:  # noqa: BLE001 - sampling is best effort
+            v = None
+        if v is not None:
+            self.t_s.append(round(time.perf_counter() - self._t0, 4))
+            self.bytes.append(int(v))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def start(self) -> "WanSampler":
+        self._t0 = time.perf_counter()
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._sample()
+        return {"interval_s": self.interval_s, "t_s": self.t_s, "bytes": self.bytes}
+
+
+def wan_reader(topo) -> Callable[[], int | None] | None:
+    """How to read ``topo``'s WAN line counter: the link's control port for a local topology
+    with a link, GET /pdd/stats for a remote gateway; None when there is nothing to read."""
+    lay = getattr(topo, "layout", None)
+    if lay is not None and getattr(lay, "link_control_port", None) is not None:
+        from pdd.transfer.link import query_stats
+
+        host, port = topo.cfg.host, lay.link_control_port
+
+        def read_link() -> int:
+            s = asyncio.run(query_stats(host, port, timeout=2.0))
+            return int(s.get("bytes_a_to_b", 0)) + int(s.get("bytes_b_to_a", 0))
+
+        return read_link
+    if isinstance(topo, RemoteTopology):
+        def read_remote() -> int | None:
+            s = topo.stats()
+            return int(s["wan_line_bytes"]) if s.get("link") and s.get("wan_line_bytes") is not None else None
+
+        return read_remote
+    return None
+
+
+# ---------------------------------------------------------------- config
+
+
+def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
+    """``cfg`` with flag overrides (None = keep), validated. Keys: ``wan_gbps``, ``wan_rtt_ms``,
+    ``wan_jitter_ms``, ``fast_gbps`` (link), ``allow_p_rld``, ``wan_order``, ``handoff_mode``,
+    ``pipeline_ttft_budget_ms`` (policy), ``base_port``, ``gateway_port``, ``model_path``,
+    ``served_model_name``, ``request_timeout_s`` (top level)."""
+    sections = {"link": ("wan_gbps", "wan_rtt_ms", "wan_jitter_ms", "fast_gbps"),
+                "policy": ("allow_p_rld", "wan_order", "handoff_mode", "pipeline_ttft_budget_ms"),
+                "": ("base_port", "gateway_port", "model_path", "served_model_name", "request_timeout_s")}
+    data = cfg.model_dump()
+    known = {k for ks in sections.values() for k in ks}
+    bad = set(kw) - known
+    if bad:
+        raise TypeError(f"unknown overrides: {sorted(bad)}")
+    for sec, keys in sections.items():
+        for k in keys:
+            if kw.get(k) is None:
+                continue
+            (data[sec] if sec else data)[k] = kw[k]
+    return ClusterConfig.model_validate(data)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _order_modes(modes: Sequence[str]) -> list[str]:
+    """Modes with the reference mode first (its topology also serves the reference run)."""
+    modes = list(dict.fromkeys(modes))
+    if REFERENCE_MODE in modes:
+        modes.remove(REFERENCE_MODE)
+        modes.insert(0, REFERENCE_MODE)
+    return modes
+
+
+def run_bench(
+    out_dir: str | Path = "runs/bench",
+    modes: Sequence[str] = DEFAULT_MODES,
+    n_requests: int | None = DEFAULT_REQUESTS,
+    scale: Scale = DEFAULT_SCALE,
+    config: ClusterConfig | None = None,
+    seed: int = 0,
+    *,
+    trace: str | Path = DEFAULT_TRACE,
+    start: int | None = None,
+    url: str | None = None,
+    slo: Mapping[str, float] | None = None,
+    ref_requests: int = DEFAULT_REF_REQUESTS,
+    sweep: SweepPlan | None = None,
+    sweep_requests: int | None = DEFAULT_SWEEP_REQUESTS,
+    sweep_timeout_s: float = DEFAULT_SWEEP_TIMEOUT_S,
+    warmup: bool = True,
+    request_timeout_s: float | None = None,
+    wan_sample_s: float = 0.5,
+    progress: bool = True,
+    console=None,
+    topology_factory: Callable[..., object] | None = None,
+    argv: Sequence[str] | None = None,
+) -> dict:
+    """Run the benchmark (see the module docstring); returns the report dict (also in ``out_dir``).
+
+    ``slo``: absolute bounds ``{"ttft_ms", "tpot_ms"}`` (either or both; :func:`pdd.bench.slo.parse_slo`).
+    ``sweep``: None = no sweep. ``sweep_requests``: the sweep's requests (the first N of the
+    workload; None = all). ``sweep_timeout_s``: per request during the sweep (s).
+    ``topology_factory(cfg, log_dir=...)`` as in :func:`pdd.bench.demo.run_demo`.
+    """
+    from rich.console import Console
+
+    t_wall = time.monotonic()
+    cpu0 = time.process_time()
+    console = console or Console()
+    config = config or ClusterConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timeout_s = request_timeout_s or config.request_timeout_s
+    absolute = dict(slo or {})
+    need_ref = not ("ttft_ms" in absolute and "tpot_ms" in absolute)
+
+    remote = RemoteTopology(url) if url else None
+    if remote is not None:
+        modes = [remote.mode()]
+        factory: Callable[..., object] = lambda cfg, log_dir=None: remote  # noqa: E731
+        console.print(f"external gateway {remote.url}: mode {modes[0]}")
+    else:
+        factory = topology_factory or _default_topology
+        bad = [m for m in modes if m not in MODES]
+        if bad:
+            raise ValueError(f"unknown modes {bad}; choose from {MODES}")
+    run_order = _order_modes(modes)
+
+    # ---- workload
+    if remote is not None and not (Path(config.model_path) / "config.json").exists():
+        tokens = TokenSpace()
+    else:
+        tokens = TokenSpace.from_model(ensure_model(config, console))
+    scale = fit_scale(scale, config, n_requests, start)
+    requests = build_requests(trace, scale, tokens, seed)
+    if not requests:
+        raise ValueError(f"no requests in {trace} (start={scale.start} count={scale.count})")
+    workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
+    offered = workload["rate_rps"]
+    console.print(
+        f"workload: {workload['requests']} requests from {workload['trace']}, {workload['duration_s']:.1f} s of "
+        f"arrivals ({f'{offered:.2f} req/s' if offered else 'all at once'}), prompt mean "
+        f"{workload['input_tokens_mean']:.0f} / max {workload['input_tokens_max']} tokens, output mean "
+        f"{workload['output_tokens_mean']:.0f} tokens, ideal prefix hit rate {100 * workload['ideal_prefix_hit_rate']:.1f}%"
+    )
+    ref_reqs = [dataclasses.replace(r, arrival_s=0.0) for r in requests[: max(1, ref_requests)]]
+    sweep_reqs = requests[: sweep_requests] if sweep_requests else list(requests)
+    sweep_same_as_main = len(sweep_reqs) == len(requests)
+
+    # ---- outputs
+    paths = {k: out / f"{k}.jsonl" for k in ("requests", "reference_requests", "sweep_requests")}
+    for p in paths.values():
+        p.write_text("")
+    server_stats: dict[str, dict] = {}
+    mode_errors: dict[str, str] = {}
+    all_records: list[dict] = []
+    wan_timeline: dict[str, dict] = {}
+    sweep_out: dict[str, dict] = {}
+    slo_obj: SLO | None = None
+    slo_info: dict = {}
+    ref_entry: dict | None = None
+
+    def fix_slo(ref_records: list[dict] | None, where: str) -> None:
+        nonlocal slo_obj, slo_info
+        summary = reference_summary(ref_records, where) if ref_records is not None else None
+        try:
+            slo_obj = make_slo(summary, absolute)
+            slo_info = {**slo_obj.to_dict(), "sla_attainment": SLA_ATTAINMENT}
+            console.print(f"[bold]SLO[/] ({slo_obj.source}): {slo_obj.describe()}"
+                          + (f"  [reference {where}: {summary['completed']}/{summary['requests']} completed, TTFT P50 "
+                             f"{_fmt(summary['median_ttft_ms'])} ms, TPOT P50 {_fmt(summary['median_tpot_ms'], 2)} ms]"
+                             if summary else ""))
+        except ValueError as ex:
+            slo_info = {"error": str(ex), "reference": summary}
+            console.print(f"[red]no SLO: {ex}; goodput and the sweep are skipped")
+
+    def reference_run(topo, cfg: ClusterConfig, where: str) -> None:
+        nonlocal ref_entry, slo_info
+        console.print(f"reference run: {len(ref_reqs)} requests through {where}, one in flight at a time")
+        try:
+            recs, ref_entry = measured_replay(topo, ref_reqs, model=cfg.served_model_name, mode=where,
+                                              timeout_s=timeout_s, progress=progress, console=console,
+                                              max_in_flight=1, label=f"reference ({where})")
+        except Exception as ex:  # noqa: BLE001 - the modes still run, without an SLO
+            slo_info = {"error": f"reference run failed: {type(ex).__name__}: {ex}"}
+            console.print(f"[red]{slo_info['error']}")
+            return
+        dicts = [r.to_dict() for r in recs]
+        write_jsonl(paths["reference_requests"], dicts, append=True)
+        fix_slo(dicts, where)
+
+    if not need_ref:
+        fix_slo(None, "")
+    elif remote is None and REFERENCE_MODE not in run_order:
+        cfg = config.model_copy(update={"mode": REFERENCE_MODE})
+        console.rule(f"[bold]reference: {REFERENCE_MODE}")
+        try:
+            with factory(cfg, log_dir=out / "logs" / f"reference_{REFERENCE_MODE}") as topo:
+                if warmup:
+                    _warmup(topo, cfg, tokens, seed, min(timeout_s, 120.0), console)
+                reference_run(topo, cfg, REFERENCE_MODE)
+        except Exception as ex:  # noqa: BLE001 - the modes still run, without an SLO
+            slo_info = slo_info or {"error": f"reference topology failed: {type(ex).__name__}: {ex}"}
+            console.print(f"[red]{slo_info['error']}")
+
+    for k, mode in enumerate(run_order, 1):
+        cfg = config if remote is not None else config.model_copy(update={"mode": mode})
+        console.rule(f"[bold]{mode}[/] ({k}/{len(run_order)})")
+        t_start = time.monotonic()
+        entry: dict = {}
+        records: list = []
+        points: list[dict] = []
+        try:
+            with factory(cfg, log_dir=out / "logs" / mode) as topo:
+                if remote is None:
+                    console.print(f"topology up in {time.monotonic() - t_start:.1f} s at {topo.url}")
+                if warmup:
+                    _warmup(topo, cfg, tokens, seed, min(timeout_s, 120.0), console)
+                if need_ref and slo_obj is None and not slo_info and (remote is not None or mode == REFERENCE_MODE):
+                    reference_run(topo, cfg, mode)
+                reader = wan_reader(topo)
+                sampler = WanSampler(reader, wan_sample_s).start() if reader is not None else None
+                try:
+                    records, entry = measured_replay(
+                        topo, requests, model=cfg.served_model_name, mode=mode, timeout_s=timeout_s,
+                        progress=progress, console=console, label=f"{mode} @ {_fmt(offered, 2)} req/s")
+                finally:
+                    if sampler is not None:
+                        wan_timeline[mode] = sampler.stop()
+                main_dicts = [r.to_dict() for r in records]
+                if sweep is not None and slo_obj is not None:
+                    points = _sweep_mode(topo, cfg, mode, sweep, sweep_reqs, slo_obj,
+                                         main_dicts if sweep_same_as_main else None, entry, offered,
+                                         min(timeout_s, sweep_timeout_s), paths["sweep_requests"], progress, console)
+        except Exception as ex:  # noqa: BLE001 - one broken mode must not lose the others
+            mode_errors[mode] = f"{type(ex).__name__}: {ex}"
+            console.print(f"[red]{mode} failed: {mode_errors[mode]}")
+        dicts = [r.to_dict() for r in records]
+        write_jsonl(paths["requests"], dicts, append=True)
+        all_records.extend(dicts)
+        server_stats[mode] = {k2: v for k2, v in entry.items() if v is not None}
+        (out / "server_stats.json").write_text(json.dumps(server_stats, indent=1))
+        if sweep is not None:
+            hist = [(p["rate_rps"], p["slo_attainment"]) for p in points if p["slo_attainment"] is not None]
+            sweep_out[mode] = {"points": points, "sla_goodput_rps": sla_goodput(hist, sweep.threshold)}
+        if dicts:
+            m = mode_metrics(dicts, server_stats[mode])
+            g = goodput(dicts, slo_obj) if slo_obj is not None else {}
+            console.print(
+                f"{mode}: {m['completed']} completed, {m['failed']} failed; TTFT P50 {_fmt(m['median_ttft_ms'])} ms, "
+                f"P90 {_fmt(m['p90_ttft_ms'])} ms; TPOT P50 {_fmt(m['median_tpot_ms'], 2)} ms"
+                + (f"; SLO met {100 * (g['slo_attainment'] or 0):.1f}%" if g else "")
+                + (f"; SLA goodput {_fmt(sweep_out[mode]['sla_goodput_rps'], 2)} req/s" if mode in sweep_out else "")
+                + f"; leaked pages {m['leaked_pages']}; {time.monotonic() - t_start:.0f} s")
+            plot_token_timeline(dicts, out / f"timeline_{mode}.png", title=f"{mode}: tokens at the client")
+
+    # ---- report
+    report = build_report(all_records, server_stats, config=json.loads(config.model_dump_json()), seed=seed,
+                          workload=workload, link=config.link.model_dump())
+    for mode, m in report["modes"].items():
+        m.update(bench_mode_extras([r for r in all_records if r["mode"] == mode], server_stats.get(mode), slo_obj,
+                                   m.get("median_itl_ms")))
+        m["sla_goodput_rps"] = (sweep_out.get(mode) or {}).get("sla_goodput_rps")
+    wall = time.monotonic() - t_wall
+    report["seeds"] = {"token_seed": seed, "session_seed": scale.session_seed, "model_seed": config.model_seed,
+                       "link_jitter": "unseeded"}
+    report["slo"] = slo_info
+    report["sweep"] = None if sweep is None else {
+        "plan": sweep.to_dict(), "requests": len(sweep_reqs), "request_timeout_s": min(timeout_s, sweep_timeout_s),
+        "topology": "same topology as the mode's main run, caches flushed before every rate",
+        "definition": f"sla_goodput_rps = highest swept rate with slo_attainment >= {sweep.threshold}",
+        "modes": sweep_out,
+    }
+    report["wan_timeline"] = wan_timeline
+    report["bench"] = {
+        "argv": list(argv) if argv is not None else None,
+        "command": "pdd bench " + shlex.join(argv) if argv is not None else None,
+        "url": url,
+        "modes": list(modes),
+        "run_order": run_order,
+        "reference_requests": len(ref_reqs) if need_ref else 0,
+        "reference_server_stats": ref_entry,
+        "wall_s": wall,
+        "client_cpu_seconds": time.process_time() - cpu0,
+        "python": sys.version.split()[0],
+    }
+    if mode_errors:
+        report["mode_errors"] = mode_errors
+    write_report(out / "report.json", report)
+
+    # ---- plots and table
+    plot_ttft_cdf(all_records, out / "ttft_cdf.png", title=f"TTFT, {len(requests)} requests",
+                  slo_ttft_ms=slo_obj.ttft_ms if slo_obj else None)
+    plot_handoff_gaps(all_records, out / "handoff_gaps.png")
+    plot_wan_throughput(wan_timeline, out / "wan_throughput.png", line_gbps=config.link.wan_gbps)
+    if sweep_out:
+        plot_sweep({m: s["points"] for m, s in sweep_out.items()}, out / "sweep.png", threshold=sweep.threshold)
+    print_bench_table(report, console=console, title=f"pdd bench ({len(requests)} requests)")
+    console.print(f"wrote {out / 'report.json'} and plots in {out}; total wall time {wall:.0f} s ({wall / 60:.1f} min)")
+    return report
+
+
+def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequence, slo: SLO,
+                main_records: list[dict] | None, main_entry: dict, offered: float | None, timeout_s: float,
+                path: Path, progress: bool, console) -> list[dict]:
+    """The sweep on a running topology (flushed before every rate); returns its points."""
+    history: list[tuple[float, float]] = []
+    points: list[dict] = []
+    while (rate := next_rate(plan, history)) is not None:
+        t0 = time.monotonic()
+        if main_records is not None and offered and abs(rate - offered) <= 1e-6 * offered:
+            dicts, entry, reused = main_records, main_entry, True  # exactly the main run's replay
+        else:
+            console.print(f"sweep {mode}: {rate:g} req/s ({len(reqs)} requests)")
+            recs, entry = measured_replay(topo, at_rate(reqs, rate), model=cfg.served_model_name, mode=mode,
+                                          timeout_s=timeout_s, progress=progress, console=console,
+                                          label=f"{mode} sweep @ {rate:g} req/s")
+            dicts, reused = [dict(r.to_dict(), rate_rps=rate) for r in recs], False
+            write_jsonl(path, dicts, append=True)
+        p = sweep_point(rate, dicts, entry, slo, time.monotonic() - t0)
+        p["reused_main_run"] = reused
+        points.append(p)
+        history.append((rate, p["slo_attainment"] if p["slo_attainment"] is not None else 0.0))
+        console.print(f"  {rate:g} req/s: SLO met {100 * (p['slo_attainment'] or 0):.1f}% "
+                      f"({p['slo_met']}/{p['requests']}), goodput {_fmt(p['request_goodput'], 2)} req/s, "
+                      f"TTFT P90 {_fmt(p['p90_ttft_ms'])} ms" + (" (main run)" if reused else ""))
+    return points
+
+
+# ---------------------------------------------------------------- console table
+
+
+def bench_rows(modes: Mapping[str, Mapping]) -> list[tuple[str, list[str]]]:
+    """Rows bench adds under report.table_rows (label, one cell per mode)."""
+    names = list(modes)
+
+    def row(label: str, fn) -> tuple[str, list[str]]:
+        return label, [fn(modes[n]) for n in names]
+
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    mix = lambda m: ", ".join(f"{k} {100 * v:.0f}%" for k, v in (m.get("pipeline_mix") or {}).items()) or "-"  # noqa: E731
+
+    def hand(m):
+        h = m.get("handoff") or {}
+        if not h.get("handoffs"):
+            return "-"
+        return f"{h['handoffs']} (" + ", ".join(f"{k} {v}" for k, v in h["by_mode"].items()) + ")"
+
+    return [
+        row("TTFT mean (ms)", lambda m: _fmt(m.get("mean_ttft_ms"))),
+        row("TPOT P90 (ms)", lambda m: _fmt(m.get("p90_tpot_ms"), 2)),
+        row("request_throughput (req/s)", lambda m: _fmt(m.get("request_throughput"), 2)),
+        row("SLO met", lambda m: pct(m.get("slo_attainment"))),
+        row("request_goodput (req/s)", lambda m: _fmt(m.get("request_goodput"), 2)),
+        row("SLA goodput (req/s)", lambda m: _fmt(m.get("sla_goodput_rps"), 2)),
+        row("pipelines", mix),
+        row("handoffs", hand),
+        row("handoff gap P50/P90 (ms)", lambda m: "-" if not (m.get("handoff") or {}).get("handoffs") else
+            f"{_fmt(m['handoff']['gap_ms']['median'])} / {_fmt(m['handoff']['gap_ms']['p90'])}"),
+        row("P hit rate", lambda m: pct(m.get("p_hit_rate"))),
+        row("MD (D) hit rate", lambda m: pct(m.get("md_hit_rate"))),
+        row("cut-offs", lambda m: _fmt((m.get("cutoffs") or {}).get("requests"))),
+    ]
+
+
+def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -> None:
+    """The demo's comparison table plus the bench rows, then the SLO and sweep lines."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    modes = report.get("modes") or {}
+    table = Table(title=title)
+    table.add_column("metric")
+    for name in modes:
+        table.add_column(name, justify="right")
+    for label, cells in table_rows(modes) + bench_rows(modes):
+        table.add_row(label, *cells)
+    console.print(table)
+    slo = report.get("slo") or {}
+    if slo.get("ttft_ms") is not None or slo.get("tpot_ms") is not None:
+        console.print(f"SLO ({slo.get('source')}): TTFT <= {_fmt(slo.get('ttft_ms'))} ms, TPOT <= "
+                      f"{_fmt(slo.get('tpot_ms'), 2)} ms; SLA = >= {100 * SLA_ATTAINMENT:.0f}% of requests meet it")
+    sw = report.get("sweep") or {}
+    for mode, s in (sw.get("modes") or {}).items():
+        pts = ", ".join(f"{p['rate_rps']:g}: {100 * (p['slo_attainment'] or 0):.0f}%" for p in s["points"])
+        console.print(f"sweep {mode}: {pts or 'no points'} -> SLA goodput {_fmt(s.get('sla_goodput_rps'), 2)} req/s")
+    r = report.get("ratios") or {}
+    if r.get("pdd_over_cross_dc_pd_p90_ttft_ms") is not None:
+        console.print(f"TTFT pdd / cross_dc_pd: P50 x{_fmt(r['pdd_over_cross_dc_pd_median_ttft_ms'], 2)}, "
+                      f"P90 x{_fmt(r['pdd_over_cross_dc_pd_p90_ttft_ms'], 2)}, "
+                      f"P99 x{_fmt(r['pdd_over_cross_dc_pd_p99_ttft_ms'], 2)}")
+    agree = report.get("output_agreement") or {}
+    if agree.get("modes"):
+        console.print(f"greedy outputs identical to {agree['reference']}: "
+                      + ", ".join(f"{m} {a['identical']}/{a['compared']}" for m, a in agree["modes"].items()))
+    if report.get("mode_errors"):
+        console.print(f"[red]mode errors: {report['mode_errors']}")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="pdd bench", description=__doc__.split("\n")[0],
+        epilog="SLO: TTFT <= 3 x and TPOT <= 1.5 x the medians of a same_dc_pd reference run (one request in "
+               "flight), unless --slo gives them. SLA goodput: the highest swept rate with >= 90%% of requests "
+               "meeting the SLO. Sweep points run on the mode's topology, caches flushed before each rate.")
+    ap.add_argument("--config", help="cluster config (YAML or JSON)")
+    ap.add_argument("--out", default="runs/bench", help="output directory (report.json, plots, records)")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated (default: all four)")
+    ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's)")
+    g = ap.add_argument_group("workload")
+    g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
+    g.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    g.add_argument("--start", type=int, default=0, help="first request (after session sampling)")
+    g.add_argument("--block-tokens", type=int, default=DEFAULT_SCALE.block_tokens, help="tokens per 512-token trace block")
+    g.add_argument("--output-scale", type=float, default=DEFAULT_SCALE.output_scale)
+    g.add_argument("--min-output", type=int, default=DEFAULT_SCALE.min_output_tokens)
+    g.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
+    g.add_argument("--max-input", type=int, default=None)
+    g.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="offered rate, mean req/s")
+    g.add_argument("--session-sample", type=int, default=DEFAULT_SCALE.session_sample,
+                   help="keep 1 in N conversations (all their turns)")
+    g.add_argument("--session-seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="token-id seed")
+    g = ap.add_argument_group("SLO and sweep")
+    g.add_argument("--slo", nargs="+", metavar="KEY:MS", help="absolute bounds, e.g. --slo ttft:500 tpot:20")
+    g.add_argument("--ref-requests", type=int, default=DEFAULT_REF_REQUESTS,
+                   help="requests of the same_dc_pd reference run")
+    g.add_argument("--sweep-rate", default=DEFAULT_SWEEP,
+                   help="'auto' (start at --rate, x2 until the SLA fails, then bisect), rates '1,2,4', or 'none'")
+    g.add_argument("--sweep-requests", type=int, default=DEFAULT_SWEEP_REQUESTS,
+                   help="requests per sweep point (the first N; 0 = all)")
+    g.add_argument("--sweep-points", type=int, default=DEFAULT_SWEEP_POINTS, help="auto sweep: most points per mode")
+    g.add_argument("--sweep-bisect", type=int, default=2, help="auto sweep: bisection steps")
+    g.add_argument("--sweep-timeout", type=float, default=DEFAULT_SWEEP_TIMEOUT_S, help="per request in the sweep, s")
+    g = ap.add_argument_group("config overrides")
+    g.add_argument("--wan-gbps", type=float)
+    g.add_argument("--wan-rtt-ms", type=float)
+    g.add_argument("--fast-gbps", type=float)
+    g.add_argument("--allow-p-rld", action="store_true", default=None)
+    g.add_argument("--wan-order", choices=("fifo", "srf"))
+    g.add_argument("--handoff-mode", choices=("one_shot", "catch_up", "auto"))
+    g.add_argument("--pipeline-ttft-budget-ms", type=float)
+    g.add_argument("--base-port", type=int)
+    g.add_argument("--gateway-port", type=int)
+    g.add_argument("--model", help="served model name to request (default: the config's)")
+    g.add_argument("--request-timeout", type=float, help="per request, s (default: the config's)")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pdd bench``'s entry point (``python -m pdd.bench.bench``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        slo = parse_slo(args.slo)
+        sweep = parse_sweep(args.sweep_rate, start_rps=args.rate, max_points=args.sweep_points,
+                            bisect_steps=args.sweep_bisect)
+    except ValueError as ex:
+        ap.error(str(ex))
+    config = apply_overrides(
+        ClusterConfig.load(args.config), wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms, fast_gbps=args.fast_gbps,
+        allow_p_rld=args.allow_p_rld, wan_order=args.wan_order, handoff_mode=args.handoff_mode,
+        pipeline_ttft_budget_ms=args.pipeline_ttft_budget_ms, base_port=args.base_port,
+        gateway_port=args.gateway_port, served_model_name=args.model)
+    scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
+                  max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
+                  session_sample=args.session_sample, session_seed=args.session_seed)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace, start=args.start,
+                       url=args.url, slo=slo, ref_requests=args.ref_requests, sweep=sweep,
+                       sweep_requests=args.sweep_requests or None, sweep_timeout_s=args.sweep_timeout,
+                       warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
+                       progress=not args.no_progress, argv=argv)
+    return 1 if report.get("mode_errors") and len(report["mode_errors"]) == len(report["bench"]["modes"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

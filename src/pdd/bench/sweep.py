@@ -1,0 +1,155 @@
+"""Request-rate sweep for SLA goodput: which rate to try next (pure), and the answer.
+
+**SLA goodput** of a mode = the highest request rate (req/s) among the rates tried at which
+>= 90% of the requests met the SLO (:mod:`pdd.bench.slo`); None when no rate tried did.
+
+The search is a pure function of the points measured so far (:func:`next_rate`), so it is
+tested without a server. Two plans:
+
+- fixed (``--sweep-rate 1,2,4,8``): the rates in increasing order; with ``stop_on_fail`` (the
+  default) the sweep stops at the first rate that misses the SLA (higher rates of an open-loop
+  replay only queue more).
+- auto (``--sweep-rate auto``): start at ``start_rps``; multiply by ``factor`` while the SLA holds,
+  divide while it does not (until ``min_rps``); once a passing rate lies below a failing one,
+  bisect that bracket (arithmetic midpoint) ``bisect_steps`` times. Never more than
+  ``max_points`` points, never above ``max_rps``.
+
+Every point replays the same requests with their arrival times stretched or compressed
+(:func:`at_rate`), so only the offered rate changes between points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdd.bench.slo import SLA_ATTAINMENT
+
+Point = tuple[float, float]  # (rate_rps, slo_attainment 0..1)
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """How the sweep picks rates (see the module docstring). Rates in req/s."""
+
+    rates: tuple[float, ...] | None = None  # fixed plan; None = auto
+    start_rps: float = 2.0
+    factor: float = 2.0
+    max_points: int = 4
+    bisect_steps: int = 2
+    min_rps: float = 0.05
+    max_rps: float = 256.0
+    threshold: float = SLA_ATTAINMENT
+    stop_on_fail: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rates is not None and (not self.rates or any(r <= 0 for r in self.rates)):
+            raise ValueError("fixed sweep rates must be > 0")
+        if self.factor <= 1 or self.start_rps <= 0 or self.max_points < 1 or self.bisect_steps < 0:
+            raise ValueError("need factor > 1, start_rps > 0, max_points >= 1, bisect_steps >= 0")
+
+    @property
+    def kind(self) -> str:
+        return "auto" if self.rates is None else "fixed"
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["kind"] = self.kind
+        return d
+
+
+def parse_sweep(spec: str | None, start_rps: float = 2.0, **kw) -> SweepPlan | None:
+    """``None``/"" /"none"/"off" -> None; "auto" -> an auto plan starting at ``start_rps``;
+    "1,2,4" -> a fixed plan. ``kw`` sets other :class:`SweepPlan` fields."""
+    if spec is None or spec.strip().lower() in ("", "none", "off", "no"):
+        return None
+    if spec.strip().lower() == "auto":
+        return SweepPlan(start_rps=start_rps, **kw)
+    try:
+        rates = tuple(sorted({float(x) for x in spec.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"--sweep-rate: expected 'auto' or comma-separated rates, got {spec!r}") from None
+    return SweepPlan(rates=rates, start_rps=start_rps, **kw)
+
+
+def _tried(history: Sequence[Point], rate: float) -> bool:
+    return any(abs(r - rate) <= 1e-9 * max(1.0, rate) for r, _ in history)
+
+
+def next_rate(plan: SweepPlan, history: Sequence[Point]) -> float | None:
+    """The next rate to measure after ``history`` (points in the order measured), or None: done."""
+    thr = plan.threshold
+    if len(history) >= plan.max_points and plan.rates is None:
+        return None
+    if plan.rates is not None:
+        if plan.stop_on_fail and any(a < thr for _, a in history):
+            return None
+        for r in plan.rates:
+            if not _tried(history, r):
+                return r
+        return None
+    if not history:
+        return min(plan.start_rps, plan.max_rps)
+    passes = [r for r, a in history if a >= thr]
+    fails = [r for r, a in history if a < thr]
+    if not fails:
+        nxt = max(passes) * plan.factor
+        return nxt if nxt <= plan.max_rps * (1 + 1e-9) and not _tried(history, nxt) else None
+    hi = min(fails)
+    below = [r for r in passes if r < hi]
+    if not below:
+        nxt = hi / plan.factor
+        return nxt if nxt >= plan.min_rps * (1 - 1e-9) and not _tried(history, nxt) else None
+    lo = max(below)
+    # bisection steps already taken: points measured since the first moment a pass lay below a fail
+    first = next(i for i in range(len(history)) if _bracketed(history[: i + 1], thr))
+    if len(history) - 1 - first >= plan.bisect_steps:
+        return None
+    mid = round((lo + hi) / 2, 6)
+    if hi - lo <= 0.02 * hi or _tried(history, mid):
+        return None
+    return mid
+
+
+def _bracketed(points: Sequence[Point], thr: float) -> bool:
+    fails = [r for r, a in points if a < thr]
+    return bool(fails) and any(r < min(fails) for r, a in points if a >= thr)
+
+
+def plan_rates(plan: SweepPlan, measure) -> list[Point]:
+    """Run the search: ``measure(rate) -> slo_attainment`` until :func:`next_rate` says done."""
+    history: list[Point] = []
+    while (rate := next_rate(plan, history)) is not None:
+        history.append((rate, float(measure(rate))))
+    return history
+
+
+def sla_goodput(history: Sequence[Point], threshold: float = SLA_ATTAINMENT) -> float | None:
+    """The highest rate whose attainment is >= ``threshold`` (None when none is)."""
+    ok = [r for r, a in history if a is not None and a >= threshold]
+    return max(ok) if ok else None
+
+
+def mean_rate(arrivals_s: Sequence[float]) -> float | None:
+    """(n - 1) / span of arrival times (req/s), as the trace scaling defines it; None if undefined."""
+    if len(arrivals_s) < 2:
+        return None
+    span = max(arrivals_s) - min(arrivals_s)
+    return (len(arrivals_s) - 1) / span if span > 0 else None
+
+
+def at_rate(requests: Sequence, rate_rps: float) -> list:
+    """Copies of ``requests`` (ReplayRequest-like dataclasses with ``arrival_s``) with arrivals
+    scaled so that their mean rate is ``rate_rps``; the pattern (gaps' proportions) is kept.
+    Requests that all arrive at once are spread evenly at ``rate_rps``."""
+    if rate_rps <= 0:
+        raise ValueError("rate must be > 0")
+    if not requests:
+        return []
+    t0 = min(r.arrival_s for r in requests)
+    cur = mean_rate([r.arrival_s for r in requests])
+    if cur is None:
+        return [dataclasses.replace(r, arrival_s=i / rate_rps) for i, r in enumerate(requests)]
+    f = cur / rate_rps
+    return [dataclasses.replace(r, arrival_s=(r.arrival_s - t0) * f) for r in requests]

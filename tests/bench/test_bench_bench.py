@@ -1,0 +1,211 @@
+"""pdd bench: per-mode extras on synthetic records, config overrides, and end to end on fake topologies."""
+
+import json
+
+import pytest
+from rich.console import Console
+
+from bench_fakes import FakeTopology
+from pdd.bench import bench as bench_mod
+from pdd.bench.bench import (MODE_EXTRA_FIELDS, REPORT_FIELDS, RemoteTopology, apply_overrides, cutoff_stats,
+                             handoff_stats, hit_rates, main, run_bench)
+from pdd.bench.report import mode_metrics, read_jsonl, recompute_report
+from pdd.bench.slo import SLO
+from pdd.bench.sweep import SweepPlan
+from pdd.bench.trace import Scale
+from pdd.config import ClusterConfig
+from test_bench_demo import fake_model
+
+
+def handed(times, h, mode=None, rounds=None):
+    pd = {"handoff_pos": h, "pipeline": "p_rld_md"}
+    if mode:
+        pd.update(handoff_mode=mode, handoff_rounds=rounds)
+    return {"mode": "pdd", "ok": True, "send_s": 0.0, "end_s": times[-1], "token_times_s": times,
+            "pos": list(range(len(times))), "tiers": ["rld"] * h + ["md"] * (len(times) - h), "pdd": pd}
+
+
+def test_handoff_stats_exact():
+    # tokens every 10 ms, a 100 ms gap into MD's first token (pos 5), a 40 ms one 5 tokens later
+    t = [0.01 * k for k in range(6)]
+    t = t[:5] + [0.04 + 0.1 + 0.01 * k for k in range(0, 12)]
+    t[10] += 0.03
+    for k in range(11, len(t)):
+        t[k] += 0.03
+    a = handed(t, 5)
+    b = handed([0.01 * k for k in range(20)], 8, mode="catch_up", rounds=3)  # smooth: largest gap 10 ms
+    c = dict(handed([0.01 * k for k in range(5)], 0), pdd={"pipeline": "p_rld_md", "handoff_pos": None})
+    failed = dict(handed(t, 5), ok=False)
+    h = handoff_stats([a, b, c, failed], median_itl_ms=10.0)
+    assert h["handoffs"] == 2 and h["handed_over_share"] == pytest.approx(2 / 3)
+    assert h["by_mode"] == {"catch_up": 1, "one_shot": 1}
+    assert h["rounds_mean"] == pytest.approx(2.0) and h["rounds_max"] == 3
+    assert h["handoff_pos_mean"] == pytest.approx(6.5)
+    assert h["gap_ms"]["max"] == pytest.approx(100.0)  # the 40 ms gap at offset +5 is outside +-3
+    assert h["gap_ms"]["median"] == pytest.approx(55.0)
+    assert h["gap_over_median_itl"]["max"] == pytest.approx(10.0)
+    assert handoff_stats([c])["handoffs"] == 0 and handoff_stats([c])["gap_ms"]["median"] is None
+
+
+def test_hit_rates_from_server_and_records():
+    entry = {
+        "stats_before": {"instances": {"p0": {"role": "prefill", "prefix_hit_tokens": 10, "prompt_tokens": 100},
+                                       "md0": {"role": "main_decode", "prefix_hit_tokens": 0, "prompt_tokens": 100}}},
+        "stats": {"instances": {"p0": {"role": "prefill", "prefix_hit_tokens": 70, "prompt_tokens": 300},
+                                "md0": {"role": "main_decode", "prefix_hit_tokens": 50, "prompt_tokens": 300},
+                                "rld0": {"role": "relay_decode"}}},
+    }
+    assert hit_rates([], entry) == {"p_hit_rate": pytest.approx(0.3), "md_hit_rate": pytest.approx(0.25)}
+    recs = [{"prompt_tokens": 100, "pdd": {"pipeline": "p_md", "p_cached_tokens": 40, "md_cached_tokens": 20}},
+            {"prompt_tokens": 300, "pdd": {"pipeline": "p_rld_md", "p_cached_tokens": 0, "md_cached_tokens": 0}}]
+    assert hit_rates(recs) == {"p_hit_rate": pytest.approx(0.1), "md_hit_rate": pytest.approx(0.05)}
+    colo = [{"prompt_tokens": 100, "pdd": {"pipeline": "colocated", "p_cached_tokens": 50, "md_cached_tokens": 0}}]
+    assert hit_rates(colo) == {"p_hit_rate": pytest.approx(0.5), "md_hit_rate": None}
+
+
+def test_cutoff_stats():
+    recs = [{"pdd": {"rld_finished_first": True, "wan_bytes_expected": 1000, "wan_bytes": 300}},
+            {"pdd": {"rld_finished_first": False, "wan_bytes_expected": 500, "wan_bytes": 500}},
+            {"pdd": None}, {"pdd": {"rld_finished_first": True, "wan_bytes_expected": 10, "wan_bytes": None}}]
+    entry = {"stats_before": {"totals": {"rld_finished_first": 1, "requests": 5}},
+             "stats": {"totals": {"rld_finished_first": 3, "requests": 9, "cutoff_bytes": 7}}}
+    c = cutoff_stats(recs, entry)
+    assert c == {"requests": 2, "share": 0.5, "wan_bytes_not_sent": 710,
+                 "server": {"rld_finished_first": 2, "cutoff_bytes": 7}}
+
+
+def test_apply_overrides():
+    cfg = apply_overrides(ClusterConfig(), wan_gbps=0.2, allow_p_rld=True, wan_order="srf", handoff_mode="catch_up",
+                          base_port=29000, gateway_port=29900, served_model_name=None)
+    assert cfg.link.wan_gbps == 0.2 and cfg.link.wan_rtt_ms == ClusterConfig().link.wan_rtt_ms
+    assert cfg.policy.allow_p_rld and cfg.policy.wan_order == "srf" and cfg.policy.handoff_mode == "catch_up"
+    assert (cfg.base_port, cfg.gateway_port, cfg.served_model_name) == (29000, 29900, "pdd-small")
+    with pytest.raises(Exception):
+        apply_overrides(ClusterConfig(), wan_order="random")
+    with pytest.raises(TypeError):
+        apply_overrides(ClusterConfig(), warp_speed=9)
+
+
+SCALE = Scale(block_tokens=4, output_scale=1 / 100, min_output_tokens=3, max_output_tokens=6, target_rate_rps=40)
+
+
+def _console(tmp_path):
+    return Console(file=open(tmp_path / "console.txt", "w"), width=200)
+
+
+def test_bench_end_to_end_absolute_slo_and_sweep(tmp_path, server_url):
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    FakeTopology.started.clear()
+    out = tmp_path / "bench"
+    report = run_bench(out, ("pdd", "cross_dc_pd"), 6, SCALE, cfg, seed=3, slo={"ttft_ms": 20_000, "tpot_ms": 10_000},
+                       sweep=SweepPlan(start_rps=40.0, max_points=2), sweep_requests=4, request_timeout_s=10,
+                       progress=False, console=_console(tmp_path),
+                       topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    # no reference run with both bounds given; one fresh topology per mode, in the given order
+    assert FakeTopology.started == ["pdd", "cross_dc_pd"]
+    saved = json.loads((out / "report.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    assert set(REPORT_FIELDS) <= set(saved)
+    assert saved["slo"]["source"] == "absolute" and saved["slo"]["ttft_ms"] == 20_000
+    assert saved["seeds"]["token_seed"] == 3 and saved["bench"]["reference_requests"] == 0
+    assert list(saved["modes"]) == ["cross_dc_pd", "pdd"]
+    recs = read_jsonl(out / "requests.jsonl")
+    assert len(recs) == 12
+    base = recompute_report(out / "requests.jsonl")
+    for mode, m in saved["modes"].items():
+        assert set(MODE_EXTRA_FIELDS) <= set(m)
+        assert {k: m[k] for k in base[mode]} == base[mode]  # demo's fields unchanged
+        assert m["completed"] == 6 and m["slo_met"] == 6 and m["slo_attainment"] == 1.0 and m["meets_sla"]
+        assert m["request_goodput"] == pytest.approx(6 / m["duration_s"])
+        assert m["pipeline_mix"] == {"p_rld_md": 1.0}
+        assert m["handoff"]["handoffs"] == 6 and m["handoff"]["by_mode"] == {"one_shot": 6}
+        assert m["handoff"]["handoff_pos_median"] == 2 and m["cutoffs"]["requests"] == 0
+        assert m["p_hit_rate"] == 0.0 and m["md_hit_rate"] == 0.0  # from the usage chunks (fake stats lack them)
+        assert m["cpu_seconds_by_process"] == {"gateway": 0.25, "p": 1.0}
+        # sweep: 40 then 80 req/s, both met -> SLA goodput 80
+        pts = saved["sweep"]["modes"][mode]["points"]
+        assert [p["rate_rps"] for p in pts] == [40.0, 80.0] and all(p["requests"] == 4 for p in pts)
+        assert [p["offered_rate_rps"] for p in pts] == pytest.approx([40.0, 80.0])
+        assert m["sla_goodput_rps"] == 80.0 == saved["sweep"]["modes"][mode]["sla_goodput_rps"]
+        assert not any(p["reused_main_run"] for p in pts) and all(p["leaked_pages"] == 0 for p in pts)
+    sweep_recs = read_jsonl(out / "sweep_requests.jsonl")
+    assert len(sweep_recs) == 16 and {r["rate_rps"] for r in sweep_recs} == {40.0, 80.0}
+    assert saved["sweep"]["plan"]["kind"] == "auto" and saved["sweep"]["requests"] == 4
+    for name in ("ttft_cdf.png", "handoff_gaps.png", "wan_throughput.png", "sweep.png", "timeline_pdd.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    text = (tmp_path / "console.txt").read_text()
+    assert "SLA goodput (req/s)" in text and "total wall time" in text
+
+
+def test_bench_reference_run_fixes_the_slo(tmp_path, server_url):
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    FakeTopology.started.clear()
+    out = tmp_path / "bench"
+    report = run_bench(out, ("pdd",), 5, SCALE, cfg, ref_requests=3, sweep=None, request_timeout_s=10,
+                       progress=False, console=_console(tmp_path),
+                       topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    # same_dc_pd is not benchmarked: it gets a topology of its own for the reference run first
+    assert FakeTopology.started == ["same_dc_pd", "pdd"]
+    ref = read_jsonl(out / "reference_requests.jsonl")
+    assert len(ref) == 3 and {r["mode"] for r in ref} == {"same_dc_pd"}
+    for a, b in zip(ref, ref[1:]):
+        assert b["send_s"] >= a["end_s"]  # one request in flight at a time
+    slo = report["slo"]
+    assert slo["source"] == "reference" and slo["reference"]["completed"] == 3
+    assert slo["ttft_ms"] == pytest.approx(3 * slo["reference"]["median_ttft_ms"])
+    assert slo["tpot_ms"] == pytest.approx(1.5 * slo["reference"]["median_tpot_ms"])
+    m = report["modes"]["pdd"]
+    assert m["slo_met"] is not None and 0 <= m["slo_attainment"] <= 1 and m["sla_goodput_rps"] is None
+    assert report["sweep"] is None and report["bench"]["reference_requests"] == 3
+    # the same records and SLO give the same goodput when recomputed
+    from pdd.bench.slo import goodput
+    recs = read_jsonl(out / "requests.jsonl")
+    assert goodput(recs, SLO(slo["ttft_ms"], slo["tpot_ms"]))["slo_met"] == m["slo_met"]
+
+    # with same_dc_pd among the modes, its topology also serves the reference run (no extra start)
+    FakeTopology.started.clear()
+    run_bench(tmp_path / "b2", ("pdd", "same_dc_pd"), 4, SCALE, cfg, ref_requests=2, sweep=None,
+              request_timeout_s=10, progress=False, console=_console(tmp_path),
+              topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    assert FakeTopology.started == ["same_dc_pd", "pdd"]
+
+
+def test_bench_against_url(tmp_path, server_url):
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    assert RemoteTopology(server_url).stats() == {}  # the fake server has no /pdd/stats
+    trace = tmp_path / "agentic.jsonl"  # any Mooncake-format JSONL
+    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 1024 + 512 * i, "output_length": 300,
+                                         "hash_ids": [7, 8, 9 + i][: 2 + i % 2]}) + "\n" for i in range(4)))
+    report = run_bench(tmp_path / "u", ("pdd", "colocated"), 4, SCALE, cfg, trace=trace, url=server_url,
+                       ref_requests=2, sweep=SweepPlan(rates=(40.0,)), sweep_requests=0, request_timeout_s=10,
+                       progress=False, console=_console(tmp_path))
+    assert list(report["modes"]) == ["external"] and report["bench"]["url"] == server_url
+    assert report["workload"]["requests"] == 4 and report["workload"]["rate_rps"] == pytest.approx(40.0)
+    assert report["slo"]["reference"]["mode"] == "external"  # the reference ran on the server itself
+    pts = report["sweep"]["modes"]["external"]["points"]
+    assert len(pts) == 1 and pts[0]["reused_main_run"]  # sweep = main workload at the offered rate
+
+
+def test_main_cli(tmp_path, server_url, monkeypatch):
+    model = fake_model(tmp_path / "model")
+    (tmp_path / "cfg.json").write_text(json.dumps({"model_path": str(model)}))
+    seen = []
+
+    def factory(c, log_dir=None):
+        seen.append(c)
+        return FakeTopology(server_url, c, log_dir)
+
+    monkeypatch.setattr(bench_mod, "_default_topology", factory)
+    argv = ["--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "cli"), "--modes", "cross_dc_pd",
+            "--requests", "4", "--block-tokens", "4", "--min-output", "2", "--max-output", "4", "--rate", "50",
+            "--slo", "ttft:30000", "tpot:30000", "--sweep-rate", "50,100", "--sweep-requests", "3",
+            "--wan-gbps", "0.3", "--allow-p-rld", "--wan-order", "srf", "--gateway-port", "28999", "--no-progress"]
+    assert main(argv) == 0
+    assert {c.mode for c in seen} == {"cross_dc_pd"} and seen[0].link.wan_gbps == 0.3
+    assert seen[0].policy.allow_p_rld and seen[0].policy.wan_order == "srf" and seen[0].gateway_port == 28999
+    rep = json.loads((tmp_path / "cli" / "report.json").read_text())
+    assert rep["bench"]["argv"] == argv and rep["bench"]["command"].startswith("pdd bench --config")
+    assert rep["config"]["link"]["wan_gbps"] == 0.3
+    assert rep["modes"]["cross_dc_pd"]["sla_goodput_rps"] == 100.0
+    with pytest.raises(SystemExit):
+        main(["--slo", "e2el:5"])

@@ -1,0 +1,98 @@
+"""The sweep's rate search as a pure function, with fake runners (no server)."""
+
+import pytest
+
+from pdd.bench.sweep import SweepPlan, at_rate, mean_rate, next_rate, parse_sweep, plan_rates, sla_goodput
+from pdd.bench.trace import ReplayRequest
+
+
+def capacity(limit):
+    """A fake runner: 100% meet the SLO up to ``limit`` req/s, 50% above."""
+    calls = []
+
+    def measure(rate):
+        calls.append(rate)
+        return 1.0 if rate <= limit else 0.5
+
+    return measure, calls
+
+
+def test_auto_doubles_then_bisects():
+    plan = SweepPlan(start_rps=1.0, max_points=10, bisect_steps=2)
+    measure, calls = capacity(5.0)
+    hist = plan_rates(plan, measure)
+    assert calls == [1.0, 2.0, 4.0, 8.0, 6.0, 5.0]  # x2 until 8 fails; bisect (4, 8) -> 6 F, (4, 6) -> 5 P
+    assert sla_goodput(hist) == 5.0
+
+
+def test_auto_first_rate_fails_halves_then_bisects():
+    plan = SweepPlan(start_rps=4.0, max_points=10, bisect_steps=2)
+    measure, calls = capacity(1.5)
+    hist = plan_rates(plan, measure)
+    assert calls == [4.0, 2.0, 1.0, 1.5, 1.75]
+    assert sla_goodput(hist) == 1.5
+
+
+def test_auto_limits():
+    measure, calls = capacity(100.0)
+    assert plan_rates(SweepPlan(start_rps=1.0, max_points=3), measure) == [(1.0, 1.0), (2.0, 1.0), (4.0, 1.0)]
+    measure, calls = capacity(100.0)
+    plan_rates(SweepPlan(start_rps=3.0, max_points=10, max_rps=10.0), measure)
+    assert calls == [3.0, 6.0]  # 12 > max_rps
+    measure, calls = capacity(0.0)
+    hist = plan_rates(SweepPlan(start_rps=1.0, max_points=10, min_rps=0.2), measure)
+    assert calls == [1.0, 0.5, 0.25] and sla_goodput(hist) is None
+    measure, calls = capacity(5.0)
+    plan_rates(SweepPlan(start_rps=1.0, max_points=10, bisect_steps=0), measure)
+    assert calls == [1.0, 2.0, 4.0, 8.0]
+
+
+def test_next_rate_is_pure_and_threshold_inclusive():
+    plan = SweepPlan(start_rps=2.0, max_points=4)
+    assert next_rate(plan, []) == 2.0
+    assert next_rate(plan, [(2.0, 0.9)]) == 4.0  # 90% meets the SLA
+    assert next_rate(plan, [(2.0, 0.89)]) == 1.0
+    assert next_rate(plan, [(2.0, 1.0), (4.0, 0.0)]) == 3.0
+    assert next_rate(plan, [(2.0, 1.0), (4.0, 0.0), (3.0, 1.0), (3.5, 1.0)]) is None  # max points
+
+
+def test_fixed_plan():
+    plan = parse_sweep("8,1,2,4")
+    assert plan.kind == "fixed" and plan.rates == (1.0, 2.0, 4.0, 8.0)
+    measure, calls = capacity(3.0)
+    hist = plan_rates(plan, measure)
+    assert calls == [1.0, 2.0, 4.0] and sla_goodput(hist) == 2.0  # stops at the first miss
+    measure, calls = capacity(3.0)
+    hist = plan_rates(SweepPlan(rates=(1.0, 2.0, 4.0, 8.0), stop_on_fail=False), measure)
+    assert calls == [1.0, 2.0, 4.0, 8.0] and sla_goodput(hist) == 2.0
+    # non-monotone results: the highest passing rate tried counts
+    assert sla_goodput([(1.0, 1.0), (2.0, 0.5), (4.0, 0.95)]) == 4.0
+
+
+def test_parse_sweep():
+    assert parse_sweep(None) is None and parse_sweep("none") is None and parse_sweep("") is None
+    auto = parse_sweep("auto", start_rps=3.0, max_points=5)
+    assert auto.kind == "auto" and auto.start_rps == 3.0 and auto.max_points == 5
+    assert auto.to_dict()["kind"] == "auto"
+    with pytest.raises(ValueError):
+        parse_sweep("fast")
+    with pytest.raises(ValueError):
+        parse_sweep("1,-2")
+
+
+def req(i, t):
+    return ReplayRequest(idx=i, arrival_s=t, prompt_ids=[10 + i], max_tokens=2, trace_record={})
+
+
+def test_at_rate():
+    reqs = [req(0, 1.0), req(1, 2.0), req(2, 5.0)]  # mean rate 2 / 4 s = 0.5 req/s
+    assert mean_rate([r.arrival_s for r in reqs]) == pytest.approx(0.5)
+    fast = at_rate(reqs, 2.0)
+    assert [r.arrival_s for r in fast] == pytest.approx([0.0, 0.25, 1.0])
+    assert mean_rate([r.arrival_s for r in fast]) == pytest.approx(2.0)
+    assert [r.idx for r in fast] == [0, 1, 2] and reqs[1].arrival_s == 2.0  # copies
+    together = at_rate([req(0, 0.0), req(1, 0.0), req(2, 0.0)], 4.0)
+    assert [r.arrival_s for r in together] == pytest.approx([0.0, 0.25, 0.5])
+    assert at_rate([], 1.0) == []
+    with pytest.raises(ValueError):
+        at_rate(reqs, 0)
