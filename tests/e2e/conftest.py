@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -39,9 +40,13 @@ def small_model(tmp_path_factory) -> str:
     return str(d)
 
 
+TEST_DEVICE = os.environ.get("PDD_TEST_DEVICE", "cpu")  # "cuda" runs every engine of a topology on the GPU
+
+
 def make_cfg(model: str, mode: str, **over) -> ClusterConfig:
     base = free_port_block()
-    data = {"mode": mode, "model_path": model, "base_port": base, "gateway_port": base + 15}
+    data = {"mode": mode, "model_path": model, "base_port": base, "gateway_port": base + 15,
+            "engine": {"device": TEST_DEVICE}}
     data.update(over)
     return ClusterConfig.model_validate(data)
 

@@ -13,7 +13,7 @@ import random
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_cfg
+from tests.e2e.conftest import TEST_DEVICE, make_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def reference(small_model_mod):
     from pdd.types import SamplingParams
 
     torch.set_num_threads(1)
-    eng = Engine.from_pretrained(small_model_mod, num_pages=1024, page_size=16)
+    eng = Engine.from_pretrained(small_model_mod, num_pages=1024, page_size=16, device=TEST_DEVICE)
     outs = []
     for i, p in enumerate(_prompts()):
         s = eng.new_sequence(f"ref{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_cache=False)

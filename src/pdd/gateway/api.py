@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from typing import Any, Literal
 
@@ -39,7 +40,7 @@ class CompletionRequest(BaseModel):
     max_tokens: int | None = Field(16, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's and vLLM's default
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     seed: int | None = None
@@ -137,8 +138,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer) -> FastAPI:
         if len(ids) + max_tokens > e.max_model_len:
             return bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "
                                f"of {e.max_model_len} tokens", "max_tokens", code="context_length_exceeded")
+        # an unseeded sampled request still gets one seed, shared by every tier that decodes it,
+        # so RLD and MD draw identically for each position
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
         sp = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                            seed=body.seed, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []))
+                            seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []))
         try:
             st = await orch.start_request(ids, sp)
         except RequestFailed as ex:
