@@ -107,3 +107,29 @@ def test_models_and_health(pdd_topology):
     assert httpx.get(pdd_topology.url + "/health").json()["status"] == "ok"
     ids = [m["id"] for m in httpx.get(pdd_topology.url + "/v1/models").json()["data"]]
     assert ids == ["pdd-small"]
+
+
+def test_client_disconnect_frees_every_page(pdd_topology):
+    """A client that goes away mid-stream cancels the request on every tier; once idle and
+    flushed, every instance has all its pages free."""
+    import time
+
+    with httpx.stream("POST", pdd_topology.url + "/v1/completions", timeout=60,
+                      json={"prompt": list(range(300, 900)), "max_tokens": 400, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    break  # leave mid-stream: closing the response drops the connection
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        flushed = httpx.post(pdd_topology.url + "/pdd/flush", timeout=30).json()
+        if flushed["leaked_pages"] == 0:
+            break
+        time.sleep(0.2)
+    assert flushed["leaked_pages"] == 0, flushed
+    # and it keeps serving
+    ok = httpx.post(pdd_topology.url + "/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200

@@ -66,9 +66,22 @@ class PrefillInstance(EngineInstance):
         return None
 
     async def on_abort(self, peer, h, payload):
-        for fut in self._deferred.pop(h["rid"], {}).values():
-            if not fut.done():
-                fut.cancel()
+        """Abort: a request still prefilling fails its prefill call; one whose KV is streaming
+        has its transfers cancelled, and its pages are freed only once they have drained (the
+        stream's own clean-up), never while a sender may still read them."""
+        rid = h["rid"]
+        fut = self.first_token_waiters.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(RuntimeError(f"request {rid} aborted"))
+        ctx = self.reqs.get(rid)
+        if ctx is not None and ctx.extra.get("streaming"):
+            for d in self._deferred.get(rid, {}).values():
+                if not d.done():
+                    d.set_result({"cancelled": True})
+            n = sum(s.cancel(rid) for s in self.senders.values())
+            self.counters["aborted"] += 1
+            return {"t": "abort_ok", "rid": rid, "found": True, "cancelled_transfers": n}, b""
+        self._deferred.pop(rid, None)
         return await super().on_abort(peer, h, payload)
 
     def extra_stats(self) -> dict:
@@ -119,6 +132,8 @@ class PrefillInstance(EngineInstance):
         await self.worker.call(_add)
         ev = await fut
         ctx.in_engine = False
+        if ctx.released:
+            raise RuntimeError(f"request {rid} aborted")
         t0 = int(ev.token_id)
         fin = first_token_finish(t0, sp, self.eos_ids)
         cached = int(seq.num_cached_tokens)
@@ -130,7 +145,7 @@ class PrefillInstance(EngineInstance):
         # is still streaming already hit it (the sequence keeps its own refs until release).
         def _cache_prefix(e):
             n = len(prompt) // ps
-            if n and e.radix is not None:
+            if n and e.radix is not None and len(seq.page_table) >= n:
                 e.radix.insert(prompt[: n * ps], seq.page_table[:n])
 
         await self.worker.call(_cache_prefix)
@@ -139,6 +154,7 @@ class PrefillInstance(EngineInstance):
                 "page_bytes": self.engine.pool.page_bytes}, b""
 
     async def _stream(self, ctx: ReqCtx, targets: list[dict], t0: int, fin: str | None, n_pages: int) -> None:
+        ctx.extra["streaming"] = True
         pool = self.engine.pool
         table = list(ctx.seq.page_table[:n_pages])
         result: dict[str, int] = {}
