@@ -57,3 +57,10 @@ def test_empty_and_bad():
         choose_instance([], "load")
     with pytest.raises(ValueError):
         choose_instance([L("a")], "random")
+
+
+def test_cache_aware_min_hit_fraction_falls_back_to_load():
+    c = [L("a", running=5, hit=512), L("b", running=1, hit=0), L("c", running=0, used=5, hit=0)]
+    assert choose_instance(c, "cache_aware") == 0  # any hit wins within the slack
+    assert choose_instance(c, "cache_aware", prompt_tokens=12000, min_hit_frac=0.5) == 2  # 4% hit: least loaded
+    assert choose_instance(c, "cache_aware", prompt_tokens=800, min_hit_frac=0.5) == 0  # 64% hit: affinity

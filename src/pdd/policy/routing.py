@@ -12,6 +12,9 @@ Policies, over candidate instances of one tier (P, RLD or MD):
   ``(prefix_hit_tokens, -load, -pages_used / pages_total, -index)`` and the maximum wins:
   the most reusable prefix, ties broken by load, then KV occupancy, then first listed.
   Instances whose KV pool is full (pages_used >= pages_total) are eligible only when all are.
+  With ``prompt_tokens`` > 0 and ``min_hit_frac`` > 0, a best hit below
+  ``min_hit_frac * prompt_tokens`` is not worth the affinity: the least loaded eligible
+  instance is chosen instead (as SGLang's cache-aware router does with its cache threshold).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def choose_instance(
     policy: str = "cache_aware",
     rr_counter: int = 0,
     load_slack: int = 8,
+    prompt_tokens: int = 0,
+    min_hit_frac: float = 0.0,
 ) -> int:
     """Index of the chosen candidate. Raises ValueError if ``cands`` is empty."""
     n = len(cands)
@@ -56,4 +61,7 @@ def choose_instance(
     loads = {i: cands[i].running + cands[i].queued for i in idx}
     min_load = min(loads.values())
     elig = [i for i in idx if loads[i] <= min_load + load_slack]
-    return max(elig, key=lambda i: (cands[i].prefix_hit_tokens, -loads[i], -_util(cands[i]), -i))
+    best = max(elig, key=lambda i: (cands[i].prefix_hit_tokens, -loads[i], -_util(cands[i]), -i))
+    if prompt_tokens > 0 and cands[best].prefix_hit_tokens < min_hit_frac * prompt_tokens:
+        return min(elig, key=lambda i: (loads[i], _util(cands[i]), i))
+    return best

@@ -106,7 +106,15 @@ def cmd_experiment(a) -> int:
     from pdd.sim.experiments import run_experiment
 
     t0 = time.time()
-    res = run_experiment(a.name, a.out, quick=a.quick)
+    kw = {}
+    for kv in a.set or []:
+        k, v = kv.split("=", 1)
+        try:
+            v = float(v) if "." in v or "e" in v.lower() else int(v)
+        except ValueError:
+            pass
+        kw[k.replace("-", "_")] = v
+    res = run_experiment(a.name, a.out, quick=a.quick, **kw)
     print(res.get("table", ""))
     for k in ("wan_sensitivity_table",):
         if k in res:
@@ -142,6 +150,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("name", choices=sorted(EXPERIMENTS))
     e.add_argument("--out", required=True)
     e.add_argument("--quick", action="store_true", help="fewer points and requests")
+    e.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="experiment parameter, e.g. --set chip_b=MI300X --set premium=0.3")
     e.set_defaults(func=cmd_experiment)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
     g.add_argument("--n", type=int, default=5000)

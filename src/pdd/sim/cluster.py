@@ -94,6 +94,7 @@ class SimConfig:
     routing: str = "cache_aware"
     load_slack: int = 8  # cache-aware routing slack on P / colocated (requests)
     md_load_slack: int = 64  # on MD: decoders hold tens of sequences, affinity matters more
+    min_hit_frac: float = 0.5  # cache-aware routing ignores hits below this share of the prompt
     md_cache_frac: float = 1.0  # fraction of MD's free KV pool the DRC may keep (capacity studies)
     p_cache_frac: float = 1.0
     slo_ttft_s: float = 5.0
@@ -421,6 +422,7 @@ class Instance:
         self.steps = 0
         self.tokens_out = 0
         self.handoff_state = "catch_up"  # auto mode's current mode (hysteresis)
+        self.routed = 0  # routed here by the gateway, not yet enqueued (in flight)
         self.prefilling = 0
         self.proc = self.env.process(self.run())
 
@@ -459,8 +461,8 @@ class Instance:
         # memory in a real pool (the owners' private pages became the cached ones)
 
     def load(self, prefix_hit_tokens: int = 0) -> pol_routing.InstanceLoad:
-        return pol_routing.InstanceLoad(self.name, len(self.seqs), len(self.waiting), self.used, self.pool,
-                                        prefix_hit_tokens)
+        return pol_routing.InstanceLoad(self.name, len(self.seqs), len(self.waiting) + self.routed, self.used,
+                                        self.pool, prefix_hit_tokens)
 
     # --- queueing ------------------------------------------------------------------------------
     def enqueue(self, need, admit: Callable[[int], None], prefill: bool = False) -> None:
@@ -628,7 +630,8 @@ class ClusterSim:
             hit = inst.cache.match(req.blocks[: req.n_full]) * BLOCK if (with_cache and inst.cache is not None) else 0
             loads.append(inst.load(hit))
         slack = self.cfg.md_load_slack if role == "MD" else self.cfg.load_slack
-        i = pol_routing.choose_instance(loads, pol, self.rr, slack)
+        i = pol_routing.choose_instance(loads, pol, self.rr, slack, prompt_tokens=req.prompt,
+                                        min_hit_frac=self.cfg.min_hit_frac)
         self.rr += 1
         return insts[i]
 
@@ -661,6 +664,7 @@ class ClusterSim:
             return
         p = self._route("P", req, True)
         req.p = p
+        p.routed += 1
         if mode == "same_dc_pd":
             req.pipeline = Pipeline.P_D
             self._count_pipeline(req)
@@ -727,6 +731,8 @@ class ClusterSim:
         md.enqueue(missing + req.out_len, admit)
 
     def _start_prefill(self, inst: Instance, req: Req, colocated: bool = False) -> None:
+        if not colocated:
+            inst.routed -= 1
         full = req.blocks[: req.n_full]
         extra = req.out_len if colocated else 0
 
