@@ -69,9 +69,17 @@ def test_cutoff_stats():
             {"pdd": None}, {"pdd": {"rld_finished_first": True, "wan_bytes_expected": 10, "wan_bytes": None}}]
     entry = {"stats_before": {"totals": {"rld_finished_first": 1, "requests": 5}},
              "stats": {"totals": {"rld_finished_first": 3, "requests": 9, "cutoff_bytes": 7}}}
-    c = cutoff_stats(recs, entry)
-    assert c == {"requests": 2, "share": 0.5, "wan_bytes_not_sent": 710,
+    c = cutoff_stats(recs, entry)  # no cut_offs counter: from the usage chunks
+    assert c == {"requests": 2, "share": 0.5, "rld_finished_first": 2, "wan_bytes_cancelled": 710, "source": "records",
                  "server": {"rld_finished_first": 2, "cutoff_bytes": 7}}
+    # the gateway's counters win (a cut-off happens after the usage chunk went out)
+    entry = {"stats_before": {"totals": {"cut_offs": 1, "rld_finished_first": 1, "wan_bytes_cancelled": 100}},
+             "stats": {"totals": {"cut_offs": 4, "rld_finished_first": 5, "wan_bytes_cancelled": 4196, "handoffs": 9}}}
+    c = cutoff_stats(recs, entry)
+    assert (c["requests"], c["share"], c["rld_finished_first"], c["wan_bytes_cancelled"], c["source"]) == (
+        3, 0.75, 4, 4096, "server")
+    assert cutoff_stats([]) == {"requests": 0, "share": 0.0, "rld_finished_first": 0, "wan_bytes_cancelled": 0,
+                                "source": "records"}
 
 
 def test_apply_overrides():

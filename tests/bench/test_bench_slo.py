@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdd.bench.slo import SLO, goodput, make_slo, meets_slo, parse_slo, reference_summary
+from pdd.bench.slo import SLO, goodput, make_slo, meets_slo, parse_slo, reference_summary, slo_miss
 
 
 def rec(send, ttft_ms, tpot_ms=None, n=1, ok=True, end=None, idx=0):
@@ -75,8 +75,11 @@ def test_goodput_exact():
     assert g["slo_attainment"] == pytest.approx(2 / 5)
     assert g["request_goodput"] == pytest.approx(2 / 4.0)  # duration = 4.0 - 0.0
     assert g["meets_sla"] is False
+    assert g["slo_misses"] == {"ttft": 1, "tpot": 1, "both": 0, "failed": 1}
+    assert slo_miss(rec(0, 500, 500, n=2), slo) == "both" and slo_miss(rec(0, 1, 1, n=2), slo) is None
     assert goodput(recs[:1] + recs[3:4], slo)["meets_sla"] is True
-    assert goodput([], slo) == {"slo_met": 0, "slo_attainment": None, "request_goodput": None, "meets_sla": False}
+    assert goodput([], slo) == {"slo_met": 0, "slo_attainment": None, "request_goodput": None, "meets_sla": False,
+                                "slo_misses": {"ttft": 0, "tpot": 0, "both": 0, "failed": 0}}
     # exactly 90% meets the SLA
     nine = [rec(i, 100, 100, n=2) for i in range(9)] + [rec(9, 1000, 100, n=2)]
     g = goodput(nine, slo)

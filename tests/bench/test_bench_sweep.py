@@ -2,7 +2,8 @@
 
 import pytest
 
-from pdd.bench.sweep import SweepPlan, at_rate, mean_rate, next_rate, parse_sweep, plan_rates, sla_goodput
+from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_sweep, plan_rates, point_requests,
+                             sla_goodput)
 from pdd.bench.trace import ReplayRequest
 
 
@@ -96,3 +97,13 @@ def test_at_rate():
     assert at_rate([], 1.0) == []
     with pytest.raises(ValueError):
         at_rate(reqs, 0)
+
+
+def test_point_requests_time_bound():
+    reqs = [req(i, float(i)) for i in range(50)]  # 1 req/s
+    assert len(point_requests(reqs, 2.0)) == 50  # no bound: all
+    p = point_requests(reqs, 2.0, max_arrival_s=10.0)
+    assert [r.idx for r in p] == list(range(21)) and p[-1].arrival_s == pytest.approx(10.0)
+    assert mean_rate([r.arrival_s for r in p]) == pytest.approx(2.0)
+    assert len(point_requests(reqs, 0.25, max_arrival_s=10.0)) == 8  # min_requests
+    assert len(point_requests(reqs, 100.0, max_arrival_s=10.0)) == 50  # all arrive in time

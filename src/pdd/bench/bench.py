@@ -13,9 +13,10 @@ One invocation:
    with ``--url`` it runs on the external server (the report says so);
 3. for each mode, on a fresh topology (new processes, empty caches): a warm-up request then a
    cache flush; the *main run* (all requests at the offered rate, open loop); a flush; then, with
-   ``--sweep-rate``, the *sweep*: the first ``--sweep-requests`` requests replayed at the rates
-   :mod:`pdd.bench.sweep` picks, **on the same topology, caches flushed between rates** (every
-   point starts with empty caches, as the main run does). SLA goodput = the highest swept rate
+   ``--sweep-rate``, the *sweep*: the first ``--sweep-requests`` requests (of those, the ones
+   arriving within ``--sweep-seconds`` at that rate) replayed at the rates :mod:`pdd.bench.sweep`
+   picks, **on the same topology, caches flushed between rates** (every point starts with empty
+   caches, as the main run does). SLA goodput = the highest swept rate
    at which >= 90% of requests meet the SLO.
    With ``--url`` nothing is started: the one mode is the server's (GET /pdd/stats), and stats
    come from that endpoint;
@@ -54,7 +55,7 @@ from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_
 from pdd.bench.report import (MODE_ORDER, _fmt, build_report, is_completed, mode_metrics, request_latencies,
                               table_rows, write_jsonl, write_report)
 from pdd.bench.slo import SLA_ATTAINMENT, SLO, goodput, make_slo, parse_slo, reference_summary
-from pdd.bench.sweep import SweepPlan, at_rate, mean_rate, next_rate, parse_sweep, sla_goodput
+from pdd.bench.sweep import SweepPlan, mean_rate, next_rate, parse_sweep, point_requests, sla_goodput
 from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, workload_summary
 from pdd.config import MODES, ClusterConfig
 
@@ -70,6 +71,7 @@ DEFAULT_REF_REQUESTS = 16
 DEFAULT_SWEEP = "auto"
 DEFAULT_SWEEP_REQUESTS = 48
 DEFAULT_SWEEP_POINTS = 3
+DEFAULT_SWEEP_SECONDS = 20.0  # a sweep point's arrivals span at most this (fewer requests at low rates)
 DEFAULT_SWEEP_TIMEOUT_S = 60.0
 HANDOFF_WINDOW = 3  # tokens either side of the handoff whose gaps count as the handoff's gap
 
@@ -77,7 +79,7 @@ HANDOFF_WINDOW = 3  # tokens either side of the handoff whose gaps count as the 
 # fields are report.mode_metrics', named as in vllm bench serve)
 REPORT_FIELDS = ("git_commit", "config", "seed", "seeds", "workload", "link", "modes", "ratios",
                  "output_agreement", "bench", "slo", "sweep", "wan_timeline")
-MODE_EXTRA_FIELDS = ("slo_met", "slo_attainment", "request_goodput", "meets_sla", "sla_goodput_rps",
+MODE_EXTRA_FIELDS = ("slo_met", "slo_attainment", "request_goodput", "meets_sla", "slo_misses", "sla_goodput_rps",
                      "pipeline_mix", "handoff", "p_hit_rate", "md_hit_rate", "cutoffs", "cpu_seconds_by_process")
 
 
@@ -170,20 +172,32 @@ def hit_rates(records: Iterable[Mapping], entry: Mapping | None = None) -> dict:
 
 
 def cutoff_stats(records: Iterable[Mapping], entry: Mapping | None = None) -> dict:
-    """Anomaly cut-offs: requests RLD finished before MD had their KV (``pdd.rld_finished_first``),
-    the WAN bytes planned for them but not sent (expected - sent, >= 0), and any server counter
-    whose name mentions a cut-off or cancel (deltas over the run)."""
+    """Anomaly cut-offs of one mode's run.
+
+    From the gateway's counters when it has them (deltas over the run of ``totals.cut_offs``,
+    ``totals.rld_finished_first``, ``totals.wan_bytes_cancelled``; a cut-off happens after the
+    request's usage chunk went out, so only the server knows it): ``requests`` (cut-offs),
+    ``rld_finished_first``, ``wan_bytes_cancelled``, ``source`` "server". Otherwise from the usage
+    chunks (``pdd.rld_finished_first``; bytes = expected - sent of those requests), ``source``
+    "records". ``share`` = requests / requests of the run. ``server``: every server counter whose
+    name mentions a cut-off, a cancel or rld_finished_first (deltas).
+    """
     recs = list(records)
     cut = [r for r in recs if (r.get("pdd") or {}).get("rld_finished_first")]
     unsent = sum(max(0, int(r["pdd"].get("wan_bytes_expected") or 0) - int(r["pdd"].get("wan_bytes") or 0))
                  for r in cut)
-    out: dict[str, Any] = {"requests": len(cut), "share": len(cut) / len(recs) if recs else 0.0,
-                           "wan_bytes_not_sent": unsent}
     entry = entry or {}
     after = (entry.get("stats") or {}).get("totals") or {}
     before = (entry.get("stats_before") or {}).get("totals") or {}
     server = {k: v - (before.get(k) or 0) for k, v in after.items()
               if isinstance(v, (int, float)) and any(w in k for w in ("cut", "cancel", "rld_finished_first"))}
+    if "cut_offs" in server:
+        n, first = int(server["cut_offs"]), int(server.get("rld_finished_first", len(cut)))
+        cancelled, source = int(server.get("wan_bytes_cancelled", unsent)), "server"
+    else:
+        n, first, cancelled, source = len(cut), len(cut), unsent, "records"
+    out: dict[str, Any] = {"requests": n, "share": n / len(recs) if recs else 0.0, "rld_finished_first": first,
+                           "wan_bytes_cancelled": cancelled, "source": source}
     if server:
         out["server"] = server
     return out
@@ -200,7 +214,7 @@ def bench_mode_extras(records: Iterable[Mapping], entry: Mapping | None, slo: SL
             pipes[str(p)] = pipes.get(str(p), 0) + 1
     n_p = sum(pipes.values())
     g = goodput(recs, slo) if slo is not None else {"slo_met": None, "slo_attainment": None,
-                                                     "request_goodput": None, "meets_sla": None}
+                                                     "request_goodput": None, "meets_sla": None, "slo_misses": None}
     cpu = None
     entry = entry or {}
     if entry.get("proc_cpu_seconds") is not None:
@@ -395,6 +409,7 @@ def run_bench(
     sweep: SweepPlan | None = None,
     sweep_requests: int | None = DEFAULT_SWEEP_REQUESTS,
     sweep_timeout_s: float = DEFAULT_SWEEP_TIMEOUT_S,
+    sweep_seconds: float | None = DEFAULT_SWEEP_SECONDS,
     warmup: bool = True,
     request_timeout_s: float | None = None,
     wan_sample_s: float = 0.5,
@@ -407,7 +422,9 @@ def run_bench(
 
     ``slo``: absolute bounds ``{"ttft_ms", "tpot_ms"}`` (either or both; :func:`pdd.bench.slo.parse_slo`).
     ``sweep``: None = no sweep. ``sweep_requests``: the sweep's requests (the first N of the
-    workload; None = all). ``sweep_timeout_s``: per request during the sweep (s).
+    workload; None = all); a point keeps only those arriving within ``sweep_seconds`` at its rate
+    (:func:`pdd.bench.sweep.point_requests`; None = no bound). ``sweep_timeout_s``: per request
+    during the sweep (s).
     ``topology_factory(cfg, log_dir=...)`` as in :func:`pdd.bench.demo.run_demo`.
     """
     from rich.console import Console
@@ -475,8 +492,8 @@ def run_bench(
             slo_obj = make_slo(summary, absolute)
             slo_info = {**slo_obj.to_dict(), "sla_attainment": SLA_ATTAINMENT}
             console.print(f"[bold]SLO[/] ({slo_obj.source}): {slo_obj.describe()}"
-                          + (f"  [reference {where}: {summary['completed']}/{summary['requests']} completed, TTFT P50 "
-                             f"{_fmt(summary['median_ttft_ms'])} ms, TPOT P50 {_fmt(summary['median_tpot_ms'], 2)} ms]"
+                          + (f"  (reference {where}: {summary['completed']}/{summary['requests']} completed, TTFT P50 "
+                             f"{_fmt(summary['median_ttft_ms'])} ms, TPOT P50 {_fmt(summary['median_tpot_ms'], 2)} ms)"
                              if summary else ""))
         except ValueError as ex:
             slo_info = {"error": str(ex), "reference": summary}
@@ -539,7 +556,8 @@ def run_bench(
                 if sweep is not None and slo_obj is not None:
                     points = _sweep_mode(topo, cfg, mode, sweep, sweep_reqs, slo_obj,
                                          main_dicts if sweep_same_as_main else None, entry, offered,
-                                         min(timeout_s, sweep_timeout_s), paths["sweep_requests"], progress, console)
+                                         min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
+                                         progress, console)
         except Exception as ex:  # noqa: BLE001 - one broken mode must not lose the others
             mode_errors[mode] = f"{type(ex).__name__}: {ex}"
             console.print(f"[red]{mode} failed: {mode_errors[mode]}")
@@ -574,7 +592,8 @@ def run_bench(
                        "link_jitter": "unseeded"}
     report["slo"] = slo_info
     report["sweep"] = None if sweep is None else {
-        "plan": sweep.to_dict(), "requests": len(sweep_reqs), "request_timeout_s": min(timeout_s, sweep_timeout_s),
+        "plan": sweep.to_dict(), "requests": len(sweep_reqs), "max_arrival_s": sweep_seconds,
+        "request_timeout_s": min(timeout_s, sweep_timeout_s),
         "topology": "same topology as the mode's main run, caches flushed before every rate",
         "definition": f"sla_goodput_rps = highest swept rate with slo_attainment >= {sweep.threshold}",
         "modes": sweep_out,
@@ -610,17 +629,19 @@ def run_bench(
 
 def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequence, slo: SLO,
                 main_records: list[dict] | None, main_entry: dict, offered: float | None, timeout_s: float,
-                path: Path, progress: bool, console) -> list[dict]:
+                max_arrival_s: float | None, path: Path, progress: bool, console) -> list[dict]:
     """The sweep on a running topology (flushed before every rate); returns its points."""
     history: list[tuple[float, float]] = []
     points: list[dict] = []
     while (rate := next_rate(plan, history)) is not None:
         t0 = time.monotonic()
-        if main_records is not None and offered and abs(rate - offered) <= 1e-6 * offered:
+        point = point_requests(reqs, rate, max_arrival_s)
+        if (main_records is not None and len(point) == len(main_records) and offered
+                and abs(rate - offered) <= 1e-6 * offered):
             dicts, entry, reused = main_records, main_entry, True  # exactly the main run's replay
         else:
-            console.print(f"sweep {mode}: {rate:g} req/s ({len(reqs)} requests)")
-            recs, entry = measured_replay(topo, at_rate(reqs, rate), model=cfg.served_model_name, mode=mode,
+            console.print(f"sweep {mode}: {rate:g} req/s ({len(point)} requests)")
+            recs, entry = measured_replay(topo, point, model=cfg.served_model_name, mode=mode,
                                           timeout_s=timeout_s, progress=progress, console=console,
                                           label=f"{mode} sweep @ {rate:g} req/s")
             dicts, reused = [dict(r.to_dict(), rate_rps=rate) for r in recs], False
@@ -659,6 +680,8 @@ def bench_rows(modes: Mapping[str, Mapping]) -> list[tuple[str, list[str]]]:
         row("TPOT P90 (ms)", lambda m: _fmt(m.get("p90_tpot_ms"), 2)),
         row("request_throughput (req/s)", lambda m: _fmt(m.get("request_throughput"), 2)),
         row("SLO met", lambda m: pct(m.get("slo_attainment"))),
+        row("SLO missed: TTFT/TPOT/both/failed", lambda m: "-" if not m.get("slo_misses") else
+            "/".join(str(m["slo_misses"][k]) for k in ("ttft", "tpot", "both", "failed"))),
         row("request_goodput (req/s)", lambda m: _fmt(m.get("request_goodput"), 2)),
         row("SLA goodput (req/s)", lambda m: _fmt(m.get("sla_goodput_rps"), 2)),
         row("pipelines", mix),
@@ -741,6 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto' (start at --rate, x2 until the SLA fails, then bisect), rates '1,2,4', or 'none'")
     g.add_argument("--sweep-requests", type=int, default=DEFAULT_SWEEP_REQUESTS,
                    help="requests per sweep point (the first N; 0 = all)")
+    g.add_argument("--sweep-seconds", type=float, default=DEFAULT_SWEEP_SECONDS,
+                   help="a point keeps the requests arriving within this many s at its rate (0 = all)")
     g.add_argument("--sweep-points", type=int, default=DEFAULT_SWEEP_POINTS, help="auto sweep: most points per mode")
     g.add_argument("--sweep-bisect", type=int, default=2, help="auto sweep: bisection steps")
     g.add_argument("--sweep-timeout", type=float, default=DEFAULT_SWEEP_TIMEOUT_S, help="per request in the sweep, s")
@@ -784,6 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace, start=args.start,
                        url=args.url, slo=slo, ref_requests=args.ref_requests, sweep=sweep,
                        sweep_requests=args.sweep_requests or None, sweep_timeout_s=args.sweep_timeout,
+                       sweep_seconds=args.sweep_seconds or None,
                        warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
                        progress=not args.no_progress, argv=argv)
     return 1 if report.get("mode_errors") and len(report["mode_errors"]) == len(report["bench"]["modes"]) else 0

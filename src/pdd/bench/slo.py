@@ -126,16 +126,19 @@ def make_slo(
                ref if source != "absolute" else None)
 
 
+def slo_miss(rec: Mapping, slo: SLO) -> str | None:
+    """Why one request missed the SLO: "failed" (not completed), "ttft", "tpot", "both"; None: met."""
+    if not is_completed(rec):
+        return "failed"
+    lat = request_latencies(rec)
+    ttft = slo.ttft_ms is not None and lat["ttft_ms"] > slo.ttft_ms
+    tpot = slo.tpot_ms is not None and lat["tpot_ms"] is not None and lat["tpot_ms"] > slo.tpot_ms
+    return "both" if ttft and tpot else "ttft" if ttft else "tpot" if tpot else None
+
+
 def meets_slo(rec: Mapping, slo: SLO) -> bool:
     """Whether one request record met the SLO (completed, TTFT and TPOT within bounds)."""
-    if not is_completed(rec):
-        return False
-    lat = request_latencies(rec)
-    if slo.ttft_ms is not None and lat["ttft_ms"] > slo.ttft_ms:
-        return False
-    if slo.tpot_ms is not None and lat["tpot_ms"] is not None and lat["tpot_ms"] > slo.tpot_ms:
-        return False
-    return True
+    return slo_miss(rec, slo) is None
 
 
 def duration_s(records: Iterable[Mapping]) -> float:
@@ -147,14 +150,20 @@ def duration_s(records: Iterable[Mapping]) -> float:
 
 
 def goodput(records: Iterable[Mapping], slo: SLO, threshold: float = SLA_ATTAINMENT) -> dict:
-    """``{"slo_met", "slo_attainment", "request_goodput", "meets_sla"}`` of one run's records.
+    """``{"slo_met", "slo_attainment", "request_goodput", "meets_sla", "slo_misses"}`` of one run's records.
 
     ``slo_attainment`` is over all requests (failed ones count as missing the SLO; None without
     requests); ``request_goodput`` in req/s over :func:`duration_s` (None when 0);
-    ``meets_sla``: attainment >= ``threshold``.
+    ``meets_sla``: attainment >= ``threshold``; ``slo_misses``: requests that missed it by reason
+    (``{"ttft", "tpot", "both", "failed"}``, see :func:`slo_miss`).
     """
     recs = list(records)
-    met = sum(1 for r in recs if meets_slo(r, slo))
+    misses = {"ttft": 0, "tpot": 0, "both": 0, "failed": 0}
+    for r in recs:
+        why = slo_miss(r, slo)
+        if why is not None:
+            misses[why] += 1
+    met = len(recs) - sum(misses.values())
     dur = duration_s(recs)
     att = met / len(recs) if recs else None
     return {
@@ -162,4 +171,5 @@ def goodput(records: Iterable[Mapping], slo: SLO, threshold: float = SLA_ATTAINM
         "slo_attainment": att,
         "request_goodput": met / dur if dur > 0 else None,
         "meets_sla": att is not None and att >= threshold,
+        "slo_misses": misses,
     }

@@ -14,8 +14,10 @@ tested without a server. Two plans:
   bisect that bracket (arithmetic midpoint) ``bisect_steps`` times. Never more than
   ``max_points`` points, never above ``max_rps``.
 
-Every point replays the same requests with their arrival times stretched or compressed
-(:func:`at_rate`), so only the offered rate changes between points.
+Every point replays the first requests of the same workload with their arrival times stretched
+or compressed to the rate (:func:`at_rate`); with a time bound (:func:`point_requests`) a point
+keeps only as many of them as arrive within ``max_arrival_s`` at that rate (so low rates do not
+take minutes), never fewer than ``min_requests``.
 """
 
 from __future__ import annotations
@@ -153,3 +155,14 @@ def at_rate(requests: Sequence, rate_rps: float) -> list:
         return [dataclasses.replace(r, arrival_s=i / rate_rps) for i, r in enumerate(requests)]
     f = cur / rate_rps
     return [dataclasses.replace(r, arrival_s=(r.arrival_s - t0) * f) for r in requests]
+
+
+def point_requests(requests: Sequence, rate_rps: float, max_arrival_s: float | None = None,
+                   min_requests: int = 8) -> list:
+    """The requests of one sweep point: the first ``n`` of ``requests`` at ``rate_rps`` (see
+    :func:`at_rate`), ``n = min(len, max(min_requests, floor(rate x max_arrival_s) + 1))`` so the
+    arrivals span at most ``max_arrival_s`` seconds (None: all of them)."""
+    n = len(requests)
+    if max_arrival_s is not None:
+        n = min(n, max(min_requests, int(rate_rps * max_arrival_s + 1e-9) + 1))
+    return at_rate(list(requests[:n]), rate_rps)
