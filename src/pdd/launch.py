@@ -168,6 +168,23 @@ class Topology:
     def stats(self) -> dict:
         return httpx.get(f"{self.url}/pdd/stats", timeout=30).json()
 
+    def wait_idle(self, timeout_s: float = 30.0, poll_s: float = 0.1) -> bool:
+        """Wait until no instance holds a live request (P holds one until its KV streams have
+        drained) and the WAN emulator carries nothing in flight. Returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                st = self.stats()
+            except httpx.HTTPError:
+                return False
+            busy = any(int(v.get("running", 0)) for v in st.get("instances", {}).values() if isinstance(v, dict))
+            link = st.get("link") or {}
+            busy = busy or any(int(link.get(k, 0) or 0) for k in ("in_flight_a_to_b", "in_flight_b_to_a"))
+            if not busy:
+                return True
+            time.sleep(poll_s)
+        return False
+
     def flush(self) -> dict:
         return httpx.post(f"{self.url}/pdd/flush", timeout=60).json()
 

@@ -112,6 +112,9 @@ def measured_replay(
     entry: dict = {"stats_before": topo.stats(), "proc_cpu_seconds_before": _proc_cpu(topo)}
     records = replay_sync(topo.url, requests, model=model, mode=mode, timeout_s=timeout_s, progress=progress,
                           console=console, **replay_kw)
+    wait_idle = getattr(topo, "wait_idle", None)
+    if wait_idle is not None:  # let cut-off and finished transfers drain before counting bytes
+        entry["idle"] = wait_idle()
     entry["proc_cpu_seconds"] = _proc_cpu(topo)
     entry["stats"] = topo.stats()
     if flush:

@@ -84,6 +84,7 @@ class Orchestrator:
                        "completed": 0, "failed": 0, "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
+        self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
         self._ids = itertools.count()
         self.kv_bytes_per_token: int | None = None
 
@@ -139,7 +140,8 @@ class Orchestrator:
         st = self.reqs.get(h["rid"])
         wan = sum(v for k, v in h.get("bytes", {}).items() if self.layout.get(k).dc == "B")
         # bytes of pages whose sending was cancelled (cut-off): expected = planned - cancelled
-        unsent = sum(v for k, v in h.get("unsent", {}).items() if self.layout.get(k).dc == "B")
+        planned = self.planned_wan.pop(h["rid"], 0)
+        unsent = sum(planned if v < 0 else v for k, v in h.get("unsent", {}).items() if self.layout.get(k).dc == "B")
         if unsent:
             self.totals["wan_bytes_cancelled"] += unsent
             self.totals["wan_bytes_expected"] -= unsent
@@ -150,14 +152,15 @@ class Orchestrator:
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
         transfer; MD frees what it received on ``kv_cancel``."""
-        md_name, _ = self._one(ROLE_MAIN)
+        md_name, md = self._one(ROLE_MAIN)
         _, p = self._one(ROLE_PREFILL)
         st.cut_off = True
         self.totals["cut_offs"] += 1
-        try:
-            await p.send({"t": "cancel", "rid": st.rid, "name": md_name})
-        except Exception as e:  # P gone: its transfers die with it
-            log.warning("cut-off of %s failed: %s", st.rid, e)
+        for peer, msg in ((p, {"t": "cancel", "rid": st.rid, "name": md_name}), (md, {"t": "drop", "rid": st.rid})):
+            try:
+                await peer.send(msg)
+            except Exception as e:  # that tier is gone: its state died with it
+                log.warning("cut-off of %s failed: %s", st.rid, e)
 
     # ------------------------------------------------------------------ handoff
     async def _handoff(self, st: ReqState) -> None:
@@ -267,6 +270,7 @@ class Orchestrator:
             st.wan_bytes_expected = (n_pages - md_first) * self.page_bytes
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
             self.totals["wan_bytes_planned"] += st.wan_bytes_expected
+            self.planned_wan[st.rid] = st.wan_bytes_expected
         if p_call is not None:
             await p.send({"t": "target", "rid": st.rid, "name": md_name, "first_page": md_first, "relay": True})
         else:

@@ -37,7 +37,7 @@ class MainDecodeInstance(EngineInstance):
     def handlers(self) -> dict:
         return {**super().handlers(), "reserve": self.on_reserve, "kv": self.on_kv, "kv_done": self.on_kv_done,
                 "extend": self.on_extend, "finish": self.on_finish, "generate": self.on_generate,
-                "kv_cancel": self.on_kv_cancel}
+                "kv_cancel": self.on_kv_cancel, "drop": self.on_kv_cancel}
 
     def extra_stats(self) -> dict:
         return {"prefix_hit_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
@@ -104,7 +104,9 @@ class MainDecodeInstance(EngineInstance):
         return None
 
     async def on_kv_cancel(self, peer, h, payload):
-        """P cut the transfer off (RLD finished first): free what arrived, cache nothing."""
+        """The transfer was cut off (RLD finished first): ``kv_cancel`` from P, or ``drop`` from
+        the gateway (which also covers a transfer P never started). Free what arrived, cache
+        nothing; frames still in flight find no request and are dropped."""
         ctx = self.reqs.get(h["rid"])
         if ctx is not None and not ctx.extra.get("kv_complete"):
             self.counters["cut_offs"] = self.counters.get("cut_offs", 0) + 1

@@ -169,7 +169,9 @@ class PrefillInstance(EngineInstance):
             try:
                 if t.get("deferred"):
                     t = {**t, **await asyncio.wait_for(self._deferred_target(ctx.rid, name), self.cfg.request_timeout_s)}
-                    if t.get("cancelled"):
+                    if t.get("cancelled"):  # cut off before it started: nothing of it was sent
+                        result[name] = 0
+                        unsent[name] = -1  # -1: the whole planned transfer (only the gateway knows its size)
                         return
                 first = int(t["first_page"])
                 sender, wan = await self.sender_for(name)
