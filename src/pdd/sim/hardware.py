@@ -26,7 +26,8 @@ from typing import Iterable, Sequence
 
 from pdd.sim.models import DATA_DIR, ModelProfile, get_model
 
-CALIBRATION_DIR = Path(__file__).resolve().parents[4] / "shared" / "calibration"
+# a copy of shared/calibration (measured on an H200, 2026-11-30), so a fresh clone has it
+CALIBRATION_DIR = Path(__file__).resolve().parents[2].parent / "data" / "calibration"
 DEFAULT_CALIBRATION = CALIBRATION_DIR / "h200-llama3-8b-cudagraph.json"
 
 
