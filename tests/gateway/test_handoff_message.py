@@ -16,4 +16,4 @@ def test_handoff_size_per_token_is_three_bytes():
 
 def test_handoff_message_has_no_payload_and_only_ids():
     m = extend_message("r", [5, 6, 7])
-    assert set(m) == {"t", "rid", "token_ids"} and m["token_ids"] == [5, 6, 7]
+    assert set(m) == {"t", "rid", "token_ids", "final"} and m["token_ids"] == [5, 6, 7]

@@ -30,13 +30,13 @@ from pdd.types import Pipeline, SamplingParams
 log = logging.getLogger(__name__)
 
 
-def extend_message(rid: str, token_ids: list[int]) -> dict:
+def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
     """The handoff message to MD: the relay's output token ids and nothing else (no KV).
 
     msgpack packs an id below 65,536 in 3 bytes, so 100 ids are ~300 bytes against
     100 x kv_bytes_per_token of KV (PDD report: "100 token IDs ~ 1.5 KB vs ~4649 KB of KV").
     """
-    return {"t": "extend", "rid": rid, "token_ids": [int(t) for t in token_ids]}
+    return {"t": "extend", "rid": rid, "token_ids": [int(t) for t in token_ids], "final": bool(final)}
 
 
 class RequestFailed(RuntimeError):
@@ -66,10 +66,18 @@ class ReqState:
     wan_bytes_expected: int = 0
     wan_bytes: int | None = None
     handoff_pos: int | None = None
+    switch_pos: int | None = None  # first position streamed from MD
     handoff_tokens: int = 0
     rld_finished_first: bool = False
     cut_off: bool = False
     kv_ready: bool = False
+    handoff_mode: str | None = None
+    handoff_rounds: int = 0
+    md_start: int | None = None  # first position MD samples (after the final handoff round)
+    md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
+    md_diverged: bool = False
+    emitted: list = field(default_factory=list)  # token ids streamed so far
+    extend_extra_step_ms: list = field(default_factory=list)
     error: str | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
     events: dict = field(default_factory=dict)  # name -> perf_counter seconds
@@ -164,29 +172,48 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ handoff
     async def _handoff(self, st: ReqState) -> None:
-        """One-shot handoff: RLD stops and returns its output ids; MD extends over them."""
-        _, md = self._one(ROLE_MAIN)
+        """Extend-Decode handoff, one-shot or catch-up (RLD decides each round by its load).
+
+        Each round RLD returns every output id so far. Catch-up rounds before the final one
+        are absorbed by MD (KV computed, no sampling) while RLD keeps decoding; after the final
+        round MD extends, samples and decodes on, and :meth:`stream` switches the client to MD
+        at the first position MD reaches, once MD's tokens match what was streamed. One-shot:
+        RLD stops at once, MD continues at the next position.
+        """
+        md_name, md = self._one(ROLE_MAIN)
         _, rld = self._one(ROLE_RELAY)
+        t = self.cfg.request_timeout_s
         k = self.cfg.policy.handoff_min_tokens
         while k and st.next_pos < k and not st.finished:
             await asyncio.sleep(0.001)
-        if st.finished:
-            st.rld_finished_first = True
-            self.totals["rld_finished_first"] += 1
-            await md.send({"t": "finish", "rid": st.rid})
-            return
-        rep, _ = await rld.call({"t": "handoff", "rid": st.rid}, timeout=self.cfg.request_timeout_s)
-        if rep.get("finished"):
-            st.rld_finished_first = True
-            self.totals["rld_finished_first"] += 1
-            await md.send({"t": "finish", "rid": st.rid})
-            return
-        ids = rep["token_ids"]
-        st.handoff_pos = len(ids)
-        st.handoff_tokens = len(ids)
-        st.events["handoff"] = time.perf_counter()
-        self.totals["handoffs"] += 1
-        await md.send(extend_message(st.rid, ids))
+        rounds, sent = 0, 0
+        while True:
+            if st.finished:
+                rep = {"finished": True}
+            else:
+                rep, _ = await rld.call({"t": "handoff", "rid": st.rid, "sent": sent, "round": rounds}, timeout=t)
+            if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
+                st.rld_finished_first = True
+                self.totals["rld_finished_first"] += 1
+                await md.send({"t": "finish", "rid": st.rid})
+                return
+            ids = rep["token_ids"]
+            rounds += 1
+            st.handoff_mode, st.handoff_rounds = rep["mode"], rounds
+            st.handoff_tokens = len(ids)
+            if rep["final"]:
+                st.md_start = len(ids)
+                st.events["handoff"] = time.perf_counter()
+                self.totals["handoffs"] += 1
+                key = f"handoffs_{rep['mode']}"
+                self.totals[key] = self.totals.get(key, 0) + 1
+                await md.send(extend_message(st.rid, ids, final=True))
+                return
+            r, _ = await md.call(extend_message(st.rid, ids, final=False), timeout=t)
+            if not r.get("found", True):
+                return
+            sent = len(ids) - 1  # MD holds all but the newest id (see MainDecodeInstance.on_extend)
+            st.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))
 
     # ------------------------------------------------------------------ plan + drive
     def _plan(self, prompt_len: int, md_cached_tokens: int) -> Pipeline:
@@ -294,6 +321,78 @@ class Orchestrator:
         return (self.cfg.mode == "pdd" and self.cfg.policy.pipeline_ttft_budget_ms <= 0
                 and not self.cfg.policy.allow_p_rld)
 
+    def _next_tokens(self, st: ReqState, tok: TokenOut) -> list[TokenOut]:
+        """Route one arriving token; return the tokens that can be streamed now, in order.
+
+        Relayed requests have two sources: RLD streams from position 0; MD from ``md_start``
+        (after the final handoff round). The client switches to MD as soon as MD's stream is
+        live: at MD's first token, if RLD (still decoding in catch-up) already streamed that
+        position and MD agrees, MD takes over from the next position and RLD is stopped; if MD's
+        token is there first (one-shot: RLD has stopped), MD takes over at its position. MD's
+        tokens for positions already streamed must equal them; they do unless a numerical
+        near-tie made MD's recomputed KV pick another token: then MD is dropped and RLD, still
+        decoding, finishes the request (only possible in catch-up).
+        """
+        relayed = st.pipeline == Pipeline.P_RLD_MD
+        if relayed and tok.tier != "rld":
+            if st.md_diverged:
+                return []
+            if tok.pos < st.next_pos:
+                if st.emitted[tok.pos] != tok.token_id:
+                    if st.switch_pos is None:
+                        self._md_diverged(st, tok.pos)
+                    return []
+                if st.switch_pos is None:
+                    self._switch(st, st.next_pos)  # MD is live and agrees: it streams from here
+            else:
+                st.md_pending[tok.pos] = tok
+        elif st.switch_pos is None or tok.pos < st.switch_pos:
+            if tok.pos >= st.next_pos:
+                st.pending[tok.pos] = tok
+        out = []
+        while True:
+            p = st.next_pos
+            if st.switch_pos is not None:
+                if p not in st.md_pending:
+                    return out
+                t = st.md_pending.pop(p)
+            elif p in st.pending:
+                t = st.pending.pop(p)
+            elif relayed and p in st.md_pending and not st.md_diverged:
+                self._switch(st, p)
+                t = st.md_pending.pop(p)
+            else:
+                return out
+            st.next_pos += 1
+            st.emitted.append(t.token_id)
+            out.append(t)
+            if t.fin is not None:
+                return out
+
+    def _switch(self, st: ReqState, pos: int) -> None:
+        st.switch_pos = pos
+        st.handoff_pos = pos
+        st.pending.clear()
+        st.events["switch"] = time.perf_counter()
+        asyncio.get_running_loop().create_task(self._release_relay(st))
+
+    def _md_diverged(self, st: ReqState, pos: int) -> None:
+        st.md_diverged = True
+        st.md_pending.clear()
+        self.totals["md_diverged"] = self.totals.get("md_diverged", 0) + 1
+        log.warning("request %s: MD's token at %d differs from RLD's (near-tie); RLD finishes it", st.rid, pos)
+        _, md = self._one(ROLE_MAIN)
+        asyncio.get_running_loop().create_task(md.send({"t": "drop", "rid": st.rid}))
+
+    async def _release_relay(self, st: ReqState) -> None:
+        """MD's stream is live: stop RLD (catch-up kept it decoding until now)."""
+        if st.handoff_mode == "catch_up":
+            _, rld = self._one(ROLE_RELAY)
+            try:
+                await rld.call({"t": "abort", "rid": st.rid}, timeout=10)
+            except Exception as e:
+                log.warning("stopping %s on RLD failed: %s", st.rid, e)
+
     async def stream(self, st: ReqState):
         """Yield tokens in position order until the request finishes (or fails)."""
         try:
@@ -304,19 +403,12 @@ class Orchestrator:
                     raise RequestFailed(f"request {st.rid}: no token for {self.cfg.request_timeout_s:.0f} s")
                 if tok is None:
                     raise RequestFailed(f"request {st.rid} failed: {st.error}")
-                if tok.pos < st.next_pos or tok.pos in st.pending:
-                    continue  # duplicate (never expected; kept as a guard)
-                st.pending[tok.pos] = tok
-                while st.next_pos in st.pending:
-                    t = st.pending.pop(st.next_pos)
-                    if st.next_pos == 0:
+                for t in self._next_tokens(st, tok):
+                    if t.pos == 0:
                         st.events["first_token"] = time.perf_counter()
-                    st.next_pos += 1
                     if t.fin is not None:
                         st.finished = True
                     yield t
-                    if st.finished:
-                        break
             self.totals["completed"] += 1
         except BaseException:
             if not st.finished:
@@ -325,11 +417,24 @@ class Orchestrator:
             raise
         finally:
             self.reqs.pop(st.rid, None)
-            if (st.finished and st.error is None and st.pipeline == Pipeline.P_RLD_MD
-                    and should_cut_off(rld_finished=True, md_kv_complete=st.kv_ready)):
-                if self.cfg.policy.cutoff:
-                    await self._cut_off(st)
-                # else: MD's kv_ready finds the request gone and tells MD to keep the KV
+            if st.finished and st.error is None and st.pipeline == Pipeline.P_RLD_MD:
+                await self._settle_relayed(st)
+
+    async def _settle_relayed(self, st: ReqState) -> None:
+        """After a relayed request ended at the client: cut off a WAN transfer still running
+        (anomaly filter), or stop whichever decoder is still going."""
+        if should_cut_off(rld_finished=True, md_kv_complete=st.kv_ready):
+            if self.cfg.policy.cutoff:
+                await self._cut_off(st)
+            return  # else: MD's kv_ready finds the request gone and tells MD to keep the KV
+        md_name, md = self._one(ROLE_MAIN)
+        _, rld = self._one(ROLE_RELAY)
+        try:
+            if st.switch_pos is None:  # RLD finished it (MD keeps the prompt's KV)
+                await md.send({"t": "finish", "rid": st.rid})
+            await rld.send({"t": "abort", "rid": st.rid})
+        except Exception as e:
+            log.warning("settling %s failed: %s", st.rid, e)
 
     async def abort(self, st: ReqState) -> None:
         """Tell every engine to drop the request and free its pages (idempotent there)."""

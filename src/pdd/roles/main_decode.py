@@ -19,6 +19,8 @@ Messages:
 
 from __future__ import annotations
 
+import asyncio
+
 from pdd.roles.base import EngineInstance, ReqCtx
 from pdd.topology import ROLE_COLOCATED
 from pdd.types import SamplingParams
@@ -86,22 +88,41 @@ class MainDecodeInstance(EngineInstance):
         return None
 
     async def on_extend(self, peer, h, payload):
+        """Handed-over output ids from RLD (``extend_message``): MD's next forward pass is one
+        extend over the ids it lacks. ``final`` False (a catch-up round, sent as a call): compute
+        their KV without sampling, holding the newest id back so the final round always has one
+        to extend from, and reply when absorbed. ``final`` True: extend, sample, decode on."""
         ctx = self.reqs.get(h["rid"])
         if ctx is None:
-            return None
+            return {"t": "extend_ok", "found": False}
         ids = [int(t) for t in h["token_ids"]]
+        final = bool(h.get("final", True))
         seq = ctx.seq
 
         def _extend(e):
-            # seq.token_ids is prompt + [first token]; the relay's ids start with that same token
             have = len(seq.token_ids) - seq.prompt_len
-            e.append_tokens(seq, ids[have:])
-            e.add(seq)
+            new = ids[have:] if final else ids[have:-1]
+            if new or final:
+                e.append_tokens(seq, new, sample=final)
+                e.add(seq)
+            return len(seq.token_ids)
 
         ctx.in_engine = True
         self.counters["extends"] = self.counters.get("extends", 0) + 1
-        await self.worker.call(_extend)
-        return None
+        target = await self.worker.call(_extend)
+        if final:
+            return {"t": "extend_ok", "found": True}
+        # catch-up round: wait until MD's KV covers what it was sent (not final: no sampling)
+        steps0 = self.worker.steps
+        while ctx.rid in self.reqs:
+            if await self.worker.call(lambda e: seq.num_computed >= target):
+                break
+            await asyncio.sleep(0.002)
+        base = sorted(self.worker.recent_steps_s)
+        med = base[len(base) // 2] if base else 0.0
+        return {"t": "extend_ok", "found": True, "steps": self.worker.steps - steps0,
+                "extend_step_ms": round(self.worker.last_step_s * 1000, 3),
+                "extra_step_ms": round(max(0.0, self.worker.last_step_s - med) * 1000, 3)}
 
     async def on_kv_cancel(self, peer, h, payload):
         """The transfer was cut off (RLD finished first): ``kv_cancel`` from P, or ``drop`` from

@@ -10,6 +10,7 @@ Messages:
 
 from __future__ import annotations
 
+from pdd.policy.handoff import HandoffInputs, decide_handoff, rld_load
 from pdd.roles.base import EngineInstance, ReqCtx
 from pdd.types import SamplingParams
 
@@ -22,8 +23,13 @@ class RelayDecodeInstance(EngineInstance):
         return {**super().handlers(), "expect": self.on_expect, "kv": self.on_kv, "kv_done": self.on_kv_done,
                 "handoff": self.on_handoff}
 
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        # the mode auto is in now (hysteresis state); a fixed mode starts in itself
+        self.current_mode = "one_shot" if self.cfg.policy.handoff_mode == "one_shot" else "catch_up"
+
     def extra_stats(self) -> dict:
-        return {"handoffs": self.counters.get("handoffs", 0)}
+        return {"handoff_mode_now": self.current_mode}
 
     async def on_expect(self, peer, h, payload):
         rid = h["rid"]
@@ -52,25 +58,51 @@ class RelayDecodeInstance(EngineInstance):
         return None
 
     async def on_handoff(self, peer, h, payload):
+        """One handoff round, decided here by ``policy.handoff`` on RLD's live load.
+
+        Request: ``{rid, sent}`` (ids MD already holds), ``round``. Reply: ``{mode, final,
+        token_ids (all outputs so far), finished}``. One-shot final: RLD stops and frees the
+        request at once. Catch-up: RLD keeps decoding and streaming (also after the final round,
+        until the gateway sees MD's stream live and sends ``abort``), so the client never waits
+        on the switch.
+        """
         rid = h["rid"]
         ctx = self.reqs.get(rid)
+        done = {"t": "handoff_ok", "rid": rid, "finished": True, "token_ids": [], "mode": None, "final": True}
         if ctx is None or not ctx.in_engine:
-            return {"t": "handoff_ok", "rid": rid, "finished": True, "token_ids": []}, b""
+            return done, b""
         seq = ctx.seq
+        pol = self.cfg.policy
+        e = self.engine
+        inp = HandoffInputs(
+            tokens_pending=max(0, seq.num_outputs - int(h.get("sent", 0))),
+            rld_running=len(e.seqs), rld_capacity=self.cfg.engine.max_running,
+            rld_pages_used=e.pool.num_pages - e.pool.num_free, rld_pages_total=e.pool.num_pages,
+            threshold=pol.catchup_threshold_tokens, mode_config=pol.handoff_mode, current_mode=self.current_mode,
+            round_index=int(h.get("round", 0)))
+        dec = decide_handoff(inp)
+        if dec.mode != self.current_mode:
+            self.counters["mode_switches"] = self.counters.get("mode_switches", 0) + 1
+            self.current_mode = dec.mode
+        stop = dec.final and dec.mode == "one_shot"
 
         def _take(e):
             if seq.is_finished or e.seqs.get(rid) is not seq:
                 return None  # finished in the step that just ran; its events are on their way
-            e.remove(rid)
+            if stop:
+                e.remove(rid)
             return list(seq.token_ids[seq.prompt_len :])
 
         tokens = await self.worker.call(_take)
         if tokens is None:
-            return {"t": "handoff_ok", "rid": rid, "finished": True, "token_ids": []}, b""
-        ctx.in_engine = False
-        # tokens emitted before the removal are queued on the sink ahead of this reply's
-        # effect; flush so the gateway has all of them before MD takes over.
-        await ctx.sink.flush()
-        await self.release(ctx, cache=False)
-        self.counters["handoffs"] = self.counters.get("handoffs", 0) + 1
-        return {"t": "handoff_ok", "rid": rid, "finished": False, "token_ids": tokens}, b""
+            return done, b""
+        if stop:
+            ctx.in_engine = False
+            # tokens emitted before the removal are queued on the sink ahead of this reply;
+            # flush so the gateway has all of them before MD takes over
+            await ctx.sink.flush()
+            await self.release(ctx, cache=False)
+        key = f"handoffs_{dec.mode}" if dec.final else "catchup_rounds"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        return {"t": "handoff_ok", "rid": rid, "finished": False, "token_ids": tokens, "mode": dec.mode,
+                "final": dec.final, "load": round(rld_load(inp), 4)}, b""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.busy_s = 0.0
+        self.last_step_s = 0.0
+        self.recent_steps_s: deque[float] = deque(maxlen=64)
 
     def start(self) -> None:
         self._thread.start()
@@ -92,7 +95,10 @@ class EngineWorker:
             except Exception as e:
                 events = []
                 self._fail_step(e)
-            self.busy_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.busy_s += dt
+            self.last_step_s = dt
+            self.recent_steps_s.append(dt)
             self.steps += 1
             if events:
                 self.loop.call_soon_threadsafe(self.on_events, events)
