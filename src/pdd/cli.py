@@ -19,14 +19,20 @@ def _config(args, **over):
         raise SystemExit(f"pdd: invalid config: {errs}")
     except FileNotFoundError as e:
         raise SystemExit(f"pdd: config file not found: {e.filename}")
+    except ValueError as e:
+        raise SystemExit(f"pdd: invalid config: {e}")
 
 
 def ensure_model(cfg) -> None:
-    """Write the configured random-weight checkpoint if the model directory has none."""
+    """Write the configured random-weight checkpoint if the model directory has none and the
+    path is the embedded default (``models/<preset>``); any other missing path is an error."""
     from pathlib import Path
 
     if (Path(cfg.model_path) / "config.json").exists():
         return
+    if Path(cfg.model_path) != Path("models") / cfg.model_preset:
+        raise SystemExit(f"pdd: no checkpoint at {cfg.model_path} (config.json missing); "
+                         f"make one with: pdd make-model --out {cfg.model_path}")
     from pdd.modelgen import make_model
 
     print(f"pdd: writing a {cfg.model_preset} random-weight checkpoint to {cfg.model_path} (seed {cfg.model_seed})")
@@ -52,9 +58,25 @@ def cmd_launch(args) -> int:
 def cmd_serve(args) -> int:
     from pdd.launch import Topology
 
+    import signal
+
+    from pdd.launch import LaunchError
+
     cfg = _config(args, gateway_port=args.port, mode=args.mode)
     ensure_model(cfg)
-    with Topology(cfg, log_dir=args.log_dir) as topo:
+
+    def _term(signum, frame):  # systemd / docker / k8s stop with SIGTERM: shut down like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        topo = Topology(cfg, log_dir=args.log_dir)
+        topo.start()
+    except LaunchError as e:
+        raise SystemExit(f"pdd: could not start the topology: {e}")
+    except KeyboardInterrupt:
+        return 1
+    with topo:
         print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
         try:
             while all(p.poll() is None for p in topo.procs.values()):
@@ -82,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_model)
 
-    p = sub.add_parser("launch", help="start one instance of a topology")
+    p = sub.add_parser("launch", help="start one instance of a topology",
+                       description="Start one instance (P, RLD, MD, colocated engine, gateway or WAN link) of the "
+                                   "topology described by --config; it prints READY <name> when it serves.")
     p.add_argument("--role", required=True,
                    choices=["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"])
     p.add_argument("--name", help="instance name in the topology (default: derived from the role)")
@@ -100,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_demo)
+    sub.add_parser("bench", help="benchmark modes side by side on a trace, SLO goodput, rate sweep (pdd bench --help)",
+                   add_help=False)
 
     try:
         from pdd.sim.cli import add_plan_parser, add_sim_parser

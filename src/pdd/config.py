@@ -105,7 +105,13 @@ class ClusterConfig(_Strict):
         data: dict = {}
         if path is not None:
             text = Path(path).read_text()
-            data = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
+            try:
+                # YAML is a superset of JSON: one parser for .yaml, .yml, .json and anything else
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML/JSON: {e}") from None
             data = data or {}
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: the top level must be a mapping of config fields, not {type(data).__name__}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)

@@ -50,12 +50,14 @@ def test_non_streaming_completion_and_prefix_hit(pdd_topology):
 
     client = OpenAI(base_url=pdd_topology.url + "/v1", api_key="none")
     prompt = list(range(500, 700))
-    a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=24, temperature=0,
+    # long enough that MD's KV arrives before RLD finishes (else the anomaly filter cuts it off)
+    a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=200, temperature=0,
                                   extra_body={"ignore_eos": True})
     _wait_idle(pdd_topology)
     b = client.completions.create(model="pdd-small", prompt=prompt + [5, 6, 7], max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})
-    assert a.usage.completion_tokens == 24 and a.choices[0].finish_reason == "length"
+    assert a.usage.completion_tokens == 200 and a.choices[0].finish_reason == "length"
+    assert a.model_extra["pdd"]["handoff_pos"] is not None
     # the second prompt shares 200 tokens = 12 whole pages of 16 with the first
     assert b.usage.prompt_tokens_details.cached_tokens == 192
     assert b.model_extra["pdd"]["md_cached_tokens"] == 192
@@ -115,7 +117,7 @@ def test_client_disconnect_frees_every_page(pdd_topology):
     import time
 
     with httpx.stream("POST", pdd_topology.url + "/v1/completions", timeout=60,
-                      json={"prompt": list(range(300, 900)), "max_tokens": 400, "temperature": 0,
+                      json={"prompt": list(range(300, 900)), "max_tokens": 3000, "temperature": 0,
                             "ignore_eos": True, "stream": True}) as r:
         got = 0
         for line in r.iter_lines():
@@ -123,13 +125,16 @@ def test_client_disconnect_frees_every_page(pdd_topology):
                 got += 1
                 if got == 3:
                     break  # leave mid-stream: closing the response drops the connection
-    deadline = time.monotonic() + 30
+    # decoding all 3,000 tokens would take far longer than this bound: the abort must free them
+    deadline = time.monotonic() + 8
     while time.monotonic() < deadline:
         flushed = httpx.post(pdd_topology.url + "/pdd/flush", timeout=30).json()
         if flushed["leaked_pages"] == 0:
             break
         time.sleep(0.2)
     assert flushed["leaked_pages"] == 0, flushed
+    aborted = sum(v["counters"].get("aborted", 0) for v in pdd_topology.stats()["instances"].values())
+    assert aborted >= 1
     # and it keeps serving
     ok = httpx.post(pdd_topology.url + "/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200

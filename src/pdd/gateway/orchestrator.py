@@ -49,6 +49,7 @@ class TokenOut:
     token_id: int
     tier: str
     fin: str | None
+    lp: dict | None = None  # {"lp", "top": [[id, lp], ...]} from the logits that chose it, if asked
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Orchestrator:
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
         self._ids = itertools.count()
         self.kv_bytes_per_token: int | None = None
+        self._tasks: set = set()
+        self.down: set[str] = set()
 
     # ------------------------------------------------------------------ connections
     def handlers(self) -> dict:
@@ -104,12 +107,32 @@ class Orchestrator:
     async def start(self) -> None:
         for s in self.layout.engines:
             host, port, _wan = self.layout.address_from_a(s.name)
-            self.peers[s.name] = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
-                                                   retries=200, backoff_s=0.1)
+            peer = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
+                                     retries=200, backoff_s=0.1)
+            peer.on_close(lambda _p, name=s.name: self._peer_closed(name))
+            self.peers[s.name] = peer
 
     async def close(self) -> None:
         for p in self.peers.values():
             await p.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _peer_closed(self, name: str) -> None:
+        """A tier's connection dropped: every in-flight request fails at once (no silent stall)."""
+        self.down.add(name)
+        for st in list(self.reqs.values()):
+            if not st.finished and st.error is None:
+                st.error = f"instance {name} is unreachable"
+                st.queue.put_nowait(None)
+
+    def health(self) -> dict:
+        """{"status": "ok" | "degraded", "down": [instance names whose connection is closed]}."""
+        down = sorted(n for n, p in self.peers.items() if p.closed)
+        return {"status": "degraded" if down else "ok", "mode": self.cfg.mode, "down": down}
 
     def _one(self, role: str) -> tuple[str, rpc.Peer]:
         s = self.layout.by_role(role)[0]
@@ -120,7 +143,7 @@ class Orchestrator:
         st = self.reqs.get(h["rid"])
         if st is None:
             return None
-        st.queue.put_nowait(TokenOut(int(h["pos"]), int(h["id"]), h.get("tier", "?"), h.get("fin")))
+        st.queue.put_nowait(TokenOut(int(h["pos"]), int(h["id"]), h.get("tier", "?"), h.get("fin"), h.get("lp")))
         return None
 
     async def on_req_error(self, peer, h, payload):
@@ -283,8 +306,11 @@ class Orchestrator:
                                      {"name": md_name, "deferred": True}]}, timeout=t))
             rep, _ = await reserve
         except BaseException:
-            if p_call is not None:
-                p_call.cancel()
+            for fut in (p_call, reserve):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+                elif fut is not None and not fut.cancelled():
+                    fut.exception()  # retrieved: no "never retrieved" noise
             raise
         st.events["md_reserved"] = time.perf_counter()
         self.page_bytes = int(rep["page_bytes"])
@@ -413,7 +439,9 @@ class Orchestrator:
         except BaseException:
             if not st.finished:
                 self.totals["failed"] += 1
-                await self.abort(st)
+                # the client went away (or the request failed): the HTTP server cancels this
+                # scope, so every await here would be cancelled too; abort in a task of its own
+                self._spawn(self.abort(st))
             raise
         finally:
             self.reqs.pop(st.rid, None)
@@ -452,7 +480,7 @@ class Orchestrator:
         for name, peer in self.peers.items():
             try:
                 rep, _ = await peer.call({"t": "stats"}, timeout=10)
-                inst[name] = rep
+                inst[name] = {k: v for k, v in rep.items() if k not in ("t", "cid", "reply")}
             except Exception as e:
                 inst[name] = {"error": str(e)}
         out = {"mode": self.cfg.mode, "instances": inst, "totals": dict(self.totals), "pipelines": dict(self.pipelines)}
@@ -474,7 +502,11 @@ class Orchestrator:
         inst = {}
         leaked = 0
         for name, peer in self.peers.items():
-            rep, _ = await peer.call({"t": "flush"}, timeout=30)
+            try:
+                rep, _ = await peer.call({"t": "flush"}, timeout=30)
+            except Exception as e:
+                inst[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
             inst[name] = {"pages_total": rep["pages_total"], "pages_free": rep["pages_free"],
                           "live_requests": rep.get("live_requests", 0)}
             leaked += int(rep["pages_total"]) - int(rep["pages_free"])
