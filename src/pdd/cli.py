@@ -76,16 +76,17 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"pdd: could not start the topology: {e}")
     except KeyboardInterrupt:
         return 1
-    with topo:
+    try:
         print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
-        try:
-            while all(p.poll() is None for p in topo.procs.values()):
-                time.sleep(0.5)
-            dead = [n for n, p in topo.procs.items() if p.poll() is not None]
-            print(f"pdd: instance(s) exited: {', '.join(dead)}; stopping", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 0
+        while all(p.poll() is None for p in topo.procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in topo.procs.items() if p.poll() is not None]
+        print(f"pdd: instance(s) exited: {', '.join(dead)}; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        topo.stop()
 
 
 def cmd_demo(args) -> int:
