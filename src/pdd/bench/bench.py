@@ -734,14 +734,17 @@ def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="pdd bench", description=__doc__.split("\n")[0],
+        prog="pdd bench",
+        description="Replay a Mooncake-format trace through modes on fresh topologies (or --url), with an SLO fixed "
+                    "by a same_dc_pd reference run, goodput at the offered rate and an SLA-goodput rate sweep.",
         epilog="SLO: TTFT <= 3 x and TPOT <= 1.5 x the medians of a same_dc_pd reference run (one request in "
                "flight), unless --slo gives them. SLA goodput: the highest swept rate with >= 90%% of requests "
                "meeting the SLO. Sweep points run on the mode's topology, caches flushed before each rate.")
     ap.add_argument("--config", help="cluster config (YAML or JSON)")
     ap.add_argument("--out", default="runs/bench", help="output directory (report.json, plots, records)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated (default: all four)")
-    ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's)")
+    ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's; its caches are "
+                                  "flushed between runs through POST /pdd/flush when it has one)")
     g = ap.add_argument_group("workload")
     g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
     g.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
