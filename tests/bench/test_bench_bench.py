@@ -36,7 +36,11 @@ def test_handoff_stats_exact():
     b = handed([0.01 * k for k in range(20)], 8, mode="catch_up", rounds=3)  # smooth: largest gap 10 ms
     c = dict(handed([0.01 * k for k in range(5)], 0), pdd={"pipeline": "p_rld_md", "handoff_pos": None})
     failed = dict(handed(t, 5), ok=False)
-    h = handoff_stats([a, b, c, failed], median_itl_ms=10.0)
+    b["pdd"]["md_diverged"] = True
+    entry = {"stats_before": {"totals": {"handoffs": 3, "handoffs_one_shot": 3}},
+             "stats": {"totals": {"handoffs": 5, "handoffs_one_shot": 4, "handoffs_catch_up": 1, "requests": 9}}}
+    h = handoff_stats([a, b, c, failed], median_itl_ms=10.0, entry=entry)
+    assert h["server"] == {"handoffs": 2, "handoffs_catch_up": 1, "handoffs_one_shot": 1} and h["md_diverged"] == 1
     assert h["handoffs"] == 2 and h["handed_over_share"] == pytest.approx(2 / 3)
     assert h["by_mode"] == {"catch_up": 1, "one_shot": 1}
     assert h["rounds_mean"] == pytest.approx(2.0) and h["rounds_max"] == 3
@@ -80,6 +84,11 @@ def test_cutoff_stats():
         3, 0.75, 4, 4096, "server")
     assert cutoff_stats([]) == {"requests": 0, "share": 0.0, "rld_finished_first": 0, "wan_bytes_cancelled": 0,
                                 "source": "records"}
+    # a per-request cut_off flag (when the gateway sends one) counts the cut-offs themselves
+    flagged = [{"pdd": {"cut_off": True, "rld_finished_first": False, "wan_bytes_expected": 64, "wan_bytes": 0}},
+               {"pdd": {"cut_off": False, "rld_finished_first": True}}]
+    c = cutoff_stats(flagged)
+    assert (c["requests"], c["rld_finished_first"], c["wan_bytes_cancelled"]) == (1, 1, 64)
 
 
 def test_apply_overrides():

@@ -91,7 +91,7 @@ def _pct(values: Sequence[float], p: float) -> float | None:
 
 
 def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None,
-                  window: int = HANDOFF_WINDOW) -> dict:
+                  window: int = HANDOFF_WINDOW, entry: Mapping | None = None) -> dict:
     """Handoffs of one mode's completed records.
 
     A record was handed over when ``pdd.handoff_pos`` is set (the position of MD's first token).
@@ -99,7 +99,8 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
     tokens of that position (the gaps into tokens handoff-window .. handoff+window), in ms.
     ``gap_over_median_itl`` divides it by ``median_itl_ms`` (the mode's median ITL).
     ``by_mode``: ``pdd.handoff_mode`` counts ("one_shot" when absent); ``rounds``: ``pdd.handoff_rounds``
-    (1 when absent).
+    (1 when absent); ``md_diverged``: records with ``pdd.md_diverged``. ``server``: the gateway's
+    ``handoffs*`` counters over the run (deltas; from ``entry``, the server_stats entry).
     """
     done = [r for r in records if is_completed(r)]
     gaps: list[float] = []
@@ -121,8 +122,15 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
         if g:
             gaps.append(max(g))
     ratio = [g / median_itl_ms for g in gaps] if median_itl_ms else []
+    entry = entry or {}
+    after = (entry.get("stats") or {}).get("totals") or {}
+    before = (entry.get("stats_before") or {}).get("totals") or {}
+    server = {k: v - (before.get(k) or 0) for k, v in sorted(after.items())
+              if k.startswith("handoffs") and isinstance(v, (int, float))}
     return {
         "handoffs": len(positions),
+        "md_diverged": sum(1 for r in done if (r.get("pdd") or {}).get("md_diverged")),
+        "server": server,
         "handed_over_share": len(positions) / len(done) if done else 0.0,
         "by_mode": dict(sorted(by_mode.items())),
         "rounds_mean": float(np.mean(rounds)) if rounds else None,
@@ -178,12 +186,14 @@ def cutoff_stats(records: Iterable[Mapping], entry: Mapping | None = None) -> di
     ``totals.rld_finished_first``, ``totals.wan_bytes_cancelled``; a cut-off happens after the
     request's usage chunk went out, so only the server knows it): ``requests`` (cut-offs),
     ``rld_finished_first``, ``wan_bytes_cancelled``, ``source`` "server". Otherwise from the usage
-    chunks (``pdd.rld_finished_first``; bytes = expected - sent of those requests), ``source``
-    "records". ``share`` = requests / requests of the run. ``server``: every server counter whose
+    chunks (``pdd.cut_off`` when the gateway sends it, else ``pdd.rld_finished_first``; bytes =
+    expected - sent of those requests), ``source`` "records". ``share`` = requests / requests of the run. ``server``: every server counter whose
     name mentions a cut-off, a cancel or rld_finished_first (deltas).
     """
     recs = list(records)
-    cut = [r for r in recs if (r.get("pdd") or {}).get("rld_finished_first")]
+    first = [r for r in recs if (r.get("pdd") or {}).get("rld_finished_first")]
+    has_flag = any("cut_off" in (r.get("pdd") or {}) for r in recs)
+    cut = [r for r in recs if (r.get("pdd") or {}).get("cut_off")] if has_flag else first
     unsent = sum(max(0, int(r["pdd"].get("wan_bytes_expected") or 0) - int(r["pdd"].get("wan_bytes") or 0))
                  for r in cut)
     entry = entry or {}
@@ -192,11 +202,11 @@ def cutoff_stats(records: Iterable[Mapping], entry: Mapping | None = None) -> di
     server = {k: v - (before.get(k) or 0) for k, v in after.items()
               if isinstance(v, (int, float)) and any(w in k for w in ("cut", "cancel", "rld_finished_first"))}
     if "cut_offs" in server:
-        n, first = int(server["cut_offs"]), int(server.get("rld_finished_first", len(cut)))
+        n, n_first = int(server["cut_offs"]), int(server.get("rld_finished_first", len(first)))
         cancelled, source = int(server.get("wan_bytes_cancelled", unsent)), "server"
     else:
-        n, first, cancelled, source = len(cut), len(cut), unsent, "records"
-    out: dict[str, Any] = {"requests": n, "share": n / len(recs) if recs else 0.0, "rld_finished_first": first,
+        n, n_first, cancelled, source = len(cut), len(first), unsent, "records"
+    out: dict[str, Any] = {"requests": n, "share": n / len(recs) if recs else 0.0, "rld_finished_first": n_first,
                            "wan_bytes_cancelled": cancelled, "source": source}
     if server:
         out["server"] = server
@@ -223,7 +233,7 @@ def bench_mode_extras(records: Iterable[Mapping], entry: Mapping | None, slo: SL
     return {
         **g,
         "pipeline_mix": {k: v / n_p for k, v in sorted(pipes.items())} if n_p else {},
-        "handoff": handoff_stats(recs, median_itl_ms),
+        "handoff": handoff_stats(recs, median_itl_ms, entry=entry),
         **hit_rates(recs, entry),
         "cutoffs": cutoff_stats(recs, entry),
         "cpu_seconds_by_process": cpu,
