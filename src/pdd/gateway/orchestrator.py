@@ -39,6 +39,9 @@ def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
     return {"t": "extend", "rid": rid, "token_ids": [int(t) for t in token_ids], "final": bool(final)}
 
 
+WAN_EWMA = 0.2  # weight of the newest WAN throughput sample
+
+
 class RequestFailed(RuntimeError):
     """A tier failed the request; the message says which and why."""
 
@@ -97,12 +100,13 @@ class Orchestrator:
         self._ids = itertools.count()
         self.kv_bytes_per_token: int | None = None
         self._tasks: set = set()
+        self.wan_gbps_live: float | None = None  # measured KV throughput to MD, Gbit/s (EWMA)
         self.down: set[str] = set()
 
     # ------------------------------------------------------------------ connections
     def handlers(self) -> dict:
         return {"tok": self.on_tok, "kv_ready": self.on_kv_ready, "xfer_done": self.on_xfer_done,
-                "req_error": self.on_req_error}
+                "req_error": self.on_req_error, "wan_sample": self.on_wan_sample}
 
     async def start(self) -> None:
         for s in self.layout.engines:
@@ -180,6 +184,15 @@ class Orchestrator:
             st.wan_bytes = wan
         return None
 
+    async def on_wan_sample(self, peer, h, payload):
+        """MD's receive rate of one request's KV (first frame to last), Gbit/s: the live WAN
+        estimate the pipeline policy reads (EWMA). Sender-side timings would measure socket
+        buffers, not the line."""
+        sample = float(h["gbps"])
+        self.wan_gbps_live = sample if self.wan_gbps_live is None else (
+            (1 - WAN_EWMA) * self.wan_gbps_live + WAN_EWMA * sample)
+        return None
+
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
         transfer; MD frees what it received on ``kv_cancel``."""
@@ -247,7 +260,7 @@ class Orchestrator:
                 prompt_tokens=prompt_len,
                 md_cached_tokens=md_cached_tokens,
                 kv_bytes_per_token=self.kv_bytes_per_token or 0,
-                wan_gbps_estimate=self.cfg.link.wan_gbps,
+                wan_gbps_estimate=self.wan_gbps_live or self.cfg.link.wan_gbps,
                 wan_rtt_ms=self.cfg.link.wan_rtt_ms,
                 ttft_budget_ms=self.cfg.policy.pipeline_ttft_budget_ms,
                 allow_p_rld=self.cfg.policy.allow_p_rld,
@@ -333,6 +346,15 @@ class Orchestrator:
             targets = [{"name": md_name, "first_page": md_first, "relay": relay}]
             if relay:
                 targets.insert(0, {"name": rld_name, "first_page": 0, "relay": False})
+            elif st.pipeline == Pipeline.P_RLD:
+                # the excluded pipeline (--allow-p-rld ablation / degraded): MD never gets the KV
+                targets = [{"name": rld_name, "first_page": 0, "relay": False}]
+                await md.send({"t": "drop", "rid": st.rid})
+                if md_wan:
+                    self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
+                    self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
+                    self.planned_wan.pop(st.rid, None)
+                    st.wan_bytes_expected = 0
             elif relay_possible:
                 # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
                 await rld.call({"t": "abort", "rid": st.rid}, timeout=t)
@@ -486,6 +508,7 @@ class Orchestrator:
         out = {"mode": self.cfg.mode, "instances": inst, "totals": dict(self.totals), "pipelines": dict(self.pipelines)}
         out["wan_bytes"] = sum(int(r.get("wan_bytes_sent", 0)) for r in inst.values() if isinstance(r, dict))
         out["wan_bytes_expected"] = self.totals["wan_bytes_expected"]
+        out["wan_gbps_live"] = self.wan_gbps_live
         out["wan_line_bytes"] = 0
         if self.layout.link_control_port is not None:
             try:

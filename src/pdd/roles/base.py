@@ -12,6 +12,7 @@ import asyncio
 import logging
 import resource
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdd.config import ClusterConfig
@@ -21,6 +22,8 @@ from pdd.transfer import rpc
 from pdd.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
+
+HIT_WINDOW_REQUESTS = 200  # window of the windowed prefix-hit-rate gauge
 
 
 def first_token_finish(token_id: int, sp: SamplingParams, eos_ids: set[int]) -> str | None:
@@ -86,6 +89,23 @@ class EngineInstance:
         self.worker: EngineWorker | None = None
         self.started_at = time.time()
         self.counters: dict[str, int] = {"requests": 0, "aborted": 0, "finished": 0}
+        self.prefix_hit_tokens = 0
+        self.prompt_tokens = 0
+        self.hit_window: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW_REQUESTS)
+
+    def record_hit(self, cached_tokens: int, prompt_tokens: int) -> None:
+        """One request's prefix-cache lookup (for the token-weighted hit-rate gauges)."""
+        self.prefix_hit_tokens += cached_tokens
+        self.prompt_tokens += prompt_tokens
+        self.hit_window.append((cached_tokens, prompt_tokens))
+
+    def hit_stats(self) -> dict:
+        """Token-weighted prefix hit rates: since start, and over the last HIT_WINDOW_REQUESTS."""
+        wh = sum(h for h, _ in self.hit_window)
+        wt = sum(t for _, t in self.hit_window)
+        return {"prefix_hit_tokens": self.prefix_hit_tokens, "prompt_tokens": self.prompt_tokens,
+                "prefix_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                "prefix_hit_rate_window": wh / wt if wt else 0.0, "hit_window_requests": len(self.hit_window)}
 
     # ------------------------------------------------------------------ set-up
     def load_engine(self):
@@ -115,7 +135,10 @@ class EngineInstance:
         loop = asyncio.get_running_loop()
         self.worker = EngineWorker(self.engine, loop, self.on_events, self.on_seq_failed)
         self.worker.start()
-        self.server = rpc.Server(self.cfg.host, self.spec.port, self.handlers(), role=self.spec.role, instance=self.spec.name)
+        hs = self.handlers()
+        if "kv_done" in hs:
+            hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
+        self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name)
         await self.server.start()
 
     async def stop(self) -> None:
@@ -132,8 +155,27 @@ class EngineInstance:
         return s
 
     # ------------------------------------------------------------------ tokens
-    def emit(self, ctx: ReqCtx, pos: int, token_id: int, fin: str | None) -> None:
-        ctx.sink.put({"t": "tok", "rid": ctx.rid, "pos": pos, "id": int(token_id), "fin": fin, "tier": self.tier})
+    def emit(self, ctx: ReqCtx, pos: int, token_id: int, fin: str | None, lp: dict | None = None) -> None:
+        """``lp``: the token's logprob info from the logits that chose it (``{"lp", "top"}``), when
+        the request asked for logprobs; the first token's comes from P inside ``kv_done``."""
+        if lp is None and pos == 0:
+            lp = ctx.extra.pop("lp0", None)
+        msg = {"t": "tok", "rid": ctx.rid, "pos": pos, "id": int(token_id), "fin": fin, "tier": self.tier}
+        if lp is not None:
+            msg["lp"] = lp
+        ctx.sink.put(msg)
+
+    def _first_token_logprobs(self, handler):
+        """Wrap a ``kv_done`` handler: keep the first token's logprob info that P sampled it with
+        (``kv_done {lp}``) for the ``emit`` of position 0."""
+
+        async def on_kv_done(peer, h, payload):
+            ctx = self.reqs.get(h.get("rid"))
+            if ctx is not None and h.get("lp") is not None:
+                ctx.extra["lp0"] = h["lp"]
+            return await handler(peer, h, payload)
+
+        return on_kv_done
 
     def on_events(self, events: list) -> None:
         """Engine thread -> loop: stream each new token to its request's sink."""
@@ -144,7 +186,7 @@ class EngineInstance:
             fin = ev.finish_reason.value if (ev.finished and ev.finish_reason is not None) else None
             if ev.finished and fin is None:
                 fin = FinishReason.STOP.value
-            self.emit(ctx, ev.position, ev.token_id, fin)
+            self.emit(ctx, ev.position, ev.token_id, fin, getattr(ev, "logprobs", None))
             if ev.finished:
                 ctx.in_engine = False
                 self.counters["finished"] += 1
@@ -224,7 +266,23 @@ class EngineInstance:
         layers = tuple(h["layers"]) if h.get("layers") is not None else None
         self.engine.pool.import_pages(pages, payload, layers=layers)
         ctx.extra["pages_received"] = ctx.extra.get("pages_received", 0) + n
+        if "kv_first_s" not in ctx.extra:  # the rate is measured from the end of the first frame
+            ctx.extra["kv_first_s"] = time.perf_counter()
+            ctx.extra["kv_bytes"] = 0
+        else:
+            ctx.extra["kv_bytes"] += len(payload)
         return None
+
+    def kv_rate_sample_gbps(self, ctx: ReqCtx, min_bytes: int = 256 * 1024) -> float | None:
+        """Receive rate of this request's KV, Gbit/s: bytes of the frames after the first over the
+        time since the first arrived (None if too small to say anything about the line: small
+        transfers measure the RTT, not the rate)."""
+        b = ctx.extra.get("kv_bytes", 0)
+        t0 = ctx.extra.get("kv_first_s")
+        dt = time.perf_counter() - t0 if t0 is not None else 0.0
+        if b < min_bytes or dt <= 0:
+            return None
+        return b * 8 / dt / 1e9
 
 
 async def serve_instance(inst) -> None:

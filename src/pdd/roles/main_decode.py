@@ -33,8 +33,7 @@ class MainDecodeInstance(EngineInstance):
             self.tier = "colocated"
         else:
             self.tier = "md" if spec.dc == "B" else "d"
-        self.cached_tokens = 0
-        self.prompt_tokens = 0
+
 
     def handlers(self) -> dict:
         return {**super().handlers(), "reserve": self.on_reserve, "kv": self.on_kv, "kv_done": self.on_kv_done,
@@ -42,7 +41,7 @@ class MainDecodeInstance(EngineInstance):
                 "kv_cancel": self.on_kv_cancel, "drop": self.on_kv_cancel}
 
     def extra_stats(self) -> dict:
-        return {"prefix_hit_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
+        return self.hit_stats()
 
     async def on_reserve(self, peer, h, payload):
         rid = h["rid"]
@@ -54,8 +53,7 @@ class MainDecodeInstance(EngineInstance):
         self.counters["requests"] += 1
         ps = self.engine.pool.page_size
         cached = int(seq.num_cached_tokens)
-        self.cached_tokens += cached
-        self.prompt_tokens += len(prompt)
+        self.record_hit(cached, len(prompt))
         return {"t": "reserve_ok", "rid": rid, "md_cached_tokens": cached, "md_cached_pages": cached // ps,
                 "n_pages": (len(prompt) + ps - 1) // ps, "page_bytes": self.engine.pool.page_bytes}, b""
 
@@ -79,6 +77,9 @@ class MainDecodeInstance(EngineInstance):
         ctx.in_engine = start
         await self.worker.call(_imported)
         ctx.extra["kv_complete"] = True
+        rate = self.kv_rate_sample_gbps(ctx)
+        if rate is not None:  # the gateway's live WAN estimate (pipeline choice) is made of these
+            ctx.sink.put({"t": "wan_sample", "gbps": rate})
         if relay:
             ctx.sink.put({"t": "kv_ready", "rid": ctx.rid})
         else:
@@ -130,7 +131,7 @@ class MainDecodeInstance(EngineInstance):
         nothing; frames still in flight find no request and are dropped."""
         ctx = self.reqs.get(h["rid"])
         if ctx is not None and not ctx.extra.get("kv_complete"):
-            self.counters["cut_offs"] = self.counters.get("cut_offs", 0) + 1
+            self.counters["dropped"] = self.counters.get("dropped", 0) + 1
             await self.release(ctx, cache=False)
         return None
 
@@ -149,8 +150,7 @@ class MainDecodeInstance(EngineInstance):
         self.reqs[rid] = ctx
         self.counters["requests"] += 1
         cached = int(seq.num_cached_tokens)
-        self.cached_tokens += cached
-        self.prompt_tokens += len(prompt)
+        self.record_hit(cached, len(prompt))
         ctx.in_engine = True
         await self.worker.call(lambda e: e.add(seq))
         return {"t": "generate_ok", "rid": rid, "p_cached_tokens": cached}, b""

@@ -34,8 +34,7 @@ class PrefillInstance(EngineInstance):
         self._deferred: dict[str, dict[str, asyncio.Future]] = {}  # rid -> target name -> plan
         self.bytes_sent: dict[str, int] = {}  # target name -> KV payload bytes
         self.wan_bytes_sent = 0
-        self.prefix_hit_tokens = 0
-        self.prompt_tokens = 0
+
 
     def handlers(self) -> dict:
         return {**super().handlers(), "prefill": self.on_prefill, "target": self.on_target,
@@ -88,8 +87,7 @@ class PrefillInstance(EngineInstance):
         return {
             "kv_bytes_sent": dict(self.bytes_sent),
             "wan_bytes_sent": self.wan_bytes_sent,
-            "prefix_hit_tokens": self.prefix_hit_tokens,
-            "prompt_tokens": self.prompt_tokens,
+            **self.hit_stats(),
         }
 
     async def sender_for(self, name: str) -> tuple[KVSender, bool]:
@@ -136,9 +134,10 @@ class PrefillInstance(EngineInstance):
             raise RuntimeError(f"request {rid} aborted")
         t0 = int(ev.token_id)
         fin = first_token_finish(t0, sp, self.eos_ids)
+        if getattr(ev, "logprobs", None) is not None:
+            ctx.extra["lp0"] = ev.logprobs  # travels to RLD / MD in kv_done
         cached = int(seq.num_cached_tokens)
-        self.prefix_hit_tokens += cached
-        self.prompt_tokens += len(prompt)
+        self.record_hit(cached, len(prompt))
         ps = self.engine.pool.page_size
         n_pages = (len(prompt) + ps - 1) // ps
         # P's own cache gets the prompt's whole pages now, so requests arriving while this one
@@ -158,6 +157,7 @@ class PrefillInstance(EngineInstance):
         pool = self.engine.pool
         table = list(ctx.seq.page_table[:n_pages])
         result: dict[str, int] = {}
+        elapsed: dict[str, float] = {}
         unsent: dict[str, int] = {}
         errors: dict[str, str] = {}
 
@@ -177,9 +177,11 @@ class PrefillInstance(EngineInstance):
                 sender, wan = await self.sender_for(name)
                 tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
                                    layers=(0, self.engine.model_cfg.num_hidden_layers),
-                                   done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay"))})
+                                   done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
+                                                **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
                 res = await tr
                 result[name] = res.bytes_sent
+                elapsed[name] = res.elapsed_s
                 if res.cancelled:
                     unsent[name] = (n_pages - first - res.pages_sent) * pool.page_bytes
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + tr.bytes_sent
@@ -194,4 +196,4 @@ class PrefillInstance(EngineInstance):
         finally:
             self._deferred.pop(ctx.rid, None)
             await self.release(ctx, cache=True)
-            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "unsent": unsent, "errors": errors})
+            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "elapsed_s": elapsed, "unsent": unsent, "errors": errors})
