@@ -28,6 +28,11 @@ class InstanceSpec:
     port: int  # the port the instance itself listens on
     wan_port: int | None = None  # link listen port that forwards to it (instances in B)
 
+    @property
+    def metrics_port(self) -> int:
+        """Prometheus /metrics of an engine instance (its RPC port + 10)."""
+        return self.port + 10
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -61,8 +66,8 @@ class Layout:
 def layout(cfg: ClusterConfig) -> Layout:
     """The embedded single-machine topology of ``cfg.mode`` (one instance per tier).
 
-    Ports: link control base+0, link listen ports base+1.., engines base+10.., gateway
-    ``cfg.gateway_port``.
+    Ports: link control base+0, link listen ports base+1.., engines base+10.. (their /metrics
+    base+20..), gateway ``cfg.gateway_port`` (its /metrics on the same port).
     """
     b = cfg.base_port
     gw = InstanceSpec("gateway", ROLE_GATEWAY, "A", cfg.gateway_port)

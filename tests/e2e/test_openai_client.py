@@ -138,3 +138,13 @@ def test_client_disconnect_frees_every_page(pdd_topology):
     # and it keeps serving
     ok = httpx.post(pdd_topology.url + "/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_every_engine_instance_serves_prometheus_metrics(pdd_topology):
+    httpx.post(pdd_topology.url + "/v1/completions", json={"prompt": list(range(50, 90)), "max_tokens": 4,
+                                                          "temperature": 0}, timeout=60)
+    for spec in pdd_topology.layout.engines:
+        text = httpx.get(f"http://{pdd_topology.cfg.host}:{spec.metrics_port}/metrics", timeout=10).text
+        assert f'pdd_kv_pages{{instance="{spec.name}",role="{spec.role}",state="total"}} 2048.0' in text
+        for name in ("pdd_prefix_hit_rate", "pdd_requests_live", "pdd_events_total", "pdd_forward_calls_total"):
+            assert name in text, (spec.name, name)

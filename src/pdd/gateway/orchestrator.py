@@ -82,6 +82,7 @@ class ReqState:
     md_diverged: bool = False
     emitted: list = field(default_factory=list)  # token ids streamed so far
     extend_extra_step_ms: list = field(default_factory=list)
+    last_token_s: float = 0.0
     error: str | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
     events: dict = field(default_factory=dict)  # name -> perf_counter seconds
@@ -101,6 +102,9 @@ class Orchestrator:
         self.kv_bytes_per_token: int | None = None
         self._tasks: set = set()
         self.wan_gbps_live: float | None = None  # measured KV throughput to MD, Gbit/s (EWMA)
+        from pdd.metrics import GatewayMetrics
+
+        self.metrics = GatewayMetrics(self)
         self.down: set[str] = set()
 
     # ------------------------------------------------------------------ connections
@@ -452,8 +456,13 @@ class Orchestrator:
                 if tok is None:
                     raise RequestFailed(f"request {st.rid} failed: {st.error}")
                 for t in self._next_tokens(st, tok):
+                    now = time.perf_counter()
                     if t.pos == 0:
-                        st.events["first_token"] = time.perf_counter()
+                        st.events["first_token"] = now
+                        self.metrics.ttft.labels(st.pipeline.value).observe(now - st.t_arrival)
+                    else:
+                        self.metrics.itl.labels(st.pipeline.value, t.tier).observe(now - st.last_token_s)
+                    st.last_token_s = now
                     if t.fin is not None:
                         st.finished = True
                     yield t

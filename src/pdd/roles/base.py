@@ -140,6 +140,9 @@ class EngineInstance:
             hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
         self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name)
         await self.server.start()
+        from pdd.metrics import start_instance_metrics
+
+        start_instance_metrics(self, self.spec.metrics_port, self.cfg.host)
 
     async def stop(self) -> None:
         if self.worker:

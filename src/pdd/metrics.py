@@ -1,0 +1,127 @@
+"""Prometheus metrics (prometheus-client), read from each process's live state at scrape time.
+
+Engine instances serve ``/metrics`` on their own metrics port (:class:`InstanceCollector`);
+the gateway mounts ``/metrics`` on its HTTP port (:class:`GatewayMetrics`). Names follow
+Prometheus conventions: ``_total`` counters, ``_seconds`` histograms, ``_bytes`` sizes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# TTFT / ITL buckets, seconds: from a fast-path decode step to a long WAN transfer
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class InstanceCollector:
+    """Gauges and counters of one engine instance (P, RLD, MD or colocated)."""
+
+    def __init__(self, inst):
+        self.inst = inst
+
+    def collect(self):
+        inst = self.inst
+        lab = ["instance", "role"]
+        lv = [inst.spec.name, inst.spec.role]
+        e = inst.engine
+        if e is None:
+            return
+        g = GaugeMetricFamily("pdd_kv_pages", "KV pages of the pool by state", labels=lab + ["state"])
+        g.add_metric(lv + ["total"], e.pool.num_pages)
+        g.add_metric(lv + ["free"], e.pool.num_free)
+        g.add_metric(lv + ["in_use"], e.pool.num_pages - e.pool.num_free)
+        yield g
+        g = GaugeMetricFamily("pdd_requests_live", "requests this instance holds (queue depth)", labels=lab)
+        g.add_metric(lv, len(inst.reqs))
+        yield g
+        g = GaugeMetricFamily("pdd_running_sequences", "sequences in the engine's batch", labels=lab)
+        g.add_metric(lv, len(e.seqs))
+        yield g
+        hs = inst.hit_stats()
+        g = GaugeMetricFamily("pdd_prefix_hit_rate", "token-weighted prefix-cache hit rate", labels=lab + ["window"])
+        g.add_metric(lv + ["all"], hs["prefix_hit_rate"])
+        g.add_metric(lv + ["recent"], hs["prefix_hit_rate_window"])
+        yield g
+        c = CounterMetricFamily("pdd_prompt_tokens", "prompt tokens looked up in the prefix cache", labels=lab)
+        c.add_metric(lv, hs["prompt_tokens"])
+        yield c
+        c = CounterMetricFamily("pdd_prefix_hit_tokens", "prompt tokens found in the prefix cache", labels=lab)
+        c.add_metric(lv, hs["prefix_hit_tokens"])
+        yield c
+        c = CounterMetricFamily("pdd_forward_calls", "engine forward calls", labels=lab)
+        c.add_metric(lv, getattr(e.runner, "forward_calls", 0))
+        yield c
+        if inst.worker is not None:
+            c = CounterMetricFamily("pdd_engine_busy_seconds", "time spent in forward passes", labels=lab)
+            c.add_metric(lv, inst.worker.busy_s)
+            yield c
+        c = CounterMetricFamily("pdd_events", "request events on this instance", labels=lab + ["event"])
+        for k, v in sorted(inst.counters.items()):
+            c.add_metric(lv + [k], v)
+        yield c
+        sent = getattr(inst, "bytes_sent", None)
+        if sent is not None:
+            c = CounterMetricFamily("pdd_kv_sent_bytes", "KV payload bytes sent, by target", labels=lab + ["target"])
+            for k, v in sorted(sent.items()):
+                c.add_metric(lv + [k], v)
+            yield c
+
+
+def start_instance_metrics(inst, port: int, host: str = "127.0.0.1") -> CollectorRegistry:
+    """Serve ``/metrics`` for ``inst`` on ``host:port`` (a daemon thread)."""
+    reg = CollectorRegistry()
+    reg.register(InstanceCollector(inst))
+    start_http_server(port, addr=host, registry=reg)
+    return reg
+
+
+class _OrchestratorCollector:
+    def __init__(self, orch):
+        self.orch = orch
+
+    def collect(self):
+        o = self.orch
+        c = CounterMetricFamily("pdd_gateway_requests", "requests by pipeline", labels=["pipeline"])
+        for k, v in sorted(o.pipelines.items()):
+            c.add_metric([k], v)
+        yield c
+        t = o.totals
+        c = CounterMetricFamily("pdd_gateway_outcomes", "request outcomes", labels=["outcome"])
+        for k in ("completed", "failed"):
+            c.add_metric([k], t.get(k, 0))
+        yield c
+        c = CounterMetricFamily("pdd_handoffs", "RLD -> MD handoffs by mode", labels=["mode"])
+        for k, v in sorted(t.items()):
+            if k.startswith("handoffs_"):
+                c.add_metric([k[len("handoffs_"):]], v)
+        yield c
+        c = CounterMetricFamily("pdd_cut_offs", "WAN transfers cut off because RLD finished first")
+        c.add_metric([], t.get("cut_offs", 0))
+        yield c
+        c = CounterMetricFamily("pdd_wan_kv_bytes", "KV bytes to MD over the WAN", labels=["kind"])
+        c.add_metric(["planned"], t.get("wan_bytes_planned", 0))
+        c.add_metric(["cancelled"], t.get("wan_bytes_cancelled", 0))
+        c.add_metric(["expected"], t.get("wan_bytes_expected", 0))
+        yield c
+        g = GaugeMetricFamily("pdd_gateway_requests_live", "requests in flight at the gateway")
+        g.add_metric([], len(o.reqs))
+        yield g
+        if o.wan_gbps_live is not None:
+            g = GaugeMetricFamily("pdd_wan_gbps_estimate", "live WAN throughput estimate, Gbit/s")
+            g.add_metric([], o.wan_gbps_live)
+            yield g
+
+
+class GatewayMetrics:
+    """The gateway's registry: TTFT / ITL histograms by pipeline and tier, plus the
+    orchestrator's counters read at scrape time."""
+
+    def __init__(self, orch):
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("pdd_ttft_seconds", "time to first token at the gateway", ["pipeline"],
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pdd_itl_seconds", "inter-token latency at the gateway", ["pipeline", "tier"],
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.registry.register(_OrchestratorCollector(orch))
