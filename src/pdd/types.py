@@ -44,9 +44,17 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    # vLLM / OpenAI extras; neutral defaults leave sampling exactly as above
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # output tokens only
+    frequency_penalty: float = 0.0  # output tokens only
+    repetition_penalty: float = 1.0  # prompt + output tokens (vLLM semantics)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked while fewer outputs exist
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + top k
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -54,8 +62,21 @@ class SamplingParams:
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": list(self.stop_token_ids),
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "logprobs": self.logprobs,
         }
+        if self.logit_bias:  # msgpack maps need str-or-int keys; a list of pairs is unambiguous
+            d["logit_bias"] = [[int(k), float(v)] for k, v in self.logit_bias.items()]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        lb = kw.get("logit_bias")
+        if lb is not None:
+            kw["logit_bias"] = {int(k): float(v) for k, v in (lb.items() if isinstance(lb, dict) else lb)}
+        return cls(**kw)

@@ -46,6 +46,7 @@ class TokenEvent:
     position: int
     finished: bool = False
     finish_reason: FinishReason | None = None
+    logprobs: dict | None = None  # {"lp", "top": [[id, lp], ...]} when the request asked for them
 
 
 def load_tokenizer(path: str):
@@ -281,7 +282,9 @@ class Engine:
                 sampled.append(seq)
         if not sampled:
             return []
-        toks = self.sampler.sample(logits, [s.sampling for s in sampled], [s.num_outputs for s in sampled])
+        toks = self.sampler.sample(logits, [s.sampling for s in sampled], [s.num_outputs for s in sampled],
+                                   histories=[(s.token_ids, s.prompt_len) for s in sampled])
+        lps = self.sampler.last_logprobs
         events = []
         for i, (seq, tok) in enumerate(zip(sampled, toks)):
             seq.token_ids.append(tok)
@@ -292,7 +295,7 @@ class Engine:
             if reason is not None:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
                 del self.seqs[seq.seq_id]  # leaves the batch; caller release()s it
-            events.append(TokenEvent(seq.seq_id, tok, n_out - 1, reason is not None, reason))
+            events.append(TokenEvent(seq.seq_id, tok, n_out - 1, reason is not None, reason, lps[i]))
         return events
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,

@@ -1,18 +1,41 @@
-"""Token sampling and stop rules.
+"""Token sampling, logit processing, logprobs and stop rules.
 
-Greedy (``temperature == 0``) is an argmax on the device. Random sampling uses one uniform
-draw per (seed, output position) from a counter-based hash (SplitMix64), so two instances
-(RLD and MD, CPU and CUDA) draw the same number for the same position; the draw is applied
-by inverse CDF over the top-k / top-p filtered distribution computed in float64 on the CPU.
+Every tier (P for the first token, RLD, MD, a single engine) samples a position the same way:
+
+1. the raw float32 logits row goes to the CPU as float64;
+2. logit processors, in vLLM's order: ``logit_bias``; ``min_tokens`` (EOS and
+   ``stop_token_ids`` masked while fewer outputs exist); penalties that depend only on the
+   sequence's tokens so far: ``repetition_penalty`` over prompt + outputs (positive logits
+   divided, negative multiplied), ``frequency_penalty`` x count and ``presence_penalty`` x
+   [count > 0] over the outputs;
+3. greedy (``temperature < GREEDY_EPS``): argmax. Otherwise divide by the temperature, softmax,
+   keep the tokens with ``p >= min_p * p_max``, then the ``top_k`` most likely, renormalise,
+   then the smallest prefix whose cumulative probability reaches ``top_p``, renormalise;
+4. one uniform draw per (seed, output position) from a counter-based hash (SplitMix64: pure
+   integer arithmetic, so the same number on every machine, device and batch), applied by
+   inverse CDF over the kept tokens sorted by probability.
+
+So RLD and MD (or CPU and CUDA) pick the same token for a position whenever their logits agree
+to float noise, and can differ only when the draw (or top-p / min-p cut) lies within that noise
+of a cumulative-probability boundary: :func:`decision_margin` measures how close that was.
+
+Logprobs (``SamplingParams.logprobs = k``) are the log-softmax of the *raw* logits row that the
+token was sampled from (vLLM's default ``raw_logprobs``): the sampled token's plus the top k.
+Rows that need none of the above (greedy, no penalties, no logprobs) keep the batched argmax
+on the device.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from pdd.types import FinishReason, SamplingParams
 
 _MASK64 = (1 << 64) - 1
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
+MAX_LOGPROBS = 20
 
 
 def _splitmix64(x: int) -> int:
@@ -28,25 +51,139 @@ def uniform(seed: int, position: int) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """logits: [vocab] (any device/dtype) -> token id; ``position`` = output index (0-based)."""
-    if params.temperature <= 0:
-        return int(torch.argmax(logits).item())
-    x = logits.detach().to("cpu", torch.float64) / params.temperature
-    vals, idx = torch.sort(x, descending=True)
-    if params.top_k and params.top_k > 0:
-        vals, idx = vals[: params.top_k], idx[: params.top_k]
-    probs = torch.softmax(vals, dim=0)
-    if params.top_p < 1.0:
+def is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < GREEDY_EPS
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def needs_processing(p: SamplingParams, position: int) -> bool:
+    """False when the row is a plain argmax (batched on the device)."""
+    return (not is_greedy(p) or _has_penalties(p) or position < p.min_tokens or bool(p.logit_bias)
+            or p.logprobs is not None)
+
+
+def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history: list[int] | None = None,
+                   prompt_len: int = 0, eos_ids=()) -> torch.Tensor:
+    """Float64 CPU copy of ``row`` with logit bias, min_tokens mask and penalties applied.
+
+    ``history`` = the sequence's tokens so far (prompt + outputs before ``position``), of which
+    the first ``prompt_len`` are the prompt."""
+    x = row.detach().to("cpu", torch.float64).clone()
+    vocab = x.shape[0]
+    if p.logit_bias:
+        for t, b in p.logit_bias.items():
+            if 0 <= int(t) < vocab:
+                x[int(t)] += float(b)
+    if position < p.min_tokens:
+        stop = {int(t) for t in p.stop_token_ids} | {int(t) for t in eos_ids}
+        stop = [t for t in stop if 0 <= t < vocab]
+        if stop:
+            x[torch.tensor(stop, dtype=torch.long)] = -math.inf
+    if history is not None and _has_penalties(p):
+        hist = torch.tensor([t for t in history if 0 <= t < vocab], dtype=torch.long)
+        if p.repetition_penalty != 1.0 and hist.numel():
+            seen = torch.unique(hist)
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            out = hist[prompt_len:] if prompt_len <= hist.numel() else hist[:0]
+            if out.numel():
+                counts = torch.bincount(out, minlength=vocab).to(torch.float64)
+                x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(torch.float64)
+    return x
+
+
+def _nucleus(x: torch.Tensor, p: SamplingParams):
+    """Sorted kept (probs, ids) after temperature, min_p, top_k, top_p; plus the sorted
+    probabilities before any cut (for :func:`decision_margin`)."""
+    vals, idx = torch.sort(x / p.temperature, descending=True)
+    full = torch.softmax(vals, dim=0)
+    keep = int(full.shape[0])
+    if p.min_p > 0.0:
+        keep = min(keep, max(1, int((full >= p.min_p * full[0]).sum().item())))
+    if p.top_k and p.top_k > 0:
+        keep = min(keep, p.top_k)
+    probs = full[:keep] / full[:keep].sum()
+    if p.top_p < 1.0:
         cum = torch.cumsum(probs, dim=0)
-        keep = int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=torch.float64)).item()) + 1
-        probs = probs[:keep] / probs[:keep].sum()
-        idx = idx[:keep]
-    seed = params.seed if params.seed is not None else 0
-    u = uniform(seed, position)
+        k = int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=torch.float64)).item()) + 1
+        k = min(k, keep)
+        probs = probs[:k] / probs[:k].sum()
+        keep = k
+    return probs, idx[:keep], full
+
+
+def _draw(probs: torch.Tensor, idx: torch.Tensor, seed: int | None, position: int) -> int:
+    u = uniform(seed if seed is not None else 0, position)
     cum = torch.cumsum(probs, dim=0)
     j = int(torch.searchsorted(cum, torch.tensor([u], dtype=torch.float64), right=True).item())
     return int(idx[min(j, len(idx) - 1)].item())
+
+
+def logprob_info(row: torch.Tensor, token_id: int, k: int) -> dict:
+    """``{"lp": logprob of token_id, "top": [[id, logprob], ...] (k most likely)}`` from the raw row."""
+    lsm = torch.log_softmax(row.detach().to("cpu", torch.float64), dim=0)
+    out = {"lp": float(lsm[token_id].item()), "top": []}
+    if k > 0:
+        v, i = torch.topk(lsm, min(k, lsm.shape[0]))
+        out["top"] = [[int(a), float(b)] for a, b in zip(i.tolist(), v.tolist())]
+    return out
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: list[int] | None = None,
+               prompt_len: int = 0, eos_ids=()) -> tuple[int, dict | None]:
+    """One row: (token id, logprob info or None)."""
+    x = process_logits(logits, params, position, history, prompt_len, eos_ids)
+    if is_greedy(params):
+        tok = int(torch.argmax(x).item())
+    else:
+        probs, idx, _ = _nucleus(x, params)
+        tok = _draw(probs, idx, params.seed, position)
+    lp = logprob_info(logits, tok, int(params.logprobs)) if params.logprobs is not None else None
+    return tok, lp
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, position: int, history: list[int] | None = None,
+               prompt_len: int = 0, eos_ids=()) -> int:
+    """logits: [vocab] (any device/dtype) -> token id; ``position`` = output index (0-based)."""
+    if not needs_processing(params, position):
+        return int(torch.argmax(logits).item())
+    return sample_row(logits, params, position, history, prompt_len, eos_ids)[0]
+
+
+def decision_margin(logits: torch.Tensor, params: SamplingParams, position: int, history: list[int] | None = None,
+                    prompt_len: int = 0, eos_ids=()) -> tuple[str, float]:
+    """How close the choice at this position was to going another way (for excusing numerical
+    divergences): greedy -> ``("logit_gap", top1 - top2)`` of the processed logits; sampled ->
+    ``("prob", d)`` with d the smallest distance, in probability, between the draw and a
+    cumulative-probability boundary of the kept tokens, or between ``top_p`` and the nucleus
+    boundary, or between a probability and the ``min_p`` threshold, or between the k-th and
+    (k+1)-th probabilities at the ``top_k`` cut."""
+    x = process_logits(logits, params, position, history, prompt_len, eos_ids)
+    if is_greedy(params):
+        v = torch.topk(x, 2).values
+        return "logit_gap", float(v[0] - v[1])
+    probs, idx, full = _nucleus(x, params)
+    u = uniform(params.seed if params.seed is not None else 0, position)
+    cum = torch.cumsum(probs, dim=0)
+    d = float(torch.min(torch.abs(cum[:-1] - u)).item()) if cum.numel() > 1 else 1.0
+    n = full.shape[0]
+    if params.min_p > 0.0:
+        d = min(d, float(torch.min(torch.abs(full - params.min_p * full[0])).item()))
+    if params.top_k and 0 < params.top_k < n:
+        d = min(d, float(full[params.top_k - 1] - full[params.top_k]))
+    if params.top_p < 1.0:
+        keep = int(full.shape[0])
+        if params.min_p > 0.0:
+            keep = min(keep, max(1, int((full >= params.min_p * full[0]).sum().item())))
+        if params.top_k and params.top_k > 0:
+            keep = min(keep, params.top_k)
+        pre = torch.cumsum(full[:keep] / full[:keep].sum(), dim=0)
+        d = min(d, float(torch.min(torch.abs(pre - params.top_p)).item()))
+    return "prob", d
 
 
 class Sampler:
@@ -54,13 +191,25 @@ class Sampler:
 
     def __init__(self, eos_token_ids: list[int] | None = None):
         self.eos_token_ids = set(eos_token_ids or [])
+        self.last_logprobs: list[dict | None] = []  # per row of the last sample() call
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+               histories: list[tuple[list[int], int]] | None = None) -> list[int]:
         """logits: [N, vocab] float32; params/positions: one per row (position = output index
-        of the token being sampled). Returns N token ids."""
-        if all(p.temperature <= 0 for p in params):
+        of the token being sampled); histories: per row ``(token_ids so far, prompt_len)`` for
+        penalties (None: no history, penalties see no tokens). Returns N token ids; the rows'
+        logprob info (or None) is left in ``last_logprobs``."""
+        n = len(params)
+        self.last_logprobs = [None] * n
+        slow = [i for i, p in enumerate(params) if needs_processing(p, positions[i])]
+        if not slow:
             return torch.argmax(logits, dim=-1).tolist()
-        return [sample_one(logits[i], p, positions[i]) for i, p in enumerate(params)]
+        out = torch.argmax(logits, dim=-1).tolist() if len(slow) < n else [0] * n
+        rows = logits[torch.tensor(slow, dtype=torch.long, device=logits.device)].detach().to("cpu", torch.float64)
+        for r, i in enumerate(slow):
+            hist, plen = histories[i] if histories is not None else (None, 0)
+            out[i], self.last_logprobs[i] = sample_row(rows[r], params[i], positions[i], hist, plen, self.eos_token_ids)
+        return out
 
     def check_stop(self, token_id: int, num_outputs: int, params: SamplingParams) -> FinishReason | None:
         """After appending ``token_id`` as output number ``num_outputs`` (1-based count)."""
