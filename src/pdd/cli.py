@@ -42,8 +42,9 @@ def ensure_model(cfg) -> None:
 def cmd_make_model(args) -> int:
     from pdd.modelgen import make_model
 
-    make_model(args.out, preset=args.preset, seed=args.seed)
-    print(f"wrote {args.preset} checkpoint to {args.out}")
+    make_model(args.out, preset=args.preset, seed=args.seed, family=args.family,
+               tie_word_embeddings=args.tie_embeddings)
+    print(f"wrote {args.preset} {args.family} checkpoint to {args.out}")
     return 0
 
 
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--preset", choices=["tiny", "small"], default="small")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="llama",
+                   help="architecture: llama, qwen2 (q/k/v biases) or qwen3 (q/k norms)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="tie the LM head to the input embeddings (no lm_head.weight in the checkpoint)")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("launch", help="start one instance of a topology",

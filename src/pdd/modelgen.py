@@ -149,11 +149,14 @@ FAMILIES = {
 }
 
 
-def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = "llama") -> str:
+def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = "llama",
+               tie_word_embeddings: bool = False) -> str:
     """Write a random-weight checkpoint to ``out_dir`` and return ``out_dir``.
 
     preset: ``"tiny"`` (unit tests) or ``"small"`` (demo); see :data:`PRESETS`.
     family: ``"llama"`` (default), ``"qwen2"`` (q/k/v biases) or ``"qwen3"`` (q/k norms).
+    tie_word_embeddings: the LM head is the input embedding matrix (as in the small Qwen2 /
+    Qwen3 checkpoints); ``lm_head.weight`` is then not written.
     """
     if family not in FAMILIES:
         raise NotImplementedError(f"family {family!r}; choose from {sorted(FAMILIES)}")
@@ -172,7 +175,7 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": bool(tie_word_embeddings),
         "initializer_range": 0.02,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
@@ -197,6 +200,8 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     weights = _weights(p, seed)
     weights.update(_family_weights(p, seed, family))
+    if tie_word_embeddings:
+        del weights["lm_head.weight"]
     save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -215,8 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", default="llama", choices=sorted(FAMILIES))
+    ap.add_argument("--tie-embeddings", action="store_true")
     a = ap.parse_args(argv)
-    print(make_model(a.out_dir, a.preset, a.seed, a.family))
+    print(make_model(a.out_dir, a.preset, a.seed, a.family, a.tie_embeddings))
 
 
 if __name__ == "__main__":
