@@ -49,7 +49,7 @@ def test_min_tokens_masks_eos_and_stop_ids_then_releases_them():
     x = torch.tensor([0.0, 9.0, 0.0, 8.0, 0.0])
     p = SamplingParams(min_tokens=2, stop_token_ids=[3])
     s = Sampler(eos_token_ids=[1])
-    assert s.sample(x[None], [p], [0]) == [4 - 4]  # 1 (eos) and 3 (stop id) masked: first of the zeros
+    assert s.sample(x[None], [p], [0]) == [0]  # 1 (eos) and 3 (stop id) masked: the first of the zeros
     assert s.sample(x[None], [p], [1]) == [0]
     assert s.sample(x[None], [p], [2]) == [1]  # min_tokens reached: eos is back
     greedy_plain = SamplingParams()

@@ -1,5 +1,14 @@
-"""OpenAI-compatible HTTP API of the gateway (FastAPI): completions (SSE or not), models,
-health, and pdd's own ``/pdd/stats`` and ``/pdd/flush``.
+"""OpenAI-compatible HTTP API of the gateway (FastAPI): ``/v1/completions`` and
+``/v1/chat/completions`` (SSE or not), models, health, and pdd's own ``/pdd/stats`` and
+``/pdd/flush``.
+
+Parameters (OpenAI names plus vLLM's extensions): temperature, top_p, top_k, min_p,
+presence/frequency/repetition penalties, logit_bias, seed, stop (strings), stop_token_ids,
+min_tokens, max_tokens / max_completion_tokens, ignore_eos, include_stop_str_in_output,
+skip_special_tokens, logprobs (+ top_logprobs for chat), n, echo (completions). Sampling runs on
+the tiers (``pdd.engine.sampler``: the same draw for a position on every tier); stop strings,
+detokenization and the choices of ``n`` are the gateway's (``openai_run``, ``openai_text``);
+chat renders the checkpoint's own template (``openai_chat``).
 
 Every streamed chunk carries one token; besides the OpenAI fields it has ``"pdd": {"tier",
 "pos", "token_id"}`` (which decoder produced it). With ``stream_options.include_usage`` a last
@@ -12,88 +21,57 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import time
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from pdd.config import ClusterConfig
+from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
+from pdd.gateway.openai_run import Delta, Generation
+from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
+                                        check_completion, error_body, sampling_for)
+from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import Orchestrator, RequestFailed, ReqState
-from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's and vLLM's default
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=1)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    user: str | None = None
-
-
-def error_body(message: str, param: str | None = None, code: str | None = None, etype: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+LP_FLOOR = -9999.0  # a logprob of -inf is reported as this (JSON has no infinity; vLLM does the same)
 
 
 def bad_request(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, param, code), status_code=status)
 
 
-class Detokenizer:
-    """Incremental text for a growing list of ids; holds back a trailing partial UTF-8 char."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def add(self, token_id: int, final: bool) -> str:
-        self.ids.append(token_id)
-        full = self.tok.decode(self.ids, skip_special_tokens=True)
-        if full.endswith("\ufffd") and not final:
-            return ""
-        if not full.startswith(self.sent):  # tokenizer re-segmented: emit the difference safely
-            out = full[len(self.sent):] if len(full) > len(self.sent) else ""
-        else:
-            out = full[len(self.sent):]
-        self.sent = full
-        return out
-
-
-def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer) -> FastAPI:
+def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
     app = FastAPI(title="pdd gateway", version="0.1.0")
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
     model_vocab = _model_vocab(cfg) or vocab
+    if chat_template is None:
+        try:
+            chat_template = ChatTemplate.from_model_dir(cfg.model_path)
+        except Exception as e:  # a broken tokenizer_config only disables chat
+            log.warning("no chat template: %s", e)
+    token_text = TokenText(tokenizer)
+    model_name = cfg.served_model_name
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        param = ".".join(loc) or None
+        param = loc[0] if loc else None
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return bad_request(f"request body is not valid JSON: {msg}", None)
-        return bad_request(f"{param}: {msg}" if param else msg, param)
+        where = ".".join(loc)
+        return bad_request(f"{where}: {msg}" if where else msg, param)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.get("/health")
     async def health():
@@ -101,7 +79,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "pdd"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdd",
+                                            "max_model_len": cfg.engine.max_model_len}]}
 
     @app.get("/pdd/stats")
     async def stats():
@@ -111,60 +90,110 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer) -> FastAPI:
     async def flush():
         return await orch.flush()
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        if body.model is not None and body.model != cfg.served_model_name:
-            return bad_request(f"model {body.model!r} does not exist; this server serves {cfg.served_model_name!r}",
-                               "model", status=404, code="model_not_found")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
+                           status=404, code="model_not_found")
+
+    def check_context(n_prompt: int, max_tokens: int, param: str) -> None:
+        e = cfg.engine
+        if not n_prompt:
+            raise ApiError("prompt: must not be empty", "prompt" if param == "max_tokens" else "messages")
+        if n_prompt > e.max_input_len:
+            raise ApiError(f"prompt: {n_prompt} tokens is longer than the maximum input length {e.max_input_len}",
+                           "prompt" if param == "max_tokens" else "messages", code="context_length_exceeded")
+        if n_prompt + max_tokens > e.max_model_len:
+            raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
+                           f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
+
+    def prompt_ids(prompt, add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                return bad_request("prompt: only one prompt per request is supported", "prompt")
+                raise ApiError("prompt: only one prompt per request is supported (use n for several choices)",
+                               "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not (0 <= t < model_vocab)]
-            if bad:
-                return bad_request(f"prompt: token id {bad[0]} is outside the vocabulary [0, {model_vocab})", "prompt")
-        if not ids:
-            return bad_request("prompt: must not be empty", "prompt")
-        e = cfg.engine
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        if len(ids) > e.max_input_len:
-            return bad_request(f"prompt: {len(ids)} tokens is longer than the maximum input length {e.max_input_len}",
-                               "prompt", code="context_length_exceeded")
-        if len(ids) + max_tokens > e.max_model_len:
-            return bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context window "
-                               f"of {e.max_model_len} tokens", "max_tokens", code="context_length_exceeded")
-        # an unseeded sampled request still gets one seed, shared by every tier that decodes it,
-        # so RLD and MD draw identically for each position
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
-        sp = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                            seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []))
+            return tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+        ids = list(prompt)
+        bad = [t for t in ids if not (0 <= t < model_vocab)]
+        if bad:
+            raise ApiError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {model_vocab})", "prompt")
+        return ids
+
+    async def start(ids, sps, opts) -> Generation:
+        gen = Generation(orch, tokenizer, ids, sps, opts, set())
         try:
-            st = await orch.start_request(ids, sp)
+            await gen.start()
         except RequestFailed as ex:
-            return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
-        created = int(time.time())
-        cid = f"cmpl-{st.rid}"
+            raise ApiError(str(ex), None, status=503, etype="server_error") from ex
+        return gen
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        check_completion(body)
+        ids = prompt_ids(body.prompt, body.add_special_tokens)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        check_context(len(ids), max_tokens, "max_tokens")
+        sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
+        gen = await start(ids, sps, opts)
+        created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
+        echo = tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else ""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(orch, st, tokenizer, cid, created, cfg.served_model_name, include_usage),
+            return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name, include_usage, echo),
                                      media_type="text/event-stream")
-        detok = Detokenizer(tokenizer)
-        text, fin, ntok = [], None, 0
         try:
-            async for t in orch.stream(st):
-                ntok += 1
-                text.append(detok.add(t.token_id, t.fin is not None))
-                fin = t.fin
+            await gen.collect()
         except RequestFailed as ex:
             return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
-        return {"id": cid, "object": "text_completion", "created": created, "model": cfg.served_model_name,
-                "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": fin}],
-                "usage": _usage(st, ntok), "pdd": _pdd_summary(st)}
+        choices = [{"index": c.index, "text": echo + "".join(c.text),
+                    "logprobs": (_completion_logprobs(token_text, c.tokens, len(echo))
+                                 if opts.logprobs is not None else None),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in gen.choices]
+        return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        check_model(body.model)
+        check_chat(body)
+        if chat_template is None:
+            raise ApiError("this model has no chat template (tokenizer_config.json chat_template); "
+                           "use /v1/completions", "messages")
+        try:
+            text = chat_template.render(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message, tools=body.tools,
+                                        documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(str(e), "messages") from e
+        ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # as vLLM: whatever the context window leaves
+            max_tokens = cfg.engine.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise ApiError(f"messages: {len(ids)} prompt tokens leave no room in the context window of "
+                               f"{cfg.engine.max_model_len} tokens", "messages", code="context_length_exceeded")
+        check_context(len(ids), max_tokens, param)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
+        gen = await start(ids, sps, opts)
+        created, cid = int(time.time()), f"chatcmpl-{gen.choices[0].st.rid}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            await gen.collect()
+        except RequestFailed as ex:
+            return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": ({"content": [_chat_lp(token_text, t, top) for t in c.tokens]}
+                                 if top is not None else None),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in gen.choices]
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
 
     return app
 
@@ -177,37 +206,117 @@ def _model_vocab(cfg: ClusterConfig) -> int | None:
         return None
 
 
-def _usage(st: ReqState, ntok: int) -> dict:
-    return {"prompt_tokens": st.prompt_len, "completion_tokens": ntok, "total_tokens": st.prompt_len + ntok,
-            "prompt_tokens_details": {"cached_tokens": st.p_cached_tokens}}
+def _lp(v) -> float:
+    return LP_FLOOR if v is None or v != v or v < LP_FLOOR else float(v)
+
+
+def _completion_logprobs(tt: TokenText, toks, offset: int = 0) -> dict:
+    """Legacy completions format; ``top_logprobs`` holds the top k and the sampled token (vLLM)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in toks:
+        s = tt.get(t.token_id)[0]
+        lp = t.lp or {}
+        top = {tt.get(int(i))[0]: _lp(v) for i, v in lp.get("top", [])}
+        top.setdefault(s, _lp(lp.get("lp")))
+        out["tokens"].append(s)
+        out["token_logprobs"].append(_lp(lp.get("lp")))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def _chat_lp(tt: TokenText, t, top: int | None) -> dict:
+    s, raw = tt.get(t.token_id)
+    lp = t.lp or {}
+    tops = []
+    for i, v in (lp.get("top", []) if top else []):
+        ts, traw = tt.get(int(i))
+        tops.append({"token": ts, "logprob": _lp(v), "bytes": traw})
+    return {"token": s, "logprob": _lp(lp.get("lp")), "bytes": raw, "top_logprobs": tops}
+
+
+def _usage(gen: Generation) -> dict:
+    n_prompt = len(gen.prompt_ids)
+    ntok = gen.completion_tokens()
+    return {"prompt_tokens": n_prompt, "completion_tokens": ntok, "total_tokens": n_prompt + ntok,
+            "prompt_tokens_details": {"cached_tokens": gen.choices[0].st.p_cached_tokens}}
+
+
+def _pdd(gen: Generation) -> dict[str, Any]:
+    out = _pdd_summary(gen.choices[0].st)
+    if len(gen.choices) > 1:
+        out["choices"] = [_pdd_summary(c.st) for c in gen.choices]
+    return out
 
 
 def _pdd_summary(st: ReqState) -> dict[str, Any]:
     return {"pipeline": st.pipeline.value, "wan_bytes": st.wan_bytes, "wan_bytes_expected": st.wan_bytes_expected,
             "md_cached_tokens": st.md_cached_tokens, "p_cached_tokens": st.p_cached_tokens,
             "handoff_pos": st.handoff_pos, "rld_finished_first": st.rld_finished_first,
+            "handoff_mode": st.handoff_mode, "handoff_rounds": st.handoff_rounds,
+            "handoff_tokens": st.handoff_tokens, "cut_off": st.cut_off, "md_diverged": st.md_diverged,
+            "extend_extra_step_ms": st.extend_extra_step_ms,
             "events_ms": {k: round((v - st.t_arrival) * 1000, 2) for k, v in st.events.items()}}
 
 
-async def _sse(orch: Orchestrator, st: ReqState, tokenizer, cid: str, created: int, model: str, include_usage: bool):
-    detok = Detokenizer(tokenizer)
-    ntok = 0
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _tok_ext(d: Delta) -> dict:
+    return {"tier": d.token.tier, "pos": d.token.pos, "token_id": d.token.token_id}
+
+
+async def _completion_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool,
+                          echo: str = ""):
+    offsets = [len(echo)] * len(gen.choices)
+    head = {"id": cid, "object": "text_completion", "created": created, "model": model}
+    want_lp = gen.opts.logprobs is not None
     try:
-        async for t in orch.stream(st):
-            ntok += 1
-            chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": 0, "text": detok.add(t.token_id, t.fin is not None), "logprobs": None,
-                                  "finish_reason": t.fin}],
-                     "pdd": {"tier": t.tier, "pos": t.pos, "token_id": t.token_id}}
-            yield f"data: {json.dumps(chunk)}\n\n"
+        if echo:
+            for c in gen.choices:
+                yield _data({**head, "choices": [{"index": c.index, "text": echo, "logprobs": None,
+                                                  "finish_reason": None}]})
+        async for d in gen.deltas():
+            lp = None
+            if want_lp:
+                lp = _completion_logprobs(tt, [d.token], offsets[d.index])
+                offsets[d.index] += len(lp["tokens"][0])
+            yield _data({**head, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
+                                              "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
+                         "pdd": _tok_ext(d)})
     except RequestFailed as ex:
-        yield f"data: {json.dumps(error_body(str(ex), etype='server_error'))}\n\n"
+        yield _data(error_body(str(ex), etype="server_error"))
         yield "data: [DONE]\n\n"
         return
+    finally:
+        gen.close()  # the client went away mid-stream: abort what still runs, on every tier
     if include_usage:
-        chunk = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                 "usage": _usage(st, ntok), "pdd": _pdd_summary(st)}
-        yield f"data: {json.dumps(chunk)}\n\n"
+        yield _data({**head, "choices": [], "usage": _usage(gen), "pdd": _pdd(gen)})
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool):
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    top = gen.opts.logprobs
+    try:
+        for c in gen.choices:
+            yield _data({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})
+        async for d in gen.deltas():
+            lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
+            yield _data({**head, "choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
+                                              "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
+                         "pdd": _tok_ext(d)})
+    except RequestFailed as ex:
+        yield _data(error_body(str(ex), etype="server_error"))
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        gen.close()  # the client went away mid-stream: abort what still runs, on every tier
+    if include_usage:
+        yield _data({**head, "choices": [], "usage": _usage(gen), "pdd": _pdd(gen)})
     yield "data: [DONE]\n\n"
 
 

@@ -1,0 +1,179 @@
+"""Running one API request: n choices through the orchestrator, text and stop strings per choice.
+
+``n > 1``: n sibling requests with seeds ``seed + i``. Choice 0 is started first; once P has
+prefilled it, its prompt's whole pages are in P's prefix cache, so the other choices (started
+together) reuse that KV and only recompute the last partial page (P always computes at least
+one token itself to get the first token's logits). RLD and MD each hold their own copy per
+choice.
+
+A choice ends on its finish token from a tier, or at the gateway when a stop string completes:
+then the request is aborted on every tier (``Orchestrator.abort`` frees its pages everywhere),
+so no tier keeps decoding text that would never be sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from pdd.gateway.openai_schemas import TextOptions
+from pdd.gateway.openai_text import Detokenizer, StopMatcher
+from pdd.gateway.orchestrator import RequestFailed, ReqState, TokenOut
+from pdd.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_BACKGROUND: set = set()  # strong refs to fire-and-forget tasks (aborts)
+
+
+def _spawn(coro) -> asyncio.Task:
+    task = asyncio.get_running_loop().create_task(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
+@dataclass
+class Delta:
+    """What one token adds to a choice. ``text`` may be empty (held back); ``finish_reason`` is
+    set on the choice's last delta; ``stop_reason`` is the stop string or stop token id."""
+
+    index: int
+    token: TokenOut
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    st: ReqState
+    opts: TextOptions
+    detok: Detokenizer
+    stop: StopMatcher
+    ntok: int = 0
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenOut] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def on_token(self, t: TokenOut, eos_ids: set[int]) -> Delta:
+        self.ntok += 1
+        self.tokens.append(t)
+        final = t.fin is not None
+        piece = self.detok.add(t.token_id, final)
+        fin, reason = t.fin, None
+        if self.ntok < self.opts.min_tokens:
+            out = piece  # stop strings count only from min_tokens on (as in vLLM)
+        else:
+            out, matched = self.stop.feed(piece)
+            if matched is not None:
+                fin, reason = "stop", matched
+        if fin is not None and reason is None:
+            out += self.stop.flush()
+            if fin == "stop" and t.token_id in self.st.sampling.stop_token_ids:
+                reason = t.token_id  # EOS: None (as in vLLM)
+        self.text.append(out)
+        if fin is not None:
+            self.finish_reason, self.stop_reason = fin, reason
+        return Delta(self.index, t, out, fin, reason)
+
+
+class Generation:
+    """The choices of one request and a merged, position-ordered token stream per choice."""
+
+    def __init__(self, orch, tokenizer, prompt_ids: list[int], sps: list[SamplingParams], opts: TextOptions,
+                 eos_ids: set[int]):
+        self.orch, self.tok, self.prompt_ids, self.sps, self.opts = orch, tokenizer, prompt_ids, sps, opts
+        self.eos_ids = eos_ids
+        self.choices: list[Choice] = []
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.pumps: list[asyncio.Task] = []
+        self.live = 0
+
+    async def start(self) -> None:
+        """Start every choice (choice 0 first, so the others hit P's prefix cache)."""
+        try:
+            first = await self.orch.start_request(self.prompt_ids, self.sps[0])
+            self._add(first)
+            if len(self.sps) > 1:
+                rest = await asyncio.gather(*(self.orch.start_request(self.prompt_ids, sp) for sp in self.sps[1:]),
+                                            return_exceptions=True)
+                errs = [r for r in rest if isinstance(r, BaseException)]
+                for r in rest:
+                    if not isinstance(r, BaseException):
+                        self._add(r)
+                if errs:
+                    raise errs[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, st: ReqState) -> None:
+        i = len(self.choices)
+        self.choices.append(Choice(i, st, self.opts, Detokenizer(self.tok, self.opts.skip_special_tokens),
+                                   StopMatcher(self.opts.stop, self.opts.include_stop)))
+        self.pumps.append(asyncio.get_running_loop().create_task(self._pump(i, st)))
+        self.live += 1
+
+    async def _pump(self, i: int, st: ReqState) -> None:
+        try:
+            async for t in self.orch.stream(st):
+                self.q.put_nowait((i, t))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.q.put_nowait((i, e))
+            return
+        self.q.put_nowait((i, None))
+
+    async def deltas(self):
+        """Yield :class:`Delta` s of all choices as tokens arrive (each choice in position
+        order), until every choice has finished. Raises ``RequestFailed`` if a tier fails."""
+        try:
+            while self.live:
+                i, item = await self.q.get()
+                c = self.choices[i]
+                if c.finish_reason is not None:
+                    continue  # stopped at the gateway: later tokens are dropped
+                if item is None:  # stream ended without a finish token (aborted elsewhere)
+                    if c.finish_reason is None:
+                        c.finish_reason = "abort"
+                        self.live -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item if isinstance(item, RequestFailed) else RequestFailed(str(item))
+                d = c.on_token(item, self.eos_ids)
+                if d.finish_reason is not None:
+                    self.live -= 1
+                    if item.fin is None:  # a stop string ended it here: stop every tier
+                        self._stop(i)
+                yield d
+        finally:
+            self.close()
+
+    def _stop(self, i: int) -> None:
+        st = self.choices[i].st
+        if not st.finished:
+            _spawn(self.orch.abort(st))  # runs before the pump sees its cancellation
+        pump = self.pumps[i]
+        if not pump.done():
+            pump.cancel()
+
+    def close(self) -> None:
+        """Abort every choice still running (client gone, error): idempotent. A choice that
+        finished on a tier's finish token is left alone (its stream still tidies up)."""
+        for i, pump in enumerate(self.pumps):
+            if not pump.done() and self.choices[i].finish_reason is None:
+                self.choices[i].finish_reason = "abort"
+                self._stop(i)
+
+    async def collect(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+    # ------------------------------------------------------------------ usage
+    def completion_tokens(self) -> int:
+        return sum(c.ntok for c in self.choices)

@@ -1,0 +1,189 @@
+"""OpenAI (and vLLM-extension) request bodies, their ranges, and what they become.
+
+Ranges are checked by pydantic (``Field`` bounds, so the 400 names the parameter) and by
+:func:`sampling_for`; every bad parameter gets HTTP 400 ``{"error": {"message", "type":
+"invalid_request_error", "param", "code"}}`` before any tier does work.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdd.types import SamplingParams
+
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs)
+_MASK64 = (1 << 64) - 1
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: ``status`` (400 unless said), ``param``, ``code``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 etype: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.etype = message, param, status, code, etype
+
+    def body(self) -> dict:
+        return error_body(self.message, self.param, self.code, self.etype)
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               etype: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Parameters shared by completions and chat (OpenAI names, then vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0 (OpenAI's and vLLM's default)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class TextOptions:
+    """What the gateway does with each choice's tokens (not sent to the tiers)."""
+
+    stop: list[str]
+    include_stop: bool
+    skip_special_tokens: bool
+    min_tokens: int
+    logprobs: int | None  # None: no logprobs in the response
+
+
+def stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for i, s in enumerate(stops):
+        if not s:
+            raise ApiError(f"stop[{i}]: stop strings must not be empty", "stop")
+    return stops
+
+
+def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | None,
+                 max_tokens_param: str = "max_tokens") -> tuple[list[SamplingParams], TextOptions]:
+    """One :class:`SamplingParams` per choice (seeds ``seed + i``; an unseeded request gets a
+    random seed so every tier draws the same numbers) and the gateway's text options."""
+    if body.min_tokens > max_tokens:
+        raise ApiError(f"min_tokens ({body.min_tokens}) must be at most {max_tokens_param} ({max_tokens})",
+                       "min_tokens")
+    stop_ids = list(body.stop_token_ids or [])
+    for t in stop_ids:
+        if not 0 <= t < vocab:
+            raise ApiError(f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+    bias: dict[int, float] = {}
+    for k, v in (body.logit_bias or {}).items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise ApiError(f"logit_bias: key {k!r} is not a token id", "logit_bias") from None
+        if not 0 <= t < vocab:
+            raise ApiError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})", "logit_bias")
+        if not -100.0 <= v <= 100.0:
+            raise ApiError(f"logit_bias: bias {v} for token {t} is outside [-100, 100]", "logit_bias")
+        bias[t] = float(v)
+    stops = stop_list(body.stop)
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    base = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=-1 if not body.top_k else int(body.top_k),
+        seed=seed,
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=stop_ids,
+        min_p=float(body.min_p or 0.0),
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        logit_bias=bias,
+    )
+    sps = [SamplingParams.from_dict({**base.to_dict(), "seed": (seed + i) & _MASK64}) for i in range(body.n)]
+    opts = TextOptions(stop=stops, include_stop=body.include_stop_str_in_output,
+                       skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens, logprobs=logprobs)
+    return sps, opts
+
+
+def check_completion(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise ApiError("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError("best_of other than n is not supported", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise ApiError("echo with logprobs (prompt logprobs) is not supported", "echo")
+
+
+def check_chat(body: ChatCompletionRequest) -> None:
+    if not body.messages:
+        raise ApiError("messages: must contain at least one message", "messages")
+    for i, m in enumerate(body.messages):
+        if not isinstance(m.get("role"), str):
+            raise ApiError(f"messages[{i}].role: required string", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
+    tc = body.tool_choice
+    if tc is not None and tc not in ("none", "auto"):
+        raise ApiError("tool_choice other than 'none' or 'auto' is not supported (no tool-call parsing)",
+                       "tool_choice")
+    rf = body.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        raise ApiError(f"response_format {rf.get('type')!r} is not supported", "response_format")

@@ -1,0 +1,138 @@
+"""Output text at the gateway: incremental detokenization, stop strings, token strings/bytes.
+
+Stop strings are applied here, on the detokenized stream, whichever tier produced the tokens:
+text that could still be the start of a stop string is held back, so text after (or of) a stop
+string is never streamed, including stop strings that span token boundaries or complete only
+after the handoff from RLD to MD.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+class Detokenizer:
+    """Incremental text of a growing list of ids (``tokenizers.Tokenizer``).
+
+    Decodes a short window (vLLM's prefix/read offsets) rather than every id each time, and holds
+    back text that ends in a partial UTF-8 character until the next token completes it (or the
+    stream ends). The concatenation of everything returned equals ``decode(all ids)``.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip) if ids else ""
+
+    def add(self, token_id: int, final: bool = False) -> str:
+        self.ids.append(int(token_id))
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset:])
+        if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return new[len(prefix):]
+        return self.flush() if final else ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (a partial character at the end of the stream)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new[len(prefix):] if len(new) > len(prefix) else ""
+
+
+class StopMatcher:
+    """Finds the first stop string to complete in a text stream fed piece by piece (the
+    earliest end; on a tie the earliest start), however the stream is split.
+
+    ``feed(text) -> (releasable text, matched stop or None)``: the text returned can never be
+    part of a stop string; the longest tail that is a proper prefix of some stop string is held
+    back until more text decides it. On a match, the text up to the stop string (plus the stop
+    string if ``include_stop``) is returned and nothing after it ever is.
+    """
+
+    def __init__(self, stops: list[str], include_stop: bool = False):
+        self.stops = [s for s in stops if s]
+        self.include = include_stop
+        self.buf = ""
+        self.done = False
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        if self.done:
+            return "", None
+        self.buf += text
+        if not self.stops:
+            out, self.buf = self.buf, ""
+            return out, None
+        best, which = None, None  # the stop string that completes first (then the longer one)
+        for s in self.stops:
+            i = self.buf.find(s)
+            if i >= 0 and (best is None or (i + len(s), i) < best):
+                best, which = (i + len(s), i), s
+        if which is not None:
+            out = self.buf[:best[1]] + (which if self.include else "")
+            self.buf, self.done = "", True
+            return out, which
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buf)), hold, -1):
+                if self.buf.endswith(s[:k]):
+                    hold = k
+                    break
+        out = self.buf[:len(self.buf) - hold]
+        self.buf = self.buf[len(self.buf) - hold:]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.buf = ("" if self.done else self.buf), ""
+        return out
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 ByteLevel: the printable character standing for each byte, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenText:
+    """Strings and raw bytes of single tokens (for logprobs), cached per id."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        dec = getattr(tokenizer, "decoder", None)
+        self.byte_level = type(dec).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        text = self.tok.decode([token_id], skip_special_tokens=False)
+        raw = None
+        if self.byte_level:
+            piece = self.tok.id_to_token(token_id)
+            bd = _byte_decoder()
+            if piece is not None and all(c in bd for c in piece):
+                raw = [bd[c] for c in piece]
+        if raw is None:
+            raw = list(text.encode("utf-8"))
+        if "\ufffd" in text and raw is not None:
+            try:
+                text = bytes(raw).decode("utf-8")
+            except UnicodeDecodeError:  # a partial character: name its bytes (as vLLM does)
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        self._cache[token_id] = (text, raw)
+        return text, raw

@@ -1,0 +1,246 @@
+"""The OpenAI API layer over an in-process engine: parameters, stop strings, n, logprobs, chat,
+and OpenAI-style 400s (no process topology; see tests/api/test_openai_parity.py for that)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pdd.gateway.openai_text import StopMatcher
+
+PROMPT = list(range(40, 80))
+
+
+def _sse(r) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def _complete(client, **body):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 5, "ignore_eos": True, **body}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---------------------------------------------------------------------------------------- stops
+def test_stop_matcher_fuzz_equals_truncating_the_whole_text():
+    rng = random.Random(0)
+    alphabet = "abc "
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        include = rng.random() < 0.3
+        m = StopMatcher(stops, include)
+        out, hit, i = [], None, 0
+        while i < len(text) and hit is None:
+            k = rng.randint(0, 5)
+            piece, hit = m.feed(text[i:i + k])
+            out.append(piece)
+            i += k
+        if hit is None:
+            out.append(m.flush())
+        got = "".join(out)
+        hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+        if hits:
+            _, pos, s = min(hits)  # the first to complete, then the earliest start
+            assert hit == s and got == text[:pos] + (s if include else ""), (text, stops, got)
+        else:
+            assert hit is None and got == text
+
+
+def test_stop_string_spanning_tokens_ends_the_request_everywhere(api):
+    client, orch = api
+    full = _complete(client, max_tokens=24)["choices"][0]["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # a few characters mid-text, usually across tokens
+    expected = full[:full.index(stop)]
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "temperature": 0.8, "seed": 5,
+                                             "ignore_eos": True, "stop": [stop, "\x00never"], "stream": True})
+    chunks = _sse(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected  # nothing of or after it
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+    assert len(chunks) < 200 and orch.aborted  # the tiers were told to stop
+    assert not orch.engine.seqs and not orch.seqs  # and nothing keeps decoding
+    # non-streaming, with the stop string kept
+    j = _complete(client, max_tokens=200, stop=stop, include_stop_str_in_output=True)
+    assert j["choices"][0]["text"] == expected + stop and j["choices"][0]["finish_reason"] == "stop"
+    assert j["usage"]["completion_tokens"] < 200
+
+
+def test_stop_token_ids_min_tokens_and_length(api):
+    client, _ = api
+    full = _complete(client, max_tokens=12)
+    ids = [t for t in _ids(client, max_tokens=12)]
+    j = _complete(client, max_tokens=12, stop_token_ids=[ids[3]])
+    first = ids.index(ids[3])
+    assert j["choices"][0]["finish_reason"] == "stop" and j["choices"][0]["stop_reason"] == ids[3]
+    assert j["usage"]["completion_tokens"] == first + 1
+    # min_tokens masks the stop id until 6 outputs exist: the sampled path changes, and it
+    # stops only on or after the 6th token (or at max_tokens)
+    j = _complete(client, max_tokens=12, stop_token_ids=[ids[3]], min_tokens=6)
+    assert j["usage"]["completion_tokens"] >= 6
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 12
+
+
+def _ids(client, **body) -> list[int]:
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 5, "ignore_eos": True, "stream": True,
+            **body}
+    return [c["pdd"]["token_id"] for c in _sse(client.post("/v1/completions", json=body)) if c.get("choices")]
+
+
+# ------------------------------------------------------------------------------- sampling / n
+def test_seeded_requests_repeat_and_seeds_differ(api):
+    client, _ = api
+    a = _complete(client, temperature=1.0, top_p=0.9, top_k=40, min_p=0.02, presence_penalty=0.4,
+                  frequency_penalty=0.2, repetition_penalty=1.1)
+    b = _complete(client, temperature=1.0, top_p=0.9, top_k=40, min_p=0.02, presence_penalty=0.4,
+                  frequency_penalty=0.2, repetition_penalty=1.1)
+    c = _complete(client, temperature=1.0, seed=6)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert c["choices"][0]["text"] != _complete(client, temperature=1.0, seed=5)["choices"][0]["text"]
+
+
+def test_n_choices_are_siblings_with_seed_plus_i(api):
+    client, orch = api
+    j = _complete(client, n=3, temperature=1.0, seed=100, max_tokens=10)
+    texts = [c["text"] for c in sorted(j["choices"], key=lambda c: c["index"])]
+    assert [c["index"] for c in sorted(j["choices"], key=lambda c: c["index"])] == [0, 1, 2]
+    assert len(set(texts)) > 1
+    assert [sp.seed for _, sp in orch.started[-3:]] == [100, 101, 102]
+    for i in range(3):
+        assert _complete(client, temperature=1.0, seed=100 + i, max_tokens=10)["choices"][0]["text"] == texts[i]
+    assert j["usage"]["completion_tokens"] == 30 and j["usage"]["prompt_tokens"] == len(PROMPT)
+    # streaming: chunks of both choices, each ending with its own finish_reason
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "n": 2, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    chunks = _sse(r)
+    fins = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+            if c["choices"] and c["choices"][0]["finish_reason"]}
+    assert fins == {0: "length", 1: "length"} and chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_n_siblings_reuse_the_prompt_pages(api):
+    client, orch = api
+    prompt = list(range(100, 141))  # 41 tokens: 5 whole pages of 8
+    r = client.post("/v1/completions", json={"prompt": prompt, "n": 2, "max_tokens": 3, "temperature": 1.0})
+    assert r.status_code == 200
+    assert orch.states[f"t{orch._n}"].p_cached_tokens == 40  # the sibling hit 5 pages of the first
+
+
+# ------------------------------------------------------------------------------------ logprobs
+def test_completion_logprobs(api):
+    client, _ = api
+    j = _complete(client, logprobs=3, max_tokens=6)
+    lp = j["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert 3 <= len(top) <= 4 and top[tok] == v and max(top.values()) >= v
+    assert lp["text_offset"][0] == 0
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "logprobs": 0, "stream": True})
+    for c in [c for c in _sse(r) if c.get("choices")]:
+        assert len(c["choices"][0]["logprobs"]["tokens"]) == 1
+
+
+def test_greedy_logprob_is_the_top_one(api):
+    client, _ = api
+    j = _complete(client, temperature=0, logprobs=2, max_tokens=5)
+    lp = j["choices"][0]["logprobs"]
+    for v, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert v == max(top.values())
+
+
+# ------------------------------------------------------------------------------------------ chat
+def test_chat_with_the_openai_client(api):
+    from openai import OpenAI
+
+    client, _ = api
+    oa = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, how are you today?"}]
+    r = oa.chat.completions.create(model="pdd-tiny", messages=msgs, max_completion_tokens=8, seed=3,
+                                   logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and ch.finish_reason == "length"
+    assert len(ch.logprobs.content) == 8 and all(len(e.top_logprobs) == 2 for e in ch.logprobs.content)
+    assert "".join(e.token for e in ch.logprobs.content).startswith(ch.message.content[:1])
+    stream = oa.chat.completions.create(model="pdd-tiny", messages=msgs, max_completion_tokens=8, seed=3,
+                                        stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ch.message.content  # same seed, same text, streamed or not
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_chat_prompt_is_the_rendered_template(api, tiny_model):
+    from tokenizers import Tokenizer
+
+    client, orch = api
+    msgs = [{"role": "user", "content": "Hello"}]
+    client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    assert orch.started[-1][0] == tok.encode("<|user|>\nHello</s>\n<|assistant|>\n", add_special_tokens=False).ids
+    # no max_tokens: whatever the 512-token context leaves
+    assert orch.started[-1][1].max_tokens == 1
+    client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": None, "stop": ["\n"]})
+    assert orch.started[-1][1].max_tokens == 512 - len(orch.started[-1][0])
+
+
+# ----------------------------------------------------------------------------------------- 400s
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [5000]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
+    ("/v1/completions", {"prompt": list(range(10, 300)), "max_tokens": 300}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+])
+def test_bad_parameters_get_openai_400(api, path, body, param):
+    client, orch = api
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+    assert set(err) == {"message", "type", "param", "code"}
+    assert not orch.started  # rejected before any tier did work
+
+
+def test_unknown_model_is_404_and_start_failure_503(api):
+    client, orch = api
+    r = client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    orch.fail_next = True
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
