@@ -80,7 +80,7 @@ async def test_crc_ok_and_mismatch_dropped():
     [
         (struct.pack("!2sBBIQ", b"XX", 1, 0, 5, 0), "bad magic"),
         (struct.pack("!2sBBIQ", b"PD", 2, 0, 5, 0), "unsupported wire version 2"),
-        (struct.pack("!2sBBIQ", b"PD", 1, 0x02, 5, 0), "unsupported frame flags"),
+        (struct.pack("!2sBBIQ", b"PD", 1, 0x04, 5, 0), "unsupported frame flags"),
         (struct.pack("!2sBBIQ", b"PD", 1, 0, 0, 0), "empty header"),
         (struct.pack("!2sBBIQ", b"PD", 1, 0, (1 << 20) + 1, 0), "MAX_HEADER_BYTES"),
         (struct.pack("!2sBBIQ", b"PD", 1, 0, 5, 1 << 40), "max_payload_bytes"),

@@ -29,20 +29,47 @@ Handshake: the connecting side sends ``{"t": "hello", "proto", "role", "instance
 and answers ``hello`` (its own identity) or ``{"t": "error", "error": reason}`` then closes;
 the connecting side checks the answer the same way. A failed check raises
 :class:`HandshakeError` (a ``ConnectionError``).
+
+Security (``pdd.security`` builds the contexts and keys for a topology). A :class:`Server` given
+``ssl`` (an ``ssl.SSLContext`` that requires client certificates) serves mutual TLS; one given
+``mac_key`` also accepts plain connections whose every frame, the hellos included, carries a
+keyed MAC (``wire.FrameMac``; the in-datacenter fast path, where TLS is not used); with
+``allow_plain`` it accepts unauthenticated connections too (the default only when it has neither).
+TLS and plain connections share the port: the first byte tells a TLS ClientHello (0x16) from a
+pdd frame (``b"P"``). Anything else is refused and counted in ``Server.refused``: a plain or
+MAC-less connection where authentication is required, a TLS client without a certificate or with
+one the CA did not sign, a MAC'd hello under another key, and (``check_identity``) a TLS peer
+whose hello names an instance other than its certificate's common name.
+:func:`connect` with ``ssl`` (+ ``server_hostname``: the instance name in the server
+certificate's SAN) or ``mac_key`` does the client side; a refused certificate or key raises
+:class:`HandshakeError` at once (never retried).
+
+Fast-path MAC keys: each connection derives its own pair of keys (one per direction) from the
+shared key and a random nonce from each side's hello, and counts frames in each direction, so
+a frame replayed from another connection, or reordered or dropped within one, fails its MAC.
+A frame that fails its MAC is dropped undecoded, counted (``Peer.mac_failures``,
+``Server.mac_failures``) and the connection is **closed**: the sender's transfers on it fail
+(P reconnects for the next request) and no later frame of the stream, e.g. the ``kv_done`` that
+would complete a request whose pages were dropped, is ever delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import inspect
 import itertools
 import logging
+import os
+import socket
+import ssl as _ssl
 import weakref
 from typing import Any, Awaitable, Callable, Mapping, Optional, Union
 
 from . import wire
-from .wire import CrcError, WireError
+from .wire import CrcError, FrameMac, MacError, WireError
 
 __all__ = [
     "PROTO",
@@ -56,6 +83,7 @@ __all__ = [
     "connect_cached",
     "default_handshake_check",
     "parse_addr",
+    "cert_common_name",
 ]
 
 log = logging.getLogger("pdd.transfer.rpc")
@@ -184,6 +212,12 @@ class Peer:
         self.frames_sent = 0
         self.frames_received = 0
         self.frames_dropped = 0
+        self.mac_failures = 0
+        # authentication of this connection, set by the handshake: "tls", "mac" or None (plain)
+        self.auth: Optional[str] = None
+        self.mac_tx: Optional[FrameMac] = None  # set together when auth == "mac"
+        self.mac_rx: Optional[FrameMac] = None
+        self.cert_name: Optional[str] = None  # common name of the TLS peer's certificate
 
     # ---------------------------------------------------------------- identity
     @property
@@ -298,13 +332,17 @@ class Peer:
     # ---------------------------------------------------------------- sending
     async def _write(self, header: dict, payload, crc: Optional[bool]) -> None:
         self._check_open()
-        bufs = wire.encode_frame(header, payload, self.crc if crc is None else crc)
+        crc = self.crc if crc is None else crc
+        if self.mac_tx is None:
+            bufs = wire.encode_frame(header, payload, crc)
         async with self._wlock:
             self._check_open()
+            if self.mac_tx is not None:  # the MAC counts frames: seal in write order
+                bufs = wire.encode_frame(header, payload, crc, self.mac_tx)
             try:
                 for b in bufs:
                     self.writer.write(b)
-                if len(bufs) > 1:
+                if len(bufs) > 1 and isinstance(bufs[1], memoryview):
                     self.bytes_sent += bufs[1].nbytes
                 self.frames_sent += 1
                 await self.writer.drain()
@@ -363,7 +401,7 @@ class Peer:
         try:
             while True:
                 try:
-                    header, payload = await wire.read_frame(self.reader, self.max_payload_bytes)
+                    header, payload = await wire.read_frame(self.reader, self.max_payload_bytes, self.mac_rx)
                 except CrcError as e:
                     self.frames_dropped += 1
                     log.warning("%r: %s", self, e)
@@ -371,6 +409,9 @@ class Peer:
                     continue
                 self.frames_received += 1
                 self.bytes_received += len(payload)
+                cid = header.get("cid")
+                if cid is not None and type(cid) is not int:
+                    raise WireError(f"'cid' must be an int, got {type(cid).__name__}")
                 if header.get("reply"):
                     fut = self._pending.get(header.get("cid"))
                     if fut is not None and not fut.done():
@@ -388,6 +429,11 @@ class Peer:
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 reason = ConnectionError(f"connection closed mid-frame ({len(e.partial)} of {e.expected} bytes)")
+        except MacError as e:
+            self.frames_dropped += 1
+            self.mac_failures += 1
+            log.error("%r: %s; closing the connection", self, e)
+            reason = ConnectionError(f"frame failed authentication, connection closed: {e}")
         except WireError as e:
             log.error("%r: protocol error, closing: %s", self, e)
             reason = ConnectionError(f"protocol error: {e}")
@@ -471,44 +517,129 @@ class Peer:
 
 
 # -------------------------------------------------------------------- handshake
+NONCE_BYTES = 16
+
+
 def _hello(role: str, instance: str, fingerprint: Optional[dict]) -> dict:
     return {"t": "hello", "proto": PROTO, "role": role, "instance": instance, "fingerprint": fingerprint}
 
 
-async def _client_handshake(peer: Peer, hello: dict, check, timeout: float) -> None:
-    for b in wire.encode_frame(hello):
+def _mac(master: bytes, label: bytes, alg: str = "hmac") -> FrameMac:
+    """A direction's MAC state under a key derived from the shared fast-path key."""
+    return FrameMac(hmac.new(master, b"pdd-fastpath-v1 " + label, hashlib.sha256).digest(), alg)
+
+
+def _session_macs(master: bytes, cn: bytes, sn: bytes) -> tuple[FrameMac, FrameMac]:
+    """(client->server, server->client) MAC states of one connection (after the hellos): AES-GMAC
+    under keys that exist for this connection only (both sides' random nonces), so its counter
+    nonces never repeat under a key; the hellos themselves use HMAC."""
+    return _mac(master, b"c2s " + cn + sn, "gmac"), _mac(master, b"s2c " + cn + sn, "gmac")
+
+
+def cert_common_name(peercert: Optional[dict]) -> Optional[str]:
+    """The commonName of a certificate as ``ssl.SSLSocket.getpeercert()`` returns it."""
+    for rdn in (peercert or {}).get("subject", ()):
+        for k, v in rdn:
+            if k == "commonName":
+                return v
+    return None
+
+
+async def _write_raw(peer: Peer, header: dict, mac: Optional[FrameMac] = None) -> None:
+    for b in wire.encode_frame(header, mac=mac):
         peer.writer.write(b)
     await peer.writer.drain()
-    h, _ = await asyncio.wait_for(wire.read_frame(peer.reader, wire.MAX_HEADER_BYTES), timeout)
+
+
+async def _client_handshake(peer: Peer, hello: dict, check, timeout: float, mac_key: Optional[bytes] = None) -> None:
+    cn = os.urandom(NONCE_BYTES) if mac_key is not None else None
+    if cn is not None:
+        hello = {**hello, "nonce": cn}
+    await _write_raw(peer, hello, _mac(mac_key, b"hello c2s") if mac_key is not None else None)
+
+    async def read_reply():
+        prefix = await peer.reader.readexactly(wire.PREFIX_BYTES)
+        flags = wire.decode_prefix(prefix, wire.MAX_HEADER_BYTES)[0]
+        mac = _mac(mac_key, b"hello s2c " + cn) if (mac_key is not None and flags & wire.FLAG_MAC) else None
+        return await wire.read_frame_rest(peer.reader, prefix, wire.MAX_HEADER_BYTES, mac), mac
+
+    try:
+        (h, _), mac = await asyncio.wait_for(read_reply(), timeout)
+    except MacError as e:
+        raise HandshakeError(f"server failed fast-path authentication: {e}") from None
     if h.get("t") == "error":
         raise HandshakeError(f"peer refused connection: {h.get('error')}")
     if h.get("t") != "hello":
         raise HandshakeError(f"expected 'hello', got {h.get('t')!r}")
     if h.get("proto") != PROTO:
         raise HandshakeError(f"rpc proto mismatch: local {PROTO}, remote {h.get('proto')!r}")
+    if mac_key is not None:
+        sn = h.get("nonce")
+        if mac is None or not isinstance(sn, bytes) or len(sn) != NONCE_BYTES:
+            raise HandshakeError("server did not authenticate its hello with the fast-path key")
+        peer.mac_tx, peer.mac_rx = _session_macs(mac_key, cn, sn)
+        peer.auth = "mac"
     check(hello.get("fingerprint"), h.get("fingerprint"))
     peer.local_hello, peer.remote_hello = hello, h
 
 
-async def _server_handshake(peer: Peer, hello: dict, check, timeout: float) -> None:
-    h, _ = await asyncio.wait_for(wire.read_frame(peer.reader, wire.MAX_HEADER_BYTES), timeout)
+async def _server_handshake(
+    peer: Peer,
+    hello: dict,
+    check,
+    timeout: float,
+    *,
+    tls: bool = False,
+    mac_key: Optional[bytes] = None,
+    allow_plain: bool = True,
+    check_identity: bool = False,
+) -> None:
+    prefix = await asyncio.wait_for(peer.reader.readexactly(wire.PREFIX_BYTES), timeout)
+    mac_rx = None
     try:
+        flags = wire.decode_prefix(prefix, wire.MAX_HEADER_BYTES)[0]
+        if flags & wire.FLAG_MAC:
+            if mac_key is None:
+                raise HandshakeError("this server holds no fast-path MAC key (use TLS)")
+            mac_rx = _mac(mac_key, b"hello c2s")
+        elif not tls and not allow_plain:
+            raise HandshakeError("unauthenticated connection refused: mutual TLS or a fast-path MAC is required")
+        h, _ = await asyncio.wait_for(wire.read_frame_rest(peer.reader, prefix, wire.MAX_HEADER_BYTES, mac_rx), timeout)
         if h.get("t") != "hello":
             raise HandshakeError(f"expected 'hello', got {h.get('t')!r}")
         if h.get("proto") != PROTO:
             raise HandshakeError(f"rpc proto mismatch: local {PROTO}, remote {h.get('proto')!r}")
+        cn = h.get("nonce")
+        if mac_rx is not None and (not isinstance(cn, bytes) or len(cn) != NONCE_BYTES):
+            raise HandshakeError("fast-path hello without a valid nonce")
+        if tls:
+            name = cert_common_name(peer.writer.get_extra_info("peercert"))
+            peer.cert_name = name
+            if check_identity and name != h.get("instance"):
+                raise HandshakeError(f"hello names instance {h.get('instance')!r} but the TLS certificate is {name!r}")
         check(hello.get("fingerprint"), h.get("fingerprint"))
     except Exception as e:
-        for b in wire.encode_frame({"t": "error", "error": str(e)}):
-            peer.writer.write(b)
+        if isinstance(e, WireError) and not isinstance(e, MacError):
+            raise  # not a pdd stream (or out of sync): close without an answer
+        if not isinstance(e, HandshakeError) and isinstance(
+            e, (asyncio.IncompleteReadError, asyncio.TimeoutError, TimeoutError, ConnectionError)
+        ):
+            raise  # the peer went away: nobody to answer
+        if isinstance(e, MacError):
+            e = HandshakeError(f"fast-path authentication failed: {e}")
         try:
-            await peer.writer.drain()
+            await _write_raw(peer, {"t": "error", "error": str(e)})
         except Exception:
             pass
         raise HandshakeError(str(e)) from None
-    for b in wire.encode_frame(hello):
-        peer.writer.write(b)
-    await peer.writer.drain()
+    if mac_rx is not None:
+        sn = os.urandom(NONCE_BYTES)
+        hello = {**hello, "nonce": sn}
+        await _write_raw(peer, hello, _mac(mac_key, b"hello s2c " + cn))
+        peer.mac_rx, peer.mac_tx = _session_macs(mac_key, cn, sn)
+    else:
+        await _write_raw(peer, hello)
+    peer.auth = "tls" if tls else ("mac" if mac_rx is not None else None)
     peer.local_hello, peer.remote_hello = hello, h
 
 
@@ -519,6 +650,12 @@ class Server:
     ``port=0`` picks a free port (read ``server.port`` after ``start()``).
     ``on_connect(peer)`` / ``on_disconnect(peer)``: sync or async callbacks.
     ``handshake_check(local_fp, remote_fp)`` raises to refuse a peer.
+    ``ssl``: server context (mutual TLS: it should require client certificates); ``mac_key``:
+    accept plain connections authenticated by the fast-path MAC; ``allow_plain``: accept
+    unauthenticated plain connections (default: only when neither ``ssl`` nor ``mac_key``);
+    ``check_identity``: a TLS peer's hello must name its certificate's common name.
+    Counters: ``refused`` (connections refused at TLS or hello time), ``mac_failures``
+    (connections closed because a frame failed its MAC).
     """
 
     def __init__(
@@ -536,6 +673,10 @@ class Server:
         crc: bool = False,
         max_payload_bytes: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        ssl: Optional[_ssl.SSLContext] = None,
+        mac_key: Optional[bytes] = None,
+        allow_plain: Optional[bool] = None,
+        check_identity: bool = True,
     ):
         self.host = host
         self.port = port
@@ -549,7 +690,14 @@ class Server:
         self.handshake_timeout_s = handshake_timeout_s
         self.peers: set[Peer] = set()
         self.refused = 0
+        self.mac_failures = 0
+        self.ssl = ssl
+        self.mac_key = bytes(mac_key) if mac_key is not None else None
+        self.allow_plain = (ssl is None and mac_key is None) if allow_plain is None else bool(allow_plain)
+        self.check_identity = check_identity
         self._server: Optional[asyncio.base_events.Server] = None
+        self._lsock: Optional[socket.socket] = None
+        self._accept_task: Optional[asyncio.Task] = None
         self._handshakes: set[asyncio.Task] = set()
 
     def on(self, t: str, handler: Handler) -> None:
@@ -558,11 +706,70 @@ class Server:
 
     async def start(self) -> "Server":
         loop = asyncio.get_running_loop()
+        if self.ssl is not None:  # TLS and plain (MAC) connections on one port: sniff the first byte
+            sock = socket.create_server((self.host, self.port), backlog=128)
+            sock.setblocking(False)
+            self._lsock = sock
+            self.port = sock.getsockname()[1]
+            self._accept_task = loop.create_task(self._accept_loop(sock), name=f"rpc-accept-{self.port}")
+            return self
         self._server = await loop.create_server(
             lambda: wire.FrameStream(STREAM_LIMIT_BYTES, on_made=self._made), self.host, self.port
         )
         self.port = self._server.sockets[0].getsockname()[1]
         return self
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:  # e.g. out of file descriptors: keep serving
+                log.warning("accept on %s failed: %r", self.addr, e)
+                await asyncio.sleep(0.1)
+                continue
+            t = loop.create_task(self._accept_sniffed(conn, addr))
+            self._handshakes.add(t)
+            t.add_done_callback(self._handshakes.discard)
+
+    def _refuse(self, addr, why) -> None:
+        self.refused += 1
+        log.warning("refused connection from %s: %s", addr, why)
+
+    async def _accept_sniffed(self, conn: socket.socket, addr) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            try:
+                first = await asyncio.wait_for(_peek1(loop, conn), self.handshake_timeout_s)
+            except (OSError, asyncio.TimeoutError, TimeoutError) as e:
+                self._refuse(addr, f"nothing received: {e!r}")
+                conn.close()
+                return
+            tls = first == b"\x16"  # TLS record type "handshake" (ClientHello)
+            if not first or (not tls and self.mac_key is None and not self.allow_plain):
+                self._refuse(addr, "plain connection where mutual TLS is required" if first else "closed at once")
+                conn.close()
+                return
+            try:
+                _, stream = await loop.connect_accepted_socket(
+                    lambda: wire.FrameStream(STREAM_LIMIT_BYTES),
+                    conn,
+                    ssl=self.ssl if tls else None,
+                    ssl_handshake_timeout=self.handshake_timeout_s if tls else None,
+                )
+            except asyncio.CancelledError:
+                conn.close()
+                raise
+            except Exception as e:  # TLS handshake failed: no client certificate, unknown CA, expired ...
+                self._refuse(addr, f"TLS handshake failed: {e!r}")
+                conn.close()
+                return
+        except asyncio.CancelledError:
+            conn.close()
+            raise
+        await self._accept(stream, stream, tls=tls)
 
     @property
     def addr(self) -> str:
@@ -573,16 +780,24 @@ class Server:
         self._handshakes.add(t)
         t.add_done_callback(self._handshakes.discard)
 
-    async def _accept(self, reader: wire.FrameStream, writer: wire.FrameStream) -> None:
+    async def _accept(self, reader: wire.FrameStream, writer: wire.FrameStream, tls: bool = False) -> None:
         peer = Peer(reader, writer, self.handlers, crc=self.crc, max_payload_bytes=self.max_payload_bytes)
         try:
-            await _server_handshake(peer, self.hello, self.handshake_check, self.handshake_timeout_s)
+            await _server_handshake(
+                peer,
+                self.hello,
+                self.handshake_check,
+                self.handshake_timeout_s,
+                tls=tls,
+                mac_key=self.mac_key,
+                allow_plain=self.allow_plain,
+                check_identity=self.check_identity,
+            )
         except asyncio.CancelledError:
             writer.close()
             raise
         except Exception as e:
-            self.refused += 1
-            log.warning("refused connection from %s: %r", writer.get_extra_info("peername"), e)
+            self._refuse(writer.get_extra_info("peername"), repr(e))
             writer.close()
             return
         peer.name = str(peer.remote_instance or peer.peername)
@@ -590,6 +805,7 @@ class Server:
 
         def _gone(p: Peer) -> None:
             self.peers.discard(p)
+            self.mac_failures += p.mac_failures
             if self.on_disconnect is not None:
                 return self.on_disconnect(p)
 
@@ -605,6 +821,16 @@ class Server:
         """Stop accepting and close all peers."""
         if self._server is not None:
             self._server.close()
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            try:
+                await self._accept_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._accept_task = None
+        if self._lsock is not None:
+            self._lsock.close()
+            self._lsock = None
         for t in list(self._handshakes):
             t.cancel()
         await asyncio.gather(*(p.close() for p in list(self.peers)), return_exceptions=True)
@@ -638,33 +864,62 @@ async def connect(
     connect_timeout_s: float = 10.0,
     crc: bool = False,
     max_payload_bytes: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
+    ssl: Optional[_ssl.SSLContext] = None,
+    server_hostname: Optional[str] = None,
+    mac_key: Optional[bytes] = None,
 ) -> Peer:
     """Open a connection, do the handshake, return a started :class:`Peer`.
 
     Retries refused/unreachable connects ``retries`` times with exponential backoff
     (``backoff_s`` doubling up to ``max_backoff_s``, seconds). A :class:`HandshakeError` is never retried.
+    ``ssl``: client context (mutual TLS); ``server_hostname``: the name the server's certificate
+    must carry (default ``host``). ``mac_key``: authenticate every frame with the fast-path MAC.
+    A server that refuses this side's certificate or key, or whose certificate does not verify,
+    raises :class:`HandshakeError`.
     """
     hello = _hello(role, instance, fingerprint)
     delay = backoff_s
     attempt = 0
+    tls_kw = {} if ssl is None else {"ssl": ssl, "server_hostname": server_hostname or host,
+                                     "ssl_handshake_timeout": connect_timeout_s}
     while True:
         try:
-            _, stream = await asyncio.wait_for(
-                asyncio.get_running_loop().create_connection(lambda: wire.FrameStream(STREAM_LIMIT_BYTES), host, port),
-                connect_timeout_s,
-            )
+            try:
+                _, stream = await asyncio.wait_for(
+                    asyncio.get_running_loop().create_connection(
+                        lambda: wire.FrameStream(STREAM_LIMIT_BYTES), host, port, **tls_kw
+                    ),
+                    connect_timeout_s,
+                )
+            except _ssl.SSLError as e:  # the server's certificate did not verify (or TLS refused)
+                raise HandshakeError(f"TLS with {host}:{port} failed: {e}") from None
             reader = writer = stream
             peer = Peer(reader, writer, handlers, name=f"{host}:{port}", crc=crc, max_payload_bytes=max_payload_bytes)
             try:
-                await _client_handshake(peer, hello, handshake_check, connect_timeout_s)
+                await _client_handshake(peer, hello, handshake_check, connect_timeout_s, mac_key)
             except HandshakeError:
                 writer.close()
                 raise
             except BaseException as e:
                 writer.close()
+                tls_err = getattr(stream, "_exc", None)
+                if isinstance(tls_err, _ssl.SSLError):  # e.g. the server refused our certificate
+                    raise HandshakeError(f"TLS with {host}:{port} refused: {tls_err}") from None
+                if ssl is not None and (
+                    isinstance(e, ConnectionResetError) or (isinstance(e, asyncio.IncompleteReadError) and not e.partial)
+                ):
+                    # the server closed right after our side of the TLS handshake, without a word:
+                    # what asyncio's TLS server does when it refuses the client's certificate
+                    raise HandshakeError(
+                        f"TLS with {host}:{port} refused: the server closed the connection after the handshake "
+                        "(our certificate is missing, expired or not signed by its CA)"
+                    ) from None
                 if isinstance(e, (asyncio.IncompleteReadError, WireError)):
                     raise ConnectionError(f"handshake with {host}:{port} failed: {e!r}") from e
                 raise
+            if ssl is not None:
+                peer.auth = "tls"
+                peer.cert_name = cert_common_name(writer.get_extra_info("peercert"))
             peer.start()
             return peer
         except HandshakeError:
@@ -714,6 +969,21 @@ class PeerPool:
     async def close(self) -> None:
         await asyncio.gather(*(p.close() for p in list(self._peers.values())), return_exceptions=True)
         self._peers.clear()
+
+
+async def _peek1(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """The first byte waiting on ``sock`` without consuming it (b"" at EOF)."""
+    while True:
+        try:
+            return sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            pass
+        fut = loop.create_future()
+        loop.add_reader(sock.fileno(), lambda: None if fut.done() else fut.set_result(None))
+        try:
+            await fut
+        finally:
+            loop.remove_reader(sock.fileno())
 
 
 _default_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PeerPool]" = weakref.WeakKeyDictionary()

@@ -6,12 +6,14 @@ A frame is::
               magic        b"PD"
               version      u8   (VERSION = 1)
               flags        u8   (bit 0 FLAG_CRC: header carries "crc32" of the payload;
-                                 bit 1 FLAG_MAC: reserved for an authenticated header/payload;
+                                 bit 1 FLAG_MAC: a MAC_BYTES tag follows the payload;
                                  other bits reserved, must be 0)
               header_len   u32  bytes of the msgpack header
               payload_len  u64  bytes of the raw payload
     header  msgpack map (str keys), always with "t": the message type (str)
     payload raw bytes, never re-encoded (KV pages go out as the pool's own bytes)
+    tag     only with FLAG_MAC: MAC_BYTES (16) bytes over prefix || header || payload and the
+            frame's number in its direction (see :class:`FrameMac`; not counted in payload_len)
 
 Decoding is strict: a bad magic, an unknown version or flag bit, a header over
 ``MAX_HEADER_BYTES`` (1 MiB), a payload over the reader's ``max_payload_bytes``
@@ -20,15 +22,26 @@ Decoding is strict: a bad magic, an unknown version or flag bit, a header over
 A CRC mismatch raises :class:`CrcError` (a WireError) *after* the whole frame was
 consumed: the stream is still in sync, only that frame is dropped.
 
+Authenticated frames (``FLAG_MAC``, the in-datacenter fast path that stands in for RDMA,
+where TLS is not used): a reader given a :class:`FrameMac` requires the flag on every frame,
+a reader without one refuses it. The tag covers the prefix, the raw header bytes, the payload
+and an implicit per-direction frame counter (so a replayed, reordered or removed frame fails
+too) and is checked *before* the header is decoded, so nothing of a forged frame is parsed.
+A mismatch raises :class:`MacError` after the frame was consumed; unlike a CRC mismatch the
+connection must then be closed (``rpc.Peer`` does): nothing after a forged frame can be
+trusted, e.g. the ``kv_done`` that would complete a request whose pages were dropped.
+
 Future fields fit without a version bump: new header keys are ignored by old readers
-(e.g. ``"layers"`` ranges, ``"deadline_ms"``), new message types are dispatched by
-``"t"`` (``"kv_cancel"`` ...), and a MAC would use the reserved ``FLAG_MAC`` bit
-(old readers refuse frames carrying unknown flag bits rather than trusting them).
+(e.g. ``"layers"`` ranges, ``"deadline_ms"``) and new message types are dispatched by
+``"t"`` (``"kv_cancel"`` ...); old readers refuse frames carrying unknown flag bits rather
+than trusting them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import struct
 import zlib
 from typing import Any
@@ -45,8 +58,12 @@ __all__ = [
     "KNOWN_FLAGS",
     "MAX_HEADER_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "MAC_BYTES",
     "WireError",
     "CrcError",
+    "MacError",
+    "FrameMac",
+    "read_frame_rest",
     "encode_frame",
     "frame_bytes",
     "decode_prefix",
@@ -64,8 +81,9 @@ PREFIX = struct.Struct("!2sBBIQ")
 PREFIX_BYTES = PREFIX.size  # 16
 
 FLAG_CRC = 0x01  # header["crc32"] = zlib.crc32(payload)
-FLAG_MAC = 0x02  # reserved: authenticated frames (not implemented; refused if set)
-KNOWN_FLAGS = FLAG_CRC
+FLAG_MAC = 0x02  # a MAC_BYTES tag follows the payload (FrameMac)
+KNOWN_FLAGS = FLAG_CRC | FLAG_MAC
+MAC_BYTES = 16  # AES-GMAC tag, or HMAC-SHA256 truncated to 128 bits
 
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB
 DEFAULT_MAX_PAYLOAD_BYTES = 256 << 20  # 256 MiB
@@ -88,6 +106,69 @@ class CrcError(WireError):
         self.header = header
 
 
+class MacError(WireError):
+    """A frame failed its MAC (forged, corrupted, replayed or out of order). The frame was
+    consumed and is dropped; nothing of it (not even its header) was decoded. Close the
+    connection: later frames on it cannot be trusted."""
+
+
+_SEQ = struct.Struct("!Q")
+
+
+class FrameMac:
+    """The MAC state of ONE direction of one connection; ``seq`` counts its frames from 0.
+
+    ``alg="gmac"``: AES-128-GMAC (AES-GCM over no plaintext, the frame as associated data) with
+    the frame counter as nonce, ~20x cheaper than HMAC-SHA256 on AES-NI/CLMUL CPUs. A nonce must
+    never repeat under a key, so a "gmac" key must belong to this one direction of one
+    connection (``rpc`` derives such keys from the shared key and both hellos' random nonces).
+    ``alg="hmac"``: HMAC-SHA256 over ``seq_u64 || frame``, truncated to 128 bits: safe under a
+    long-lived key (``rpc`` uses it for the hellos). Every :meth:`seal` / :meth:`verify` advances
+    the counter, so frames must be verified in the order they were sealed.
+    """
+
+    __slots__ = ("key", "alg", "seq", "failures", "_aead")
+
+    def __init__(self, key: bytes, alg: str = "hmac"):
+        if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+            raise ValueError("MAC key must be at least 16 bytes")
+        if alg not in ("hmac", "gmac"):
+            raise ValueError(f"unknown MAC algorithm {alg!r} (hmac | gmac)")
+        self.key = bytes(key)
+        self.alg = alg
+        self.seq = 0
+        self.failures = 0
+        self._aead = None
+        if alg == "gmac":
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._aead = AESGCM(self.key[:16])
+
+    def _tag(self, parts) -> bytes:
+        if self._aead is not None:
+            data = b"".join(p for p in parts if p is not None)  # one copy: AESGCM takes one buffer
+            tag = self._aead.encrypt(self.seq.to_bytes(12, "big"), b"", data)
+        else:
+            h = hmac.new(self.key, _SEQ.pack(self.seq), hashlib.sha256)
+            for p in parts:
+                if p is not None:
+                    h.update(p)
+            tag = h.digest()[:MAC_BYTES]
+        self.seq += 1
+        return tag
+
+    def seal(self, *parts) -> bytes:
+        """Tag for the next outgoing frame made of ``parts`` (prefix+header, payload)."""
+        return self._tag(parts)
+
+    def verify(self, tag: bytes, *parts) -> bool:
+        """Check the next incoming frame's ``tag``; False (counted in ``failures``) on mismatch."""
+        ok = hmac.compare_digest(self._tag(parts), bytes(tag))
+        if not ok:
+            self.failures += 1
+        return ok
+
+
 def payload_view(payload: Any) -> memoryview:
     """A flat byte view (format "B", 1-D) of any C-contiguous buffer, without copying."""
     mv = payload if isinstance(payload, memoryview) else memoryview(payload)
@@ -96,12 +177,15 @@ def payload_view(payload: Any) -> memoryview:
     return mv
 
 
-def encode_frame(header: dict, payload: Any = _EMPTY, crc: bool = False) -> list:
+def encode_frame(header: dict, payload: Any = _EMPTY, crc: bool = False, mac: "FrameMac | None" = None) -> list:
     """Encode one frame as a list of buffers to write in order (no copy of ``payload``).
 
     ``header``: dict with a str ``"t"``; it is not modified (a copy gets ``"crc32"`` when ``crc``).
     ``payload``: any bytes-like / buffer object (bytes, bytearray, memoryview, numpy array).
-    Returns ``[prefix + header_bytes]`` or ``[prefix + header_bytes, payload_view]``.
+    ``mac``: the sending direction's :class:`FrameMac` (sets FLAG_MAC, appends the tag and
+    advances its counter: encode frames in the order they are written).
+    Returns ``[prefix + header_bytes]`` or ``[prefix + header_bytes, payload_view]``, then the
+    tag as a last buffer when ``mac``.
     """
     t = header.get("t") if isinstance(header, dict) else None
     if not isinstance(t, str):
@@ -119,6 +203,8 @@ def encode_frame(header: dict, payload: Any = _EMPTY, crc: bool = False) -> list
         header = dict(header)
         header["crc32"] = zlib.crc32(pv) if pv is not None else 0
         flags |= FLAG_CRC
+    if mac is not None:
+        flags |= FLAG_MAC
     try:
         hb = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
@@ -126,12 +212,15 @@ def encode_frame(header: dict, payload: Any = _EMPTY, crc: bool = False) -> list
     if len(hb) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(hb)} bytes exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
     first = PREFIX.pack(MAGIC, VERSION, flags, len(hb), plen) + hb
-    return [first] if pv is None else [first, pv]
+    out = [first] if pv is None else [first, pv]
+    if mac is not None:
+        out.append(mac.seal(first, pv))
+    return out
 
 
-def frame_bytes(header: dict, payload: Any = _EMPTY, crc: bool = False) -> bytes:
+def frame_bytes(header: dict, payload: Any = _EMPTY, crc: bool = False, mac: "FrameMac | None" = None) -> bytes:
     """The whole frame as one bytes object (copies; for tests and small messages)."""
-    return b"".join(bytes(b) for b in encode_frame(header, payload, crc))
+    return b"".join(bytes(b) for b in encode_frame(header, payload, crc, mac))
 
 
 def decode_prefix(prefix: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[int, int, int]:
@@ -180,49 +269,92 @@ def _check_crc(header: dict, flags: int, payload) -> None:
             )
 
 
-def decode_frame(buf: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[dict, bytes, int]:
+def _check_mac_flag(flags: int, mac: "FrameMac | None") -> None:
+    if mac is not None and not flags & FLAG_MAC:
+        raise WireError("frame without a MAC on an authenticated connection (FLAG_MAC required)")
+    if mac is None and flags & FLAG_MAC:
+        raise WireError("frame with FLAG_MAC but this side holds no MAC key for the connection")
+
+
+def _verify_mac(mac: "FrameMac", prefix, raw_header, payload, tag) -> None:
+    if not mac.verify(tag, prefix, raw_header, payload):
+        raise MacError(
+            f"frame #{mac.seq - 1} failed its MAC ({len(raw_header)} header + {len(payload)} payload bytes): "
+            "forged, corrupted, replayed or reordered; dropped undecoded"
+        )
+
+
+def decode_frame(
+    buf: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, mac: "FrameMac | None" = None
+) -> tuple[dict, bytes, int]:
     """Decode one frame from the start of ``buf``; returns ``(header, payload, bytes_consumed)``.
 
+    ``mac``: the receiving direction's :class:`FrameMac` (then FLAG_MAC is required).
     Raises :class:`asyncio.IncompleteReadError` when ``buf`` holds only part of a frame.
     """
     if len(buf) < PREFIX_BYTES:
         raise asyncio.IncompleteReadError(bytes(buf), PREFIX_BYTES)
-    flags, hlen, plen = decode_prefix(bytes(buf[:PREFIX_BYTES]), max_payload_bytes)
+    prefix = bytes(buf[:PREFIX_BYTES])
+    flags, hlen, plen = decode_prefix(prefix, max_payload_bytes)
+    _check_mac_flag(flags, mac)
     end = PREFIX_BYTES + hlen + plen
-    if len(buf) < end:
-        raise asyncio.IncompleteReadError(bytes(buf), end)
-    header = decode_header(bytes(buf[PREFIX_BYTES : PREFIX_BYTES + hlen]), flags)
+    tag_end = end + (MAC_BYTES if flags & FLAG_MAC else 0)
+    if len(buf) < tag_end:
+        raise asyncio.IncompleteReadError(bytes(buf), tag_end)
+    raw = bytes(buf[PREFIX_BYTES : PREFIX_BYTES + hlen])
     payload = bytes(buf[PREFIX_BYTES + hlen : end])
+    if mac is not None:
+        _verify_mac(mac, prefix, raw, payload, buf[end:tag_end])
+    header = decode_header(raw, flags)
     _check_crc(header, flags, payload)
-    return header, payload, end
+    return header, payload, tag_end
 
 
 async def read_frame(
-    reader: Any, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    reader: Any, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, mac: "FrameMac | None" = None
 ) -> tuple[dict, Any]:
     """Read one frame; returns ``(header, payload)``: payload is bytes-like (``bytes``, or a
     ``bytearray`` for large payloads read by a :class:`FrameStream`; ``b""`` when empty).
     ``reader``: anything with ``async readexactly(n)`` (StreamReader, FrameStream).
+    ``mac``: the receiving direction's :class:`FrameMac` (then every frame must carry FLAG_MAC).
 
     Raises :class:`asyncio.IncompleteReadError` on EOF (clean EOF between frames: ``partial == b""``),
     :class:`WireError` on a malformed frame (close the stream), :class:`CrcError` on a CRC mismatch
-    (frame consumed and dropped; the stream may be read on).
+    (frame consumed and dropped; the stream may be read on), :class:`MacError` on a MAC mismatch
+    (frame consumed and dropped undecoded; close the stream).
     """
     prefix = await reader.readexactly(PREFIX_BYTES)
+    return await read_frame_rest(reader, prefix, max_payload_bytes, mac)
+
+
+async def read_frame_rest(
+    reader: Any, prefix: bytes, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, mac: "FrameMac | None" = None
+) -> tuple[dict, Any]:
+    """:func:`read_frame` once its 16-byte ``prefix`` was read (e.g. to pick ``mac`` by its flags)."""
     flags, hlen, plen = decode_prefix(prefix, max_payload_bytes)
-    header = decode_header(await reader.readexactly(hlen), flags)
+    _check_mac_flag(flags, mac)
+    raw = await reader.readexactly(hlen)
     payload = await reader.readexactly(plen) if plen else _EMPTY
+    if mac is not None:
+        _verify_mac(mac, prefix, raw, payload, await reader.readexactly(MAC_BYTES))
+    header = decode_header(raw, flags)
     _check_crc(header, flags, payload)
     return header, payload
 
 
-def write_frame(writer: asyncio.StreamWriter | asyncio.WriteTransport, header: dict, payload: Any = _EMPTY, crc: bool = False) -> int:
+def write_frame(
+    writer: asyncio.StreamWriter | asyncio.WriteTransport,
+    header: dict,
+    payload: Any = _EMPTY,
+    crc: bool = False,
+    mac: "FrameMac | None" = None,
+) -> int:
     """Write one frame to a StreamWriter/transport without awaiting; returns bytes written (framing incl.).
 
     The caller must serialise writers (see ``rpc.Peer``) and ``await writer.drain()`` for backpressure.
     """
     n = 0
-    for b in encode_frame(header, payload, crc):
+    for b in encode_frame(header, payload, crc, mac):
         writer.write(b)
         n += len(b) if isinstance(b, bytes) else b.nbytes
     return n
@@ -249,6 +381,9 @@ class FrameStream(asyncio.BufferedProtocol):
         self.transport: Any = None
         self._on_made = on_made
         self._scratch = bytearray(_SCRATCH_BYTES)
+        # a memoryview, not the bytearray: asyncio's SSL transport (3.11) fills ``buf[offset:]``
+        # of what get_buffer returns, and a bytearray slice would be a copy (bytes lost)
+        self._scratch_view = memoryview(self._scratch)
         self._data = bytearray()
         self._target: Any = None  # bytearray being filled by a large readexactly
         self._tpos = 0
@@ -271,7 +406,7 @@ class FrameStream(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int):
         if self._target is not None:
             return memoryview(self._target)[self._tpos :]
-        return self._scratch
+        return self._scratch_view
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._target is not None:
@@ -280,7 +415,7 @@ class FrameStream(asyncio.BufferedProtocol):
                 self._target = None  # full: later bytes go to the scratch buffer
                 self._wake()
             return
-        self._data += memoryview(self._scratch)[:nbytes]
+        self._data += self._scratch_view[:nbytes]
         if self._waiter is not None and len(self._data) >= self._want:
             self._wake()
         if len(self._data) > 2 * self.limit and not self._read_paused:
