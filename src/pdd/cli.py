@@ -1,4 +1,4 @@
-"""``pdd`` command line: make-model | serve | launch | demo | bench | sim | plan."""
+"""``pdd`` command line: make-model | serve | launch | certs | demo | bench | sim | plan."""
 
 from __future__ import annotations
 
@@ -90,6 +90,21 @@ def cmd_serve(args) -> int:
         topo.stop()
 
 
+def cmd_certs(args) -> int:
+    from pdd.security import SecurityError, ensure_topology_certs
+
+    cfg = _config(args, mode=args.mode)
+    try:
+        rep = ensure_topology_certs(cfg, args.out, force=args.force)
+    except SecurityError as e:
+        raise SystemExit(f"pdd: {e}")
+    print(f"certificates for the {cfg.mode} topology in {rep['dir']}: CA {rep['ca']}, "
+          f"issued {', '.join(rep['issued']) or 'none'}, kept {', '.join(rep['kept']) or 'none'}, "
+          f"fast-path key {rep['fast_path_key']}")
+    print(f"use them with security.cert_dir: {rep['dir']}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from pdd.bench.demo import main as demo_main
 
@@ -125,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
     p.add_argument("--log-dir", default=None)
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("certs", help="make a CA, per-instance TLS certificates and the fast-path MAC key for a topology",
+                       description="Make (or complete) a cert dir for the topology of --config: ca.pem/ca.key, "
+                                   "<instance>.pem/.key for every engine and the gateway, fastpath.key. Existing "
+                                   "files are kept unless --force. Point security.cert_dir at it.")
+    p.add_argument("--config", help="cluster config (YAML or JSON)")
+    p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--force", action="store_true", help="make a new CA and everything anew")
+    p.set_defaults(fn=cmd_certs)
 
     p = sub.add_parser("demo", help="replay the Mooncake trace through every mode and compare (pdd demo --help)",
                        add_help=False)

@@ -73,6 +73,30 @@ class PolicyConfig(_Strict):
     )
 
 
+class SecurityConfig(_Strict):
+    """Security of the links (``pdd.security``; docs/SECURITY.md)."""
+
+    tls: bool = Field(
+        True,
+        description="mutual TLS on every connection that leaves a datacenter and on all control traffic "
+        "(gateway <-> instances); false is the off switch for benchmarking (plain, unauthenticated)",
+    )
+    fast_path: Literal["mac", "tls", "plain"] = Field(
+        "mac",
+        description="the in-datacenter fast path P -> RLD (stands in for RDMA): a keyed MAC on every frame "
+        "(a frame that fails it is dropped and its connection closed), TLS, or plain",
+    )
+    cert_dir: str | None = Field(
+        None,
+        description="CA, per-instance certificates and fastpath.key (pdd certs); None: pdd serve and the "
+        "demo make them in <log_dir>/certs",
+    )
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="gateway API keys (Authorization: Bearer KEY); empty: no key needed",
+    )
+
+
 class ClusterConfig(_Strict):
     """A whole topology: one instance per tier (several come with the routing issue)."""
 
@@ -87,6 +111,7 @@ class ClusterConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     link: LinkConfig = LinkConfig()
     policy: PolicyConfig = PolicyConfig()
+    security: SecurityConfig = SecurityConfig()
     request_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("mode")

@@ -66,6 +66,20 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
     asyncio.run(serve_instance(cls(cfg, spec, lay)))
 
 
+def prepare_security(cfg: ClusterConfig, log_dir: str | Path) -> ClusterConfig:
+    """Make the topology's CA, certificates and fast-path key (``pdd.security``) when its security
+    needs them: into ``security.cert_dir`` when set (what exists there is kept), else into
+    ``<log_dir>/certs``. Returns ``cfg`` with an absolute ``security.cert_dir``."""
+    from pdd.security import ensure_topology_certs, needs_material
+
+    sec = cfg.security
+    if not needs_material(sec):
+        return cfg
+    cert_dir = Path(sec.cert_dir) if sec.cert_dir else Path(log_dir) / "certs"
+    ensure_topology_certs(cfg, cert_dir)
+    return cfg.model_copy(update={"security": sec.model_copy(update={"cert_dir": str(cert_dir.resolve())})})
+
+
 def _start_order(lay: Layout) -> list[InstanceSpec]:
     rank = {ROLE_LINK: 0, ROLE_MAIN: 1, ROLE_COLOCATED: 1, ROLE_RELAY: 2, ROLE_PREFILL: 3, ROLE_GATEWAY: 4}
     return sorted(lay.instances, key=lambda s: rank[s.role])
@@ -96,14 +110,28 @@ class Topology:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = prepare_security(self.cfg, self.log_dir)
         self._cfg_file = self.log_dir / "cluster.json"
         self._cfg_file.write_text(self.cfg.model_dump_json(indent=1))
         try:
             for spec in _start_order(self.layout):
                 self._spawn(spec)
+            self._check_api_keys()
         except BaseException:
             self.stop()
             raise
+
+    def _check_api_keys(self) -> None:
+        """Fail closed: with ``security.api_keys`` set, a request without a key must be refused."""
+        if not self.cfg.security.api_keys or ROLE_GATEWAY not in {s.role for s in self.layout.instances}:
+            return
+        try:
+            code = httpx.get(f"{self.url}/v1/models", timeout=10, trust_env=False).status_code
+        except httpx.HTTPError as e:
+            raise LaunchError(f"gateway did not answer the API key check: {e!r}") from None
+        if code != 401:
+            raise LaunchError(f"security.api_keys is set but the gateway answered {code} to a request without "
+                              "a key (expected 401): refusing to serve unprotected")
 
     def _spawn(self, spec: InstanceSpec) -> None:
         logf = open(self.log_dir / f"{spec.name}.log", "w")

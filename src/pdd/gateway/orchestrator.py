@@ -113,10 +113,13 @@ class Orchestrator:
                 "req_error": self.on_req_error, "wan_sample": self.on_wan_sample}
 
     async def start(self) -> None:
+        from pdd.security import link_security
+
         for s in self.layout.engines:
             host, port, _wan = self.layout.address_from_a(s.name)
             peer = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
-                                     retries=200, backoff_s=0.1)
+                                     retries=200, backoff_s=0.1,
+                                     **link_security(self.cfg, "gateway").client(s.name))  # mutual TLS
             peer.on_close(lambda _p, name=s.name: self._peer_closed(name))
             self.peers[s.name] = peer
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pdd.config import ClusterConfig
 from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
+from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.types import FinishReason, SamplingParams
 
@@ -138,7 +139,8 @@ class EngineInstance:
         hs = self.handlers()
         if "kv_done" in hs:
             hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
-        self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name)
+        self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name,
+                                 **link_security(self.cfg, self.spec.name).server())  # mTLS / fast-path MAC
         await self.server.start()
         from pdd.metrics import start_instance_metrics
 

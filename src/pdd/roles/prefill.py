@@ -16,6 +16,7 @@ import asyncio
 import logging
 
 from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish
+from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.kv import KVSender
 from pdd.types import SamplingParams
@@ -99,7 +100,8 @@ class PrefillInstance(EngineInstance):
     async def _sender_locked(self, name: str, host: str, port: int, wan: bool) -> tuple[KVSender, bool]:
         s = self.senders.get(name)
         if s is None or s.peer.closed:
-            peer = await rpc.connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=50)
+            peer = await rpc.connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=50,
+                                     **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
             rate = None if wan else self.cfg.link.fast_gbps
             s = KVSender(peer, rate_gbps=rate, order=self.cfg.policy.wan_order if wan else "fifo")
             self.senders[name] = s
