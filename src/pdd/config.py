@@ -62,6 +62,8 @@ class PolicyConfig(_Strict):
     handoff_mode: Literal["one_shot", "catch_up", "auto"] = "one_shot"
     catchup_threshold_tokens: int = Field(64, ge=1)
     wan_order: Literal["fifo", "srf"] = "fifo"
+    routing: Literal["cache_aware", "load", "round_robin"] = Field(
+        "cache_aware", description="instance choice for P and MD (RLD: load unless round_robin)")
     allow_p_rld: bool = False
     cutoff: bool = Field(True, description="anomaly filter: cancel the WAN transfer of a request RLD finished first")
     handoff_min_tokens: int = Field(
@@ -97,21 +99,30 @@ class SecurityConfig(_Strict):
     )
 
 
+class InstanceCounts(_Strict):
+    """How many instances of each tier (modes without a tier ignore its count)."""
+
+    prefill: int = Field(1, ge=1, le=10)
+    relay_decode: int = Field(1, ge=1, le=10)
+    main_decode: int = Field(1, ge=1, le=10)
+
+
 class ClusterConfig(_Strict):
-    """A whole topology: one instance per tier (several come with the routing issue)."""
+    """A whole topology: the instances of each tier, the links and the policies."""
 
     mode: Mode = "pdd"
     model_path: str = "models/small"
     model_preset: Literal["tiny", "small"] = "small"
     model_seed: int = 0
     host: str = "127.0.0.1"
-    base_port: int = Field(18000, ge=1024, le=65000)
+    base_port: int = Field(18000, ge=1024, le=65400, description="the topology uses base_port .. base_port+99")
     gateway_port: int = Field(8000, ge=1, le=65535)
     served_model_name: str = "pdd-small"
     engine: EngineConfig = EngineConfig()
     link: LinkConfig = LinkConfig()
     policy: PolicyConfig = PolicyConfig()
     security: SecurityConfig = SecurityConfig()
+    instances: InstanceCounts = InstanceCounts()
     request_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("mode")

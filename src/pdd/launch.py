@@ -189,8 +189,18 @@ class Topology:
         self.procs.clear()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Fault injection: signal one instance's process."""
-        os.killpg(self.procs[name].pid, sig)
+        """Fault injection: signal one instance's process (and wait for it to go)."""
+        p = self.procs[name]
+        os.killpg(p.pid, sig)
+        p.wait(timeout=30)
+
+    def restart(self, name: str) -> None:
+        """Start one (stopped or killed) instance again, as ``pdd launch`` would; the others keep
+        running and reconnect to it."""
+        p = self.procs.get(name)
+        if p is not None and p.poll() is None:
+            raise LaunchError(f"{name} is still running")
+        self._spawn(self.layout.get(name))
 
     # ------------------------------------------------------------------ queries
     def stats(self) -> dict:

@@ -64,29 +64,24 @@ class Layout:
 
 
 def layout(cfg: ClusterConfig) -> Layout:
-    """The embedded single-machine topology of ``cfg.mode`` (one instance per tier).
+    """The single-machine topology of ``cfg.mode`` with ``cfg.instances`` of each tier.
 
-    Ports: link control base+0, link listen ports base+1.., engines base+10.. (their /metrics
-    base+20..), gateway ``cfg.gateway_port`` (its /metrics on the same port).
+    Ports (b = base_port): link control b, link listen ports b+1.. (one per instance in B),
+    P b+10+i, RLD b+40+i, MD / D b+70+i (metrics: each +10), gateway ``cfg.gateway_port``
+    (its /metrics on the same port). Instance names: p0.., rld0.., md0.. (d0.. in same_dc_pd).
     """
-    b = cfg.base_port
+    b, n = cfg.base_port, cfg.instances
     gw = InstanceSpec("gateway", ROLE_GATEWAY, "A", cfg.gateway_port)
     if cfg.mode == "colocated":
-        inst = (InstanceSpec("c0", ROLE_COLOCATED, "A", b + 10), gw)
+        inst = tuple(InstanceSpec(f"c{i}", ROLE_COLOCATED, "A", b + 10 + i) for i in range(n.prefill)) + (gw,)
         return Layout(cfg.mode, cfg.host, inst, None)
+    ps = tuple(InstanceSpec(f"p{i}", ROLE_PREFILL, "A", b + 10 + i) for i in range(n.prefill))
     if cfg.mode == "same_dc_pd":
-        inst = (InstanceSpec("p0", ROLE_PREFILL, "A", b + 10), InstanceSpec("d0", ROLE_MAIN, "A", b + 12), gw)
-        return Layout(cfg.mode, cfg.host, inst, None)
-    md = InstanceSpec("md0", ROLE_MAIN, "B", b + 12, wan_port=b + 1)
+        ds = tuple(InstanceSpec(f"d{i}", ROLE_MAIN, "A", b + 70 + i) for i in range(n.main_decode))
+        return Layout(cfg.mode, cfg.host, ps + ds + (gw,), None)
+    mds = tuple(InstanceSpec(f"md{i}", ROLE_MAIN, "B", b + 70 + i, wan_port=b + 1 + i) for i in range(n.main_decode))
     link = InstanceSpec("link", ROLE_LINK, "A", b)
-    if cfg.mode == "cross_dc_pd":
-        inst = (InstanceSpec("p0", ROLE_PREFILL, "A", b + 10), md, link, gw)
-    else:
-        inst = (
-            InstanceSpec("p0", ROLE_PREFILL, "A", b + 10),
-            InstanceSpec("rld0", ROLE_RELAY, "A", b + 11),
-            md,
-            link,
-            gw,
-        )
-    return Layout(cfg.mode, cfg.host, inst, b)
+    rlds = ()
+    if cfg.mode == "pdd":
+        rlds = tuple(InstanceSpec(f"rld{i}", ROLE_RELAY, "A", b + 40 + i) for i in range(n.relay_decode))
+    return Layout(cfg.mode, cfg.host, ps + rlds + mds + (link, gw), b)

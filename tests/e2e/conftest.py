@@ -12,7 +12,7 @@ from pdd.config import ClusterConfig
 from pdd.launch import Topology
 
 
-def free_port_block(n: int = 16) -> int:
+def free_port_block(n: int = 100) -> int:
     """A base port with ``n`` consecutive free ports above it (best effort)."""
     import random
 
@@ -45,7 +45,7 @@ TEST_DEVICE = os.environ.get("PDD_TEST_DEVICE", "cpu")  # "cuda" runs every engi
 
 def make_cfg(model: str, mode: str, **over) -> ClusterConfig:
     base = free_port_block()
-    data = {"mode": mode, "model_path": model, "base_port": base, "gateway_port": base + 15,
+    data = {"mode": mode, "model_path": model, "base_port": base, "gateway_port": base + 95,
             "engine": {"device": TEST_DEVICE}}
     data.update(over)
     return ClusterConfig.model_validate(data)

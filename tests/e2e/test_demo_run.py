@@ -17,7 +17,7 @@ def test_demo_three_modes_report_invariants(tmp_path, small_model):
     from pdd.config import ClusterConfig
 
     base = free_port_block()
-    cfg = ClusterConfig.model_validate({"model_path": small_model, "base_port": base, "gateway_port": base + 15})
+    cfg = ClusterConfig.model_validate({"model_path": small_model, "base_port": base, "gateway_port": base + 95})
     out = tmp_path / "demo"
     report = run_demo(out, ("same_dc_pd", "cross_dc_pd", "pdd"), n_requests=12, scale=DEFAULT_SCALE, config=cfg,
                       progress=False)

@@ -148,3 +148,24 @@ def test_every_engine_instance_serves_prometheus_metrics(pdd_topology):
         assert f'pdd_kv_pages{{instance="{spec.name}",role="{spec.role}",state="total"}} 2048.0' in text
         for name in ("pdd_prefix_hit_rate", "pdd_requests_live", "pdd_events_total", "pdd_forward_calls_total"):
             assert name in text, (spec.name, name)
+
+
+def test_gateway_metrics_and_edge_input(pdd_topology):
+    text = httpx.get(pdd_topology.url + "/metrics/", timeout=10, follow_redirects=True).text
+    for name in ("pdd_ttft_seconds_bucket", "pdd_itl_seconds_bucket", "pdd_gateway_requests_total",
+                 "pdd_wan_kv_bytes_total"):
+        assert name in text, name
+    # a lone surrogate is not text: 400, not a 500
+    r = httpx.post(pdd_topology.url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
+                   content=b'{"prompt": "hi \\ud800", "max_tokens": 2}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # a huge body is refused before it is read; a huge text prompt before it is tokenized
+    r = httpx.post(pdd_topology.url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
+                   content=b'{"prompt": "' + b"a" * (40 << 20) + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    r = httpx.post(pdd_topology.url + "/v1/completions", timeout=30, json={"prompt": "hello " * 100_000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # unknown routes and methods keep the OpenAI error shape
+    r = httpx.get(pdd_topology.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and "error" in r.json()
+    assert httpx.get(pdd_topology.url + "/v1/nope", timeout=10).json()["error"]["message"]

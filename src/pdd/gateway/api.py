@@ -19,6 +19,7 @@ Bad input gets HTTP 400 with an OpenAI-style error body before any tier does wor
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
@@ -43,6 +45,10 @@ LP_FLOOR = -9999.0  # a logprob of -inf is reported as this (JSON has no infinit
 
 def bad_request(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, param, code), status_code=status)
+
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a max_input_len prompt as JSON token ids is well under 1 MiB
+MAX_CHARS_PER_TOKEN = 64  # no tokenizer's token is longer: a longer text cannot fit max_input_len
 
 
 def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
@@ -75,7 +81,29 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "mode": cfg.mode}
+        """200 when every instance is reachable, 503 with the unreachable ones named otherwise."""
+        h = orch.health() if hasattr(orch, "health") else {"status": "ok", "mode": cfg.mode, "down": []}
+        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+
+    from prometheus_client import make_asgi_app
+
+    if getattr(orch, "metrics", None) is not None:
+        app.mount("/metrics", make_asgi_app(orch.metrics.registry))
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        """Refuse bodies over MAX_BODY_BYTES before reading them (413, OpenAI-style body)."""
+        n = request.headers.get("content-length")
+        if n is not None and n.isdigit() and int(n) > MAX_BODY_BYTES:
+            return JSONResponse(error_body(f"request body of {int(n)} bytes exceeds the limit of {MAX_BODY_BYTES}",
+                                           None, code="body_too_large"), status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """404 / 405 and friends in the OpenAI error shape."""
+        etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), None, etype=etype), status_code=exc.status_code)
 
     @app.get("/v1/models")
     async def models():
@@ -106,6 +134,18 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
 
+    def encode(text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Tokenize (the caller runs this off the event loop), refusing what cannot be a prompt
+        that fits: a text longer than max_input_len x MAX_CHARS_PER_TOKEN characters, or one with
+        lone surrogates (not valid Unicode)."""
+        if len(text) > cfg.engine.max_input_len * MAX_CHARS_PER_TOKEN:
+            raise ApiError(f"{param}: {len(text)} characters cannot fit the maximum input length of "
+                           f"{cfg.engine.max_input_len} tokens", param, code="context_length_exceeded")
+        try:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise ApiError(f"{param}: not valid Unicode text ({e})", param) from None
+
     def prompt_ids(prompt, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -113,7 +153,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                                "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+            return encode(prompt, add_special_tokens, "prompt")
         ids = list(prompt)
         bad = [t for t in ids if not (0 <= t < model_vocab)]
         if bad:
@@ -132,7 +172,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def completions(body: CompletionRequest):
         check_model(body.model)
         check_completion(body)
-        ids = prompt_ids(body.prompt, body.add_special_tokens)
+        ids = await asyncio.to_thread(prompt_ids, body.prompt, body.add_special_tokens)  # off the event loop
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         check_context(len(ids), max_tokens, "max_tokens")
         sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
@@ -167,7 +207,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                                         documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
         except ChatTemplateError as e:
             raise ApiError(str(e), "messages") from e
-        ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
+        ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: whatever the context window leaves

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pdd.config import ClusterConfig
 from pdd.policy.cutoff import should_cut_off
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline
+from pdd.policy.routing import InstanceLoad, choose_instance
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.types import Pipeline, SamplingParams
@@ -39,6 +40,11 @@ def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
     return {"t": "extend", "rid": rid, "token_ids": [int(t) for t in token_ids], "final": bool(final)}
 
 
+# cache-aware routing (as in the simulator): affinity only for a prefix covering at least half the
+# prompt (a shared system-prompt block alone would pull all traffic to one instance), and never to
+# an instance more than this many requests busier than the idlest
+ROUTING_MIN_HIT_FRAC = 0.5
+ROUTING_LOAD_SLACK = 4
 WAN_EWMA = 0.2  # weight of the newest WAN throughput sample
 
 
@@ -83,6 +89,8 @@ class ReqState:
     emitted: list = field(default_factory=list)  # token ids streamed so far
     extend_extra_step_ms: list = field(default_factory=list)
     last_token_s: float = 0.0
+    names: dict = field(default_factory=dict)  # role -> instance serving this request
+    assigned: set = field(default_factory=set)  # instances counted in Orchestrator.inflight
     error: str | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
     events: dict = field(default_factory=dict)  # name -> perf_counter seconds
@@ -101,6 +109,9 @@ class Orchestrator:
         self._ids = itertools.count()
         self.kv_bytes_per_token: int | None = None
         self._tasks: set = set()
+        self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
+        self._rr: dict[str, int] = {}
+        self._reconnecting: set[str] = set()
         self.wan_gbps_live: float | None = None  # measured KV throughput to MD, Gbit/s (EWMA)
         from pdd.metrics import GatewayMetrics
 
@@ -113,15 +124,18 @@ class Orchestrator:
                 "req_error": self.on_req_error, "wan_sample": self.on_wan_sample}
 
     async def start(self) -> None:
+        for s in self.layout.engines:
+            self.peers[s.name] = await self._connect(s.name, retries=200)
+
+    async def _connect(self, name: str, retries: int) -> rpc.Peer:
         from pdd.security import link_security
 
-        for s in self.layout.engines:
-            host, port, _wan = self.layout.address_from_a(s.name)
-            peer = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
-                                     retries=200, backoff_s=0.1,
-                                     **link_security(self.cfg, "gateway").client(s.name))  # mutual TLS
-            peer.on_close(lambda _p, name=s.name: self._peer_closed(name))
-            self.peers[s.name] = peer
+        host, port, _wan = self.layout.address_from_a(name)
+        peer = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
+                                 retries=retries, backoff_s=0.1,
+                                 **link_security(self.cfg, "gateway").client(name))  # mutual TLS
+        peer.on_close(lambda _p, n=name: self._peer_closed(n))
+        return peer
 
     async def close(self) -> None:
         for p in self.peers.values():
@@ -136,7 +150,7 @@ class Orchestrator:
         """A tier's connection dropped: every in-flight request fails at once (no silent stall)."""
         self.down.add(name)
         for st in list(self.reqs.values()):
-            if not st.finished and st.error is None:
+            if not st.finished and st.error is None and name in st.names.values():
                 st.error = f"instance {name} is unreachable"
                 st.queue.put_nowait(None)
 
@@ -145,9 +159,70 @@ class Orchestrator:
         down = sorted(n for n, p in self.peers.items() if p.closed)
         return {"status": "degraded" if down else "ok", "mode": self.cfg.mode, "down": down}
 
-    def _one(self, role: str) -> tuple[str, rpc.Peer]:
-        s = self.layout.by_role(role)[0]
-        return s.name, self.peers[s.name]
+    def _peer(self, st: ReqState | None, role: str) -> tuple[str, rpc.Peer]:
+        """The instance of ``role`` serving ``st`` (routed at its start)."""
+        name = st.names.get(role) if st is not None else None
+        if name is None:
+            name = self.layout.by_role(role)[0].name
+        return name, self.peers[name]
+
+    async def _route(self, role: str, prompt: list[int]) -> str:
+        """Choose an instance of ``role`` for a request (``policy.routing``).
+
+        cache_aware (P, MD): each live candidate reports how many of the prompt's tokens its radix
+        cache holds (``peek``, no lock) and ``choose_instance`` takes the longest prefix within a
+        load slack; RLD holds no cache, so it is chosen by load. Load = requests the gateway has
+        in flight there. Instances whose connection is down are skipped (and reconnected).
+        """
+        specs = self.layout.by_role(role)
+        live = [sp for sp in specs if not self.peers[sp.name].closed]
+        for sp in specs:
+            if self.peers[sp.name].closed:
+                self._spawn(self._reconnect(sp.name))
+        if not live:
+            raise RequestFailed(f"no {role} instance is reachable")
+        if len(live) == 1:
+            return live[0].name
+        policy = self.cfg.policy.routing
+        hits = [0] * len(live)
+        if policy == "cache_aware" and role != ROLE_RELAY:
+            reps = await asyncio.gather(*(self.peers[sp.name].call({"t": "peek", "prompt_ids": prompt}, timeout=10)
+                                          for sp in live), return_exceptions=True)
+            hits = [int(r[0].get("hit_tokens", 0)) if not isinstance(r, BaseException) else -1 for r in reps]
+        elif policy == "cache_aware":
+            policy = "load"
+        cands = [InstanceLoad(sp.name, running=self.inflight.get(sp.name, 0), prefix_hit_tokens=max(0, h))
+                 for sp, h in zip(live, hits)]
+        rr = self._rr.get(role, 0)
+        self._rr[role] = rr + 1
+        return live[choose_instance(cands, policy, rr, load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt),
+                                    min_hit_frac=ROUTING_MIN_HIT_FRAC)].name
+
+    def _assign(self, st: ReqState, *roles: str) -> None:
+        for role in roles or tuple(st.names):
+            name = st.names.get(role)
+            if name is not None and name not in st.assigned:
+                st.assigned.add(name)
+                self.inflight[name] = self.inflight.get(name, 0) + 1
+
+    def _unassign(self, st: ReqState) -> None:
+        for name in st.assigned:
+            self.inflight[name] = max(0, self.inflight.get(name, 0) - 1)
+        st.assigned.clear()
+
+    async def _reconnect(self, name: str) -> None:
+        """Try once to reach a restarted instance again (it rejoins without restarting the rest)."""
+        if name in self._reconnecting:
+            return
+        self._reconnecting.add(name)
+        try:
+            self.peers[name] = await self._connect(name, retries=0)
+            self.down.discard(name)
+            log.info("reconnected to %s", name)
+        except Exception:
+            pass
+        finally:
+            self._reconnecting.discard(name)
 
     # ------------------------------------------------------------------ inbound
     async def on_tok(self, peer, h, payload):
@@ -166,7 +241,7 @@ class Orchestrator:
 
     async def on_kv_ready(self, peer, h, payload):
         st = self.reqs.get(h["rid"])
-        _, md = self._one(ROLE_MAIN)
+        md = peer  # the MD that has the KV
         if st is None or st.finished:
             if st is not None:
                 st.rld_finished_first = True
@@ -203,8 +278,8 @@ class Orchestrator:
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
         transfer; MD frees what it received on ``kv_cancel``."""
-        md_name, md = self._one(ROLE_MAIN)
-        _, p = self._one(ROLE_PREFILL)
+        md_name, md = self._peer(st, ROLE_MAIN)
+        _, p = self._peer(st, ROLE_PREFILL)
         st.cut_off = True
         self.totals["cut_offs"] += 1
         for peer, msg in ((p, {"t": "cancel", "rid": st.rid, "name": md_name}), (md, {"t": "drop", "rid": st.rid})):
@@ -223,8 +298,8 @@ class Orchestrator:
         at the first position MD reaches, once MD's tokens match what was streamed. One-shot:
         RLD stops at once, MD continues at the next position.
         """
-        md_name, md = self._one(ROLE_MAIN)
-        _, rld = self._one(ROLE_RELAY)
+        md_name, md = self._peer(st, ROLE_MAIN)
+        _, rld = self._peer(st, ROLE_RELAY)
         t = self.cfg.request_timeout_s
         k = self.cfg.policy.handoff_min_tokens
         while k and st.next_pos < k and not st.finished:
@@ -289,6 +364,7 @@ class Orchestrator:
         try:
             await self._launch(st, prompt_ids)
         except Exception as e:
+            self._unassign(st)
             await self.abort(st)
             self.totals["failed"] += 1
             raise RequestFailed(f"request {rid} failed while starting: {e}") from e
@@ -300,30 +376,43 @@ class Orchestrator:
         t = self.cfg.request_timeout_s
         if self.cfg.mode == "colocated":
             st.pipeline = Pipeline.COLOCATED
-            _, c = self._one(ROLE_COLOCATED)
+            st.names[ROLE_COLOCATED] = await self._route(ROLE_COLOCATED, prompt)
+            self._assign(st)
+            _, c = self._peer(st, ROLE_COLOCATED)
             rep, _ = await c.call({"t": "generate", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
-        md_name, md = self._one(ROLE_MAIN)
-        md_wan = self.layout.get(md_name).dc == "B"
         relay_possible = bool(self.layout.by_role(ROLE_RELAY))
-        _, p = self._one(ROLE_PREFILL)
-        reserve = asyncio.ensure_future(md.call({"t": "reserve", "rid": st.rid, "prompt_ids": prompt,
-                                                 "sampling": sampling}, timeout=t))
+        st.names[ROLE_PREFILL] = await self._route(ROLE_PREFILL, prompt)
+        if relay_possible:
+            st.names[ROLE_RELAY] = await self._route(ROLE_RELAY, prompt)
+        _, p = self._peer(st, ROLE_PREFILL)
+
+        async def route_and_reserve():
+            # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
+            st.names[ROLE_MAIN] = await self._route(ROLE_MAIN, prompt)
+            self._assign(st, ROLE_MAIN)
+            _, md_ = self._peer(st, ROLE_MAIN)
+            return await md_.call({"t": "reserve", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling},
+                                  timeout=t)
+
+        self._assign(st, ROLE_PREFILL, ROLE_RELAY)
+        reserve = asyncio.ensure_future(route_and_reserve())
         p_call = None
         try:
             if relay_possible:
-                rld_name, rld = self._one(ROLE_RELAY)
+                rld_name, rld = self._peer(st, ROLE_RELAY)
                 await rld.call({"t": "expect", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
                 if self._always_relay():
                     # the relay is planned whatever MD holds: P starts now and learns MD's part of
-                    # the plan a WAN round trip later, so TTFT never waits on the WAN
+                    # the plan (which MD, which pages) a WAN round trip later, so TTFT never
+                    # waits on the WAN
                     st.pipeline = Pipeline.P_RLD_MD
                     p_call = asyncio.ensure_future(p.call(
                         {"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
                          "targets": [{"name": rld_name, "first_page": 0, "relay": False},
-                                     {"name": md_name, "deferred": True}]}, timeout=t))
+                                     {"slot": "md", "deferred": True}]}, timeout=t))
             rep, _ = await reserve
         except BaseException:
             for fut in (p_call, reserve):
@@ -333,6 +422,8 @@ class Orchestrator:
                     fut.exception()  # retrieved: no "never retrieved" noise
             raise
         st.events["md_reserved"] = time.perf_counter()
+        md_name, md = self._peer(st, ROLE_MAIN)
+        md_wan = self.layout.get(md_name).dc == "B"
         self.page_bytes = int(rep["page_bytes"])
         if self.kv_bytes_per_token is None:
             self.kv_bytes_per_token = self.page_bytes // self.cfg.engine.page_size
@@ -345,7 +436,8 @@ class Orchestrator:
             self.totals["wan_bytes_planned"] += st.wan_bytes_expected
             self.planned_wan[st.rid] = st.wan_bytes_expected
         if p_call is not None:
-            await p.send({"t": "target", "rid": st.rid, "name": md_name, "first_page": md_first, "relay": True})
+            await p.send({"t": "target", "rid": st.rid, "slot": "md", "name": md_name, "first_page": md_first,
+                          "relay": True})
         else:
             st.pipeline = self._plan(len(prompt), st.md_cached_tokens) if relay_possible else (
                 Pipeline.P_MD if md_wan else Pipeline.P_D)
@@ -436,13 +528,13 @@ class Orchestrator:
         st.md_pending.clear()
         self.totals["md_diverged"] = self.totals.get("md_diverged", 0) + 1
         log.warning("request %s: MD's token at %d differs from RLD's (near-tie); RLD finishes it", st.rid, pos)
-        _, md = self._one(ROLE_MAIN)
+        _, md = self._peer(st, ROLE_MAIN)
         asyncio.get_running_loop().create_task(md.send({"t": "drop", "rid": st.rid}))
 
     async def _release_relay(self, st: ReqState) -> None:
         """MD's stream is live: stop RLD (catch-up kept it decoding until now)."""
         if st.handoff_mode == "catch_up":
-            _, rld = self._one(ROLE_RELAY)
+            _, rld = self._peer(st, ROLE_RELAY)
             try:
                 await rld.call({"t": "abort", "rid": st.rid}, timeout=10)
             except Exception as e:
@@ -479,6 +571,7 @@ class Orchestrator:
             raise
         finally:
             self.reqs.pop(st.rid, None)
+            self._unassign(st)
             if st.finished and st.error is None and st.pipeline == Pipeline.P_RLD_MD:
                 await self._settle_relayed(st)
 
@@ -489,8 +582,8 @@ class Orchestrator:
             if self.cfg.policy.cutoff:
                 await self._cut_off(st)
             return  # else: MD's kv_ready finds the request gone and tells MD to keep the KV
-        md_name, md = self._one(ROLE_MAIN)
-        _, rld = self._one(ROLE_RELAY)
+        md_name, md = self._peer(st, ROLE_MAIN)
+        _, rld = self._peer(st, ROLE_RELAY)
         try:
             if st.switch_pos is None:  # RLD finished it (MD keeps the prompt's KV)
                 await md.send({"t": "finish", "rid": st.rid})

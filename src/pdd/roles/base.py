@@ -125,7 +125,17 @@ class EngineInstance:
         )
 
     def handlers(self) -> dict:
-        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort}
+        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek}
+
+    async def on_peek(self, peer, h, payload):
+        """Routing probe: how many of the prompt's tokens this instance's radix cache holds
+        (whole pages; no lock, no ref, no stats)."""
+        prompt = [int(t) for t in h["prompt_ids"]]
+
+        def _peek(e):
+            return e.radix.peek(prompt) * e.page_size if e.radix is not None else 0
+
+        return {"t": "peek_ok", "hit_tokens": await self.worker.call(_peek)}, b""
 
     async def start(self) -> None:
         import torch

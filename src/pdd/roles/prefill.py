@@ -46,9 +46,10 @@ class PrefillInstance(EngineInstance):
         rid, name = h["rid"], h["name"]
         if rid not in self.reqs:
             return None  # already drained and released: nothing left to cut
-        fut = self._deferred_target(rid, name)
-        if not fut.done():  # not planned yet: never start it
-            fut.set_result({"cancelled": True})
+        for slot in set(self._deferred.get(rid, {})) | {"md"}:
+            fut = self._deferred_target(rid, slot)
+            if not fut.done():  # not planned yet: never start it
+                fut.set_result({"name": name, "cancelled": True})
         s = self.senders.get(name)
         n = s.cancel(rid) if s is not None else 0
         self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + n
@@ -60,9 +61,9 @@ class PrefillInstance(EngineInstance):
     async def on_target(self, peer, h, payload):
         """The plan of a target sent ``deferred`` in ``prefill`` (MD's cached pages arrive a WAN
         round trip after P could start prefilling): ``{rid, name, first_page, relay}``."""
-        fut = self._deferred_target(h["rid"], h["name"])
+        fut = self._deferred_target(h["rid"], h.get("slot", h["name"]))
         if not fut.done():
-            fut.set_result({"first_page": int(h["first_page"]), "relay": bool(h.get("relay"))})
+            fut.set_result({"name": h["name"], "first_page": int(h["first_page"]), "relay": bool(h.get("relay"))})
         return None
 
     async def on_abort(self, peer, h, payload):
@@ -75,7 +76,8 @@ class PrefillInstance(EngineInstance):
             fut.set_exception(RuntimeError(f"request {rid} aborted"))
         ctx = self.reqs.get(rid)
         if ctx is not None and ctx.extra.get("streaming"):
-            for d in self._deferred.get(rid, {}).values():
+            for slot in set(self._deferred.get(rid, {})) | {"md"}:
+                d = self._deferred_target(rid, slot)
                 if not d.done():
                     d.set_result({"cancelled": True})
             n = sum(s.cancel(rid) for s in self.senders.values())
@@ -167,10 +169,12 @@ class PrefillInstance(EngineInstance):
             return pool.export_pages(table[i : i + n])
 
         async def one(t: dict) -> None:
-            name = t["name"]
+            name = t.get("name", t.get("slot"))
             try:
                 if t.get("deferred"):
-                    t = {**t, **await asyncio.wait_for(self._deferred_target(ctx.rid, name), self.cfg.request_timeout_s)}
+                    plan = await asyncio.wait_for(self._deferred_target(ctx.rid, t["slot"]), self.cfg.request_timeout_s)
+                    t = {**t, **plan}
+                    name = t.get("name", name)
                     if t.get("cancelled"):  # cut off before it started: nothing of it was sent
                         result[name] = 0
                         unsent[name] = -1  # -1: the whole planned transfer (only the gateway knows its size)
