@@ -163,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
 
         add_sim_parser(sub)
         add_plan_parser(sub)
+        # `pdd workload agentic` (issue wording) is the simulator's generator under its own name
+        w = sub.add_parser("workload", help="generate workloads (Mooncake-format JSONL)")
+        wsub = w.add_subparsers(dest="workload_cmd", required=True)
+        from pdd.sim.cli import cmd_agentic
+
+        g = wsub.add_parser("agentic", help="agentic multi-turn workload calibrated to the PDD report; prints the "
+                                            "seven-bin prefix-hit histogram")
+        g.add_argument("--n", "--requests", dest="n", type=int, default=5000)
+        g.add_argument("--rate", type=float, default=2.0, help="mean arrivals, requests/s")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--out", default=None)
+        g.set_defaults(func=cmd_agentic)
     except ImportError:
         pass
     return ap
@@ -187,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0", "colocated": "c0", "gateway": "gateway",
                  ROLE_LINK: "link"}
         args.name = names[args.role]
-    return int(args.fn(args) or 0)
+    fn = getattr(args, "fn", None) or getattr(args, "func")  # the simulator's parsers use func
+    return int(fn(args) or 0)
 
 
 if __name__ == "__main__":

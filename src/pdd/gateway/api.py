@@ -87,6 +87,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     from prometheus_client import make_asgi_app
 
+    if cfg.security.api_keys:  # optional API keys (Authorization: Bearer KEY); health stays open
+        from pdd.security import ApiKeyMiddleware
+
+        app.add_middleware(ApiKeyMiddleware, keys=cfg.security.api_keys)
+
     if getattr(orch, "metrics", None) is not None:
         app.mount("/metrics", make_asgi_app(orch.metrics.registry))
 
