@@ -208,7 +208,8 @@ class Topology:
 
     def wait_idle(self, timeout_s: float = 30.0, poll_s: float = 0.1) -> bool:
         """Wait until no instance holds a live request (P holds one until its KV streams have
-        drained) and the WAN emulator carries nothing in flight. Returns False on timeout."""
+        drained), the WAN emulator carries nothing in flight and the gateway has every transfer's
+        outcome from P. Returns False on timeout."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -218,6 +219,7 @@ class Topology:
             busy = any(int(v.get("running", 0)) for v in st.get("instances", {}).values() if isinstance(v, dict))
             link = st.get("link") or {}
             busy = busy or any(int(link.get(k, 0) or 0) for k in ("in_flight_a_to_b", "in_flight_b_to_a"))
+            busy = busy or int(st.get("transfers_pending", 0) or 0) > 0  # P's xfer_done still on its way
             if not busy:
                 return True
             time.sleep(poll_s)

@@ -614,6 +614,7 @@ class Orchestrator:
         out["wan_bytes"] = sum(int(r.get("wan_bytes_sent", 0)) for r in inst.values() if isinstance(r, dict))
         out["wan_bytes_expected"] = self.totals["wan_bytes_expected"]
         out["wan_gbps_live"] = self.wan_gbps_live
+        out["transfers_pending"] = len(self.planned_wan)  # WAN plans whose outcome P has not reported yet
         out["wan_line_bytes"] = 0
         if self.layout.link_control_port is not None:
             try:
