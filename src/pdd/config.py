@@ -66,6 +66,10 @@ class PolicyConfig(_Strict):
         "cache_aware", description="instance choice for P and MD (RLD: load unless round_robin)")
     allow_p_rld: bool = False
     cutoff: bool = Field(True, description="anomaly filter: cancel the WAN transfer of a request RLD finished first")
+    cutoff_min_remaining_s: float = Field(
+        0.5, ge=0,
+        description="cut off only when the rest of the transfer would take at least this long at the live WAN "
+        "rate; shorter remainders finish, so MD's cache keeps the prompt for the next turn (0: always cut off)")
     handoff_min_tokens: int = Field(
         0,
         ge=0,

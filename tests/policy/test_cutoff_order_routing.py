@@ -64,3 +64,13 @@ def test_cache_aware_min_hit_fraction_falls_back_to_load():
     assert choose_instance(c, "cache_aware") == 0  # any hit wins within the slack
     assert choose_instance(c, "cache_aware", prompt_tokens=12000, min_hit_frac=0.5) == 2  # 4% hit: least loaded
     assert choose_instance(c, "cache_aware", prompt_tokens=800, min_hit_frac=0.5) == 0  # 64% hit: affinity
+
+
+def test_should_cut_off_lets_short_remainders_finish():
+    # the anomaly filter only cancels what would still take long; short remainders keep MD's cache aligned
+    assert should_cut_off(True, False, remaining_wan_s=0.2, min_remaining_s=0.5) is False
+    assert should_cut_off(True, False, remaining_wan_s=0.5, min_remaining_s=0.5) is True
+    assert should_cut_off(True, False, remaining_wan_s=3.0, min_remaining_s=0.5) is True
+    assert should_cut_off(True, False, remaining_wan_s=None, min_remaining_s=0.5) is True
+    assert should_cut_off(True, True, remaining_wan_s=9.0, min_remaining_s=0.0) is False
+    assert should_cut_off(False, False, remaining_wan_s=9.0, min_remaining_s=0.0) is False

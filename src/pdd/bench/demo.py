@@ -29,10 +29,12 @@ from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, block_token_ids, b
 from pdd.config import ClusterConfig
 
 DEFAULT_MODES = ("same_dc_pd", "cross_dc_pd", "pdd")
-# Tuned on the live system (docs/DEMO.md): prompts 1/32 (a 512-token block becomes 16 tokens),
-# outputs 1/4 in [16, 160], 1 in 100 conversations with all their turns (so prefix reuse is the
-# trace's), arrivals compressed to 2 requests/s.
-DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 4, min_output_tokens=16, max_output_tokens=160,
+# Tuned on the live system (docs/LINK.md, "Demo scaling"): prompts 1/32 (a 512-token block
+# becomes 16 tokens); outputs 1/2 in [16, 320], because the small model decodes ~10x faster
+# relative to its prefill than an 8B model on an H200, and halving keeps a request's decode time
+# several times its WAN transfer time, as in production; 1 in 100 conversations with all their
+# turns (so prefix reuse is the trace's); arrivals compressed to 2 requests/s.
+DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 2, min_output_tokens=16, max_output_tokens=320,
                       target_rate_rps=2.0, session_sample=100)
 DEFAULT_REQUESTS = 100
 
@@ -109,10 +111,12 @@ def measured_replay(
     afterwards (the next replay on this topology starts empty; ``entry["flush"]`` reports leaked
     pages). ``replay_kw`` go to :func:`pdd.bench.client.replay` (``max_in_flight``, ``label``, ...).
     """
+    wait_idle = getattr(topo, "wait_idle", None)
+    if wait_idle is not None:  # what came before (a warm-up) must be settled before the snapshot
+        wait_idle()
     entry: dict = {"stats_before": topo.stats(), "proc_cpu_seconds_before": _proc_cpu(topo)}
     records = replay_sync(topo.url, requests, model=model, mode=mode, timeout_s=timeout_s, progress=progress,
                           console=console, **replay_kw)
-    wait_idle = getattr(topo, "wait_idle", None)
     if wait_idle is not None:  # let cut-off and finished transfers drain before counting bytes
         entry["idle"] = wait_idle()
     entry["proc_cpu_seconds"] = _proc_cpu(topo)

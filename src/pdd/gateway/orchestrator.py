@@ -120,7 +120,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ connections
     def handlers(self) -> dict:
-        return {"tok": self.on_tok, "kv_ready": self.on_kv_ready, "xfer_done": self.on_xfer_done,
+        return {"tok": self.on_tok, "toks": self.on_toks, "kv_ready": self.on_kv_ready, "xfer_done": self.on_xfer_done,
                 "req_error": self.on_req_error, "wan_sample": self.on_wan_sample}
 
     async def start(self) -> None:
@@ -232,6 +232,12 @@ class Orchestrator:
         st.queue.put_nowait(TokenOut(int(h["pos"]), int(h["id"]), h.get("tier", "?"), h.get("fin"), h.get("lp")))
         return None
 
+    async def on_toks(self, peer, h, payload):
+        """Several ``tok`` messages in one frame (one engine step's tokens), in order."""
+        for m in h.get("msgs", ()):
+            await self.on_tok(peer, m, b"")
+        return None
+
     async def on_req_error(self, peer, h, payload):
         st = self.reqs.get(h["rid"])
         if st is not None:
@@ -275,6 +281,15 @@ class Orchestrator:
             (1 - WAN_EWMA) * self.wan_gbps_live + WAN_EWMA * sample)
         return None
 
+    def _remaining_wan_s(self, st: ReqState) -> float:
+        """Expected seconds to finish ``st``'s WAN transfer: its planned bytes at the live (else
+        configured) rate, less the time since P started streaming it."""
+        gbps = self.wan_gbps_live or self.cfg.link.wan_gbps
+        total = st.wan_bytes_expected * 8 / (gbps * 1e9)
+        started = st.events.get("prefilled")
+        elapsed = time.perf_counter() - started if started is not None else 0.0
+        return max(0.0, total - elapsed)
+
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
         transfer; MD frees what it received on ``kv_cancel``."""
@@ -309,6 +324,7 @@ class Orchestrator:
             if st.finished:
                 rep = {"finished": True}
             else:
+                st.events["handoff_call"] = time.perf_counter()
                 rep, _ = await rld.call({"t": "handoff", "rid": st.rid, "sent": sent, "round": rounds}, timeout=t)
             if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
                 st.rld_finished_first = True
@@ -322,6 +338,7 @@ class Orchestrator:
             if rep["final"]:
                 st.md_start = len(ids)
                 st.events["handoff"] = time.perf_counter()
+                st.events["handoff_rld_ms"] = st.events["handoff"] - float(rep.get("rld_ms", 0.0)) / 1000
                 self.totals["handoffs"] += 1
                 key = f"handoffs_{rep['mode']}"
                 self.totals[key] = self.totals.get(key, 0) + 1
@@ -578,10 +595,13 @@ class Orchestrator:
     async def _settle_relayed(self, st: ReqState) -> None:
         """After a relayed request ended at the client: cut off a WAN transfer still running
         (anomaly filter), or stop whichever decoder is still going."""
-        if should_cut_off(rld_finished=True, md_kv_complete=st.kv_ready):
+        if should_cut_off(rld_finished=True, md_kv_complete=st.kv_ready, remaining_wan_s=self._remaining_wan_s(st),
+                          min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
             if self.cfg.policy.cutoff:
                 await self._cut_off(st)
             return  # else: MD's kv_ready finds the request gone and tells MD to keep the KV
+        if not st.kv_ready:
+            return  # the transfer finishes; on_kv_ready tells MD to keep the prompt's KV
         md_name, md = self._peer(st, ROLE_MAIN)
         _, rld = self._peer(st, ROLE_RELAY)
         try:

@@ -8,13 +8,21 @@ request locally, nothing more is sent to MD and MD frees what it had received.
 from __future__ import annotations
 
 
-def should_cut_off(rld_finished: bool, md_kv_complete: bool) -> bool:
-    """Cancel the request's WAN transfer iff RLD finished it while MD's KV is still incomplete.
+def should_cut_off(rld_finished: bool, md_kv_complete: bool, remaining_wan_s: float | None = None,
+                   min_remaining_s: float = 0.0) -> bool:
+    """Cancel the request's WAN transfer when RLD finished it while MD's KV is still incomplete
+    and what is left to send is worth cancelling.
 
-    Once MD holds all the KV, the handoff (or nothing, if RLD finished) is cheaper than
-    any cancel; before that, every further byte is wasted line capacity.
+    Once MD holds all the KV, the handoff (or nothing, if RLD finished) is cheaper than any
+    cancel. Before that, the bytes still to send serve only MD's decode-side cache (the next
+    turn of the conversation hits it). The report's filter targets the few very long-input,
+    short-output requests, whose remaining transfer is long. ``remaining_wan_s``: expected
+    seconds to finish the transfer (None: unknown, cut off); with ``min_remaining_s`` > 0 a
+    transfer finishing sooner than that is let through, keeping MD's cache aligned with P's.
     """
-    return bool(rld_finished) and not bool(md_kv_complete)
+    if not rld_finished or md_kv_complete:
+        return False
+    return remaining_wan_s is None or remaining_wan_s >= min_remaining_s
 
 
 def predict_rld_finishes_first(

@@ -39,7 +39,11 @@ def first_token_finish(token_id: int, sp: SamplingParams, eos_ids: set[int]) -> 
 
 
 class OrderedSender:
-    """One-way messages to one peer, sent strictly in the order they were put."""
+    """One-way messages to one peer, sent strictly in the order they were put.
+
+    Token messages queued back to back (every running request's token of one engine step) go
+    as one ``toks {msgs: [...]}`` frame: one write instead of one per request and token.
+    """
 
     def __init__(self, peer):
         self.peer = peer
@@ -52,14 +56,29 @@ class OrderedSender:
     async def flush(self) -> None:
         await self.q.join()
 
+    async def _send(self, header: dict, payload) -> None:
+        try:
+            await self.peer.send(header, payload)
+        except Exception as e:  # the peer went away; the request owner times out / aborts
+            log.warning("send %s to peer failed: %s", header.get("t"), e)
+
     async def _run(self) -> None:
         while True:
-            header, payload = await self.q.get()
-            try:
-                await self.peer.send(header, payload)
-            except Exception as e:  # the peer went away; the request owner times out / aborts
-                log.warning("send %s to peer failed: %s", header.get("t"), e)
-            finally:
+            items = [await self.q.get()]
+            while not self.q.empty():
+                items.append(self.q.get_nowait())
+            batch: list[dict] = []
+            for header, payload in items:
+                if header.get("t") == "tok" and not payload:
+                    batch.append(header)
+                    continue
+                if batch:
+                    await self._send({"t": "toks", "msgs": batch}, b"")
+                    batch = []
+                await self._send(header, payload)
+            if batch:
+                await self._send({"t": "toks", "msgs": batch}, b"")
+            for _ in items:
                 self.q.task_done()
 
 

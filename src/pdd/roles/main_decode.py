@@ -75,14 +75,17 @@ class MainDecodeInstance(EngineInstance):
                 e.radix.insert(seq.token_ids[: n * e.page_size], seq.page_table[:n])
 
         ctx.in_engine = start
-        await self.worker.call(_imported)
+        done = self.worker.call(_imported)
         ctx.extra["kv_complete"] = True
+        if relay:
+            # tell the gateway at once: the engine thread runs commands in order, so the
+            # handoff's extend (queued later) always finds the imported KV
+            ctx.sink.put({"t": "kv_ready", "rid": ctx.rid})
+        await done
         rate = self.kv_rate_sample_gbps(ctx)
         if rate is not None:  # the gateway's live WAN estimate (pipeline choice) is made of these
             ctx.sink.put({"t": "wan_sample", "gbps": rate})
-        if relay:
-            ctx.sink.put({"t": "kv_ready", "rid": ctx.rid})
-        else:
+        if not relay:
             self.emit(ctx, 0, t0, fin)
             if fin is not None:
                 await self.release(ctx, cache=True)

@@ -10,6 +10,9 @@ Messages:
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from pdd.policy.handoff import HandoffInputs, decide_handoff, rld_load
 from pdd.roles.base import EngineInstance, ReqCtx
 from pdd.types import SamplingParams
@@ -67,6 +70,7 @@ class RelayDecodeInstance(EngineInstance):
         on the switch.
         """
         rid = h["rid"]
+        t_in = time.perf_counter()
         ctx = self.reqs.get(rid)
         done = {"t": "handoff_ok", "rid": rid, "finished": True, "token_ids": [], "mode": None, "final": True}
         if ctx is None or not ctx.in_engine:
@@ -101,8 +105,10 @@ class RelayDecodeInstance(EngineInstance):
             # tokens emitted before the removal are queued on the sink ahead of this reply;
             # flush so the gateway has all of them before MD takes over
             await ctx.sink.flush()
-            await self.release(ctx, cache=False)
+            # freeing the pages is off the switch's critical path (one engine step later)
+            asyncio.get_running_loop().create_task(self.release(ctx, cache=False))
         key = f"handoffs_{dec.mode}" if dec.final else "catchup_rounds"
         self.counters[key] = self.counters.get(key, 0) + 1
         return {"t": "handoff_ok", "rid": rid, "finished": False, "token_ids": tokens, "mode": dec.mode,
-                "final": dec.final, "load": round(rld_load(inp), 4)}, b""
+                "final": dec.final, "load": round(rld_load(inp), 4),
+                "rld_ms": round((time.perf_counter() - t_in) * 1000, 2)}, b""

@@ -258,6 +258,9 @@ class _Side(asyncio.BufferedProtocol):
         self._buf: Optional[bytearray] = None
 
     def connection_made(self, transport) -> None:
+        from .wire import set_nodelay
+
+        set_nodelay(transport)
         self.transport = transport
         try:
             transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)

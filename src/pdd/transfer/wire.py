@@ -40,6 +40,7 @@ than trusting them.
 from __future__ import annotations
 
 import asyncio
+import socket
 import hashlib
 import hmac
 import struct
@@ -365,6 +366,19 @@ _LARGE_READ_BYTES = 32 << 10  # readexactly(n >= this) receives straight into it
 _SCRATCH_BYTES = 256 << 10
 
 
+def set_nodelay(transport) -> None:
+    """Disable Nagle's algorithm on a TCP transport (plain or TLS). Small control frames (a
+    handoff call, its reply) otherwise wait for the ACK of earlier data, which the peer delays
+    by up to 40 ms: measured as a 42 ms handoff round trip between two busy instances."""
+    get = getattr(transport, "get_extra_info", None)
+    sock = get("socket") if get is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
 class FrameStream(asyncio.BufferedProtocol):
     """A socket stream for frames with fewer copies than StreamReader/StreamWriter.
 
@@ -399,6 +413,7 @@ class FrameStream(asyncio.BufferedProtocol):
     # -- protocol callbacks
     def connection_made(self, transport) -> None:
         self.transport = transport
+        set_nodelay(transport)
         self._closed = asyncio.get_running_loop().create_future()
         if self._on_made is not None:
             self._on_made(self)
