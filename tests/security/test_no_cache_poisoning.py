@@ -35,7 +35,9 @@ async def test_flipped_kv_stream_never_enters_the_radix_cache(tiny_model, tmp_pa
     await inst.start()
     port = inst.server.port
     toks: list[dict] = []
-    gw = await connect("127.0.0.1", port, {"tok": lambda p, h, b: toks.append(h), "*": lambda p, h, b: None},
+    gw = await connect("127.0.0.1", port, {"tok": lambda p, h, b: toks.append(h),
+                                           "toks": lambda p, h, b: toks.extend(h["msgs"]),  # one engine step's
+                                           "*": lambda p, h, b: None},
                        role="gateway", instance="gateway", **link_security(cfg, "gateway").client("d0"))
     n_layers = inst.engine.model_cfg.num_hidden_layers
     sp = SamplingParams(max_tokens=2, ignore_eos=True).to_dict()
