@@ -43,17 +43,25 @@ class MainDecodeInstance(EngineInstance):
     def extra_stats(self) -> dict:
         return self.hit_stats()
 
-    async def on_reserve(self, peer, h, payload):
+    async def _admit(self, peer, h, min_uncached: int) -> ReqCtx:
+        """A new request's sequence: its prompt matched against the radix cache (``min_uncached``
+        prompt tokens always left to compute), the rest of its pages allocated, the hit counted."""
         rid = h["rid"]
         sp = SamplingParams.from_dict(h["sampling"])
         prompt = list(h["prompt_ids"])
-        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True, min_uncached=0))
+        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True,
+                                                              min_uncached=min_uncached))
         ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.reqs[rid] = ctx
         self.counters["requests"] += 1
+        self.record_hit(int(seq.num_cached_tokens), len(prompt))
+        return ctx
+
+    async def on_reserve(self, peer, h, payload):
+        ctx = await self._admit(peer, h, min_uncached=0)  # MD may hold every whole page
+        rid, prompt = ctx.rid, ctx.seq.prompt_ids
         ps = self.engine.pool.page_size
-        cached = int(seq.num_cached_tokens)
-        self.record_hit(cached, len(prompt))
+        cached = int(ctx.seq.num_cached_tokens)
         return {"t": "reserve_ok", "rid": rid, "md_cached_tokens": cached, "md_cached_pages": cached // ps,
                 "n_pages": (len(prompt) + ps - 1) // ps, "page_bytes": self.engine.pool.page_bytes}, b""
 
@@ -145,15 +153,8 @@ class MainDecodeInstance(EngineInstance):
         return None
 
     async def on_generate(self, peer, h, payload):
-        rid = h["rid"]
-        sp = SamplingParams.from_dict(h["sampling"])
-        prompt = list(h["prompt_ids"])
-        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True, min_uncached=1))
-        ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
-        self.reqs[rid] = ctx
-        self.counters["requests"] += 1
-        cached = int(seq.num_cached_tokens)
-        self.record_hit(cached, len(prompt))
+        ctx = await self._admit(peer, h, min_uncached=1)  # colocated: this engine prefills too
+        seq = ctx.seq
         ctx.in_engine = True
         await self.worker.call(lambda e: e.add(seq))
-        return {"t": "generate_ok", "rid": rid, "p_cached_tokens": cached}, b""
+        return {"t": "generate_ok", "rid": ctx.rid, "p_cached_tokens": int(seq.num_cached_tokens)}, b""
