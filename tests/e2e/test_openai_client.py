@@ -151,7 +151,9 @@ def test_every_engine_instance_serves_prometheus_metrics(pdd_topology):
 
 
 def test_gateway_metrics_and_edge_input(pdd_topology):
-    text = httpx.get(pdd_topology.url + "/metrics/", timeout=10, follow_redirects=True).text
+    r = httpx.get(pdd_topology.url + "/metrics", timeout=10)
+    assert r.status_code == 200
+    text = r.text
     for name in ("pdd_ttft_seconds_bucket", "pdd_itl_seconds_bucket", "pdd_gateway_requests_total",
                  "pdd_wan_kv_bytes_total"):
         assert name in text, name

@@ -85,15 +85,19 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         h = orch.health() if hasattr(orch, "health") else {"status": "ok", "mode": cfg.mode, "down": []}
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
-    from prometheus_client import make_asgi_app
-
     if cfg.security.api_keys:  # optional API keys (Authorization: Bearer KEY); health stays open
         from pdd.security import ApiKeyMiddleware
 
         app.add_middleware(ApiKeyMiddleware, keys=cfg.security.api_keys)
 
     if getattr(orch, "metrics", None) is not None:
-        app.mount("/metrics", make_asgi_app(orch.metrics.registry))
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import Response
+
+        @app.get("/metrics")
+        async def metrics():
+            """Prometheus text exposition of the gateway's registry (at /metrics itself, no redirect)."""
+            return Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.middleware("http")
     async def _limit_body(request: Request, call_next):
