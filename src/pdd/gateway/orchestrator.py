@@ -116,7 +116,6 @@ class Orchestrator:
         from pdd.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics(self)
-        self.down: set[str] = set()
 
     # ------------------------------------------------------------------ connections
     def handlers(self) -> dict:
@@ -148,7 +147,6 @@ class Orchestrator:
 
     def _peer_closed(self, name: str) -> None:
         """A tier's connection dropped: every in-flight request fails at once (no silent stall)."""
-        self.down.add(name)
         for st in list(self.reqs.values()):
             if not st.finished and st.error is None and name in st.names.values():
                 st.error = f"instance {name} is unreachable"
@@ -217,7 +215,6 @@ class Orchestrator:
         self._reconnecting.add(name)
         try:
             self.peers[name] = await self._connect(name, retries=0)
-            self.down.discard(name)
             log.info("reconnected to %s", name)
         except Exception:
             pass
@@ -365,13 +362,6 @@ class Orchestrator:
                 allow_p_rld=self.cfg.policy.allow_p_rld,
             )
         )
-
-    async def generate(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None):
-        """Async iterator of :class:`TokenOut` in position order; the :class:`ReqState` is
-        available as ``self.reqs[rid]`` while it runs and is returned by :meth:`start_request`."""
-        st = await self.start_request(prompt_ids, sp, rid)
-        async for t in self.stream(st):
-            yield t
 
     async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None) -> ReqState:
         rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"

@@ -161,7 +161,6 @@ class PrefillInstance(EngineInstance):
         pool = self.engine.pool
         table = list(ctx.seq.page_table[:n_pages])
         result: dict[str, int] = {}
-        elapsed: dict[str, float] = {}
         unsent: dict[str, int] = {}
         errors: dict[str, str] = {}
 
@@ -187,7 +186,6 @@ class PrefillInstance(EngineInstance):
                                                 **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
                 res = await tr
                 result[name] = res.bytes_sent
-                elapsed[name] = res.elapsed_s
                 if res.cancelled:
                     unsent[name] = (n_pages - first - res.pages_sent) * pool.page_bytes
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + tr.bytes_sent
@@ -202,4 +200,4 @@ class PrefillInstance(EngineInstance):
         finally:
             self._deferred.pop(ctx.rid, None)
             await self.release(ctx, cache=True)
-            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "elapsed_s": elapsed, "unsent": unsent, "errors": errors})
+            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "unsent": unsent, "errors": errors})
