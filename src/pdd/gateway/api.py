@@ -317,56 +317,61 @@ def _tok_ext(d: Delta) -> dict:
     return {"tier": d.token.tier, "pos": d.token.pos, "token_id": d.token.token_id}
 
 
-async def _completion_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool,
-                          echo: str = ""):
-    offsets = [len(echo)] * len(gen.choices)
+async def _sse(gen: Generation, head: dict, chunks, include_usage: bool):
+    """One SSE stream: the ``chunks`` (dicts) as ``data:`` lines, then the usage chunk if asked
+    and ``[DONE]``; a failed request ends with an error chunk. However the stream ends (the
+    client may go away mid-stream), what still runs is aborted on every tier."""
+    try:
+        async for chunk in chunks:
+            yield _data({**head, **chunk})
+    except RequestFailed as ex:
+        yield _data(error_body(str(ex), etype="server_error"))
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        gen.close()
+    if include_usage:
+        yield _data({**head, "choices": [], "usage": _usage(gen), "pdd": _pdd(gen)})
+    yield "data: [DONE]\n\n"
+
+
+def _completion_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool,
+                    echo: str = ""):
     head = {"id": cid, "object": "text_completion", "created": created, "model": model}
+    return _sse(gen, head, _completion_chunks(gen, tt, echo), include_usage)
+
+
+async def _completion_chunks(gen: Generation, tt: TokenText, echo: str):
+    offsets = [len(echo)] * len(gen.choices)
     want_lp = gen.opts.logprobs is not None
-    try:
-        if echo:
-            for c in gen.choices:
-                yield _data({**head, "choices": [{"index": c.index, "text": echo, "logprobs": None,
-                                                  "finish_reason": None}]})
-        async for d in gen.deltas():
-            lp = None
-            if want_lp:
-                lp = _completion_logprobs(tt, [d.token], offsets[d.index])
-                offsets[d.index] += len(lp["tokens"][0])
-            yield _data({**head, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
-                                              "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-                         "pdd": _tok_ext(d)})
-    except RequestFailed as ex:
-        yield _data(error_body(str(ex), etype="server_error"))
-        yield "data: [DONE]\n\n"
-        return
-    finally:
-        gen.close()  # the client went away mid-stream: abort what still runs, on every tier
-    if include_usage:
-        yield _data({**head, "choices": [], "usage": _usage(gen), "pdd": _pdd(gen)})
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool):
-    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-    top = gen.opts.logprobs
-    try:
+    if echo:
         for c in gen.choices:
-            yield _data({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]})
-        async for d in gen.deltas():
-            lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
-            yield _data({**head, "choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
-                                              "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-                         "pdd": _tok_ext(d)})
-    except RequestFailed as ex:
-        yield _data(error_body(str(ex), etype="server_error"))
-        yield "data: [DONE]\n\n"
-        return
-    finally:
-        gen.close()  # the client went away mid-stream: abort what still runs, on every tier
-    if include_usage:
-        yield _data({**head, "choices": [], "usage": _usage(gen), "pdd": _pdd(gen)})
-    yield "data: [DONE]\n\n"
+            yield {"choices": [{"index": c.index, "text": echo, "logprobs": None, "finish_reason": None}]}
+    async for d in gen.deltas():
+        lp = None
+        if want_lp:
+            lp = _completion_logprobs(tt, [d.token], offsets[d.index])
+            offsets[d.index] += len(lp["tokens"][0])
+        yield {"choices": [{"index": d.index, "text": d.text, "logprobs": lp,
+                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
+               "pdd": _tok_ext(d)}
+
+
+def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool):
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    return _sse(gen, head, _chat_chunks(gen, tt), include_usage)
+
+
+async def _chat_chunks(gen: Generation, tt: TokenText):
+    top = gen.opts.logprobs
+    for c in gen.choices:
+        yield {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}]}
+    async for d in gen.deltas():
+        lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
+        yield {"choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
+                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
+               "pdd": _tok_ext(d)}
 
 
 async def serve_gateway(cfg: ClusterConfig, lay) -> None:
