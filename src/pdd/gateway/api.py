@@ -305,7 +305,7 @@ def _pdd_summary(st: ReqState) -> dict[str, Any]:
             "handoff_pos": st.handoff_pos, "rld_finished_first": st.rld_finished_first,
             "handoff_mode": st.handoff_mode, "handoff_rounds": st.handoff_rounds,
             "handoff_tokens": st.handoff_tokens, "cut_off": st.cut_off, "md_diverged": st.md_diverged,
-            "extend_extra_step_ms": st.extend_extra_step_ms,
+            "extend_extra_step_ms": st.extend_extra_step_ms, "decisions": st.decisions,
             "events_ms": {k: round((v - st.t_arrival) * 1000, 2) for k, v in st.events.items()}}
 
 

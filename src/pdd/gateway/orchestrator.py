@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from pdd.config import ClusterConfig
 from pdd.policy.cutoff import should_cut_off
@@ -94,6 +94,9 @@ class ReqState:
     error: str | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
     events: dict = field(default_factory=dict)  # name -> perf_counter seconds
+    # each policy decision's inputs and result, for replay (``pdd sim validate``):
+    # [{"policy": "pipeline"|"handoff", "inputs": {...}, "result": ...}, ...]
+    decisions: list = field(default_factory=list)
 
 
 class Orchestrator:
@@ -330,6 +333,9 @@ class Orchestrator:
                 return
             ids = rep["token_ids"]
             rounds += 1
+            if "inputs" in rep:
+                st.decisions.append({"policy": "handoff", "inputs": rep["inputs"],
+                                     "result": {"mode": rep["mode"], "final": rep["final"]}})
             st.handoff_mode, st.handoff_rounds = rep["mode"], rounds
             st.handoff_tokens = len(ids)
             if rep["final"]:
@@ -348,20 +354,21 @@ class Orchestrator:
             st.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))
 
     # ------------------------------------------------------------------ plan + drive
-    def _plan(self, prompt_len: int, md_cached_tokens: int) -> Pipeline:
+    def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int) -> Pipeline:
         mode = self.cfg.mode
-        return choose_pipeline(
-            PipelineInputs(
-                mode=mode,
-                prompt_tokens=prompt_len,
-                md_cached_tokens=md_cached_tokens,
-                kv_bytes_per_token=self.kv_bytes_per_token or 0,
-                wan_gbps_estimate=self.wan_gbps_live or self.cfg.link.wan_gbps,
-                wan_rtt_ms=self.cfg.link.wan_rtt_ms,
-                ttft_budget_ms=self.cfg.policy.pipeline_ttft_budget_ms,
-                allow_p_rld=self.cfg.policy.allow_p_rld,
-            )
+        inp = PipelineInputs(
+            mode=mode,
+            prompt_tokens=prompt_len,
+            md_cached_tokens=md_cached_tokens,
+            kv_bytes_per_token=self.kv_bytes_per_token or 0,
+            wan_gbps_estimate=self.wan_gbps_live or self.cfg.link.wan_gbps,
+            wan_rtt_ms=self.cfg.link.wan_rtt_ms,
+            ttft_budget_ms=self.cfg.policy.pipeline_ttft_budget_ms,
+            allow_p_rld=self.cfg.policy.allow_p_rld,
         )
+        out = choose_pipeline(inp)
+        st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
+        return out
 
     async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None) -> ReqState:
         rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -415,7 +422,8 @@ class Orchestrator:
                     # the relay is planned whatever MD holds: P starts now and learns MD's part of
                     # the plan (which MD, which pages) a WAN round trip later, so TTFT never
                     # waits on the WAN
-                    st.pipeline = Pipeline.P_RLD_MD
+                    # (MD's cached tokens are not known yet; with a zero budget they do not matter)
+                    st.pipeline = self._plan(st, len(prompt), 0)
                     p_call = asyncio.ensure_future(p.call(
                         {"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
                          "targets": [{"name": rld_name, "first_page": 0, "relay": False},
@@ -446,7 +454,7 @@ class Orchestrator:
             await p.send({"t": "target", "rid": st.rid, "slot": "md", "name": md_name, "first_page": md_first,
                           "relay": True})
         else:
-            st.pipeline = self._plan(len(prompt), st.md_cached_tokens) if relay_possible else (
+            st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
                 Pipeline.P_MD if md_wan else Pipeline.P_D)
             relay = st.pipeline == Pipeline.P_RLD_MD
             targets = [{"name": md_name, "first_page": md_first, "relay": relay}]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 
 from pdd.policy.handoff import HandoffInputs, decide_handoff, rld_load
 from pdd.roles.base import EngineInstance, ReqCtx
@@ -110,5 +111,5 @@ class RelayDecodeInstance(EngineInstance):
         key = f"handoffs_{dec.mode}" if dec.final else "catchup_rounds"
         self.counters[key] = self.counters.get(key, 0) + 1
         return {"t": "handoff_ok", "rid": rid, "finished": False, "token_ids": tokens, "mode": dec.mode,
-                "final": dec.final, "load": round(rld_load(inp), 4),
+                "final": dec.final, "load": round(rld_load(inp), 4), "inputs": asdict(inp),
                 "rld_ms": round((time.perf_counter() - t_in) * 1000, 2)}, b""
