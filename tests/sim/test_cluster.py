@@ -85,3 +85,31 @@ def test_cost_and_gpu_counts():
     assert cfg.gpus() == {"a": 43, "b": 32}
     assert cfg.cost_per_hour() == pytest.approx(43 * 2.0 + 32 * 2.5 + 10.0)
     assert SimConfig(mode="same_dc_pd", n_p=30, n_d=58, price_a=2.0).cost_per_hour() == pytest.approx(176.0)
+
+
+def test_cutoff_only_for_long_remainders(monkeypatch):
+    """The sim asks should_cut_off with the gateway's inputs: the planned WAN bytes at the
+    estimated rate less the time since prefill; a remainder under cutoff_min_remaining_s runs on."""
+    import pdd.policy.cutoff as pol_cutoff
+
+    rec = [{"timestamp": 0, "input_length": 60000, "output_length": 4, "hash_ids": list(range(118))}]
+    cfg = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=100.0, warmup_frac=0.0)
+    seen = []
+    real = pol_cutoff.should_cut_off
+
+    def spy(*a, **k):
+        seen.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pol_cutoff, "should_cut_off", spy)
+    keep = ClusterSim(cfg.replace(cutoff_min_remaining_s=0.5)).run(rec)
+    (rld_fin, kv_done, remaining, min_s), = seen
+    req = keep.reqs[0]
+    planned_s = 60000 * 131072 * 8 / 100e9
+    assert rld_fin and not kv_done and min_s == 0.5
+    assert 0 < remaining < 0.5
+    assert remaining == pytest.approx(planned_s - (req.t_done - req.t_prefill_done), abs=1e-3)
+    assert keep.cutoffs == 0 and keep.wan.bytes_sent == pytest.approx(60000 * 131072)
+    assert all(not i.private for t in keep.tiers.values() for i in t)
+    cut = ClusterSim(cfg.replace(cutoff_min_remaining_s=0.0)).run(rec)
+    assert cut.cutoffs == 1 and cut.wan.bytes_sent < 0.9 * 60000 * 131072

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import simpy
@@ -89,6 +89,8 @@ class SimConfig:
     allow_p_rld: bool = False
     allow_p_rld_after_s: float = 0.0  # the ablation applies to arrivals from this time on
     cutoff: bool = True
+    cutoff_min_remaining_s: float = 0.5  # config.PolicyConfig default: shorter remainders finish
+    wan_estimate: str = "live"  # live: EWMA of MD's receive rates (the gateway's); config: wan_gbps
     drc: bool = True  # decode-side radix cache on MD
     p_cache: bool = True
     routing: str = "cache_aware"
@@ -296,7 +298,7 @@ class Seq:
 
 
 class Flow:
-    __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done")
+    __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end")
 
     def __init__(self, rid, nbytes, seq, cb):
         self.rid = rid
@@ -306,6 +308,7 @@ class Flow:
         self.cb = cb
         self.line = None
         self.done = False
+        self.t_start = self.t_end = None
 
 
 class Line:
@@ -368,6 +371,7 @@ class Line:
         for f in done:
             self.flows.remove(f)
             f.done = True
+            f.t_end = self.sim.env.now
             self.bytes_sent += max(0.0, f.remaining)
             f.remaining = 0.0
             self.sim.after(self.owd, f.cb)
@@ -377,6 +381,7 @@ class Line:
         f = Flow(rid, nbytes, self.seq, cb)
         self.seq += 1
         f.line = self
+        f.t_start = self.sim.env.now
         if nbytes <= 0:
             f.done = True
             self.sim.after(self.owd, cb)
@@ -421,7 +426,8 @@ class Instance:
         self.busy_s = 0.0
         self.steps = 0
         self.tokens_out = 0
-        self.handoff_state = "catch_up"  # auto mode's current mode (hysteresis)
+        # RLD's current handoff mode (relay_decode: one_shot if configured so, else catch_up)
+        self.handoff_state = "one_shot" if sim.cfg.handoff_mode == "one_shot" else "catch_up"
         self.routed = 0  # routed here by the gateway, not yet enqueued (in flight)
         self.prefilling = 0
         self.proc = self.env.process(self.run())
@@ -614,6 +620,43 @@ class ClusterSim:
         self.wan_saved_bytes = 0.0
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
+        self.wan_gbps_live: float | None = None  # EWMA of MD's receive rates (gateway's estimate)
+        self.record_decisions = False  # keep each policy call's inputs and result per request
+        self.decision_log: dict[int, list[dict]] = {}
+
+    # --- the gateway's live WAN estimate (pdd.gateway.orchestrator semantics) ----------------------
+    WAN_EWMA = 0.2  # orchestrator.WAN_EWMA: weight of the newest sample
+    WAN_SAMPLE_MIN_BYTES = 256 * 1024  # roles.base.kv_rate_sample_gbps: smaller ones measure the RTT
+
+    def wan_gbps_estimate(self) -> float:
+        """The WAN rate the policies read: the live EWMA once MD has reported a sample (as the
+        gateway's ``wan_gbps_live or link.wan_gbps``), else the configured line rate."""
+        if self.cfg.wan_estimate == "live" and self.wan_gbps_live is not None:
+            return self.wan_gbps_live
+        return self.cfg.wan_gbps
+
+    def _wan_sample(self, f: "Flow") -> None:
+        """MD's receive rate of one request's KV (first frame to last), folded into the EWMA."""
+        if f is None or f.total < self.WAN_SAMPLE_MIN_BYTES or f.t_end is None:
+            return
+        dt = f.t_end - f.t_start
+        if dt <= 0:
+            return
+        g = f.total * 8 / dt / 1e9
+        w = self.WAN_EWMA
+        self.wan_gbps_live = g if self.wan_gbps_live is None else (1 - w) * self.wan_gbps_live + w * g
+
+    def remaining_wan_s(self, req: "Req") -> float:
+        """The gateway's ``_remaining_wan_s``: the planned WAN bytes at the estimated rate, less
+        the time since P finished prefill (when it starts streaming), at least 0."""
+        total = req.md_missing * self.model.kv_bytes_per_token * 8 / (self.wan_gbps_estimate() * 1e9)
+        elapsed = self.env.now - req.t_prefill_done if req.t_prefill_done is not None else 0.0
+        return max(0.0, total - elapsed)
+
+    def _log_decision(self, req: "Req", policy: str, inputs, result) -> None:
+        if self.record_decisions:
+            self.decision_log.setdefault(req.rid, []).append(
+                {"policy": policy, "inputs": asdict(inputs), "result": result})
 
     # --- helpers -------------------------------------------------------------------------------
     def after(self, delay: float, fn, *args) -> None:
@@ -688,13 +731,14 @@ class ClusterSim:
     def _plan(self, req: Req) -> None:
         cfg = self.cfg
         md_ok = True
-        est = cfg.wan_gbps / (1 + len(self.wan.flows)) if self.wan is not None else cfg.wan_gbps
+        est = self.wan_gbps_estimate()
         inp = pol_pipeline.PipelineInputs(
             mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
             kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=est,
             wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms,
             allow_p_rld=cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s, md_available=md_ok)
         pl = pol_pipeline.choose_pipeline(inp)
+        self._log_decision(req, "pipeline", inp, pl.value)
         req.pipeline = pl
         self._count_pipeline(req)
         if pl in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
@@ -889,6 +933,7 @@ class ClusterSim:
     def _kv_at_md(self, req: Req) -> None:
         """The WAN transfer of the missing KV completed (propagation included)."""
         self._flow_drained(req)
+        self._wan_sample(req.wan_flow)
         req.md_kv_complete = True
         req.t_md_kv = self.env.now
         md = req.md
@@ -934,12 +979,13 @@ class ClusterSim:
             return
         cfg = self.cfg
         pending = req.generated - req.handed
-        dec = pol_handoff.decide_handoff(pol_handoff.HandoffInputs(
+        hin = pol_handoff.HandoffInputs(
             tokens_pending=pending, rld_running=len(rld.seqs), rld_capacity=cfg.max_running_seqs,
             rld_pages_used=rld.used, rld_pages_total=rld.pool, threshold=cfg.catchup_threshold,
-            mode_config=cfg.handoff_mode, current_mode=rld.handoff_state, round_index=req.handoff_round))
-        if cfg.handoff_mode == "auto":
-            rld.handoff_state = dec.mode
+            mode_config=cfg.handoff_mode, current_mode=rld.handoff_state, round_index=req.handoff_round)
+        dec = pol_handoff.decide_handoff(hin)
+        self._log_decision(req, "handoff", hin, {"mode": dec.mode, "final": dec.final})
+        rld.handoff_state = dec.mode  # as RLD's current_mode (only auto reads it)
         req.handoff_mode = dec.mode
         req.handoff_round += 1
         n = dec.tokens_to_send
@@ -1015,8 +1061,10 @@ class ClusterSim:
     def _rld_finished(self, rld: Instance, req: Req) -> None:
         req.rld_finished = True
         if req.pipeline == Pipeline.P_RLD_MD:
-            if pol_cutoff.should_cut_off(True, req.md_kv_complete):
-                if self.cfg.cutoff:
+            cut = pol_cutoff.should_cut_off(True, req.md_kv_complete, self.remaining_wan_s(req),
+                                            self.cfg.cutoff_min_remaining_s)
+            if cut or not req.md_kv_complete:
+                if cut and self.cfg.cutoff:
                     req.cut_off = True
                     self.cutoffs += 1
                     if req.wan_flow is not None and not req.wan_flow.done:
@@ -1029,7 +1077,7 @@ class ClusterSim:
                         self.wan_saved_bytes += req.md_missing * self.model.kv_bytes_per_token
                         self._flow_drained(req)
                     self._md_release(req, cache=False)
-                # without cut-off the transfer runs on; MD caches it on arrival
+                # otherwise the transfer runs on; MD caches it on arrival
             else:
                 # MD already holds the KV: nothing to hand over; MD caches and frees
                 self._md_release(req, cache=True)
