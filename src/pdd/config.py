@@ -103,6 +103,37 @@ class SecurityConfig(_Strict):
     )
 
 
+class LimitsConfig(_Strict):
+    """Overload protection (docs/OVERLOAD.md): gateway admission and bounded tier queues.
+
+    What the gateway cannot take gets HTTP 429 with ``Retry-After`` (``pdd.gateway.admission``).
+    A ``None`` limit is derived from the tiers' own sizes (``engine.max_running``, ``max_batch_tokens``)
+    and instance counts, as stated per field; 0 turns that limit off.
+    """
+
+    max_inflight_requests: int | None = Field(
+        None, ge=0,
+        description="requests (choices) in flight at the gateway; None: the decode tier's batch slots plus its "
+        "queues, i.e. (engine.max_running + tier_max_waiting) x decode instances")
+    max_queue_wait_s: float = Field(
+        2.0, ge=0,
+        description="refuse a request when the prompt tokens queued for prefill (its own included) would take "
+        "longer than this to drain at P's measured prefill rate (tokens/s, busy periods only); 0: off")
+    max_queued_prompt_tokens: int | None = Field(
+        None, ge=0,
+        description="prompt tokens admitted and not yet prefilled; None: 8 x engine.max_batch_tokens x prefill "
+        "instances (a bound used also before P's rate is measured)")
+    tier_max_waiting: int | None = Field(
+        None, ge=0,
+        description="sequences an engine holds beyond one full batch (engine.max_running) before it refuses new "
+        "ones with TierBusy (the gateway answers 429); None: engine.max_running")
+    retry_after_max_s: int = Field(30, ge=1, description="cap of the Retry-After seconds a 429 carries")
+
+    def waiting(self, max_running: int) -> int:
+        """Sequences an engine may hold beyond ``max_running`` (``tier_max_waiting``, default one batch)."""
+        return max_running if self.tier_max_waiting is None else self.tier_max_waiting
+
+
 class InstanceCounts(_Strict):
     """How many instances of each tier (modes without a tier ignore its count)."""
 
@@ -127,6 +158,7 @@ class ClusterConfig(_Strict):
     policy: PolicyConfig = PolicyConfig()
     security: SecurityConfig = SecurityConfig()
     instances: InstanceCounts = InstanceCounts()
+    limits: LimitsConfig = LimitsConfig()
     request_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("mode")

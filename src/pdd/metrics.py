@@ -125,3 +125,33 @@ class GatewayMetrics:
         self.itl = Histogram("pdd_itl_seconds", "inter-token latency at the gateway", ["pipeline", "tier"],
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.registry.register(_OrchestratorCollector(orch))
+
+
+class AdmissionCollector:
+    """The gateway's admission control (``pdd.gateway.admission.Admission``): requests admitted
+    and refused (HTTP 429) by reason, and the measured quantities the limits apply to."""
+
+    def __init__(self, adm):
+        self.adm = adm
+
+    def collect(self):
+        a = self.adm
+        c = CounterMetricFamily("pdd_gateway_admitted", "requests admitted by admission control")
+        c.add_metric([], a.admitted)
+        yield c
+        c = CounterMetricFamily("pdd_gateway_rejected", "requests refused with HTTP 429, by the limit hit",
+                                labels=["reason"])
+        for k, v in sorted(a.rejected.items()):
+            c.add_metric([k], v)
+        yield c
+        g = GaugeMetricFamily("pdd_gateway_inflight", "requests (choices) admitted and not yet ended")
+        g.add_metric([], a.inflight)
+        yield g
+        g = GaugeMetricFamily("pdd_gateway_queued_prompt_tokens", "prompt tokens admitted and not yet prefilled")
+        g.add_metric([], a.queued_tokens)
+        yield g
+        rate = a.rate.tokens_per_s
+        if rate is not None:
+            g = GaugeMetricFamily("pdd_prefill_tokens_per_second", "P's measured prefill rate (busy periods)")
+            g.add_metric([], rate)
+            yield g

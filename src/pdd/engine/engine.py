@@ -33,7 +33,7 @@ from .model import LlamaModel, load_model
 from .radix_cache import RadixCache
 from .runner import ModelRunner, RunItem
 from .sampler import Sampler
-from .scheduler import SchedulerConfig, SeqState, schedule
+from .scheduler import SchedulerConfig, SeqState, TierBusy, schedule
 from .sequence import Sequence, SeqStatus
 
 
@@ -61,7 +61,8 @@ def load_tokenizer(path: str):
 
 class Engine:
     def __init__(self, model: LlamaModel, pool: KVPool, sched_cfg: SchedulerConfig | None = None,
-                 enable_prefix_cache: bool = True, tokenizer=None, model_path: str | None = None):
+                 enable_prefix_cache: bool = True, tokenizer=None, model_path: str | None = None,
+                 max_waiting: int | None = None):
         self.model = model
         self.model_cfg: ModelConfig = model.cfg
         self.pool = pool
@@ -78,21 +79,26 @@ class Engine:
         self.starved: list = []  # seq ids that could not get a page in the last step
         self.keep_logits = False  # tests: keep the float32 logits row of each sampled token
         self.last_logits: dict[object, torch.Tensor] = {}
+        # bounded queue: sequences that still need compute (created, not finished, not released)
+        # beyond one batch; None = unbounded. new_sequence raises TierBusy past it.
+        self.max_waiting = max_waiting
+        self._live: dict[int, Sequence] = {}  # id(seq) -> seq, from new_sequence until release
 
     @classmethod
     def from_pretrained(cls, path: str, num_pages: int = 1024, page_size: int = 16, dtype="float32",
                         device="cpu", max_batch_tokens: int = 2048, max_running_seqs: int = 256,
                         prefill_chunk_tokens: int = 512, enable_prefix_cache: bool = True,
-                        max_running: int | None = None) -> "Engine":
+                        max_running: int | None = None, max_waiting: int | None = None) -> "Engine":
         """Load an HF-format checkpoint directory and size a pool of ``num_pages`` pages of
-        ``page_size`` tokens. ``max_running`` is an alias of ``max_running_seqs``."""
+        ``page_size`` tokens. ``max_running`` is an alias of ``max_running_seqs``; ``max_waiting``
+        bounds the queue beyond one batch (:meth:`new_sequence`; None: unbounded)."""
         if max_running is not None:
             max_running_seqs = max_running
         cfg = ModelConfig.from_pretrained(path)
         model = load_model(path, cfg, dtype=dtype, device=device)
         pool = KVPool(cfg, num_pages, page_size, dtype=dtype, device=device)
         sc = SchedulerConfig(max_batch_tokens, max_running_seqs, prefill_chunk_tokens)
-        return cls(model, pool, sc, enable_prefix_cache, model_path=path)
+        return cls(model, pool, sc, enable_prefix_cache, model_path=path, max_waiting=max_waiting)
 
     @property
     def tokenizer(self):
@@ -142,10 +148,17 @@ class Engine:
         least ``min_uncached`` prompt tokens remain to compute; it is locked and its pages are
         shared (``num_computed = num_cached_tokens`` = matched tokens). Raises ``OutOfPages``
         (holding nothing) if the rest cannot be allocated even after evicting.
+
+        Bounded queue: with ``max_waiting`` set, raises :class:`TierBusy` (holding nothing) when
+        ``max_running_seqs + max_waiting`` sequences already need compute (:meth:`pending_seqs`).
         """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
+        if self.max_waiting is not None:
+            pending, limit = self.pending_seqs(), self.sched_cfg.max_running_seqs + self.max_waiting
+            if pending >= limit:
+                raise TierBusy(pending, limit, seq_id)
         match = None
         pages: list[int] = []
         if use_cache and self.radix is not None:
@@ -160,9 +173,17 @@ class Engine:
                 self.pool.decref(match.pages)
             raise
         cached = len(pages) * self.page_size
-        return Sequence(seq_id=seq_id, token_ids=prompt, prompt_len=len(prompt),
-                        sampling=sampling or SamplingParams(), num_computed=cached,
-                        page_table=pages + new, num_cached_tokens=cached, prefix_match=match)
+        seq = Sequence(seq_id=seq_id, token_ids=prompt, prompt_len=len(prompt),
+                       sampling=sampling or SamplingParams(), num_computed=cached,
+                       page_table=pages + new, num_cached_tokens=cached, prefix_match=match)
+        self._live[id(seq)] = seq
+        return seq
+
+    def pending_seqs(self) -> int:
+        """Sequences that still need compute: created by :meth:`new_sequence`, neither finished
+        nor released (running, queued, or waiting for their KV / a handoff). A finished sequence
+        whose pages are still held (P streaming its KV) does not count."""
+        return sum(1 for s in self._live.values() if s.status not in (SeqStatus.FINISHED, SeqStatus.RELEASED))
 
     def add(self, seq: Sequence) -> None:
         """Put ``seq`` into the running batch (FCFS order = order of first ``add``). Adding a
@@ -204,6 +225,7 @@ class Engine:
         pages, seq.page_table = seq.page_table, []
         self.pool.decref(pages)
         seq.status = SeqStatus.RELEASED
+        self._live.pop(id(seq), None)
 
     def flush_cache(self) -> int:
         """Evict every unlocked prefix-cache page; returns nodes removed."""

@@ -30,6 +30,21 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be >= 1")
 
 
+class TierBusy(RuntimeError):
+    """An engine's bounded queue is full: it holds ``limit`` sequences that still need compute
+    (``max_running_seqs`` that one batch runs plus ``max_waiting`` queued) and refuses another.
+
+    Raised by ``Engine.new_sequence`` before it takes anything. Across an RPC call the remote
+    error text starts with the class name (``TierBusy: ...``): the gateway turns a request a tier
+    refused this way into HTTP 429 (``pdd.gateway.admission.is_tier_busy``).
+    """
+
+    def __init__(self, pending: int, limit: int, seq_id=None):
+        super().__init__(f"queue full: {pending} sequences need compute, the limit is {limit} "
+                         f"(max_running + max_waiting)")
+        self.pending, self.limit, self.seq_id = pending, limit, seq_id
+
+
 @dataclass
 class SeqState:
     """What the scheduler needs to know about one sequence."""

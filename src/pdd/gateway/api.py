@@ -14,7 +14,10 @@ Every streamed chunk carries one token; besides the OpenAI fields it has ``"pdd"
 "pos", "token_id"}`` (which decoder produced it). With ``stream_options.include_usage`` a last
 chunk carries ``usage`` (``prompt_tokens_details.cached_tokens`` = P's prefix-cache hits, the
 figure billing uses) and ``"pdd": {"pipeline", "wan_bytes", "wan_bytes_expected", ...}``.
-Bad input gets HTTP 400 with an OpenAI-style error body before any tier does work.
+Bad input gets HTTP 400 with an OpenAI-style error body before any tier does work. What the
+system cannot take now (``pdd.gateway.admission``: requests in flight, prompt tokens queued for
+prefill and their expected wait, or a tier whose bounded queue is full) gets HTTP 429 with
+``Retry-After`` and ``{"error": {"type": "rate_limit_error", "code": "rate_limit_exceeded"}}``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
+from pdd.gateway.admission import Admission, Decision, is_tier_busy, resolve_limits
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
@@ -51,6 +56,51 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # a max_input_len prompt as JSON token ids is
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer's token is longer: a longer text cannot fit max_input_len
 
 
+class Overloaded(ApiError):
+    """HTTP 429: admission refused the request (or a tier's queue was full); ``retry_after_s``
+    goes into the ``Retry-After`` header."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, None, status=429, code="rate_limit_exceeded", etype="rate_limit_error")
+        self.retry_after_s = int(retry_after_s)
+
+
+def _too_large(n: int | None) -> JSONResponse:
+    what = f"request body of {n} bytes" if n is not None else "request body"
+    return JSONResponse(error_body(f"{what} exceeds the limit of {MAX_BODY_BYTES} bytes", None,
+                                   code="body_too_large"), status_code=413)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body sent without ``Content-Length`` (chunked) is read up to
+    ``MAX_BODY_BYTES`` and refused with 413 beyond it (so memory stays bounded), else replayed to
+    the app unchanged. Bodies with ``Content-Length`` are checked by the header alone (below)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or any(k == b"content-length" for k, _ in scope.get("headers", ())):
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":  # disconnect: nothing to serve
+                return
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > MAX_BODY_BYTES:
+                return await _too_large(None)(scope, receive, send)
+            chunks.append(body)
+            more = msg.get("more_body", False)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def receive_again():
+            return replay.pop() if replay else await receive()
+
+        return await self.app(scope, receive_again, send)
+
+
 def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
     app = FastAPI(title="pdd gateway", version="0.1.0")
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
@@ -62,6 +112,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             log.warning("no chat template: %s", e)
     token_text = TokenText(tokenizer)
     model_name = cfg.served_model_name
+    from pdd.topology import layout
+
+    adm = Admission(resolve_limits(cfg, getattr(orch, "layout", None) or layout(cfg)))
+    app.state.admission = adm
+    if getattr(orch, "metrics", None) is not None:
+        from pdd.metrics import AdmissionCollector
+
+        orch.metrics.registry.register(AdmissionCollector(adm))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -77,7 +135,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.get("/health")
     async def health():
@@ -104,9 +163,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         """Refuse bodies over MAX_BODY_BYTES before reading them (413, OpenAI-style body)."""
         n = request.headers.get("content-length")
         if n is not None and n.isdigit() and int(n) > MAX_BODY_BYTES:
-            return JSONResponse(error_body(f"request body of {int(n)} bytes exceeds the limit of {MAX_BODY_BYTES}",
-                                           None, code="body_too_large"), status_code=413)
+            return _too_large(int(n))
         return await call_next(request)
+
+    app.add_middleware(BodyLimit)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -121,7 +181,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.get("/pdd/stats")
     async def stats():
-        return await orch.stats()
+        return {**await orch.stats(), "admission": adm.stats()}
 
     @app.post("/pdd/flush")
     async def flush():
@@ -170,12 +230,38 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         return ids
 
     async def start(ids, sps, opts) -> Generation:
+        """Admit (else 429), then start every choice. The admission ticket is released when the
+        request ends (``gen.ticket_end``; also if ``gen`` is dropped unstarted)."""
+        ticket, d = adm.try_admit(len(sps), len(ids))
+        if ticket is None:
+            raise Overloaded(d.message, d.retry_after_s)
         gen = Generation(orch, tokenizer, ids, sps, opts, set())
         try:
             await gen.start()
         except RequestFailed as ex:
+            adm.release(ticket)
+            if is_tier_busy(ex):
+                adm.reject("tier_busy")
+                raise Overloaded(f"server overloaded: {ex}", adm.retry_hint()) from ex
             raise ApiError(str(ex), None, status=503, etype="server_error") from ex
+        except BaseException:
+            adm.release(ticket)
+            raise
+        adm.prefilled(ticket, measured=cfg.mode != "colocated")  # colocated: generate returns before prefill
+        gen.ticket_end = lambda completed: adm.release(ticket, completed)
+        weakref.finalize(gen, adm.release, ticket)
         return gen
+
+    async def collect(gen: Generation) -> JSONResponse | None:
+        ok = False
+        try:
+            await gen.collect()
+            ok = True
+        except RequestFailed as ex:
+            return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
+        finally:
+            gen.ticket_end(ok)
+        return None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -192,10 +278,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name, include_usage, echo),
                                      media_type="text/event-stream")
-        try:
-            await gen.collect()
-        except RequestFailed as ex:
-            return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
+        failed = await collect(gen)
+        if failed is not None:
+            return failed
         choices = [{"index": c.index, "text": echo + "".join(c.text),
                     "logprobs": (_completion_logprobs(token_text, c.tokens, len(echo))
                                  if opts.logprobs is not None else None),
@@ -233,10 +318,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, include_usage),
                                      media_type="text/event-stream")
-        try:
-            await gen.collect()
-        except RequestFailed as ex:
-            return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
+        failed = await collect(gen)
+        if failed is not None:
+            return failed
         choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
                     "logprobs": ({"content": [_chat_lp(token_text, t, top) for t in c.tokens]}
                                  if top is not None else None),
@@ -321,15 +405,20 @@ async def _sse(gen: Generation, head: dict, chunks, include_usage: bool):
     """One SSE stream: the ``chunks`` (dicts) as ``data:`` lines, then the usage chunk if asked
     and ``[DONE]``; a failed request ends with an error chunk. However the stream ends (the
     client may go away mid-stream), what still runs is aborted on every tier."""
+    ok = False
     try:
         async for chunk in chunks:
             yield _data({**head, **chunk})
+        ok = True
     except RequestFailed as ex:
         yield _data(error_body(str(ex), etype="server_error"))
         yield "data: [DONE]\n\n"
         return
     finally:
         gen.close()
+        end = getattr(gen, "ticket_end", None)
+        if end is not None:
+            end(ok)
     if include_usage:
         yield _data({**head, "choices": [], "usage": _usage(gen), "pdd": _pdd(gen)})
     yield "data: [DONE]\n\n"

@@ -141,6 +141,7 @@ class EngineInstance:
             max_batch_tokens=e.max_batch_tokens,
             prefill_chunk_tokens=e.prefill_chunk_tokens,
             max_running_seqs=e.max_running,
+            max_waiting=self.cfg.limits.waiting(e.max_running),  # bounded queue: TierBusy beyond it
         )
 
     def handlers(self) -> dict:

@@ -1,0 +1,241 @@
+"""Admission control at the gateway: what the system cannot take now gets HTTP 429 with
+``Retry-After`` instead of a queue that grows until every request misses its SLO.
+
+Three measured quantities, three limits (``ClusterConfig.limits``, docs/OVERLOAD.md):
+
+- **requests in flight** (choices started and not yet ended) against ``max_inflight_requests``
+  (default: the decode tier's batch slots plus its queues, ``(max_running + tier_max_waiting) x
+  decode instances``: more than that can only wait on a tier);
+- **prompt tokens queued for prefill** (admitted, P not yet done) against
+  ``max_queued_prompt_tokens`` (default ``8 x max_batch_tokens x P instances``), and
+- **expected prefill queue wait** = queued tokens (the new request's included) / P's measured
+  prefill rate, against ``max_queue_wait_s``. The rate is tokens per *busy* second: each
+  prefill completion adds its prompt tokens and the time since the later of its own admission and
+  the previous completion (P was working on it all that time), so idle time never dilutes it
+  (:class:`PrefillRate`).
+
+Behind these, every engine bounds its own queue (``Engine.new_sequence`` raises ``TierBusy``);
+a request a tier refused that way also becomes a 429 (:func:`is_tier_busy`).
+
+The decision (:func:`decide`) is a pure function of plain dataclasses (no clock, no sockets);
+:class:`Admission` keeps the live state with ``time.monotonic`` and hands out :class:`Ticket`\\ s.
+A request that finds nothing queued and nothing in flight is always admitted, however large, so
+no request is refused forever.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+TIER_BUSY = "TierBusy"  # class name of pdd.engine.scheduler.TierBusy: the remote error text starts with it
+RATE_WINDOW = 64  # prefill completions the rate estimate spans
+SERVICE_EWMA = 0.1  # weight of the newest request duration in the mean service time
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Resolved limits; None = off. Tokens are prompt tokens, times seconds."""
+
+    max_inflight: int | None
+    max_queued_tokens: int | None
+    max_wait_s: float | None
+    retry_after_max_s: int = 30
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    """What the gateway measures now. ``prefill_tps``: P's prefill rate, prompt tokens per busy
+    second (None until measured); ``service_s``: mean request duration (None until measured)."""
+
+    inflight: int = 0
+    queued_tokens: int = 0
+    prefill_tps: float | None = None
+    service_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    admit: bool
+    reason: str | None = None  # "inflight" | "queued_tokens" | "queue_wait" when refused
+    retry_after_s: int = 0
+    message: str = ""
+
+
+def _retry(seconds: float | None, cap: int) -> int:
+    """Retry-After: whole seconds, at least 1, at most ``cap``."""
+    if seconds is None or not math.isfinite(seconds):
+        return 1
+    return int(min(cap, max(1, math.ceil(seconds))))
+
+
+def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prompt_tokens: int) -> Decision:
+    """Admit ``n_requests`` choices of a ``prompt_tokens``-token prompt, or refuse with the
+    limit hit and a Retry-After estimate (seconds until enough of the queue has drained: queued
+    tokens over the prefill rate, or the mean request duration for in-flight slots).
+
+    Raises ``ValueError`` for ``n_requests < 1`` or ``prompt_tokens < 0``.
+    """
+    if n_requests < 1 or prompt_tokens < 0:
+        raise ValueError("n_requests must be >= 1 and prompt_tokens >= 0")
+    cap = limits.retry_after_max_s
+    new_tokens = n_requests * prompt_tokens
+    if limits.max_inflight and state.inflight > 0 and state.inflight + n_requests > limits.max_inflight:
+        over = state.inflight + n_requests - limits.max_inflight
+        wait = None if state.service_s is None else state.service_s * over / limits.max_inflight
+        return Decision(False, "inflight", _retry(wait, cap),
+                        f"server overloaded: {state.inflight} requests in flight, the limit is "
+                        f"{limits.max_inflight}")
+    if state.queued_tokens > 0:
+        total = state.queued_tokens + new_tokens
+        rate = state.prefill_tps if state.prefill_tps and state.prefill_tps > 0 else None
+        if limits.max_queued_tokens and total > limits.max_queued_tokens:
+            wait = None if rate is None else (total - limits.max_queued_tokens) / rate
+            return Decision(False, "queued_tokens", _retry(wait, cap),
+                            f"server overloaded: {state.queued_tokens} prompt tokens queued for prefill, "
+                            f"the limit is {limits.max_queued_tokens}")
+        if limits.max_wait_s and rate is not None and total / rate > limits.max_wait_s:
+            return Decision(False, "queue_wait", _retry(total / rate - limits.max_wait_s, cap),
+                            f"server overloaded: the prefill queue would take {total / rate:.2f} s "
+                            f"(limit {limits.max_wait_s:g} s at {rate:.0f} prompt tokens/s)")
+    return Decision(True)
+
+
+class PrefillRate:
+    """P's prefill rate, prompt tokens per busy second, over the last ``window`` completions.
+
+    ``completed(t, tokens, admitted_t)``: a request admitted at ``admitted_t`` finished its
+    prefill at ``t``; it contributes ``tokens`` and the busy time ``t - max(admitted_t,
+    previous completion)``. Those intervals never overlap, and each lies where at least one
+    request was waiting for or in prefill. Times are seconds on any one clock.
+    """
+
+    def __init__(self, window: int = RATE_WINDOW):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.last_t: float | None = None
+
+    def completed(self, t: float, tokens: int, admitted_t: float) -> None:
+        start = admitted_t if self.last_t is None else max(admitted_t, self.last_t)
+        self.samples.append((int(tokens), max(0.0, t - start)))
+        self.last_t = t if self.last_t is None else max(self.last_t, t)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """None until the samples span some busy time (at least 8 completions and 50 ms)."""
+        if len(self.samples) < 8:
+            return None
+        busy = sum(dt for _, dt in self.samples)
+        return sum(k for k, _ in self.samples) / busy if busy >= 0.05 else None
+
+
+def resolve_limits(cfg, lay) -> AdmissionLimits:
+    """``cfg.limits`` with its None defaults derived from the engines' sizes and instance counts
+    (see :class:`pdd.config.LimitsConfig`); 0 turns a limit off."""
+    from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL
+
+    lim, e = cfg.limits, cfg.engine
+    decoders = len(lay.by_role(ROLE_MAIN)) + len(lay.by_role(ROLE_COLOCATED)) or 1
+    prefillers = len(lay.by_role(ROLE_PREFILL)) + len(lay.by_role(ROLE_COLOCATED)) or 1
+    inflight = lim.max_inflight_requests
+    if inflight is None:
+        inflight = (e.max_running + lim.waiting(e.max_running)) * decoders
+    queued = lim.max_queued_prompt_tokens
+    if queued is None:
+        queued = 8 * e.max_batch_tokens * prefillers
+    return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s)
+
+
+@dataclass
+class Ticket:
+    """One admitted request (its ``n`` choices); :meth:`Admission.prefilled` and
+    :meth:`Admission.release` are idempotent per ticket."""
+
+    n: int
+    tokens: int
+    admitted_t: float
+    queued: bool = True
+    released: bool = False
+
+
+@dataclass
+class Admission:
+    """The gateway's live admission state (one per gateway process, event-loop thread only)."""
+
+    limits: AdmissionLimits
+    inflight: int = 0
+    queued_tokens: int = 0
+    rate: PrefillRate = field(default_factory=PrefillRate)
+    service_s: float | None = None
+    admitted: int = 0
+    rejected: dict = field(default_factory=dict)  # reason -> requests refused
+
+    def state(self) -> AdmissionState:
+        return AdmissionState(self.inflight, self.queued_tokens, self.rate.tokens_per_s, self.service_s)
+
+    def try_admit(self, n: int, prompt_tokens: int) -> tuple[Ticket | None, Decision]:
+        """A ticket (and the decision), or None with the refusal."""
+        d = decide(self.state(), self.limits, n, prompt_tokens)
+        if not d.admit:
+            self.reject(d.reason or "?")
+            return None, d
+        self.inflight += n
+        self.queued_tokens += n * prompt_tokens
+        self.admitted += 1
+        return Ticket(n, n * prompt_tokens, time.monotonic()), d
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def prefilled(self, t: Ticket, measured: bool = True) -> None:
+        """P has prefilled the ticket's prompt (every choice): it leaves the prefill queue and,
+        with ``measured``, is a sample of P's rate."""
+        if not t.queued:
+            return
+        t.queued = False
+        self.queued_tokens = max(0, self.queued_tokens - t.tokens)
+        if measured:
+            self.rate.completed(time.monotonic(), t.tokens, t.admitted_t)
+
+    def release(self, t: Ticket, completed: bool = False) -> None:
+        """The request ended (however): its choices leave the in-flight count. ``completed``:
+        it ran to its end, so its duration is a sample of the mean service time."""
+        if t.released:
+            return
+        self.prefilled(t, measured=False)
+        t.released = True
+        self.inflight = max(0, self.inflight - t.n)
+        if completed:
+            dt = time.monotonic() - t.admitted_t
+            self.service_s = dt if self.service_s is None else (1 - SERVICE_EWMA) * self.service_s + SERVICE_EWMA * dt
+
+    def retry_hint(self) -> int:
+        """Retry-After for a request a tier refused (TierBusy): the time one in-flight slot
+        takes to free, from the mean request duration."""
+        wait = None
+        if self.service_s is not None and self.limits.max_inflight:
+            wait = self.service_s / self.limits.max_inflight * max(1, self.inflight)
+        return _retry(wait, self.limits.retry_after_max_s)
+
+    def stats(self) -> dict:
+        rate = self.rate.tokens_per_s
+        return {"inflight": self.inflight, "queued_prompt_tokens": self.queued_tokens,
+                "prefill_tokens_per_s": None if rate is None else round(rate, 1),
+                "mean_service_s": None if self.service_s is None else round(self.service_s, 3),
+                "admitted": self.admitted, "rejected": dict(self.rejected),
+                "limits": {"max_inflight_requests": self.limits.max_inflight,
+                           "max_queued_prompt_tokens": self.limits.max_queued_tokens,
+                           "max_queue_wait_s": self.limits.max_wait_s}}
+
+
+def is_tier_busy(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a tier's bounded-queue refusal:
+    a local ``TierBusy`` or a remote error whose text starts with ``TierBusy``."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if type(exc).__name__ == TIER_BUSY or str(exc).startswith(TIER_BUSY):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
