@@ -4,6 +4,11 @@ Each instance is ``python -m pdd.cli launch --role ROLE --name NAME --config FIL
 ``READY NAME`` (or ``LINK READY``) on stdout once it serves. :class:`Topology` starts them in
 dependency order (link and MD first, the gateway last), waits for each, and stops them all on
 exit (SIGTERM, then SIGKILL after a grace period). Logs go to ``<log_dir>/<name>.log``.
+
+No orphans: each instance runs in a session of its own (so a signal to the owner's terminal does
+not reach it twice), and so would outlive an owner killed with SIGKILL (which runs no clean-up).
+The owner passes its pid in ``PDD_PARENT_PID``; the instance watches its parent
+(:func:`watch_parent`) and stops itself once it has been re-parented.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from pdd.topology import (ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, RO
                           InstanceSpec, Layout, layout)
 
 
+PARENT_ENV = "PDD_PARENT_PID"
+PARENT_POLL_S = 0.25  # how often an instance checks that its owner is still alive
+ORPHAN_GRACE_S = 5.0  # an orphaned instance's clean shutdown (SIGTERM) before it exits hard
+
+
 class LaunchError(RuntimeError):
     """An instance did not come up; the message names it and quotes its log's tail."""
 
@@ -38,8 +48,55 @@ def link_config(cfg: ClusterConfig, lay: Layout) -> dict:
             "rtt_ms": cfg.link.wan_rtt_ms, "jitter_ms": cfg.link.wan_jitter_ms, "routes": routes}
 
 
+def _parent_alive(parent: int) -> bool:
+    """Whether ``parent`` is still this process's parent (a dead parent's children are
+    re-parented to init or a subreaper, so ``getppid`` changes)."""
+    return os.getppid() == parent
+
+
+def watch_parent(parent: int | None = None, poll_s: float = PARENT_POLL_S, grace_s: float = ORPHAN_GRACE_S,
+                 _exit=os._exit) -> threading.Thread | None:
+    """Stop this process when its owner dies (however: SIGKILL included).
+
+    ``parent``: the owner's pid (default: ``$PDD_PARENT_PID``; None and unset: no watch, as for a
+    ``pdd launch`` typed by hand). A daemon thread checks every ``poll_s`` seconds; once the
+    parent is gone it sends this process SIGTERM (the instance's own clean shutdown) and exits
+    hard (status 1) if it is still running ``grace_s`` later.
+
+    Not ``prctl(PR_SET_PDEATHSIG)``: Linux sends that signal when the parent *thread* that forked
+    the child exits, so an instance (re)started from a worker thread (fault injection, a thread
+    pool) would be killed with that thread while its owner lives on. Polling ``getppid`` follows
+    the owner process, on any POSIX system.
+    """
+    if parent is None:
+        env = os.environ.get(PARENT_ENV, "")
+        if not env.isdigit():
+            return None
+        parent = int(env)
+    if not _parent_alive(parent):  # died before we looked
+        _exit(1)
+        return None
+
+    def loop():
+        while _parent_alive(parent):
+            time.sleep(poll_s)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except OSError:
+            pass
+        time.sleep(grace_s)
+        _exit(1)
+
+    t = threading.Thread(target=loop, name="parent-watch", daemon=True)
+    t.start()
+    return t
+
+
 def run_instance(cfg: ClusterConfig, name: str) -> None:
-    """Run one instance of ``cfg``'s topology in this process until SIGTERM."""
+    """Run one instance of ``cfg``'s topology in this process until SIGTERM (or until its owner
+    dies, when started by :class:`Topology`: :func:`watch_parent`)."""
+    if os.environ.get(PARENT_ENV, "").isdigit():
+        watch_parent()
     lay = layout(cfg)
     spec = lay.get(name)
     if spec.role == ROLE_LINK:
@@ -135,7 +192,8 @@ class Topology:
 
     def _spawn(self, spec: InstanceSpec) -> None:
         logf = open(self.log_dir / f"{spec.name}.log", "w")
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.engine.torch_threads), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.engine.torch_threads), PYTHONUNBUFFERED="1",
+                   **{PARENT_ENV: str(os.getpid())})  # the instance stops itself if this process dies
         cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", spec.role, "--name", spec.name,
                "--config", str(self._cfg_file)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, text=True,
