@@ -19,6 +19,7 @@ def test_modes_complete_and_free_every_page(mode):
             if inst.cache is not None:
                 assert not inst.cache.locks, inst.name
             assert not inst.seqs and not inst.waiting
+            assert inst.slots == 0, inst.name  # every decode slot given back exactly once
     s = summarize(sim)
     assert s["completed"] == len(RECS)
     assert s["median_ttft_ms"] > 0 and s["median_tpot_ms"] > 0
@@ -113,3 +114,21 @@ def test_cutoff_only_for_long_remainders(monkeypatch):
     assert all(not i.private for t in keep.tiers.values() for i in t)
     cut = ClusterSim(cfg.replace(cutoff_min_remaining_s=0.0)).run(rec)
     assert cut.cutoffs == 1 and cut.wan.bytes_sent < 0.9 * 60000 * 131072
+
+
+@pytest.mark.parametrize("mode", ["same_dc_pd", "pdd"])
+def test_decode_slot_caps_bound_admission(mode):
+    cfg = SimConfig(mode=mode, n_p=2, n_rld=1, n_md=2, n_d=2, wan_gbps=10.0, warmup_frac=0.0,
+                    max_running_d=3, max_running_rld=2, max_running_md=4, handoff_mode="catch_up",
+                    catchup_threshold=4)
+    free = ClusterSim(cfg.replace(max_running_d=0, max_running_rld=0, max_running_md=0)).run(RECS)
+    sim = ClusterSim(cfg).run(RECS)
+    assert all(r.finished and r.n_emitted == r.out_len for r in sim.reqs)
+    caps = {"D": 3, "RLD": 2, "MD": 4}
+    for role, insts in sim.tiers.items():
+        for inst in insts:
+            assert inst.slots == 0 and inst.private == 0
+            if role in caps:
+                assert 0 < inst.peak_slots <= caps[role], (inst.name, inst.peak_slots)
+    peak_free = max(i.peak_slots for r in caps if r in free.tiers for i in free.tiers[r])
+    assert peak_free > max(caps.values())  # without caps the same load holds more at once

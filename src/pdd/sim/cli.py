@@ -116,7 +116,7 @@ def cmd_experiment(a) -> int:
         kw[k.replace("-", "_")] = v
     res = run_experiment(a.name, a.out, quick=a.quick, **kw)
     print(res.get("table", ""))
-    for k in ("wan_sensitivity_table",):
+    for k in ("wan_sensitivity_table", "bounds_table"):
         if k in res:
             print(res[k])
     if "checks" in res:

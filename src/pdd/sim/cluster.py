@@ -83,6 +83,12 @@ class SimConfig:
     max_running_seqs: int = 256
     prefill_chunk_tokens: int = 8192
     max_prefill_inflight: int = 0  # admission: sequences in prefill at once per instance (0 = any)
+    # decode admission caps per tier (sequences holding a decode slot; 0 = only KV limits), the
+    # operator's max-running-requests per decoder, e.g. sized so a full batch meets the TPOT SLO
+    # (see experiments.slo_batch)
+    max_running_d: int = 0
+    max_running_rld: int = 0
+    max_running_md: int = 0
     ttft_budget_ms: float = 250.0  # pipeline policy budget (pdd: P->MD if the WAN fits it)
     handoff_mode: str = "one_shot"
     catchup_threshold: int = 64
@@ -430,6 +436,10 @@ class Instance:
         self.handoff_state = "one_shot" if sim.cfg.handoff_mode == "one_shot" else "catch_up"
         self.routed = 0  # routed here by the gateway, not yet enqueued (in flight)
         self.prefilling = 0
+        c = sim.cfg
+        self.slot_cap = {"D": c.max_running_d, "RLD": c.max_running_rld, "MD": c.max_running_md}.get(role, 0)
+        self.slots = 0  # decode slots held (admitted decode sequences)
+        self.peak_slots = 0
         self.proc = self.env.process(self.run())
 
     # --- memory ------------------------------------------------------------------------------
@@ -471,10 +481,16 @@ class Instance:
                                         self.pool, prefix_hit_tokens)
 
     # --- queueing ------------------------------------------------------------------------------
-    def enqueue(self, need, admit: Callable[[int], None], prefill: bool = False) -> None:
+    def enqueue(self, need, admit: Callable[[int], None], prefill: bool = False, slot: bool = False) -> None:
         """Queue an admission: ``need`` tokens (or a function giving them at admission time);
-        ``admit(n)`` runs once they are allocated."""
-        self.waiting.append((need, admit, prefill))
+        ``admit(n)`` runs once they are allocated (and, with ``slot``, a decode slot under
+        ``slot_cap``; give it back with :meth:`release_slot`). FIFO: the head blocks the rest."""
+        self.waiting.append((need, admit, prefill, slot))
+        self.poke()
+
+    def release_slot(self) -> None:
+        self.slots -= 1
+        assert self.slots >= 0, (self.name, self.slots)
         self.poke()
 
     def post(self, fn: Callable[[], None]) -> None:
@@ -489,13 +505,18 @@ class Instance:
     def _admit(self) -> None:
         cap = self.sim.cfg.max_prefill_inflight
         while self.waiting:
-            need, admit, prefill = self.waiting[0]
+            need, admit, prefill, slot = self.waiting[0]
             if prefill and cap and self.prefilling >= cap:
+                return
+            if slot and self.slot_cap and self.slots >= self.slot_cap:
                 return
             n = need() if callable(need) else need
             if not self.try_alloc(n):
                 return
             self.waiting.popleft()
+            if slot:
+                self.slots += 1
+                self.peak_slots = max(self.peak_slots, self.slots)
             admit(n)
 
     def add(self, seq: Seq) -> None:
@@ -772,7 +793,7 @@ class ClusterSim:
                 return
             self._maybe_send_wan(req)
 
-        md.enqueue(missing + req.out_len, admit)
+        md.enqueue(missing + req.out_len, admit, slot=True)
 
     def _start_prefill(self, inst: Instance, req: Req, colocated: bool = False) -> None:
         if not colocated:
@@ -868,7 +889,7 @@ class ClusterSim:
                 seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
                 req.fast_flow = self.fast[p.name].send(req.rid, req.prompt * kvb, lambda: self._kv_at_decoder(d, req, seq))
 
-            d.enqueue(req.prompt + req.out_len, admit_d)
+            d.enqueue(req.prompt + req.out_len, admit_d, slot=True)
             return
         if pl in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
             rld = req.rld
@@ -880,7 +901,7 @@ class ClusterSim:
                 req.fast_flow = self.fast[p.name].send(req.rid, req.prompt * kvb,
                                                        lambda: self._kv_at_decoder(rld, req, seq))
 
-            rld.enqueue(req.prompt + req.out_len, admit_rld)
+            rld.enqueue(req.prompt + req.out_len, admit_rld, slot=True)
         if pl in (Pipeline.P_MD, Pipeline.P_RLD_MD):
             req.p_pending_flows += 1
             self._maybe_send_wan(req)
@@ -916,6 +937,7 @@ class ClusterSim:
         self._emit(req, self.env.now, 1, 0.0)
         if req.generated >= req.out_len:
             inst.free(seq.reserved)
+            inst.release_slot()
             if inst.role == "RLD":
                 self._rld_finished(inst, req)
             else:
@@ -998,7 +1020,7 @@ class ClusterSim:
             self.handoffs[key] = self.handoffs.get(key, 0) + 1
             seq = rld.remove(req.rid)
             rld.free(seq.reserved)
-            rld.poke()
+            rld.release_slot()
 
             def at_md():
                 if req.finished:
@@ -1038,7 +1060,7 @@ class ClusterSim:
         role = inst.role
         if role == "RLD":
             inst.free(s.reserved)
-            inst.poke()
+            inst.release_slot()
             self._rld_finished(inst, req)
         elif role == "MD":
             self._md_release(req, cache=True)
@@ -1055,7 +1077,7 @@ class ClusterSim:
             self._complete(req)
         else:  # D
             inst.free(s.reserved)
-            inst.poke()
+            inst.release_slot()
             self._complete(req)
 
     def _rld_finished(self, rld: Instance, req: Req) -> None:
@@ -1096,6 +1118,7 @@ class ClusterSim:
         if md.cache is not None and seq.locked:
             md.cache.unlock(seq.locked)
         md.free(seq.reserved)
+        md.release_slot()
         seq.reserved = -1
         if cache and md.cache is not None:
             md.cache_insert(req.blocks[: req.n_full])

@@ -64,6 +64,72 @@ def sla_goodput(cfg: SimConfig, make: Callable[[float], list], lo: float, hi: fl
 # cost-table
 
 
+def slo_batch(cfg: SimConfig, side: str, ctx_tokens: int, tpot_s: float | None = None) -> tuple[int, float]:
+    """Largest decode batch (<= max_running_seqs) whose roofline step at ``ctx_tokens`` of
+    context per sequence meets the TPOT SLO on chip ``side`` ("a" | "b"); returns (batch, step s).
+    (0, step of one) when even one sequence misses it."""
+    from pdd.sim.hardware import cost_model
+
+    cm = cost_model(cfg.chip(side), cfg.model_profile())
+    lim = cfg.slo_tpot_s if tpot_s is None else tpot_s
+    best = (0, cm.decode_time(1, ctx_tokens))
+    for b in range(1, cfg.max_running_seqs + 1):
+        t = cm.decode_time(b, b * ctx_tokens)
+        if t > lim:
+            break
+        best = (b, t)
+    return best
+
+
+def cost_bounds(cfg: SimConfig, inp: int, outl: int, hit: float, n_prefixes: int) -> list[dict]:
+    """Analytic upper bounds (req/s) of each tier at the cost-table's shape: what caps the
+    simulated goodput (the simulation itself never uses them).
+
+    - P: ``n_p / prefill_time(uncached over cached)`` (one request at a time, compute roofline);
+    - decoders: ``n x b / (out x step(b))`` with ``b`` = min(the TPOT-SLO batch at the mean
+      context, what the KV pool holds: private ``inp + out`` per sequence without a prefix
+      cache, or the unique suffix + output when a radix cache shares each prefix, one prefix
+      held per ``n_prefixes / n`` share of the prefixes);
+    - WAN: line bytes/s over the missing KV bytes per request (``(1 - hit) x inp``)."""
+    from pdd.sim.hardware import cost_model
+
+    m = cfg.model_profile()
+    kvb = m.kv_bytes_per_token
+    shared = int(hit * inp) // 512 * 512
+    uncached = inp - shared
+    ctx = inp + outl // 2
+    rows = []
+    tiers = cfg.tiers()
+    if "P" in tiers:
+        cm = cost_model(cfg.chip("a"), m)
+        t = cm.prefill_time(uncached, shared)
+        rows.append({"tier": "P", "count": tiers["P"][0], "per_request_s": t, "bound_rps": tiers["P"][0] / t,
+                     "note": f"prefill {uncached} tokens over {shared} cached"})
+    for role in ("D", "MD"):
+        if role not in tiers:
+            continue
+        n, side = tiers[role]
+        cm = cost_model(cfg.chip(side), m)
+        b_slo, _ = slo_batch(cfg, side, ctx)
+        if role == "MD" and cfg.drc:
+            held = max(1, -(-n_prefixes // n))
+            b_kv = max(0, (cm.kv_capacity_tokens() - held * shared) // (uncached + outl))
+            how = f"DRC shares {held} prefix(es)"
+        else:
+            b_kv = cm.kv_capacity_tokens() // (inp + outl)
+            how = "private KV per sequence"
+        b = max(1, min(b_slo, b_kv, cfg.max_running_seqs))
+        step = cm.decode_time(b, b * ctx)
+        rows.append({"tier": role, "count": n, "per_request_s": outl * step / b, "bound_rps": n * b / (outl * step),
+                     "note": f"batch {b} (TPOT-SLO {b_slo}, KV {b_kv}: {how}), step {step * 1e3:.1f} ms"})
+    if cfg.cross_dc():
+        per = uncached * kvb
+        rows.append({"tier": "WAN", "count": 1, "per_request_s": per * 8 / (cfg.wan_gbps * 1e9),
+                     "bound_rps": cfg.wan_gbps * 1e9 / 8 / per,
+                     "note": f"{per / 1e6:.0f} MB missing KV per request at {cfg.wan_gbps:g} Gbps"})
+    return rows
+
+
 def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv",
                chip_a: str = "H100-SXM5-80GB", chip_b: str = "H200-SXM-141GB",
                price_a: float = 2.50, premium: float = 0.25, wan_gbps: float = 100.0,
@@ -215,6 +281,10 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
             "pdd_goodput_rps", "pdd_cost_per_hour", "pdd_bcr", "goodput_gain", "cost_change", "bcr_gain",
             "cheapest_pdd_matching", "cheapest_cost_per_hour", "cheapest_vs_43A32B", "cheapest_bcr_gain"]
     res["table"] = table(rows, cols)
+    bounds = ([{"config": base.describe(), **r} for r in cost_bounds(base, inp, outl, hit, 48)]
+              + [{"config": pdd.describe(), **r} for r in cost_bounds(pdd, inp, outl, hit, 48)])
+    res["bounds"] = bounds
+    res["bounds_table"] = table(bounds, ["config", "tier", "count", "per_request_s", "bound_rps", "note"])
     plt = _plt()
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     ax[0].plot(list(splits), list(splits.values()), "o-", label="same-DC PD, 88 A (x = P)")
