@@ -37,7 +37,10 @@ class EngineOrch:
         self._n += 1
         rid = rid or f"t{self._n}"
         st = ReqState(rid, len(prompt_ids), sp)
-        seq = self.engine.new_sequence(rid, list(prompt_ids), sp, use_cache=True)
+        try:
+            seq = self.engine.new_sequence(rid, list(prompt_ids), sp, use_cache=True)
+        except Exception as e:  # as the orchestrator: a tier's refusal fails the start
+            raise RequestFailed(f"request {rid} failed while starting: {type(e).__name__}: {e}") from e
         st.p_cached_tokens = seq.num_cached_tokens
         self.engine.add(seq)
         self.seqs[rid], self.states[rid] = seq, st

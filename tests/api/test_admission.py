@@ -1,0 +1,200 @@
+"""Admission control: the pure decision, the prefill-rate estimate, the derived limits, and the
+HTTP behaviour (429 + Retry-After + OpenAI-style rate-limit body when a limit is hit, normal
+service after), also when a tier's bounded queue refuses (TierBusy). No timing assertions."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.config import ClusterConfig
+from pdd.gateway.admission import (Admission, AdmissionLimits, AdmissionState, PrefillRate, decide,
+                                   is_tier_busy, resolve_limits)
+from pdd.topology import layout
+
+LIM = AdmissionLimits(max_inflight=4, max_queued_tokens=1000, max_wait_s=2.0, retry_after_max_s=30)
+
+
+def test_decide_admits_within_every_limit():
+    assert decide(AdmissionState(3, 400, 500.0, 4.0), LIM, 1, 100).admit
+
+
+def test_decide_inflight_limit_and_retry_after_from_service_time():
+    d = decide(AdmissionState(4, 0, None, 6.0), LIM, 1, 10)
+    assert (d.admit, d.reason) == (False, "inflight")
+    assert d.retry_after_s == 2  # one slot over 4: 6 s x 1 / 4 = 1.5 s -> 2
+    assert "4 requests in flight" in d.message
+    # n choices count as n requests
+    assert decide(AdmissionState(2, 0, None, None), LIM, 3, 10).reason == "inflight"
+    assert decide(AdmissionState(2, 0, None, None), LIM, 3, 10).retry_after_s == 1  # unmeasured: 1 s
+
+
+def test_decide_queued_tokens_cap_applies_before_the_rate_is_known():
+    d = decide(AdmissionState(1, 900, None, None), LIM, 1, 200)
+    assert (d.admit, d.reason, d.retry_after_s) == (False, "queued_tokens", 1)
+    d = decide(AdmissionState(1, 900, 50.0, None), LIM, 1, 200)
+    assert d.retry_after_s == 2  # (1100 - 1000) / 50 = 2 s
+
+
+def test_decide_queue_wait_at_the_measured_rate():
+    d = decide(AdmissionState(1, 500, 200.0, None), LIM, 1, 100)  # 600 / 200 = 3 s > 2 s
+    assert (d.admit, d.reason, d.retry_after_s) == (False, "queue_wait", 1)
+    assert decide(AdmissionState(1, 300, 200.0, None), LIM, 1, 100).admit  # 2.0 s: not over
+
+
+def test_decide_always_admits_into_an_empty_system():
+    big = AdmissionLimits(1, 10, 0.001)
+    assert decide(AdmissionState(0, 0, 1.0, None), big, 1, 10_000).admit
+    assert decide(AdmissionState(0, 0, None, None), big, 5, 10_000).admit
+
+
+def test_decide_limits_off_and_retry_cap():
+    off = AdmissionLimits(None, None, None)
+    assert decide(AdmissionState(10_000, 10**9, 1.0, 1.0), off, 1, 1).admit
+    capped = AdmissionLimits(1, None, None, retry_after_max_s=5)
+    assert decide(AdmissionState(1, 0, None, 1000.0), capped, 1, 1).retry_after_s == 5
+    with pytest.raises(ValueError):
+        decide(AdmissionState(), LIM, 0, 1)
+
+
+def test_prefill_rate_counts_busy_time_only():
+    r = PrefillRate(window=64)
+    # ten prefills of 100 tokens, 0.1 s apart, each admitted long before (P busy throughout)
+    for i in range(10):
+        r.completed(1.0 + 0.1 * i, 100, admitted_t=0.0)
+    # the first sample spans 0..1.0 (its own admission), the rest 0.1 s each: 1000 / 1.9
+    assert r.tokens_per_s == pytest.approx(1000 / 1.9)
+    # an idle gap does not dilute it: admitted at 100 s, done at 100.5 s
+    r2 = PrefillRate(window=64)
+    for i in range(8):
+        r2.completed(10.0 * i + 0.5, 100, admitted_t=10.0 * i)
+    assert r2.tokens_per_s == pytest.approx(200.0)
+    assert PrefillRate().tokens_per_s is None
+
+
+def test_resolve_limits_defaults_derive_from_the_engines():
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "engine": {"max_running": 8, "max_batch_tokens": 256},
+                                        "instances": {"prefill": 2, "main_decode": 3}})
+    lim = resolve_limits(cfg, layout(cfg))
+    assert lim.max_inflight == (8 + 8) * 3 and lim.max_queued_tokens == 8 * 256 * 2 and lim.max_wait_s == 2.0
+    cfg = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={
+        "max_inflight_requests": 0, "max_queued_prompt_tokens": 77, "max_queue_wait_s": 0, "tier_max_waiting": 2})})
+    lim = resolve_limits(cfg, layout(cfg))
+    assert (lim.max_inflight, lim.max_queued_tokens, lim.max_wait_s) == (None, 77, None)
+    assert cfg.limits.waiting(8) == 2
+
+
+def test_admission_tickets_release_once():
+    adm = Admission(AdmissionLimits(2, None, None))
+    t1, _ = adm.try_admit(1, 50)
+    t2, _ = adm.try_admit(1, 50)
+    assert adm.inflight == 2 and adm.queued_tokens == 100
+    none, d = adm.try_admit(1, 50)
+    assert none is None and d.reason == "inflight" and adm.rejected == {"inflight": 1}
+    adm.prefilled(t1)
+    adm.prefilled(t1)
+    assert adm.queued_tokens == 50
+    adm.release(t1, completed=True)
+    adm.release(t1, completed=True)
+    adm.release(t2)
+    assert adm.inflight == 0 and adm.queued_tokens == 0 and adm.admitted == 2
+    assert adm.service_s is not None
+
+
+def test_is_tier_busy_follows_the_cause_chain():
+    from pdd.engine.scheduler import TierBusy
+    from pdd.gateway.orchestrator import RequestFailed
+    from pdd.transfer.rpc import RemoteError
+
+    remote = RemoteError("TierBusy: queue full: 16 sequences need compute, the limit is 16", {})
+    try:
+        try:
+            raise remote
+        except RemoteError as e:
+            raise RequestFailed("request r1 failed while starting: " + str(e)) from e
+    except RequestFailed as ex:
+        assert is_tier_busy(ex)
+    assert is_tier_busy(TierBusy(3, 3))
+    assert not is_tier_busy(RequestFailed("request r1 failed: instance p0 is unreachable"))
+
+
+# ------------------------------------------------------------------------------------------ HTTP
+@pytest.fixture
+def limited(tiny_model):
+    """(TestClient, EngineOrch, Admission) with at most 2 requests in flight."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+
+    from .conftest import EngineOrch
+
+    eng = Engine.from_pretrained(tiny_model, num_pages=256, page_size=8)
+    orch = EngineOrch(eng)
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model,
+                                        "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400},
+                                        "limits": {"max_inflight_requests": 2}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    with TestClient(app) as client:
+        yield client, orch, app.state.admission
+
+
+BODY = {"prompt": "hello there", "max_tokens": 3, "ignore_eos": True}
+
+
+def _assert_429(r):
+    assert r.status_code == 429, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded" and err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_limit_hit_gets_429_with_retry_after_then_normal_service(limited):
+    client, orch, adm = limited
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+    held = [adm.try_admit(1, 10)[0] for _ in range(2)]  # two requests in flight elsewhere
+    n_started = len(orch.started)
+    r = client.post("/v1/completions", json=BODY)
+    _assert_429(r)
+    assert "2 requests in flight" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    _assert_429(r)
+    assert len(orch.started) == n_started  # refused before any tier did work
+    assert adm.rejected == {"inflight": 2}
+    stats = client.get("/pdd/stats").json()["admission"]
+    assert stats["rejected"] == {"inflight": 2} and stats["inflight"] == 2
+    for t in held:
+        adm.release(t)
+    r = client.post("/v1/completions", json=BODY)  # normal service once the load is gone
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert adm.inflight == 0 and adm.queued_tokens == 0  # every ticket released, streamed ones too
+
+
+def test_n_choices_count_against_the_limit(limited):
+    client, orch, adm = limited
+    held, _ = adm.try_admit(1, 10)
+    _assert_429(client.post("/v1/completions", json={**BODY, "n": 2}))  # 1 + 2 choices > 2
+    adm.release(held)
+    # an empty system admits any request, even one with more choices than the limit
+    r = client.post("/v1/completions", json={**BODY, "n": 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert adm.inflight == 0 and adm.rejected == {"inflight": 1}
+
+
+def test_tier_with_a_full_queue_refuses_and_the_gateway_answers_429(limited):
+    client, orch, adm = limited
+    eng = orch.engine
+    eng.max_waiting = 0
+    eng.sched_cfg.max_running_seqs = 1
+    hold = eng.new_sequence("hold", [5, 6, 7])  # one sequence needing compute fills the tier
+    r = client.post("/v1/completions", json=BODY)
+    _assert_429(r)
+    assert "TierBusy" in r.json()["error"]["message"] and adm.rejected == {"tier_busy": 1}
+    assert adm.inflight == 0  # the refused request's ticket is released
+    eng.release(hold, cache=False)
+    r = client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
