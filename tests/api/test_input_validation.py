@@ -1,0 +1,171 @@
+"""Bad input (issue 5, item 5) on the API layer over an in-process engine: each case gets an
+OpenAI-style 4xx before any tier does work, and the server keeps serving after it. The limits
+here: max_input_len 400 < max_model_len 512 (the ``api`` fixture)."""
+
+from __future__ import annotations
+
+import pytest
+
+OK = {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+
+
+def _err(r, status: int, param=..., code=...) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not ...:
+        assert err["param"] == param
+    if code is not ...:
+        assert err["code"] == code
+    return err
+
+
+def _still_serving(client) -> None:
+    r = client.post("/v1/completions", json=OK)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("n_prompt,max_tokens", [(401, 1), (401, 16), (450, 50)])
+def test_prompt_just_over_max_input_len_but_inside_the_context_is_400(api, n_prompt, max_tokens):
+    client, orch = api
+    assert n_prompt + max_tokens <= 512  # fits the context window: only max_input_len refuses it
+    r = client.post("/v1/completions", json={"prompt": list(range(10, 10 + n_prompt)), "max_tokens": max_tokens})
+    err = _err(r, 400, "prompt", "context_length_exceeded")
+    assert f"{n_prompt} tokens" in err["message"] and "400" in err["message"]
+    assert not orch.started  # before any tier did work
+    r = client.post("/v1/completions", json={"prompt": list(range(10, 410)), "max_tokens": 1})  # exactly 400
+    assert r.status_code == 200
+
+
+def test_chat_prompt_just_over_max_input_len_is_400(api, tiny_model):
+    from tokenizers import Tokenizer
+
+    client, orch = api
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    def n_tokens(k):
+        words = " ".join(["hello"] * k)
+        return words, len(tok.encode(f"<|user|>\n{words}</s>\n<|assistant|>\n", add_special_tokens=False).ids)
+
+    k = 1
+    while n_tokens(k)[1] <= 400:
+        k += 1
+    words, n = n_tokens(k)  # the shortest such chat: a few tokens over max_input_len
+    assert 400 < n < 420, n
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": words}],
+                                                  "max_completion_tokens": 4})
+    _err(r, 400, "messages", "context_length_exceeded")
+    assert not orch.started
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": 12}, "prompt"),
+    ({"prompt": {"text": "x"}}, "prompt"),
+    ({"prompt": "x", "n": "two"}, "n"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stream": "yes please"}, "stream"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "", "max_tokens": 2}, "prompt"),
+    ({"prompt": [], "max_tokens": 2}, "prompt"),
+    ({"prompt": [""], "max_tokens": 2}, "prompt"),
+])
+def test_wrong_types_and_empty_prompts_are_400_then_still_serving(api, body, param):
+    client, orch = api
+    _err(client.post("/v1/completions", json=body), 400, param)
+    assert not orch.started
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": "hello"},
+    {"messages": [{"role": "user", "content": 5}]},
+    {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "ten"},
+])
+def test_chat_wrong_types_are_400(api, body):
+    client, orch = api
+    _err(client.post("/v1/chat/completions", json=body), 400)
+    assert not orch.started
+
+
+@pytest.mark.parametrize("raw", [
+    b"{not json",
+    b'{"prompt": "abc", "max_tokens": 2',  # truncated
+    b'{"prompt": "\xff\xfe bad utf-8", "max_tokens": 2}',  # invalid UTF-8 bytes
+    b'\xc3\x28',
+    b'[1, 2, 3]',  # JSON, but not an object
+    b'',
+])
+def test_malformed_bodies_are_400_then_still_serving(api, raw):
+    client, orch = api
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    _err(r, 400)
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_lone_surrogate_in_text_is_400(api):
+    client, orch = api
+    r = client.post("/v1/completions", content=b'{"prompt": "hi \\ud800", "max_tokens": 2}',
+                    headers={"content-type": "application/json"})
+    _err(r, 400, "prompt")
+    assert not orch.started
+
+
+def test_100_mb_body_is_413_unread_then_still_serving(api):
+    from pdd.gateway.api import MAX_BODY_BYTES
+
+    client, orch = api
+    body = b'{"prompt": "' + b"a" * (100 << 20) + b'"}'
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = _err(r, 413, None, "body_too_large")
+    assert str(len(body)) in err["message"] and str(MAX_BODY_BYTES) in err["message"]
+    del body
+    _still_serving(client)
+
+
+def test_chunked_body_over_the_limit_is_413_without_content_length(api):
+    """No Content-Length (chunked transfer): read up to the limit, then refused."""
+    from pdd.gateway.api import MAX_BODY_BYTES
+
+    client, orch = api
+    chunk = b"a" * (1 << 20)
+
+    def gen():
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // len(chunk) + 8):
+            yield chunk
+        yield b'"}'
+
+    r = client.post("/v1/completions", content=gen(), headers={"content-type": "application/json"})
+    _err(r, 413, None, "body_too_large")
+    assert not orch.started
+    # a small chunked body is served as usual
+    r = client.post("/v1/completions", content=iter([b'{"prompt": [5, 6, 7], ', b'"max_tokens": 2}']),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_model_404_then_still_serving(api):
+    client, orch = api
+    r = client.post("/v1/completions", json={**OK, "model": "no-such-model"})
+    _err(r, 404, "model", "model_not_found")
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_n_two_never_hangs_and_n_over_the_limit_is_400(api):
+    client, orch = api
+    r = client.post("/v1/completions", json={**OK, "n": 2, "max_tokens": 3})
+    assert r.status_code == 200 and sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+    assert r.json()["usage"]["completion_tokens"] == 6
+    _err(client.post("/v1/completions", json={**OK, "n": 17}), 400, "n")
+
+
+def test_prompt_shorter_than_one_page_completes(api):
+    client, orch = api
+    r = client.post("/v1/completions", json={"prompt": [42], "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"] == {
+        "prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}
