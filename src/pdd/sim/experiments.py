@@ -474,23 +474,34 @@ def goodput(out: Path, quick: bool = False) -> dict:
 # bathtub
 
 
-def bathtub(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv") -> dict:
-    """P throughput vs prefix hit rate with P saturated (offered load 3x its one-at-a-time
-    roofline capacity): prefills completed per second of P busy time, one P instance (so no
-    routing effects), warm caches.
+def bathtub(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv", inp: int = 32768,
+            chunk: int = 4096) -> dict:
+    """Prefill throughput against prefix hit rate: the report's tail-chunk dips and their remedy.
 
-    ``tail``: at most one sequence in prefill per P instance, so a request's last, small chunk
-    runs alone (the report's unbatchable *tail chunk*); ``remedy``: the engine scheduler packs
-    chunks of several requests into one batch. A MoE model is the default because its per-step
-    floor (all expert weights read) is large next to a chunk's compute, as in the report's
-    large models; the tail-chunk penalty scales with that ratio.
+    One P instance, saturated (offered load 3x its one-request-at-a-time roofline capacity at
+    that hit rate), warm prefix cache; every batch is formed by ``pdd.engine.scheduler.schedule``
+    (chunks of ``chunk`` tokens, at most ``chunk`` tokens per step). The uncached part of a
+    prompt, ``U = (1 - hit) x inp``, runs as ``ceil(U / chunk)`` chunks; the last holds
+    ``U mod chunk`` tokens. A step costs a floor (all expert weights read, launch overhead, the
+    extend path) plus its tokens' compute, so a small chunk alone wastes most of a step.
+
+    - ``tail``: at most one request in prefill per P (``max_prefill_inflight=1``, as engines that
+      chunk one request at a time): the scheduler has nothing to put beside a tail chunk, which
+      runs alone -- dips at hit rates where the tail is small;
+    - ``packed`` (remedy, better chunk packing): any number in prefill; the scheduler fills the
+      rest of a tail's step with the next request's first chunk.
+
+    Metrics per variant: ``*_tok_s`` uncached prompt tokens computed per second of P busy time
+    (prefill throughput, the report's "throughput"), ``*_rps`` prefills per P-busy-second,
+    ``*_fill`` mean tokens per step / chunk; ``tail_vs_packed`` the tail variant's throughput
+    as a share of packing's at the same hit rate. ``dips``: its local minima below 0.99.
     """
     from pdd.sim.hardware import cost_model
 
-    step = 0.1 if quick else 0.025
+    step = 0.05 if quick else 0.025
     hits = [round(i * step, 4) for i in range(int(round(1 / step)) + 1)]
-    n = 200 if quick else 400
-    inp, outl, chunk = 32768, 32, 4096
+    n = 150 if quick else 300
+    outl = 16
     base = SimConfig(mode="pdd", model=model, n_p=1, n_rld=2, n_md=2, wan_gbps=400.0,
                      prefill_chunk_tokens=chunk, max_batch_tokens=chunk, warmup_frac=0.2)
     cm = cost_model(base.chip_a, base.model_profile())
@@ -506,25 +517,52 @@ def bathtub(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv") 
         offered = 3.0 * base.n_p / t
         recs = generate_fixed(n, offered, inp, outl, hh, n_prefixes=4, seed=13, warm_s=5.0)
         row = {"hit": h, "uncached": inp - shared, "tail_tokens": (inp - shared) % chunk or chunk}
-        for name, c in (("tail", base.replace(max_prefill_inflight=1)), ("remedy", base)):
+        for name, c in (("tail", base.replace(max_prefill_inflight=1)), ("packed", base)):
             sim = ClusterSim(c.replace(measure_from_s=warm_start(recs))).run(recs)
             p = sim.tiers["P"][0]
-            row[f"{name}_rps"] = len(recs) / p.busy_s if p.busy_s > 0 else None
-            row[f"{name}_p_hit"] = sum(r.p_hit for r in sim.reqs) / sum(r.prompt for r in sim.reqs)
-        row["remedy_gain"] = row["remedy_rps"] / row["tail_rps"] if row["tail_rps"] else None
+            computed = sum(r.prompt - r.p_hit for r in sim.reqs)
+            row[f"{name}_tok_s"] = computed / p.busy_s
+            row[f"{name}_rps"] = len(recs) / p.busy_s
+            row[f"{name}_fill"] = computed / p.steps / chunk
         rows.append(row)
-    res = {"experiment": "bathtub", "rows": rows,
-           "setting": {"prompt": inp, "output": outl, "chunk": chunk, "model": model, "n_p": base.n_p,
-                       "metric": "prefills per second of P busy time, P saturated (3x its capacity)"}}
+    for r in rows:
+        r["tail_vs_packed"] = r["tail_tok_s"] / r["packed_tok_s"]
+    eff = [r["tail_vs_packed"] for r in rows]
+    # dips: local minima of the tail variant's throughput relative to packing the same load
+    dips = [rows[i]["hit"] for i in range(1, len(rows) - 1)
+            if eff[i] < 0.99 and eff[i] <= eff[i - 1] and eff[i] <= eff[i + 1]]
+    non_monotone = [rows[i]["hit"] for i in range(1, len(rows)) if rows[i]["tail_rps"] < rows[i - 1]["tail_rps"]]
+
+    def spread(key):  # mean relative drop below the running max (the sawtooth's depth)
+        drops, top = [], 0.0
+        for r in rows:
+            top = max(top, r[key])
+            drops.append(1 - r[key] / top)
+        return sum(drops) / len(drops)
+
+    res = {"experiment": "bathtub", "rows": rows, "dips_tail": dips,
+           "hit_rates_where_raising_hit_lowers_tail_rps": non_monotone,
+           "min_tail_vs_packed": min(eff[:-1]), "min_packed_fill_below_full_hit": min(r["packed_fill"] for r in rows[:-1]),
+           "checks": {"tail_has_dips": len(dips) >= 3,
+                      "packed_flat": min(r["packed_fill"] for r in rows[:-1]) >= 0.99},
+           "setting": {"prompt": inp, "output": outl, "chunk": chunk, "max_batch_tokens": chunk, "model": model,
+                       "chip": base.chip_a, "n_p": base.n_p, "requests": n,
+                       "metric": "uncached prompt tokens per second of P busy time, P saturated (3x capacity)"}}
     res["table"] = table(rows, list(rows[0].keys()))
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(hits, [r["tail_rps"] for r in rows], "o-", ms=3, label="one prefill at a time (tail chunks alone)")
-    ax.plot(hits, [r["remedy_rps"] for r in rows], "s-", ms=3, label="packed chunks (remedy)")
-    ax.set_yscale("log")
-    ax.set_xlabel("prefix hit rate")
-    ax.set_ylabel("prefills per P-busy-second")
-    ax.legend()
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].plot(hits, [r["tail_tok_s"] for r in rows], "o-", ms=3, label="one prefill at a time (tail chunks alone)")
+    ax[0].plot(hits, [r["packed_tok_s"] for r in rows], "s-", ms=3, label="packed chunks (remedy)")
+    ax[0].set_xlabel("prefix hit rate")
+    ax[0].set_ylabel("prefill tokens / P-busy-second")
+    ax[0].legend(fontsize=8)
+    ax[1].plot(hits, eff, "o-", ms=3, label="tail chunks alone / packed")
+    ax[1].plot(hits, [r["packed_fill"] for r in rows], "s-", ms=3, label="packed: step fill")
+    for d in dips:
+        ax[1].axvline(d, color="r", alpha=0.2)
+    ax[1].set_xlabel("prefix hit rate")
+    ax[1].set_ylabel("relative prefill throughput")
+    ax[1].legend(fontsize=8)
     fig.tight_layout()
     _save(fig, res, out, "bathtub")
     return res
