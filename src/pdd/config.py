@@ -134,6 +134,24 @@ class LimitsConfig(_Strict):
         return max_running if self.tier_max_waiting is None else self.tier_max_waiting
 
 
+class LivenessConfig(_Strict):
+    """Dead-peer detection and recovery (``pdd.transfer.rpc`` heartbeats, the gateway's recovery).
+
+    Every persistent connection between pdd processes sends a heartbeat frame each
+    ``heartbeat_interval_s``; a side that has received no byte for ``dead_after_s`` (bytes of a
+    slow KV stream count) closes the connection, so a dead or unreachable peer (SIGKILL, WAN
+    outage: packets dropped, no reset) is found in seconds. A KV chunk whose write makes no
+    progress for ``kv_stall_timeout_s`` while it is the one being sent closes its connection.
+    """
+
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeat frames")
+    dead_after_s: float = Field(5.0, gt=0, description="no byte received for this long: the peer is dead")
+    kv_stall_timeout_s: float = Field(
+        30.0, gt=0, description="one KV chunk's write blocked this long (while scheduled to send): fail the link")
+    recovery_attempts: int = Field(
+        2, ge=0, description="times a request whose tier died is re-prefilled (prompt + streamed tokens) elsewhere")
+
+
 class InstanceCounts(_Strict):
     """How many instances of each tier (modes without a tier ignore its count)."""
 
@@ -160,6 +178,7 @@ class ClusterConfig(_Strict):
     instances: InstanceCounts = InstanceCounts()
     limits: LimitsConfig = LimitsConfig()
     request_timeout_s: float = Field(300.0, gt=0)
+    liveness: LivenessConfig = LivenessConfig()
 
     @field_validator("mode")
     @classmethod

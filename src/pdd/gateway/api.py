@@ -187,6 +187,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def flush():
         return await orch.flush()
 
+    @app.get("/pdd/requests")
+    async def live_requests():  # live requests' phases (pdd.faults records them at each injection)
+        return orch.requests_view() if hasattr(orch, "requests_view") else {}
+
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",

@@ -9,6 +9,19 @@ Pipelines (PDD report, "Pipelines"):
   P_D / P_MD: D.reserve -> P.prefill(targets=[D from its cached pages]) -> D decodes
   P_RLD_MD:   MD.reserve + RLD.expect -> P.prefill(targets=[RLD all pages, MD missing pages])
               -> RLD decodes -> MD.kv_ready -> RLD.handoff (ids) -> MD.extend -> MD decodes
+
+Faults ("degrade, don't fail"). A connection to an instance closes when the instance dies or its
+heartbeat goes silent (``cfg.liveness``; a WAN outage is found that way). Each in-flight request
+then loses only the legs it still needs (:meth:`Orchestrator._instance_lost`):
+  - a leg no longer needed is ignored (P after its KV arrived, RLD after the handoff, ...);
+  - MD's leg of a relayed request before the handoff: RLD finishes the request (degraded);
+  - RLD lost while MD holds the KV: MD takes over from the tokens already streamed (extend);
+  - otherwise the request is *recovered*: a new attempt (tier rid ``<rid>.<n>``) prefills the
+    prompt plus every token already streamed (P's prefix cache holds the prompt) on live
+    instances, always through a relay (P->RLD->MD, or P->RLD when no MD is reachable: degraded),
+    and the stream continues at the next position (``ReqState.base``): no token dropped or
+    repeated. The old attempt is aborted on every tier (pages freed once there; an unreachable
+    tier frees them when its own heartbeat drops the gateway's connection).
 """
 
 from __future__ import annotations
@@ -50,6 +63,16 @@ WAN_EWMA = 0.2  # weight of the newest WAN throughput sample
 
 class RequestFailed(RuntimeError):
     """A tier failed the request; the message says which and why."""
+
+
+class InstanceLost(ConnectionError):
+    """An instance a request needs is unreachable (dead, or silent past its heartbeat)."""
+
+
+PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
+# per-attempt events, renamed "<name>@<attempt>" when a request is recovered
+ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "prefilled", "md_kv_ready", "handoff_call", "handoff",
+                  "handoff_rld_ms", "switch")
 
 
 @dataclass
@@ -97,6 +120,16 @@ class ReqState:
     # each policy decision's inputs and result, for replay (``pdd sim validate``):
     # [{"policy": "pipeline"|"handoff", "inputs": {...}, "result": ...}, ...]
     decisions: list = field(default_factory=list)
+    # faults and recovery (module docstring)
+    trid: str = ""  # the rid the tiers know this attempt by (rid, then rid.1, rid.2, ...)
+    base: int = 0  # output position of this attempt's first token (tokens streamed before it)
+    prompt_ids: list = field(default_factory=list)
+    attempt: int = 0
+    lost: bool = False  # error is an unreachable instance: recoverable
+    md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
+    degraded: bool = False  # ended (or will end) on RLD because no MD was usable
+    takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
+    recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline"}]
 
 
 class Orchestrator:
@@ -133,10 +166,12 @@ class Orchestrator:
         from pdd.security import link_security
 
         host, port, _wan = self.layout.address_from_a(name)
+        lv = self.cfg.liveness
         peer = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
-                                 retries=retries, backoff_s=0.1,
+                                 retries=retries, backoff_s=0.1, heartbeat_s=lv.heartbeat_interval_s,
+                                 dead_after_s=lv.dead_after_s,
                                  **link_security(self.cfg, "gateway").client(name))  # mutual TLS
-        peer.on_close(lambda _p, n=name: self._peer_closed(n))
+        peer.on_close(lambda p, n=name: self._peer_closed(n, p))
         return peer
 
     async def close(self) -> None:
@@ -148,12 +183,16 @@ class Orchestrator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _peer_closed(self, name: str) -> None:
-        """A tier's connection dropped: every in-flight request fails at once (no silent stall)."""
+    def _peer_closed(self, name: str, peer: rpc.Peer | None = None) -> None:
+        """A tier's connection dropped (the instance died, or its heartbeat went silent): each
+        in-flight request routed there loses what it still needs of it, at once
+        (:meth:`_instance_lost`; no silent stall)."""
+        if peer is not None and self.peers.get(name) is not peer:
+            return  # an old connection, already replaced
+        why = "no heartbeat" if getattr(peer, "dead_peer", False) else "connection lost"
+        self.totals["instances_lost"] = self.totals.get("instances_lost", 0) + 1
         for st in list(self.reqs.values()):
-            if not st.finished and st.error is None and name in st.names.values():
-                st.error = f"instance {name} is unreachable"
-                st.queue.put_nowait(None)
+            self._instance_lost(st, name, f"instance {name} is unreachable ({why})")
 
     def health(self) -> dict:
         """{"status": "ok" | "degraded", "down": [instance names whose connection is closed]}."""
@@ -228,8 +267,10 @@ class Orchestrator:
     async def on_tok(self, peer, h, payload):
         st = self.reqs.get(h["rid"])
         if st is None:
-            return None
-        st.queue.put_nowait(TokenOut(int(h["pos"]), int(h["id"]), h.get("tier", "?"), h.get("fin"), h.get("lp")))
+            return None  # finished, or an attempt given up on (a recovered request's old rid)
+        # an attempt's positions count from its own first output (base: tokens streamed before it)
+        st.queue.put_nowait(TokenOut(int(h["pos"]) + st.base, int(h["id"]), h.get("tier", "?"), h.get("fin"),
+                                     h.get("lp")))
         return None
 
     async def on_toks(self, peer, h, payload):
@@ -248,6 +289,9 @@ class Orchestrator:
     async def on_kv_ready(self, peer, h, payload):
         st = self.reqs.get(h["rid"])
         md = peer  # the MD that has the KV
+        if st is not None and st.md_lost:  # given up on MD's leg meanwhile: keep the prompt, free the rest
+            await md.send({"t": "finish", "rid": h["rid"]})
+            return None
         if st is None or st.finished:
             if st is not None:
                 st.rld_finished_first = True
@@ -270,6 +314,11 @@ class Orchestrator:
             self.totals["wan_bytes_expected"] -= unsent
         if st is not None:
             st.wan_bytes = wan
+            for name, err in (h.get("errors") or {}).items():
+                # a KV stream failed (target dead or silent, stalled, refused at the handshake, a
+                # frame that failed its MAC closed the fast path): that leg is lost, recover now
+                # instead of waiting for the request timeout
+                self._instance_lost(st, name, f"KV transfer to {name} failed: {err}")
         return None
 
     async def on_wan_sample(self, peer, h, payload):
@@ -297,7 +346,7 @@ class Orchestrator:
         _, p = self._peer(st, ROLE_PREFILL)
         st.cut_off = True
         self.totals["cut_offs"] += 1
-        for peer, msg in ((p, {"t": "cancel", "rid": st.rid, "name": md_name}), (md, {"t": "drop", "rid": st.rid})):
+        for peer, msg in ((p, {"t": "cancel", "rid": st.trid, "name": md_name}), (md, {"t": "drop", "rid": st.trid})):
             try:
                 await peer.send(msg)
             except Exception as e:  # that tier is gone: its state died with it
@@ -313,23 +362,41 @@ class Orchestrator:
         at the first position MD reaches, once MD's tokens match what was streamed. One-shot:
         RLD stops at once, MD continues at the next position.
         """
+        trid = st.trid
+        try:
+            await self._handoff_rounds(st)
+        except Exception as e:
+            if st.trid != trid or st.finished or st.lost:
+                return
+            # a tier died mid-handoff; its closed connection tells _instance_lost what to do
+            log.warning("request %s: handoff failed: %s", st.rid, e)
+            for role in (ROLE_RELAY, ROLE_MAIN):
+                name = st.names.get(role)
+                if name is not None and self.peers[name].closed:
+                    self._instance_lost(st, name, f"instance {name} is unreachable ({e})")
+                    return
+            self._fail_lost(st, f"handoff failed: {e}")
+
+    async def _handoff_rounds(self, st: ReqState) -> None:
         md_name, md = self._peer(st, ROLE_MAIN)
         _, rld = self._peer(st, ROLE_RELAY)
         t = self.cfg.request_timeout_s
         k = self.cfg.policy.handoff_min_tokens
-        while k and st.next_pos < k and not st.finished:
+        while k and st.next_pos < k and not st.finished and not st.md_lost:
             await asyncio.sleep(0.001)
         rounds, sent = 0, 0
         while True:
+            if st.md_lost or st.takeover:
+                return  # MD's leg was given up (RLD finishes), or MD took over already
             if st.finished:
                 rep = {"finished": True}
             else:
                 st.events["handoff_call"] = time.perf_counter()
-                rep, _ = await rld.call({"t": "handoff", "rid": st.rid, "sent": sent, "round": rounds}, timeout=t)
+                rep, _ = await rld.call({"t": "handoff", "rid": st.trid, "sent": sent, "round": rounds}, timeout=t)
             if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
                 st.rld_finished_first = True
                 self.totals["rld_finished_first"] += 1
-                await md.send({"t": "finish", "rid": st.rid})
+                await md.send({"t": "finish", "rid": st.trid})
                 return
             ids = rep["token_ids"]
             rounds += 1
@@ -345,16 +412,16 @@ class Orchestrator:
                 self.totals["handoffs"] += 1
                 key = f"handoffs_{rep['mode']}"
                 self.totals[key] = self.totals.get(key, 0) + 1
-                await md.send(extend_message(st.rid, ids, final=True))
+                await md.send(extend_message(st.trid, ids, final=True))
                 return
-            r, _ = await md.call(extend_message(st.rid, ids, final=False), timeout=t)
+            r, _ = await md.call(extend_message(st.trid, ids, final=False), timeout=t)
             if not r.get("found", True):
                 return
             sent = len(ids) - 1  # MD holds all but the newest id (see MainDecodeInstance.on_extend)
             st.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))
 
     # ------------------------------------------------------------------ plan + drive
-    def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int) -> Pipeline:
+    def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int, md_available: bool = True) -> Pipeline:
         mode = self.cfg.mode
         inp = PipelineInputs(
             mode=mode,
@@ -365,79 +432,372 @@ class Orchestrator:
             wan_rtt_ms=self.cfg.link.wan_rtt_ms,
             ttft_budget_ms=self.cfg.policy.pipeline_ttft_budget_ms,
             allow_p_rld=self.cfg.policy.allow_p_rld,
+            md_available=md_available,
         )
         out = choose_pipeline(inp)
         st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
         return out
 
     async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None) -> ReqState:
+        """Plan and start a request (its first token sampled on P). An instance lost while
+        starting (ConnectionError) starts it again on live instances, up to
+        ``liveness.recovery_attempts`` times; then, or for any other error, RequestFailed."""
         rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        st = ReqState(rid, len(prompt_ids), sp)
+        st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids))
         self.reqs[rid] = st
         self.totals["requests"] += 1
-        try:
-            await self._launch(st, prompt_ids)
-        except Exception as e:
-            self._unassign(st)
-            await self.abort(st)
-            self.totals["failed"] += 1
-            raise RequestFailed(f"request {rid} failed while starting: {e}") from e
+        while True:
+            try:
+                await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
+                break
+            except Exception as e:
+                retry = isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts
+                if retry:
+                    log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
+                    self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    continue
+                self._unassign(st)
+                await self.abort(st)
+                self.totals["failed"] += 1
+                raise RequestFailed(f"request {rid} failed while starting: {e}") from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st
 
-    async def _launch(self, st: ReqState, prompt: list[int]) -> None:
-        sampling = st.sampling.to_dict()
+    # ------------------------------------------------------------------ faults and recovery
+    def phase(self, st: ReqState) -> str:
+        """The phase of ``st``'s current attempt: one of :data:`PHASES`, or "done".
+
+        prefill: P's prefill call has not returned. transfer: KV still on its way to the decoder
+        that will finish the request (MD's WAN transfer of a relayed request, RLD decoding
+        meanwhile). rld_decode: MD holds the KV, the handoff has not begun. handoff: RLD was asked
+        for its ids, MD's stream is not live yet. md_decode: the client streams from MD.
+        """
+        if st.finished:
+            return "done"
+        ev = st.events
+        if "prefilled" not in ev:
+            return "prefill"
+        if st.pipeline == Pipeline.P_RLD_MD and not st.md_lost:
+            if st.switch_pos is not None:
+                return "md_decode"
+            if "handoff_call" in ev or st.takeover:
+                return "handoff"
+            return "rld_decode" if st.kv_ready else "transfer"
+        started = st.next_pos > st.base
+        if st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD):
+            return "rld_decode" if started else "transfer"
+        return "md_decode" if started else "transfer"
+
+    def requests_view(self) -> dict:
+        """Live requests for fault injection and debugging: rid -> phase, pipeline, attempt, ..."""
+        return {st.rid: {"trid": st.trid, "phase": self.phase(st), "pipeline": st.pipeline.value,
+                         "attempt": st.attempt, "next_pos": st.next_pos, "names": dict(st.names),
+                         "kv_ready": st.kv_ready, "md_lost": st.md_lost, "degraded": st.degraded,
+                         "recoveries": list(st.recoveries)}
+                for st in list(self.reqs.values()) if st.trid in self.reqs}
+
+    def _new_attempt(self, st: ReqState, reason: str) -> None:
+        """Forget the current attempt (aborted on every tier, in the background) and make the
+        next one: prompt + streamed tokens, new tier rid, per-attempt state reset."""
+        old = st.trid
+        st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": self.phase(st), "pos": st.next_pos,
+                              "pipeline": st.pipeline.value, "names": dict(st.names)})
+        self.reqs.pop(old, None)
+        self.planned_wan.pop(old, None)
+        self._spawn(self._abort_everywhere(old))
+        self._unassign(st)
+        st.attempt += 1
+        st.trid = f"{st.rid}.{st.attempt}"
+        st.base = st.next_pos
+        for k in ATTEMPT_EVENTS:
+            if k in st.events:
+                st.events[f"{k}@{st.attempt - 1}"] = st.events.pop(k)
+        st.names = {}
+        st.pending.clear()
+        st.md_pending.clear()
+        st.switch_pos = st.md_start = None
+        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = False
+        st.handoff_mode, st.handoff_rounds, st.error = None, 0, None
+        st.wan_bytes_expected = 0
+        while not st.queue.empty():  # stale tokens / failure marks of the old attempt
+            st.queue.get_nowait()
+        self.reqs[st.trid] = st
+        self.totals["recovered"] = self.totals.get("recovered", 0) + 1
+
+    def _attempt_prompt(self, st: ReqState) -> tuple[list[int], SamplingParams]:
+        """This attempt's prompt (the request's prompt + tokens already streamed) and sampling
+        (budgets reduced by what was streamed)."""
+        if st.base == 0:
+            return st.prompt_ids, st.sampling
+        d = st.sampling.to_dict()
+        d["max_tokens"] = max(1, int(d["max_tokens"]) - st.base)
+        if d.get("min_tokens"):
+            d["min_tokens"] = max(0, int(d["min_tokens"]) - st.base)
+        return st.prompt_ids + st.emitted[: st.base], SamplingParams.from_dict(d)
+
+    async def _recover(self, st: ReqState) -> bool:
+        """Start the next attempt of ``st`` after a lost instance; False if none is left or it
+        cannot start (``st.error`` says why)."""
+        if st.finished or st.attempt >= self.cfg.liveness.recovery_attempts:
+            return False
+        log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.error, st.next_pos,
+                    self.phase(st))
+        self._new_attempt(st, st.error or "instance lost")
+        while True:
+            prompt, sp = self._attempt_prompt(st)
+            try:
+                await self._launch(st, prompt, sp, force_relay=True)
+                return True
+            except Exception as e:
+                if isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts:
+                    self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    continue
+                st.error = f"recovery failed: {e}"
+                return False
+
+    def _fail_lost(self, st: ReqState, reason: str) -> None:
+        """The request needs an instance that is gone: wake its stream, which recovers it."""
+        if st.finished or st.lost:
+            return
+        st.lost = True
+        st.error = reason
+        st.queue.put_nowait(None)
+
+    def _instance_lost(self, st: ReqState, name: str, reason: str) -> None:
+        """Instance ``name`` is unreachable: act on ``st`` only if it still needs it (module doc)."""
+        if st.finished or st.lost:
+            return
+        role = next((r for r, n in st.names.items() if n == name), None)
+        if role is None:
+            return
+        relayed = st.pipeline == Pipeline.P_RLD_MD
+        started = st.next_pos > st.base  # the decoder streamed this attempt's first token
+        if role == ROLE_PREFILL:
+            if not started:  # the decoder (RLD when relayed) has not got its KV yet
+                self._fail_lost(st, reason)
+            elif relayed and not st.kv_ready:
+                self._md_leg_lost(st, reason)
+        elif role == ROLE_RELAY:
+            if not relayed:
+                self._fail_lost(st, reason)
+            elif st.switch_pos is not None or st.md_start is not None:
+                return  # MD has the final handoff: RLD is no longer needed
+            elif st.md_lost:
+                self._fail_lost(st, reason)
+            elif st.kv_ready and started and st.handoff_rounds == 0:
+                self._spawn(self._md_takeover(st))
+            else:
+                self._fail_lost(st, reason)
+        elif role in (ROLE_MAIN, ROLE_COLOCATED):
+            if relayed and st.md_start is None and st.switch_pos is None:
+                self._md_leg_lost(st, reason)  # RLD still decodes: it finishes the request
+            elif relayed and st.switch_pos is None and st.handoff_mode == "catch_up":
+                self._md_leg_lost(st, reason)  # catch-up: RLD is still decoding too
+            else:
+                self._fail_lost(st, reason)
+
+    def _md_leg_lost(self, st: ReqState, reason: str) -> None:
+        """MD's leg of a relayed request is gone before MD's stream went live: RLD finishes the
+        request (degraded); P stops (or never starts) the WAN transfer, MD drops what it has."""
+        if st.md_lost or st.finished:
+            return
+        st.md_lost = st.degraded = True
+        st.md_pending.clear()
+        self.totals["md_legs_lost"] = self.totals.get("md_legs_lost", 0) + 1
+        log.warning("request %s: MD leg lost (%s); RLD finishes it", st.rid, reason)
+        md_name = st.names.get(ROLE_MAIN)
+        p_name = st.names.get(ROLE_PREFILL)
+        trid = st.trid
+
+        async def tidy():
+            for name, msg in ((p_name, {"t": "target", "rid": trid, "slot": "md", "name": md_name, "cancelled": True}),
+                              (p_name, {"t": "cancel", "rid": trid, "name": md_name}),
+                              (md_name, {"t": "drop", "rid": trid})):
+                peer = self.peers.get(name) if name else None
+                if peer is not None and not peer.closed:
+                    try:
+                        await peer.send(msg)
+                    except Exception:
+                        pass
+
+        self._spawn(tidy())
+
+    async def _md_takeover(self, st: ReqState) -> None:
+        """RLD is gone but MD holds the prompt's KV: hand MD the tokens already streamed (one
+        extend, as a one-shot handoff would) and let it decode on from the next position."""
+        if st.takeover or st.md_start is not None or st.finished:
+            return
+        st.takeover = True
+        md_name, md = self._peer(st, ROLE_MAIN)
+        ids = st.emitted[st.base:]
+        st.md_start = st.next_pos
+        st.handoff_mode = "takeover"
+        st.events["handoff"] = time.perf_counter()
+        self.totals["takeovers"] = self.totals.get("takeovers", 0) + 1
+        try:
+            await md.send(extend_message(st.trid, ids, final=True))
+        except Exception as e:
+            self._fail_lost(st, f"instance {md_name} is unreachable ({e})")
+
+    async def _abort_everywhere(self, trid: str) -> None:
+        """Abort one attempt's tier rid on every reachable instance (idempotent there)."""
+        for name, peer in list(self.peers.items()):
+            if peer.closed:
+                continue  # its own heartbeat / connection loss frees what it holds
+            try:
+                await peer.call({"t": "abort", "rid": trid}, timeout=10)
+            except Exception as e:
+                log.warning("abort %s on %s failed: %s", trid, name, e)
+
+    async def _launch(self, st: ReqState, prompt: list[int], sp: SamplingParams | None = None,
+                      force_relay: bool = False) -> None:
+        """Start ``st``'s current attempt on ``prompt`` (returns once P sampled its first token).
+
+        ``force_relay`` (recovery): plan P->RLD->MD whatever the TTFT budget, so a WAN fault
+        cannot stall the recovered request. With no MD reachable, plans P->RLD (degraded).
+        Raises ConnectionError when an instance it calls is lost meanwhile.
+        """
+        sampling = (sp or st.sampling).to_dict()
         t = self.cfg.request_timeout_s
         if self.cfg.mode == "colocated":
             st.pipeline = Pipeline.COLOCATED
             st.names[ROLE_COLOCATED] = await self._route(ROLE_COLOCATED, prompt)
             self._assign(st)
             _, c = self._peer(st, ROLE_COLOCATED)
-            rep, _ = await c.call({"t": "generate", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            rep, _ = await c.call({"t": "generate", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
         relay_possible = bool(self.layout.by_role(ROLE_RELAY))
+        md_specs = self.layout.by_role(ROLE_MAIN)
+        md_live = any(not self.peers[sp_.name].closed for sp_ in md_specs)
         st.names[ROLE_PREFILL] = await self._route(ROLE_PREFILL, prompt)
         if relay_possible:
             st.names[ROLE_RELAY] = await self._route(ROLE_RELAY, prompt)
         _, p = self._peer(st, ROLE_PREFILL)
+        if relay_possible and not md_live:
+            # degraded: no MD is reachable, RLD completes the request (counted apart)
+            for sp_ in md_specs:
+                self._spawn(self._reconnect(sp_.name))
+            st.pipeline = self._plan(st, len(prompt), 0, md_available=False)
+            st.degraded = True
+            self._assign(st, ROLE_PREFILL, ROLE_RELAY)
+            rld_name, rld = self._peer(st, ROLE_RELAY)
+            await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            st.events["rld_expect"] = time.perf_counter()
+            rep, _ = await p.call({"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
+                                   "targets": [{"name": rld_name, "first_page": 0, "relay": False}]}, timeout=t)
+            st.events["prefilled"] = time.perf_counter()
+            st.p_cached_tokens = int(rep["p_cached_tokens"])
+            return
 
         async def route_and_reserve():
             # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
             st.names[ROLE_MAIN] = await self._route(ROLE_MAIN, prompt)
             self._assign(st, ROLE_MAIN)
             _, md_ = self._peer(st, ROLE_MAIN)
-            return await md_.call({"t": "reserve", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling},
+            return await md_.call({"t": "reserve", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling},
                                   timeout=t)
 
         self._assign(st, ROLE_PREFILL, ROLE_RELAY)
         reserve = asyncio.ensure_future(route_and_reserve())
+        if relay_possible and (self._always_relay() or force_relay):
+            # the relay is planned whatever MD holds: P starts now and learns MD's part of the
+            # plan (which MD, which pages) a WAN round trip later, so TTFT never waits on the WAN
+            # (MD's cached tokens are not known yet; with a zero budget they do not matter). MD's
+            # leg runs on its own: if MD cannot be reached, RLD finishes the request.
+            rld_name, rld = self._peer(st, ROLE_RELAY)
+            md_leg = None
+            try:
+                await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+                st.events["rld_expect"] = time.perf_counter()
+                st.pipeline = self._plan(st, len(prompt), 0) if not force_relay else Pipeline.P_RLD_MD
+                p_call = asyncio.ensure_future(p.call(
+                    {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
+                     "targets": [{"name": rld_name, "first_page": 0, "relay": False},
+                                 {"slot": "md", "deferred": True}]}, timeout=t))
+                md_leg = asyncio.ensure_future(self._md_leg(st, reserve, p))
+                rep, _ = await p_call
+            except BaseException:
+                for fut in (reserve, md_leg):
+                    if fut is not None and not fut.done():
+                        fut.cancel()
+                if reserve.done() and not reserve.cancelled():
+                    reserve.exception()  # retrieved: no "never retrieved" noise
+                raise
+            st.events["prefilled"] = time.perf_counter()
+            st.p_cached_tokens = int(rep["p_cached_tokens"])
+            return
         p_call = None
         try:
             if relay_possible:
                 rld_name, rld = self._peer(st, ROLE_RELAY)
-                await rld.call({"t": "expect", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+                await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
-                if self._always_relay():
-                    # the relay is planned whatever MD holds: P starts now and learns MD's part of
-                    # the plan (which MD, which pages) a WAN round trip later, so TTFT never
-                    # waits on the WAN
-                    # (MD's cached tokens are not known yet; with a zero budget they do not matter)
-                    st.pipeline = self._plan(st, len(prompt), 0)
-                    p_call = asyncio.ensure_future(p.call(
-                        {"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
-                         "targets": [{"name": rld_name, "first_page": 0, "relay": False},
-                                     {"slot": "md", "deferred": True}]}, timeout=t))
             rep, _ = await reserve
         except BaseException:
-            for fut in (p_call, reserve):
-                if fut is not None and not fut.done():
-                    fut.cancel()
-                elif fut is not None and not fut.cancelled():
-                    fut.exception()  # retrieved: no "never retrieved" noise
+            if not reserve.done():
+                reserve.cancel()
+            elif not reserve.cancelled():
+                reserve.exception()  # retrieved: no "never retrieved" noise
             raise
-        st.events["md_reserved"] = time.perf_counter()
+        self._reserved(st, rep)
         md_name, md = self._peer(st, ROLE_MAIN)
+        md_wan = self.layout.get(md_name).dc == "B"
+        md_first = int(rep["md_cached_pages"])
+        st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
+            Pipeline.P_MD if md_wan else Pipeline.P_D)
+        relay = st.pipeline == Pipeline.P_RLD_MD
+        targets = [{"name": md_name, "first_page": md_first, "relay": relay}]
+        if relay:
+            targets.insert(0, {"name": rld_name, "first_page": 0, "relay": False})
+        elif st.pipeline == Pipeline.P_RLD:
+            # the excluded pipeline (--allow-p-rld ablation / degraded): MD never gets the KV
+            targets = [{"name": rld_name, "first_page": 0, "relay": False}]
+            await md.send({"t": "drop", "rid": st.trid})
+            if md_wan:
+                self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
+                self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
+                self.planned_wan.pop(st.trid, None)
+                st.wan_bytes_expected = 0
+        elif relay_possible:
+            # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
+            await rld.call({"t": "abort", "rid": st.trid}, timeout=t)
+        p_call = p.call({"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
+                         "targets": targets}, timeout=t)
+        rep, _ = await p_call
+        st.events["prefilled"] = time.perf_counter()
+        st.p_cached_tokens = int(rep["p_cached_tokens"])
+
+    async def _md_leg(self, st: ReqState, reserve, p: rpc.Peer) -> None:
+        """MD's part of an always-relayed plan: once MD has reserved, tell P where to send the
+        pages MD lacks. MD unreachable: its leg is lost and RLD finishes the request."""
+        trid = st.trid
+        try:
+            rep, _ = await reserve
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if st.trid == trid:
+                self._md_leg_lost(st, f"MD reservation failed: {type(e).__name__}: {e}")
+            return
+        md_name, md = self._peer(st, ROLE_MAIN)
+        if st.trid != trid or st.md_lost:
+            try:  # the attempt was given up meanwhile: free the reservation
+                await md.send({"t": "drop", "rid": trid})
+            except Exception:
+                pass
+            return
+        self._reserved(st, rep)
+        try:
+            await p.send({"t": "target", "rid": trid, "slot": "md", "name": md_name,
+                          "first_page": int(rep["md_cached_pages"]), "relay": True})
+        except Exception as e:
+            self._instance_lost(st, st.names.get(ROLE_PREFILL, ""), f"P unreachable: {e}")
+
+    def _reserved(self, st: ReqState, rep: dict) -> None:
+        """Book MD's reservation reply: cached tokens, the WAN bytes planned."""
+        st.events["md_reserved"] = time.perf_counter()
+        md_name = st.names[ROLE_MAIN]
         md_wan = self.layout.get(md_name).dc == "B"
         self.page_bytes = int(rep["page_bytes"])
         if self.kv_bytes_per_token is None:
@@ -449,34 +809,7 @@ class Orchestrator:
             st.wan_bytes_expected = (n_pages - md_first) * self.page_bytes
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
             self.totals["wan_bytes_planned"] += st.wan_bytes_expected
-            self.planned_wan[st.rid] = st.wan_bytes_expected
-        if p_call is not None:
-            await p.send({"t": "target", "rid": st.rid, "slot": "md", "name": md_name, "first_page": md_first,
-                          "relay": True})
-        else:
-            st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
-                Pipeline.P_MD if md_wan else Pipeline.P_D)
-            relay = st.pipeline == Pipeline.P_RLD_MD
-            targets = [{"name": md_name, "first_page": md_first, "relay": relay}]
-            if relay:
-                targets.insert(0, {"name": rld_name, "first_page": 0, "relay": False})
-            elif st.pipeline == Pipeline.P_RLD:
-                # the excluded pipeline (--allow-p-rld ablation / degraded): MD never gets the KV
-                targets = [{"name": rld_name, "first_page": 0, "relay": False}]
-                await md.send({"t": "drop", "rid": st.rid})
-                if md_wan:
-                    self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
-                    self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
-                    self.planned_wan.pop(st.rid, None)
-                    st.wan_bytes_expected = 0
-            elif relay_possible:
-                # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
-                await rld.call({"t": "abort", "rid": st.rid}, timeout=t)
-            p_call = p.call({"t": "prefill", "rid": st.rid, "prompt_ids": prompt, "sampling": sampling,
-                             "targets": targets}, timeout=t)
-        rep, _ = await p_call
-        st.events["prefilled"] = time.perf_counter()
-        st.p_cached_tokens = int(rep["p_cached_tokens"])
+            self.planned_wan[st.trid] = st.wan_bytes_expected
 
     def _always_relay(self) -> bool:
         """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""
@@ -544,28 +877,45 @@ class Orchestrator:
         self.totals["md_diverged"] = self.totals.get("md_diverged", 0) + 1
         log.warning("request %s: MD's token at %d differs from RLD's (near-tie); RLD finishes it", st.rid, pos)
         _, md = self._peer(st, ROLE_MAIN)
-        asyncio.get_running_loop().create_task(md.send({"t": "drop", "rid": st.rid}))
+        asyncio.get_running_loop().create_task(md.send({"t": "drop", "rid": st.trid}))
 
     async def _release_relay(self, st: ReqState) -> None:
         """MD's stream is live: stop RLD (catch-up kept it decoding until now)."""
         if st.handoff_mode == "catch_up":
             _, rld = self._peer(st, ROLE_RELAY)
             try:
-                await rld.call({"t": "abort", "rid": st.rid}, timeout=10)
+                await rld.call({"t": "abort", "rid": st.trid}, timeout=10)
             except Exception as e:
                 log.warning("stopping %s on RLD failed: %s", st.rid, e)
 
     async def stream(self, st: ReqState):
         """Yield tokens in position order until the request finishes (or fails)."""
+        # relayed requests that may hand over in catch-up mode stream through a jitter buffer, so MD's
+        # later stream takes over without a gap (pdd.policy.switch; docs/BENCH.md states the delays)
+        from pdd.policy.switch import PaceParams, SwitchPacer
+
+        pacer = (SwitchPacer(PaceParams(prior_lag_ms=1.5 * self.cfg.link.wan_rtt_ms))
+                 if st.pipeline == Pipeline.P_RLD_MD and self.cfg.policy.handoff_mode != "one_shot" else None)
         try:
             while not st.finished:
+                wait = None if pacer is None else pacer.wait_ms(1000 * time.perf_counter())
                 try:
-                    tok = await asyncio.wait_for(st.queue.get(), timeout=self.cfg.request_timeout_s)
+                    if wait is not None and not st.queue.empty():
+                        tok = st.queue.get_nowait()
+                    else:
+                        tok = await asyncio.wait_for(
+                            st.queue.get(), timeout=self.cfg.request_timeout_s if wait is None else max(wait, 0.2) / 1000)
                 except asyncio.TimeoutError:
-                    raise RequestFailed(f"request {st.rid}: no token for {self.cfg.request_timeout_s:.0f} s")
+                    if wait is None:
+                        raise RequestFailed(f"request {st.rid}: no token for {self.cfg.request_timeout_s:.0f} s")
+                    tok = False  # a buffered token is due
                 if tok is None:
+                    if st.lost and await self._recover(st):
+                        continue  # a new attempt streams on from st.next_pos
                     raise RequestFailed(f"request {st.rid} failed: {st.error}")
-                for t in self._next_tokens(st, tok):
+                if pacer is not None and tok is not False:
+                    pacer.feed(st, tok, 1000 * time.perf_counter(), self._next_tokens)
+                for t in (self._next_tokens(st, tok) if pacer is None else pacer.due(1000 * time.perf_counter())):
                     now = time.perf_counter()
                     if t.pos == 0:
                         st.events["first_token"] = now
@@ -577,6 +927,8 @@ class Orchestrator:
                         st.finished = True
                     yield t
             self.totals["completed"] += 1
+            if st.degraded:  # ended on RLD because no MD was usable
+                self.totals["degraded"] = self.totals.get("degraded", 0) + 1
         except BaseException:
             if not st.finished:
                 self.totals["failed"] += 1
@@ -585,7 +937,7 @@ class Orchestrator:
                 self._spawn(self.abort(st))
             raise
         finally:
-            self.reqs.pop(st.rid, None)
+            self.reqs.pop(st.trid, None)
             self._unassign(st)
             if st.finished and st.error is None and st.pipeline == Pipeline.P_RLD_MD:
                 await self._settle_relayed(st)
@@ -593,6 +945,8 @@ class Orchestrator:
     async def _settle_relayed(self, st: ReqState) -> None:
         """After a relayed request ended at the client: cut off a WAN transfer still running
         (anomaly filter), or stop whichever decoder is still going."""
+        if st.md_lost:
+            return  # MD's leg was given up: dropped there already
         if should_cut_off(rld_finished=True, md_kv_complete=st.kv_ready, remaining_wan_s=self._remaining_wan_s(st),
                           min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
             if self.cfg.policy.cutoff:
@@ -604,18 +958,20 @@ class Orchestrator:
         _, rld = self._peer(st, ROLE_RELAY)
         try:
             if st.switch_pos is None:  # RLD finished it (MD keeps the prompt's KV)
-                await md.send({"t": "finish", "rid": st.rid})
-            await rld.send({"t": "abort", "rid": st.rid})
+                await md.send({"t": "finish", "rid": st.trid})
+            await rld.send({"t": "abort", "rid": st.trid})
         except Exception as e:
             log.warning("settling %s failed: %s", st.rid, e)
 
     async def abort(self, st: ReqState) -> None:
         """Tell every engine to drop the request and free its pages (idempotent there)."""
         st.finished = True
-        self.reqs.pop(st.rid, None)
-        for name, peer in self.peers.items():
+        self.reqs.pop(st.trid, None)
+        for name, peer in list(self.peers.items()):
+            if peer.closed:
+                continue  # unreachable: it frees the request when it finds the gateway gone
             try:
-                await peer.call({"t": "abort", "rid": st.rid}, timeout=10)
+                await peer.call({"t": "abort", "rid": st.trid}, timeout=10)
             except Exception as e:  # the instance may be gone; it frees everything when it goes
                 log.warning("abort %s on %s failed: %s", st.rid, name, e)
 

@@ -170,11 +170,27 @@ class EngineInstance:
         if "kv_done" in hs:
             hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
         self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name,
+                                 fingerprint=self.kv_fingerprint(), **self.liveness_kw(),
                                  **link_security(self.cfg, self.spec.name).server())  # mTLS / fast-path MAC
         await self.server.start()
         from pdd.metrics import start_instance_metrics
 
         start_instance_metrics(self, self.spec.metrics_port, self.cfg.host)
+
+    def liveness_kw(self) -> dict:
+        """Heartbeat settings for this instance's connections (``cfg.liveness``; rpc module docs)."""
+        lv = self.cfg.liveness
+        return {"heartbeat_s": lv.heartbeat_interval_s, "dead_after_s": lv.dead_after_s}
+
+    def kv_fingerprint(self) -> dict:
+        """What two instances exchanging KV pages must agree on, checked in the connection handshake
+        (``rpc.default_handshake_check``: a mismatch refuses the connection, naming the field):
+        page size (tokens), KV dtype, KV layout (layers x KV heads x head dim) and a digest of the
+        model's weights (file names, sizes and their first and last MiB: cheap for any size)."""
+        pool = self.engine.pool
+        return {"page_size": int(pool.page_size), "kv_dtype": str(pool.dtype_name),
+                "kv_layout": f"{pool.num_layers}x{pool.num_kv_heads}x{pool.head_dim}",
+                "weights": weights_digest(self.cfg.model_path)}
 
     async def stop(self) -> None:
         if self.worker:
@@ -187,7 +203,22 @@ class EngineInstance:
         if s is None or s.peer is not peer:
             s = OrderedSender(peer)
             self.sinks[id(peer)] = s
+            peer.on_close(self._owner_gone)
         return s
+
+    async def _owner_gone(self, peer) -> None:
+        """The connection to a requests' owner (the gateway) closed, e.g. its heartbeat found it
+        dead behind a WAN outage: nobody will finish or abort those requests, so abort them here
+        (pages freed once; P's transfers cancelled and drained first)."""
+        s = self.sinks.pop(id(peer), None)
+        if s is not None:
+            s.task.cancel()
+        for rid in [r for r, c in list(self.reqs.items()) if c.sink.peer is peer]:
+            self.counters["orphaned"] = self.counters.get("orphaned", 0) + 1
+            try:
+                await self.on_abort(peer, {"rid": rid}, b"")
+            except Exception:
+                log.exception("%s: abort of orphaned %s failed", self.spec.name, rid)
 
     # ------------------------------------------------------------------ tokens
     def emit(self, ctx: ReqCtx, pos: int, token_id: int, fin: str | None, lp: dict | None = None) -> None:
@@ -318,6 +349,27 @@ class EngineInstance:
         if b < min_bytes or dt <= 0:
             return None
         return b * 8 / dt / 1e9
+
+
+def weights_digest(model_path: str) -> str:
+    """sha256 (hex, 16 chars) of a checkpoint's config and weight files: name, size, first and
+    last MiB of each (two checkpoints differing anywhere else are not told apart)."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    root = Path(model_path)
+    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".json") and p.is_file()) \
+        if root.is_dir() else []
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}:".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), 2)
+                h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
 
 
 async def serve_instance(inst) -> None:

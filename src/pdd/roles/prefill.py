@@ -60,10 +60,15 @@ class PrefillInstance(EngineInstance):
 
     async def on_target(self, peer, h, payload):
         """The plan of a target sent ``deferred`` in ``prefill`` (MD's cached pages arrive a WAN
-        round trip after P could start prefilling): ``{rid, name, first_page, relay}``."""
+        round trip after P could start prefilling): ``{rid, name, first_page, relay}``, or
+        ``{rid, slot, cancelled: true}`` when that target cannot be reached (never sent)."""
         fut = self._deferred_target(h["rid"], h.get("slot", h["name"]))
         if not fut.done():
-            fut.set_result({"name": h["name"], "first_page": int(h["first_page"]), "relay": bool(h.get("relay"))})
+            if h.get("cancelled"):
+                fut.set_result({"name": h.get("name") or h.get("slot"), "cancelled": True})
+            else:
+                fut.set_result({"name": h["name"], "first_page": int(h["first_page"]),
+                                "relay": bool(h.get("relay"))})
         return None
 
     async def on_abort(self, peer, h, payload):
@@ -102,10 +107,15 @@ class PrefillInstance(EngineInstance):
     async def _sender_locked(self, name: str, host: str, port: int, wan: bool) -> tuple[KVSender, bool]:
         s = self.senders.get(name)
         if s is None or s.peer.closed:
-            peer = await rpc.connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=50,
+            # the fingerprint refuses an instance whose page size, KV dtype/layout or weights differ
+            # (HandshakeError, never retried); a dead target is not retried for long (the gateway
+            # recovers the request elsewhere)
+            peer = await rpc.connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=5,
+                                     fingerprint=self.kv_fingerprint(), **self.liveness_kw(),
                                      **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
             rate = None if wan else self.cfg.link.fast_gbps
-            s = KVSender(peer, rate_gbps=rate, order=self.cfg.policy.wan_order if wan else "fifo")
+            s = KVSender(peer, rate_gbps=rate, order=self.cfg.policy.wan_order if wan else "fifo",
+                         stall_timeout_s=self.cfg.liveness.kv_stall_timeout_s)
             self.senders[name] = s
         return s, wan
 

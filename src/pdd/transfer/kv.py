@@ -223,6 +223,10 @@ class KVSender:
     drains), or a shared :class:`~pdd.transfer.pacing.Pacer`.
     ``order``: ``"fifo"`` | ``"rr"`` | ``"srf"`` or ``pick(transfers) -> transfer``.
     ``chunk_pages``: default pages per ``kv`` frame. ``crc``: checksum kv payloads.
+    ``stall_timeout_s``: a chunk whose write (the transfer is the one scheduled to send) makes no
+    progress for this long closes the connection and fails every transfer on it with
+    :class:`ConnectionError` ("stalled"); a transfer waiting its turn, or one progressing slowly
+    (each chunk written within the limit), is never timed out. None: no limit.
     """
 
     def __init__(
@@ -233,8 +237,11 @@ class KVSender:
         *,
         chunk_pages: int = 16,
         crc: Optional[bool] = None,
+        stall_timeout_s: Optional[float] = None,
     ):
         self.peer = peer
+        self.stall_timeout_s = stall_timeout_s
+        self.stalls = 0
         self.pacer = rate_gbps if isinstance(rate_gbps, Pacer) else Pacer(rate_gbps)
         self.pick: PickFn = resolve_order(order)
         self.chunk_pages = chunk_pages
@@ -407,7 +414,14 @@ class KVSender:
                     "layers": list(t.layers) if t.layers is not None else None,
                     "page_bytes": t.page_bytes,
                 }
-                await self.peer.send(header, data, crc=self.crc)
+                try:
+                    await asyncio.wait_for(self.peer.send(header, data, crc=self.crc), self.stall_timeout_s)
+                except (asyncio.TimeoutError, TimeoutError):
+                    # the frame is half written: the connection cannot carry anything else
+                    self.stalls += 1
+                    self.peer.abort()
+                    raise ConnectionError(f"KV transfer {t.rid!r} to {peer_label(self.peer)} made no progress for "
+                                          f"{self.stall_timeout_s} s while sending (stalled)") from None
                 t.pages_sent += n
                 t.bytes_sent += data.nbytes
                 t.chunks_sent += 1

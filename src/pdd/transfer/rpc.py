@@ -44,6 +44,13 @@ whose hello names an instance other than its certificate's common name.
 certificate's SAN) or ``mac_key`` does the client side; a refused certificate or key raises
 :class:`HandshakeError` at once (never retried).
 
+Heartbeats (liveness): a side created with ``heartbeat_s`` says so in its hello (``"hb"``);
+when both sides do, each sends a ``_hb`` frame every ``heartbeat_s`` seconds (consumed by the
+reader, never dispatched) and closes the connection once it has received **no byte at all** for
+``dead_after_s`` seconds (:class:`ConnectionError` "no sign of life"). Bytes of a slow frame count,
+so a long KV transfer over a slowed line is alive; a peer that was SIGKILLed, hangs, or sits
+behind a WAN outage that drops packets without a reset is found within ``dead_after_s``.
+
 Fast-path MAC keys: each connection derives its own pair of keys (one per direction) from the
 shared key and a random nonce from each side's hello, and counts frames in each direction, so
 a frame replayed from another connection, or reordered or dropped within one, fails its MAC.
@@ -180,8 +187,15 @@ class Peer:
         max_payload_bytes: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
         dispatch_queue: int = 256,
         dispatch_queue_bytes: int = 16 << 20,
+        heartbeat_s: Optional[float] = None,
+        dead_after_s: Optional[float] = None,
     ):
         self.reader = reader
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s if dead_after_s is not None else (
+            5 * heartbeat_s if heartbeat_s else None)
+        self._hb_task: Optional[asyncio.Task] = None
+        self._hb_sending = False
         self.writer = writer
         self.handlers: dict = handlers if handlers is not None else {}
         self._own_handlers: dict = {}
@@ -218,6 +232,7 @@ class Peer:
         self.mac_tx: Optional[FrameMac] = None  # set together when auth == "mac"
         self.mac_rx: Optional[FrameMac] = None
         self.cert_name: Optional[str] = None  # common name of the TLS peer's certificate
+        self.dead_peer = False  # closed by the heartbeat (no byte for dead_after_s)
 
     # ---------------------------------------------------------------- identity
     @property
@@ -261,6 +276,41 @@ class Peer:
         if self._reader_task is None:
             self._reader_task = asyncio.create_task(self._read_loop(), name=f"peer-read-{self.name}")
             self._dispatch_task = asyncio.create_task(self._dispatch_loop(), name=f"peer-dispatch-{self.name}")
+            if self.heartbeat_s and self.remote_hello.get("hb"):
+                self._hb_task = asyncio.create_task(self._heartbeat_loop(), name=f"peer-hb-{self.name}")
+
+    def _rx_mark(self) -> int:
+        """A counter that grows with every byte received (frames, for readers without a byte count)."""
+        n = getattr(self.reader, "rx_bytes", None)
+        return int(n) if isinstance(n, int) else self.frames_received
+
+    async def _heartbeat_loop(self) -> None:
+        """Send ``_hb`` every ``heartbeat_s``; close the connection after ``dead_after_s`` without a byte."""
+        loop = asyncio.get_running_loop()
+        mark, seen = self._rx_mark(), loop.time()
+        while not self._closed:
+            await asyncio.sleep(self.heartbeat_s)
+            now = loop.time()
+            m = self._rx_mark()
+            if m != mark:
+                mark, seen = m, now
+            elif now - seen > self.dead_after_s:
+                self.dead_peer = True
+                log.warning("%r: nothing received for %.1f s: peer declared dead", self, now - seen)
+                self._shutdown(ConnectionError(
+                    f"no sign of life from {self._label()} for {now - seen:.1f} s (heartbeat)"), abort=True)
+                return
+            if not self._hb_sending:  # one heartbeat in flight at most (a blocked write holds it)
+                self._hb_sending = True
+                self._spawn(self._send_hb())
+
+    async def _send_hb(self) -> None:
+        try:
+            await self._write({"t": "_hb"}, b"", None)
+        except Exception:
+            pass
+        finally:
+            self._hb_sending = False
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Close the connection; pending calls fail with ConnectionError. Idempotent.
@@ -303,7 +353,7 @@ class Peer:
         except Exception:
             pass
         cur = asyncio.current_task()
-        for t in (self._reader_task, self._dispatch_task):
+        for t in (self._reader_task, self._dispatch_task, self._hb_task):
             if t is not None and t is not cur and not t.done():
                 t.cancel()
         for t in list(self._tasks):
@@ -412,6 +462,8 @@ class Peer:
                 cid = header.get("cid")
                 if cid is not None and type(cid) is not int:
                     raise WireError(f"'cid' must be an int, got {type(cid).__name__}")
+                if header.get("t") == "_hb" and "cid" not in header:
+                    continue  # heartbeat: its bytes already counted as a sign of life
                 if header.get("reply"):
                     fut = self._pending.get(header.get("cid"))
                     if fut is not None and not fut.done():
@@ -520,8 +572,11 @@ class Peer:
 NONCE_BYTES = 16
 
 
-def _hello(role: str, instance: str, fingerprint: Optional[dict]) -> dict:
-    return {"t": "hello", "proto": PROTO, "role": role, "instance": instance, "fingerprint": fingerprint}
+def _hello(role: str, instance: str, fingerprint: Optional[dict], heartbeat_s: Optional[float] = None) -> dict:
+    h = {"t": "hello", "proto": PROTO, "role": role, "instance": instance, "fingerprint": fingerprint}
+    if heartbeat_s:
+        h["hb"] = float(heartbeat_s)  # this side sends heartbeats and expects them
+    return h
 
 
 def _mac(master: bytes, label: bytes, alg: str = "hmac") -> FrameMac:
@@ -677,13 +732,16 @@ class Server:
         mac_key: Optional[bytes] = None,
         allow_plain: Optional[bool] = None,
         check_identity: bool = True,
+        heartbeat_s: Optional[float] = None,
+        dead_after_s: Optional[float] = None,
     ):
         self.host = host
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self.port = port
         self.handlers: dict = handlers if handlers is not None else {}
         self.on_connect = on_connect
         self.on_disconnect = on_disconnect
-        self.hello = _hello(role, instance, fingerprint)
+        self.hello = _hello(role, instance, fingerprint, heartbeat_s)
         self.handshake_check = handshake_check
         self.crc = crc
         self.max_payload_bytes = max_payload_bytes
@@ -781,7 +839,8 @@ class Server:
         t.add_done_callback(self._handshakes.discard)
 
     async def _accept(self, reader: wire.FrameStream, writer: wire.FrameStream, tls: bool = False) -> None:
-        peer = Peer(reader, writer, self.handlers, crc=self.crc, max_payload_bytes=self.max_payload_bytes)
+        peer = Peer(reader, writer, self.handlers, crc=self.crc, max_payload_bytes=self.max_payload_bytes,
+                    heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
         try:
             await _server_handshake(
                 peer,
@@ -867,8 +926,13 @@ async def connect(
     ssl: Optional[_ssl.SSLContext] = None,
     server_hostname: Optional[str] = None,
     mac_key: Optional[bytes] = None,
+    heartbeat_s: Optional[float] = None,
+    dead_after_s: Optional[float] = None,
 ) -> Peer:
     """Open a connection, do the handshake, return a started :class:`Peer`.
+
+    ``heartbeat_s`` / ``dead_after_s``: heartbeats (module docstring), used when the server
+    sends them too.
 
     Retries refused/unreachable connects ``retries`` times with exponential backoff
     (``backoff_s`` doubling up to ``max_backoff_s``, seconds). A :class:`HandshakeError` is never retried.
@@ -877,7 +941,7 @@ async def connect(
     A server that refuses this side's certificate or key, or whose certificate does not verify,
     raises :class:`HandshakeError`.
     """
-    hello = _hello(role, instance, fingerprint)
+    hello = _hello(role, instance, fingerprint, heartbeat_s)
     delay = backoff_s
     attempt = 0
     tls_kw = {} if ssl is None else {"ssl": ssl, "server_hostname": server_hostname or host,
@@ -894,7 +958,8 @@ async def connect(
             except _ssl.SSLError as e:  # the server's certificate did not verify (or TLS refused)
                 raise HandshakeError(f"TLS with {host}:{port} failed: {e}") from None
             reader = writer = stream
-            peer = Peer(reader, writer, handlers, name=f"{host}:{port}", crc=crc, max_payload_bytes=max_payload_bytes)
+            peer = Peer(reader, writer, handlers, name=f"{host}:{port}", crc=crc, max_payload_bytes=max_payload_bytes,
+                        heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
             try:
                 await _client_handshake(peer, hello, handshake_check, connect_timeout_s, mac_key)
             except HandshakeError:

@@ -409,6 +409,7 @@ class FrameStream(asyncio.BufferedProtocol):
         self._write_paused = False
         self._drain_waiters: list = []
         self._closed: Any = None
+        self.rx_bytes = 0  # bytes received so far (liveness: a slow stream is alive)
 
     # -- protocol callbacks
     def connection_made(self, transport) -> None:
@@ -424,6 +425,7 @@ class FrameStream(asyncio.BufferedProtocol):
         return self._scratch_view
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.rx_bytes += nbytes
         if self._target is not None:
             self._tpos += nbytes
             if self._tpos == len(self._target):
