@@ -177,3 +177,46 @@ def _stream(topo, body) -> dict:
     summary = next((c["pdd"] for c in chunks if "usage" in c), {})
     return {"pieces": [c["choices"][0]["text"] for c in toks], "tiers": [c["pdd"]["tier"] for c in toks],
             "finish": toks[-1]["choices"][0]["finish_reason"], "handoff_pos": summary.get("handoff_pos")}
+
+
+def test_same_prompt_twice_sends_only_the_partial_last_page_over_the_wan(topo, oa):
+    """The second of two identical requests: every whole page hits MD's cache (MD's hit
+    counters), only the partial last page crosses the WAN, and ``cached_tokens`` is P's hit."""
+    prompt = list(range(600, 800))  # 200 tokens: 12 whole pages of 16 and 8 tokens
+    kw = dict(model="pdd-small", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    a = oa.completions.create(**kw)
+    assert a.model_extra["pdd"]["cut_off"] is False and a.usage.completion_tokens == 12
+    before = _wait_idle(topo)
+    b = oa.completions.create(**kw)
+    after = _wait_idle(topo)
+    assert b.choices[0].text == a.choices[0].text
+    page_bytes = int(after["p0"]["page_bytes"])
+    assert b.usage.prompt_tokens_details.cached_tokens == 192  # P: 12 pages (it computes >= 1 token)
+    assert after["p0"]["prefix_hit_tokens"] - before["p0"]["prefix_hit_tokens"] == 192
+    assert after["md0"]["prefix_hit_tokens"] - before["md0"]["prefix_hit_tokens"] == 192  # MD's counters
+    assert b.model_extra["pdd"]["md_cached_tokens"] == 192
+    assert b.model_extra["pdd"]["wan_bytes_expected"] == page_bytes  # one (partial) page planned ...
+    assert after["p0"]["wan_bytes_sent"] - before["p0"]["wan_bytes_sent"] == page_bytes  # ... and sent
+
+
+def test_prompt_shorter_than_one_page_completes_transfer_and_handoff(topo, oa):
+    r = oa.completions.create(model="pdd-small", prompt=[11, 12, 13, 14, 15], max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    summary = r.model_extra["pdd"]
+    assert summary["handoff_pos"] is not None and summary["handoff_pos"] >= HANDOFF_AT  # MD took over
+    assert summary["wan_bytes_expected"] == int(topo.stats()["instances"]["p0"]["page_bytes"])
+    _wait_idle(topo)
+
+
+def test_prompt_just_over_max_input_len_is_400_before_any_tier_works(topo):
+    e = topo.cfg.engine
+    n = e.max_input_len + 1
+    assert n + 8 <= e.max_model_len  # inside the context window
+    before = {k: v["counters"]["requests"] for k, v in topo.stats()["instances"].items()}
+    r = httpx.post(topo.url + "/v1/completions", json={"prompt": list(range(10, 10 + n)), "max_tokens": 8},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
+    after = {k: v["counters"]["requests"] for k, v in topo.stats()["instances"].items()}
+    assert after == before  # no tier saw it
