@@ -125,6 +125,54 @@ def cmd_experiment(a) -> int:
     return 0
 
 
+def cmd_validate(a) -> int:
+    from pdd.sim.validate import format_validate, run_validate
+
+    cfg = None
+    if a.config:
+        from pdd.config import ClusterConfig
+
+        cfg = ClusterConfig.load(a.config)
+    for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
+        if v <= 0:
+            raise SystemExit(f"pdd sim validate: --{k} must be > 0")
+    res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
+                       budget_ms=a.budget_ms, session_sample=a.session_sample, profile=a.profile)
+    print(format_validate(res))
+    print(f"wrote {a.out}/validate.json")
+    return 0
+
+
+def cmd_profile(a) -> int:
+    import json
+    from pathlib import Path
+
+    from pdd.config import ClusterConfig
+    from pdd.sim.profile import measure_profile
+
+    cfg = ClusterConfig.load(a.config) if a.config else ClusterConfig()
+    if not (Path(cfg.model_path) / "config.json").exists():
+        raise SystemExit(f"pdd profile: no checkpoint at {cfg.model_path}; make one with: pdd make-model "
+                         f"--out {cfg.model_path}")
+    prof = measure_profile(cfg, reps=a.reps)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(prof, indent=1))
+    f = prof["fit"]
+    print(f"step-time fit over {len(prof['prefill']) + len(prof['decode']) + len(prof['extend'])} rows: mean |rel "
+          f"err| {f['mean_abs_rel_err']:.1%}, max {f['max_abs_rel_err']:.1%}; wrote {a.out}")
+    return 0
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="measure the live engine's prefill / decode / extend step times "
+                                              "and write a hardware profile for `pdd sim --profile-a`")
+    p.add_argument("--out", default="data/profiles/this-machine.json")
+    p.add_argument("--config", default=None, help="cluster config (YAML/JSON) whose engine settings to use")
+    p.add_argument("--reps", type=int, default=5, help="repetitions per point (median)")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
 def cmd_agentic(a) -> int:
     from pdd.sim.workloads import generate_agentic, print_hit_histogram, write_trace
 
@@ -153,6 +201,17 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="experiment parameter, e.g. --set chip_b=MI300X --set premium=0.3")
     e.set_defaults(func=cmd_experiment)
+    v = sp.add_parser("validate", help="one workload through the live topology and the simulator (measured "
+                                       "profile): TTFT/TPOT errors and decision match")
+    v.add_argument("--out", required=True)
+    v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")
+    v.add_argument("--requests", type=int, default=220)
+    v.add_argument("--rate", type=float, default=2.0, help="req/s")
+    v.add_argument("--block-tokens", type=int, default=64, help="tokens per 512-token trace block")
+    v.add_argument("--session-sample", type=int, default=50, help="keep 1 in N conversations of the trace")
+    v.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if it fits)")
+    v.add_argument("--profile", default=None, help="a `pdd profile` JSON (default: measure now)")
+    v.set_defaults(func=cmd_validate)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
     g.add_argument("--n", type=int, default=5000)
     g.add_argument("--rate", type=float, default=2.0)

@@ -112,12 +112,19 @@ class SimConfig:
     profile_a: str | None = None  # measured profile JSON (fits the roofline efficiencies)
     profile_b: str | None = None
     efficiency: Efficiency | None = None
+    model_spec: dict | None = None  # ModelProfile fields (e.g. a measured profile's "model"), overrides `model`
+    block_tokens: int = BLOCK  # tokens per hash block of the records (= cache page granularity)
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
 
     # derived --------------------------------------------------------------------------------
     def model_profile(self):
+        if self.model_spec is not None:
+            from pdd.sim.models import ModelProfile
+
+            m = ModelProfile(name=self.model, **self.model_spec)
+            return m.with_kv_bytes(self.kv_bytes_per_token) if self.kv_bytes_per_token else m
         m = get_model(self.model)
         return m.with_kv_bytes(self.kv_bytes_per_token) if self.kv_bytes_per_token else m
 
@@ -248,12 +255,12 @@ class Req:
         "t_md_kv", "handoff_mode", "handoff_deferred",
     )
 
-    def __init__(self, rid: int, rec: dict):
+    def __init__(self, rid: int, rec: dict, block: int = BLOCK):
         self.rid = rid
         self.arrival = rec["timestamp"] / 1000.0
         self.prompt = int(rec["input_length"])
         self.out_len = max(1, int(rec["output_length"]))
-        self.n_full = self.prompt // BLOCK
+        self.n_full = self.prompt // block
         self.blocks = rec["hash_ids"]
         self.pipeline = None
         self.p = self.rld = self.md = self.d = None
@@ -419,11 +426,12 @@ class Instance:
         self.env = sim.env
         self.name = name
         self.role = role  # P, RLD, MD, D, C
+        self.block = sim.block
         self.cm = cm
         self.pool = cm.kv_capacity_tokens()
         if self.pool <= 0:
             raise ValueError(f"{name}: the model's weights leave no KV room on {cm.chip.name}")
-        self.cache = PrefixCache(int(self.pool * cache_frac) // BLOCK) if cache else None
+        self.cache = PrefixCache(int(self.pool * cache_frac) // sim.block) if cache else None
         self.private = 0
         self.seqs: dict[int, Seq] = {}
         self.waiting: deque = deque()  # (need_tokens, admit_fn)
@@ -445,12 +453,12 @@ class Instance:
     # --- memory ------------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return self.private + (len(self.cache) * BLOCK if self.cache is not None else 0)
+        return self.private + (len(self.cache) * self.block if self.cache is not None else 0)
 
     def try_alloc(self, n: int) -> bool:
         free = self.pool - self.used
         if free < n and self.cache is not None:
-            need_blocks = -(-(n - free) // BLOCK)
+            need_blocks = -(-(n - free) // self.block)
             self.cache.evict(need_blocks)
             free = self.pool - self.used
         if free >= n:
@@ -470,7 +478,7 @@ class Instance:
         c.insert(blocks)
         over = self.used - self.pool
         if over > 0:
-            c.evict(-(-over // BLOCK))
+            c.evict(-(-over // self.block))
         if len(c) > c.capacity_blocks:
             c.evict(len(c) - c.capacity_blocks)
         # blocks still over the pool (all locked) are tolerated: they are shared, not new
@@ -607,6 +615,7 @@ class ClusterSim:
         self.cfg = cfg
         self.env = simpy.Environment()
         self.model = cfg.model_profile()
+        self.block = cfg.block_tokens
         self.sched_cfg = eng_sched.SchedulerConfig(
             max_batch_tokens=cfg.max_batch_tokens,
             max_running_seqs=cfg.max_running_seqs,
@@ -674,6 +683,15 @@ class ClusterSim:
         elapsed = self.env.now - req.t_prefill_done if req.t_prefill_done is not None else 0.0
         return max(0.0, total - elapsed)
 
+    # --- the policy calls (the runtime's functions; recorded live inputs can be fed here) ----------
+    def decide_pipeline(self, inp: "pol_pipeline.PipelineInputs") -> Pipeline:
+        """The gateway's pipeline decision (``pdd.policy.pipeline.choose_pipeline``)."""
+        return pol_pipeline.choose_pipeline(inp)
+
+    def decide_handoff(self, inp: "pol_handoff.HandoffInputs") -> "pol_handoff.HandoffDecision":
+        """RLD's handoff decision (``pdd.policy.handoff.decide_handoff``)."""
+        return pol_handoff.decide_handoff(inp)
+
     def _log_decision(self, req: "Req", policy: str, inputs, result) -> None:
         if self.record_decisions:
             self.decision_log.setdefault(req.rid, []).append(
@@ -691,7 +709,7 @@ class ClusterSim:
         pol = policy or self.cfg.routing
         loads = []
         for inst in insts:
-            hit = inst.cache.match(req.blocks[: req.n_full]) * BLOCK if (with_cache and inst.cache is not None) else 0
+            hit = inst.cache.match(req.blocks[: req.n_full]) * self.block if (with_cache and inst.cache is not None) else 0
             loads.append(inst.load(hit))
         slack = self.cfg.md_load_slack if role == "MD" else self.cfg.load_slack
         i = pol_routing.choose_instance(loads, pol, self.rr, slack, prompt_tokens=req.prompt,
@@ -705,7 +723,7 @@ class ClusterSim:
 
     # --- run -----------------------------------------------------------------------------------
     def run(self, records, until: float | None = None) -> "ClusterSim":
-        self.reqs = [Req(i, r) for i, r in enumerate(records)]
+        self.reqs = [Req(i, r, self.block) for i, r in enumerate(records)]
         self.env.process(self._arrivals())
         self.env.run(until=until)
         return self
@@ -745,7 +763,7 @@ class ClusterSim:
         cached = 0
         if md.cache is not None:
             k = md.cache.match(req.blocks[: req.n_full])
-            cached = min(k * BLOCK, req.prompt - 1)
+            cached = min(k, (req.prompt - 1) // self.block) * self.block
         req.md_hit = cached
         self.after(self.owd, self._plan, req)
 
@@ -758,7 +776,7 @@ class ClusterSim:
             kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=est,
             wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms,
             allow_p_rld=cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s, md_available=md_ok)
-        pl = pol_pipeline.choose_pipeline(inp)
+        pl = self.decide_pipeline(inp)
         self._log_decision(req, "pipeline", inp, pl.value)
         req.pipeline = pl
         self._count_pipeline(req)
@@ -777,7 +795,7 @@ class ClusterSim:
 
     def _md_enqueue(self, req: Req) -> None:
         md = req.md
-        blocks = req.blocks[: req.md_hit // BLOCK]
+        blocks = req.blocks[: req.md_hit // self.block]
         missing = req.prompt - req.md_hit
         req.md_missing = missing
 
@@ -803,11 +821,11 @@ class ClusterSim:
 
         def need() -> int:  # matched at admission time: the cache may change while waiting
             k = inst.cache.match(full) if inst.cache is not None else 0
-            req.p_hit = min(k * BLOCK, req.prompt - 1)
+            req.p_hit = min(k, (req.prompt - 1) // self.block) * self.block
             return req.prompt - req.p_hit + extra
 
         def admit(n: int):
-            locked = full[: req.p_hit // BLOCK]
+            locked = full[: req.p_hit // self.block]
             if inst.cache is not None and locked:
                 inst.cache.lock(locked)
                 inst.cache.touch(locked)
@@ -869,14 +887,14 @@ class ClusterSim:
             if s.locked:
                 p.cache.unlock(s.locked)
             p.free(s.reserved)
-            partial = req.prompt - req.n_full * BLOCK
+            partial = req.prompt - req.n_full * self.block
             p.private += partial  # the partial last page stays private until sends drain
             p.cache.insert(full)
             p.cache.lock(full)
             req.p_locked = (full, partial)
             over = p.used - p.pool
             if over > 0:
-                p.cache.evict(-(-over // BLOCK))
+                p.cache.evict(-(-over // self.block))
         else:
             req.p_locked = ((), s.reserved)
         pl = req.pipeline
@@ -967,7 +985,7 @@ class ClusterSim:
             if seq.locked:
                 md.cache.unlock(seq.locked)
             md.free(seq.reserved)
-            keep = req.prompt - req.n_full * BLOCK + req.out_len
+            keep = req.prompt - req.n_full * self.block + req.out_len
             md.private += keep
             seq.reserved = keep
             md.cache.insert(full)
@@ -975,7 +993,7 @@ class ClusterSim:
             seq.locked = full
             over = md.used - md.pool
             if over > 0:
-                md.cache.evict(-(-over // BLOCK))
+                md.cache.evict(-(-over // self.block))
         if req.rld_finished or req.finished:
             self._md_release(req, cache=True)
             return
@@ -1005,7 +1023,7 @@ class ClusterSim:
             tokens_pending=pending, rld_running=len(rld.seqs), rld_capacity=cfg.max_running_seqs,
             rld_pages_used=rld.used, rld_pages_total=rld.pool, threshold=cfg.catchup_threshold,
             mode_config=cfg.handoff_mode, current_mode=rld.handoff_state, round_index=req.handoff_round)
-        dec = pol_handoff.decide_handoff(hin)
+        dec = self.decide_handoff(hin)
         self._log_decision(req, "handoff", hin, {"mode": dec.mode, "final": dec.final})
         rld.handoff_state = dec.mode  # as RLD's current_mode (only auto reads it)
         req.handoff_mode = dec.mode

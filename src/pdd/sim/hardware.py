@@ -211,10 +211,16 @@ def default_efficiency() -> Efficiency:
 def cost_model(chip: str | Chip, model: str | ModelProfile, gpus: int | None = None,
                profile: str | Path | None = None) -> StepCostModel:
     """Build a step-cost model; with ``profile`` (a measured JSON like the calibration files)
-    the efficiencies are fitted to it instead of the default."""
+    the efficiencies are fitted to it instead of the default; a ``pdd profile`` file
+    (``format: pdd-profile/1``) gives a :class:`pdd.sim.profile.MeasuredStepModel` instead."""
     c = get_chip(chip) if isinstance(chip, str) else chip
     m = get_model(model) if isinstance(model, str) else model
     eff = None
     if profile is not None:
-        eff, _ = fit_profile(load_profile(profile), c, m)
+        prof = load_profile(profile)
+        if prof.get("format") == "pdd-profile/1":  # measured by `pdd profile`: interpolate, no roofline
+            from pdd.sim.profile import MeasuredStepModel
+
+            return MeasuredStepModel(prof)
+        eff, _ = fit_profile(prof, c, m)
     return StepCostModel(c, m, gpus, eff)
