@@ -159,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
 
     try:
-        from pdd.sim.cli import add_plan_parser, add_sim_parser
+        from pdd.sim.cli import add_plan_parser, add_profile_parser, add_sim_parser
 
         add_sim_parser(sub)
+        add_profile_parser(sub)
         add_plan_parser(sub)
         # `pdd workload agentic` (issue wording) is the simulator's generator under its own name
         w = sub.add_parser("workload", help="generate workloads (Mooncake-format JSONL)")
