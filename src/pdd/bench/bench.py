@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import httpx
 import numpy as np
+import pydantic
 
 from pdd.bench.demo import _default_topology, _proc_cpu, _warmup, ensure_model, fit_scale, measured_replay
 from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
@@ -55,7 +56,8 @@ from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_
 from pdd.bench.report import (MODE_ORDER, _fmt, build_report, is_completed, mode_metrics, request_latencies,
                               table_rows, write_jsonl, write_report)
 from pdd.bench.slo import SLA_ATTAINMENT, SLO, goodput, make_slo, parse_slo, reference_summary
-from pdd.bench.sweep import SweepPlan, mean_rate, next_rate, parse_sweep, point_requests, sla_goodput
+from pdd.bench.sweep import (SweepPlan, mean_rate, next_rate, parse_ramp, parse_sweep, point_requests, ramp_arrivals,
+                             sla_goodput)
 from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, workload_summary
 from pdd.config import MODES, ClusterConfig
 
@@ -67,13 +69,14 @@ REFERENCE_MODE = "same_dc_pd"
 DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 4, min_output_tokens=16, max_output_tokens=160,
                       target_rate_rps=2.0, session_sample=50)
 DEFAULT_REQUESTS = 200
-DEFAULT_REF_REQUESTS = 16
+DEFAULT_REF_REQUESTS = 0  # 0: the whole workload (its own prompts, outputs and prefix reuse), one in flight
 DEFAULT_SWEEP = "auto"
 DEFAULT_SWEEP_REQUESTS = 48
 DEFAULT_SWEEP_POINTS = 3
 DEFAULT_SWEEP_SECONDS = 20.0  # a sweep point's arrivals span at most this (fewer requests at low rates)
 DEFAULT_SWEEP_TIMEOUT_S = 60.0
-HANDOFF_WINDOW = 3  # tokens either side of the handoff whose gaps count as the handoff's gap
+HANDOFF_WINDOW = 3  # tokens after MD's first token whose gaps count as the handoff's gap
+HANDOFF_WINDOW_BEFORE = 24  # ... and before it (covers the catch-up jitter buffer's paced tokens)
 
 # report.json: top-level fields and the fields bench adds to every modes[mode] (the rest of a mode's
 # fields are report.mode_metrics', named as in vllm bench serve)
@@ -90,20 +93,46 @@ def _pct(values: Sequence[float], p: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), p)) if len(values) else None
 
 
+def _gap_summary(gaps: Sequence[float], median_itl_ms: float | None) -> dict:
+    ratio = [g / median_itl_ms for g in gaps] if median_itl_ms else []
+    return {"handoffs": len(gaps),
+            "gap_ms": {"median": _pct(gaps, 50), "p90": _pct(gaps, 90), "p95": _pct(gaps, 95), "p99": _pct(gaps, 99),
+                       "max": max(gaps) if gaps else None},
+            "gap_over_median_itl": {"median": _pct(ratio, 50), "p90": _pct(ratio, 90), "p95": _pct(ratio, 95),
+                                    "max": max(ratio) if ratio else None}}
+
+
+def handoff_gap_ms(rec: Mapping, before: int = HANDOFF_WINDOW_BEFORE, after: int = HANDOFF_WINDOW) -> float | None:
+    """A handed-over record's *handoff gap*: the largest client inter-token gap (ms) ending at a
+    token from ``before`` tokens before MD's first token to ``after`` tokens after it (the gaps
+    into tokens handoff-before .. handoff+after; the window covers the jitter buffer's paced
+    tokens, which precede the switch). None without a handoff or token times."""
+    idx = handoff_index(rec)
+    t = rec.get("token_times_s") or []
+    if idx is None:
+        return None
+    g = [(t[j] - t[j - 1]) * 1000.0 for j in range(max(1, idx - before), min(len(t), idx + after + 1))]
+    return max(g) if g else None
+
+
 def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None,
-                  window: int = HANDOFF_WINDOW, entry: Mapping | None = None) -> dict:
+                  window: int = HANDOFF_WINDOW, entry: Mapping | None = None,
+                  window_before: int = HANDOFF_WINDOW_BEFORE) -> dict:
     """Handoffs of one mode's completed records.
 
     A record was handed over when ``pdd.handoff_pos`` is set (the position of MD's first token).
-    Its *handoff gap* is the largest client inter-token gap ending at a token within ``window``
-    tokens of that position (the gaps into tokens handoff-window .. handoff+window), in ms.
-    ``gap_over_median_itl`` divides it by ``median_itl_ms`` (the mode's median ITL).
-    ``by_mode``: ``pdd.handoff_mode`` counts ("one_shot" when absent); ``rounds``: ``pdd.handoff_rounds``
-    (1 when absent); ``md_diverged``: records with ``pdd.md_diverged``. ``server``: the gateway's
-    ``handoffs*`` counters over the run (deltas; from ``entry``, the server_stats entry).
+    Its *handoff gap* is :func:`handoff_gap_ms` (``window_before`` tokens before, ``window`` after),
+    in ms. ``gap_over_median_itl`` divides it by ``median_itl_ms`` (the mode's median ITL).
+    ``by_mode``: ``pdd.handoff_mode`` counts ("one_shot" when absent); ``gaps_by_mode``: per
+    handoff mode, the gap percentiles (median, P90, P95, P99, max) in ms and over the median ITL;
+    ``rounds``: ``pdd.handoff_rounds`` (1 when absent); ``md_diverged``: records with
+    ``pdd.md_diverged``. ``server``: the gateway's ``handoffs*`` counters over the run (deltas; from
+    ``entry``, the server_stats entry); ``mode_switches``: RLD's auto-mode switches over the run
+    (delta of its ``mode_switches`` counter, summed over RLD instances; None when not reported).
     """
     done = [r for r in records if is_completed(r)]
     gaps: list[float] = []
+    gaps_by: dict[str, list[float]] = {}
     positions: list[int] = []
     rounds: list[int] = []
     by_mode: dict[str, int] = {}
@@ -111,16 +140,14 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
         pd = r.get("pdd") or {}
         if pd.get("handoff_pos") is None:
             continue
+        hm = str(pd.get("handoff_mode") or "one_shot")
         positions.append(int(pd["handoff_pos"]))
-        by_mode[str(pd.get("handoff_mode") or "one_shot")] = by_mode.get(str(pd.get("handoff_mode") or "one_shot"), 0) + 1
+        by_mode[hm] = by_mode.get(hm, 0) + 1
         rounds.append(int(pd.get("handoff_rounds") or 1))
-        idx = handoff_index(r)
-        t = r["token_times_s"]
-        if idx is None:
-            continue
-        g = [(t[j] - t[j - 1]) * 1000.0 for j in range(max(1, idx - window), min(len(t), idx + window + 1))]
-        if g:
-            gaps.append(max(g))
+        g = handoff_gap_ms(r, window_before, window)
+        if g is not None:
+            gaps.append(g)
+            gaps_by.setdefault(hm, []).append(g)
     ratio = [g / median_itl_ms for g in gaps] if median_itl_ms else []
     entry = entry or {}
     after = (entry.get("stats") or {}).get("totals") or {}
@@ -131,6 +158,7 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
         "handoffs": len(positions),
         "md_diverged": sum(1 for r in done if (r.get("pdd") or {}).get("md_diverged")),
         "server": server,
+        "mode_switches": _role_delta(entry, ("relay_decode",), "mode_switches", absent_is_zero=True),
         "handed_over_share": len(positions) / len(done) if done else 0.0,
         "by_mode": dict(sorted(by_mode.items())),
         "rounds_mean": float(np.mean(rounds)) if rounds else None,
@@ -138,22 +166,35 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
         "handoff_pos_mean": float(np.mean(positions)) if positions else None,
         "handoff_pos_median": _pct(positions, 50),
         "window_tokens": window,
-        "gap_ms": {"median": _pct(gaps, 50), "p90": _pct(gaps, 90), "p99": _pct(gaps, 99),
+        "window_tokens_before": window_before,
+        "gap_ms": {"median": _pct(gaps, 50), "p90": _pct(gaps, 90), "p95": _pct(gaps, 95), "p99": _pct(gaps, 99),
                    "max": max(gaps) if gaps else None},
         "median_itl_ms": median_itl_ms,
-        "gap_over_median_itl": {"median": _pct(ratio, 50), "p90": _pct(ratio, 90), "max": max(ratio) if ratio else None},
+        "gap_over_median_itl": {"median": _pct(ratio, 50), "p90": _pct(ratio, 90), "p95": _pct(ratio, 95),
+                                "max": max(ratio) if ratio else None},
+        "gaps_by_mode": {m: _gap_summary(v, median_itl_ms) for m, v in sorted(gaps_by.items())},
     }
 
 
-def _role_delta(entry: Mapping | None, roles: tuple[str, ...], key: str) -> int | None:
+def _inst_value(inst: Mapping | None, key: str):
+    """An instance's stat ``key``, at the top level or in its ``counters``."""
+    inst = inst if isinstance(inst, Mapping) else {}
+    v = inst.get(key)
+    return v if v is not None else (inst.get("counters") or {}).get(key)
+
+
+def _role_delta(entry: Mapping | None, roles: tuple[str, ...], key: str, absent_is_zero: bool = False) -> int | None:
+    """Sum over the instances of ``roles`` of ``key``'s increase over the run (stats before/after);
+    None when no such instance reports it (``absent_is_zero``: a counter the instances report only
+    once it is nonzero counts as 0 when absent; still None without such instances)."""
     entry = entry or {}
     after = ((entry.get("stats") or {}).get("instances")) or {}
     before = ((entry.get("stats_before") or {}).get("instances")) or {}
-    vals = [(name, inst.get(key)) for name, inst in after.items()
-            if isinstance(inst, dict) and inst.get("role") in roles and inst.get(key) is not None]
-    if not vals:
+    insts = [(name, inst) for name, inst in after.items() if isinstance(inst, Mapping) and inst.get("role") in roles]
+    vals = [(name, _inst_value(inst, key)) for name, inst in insts]
+    if not insts or (all(v is None for _, v in vals) and not absent_is_zero):
         return None
-    return sum(int(v) - int((before.get(name) or {}).get(key) or 0) for name, v in vals)
+    return sum(int(v or 0) - int(_inst_value(before.get(name), key) or 0) for name, v in vals)
 
 
 def hit_rates(records: Iterable[Mapping], entry: Mapping | None = None) -> dict:
@@ -394,6 +435,45 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
 # ---------------------------------------------------------------- the run
 
 
+def parse_mode_label(label: str) -> tuple[str, dict]:
+    """A mode label -> ``(mode, policy_overrides)``.
+
+    ``"pdd"`` -> ``("pdd", {})``; ``"pdd+allow_p_rld"`` -> ``("pdd", {"allow_p_rld": True})``;
+    ``"pdd+routing=round_robin+handoff_mode=auto"`` -> ``("pdd", {"routing": "round_robin",
+    "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields; values are
+    validated by it (``true``/``false`` for flags, numbers as text). A variant runs on its own fresh
+    topology beside the others, so ablations are compared side by side in one invocation; its
+    records and report entry carry the whole label. Raises ValueError naming the bad part.
+    """
+    from pdd.config import PolicyConfig
+
+    base, *parts = [x.strip() for x in label.split("+")]
+    if base not in MODES:
+        raise ValueError(f"mode {label!r}: unknown mode {base!r}; choose from {MODES}")
+    over: dict[str, Any] = {}
+    for part in parts:
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if key not in PolicyConfig.model_fields:
+            raise ValueError(f"mode {label!r}: {key!r} is not a policy setting ({sorted(PolicyConfig.model_fields)})")
+        over[key] = True if not eq else val.strip()
+    try:
+        PolicyConfig.model_validate(over)
+    except pydantic.ValidationError as ex:
+        err = ex.errors()[0]
+        raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    return base, over
+
+
+def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
+    """``config`` for one mode label (:func:`parse_mode_label`): its mode and policy overrides."""
+    base, over = parse_mode_label(label)
+    data = config.model_dump()
+    data["mode"] = base
+    data["policy"].update(over)
+    return ClusterConfig.model_validate(data)
+
+
 def _order_modes(modes: Sequence[str]) -> list[str]:
     """Modes with the reference mode first (its topology also serves the reference run)."""
     modes = list(dict.fromkeys(modes))
@@ -427,9 +507,13 @@ def run_bench(
     console=None,
     topology_factory: Callable[..., object] | None = None,
     argv: Sequence[str] | None = None,
+    ramp: tuple[float, float] | None = None,
 ) -> dict:
     """Run the benchmark (see the module docstring); returns the report dict (also in ``out_dir``).
 
+    ``ramp``: ``(start_rps, end_rps)``: the main run's arrival rate rises linearly from the first to
+    the second (:func:`pdd.bench.sweep.ramp_arrivals`, the trace's gap pattern kept) instead of
+    the constant ``scale.target_rate_rps``.
     ``slo``: absolute bounds ``{"ttft_ms", "tpot_ms"}`` (either or both; :func:`pdd.bench.slo.parse_slo`).
     ``sweep``: None = no sweep. ``sweep_requests``: the sweep's requests (the first N of the
     workload; None = all); a point keeps only those arriving within ``sweep_seconds`` at its rate
@@ -456,9 +540,8 @@ def run_bench(
         console.print(f"external gateway {remote.url}: mode {modes[0]}")
     else:
         factory = topology_factory or _default_topology
-        bad = [m for m in modes if m not in MODES]
-        if bad:
-            raise ValueError(f"unknown modes {bad}; choose from {MODES}")
+        for m in modes:
+            parse_mode_label(m)  # ValueError naming a bad label before anything starts
     run_order = _order_modes(modes)
 
     # ---- workload
@@ -470,7 +553,11 @@ def run_bench(
     requests = build_requests(trace, scale, tokens, seed)
     if not requests:
         raise ValueError(f"no requests in {trace} (start={scale.start} count={scale.count})")
+    if ramp is not None:
+        requests = ramp_arrivals(requests, *ramp)
     workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
+    if ramp is not None:
+        workload["ramp_rps"] = list(ramp)
     offered = workload["rate_rps"]
     console.print(
         f"workload: {workload['requests']} requests from {workload['trace']}, {workload['duration_s']:.1f} s of "
@@ -478,7 +565,7 @@ def run_bench(
         f"{workload['input_tokens_mean']:.0f} / max {workload['input_tokens_max']} tokens, output mean "
         f"{workload['output_tokens_mean']:.0f} tokens, ideal prefix hit rate {100 * workload['ideal_prefix_hit_rate']:.1f}%"
     )
-    ref_reqs = [dataclasses.replace(r, arrival_s=0.0) for r in requests[: max(1, ref_requests)]]
+    ref_reqs = [dataclasses.replace(r, arrival_s=0.0) for r in (requests[:ref_requests] if ref_requests else requests)]
     sweep_reqs = requests[: sweep_requests] if sweep_requests else list(requests)
     sweep_same_as_main = len(sweep_reqs) == len(requests)
 
@@ -539,7 +626,7 @@ def run_bench(
             console.print(f"[red]{slo_info['error']}")
 
     for k, mode in enumerate(run_order, 1):
-        cfg = config if remote is not None else config.model_copy(update={"mode": mode})
+        cfg = config if remote is not None else mode_config(config, mode)
         console.rule(f"[bold]{mode}[/] ({k}/{len(run_order)})")
         t_start = time.monotonic()
         entry: dict = {}
@@ -565,7 +652,7 @@ def run_bench(
                 main_dicts = [r.to_dict() for r in records]
                 if sweep is not None and slo_obj is not None:
                     points = _sweep_mode(topo, cfg, mode, sweep, sweep_reqs, slo_obj,
-                                         main_dicts if sweep_same_as_main else None, entry, offered,
+                                         main_dicts, entry, offered,
                                          min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
                                          progress, console)
         except Exception as ex:  # noqa: BLE001 - one broken mode must not lose the others
@@ -646,8 +733,7 @@ def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequ
     while (rate := next_rate(plan, history)) is not None:
         t0 = time.monotonic()
         point = point_requests(reqs, rate, max_arrival_s)
-        if (main_records is not None and len(point) == len(main_records) and offered
-                and abs(rate - offered) <= 1e-6 * offered):
+        if main_records is not None and offered and abs(rate - offered) <= 1e-6 * offered:
             dicts, entry, reused = main_records, main_entry, True  # exactly the main run's replay
         else:
             console.print(f"sweep {mode}: {rate:g} req/s ({len(point)} requests)")
@@ -696,8 +782,12 @@ def bench_rows(modes: Mapping[str, Mapping]) -> list[tuple[str, list[str]]]:
         row("SLA goodput (req/s)", lambda m: _fmt(m.get("sla_goodput_rps"), 2)),
         row("pipelines", mix),
         row("handoffs", hand),
-        row("handoff gap P50/P90 (ms)", lambda m: "-" if not (m.get("handoff") or {}).get("handoffs") else
-            f"{_fmt(m['handoff']['gap_ms']['median'])} / {_fmt(m['handoff']['gap_ms']['p90'])}"),
+        row("handoff gap P50/P95 (ms)", lambda m: "-" if not (m.get("handoff") or {}).get("handoffs") else
+            f"{_fmt(m['handoff']['gap_ms']['median'])} / {_fmt(m['handoff']['gap_ms']['p95'])}"),
+        row("handoff gap P95 / median ITL", lambda m: ", ".join(
+            f"{k} x{_fmt(v['gap_over_median_itl']['p95'], 2)}" for k, v in
+            ((m.get("handoff") or {}).get("gaps_by_mode") or {}).items()) or "-"),
+        row("RLD mode switches", lambda m: _fmt((m.get("handoff") or {}).get("mode_switches"))),
         row("P hit rate", lambda m: pct(m.get("p_hit_rate"))),
         row("MD (D) hit rate", lambda m: pct(m.get("md_hit_rate"))),
         row("cut-offs", lambda m: _fmt((m.get("cutoffs") or {}).get("requests"))),
@@ -765,6 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
     g.add_argument("--max-input", type=int, default=None)
     g.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="offered rate, mean req/s")
+    g.add_argument("--ramp", metavar="START:END",
+                   help="load ramp: the main run's rate rises linearly from START to END req/s (overrides --rate "
+                        "for the main run; the sweep, if any, still starts at --rate)")
     g.add_argument("--session-sample", type=int, default=DEFAULT_SCALE.session_sample,
                    help="keep 1 in N conversations (all their turns)")
     g.add_argument("--session-seed", type=int, default=0)
@@ -772,7 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("SLO and sweep")
     g.add_argument("--slo", nargs="+", metavar="KEY:MS", help="absolute bounds, e.g. --slo ttft:500 tpot:20")
     g.add_argument("--ref-requests", type=int, default=DEFAULT_REF_REQUESTS,
-                   help="requests of the same_dc_pd reference run")
+                   help="requests of the same_dc_pd reference run: the first N of the workload (0 = all of it, "
+                        "the default: the reference then has the run's prompts, outputs and prefix reuse)")
     g.add_argument("--sweep-rate", default=DEFAULT_SWEEP,
                    help="'auto' (start at --rate, x2 until the SLA fails, then bisect), rates '1,2,4', or 'none'")
     g.add_argument("--sweep-requests", type=int, default=DEFAULT_SWEEP_REQUESTS,
@@ -805,6 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
+        ramp = parse_ramp(args.ramp)
         slo = parse_slo(args.slo)
         sweep = parse_sweep(args.sweep_rate, start_rps=args.rate, max_points=args.sweep_points,
                             bisect_steps=args.sweep_bisect)
@@ -824,7 +919,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        sweep_requests=args.sweep_requests or None, sweep_timeout_s=args.sweep_timeout,
                        sweep_seconds=args.sweep_seconds or None,
                        warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
-                       progress=not args.no_progress, argv=argv)
+                       progress=not args.no_progress, argv=argv, ramp=ramp)
     return 1 if report.get("mode_errors") and len(report["mode_errors"]) == len(report["bench"]["modes"]) else 0
 
 

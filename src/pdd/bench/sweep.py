@@ -166,3 +166,47 @@ def point_requests(requests: Sequence, rate_rps: float, max_arrival_s: float | N
     if max_arrival_s is not None:
         n = min(n, max(min_requests, int(rate_rps * max_arrival_s + 1e-9) + 1))
     return at_rate(list(requests[:n]), rate_rps)
+
+
+def parse_ramp(spec: str | None) -> tuple[float, float] | None:
+    """``"1:8"`` -> ``(1.0, 8.0)`` (req/s, start and end rate of a load ramp); None/"" -> None.
+    Raises ValueError naming the flag for anything else (rates must be > 0)."""
+    if spec is None or not spec.strip():
+        return None
+    try:
+        a, b = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--ramp: expected START:END in req/s (e.g. 1:8), got {spec!r}") from None
+    if a <= 0 or b <= 0:
+        raise ValueError(f"--ramp: rates must be > 0, got {spec!r}")
+    return a, b
+
+
+def ramp_arrivals(requests: Sequence, start_rps: float, end_rps: float) -> list:
+    """Copies of ``requests`` whose arrival rate rises (or falls) linearly from ``start_rps`` to
+    ``end_rps`` over the requests, keeping the trace's pattern of gaps.
+
+    Request i sits at fraction ``u_i = (a_i - a_0) / (a_last - a_0)`` of the original arrivals
+    (``i / (n - 1)`` when they all arrive at once). With ``n`` requests and the rate at fraction
+    ``u`` being ``r(u) = start + (end - start) u``, reaching ``u`` takes
+    ``t(u) = n / (end - start) * ln(r(u) / start)`` s (``n u / start`` when the rates are equal),
+    so the instantaneous rate is ``r(u)`` req/s.
+    """
+    if start_rps <= 0 or end_rps <= 0:
+        raise ValueError("ramp rates must be > 0")
+    n = len(requests)
+    if n == 0:
+        return []
+    import math
+
+    t0 = min(r.arrival_s for r in requests)
+    span = max(r.arrival_s for r in requests) - t0
+    out = []
+    for i, r in enumerate(requests):
+        u = (r.arrival_s - t0) / span if span > 0 else (i / (n - 1) if n > 1 else 0.0)
+        if abs(end_rps - start_rps) <= 1e-12:
+            t = n * u / start_rps
+        else:
+            t = n / (end_rps - start_rps) * math.log((start_rps + (end_rps - start_rps) * u) / start_rps)
+        out.append(dataclasses.replace(r, arrival_s=t))
+    return out
