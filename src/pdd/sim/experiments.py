@@ -32,6 +32,37 @@ def run(cfg: SimConfig, records) -> dict:
     return summarize(ClusterSim(cfg).run(records))
 
 
+def _wan_gb(s: dict) -> float | None:
+    return s["wan"]["bytes"] / 1e9 if s["wan"] else None
+
+
+def _wan_util(s: dict) -> float | None:
+    return s["wan"]["utilisation"] if s["wan"] else None
+
+
+def pick(s: dict, cols) -> dict:
+    """Columns of a run summary: each a summary key, or ``(name, function of the summary)``."""
+    out = {}
+    for c in cols:
+        if isinstance(c, tuple):
+            out[c[0]] = c[1](s)
+        else:
+            out[c] = s[c]
+    return out
+
+
+def sweep(variants, records, cols, label: str = "variant") -> tuple[list[dict], dict[str, dict]]:
+    """Run every ``(name, SimConfig)`` of ``variants`` (a dict or pairs) on the same records;
+    returns (one row per variant: ``{label: name, **pick(summary, cols)}``, summaries by name)."""
+    rows, sums = [], {}
+    items = variants.items() if isinstance(variants, dict) else variants
+    for name, c in items:
+        s = run(c, records)
+        sums[name] = s
+        rows.append({label: name, **pick(s, cols)})
+    return rows, sums
+
+
 def sla_goodput(cfg: SimConfig, make: Callable[[float], list], lo: float, hi: float,
                 iters: int = 7, attain: float = ATTAIN) -> tuple[float, dict | None]:
     """Highest request rate in [lo, hi] at which >= ``attain`` of requests meet the SLA
@@ -336,16 +367,9 @@ def ttft(out: Path, quick: bool = False, rate: float = 2.0, wan_gbps: float = 15
         "pdd (srf WAN order)": cfgs["pdd"].replace(wan_order="srf"),
         "pdd (catch-up)": cfgs["pdd"].replace(handoff_mode="catch_up"),
     }
-    rows = []
-    sums = {}
-    for name, c in {**cfgs, **extra}.items():
-        s = run(c, recs)
-        sums[name] = s
-        rows.append({"mode": name, "config": s["config"], "median_ttft_ms": s["median_ttft_ms"],
-                     "p90_ttft_ms": s["p90_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
-                     "median_tpot_ms": s["median_tpot_ms"], "p99_itl_ms": s["p99_itl_ms"],
-                     "slo_attainment": s["slo_attainment"],
-                     "wan_GB": s["wan"]["bytes"] / 1e9 if s["wan"] else None})
+    rows, sums = sweep({**cfgs, **extra}, recs,
+                       ["config", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms",
+                        "slo_attainment", ("wan_GB", _wan_gb)], label="mode")
     ratio = sums["pdd"]["p90_ttft_ms"] / sums["cross_dc_pd"]["p90_ttft_ms"]
     sens = []
     for w in (10.0, 20.0, 25.0, 40.0):
@@ -444,10 +468,9 @@ def goodput(out: Path, quick: bool = False) -> dict:
     rows = []
     curves = {m: [] for m in cfgs}
     for r in rates:
-        recs = generate_agentic(n, seed=5, rate=r)
+        _, sums = sweep(cfgs, generate_agentic(n, seed=5, rate=r), [])
         row = {"rate": r}
-        for m, c in cfgs.items():
-            s = run(c, recs)
+        for m, s in sums.items():
             row[f"{m}_attain"] = s["slo_attainment"]
             row[f"{m}_goodput"] = s["goodput_rps"]
             curves[m].append(s["goodput_rps"])
@@ -627,22 +650,25 @@ def cutoff(out: Path, quick: bool = False) -> dict:
     n = 1500 if quick else 4000
     recs = generate_agentic(n, seed=21, rate=2.0)
     base = _agentic_cluster(15.0)["pdd"]
-    rows = []
-    for name, c in (("cut-off on", base), ("cut-off off", base.replace(cutoff=False))):
-        s = run(c, recs)
-        rows.append({"variant": name, "wan_GB": s["wan"]["bytes"] / 1e9, "wan_util": s["wan"]["utilisation"],
-                     "cutoffs": s["cutoffs"], "median_ttft_ms": s["median_ttft_ms"], "p90_ttft_ms": s["p90_ttft_ms"],
-                     "p99_ttft_ms": s["p99_ttft_ms"], "slo_attainment": s["slo_attainment"],
-                     "md_hit": s["md_hit_token_weighted"]})
+    variants = [(f"cut-off on (min remaining {base.cutoff_min_remaining_s:g} s)", base),
+                ("cut-off on (min remaining 0 s)", base.replace(cutoff_min_remaining_s=0.0)),
+                ("cut-off off", base.replace(cutoff=False))]
+    rows, _ = sweep(variants, recs, [("wan_GB", _wan_gb), ("wan_util", _wan_util), "cutoffs", "median_ttft_ms",
+                                     "p90_ttft_ms", "p99_ttft_ms", "slo_attainment", ("md_hit", lambda s: s["md_hit_token_weighted"])])
     res = {"experiment": "cutoff", "rows": rows,
-           "wan_bytes_ratio": rows[0]["wan_GB"] / rows[1]["wan_GB"] if rows[1]["wan_GB"] else None}
+           "setting": {"workload": "generate_agentic", "requests": n, "rate": 2.0, "config": base.describe(),
+                       "wan_gbps": base.wan_gbps, "cutoff_min_remaining_s": base.cutoff_min_remaining_s},
+           "wan_bytes_ratio": rows[0]["wan_GB"] / rows[-1]["wan_GB"] if rows[-1]["wan_GB"] else None}
     res["table"] = table(rows, list(rows[0].keys()))
     plt = _plt()
-    fig, ax = plt.subplots(1, 2, figsize=(9, 4))
-    ax[0].bar([r["variant"] for r in rows], [r["wan_GB"] for r in rows])
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["variant"].replace(" (", "\n(") for r in rows]
+    ax[0].bar(names, [r["wan_GB"] for r in rows])
     ax[0].set_ylabel("WAN GB")
-    ax[1].bar([r["variant"] for r in rows], [r["p90_ttft_ms"] for r in rows])
+    ax[1].bar(names, [r["p90_ttft_ms"] for r in rows])
     ax[1].set_ylabel("P90 TTFT ms")
+    for a in ax:
+        a.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     _save(fig, res, out, "cutoff")
     return res

@@ -1,0 +1,111 @@
+"""Measured step model (pdd profile) and the recorded-decision replay of pdd sim validate."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import pdd.policy.pipeline as pol_pipeline
+from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.profile import FORMAT, MeasuredStepModel, fit_linear
+from pdd.sim.validate import decisions_of, replay_recorded
+
+DATA = Path(__file__).parent / "data"
+
+
+def _synthetic(coef):
+    """A profile whose rows follow the step model exactly."""
+    c0, ct, cp, cc, ci, ce = coef
+
+    def t(items):
+        n = sum(k for _, k in items)
+        pairs = sum(k * (s + (k + 1) / 2) for s, k in items)
+        ctx = sum(s + k for s, k in items)
+        ext = any(k > 1 and s > 0 for s, k in items)
+        return c0 + ct * n + cp * pairs + cc * ctx + ci * len(items) + ce * ext
+
+    return {
+        "format": FORMAT, "kv_capacity_tokens": 4096,
+        "prefill": [{"tokens": n, "seconds": t([(0, n)])} for n in (16, 64, 256, 512)],
+        "decode": [{"batch": b, "context": c, "seconds_per_step": t([(c, 1)] * b)} for b in (1, 4, 16) for c in (64, 1024)],
+        "extend": [{"tokens": n, "context": c, "seconds": t([(c, n)])} for n in (8, 128) for c in (256, 2048)],
+    }
+
+
+def test_fit_recovers_a_linear_profile_exactly():
+    coef = (0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003)
+    prof = _synthetic(coef)
+    fitted, mare, maxe = fit_linear(prof)
+    assert maxe < 1e-9
+    assert [fitted[k] for k in ("const", "tokens", "attn_pairs", "ctx_tokens", "items", "extend")] == pytest.approx(coef)
+    m = MeasuredStepModel(prof)
+    assert m.kv_capacity_tokens() == 4096
+    assert m.decode_time(4, 4 * 1024) == pytest.approx(prof["decode"][3]["seconds_per_step"])
+    assert m.prefill_time(100, 300) == pytest.approx(0.002 + 1e-4 * 100 + 5e-8 * 100 * 350.5 + 3e-7 * 400 + 1e-4 + 0.003)
+
+
+def test_fit_refuses_too_few_rows():
+    with pytest.raises(ValueError, match="rows"):
+        fit_linear({"prefill": [{"tokens": 16, "seconds": 0.01}]})
+
+
+def test_sim_runs_on_a_measured_profile(tmp_path):
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(_synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))))
+    cfg = SimConfig(mode="pdd", model="measured", model_spec={"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048,
+                                                              "weight_bytes": 2e7, "flops_per_token": 8e6},
+                    profile_a=str(p), profile_b=str(p), block_tokens=16, wan_gbps=0.05, fast_gbps=4.0,
+                    max_batch_tokens=512, prefill_chunk_tokens=512, max_running_seqs=64, ttft_budget_ms=250.0,
+                    warmup_frac=0.0)
+    recs = [{"timestamp": 500.0 * i, "input_length": 300 + 16 * i, "output_length": 20,
+             "hash_ids": list(range(1000 * i, 1000 * i + 19 + i))} for i in range(6)]
+    sim = ClusterSim(cfg)
+    sim.record_decisions = True
+    sim.run(recs)
+    assert all(r.finished and r.n_emitted == 20 for r in sim.reqs)
+    assert sim.tiers["P"][0].pool == 4096  # the profile's KV pool, not a chip's HBM
+    # the first prefill (300 tokens, one chunk, cold) took exactly the model's step time
+    r0 = sim.reqs[0]
+    assert sim.tiers["P"][0].cm.prefill_time(300) == pytest.approx(
+        0.002 + 1e-4 * 300 + 5e-8 * 300 * 150.5 + 3e-7 * 300 + 1e-4)
+    assert r0.t_prefill_done == pytest.approx(cfg.wan_rtt_ms / 1000 + sim.tiers["P"][0].cm.prefill_time(300))
+    # each request's decisions were logged with their inputs
+    assert all(decisions_of(sim.decision_log[r.rid])["pipeline"] == r.pipeline.value for r in sim.reqs)
+
+
+def test_recorded_live_decisions_replay_identically(monkeypatch):
+    """Inputs the live gateway / RLD recorded (tests/sim/data/live_decisions.json, from a
+    `pdd sim validate` run) give the live results through the simulator's policy calls."""
+    entries = json.loads((DATA / "live_decisions.json").read_text())["decisions"]
+    kinds = {d["policy"] for d in entries}
+    assert kinds == {"pipeline", "handoff"}
+    assert {d["result"] for d in entries if d["policy"] == "pipeline"} >= {"p_md", "p_rld_md"}
+    ok, tot, bad = replay_recorded(entries)
+    assert (ok, bad) == (tot, [])
+    # the replay goes through the policy module (a sentinel changes the answers)
+    monkeypatch.setattr(pol_pipeline, "choose_pipeline", lambda inp: pol_pipeline.Pipeline.P_RLD)
+    ok2, tot2, bad2 = replay_recorded(entries)
+    assert ok2 < tot2 and len(bad2) == sum(1 for d in entries if d["policy"] == "pipeline")
+
+
+def test_measure_profile_on_the_live_engine(tmp_path):
+    """`pdd profile`'s measurement on a real (tiny) engine: every requested row, positive
+    times, the model's KV bytes as the runtime ships them, a fit the sim can load."""
+    from pdd.config import ClusterConfig
+    from pdd.modelgen import make_model
+    from pdd.sim.profile import load, measure_profile
+
+    make_model(str(tmp_path / "m"), preset="tiny", seed=0)
+    cfg = ClusterConfig(model_path=str(tmp_path / "m"), model_preset="tiny")
+    prof = measure_profile(cfg, prefill_tokens=(8, 32), decode_batches=(1, 2), decode_contexts=(16, 64),
+                           extend_tokens=(4,), extend_contexts=(32, 64), reps=1, log=lambda m: None)
+    assert [r["tokens"] for r in prof["prefill"]] == [8, 32]
+    assert [(r["batch"], r["context"]) for r in prof["decode"]] == [(1, 16), (2, 16), (1, 64), (2, 64)]
+    assert [(r["tokens"], r["context"]) for r in prof["extend"]] == [(4, 32), (4, 64)]
+    assert all(r.get("seconds", r.get("seconds_per_step")) > 0 for k in ("prefill", "decode", "extend") for r in prof[k])
+    m = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert prof["model"]["kv_bytes_per_token"] == 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 4
+    assert prof["kv_capacity_tokens"] == cfg.engine.num_pages * cfg.engine.page_size
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(prof))
+    assert MeasuredStepModel(load(p)).decode_time(2, 128) > 0
