@@ -132,3 +132,27 @@ def test_decode_slot_caps_bound_admission(mode):
                 assert 0 < inst.peak_slots <= caps[role], (inst.name, inst.peak_slots)
     peak_free = max(i.peak_slots for r in caps if r in free.tiers for i in free.tiers[r])
     assert peak_free > max(caps.values())  # without caps the same load holds more at once
+
+
+def test_live_wan_estimate_counts_from_the_first_byte():
+    """MD's receive-rate sample runs from a flow's first byte to its last (queueing behind other
+    flows on a FIFO line is invisible to MD), EWMA-weighted like the gateway's."""
+    sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1, wan_gbps=8.0))
+    line = Line(sim, "w", 8.0, 0.0, "fifo")  # 1 GB/s
+    a = line.send("a", 1e9, lambda: None)
+    b = line.send("b", 1e9, lambda: None)
+    sim.env.run()
+    assert (a.t_served, a.t_end, b.t_served, b.t_end) == pytest.approx((0.0, 1.0, 1.0, 2.0))
+    assert sim.wan_gbps_estimate() == 8.0  # no sample yet: the configured rate
+    sim._wan_sample(b)
+    assert sim.wan_gbps_live == pytest.approx(8.0)
+    c = Line(sim, "p", 8.0, 0.0, "ps")
+    x = c.send("x", 1e9, lambda: None)
+    c.send("y", 1e9, lambda: None)
+    sim.env.run()
+    sim._wan_sample(x)  # shared the line the whole time: 4 Gbit/s
+    assert sim.wan_gbps_live == pytest.approx(0.8 * 8.0 + 0.2 * 4.0)
+    small = c.send("s", 1000, lambda: None)
+    sim.env.run()
+    sim._wan_sample(small)  # under 256 KiB: measures the RTT, ignored
+    assert sim.wan_gbps_live == pytest.approx(7.2)

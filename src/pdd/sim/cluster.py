@@ -311,7 +311,7 @@ class Seq:
 
 
 class Flow:
-    __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end")
+    __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end", "t_served")
 
     def __init__(self, rid, nbytes, seq, cb):
         self.rid = rid
@@ -322,6 +322,7 @@ class Flow:
         self.line = None
         self.done = False
         self.t_start = self.t_end = None
+        self.t_served = None  # when the line first sent bytes of it (its first frame)
 
 
 class Line:
@@ -356,6 +357,8 @@ class Line:
         else:
             f = self.flows[self._chosen()]
             f.remaining -= amount
+            if f.t_served is None:
+                f.t_served = now - dt
         self.bytes_sent += amount
 
     def _chosen(self) -> int:
@@ -401,6 +404,8 @@ class Line:
             return f
         self._advance()
         self.flows.append(f)
+        if self.order == "ps":
+            f.t_served = f.t_start  # processor sharing serves every flow at once
         self._reschedule()
         return f
 
@@ -666,10 +671,11 @@ class ClusterSim:
         return self.cfg.wan_gbps
 
     def _wan_sample(self, f: "Flow") -> None:
-        """MD's receive rate of one request's KV (first frame to last), folded into the EWMA."""
+        """MD's receive rate of one request's KV (first frame to last: time queued behind other
+        flows before its first byte is not counted, as MD cannot see it), folded into the EWMA."""
         if f is None or f.total < self.WAN_SAMPLE_MIN_BYTES or f.t_end is None:
             return
-        dt = f.t_end - f.t_start
+        dt = f.t_end - (f.t_served if f.t_served is not None else f.t_start)
         if dt <= 0:
             return
         g = f.total * 8 / dt / 1e9

@@ -3,7 +3,8 @@
 1. The workload: a slice of the Mooncake conversation trace scaled by ``pdd.bench.trace``
    (``block_tokens`` tokens per 512-token trace block, so prompts are long enough that prefill
    compute is most of TTFT on this machine), replayed open-loop at ``rate`` req/s.
-2. Live: a fresh ``pdd.launch.Topology`` in pdd mode, one warm-up request, caches flushed, then
+2. Live: a fresh ``pdd.launch.Topology`` in pdd mode (the gateway's admission limits off: the
+   simulator does not model 429s), one warm-up request, caches flushed, then
    ``pdd.bench.demo.measured_replay`` (the bench client). Each request's usage chunk carries the
    gateway's recorded policy decisions (``pdd.decisions``: inputs and result).
 3. Simulated: the same requests (arrival times, prompt lengths, the trace's hash blocks as cache
@@ -198,8 +199,11 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     if config is None:  # the default ports may be taken (another topology): pick a free block
         base = _free_port_block()
         cfg = cfg.model_copy(update={"base_port": base, "gateway_port": base + 95})
+    # the simulator has no gateway admission control: turn the gateway's 429 limits off so that
+    # every request runs (a refused turn would also leave the caches unlike the simulator's)
     cfg = cfg.model_copy(update={"mode": "pdd", "policy": cfg.policy.model_copy(
-        update={"pipeline_ttft_budget_ms": budget_ms})})
+        update={"pipeline_ttft_budget_ms": budget_ms}), "limits": cfg.limits.model_copy(
+        update={"max_queue_wait_s": 0.0, "max_queued_prompt_tokens": 0})})
     ensure_model(cfg, console)
     t0 = time.time()
     if profile is None:
