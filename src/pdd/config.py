@@ -128,6 +128,15 @@ class LimitsConfig(_Strict):
         description="sequences an engine holds beyond one full batch (engine.max_running) before it refuses new "
         "ones with TierBusy (the gateway answers 429); None: engine.max_running")
     retry_after_max_s: int = Field(30, ge=1, description="cap of the Retry-After seconds a 429 carries")
+    ttft_target_ms: float = Field(
+        0.0, ge=0,
+        description="adaptive in-flight limit (AIMD, pdd.gateway.admission.next_limit): a request whose first "
+        "token took longer than this at the gateway (admission to first token) shrinks the limit x0.75, one "
+        "under it grows it; set it below the TTFT SLO (docs/OVERLOAD.md uses half); 0: off")
+    tpot_target_ms: float = Field(
+        0.0, ge=0, description="as ttft_target_ms for a finished request's mean time per output token; 0: off")
+    min_inflight_requests: int = Field(
+        2, ge=1, description="the adaptive limit never goes below this (nor above max_inflight_requests)")
 
     def waiting(self, max_running: int) -> int:
         """Sequences an engine may hold beyond ``max_running`` (``tier_max_waiting``, default one batch)."""

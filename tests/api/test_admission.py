@@ -198,3 +198,39 @@ def test_tier_with_a_full_queue_refuses_and_the_gateway_answers_429(limited):
     eng.release(hold, cache=False)
     r = client.post("/v1/completions", json=BODY)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+# ------------------------------------------------------------------------------ adaptive limit
+def test_next_limit_aimd():
+    from pdd.gateway.admission import DECREASE, LimitState, next_limit
+
+    s = LimitState(2.0)
+    s = next_limit(s, True, 0, True, 2, 100)  # slow start: +1 per fast request at the limit
+    assert s == LimitState(3.0, 0, True)
+    assert next_limit(s, True, 0, False, 2, 100) == s  # the limit did not matter: no growth
+    s = next_limit(s, False, 0, True, 2, 100)  # slow: x DECREASE, next epoch, slow start over
+    assert s == LimitState(max(2.0, 3.0 * DECREASE), 1, False)
+    s = LimitState(40.0, 1, False)
+    assert next_limit(s, False, 0, True, 2, 100) == s  # admitted before the last decrease: ignored
+    assert next_limit(s, False, 1, True, 2, 100) == LimitState(30.0, 2, False)
+    assert next_limit(s, True, 1, True, 2, 100) == LimitState(40.0 + 1 / 40, 1, False)  # +1 per limit's worth
+    assert next_limit(LimitState(100.0, 0, True), True, 0, True, 2, 100).limit == 100.0  # upper bound
+    assert next_limit(LimitState(2.0, 0, False), False, 0, True, 2, None).limit == 2.0  # lower bound
+
+
+def test_adaptive_limit_shrinks_on_slow_first_tokens_and_refuses_beyond_it():
+    adm = Admission(AdmissionLimits(64, None, None), ttft_target_s=1e-9, min_inflight=2)
+    assert adm.adaptive is not None and adm.effective_limits().max_inflight == 2
+    a, _ = adm.try_admit(1, 5)
+    b, _ = adm.try_admit(1, 5)
+    none, d = adm.try_admit(1, 5)
+    assert none is None and d.reason == "inflight"  # 2 in flight: the adaptive limit, not the 64
+    adm.first_token(a)  # slower than the (tiny) target
+    assert adm.adaptive.limit == 2.0 and adm.adaptive.epoch == 1
+    fast = Admission(AdmissionLimits(64, None, None), ttft_target_s=3600.0, min_inflight=2)
+    t1, _ = fast.try_admit(1, 5)
+    t2, _ = fast.try_admit(1, 5)
+    fast.first_token(t1)
+    fast.first_token(t1)  # once per request
+    assert fast.adaptive.limit == 3.0 and fast.effective_limits().max_inflight == 3
+    assert Admission(AdmissionLimits(64, None, None)).adaptive is None  # no target: fixed limits only

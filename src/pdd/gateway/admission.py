@@ -14,6 +14,12 @@ Three measured quantities, three limits (``ClusterConfig.limits``, docs/OVERLOAD
   the previous completion (P was working on it all that time), so idle time never dilutes it
   (:class:`PrefillRate`).
 
+With ``ttft_target_ms`` / ``tpot_target_ms`` set, the in-flight limit adapts to the latency the
+requests actually get (AIMD, :func:`next_limit`): whatever saturates (a tier, the gateway's own
+CPU, the WAN), an admitted request whose first token took longer than the target at the gateway
+(or whose tokens came slower than the target) shrinks the limit, a fast one grows it. A fixed
+limit cannot know where the bottleneck is; the latency it causes can be measured.
+
 Behind these, every engine bounds its own queue (``Engine.new_sequence`` raises ``TierBusy``);
 a request a tier refused that way also becomes a 429 (:func:`is_tier_busy`).
 
@@ -25,6 +31,7 @@ no request is refused forever.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 TIER_BUSY = "TierBusy"  # class name of pdd.engine.scheduler.TierBusy: the remote error text starts with it
 RATE_WINDOW = 64  # prefill completions the rate estimate spans
 SERVICE_EWMA = 0.1  # weight of the newest request duration in the mean service time
+DECREASE = 0.75  # multiplicative decrease of the adaptive limit (TCP halves; a gentler step oscillates less)
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,37 @@ def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prom
     return Decision(True)
 
 
+@dataclass(frozen=True)
+class LimitState:
+    """The adaptive in-flight limit. ``epoch`` counts decreases (a request admitted before the
+    latest one cannot cause another); ``slow_start``: +1 per fast request until the first
+    decrease, then +1/limit (one per limit's worth of fast requests)."""
+
+    limit: float
+    epoch: int = 0
+    slow_start: bool = True
+
+
+def next_limit(s: LimitState, ok: bool, admitted_epoch: int, at_limit: bool, lo: int, hi: int | None) -> LimitState:
+    """AIMD step for one observed request (as TCP congestion control, on latency instead of loss).
+
+    ``ok``: its latency met the target. A fast request grows the limit only if it was admitted
+    ``at_limit`` (in flight >= half the limit: the limit mattered), so idle periods do not inflate
+    it. A slow one shrinks it x DECREASE, once per epoch: requests admitted before the last
+    decrease were admitted under the old limit and say nothing new. Bounds ``[lo, hi]`` (hi None:
+    no upper bound). Pure.
+    """
+    if ok:
+        if not at_limit:
+            return s
+        step = 1.0 if s.slow_start else 1.0 / max(1.0, s.limit)
+        new = s.limit + step
+        return LimitState(new if hi is None else min(float(hi), new), s.epoch, s.slow_start)
+    if admitted_epoch != s.epoch:
+        return s
+    return LimitState(max(float(lo), s.limit * DECREASE), s.epoch + 1, False)
+
+
 class PrefillRate:
     """P's prefill rate, prompt tokens per busy second, over the last ``window`` completions.
 
@@ -157,6 +196,9 @@ class Ticket:
     admitted_t: float
     queued: bool = True
     released: bool = False
+    epoch: int = 0  # adaptive limit's epoch at admission
+    at_limit: bool = False  # in flight >= half the adaptive limit at admission
+    first_t: float | None = None  # first token seen at the gateway
 
 
 @dataclass
@@ -164,6 +206,10 @@ class Admission:
     """The gateway's live admission state (one per gateway process, event-loop thread only)."""
 
     limits: AdmissionLimits
+    ttft_target_s: float | None = None  # adaptive limit on (either target set)
+    tpot_target_s: float | None = None
+    min_inflight: int = 2
+    adaptive: LimitState | None = None
     inflight: int = 0
     queued_tokens: int = 0
     rate: PrefillRate = field(default_factory=PrefillRate)
@@ -171,19 +217,62 @@ class Admission:
     admitted: int = 0
     rejected: dict = field(default_factory=dict)  # reason -> requests refused
 
+    def __post_init__(self):
+        if (self.ttft_target_s or self.tpot_target_s) and self.adaptive is None:
+            self.adaptive = LimitState(float(self.min_inflight))
+
+    @classmethod
+    def from_config(cls, cfg, lay) -> "Admission":
+        lim = cfg.limits
+        return cls(resolve_limits(cfg, lay), lim.ttft_target_ms / 1000 or None, lim.tpot_target_ms / 1000 or None,
+                   lim.min_inflight_requests)
+
     def state(self) -> AdmissionState:
         return AdmissionState(self.inflight, self.queued_tokens, self.rate.tokens_per_s, self.service_s)
 
+    def effective_limits(self) -> AdmissionLimits:
+        """The configured limits with the adaptive in-flight limit applied (the smaller wins)."""
+        if self.adaptive is None:
+            return self.limits
+        cur = max(1, int(self.adaptive.limit))
+        m = self.limits.max_inflight
+        return dataclasses.replace(self.limits, max_inflight=cur if m is None else min(m, cur))
+
     def try_admit(self, n: int, prompt_tokens: int) -> tuple[Ticket | None, Decision]:
         """A ticket (and the decision), or None with the refusal."""
-        d = decide(self.state(), self.limits, n, prompt_tokens)
+        d = decide(self.state(), self.effective_limits(), n, prompt_tokens)
         if not d.admit:
             self.reject(d.reason or "?")
             return None, d
         self.inflight += n
         self.queued_tokens += n * prompt_tokens
         self.admitted += 1
-        return Ticket(n, n * prompt_tokens, time.monotonic()), d
+        t = Ticket(n, n * prompt_tokens, time.monotonic())
+        if self.adaptive is not None:
+            t.epoch, t.at_limit = self.adaptive.epoch, self.inflight >= self.adaptive.limit / 2
+        return t, d
+
+    def _observe(self, t: Ticket, ok: bool) -> None:
+        if self.adaptive is not None:
+            self.adaptive = next_limit(self.adaptive, ok, t.epoch, t.at_limit, self.min_inflight,
+                                       self.limits.max_inflight)
+
+    def first_token(self, t: Ticket) -> None:
+        """The request's first token reached the gateway: its TTFT (from admission) feeds the
+        adaptive limit."""
+        if t.first_t is not None:
+            return
+        t.first_t = time.monotonic()
+        if self.ttft_target_s:
+            self._observe(t, t.first_t - t.admitted_t <= self.ttft_target_s)
+
+    def finished(self, t: Ticket, tokens_per_choice: int) -> None:
+        """A completed request's mean time per output token feeds the adaptive limit (a slow
+        one shrinks it; growth comes from TTFT)."""
+        if self.tpot_target_s and t.first_t is not None and tokens_per_choice > 1:
+            tpot = (time.monotonic() - t.first_t) / (tokens_per_choice - 1)
+            if tpot > self.tpot_target_s:
+                self._observe(t, False)
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -220,7 +309,8 @@ class Admission:
 
     def stats(self) -> dict:
         rate = self.rate.tokens_per_s
-        return {"inflight": self.inflight, "queued_prompt_tokens": self.queued_tokens,
+        return {"adaptive_limit": None if self.adaptive is None else round(self.adaptive.limit, 2),
+                "inflight": self.inflight, "queued_prompt_tokens": self.queued_tokens,
                 "prefill_tokens_per_s": None if rate is None else round(rate, 1),
                 "mean_service_s": None if self.service_s is None else round(self.service_s, 3),
                 "admitted": self.admitted, "rejected": dict(self.rejected),

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
-from pdd.gateway.admission import Admission, Decision, is_tier_busy, resolve_limits
+from pdd.gateway.admission import Admission, is_tier_busy
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
@@ -114,7 +114,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     model_name = cfg.served_model_name
     from pdd.topology import layout
 
-    adm = Admission(resolve_limits(cfg, getattr(orch, "layout", None) or layout(cfg)))
+    adm = Admission.from_config(cfg, getattr(orch, "layout", None) or layout(cfg))
     app.state.admission = adm
     if getattr(orch, "metrics", None) is not None:
         from pdd.metrics import AdmissionCollector
@@ -252,7 +252,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             adm.release(ticket)
             raise
         adm.prefilled(ticket, measured=cfg.mode != "colocated")  # colocated: generate returns before prefill
-        gen.ticket_end = lambda completed: adm.release(ticket, completed)
+        gen.on_first_token = lambda: adm.first_token(ticket)
+
+        def ticket_end(completed: bool) -> None:
+            if completed and not ticket.released:
+                adm.finished(ticket, gen.completion_tokens() // max(1, len(gen.choices)))
+            adm.release(ticket, completed)
+
+        gen.ticket_end = ticket_end
         weakref.finalize(gen, adm.release, ticket)
         return gen
 

@@ -92,6 +92,7 @@ class Generation:
         self.q: asyncio.Queue = asyncio.Queue()
         self.pumps: list[asyncio.Task] = []
         self.live = 0
+        self.on_first_token = None  # called once, when the first token of any choice arrives (admission)
 
     async def start(self) -> None:
         """Start every choice (choice 0 first, so the others hit P's prefix cache)."""
@@ -145,6 +146,9 @@ class Generation:
                     continue
                 if isinstance(item, BaseException):
                     raise item if isinstance(item, RequestFailed) else RequestFailed(str(item))
+                if self.on_first_token is not None:
+                    cb, self.on_first_token = self.on_first_token, None
+                    cb()
                 d = c.on_token(item, self.eos_ids)
                 if d.finish_reason is not None:
                     self.live -= 1
