@@ -39,6 +39,15 @@ class InstanceCollector:
         g = GaugeMetricFamily("pdd_running_sequences", "sequences in the engine's batch", labels=lab)
         g.add_metric(lv, len(e.seqs))
         yield g
+        if hasattr(e, "pending_seqs"):
+            g = GaugeMetricFamily("pdd_pending_sequences", "sequences that still need compute (the bounded queue's "
+                                  "occupancy: TierBusy at max_running + max_waiting)", labels=lab)
+            g.add_metric(lv, e.pending_seqs())
+            yield g
+            if e.max_waiting is not None:
+                g = GaugeMetricFamily("pdd_pending_sequences_limit", "the bounded queue's limit", labels=lab)
+                g.add_metric(lv, e.sched_cfg.max_running_seqs + e.max_waiting)
+                yield g
         hs = inst.hit_stats()
         g = GaugeMetricFamily("pdd_prefix_hit_rate", "token-weighted prefix-cache hit rate", labels=lab + ["window"])
         g.add_metric(lv + ["all"], hs["prefix_hit_rate"])

@@ -183,7 +183,8 @@ class Engine:
         """Sequences that still need compute: created by :meth:`new_sequence`, neither finished
         nor released (running, queued, or waiting for their KV / a handoff). A finished sequence
         whose pages are still held (P streaming its KV) does not count."""
-        return sum(1 for s in self._live.values() if s.status not in (SeqStatus.FINISHED, SeqStatus.RELEASED))
+        live = list(self._live.values())  # one C-level copy: safe against the metrics thread's reads
+        return sum(1 for s in live if s.status not in (SeqStatus.FINISHED, SeqStatus.RELEASED))
 
     def add(self, seq: Sequence) -> None:
         """Put ``seq`` into the running batch (FCFS order = order of first ``add``). Adding a
