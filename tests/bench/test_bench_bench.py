@@ -226,3 +226,73 @@ def test_main_cli(tmp_path, server_url, monkeypatch):
     assert rep["modes"]["cross_dc_pd"]["sla_goodput_rps"] == 100.0
     with pytest.raises(SystemExit):
         main(["--slo", "e2el:5"])
+
+
+# ---------------------------------------------------------------- issue #3 additions
+
+
+def test_mode_labels_and_their_configs():
+    from pdd.bench.bench import mode_config, parse_mode_label
+
+    assert parse_mode_label("cross_dc_pd") == ("cross_dc_pd", {})
+    assert parse_mode_label("pdd+allow_p_rld") == ("pdd", {"allow_p_rld": True})
+    assert parse_mode_label("pdd+routing=round_robin+pipeline_ttft_budget_ms=0") == (
+        "pdd", {"routing": "round_robin", "pipeline_ttft_budget_ms": "0"})
+    cfg = mode_config(ClusterConfig(policy={"pipeline_ttft_budget_ms": 50}), "pdd+pipeline_ttft_budget_ms=0+handoff_mode=auto")
+    assert cfg.mode == "pdd" and cfg.policy.pipeline_ttft_budget_ms == 0.0 and cfg.policy.handoff_mode == "auto"
+    assert mode_config(ClusterConfig(), "same_dc_pd").policy == ClusterConfig().policy
+    for bad, msg in (("fast", "unknown mode 'fast'"), ("pdd+warp=9", "'warp' is not a policy setting"),
+                     ("pdd+routing=random", "routing: Input should be"), ("pdd+allow_p_rld=maybe", "allow_p_rld")):
+        with pytest.raises(ValueError, match=msg):
+            parse_mode_label(bad)
+
+
+def test_handoff_gaps_by_mode_wide_window_baseline_and_switches():
+    itl = [0.01 * k for k in range(40)]
+    one = handed([t if k < 20 else t + 0.05 for k, t in enumerate(itl)], 20, mode="one_shot", rounds=1)  # 60 ms gap
+    # catch-up: the gap is spread over 8 tokens before the switch (15 ms each), none at the switch
+    cu_t = [0.01 * k + (0.005 * min(max(0, k - 12), 8)) for k in range(40)]
+    cu = handed(cu_t, 20, mode="catch_up", rounds=1)
+    plain = {"mode": "pdd", "ok": True, "send_s": 0.0, "end_s": 0.4, "token_times_s": itl, "pos": list(range(40)),
+             "tiers": ["md"] * 40, "pdd": {"pipeline": "p_md"}}
+    entry = {"stats_before": {"instances": {"rld0": {"role": "relay_decode", "counters": {"mode_switches": 2}}}},
+             "stats": {"instances": {"rld0": {"role": "relay_decode", "counters": {"mode_switches": 5}},
+                                     "md0": {"role": "main_decode", "counters": {}}}}}
+    h = handoff_stats([one, cu, plain], median_itl_ms=10.0, entry=entry)
+    assert h["mode_switches"] == 3
+    assert h["gaps_by_mode"]["one_shot"]["gap_ms"]["max"] == pytest.approx(60.0)
+    assert h["gaps_by_mode"]["catch_up"]["gap_ms"]["max"] == pytest.approx(15.0)  # +-3 tokens
+    assert h["gaps_by_mode"]["catch_up"]["wide"]["gap_ms"]["max"] == pytest.approx(15.0)
+    assert h["gaps_by_mode"]["catch_up"]["gap_over_median_itl"]["p95"] == pytest.approx(1.5)
+    # baseline: the last 27 gaps of each record, ending >= 3 tokens after its handoff: plain only (10 ms)
+    assert h["baseline_wide"]["n"] == 1 and h["baseline_wide"]["gap_ms"]["max"] == pytest.approx(10.0)
+    # no RLD instance: mode switches unknown
+    assert handoff_stats([plain], entry={"stats": {"instances": {}}})["mode_switches"] is None
+
+
+def test_pipeline_preview_prices_the_missing_kv(tmp_path):
+    from pdd.bench.bench import kv_bytes_per_token, pipeline_preview
+    from pdd.bench.trace import ReplayRequest
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
+                                                      "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 256}))
+    assert kv_bytes_per_token(tmp_path) == 4 * 2 * 2 * 32 * 4 == 2048
+    assert kv_bytes_per_token(tmp_path, "bfloat16") == 1024
+
+    def req(i, hashes, n_tokens, out):
+        ids = [h * 100 + k for h in hashes for k in range(16)][:n_tokens]
+        return ReplayRequest(idx=i, arrival_s=float(i), prompt_ids=ids, max_tokens=out,
+                             trace_record={"timestamp": i, "hash_ids": hashes}, hash_ids=tuple(hashes), block_tokens=16)
+
+    # a cold 64-token prompt, then a turn that extends it by 16 tokens (64 cached: 4 whole pages)
+    reqs = [req(0, [1, 2, 3, 4], 64, 30), req(1, [1, 2, 3, 4, 5], 80, 10)]
+    cfg = ClusterConfig(link={"wan_gbps": 0.05, "wan_rtt_ms": 20.0}, policy={"pipeline_ttft_budget_ms": 25})
+    p = pipeline_preview(reqs, cfg, 2048, budgets_ms=(0.0, 30.0))
+    # expected WAN ms = 20 + missing x 2048 x 8 / 5e7 x 1000: 64 missing -> 40.97, 16 missing -> 25.24
+    assert p["expected_wan_ms"]["p50"] == pytest.approx((20 + 64 * 0.32768 + 20 + 16 * 0.32768) / 2)
+    assert set(p["by_budget_ms"]) == {"0", "25", "30"} and p["configured_budget_ms"] == 25.0
+    assert p["by_budget_ms"]["0"] == {"relayed_share": 1.0, "relayed_output_share": 1.0, "p_md_expected_wan_ms_p90": None}
+    assert p["by_budget_ms"]["25"]["relayed_share"] == 1.0  # 25.24 > 25
+    b30 = p["by_budget_ms"]["30"]
+    assert b30["relayed_share"] == 0.5 and b30["relayed_output_share"] == pytest.approx(30 / 40)
+    assert b30["p_md_expected_wan_ms_p90"] == pytest.approx(20 + 16 * 0.32768)

@@ -107,3 +107,33 @@ def test_point_requests_time_bound():
     assert mean_rate([r.arrival_s for r in p]) == pytest.approx(2.0)
     assert len(point_requests(reqs, 0.25, max_arrival_s=10.0)) == 8  # min_requests
     assert len(point_requests(reqs, 100.0, max_arrival_s=10.0)) == 50  # all arrive in time
+
+
+def test_ramp_arrivals_rise_linearly():
+    import dataclasses as dc
+    import math
+
+    from pdd.bench.sweep import parse_ramp, ramp_arrivals
+
+    @dc.dataclass(frozen=True)
+    class R:
+        arrival_s: float
+
+    reqs = [R(float(i)) for i in range(101)]  # evenly spaced
+    out = ramp_arrivals(reqs, 1.0, 9.0)
+    n = 101
+    # t(u) = n / (end - start) * ln(r(u) / start): at u = 1, n / 8 * ln 9
+    assert out[0].arrival_s == 0.0 and out[-1].arrival_s == pytest.approx(n / 8 * math.log(9.0))
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(out, out[1:])]
+    assert all(g1 > g2 for g1, g2 in zip(gaps, gaps[1:]))  # rising rate
+    # the local rate at the start ~ start, at the end ~ end (req/s)
+    assert 1 / gaps[0] == pytest.approx(1.0 * n / 100, rel=0.05) and 1 / gaps[-1] == pytest.approx(9.0 * n / 100, rel=0.05)
+    flat = ramp_arrivals(reqs, 2.0, 2.0)
+    assert flat[-1].arrival_s == pytest.approx(n / 2.0)
+    assert ramp_arrivals([], 1.0, 2.0) == []
+    assert parse_ramp("1:8") == (1.0, 8.0) and parse_ramp(None) is None and parse_ramp("") is None
+    for bad in ("8", "a:b", "0:4", "1:2:3"):
+        with pytest.raises(ValueError, match="--ramp"):
+            parse_ramp(bad)
+    with pytest.raises(ValueError):
+        ramp_arrivals(reqs, 0.0, 1.0)

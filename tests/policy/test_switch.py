@@ -20,7 +20,8 @@ def test_ewma_and_step():
 
 
 def test_params_validated():
-    for bad in (dict(max_gap_factor=1.0), dict(max_hold_ms=-1), dict(max_ramp_tokens=0), dict(itl_floor_ms=0),
+    for bad in (dict(max_gap_factor=1.0), dict(max_hold_ms=-1), dict(switch_gap_factor=0.9),
+                dict(max_gap_factor=1.5, switch_gap_factor=1.6), dict(max_ramp_tokens=0), dict(itl_floor_ms=0),
                 dict(prior_lag_ms=-1)):
         with pytest.raises(ValueError):
             PaceParams(**bad)
@@ -40,8 +41,9 @@ def test_switch_ready_rule():
     assert predicted_md_arrival_ms(100.0, 11, 18, 4.0) == 128.0
     assert predicted_md_arrival_ms(100.0, 11, 5, 4.0) == 100.0  # never before MD's latest token
     assert not switch_ready(None, 4.0, 0, 50.0, p)  # MD not live
-    assert not switch_ready(6.1, 4.0, 3, 20.0, p)  # gap would be > 1.5 x ITL
-    assert switch_ready(6.0, 4.0, 3, 20.0, p)
+    assert not switch_ready(4.1, 4.0, 3, 20.0, p)  # MD's next token later than one ITL
+    assert switch_ready(4.0, 4.0, 3, 20.0, p)
+    assert switch_ready(6.0, 4.0, 3, 20.0, PaceParams(max_gap_factor=1.5, switch_gap_factor=1.5))
     assert switch_ready(-3.0, 4.0, 3, 20.0, p)  # MD's token would already be there
     assert switch_ready(30.0, 4.0, 10, 20.0, p)  # ramp budget spent
     assert switch_ready(30.0, 4.0, 1, 100.0, p)  # hold cap reached
@@ -154,7 +156,7 @@ def test_paced_switch_keeps_every_gap_within_factor():
     assert max(g) <= 1.5 * 4.0 + 1e-9
     assert pacer.lag_ms == pytest.approx(25.0)
     assert st.switch_pos is not None and st.switch_pos > 18  # the switch waited for the hold
-    assert pacer.max_hold_seen_ms <= 25.0 + 1e-9  # no token delayed by more than the lag
+    assert pacer.max_hold_seen_ms <= 25.0 + 2.0 + 1e-9  # no token delayed by more than the lag + one step
     assert pacer.held_back > 0
 
 

@@ -75,13 +75,14 @@ DEFAULT_SWEEP_REQUESTS = 48
 DEFAULT_SWEEP_POINTS = 3
 DEFAULT_SWEEP_SECONDS = 20.0  # a sweep point's arrivals span at most this (fewer requests at low rates)
 DEFAULT_SWEEP_TIMEOUT_S = 60.0
-HANDOFF_WINDOW = 3  # tokens after MD's first token whose gaps count as the handoff's gap
-HANDOFF_WINDOW_BEFORE = 24  # ... and before it (covers the catch-up jitter buffer's paced tokens)
+HANDOFF_WINDOW = 3  # tokens either side of MD's first token whose gaps count as the handoff's gap
+HANDOFF_WINDOW_BEFORE = 3
+WIDE_WINDOW_BEFORE = 24  # the wide window also covers the catch-up jitter buffer's paced tokens
 
 # report.json: top-level fields and the fields bench adds to every modes[mode] (the rest of a mode's
 # fields are report.mode_metrics', named as in vllm bench serve)
 REPORT_FIELDS = ("git_commit", "config", "seed", "seeds", "workload", "link", "modes", "ratios",
-                 "output_agreement", "bench", "slo", "sweep", "wan_timeline")
+                 "output_agreement", "bench", "slo", "sweep", "wan_timeline", "pipeline_preview")
 MODE_EXTRA_FIELDS = ("slo_met", "slo_attainment", "request_goodput", "meets_sla", "slo_misses", "sla_goodput_rps",
                      "pipeline_mix", "handoff", "p_hit_rate", "md_hit_rate", "cutoffs", "cpu_seconds_by_process")
 
@@ -95,7 +96,7 @@ def _pct(values: Sequence[float], p: float) -> float | None:
 
 def _gap_summary(gaps: Sequence[float], median_itl_ms: float | None) -> dict:
     ratio = [g / median_itl_ms for g in gaps] if median_itl_ms else []
-    return {"handoffs": len(gaps),
+    return {"n": len(gaps),
             "gap_ms": {"median": _pct(gaps, 50), "p90": _pct(gaps, 90), "p95": _pct(gaps, 95), "p99": _pct(gaps, 99),
                        "max": max(gaps) if gaps else None},
             "gap_over_median_itl": {"median": _pct(ratio, 50), "p90": _pct(ratio, 90), "p95": _pct(ratio, 95),
@@ -105,8 +106,7 @@ def _gap_summary(gaps: Sequence[float], median_itl_ms: float | None) -> dict:
 def handoff_gap_ms(rec: Mapping, before: int = HANDOFF_WINDOW_BEFORE, after: int = HANDOFF_WINDOW) -> float | None:
     """A handed-over record's *handoff gap*: the largest client inter-token gap (ms) ending at a
     token from ``before`` tokens before MD's first token to ``after`` tokens after it (the gaps
-    into tokens handoff-before .. handoff+after; the window covers the jitter buffer's paced
-    tokens, which precede the switch). None without a handoff or token times."""
+    into tokens handoff-before .. handoff+after). None without a handoff or token times."""
     idx = handoff_index(rec)
     t = rec.get("token_times_s") or []
     if idx is None:
@@ -124,7 +124,12 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
     Its *handoff gap* is :func:`handoff_gap_ms` (``window_before`` tokens before, ``window`` after),
     in ms. ``gap_over_median_itl`` divides it by ``median_itl_ms`` (the mode's median ITL).
     ``by_mode``: ``pdd.handoff_mode`` counts ("one_shot" when absent); ``gaps_by_mode``: per
-    handoff mode, the gap percentiles (median, P90, P95, P99, max) in ms and over the median ITL;
+    handoff mode, the gap percentiles (median, P90, P95, P99, max) in ms and over the median ITL,
+    and ``wide``: the same over a wide window (``WIDE_WINDOW_BEFORE`` tokens before MD's first
+    token to ``window`` after: it covers the catch-up jitter buffer's paced tokens).
+    ``baseline_wide``: the noise floor of that wide statistic: per completed record with enough
+    tokens, the largest gap among its last ``WIDE_WINDOW_BEFORE + window`` gaps, ending at least
+    ``window`` tokens after any handoff (ordinary decoding, no switch in it); percentiles as above;
     ``rounds``: ``pdd.handoff_rounds`` (1 when absent); ``md_diverged``: records with
     ``pdd.md_diverged``. ``server``: the gateway's ``handoffs*`` counters over the run (deltas; from
     ``entry``, the server_stats entry); ``mode_switches``: RLD's auto-mode switches over the run
@@ -133,6 +138,7 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
     done = [r for r in records if is_completed(r)]
     gaps: list[float] = []
     gaps_by: dict[str, list[float]] = {}
+    wide_by: dict[str, list[float]] = {}
     positions: list[int] = []
     rounds: list[int] = []
     by_mode: dict[str, int] = {}
@@ -148,6 +154,8 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
         if g is not None:
             gaps.append(g)
             gaps_by.setdefault(hm, []).append(g)
+            gw = handoff_gap_ms(r, WIDE_WINDOW_BEFORE, window)
+            wide_by.setdefault(hm, []).append(gw)
     ratio = [g / median_itl_ms for g in gaps] if median_itl_ms else []
     entry = entry or {}
     after = (entry.get("stats") or {}).get("totals") or {}
@@ -172,8 +180,26 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
         "median_itl_ms": median_itl_ms,
         "gap_over_median_itl": {"median": _pct(ratio, 50), "p90": _pct(ratio, 90), "p95": _pct(ratio, 95),
                                 "max": max(ratio) if ratio else None},
-        "gaps_by_mode": {m: _gap_summary(v, median_itl_ms) for m, v in sorted(gaps_by.items())},
+        "gaps_by_mode": {m: {**_gap_summary(v, median_itl_ms), "wide": _gap_summary(wide_by[m], median_itl_ms)}
+                         for m, v in sorted(gaps_by.items())},
+        "wide_window_tokens_before": WIDE_WINDOW_BEFORE,
+        "baseline_wide": _gap_summary(_baseline_gaps(done, WIDE_WINDOW_BEFORE + window, window), median_itl_ms),
     }
+
+
+def _baseline_gaps(records: Sequence[Mapping], n_gaps: int, after: int) -> list[float]:
+    """Per record: the largest of its last ``n_gaps`` client gaps, if they all end >= ``after``
+    tokens past its handoff (or it has none) and it has that many gaps."""
+    out = []
+    for r in records:
+        t = r.get("token_times_s") or []
+        if len(t) < n_gaps + 1:
+            continue
+        idx = handoff_index(r)
+        if idx is not None and len(t) - n_gaps < idx + after + 1:
+            continue
+        out.append(max((t[j] - t[j - 1]) * 1000.0 for j in range(len(t) - n_gaps, len(t))))
+    return out
 
 
 def _inst_value(inst: Mapping | None, key: str):
@@ -302,6 +328,55 @@ def sweep_point(rate: float, records: Sequence[Mapping], entry: Mapping | None, 
         "leaked_pages": m["leaked_pages"],
         "wall_s": wall_s,
     }
+
+
+# ---------------------------------------------------------------- pipeline budget preview
+
+PREVIEW_BUDGETS_MS = (25.0, 40.0, 50.0, 60.0, 80.0, 100.0)
+
+
+def kv_bytes_per_token(model_dir: str | Path, dtype: str = "float32") -> int:
+    """KV bytes per token of the model in ``model_dir`` (config.json): layers x 2 (K, V) x KV
+    heads x head_dim x bytes per element (float32 4, bfloat16/float16 2)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    return int(c["num_hidden_layers"]) * 2 * heads * head_dim * (4 if dtype == "float32" else 2)
+
+
+def pipeline_preview(requests: Sequence, config: ClusterConfig, kv_bytes: int,
+                     budgets_ms: Sequence[float] = PREVIEW_BUDGETS_MS) -> dict:
+    """What pdd's pipeline choice would do with this workload, per TTFT budget, before any run.
+
+    Each request's missing KV is its prompt minus its ideal prefix hit (an infinite cache holding
+    every earlier prompt, whole pages, one token always computed:
+    :func:`pdd.bench.trace.ideal_prefix_hits`), priced by :func:`pdd.policy.pipeline.expected_wan_seconds`
+    at the configured line rate and RTT. Per budget (ms): ``relayed_share`` (requests planned
+    P->RLD->MD), ``relayed_output_share`` (their share of output tokens: an upper bound of RLD's
+    share of output tokens, reached when RLD decodes them to the end), ``p_md_expected_wan_ms_p90``
+    (P90 of the planned P->MD requests' expected WAN time). ``configured_budget_ms`` is the
+    config's. Live MD caches are finite and the live WAN estimate varies, so the run's mix differs a
+    little; the run reports its own (``pipeline_mix``).
+    """
+    from pdd.bench.trace import ideal_prefix_hits
+    from pdd.policy.pipeline import PipelineInputs, expected_wan_seconds
+
+    hits = ideal_prefix_hits(requests, config.engine.page_size, 1)
+    exp_ms = [1000.0 * expected_wan_seconds(PipelineInputs(
+        mode="pdd", prompt_tokens=len(r.prompt_ids), md_cached_tokens=h, kv_bytes_per_token=kv_bytes,
+        wan_gbps_estimate=config.link.wan_gbps, wan_rtt_ms=config.link.wan_rtt_ms)) for r, h in zip(requests, hits)]
+    outs = [r.max_tokens for r in requests]
+    total_out = sum(outs) or 1
+    rows = {}
+    for b in sorted({*budgets_ms, float(config.policy.pipeline_ttft_budget_ms)}):
+        relay = [e > b + 1e-9 or b <= 0 for e in exp_ms]
+        pmd = [e for e, rl in zip(exp_ms, relay) if not rl]
+        rows[f"{b:g}"] = {"relayed_share": sum(relay) / len(relay) if relay else 0.0,
+                          "relayed_output_share": sum(o for o, rl in zip(outs, relay) if rl) / total_out,
+                          "p_md_expected_wan_ms_p90": _pct(pmd, 90)}
+    return {"configured_budget_ms": float(config.policy.pipeline_ttft_budget_ms), "kv_bytes_per_token": kv_bytes,
+            "expected_wan_ms": {"p50": _pct(exp_ms, 50), "p90": _pct(exp_ms, 90), "p95": _pct(exp_ms, 95)},
+            "by_budget_ms": rows}
 
 
 # ---------------------------------------------------------------- topologies
@@ -558,6 +633,16 @@ def run_bench(
     workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
     if ramp is not None:
         workload["ramp_rps"] = list(ramp)
+    preview = None
+    try:
+        kvb = kv_bytes_per_token(config.model_path, config.engine.dtype)
+    except (OSError, KeyError, ValueError, TypeError):
+        kvb = None  # no readable model config (e.g. --url without the model): no preview
+    if kvb:
+        preview = pipeline_preview(requests, config, kvb)
+        console.print("pipeline preview (ideal caches): budget ms -> relayed requests / their output tokens: "
+                      + ", ".join(f"{b}: {100 * v['relayed_share']:.1f}% / {100 * v['relayed_output_share']:.1f}%"
+                                  for b, v in preview["by_budget_ms"].items()))
     offered = workload["rate_rps"]
     console.print(
         f"workload: {workload['requests']} requests from {workload['trace']}, {workload['duration_s']:.1f} s of "
@@ -696,6 +781,7 @@ def run_bench(
         "modes": sweep_out,
     }
     report["wan_timeline"] = wan_timeline
+    report["pipeline_preview"] = preview
     report["bench"] = {
         "argv": list(argv) if argv is not None else None,
         "command": "pdd bench " + shlex.join(argv) if argv is not None else None,

@@ -14,8 +14,9 @@ Remedy (a jitter buffer; the client sees the same tokens in the same order, some
   client gap grows by more than ``step``: each paced gap is <= ``max_gap_factor`` x that ITL.
 - MD's tokens for positions RLD already streamed are checked against what was streamed and
   predict when MD's token for the next position will arrive (its latest token's arrival plus
-  MD's own ITL per position: MD may decode slower than RLD, and then its lag grows). The switch
-  to MD is allowed once that predicted arrival is within ``max_gap_factor x itl`` of the last
+  ``itl`` per position: MD may decode slower than RLD, and then its lag grows). The switch to MD
+  is allowed once that predicted arrival is within ``switch_gap_factor x itl`` (default 1: MD on
+  RLD's cadence; the rest of ``max_gap_factor`` is a margin for MD's jitter) of the last
   released token (:func:`switch_ready`). Until then RLD keeps decoding and streaming (catch-up
   keeps it alive until the switch) and MD's tokens are held back (checked, then dropped).
 - After the switch MD's tokens are released as they arrive (they are already ``lag`` late).
@@ -49,17 +50,23 @@ class PaceParams:
     max_ramp_tokens: paced tokens after which the switch is allowed whatever the gap (>= 1).
     itl_floor_ms: ITL used before any gap is seen, and the least ITL estimate (ms, > 0).
     prior_lag_ms: the hold ramps up to this until MD's lag is measured (ms, >= 0; the gateway
-    passes 1.5 x the configured WAN RTT: the ids' and MD's token's crossings plus the extend)."""
+    passes 1.5 x the configured WAN RTT: the ids' and MD's token's crossings plus the extend).
+    switch_gap_factor: the switch waits until MD's next token is predicted within this x ITL of the
+    last released token (>= 1, <= max_gap_factor; below max_gap_factor it leaves the difference
+    as a margin for MD's jitter and the prediction's error)."""
 
     max_gap_factor: float = DEFAULT_MAX_GAP_FACTOR
     max_hold_ms: float = DEFAULT_MAX_HOLD_MS
     max_ramp_tokens: int = DEFAULT_MAX_RAMP_TOKENS
     itl_floor_ms: float = 1.0
     prior_lag_ms: float = 30.0
+    switch_gap_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.max_gap_factor > 1.0:
             raise ValueError(f"max_gap_factor must be > 1, got {self.max_gap_factor}")
+        if not 1.0 <= self.switch_gap_factor <= self.max_gap_factor:
+            raise ValueError(f"need 1 <= switch_gap_factor <= max_gap_factor, got {self.switch_gap_factor}")
         if self.max_hold_ms < 0 or self.max_ramp_tokens < 1 or not self.itl_floor_ms > 0 or self.prior_lag_ms < 0:
             raise ValueError("need max_hold_ms >= 0, max_ramp_tokens >= 1, itl_floor_ms > 0, prior_lag_ms >= 0")
 
@@ -101,15 +108,15 @@ def switch_ready(predicted_gap_ms: float | None, itl_ref_ms: float, ramp_tokens:
 
     ``predicted_gap_ms``: MD's predicted arrival of the next position
     (:func:`predicted_md_arrival_ms`) minus the release time of the last token already scheduled
-    (None: MD not live yet -> False). Ready when it is <= ``max_gap_factor x itl_ref`` (``itl_ref``:
-    the larger of RLD's and MD's ITL). Also True once ``ramp_tokens >= max_ramp_tokens`` or the
+    (None: MD not live yet -> False). Ready when it is <= ``switch_gap_factor x itl_ref``
+    (``itl_ref``: the larger of RLD's and MD's ITL). Also True once ``ramp_tokens >= max_ramp_tokens`` or the
     hold reached ``max_hold_ms`` (give up smoothing: the switch then has the gap it has).
     """
     if predicted_gap_ms is None:
         return False
     if ramp_tokens >= params.max_ramp_tokens or hold_ms >= params.max_hold_ms:
         return True
-    return predicted_gap_ms <= params.max_gap_factor * max(itl_ref_ms, params.itl_floor_ms) + 1e-9
+    return predicted_gap_ms <= params.switch_gap_factor * max(itl_ref_ms, params.itl_floor_ms) + 1e-9
 
 
 def release_ms(arrival_ms: float, hold_ms: float, last_release_ms: float | None) -> float:
@@ -169,8 +176,7 @@ class SwitchPacer:
         """MD's predicted arrival of ``next_pos`` minus the last scheduled release (None: MD not live)."""
         if self._last_md is None:
             return None
-        arr = predicted_md_arrival_ms(self._last_md[0], self._last_md[1], next_pos,
-                                      self.itl_md_ms if self.itl_md_ms is not None else self._itl())
+        arr = predicted_md_arrival_ms(self._last_md[0], self._last_md[1], next_pos, self._itl_ref())
         return arr - (self._last_release_ms if self._last_release_ms is not None else arr)
 
     def _ready(self, st) -> bool:

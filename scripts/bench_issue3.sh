@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The measured runs behind docs/BENCH.md (issue #3's done-when). Usage:
+#   scripts/bench_issue3.sh OUT_DIR [STEP ...]
+# STEPs (default: all, in this order): gaps ramp prld routing agentic mooncake
+# Each step is one `pdd bench` invocation (its modes side by side on fresh topologies) writing
+# OUT_DIR/<step>/report.json, plots and console.txt. The configs are written into OUT_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: scripts/bench_issue3.sh OUT_DIR [STEP ...]}
+shift || true
+STEPS=${*:-gaps ramp prld routing agentic mooncake}
+PDD=${PDD:-.venv/bin/pdd}
+mkdir -p "$OUT"
+
+# Admission control off (pdd.gateway.admission answers 429 when P's queue is long): a benchmark
+# replays every request and measures it; overload behaviour has its own tests (docs/OVERLOAD.md).
+# WAN order shortest-remaining-first: a P->MD request's few pages do not wait behind a cold
+# prompt's megabytes (issue #3 item 3); every mode of a run gets the same config.
+cat > "$OUT/bench.yaml" <<'EOF'
+policy:
+  wan_order: srf
+  pipeline_ttft_budget_ms: 50
+  handoff_mode: catch_up
+limits:
+  max_inflight_requests: 0
+  max_queue_wait_s: 0
+  max_queued_prompt_tokens: 0
+EOF
+# the load ramp: RLD's capacity for the auto rule (max(running / max_running, pages)) set to 8
+# sequences, so the ramp reaches the high watermark (0.85) on this 2-core machine
+cat > "$OUT/ramp.yaml" <<'EOF'
+engine:
+  max_running: 8
+policy:
+  wan_order: srf
+  handoff_mode: auto
+limits:
+  max_inflight_requests: 0
+  max_queue_wait_s: 0
+  max_queued_prompt_tokens: 0
+  tier_max_waiting: 1000
+EOF
+# several instances: 2 P, 1 RLD, 2 MD
+cat > "$OUT/multi.yaml" <<'EOF'
+instances:
+  prefill: 2
+  relay_decode: 1
+  main_decode: 2
+policy:
+  wan_order: srf
+  pipeline_ttft_budget_ms: 50
+  handoff_mode: catch_up
+limits:
+  max_inflight_requests: 0
+  max_queue_wait_s: 0
+  max_queued_prompt_tokens: 0
+EOF
+
+W="$OUT/agentic.jsonl"
+[ -s "$W" ] || "$PDD" workload agentic --n 200 --seed 1 --out "$W" | tee "$OUT/agentic_histogram.txt"
+# many sessions for the routing comparison: the same generator with 8 turns per session on
+# average instead of 40 (~30 sessions in 240 requests), so prefix locality across instances matters
+W2="$OUT/agentic_many.jsonl"
+[ -s "$W2" ] || .venv/bin/python -c "import sys; from pdd.sim.workloads import generate_agentic, print_hit_histogram, \
+write_trace; r = generate_agentic(240, seed=2, mean_turns=8.0); print_hit_histogram(r); write_trace(r, sys.argv[1])" \
+  "$W2" | tee "$OUT/agentic_many_histogram.txt"
+
+AG=(--trace "$W" --session-sample 1 --requests 200 --rate 2 --no-progress)
+run() {  # run STEP ARGS...: one bench invocation, timed
+  local step=$1; shift
+  echo "== $step: $PDD bench $*" | tee "$OUT/$step.cmd"
+  local t0=$SECONDS
+  COLUMNS=160 timeout 1500 "$PDD" bench --out "$OUT/$step" "$@" > "$OUT/$step.console.txt" 2>&1 || echo "exit $?" >> "$OUT/$step.console.txt"
+  echo "== $step took $((SECONDS - t0)) s" | tee -a "$OUT/$step.cmd"
+}
+
+for s in $STEPS; do
+  case $s in
+    gaps)  # catch-up (jitter buffer) vs one-shot handoff gaps: every request relayed, so ~200 handoffs each
+      run gaps "${AG[@]}" --config "$OUT/bench.yaml" --sweep-rate none \
+        --modes "pdd+pipeline_ttft_budget_ms=0+handoff_mode=catch_up,pdd+pipeline_ttft_budget_ms=0+handoff_mode=one_shot" ;;
+    ramp)  # rising rate under handoff_mode=auto: both modes used, switches counted
+      run ramp "${AG[@]}" --config "$OUT/ramp.yaml" --sweep-rate none --ramp 1:12 \
+        --modes "pdd" ;;
+    prld)  # the excluded pipeline as an ablation, beside pdd
+      run prld "${AG[@]}" --config "$OUT/bench.yaml" --sweep-rate none --modes "pdd,pdd+allow_p_rld" ;;
+    routing)  # 2 P, 2 MD: cache-aware vs round-robin routing
+      run routing --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress --config "$OUT/multi.yaml" \
+        --sweep-rate none --modes "pdd+routing=cache_aware,pdd+routing=round_robin" ;;
+    agentic)  # the issue's four modes, plus pdd with a zero budget (always relay) for the SLO comparison
+      run agentic "${AG[@]}" --config "$OUT/bench.yaml" --sweep-rate auto --sweep-points 3 --sweep-requests 40 \
+        --sweep-seconds 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=0" ;;
+    mooncake)  # a slice of the shared Mooncake conversation trace (bench's default scale: 1 in 50 conversations)
+      run mooncake --trace /work/shared/traces/mooncake_conversation_trace.jsonl --requests 200 --no-progress \
+        --config "$OUT/bench.yaml" --sweep-rate none --modes "colocated,same_dc_pd,cross_dc_pd,pdd" ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+done
