@@ -305,10 +305,10 @@ class Orchestrator:
 
     async def on_xfer_done(self, peer, h, payload):
         st = self.reqs.get(h["rid"])
-        wan = sum(v for k, v in h.get("bytes", {}).items() if self.layout.get(k).dc == "B")
+        wan = sum(v for k, v in h.get("bytes", {}).items() if self._in_b(k))
         # bytes of pages whose sending was cancelled (cut-off): expected = planned - cancelled
         planned = self.planned_wan.pop(h["rid"], 0)
-        unsent = sum(planned if v < 0 else v for k, v in h.get("unsent", {}).items() if self.layout.get(k).dc == "B")
+        unsent = sum(planned if v < 0 else v for k, v in h.get("unsent", {}).items() if self._in_b(k))
         if unsent:
             self.totals["wan_bytes_cancelled"] += unsent
             self.totals["wan_bytes_expected"] -= unsent
@@ -320,6 +320,13 @@ class Orchestrator:
                 # instead of waiting for the request timeout
                 self._instance_lost(st, name, f"KV transfer to {name} failed: {err}")
         return None
+
+    def _in_b(self, name: str) -> bool:
+        """Whether instance ``name`` is in datacenter B (False for a slot never given an instance)."""
+        try:
+            return self.layout.get(name).dc == "B"
+        except KeyError:
+            return False
 
     async def on_wan_sample(self, peer, h, payload):
         """MD's receive rate of one request's KV (first frame to last), Gbit/s: the live WAN
@@ -596,14 +603,20 @@ class Orchestrator:
             else:
                 self._fail_lost(st, reason)
 
-    def _md_leg_lost(self, st: ReqState, reason: str) -> None:
+    def _md_leg_lost(self, st: ReqState, reason: str, degraded: bool = True) -> None:
         """MD's leg of a relayed request is gone before MD's stream went live: RLD finishes the
-        request (degraded); P stops (or never starts) the WAN transfer, MD drops what it has."""
+        request (degraded); P stops (or never starts) the WAN transfer, MD drops what it has.
+        ``degraded`` False: the leg is cut because no decoder is needed (first token finished it)."""
         if st.md_lost or st.finished:
             return
-        st.md_lost = st.degraded = True
+        st.md_lost = True
         st.md_pending.clear()
-        self.totals["md_legs_lost"] = self.totals.get("md_legs_lost", 0) + 1
+        if degraded:
+            st.degraded = True
+            self.totals["md_legs_lost"] = self.totals.get("md_legs_lost", 0) + 1
+        else:
+            st.cut_off = True
+            self.totals["cut_offs"] += 1
         log.warning("request %s: MD leg lost (%s); RLD finishes it", st.rid, reason)
         md_name = st.names.get(ROLE_MAIN)
         p_name = st.names.get(ROLE_PREFILL)
@@ -640,14 +653,16 @@ class Orchestrator:
             self._fail_lost(st, f"instance {md_name} is unreachable ({e})")
 
     async def _abort_everywhere(self, trid: str) -> None:
-        """Abort one attempt's tier rid on every reachable instance (idempotent there)."""
-        for name, peer in list(self.peers.items()):
-            if peer.closed:
-                continue  # its own heartbeat / connection loss frees what it holds
+        """Abort one attempt's tier rid on every reachable instance at once (idempotent there;
+        an unreachable one frees it when its own heartbeat drops the gateway's connection)."""
+
+        async def one(name: str, peer: rpc.Peer) -> None:
             try:
                 await peer.call({"t": "abort", "rid": trid}, timeout=10)
             except Exception as e:
                 log.warning("abort %s on %s failed: %s", trid, name, e)
+
+        await asyncio.gather(*(one(n, p) for n, p in list(self.peers.items()) if not p.closed))
 
     async def _launch(self, st: ReqState, prompt: list[int], sp: SamplingParams | None = None,
                       force_relay: bool = False) -> None:
@@ -707,16 +722,23 @@ class Orchestrator:
             # leg runs on its own: if MD cannot be reached, RLD finishes the request.
             rld_name, rld = self._peer(st, ROLE_RELAY)
             md_leg = None
+            st.pipeline = self._plan(st, len(prompt), 0) if not force_relay else Pipeline.P_RLD_MD
             try:
                 await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
-                st.pipeline = self._plan(st, len(prompt), 0) if not force_relay else Pipeline.P_RLD_MD
                 p_call = asyncio.ensure_future(p.call(
                     {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
                      "targets": [{"name": rld_name, "first_page": 0, "relay": False},
                                  {"slot": "md", "deferred": True}]}, timeout=t))
                 md_leg = asyncio.ensure_future(self._md_leg(st, reserve, p))
                 rep, _ = await p_call
+                if rep.get("fin") is not None:
+                    # finished by its first token (EOS, a stop id, max_tokens 1): MD will never
+                    # decode it, so its WAN transfer is cut before it starts (P waits for MD's
+                    # part of the plan): the cut-off's "short remainders finish" rule is about
+                    # transfers that feed MD's cache for a next turn; this one would only
+                    # carry a finished request's prompt (RLD emits the token and frees)
+                    self._md_leg_lost(st, "finished by its first token", degraded=False)
             except BaseException:
                 for fut in (reserve, md_leg):
                     if fut is not None and not fut.done():
@@ -967,16 +989,11 @@ class Orchestrator:
         """Tell every engine to drop the request and free its pages (idempotent there)."""
         st.finished = True
         self.reqs.pop(st.trid, None)
-        for name, peer in list(self.peers.items()):
-            if peer.closed:
-                continue  # unreachable: it frees the request when it finds the gateway gone
-            try:
-                await peer.call({"t": "abort", "rid": st.trid}, timeout=10)
-            except Exception as e:  # the instance may be gone; it frees everything when it goes
-                log.warning("abort %s on %s failed: %s", st.rid, name, e)
+        await self._abort_everywhere(st.trid)
 
     # ------------------------------------------------------------------ stats
     async def stats(self) -> dict:
+        await self._reconnect_closed()
         inst = {}
         for name, peer in self.peers.items():
             try:
@@ -1001,7 +1018,13 @@ class Orchestrator:
                 out["link"] = {"error": str(e)}
         return out
 
+    async def _reconnect_closed(self) -> None:
+        """Try once to reach every instance whose connection is closed (restarted, or back
+        after a WAN outage)."""
+        await asyncio.gather(*(self._reconnect(n) for n, p in list(self.peers.items()) if p.closed))
+
     async def flush(self) -> dict:
+        await self._reconnect_closed()
         inst = {}
         leaked = 0
         for name, peer in self.peers.items():

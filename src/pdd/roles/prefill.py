@@ -106,6 +106,8 @@ class PrefillInstance(EngineInstance):
 
     async def _sender_locked(self, name: str, host: str, port: int, wan: bool) -> tuple[KVSender, bool]:
         s = self.senders.get(name)
+        if s is not None and s.peer.closed:
+            await s.close()  # its transfers already failed with the connection
         if s is None or s.peer.closed:
             # the fingerprint refuses an instance whose page size, KV dtype/layout or weights differ
             # (HandshakeError, never retried); a dead target is not retried for long (the gateway

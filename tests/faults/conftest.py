@@ -1,0 +1,1 @@
+"""A shared topology for the fault matrix (two instances of each tier)."""
