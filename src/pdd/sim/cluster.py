@@ -114,6 +114,7 @@ class SimConfig:
     efficiency: Efficiency | None = None
     model_spec: dict | None = None  # ModelProfile fields (e.g. a measured profile's "model"), overrides `model`
     block_tokens: int = BLOCK  # tokens per hash block of the records (= cache page granularity)
+    host_cores: float = 0.0  # >0: all instances share this many CPU cores (validating a one-machine topology)
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
@@ -569,7 +570,8 @@ class Instance:
                 sum_ctx = 0
                 for it in items:
                     sum_ctx += it.start
-                dt = cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0)
+                dt = cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) * self.sim.host_share()
+                self.sim.host_busy += 1
                 t0 = env.now
                 self.wake = w = env.event()
                 yield env.timeout(k * dt) | w
@@ -580,6 +582,7 @@ class Instance:
                     rest = t0 + done * dt - env.now
                     if rest > 0:
                         yield env.timeout(rest)
+                self.sim.host_busy -= 1
                 self.busy_s += done * dt
                 self.steps += done
                 for it in items:
@@ -591,8 +594,10 @@ class Instance:
                     self.tokens_out += done
                     self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
             else:
-                dt = cm.step_time((it.start, it.num_tokens) for it in items)
+                dt = cm.step_time((it.start, it.num_tokens) for it in items) * self.sim.host_share()
+                self.sim.host_busy += 1
                 yield env.timeout(dt)
+                self.sim.host_busy -= 1
                 self.busy_s += dt
                 self.steps += 1
                 for it in items:
@@ -656,8 +661,16 @@ class ClusterSim:
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
         self.wan_gbps_live: float | None = None  # EWMA of MD's receive rates (gateway's estimate)
+        self.host_busy = 0  # instances in a step now (for host_cores)
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}
+
+    def host_share(self) -> float:
+        """Slow-down of a step starting now when every instance shares ``cfg.host_cores`` CPU
+        cores (the live single-machine topology): ``max(1, busy instances incl. this / cores)``,
+        fixed for the step; 1 when ``host_cores`` is 0 (one accelerator per instance)."""
+        c = self.cfg.host_cores
+        return max(1.0, (self.host_busy + 1) / c) if c > 0 else 1.0
 
     # --- the gateway's live WAN estimate (pdd.gateway.orchestrator semantics) ----------------------
     WAN_EWMA = 0.2  # orchestrator.WAN_EWMA: weight of the newest sample

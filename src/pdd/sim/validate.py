@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -37,8 +38,10 @@ def sim_records(requests) -> list[dict]:
     return out
 
 
-def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int) -> SimConfig:
-    """A SimConfig mirroring the live ``ClusterConfig`` ``cfg`` (pdd mode)."""
+def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
+               host_cores: float | None = None) -> SimConfig:
+    """A SimConfig mirroring the live ``ClusterConfig`` ``cfg`` (pdd mode). On a CPU topology
+    every instance shares this machine's cores (``host_cores``, default ``os.cpu_count()``)."""
     e, link, pol, n = cfg.engine, cfg.link, cfg.policy, cfg.instances
     return SimConfig(
         mode=cfg.mode, model="measured", model_spec={**prof["model"], "max_context": e.max_model_len},
@@ -50,7 +53,8 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int) -> 
         prefill_chunk_tokens=e.prefill_chunk_tokens, ttft_budget_ms=pol.pipeline_ttft_budget_ms,
         handoff_mode=pol.handoff_mode, catchup_threshold=pol.catchup_threshold_tokens,
         allow_p_rld=pol.allow_p_rld, cutoff=pol.cutoff, cutoff_min_remaining_s=pol.cutoff_min_remaining_s,
-        routing=pol.routing, block_tokens=block_tokens, warmup_frac=0.0, slo_ttft_s=1e9, slo_tpot_s=1e9)
+        routing=pol.routing, block_tokens=block_tokens, warmup_frac=0.0, slo_ttft_s=1e9, slo_tpot_s=1e9,
+        host_cores=host_cores if host_cores is not None else (0.0 if e.device != "cpu" else float(os.cpu_count() or 1)))
 
 
 def decisions_of(entries) -> dict:
