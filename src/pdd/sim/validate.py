@@ -235,6 +235,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     live = [r.to_dict() for r in records]
     live_s = time.time() - t_live
     write_jsonl(out / "requests.jsonl", live)
+    (out / "server_stats.json").write_text(json.dumps(entry, indent=1, default=str))
     scfg = sim_config(cfg, profile, prof, block_tokens)
     sim = ClusterSim(scfg)
     sim.record_decisions = True
