@@ -264,8 +264,9 @@ def test_handoff_gaps_by_mode_wide_window_baseline_and_switches():
     assert h["gaps_by_mode"]["catch_up"]["gap_ms"]["max"] == pytest.approx(15.0)  # +-3 tokens
     assert h["gaps_by_mode"]["catch_up"]["wide"]["gap_ms"]["max"] == pytest.approx(15.0)
     assert h["gaps_by_mode"]["catch_up"]["gap_over_median_itl"]["p95"] == pytest.approx(1.5)
-    # baseline: the last 27 gaps of each record, ending >= 3 tokens after its handoff: plain only (10 ms)
-    assert h["baseline_wide"]["n"] == 1 and h["baseline_wide"]["gap_ms"]["max"] == pytest.approx(10.0)
+    # baselines: the last 7 (28) gaps of each record, ending >= 3 tokens after its handoff
+    assert h["baseline_wide"]["n"] == 1 and h["baseline_wide"]["gap_ms"]["max"] == pytest.approx(10.0)  # plain only
+    assert h["baseline"]["n"] == 3 and h["baseline"]["gap_ms"]["max"] == pytest.approx(10.0)
     # no RLD instance: mode switches unknown
     assert handoff_stats([plain], entry={"stats": {"instances": {}}})["mode_switches"] is None
 

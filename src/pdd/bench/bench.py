@@ -6,18 +6,22 @@ One invocation:
    agentic trace, any file of ``{"timestamp", "input_length", "output_length", "hash_ids"}``
    records), scaled as in ``pdd demo`` (:class:`pdd.bench.trace.Scale`);
 2. fixes the SLO (:mod:`pdd.bench.slo`) before anything is measured: a *reference run* of the
-   first ``--ref-requests`` requests through ``same_dc_pd``, one request in flight at a time
-   (back to back); SLO = TTFT <= 3 x its median TTFT and TPOT <= 1.5 x its median TPOT, unless
-   ``--slo ttft:MS tpot:MS`` gives them. The reference runs on the ``same_dc_pd`` topology of
-   the modes (flushed afterwards) or, when that mode is not benchmarked, on a topology of its own;
-   with ``--url`` it runs on the external server (the report says so);
+   workload's requests (all of them by default, or the first ``--ref-requests``) through
+   ``same_dc_pd``, one request in flight at a time (back to back), so the reference has the
+   run's prompts, outputs and prefix reuse; SLO = TTFT <= 3 x its median TTFT and TPOT <= 1.5 x
+   its median TPOT, unless ``--slo ttft:MS tpot:MS`` gives them. The reference runs on the
+   ``same_dc_pd`` topology of the modes (flushed afterwards) or, when that mode is not
+   benchmarked, on a topology of its own; with ``--url`` it runs on the external server;
 3. for each mode, on a fresh topology (new processes, empty caches): a warm-up request then a
-   cache flush; the *main run* (all requests at the offered rate, open loop); a flush; then, with
-   ``--sweep-rate``, the *sweep*: the first ``--sweep-requests`` requests (of those, the ones
-   arriving within ``--sweep-seconds`` at that rate) replayed at the rates :mod:`pdd.bench.sweep`
-   picks, **on the same topology, caches flushed between rates** (every point starts with empty
-   caches, as the main run does). SLA goodput = the highest swept rate
+   cache flush; the *main run* (all requests at the offered rate, open loop, or rising with
+   ``--ramp START:END``); a flush; then, with ``--sweep-rate``, the *sweep*: the point at the
+   offered rate is the main run itself; other rates replay the first ``--sweep-requests``
+   requests (of those, the ones arriving within ``--sweep-seconds`` at that rate) at the rates
+   :mod:`pdd.bench.sweep` picks, **on the same topology, caches flushed between rates** (every
+   point starts with empty caches, as the main run does). SLA goodput = the highest swept rate
    at which >= 90% of requests meet the SLO.
+   A mode is a label: a mode name, optionally with policy overrides (``pdd+allow_p_rld``,
+   ``pdd+routing=round_robin``, :func:`parse_mode_label`), so ablations run side by side.
    With ``--url`` nothing is started: the one mode is the server's (GET /pdd/stats), and stats
    come from that endpoint;
 4. writes ``--out``: ``report.json``, ``requests.jsonl`` (main runs), ``reference_requests.jsonl``,
@@ -75,6 +79,7 @@ DEFAULT_SWEEP_REQUESTS = 48
 DEFAULT_SWEEP_POINTS = 3
 DEFAULT_SWEEP_SECONDS = 20.0  # a sweep point's arrivals span at most this (fewer requests at low rates)
 DEFAULT_SWEEP_TIMEOUT_S = 60.0
+DEFAULT_SWEEP_MIN_REQUESTS = 20  # a point's attainment over fewer requests is too coarse (90% = at most 1 of 10 missed)
 HANDOFF_WINDOW = 3  # tokens either side of MD's first token whose gaps count as the handoff's gap
 HANDOFF_WINDOW_BEFORE = 3
 WIDE_WINDOW_BEFORE = 24  # the wide window also covers the catch-up jitter buffer's paced tokens
@@ -127,9 +132,10 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
     handoff mode, the gap percentiles (median, P90, P95, P99, max) in ms and over the median ITL,
     and ``wide``: the same over a wide window (``WIDE_WINDOW_BEFORE`` tokens before MD's first
     token to ``window`` after: it covers the catch-up jitter buffer's paced tokens).
-    ``baseline_wide``: the noise floor of that wide statistic: per completed record with enough
-    tokens, the largest gap among its last ``WIDE_WINDOW_BEFORE + window`` gaps, ending at least
-    ``window`` tokens after any handoff (ordinary decoding, no switch in it); percentiles as above;
+    ``baseline`` / ``baseline_wide``: the noise floor of these statistics without a switch: per
+    completed record with enough tokens, the largest gap among its last ``window_before + window
+    + 1`` (``WIDE_WINDOW_BEFORE + window + 1``) gaps, all ending at least ``window`` tokens after
+    any handoff (ordinary decoding); percentiles as above;
     ``rounds``: ``pdd.handoff_rounds`` (1 when absent); ``md_diverged``: records with
     ``pdd.md_diverged``. ``server``: the gateway's ``handoffs*`` counters over the run (deltas; from
     ``entry``, the server_stats entry); ``mode_switches``: RLD's auto-mode switches over the run
@@ -183,7 +189,8 @@ def handoff_stats(records: Iterable[Mapping], median_itl_ms: float | None = None
         "gaps_by_mode": {m: {**_gap_summary(v, median_itl_ms), "wide": _gap_summary(wide_by[m], median_itl_ms)}
                          for m, v in sorted(gaps_by.items())},
         "wide_window_tokens_before": WIDE_WINDOW_BEFORE,
-        "baseline_wide": _gap_summary(_baseline_gaps(done, WIDE_WINDOW_BEFORE + window, window), median_itl_ms),
+        "baseline": _gap_summary(_baseline_gaps(done, window_before + window + 1, window), median_itl_ms),
+        "baseline_wide": _gap_summary(_baseline_gaps(done, WIDE_WINDOW_BEFORE + window + 1, window), median_itl_ms),
     }
 
 
@@ -575,6 +582,7 @@ def run_bench(
     sweep_requests: int | None = DEFAULT_SWEEP_REQUESTS,
     sweep_timeout_s: float = DEFAULT_SWEEP_TIMEOUT_S,
     sweep_seconds: float | None = DEFAULT_SWEEP_SECONDS,
+    sweep_min_requests: int = DEFAULT_SWEEP_MIN_REQUESTS,
     warmup: bool = True,
     request_timeout_s: float | None = None,
     wan_sample_s: float = 0.5,
@@ -739,6 +747,7 @@ def run_bench(
                     points = _sweep_mode(topo, cfg, mode, sweep, sweep_reqs, slo_obj,
                                          main_dicts, entry, offered,
                                          min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
+                                         sweep_min_requests,
                                          progress, console)
         except Exception as ex:  # noqa: BLE001 - one broken mode must not lose the others
             mode_errors[mode] = f"{type(ex).__name__}: {ex}"
@@ -775,6 +784,7 @@ def run_bench(
     report["slo"] = slo_info
     report["sweep"] = None if sweep is None else {
         "plan": sweep.to_dict(), "requests": len(sweep_reqs), "max_arrival_s": sweep_seconds,
+        "min_requests": sweep_min_requests,
         "request_timeout_s": min(timeout_s, sweep_timeout_s),
         "topology": "same topology as the mode's main run, caches flushed before every rate",
         "definition": f"sla_goodput_rps = highest swept rate with slo_attainment >= {sweep.threshold}",
@@ -812,13 +822,14 @@ def run_bench(
 
 def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequence, slo: SLO,
                 main_records: list[dict] | None, main_entry: dict, offered: float | None, timeout_s: float,
-                max_arrival_s: float | None, path: Path, progress: bool, console) -> list[dict]:
+                max_arrival_s: float | None, path: Path, min_requests: int, progress: bool,
+                console) -> list[dict]:
     """The sweep on a running topology (flushed before every rate); returns its points."""
     history: list[tuple[float, float]] = []
     points: list[dict] = []
     while (rate := next_rate(plan, history)) is not None:
         t0 = time.monotonic()
-        point = point_requests(reqs, rate, max_arrival_s)
+        point = point_requests(reqs, rate, max_arrival_s, min_requests=min_requests)
         if main_records is not None and offered and abs(rate - offered) <= 1e-6 * offered:
             dicts, entry, reused = main_records, main_entry, True  # exactly the main run's replay
         else:
@@ -871,8 +882,11 @@ def bench_rows(modes: Mapping[str, Mapping]) -> list[tuple[str, list[str]]]:
         row("handoff gap P50/P95 (ms)", lambda m: "-" if not (m.get("handoff") or {}).get("handoffs") else
             f"{_fmt(m['handoff']['gap_ms']['median'])} / {_fmt(m['handoff']['gap_ms']['p95'])}"),
         row("handoff gap P95 / median ITL", lambda m: ", ".join(
-            f"{k} x{_fmt(v['gap_over_median_itl']['p95'], 2)}" for k, v in
-            ((m.get("handoff") or {}).get("gaps_by_mode") or {}).items()) or "-"),
+            [f"{k} x{_fmt(v['gap_over_median_itl']['p95'], 2)}" for k, v in
+             ((m.get("handoff") or {}).get("gaps_by_mode") or {}).items()]
+            + ([f"no switch x{_fmt(m['handoff']['baseline']['gap_over_median_itl']['p95'], 2)}"]
+               if (m.get("handoff") or {}).get("handoffs") and m["handoff"].get("baseline", {}).get("n") else []))
+            or "-"),
         row("RLD mode switches", lambda m: _fmt((m.get("handoff") or {}).get("mode_switches"))),
         row("P hit rate", lambda m: pct(m.get("p_hit_rate"))),
         row("MD (D) hit rate", lambda m: pct(m.get("md_hit_rate"))),
@@ -959,6 +973,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per sweep point (the first N; 0 = all)")
     g.add_argument("--sweep-seconds", type=float, default=DEFAULT_SWEEP_SECONDS,
                    help="a point keeps the requests arriving within this many s at its rate (0 = all)")
+    g.add_argument("--sweep-min-requests", type=int, default=DEFAULT_SWEEP_MIN_REQUESTS,
+                   help="a point keeps at least this many requests, even if they arrive after --sweep-seconds")
     g.add_argument("--sweep-points", type=int, default=DEFAULT_SWEEP_POINTS, help="auto sweep: most points per mode")
     g.add_argument("--sweep-bisect", type=int, default=2, help="auto sweep: bisection steps")
     g.add_argument("--sweep-timeout", type=float, default=DEFAULT_SWEEP_TIMEOUT_S, help="per request in the sweep, s")
@@ -1003,7 +1019,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace, start=args.start,
                        url=args.url, slo=slo, ref_requests=args.ref_requests, sweep=sweep,
                        sweep_requests=args.sweep_requests or None, sweep_timeout_s=args.sweep_timeout,
-                       sweep_seconds=args.sweep_seconds or None,
+                       sweep_seconds=args.sweep_seconds or None, sweep_min_requests=args.sweep_min_requests,
                        warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
                        progress=not args.no_progress, argv=argv, ramp=ramp)
     return 1 if report.get("mode_errors") and len(report["mode_errors"]) == len(report["bench"]["modes"]) else 0
