@@ -502,6 +502,8 @@ class Peer:
     def _on_bad_crc(self, e: CrcError) -> None:
         h = e.header or {}
         cid = h.get("cid")
+        if not isinstance(cid, int) or isinstance(cid, bool):  # a corrupt header's cid may be anything (fuzz)
+            return
         if h.get("reply"):
             fut = self._pending.get(cid)
             if fut is not None and not fut.done():
