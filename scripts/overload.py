@@ -231,11 +231,16 @@ def main() -> int:
             data["limits"] = limits
         return ClusterConfig.model_validate(data)
 
+    def targets(slo: dict) -> dict:
+        """The overload run's latency targets: a fraction of the SLO."""
+        f = args.target_fraction
+        return {"ttft_target_ms": f * slo["ttft_ms"], "tpot_target_ms": f * slo["tpot_ms"],
+                "max_queue_wait_s": f * slo["ttft_ms"] / 1000}
+
     slo = json.loads(args.slo) if args.slo != "reference" else None
     over_limits = json.loads(args.limits) if args.limits else None
     if over_limits is None and slo is not None:
-        over_limits = {"ttft_target_ms": args.target_fraction * slo["ttft_ms"],
-                       "tpot_target_ms": args.target_fraction * slo["tpot_ms"]}
+        over_limits = targets(slo)
     cfg = config(json.loads(args.sweep_limits) if args.sweep_limits else None)
     rng = random.Random(args.seed)
     recs: list[Rec] = []
@@ -258,8 +263,7 @@ def main() -> int:
                    "tpot_ms": round(TPOT_FACTOR * statistics.median(r.tpot_s for r in ok) * 1000, 1)}
             recs += ref
             report["reference"] = {"requests": len(ref), "ok": len(ok)}
-            over_limits = over_limits or {"ttft_target_ms": args.target_fraction * slo["ttft_ms"],
-                                          "tpot_target_ms": args.target_fraction * slo["tpot_ms"]}
+            over_limits = over_limits or targets(slo)
         report["slo"] = slo
         log("SLO", slo)
         # -- capacity sweep

@@ -107,8 +107,10 @@ class LimitsConfig(_Strict):
     """Overload protection (docs/OVERLOAD.md): gateway admission and bounded tier queues.
 
     What the gateway cannot take gets HTTP 429 with ``Retry-After`` (``pdd.gateway.admission``).
-    A ``None`` limit is derived from the tiers' own sizes (``engine.max_running``, ``max_batch_tokens``)
-    and instance counts, as stated per field; 0 turns that limit off.
+    A ``None`` limit is derived from the tiers' own sizes (``engine.max_running``, the KV pool) and
+    instance counts, as stated per field; 0 turns that limit off. The latency targets
+    (``max_queue_wait_s``, ``ttft_target_ms``, ``tpot_target_ms``) are the operator's SLO and off
+    by default.
     """
 
     max_inflight_requests: int | None = Field(
@@ -116,13 +118,13 @@ class LimitsConfig(_Strict):
         description="requests (choices) in flight at the gateway; None: the decode tier's batch slots plus its "
         "queues, i.e. (engine.max_running + tier_max_waiting) x decode instances")
     max_queue_wait_s: float = Field(
-        2.0, ge=0,
+        0.0, ge=0,
         description="refuse a request when the prompt tokens queued for prefill (its own included) would take "
         "longer than this to drain at P's measured prefill rate (tokens/s, busy periods only); 0: off")
     max_queued_prompt_tokens: int | None = Field(
         None, ge=0,
-        description="prompt tokens admitted and not yet prefilled; None: 8 x engine.max_batch_tokens x prefill "
-        "instances (a bound used also before P's rate is measured)")
+        description="prompt tokens admitted and not yet prefilled; None: P's KV pool in tokens (engine.num_pages "
+        "x engine.page_size x prefill instances): more than that cannot be in prefill at once")
     tier_max_waiting: int | None = Field(
         None, ge=0,
         description="sequences an engine holds beyond one full batch (engine.max_running) before it refuses new "

@@ -72,14 +72,15 @@ def test_prefill_rate_counts_busy_time_only():
 
 
 def test_resolve_limits_defaults_derive_from_the_engines():
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "engine": {"max_running": 8, "max_batch_tokens": 256},
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "engine": {"max_running": 8, "num_pages": 100, "page_size": 16},
                                         "instances": {"prefill": 2, "main_decode": 3}})
     lim = resolve_limits(cfg, layout(cfg))
-    assert lim.max_inflight == (8 + 8) * 3 and lim.max_queued_tokens == 8 * 256 * 2 and lim.max_wait_s == 2.0
+    assert lim.max_inflight == (8 + 8) * 3 and lim.max_queued_tokens == 100 * 16 * 2
+    assert lim.max_wait_s is None  # latency targets are opt-in
     cfg = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={
-        "max_inflight_requests": 0, "max_queued_prompt_tokens": 77, "max_queue_wait_s": 0, "tier_max_waiting": 2})})
+        "max_inflight_requests": 0, "max_queued_prompt_tokens": 77, "max_queue_wait_s": 1.5, "tier_max_waiting": 2})})
     lim = resolve_limits(cfg, layout(cfg))
-    assert (lim.max_inflight, lim.max_queued_tokens, lim.max_wait_s) == (None, 77, None)
+    assert (lim.max_inflight, lim.max_queued_tokens, lim.max_wait_s) == (None, 77, 1.5)
     assert cfg.limits.waiting(8) == 2
 
 

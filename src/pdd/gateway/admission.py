@@ -7,7 +7,8 @@ Three measured quantities, three limits (``ClusterConfig.limits``, docs/OVERLOAD
   (default: the decode tier's batch slots plus its queues, ``(max_running + tier_max_waiting) x
   decode instances``: more than that can only wait on a tier);
 - **prompt tokens queued for prefill** (admitted, P not yet done) against
-  ``max_queued_prompt_tokens`` (default ``8 x max_batch_tokens x P instances``), and
+  ``max_queued_prompt_tokens`` (default: P's KV pool in tokens, ``num_pages x page_size x P
+  instances``), and
 - **expected prefill queue wait** = queued tokens (the new request's included) / P's measured
   prefill rate, against ``max_queue_wait_s``. The rate is tokens per *busy* second: each
   prefill completion adds its prompt tokens and the time since the later of its own admission and
@@ -182,7 +183,7 @@ def resolve_limits(cfg, lay) -> AdmissionLimits:
         inflight = (e.max_running + lim.waiting(e.max_running)) * decoders
     queued = lim.max_queued_prompt_tokens
     if queued is None:
-        queued = 8 * e.max_batch_tokens * prefillers
+        queued = e.num_pages * e.page_size * prefillers
     return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s)
 
 
