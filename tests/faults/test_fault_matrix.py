@@ -178,7 +178,11 @@ def test_fault_cell(fault, phase, topo, inj, reference):
                 gone = rid not in inj.live_requests() and _gone_everywhere(topo, rid)
                 time.sleep(0.05)
             outcome["cancelled_s"] = round(time.monotonic() - t_dc, 2)
-            assert gone, f"request {rid} still live {DISCONNECT_BOUND_S} s after the client disconnected"
+            if not gone:
+                st = topo.stats()
+                busy = {n: v.get("running") for n, v in st["instances"].items() if isinstance(v, dict) and v.get("running")}
+                raise AssertionError(f"request {rid} still live {DISCONNECT_BOUND_S} s after the client disconnected: "
+                                     f"gateway {inj.live_requests().get(rid)}, running {busy}")
             outcome["result"] = f"cancelled in {outcome['cancelled_s']} s"
         else:
             assert client.error is None and client.status == 200, client.error
@@ -229,3 +233,55 @@ def test_matrix_table(topo):
         print(f"{f:<18}" + "".join(f"{c:<24}" for c in row))
     print("gateway totals:", {k: v for k, v in st["totals"].items()})
     assert len(RESULTS) == len(CELLS)
+
+
+def test_first_token_eos_stops_after_one_token_and_cuts_the_wan_leg(topo, model_dir):
+    """The first sampled token is EOS (forced with logit_bias): finish_reason "stop" after one
+    token (emitted by RLD), MD never decodes, and the WAN transfer is cut before it starts
+    (fewer bytes cross the line than one KV page; the prompt has 13 pages)."""
+    import httpx
+
+    from pdd.engine.config import ModelConfig
+
+    _warm_up(topo)
+    eos = ModelConfig.from_pretrained(model_dir).eos_token_ids[0]
+    page_bytes = 4 * 2 * 2 * 32 * 16 * 4  # small preset: layers x (K,V) x kv heads x head dim x page x fp32
+    before = topo.stats()
+    md_fwd = sum(v["forward_calls"] for n, v in before["instances"].items() if n.startswith("md"))
+    r = httpx.post(topo.url + "/v1/completions", timeout=60,
+                   json={"prompt": _prompt(999, 200), "max_tokens": 8, "temperature": 0,
+                         "logit_bias": {str(eos): 100}})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["choices"][0]["finish_reason"] == "stop" and j["usage"]["completion_tokens"] == 1
+    assert j["pdd"]["cut_off"] is True and j["pdd"]["pipeline"] == "p_rld_md"
+    assert topo.wait_idle(timeout_s=30)
+    after = topo.stats()
+    assert sum(v["forward_calls"] for n, v in after["instances"].items() if n.startswith("md")) == md_fwd
+    sent = after["link"]["bytes_a_to_b"] - before["link"]["bytes_a_to_b"]
+    assert sent < page_bytes, f"{sent} bytes crossed the WAN"
+    assert topo.flush()["leaked_pages"] == 0
+
+
+def test_no_prefill_left_fails_fast_with_a_clear_error(topo, inj):
+    """Both P instances killed: a request fails at once (HTTP 503 naming the tier), nothing is
+    left on RLD or MD; both come back and serve again."""
+    import httpx
+
+    _warm_up(topo)
+    inj.kill("p0")
+    inj.kill("p1")
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(topo.url + "/v1/completions", json={"prompt": _prompt(998, SHORT), "max_tokens": 4,
+                                                            "temperature": 0}, timeout=60)
+        took = time.monotonic() - t0
+        assert r.status_code == 503, r.text
+        assert "no prefill instance is reachable" in r.json()["error"]["message"]
+        print(f"\nno P left: 503 after {took:.2f} s")
+        assert _gone_everywhere(topo, "")
+    finally:
+        inj.restart("p0")
+        inj.restart("p1")
+    _warm_up(topo)
+    assert topo.wait_idle(timeout_s=30) and topo.flush()["leaked_pages"] == 0

@@ -129,6 +129,7 @@ class ReqState:
     md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
     degraded: bool = False  # ended (or will end) on RLD because no MD was usable
     takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
+    aborted: bool = False  # aborted (client gone, failure): late replies must not book anything
     recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline"}]
 
 
@@ -705,13 +706,18 @@ class Orchestrator:
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
 
+        trid, names = st.trid, st.names  # this attempt's (a recovery makes new ones)
+
         async def route_and_reserve():
             # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
-            st.names[ROLE_MAIN] = await self._route(ROLE_MAIN, prompt)
+            md_name_ = await self._route(ROLE_MAIN, prompt)
+            if st.trid != trid:
+                raise ConnectionError(f"attempt {trid} was given up")
+            names[ROLE_MAIN] = md_name_
             self._assign(st, ROLE_MAIN)
-            _, md_ = self._peer(st, ROLE_MAIN)
-            return await md_.call({"t": "reserve", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling},
-                                  timeout=t)
+            rep_, _ = await self.peers[md_name_].call(
+                {"t": "reserve", "rid": trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            return md_name_, rep_
 
         self._assign(st, ROLE_PREFILL, ROLE_RELAY)
         reserve = asyncio.ensure_future(route_and_reserve())
@@ -730,7 +736,7 @@ class Orchestrator:
                     {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
                      "targets": [{"name": rld_name, "first_page": 0, "relay": False},
                                  {"slot": "md", "deferred": True}]}, timeout=t))
-                md_leg = asyncio.ensure_future(self._md_leg(st, reserve, p))
+                md_leg = asyncio.ensure_future(self._md_leg(st, trid, reserve, p))
                 rep, _ = await p_call
                 if rep.get("fin") is not None:
                     # finished by its first token (EOS, a stop id, max_tokens 1): MD will never
@@ -755,15 +761,15 @@ class Orchestrator:
                 rld_name, rld = self._peer(st, ROLE_RELAY)
                 await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
-            rep, _ = await reserve
+            md_name, rep = await reserve
         except BaseException:
             if not reserve.done():
                 reserve.cancel()
             elif not reserve.cancelled():
                 reserve.exception()  # retrieved: no "never retrieved" noise
             raise
-        self._reserved(st, rep)
-        md_name, md = self._peer(st, ROLE_MAIN)
+        self._reserved(st, md_name, rep)
+        md = self.peers[md_name]
         md_wan = self.layout.get(md_name).dc == "B"
         md_first = int(rep["md_cached_pages"])
         st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
@@ -790,36 +796,35 @@ class Orchestrator:
         st.events["prefilled"] = time.perf_counter()
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
-    async def _md_leg(self, st: ReqState, reserve, p: rpc.Peer) -> None:
-        """MD's part of an always-relayed plan: once MD has reserved, tell P where to send the
-        pages MD lacks. MD unreachable: its leg is lost and RLD finishes the request."""
-        trid = st.trid
+    async def _md_leg(self, st: ReqState, trid: str, reserve, p: rpc.Peer) -> None:
+        """MD's part of an always-relayed plan (attempt ``trid``): once MD has reserved, tell P
+        where to send the pages MD lacks. MD unreachable: its leg is lost and RLD finishes the
+        request. The attempt given up meanwhile: the reservation is dropped."""
         try:
-            rep, _ = await reserve
+            md_name, rep = await reserve
         except asyncio.CancelledError:
             raise
         except Exception as e:
             if st.trid == trid:
                 self._md_leg_lost(st, f"MD reservation failed: {type(e).__name__}: {e}")
             return
-        md_name, md = self._peer(st, ROLE_MAIN)
-        if st.trid != trid or st.md_lost:
+        md = self.peers[md_name]
+        if st.trid != trid or st.md_lost or st.aborted:
             try:  # the attempt was given up meanwhile: free the reservation
-                await md.send({"t": "drop", "rid": trid})
+                await md.send({"t": "abort" if st.aborted else "drop", "rid": trid})
             except Exception:
                 pass
             return
-        self._reserved(st, rep)
+        self._reserved(st, md_name, rep)
         try:
             await p.send({"t": "target", "rid": trid, "slot": "md", "name": md_name,
                           "first_page": int(rep["md_cached_pages"]), "relay": True})
         except Exception as e:
             self._instance_lost(st, st.names.get(ROLE_PREFILL, ""), f"P unreachable: {e}")
 
-    def _reserved(self, st: ReqState, rep: dict) -> None:
+    def _reserved(self, st: ReqState, md_name: str, rep: dict) -> None:
         """Book MD's reservation reply: cached tokens, the WAN bytes planned."""
         st.events["md_reserved"] = time.perf_counter()
-        md_name = st.names[ROLE_MAIN]
         md_wan = self.layout.get(md_name).dc == "B"
         self.page_bytes = int(rep["page_bytes"])
         if self.kv_bytes_per_token is None:
@@ -987,7 +992,7 @@ class Orchestrator:
 
     async def abort(self, st: ReqState) -> None:
         """Tell every engine to drop the request and free its pages (idempotent there)."""
-        st.finished = True
+        st.finished = st.aborted = True
         self.reqs.pop(st.trid, None)
         await self._abort_everywhere(st.trid)
 

@@ -25,6 +25,7 @@ from pdd.types import FinishReason, SamplingParams
 log = logging.getLogger(__name__)
 
 HIT_WINDOW_REQUESTS = 200  # window of the windowed prefix-hit-rate gauge
+ABORTED_MEMORY = 4096  # recently aborted rids remembered (refuses their late-arriving requests)
 
 
 def first_token_finish(token_id: int, sp: SamplingParams, eos_ids: set[int]) -> str | None:
@@ -112,6 +113,9 @@ class EngineInstance:
         self.prefix_hit_tokens = 0
         self.prompt_tokens = 0
         self.hit_window: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW_REQUESTS)
+        # rids aborted here recently: a request message that arrives after its abort (calls run
+        # concurrently; an abort can overtake a reservation still being allocated) is refused
+        self._aborted: dict[str, None] = {}
 
     def record_hit(self, cached_tokens: int, prompt_tokens: int) -> None:
         """One request's prefix-cache lookup (for the token-weighted hit-rate gauges)."""
@@ -315,7 +319,20 @@ class EngineInstance:
         total, free = await self.worker.call(_flush)
         return {"t": "flush_ok", "name": self.spec.name, "pages_total": total, "pages_free": free, "live_requests": len(self.reqs)}, b""
 
+    def note_aborted(self, rid: str) -> None:
+        self._aborted[rid] = None
+        while len(self._aborted) > ABORTED_MEMORY:
+            self._aborted.pop(next(iter(self._aborted)))
+
+    async def admitted(self, ctx: ReqCtx) -> None:
+        """Call once a new request's sequence exists: if the request was aborted meanwhile, free
+        it now and raise (the owner gave up on it; its pages must not wait for anyone)."""
+        if ctx.rid in self._aborted:
+            await self.release(ctx, cache=False)
+            raise RuntimeError(f"request {ctx.rid} was aborted")
+
     async def on_abort(self, peer, h, payload):
+        self.note_aborted(h["rid"])
         ctx = self.reqs.get(h["rid"])
         if ctx is not None:
             self.counters["aborted"] += 1

@@ -47,6 +47,8 @@ class MainDecodeInstance(EngineInstance):
         """A new request's sequence: its prompt matched against the radix cache (``min_uncached``
         prompt tokens always left to compute), the rest of its pages allocated, the hit counted."""
         rid = h["rid"]
+        if rid in self.reqs:  # one sequence per rid: a second would leak the first's pages
+            raise RuntimeError(f"request {rid} is already held here")
         sp = SamplingParams.from_dict(h["sampling"])
         prompt = list(h["prompt_ids"])
         seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True,
@@ -55,6 +57,7 @@ class MainDecodeInstance(EngineInstance):
         self.reqs[rid] = ctx
         self.counters["requests"] += 1
         self.record_hit(int(seq.num_cached_tokens), len(prompt))
+        await self.admitted(ctx)
         return ctx
 
     async def on_reserve(self, peer, h, payload):

@@ -62,6 +62,8 @@ class PrefillInstance(EngineInstance):
         """The plan of a target sent ``deferred`` in ``prefill`` (MD's cached pages arrive a WAN
         round trip after P could start prefilling): ``{rid, name, first_page, relay}``, or
         ``{rid, slot, cancelled: true}`` when that target cannot be reached (never sent)."""
+        if h["rid"] in self._aborted:
+            return None  # aborted already: nothing will be sent
         fut = self._deferred_target(h["rid"], h.get("slot", h["name"]))
         if not fut.done():
             if h.get("cancelled"):
@@ -76,6 +78,7 @@ class PrefillInstance(EngineInstance):
         has its transfers cancelled, and its pages are freed only once they have drained (the
         stream's own clean-up), never while a sender may still read them."""
         rid = h["rid"]
+        self.note_aborted(rid)
         fut = self.first_token_waiters.pop(rid, None)
         if fut is not None and not fut.done():
             fut.set_exception(RuntimeError(f"request {rid} aborted"))
@@ -136,6 +139,7 @@ class PrefillInstance(EngineInstance):
         ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.reqs[rid] = ctx
         self.counters["requests"] += 1
+        await self.admitted(ctx)
         fut = asyncio.get_running_loop().create_future()
         self.first_token_waiters[rid] = fut
 

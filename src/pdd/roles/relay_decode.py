@@ -37,11 +37,14 @@ class RelayDecodeInstance(EngineInstance):
 
     async def on_expect(self, peer, h, payload):
         rid = h["rid"]
+        if rid in self.reqs:  # one sequence per rid: a second would leak the first's pages
+            raise RuntimeError(f"request {rid} is already held here")
         sp = SamplingParams.from_dict(h["sampling"])
         prompt = list(h["prompt_ids"])
         seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=False))
         self.reqs[rid] = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.counters["requests"] += 1
+        await self.admitted(self.reqs[rid])
         return {"t": "expect_ok", "rid": rid, "n_pages": len(seq.page_table)}, b""
 
     async def on_kv_done(self, peer, h, payload):
