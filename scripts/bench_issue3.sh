@@ -85,8 +85,12 @@ for s in $STEPS; do
         --modes "pdd" ;;
     prld)  # the excluded pipeline as an ablation, beside pdd
       run prld "${AG[@]}" "${REF[@]}" --config "$OUT/bench.yaml" --sweep-rate none --modes "pdd,pdd+allow_p_rld" ;;
-    routing)  # 2 P, 2 MD: cache-aware vs round-robin routing
+    routing)  # 2 P, 2 MD: cache-aware vs round-robin routing. In cross_dc_pd TTFT follows the KV a request
+      # lacks on its P and MD; in pdd a lower MD hit rate relays more requests, whose TTFT is local
       run routing --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
+        --sweep-rate none --modes "cross_dc_pd+routing=cache_aware,cross_dc_pd+routing=round_robin" ;;
+    routing_pdd)
+      run routing_pdd --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
         --sweep-rate none --modes "pdd+routing=cache_aware,pdd+routing=round_robin" ;;
     agentic)  # the four modes, plus pdd with a zero budget (always relay) for the SLO comparison
       run agentic "${AG[@]}" --config "$OUT/bench.yaml" --sweep-rate auto --sweep-points 3 --sweep-requests 40 \

@@ -17,6 +17,8 @@ def test_ewma_and_step():
         ewma_itl(4.0, 1.0, alpha=0.0)
     assert hold_step_ms(4.0, PaceParams(max_gap_factor=1.5)) == 2.0
     assert hold_step_ms(0.1, PaceParams(max_gap_factor=2.0, itl_floor_ms=1.0)) == 1.0  # floor
+    assert hold_step_ms(5.0, PaceParams(max_gap_factor=1.5), itl_src_ms=4.0) == 3.5  # MD slower: 7.5 - 4
+    assert hold_step_ms(5.0, PaceParams(max_gap_factor=1.5), itl_src_ms=9.0) == 2.5  # source capped at the reference
 
 
 def test_params_validated():

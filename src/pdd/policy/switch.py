@@ -9,9 +9,11 @@ the client to MD the moment MD's first token arrives therefore leaves one gap of
 Remedy (a jitter buffer; the client sees the same tokens in the same order, some later):
 
 - From the first catch-up round on, every RLD token is released to the client ``hold`` ms after
-  it arrived, and ``hold`` grows by ``step = (max_gap_factor - 1) x itl`` per token (``itl``:
-  the larger of RLD's and MD's inter-token gaps at the gateway for this request, EWMAs), so no
-  client gap grows by more than ``step``: each paced gap is <= ``max_gap_factor`` x that ITL.
+  it arrived, and ``hold`` grows by ``step = max_gap_factor x itl - itl_rld`` per token (``itl``:
+  the larger of RLD's and MD's inter-token gaps at the gateway for this request, EWMAs;
+  ``(max_gap_factor - 1) x itl`` when they are equal), so each paced gap is about
+  ``max_gap_factor`` x that ITL, and the hold gains at least ``(max_gap_factor - 1) x itl`` per
+  token on MD's lag even when MD decodes slower than RLD.
 - MD's tokens for positions RLD already streamed are checked against what was streamed and
   predict when MD's token for the next position will arrive (its latest token's arrival plus
   ``itl`` per position: MD may decode slower than RLD, and then its lag grows). The switch to MD
@@ -81,18 +83,27 @@ def ewma_itl(prev_ms: float | None, gap_ms: float, alpha: float = ITL_EWMA_ALPHA
     return gap_ms if prev_ms is None else (1 - alpha) * prev_ms + alpha * gap_ms
 
 
-def hold_step_ms(itl_ms: float, params: PaceParams = PaceParams()) -> float:
-    """How much the hold may grow per token: ``(max_gap_factor - 1) x max(itl, itl_floor)`` ms."""
-    return (params.max_gap_factor - 1.0) * max(itl_ms, params.itl_floor_ms)
+def hold_step_ms(itl_ms: float, params: PaceParams = PaceParams(), itl_src_ms: float | None = None) -> float:
+    """How much the hold may grow per paced token (ms): ``max_gap_factor x itl - itl_src`` with
+    both floored at ``itl_floor_ms``; ``itl``: the reference ITL (the larger of RLD's and MD's),
+    ``itl_src``: the paced source's own ITL (RLD's; default ``itl``). A paced gap is then about
+    ``itl_src + step = max_gap_factor x itl``. With equal ITLs the step is ``(max_gap_factor - 1)
+    x itl``; when MD is slower than RLD (its lag grows by ``itl - itl_src`` per token) the larger
+    step still gains ``(max_gap_factor - 1) x itl`` per token on it."""
+    ref = max(itl_ms, params.itl_floor_ms)
+    src = ref if itl_src_ms is None else min(ref, max(itl_src_ms, params.itl_floor_ms))
+    return params.max_gap_factor * ref - src
 
 
-def next_hold(hold_ms: float, itl_ms: float, target_ms: float | None, params: PaceParams = PaceParams()) -> float:
-    """The hold for the next paced token: ``hold + step``, capped by ``target`` (``prior_lag_ms``
-    when None; the pacer passes ``prior_lag_ms`` until MD is live, then ``max_hold_ms``) and by
-    ``max_hold_ms``; never below the current hold (a shrinking hold would bunch tokens)."""
+def next_hold(hold_ms: float, itl_ms: float, target_ms: float | None, params: PaceParams = PaceParams(),
+              itl_src_ms: float | None = None) -> float:
+    """The hold for the next paced token: ``hold + step`` (:func:`hold_step_ms`), capped by
+    ``target`` (``prior_lag_ms`` when None; the pacer passes ``prior_lag_ms`` until MD is live,
+    then ``max_hold_ms``) and by ``max_hold_ms``; never below the current hold (a shrinking hold
+    would bunch tokens)."""
     target = params.prior_lag_ms if target_ms is None else target_ms
     cap = min(params.max_hold_ms, max(0.0, target))
-    return max(hold_ms, min(cap, hold_ms + hold_step_ms(itl_ms, params)))
+    return max(hold_ms, min(cap, hold_ms + hold_step_ms(itl_ms, params, itl_src_ms)))
 
 
 def predicted_md_arrival_ms(last_md_arrival_ms: float, last_md_pos: int, pos: int, itl_md_ms: float) -> float:
@@ -216,7 +227,7 @@ class SwitchPacer:
         for t in toks:
             if pacing and t.tier == "rld":
                 cap = self.params.prior_lag_ms if self._last_md is None else self.params.max_hold_ms
-                self.hold_ms = next_hold(self.hold_ms, self._itl_ref(), cap, self.params)
+                self.hold_ms = next_hold(self.hold_ms, self._itl_ref(), cap, self.params, self._itl())
                 self.ramp_tokens += 1
                 r = release_ms(now_ms, self.hold_ms, self._last_release_ms)
             else:
