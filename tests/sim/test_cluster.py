@@ -156,3 +156,11 @@ def test_live_wan_estimate_counts_from_the_first_byte():
     sim.env.run()
     sim._wan_sample(small)  # under 256 KiB: measures the RTT, ignored
     assert sim.wan_gbps_live == pytest.approx(7.2)
+
+
+def test_request_larger_than_a_kv_pool_is_refused_up_front():
+    cfg = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, warmup_frac=0.0)
+    pool = ClusterSim(cfg).tiers["RLD"][0].pool
+    rec = [{"timestamp": 0, "input_length": pool, "output_length": 8, "hash_ids": list(range(pool // 512 + 1))}]
+    with pytest.raises(ValueError, match=r"request 0: .* KV pool of one RLD instance"):
+        ClusterSim(cfg).run(rec)

@@ -57,11 +57,29 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def _measured_model(a) -> dict | None:
+    """The model shape of a `pdd profile` file given as --profile-a/-b (its step times and KV pool
+    belong to that model), else None."""
+    import json
+    from pathlib import Path
+
+    for p in (a.profile_a, a.profile_b):
+        if p:
+            try:
+                prof = json.loads(Path(p).read_text())
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"pdd sim: cannot read profile {p}: {e}")
+            if prof.get("format") == "pdd-profile/1":
+                return prof["model"]
+    return None
+
+
 def _make_cfg(a):
     from pdd.sim.cluster import SimConfig
 
+    spec = _measured_model(a)
     return SimConfig(
-        mode=a.mode, model=a.model, kv_bytes_per_token=a.kv_bytes_per_token, chip_a=a.chip_a, chip_b=a.chip_b,
+        mode=a.mode, model="measured" if spec else a.model, model_spec=spec, kv_bytes_per_token=a.kv_bytes_per_token, chip_a=a.chip_a, chip_b=a.chip_b,
         price_a=a.price_a, price_b=a.price_b, profile_a=a.profile_a, profile_b=a.profile_b, n_p=a.n_p,
         n_rld=a.n_rld, n_md=a.n_md, n_d=a.n_d, n_c=a.n_c, wan_gbps=a.wan_gbps, wan_rtt_ms=a.wan_rtt_ms,
         wan_order=a.wan_order, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
@@ -89,7 +107,10 @@ def cmd_run(a) -> int:
     recs = _records(a)
     cfg = _make_cfg(a)
     t0 = time.time()
-    sim = ClusterSim(cfg).run(recs)
+    try:
+        sim = ClusterSim(cfg).run(recs)
+    except ValueError as e:
+        raise SystemExit(f"pdd sim run: {e}")
     wall = time.time() - t0
     s = summarize(sim)
     s["wall_s"] = wall

@@ -742,7 +742,16 @@ class ClusterSim:
 
     # --- run -----------------------------------------------------------------------------------
     def run(self, records, until: float | None = None) -> "ClusterSim":
+        """Simulate ``records`` (Mooncake format). Raises ValueError naming the first request
+        whose KV can never fit one instance's pool (it would wait forever, as the engine refuses
+        it), before simulating anything."""
         self.reqs = [Req(i, r, self.block) for i, r in enumerate(records)]
+        for r in self.reqs:
+            for role, insts in self.tiers.items():
+                need = r.prompt + (r.out_len if role != "P" else 0)
+                if need > insts[0].pool:
+                    raise ValueError(f"request {r.rid}: {r.prompt} prompt + {r.out_len} output tokens do not fit "
+                                     f"the KV pool of one {role} instance ({insts[0].pool} tokens)")
         self.env.process(self._arrivals())
         self.env.run(until=until)
         return self
