@@ -235,3 +235,31 @@ def test_adaptive_limit_shrinks_on_slow_first_tokens_and_refuses_beyond_it():
     fast.first_token(t1)  # once per request
     assert fast.adaptive.limit == 3.0 and fast.effective_limits().max_inflight == 3
     assert Admission(AdmissionLimits(64, None, None)).adaptive is None  # no target: fixed limits only
+
+
+def test_at_the_inflight_limit_429_comes_before_the_body_is_parsed(limited):
+    client, orch, adm = limited
+    held = [adm.try_admit(1, 10)[0] for _ in range(2)]
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    _assert_429(r)  # not a 400: the body was never read
+    assert adm.rejected == {"inflight": 1}
+    for t in held:
+        adm.release(t)
+    assert client.post("/v1/completions", content=b"{not json",
+                       headers={"content-type": "application/json"}).status_code == 400
+
+
+def test_ttft_counts_from_the_request_reaching_the_gateway(limited):
+    client, orch, adm = limited
+    seen = []
+    real = adm.try_admit
+
+    def spy(n, tokens, arrived_t=None):
+        seen.append(arrived_t)
+        return real(n, tokens, arrived_t)
+
+    adm.try_admit = spy
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+    import time
+
+    assert len(seen) == 1 and seen[0] is not None and seen[0] <= time.monotonic()

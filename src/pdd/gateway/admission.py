@@ -200,6 +200,7 @@ class Ticket:
     epoch: int = 0  # adaptive limit's epoch at admission
     at_limit: bool = False  # in flight >= half the adaptive limit at admission
     first_t: float | None = None  # first token seen at the gateway
+    arrived_t: float | None = None  # the request reached the gateway's HTTP app (before its body was parsed)
 
 
 @dataclass
@@ -239,8 +240,21 @@ class Admission:
         m = self.limits.max_inflight
         return dataclasses.replace(self.limits, max_inflight=cur if m is None else min(m, cur))
 
-    def try_admit(self, n: int, prompt_tokens: int) -> tuple[Ticket | None, Decision]:
-        """A ticket (and the decision), or None with the refusal."""
+    def full(self) -> Decision | None:
+        """The refusal every request would get now, whatever its size (in-flight limit reached),
+        or None: lets the HTTP layer answer 429 before it reads and parses a body."""
+        lim = self.effective_limits()
+        if lim.max_inflight and self.inflight > 0 and self.inflight + 1 > lim.max_inflight:
+            d = decide(self.state(), lim, 1, 0)
+            if not d.admit:
+                self.reject(d.reason or "?")
+                return d
+        return None
+
+    def try_admit(self, n: int, prompt_tokens: int, arrived_t: float | None = None) -> tuple[Ticket | None, Decision]:
+        """A ticket (and the decision), or None with the refusal. ``arrived_t``: when the request
+        reached the gateway (``time.monotonic``); its TTFT for the adaptive limit counts from there,
+        so time spent queued in front of admission (a saturated gateway) is seen too."""
         d = decide(self.state(), self.effective_limits(), n, prompt_tokens)
         if not d.admit:
             self.reject(d.reason or "?")
@@ -249,6 +263,7 @@ class Admission:
         self.queued_tokens += n * prompt_tokens
         self.admitted += 1
         t = Ticket(n, n * prompt_tokens, time.monotonic())
+        t.arrived_t = arrived_t if arrived_t is not None else t.admitted_t
         if self.adaptive is not None:
             t.epoch, t.at_limit = self.adaptive.epoch, self.inflight >= self.adaptive.limit / 2
         return t, d
@@ -265,7 +280,7 @@ class Admission:
             return
         t.first_t = time.monotonic()
         if self.ttft_target_s:
-            self._observe(t, t.first_t - t.admitted_t <= self.ttft_target_s)
+            self._observe(t, t.first_t - (t.arrived_t or t.admitted_t) <= self.ttft_target_s)
 
     def finished(self, t: Ticket, tokens_per_choice: int) -> None:
         """A completed request's mean time per output token feeds the adaptive limit (a slow

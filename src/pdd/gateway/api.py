@@ -71,6 +71,29 @@ def _too_large(n: int | None) -> JSONResponse:
                                    code="body_too_large"), status_code=413)
 
 
+ARRIVAL = "pdd_arrival"  # scope["state"] key: time.monotonic() when the request reached the app
+
+
+class EarlyReject:
+    """ASGI middleware: while the in-flight limit is reached (``Admission.full``), a generation
+    request gets 429 before its body is read or parsed, so refusing costs the gateway almost no
+    CPU however hard clients push."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, admission: Admission):
+        self.app, self.adm = app, admission
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in self.PATHS:
+            d = self.adm.full()
+            if d is not None:
+                ex = Overloaded(d.message, d.retry_after_s)
+                resp = JSONResponse(ex.body(), status_code=429, headers={"Retry-After": str(ex.retry_after_s)})
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: a request body sent without ``Content-Length`` (chunked) is read up to
     ``MAX_BODY_BYTES`` and refused with 413 beyond it (so memory stays bounded), else replayed to
@@ -80,6 +103,8 @@ class BodyLimit:
         self.app = app
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[ARRIVAL] = time.monotonic()  # admission's TTFT counts from here
         if scope["type"] != "http" or any(k == b"content-length" for k, _ in scope.get("headers", ())):
             return await self.app(scope, receive, send)
         chunks, size, more = [], 0, True
@@ -116,6 +141,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     adm = Admission.from_config(cfg, getattr(orch, "layout", None) or layout(cfg))
     app.state.admission = adm
+    app.add_middleware(EarlyReject, admission=adm)  # inside the API-key check (added below)
     if getattr(orch, "metrics", None) is not None:
         from pdd.metrics import AdmissionCollector
 
@@ -233,10 +259,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise ApiError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {model_vocab})", "prompt")
         return ids
 
-    async def start(ids, sps, opts) -> Generation:
+    async def start(ids, sps, opts, request: Request | None = None) -> Generation:
         """Admit (else 429), then start every choice. The admission ticket is released when the
         request ends (``gen.ticket_end``; also if ``gen`` is dropped unstarted)."""
-        ticket, d = adm.try_admit(len(sps), len(ids))
+        arrived = request.scope.get("state", {}).get(ARRIVAL) if request is not None else None
+        ticket, d = adm.try_admit(len(sps), len(ids), arrived)
         if ticket is None:
             raise Overloaded(d.message, d.retry_after_s)
         gen = Generation(orch, tokenizer, ids, sps, opts, set())
@@ -275,14 +302,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         return None
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
         ids = await asyncio.to_thread(prompt_ids, body.prompt, body.add_special_tokens)  # off the event loop
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         check_context(len(ids), max_tokens, "max_tokens")
         sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
-        gen = await start(ids, sps, opts)
+        gen = await start(ids, sps, opts, request)
         created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
         echo = tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else ""
         if body.stream:
@@ -300,7 +327,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat(body)
         if chat_template is None:
@@ -323,7 +350,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_context(len(ids), max_tokens, param)
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
-        gen = await start(ids, sps, opts)
+        gen = await start(ids, sps, opts, request)
         created, cid = int(time.time()), f"chatcmpl-{gen.choices[0].st.rid}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
