@@ -43,6 +43,7 @@ DEFAULT_MAX_GAP_FACTOR = 1.5
 DEFAULT_MAX_HOLD_MS = 250.0
 DEFAULT_MAX_RAMP_TOKENS = 64
 ITL_EWMA_ALPHA = 0.25
+MD_ITL_MIN_SAMPLES = 3
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class SwitchPacer:
     _rld_arrival: dict = field(default_factory=dict)
     _last_rld_ms: float | None = None
     _last_md: tuple | None = None  # (arrival_ms, pos) of MD's latest token
+    _md_gaps: int = 0
     _withheld: object = None  # MD's latest agreeing token, not yet routed
     _last_release_ms: float | None = None
     _queue: list = field(default_factory=list)  # [(release_ms, token)] in release order
@@ -181,11 +183,15 @@ class SwitchPacer:
         return max(self.itl_ms if self.itl_ms is not None else self.params.itl_floor_ms, self.params.itl_floor_ms)
 
     def _itl_ref(self) -> float:
-        return max(self._itl(), self.itl_md_ms or 0.0)
+        # MD's estimate counts once it rests on MD_ITL_MIN_SAMPLES gaps (two tokens of one engine
+        # step can arrive together; one such gap would predict MD far too early)
+        md = self.itl_md_ms if self._md_gaps >= MD_ITL_MIN_SAMPLES else None
+        return max(self._itl(), md or 0.0)
 
     def predicted_gap_ms(self, next_pos: int) -> float | None:
-        """MD's predicted arrival of ``next_pos`` minus the last scheduled release (None: MD not live)."""
-        if self._last_md is None:
+        """MD's predicted arrival of ``next_pos`` minus the last scheduled release (None: MD not live,
+        or its pace not yet measured over ``MD_ITL_MIN_SAMPLES`` gaps)."""
+        if self._last_md is None or self._md_gaps < MD_ITL_MIN_SAMPLES:
             return None
         arr = predicted_md_arrival_ms(self._last_md[0], self._last_md[1], next_pos, self._itl_ref())
         return arr - (self._last_release_ms if self._last_release_ms is not None else arr)
@@ -204,6 +210,7 @@ class SwitchPacer:
         else:
             if self._last_md is not None and tok.pos > self._last_md[1]:
                 self.itl_md_ms = ewma_itl(self.itl_md_ms, max(0.0, now_ms - self._last_md[0]) / (tok.pos - self._last_md[1]))
+                self._md_gaps += 1
             self._last_md = (now_ms, tok.pos)
             if self._pacing(st) and tok.pos < st.next_pos:
                 if tok.pos in self._rld_arrival:
