@@ -164,3 +164,25 @@ def test_request_larger_than_a_kv_pool_is_refused_up_front():
     rec = [{"timestamp": 0, "input_length": pool, "output_length": 8, "hash_ids": list(range(pool // 512 + 1))}]
     with pytest.raises(ValueError, match=r"request 0: .* KV pool of one RLD instance"):
         ClusterSim(cfg).run(rec)
+
+
+def test_tail_chunks_run_alone_unless_packed():
+    """The bathtub's mechanism, from the engine scheduler's batches: 8K prompts at 18.75% hit
+    leave 6,656 tokens = 3 chunks of 2,048 + a 512-token tail. One prefill at a time: exactly 4
+    steps per request; packing fills the tail's step with the next request's chunk."""
+    from pdd.sim.workloads import warm_start
+
+    n = 24
+    recs = generate_fixed(n, 50.0, 8192, 4, 0.1875, n_prefixes=2, seed=13, warm_s=2.0)
+    base = SimConfig(mode="pdd", model="qwen3-30b-a3b-fp8kv", n_p=1, n_rld=1, n_md=1, wan_gbps=400.0,
+                     prefill_chunk_tokens=2048, max_batch_tokens=2048, warmup_frac=0.0,
+                     measure_from_s=warm_start(recs))
+    alone = ClusterSim(base.replace(max_prefill_inflight=1)).run(recs)
+    packed = ClusterSim(base).run(recs)
+    meas = [r for r in alone.reqs if r.arrival >= base.measure_from_s]
+    assert all(r.p_hit == 1536 for r in meas)  # 3 cached blocks of 512
+    warm_steps = sum(-(-r.prompt // 2048) for r in alone.reqs if r.arrival < base.measure_from_s)
+    assert alone.tiers["P"][0].steps == warm_steps + 4 * n
+    p = packed.tiers["P"][0]
+    assert p.steps < alone.tiers["P"][0].steps
+    assert p.busy_s < alone.tiers["P"][0].busy_s
