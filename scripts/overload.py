@@ -181,6 +181,22 @@ def wait_idle(url: str, timeout_s: float = 120) -> float:
     return float("nan")
 
 
+def free_port_block(n: int = 100) -> int:
+    """A base port with ``n`` consecutive free ports above it (best effort)."""
+    import socket
+
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port block")
+
+
 def log(*a):
     print(time.strftime("%H:%M:%S"), *a, flush=True)
 
@@ -225,7 +241,7 @@ def main() -> int:
     if not Path(args.model, "config.json").exists():
         make_model(args.model, preset="small", seed=0)
     def config(limits: dict | None):
-        base = random.Random().randint(20000, 50000)
+        base = free_port_block()
         data = {"mode": "pdd", "model_path": args.model, "base_port": base, "gateway_port": base + 95}
         if limits:
             data["limits"] = limits
@@ -235,7 +251,7 @@ def main() -> int:
         """The overload run's latency targets: a fraction of the SLO."""
         f = args.target_fraction
         return {"ttft_target_ms": f * slo["ttft_ms"], "tpot_target_ms": f * slo["tpot_ms"],
-                "max_queue_wait_s": f * slo["ttft_ms"] / 1000}
+                "max_queue_wait_s": f * slo["ttft_ms"] / 1000, "max_wan_backlog_s": f * slo["ttft_ms"] / 1000}
 
     slo = json.loads(args.slo) if args.slo != "reference" else None
     over_limits = json.loads(args.limits) if args.limits else None
@@ -315,7 +331,7 @@ def main() -> int:
         over_rate, probe_rate = args.factor * capacity, 0.5 * capacity
         ov: list[Rec] = []
         probe: list[Rec] = []
-        inflight: list[tuple[float, int, int]] = []  # (s since the overload start, inflight, queued tokens)
+        inflight: list[tuple] = []  # (s since the overload start, inflight, queued tokens, adaptive limit)
         stop = threading.Event()
         t_over = time.perf_counter()
 
@@ -324,7 +340,7 @@ def main() -> int:
                 try:
                     a = stats(url).get("admission", {})
                     inflight.append((round(time.perf_counter() - t_over, 2), a.get("inflight", 0),
-                                     a.get("queued_prompt_tokens", 0)))
+                                     a.get("queued_prompt_tokens", 0), a.get("adaptive_limit")))
                 except Exception:
                     pass
                 stop.wait(0.5)
@@ -357,7 +373,7 @@ def main() -> int:
                 break
         probe_level = max(1, math.ceil(probe_rate * (statistics.median(r.latency_s for r in probe if r.latency_s)
                                                      if any(r.latency_s for r in probe) else 1.0)) * 2)
-        t_drain = next((t - args.overload_s for t, n, _ in inflight if t >= args.overload_s and n <= probe_level), None)
+        t_drain = next((t - args.overload_s for t, n, *_ in inflight if t >= args.overload_s and n <= probe_level), None)
         retry = [int(r.retry_after) for r in ov if r.retry_after and r.retry_after.isdigit()]
         report["overload"] = {**s_over, "duration_s": args.overload_s, "factor": args.factor,
                               "goodput_over_capacity": round(s_over["goodput_rps"] / capacity, 3),

@@ -139,6 +139,11 @@ class LimitsConfig(_Strict):
         0.0, ge=0, description="as ttft_target_ms for a finished request's mean time per output token; 0: off")
     min_inflight_requests: int = Field(
         2, ge=1, description="the adaptive limit never goes below this (nor above max_inflight_requests)")
+    max_wan_backlog_s: float = Field(
+        0.0, ge=0,
+        description="refuse new requests while the KV planned for the WAN and not yet sent would take longer than "
+        "this at the live WAN rate (the relay keeps TTFT low while MD's transfers pile up; MD's queue fills "
+        "behind them); 0: off")
 
     def waiting(self, max_running: int) -> int:
         """Sequences an engine may hold beyond ``max_running`` (``tier_max_waiting``, default one batch)."""

@@ -213,7 +213,7 @@ def test_next_limit_aimd():
     assert s == LimitState(max(2.0, 3.0 * DECREASE), 1, False)
     s = LimitState(40.0, 1, False)
     assert next_limit(s, False, 0, True, 2, 100) == s  # admitted before the last decrease: ignored
-    assert next_limit(s, False, 1, True, 2, 100) == LimitState(30.0, 2, False)
+    assert next_limit(s, False, 1, True, 2, 100) == LimitState(40.0 * DECREASE, 2, False)
     assert next_limit(s, True, 1, True, 2, 100) == LimitState(40.0 + 1 / 40, 1, False)  # +1 per limit's worth
     assert next_limit(LimitState(100.0, 0, True), True, 0, True, 2, 100).limit == 100.0  # upper bound
     assert next_limit(LimitState(2.0, 0, False), False, 0, True, 2, None).limit == 2.0  # lower bound
@@ -263,3 +263,17 @@ def test_ttft_counts_from_the_request_reaching_the_gateway(limited):
     import time
 
     assert len(seen) == 1 and seen[0] is not None and seen[0] <= time.monotonic()
+
+
+def test_wan_backlog_limit():
+    lim = AdmissionLimits(None, None, None, max_wan_backlog_s=2.0)
+    d = decide(AdmissionState(3, 0, None, None, wan_backlog_s=5.5), lim, 1, 10)
+    assert (d.admit, d.reason, d.retry_after_s) == (False, "wan_backlog", 4)  # 5.5 - 2 = 3.5 -> 4 s
+    assert decide(AdmissionState(3, 0, None, None, wan_backlog_s=2.0), lim, 1, 10).admit
+    assert decide(AdmissionState(0, 0, None, None, wan_backlog_s=99.0), lim, 1, 10).admit  # empty system
+    adm = Admission(lim)
+    adm.wan_backlog = lambda: 9.0
+    t, _ = adm.try_admit(1, 10)  # nothing in flight: admitted
+    assert t is not None and adm.full().reason == "wan_backlog"
+    adm.wan_backlog = lambda: 0.5
+    assert adm.full() is None

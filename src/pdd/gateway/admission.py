@@ -9,6 +9,8 @@ Three measured quantities, three limits (``ClusterConfig.limits``, docs/OVERLOAD
 - **prompt tokens queued for prefill** (admitted, P not yet done) against
   ``max_queued_prompt_tokens`` (default: P's KV pool in tokens, ``num_pages x page_size x P
   instances``), and
+- **KV queued for the WAN** (pdd modes): planned KV bytes to datacenter B not yet reported sent,
+  over the live WAN rate estimate, against ``max_wan_backlog_s`` (off by default);
 - **expected prefill queue wait** = queued tokens (the new request's included) / P's measured
   prefill rate, against ``max_queue_wait_s``. The rate is tokens per *busy* second: each
   prefill completion adds its prompt tokens and the time since the later of its own admission and
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 TIER_BUSY = "TierBusy"  # class name of pdd.engine.scheduler.TierBusy: the remote error text starts with it
 RATE_WINDOW = 64  # prefill completions the rate estimate spans
 SERVICE_EWMA = 0.1  # weight of the newest request duration in the mean service time
-DECREASE = 0.75  # multiplicative decrease of the adaptive limit (TCP halves; a gentler step oscillates less)
+DECREASE = 0.85  # multiplicative decrease of the adaptive limit (TCP halves; a gentler step wastes less capacity)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class AdmissionLimits:
     max_queued_tokens: int | None
     max_wait_s: float | None
     retry_after_max_s: int = 30
+    max_wan_backlog_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class AdmissionState:
     queued_tokens: int = 0
     prefill_tps: float | None = None
     service_s: float | None = None
+    wan_backlog_s: float | None = None  # planned KV bytes not yet delivered to MD / the live WAN rate
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,11 @@ def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prom
         raise ValueError("n_requests must be >= 1 and prompt_tokens >= 0")
     cap = limits.retry_after_max_s
     new_tokens = n_requests * prompt_tokens
+    if (limits.max_wan_backlog_s and state.inflight > 0 and state.wan_backlog_s is not None
+            and state.wan_backlog_s > limits.max_wan_backlog_s):
+        return Decision(False, "wan_backlog", _retry(state.wan_backlog_s - limits.max_wan_backlog_s, cap),
+                        f"server overloaded: the WAN to datacenter B has {state.wan_backlog_s:.1f} s of KV queued "
+                        f"(limit {limits.max_wan_backlog_s:g} s)")
     if limits.max_inflight and state.inflight > 0 and state.inflight + n_requests > limits.max_inflight:
         over = state.inflight + n_requests - limits.max_inflight
         wait = None if state.service_s is None else state.service_s * over / limits.max_inflight
@@ -184,7 +193,8 @@ def resolve_limits(cfg, lay) -> AdmissionLimits:
     queued = lim.max_queued_prompt_tokens
     if queued is None:
         queued = e.num_pages * e.page_size * prefillers
-    return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s)
+    return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s,
+                           lim.max_wan_backlog_s or None)
 
 
 @dataclass
@@ -218,6 +228,7 @@ class Admission:
     service_s: float | None = None
     admitted: int = 0
     rejected: dict = field(default_factory=dict)  # reason -> requests refused
+    wan_backlog: object = None  # () -> seconds of KV queued for the WAN, or None (set by the gateway)
 
     def __post_init__(self):
         if (self.ttft_target_s or self.tpot_target_s) and self.adaptive is None:
@@ -230,7 +241,8 @@ class Admission:
                    lim.min_inflight_requests)
 
     def state(self) -> AdmissionState:
-        return AdmissionState(self.inflight, self.queued_tokens, self.rate.tokens_per_s, self.service_s)
+        wan = self.wan_backlog() if self.wan_backlog is not None and self.limits.max_wan_backlog_s else None
+        return AdmissionState(self.inflight, self.queued_tokens, self.rate.tokens_per_s, self.service_s, wan)
 
     def effective_limits(self) -> AdmissionLimits:
         """The configured limits with the adaptive in-flight limit applied (the smaller wins)."""
@@ -244,7 +256,8 @@ class Admission:
         """The refusal every request would get now, whatever its size (in-flight limit reached),
         or None: lets the HTTP layer answer 429 before it reads and parses a body."""
         lim = self.effective_limits()
-        if lim.max_inflight and self.inflight > 0 and self.inflight + 1 > lim.max_inflight:
+        if self.inflight > 0 and ((lim.max_inflight and self.inflight + 1 > lim.max_inflight)
+                                  or lim.max_wan_backlog_s):
             d = decide(self.state(), lim, 1, 0)
             if not d.admit:
                 self.reject(d.reason or "?")

@@ -141,6 +141,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     adm = Admission.from_config(cfg, getattr(orch, "layout", None) or layout(cfg))
     app.state.admission = adm
+    if hasattr(orch, "planned_wan"):
+        def wan_backlog_s() -> float | None:
+            """KV bytes planned for the WAN whose transfer P has not reported done, in seconds at the
+            live WAN estimate (else the configured line rate)."""
+            gbps = getattr(orch, "wan_gbps_live", None) or cfg.link.wan_gbps
+            return sum(orch.planned_wan.values()) * 8 / (gbps * 1e9)
+
+        adm.wan_backlog = wan_backlog_s
     app.add_middleware(EarlyReject, admission=adm)  # inside the API-key check (added below)
     if getattr(orch, "metrics", None) is not None:
         from pdd.metrics import AdmissionCollector
