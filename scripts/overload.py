@@ -225,7 +225,7 @@ def main() -> int:
     ap.add_argument("--limits", default=None,
                     help="ClusterConfig.limits of the overload run as JSON; default: the latency targets at "
                     "--target-fraction of the SLO, the rest at their defaults")
-    ap.add_argument("--target-fraction", type=float, default=0.5)
+    ap.add_argument("--target-fraction", type=float, default=0.7)
     ap.add_argument("--sweep-limits", default=None,
                     help="ClusterConfig.limits of the capacity sweep as JSON (default: the defaults: no latency "
                     "targets, so the sweep measures the system, not the admission policy)")
