@@ -40,8 +40,11 @@ limits:
   max_queued_prompt_tokens: 0
   tier_max_waiting: 1000
 EOF
-# several instances: 2 P, 1 RLD, 2 MD
+# several instances: 2 P, 1 RLD, 2 MD; each KV pool (1024 pages = 16k tokens) below the many-session
+# workload's working set (~1800 pages), so which instance holds a session's prefix matters
 cat > "$OUT/multi.yaml" <<'EOF'
+engine:
+  num_pages: 1024
 instances:
   prefill: 2
   relay_decode: 1
@@ -87,8 +90,10 @@ for s in $STEPS; do
       run prld "${AG[@]}" "${REF[@]}" --config "$OUT/bench.yaml" --sweep-rate none --modes "pdd,pdd+allow_p_rld" ;;
     routing)  # 2 P, 2 MD: cache-aware vs round-robin routing. In cross_dc_pd TTFT follows the KV a request
       # lacks on its P and MD; in pdd a lower MD hit rate relays more requests, whose TTFT is local
+      # in A B B A order (the second of each pair labelled with a no-op override: cutoff is on by
+      # default), so a drift of the shared machine's load over the run weighs on both alike
       run routing --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
-        --sweep-rate none --modes "cross_dc_pd+routing=cache_aware,cross_dc_pd+routing=round_robin" ;;
+        --sweep-rate none --modes "cross_dc_pd+routing=cache_aware,cross_dc_pd+routing=round_robin,cross_dc_pd+routing=round_robin+cutoff=true,cross_dc_pd+routing=cache_aware+cutoff=true" ;;
     routing_pdd)
       run routing_pdd --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
         --sweep-rate none --modes "pdd+routing=cache_aware,pdd+routing=round_robin" ;;

@@ -674,6 +674,8 @@ def run_bench(
     slo_obj: SLO | None = None
     slo_info: dict = {}
     ref_entry: dict | None = None
+    mode_wall: dict[str, float] = {}  # per mode: topology start to stop, its sweep included (s)
+    ref_wall: float | None = None  # the reference run alone (s)
 
     def fix_slo(ref_records: list[dict] | None, where: str) -> None:
         nonlocal slo_obj, slo_info
@@ -690,7 +692,8 @@ def run_bench(
             console.print(f"[red]no SLO: {ex}; goodput and the sweep are skipped")
 
     def reference_run(topo, cfg: ClusterConfig, where: str) -> None:
-        nonlocal ref_entry, slo_info
+        nonlocal ref_entry, slo_info, ref_wall
+        t_ref = time.monotonic()
         console.print(f"reference run: {len(ref_reqs)} requests through {where}, one in flight at a time")
         try:
             recs, ref_entry = measured_replay(topo, ref_reqs, model=cfg.served_model_name, mode=where,
@@ -702,6 +705,7 @@ def run_bench(
             return
         dicts = [r.to_dict() for r in recs]
         write_jsonl(paths["reference_requests"], dicts, append=True)
+        ref_wall = time.monotonic() - t_ref
         fix_slo(dicts, where)
 
     if not need_ref:
@@ -756,6 +760,7 @@ def run_bench(
         write_jsonl(paths["requests"], dicts, append=True)
         all_records.extend(dicts)
         server_stats[mode] = {k2: v for k2, v in entry.items() if v is not None}
+        mode_wall[mode] = time.monotonic() - t_start
         (out / "server_stats.json").write_text(json.dumps(server_stats, indent=1))
         if sweep is not None:
             hist = [(p["rate_rps"], p["slo_attainment"]) for p in points if p["slo_attainment"] is not None]
@@ -798,6 +803,8 @@ def run_bench(
         "url": url,
         "modes": list(modes),
         "run_order": run_order,
+        "mode_wall_s": mode_wall,
+        "reference_wall_s": ref_wall,
         "reference_requests": len(ref_reqs) if need_ref else 0,
         "reference_server_stats": ref_entry,
         "wall_s": wall,
