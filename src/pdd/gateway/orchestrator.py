@@ -143,6 +143,7 @@ class Orchestrator:
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
+        self.planned_src: dict[str, str] = {}  # rid -> the P that will report it (forgotten if P dies)
         self._ids = itertools.count()
         self.kv_bytes_per_token: int | None = None
         self._tasks: set = set()
@@ -150,6 +151,7 @@ class Orchestrator:
         self._rr: dict[str, int] = {}
         self._reconnecting: set[str] = set()
         self.wan_gbps_live: float | None = None  # measured KV throughput to MD, Gbit/s (EWMA)
+        self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
         from pdd.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics(self)
@@ -192,6 +194,15 @@ class Orchestrator:
             return  # an old connection, already replaced
         why = "no heartbeat" if getattr(peer, "dead_peer", False) else "connection lost"
         self.totals["instances_lost"] = self.totals.get("instances_lost", 0) + 1
+        for trid, src in list(self.planned_src.items()):
+            if src == name:  # that P will never report the transfer's outcome
+                self.planned_src.pop(trid, None)
+                self.planned_wan.pop(trid, None)
+        for trid, (p_name, md_name) in list(self.awaiting_kv.items()):
+            if p_name == name:
+                self._kv_source_lost(trid)  # the KV will never arrive: MD drops what it holds
+            elif md_name == name:
+                self.awaiting_kv.pop(trid, None)
         for st in list(self.reqs.values()):
             self._instance_lost(st, name, f"instance {name} is unreachable ({why})")
 
@@ -288,6 +299,7 @@ class Orchestrator:
         return None
 
     async def on_kv_ready(self, peer, h, payload):
+        self.awaiting_kv.pop(h["rid"], None)
         st = self.reqs.get(h["rid"])
         md = peer  # the MD that has the KV
         if st is not None and st.md_lost:  # given up on MD's leg meanwhile: keep the prompt, free the rest
@@ -309,10 +321,13 @@ class Orchestrator:
         wan = sum(v for k, v in h.get("bytes", {}).items() if self._in_b(k))
         # bytes of pages whose sending was cancelled (cut-off): expected = planned - cancelled
         planned = self.planned_wan.pop(h["rid"], 0)
+        self.planned_src.pop(h["rid"], None)
         unsent = sum(planned if v < 0 else v for k, v in h.get("unsent", {}).items() if self._in_b(k))
         if unsent:
             self.totals["wan_bytes_cancelled"] += unsent
             self.totals["wan_bytes_expected"] -= unsent
+        if h["rid"] in self.awaiting_kv and (h.get("errors") or {}).get(self.awaiting_kv[h["rid"]][1]):
+            self._kv_source_lost(h["rid"])  # MD's KV stream failed after the request ended
         if st is not None:
             st.wan_bytes = wan
             for name, err in (h.get("errors") or {}).items():
@@ -512,6 +527,7 @@ class Orchestrator:
                               "pipeline": st.pipeline.value, "names": dict(st.names)})
         self.reqs.pop(old, None)
         self.planned_wan.pop(old, None)
+        self.planned_src.pop(old, None)
         self._spawn(self._abort_everywhere(old))
         self._unassign(st)
         st.attempt += 1
@@ -786,6 +802,7 @@ class Orchestrator:
                 self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
                 self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
                 self.planned_wan.pop(st.trid, None)
+                self.planned_src.pop(st.trid, None)
                 st.wan_bytes_expected = 0
         elif relay_possible:
             # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
@@ -816,6 +833,8 @@ class Orchestrator:
                 pass
             return
         self._reserved(st, md_name, rep)
+        if st.finished and not st.kv_ready:
+            self._await_kv(st)
         try:
             await p.send({"t": "target", "rid": trid, "slot": "md", "name": md_name,
                           "first_page": int(rep["md_cached_pages"]), "relay": True})
@@ -837,6 +856,7 @@ class Orchestrator:
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
             self.totals["wan_bytes_planned"] += st.wan_bytes_expected
             self.planned_wan[st.trid] = st.wan_bytes_expected
+            self.planned_src[st.trid] = st.names.get(ROLE_PREFILL, "")
 
     def _always_relay(self) -> bool:
         """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""
@@ -978,8 +998,11 @@ class Orchestrator:
                           min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
             if self.cfg.policy.cutoff:
                 await self._cut_off(st)
+                return
+            self._await_kv(st)
             return  # else: MD's kv_ready finds the request gone and tells MD to keep the KV
         if not st.kv_ready:
+            self._await_kv(st)
             return  # the transfer finishes; on_kv_ready tells MD to keep the prompt's KV
         md_name, md = self._peer(st, ROLE_MAIN)
         _, rld = self._peer(st, ROLE_RELAY)
@@ -989,6 +1012,20 @@ class Orchestrator:
             await rld.send({"t": "abort", "rid": st.trid})
         except Exception as e:
             log.warning("settling %s failed: %s", st.rid, e)
+
+    def _await_kv(self, st: ReqState) -> None:
+        """A finished relayed request whose KV is still on its way to MD (MD keeps the prompt's
+        pages when it lands): remembered until MD's kv_ready, so that if P is lost meanwhile
+        the reservation on MD is dropped instead of waiting forever."""
+        p_name, md_name = st.names.get(ROLE_PREFILL), st.names.get(ROLE_MAIN)
+        if p_name and md_name:
+            self.awaiting_kv[st.trid] = (p_name, md_name)
+
+    def _kv_source_lost(self, trid: str) -> None:
+        _p, md_name = self.awaiting_kv.pop(trid, (None, None))
+        peer = self.peers.get(md_name) if md_name else None
+        if peer is not None and not peer.closed:
+            self._spawn(peer.send({"t": "drop", "rid": trid}))
 
     async def abort(self, st: ReqState) -> None:
         """Tell every engine to drop the request and free its pages (idempotent there)."""
