@@ -98,8 +98,10 @@ for s in $STEPS; do
       run routing_pdd --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
         --sweep-rate none --modes "pdd+routing=cache_aware,pdd+routing=round_robin" ;;
     agentic)  # the four modes, plus pdd with a zero budget (always relay) for the SLO comparison
-      run agentic "${AG[@]}" --config "$OUT/bench.yaml" --sweep-rate auto --sweep-points 3 --sweep-requests 40 \
-        --sweep-seconds 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=0" ;;
+      # offered 2.5 req/s; sweep 0.625, 1.25 (>= 20 requests each), then 2.5 = the main run, stopping at
+      # the first rate that misses the SLA
+      run agentic "${AG[@]}" --rate 2.5 --config "$OUT/bench.yaml" --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
+        --sweep-seconds 16 --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=0" ;;
     mooncake)  # a slice of the shared Mooncake conversation trace (bench's default scale: 1 in 50 conversations)
       run mooncake --trace /work/shared/traces/mooncake_conversation_trace.jsonl --requests 200 --no-progress "${REF[@]}" \
         --config "$OUT/bench.yaml" --sweep-rate none --modes "colocated,same_dc_pd,cross_dc_pd,pdd" ;;
