@@ -1,0 +1,150 @@
+"""The gateway's rules for a lost instance (``Orchestrator._instance_lost``), with fake connections:
+which legs a request still needs in each phase, and what it does when one is lost. Fast (no
+processes); the fault matrix checks the same rules end to end."""
+
+import asyncio
+
+import pytest
+
+from pdd.config import ClusterConfig
+from pdd.gateway.orchestrator import Orchestrator, ReqState
+from pdd.topology import layout
+from pdd.types import Pipeline, SamplingParams
+
+
+class FakePeer:
+    def __init__(self):
+        self.closed = False
+        self.sent: list[dict] = []
+
+    async def send(self, h, payload=b""):
+        self.sent.append(dict(h))
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        return {"t": "ok"}, b""
+
+
+@pytest.fixture
+def orch():
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "instances": {"prefill": 2, "relay_decode": 2,
+                                                                     "main_decode": 2}})
+    o = Orchestrator(cfg, layout(cfg))
+    o.peers = {s.name: FakePeer() for s in o.layout.engines}
+    return o
+
+
+def relayed(o: Orchestrator, **kw) -> ReqState:
+    st = ReqState("r1", 40, SamplingParams(max_tokens=16), trid="r1", prompt_ids=[5] * 40)
+    st.pipeline = Pipeline.P_RLD_MD
+    st.names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"}
+    st.events["prefilled"] = 1.0
+    for k, v in kw.items():
+        setattr(st, k, v)
+    o.reqs[st.trid] = st
+    return st
+
+
+def stream_to(st: ReqState, n: int) -> None:
+    st.emitted = list(range(100, 100 + n))
+    st.next_pos = n
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_phases(orch):
+    st = relayed(orch)
+    assert orch.phase(st) == "transfer"
+    st.kv_ready = True
+    assert orch.phase(st) == "rld_decode"
+    st.events["handoff_call"] = 2.0
+    assert orch.phase(st) == "handoff"
+    st.switch_pos = 5
+    assert orch.phase(st) == "md_decode"
+    del st.events["prefilled"]
+    st.switch_pos = None
+    assert orch.phase(st) == "prefill"
+
+
+async def test_p_lost_before_rld_has_kv_recovers(orch):
+    st = relayed(orch)
+    orch._instance_lost(st, "p0", "gone")
+    assert st.lost and st.queue.get_nowait() is None
+
+
+async def test_p_lost_while_md_kv_crosses_drops_md_leg_rld_finishes(orch):
+    st = relayed(orch)
+    stream_to(st, 3)
+    orch._instance_lost(st, "p0", "gone")
+    await settle()
+    assert not st.lost and st.md_lost and st.degraded
+    assert {"t": "drop", "rid": "r1"} in orch.peers["md0"].sent
+
+
+async def test_p_lost_after_kv_arrived_changes_nothing(orch):
+    st = relayed(orch, kv_ready=True)
+    stream_to(st, 3)
+    orch._instance_lost(st, "p0", "gone")
+    assert not st.lost and not st.md_lost
+
+
+async def test_rld_lost_with_kv_at_md_md_takes_over_from_streamed_ids(orch):
+    st = relayed(orch, kv_ready=True)
+    stream_to(st, 4)
+    orch._instance_lost(st, "rld0", "gone")
+    await settle()
+    assert st.takeover and st.md_start == 4 and not st.lost
+    assert orch.peers["md0"].sent[-1] == {"t": "extend", "rid": "r1", "token_ids": [100, 101, 102, 103],
+                                          "final": True}
+
+
+async def test_rld_lost_before_md_has_kv_recovers(orch):
+    st = relayed(orch)
+    stream_to(st, 4)
+    orch._instance_lost(st, "rld0", "gone")
+    assert st.lost
+
+
+async def test_rld_lost_after_final_handoff_changes_nothing(orch):
+    st = relayed(orch, kv_ready=True, md_start=6, handoff_mode="one_shot")
+    stream_to(st, 6)
+    orch._instance_lost(st, "rld0", "gone")
+    assert not st.lost and not st.takeover
+
+
+async def test_md_lost_before_handoff_rld_finishes(orch):
+    st = relayed(orch, kv_ready=True)
+    stream_to(st, 4)
+    orch._instance_lost(st, "md0", "gone")
+    assert st.md_lost and st.degraded and not st.lost
+
+
+async def test_md_lost_while_streaming_recovers_and_new_attempt_continues_at_next_position(orch):
+    st = relayed(orch, kv_ready=True, md_start=6, switch_pos=6, handoff_mode="one_shot")
+    stream_to(st, 9)
+    orch._instance_lost(st, "md0", "gone")
+    assert st.lost
+    orch._new_attempt(st, st.error)
+    await settle()
+    assert st.trid == "r1.1" and st.base == 9 and st.switch_pos is None and not st.lost
+    assert "r1" not in orch.reqs and orch.reqs["r1.1"] is st
+    assert st.queue.empty()
+    assert {"t": "abort", "rid": "r1"} in orch.peers["p1"].sent  # the old attempt, everywhere
+    prompt, sp = orch._attempt_prompt(st)
+    assert prompt == [5] * 40 + list(range(100, 109)) and sp.max_tokens == 16 - 9
+    # the new attempt's token 0 is the request's position 9; a stale token of the old rid is ignored
+    await orch.on_tok(None, {"rid": "r1", "pos": 9, "id": 7, "tier": "md"}, b"")
+    await orch.on_tok(None, {"rid": "r1.1", "pos": 0, "id": 42, "tier": "rld"}, b"")
+    tok = st.queue.get_nowait()
+    assert (tok.pos, tok.token_id) == (9, 42) and st.queue.empty()
+    assert [t.pos for t in orch._next_tokens(st, tok)] == [9]
+
+
+async def test_unrelated_instance_changes_nothing(orch):
+    st = relayed(orch)
+    orch._instance_lost(st, "md1", "gone")
+    orch._instance_lost(st, "p1", "gone")
+    assert not st.lost and not st.md_lost
