@@ -59,6 +59,10 @@ limits:
   max_queued_prompt_tokens: 0
 EOF
 
+# the same, everything in datacenter A (same_dc_pd: no WAN round trip for the routing peek), pools of
+# 512 pages
+sed 's/num_pages: 1024/num_pages: 512/' "$OUT/multi.yaml" > "$OUT/multi_small.yaml"
+
 W="$OUT/agentic.jsonl"
 [ -s "$W" ] || "$PDD" workload agentic --n 200 --seed 1 --out "$W" | tee "$OUT/agentic_histogram.txt"
 # many sessions for the routing comparison: the same generator with 8 turns per session on
@@ -94,6 +98,9 @@ for s in $STEPS; do
       # default), so a drift of the shared machine's load over the run weighs on both alike
       run routing --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
         --sweep-rate none --modes "cross_dc_pd+routing=cache_aware,cross_dc_pd+routing=round_robin,cross_dc_pd+routing=round_robin+cutoff=true,cross_dc_pd+routing=cache_aware+cutoff=true" ;;
+    routing_local)  # P-side routing alone (same_dc_pd, 2 P, 2 D), A B B A
+      run routing_local --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" \
+        --config "$OUT/multi_small.yaml" --sweep-rate none --modes "same_dc_pd+routing=cache_aware,same_dc_pd+routing=round_robin,same_dc_pd+routing=round_robin+cutoff=true,same_dc_pd+routing=cache_aware+cutoff=true" ;;
     routing_pdd)
       run routing_pdd --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
         --sweep-rate none --modes "pdd+routing=cache_aware,pdd+routing=round_robin" ;;
