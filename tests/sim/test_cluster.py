@@ -136,7 +136,7 @@ def test_decode_slot_caps_bound_admission(mode):
 
 def test_live_wan_estimate_counts_from_the_first_byte():
     """MD's receive-rate sample runs from a flow's first byte to its last (queueing behind other
-    flows on a FIFO line is invisible to MD), EWMA-weighted like the gateway's."""
+    flows on a FIFO line is invisible to MD), folded into the gateway's median estimate."""
     sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1, wan_gbps=8.0))
     line = Line(sim, "w", 8.0, 0.0, "fifo")  # 1 GB/s
     a = line.send("a", 1e9, lambda: None)
@@ -151,11 +151,11 @@ def test_live_wan_estimate_counts_from_the_first_byte():
     c.send("y", 1e9, lambda: None)
     sim.env.run()
     sim._wan_sample(x)  # shared the line the whole time: 4 Gbit/s
-    assert sim.wan_gbps_live == pytest.approx(0.8 * 8.0 + 0.2 * 4.0)
+    assert sim.wan_gbps_live == pytest.approx((8.0 + 4.0) / 2)  # median of two samples
     small = c.send("s", 1000, lambda: None)
     sim.env.run()
     sim._wan_sample(small)  # under 256 KiB: measures the RTT, ignored
-    assert sim.wan_gbps_live == pytest.approx(7.2)
+    assert sim.wan_gbps_live == pytest.approx(6.0)
 
 
 def test_request_larger_than_a_kv_pool_is_refused_up_front():

@@ -37,6 +37,7 @@ from pdd.config import ClusterConfig
 from pdd.policy.cutoff import should_cut_off
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline
 from pdd.policy.routing import InstanceLoad, choose_instance
+from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.types import Pipeline, SamplingParams
@@ -58,7 +59,6 @@ def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
 # an instance more than this many requests busier than the idlest
 ROUTING_MIN_HIT_FRAC = 0.5
 ROUTING_LOAD_SLACK = 4
-WAN_EWMA = 0.2  # weight of the newest WAN throughput sample
 
 
 class RequestFailed(RuntimeError):
@@ -150,7 +150,8 @@ class Orchestrator:
         self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
         self._rr: dict[str, int] = {}
         self._reconnecting: set[str] = set()
-        self.wan_gbps_live: float | None = None  # measured KV throughput to MD, Gbit/s (EWMA)
+        self.wan_estimate = WanEstimate()  # MD's measured KV receive rates (policy.wan_estimate)
+        self.wan_gbps_live: float | None = None  # its current value, Gbit/s
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
         from pdd.metrics import GatewayMetrics
 
@@ -346,11 +347,9 @@ class Orchestrator:
 
     async def on_wan_sample(self, peer, h, payload):
         """MD's receive rate of one request's KV (first frame to last), Gbit/s: the live WAN
-        estimate the pipeline policy reads (EWMA). Sender-side timings would measure socket
+        estimate the pipeline policy reads (policy.wan_estimate). Sender-side timings would measure socket
         buffers, not the line."""
-        sample = float(h["gbps"])
-        self.wan_gbps_live = sample if self.wan_gbps_live is None else (
-            (1 - WAN_EWMA) * self.wan_gbps_live + WAN_EWMA * sample)
+        self.wan_gbps_live = self.wan_estimate.add(float(h["gbps"]))
         return None
 
     def _remaining_wan_s(self, st: ReqState) -> float:

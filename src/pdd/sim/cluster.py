@@ -46,6 +46,7 @@ import pdd.policy.handoff as pol_handoff
 import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.routing as pol_routing
 import pdd.policy.wan_order as pol_wan
+from pdd.policy.wan_estimate import WanEstimate
 from pdd.sim.hardware import Efficiency, StepCostModel, cost_model, get_chip
 from pdd.sim.models import get_model
 from pdd.types import Pipeline
@@ -96,7 +97,7 @@ class SimConfig:
     allow_p_rld_after_s: float = 0.0  # the ablation applies to arrivals from this time on
     cutoff: bool = True
     cutoff_min_remaining_s: float = 0.5  # config.PolicyConfig default: shorter remainders finish
-    wan_estimate: str = "live"  # live: EWMA of MD's receive rates (the gateway's); config: wan_gbps
+    wan_estimate: str = "live"  # live: median of MD's recent receive rates (the gateway's); config: wan_gbps
     drc: bool = True  # decode-side radix cache on MD
     p_cache: bool = True
     routing: str = "cache_aware"
@@ -660,7 +661,8 @@ class ClusterSim:
         self.wan_saved_bytes = 0.0
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
-        self.wan_gbps_live: float | None = None  # EWMA of MD's receive rates (gateway's estimate)
+        self.wan_estimate = WanEstimate()  # MD's receive rates, as the gateway holds them
+        self.wan_gbps_live: float | None = None  # its current value (gateway's estimate)
         self.host_busy = 0  # instances in a step now (for host_cores)
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}
@@ -673,11 +675,10 @@ class ClusterSim:
         return max(1.0, (self.host_busy + 1) / c) if c > 0 else 1.0
 
     # --- the gateway's live WAN estimate (pdd.gateway.orchestrator semantics) ----------------------
-    WAN_EWMA = 0.2  # orchestrator.WAN_EWMA: weight of the newest sample
     WAN_SAMPLE_MIN_BYTES = 256 * 1024  # roles.base.kv_rate_sample_gbps: smaller ones measure the RTT
 
     def wan_gbps_estimate(self) -> float:
-        """The WAN rate the policies read: the live EWMA once MD has reported a sample (as the
+        """The WAN rate the policies read: the live estimate once MD has reported a sample (as the
         gateway's ``wan_gbps_live or link.wan_gbps``), else the configured line rate."""
         if self.cfg.wan_estimate == "live" and self.wan_gbps_live is not None:
             return self.wan_gbps_live
@@ -685,15 +686,14 @@ class ClusterSim:
 
     def _wan_sample(self, f: "Flow") -> None:
         """MD's receive rate of one request's KV (first frame to last: time queued behind other
-        flows before its first byte is not counted, as MD cannot see it), folded into the EWMA."""
+        flows before its first byte is not counted, as MD cannot see it), folded into the estimate
+        (``policy.wan_estimate``, as the gateway does)."""
         if f is None or f.total < self.WAN_SAMPLE_MIN_BYTES or f.t_end is None:
             return
         dt = f.t_end - (f.t_served if f.t_served is not None else f.t_start)
         if dt <= 0:
             return
-        g = f.total * 8 / dt / 1e9
-        w = self.WAN_EWMA
-        self.wan_gbps_live = g if self.wan_gbps_live is None else (1 - w) * self.wan_gbps_live + w * g
+        self.wan_gbps_live = self.wan_estimate.add(f.total * 8 / dt / 1e9)
 
     def remaining_wan_s(self, req: "Req") -> float:
         """The gateway's ``_remaining_wan_s``: the planned WAN bytes at the estimated rate, less
