@@ -52,6 +52,11 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked while fewer outputs exist
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + top k
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # recovery (gateway.orchestrator): the prompt's last ``output_offset`` tokens are outputs an
+    # earlier attempt streamed. Draws, min_tokens and presence/frequency penalties then count
+    # them as outputs (output position = output_offset + this attempt's index), so a recovered
+    # request samples exactly what an unfaulted one would; max_tokens counts this attempt only.
+    output_offset: int = 0
 
     def to_dict(self) -> dict:
         d = {
@@ -68,6 +73,7 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
             "logprobs": self.logprobs,
+            "output_offset": self.output_offset,
         }
         if self.logit_bias:  # msgpack maps need str-or-int keys; a list of pairs is unambiguous
             d["logit_bias"] = [[int(k), float(v)] for k, v in self.logit_bias.items()]

@@ -135,6 +135,7 @@ async def test_md_lost_while_streaming_recovers_and_new_attempt_continues_at_nex
     assert {"t": "abort", "rid": "r1"} in orch.peers["p1"].sent  # the old attempt, everywhere
     prompt, sp = orch._attempt_prompt(st)
     assert prompt == [5] * 40 + list(range(100, 109)) and sp.max_tokens == 16 - 9
+    assert sp.output_offset == 9  # draws, min_tokens, penalties count the streamed 9 as outputs
     # the new attempt's token 0 is the request's position 9; a stale token of the old rid is ignored
     await orch.on_tok(None, {"rid": "r1", "pos": 9, "id": 7, "tier": "md"}, b"")
     await orch.on_tok(None, {"rid": "r1.1", "pos": 0, "id": 42, "tier": "rld"}, b"")

@@ -305,8 +305,11 @@ class Engine:
                 sampled.append(seq)
         if not sampled:
             return []
-        toks = self.sampler.sample(logits, [s.sampling for s in sampled], [s.num_outputs for s in sampled],
-                                   histories=[(s.token_ids, s.prompt_len) for s in sampled])
+        # output positions and the prompt/output split count an earlier attempt's outputs
+        # (SamplingParams.output_offset) as outputs
+        toks = self.sampler.sample(logits, [s.sampling for s in sampled],
+                                   [s.sampling.output_offset + s.num_outputs for s in sampled],
+                                   histories=[(s.token_ids, s.prompt_len - s.sampling.output_offset) for s in sampled])
         lps = self.sampler.last_logprobs
         events = []
         for i, (seq, tok) in enumerate(zip(sampled, toks)):

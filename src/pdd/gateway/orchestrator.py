@@ -554,8 +554,8 @@ class Orchestrator:
             return st.prompt_ids, st.sampling
         d = st.sampling.to_dict()
         d["max_tokens"] = max(1, int(d["max_tokens"]) - st.base)
-        if d.get("min_tokens"):
-            d["min_tokens"] = max(0, int(d["min_tokens"]) - st.base)
+        # the streamed tokens stay outputs for draws, min_tokens and penalties
+        d["output_offset"] = int(d.get("output_offset", 0)) + st.base
         return st.prompt_ids + st.emitted[: st.base], SamplingParams.from_dict(d)
 
     async def _recover(self, st: ReqState) -> bool:
