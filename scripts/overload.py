@@ -144,6 +144,43 @@ async def open_loop(url: str, phase: str, rate: float, duration_s: float, args, 
         await asyncio.gather(*tasks)
 
 
+def _worker(url, phase, rate, duration_s, args, seed, t_base, delay_s, q):
+    """One client process: its share of an open-loop phase (after ``delay_s``); records on ``q``."""
+    async def go():
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        recs: list[Rec] = []
+        await open_loop(url, phase, rate, duration_s, args, random.Random(seed), recs, t_base)
+        return recs
+
+    q.put([asdict(r) for r in asyncio.run(go())])
+
+
+def run_phases(url: str, phases: list[tuple], args) -> list[list[Rec]]:
+    """Run open-loop phases ``(phase, rate, duration_s, seed, t_base, delay_s)`` at once, each split
+    over ``args.client_procs`` processes (a sum of independent Poisson arrivals at rate/N is Poisson
+    at the rate): one Python client process cannot drive ~100 streamed req/s without queueing
+    requests itself, which would be measured as server latency."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    n = max(1, args.client_procs)
+    jobs = []
+    for k, (phase, rate, dur, seed, t_base, delay) in enumerate(phases):
+        for i in range(n):
+            q = ctx.Queue()
+            p = ctx.Process(target=_worker, args=(url, phase, rate / n, dur, args, seed * 1000 + i, t_base, delay, q))
+            p.start()
+            jobs.append((k, p, q))
+    out: list[list[Rec]] = [[] for _ in phases]
+    for k, p, q in jobs:
+        out[k] += [Rec(**d) for d in q.get()]
+        p.join()
+    for recs in out:
+        recs.sort(key=lambda r: r.t_arrival)
+    return out
+
+
 def mark_slo(recs: list[Rec], slo: dict) -> None:
     for r in recs:
         r.met = (r.status == 200 and r.error is None and r.tokens == ARGS.max_tokens and r.ttft_s is not None
@@ -230,6 +267,7 @@ def main() -> int:
                     help="ClusterConfig.limits of the capacity sweep as JSON (default: the defaults: no latency "
                     "targets, so the sweep measures the system, not the admission policy)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes")
     ARGS = args = ap.parse_args()
 
     from pdd.config import ClusterConfig
@@ -270,8 +308,7 @@ def main() -> int:
         if slo is not None:
             slo = json.loads(args.slo)
         else:
-            ref: list[Rec] = []
-            asyncio.run(open_loop(url, "reference", 0.25, 24.0, args, rng, ref))
+            ref = run_phases(url, [("reference", 0.25, 24.0, args.seed, None, 0.0)], args)[0]
             ok = [r for r in ref if r.status == 200 and r.error is None and r.ttft_s is not None]
             if not ok:
                 raise SystemExit(f"reference run: no request succeeded: {[(r.status, r.error) for r in ref[:3]]}")
@@ -288,8 +325,8 @@ def main() -> int:
         if capacity is None:
             rate, passing = args.start_rps, None
             while True:
-                pr: list[Rec] = []
-                asyncio.run(open_loop(url, f"sweep@{rate:g}", rate, args.point_s, args, rng, pr))
+                pr = run_phases(url, [(f"sweep@{rate:g}", rate, args.point_s, args.seed + len(points) + 1, None,
+                                       0.0)], args)[0]
                 mark_slo(pr, slo)
                 recs += pr
                 s = point_summary(pr, rate, args.point_s)
@@ -321,16 +358,13 @@ def main() -> int:
         pids = {n: p.pid for n, p in topo.procs.items()}
         report["rss_idle_bytes"] = {n: rss_bytes(p) for n, p in pids.items()}
         # warm-up at half the capacity (the adaptive limit starts low and grows while it matters)
-        warm: list[Rec] = []
-        asyncio.run(open_loop(url, "warmup", 0.5 * capacity, 10.0, args, rng, warm))
+        warm = run_phases(url, [("warmup", 0.5 * capacity, 10.0, args.seed + 100, None, 0.0)], args)[0]
         mark_slo(warm, slo)
         report["warmup"] = point_summary(warm, 0.5 * capacity, 10.0)
         log("warmup", report["warmup"])
         wait_idle(url)
         # -- overload: factor x capacity, then a probe at half the capacity
         over_rate, probe_rate = args.factor * capacity, 0.5 * capacity
-        ov: list[Rec] = []
-        probe: list[Rec] = []
         inflight: list[tuple] = []  # (s since the overload start, inflight, queued tokens, adaptive limit)
         stop = threading.Event()
         t_over = time.perf_counter()
@@ -349,14 +383,9 @@ def main() -> int:
         with MemSampler(pids) as mem:
             poller.start()
 
-            async def both():
-                first = asyncio.ensure_future(open_loop(url, "overload", over_rate, args.overload_s, args, rng, ov))
-                await asyncio.sleep(args.overload_s)
-                second = asyncio.ensure_future(open_loop(url, "probe", probe_rate, args.probe_s, args,
-                                                         random.Random(args.seed + 1), probe, t_base=args.overload_s))
-                await asyncio.gather(first, second)
-
-            asyncio.run(both())
+            ov, probe = run_phases(url, [("overload", over_rate, args.overload_s, args.seed + 200, None, 0.0),
+                                         ("probe", probe_rate, args.probe_s, args.seed + 300, args.overload_s,
+                                          args.overload_s)], args)
             stop.set()
             poller.join()
         mark_slo(ov, slo)
