@@ -109,3 +109,68 @@ def test_measure_profile_on_the_live_engine(tmp_path):
     p = tmp_path / "prof.json"
     p.write_text(json.dumps(prof))
     assert MeasuredStepModel(load(p)).decode_time(2, 128) > 0
+
+
+def _measured_cfg(p, **kw):
+    return SimConfig(mode="pdd", model="measured", model_spec={"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048,
+                                                               "weight_bytes": 2e7, "flops_per_token": 8e6},
+                     profile_a=str(p), profile_b=str(p), block_tokens=16, wan_gbps=0.05, fast_gbps=4.0,
+                     max_batch_tokens=512, prefill_chunk_tokens=512, max_running_seqs=64, ttft_budget_ms=250.0,
+                     warmup_frac=0.0, **kw)
+
+
+def test_role_step_overhead_adds_to_every_step(tmp_path):
+    """SimConfig.step_overhead_s: a live role's per-step cost beyond the bare engine, added to each
+    step of that tier only (a lone cold 300-token prefill: one step)."""
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(_synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))))
+    recs = [{"timestamp": 0.0, "input_length": 300, "output_length": 20, "hash_ids": list(range(19))}]
+    base = ClusterSim(_measured_cfg(p))
+    base.run(recs)
+    ovh = ClusterSim(_measured_cfg(p, step_overhead_s={"P": 0.05, "MD": 0.01}))
+    ovh.run(recs)
+    assert ovh.tiers["P"][0].steps == base.tiers["P"][0].steps == 1
+    assert ovh.reqs[0].t_prefill_done - base.reqs[0].t_prefill_done == pytest.approx(0.05)
+    assert ovh.tiers["P"][0].busy_s - base.tiers["P"][0].busy_s == pytest.approx(0.05)
+    for t in ("RLD", "MD"):
+        o, b = ovh.tiers[t][0], base.tiers[t][0]
+        if b.steps and t == "MD":
+            assert o.busy_s / o.steps > b.busy_s / b.steps
+        if t == "RLD" and b.steps:
+            assert o.busy_s / o.steps == pytest.approx(b.busy_s / b.steps)
+
+
+def test_live_role_steps_reads_the_replay_delta():
+    from pdd.sim.validate import live_role_steps
+
+    entry = {"stats_before": {"instances": {"p0": {"role": "prefill", "engine_steps": 1, "engine_busy_s": 0.01}}},
+             "stats": {"instances": {"p0": {"role": "prefill", "engine_steps": 11, "engine_busy_s": 1.01},
+                                     "md0": {"role": "main_decode", "engine_steps": 4, "engine_busy_s": 0.2},
+                                     "x": {"role": "gateway"}}}}
+    got = live_role_steps(entry)
+    assert got["P"] == {"steps": 10, "busy_s": pytest.approx(1.0), "mean_step_s": pytest.approx(0.1)}
+    assert got["MD"]["mean_step_s"] == pytest.approx(0.05) and set(got) == {"P", "MD"}
+
+
+def test_calibrated_overheads_recover_known_ones(tmp_path):
+    """calibrate_role_overheads is a fixed point on the simulated mean step per tier: given the
+    step statistics of a run with known per-role overheads, it finds them again."""
+    from types import SimpleNamespace
+
+    from pdd.config import ClusterConfig
+    from pdd.sim.validate import calibrate_role_overheads, simulate, sim_role_steps
+
+    prof = _synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))
+    prof["model"] = {"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048, "weight_bytes": 2e7,
+                     "flops_per_token": 8e6}
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(prof))
+    cfg = ClusterConfig()
+    reqs = [SimpleNamespace(arrival_s=0.7 * i, prompt_ids=[0] * (200 + 64 * (i % 9)), max_tokens=24,
+                            hash_ids=list(range(100 * i, 100 * i + 13 + 4 * (i % 9)))) for i in range(40)]
+    known = {"P": 0.03, "RLD": 0.004, "MD": 0.008}
+    target = sim_role_steps(simulate(cfg, p, prof, 16, reqs, known))
+    got, hist = calibrate_role_overheads(cfg, p, prof, 16, reqs, target, iters=12)
+    for t in ("P", "MD"):
+        assert got[t] == pytest.approx(known[t], rel=0.15, abs=1e-3)
+    assert len(hist) >= 2

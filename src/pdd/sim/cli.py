@@ -158,9 +158,22 @@ def cmd_validate(a) -> int:
         if v <= 0:
             raise SystemExit(f"pdd sim validate: --{k} must be > 0")
     res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
-                       budget_ms=a.budget_ms, session_sample=a.session_sample, profile=a.profile)
+                       budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
+                       max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from)
     print(format_validate(res))
     print(f"wrote {a.out}/validate.json")
+    return 0
+
+
+def cmd_calibrate_roles(a) -> int:
+    from pdd.sim.validate import calibrate_roles
+
+    prof = calibrate_roles(a.run, a.profile, a.out)
+    it = prof["role_overhead_from"]["iterations"][-1]
+    for t, o in prof["role_step_overhead_s"].items():
+        print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "
+              f"sim {it[t]['sim_mean_step_s'] * 1e3:7.2f} ms at the previous iterate)")
+    print(f"wrote {a.out or a.profile}")
     return 0
 
 
@@ -230,9 +243,19 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--rate", type=float, default=2.0, help="req/s")
     v.add_argument("--block-tokens", type=int, default=64, help="tokens per 512-token trace block")
     v.add_argument("--session-sample", type=int, default=50, help="keep 1 in N conversations of the trace")
+    v.add_argument("--session-seed", type=int, default=0, help="which conversations are kept (another workload)")
+    v.add_argument("--max-output-tokens", type=int, default=None, help="cap on output lengths (default 320)")
     v.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if it fits)")
     v.add_argument("--profile", default=None, help="a `pdd profile` JSON (default: measure now)")
+    v.add_argument("--live-from", default=None, help="reuse this validate output's live run (same workload "
+                                                    "arguments) and only re-simulate")
     v.set_defaults(func=cmd_validate)
+    c = sp.add_parser("calibrate-roles", help="fit each live role's per-step overhead over the bare engine on "
+                                             "one validate run and write it into the profile")
+    c.add_argument("--run", required=True, help="a `pdd sim validate --out` directory (the calibration run)")
+    c.add_argument("--profile", required=True)
+    c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
+    c.set_defaults(func=cmd_calibrate_roles)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
     g.add_argument("--n", type=int, default=5000)
     g.add_argument("--rate", type=float, default=2.0)

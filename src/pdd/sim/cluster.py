@@ -116,6 +116,10 @@ class SimConfig:
     model_spec: dict | None = None  # ModelProfile fields (e.g. a measured profile's "model"), overrides `model`
     block_tokens: int = BLOCK  # tokens per hash block of the records (= cache page granularity)
     host_cores: float = 0.0  # >0: all instances share this many CPU cores (validating a one-machine topology)
+    # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
+    # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
+    # GIL, per-step bookkeeping), measured from a live run (validate.calibrate_role_overheads)
+    step_overhead_s: dict | None = None
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
@@ -452,6 +456,7 @@ class Instance:
         self.routed = 0  # routed here by the gateway, not yet enqueued (in flight)
         self.prefilling = 0
         c = sim.cfg
+        self.step_ovh = float((c.step_overhead_s or {}).get(role, 0.0))
         self.slot_cap = {"D": c.max_running_d, "RLD": c.max_running_rld, "MD": c.max_running_md}.get(role, 0)
         self.slots = 0  # decode slots held (admitted decode sequences)
         self.peak_slots = 0
@@ -571,7 +576,7 @@ class Instance:
                 sum_ctx = 0
                 for it in items:
                     sum_ctx += it.start
-                dt = cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) * self.sim.host_share()
+                dt = (cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) + self.step_ovh) * self.sim.host_share()
                 self.sim.host_busy += 1
                 t0 = env.now
                 self.wake = w = env.event()
@@ -595,7 +600,7 @@ class Instance:
                     self.tokens_out += done
                     self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
             else:
-                dt = cm.step_time((it.start, it.num_tokens) for it in items) * self.sim.host_share()
+                dt = (cm.step_time((it.start, it.num_tokens) for it in items) + self.step_ovh) * self.sim.host_share()
                 self.sim.host_busy += 1
                 yield env.timeout(dt)
                 self.sim.host_busy -= 1

@@ -145,9 +145,9 @@ def compare(live_records: list[dict], sim: ClusterSim) -> dict:
     return out
 
 
-def compute_share(sim: ClusterSim, live_records: list[dict]) -> float:
+def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float = 0.0) -> float:
     """Prefill compute of each request alone (measured step model, the engine's chunks over its
-    live P-cached prefix) over its live TTFT, summed over requests."""
+    live P-cached prefix, each chunk + ``overhead_s``) over its live TTFT, summed over requests."""
     cm = sim.tiers["P"][0].cm
     chunk = sim.cfg.prefill_chunk_tokens
     num = den = 0.0
@@ -159,7 +159,7 @@ def compute_share(sim: ClusterSim, live_records: list[dict]) -> float:
         prompt = rec["prompt_tokens"] or len(sim.reqs[i].blocks)
         while s0 < prompt:
             k = min(chunk, prompt - s0)
-            t += cm.step_time([(s0, k)])
+            t += cm.step_time([(s0, k)]) + overhead_s
             s0 += k
         num += t
         den += rec["token_times_s"][0] - rec["send_s"]
@@ -182,32 +182,129 @@ def _free_port_block(n: int = 100) -> int:
     raise RuntimeError("no free block of ports for the topology")
 
 
+ROLE_TIER = {"prefill": "P", "relay_decode": "RLD", "main_decode": "MD"}
+
+
+def validate_config(config=None, budget_ms: float = 250.0):
+    """The live topology's config for validation: pdd mode, the pipeline budget, and the gateway's
+    429 limits off (the simulator has no admission control; a refused turn would also leave the
+    caches unlike the simulator's). Without ``config``, the embedded topology on free ports."""
+    from pdd.config import ClusterConfig
+
+    cfg = config or ClusterConfig()
+    if config is None:  # the default ports may be taken (another topology): pick a free block
+        base = _free_port_block()
+        cfg = cfg.model_copy(update={"base_port": base, "gateway_port": base + 95})
+    return cfg.model_copy(update={"mode": "pdd", "policy": cfg.policy.model_copy(
+        update={"pipeline_ttft_budget_ms": budget_ms}), "limits": cfg.limits.model_copy(
+        update={"max_queue_wait_s": 0.0, "max_queued_prompt_tokens": 0})})
+
+
+def build_workload(cfg, *, n_requests: int, rate: float, block_tokens: int, session_sample: int,
+                   session_seed: int = 0, max_output_tokens: int | None = None, seed: int = 0):
+    """The replay requests (deterministic in the arguments): a Mooncake conversation-trace slice,
+    1 in ``session_sample`` conversations chosen by ``session_seed``, ``block_tokens`` per block."""
+    import dataclasses
+
+    from pdd.bench.demo import DEFAULT_SCALE, fit_scale
+    from pdd.bench.trace import DEFAULT_TRACE, TokenSpace, build_requests
+
+    scale = dataclasses.replace(DEFAULT_SCALE, block_tokens=block_tokens, target_rate_rps=rate,
+                                session_sample=session_sample, session_seed=session_seed)
+    if max_output_tokens is not None:
+        scale = dataclasses.replace(scale, max_output_tokens=max_output_tokens,
+                                    min_output_tokens=min(scale.min_output_tokens, max_output_tokens))
+    scale = fit_scale(scale, cfg, n_requests, 0)
+    return build_requests(DEFAULT_TRACE, scale, TokenSpace.from_model(cfg.model_path), seed), scale
+
+
+def live_role_steps(entry: dict) -> dict:
+    """Per tier (P, RLD, MD): engine steps, their summed wall time (the worker thread's
+    ``engine.step()`` inside the live role: GIL and core contention included) and the mean, over
+    the measured replay (``stats`` less ``stats_before``)."""
+    out = {}
+    before = (entry.get("stats_before") or {}).get("instances", {})
+    for name, st in (entry.get("stats") or {}).get("instances", {}).items():
+        tier = ROLE_TIER.get(st.get("role"))
+        if tier is None:
+            continue
+        b = before.get(name, {})
+        n = st.get("engine_steps", 0) - b.get("engine_steps", 0)
+        busy = st.get("engine_busy_s", 0.0) - b.get("engine_busy_s", 0.0)
+        d = out.setdefault(tier, {"steps": 0, "busy_s": 0.0})
+        d["steps"] += n
+        d["busy_s"] += busy
+    for d in out.values():
+        d["mean_step_s"] = d["busy_s"] / d["steps"] if d["steps"] else None
+    return out
+
+
+def sim_role_steps(sim: ClusterSim) -> dict:
+    out = {}
+    for tier in ("P", "RLD", "MD"):
+        insts = sim.tiers.get(tier, [])
+        n = sum(i.steps for i in insts)
+        busy = sum(i.busy_s for i in insts)
+        out[tier] = {"steps": n, "busy_s": busy, "mean_step_s": busy / n if n else None}
+    return out
+
+
+def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: dict | None = None) -> ClusterSim:
+    scfg = sim_config(cfg, profile, prof, block_tokens)
+    if overheads:
+        scfg = scfg.replace(step_overhead_s=dict(overheads))
+    sim = ClusterSim(scfg)
+    sim.record_decisions = True
+    sim.run(sim_records(requests))
+    return sim
+
+
+def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, requests, live_steps: dict,
+                             iters: int = 8) -> tuple[dict, list]:
+    """Per-step overhead of each live role over the bare engine: the constant that, added to every
+    simulated step of that tier, makes the simulated mean step equal the live run's (fixed point:
+    the overheads also change the simulated core sharing and batches). Fitted on one live run (a
+    calibration workload); validation then uses another workload."""
+    ovh = {t: 0.0 for t in live_steps}
+    hist = []
+    for _ in range(iters):
+        sim = simulate(cfg, profile, prof, block_tokens, requests, ovh)
+        ss = sim_role_steps(sim)
+        hist.append({t: {"overhead_s": ovh[t], "sim_mean_step_s": ss[t]["mean_step_s"],
+                         "live_mean_step_s": live_steps[t]["mean_step_s"]} for t in ovh})
+        new = {}
+        for t in ovh:
+            lv, sv = live_steps[t]["mean_step_s"], ss[t]["mean_step_s"]
+            new[t] = max(0.0, ovh[t] + (lv - sv)) if lv is not None and sv is not None else ovh[t]
+        if all(abs(new[t] - ovh[t]) < 1e-5 for t in ovh):
+            ovh = new
+            break
+        ovh = new
+    return ovh, hist
+
+
 def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: float = 2.0,
                  block_tokens: int = 64, budget_ms: float = 250.0, session_sample: int = 50,
-                 profile: str | Path | None = None, seed: int = 0, console=None) -> dict:
-    """Run both and write ``out/validate.json`` (+ ``requests.jsonl``, ``profile.json``)."""
+                 session_seed: int = 0, max_output_tokens: int | None = None,
+                 profile: str | Path | None = None, seed: int = 0, live_from: str | Path | None = None,
+                 console=None) -> dict:
+    """Run both and write ``out/validate.json`` (+ ``requests.jsonl``, ``server_stats.json``,
+    ``profile.json``). ``live_from``: reuse that directory's live run (its ``requests.jsonl`` and
+    ``server_stats.json``, same workload arguments) and only re-simulate. The profile's
+    ``role_step_overhead_s`` (``pdd sim calibrate-roles``, from another run) is applied."""
     from rich.console import Console
 
     from pdd.bench.client import run_one_sync
-    from pdd.bench.demo import DEFAULT_SCALE, ensure_model, fit_scale, measured_replay
+    from pdd.bench.demo import ensure_model, measured_replay
     from pdd.bench.report import write_jsonl
-    from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, block_token_ids, build_requests
-    from pdd.config import ClusterConfig
+    from pdd.bench.trace import TokenSpace, block_token_ids
     from pdd.launch import Topology
     from pdd.sim import profile as P
 
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config or ClusterConfig()
-    if config is None:  # the default ports may be taken (another topology): pick a free block
-        base = _free_port_block()
-        cfg = cfg.model_copy(update={"base_port": base, "gateway_port": base + 95})
-    # the simulator has no gateway admission control: turn the gateway's 429 limits off so that
-    # every request runs (a refused turn would also leave the caches unlike the simulator's)
-    cfg = cfg.model_copy(update={"mode": "pdd", "policy": cfg.policy.model_copy(
-        update={"pipeline_ttft_budget_ms": budget_ms}), "limits": cfg.limits.model_copy(
-        update={"max_queue_wait_s": 0.0, "max_queued_prompt_tokens": 0})})
+    cfg = validate_config(config, budget_ms)
     ensure_model(cfg, console)
     t0 = time.time()
     if profile is None:
@@ -216,49 +313,83 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         profile = out / "profile.json"
         Path(profile).write_text(json.dumps(prof, indent=1))
     prof = P.load(profile)
-    tokens = TokenSpace.from_model(cfg.model_path)
-    import dataclasses
-
-    scale = dataclasses.replace(DEFAULT_SCALE, block_tokens=block_tokens, target_rate_rps=rate,
-                                session_sample=session_sample)
-    scale = fit_scale(scale, cfg, n_requests, 0)
-    requests = build_requests(DEFAULT_TRACE, scale, tokens, seed)
+    requests, scale = build_workload(cfg, n_requests=n_requests, rate=rate, block_tokens=block_tokens,
+                                     session_sample=session_sample, session_seed=session_seed,
+                                     max_output_tokens=max_output_tokens, seed=seed)
     console.print(f"{len(requests)} requests, prompts mean {np.mean([len(r.prompt_ids) for r in requests]):.0f} "
                   f"tokens, outputs mean {np.mean([r.max_tokens for r in requests]):.0f}, {rate} req/s")
-    t_live = time.time()
-    with Topology(cfg, log_dir=out / "logs") as topo:
-        warm = block_token_ids((1 << 65) + seed, 2 * cfg.engine.page_size + 3, tokens, seed)
-        run_one_sync(topo.url, warm, 4, model=cfg.served_model_name, timeout_s=120.0)
-        topo.flush()
-        records, entry = measured_replay(topo, requests, model=cfg.served_model_name, mode="pdd",
-                                         timeout_s=cfg.request_timeout_s, progress=False, console=console)
-    live = [r.to_dict() for r in records]
-    live_s = time.time() - t_live
-    write_jsonl(out / "requests.jsonl", live)
-    (out / "server_stats.json").write_text(json.dumps(entry, indent=1, default=str))
-    scfg = sim_config(cfg, profile, prof, block_tokens)
-    sim = ClusterSim(scfg)
-    sim.record_decisions = True
+    if live_from is not None:
+        src = Path(live_from)
+        live = [json.loads(x) for x in (src / "requests.jsonl").read_text().splitlines() if x.strip()]
+        entry = json.loads((src / "server_stats.json").read_text())
+        live_s = None
+    else:
+        t_live = time.time()
+        tokens = TokenSpace.from_model(cfg.model_path)
+        with Topology(cfg, log_dir=out / "logs") as topo:
+            warm = block_token_ids((1 << 65) + seed, 2 * cfg.engine.page_size + 3, tokens, seed)
+            run_one_sync(topo.url, warm, 4, model=cfg.served_model_name, timeout_s=120.0)
+            topo.flush()
+            records, entry = measured_replay(topo, requests, model=cfg.served_model_name, mode="pdd",
+                                             timeout_s=cfg.request_timeout_s, progress=False, console=console)
+        live = [r.to_dict() for r in records]
+        live_s = time.time() - t_live
+        write_jsonl(out / "requests.jsonl", live)
+        (out / "server_stats.json").write_text(json.dumps(entry, indent=1, default=str))
+    if len(live) != len(requests):
+        raise ValueError(f"live run has {len(live)} requests, the workload {len(requests)}: not the same workload")
+    ovh = prof.get("role_step_overhead_s") or {}
     t_sim = time.time()
-    sim.run(sim_records(requests))
+    sim = simulate(cfg, profile, prof, block_tokens, requests, ovh)
     sim_s = time.time() - t_sim
     res = {
         "workload": {"requests": len(requests), "rate_rps": rate, "block_tokens": block_tokens,
-                     "session_sample": session_sample,
+                     "session_sample": session_sample, "session_seed": session_seed,
+                     "max_output_tokens": scale.max_output_tokens, "seed": seed,
                      "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in requests])),
                      "output_tokens_mean": float(np.mean([r.max_tokens for r in requests]))},
         "config": {"pipeline_ttft_budget_ms": budget_ms, "wan_gbps": cfg.link.wan_gbps,
                    "wan_rtt_ms": cfg.link.wan_rtt_ms, "instances": cfg.instances.model_dump(),
                    "engine": cfg.engine.model_dump()},
-        "profile": {"path": str(profile), "fit": prof.get("fit"), "machine": prof.get("machine")},
+        "profile": {"path": str(profile), "fit": prof.get("fit"), "machine": prof.get("machine"),
+                    "role_step_overhead_s": ovh, "role_overhead_from": prof.get("role_overhead_from")},
         **compare(live, sim),
         "compute_share_of_ttft": compute_share(sim, live),
+        "compute_share_of_ttft_with_role_overhead": compute_share(sim, live, ovh.get("P", 0.0)),
+        "role_steps": {"live": live_role_steps(entry), "sim": sim_role_steps(sim)},
         "live_failed": sum(1 for r in live if not r.get("ok")),
+        "live_errors": sorted({str(r.get("error"))[:80] for r in live if not r.get("ok")})[:5],
+        "live_from": str(live_from) if live_from else None,
         "live_wall_s": live_s, "sim_wall_s": sim_s, "wall_s": time.time() - t0,
         "sim_pipelines": dict(sim.pipelines), "sim_handoffs": dict(sim.handoffs),
     }
     (out / "validate.json").write_text(json.dumps(res, indent=1, default=str))
     return res
+
+
+def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str | Path | None = None,
+                    config=None) -> dict:
+    """``pdd sim calibrate-roles``: fit each role's per-step overhead on the live run in ``run_dir``
+    (a ``pdd sim validate`` output: its workload arguments, ``server_stats.json``) and write it into
+    the profile as ``role_step_overhead_s`` (with ``role_overhead_from``: which run)."""
+    from pdd.sim import profile as P
+
+    run_dir = Path(run_dir)
+    v = json.loads((run_dir / "validate.json").read_text())
+    w = v["workload"]
+    cfg = validate_config(config, v["config"]["pipeline_ttft_budget_ms"])
+    prof = P.load(profile)
+    prof.pop("role_step_overhead_s", None)
+    requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
+                                 session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
+                                 max_output_tokens=w.get("max_output_tokens"), seed=w.get("seed", 0))
+    live = live_role_steps(json.loads((run_dir / "server_stats.json").read_text()))
+    ovh, hist = calibrate_role_overheads(cfg, profile, prof, w["block_tokens"], requests, live)
+    prof["role_step_overhead_s"] = ovh
+    prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
+                                  "iterations": hist}
+    Path(out_profile or profile).write_text(json.dumps(prof, indent=1))
+    return prof
 
 
 def format_validate(res: dict) -> str:
@@ -271,8 +402,16 @@ def format_validate(res: dict) -> str:
                  "rel_err": res["decision_match_share"]})
     rows.append({"metric": "pipeline match", "live": None, "sim": None, "rel_err": res["pipeline_match_share"]})
     rep = res["recorded_inputs_replayed"]
+    rs = res.get("role_steps") or {}
+    steps = "".join(f"\n{t}: live step {rs['live'][t]['mean_step_s'] * 1e3:.1f} ms x {rs['live'][t]['steps']}, sim "
+                    f"{rs['sim'][t]['mean_step_s'] * 1e3:.1f} ms x {rs['sim'][t]['steps']}"
+                    for t in ("P", "RLD", "MD") if rs.get("live", {}).get(t, {}).get("mean_step_s")
+                    and rs.get("sim", {}).get(t, {}).get("mean_step_s"))
+    ovh = res.get("profile", {}).get("role_step_overhead_s") or {}
     return (table(rows, ["metric", "live", "sim", "rel_err"])
             + f"\nrecorded inputs replayed through the sim's policy calls: {rep['identical']}/{rep['decisions']} "
               f"identical\ncompute share of TTFT {res['compute_share_of_ttft']:.0%}; "
+              f"(with P's role overhead {res.get('compute_share_of_ttft_with_role_overhead', 0):.0%}); "
               f"{res['requests_compared']} requests compared, {res['live_failed']} live failures; live "
-              f"{res['live_wall_s']:.0f} s, sim {res['sim_wall_s']:.2f} s")
+              f"{res['live_wall_s'] or 0:.0f} s, sim {res['sim_wall_s']:.2f} s"
+              f"\nrole step overheads (ms): " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in ovh.items()) + steps)
