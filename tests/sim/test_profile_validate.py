@@ -174,3 +174,36 @@ def test_calibrated_overheads_recover_known_ones(tmp_path):
     for t in ("P", "MD"):
         assert got[t] == pytest.approx(known[t], rel=0.15, abs=1e-3)
     assert len(hist) >= 2
+
+
+def test_cut_off_flow_keeps_its_committed_bytes_on_the_line():
+    """Line.cancel(f, committed): bytes already written to the sockets still cross the line (ahead
+    of a later FIFO flow), delivered to nobody; a flow not yet on the line is dropped whole."""
+    from pdd.sim.cluster import Line
+
+    sim = ClusterSim(SimConfig(mode="pdd"))
+    line = Line(sim, "wan", 0.008, 0.0, "fifo")  # 1 MB/s
+    got = []
+    a = line.send("a", 4e6, lambda: got.append(("a", sim.env.now)))
+    b = line.send("b", 1e6, lambda: got.append(("b", sim.env.now)))
+    sim.env.run(until=1.0)
+    assert line.cancel(a, committed=0.5e6) == pytest.approx(2.5e6)  # 3 MB left, 0.5 MB committed
+    assert line.cancel(b, committed=0.5e6) is not None
+    c = line.send("c", 1e6, lambda: got.append(("c", sim.env.now)))
+    sim.env.run(until=10.0)
+    assert got == [("c", pytest.approx(2.5))]  # after a's committed 0.5 MB; b never started
+    assert line.bytes_sent == pytest.approx(2.5e6)
+    assert c.done
+
+
+def test_client_delay_shifts_first_token_not_tpot(tmp_path):
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(_synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))))
+    recs = [{"timestamp": 0.0, "input_length": 300, "output_length": 20, "hash_ids": list(range(19))}]
+    a = ClusterSim(_measured_cfg(p))
+    a.run(recs)
+    b = ClusterSim(_measured_cfg(p, client_delay_s=0.006))
+    b.run(recs)
+    ra, rb = a.reqs[0], b.reqs[0]
+    assert rb.t_first - ra.t_first == pytest.approx(0.006)
+    assert rb.t_done - rb.t_first == pytest.approx(ra.t_done - ra.t_first)

@@ -173,6 +173,10 @@ def cmd_calibrate_roles(a) -> int:
     for t, o in prof["role_step_overhead_s"].items():
         print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "
               f"sim {it[t]['sim_mean_step_s'] * 1e3:7.2f} ms at the previous iterate)")
+    f = prof["role_overhead_from"]
+    print(f"WAN committed bytes a cut-off cannot recall: {prof['wan_send_buffer_bytes'] / 2 ** 20:.2f} MiB (sim carries "
+          f"{f['sim_wan_bytes'] / 1e6:.1f} MB, live {f['live_wan_payload_bytes'] / 1e6:.1f} MB)")
+    print(f"client delay (gateway first token -> client): {prof['client_delay_s'] * 1e3:.1f} ms")
     print(f"wrote {a.out or a.profile}")
     return 0
 

@@ -120,6 +120,13 @@ class SimConfig:
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
     # GIL, per-step bookkeeping), measured from a live run (validate.calibrate_role_overheads)
     step_overhead_s: dict | None = None
+    # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
+    # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
+    # 0 = a cut-off stops the flow at once. Measured on a live run (validate.calibrate_wan_buffer).
+    wan_send_buffer_bytes: float = 0.0
+    # from the gateway receiving a token to the client seeing it (HTTP streaming): shifts every
+    # token of a request alike (TTFT, not TPOT). Measured on a live run's recorded events.
+    client_delay_s: float = 0.0
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
@@ -331,6 +338,10 @@ class Flow:
         self.t_served = None  # when the line first sent bytes of it (its first frame)
 
 
+def _noop() -> None:
+    return None
+
+
 class Line:
     """One link: serialises flows at ``gbps`` (processor sharing or a send-order policy from
     ``pdd.policy.wan_order``), then delivers after ``owd_s`` of propagation."""
@@ -415,15 +426,24 @@ class Line:
         self._reschedule()
         return f
 
-    def cancel(self, f: Flow) -> float:
-        """Stop a flow; returns the bytes it had left."""
+    def cancel(self, f: Flow, committed: float = 0.0) -> float:
+        """Stop a flow; returns the bytes it will not send. A flow already on the line keeps up
+        to ``committed`` bytes (written to the sockets, beyond recall): they still occupy the line,
+        delivered to nobody."""
         if f.done or f not in self.flows:
             return 0.0
         self._advance()
+        left = max(0.0, f.remaining)
+        keep = min(left, committed) if f.t_served is not None else 0.0
+        if keep > 1e-6 * self.rate:
+            f.remaining = keep
+            f.cb = _noop
+            self._reschedule()
+            return left - keep
         self.flows.remove(f)
         f.done = True
         self._reschedule()
-        return max(0.0, f.remaining)
+        return left
 
 
 # ----------------------------------------------------------------------------------------------
@@ -889,6 +909,7 @@ class ClusterSim:
             self._finish_on(inst, req, s)
 
     def _emit(self, req: Req, t: float, n: int, dt: float) -> None:
+        t += self.cfg.client_delay_s
         if req.t_first is None:
             req.t_first = t
             req.t_last = t + (n - 1) * dt
@@ -1141,7 +1162,7 @@ class ClusterSim:
                     req.cut_off = True
                     self.cutoffs += 1
                     if req.wan_flow is not None and not req.wan_flow.done:
-                        left = self.wan.cancel(req.wan_flow)
+                        left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)
                         self.wan_saved_bytes += left
                         req.wan_bytes -= left
                         self._flow_drained(req)

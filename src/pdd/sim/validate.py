@@ -249,18 +249,66 @@ def sim_role_steps(sim: ClusterSim) -> dict:
     return out
 
 
-def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: dict | None = None) -> ClusterSim:
+def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: dict | None = None,
+             wan_buffer: float | None = None) -> ClusterSim:
     scfg = sim_config(cfg, profile, prof, block_tokens)
     if overheads:
         scfg = scfg.replace(step_overhead_s=dict(overheads))
+    wb = prof.get("wan_send_buffer_bytes", 0.0) if wan_buffer is None else wan_buffer
+    if prof.get("client_delay_s"):
+        scfg = scfg.replace(client_delay_s=float(prof["client_delay_s"]))
+    if wb:
+        scfg = scfg.replace(wan_send_buffer_bytes=float(wb))
     sim = ClusterSim(scfg)
     sim.record_decisions = True
     sim.run(sim_records(requests))
     return sim
 
 
+def live_client_delay_s(live_records: list[dict]) -> float | None:
+    """Median of (client's first token - the gateway's ``first_token`` event) over a live run: the
+    HTTP streaming path the simulator does not otherwise see."""
+    d = [rec["token_times_s"][0] - rec["send_s"] - rec["pdd"]["events_ms"]["first_token"] / 1000.0
+         for rec in live_records if rec.get("ok") and rec.get("token_times_s")
+         and "first_token" in ((rec.get("pdd") or {}).get("events_ms") or {})]
+    return float(np.median(d)) if d else None
+
+
+def live_wan_payload_bytes(entry: dict) -> float:
+    """KV bytes the live P senders wrote for the WAN over the replay (planned less cancelled before
+    sending, the gateway's totals): what crossed the line, cut-off transfers' written part included."""
+    def tot(st):
+        t = (st or {}).get("totals", {})
+        return t.get("wan_bytes_planned", 0) - t.get("wan_bytes_cancelled", 0)
+
+    return float(tot(entry.get("stats")) - tot(entry.get("stats_before")))
+
+
+def calibrate_wan_buffer(cfg, profile, prof: dict, block_tokens: int, requests, live_bytes: float,
+                         overheads: dict | None = None, hi: float = 64 * 2 ** 20, iters: int = 14) -> tuple[float, float]:
+    """The committed-bytes allowance (``SimConfig.wan_send_buffer_bytes``) at which the simulated
+    WAN carries the bytes the live one did on the same workload (bisection; the carried bytes grow
+    with it). Returns (bytes, simulated bytes at it)."""
+    def carried(b):
+        return simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer=b).wan.bytes_sent
+
+    lo_b, hi_b = 0.0, hi
+    if carried(lo_b) >= live_bytes:
+        return 0.0, carried(0.0)
+    if carried(hi_b) <= live_bytes:
+        return hi_b, carried(hi_b)
+    for _ in range(iters):
+        mid = (lo_b + hi_b) / 2
+        if carried(mid) < live_bytes:
+            lo_b = mid
+        else:
+            hi_b = mid
+    b = (lo_b + hi_b) / 2
+    return b, carried(b)
+
+
 def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, requests, live_steps: dict,
-                             iters: int = 8) -> tuple[dict, list]:
+                             iters: int = 8, wan_buffer: float | None = None) -> tuple[dict, list]:
     """Per-step overhead of each live role over the bare engine: the constant that, added to every
     simulated step of that tier, makes the simulated mean step equal the live run's (fixed point:
     the overheads also change the simulated core sharing and batches). Fitted on one live run (a
@@ -268,7 +316,7 @@ def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, reques
     ovh = {t: 0.0 for t in live_steps}
     hist = []
     for _ in range(iters):
-        sim = simulate(cfg, profile, prof, block_tokens, requests, ovh)
+        sim = simulate(cfg, profile, prof, block_tokens, requests, ovh, wan_buffer)
         ss = sim_role_steps(sim)
         hist.append({t: {"overhead_s": ovh[t], "sim_mean_step_s": ss[t]["mean_step_s"],
                          "live_mean_step_s": live_steps[t]["mean_step_s"]} for t in ovh})
@@ -339,6 +387,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     if len(live) != len(requests):
         raise ValueError(f"live run has {len(live)} requests, the workload {len(requests)}: not the same workload")
     ovh = prof.get("role_step_overhead_s") or {}
+    wb = float(prof.get("wan_send_buffer_bytes", 0.0))
     t_sim = time.time()
     sim = simulate(cfg, profile, prof, block_tokens, requests, ovh)
     sim_s = time.time() - t_sim
@@ -352,7 +401,10 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                    "wan_rtt_ms": cfg.link.wan_rtt_ms, "instances": cfg.instances.model_dump(),
                    "engine": cfg.engine.model_dump()},
         "profile": {"path": str(profile), "fit": prof.get("fit"), "machine": prof.get("machine"),
-                    "role_step_overhead_s": ovh, "role_overhead_from": prof.get("role_overhead_from")},
+                    "role_step_overhead_s": ovh, "wan_send_buffer_bytes": wb,
+                    "client_delay_s": prof.get("client_delay_s", 0.0),
+                    "role_overhead_from": (prof.get("role_overhead_from") or {}).get("run")},
+        "wan_bytes": {"live": live_wan_payload_bytes(entry), "sim": sim.wan.bytes_sent if sim.wan else 0.0},
         **compare(live, sim),
         "compute_share_of_ttft": compute_share(sim, live),
         "compute_share_of_ttft_with_role_overhead": compute_share(sim, live, ovh.get("P", 0.0)),
@@ -383,10 +435,23 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
                                  max_output_tokens=w.get("max_output_tokens"), seed=w.get("seed", 0))
-    live = live_role_steps(json.loads((run_dir / "server_stats.json").read_text()))
-    ovh, hist = calibrate_role_overheads(cfg, profile, prof, w["block_tokens"], requests, live)
+    entry = json.loads((run_dir / "server_stats.json").read_text())
+    live = live_role_steps(entry)
+    live_bytes = live_wan_payload_bytes(entry)
+    prof.pop("wan_send_buffer_bytes", None)
+    live_recs = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines() if x.strip()]
+    prof["client_delay_s"] = live_client_delay_s(live_recs) or 0.0
+    bt = w["block_tokens"]
+    # two rounds: the buffer moves WAN queueing (not step times), the overheads move step times
+    # (and so when transfers start); each fitted with the other fixed
+    wb, _ = calibrate_wan_buffer(cfg, profile, prof, bt, requests, live_bytes)
+    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb)
+    wb, sim_bytes = calibrate_wan_buffer(cfg, profile, prof, bt, requests, live_bytes, overheads=ovh)
+    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb)
     prof["role_step_overhead_s"] = ovh
+    prof["wan_send_buffer_bytes"] = wb
     prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
+                                  "live_wan_payload_bytes": live_bytes, "sim_wan_bytes": sim_bytes,
                                   "iterations": hist}
     Path(out_profile or profile).write_text(json.dumps(prof, indent=1))
     return prof
