@@ -591,6 +591,8 @@ def run_bench(
     topology_factory: Callable[..., object] | None = None,
     argv: Sequence[str] | None = None,
     ramp: tuple[float, float] | None = None,
+    faults: Sequence[str] = (),
+    fault_recover_after_s: float | None = 5.0,
 ) -> dict:
     """Run the benchmark (see the module docstring); returns the report dict (also in ``out_dir``).
 
@@ -603,7 +605,11 @@ def run_bench(
     (:func:`pdd.bench.sweep.point_requests`; None = no bound). ``sweep_timeout_s``: per request
     during the sweep (s).
     ``topology_factory(cfg, log_dir=...)`` as in :func:`pdd.bench.demo.run_demo`.
+    ``faults``: ``KIND[:ARG]@PHASE[#N]`` specs injected during each applicable mode's main run,
+    killed instances restarted / slowdowns lifted ``fault_recover_after_s`` later (None: at the end
+    of the run); report.json ``faults[mode]`` (:mod:`pdd.bench.faults`).
     """
+    from pdd.bench.faults import FaultRunner, fault_report, parse_bench_fault
     from rich.console import Console
 
     t_wall = time.monotonic()
@@ -616,6 +622,10 @@ def run_bench(
     absolute = dict(slo or {})
     need_ref = not ("ttft_ms" in absolute and "tpot_ms" in absolute)
 
+    bench_faults = [parse_bench_fault(f) for f in faults]  # FaultError naming a bad spec before anything starts
+    if bench_faults and url:
+        raise ValueError("--fault needs topologies pdd bench starts (not --url)")
+    fault_out: dict[str, dict] = {}
     remote = RemoteTopology(url) if url else None
     if remote is not None:
         modes = [remote.mode()]
@@ -739,13 +749,34 @@ def run_bench(
                     reference_run(topo, cfg, mode)
                 reader = wan_reader(topo)
                 sampler = WanSampler(reader, wan_sample_s).start() if reader is not None else None
+                runner, skipped = None, {}
+                if bench_faults:
+                    from pdd.bench.faults import applicable
+                    from pdd.topology import layout as _layout
+
+                    lay = _layout(cfg)
+                    skipped = {f.text: why for f in bench_faults if (why := applicable(f, lay)) is not None}
+                    todo = [f for f in bench_faults if f.text not in skipped]
+                    runner = FaultRunner(topo, todo, fault_recover_after_s).start() if todo else None
                 try:
                     records, entry = measured_replay(
                         topo, requests, model=cfg.served_model_name, mode=mode, timeout_s=timeout_s,
-                        progress=progress, console=console, label=f"{mode} @ {_fmt(offered, 2)} req/s")
+                        progress=progress, console=console, label=f"{mode} @ {_fmt(offered, 2)} req/s",
+                        after_replay=runner.finish if runner is not None else None)
                 finally:
+                    if runner is not None:
+                        runner.finish()  # idempotent: restarts whatever is still down if the replay failed
                     if sampler is not None:
                         wan_timeline[mode] = sampler.stop()
+                if bench_faults:
+                    fault_out[mode] = fault_report(runner, [r.to_dict() for r in records], skipped,
+                                                   fault_recover_after_s)
+                    fr = fault_out[mode]
+                    console.print(f"faults {mode}: {len(fr['injections'])} injected "
+                                  + "".join(f"[{i['spec']} -> {i.get('target') or ''} in {i.get('phase')}"
+                                            f"{' ERROR ' + i['error'] if i.get('error') else ''}]"
+                                            for i in fr["injections"])
+                                  + f"; not injected {fr['not_injected'] or '-'}; requests {fr['requests']}")
                 main_dicts = [r.to_dict() for r in records]
                 if sweep is not None and slo_obj is not None:
                     points = _sweep_mode(topo, cfg, mode, sweep, sweep_reqs, slo_obj,
@@ -796,6 +827,9 @@ def run_bench(
         "modes": sweep_out,
     }
     report["wan_timeline"] = wan_timeline
+    if bench_faults:
+        report["faults"] = {"specs": [f.text for f in bench_faults], "recover_after_s": fault_recover_after_s,
+                            "modes": fault_out}
     report["pipeline_preview"] = preview
     report["bench"] = {
         "argv": list(argv) if argv is not None else None,
@@ -997,9 +1031,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gateway-port", type=int)
     g.add_argument("--model", help="served model name to request (default: the config's)")
     g.add_argument("--request-timeout", type=float, help="per request, s (default: the config's)")
+    g = ap.add_argument_group("fault injection (docs/FAULTS.md)")
+    g.add_argument("--fault", action="append", default=[], metavar="KIND[:ARG]@PHASE[#N]",
+                   help="inject once when the N-th (default 1st) request reaches PHASE, in every mode that has the "
+                        "phase and target; repeatable. KIND: wan_outage:SECONDS, wan_slowdown:FACTOR, "
+                        "kill:NAME|p|rld|md. PHASE: prefill, transfer, rld_decode, handoff, md_decode")
+    g.add_argument("--fault-recover-after", default="5", metavar="SECONDS|end",
+                   help="restart a killed instance / lift a slowdown this long after the injection, or 'end' "
+                        "(after the run's last request); default 5")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     return ap
+
+
+def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) -> tuple[list[str], float | None]:
+    """``--fault`` specs (checked) and ``--fault-recover-after`` (None = 'end'); ValueError if bad."""
+    from pdd.bench.faults import parse_bench_fault
+    from pdd.faults import FaultError
+
+    try:
+        for f in specs:
+            parse_bench_fault(f)
+    except FaultError as ex:
+        raise ValueError(str(ex)) from None
+    if specs and url:
+        raise ValueError("--fault needs topologies pdd bench starts (not --url)")
+    if str(recover_after).strip().lower() == "end":
+        return list(specs), None
+    try:
+        v = float(recover_after)
+    except ValueError:
+        raise ValueError(f"--fault-recover-after: seconds or 'end', not {recover_after!r}") from None
+    if v < 0:
+        raise ValueError("--fault-recover-after must be >= 0")
+    return list(specs), v
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1012,6 +1077,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         slo = parse_slo(args.slo)
         sweep = parse_sweep(args.sweep_rate, start_rps=args.rate, max_points=args.sweep_points,
                             bisect_steps=args.sweep_bisect)
+        faults, recover_after = parse_fault_args(args.fault, args.fault_recover_after, args.url)
     except ValueError as ex:
         ap.error(str(ex))
     config = apply_overrides(
@@ -1028,7 +1094,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        sweep_requests=args.sweep_requests or None, sweep_timeout_s=args.sweep_timeout,
                        sweep_seconds=args.sweep_seconds or None, sweep_min_requests=args.sweep_min_requests,
                        warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
-                       progress=not args.no_progress, argv=argv, ramp=ramp)
+                       progress=not args.no_progress, argv=argv, ramp=ramp, faults=faults,
+                       fault_recover_after_s=recover_after)
     return 1 if report.get("mode_errors") and len(report["mode_errors"]) == len(report["bench"]["modes"]) else 0
 
 

@@ -101,6 +101,7 @@ def measured_replay(
     progress: bool = True,
     console=None,
     flush: bool = True,
+    after_replay: Callable[[], None] | None = None,
     **replay_kw,
 ) -> tuple[list, dict]:
     """Replay ``requests`` on a running topology between two ``stats()`` snapshots.
@@ -109,7 +110,8 @@ def measured_replay(
     server_stats.json entry ``{"stats_before", "proc_cpu_seconds_before", "proc_cpu_seconds",
     "stats", "flush"}`` (see :func:`pdd.bench.report.server_summary`). ``flush``: flush the caches
     afterwards (the next replay on this topology starts empty; ``entry["flush"]`` reports leaked
-    pages). ``replay_kw`` go to :func:`pdd.bench.client.replay` (``max_in_flight``, ``label``, ...).
+    pages). ``after_replay``: called once the last request has ended, before the drain and the
+    stats (``pdd bench --fault`` restarts killed instances there). ``replay_kw`` go to :func:`pdd.bench.client.replay` (``max_in_flight``, ``label``, ...).
     """
     wait_idle = getattr(topo, "wait_idle", None)
     if wait_idle is not None:  # what came before (a warm-up) must be settled before the snapshot
@@ -117,6 +119,8 @@ def measured_replay(
     entry: dict = {"stats_before": topo.stats(), "proc_cpu_seconds_before": _proc_cpu(topo)}
     records = replay_sync(topo.url, requests, model=model, mode=mode, timeout_s=timeout_s, progress=progress,
                           console=console, **replay_kw)
+    if after_replay is not None:
+        after_replay()
     if wait_idle is not None:  # let cut-off and finished transfers drain before counting bytes
         entry["idle"] = wait_idle()
     entry["proc_cpu_seconds"] = _proc_cpu(topo)
