@@ -685,7 +685,8 @@ class Orchestrator:
         """Start ``st``'s current attempt on ``prompt`` (returns once P sampled its first token).
 
         ``force_relay`` (recovery): plan P->RLD->MD whatever the TTFT budget, so a WAN fault
-        cannot stall the recovered request. With no MD reachable, plans P->RLD (degraded).
+        cannot stall the recovered request. With no MD reachable, plans P->RLD (degraded); with no
+        RLD reachable but an MD, plans P->MD (new requests and recoveries alike).
         Raises ConnectionError when an instance it calls is lost meanwhile.
         """
         sampling = (sp or st.sampling).to_dict()
@@ -698,9 +699,15 @@ class Orchestrator:
             rep, _ = await c.call({"t": "generate", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
-        relay_possible = bool(self.layout.by_role(ROLE_RELAY))
+        rld_specs = self.layout.by_role(ROLE_RELAY)
+        relay_possible = bool(rld_specs)
         md_specs = self.layout.by_role(ROLE_MAIN)
         md_live = any(not self.peers[sp_.name].closed for sp_ in md_specs)
+        if relay_possible and md_live and all(self.peers[sp_.name].closed for sp_ in rld_specs):
+            # no RLD is reachable (dead, restarting) but an MD is: plan P->MD rather than fail
+            for sp_ in rld_specs:
+                self._spawn(self._reconnect(sp_.name))
+            relay_possible = False
         st.names[ROLE_PREFILL] = await self._route(ROLE_PREFILL, prompt)
         if relay_possible:
             st.names[ROLE_RELAY] = await self._route(ROLE_RELAY, prompt)
