@@ -34,7 +34,9 @@ workload, link, modes, ratios, output_agreement) plus ``bench``, ``seeds``, ``sl
 ``wan_timeline`` and, in every ``modes[mode]``, the fields of :func:`bench_mode_extras`
 (``slo_met``, ``slo_attainment``, ``request_goodput``, ``meets_sla``, ``sla_goodput_rps``,
 ``pipeline_mix``, ``handoff``, ``p_hit_rate``, ``md_hit_rate``, ``cutoffs``,
-``cpu_seconds_by_process``). See :data:`REPORT_FIELDS`.
+``cpu_seconds_by_process``). See :data:`REPORT_FIELDS`. With ``--fault SPEC`` (repeatable) faults
+are injected during the main runs and report.json gets ``faults`` (:mod:`pdd.bench.faults`,
+docs/FAULTS.md).
 """
 
 from __future__ import annotations
