@@ -199,12 +199,19 @@ class FaultRunner:
         raise FaultError(f"{name} did not rejoin within {self.rejoin_timeout_s} s")
 
     def finish(self) -> None:
-        """End of the run: stop watching, do every recovery still due now, wait for them."""
+        """End of the run: stop watching, do every recovery still due now, wait for them (once)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=30)
         self._due_recoveries(float("inf"))
         for th in self._threads:
             th.join(timeout=self.rejoin_timeout_s + 60)
+        if any(i["kind"] == "wan_outage" and "error" not in i for i in self.injections):
+            try:  # an outage still running would freeze the drain (close() cancels its end timer)
+                self.inj.end_outage()
+            except Exception:  # noqa: BLE001 - no WAN left to restore
+                pass
         for f in self._pending:
             self.not_injected[f.text] = (f"no eligible request reached {f.spec.phase} "
                                          f"(saw {len(self._seen[f.text])} of {f.nth})")
