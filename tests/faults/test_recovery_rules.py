@@ -149,3 +149,20 @@ async def test_unrelated_instance_changes_nothing(orch):
     orch._instance_lost(st, "md1", "gone")
     orch._instance_lost(st, "p1", "gone")
     assert not st.lost and not st.md_lost
+
+
+async def test_md_reservation_failing_after_rld_finished_still_frees_p(orch):
+    """A recovery attempt planned P->RLD->MD during a WAN outage: RLD finishes the request (no
+    cut-off: nothing was planned on the WAN yet) before MD's reservation fails when MD's heartbeat
+    drops. P waits for MD's part of the plan (deferred target): it must be told the target is
+    cancelled, else it holds the request for request_timeout_s (fault matrix wan_outage x handoff)."""
+    st = relayed(orch)
+    stream_to(st, 16)
+    st.finished = True
+    reserve = asyncio.get_running_loop().create_future()
+    reserve.set_exception(ConnectionError("connection to md0 lost: no sign of life (heartbeat)"))
+    await orch._md_leg(st, st.trid, reserve, orch.peers["p0"])
+    await settle()
+    sent = orch.peers["p0"].sent
+    assert {"t": "target", "rid": "r1", "slot": "md", "name": "md0", "cancelled": True} in sent
+    assert not st.degraded  # it ended at the client already: nothing to count

@@ -623,20 +623,25 @@ class Orchestrator:
         """MD's leg of a relayed request is gone before MD's stream went live: RLD finishes the
         request (degraded); P stops (or never starts) the WAN transfer, MD drops what it has.
         ``degraded`` False: the leg is cut because no decoder is needed (first token finished it)."""
-        if st.md_lost or st.finished:
+        if st.md_lost:
             return
+        finished = st.finished  # ended at the client (on RLD) before MD's leg settled
         st.md_lost = True
         st.md_pending.clear()
-        if degraded:
+        if finished:
+            pass  # nothing to degrade or count, but P may still wait for MD's part of the plan
+        elif degraded:
             st.degraded = True
             self.totals["md_legs_lost"] = self.totals.get("md_legs_lost", 0) + 1
         else:
             st.cut_off = True
             self.totals["cut_offs"] += 1
-        log.warning("request %s: MD leg lost (%s); RLD finishes it", st.rid, reason)
+        log.warning("request %s: MD leg lost (%s); %s", st.rid, reason,
+                    "it had ended already" if finished else "RLD finishes it")
         md_name = st.names.get(ROLE_MAIN)
         p_name = st.names.get(ROLE_PREFILL)
         trid = st.trid
+        self.awaiting_kv.pop(trid, None)  # that KV will never arrive
 
         async def tidy():
             for name, msg in ((p_name, {"t": "target", "rid": trid, "slot": "md", "name": md_name, "cancelled": True}),

@@ -168,6 +168,9 @@ class PrefillInstance(EngineInstance):
                 e.radix.insert(prompt[: n * ps], seq.page_table[:n])
 
         await self.worker.call(_cache_prefix)
+        if ctx.released:  # aborted meanwhile (freed by on_abort): its pages must not be streamed
+            raise RuntimeError(f"request {rid} aborted")
+        ctx.extra["streaming"] = True  # from here on an abort cancels the streams (on_abort)
         asyncio.get_running_loop().create_task(self._stream(ctx, h.get("targets", []), t0, fin, n_pages))
         return {"t": "prefill_ok", "rid": rid, "first_token": t0, "fin": fin, "p_cached_tokens": cached, "n_pages": n_pages,
                 "page_bytes": self.engine.pool.page_bytes}, b""
@@ -196,6 +199,10 @@ class PrefillInstance(EngineInstance):
                         return
                 first = int(t["first_page"])
                 sender, wan = await self.sender_for(name)
+                if ctx.rid in self._aborted:  # aborted before it started (on_abort cancelled none)
+                    result[name] = 0
+                    unsent[name] = (n_pages - first) * pool.page_bytes
+                    return
                 tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
                                    layers=(0, self.engine.model_cfg.num_hidden_layers),
                                    done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
