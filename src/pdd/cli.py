@@ -79,15 +79,39 @@ def cmd_serve(args) -> int:
         return 1
     try:
         print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
-        while all(p.poll() is None for p in topo.procs.values()):
-            time.sleep(0.5)
-        dead = [n for n, p in topo.procs.items() if p.poll() is not None]
-        print(f"pdd: instance(s) exited: {', '.join(dead)}; stopping", file=sys.stderr)
-        return 1
+        return _supervise(topo)
     except KeyboardInterrupt:
         return 0
     finally:
         topo.stop()
+
+
+SUPERVISE_MAX_RESTARTS = 5  # restarts of one instance within SUPERVISE_WINDOW_S before giving up
+SUPERVISE_WINDOW_S = 60.0
+
+
+def _supervise(topo, poll_s: float = 0.5) -> int:
+    """Keep ``pdd serve``'s topology up: an instance that exits (crash, OOM kill, SIGKILL) is
+    started again alone, and the others keep serving meanwhile (the gateway recovers or degrades
+    its in-flight requests and routes around it until it rejoins: docs/FAULTS.md). An instance
+    that exits more than ``SUPERVISE_MAX_RESTARTS`` times within ``SUPERVISE_WINDOW_S`` seconds
+    is crash-looping: the whole topology stops and 1 is returned."""
+    restarts: dict[str, list[float]] = {}
+    while True:
+        time.sleep(poll_s)
+        for name, proc in list(topo.procs.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            now = time.monotonic()
+            recent = [t for t in restarts.get(name, []) if now - t < SUPERVISE_WINDOW_S] + [now]
+            restarts[name] = recent
+            if len(recent) > SUPERVISE_MAX_RESTARTS:
+                print(f"pdd: {name} exited {len(recent)} times in {SUPERVISE_WINDOW_S:.0f} s (last exit code "
+                      f"{rc}); stopping (logs in {topo.log_dir})", file=sys.stderr)
+                return 1
+            print(f"pdd: {name} exited (code {rc}); restarting it, the rest keep serving", file=sys.stderr)
+            topo.restart(name)
 
 
 def cmd_certs(args) -> int:

@@ -200,9 +200,10 @@ def test_same_prompt_twice_sends_only_the_partial_last_page_over_the_wan(topo, o
 
 
 def test_prompt_shorter_than_one_page_completes_transfer_and_handoff(topo, oa):
-    r = oa.completions.create(model="pdd-small", prompt=[11, 12, 13, 14, 15], max_tokens=12, temperature=0,
+    # 160 tokens: RLD decodes long enough for the page to cross the WAN even on a loaded machine
+    r = oa.completions.create(model="pdd-small", prompt=[11, 12, 13, 14, 15], max_tokens=160, temperature=0,
                               extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 160 and r.choices[0].finish_reason == "length"
     summary = r.model_extra["pdd"]
     assert summary["handoff_pos"] is not None and summary["handoff_pos"] >= HANDOFF_AT  # MD took over
     assert summary["wan_bytes_expected"] == int(topo.stats()["instances"]["p0"]["page_bytes"])

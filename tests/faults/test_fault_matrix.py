@@ -145,6 +145,18 @@ def _gone_everywhere(topo, rid: str) -> bool:
 
 @pytest.mark.parametrize("fault,phase", CELLS, ids=[f"{f}__{p}" for f, p in CELLS])
 def test_fault_cell(fault, phase, topo, inj, reference):
+    # the request can move on between seeing the phase and the fault landing (a loaded machine):
+    # such a try is still checked in full (output, drain, pages), then the cell runs again
+    landed = []
+    for _ in range(3):
+        landed.append(_fault_cell_once(fault, phase, topo, inj, reference))
+        if landed[-1] == phase:
+            return
+    pytest.fail(f"fault landed in {landed}, never in {phase}")
+
+
+def _fault_cell_once(fault, phase, topo, inj, reference) -> str:
+    """One try of a cell; returns the phase the fault landed in (recorded with the injection)."""
     ref_outs, margin = reference
     prompt = _cell_prompt(fault, phase)
     _warm_up(topo)
@@ -215,8 +227,8 @@ def test_fault_cell(fault, phase, topo, inj, reference):
                 outcome["result"] = f"near-tie at {d} (margin {m:.2e})"
             else:
                 outcome["result"] = "equal"
-        assert rec.phase == phase, f"fault landed in {rec.phase}, not {phase}"
-        assert rec.phase_after in (phase, "done") or fault in ("kill_p", "kill_rld", "kill_md", "wan_outage"), rec
+        assert rec.phase != phase or rec.phase_after in (phase, "done") or fault in (
+            "kill_p", "kill_rld", "kill_md", "wan_outage"), rec
     finally:
         client.close()
         inj.restore_wan()
@@ -232,7 +244,9 @@ def test_fault_cell(fault, phase, topo, inj, reference):
     assert not errs, errs
     assert fl["leaked_pages"] == 0, fl
     outcome["total_s"] = round(time.monotonic() - t0, 2)
-    RESULTS[(fault, phase)] = outcome
+    if rec.phase == phase:
+        RESULTS[(fault, phase)] = outcome
+    return rec.phase
     print(f"\n[{fault}@{phase}] {outcome}")
 
 

@@ -166,3 +166,22 @@ async def test_md_reservation_failing_after_rld_finished_still_frees_p(orch):
     sent = orch.peers["p0"].sent
     assert {"t": "target", "rid": "r1", "slot": "md", "name": "md0", "cancelled": True} in sent
     assert not st.degraded  # it ended at the client already: nothing to count
+
+
+def test_health_degraded_while_serving_unavailable_without_p_or_decoder(orch):
+    assert orch.health()["status"] == "ok"
+    orch.peers["md0"].closed = True
+    h = orch.health()
+    assert h["status"] == "degraded" and h["down"] == ["md0"]  # RLD still decodes
+    for name in orch.peers:
+        if name.startswith("rld"):
+            orch.peers[name].closed = True
+    assert orch.health()["status"] == "degraded"  # md1 still decodes
+    orch.peers["md1"].closed = True
+    assert orch.health()["status"] == "unavailable"  # no decoder left
+    for peer in orch.peers.values():
+        peer.closed = False
+    for name in orch.peers:
+        if name.startswith("p"):
+            orch.peers[name].closed = True
+    assert orch.health()["status"] == "unavailable"  # no prefill left

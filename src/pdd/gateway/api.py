@@ -174,9 +174,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.get("/health")
     async def health():
-        """200 when every instance is reachable, 503 with the unreachable ones named otherwise."""
+        """200 while requests can be served ("ok", or "degraded" naming the unreachable instances,
+        so a load balancer keeps a gateway that still serves); 503 when they cannot."""
         h = orch.health() if hasattr(orch, "health") else {"status": "ok", "mode": cfg.mode, "down": []}
-        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+        return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
 
     if cfg.security.api_keys:  # optional API keys (Authorization: Bearer KEY); health stays open
         from pdd.security import ApiKeyMiddleware

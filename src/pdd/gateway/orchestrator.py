@@ -208,9 +208,21 @@ class Orchestrator:
             self._instance_lost(st, name, f"instance {name} is unreachable ({why})")
 
     def health(self) -> dict:
-        """{"status": "ok" | "degraded", "down": [instance names whose connection is closed]}."""
+        """{"status": "ok" | "degraded" | "unavailable", "down": [instances whose connection is
+        closed]}: "degraded" while requests can still be served (a P and some decoder are up:
+        recovery and routing go around the rest), "unavailable" when they cannot."""
         down = sorted(n for n, p in self.peers.items() if p.closed)
-        return {"status": "degraded" if down else "ok", "mode": self.cfg.mode, "down": down}
+
+        def up(*roles: str) -> bool:
+            return any(not self.peers[s.name].closed for r in roles for s in self.layout.by_role(r)
+                       if s.name in self.peers)
+
+        if self.cfg.mode == "colocated":
+            serving = up(ROLE_COLOCATED)
+        else:
+            serving = up(ROLE_PREFILL) and up(ROLE_RELAY, ROLE_MAIN)
+        status = "ok" if not down else ("degraded" if serving else "unavailable")
+        return {"status": status, "mode": self.cfg.mode, "down": down}
 
     def _peer(self, st: ReqState | None, role: str) -> tuple[str, rpc.Peer]:
         """The instance of ``role`` serving ``st`` (routed at its start)."""
