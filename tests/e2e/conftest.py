@@ -43,6 +43,38 @@ def small_model(tmp_path_factory) -> str:
 TEST_DEVICE = os.environ.get("PDD_TEST_DEVICE", "cpu")  # "cuda" runs every engine of a topology on the GPU
 
 
+def greedy_oracle(model_dir: str, prompts: list[list[int]], max_tokens: int):
+    """The single-engine oracle: greedy outputs of ``prompts`` on one in-process engine
+    (``max_tokens`` each, EOS ignored) and ``margin(prompt, prefix)``, the top-2 logit gap of the
+    next token after ``prompt + prefix`` (a small gap marks a numerical near-tie)."""
+    import torch
+
+    from pdd.engine.engine import Engine
+    from pdd.types import SamplingParams
+
+    torch.set_num_threads(1)
+    eng = Engine.from_pretrained(model_dir, num_pages=1024, page_size=16, device=TEST_DEVICE)
+
+    def run(rid: str, ids: list[int], n: int) -> list[int]:
+        s = eng.new_sequence(rid, ids, SamplingParams(max_tokens=n, ignore_eos=True), use_cache=False)
+        eng.add(s)
+        while eng.has_work():
+            eng.step()
+        out = list(s.output_ids)
+        eng.release(s, cache=False)
+        return out
+
+    outs = [run(f"ref{i}", p, max_tokens) for i, p in enumerate(prompts)]
+
+    def margin(prompt: list[int], prefix: list[int]) -> float:
+        eng.keep_logits = True
+        run("probe", prompt + prefix, 1)
+        top2 = torch.topk(eng.last_logits.pop("probe").float(), 2).values
+        return float(top2[0] - top2[1])
+
+    return outs, margin
+
+
 def make_cfg(model: str, mode: str, **over) -> ClusterConfig:
     base = free_port_block()
     data = {"mode": mode, "model_path": model, "base_port": base, "gateway_port": base + 95,

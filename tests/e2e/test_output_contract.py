@@ -13,7 +13,7 @@ import random
 import httpx
 import pytest
 
-from tests.e2e.conftest import TEST_DEVICE, make_cfg
+from tests.e2e.conftest import greedy_oracle, make_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -32,34 +32,7 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(small_model_mod):
     """Greedy outputs and a logits probe from one in-process engine (the single-engine oracle)."""
-    import torch
-
-    from pdd.engine.engine import Engine
-    from pdd.types import SamplingParams
-
-    torch.set_num_threads(1)
-    eng = Engine.from_pretrained(small_model_mod, num_pages=1024, page_size=16, device=TEST_DEVICE)
-    outs = []
-    for i, p in enumerate(_prompts()):
-        s = eng.new_sequence(f"ref{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_cache=False)
-        eng.add(s)
-        while eng.has_work():
-            eng.step()
-        outs.append(list(s.output_ids))
-        eng.release(s, cache=False)
-
-    def margin(prompt: list[int], prefix: list[int]) -> float:
-        eng.keep_logits = True
-        s = eng.new_sequence("probe", prompt + prefix, SamplingParams(max_tokens=1, ignore_eos=True), use_cache=False)
-        eng.add(s)
-        while eng.has_work():
-            eng.step()
-        row = eng.last_logits.pop("probe")
-        eng.release(s, cache=False)
-        top2 = torch.topk(row.float(), 2).values
-        return float(top2[0] - top2[1])
-
-    return outs, margin
+    return greedy_oracle(small_model_mod, _prompts(), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 
 from pdd.faults import PHASES, FaultError, FaultInjector, StreamClient
 from pdd.launch import Topology
-from tests.e2e.conftest import TEST_DEVICE, make_cfg
+from tests.e2e.conftest import greedy_oracle, make_cfg
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -70,35 +70,8 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Greedy outputs of every cell's prompt on one in-process engine, and a top-2 logit margin probe."""
-    import torch
-
-    from pdd.engine.engine import Engine
-    from pdd.types import SamplingParams
-
-    torch.set_num_threads(1)
-    eng = Engine.from_pretrained(model_dir, num_pages=1024, page_size=16, device=TEST_DEVICE)
-    outs = {}
-    for f, p in CELLS:
-        prompt = _cell_prompt(f, p)
-        s = eng.new_sequence("ref", prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_cache=False)
-        eng.add(s)
-        while eng.has_work():
-            eng.step()
-        outs[(f, p)] = list(s.output_ids)
-        eng.release(s, cache=False)
-
-    def margin(prompt: list[int], prefix: list[int]) -> float:
-        eng.keep_logits = True
-        s = eng.new_sequence("probe", prompt + prefix, SamplingParams(max_tokens=1, ignore_eos=True), use_cache=False)
-        eng.add(s)
-        while eng.has_work():
-            eng.step()
-        row = eng.last_logits.pop("probe")
-        eng.release(s, cache=False)
-        top2 = torch.topk(row.float(), 2).values
-        return float(top2[0] - top2[1])
-
-    return outs, margin
+    outs, margin = greedy_oracle(model_dir, [_cell_prompt(f, p) for f, p in CELLS], MAX_TOKENS)
+    return dict(zip(CELLS, outs)), margin
 
 
 @pytest.fixture(scope="module")
