@@ -218,22 +218,6 @@ def wait_idle(url: str, timeout_s: float = 120) -> float:
     return float("nan")
 
 
-def free_port_block(n: int = 100) -> int:
-    """A base port with ``n`` consecutive free ports above it (best effort)."""
-    import socket
-
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port block")
-
-
 def log(*a):
     print(time.strftime("%H:%M:%S"), *a, flush=True)
 
@@ -273,6 +257,7 @@ def main() -> int:
     from pdd.config import ClusterConfig
     from pdd.launch import Topology
     from pdd.modelgen import make_model
+    from pdd.topology import free_port_block
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -85,3 +85,23 @@ def layout(cfg: ClusterConfig) -> Layout:
     if cfg.mode == "pdd":
         rlds = tuple(InstanceSpec(f"rld{i}", ROLE_RELAY, "A", b + 40 + i) for i in range(n.relay_decode))
     return Layout(cfg.mode, cfg.host, ps + rlds + mds + (link, gw), b)
+
+
+def free_port_block(n: int = 100) -> int:
+    """A base port with ``n`` consecutive ports above it free on 127.0.0.1 now (best effort: a
+    port may be taken between this check and the bind), for a layout's ``base_port``.
+
+    Raises RuntimeError when 200 random tries in [20000, 60000) find no such block."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port block")

@@ -3,32 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
 from pdd.config import ClusterConfig
 from pdd.launch import Topology
-
-
-def free_port_block(n: int = 100) -> int:
-    """A base port with ``n`` consecutive free ports above it (best effort)."""
-    import random
-
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
+from pdd.topology import free_port_block
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.topology import free_port_block
 
 
 def sim_records(requests) -> list[dict]:
@@ -166,22 +167,6 @@ def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float =
     return num / den if den else 0.0
 
 
-def _free_port_block(n: int = 100) -> int:
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as sk:
-                    sk.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free block of ports for the topology")
-
-
 ROLE_TIER = {"prefill": "P", "relay_decode": "RLD", "main_decode": "MD"}
 
 
@@ -193,7 +178,7 @@ def validate_config(config=None, budget_ms: float = 250.0):
 
     cfg = config or ClusterConfig()
     if config is None:  # the default ports may be taken (another topology): pick a free block
-        base = _free_port_block()
+        base = free_port_block()
         cfg = cfg.model_copy(update={"base_port": base, "gateway_port": base + 95})
     return cfg.model_copy(update={"mode": "pdd", "policy": cfg.policy.model_copy(
         update={"pipeline_ttft_budget_ms": budget_ms}), "limits": cfg.limits.model_copy(
