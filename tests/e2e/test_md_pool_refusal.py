@@ -3,8 +3,9 @@
 (a) MD refuses a request before admitting it (``reserve`` finds its pool full: OutOfPages, holding
     nothing). A request whose first request holds MD's pool (in MD decode) is followed by a second
     whose prompt does not fit in what is left:
-    - planned P->MD (pdd, large TTFT budget: MD reserves before P prefills): HTTP 503 naming the
-      refusal; RLD's ``expect`` reservation is freed at once and P never took a page for it;
+    - planned P->MD (pdd, large TTFT budget: MD reserves while P prefills, P's targets
+      deferred until the plan): HTTP 503 naming the refusal; RLD's ``expect`` reservation and
+      what P prefilled are freed at once;
     - planned P->RLD->MD (pdd, zero budget: MD reserves while P prefills): MD's leg is lost,
       RLD finishes the request (200, ``pdd.degraded``), P's WAN transfer never starts.
 (b) MD's pool fills while KV arrives and decoding grows (cross_dc_pd, concurrent requests whose
@@ -90,13 +91,13 @@ def test_md_refuses_at_reserve(small_model, topology_factory, budget_ms, planned
         assert second.wait(60), "the refused request hung"
         inst = _instances(topo.url)
         if planned == "p_md":
-            # MD refused before P started: a clean 503 naming MD's pool; nothing of it is left anywhere
+            # MD refused while P prefilled: a clean 503 naming MD's pool; nothing of it is left anywhere
             assert second.status == 503 and "out of KV pages" in (second.error or ""), (second.status, second.error)
             assert not second.tokens
             rld = next(n for n in inst if n.startswith("rld"))
             p = next(n for n in inst if n.startswith("p"))
             # RLD's expect reservation is freed at once (no wait for a timeout): RLD holds nothing
-            # while the first request (P->MD) is still decoding on MD; P never held the second
+            # while the first request (P->MD) is still decoding on MD; P freed the second's prompt
             assert _poll(lambda: (lambda i: i[rld]["running"] == 0 and i[rld]["pages_free"] == i[rld]["pages_total"]
                                   and i[p]["running"] == 0)(_instances(topo.url)), timeout_s=10)
             assert inj.phase_of(first.rid) == "md_decode" or not first.done.is_set()

@@ -68,7 +68,8 @@ def test_sim_runs_on_a_measured_profile(tmp_path):
     r0 = sim.reqs[0]
     assert sim.tiers["P"][0].cm.prefill_time(300) == pytest.approx(
         0.002 + 1e-4 * 300 + 5e-8 * 300 * 150.5 + 3e-7 * 300 + 1e-4)
-    assert r0.t_prefill_done == pytest.approx(cfg.wan_rtt_ms / 1000 + sim.tiers["P"][0].cm.prefill_time(300))
+    # P started at arrival, beside MD's reservation round trip (not after it)
+    assert r0.t_prefill_done == pytest.approx(r0.arrival + sim.tiers["P"][0].cm.prefill_time(300))
     # each request's decisions were logged with their inputs
     assert all(decisions_of(sim.decision_log[r.rid])["pipeline"] == r.pipeline.value for r in sim.reqs)
 

@@ -6,9 +6,14 @@ produced them, so the switch from RLD to MD neither drops nor repeats a token.
 
 Pipelines (PDD report, "Pipelines"):
   colocated:  C.generate
-  P_D / P_MD: D.reserve -> P.prefill(targets=[D from its cached pages]) -> D decodes
-  P_RLD_MD:   MD.reserve + RLD.expect -> P.prefill(targets=[RLD all pages, MD missing pages])
-              -> RLD decodes -> MD.kv_ready -> RLD.handoff (ids) -> MD.extend -> MD decodes
+  P_D / P_MD: D.reserve || P.prefill(targets deferred) -> plan -> P.target(D from its cached
+              pages) -> D decodes
+  P_RLD_MD:   RLD.expect, then MD.reserve || P.prefill(targets deferred) -> plan ->
+              P.target(RLD all pages, MD missing pages) -> RLD decodes -> MD.kv_ready ->
+              RLD.handoff (ids) -> MD.extend -> MD decodes
+  (with a zero TTFT budget the relay is planned at once: RLD's target is not deferred, MD's is)
+  P's prefill never waits for MD's reservation (a WAN round trip): the plan needs what MD's
+  cache holds, and P sends nothing before it knows where.
 
 Faults ("degrade, don't fail"). A connection to an instance closes when the instance dies or its
 heartbeat goes silent (``cfg.liveness``; a WAN outage is found that way). Each in-flight request
@@ -71,7 +76,7 @@ class InstanceLost(ConnectionError):
 
 PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
 # per-attempt events, renamed "<name>@<attempt>" when a request is recovered
-ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "prefilled", "md_kv_ready", "handoff_call", "handoff",
+ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "p_first_token", "prefilled", "md_kv_ready", "handoff_call", "handoff",
                   "handoff_rld_ms", "switch")
 
 
@@ -794,18 +799,33 @@ class Orchestrator:
             st.events["prefilled"] = time.perf_counter()
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
-        p_call = None
+        # P starts prefilling now, its targets deferred: which pipeline (and so which targets)
+        # depends on what MD's cache holds, known a WAN round trip later when MD's reservation
+        # returns; the round trip overlaps the prefill instead of preceding it (as a decode
+        # instance's bootstrap does in SGLang's PD disaggregation)
+        rld_name = rld = p_call = None
+        slots = [{"slot": "md", "deferred": True}]
         try:
             if relay_possible:
                 rld_name, rld = self._peer(st, ROLE_RELAY)
                 await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
+                slots.insert(0, {"slot": "rld", "deferred": True})
+            p_call = asyncio.ensure_future(p.call(
+                {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling, "targets": slots},
+                timeout=t))
+            p_call.add_done_callback(self._first_token_event(st))
             md_name, rep = await reserve
         except BaseException:
-            if not reserve.done():
-                reserve.cancel()
-            elif not reserve.cancelled():
-                reserve.exception()  # retrieved: no "never retrieved" noise
+            for fut in (reserve, p_call):
+                if fut is None:
+                    continue
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # retrieved: no "never retrieved" noise
+            if p_call is not None:  # P may hold the prompt waiting for its targets: free it there
+                self._spawn(self._abort_on(p, st.trid))
             raise
         self._reserved(st, md_name, rep)
         md = self.peers[md_name]
@@ -814,27 +834,60 @@ class Orchestrator:
         st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
             Pipeline.P_MD if md_wan else Pipeline.P_D)
         relay = st.pipeline == Pipeline.P_RLD_MD
-        targets = [{"name": md_name, "first_page": md_first, "relay": relay}]
-        if relay:
-            targets.insert(0, {"name": rld_name, "first_page": 0, "relay": False})
-        elif st.pipeline == Pipeline.P_RLD:
-            # the excluded pipeline (--allow-p-rld ablation / degraded): MD never gets the KV
-            targets = [{"name": rld_name, "first_page": 0, "relay": False}]
-            await md.send({"t": "drop", "rid": st.trid})
-            if md_wan:
-                self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
-                self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
-                self.planned_wan.pop(st.trid, None)
-                self.planned_src.pop(st.trid, None)
-                st.wan_bytes_expected = 0
-        elif relay_possible:
-            # planned P->MD after all: RLD frees its reservation (MD learns it from kv_done)
-            await rld.call({"t": "abort", "rid": st.trid}, timeout=t)
-        p_call = p.call({"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
-                         "targets": targets}, timeout=t)
-        rep, _ = await p_call
+        md_target = {"t": "target", "rid": st.trid, "slot": "md", "name": md_name, "first_page": md_first,
+                     "relay": relay}
+        rld_target = {"t": "target", "rid": st.trid, "slot": "rld", "name": rld_name, "first_page": 0,
+                      "relay": False}
+        try:
+            if relay:
+                await p.send(rld_target)
+                await p.send(md_target)
+            elif st.pipeline == Pipeline.P_RLD:
+                # the excluded pipeline (--allow-p-rld ablation / degraded): MD never gets the KV
+                await p.send(rld_target)
+                await p.send({"t": "target", "rid": st.trid, "slot": "md", "name": md_name, "cancelled": True})
+                await md.send({"t": "drop", "rid": st.trid})
+                if md_wan:
+                    self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
+                    self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
+                    self.planned_wan.pop(st.trid, None)
+                    self.planned_src.pop(st.trid, None)
+                    st.wan_bytes_expected = 0
+            else:
+                if relay_possible:
+                    # planned P->MD: RLD's slot is never filled and RLD frees its reservation
+                    # (MD learns it from kv_done)
+                    await p.send({"t": "target", "rid": st.trid, "slot": "rld", "cancelled": True})
+                    await rld.call({"t": "abort", "rid": st.trid}, timeout=t)
+                await p.send(md_target)
+            rep, _ = await p_call
+        except BaseException:
+            if not p_call.done():
+                p_call.cancel()
+            elif not p_call.cancelled():
+                p_call.exception()
+            raise
         st.events["prefilled"] = time.perf_counter()
         st.p_cached_tokens = int(rep["p_cached_tokens"])
+
+    @staticmethod
+    def _first_token_event(st: ReqState):
+        """A done-callback for P's prefill call: records ``p_first_token`` (P's reply, which
+        may come before MD's reservation) for the attempt that made the call."""
+        trid = st.trid
+
+        def done(f: asyncio.Future) -> None:
+            if st.trid == trid and not f.cancelled() and f.exception() is None:
+                st.events["p_first_token"] = time.perf_counter()
+
+        return done
+
+    async def _abort_on(self, peer: rpc.Peer, trid: str) -> None:
+        """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it already)."""
+        try:
+            await peer.call({"t": "abort", "rid": trid}, timeout=10)
+        except Exception as e:
+            log.warning("abort %s failed: %s", trid, e)
 
     async def _md_leg(self, st: ReqState, trid: str, reserve, p: rpc.Peer) -> None:
         """MD's part of an always-relayed plan (attempt ``trid``): once MD has reserved, tell P

@@ -23,6 +23,8 @@ from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
+DEFERRED_SLOTS = {"rld", "md"}  # the targets the gateway may plan after P started (``target``)
+
 
 class PrefillInstance(EngineInstance):
     tier = "p"
@@ -46,7 +48,7 @@ class PrefillInstance(EngineInstance):
         rid, name = h["rid"], h["name"]
         if rid not in self.reqs:
             return None  # already drained and released: nothing left to cut
-        for slot in set(self._deferred.get(rid, {})) | {"md"}:
+        for slot in set(self._deferred.get(rid, {})) | DEFERRED_SLOTS:
             fut = self._deferred_target(rid, slot)
             if not fut.done():  # not planned yet: never start it
                 fut.set_result({"name": name, "cancelled": True})
@@ -64,7 +66,7 @@ class PrefillInstance(EngineInstance):
         ``{rid, slot, cancelled: true}`` when that target cannot be reached (never sent)."""
         if h["rid"] in self._aborted:
             return None  # aborted already: nothing will be sent
-        fut = self._deferred_target(h["rid"], h.get("slot", h["name"]))
+        fut = self._deferred_target(h["rid"], h.get("slot") or h["name"])
         if not fut.done():
             if h.get("cancelled"):
                 fut.set_result({"name": h.get("name") or h.get("slot"), "cancelled": True})
@@ -84,7 +86,7 @@ class PrefillInstance(EngineInstance):
             fut.set_exception(RuntimeError(f"request {rid} aborted"))
         ctx = self.reqs.get(rid)
         if ctx is not None and ctx.extra.get("streaming"):
-            for slot in set(self._deferred.get(rid, {})) | {"md"}:
+            for slot in set(self._deferred.get(rid, {})) | DEFERRED_SLOTS:
                 d = self._deferred_target(rid, slot)
                 if not d.done():
                     d.set_result({"cancelled": True})
@@ -190,7 +192,10 @@ class PrefillInstance(EngineInstance):
             name = t.get("name", t.get("slot"))
             try:
                 if t.get("deferred"):
-                    plan = await asyncio.wait_for(self._deferred_target(ctx.rid, t["slot"]), self.cfg.request_timeout_s)
+                    fut = self._deferred_target(ctx.rid, t["slot"])
+                    if ctx.rid in self._aborted and not fut.done():  # aborted before this task ran
+                        fut.set_result({"cancelled": True})
+                    plan = await asyncio.wait_for(fut, self.cfg.request_timeout_s)
                     t = {**t, **plan}
                     name = t.get("name", name)
                     if t.get("cancelled"):  # cut off before it started: nothing of it was sent

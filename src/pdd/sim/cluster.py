@@ -23,8 +23,9 @@ Model (units in names; all times in simulated seconds):
   the runtime's frame scheduler order ``fifo`` / ``srf`` via ``pick_next``) plus half an RTT of
   propagation each way; control messages and token streams cost the propagation only. The fast
   path is one line per sending P instance (its NICs).
-- Request life follows docs/ARCHITECTURE.md: the gateway (in A) routes, asks MD to reserve
-  (an RTT), chooses the pipeline; P prefills and samples the first token; KV goes to RLD (fast)
+- Request life follows docs/ARCHITECTURE.md: the gateway (in A) routes and asks MD to reserve
+  (an RTT) while P prefills and samples the first token; the pipeline is chosen when MD's reply
+  is back (at once with a zero TTFT budget) and P's sends wait for it; KV goes to RLD (fast)
   and/or MD (WAN, only the blocks MD lacks); the first token reaches the client when the KV has
   reached a decoder; RLD hands over token ids; MD extends and decodes; tokens from MD reach the
   gateway half an RTT later.
@@ -805,10 +806,21 @@ class ClusterSim:
             self._count_pipeline(req)
             self._start_prefill(p, req)
             return
-        # cross-DC: ask MD to reserve (a WAN round trip), then plan
+        # cross-DC: P prefills at once while MD is asked to reserve (a WAN round trip); the plan
+        # follows MD's reply, and P's sends wait for it (the runtime's deferred targets). With a
+        # zero TTFT budget the relay is planned at once (MD's cache state cannot change it).
         md = self._route("MD", req, True)
         req.md = md
+        if self._always_relay(req):
+            self._decide(req)
+        self._start_prefill(p, req)
         self.after(self.owd, self._md_reserve, req)
+
+    def _always_relay(self, req: Req) -> bool:
+        """Orchestrator._always_relay: pdd with a zero budget relays every request."""
+        cfg = self.cfg
+        return (cfg.mode == "pdd" and cfg.ttft_budget_ms <= 0
+                and not (cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s))
 
     def _md_reserve(self, req: Req) -> None:
         """At MD: match DRC, answer the gateway; the lock + allocation are queued at MD."""
@@ -821,6 +833,20 @@ class ClusterSim:
         self.after(self.owd, self._plan, req)
 
     def _plan(self, req: Req) -> None:
+        """MD's reservation reply is back at the gateway: plan (unless planned at arrival), queue
+        MD's admission, and release P's sends if its prefill is already done."""
+        planned = req.pipeline is not None
+        if not planned:
+            self._decide(req)
+        if req.pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):
+            self._md_enqueue(req)
+        else:
+            req.md = None
+        if not planned and req.prefill_done:
+            self._dispatch_kv(req)
+
+    def _decide(self, req: Req) -> None:
+        """The pipeline decision (policy.pipeline, the runtime's function) for ``req``."""
         cfg = self.cfg
         md_ok = True
         est = self.wan_gbps_estimate()
@@ -835,11 +861,6 @@ class ClusterSim:
         self._count_pipeline(req)
         if pl in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
             req.rld = self._route("RLD", req, False, policy="load")
-        if pl in (Pipeline.P_MD, Pipeline.P_RLD_MD):
-            self._md_enqueue(req)
-        else:
-            req.md = None
-        self._start_prefill(req.p, req)
 
     def _count_pipeline(self, req: Req) -> None:
         v = req.pipeline.value
@@ -951,6 +972,12 @@ class ClusterSim:
                 p.cache.evict(-(-over // self.block))
         else:
             req.p_locked = ((), s.reserved)
+        if req.pipeline is not None:  # else the plan (MD's reservation reply) dispatches
+            self._dispatch_kv(req)
+
+    def _dispatch_kv(self, req: Req) -> None:
+        """P's KV sends once both its prefill and the plan are done (each exactly once)."""
+        p = req.p
         pl = req.pipeline
         kvb = self.model.kv_bytes_per_token
         if pl == Pipeline.P_D:
