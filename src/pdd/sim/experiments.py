@@ -161,10 +161,101 @@ def cost_bounds(cfg: SimConfig, inp: int, outl: int, hit: float, n_prefixes: int
     return rows
 
 
+def cost_ceiling(cfg: SimConfig, inp: int, outl: int, hit: float, n_prefixes: int, n_a_base: int = 88,
+                 n_a_pdd: int = 43, n_md: int = 32, min_rld: int = 2) -> dict:
+    """Analytic BCR ceiling of the cost-table's two fixed fleets (no simulation): each side's
+    best split of its GPU-A by the lowest tier bound of :func:`cost_bounds` -- same-DC PD on
+    ``n_a_base`` A (P + D), PDD on ``n_a_pdd`` A (P + at least ``min_rld`` RLD, the range the
+    experiment searches) + ``n_md`` B + the line. Prices come from ``cfg`` (``price_a``,
+    ``price_b``, ``wan_usd_per_hour``)."""
+    def best(c0, splits):
+        top = None
+        for c in splits:
+            b = min(cost_bounds(c, inp, outl, hit, n_prefixes), key=lambda r: r["bound_rps"])
+            if top is None or b["bound_rps"] > top[1]["bound_rps"]:
+                top = (c, b)
+        return top
+
+    base = cfg.replace(mode="same_dc_pd")
+    pdd = cfg.replace(mode="pdd", n_md=n_md)
+    cb, bb = best(base, [base.replace(n_p=k, n_d=n_a_base - k) for k in range(1, n_a_base)])
+    cp, bp = best(pdd, [pdd.replace(n_p=k, n_rld=n_a_pdd - k) for k in range(1, n_a_pdd - min_rld + 1)])
+    cost_b, cost_p = cb.cost_per_hour(), cp.cost_per_hour()
+    return {"chip_a": cfg.chip_a, "chip_b": cfg.chip_b, "tpot_ms": cfg.slo_tpot_s * 1e3,
+            "kv_bytes_per_token": cfg.model_profile().kv_bytes_per_token,
+            "baseline": cb.describe(), "baseline_bound_rps": bb["bound_rps"], "baseline_binding": bb["tier"],
+            "baseline_cost_per_hour": cost_b,
+            "pdd": cp.describe(), "pdd_bound_rps": bp["bound_rps"], "pdd_binding": bp["tier"],
+            "pdd_cost_per_hour": cost_p,
+            "bcr_ceiling": (bp["bound_rps"] / cost_p) / (bb["bound_rps"] / cost_b)}
+
+
+# (GPU-A, GPU-B): the report's pair -- A strong at compute, B strong at memory bandwidth and
+# capacity -- and two more for comparison. Datasheet numbers in data/hardware/chips.json.
+CHIP_PAIRS = (("A100-SXM4-80GB", "H20-96GB"), ("H100-SXM5-80GB", "H200-SXM-141GB"), ("H100-SXM5-80GB", "H20-96GB"))
+
+
+def _cost_cfg(model, chip_a, chip_b, price_a, premium, wan_gbps, wan_usd_per_hour, slo_ttft_s, slo_tpot_s,
+              kv_bytes_per_token=None) -> SimConfig:
+    """The cost-table's deployment settings. GPU-A costs ``price_a`` (default: chip A's
+    illustrative profile price), GPU-B ``price_a x (1 + premium)`` -- the premium, not chip B's
+    profile price, prices B."""
+    from pdd.sim.hardware import get_chip
+
+    pa = get_chip(chip_a).usd_per_hour if price_a is None else price_a
+    return SimConfig(mode="same_dc_pd", model=model, kv_bytes_per_token=kv_bytes_per_token, chip_a=chip_a,
+                     chip_b=chip_b, price_a=pa, price_b=pa * (1 + premium), wan_gbps=wan_gbps,
+                     wan_usd_per_hour=wan_usd_per_hour, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+                     warmup_frac=0.5)
+
+
+def _csv(v, conv) -> list:
+    """A comma list (``--set tpot_ms=50,100``), one number, or a sequence."""
+    if isinstance(v, str):
+        return [conv(x) for x in v.split(",")]
+    return [conv(x) for x in v] if isinstance(v, (list, tuple)) else [conv(v)]
+
+
+def cost_ceilings(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv", pairs=None,
+                  tpot_ms="50,100", kv_bytes="49152,24576,12288", price_a: float | None = None,
+                  premium: float = 0.25, wan_gbps: float = 100.0, wan_usd_per_hour: float = 15.0,
+                  hit: float = 0.9, slo_ttft_s: float = 3.0) -> dict:
+    """The cost-table's analytic BCR ceilings (:func:`cost_ceiling`, no simulation) per chip
+    pair, TPOT SLO and KV bytes per token. ``pairs``: ``"A/B,A/B"`` (default :data:`CHIP_PAIRS`);
+    ``tpot_ms``, ``kv_bytes``: comma lists."""
+    inp, outl = 63 * 1024, 1024
+    prs = [tuple(x.split("/")) for x in pairs.split(",")] if isinstance(pairs, str) else list(pairs or CHIP_PAIRS)
+    rows = []
+    for a, b in prs:
+        for t in _csv(tpot_ms, float):
+            for kv in _csv(kv_bytes, int):
+                cfg = _cost_cfg(model, a, b, price_a, premium, wan_gbps, wan_usd_per_hour, slo_ttft_s, t / 1e3, kv)
+                rows.append({**cost_ceiling(cfg, inp, outl, hit, 48), "price_a": cfg.price_a,
+                             "price_b": cfg.price_b})
+    res = {"experiment": "cost-ceiling", "rows": rows,
+           "setting": {"model": model, "premium": premium, "price_a": price_a or "chip A's profile price",
+                       "input_tokens": inp, "output_tokens": outl, "prefix_hit": hit, "wan_gbps": wan_gbps,
+                       "wan_usd_per_hour": wan_usd_per_hour, "fleets": "88 A vs 43 A + 32 B + line"}}
+    cols = ["chip_a", "chip_b", "tpot_ms", "kv_bytes_per_token", "baseline", "baseline_bound_rps",
+            "baseline_binding", "pdd", "pdd_bound_rps", "pdd_binding", "price_a", "bcr_ceiling"]
+    res["table"] = table(rows, cols)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(range(len(rows)), [r["bcr_ceiling"] for r in rows])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['chip_a'].split('-')[0]}/{r['chip_b'].split('-')[0]}\n{r['tpot_ms']:g} ms "
+                        f"{r['kv_bytes_per_token'] // 1024}K" for r in rows], fontsize=6)
+    ax.axhline(1.3, color="r", alpha=0.4)
+    ax.set_ylabel(f"BCR ceiling, premium {premium:.0%}")
+    fig.tight_layout()
+    _save(fig, res, out, "cost-ceiling")
+    return res
+
+
 def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv",
-               chip_a: str = "H100-SXM5-80GB", chip_b: str = "H200-SXM-141GB",
-               price_a: float = 2.50, premium: float = 0.25, wan_gbps: float = 100.0,
-               wan_usd_per_hour: float = 15.0, hit: float = 0.9, slo_ttft_s: float = 3.0,
+               chip_a: str = CHIP_PAIRS[0][0], chip_b: str = CHIP_PAIRS[0][1],
+               price_a: float | None = None, premium: float = 0.25, wan_gbps: float = 100.0,
+               wan_usd_per_hour: float = 15.0, hit: float = 0.9, slo_ttft_s: float = 10.0,
                slo_tpot_s: float = 0.05) -> dict:
     """The report's setting: 64K total length (63K in + 1K out), cache hit ``hit``.
 
@@ -172,7 +263,15 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
        which 88 GPU-A are needed to meet the SLA).
     2. PDD on 43 GPU-A (P + RLD, best split) + 32 GPU-B + one WAN line: goodput, cost, BCR.
     3. The cheapest PDD configuration that meets the SLA at rate G.
-    4. GPU-B price premium 20 / 25 / 30 %.
+    4. GPU-B price premium 20 / 25 / 30 % over GPU-A (``price_a``, default chip A's profile
+       price); ``premium`` picks the row the checks and the plot use.
+
+    Default pair: A100 (GPU-A, compute-strong) and H20 (GPU-B, 2x A100's HBM bandwidth at under
+    half its compute), the report's roles; ``--set chip_a=... --set chip_b=...`` for others.
+    SLA: TTFT <= 10 s, TPOT <= 50 ms for >= 90% of requests. An A100 prefills one of these
+    requests (6.6K new tokens over 57.9K cached) in 1.79 s, so 10 s is the ~5x headroom over
+    the unloaded prefill that 3 s gives an H100 (0.57 s); the H100 / H200 result in docs/SIM.md
+    uses ``--set slo_ttft_s=3``.
     """
     import sys
 
@@ -189,9 +288,8 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
     def make(rate):
         return generate_fixed(n_req, rate, inp, outl, hit, n_prefixes=48, seed=7, warm_s=40.0)
 
-    base_cfg = SimConfig(mode="same_dc_pd", model=model, chip_a=chip_a, chip_b=chip_b, price_a=price_a,
-                         price_b=price_a * (1 + premium), wan_gbps=wan_gbps, wan_usd_per_hour=wan_usd_per_hour,
-                         slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s, warmup_frac=0.5)
+    base_cfg = _cost_cfg(model, chip_a, chip_b, price_a, premium, wan_gbps, wan_usd_per_hour, slo_ttft_s, slo_tpot_s)
+    price_a = base_cfg.price_a
     hi = 60.0
     iters = 5 if quick else 6
     # 1. baseline split over 88 GPU-A
@@ -286,15 +384,16 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
         }
         sens.append(row)
         rows.append(row)
-    main = sens[1]
+    main = min(sens, key=lambda r: abs(r["premium"] - premium))
     checks = {
-        "bcr_gain_ge_1.3_at_25pct": main["bcr_gain"] is not None and main["bcr_gain"] >= 1.3,
+        f"bcr_gain_ge_1.3_at_{main['premium']:.0%}": main["bcr_gain"] is not None and main["bcr_gain"] >= 1.3,
         "cheapest_matching_le_43A32B": main["cheapest_vs_43A32B"] is not None and main["cheapest_vs_43A32B"] <= 1.0,
     }
     res = {
         "experiment": "cost-table",
         "setting": {
             "model": model, "chip_a": chip_a, "chip_b": chip_b, "price_a_usd_h": price_a,
+            "price_b_usd_h": {f"{p:.0%}": price_a * (1 + p) for p in (0.20, 0.25, 0.30)},
             "input_tokens": inp, "output_tokens": outl, "prefix_hit": hit,
             "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "attainment": ATTAIN},
             "wan_gbps": wan_gbps, "wan_usd_per_hour": wan_usd_per_hour, "requests_per_run": n_req,
@@ -316,19 +415,21 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
               + [{"config": pdd.describe(), **r} for r in cost_bounds(pdd, inp, outl, hit, 48)])
     res["bounds"] = bounds
     res["bounds_table"] = table(bounds, ["config", "tier", "count", "per_request_s", "bound_rps", "note"])
+    res["ceiling"] = [cost_ceiling(base_cfg.replace(price_b=price_a * (1 + p)), inp, outl, hit, 48) | {"premium": p}
+                      for p in (0.20, 0.25, 0.30)]
     plt = _plt()
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    ax[0].plot(list(splits), list(splits.values()), "o-", label="same-DC PD, 88 A (x = P)")
-    ax[0].plot(list(psplits), list(psplits.values()), "s-", label="PDD, 43 A + 32 B (x = P)")
+    ax[0].plot(list(splits), list(splits.values()), "o-", label=f"same-DC PD, 88 {chip_a} (x = P)")
+    ax[0].plot(list(psplits), list(psplits.values()), "s-", label=f"PDD, 43 {chip_a} + 32 {chip_b} (x = P)")
     ax[0].set_xlabel("P instances")
     ax[0].set_ylabel("SLA goodput (req/s)")
-    ax[0].legend()
+    ax[0].legend(fontsize=7)
     names = ["88A baseline", "43A+32B PDD", "cheapest PDD"]
     vals = [main["baseline_bcr"], main["pdd_bcr"], main["cheapest_bcr_gain"] * main["baseline_bcr"]
             if main["cheapest_bcr_gain"] else 0]
     ax[1].bar(names, vals)
     ax[1].set_ylabel("BCR (req/s per $/h)")
-    ax[1].set_title(f"GPU-B premium 25%, {model}")
+    ax[1].set_title(f"A = {chip_a} ${price_a:g}/h, B = {chip_b} +{main['premium']:.0%}, {model}", fontsize=8)
     fig.tight_layout()
     _save(fig, res, out, "cost-table")
     return res
@@ -704,6 +805,7 @@ def calibrate(out: Path, quick: bool = False, profile: str | None = None) -> dic
 
 EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "cost-table": cost_table,
+    "cost-ceiling": cost_ceilings,
     "ttft": ttft,
     "goodput": goodput,
     "drc": drc,
