@@ -22,10 +22,14 @@ def test_decide_inflight_limit_and_retry_after_from_service_time():
     d = decide(AdmissionState(4, 0, None, 6.0), LIM, 1, 10)
     assert (d.admit, d.reason) == (False, "inflight")
     assert d.retry_after_s == 2  # one slot over 4: 6 s x 1 / 4 = 1.5 s -> 2
-    assert "4 requests in flight" in d.message
-    # n choices count as n requests
-    assert decide(AdmissionState(2, 0, None, None), LIM, 3, 10).reason == "inflight"
-    assert decide(AdmissionState(2, 0, None, None), LIM, 3, 10).retry_after_s == 1  # unmeasured: 1 s
+    assert "1 choice requested, 4 of 4 in-flight slots in use" in d.message
+    # n choices take n slots, and the message counts choices and slots (not requests)
+    d = decide(AdmissionState(2, 0, None, None), LIM, 3, 10)
+    assert d.reason == "inflight" and d.retry_after_s == 1  # unmeasured: 1 s
+    assert "3 choices requested, 2 of 4 in-flight slots in use" in d.message
+    d = decide(AdmissionState(62, 0, None, None), AdmissionLimits(64, None, None), 3, 10)
+    assert "3 choices requested, 62 of 64 in-flight slots in use" in d.message
+    assert "requests in flight" not in d.message
 
 
 def test_decide_queued_tokens_cap_applies_before_the_rate_is_known():
@@ -159,7 +163,8 @@ def test_limit_hit_gets_429_with_retry_after_then_normal_service(limited):
     n_started = len(orch.started)
     r = client.post("/v1/completions", json=BODY)
     _assert_429(r)
-    assert "2 requests in flight" in r.json()["error"]["message"]
+    # refused before the body was read (EarlyReject): the slots in use, no choice count
+    assert "2 of 2 in-flight slots in use, none free" in r.json()["error"]["message"]
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     _assert_429(r)
     assert len(orch.started) == n_started  # refused before any tier did work
@@ -178,7 +183,9 @@ def test_limit_hit_gets_429_with_retry_after_then_normal_service(limited):
 def test_n_choices_count_against_the_limit(limited):
     client, orch, adm = limited
     held, _ = adm.try_admit(1, 10)
-    _assert_429(client.post("/v1/completions", json={**BODY, "n": 2}))  # 1 + 2 choices > 2
+    r = client.post("/v1/completions", json={**BODY, "n": 2})  # 1 + 2 choices > 2
+    _assert_429(r)
+    assert "2 choices requested, 1 of 2 in-flight slots in use" in r.json()["error"]["message"]
     adm.release(held)
     # an empty system admits any request, even one with more choices than the limit
     r = client.post("/v1/completions", json={**BODY, "n": 3})

@@ -84,10 +84,26 @@ def _retry(seconds: float | None, cap: int) -> int:
     return int(min(cap, max(1, math.ceil(seconds))))
 
 
+def inflight_message(in_use: int, slots: int, choices: int | None) -> str:
+    """The 429 message of the in-flight limit, in the unit it counts: one slot per choice (a
+    request with ``n=3`` takes 3 of ``max_inflight_requests``). ``in_use``: slots held by
+    requests in flight; ``slots``: the limit in force (the adaptive one if smaller);
+    ``choices``: what the refused request asked for, or None when it is not known (refused
+    before its body was read: then not even one slot is free). Counts only, no units of time."""
+    if choices is None:
+        return (f"server overloaded: {in_use} of {slots} in-flight slots in use, none free "
+                f"(each choice of a request takes one slot)")
+    what = "choice" if choices == 1 else "choices"
+    return (f"server overloaded: {choices} {what} requested, {in_use} of {slots} in-flight slots in use "
+            f"(each choice of a request takes one slot)")
+
+
 def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prompt_tokens: int) -> Decision:
     """Admit ``n_requests`` choices of a ``prompt_tokens``-token prompt, or refuse with the
     limit hit and a Retry-After estimate (seconds until enough of the queue has drained: queued
-    tokens over the prefill rate, or the mean request duration for in-flight slots).
+    tokens over the prefill rate, or the mean request duration for in-flight slots). In-flight
+    slots count choices: ``state.inflight`` is the slots in use and the request needs
+    ``n_requests`` more; the refusal's message says so (:func:`inflight_message`).
 
     Raises ``ValueError`` for ``n_requests < 1`` or ``prompt_tokens < 0``.
     """
@@ -103,9 +119,8 @@ def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prom
     if limits.max_inflight and state.inflight > 0 and state.inflight + n_requests > limits.max_inflight:
         over = state.inflight + n_requests - limits.max_inflight
         wait = None if state.service_s is None else state.service_s * over / limits.max_inflight
-        return Decision(False, "inflight", _retry(wait, cap),
-                        f"server overloaded: {state.inflight} requests in flight, the limit is "
-                        f"{limits.max_inflight}")
+        return Decision(False, "inflight", _retry(wait, cap), inflight_message(state.inflight, limits.max_inflight,
+                                                                              n_requests))
     if state.queued_tokens > 0:
         total = state.queued_tokens + new_tokens
         rate = state.prefill_tps if state.prefill_tps and state.prefill_tps > 0 else None
@@ -254,13 +269,16 @@ class Admission:
 
     def full(self) -> Decision | None:
         """The refusal every request would get now, whatever its size (in-flight limit reached),
-        or None: lets the HTTP layer answer 429 before it reads and parses a body."""
+        or None: lets the HTTP layer answer 429 before it reads and parses a body (so the
+        message states the slots in use, not the choices the unread request wants)."""
         lim = self.effective_limits()
         if self.inflight > 0 and ((lim.max_inflight and self.inflight + 1 > lim.max_inflight)
                                   or lim.max_wan_backlog_s):
             d = decide(self.state(), lim, 1, 0)
             if not d.admit:
                 self.reject(d.reason or "?")
+                if d.reason == "inflight":  # the request's n is not known yet: state the slots only
+                    d = dataclasses.replace(d, message=inflight_message(self.inflight, lim.max_inflight, None))
                 return d
         return None
 
