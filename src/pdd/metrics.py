@@ -97,8 +97,12 @@ class _OrchestratorCollector:
             c.add_metric([k], v)
         yield c
         t = o.totals
-        c = CounterMetricFamily("pdd_gateway_outcomes", "request outcomes", labels=["outcome"])
-        for k in ("completed", "failed"):
+        # each request (each choice of n) exactly once: completed (incl. ended by a stop string),
+        # failed, or cancelled (the client disconnected; vLLM's finish reason "abort");
+        # pdd.gateway.orchestrator.OUTCOMES
+        c = CounterMetricFamily("pdd_gateway_outcomes", "requests ended, by outcome: completed, failed, or "
+                                "cancelled (client disconnected)", labels=["outcome"])
+        for k in ("completed", "failed", "cancelled"):
             c.add_metric([k], t.get(k, 0))
         yield c
         c = CounterMetricFamily("pdd_handoffs", "RLD -> MD handoffs by mode", labels=["mode"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdd.config import ClusterConfig
-from pdd.gateway.orchestrator import RequestFailed, ReqState, TokenOut
+from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, RequestFailed, ReqState, TokenOut
 
 torch.set_num_threads(1)
 
@@ -25,6 +25,7 @@ class EngineOrch:
         self.states: dict = {}
         self.started: list[tuple[list[int], object]] = []
         self.aborted: list[str] = []
+        self.abort_reasons: list[str] = []
         self.steps = 0
         self._n = 0
         self._runner: asyncio.Task | None = None
@@ -75,14 +76,17 @@ class EngineOrch:
                 if t.fin is not None:
                     st.finished = True
                 yield t
-        except BaseException:
+        except BaseException as e:
             if not st.finished:
-                await self.abort(st)
+                await self.abort(st, ABORT_CLIENT if isinstance(e, (asyncio.CancelledError, GeneratorExit))
+                                 else ABORT_FAILED)
             raise
 
-    async def abort(self, st: ReqState) -> None:
+    async def abort(self, st: ReqState, reason: str) -> None:
+        assert reason in ABORT_OUTCOMES, reason
         st.finished = True
         self.aborted.append(st.rid)
+        self.abort_reasons.append(reason)
         seq = self.seqs.pop(st.rid, None)
         if seq is not None:
             self.engine.release(seq, cache=False)

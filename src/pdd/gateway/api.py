@@ -41,7 +41,7 @@ from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
                                         check_completion, error_body, sampling_for)
 from pdd.gateway.openai_text import TokenText
-from pdd.gateway.orchestrator import Orchestrator, RequestFailed, ReqState
+from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, Orchestrator, RequestFailed, ReqState
 
 log = logging.getLogger(__name__)
 
@@ -451,19 +451,27 @@ def _tok_ext(d: Delta) -> dict:
 
 async def _sse(gen: Generation, head: dict, chunks, include_usage: bool):
     """One SSE stream: the ``chunks`` (dicts) as ``data:`` lines, then the usage chunk if asked
-    and ``[DONE]``; a failed request ends with an error chunk. However the stream ends (the
-    client may go away mid-stream), what still runs is aborted on every tier."""
+    and ``[DONE]``; a failed request ends with an error chunk. However the stream ends, what
+    still runs is aborted on every tier: as cancelled when the client went away mid-stream (the
+    server cancels or closes this generator), else as failed."""
     ok = False
+    reason = ABORT_CLIENT
     try:
         async for chunk in chunks:
             yield _data({**head, **chunk})
         ok = True
     except RequestFailed as ex:
+        reason = ABORT_FAILED
         yield _data(error_body(str(ex), etype="server_error"))
         yield "data: [DONE]\n\n"
         return
+    except (asyncio.CancelledError, GeneratorExit):
+        raise  # the client went away
+    except BaseException:
+        reason = ABORT_FAILED
+        raise
     finally:
-        gen.close()
+        gen.close(reason)
         end = getattr(gen, "ticket_end", None)
         if end is not None:
             end(ok)

@@ -8,7 +8,11 @@ choice.
 
 A choice ends on its finish token from a tier, or at the gateway when a stop string completes:
 then the request is aborted on every tier (``Orchestrator.abort`` frees its pages everywhere),
-so no tier keeps decoding text that would never be sent.
+so no tier keeps decoding text that would never be sent. Every abort carries its reason, which
+decides how the gateway counts the choice (``Orchestrator.totals``, /metrics
+``pdd_gateway_outcomes``): a stop string ``ABORT_STOP`` (completed), the client gone or no longer
+reading ``ABORT_CLIENT`` (cancelled), a failure of the request or of a sibling choice
+``ABORT_FAILED`` (failed).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pdd.gateway.openai_schemas import TextOptions
 from pdd.gateway.openai_text import Detokenizer, StopMatcher
-from pdd.gateway.orchestrator import RequestFailed, ReqState, TokenOut
+from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, ABORT_STOP, RequestFailed, ReqState, TokenOut
 from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -95,7 +99,9 @@ class Generation:
         self.on_first_token = None  # called once, when the first token of any choice arrives (admission)
 
     async def start(self) -> None:
-        """Start every choice (choice 0 first, so the others hit P's prefix cache)."""
+        """Start every choice (choice 0 first, so the others hit P's prefix cache). Raises
+        ``RequestFailed`` if a choice could not start; the choices started are then aborted
+        (counted failed; cancelled if the start itself was cancelled)."""
         try:
             first = await self.orch.start_request(self.prompt_ids, self.sps[0])
             self._add(first)
@@ -108,8 +114,11 @@ class Generation:
                         self._add(r)
                 if errs:
                     raise errs[0]
+        except asyncio.CancelledError:
+            self.close(ABORT_CLIENT)
+            raise
         except BaseException:
-            self.close()
+            self.close(ABORT_FAILED)
             raise
 
     def _add(self, st: ReqState) -> None:
@@ -132,7 +141,12 @@ class Generation:
 
     async def deltas(self):
         """Yield :class:`Delta` s of all choices as tokens arrive (each choice in position
-        order), until every choice has finished. Raises ``RequestFailed`` if a tier fails."""
+        order), until every choice has finished. Raises ``RequestFailed`` if a tier fails.
+
+        However it ends early, the choices still running are aborted (:meth:`close`): with
+        ``ABORT_CLIENT`` when the consumer cancels or closes this generator (the client went
+        away), else ``ABORT_FAILED``."""
+        reason = ABORT_CLIENT
         try:
             while self.live:
                 i, item = await self.q.get()
@@ -153,26 +167,36 @@ class Generation:
                 if d.finish_reason is not None:
                     self.live -= 1
                     if item.fin is None:  # a stop string ended it here: stop every tier
-                        self._stop(i)
+                        self._stop(i, ABORT_STOP)
                 yield d
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the consumer is gone: ABORT_CLIENT
+        except BaseException:
+            reason = ABORT_FAILED
+            raise
         finally:
-            self.close()
+            self.close(reason)
 
-    def _stop(self, i: int) -> None:
+    def _stop(self, i: int, reason: str) -> None:
+        """Abort choice ``i`` on every tier with ``reason`` (``Orchestrator.abort``) and cancel
+        its pump."""
         st = self.choices[i].st
         if not st.finished:
-            _spawn(self.orch.abort(st))  # runs before the pump sees its cancellation
+            # runs before the pump sees its cancellation, so the reason is the one counted
+            _spawn(self.orch.abort(st, reason))
         pump = self.pumps[i]
         if not pump.done():
             pump.cancel()
 
-    def close(self) -> None:
-        """Abort every choice still running (client gone, error): idempotent. A choice that
-        finished on a tier's finish token is left alone (its stream still tidies up)."""
+    def close(self, reason: str) -> None:
+        """Abort every choice still running, with ``reason`` (``ABORT_CLIENT``: the client went
+        away; ``ABORT_FAILED``: the request failed), which decides how they are counted
+        (cancelled / failed); idempotent: a choice already ended keeps its first count. A choice
+        that finished on a tier's finish token is left alone (its stream still tidies up)."""
         for i, pump in enumerate(self.pumps):
             if not pump.done() and self.choices[i].finish_reason is None:
                 self.choices[i].finish_reason = "abort"
-                self._stop(i)
+                self._stop(i, reason)
 
     async def collect(self) -> None:
         async for _ in self.deltas():

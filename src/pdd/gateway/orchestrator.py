@@ -74,6 +74,17 @@ class InstanceLost(ConnectionError):
     """An instance a request needs is unreachable (dead, or silent past its heartbeat)."""
 
 
+# Why a request was aborted (:meth:`Orchestrator.abort`), and the outcome it is counted as. Every
+# request is counted exactly once in ``totals`` (and /metrics ``pdd_gateway_outcomes``), as one of
+# OUTCOMES: "completed" (ran to its end, or a stop string ended it at the gateway), "failed" (a
+# tier or the gateway failed it, or a sibling choice of the same API request failed) or
+# "cancelled" (the client went away or stopped reading: vLLM's finish reason "abort").
+ABORT_STOP = "stop"  # a stop string completed at the gateway: the request is done -> "completed"
+ABORT_CLIENT = "client_disconnect"  # the client disconnected (or stopped reading) -> "cancelled"
+ABORT_FAILED = "failed"  # the request (or a sibling choice) failed -> "failed"
+ABORT_OUTCOMES = {ABORT_STOP: "completed", ABORT_CLIENT: "cancelled", ABORT_FAILED: "failed"}
+OUTCOMES = ("completed", "failed", "cancelled")
+
 PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
 # per-attempt events, renamed "<name>@<attempt>" when a request is recovered
 ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "p_first_token", "prefilled", "md_kv_ready", "handoff_call", "handoff",
@@ -135,6 +146,8 @@ class ReqState:
     degraded: bool = False  # ended (or will end) on RLD because no MD was usable
     takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
     aborted: bool = False  # aborted (client gone, failure): late replies must not book anything
+    abort_reason: str | None = None  # the first abort's reason (ABORT_STOP, ABORT_CLIENT, ABORT_FAILED)
+    outcome: str | None = None  # one of OUTCOMES once counted in Orchestrator.totals (exactly once)
     recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline"}]
 
 
@@ -144,7 +157,8 @@ class Orchestrator:
         self.peers: dict[str, rpc.Peer] = {}
         self.reqs: dict[str, ReqState] = {}
         self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "requests": 0,
-                       "completed": 0, "failed": 0, "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0}
+                       "completed": 0, "failed": 0, "cancelled": 0,  # OUTCOMES: each request once
+                       "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
@@ -496,8 +510,7 @@ class Orchestrator:
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
                 self._unassign(st)
-                await self.abort(st)
-                self.totals["failed"] += 1
+                await self.abort(st, ABORT_FAILED)  # counts it as failed
                 raise RequestFailed(f"request {rid} failed while starting: {e}") from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st
@@ -1012,7 +1025,14 @@ class Orchestrator:
                 log.warning("stopping %s on RLD failed: %s", st.rid, e)
 
     async def stream(self, st: ReqState):
-        """Yield tokens in position order until the request finishes (or fails)."""
+        """Yield tokens in position order until the request finishes (or fails).
+
+        Counts the request's outcome once (:meth:`_count_outcome`): "completed" when its last
+        token was yielded; "failed" when it raises (``RequestFailed``: a tier failed it, or no
+        token came for ``cfg.request_timeout_s`` seconds); "cancelled" when the consumer cancels
+        or closes it (the client went away). A request aborted before the stream saw it
+        (:meth:`abort` from the HTTP layer) was counted by the abort, with its reason.
+        Raises ``RequestFailed`` as above; cancellation propagates."""
         # relayed requests that may hand over in catch-up mode stream through a jitter buffer, so MD's
         # later stream takes over without a gap (pdd.policy.switch; docs/BENCH.md states the delays)
         from pdd.policy.switch import PaceParams, SwitchPacer
@@ -1049,15 +1069,20 @@ class Orchestrator:
                     if t.fin is not None:
                         st.finished = True
                     yield t
-            self.totals["completed"] += 1
-            if st.degraded:  # ended on RLD because no MD was usable
+            # (a finished loop after an abort elsewhere was counted by that abort: no-op then)
+            if self._count_outcome(st, "completed") and st.degraded:  # ended on RLD: no MD was usable
                 self.totals["degraded"] = self.totals.get("degraded", 0) + 1
-        except BaseException:
+        except BaseException as e:
             if not st.finished:
-                self.totals["failed"] += 1
-                # the client went away (or the request failed): the HTTP server cancels this
-                # scope, so every await here would be cancelled too; abort in a task of its own
-                self._spawn(self.abort(st))
+                # the client went away (the consumer cancelled or closed this stream), or the
+                # request failed; the HTTP server cancels this scope, so every await here would
+                # be cancelled too: abort in a task of its own (it counts the outcome; so does
+                # this line, at once, in case the loop closes before the task runs)
+                reason = ABORT_CLIENT if isinstance(e, (asyncio.CancelledError, GeneratorExit)) else ABORT_FAILED
+                self._count_outcome(st, ABORT_OUTCOMES[reason])
+                self._spawn(self.abort(st, reason))
+            elif not st.aborted:  # its last token was yielded; the consumer just did not ask again
+                self._count_outcome(st, "completed")
             raise
         finally:
             self.reqs.pop(st.trid, None)
@@ -1103,8 +1128,29 @@ class Orchestrator:
         if peer is not None and not peer.closed:
             self._spawn(peer.send({"t": "drop", "rid": trid}))
 
-    async def abort(self, st: ReqState) -> None:
-        """Tell every engine to drop the request and free its pages (idempotent there)."""
+    def _count_outcome(self, st: ReqState, outcome: str) -> bool:
+        """Count ``st`` in ``totals[outcome]`` (one of :data:`OUTCOMES`) unless it was counted
+        already; True if this call counted it. Raises ``ValueError`` for another outcome."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown request outcome {outcome!r}; expected one of {OUTCOMES}")
+        if st.outcome is not None:
+            return False
+        st.outcome = outcome
+        self.totals[outcome] = self.totals.get(outcome, 0) + 1
+        return True
+
+    async def abort(self, st: ReqState, reason: str) -> None:
+        """End ``st`` now: tell every engine to drop it and free its pages (idempotent there;
+        an unreachable engine is logged, not raised), and count its outcome unless already
+        counted: ``reason`` :data:`ABORT_STOP` (a stop string ended it at the gateway) counts
+        "completed", :data:`ABORT_CLIENT` (client disconnected) "cancelled", :data:`ABORT_FAILED`
+        "failed". The first abort's reason is kept in ``st.abort_reason``. Raises ``ValueError``
+        for an unknown ``reason`` (before anything is changed)."""
+        if reason not in ABORT_OUTCOMES:
+            raise ValueError(f"unknown abort reason {reason!r}; expected one of {tuple(ABORT_OUTCOMES)}")
+        if st.abort_reason is None:
+            st.abort_reason = reason
+        self._count_outcome(st, ABORT_OUTCOMES[reason])
         st.finished = st.aborted = True
         self.reqs.pop(st.trid, None)
         await self._abort_everywhere(st.trid)

@@ -1,0 +1,194 @@
+"""Every request is counted exactly once as completed, failed or cancelled, in the orchestrator's
+``totals`` and in /metrics ``pdd_gateway_outcomes``: the real ``Orchestrator.stream`` /
+``abort`` behind the real HTTP app and a real uvicorn server (in this event loop), over scripted
+tiers (tokens fed in process, no engine processes). A client that disconnects mid-stream is
+cancelled (as vLLM's finish reason "abort"); a choice a stop string ended at the gateway, which
+is aborted on the tiers too, stays completed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+
+import httpx
+import pytest
+
+from pdd.config import ClusterConfig
+from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_STOP, OUTCOMES, Orchestrator, ReqState,
+                                      TokenOut)
+from pdd.topology import layout
+from pdd.types import Pipeline, SamplingParams
+
+TICK_S = 0.01  # seconds between two scripted tokens
+
+
+class FakePeer:
+    closed = False
+
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    async def send(self, h, payload=b""):
+        self.sent.append(dict(h))
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        return {"t": "ok"}, b""
+
+
+class ScriptedOrch(Orchestrator):
+    """The real orchestrator, but ``start_request`` makes a colocated request whose tokens a task
+    feeds (``script`` cycled, one per TICK_S, the last with fin "length"); ``fail_at``: the tier
+    fails the request at that output position instead."""
+
+    def __init__(self, cfg: ClusterConfig, script: list[int]):
+        super().__init__(cfg, layout(cfg))
+        self.peers = {s.name: FakePeer() for s in self.layout.engines}
+        self.script = script
+        self.fail_at: int | None = None
+        self.abort_reasons: list[str] = []
+
+    async def start_request(self, prompt_ids, sp, rid=None) -> ReqState:
+        rid = rid or f"r{next(self._ids)}"
+        st = ReqState(rid, len(prompt_ids), sp, pipeline=Pipeline.COLOCATED, trid=rid, prompt_ids=list(prompt_ids))
+        self.reqs[rid] = st
+        self.totals["requests"] += 1
+        self._spawn(self._feed(st, self.fail_at))
+        return st
+
+    async def _feed(self, st: ReqState, fail_at: int | None) -> None:
+        n = st.sampling.max_tokens
+        for pos in range(n):
+            if st.aborted:
+                return
+            if pos == fail_at:
+                st.error = "injected tier failure"
+                st.queue.put_nowait(None)
+                return
+            st.queue.put_nowait(TokenOut(pos, self.script[pos % len(self.script)], "c",
+                                         "length" if pos == n - 1 else None))
+            await asyncio.sleep(TICK_S)
+
+    async def abort(self, st: ReqState, reason: str) -> None:
+        self.abort_reasons.append(reason)
+        await super().abort(st, reason)
+
+
+@pytest.fixture
+async def gateway(tiny_model):
+    """(httpx.AsyncClient on a live uvicorn server, ScriptedOrch, tokenizer)."""
+    import uvicorn
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    script = tok.encode("the quick brown fox jumps over the lazy dog and runs far away ",
+                        add_special_tokens=False).ids
+    orch = ScriptedOrch(cfg, script)
+    app = create_app(cfg, orch, tok)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.01)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            yield client, orch, tok
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+async def _settled(orch: ScriptedOrch, want: int) -> dict:
+    """The outcome counts once ``want`` requests are counted and none is live (5 s at most)."""
+    for _ in range(500):
+        if sum(orch.totals[k] for k in OUTCOMES) >= want and not orch.reqs:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # nothing may be counted twice later
+    return {k: orch.totals[k] for k in OUTCOMES}
+
+
+async def _metrics(client) -> dict:
+    text = (await client.get("/metrics")).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'^pdd_gateway_outcomes_total\{outcome="(\w+)"\} (\S+)$',
+                                                   text, re.M)}
+
+
+BODY = {"prompt": "hello there", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+async def test_client_disconnect_mid_stream_counts_cancelled_once(gateway):
+    client, orch, _ = gateway
+    async with client.stream("POST", "/v1/completions", json={**BODY, "n": 3}) as r:
+        assert r.status_code == 200
+        got = 0
+        async for line in r.aiter_lines():
+            got += line.startswith("data: {")
+            if got >= 6:
+                break  # leaving the block closes the connection mid-stream
+    assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 3}
+    assert orch.totals["requests"] == 3
+    assert orch.abort_reasons and set(orch.abort_reasons) == {ABORT_CLIENT}  # the tiers were told
+    assert await _metrics(client) == {"completed": 0.0, "failed": 0.0, "cancelled": 3.0}
+
+
+async def test_stop_string_stays_completed_and_every_outcome_once(gateway):
+    client, orch, tok = gateway
+    # a stop string that completes mid-stream: the gateway aborts the tiers, counted completed
+    r = await client.post("/v1/completions", json={**BODY, "stream": False, "stop": ["lazy dog"]})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["stop_reason"] == "lazy dog"
+    assert await _settled(orch, 1) == {"completed": 1, "failed": 0, "cancelled": 0}
+    assert orch.abort_reasons == [ABORT_STOP]
+    # streamed, n=2: both choices stop on it
+    r = await client.post("/v1/completions", json={**BODY, "n": 2, "stop": "fox"})
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert sorted(c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]) == ["stop"] * 2
+    assert await _settled(orch, 3) == {"completed": 3, "failed": 0, "cancelled": 0}
+    # run to max_tokens
+    r = await client.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 5})
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert await _settled(orch, 4) == {"completed": 4, "failed": 0, "cancelled": 0}
+    # a tier fails the request mid-stream: failed (not cancelled, though its stream is aborted)
+    orch.fail_at = 3
+    r = await client.post("/v1/completions", json={**BODY, "stream": False})
+    assert r.status_code == 503
+    assert await _settled(orch, 5) == {"completed": 4, "failed": 1, "cancelled": 0}
+    assert ABORT_FAILED in orch.abort_reasons and ABORT_CLIENT not in orch.abort_reasons
+    orch.fail_at = None
+    assert orch.totals["requests"] == sum(orch.totals[k] for k in OUTCOMES) == 5
+    assert await _metrics(client) == {"completed": 4.0, "failed": 1.0, "cancelled": 0.0}
+
+
+async def test_abort_counts_once_with_its_first_reason():
+    cfg = ClusterConfig.model_validate({"mode": "colocated"})
+    orch = ScriptedOrch(cfg, [1, 2, 3])
+    sp = SamplingParams(max_tokens=100)
+    st = await orch.start_request([5] * 8, sp)
+    with pytest.raises(ValueError):
+        await orch.abort(st, "bored")
+    assert not st.finished and st.outcome is None  # an unknown reason changes nothing
+    await orch.abort(st, ABORT_CLIENT)
+    await orch.abort(st, ABORT_FAILED)  # a later abort keeps the first count and reason
+    assert (st.abort_reason, st.outcome) == (ABORT_CLIENT, "cancelled")
+    assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 1}
+    assert [t async for t in orch.stream(st)] == []  # its stream ends at once, counted already
+    assert orch.totals["cancelled"] == 1 and orch.totals["completed"] == 0
+    # a consumer that closes the stream mid-way (no abort by the HTTP layer first): cancelled
+    st2 = await orch.start_request([5] * 8, sp)
+    s = orch.stream(st2)
+    assert (await s.__anext__()).pos == 0
+    await s.aclose()
+    await asyncio.sleep(0.05)
+    assert (st2.abort_reason, st2.outcome) == (ABORT_CLIENT, "cancelled") and orch.totals["cancelled"] == 2
