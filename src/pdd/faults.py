@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 import httpx
 
-PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
+from pdd.gateway.state import PHASES  # the gateway's request phases (Orchestrator.phase)
+
 KINDS = ("wan_outage", "wan_slowdown", "kill", "client_disconnect")
 ROLES = ("prefill", "relay_decode", "main_decode")
 

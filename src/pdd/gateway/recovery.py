@@ -1,0 +1,241 @@
+"""Fault recovery of the gateway's requests ("degrade, don't fail"; docs/FAULTS.md).
+
+:class:`Recovery` is the part of :class:`pdd.gateway.orchestrator.Orchestrator` that decides
+what a request keeps when an instance it uses is lost (:meth:`Recovery._instance_lost`): a leg no
+longer needed is ignored; MD's leg of a relayed request before the handoff is dropped and RLD
+finishes (degraded); RLD lost after MD has the KV: MD takes over from the streamed ids;
+otherwise a new attempt (tier rid ``<rid>.<n>``) prefills the prompt plus every token already
+streamed on live instances, always through a relay, and the stream continues at the next
+position. Also the request phases fault injection reads (:meth:`Recovery.phase`). It uses the
+orchestrator's connections, tables and ``_launch`` through ``self``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pdd.gateway.state import ATTEMPT_EVENTS, ReqState, extend_message
+from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
+from pdd.transfer import rpc
+from pdd.types import Pipeline, SamplingParams
+
+log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
+
+
+class Recovery:
+    """Mixin of :class:`~pdd.gateway.orchestrator.Orchestrator`: phases, lost instances, new
+    attempts, MD takeover, aborts on every tier."""
+
+    def phase(self, st: ReqState) -> str:
+        """The phase of ``st``'s current attempt: one of :data:`PHASES`, or "done".
+
+        prefill: P's prefill call has not returned. transfer: KV still on its way to the decoder
+        that will finish the request (MD's WAN transfer of a relayed request, RLD decoding
+        meanwhile). rld_decode: MD holds the KV, the handoff has not begun. handoff: RLD was asked
+        for its ids, MD's stream is not live yet. md_decode: the client streams from MD.
+        """
+        if st.finished:
+            return "done"
+        ev = st.events
+        if "prefilled" not in ev:
+            return "prefill"
+        if st.pipeline == Pipeline.P_RLD_MD and not st.md_lost:
+            if st.switch_pos is not None:
+                return "md_decode"
+            if "handoff_call" in ev or st.takeover:
+                return "handoff"
+            return "rld_decode" if st.kv_ready else "transfer"
+        started = st.next_pos > st.base
+        if st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD):
+            return "rld_decode" if started else "transfer"
+        return "md_decode" if started else "transfer"
+
+    def requests_view(self) -> dict:
+        """Live requests for fault injection and debugging: rid -> phase, pipeline, attempt, ..."""
+        return {st.rid: {"trid": st.trid, "phase": self.phase(st), "pipeline": st.pipeline.value,
+                         "attempt": st.attempt, "next_pos": st.next_pos, "names": dict(st.names),
+                         "kv_ready": st.kv_ready, "md_lost": st.md_lost, "degraded": st.degraded,
+                         "recoveries": list(st.recoveries)}
+                for st in list(self.reqs.values()) if st.trid in self.reqs}
+
+    def _new_attempt(self, st: ReqState, reason: str) -> None:
+        """Forget the current attempt (aborted on every tier, in the background) and make the
+        next one: prompt + streamed tokens, new tier rid, per-attempt state reset."""
+        old = st.trid
+        st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": self.phase(st), "pos": st.next_pos,
+                              "pipeline": st.pipeline.value, "names": dict(st.names)})
+        self.reqs.pop(old, None)
+        self.planned_wan.pop(old, None)
+        self.planned_src.pop(old, None)
+        self._spawn(self._abort_everywhere(old))
+        self._unassign(st)
+        st.attempt += 1
+        st.trid = f"{st.rid}.{st.attempt}"
+        st.base = st.next_pos
+        for k in ATTEMPT_EVENTS:
+            if k in st.events:
+                st.events[f"{k}@{st.attempt - 1}"] = st.events.pop(k)
+        st.names = {}
+        st.pending.clear()
+        st.md_pending.clear()
+        st.switch_pos = st.md_start = None
+        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = False
+        st.handoff_mode, st.handoff_rounds, st.error = None, 0, None
+        st.wan_bytes_expected = 0
+        while not st.queue.empty():  # stale tokens / failure marks of the old attempt
+            st.queue.get_nowait()
+        self.reqs[st.trid] = st
+        self.totals["recovered"] = self.totals.get("recovered", 0) + 1
+
+    def _attempt_prompt(self, st: ReqState) -> tuple[list[int], SamplingParams]:
+        """This attempt's prompt (the request's prompt + tokens already streamed) and sampling
+        (budgets reduced by what was streamed)."""
+        if st.base == 0:
+            return st.prompt_ids, st.sampling
+        d = st.sampling.to_dict()
+        d["max_tokens"] = max(1, int(d["max_tokens"]) - st.base)
+        # the streamed tokens stay outputs for draws, min_tokens and penalties
+        d["output_offset"] = int(d.get("output_offset", 0)) + st.base
+        return st.prompt_ids + st.emitted[: st.base], SamplingParams.from_dict(d)
+
+    async def _recover(self, st: ReqState) -> bool:
+        """Start the next attempt of ``st`` after a lost instance; False if none is left or it
+        cannot start (``st.error`` says why)."""
+        if st.finished or st.attempt >= self.cfg.liveness.recovery_attempts:
+            return False
+        log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.error, st.next_pos,
+                    self.phase(st))
+        self._new_attempt(st, st.error or "instance lost")
+        while True:
+            prompt, sp = self._attempt_prompt(st)
+            try:
+                await self._launch(st, prompt, sp, force_relay=True)
+                return True
+            except Exception as e:
+                if isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts:
+                    self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    continue
+                st.error = f"recovery failed: {e}"
+                return False
+
+    def _fail_lost(self, st: ReqState, reason: str) -> None:
+        """The request needs an instance that is gone: wake its stream, which recovers it."""
+        if st.finished or st.lost:
+            return
+        st.lost = True
+        st.error = reason
+        st.queue.put_nowait(None)
+
+    def _instance_lost(self, st: ReqState, name: str, reason: str) -> None:
+        """Instance ``name`` is unreachable: act on ``st`` only if it still needs it (module doc)."""
+        if st.finished or st.lost:
+            return
+        role = next((r for r, n in st.names.items() if n == name), None)
+        if role is None:
+            return
+        relayed = st.pipeline == Pipeline.P_RLD_MD
+        started = st.next_pos > st.base  # the decoder streamed this attempt's first token
+        if role == ROLE_PREFILL:
+            if not started:  # the decoder (RLD when relayed) has not got its KV yet
+                self._fail_lost(st, reason)
+            elif relayed and not st.kv_ready:
+                self._md_leg_lost(st, reason)
+        elif role == ROLE_RELAY:
+            if not relayed:
+                self._fail_lost(st, reason)
+            elif st.switch_pos is not None or st.md_start is not None:
+                return  # MD has the final handoff: RLD is no longer needed
+            elif st.md_lost:
+                self._fail_lost(st, reason)
+            elif st.kv_ready and started and st.handoff_rounds == 0:
+                self._spawn(self._md_takeover(st))
+            else:
+                self._fail_lost(st, reason)
+        elif role in (ROLE_MAIN, ROLE_COLOCATED):
+            if relayed and st.md_start is None and st.switch_pos is None:
+                self._md_leg_lost(st, reason)  # RLD still decodes: it finishes the request
+            elif relayed and st.switch_pos is None and st.handoff_mode == "catch_up":
+                self._md_leg_lost(st, reason)  # catch-up: RLD is still decoding too
+            else:
+                self._fail_lost(st, reason)
+
+    def _md_leg_lost(self, st: ReqState, reason: str, degraded: bool = True) -> None:
+        """MD's leg of a relayed request is gone before MD's stream went live: RLD finishes the
+        request (degraded); P stops (or never starts) the WAN transfer, MD drops what it has.
+        ``degraded`` False: the leg is cut because no decoder is needed (first token finished it)."""
+        if st.md_lost:
+            return
+        finished = st.finished  # ended at the client (on RLD) before MD's leg settled
+        st.md_lost = True
+        st.md_pending.clear()
+        if finished:
+            pass  # nothing to degrade or count, but P may still wait for MD's part of the plan
+        elif degraded:
+            st.degraded = True
+            self.totals["md_legs_lost"] = self.totals.get("md_legs_lost", 0) + 1
+        else:
+            st.cut_off = True
+            self.totals["cut_offs"] += 1
+        log.warning("request %s: MD leg lost (%s); %s", st.rid, reason,
+                    "it had ended already" if finished else "RLD finishes it")
+        md_name = st.names.get(ROLE_MAIN)
+        p_name = st.names.get(ROLE_PREFILL)
+        trid = st.trid
+        self.awaiting_kv.pop(trid, None)  # that KV will never arrive
+
+        async def tidy():
+            for name, msg in ((p_name, {"t": "target", "rid": trid, "slot": "md", "name": md_name, "cancelled": True}),
+                              (p_name, {"t": "cancel", "rid": trid, "name": md_name}),
+                              (md_name, {"t": "drop", "rid": trid})):
+                peer = self.peers.get(name) if name else None
+                if peer is not None and not peer.closed:
+                    try:
+                        await peer.send(msg)
+                    except Exception:
+                        pass
+
+        self._spawn(tidy())
+
+    async def _md_takeover(self, st: ReqState) -> None:
+        """RLD is gone but MD holds the prompt's KV: hand MD the tokens already streamed (one
+        extend, as a one-shot handoff would) and let it decode on from the next position."""
+        if st.takeover or st.md_start is not None or st.finished:
+            return
+        st.takeover = True
+        md_name, md = self._peer(st, ROLE_MAIN)
+        ids = st.emitted[st.base:]
+        st.md_start = st.next_pos
+        st.handoff_mode = "takeover"
+        st.events["handoff"] = time.perf_counter()
+        self.totals["takeovers"] = self.totals.get("takeovers", 0) + 1
+        try:
+            await md.send(extend_message(st.trid, ids, final=True))
+        except Exception as e:
+            self._fail_lost(st, f"instance {md_name} is unreachable ({e})")
+
+    async def _abort_everywhere(self, trid: str) -> None:
+        """Abort one attempt's tier rid on every reachable instance at once (idempotent there;
+        an unreachable one frees it when its own heartbeat drops the gateway's connection)."""
+
+        async def one(name: str, peer: rpc.Peer) -> None:
+            try:
+                await peer.call({"t": "abort", "rid": trid}, timeout=10)
+            except Exception as e:
+                log.warning("abort %s on %s failed: %s", trid, name, e)
+
+        await asyncio.gather(*(one(n, p) for n, p in list(self.peers.items()) if not p.closed))
+
+    async def _abort_on(self, peer: rpc.Peer, trid: str) -> None:
+        """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it already)."""
+        try:
+            await peer.call({"t": "abort", "rid": trid}, timeout=10)
+        except Exception as e:
+            log.warning("abort %s failed: %s", trid, e)
+
+    def _kv_source_lost(self, trid: str) -> None:
+        _p, md_name = self.awaiting_kv.pop(trid, (None, None))
+        peer = self.peers.get(md_name) if md_name else None
+        if peer is not None and not peer.closed:
+            self._spawn(peer.send({"t": "drop", "rid": trid}))

@@ -1,0 +1,108 @@
+"""A gateway request's state (:class:`ReqState`), its token records, outcomes and phases, and
+the handoff message (:func:`extend_message`).
+
+Shared by the orchestrator (:mod:`pdd.gateway.orchestrator`), its fault recovery
+(:mod:`pdd.gateway.recovery`) and the OpenAI layer; plain data, no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from pdd.types import Pipeline, SamplingParams
+
+
+def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
+    """The handoff message to MD: the relay's output token ids and nothing else (no KV).
+
+    msgpack packs an id below 65,536 in 3 bytes, so 100 ids are ~300 bytes against
+    100 x kv_bytes_per_token of KV (PDD report: "100 token IDs ~ 1.5 KB vs ~4649 KB of KV").
+    """
+    return {"t": "extend", "rid": rid, "token_ids": [int(t) for t in token_ids], "final": bool(final)}
+
+
+class RequestFailed(RuntimeError):
+    """A tier failed the request; the message says which and why."""
+
+
+class InstanceLost(ConnectionError):
+    """An instance a request needs is unreachable (dead, or silent past its heartbeat)."""
+
+
+# Why a request was aborted (:meth:`Orchestrator.abort`), and the outcome it is counted as. Every
+# request is counted exactly once in ``totals`` (and /metrics ``pdd_gateway_outcomes``), as one of
+# OUTCOMES: "completed" (ran to its end, or a stop string ended it at the gateway), "failed" (a
+# tier or the gateway failed it, or a sibling choice of the same API request failed) or
+# "cancelled" (the client went away or stopped reading: vLLM's finish reason "abort").
+ABORT_STOP = "stop"  # a stop string completed at the gateway: the request is done -> "completed"
+ABORT_CLIENT = "client_disconnect"  # the client disconnected (or stopped reading) -> "cancelled"
+ABORT_FAILED = "failed"  # the request (or a sibling choice) failed -> "failed"
+ABORT_OUTCOMES = {ABORT_STOP: "completed", ABORT_CLIENT: "cancelled", ABORT_FAILED: "failed"}
+OUTCOMES = ("completed", "failed", "cancelled")
+
+PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
+# per-attempt events, renamed "<name>@<attempt>" when a request is recovered
+ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "p_first_token", "prefilled", "md_kv_ready", "handoff_call", "handoff",
+                  "handoff_rld_ms", "switch")
+
+
+@dataclass
+class TokenOut:
+    pos: int
+    token_id: int
+    tier: str
+    fin: str | None
+    lp: dict | None = None  # {"lp", "top": [[id, lp], ...]} from the logits that chose it, if asked
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_len: int
+    sampling: SamplingParams
+    pipeline: Pipeline = Pipeline.P_MD
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_pos: int = 0
+    pending: dict = field(default_factory=dict)
+    finished: bool = False
+    p_cached_tokens: int = 0
+    md_cached_tokens: int = 0
+    wan_bytes_expected: int = 0
+    wan_bytes: int | None = None
+    handoff_pos: int | None = None
+    switch_pos: int | None = None  # first position streamed from MD
+    handoff_tokens: int = 0
+    rld_finished_first: bool = False
+    cut_off: bool = False
+    kv_ready: bool = False
+    handoff_mode: str | None = None
+    handoff_rounds: int = 0
+    md_start: int | None = None  # first position MD samples (after the final handoff round)
+    md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
+    md_diverged: bool = False
+    emitted: list = field(default_factory=list)  # token ids streamed so far
+    extend_extra_step_ms: list = field(default_factory=list)
+    last_token_s: float = 0.0
+    names: dict = field(default_factory=dict)  # role -> instance serving this request
+    assigned: set = field(default_factory=set)  # instances counted in Orchestrator.inflight
+    error: str | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    events: dict = field(default_factory=dict)  # name -> perf_counter seconds
+    # each policy decision's inputs and result, for replay (``pdd sim validate``):
+    # [{"policy": "pipeline"|"handoff", "inputs": {...}, "result": ...}, ...]
+    decisions: list = field(default_factory=list)
+    # faults and recovery (module docstring)
+    trid: str = ""  # the rid the tiers know this attempt by (rid, then rid.1, rid.2, ...)
+    base: int = 0  # output position of this attempt's first token (tokens streamed before it)
+    prompt_ids: list = field(default_factory=list)
+    attempt: int = 0
+    lost: bool = False  # error is an unreachable instance: recoverable
+    md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
+    degraded: bool = False  # ended (or will end) on RLD because no MD was usable
+    takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
+    aborted: bool = False  # aborted (client gone, failure): late replies must not book anything
+    abort_reason: str | None = None  # the first abort's reason (ABORT_STOP, ABORT_CLIENT, ABORT_FAILED)
+    outcome: str | None = None  # one of OUTCOMES once counted in Orchestrator.totals (exactly once)
+    recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline"}]
