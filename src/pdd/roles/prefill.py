@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdd.engine.sequence import SeqStatus
 from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish
 from pdd.security import link_security
 from pdd.transfer import rpc
@@ -24,6 +25,11 @@ from pdd.types import SamplingParams
 log = logging.getLogger(__name__)
 
 DEFERRED_SLOTS = {"rld", "md"}  # the targets the gateway may plan after P started (``target``)
+
+
+def _log_failure(f: asyncio.Future) -> None:
+    if not f.cancelled() and f.exception() is not None:
+        log.error("caching a prompt's pages failed: %s", f.exception())
 
 
 class PrefillInstance(EngineInstance):
@@ -137,19 +143,35 @@ class PrefillInstance(EngineInstance):
         prompt = list(h["prompt_ids"])
         sp = SamplingParams.from_dict(h["sampling"])
         p_sp = SamplingParams.from_dict({**sp.to_dict(), "max_tokens": 1, "ignore_eos": True})
-        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, p_sp, use_cache=True, min_uncached=1))
-        ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
-        self.reqs[rid] = ctx
-        self.counters["requests"] += 1
-        await self.admitted(ctx)
+        if rid in self._aborted:
+            raise RuntimeError(f"request {rid} was aborted")
+        # the waiter exists before the sequence can run, so its first token is never missed
         fut = asyncio.get_running_loop().create_future()
         self.first_token_waiters[rid] = fut
 
-        def _add(e):
-            e.add(seq)
+        def _new_and_add(e):
+            # one engine-thread call: a second call would wait for the forward pass the engine
+            # starts meanwhile (a whole prefill step on a busy P) before the request joins a batch
+            s = e.new_sequence(rid, prompt, p_sp, use_cache=True, min_uncached=1)
+            e.add(s)
+            return s
 
+        try:
+            seq = await self.worker.call(_new_and_add)
+        except BaseException:
+            self.first_token_waiters.pop(rid, None)
+            raise
+        ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
         ctx.in_engine = True
-        await self.worker.call(_add)
+        self.reqs[rid] = ctx
+        self.counters["requests"] += 1
+        try:
+            await self.admitted(ctx)  # aborted while it was being added: freed, raises
+        except BaseException:
+            self.first_token_waiters.pop(rid, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved (on_abort may have failed it)
+            raise
         ev = await fut
         ctx.in_engine = False
         if ctx.released:
@@ -162,14 +184,17 @@ class PrefillInstance(EngineInstance):
         self.record_hit(cached, len(prompt))
         ps = self.engine.pool.page_size
         n_pages = (len(prompt) + ps - 1) // ps
-        # P's own cache gets the prompt's whole pages now, so requests arriving while this one
-        # is still streaming already hit it (the sequence keeps its own refs until release).
+        # P's own cache gets the prompt's whole pages at the engine's next step boundary, so
+        # requests arriving while this one is still streaming already hit it (the sequence keeps
+        # its own refs until release; the engine thread runs calls in order, so the insert
+        # precedes the release and any later request's lookup). Not awaited: the first token and
+        # the KV streams do not wait for a busy P's next forward pass.
         def _cache_prefix(e):
             n = len(prompt) // ps
-            if n and e.radix is not None and len(seq.page_table) >= n:
+            if n and e.radix is not None and seq.status != SeqStatus.RELEASED and len(seq.page_table) >= n:
                 e.radix.insert(prompt[: n * ps], seq.page_table[:n])
 
-        await self.worker.call(_cache_prefix)
+        self.worker.call(_cache_prefix).add_done_callback(_log_failure)
         if ctx.released:  # aborted meanwhile (freed by on_abort): its pages must not be streamed
             raise RuntimeError(f"request {rid} aborted")
         ctx.extra["streaming"] = True  # from here on an abort cancels the streams (on_abort)
