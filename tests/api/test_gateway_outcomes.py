@@ -20,22 +20,9 @@ from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_STOP, OU
                                       TokenOut)
 from pdd.topology import layout
 from pdd.types import Pipeline, SamplingParams
+from tests.gateway.fake_peer import FakePeer
 
 TICK_S = 0.01  # seconds between two scripted tokens
-
-
-class FakePeer:
-    closed = False
-
-    def __init__(self):
-        self.sent: list[dict] = []
-
-    async def send(self, h, payload=b""):
-        self.sent.append(dict(h))
-
-    async def call(self, h, payload=b"", timeout=None):
-        self.sent.append(dict(h))
-        return {"t": "ok"}, b""
 
 
 class ScriptedOrch(Orchestrator):

@@ -10,19 +10,7 @@ from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator, ReqState
 from pdd.topology import layout
 from pdd.types import Pipeline, SamplingParams
-
-
-class FakePeer:
-    def __init__(self):
-        self.closed = False
-        self.sent: list[dict] = []
-
-    async def send(self, h, payload=b""):
-        self.sent.append(dict(h))
-
-    async def call(self, h, payload=b"", timeout=None):
-        self.sent.append(dict(h))
-        return {"t": "ok"}, b""
+from tests.gateway.fake_peer import FakePeer
 
 
 @pytest.fixture

@@ -1,0 +1,17 @@
+"""A stand-in for :class:`pdd.transfer.rpc.Peer` in gateway unit tests: records every message
+sent or called (headers only) and answers every call ``{"t": "ok"}``."""
+
+from __future__ import annotations
+
+
+class FakePeer:
+    def __init__(self):
+        self.closed = False
+        self.sent: list[dict] = []
+
+    async def send(self, h, payload=b""):
+        self.sent.append(dict(h))
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        return {"t": "ok"}, b""
