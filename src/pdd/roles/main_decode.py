@@ -86,6 +86,10 @@ class MainDecodeInstance(EngineInstance):
                 e.radix.insert(seq.token_ids[: n * e.page_size], seq.page_table[:n])
 
         ctx.in_engine = start
+        if not relay:
+            # P's first token goes out at once, not after the engine thread's current step (the
+            # import waits for it); MD's own tokens come from later steps, so the order holds
+            self.emit(ctx, 0, t0, fin)
         done = self.worker.call(_imported)
         ctx.extra["kv_complete"] = True
         if relay:
@@ -96,10 +100,8 @@ class MainDecodeInstance(EngineInstance):
         rate = self.kv_rate_sample_gbps(ctx)
         if rate is not None:  # the gateway's live WAN estimate (pipeline choice) is made of these
             ctx.sink.put({"t": "wan_sample", "gbps": rate})
-        if not relay:
-            self.emit(ctx, 0, t0, fin)
-            if fin is not None:
-                await self.release(ctx, cache=True)
+        if not relay and fin is not None:
+            await self.release(ctx, cache=True)
         return None
 
     async def on_extend(self, peer, h, payload):

@@ -58,8 +58,10 @@ class RelayDecodeInstance(EngineInstance):
             e.kv_imported(seq, t0, add=fin is None)
 
         ctx.in_engine = fin is None
-        await self.worker.call(_start)
+        # P's first token goes out at once, not after the engine thread's current step (the
+        # import waits for it); RLD's own tokens come from later steps, so the order holds
         self.emit(ctx, 0, t0, fin)
+        await self.worker.call(_start)
         if fin is not None:
             await self.release(ctx, cache=False)
         return None
