@@ -208,3 +208,27 @@ def test_client_delay_shifts_first_token_not_tpot(tmp_path):
     ra, rb = a.reqs[0], b.reqs[0]
     assert rb.t_first - ra.t_first == pytest.approx(0.006)
     assert rb.t_done - rb.t_first == pytest.approx(ra.t_done - ra.t_first)
+
+
+def test_wan_buffer_fit_never_books_an_unexplained_shortfall(monkeypatch):
+    """The allowance is fitted only as far as it changes what the simulated WAN carries."""
+    from types import SimpleNamespace
+
+    from pdd.sim import validate as V
+
+    def fake(carry):
+        def simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer=0.0):
+            return SimpleNamespace(wan=SimpleNamespace(bytes_sent=carry(wan_buffer)))
+        return simulate
+
+    # no cut-off depends on it: 0, whatever the live shortfall
+    monkeypatch.setattr(V, "simulate", fake(lambda b: 100.0))
+    assert V.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=120.0) == (0.0, 100.0)
+    # grows with it up to 110 at 8 MiB: the smallest allowance reaching 110, not the cap
+    mib = 2 ** 20
+    monkeypatch.setattr(V, "simulate", fake(lambda b: 100.0 + 10.0 * min(b, 8 * mib) / (8 * mib)))
+    b, c = V.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=120.0)
+    assert c == pytest.approx(110.0) and b == pytest.approx(8 * mib, rel=1e-3)
+    # reaches the live bytes at 4 MiB
+    b, c = V.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=105.0)
+    assert b == pytest.approx(4 * mib, rel=1e-3) and c == pytest.approx(105.0, rel=1e-6)

@@ -273,23 +273,27 @@ def calibrate_wan_buffer(cfg, profile, prof: dict, block_tokens: int, requests, 
                          overheads: dict | None = None, hi: float = 64 * 2 ** 20, iters: int = 14) -> tuple[float, float]:
     """The committed-bytes allowance (``SimConfig.wan_send_buffer_bytes``) at which the simulated
     WAN carries the bytes the live one did on the same workload (bisection; the carried bytes grow
-    with it). Returns (bytes, simulated bytes at it)."""
+    with it, and only through cut-offs). When even ``hi`` carries less than the live run, the
+    smallest allowance that carries what ``hi`` does: 0 when the run's cut-offs (if any) do not
+    depend on it, so an unexplained shortfall is never booked as a buffer. Returns (bytes,
+    simulated bytes at it)."""
     def carried(b):
         return simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer=b).wan.bytes_sent
 
+    c0 = carried(0.0)
+    if c0 >= live_bytes:
+        return 0.0, c0
+    target = min(live_bytes, carried(hi))
+    if target <= c0 * (1 + 1e-6):
+        return 0.0, c0
     lo_b, hi_b = 0.0, hi
-    if carried(lo_b) >= live_bytes:
-        return 0.0, carried(0.0)
-    if carried(hi_b) <= live_bytes:
-        return hi_b, carried(hi_b)
     for _ in range(iters):
         mid = (lo_b + hi_b) / 2
-        if carried(mid) < live_bytes:
+        if carried(mid) < target * (1 - 1e-6):
             lo_b = mid
         else:
             hi_b = mid
-    b = (lo_b + hi_b) / 2
-    return b, carried(b)
+    return hi_b, carried(hi_b)
 
 
 def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, requests, live_steps: dict,
