@@ -166,6 +166,9 @@ class LivenessConfig(_Strict):
         30.0, gt=0, description="one KV chunk's write blocked this long (while scheduled to send): fail the link")
     recovery_attempts: int = Field(
         2, ge=0, description="times a request whose tier died is re-prefilled (prompt + streamed tokens) elsewhere")
+    reconnect_interval_s: float = Field(
+        1.0, gt=0, description="the gateway tries to reach every instance whose connection is closed this often "
+        "(a restarted instance rejoins, and /health recovers, without waiting for traffic)")
 
 
 class InstanceCounts(_Strict):

@@ -173,3 +173,37 @@ def test_health_degraded_while_serving_unavailable_without_p_or_decoder(orch):
         if name.startswith("p"):
             orch.peers[name].closed = True
     assert orch.health()["status"] == "unavailable"  # no prefill left
+
+
+async def test_restarted_instance_rejoins_without_traffic(monkeypatch):
+    """The gateway's watcher reconnects a closed instance on its own (a restarted instance rejoins
+    and /health recovers with no request routed to it)."""
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "liveness": {"reconnect_interval_s": 0.01}})
+    o = Orchestrator(cfg, layout(cfg))
+    attempts: list[str] = []
+    down: set[str] = set()
+
+    async def connect(name, retries):
+        attempts.append(name)
+        if name in down:
+            raise ConnectionRefusedError(name)
+        return FakePeer()
+
+    monkeypatch.setattr(o, "_connect", connect)
+    await o.start()
+    down.add("md0")  # md0 dies (its connection closes) and stays down for a while
+    try:
+        dead = FakePeer()
+        dead.closed = True
+        o.peers["md0"] = dead
+        assert o.health()["status"] == "degraded" and o.health()["down"] == ["md0"]
+        await asyncio.sleep(0.1)
+        assert attempts.count("md0") >= 3 and o.peers["md0"] is dead  # still down: tried again and again
+        down.clear()  # restarted
+        for _ in range(100):
+            if not o.peers["md0"].closed:
+                break
+            await asyncio.sleep(0.01)
+        assert not o.peers["md0"].closed and o.health()["status"] == "ok"
+    finally:
+        await o.close()

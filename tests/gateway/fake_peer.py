@@ -15,3 +15,6 @@ class FakePeer:
     async def call(self, h, payload=b"", timeout=None):
         self.sent.append(dict(h))
         return {"t": "ok"}, b""
+
+    async def close(self):
+        self.closed = True

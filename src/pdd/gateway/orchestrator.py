@@ -94,6 +94,19 @@ class Orchestrator(Recovery):
     async def start(self) -> None:
         for s in self.layout.engines:
             self.peers[s.name] = await self._connect(s.name, retries=200)
+        self._watch = asyncio.get_running_loop().create_task(self._watch_closed())
+
+    async def _watch_closed(self) -> None:
+        """Every ``liveness.reconnect_interval_s`` seconds, try once to reach each instance whose
+        connection is closed: a restarted instance rejoins (and ``/health`` says so) with no
+        request routed to it; one still down costs a refused connect (a silent one, a connect
+        timeout, one attempt at a time per instance)."""
+        while True:
+            await asyncio.sleep(self.cfg.liveness.reconnect_interval_s)
+            try:
+                await self._reconnect_closed()
+            except Exception as e:  # never let the watcher die
+                log.warning("reconnecting closed instances failed: %s", e)
 
     async def _connect(self, name: str, retries: int) -> rpc.Peer:
         from pdd.security import link_security
@@ -108,6 +121,9 @@ class Orchestrator(Recovery):
         return peer
 
     async def close(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
         for p in self.peers.values():
             await p.close()
 
