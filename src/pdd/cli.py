@@ -63,7 +63,16 @@ def cmd_serve(args) -> int:
 
     from pdd.launch import LaunchError
 
-    cfg = _config(args, gateway_port=args.port, mode=args.mode)
+    from pdd.topology import layout, ports_in_use
+
+    cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port)
+    busy = ports_in_use(layout(cfg))
+    if busy:
+        raise SystemExit(
+            f"pdd: port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))}"
+            f"{' ...' if len(busy) > 5 else ''} already in use (another pdd serve or make demo?): this topology "
+            f"needs the gateway port {cfg.gateway_port} and base_port {cfg.base_port}..{cfg.base_port + 99}; "
+            f"choose others with --port and --base-port (or gateway_port / base_port in the config)")
     ensure_model(cfg)
 
     def _term(signum, frame):  # systemd / docker / k8s stop with SIGTERM: shut down like Ctrl-C
@@ -161,8 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the whole two-datacenter topology and keep the gateway up")
     p.add_argument("--config")
     p.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000)")
+    p.add_argument("--base-port", type=int, default=None,
+                   help="the instances use base_port .. base_port+99 (default 18000); another for a second topology")
     p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
-    p.add_argument("--log-dir", default=None)
+    p.add_argument("--log-dir", default=None,
+                   help="logs and TLS material (default: a new /tmp/pdd-<mode>-* directory, kept after exit)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("certs", help="make a CA, per-instance TLS certificates and the fast-path MAC key for a topology",

@@ -87,6 +87,31 @@ def layout(cfg: ClusterConfig) -> Layout:
     return Layout(cfg.mode, cfg.host, ps + rlds + mds + (link, gw), b)
 
 
+def ports_in_use(lay: Layout) -> list[int]:
+    """The ports ``lay`` needs (each instance's RPC port, an engine's metrics port, MD's WAN
+    port, the gateway's HTTP port) that cannot be bound on its host now, ascending: another
+    topology (``pdd serve``, ``make demo``) or another program holds them. Best effort: a port
+    may be taken between this check and the bind."""
+    import socket
+
+    need = set()
+    for sp in lay.instances:
+        need.add(sp.port)
+        if sp.role not in (ROLE_GATEWAY, ROLE_LINK):
+            need.add(sp.metrics_port)
+        if sp.wan_port is not None:
+            need.add(sp.wan_port)
+    busy = []
+    for port in sorted(need):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((lay.host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def free_port_block(n: int = 100) -> int:
     """A base port with ``n`` consecutive ports above it free on 127.0.0.1 now (best effort: a
     port may be taken between this check and the bind), for a layout's ``base_port``.

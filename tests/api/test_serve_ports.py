@@ -1,0 +1,32 @@
+"""`pdd serve` refuses at once, naming the ports and the options, when its ports are taken (a
+second topology beside a running one used to die in the link process with a traceback)."""
+
+import socket
+
+import pytest
+
+from pdd.cli import main
+from pdd.config import ClusterConfig
+from pdd.topology import free_port_block, layout, ports_in_use
+
+
+def test_ports_in_use_names_the_taken_ones():
+    base = free_port_block()
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "base_port": base, "gateway_port": base + 95})
+    lay = layout(cfg)
+    assert ports_in_use(lay) == []
+    with socket.socket() as s:
+        s.bind((cfg.host, base + 10))  # P's RPC port
+        s.listen()
+        assert ports_in_use(lay) == [base + 10]
+
+
+def test_serve_refuses_a_taken_block_with_a_clear_message(capsys):
+    base = free_port_block()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 70))  # MD's RPC port
+        s.listen()
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--base-port", str(base), "--port", str(base + 95)])
+    msg = str(e.value)
+    assert f"port {base + 70} already in use" in msg and "--base-port" in msg and "--port" in msg
