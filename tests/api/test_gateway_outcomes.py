@@ -179,3 +179,40 @@ async def test_abort_counts_once_with_its_first_reason():
     await s.aclose()
     await asyncio.sleep(0.05)
     assert (st2.abort_reason, st2.outcome) == (ABORT_CLIENT, "cancelled") and orch.totals["cancelled"] == 2
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello there"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}]}),
+])
+async def test_client_disconnect_non_streamed_counts_cancelled(gateway, path, body):
+    """Starlette does not cancel a non-streaming endpoint whose client went away: the gateway
+    watches for ``http.disconnect`` itself and aborts the generation (ABORT_CLIENT), so it is
+    counted cancelled, not decoded on to max_tokens and counted completed."""
+    client, orch, _ = gateway
+    if path.endswith("chat/completions"):
+        r = await client.post(path, json={**body, "max_tokens": 1})
+        if r.status_code == 400 and "chat template" in r.text:
+            pytest.skip("the tiny model has no chat template")
+        await _settled(orch, 1)
+    before = {k: orch.totals[k] for k in OUTCOMES}
+    n_reqs = orch.totals["requests"]
+    payload = json.dumps({**body, "max_tokens": 400, "ignore_eos": True, "stream": False}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.base_url.port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    await writer.drain()
+    for _ in range(500):  # generating (a few tokens out of 400, one per TICK_S)
+        if orch.totals["requests"] > n_reqs and orch.reqs:
+            break
+        await asyncio.sleep(0.01)
+    assert orch.reqs, "the request did not start"
+    await asyncio.sleep(10 * TICK_S)
+    writer.close()  # the client goes away mid-generation
+    await writer.wait_closed()
+    t0 = asyncio.get_running_loop().time()
+    got = await _settled(orch, sum(before.values()) + 1)
+    assert asyncio.get_running_loop().time() - t0 < 1.5  # not decoded on to max_tokens (4 s)
+    assert {k: got[k] - before[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 1}
+    assert orch.abort_reasons and orch.abort_reasons[-1] == ABORT_CLIENT  # every tier was told
+    assert not orch.reqs  # freed

@@ -161,7 +161,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         param = loc[0] if loc else None
-        msg = first.get("msg", "invalid request")
+        msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # our validators' messages
         if first.get("type") == "json_invalid":
             return bad_request(f"request body is not valid JSON: {msg}", None)
         where = ".".join(loc)
@@ -299,14 +299,35 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         weakref.finalize(gen, adm.release, ticket)
         return gen
 
-    async def collect(gen: Generation) -> JSONResponse | None:
+    async def collect(gen: Generation, request: Request) -> JSONResponse | None:
+        """Run a non-streamed request to its end; None when it completed, else the response to
+        send: 503 when it failed, or (nobody reads it) 499 when the client disconnected first.
+
+        Starlette does not cancel a non-streaming endpoint whose client went away, so while the
+        choices generate this watches the ASGI receive channel (as vLLM's ``with_cancellation``):
+        on ``http.disconnect`` every choice still running is aborted with ``ABORT_CLIENT``
+        (counted cancelled, freed on every tier) instead of decoding on to max_tokens."""
         ok = False
+        run = asyncio.get_running_loop().create_task(gen.collect())
+        watch = asyncio.get_running_loop().create_task(_client_gone(request))
         try:
-            await gen.collect()
+            await asyncio.wait((run, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():  # the client disconnected mid-generation
+                gen.close(ABORT_CLIENT)
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                return JSONResponse(error_body("client disconnected", code="client_disconnected"), status_code=499)
+            run.result()
             ok = True
         except RequestFailed as ex:
             return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
         finally:
+            for t in (run, watch):
+                if not t.done():
+                    t.cancel()
+            if not run.done():  # this handler was cancelled: the generation ends as cancelled
+                gen.close(ABORT_CLIENT)
+            await asyncio.gather(run, watch, return_exceptions=True)
             gen.ticket_end(ok)
         return None
 
@@ -325,7 +346,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name, include_usage, echo),
                                      media_type="text/event-stream")
-        failed = await collect(gen)
+        failed = await collect(gen, request)
         if failed is not None:
             return failed
         choices = [{"index": c.index, "text": echo + "".join(c.text),
@@ -365,7 +386,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, include_usage),
                                      media_type="text/event-stream")
-        failed = await collect(gen)
+        failed = await collect(gen, request)
         if failed is not None:
             return failed
         choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
@@ -376,6 +397,21 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
 
     return app
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has disconnected: the ASGI receive channel yields
+    ``{"type": "http.disconnect"}`` (the body was read already, so nothing else is pending). A
+    receive channel that fails stops the watch (never returns): a request is aborted only when
+    its client is known to be gone."""
+    try:
+        while True:
+            msg = await request.receive()
+            if msg.get("type") == "http.disconnect":
+                return
+    except Exception as e:  # noqa: BLE001
+        log.debug("not watching for the client's disconnect: %r", e)
+    await asyncio.Event().wait()
 
 
 def _model_vocab(cfg: ClusterConfig) -> int | None:
