@@ -169,3 +169,33 @@ def test_prompt_shorter_than_one_page_completes(api):
     r = client.post("/v1/completions", json={"prompt": [42], "max_tokens": 5, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"] == {
         "prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+@pytest.mark.parametrize("extra,param,what", [
+    ({"stop_token_ids": [5] * 500_000}, "stop_token_ids", "1024"),  # a 3 MB body: once a 503 (wire header)
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "1024"),
+    ({"stop": ["zz"] * 100_000}, "stop", "64"),  # once 27 s of event-loop time when streamed
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop", "64"),
+    ({"stop": "x" * 1025}, "stop", "1024"),
+    ({"stop": ["a", "y" * 5000]}, "stop", "1024"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias", "1024"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_oversized_stop_lists_and_logit_bias_are_400_then_still_serving(api, extra, param, what, path):
+    client, orch = api
+    body = ({"prompt": [5, 6, 7]} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(path, json={**body, "max_tokens": 2, "stream": True, **extra})
+    err = _err(r, 400, param)
+    assert param in err["message"] and f"at most {what}" in err["message"]
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_stop_lists_and_logit_bias_at_their_bounds_are_served(api):
+    client, _ = api
+    r = client.post("/v1/completions", json={**OK, "stop": [f"\x00{i}" for i in range(64)], "stop_token_ids":
+                                             [1023] * 1024, "logit_bias": {str(i): 0.5 for i in range(1024)}})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={**OK, "stop": "\x00" * 1024})
+    assert r.status_code == 200, r.text

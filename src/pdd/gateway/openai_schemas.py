@@ -11,12 +11,19 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdd.types import SamplingParams
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs)
+# Bounds on list-valued parameters, so one request cannot make the gateway (stop strings are
+# matched on the event loop for every token) or the tiers (the sampling parameters travel in every
+# message header, ``pdd.transfer.wire.MAX_HEADER_BYTES``) do unbounded work. vLLM bounds none of them.
+MAX_STOP = 64  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids entries per request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (OpenAI: typically up to 300 tokens)
 _MASK64 = (1 << 64) - 1
 
 
@@ -55,9 +62,13 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]; at most 1,024 entries "
+                          "(MAX_LOGIT_BIAS; OpenAI: typically up to 300)")
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(
+        None, description="stop string(s): at most 64 strings (MAX_STOP; OpenAI allows 4, vLLM sets no bound), "
+                          "each at most 1,024 characters (MAX_STOP_CHARS)")
     user: str | None = None
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
@@ -65,10 +76,43 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(
+        None, description="token ids that end a choice: at most 1,024 ids (MAX_STOP_TOKEN_IDS)")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     add_special_tokens: bool = False
+
+    # Size bounds, checked on the raw JSON value before its items are validated (so an oversized
+    # list is refused at the cost of len()); a violation is HTTP 400 with ``param`` naming the field.
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bound_stop(cls, v):
+        """``stop``: one string or a list of at most ``MAX_STOP`` (64) strings, each at most
+        ``MAX_STOP_CHARS`` (1,024) characters. OpenAI allows 4 strings; vLLM sets no bound."""
+        stops = [v] if isinstance(v, str) else v if isinstance(v, list) else []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}")
+        for i, s in enumerate(stops):
+            if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
+        return v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _bound_stop_token_ids(cls, v):
+        """``stop_token_ids``: at most ``MAX_STOP_TOKEN_IDS`` (1,024) token ids."""
+        if isinstance(v, list) and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(v)}")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bound_logit_bias(cls, v):
+        """``logit_bias``: at most ``MAX_LOGIT_BIAS`` (1,024) token ids (OpenAI: typically up to
+        300), each bias in [-100, 100] (checked by :func:`sampling_for`)."""
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(v)}")
+        return v
 
 
 class CompletionRequest(_Sampling):
