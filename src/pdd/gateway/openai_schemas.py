@@ -101,18 +101,21 @@ class _Sampling(BaseModel):
     @classmethod
     def _bound_stop_token_ids(cls, v):
         """``stop_token_ids``: at most ``MAX_STOP_TOKEN_IDS`` (1,024) token ids."""
-        if isinstance(v, list) and len(v) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(v)}")
-        return v
+        return _at_most(v, MAX_STOP_TOKEN_IDS, "stop token ids")
 
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bound_logit_bias(cls, v):
         """``logit_bias``: at most ``MAX_LOGIT_BIAS`` (1,024) token ids (OpenAI: typically up to
         300), each bias in [-100, 100] (checked by :func:`sampling_for`)."""
-        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(v)}")
-        return v
+        return _at_most(v, MAX_LOGIT_BIAS, "logit_bias entries")
+
+
+def _at_most(v, n: int, what: str):
+    """``v`` unchanged unless it is a list or mapping of more than ``n`` items (ValueError)."""
+    if isinstance(v, (list, dict)) and len(v) > n:
+        raise ValueError(f"at most {n} {what} are allowed, got {len(v)}")
+    return v
 
 
 class CompletionRequest(_Sampling):
