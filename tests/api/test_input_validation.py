@@ -199,3 +199,27 @@ def test_stop_lists_and_logit_bias_at_their_bounds_are_served(api):
     assert r.status_code == 200, r.text
     r = client.post("/v1/completions", json={**OK, "stop": "\x00" * 1024})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_is_400(api, path):
+    """As vLLM: ``stream_options`` only with ``stream: true``."""
+    client, orch = api
+    body = ({"prompt": [5, 6, 7]} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(path, json={**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
+    _err(r, 400, "stream_options")
+    assert not orch.started
+    r = client.post(path, json={**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+
+
+def test_completion_max_tokens_null_means_the_rest_of_the_context(api):
+    """As vLLM: an explicit ``max_tokens: null`` generates up to the context window (512 here);
+    an omitted one is OpenAI's default, 16."""
+    client, _ = api
+    r = client.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 512 - 300
+    r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16

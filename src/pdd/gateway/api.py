@@ -336,7 +336,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_model(body.model)
         check_completion(body)
         ids = await asyncio.to_thread(prompt_ids, body.prompt, body.add_special_tokens)  # off the event loop
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
+            max_tokens = cfg.engine.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise ApiError(f"prompt: {len(ids)} prompt tokens leave no room in the context window of "
+                               f"{cfg.engine.max_model_len} tokens", "prompt", code="context_length_exceeded")
         check_context(len(ids), max_tokens, "max_tokens")
         sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
         gen = await start(ids, sps, opts, request)

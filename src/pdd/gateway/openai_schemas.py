@@ -210,7 +210,15 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
     return sps, opts
 
 
+def _check_stream_options(body: _Sampling) -> None:
+    """``stream_options`` only with ``stream: true`` (vLLM refuses it otherwise too); ApiError."""
+    if body.stream_options is not None and not body.stream:
+        raise ApiError("stream_options can only be set when stream is true", "stream_options")
+
+
 def check_completion(body: CompletionRequest) -> None:
+    """Completion-only checks (ApiError naming the parameter)."""
+    _check_stream_options(body)
     if body.suffix:
         raise ApiError("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -220,6 +228,8 @@ def check_completion(body: CompletionRequest) -> None:
 
 
 def check_chat(body: ChatCompletionRequest) -> None:
+    """Chat-only checks (ApiError naming the parameter)."""
+    _check_stream_options(body)
     if not body.messages:
         raise ApiError("messages: must contain at least one message", "messages")
     for i, m in enumerate(body.messages):
