@@ -150,8 +150,10 @@ def test_openai_content_parts_and_errors(tiny):
     ct = ChatTemplate.from_model_dir(tiny)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert ct.render(parts) == ct.render([{"role": "user", "content": "a\nb"}])
-    with pytest.raises(ChatTemplateError):
+    with pytest.raises(ChatTemplateError, match="'image_url' is not supported"):
         ct.render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ChatTemplateError, match=r"\[0\]\.text: a text content part needs a string 'text'"):
+        ct.render([{"role": "user", "content": [{"type": "text"}]}])
     with pytest.raises(ChatTemplateError):
         ct.render([])
     bad = ChatTemplate("{{ raise_exception('no system messages') }}", {})

@@ -120,6 +120,8 @@ def flatten_content(content, where: str):
                 texts.append(part)
             elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type", "text") == "text":
+                raise ChatTemplateError(f"{where}[{i}].text: a text content part needs a string 'text'")
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ChatTemplateError(f"{where}[{i}]: content part of type {kind!r} is not supported (text only)")
