@@ -40,7 +40,7 @@ from dataclasses import asdict
 
 from pdd.config import ClusterConfig
 from pdd.policy.cutoff import should_cut_off
-from pdd.policy.pipeline import PipelineInputs, choose_pipeline
+from pdd.policy.pipeline import PipelineInputs, choose_pipeline, relays_every_request
 from pdd.policy.routing import InstanceLoad, choose_instance
 from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
@@ -59,6 +59,18 @@ log = logging.getLogger(__name__)
 # an instance more than this many requests busier than the idlest
 ROUTING_MIN_HIT_FRAC = 0.5
 ROUTING_LOAD_SLACK = 4
+
+
+def _give_up(*futs: asyncio.Future | None) -> None:
+    """Cancel each future still pending and retrieve the exception of each one done (no "never
+    retrieved" noise); None entries are skipped."""
+    for fut in futs:
+        if fut is None:
+            continue
+        if not fut.done():
+            fut.cancel()
+        elif not fut.cancelled():
+            fut.exception()
 
 
 class Orchestrator(Recovery):
@@ -529,11 +541,7 @@ class Orchestrator(Recovery):
                     # carry a finished request's prompt (RLD emits the token and frees)
                     self._md_leg_lost(st, "finished by its first token", degraded=False)
             except BaseException:
-                for fut in (reserve, md_leg):
-                    if fut is not None and not fut.done():
-                        fut.cancel()
-                if reserve.done() and not reserve.cancelled():
-                    reserve.exception()  # retrieved: no "never retrieved" noise
+                _give_up(reserve, md_leg)
                 raise
             st.events["prefilled"] = time.perf_counter()
             st.p_cached_tokens = int(rep["p_cached_tokens"])
@@ -556,13 +564,7 @@ class Orchestrator(Recovery):
             p_call.add_done_callback(self._first_token_event(st))
             md_name, rep = await reserve
         except BaseException:
-            for fut in (reserve, p_call):
-                if fut is None:
-                    continue
-                if not fut.done():
-                    fut.cancel()
-                elif not fut.cancelled():
-                    fut.exception()  # retrieved: no "never retrieved" noise
+            _give_up(reserve, p_call)
             if p_call is not None:  # P may hold the prompt waiting for its targets: free it there
                 self._spawn(self._abort_on(p, st.trid))
             raise
@@ -601,10 +603,7 @@ class Orchestrator(Recovery):
                 await p.send(md_target)
             rep, _ = await p_call
         except BaseException:
-            if not p_call.done():
-                p_call.cancel()
-            elif not p_call.cancelled():
-                p_call.exception()
+            _give_up(p_call)
             raise
         st.events["prefilled"] = time.perf_counter()
         st.p_cached_tokens = int(rep["p_cached_tokens"])
@@ -668,8 +667,8 @@ class Orchestrator(Recovery):
 
     def _always_relay(self) -> bool:
         """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""
-        return (self.cfg.mode == "pdd" and self.cfg.policy.pipeline_ttft_budget_ms <= 0
-                and not self.cfg.policy.allow_p_rld)
+        pol = self.cfg.policy
+        return relays_every_request(self.cfg.mode, pol.pipeline_ttft_budget_ms, pol.allow_p_rld)
 
     def _next_tokens(self, st: ReqState, tok: TokenOut) -> list[TokenOut]:
         """Route one arriving token; return the tokens that can be streamed now, in order.

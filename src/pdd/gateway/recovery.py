@@ -218,21 +218,14 @@ class Recovery:
     async def _abort_everywhere(self, trid: str) -> None:
         """Abort one attempt's tier rid on every reachable instance at once (idempotent there;
         an unreachable one frees it when its own heartbeat drops the gateway's connection)."""
-
-        async def one(name: str, peer: rpc.Peer) -> None:
-            try:
-                await peer.call({"t": "abort", "rid": trid}, timeout=10)
-            except Exception as e:
-                log.warning("abort %s on %s failed: %s", trid, name, e)
-
-        await asyncio.gather(*(one(n, p) for n, p in list(self.peers.items()) if not p.closed))
+        await asyncio.gather(*(self._abort_on(p, trid) for p in list(self.peers.values()) if not p.closed))
 
     async def _abort_on(self, peer: rpc.Peer, trid: str) -> None:
         """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it already)."""
         try:
             await peer.call({"t": "abort", "rid": trid}, timeout=10)
         except Exception as e:
-            log.warning("abort %s failed: %s", trid, e)
+            log.warning("abort %s on %s failed: %s", trid, peer, e)
 
     def _kv_source_lost(self, trid: str) -> None:
         _p, md_name = self.awaiting_kv.pop(trid, (None, None))
