@@ -54,10 +54,7 @@ class PrefillInstance(EngineInstance):
         rid, name = h["rid"], h["name"]
         if rid not in self.reqs:
             return None  # already drained and released: nothing left to cut
-        for slot in set(self._deferred.get(rid, {})) | DEFERRED_SLOTS:
-            fut = self._deferred_target(rid, slot)
-            if not fut.done():  # not planned yet: never start it
-                fut.set_result({"name": name, "cancelled": True})
+        self._cancel_deferred(rid, {"name": name, "cancelled": True})  # not planned yet: never start it
         s = self.senders.get(name)
         n = s.cancel(rid) if s is not None else 0
         self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + n
@@ -65,6 +62,15 @@ class PrefillInstance(EngineInstance):
 
     def _deferred_target(self, rid: str, name: str) -> asyncio.Future:
         return self._deferred.setdefault(rid, {}).setdefault(name, asyncio.get_running_loop().create_future())
+
+    def _cancel_deferred(self, rid: str, plan: dict) -> None:
+        """Resolve every deferred target of ``rid`` not planned yet (any of DEFERRED_SLOTS, so a
+        stream task that has not run yet finds its slots resolved too) with ``plan``, a
+        ``cancelled`` plan: nothing is sent to them."""
+        for slot in set(self._deferred.get(rid, {})) | DEFERRED_SLOTS:
+            fut = self._deferred_target(rid, slot)
+            if not fut.done():
+                fut.set_result(plan)
 
     async def on_target(self, peer, h, payload):
         """The plan of a target sent ``deferred`` in ``prefill`` (MD's cached pages arrive a WAN
@@ -92,10 +98,7 @@ class PrefillInstance(EngineInstance):
             fut.set_exception(RuntimeError(f"request {rid} aborted"))
         ctx = self.reqs.get(rid)
         if ctx is not None and ctx.extra.get("streaming"):
-            for slot in set(self._deferred.get(rid, {})) | DEFERRED_SLOTS:
-                d = self._deferred_target(rid, slot)
-                if not d.done():
-                    d.set_result({"cancelled": True})
+            self._cancel_deferred(rid, {"cancelled": True})
             n = sum(s.cancel(rid) for s in self.senders.values())
             self.counters["aborted"] += 1
             return {"t": "abort_ok", "rid": rid, "found": True, "cancelled_transfers": n}, b""
@@ -217,10 +220,7 @@ class PrefillInstance(EngineInstance):
             name = t.get("name", t.get("slot"))
             try:
                 if t.get("deferred"):
-                    fut = self._deferred_target(ctx.rid, t["slot"])
-                    if ctx.rid in self._aborted and not fut.done():  # aborted before this task ran
-                        fut.set_result({"cancelled": True})
-                    plan = await asyncio.wait_for(fut, self.cfg.request_timeout_s)
+                    plan = await asyncio.wait_for(self._deferred_target(ctx.rid, t["slot"]), self.cfg.request_timeout_s)
                     t = {**t, **plan}
                     name = t.get("name", name)
                     if t.get("cancelled"):  # cut off before it started: nothing of it was sent
