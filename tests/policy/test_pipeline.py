@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from pdd.policy.pipeline import PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens
+from pdd.policy.pipeline import (PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens,
+                                 relays_every_request)
 from pdd.types import Pipeline
 
 
@@ -68,3 +69,16 @@ def test_baseline_modes():
 
 def test_live_estimate_changes_decision():
     assert choose_pipeline(inp(wan_gbps_estimate=2.0)) is Pipeline.P_RLD_MD  # 0.42 s
+
+
+@pytest.mark.parametrize("mode,budget,allow,expected", [
+    ("pdd", 0.0, False, True), ("pdd", 50.0, False, False), ("pdd", 0.0, True, False),
+    ("cross_dc_pd", 0.0, False, False), ("same_dc_pd", 0.0, False, False),
+])
+def test_relays_every_request_exactly_when_choose_pipeline_cannot_do_otherwise(mode, budget, allow, expected):
+    assert relays_every_request(mode, budget, allow) is expected
+    if expected:  # whatever MD holds, choose_pipeline relays
+        for cached in (0, 500, 999):
+            inp = PipelineInputs(mode=mode, prompt_tokens=1000, md_cached_tokens=cached, ttft_budget_ms=budget,
+                                 allow_p_rld=allow)
+            assert choose_pipeline(inp) == Pipeline.P_RLD_MD

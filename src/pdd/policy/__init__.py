@@ -14,7 +14,7 @@ Modules:
 
 from pdd.policy.cutoff import predict_rld_finishes_first, should_cut_off
 from pdd.policy.handoff import HandoffDecision, HandoffInputs, decide_handoff, effective_handoff_mode, rld_load
-from pdd.policy.pipeline import PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens
+from pdd.policy.pipeline import PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens, relays_every_request
 from pdd.policy.routing import InstanceLoad, choose_instance
 from pdd.policy.wan_order import TransferView, pick_next
 
@@ -23,6 +23,7 @@ __all__ = [
     "choose_pipeline",
     "expected_wan_seconds",
     "missing_tokens",
+    "relays_every_request",
     "HandoffInputs",
     "HandoffDecision",
     "decide_handoff",

@@ -72,6 +72,14 @@ def expected_wan_seconds(inp: PipelineInputs) -> float:
     return rtt_s + nbytes * 8.0 / (inp.wan_gbps_estimate * 1e9)
 
 
+def relays_every_request(mode: str, ttft_budget_ms: float, allow_p_rld: bool) -> bool:
+    """Whether every request is planned P->RLD->MD before MD's cache state is known: ``pdd``
+    mode with a zero (or negative) TTFT budget and without the ``allow_p_rld`` ablation. Then
+    :func:`choose_pipeline` cannot return anything else (what MD holds does not matter), so P
+    may stream to RLD at once instead of waiting for MD's reservation."""
+    return mode == "pdd" and ttft_budget_ms <= 0 and not allow_p_rld
+
+
 def choose_pipeline(inp: PipelineInputs) -> Pipeline:
     """Choose the pipeline for one request.
 

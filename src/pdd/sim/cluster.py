@@ -817,10 +817,11 @@ class ClusterSim:
         self.after(self.owd, self._md_reserve, req)
 
     def _always_relay(self, req: Req) -> bool:
-        """Orchestrator._always_relay: pdd with a zero budget relays every request."""
+        """As the runtime (policy.pipeline.relays_every_request): pdd with a zero budget relays
+        every request."""
         cfg = self.cfg
-        return (cfg.mode == "pdd" and cfg.ttft_budget_ms <= 0
-                and not (cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s))
+        return pol_pipeline.relays_every_request(cfg.mode, cfg.ttft_budget_ms,
+                                                 cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s)
 
     def _md_reserve(self, req: Req) -> None:
         """At MD: match DRC, answer the gateway; the lock + allocation are queued at MD."""
