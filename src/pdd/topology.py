@@ -92,8 +92,6 @@ def ports_in_use(lay: Layout) -> list[int]:
     port, the gateway's HTTP port) that cannot be bound on its host now, ascending: another
     topology (``pdd serve``, ``make demo``) or another program holds them. Best effort: a port
     may be taken between this check and the bind."""
-    import socket
-
     need = set()
     for sp in lay.instances:
         need.add(sp.port)
@@ -101,15 +99,23 @@ def ports_in_use(lay: Layout) -> list[int]:
             need.add(sp.metrics_port)
         if sp.wan_port is not None:
             need.add(sp.wan_port)
-    busy = []
-    for port in sorted(need):
-        with socket.socket() as s:
+    # SO_REUSEADDR as the servers themselves bind (asyncio, uvicorn): a port a closed
+    # connection left in TIME_WAIT is free for them
+    return [port for port in sorted(need) if not _can_bind(lay.host, port, reuse_addr=True)]
+
+
+def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
+    """Whether a TCP socket can bind ``host:port`` now (it is closed again at once)."""
+    import socket
+
+    with socket.socket() as s:
+        if reuse_addr:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((lay.host, port))
-            except OSError:
-                busy.append(port)
-    return busy
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port_block(n: int = 100) -> int:
@@ -118,15 +124,9 @@ def free_port_block(n: int = 100) -> int:
 
     Raises RuntimeError when 200 random tries in [20000, 60000) find no such block."""
     import random
-    import socket
 
     for _ in range(200):
         base = random.randint(20000, 60000 - n)
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
+        if all(_can_bind("127.0.0.1", p) for p in range(base, base + n)):
+            return base
     raise RuntimeError("no free port block")
