@@ -242,6 +242,16 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
 
+    def rest_of_context(n_prompt: int, where: str) -> int:
+        """Output tokens the context window leaves after ``n_prompt`` prompt tokens (vLLM's
+        ``max_tokens`` when none is given); ApiError naming ``where`` ("prompt" / "messages")
+        when it leaves none."""
+        n = cfg.engine.max_model_len - n_prompt
+        if n < 1:
+            raise ApiError(f"{where}: {n_prompt} prompt tokens leave no room in the context window of "
+                           f"{cfg.engine.max_model_len} tokens", where, code="context_length_exceeded")
+        return n
+
     def encode(text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Tokenize (the caller runs this off the event loop), refusing what cannot be a prompt
         that fits: a text longer than max_input_len x MAX_CHARS_PER_TOKEN characters, or one with
@@ -338,10 +348,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         ids = await asyncio.to_thread(prompt_ids, body.prompt, body.add_special_tokens)  # off the event loop
         max_tokens = body.max_tokens
         if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
-            max_tokens = cfg.engine.max_model_len - len(ids)
-            if max_tokens < 1:
-                raise ApiError(f"prompt: {len(ids)} prompt tokens leave no room in the context window of "
-                               f"{cfg.engine.max_model_len} tokens", "prompt", code="context_length_exceeded")
+            max_tokens = rest_of_context(len(ids), "prompt")
         check_context(len(ids), max_tokens, "max_tokens")
         sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
         gen = await start(ids, sps, opts, request)
@@ -378,10 +385,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: whatever the context window leaves
-            max_tokens = cfg.engine.max_model_len - len(ids)
-            if max_tokens < 1:
-                raise ApiError(f"messages: {len(ids)} prompt tokens leave no room in the context window of "
-                               f"{cfg.engine.max_model_len} tokens", "messages", code="context_length_exceeded")
+            max_tokens = rest_of_context(len(ids), "messages")
         check_context(len(ids), max_tokens, param)
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
