@@ -72,6 +72,11 @@ W2="$OUT/agentic_many.jsonl"
 write_trace; r = generate_agentic(240, seed=2, mean_turns=8.0); print_hit_histogram(r); write_trace(r, sys.argv[1])" \
   "$W2" | tee "$OUT/agentic_many_histogram.txt"
 
+# the agentic step's trace goes on after its main run's 200 requests, so the sweep's points replay the
+# same conversations' next turns on the caches the main run left (steady state, not a cold start)
+W4="$OUT/agentic400.jsonl"
+[ -s "$W4" ] || "$PDD" workload agentic --n 400 --seed 1 --out "$W4" | tee "$OUT/agentic400_histogram.txt"
+
 AG=(--trace "$W" --session-sample 1 --requests 200 --rate 2 --no-progress)
 REF=(--ref-requests 40)  # steps that do not compare SLO attainment: a shorter reference run
 run() {  # run STEP ARGS...: one bench invocation, timed
@@ -107,7 +112,7 @@ for s in $STEPS; do
     agentic)  # the issue's four modes, plus pdd with a zero budget (always relay) for the SLO comparison
       # offered 2.5 req/s; sweep 0.625, 1.25 (>= 20 requests each), then 2.5 = the main run, stopping at
       # the first rate that misses the SLA
-      run agentic "${AG[@]}" --rate 2.5 --config "$OUT/bench.yaml" --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
+      run agentic --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/bench.yaml" --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
         --sweep-seconds 16 --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=0" ;;
     mooncake)  # a slice of the shared Mooncake conversation trace (bench's default scale: 1 in 50 conversations)
       run mooncake --trace /work/shared/traces/mooncake_conversation_trace.jsonl --requests 200 --no-progress "${REF[@]}" \

@@ -79,6 +79,7 @@ class FakeTopology:
     """Stands in for pdd.launch.Topology: the fake server plus counters for stats/flush."""
 
     started: list = []
+    events: list = []  # ("flush", mode) / ("stats", mode), across instances, in order
 
     def __init__(self, url, cfg, log_dir=None):
         self.url, self.cfg, self.calls, self.cpu_calls = url, cfg, 0, 0
@@ -92,10 +93,12 @@ class FakeTopology:
 
     def stats(self):
         self.calls += 1
+        FakeTopology.events.append(("stats", self.cfg.mode))
         return {"mode": self.cfg.mode, "wan_line_bytes": 1000 * self.calls,
                 "instances": {"p": {"role": "prefill", "pages_total": 64, "pages_free": 64, "cpu_seconds": 0.5 * self.calls}}}
 
     def flush(self):
+        FakeTopology.events.append(("flush", self.cfg.mode))
         return {"instances": {"p": {"pages_total": 64, "pages_free": 64}}, "leaked_pages": 0}
 
     def cpu_seconds(self):

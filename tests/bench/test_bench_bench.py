@@ -113,6 +113,7 @@ def _console(tmp_path):
 def test_bench_end_to_end_absolute_slo_and_sweep(tmp_path, server_url):
     cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
     FakeTopology.started.clear()
+    FakeTopology.events.clear()
     out = tmp_path / "bench"
     report = run_bench(out, ("pdd", "cross_dc_pd"), 6, SCALE, cfg, seed=3, slo={"ttft_ms": 20_000, "tpot_ms": 10_000},
                        sweep=SweepPlan(start_rps=40.0, max_points=2), sweep_requests=4, request_timeout_s=10,
@@ -144,14 +145,48 @@ def test_bench_end_to_end_absolute_slo_and_sweep(tmp_path, server_url):
         assert [p["rate_rps"] for p in pts] == [40.0, 80.0] and all(p["requests"] == 4 for p in pts)
         assert [p["offered_rate_rps"] for p in pts] == pytest.approx([40.0, 80.0])
         assert m["sla_goodput_rps"] == 80.0 == saved["sweep"]["modes"][mode]["sla_goodput_rps"]
-        assert not any(p["reused_main_run"] for p in pts) and all(p["leaked_pages"] == 0 for p in pts)
+        # the trace goes on after the main run's 6 requests: the sweep replays its next requests on warm
+        # caches (no flush between the main run and the points); one flush at the end counts leaked pages
+        assert not any(p["reused_main_run"] for p in pts) and all(p["leaked_pages"] is None for p in pts)
+        assert m["leaked_pages"] == 0
+    # the warm-up's flush, then one after the main run and the sweep
+    assert [e for e in FakeTopology.events if e[0] == "flush"] == [("flush", "pdd")] * 2 + [("flush", "cross_dc_pd")] * 2
     sweep_recs = read_jsonl(out / "sweep_requests.jsonl")
     assert len(sweep_recs) == 16 and {r["rate_rps"] for r in sweep_recs} == {40.0, 80.0}
-    assert saved["sweep"]["plan"]["kind"] == "auto" and saved["sweep"]["requests"] == 4
+    for mode in ("pdd", "cross_dc_pd"):  # trace records 6-9 at 40 req/s, then 10-13 at 80
+        assert [r["idx"] for r in sweep_recs if r["mode"] == mode] == list(range(6, 14))
+    assert saved["sweep"]["method"] == "continuation"
+    assert saved["sweep"]["plan"]["kind"] == "auto" and saved["sweep"]["requests"] == 8
     for name in ("ttft_cdf.png", "handoff_gaps.png", "wan_throughput.png", "sweep.png", "timeline_pdd.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     text = (tmp_path / "console.txt").read_text()
     assert "SLA goodput (req/s)" in text and "total wall time" in text
+
+
+def test_bench_sweep_on_flushed_caches_when_the_trace_ends(tmp_path, server_url):
+    """A trace with no requests after the main run's: every point replays whole conversations
+    of the workload on flushed caches (leaked pages counted per point)."""
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    FakeTopology.started.clear()
+    FakeTopology.events.clear()
+    trace = tmp_path / "t.jsonl"
+    # two conversations of three turns (hash_ids[1] is the conversation key) and a one-block record
+    recs = [{"timestamp": 100.0 * i, "input_length": 8 + 4 * (i // 2), "output_length": 300,
+             "hash_ids": [1, 10 + i % 2] + [100 * (i % 2) + k for k in range(i // 2 + 1)]} for i in range(6)]
+    recs.append({"timestamp": 700.0, "input_length": 4, "output_length": 300, "hash_ids": [9]})
+    trace.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    report = run_bench(tmp_path / "b", ("pdd",), 7, SCALE, cfg, trace=trace, slo={"ttft_ms": 20_000, "tpot_ms": 10_000},
+                       sweep=SweepPlan(start_rps=80.0, max_points=1), sweep_requests=3, request_timeout_s=10,
+                       progress=False, console=_console(tmp_path),
+                       topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    assert report["sweep"]["method"] == "flushed"
+    (pt,) = report["sweep"]["modes"]["pdd"]["points"]
+    assert pt["requests"] == 3 and pt["leaked_pages"] == 0
+    # flushed after the warm-up, the main run and the point
+    assert [e for e in FakeTopology.events if e[0] == "flush"] == [("flush", "pdd")] * 3
+    idx = [r["idx"] for r in read_jsonl(tmp_path / "b" / "sweep_requests.jsonl")]
+    keys = {recs[i]["hash_ids"][1] if len(recs[i]["hash_ids"]) > 1 else None for i in idx}
+    assert len(idx) == 3 and len(keys) == 1  # one whole conversation, not the first three requests
 
 
 def test_bench_reference_run_fixes_the_slo(tmp_path, server_url):

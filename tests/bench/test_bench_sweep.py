@@ -103,7 +103,8 @@ def test_point_requests_time_bound():
     reqs = [req(i, float(i)) for i in range(50)]  # 1 req/s
     assert len(point_requests(reqs, 2.0)) == 50  # no bound: all
     p = point_requests(reqs, 2.0, max_arrival_s=10.0)
-    assert [r.idx for r in p] == list(range(21)) and p[-1].arrival_s == pytest.approx(10.0)
+    # 21 one-request conversations (empty trace records), chosen by key hash, in trace order
+    assert len(p) == 21 and [r.idx for r in p] == sorted(r.idx for r in p) and p[0].arrival_s == 0.0
     assert mean_rate([r.arrival_s for r in p]) == pytest.approx(2.0)
     assert len(point_requests(reqs, 0.25, max_arrival_s=10.0)) == 8  # min_requests
     assert len(point_requests(reqs, 100.0, max_arrival_s=10.0)) == 50  # all arrive in time
@@ -137,3 +138,44 @@ def test_ramp_arrivals_rise_linearly():
             parse_ramp(bad)
     with pytest.raises(ValueError):
         ramp_arrivals(reqs, 0.0, 1.0)
+
+
+def conv_req(i, t, conv):
+    """A request of conversation ``conv`` (hash_ids[1] is the conversation key)."""
+    return ReplayRequest(idx=i, arrival_s=t, prompt_ids=[10 + i], max_tokens=2,
+                         trace_record={"hash_ids": [0, 1000 + conv, 2000 + i]})
+
+
+def test_session_subset_keeps_whole_conversations():
+    from pdd.bench.sweep import session_subset
+
+    # 10 conversations of 5 turns each, interleaved in time (turn k of every conversation, then k+1)
+    reqs = [conv_req(5 * c + k, float(10 * k + c), c) for k in range(5) for c in range(10)]
+    reqs.sort(key=lambda r: r.arrival_s)
+    sub = session_subset(reqs, 15)
+    assert len(sub) == 15
+    convs = {}
+    for r in sub:
+        convs.setdefault(r.trace_record["hash_ids"][1], []).append(r.idx)
+    assert len(convs) == 3 and all(len(v) == 5 for v in convs.values())  # 3 whole conversations
+    assert [r.arrival_s for r in sub] == sorted(r.arrival_s for r in sub)  # trace order kept
+    assert session_subset(reqs, 15) == sub  # deterministic
+    # the first 15 requests would be first and second turns only
+    assert {r.idx % 5 for r in reqs[:15]} == {0, 1}
+    # a partial last conversation keeps its earliest turns
+    sub7 = session_subset(reqs, 7)
+    turns = sorted(r.idx % 5 for r in sub7)
+    assert len(sub7) == 7 and turns == [0, 0, 1, 1, 2, 3, 4]
+    assert session_subset(reqs, None) == reqs and session_subset(reqs, 500) == reqs
+    assert session_subset(reqs, 0) == []
+    with pytest.raises(ValueError):
+        session_subset(reqs, -1)
+
+
+def test_session_subset_one_block_records_are_their_own_conversation():
+    from pdd.bench.sweep import session_subset
+
+    reqs = [ReplayRequest(idx=i, arrival_s=float(i), prompt_ids=[1], max_tokens=1, trace_record={"hash_ids": [7]})
+            for i in range(20)]
+    sub = session_subset(reqs, 6)
+    assert len(sub) == 6 and len({r.idx for r in sub}) == 6

@@ -6,7 +6,7 @@ One invocation:
    agentic trace, any file of ``{"timestamp", "input_length", "output_length", "hash_ids"}``
    records), scaled as in ``pdd demo`` (:class:`pdd.bench.trace.Scale`);
 2. fixes the SLO (:mod:`pdd.bench.slo`) before anything is measured: a *reference run* of the
-   workload's requests (all of them by default, or the first ``--ref-requests``) through
+   workload's requests (all of them by default, or ``--ref-requests`` of whole conversations) through
    ``same_dc_pd``, one request in flight at a time (back to back), so the reference has the
    run's prompts, outputs and prefix reuse; SLO = TTFT <= 3 x its median TTFT and TPOT <= 1.5 x
    its median TPOT, unless ``--slo ttft:MS tpot:MS`` gives them. The reference runs on the
@@ -14,11 +14,16 @@ One invocation:
    benchmarked, on a topology of its own; with ``--url`` it runs on the external server;
 3. for each mode, on a fresh topology (new processes, empty caches): a warm-up request then a
    cache flush; the *main run* (all requests at the offered rate, open loop, or rising with
-   ``--ramp START:END``); a flush; then, with ``--sweep-rate``, the *sweep*: the point at the
-   offered rate is the main run itself; other rates replay the first ``--sweep-requests``
-   requests (of those, the ones arriving within ``--sweep-seconds`` at that rate) at the rates
-   :mod:`pdd.bench.sweep` picks, **on the same topology, caches flushed between rates** (every
-   point starts with empty caches, as the main run does). SLA goodput = the highest swept rate
+   ``--ramp START:END``); then, with ``--sweep-rate``, the *sweep*: the point at the offered
+   rate is the main run itself; other rates (picked by :mod:`pdd.bench.sweep`) run on the same
+   topology. When the trace holds enough requests after the main run's (``--requests`` of a
+   longer trace: points x ``--sweep-requests`` more), each rate replays the **next requests of
+   the trace** (as many as arrive within ``--sweep-seconds``, at least ``--sweep-min-requests``)
+   on the caches the main run left: the same conversations go on, so every point measures the
+   workload's steady state (its prefix hit rate) and not a cold start. Otherwise each rate
+   replays ``--sweep-requests`` requests made of whole conversations
+   (:func:`pdd.bench.sweep.session_subset`) on flushed caches. Caches are flushed (and leaked
+   pages counted) after the main run and the sweep. SLA goodput = the highest swept rate
    at which >= 90% of requests meet the SLO.
    A mode is a label: a mode name, optionally with policy overrides (``pdd+allow_p_rld``,
    ``pdd+routing=round_robin``, :func:`parse_mode_label`), so ablations run side by side.
@@ -62,9 +67,10 @@ from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_
 from pdd.bench.report import (MODE_ORDER, _fmt, build_report, is_completed, mode_metrics, request_latencies,
                               table_rows, write_jsonl, write_report)
 from pdd.bench.slo import SLA_ATTAINMENT, SLO, goodput, make_slo, parse_slo, reference_summary
-from pdd.bench.sweep import (SweepPlan, mean_rate, next_rate, parse_ramp, parse_sweep, point_requests, ramp_arrivals,
+from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_ramp, parse_sweep, point_requests,
+                             point_size, ramp_arrivals, session_subset,
                              sla_goodput)
-from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, workload_summary
+from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hit_rate, workload_summary
 from pdd.config import MODES, ClusterConfig
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
@@ -602,8 +608,8 @@ def run_bench(
     the second (:func:`pdd.bench.sweep.ramp_arrivals`, the trace's gap pattern kept) instead of
     the constant ``scale.target_rate_rps``.
     ``slo``: absolute bounds ``{"ttft_ms", "tpot_ms"}`` (either or both; :func:`pdd.bench.slo.parse_slo`).
-    ``sweep``: None = no sweep. ``sweep_requests``: the sweep's requests (the first N of the
-    workload; None = all); a point keeps only those arriving within ``sweep_seconds`` at its rate
+    ``sweep``: None = no sweep. ``sweep_requests``: the sweep's requests (N of whole
+    conversations, :func:`pdd.bench.sweep.session_subset`; None = all); a point keeps only those arriving within ``sweep_seconds`` at its rate
     (:func:`pdd.bench.sweep.point_requests`; None = no bound). ``sweep_timeout_s``: per request
     during the sweep (s).
     ``topology_factory(cfg, log_dir=...)`` as in :func:`pdd.bench.demo.run_demo`.
@@ -670,9 +676,16 @@ def run_bench(
         f"{workload['input_tokens_mean']:.0f} / max {workload['input_tokens_max']} tokens, output mean "
         f"{workload['output_tokens_mean']:.0f} tokens, ideal prefix hit rate {100 * workload['ideal_prefix_hit_rate']:.1f}%"
     )
-    ref_reqs = [dataclasses.replace(r, arrival_s=0.0) for r in (requests[:ref_requests] if ref_requests else requests)]
-    sweep_reqs = requests[: sweep_requests] if sweep_requests else list(requests)
+    # whole conversations, not the first requests (a multi-turn trace starts with cold first turns)
+    ref_reqs = [dataclasses.replace(r, arrival_s=0.0) for r in session_subset(requests, ref_requests or None)]
+    sweep_reqs = session_subset(requests, sweep_requests or None)
     sweep_same_as_main = len(sweep_reqs) == len(requests)
+    sweep_next = continuation_requests(trace, scale, tokens, seed, sweep, sweep_requests) if sweep else None
+    if sweep is not None:
+        console.print("sweep: " + (f"continuation of the trace ({len(sweep_next)} more requests after the main run's; "
+                                   "caches stay warm from the main run)" if sweep_next is not None else
+                                   "the trace has too few requests after the main run's for a continuation; "
+                                   "each point replays whole conversations of the workload on flushed caches"))
 
     # ---- outputs
     paths = {k: out / f"{k}.jsonl" for k in ("requests", "reference_requests", "sweep_requests")}
@@ -734,6 +747,7 @@ def run_bench(
             slo_info = slo_info or {"error": f"reference topology failed: {type(ex).__name__}: {ex}"}
             console.print(f"[red]{slo_info['error']}")
 
+    warm_sweep = sweep is not None and sweep_next is not None
     for k, mode in enumerate(run_order, 1):
         cfg = config if remote is not None else mode_config(config, mode)
         console.rule(f"[bold]{mode}[/] ({k}/{len(run_order)})")
@@ -764,7 +778,7 @@ def run_bench(
                     records, entry = measured_replay(
                         topo, requests, model=cfg.served_model_name, mode=mode, timeout_s=timeout_s,
                         progress=progress, console=console, label=f"{mode} @ {_fmt(offered, 2)} req/s",
-                        after_replay=runner.finish if runner is not None else None)
+                        after_replay=runner.finish if runner is not None else None, flush=not warm_sweep)
                 finally:
                     if runner is not None:
                         runner.finish()  # idempotent: restarts whatever is still down if the replay failed
@@ -780,12 +794,16 @@ def run_bench(
                                             for i in fr["injections"])
                                   + f"; not injected {fr['not_injected'] or '-'}; requests {fr['requests']}")
                 main_dicts = [r.to_dict() for r in records]
-                if sweep is not None and slo_obj is not None:
-                    points = _sweep_mode(topo, cfg, mode, sweep, sweep_reqs, slo_obj,
-                                         main_dicts, entry, offered,
-                                         min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
-                                         sweep_min_requests,
-                                         progress, console)
+                try:
+                    if sweep is not None and slo_obj is not None:
+                        points = _sweep_mode(topo, cfg, mode, sweep, sweep_next if warm_sweep else sweep_reqs,
+                                             slo_obj, main_dicts, entry, offered,
+                                             min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
+                                             sweep_min_requests, progress, console, warm=warm_sweep,
+                                             per_point=sweep_requests)
+                finally:
+                    if warm_sweep:  # one flush after the main run and the sweep: leaked pages of both
+                        entry["flush"] = topo.flush()
         except Exception as ex:  # noqa: BLE001 - one broken mode must not lose the others
             mode_errors[mode] = f"{type(ex).__name__}: {ex}"
             console.print(f"[red]{mode} failed: {mode_errors[mode]}")
@@ -821,10 +839,14 @@ def run_bench(
                        "link_jitter": "unseeded"}
     report["slo"] = slo_info
     report["sweep"] = None if sweep is None else {
-        "plan": sweep.to_dict(), "requests": len(sweep_reqs), "max_arrival_s": sweep_seconds,
+        "plan": sweep.to_dict(), "requests": len(sweep_next if warm_sweep else sweep_reqs), "max_arrival_s": sweep_seconds,
         "min_requests": sweep_min_requests,
         "request_timeout_s": min(timeout_s, sweep_timeout_s),
-        "topology": "same topology as the mode's main run, caches flushed before every rate",
+        "method": "continuation" if warm_sweep else "flushed",
+        "topology": ("same topology as the mode's main run; each rate replays the next requests of the trace "
+                     "after the main run's, caches kept warm (no flush until the sweep ends)" if warm_sweep else
+                     "same topology as the mode's main run, caches flushed before every rate; each rate replays "
+                     "whole conversations of the workload"),
         "definition": f"sla_goodput_rps = highest swept rate with slo_attainment >= {sweep.threshold}",
         "modes": sweep_out,
     }
@@ -863,32 +885,59 @@ def run_bench(
     return report
 
 
+def continuation_requests(trace, scale: Scale, tokens: TokenSpace, seed: int, plan: SweepPlan,
+                          per_point: int | None) -> list | None:
+    """The trace's requests after the main run's (``scale.count`` of them), enough for every point
+    of ``plan`` at ``per_point`` requests each, built with the main run's prompts (same token space
+    and seed, so a continued conversation extends the main run's prompts). None when the main run
+    is not a slice (``count`` None), ``per_point`` is None, or the trace has too few requests."""
+    if scale.count is None or not per_point:
+        return None
+    n_points = len(plan.rates) if plan.rates is not None else plan.max_points
+    need = n_points * per_point
+    more = build_requests(trace, dataclasses.replace(scale, count=scale.count + need), tokens, seed)[scale.count:]
+    return more if len(more) >= need else None
+
+
 def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequence, slo: SLO,
                 main_records: list[dict] | None, main_entry: dict, offered: float | None, timeout_s: float,
                 max_arrival_s: float | None, path: Path, min_requests: int, progress: bool,
-                console) -> list[dict]:
-    """The sweep on a running topology (flushed before every rate); returns its points."""
+                console, warm: bool = False, per_point: int | None = None) -> list[dict]:
+    """The sweep on a running topology; returns its points. ``warm``: ``reqs`` is the trace's
+    continuation after the main run, each point replays its next requests on the caches the main
+    run (and earlier points) left; else every point replays whole conversations of ``reqs``
+    (:func:`pdd.bench.sweep.point_requests`) on flushed caches. ``per_point``: most requests of a
+    warm point."""
     history: list[tuple[float, float]] = []
     points: list[dict] = []
+    used = 0
     while (rate := next_rate(plan, history)) is not None:
         t0 = time.monotonic()
-        point = point_requests(reqs, rate, max_arrival_s, min_requests=min_requests)
+        if warm:
+            n = point_size(min(per_point or len(reqs), len(reqs) - used), rate, max_arrival_s, min_requests)
+            point = at_rate(list(reqs[used: used + n]), rate)
+        else:
+            point = point_requests(reqs, rate, max_arrival_s, min_requests=min_requests)
         if main_records is not None and offered and abs(rate - offered) <= 1e-6 * offered:
             dicts, entry, reused = main_records, main_entry, True  # exactly the main run's replay
         else:
+            if warm:
+                used += len(point)
             console.print(f"sweep {mode}: {rate:g} req/s ({len(point)} requests)")
             recs, entry = measured_replay(topo, point, model=cfg.served_model_name, mode=mode,
                                           timeout_s=timeout_s, progress=progress, console=console,
-                                          label=f"{mode} sweep @ {rate:g} req/s")
+                                          label=f"{mode} sweep @ {rate:g} req/s", flush=not warm)
             dicts, reused = [dict(r.to_dict(), rate_rps=rate) for r in recs], False
             write_jsonl(path, dicts, append=True)
         p = sweep_point(rate, dicts, entry, slo, time.monotonic() - t0)
         p["reused_main_run"] = reused
+        p["ideal_prefix_hit_rate"] = ideal_prefix_hit_rate(point)
         points.append(p)
         history.append((rate, p["slo_attainment"] if p["slo_attainment"] is not None else 0.0))
         console.print(f"  {rate:g} req/s: SLO met {100 * (p['slo_attainment'] or 0):.1f}% "
                       f"({p['slo_met']}/{p['requests']}), goodput {_fmt(p['request_goodput'], 2)} req/s, "
-                      f"TTFT P90 {_fmt(p['p90_ttft_ms'])} ms" + (" (main run)" if reused else ""))
+                      f"TTFT P90 {_fmt(p['p90_ttft_ms'])} ms, ideal prefix hits "
+                      f"{100 * p['ideal_prefix_hit_rate']:.0f}%" + (" (main run)" if reused else ""))
     return points
 
 
@@ -982,7 +1031,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "by a same_dc_pd reference run, goodput at the offered rate and an SLA-goodput rate sweep.",
         epilog="SLO: TTFT <= 3 x and TPOT <= 1.5 x the medians of a same_dc_pd reference run (one request in "
                "flight), unless --slo gives them. SLA goodput: the highest swept rate with >= 90%% of requests "
-               "meeting the SLO. Sweep points run on the mode's topology, caches flushed before each rate.")
+               "meeting the SLO. Sweep points run on the mode's topology: the trace's next requests on warm caches when it has enough, else whole conversations on flushed caches.")
     ap.add_argument("--config", help="cluster config (YAML or JSON)")
     ap.add_argument("--out", default="runs/bench", help="output directory (report.json, plots, records)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated (default: all four)")
@@ -1008,14 +1057,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("SLO and sweep")
     g.add_argument("--slo", nargs="+", metavar="KEY:MS", help="absolute bounds, e.g. --slo ttft:500 tpot:20")
     g.add_argument("--ref-requests", type=int, default=DEFAULT_REF_REQUESTS,
-                   help="requests of the same_dc_pd reference run: the first N of the workload (0 = all of it, "
+                   help="requests of the same_dc_pd reference run: N of whole conversations (0 = all of it, "
                         "the default: the reference then has the run's prompts, outputs and prefix reuse)")
     g.add_argument("--sweep-rate", default=DEFAULT_SWEEP,
                    help="'auto' (start at --rate, x2 until the SLA fails, then bisect), rates '1,2,4', or 'none'")
     g.add_argument("--sweep-requests", type=int, default=DEFAULT_SWEEP_REQUESTS,
-                   help="requests per sweep point (the first N; 0 = all)")
+                   help="requests per sweep point (N of whole conversations; 0 = all)")
     g.add_argument("--sweep-seconds", type=float, default=DEFAULT_SWEEP_SECONDS,
-                   help="a point keeps the requests arriving within this many s at its rate (0 = all)")
+                   help="a point keeps as many requests as arrive within this many s at its rate (0 = all)")
     g.add_argument("--sweep-min-requests", type=int, default=DEFAULT_SWEEP_MIN_REQUESTS,
                    help="a point keeps at least this many requests, even if they arrive after --sweep-seconds")
     g.add_argument("--sweep-points", type=int, default=DEFAULT_SWEEP_POINTS, help="auto sweep: most points per mode")

@@ -14,15 +14,20 @@ tested without a server. Two plans:
   bisect that bracket (arithmetic midpoint) ``bisect_steps`` times. Never more than
   ``max_points`` points, never above ``max_rps``.
 
-Every point replays the first requests of the same workload with their arrival times stretched
-or compressed to the rate (:func:`at_rate`); with a time bound (:func:`point_requests`) a point
-keeps only as many of them as arrive within ``max_arrival_s`` at that rate (so low rates do not
-take minutes), never fewer than ``min_requests``.
+Every point replays whole conversations of the same workload (:func:`session_subset`) with
+their arrival times stretched or compressed to the rate (:func:`at_rate`); with a time bound
+(:func:`point_requests`) a point keeps only as many requests as arrive within ``max_arrival_s``
+at that rate (so low rates do not take minutes), never fewer than ``min_requests``. Whole
+conversations, not the first requests: the start of a multi-turn trace is mostly first turns
+(cold prompts), so its first requests have a far lower prefix hit rate than the workload
+(agentic, 200 requests: the first 20 have ~40% ideal hits, the workload ~90%), and a point
+made of them measures a different workload than the run at the offered rate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -157,15 +162,50 @@ def at_rate(requests: Sequence, rate_rps: float) -> list:
     return [dataclasses.replace(r, arrival_s=(r.arrival_s - t0) * f) for r in requests]
 
 
+def session_subset(requests: Sequence, n: int | None) -> list:
+    """``n`` requests of ``requests`` made of whole conversations, in trace order.
+
+    Conversations (:func:`pdd.bench.trace.session_key` of each request's ``trace_record``) are
+    taken in the order of a hash of their key (deterministic, independent of where they start in
+    the trace) until ``n`` requests are reached; the last one taken may lose its latest turns to
+    make exactly ``n``. A sample of whole conversations keeps the workload's multi-turn prefix
+    reuse (its hit-rate mix), unlike the first ``n`` requests. ``n`` None or >= len: all.
+    Raises ValueError if ``n`` < 0.
+    """
+    from pdd.bench.trace import session_key
+
+    if n is not None and n < 0:
+        raise ValueError("n must be >= 0")
+    if n is None or n >= len(requests):
+        return list(requests)
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        rec = getattr(r, "trace_record", None) or {}
+        groups.setdefault(session_key(rec, getattr(r, "idx", i)), []).append(i)
+    keep: list[int] = []
+    for key in sorted(groups, key=lambda k: (zlib.crc32(k.encode()), k)):
+        if len(keep) >= n:
+            break
+        keep.extend(groups[key][: n - len(keep)])
+    return [requests[i] for i in sorted(keep)]
+
+
 def point_requests(requests: Sequence, rate_rps: float, max_arrival_s: float | None = None,
                    min_requests: int = 8) -> list:
-    """The requests of one sweep point: the first ``n`` of ``requests`` at ``rate_rps`` (see
-    :func:`at_rate`), ``n = min(len, max(min_requests, floor(rate x max_arrival_s) + 1))`` so the
-    arrivals span at most ``max_arrival_s`` seconds (None: all of them)."""
-    n = len(requests)
-    if max_arrival_s is not None:
-        n = min(n, max(min_requests, int(rate_rps * max_arrival_s + 1e-9) + 1))
-    return at_rate(list(requests[:n]), rate_rps)
+    """The requests of one sweep point: ``n`` requests of whole conversations
+    (:func:`session_subset`) at ``rate_rps`` (:func:`at_rate`),
+    ``n = min(len, max(min_requests, floor(rate x max_arrival_s) + 1))`` so the arrivals span at
+    most ``max_arrival_s`` seconds (None: all of them)."""
+    return at_rate(session_subset(requests, point_size(len(requests), rate_rps, max_arrival_s, min_requests)),
+                   rate_rps)
+
+
+def point_size(available: int, rate_rps: float, max_arrival_s: float | None = None, min_requests: int = 8) -> int:
+    """Requests of one sweep point: ``min(available, max(min_requests, floor(rate x max_arrival_s)
+    + 1))``, so that its arrivals span at most ``max_arrival_s`` seconds (None: all available)."""
+    if max_arrival_s is None:
+        return available
+    return min(available, max(min_requests, int(rate_rps * max_arrival_s + 1e-9) + 1))
 
 
 def parse_ramp(spec: str | None) -> tuple[float, float] | None:

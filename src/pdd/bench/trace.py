@@ -92,8 +92,7 @@ class Scale:
         """Whether session sampling keeps this record (``idx``: its index in the trace file)."""
         if self.session_sample == 1:
             return True
-        h = record.get("hash_ids") or []
-        key = f"{self.session_seed}:h{h[1]}" if len(h) > 1 else f"{self.session_seed}:r{idx}"
+        key = f"{self.session_seed}:{session_key(record, idx)}"
         return zlib.crc32(key.encode()) % self.session_sample == 0
 
     def to_dict(self) -> dict:
@@ -220,6 +219,15 @@ class ReplayRequest:
         """Tokens of each used hash block (all ``block_tokens`` but the last)."""
         n, bt = len(self.prompt_ids), self.block_tokens
         return [min(bt, n - i * bt) for i in range(len(self.hash_ids))]
+
+
+def session_key(record: dict, idx: int) -> str:
+    """The conversation a Mooncake-format record belongs to: ``"h<hash_ids[1]>"``
+    (``hash_ids[0]`` is the system prompt every conversation of the trace shares), or
+    ``"r<idx>"`` for a one-block record, which is its own conversation (``idx``: its index
+    in the trace file)."""
+    h = record.get("hash_ids") or []
+    return f"h{h[1]}" if len(h) > 1 else f"r{idx}"
 
 
 def load_trace(path: str | Path = DEFAULT_TRACE, start: int = 0, count: int | None = None) -> list[dict]:
