@@ -550,23 +550,28 @@ class Orchestrator(Recovery):
         # depends on what MD's cache holds, known a WAN round trip later when MD's reservation
         # returns; the round trip overlaps the prefill instead of preceding it (as a decode
         # instance's bootstrap does in SGLang's PD disaggregation)
-        rld_name = rld = p_call = None
+        rld_name = rld = p_call = expect = None
         slots = [{"slot": "md", "deferred": True}]
         try:
             if relay_possible:
+                # RLD learns the request beside P's prefill, not before it: P sends RLD nothing
+                # until RLD's target (which waits for this reply) reaches it
                 rld_name, rld = self._peer(st, ROLE_RELAY)
-                await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
-                st.events["rld_expect"] = time.perf_counter()
+                expect = asyncio.ensure_future(rld.call(
+                    {"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t))
+                expect.add_done_callback(self._event_when_done(st, "rld_expect"))
                 slots.insert(0, {"slot": "rld", "deferred": True})
             p_call = asyncio.ensure_future(p.call(
                 {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling, "targets": slots},
                 timeout=t))
-            p_call.add_done_callback(self._first_token_event(st))
+            p_call.add_done_callback(self._event_when_done(st, "p_first_token"))
             md_name, rep = await reserve
         except BaseException:
-            _give_up(reserve, p_call)
+            _give_up(reserve, p_call, expect)
             if p_call is not None:  # P may hold the prompt waiting for its targets: free it there
                 self._spawn(self._abort_on(p, st.trid))
+            if expect is not None:
+                self._spawn(self._abort_on(rld, st.trid))
             raise
         self._reserved(st, md_name, rep)
         md = self.peers[md_name]
@@ -581,10 +586,12 @@ class Orchestrator(Recovery):
                       "relay": False}
         try:
             if relay:
+                await expect
                 await p.send(rld_target)
                 await p.send(md_target)
             elif st.pipeline == Pipeline.P_RLD:
                 # the excluded pipeline (--allow-p-rld ablation / degraded): MD never gets the KV
+                await expect
                 await p.send(rld_target)
                 await p.send({"t": "target", "rid": st.trid, "slot": "md", "name": md_name, "cancelled": True})
                 await md.send({"t": "drop", "rid": st.trid})
@@ -595,28 +602,39 @@ class Orchestrator(Recovery):
                     self.planned_src.pop(st.trid, None)
                     st.wan_bytes_expected = 0
             else:
+                await p.send(md_target)  # first: it is on the request's critical path
                 if relay_possible:
                     # planned P->MD: RLD's slot is never filled and RLD frees its reservation
                     # (MD learns it from kv_done)
                     await p.send({"t": "target", "rid": st.trid, "slot": "rld", "cancelled": True})
-                    await rld.call({"t": "abort", "rid": st.trid}, timeout=t)
-                await p.send(md_target)
+                    self._spawn(self._release_unused(rld, expect, st.trid))
             rep, _ = await p_call
         except BaseException:
-            _give_up(p_call)
+            _give_up(p_call, expect)
             raise
         st.events["prefilled"] = time.perf_counter()
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
+    async def _release_unused(self, peer: rpc.Peer, expect: asyncio.Future, trid: str) -> None:
+        """Free the reservation an instance the plan does not use made for ``trid`` (RLD of a
+        P->MD plan), once its ``expect`` reply is in; best effort, off the request's path (an
+        RLD lost meanwhile holds nothing)."""
+        try:
+            await expect
+        except Exception:
+            return
+        await self._abort_on(peer, trid)
+
     @staticmethod
-    def _first_token_event(st: ReqState):
-        """A done-callback for P's prefill call: records ``p_first_token`` (P's reply, which
-        may come before MD's reservation) for the attempt that made the call."""
+    def _event_when_done(st: ReqState, event: str):
+        """A done-callback for a call made beside others: records ``event`` (e.g.
+        ``p_first_token``, P's reply, which may come before MD's reservation) when the call
+        succeeds, for the attempt that made it."""
         trid = st.trid
 
         def done(f: asyncio.Future) -> None:
             if st.trid == trid and not f.cancelled() and f.exception() is None:
-                st.events["p_first_token"] = time.perf_counter()
+                st.events[event] = time.perf_counter()
 
         return done
 
