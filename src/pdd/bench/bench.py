@@ -70,7 +70,7 @@ from pdd.bench.slo import SLA_ATTAINMENT, SLO, goodput, make_slo, parse_slo, ref
 from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_ramp, parse_sweep, point_requests,
                              point_size, ramp_arrivals, session_subset,
                              sla_goodput)
-from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hit_rate, workload_summary
+from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hits, workload_summary
 from pdd.config import MODES, ClusterConfig
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
@@ -800,7 +800,7 @@ def run_bench(
                                              slo_obj, main_dicts, entry, offered,
                                              min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
                                              sweep_min_requests, progress, console, warm=warm_sweep,
-                                             per_point=sweep_requests)
+                                             per_point=sweep_requests, main_before=requests)
                 finally:
                     if warm_sweep:  # one flush after the main run and the sweep: leaked pages of both
                         entry["flush"] = topo.flush()
@@ -902,12 +902,14 @@ def continuation_requests(trace, scale: Scale, tokens: TokenSpace, seed: int, pl
 def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequence, slo: SLO,
                 main_records: list[dict] | None, main_entry: dict, offered: float | None, timeout_s: float,
                 max_arrival_s: float | None, path: Path, min_requests: int, progress: bool,
-                console, warm: bool = False, per_point: int | None = None) -> list[dict]:
+                console, warm: bool = False, per_point: int | None = None,
+                main_before: Sequence = ()) -> list[dict]:
     """The sweep on a running topology; returns its points. ``warm``: ``reqs`` is the trace's
     continuation after the main run, each point replays its next requests on the caches the main
     run (and earlier points) left; else every point replays whole conversations of ``reqs``
     (:func:`pdd.bench.sweep.point_requests`) on flushed caches. ``per_point``: most requests of a
-    warm point."""
+    warm point. ``main_before``: the main run's requests (a warm point's ideal prefix hits count
+    what they left in the caches)."""
     history: list[tuple[float, float]] = []
     points: list[dict] = []
     used = 0
@@ -931,7 +933,10 @@ def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequ
             write_jsonl(path, dicts, append=True)
         p = sweep_point(rate, dicts, entry, slo, time.monotonic() - t0)
         p["reused_main_run"] = reused
-        p["ideal_prefix_hit_rate"] = ideal_prefix_hit_rate(point)
+        # with a warm point, what an infinite cache holding everything replayed before would hit
+        before = (list(main_before) + list(reqs[: used - len(point)])) if warm and not reused else []
+        hits = ideal_prefix_hits(before + list(point))[len(before):]
+        p["ideal_prefix_hit_rate"] = sum(hits) / max(1, sum(len(r.prompt_ids) for r in point))
         points.append(p)
         history.append((rate, p["slo_attainment"] if p["slo_attainment"] is not None else 0.0))
         console.print(f"  {rate:g} req/s: SLO met {100 * (p['slo_attainment'] or 0):.1f}% "
