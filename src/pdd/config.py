@@ -62,6 +62,13 @@ class PolicyConfig(_Strict):
     handoff_mode: Literal["one_shot", "catch_up", "auto"] = "one_shot"
     catchup_threshold_tokens: int = Field(64, ge=1)
     wan_order: Literal["fifo", "srf"] = "fifo"
+    wan_send_buffer_bdp: float = Field(
+        1.0,
+        ge=0,
+        description="kernel send buffer of P's WAN KV connections, in bandwidth-delay products of the "
+        "line (at least 64 KiB; pdd.policy.wan_order.send_buffer_bytes): bytes past it wait for the "
+        "send order; 0 = the OS default (autotuned, MBs, which the order cannot reorder)",
+    )
     routing: Literal["cache_aware", "load", "round_robin"] = Field(
         "cache_aware", description="instance choice for P and MD (RLD: load unless round_robin)")
     allow_p_rld: bool = False

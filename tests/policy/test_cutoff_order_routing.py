@@ -74,3 +74,16 @@ def test_should_cut_off_lets_short_remainders_finish():
     assert should_cut_off(True, False, remaining_wan_s=None, min_remaining_s=0.5) is True
     assert should_cut_off(True, True, remaining_wan_s=9.0, min_remaining_s=0.0) is False
     assert should_cut_off(False, False, remaining_wan_s=9.0, min_remaining_s=0.0) is False
+
+
+def test_wan_send_buffer_is_one_bdp_with_a_floor():
+    from pdd.policy.wan_order import MIN_SEND_BUFFER_BYTES, send_buffer_bytes
+
+    # 0.05 Gbit/s x 20 ms = 125,000 bytes; 100 Gbit/s x 20 ms = 250 MB
+    assert send_buffer_bytes(0.05, 20.0, 1.0) == 125_000
+    assert send_buffer_bytes(100.0, 20.0, 1.0) == 250_000_000
+    assert send_buffer_bytes(0.05, 20.0, 2.0) == 250_000
+    assert send_buffer_bytes(0.05, 2.0, 1.0) == MIN_SEND_BUFFER_BYTES == 65536  # 12.5 kB: the floor
+    assert send_buffer_bytes(0.05, 20.0, 0.0) is None  # the OS default
+    with pytest.raises(ValueError):
+        send_buffer_bytes(0.05, 20.0, -1.0)

@@ -311,3 +311,25 @@ async def test_policy_module_pick_adapter():
         pytest.skip("pdd.policy.wan_order unavailable")
     kv, done = await _order_run(pick_from_index(lambda ts: wan_order.pick_next(ts, "srf")))
     assert kv == ["C"] + ["B"] * 2 + ["A"] * 4
+
+
+async def test_max_frame_bytes_caps_frames_at_whole_pages():
+    sink = Sink()
+    sink.expect = 2
+    recv, server, peer = await pair(sink)
+    try:
+        snd = KVSender(peer, chunk_pages=16, max_frame_bytes=2500)  # 2 pages of 1,000 bytes
+        a = snd.submit("a", 0, reader_for(pages_of(1, 7)), 7, PB)
+        big = bytes(range(200)) * 60  # 3 pages of 4,000 bytes, each above the cap: 1 per frame
+        b = snd.submit("b", 0, lambda i, n: big[i * 4000:(i + n) * 4000], 3, 4000)
+        await asyncio.wait_for(asyncio.gather(a.done, b.done), 5)
+        await asyncio.wait_for(sink.finished.wait(), 5)
+        frames = [(e[1], e[3]) for e in sink.events if e[0] == "kv"]
+        assert [n for r, n in frames if r == "a"] == [2, 2, 2, 1]
+        assert [n for r, n in frames if r == "b"] == [1, 1, 1]
+        with pytest.raises(ValueError):
+            KVSender(peer, max_frame_bytes=0)
+    finally:
+        await peer.close()
+        await server.close()
+

@@ -329,3 +329,47 @@ async def test_many_connections_churn_no_leaks():
         assert st["bytes_a_to_b"] >= sum(1000 * (i + 1) for i in range(30))
         assert st["in_flight_a_to_b"] == 0
     await sink.close()
+
+
+async def test_send_order_reaches_the_line_with_a_capped_send_buffer():
+    """A WAN KV sender with shortest-remaining-first order: a one-page increment submitted while a
+    2 MiB prompt is on its way overtakes most of it, because P's socket holds only ~1 BDP
+    (pdd.policy.wan_order.send_buffer_bytes), frames are half that, and the emulated line does not
+    buffer MBs (link.RECV_BUFFER_CHUNKS). With the OS default buffers the increment arrived after
+    the whole prompt had (measured: 254 ms behind it on this 0.05 Gbit/s line)."""
+    from pdd.policy.wan_order import send_buffer_bytes
+    from pdd.transfer.wire import set_socket_buffer
+
+    page, n_big = 32768, 64
+    got: dict = {"big": 0}
+    big_left_when_small_done: list = []
+    done = asyncio.Event()
+
+    def on_pages(rid, first, n, layers, payload):
+        if rid == "big":
+            got["big"] += n
+
+    async def on_done(rid, h):
+        if rid == "small":
+            big_left_when_small_done.append(n_big - got["big"])
+        if rid == "big":
+            done.set()
+
+    recv = KVReceiver(on_pages, on_done, lambda rid: None)
+    server = Server("127.0.0.1", 0, recv.handlers())
+    await server.start()
+    try:
+        async with Link(cfg(server.port, gbps=0.05, rtt_ms=20)) as link:
+            peer = await connect("127.0.0.1", link.ports[0])
+            cap = send_buffer_bytes(0.05, 20.0, 1.0)
+            assert set_socket_buffer(peer.writer, cap) >= cap
+            snd = KVSender(peer, order="srf", max_frame_bytes=cap // 2)
+            big, small = bytes(page * n_big), bytes(page)
+            snd.submit("big", 0, lambda i, n: big[i * page:(i + n) * page], n_big, page)
+            await asyncio.sleep(0.1)  # ~20 of the 64 pages are on the line
+            snd.submit("small", 0, lambda i, n: small[:n * page], 1, page)
+            await asyncio.wait_for(done.wait(), 10)
+            await peer.close()
+    finally:
+        await server.close()
+    assert big_left_when_small_done and big_left_when_small_done[0] >= 16

@@ -16,10 +16,12 @@ import asyncio
 import logging
 
 from pdd.engine.sequence import SeqStatus
+from pdd.policy.wan_order import send_buffer_bytes
 from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish
 from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.kv import KVSender
+from pdd.transfer.wire import set_socket_buffer
 from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -130,8 +132,15 @@ class PrefillInstance(EngineInstance):
                                      fingerprint=self.kv_fingerprint(), **self.liveness_kw(),
                                      **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
             rate = None if wan else self.cfg.link.fast_gbps
+            # over the WAN, what the socket already holds (and the frame being written) goes first
+            # whatever the send order: the socket's buffer is kept to ~1 BDP, frames to half of it
+            cap = send_buffer_bytes(self.cfg.link.wan_gbps, self.cfg.link.wan_rtt_ms,
+                                    self.cfg.policy.wan_send_buffer_bdp) if wan else None
             s = KVSender(peer, rate_gbps=rate, order=self.cfg.policy.wan_order if wan else "fifo",
+                         max_frame_bytes=cap // 2 if cap is not None else None,
                          stall_timeout_s=self.cfg.liveness.kv_stall_timeout_s)
+            if cap is not None:
+                set_socket_buffer(peer.writer, cap)
             self.senders[name] = s
         return s, wan
 

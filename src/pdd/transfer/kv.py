@@ -222,7 +222,10 @@ class KVSender:
     ``rate_gbps``: pace payload bytes at this rate (Gbit/s; None = as fast as the connection
     drains), or a shared :class:`~pdd.transfer.pacing.Pacer`.
     ``order``: ``"fifo"`` | ``"rr"`` | ``"srf"`` or ``pick(transfers) -> transfer``.
-    ``chunk_pages``: default pages per ``kv`` frame. ``crc``: checksum kv payloads.
+    ``chunk_pages``: default pages per ``kv`` frame. ``max_frame_bytes``: a frame carries at most
+    this many payload bytes (but always at least one page; None: no limit): a frame once started
+    is written whole, so on a slow line its size is how long a newly picked transfer can wait
+    for the frame before it. ``crc``: checksum kv payloads.
     ``stall_timeout_s``: a chunk whose write (the transfer is the one scheduled to send) makes no
     progress for this long closes the connection and fails every transfer on it with
     :class:`ConnectionError` ("stalled"); a transfer waiting its turn, or one progressing slowly
@@ -236,10 +239,14 @@ class KVSender:
         order: Union[str, PickFn] = "fifo",
         *,
         chunk_pages: int = 16,
+        max_frame_bytes: Optional[int] = None,
         crc: Optional[bool] = None,
         stall_timeout_s: Optional[float] = None,
     ):
+        if max_frame_bytes is not None and max_frame_bytes <= 0:
+            raise ValueError("max_frame_bytes must be > 0 (or None)")
         self.peer = peer
+        self.max_frame_bytes = max_frame_bytes
         self.stall_timeout_s = stall_timeout_s
         self.stalls = 0
         self.pacer = rate_gbps if isinstance(rate_gbps, Pacer) else Pacer(rate_gbps)
@@ -290,6 +297,8 @@ class KVSender:
         cp = chunk_pages or self.chunk_pages
         if cp <= 0:
             raise ValueError("chunk_pages must be > 0")
+        if self.max_frame_bytes is not None and page_bytes > 0:
+            cp = max(1, min(cp, self.max_frame_bytes // page_bytes))
         t = Transfer(
             self,
             rid,

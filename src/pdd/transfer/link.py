@@ -57,6 +57,10 @@ DEFAULT_CHUNK_BYTES = 64 << 10
 RESUME_LEAD_S = 0.004  # let a connection read its next chunk this long before the line frees
 DELIVER_SLACK_S = 0.0002  # deliver chunks due within this window together
 WRITE_HIGH_WATER = 1 << 20
+# chunks a connection's socket may hold unread while the line is busy with other flows: what a
+# real line's bottleneck buffer holds is bounded, so a sender learns through TCP back-pressure,
+# not by filling an autotuned receive buffer of MBs that the line then drains in arrival order
+RECV_BUFFER_CHUNKS = 1
 
 
 def normalize_config(cfg: Any) -> dict:
@@ -258,9 +262,10 @@ class _Side(asyncio.BufferedProtocol):
         self._buf: Optional[bytearray] = None
 
     def connection_made(self, transport) -> None:
-        from .wire import set_nodelay
+        from .wire import set_nodelay, set_socket_buffer
 
         set_nodelay(transport)
+        set_socket_buffer(transport, RECV_BUFFER_CHUNKS * self.conn.link.chunk_bytes, send=False)
         self.transport = transport
         try:
             transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)

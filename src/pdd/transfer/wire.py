@@ -45,7 +45,7 @@ import hashlib
 import hmac
 import struct
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import msgpack
 
@@ -377,6 +377,23 @@ def set_nodelay(transport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
+
+
+def set_socket_buffer(transport, nbytes: int, send: bool = True) -> Optional[int]:
+    """Cap a TCP transport's kernel send (``send``) or receive buffer at ``nbytes`` (SO_SNDBUF /
+    SO_RCVBUF; this also turns the kernel's autotuning off for the socket, and Linux reports twice
+    the value, counting its bookkeeping). Returns the size the kernel reports, or None when the
+    transport has no TCP socket or the option is refused."""
+    get = getattr(transport, "get_extra_info", None)
+    sock = get("socket") if get is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    opt = socket.SO_SNDBUF if send else socket.SO_RCVBUF
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, opt, int(nbytes))
+        return int(sock.getsockopt(socket.SOL_SOCKET, opt))
+    except OSError:
+        return None
 
 
 class FrameStream(asyncio.BufferedProtocol):
