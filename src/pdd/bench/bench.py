@@ -937,12 +937,14 @@ def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequ
         before = (list(main_before) + list(reqs[: used - len(point)])) if warm and not reused else []
         hits = ideal_prefix_hits(before + list(point))[len(before):]
         p["ideal_prefix_hit_rate"] = sum(hits) / max(1, sum(len(r.prompt_ids) for r in point))
+        p["prompt_tokens_mean"] = sum(len(r.prompt_ids) for r in point) / max(1, len(point))
         points.append(p)
         history.append((rate, p["slo_attainment"] if p["slo_attainment"] is not None else 0.0))
         console.print(f"  {rate:g} req/s: SLO met {100 * (p['slo_attainment'] or 0):.1f}% "
                       f"({p['slo_met']}/{p['requests']}), goodput {_fmt(p['request_goodput'], 2)} req/s, "
                       f"TTFT P90 {_fmt(p['p90_ttft_ms'])} ms, ideal prefix hits "
-                      f"{100 * p['ideal_prefix_hit_rate']:.0f}%" + (" (main run)" if reused else ""))
+                      f"{100 * p['ideal_prefix_hit_rate']:.0f}%, prompt mean {p['prompt_tokens_mean']:.0f} tokens"
+                      + (" (main run)" if reused else ""))
     return points
 
 
