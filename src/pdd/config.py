@@ -30,6 +30,9 @@ class EngineConfig(_Strict):
     num_pages: int = Field(2048, ge=4, description="KV pages in the pool")
     max_batch_tokens: int = Field(512, ge=1, description="token budget of one forward pass")
     prefill_chunk_tokens: int = Field(512, ge=1)
+    prefill_order: Literal["fcfs", "short_first"] = Field(
+        "fcfs", description="order of prefill chunks in a batch (pdd.engine.scheduler): fcfs by arrival, or "
+        "short_first (short prefills beside a long one's chunk; the oldest keeps >= half the budget)")
     max_running: int = Field(64, ge=1, description="sequences in one batch at most")
     max_model_len: int = Field(4096, ge=2, description="prompt + output tokens at most")
     max_input_len: int = Field(4000, ge=1, description="prompt tokens at most")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pdd.engine.scheduler import SchedulerConfig, SeqState, schedule
 
 
@@ -63,3 +65,43 @@ def test_large_batch_is_fast():
 def test_scheduler_imports_no_torch():
     code = "import sys, pdd.engine.scheduler, pdd.engine.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_short_first_lets_a_short_prefill_beside_a_long_one_without_starving_it():
+    cfg = SchedulerConfig(max_batch_tokens=512, max_running_seqs=8, prefill_chunk_tokens=512, prefill_order="short_first")
+    long_ = SeqState("long", num_tokens=2200, num_computed=512, arrival=0)  # mid-prefill
+    short = SeqState("short", num_tokens=830, num_computed=800, arrival=5)  # a 30-token turn
+    mid = SeqState("mid", num_tokens=400, num_computed=0, arrival=3)
+    dec = SeqState("d", num_tokens=60, num_computed=59, arrival=1)
+    plan = schedule([long_, short, mid, dec], cfg)
+    got = [(it.seq_id, it.start, it.num_tokens) for it in plan.items]
+    # the decode, then the oldest capped at half the budget left (511 // 2 = 255: the others want
+    # 30 + 400), then the others shortest first: the 30-token turn, then 226 tokens of "mid"
+    assert got == [("d", 59, 1), ("long", 512, 255), ("short", 800, 30), ("mid", 0, 226)]
+    assert plan.num_tokens == 512
+    # fcfs: the long prompt takes what the decode leaves; the others wait
+    fcfs = schedule([long_, short, mid, dec], SchedulerConfig(512, 8, 512))
+    assert [(it.seq_id, it.num_tokens) for it in fcfs.items] == [("d", 1), ("long", 511)]
+    # others wanting little: the oldest gets the rest of the budget, not just half
+    plan = schedule([long_, short], cfg)
+    assert [(it.seq_id, it.num_tokens) for it in plan.items] == [("long", 482), ("short", 30)]
+    # alone, the oldest is never capped
+    assert [(it.seq_id, it.num_tokens) for it in schedule([long_], cfg).items] == [("long", 512)]
+    with pytest.raises(ValueError):
+        SchedulerConfig(prefill_order="lifo")
+
+
+def test_short_first_finishes_every_prefill():
+    """Every sequence's prefill completes under short_first, the oldest advancing each step."""
+    cfg = SchedulerConfig(max_batch_tokens=64, max_running_seqs=4, prefill_chunk_tokens=64, prefill_order="short_first")
+    states = [SeqState(i, num_tokens=n, num_computed=0, arrival=i) for i, n in enumerate((500, 20, 90, 7, 300))]
+    steps = 0
+    while any(s.num_computed < s.num_tokens for s in states):
+        plan = schedule(states, cfg)
+        assert plan.num_tokens <= 64 and len(plan.items) <= 4
+        oldest = min((s for s in states if s.num_computed < s.num_tokens), key=lambda s: s.arrival)
+        assert oldest.seq_id in {it.seq_id for it in plan.items}  # it advances every step
+        for it in plan.items:
+            states[it.seq_id].num_computed += it.num_tokens
+        steps += 1
+    assert steps == -(-917 // 64)  # every step full until the end

@@ -88,16 +88,18 @@ class Engine:
     def from_pretrained(cls, path: str, num_pages: int = 1024, page_size: int = 16, dtype="float32",
                         device="cpu", max_batch_tokens: int = 2048, max_running_seqs: int = 256,
                         prefill_chunk_tokens: int = 512, enable_prefix_cache: bool = True,
-                        max_running: int | None = None, max_waiting: int | None = None) -> "Engine":
+                        max_running: int | None = None, max_waiting: int | None = None,
+                        prefill_order: str = "fcfs") -> "Engine":
         """Load an HF-format checkpoint directory and size a pool of ``num_pages`` pages of
         ``page_size`` tokens. ``max_running`` is an alias of ``max_running_seqs``; ``max_waiting``
-        bounds the queue beyond one batch (:meth:`new_sequence`; None: unbounded)."""
+        bounds the queue beyond one batch (:meth:`new_sequence`; None: unbounded);
+        ``prefill_order``: :data:`pdd.engine.scheduler.PREFILL_ORDERS`."""
         if max_running is not None:
             max_running_seqs = max_running
         cfg = ModelConfig.from_pretrained(path)
         model = load_model(path, cfg, dtype=dtype, device=device)
         pool = KVPool(cfg, num_pages, page_size, dtype=dtype, device=device)
-        sc = SchedulerConfig(max_batch_tokens, max_running_seqs, prefill_chunk_tokens)
+        sc = SchedulerConfig(max_batch_tokens, max_running_seqs, prefill_chunk_tokens, prefill_order)
         return cls(model, pool, sc, enable_prefix_cache, model_path=path, max_waiting=max_waiting)
 
     @property

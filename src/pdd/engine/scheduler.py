@@ -5,9 +5,18 @@ records. Policy, in order:
 
 1. **Decodes first**: every sequence with exactly 1 pending token (``num_tokens - num_computed
    == 1``), in arrival order, 1 token each.
-2. **Extends / prefill chunks**, FCFS by arrival: each gets ``min(pending, prefill_chunk_tokens,
-   tokens left in the budget)`` tokens; a sequence whose pending tokens do not all fit is cut into
-   a chunk and continues in later steps (chunked prefill).
+2. **Extends / prefill chunks**: each gets ``min(pending, prefill_chunk_tokens, tokens left in
+   the budget)`` tokens; a sequence whose pending tokens do not all fit is cut into a chunk and
+   continues in later steps (chunked prefill). Order (``prefill_order``):
+
+   - ``"fcfs"``: by arrival. A long prompt then takes the whole budget for several steps and a
+     short one behind it waits for all of them (a 2,200-token prompt: 5 steps of 512 tokens).
+   - ``"short_first"``: the oldest sequence first, but with at most what the others leave it
+     and never less than half the budget; then the others, fewest pending tokens first (ties by
+     arrival). A one-page turn of an agentic session is prefilled in the next step beside a long
+     prompt's chunk, and the long prompt still advances by >= half the budget every step, so
+     nothing starves. (vLLM's chunked prefill has the same aim with
+     ``--max-num-partial-prefills`` / ``--long-prefill-token-threshold``.)
 
 Limits: at most ``max_batch_tokens`` new tokens and ``max_running_seqs`` sequences per batch.
 A plan item samples (``sample=True``) when it reaches the end of the sequence's token ids and
@@ -19,15 +28,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+PREFILL_ORDERS = ("fcfs", "short_first")
+
+
 @dataclass
 class SchedulerConfig:
     max_batch_tokens: int = 2048  # new tokens per forward call
     max_running_seqs: int = 256  # sequences per forward call
     prefill_chunk_tokens: int = 512  # at most this many tokens of one sequence per call (k > 1)
+    prefill_order: str = "fcfs"  # "fcfs" | "short_first" (module docstring)
 
     def __post_init__(self):
         if self.max_batch_tokens < 1 or self.max_running_seqs < 1 or self.prefill_chunk_tokens < 1:
             raise ValueError("scheduler limits must be >= 1")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
 
 
 class TierBusy(RuntimeError):
@@ -105,10 +120,16 @@ def schedule(states, cfg: SchedulerConfig) -> BatchPlan:
             slots -= 1
         else:
             rest.append(s)
-    for s in rest:
+    first_cap = budget
+    if cfg.prefill_order == "short_first" and len(rest) > 1:
+        oldest, others = rest[0], sorted(rest[1:], key=lambda s: (s.num_tokens - s.num_computed, s.arrival))
+        wanted = sum(min(s.num_tokens - s.num_computed, cfg.prefill_chunk_tokens) for s in others[: slots - 1])
+        first_cap = max(budget // 2, budget - wanted, 1)
+        rest = [oldest, *others]
+    for k, s in enumerate(rest):
         if budget <= 0 or slots <= 0:
             break
-        n = min(s.num_tokens - s.num_computed, cfg.prefill_chunk_tokens, budget)
+        n = min(s.num_tokens - s.num_computed, cfg.prefill_chunk_tokens, budget, first_cap if k == 0 else budget)
         end = s.num_computed + n
         items.append(PlanItem(s.seq_id, s.num_computed, n, end == s.num_tokens and getattr(s, "can_sample", True)))
         budget -= n

@@ -144,6 +144,7 @@ class EngineInstance:
             device=e.device,
             max_batch_tokens=e.max_batch_tokens,
             prefill_chunk_tokens=e.prefill_chunk_tokens,
+            prefill_order=e.prefill_order,
             max_running_seqs=e.max_running,
             max_waiting=self.cfg.limits.waiting(e.max_running),  # bounded queue: TierBusy beyond it
         )

@@ -84,6 +84,7 @@ class SimConfig:
     max_batch_tokens: int = 8192
     max_running_seqs: int = 256
     prefill_chunk_tokens: int = 8192
+    prefill_order: str = "fcfs"  # the engine scheduler's (pdd.engine.scheduler.PREFILL_ORDERS)
     max_prefill_inflight: int = 0  # admission: sequences in prefill at once per instance (0 = any)
     # decode admission caps per tier (sequences holding a decode slot; 0 = only KV limits), the
     # operator's max-running-requests per decoder, e.g. sized so a full batch meets the TPOT SLO
@@ -657,6 +658,7 @@ class ClusterSim:
             max_batch_tokens=cfg.max_batch_tokens,
             max_running_seqs=cfg.max_running_seqs,
             prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+            prefill_order=cfg.prefill_order,
         )
         self.owd = cfg.wan_rtt_ms / 2000.0
         self.tiers: dict[str, list[Instance]] = {}
