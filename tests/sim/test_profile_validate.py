@@ -232,3 +232,65 @@ def test_wan_buffer_fit_never_books_an_unexplained_shortfall(monkeypatch):
     # reaches the live bytes at 4 MiB
     b, c = V.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=105.0)
     assert b == pytest.approx(4 * mib, rel=1e-3) and c == pytest.approx(105.0, rel=1e-6)
+
+
+def test_live_fast_path_fits_latency_and_rate():
+    from pdd.sim.validate import live_fast_path
+
+    kvb = 2048
+
+    def rec(tokens, pipeline="p_rld_md", reserved=5.0, ok=True):
+        # 3 ms fixed + the prompt's KV at 2 Gbit/s between P's reply (at 50 ms) and the first token
+        dt_ms = 3.0 + tokens * kvb * 8 / 2e9 * 1e3
+        return {"ok": ok, "prompt_tokens": tokens,
+                "pdd": {"pipeline": pipeline, "events_ms": {"md_reserved": reserved, "p_first_token": 50.0,
+                                                            "first_token": 50.0 + dt_ms}}}
+
+    recs = [rec(100 * k) for k in range(1, 25)]
+    fp = live_fast_path(recs, kvb, max_gbps=4.0)
+    assert fp["samples"] == 24
+    assert fp["latency_s"] == pytest.approx(0.003) and fp["gbps"] == pytest.approx(2.0)
+    # requests that say nothing about the P -> RLD path are left out: P->MD, plan known after P's
+    # reply (P waited for its target), failed
+    noise = [rec(5000, pipeline="p_md"), rec(5000, reserved=60.0), rec(5000, ok=False)] * 10
+    assert live_fast_path(recs + noise, kvb, max_gbps=4.0) == fp
+    # never faster than the configured pacing; too few samples: nothing
+    assert live_fast_path(recs, kvb, max_gbps=1.0)["gbps"] == 1.0
+    assert live_fast_path(recs[:5], kvb, max_gbps=4.0) is None
+
+
+def test_measured_fast_path_replaces_the_configured_fast_line(tmp_path, monkeypatch):
+    """validate.simulate gives the simulator the profile's measured fast path (rate, twice the
+    latency as RTT) instead of the configured one; and a relayed request's first token, emitted
+    when its KV reaches RLD, comes later by exactly the slower line's extra time."""
+    import pdd.sim.validate as V
+
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(_synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))))
+    seen = []
+    monkeypatch.setattr(V, "sim_config", lambda *a, **k: _measured_cfg(p).replace(ttft_budget_ms=0.0))
+    monkeypatch.setattr(V, "sim_records", lambda reqs: reqs)
+
+    class Capture(ClusterSim):
+        def __init__(self, cfg):
+            seen.append(cfg)
+            super().__init__(cfg)
+
+    monkeypatch.setattr(V, "ClusterSim", Capture)
+    recs = [{"timestamp": 0.0, "input_length": 1024, "output_length": 4, "hash_ids": list(range(64))}]
+    base = V.simulate(None, p, {}, 16, recs)
+    slow = V.simulate(None, p, {"fast_path": {"latency_s": 0.005, "gbps": 0.5}}, 16, recs)
+    assert (seen[0].fast_gbps, seen[1].fast_gbps, seen[1].fast_rtt_ms) == (4.0, 0.5, pytest.approx(10.0))
+    assert base.reqs[0].pipeline == slow.reqs[0].pipeline == "p_rld_md"
+    extra = 1024 * 2048 * 8 * (1 / 0.5e9 - 1 / 4e9) + 0.005 - seen[0].fast_rtt_ms / 2000.0
+    assert slow.reqs[0].t_first - base.reqs[0].t_first == pytest.approx(extra, abs=1e-6)
+
+
+def test_per_request_error():
+    from pdd.sim.validate import per_request_error
+
+    # live, sim seconds: errors -0.5, 0, +0.1, +0.2 -> median 0.05, |e| P50 0.15
+    e = per_request_error([(0.1, 0.05), (0.2, 0.2), (1.0, 1.1), (0.5, 0.6)])
+    assert e["requests"] == 4 and e["median"] == pytest.approx(0.05) and e["abs_p50"] == pytest.approx(0.15)
+    assert e["abs_p90"] == pytest.approx(0.41)
+    assert per_request_error([]) is None and per_request_error([(0.0, 1.0)]) is None
