@@ -223,9 +223,11 @@ class ReplayRequest:
 
 def session_key(record: dict, idx: int) -> str:
     """The conversation a Mooncake-format record belongs to: ``"h<hash_ids[1]>"``
-    (``hash_ids[0]`` is the system prompt every conversation of the trace shares), or
+    (``hash_ids[0]`` is the system prompt every conversation of the shared trace shares), or
     ``"r<idx>"`` for a one-block record, which is its own conversation (``idx``: its index
-    in the trace file)."""
+    in the trace file). In a trace whose system prompts span several blocks (``pdd workload
+    agentic``: 8 prompts of 2K-12K tokens) the key names the system prompt, so a "conversation"
+    is the group of sessions sharing it, which still keeps their prefix reuse together."""
     h = record.get("hash_ids") or []
     return f"h{h[1]}" if len(h) > 1 else f"r{idx}"
 
