@@ -223,3 +223,47 @@ def test_completion_max_tokens_null_means_the_rest_of_the_context(api):
     assert r.json()["usage"]["completion_tokens"] == 512 - 300
     r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize("field", ["top_k", "seed"])
+def test_integers_past_int64_are_400_naming_the_field(api, field):
+    """Found by a new user: top_k = 2**64 passed validation and failed later as a 503 (the
+    instance protocol's msgpack carries 64-bit integers); bounded at int64 as vLLM bounds seed."""
+    client, orch = api
+    for v in (1 << 64, 10 ** 30):
+        _err(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, field: v}), 400, field)
+    assert not orch.started
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, field: (1 << 63) - 1})
+    assert r.status_code == 200, r.text
+    _still_serving(client)
+
+
+def test_chat_template_kwargs_cannot_break_rendering():
+    """Found by a new user: chat_template_kwargs {"self": 1} collided with jinja's render(self, ...)
+    and came back as a 500. The context is now one dict; a template that fails in Python on the
+    values it was given is a ChatTemplateError (HTTP 400), not a traceback."""
+    from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
+
+    msgs = [{"role": "user", "content": "hi"}]
+    ct = ChatTemplate("{{ messages[0]['content'] }}|{{ self }}|{{ add_generation_prompt }}", {})
+    out = ct.render(msgs, chat_template_kwargs={"self": 1})  # jinja's own `self` wins inside the template
+    assert out.startswith("hi|") and out.endswith("|True")
+    # reserved names stay the request's own
+    ct2 = ChatTemplate("{{ messages[0]['content'] }}|{{ add_generation_prompt }}", {})
+    assert ct2.render(msgs, chat_template_kwargs={"messages": [], "add_generation_prompt": False}) == "hi|True"
+    bad = ChatTemplate("{{ messages | length + x }}", {})
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        bad.render(msgs, chat_template_kwargs={"x": "a"})
+
+
+def test_missing_and_malformed_bodies_name_what_is_wrong(api):
+    client, orch = api
+    r = client.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+    err = _err(r, 400, "prompt")
+    assert "missing" in err["message"]
+    err = _err(client.post("/v1/chat/completions", content=b"", headers={"content-type": "application/json"}),
+               400, "messages")
+    err = _err(client.post("/v1/completions", content=b'{"prompt": "x",, "max_tokens": 2}',
+                           headers={"content-type": "application/json"}), 400, None)
+    assert "not valid JSON at character" in err["message"]
+    assert not orch.started

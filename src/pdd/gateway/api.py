@@ -163,7 +163,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         param = loc[0] if loc else None
         msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # our validators' messages
         if first.get("type") == "json_invalid":
-            return bad_request(f"request body is not valid JSON: {msg}", None)
+            err = (first.get("ctx") or {}).get("error")
+            at = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
+            return bad_request(f"request body is not valid JSON{at}: {err or msg}", None)
+        if not loc and first.get("type") == "missing":  # no body at all
+            field = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
+            return bad_request(f"request body is missing: send a JSON object with at least {field!r}", field)
         where = ".".join(loc)
         return bad_request(f"{where}: {msg}" if where else msg, param)
 

@@ -208,11 +208,17 @@ class ChatTemplate:
         kwargs = {**self.special_tokens, **(chat_template_kwargs or {})}
         for reserved in ("messages", "tools", "documents", "add_generation_prompt"):
             kwargs.pop(reserved, None)
+        # one context dict, not keyword arguments: a chat_template_kwargs key such as "self" must
+        # not collide with render()'s own parameters
+        ctx = {**kwargs, "messages": chat, "tools": tools, "documents": documents,
+               "add_generation_prompt": add_generation_prompt}
         try:
-            out = tpl.render(messages=chat, tools=tools, documents=documents,
-                             add_generation_prompt=add_generation_prompt, **kwargs)
+            out = tpl.render(ctx)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            # a template fed unexpected values (e.g. by chat_template_kwargs) fails in Python
+            raise ChatTemplateError(f"chat template error ({type(e).__name__}): {e}") from e
         if continue_final_message:
             if final.strip() not in out or _CONTINUE_TAG.strip() not in out:
                 raise ChatTemplateError("continue_final_message: the template dropped the final message")

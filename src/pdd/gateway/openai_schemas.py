@@ -65,13 +65,13 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100]; at most 1,024 entries "
                           "(MAX_LOGIT_BIAS; OpenAI: typically up to 300)")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)  # int64, as vLLM
     stop: str | list[str] | None = Field(
         None, description="stop string(s): at most 64 strings (MAX_STOP; OpenAI allows 4, vLLM sets no bound), "
                           "each at most 1,024 characters (MAX_STOP_CHARS)")
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=(1 << 63) - 1)  # -1 or 0: off; int64 (>= vocab: no limit)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0)
