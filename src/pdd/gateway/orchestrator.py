@@ -917,17 +917,34 @@ class Orchestrator(Recovery):
         after a WAN outage)."""
         await asyncio.gather(*(self._reconnect(n) for n, p in list(self.peers.items()) if p.closed))
 
-    async def flush(self) -> dict:
+    async def flush(self, settle_s: float = 10.0, poll_s: float = 0.05) -> dict:
+        """Empty every instance's prefix cache and count the pages still in use (``leaked_pages``).
+
+        A request the client has seen finish may still be live on an instance for a while (a
+        cut-off transfer's cancel crossing the WAN behind bytes already on the line, an MD
+        releasing after its last token): those pages are not leaked. So when the gateway has no
+        request in flight, the flush is repeated every ``poll_s`` until no instance reports a
+        live request, for at most ``settle_s`` seconds; a live request left after that, with the
+        gateway idle, is orphaned and its pages count as leaked. With requests in flight there is
+        no wait: instances holding live requests are listed in ``busy`` and only the others'
+        pages are counted."""
         await self._reconnect_closed()
-        inst = {}
-        leaked = 0
-        for name, peer in self.peers.items():
-            try:
-                rep, _ = await peer.call({"t": "flush"}, timeout=30)
-            except Exception as e:
-                inst[name] = {"error": f"{type(e).__name__}: {e}"}
-                continue
-            inst[name] = {"pages_total": rep["pages_total"], "pages_free": rep["pages_free"],
-                          "live_requests": rep.get("live_requests", 0)}
-            leaked += int(rep["pages_total"]) - int(rep["pages_free"])
-        return {"instances": inst, "leaked_pages": leaked}
+        deadline = time.monotonic() + settle_s
+        while True:
+            inst: dict = {}
+            for name, peer in self.peers.items():
+                try:
+                    rep, _ = await peer.call({"t": "flush"}, timeout=30)
+                except Exception as e:
+                    inst[name] = {"error": f"{type(e).__name__}: {e}"}
+                    continue
+                inst[name] = {"pages_total": rep["pages_total"], "pages_free": rep["pages_free"],
+                              "live_requests": rep.get("live_requests", 0)}
+            busy = sorted(n for n, v in inst.items() if v.get("live_requests")) if self.reqs else []
+            live = any(v.get("live_requests") for v in inst.values())
+            if not live or self.reqs or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(poll_s)
+        leaked = sum(int(v["pages_total"]) - int(v["pages_free"]) for n, v in inst.items()
+                     if "pages_total" in v and n not in busy)
+        return {"instances": inst, "leaked_pages": leaked, "busy": busy}

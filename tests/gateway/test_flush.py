@@ -1,0 +1,57 @@
+"""``Orchestrator.flush``: a request the client saw finish may still be live on an instance for a
+moment; that is not a leak. Fake connections, no processes."""
+
+import asyncio
+
+from pdd.config import ClusterConfig
+from pdd.gateway.orchestrator import Orchestrator
+from pdd.gateway.state import ReqState
+from pdd.topology import layout
+from pdd.types import SamplingParams
+from tests.gateway.fake_peer import FakePeer
+
+
+class FlushPeer(FakePeer):
+    """Answers ``flush`` with a live request (holding ``held`` pages) for the first ``live_for``
+    calls, then with an empty pool; ``live_for`` None: live for ever (an orphan)."""
+
+    def __init__(self, live_for=0, held=3):
+        super().__init__()
+        self.live_for, self.held, self.flushes = live_for, held, 0
+
+    async def call(self, h, payload=b"", timeout=None):
+        if h.get("t") != "flush":
+            return await super().call(h, payload, timeout)
+        self.flushes += 1
+        live = self.live_for is None or self.flushes <= self.live_for
+        return {"pages_total": 64, "pages_free": 64 - (self.held if live else 0),
+                "live_requests": 1 if live else 0}, b""
+
+
+def _orch(peers):
+    cfg = ClusterConfig.model_validate({"mode": "pdd"})
+    o = Orchestrator(cfg, layout(cfg))
+    o.peers = dict(zip([s.name for s in o.layout.engines], peers))
+    return o
+
+
+def test_flush_waits_for_a_finishing_request_then_counts_nothing():
+    finishing = FlushPeer(live_for=3)
+    o = _orch([finishing, FlushPeer(), FlushPeer()])
+    rep = asyncio.run(o.flush(settle_s=5.0, poll_s=0.001))
+    assert rep["leaked_pages"] == 0 and rep["busy"] == [] and finishing.flushes == 4
+
+
+def test_flush_counts_an_orphaned_live_request_as_leaked_when_idle():
+    o = _orch([FlushPeer(live_for=None, held=5), FlushPeer(), FlushPeer()])
+    rep = asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    assert rep["leaked_pages"] == 5 and rep["busy"] == []
+
+
+def test_flush_under_traffic_does_not_wait_and_lists_busy_instances():
+    peers = [FlushPeer(live_for=None, held=5), FlushPeer(), FlushPeer()]
+    o = _orch(peers)
+    o.reqs["r1"] = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
+    rep = asyncio.run(o.flush(settle_s=5.0, poll_s=0.001))
+    name = o.layout.engines[0].name
+    assert rep["busy"] == [name] and rep["leaked_pages"] == 0 and peers[0].flushes == 1
