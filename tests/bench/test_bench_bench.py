@@ -263,6 +263,42 @@ def test_main_cli(tmp_path, server_url, monkeypatch):
         main(["--slo", "e2el:5"])
 
 
+@pytest.mark.parametrize("args,names", [
+    (["--modes", "foo,pdd"], "--modes: mode 'foo'"),
+    (["--modes", " , "], "--modes: no mode given"),
+    (["--modes", "pdd+warp=1"], "--modes: mode 'pdd+warp=1'"),
+    (["--trace", "/nonexistent.jsonl"], "--trace: no such file"),
+    (["--config", "/nonexistent.yaml"], "--config: no such file"),
+    (["--requests", "0"], "--requests: must be >= 1"),
+    (["--requests", "-5"], "--requests: must be >= 1"),
+    (["--rate", "-1", "--sweep-rate", "none"], "--rate: must be > 0"),
+    (["--rate", "0"], "--rate: must be > 0"),
+    (["--url", "http://127.0.0.1:1"], "--url: cannot reach"),
+])
+def test_cli_refuses_bad_arguments_naming_the_flag(capsys, tmp_path, args, names):
+    """Found by a new user: these raised tracebacks, ran all four modes (--modes ''), or wrote a
+    report of failures and exited 0 (--url with nothing listening)."""
+    from pdd.bench.bench import main
+
+    with pytest.raises(SystemExit) as ex:
+        main(args + ["--out", str(tmp_path / "b")])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert names in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()  # nothing ran
+
+
+def test_cli_names_a_config_that_does_not_validate(capsys, tmp_path):
+    from pdd.bench.bench import main
+
+    bad = tmp_path / "c.yaml"
+    bad.write_text("link:\n  wan_gbps: -1\n")
+    with pytest.raises(SystemExit):
+        main(["--config", str(bad), "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert f"--config {bad}" in err and "wan_gbps" in err and "Traceback" not in err
+
+
 # ---------------------------------------------------------------- issue #3 additions
 
 

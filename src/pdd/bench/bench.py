@@ -1037,7 +1037,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake-format trace through modes on fresh topologies (or --url), with an SLO fixed "
                     "by a same_dc_pd reference run, goodput at the offered rate and an SLA-goodput rate sweep.",
         epilog="SLO: TTFT <= 3 x and TPOT <= 1.5 x the medians of a same_dc_pd reference run (one request in "
-               "flight), unless --slo gives them. SLA goodput: the highest swept rate with >= 90%% of requests "
+               "flight), unless --slo gives them. SLA goodput: the highest swept rate with >= 90% of requests "
                "meeting the SLO. Sweep points run on the mode's topology: the trace's next requests on warm caches when it has enough, else whole conversations on flushed caches.")
     ap.add_argument("--config", help="cluster config (YAML or JSON)")
     ap.add_argument("--out", default="runs/bench", help="output directory (report.json, plots, records)")
@@ -1125,11 +1125,40 @@ def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) 
     return list(specs), v
 
 
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse, naming the flag, what would otherwise fail later with a traceback or run something
+    other than asked (argparse ``error``: exit status 2)."""
+    if args.rate is not None and not args.rate > 0:
+        ap.error(f"--rate: must be > 0 req/s, got {args.rate}")
+    if args.requests is not None and args.requests < 1:
+        ap.error(f"--requests: must be >= 1, got {args.requests}")
+    if args.start is not None and args.start < 0:
+        ap.error(f"--start: must be >= 0, got {args.start}")
+    labels = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not labels:
+        ap.error(f"--modes: no mode given ({args.modes!r}); choose from {', '.join(MODES)}")
+    for m in labels:
+        try:
+            parse_mode_label(m)
+        except ValueError as ex:
+            ap.error(f"--modes: {ex}")
+    if not Path(args.trace).is_file():
+        ap.error(f"--trace: no such file: {args.trace}")
+    if args.config is not None and not Path(args.config).is_file():
+        ap.error(f"--config: no such file: {args.config}")
+    if args.url:
+        try:
+            httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10, trust_env=False)
+        except httpx.HTTPError as ex:
+            ap.error(f"--url: cannot reach {args.url}: {type(ex).__name__}: {ex}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pdd bench``'s entry point (``python -m pdd.bench.bench``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    check_args(ap, args)
     try:
         ramp = parse_ramp(args.ramp)
         slo = parse_slo(args.slo)
@@ -1138,8 +1167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         faults, recover_after = parse_fault_args(args.fault, args.fault_recover_after, args.url)
     except ValueError as ex:
         ap.error(str(ex))
+    try:
+        base_cfg = ClusterConfig.load(args.config)
+    except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON, a field out of range
+        ap.error(f"--config {args.config}: {ex}")
     config = apply_overrides(
-        ClusterConfig.load(args.config), wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms, fast_gbps=args.fast_gbps,
+        base_cfg, wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms, fast_gbps=args.fast_gbps,
         allow_p_rld=args.allow_p_rld, wan_order=args.wan_order, handoff_mode=args.handoff_mode,
         pipeline_ttft_budget_ms=args.pipeline_ttft_budget_ms, base_port=args.base_port,
         gateway_port=args.gateway_port, served_model_name=args.model)
@@ -1147,13 +1180,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace, start=args.start,
-                       url=args.url, slo=slo, ref_requests=args.ref_requests, sweep=sweep,
-                       sweep_requests=args.sweep_requests or None, sweep_timeout_s=args.sweep_timeout,
-                       sweep_seconds=args.sweep_seconds or None, sweep_min_requests=args.sweep_min_requests,
-                       warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
-                       progress=not args.no_progress, argv=argv, ramp=ramp, faults=faults,
-                       fault_recover_after_s=recover_after)
+    try:
+        report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace,
+                           start=args.start, url=args.url, slo=slo, ref_requests=args.ref_requests, sweep=sweep,
+                           sweep_requests=args.sweep_requests or None, sweep_timeout_s=args.sweep_timeout,
+                           sweep_seconds=args.sweep_seconds or None, sweep_min_requests=args.sweep_min_requests,
+                           warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
+                           progress=not args.no_progress, argv=argv, ramp=ramp, faults=faults,
+                           fault_recover_after_s=recover_after)
+    except ValueError as ex:  # the workload or a label refused before anything ran (named in the message)
+        ap.error(str(ex))
     return 1 if report.get("mode_errors") and len(report["mode_errors"]) == len(report["bench"]["modes"]) else 0
 
 
