@@ -22,7 +22,7 @@ install: $(VENV)/.installed
 dev: $(VENV)/.dev
 
 demo: $(VENV)/.installed
-	$(PY) -m pdd.cli demo
+	$(PY) -m pdd.cli demo $(DEMO_ARGS)
 
 serve: $(VENV)/.installed
 	$(PY) -m pdd.cli serve

@@ -67,3 +67,25 @@ def test_plots(tmp_path):
     recs.append({"mode": "pdd", "idx": 99, "ok": False, "send_s": 0.0, "end_s": 1.0, "token_times_s": [], "tiers": []})
     for p in (plot_ttft_cdf(recs, tmp_path / "cdf.png"), plot_token_timeline(recs, tmp_path / "tl.png")):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_cli_refuses_taken_ports_and_bad_configs(capsys, tmp_path):
+    """``pdd demo --port/--base-port`` (found by a new user: the demo had only the config's ports)."""
+    import socket
+
+    from pdd.bench.demo import main
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    taken = s.getsockname()[1]
+    try:
+        with pytest.raises(SystemExit) as ex:
+            main(["--port", str(taken), "--base-port", "19500", "--out", str(tmp_path / "d")])
+        assert ex.value.code == 2 and str(taken) in capsys.readouterr().err
+    finally:
+        s.close()
+    with pytest.raises(SystemExit):
+        main(["--base-port", "-3", "--out", str(tmp_path / "d")])
+    assert "base_port" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

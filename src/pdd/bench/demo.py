@@ -247,12 +247,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--session-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
+    ap.add_argument("--base-port", type=int, default=None,
+                    help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
+    from pdd.topology import layout, ports_in_use
+
+    try:
+        cfg = ClusterConfig.load(args.config)
+        upd = {k: v for k, v in (("gateway_port", args.port), ("base_port", args.base_port)) if v is not None}
+        cfg = ClusterConfig.model_validate({**cfg.model_dump(), **upd}) if upd else cfg
+    except (OSError, ValueError) as ex:
+        ap.error(f"--config / --port / --base-port: {ex}")
+    busy = ports_in_use(layout(cfg))
+    if busy:
+        ap.error(f"port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))} already in use (a pdd serve "
+                 f"or another demo?): choose others with --port and --base-port")
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)
     run_demo(args.out, tuple(m for m in args.modes.split(",") if m), args.requests, scale,
-             ClusterConfig.load(args.config), args.seed, start=args.start, warmup=not args.no_warmup)
+             cfg, args.seed, start=args.start, warmup=not args.no_warmup)
     return 0
 
 
