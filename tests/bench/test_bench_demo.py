@@ -74,18 +74,20 @@ def test_demo_cli_refuses_taken_ports_and_bad_configs(capsys, tmp_path):
     import socket
 
     from pdd.bench.demo import main
+    from pdd.topology import free_port_block
 
+    base = free_port_block()  # other topologies may run on this machine (CI beside a pdd serve)
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     s.listen(1)
     taken = s.getsockname()[1]
     try:
         with pytest.raises(SystemExit) as ex:
-            main(["--port", str(taken), "--base-port", "19500", "--out", str(tmp_path / "d")])
+            main(["--port", str(taken), "--base-port", str(base), "--out", str(tmp_path / "d")])
         assert ex.value.code == 2 and str(taken) in capsys.readouterr().err
     finally:
         s.close()
     with pytest.raises(SystemExit):
-        main(["--base-port", "-3", "--out", str(tmp_path / "d")])
+        main(["--port", str(taken), "--base-port", "-3", "--out", str(tmp_path / "d")])
     assert "base_port" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()

@@ -261,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--config / --port / --base-port: {ex}")
     busy = ports_in_use(layout(cfg))
     if busy:
-        ap.error(f"port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))} already in use (a pdd serve "
+        ap.error(f"port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))}"
+                 f"{f' and {len(busy) - 5} more' if len(busy) > 5 else ''} already in use (a pdd serve "
                  f"or another demo?): choose others with --port and --base-port")
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
