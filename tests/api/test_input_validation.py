@@ -267,3 +267,27 @@ def test_missing_and_malformed_bodies_name_what_is_wrong(api):
                            headers={"content-type": "application/json"}), 400, None)
     assert "not valid JSON at character" in err["message"]
     assert not orch.started
+
+
+def test_choices_no_kv_pool_could_hold_are_400_up_front(tiny_model):
+    """Found by a new user: n=16 choices of 3,000 tokens each were accepted and failed with 503
+    OutOfPages after seconds of work (a decoder does not preempt). Here instances hold 64 pages of
+    16 tokens: 16 choices of 1 + 100 tokens need 16 x 7 = 112 pages; 8 need 56 and are served."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=64, page_size=16))
+    cfg = ClusterConfig.model_validate({"model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"num_pages": 64, "max_model_len": 512, "max_input_len": 400}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    with TestClient(app) as client:
+        err = _err(client.post("/v1/completions", json={"prompt": [5], "n": 16, "max_tokens": 100}), 400, "n")
+        assert "112 KV pages" in err["message"] and "(64)" in err["message"]
+        assert not orch.started
+        r = client.post("/v1/completions", json={"prompt": [5], "n": 8, "max_tokens": 100})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8

@@ -236,7 +236,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise ApiError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                            status=404, code="model_not_found")
 
-    def check_context(n_prompt: int, max_tokens: int, param: str) -> None:
+    def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1) -> None:
+        """400 (ApiError naming the field) for an empty or too long prompt, a prompt + output past
+        the context window, or ``n`` choices that no decoder's KV pool could hold at once even
+        with the prompt's full pages shared: a decoder does not preempt (docs/FAULTS.md), so such
+        a request would fail with OutOfPages after its work was done."""
         e = cfg.engine
         if not n_prompt:
             raise ApiError("prompt: must not be empty", "prompt" if param == "max_tokens" else "messages")
@@ -246,6 +250,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if n_prompt + max_tokens > e.max_model_len:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
+        ps = e.page_size
+        pages = n * -(-(n_prompt + max_tokens) // ps) - (n - 1) * (n_prompt // ps)
+        if pages > e.num_pages:
+            raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {param} ({max_tokens}) need {pages} "
+                           f"KV pages of {ps} tokens at once, more than an instance's pool ({e.num_pages}): "
+                           f"lower n or {param}", "n" if n > 1 else param)
 
     def rest_of_context(n_prompt: int, where: str) -> int:
         """Output tokens the context window leaves after ``n_prompt`` prompt tokens (vLLM's
@@ -354,7 +364,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         max_tokens = body.max_tokens
         if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
             max_tokens = rest_of_context(len(ids), "prompt")
-        check_context(len(ids), max_tokens, "max_tokens")
+        check_context(len(ids), max_tokens, "max_tokens", body.n)
         sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
         gen = await start(ids, sps, opts, request)
         created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
@@ -391,7 +401,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: whatever the context window leaves
             max_tokens = rest_of_context(len(ids), "messages")
-        check_context(len(ids), max_tokens, param)
+        check_context(len(ids), max_tokens, param, body.n)
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
         gen = await start(ids, sps, opts, request)
