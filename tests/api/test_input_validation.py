@@ -291,3 +291,12 @@ def test_choices_no_kv_pool_could_hold_are_400_up_front(tiny_model):
         assert not orch.started
         r = client.post("/v1/completions", json={"prompt": [5], "n": 8, "max_tokens": 100})
         assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+def test_a_requests_own_chat_template_is_refused(api):
+    """As vLLM without --trust-request-chat-template (a new user saw it silently ignored)."""
+    client, orch = api
+    for tpl in ("{{ 1/0 }}", "{% for %}", "{{ messages }}"):
+        _err(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "chat_template": tpl, "max_tokens": 2}), 400, "chat_template")
+    assert not orch.started

@@ -141,6 +141,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused (below), as vLLM without --trust-request-chat-template
 
 
 @dataclass
@@ -241,6 +242,11 @@ def check_chat(body: ChatCompletionRequest) -> None:
     if tc is not None and tc not in ("none", "auto"):
         raise ApiError("tool_choice other than 'none' or 'auto' is not supported (no tool-call parsing)",
                        "tool_choice")
+    if body.chat_template is not None:
+        # a request's own Jinja template is code run on the server; vLLM refuses it unless started
+        # with --trust-request-chat-template
+        raise ApiError("chat_template: a request's own chat template is not accepted; the model's template "
+                       "is used (chat_template_kwargs pass variables to it)", "chat_template")
     rf = body.response_format
     if rf is not None and rf.get("type", "text") != "text":
         raise ApiError(f"response_format {rf.get('type')!r} is not supported", "response_format")
