@@ -539,7 +539,7 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
 
     base, *parts = [x.strip() for x in label.split("+")]
     if base not in MODES:
-        raise ValueError(f"mode {label!r}: unknown mode {base!r}; choose from {MODES}")
+        raise ValueError(f"mode {label!r}: unknown mode {base!r}; choose from {', '.join(MODES)}")
     over: dict[str, Any] = {}
     for part in parts:
         key, eq, val = part.partition("=")
