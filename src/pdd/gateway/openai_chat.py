@@ -205,13 +205,11 @@ class ChatTemplate:
             if not isinstance(final, str):
                 raise ChatTemplateError("continue_final_message: the last message has no text content to continue")
             chat[-1]["content"] = final + _CONTINUE_TAG
-        kwargs = {**self.special_tokens, **(chat_template_kwargs or {})}
-        for reserved in ("messages", "tools", "documents", "add_generation_prompt"):
-            kwargs.pop(reserved, None)
         # one context dict, not keyword arguments: a chat_template_kwargs key such as "self" must
-        # not collide with render()'s own parameters
-        ctx = {**kwargs, "messages": chat, "tools": tools, "documents": documents,
-               "add_generation_prompt": add_generation_prompt}
+        # not collide with render()'s own parameters; the request's own values come last, so
+        # chat_template_kwargs cannot replace them
+        ctx = {**self.special_tokens, **(chat_template_kwargs or {}), "messages": chat, "tools": tools,
+               "documents": documents, "add_generation_prompt": add_generation_prompt}
         try:
             out = tpl.render(ctx)
         except jinja2.TemplateError as e:
