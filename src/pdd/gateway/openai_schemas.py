@@ -89,9 +89,7 @@ class _Sampling(BaseModel):
     def _bound_stop(cls, v):
         """``stop``: one string or a list of at most ``MAX_STOP`` (64) strings, each at most
         ``MAX_STOP_CHARS`` (1,024) characters. OpenAI allows 4 strings; vLLM sets no bound."""
-        stops = [v] if isinstance(v, str) else v if isinstance(v, list) else []
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}")
+        stops = [v] if isinstance(v, str) else _at_most(v, MAX_STOP, "stop strings") if isinstance(v, list) else []
         for i, s in enumerate(stops):
             if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
