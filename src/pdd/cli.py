@@ -63,14 +63,13 @@ def cmd_serve(args) -> int:
 
     from pdd.launch import LaunchError
 
-    from pdd.topology import layout, ports_in_use
+    from pdd.topology import layout, ports_in_use, ports_taken_message
 
     cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port)
     busy = ports_in_use(layout(cfg))
     if busy:
         raise SystemExit(
-            f"pdd: port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))}"
-            f"{' ...' if len(busy) > 5 else ''} already in use (another pdd serve or make demo?): this topology "
+            f"pdd: {ports_taken_message(busy)} already in use (another pdd serve or make demo?): this topology "
             f"needs the gateway port {cfg.gateway_port} and base_port {cfg.base_port}..{cfg.base_port + 99}; "
             f"choose others with --port and --base-port (or gateway_port / base_port in the config)")
     ensure_model(cfg)

@@ -104,6 +104,13 @@ def ports_in_use(lay: Layout) -> list[int]:
     return [port for port in sorted(need) if not _can_bind(lay.host, port, reuse_addr=True)]
 
 
+def ports_taken_message(busy: list[int]) -> str:
+    """``"port 18070"`` / ``"ports 18000, 18001, ... and 4 more"`` for :func:`ports_in_use`'s
+    answer (the first five named), the head of ``pdd serve``'s and ``pdd demo``'s refusal."""
+    more = f" and {len(busy) - 5} more" if len(busy) > 5 else ""
+    return f"port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))}{more}"
+
+
 def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
     """Whether a TCP socket can bind ``host:port`` now (it is closed again at once)."""
     import socket

@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--base-port", type=int, default=None,
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
-    from pdd.topology import layout, ports_in_use
+    from pdd.topology import layout, ports_in_use, ports_taken_message
 
     try:
         cfg = ClusterConfig.load(args.config)
@@ -261,9 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--config / --port / --base-port: {ex}")
     busy = ports_in_use(layout(cfg))
     if busy:
-        ap.error(f"port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))}"
-                 f"{f' and {len(busy) - 5} more' if len(busy) > 5 else ''} already in use (a pdd serve "
-                 f"or another demo?): choose others with --port and --base-port")
+        ap.error(f"{ports_taken_message(busy)} already in use (a pdd serve or another demo?): choose others "
+                 f"with --port and --base-port")
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)
