@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pdd.bench.slo import SLA_ATTAINMENT
+from pdd.bench.trace import session_key
 
 Point = tuple[float, float]  # (rate_rps, slo_attainment 0..1)
 
@@ -172,8 +173,6 @@ def session_subset(requests: Sequence, n: int | None) -> list:
     reuse (its hit-rate mix), unlike the first ``n`` requests. ``n`` None or >= len: all.
     Raises ValueError if ``n`` < 0.
     """
-    from pdd.bench.trace import session_key
-
     if n is not None and n < 0:
         raise ValueError("n must be >= 0")
     if n is None or n >= len(requests):
