@@ -244,3 +244,19 @@ def test_unknown_model_is_404_and_start_failure_503(api):
     orch.fail_next = True
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_usage_cached_tokens_never_exceed_the_prompt():
+    """Found by a new user: after md0 was killed mid-stream, the recovery's prefill (prompt +
+    streamed tokens, 112 of them cached) was reported as cached_tokens 112 of a 14-token prompt."""
+    from types import SimpleNamespace
+
+    from pdd.gateway.api import _usage
+
+    def gen(cached):
+        st = SimpleNamespace(p_cached_tokens=cached)
+        return SimpleNamespace(prompt_ids=[1] * 14, completion_tokens=lambda: 400, choices=[SimpleNamespace(st=st)])
+
+    assert _usage(gen(112))["prompt_tokens_details"] == {"cached_tokens": 14}
+    assert _usage(gen(8)) == {"prompt_tokens": 14, "completion_tokens": 400, "total_tokens": 414,
+                              "prompt_tokens_details": {"cached_tokens": 8}}

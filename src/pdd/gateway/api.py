@@ -480,7 +480,9 @@ def _usage(gen: Generation) -> dict:
     n_prompt = len(gen.prompt_ids)
     ntok = gen.completion_tokens()
     return {"prompt_tokens": n_prompt, "completion_tokens": ntok, "total_tokens": n_prompt + ntok,
-            "prompt_tokens_details": {"cached_tokens": gen.choices[0].st.p_cached_tokens}}
+            # a recovered request's new prefill covers prompt + streamed tokens: its hits on
+            # those are not hits on the client's prompt
+            "prompt_tokens_details": {"cached_tokens": min(gen.choices[0].st.p_cached_tokens, n_prompt)}}
 
 
 def _pdd(gen: Generation) -> dict[str, Any]:
