@@ -331,15 +331,26 @@ async def test_many_connections_churn_no_leaks():
     await sink.close()
 
 
-async def test_send_order_reaches_the_line_with_a_capped_send_buffer():
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+async def test_send_order_reaches_the_line_with_capped_buffers(tls, tmp_path):
     """A WAN KV sender with shortest-remaining-first order: a one-page increment submitted while a
     2 MiB prompt is on its way overtakes most of it, because P's socket holds only ~1 BDP
-    (pdd.policy.wan_order.send_buffer_bytes), frames are half that, and the emulated line does not
-    buffer MBs (link.RECV_BUFFER_CHUNKS). With the OS default buffers the increment arrived after
-    the whole prompt had (measured: 254 ms behind it on this 0.05 Gbit/s line)."""
+    (pdd.policy.wan_order.send_buffer_bytes), frames are half that, nothing waits in user space
+    (wire.limit_write_buffers: under TLS, asyncio's TLS layer alone holds 512 KiB), and the
+    emulated line does not buffer MBs (link.RECV_BUFFER_CHUNKS). Measured before each cap: with
+    the OS default buffers the increment arrived 254 ms late, behind the whole prompt; under TLS
+    with only the kernel's buffer capped, 150-250 ms late in a live topology."""
     from pdd.policy.wan_order import send_buffer_bytes
-    from pdd.transfer.wire import set_socket_buffer
+    from pdd.transfer.wire import limit_write_buffers, set_socket_buffer
 
+    ssl_kw: dict = {}
+    srv_kw: dict = {}
+    if tls:
+        from pdd.security import client_context, make_certs, server_context
+
+        make_certs(tmp_path, ["p0", "md0"])
+        srv_kw = {"ssl": server_context(tmp_path, "md0"), "instance": "md0"}
+        ssl_kw = {"ssl": client_context(tmp_path, "p0"), "server_hostname": "md0", "instance": "p0"}
     page, n_big = 32768, 64
     got: dict = {"big": 0}
     big_left_when_small_done: list = []
@@ -356,20 +367,22 @@ async def test_send_order_reaches_the_line_with_a_capped_send_buffer():
             done.set()
 
     recv = KVReceiver(on_pages, on_done, lambda rid: None)
-    server = Server("127.0.0.1", 0, recv.handlers())
+    server = Server("127.0.0.1", 0, recv.handlers(), **srv_kw)
     await server.start()
     try:
         async with Link(cfg(server.port, gbps=0.05, rtt_ms=20)) as link:
-            peer = await connect("127.0.0.1", link.ports[0])
+            peer = await connect("127.0.0.1", link.ports[0], **ssl_kw)
             cap = send_buffer_bytes(0.05, 20.0, 1.0)
             assert set_socket_buffer(peer.writer, cap) >= cap
+            limit_write_buffers(peer.writer.transport)
             snd = KVSender(peer, order="srf", max_frame_bytes=cap // 2)
             big, small = bytes(page * n_big), bytes(page)
             snd.submit("big", 0, lambda i, n: big[i * page:(i + n) * page], n_big, page)
             await asyncio.sleep(0.1)  # ~20 of the 64 pages are on the line
             snd.submit("small", 0, lambda i, n: small[:n * page], 1, page)
-            await asyncio.wait_for(done.wait(), 10)
+            await asyncio.wait_for(done.wait(), 10)  # a writer paused for good would stall here
             await peer.close()
     finally:
         await server.close()
-    assert big_left_when_small_done and big_left_when_small_done[0] >= 16
+    # ~10 pages (the kernel's buffer, the link's, a frame) were committed ahead of the increment
+    assert big_left_when_small_done and big_left_when_small_done[0] >= 24

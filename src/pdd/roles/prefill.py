@@ -21,7 +21,7 @@ from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish
 from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.kv import KVSender
-from pdd.transfer.wire import set_socket_buffer
+from pdd.transfer.wire import limit_write_buffers, set_socket_buffer
 from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,8 @@ class PrefillInstance(EngineInstance):
                          stall_timeout_s=self.cfg.liveness.kv_stall_timeout_s)
             if cap is not None:
                 set_socket_buffer(peer.writer, cap)
+                # and nothing waits in user space: TLS alone would hold 512 KiB ahead of the order
+                limit_write_buffers(peer.writer.transport)
             self.senders[name] = s
         return s, wan
 

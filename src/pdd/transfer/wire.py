@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import hashlib
 import hmac
 import struct
@@ -386,19 +387,42 @@ def set_nodelay(transport) -> None:
 
 
 def set_socket_buffer(transport, nbytes: int, send: bool = True) -> Optional[int]:
-    """Cap a TCP transport's kernel send (``send``) or receive buffer at ``nbytes`` (SO_SNDBUF /
-    SO_RCVBUF; this also turns the kernel's autotuning off for the socket, and Linux reports twice
-    the value, counting its bookkeeping). Returns the size the kernel reports, or None when the
-    transport has no TCP socket or the option is refused."""
+    """Cap a TCP transport's kernel send (``send``) or receive buffer at about ``nbytes`` bytes
+    (SO_SNDBUF / SO_RCVBUF; this also turns the kernel's autotuning off for the socket). Linux
+    doubles the value it is given (socket(7): the extra is for its bookkeeping, and a stream of
+    large writes uses most of it for data), so half of ``nbytes`` is asked for there. Returns the
+    size the kernel reports, or None when the transport has no TCP socket or the option is
+    refused."""
     sock = _tcp_socket(transport)
     if sock is None:
         return None
     opt = socket.SO_SNDBUF if send else socket.SO_RCVBUF
+    ask = int(nbytes) // 2 if sys.platform.startswith("linux") else int(nbytes)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, opt, int(nbytes))
+        sock.setsockopt(socket.SOL_SOCKET, opt, ask)
         return int(sock.getsockopt(socket.SOL_SOCKET, opt))
     except OSError:
         return None
+
+
+def limit_write_buffers(transport, high: int = 1) -> None:
+    """Keep a transport's user-space write buffers at about ``high`` bytes (default 1: the writer
+    pauses, and ``drain()`` waits, while anything written has not reached the kernel). Under TLS
+    this covers both buffers asyncio keeps: the TLS layer's (records not yet handed down; 512 KiB
+    by default in CPython's ``asyncio.sslproto``) and the raw transport's under it (64 KiB).
+    With the kernel's send buffer capped too (:func:`set_socket_buffer`), a sender's choice of
+    what to write next reaches the line within about that buffer's worth of bytes, instead of
+    ~0.8 MB later. ``high`` is at least 1: the TLS layer pauses when its buffer is ``>= high``,
+    so 0 would pause a writer with nothing buffered, and nothing would resume it.
+    A transport without write-buffer limits is left as it is."""
+    high = max(1, int(high))
+    for t in (transport, getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)):
+        setter = getattr(t, "set_write_buffer_limits", None)
+        if setter is not None:
+            try:
+                setter(high=high, low=0)
+            except (ValueError, RuntimeError, AttributeError):
+                pass
 
 
 class FrameStream(asyncio.BufferedProtocol):
