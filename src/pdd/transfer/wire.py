@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import hashlib
 import hmac
 import struct
+import sys
 import zlib
 from typing import Any, Optional
 
@@ -416,6 +416,8 @@ def limit_write_buffers(transport, high: int = 1) -> None:
     so 0 would pause a writer with nothing buffered, and nothing would resume it.
     A transport without write-buffer limits is left as it is."""
     high = max(1, int(high))
+    # the raw transport under TLS is CPython's private ``_ssl_protocol._transport``; where it is
+    # absent (another event loop), only the outer transport's limit is set
     for t in (transport, getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)):
         setter = getattr(t, "set_write_buffer_limits", None)
         if setter is not None:
