@@ -300,3 +300,48 @@ def test_a_requests_own_chat_template_is_refused(api):
         _err(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "chat_template": tpl, "max_tokens": 2}), 400, "chat_template")
     assert not orch.started
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"temperature": float("nan")}, "temperature"),
+    ("/v1/chat/completions", {"top_p": float("inf")}, "top_p"),
+    ("/v1/completions", {"logit_bias": {"5": float("nan")}}, "logit_bias"),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"truncate_prompt_tokens": 401}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+])
+def test_non_finite_floats_and_unsupported_options_are_400_naming_them(api, path, extra, param):
+    """NaN / infinity (JSON's non-standard literals, which Python's parser accepts) get "finite
+    number", not a misleading range message; options the server cannot honour are refused, not
+    silently ignored."""
+    import json
+
+    client, orch = api
+    body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    raw = json.dumps({**body, **extra})  # allow_nan: NaN / Infinity literals
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    err = _err(r, 400)
+    assert param in (err["param"] or "") + err["message"], err
+    if "nan" in raw.lower() or "infinity" in raw.lower():
+        assert "finite" in err["message"], err
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_tokens(api):
+    """vLLM's left truncation: the prompt's last k tokens are served (usage counts them); -1 keeps
+    the last max_input_len (400 here), so an over-long prompt is served instead of refused."""
+    client, _ = api
+    r = client.post("/v1/completions", json={**OK, "prompt": list(range(10, 60)), "truncate_prompt_tokens": 7})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 7
+    r = client.post("/v1/completions", json={**OK, "prompt": list(range(10, 460)), "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 400
+    ref = client.post("/v1/completions", json={**OK, "prompt": list(range(53, 60)), "temperature": 0})
+    cut = client.post("/v1/completions", json={**OK, "prompt": list(range(10, 60)), "truncate_prompt_tokens": 7,
+                                               "temperature": 0})
+    assert cut.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]

@@ -39,7 +39,7 @@ from pdd.gateway.admission import Admission, is_tier_busy
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
-                                        check_completion, error_body, sampling_for)
+                                        check_completion, error_body, sampling_for, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, Orchestrator, RequestFailed, ReqState
 
@@ -361,6 +361,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_model(body.model)
         check_completion(body)
         ids = await asyncio.to_thread(prompt_ids, body.prompt, body.add_special_tokens)  # off the event loop
+        ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
         max_tokens = body.max_tokens
         if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
             max_tokens = rest_of_context(len(ids), "prompt")
@@ -397,6 +398,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         except ChatTemplateError as e:
             raise ApiError(str(e), "messages") from e
         ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages")
+        ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: whatever the context window leaves

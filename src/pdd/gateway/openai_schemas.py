@@ -50,9 +50,10 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Parameters shared by completions and chat (OpenAI names, then vLLM's extensions)."""
+    """Parameters shared by completions and chat (OpenAI names, then vLLM's extensions).
+    Floats must be finite: NaN or infinity is a 400 "Input should be a finite number"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -81,6 +82,9 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     add_special_tokens: bool = False
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep only the prompt's last k tokens (vLLM: left truncation); -1: the "
+                                 "maximum input length; 0 is refused (nothing would be left)")
 
     # Size bounds, checked on the raw JSON value before its items are validated (so an oversized
     # list is refused at the cost of len()); a violation is HTTP 400 with ``param`` naming the field.
@@ -123,6 +127,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -140,6 +145,8 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused (below), as vLLM without --trust-request-chat-template
+    echo: bool = False  # vLLM: prepend the last message to the reply; refused (below)
+    best_of: int | None = Field(None, ge=1)  # refused unless equal to n (below)
 
 
 @dataclass
@@ -224,6 +231,31 @@ def check_completion(body: CompletionRequest) -> None:
         raise ApiError("best_of other than n is not supported", "best_of")
     if body.echo and body.logprobs is not None:
         raise ApiError("echo with logprobs (prompt logprobs) is not supported", "echo")
+    _check_response_format(body.response_format)
+
+
+def _check_response_format(rf: dict | None) -> None:
+    """Only plain text output: a JSON schema or object format needs guided decoding (ApiError)."""
+    if rf is not None and rf.get("type", "text") != "text":
+        raise ApiError(f"response_format {rf.get('type')!r} is not supported (no guided decoding)",
+                       "response_format")
+
+
+def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[int]:
+    """``truncate_prompt_tokens`` (vLLM's extension): the last ``k`` prompt tokens (left
+    truncation; -1: the last ``max_input_len``); ``ids`` unchanged for None. ApiError for 0
+    (nothing would be left) or ``k`` above ``max_input_len`` (vLLM refuses a k past the model's
+    limit too)."""
+    if k is None:
+        return ids
+    if k == 0:
+        raise ApiError("truncate_prompt_tokens: 0 would leave no prompt; use k >= 1, or -1 for the maximum "
+                       "input length", "truncate_prompt_tokens")
+    if k > max_input_len:
+        raise ApiError(f"truncate_prompt_tokens: {k} is above the maximum input length {max_input_len}",
+                       "truncate_prompt_tokens")
+    k = max_input_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
 
 
 def check_chat(body: ChatCompletionRequest) -> None:
@@ -245,6 +277,8 @@ def check_chat(body: ChatCompletionRequest) -> None:
         # with --trust-request-chat-template
         raise ApiError("chat_template: a request's own chat template is not accepted; the model's template "
                        "is used (chat_template_kwargs pass variables to it)", "chat_template")
-    rf = body.response_format
-    if rf is not None and rf.get("type", "text") != "text":
-        raise ApiError(f"response_format {rf.get('type')!r} is not supported", "response_format")
+    _check_response_format(body.response_format)
+    if body.echo:
+        raise ApiError("echo (prepending the last message to the reply) is not supported", "echo")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError("best_of other than n is not supported", "best_of")
