@@ -28,6 +28,12 @@ HIT_WINDOW_REQUESTS = 200  # window of the windowed prefix-hit-rate gauge
 ABORTED_MEMORY = 4096  # recently aborted rids remembered (refuses their late-arriving requests)
 
 
+def free_sequence(engine, seq) -> None:
+    """Free a new sequence nobody will own (its request's handler was cancelled while the engine
+    thread created it: ``EngineWorker.call_owned``'s undo); runs on the engine thread."""
+    engine.release(seq, cache=False)
+
+
 def first_token_finish(token_id: int, sp: SamplingParams, eos_ids: set[int]) -> str | None:
     """Finish reason after the first output token (sampled by P), or None to keep decoding."""
     if not sp.ignore_eos and token_id in eos_ids:

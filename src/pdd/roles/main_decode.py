@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdd.roles.base import EngineInstance, ReqCtx
+from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
 from pdd.topology import ROLE_COLOCATED
 from pdd.types import SamplingParams
 
@@ -51,8 +51,8 @@ class MainDecodeInstance(EngineInstance):
             raise RuntimeError(f"request {rid} is already held here")
         sp = SamplingParams.from_dict(h["sampling"])
         prompt = list(h["prompt_ids"])
-        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True,
-                                                              min_uncached=min_uncached))
+        seq = await self.worker.call_owned(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True,
+                                                                    min_uncached=min_uncached), free_sequence)
         ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.reqs[rid] = ctx
         self.counters["requests"] += 1

@@ -17,7 +17,7 @@ import logging
 
 from pdd.engine.sequence import SeqStatus
 from pdd.policy.wan_order import send_buffer_bytes
-from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish
+from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish, free_sequence
 from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.kv import KVSender
@@ -171,7 +171,7 @@ class PrefillInstance(EngineInstance):
             return s
 
         try:
-            seq = await self.worker.call(_new_and_add)
+            seq = await self.worker.call_owned(_new_and_add, free_sequence)
         except BaseException:
             self.first_token_waiters.pop(rid, None)
             raise

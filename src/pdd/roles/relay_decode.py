@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 
 from pdd.policy.handoff import HandoffInputs, decide_handoff, rld_load
-from pdd.roles.base import EngineInstance, ReqCtx
+from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
 from pdd.types import SamplingParams
 
 
@@ -41,7 +41,7 @@ class RelayDecodeInstance(EngineInstance):
             raise RuntimeError(f"request {rid} is already held here")
         sp = SamplingParams.from_dict(h["sampling"])
         prompt = list(h["prompt_ids"])
-        seq = await self.worker.call(lambda e: e.new_sequence(rid, prompt, sp, use_cache=False))
+        seq = await self.worker.call_owned(lambda e: e.new_sequence(rid, prompt, sp, use_cache=False), free_sequence)
         self.reqs[rid] = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.counters["requests"] += 1
         await self.admitted(self.reqs[rid])

@@ -57,6 +57,26 @@ class EngineWorker:
         self._cmds.put((fn, fut))
         return fut
 
+    async def call_owned(self, fn: Callable[[Any], Any], undo: Callable[[Any, Any], Any]) -> Any:
+        """``await call(fn)`` for a result that owns engine resources (a new sequence and its
+        pages): if the awaiting coroutine is cancelled before it has the result (its peer's
+        connection closed, and the RPC layer cancelled the handler), ``fn`` still runs on the
+        engine thread, and ``undo(engine, result)`` then runs there too, so nothing is left
+        allocated with no owner. That holds whether the cancellation comes before or after the
+        engine thread finished ``fn``. Raises what ``fn`` raised, or CancelledError."""
+        fut = self.call(fn)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def _undo(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    return  # nothing was created (the exception is retrieved: no warning)
+                res = f.result()
+                self.call(lambda e: undo(e, res)).add_done_callback(_log_undo_failure)
+
+            fut.add_done_callback(_undo)  # at once (next loop turn) when fn already finished
+            raise
+
     def _resolve(self, fut: asyncio.Future, ok: bool, value: Any) -> None:
         if fut.cancelled():
             return
@@ -116,3 +136,13 @@ class EngineWorker:
             self.engine.release(seq, cache=False)
             if self.on_seq_failed is not None:
                 self.loop.call_soon_threadsafe(self.on_seq_failed, sid, f"{type(e).__name__}: {e}")
+
+
+def _log_failure_of(what: str):
+    def done(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            log.error("%s failed: %r", what, f.exception())
+    return done
+
+
+_log_undo_failure = _log_failure_of("freeing the result of a cancelled engine call")

@@ -1,0 +1,108 @@
+"""EngineWorker.call_owned: a result created on the engine thread for a coroutine that was
+cancelled meanwhile is undone there (found by a new user: MD and P frozen past the heartbeat
+leaked the pages of the reservations their gateway connection had queued)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pdd.roles.worker import EngineWorker
+
+
+class _Engine:
+    def __init__(self):
+        self.created: list[str] = []
+        self.freed: list[str] = []
+
+    def has_work(self) -> bool:
+        return False
+
+
+async def _start():
+    eng = _Engine()
+    w = EngineWorker(eng, asyncio.get_running_loop(), on_events=lambda ev: None)
+    w.start()
+    return eng, w
+
+
+async def _settle(w: EngineWorker) -> None:
+    for _ in range(3):  # the undo is queued from a done-callback: let it reach the thread and back
+        await w.call(lambda e: None)
+        await asyncio.sleep(0)
+
+
+def _create(gate: threading.Event | None, name: str):
+    def fn(e):
+        if gate is not None:
+            assert gate.wait(5)
+        e.created.append(name)
+        return name
+    return fn
+
+
+def _undo(e, name):
+    e.freed.append(name)
+
+
+async def test_cancelled_while_the_engine_thread_runs_it_is_undone():
+    eng, w = await _start()
+    try:
+        gate = threading.Event()
+        task = asyncio.ensure_future(w.call_owned(_create(gate, "s1"), _undo))
+        await asyncio.sleep(0.05)  # fn is running on the engine thread, blocked on the gate
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await _settle(w)
+        assert eng.created == ["s1"] and eng.freed == ["s1"]
+    finally:
+        w.stop()
+
+
+async def test_cancelled_after_the_result_arrived_but_before_the_caller_resumed_is_undone():
+    """The engine thread's result is set, and the handler is cancelled in the same loop turn
+    (before it resumes): asyncio then raises CancelledError at the await although the result
+    exists. The worker's queue is replaced so the order is exact."""
+    eng = _Engine()
+    w = EngineWorker(eng, asyncio.get_running_loop(), on_events=lambda ev: None)
+    first = asyncio.get_running_loop().create_future()
+    calls: list = []
+
+    def call(fn):
+        calls.append(fn)
+        if len(calls) == 1:
+            return first  # the creation: resolved by hand below
+        f = asyncio.get_running_loop().create_future()
+        f.set_result(fn(eng))  # the undo: run at once on the fake engine
+        return f
+
+    w.call = call
+    task = asyncio.ensure_future(w.call_owned(lambda e: "s2", _undo))
+    await asyncio.sleep(0)  # the task is awaiting
+    first.set_result("s2")
+    task.cancel()  # same turn: the task has not resumed with the result
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert eng.freed == ["s2"] and len(calls) == 2
+
+
+async def test_not_cancelled_nothing_is_undone_and_errors_propagate():
+    eng, w = await _start()
+    try:
+        assert await w.call_owned(_create(None, "s3"), _undo) == "s3"
+
+        def boom(e):
+            raise ValueError("no pages")
+
+        with pytest.raises(ValueError, match="no pages"):
+            await w.call_owned(boom, _undo)
+        await _settle(w)
+        assert eng.created == ["s3"] and eng.freed == []
+    finally:
+        w.stop()
