@@ -55,3 +55,19 @@ def test_flush_under_traffic_does_not_wait_and_lists_busy_instances():
     rep = asyncio.run(o.flush(settle_s=5.0, poll_s=0.001))
     name = o.layout.engines[0].name
     assert rep["busy"] == [name] and rep["leaked_pages"] == 0 and peers[0].flushes == 1
+
+
+def test_flush_with_an_unreachable_instance_reports_leaks_unknown():
+    """A new user saw ``leaked_pages: 0`` right after killing md0: the dead instance's pages were
+    simply not counted. Now the count is None and the instance is named."""
+
+    class DeadPeer(FlushPeer):
+        async def call(self, h, timeout=None):
+            raise ConnectionError("no sign of life (heartbeat)")
+
+    o = _orch([FlushPeer(), FlushPeer(), DeadPeer()])
+    rep = asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    dead = o.layout.engines[2].name
+    assert rep["leaked_pages"] is None and rep["unreachable"] == [dead] and "error" in rep["instances"][dead]
+    rep = asyncio.run(_orch([FlushPeer(), FlushPeer(), FlushPeer()]).flush(settle_s=0.05, poll_s=0.001))
+    assert rep["leaked_pages"] == 0 and rep["unreachable"] == []

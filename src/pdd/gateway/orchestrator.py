@@ -927,7 +927,9 @@ class Orchestrator(Recovery):
         live request, for at most ``settle_s`` seconds; a live request left after that, with the
         gateway idle, is orphaned and its pages count as leaked. With requests in flight there is
         no wait: instances holding live requests are listed in ``busy`` and only the others'
-        pages are counted."""
+        pages are counted. An instance that cannot be asked (down, silent) is listed in
+        ``unreachable`` and ``leaked_pages`` is None (unknown): its pages cannot be counted, and
+        a 0 that left them out would read as "nothing leaked"."""
         await self._reconnect_closed()
         deadline = time.monotonic() + settle_s
         while True:
@@ -945,6 +947,7 @@ class Orchestrator(Recovery):
             if not live or self.reqs or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(poll_s)
-        leaked = sum(int(v["pages_total"]) - int(v["pages_free"]) for n, v in inst.items()
-                     if "pages_total" in v and n not in busy)
-        return {"instances": inst, "leaked_pages": leaked, "busy": busy}
+        unreachable = sorted(n for n, v in inst.items() if "pages_total" not in v)
+        leaked = None if unreachable else sum(int(v["pages_total"]) - int(v["pages_free"])
+                                              for n, v in inst.items() if n not in busy)
+        return {"instances": inst, "leaked_pages": leaked, "busy": busy, "unreachable": unreachable}
