@@ -122,6 +122,27 @@ def test_is_tier_busy_follows_the_cause_chain():
     assert not is_tier_busy(RequestFailed("request r1 failed: instance p0 is unreachable"))
 
 
+def test_refusal_names_a_full_queue_or_a_full_kv_pool_at_start():
+    """A KV pool that cannot hold a starting request is a refusal to retry (429), as a full
+    queue is; other failures are not (a new user got 503s for OutOfPages at modest load)."""
+    from pdd.engine.kv_pool import OutOfPages
+    from pdd.gateway.admission import refusal
+    from pdd.gateway.orchestrator import RequestFailed
+    from pdd.transfer.rpc import RemoteError
+
+    remote = RemoteError("OutOfPages: out of KV pages: need 207, 101 free (seq r70)", {})
+    try:
+        try:
+            raise remote
+        except RemoteError as e:
+            raise RequestFailed("request r70 failed while starting: " + str(e)) from e
+    except RequestFailed as ex:
+        assert refusal(ex) == "out_of_pages" and not is_tier_busy(ex)
+    assert refusal(OutOfPages(207, 101)) == "out_of_pages"
+    assert refusal(RemoteError("TierBusy: queue full", {})) == "tier_busy"
+    assert refusal(RequestFailed("request r1 failed: instance p0 is unreachable")) is None
+
+
 # ------------------------------------------------------------------------------------------ HTTP
 @pytest.fixture
 def limited(tiny_model):

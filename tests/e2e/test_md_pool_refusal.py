@@ -4,7 +4,7 @@
     nothing). A request whose first request holds MD's pool (in MD decode) is followed by a second
     whose prompt does not fit in what is left:
     - planned P->MD (pdd, large TTFT budget: MD reserves while P prefills, P's targets
-      deferred until the plan): HTTP 503 naming the refusal; RLD's ``expect`` reservation and
+      deferred until the plan): HTTP 429 (retry later) naming the refusal; RLD's ``expect`` reservation and
       what P prefilled are freed at once;
     - planned P->RLD->MD (pdd, zero budget: MD reserves while P prefills): MD's leg is lost,
       RLD finishes the request (200, ``pdd.degraded``), P's WAN transfer never starts.
@@ -91,8 +91,9 @@ def test_md_refuses_at_reserve(small_model, topology_factory, budget_ms, planned
         assert second.wait(60), "the refused request hung"
         inst = _instances(topo.url)
         if planned == "p_md":
-            # MD refused while P prefilled: a clean 503 naming MD's pool; nothing of it is left anywhere
-            assert second.status == 503 and "out of KV pages" in (second.error or ""), (second.status, second.error)
+            # MD refused while P prefilled: a clean 429 (retry later) naming MD's pool; nothing of
+            # it is left anywhere
+            assert second.status == 429 and "out of KV pages" in (second.error or ""), (second.status, second.error)
             assert not second.tokens
             rld = next(n for n in inst if n.startswith("rld"))
             p = next(n for n in inst if n.startswith("p"))

@@ -23,8 +23,9 @@ CPU, the WAN), an admitted request whose first token took longer than the target
 (or whose tokens came slower than the target) shrinks the limit, a fast one grows it. A fixed
 limit cannot know where the bottleneck is; the latency it causes can be measured.
 
-Behind these, every engine bounds its own queue (``Engine.new_sequence`` raises ``TierBusy``);
-a request a tier refused that way also becomes a 429 (:func:`is_tier_busy`).
+Behind these, every engine bounds its own queue (``Engine.new_sequence`` raises ``TierBusy``),
+and a starting request may not fit a KV pool (``OutOfPages``); a request a tier refused either
+way also becomes a 429 with ``Retry-After`` (:func:`refusal`), not a server error.
 
 The decision (:func:`decide`) is a pure function of plain dataclasses (no clock, no sockets);
 :class:`Admission` keeps the live state with ``time.monotonic`` and hands out :class:`Ticket`\\ s.
@@ -41,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 TIER_BUSY = "TierBusy"  # class name of pdd.engine.scheduler.TierBusy: the remote error text starts with it
+OUT_OF_PAGES = "OutOfPages"  # class name of pdd.engine.kv_pool.OutOfPages (same convention)
 RATE_WINDOW = 64  # prefill completions the rate estimate spans
 SERVICE_EWMA = 0.1  # weight of the newest request duration in the mean service time
 DECREASE = 0.85  # multiplicative decrease of the adaptive limit (TCP halves; a gentler step wastes less capacity)
@@ -366,13 +368,23 @@ class Admission:
                            "max_queue_wait_s": self.limits.max_wait_s}}
 
 
+def refusal(exc: BaseException | None) -> str | None:
+    """Whether ``exc`` (or an exception it was raised from) is a tier refusing *new* work for
+    now, and which: "tier_busy" (its bounded queue is full: ``TierBusy``) or "out_of_pages" (its
+    KV pool cannot hold the request's pages now: ``OutOfPages`` while the request was starting,
+    i.e. before any of its tokens was produced). Local exceptions are matched by class name,
+    remote ones by their text's first word (the RPC layer prefixes it). None otherwise."""
+    seen = 0
+    while exc is not None and seen < 8:
+        for name, reason in ((TIER_BUSY, "tier_busy"), (OUT_OF_PAGES, "out_of_pages")):
+            if type(exc).__name__ == name or str(exc).startswith(name):
+                return reason
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
 def is_tier_busy(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is a tier's bounded-queue refusal:
     a local ``TierBusy`` or a remote error whose text starts with ``TierBusy``."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if type(exc).__name__ == TIER_BUSY or str(exc).startswith(TIER_BUSY):
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
+    return refusal(exc) == "tier_busy"

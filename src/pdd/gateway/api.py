@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
-from pdd.gateway.admission import Admission, is_tier_busy
+from pdd.gateway.admission import Admission, refusal
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
@@ -305,8 +305,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             await gen.start()
         except RequestFailed as ex:
             adm.release(ticket)
-            if is_tier_busy(ex):
-                adm.reject("tier_busy")
+            why = refusal(ex)  # a tier that cannot take new work now: retry later (429), not a failure
+            if why is not None:
+                adm.reject(why)
                 raise Overloaded(f"server overloaded: {ex}", adm.retry_hint()) from ex
             raise ApiError(str(ex), None, status=503, etype="server_error") from ex
         except BaseException:
