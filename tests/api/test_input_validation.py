@@ -345,3 +345,13 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens(api):
     cut = client.post("/v1/completions", json={**OK, "prompt": list(range(10, 60)), "truncate_prompt_tokens": 7,
                                                "temperature": 0})
     assert cut.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("prompt", [[True, False], [5, True], [[5, 6], [7, False]], [5.0, 6.0]])
+def test_token_id_prompts_must_be_json_integers(api, prompt):
+    """Booleans (and floats) are not token ids: lax parsing served [true, false] as ids 1 and 0."""
+    client, orch = api
+    err = _err(client.post("/v1/completions", json={**OK, "prompt": prompt}), 400)
+    assert "prompt" in (err["param"] or "") + err["message"], err
+    assert not orch.started
+    _still_serving(client)

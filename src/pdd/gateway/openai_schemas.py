@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from pdd.types import SamplingParams
 
@@ -121,7 +121,8 @@ def _at_most(v, n: int, what: str):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # token ids must be JSON integers: lax parsing would serve [true, false] as ids 1 and 0
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
