@@ -33,7 +33,9 @@ class EngineOrch:
 
     async def start_request(self, prompt_ids, sp, rid=None) -> ReqState:
         if self.fail_next:
-            self.fail_next = False
+            err, self.fail_next = self.fail_next, False
+            if isinstance(err, BaseException):  # as the orchestrator: wrapped, the cause kept
+                raise RequestFailed(f"request failed while starting: {err}") from err
             raise RequestFailed("injected start failure")
         self._n += 1
         rid = rid or f"t{self._n}"

@@ -244,6 +244,23 @@ def test_unknown_model_is_404_and_start_failure_503(api):
     orch.fail_next = True
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert "retry-after" not in r.headers  # a failure, not a wait
+
+
+def test_no_instance_reachable_is_503_with_retry_after(api):
+    """A new user froze the only P: 36 of 40 requests failed at once with 503 and no hint when to
+    come back. The request did no work; the gateway retries the instance every
+    liveness.reconnect_interval_s, so the 503 says to retry after that."""
+    from pdd.gateway.orchestrator import NoInstance
+
+    client, orch = api
+    orch.fail_next = NoInstance("no prefill instance is reachable")
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert "no prefill instance is reachable" in r.json()["error"]["message"]
+    assert r.headers["retry-after"] == "1"
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200
 
 
 def test_usage_cached_tokens_never_exceed_the_prompt():

@@ -353,5 +353,13 @@ def test_token_id_prompts_must_be_json_integers(api, prompt):
     client, orch = api
     err = _err(client.post("/v1/completions", json={**OK, "prompt": prompt}), 400)
     assert "prompt" in (err["param"] or "") + err["message"], err
+    assert "token ids must be integers" in err["message"], err
     assert not orch.started
     _still_serving(client)
+
+
+def test_stop_token_ids_must_be_json_integers(api):
+    client, orch = api
+    err = _err(client.post("/v1/completions", json={**OK, "stop_token_ids": [True]}), 400)
+    assert "stop_token_ids" in (err["param"] or "") + err["message"], err
+    assert not orch.started

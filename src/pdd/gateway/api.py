@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import weakref
 from typing import Any
@@ -41,7 +42,7 @@ from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
                                         check_completion, error_body, sampling_for, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
-from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, Orchestrator, RequestFailed, ReqState
+from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, NoInstance, Orchestrator, RequestFailed, ReqState
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,25 @@ class Overloaded(ApiError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message, None, status=429, code="rate_limit_exceeded", etype="rate_limit_error")
         self.retry_after_s = int(retry_after_s)
+
+
+class Unavailable(ApiError):
+    """HTTP 503 with ``Retry-After``: no instance of a role the request needs is reachable now
+    (dead or restarting); the request did no work."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, None, status=503, etype="server_error")
+        self.retry_after_s = int(retry_after_s)
+
+
+def _caused_by(exc: BaseException | None, cls: type) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a ``cls``."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, cls):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _too_large(n: int | None) -> JSONResponse:
@@ -174,7 +194,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
+        retry = getattr(exc, "retry_after_s", None)
+        headers = {"Retry-After": str(retry)} if retry is not None else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.get("/health")
@@ -309,6 +330,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             if why is not None:
                 adm.reject(why)
                 raise Overloaded(f"server overloaded: {ex}", adm.retry_hint()) from ex
+            if _caused_by(ex, NoInstance):  # nothing was done: a client may retry once it rejoins
+                raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
             raise ApiError(str(ex), None, status=503, etype="server_error") from ex
         except BaseException:
             adm.release(ticket)

@@ -77,7 +77,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(
+    stop_token_ids: list[StrictInt] | None = Field(
         None, description="token ids that end a choice: at most 1,024 ids (MAX_STOP_TOKEN_IDS)")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -129,6 +129,19 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_are_integers(cls, v):
+        """A list prompt of token ids must hold JSON integers only (not booleans or floats): said
+        plainly, instead of the union's first branch ("Input should be a valid string")."""
+        lists = [v] if isinstance(v, list) and v and not isinstance(v[0], (str, list)) else (
+            [x for x in v if isinstance(x, list)] if isinstance(v, list) else [])
+        for ids in lists:
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"token ids must be integers, got {t!r}")
+        return v
 
 
 class ChatCompletionRequest(_Sampling):

@@ -48,7 +48,7 @@ from pdd.transfer import rpc
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
-    RequestFailed, ReqState, TokenOut, extend_message)
+    NoInstance, RequestFailed, ReqState, TokenOut, extend_message)
 from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class Orchestrator(Recovery):
             if self.peers[sp.name].closed:
                 self._spawn(self._reconnect(sp.name))
         if not live:
-            raise RequestFailed(f"no {role} instance is reachable")
+            raise NoInstance(f"no {role} instance is reachable")
         if len(live) == 1:
             return live[0].name
         policy = self.cfg.policy.routing

@@ -27,6 +27,12 @@ class RequestFailed(RuntimeError):
     """A tier failed the request; the message says which and why."""
 
 
+class NoInstance(RequestFailed):
+    """No live instance of a role the request needs (all dead or restarting): the request did no
+    work, and may be retried once one rejoins (the gateway retries connecting every
+    ``liveness.reconnect_interval_s``)."""
+
+
 class InstanceLost(ConnectionError):
     """An instance a request needs is unreachable (dead, or silent past its heartbeat)."""
 
