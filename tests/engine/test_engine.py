@@ -297,6 +297,34 @@ def test_starved_sequence_waits_while_others_run(make_engine, prompts):
     assert eng.pool.num_free == eng.pool.num_pages
 
 
+def test_deadlocked_decodes_preempt_the_youngest_and_both_finish_exactly(make_engine):
+    """Two decodes that both need a page in a full pool: before, the step raised OutOfPages and
+    the worker failed one of them after its work (a new user got such 503s under concurrent long
+    requests). Now the youngest is preempted (its pages freed, recomputed later) and the older
+    runs on; both outputs equal a roomy engine's."""
+    eng = make_engine(num_pages=6, page_size=4, enable_prefix_cache=False)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    pa, pb = list(range(10, 22)), list(range(40, 52))  # 12 tokens each: 3 pages each, pool full
+    a, b = eng.new_sequence("a", pa, sp), eng.new_sequence("b", pb, sp)
+    assert eng.pool.num_free == 0
+    eng.add(a)
+    eng.add(b)
+    eng.step()  # both prefills, both first tokens
+    ev = eng.step()  # both need page 4: b (younger) is preempted, a decodes
+    assert eng.preemptions == 1 and [e.seq_id for e in ev] == ["a"]
+    assert b.page_table == [] and b.num_computed == 0 and b.num_outputs == 1
+    while a.status == SeqStatus.RUNNING:
+        eng.step()  # b waits for pages (starved) while a finishes
+    with pytest.raises(OutOfPages):
+        eng.step()  # only b is left and a still holds its pages: nothing to preempt
+    eng.release(a)
+    _run(eng, [b])
+    ref = make_engine(num_pages=64, page_size=4).generate([pa, pb], sp, use_cache=False)
+    assert [a.output_ids, b.output_ids] == ref and eng.stats()["preemptions"] == 1
+    eng.release(b)
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
 def test_max_running_limits_the_batch(make_engine, prompts):
     eng = make_engine(max_running=2)
     assert eng.sched_cfg.max_running_seqs == 2

@@ -20,6 +20,7 @@ the next ``step`` computes all handed-over tokens in one forward call and sample
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ from .runner import ModelRunner, RunItem
 from .sampler import Sampler
 from .scheduler import SchedulerConfig, SeqState, TierBusy, schedule
 from .sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Engine:
         self.model_path = model_path
         self.evict_batch_pages = max(1, pool.num_pages // 128)  # at least this many per eviction
         self.starved: list = []  # seq ids that could not get a page in the last step
+        self.preemptions = 0  # running sequences whose pages were freed to let older ones run
         self.keep_logits = False  # tests: keep the float32 logits row of each sampled token
         self.last_logits: dict[object, torch.Tensor] = {}
         # bounded queue: sequences that still need compute (created, not finished, not released)
@@ -274,29 +278,38 @@ class Engine:
 
         Pages for growing sequences are allocated first (evicting cache leaves if needed); a
         sequence that cannot get one sits this step out (``engine.starved`` lists them) while
-        the others run. If no planned sequence can run, raises ``OutOfPages`` (its ``seq_id``
-        names the first starved sequence) before any forward call and without leaking: the
-        caller must free pages (abort / release something) or every later step raises too."""
-        states = [SeqState(s.seq_id, len(s.token_ids), s.num_computed, s.arrival, s.can_sample)
-                  for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.pending > 0]
-        if not states:
-            return []
-        plan = schedule(states, self.sched_cfg)
-        if not plan:
-            return []
-        seqs, plan_items, starved = [], [], []
-        for it in plan.items:  # decodes first: they only ever need one more page
-            seq = self.seqs[it.seq_id]
-            try:
-                self._ensure_pages(seq, it.start + it.num_tokens)
-            except OutOfPages as e:
-                starved.append(e)  # waits in the batch until pages come back
-                continue
-            seqs.append(seq)
-            plan_items.append(it)
-        self.starved = [e.seq_id for e in starved]
-        if not seqs:
-            raise starved[0]
+        the others run. If no planned sequence can run while two or more running sequences hold
+        pages, the youngest of them is *preempted* (vLLM's recompute preemption): its pages are
+        freed and it stays in the batch with all its tokens to compute again, so the older ones
+        run on and finish instead of one of them failing (``preemptions`` counts them). With
+        one such sequence left and still no page, raises ``OutOfPages`` (its ``seq_id`` names
+        the first starved sequence) before any forward call and without leaking: the caller
+        must free pages (abort / release something) or every later step raises too."""
+        while True:
+            states = [SeqState(s.seq_id, len(s.token_ids), s.num_computed, s.arrival, s.can_sample)
+                      for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.pending > 0]
+            if not states:
+                return []
+            plan = schedule(states, self.sched_cfg)
+            if not plan:
+                return []
+            seqs, plan_items, starved = [], [], []
+            for it in plan.items:  # decodes first: they only ever need one more page
+                seq = self.seqs[it.seq_id]
+                try:
+                    self._ensure_pages(seq, it.start + it.num_tokens)
+                except OutOfPages as e:
+                    starved.append(e)  # waits in the batch until pages come back
+                    continue
+                seqs.append(seq)
+                plan_items.append(it)
+            self.starved = [e.seq_id for e in starved]
+            if seqs:
+                break
+            victim = self._preemption_victim()
+            if victim is None:
+                raise starved[0]
+            self._preempt(victim)
         items = [RunItem(s.token_ids, it.start, it.num_tokens, s.page_table, it.sample)
                  for s, it in zip(seqs, plan_items)]
         logits = self.runner.forward(items)
@@ -326,6 +339,26 @@ class Engine:
             events.append(TokenEvent(seq.seq_id, tok, n_out - 1, reason is not None, reason, lps[i]))
         return events
 
+    def _preemption_victim(self) -> Sequence | None:
+        """The youngest running sequence holding pages, if at least two do (freeing the only one
+        would let nothing else run); None otherwise."""
+        holders = [s for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.page_table]
+        return max(holders, key=lambda s: s.arrival) if len(holders) >= 2 else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's pages; it stays in the batch (same arrival order) with all
+        its tokens to compute again: prompt and outputs are recomputed as one prefill when pages
+        come back, and it samples on from where it was."""
+        if self.radix is not None:
+            self.radix.unlock(seq.prefix_match)
+        seq.prefix_match = None
+        pages, seq.page_table = seq.page_table, []
+        self.pool.decref(pages)
+        seq.num_computed = 0
+        self.preemptions += 1
+        log.info("preempted %s (%d tokens to recompute): no running sequence could get a page", seq.seq_id,
+                 len(seq.token_ids))
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  use_cache: bool = True) -> list[list[int]]:
         """Convenience (tests, demo): run prompts to completion, release with caching, return outputs."""
@@ -346,6 +379,7 @@ class Engine:
             "pages_free": self.pool.num_free,
             "running": sum(1 for s in self.seqs.values() if s.status == SeqStatus.RUNNING),
             "forward_calls": self.runner.forward_calls,
+            "preemptions": self.preemptions,
             "tokens_computed": self.runner.tokens_computed,
             "radix": self.radix.stats() if self.radix is not None else None,
         }

@@ -260,8 +260,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1) -> None:
         """400 (ApiError naming the field) for an empty or too long prompt, a prompt + output past
         the context window, or ``n`` choices that no decoder's KV pool could hold at once even
-        with the prompt's full pages shared: a decoder does not preempt (docs/FAULTS.md), so such
-        a request would fail with OutOfPages after its work was done."""
+        with the prompt's full pages shared: its choices would preempt one another over and over
+        (Engine.step) or fail with OutOfPages after their work was done (docs/FAULTS.md)."""
         e = cfg.engine
         if not n_prompt:
             raise ApiError("prompt: must not be empty", "prompt" if param == "max_tokens" else "messages")
