@@ -105,19 +105,26 @@ def test_admission_tickets_release_once():
     assert adm.service_s is not None
 
 
-def test_is_tier_busy_follows_the_cause_chain():
-    from pdd.engine.scheduler import TierBusy
+def _start_failure(remote_text: str):
+    """The exception the orchestrator raises when a tier's call failed while starting: a
+    RequestFailed raised from the RemoteError carrying the tier's error text."""
     from pdd.gateway.orchestrator import RequestFailed
     from pdd.transfer.rpc import RemoteError
 
-    remote = RemoteError("TierBusy: queue full: 16 sequences need compute, the limit is 16", {})
     try:
         try:
-            raise remote
+            raise RemoteError(remote_text, {})
         except RemoteError as e:
             raise RequestFailed("request r1 failed while starting: " + str(e)) from e
     except RequestFailed as ex:
-        assert is_tier_busy(ex)
+        return ex
+
+
+def test_is_tier_busy_follows_the_cause_chain():
+    from pdd.engine.scheduler import TierBusy
+    from pdd.gateway.orchestrator import RequestFailed
+
+    assert is_tier_busy(_start_failure("TierBusy: queue full: 16 sequences need compute, the limit is 16"))
     assert is_tier_busy(TierBusy(3, 3))
     assert not is_tier_busy(RequestFailed("request r1 failed: instance p0 is unreachable"))
 
@@ -130,14 +137,8 @@ def test_refusal_names_a_full_queue_or_a_full_kv_pool_at_start():
     from pdd.gateway.orchestrator import RequestFailed
     from pdd.transfer.rpc import RemoteError
 
-    remote = RemoteError("OutOfPages: out of KV pages: need 207, 101 free (seq r70)", {})
-    try:
-        try:
-            raise remote
-        except RemoteError as e:
-            raise RequestFailed("request r70 failed while starting: " + str(e)) from e
-    except RequestFailed as ex:
-        assert refusal(ex) == "out_of_pages" and not is_tier_busy(ex)
+    ex = _start_failure("OutOfPages: out of KV pages: need 207, 101 free (seq r70)")
+    assert refusal(ex) == "out_of_pages" and not is_tier_busy(ex)
     assert refusal(OutOfPages(207, 101)) == "out_of_pages"
     assert refusal(RemoteError("TierBusy: queue full", {})) == "tier_busy"
     assert refusal(RequestFailed("request r1 failed: instance p0 is unreachable")) is None
