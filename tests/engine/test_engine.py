@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pdd.engine import OutOfPages
+from pdd.engine.kv_pool import PagesHeld
 from pdd.engine.runner import RunItem
 from pdd.engine.sequence import SeqStatus
 from pdd.types import FinishReason, SamplingParams
@@ -315,8 +316,8 @@ def test_deadlocked_decodes_preempt_the_youngest_and_both_finish_exactly(make_en
     assert b.page_table == [] and b.num_computed == 0 and b.num_outputs == 1
     while a.status == SeqStatus.RUNNING:
         eng.step()  # b waits for pages (starved) while a finishes
-    with pytest.raises(OutOfPages):
-        eng.step()  # only b is left and a still holds its pages: nothing to preempt
+    with pytest.raises(PagesHeld):
+        eng.step()  # only b is left and a (finished) holds its pages: wait for them, fail nobody
     eng.release(a)
     _run(eng, [b])
     ref = make_engine(num_pages=64, page_size=4).generate([pa, pb], sp, use_cache=False)

@@ -106,3 +106,50 @@ async def test_not_cancelled_nothing_is_undone_and_errors_propagate():
         assert eng.created == ["s3"] and eng.freed == []
     finally:
         w.stop()
+
+
+class _HeldEngine:
+    """step() raises PagesHeld ``held`` times (pages held outside the batch), then succeeds."""
+
+    def __init__(self, held: int):
+        self.held, self.steps, self.released = held, 0, []
+        self.seqs = {"s": object()}
+
+    def has_work(self) -> bool:
+        return self.steps < self.held + 1 and bool(self.seqs)
+
+    def step(self):
+        from pdd.engine.kv_pool import PagesHeld
+
+        self.steps += 1
+        if self.steps <= self.held:
+            raise PagesHeld(1, 0, "s")
+        return []
+
+    def release(self, seq, cache=False):
+        self.released.append(seq)
+        self.seqs.clear()
+
+
+@pytest.mark.parametrize("wait_s,failed", [(60.0, []), (0.0, ["s"])])
+async def test_pages_held_outside_the_batch_are_waited_for_not_failed(wait_s, failed):
+    """The engine thread waits (and keeps serving commands) while the pages a starved sequence
+    needs are held by sequences outside the batch; only a wait past its limit fails it."""
+    eng = _HeldEngine(held=5)
+    got: list = []
+    w = EngineWorker(eng, asyncio.get_running_loop(), on_events=lambda ev: None,
+                     on_seq_failed=lambda sid, err: got.append(sid))
+    w.pages_wait_s = wait_s
+    w.start()
+    try:
+        assert await w.call(lambda e: "served") == "served"  # commands go on meanwhile
+        for _ in range(200):
+            if eng.steps > 5 or got:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
+    finally:
+        w.stop()
+    assert got == failed
+    if not failed:
+        assert eng.steps == 6 and eng.released == []  # waited through 5 PagesHeld, then stepped

@@ -29,7 +29,7 @@ import torch
 from pdd.types import FinishReason, SamplingParams
 
 from .config import ModelConfig
-from .kv_pool import KVPool, OutOfPages
+from .kv_pool import KVPool, OutOfPages, PagesHeld
 from .model import LlamaModel, load_model
 from .radix_cache import RadixCache
 from .runner import ModelRunner, RunItem
@@ -282,9 +282,11 @@ class Engine:
         pages, the youngest of them is *preempted* (vLLM's recompute preemption): its pages are
         freed and it stays in the batch with all its tokens to compute again, so the older ones
         run on and finish instead of one of them failing (``preemptions`` counts them). With
-        one such sequence left and still no page, raises ``OutOfPages`` (its ``seq_id`` names
-        the first starved sequence) before any forward call and without leaking: the caller
-        must free pages (abort / release something) or every later step raises too."""
+        one such sequence left and still no page, raises ``PagesHeld`` (an ``OutOfPages``) when
+        sequences outside the batch hold pages that will come back (the caller waits and steps
+        again), else ``OutOfPages``; its ``seq_id`` names the first starved sequence. Either is
+        raised before any forward call and without leaking: after ``OutOfPages`` the caller must
+        free pages (abort / release something) or every later step raises too."""
         while True:
             states = [SeqState(s.seq_id, len(s.token_ids), s.num_computed, s.arrival, s.can_sample)
                       for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.pending > 0]
@@ -308,7 +310,10 @@ class Engine:
                 break
             victim = self._preemption_victim()
             if victim is None:
-                raise starved[0]
+                e = starved[0]
+                if self._pages_held_outside_the_batch():
+                    raise PagesHeld(e.needed, e.free, e.seq_id)
+                raise e
             self._preempt(victim)
         items = [RunItem(s.token_ids, it.start, it.num_tokens, s.page_table, it.sample)
                  for s, it in zip(seqs, plan_items)]
@@ -345,6 +350,12 @@ class Engine:
         holders = [s for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.page_table]
         return max(holders, key=lambda s: s.arrival) if len(holders) >= 2 else None
 
+    def _pages_held_outside_the_batch(self) -> bool:
+        """Whether a live sequence outside the running batch holds pages (waiting for its KV or
+        a handoff, or finished and not yet released): they come back without anyone failing."""
+        live = list(self._live.values())
+        return any(s.page_table and s.status in (SeqStatus.WAITING, SeqStatus.FINISHED) for s in live)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it stays in the batch (same arrival order) with all
         its tokens to compute again: prompt and outputs are recomputed as one prefill when pages
@@ -356,8 +367,9 @@ class Engine:
         self.pool.decref(pages)
         seq.num_computed = 0
         self.preemptions += 1
-        log.info("preempted %s (%d tokens to recompute): no running sequence could get a page", seq.seq_id,
-                 len(seq.token_ids))
+        # a warning, as vLLM's: preemption costs a recompute, and a pool this tight is worth knowing
+        log.warning("preempted %s (%d tokens to recompute): no running sequence could get a KV page; "
+                    "%d preemptions so far", seq.seq_id, len(seq.token_ids), self.preemptions)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  use_cache: bool = True) -> list[list[int]]:

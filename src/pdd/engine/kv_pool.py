@@ -26,6 +26,14 @@ class OutOfPages(RuntimeError):
         self.needed, self.free, self.seq_id = needed, free, seq_id
 
 
+class PagesHeld(OutOfPages):
+    """``Engine.step``: no running sequence can get a page, none can be preempted, but sequences
+    outside the batch hold pages that will come back (KV on its way, a handoff, a finished
+    sequence not yet released): the step waits for them instead of failing anyone. The engine
+    thread retries shortly (``EngineWorker``); a wait past its limit fails the sequence as a
+    plain ``OutOfPages`` would."""
+
+
 class DoubleFree(RuntimeError):
     """decref of a page whose refcount is already 0."""
 

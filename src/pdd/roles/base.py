@@ -310,6 +310,7 @@ class EngineInstance:
             "forward_calls": getattr(runner, "forward_calls", 0),
             "engine_steps": self.worker.steps,
             "engine_busy_s": round(self.worker.busy_s, 4),
+            "preemptions": getattr(e, "preemptions", 0),
             "cpu_seconds": ru.ru_utime + ru.ru_stime,
             "counters": dict(self.counters),
             **self.extra_stats(),

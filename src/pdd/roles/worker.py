@@ -18,6 +18,9 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
+PAGES_POLL_S = 0.005  # engine thread's retry interval while the pages it needs are held outside its batch
+PAGES_WAIT_S = 60.0  # longest such wait before the starved sequence fails with OutOfPages
+
 
 class EngineWorker:
     """Owns the engine thread.
@@ -39,6 +42,7 @@ class EngineWorker:
         self.busy_s = 0.0
         self.last_step_s = 0.0
         self.recent_steps_s: deque[float] = deque(maxlen=64)
+        self.pages_wait_s = PAGES_WAIT_S
 
     def start(self) -> None:
         self._thread.start()
@@ -104,6 +108,9 @@ class EngineWorker:
     def _run(self) -> None:
         import time
 
+        from pdd.engine.kv_pool import PagesHeld
+
+        held_since = None  # when the engine started waiting for pages held outside its batch
         while not self._stop.is_set():
             has_work = self.engine.has_work()
             self._drain(block=not has_work)
@@ -112,6 +119,17 @@ class EngineWorker:
             t0 = time.perf_counter()
             try:
                 events = self.engine.step()
+                held_since = None
+            except PagesHeld as e:
+                # pages come back when a sequence outside the batch runs or is released: wait for
+                # them (commands keep being served) instead of failing a request after its work
+                held_since = held_since if held_since is not None else t0
+                if t0 - held_since < self.pages_wait_s:
+                    self._stop.wait(PAGES_POLL_S)
+                    continue
+                held_since = None
+                events = []
+                self._fail_step(e)
             except Exception as e:
                 events = []
                 self._fail_step(e)
