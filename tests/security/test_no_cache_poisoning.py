@@ -27,7 +27,11 @@ PROMPT = list(range(10, 26))  # 16 tokens = 4 pages of 4
 async def test_flipped_kv_stream_never_enters_the_radix_cache(tiny_model, tmp_path):
     from pdd.roles.main_decode import MainDecodeInstance
 
+    from pdd.topology import free_port_block
+
+    base = free_port_block()  # its metrics port too: the default ports may be taken (a running demo, a CI beside)
     cfg = ClusterConfig.model_validate({"mode": "same_dc_pd", "model_path": tiny_model, "model_preset": "tiny",
+                                        "base_port": base, "gateway_port": base + 95,
                                         "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
     cfg = prepare_security(cfg, tmp_path)
     assert cfg.security.tls and cfg.security.fast_path == "mac" and os.path.isdir(cfg.security.cert_dir)
