@@ -207,3 +207,40 @@ async def test_restarted_instance_rejoins_without_traffic(monkeypatch):
         assert not o.peers["md0"].closed and o.health()["status"] == "ok"
     finally:
         await o.close()
+
+
+async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypatch):
+    """A recovery's new attempt refused because a tier is full (OutOfPages / TierBusy at start)
+    waits and tries again, instead of failing a request that has streamed tokens (a new user: 3
+    of 4 recoveries failed at once on a full RLD). Other errors still fail it at once."""
+    from pdd.gateway import recovery
+    from pdd.transfer.rpc import RemoteError
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
+    calls: list = []
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        calls.append(st.trid)
+        if len(calls) <= 2:
+            raise RemoteError("OutOfPages: out of KV pages: need 211, 14 free (seq x)", {})
+
+    monkeypatch.setattr(orch, "_launch", launch)
+    st = relayed(orch, kv_ready=True, md_start=6, switch_pos=6, handoff_mode="one_shot")
+    stream_to(st, 9)
+    st.error = "instance md0 is unreachable"
+    assert await orch._recover(st)
+    assert calls == ["r1.1", "r1.2", "r1.3"] and st.trid == "r1.3" and st.base == 9
+
+    calls.clear()
+
+    async def broken(st, prompt, sp=None, force_relay=False):
+        calls.append(st.trid)
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(orch, "_launch", broken)
+    st2 = relayed(orch)
+    st2.rid = st2.trid = "r2"
+    orch.reqs["r2"] = st2
+    st2.error = "gone"
+    assert not await orch._recover(st2)
+    assert calls == ["r2.1"] and "recovery failed: something else" in st2.error

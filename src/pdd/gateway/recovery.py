@@ -16,12 +16,16 @@ import asyncio
 import logging
 import time
 
+from pdd.gateway.admission import refusal
 from pdd.gateway.state import ATTEMPT_EVENTS, ReqState, extend_message
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer import rpc
 from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
+
+RECOVERY_WAIT_S = 30.0  # how long a recovery retries while a full tier (KV pool, queue) refuses it
+RECOVERY_RETRY_S = 0.5  # between those retries
 
 
 class Recovery:
@@ -108,6 +112,7 @@ class Recovery:
         log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.error, st.next_pos,
                     self.phase(st))
         self._new_attempt(st, st.error or "instance lost")
+        waited = 0.0
         while True:
             prompt, sp = self._attempt_prompt(st)
             try:
@@ -116,6 +121,14 @@ class Recovery:
             except Exception as e:
                 if isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts:
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    continue
+                if refusal(e) is not None and waited < RECOVERY_WAIT_S and not st.finished:
+                    # a full tier (KV pool or queue) refused the new attempt: it frees pages as its
+                    # requests finish, so wait and try again instead of failing a request that has
+                    # streamed tokens already (a new user: 3 of 4 recoveries failed on a full RLD)
+                    self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    await asyncio.sleep(RECOVERY_RETRY_S)
+                    waited += RECOVERY_RETRY_S
                     continue
                 st.error = f"recovery failed: {e}"
                 return False
