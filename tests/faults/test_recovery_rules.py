@@ -230,6 +230,8 @@ async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypat
     st.error = "instance md0 is unreachable"
     assert await orch._recover(st)
     assert calls == ["r1.1", "r1.2", "r1.3"] and st.trid == "r1.3" and st.base == 9
+    # one recovery, however many refused tries it took (a live run had counted 356 for 10)
+    assert orch.totals["recovered"] == 1 and len(st.recoveries) == 1
 
     calls.clear()
 

@@ -64,12 +64,15 @@ class Recovery:
                          "recoveries": list(st.recoveries)}
                 for st in list(self.reqs.values()) if st.trid in self.reqs}
 
-    def _new_attempt(self, st: ReqState, reason: str) -> None:
+    def _new_attempt(self, st: ReqState, reason: str, counted: bool = True) -> None:
         """Forget the current attempt (aborted on every tier, in the background) and make the
-        next one: prompt + streamed tokens, new tier rid, per-attempt state reset."""
+        next one: prompt + streamed tokens, new tier rid, per-attempt state reset. ``counted``
+        False (a recovery retried because a full tier refused it): not another recovery in
+        ``st.recoveries`` or ``totals["recovered"]``."""
         old = st.trid
-        st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": self.phase(st), "pos": st.next_pos,
-                              "pipeline": st.pipeline.value, "names": dict(st.names)})
+        if counted:
+            st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": self.phase(st),
+                                  "pos": st.next_pos, "pipeline": st.pipeline.value, "names": dict(st.names)})
         self.reqs.pop(old, None)
         self.planned_wan.pop(old, None)
         self.planned_src.pop(old, None)
@@ -91,7 +94,8 @@ class Recovery:
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt
             st.queue.get_nowait()
         self.reqs[st.trid] = st
-        self.totals["recovered"] = self.totals.get("recovered", 0) + 1
+        if counted:
+            self.totals["recovered"] = self.totals.get("recovered", 0) + 1
 
     def _attempt_prompt(self, st: ReqState) -> tuple[list[int], SamplingParams]:
         """This attempt's prompt (the request's prompt + tokens already streamed) and sampling
@@ -126,7 +130,7 @@ class Recovery:
                     # a full tier (KV pool or queue) refused the new attempt: it frees pages as its
                     # requests finish, so wait and try again instead of failing a request that has
                     # streamed tokens already (a new user: 3 of 4 recoveries failed on a full RLD)
-                    self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    self._new_attempt(st, f"{type(e).__name__}: {e}", counted=False)
                     await asyncio.sleep(RECOVERY_RETRY_S)
                     waited += RECOVERY_RETRY_S
                     continue
