@@ -368,19 +368,25 @@ class Admission:
                            "max_queue_wait_s": self.limits.max_wait_s}}
 
 
+def causes(exc: BaseException | None, limit: int = 8):
+    """``exc``, then the exceptions it was raised from (``__cause__`` or ``__context__``), at
+    most ``limit`` of them."""
+    seen = 0
+    while exc is not None and seen < limit:
+        yield exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+
+
 def refusal(exc: BaseException | None) -> str | None:
     """Whether ``exc`` (or an exception it was raised from) is a tier refusing *new* work for
     now, and which: "tier_busy" (its bounded queue is full: ``TierBusy``) or "out_of_pages" (its
     KV pool cannot hold the request's pages now: ``OutOfPages`` while the request was starting,
     i.e. before any of its tokens was produced). Local exceptions are matched by class name,
     remote ones by their text's first word (the RPC layer prefixes it). None otherwise."""
-    seen = 0
-    while exc is not None and seen < 8:
+    for e in causes(exc):
         for name, reason in ((TIER_BUSY, "tier_busy"), (OUT_OF_PAGES, "out_of_pages")):
-            if type(exc).__name__ == name or str(exc).startswith(name):
+            if type(e).__name__ == name or str(e).startswith(name):
                 return reason
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
     return None
 
 

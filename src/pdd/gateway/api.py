@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
-from pdd.gateway.admission import Admission, refusal
+from pdd.gateway.admission import Admission, causes, refusal
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
@@ -73,16 +73,6 @@ class Unavailable(ApiError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message, None, status=503, etype="server_error")
         self.retry_after_s = int(retry_after_s)
-
-
-def _caused_by(exc: BaseException | None, cls: type) -> bool:
-    """Whether ``exc`` or an exception it was raised from is a ``cls``."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, cls):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
 
 
 def _too_large(n: int | None) -> JSONResponse:
@@ -330,7 +320,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             if why is not None:
                 adm.reject(why)
                 raise Overloaded(f"server overloaded: {ex}", adm.retry_hint()) from ex
-            if _caused_by(ex, NoInstance):  # nothing was done: a client may retry once it rejoins
+            if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
                 raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
             raise ApiError(str(ex), None, status=503, etype="server_error") from ex
         except BaseException:

@@ -18,6 +18,7 @@ import logging
 from pdd.engine.sequence import SeqStatus
 from pdd.policy.wan_order import send_buffer_bytes
 from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish, free_sequence
+from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.kv import KVSender
@@ -29,9 +30,7 @@ log = logging.getLogger(__name__)
 DEFERRED_SLOTS = {"rld", "md"}  # the targets the gateway may plan after P started (``target``)
 
 
-def _log_failure(f: asyncio.Future) -> None:
-    if not f.cancelled() and f.exception() is not None:
-        log.error("caching a prompt's pages failed: %s", f.exception())
+_log_failure = log_failure_of("caching a prompt's pages")
 
 
 class PrefillInstance(EngineInstance):

@@ -156,11 +156,13 @@ class EngineWorker:
                 self.loop.call_soon_threadsafe(self.on_seq_failed, sid, f"{type(e).__name__}: {e}")
 
 
-def _log_failure_of(what: str):
+def log_failure_of(what: str):
+    """A done-callback that logs the exception of a future nobody awaits (``what`` failed)."""
+
     def done(f: asyncio.Future) -> None:
         if not f.cancelled() and f.exception() is not None:
             log.error("%s failed: %r", what, f.exception())
     return done
 
 
-_log_undo_failure = _log_failure_of("freeing the result of a cancelled engine call")
+_log_undo_failure = log_failure_of("freeing the result of a cancelled engine call")
