@@ -181,7 +181,8 @@ def _stream(topo, body) -> dict:
 
 def test_same_prompt_twice_sends_only_the_partial_last_page_over_the_wan(topo, oa):
     """The second of two identical requests: every whole page hits MD's cache (MD's hit
-    counters), only the partial last page crosses the WAN, and ``cached_tokens`` is P's hit."""
+    counters), only the partial last page crosses the WAN, as its 8 filled token slots (half a
+    page's bytes), and ``cached_tokens`` is P's hit."""
     prompt = list(range(600, 800))  # 200 tokens: 12 whole pages of 16 and 8 tokens
     kw = dict(model="pdd-small", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     a = oa.completions.create(**kw)
@@ -195,8 +196,9 @@ def test_same_prompt_twice_sends_only_the_partial_last_page_over_the_wan(topo, o
     assert after["p0"]["prefix_hit_tokens"] - before["p0"]["prefix_hit_tokens"] == 192
     assert after["md0"]["prefix_hit_tokens"] - before["md0"]["prefix_hit_tokens"] == 192  # MD's counters
     assert b.model_extra["pdd"]["md_cached_tokens"] == 192
-    assert b.model_extra["pdd"]["wan_bytes_expected"] == page_bytes  # one (partial) page planned ...
-    assert after["p0"]["wan_bytes_sent"] - before["p0"]["wan_bytes_sent"] == page_bytes  # ... and sent
+    slot_bytes = page_bytes // 16
+    assert b.model_extra["pdd"]["wan_bytes_expected"] == 8 * slot_bytes  # the last page's 8 tokens planned ...
+    assert after["p0"]["wan_bytes_sent"] - before["p0"]["wan_bytes_sent"] == 8 * slot_bytes  # ... and sent
 
 
 def test_prompt_shorter_than_one_page_completes_transfer_and_handoff(topo, oa):
@@ -206,7 +208,7 @@ def test_prompt_shorter_than_one_page_completes_transfer_and_handoff(topo, oa):
     assert r.usage.completion_tokens == 160 and r.choices[0].finish_reason == "length"
     summary = r.model_extra["pdd"]
     assert summary["handoff_pos"] is not None and summary["handoff_pos"] >= HANDOFF_AT  # MD took over
-    assert summary["wan_bytes_expected"] == int(topo.stats()["instances"]["p0"]["page_bytes"])
+    assert summary["wan_bytes_expected"] == 5 * int(topo.stats()["instances"]["p0"]["page_bytes"]) // 16  # 5 slots
     _wait_idle(topo)
 
 

@@ -61,8 +61,9 @@ def test_non_streaming_completion_and_prefix_hit(pdd_topology):
     # the second prompt shares 200 tokens = 12 whole pages of 16 with the first
     assert b.usage.prompt_tokens_details.cached_tokens == 192
     assert b.model_extra["pdd"]["md_cached_tokens"] == 192
-    # only the pages MD lacked crossed the WAN: 203 tokens -> 13 pages, 12 cached -> 1 page
-    assert b.model_extra["pdd"]["wan_bytes_expected"] == 1 * 32768
+    # only the KV MD lacked crossed the WAN: 203 tokens -> 13 pages, 12 cached -> the last page's
+    # 11 filled slots of 2048 bytes (32768 / 16)
+    assert b.model_extra["pdd"]["wan_bytes_expected"] == 11 * 2048
 
 
 def _wait_idle(topo, timeout_s: float = 30.0) -> None:

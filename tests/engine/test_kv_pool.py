@@ -63,3 +63,29 @@ def test_fingerprint():
     assert fp["num_kv_heads"] == 2 and fp["head_dim"] == 4
     assert fp["layout"] == "page,layer,kv,slot,kv_head,head_dim"
     assert fp != KVPool(CFG, 2, 8).fingerprint()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("pages,last,layers", [([1, 2, 3], 2, None), ([5], 1, (1, 3)), ([0, 6], 4, None),
+                                               ([7, 2, 4], 3, (0, 1))])
+def test_export_import_partial_last_page(dtype, pages, last, layers):
+    """``last_slots``: whole pages, then the last page's first ``last`` slots only; importing
+    writes exactly those slots and leaves the rest of the last page as it was."""
+    a = KVPool(CFG, num_pages=8, page_size=4, dtype=dtype)
+    b = KVPool(CFG, num_pages=8, page_size=4, dtype=dtype)
+    a.buffer.copy_(torch.randn(a.buffer.shape).to(a.buffer.dtype))
+    l0, l1 = layers or (0, 3)
+    data = a.export_pages(pages, layers, last_slots=last)
+    assert len(data) == (len(pages) - 1) * (l1 - l0) * a.layer_page_bytes + last * a.slot_bytes(layers)
+    assert a.slot_bytes(None) * a.page_size == a.page_bytes
+    b.import_pages(pages, data, layers, last_slots=last)
+    assert torch.equal(b.buffer[pages[:-1], l0:l1], a.buffer[pages[:-1], l0:l1])
+    assert torch.equal(b.buffer[pages[-1], l0:l1, :, :last], a.buffer[pages[-1], l0:l1, :, :last])
+    assert not b.buffer[pages[-1], :, :, last:].any() and not b.buffer[pages[-1], :l0].any()
+    if last < a.page_size:
+        with pytest.raises(ValueError, match="expected"):
+            b.import_pages(pages, data, layers)  # read as whole pages: wrong length
+    else:  # a full last page is a whole page
+        assert bytes(data) == bytes(a.export_pages(pages, layers))
+    with pytest.raises(ValueError, match="last_slots"):
+        a.export_pages(pages, layers, last_slots=5)

@@ -333,3 +333,76 @@ async def test_max_frame_bytes_caps_frames_at_whole_pages():
         await peer.close()
         await server.close()
 
+
+
+async def test_partial_last_page_sends_only_its_filled_bytes():
+    """A transfer whose last page is partial (``last_page_bytes``): the frame that ends with it
+    carries ``(n - 1) * PB + last_page_bytes`` and says so in its header; the other frames are
+    whole; ``bytes_sent`` / ``total_bytes`` / ``kv_done`` count exactly what crossed."""
+    sink = Sink()
+    sink.expect = 1
+    recv, server, peer = await pair(sink)
+    raw = []
+    orig = recv._on_kv
+
+    async def spy(p, h, payload):
+        raw.append((dict(h), len(payload)))
+        await orig(p, h, payload)
+
+    server.handlers["kv"] = spy
+    try:
+        blob = pages_of(3, 7)
+        last = 300
+
+        def read(i, n):
+            end = (i + n) * PB - (PB - last if i + n == 7 else 0)
+            return memoryview(blob)[i * PB : end]
+
+        snd = KVSender(peer, chunk_pages=3)
+        t = snd.submit("r1", 2, read, 5, PB, last_page_bytes=last)
+        assert t.total_bytes == 4 * PB + last and t.remaining_bytes == t.total_bytes
+        res = await asyncio.wait_for(t, 5)
+        await asyncio.wait_for(sink.finished.wait(), 5)
+        assert res.bytes_sent == 4 * PB + last == recv.bytes_received["r1"] and res.pages_sent == 5
+        assert [(h["first_page"], h["n_pages"], h.get("last_page_bytes"), n) for h, n in raw] == [
+            (2, 3, None, 3 * PB), (5, 2, last, PB + last)]
+        assert sink.done["r1"]["bytes"] == 4 * PB + last and sink.done["r1"]["last_page_bytes"] == last
+        assert t.remaining_bytes == 0
+    finally:
+        await peer.close()
+        await server.close()
+
+
+async def test_partial_last_page_reader_of_whole_pages_fails_the_transfer():
+    sink = Sink()
+    recv, server, peer = await pair(sink)
+    try:
+        blob = pages_of(3, 2)
+        snd = KVSender(peer, chunk_pages=4)
+        t = snd.submit("r1", 0, reader_for(blob), 2, PB, last_page_bytes=10)  # reader ignores the tail
+        with pytest.raises(ValueError, match="returned 2000 bytes, expected 1010"):
+            await asyncio.wait_for(t, 5)
+        with pytest.raises(ValueError, match="last_page_bytes"):
+            snd.submit("r2", 0, reader_for(blob), 2, PB, last_page_bytes=PB + 1)
+    finally:
+        await peer.close()
+        await server.close()
+
+
+def test_kv_frame_bytes_and_prompt_kv_bytes():
+    from pdd.transfer.kv import kv_frame_bytes, prompt_kv_bytes, prompt_last_slots
+
+    assert kv_frame_bytes({"n_pages": 3, "page_bytes": 100}) == 300
+    assert kv_frame_bytes({"n_pages": 3, "page_bytes": 100, "last_page_bytes": 25}) == 225
+    for bad in ({"n_pages": 0, "page_bytes": 100, "last_page_bytes": 25}, {"n_pages": 1, "page_bytes": 100,
+                "last_page_bytes": 0}, {"n_pages": 1, "page_bytes": 100, "last_page_bytes": 101},
+                {"n_pages": True, "page_bytes": 100}, {"n_pages": -1, "page_bytes": 100}, {"page_bytes": 100},
+                {"n_pages": 1, "page_bytes": 100, "last_page_bytes": 2.5}):
+        assert kv_frame_bytes(bad) is None, bad
+    # 200 prompt tokens, pages of 16 (2048 bytes a slot): from page 12 on, the last page's 8 tokens
+    assert prompt_kv_bytes(200, 12, 16, 16 * 2048) == 8 * 2048
+    assert prompt_kv_bytes(200, 0, 16, 16 * 2048) == 200 * 2048
+    assert prompt_kv_bytes(192, 12, 16, 16 * 2048) == 0 and prompt_kv_bytes(192, 13, 16, 16 * 2048) == 0
+    assert prompt_last_slots(200, 16) == 8 and prompt_last_slots(192, 16) is None
+    with pytest.raises(ValueError):
+        prompt_kv_bytes(10, 0, 16, 1000)

@@ -121,27 +121,63 @@ class KVPool:
             return slice(pages[0], pages[0] + len(pages))  # contiguous: view, no gather
         return torch.tensor(pages, dtype=torch.long, device=self.device)
 
-    def export_pages(self, pages, layers=None) -> memoryview:
-        """Raw bytes of ``pages`` (in the given order) for layers ``[l0, l1)``:
-        ``len == len(pages) * (l1 - l0) * layer_page_bytes``, layout ``[page, layer, kv, slot, head, dim]``."""
+    def slot_bytes(self, layers=None) -> int:
+        """Bytes of one token slot of one page (K and V) over layers ``[l0, l1)``: the KV bytes
+        per token that a transfer of those layers carries."""
         l0, l1 = self._layers(layers)
-        t = self.buffer[self._index(pages), l0:l1]
-        t = t.contiguous().cpu().view(torch.uint8).reshape(-1)
-        return memoryview(t.numpy())
+        return (l1 - l0) * self.layer_page_bytes // self.page_size
 
-    def import_pages(self, pages, data, layers=None) -> None:
-        """Write bytes produced by :meth:`export_pages` (same pages count / layer range) into ``pages``."""
+    def _last_slots(self, last_slots) -> int:
+        if last_slots is None:
+            return self.page_size
+        k = int(last_slots)
+        if not 1 <= k <= self.page_size:
+            raise ValueError(f"last_slots must be in [1, {self.page_size}], got {last_slots}")
+        return k
+
+    def export_pages(self, pages, layers=None, last_slots: int | None = None) -> memoryview:
+        """Raw bytes of ``pages`` (in the given order) for layers ``[l0, l1)``, layout
+        ``[page, layer, kv, slot, head, dim]``: ``len(pages) * (l1 - l0) * layer_page_bytes``.
+
+        ``last_slots``: only the first ``last_slots`` token slots of the *last* page are exported
+        (the tail of a prompt that ends inside its page; the empty slots do not cross a link).
+        Then the last page's bytes are ``last_slots * slot_bytes(layers)``, laid out ``[layer, kv,
+        slot < last_slots, head, dim]`` after the whole pages. Raises ValueError for a bad layer
+        range or ``last_slots`` outside ``[1, page_size]``."""
         l0, l1 = self._layers(layers)
+        k = self._last_slots(last_slots)
+        pages = [int(p) for p in pages]
+        if k == self.page_size or not pages:
+            t = self.buffer[self._index(pages), l0:l1]
+            t = t.contiguous().cpu().view(torch.uint8).reshape(-1)
+            return memoryview(t.numpy())
+        whole = self.buffer[self._index(pages[:-1]), l0:l1].contiguous().cpu().view(torch.uint8).reshape(-1)
+        tail = self.buffer[pages[-1], l0:l1, :, :k].contiguous().cpu().view(torch.uint8).reshape(-1)
+        return memoryview(torch.cat([whole, tail]).numpy())
+
+    def import_pages(self, pages, data, layers=None, last_slots: int | None = None) -> None:
+        """Write bytes produced by :meth:`export_pages` (same pages count, layer range and
+        ``last_slots``) into ``pages``; the last page's slots from ``last_slots`` on are left as
+        they are. Raises ValueError when ``data`` has another length than that export's."""
+        l0, l1 = self._layers(layers)
+        k = self._last_slots(last_slots)
         n = len(pages)
-        expected = n * (l1 - l0) * self.layer_page_bytes
+        nl = l1 - l0
+        whole = n if k == self.page_size else max(0, n - 1)
+        expected = whole * nl * self.layer_page_bytes + (n - whole) * k * self.slot_bytes(layers)
         arr = np.frombuffer(data, dtype=np.uint8)
         if arr.size != expected:
             raise ValueError(f"import_pages: got {arr.size} bytes, expected {expected}")
         if n == 0:
             return
         src = torch.from_numpy(arr.copy()).view(self.dtype)
-        src = src.view(n, l1 - l0, 2, self.page_size, self.num_kv_heads, self.head_dim)
-        self.buffer[self._index(pages), l0:l1] = src.to(self.device, non_blocking=False)
+        split = whole * nl * 2 * self.page_size * self.num_kv_heads * self.head_dim
+        if whole:
+            w = src[:split].view(whole, nl, 2, self.page_size, self.num_kv_heads, self.head_dim)
+            self.buffer[self._index(pages[:whole]), l0:l1] = w.to(self.device, non_blocking=False)
+        if whole < n:
+            t = src[split:].view(nl, 2, k, self.num_kv_heads, self.head_dim)
+            self.buffer[int(pages[-1]), l0:l1, :, :k] = t.to(self.device, non_blocking=False)
 
     def fingerprint(self) -> dict:
         """What two instances must agree on to exchange raw pages."""

@@ -45,6 +45,7 @@ from pdd.policy.routing import InstanceLoad, choose_instance
 from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
+from pdd.transfer.kv import prompt_kv_bytes
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
@@ -675,9 +676,9 @@ class Orchestrator(Recovery):
             self.kv_bytes_per_token = self.page_bytes // self.cfg.engine.page_size
         st.md_cached_tokens = int(rep["md_cached_tokens"])
         md_first = int(rep["md_cached_pages"])
-        n_pages = int(rep["n_pages"])
-        if md_wan:
-            st.wan_bytes_expected = (n_pages - md_first) * self.page_bytes
+        if md_wan:  # the prompt's tokens MD lacks, whole slots (P sends the last page's filled slots only)
+            st.wan_bytes_expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
+                                                    self.page_bytes)
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
             self.totals["wan_bytes_planned"] += st.wan_bytes_expected
             self.planned_wan[st.trid] = st.wan_bytes_expected

@@ -355,7 +355,14 @@ class EngineInstance:
         first, n = int(h["first_page"]), int(h["n_pages"])
         pages = ctx.seq.page_table[first : first + n]
         layers = tuple(h["layers"]) if h.get("layers") is not None else None
-        self.engine.pool.import_pages(pages, payload, layers=layers)
+        pool = self.engine.pool
+        last_slots = None
+        if h.get("last_page_bytes") is not None:  # the prompt's last page, its filled slots only
+            last_slots, rest = divmod(int(h["last_page_bytes"]), pool.slot_bytes(layers))
+            if rest:
+                raise ValueError(f"kv frame of {h['rid']!r}: last_page_bytes {h['last_page_bytes']} is not whole "
+                                 f"token slots of {pool.slot_bytes(layers)} bytes")
+        pool.import_pages(pages, payload, layers=layers, last_slots=last_slots)
         ctx.extra["pages_received"] = ctx.extra.get("pages_received", 0) + n
         if "kv_first_s" not in ctx.extra:  # the rate is measured from the end of the first frame
             ctx.extra["kv_first_s"] = time.perf_counter()

@@ -6,8 +6,9 @@ Also serves as the decode instance of ``same_dc_pd`` (tier ``d``, in datacenter 
 Messages:
   ``reserve {rid, prompt_ids, sampling, relay}`` (call, gateway): match the prompt against the
   DRC, lock the matched pages, allocate the missing ones; reply ``{md_cached_tokens,
-  md_cached_pages, n_pages, page_bytes}``. Only pages ``[md_cached_pages, n_pages)`` cross the
-  WAN (the partial last page is never cached, so it always does).
+  md_cached_pages, n_pages, prompt_tokens, page_size, page_bytes}``. Only pages
+  ``[md_cached_pages, n_pages)`` cross the WAN (the partial last page is never cached, so it
+  always does, as its filled token slots only: ``pdd.transfer.kv.prompt_kv_bytes``).
   ``kv`` / ``kv_done {first_token, fin}`` (from P): import; when complete either start decoding
   (no relay) or tell the gateway ``kv_ready`` and wait for the handoff.
   ``extend {rid, token_ids}`` (gateway, after RLD's handoff): the relay's output ids; MD appends
@@ -66,7 +67,8 @@ class MainDecodeInstance(EngineInstance):
         ps = self.engine.pool.page_size
         cached = int(ctx.seq.num_cached_tokens)
         return {"t": "reserve_ok", "rid": rid, "md_cached_tokens": cached, "md_cached_pages": cached // ps,
-                "n_pages": (len(prompt) + ps - 1) // ps, "page_bytes": self.engine.pool.page_bytes}, b""
+                "n_pages": (len(prompt) + ps - 1) // ps, "prompt_tokens": len(prompt), "page_size": ps,
+                "page_bytes": self.engine.pool.page_bytes}, b""
 
     async def on_kv_done(self, peer, h, payload):
         ctx = self.reqs.get(h["rid"])

@@ -21,7 +21,7 @@ from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish, free_sequ
 from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
 from pdd.transfer import rpc
-from pdd.transfer.kv import KVSender
+from pdd.transfer.kv import KVSender, prompt_kv_bytes, prompt_last_slots
 from pdd.transfer.wire import limit_write_buffers, set_socket_buffer
 from pdd.types import SamplingParams
 
@@ -223,8 +223,14 @@ class PrefillInstance(EngineInstance):
         unsent: dict[str, int] = {}
         errors: dict[str, str] = {}
 
+        n_prompt = len(ctx.seq.prompt_ids)
+        last_slots = prompt_last_slots(n_prompt, pool.page_size)  # the last page's filled slots only
+
         def reader(i: int, n: int):
-            return pool.export_pages(table[i : i + n])
+            return pool.export_pages(table[i : i + n], last_slots=last_slots if i + n == n_pages else None)
+
+        def planned(first: int) -> int:
+            return prompt_kv_bytes(n_prompt, first, pool.page_size, pool.page_bytes)
 
         async def one(t: dict) -> None:
             name = t.get("name", t.get("slot"))
@@ -241,16 +247,17 @@ class PrefillInstance(EngineInstance):
                 sender, wan = await self.sender_for(name)
                 if ctx.rid in self._aborted:  # aborted before it started (on_abort cancelled none)
                     result[name] = 0
-                    unsent[name] = (n_pages - first) * pool.page_bytes
+                    unsent[name] = planned(first)
                     return
                 tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
+                                   last_page_bytes=None if last_slots is None else last_slots * pool.slot_bytes(),
                                    layers=(0, self.engine.model_cfg.num_hidden_layers),
                                    done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
                                                 **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
                 res = await tr
                 result[name] = res.bytes_sent
                 if res.cancelled:
-                    unsent[name] = (n_pages - first - res.pages_sent) * pool.page_bytes
+                    unsent[name] = tr.total_bytes - res.bytes_sent
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + tr.bytes_sent
                 if wan:
                     self.wan_bytes_sent += tr.bytes_sent

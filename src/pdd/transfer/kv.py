@@ -2,10 +2,15 @@
 
 Wire messages (one-way, in this order per transfer)::
 
-    {"t": "kv", "rid", "first_page", "n_pages", "layers": [l0, l1] | None, "page_bytes"}
+    {"t": "kv", "rid", "first_page", "n_pages", "layers": [l0, l1] | None, "page_bytes"
+     [, "last_page_bytes"]}
         + payload of n_pages * page_bytes bytes (pages first_page .. first_page+n_pages-1
-          of the request's page table, layer range [l0, l1) of each page; None = all layers)
-    {"t": "kv_done", "rid", "first_page", "n_pages", "layers", "page_bytes", "bytes", **done_fields}
+          of the request's page table, layer range [l0, l1) of each page; None = all layers),
+          or (n_pages - 1) * page_bytes + last_page_bytes when the frame ends with the
+          transfer's last page and that page is sent in part (a prompt ending inside its page:
+          only its filled token slots cross, ``KVPool.export_pages(last_slots=...)``)
+    {"t": "kv_done", "rid", "first_page", "n_pages", "layers", "page_bytes", "last_page_bytes",
+     "bytes", **done_fields}
         after the last chunk ("bytes": payload bytes sent for this transfer)
     {"t": "kv_cancel", "rid", "bytes", "pages"} instead of kv_done when cancelled or failed
 
@@ -45,6 +50,9 @@ __all__ = [
     "pick_from_index",
     "ORDERS",
     "resolve_order",
+    "kv_frame_bytes",
+    "prompt_kv_bytes",
+    "prompt_last_slots",
 ]
 
 log = logging.getLogger("pdd.transfer.kv")
@@ -54,7 +62,8 @@ PageReader = Callable[[int, int], Union[Any, Awaitable[Any]]]
 
 PickFn = Callable[[Sequence["Transfer"]], "Transfer"]
 
-_RESERVED_DONE_KEYS = frozenset({"t", "rid", "first_page", "n_pages", "layers", "page_bytes", "bytes", "cid", "reply"})
+_RESERVED_DONE_KEYS = frozenset({"t", "rid", "first_page", "n_pages", "layers", "page_bytes", "last_page_bytes", "bytes",
+                                 "cid", "reply"})
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ class Transfer:
     Attributes read by pick functions: ``rid``, ``seq`` (submission order), ``submitted_at``
     (loop time, s), ``remaining_pages``, ``remaining_bytes``, ``bytes_sent``, ``last_sent_tick``
     (the sender's chunk counter when this transfer last sent; -1 never), ``meta`` (caller's dict).
+    ``last_page_bytes``: bytes of the transfer's last page (``page_bytes`` unless it is sent in
+    part).
     """
 
     def __init__(
@@ -91,6 +102,7 @@ class Transfer:
         done_fields: dict,
         meta: dict,
         seq: int,
+        last_page_bytes: Optional[int] = None,
     ):
         loop = asyncio.get_running_loop()
         self.sender = sender
@@ -98,6 +110,7 @@ class Transfer:
         self.first_page = first_page
         self.n_pages = n_pages
         self.page_bytes = page_bytes
+        self.last_page_bytes = page_bytes if last_page_bytes is None else last_page_bytes
         self.page_reader = page_reader
         self.layers = layers
         self.chunk_pages = chunk_pages
@@ -129,13 +142,20 @@ class Transfer:
     def remaining_pages(self) -> int:
         return self.n_pages - self.pages_sent
 
+    def frame_bytes(self, i: int, n: int) -> int:
+        """Payload bytes of pages ``[i, i+n)`` of this transfer (the last page may be partial)."""
+        if n <= 0:
+            return 0
+        short = self.page_bytes - self.last_page_bytes if i + n == self.first_page + self.n_pages else 0
+        return n * self.page_bytes - short
+
     @property
     def remaining_bytes(self) -> int:
-        return self.remaining_pages * self.page_bytes
+        return self.frame_bytes(self.next_page, self.remaining_pages)
 
     @property
     def total_bytes(self) -> int:
-        return self.n_pages * self.page_bytes
+        return self.frame_bytes(self.first_page, self.n_pages)
 
     @property
     def finished(self) -> bool:
@@ -275,11 +295,15 @@ class KVSender:
         chunk_pages: Optional[int] = None,
         done_fields: Optional[dict] = None,
         meta: Optional[dict] = None,
+        last_page_bytes: Optional[int] = None,
     ) -> Transfer:
         """Queue pages ``[first_page_index, first_page_index + n_pages)`` of request ``rid``.
 
         ``page_reader(i, n)`` (sync or async) returns the bytes of pages ``[i, i+n)``, exactly
-        ``n * page_bytes`` bytes (``page_bytes``: bytes per page for the ``layers`` range sent).
+        ``n * page_bytes`` bytes (``page_bytes``: bytes per page for the ``layers`` range sent),
+        less ``page_bytes - last_page_bytes`` when the range ends with the transfer's last page.
+        ``last_page_bytes``: bytes of that last page when it is sent in part (``1..page_bytes``;
+        None = whole).
         ``layers``: ``(l0, l1)`` half-open layer range, None = all layers.
         ``done_fields``: extra keys for the closing ``kv_done`` (e.g. ``{"first_token": 42}``).
         ``meta``: free dict for order policies. ``n_pages == 0`` sends only ``kv_done``.
@@ -290,6 +314,8 @@ class KVSender:
         self.peer._check_open()
         if n_pages < 0 or first_page_index < 0 or page_bytes < 0:
             raise ValueError("n_pages, first_page_index and page_bytes must be >= 0")
+        if last_page_bytes is not None and not 0 < last_page_bytes <= page_bytes:
+            raise ValueError(f"last_page_bytes must be in [1, page_bytes={page_bytes}], got {last_page_bytes}")
         done_fields = dict(done_fields or {})
         bad = _RESERVED_DONE_KEYS & done_fields.keys()
         if bad:
@@ -311,6 +337,7 @@ class KVSender:
             done_fields,
             dict(meta or {}),
             next(self._seq),
+            last_page_bytes,
         )
         self.active.append(t)
         self._wake.set()
@@ -373,6 +400,7 @@ class KVSender:
             n_pages=t.n_pages,
             layers=list(t.layers) if t.layers is not None else None,
             page_bytes=t.page_bytes,
+            last_page_bytes=t.last_page_bytes,
             bytes=t.bytes_sent,
         )
         await self.peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
@@ -399,10 +427,11 @@ class KVSender:
                 i = t.next_page
                 try:
                     data = payload_view(await _maybe_await(t.page_reader(i, n)))
-                    if data.nbytes != n * t.page_bytes:
+                    if data.nbytes != t.frame_bytes(i, n):
                         raise ValueError(
                             f"page_reader({i}, {n}) for rid {t.rid!r} returned {data.nbytes} bytes, "
-                            f"expected {n} x {t.page_bytes} = {n * t.page_bytes}"
+                            f"expected {t.frame_bytes(i, n)} ({n} pages of {t.page_bytes}, the last of "
+                            f"{t.last_page_bytes})"
                         )
                 except Exception as e:
                     log.error("transfer %r failed reading pages: %r", t, e)
@@ -423,6 +452,8 @@ class KVSender:
                     "layers": list(t.layers) if t.layers is not None else None,
                     "page_bytes": t.page_bytes,
                 }
+                if data.nbytes != n * t.page_bytes:  # ends with the transfer's partial last page
+                    header["last_page_bytes"] = t.last_page_bytes
                 try:
                     await asyncio.wait_for(self.peer.send(header, data, crc=self.crc), self.stall_timeout_s)
                 except (asyncio.TimeoutError, TimeoutError):
@@ -450,6 +481,39 @@ class KVSender:
             self._task = None if not self._closed else self._task
 
 
+def prompt_kv_bytes(prompt_tokens: int, first_page: int, page_size: int, page_bytes: int) -> int:
+    """Payload bytes of a transfer of a prompt's KV from its page ``first_page`` on:
+    ``max(0, prompt_tokens - first_page * page_size) * page_bytes / page_size``, because only the
+    filled token slots of the prompt's last page are sent (``last_page_bytes``). ``page_bytes``:
+    bytes of one page over the layers sent; raises ValueError unless it is whole slots."""
+    slot, rest = divmod(int(page_bytes), int(page_size))
+    if rest or page_size <= 0:
+        raise ValueError(f"page_bytes {page_bytes} is not a whole number of {page_size} token slots")
+    return max(0, int(prompt_tokens) - int(first_page) * int(page_size)) * slot
+
+
+def prompt_last_slots(prompt_tokens: int, page_size: int) -> Optional[int]:
+    """Filled token slots of a prompt's last page when it is partial (``1..page_size-1``), else
+    None (the prompt ends on a page boundary, or is empty)."""
+    k = int(prompt_tokens) % int(page_size)
+    return k or None
+
+
+def kv_frame_bytes(h: dict) -> Optional[int]:
+    """Payload bytes a ``kv`` frame header announces: ``n_pages * page_bytes``, less
+    ``page_bytes - last_page_bytes`` when ``last_page_bytes`` is present (the frame ends with a
+    partial last page). None for a malformed header (missing or non-integer fields, negative
+    counts, ``last_page_bytes`` outside ``[1, page_bytes]``, a partial page in a 0-page frame)."""
+    n, pb, lpb = h.get("n_pages"), h.get("page_bytes"), h.get("last_page_bytes")
+    if type(n) is not int or type(pb) is not int or n < 0 or pb < 0:
+        return None
+    if lpb is None:
+        return n * pb
+    if type(lpb) is not int or not 0 < lpb <= pb or n < 1:
+        return None
+    return n * pb - (pb - lpb)
+
+
 def peer_label(peer: Peer) -> str:
     try:
         return peer._label()
@@ -464,7 +528,7 @@ class KVReceiver:
     ``on_pages(rid, first_page, n_pages, layers, payload)``, ``on_done(rid, header)`` and
     ``on_cancel(rid)`` may be sync or async (one-way handlers of a peer run in arrival order, so
     a slow ``on_pages`` back-pressures the sender). ``layers`` is ``(l0, l1)`` or None.
-    A ``kv`` frame whose payload is not ``n_pages * page_bytes`` bytes is dropped (logged).
+    A ``kv`` frame whose payload is not :func:`kv_frame_bytes` of its header is dropped (logged).
     Counters: ``bytes_received[rid]``, ``pages_received[rid]`` (payload bytes / pages; kept for the
     last ``keep_finished`` finished rids, or until :meth:`forget`), ``total_bytes``.
     """
@@ -515,10 +579,11 @@ class KVReceiver:
     async def _on_kv(self, peer: Peer, h: dict, payload) -> None:
         rid = h.get("rid")
         n = h.get("n_pages")
-        pb = h.get("page_bytes")
-        if not isinstance(n, int) or not isinstance(pb, int) or len(payload) != n * pb:
+        want = kv_frame_bytes(h)
+        if want is None or len(payload) != want:
             self.dropped_frames += 1
-            log.error("dropping kv frame rid=%r: payload %d bytes != n_pages %r x page_bytes %r", rid, len(payload), n, pb)
+            log.error("dropping kv frame rid=%r: payload %d bytes, header says %r (n_pages %r, page_bytes %r, "
+                      "last_page_bytes %r)", rid, len(payload), want, n, h.get("page_bytes"), h.get("last_page_bytes"))
             return
         self.bytes_received[rid] = self.bytes_received.get(rid, 0) + len(payload)
         self.pages_received[rid] = self.pages_received.get(rid, 0) + n
