@@ -72,6 +72,11 @@ class PolicyConfig(_Strict):
         "line (at least 64 KiB; pdd.policy.wan_order.send_buffer_bytes): bytes past it wait for the "
         "send order; 0 = the OS default (autotuned, MBs, which the order cannot reorder)",
     )
+    kv_whole_pages: bool = Field(
+        False,
+        description="ablation: send a prompt's partial last KV page whole (page-granular, as block "
+        "transfers do) instead of its filled token slots only (pdd.transfer.kv.prompt_kv_bytes)",
+    )
     routing: Literal["cache_aware", "load", "round_robin"] = Field(
         "cache_aware", description="instance choice for P and MD (RLD: load unless round_robin)")
     allow_p_rld: bool = False

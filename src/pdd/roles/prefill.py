@@ -224,12 +224,15 @@ class PrefillInstance(EngineInstance):
         errors: dict[str, str] = {}
 
         n_prompt = len(ctx.seq.prompt_ids)
-        last_slots = prompt_last_slots(n_prompt, pool.page_size)  # the last page's filled slots only
+        whole = self.cfg.policy.kv_whole_pages  # ablation: the partial last page goes whole
+        last_slots = None if whole else prompt_last_slots(n_prompt, pool.page_size)  # its filled slots only
 
         def reader(i: int, n: int):
             return pool.export_pages(table[i : i + n], last_slots=last_slots if i + n == n_pages else None)
 
         def planned(first: int) -> int:
+            if whole:
+                return max(0, n_pages - first) * pool.page_bytes
             return prompt_kv_bytes(n_prompt, first, pool.page_size, pool.page_bytes)
 
         async def one(t: dict) -> None:
