@@ -7,11 +7,13 @@ Ranges are checked by pydantic (``Field`` bounds, so the 400 names the parameter
 
 from __future__ import annotations
 
+import functools
 import secrets
+import typing
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from pdd.types import SamplingParams
 
@@ -86,6 +88,19 @@ class _Sampling(BaseModel):
         None, ge=-1, description="keep only the prompt's last k tokens (vLLM: left truncation); -1: the "
                                  "maximum input length; 0 is refused (nothing would be left)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """An explicit JSON ``null`` for a field that has a non-null default (``n``, ``stream``,
+        chat ``logprobs``, ``echo``, ``ignore_eos``, ...) means that default, as in vLLM's request
+        models and OpenAI's API: the official client sends ``null`` for a parameter passed as
+        ``None``. Fields where ``null`` has a meaning of its own (``max_tokens``: no limit) keep it."""
+        if isinstance(data, dict):
+            drop = [k for k, v in data.items() if v is None and k in _non_nullable(cls)]
+            if drop:
+                data = {k: v for k, v in data.items() if k not in drop}
+        return data
+
     # Size bounds, checked on the raw JSON value before its items are validated (so an oversized
     # list is refused at the cost of len()); a violation is HTTP 400 with ``param`` naming the field.
     @field_validator("stop", mode="before")
@@ -111,6 +126,17 @@ class _Sampling(BaseModel):
         """``logit_bias``: at most ``MAX_LOGIT_BIAS`` (1,024) token ids (OpenAI: typically up to
         300), each bias in [-100, 100] (checked by :func:`sampling_for`)."""
         return _at_most(v, MAX_LOGIT_BIAS, "logit_bias entries")
+
+
+@functools.lru_cache(maxsize=None)
+def _non_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """Names of ``model``'s fields whose type does not admit None (their default applies to a null)."""
+    out = set()
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if ann is not type(None) and type(None) not in typing.get_args(ann) and not f.is_required():
+            out.add(name)
+    return frozenset(out)
 
 
 def _at_most(v, n: int, what: str):
