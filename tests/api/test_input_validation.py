@@ -363,3 +363,49 @@ def test_stop_token_ids_must_be_json_integers(api):
     err = _err(client.post("/v1/completions", json={**OK, "stop_token_ids": [True]}), 400)
     assert "stop_token_ids" in (err["param"] or "") + err["message"], err
     assert not orch.started
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", {"n": None, "stream": None, "echo": None, "ignore_eos": None, "min_tokens": None,
+                         "skip_special_tokens": None, "include_stop_str_in_output": None}),
+    ("/v1/chat/completions", {"n": None, "stream": None, "logprobs": None, "echo": None,
+                              "add_generation_prompt": None, "continue_final_message": None,
+                              "add_special_tokens": None}),
+])
+def test_explicit_null_means_the_default(api, path, extra):
+    """Found by a new user: the official client sends ``null`` for a parameter passed as None
+    (``n=None``), and those were 400 "Input should be a valid integer". As vLLM: the default."""
+    client, _ = api
+    body = ({"prompt": [5, 6, 7], "max_tokens": 2} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = client.post(path, json={**body, **extra})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert len(j["choices"]) == 1 and j["usage"]["completion_tokens"] <= 2
+
+
+def test_choices_without_an_output_length_are_not_refused_for_the_whole_context(tiny_model):
+    """Found by a new user: chat with ``n: 9`` and no ``max_tokens`` was refused because the pool
+    check assumed every choice runs to the end of the context. vLLM admits it; so does the check
+    now (one output token per choice counted), while an explicit ``max_tokens`` is still checked."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.config import ModelConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    eos = ModelConfig.from_pretrained(tiny_model).eos_token_ids[0]
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=64, page_size=16))
+    cfg = ClusterConfig.model_validate({"model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"num_pages": 64, "max_model_len": 512, "max_input_len": 400}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    with TestClient(app) as client:
+        stop_at_once = {"logit_bias": {str(eos): 100}}  # every choice ends with its first token
+        r = client.post("/v1/completions", json={"prompt": [5], "n": 16, "max_tokens": None, **stop_at_once})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 16
+        err = _err(client.post("/v1/completions", json={"prompt": [5], "n": 16, "max_tokens": 100}), 400, "n")
+        assert "112 KV pages" in err["message"]

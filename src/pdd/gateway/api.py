@@ -247,11 +247,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise ApiError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                            status=404, code="model_not_found")
 
-    def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1) -> None:
+    def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1, asked: bool = True) -> None:
         """400 (ApiError naming the field) for an empty or too long prompt, a prompt + output past
         the context window, or ``n`` choices that no decoder's KV pool could hold at once even
         with the prompt's full pages shared: its choices would preempt one another over and over
-        (Engine.step) or fail with OutOfPages after their work was done (docs/FAULTS.md)."""
+        (Engine.step) or fail with OutOfPages after their work was done (docs/FAULTS.md).
+        ``asked``: False when the client set no output length (``max_tokens`` is then the rest
+        of the context, which choices rarely reach): the pool check then counts one output token
+        per choice, as vLLM admits such requests."""
         e = cfg.engine
         if not n_prompt:
             raise ApiError("prompt: must not be empty", "prompt" if param == "max_tokens" else "messages")
@@ -262,7 +265,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
         ps = e.page_size
-        pages = n * -(-(n_prompt + max_tokens) // ps) - (n - 1) * (n_prompt // ps)
+        pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
         if pages > e.num_pages:
             raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {param} ({max_tokens}) need {pages} "
                            f"KV pages of {ps} tokens at once, more than an instance's pool ({e.num_pages}): "
@@ -379,7 +382,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         max_tokens = body.max_tokens
         if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
             max_tokens = rest_of_context(len(ids), "prompt")
-        check_context(len(ids), max_tokens, "max_tokens", body.n)
+        check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None)
         sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
         gen = await start(ids, sps, opts, request)
         created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
@@ -415,9 +418,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
+        asked = max_tokens is not None
         if max_tokens is None:  # as vLLM: whatever the context window leaves
             max_tokens = rest_of_context(len(ids), "messages")
-        check_context(len(ids), max_tokens, param, body.n)
+        check_context(len(ids), max_tokens, param, body.n, asked)
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
         gen = await start(ids, sps, opts, request)
