@@ -77,6 +77,12 @@ def test_stop_token_ids_min_tokens_and_length(api):
     first = ids.index(ids[3])
     assert j["choices"][0]["finish_reason"] == "stop" and j["choices"][0]["stop_reason"] == ids[3]
     assert j["usage"]["completion_tokens"] == first + 1
+    # the stop token's own text is not in the output unless include_stop_str_in_output (as vLLM;
+    # found by a new user): the text is that of the tokens before it
+    assert j["choices"][0]["text"] == _complete(client, max_tokens=first)["choices"][0]["text"]
+    k = _complete(client, max_tokens=12, stop_token_ids=[ids[3]], include_stop_str_in_output=True)
+    assert k["choices"][0]["text"] == _complete(client, max_tokens=first + 1)["choices"][0]["text"]
+    assert k["usage"]["completion_tokens"] == first + 1
     # min_tokens masks the stop id until 6 outputs exist: the sampled path changes, and it
     # stops only on or after the 6th token (or at max_tokens)
     j = _complete(client, max_tokens=12, stop_token_ids=[ids[3]], min_tokens=6)

@@ -67,7 +67,11 @@ class Choice:
         self.ntok += 1
         self.tokens.append(t)
         final = t.fin is not None
-        piece = self.detok.add(t.token_id, final)
+        # a choice ended by its stop token (EOS or one of stop_token_ids) does not show that token's
+        # text unless include_stop_str_in_output (as vLLM); its id still counts and has logprobs
+        hidden = (t.fin == "stop" and not self.opts.include_stop
+                  and (t.token_id in eos_ids or t.token_id in self.st.sampling.stop_token_ids))
+        piece = self.detok.flush() if hidden else self.detok.add(t.token_id, final)
         fin, reason = t.fin, None
         if self.ntok < self.opts.min_tokens:
             out = piece  # stop strings count only from min_tokens on (as in vLLM)
