@@ -1,0 +1,45 @@
+"""A prompt's partial last KV page crosses the WAN as its filled token slots only.
+
+``cross_dc_pd`` (every request P->MD): a cold 100-token prompt (6 whole pages of 16 and 4
+tokens) sends 100 tokens' KV, not 7 pages; the same prompt plus 3 tokens then hits MD's 6 cached
+pages and sends the 7 tokens after them. With the ``kv_whole_pages`` ablation both go page-
+granular (7 pages, then 1). Greedy outputs equal a single engine's in both, so the partial page
+MD imported is the KV it needed; every page is free afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdd.faults import StreamClient
+from tests.e2e.conftest import greedy_oracle, make_cfg
+
+pytestmark = pytest.mark.slow
+
+SLOT = 2048  # small preset: 4 layers x (K, V) x 2 KV heads x 32 dims x fp32 bytes per token
+PAGE = 16 * SLOT
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_partial_last_page_bytes(small_model, topology_factory, whole):
+    cfg = make_cfg(small_model, "cross_dc_pd", engine={"device": "cpu", "page_size": 16},
+                   policy={"kv_whole_pages": whole},
+                   limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
+    topo = topology_factory(cfg)
+    rng = random.Random(3)
+    first = [rng.randrange(5, 4000) for _ in range(100)]
+    prompts = [first, first + [7, 8, 9]]
+    want = [7 * PAGE, 1 * PAGE] if whole else [100 * SLOT, 7 * SLOT]
+    outs, _ = greedy_oracle(small_model, prompts, 8)
+    for prompt, nbytes, out in zip(prompts, want, outs):
+        c = StreamClient(topo.url, {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": 8,
+                                    "temperature": 0, "ignore_eos": True}).start()
+        assert c.wait(60) and c.error is None, c.error
+        assert c.tokens == out
+        assert c.summary["wan_bytes_expected"] == nbytes, c.summary
+        assert topo.wait_idle(timeout_s=30)
+    assert c.summary["md_cached_tokens"] == 96
+    fl = topo.flush()
+    assert fl["leaked_pages"] == 0, fl
