@@ -202,15 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
         # `pdd workload agentic` (issue wording) is the simulator's generator under its own name
         w = sub.add_parser("workload", help="generate workloads (Mooncake-format JSONL)")
         wsub = w.add_subparsers(dest="workload_cmd", required=True)
-        from pdd.sim.cli import cmd_agentic
+        from pdd.sim.cli import POS_FLOAT, POS_INT, cmd_agentic
 
         g = wsub.add_parser("agentic", help="agentic multi-turn workload calibrated to the PDD report; prints the "
                                             "seven-bin prefix-hit histogram")
-        g.add_argument("--n", "--requests", dest="n", type=int, default=5000)
-        g.add_argument("--rate", type=float, default=2.0, help="mean arrivals, requests/s")
+        g.add_argument("--n", "--requests", dest="n", type=POS_INT, default=5000)
+        g.add_argument("--rate", type=POS_FLOAT, default=2.0, help="mean arrivals, requests/s")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--out", default=None)
-        g.set_defaults(func=cmd_agentic)
+        g.set_defaults(func=cmd_agentic, parser=g)
     except ImportError:
         pass
     return ap
@@ -228,15 +228,19 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as e:
             raise SystemExit(f"pdd bench is not available: {e}")
         return int(bench_main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.cmd == "launch" and not args.name:
         from pdd.topology import ROLE_LINK
 
         names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0", "colocated": "c0", "gateway": "gateway",
                  ROLE_LINK: "link"}
         args.name = names[args.role]
-    fn = getattr(args, "fn", None) or getattr(args, "func")  # the simulator's parsers use func
-    return int(fn(args) or 0)
+    if getattr(args, "fn", None) is None:  # the simulator's parsers use func (and UsageError: exit 2)
+        from pdd.sim.cli import run_command
+
+        return int(run_command(args, ap) or 0)
+    return int(args.fn(args) or 0)
 
 
 if __name__ == "__main__":

@@ -16,44 +16,105 @@ import sys
 import time
 
 
+class UsageError(Exception):
+    """Bad input found after parsing (a trace's content, a --set key, a configuration the
+    simulator refuses): the entry point prints it as the sub-command's ``error: ...`` (exit 2)."""
+
+
+def _number(conv, what: str, ok):
+    """An argparse ``type=``: ``conv`` of the string, refused unless ``ok(value)`` (message: ``what``)."""
+    def parse(text: str):
+        try:
+            v = conv(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if conv is int else 'a number'}: {text!r}") from None
+        if v != v or not ok(v):  # NaN passes no comparison
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+
+    parse.__name__ = conv.__name__  # argparse names the type in its own messages
+    return parse
+
+
+POS_INT = _number(int, ">= 1", lambda v: v >= 1)
+NONNEG_INT = _number(int, ">= 0", lambda v: v >= 0)
+POS_FLOAT = _number(float, "> 0", lambda v: 0 < v < float("inf"))
+NONNEG_FLOAT = _number(float, ">= 0", lambda v: 0 <= v < float("inf"))
+
+
+def _known(kind: str, load):
+    """An argparse ``type=`` accepting the names ``load()`` knows (a dict), listing them otherwise."""
+    def parse(text: str) -> str:
+        names = sorted(load())
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {text!r}; known: {', '.join(names)}")
+        return text
+
+    parse.__name__ = kind
+    return parse
+
+
+def _model_names():
+    from pdd.sim.models import load_models
+
+    return load_models()
+
+
+def _chip_names():
+    from pdd.sim.hardware import load_chips
+
+    return load_chips()
+
+
+def _existing_file(text: str) -> str:
+    from pathlib import Path
+
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
 def _cfg_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--mode", default="pdd", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"])
-    g.add_argument("--model", default="llama-3.1-8b", help="a profile in data/hardware/models.json")
-    g.add_argument("--kv-bytes-per-token", type=int, default=None)
-    g.add_argument("--chip-a", default="H100-SXM5-80GB")
-    g.add_argument("--chip-b", default="H200-SXM-141GB")
-    g.add_argument("--price-a", type=float, default=None, help="USD per GPU-hour (default: chip profile)")
-    g.add_argument("--price-b", type=float, default=None)
+    g.add_argument("--model", default="llama-3.1-8b", type=_known("model", _model_names),
+                   help="a profile in data/hardware/models.json")
+    g.add_argument("--kv-bytes-per-token", type=POS_INT, default=None)
+    g.add_argument("--chip-a", default="H100-SXM5-80GB", type=_known("chip", _chip_names),
+                   help="a chip in data/hardware/chips.json")
+    g.add_argument("--chip-b", default="H200-SXM-141GB", type=_known("chip", _chip_names))
+    g.add_argument("--price-a", type=NONNEG_FLOAT, default=None, help="USD per GPU-hour (default: chip profile)")
+    g.add_argument("--price-b", type=NONNEG_FLOAT, default=None)
     g.add_argument("--profile-a", default=None, help="measured profile JSON (format of ../shared/calibration)")
     g.add_argument("--profile-b", default=None)
     for n, d in (("p", 4), ("rld", 2), ("md", 4), ("d", 4), ("c", 8)):
-        g.add_argument(f"--n-{n}", type=int, default=d)
-    g.add_argument("--wan-gbps", type=float, default=25.0)
-    g.add_argument("--wan-rtt-ms", type=float, default=30.0)
+        g.add_argument(f"--n-{n}", type=NONNEG_INT, default=d)
+    g.add_argument("--wan-gbps", type=POS_FLOAT, default=25.0)
+    g.add_argument("--wan-rtt-ms", type=NONNEG_FLOAT, default=30.0)
     g.add_argument("--wan-order", default="ps", choices=["ps", "fifo", "srf"])
-    g.add_argument("--wan-usd-per-hour", type=float, default=0.0)
-    g.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if the WAN fits)")
+    g.add_argument("--wan-usd-per-hour", type=NONNEG_FLOAT, default=0.0)
+    g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=250.0, help="pipeline TTFT budget (P->MD if the WAN fits)")
     g.add_argument("--handoff", default="one_shot", choices=["one_shot", "catch_up", "auto"])
-    g.add_argument("--catchup-threshold", type=int, default=64)
+    g.add_argument("--catchup-threshold", type=NONNEG_INT, default=64)
     g.add_argument("--allow-p-rld", action="store_true")
     g.add_argument("--no-cutoff", action="store_true")
     g.add_argument("--no-drc", action="store_true")
     g.add_argument("--routing", default="cache_aware", choices=["cache_aware", "load", "round_robin"])
-    g.add_argument("--max-batch-tokens", type=int, default=8192)
-    g.add_argument("--prefill-chunk-tokens", type=int, default=8192)
-    g.add_argument("--max-running-seqs", type=int, default=256)
-    g.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
-    g.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+    g.add_argument("--max-batch-tokens", type=POS_INT, default=8192)
+    g.add_argument("--prefill-chunk-tokens", type=POS_INT, default=8192)
+    g.add_argument("--max-running-seqs", type=POS_INT, default=256)
+    g.add_argument("--slo-ttft", type=POS_FLOAT, default=2.0, help="seconds")
+    g.add_argument("--slo-tpot", type=POS_FLOAT, default=0.05, help="seconds")
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--trace", default=None, help="Mooncake JSONL (default: the bundled conversation trace)")
-    g.add_argument("--limit", type=int, default=None)
-    g.add_argument("--scale-rate", type=float, default=1.0, help="replay this many times faster")
-    g.add_argument("--agentic", type=int, default=0, help="generate N agentic requests instead of a trace")
-    g.add_argument("--rate", type=float, default=2.0, help="req/s for generated workloads")
+    g.add_argument("--trace", default=None, type=_existing_file,
+                   help="Mooncake JSONL (default: the bundled conversation trace)")
+    g.add_argument("--limit", type=POS_INT, default=None, help="the trace's first N requests (default: all)")
+    g.add_argument("--scale-rate", type=POS_FLOAT, default=1.0, help="replay this many times faster")
+    g.add_argument("--agentic", type=NONNEG_INT, default=0, help="generate N agentic requests instead of a trace")
+    g.add_argument("--rate", type=POS_FLOAT, default=2.0, help="req/s for generated workloads")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -94,7 +155,11 @@ def _records(a, rate=None):
 
     if a.agentic:
         return W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
-    recs = W.load_trace(a.trace or W.MOONCAKE_TRACE, limit=a.limit)
+    path = a.trace or W.MOONCAKE_TRACE
+    try:
+        recs = W.load_trace(path, limit=a.limit)
+    except (OSError, ValueError) as e:  # unreadable, or a line that is not a trace record (file and line named)
+        raise UsageError(f"--trace: {e}") from None
     if rate is not None:
         return W.retime(recs, rate, a.seed)
     return W.scale_rate(recs, a.scale_rate) if a.scale_rate != 1.0 else recs
@@ -109,8 +174,8 @@ def cmd_run(a) -> int:
     t0 = time.time()
     try:
         sim = ClusterSim(cfg).run(recs)
-    except ValueError as e:
-        raise SystemExit(f"pdd sim run: {e}")
+    except ValueError as e:  # a deployment the simulator refuses (no instance of a role, no KV room, ...)
+        raise UsageError(str(e)) from None
     wall = time.time() - t0
     s = summarize(sim)
     s["wall_s"] = wall
@@ -123,18 +188,55 @@ def cmd_run(a) -> int:
     return 0
 
 
+def experiment_params(name: str, sets) -> dict:
+    """``--set KEY=VALUE`` pairs as keyword arguments of experiment ``name``: KEY (``-`` read as
+    ``_``) must be one of its parameters, VALUE is converted by the parameter's type (a float or
+    int parameter refuses a non-number; ``none`` gives None where that is the default; an
+    untyped one takes a number if it reads as one, else the text). UsageError otherwise."""
+    import inspect
+
+    from pdd.sim.experiments import EXPERIMENTS
+
+    params = {p.name: p for p in list(inspect.signature(EXPERIMENTS[name]).parameters.values())
+              if p.name not in ("out", "quick") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    valid = f"valid keys: {', '.join(params)}" if params else f"experiment {name} takes no --set keys"
+    kw = {}
+    for kv in sets:
+        if "=" not in kv:
+            raise UsageError(f"--set {kv!r}: expected KEY=VALUE ({valid})")
+        k, v = kv.split("=", 1)
+        k = k.strip().replace("-", "_")
+        if k not in params:
+            raise UsageError(f"--set {kv!r}: unknown key {k!r} for experiment {name}; {valid}")
+        p = params[k]
+        ann = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        if p.default is None and v.strip().lower() == "none":
+            kw[k] = None
+            continue
+        conv = float if "float" in ann else int if "int" in ann else None
+        if conv is None and p.annotation is p.empty and isinstance(p.default, (int, float)):
+            conv = type(p.default)
+        if conv is not None:
+            try:
+                kw[k] = conv(v)
+            except ValueError:
+                raise UsageError(f"--set {kv!r}: {k} takes {'an integer' if conv is int else 'a number'}, "
+                                 f"got {v!r}") from None
+        elif "str" in ann:
+            kw[k] = v
+        else:  # untyped (e.g. a comma list): a number if it reads as one
+            try:
+                kw[k] = float(v) if "." in v or "e" in v.lower() else int(v)
+            except ValueError:
+                kw[k] = v
+    return kw
+
+
 def cmd_experiment(a) -> int:
     from pdd.sim.experiments import run_experiment
 
     t0 = time.time()
-    kw = {}
-    for kv in a.set or []:
-        k, v = kv.split("=", 1)
-        try:
-            v = float(v) if "." in v or "e" in v.lower() else int(v)
-        except ValueError:
-            pass
-        kw[k.replace("-", "_")] = v
+    kw = experiment_params(a.name, a.set or [])
     res = run_experiment(a.name, a.out, quick=a.quick, **kw)
     print(res.get("table", ""))
     for k in ("wan_sensitivity_table", "bounds_table"):
@@ -229,7 +331,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     _cfg_args(r)
     _workload_args(r)
     r.add_argument("--json", default=None, help="write the summary here")
-    r.set_defaults(func=cmd_run)
+    r.set_defaults(func=cmd_run, parser=r)
     from pdd.sim.experiments import EXPERIMENTS
 
     e = sp.add_parser("experiment", help="run a named experiment")
@@ -237,8 +339,9 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     e.add_argument("--quick", action="store_true", help="fewer points and requests")
     e.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="experiment parameter, e.g. --set chip_b=MI300X --set premium=0.3")
-    e.set_defaults(func=cmd_experiment)
+                   help="experiment parameter (a keyword of the experiment's function in pdd.sim.experiments; an "
+                        "unknown key is refused, listing the valid ones), e.g. --set chip_b=MI300X --set premium=0.3")
+    e.set_defaults(func=cmd_experiment, parser=e)
     v = sp.add_parser("validate", help="one workload through the live topology and the simulator (measured "
                                        "profile): TTFT/TPOT errors and decision match")
     v.add_argument("--out", required=True)
@@ -261,8 +364,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
     c.set_defaults(func=cmd_calibrate_roles)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
-    g.add_argument("--n", type=int, default=5000)
-    g.add_argument("--rate", type=float, default=2.0)
+    g.add_argument("--n", type=POS_INT, default=5000)
+    g.add_argument("--rate", type=POS_FLOAT, default=2.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None)
     g.set_defaults(func=cmd_agentic)
@@ -321,7 +424,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--p-max", type=int, default=32)
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--json", default=None)
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, parser=p)
     return p
 
 
@@ -332,7 +435,15 @@ def main(argv=None) -> int:
     add_sim_parser(sub)
     add_plan_parser(sub)
     a = ap.parse_args(argv)
-    return a.func(a)
+    return run_command(a, ap)
+
+
+def run_command(a, ap: argparse.ArgumentParser) -> int:
+    """Run the parsed sub-command; its UsageError becomes the sub-command's ``error: ...`` (exit 2)."""
+    try:
+        return a.func(a)
+    except UsageError as e:
+        (getattr(a, "parser", None) or ap).error(str(e))
 
 
 if __name__ == "__main__":

@@ -20,14 +20,39 @@ MOONCAKE_TRACE = REPO_ROOT / "data" / "traces" / "mooncake_conversation_trace.js
 HIT_BINS = [(0, 90), (90, 95), (95, 97), (97, 98), (98, 99), (99, 99.5), (99.5, 100.0001)]
 
 
+TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
 def load_trace(path: str | Path = MOONCAKE_TRACE, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` (None: all) records of a Mooncake JSONL file, blank lines skipped.
+
+    ValueError naming the file and line when a line is not a JSON object with the four fields
+    (``README.md`` given as a trace, a truncated file); OSError when the file cannot be read."""
     out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line))
-                if limit and len(out) >= limit:
-                    break
+    with open(path, encoding="utf-8") as f:
+        lineno = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: not UTF-8 text (a binary file?)") from None
+            if not line:
+                break
+            lineno += 1
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:  # JSONDecodeError
+                raise ValueError(f"{path}, line {lineno}: not a JSON record ({e})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}, line {lineno}: not a JSON object with {', '.join(TRACE_FIELDS)}")
+            missing = [k for k in TRACE_FIELDS if k not in rec]
+            if missing:
+                raise ValueError(f"{path}, line {lineno}: record lacks {', '.join(map(repr, missing))}")
+            out.append(rec)
+            if limit and len(out) >= limit:
+                break
     return out
 
 

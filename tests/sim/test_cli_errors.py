@@ -1,0 +1,112 @@
+"""`pdd sim ...` / `pdd workload ...`: bad input is an argparse-style `error: ...` naming the flag
+(exit 2), never a traceback or a silently different run. Found by a new user; none of these
+simulates anything (they fail before), so they are fast."""
+
+import json
+
+import pytest
+
+from pdd.cli import main as pdd_main
+from pdd.sim.cli import UsageError, experiment_params
+from pdd.sim.cli import main as sim_main
+from pdd.sim.workloads import load_trace
+
+
+def _refused(capsys, argv, *names, entry=pdd_main):
+    with pytest.raises(SystemExit) as ex:
+        entry(argv)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for n in names:
+        assert n in err, (n, err)
+    return err
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--trace", "/nonexistent.jsonl"], ["--trace", "no such file: /nonexistent.jsonl"]),
+    (["--model", "nosuch"], ["--model", "unknown model 'nosuch'", "llama-3.1-8b"]),
+    (["--chip-a", "NOPE"], ["--chip-a", "unknown chip 'NOPE'", "H100-SXM5-80GB"]),
+    (["--chip-b", "NOPE"], ["--chip-b", "unknown chip 'NOPE'"]),
+    (["--wan-gbps", "0", "--limit", "5"], ["--wan-gbps", "must be > 0"]),
+    (["--wan-gbps", "nan"], ["--wan-gbps", "must be > 0"]),
+    (["--rate", "-1", "--agentic", "5"], ["--rate", "must be > 0"]),
+    (["--limit", "-3"], ["--limit", "must be >= 1"]),
+    (["--limit", "0"], ["--limit", "must be >= 1"]),
+    (["--agentic", "-5"], ["--agentic", "must be >= 0"]),
+    (["--scale-rate", "0"], ["--scale-rate", "must be > 0"]),
+    (["--n-md", "-1"], ["--n-md", "must be >= 0"]),
+    (["--slo-ttft", "0"], ["--slo-ttft", "must be > 0"]),
+    (["--limit", "abc"], ["--limit", "not an integer: 'abc'"]),
+])
+def test_sim_run_refuses_bad_flags(capsys, args, names):
+    _refused(capsys, ["sim", "run"] + args, "pdd sim run: error:", *names)
+
+
+def test_sim_run_names_the_file_and_line_of_a_bad_trace(capsys, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# pdd\n\nnot a trace\n")
+    _refused(capsys, ["sim", "run", "--trace", str(readme)], "--trace", f"{readme}, line 1", "not a JSON record")
+    t = tmp_path / "t.jsonl"
+    good = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}
+    t.write_text(json.dumps(good) + "\n\n" + json.dumps({"timestamp": 1}) + "\n")
+    _refused(capsys, ["sim", "run", "--trace", str(t)], f"{t}, line 3", "'input_length'")
+    t.write_text("[1, 2]\n")
+    _refused(capsys, ["sim", "run", "--trace", str(t)], f"{t}, line 1", "not a JSON object")
+    t.write_bytes(b"\x87\xff\x00binary")
+    _refused(capsys, ["sim", "run", "--trace", str(t)], f"{t}: not UTF-8 text")
+    _refused(capsys, ["sim", "run", "--trace", str(tmp_path)], "--trace", "no such file")  # a directory
+    # the stand-alone entry (python -m pdd.sim.cli) and pdd plan say the same
+    _refused(capsys, ["sim", "run", "--trace", str(readme)], f"{readme}, line 1", entry=sim_main)
+    _refused(capsys, ["plan", "--workload", "trace", "--trace", str(readme)], "pdd plan: error:",
+             f"{readme}, line 1")
+
+
+def test_load_trace_errors_name_file_and_line(tmp_path):
+    t = tmp_path / "x.jsonl"
+    t.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": []}\n{oops\n')
+    assert len(load_trace(t, limit=1)) == 1  # stops before the bad line
+    with pytest.raises(ValueError, match=r"x\.jsonl, line 2: not a JSON record"):
+        load_trace(t)
+
+
+def test_sim_run_refusal_by_the_simulator_is_a_usage_error(capsys):
+    _refused(capsys, ["sim", "run", "--n-p", "0", "--limit", "3"], "pdd sim run: error:", "P needs at least one")
+
+
+@pytest.mark.parametrize("sets,names", [
+    (["foo=bar"], ["unknown key 'foo' for experiment ttft", "valid keys: rate, wan_gbps"]),
+    (["noequals"], ["'noequals': expected KEY=VALUE", "valid keys: rate, wan_gbps"]),
+    (["rate=abc"], ["'rate=abc': rate takes a number, got 'abc'"]),
+])
+def test_sim_experiment_refuses_bad_set(capsys, tmp_path, sets, names):
+    argv = ["sim", "experiment", "ttft", "--quick", "--out", str(tmp_path / "x")]
+    for s in sets:
+        argv += ["--set", s]
+    _refused(capsys, argv, "pdd sim experiment: error: --set", *names)
+    assert not (tmp_path / "x").exists()  # nothing ran
+
+
+def test_experiment_params_convert_by_the_parameter_type():
+    assert experiment_params("cost-table", ["premium=0.3", "chip-b=MI300X", "price_a=none", "hit=1"]) == {
+        "premium": 0.3, "chip_b": "MI300X", "price_a": None, "hit": 1.0}
+    assert experiment_params("bathtub", ["inp=4096"]) == {"inp": 4096}
+    assert experiment_params("cost-ceiling", ["tpot_ms=50,100", "kv_bytes=4096"]) == {
+        "tpot_ms": "50,100", "kv_bytes": 4096}
+    with pytest.raises(UsageError, match="premium takes a number"):
+        experiment_params("cost-table", ["premium=abc"])
+    with pytest.raises(UsageError, match="inp takes an integer"):
+        experiment_params("bathtub", ["inp=1.5"])
+    with pytest.raises(UsageError, match="experiment goodput takes no --set keys"):
+        experiment_params("goodput", ["premium=0.3"])
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["workload", "agentic", "--n", "0", "--out", "x.jsonl"], ["pdd workload agentic: error:", "--n", ">= 1"]),
+    (["workload", "agentic", "--rate", "0"], ["--rate", "must be > 0"]),
+    (["sim", "agentic", "--n", "-2"], ["pdd sim agentic: error:", "--n", ">= 1"]),
+])
+def test_workload_agentic_refuses_bad_counts(capsys, tmp_path, monkeypatch, argv, names):
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, argv, *names)
+    assert not (tmp_path / "x.jsonl").exists()
