@@ -27,12 +27,17 @@ One invocation:
    at which >= 90% of requests meet the SLO.
    A mode is a label: a mode name, optionally with policy overrides (``pdd+allow_p_rld``,
    ``pdd+routing=round_robin``, :func:`parse_mode_label`), so ablations run side by side.
-   With ``--url`` nothing is started: the one mode is the server's (GET /pdd/stats), and stats
-   come from that endpoint;
+   With ``--url`` nothing is started: the one mode is the server's (GET /pdd/stats, else /health;
+   an explicit ``--modes`` must name that mode, and is refused when the server reports none), and
+   stats come from that endpoint;
 4. writes ``--out``: ``report.json``, ``requests.jsonl`` (main runs), ``reference_requests.jsonl``,
    ``sweep_requests.jsonl`` (with ``rate_rps``), ``server_stats.json``, ``ttft_cdf.png``,
    ``handoff_gaps.png``, ``wan_throughput.png``, ``sweep.png`` (with a sweep),
    ``timeline_<mode>.png``; prints the comparison table and the total wall time.
+
+Exit status (:func:`bench_exit_status`): 0 when every mode completed at least one request (failed
+requests are measured results, in the report); 1 when a mode completed none, after the report is
+written; 2 for arguments refused before anything runs (:func:`check_args`).
 
 report.json = :func:`pdd.bench.report.build_report`'s document (git_commit, config, seed,
 workload, link, modes, ratios, output_agreement) plus ``bench``, ``seeds``, ``slo``, ``sweep``,
@@ -428,8 +433,21 @@ class RemoteTopology:
         except (httpx.HTTPError, ValueError):
             return {}
 
+    def reported_mode(self) -> str | None:
+        """The mode the server says it runs: /pdd/stats ``mode``, else /health ``mode`` (pdd's
+        gateway answers both; /health stays open behind API keys); None when neither says."""
+        m = self.stats().get("mode")
+        if not m:
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=self.timeout_s, trust_env=False)
+                body = r.json() if r.status_code in (200, 503) else {}
+                m = body.get("mode") if isinstance(body, dict) else None
+            except (httpx.HTTPError, ValueError):
+                m = None
+        return str(m) if m else None
+
     def mode(self) -> str:
-        return str(self.stats().get("mode") or "external")
+        return self.reported_mode() or "external"
 
 
 class WanSampler:
@@ -1038,10 +1056,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "by a same_dc_pd reference run, goodput at the offered rate and an SLA-goodput rate sweep.",
         epilog="SLO: TTFT <= 3 x and TPOT <= 1.5 x the medians of a same_dc_pd reference run (one request in "
                "flight), unless --slo gives them. SLA goodput: the highest swept rate with >= 90% of requests "
-               "meeting the SLO. Sweep points run on the mode's topology: the trace's next requests on warm caches when it has enough, else whole conversations on flushed caches.")
+               "meeting the SLO. Sweep points run on the mode's topology: the trace's next requests on warm caches when it has enough, else whole conversations on flushed caches. "
+               "Exit status: 0 when every mode completed at least one request (failed requests are measured "
+               "results), 1 when a mode completed none (its report is still written), 2 for bad arguments.")
     ap.add_argument("--config", help="cluster config (YAML or JSON)")
     ap.add_argument("--out", default="runs/bench", help="output directory (report.json, plots, records)")
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated (default: all four)")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated mode labels (default: all four). With --url the one mode is the "
+                         "server's: --modes may only name that mode (checked against its /pdd/stats or /health; "
+                         "refused when the server does not report a mode)")
     ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's; its caches are "
                                   "flushed between runs through POST /pdd/flush when it has one)")
     g = ap.add_argument_group("workload")
@@ -1052,7 +1075,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-scale", type=float, default=DEFAULT_SCALE.output_scale)
     g.add_argument("--min-output", type=int, default=DEFAULT_SCALE.min_output_tokens)
     g.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
-    g.add_argument("--max-input", type=int, default=None)
+    g.add_argument("--max-input", type=int, default=None, help="prompt cap in tokens (default: none)")
     g.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="offered rate, mean req/s")
     g.add_argument("--ramp", metavar="START:END",
                    help="load ramp: the main run's rate rises linearly from START to END req/s (overrides --rate "
@@ -1125,6 +1148,14 @@ def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) 
     return list(specs), v
 
 
+def _override_flag(loc: Sequence) -> str:
+    """The flag of a config field :func:`apply_overrides` set (``("link", "wan_gbps")`` -> ``--wan-gbps``)."""
+    if not loc:
+        return "config overrides"
+    name = {"served_model_name": "model"}.get(str(loc[-1]), str(loc[-1]))
+    return "--" + name.replace("_", "-")
+
+
 def check_args(ap: argparse.ArgumentParser, args) -> None:
     """Refuse, naming the flag, what would otherwise fail later with a traceback or run something
     other than asked (argparse ``error``: exit status 2)."""
@@ -1134,6 +1165,21 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--requests: must be >= 1, got {args.requests}")
     if args.start is not None and args.start < 0:
         ap.error(f"--start: must be >= 0, got {args.start}")
+    for flag, v, lo, strict in (
+            ("--max-input", args.max_input, 1, False), ("--block-tokens", args.block_tokens, 1, False),
+            ("--min-output", args.min_output, 1, False), ("--max-output", args.max_output, 1, False),
+            ("--session-sample", args.session_sample, 1, False), ("--output-scale", args.output_scale, 0, True),
+            ("--ref-requests", args.ref_requests, 0, False), ("--sweep-requests", args.sweep_requests, 0, False),
+            ("--sweep-min-requests", args.sweep_min_requests, 0, False),
+            ("--sweep-points", args.sweep_points, 1, False), ("--sweep-bisect", args.sweep_bisect, 0, False),
+            ("--sweep-seconds", args.sweep_seconds, 0, False), ("--sweep-timeout", args.sweep_timeout, 0, True),
+            ("--request-timeout", args.request_timeout, 0, True)):
+        if v is not None and not (v > lo if strict else v >= lo):  # NaN fails both
+            ap.error(f"{flag}: must be {'>' if strict else '>='} {lo}, got {v}")
+    if args.max_output < args.min_output:
+        ap.error(f"--max-output: must be >= --min-output ({args.min_output}), got {args.max_output}")
+    modes_given = args.modes is not None
+    args.modes = args.modes if modes_given else ",".join(DEFAULT_MODES)
     labels = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not labels:
         ap.error(f"--modes: no mode given ({args.modes!r}); choose from {', '.join(MODES)}")
@@ -1144,6 +1190,12 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--modes: {ex}")
     if not Path(args.trace).is_file():
         ap.error(f"--trace: no such file: {args.trace}")
+    from pdd.bench.trace import load_trace
+
+    try:  # ~0.1 s for the shared trace; a bad line is refused before a model or topology is made
+        load_trace(args.trace)
+    except (OSError, ValueError) as ex:  # names the file and line
+        ap.error(f"--trace: {ex}")
     if args.config is not None and not Path(args.config).is_file():
         ap.error(f"--config: no such file: {args.config}")
     if args.url:
@@ -1151,6 +1203,15 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10, trust_env=False)
         except httpx.HTTPError as ex:
             ap.error(f"--url: cannot reach {args.url}: {type(ex).__name__}: {ex}")
+        if modes_given:  # --url benchmarks the server's one mode: an explicit --modes must be that mode
+            server = RemoteTopology(args.url, timeout_s=10).reported_mode()
+            if server is None:
+                ap.error(f"--modes {args.modes}: the server at {args.url} does not report its mode (GET /pdd/stats "
+                         f"or /health), so it cannot be checked; with --url leave --modes out (the one mode "
+                         f"benchmarked is the server's)")
+            if labels != [server]:
+                ap.error(f"--modes {args.modes}: the server at {args.url} runs mode {server}; with --url the one "
+                         f"mode benchmarked is the server's (give --modes {server} or leave --modes out)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1171,14 +1232,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_cfg = ClusterConfig.load(args.config)
     except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON, a field out of range
         ap.error(f"--config {args.config}: {ex}")
-    config = apply_overrides(
-        base_cfg, wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms, fast_gbps=args.fast_gbps,
-        allow_p_rld=args.allow_p_rld, wan_order=args.wan_order, handoff_mode=args.handoff_mode,
-        pipeline_ttft_budget_ms=args.pipeline_ttft_budget_ms, base_port=args.base_port,
-        gateway_port=args.gateway_port, served_model_name=args.model)
-    scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
-                  max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
-                  session_sample=args.session_sample, session_seed=args.session_seed)
+    try:
+        config = apply_overrides(
+            base_cfg, wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms, fast_gbps=args.fast_gbps,
+            allow_p_rld=args.allow_p_rld, wan_order=args.wan_order, handoff_mode=args.handoff_mode,
+            pipeline_ttft_budget_ms=args.pipeline_ttft_budget_ms, base_port=args.base_port,
+            gateway_port=args.gateway_port, served_model_name=args.model)
+    except pydantic.ValidationError as ex:  # an override out of the config's range (--wan-gbps 0, a port)
+        ap.error("; ".join(f"{_override_flag(e['loc'])}: {e['msg']}, got {e.get('input')!r}" for e in ex.errors()))
+    try:
+        scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale,
+                      min_output_tokens=args.min_output, max_output_tokens=args.max_output,
+                      max_input_tokens=args.max_input, target_rate_rps=args.rate,
+                      session_sample=args.session_sample, session_seed=args.session_seed)
+    except ValueError as ex:  # check_args names the flags; this is the backstop for a combination it misses
+        ap.error(f"workload scaling: {ex}")
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        ap.error(f"--out {args.out}: cannot create the output directory: a file of that name exists")
+    except OSError as ex:
+        ap.error(f"--out {args.out}: cannot create the output directory: {ex.strerror or ex}")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     try:
         report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace,
@@ -1190,7 +1264,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                            fault_recover_after_s=recover_after)
     except ValueError as ex:  # the workload or a label refused before anything ran (named in the message)
         ap.error(str(ex))
-    return 1 if report.get("mode_errors") and len(report["mode_errors"]) == len(report["bench"]["modes"]) else 0
+    return bench_exit_status(report)
+
+
+def bench_exit_status(report: Mapping) -> int:
+    """0 when every benchmarked mode completed at least one request (failed requests are measured
+    results: the report has them); 1 when a mode completed none (a wrong --model, a server that
+    refuses everything, a mode whose topology failed), said on stderr; the report is written first."""
+    empty = [m for m in report["bench"]["run_order"] if not (report["modes"].get(m) or {}).get("completed")]
+    if not empty:
+        return 0
+    errors = report.get("mode_errors") or {}
+    print(f"pdd bench: no request completed in {', '.join(empty)}"
+          + "".join(f" ({m}: {errors[m]})" for m in empty if m in errors), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

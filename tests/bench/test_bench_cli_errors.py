@@ -1,0 +1,184 @@
+"""pdd bench: bad arguments are argparse `error: ...` naming the flag (exit 2) before anything runs,
+--modes with --url must be the server's mode, and a mode that completes no request exits 1.
+Found by a new user. No topology is started: the --url cases use a tiny in-process gateway."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from pdd.bench import bench as bench_mod
+from pdd.bench.bench import RemoteTopology, bench_exit_status, main
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Any argument that gets past the checks would start a benchmark: fail loudly instead."""
+    def run_bench(*a, **k):
+        raise AssertionError("run_bench was reached")
+
+    monkeypatch.setattr(bench_mod, "run_bench", run_bench)
+
+
+def _refused(capsys, argv, *names):
+    with pytest.raises(SystemExit) as ex:
+        main(argv)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "pdd bench: error:" in err and "Traceback" not in err
+    for n in names:
+        assert n in err, (n, err)
+    return err
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--max-input", "0"], ["--max-input: must be >= 1"]),
+    (["--block-tokens", "0"], ["--block-tokens: must be >= 1"]),
+    (["--min-output", "0"], ["--min-output: must be >= 1"]),
+    (["--min-output", "8", "--max-output", "4"], ["--max-output: must be >= --min-output (8)"]),
+    (["--output-scale", "0"], ["--output-scale: must be > 0"]),
+    (["--session-sample", "0"], ["--session-sample: must be >= 1"]),
+    (["--request-timeout", "0"], ["--request-timeout: must be > 0"]),
+    (["--request-timeout", "nan"], ["--request-timeout: must be > 0"]),
+    (["--sweep-timeout", "-1"], ["--sweep-timeout: must be > 0"]),
+    (["--sweep-points", "0"], ["--sweep-points: must be >= 1"]),
+    (["--ref-requests", "-1"], ["--ref-requests: must be >= 0"]),
+    (["--wan-gbps", "0"], ["--wan-gbps:", "greater than 0"]),
+    (["--gateway-port", "99999"], ["--gateway-port:", "65535"]),
+])
+def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):
+    _refused(capsys, args + ["--out", str(tmp_path / "b")], *names)
+    assert not (tmp_path / "b").exists()  # nothing ran
+
+
+def test_names_the_file_and_line_of_a_bad_trace(capsys, tmp_path, no_run):
+    readme = tmp_path / "README.md"
+    readme.write_text("# pdd\n")
+    _refused(capsys, ["--trace", str(readme), "--out", str(tmp_path / "b")], f"--trace: {readme}, line 1",
+             "not a JSON record")
+    t = tmp_path / "t.jsonl"
+    t.write_text(json.dumps({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]})
+                 + "\n\n" + json.dumps({"timestamp": 5}) + "\n")
+    _refused(capsys, ["--trace", str(t), "--out", str(tmp_path / "b")], f"{t}, line 3", "lacks 'input_length'")
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("out,names", [
+    ("/proc/pdd-bench-test/x", ["cannot create the output directory"]),
+    ("FILE/x", ["cannot create the output directory", "Not a directory"]),
+    ("FILE", ["cannot create the output directory: a file of that name exists"]),
+])
+def test_refuses_an_output_dir_it_cannot_create(capsys, tmp_path, no_run, out, names):
+    (tmp_path / "FILE").write_text("x")
+    out = out.replace("FILE", str(tmp_path / "FILE"))
+    _refused(capsys, ["--out", out], f"--out {out}", *names)
+
+
+# ---------------------------------------------------------------- against a fake gateway (--url)
+
+
+def _gateway(mode: str | None, completions_status: int = 404) -> FastAPI:
+    """A gateway that reports ``mode`` (/pdd/stats and /health; None: neither endpoint exists)
+    and refuses every completion with ``completions_status`` (a wrong --model)."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "served", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions():
+        return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error"}},
+                            status_code=completions_status)
+
+    if mode is not None:
+        @app.get("/pdd/stats")
+        async def stats():
+            return {"mode": mode, "instances": {}}
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "mode": mode, "down": []}
+
+    return app
+
+
+@pytest.fixture
+def gateway():
+    servers = []
+
+    def start(mode, completions_status=404):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(_gateway(mode, completions_status), log_level="warning",
+                                               lifespan="off"))
+        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        th.start()
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "fake gateway did not start"
+            time.sleep(0.02)
+        servers.append((server, th, sock))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    yield start
+    for server, th, sock in servers:
+        server.should_exit = True
+        th.join(5)
+        sock.close()
+
+
+def test_url_refuses_modes_other_than_the_servers(capsys, tmp_path, gateway, no_run):
+    url = gateway("same_dc_pd")
+    assert RemoteTopology(url).mode() == "same_dc_pd"
+    _refused(capsys, ["--url", url, "--modes", "pdd", "--out", str(tmp_path / "b")],
+             "--modes pdd", f"the server at {url} runs mode same_dc_pd", "--modes same_dc_pd or leave --modes out")
+    _refused(capsys, ["--url", url, "--modes", "same_dc_pd,pdd", "--out", str(tmp_path / "b")], "runs mode same_dc_pd")
+    _refused(capsys, ["--url", url, "--modes", "same_dc_pd+allow_p_rld", "--out", str(tmp_path / "b")],
+             "runs mode same_dc_pd")
+    assert not (tmp_path / "b").exists()
+
+
+def test_url_refuses_modes_when_the_server_reports_none(capsys, tmp_path, gateway, no_run):
+    url = gateway(None)
+    assert RemoteTopology(url).reported_mode() is None and RemoteTopology(url).mode() == "external"
+    _refused(capsys, ["--url", url, "--modes", "pdd", "--out", str(tmp_path / "b")],
+             "does not report its mode", "leave --modes out")
+
+
+def _small_trace(tmp_path):
+    t = tmp_path / "t.jsonl"
+    t.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 600, "output_length": 40,
+                                     "hash_ids": [1, 2 + i]}) + "\n" for i in range(3)))
+    return t
+
+
+def _url_argv(tmp_path, url, *extra):
+    cfg = tmp_path / "cfg.json"  # no checkpoint at model_path: the token space needs none with --url
+    cfg.write_text(json.dumps({"model_path": str(tmp_path / "no-model")}))
+    return ["--url", url, "--config", str(cfg), "--trace", str(_small_trace(tmp_path)), "--requests", "3",
+            "--rate", "50", "--session-sample", "1", "--sweep-rate", "none", "--slo", "ttft:1000", "tpot:1000", "--no-warmup",
+            "--no-progress", "--request-timeout", "5", "--out", str(tmp_path / "out"), *extra]
+
+
+def test_every_request_failing_exits_1_after_writing_the_report(capsys, tmp_path, gateway):
+    url = gateway("pdd", completions_status=404)
+    assert main(_url_argv(tmp_path, url, "--modes", "pdd", "--model", "wrong")) == 1  # --modes = the server's
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["bench"]["run_order"] == ["pdd"] and rep["modes"]["pdd"]["completed"] == 0
+    assert "no request completed in pdd" in capsys.readouterr().err
+
+
+def test_exit_status_counts_modes_without_a_completed_request():
+    def rep(modes, errors=None):
+        return {"bench": {"run_order": list(modes)}, "modes": {m: {"completed": c} for m, c in modes.items()
+                                                               if c is not None}, "mode_errors": errors or {}}
+
+    assert bench_exit_status(rep({"pdd": 3, "colocated": 1})) == 0  # some failures are measured results
+    assert bench_exit_status(rep({"pdd": 3, "colocated": 0})) == 1
+    assert bench_exit_status(rep({"pdd": 3, "colocated": None}, {"colocated": "LaunchError: x"})) == 1
