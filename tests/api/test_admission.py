@@ -306,3 +306,24 @@ def test_wan_backlog_limit():
     assert t is not None and adm.full().reason == "wan_backlog"
     adm.wan_backlog = lambda: 0.5
     assert adm.full() is None
+
+
+def test_choices_of_one_prompt_queue_the_prompt_once():
+    """Found by a new user: n=16 choices of a 1,100-token prompt were counted as 17,600 queued
+    prompt tokens, though choices 1..15 reuse choice 0's KV from P's prefix cache; and the 429
+    quoted a queue below the limit without the request's own share."""
+    from pdd.gateway.admission import prefill_tokens
+
+    assert prefill_tokens(16, 1100) == 1100 + 15 and prefill_tokens(1, 1100) == 1100 and prefill_tokens(3, 0) == 0
+    adm = Admission(AdmissionLimits(None, 32768, None))
+    t1, d = adm.try_admit(16, 1100)
+    assert d.admit and adm.queued_tokens == 1115 and t1.tokens == 1115
+    t2, d = adm.try_admit(16, 1100)
+    assert d.admit and adm.queued_tokens == 2230  # two such requests fit where they did not
+    d = decide(AdmissionState(1, 30000, None, None), AdmissionLimits(None, 32768, None), 1, 3000)
+    assert not d.admit and d.reason == "queued_tokens"
+    assert "30000 prompt tokens queued for prefill and this request's 3000 would exceed the limit of 32768" \
+        in d.message
+    adm.prefilled(t1)
+    adm.release(t2)
+    assert adm.queued_tokens == 0

@@ -100,6 +100,14 @@ def inflight_message(in_use: int, slots: int, choices: int | None) -> str:
             f"(each choice of a request takes one slot)")
 
 
+def prefill_tokens(n_requests: int, prompt_tokens: int) -> int:
+    """Prompt tokens ``n_requests`` choices of one prompt put in P's queue: the prompt once, and one
+    token for each further choice. Those start once choice 0's prefill has put the prompt's
+    whole pages in P's prefix cache (pdd.gateway.openai_run), so each recomputes only the tail
+    of its last page (at least one token)."""
+    return prompt_tokens + (n_requests - 1) * min(1, prompt_tokens)
+
+
 def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prompt_tokens: int) -> Decision:
     """Admit ``n_requests`` choices of a ``prompt_tokens``-token prompt, or refuse with the
     limit hit and a Retry-After estimate (seconds until enough of the queue has drained: queued
@@ -112,7 +120,7 @@ def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prom
     if n_requests < 1 or prompt_tokens < 0:
         raise ValueError("n_requests must be >= 1 and prompt_tokens >= 0")
     cap = limits.retry_after_max_s
-    new_tokens = n_requests * prompt_tokens
+    new_tokens = prefill_tokens(n_requests, prompt_tokens)
     if (limits.max_wan_backlog_s and state.inflight > 0 and state.wan_backlog_s is not None
             and state.wan_backlog_s > limits.max_wan_backlog_s):
         return Decision(False, "wan_backlog", _retry(state.wan_backlog_s - limits.max_wan_backlog_s, cap),
@@ -129,8 +137,8 @@ def decide(state: AdmissionState, limits: AdmissionLimits, n_requests: int, prom
         if limits.max_queued_tokens and total > limits.max_queued_tokens:
             wait = None if rate is None else (total - limits.max_queued_tokens) / rate
             return Decision(False, "queued_tokens", _retry(wait, cap),
-                            f"server overloaded: {state.queued_tokens} prompt tokens queued for prefill, "
-                            f"the limit is {limits.max_queued_tokens}")
+                            f"server overloaded: {state.queued_tokens} prompt tokens queued for prefill and "
+                            f"this request's {new_tokens} would exceed the limit of {limits.max_queued_tokens}")
         if limits.max_wait_s and rate is not None and total / rate > limits.max_wait_s:
             return Decision(False, "queue_wait", _retry(total / rate - limits.max_wait_s, cap),
                             f"server overloaded: the prefill queue would take {total / rate:.2f} s "
@@ -293,9 +301,10 @@ class Admission:
             self.reject(d.reason or "?")
             return None, d
         self.inflight += n
-        self.queued_tokens += n * prompt_tokens
+        queued = prefill_tokens(n, prompt_tokens)
+        self.queued_tokens += queued
         self.admitted += 1
-        t = Ticket(n, n * prompt_tokens, time.monotonic())
+        t = Ticket(n, queued, time.monotonic())
         t.arrived_t = arrived_t if arrived_t is not None else t.admitted_t
         if self.adaptive is not None:
             t.epoch, t.at_limit = self.adaptive.epoch, self.inflight >= self.adaptive.limit / 2
