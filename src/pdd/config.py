@@ -7,11 +7,12 @@ Units are in the field names. Defaults describe the embedded single-machine topo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
 MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
@@ -25,7 +26,7 @@ class EngineConfig(_Strict):
     """One engine instance (P, RLD, MD or colocated)."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    device: str = Field("cpu", description="torch device of the engines: cpu, cuda or cuda:N")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
     num_pages: int = Field(2048, ge=4, description="KV pages in the pool")
     max_batch_tokens: int = Field(512, ge=1, description="token budget of one forward pass")
@@ -37,6 +38,14 @@ class EngineConfig(_Strict):
     max_model_len: int = Field(4096, ge=2, description="prompt + output tokens at most")
     max_input_len: int = Field(4000, ge=1, description="prompt tokens at most")
     torch_threads: int = Field(1, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        """Refused at load, not as a torch error in every engine: only CPU and CUDA are supported."""
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
 
 
 class LinkConfig(_Strict):
@@ -211,7 +220,10 @@ class ClusterConfig(_Strict):
     security: SecurityConfig = SecurityConfig()
     instances: InstanceCounts = InstanceCounts()
     limits: LimitsConfig = LimitsConfig()
-    request_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(
+        300.0, gt=0,
+        description="seconds a request may wait for its next event (a token, a tier's reply or plan) before it "
+        "fails; an idle timeout between events, not a limit on the request's total time")
     liveness: LivenessConfig = LivenessConfig()
 
     @field_validator("mode")
@@ -220,6 +232,19 @@ class ClusterConfig(_Strict):
         if v not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         return v
+
+    @model_validator(mode="after")
+    def _ports_distinct(self) -> "ClusterConfig":
+        """Every port the topology binds (pdd.topology.layout: instances, their metrics, MD's WAN
+        ports, the link's control port, the gateway) must be distinct: a collision would only show
+        at start as "address already in use" from one process. Raises ValueError naming them."""
+        from pdd.topology import layout, port_conflicts  # topology imports this module
+
+        clashes = port_conflicts(layout(self))
+        if clashes:
+            raise ValueError("ports collide: " + "; ".join(clashes) + " (move gateway_port or base_port, or use "
+                             "fewer instances)")
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides) -> "ClusterConfig":

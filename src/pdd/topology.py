@@ -87,6 +87,20 @@ def layout(cfg: ClusterConfig) -> Layout:
     return Layout(cfg.mode, cfg.host, ps + rlds + mds + (link, gw), b)
 
 
+def port_conflicts(lay: Layout) -> list[str]:
+    """Ports two of ``lay``'s listeners would share, each as ``"18010: p0, md9 wan"`` (instance
+    RPC ports, engines' metrics ports, MD's WAN ports on the link, the link's control port, the
+    gateway's HTTP port); empty when all are distinct."""
+    users: dict[int, list[str]] = {}
+    for sp in lay.instances:
+        users.setdefault(sp.port, []).append(sp.name)
+        if sp.role not in (ROLE_GATEWAY, ROLE_LINK):
+            users.setdefault(sp.metrics_port, []).append(f"{sp.name} metrics")
+        if sp.wan_port is not None:
+            users.setdefault(sp.wan_port, []).append(f"{sp.name} wan")
+    return [f"{port}: {', '.join(who)}" for port, who in sorted(users.items()) if len(who) > 1]
+
+
 def ports_in_use(lay: Layout) -> list[int]:
     """The ports ``lay`` needs (each instance's RPC port, an engine's metrics port, MD's WAN
     port, the gateway's HTTP port) that cannot be bound on its host now, ascending: another

@@ -30,3 +30,27 @@ def test_serve_refuses_a_taken_block_with_a_clear_message(capsys):
             main(["serve", "--base-port", str(base), "--port", str(base + 95)])
     msg = str(e.value)
     assert f"port {base + 70} already in use" in msg and "--base-port" in msg and "--port" in msg
+
+
+@pytest.mark.parametrize("over,clash", [
+    ({"gateway_port": 18012, "base_port": 18002}, "18012: p0, gateway"),
+    ({"instances": {"main_decode": 10}}, "18010: p0, md9 wan"),
+])
+def test_config_refuses_colliding_ports_naming_them(over, clash):
+    """Found by a new user: a gateway port inside the instances' block passed validation and died
+    at start with "address already in use"; ten MDs put md9's WAN port on p0's."""
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="ports collide") as e:
+        ClusterConfig.model_validate({"mode": "pdd", **over})
+    assert clash in str(e.value)
+    ClusterConfig.model_validate({"mode": "pdd", "instances": {"main_decode": 9}})
+
+
+def test_config_refuses_an_unsupported_device():
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
+        ClusterConfig.model_validate({"engine": {"device": "tpu"}})
+    for ok in ("cpu", "cuda", "cuda:1"):
+        assert ClusterConfig.model_validate({"engine": {"device": ok}}).engine.device == ok
