@@ -265,7 +265,11 @@ class PrefillInstance(EngineInstance):
                 if wan:
                     self.wan_bytes_sent += tr.bytes_sent
             except Exception as e:
-                log.exception("KV stream %s -> %s failed", ctx.rid, name)
+                if isinstance(e, (ConnectionError, asyncio.TimeoutError, TimeoutError)):
+                    # the peer went away or stalled (a fault the gateway recovers from): one line
+                    log.warning("KV stream %s -> %s failed: %s", ctx.rid, name, e)
+                else:
+                    log.exception("KV stream %s -> %s failed", ctx.rid, name)
                 errors[name] = str(e)
 
         try:
