@@ -246,3 +246,26 @@ async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypat
     st2.error = "gone"
     assert not await orch._recover(st2)
     assert calls == ["r2.1"] and "recovery failed: something else" in st2.error
+
+
+async def test_recovery_waits_for_a_restarting_tier(orch, monkeypatch):
+    """A recovery whose new attempt finds no live instance of a tier it needs (NoInstance: the
+    only P was killed, and its supervisor restarts it in seconds) waits and tries again, as for
+    a full tier, instead of failing every request that was waiting for P (a new user: 6 of 8
+    streams failed with 503 when p0 was killed, though it was back in ~4 s)."""
+    from pdd.gateway import recovery
+    from pdd.gateway.state import NoInstance
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
+    calls: list = []
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        calls.append(st.trid)
+        if len(calls) <= 3:
+            raise NoInstance("no prefill instance is reachable")
+
+    monkeypatch.setattr(orch, "_launch", launch)
+    st = relayed(orch)
+    st.error = "instance p0 is unreachable"
+    assert await orch._recover(st)
+    assert calls == ["r1.1", "r1.2", "r1.3", "r1.4"] and orch.totals["recovered"] == 1

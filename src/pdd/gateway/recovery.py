@@ -17,14 +17,14 @@ import logging
 import time
 
 from pdd.gateway.admission import refusal
-from pdd.gateway.state import ATTEMPT_EVENTS, ReqState, extend_message
+from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState, extend_message
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer import rpc
 from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
 
-RECOVERY_WAIT_S = 30.0  # how long a recovery retries while a full tier (KV pool, queue) refuses it
+RECOVERY_WAIT_S = 30.0  # how long a recovery retries while a full tier (KV pool, queue) refuses it or none is up
 RECOVERY_RETRY_S = 0.5  # between those retries
 
 
@@ -126,10 +126,13 @@ class Recovery:
                 if isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts:
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
-                if refusal(e) is not None and waited < RECOVERY_WAIT_S and not st.finished:
+                if (refusal(e) is not None or isinstance(e, NoInstance)) and waited < RECOVERY_WAIT_S \
+                        and not st.finished:
                     # a full tier (KV pool or queue) refused the new attempt: it frees pages as its
                     # requests finish, so wait and try again instead of failing a request that has
-                    # streamed tokens already (a new user: 3 of 4 recoveries failed on a full RLD)
+                    # streamed tokens already (a new user: 3 of 4 recoveries failed on a full RLD);
+                    # likewise when no instance of a tier is up (its supervisor restarts a killed
+                    # one in seconds; a new user: 6 of 8 streams failed when the only P was killed)
                     self._new_attempt(st, f"{type(e).__name__}: {e}", counted=False)
                     await asyncio.sleep(RECOVERY_RETRY_S)
                     waited += RECOVERY_RETRY_S
