@@ -233,41 +233,14 @@ def session_key(record: dict, idx: int) -> str:
 
 
 def load_trace(path: str | Path = DEFAULT_TRACE, start: int = 0, count: int | None = None) -> list[dict]:
-    """Read Mooncake JSONL records ``[start, start + count)`` (blank lines skipped).
+    """Read Mooncake JSONL records ``[start, start + count)`` (blank lines skipped;
+    :func:`pdd.sim.workloads.read_trace`).
 
     ValueError naming the file and line when a line read is not a JSON object with the four
     fields (e.g. ``--trace README.md``)."""
-    out: list[dict] = []
-    stop = None if count is None else start + count
-    with open(path, encoding="utf-8") as f:
-        i = 0
-        lineno = 0
-        while True:
-            try:
-                line = f.readline()
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}: not UTF-8 text (a binary file?)") from None
-            if not line:
-                break
-            lineno += 1
-            if not line.strip():
-                continue
-            if i >= start and (stop is None or i < stop):
-                try:
-                    rec = json.loads(line)
-                except ValueError as e:  # JSONDecodeError
-                    raise ValueError(f"{path}, line {lineno}: not a JSON record ({e})") from None
-                if not isinstance(rec, dict):
-                    raise ValueError(f"{path}, line {lineno}: not a JSON object with timestamp, input_length, "
-                                     "output_length, hash_ids")
-                for k in ("timestamp", "input_length", "output_length", "hash_ids"):
-                    if k not in rec:
-                        raise ValueError(f"{path}, line {lineno}: record {i} lacks {k!r}")
-                out.append(rec)
-            i += 1
-            if stop is not None and i >= stop:
-                break
-    return out
+    from pdd.sim.workloads import read_trace
+
+    return list(read_trace(path, start, None if count is None else start + count))
 
 
 def build_requests(

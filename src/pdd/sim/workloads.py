@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -23,37 +23,40 @@ HIT_BINS = [(0, 90), (90, 95), (95, 97), (97, 98), (98, 99), (99, 99.5), (99.5, 
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
-def load_trace(path: str | Path = MOONCAKE_TRACE, limit: int | None = None) -> list[dict]:
-    """The first ``limit`` (None: all) records of a Mooncake JSONL file, blank lines skipped.
-
-    ValueError naming the file and line when a line is not a JSON object with the four fields
-    (``README.md`` given as a trace, a truncated file); OSError when the file cannot be read."""
-    out = []
+def read_trace(path: str | Path, start: int = 0, stop: int | None = None) -> Iterator[dict]:
+    """The Mooncake JSONL records ``[start, stop)`` of ``path`` (blank lines skipped; records
+    before ``start`` are skipped unparsed). ValueError naming the file and line when a record read
+    is not a JSON object with the four fields (``README.md`` given as a trace, a truncated file)
+    or the file is not UTF-8 text; OSError when it cannot be read."""
     with open(path, encoding="utf-8") as f:
-        lineno = 0
-        while True:
+        i = lineno = 0
+        while stop is None or i < stop:
             try:
                 line = f.readline()
             except UnicodeDecodeError:
                 raise ValueError(f"{path}: not UTF-8 text (a binary file?)") from None
             if not line:
-                break
+                return
             lineno += 1
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:  # JSONDecodeError
-                raise ValueError(f"{path}, line {lineno}: not a JSON record ({e})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}, line {lineno}: not a JSON object with {', '.join(TRACE_FIELDS)}")
-            missing = [k for k in TRACE_FIELDS if k not in rec]
-            if missing:
-                raise ValueError(f"{path}, line {lineno}: record lacks {', '.join(map(repr, missing))}")
-            out.append(rec)
-            if limit and len(out) >= limit:
-                break
-    return out
+            if i >= start:
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:  # JSONDecodeError
+                    raise ValueError(f"{path}, line {lineno}: not a JSON record ({e})") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}, line {lineno}: not a JSON object with {', '.join(TRACE_FIELDS)}")
+                missing = [k for k in TRACE_FIELDS if k not in rec]
+                if missing:
+                    raise ValueError(f"{path}, line {lineno}: record lacks {', '.join(map(repr, missing))}")
+                yield rec
+            i += 1
+
+
+def load_trace(path: str | Path = MOONCAKE_TRACE, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` (None: all) records of a Mooncake JSONL file (:func:`read_trace`)."""
+    return list(read_trace(path, 0, limit or None))
 
 
 def write_trace(records: Iterable[dict], path: str | Path) -> None:
