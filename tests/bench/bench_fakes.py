@@ -57,22 +57,30 @@ def fake_app() -> FastAPI:
     return app
 
 
-@pytest.fixture(scope="session")
-def server_url():
+def serve_in_thread(app):
+    """Serve ``app`` with uvicorn on a free local port in a daemon thread; returns ``(url, stop)``."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fake_app(), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline, "fake server did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    th.join(5)
-    sock.close()
+
+    def stop():
+        server.should_exit = True
+        th.join(5)
+        sock.close()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+@pytest.fixture(scope="session")
+def server_url():
+    url, stop = serve_in_thread(fake_app())
+    yield url
+    stop()
 
 
 class FakeTopology:

@@ -3,14 +3,12 @@
 Found by a new user. No topology is started: the --url cases use a tiny in-process gateway."""
 
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+
+from bench_fakes import serve_in_thread
 
 from pdd.bench import bench as bench_mod
 from pdd.bench.bench import RemoteTopology, bench_exit_status, main
@@ -110,27 +108,16 @@ def _gateway(mode: str | None, completions_status: int = 404) -> FastAPI:
 
 @pytest.fixture
 def gateway():
-    servers = []
+    stops = []
 
     def start(mode, completions_status=404):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(_gateway(mode, completions_status), log_level="warning",
-                                               lifespan="off"))
-        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        th.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "fake gateway did not start"
-            time.sleep(0.02)
-        servers.append((server, th, sock))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+        url, stop = serve_in_thread(_gateway(mode, completions_status))
+        stops.append(stop)
+        return url
 
     yield start
-    for server, th, sock in servers:
-        server.should_exit = True
-        th.join(5)
-        sock.close()
+    for stop in stops:
+        stop()
 
 
 def test_url_refuses_modes_other_than_the_servers(capsys, tmp_path, gateway, no_run):
