@@ -283,3 +283,21 @@ def test_usage_cached_tokens_never_exceed_the_prompt():
     assert _usage(gen(112))["prompt_tokens_details"] == {"cached_tokens": 14}
     assert _usage(gen(8)) == {"prompt_tokens": 14, "completion_tokens": 400, "total_tokens": 414,
                               "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+def test_eos_text_is_left_out_unless_include_stop_str_in_output(api, tiny_model):
+    """A choice ended by EOS does not show EOS's text even with ``skip_special_tokens: false``,
+    unless ``include_stop_str_in_output`` (as vLLM; a new user saw ``</s>`` at the end)."""
+    from pdd.engine.config import ModelConfig
+
+    client, _ = api
+    eos = ModelConfig.from_pretrained(tiny_model).eos_token_ids[0]
+    body = {"prompt": PROMPT, "temperature": 0, "min_tokens": 3, "logit_bias": {str(eos): 100},
+            "skip_special_tokens": False}
+    before = client.post("/v1/completions", json={**body, "max_tokens": 3, "ignore_eos": True}).json()
+    j = client.post("/v1/completions", json={**body, "max_tokens": 10}).json()
+    # EOS is masked for the first min_tokens = 3 outputs, then the bias makes it the 4th
+    assert j["choices"][0]["finish_reason"] == "stop" and j["usage"]["completion_tokens"] == 4, j
+    assert j["choices"][0]["text"] == before["choices"][0]["text"]
+    k = client.post("/v1/completions", json={**body, "max_tokens": 10, "include_stop_str_in_output": True}).json()
+    assert k["choices"][0]["text"] != j["choices"][0]["text"] and k["choices"][0]["text"].startswith(j["choices"][0]["text"])

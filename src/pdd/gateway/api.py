@@ -140,6 +140,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     app = FastAPI(title="pdd gateway", version="0.1.0")
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
     model_vocab = _model_vocab(cfg) or vocab
+    eos_ids = _model_eos_ids(cfg)  # a choice ended by one of these does not show its text (as vLLM)
     if chat_template is None:
         try:
             chat_template = ChatTemplate.from_model_dir(cfg.model_path)
@@ -314,7 +315,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         ticket, d = adm.try_admit(len(sps), len(ids), arrived)
         if ticket is None:
             raise Overloaded(d.message, d.retry_after_s)
-        gen = Generation(orch, tokenizer, ids, sps, opts, set())
+        gen = Generation(orch, tokenizer, ids, sps, opts, eos_ids)
         try:
             await gen.start()
         except RequestFailed as ex:
@@ -464,6 +465,17 @@ def _model_vocab(cfg: ClusterConfig) -> int | None:
             return int(json.load(f)["vocab_size"])
     except Exception:
         return None
+
+
+def _model_eos_ids(cfg: ClusterConfig) -> set[int]:
+    """The model's EOS token ids (config.json, merged with generation_config.json as the engines
+    read them); empty when the checkpoint cannot be read (the engines would not start either)."""
+    from pdd.engine.config import ModelConfig
+
+    try:
+        return set(ModelConfig.from_pretrained(cfg.model_path).eos_token_ids)
+    except Exception:
+        return set()
 
 
 def _lp(v) -> float:
