@@ -301,3 +301,16 @@ def test_eos_text_is_left_out_unless_include_stop_str_in_output(api, tiny_model)
     assert j["choices"][0]["text"] == before["choices"][0]["text"]
     k = client.post("/v1/completions", json={**body, "max_tokens": 10, "include_stop_str_in_output": True}).json()
     assert k["choices"][0]["text"] != j["choices"][0]["text"] and k["choices"][0]["text"].startswith(j["choices"][0]["text"])
+
+
+def test_gateway_knows_kv_bytes_per_token_before_any_reservation(tiny_model):
+    """The first request's pipeline decision had ``kv_bytes_per_token: 0`` (learned only from MD's
+    first reservation reply): a free WAN for the policy. It comes from the checkpoint now."""
+    from pdd.config import ClusterConfig
+    from pdd.engine.config import ModelConfig
+    from pdd.gateway.orchestrator import Orchestrator
+    from pdd.topology import layout
+
+    cfg = ClusterConfig.model_validate({"model_path": tiny_model})
+    o = Orchestrator(cfg, layout(cfg))
+    assert o.kv_bytes_per_token == ModelConfig.from_pretrained(tiny_model).kv_bytes_per_token("float32") > 0

@@ -269,3 +269,64 @@ async def test_recovery_waits_for_a_restarting_tier(orch, monkeypatch):
     st.error = "instance p0 is unreachable"
     assert await orch._recover(st)
     assert calls == ["r1.1", "r1.2", "r1.3", "r1.4"] and orch.totals["recovered"] == 1
+
+
+async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch):
+    """planned = sent + not sent, per transfer, whatever fails (a verifying new user: after
+    kill -9 of md0 mid-transfer, /pdd/stats wan_bytes stayed below wan_bytes_expected for good;
+    after a P restart wan_bytes read 0, P's fresh counter)."""
+    orch._in_b = lambda name: name.startswith("md")
+    rep = {"md_cached_tokens": 0, "md_cached_pages": 0, "n_pages": 3, "prompt_tokens": 40, "page_size": 16,
+           "page_bytes": 16 * 100}
+    st = relayed(orch)
+    orch._reserved(st, "md0", rep)
+    assert st.wan_bytes_expected == 4000 and orch.planned_wan == {"r1": 4000}
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        return None
+
+    monkeypatch.setattr(orch, "_launch", launch)
+    st.error = "instance md0 is unreachable"
+    assert await orch._recover(st)  # the old attempt r1 is replaced by r1.1; P still reports r1
+    await orch.on_xfer_done(None, {"rid": "r1", "bytes": {"md0": 1500}, "unsent": {"md0": 2500},
+                                   "errors": {"md0": "connection lost"}}, b"")
+    t = orch.totals
+    assert (t["wan_bytes_sent"], t["wan_bytes_expected"], t["wan_bytes_cancelled"]) == (1500, 1500, 2500)
+    # the new attempt's plan, then its P dies before reporting: out of the balance, counted apart
+    st.names = {"prefill": "p0", "relay_decode": "rld1", "main_decode": "md1"}
+    orch._reserved(st, "md1", rep)
+    assert t["wan_bytes_expected"] == 5500
+    orch._peer_closed("p0")
+    await settle()
+    assert (t["wan_bytes_sent"], t["wan_bytes_expected"], t["wan_bytes_unreported"]) == (1500, 1500, 4000)
+    assert not orch.planned_wan and not orch.superseded_wan
+
+
+async def test_a_start_that_lost_its_p_waits_for_it_to_come_back(orch, monkeypatch):
+    """A request whose P died while it started is started again; if no P is up yet (its
+    supervisor restarts it in seconds) it waits instead of failing with 503 (a verifying new
+    user: 3 of 8 requests still starting when p0 was killed got 503s). A request that finds no
+    P on its first try still fails at once (503 + Retry-After for the client: no work done)."""
+    from pdd.gateway import recovery
+    from pdd.gateway.state import NoInstance, RequestFailed
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
+    tries: list = []
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        tries.append(st.trid)
+        if len(tries) == 1:
+            raise ConnectionError("instance p0 is unreachable")
+        if len(tries) <= 4:
+            raise NoInstance("no prefill instance is reachable")
+
+    monkeypatch.setattr(orch, "_launch", launch)
+    st = await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s1")
+    assert tries == ["s1", "s1.1", "s1.2", "s1.3", "s1.4"] and st.trid == "s1.4"
+
+    async def none_up(st, prompt, sp=None, force_relay=False):
+        raise NoInstance("no prefill instance is reachable")
+
+    monkeypatch.setattr(orch, "_launch", none_up)
+    with pytest.raises(RequestFailed, match="no prefill instance"):
+        await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s2")

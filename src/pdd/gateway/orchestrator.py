@@ -79,15 +79,20 @@ class Orchestrator(Recovery):
         self.cfg, self.layout = cfg, lay
         self.peers: dict[str, rpc.Peer] = {}
         self.reqs: dict[str, ReqState] = {}
-        self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "requests": 0,
+        self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "wan_bytes_sent": 0,
+                       "wan_bytes_unreported": 0, "requests": 0,
                        "completed": 0, "failed": 0, "cancelled": 0,  # OUTCOMES: each request once
                        "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
         self.planned_src: dict[str, str] = {}  # rid -> the P that will report it (forgotten if P dies)
+        # replaced attempts' plans (recovery): (planned bytes, P), until P reports them or dies
+        self.superseded_wan: dict[str, tuple[int, str]] = {}
         self._ids = itertools.count()
-        self.kv_bytes_per_token: int | None = None
+        # from the checkpoint's config, so the first request is planned with it too (a new user saw 0
+        # there); MD's first reservation reply confirms it from its pool (_reserved)
+        self.kv_bytes_per_token: int | None = _checkpoint_kv_bytes_per_token(cfg)
         self._tasks: set = set()
         self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
         self._rr: dict[str, int] = {}
@@ -154,9 +159,16 @@ class Orchestrator(Recovery):
         why = "no heartbeat" if getattr(peer, "dead_peer", False) else "connection lost"
         self.totals["instances_lost"] = self.totals.get("instances_lost", 0) + 1
         for trid, src in list(self.planned_src.items()):
-            if src == name:  # that P will never report the transfer's outcome
+            if src == name:  # that P will never report the transfer's outcome: out of the balance
                 self.planned_src.pop(trid, None)
-                self.planned_wan.pop(trid, None)
+                lost = self.planned_wan.pop(trid, 0)
+                self.totals["wan_bytes_unreported"] += lost
+                self.totals["wan_bytes_expected"] -= lost
+        for trid, (lost, src) in list(self.superseded_wan.items()):
+            if src == name:
+                self.superseded_wan.pop(trid, None)
+                self.totals["wan_bytes_unreported"] += lost
+                self.totals["wan_bytes_expected"] -= lost
         for trid, (p_name, md_name) in list(self.awaiting_kv.items()):
             if p_name == name:
                 self._kv_source_lost(trid)  # the KV will never arrive: MD drops what it holds
@@ -291,12 +303,15 @@ class Orchestrator(Recovery):
         st = self.reqs.get(h["rid"])
         wan = sum(v for k, v in h.get("bytes", {}).items() if self._in_b(k))
         # bytes of pages whose sending was cancelled (cut-off): expected = planned - cancelled
-        planned = self.planned_wan.pop(h["rid"], 0)
+        planned = self.planned_wan.pop(h["rid"], None)
         self.planned_src.pop(h["rid"], None)
+        if planned is None:  # an attempt that recovery replaced
+            planned = self.superseded_wan.pop(h["rid"], (0, ""))[0]
         unsent = sum(planned if v < 0 else v for k, v in h.get("unsent", {}).items() if self._in_b(k))
         if unsent:
             self.totals["wan_bytes_cancelled"] += unsent
             self.totals["wan_bytes_expected"] -= unsent
+        self.totals["wan_bytes_sent"] += wan
         if h["rid"] in self.awaiting_kv and (h.get("errors") or {}).get(self.awaiting_kv[h["rid"]][1]):
             self._kv_source_lost(h["rid"])  # MD's KV stream failed after the request ended
         if st is not None:
@@ -433,11 +448,18 @@ class Orchestrator(Recovery):
     async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None) -> ReqState:
         """Plan and start a request (its first token sampled on P). An instance lost while
         starting (ConnectionError) starts it again on live instances, up to
-        ``liveness.recovery_attempts`` times; then, or for any other error, RequestFailed."""
+        ``liveness.recovery_attempts`` times; a restart that then finds no live instance of a
+        tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
+        and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does; then, or
+        for any other error, RequestFailed. A request that finds no instance on its first try
+        fails at once (the client gets a 503 with Retry-After: it did no work)."""
+        from pdd.gateway import recovery
+
         rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids))
         self.reqs[rid] = st
         self.totals["requests"] += 1
+        waited = 0.0
         while True:
             try:
                 await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
@@ -447,6 +469,11 @@ class Orchestrator(Recovery):
                 if retry:
                     log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    continue
+                if isinstance(e, NoInstance) and st.attempt > 0 and waited < recovery.RECOVERY_WAIT_S:
+                    self._new_attempt(st, f"{type(e).__name__}: {e}", counted=False)
+                    await asyncio.sleep(recovery.RECOVERY_RETRY_S)
+                    waited += recovery.RECOVERY_RETRY_S
                     continue
                 self._unassign(st)
                 await self.abort(st, ABORT_FAILED)  # counts it as failed
@@ -672,8 +699,7 @@ class Orchestrator(Recovery):
         st.events["md_reserved"] = time.perf_counter()
         md_wan = self.layout.get(md_name).dc == "B"
         self.page_bytes = int(rep["page_bytes"])
-        if self.kv_bytes_per_token is None:
-            self.kv_bytes_per_token = self.page_bytes // self.cfg.engine.page_size
+        self.kv_bytes_per_token = self.page_bytes // self.cfg.engine.page_size  # MD's pool: authoritative
         st.md_cached_tokens = int(rep["md_cached_tokens"])
         md_first = int(rep["md_cached_pages"])
         if md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
@@ -900,7 +926,9 @@ class Orchestrator(Recovery):
             except Exception as e:
                 inst[name] = {"error": str(e)}
         out = {"mode": self.cfg.mode, "instances": inst, "totals": dict(self.totals), "pipelines": dict(self.pipelines)}
-        out["wan_bytes"] = sum(int(r.get("wan_bytes_sent", 0)) for r in inst.values() if isinstance(r, dict))
+        # as P reported them per transfer (xfer_done): kept by the gateway, so a restarted P's
+        # fresh counters do not reset it (each instance's own count is in instances[...])
+        out["wan_bytes"] = self.totals["wan_bytes_sent"]
         out["wan_bytes_expected"] = self.totals["wan_bytes_expected"]
         out["wan_gbps_live"] = self.wan_gbps_live
         out["transfers_pending"] = len(self.planned_wan)  # WAN plans whose outcome P has not reported yet
@@ -955,3 +983,13 @@ class Orchestrator(Recovery):
         leaked = None if unreachable else sum(int(v["pages_total"]) - int(v["pages_free"])
                                               for n, v in inst.items() if n not in busy)
         return {"instances": inst, "leaked_pages": leaked, "busy": busy, "unreachable": unreachable}
+
+
+def _checkpoint_kv_bytes_per_token(cfg: ClusterConfig) -> int | None:
+    """KV bytes per token of ``cfg``'s checkpoint in ``cfg.engine.dtype`` (None if it cannot be read)."""
+    from pdd.engine.config import ModelConfig
+
+    try:
+        return ModelConfig.from_pretrained(cfg.model_path).kv_bytes_per_token(cfg.engine.dtype)
+    except Exception:
+        return None

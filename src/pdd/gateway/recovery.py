@@ -74,8 +74,10 @@ class Recovery:
             st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": self.phase(st),
                                   "pos": st.next_pos, "pipeline": st.pipeline.value, "names": dict(st.names)})
         self.reqs.pop(old, None)
-        self.planned_wan.pop(old, None)
-        self.planned_src.pop(old, None)
+        if old in self.planned_wan:  # P still reports the old attempt's transfer (xfer_done) ...
+            self.superseded_wan[old] = (self.planned_wan.pop(old), self.planned_src.pop(old, ""))
+            while len(self.superseded_wan) > 10000:  # ... unless it never streamed: bounded
+                self.superseded_wan.pop(next(iter(self.superseded_wan)))
         self._spawn(self._abort_everywhere(old))
         self._unassign(st)
         st.attempt += 1

@@ -237,6 +237,8 @@ class PrefillInstance(EngineInstance):
 
         async def one(t: dict) -> None:
             name = t.get("name", t.get("slot"))
+            tr = first = None
+            wan = False
             try:
                 if t.get("deferred"):
                     plan = await asyncio.wait_for(self._deferred_target(ctx.rid, t["slot"]), self.cfg.request_timeout_s)
@@ -271,6 +273,15 @@ class PrefillInstance(EngineInstance):
                 else:
                     log.exception("KV stream %s -> %s failed", ctx.rid, name)
                 errors[name] = str(e)
+                # what crossed before the failure counts as sent, the rest as not sent, so the
+                # gateway's planned = sent + unsent holds for failed streams too
+                sent = tr.bytes_sent if tr is not None else 0
+                result[name] = sent
+                unsent[name] = (tr.total_bytes - sent if tr is not None
+                                else planned(first) if first is not None else -1)
+                self.bytes_sent[name] = self.bytes_sent.get(name, 0) + sent
+                if wan:
+                    self.wan_bytes_sent += sent
 
         try:
             await asyncio.gather(*(one(t) for t in targets))
