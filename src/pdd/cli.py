@@ -15,7 +15,9 @@ def _config(args, **over):
     try:
         return ClusterConfig.load(getattr(args, "config", None), **over)
     except ValidationError as e:
-        errs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        # a whole-config check (colliding ports) has no field location: its message names them
+        errs = "; ".join((f"{'.'.join(str(x) for x in err['loc'])}: " if err["loc"] else "")
+                         + err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise SystemExit(f"pdd: invalid config: {errs}")
     except FileNotFoundError as e:
         raise SystemExit(f"pdd: config file not found: {e.filename}")

@@ -54,3 +54,12 @@ def test_config_refuses_an_unsupported_device():
         ClusterConfig.model_validate({"engine": {"device": "tpu"}})
     for ok in ("cpu", "cuda", "cuda:1"):
         assert ClusterConfig.model_validate({"engine": {"device": ok}}).engine.device == ok
+
+
+def test_serve_names_colliding_ports_without_an_empty_location(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("gateway_port: 18012\nbase_port: 18002\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--config", str(cfg)])
+    assert str(e.value) == ("pdd: invalid config: ports collide: 18012: p0, gateway (move gateway_port or "
+                            "base_port, or use fewer instances)")
