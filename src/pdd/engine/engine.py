@@ -227,10 +227,7 @@ class Engine:
             n = min(seq.num_computed // self.page_size, len(seq.page_table))
             if n:
                 self.radix.insert(seq.token_ids[:n * self.page_size], seq.page_table[:n])
-        if self.radix is not None:
-            self.radix.unlock(seq.prefix_match)
-        pages, seq.page_table = seq.page_table, []
-        self.pool.decref(pages)
+        self._free_pages(seq)
         seq.status = SeqStatus.RELEASED
         self._live.pop(id(seq), None)
 
@@ -356,15 +353,20 @@ class Engine:
         live = list(self._live.values())
         return any(s.page_table and s.status in (SeqStatus.WAITING, SeqStatus.FINISHED) for s in live)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's pages; it stays in the batch (same arrival order) with all
-        its tokens to compute again: prompt and outputs are recomputed as one prefill when pages
-        come back, and it samples on from where it was."""
+    def _free_pages(self, seq: Sequence) -> None:
+        """Unlock ``seq``'s prefix-cache match and drop its refs on every page it holds (release
+        and preemption)."""
         if self.radix is not None:
             self.radix.unlock(seq.prefix_match)
         seq.prefix_match = None
         pages, seq.page_table = seq.page_table, []
         self.pool.decref(pages)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's pages; it stays in the batch (same arrival order) with all
+        its tokens to compute again: prompt and outputs are recomputed as one prefill when pages
+        come back, and it samples on from where it was."""
+        self._free_pages(seq)
         seq.num_computed = 0
         self.preemptions += 1
         # a warning, as vLLM's: preemption costs a recompute, and a pool this tight is worth knowing
