@@ -403,6 +403,9 @@ def test_kv_frame_bytes_and_prompt_kv_bytes():
     assert prompt_kv_bytes(200, 12, 16, 16 * 2048) == 8 * 2048
     assert prompt_kv_bytes(200, 0, 16, 16 * 2048) == 200 * 2048
     assert prompt_kv_bytes(192, 12, 16, 16 * 2048) == 0 and prompt_kv_bytes(192, 13, 16, 16 * 2048) == 0
+    assert prompt_kv_bytes(200, 12, 16, 16 * 2048, whole_pages=True) == 16 * 2048  # the ablation: whole pages
+    assert prompt_kv_bytes(200, 0, 16, 16 * 2048, whole_pages=True) == 13 * 16 * 2048
+    assert prompt_kv_bytes(192, 12, 16, 16 * 2048, whole_pages=True) == 0
     assert prompt_last_slots(200, 16) == 8 and prompt_last_slots(192, 16) is None
     with pytest.raises(ValueError):
         prompt_kv_bytes(10, 0, 16, 1000)

@@ -703,11 +703,8 @@ class Orchestrator(Recovery):
         st.md_cached_tokens = int(rep["md_cached_tokens"])
         md_first = int(rep["md_cached_pages"])
         if md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
-            if self.cfg.policy.kv_whole_pages:  # ablation: whole pages
-                st.wan_bytes_expected = max(0, int(rep["n_pages"]) - md_first) * self.page_bytes
-            else:
-                st.wan_bytes_expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
-                                                        self.page_bytes)
+            st.wan_bytes_expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
+                                                    self.page_bytes, self.cfg.policy.kv_whole_pages)
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
             self.totals["wan_bytes_planned"] += st.wan_bytes_expected
             self.planned_wan[st.trid] = st.wan_bytes_expected

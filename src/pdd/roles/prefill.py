@@ -231,9 +231,7 @@ class PrefillInstance(EngineInstance):
             return pool.export_pages(table[i : i + n], last_slots=last_slots if i + n == n_pages else None)
 
         def planned(first: int) -> int:
-            if whole:
-                return max(0, n_pages - first) * pool.page_bytes
-            return prompt_kv_bytes(n_prompt, first, pool.page_size, pool.page_bytes)
+            return prompt_kv_bytes(n_prompt, first, pool.page_size, pool.page_bytes, whole)
 
         async def one(t: dict) -> None:
             name = t.get("name", t.get("slot"))

@@ -481,14 +481,19 @@ class KVSender:
             self._task = None if not self._closed else self._task
 
 
-def prompt_kv_bytes(prompt_tokens: int, first_page: int, page_size: int, page_bytes: int) -> int:
+def prompt_kv_bytes(prompt_tokens: int, first_page: int, page_size: int, page_bytes: int,
+                    whole_pages: bool = False) -> int:
     """Payload bytes of a transfer of a prompt's KV from its page ``first_page`` on:
     ``max(0, prompt_tokens - first_page * page_size) * page_bytes / page_size``, because only the
-    filled token slots of the prompt's last page are sent (``last_page_bytes``). ``page_bytes``:
-    bytes of one page over the layers sent; raises ValueError unless it is whole slots."""
+    filled token slots of the prompt's last page are sent (``last_page_bytes``). ``whole_pages``
+    (the ``kv_whole_pages`` ablation): that page is sent whole, ``max(0, pages - first_page) *
+    page_bytes``. ``page_bytes``: bytes of one page over the layers sent; raises ValueError
+    unless it is whole slots."""
     slot, rest = divmod(int(page_bytes), int(page_size))
     if rest or page_size <= 0:
         raise ValueError(f"page_bytes {page_bytes} is not a whole number of {page_size} token slots")
+    if whole_pages:
+        return max(0, -(-int(prompt_tokens) // int(page_size)) - int(first_page)) * int(page_bytes)
     return max(0, int(prompt_tokens) - int(first_page) * int(page_size)) * slot
 
 
