@@ -46,6 +46,7 @@ from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.transfer.kv import prompt_kv_bytes
+from pdd.gateway import recovery
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
@@ -453,8 +454,6 @@ class Orchestrator(Recovery):
         and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does; then, or
         for any other error, RequestFailed. A request that finds no instance on its first try
         fails at once (the client gets a 503 with Retry-After: it did no work)."""
-        from pdd.gateway import recovery
-
         rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids))
         self.reqs[rid] = st
@@ -471,9 +470,7 @@ class Orchestrator(Recovery):
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
                 if isinstance(e, NoInstance) and st.attempt > 0 and waited < recovery.RECOVERY_WAIT_S:
-                    self._new_attempt(st, f"{type(e).__name__}: {e}", counted=False)
-                    await asyncio.sleep(recovery.RECOVERY_RETRY_S)
-                    waited += recovery.RECOVERY_RETRY_S
+                    waited += await self._retry_later(st, e)
                     continue
                 self._unassign(st)
                 await self.abort(st, ABORT_FAILED)  # counts it as failed

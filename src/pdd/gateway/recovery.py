@@ -135,12 +135,18 @@ class Recovery:
                     # streamed tokens already (a new user: 3 of 4 recoveries failed on a full RLD);
                     # likewise when no instance of a tier is up (its supervisor restarts a killed
                     # one in seconds; a new user: 6 of 8 streams failed when the only P was killed)
-                    self._new_attempt(st, f"{type(e).__name__}: {e}", counted=False)
-                    await asyncio.sleep(RECOVERY_RETRY_S)
-                    waited += RECOVERY_RETRY_S
+                    waited += await self._retry_later(st, e)
                     continue
                 st.error = f"recovery failed: {e}"
                 return False
+
+    async def _retry_later(self, st: ReqState, e: BaseException) -> float:
+        """A new attempt could not start now (a full tier, or none of a tier up): replace it with
+        the next one, not counted as a recovery, and wait ``RECOVERY_RETRY_S``; returns the wait.
+        Callers bound their total wait by ``RECOVERY_WAIT_S``."""
+        self._new_attempt(st, f"{type(e).__name__}: {e}", counted=False)
+        await asyncio.sleep(RECOVERY_RETRY_S)
+        return RECOVERY_RETRY_S
 
     def _fail_lost(self, st: ReqState, reason: str) -> None:
         """The request needs an instance that is gone: wake its stream, which recovers it."""
