@@ -42,7 +42,8 @@ from pdd.gateway.openai_run import Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
                                         check_completion, error_body, sampling_for, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
-from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, NoInstance, Orchestrator, RequestFailed, ReqState
+from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, NoInstance, Orchestrator, RequestFailed, ReqState,
+                                     checkpoint_config)
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,9 @@ class BodyLimit:
 def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
     app = FastAPI(title="pdd gateway", version="0.1.0")
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
-    model_vocab = _model_vocab(cfg) or vocab
-    eos_ids = _model_eos_ids(cfg)  # a choice ended by one of these does not show its text (as vLLM)
+    mc = checkpoint_config(cfg)
+    model_vocab = (mc.vocab_size if mc is not None else None) or vocab
+    eos_ids = set(mc.eos_token_ids) if mc is not None else set()  # a choice ended by one hides its text (vLLM)
     if chat_template is None:
         try:
             chat_template = ChatTemplate.from_model_dir(cfg.model_path)
@@ -457,25 +459,6 @@ async def _client_gone(request: Request) -> None:
     except Exception as e:  # noqa: BLE001
         log.debug("not watching for the client's disconnect: %r", e)
     await asyncio.Event().wait()
-
-
-def _model_vocab(cfg: ClusterConfig) -> int | None:
-    try:
-        with open(f"{cfg.model_path}/config.json") as f:
-            return int(json.load(f)["vocab_size"])
-    except Exception:
-        return None
-
-
-def _model_eos_ids(cfg: ClusterConfig) -> set[int]:
-    """The model's EOS token ids (config.json, merged with generation_config.json as the engines
-    read them); empty when the checkpoint cannot be read (the engines would not start either)."""
-    from pdd.engine.config import ModelConfig
-
-    try:
-        return set(ModelConfig.from_pretrained(cfg.model_path).eos_token_ids)
-    except Exception:
-        return set()
 
 
 def _lp(v) -> float:

@@ -93,7 +93,8 @@ class Orchestrator(Recovery):
         self._ids = itertools.count()
         # from the checkpoint's config, so the first request is planned with it too (a new user saw 0
         # there); MD's first reservation reply confirms it from its pool (_reserved)
-        self.kv_bytes_per_token: int | None = _checkpoint_kv_bytes_per_token(cfg)
+        mc = checkpoint_config(cfg)
+        self.kv_bytes_per_token: int | None = mc.kv_bytes_per_token(cfg.engine.dtype) if mc is not None else None
         self._tasks: set = set()
         self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
         self._rr: dict[str, int] = {}
@@ -979,11 +980,13 @@ class Orchestrator(Recovery):
         return {"instances": inst, "leaked_pages": leaked, "busy": busy, "unreachable": unreachable}
 
 
-def _checkpoint_kv_bytes_per_token(cfg: ClusterConfig) -> int | None:
-    """KV bytes per token of ``cfg``'s checkpoint in ``cfg.engine.dtype`` (None if it cannot be read)."""
+def checkpoint_config(cfg: ClusterConfig):
+    """The :class:`pdd.engine.config.ModelConfig` of ``cfg``'s checkpoint, as the engines read it
+    (config.json with generation_config.json's EOS ids), or None when it cannot be read (the
+    engines would not start either). No torch import."""
     from pdd.engine.config import ModelConfig
 
     try:
-        return ModelConfig.from_pretrained(cfg.model_path).kv_bytes_per_token(cfg.engine.dtype)
+        return ModelConfig.from_pretrained(cfg.model_path)
     except Exception:
         return None
