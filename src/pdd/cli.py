@@ -105,7 +105,11 @@ def _supervise(topo, poll_s: float = 0.5) -> int:
     started again alone, and the others keep serving meanwhile (the gateway recovers or degrades
     its in-flight requests and routes around it until it rejoins: docs/FAULTS.md). An instance
     that exits more than ``SUPERVISE_MAX_RESTARTS`` times within ``SUPERVISE_WINDOW_S`` seconds
-    is crash-looping: the whole topology stops and 1 is returned."""
+    is crash-looping: the whole topology stops and 1 is returned. A restart that dies before it
+    is ready counts as one more exit (a new user killed md0 again while it restarted, and the
+    whole topology went down with a traceback)."""
+    from pdd.launch import LaunchError
+
     restarts: dict[str, list[float]] = {}
     while True:
         time.sleep(poll_s)
@@ -121,7 +125,10 @@ def _supervise(topo, poll_s: float = 0.5) -> int:
                       f"{rc}); stopping (logs in {topo.log_dir})", file=sys.stderr)
                 return 1
             print(f"pdd: {name} exited (code {rc}); restarting it, the rest keep serving", file=sys.stderr)
-            topo.restart(name)
+            try:
+                topo.restart(name)
+            except LaunchError as e:  # it died again before it was ready: one more exit, seen at the next poll
+                print(f"pdd: {name} did not come back ({str(e).splitlines()[0]}); trying again", file=sys.stderr)
 
 
 def cmd_certs(args) -> int:
