@@ -191,8 +191,10 @@ def cost_ceiling(cfg: SimConfig, inp: int, outl: int, hit: float, n_prefixes: in
 
 
 # (GPU-A, GPU-B): the report's pair -- A strong at compute, B strong at memory bandwidth and
-# capacity -- and two more for comparison. Datasheet numbers in data/hardware/chips.json.
-CHIP_PAIRS = (("A100-SXM4-80GB", "H20-96GB"), ("H100-SXM5-80GB", "H200-SXM-141GB"), ("H100-SXM5-80GB", "H20-96GB"))
+# capacity -- and three more for comparison (docs/SIM.md, cost-table). Datasheet numbers in
+# data/hardware/chips.json.
+CHIP_PAIRS = (("A100-SXM4-80GB", "H20-96GB"), ("H100-SXM5-80GB", "H200-SXM-141GB"), ("H100-SXM5-80GB", "H20-96GB"),
+              ("H100-PCIe-80GB", "H200-SXM-141GB"))
 
 
 def _cost_cfg(model, chip_a, chip_b, price_a, premium, wan_gbps, wan_usd_per_hour, slo_ttft_s, slo_tpot_s,
