@@ -225,6 +225,28 @@ class ClusterConfig(_Strict):
         description="seconds a request may wait for its next event (a token, a tier's reply or plan) before it "
         "fails; an idle timeout between events, not a limit on the request's total time")
     liveness: LivenessConfig = LivenessConfig()
+    cpu_affinity: dict[Literal["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"],
+                       list[int]] = Field(
+        default_factory=dict,
+        description="CPU cores each role's processes may run on (Linux sched_setaffinity), e.g. {prefill: [0], "
+        "relay_decode: [1], main_decode: [1]}; a role not named runs on every core. On a CPU-only machine this "
+        "gives each tier its own cores, as each instance has its own accelerator in a deployment")
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpus(cls, v: dict) -> dict:
+        """Every core named must exist on this machine (os.sched_getaffinity of this process):
+        a wrong core would only show at start as one instance's OSError. Raises ValueError."""
+        import os
+
+        have = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        for role, cpus in v.items():
+            if not cpus:
+                raise ValueError(f"cpu_affinity.{role}: name at least one core (or leave the role out)")
+            bad = sorted(set(cpus) - set(have))
+            if bad:
+                raise ValueError(f"cpu_affinity.{role}: cores {bad} are not available here (available: {have})")
+        return v
 
     @field_validator("mode")
     @classmethod

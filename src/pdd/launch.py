@@ -92,6 +92,17 @@ def watch_parent(parent: int | None = None, poll_s: float = PARENT_POLL_S, grace
     return t
 
 
+def pin_cpus(cfg: ClusterConfig, role: str) -> list[int] | None:
+    """Restrict this process to ``cfg.cpu_affinity[role]`` (Linux ``sched_setaffinity``); returns
+    the cores, or None when the role is not pinned (or the platform cannot pin). Raises OSError
+    if the kernel refuses the mask (the config validator checked the cores exist)."""
+    cpus = cfg.cpu_affinity.get(role)
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return None
+    os.sched_setaffinity(0, cpus)
+    return sorted(cpus)
+
+
 def run_instance(cfg: ClusterConfig, name: str) -> None:
     """Run one instance of ``cfg``'s topology in this process until SIGTERM (or until its owner
     dies, when started by :class:`Topology`: :func:`watch_parent`)."""
@@ -99,6 +110,7 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
         watch_parent()
     lay = layout(cfg)
     spec = lay.get(name)
+    pin_cpus(cfg, spec.role)  # before torch starts its threads, which inherit the mask
     if spec.role == ROLE_LINK:
         from pdd.transfer.link import run_link
 
