@@ -303,6 +303,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                                "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            if not prompt:  # refused even where the tokenizer would add a BOS to it
+                raise ApiError("prompt: must not be empty", "prompt")
             return encode(prompt, add_special_tokens, "prompt")
         ids = list(prompt)
         bad = [t for t in ids if not (0 <= t < model_vocab)]

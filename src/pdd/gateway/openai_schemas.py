@@ -83,7 +83,7 @@ class _Sampling(BaseModel):
         None, description="token ids that end a choice: at most 1,024 ids (MAX_STOP_TOKEN_IDS)")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    add_special_tokens: bool = False
+    add_special_tokens: bool = False  # chat: the template writes the special tokens (vLLM's default)
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep only the prompt's last k tokens (vLLM: left truncation); -1: the "
                                  "maximum input length; 0 is refused (nothing would be left)")
@@ -149,6 +149,10 @@ def _at_most(v, n: int, what: str):
 class CompletionRequest(_Sampling):
     # token ids must be JSON integers: lax parsing would serve [true, false] as ids 1 and 0
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    # vLLM's default for completions: a text prompt gets the tokenizer's special tokens (a Llama
+    # BOS), so the same prompt is the same token ids (and output) as on vLLM; token-id prompts
+    # are never changed
+    add_special_tokens: bool = True
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
