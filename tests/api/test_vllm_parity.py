@@ -28,3 +28,52 @@ def test_completion_text_prompt_gets_special_tokens_as_on_vllm(api, tiny_model):
     # chat: the template writes the special tokens, nothing is added (vLLM's chat default)
     client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
     assert orch.started[-1][0] == tok.encode("<|user|>\nHi</s>\n<|assistant|>\n", add_special_tokens=False).ids
+
+
+def test_models_retrieve_with_the_openai_client(api):
+    """``client.models.retrieve(name)`` (GET /v1/models/{id}, OpenAI's API, SGLang's too) was a
+    404 "Not Found" for the served model itself."""
+    import openai
+    import pytest
+    from openai import OpenAI
+
+    client, _ = api
+    oa = OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+    m = oa.models.retrieve("pdd-tiny")
+    assert m.id == "pdd-tiny" and m.object == "model" and m == oa.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as ei:
+        oa.models.retrieve("gpt-4")
+    assert ei.value.body["code"] == "model_not_found"
+
+
+def test_tokenize_detokenize_and_version_as_vllm(api, tiny_model):
+    """vLLM's /tokenize, /detokenize and /version were 404s. /tokenize gives the ids the matching
+    endpoint serves: a prompt with special tokens, messages through the chat template."""
+    import pdd
+
+    client, orch = api
+    tok = _tok(tiny_model)
+    r = client.post("/tokenize", json={"model": "pdd-tiny", "prompt": "Hello there"})
+    assert r.status_code == 200, r.text
+    ids = tok.encode("Hello there", add_special_tokens=True).ids
+    assert r.json() == {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None}
+    client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 1})
+    assert orch.started[-1][0] == ids  # what a completion is served with
+    r = client.post("/tokenize", json={"prompt": "Hello there", "add_special_tokens": False,
+                                       "return_token_strs": True}).json()
+    assert r["tokens"] == ids[1:] and r["token_strs"] == [tok.id_to_token(t) for t in ids[1:]]
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = client.post("/tokenize", json={"messages": msgs}).json()
+    client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    assert r["tokens"] == orch.started[-1][0]
+    n = len(orch.started)
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tok.decode(ids, skip_special_tokens=False)}
+    for path, body, param, status in [("/tokenize", {"prompt": "x", "model": "nope"}, "model", 404),
+                                      ("/tokenize", {}, None, 400),
+                                      ("/tokenize", {"prompt": "x", "messages": msgs}, None, 400),
+                                      ("/detokenize", {"tokens": [1, 10 ** 6]}, "tokens", 400),
+                                      ("/detokenize", {"tokens": "abc"}, "tokens", 400)]:
+        r = client.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert len(orch.started) == n  # no tier work
+    assert client.get("/version").json() == {"version": pdd.__version__}

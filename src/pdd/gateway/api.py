@@ -39,8 +39,9 @@ from pdd.config import ClusterConfig
 from pdd.gateway.admission import Admission, causes, refusal
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Delta, Generation
-from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, check_chat,
-                                        check_completion, error_body, sampling_for, truncated_prompt)
+from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                        TokenizeRequest, check_chat, check_completion, error_body, sampling_for,
+                                        truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, NoInstance, Orchestrator, RequestFailed, ReqState,
                                      checkpoint_config)
@@ -228,10 +229,24 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(exc.detail), None, etype=etype), status_code=exc.status_code)
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdd",
+                  "max_model_len": cfg.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdd",
-                                            "max_model_len": cfg.engine.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """OpenAI's retrieve (the official client's ``models.retrieve``; SGLang serves it too)."""
+        check_model(model)
+        return model_card
+
+    @app.get("/version")
+    async def version():  # as vLLM's /version
+        from pdd import __version__
+
+        return {"version": __version__}
 
     @app.get("/pdd/stats")
     async def stats():
@@ -306,11 +321,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             if not prompt:  # refused even where the tokenizer would add a BOS to it
                 raise ApiError("prompt: must not be empty", "prompt")
             return encode(prompt, add_special_tokens, "prompt")
-        ids = list(prompt)
-        bad = [t for t in ids if not (0 <= t < model_vocab)]
-        if bad:
-            raise ApiError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {model_vocab})", "prompt")
-        return ids
+        return vocab_ids(list(prompt), "prompt")
 
     async def start(ids, sps, opts, request: Request | None = None) -> Generation:
         """Admit (else 429), then start every choice. The admission ticket is released when the
@@ -378,6 +389,49 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             gen.ticket_end(ok)
         return None
 
+    def vocab_ids(ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not (0 <= t < model_vocab)]
+        if bad:
+            raise ApiError(f"{param}: token id {bad[0]} is outside the vocabulary [0, {model_vocab})", param)
+        return ids
+
+    def render_chat(body) -> str:
+        if chat_template is None:
+            raise ApiError("this model has no chat template (tokenizer_config.json chat_template); "
+                           "use /v1/completions", "messages")
+        try:
+            return chat_template.render(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message, tools=body.tools,
+                                        documents=getattr(body, "documents", None),
+                                        chat_template_kwargs=body.chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(str(e), "messages") from e
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's /tokenize: the token ids the completion (``prompt``) or chat (``messages``)
+        endpoint would serve, with the same defaults (special tokens added to a text prompt, the
+        chat template for messages)."""
+        check_model(body.model)
+        if body.messages is not None:
+            text, param, special = render_chat(body), "messages", False
+        else:
+            text, param, special = body.prompt, "prompt", True
+        if body.add_special_tokens is not None:
+            special = body.add_special_tokens
+        ids = await asyncio.to_thread(encode, text, special, param)
+        out = {"count": len(ids), "max_model_len": cfg.engine.max_model_len, "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's /detokenize: ``{"prompt": text}`` of token ids (special tokens kept)."""
+        check_model(body.model)
+        ids = vocab_ids(body.tokens, "tokens")
+        return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
@@ -410,15 +464,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat(body)
-        if chat_template is None:
-            raise ApiError("this model has no chat template (tokenizer_config.json chat_template); "
-                           "use /v1/completions", "messages")
-        try:
-            text = chat_template.render(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message, tools=body.tools,
-                                        documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
-        except ChatTemplateError as e:
-            raise ApiError(str(e), "messages") from e
+        text = render_chat(body)
         ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages")
         ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -193,6 +193,38 @@ class ChatCompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1)  # refused unless equal to n (below)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a completion ``prompt`` (text) or chat ``messages`` (rendered
+    with the model's chat template, as ``/v1/chat/completions`` does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # None: as the matching endpoint (prompt True, messages False)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' (text) or 'messages' (chat)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 @dataclass
 class TextOptions:
     """What the gateway does with each choice's tokens (not sent to the tiers)."""
