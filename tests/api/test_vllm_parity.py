@@ -77,3 +77,12 @@ def test_tokenize_detokenize_and_version_as_vllm(api, tiny_model):
         assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
     assert len(orch.started) == n  # no tier work
     assert client.get("/version").json() == {"version": pdd.__version__}
+
+
+def test_method_not_allowed_names_the_allowed_methods(api):
+    """A 405 must carry ``Allow`` (RFC 9110); the OpenAI-shaped error handler dropped it."""
+    client, _ = api
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+

@@ -227,7 +227,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         """404 / 405 and friends in the OpenAI error shape."""
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), None, etype=etype), status_code=exc.status_code)
+        # the exception's headers (a 405's ``Allow``, which HTTP requires) go out with the body
+        return JSONResponse(error_body(str(exc.detail), None, etype=etype), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdd",
                   "max_model_len": cfg.engine.max_model_len}
