@@ -86,3 +86,21 @@ def test_method_not_allowed_names_the_allowed_methods(api):
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json()["error"]["type"] == "invalid_request_error"
 
+
+def test_json_sent_as_a_form_is_415_saying_so(api):
+    """``curl -d '{...}'`` without the JSON content type got a 400 "Input should be a valid
+    dictionary or object to extract fields from"; vLLM answers 415 naming the media type."""
+    client, orch = api
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}', headers={"content-type": ctype})
+        assert r.status_code == 415, r.text
+        assert "application/json" in r.json()["error"]["message"] and ctype in r.json()["error"]["message"]
+    assert not orch.started
+    # a JSON body that is not an object is still a 400
+    r = client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    # no content type at all: not parsed as JSON either (FastAPI's strict content type, vLLM's 415)
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 1}')
+    assert r.status_code == 415 and "none was sent" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 1}',
+                       headers={"content-type": "application/json; charset=utf-8"}).status_code == 200

@@ -180,6 +180,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             err = (first.get("ctx") or {}).get("error")
             at = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
             return bad_request(f"request body is not valid JSON{at}: {err or msg}", None)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip()
+        if first.get("type") == "model_attributes_type" and "json" not in ctype:
+            # a body sent as a form (``curl -d`` without ``-H 'content-type: application/json'``) or
+            # with no content type is not parsed as JSON (FastAPI's strict content type, against
+            # CSRF): say so, with vLLM's 415, instead of "Input should be a valid dictionary"
+            got = f"got {ctype!r}" if ctype else "none was sent"
+            return bad_request(f"Unsupported Media Type: the request body must be JSON sent with "
+                               f"Content-Type: application/json ({got})", None, status=415)
         if not loc and first.get("type") == "missing":  # no body at all
             field = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
             return bad_request(f"request body is missing: send a JSON object with at least {field!r}", field)
