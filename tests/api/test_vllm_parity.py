@@ -3,6 +3,8 @@ each test names the behaviour vLLM has and pdd now matches (in-process engine, f
 
 from __future__ import annotations
 
+from tests.api.test_gateway_outcomes import gateway  # noqa: F401 (fixture: the real orchestrator, live server)
+
 
 def _tok(tiny_model):
     from tokenizers import Tokenizer
@@ -104,3 +106,68 @@ def test_json_sent_as_a_form_is_415_saying_so(api):
     assert r.status_code == 415 and "none was sent" in r.json()["error"]["message"]
     assert client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 1}',
                        headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_batch_of_prompts_as_vllm(api, tiny_model):
+    """``prompt`` as a list of prompts (texts or token-id lists) is a batch on vLLM and OpenAI: one
+    choice per prompt and n, ``index = prompt * n + i``, usage summed over the prompts. pdd answered
+    400 "only one prompt per request is supported"."""
+    from openai import OpenAI
+
+    client, orch = api
+    oa = OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+    one = {p: oa.completions.create(model="pdd-tiny", prompt=p, max_tokens=4, temperature=0, seed=1)
+           for p in ("Hello", "the cat sat")}
+    r = oa.completions.create(model="pdd-tiny", prompt=["Hello", "the cat sat"], max_tokens=4, temperature=0, n=2,
+                              echo=True)
+    assert [c.index for c in sorted(r.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    by = {c.index: c for c in r.choices}
+    for k, p in enumerate(("Hello", "the cat sat")):
+        for i in range(2):
+            assert by[k * 2 + i].text == p + one[p].choices[0].text, (k, i)
+    assert r.usage.prompt_tokens == one["Hello"].usage.prompt_tokens + one["the cat sat"].usage.prompt_tokens
+    assert r.usage.completion_tokens == 16
+    # token-id lists, streamed with usage: choices interleave, each in order, then one usage chunk
+    stream = oa.completions.create(model="pdd-tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0,
+                                   stream=True, stream_options={"include_usage": True})
+    text, fins = {0: "", 1: ""}, {}
+    chunks = list(stream)
+    for ch in chunks[:-1]:
+        for c in ch.choices:
+            text[c.index] += c.text
+            if c.finish_reason:
+                fins[c.index] = c.finish_reason
+    assert fins == {0: "length", 1: "length"} and chunks[-1].usage.prompt_tokens == 5
+    for k, ids in enumerate(([5, 6, 7], [8, 9])):
+        assert text[k] == oa.completions.create(model="pdd-tiny", prompt=ids, max_tokens=3, temperature=0).choices[0].text
+    assert not orch.engine.has_work()
+
+
+def test_batch_with_a_bad_prompt_starts_nothing(api):
+    client, orch = api
+    r = client.post("/v1/completions", json={"prompt": ["fine", ""], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "prompt[1]" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": [[1, 2], [3, 10 ** 6]], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert not orch.started
+
+
+
+async def test_batch_stream_and_its_disconnect_count_every_prompt(gateway):
+    """A batch through the real orchestrator on a live server: completed, each prompt counted
+    once; a client that leaves a batch's stream early: every prompt's choices are cancelled."""
+    from pdd.gateway.orchestrator import ABORT_CLIENT
+    from tests.api.test_gateway_outcomes import BODY, _settled
+
+    client, orch, _ = gateway
+    r = await client.post("/v1/completions", json={**BODY, "prompt": ["a b", "c"], "max_tokens": 3, "stream": False})
+    assert r.status_code == 200 and sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+    assert await _settled(orch, 2) == {"completed": 2, "failed": 0, "cancelled": 0}
+    async with client.stream("POST", "/v1/completions", json={**BODY, "prompt": ["a b", "c", "d e f"], "n": 2}) as r:
+        n = 0
+        async for line in r.aiter_lines():
+            n += line.startswith("data: {")
+            if n >= 6:
+                break  # leaving the block closes the connection mid-stream
+    assert await _settled(orch, 8) == {"completed": 2, "failed": 0, "cancelled": 6}
+    assert orch.abort_reasons == [ABORT_CLIENT] * 6

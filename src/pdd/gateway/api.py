@@ -5,7 +5,9 @@
 Parameters (OpenAI names plus vLLM's extensions): temperature, top_p, top_k, min_p,
 presence/frequency/repetition penalties, logit_bias, seed, stop (strings), stop_token_ids,
 min_tokens, max_tokens / max_completion_tokens, ignore_eos, include_stop_str_in_output,
-skip_special_tokens, logprobs (+ top_logprobs for chat), n, echo (completions). Sampling runs on
+skip_special_tokens, logprobs (+ top_logprobs for chat), n, echo (completions); a completion ``prompt``
+may be a batch (a list of texts or token-id lists: choice ``index = prompt * n + i``, as vLLM), and
+``/tokenize``, ``/detokenize``, ``/version`` and ``/v1/models/{id}`` answer as vLLM / OpenAI. Sampling runs on
 the tiers (``pdd.engine.sampler``: the same draw for a position on every tier); stop strings,
 detokenization and the choices of ``n`` are the gateway's (``openai_run``, ``openai_text``);
 chat renders the checkpoint's own template (``openai_chat``).
@@ -38,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdd.config import ClusterConfig
 from pdd.gateway.admission import Admission, causes, refusal
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
-from pdd.gateway.openai_run import Delta, Generation
+from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, error_body, sampling_for,
                                         truncated_prompt)
@@ -321,17 +323,22 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         except (TypeError, ValueError, UnicodeError) as e:
             raise ApiError(f"{param}: not valid Unicode text ({e})", param) from None
 
-    def prompt_ids(prompt, add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ApiError("prompt: only one prompt per request is supported (use n for several choices)",
-                               "prompt")
-            prompt = prompt[0]
+    def prompt_ids(prompt, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of one prompt (text or token ids)."""
         if isinstance(prompt, str):
             if not prompt:  # refused even where the tokenizer would add a BOS to it
-                raise ApiError("prompt: must not be empty", "prompt")
+                raise ApiError(f"{param}: must not be empty", "prompt")
             return encode(prompt, add_special_tokens, "prompt")
         return vocab_ids(list(prompt), "prompt")
+
+    def batch_ids(prompt, add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of each prompt of a completion request: one, or a batch (a list of texts or
+        of token-id lists, as vLLM and OpenAI take it)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) == 1:
+                return [prompt_ids(prompt[0], add_special_tokens)]
+            return [prompt_ids(p, add_special_tokens, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [prompt_ids(prompt, add_special_tokens)]
 
     async def start(ids, sps, opts, request: Request | None = None) -> Generation:
         """Admit (else 429), then start every choice. The admission ticket is released when the
@@ -446,25 +453,40 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
-        ids = await asyncio.to_thread(prompt_ids, body.prompt, body.add_special_tokens)  # off the event loop
-        ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
-        max_tokens = body.max_tokens
-        if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
-            max_tokens = rest_of_context(len(ids), "prompt")
-        check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None)
-        sps, opts = sampling_for(body, max_tokens, model_vocab, body.logprobs)
-        gen = await start(ids, sps, opts, request)
+        batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens)  # off the event loop
+        plans = []
+        for ids in batch:
+            ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
+            max_tokens = body.max_tokens
+            if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
+                max_tokens = rest_of_context(len(ids), "prompt")
+            check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None)
+            plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs)))
+        opts = plans[0][2]
+        if len(plans) == 1:
+            gen = await start(*plans[0], request)
+        else:  # a batch: every prompt started at once; if one cannot start, the others are stopped
+            started = await asyncio.gather(*(start(*p, request) for p in plans), return_exceptions=True)
+            errs = [g for g in started if isinstance(g, BaseException)]
+            if errs:
+                for g in started:
+                    if not isinstance(g, BaseException):
+                        g.close(ABORT_FAILED)
+                        g.ticket_end(False)
+                raise errs[0]
+            gen = Batch(started, body.n)
         created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
-        echo = tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else ""
+        echoes = [tokenizer.decode(p[0], skip_special_tokens=body.skip_special_tokens) if body.echo else ""
+                  for p in plans for _ in range(body.n)]  # per choice index (prompt * n + i)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name, include_usage, echo),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name, include_usage,
+                                                     echoes), media_type="text/event-stream")
         failed = await collect(gen, request)
         if failed is not None:
             return failed
-        choices = [{"index": c.index, "text": echo + "".join(c.text),
-                    "logprobs": (_completion_logprobs(token_text, c.tokens, len(echo))
+        choices = [{"index": c.index, "text": echoes[c.index] + "".join(c.text),
+                    "logprobs": (_completion_logprobs(token_text, c.tokens, len(echoes[c.index]))
                                  if opts.logprobs is not None else None),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in gen.choices]
         return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
@@ -549,13 +571,15 @@ def _chat_lp(tt: TokenText, t, top: int | None) -> dict:
     return {"token": s, "logprob": _lp(lp.get("lp")), "bytes": raw, "top_logprobs": tops}
 
 
-def _usage(gen: Generation) -> dict:
-    n_prompt = len(gen.prompt_ids)
+def _usage(gen: Generation | Batch) -> dict:
+    parts = gen.gens if isinstance(gen, Batch) else [gen]  # a batch: each prompt counted once (vLLM)
+    n_prompt = sum(len(g.prompt_ids) for g in parts)
     ntok = gen.completion_tokens()
+    # a recovered request's new prefill covers prompt + streamed tokens: its hits on those are
+    # not hits on the client's prompt
+    cached = sum(min(g.choices[0].st.p_cached_tokens, len(g.prompt_ids)) for g in parts)
     return {"prompt_tokens": n_prompt, "completion_tokens": ntok, "total_tokens": n_prompt + ntok,
-            # a recovered request's new prefill covers prompt + streamed tokens: its hits on
-            # those are not hits on the client's prompt
-            "prompt_tokens_details": {"cached_tokens": min(gen.choices[0].st.p_cached_tokens, n_prompt)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _pdd(gen: Generation) -> dict[str, Any]:
@@ -615,18 +639,19 @@ async def _sse(gen: Generation, head: dict, chunks, include_usage: bool):
     yield "data: [DONE]\n\n"
 
 
-def _completion_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool,
-                    echo: str = ""):
+def _completion_sse(gen: Generation | Batch, tt: TokenText, cid: str, created: int, model: str,
+                    include_usage: bool, echoes: list[str] | None = None):
     head = {"id": cid, "object": "text_completion", "created": created, "model": model}
-    return _sse(gen, head, _completion_chunks(gen, tt, echo), include_usage)
+    return _sse(gen, head, _completion_chunks(gen, tt, echoes or [""] * len(gen.choices)), include_usage)
 
 
-async def _completion_chunks(gen: Generation, tt: TokenText, echo: str):
-    offsets = [len(echo)] * len(gen.choices)
+async def _completion_chunks(gen: Generation | Batch, tt: TokenText, echoes: list[str]):
+    """``echoes[i]``: the prompt text choice ``i`` starts with (``echo``), else ""."""
+    offsets = [len(e) for e in echoes]
     want_lp = gen.opts.logprobs is not None
-    if echo:
-        for c in gen.choices:
-            yield {"choices": [{"index": c.index, "text": echo, "logprobs": None, "finish_reason": None}]}
+    for c in gen.choices:
+        if echoes[c.index]:
+            yield {"choices": [{"index": c.index, "text": echoes[c.index], "logprobs": None, "finish_reason": None}]}
     async for d in gen.deltas():
         lp = None
         if want_lp:

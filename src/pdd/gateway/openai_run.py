@@ -209,3 +209,70 @@ class Generation:
     # ------------------------------------------------------------------ usage
     def completion_tokens(self) -> int:
         return sum(c.ntok for c in self.choices)
+
+
+class Batch:
+    """The prompts of one ``/v1/completions`` request whose ``prompt`` is a list of prompts (a
+    batch, as vLLM and OpenAI take it): one :class:`Generation` per prompt, seen as one with
+    choice ``index = prompt * n + i`` (vLLM's numbering). Deltas of all prompts are merged as they
+    arrive; however the consumer stops, every prompt's choices still running are aborted."""
+
+    def __init__(self, gens: list[Generation], n: int):
+        self.gens, self.n = gens, n
+        self.opts = gens[0].opts
+        for k, g in enumerate(gens):
+            for c in g.choices:
+                c.index = k * n + c.index  # Delta.index follows: Choice.on_token uses it
+        self.choices: list[Choice] = [c for g in gens for c in g.choices]
+
+    async def _pump(self, g: Generation, q: asyncio.Queue) -> None:
+        try:
+            async for d in g.deltas():
+                q.put_nowait(d)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            q.put_nowait(e)
+            return
+        q.put_nowait(None)
+
+    async def deltas(self):
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        pumps = [loop.create_task(self._pump(g, q)) for g in self.gens]
+        reason, left = ABORT_CLIENT, len(pumps)
+        try:
+            while left:
+                item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the consumer is gone: ABORT_CLIENT
+        except BaseException:
+            reason = ABORT_FAILED
+            raise
+        finally:
+            self.close(reason)  # first, so the reason counted is this one, not the pumps' cancellation
+            for p in pumps:
+                p.cancel()
+
+    async def collect(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+    def close(self, reason: str) -> None:
+        for g in self.gens:
+            g.close(reason)
+
+    def ticket_end(self, completed: bool) -> None:
+        for g in self.gens:
+            end = getattr(g, "ticket_end", None)
+            if end is not None:
+                end(completed)
+
+    def completion_tokens(self) -> int:
+        return sum(g.completion_tokens() for g in self.gens)

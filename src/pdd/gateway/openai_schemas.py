@@ -26,6 +26,7 @@ MAX_STOP = 64  # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids entries per request
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (OpenAI: typically up to 300 tokens)
+MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions batch (each is admitted as a request of n choices)
 _MASK64 = (1 << 64) - 1
 
 
@@ -165,6 +166,8 @@ class CompletionRequest(_Sampling):
     def _token_ids_are_integers(cls, v):
         """A list prompt of token ids must hold JSON integers only (not booleans or floats): said
         plainly, instead of the union's first branch ("Input should be a valid string")."""
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            _at_most(v, MAX_BATCH_PROMPTS, "prompts in a batch")
         lists = [v] if isinstance(v, list) and v and not isinstance(v[0], (str, list)) else (
             [x for x in v if isinstance(x, list)] if isinstance(v, list) else [])
         for ids in lists:
