@@ -171,3 +171,21 @@ async def test_batch_stream_and_its_disconnect_count_every_prompt(gateway):
                 break  # leaving the block closes the connection mid-stream
     assert await _settled(orch, 8) == {"completed": 2, "failed": 0, "cancelled": 6}
     assert orch.abort_reasons == [ABORT_CLIENT] * 6
+
+
+def test_tools_with_auto_tool_choice_are_refused_as_vllm(api):
+    """Tools with tool_choice "auto" (explicit or by default) were served with no tool-call
+    parsing: a tool call came back as plain content with finish_reason "stop". vLLM answers 400
+    unless started with a tool-call parser; "none" still renders the tools into the prompt."""
+    client, orch = api
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "x"}]
+    for extra in ({}, {"tool_choice": "auto"}, {"tool_choice": None}):
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "tools": tools, "max_tokens": 1, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (extra, r.text)
+    assert not orch.started
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "tools": tools, "tool_choice": "none",
+                                                  "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "tool_choice": "auto", "max_tokens": 1})
+    assert r.status_code == 200, r.text  # no tools: nothing to call

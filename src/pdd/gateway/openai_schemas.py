@@ -351,6 +351,13 @@ def check_chat(body: ChatCompletionRequest) -> None:
     if tc is not None and tc not in ("none", "auto"):
         raise ApiError("tool_choice other than 'none' or 'auto' is not supported (no tool-call parsing)",
                        "tool_choice")
+    if body.tools and tc in (None, "auto"):
+        # tools with "auto" (also the default when tools are given) asks for tool calls parsed out
+        # of the output (message.tool_calls, finish_reason "tool_calls"); without a parser the
+        # call would come back as plain content. vLLM refuses it too unless started with a parser.
+        raise ApiError("tool_choice 'auto' (the default when tools are given) is not supported: the server does "
+                       "not parse tool calls; send tool_choice 'none' to render the tools into the prompt only",
+                       "tool_choice")
     if body.chat_template is not None:
         # a request's own Jinja template is code run on the server; vLLM refuses it unless started
         # with --trust-request-chat-template
