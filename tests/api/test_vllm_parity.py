@@ -189,3 +189,25 @@ def test_tools_with_auto_tool_choice_are_refused_as_vllm(api):
     assert r.status_code == 200, r.text
     r = client.post("/v1/chat/completions", json={"messages": msgs, "tool_choice": "auto", "max_tokens": 1})
     assert r.status_code == 200, r.text  # no tools: nothing to call
+
+
+def test_continuous_usage_stats_on_every_chunk(api):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far
+    (it was ignored); without it only the last chunk has usage."""
+    import json
+
+    client, _ = api
+    for path, body in [("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})]:
+        for cont in (True, False):
+            r = client.post(path, json={**body, "ignore_eos": True, "stream": True,
+                                        "stream_options": {"include_usage": True, "continuous_usage_stats": cont}})
+            chunks = [json.loads(x[6:]) for x in r.text.split("\n") if x.startswith("data: {")]
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+            if cont:
+                toks = [c["usage"]["completion_tokens"] for c in chunks[:-1] if c["choices"][0].get("finish_reason")
+                        is not None or c.get("pdd")]
+                assert toks == [1, 2, 3, 4], (path, toks)
+                assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+            else:
+                assert all("usage" not in c for c in chunks[:-1])

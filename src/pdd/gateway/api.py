@@ -479,9 +479,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         echoes = [tokenizer.decode(p[0], skip_special_tokens=body.skip_special_tokens) if body.echo else ""
                   for p in plans for _ in range(body.n)]  # per choice index (prompt * n + i)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name, include_usage,
-                                                     echoes), media_type="text/event-stream")
+            return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name,
+                                                     _usage_opts(body), echoes), media_type="text/event-stream")
         failed = await collect(gen, request)
         if failed is not None:
             return failed
@@ -510,8 +509,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         gen = await start(ids, sps, opts, request)
         created, cid = int(time.time()), f"chatcmpl-{gen.choices[0].st.rid}"
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, include_usage),
+            return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, _usage_opts(body)),
                                      media_type="text/event-stream")
         failed = await collect(gen, request)
         if failed is not None:
@@ -608,16 +606,24 @@ def _tok_ext(d: Delta) -> dict:
     return {"tier": d.token.tier, "pos": d.token.pos, "token_id": d.token.token_id}
 
 
-async def _sse(gen: Generation, head: dict, chunks, include_usage: bool):
+def _usage_opts(body) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of ``stream_options``."""
+    so = body.stream_options
+    return bool(so and so.include_usage), bool(so and so.include_usage and so.continuous_usage_stats)
+
+
+async def _sse(gen: Generation, head: dict, chunks, usage: tuple[bool, bool]):
     """One SSE stream: the ``chunks`` (dicts) as ``data:`` lines, then the usage chunk if asked
-    and ``[DONE]``; a failed request ends with an error chunk. However the stream ends, what
-    still runs is aborted on every tier: as cancelled when the client went away mid-stream (the
-    server cancels or closes this generator), else as failed."""
+    and ``[DONE]``; ``usage`` = (include_usage, continuous_usage_stats): with both, every chunk
+    carries the usage so far too (vLLM's extension). A failed request ends with an error chunk.
+    However the stream ends, what still runs is aborted on every tier: as cancelled when the
+    client went away mid-stream (the server cancels or closes this generator), else as failed."""
     ok = False
     reason = ABORT_CLIENT
+    include_usage, continuous = usage
     try:
         async for chunk in chunks:
-            yield _data({**head, **chunk})
+            yield _data({**head, **chunk, "usage": _usage(gen)} if continuous else {**head, **chunk})
         ok = True
     except RequestFailed as ex:
         reason = ABORT_FAILED
@@ -640,7 +646,7 @@ async def _sse(gen: Generation, head: dict, chunks, include_usage: bool):
 
 
 def _completion_sse(gen: Generation | Batch, tt: TokenText, cid: str, created: int, model: str,
-                    include_usage: bool, echoes: list[str] | None = None):
+                    include_usage: tuple[bool, bool], echoes: list[str] | None = None):
     head = {"id": cid, "object": "text_completion", "created": created, "model": model}
     return _sse(gen, head, _completion_chunks(gen, tt, echoes or [""] * len(gen.choices)), include_usage)
 
@@ -662,7 +668,7 @@ async def _completion_chunks(gen: Generation | Batch, tt: TokenText, echoes: lis
                "pdd": _tok_ext(d)}
 
 
-def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: bool):
+def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: tuple[bool, bool]):
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     return _sse(gen, head, _chat_chunks(gen, tt), include_usage)
 

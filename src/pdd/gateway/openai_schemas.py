@@ -50,6 +50,7 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage so far on every chunk too
 
 
 class _Sampling(BaseModel):
