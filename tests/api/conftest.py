@@ -31,7 +31,7 @@ class EngineOrch:
         self._runner: asyncio.Task | None = None
         self.fail_next = False
 
-    async def start_request(self, prompt_ids, sp, rid=None) -> ReqState:
+    async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
         if self.fail_next:
             err, self.fail_next = self.fail_next, False
             if isinstance(err, BaseException):  # as the orchestrator: wrapped, the cause kept

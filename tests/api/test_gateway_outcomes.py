@@ -37,7 +37,7 @@ class ScriptedOrch(Orchestrator):
         self.fail_at: int | None = None
         self.abort_reasons: list[str] = []
 
-    async def start_request(self, prompt_ids, sp, rid=None) -> ReqState:
+    async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
         rid = rid or f"r{next(self._ids)}"
         st = ReqState(rid, len(prompt_ids), sp, pipeline=Pipeline.COLOCATED, trid=rid, prompt_ids=list(prompt_ids))
         self.reqs[rid] = st

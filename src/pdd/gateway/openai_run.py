@@ -110,8 +110,11 @@ class Generation:
             first = await self.orch.start_request(self.prompt_ids, self.sps[0])
             self._add(first)
             if len(self.sps) > 1:
-                rest = await asyncio.gather(*(self.orch.start_request(self.prompt_ids, sp) for sp in self.sps[1:]),
-                                            return_exceptions=True)
+                # the other choices reserve on choice 0's MD once its KV is there, when the copy
+                # would cost the WAN more than the wait (pdd.policy.siblings)
+                rest = await asyncio.gather(*(self.orch.start_request(self.prompt_ids, sp, sibling_of=first,
+                                                                      siblings=len(self.sps) - 1)
+                                              for sp in self.sps[1:]), return_exceptions=True)
                 errs = [r for r in rest if isinstance(r, BaseException)]
                 for r in rest:
                     if not isinstance(r, BaseException):

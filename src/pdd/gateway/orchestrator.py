@@ -42,6 +42,7 @@ from pdd.config import ClusterConfig
 from pdd.policy.cutoff import should_cut_off
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline, relays_every_request
 from pdd.policy.routing import InstanceLoad, choose_instance
+from pdd.policy.siblings import sibling_waits_for_kv
 from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
@@ -447,16 +448,20 @@ class Orchestrator(Recovery):
         st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
         return out
 
-    async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None) -> ReqState:
+    async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None,
+                            sibling_of: ReqState | None = None, siblings: int = 0) -> ReqState:
         """Plan and start a request (its first token sampled on P). An instance lost while
         starting (ConnectionError) starts it again on live instances, up to
         ``liveness.recovery_attempts`` times; a restart that then finds no live instance of a
         tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
         and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does; then, or
         for any other error, RequestFailed. A request that finds no instance on its first try
-        fails at once (the client gets a 503 with Retry-After: it did no work)."""
+        fails at once (the client gets a 503 with Retry-After: it did no work). ``sibling_of``:
+        the first of ``siblings`` + 1 choices of this prompt, already started (see
+        :meth:`_sibling_md`)."""
         rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids))
+        st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids), sibling_of=sibling_of,
+                      siblings=siblings)
         self.reqs[rid] = st
         self.totals["requests"] += 1
         waited = 0.0
@@ -528,28 +533,38 @@ class Orchestrator(Recovery):
             return
 
         trid, names = st.trid, st.names  # this attempt's (a recovery makes new ones)
+        sib = self._sibling_md(st) if st.attempt == 0 else None
 
         async def route_and_reserve():
-            # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
-            md_name_ = await self._route(ROLE_MAIN, prompt)
+            msg = {"t": "reserve", "rid": trid, "prompt_ids": prompt, "sampling": sampling}
+            if sib is not None:  # the first choice's MD, once the prompt's KV is there
+                md_name_ = sib[0]
+                msg["after"] = sib[1]
+            else:  # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
+                md_name_ = await self._route(ROLE_MAIN, prompt)
             if st.trid != trid:
                 raise ConnectionError(f"attempt {trid} was given up")
             names[ROLE_MAIN] = md_name_
             self._assign(st, ROLE_MAIN)
-            rep_, _ = await self.peers[md_name_].call(
-                {"t": "reserve", "rid": trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            rep_, _ = await self.peers[md_name_].call(msg, timeout=t)
             return md_name_, rep_
 
         self._assign(st, ROLE_PREFILL, ROLE_RELAY)
         reserve = asyncio.ensure_future(route_and_reserve())
-        if relay_possible and (self._always_relay() or force_relay):
+        # a sibling of a relayed choice is relayed at once too: its MD reservation waits for the
+        # first choice's KV, and the relay's first token must not
+        relay_sibling = sib is not None and sib[2] == Pipeline.P_RLD_MD
+        if relay_possible and (self._always_relay() or force_relay or relay_sibling):
             # the relay is planned whatever MD holds: P starts now and learns MD's part of the
             # plan (which MD, which pages) a WAN round trip later, so TTFT never waits on the WAN
             # (MD's cached tokens are not known yet; with a zero budget they do not matter). MD's
             # leg runs on its own: if MD cannot be reached, RLD finishes the request.
             rld_name, rld = self._peer(st, ROLE_RELAY)
             md_leg = None
-            st.pipeline = self._plan(st, len(prompt), 0) if not force_relay else Pipeline.P_RLD_MD
+            if force_relay or relay_sibling:
+                st.pipeline = Pipeline.P_RLD_MD
+            else:
+                st.pipeline = self._plan(st, len(prompt), 0)
             try:
                 await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
@@ -641,6 +656,25 @@ class Orchestrator(Recovery):
         st.events["prefilled"] = time.perf_counter()
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
+    def _sibling_md(self, st: ReqState) -> tuple[str, str, Pipeline] | None:
+        """For another choice of a prompt whose first choice ``st.sibling_of`` is on its way to an
+        MD across the WAN: ``(md name, first choice's tier rid, its pipeline)`` when this choice
+        should reserve there after that KV arrived (pdd.policy.siblings: the copy would cost the
+        line more than a round trip), else None (it routes and ships as any request). The first
+        choice's planned bytes, or while its reservation is out its whole prompt's."""
+        first = st.sibling_of
+        if first is None or first.aborted or first.md_lost or first.attempt != 0:
+            return None
+        md_name = first.names.get(ROLE_MAIN)
+        if md_name is None or self.peers[md_name].closed or not self._in_b(md_name):
+            return None
+        nbytes = first.wan_bytes_expected if "md_reserved" in first.events else \
+            first.prompt_len * (self.kv_bytes_per_token or 0)
+        if not sibling_waits_for_kv(nbytes, st.siblings, self.wan_gbps_live or self.cfg.link.wan_gbps,
+                                    self.cfg.link.wan_rtt_ms):
+            return None
+        return md_name, first.trid, first.pipeline
+
     async def _release_unused(self, peer: rpc.Peer, expect: asyncio.Future, trid: str) -> None:
         """Free the reservation an instance the plan does not use made for ``trid`` (RLD of a
         P->MD plan), once its ``expect`` reply is in; best effort, off the request's path (an
@@ -667,7 +701,9 @@ class Orchestrator(Recovery):
     async def _md_leg(self, st: ReqState, trid: str, reserve, p: rpc.Peer) -> None:
         """MD's part of an always-relayed plan (attempt ``trid``): once MD has reserved, tell P
         where to send the pages MD lacks. MD unreachable: its leg is lost and RLD finishes the
-        request. The attempt given up meanwhile: the reservation is dropped."""
+        request. The attempt given up meanwhile, or its transfer cut off before it was planned
+        (RLD finished while the reservation was out): the reservation is dropped and no bytes are
+        booked (P already cancelled MD's slot, so none would be sent)."""
         try:
             md_name, rep = await reserve
         except asyncio.CancelledError:
@@ -677,8 +713,8 @@ class Orchestrator(Recovery):
                 self._md_leg_lost(st, f"MD reservation failed: {type(e).__name__}: {e}")
             return
         md = self.peers[md_name]
-        if st.trid != trid or st.md_lost or st.aborted:
-            try:  # the attempt was given up meanwhile: free the reservation
+        if st.trid != trid or st.md_lost or st.aborted or st.cut_off:
+            try:  # the attempt was given up (or cut off) meanwhile: free the reservation
                 await md.send({"t": "abort" if st.aborted else "drop", "rid": trid})
             except Exception:
                 pass

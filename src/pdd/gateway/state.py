@@ -112,3 +112,7 @@ class ReqState:
     abort_reason: str | None = None  # the first abort's reason (ABORT_STOP, ABORT_CLIENT, ABORT_FAILED)
     outcome: str | None = None  # one of OUTCOMES once counted in Orchestrator.totals (exactly once)
     recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline"}]
+    # another choice of the same prompt (n > 1), started first: this one may reserve on its MD once
+    # its KV is there (pdd.policy.siblings), and then ships only the prompt's partial last page
+    sibling_of: "ReqState | None" = None
+    siblings: int = 0  # choices of the prompt besides the first

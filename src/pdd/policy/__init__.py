@@ -10,15 +10,18 @@ Modules:
     cutoff     anomalous-traffic filter: cancel the WAN transfer when RLD already finished
     wan_order  which WAN transfer the shared line serves next (FIFO / shortest remaining first)
     routing    which instance (P, RLD, MD) serves a request (cache-aware / load / round robin)
+    siblings   whether the other choices of a prompt wait for the first one's KV on MD
 """
 
 from pdd.policy.cutoff import predict_rld_finishes_first, should_cut_off
 from pdd.policy.handoff import HandoffDecision, HandoffInputs, decide_handoff, effective_handoff_mode, rld_load
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens, relays_every_request
 from pdd.policy.routing import InstanceLoad, choose_instance
+from pdd.policy.siblings import sibling_waits_for_kv
 from pdd.policy.wan_order import TransferView, pick_next
 
 __all__ = [
+    "sibling_waits_for_kv",
     "PipelineInputs",
     "choose_pipeline",
     "expected_wan_seconds",

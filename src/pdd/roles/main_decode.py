@@ -4,7 +4,9 @@ Also serves as the decode instance of ``same_dc_pd`` (tier ``d``, in datacenter 
 ``generate``, as the single engine of ``colocated``.
 
 Messages:
-  ``reserve {rid, prompt_ids, sampling, relay}`` (call, gateway): match the prompt against the
+  ``reserve {rid, prompt_ids, sampling, relay, after}`` (call, gateway): with ``after`` (another
+  choice of the same prompt, pdd.policy.siblings), first wait until that request's KV has been
+  imported here (or it is gone); then match the prompt against the
   DRC, lock the matched pages, allocate the missing ones; reply ``{md_cached_tokens,
   md_cached_pages, n_pages, prompt_tokens, page_size, page_bytes}``. Only pages
   ``[md_cached_pages, n_pages)`` cross the WAN (the partial last page is never cached, so it
@@ -34,7 +36,7 @@ class MainDecodeInstance(EngineInstance):
             self.tier = "colocated"
         else:
             self.tier = "md" if spec.dc == "B" else "d"
-
+        self._kv_waits: dict[str, asyncio.Event] = {}  # rid -> set once its KV is imported or it is gone
 
     def handlers(self) -> dict:
         return {**super().handlers(), "reserve": self.on_reserve, "kv": self.on_kv, "kv_done": self.on_kv_done,
@@ -61,7 +63,32 @@ class MainDecodeInstance(EngineInstance):
         await self.admitted(ctx)
         return ctx
 
+    async def _kv_arrived(self, rid: str, timeout_s: float) -> None:
+        """Return once request ``rid``'s prompt KV is imported here (its whole pages are in the
+        DRC), or ``rid`` is not held (never was, finished, dropped, aborted), or after
+        ``timeout_s`` seconds (then the caller just finds less cached)."""
+        ctx = self.reqs.get(rid)
+        if ctx is None or ctx.extra.get("kv_imported"):
+            return
+        ev = self._kv_waits.setdefault(rid, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _kv_settled(self, rid: str) -> None:
+        ev = self._kv_waits.pop(rid, None)
+        if ev is not None:
+            ev.set()
+
+    async def release(self, ctx: ReqCtx, cache: bool) -> None:
+        await super().release(ctx, cache)
+        self._kv_settled(ctx.rid)
+
     async def on_reserve(self, peer, h, payload):
+        if h.get("after"):  # a sibling choice: reserve once the first choice's KV is in the DRC
+            self.counters["sibling_waits"] = self.counters.get("sibling_waits", 0) + 1
+            await self._kv_arrived(str(h["after"]), self.cfg.request_timeout_s)
         ctx = await self._admit(peer, h, min_uncached=0)  # MD may hold every whole page
         rid, prompt = ctx.rid, ctx.seq.prompt_ids
         ps = self.engine.pool.page_size
@@ -99,6 +126,8 @@ class MainDecodeInstance(EngineInstance):
             # handoff's extend (queued later) always finds the imported KV
             ctx.sink.put({"t": "kv_ready", "rid": ctx.rid})
         await done
+        ctx.extra["kv_imported"] = True
+        self._kv_settled(ctx.rid)
         rate = self.kv_rate_sample_gbps(ctx)
         if rate is not None:  # the gateway's live WAN estimate (pipeline choice) is made of these
             ctx.sink.put({"t": "wan_sample", "gbps": rate})
