@@ -86,6 +86,10 @@ class PolicyConfig(_Strict):
         description="ablation: send a prompt's partial last KV page whole (page-granular, as block "
         "transfers do) instead of its filled token slots only (pdd.transfer.kv.prompt_kv_bytes)",
     )
+    sibling_kv_once: bool = Field(
+        True, description="the n choices of a prompt ship its KV across the WAN once: the others reserve on the "
+        "first choice's MD after its KV arrived, when copies would cost the line more than a round trip "
+        "(pdd.policy.siblings); false: every choice ships its own (ablation)")
     routing: Literal["cache_aware", "load", "round_robin"] = Field(
         "cache_aware", description="instance choice for P and MD (RLD: load unless round_robin)")
     allow_p_rld: bool = False

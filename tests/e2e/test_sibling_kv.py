@@ -23,10 +23,11 @@ pytestmark = pytest.mark.slow
 SLOT = 2048  # small preset: KV bytes per token
 
 
-@pytest.mark.parametrize("mode", ["cross_dc_pd", "pdd"])
-def test_choices_ship_the_prompt_kv_once(small_model, topology_factory, mode):
+@pytest.mark.parametrize("mode, once", [("cross_dc_pd", True), ("pdd", True), ("cross_dc_pd", False)])
+def test_choices_ship_the_prompt_kv_once(small_model, topology_factory, mode, once):
+    """... and with the ablation ``sibling_kv_once: false`` every choice ships its own copy."""
     cfg = make_cfg(small_model, mode, engine={"device": "cpu", "page_size": 16},
-                   policy={"pipeline_ttft_budget_ms": 50},
+                   policy={"pipeline_ttft_budget_ms": 50, "sibling_kv_once": once},
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
     prompt = [random.Random(5).randrange(5, 4000) for _ in range(100)]
@@ -44,7 +45,7 @@ def test_choices_ship_the_prompt_kv_once(small_model, topology_factory, mode):
     assert toks == {0: want, 1: want, 2: want}
     assert topo.wait_idle(timeout_s=30)
     g = topo.stats()["totals"]
-    assert g["wan_bytes_expected"] == (100 + 2 * 4) * SLOT, g
+    assert g["wan_bytes_expected"] == ((100 + 2 * 4) if once else 3 * 100) * SLOT, g
     assert g["wan_bytes_sent"] == g["wan_bytes_expected"]
     pipelines = {"cross_dc_pd": "p_md", "pdd": "p_rld_md"}[mode]
     assert topo.stats()["pipelines"] == {pipelines: 3}

@@ -663,7 +663,7 @@ class Orchestrator(Recovery):
         line more than a round trip), else None (it routes and ships as any request). The first
         choice's planned bytes, or while its reservation is out its whole prompt's."""
         first = st.sibling_of
-        if first is None or first.aborted or first.md_lost or first.attempt != 0:
+        if first is None or not self.cfg.policy.sibling_kv_once or first.aborted or first.md_lost or first.attempt != 0:
             return None
         md_name = first.names.get(ROLE_MAIN)
         if md_name is None or self.peers[md_name].closed or not self._in_b(md_name):
