@@ -18,6 +18,7 @@ reading ``ABORT_CLIENT`` (cancelled), a failure of the request or of a sibling c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -153,8 +154,7 @@ class Generation:
         However it ends early, the choices still running are aborted (:meth:`close`): with
         ``ABORT_CLIENT`` when the consumer cancels or closes this generator (the client went
         away), else ``ABORT_FAILED``."""
-        reason = ABORT_CLIENT
-        try:
+        with _closing(self.close):
             while self.live:
                 i, item = await self.q.get()
                 c = self.choices[i]
@@ -176,13 +176,6 @@ class Generation:
                     if item.fin is None:  # a stop string ended it here: stop every tier
                         self._stop(i, ABORT_STOP)
                 yield d
-        except (asyncio.CancelledError, GeneratorExit):
-            raise  # the consumer is gone: ABORT_CLIENT
-        except BaseException:
-            reason = ABORT_FAILED
-            raise
-        finally:
-            self.close(reason)
 
     def _stop(self, i: int, reason: str) -> None:
         """Abort choice ``i`` on every tier with ``reason`` (``Orchestrator.abort``) and cancel
@@ -214,6 +207,23 @@ class Generation:
         return sum(c.ntok for c in self.choices)
 
 
+@contextlib.contextmanager
+def _closing(close):
+    """Around a generator's loop over its choices' tokens: however it ends, call ``close(reason)``
+    once -- ``ABORT_CLIENT`` when the consumer cancelled or closed the generator (the client went
+    away) or it ran to its end (nothing is left to abort), else ``ABORT_FAILED``."""
+    reason = ABORT_CLIENT
+    try:
+        yield
+    except (asyncio.CancelledError, GeneratorExit):
+        raise  # the consumer is gone: ABORT_CLIENT
+    except BaseException:
+        reason = ABORT_FAILED
+        raise
+    finally:
+        close(reason)
+
+
 class Batch:
     """The prompts of one ``/v1/completions`` request whose ``prompt`` is a list of prompts (a
     batch, as vLLM and OpenAI take it): one :class:`Generation` per prompt, seen as one with
@@ -243,23 +253,19 @@ class Batch:
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         pumps = [loop.create_task(self._pump(g, q)) for g in self.gens]
-        reason, left = ABORT_CLIENT, len(pumps)
+        left = len(pumps)
         try:
-            while left:
-                item = await q.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        except (asyncio.CancelledError, GeneratorExit):
-            raise  # the consumer is gone: ABORT_CLIENT
-        except BaseException:
-            reason = ABORT_FAILED
-            raise
+            # closed first, so the reason counted is this one, not the pumps' cancellation
+            with _closing(self.close):
+                while left:
+                    item = await q.get()
+                    if item is None:
+                        left -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield item
         finally:
-            self.close(reason)  # first, so the reason counted is this one, not the pumps' cancellation
             for p in pumps:
                 p.cancel()
 
