@@ -330,3 +330,26 @@ async def test_a_start_that_lost_its_p_waits_for_it_to_come_back(orch, monkeypat
     monkeypatch.setattr(orch, "_launch", none_up)
     with pytest.raises(RequestFailed, match="no prefill instance"):
         await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s2")
+
+
+async def test_a_sibling_choice_that_finds_no_instance_waits_with_its_first_choice(orch, monkeypatch):
+    """The other choices of an ``n`` > 1 request start after choice 0 (its first token sampled);
+    if the only MD (cross_dc_pd) or P dies in between, choice 0 recovers once the supervisor
+    restarts it, so a choice finding no instance of the tier waits for it too instead of failing
+    the whole request with a 503 (a new user: kill -9 md0 under four n=4 requests, two of them
+    failed with 503 "no main_decode instance is reachable" 0.6 s in, the other two completed)."""
+    from pdd.gateway import recovery
+    from pdd.gateway.state import NoInstance
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
+    tries: list = []
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        tries.append(st.trid)
+        if len(tries) <= 3:
+            raise NoInstance("no main_decode instance is reachable")
+
+    first = ReqState("c0", 20, SamplingParams(max_tokens=4), trid="c0", prompt_ids=[5] * 20)
+    monkeypatch.setattr(orch, "_launch", launch)
+    st = await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="c1", sibling_of=first, siblings=1)
+    assert tries == ["c1", "c1.1", "c1.2", "c1.3"] and st.trid == "c1.3"

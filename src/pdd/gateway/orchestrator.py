@@ -456,9 +456,11 @@ class Orchestrator(Recovery):
         tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
         and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does; then, or
         for any other error, RequestFailed. A request that finds no instance on its first try
-        fails at once (the client gets a 503 with Retry-After: it did no work). ``sibling_of``:
-        the first of ``siblings`` + 1 choices of this prompt, already started (see
-        :meth:`_sibling_md`)."""
+        fails at once (the client gets a 503 with Retry-After: it did no work), unless it is
+        another choice of a request whose first choice already started (``sibling_of``): that
+        request did work, and its first choice waits for the tier (recovery), so this one waits
+        with it instead of failing the whole request. ``sibling_of``: the first of ``siblings`` + 1
+        choices of this prompt, already started (see :meth:`_sibling_md`)."""
         rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids), sibling_of=sibling_of,
                       siblings=siblings)
@@ -475,7 +477,8 @@ class Orchestrator(Recovery):
                     log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
-                if isinstance(e, NoInstance) and st.attempt > 0 and waited < recovery.RECOVERY_WAIT_S:
+                if isinstance(e, NoInstance) and (st.attempt > 0 or sibling_of is not None) \
+                        and waited < recovery.RECOVERY_WAIT_S:
                     waited += await self._retry_later(st, e)
                     continue
                 self._unassign(st)
