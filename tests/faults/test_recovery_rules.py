@@ -353,3 +353,34 @@ async def test_a_sibling_choice_that_finds_no_instance_waits_with_its_first_choi
     monkeypatch.setattr(orch, "_launch", launch)
     st = await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="c1", sibling_of=first, siblings=1)
     assert tries == ["c1", "c1.1", "c1.2", "c1.3"] and st.trid == "c1.3"
+
+
+async def test_a_reservation_returning_after_its_p_died_is_booked_unreported(orch):
+    """A plan booked after its P's loss was processed (a sibling choice's ``reserve {after}``
+    waits on MD for choice 0's KV; P is killed meanwhile; the reply comes back when choice 0's
+    old attempt is aborted there) is never reported by that P: it goes to
+    ``wan_bytes_unreported`` at once, so the balance holds (a new user: kill -9 p0 in
+    cross_dc_pd under four n=4 requests left wan_bytes 18.4 MB below wan_bytes_expected for
+    good: six siblings' plans, superseded when their start failed, waited on a dead P)."""
+    orch._in_b = lambda name: name.startswith("md")
+    rep = {"md_cached_tokens": 0, "md_cached_pages": 0, "n_pages": 3, "prompt_tokens": 40, "page_size": 16,
+           "page_bytes": 16 * 100}
+    st = relayed(orch)
+    st.pipeline = Pipeline.P_MD
+    dead = orch.peers["p0"]
+    orch._peer_closed("p0")
+    dead.closed = True
+    orch._reserved(st, "md0", rep, dead)
+    t = orch.totals
+    assert (t["wan_bytes_planned"], t["wan_bytes_unreported"], t["wan_bytes_expected"]) == (4000, 4000, 0)
+    assert not orch.planned_wan and not orch.planned_src
+    # a restarted p0 reconnected meanwhile: the old connection's P still never reports it
+    orch.peers["p0"] = FakePeer()
+    st2 = relayed(orch, rid="r2", trid="r2")
+    orch._reserved(st2, "md0", rep, dead)
+    assert (t["wan_bytes_unreported"], t["wan_bytes_expected"]) == (8000, 0) and not orch.planned_wan
+    # the live connection books it as planned, to be reported by P's xfer_done
+    orch._reserved(st2, "md0", rep)
+    assert orch.planned_wan == {"r2": 4000} and t["wan_bytes_expected"] == 4000
+    await orch.on_xfer_done(None, {"rid": "r2", "bytes": {"md0": 4000}}, b"")
+    assert t["wan_bytes_sent"] == t["wan_bytes_expected"] == 4000

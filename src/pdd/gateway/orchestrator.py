@@ -617,7 +617,7 @@ class Orchestrator(Recovery):
             if expect is not None:
                 self._spawn(self._abort_on(rld, st.trid))
             raise
-        self._reserved(st, md_name, rep)
+        self._reserved(st, md_name, rep, p)
         md = self.peers[md_name]
         md_wan = self.layout.get(md_name).dc == "B"
         md_first = int(rep["md_cached_pages"])
@@ -722,7 +722,7 @@ class Orchestrator(Recovery):
             except Exception:
                 pass
             return
-        self._reserved(st, md_name, rep)
+        self._reserved(st, md_name, rep, p)
         if st.finished and not st.kv_ready:
             self._await_kv(st)
         try:
@@ -731,8 +731,13 @@ class Orchestrator(Recovery):
         except Exception as e:
             self._instance_lost(st, st.names.get(ROLE_PREFILL, ""), f"P unreachable: {e}")
 
-    def _reserved(self, st: ReqState, md_name: str, rep: dict) -> None:
-        """Book MD's reservation reply: cached tokens, the WAN bytes planned."""
+    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: rpc.Peer | None = None) -> None:
+        """Book MD's reservation reply: cached tokens, the WAN bytes planned. ``p``: the P
+        connection the attempt started on (default: the current one of ``st``'s P). When that P
+        is already gone (closed, or replaced by a restarted P's connection: its loss was booked
+        before this reservation returned, e.g. a sibling choice's ``reserve {after}`` waiting on
+        MD while P was killed), it will never report the transfer: the bytes go straight to
+        ``wan_bytes_unreported`` instead of staying expected forever."""
         st.events["md_reserved"] = time.perf_counter()
         md_wan = self.layout.get(md_name).dc == "B"
         self.page_bytes = int(rep["page_bytes"])
@@ -744,8 +749,14 @@ class Orchestrator(Recovery):
                                                     self.page_bytes, self.cfg.policy.kv_whole_pages)
             self.totals["wan_bytes_expected"] += st.wan_bytes_expected
             self.totals["wan_bytes_planned"] += st.wan_bytes_expected
+            src = st.names.get(ROLE_PREFILL, "")
+            p = p if p is not None else self.peers.get(src)
+            if p is not None and (p.closed or self.peers.get(src) is not p):
+                self.totals["wan_bytes_unreported"] += st.wan_bytes_expected
+                self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
+                return
             self.planned_wan[st.trid] = st.wan_bytes_expected
-            self.planned_src[st.trid] = st.names.get(ROLE_PREFILL, "")
+            self.planned_src[st.trid] = src
 
     def _always_relay(self) -> bool:
         """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""
