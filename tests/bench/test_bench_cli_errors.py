@@ -169,3 +169,21 @@ def test_exit_status_counts_modes_without_a_completed_request():
     assert bench_exit_status(rep({"pdd": 3, "colocated": 1})) == 0  # some failures are measured results
     assert bench_exit_status(rep({"pdd": 3, "colocated": 0})) == 1
     assert bench_exit_status(rep({"pdd": 3, "colocated": None}, {"colocated": "LaunchError: x"})) == 1
+
+
+@pytest.mark.parametrize("rec,names", [
+    ({"timestamp": "x"}, ["'timestamp' must be a number of ms, got 'x'"]),
+    ({"input_length": 0}, ["'input_length' must be an integer >= 1, got 0"]),
+    ({"input_length": "600"}, ["'input_length' must be an integer >= 1, got '600'"]),
+    ({"output_length": -1}, ["'output_length' must be an integer >= 0, got -1"]),
+    ({"hash_ids": "1,2"}, ["'hash_ids' must be a list of integers"]),
+    ({"hash_ids": [1, None]}, ["'hash_ids' must be a list of integers"]),
+])
+def test_names_the_file_line_and_field_of_a_bad_trace_value(capsys, tmp_path, no_run, rec, names):
+    """A record with all four fields but an unusable value was accepted by the checks and failed
+    inside the run as `error: could not convert string to float: 'x'` (no file, line or field)."""
+    t = tmp_path / "t.jsonl"
+    good = {"timestamp": 0, "input_length": 600, "output_length": 40, "hash_ids": [1, 2]}
+    t.write_text(json.dumps(good) + "\n" + json.dumps({**good, **rec}) + "\n")
+    _refused(capsys, ["--trace", str(t), "--out", str(tmp_path / "b")], f"--trace: {t}, line 2", *names)
+

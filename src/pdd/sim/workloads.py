@@ -23,11 +23,34 @@ HIT_BINS = [(0, 90), (90, 95), (95, 97), (97, 98), (98, 99), (99, 99.5), (99.5, 
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad_field(rec: dict) -> str | None:
+    """Why a record's values are unusable (None when they are fine): ``timestamp`` a finite
+    number of ms, ``input_length`` an integer >= 1, ``output_length`` an integer >= 0,
+    ``hash_ids`` a list of integers. Without this check a bad value failed later, in whatever
+    used it, with a message naming neither the file, the line nor the field (``pdd bench``:
+    "could not convert string to float: 'x'")."""
+    ts = rec["timestamp"]
+    if not ((_is_int(ts) or isinstance(ts, float)) and math.isfinite(ts)):
+        return f"'timestamp' must be a number of ms, got {ts!r}"
+    for k, lo in (("input_length", 1), ("output_length", 0)):
+        if not (_is_int(rec[k]) and rec[k] >= lo):
+            return f"{k!r} must be an integer >= {lo}, got {rec[k]!r}"
+    h = rec["hash_ids"]
+    if not (isinstance(h, list) and all(_is_int(x) for x in h)):
+        return f"'hash_ids' must be a list of integers, got {h!r}"[:200]
+    return None
+
+
 def read_trace(path: str | Path, start: int = 0, stop: int | None = None) -> Iterator[dict]:
     """The Mooncake JSONL records ``[start, stop)`` of ``path`` (blank lines skipped; records
     before ``start`` are skipped unparsed). ValueError naming the file and line when a record read
-    is not a JSON object with the four fields (``README.md`` given as a trace, a truncated file)
-    or the file is not UTF-8 text; OSError when it cannot be read."""
+    is not a JSON object with the four fields (``README.md`` given as a trace, a truncated file),
+    a field's value is unusable (:func:`_bad_field`), or the file is not UTF-8 text; OSError when
+    it cannot be read."""
     with open(path, encoding="utf-8") as f:
         i = lineno = 0
         while stop is None or i < stop:
@@ -50,6 +73,9 @@ def read_trace(path: str | Path, start: int = 0, stop: int | None = None) -> Ite
                 missing = [k for k in TRACE_FIELDS if k not in rec]
                 if missing:
                     raise ValueError(f"{path}, line {lineno}: record lacks {', '.join(map(repr, missing))}")
+                bad = _bad_field(rec)
+                if bad:
+                    raise ValueError(f"{path}, line {lineno}: {bad}")
                 yield rec
             i += 1
 
