@@ -187,3 +187,14 @@ def test_names_the_file_line_and_field_of_a_bad_trace_value(capsys, tmp_path, no
     t.write_text(json.dumps(good) + "\n" + json.dumps({**good, **rec}) + "\n")
     _refused(capsys, ["--trace", str(t), "--out", str(tmp_path / "b")], f"--trace: {t}, line 2", *names)
 
+
+def test_a_trace_the_default_session_sample_empties_names_the_flag(capsys, tmp_path, gateway):
+    """`pdd workload agentic --n 30 --out t.jsonl` then `pdd bench --trace t.jsonl`: the default
+    --session-sample 50 (sized for the shared Mooncake trace) kept none of its conversations and
+    the run stopped with `no requests in t.jsonl (start=0 count=200)`, naming nothing to change."""
+    url = gateway("pdd")
+    argv = _url_argv(tmp_path, url)
+    i = argv.index("--session-sample")
+    del argv[i:i + 2]  # the default
+    err = _refused(capsys, argv, "no requests in", "--session-sample 50", "give --session-sample 1")
+    assert "Traceback" not in err

@@ -671,7 +671,11 @@ def run_bench(
     scale = fit_scale(scale, config, n_requests, start)
     requests = build_requests(trace, scale, tokens, seed)
     if not requests:
-        raise ValueError(f"no requests in {trace} (start={scale.start} count={scale.count})")
+        hint = ""
+        if scale.session_sample > 1:  # the default keeps 1 in 50 conversations: a small trace may keep none
+            hint = (f": --session-sample {scale.session_sample} keeps 1 in {scale.session_sample} conversations "
+                    f"and kept none of this trace's; give --session-sample 1 to replay every record")
+        raise ValueError(f"no requests in {trace} (start={scale.start} count={scale.count}){hint}")
     if ramp is not None:
         requests = ramp_arrivals(requests, *ramp)
     workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
@@ -1081,7 +1085,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load ramp: the main run's rate rises linearly from START to END req/s (overrides --rate "
                         "for the main run; the sweep, if any, still starts at --rate)")
     g.add_argument("--session-sample", type=int, default=DEFAULT_SCALE.session_sample,
-                   help="keep 1 in N conversations (all their turns)")
+                   help=f"keep 1 in N conversations (all their turns); default {DEFAULT_SCALE.session_sample}, sized "
+                        f"for the shared Mooncake trace: give 1 for a short or generated trace (pdd workload)")
     g.add_argument("--session-seed", type=int, default=0)
     g.add_argument("--seed", type=int, default=0, help="token-id seed")
     g = ap.add_argument_group("SLO and sweep")
