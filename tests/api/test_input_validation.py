@@ -278,6 +278,7 @@ def test_choices_no_kv_pool_could_hold_are_400_up_front(tiny_model):
 
     from pdd.config import ClusterConfig
     from pdd.engine.engine import Engine
+    from pdd.config import ClusterConfig
     from pdd.gateway.api import create_app
     from tests.api.conftest import EngineOrch
 
@@ -394,6 +395,7 @@ def test_choices_without_an_output_length_are_not_refused_for_the_whole_context(
     from pdd.config import ClusterConfig
     from pdd.engine.config import ModelConfig
     from pdd.engine.engine import Engine
+    from pdd.config import ClusterConfig
     from pdd.gateway.api import create_app
     from tests.api.conftest import EngineOrch
 
@@ -409,3 +411,34 @@ def test_choices_without_an_output_length_are_not_refused_for_the_whole_context(
         assert len(r.json()["choices"]) == 16
         err = _err(client.post("/v1/completions", json={"prompt": [5], "n": 16, "max_tokens": 100}), 400, "n")
         assert "112 KV pages" in err["message"]
+
+
+@pytest.mark.parametrize("mode,refused", [("pdd", True), ("cross_dc_pd", False)])
+def test_n_choices_past_rlds_pool_are_400_naming_n_in_pdd_mode(tiny_model, mode, refused):
+    """RLD keeps its own copy of the prompt per choice (no prefix cache): a new user's n=16 on a
+    3,000-token prompt (16 x 188 pages > RLD's 2,048) got 429 'server overloaded: ... OutOfPages'
+    on an idle server, a refusal no retry could cure. pdd mode now counts RLD's copies up front:
+    400 naming n. Modes without RLD keep the shared-prefix bound (the request is served)."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.engine.engine import Engine
+    from pdd.config import ClusterConfig
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    eng = Engine.from_pretrained(tiny_model, num_pages=256, page_size=8)
+    orch = EngineOrch(eng)
+    cfg = ClusterConfig.model_validate({"mode": mode, "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400, "num_pages": 100,
+                                                   "page_size": 16}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    body = {"prompt": list(range(10, 310)), "n": 8, "max_tokens": 2, "temperature": 0}  # 8 x 19 pages > 100
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=body)
+        if refused:
+            _err(r, 400, "n")
+            assert "lower n" in r.json()["error"]["message"] and not orch.started
+        else:
+            assert r.status_code == 200 and len(r.json()["choices"]) == 8
+        assert client.post("/v1/completions", json={**body, "n": 4}).status_code == 200  # 4 x 19 fits

@@ -280,7 +280,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1, asked: bool = True) -> None:
         """400 (ApiError naming the field) for an empty or too long prompt, a prompt + output past
         the context window, or ``n`` choices that no decoder's KV pool could hold at once even
-        with the prompt's full pages shared: its choices would preempt one another over and over
+        with the prompt's full pages shared (in pdd mode: RLD's, which shares nothing, holds a
+        copy of the prompt per choice): its choices would preempt one another over and over
         (Engine.step) or fail with OutOfPages after their work was done (docs/FAULTS.md).
         ``asked``: False when the client set no output length (``max_tokens`` is then the rest
         of the context, which choices rarely reach): the pool check then counts one output token
@@ -296,6 +297,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
         ps = e.page_size
         pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
+        if cfg.mode == "pdd":
+            # RLD shares nothing between choices (no prefix cache): each choice's `expect` takes
+            # its own copy of the prompt's pages (+ the first token) while the others are there
+            # too; past its pool the request failed at start with a 429 that no retry could cure
+            pages = max(pages, n * -(-(n_prompt + 1) // ps))
         if pages > e.num_pages:
             raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {param} ({max_tokens}) need {pages} "
                            f"KV pages of {ps} tokens at once, more than an instance's pool ({e.num_pages}): "
