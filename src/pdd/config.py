@@ -246,10 +246,10 @@ class ClusterConfig(_Strict):
         have = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         for role, cpus in v.items():
             if not cpus:
-                raise ValueError(f"cpu_affinity.{role}: name at least one core (or leave the role out)")
+                raise ValueError(f"{role}: name at least one core (or leave the role out)")
             bad = sorted(set(cpus) - set(have))
             if bad:
-                raise ValueError(f"cpu_affinity.{role}: cores {bad} are not available here (available: {have})")
+                raise ValueError(f"{role}: cores {bad} are not available here (available: {have})")
         return v
 
     @field_validator("mode")

@@ -19,8 +19,8 @@ def test_config_accepts_roles_and_existing_cores():
 
 
 @pytest.mark.parametrize("aff, words", [
-    ({"prefill": [max(HAVE or [0]) + 1]}, ["cpu_affinity.prefill", "not available", str(max(HAVE or [0]) + 1)]),
-    ({"prefill": []}, ["cpu_affinity.prefill", "at least one core"]),
+    ({"prefill": [max(HAVE or [0]) + 1]}, ["cpu_affinity", "prefill: cores", "not available", str(max(HAVE or [0]) + 1)]),
+    ({"prefill": []}, ["cpu_affinity", "prefill: name at least one core"]),
     ({"prefil": [0]}, ["cpu_affinity", "prefil", "relay_decode"]),
 ])
 def test_config_refuses_bad_affinity_naming_it(aff, words):
