@@ -110,3 +110,9 @@ def test_workload_agentic_refuses_bad_counts(capsys, tmp_path, monkeypatch, argv
     monkeypatch.chdir(tmp_path)
     _refused(capsys, argv, *names)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize("args", [["--md-min", "3", "--md-max", "1"], ["--md-step", "0"], ["--md-min", "0"]])
+def test_plan_refuses_an_empty_md_range(capsys, args):
+    """Found by a new user: an empty range said "no configuration meets the SLO" after a search."""
+    _refused(capsys, ["plan"] + args, "pdd plan: error:", "--md-min", "empty")

@@ -386,6 +386,9 @@ def cmd_plan(a) -> int:
         def make(rate):
             return _records(a, rate)
 
+    if a.md_step < 1 or a.md_min < 1 or a.md_max < a.md_min:
+        raise UsageError(f"--md-min {a.md_min} / --md-max {a.md_max} / --md-step {a.md_step}: the MD counts searched "
+                         "are empty (need 1 <= --md-min <= --md-max and --md-step >= 1)")
     base = _make_cfg(a)
     wans = [WanOption(float(x.split(":")[0]), float(x.split(":")[1])) for x in a.wan.split(",")]
     recs = make(a.rate)
