@@ -161,5 +161,7 @@ def print_summary(s: dict, file=None) -> None:
     for role, i in s["instances"].items():
         print(f"{role}: {i['count']} x {i['chip']} (x{i['gpus_per_instance']}), KV {i['kv_capacity_tokens']:,} tok, "
               f"utilisation {i['utilisation']:.1%}", file=file)
+    md_hit = s["md_hit_token_weighted"]
     print(f"pipelines {s['pipelines']}  handoffs {s['handoffs']}  cut-offs {s['cutoffs']}  "
-          f"P hit {s['p_hit_token_weighted']:.1%}  MD hit {s['md_hit_token_weighted']}", file=file)
+          f"P hit {s['p_hit_token_weighted']:.1%}  MD hit {'-' if md_hit is None else format(md_hit, '.1%')}",
+          file=file)
