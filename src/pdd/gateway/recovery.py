@@ -206,8 +206,9 @@ class Recovery:
         else:
             st.cut_off = True
             self.totals["cut_offs"] += 1
-        log.warning("request %s: MD leg lost (%s); %s", st.rid, reason,
-                    "it had ended already" if finished else "RLD finishes it")
+        # a request that had ended (a client gone, an abort) loses nothing: not worth a warning
+        log.log(logging.INFO if finished else logging.WARNING, "request %s: MD leg lost (%s); %s", st.rid, reason,
+                "it had ended already" if finished else "RLD finishes it")
         md_name = st.names.get(ROLE_MAIN)
         p_name = st.names.get(ROLE_PREFILL)
         trid = st.trid
