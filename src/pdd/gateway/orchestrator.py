@@ -164,14 +164,11 @@ class Orchestrator(Recovery):
         for trid, src in list(self.planned_src.items()):
             if src == name:  # that P will never report the transfer's outcome: out of the balance
                 self.planned_src.pop(trid, None)
-                lost = self.planned_wan.pop(trid, 0)
-                self.totals["wan_bytes_unreported"] += lost
-                self.totals["wan_bytes_expected"] -= lost
+                self._write_off(self.planned_wan.pop(trid, 0))
         for trid, (lost, src) in list(self.superseded_wan.items()):
             if src == name:
                 self.superseded_wan.pop(trid, None)
-                self.totals["wan_bytes_unreported"] += lost
-                self.totals["wan_bytes_expected"] -= lost
+                self._write_off(lost)
         for trid, (p_name, md_name) in list(self.awaiting_kv.items()):
             if p_name == name:
                 self._kv_source_lost(trid)  # the KV will never arrive: MD drops what it holds
@@ -752,11 +749,16 @@ class Orchestrator(Recovery):
             src = st.names.get(ROLE_PREFILL, "")
             p = p if p is not None else self.peers.get(src)
             if p is not None and (p.closed or self.peers.get(src) is not p):
-                self.totals["wan_bytes_unreported"] += st.wan_bytes_expected
-                self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
+                self._write_off(st.wan_bytes_expected)
                 return
             self.planned_wan[st.trid] = st.wan_bytes_expected
             self.planned_src[st.trid] = src
+
+    def _write_off(self, nbytes: int) -> None:
+        """Planned WAN bytes whose P died before reporting them: out of the expected balance,
+        into ``totals.wan_bytes_unreported``."""
+        self.totals["wan_bytes_unreported"] += nbytes
+        self.totals["wan_bytes_expected"] -= nbytes
 
     def _always_relay(self) -> bool:
         """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""
