@@ -114,15 +114,21 @@ async def _metrics(client) -> dict:
 BODY = {"prompt": "hello there", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
 
-async def test_client_disconnect_mid_stream_counts_cancelled_once(gateway):
-    client, orch, _ = gateway
-    async with client.stream("POST", "/v1/completions", json={**BODY, "n": 3}) as r:
+async def leave_mid_stream(client, body: dict, chunks: int = 6) -> None:
+    """Stream ``body`` from /v1/completions and go away after ``chunks`` data chunks (leaving the
+    block closes the connection mid-stream)."""
+    async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         got = 0
         async for line in r.aiter_lines():
             got += line.startswith("data: {")
-            if got >= 6:
-                break  # leaving the block closes the connection mid-stream
+            if got >= chunks:
+                break
+
+
+async def test_client_disconnect_mid_stream_counts_cancelled_once(gateway):
+    client, orch, _ = gateway
+    await leave_mid_stream(client, {**BODY, "n": 3})
     assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 3}
     assert orch.totals["requests"] == 3
     assert orch.abort_reasons and set(orch.abort_reasons) == {ABORT_CLIENT}  # the tiers were told

@@ -157,18 +157,13 @@ async def test_batch_stream_and_its_disconnect_count_every_prompt(gateway):
     """A batch through the real orchestrator on a live server: completed, each prompt counted
     once; a client that leaves a batch's stream early: every prompt's choices are cancelled."""
     from pdd.gateway.orchestrator import ABORT_CLIENT
-    from tests.api.test_gateway_outcomes import BODY, _settled
+    from tests.api.test_gateway_outcomes import BODY, _settled, leave_mid_stream
 
     client, orch, _ = gateway
     r = await client.post("/v1/completions", json={**BODY, "prompt": ["a b", "c"], "max_tokens": 3, "stream": False})
     assert r.status_code == 200 and sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
     assert await _settled(orch, 2) == {"completed": 2, "failed": 0, "cancelled": 0}
-    async with client.stream("POST", "/v1/completions", json={**BODY, "prompt": ["a b", "c", "d e f"], "n": 2}) as r:
-        n = 0
-        async for line in r.aiter_lines():
-            n += line.startswith("data: {")
-            if n >= 6:
-                break  # leaving the block closes the connection mid-stream
+    await leave_mid_stream(client, {**BODY, "prompt": ["a b", "c", "d e f"], "n": 2})
     assert await _settled(orch, 8) == {"completed": 2, "failed": 0, "cancelled": 6}
     assert orch.abort_reasons == [ABORT_CLIENT] * 6
 

@@ -209,6 +209,20 @@ async def test_restarted_instance_rejoins_without_traffic(monkeypatch):
         await o.close()
 
 
+def _launch_failing(monkeypatch, orch, fails: int, exc: Exception) -> list:
+    """Replace ``orch._launch`` with one that raises ``exc`` on its first ``fails`` calls and then
+    starts nothing; returns the list of tier rids it was called with."""
+    calls: list = []
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        calls.append(st.trid)
+        if len(calls) <= fails:
+            raise exc
+
+    monkeypatch.setattr(orch, "_launch", launch)
+    return calls
+
+
 async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypatch):
     """A recovery's new attempt refused because a tier is full (OutOfPages / TierBusy at start)
     waits and tries again, instead of failing a request that has streamed tokens (a new user: 3
@@ -217,14 +231,8 @@ async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypat
     from pdd.transfer.rpc import RemoteError
 
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
-    calls: list = []
-
-    async def launch(st, prompt, sp=None, force_relay=False):
-        calls.append(st.trid)
-        if len(calls) <= 2:
-            raise RemoteError("OutOfPages: out of KV pages: need 211, 14 free (seq x)", {})
-
-    monkeypatch.setattr(orch, "_launch", launch)
+    calls = _launch_failing(monkeypatch, orch, 2,
+                            RemoteError("OutOfPages: out of KV pages: need 211, 14 free (seq x)", {}))
     st = relayed(orch, kv_ready=True, md_start=6, switch_pos=6, handoff_mode="one_shot")
     stream_to(st, 9)
     st.error = "instance md0 is unreachable"
@@ -257,14 +265,7 @@ async def test_recovery_waits_for_a_restarting_tier(orch, monkeypatch):
     from pdd.gateway.state import NoInstance
 
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
-    calls: list = []
-
-    async def launch(st, prompt, sp=None, force_relay=False):
-        calls.append(st.trid)
-        if len(calls) <= 3:
-            raise NoInstance("no prefill instance is reachable")
-
-    monkeypatch.setattr(orch, "_launch", launch)
+    calls = _launch_failing(monkeypatch, orch, 3, NoInstance("no prefill instance is reachable"))
     st = relayed(orch)
     st.error = "instance p0 is unreachable"
     assert await orch._recover(st)
@@ -342,15 +343,8 @@ async def test_a_sibling_choice_that_finds_no_instance_waits_with_its_first_choi
     from pdd.gateway.state import NoInstance
 
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
-    tries: list = []
-
-    async def launch(st, prompt, sp=None, force_relay=False):
-        tries.append(st.trid)
-        if len(tries) <= 3:
-            raise NoInstance("no main_decode instance is reachable")
-
+    tries = _launch_failing(monkeypatch, orch, 3, NoInstance("no main_decode instance is reachable"))
     first = ReqState("c0", 20, SamplingParams(max_tokens=4), trid="c0", prompt_ids=[5] * 20)
-    monkeypatch.setattr(orch, "_launch", launch)
     st = await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="c1", sibling_of=first, siblings=1)
     assert tries == ["c1", "c1.1", "c1.2", "c1.3"] and st.trid == "c1.3"
 
