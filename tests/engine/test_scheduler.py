@@ -52,13 +52,10 @@ def test_extend_is_one_item_and_chunking_covers_all_tokens():
     assert seen == 1000
 
 
-def test_large_batch_is_fast():
-    import time
-
+def test_large_batch_plan():
+    # its speed is measured by tests/engine/test_scheduler_bench.py (pytest-benchmark), not asserted here
     states = [SeqState(i, 1000, 999 if i % 2 else 0, i) for i in range(10000)]
-    t = time.perf_counter()
     plan = schedule(states, SchedulerConfig(max_batch_tokens=8192, max_running_seqs=10000))
-    assert time.perf_counter() - t < 0.5
     assert plan.num_decodes == 5000 and plan.num_tokens == 8192
 
 
