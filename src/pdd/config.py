@@ -90,6 +90,10 @@ class PolicyConfig(_Strict):
         True, description="the n choices of a prompt ship its KV across the WAN once: the others reserve on the "
         "first choice's MD after its KV arrived, when copies would cost the line more than a round trip "
         "(pdd.policy.siblings); false: every choice ships its own (ablation)")
+    md_route_peek: bool = Field(
+        False, description="ablation: cache-aware routing asks each main-decode instance across the WAN what its "
+        "cache holds (a round trip before the reservation) instead of the gateway's own record of what it routed "
+        "there (pdd.gateway.prefix_index)")
     routing: Literal["cache_aware", "load", "round_robin"] = Field(
         "cache_aware", description="instance choice for P and MD (RLD: load unless round_robin)")
     allow_p_rld: bool = False

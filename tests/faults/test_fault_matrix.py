@@ -263,6 +263,12 @@ def test_first_token_eos_stops_after_one_token_and_cuts_the_wan_leg(topo, model_
     assert sum(v["forward_calls"] for n, v in after["instances"].items() if n.startswith("md")) == md_fwd
     sent = after["link"]["bytes_a_to_b"] - before["link"]["bytes_a_to_b"]
     assert sent < page_bytes, f"{sent} bytes crossed the WAN"
+    # the balance: MD's planned pages count as cancelled, none as sent (P never started the stream,
+    # even when MD's plan reached P before the gateway's cut: no WAN peek delays the reservation)
+    delta = {k: after["totals"][k] - before["totals"][k]
+             for k in ("wan_bytes_sent", "wan_bytes_expected", "wan_bytes_cancelled", "wan_bytes_planned")}
+    assert delta["wan_bytes_sent"] == delta["wan_bytes_expected"] == 0, delta
+    assert delta["wan_bytes_cancelled"] == delta["wan_bytes_planned"], delta
     assert topo.flush()["leaked_pages"] == 0
 
 

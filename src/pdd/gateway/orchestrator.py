@@ -49,6 +49,7 @@ from pdd.transfer import rpc
 from pdd.transfer.kv import prompt_kv_bytes
 from pdd.gateway import recovery
 from pdd.gateway.recovery import Recovery
+from pdd.gateway.prefix_index import PrefixIndex
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
     NoInstance, RequestFailed, ReqState, TokenOut, extend_message)
@@ -103,6 +104,10 @@ class Orchestrator(Recovery):
         self.wan_estimate = WanEstimate()  # MD's measured KV receive rates (policy.wan_estimate)
         self.wan_gbps_live: float | None = None  # its current value, Gbit/s
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
+        # what the gateway routed to each instance across the WAN (cache-aware routing without a peek)
+        self.prefix_index: dict[str, PrefixIndex] = {
+            sp.name: PrefixIndex(cfg.engine.page_size, cfg.engine.num_pages)
+            for sp in lay.by_role(ROLE_MAIN) if sp.dc == "B"}
         from pdd.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics(self)
@@ -161,6 +166,8 @@ class Orchestrator(Recovery):
             return  # an old connection, already replaced
         why = "no heartbeat" if getattr(peer, "dead_peer", False) else "connection lost"
         self.totals["instances_lost"] = self.totals.get("instances_lost", 0) + 1
+        if name in self.prefix_index:  # a restarted instance starts with an empty cache
+            self.prefix_index[name].clear()
         for trid, src in list(self.planned_src.items()):
             if src == name:  # that P will never report the transfer's outcome: out of the balance
                 self.planned_src.pop(trid, None)
@@ -206,8 +213,11 @@ class Orchestrator(Recovery):
 
         cache_aware (P, MD): each live candidate reports how many of the prompt's tokens its radix
         cache holds (``peek``, no lock) and ``choose_instance`` takes the longest prefix within a
-        load slack; RLD holds no cache, so it is chosen by load. Load = requests the gateway has
-        in flight there. Instances whose connection is down are skipped (and reconnected).
+        load slack; RLD holds no cache, so it is chosen by load. An MD across the WAN is not
+        asked (a round trip before the reservation): the gateway's record of what it routed there
+        (:class:`PrefixIndex`) stands for its cache, unless ``policy.md_route_peek``. Load =
+        requests the gateway has in flight there. Instances whose connection is down are skipped
+        (and reconnected).
         """
         specs = self.layout.by_role(role)
         live = [sp for sp in specs if not self.peers[sp.name].closed]
@@ -217,21 +227,34 @@ class Orchestrator(Recovery):
         if not live:
             raise NoInstance(f"no {role} instance is reachable")
         if len(live) == 1:
+            self._record_route(live[0].name, prompt)
             return live[0].name
         policy = self.cfg.policy.routing
         hits = [0] * len(live)
         if policy == "cache_aware" and role != ROLE_RELAY:
+            index = role == ROLE_MAIN and not self.cfg.policy.md_route_peek
+            ask = [sp for sp in live if not (index and sp.name in self.prefix_index)]
             reps = await asyncio.gather(*(self.peers[sp.name].call({"t": "peek", "prompt_ids": prompt}, timeout=10)
-                                          for sp in live), return_exceptions=True)
-            hits = [int(r[0].get("hit_tokens", 0)) if not isinstance(r, BaseException) else -1 for r in reps]
+                                          for sp in ask), return_exceptions=True)
+            peeked = {sp.name: (int(r[0].get("hit_tokens", 0)) if not isinstance(r, BaseException) else -1)
+                      for sp, r in zip(ask, reps)}
+            hits = [peeked[sp.name] if sp.name in peeked else self.prefix_index[sp.name].match(prompt) for sp in live]
         elif policy == "cache_aware":
             policy = "load"
         cands = [InstanceLoad(sp.name, running=self.inflight.get(sp.name, 0), prefix_hit_tokens=max(0, h))
                  for sp, h in zip(live, hits)]
         rr = self._rr.get(role, 0)
         self._rr[role] = rr + 1
-        return live[choose_instance(cands, policy, rr, load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt),
+        name = live[choose_instance(cands, policy, rr, load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt),
                                     min_hit_frac=ROUTING_MIN_HIT_FRAC)].name
+        self._record_route(name, prompt)
+        return name
+
+    def _record_route(self, name: str, prompt: list[int]) -> None:
+        """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache."""
+        ix = self.prefix_index.get(name)
+        if ix is not None:
+            ix.insert(prompt)
 
     def _assign(self, st: ReqState, *roles: str) -> None:
         for role in roles or tuple(st.names):

@@ -247,6 +247,14 @@ class PrefillInstance(EngineInstance):
                         unsent[name] = -1  # -1: the whole planned transfer (only the gateway knows its size)
                         return
                 first = int(t["first_page"])
+                if fin is not None and t.get("relay"):
+                    # a relayed request finished by its first token (EOS, a stop id, max_tokens 1):
+                    # RLD emits it and MD never decodes, so its WAN stream never starts (the
+                    # gateway cuts that leg too, but its cancel may come after MD's plan did)
+                    result[name] = 0
+                    unsent[name] = planned(first)
+                    self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + 1
+                    return
                 sender, wan = await self.sender_for(name)
                 if ctx.rid in self._aborted:  # aborted before it started (on_abort cancelled none)
                     result[name] = 0

@@ -1,0 +1,60 @@
+"""The gateway's approximate view of one instance's prefix cache, for cache-aware routing without
+asking the instance (as SGLang's cache-aware router keeps an approximate radix tree per worker).
+
+Asking a main-decode instance in the other datacenter what its radix cache holds (``peek``) costs
+a WAN round trip before the request's reservation can even be sent (docs/BENCH.md, routing: in
+``cross_dc_pd`` that round trip ate the hit-rate gain). The gateway knows what it routed where:
+each prompt routed to an instance is recorded as the chain of its whole pages (page ``i``'s key
+hashes page ``i - 1``'s key and its tokens, so a key names a whole prefix, as a radix path
+does), and a new prompt's hit is its longest prefix of recorded pages. At most ``capacity_pages``
+keys are kept, least recently used out first, like the instance's own evictions. Approximate: a
+prefix the instance evicted, or never received (a cut-off transfer), still counts until it ages
+out here; a restarted instance starts over (:meth:`clear`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixIndex:
+    """Whole-page prefixes of the prompts routed to one instance (no I/O, no clock)."""
+
+    def __init__(self, page_size: int, capacity_pages: int):
+        if page_size < 1 or capacity_pages < 1:
+            raise ValueError(f"page_size ({page_size}) and capacity_pages ({capacity_pages}) must be >= 1")
+        self.page_size, self.capacity = page_size, capacity_pages
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def _chain(self, prompt: list[int]):
+        key = 0
+        ps = self.page_size
+        for i in range(len(prompt) // ps):
+            key = hash((key, tuple(prompt[i * ps:(i + 1) * ps])))
+            yield key
+
+    def match(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt``'s longest whole-page prefix recorded here (a multiple of the page
+        size); the matched keys count as used."""
+        n = 0
+        for key in self._chain(prompt):
+            if key not in self._keys:
+                break
+            self._keys.move_to_end(key)
+            n += 1
+        return n * self.page_size
+
+    def insert(self, prompt: list[int]) -> None:
+        """Record ``prompt``'s whole pages as held (most recently used), evicting the least
+        recently used keys beyond ``capacity_pages``."""
+        for key in self._chain(prompt):
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+    def __len__(self) -> int:
+        return len(self._keys)

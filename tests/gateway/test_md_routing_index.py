@@ -1,0 +1,59 @@
+"""Cache-aware routing to main-decode instances across the WAN uses the gateway's own record of
+what it routed there (pdd.gateway.prefix_index), not a peek: no round trip before the
+reservation. P (same datacenter) is still asked. ``policy.md_route_peek`` restores the peek."""
+import asyncio
+
+from pdd.config import ClusterConfig
+from pdd.gateway.orchestrator import Orchestrator
+from pdd.topology import ROLE_MAIN, ROLE_PREFILL, layout
+from tests.gateway.fake_peer import FakePeer
+
+
+class PeekPeer(FakePeer):
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        return {"t": "peek_ok", "hit_tokens": 0}, b""
+
+
+def _orch(**policy):
+    cfg = ClusterConfig.model_validate({"mode": "cross_dc_pd", "instances": {"prefill": 2, "main_decode": 3},
+                                        "policy": policy})
+    o = Orchestrator(cfg, layout(cfg))
+    o.peers = {s.name: PeekPeer() for s in o.layout.engines}
+    return o
+
+
+def _peeks(o):
+    return {n: sum(h.get("t") == "peek" for h in p.sent) for n, p in o.peers.items()}
+
+
+def test_md_routing_follows_the_prefix_without_asking_md():
+    o = _orch()
+    mds = [s.name for s in o.layout.by_role(ROLE_MAIN)]
+    session = list(range(100, 420))  # 20 pages of 16
+    first = asyncio.run(o._route(ROLE_MAIN, session))
+    # another conversation is routed elsewhere by load-free round robin (no hit anywhere) ...
+    o.inflight[first] = 1
+    other = asyncio.run(o._route(ROLE_MAIN, list(range(5000, 5320))))
+    assert other != first
+    # ... and the session's next turn (its prefix + new tokens) goes back to the first MD
+    assert asyncio.run(o._route(ROLE_MAIN, session + [7] * 40)) == first
+    assert all(_peeks(o)[n] == 0 for n in mds)
+    assert o.prefix_index[first].match(session) == 320
+    # P is in datacenter A: still asked
+    asyncio.run(o._route(ROLE_PREFILL, session))
+    assert sum(_peeks(o)[s.name] for s in o.layout.by_role(ROLE_PREFILL)) == 2
+
+
+def test_peek_ablation_asks_every_md():
+    o = _orch(md_route_peek=True)
+    asyncio.run(o._route(ROLE_MAIN, list(range(64))))
+    assert [_peeks(o)[s.name] for s in o.layout.by_role(ROLE_MAIN)] == [1, 1, 1]
+
+
+def test_a_lost_md_forgets_its_prefixes():
+    o = _orch()
+    name = asyncio.run(o._route(ROLE_MAIN, list(range(64))))
+    assert o.prefix_index[name].match(list(range(64))) == 64
+    o._peer_closed(name, o.peers[name])
+    assert o.prefix_index[name].match(list(range(64))) == 0

@@ -1,0 +1,38 @@
+"""pdd.gateway.prefix_index: the gateway's approximate record of a remote instance's prefixes."""
+import pytest
+
+from pdd.gateway.prefix_index import PrefixIndex
+
+
+def test_longest_whole_page_prefix_of_what_was_inserted():
+    ix = PrefixIndex(page_size=4, capacity_pages=100)
+    a = list(range(10))  # 2 whole pages + 2 tokens
+    assert ix.match(a) == 0
+    ix.insert(a)
+    assert len(ix) == 2
+    assert ix.match(a) == 8
+    assert ix.match(a[:8] + [99, 98, 97, 96]) == 8  # same 2 pages, a different third
+    assert ix.match(a[:5]) == 4
+    assert ix.match([0, 1, 2, 99] + a[4:]) == 0  # page 2 equal but under another page 1: no prefix
+    assert ix.match([]) == 0
+
+
+def test_least_recently_used_pages_leave_first():
+    ix = PrefixIndex(page_size=2, capacity_pages=4)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    ix.insert(a)
+    ix.insert(b)
+    assert ix.match(a) == 4  # a used again: b is now the oldest
+    ix.insert([9, 10])
+    assert len(ix) == 4
+    assert ix.match(a) == 4 and ix.match([9, 10]) == 2
+    assert ix.match(b) == 0  # b's first page went
+    ix.clear()
+    assert ix.match(a) == 0
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="page_size"):
+        PrefixIndex(0, 10)
+    with pytest.raises(ValueError, match="capacity_pages"):
+        PrefixIndex(16, 0)
