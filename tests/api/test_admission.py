@@ -215,6 +215,24 @@ def test_n_choices_count_against_the_limit(limited):
     assert adm.inflight == 0 and adm.rejected == {"inflight": 1}
 
 
+def test_a_batch_of_prompts_is_admitted_as_one_request(limited):
+    """A batch (``prompt`` a list) counts all its choices at once. It used to be admitted prompt by
+    prompt: on an idle server the prompts that fit started (prefill, KV sent), the next one was
+    refused, and the started ones were stopped and counted failed, on every retry."""
+    client, orch, adm = limited
+    batch = {**BODY, "prompt": ["a b", "c d", "e f"], "n": 2}  # 6 choices > the limit of 2
+    r = client.post("/v1/completions", json=batch)  # an idle server admits any request whole
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == list(range(6))
+    assert adm.inflight == 0 and adm.queued_tokens == 0 and adm.admitted == 1  # one ticket for the batch
+    held, _ = adm.try_admit(1, 10)
+    n_started = len(orch.started)
+    _assert_429(client.post("/v1/completions", json=batch))  # refused whole: no prompt started
+    assert len(orch.started) == n_started and adm.inflight == 1
+    adm.release(held)
+    assert adm.inflight == 0
+
+
 def test_tier_with_a_full_queue_refuses_and_the_gateway_answers_429(limited):
     client, orch, adm = limited
     eng = orch.engine

@@ -346,30 +346,21 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             return [prompt_ids(p, add_special_tokens, f"prompt[{i}]") for i, p in enumerate(prompt)]
         return [prompt_ids(prompt, add_special_tokens)]
 
-    async def start(ids, sps, opts, request: Request | None = None) -> Generation:
-        """Admit (else 429), then start every choice. The admission ticket is released when the
-        request ends (``gen.ticket_end``; also if ``gen`` is dropped unstarted)."""
+    def admit(n_choices: int, prompt_tokens: int, request: Request | None):
+        """An admission ticket for ``n_choices`` choices over ``prompt_tokens`` prompt tokens, else
+        Overloaded (429): nothing has started."""
         arrived = request.scope.get("state", {}).get(ARRIVAL) if request is not None else None
-        ticket, d = adm.try_admit(len(sps), len(ids), arrived)
+        ticket, d = adm.try_admit(n_choices, prompt_tokens, arrived)
         if ticket is None:
             raise Overloaded(d.message, d.retry_after_s)
-        gen = Generation(orch, tokenizer, ids, sps, opts, eos_ids)
-        try:
-            await gen.start()
-        except RequestFailed as ex:
-            adm.release(ticket)
-            why = refusal(ex)  # a tier that cannot take new work now: retry later (429), not a failure
-            if why is not None:
-                adm.reject(why)
-                raise Overloaded(f"server overloaded: {ex}", adm.retry_hint()) from ex
-            if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
-                raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
-            raise ApiError(str(ex), None, status=503, etype="server_error") from ex
-        except BaseException:
-            adm.release(ticket)
-            raise
+        return ticket
+
+    def hold_ticket(gen, ticket) -> None:
+        """``gen`` (a Generation or a Batch) holds ``ticket`` until it ends (``gen.ticket_end``;
+        also if ``gen`` is dropped unstarted)."""
         adm.prefilled(ticket, measured=cfg.mode != "colocated")  # colocated: generate returns before prefill
-        gen.on_first_token = lambda: adm.first_token(ticket)
+        for g in getattr(gen, "gens", [gen]):
+            g.on_first_token = lambda: adm.first_token(ticket)
 
         def ticket_end(completed: bool) -> None:
             if completed and not ticket.released:
@@ -378,6 +369,31 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
         gen.ticket_end = ticket_end
         weakref.finalize(gen, adm.release, ticket)
+
+    async def start(ids, sps, opts, request: Request | None = None, admitted: bool = False) -> Generation:
+        """Admit (else 429), then start every choice. The admission ticket is released when the
+        request ends (``gen.ticket_end``). ``admitted``: the caller holds the ticket (a batch of
+        prompts is admitted as one request), so none is taken here."""
+        ticket = None if admitted else admit(len(sps), len(ids), request)
+        gen = Generation(orch, tokenizer, ids, sps, opts, eos_ids)
+        try:
+            await gen.start()
+        except RequestFailed as ex:
+            if ticket is not None:
+                adm.release(ticket)
+            why = refusal(ex)  # a tier that cannot take new work now: retry later (429), not a failure
+            if why is not None:
+                adm.reject(why)
+                raise Overloaded(f"server overloaded: {ex}", adm.retry_hint()) from ex
+            if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
+                raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
+            raise ApiError(str(ex), None, status=503, etype="server_error") from ex
+        except BaseException:
+            if ticket is not None:
+                adm.release(ticket)
+            raise
+        if ticket is not None:
+            hold_ticket(gen, ticket)
         return gen
 
     async def collect(gen: Generation, request: Request) -> JSONResponse | None:
@@ -471,16 +487,26 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         opts = plans[0][2]
         if len(plans) == 1:
             gen = await start(*plans[0], request)
-        else:  # a batch: every prompt started at once; if one cannot start, the others are stopped
-            started = await asyncio.gather(*(start(*p, request) for p in plans), return_exceptions=True)
+        else:
+            # a batch is admitted as one request (all its choices, all its prompt tokens), so it is
+            # refused before any prompt starts, never part-started and then stopped; then every
+            # prompt starts at once, and if one cannot start, the others are stopped
+            ticket = admit(len(plans) * body.n, sum(len(p[0]) for p in plans), request)
+            try:
+                started = await asyncio.gather(*(start(*p, request, admitted=True) for p in plans),
+                                               return_exceptions=True)
+            except BaseException:
+                adm.release(ticket)
+                raise
             errs = [g for g in started if isinstance(g, BaseException)]
             if errs:
+                adm.release(ticket)
                 for g in started:
                     if not isinstance(g, BaseException):
                         g.close(ABORT_FAILED)
-                        g.ticket_end(False)
                 raise errs[0]
             gen = Batch(started, body.n)
+            hold_ticket(gen, ticket)
         created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
         echoes = [tokenizer.decode(p[0], skip_special_tokens=body.skip_special_tokens) if body.echo else ""
                   for p in plans for _ in range(body.n)]  # per choice index (prompt * n + i)

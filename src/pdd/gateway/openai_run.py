@@ -277,11 +277,5 @@ class Batch:
         for g in self.gens:
             g.close(reason)
 
-    def ticket_end(self, completed: bool) -> None:
-        for g in self.gens:
-            end = getattr(g, "ticket_end", None)
-            if end is not None:
-                end(completed)
-
     def completion_tokens(self) -> int:
         return sum(g.completion_tokens() for g in self.gens)
