@@ -116,3 +116,18 @@ def test_workload_agentic_refuses_bad_counts(capsys, tmp_path, monkeypatch, argv
 def test_plan_refuses_an_empty_md_range(capsys, args):
     """Found by a new user: an empty range said "no configuration meets the SLO" after a search."""
     _refused(capsys, ["plan"] + args, "pdd plan: error:", "--md-min", "empty")
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--wan", "-1"], ["--wan", "GBPS:USD_PER_HOUR", "'-1'"]),
+    (["--wan", "abc"], ["--wan", "'abc'"]),
+    (["--wan", "1:x"], ["--wan", "'1:x'"]),
+    (["--wan", "0:0"], ["--wan", "GBPS > 0"]),
+    (["--wan", "10:5,-2:3"], ["--wan", "'-2:3'"]),
+    (["--rld", "a"], ["--rld", ">= 1"]),
+    (["--rld", "0"], ["--rld", ">= 1"]),
+])
+def test_plan_refuses_bad_wan_and_rld_lists(capsys, args, names):
+    """Found by a new user: a malformed --wan was an IndexError / ValueError traceback, and
+    --wan 0:0 a ZeroDivisionError from inside the simulator."""
+    _refused(capsys, ["plan"] + args, "pdd plan: error:", *names)

@@ -21,6 +21,36 @@ class UsageError(Exception):
     simulator refuses): the entry point prints it as the sub-command's ``error: ...`` (exit 2)."""
 
 
+def _wan_options(spec: str) -> list:
+    """``pdd plan --wan``: comma-separated GBPS:USD_PER_HOUR, each rate > 0 and price >= 0;
+    UsageError naming the bad item otherwise (it was an IndexError / ZeroDivisionError)."""
+    from pdd.sim.plan import WanOption
+
+    out = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        try:
+            gbps, usd = (float(parts[0]), float(parts[1])) if len(parts) == 2 else (None, None)
+        except ValueError:
+            gbps = usd = None
+        if gbps is None or not gbps > 0 or not usd >= 0 or gbps == float("inf") or usd == float("inf"):
+            raise UsageError(f"--wan {spec!r}: bad line option {item!r} (expected GBPS:USD_PER_HOUR with "
+                             "GBPS > 0 and USD_PER_HOUR >= 0, comma-separated, e.g. 10:5,25:9)")
+        out.append(WanOption(gbps, usd))
+    return out
+
+
+def _rld_counts(spec: str) -> list[int]:
+    """``pdd plan --rld``: comma-separated RLD counts >= 1; UsageError otherwise."""
+    try:
+        out = [int(x) for x in spec.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise UsageError(f"--rld {spec!r}: expected comma-separated RLD counts >= 1, e.g. 1,2,4")
+    return out
+
+
 def _number(conv, what: str, ok):
     """An argparse ``type=``: ``conv`` of the string, refused unless ``ok(value)`` (message: ``what``)."""
     def parse(text: str):
@@ -390,10 +420,11 @@ def cmd_plan(a) -> int:
         raise UsageError(f"--md-min {a.md_min} / --md-max {a.md_max} / --md-step {a.md_step}: the MD counts searched "
                          "are empty (need 1 <= --md-min <= --md-max and --md-step >= 1)")
     base = _make_cfg(a)
-    wans = [WanOption(float(x.split(":")[0]), float(x.split(":")[1])) for x in a.wan.split(",")]
+    wans = _wan_options(a.wan)
+    rlds = _rld_counts(a.rld)
     recs = make(a.rate)
     found = search(recs, base, md_counts=range(a.md_min, a.md_max + 1, a.md_step),
-                   rld_counts=[int(x) for x in a.rld.split(",")], wans=wans, p_max=a.p_max,
+                   rld_counts=rlds, wans=wans, p_max=a.p_max,
                    d_counts=range(a.md_min, a.md_max + 1, a.md_step),
                    log=lambda r: print(f"  feasible: {r['config']} WAN {r['wan_gbps']} ${r['cost_per_hour']:.1f}/h",
                                        file=sys.stderr))
