@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 	$(PY) -m pdd.cli demo $(DEMO_ARGS)
 
 serve: $(VENV)/.installed
-	$(PY) -m pdd.cli serve
+	$(PY) -m pdd.cli serve $(SERVE_ARGS)
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900

@@ -198,3 +198,12 @@ def test_a_trace_the_default_session_sample_empties_names_the_flag(capsys, tmp_p
     del argv[i:i + 2]  # the default
     err = _refused(capsys, argv, "no requests in", "--session-sample 50", "give --session-sample 1")
     assert "Traceback" not in err
+
+
+def test_an_empty_trace_is_named_as_such(capsys, tmp_path, no_run):
+    """An empty trace file was blamed on --session-sample ("kept none of this trace's"
+    conversations) though it held no records at all."""
+    t = tmp_path / "empty.jsonl"
+    t.write_text("\n")
+    err = _refused(capsys, ["--trace", str(t), "--out", str(tmp_path / "b")], f"--trace: {t} holds no trace records")
+    assert "kept none" not in err

@@ -1198,9 +1198,11 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     from pdd.bench.trace import load_trace
 
     try:  # ~0.1 s for the shared trace; a bad line is refused before a model or topology is made
-        load_trace(args.trace)
+        records = load_trace(args.trace)
     except (OSError, ValueError) as ex:  # names the file and line
         ap.error(f"--trace: {ex}")
+    if not records:
+        ap.error(f"--trace: {args.trace} holds no trace records")
     if args.config is not None and not Path(args.config).is_file():
         ap.error(f"--config: no such file: {args.config}")
     if args.url:
