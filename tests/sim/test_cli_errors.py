@@ -131,3 +131,24 @@ def test_plan_refuses_bad_wan_and_rld_lists(capsys, args, names):
     """Found by a new user: a malformed --wan was an IndexError / ValueError traceback, and
     --wan 0:0 a ZeroDivisionError from inside the simulator."""
     _refused(capsys, ["plan"] + args, "pdd plan: error:", *names)
+
+
+def test_sim_run_profile_is_both_chips_unless_one_is_given(monkeypatch):
+    """`pdd sim run --profile X` was "ambiguous option: --profile could match --profile-a,
+    --profile-b"; it now gives both chips X (as `pdd sim validate --profile`), and a per-chip flag
+    still wins for its chip."""
+    import argparse
+
+    from pdd.sim import cli
+
+    seen = []
+    ap = argparse.ArgumentParser(prog="pdd")
+    cli.add_sim_parser(ap.add_subparsers(dest="cmd", required=True))
+    a = ap.parse_args(["sim", "run", "--profile", "m.json"])
+    a.func = seen.append
+    cli.run_command(a, ap)
+    assert (seen[0].profile_a, seen[0].profile_b) == ("m.json", "m.json")
+    a = ap.parse_args(["sim", "run", "--profile", "m.json", "--profile-b", "b.json"])
+    a.func = seen.append
+    cli.run_command(a, ap)
+    assert (seen[1].profile_a, seen[1].profile_b) == ("m.json", "b.json")

@@ -115,6 +115,9 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chip-b", default="H200-SXM-141GB", type=_known("chip", _chip_names))
     g.add_argument("--price-a", type=NONNEG_FLOAT, default=None, help="USD per GPU-hour (default: chip profile)")
     g.add_argument("--price-b", type=NONNEG_FLOAT, default=None)
+    g.add_argument("--profile", default=None,
+                   help="one measured profile for both chips (as `pdd sim validate --profile`); "
+                   "--profile-a / --profile-b override it per chip")
     g.add_argument("--profile-a", default=None, help="measured profile JSON (format of ../shared/calibration)")
     g.add_argument("--profile-b", default=None)
     for n, d in (("p", 4), ("rld", 2), ("md", 4), ("d", 4), ("c", 8)):
@@ -474,6 +477,9 @@ def main(argv=None) -> int:
 
 def run_command(a, ap: argparse.ArgumentParser) -> int:
     """Run the parsed sub-command; its UsageError becomes the sub-command's ``error: ...`` (exit 2)."""
+    if getattr(a, "profile", None) and hasattr(a, "profile_a"):  # one profile for both chips
+        a.profile_a = a.profile_a or a.profile
+        a.profile_b = a.profile_b or a.profile
     try:
         return a.func(a)
     except UsageError as e:
