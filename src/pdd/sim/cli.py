@@ -33,7 +33,7 @@ def _wan_options(spec: str) -> list:
             gbps, usd = (float(parts[0]), float(parts[1])) if len(parts) == 2 else (None, None)
         except ValueError:
             gbps = usd = None
-        if gbps is None or not gbps > 0 or not usd >= 0 or gbps == float("inf") or usd == float("inf"):
+        if gbps is None or not _positive(gbps) or not _nonneg(usd):
             raise UsageError(f"--wan {spec!r}: bad line option {item!r} (expected GBPS:USD_PER_HOUR with "
                              "GBPS > 0 and USD_PER_HOUR >= 0, comma-separated, e.g. 10:5,25:9)")
         out.append(WanOption(gbps, usd))
@@ -66,10 +66,20 @@ def _number(conv, what: str, ok):
     return parse
 
 
+def _positive(v: float) -> bool:
+    """A finite number > 0 (NaN is not)."""
+    return 0 < v < float("inf")
+
+
+def _nonneg(v: float) -> bool:
+    """A finite number >= 0 (NaN is not)."""
+    return 0 <= v < float("inf")
+
+
 POS_INT = _number(int, ">= 1", lambda v: v >= 1)
 NONNEG_INT = _number(int, ">= 0", lambda v: v >= 0)
-POS_FLOAT = _number(float, "> 0", lambda v: 0 < v < float("inf"))
-NONNEG_FLOAT = _number(float, ">= 0", lambda v: 0 <= v < float("inf"))
+POS_FLOAT = _number(float, "> 0", _positive)
+NONNEG_FLOAT = _number(float, ">= 0", _nonneg)
 
 
 def _known(kind: str, load):
@@ -151,13 +161,19 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def _profiles(a) -> tuple[str | None, str | None]:
+    """Chip A's and chip B's measured profile: ``--profile-a`` / ``--profile-b``, each defaulting to
+    ``--profile`` (one profile for both chips, as ``pdd sim validate --profile``)."""
+    return a.profile_a or a.profile, a.profile_b or a.profile
+
+
 def _measured_model(a) -> dict | None:
-    """The model shape of a `pdd profile` file given as --profile-a/-b (its step times and KV pool
+    """The model shape of a `pdd profile` file given as --profile(-a/-b) (its step times and KV pool
     belong to that model), else None."""
     import json
     from pathlib import Path
 
-    for p in (a.profile_a, a.profile_b):
+    for p in _profiles(a):
         if p:
             try:
                 prof = json.loads(Path(p).read_text())
@@ -172,9 +188,10 @@ def _make_cfg(a):
     from pdd.sim.cluster import SimConfig
 
     spec = _measured_model(a)
+    profile_a, profile_b = _profiles(a)
     return SimConfig(
         mode=a.mode, model="measured" if spec else a.model, model_spec=spec, kv_bytes_per_token=a.kv_bytes_per_token, chip_a=a.chip_a, chip_b=a.chip_b,
-        price_a=a.price_a, price_b=a.price_b, profile_a=a.profile_a, profile_b=a.profile_b, n_p=a.n_p,
+        price_a=a.price_a, price_b=a.price_b, profile_a=profile_a, profile_b=profile_b, n_p=a.n_p,
         n_rld=a.n_rld, n_md=a.n_md, n_d=a.n_d, n_c=a.n_c, wan_gbps=a.wan_gbps, wan_rtt_ms=a.wan_rtt_ms,
         wan_order=a.wan_order, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
         handoff_mode=a.handoff, catchup_threshold=a.catchup_threshold, allow_p_rld=a.allow_p_rld,
@@ -477,9 +494,6 @@ def main(argv=None) -> int:
 
 def run_command(a, ap: argparse.ArgumentParser) -> int:
     """Run the parsed sub-command; its UsageError becomes the sub-command's ``error: ...`` (exit 2)."""
-    if getattr(a, "profile", None) and hasattr(a, "profile_a"):  # one profile for both chips
-        a.profile_a = a.profile_a or a.profile
-        a.profile_b = a.profile_b or a.profile
     try:
         return a.func(a)
     except UsageError as e:
