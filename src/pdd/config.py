@@ -81,6 +81,14 @@ class PolicyConfig(_Strict):
         "line (at least 64 KiB; pdd.policy.wan_order.send_buffer_bytes): bytes past it wait for the "
         "send order; 0 = the OS default (autotuned, MBs, which the order cannot reorder)",
     )
+    wan_express_lane_bdp: float = Field(
+        2.0,
+        ge=0,
+        description="P's WAN transfers of at most this many bandwidth-delay products of the line take a "
+        "second connection to the target (the express lane), so a high-hit increment shares the line with a "
+        "large transfer instead of waiting behind what its connection committed "
+        "(pdd.policy.wan_order.wan_lane); 0 = one connection per target (ablation)",
+    )
     kv_whole_pages: bool = Field(
         False,
         description="ablation: send a prompt's partial last KV page whole (page-granular, as block "

@@ -5,6 +5,9 @@ tokens) sends 100 tokens' KV, not 7 pages; the same prompt plus 3 tokens then hi
 pages and sends the 7 tokens after them. With the ``kv_whole_pages`` ablation both go page-
 granular (7 pages, then 1). Greedy outputs equal a single engine's in both, so the partial page
 MD imported is the KV it needed; every page is free afterwards.
+
+Both transfers are small (under 2 BDPs of the line: 250 kB), so P sends them on the WAN's express
+lane (pdd.policy.wan_order.wan_lane); a third, cold 200-token prompt (400 kB) takes the bulk lane.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ def test_partial_last_page_bytes(small_model, topology_factory, whole):
     topo = topology_factory(cfg)
     rng = random.Random(3)
     first = [rng.randrange(5, 4000) for _ in range(100)]
-    prompts = [first, first + [7, 8, 9]]
-    want = [7 * PAGE, 1 * PAGE] if whole else [100 * SLOT, 7 * SLOT]
+    cold = [rng.randrange(5, 4000) for _ in range(200)]
+    prompts = [first, first + [7, 8, 9], cold]
+    want = [7 * PAGE, 1 * PAGE, 13 * PAGE] if whole else [100 * SLOT, 7 * SLOT, 200 * SLOT]
     outs, _ = greedy_oracle(small_model, prompts, 8)
     for prompt, nbytes, out in zip(prompts, want, outs):
         c = StreamClient(topo.url, {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": 8,
@@ -40,6 +44,10 @@ def test_partial_last_page_bytes(small_model, topology_factory, whole):
         assert c.tokens == out
         assert c.summary["wan_bytes_expected"] == nbytes, c.summary
         assert topo.wait_idle(timeout_s=30)
-    assert c.summary["md_cached_tokens"] == 96
+        if prompt is prompts[1]:
+            assert c.summary["md_cached_tokens"] == 96
+    st = topo.stats()
+    assert st["instances"]["p0"]["wan_lane_transfers"] == {"express": 2, "bulk": 1}, st["instances"]["p0"]
+    assert st["wan_bytes"] == st["wan_bytes_expected"] == sum(want)
     fl = topo.flush()
     assert fl["leaked_pages"] == 0, fl

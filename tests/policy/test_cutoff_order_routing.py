@@ -87,3 +87,19 @@ def test_wan_send_buffer_is_one_bdp_with_a_floor():
     assert send_buffer_bytes(0.05, 20.0, 0.0) is None  # the OS default
     with pytest.raises(ValueError):
         send_buffer_bytes(0.05, 20.0, -1.0)
+
+
+def test_wan_lane_sends_small_transfers_on_the_express_lane():
+    from pdd.policy.wan_order import express_max_bytes, wan_lane
+
+    # 2 BDPs of 0.05 Gbit/s x 20 ms = 250,000 bytes; 0 = one lane
+    limit = express_max_bytes(0.05, 20.0, 2.0)
+    assert limit == 250_000
+    assert express_max_bytes(0.05, 20.0, 0.0) == 0
+    assert wan_lane(32_768, limit) == "express"  # a high-hit increment: one page
+    assert wan_lane(250_000, limit) == "express"  # the bound is inclusive
+    assert wan_lane(250_001, limit) == "bulk"
+    assert wan_lane(0, limit) == "express"  # kv_done only (every page cached)
+    assert wan_lane(32_768, 0) == "bulk"  # the lane disabled
+    with pytest.raises(ValueError):
+        express_max_bytes(0.05, 20.0, -1.0)

@@ -5,7 +5,9 @@ gateway): P matches its radix cache (at least one prompt token is always compute
 token's logits exist), prefills the rest, samples the first output token, inserts the prompt's
 whole pages into its cache, replies ``{first_token, fin, p_cached_tokens, n_pages}`` and then
 streams pages ``[first_page, n_pages)`` to every target **at once** (the fast path to RLD, the WAN
-to MD), each stream ending with ``kv_done {first_token, fin}``. When every stream has drained it
+to MD), each stream ending with ``kv_done {first_token, fin}``. A WAN target is reached over two
+persistent connections, lanes: a transfer small enough takes the express one
+(``pdd.policy.wan_order.wan_lane``), so it does not queue behind a large transfer's bytes. When every stream has drained it
 releases its references and tells the gateway ``xfer_done {rid, bytes: {target: payload bytes}}``.
 The partial last page is always sent: radix caches only hold whole pages.
 """
@@ -16,7 +18,7 @@ import asyncio
 import logging
 
 from pdd.engine.sequence import SeqStatus
-from pdd.policy.wan_order import send_buffer_bytes
+from pdd.policy.wan_order import express_max_bytes, send_buffer_bytes, wan_lane
 from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish, free_sequence
 from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
@@ -27,7 +29,8 @@ from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFERRED_SLOTS = {"rld", "md"}  # the targets the gateway may plan after P started (``target``)
+DEFERRED_SLOTS = {"rld", "md"}
+EXPRESS = "+express"  # key suffix of a WAN target's express-lane sender  # the targets the gateway may plan after P started (``target``)
 
 
 _log_failure = log_failure_of("caching a prompt's pages")
@@ -39,8 +42,9 @@ class PrefillInstance(EngineInstance):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.first_token_waiters: dict[str, asyncio.Future] = {}
-        self.senders: dict[str, KVSender] = {}
+        self.senders: dict[str, KVSender] = {}  # target name (bulk lane) or name + EXPRESS -> sender
         self._sender_locks: dict[str, asyncio.Lock] = {}
+        self.lane_transfers = {"bulk": 0, "express": 0}  # WAN transfers started, by lane
         self._deferred: dict[str, dict[str, asyncio.Future]] = {}  # rid -> target name -> plan
         self.bytes_sent: dict[str, int] = {}  # target name -> KV payload bytes
         self.wan_bytes_sent = 0
@@ -56,8 +60,7 @@ class PrefillInstance(EngineInstance):
         if rid not in self.reqs:
             return None  # already drained and released: nothing left to cut
         self._cancel_deferred(rid, {"name": name, "cancelled": True})  # not planned yet: never start it
-        s = self.senders.get(name)
-        n = s.cancel(rid) if s is not None else 0
+        n = sum(s.cancel(rid) for s in self._senders_of(name))
         self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + n
         return None
 
@@ -110,17 +113,39 @@ class PrefillInstance(EngineInstance):
         return {
             "kv_bytes_sent": dict(self.bytes_sent),
             "wan_bytes_sent": self.wan_bytes_sent,
+            "wan_lane_transfers": dict(self.lane_transfers),
             **self.hit_stats(),
         }
 
-    async def sender_for(self, name: str) -> tuple[KVSender, bool]:
-        host, port, wan = self.layout.address_from_a(name)
-        lock = self._sender_locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            return await self._sender_locked(name, host, port, wan)
+    def _senders_of(self, name: str) -> list[KVSender]:
+        """Every connection's sender to target ``name`` (its lanes)."""
+        return [s for k in (name, name + EXPRESS) if (s := self.senders.get(k)) is not None]
 
-    async def _sender_locked(self, name: str, host: str, port: int, wan: bool) -> tuple[KVSender, bool]:
-        s = self.senders.get(name)
+    async def sender_for(self, name: str, lane: str = "bulk") -> tuple[KVSender, bool]:
+        """The sender of target ``name``'s ``lane`` (connected on first use), and whether it crosses
+        the WAN. Only WAN targets have an express lane (a fast-path target gets its one sender).
+        Opening one lane of a WAN target opens the other in the background, so a latency-critical
+        increment never pays a connection's handshake (TLS: two round trips)."""
+        host, port, wan = self.layout.address_from_a(name)
+        key = name + EXPRESS if wan and lane == "express" else name
+        lock = self._sender_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            fresh = key not in self.senders
+            s, _ = await self._sender_locked(key, name, host, port, wan)
+        if fresh and wan and self.cfg.policy.wan_express_lane_bdp > 0:
+            other = name if key != name else name + EXPRESS
+            if other not in self.senders and not self._sender_locks.setdefault(other, asyncio.Lock()).locked():
+                asyncio.get_running_loop().create_task(self._warm(name, "bulk" if other == name else "express"))
+        return s, wan
+
+    async def _warm(self, name: str, lane: str) -> None:
+        try:
+            await self.sender_for(name, lane)
+        except Exception as e:  # the transfer that needs it will connect (and fail) on its own
+            log.info("warming the %s lane to %s failed: %s", lane, name, e)
+
+    async def _sender_locked(self, key: str, name: str, host: str, port: int, wan: bool) -> tuple[KVSender, bool]:
+        s = self.senders.get(key)
         if s is not None and s.peer.closed:
             await s.close()  # its transfers already failed with the connection
         if s is None or s.peer.closed:
@@ -142,7 +167,7 @@ class PrefillInstance(EngineInstance):
                 set_socket_buffer(peer.writer, cap)
                 # and nothing waits in user space: TLS alone would hold 512 KiB ahead of the order
                 limit_write_buffers(peer.writer.transport)
-            self.senders[name] = s
+            self.senders[key] = s
         return s, wan
 
     def on_events(self, events: list) -> None:
@@ -255,7 +280,12 @@ class PrefillInstance(EngineInstance):
                     unsent[name] = planned(first)
                     self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + 1
                     return
-                sender, wan = await self.sender_for(name)
+                lane = "bulk"
+                if self.layout.address_from_a(name)[2]:
+                    lk = self.cfg.link
+                    lane = wan_lane(planned(first), express_max_bytes(
+                        lk.wan_gbps, lk.wan_rtt_ms, self.cfg.policy.wan_express_lane_bdp))
+                sender, wan = await self.sender_for(name, lane)
                 if ctx.rid in self._aborted:  # aborted before it started (on_abort cancelled none)
                     result[name] = 0
                     unsent[name] = planned(first)
@@ -265,6 +295,8 @@ class PrefillInstance(EngineInstance):
                                    layers=(0, self.engine.model_cfg.num_hidden_layers),
                                    done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
                                                 **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
+                if wan:
+                    self.lane_transfers[lane] += 1
                 res = await tr
                 result[name] = res.bytes_sent
                 if res.cancelled:
