@@ -359,6 +359,38 @@ def test_token_id_prompts_must_be_json_integers(api, prompt):
     _still_serving(client)
 
 
+@pytest.mark.parametrize("prompt,message", [
+    (["a", 5], "prompt[1]: a batch of texts must hold strings only (prompt[0] is a string), got 5"),
+    (["a", None], "prompt[1]: a batch of texts must hold strings only (prompt[0] is a string), got None"),
+    ([5, "a"], "prompt[1]: token ids must be integers, got 'a'"),
+    ([[1, 2], ["x"]], "prompt[1][0]: token ids must be integers, got 'x'"),
+    ([[1, 2], 3], "prompt[1]: a batch of token-id lists must hold lists only (prompt[0] is a list), got 3"),
+    ([[1, 2], []], "prompt[1]: must not be empty"),
+    ([[1, 2], [3, 10 ** 6]], "prompt[1]: token id 1000000 is outside the vocabulary [0, 1024)"),
+])
+def test_a_malformed_prompt_item_is_named_by_its_index(api, prompt, message):
+    """A list prompt that breaks its kind (texts, token ids, token-id lists) at one item names
+    that item, as a batch's empty text did (``prompt[1]: must not be empty``): param ``prompt``."""
+    client, orch = api
+    err = _err(client.post("/v1/completions", json={**OK, "prompt": prompt}), 400, "prompt")
+    assert err["message"] == message
+    assert not orch.started
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([{"role": "user", "content": "hi"}, 5], "messages[1]: Input should be a valid dictionary"),
+    (["x"], "messages[0]: Input should be a valid dictionary"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}],
+     "messages[1].content: content must be a string, a list of parts or null"),
+])
+def test_a_malformed_chat_message_is_named_by_its_index(api, messages, message):
+    client, orch = api
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert _err(r, 400, "messages")["message"] == message
+    assert not orch.started
+
+
 def test_stop_token_ids_must_be_json_integers(api):
     client, orch = api
     err = _err(client.post("/v1/completions", json={**OK, "stop_token_ids": [True]}), 400)

@@ -193,7 +193,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if not loc and first.get("type") == "missing":  # no body at all
             field = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
             return bad_request(f"request body is missing: send a JSON object with at least {field!r}", field)
-        where = ".".join(loc)
+        # a list item by its index, as the validators and the chat renderer name it (messages[1])
+        where = "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else x)
+                        for i, x in enumerate(x for x in first.get("loc", []) if x != "body"))
+        if msg.startswith(f"{param}[") or msg.startswith(f"{param}:"):  # the validator named the item
+            return bad_request(msg, param)
         return bad_request(f"{where}: {msg}" if where else msg, param)
 
     @app.exception_handler(ApiError)
@@ -320,22 +324,24 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     def encode(text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Tokenize (the caller runs this off the event loop), refusing what cannot be a prompt
         that fits: a text longer than max_input_len x MAX_CHARS_PER_TOKEN characters, or one with
-        lone surrogates (not valid Unicode)."""
+        lone surrogates (not valid Unicode). ``param`` names the text in the message (a batch's
+        ``prompt[1]``); the error's ``param`` is the field (``prompt``)."""
+        field = param.partition("[")[0]
         if len(text) > cfg.engine.max_input_len * MAX_CHARS_PER_TOKEN:
             raise ApiError(f"{param}: {len(text)} characters cannot fit the maximum input length of "
-                           f"{cfg.engine.max_input_len} tokens", param, code="context_length_exceeded")
+                           f"{cfg.engine.max_input_len} tokens", field, code="context_length_exceeded")
         try:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except (TypeError, ValueError, UnicodeError) as e:
-            raise ApiError(f"{param}: not valid Unicode text ({e})", param) from None
+            raise ApiError(f"{param}: not valid Unicode text ({e})", field) from None
 
     def prompt_ids(prompt, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of one prompt (text or token ids)."""
+        if not prompt:  # a text refused even where the tokenizer would add a BOS to it
+            raise ApiError(f"{param}: must not be empty", "prompt")
         if isinstance(prompt, str):
-            if not prompt:  # refused even where the tokenizer would add a BOS to it
-                raise ApiError(f"{param}: must not be empty", "prompt")
-            return encode(prompt, add_special_tokens, "prompt")
-        return vocab_ids(list(prompt), "prompt")
+            return encode(prompt, add_special_tokens, param)
+        return vocab_ids(list(prompt), param)
 
     def batch_ids(prompt, add_special_tokens: bool) -> list[list[int]]:
         """Token ids of each prompt of a completion request: one, or a batch (a list of texts or
@@ -431,7 +437,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     def vocab_ids(ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not (0 <= t < model_vocab)]
         if bad:
-            raise ApiError(f"{param}: token id {bad[0]} is outside the vocabulary [0, {model_vocab})", param)
+            raise ApiError(f"{param}: token id {bad[0]} is outside the vocabulary [0, {model_vocab})",
+                           param.partition("[")[0])  # prompt[1] in the message, the field in param
         return ids
 
     def render_chat(body) -> str:

@@ -164,17 +164,32 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _token_ids_are_integers(cls, v):
-        """A list prompt of token ids must hold JSON integers only (not booleans or floats): said
-        plainly, instead of the union's first branch ("Input should be a valid string")."""
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+    def _prompt_shape(cls, v):
+        """A list prompt is one kind throughout: token ids (JSON integers only, not booleans or
+        floats), texts, or token-id lists. The first item sets the kind; an item that breaks it
+        is named (``prompt[1]: ...``, ``prompt[1][0]: ...``; ValueError, a 400 with param
+        ``prompt``), instead of the union's first branch ("Input should be a valid string")."""
+        if not isinstance(v, list) or not v:
+            return v
+        if isinstance(v[0], (str, list)):
             _at_most(v, MAX_BATCH_PROMPTS, "prompts in a batch")
-        lists = [v] if isinstance(v, list) and v and not isinstance(v[0], (str, list)) else (
-            [x for x in v if isinstance(x, list)] if isinstance(v, list) else [])
-        for ids in lists:
-            for t in ids:
+        if isinstance(v[0], str):
+            for i, p in enumerate(v):
+                if not isinstance(p, str):
+                    raise ValueError(f"prompt[{i}]: a batch of texts must hold strings only "
+                                     f"(prompt[0] is a string), got {p!r}")
+        elif isinstance(v[0], list):
+            for i, ids in enumerate(v):
+                if not isinstance(ids, list):
+                    raise ValueError(f"prompt[{i}]: a batch of token-id lists must hold lists only "
+                                     f"(prompt[0] is a list), got {ids!r}")
+                for j, t in enumerate(ids):
+                    if isinstance(t, bool) or not isinstance(t, int):
+                        raise ValueError(f"prompt[{i}][{j}]: token ids must be integers, got {t!r}")
+        else:
+            for i, t in enumerate(v):
                 if isinstance(t, bool) or not isinstance(t, int):
-                    raise ValueError(f"token ids must be integers, got {t!r}")
+                    raise ValueError(f"prompt[{i}]: token ids must be integers, got {t!r}")
         return v
 
 
