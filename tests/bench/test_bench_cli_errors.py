@@ -173,6 +173,11 @@ def test_exit_status_counts_modes_without_a_completed_request():
 
 @pytest.mark.parametrize("rec,names", [
     ({"timestamp": "x"}, ["'timestamp' must be a number of ms, got 'x'"]),
+    ({"timestamp": True}, ["'timestamp' must be a number of ms, got True"]),
+    ({"timestamp": float("nan")}, ["'timestamp' must be a number of ms, got nan"]),
+    ({"timestamp": float("-inf")}, ["'timestamp' must be a number of ms, got -inf"]),
+    ({"timestamp": -5}, ["'timestamp' must be >= 0 (ms since the trace's start), got -5"]),
+    ({"timestamp": -0.5}, ["'timestamp' must be >= 0 (ms since the trace's start), got -0.5"]),
     ({"input_length": 0}, ["'input_length' must be an integer >= 1, got 0"]),
     ({"input_length": "600"}, ["'input_length' must be an integer >= 1, got '600'"]),
     ({"output_length": -1}, ["'output_length' must be an integer >= 0, got -1"]),

@@ -29,13 +29,15 @@ def _is_int(v) -> bool:
 
 def _bad_field(rec: dict) -> str | None:
     """Why a record's values are unusable (None when they are fine): ``timestamp`` a finite
-    number of ms, ``input_length`` an integer >= 1, ``output_length`` an integer >= 0,
-    ``hash_ids`` a list of integers. Without this check a bad value failed later, in whatever
+    number of ms >= 0 (since the trace's start; their order is not checked), ``input_length``
+    an integer >= 1, ``output_length`` an integer >= 0, ``hash_ids`` a list of integers. Without this check a bad value failed later, in whatever
     used it, with a message naming neither the file, the line nor the field (``pdd bench``:
     "could not convert string to float: 'x'")."""
     ts = rec["timestamp"]
     if not ((_is_int(ts) or isinstance(ts, float)) and math.isfinite(ts)):
         return f"'timestamp' must be a number of ms, got {ts!r}"
+    if ts < 0:  # an arrival before the trace's start (it was accepted silently)
+        return f"'timestamp' must be >= 0 (ms since the trace's start), got {ts!r}"
     for k, lo in (("input_length", 1), ("output_length", 0)):
         if not (_is_int(rec[k]) and rec[k] >= lo):
             return f"{k!r} must be an integer >= {lo}, got {rec[k]!r}"
