@@ -147,3 +147,45 @@ def test_sim_run_profile_is_both_chips_unless_one_is_given():
     assert cli._profiles(a) == ("m.json", "m.json")
     a = ap.parse_args(["sim", "run", "--profile", "m.json", "--profile-b", "b.json"])
     assert cli._profiles(a) == ("m.json", "b.json")
+
+
+def test_sim_run_max_input_caps_an_over_long_prompt(capsys, tmp_path):
+    """`pdd sim run --profile data/profiles/this-machine.json` on the shared trace stopped at its
+    87k-token request (the CPU profile's pool holds 32,768 tokens) with no way round it. The error
+    now names --max-input, which clips prompts as `pdd bench --max-input` does (whole trailing
+    512-token blocks dropped; no request dropped)."""
+    from pdd.sim.workloads import REPO_ROOT
+
+    profile = str(REPO_ROOT / "data" / "profiles" / "this-machine.json")
+    t = tmp_path / "t.jsonl"
+    recs = [{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]},
+            {"timestamp": 100, "input_length": 40000, "output_length": 4, "hash_ids": list(range(10, 89))}]
+    t.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    argv = ["sim", "run", "--profile", profile, "--trace", str(t)]
+    _refused(capsys, argv, "pdd sim run: error: request 1: 40000 prompt + 4 output tokens do not fit the KV pool "
+                           "of one P instance (32768 tokens); cap the prompts with --max-input 32764 or less")
+    _refused(capsys, argv + ["--max-input", "40000"], "--max-input 32764 or less (--max-input 40000 is above that)")
+    _refused(capsys, argv + ["--max-input", "0"], "--max-input", "must be >= 1")
+    out = tmp_path / "s.json"
+    assert pdd_main(argv + ["--max-input", "32764", "--json", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert (s["requests"], s["completed"]) == (2, 2)
+    t.write_text(json.dumps({**recs[0], "output_length": 40000}) + "\n")
+    _refused(capsys, argv, "600 prompt + 40000 output tokens do not fit the KV pool of one RLD instance (32768 "
+                           "tokens); no prompt cap helps: the longest output alone does not fit")
+
+
+def test_cap_input_drops_whole_trailing_blocks_as_bench_does():
+    from pdd.bench.trace import Scale
+    from pdd.sim.workloads import cap_input
+
+    recs = [{"timestamp": 0, "input_length": 1300, "output_length": 4, "hash_ids": [1, 2, 3]},
+            {"timestamp": 1, "input_length": 300, "output_length": 4, "hash_ids": [4]}]
+    assert cap_input(recs, 1100) == [{**recs[0], "input_length": 1024, "hash_ids": [1, 2]}, recs[1]]
+    assert cap_input(recs, 200) == [{**recs[0], "input_length": 200, "hash_ids": [1]},
+                                    {**recs[1], "input_length": 200}]
+    assert recs[0]["input_length"] == 1300  # the records given are not changed
+    # the same lengths as pdd bench --max-input at 512 tokens a block (no scaling)
+    for cap in (1100, 200, 1300):
+        s = Scale(block_tokens=512, max_input_tokens=cap)
+        assert [r["input_length"] for r in cap_input(recs, cap)] == [s.input_tokens(1300, 3), s.input_tokens(300, 1)]

@@ -150,11 +150,15 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-tpot", type=POS_FLOAT, default=0.05, help="seconds")
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--trace", default=None, type=_existing_file,
                    help="Mooncake JSONL (default: the bundled conversation trace)")
     g.add_argument("--limit", type=POS_INT, default=None, help="the trace's first N requests (default: all)")
+    if max_input:
+        g.add_argument("--max-input", type=POS_INT, default=None,
+                       help="prompt cap in tokens, as pdd bench --max-input: whole trailing 512-token blocks "
+                            "are dropped until a prompt fits (no request is dropped; default: none)")
     g.add_argument("--scale-rate", type=POS_FLOAT, default=1.0, help="replay this many times faster")
     g.add_argument("--agentic", type=NONNEG_INT, default=0, help="generate N agentic requests instead of a trace")
     g.add_argument("--rate", type=POS_FLOAT, default=2.0, help="req/s for generated workloads")
@@ -203,20 +207,24 @@ def _make_cfg(a):
 def _records(a, rate=None):
     from pdd.sim import workloads as W
 
+    cap = getattr(a, "max_input", None)  # pdd sim run only
     if a.agentic:
-        return W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
+        recs = W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
+        return W.cap_input(recs, cap) if cap else recs
     path = a.trace or W.MOONCAKE_TRACE
     try:
         recs = W.load_trace(path, limit=a.limit)
     except (OSError, ValueError) as e:  # unreadable, or a line that is not a trace record (file and line named)
         raise UsageError(f"--trace: {e}") from None
+    if cap:
+        recs = W.cap_input(recs, cap)
     if rate is not None:
         return W.retime(recs, rate, a.seed)
     return W.scale_rate(recs, a.scale_rate) if a.scale_rate != 1.0 else recs
 
 
 def cmd_run(a) -> int:
-    from pdd.sim.cluster import ClusterSim
+    from pdd.sim.cluster import ClusterSim, RequestTooLarge
     from pdd.sim.report import print_summary, summarize, write_json
 
     recs = _records(a)
@@ -224,6 +232,11 @@ def cmd_run(a) -> int:
     t0 = time.time()
     try:
         sim = ClusterSim(cfg).run(recs)
+    except RequestTooLarge as e:  # e.g. the shared trace's 87k-token prompts on a CPU profile's pool
+        if e.max_prompt < 1:
+            raise UsageError(f"{e}; no prompt cap helps: the longest output alone does not fit") from None
+        given = f" (--max-input {a.max_input} is above that)" if a.max_input else ""
+        raise UsageError(f"{e}; cap the prompts with --max-input {e.max_prompt} or less{given}") from None
     except ValueError as e:  # a deployment the simulator refuses (no instance of a role, no KV room, ...)
         raise UsageError(str(e)) from None
     wall = time.time() - t0
@@ -379,7 +392,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     sp = p.add_subparsers(dest="sim_cmd", required=True)
     r = sp.add_parser("run", help="simulate one deployment on a workload")
     _cfg_args(r)
-    _workload_args(r)
+    _workload_args(r, max_input=True)
     r.add_argument("--json", default=None, help="write the summary here")
     r.set_defaults(func=cmd_run, parser=r)
     from pdd.sim.experiments import EXPERIMENTS

@@ -259,6 +259,19 @@ class PrefixCache:
 # requests and sequences
 
 
+class RequestTooLarge(ValueError):
+    """A request whose KV (``prompt`` + ``out_len`` tokens; a P instance holds the prompt only)
+    can never fit the KV pool of one ``role`` instance (``pool`` tokens). ``max_prompt``: the
+    largest prompt cap (tokens) with which every request of the workload would fit one instance
+    of every tier (<= 0 when the longest output alone does not)."""
+
+    def __init__(self, rid: int, role: str, prompt: int, out_len: int, pool: int, max_prompt: int):
+        self.rid, self.role, self.prompt, self.out_len, self.pool = rid, role, prompt, out_len, pool
+        self.max_prompt = max_prompt
+        super().__init__(f"request {rid}: {prompt} prompt + {out_len} output tokens do not fit "
+                         f"the KV pool of one {role} instance ({pool} tokens)")
+
+
 class Req:
     __slots__ = (
         "rid", "arrival", "prompt", "out_len", "blocks", "n_full", "pipeline",
@@ -770,16 +783,17 @@ class ClusterSim:
 
     # --- run -----------------------------------------------------------------------------------
     def run(self, records, until: float | None = None) -> "ClusterSim":
-        """Simulate ``records`` (Mooncake format). Raises ValueError naming the first request
-        whose KV can never fit one instance's pool (it would wait forever, as the engine refuses
-        it), before simulating anything."""
+        """Simulate ``records`` (Mooncake format). Raises :class:`RequestTooLarge` (a ValueError)
+        naming the first request whose KV can never fit one instance's pool (it would wait
+        forever, as the engine refuses it), before simulating anything."""
         self.reqs = [Req(i, r, self.block) for i, r in enumerate(records)]
         for r in self.reqs:
             for role, insts in self.tiers.items():
                 need = r.prompt + (r.out_len if role != "P" else 0)
                 if need > insts[0].pool:
-                    raise ValueError(f"request {r.rid}: {r.prompt} prompt + {r.out_len} output tokens do not fit "
-                                     f"the KV pool of one {role} instance ({insts[0].pool} tokens)")
+                    out = max(q.out_len for q in self.reqs)  # the cap that fits every request
+                    fit = min(t[0].pool - (out if ro != "P" else 0) for ro, t in self.tiers.items())
+                    raise RequestTooLarge(r.rid, role, r.prompt, r.out_len, insts[0].pool, fit)
         self.env.process(self._arrivals())
         self.env.run(until=until)
         return self

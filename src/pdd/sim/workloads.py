@@ -93,6 +93,24 @@ def write_trace(records: Iterable[dict], path: str | Path) -> None:
             f.write(json.dumps({k: r[k] for k in ("timestamp", "input_length", "output_length", "hash_ids")}) + "\n")
 
 
+def cap_input(records: Iterable[dict], max_tokens: int, block: int = BLOCK) -> list[dict]:
+    """``records`` with every prompt at most ``max_tokens`` tokens, as ``pdd bench --max-input``
+    (:meth:`pdd.bench.trace.Scale.input_tokens`) clips, counted in trace tokens: whole trailing
+    ``block``-token blocks are dropped until the prompt fits (with their hash ids), and a prompt
+    still longer than the cap after keeping one block is cut to the cap. No record is dropped;
+    records that fit are returned unchanged. ValueError when ``max_tokens`` < 1."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    out = []
+    for r in records:
+        if r["input_length"] > max_tokens:
+            keep = max_tokens // block
+            n = keep * block if keep else max_tokens
+            r = dict(r, input_length=n, hash_ids=list(r["hash_ids"][: -(-n // block)]))
+        out.append(r)
+    return out
+
+
 def scale_rate(records: Sequence[dict], factor: float) -> list[dict]:
     """Replay ``factor`` times faster (timestamps divided by factor)."""
     return [dict(r, timestamp=r["timestamp"] / factor) for r in records]
