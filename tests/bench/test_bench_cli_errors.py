@@ -54,6 +54,20 @@ def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, nam
     assert not (tmp_path / "b").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--rate", "-1"], "--rate: must be > 0 req/s, got -1.0"),  # check_args
+    (["--requests", "x"], "argument --requests: invalid int value: 'x'"),  # argparse
+    (["--bogus"], "unrecognized arguments: --bogus"),  # argparse
+])
+def test_a_usage_error_is_one_usage_line_and_the_message(capsys, tmp_path, no_run, args, message):
+    """argparse printed all 24 lines of pdd bench's usage before the message naming the flag."""
+    with pytest.raises(SystemExit) as ex:
+        main(args + ["--out", str(tmp_path / "b")])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err == ("usage: pdd bench [-h] [options]  (see pdd bench --help)\n"
+                                       f"pdd bench: error: {message}\n")
+
+
 def test_names_the_file_and_line_of_a_bad_trace(capsys, tmp_path, no_run):
     readme = tmp_path / "README.md"
     readme.write_text("# pdd\n")

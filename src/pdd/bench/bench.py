@@ -1053,8 +1053,18 @@ def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -
 # ---------------------------------------------------------------- CLI
 
 
+class ShortUsageParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors (argparse's own and the ``ap.error`` calls of
+    :func:`check_args` and :func:`main` alike) print one usage line pointing at ``--help``, then
+    ``PROG: error: MESSAGE``, on stderr, and exit with status 2. argparse printed the whole usage
+    first: 24 lines for ``pdd bench``, which pushed the message naming the flag off the screen."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [-h] [options]  (see {self.prog} --help)\n{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ShortUsageParser(
         prog="pdd bench",
         description="Replay a Mooncake-format trace through modes on fresh topologies (or --url), with an SLO fixed "
                     "by a same_dc_pd reference run, goodput at the offered rate and an SLA-goodput rate sweep.",
