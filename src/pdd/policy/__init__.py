@@ -8,7 +8,8 @@ Modules:
     pipeline   which pipeline (P->MD, P->RLD->MD, ...) a request takes
     handoff    one-shot vs catch-up Extend-Decode handoff from RLD to MD
     cutoff     anomalous-traffic filter: cancel the WAN transfer when RLD already finished
-    wan_order  which WAN transfer the shared line serves next (FIFO / shortest remaining first)
+    wan_order  which WAN transfer the shared line serves next (FIFO / shortest remaining first),
+               and on which of P's two connections (lanes) it goes
     routing    which instance (P, RLD, MD) serves a request (cache-aware / load / round robin)
     siblings   whether the other choices of a prompt wait for the first one's KV on MD
 """
