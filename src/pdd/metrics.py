@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pdd.gateway.state import OUTCOMES
 
 # TTFT / ITL buckets, seconds: from a fast-path decode step to a long WAN transfer
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -98,11 +99,12 @@ class _OrchestratorCollector:
         yield c
         t = o.totals
         # each request (each choice of n) exactly once: completed (incl. ended by a stop string),
-        # failed, or cancelled (the client disconnected; vLLM's finish reason "abort");
-        # pdd.gateway.orchestrator.OUTCOMES
-        c = CounterMetricFamily("pdd_gateway_outcomes", "requests ended, by outcome: completed, failed, or "
-                                "cancelled (client disconnected)", labels=["outcome"])
-        for k in ("completed", "failed", "cancelled"):
+        # failed, cancelled (the client disconnected; vLLM's finish reason "abort") or rejected (a
+        # tier refused it while starting: a 429); pdd.gateway.state.OUTCOMES
+        c = CounterMetricFamily("pdd_gateway_outcomes", "requests ended, by outcome: completed, failed, "
+                                "cancelled (client disconnected) or rejected (a tier refused it while starting: 429)",
+                                labels=["outcome"])
+        for k in OUTCOMES:
             c.add_metric([k], t.get(k, 0))
         yield c
         c = CounterMetricFamily("pdd_handoffs", "RLD -> MD handoffs by mode", labels=["mode"])

@@ -1,4 +1,4 @@
-"""Every request is counted exactly once as completed, failed or cancelled, in the orchestrator's
+"""Every request is counted exactly once as completed, failed, cancelled or rejected, in the orchestrator's
 ``totals`` and in /metrics ``pdd_gateway_outcomes``: the real ``Orchestrator.stream`` /
 ``abort`` behind the real HTTP app and a real uvicorn server (in this event loop), over scripted
 tiers (tokens fed in process, no engine processes). A client that disconnects mid-stream is
@@ -129,10 +129,10 @@ async def leave_mid_stream(client, body: dict, chunks: int = 6) -> None:
 async def test_client_disconnect_mid_stream_counts_cancelled_once(gateway):
     client, orch, _ = gateway
     await leave_mid_stream(client, {**BODY, "n": 3})
-    assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 3}
+    assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 3, "rejected": 0}
     assert orch.totals["requests"] == 3
     assert orch.abort_reasons and set(orch.abort_reasons) == {ABORT_CLIENT}  # the tiers were told
-    assert await _metrics(client) == {"completed": 0.0, "failed": 0.0, "cancelled": 3.0}
+    assert await _metrics(client) == {"completed": 0.0, "failed": 0.0, "cancelled": 3.0, "rejected": 0.0}
 
 
 async def test_stop_string_stays_completed_and_every_outcome_once(gateway):
@@ -142,26 +142,26 @@ async def test_stop_string_stays_completed_and_every_outcome_once(gateway):
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["stop_reason"] == "lazy dog"
-    assert await _settled(orch, 1) == {"completed": 1, "failed": 0, "cancelled": 0}
+    assert await _settled(orch, 1) == {"completed": 1, "failed": 0, "cancelled": 0, "rejected": 0}
     assert orch.abort_reasons == [ABORT_STOP]
     # streamed, n=2: both choices stop on it
     r = await client.post("/v1/completions", json={**BODY, "n": 2, "stop": "fox"})
     chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
     assert sorted(c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]) == ["stop"] * 2
-    assert await _settled(orch, 3) == {"completed": 3, "failed": 0, "cancelled": 0}
+    assert await _settled(orch, 3) == {"completed": 3, "failed": 0, "cancelled": 0, "rejected": 0}
     # run to max_tokens
     r = await client.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 5})
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    assert await _settled(orch, 4) == {"completed": 4, "failed": 0, "cancelled": 0}
+    assert await _settled(orch, 4) == {"completed": 4, "failed": 0, "cancelled": 0, "rejected": 0}
     # a tier fails the request mid-stream: failed (not cancelled, though its stream is aborted)
     orch.fail_at = 3
     r = await client.post("/v1/completions", json={**BODY, "stream": False})
     assert r.status_code == 503
-    assert await _settled(orch, 5) == {"completed": 4, "failed": 1, "cancelled": 0}
+    assert await _settled(orch, 5) == {"completed": 4, "failed": 1, "cancelled": 0, "rejected": 0}
     assert ABORT_FAILED in orch.abort_reasons and ABORT_CLIENT not in orch.abort_reasons
     orch.fail_at = None
     assert orch.totals["requests"] == sum(orch.totals[k] for k in OUTCOMES) == 5
-    assert await _metrics(client) == {"completed": 4.0, "failed": 1.0, "cancelled": 0.0}
+    assert await _metrics(client) == {"completed": 4.0, "failed": 1.0, "cancelled": 0.0, "rejected": 0.0}
 
 
 async def test_abort_counts_once_with_its_first_reason():
@@ -175,7 +175,7 @@ async def test_abort_counts_once_with_its_first_reason():
     await orch.abort(st, ABORT_CLIENT)
     await orch.abort(st, ABORT_FAILED)  # a later abort keeps the first count and reason
     assert (st.abort_reason, st.outcome) == (ABORT_CLIENT, "cancelled")
-    assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 1}
+    assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 1, "rejected": 0}
     assert [t async for t in orch.stream(st)] == []  # its stream ends at once, counted already
     assert orch.totals["cancelled"] == 1 and orch.totals["completed"] == 0
     # a consumer that closes the stream mid-way (no abort by the HTTP layer first): cancelled
@@ -219,6 +219,44 @@ async def test_client_disconnect_non_streamed_counts_cancelled(gateway, path, bo
     t0 = asyncio.get_running_loop().time()
     got = await _settled(orch, sum(before.values()) + 1)
     assert asyncio.get_running_loop().time() - t0 < 1.5  # not decoded on to max_tokens (4 s)
-    assert {k: got[k] - before[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 1}
+    assert {k: got[k] - before[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 1, "rejected": 0}
     assert orch.abort_reasons and orch.abort_reasons[-1] == ABORT_CLIENT  # every tier was told
     assert not orch.reqs  # freed
+
+
+class RefusingOrch(Orchestrator):
+    """The real ``start_request``, whose every start finds a tier refusing new work for now: P's
+    KV pool short of pages (``OutOfPages``, as the RPC layer reports a remote one)."""
+
+    def __init__(self, cfg: ClusterConfig):
+        super().__init__(cfg, layout(cfg))
+        self.peers = {s.name: FakePeer() for s in self.layout.engines}
+
+    async def _launch(self, st, prompt, sp=None, force_relay=False):
+        raise RuntimeError("OutOfPages: out of KV pages: need 57, 52 free (seq r1)")
+
+
+async def test_a_tier_refusing_a_starting_request_counts_it_rejected_not_failed(tiny_model):
+    """A request a tier refuses while it starts (its KV pool short of pages now, or its queue
+    full) gets a 429 to retry later, so it is counted "rejected", not "failed" (a new user saw
+    44 "failed" for 11 such 429s of n=4 requests), each choice that started once, in totals and
+    /metrics."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    orch = RefusingOrch(cfg)
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/completions", json={**BODY, "stream": False})
+        assert r.status_code == 429, r.text
+        assert "Retry-After" in r.headers
+        assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 1}
+        assert await _metrics(client) == {"completed": 0.0, "failed": 0.0, "cancelled": 0.0, "rejected": 1.0}
+        # n choices: each one started is counted rejected (none failed)
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 4, "n": 4})
+        assert r.status_code == 429, r.text
+        assert orch.totals["failed"] == 0 and orch.totals["rejected"] == orch.totals["requests"] >= 2

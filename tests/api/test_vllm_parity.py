@@ -162,9 +162,9 @@ async def test_batch_stream_and_its_disconnect_count_every_prompt(gateway):
     client, orch, _ = gateway
     r = await client.post("/v1/completions", json={**BODY, "prompt": ["a b", "c"], "max_tokens": 3, "stream": False})
     assert r.status_code == 200 and sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
-    assert await _settled(orch, 2) == {"completed": 2, "failed": 0, "cancelled": 0}
+    assert await _settled(orch, 2) == {"completed": 2, "failed": 0, "cancelled": 0, "rejected": 0}
     await leave_mid_stream(client, {**BODY, "prompt": ["a b", "c", "d e f"], "n": 2})
-    assert await _settled(orch, 8) == {"completed": 2, "failed": 0, "cancelled": 6}
+    assert await _settled(orch, 8) == {"completed": 2, "failed": 0, "cancelled": 6, "rejected": 0}
     assert orch.abort_reasons == [ABORT_CLIENT] * 6
 
 

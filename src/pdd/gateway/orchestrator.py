@@ -49,9 +49,10 @@ from pdd.transfer import rpc
 from pdd.transfer.kv import prompt_kv_bytes
 from pdd.gateway import recovery
 from pdd.gateway.recovery import Recovery
+from pdd.gateway.admission import refusal
 from pdd.gateway.prefix_index import PrefixIndex
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
-    ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
+    ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
     NoInstance, RequestFailed, ReqState, TokenOut, extend_message)
 from pdd.types import Pipeline, SamplingParams
 
@@ -84,7 +85,7 @@ class Orchestrator(Recovery):
         self.reqs: dict[str, ReqState] = {}
         self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "wan_bytes_sent": 0,
                        "wan_bytes_unreported": 0, "requests": 0,
-                       "completed": 0, "failed": 0, "cancelled": 0,  # OUTCOMES: each request once
+                       "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,  # OUTCOMES: each request once
                        "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
@@ -502,7 +503,8 @@ class Orchestrator(Recovery):
                     waited += await self._retry_later(st, e)
                     continue
                 self._unassign(st)
-                await self.abort(st, ABORT_FAILED)  # counts it as failed
+                # a tier refusing new work for now (the API answers 429) is not a failure
+                await self.abort(st, ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
                 raise RequestFailed(f"request {rid} failed while starting: {e}") from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st
@@ -974,7 +976,7 @@ class Orchestrator(Recovery):
         an unreachable engine is logged, not raised), and count its outcome unless already
         counted: ``reason`` :data:`ABORT_STOP` (a stop string ended it at the gateway) counts
         "completed", :data:`ABORT_CLIENT` (client disconnected) "cancelled", :data:`ABORT_FAILED`
-        "failed". The first abort's reason is kept in ``st.abort_reason``. Raises ``ValueError``
+        "failed", :data:`ABORT_REJECTED` (a tier refused it while starting) "rejected". The first abort's reason is kept in ``st.abort_reason``. Raises ``ValueError``
         for an unknown ``reason`` (before anything is changed)."""
         if reason not in ABORT_OUTCOMES:
             raise ValueError(f"unknown abort reason {reason!r}; expected one of {tuple(ABORT_OUTCOMES)}")

@@ -40,13 +40,17 @@ class InstanceLost(ConnectionError):
 # Why a request was aborted (:meth:`Orchestrator.abort`), and the outcome it is counted as. Every
 # request is counted exactly once in ``totals`` (and /metrics ``pdd_gateway_outcomes``), as one of
 # OUTCOMES: "completed" (ran to its end, or a stop string ended it at the gateway), "failed" (a
-# tier or the gateway failed it, or a sibling choice of the same API request failed) or
-# "cancelled" (the client went away or stopped reading: vLLM's finish reason "abort").
+# tier or the gateway failed it, or a sibling choice of the same API request failed),
+# "cancelled" (the client went away or stopped reading: vLLM's finish reason "abort") or
+# "rejected" (a tier refused it for now while it was starting, its queue full or its KV pool short
+# of pages: the client got a 429 to retry later, and nothing of it was kept; docs/OVERLOAD.md).
 ABORT_STOP = "stop"  # a stop string completed at the gateway: the request is done -> "completed"
 ABORT_CLIENT = "client_disconnect"  # the client disconnected (or stopped reading) -> "cancelled"
 ABORT_FAILED = "failed"  # the request (or a sibling choice) failed -> "failed"
-ABORT_OUTCOMES = {ABORT_STOP: "completed", ABORT_CLIENT: "cancelled", ABORT_FAILED: "failed"}
-OUTCOMES = ("completed", "failed", "cancelled")
+ABORT_REJECTED = "rejected"  # a tier refused it while it was starting (TierBusy, OutOfPages) -> "rejected"
+ABORT_OUTCOMES = {ABORT_STOP: "completed", ABORT_CLIENT: "cancelled", ABORT_FAILED: "failed",
+                  ABORT_REJECTED: "rejected"}
+OUTCOMES = ("completed", "failed", "cancelled", "rejected")
 
 PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
 # per-attempt events, renamed "<name>@<attempt>" when a request is recovered
