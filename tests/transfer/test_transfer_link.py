@@ -330,6 +330,25 @@ async def test_many_connections_churn_no_leaks():
     await sink.close()
 
 
+def _big_and_small_receiver() -> tuple[dict, KVReceiver]:
+    """A receiver of two transfers, "big" and "small": ``got["big"]`` counts the big one's pages
+    as they arrive, ``got["small"]`` is that count when the small one completes, and
+    ``got["done"]`` (an Event) is set when the big one does."""
+    got: dict = {"big": 0, "done": asyncio.Event()}
+
+    def on_pages(rid, first, n, layers, payload):
+        if rid == "big":
+            got["big"] += n
+
+    async def on_done(rid, h):
+        if rid == "small":
+            got["small"] = got["big"]
+        if rid == "big":
+            got["done"].set()
+
+    return got, KVReceiver(on_pages, on_done, lambda rid: None)
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 async def test_send_order_reaches_the_line_with_capped_buffers(tls, tmp_path):
     """A WAN KV sender with shortest-remaining-first order: a one-page increment submitted while a
@@ -351,21 +370,7 @@ async def test_send_order_reaches_the_line_with_capped_buffers(tls, tmp_path):
         srv_kw = {"ssl": server_context(tmp_path, "md0"), "instance": "md0"}
         ssl_kw = {"ssl": client_context(tmp_path, "p0"), "server_hostname": "md0", "instance": "p0"}
     page, n_big = 32768, 64
-    got: dict = {"big": 0}
-    big_left_when_small_done: list = []
-    done = asyncio.Event()
-
-    def on_pages(rid, first, n, layers, payload):
-        if rid == "big":
-            got["big"] += n
-
-    async def on_done(rid, h):
-        if rid == "small":
-            big_left_when_small_done.append(n_big - got["big"])
-        if rid == "big":
-            done.set()
-
-    recv = KVReceiver(on_pages, on_done, lambda rid: None)
+    got, recv = _big_and_small_receiver()
     server = Server("127.0.0.1", 0, recv.handlers(), **srv_kw)
     await server.start()
     try:
@@ -379,12 +384,12 @@ async def test_send_order_reaches_the_line_with_capped_buffers(tls, tmp_path):
             snd.submit("big", 0, lambda i, n: big[i * page:(i + n) * page], n_big, page)
             await asyncio.sleep(0.1)  # ~20 of the 64 pages are on the line
             snd.submit("small", 0, lambda i, n: small[:n * page], 1, page)
-            await asyncio.wait_for(done.wait(), 10)  # a writer paused for good would stall here
+            await asyncio.wait_for(got["done"].wait(), 10)  # a writer paused for good would stall here
             await peer.close()
     finally:
         await server.close()
     # ~10 pages (the kernel's buffer, the link's, a frame) were committed ahead of the increment
-    assert big_left_when_small_done and big_left_when_small_done[0] >= 24
+    assert "small" in got and n_big - got["small"] >= 24
 
 
 async def test_an_increment_on_its_own_connection_shares_the_line_with_a_large_transfer():
@@ -402,21 +407,7 @@ async def test_an_increment_on_its_own_connection_shares_the_line_with_a_large_t
     page, n_big, n_small = 32768, 64, 1
 
     async def big_pages_during_increment(lanes: int) -> int:
-        got = {"big": 0}
-        mark: dict = {}
-        done = asyncio.Event()
-
-        def on_pages(rid, first, n, layers, payload):
-            if rid == "big":
-                got["big"] += n
-
-        async def on_done(rid, h):
-            if rid == "small":
-                mark["end"] = got["big"]
-            if rid == "big":
-                done.set()
-
-        recv = KVReceiver(on_pages, on_done, lambda rid: None)
+        got, recv = _big_and_small_receiver()
         server = Server("127.0.0.1", 0, recv.handlers())
         await server.start()
         try:
@@ -432,15 +423,15 @@ async def test_an_increment_on_its_own_connection_shares_the_line_with_a_large_t
                 senders[0].submit("big", 0, lambda i, n: big[i * page:(i + n) * page], n_big, page)
                 while got["big"] < 16:  # the large transfer is well under way
                     await asyncio.sleep(0.005)
-                mark["start"] = got["big"]
+                start = got["big"]
                 senders[-1].submit("small", 0, lambda i, n: small[i * page:(i + n) * page], n_small, page)
-                await asyncio.wait_for(done.wait(), 10)
+                await asyncio.wait_for(got["done"].wait(), 10)
                 for s in senders:
                     await s.close()
                     await s.peer.close()
         finally:
             await server.close()
-        return mark["end"] - mark["start"]
+        return got["small"] - start
 
     one_lane = await big_pages_during_increment(1)
     two_lanes = await big_pages_during_increment(2)
