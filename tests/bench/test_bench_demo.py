@@ -91,3 +91,69 @@ def test_demo_cli_refuses_taken_ports_and_bad_configs(capsys, tmp_path):
         main(["--port", str(taken), "--base-port", "-3", "--out", str(tmp_path / "d")])
     assert "base_port" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.fixture
+def demo_cli(monkeypatch):
+    """``pdd demo``'s main with the port check stubbed (other topologies may hold the config's ports)
+    and run_demo failing loudly if an argument got past the checks."""
+    from pdd import topology
+    from pdd.bench import demo as demo_mod
+
+    monkeypatch.setattr(topology, "ports_in_use", lambda layout: [])
+
+    def run_demo(*a, **k):
+        raise AssertionError("run_demo was reached")
+
+    monkeypatch.setattr(demo_mod, "run_demo", run_demo)
+    return demo_mod
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--modes", "foo"], "--modes: unknown mode 'foo'; choose from colocated, same_dc_pd, cross_dc_pd, pdd"),
+    (["--modes", ","], "--modes: no mode given (','); choose from colocated, same_dc_pd, cross_dc_pd, pdd"),
+    (["--modes", "pdd,colocated,pdd"], "--modes: pdd given more than once"),
+    (["--requests", "-5"], "--requests: must be >= 1, got -5"),
+    (["--requests", "0"], "--requests: must be >= 1, got 0"),
+    (["--rate", "0"], "--rate: must be > 0 req/s, got 0.0"),
+    (["--rate", "-1"], "--rate: must be > 0 req/s, got -1.0"),
+    (["--start", "-1"], "--start: must be >= 0, got -1"),
+    (["--block-tokens", "0"], "--block-tokens: must be >= 1, got 0"),
+    (["--max-output", "0"], "--max-output: must be >= 1, got 0"),
+    (["--session-sample", "0"], "--session-sample: must be >= 1, got 0"),
+    (["--output-scale", "-1"], "--output-scale: must be > 0, got -1.0"),
+])
+def test_demo_cli_refuses_bad_modes_and_numbers_naming_the_flag(capsys, tmp_path, demo_cli, args, message):
+    """``--modes foo`` ran nothing and exited 0; bad numbers were tracebacks (found by a new user)."""
+    with pytest.raises(SystemExit) as ex:
+        demo_cli.main(args + ["--out", str(tmp_path / "d")])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"pdd demo: error: {message}\n") and "Traceback" not in err, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
+    from pdd import topology
+    from pdd.bench.demo import main
+
+    monkeypatch.setattr(topology, "ports_in_use", lambda layout: [])
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model_path": str(fake_model(tmp_path / "model"))}))
+    with pytest.raises(SystemExit) as ex:
+        main(["--config", str(cfg), "--start", "100000000", "--out", str(tmp_path / "d")])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "pdd demo: error: --start 100000000: no requests in" in err and "Traceback" not in err, err
+
+
+def test_demo_cli_exits_1_when_a_mode_completed_no_request(capsys, tmp_path, demo_cli, monkeypatch):
+    """As ``pdd bench``: the report is written, and a mode with no completed request is an exit 1."""
+    reports = {"ok": {"modes": {"pdd": {"completed": 3}, "colocated": {"completed": 1}}},
+               "empty": {"modes": {"pdd": {"completed": 3}, "colocated": {"completed": 0}}},
+               "failed": {"modes": {"pdd": {"completed": 3}}, "mode_errors": {"colocated": "LaunchError: x"}}}
+    for name, code in (("ok", 0), ("empty", 1), ("failed", 1)):
+        monkeypatch.setattr(demo_cli, "run_demo", lambda *a, _r=reports[name], **k: _r)
+        assert demo_cli.main(["--modes", "pdd,colocated", "--out", str(tmp_path / "d")]) == code, name
+    err = capsys.readouterr().err
+    assert "pdd demo: no request completed in colocated (colocated: LaunchError: x)" in err

@@ -1171,28 +1171,41 @@ def _override_flag(loc: Sequence) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_args(ap: argparse.ArgumentParser, args) -> None:
-    """Refuse, naming the flag, what would otherwise fail later with a traceback or run something
-    other than asked (argparse ``error``: exit status 2)."""
+def check_numbers(ap: argparse.ArgumentParser, checks: Iterable[tuple[str, Any, float, bool]]) -> None:
+    """``(flag, value, lo, strict)``: refuse a value not ``> lo`` (strict) or ``>= lo``, naming the flag
+    (None: not given, passes; NaN fails)."""
+    for flag, v, lo, strict in checks:
+        if v is not None and not (v > lo if strict else v >= lo):  # NaN fails both
+            ap.error(f"{flag}: must be {'>' if strict else '>='} {lo}, got {v}")
+
+
+def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
+    """The workload flags ``pdd bench`` and ``pdd demo`` share (--rate, --requests, --start, the
+    Scale knobs): refused naming the flag (argparse ``error``: exit status 2)."""
     if args.rate is not None and not args.rate > 0:
         ap.error(f"--rate: must be > 0 req/s, got {args.rate}")
     if args.requests is not None and args.requests < 1:
         ap.error(f"--requests: must be >= 1, got {args.requests}")
     if args.start is not None and args.start < 0:
         ap.error(f"--start: must be >= 0, got {args.start}")
-    for flag, v, lo, strict in (
-            ("--max-input", args.max_input, 1, False), ("--block-tokens", args.block_tokens, 1, False),
-            ("--min-output", args.min_output, 1, False), ("--max-output", args.max_output, 1, False),
-            ("--session-sample", args.session_sample, 1, False), ("--output-scale", args.output_scale, 0, True),
-            ("--ref-requests", args.ref_requests, 0, False), ("--sweep-requests", args.sweep_requests, 0, False),
-            ("--sweep-min-requests", args.sweep_min_requests, 0, False),
-            ("--sweep-points", args.sweep_points, 1, False), ("--sweep-bisect", args.sweep_bisect, 0, False),
-            ("--sweep-seconds", args.sweep_seconds, 0, False), ("--sweep-timeout", args.sweep_timeout, 0, True),
-            ("--request-timeout", args.request_timeout, 0, True)):
-        if v is not None and not (v > lo if strict else v >= lo):  # NaN fails both
-            ap.error(f"{flag}: must be {'>' if strict else '>='} {lo}, got {v}")
+    check_numbers(ap, (
+        ("--max-input", args.max_input, 1, False), ("--block-tokens", args.block_tokens, 1, False),
+        ("--min-output", args.min_output, 1, False), ("--max-output", args.max_output, 1, False),
+        ("--session-sample", args.session_sample, 1, False), ("--output-scale", args.output_scale, 0, True)))
     if args.max_output < args.min_output:
         ap.error(f"--max-output: must be >= --min-output ({args.min_output}), got {args.max_output}")
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse, naming the flag, what would otherwise fail later with a traceback or run something
+    other than asked (argparse ``error``: exit status 2)."""
+    check_workload_args(ap, args)
+    check_numbers(ap, (
+        ("--ref-requests", args.ref_requests, 0, False), ("--sweep-requests", args.sweep_requests, 0, False),
+        ("--sweep-min-requests", args.sweep_min_requests, 0, False),
+        ("--sweep-points", args.sweep_points, 1, False), ("--sweep-bisect", args.sweep_bisect, 0, False),
+        ("--sweep-seconds", args.sweep_seconds, 0, False), ("--sweep-timeout", args.sweep_timeout, 0, True),
+        ("--request-timeout", args.request_timeout, 0, True)))
     modes_given = args.modes is not None
     args.modes = args.modes if modes_given else ",".join(DEFAULT_MODES)
     labels = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -1284,15 +1297,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return bench_exit_status(report)
 
 
-def bench_exit_status(report: Mapping) -> int:
+def bench_exit_status(report: Mapping, run_order: Sequence[str] | None = None, prog: str = "pdd bench") -> int:
     """0 when every benchmarked mode completed at least one request (failed requests are measured
     results: the report has them); 1 when a mode completed none (a wrong --model, a server that
-    refuses everything, a mode whose topology failed), said on stderr; the report is written first."""
-    empty = [m for m in report["bench"]["run_order"] if not (report["modes"].get(m) or {}).get("completed")]
+    refuses everything, a mode whose topology failed), said on stderr; the report is written first.
+    ``run_order``: the modes run (default ``report["bench"]["run_order"]``; ``pdd demo`` has no
+    ``bench`` section)."""
+    order = report["bench"]["run_order"] if run_order is None else run_order
+    empty = [m for m in order if not ((report.get("modes") or {}).get(m) or {}).get("completed")]
     if not empty:
         return 0
     errors = report.get("mode_errors") or {}
-    print(f"pdd bench: no request completed in {', '.join(empty)}"
+    print(f"{prog}: no request completed in {', '.join(empty)}"
           + "".join(f" ({m}: {errors[m]})" for m in empty if m in errors), file=sys.stderr)
     return 1
 

@@ -168,7 +168,11 @@ def run_demo(
     scale = fit_scale(scale, config, n_requests, start)
     requests = build_requests(trace, scale, tokens, seed)
     if not requests:
-        raise ValueError(f"no requests in {trace} slice start={scale.start} count={scale.count}")
+        hint = ""
+        if scale.session_sample > 1:
+            hint = (f"; --session-sample {scale.session_sample} keeps 1 in {scale.session_sample} conversations "
+                    f"(give --session-sample 1 to replay every record)")
+        raise ValueError(f"--start {scale.start}: no requests in {trace} from there (--requests {scale.count}){hint}")
     workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
     rate = f"{workload['rate_rps']:.2f} req/s" if workload["rate_rps"] else "all at once"
     console.print(
@@ -251,7 +255,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--base-port", type=int, default=None,
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
+    from pdd.bench.bench import bench_exit_status, check_workload_args
+    from pdd.config import MODES
     from pdd.topology import layout, ports_in_use, ports_taken_message
+
+    check_workload_args(ap, args)  # the numbers pdd bench checks, with its messages
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        ap.error(f"--modes: no mode given ({args.modes!r}); choose from {', '.join(MODES)}")
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
+    dup = sorted({m for m in modes if modes.count(m) > 1})
+    if dup:
+        ap.error(f"--modes: {', '.join(dup)} given more than once")
 
     try:
         cfg = ClusterConfig.load(args.config)
@@ -266,9 +283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)
-    run_demo(args.out, tuple(m for m in args.modes.split(",") if m), args.requests, scale,
-             cfg, args.seed, start=args.start, warmup=not args.no_warmup)
-    return 0
+    try:
+        report = run_demo(args.out, tuple(modes), args.requests, scale, cfg, args.seed, start=args.start,
+                          warmup=not args.no_warmup)
+    except ValueError as ex:  # the slice is empty (--start past the trace), named in the message
+        ap.error(str(ex))
+    return bench_exit_status(report, modes, prog="pdd demo")  # 1 when a mode completed no request
 
 
 if __name__ == "__main__":
