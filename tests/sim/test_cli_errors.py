@@ -133,6 +133,26 @@ def test_plan_refuses_bad_wan_and_rld_lists(capsys, args, names):
     _refused(capsys, ["plan"] + args, "pdd plan: error:", *names)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--requests", "-3"], "argument --requests: must be >= 1, got -3"),
+    (["--requests", "0"], "argument --requests: must be >= 1, got 0"),
+    (["--input-len", "0"], "argument --input-len: must be >= 1, got 0"),
+    (["--input-len", "-5"], "argument --input-len: must be >= 1, got -5"),
+    (["--output-len", "-1"], "argument --output-len: must be >= 0, got -1"),
+    (["--p-max", "0"], "argument --p-max: must be >= 1, got 0"),
+    (["--hit", "2"], "argument --hit: must be in [0, 1], got 2"),
+    (["--hit", "-0.5"], "argument --hit: must be in [0, 1], got -0.5"),
+    (["--hit", "nan"], "argument --hit: must be in [0, 1], got nan"),
+    (["--top", "0"], "argument --top: must be >= 1, got 0"),
+    (["--top", "-1"], "argument --top: must be >= 1, got -1"),
+])
+def test_plan_refuses_bad_numbers_naming_the_flag(capsys, args, message):
+    """Found by a new user: --requests 0 searched for minutes, --hit 2 / --top 0 were tracebacks or
+    silently empty tables."""
+    err = _refused(capsys, ["plan"] + args, "pdd plan: error:")
+    assert err.endswith(f"pdd plan: error: {message}\n"), err
+
+
 def test_sim_run_profile_is_both_chips_unless_one_is_given():
     """`pdd sim run --profile X` was "ambiguous option: --profile could match --profile-a,
     --profile-b"; it now gives both chips X (as `pdd sim validate --profile`), and a per-chip flag
