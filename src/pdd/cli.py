@@ -21,8 +21,21 @@ def _config(args, **over):
         raise SystemExit(f"pdd: invalid config: {errs}")
     except FileNotFoundError as e:
         raise SystemExit(f"pdd: config file not found: {e.filename}")
+    except IsADirectoryError:
+        _usage(args, f"--config {args.config}: is a directory, not a config file (YAML or JSON)")
+    except OSError as e:  # unreadable (permissions)
+        _usage(args, f"--config {args.config}: cannot read it: {e.strerror or e}")
     except ValueError as e:
         raise SystemExit(f"pdd: invalid config: {e}")
+
+
+def _usage(args, msg: str):
+    """A usage error naming the flag or config field: the sub-command's argparse ``error`` (exit 2)."""
+    p = getattr(args, "parser", None)
+    if p is None:
+        print(f"pdd: error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+    p.error(msg)
 
 
 def ensure_model(cfg) -> None:
@@ -53,8 +66,26 @@ def cmd_make_model(args) -> int:
 def cmd_launch(args) -> int:
     from pdd.launch import run_instance
 
+    from pathlib import Path
+
+    from pdd.security import CERT_DIR_UNSET, SecurityError, needs_material
+    from pdd.topology import ROLE_LINK, layout
+
     cfg = _config(args)
-    run_instance(cfg, args.name or args.role)
+    lay = layout(cfg)
+    name = args.name or args.role
+    if name not in {s.name for s in lay.instances}:
+        _usage(args, f"--name {name}: no instance of that name in the {cfg.mode} topology of the config; its "
+                     f"instances: {', '.join(s.name for s in lay.instances)}")
+    if needs_material(cfg.security) and not cfg.security.cert_dir:
+        _usage(args, CERT_DIR_UNSET)
+    if lay.get(name).role != ROLE_LINK and not (Path(cfg.model_path) / "config.json").is_file():
+        _usage(args, f"model_path {cfg.model_path}: no checkpoint there (config.json missing); make one with: "
+                     f"pdd make-model --out {cfg.model_path}")
+    try:
+        run_instance(cfg, name)
+    except SecurityError as e:  # a cert file missing or bad in security.cert_dir
+        _usage(args, str(e))
     return 0
 
 
@@ -64,7 +95,7 @@ def cmd_serve(args) -> int:
     import signal
 
     from pdd.launch import LaunchError
-
+    from pdd.security import SecurityError
     from pdd.topology import layout, ports_in_use, ports_taken_message
 
     cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port)
@@ -85,6 +116,8 @@ def cmd_serve(args) -> int:
         topo.start()
     except LaunchError as e:
         raise SystemExit(f"pdd: could not start the topology: {e}")
+    except SecurityError as e:  # security.cert_dir lacks what it needs (no CA key to issue a certificate)
+        _usage(args, str(e))
     except KeyboardInterrupt:
         return 1
     try:
@@ -173,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"])
     p.add_argument("--name", help="instance name in the topology (default: derived from the role)")
     p.add_argument("--config", help="cluster config (YAML or JSON)")
-    p.set_defaults(fn=cmd_launch)
+    p.set_defaults(fn=cmd_launch, parser=p)
 
     p = sub.add_parser("serve", help="start the whole two-datacenter topology and keep the gateway up")
     p.add_argument("--config")
@@ -183,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
     p.add_argument("--log-dir", default=None,
                    help="logs and TLS material (default: a new /tmp/pdd-<mode>-* directory, kept after exit)")
-    p.set_defaults(fn=cmd_serve)
+    p.set_defaults(fn=cmd_serve, parser=p)
 
     p = sub.add_parser("certs", help="make a CA, per-instance TLS certificates and the fast-path MAC key for a topology",
                        description="Make (or complete) a cert dir for the topology of --config: ca.pem/ca.key, "
@@ -193,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--force", action="store_true", help="make a new CA and everything anew")
-    p.set_defaults(fn=cmd_certs)
+    p.set_defaults(fn=cmd_certs, parser=p)
 
     p = sub.add_parser("demo", help="replay the Mooncake trace through every mode and compare (pdd demo --help)",
                        add_help=False)

@@ -225,6 +225,11 @@ def ensure_topology_certs(cfg, out_dir: str | Path, force: bool = False) -> dict
     return make_certs(out_dir, cert_names(cfg), hosts, force=force)
 
 
+CERT_DIR_UNSET = ("security.cert_dir is not set: make certificates with `pdd certs --config FILE --out DIR` and "
+                  "set security.cert_dir (pdd serve and the demo make them in their log dir), or set "
+                  "security.tls: false and security.fast_path: plain")
+
+
 def needs_material(sec) -> bool:
     """Whether a :class:`~pdd.config.SecurityConfig` needs a cert dir (TLS or the fast-path MAC)."""
     return bool(sec.tls) or sec.fast_path in ("mac", "tls")
@@ -295,9 +300,7 @@ class LinkSecurity:
 
     def _dir(self) -> str:
         if self.cert_dir is None:
-            raise SecurityError("security.cert_dir is not set: make certificates with `pdd certs --config FILE "
-                                "--out DIR` and set security.cert_dir (pdd serve and the demo make them in their "
-                                "log dir), or set security.tls: false and security.fast_path: plain")
+            raise SecurityError(CERT_DIR_UNSET)
         return str(Path(self.cert_dir).resolve())
 
     def server(self) -> dict:

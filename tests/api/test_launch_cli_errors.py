@@ -1,0 +1,93 @@
+"""`pdd launch` / `pdd serve`: a bad --config, --name, security.cert_dir or model_path is a usage
+error naming the flag or field (exit 2), never a traceback. Found by a new user; nothing is started."""
+
+import json
+
+import pytest
+
+from pdd import launch
+from pdd.cli import main
+from pdd.security import CERT_DIR_UNSET, SecurityError
+
+
+@pytest.fixture
+def no_instance(monkeypatch):
+    """An argument that gets past the checks would run an instance: fail loudly instead."""
+    def run_instance(cfg, name):
+        raise AssertionError("run_instance was reached")
+
+    monkeypatch.setattr(launch, "run_instance", run_instance)
+
+
+def _model(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+def _config(tmp_path, **fields):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(fields))
+    return str(p)
+
+
+def _refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as ex:
+        main(argv)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.endswith(f"pdd {argv[0]}: error: {message}\n"), err
+
+
+@pytest.mark.parametrize("cmd", [["launch", "--role", "prefill"], ["serve"], ["certs", "--out", "x"]])
+def test_a_config_that_is_a_directory_names_config(capsys, tmp_path, cmd, no_instance):
+    _refused(capsys, cmd + ["--config", str(tmp_path)],
+             f"--config {tmp_path}: is a directory, not a config file (YAML or JSON)")
+
+
+def test_launch_refuses_an_instance_not_in_the_config(capsys, tmp_path, no_instance):
+    cfg = _config(tmp_path, mode="colocated", model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)})
+    _refused(capsys, ["launch", "--role", "prefill", "--name", "p7", "--config", cfg],
+             "--name p7: no instance of that name in the colocated topology of the config; its instances: c0, gateway")
+    _refused(capsys, ["launch", "--role", "prefill", "--config", cfg],  # the role's default name, p0
+             "--name p0: no instance of that name in the colocated topology of the config; its instances: c0, gateway")
+
+
+def test_launch_refuses_tls_without_a_cert_dir(capsys, tmp_path, no_instance):
+    cfg = _config(tmp_path, model_path=_model(tmp_path))  # security.tls is on by default
+    _refused(capsys, ["launch", "--role", "prefill", "--config", cfg], CERT_DIR_UNSET)
+
+
+def test_launch_refuses_a_missing_model_path(capsys, tmp_path, no_instance):
+    missing = str(tmp_path / "nope")
+    cfg = _config(tmp_path, model_path=missing, security={"cert_dir": str(tmp_path)})
+    _refused(capsys, ["launch", "--role", "prefill", "--config", cfg],
+             f"model_path {missing}: no checkpoint there (config.json missing); make one with: "
+             f"pdd make-model --out {missing}")
+
+
+def test_launch_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monkeypatch):
+    def run_instance(cfg, name):
+        raise SecurityError(f"{tmp_path}/ca.pem is missing")
+
+    monkeypatch.setattr(launch, "run_instance", run_instance)
+    cfg = _config(tmp_path, model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)})
+    _refused(capsys, ["launch", "--role", "prefill", "--config", cfg], f"{tmp_path}/ca.pem is missing")
+
+
+def test_serve_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monkeypatch):
+    import signal
+
+    from pdd import cli, topology
+
+    class Topology:
+        def __init__(self, cfg, log_dir=None):
+            raise SecurityError(f"{tmp_path}: no certificate for 'p0' and no ca.key to issue one")
+
+    monkeypatch.setattr(launch, "Topology", Topology)
+    monkeypatch.setattr(topology, "ports_in_use", lambda lay: [])
+    monkeypatch.setattr(cli, "ensure_model", lambda cfg: None)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # serve's SIGTERM handler stays out of pytest
+    _refused(capsys, ["serve"], f"{tmp_path}: no certificate for 'p0' and no ca.key to issue one")
