@@ -54,9 +54,25 @@ def ensure_model(cfg) -> None:
     make_model(cfg.model_path, preset=cfg.model_preset, seed=cfg.model_seed)
 
 
+def _check_out_dir(args) -> None:
+    """A usage error naming --out unless it is (or can be made) a directory, checked before the work."""
+    import os
+    from pathlib import Path
+
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        _usage(args, f"--out {args.out}: cannot create the output directory: a file of that name exists")
+    except OSError as ex:
+        _usage(args, f"--out {args.out}: cannot create the output directory: {ex.strerror or ex}")
+    if not os.access(args.out, os.W_OK):
+        _usage(args, f"--out {args.out}: the directory is not writable")
+
+
 def cmd_make_model(args) -> int:
     from pdd.modelgen import make_model
 
+    _check_out_dir(args)
     make_model(args.out, preset=args.preset, seed=args.seed, family=args.family,
                tie_word_embeddings=args.tie_embeddings)
     print(f"wrote {args.preset} {args.family} checkpoint to {args.out}")
@@ -168,10 +184,13 @@ def cmd_certs(args) -> int:
     from pdd.security import SecurityError, ensure_topology_certs
 
     cfg = _config(args, mode=args.mode)
+    _check_out_dir(args)
     try:
         rep = ensure_topology_certs(cfg, args.out, force=args.force)
     except SecurityError as e:
         raise SystemExit(f"pdd: {e}")
+    except OSError as e:  # what the check cannot see (a full disk)
+        _usage(args, f"--out {args.out}: cannot write the certificates: {e.strerror or e}")
     print(f"certificates for the {cfg.mode} topology in {rep['dir']}: CA {rep['ca']}, "
           f"issued {', '.join(rep['issued']) or 'none'}, kept {', '.join(rep['kept']) or 'none'}, "
           f"fast-path key {rep['fast_path_key']}")
@@ -197,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="architecture: llama, qwen2 (q/k/v biases) or qwen3 (q/k norms)")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="tie the LM head to the input embeddings (no lm_head.weight in the checkpoint)")
-    p.set_defaults(fn=cmd_make_model)
+    p.set_defaults(fn=cmd_make_model, parser=p)
 
     p = sub.add_parser("launch", help="start one instance of a topology",
                        description="Start one instance (P, RLD, MD, colocated engine, gateway or WAN link) of the "

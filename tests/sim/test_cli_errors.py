@@ -112,6 +112,21 @@ def test_workload_agentic_refuses_bad_counts(capsys, tmp_path, monkeypatch, argv
     assert not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.parametrize("out,message", [
+    ("/nonexistent/dir/x.jsonl", "--out /nonexistent/dir/x.jsonl: no such directory: /nonexistent/dir"),
+    ("DIR", "--out DIR: is a directory; give a file path"),
+])
+def test_workload_agentic_refuses_an_out_it_cannot_write(capsys, tmp_path, monkeypatch, out, message):
+    """Found by a new user: the workload was generated, then open() failed with a traceback."""
+    import pdd.sim.workloads
+
+    monkeypatch.setattr(pdd.sim.workloads, "generate_agentic", lambda *a, **k: pytest.fail("generated first"))
+    out = out.replace("DIR", str(tmp_path))
+    message = message.replace("DIR", str(tmp_path))
+    err = _refused(capsys, ["workload", "agentic", "--n", "5", "--out", out])
+    assert err.endswith(f"pdd workload agentic: error: {message}\n"), err
+
+
 @pytest.mark.parametrize("args", [["--md-min", "3", "--md-max", "1"], ["--md-step", "0"], ["--md-min", "0"]])
 def test_plan_refuses_an_empty_md_range(capsys, args):
     """Found by a new user: an empty range said "no configuration meets the SLO" after a search."""

@@ -377,13 +377,33 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def check_out_file(path: str, flag: str = "--out") -> None:
+    """UsageError naming ``flag`` unless ``path`` can be written as a file (checked before the work)."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file path")
+    parent = p.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: no such directory: {parent}")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
+
+
 def cmd_agentic(a) -> int:
     from pdd.sim.workloads import generate_agentic, print_hit_histogram, write_trace
 
+    if a.out:
+        check_out_file(a.out)
     recs = generate_agentic(a.n, seed=a.seed, rate=a.rate)
     print_hit_histogram(recs)
     if a.out:
-        write_trace(recs, a.out)
+        try:
+            write_trace(recs, a.out)
+        except OSError as ex:  # what the check above cannot see (a full disk)
+            raise UsageError(f"--out {a.out}: cannot write it: {ex.strerror or ex}") from None
         print(f"wrote {len(recs)} records to {a.out}")
     return 0
 
