@@ -38,7 +38,10 @@ def test_prompt_just_over_max_input_len_but_inside_the_context_is_400(api, n_pro
     assert r.status_code == 200
 
 
-def test_chat_prompt_just_over_max_input_len_is_400(api, tiny_model):
+@pytest.mark.parametrize("limit", [{"max_completion_tokens": 4}, {"max_tokens": 4}, {}])
+def test_chat_prompt_just_over_max_input_len_is_400(api, tiny_model, limit):
+    """param is ``messages`` however the output length is given (with max_tokens or none it was
+    ``prompt``, a field chat does not have)."""
     from tokenizers import Tokenizer
 
     client, orch = api
@@ -52,8 +55,7 @@ def test_chat_prompt_just_over_max_input_len_is_400(api, tiny_model):
         k += 1
     words, n = n_tokens(k)  # the shortest such chat: a few tokens over max_input_len
     assert 400 < n < 420, n
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": words}],
-                                                  "max_completion_tokens": 4})
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": words}], **limit})
     _err(r, 400, "messages", "context_length_exceeded")
     assert not orch.started
 

@@ -281,7 +281,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise ApiError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
                            status=404, code="model_not_found")
 
-    def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1, asked: bool = True) -> None:
+    def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1, asked: bool = True,
+                      prompt_param: str = "prompt") -> None:
         """400 (ApiError naming the field) for an empty or too long prompt, a prompt + output past
         the context window, or ``n`` choices that no decoder's KV pool could hold at once even
         with the prompt's full pages shared (in pdd mode: RLD's, which shares nothing, holds a
@@ -289,13 +290,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         (Engine.step) or fail with OutOfPages after their work was done (docs/FAULTS.md).
         ``asked``: False when the client set no output length (``max_tokens`` is then the rest
         of the context, which choices rarely reach): the pool check then counts one output token
-        per choice, as vLLM admits such requests."""
+        per choice, as vLLM admits such requests. ``prompt_param``: the field the prompt came in
+        (``messages`` for chat, whichever of max_tokens / max_completion_tokens it gave)."""
         e = cfg.engine
         if not n_prompt:
-            raise ApiError("prompt: must not be empty", "prompt" if param == "max_tokens" else "messages")
+            raise ApiError("prompt: must not be empty", prompt_param)
         if n_prompt > e.max_input_len:
             raise ApiError(f"prompt: {n_prompt} tokens is longer than the maximum input length {e.max_input_len}",
-                           "prompt" if param == "max_tokens" else "messages", code="context_length_exceeded")
+                           prompt_param, code="context_length_exceeded")
         if n_prompt + max_tokens > e.max_model_len:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
@@ -542,7 +544,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         asked = max_tokens is not None
         if max_tokens is None:  # as vLLM: whatever the context window leaves
             max_tokens = rest_of_context(len(ids), "messages")
-        check_context(len(ids), max_tokens, param, body.n, asked)
+        check_context(len(ids), max_tokens, param, body.n, asked, prompt_param="messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
         gen = await start(ids, sps, opts, request)
