@@ -312,7 +312,12 @@ def test_mode_labels_and_their_configs():
     cfg = mode_config(ClusterConfig(policy={"pipeline_ttft_budget_ms": 50}), "pdd+pipeline_ttft_budget_ms=0+handoff_mode=auto")
     assert cfg.mode == "pdd" and cfg.policy.pipeline_ttft_budget_ms == 0.0 and cfg.policy.handoff_mode == "auto"
     assert mode_config(ClusterConfig(), "same_dc_pd").policy == ClusterConfig().policy
-    for bad, msg in (("fast", "unknown mode 'fast'"), ("pdd+warp=9", "'warp' is not a policy setting"),
+    cfg = mode_config(ClusterConfig(), "pdd+engine.prefill_order=short_first+engine.max_running=8")
+    assert (cfg.engine.prefill_order, cfg.engine.max_running) == ("short_first", 8)
+    assert cfg.policy == ClusterConfig().policy
+    for bad, msg in (("fast", "unknown mode 'fast'"), ("pdd+warp=9", "'warp' is neither a policy setting"),
+                     ("pdd+engine.warp=1", "'engine.warp' is neither"), ("pdd+link.wan_gbps=1", "'link.wan_gbps'"),
+                     ("pdd+engine.prefill_order=lifo", "prefill_order: Input should be"),
                      ("pdd+routing=random", "routing: Input should be"), ("pdd+allow_p_rld=maybe", "allow_p_rld")):
         with pytest.raises(ValueError, match=msg):
             parse_mode_label(bad)

@@ -544,16 +544,18 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
 
 
 def parse_mode_label(label: str) -> tuple[str, dict]:
-    """A mode label -> ``(mode, policy_overrides)``.
+    """A mode label -> ``(mode, overrides)``.
 
     ``"pdd"`` -> ``("pdd", {})``; ``"pdd+allow_p_rld"`` -> ``("pdd", {"allow_p_rld": True})``;
     ``"pdd+routing=round_robin+handoff_mode=auto"`` -> ``("pdd", {"routing": "round_robin",
-    "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields; values are
-    validated by it (``true``/``false`` for flags, numbers as text). A variant runs on its own fresh
-    topology beside the others, so ablations are compared side by side in one invocation; its
-    records and report entry carry the whole label. Raises ValueError naming the bad part.
+    "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields, or
+    ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``);
+    values are validated by them (``true``/``false`` for flags, numbers as text). A variant runs
+    on its own fresh topology beside the others, so ablations are compared side by side in one
+    invocation; its records and report entry carry the whole label. Raises ValueError naming the
+    bad part.
     """
-    from pdd.config import PolicyConfig
+    from pdd.config import EngineConfig, PolicyConfig
 
     base, *parts = [x.strip() for x in label.split("+")]
     if base not in MODES:
@@ -562,11 +564,16 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     for part in parts:
         key, eq, val = part.partition("=")
         key = key.strip()
-        if key not in PolicyConfig.model_fields:
-            raise ValueError(f"mode {label!r}: {key!r} is not a policy setting ({sorted(PolicyConfig.model_fields)})")
+        section, dot, field = key.partition(".")
+        known = EngineConfig.model_fields if dot and section == "engine" else (
+            {} if dot else PolicyConfig.model_fields)
+        if field not in known if dot else key not in known:
+            raise ValueError(f"mode {label!r}: {key!r} is neither a policy setting ({sorted(PolicyConfig.model_fields)}) "
+                             f"nor engine.<setting> ({sorted(EngineConfig.model_fields)})")
         over[key] = True if not eq else val.strip()
     try:
-        PolicyConfig.model_validate(over)
+        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k})
+        EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if "." in k})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
         raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
@@ -574,11 +581,17 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
 
 
 def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
-    """``config`` for one mode label (:func:`parse_mode_label`): its mode and policy overrides."""
+    """``config`` for one mode label (:func:`parse_mode_label`): its mode, policy and engine
+    overrides."""
     base, over = parse_mode_label(label)
     data = config.model_dump()
     data["mode"] = base
-    data["policy"].update(over)
+    for key, val in over.items():
+        section, dot, field = key.partition(".")
+        if dot:
+            data[section][field] = val
+        else:
+            data["policy"][key] = val
     return ClusterConfig.model_validate(data)
 
 
