@@ -4,6 +4,8 @@ here: max_input_len 400 < max_model_len 512 (the ``api`` fixture)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 OK = {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
@@ -476,3 +478,24 @@ def test_n_choices_past_rlds_pool_are_400_naming_n_in_pdd_mode(tiny_model, mode,
         else:
             assert r.status_code == 200 and len(r.json()["choices"]) == 8
         assert client.post("/v1/completions", json={**body, "n": 4}).status_code == 200  # 4 x 19 fits
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"prompt": 5}, "prompt", "prompt: must be a text, a list of token ids, a list of texts or a list of "
+                              "token-id lists, got int 5"),
+    ({"prompt": None}, "prompt", "prompt: must be a text, a list of token ids, a list of texts or a list of "
+                                 "token-id lists, got NoneType None"),
+    ({"prompt": "ab\ud800c"}, "prompt", "prompt: not valid Unicode text (a lone surrogate at character 2)"),
+    ({"prompt": "hi", "stop": ["ok", "\udc00"]}, "stop",
+     "stop string 1 is not valid Unicode text (a lone surrogate at character 0)"),
+])
+def test_a_prompt_or_stop_that_is_no_text_says_so(api, body, param, message):
+    """A prompt of another type named the union's first branch ('prompt.str: Input should be a
+    valid string'); a lone surrogate (JSON can escape one, UTF-8 cannot hold it) in a prompt
+    showed the tokenizer's internals ('TextInputSequence must be str') and one in a stop string
+    was accepted. Each is a 400 saying what is wrong, where."""
+    client, orch = api
+    r = client.post("/v1/completions", content=json.dumps({**OK, **body}), headers={"content-type": "application/json"})
+    err = _err(r, 400, param)
+    assert err["message"].endswith(message), err
+    assert not orch.started

@@ -43,7 +43,7 @@ from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, error_body, sampling_for,
-                                        truncated_prompt)
+                                        lone_surrogate, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, NoInstance, Orchestrator, RequestFailed, ReqState,
                                      checkpoint_config)
@@ -332,6 +332,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if len(text) > cfg.engine.max_input_len * MAX_CHARS_PER_TOKEN:
             raise ApiError(f"{param}: {len(text)} characters cannot fit the maximum input length of "
                            f"{cfg.engine.max_input_len} tokens", field, code="context_length_exceeded")
+        bad = lone_surrogate(text)
+        if bad is not None:
+            raise ApiError(f"{param}: not valid Unicode text (a lone surrogate at character {bad})", field)
         try:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except (TypeError, ValueError, UnicodeError) as e:

@@ -27,6 +27,16 @@ MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids entries per request
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (OpenAI: typically up to 300 tokens)
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions batch (each is admitted as a request of n choices)
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate (U+D800-U+DFFF, which JSON's ``\\ud800`` escapes can
+    carry but no UTF-8 text can) in ``text``, or None when it is valid Unicode text."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
 _MASK64 = (1 << 64) - 1
 
 
@@ -114,6 +124,8 @@ class _Sampling(BaseModel):
         for i, s in enumerate(stops):
             if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
+            if isinstance(s, str) and (bad := lone_surrogate(s)) is not None:
+                raise ValueError(f"stop string {i} is not valid Unicode text (a lone surrogate at character {bad})")
         return v
 
     @field_validator("stop_token_ids", mode="before")
@@ -169,6 +181,9 @@ class CompletionRequest(_Sampling):
         floats), texts, or token-id lists. The first item sets the kind; an item that breaks it
         is named (``prompt[1]: ...``, ``prompt[1][0]: ...``; ValueError, a 400 with param
         ``prompt``), instead of the union's first branch ("Input should be a valid string")."""
+        if not isinstance(v, (str, list)):
+            raise ValueError("prompt: must be a text, a list of token ids, a list of texts or a list of token-id "
+                             f"lists, got {type(v).__name__} {v!r}"[:200])
         if not isinstance(v, list) or not v:
             return v
         if isinstance(v[0], (str, list)):
