@@ -226,3 +226,9 @@ def test_an_empty_trace_is_named_as_such(capsys, tmp_path, no_run):
     t.write_text("\n")
     err = _refused(capsys, ["--trace", str(t), "--out", str(tmp_path / "b")], f"--trace: {t} holds no trace records")
     assert "kept none" not in err
+
+
+def test_a_trace_directory_is_named_as_such(capsys, tmp_path, no_run):
+    """``--trace DIR`` said 'no such file' though the path exists."""
+    _refused(capsys, ["--trace", str(tmp_path), "--out", str(tmp_path / "b")],
+             f"--trace: {tmp_path} is a directory, not a trace file")

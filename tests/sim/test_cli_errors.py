@@ -55,7 +55,7 @@ def test_sim_run_names_the_file_and_line_of_a_bad_trace(capsys, tmp_path):
     _refused(capsys, ["sim", "run", "--trace", str(t)], f"{t}, line 1", "not a JSON object")
     t.write_bytes(b"\x87\xff\x00binary")
     _refused(capsys, ["sim", "run", "--trace", str(t)], f"{t}: not UTF-8 text")
-    _refused(capsys, ["sim", "run", "--trace", str(tmp_path)], "--trace", "no such file")  # a directory
+    _refused(capsys, ["sim", "run", "--trace", str(tmp_path)], "--trace", "is a directory, not a file")
     # the stand-alone entry (python -m pdd.sim.cli) and pdd plan say the same
     _refused(capsys, ["sim", "run", "--trace", str(readme)], f"{readme}, line 1", entry=sim_main)
     _refused(capsys, ["plan", "--workload", "trace", "--trace", str(readme)], "pdd plan: error:",
@@ -224,3 +224,12 @@ def test_cap_input_drops_whole_trailing_blocks_as_bench_does():
     for cap in (1100, 200, 1300):
         s = Scale(block_tokens=512, max_input_tokens=cap)
         assert [r["input_length"] for r in cap_input(recs, cap)] == [s.input_tokens(1300, 3), s.input_tokens(300, 1)]
+
+
+def test_sim_run_refuses_an_empty_trace_and_a_directory(capsys, tmp_path):
+    """An empty trace printed 'simulated 0 requests' with exit 0 (pdd bench and pdd plan refuse
+    it); a directory was 'no such file'."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    _refused(capsys, ["sim", "run", "--trace", str(empty)], "--trace", f"{empty} holds no trace records")
+    _refused(capsys, ["sim", "run", "--trace", str(tmp_path)], "--trace", f"{tmp_path} is a directory, not a file")

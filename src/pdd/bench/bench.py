@@ -1229,6 +1229,8 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             parse_mode_label(m)
         except ValueError as ex:
             ap.error(f"--modes: {ex}")
+    if Path(args.trace).is_dir():
+        ap.error(f"--trace: {args.trace} is a directory, not a trace file")
     if not Path(args.trace).is_file():
         ap.error(f"--trace: no such file: {args.trace}")
     from pdd.bench.trace import load_trace

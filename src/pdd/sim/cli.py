@@ -110,6 +110,8 @@ def _chip_names():
 def _existing_file(text: str) -> str:
     from pathlib import Path
 
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
     return text
@@ -217,6 +219,8 @@ def _records(a, rate=None):
         recs = W.load_trace(path, limit=a.limit)
     except (OSError, ValueError) as e:  # unreadable, or a line that is not a trace record (file and line named)
         raise UsageError(f"--trace: {e}") from None
+    if not recs:  # as pdd bench and pdd plan refuse it: "simulated 0 requests" measures nothing
+        raise UsageError(f"--trace: {path} holds no trace records")
     if cap:
         recs = W.cap_input(recs, cap)
     if rate is not None:
