@@ -89,10 +89,12 @@ def cmd_launch(args) -> int:
 
     cfg = _config(args)
     lay = layout(cfg)
-    name = args.name or args.role
+    name = args.name  # main() gives the role's first instance by default (p0, rld0, ...)
     if name not in {s.name for s in lay.instances}:
         _usage(args, f"--name {name}: no instance of that name in the {cfg.mode} topology of the config; its "
                      f"instances: {', '.join(s.name for s in lay.instances)}")
+    if lay.get(name).role != args.role:
+        _usage(args, f"--name {name} is a {lay.get(name).role} instance, not {args.role} (--role)")
     if needs_material(cfg.security) and not cfg.security.cert_dir:
         _usage(args, CERT_DIR_UNSET)
     if lay.get(name).role != ROLE_LINK and not (Path(cfg.model_path) / "config.json").is_file():
@@ -223,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "topology described by --config; it prints READY <name> when it serves.")
     p.add_argument("--role", required=True,
                    choices=["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"])
-    p.add_argument("--name", help="instance name in the topology (default: derived from the role)")
+    p.add_argument("--name", help="instance name in the topology (default: the role's first, p0, rld0, md0, c0, "
+                   "gateway or link)")
     p.add_argument("--config", help="cluster config (YAML or JSON)")
     p.set_defaults(fn=cmd_launch, parser=p)
 

@@ -108,3 +108,10 @@ def test_make_model_and_certs_refuse_an_out_they_cannot_write(capsys, tmp_path, 
     (tmp_path / "FILE").write_text("x")
     out = out.replace("FILE", str(tmp_path / "FILE"))
     _refused(capsys, cmd + ["--out", out], message.replace("FILE", str(tmp_path / "FILE")))
+
+
+def test_launch_refuses_a_name_of_another_role(capsys, tmp_path, no_instance):
+    """``--role prefill --name md0`` ran md0 as whatever its spec said, whatever --role claimed."""
+    cfg = _config(tmp_path, mode="pdd", model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)})
+    _refused(capsys, ["launch", "--role", "prefill", "--name", "md0", "--config", cfg],
+             "--name md0 is a main_decode instance, not prefill (--role)")
