@@ -130,6 +130,10 @@ def measured_replay(
     return records, entry
 
 
+class NoRequests(ValueError):
+    """The demo's slice of the trace holds no request (``--start`` past its end)."""
+
+
 def run_demo(
     out_dir: str | Path = "runs/demo",
     modes: Sequence[str] = DEFAULT_MODES,
@@ -172,7 +176,7 @@ def run_demo(
         if scale.session_sample > 1:
             hint = (f"; --session-sample {scale.session_sample} keeps 1 in {scale.session_sample} conversations "
                     f"(give --session-sample 1 to replay every record)")
-        raise ValueError(f"--start {scale.start}: no requests in {trace} from there (--requests {scale.count}){hint}")
+        raise NoRequests(f"--start {scale.start}: no requests in {trace} from there (--requests {scale.count}){hint}")
     workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
     rate = f"{workload['rate_rps']:.2f} req/s" if workload["rate_rps"] else "all at once"
     console.print(
@@ -286,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = run_demo(args.out, tuple(modes), args.requests, scale, cfg, args.seed, start=args.start,
                           warmup=not args.no_warmup)
-    except ValueError as ex:  # the slice is empty (--start past the trace), named in the message
+    except NoRequests as ex:  # the slice is empty (--start past the trace), named in the message
         ap.error(str(ex))
     return bench_exit_status(report, modes, prog="pdd demo")  # 1 when a mode completed no request
 
