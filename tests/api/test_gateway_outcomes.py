@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from pdd.config import ClusterConfig
-from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_STOP, OUTCOMES, Orchestrator, ReqState,
-                                      TokenOut)
+from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, ABORT_STOP, OUTCOMES, Orchestrator,
+                                      ReqState, RequestFailed, TokenOut)
 from pdd.topology import layout
 from pdd.types import Pipeline, SamplingParams
 from tests.gateway.fake_peer import FakePeer
@@ -260,3 +260,35 @@ async def test_a_tier_refusing_a_starting_request_counts_it_rejected_not_failed(
                                                              "max_tokens": 4, "n": 4})
         assert r.status_code == 429, r.text
         assert orch.totals["failed"] == 0 and orch.totals["rejected"] == orch.totals["requests"] >= 2
+
+
+class SiblingRefusingOrch(ScriptedOrch):
+    """Choice 0 starts (scripted tokens); every other choice is refused by a tier while starting,
+    counted as the real ``start_request`` counts it."""
+
+    async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
+        if sibling_of is None:
+            return await super().start_request(prompt_ids, sp, rid)
+        st = ReqState(f"r{next(self._ids)}", len(prompt_ids), sp, trid="x", prompt_ids=list(prompt_ids))
+        self.totals["requests"] += 1
+        await self.abort(st, ABORT_REJECTED)
+        raise RequestFailed("request failed while starting") from RuntimeError("OutOfPages: out of KV pages: need 45, 38 free")
+
+
+async def test_the_started_choices_of_a_refused_request_are_rejected_too(tiny_model):
+    """n=3 where choices 1 and 2 are refused for now (429): choice 0, already started, is stopped
+    and counted rejected as well, not failed (a new user saw one "failed" per such 429)."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = SiblingRefusingOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
+    app = create_app(cfg, orch, tok)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/completions", json={**BODY, "stream": False, "n": 3})
+        assert r.status_code == 429, r.text
+        assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
+        assert orch.totals["requests"] == 3

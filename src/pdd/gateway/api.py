@@ -45,8 +45,8 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, error_body, sampling_for,
                                         lone_surrogate, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
-from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, NoInstance, Orchestrator, RequestFailed, ReqState,
-                                     checkpoint_config)
+from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
+                                     RequestFailed, ReqState, checkpoint_config)
 
 log = logging.getLogger(__name__)
 
@@ -513,9 +513,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             errs = [g for g in started if isinstance(g, BaseException)]
             if errs:
                 adm.release(ticket)
+                # a prompt a tier refused for now (429): the others started are rejected too, not failed
+                why = ABORT_REJECTED if isinstance(errs[0], Overloaded) else ABORT_FAILED
                 for g in started:
                     if not isinstance(g, BaseException):
-                        g.close(ABORT_FAILED)
+                        g.close(why)
                 raise errs[0]
             gen = Batch(started, body.n)
             hold_ticket(gen, ticket)

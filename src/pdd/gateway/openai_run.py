@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 from pdd.gateway.openai_schemas import TextOptions
 from pdd.gateway.openai_text import Detokenizer, StopMatcher
-from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED, ABORT_STOP, RequestFailed, ReqState, TokenOut
+from pdd.gateway.admission import refusal
+from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, ABORT_STOP, RequestFailed, ReqState,
+                                      TokenOut)
 from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,8 @@ class Generation:
     async def start(self) -> None:
         """Start every choice (choice 0 first, so the others hit P's prefix cache). Raises
         ``RequestFailed`` if a choice could not start; the choices started are then aborted
-        (counted failed; cancelled if the start itself was cancelled)."""
+        (counted failed, rejected when a tier refused the choice for now, cancelled if the start
+        itself was cancelled)."""
         try:
             first = await self.orch.start_request(self.prompt_ids, self.sps[0])
             self._add(first)
@@ -125,8 +128,10 @@ class Generation:
         except asyncio.CancelledError:
             self.close(ABORT_CLIENT)
             raise
-        except BaseException:
-            self.close(ABORT_FAILED)
+        except BaseException as e:
+            # a choice refused by a tier for now (the API answers 429): the others started are
+            # stopped as rejected too, not failed (pdd.gateway.admission.refusal)
+            self.close(ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
             raise
 
     def _add(self, st: ReqState) -> None:

@@ -976,7 +976,8 @@ class Orchestrator(Recovery):
         an unreachable engine is logged, not raised), and count its outcome unless already
         counted: ``reason`` :data:`ABORT_STOP` (a stop string ended it at the gateway) counts
         "completed", :data:`ABORT_CLIENT` (client disconnected) "cancelled", :data:`ABORT_FAILED`
-        "failed", :data:`ABORT_REJECTED` (a tier refused it while starting) "rejected". The first abort's reason is kept in ``st.abort_reason``. Raises ``ValueError``
+        "failed", :data:`ABORT_REJECTED` (a tier refused it while starting) "rejected". The first
+        abort's reason is kept in ``st.abort_reason``. Raises ``ValueError``
         for an unknown ``reason`` (before anything is changed)."""
         if reason not in ABORT_OUTCOMES:
             raise ValueError(f"unknown abort reason {reason!r}; expected one of {tuple(ABORT_OUTCOMES)}")
