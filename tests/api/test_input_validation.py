@@ -499,3 +499,21 @@ def test_a_prompt_or_stop_that_is_no_text_says_so(api, body, param, message):
     err = _err(r, 400, param)
     assert err["message"].endswith(message), err
     assert not orch.started
+
+
+def test_a_stop_of_another_type_and_a_lone_surrogate_in_a_message_say_where(api):
+    """``"stop": 5`` said 'stop.str: Input should be a valid string'; a lone surrogate in a chat
+    message was reported at its position in the rendered prompt ('messages: ... character 10')."""
+    client, orch = api
+    r = client.post("/v1/completions", json={**OK, "stop": 5})
+    assert _err(r, 400, "stop")["message"].endswith("must be a string or a list of strings, got int 5")
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "a\ud800"}],
+                       "max_tokens": 2})
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert _err(r, 400, "messages")["message"] == \
+        "messages[1].content: not valid Unicode text (a lone surrogate at character 1)"
+    body = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}], "max_tokens": 2})
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert _err(r, 400, "messages")["message"] == \
+        "messages[0].content[0].text: not valid Unicode text (a lone surrogate at character 0)"
+    assert not orch.started

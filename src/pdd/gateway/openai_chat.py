@@ -31,6 +31,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+
+from pdd.gateway.openai_schemas import lone_surrogate
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKENS_ATTRIBUTES = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
@@ -110,16 +112,23 @@ def _token_str(v) -> str | None:
 
 
 def flatten_content(content, where: str):
-    """OpenAI content (string, null, or list of parts) -> what the template sees."""
-    if content is None or isinstance(content, str):
+    """OpenAI content (string, null, or list of parts) -> what the template sees. Raises
+    ChatTemplateError naming ``where`` for a part of another kind or a lone surrogate (not valid
+    Unicode text: it would be found only in the rendered prompt, at a position the client never sent)."""
+    if isinstance(content, str):
+        bad = lone_surrogate(content)
+        if bad is not None:
+            raise ChatTemplateError(f"{where}: not valid Unicode text (a lone surrogate at character {bad})")
+        return content
+    if content is None:
         return content
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
             if isinstance(part, str):
-                texts.append(part)
+                texts.append(flatten_content(part, f"{where}[{i}]"))
             elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
+                texts.append(flatten_content(part["text"], f"{where}[{i}].text"))
             elif isinstance(part, dict) and part.get("type", "text") == "text":
                 raise ChatTemplateError(f"{where}[{i}].text: a text content part needs a string 'text'")
             else:

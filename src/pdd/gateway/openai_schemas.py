@@ -120,6 +120,8 @@ class _Sampling(BaseModel):
     def _bound_stop(cls, v):
         """``stop``: one string or a list of at most ``MAX_STOP`` (64) strings, each at most
         ``MAX_STOP_CHARS`` (1,024) characters. OpenAI allows 4 strings; vLLM sets no bound."""
+        if v is not None and not isinstance(v, (str, list)):
+            raise ValueError(f"must be a string or a list of strings, got {type(v).__name__} {v!r}"[:200])
         stops = [v] if isinstance(v, str) else _at_most(v, MAX_STOP, "stop strings") if isinstance(v, list) else []
         for i, s in enumerate(stops):
             if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
