@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 WAN_ORDERS = ("fifo", "srf")
-WAN_LANES = ("bulk", "express")
+WAN_LANES = ("bulk", "express")  # what wan_lane returns
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,18 @@ def send_buffer_bytes(line_gbps: float, rtt_ms: float, bdp_factor: float,
     One BDP is what TCP needs in flight to fill the line (a smaller buffer would cap the rate),
     so the sender commits about one round trip of data beyond the send-order policy. Raises
     ValueError for a negative factor, rate or RTT."""
-    if bdp_factor < 0 or line_gbps < 0 or rtt_ms < 0:
-        raise ValueError("bdp_factor, line_gbps and rtt_ms must be >= 0")
+    bdp = bdp_bytes(line_gbps, rtt_ms, bdp_factor)
     if bdp_factor == 0:
         return None
-    bdp = line_gbps * 1e9 / 8.0 * rtt_ms / 1000.0
     return max(int(floor_bytes), int(bdp_factor * bdp))
+
+
+def bdp_bytes(line_gbps: float, rtt_ms: float, bdp_factor: float = 1.0) -> float:
+    """One bandwidth-delay product of the line, bytes: ``line_gbps`` Gbit/s x ``rtt_ms``. Raises
+    ValueError for a negative ``bdp_factor`` (the caller's multiple of it), rate or RTT."""
+    if bdp_factor < 0 or line_gbps < 0 or rtt_ms < 0:
+        raise ValueError("bdp_factor, line_gbps and rtt_ms must be >= 0")
+    return line_gbps * 1e9 / 8.0 * rtt_ms / 1000.0
 
 
 def express_max_bytes(line_gbps: float, rtt_ms: float, bdp_factor: float) -> int:
@@ -79,9 +85,7 @@ def express_max_bytes(line_gbps: float, rtt_ms: float, bdp_factor: float) -> int
     products of the line (``line_gbps`` Gbit/s x ``rtt_ms``); 0 when ``bdp_factor`` is 0 (one
     lane). At the default line (0.05 Gbit/s, 20 ms) and factor 2: 250 kB, ~40 ms of the line.
     Raises ValueError for a negative factor, rate or RTT."""
-    if bdp_factor < 0 or line_gbps < 0 or rtt_ms < 0:
-        raise ValueError("bdp_factor, line_gbps and rtt_ms must be >= 0")
-    return int(bdp_factor * line_gbps * 1e9 / 8.0 * rtt_ms / 1000.0)
+    return int(bdp_factor * bdp_bytes(line_gbps, rtt_ms, bdp_factor))
 
 
 def wan_lane(transfer_bytes: int, max_express_bytes: int) -> str:

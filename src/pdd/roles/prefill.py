@@ -7,8 +7,8 @@ whole pages into its cache, replies ``{first_token, fin, p_cached_tokens, n_page
 streams pages ``[first_page, n_pages)`` to every target **at once** (the fast path to RLD, the WAN
 to MD), each stream ending with ``kv_done {first_token, fin}``. A WAN target is reached over two
 persistent connections, lanes: a transfer small enough takes the express one
-(``pdd.policy.wan_order.wan_lane``), so it does not queue behind a large transfer's bytes. When every stream has drained it
-releases its references and tells the gateway ``xfer_done {rid, bytes: {target: payload bytes}}``.
+(``pdd.policy.wan_order.wan_lane``), so it does not queue behind a large transfer's bytes. When
+every stream has drained it releases its references and tells the gateway ``xfer_done {rid, bytes: {target: payload bytes}}``.
 The partial last page is always sent: radix caches only hold whole pages.
 """
 
@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from pdd.engine.sequence import SeqStatus
-from pdd.policy.wan_order import express_max_bytes, send_buffer_bytes, wan_lane
+from pdd.policy.wan_order import WAN_LANES, express_max_bytes, send_buffer_bytes, wan_lane
 from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish, free_sequence
 from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
@@ -29,8 +29,8 @@ from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFERRED_SLOTS = {"rld", "md"}
-EXPRESS = "+express"  # key suffix of a WAN target's express-lane sender  # the targets the gateway may plan after P started (``target``)
+DEFERRED_SLOTS = {"rld", "md"}  # the targets the gateway may plan after P started (``target``)
+EXPRESS = "+express"  # key suffix of a WAN target's express-lane sender
 
 
 _log_failure = log_failure_of("caching a prompt's pages")
@@ -44,7 +44,9 @@ class PrefillInstance(EngineInstance):
         self.first_token_waiters: dict[str, asyncio.Future] = {}
         self.senders: dict[str, KVSender] = {}  # target name (bulk lane) or name + EXPRESS -> sender
         self._sender_locks: dict[str, asyncio.Lock] = {}
-        self.lane_transfers = {"bulk": 0, "express": 0}  # WAN transfers started, by lane
+        self.lane_transfers = dict.fromkeys(WAN_LANES, 0)  # WAN transfers started, by lane
+        lk = self.cfg.link
+        self.express_max_bytes = express_max_bytes(lk.wan_gbps, lk.wan_rtt_ms, self.cfg.policy.wan_express_lane_bdp)
         self._deferred: dict[str, dict[str, asyncio.Future]] = {}  # rid -> target name -> plan
         self.bytes_sent: dict[str, int] = {}  # target name -> KV payload bytes
         self.wan_bytes_sent = 0
@@ -132,7 +134,7 @@ class PrefillInstance(EngineInstance):
         async with lock:
             fresh = key not in self.senders
             s, _ = await self._sender_locked(key, name, host, port, wan)
-        if fresh and wan and self.cfg.policy.wan_express_lane_bdp > 0:
+        if fresh and wan and self.express_max_bytes > 0:
             other = name if key != name else name + EXPRESS
             if other not in self.senders and not self._sender_locks.setdefault(other, asyncio.Lock()).locked():
                 asyncio.get_running_loop().create_task(self._warm(name, "bulk" if other == name else "express"))
@@ -280,11 +282,7 @@ class PrefillInstance(EngineInstance):
                     unsent[name] = planned(first)
                     self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + 1
                     return
-                lane = "bulk"
-                if self.layout.address_from_a(name)[2]:
-                    lk = self.cfg.link
-                    lane = wan_lane(planned(first), express_max_bytes(
-                        lk.wan_gbps, lk.wan_rtt_ms, self.cfg.policy.wan_express_lane_bdp))
+                lane = wan_lane(planned(first), self.express_max_bytes)  # sender_for: bulk off the WAN
                 sender, wan = await self.sender_for(name, lane)
                 if ctx.rid in self._aborted:  # aborted before it started (on_abort cancelled none)
                     result[name] = 0
