@@ -36,6 +36,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pdd.sim.workloads import capped_prompt_tokens
+
 TRACE_BLOCK_TOKENS = 512  # tokens per hash block in Mooncake traces
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -107,8 +109,7 @@ class Scale:
         if n_blocks > 0:
             n = min(max(n, (n_blocks - 1) * bt + 1), n_blocks * bt)
         if self.max_input_tokens is not None and n > self.max_input_tokens:
-            keep_blocks = self.max_input_tokens // bt
-            n = keep_blocks * bt if keep_blocks > 0 else self.max_input_tokens
+            n = capped_prompt_tokens(self.max_input_tokens, bt)
         return n
 
     def output_tokens(self, output_length: int) -> int:

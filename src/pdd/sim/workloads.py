@@ -30,9 +30,9 @@ def _is_int(v) -> bool:
 def _bad_field(rec: dict) -> str | None:
     """Why a record's values are unusable (None when they are fine): ``timestamp`` a finite
     number of ms >= 0 (since the trace's start; their order is not checked), ``input_length``
-    an integer >= 1, ``output_length`` an integer >= 0, ``hash_ids`` a list of integers. Without this check a bad value failed later, in whatever
-    used it, with a message naming neither the file, the line nor the field (``pdd bench``:
-    "could not convert string to float: 'x'")."""
+    an integer >= 1, ``output_length`` an integer >= 0, ``hash_ids`` a list of integers. Without
+    this check a bad value failed later, in whatever used it, with a message naming neither the
+    file, the line nor the field (``pdd bench``: "could not convert string to float: 'x'")."""
     ts = rec["timestamp"]
     if not ((_is_int(ts) or isinstance(ts, float)) and math.isfinite(ts)):
         return f"'timestamp' must be a number of ms, got {ts!r}"
@@ -104,11 +104,19 @@ def cap_input(records: Iterable[dict], max_tokens: int, block: int = BLOCK) -> l
     out = []
     for r in records:
         if r["input_length"] > max_tokens:
-            keep = max_tokens // block
-            n = keep * block if keep else max_tokens
+            n = capped_prompt_tokens(max_tokens, block)
             r = dict(r, input_length=n, hash_ids=list(r["hash_ids"][: -(-n // block)]))
         out.append(r)
     return out
+
+
+def capped_prompt_tokens(max_tokens: int, block: int) -> int:
+    """Length (tokens) of a prompt longer than ``max_tokens`` once capped: its whole ``block``-token
+    blocks that fit (the trailing ones dropped), or ``max_tokens`` itself when not one block does.
+    The rule of ``pdd bench --max-input`` (:meth:`pdd.bench.trace.Scale.input_tokens`) and of
+    ``pdd sim run --max-input`` (:func:`cap_input`)."""
+    keep = max_tokens // block
+    return keep * block if keep else max_tokens
 
 
 def scale_rate(records: Sequence[dict], factor: float) -> list[dict]:
