@@ -31,9 +31,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdd.gateway.openai_schemas import lone_surrogate
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKENS_ATTRIBUTES = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

@@ -28,6 +28,8 @@ MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids entries per request
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (OpenAI: typically up to 300 tokens)
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions batch (each is admitted as a request of n choices)
 
+_MASK64 = (1 << 64) - 1
+
 
 def lone_surrogate(text: str) -> int | None:
     """Index of the first lone surrogate (U+D800-U+DFFF, which JSON's ``\\ud800`` escapes can
@@ -37,7 +39,6 @@ def lone_surrogate(text: str) -> int | None:
         return None
     except UnicodeEncodeError as e:
         return e.start
-_MASK64 = (1 << 64) - 1
 
 
 class ApiError(Exception):
