@@ -507,6 +507,8 @@ def test_a_stop_of_another_type_and_a_lone_surrogate_in_a_message_say_where(api)
     client, orch = api
     r = client.post("/v1/completions", json={**OK, "stop": 5})
     assert _err(r, 400, "stop")["message"].endswith("must be a string or a list of strings, got int 5")
+    r = client.post("/v1/completions", json={**OK, "stop": ["a", None]})
+    assert _err(r, 400, "stop")["message"] == "stop[1]: must be a string, got NoneType None"
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "a\ud800"}],
                        "max_tokens": 2})
     r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})

@@ -125,9 +125,11 @@ class _Sampling(BaseModel):
             raise ValueError(f"must be a string or a list of strings, got {type(v).__name__} {v!r}"[:200])
         stops = [v] if isinstance(v, str) else _at_most(v, MAX_STOP, "stop strings") if isinstance(v, list) else []
         for i, s in enumerate(stops):
-            if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+            if not isinstance(s, str):
+                raise ValueError(f"stop[{i}]: must be a string, got {type(s).__name__} {s!r}"[:200])
+            if len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
-            if isinstance(s, str) and (bad := lone_surrogate(s)) is not None:
+            if (bad := lone_surrogate(s)) is not None:
                 raise ValueError(f"stop string {i} is not valid Unicode text (a lone surrogate at character {bad})")
         return v
 
