@@ -98,6 +98,16 @@ class PolicyConfig(_Strict):
         True, description="the n choices of a prompt ship its KV across the WAN once: the others reserve on the "
         "first choice's MD after its KV arrived, when copies would cost the line more than a round trip "
         "(pdd.policy.siblings); false: every choice ships its own (ablation)")
+    md_predicted_send: bool = Field(
+        True, description="a request relayed before MD's reservation (pdd, zero TTFT budget) also starts MD's WAN "
+        "send before it: P sends the pages the gateway's prefix index says MD lacks at once, MD caps its match "
+        "there and any pages it lacks besides follow as a second transfer once its reply is in; false: MD's send "
+        "waits a WAN round trip for the reservation (ablation)")
+    early_handoff: bool = Field(
+        True, description="a relayed request's handoff starts once P has written MD's KV to the WAN and it is "
+        "predicted to land (at the live WAN rate) a one-way delay later, so RLD's ids cross beside the KV's last "
+        "bytes; MD's extend waits for the KV if they come first. false: the handoff waits for MD's kv_ready to "
+        "cross back (ablation)")
     md_route_peek: bool = Field(
         False, description="ablation: cache-aware routing asks each main-decode instance across the WAN what its "
         "cache holds (a round trip before the reservation) instead of the gateway's own record of what it routed "

@@ -57,3 +57,42 @@ def test_a_lost_md_forgets_its_prefixes():
     assert o.prefix_index[name].match(list(range(64))) == 64
     o._peer_closed(name, o.peers[name])
     assert o.prefix_index[name].match(list(range(64))) == 0
+
+
+def test_route_hit_is_what_the_index_held_before_this_request():
+    o = _orch()
+    session = list(range(100, 420))  # 20 pages of 16
+    name, held = asyncio.run(o._route_hit(ROLE_MAIN, session))
+    assert held == 0
+    again, held = asyncio.run(o._route_hit(ROLE_MAIN, session + [7] * 40))
+    assert (again, held) == (name, 320)
+    assert asyncio.run(o._route_hit(ROLE_PREFILL, session))[1] is None  # no index of a P
+
+
+def _ended(o, pipeline, md_name, prompt, emitted, **kw):
+    from pdd.gateway.state import ReqState
+    from pdd.types import Pipeline, SamplingParams
+
+    st = ReqState("r", len(prompt), SamplingParams(), trid="r", prompt_ids=prompt, pipeline=Pipeline(pipeline))
+    st.names[ROLE_MAIN] = md_name
+    st.emitted = list(emitted)
+    for k, v in kw.items():
+        setattr(st, k, v)
+    o._record_decoded(st)
+
+
+def test_an_md_that_decoded_a_request_is_indexed_with_its_output():
+    o = _orch()
+    md = o.layout.by_role(ROLE_MAIN)[0].name
+    prompt, out = list(range(100, 140)), list(range(9000, 9030))  # 40 + 30 tokens
+    nxt = prompt + out + [1] * 20
+    # MD decoded it to the end: prompt + all but the last output token (69 tokens: 4 whole pages)
+    _ended(o, "p_md", md, prompt, out)
+    assert o.prefix_index[md].match(nxt) == 64
+    # relayed and ended on RLD (no switch) or on a diverged MD: MD has no output to offer
+    o2 = _orch()
+    _ended(o2, "p_rld_md", md, prompt, out)
+    _ended(o2, "p_rld_md", md, prompt, out, switch_pos=5, md_diverged=True)
+    assert o2.prefix_index[md].match(nxt) == 0
+    _ended(o2, "p_rld_md", md, prompt, out, switch_pos=5)
+    assert o2.prefix_index[md].match(nxt) == 64

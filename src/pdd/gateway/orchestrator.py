@@ -210,7 +210,13 @@ class Orchestrator(Recovery):
         return name, self.peers[name]
 
     async def _route(self, role: str, prompt: list[int]) -> str:
-        """Choose an instance of ``role`` for a request (``policy.routing``).
+        """Choose an instance of ``role`` for a request: :meth:`_route_hit`'s name."""
+        return (await self._route_hit(role, prompt))[0]
+
+    async def _route_hit(self, role: str, prompt: list[int]) -> tuple[str, int | None]:
+        """Choose an instance of ``role`` for a request (``policy.routing``); return its name and,
+        for an instance the gateway keeps a :class:`PrefixIndex` of (an MD across the WAN), the
+        prompt tokens that index held before this request was recorded there (else None).
 
         cache_aware (P, MD): each live candidate reports how many of the prompt's tokens its radix
         cache holds (``peek``, no lock) and ``choose_instance`` takes the longest prefix within a
@@ -228,8 +234,7 @@ class Orchestrator(Recovery):
         if not live:
             raise NoInstance(f"no {role} instance is reachable")
         if len(live) == 1:
-            self._record_route(live[0].name, prompt)
-            return live[0].name
+            return live[0].name, self._record_route(live[0].name, prompt)
         policy = self.cfg.policy.routing
         hits = [0] * len(live)
         if policy == "cache_aware" and role != ROLE_RELAY:
@@ -248,14 +253,17 @@ class Orchestrator(Recovery):
         self._rr[role] = rr + 1
         name = live[choose_instance(cands, policy, rr, load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt),
                                     min_hit_frac=ROUTING_MIN_HIT_FRAC)].name
-        self._record_route(name, prompt)
-        return name
+        return name, self._record_route(name, prompt)
 
-    def _record_route(self, name: str, prompt: list[int]) -> None:
-        """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache."""
+    def _record_route(self, name: str, prompt: list[int]) -> int | None:
+        """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache.
+        Returns the prompt tokens the index held before (None: no index for ``name``)."""
         ix = self.prefix_index.get(name)
-        if ix is not None:
-            ix.insert(prompt)
+        if ix is None:
+            return None
+        held = ix.match(prompt)
+        ix.insert(prompt)
+        return held
 
     def _assign(self, st: ReqState, *roles: str) -> None:
         for role in roles or tuple(st.names):
@@ -320,7 +328,8 @@ class Orchestrator(Recovery):
             return None
         st.kv_ready = True
         st.events["md_kv_ready"] = time.perf_counter()
-        asyncio.get_running_loop().create_task(self._handoff(st))
+        if not st.handoff_started:
+            asyncio.get_running_loop().create_task(self._handoff(st))
         return None
 
     async def on_xfer_done(self, peer, h, payload):
@@ -340,6 +349,13 @@ class Orchestrator(Recovery):
             self._kv_source_lost(h["rid"])  # MD's KV stream failed after the request ended
         if st is not None:
             st.wan_bytes = wan
+            md_name = st.names.get(ROLE_MAIN)
+            if (st.trid == h["rid"] and md_name is not None and md_name in (h.get("bytes") or {})
+                    and not (h.get("errors") or {}).get(md_name) and not (h.get("unsent") or {}).get(md_name)):
+                st.kv_sent = True
+                if (self.cfg.policy.early_handoff and st.pipeline == Pipeline.P_RLD_MD and self._in_b(md_name)
+                        and not (st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started)):
+                    self._spawn(self._handoff_at_landing(st))
             for name, err in (h.get("errors") or {}).items():
                 # a KV stream failed (target dead or silent, stalled, refused at the handshake, a
                 # frame that failed its MAC closed the fast path): that leg is lost, recover now
@@ -384,6 +400,31 @@ class Orchestrator(Recovery):
                 log.warning("cut-off of %s failed: %s", st.rid, e)
 
     # ------------------------------------------------------------------ handoff
+    async def _handoff_at_landing(self, st: ReqState) -> None:
+        """Early handoff (``policy.early_handoff``): P wrote MD's KV to the WAN, so start the
+        handoff when that KV is predicted to land on MD less the WAN's one-way delay: RLD's ids
+        then cross while the KV's last bytes do, instead of a crossing after MD's kv_ready has
+        crossed back. Landing = when P began streaming + the transfer's bytes at the live WAN
+        rate (:meth:`_remaining_wan_s`). A prediction that is early makes MD's extend wait for
+        the KV (the client's switch gap grows by the error); a late one hands over at kv_ready."""
+        trid = st.trid
+
+        def moot() -> bool:
+            return st.trid != trid or st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started or st.lost
+
+        wait = self._remaining_wan_s(st)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        # RLD must be decoding (its first token out) before it can be asked for its ids: its
+        # fast-path KV was written beside MD's, but may still be on its way in
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while not moot() and st.next_pos <= st.base and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        if moot() or st.next_pos <= st.base:
+            return
+        self.totals["early_handoffs"] = self.totals.get("early_handoffs", 0) + 1
+        await self._handoff(st)
+
     async def _handoff(self, st: ReqState) -> None:
         """Extend-Decode handoff, one-shot or catch-up (RLD decides each round by its load).
 
@@ -393,6 +434,9 @@ class Orchestrator(Recovery):
         at the first position MD reaches, once MD's tokens match what was streamed. One-shot:
         RLD stops at once, MD continues at the next position.
         """
+        if st.handoff_started:
+            return
+        st.handoff_started = True
         trid = st.trid
         try:
             await self._handoff_rounds(st)
@@ -559,26 +603,46 @@ class Orchestrator(Recovery):
 
         trid, names = st.trid, st.names  # this attempt's (a recovery makes new ones)
         sib = self._sibling_md(st) if st.attempt == 0 else None
+        relay_sibling = sib is not None and sib[2] == Pipeline.P_RLD_MD
+        # a relayed plan made before MD's reservation may also start MD's WAN send before it: P
+        # sends the pages the gateway's prefix index says MD lacks at once, and only the pages
+        # MD turns out to lack besides (a fill) wait for the reservation's reply
+        predicted = (relay_possible and self.cfg.policy.md_predicted_send and self._always_relay() and not force_relay
+                     and sib is None and self.page_bytes is not None)
+        st.md_predicted_pages, st.md_predicted_bytes, st.md_fill_slot = None, 0, False  # this attempt's own
 
         async def route_and_reserve():
             msg = {"t": "reserve", "rid": trid, "prompt_ids": prompt, "sampling": sampling}
+            held = None
             if sib is not None:  # the first choice's MD, once the prompt's KV is there
                 md_name_ = sib[0]
                 msg["after"] = sib[1]
             else:  # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
-                md_name_ = await self._route(ROLE_MAIN, prompt)
+                md_name_, held = await self._route_hit(ROLE_MAIN, prompt)
             if st.trid != trid:
                 raise ConnectionError(f"attempt {trid} was given up")
             names[ROLE_MAIN] = md_name_
             self._assign(st, ROLE_MAIN)
-            rep_, _ = await self.peers[md_name_].call(msg, timeout=t)
+            if not (predicted and held is not None):
+                rep_, _ = await self.peers[md_name_].call(msg, timeout=t)
+                return md_name_, rep_
+            pred = held // self.cfg.engine.page_size
+            msg["first_page"] = pred
+            call = asyncio.ensure_future(self.peers[md_name_].call(msg, timeout=t))
+            try:
+                self._book_predicted(st, pred, p)
+                await p.send({"t": "target", "rid": trid, "slot": "md", "name": md_name_, "first_page": pred,
+                              "relay": True})
+            except BaseException:
+                _give_up(call)
+                raise
+            rep_, _ = await call
             return md_name_, rep_
 
         self._assign(st, ROLE_PREFILL, ROLE_RELAY)
         reserve = asyncio.ensure_future(route_and_reserve())
-        # a sibling of a relayed choice is relayed at once too: its MD reservation waits for the
-        # first choice's KV, and the relay's first token must not
-        relay_sibling = sib is not None and sib[2] == Pipeline.P_RLD_MD
+        # a sibling of a relayed choice is relayed at once too (relay_sibling): its MD reservation
+        # waits for the first choice's KV, and the relay's first token must not
         if relay_possible and (self._always_relay() or force_relay or relay_sibling):
             # the relay is planned whatever MD holds: P starts now and learns MD's part of the
             # plan (which MD, which pages) a WAN round trip later, so TTFT never waits on the WAN
@@ -590,13 +654,15 @@ class Orchestrator(Recovery):
                 st.pipeline = Pipeline.P_RLD_MD
             else:
                 st.pipeline = self._plan(st, len(prompt), 0)
+            st.md_fill_slot = predicted
             try:
                 await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
                 p_call = asyncio.ensure_future(p.call(
                     {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
                      "targets": [{"name": rld_name, "first_page": 0, "relay": False},
-                                 {"slot": "md", "deferred": True}]}, timeout=t))
+                                 {"slot": "md", "deferred": True}]
+                     + ([{"slot": "md_fill", "deferred": True}] if predicted else [])}, timeout=t))
                 md_leg = asyncio.ensure_future(self._md_leg(st, trid, reserve, p))
                 rep, _ = await p_call
                 if rep.get("fin") is not None:
@@ -744,16 +810,49 @@ class Orchestrator(Recovery):
             except Exception:
                 pass
             return
-        self._reserved(st, md_name, rep, p)
+        pred = st.md_predicted_pages
+        self._reserved(st, md_name, rep, p, booked=st.md_predicted_bytes if pred is not None else 0)
         if st.finished and not st.kv_ready:
             self._await_kv(st)
+        md_first = int(rep["md_cached_pages"])
+        msgs = [] if pred is not None else [{"t": "target", "rid": trid, "slot": "md", "name": md_name,
+                                             "first_page": md_first, "relay": True}]
+        if pred is not None and md_first < pred:  # MD lacks pages the prediction skipped: P fills them
+            self.totals["md_predicted_fills"] = self.totals.get("md_predicted_fills", 0) + 1
+            msgs.append({"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "first_page": md_first,
+                         "last_page": pred, "relay": True})
+        elif st.md_fill_slot:  # P holds an md_fill slot: nothing to fill
+            msgs.append({"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "skip": True})
         try:
-            await p.send({"t": "target", "rid": trid, "slot": "md", "name": md_name,
-                          "first_page": int(rep["md_cached_pages"]), "relay": True})
+            for msg in msgs:
+                await p.send(msg)
         except Exception as e:
             self._instance_lost(st, st.names.get(ROLE_PREFILL, ""), f"P unreachable: {e}")
 
-    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: rpc.Peer | None = None) -> None:
+    def _book_predicted(self, st: ReqState, pred_pages: int, p: rpc.Peer) -> None:
+        """A predicted MD send: P sends pages ``[pred_pages, n)`` before MD's reservation replies,
+        so their WAN bytes are planned now (the reply adds a fill's, :meth:`_reserved`)."""
+        nbytes = prompt_kv_bytes(st.prompt_len, pred_pages, self.cfg.engine.page_size, self.page_bytes,
+                                 self.cfg.policy.kv_whole_pages)
+        st.md_predicted_pages, st.md_predicted_bytes = pred_pages, nbytes
+        self.totals["md_predicted_sends"] = self.totals.get("md_predicted_sends", 0) + 1
+        self._book_wan(st, nbytes, p)
+
+    def _book_wan(self, st: ReqState, nbytes: int, p: rpc.Peer | None) -> None:
+        """Book ``nbytes`` more planned (and expected) WAN bytes for ``st``'s transfer from its P
+        (``p``: the connection the attempt started on, default the current one of its P); when
+        that P is already gone they go to ``wan_bytes_unreported`` instead (:meth:`_reserved`)."""
+        self.totals["wan_bytes_expected"] += nbytes
+        self.totals["wan_bytes_planned"] += nbytes
+        src = st.names.get(ROLE_PREFILL, "")
+        p = p if p is not None else self.peers.get(src)
+        if p is not None and (p.closed or self.peers.get(src) is not p):
+            self._write_off(nbytes)
+            return
+        self.planned_wan[st.trid] = self.planned_wan.get(st.trid, 0) + nbytes
+        self.planned_src[st.trid] = src
+
+    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: rpc.Peer | None = None, booked: int = 0) -> None:
         """Book MD's reservation reply: cached tokens, the WAN bytes planned. ``p``: the P
         connection the attempt started on (default: the current one of ``st``'s P). When that P
         is already gone (closed, or replaced by a restarted P's connection: its loss was booked
@@ -769,15 +868,8 @@ class Orchestrator(Recovery):
         if md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
             st.wan_bytes_expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
                                                     self.page_bytes, self.cfg.policy.kv_whole_pages)
-            self.totals["wan_bytes_expected"] += st.wan_bytes_expected
-            self.totals["wan_bytes_planned"] += st.wan_bytes_expected
-            src = st.names.get(ROLE_PREFILL, "")
-            p = p if p is not None else self.peers.get(src)
-            if p is not None and (p.closed or self.peers.get(src) is not p):
-                self._write_off(st.wan_bytes_expected)
-                return
-            self.planned_wan[st.trid] = st.wan_bytes_expected
-            self.planned_src[st.trid] = src
+            # ``booked``: a predicted send's bytes, planned when it started; the rest is its fill
+            self._book_wan(st, st.wan_bytes_expected - booked, p)
 
     def _write_off(self, nbytes: int) -> None:
         """Planned WAN bytes whose P died before reporting them: out of the expected balance,
@@ -925,8 +1017,22 @@ class Orchestrator(Recovery):
         finally:
             self.reqs.pop(st.trid, None)
             self._unassign(st)
+            if st.finished and st.error is None and not st.aborted:
+                self._record_decoded(st)
             if st.finished and st.error is None and st.pipeline == Pipeline.P_RLD_MD:
                 await self._settle_relayed(st)
+
+    def _record_decoded(self, st: ReqState) -> None:
+        """``st`` ended on an MD across the WAN that decoded it to its last token: that MD caches
+        the prompt and every output token whose KV it computed (all but the last), so the
+        gateway's index of it records them too; a next turn (this prompt + this output + more)
+        then matches them there (routing, and the predicted send's first page)."""
+        md_name = st.names.get(ROLE_MAIN)
+        ix = self.prefix_index.get(md_name) if md_name else None
+        on_md = st.pipeline == Pipeline.P_MD or (st.pipeline == Pipeline.P_RLD_MD and st.switch_pos is not None
+                                                 and not st.md_diverged and not st.md_lost)
+        if ix is not None and on_md and st.base == 0 and st.emitted:
+            ix.insert(list(st.prompt_ids) + list(st.emitted[:-1]))
 
     async def _settle_relayed(self, st: ReqState) -> None:
         """After a relayed request ended at the client: cut off a WAN transfer still running
@@ -1052,6 +1158,8 @@ class Orchestrator(Recovery):
             if not live or self.reqs or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(poll_s)
+        for ix in self.prefix_index.values():  # the instances' caches are empty now
+            ix.clear()
         unreachable = sorted(n for n, v in inst.items() if "pages_total" not in v)
         leaked = None if unreachable else sum(int(v["pages_total"]) - int(v["pages_free"])
                                               for n, v in inst.items() if n not in busy)

@@ -90,7 +90,7 @@ class Recovery:
         st.pending.clear()
         st.md_pending.clear()
         st.switch_pos = st.md_start = None
-        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = False
+        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.kv_sent = st.handoff_started = False
         st.handoff_mode, st.handoff_rounds, st.error = None, 0, None
         st.wan_bytes_expected = 0
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt
@@ -168,7 +168,7 @@ class Recovery:
         if role == ROLE_PREFILL:
             if not started:  # the decoder (RLD when relayed) has not got its KV yet
                 self._fail_lost(st, reason)
-            elif relayed and not st.kv_ready:
+            elif relayed and not st.kv_ready and not st.kv_sent:  # (sent: its bytes are on the line)
                 self._md_leg_lost(st, reason)
         elif role == ROLE_RELAY:
             if not relayed:

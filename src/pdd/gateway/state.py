@@ -92,6 +92,13 @@ class ReqState:
     md_start: int | None = None  # first position MD samples (after the final handoff round)
     md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
     md_diverged: bool = False
+    # a predicted MD send (policy.md_predicted_send): the pages P was told MD holds (it sends the
+    # rest at once) and the WAN bytes booked for them; None: MD's part waits for its reservation
+    md_predicted_pages: int | None = None
+    md_predicted_bytes: int = 0
+    kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
+    handoff_started: bool = False  # _handoff ran for this attempt (from kv_ready or the KV's predicted landing)
+    md_fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
     emitted: list = field(default_factory=list)  # token ids streamed so far
     extend_extra_step_ms: list = field(default_factory=list)
     last_token_s: float = 0.0

@@ -352,6 +352,13 @@ class EngineInstance:
         ctx = self.reqs.get(h["rid"])
         if ctx is None:
             return None  # aborted meanwhile: drop the frame
+        self.import_frame(ctx, h, payload)
+        return None
+
+    def import_frame(self, ctx: ReqCtx, h: dict, payload) -> None:
+        """Copy one ``kv`` frame's pages (header ``first_page``, ``n_pages``, ``layers``,
+        ``last_page_bytes``) into ``ctx``'s page table. Raises ValueError for a partial last page
+        that is not whole token slots."""
         first, n = int(h["first_page"]), int(h["n_pages"])
         pages = ctx.seq.page_table[first : first + n]
         layers = tuple(h["layers"]) if h.get("layers") is not None else None
@@ -369,7 +376,6 @@ class EngineInstance:
             ctx.extra["kv_bytes"] = 0
         else:
             ctx.extra["kv_bytes"] += len(payload)
-        return None
 
     def kv_rate_sample_gbps(self, ctx: ReqCtx, min_bytes: int = 256 * 1024) -> float | None:
         """Receive rate of this request's KV, Gbit/s: bytes of the frames after the first over the

@@ -4,17 +4,24 @@ Also serves as the decode instance of ``same_dc_pd`` (tier ``d``, in datacenter 
 ``generate``, as the single engine of ``colocated``.
 
 Messages:
-  ``reserve {rid, prompt_ids, sampling, relay, after}`` (call, gateway): with ``after`` (another
-  choice of the same prompt, pdd.policy.siblings), first wait until that request's KV has been
-  imported here (or it is gone); then match the prompt against the
+  ``reserve {rid, prompt_ids, sampling, relay, after, first_page}`` (call, gateway): with
+  ``after`` (another choice of the same prompt, pdd.policy.siblings), first wait until that
+  request's KV has been imported here (or it is gone); then match the prompt against the
   DRC, lock the matched pages, allocate the missing ones; reply ``{md_cached_tokens,
   md_cached_pages, n_pages, prompt_tokens, page_size, page_bytes}``. Only pages
   ``[md_cached_pages, n_pages)`` cross the WAN (the partial last page is never cached, so it
   always does, as its filled token slots only: ``pdd.transfer.kv.prompt_kv_bytes``).
+  With ``first_page`` (a predicted send, ``policy.md_predicted_send``: P is already sending
+  pages ``[first_page, n_pages)``) the match is capped at ``first_page`` pages; when the cache
+  holds fewer, pages ``[md_cached_pages, first_page)`` come as a second transfer (``md_fill``)
+  and the KV is complete after both ``kv_done``\ s. Frames that arrive before the reservation
+  are held (:class:`pdd.roles.early_frames.EarlyFrames`) and imported when it admits the request.
   ``kv`` / ``kv_done {first_token, fin}`` (from P): import; when complete either start decoding
   (no relay) or tell the gateway ``kv_ready`` and wait for the handoff.
   ``extend {rid, token_ids}`` (gateway, after RLD's handoff): the relay's output ids; MD appends
-  them and its next forward pass is one extend over all of them, then it decodes on.
+  them and its next forward pass is one extend over all of them, then it decodes on. An extend
+  that comes before the prompt's KV is complete (a handoff sent at the KV's predicted landing,
+  ``policy.early_handoff``) waits for it.
   ``finish {rid}`` (gateway): the relay finished the request first; keep the prompt's KV in the
   DRC (so MD's hit rate tracks P's) and free the rest.
   ``generate {rid, prompt_ids, sampling}`` (colocated only): prefill + decode here.
@@ -23,10 +30,15 @@ Messages:
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
+from pdd.roles.early_frames import EarlyFrames
 from pdd.topology import ROLE_COLOCATED
 from pdd.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class MainDecodeInstance(EngineInstance):
@@ -37,6 +49,7 @@ class MainDecodeInstance(EngineInstance):
         else:
             self.tier = "md" if spec.dc == "B" else "d"
         self._kv_waits: dict[str, asyncio.Event] = {}  # rid -> set once its KV is imported or it is gone
+        self.early = EarlyFrames()  # kv frames that came before their reservation (predicted send)
 
     def handlers(self) -> dict:
         return {**super().handlers(), "reserve": self.on_reserve, "kv": self.on_kv, "kv_done": self.on_kv_done,
@@ -44,7 +57,8 @@ class MainDecodeInstance(EngineInstance):
                 "kv_cancel": self.on_kv_cancel, "drop": self.on_kv_cancel}
 
     def extra_stats(self) -> dict:
-        return self.hit_stats()
+        return {**self.hit_stats(), "early_frames_held": self.early.held_frames,
+                "early_frames_dropped": self.early.dropped_frames}
 
     async def _admit(self, peer, h, min_uncached: int) -> ReqCtx:
         """A new request's sequence: its prompt matched against the radix cache (``min_uncached``
@@ -58,6 +72,9 @@ class MainDecodeInstance(EngineInstance):
                                                                     min_uncached=min_uncached), free_sequence)
         ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.reqs[rid] = ctx
+        if h.get("first_page") is not None:  # a predicted send: P sends [first_page, n) already
+            ctx.extra["kv_parts"] = 2 if seq.num_cached_tokens // self.engine.pool.page_size < int(h["first_page"]) else 1
+        self._replay_early(peer, ctx)
         self.counters["requests"] += 1
         self.record_hit(int(seq.num_cached_tokens), len(prompt))
         await self.admitted(ctx)
@@ -82,14 +99,42 @@ class MainDecodeInstance(EngineInstance):
             ev.set()
 
     async def release(self, ctx: ReqCtx, cache: bool) -> None:
+        self.early.ended(ctx.rid)
         await super().release(ctx, cache)
         self._kv_settled(ctx.rid)
+
+    async def on_abort(self, peer, h, payload):
+        self.early.ended(h["rid"])  # frames still on their way (a predicted send) are dropped, not held
+        return await super().on_abort(peer, h, payload)
+
+    def _replay_early(self, peer, ctx: ReqCtx) -> None:
+        """Import the frames held for ``ctx`` (they came before its reservation), at once and in
+        order, before any later frame can; a held ``kv_done`` runs after them."""
+        for kind, h, payload in self.early.take(ctx.rid):
+            if kind == "kv":
+                try:
+                    self.import_frame(ctx, h, payload)
+                except Exception:  # as a bad frame handled on arrival: logged, dropped
+                    log.exception("dropping a held kv frame of %s", ctx.rid)
+            else:
+                asyncio.get_running_loop().create_task(self.on_kv_done(peer, h, payload))
+
+    async def on_kv(self, peer, h, payload):
+        ctx = self.reqs.get(h["rid"])
+        if ctx is None:  # before its reservation (held), or ended here (dropped)
+            self.early.hold(h["rid"], "kv", h, payload, time.monotonic())
+            return None
+        self.import_frame(ctx, h, payload)
+        return None
 
     async def on_reserve(self, peer, h, payload):
         if h.get("after"):  # a sibling choice: reserve once the first choice's KV is in the DRC
             self.counters["sibling_waits"] = self.counters.get("sibling_waits", 0) + 1
             await self._kv_arrived(str(h["after"]), self.cfg.request_timeout_s)
-        ctx = await self._admit(peer, h, min_uncached=0)  # MD may hold every whole page
+        # MD may hold every whole page; a predicted send's pages [first_page, n) are on their way
+        first = h.get("first_page")
+        ctx = await self._admit(peer, h, min_uncached=0 if first is None else
+                                len(h["prompt_ids"]) - int(first) * self.engine.pool.page_size)
         rid, prompt = ctx.rid, ctx.seq.prompt_ids
         ps = self.engine.pool.page_size
         cached = int(ctx.seq.num_cached_tokens)
@@ -100,6 +145,11 @@ class MainDecodeInstance(EngineInstance):
     async def on_kv_done(self, peer, h, payload):
         ctx = self.reqs.get(h["rid"])
         if ctx is None:
+            self.early.hold(h["rid"], "kv_done", h, b"", time.monotonic())
+            return None
+        parts = int(ctx.extra.get("kv_parts", 1)) - 1  # a predicted send with a fill: two transfers
+        ctx.extra["kv_parts"] = parts
+        if parts > 0:
             return None
         t0, fin = int(h["first_token"]), h.get("fin")
         seq = ctx.seq
@@ -145,6 +195,18 @@ class MainDecodeInstance(EngineInstance):
             return {"t": "extend_ok", "found": False}
         ids = [int(t) for t in h["token_ids"]]
         final = bool(h.get("final", True))
+        if not ctx.extra.get("kv_complete"):
+            # a handoff sent at the KV's predicted landing (policy.early_handoff) may come first:
+            # the extend waits for the prompt's KV (then imported: the engine runs it after that)
+            await self._kv_arrived(ctx.rid, self.cfg.request_timeout_s)
+            ctx = self.reqs.get(h["rid"])
+            if ctx is None:
+                return {"t": "extend_ok", "found": False}
+            if not ctx.extra.get("kv_imported"):
+                error = f"{self.spec.name}: the prompt's KV did not arrive within {self.cfg.request_timeout_s:.0f} s"
+                ctx.sink.put({"t": "req_error", "rid": ctx.rid, "error": error})
+                await self.release(ctx, cache=False)
+                return {"t": "extend_ok", "found": False}
         seq = ctx.seq
 
         def _extend(e):
@@ -177,7 +239,9 @@ class MainDecodeInstance(EngineInstance):
         the gateway (which also covers a transfer P never started). Free what arrived, cache
         nothing; frames still in flight find no request and are dropped."""
         ctx = self.reqs.get(h["rid"])
-        if ctx is not None and not ctx.extra.get("kv_complete"):
+        if ctx is None:
+            self.early.ended(h["rid"])  # frames still on their way are dropped, not held
+        elif not ctx.extra.get("kv_complete"):
             self.counters["dropped"] = self.counters.get("dropped", 0) + 1
             await self.release(ctx, cache=False)
         return None

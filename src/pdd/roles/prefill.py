@@ -29,7 +29,9 @@ from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFERRED_SLOTS = {"rld", "md"}  # the targets the gateway may plan after P started (``target``)
+# the targets the gateway may plan after P started (``target``); ``md_fill``: the pages a predicted
+# MD send skipped that MD turned out to lack (``policy.md_predicted_send``)
+DEFERRED_SLOTS = {"rld", "md", "md_fill"}
 EXPRESS = "+express"  # key suffix of a WAN target's express-lane sender
 
 
@@ -80,17 +82,22 @@ class PrefillInstance(EngineInstance):
 
     async def on_target(self, peer, h, payload):
         """The plan of a target sent ``deferred`` in ``prefill`` (MD's cached pages arrive a WAN
-        round trip after P could start prefilling): ``{rid, name, first_page, relay}``, or
-        ``{rid, slot, cancelled: true}`` when that target cannot be reached (never sent)."""
+        round trip after P could start prefilling): ``{rid, name, first_page, relay}`` (pages
+        ``[first_page, last_page)`` with ``last_page``, default the prompt's last), ``{rid, slot,
+        cancelled: true}`` when that target cannot be reached (never sent), or ``{rid, slot, name,
+        skip: true}`` when the slot has nothing to send (a predicted MD send that MD's cache
+        confirmed: no ``md_fill``)."""
         if h["rid"] in self._aborted:
             return None  # aborted already: nothing will be sent
         fut = self._deferred_target(h["rid"], h.get("slot") or h["name"])
         if not fut.done():
-            if h.get("cancelled"):
-                fut.set_result({"name": h.get("name") or h.get("slot"), "cancelled": True})
+            if h.get("cancelled") or h.get("skip"):
+                fut.set_result({"name": h.get("name") or h.get("slot"),
+                                **({"skip": True} if h.get("skip") else {"cancelled": True})})
             else:
                 fut.set_result({"name": h["name"], "first_page": int(h["first_page"]),
-                                "relay": bool(h.get("relay"))})
+                                "relay": bool(h.get("relay")),
+                                **({"last_page": int(h["last_page"])} if h.get("last_page") is not None else {})})
         return None
 
     async def on_abort(self, peer, h, payload):
@@ -257,48 +264,61 @@ class PrefillInstance(EngineInstance):
         def reader(i: int, n: int):
             return pool.export_pages(table[i : i + n], last_slots=last_slots if i + n == n_pages else None)
 
-        def planned(first: int) -> int:
-            return prompt_kv_bytes(n_prompt, first, pool.page_size, pool.page_bytes, whole)
+        def planned(first: int, last: int = n_pages) -> int:
+            """Payload bytes of pages ``[first, last)`` of the prompt."""
+            return (prompt_kv_bytes(n_prompt, first, pool.page_size, pool.page_bytes, whole)
+                    - prompt_kv_bytes(n_prompt, last, pool.page_size, pool.page_bytes, whole))
+
+        def book(into: dict[str, int], name: str, nbytes: int) -> None:
+            # a target may get two transfers (md and md_fill): their bytes add up; -1 ("the whole
+            # planned transfer") is only ever booked alone, by a main slot cut before its plan
+            into[name] = nbytes if nbytes < 0 or into.get(name, 0) < 0 else into.get(name, 0) + nbytes
 
         async def one(t: dict) -> None:
             name = t.get("name", t.get("slot"))
             tr = first = None
+            last = n_pages
             wan = False
             try:
                 if t.get("deferred"):
                     plan = await asyncio.wait_for(self._deferred_target(ctx.rid, t["slot"]), self.cfg.request_timeout_s)
                     t = {**t, **plan}
                     name = t.get("name", name)
+                    if t.get("skip"):  # nothing to send on this slot (a confirmed prediction's fill)
+                        return
                     if t.get("cancelled"):  # cut off before it started: nothing of it was sent
-                        result[name] = 0
-                        unsent[name] = -1  # -1: the whole planned transfer (only the gateway knows its size)
+                        if t["slot"] != "md_fill":  # a fill cut before its plan was never planned
+                            book(result, name, 0)
+                            book(unsent, name, -1)  # -1: the whole planned transfer (only the gateway knows its size)
                         return
                 first = int(t["first_page"])
+                last = min(n_pages, int(t.get("last_page", n_pages)))
                 if fin is not None and t.get("relay"):
                     # a relayed request finished by its first token (EOS, a stop id, max_tokens 1):
                     # RLD emits it and MD never decodes, so its WAN stream never starts (the
                     # gateway cuts that leg too, but its cancel may come after MD's plan did)
-                    result[name] = 0
-                    unsent[name] = planned(first)
+                    book(result, name, 0)
+                    book(unsent, name, planned(first, last))
                     self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + 1
                     return
-                lane = wan_lane(planned(first), self.express_max_bytes)  # sender_for: bulk off the WAN
+                lane = wan_lane(planned(first, last), self.express_max_bytes)  # sender_for: bulk off the WAN
                 sender, wan = await self.sender_for(name, lane)
                 if ctx.rid in self._aborted:  # aborted before it started (on_abort cancelled none)
-                    result[name] = 0
-                    unsent[name] = planned(first)
+                    book(result, name, 0)
+                    book(unsent, name, planned(first, last))
                     return
-                tr = sender.submit(ctx.rid, first, reader, n_pages - first, pool.page_bytes,
-                                   last_page_bytes=None if last_slots is None else last_slots * pool.slot_bytes(),
+                tr = sender.submit(ctx.rid, first, reader, last - first, pool.page_bytes,
+                                   last_page_bytes=None if last_slots is None or last < n_pages
+                                   else last_slots * pool.slot_bytes(),
                                    layers=(0, self.engine.model_cfg.num_hidden_layers),
                                    done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
                                                 **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
                 if wan:
                     self.lane_transfers[lane] += 1
                 res = await tr
-                result[name] = res.bytes_sent
+                book(result, name, res.bytes_sent)
                 if res.cancelled:
-                    unsent[name] = tr.total_bytes - res.bytes_sent
+                    book(unsent, name, tr.total_bytes - res.bytes_sent)
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + tr.bytes_sent
                 if wan:
                     self.wan_bytes_sent += tr.bytes_sent
@@ -312,9 +332,9 @@ class PrefillInstance(EngineInstance):
                 # what crossed before the failure counts as sent, the rest as not sent, so the
                 # gateway's planned = sent + unsent holds for failed streams too
                 sent = tr.bytes_sent if tr is not None else 0
-                result[name] = sent
-                unsent[name] = (tr.total_bytes - sent if tr is not None
-                                else planned(first) if first is not None else -1)
+                book(result, name, sent)
+                book(unsent, name, tr.total_bytes - sent if tr is not None
+                     else planned(first, last) if first is not None else -1)
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + sent
                 if wan:
                     self.wan_bytes_sent += sent

@@ -1,0 +1,105 @@
+"""A relayed request's MD send starts before MD's reservation returns (``policy.md_predicted_send``).
+
+pdd with a zero TTFT budget relays every request, so its plan does not wait for MD. With the
+predicted send, P also starts MD's WAN transfer at once, from the page the gateway's prefix index
+says MD's cache ends at, instead of a WAN round trip later (200 ms here):
+
+- a request whose prefix MD holds: MD's kv_ready reaches the gateway before a send that waited
+  for the reservation's reply could even have landed (an ordering check with a margin of about
+  a round trip less P's prefill, not a timed bound), and exactly the pages
+  MD lacks cross the WAN. The prefix includes the previous turn's output (MD caches the tokens it
+  decoded; the gateway's index records them when the request ends on MD);
+- a request whose predicted prefix MD does not hold yet (another request's KV still on the line):
+  MD's reservation finds fewer pages, and they follow as a fill transfer.
+
+Both relayed handoffs start early (``policy.early_handoff``): once P has written MD's KV, at its
+predicted landing, not after MD's kv_ready crossed back; B's ids reach MD before its fill does, and
+MD's extend waits for it. Every output equals a single engine's greedy output, WAN bytes sent
+equal the bytes planned, and every page is free afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from pdd.faults import StreamClient
+from tests.e2e.conftest import greedy_oracle, make_cfg
+
+pytestmark = pytest.mark.slow
+
+SLOT = 2048  # small preset: 4 layers x (K, V) x 2 KV heads x 32 dims x fp32 bytes per token
+PAGE_TOKENS = 16
+RTT_MS = 200.0
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 4000) for _ in range(n)]
+
+
+def test_predicted_send_and_its_fill(small_model, topology_factory):
+    cfg = make_cfg(small_model, "pdd", engine={"device": "cpu", "page_size": PAGE_TOKENS},
+                   policy={"pipeline_ttft_budget_ms": 0.0, "handoff_mode": "one_shot", "cutoff": False},
+                   link={"wan_gbps": 0.05, "wan_rtt_ms": RTT_MS, "wan_jitter_ms": 0.0},
+                   limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
+    topo = topology_factory(cfg)
+
+    def run(prompt: list[int], max_tokens: int, start_only: bool = False) -> StreamClient:
+        c = StreamClient(topo.url, {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+                                    "temperature": 0, "ignore_eos": True}).start()
+        if not start_only:
+            assert c.wait(60) and c.error is None, c.error
+        return c
+
+    warm = _ids(1, 40)  # the gateway learns MD's page size from a first reservation
+    run(warm, 4)
+    assert topo.wait_idle(timeout_s=30)
+
+    # D: a fresh prompt, decoded long enough to be handed over to MD; E: D's next turn
+    d = _ids(2, 100)
+    cd = run(d, 600)
+    assert cd.summary["handoff_pos"] is not None, cd.summary  # MD decoded D's end (and cached it)
+    assert topo.wait_idle(timeout_s=30)
+    e = d + cd.tokens + _ids(3, 20)
+    ce = run(e, 300)
+    held = (len(d) + len(cd.tokens) - 1) // PAGE_TOKENS * PAGE_TOKENS  # MD caches all but the last token's KV
+    assert ce.summary["md_cached_tokens"] == held, ce.summary
+    assert ce.summary["wan_bytes_expected"] == ce.summary["wan_bytes"] == (len(e) - held) * SLOT, ce.summary
+    ev = ce.summary["events_ms"]
+    # a send started at the reservation's reply would cross (RTT / 2), and MD's kv_ready back
+    assert ev["md_kv_ready"] < ev["md_reserved"] + RTT_MS, ev
+    # early handoff: RLD's ids left at the KV's predicted landing, before MD's kv_ready came back
+    assert ev["handoff_call"] < ev["md_kv_ready"], ev
+    assert topo.wait_idle(timeout_s=30)
+    fills_before = topo.stats()["totals"].get("md_predicted_fills", 0)
+
+    # A (400 tokens: 800 kB, ~130 ms on the line) and B (A + 50) right behind it: B's predicted
+    # prefix is A's prompt, which MD does not hold when B's reservation lands
+    a = _ids(4, 400)
+    b = a + _ids(5, 50)
+    ca = run(a, 300, start_only=True)
+    deadline = time.monotonic() + 60
+    while not ca.tokens and ca.error is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert ca.tokens, ca.error
+    cb = run(b, 600)
+    assert ca.wait(60) and ca.error is None, ca.error
+    assert topo.wait_idle(timeout_s=30)
+    st = topo.stats()
+    assert st["totals"]["md_predicted_fills"] == fills_before + 1, st["totals"]
+    assert cb.summary["md_cached_tokens"] < 400 // PAGE_TOKENS * PAGE_TOKENS, cb.summary
+    # B's handoff left once its fill was written, before the fill landed: MD's extend waited for it
+    assert cb.summary["handoff_pos"] is not None, cb.summary
+    assert st["totals"]["early_handoffs"] >= 3, st["totals"]
+
+    outs, _ = greedy_oracle(small_model, [d, b], 600)
+    assert [cd.tokens, cb.tokens] == outs
+    outs, _ = greedy_oracle(small_model, [e, a], 300)
+    assert [ce.tokens, ca.tokens] == outs
+    assert st["totals"]["md_predicted_sends"] >= 4, st["totals"]
+    assert st["wan_bytes"] == st["wan_bytes_expected"], st
+    fl = topo.flush()
+    assert fl["leaked_pages"] == 0, fl
