@@ -42,3 +42,15 @@ def test_auto_hysteresis():
 def test_bad_mode():
     with pytest.raises(ValueError):
         decide_handoff(HandoffInputs(tokens_pending=1, mode_config="sometimes"))
+
+
+def test_early_handoff_waits_for_the_kv_s_last_byte_to_leave():
+    from pdd.policy.handoff import early_handoff_delay_s
+
+    # 625,000 bytes at 0.05 Gbit/s (6.25 MB/s) take 0.1 s; 0.03 s of it already elapsed
+    assert early_handoff_delay_s(625_000, 0.05, 0.03) == pytest.approx(0.07)
+    assert early_handoff_delay_s(625_000, 0.05, 0.5) == 0.0
+    assert early_handoff_delay_s(0, 0.05, 0.0) == 0.0
+    for bad in ((1, 0.0, 0.0), (-1, 0.05, 0.0)):
+        with pytest.raises(ValueError):
+            early_handoff_delay_s(*bad)

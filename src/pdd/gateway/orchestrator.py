@@ -40,6 +40,7 @@ from dataclasses import asdict
 
 from pdd.config import ClusterConfig
 from pdd.policy.cutoff import should_cut_off
+from pdd.policy.handoff import early_handoff_delay_s
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline, relays_every_request
 from pdd.policy.routing import InstanceLoad, choose_instance
 from pdd.policy.siblings import sibling_waits_for_kv
@@ -380,11 +381,9 @@ class Orchestrator(Recovery):
     def _remaining_wan_s(self, st: ReqState) -> float:
         """Expected seconds to finish ``st``'s WAN transfer: its planned bytes at the live (else
         configured) rate, less the time since P started streaming it."""
-        gbps = self.wan_gbps_live or self.cfg.link.wan_gbps
-        total = st.wan_bytes_expected * 8 / (gbps * 1e9)
         started = st.events.get("prefilled")
         elapsed = time.perf_counter() - started if started is not None else 0.0
-        return max(0.0, total - elapsed)
+        return early_handoff_delay_s(st.wan_bytes_expected, self.wan_gbps_live or self.cfg.link.wan_gbps, elapsed)
 
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN

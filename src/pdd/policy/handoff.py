@@ -97,3 +97,19 @@ def decide_handoff(inp: HandoffInputs) -> HandoffDecision:
         return HandoffDecision("one_shot", n, True)
     final = n <= inp.threshold or inp.round_index >= inp.max_rounds
     return HandoffDecision("catch_up", n, final)
+
+
+def early_handoff_delay_s(wan_bytes: int, wan_gbps: float, elapsed_s: float) -> float:
+    """Seconds from now until an early handoff (``policy.early_handoff``) should start: when the
+    last byte of MD's KV (``wan_bytes`` bytes, streaming since ``elapsed_s`` seconds ago) is
+    expected to have left at ``wan_gbps`` Gbit/s, i.e. ``max(0, wan_bytes x 8 / (wan_gbps x 1e9)
+    - elapsed_s)``. The handoff's ids then cross the WAN beside that byte and reach MD as the KV
+    lands (both take the one-way delay), instead of a crossing after MD's ``kv_ready`` came back:
+    RLD stops about a WAN round trip earlier, and the client's switch gap is unchanged when the
+    estimate holds (an early estimate makes MD's extend wait for the KV; a late one only hands
+    over later). Also the remaining-transfer estimate of the anomaly cut-off
+    (:func:`pdd.policy.cutoff.should_cut_off`). Raises ValueError for a non-positive rate or
+    negative bytes."""
+    if wan_gbps <= 0 or wan_bytes < 0:
+        raise ValueError(f"need wan_gbps > 0 and wan_bytes >= 0, got {wan_gbps}, {wan_bytes}")
+    return max(0.0, wan_bytes * 8 / (wan_gbps * 1e9) - max(0.0, elapsed_s))
