@@ -415,11 +415,14 @@ class Orchestrator(Recovery):
         if wait > 0:
             await asyncio.sleep(wait)
         # RLD must be decoding (its first token out) before it can be asked for its ids: its
-        # fast-path KV was written beside MD's, but may still be on its way in
+        # fast-path KV was written beside MD's, but may still be on its way in. And MD must have
+        # admitted the request (its reservation reply is in): a refused reservation loses MD's leg
+        # and RLD, not yet stopped, finishes the request instead of handing it to nobody
         deadline = time.monotonic() + self.cfg.request_timeout_s
-        while not moot() and st.next_pos <= st.base and time.monotonic() < deadline:
+        while (not moot() and (st.next_pos <= st.base or "md_reserved" not in st.events)
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.001)
-        if moot() or st.next_pos <= st.base:
+        if moot() or st.next_pos <= st.base or "md_reserved" not in st.events:
             return
         self.totals["early_handoffs"] = self.totals.get("early_handoffs", 0) + 1
         await self._handoff(st)
