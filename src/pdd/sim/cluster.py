@@ -25,7 +25,8 @@ Model (units in names; all times in simulated seconds):
   path is one line per sending P instance (its NICs).
 - Request life follows docs/ARCHITECTURE.md: the gateway (in A) routes and asks MD to reserve
   (an RTT) while P prefills and samples the first token; the pipeline is chosen when MD's reply
-  is back (at once with a zero TTFT budget) and P's sends wait for it; KV goes to RLD (fast)
+  is back (at once with a zero TTFT budget) and P's sends wait for it (a request relayed at once
+  sends MD's part when its prefill is done, ``md_predicted_send``); KV goes to RLD (fast)
   and/or MD (WAN, only the blocks MD lacks); the first token reaches the client when the KV has
   reached a decoder; RLD hands over token ids; MD extends and decodes; tokens from MD reach the
   gateway half an RTT later.
@@ -97,6 +98,10 @@ class SimConfig:
     catchup_threshold: int = 64
     allow_p_rld: bool = False
     allow_p_rld_after_s: float = 0.0  # the ablation applies to arrivals from this time on
+    # MD's WAN send of a request relayed at once (pdd, zero TTFT budget) starts when P's prefill
+    # is done, from the gateway's predicted MD prefix, instead of after MD's reservation round
+    # trip (the runtime's policy.md_predicted_send)
+    md_predicted_send: bool = True
     cutoff: bool = True
     cutoff_min_remaining_s: float = 0.5  # config.PolicyConfig default: shorter remainders finish
     wan_estimate: str = "live"  # live: median of MD's recent receive rates (the gateway's); config: wan_gbps
@@ -280,7 +285,7 @@ class Req:
         "prefill_done", "md_reserved", "md_kv_complete", "rld_finished", "finished", "cut_off",
         "wan_flow", "fast_flow", "wan_bytes", "md_missing", "p_pending_flows", "p_locked",
         "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
-        "t_md_kv", "handoff_mode", "handoff_deferred",
+        "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -312,6 +317,8 @@ class Req:
         self.t_prefill_done = self.t_md_kv = None
         self.handoff_mode = ""
         self.handoff_deferred = False
+        self.md_predicted = False  # MD's send started from the gateway's prediction (md_predicted_send)
+        self.wan_landed = False  # MD's KV crossed the WAN (imported once MD has admitted the request)
 
 
 class Seq:
@@ -700,6 +707,8 @@ class ClusterSim:
         self.handoffs: dict[str, int] = {}
         self.cutoffs = 0
         self.wan_saved_bytes = 0.0
+        self.md_predicted_sends = 0  # relayed requests whose MD send started from the prediction
+        self.md_predicted_short = 0  # ... whose MD matched less by the time the reservation reached it
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
         self.wan_estimate = WanEstimate()  # MD's receive rates, as the gateway holds them
@@ -829,6 +838,8 @@ class ClusterSim:
         req.md = md
         if self._always_relay(req):
             self._decide(req)
+            if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
+                self._predict_md(req)
         self._start_prefill(p, req)
         self.after(self.owd, self._md_reserve, req)
 
@@ -839,13 +850,43 @@ class ClusterSim:
         return pol_pipeline.relays_every_request(cfg.mode, cfg.ttft_budget_ms,
                                                  cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s)
 
-    def _md_reserve(self, req: Req) -> None:
-        """At MD: match DRC, answer the gateway; the lock + allocation are queued at MD."""
+    def _md_match(self, req: Req) -> int:
+        """Tokens of ``req``'s prompt MD's cache holds now (whole blocks, at least one token left)."""
         md = req.md
-        cached = 0
-        if md.cache is not None:
-            k = md.cache.match(req.blocks[: req.n_full])
-            cached = min(k, (req.prompt - 1) // self.block) * self.block
+        if md.cache is None:
+            return 0
+        k = md.cache.match(req.blocks[: req.n_full])
+        return min(k, (req.prompt - 1) // self.block) * self.block
+
+    def _predict_md(self, req: Req) -> None:
+        """Predicted MD send (``policy.md_predicted_send``, ``orchestrator.route_and_reserve``): a
+        request relayed at once sends MD the pages the gateway's prefix index says MD lacks as
+        soon as P's prefill is done, without waiting for MD's reservation round trip.
+
+        Here the prediction is exact and made at arrival (when the runtime routes and predicts):
+        ``md_hit`` = MD's cache match at arrival, which is what the gateway's index of that MD
+        holds in the simulator. MD caps its reservation's match at the predicted page, so a
+        longer match one one-way delay later changes nothing. Not modelled: the runtime's fill
+        (``md_fill``, pages MD turned out to lack, sent after the reservation's reply) when MD's
+        match is shorter by then (blocks evicted in that one-way delay; the simulator does not
+        model evictions between a match and its lock elsewhere either): such reservations are
+        counted in ``md_predicted_short``. Also not modelled: the runtime's index counting KV
+        still on the line (a prediction longer than MD's cache, then a fill)."""
+        req.md_predicted = True
+        req.md_hit = self._md_match(req)
+        req.md_missing = req.prompt - req.md_hit
+        self.md_predicted_sends += 1
+
+    def _md_reserve(self, req: Req) -> None:
+        """At MD: match DRC, answer the gateway; the lock + allocation are queued at MD (at the
+        reply's arrival at the gateway, when the send waits for it; at once with a predicted
+        send, whose KV MD holds until it has admitted the request, as ``roles.early_frames``)."""
+        cached = self._md_match(req)
+        if req.md_predicted:
+            if cached < req.md_hit:
+                self.md_predicted_short += 1
+            self._md_enqueue(req)
+            return
         req.md_hit = cached
         self.after(self.owd, self._plan, req)
 
@@ -899,6 +940,9 @@ class ClusterSim:
             req.md_reserved = True
             if req.cut_off:
                 self._md_release(req, cache=False)
+                return
+            if req.wan_landed:  # a predicted send's KV arrived first: MD imports the held frames
+                self._kv_imported(req)
                 return
             self._maybe_send_wan(req)
 
@@ -1025,7 +1069,10 @@ class ClusterSim:
             self._p_release(req)
 
     def _maybe_send_wan(self, req: Req) -> None:
-        if not (req.prefill_done and req.md_reserved) or req.wan_flow is not None or req.cut_off:
+        """Start MD's WAN send once P's prefill is done and MD has reserved (or at once with a
+        predicted send)."""
+        if (not (req.prefill_done and (req.md_reserved or req.md_predicted)) or req.wan_flow is not None
+                or req.cut_off):
             return
         nbytes = req.md_missing * self.model.kv_bytes_per_token
         req.wan_bytes = nbytes
@@ -1072,6 +1119,13 @@ class ClusterSim:
         """The WAN transfer of the missing KV completed (propagation included)."""
         self._flow_drained(req)
         self._wan_sample(req.wan_flow)
+        req.wan_landed = True
+        if req.md_seq is None:  # predicted send ahead of MD's admission: imported when admitted
+            return
+        self._kv_imported(req)
+
+    def _kv_imported(self, req: Req) -> None:
+        """MD holds all of the request's KV in its pool (MD's ``kv_ready``)."""
         req.md_kv_complete = True
         req.t_md_kv = self.env.now
         md = req.md
