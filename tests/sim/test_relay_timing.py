@@ -29,8 +29,8 @@ def run(cfg, recs=ONE):
 def test_predicted_send_starts_md_s_kv_when_prefill_is_done():
     owd = 0.2
     xfer = 4096 * KVB * 8 / 10e9
-    old = run(RELAY.replace(md_predicted_send=False))
-    new = run(RELAY.replace(md_predicted_send=True))
+    old = run(RELAY.replace(md_predicted_send=False, early_handoff=False))
+    new = run(RELAY.replace(md_predicted_send=True, early_handoff=False))
     ro, rn = old.reqs[0], new.reqs[0]
     assert ro.pipeline == rn.pipeline == Pipeline.P_RLD_MD
     assert ro.t_prefill_done == rn.t_prefill_done < 2 * owd
@@ -53,8 +53,8 @@ def test_predicted_send_sends_only_what_md_lacks():
     missing blocks, the same bytes as after the reservation."""
     second = {"timestamp": 5000, "input_length": 6000, "output_length": 20, "hash_ids": list(range(12))}
     recs = ONE + [second]
-    old = run(RELAY.replace(md_predicted_send=False), recs)
-    new = run(RELAY.replace(md_predicted_send=True), recs)
+    old = run(RELAY.replace(md_predicted_send=False, early_handoff=False), recs)
+    new = run(RELAY.replace(md_predicted_send=True, early_handoff=False), recs)
     ro, rn = old.reqs[1], new.reqs[1]
     assert rn.md_hit == ro.md_hit == 4096 and rn.md_predicted and not ro.md_predicted
     assert rn.wan_bytes == ro.wan_bytes == (6000 - 4096) * KVB
@@ -67,14 +67,154 @@ def test_predicted_send_only_for_requests_relayed_at_once():
     assert sim.reqs[0].wan_flow is None or sim.reqs[0].wan_flow.t_start >= 0.4
 
 
-def test_predicted_send_under_md_pressure_keeps_every_invariant():
-    """MD short of KV room and decode slots: predicted sends land before MD admits their
-    requests (MD holds the frames), cut-offs and finished-early requests included."""
+@pytest.mark.parametrize("early", [False, True])
+def test_relay_timing_under_md_pressure_keeps_every_invariant(early):
+    """One MD decode slot: predicted sends land before MD admits their requests (MD holds the
+    frames, then imports them), with cut-offs and requests finished on RLD meanwhile; with the
+    early handoff, RLD's ids also reach MD before its KV and the extend waits for it."""
     recs = generate_agentic(300, seed=4, rate=2.0)
     cfg = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=1, wan_gbps=50.0, ttft_budget_ms=0.0, warmup_frac=0.0,
-                    md_cache_frac=0.05, max_running_md=1)
+                    md_cache_frac=0.05, max_running_md=1, early_handoff=early)
     sim = run(cfg, recs)
     assert sim.md_predicted_sends == len(recs) and sim.cutoffs > 0
-    early = [r for r in sim.reqs if r.wan_flow is not None and r.t_md_kv is not None
-             and r.wan_flow.t_end + sim.owd < r.t_md_kv - 1e-9]
-    assert early, "no KV landed before MD admitted its request: the case is not exercised"
+    held = [r for r in sim.reqs if r.wan_flow is not None and r.t_md_kv is not None
+            and r.wan_flow.t_end + sim.owd < r.t_md_kv - 1e-9]
+    assert held, "no KV landed before MD admitted its request: the case is not exercised"
+    ids_first = [r for r in sim.reqs if r.t_handoff_start is not None and r.t_md_kv is not None
+                 and r.t_handoff_start + sim.owd < r.t_md_kv - 1e-9]
+    assert bool(ids_first) == early and (sim.early_handoffs > 0) == early
+    for r in ids_first:  # handed over (unless RLD finished first): MD decoded the rest after its KV
+        if r.handed:
+            assert r.md_tokens == r.out_len - r.handed and r.t_done > r.t_md_kv
+        else:
+            assert r.rld_finished and r.md_tokens == 0
+
+
+def test_early_handoff_asks_rld_when_the_kv_has_left_p():
+    """Without the predicted send (the two effects apart): the handoff starts when the WAN
+    flow's last byte left P, a round trip before MD's kv_ready would be back at the gateway, so
+    RLD stops a round trip earlier and decodes fewer tokens; MD's extend still starts when the
+    KV lands, so the client's switch gap is the same (within RLD's step in flight)."""
+    owd = 0.2
+    old = run(RELAY.replace(md_predicted_send=False, early_handoff=False))
+    new = run(RELAY.replace(md_predicted_send=False, early_handoff=True))
+    ro, rn = old.reqs[0], new.reqs[0]
+    assert (old.early_handoffs, new.early_handoffs) == (0, 1)
+    assert rn.t_md_kv == ro.t_md_kv  # the KV's transfer is unchanged
+    assert ro.t_handoff_start == pytest.approx(ro.t_md_kv + owd)  # MD's kv_ready crossed back
+    assert rn.t_handoff_start == rn.wan_flow.t_end  # the KV's last byte left P
+    assert rn.t_handoff_start == pytest.approx(rn.t_md_kv - owd)
+    assert ro.t_handoff_start - rn.t_handoff_start == pytest.approx(2 * owd)
+    rld = new.tiers["RLD"][0]
+    step = rld.busy_s / rld.steps  # RLD's decode step: it hands over after the step in flight
+    for r in (ro, rn):
+        assert r.t_handoff_start <= r.t_handoff < r.t_handoff_start + step + 1e-9
+    assert rn.rld_tokens < ro.rld_tokens and rn.rld_tokens + rn.md_tokens == ro.rld_tokens + ro.md_tokens
+    assert ro.rld_tokens - rn.rld_tokens == pytest.approx(2 * owd / step, abs=1.5)
+    assert rn.max_gap == pytest.approx(ro.max_gap, abs=step)
+    assert rn.t_done < ro.t_done  # MD decodes the rest from a round trip earlier
+    assert new.tiers["MD"][0].private == 0
+
+
+def test_both_flags_together_on_one_relayed_request():
+    """Both on (the runtime's defaults): the send starts at prefill end and the handoff when it
+    has left, so RLD is asked at t_prefill_done + transfer time instead of 2 RTT + transfer
+    time after arrival (the reservation's round trip, then kv_ready's crossing back)."""
+    owd = 0.2
+    xfer = 4096 * KVB * 8 / 10e9
+    old = run(RELAY.replace(md_predicted_send=False, early_handoff=False))
+    new = run(RELAY)
+    assert RELAY.md_predicted_send and RELAY.early_handoff  # the defaults
+    ro, rn = old.reqs[0], new.reqs[0]
+    assert ro.t_handoff_start == pytest.approx(2 * owd + xfer + 2 * owd)
+    assert rn.t_handoff_start == pytest.approx(rn.t_prefill_done + xfer)
+    assert rn.rld_tokens < ro.rld_tokens
+
+
+def test_early_handoff_waits_for_the_estimated_last_byte(monkeypatch):
+    """The wait is the runtime's pure rule (policy.handoff.early_handoff_delay_s, looked up at
+    call time) on the planned bytes at the gateway's WAN estimate, counted from P's prefill
+    end: an estimate at half the line's rate waits the rest of the estimated transfer."""
+    import pdd.policy.handoff as pol_handoff
+
+    seen = []
+    real = pol_handoff.early_handoff_delay_s
+
+    def spy(*a):
+        seen.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(pol_handoff, "early_handoff_delay_s", spy)
+    sim = ClusterSim(RELAY)
+    sim.wan_gbps_estimate = lambda: 8.0  # the gateway believes the 10 Gbit/s line runs at 8
+    sim.run(ONE)
+    r = sim.reqs[0]
+    assert (4096 * KVB, 8.0) in [a[:2] for a in seen]
+    assert r.t_handoff_start == pytest.approx(r.t_prefill_done + 4096 * KVB * 8 / 8e9)
+    assert r.wan_flow.t_end < r.t_handoff_start < r.t_md_kv + 0.2 and sim.early_handoffs == 1
+    # at 5 the estimated last byte leaves after MD's kv_ready is back: that starts the handoff
+    slow = ClusterSim(RELAY)
+    slow.wan_gbps_estimate = lambda: 5.0
+    slow.run(ONE)
+    r = slow.reqs[0]
+    assert r.t_prefill_done + 4096 * KVB * 8 / 5e9 > r.t_md_kv + 0.2
+    assert r.t_handoff_start == pytest.approx(r.t_md_kv + 0.2) and slow.early_handoffs == 0
+
+
+def test_early_handoff_only_for_relayed_requests():
+    """A P->MD request has no handoff; a relay ablation (P->RLD) has no MD: neither starts one."""
+    recs = generate_agentic(60, seed=3, rate=2.0)
+    pmd = run(SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=100.0, ttft_budget_ms=1e6,
+                        warmup_frac=0.0), recs)
+    assert {d for _, d in pmd.decisions} == {"p_md"} and pmd.early_handoffs == 0
+    xdc = run(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1, wan_gbps=100.0, warmup_frac=0.0), recs)
+    assert xdc.early_handoffs == 0
+
+
+# The pre-flag simulator's results (commit 1bc6592, before md_predicted_send / early_handoff) on
+# 150 agentic requests: with both flags off the simulator must reproduce them.
+OLD = {
+    (0.0, "one_shot"): (4530.567940908989, 4747.96738196902, 12631, 15009, 64879419457.18563, 61),
+    (250.0, "one_shot"): (4533.369887129273, 4747.510145402302, 12240, 15400, 64724370834.59725, 61),
+    (0.0, "catch_up"): (4530.631270405294, 4753.850724714376, 13974, 13666, 64945532022.80533, 61),
+}
+
+
+@pytest.mark.parametrize("budget,mode", sorted(OLD))
+def test_both_flags_off_reproduce_the_old_simulator(budget, mode):
+    recs = generate_agentic(150, seed=4, rate=2.0)
+    cfg = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=2, wan_gbps=10.0, warmup_frac=0.0, ttft_budget_ms=budget,
+                    handoff_mode=mode, catchup_threshold=4, md_predicted_send=False, early_handoff=False)
+    sim = run(cfg, recs)
+    rs = sim.reqs
+    got = (sum(r.t_first for r in rs), sum(r.t_done for r in rs), sum(r.rld_tokens for r in rs),
+           sum(r.md_tokens for r in rs), sim.wan.bytes_sent, sim.cutoffs)
+    assert got == pytest.approx(OLD[(budget, mode)], rel=1e-12)
+    assert sim.md_predicted_sends == sim.early_handoffs == 0
+    on = run(cfg.replace(md_predicted_send=True, early_handoff=True), recs)
+    assert sum(r.rld_tokens for r in on.reqs) < got[2]  # and the defaults do change them
+
+
+def test_flags_follow_the_cli_and_the_live_policy():
+    """`pdd sim run` and `pdd sim validate`'s mirror of a ClusterConfig carry both flags, on by
+    default as the runtime's policy fields."""
+    import argparse
+
+    from pdd.config import ClusterConfig
+    from pdd.sim import cli
+    from pdd.sim.validate import sim_config
+
+    ap = argparse.ArgumentParser(prog="pdd")
+    cli.add_sim_parser(ap.add_subparsers(dest="cmd", required=True))
+    c = cli._make_cfg(ap.parse_args(["sim", "run"]))
+    assert (c.md_predicted_send, c.early_handoff) == (True, True)
+    c = cli._make_cfg(ap.parse_args(["sim", "run", "--no-md-predicted-send", "--no-early-handoff"]))
+    assert (c.md_predicted_send, c.early_handoff) == (False, False)
+    live = ClusterConfig()
+    assert (live.policy.md_predicted_send, live.policy.early_handoff) == (True, True)
+    prof = {"model": {"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048, "weight_bytes": 2e7,
+                      "flops_per_token": 8e6}}
+    for ps, eh in ((True, False), (False, True)):
+        live = ClusterConfig(policy={"md_predicted_send": ps, "early_handoff": eh})
+        s = sim_config(live, "p.json", prof, 16)
+        assert (s.md_predicted_send, s.early_handoff) == (ps, eh)

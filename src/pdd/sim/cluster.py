@@ -28,8 +28,10 @@ Model (units in names; all times in simulated seconds):
   is back (at once with a zero TTFT budget) and P's sends wait for it (a request relayed at once
   sends MD's part when its prefill is done, ``md_predicted_send``); KV goes to RLD (fast)
   and/or MD (WAN, only the blocks MD lacks); the first token reaches the client when the KV has
-  reached a decoder; RLD hands over token ids; MD extends and decodes; tokens from MD reach the
-  gateway half an RTT later.
+  reached a decoder; RLD hands over token ids (asked when MD's kv_ready is back at the gateway,
+  or, ``early_handoff``, when MD's KV has left P, its ids then crossing beside the KV's last
+  bytes); MD extends (once the KV is in) and decodes; tokens from MD reach the gateway half an
+  RTT later.
 """
 
 from __future__ import annotations
@@ -102,6 +104,10 @@ class SimConfig:
     # is done, from the gateway's predicted MD prefix, instead of after MD's reservation round
     # trip (the runtime's policy.md_predicted_send)
     md_predicted_send: bool = True
+    # a relayed request's handoff starts when MD's KV is expected to have left P (at the gateway's
+    # WAN estimate), not when MD's kv_ready is back at the gateway (the runtime's
+    # policy.early_handoff)
+    early_handoff: bool = True
     cutoff: bool = True
     cutoff_min_remaining_s: float = 0.5  # config.PolicyConfig default: shorter remainders finish
     wan_estimate: str = "live"  # live: median of MD's recent receive rates (the gateway's); config: wan_gbps
@@ -285,7 +291,8 @@ class Req:
         "prefill_done", "md_reserved", "md_kv_complete", "rld_finished", "finished", "cut_off",
         "wan_flow", "fast_flow", "wan_bytes", "md_missing", "p_pending_flows", "p_locked",
         "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
-        "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed",
+        "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
+        "handoff_started", "t_handoff_start", "t_handoff",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -319,6 +326,10 @@ class Req:
         self.handoff_deferred = False
         self.md_predicted = False  # MD's send started from the gateway's prediction (md_predicted_send)
         self.wan_landed = False  # MD's KV crossed the WAN (imported once MD has admitted the request)
+        self.md_waiting: list = []  # handoff rounds whose ids reached MD before its KV (early handoff)
+        self.handoff_started = False  # the gateway asked RLD for the first handoff round
+        self.t_handoff_start = None  # ... at this time
+        self.t_handoff = None  # when RLD ran it (after its step in flight)
 
 
 class Seq:
@@ -346,9 +357,10 @@ class Seq:
 
 
 class Flow:
-    __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end", "t_served")
+    __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end", "t_served",
+                 "on_sent")
 
-    def __init__(self, rid, nbytes, seq, cb):
+    def __init__(self, rid, nbytes, seq, cb, on_sent=None):
         self.rid = rid
         self.remaining = float(nbytes)
         self.total = float(nbytes)
@@ -358,6 +370,7 @@ class Flow:
         self.done = False
         self.t_start = self.t_end = None
         self.t_served = None  # when the line first sent bytes of it (its first frame)
+        self.on_sent = on_sent  # called when its last byte has left (before the propagation)
 
 
 def _noop() -> None:
@@ -430,16 +443,23 @@ class Line:
             self.bytes_sent += max(0.0, f.remaining)
             f.remaining = 0.0
             self.sim.after(self.owd, f.cb)
+            if f.on_sent is not None:
+                f.on_sent()
         self._reschedule()
 
-    def send(self, rid, nbytes: float, cb: Callable[[], None]) -> Flow:
-        f = Flow(rid, nbytes, self.seq, cb)
+    def send(self, rid, nbytes: float, cb: Callable[[], None],
+             on_sent: Callable[[], None] | None = None) -> Flow:
+        """Queue ``nbytes`` on the line; ``cb`` runs when the last byte arrives (propagation
+        included), ``on_sent`` (optional) when it has left."""
+        f = Flow(rid, nbytes, self.seq, cb, on_sent)
         self.seq += 1
         f.line = self
         f.t_start = self.sim.env.now
         if nbytes <= 0:
             f.done = True
             self.sim.after(self.owd, cb)
+            if on_sent is not None:
+                self.sim.after(0.0, on_sent)
             return f
         self._advance()
         self.flows.append(f)
@@ -601,6 +621,8 @@ class Instance:
                 for fn in box:
                     fn()
             self._admit()
+            if self.inbox:  # posted by an admission (MD importing KV that came before it)
+                continue
             plan = eng_sched.schedule(self.seqs.values(), cfg)
             if not plan:
                 self.wake = env.event()
@@ -709,6 +731,7 @@ class ClusterSim:
         self.wan_saved_bytes = 0.0
         self.md_predicted_sends = 0  # relayed requests whose MD send started from the prediction
         self.md_predicted_short = 0  # ... whose MD matched less by the time the reservation reached it
+        self.early_handoffs = 0  # handoffs started before MD's kv_ready was back (early_handoff)
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
         self.wan_estimate = WanEstimate()  # MD's receive rates, as the gateway holds them
@@ -748,9 +771,9 @@ class ClusterSim:
     def remaining_wan_s(self, req: "Req") -> float:
         """The gateway's ``_remaining_wan_s``: the planned WAN bytes at the estimated rate, less
         the time since P finished prefill (when it starts streaming), at least 0."""
-        total = req.md_missing * self.model.kv_bytes_per_token * 8 / (self.wan_gbps_estimate() * 1e9)
         elapsed = self.env.now - req.t_prefill_done if req.t_prefill_done is not None else 0.0
-        return max(0.0, total - elapsed)
+        return pol_handoff.early_handoff_delay_s(req.md_missing * self.model.kv_bytes_per_token,
+                                                 self.wan_gbps_estimate(), elapsed)
 
     # --- the policy calls (the runtime's functions; recorded live inputs can be fed here) ----------
     def decide_pipeline(self, inp: "pol_pipeline.PipelineInputs") -> Pipeline:
@@ -1076,7 +1099,10 @@ class ClusterSim:
             return
         nbytes = req.md_missing * self.model.kv_bytes_per_token
         req.wan_bytes = nbytes
-        req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req))
+        on_sent = None
+        if self.cfg.early_handoff and req.pipeline == Pipeline.P_RLD_MD:
+            on_sent = lambda: self._kv_left_p(req)  # noqa: E731
+        req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent)
 
     def _flow_drained(self, req: Req) -> None:
         req.p_pending_flows -= 1
@@ -1158,17 +1184,64 @@ class ClusterSim:
                 return
             md.post(lambda: md.add(seq))
             return
-        # P->RLD->MD: tell RLD that MD is ready
-        rld = req.rld
-        self.after(self.owd, lambda: rld.post(lambda: self._handoff_round(rld, req)))
+        # P->RLD->MD: handoff ids that came before the KV extend now; MD's kv_ready goes to the
+        # gateway, which asks RLD for the handoff (unless an early handoff started it)
+        waiting, req.md_waiting = req.md_waiting, []
+        for fn in waiting:
+            md.post(fn)
+        self.after(self.owd, self._start_handoff, req)
 
     # --- handoff -----------------------------------------------------------------------------------
+    def _kv_left_p(self, req: Req) -> None:
+        """Early handoff (``policy.early_handoff``, ``orchestrator._handoff_at_landing``): P wrote
+        MD's KV to the WAN (its ``xfer_done``, here the instant the flow's last byte left), so
+        the gateway starts the handoff when that byte is expected to have left at its WAN
+        estimate (:func:`pdd.policy.handoff.early_handoff_delay_s` of the planned bytes, counted
+        from P's prefill end): RLD's ids then cross the WAN beside the KV's last bytes instead of
+        after MD's kv_ready crossed back, a round trip earlier. With an exact estimate and the
+        send started at prefill end the wait is 0; a send that queued or shared the line has
+        waited already; an estimate below the rate the flow got waits on."""
+        if self._early_moot(req):
+            return
+        elapsed = self.env.now - req.t_prefill_done
+        wait = pol_handoff.early_handoff_delay_s(req.wan_bytes, self.wan_gbps_estimate(), elapsed)
+        self.after(wait, self._early_handoff, req)
+
+    def _early_moot(self, req: Req) -> bool:
+        return req.handoff_started or req.finished or req.rld_finished or req.cut_off
+
+    def _early_handoff(self, req: Req) -> None:
+        if self._early_moot(req):
+            return
+        self.early_handoffs += 1
+        self._start_handoff(req)
+
+    def _start_handoff(self, req: Req) -> None:
+        """The gateway asks RLD for the first handoff round (once: MD's kv_ready, or the early
+        handoff, whichever comes first)."""
+        if req.handoff_started:
+            return
+        req.handoff_started = True
+        req.t_handoff_start = self.env.now
+        rld = req.rld
+        rld.post(lambda: self._handoff_round(rld, req))
+
+    def _ids_at_md(self, req: Req, fn: Callable[[], None]) -> None:
+        """RLD's ids reached MD: MD extends over them once the KV is in its pool (an early
+        handoff's ids may come first; ``roles.main_decode`` holds the extend for the KV)."""
+        if req.md_kv_complete:
+            req.md.post(fn)
+        else:
+            req.md_waiting.append(fn)
+
     def _handoff_round(self, rld: Instance, req: Req) -> None:
         if req.rld_finished or req.finished:
             return
         if req.rid not in rld.seqs:  # MD was faster than the fast path: hand over once RLD runs it
             req.handoff_deferred = True
             return
+        if req.t_handoff is None:
+            req.t_handoff = self.env.now
         cfg = self.cfg
         pending = req.generated - req.handed
         hin = pol_handoff.HandoffInputs(
@@ -1184,7 +1257,6 @@ class ClusterSim:
         req.handed += n
         upto = req.handed
         md = req.md
-        md_seq = req.md_seq
         if dec.final:
             key = f"{dec.mode}"
             self.handoffs[key] = self.handoffs.get(key, 0) + 1
@@ -1195,6 +1267,7 @@ class ClusterSim:
             def at_md():
                 if req.finished:
                     return
+                md_seq = req.md_seq
                 md_seq.num_tokens = req.prompt + upto
                 if md_seq.num_computed >= md_seq.num_tokens:
                     md_seq.num_computed = md_seq.num_tokens - 1  # resample the last position
@@ -1203,18 +1276,19 @@ class ClusterSim:
                 if req.rid not in md.seqs:
                     md.add(md_seq)
 
-            self.after(self.owd, lambda: md.post(at_md))
+            self.after(self.owd, self._ids_at_md, req, at_md)
         else:
             def at_md_partial():
                 if req.finished or req.rld_finished:
                     return
+                md_seq = req.md_seq
                 md_seq.num_tokens = req.prompt + upto
                 md_seq.can_sample = False
                 md_seq.arrival = self._next_order()
                 if req.rid not in md.seqs:
                     md.add(md_seq)
 
-            self.after(self.owd, lambda: md.post(at_md_partial))
+            self.after(self.owd, self._ids_at_md, req, at_md_partial)
 
     def on_caught_up(self, inst: Instance, s: Seq) -> None:
         """MD finished extending a catch-up round without sampling: tell RLD."""

@@ -54,7 +54,8 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
         prefill_chunk_tokens=e.prefill_chunk_tokens, prefill_order=e.prefill_order,
         ttft_budget_ms=pol.pipeline_ttft_budget_ms,
         handoff_mode=pol.handoff_mode, catchup_threshold=pol.catchup_threshold_tokens,
-        allow_p_rld=pol.allow_p_rld, md_predicted_send=pol.md_predicted_send, cutoff=pol.cutoff, cutoff_min_remaining_s=pol.cutoff_min_remaining_s,
+        allow_p_rld=pol.allow_p_rld, md_predicted_send=pol.md_predicted_send, early_handoff=pol.early_handoff,
+        cutoff=pol.cutoff, cutoff_min_remaining_s=pol.cutoff_min_remaining_s,
         routing=pol.routing, block_tokens=block_tokens, warmup_frac=0.0, slo_ttft_s=1e9, slo_tpot_s=1e9,
         host_cores=host_cores if host_cores is not None else (0.0 if e.device != "cpu" else float(os.cpu_count() or 1)))
 
