@@ -115,6 +115,8 @@ def summarize(sim, slo_ttft_s: float | None = None, slo_tpot_s: float | None = N
         "md_hit_token_weighted": (float(sum(r.md_hit for r in meas) / max(1, sum(r.prompt for r in meas)))
                                   if sim.cfg.cross_dc() else None),
         "decode_token_share": {k: v / dec_total for k, v in tok.items() if v},
+        "md_predicted_sends": getattr(sim, "md_predicted_sends", 0),
+        "early_handoffs": getattr(sim, "early_handoffs", 0),
         "max_stall_ms_p99": float(np.percentile([r.max_gap for r in done], 99) * 1000) if done else None,
     }
     return out
@@ -165,3 +167,8 @@ def print_summary(s: dict, file=None) -> None:
     print(f"pipelines {s['pipelines']}  handoffs {s['handoffs']}  cut-offs {s['cutoffs']}  "
           f"P hit {s['p_hit_token_weighted']:.1%}  MD hit {'-' if md_hit is None else format(md_hit, '.1%')}",
           file=file)
+    share = s.get("decode_token_share") or {}
+    if "RLD" in share:
+        print(f"decode tokens: RLD {share['RLD']:.1%}, MD {share.get('MD', 0.0):.1%}  "
+              f"predicted MD sends {s.get('md_predicted_sends', 0)}  early handoffs {s.get('early_handoffs', 0)}",
+              file=file)
