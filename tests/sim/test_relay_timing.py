@@ -70,8 +70,10 @@ def test_predicted_send_only_for_requests_relayed_at_once():
 @pytest.mark.parametrize("early", [False, True])
 def test_relay_timing_under_md_pressure_keeps_every_invariant(early):
     """One MD decode slot: predicted sends land before MD admits their requests (MD holds the
-    frames, then imports them), with cut-offs and requests finished on RLD meanwhile; with the
-    early handoff, RLD's ids also reach MD before its KV and the extend waits for it."""
+    frames, then imports them), with cut-offs and requests finished on RLD meanwhile; the early
+    handoff waits for MD's reservation reply (its admission) as the runtime does, so a queued
+    admission never leaves RLD stopped: every early handoff starts after that reply, and any
+    ids that still reach MD before its KV wait for it."""
     recs = generate_agentic(300, seed=4, rate=2.0)
     cfg = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=1, wan_gbps=50.0, ttft_budget_ms=0.0, warmup_frac=0.0,
                     md_cache_frac=0.05, max_running_md=1, early_handoff=early)
@@ -82,7 +84,11 @@ def test_relay_timing_under_md_pressure_keeps_every_invariant(early):
     assert held, "no KV landed before MD admitted its request: the case is not exercised"
     ids_first = [r for r in sim.reqs if r.t_handoff_start is not None and r.t_md_kv is not None
                  and r.t_handoff_start + sim.owd < r.t_md_kv - 1e-9]
-    assert bool(ids_first) == early and (sim.early_handoffs > 0) == early
+    assert (sim.early_handoffs > 0) == early and (not ids_first or early)
+    started_early = [r for r in sim.reqs if r.t_handoff_start is not None and r.t_md_kv is not None
+                     and r.t_handoff_start < r.t_md_kv + sim.owd - 1e-9]
+    assert bool(started_early) == early
+    assert all(r.t_handoff_start >= r.t_md_replied - 1e-9 for r in started_early)
     for r in ids_first:  # handed over (unless RLD finished first): MD decoded the rest after its KV
         if r.handed:
             assert r.md_tokens == r.out_len - r.handed and r.t_done > r.t_md_kv

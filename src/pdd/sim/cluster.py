@@ -292,7 +292,7 @@ class Req:
         "wan_flow", "fast_flow", "wan_bytes", "md_missing", "p_pending_flows", "p_locked",
         "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
         "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
-        "handoff_started", "t_handoff_start", "t_handoff",
+        "handoff_started", "t_handoff_start", "t_handoff", "t_md_replied", "early_pending",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -329,6 +329,8 @@ class Req:
         self.md_waiting: list = []  # handoff rounds whose ids reached MD before its KV (early handoff)
         self.handoff_started = False  # the gateway asked RLD for the first handoff round
         self.t_handoff_start = None  # ... at this time
+        self.t_md_replied = None  # when MD's reservation reply reaches the gateway (its admission + one owd)
+        self.early_pending = False  # an early handoff waits for that reply
         self.t_handoff = None  # when RLD ran it (after its step in flight)
 
 
@@ -961,6 +963,10 @@ class ClusterSim:
             seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", n, blocks, self.owd)
             req.md_seq = seq
             req.md_reserved = True
+            req.t_md_replied = self.env.now + self.owd
+            if req.early_pending:  # the early handoff waited for this reply
+                req.early_pending = False
+                self.after(self.owd, self._early_handoff, req)
             if req.cut_off:
                 self._md_release(req, cache=False)
                 return
@@ -1211,7 +1217,15 @@ class ClusterSim:
         return req.handoff_started or req.finished or req.rld_finished or req.cut_off
 
     def _early_handoff(self, req: Req) -> None:
+        """As the runtime, the early handoff also waits for MD's reservation reply at the gateway
+        (MD admitted the request), so a refused or queued reservation never leaves RLD stopped."""
         if self._early_moot(req):
+            return
+        if not req.md_reserved:
+            req.early_pending = True
+            return
+        if self.env.now < req.t_md_replied:
+            self.after(req.t_md_replied - self.env.now, self._early_handoff, req)
             return
         self.early_handoffs += 1
         self._start_handoff(req)
