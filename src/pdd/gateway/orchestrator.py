@@ -411,9 +411,6 @@ class Orchestrator(Recovery):
         def moot() -> bool:
             return st.trid != trid or st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started or st.lost
 
-        wait = self._remaining_wan_s(st)
-        if wait > 0:
-            await asyncio.sleep(wait)
         # RLD must be decoding (its first token out) before it can be asked for its ids: its
         # fast-path KV was written beside MD's, but may still be on its way in. And MD must have
         # admitted the request (its reservation reply is in): a refused reservation loses MD's leg
@@ -424,6 +421,11 @@ class Orchestrator(Recovery):
             await asyncio.sleep(0.001)
         if moot() or st.next_pos <= st.base or "md_reserved" not in st.events:
             return
+        wait = self._remaining_wan_s(st)  # the planned bytes, with a fill's, are known from here on
+        if wait > 0:
+            await asyncio.sleep(wait)
+            if moot():
+                return
         self.totals["early_handoffs"] = self.totals.get("early_handoffs", 0) + 1
         await self._handoff(st)
 
@@ -837,6 +839,7 @@ class Orchestrator(Recovery):
         nbytes = prompt_kv_bytes(st.prompt_len, pred_pages, self.cfg.engine.page_size, self.page_bytes,
                                  self.cfg.policy.kv_whole_pages)
         st.md_predicted_pages, st.md_predicted_bytes = pred_pages, nbytes
+        st.wan_bytes_expected = nbytes  # until the reply (the cut-off's and early handoff's estimate)
         self.totals["md_predicted_sends"] = self.totals.get("md_predicted_sends", 0) + 1
         self._book_wan(st, nbytes, p)
 
