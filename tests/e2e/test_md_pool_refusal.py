@@ -7,7 +7,9 @@
       deferred until the plan): HTTP 429 (retry later) naming the refusal; RLD's ``expect`` reservation and
       what P prefilled are freed at once;
     - planned P->RLD->MD (pdd, zero budget: MD reserves while P prefills): MD's leg is lost,
-      RLD finishes the request (200, ``pdd.degraded``), P's WAN transfer never starts.
+      RLD finishes the request (200, ``pdd.degraded``). Without the predicted MD send P's WAN
+      transfer never starts; with it (the default) P sent before MD's refusal came back: MD
+      drops those frames, and the bytes that crossed are the bytes planned (the balance holds).
 (b) MD's pool fills while KV arrives and decoding grows (cross_dc_pd, concurrent requests whose
     prompts fit but whose outputs do not): every request either completes or ends with a clean
     error (no hang), and the failed ones are freed everywhere.
@@ -66,9 +68,10 @@ def _all_free_after_flush(topo) -> dict:
     return fl
 
 
-def _pdd_cfg(model, budget_ms: float):
+def _pdd_cfg(model, budget_ms: float, predicted: bool = True):
     return make_cfg(model, "pdd", engine={"device": "cpu", "num_pages": POOL, "page_size": PAGE},
-                    policy={"pipeline_ttft_budget_ms": budget_ms, "handoff_min_tokens": 8},
+                    policy={"pipeline_ttft_budget_ms": budget_ms, "handoff_min_tokens": 8,
+                            "md_predicted_send": predicted},
                     link={"wan_gbps": 1.0, "wan_rtt_ms": 5.0, "wan_jitter_ms": 0.0},
                     limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
 
@@ -80,9 +83,10 @@ def _hold_md(topo, cfg, inj) -> StreamClient:
     return first
 
 
-@pytest.mark.parametrize("budget_ms,planned", [(1e6, "p_md"), (0.0, "p_rld_md")])
-def test_md_refuses_at_reserve(small_model, topology_factory, budget_ms, planned):
-    cfg = _pdd_cfg(small_model, budget_ms)
+@pytest.mark.parametrize("budget_ms,planned,predicted", [(1e6, "p_md", True), (0.0, "p_rld_md", False),
+                                                         (0.0, "p_rld_md", True)])
+def test_md_refuses_at_reserve(small_model, topology_factory, budget_ms, planned, predicted):
+    cfg = _pdd_cfg(small_model, budget_ms, predicted)
     topo = topology_factory(cfg)
     inj = FaultInjector(topo)
     try:
@@ -107,9 +111,14 @@ def test_md_refuses_at_reserve(small_model, topology_factory, budget_ms, planned
             assert second.status == 200 and second.error is None, second.error
             assert len(second.tokens) == 16 and set(second.tiers) == {"rld"}
             assert second.summary.get("degraded") is True and second.summary.get("recoveries") == 0
-            assert not second.summary.get("wan_bytes")  # P never sent its KV over the WAN
+            if not predicted:
+                assert not second.summary.get("wan_bytes")  # P never sent its KV over the WAN
         assert first.wait(60) and first.error is None and len(first.tokens) == 200
         _all_free_after_flush(topo)
+        st = httpx.get(topo.url + "/pdd/stats", timeout=30, trust_env=False).json()
+        assert st["wan_bytes"] == st["wan_bytes_expected"], st
+        if planned == "p_rld_md" and predicted:  # what crossed before the refusal was planned, then dropped
+            assert st["totals"]["md_predicted_sends"] == 1, st["totals"]  # the second (the first taught the page size)
     finally:
         inj.close()
 
