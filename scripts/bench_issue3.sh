@@ -104,7 +104,7 @@ for s in $STEPS; do
       run gaps "${AG[@]}" "${REF[@]}" --config "$OUT/bench.yaml" --sweep-rate none \
         --modes "pdd+pipeline_ttft_budget_ms=0+handoff_mode=catch_up,pdd+pipeline_ttft_budget_ms=0+handoff_mode=one_shot" ;;
     ramp)  # rising rate under handoff_mode=auto: both modes used, switches counted
-      run ramp "${AG[@]}" "${REF[@]}" --config "$OUT/ramp.yaml" --sweep-rate none --ramp 1:6 \
+      run ramp "${AG[@]}" "${REF[@]}" --config "$OUT/ramp.yaml" --sweep-rate none --ramp 1:12 \
         --modes "pdd" ;;
     prld)  # the excluded pipeline as an ablation, beside pdd
       run prld "${AG[@]}" "${REF[@]}" --config "$OUT/bench.yaml" --sweep-rate none --modes "pdd,pdd+allow_p_rld" ;;
