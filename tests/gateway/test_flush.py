@@ -71,3 +71,14 @@ def test_flush_with_an_unreachable_instance_reports_leaks_unknown():
     assert rep["leaked_pages"] is None and rep["unreachable"] == [dead] and "error" in rep["instances"][dead]
     rep = asyncio.run(_orch([FlushPeer(), FlushPeer(), FlushPeer()]).flush(settle_s=0.05, poll_s=0.001))
     assert rep["leaked_pages"] == 0 and rep["unreachable"] == []
+
+
+def test_flush_forgets_what_the_gateway_routed_to_each_md():
+    """The caches are empty after a flush, so the gateway's index of each MD (routing, and a
+    predicted send's first page) must not claim the prefixes any more."""
+    o = _orch([FlushPeer(), FlushPeer(), FlushPeer()])
+    md = next(iter(o.prefix_index))
+    o._record_route(md, list(range(64)))
+    assert o.prefix_index[md].match(list(range(64))) == 64
+    asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    assert o.prefix_index[md].match(list(range(64))) == 0
