@@ -72,6 +72,23 @@ async def test_p_lost_while_md_kv_crosses_drops_md_leg_rld_finishes(orch):
     assert {"t": "drop", "rid": "r1"} in orch.peers["md0"].sent
 
 
+async def test_md_lost_before_its_reservation_reply_cancels_p_s_fill_slot(orch):
+    # a predicted MD send: P holds an md_fill slot that only MD's reply would resolve; the reply
+    # never comes, and a cancel reaching P before it admitted the request is ignored there
+    st = relayed(orch, md_fill_slot=True)
+    orch._instance_lost(st, "md0", "gone")
+    await settle()
+    assert st.md_lost and not st.lost
+    assert {"t": "target", "rid": "r1", "slot": "md_fill", "name": "md0", "cancelled": True} in orch.peers["p0"].sent
+    # without a fill slot (no predicted send) P is not sent one
+    st2 = relayed(orch)
+    st2.trid = st2.rid = "r2"
+    orch.reqs["r2"] = st2
+    orch._instance_lost(st2, "md0", "gone")
+    await settle()
+    assert not [h for h in orch.peers["p0"].sent if h.get("rid") == "r2" and h.get("slot") == "md_fill"]
+
+
 async def test_p_lost_after_kv_arrived_changes_nothing(orch):
     st = relayed(orch, kv_ready=True)
     stream_to(st, 3)

@@ -213,9 +213,15 @@ class Recovery:
         p_name = st.names.get(ROLE_PREFILL)
         trid = st.trid
         self.awaiting_kv.pop(trid, None)  # that KV will never arrive
+        # a predicted MD send gave P an md_fill slot that only MD's reservation reply resolves: the
+        # reply may never come, and P's cancel below is lost if P has not admitted the request yet
+        # (its prefill queued), so P would hold the request's pages until the request timeout
+        fill = ((p_name, {"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "cancelled": True}),) \
+            if st.md_fill_slot else ()
 
         async def tidy():
             for name, msg in ((p_name, {"t": "target", "rid": trid, "slot": "md", "name": md_name, "cancelled": True}),
+                              *fill,
                               (p_name, {"t": "cancel", "rid": trid, "name": md_name}),
                               (md_name, {"t": "drop", "rid": trid})):
                 peer = self.peers.get(name) if name else None
