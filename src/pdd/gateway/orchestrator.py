@@ -659,6 +659,7 @@ class Orchestrator(Recovery):
             else:
                 st.pipeline = self._plan(st, len(prompt), 0)
             st.md_fill_slot = predicted
+            p_call = None
             try:
                 await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
@@ -678,6 +679,12 @@ class Orchestrator(Recovery):
                     self._md_leg_lost(st, "finished by its first token", degraded=False)
             except BaseException:
                 _give_up(reserve, md_leg)
+                if p_call is None or (p_call.done() and not p_call.cancelled()
+                                      and isinstance(p_call.exception(), rpc.RemoteError)):
+                    # P never started this attempt's streams (RLD refused or was lost before P was
+                    # asked, or P refused the prefill): the WAN bytes planned for it (a predicted
+                    # MD send's are booked before any reply) will never be sent nor reported
+                    self._unplan_wan(st.trid)
                 raise
             st.events["prefilled"] = time.perf_counter()
             st.p_cached_tokens = int(rep["p_cached_tokens"])
@@ -875,6 +882,14 @@ class Orchestrator(Recovery):
                                                     self.page_bytes, self.cfg.policy.kv_whole_pages)
             # ``booked``: a predicted send's bytes, planned when it started; the rest is its fill
             self._book_wan(st, st.wan_bytes_expected - booked, p)
+
+    def _unplan_wan(self, trid: str) -> None:
+        """Attempt ``trid`` ended before P started its streams: the WAN bytes planned for it leave
+        the planned and expected totals (P will never send nor report them)."""
+        nbytes = self.planned_wan.pop(trid, 0)
+        self.planned_src.pop(trid, None)
+        self.totals["wan_bytes_planned"] -= nbytes
+        self.totals["wan_bytes_expected"] -= nbytes
 
     def _write_off(self, nbytes: int) -> None:
         """Planned WAN bytes whose P died before reporting them: out of the expected balance,
