@@ -233,3 +233,15 @@ def test_sim_run_refuses_an_empty_trace_and_a_directory(capsys, tmp_path):
     empty.write_text("")
     _refused(capsys, ["sim", "run", "--trace", str(empty)], "--trace", f"{empty} holds no trace records")
     _refused(capsys, ["sim", "run", "--trace", str(tmp_path)], "--trace", f"{tmp_path} is a directory, not a file")
+
+
+@pytest.mark.parametrize("argv", [["sim", "validate", "--out", "OUT"], ["profile", "--out", "OUT/p.json"]])
+def test_validate_and_profile_name_a_bad_config_field_without_a_traceback(capsys, tmp_path, argv):
+    # as pdd serve does: a new user's `md_predicted_send: 3` got a pydantic traceback here
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy:\n  md_predicted_send: 3\n")
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in argv]
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(argv + ["--config", str(cfg)])
+    assert str(ex.value.code).startswith("pdd: invalid config: policy.md_predicted_send: "), ex.value.code
+    assert "Traceback" not in capsys.readouterr().err

@@ -329,9 +329,9 @@ def cmd_validate(a) -> int:
 
     cfg = None
     if a.config:
-        from pdd.config import ClusterConfig
+        from pdd.cli import _config  # a bad config: one line naming the field, not a traceback
 
-        cfg = ClusterConfig.load(a.config)
+        cfg = _config(a)
     for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
         if v <= 0:
             raise SystemExit(f"pdd sim validate: --{k} must be > 0")
@@ -363,10 +363,10 @@ def cmd_profile(a) -> int:
     import json
     from pathlib import Path
 
-    from pdd.config import ClusterConfig
+    from pdd.cli import _config  # a bad config: one line naming the field, not a traceback
     from pdd.sim.profile import measure_profile
 
-    cfg = ClusterConfig.load(a.config) if a.config else ClusterConfig()
+    cfg = _config(a)
     if not (Path(cfg.model_path) / "config.json").exists():
         raise SystemExit(f"pdd profile: no checkpoint at {cfg.model_path}; make one with: pdd make-model "
                          f"--out {cfg.model_path}")
