@@ -87,7 +87,8 @@ class Orchestrator(Recovery):
         self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "wan_bytes_sent": 0,
                        "wan_bytes_unreported": 0, "requests": 0,
                        "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,  # OUTCOMES: each request once
-                       "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0}
+                       "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0,
+                       "md_predicted_sends": 0, "md_predicted_fills": 0, "early_handoffs": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
@@ -426,7 +427,7 @@ class Orchestrator(Recovery):
             await asyncio.sleep(wait)
             if moot():
                 return
-        self.totals["early_handoffs"] = self.totals.get("early_handoffs", 0) + 1
+        st.handoff_early = True
         await self._handoff(st)
 
     async def _handoff(self, st: ReqState) -> None:
@@ -489,6 +490,8 @@ class Orchestrator(Recovery):
                 st.events["handoff"] = time.perf_counter()
                 st.events["handoff_rld_ms"] = st.events["handoff"] - float(rep.get("rld_ms", 0.0)) / 1000
                 self.totals["handoffs"] += 1
+                if st.handoff_early:
+                    self.totals["early_handoffs"] += 1
                 key = f"handoffs_{rep['mode']}"
                 self.totals[key] = self.totals.get(key, 0) + 1
                 await md.send(extend_message(st.trid, ids, final=True))

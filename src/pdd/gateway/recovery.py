@@ -90,7 +90,7 @@ class Recovery:
         st.pending.clear()
         st.md_pending.clear()
         st.switch_pos = st.md_start = None
-        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.kv_sent = st.handoff_started = False
+        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.kv_sent = st.handoff_started = st.handoff_early = False
         st.handoff_mode, st.handoff_rounds, st.error = None, 0, None
         st.wan_bytes_expected = 0
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt

@@ -98,6 +98,7 @@ class ReqState:
     md_predicted_bytes: int = 0
     kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
     handoff_started: bool = False  # _handoff ran for this attempt (from kv_ready or the KV's predicted landing)
+    handoff_early: bool = False  # ... from the KV's predicted landing (policy.early_handoff)
     md_fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
     emitted: list = field(default_factory=list)  # token ids streamed so far
     extend_extra_step_ms: list = field(default_factory=list)
