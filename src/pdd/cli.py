@@ -10,15 +10,12 @@ import time
 def _config(args, **over):
     from pydantic import ValidationError
 
-    from pdd.config import ClusterConfig
+    from pdd.config import ClusterConfig, validation_summary
 
     try:
         return ClusterConfig.load(getattr(args, "config", None), **over)
     except ValidationError as e:
-        # a whole-config check (colliding ports) has no field location: its message names them
-        errs = "; ".join((f"{'.'.join(str(x) for x in err['loc'])}: " if err["loc"] else "")
-                         + err["msg"].removeprefix("Value error, ") for err in e.errors())
-        raise SystemExit(f"pdd: invalid config: {errs}")
+        raise SystemExit(f"pdd: invalid config: {validation_summary(e)}")
     except FileNotFoundError as e:
         raise SystemExit(f"pdd: config file not found: {e.filename}")
     except IsADirectoryError:

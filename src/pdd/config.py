@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
 MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
@@ -313,3 +313,11 @@ class ClusterConfig(_Strict):
                 raise ValueError(f"{path}: the top level must be a mapping of config fields, not {type(data).__name__}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+
+def validation_summary(e: ValidationError) -> str:
+    """One line per pydantic ``ValidationError``: ``field.path: message`` for each error, joined by
+    ``; `` (a whole-config check, e.g. colliding ports, has no field location: its message names
+    them). What every CLI prints for a bad config, instead of pydantic's multi-line text."""
+    return "; ".join((f"{'.'.join(str(x) for x in err['loc'])}: " if err["loc"] else "")
+                     + err["msg"].removeprefix("Value error, ") for err in e.errors())

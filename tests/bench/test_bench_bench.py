@@ -297,6 +297,9 @@ def test_cli_names_a_config_that_does_not_validate(capsys, tmp_path):
         main(["--config", str(bad), "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert f"--config {bad}" in err and "wan_gbps" in err and "Traceback" not in err
+    # one line naming the field (as pdd serve), not pydantic's multi-line text and its URL
+    assert f"--config {bad}: invalid config: link.wan_gbps: Input should be greater than 0" in err
+    assert "errors.pydantic.dev" not in err and "validation error for" not in err
 
 
 # ---------------------------------------------------------------- issue #3 additions

@@ -89,7 +89,9 @@ def test_demo_cli_refuses_taken_ports_and_bad_configs(capsys, tmp_path):
         s.close()
     with pytest.raises(SystemExit):
         main(["--port", str(taken), "--base-port", "-3", "--out", str(tmp_path / "d")])
-    assert "base_port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "invalid config: base_port: Input should be greater than or equal to" in err
+    assert "errors.pydantic.dev" not in err and "validation error for" not in err
     assert not (tmp_path / "d").exists()
 
 

@@ -76,7 +76,7 @@ from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_ram
                              point_size, ramp_arrivals, session_subset,
                              sla_goodput)
 from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hits, workload_summary
-from pdd.config import MODES, ClusterConfig
+from pdd.config import MODES, ClusterConfig, validation_summary
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 REFERENCE_MODE = "same_dc_pd"
@@ -1275,7 +1275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(ex))
     try:
         base_cfg = ClusterConfig.load(args.config)
-    except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON, a field out of range
+    except pydantic.ValidationError as ex:  # a field out of range: one line per field, not pydantic's text
+        ap.error(f"--config {args.config}: invalid config: {validation_summary(ex)}")
+    except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON
         ap.error(f"--config {args.config}: {ex}")
     try:
         config = apply_overrides(

@@ -22,11 +22,13 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import pydantic
+
 from pdd.bench.client import replay_sync, run_one_sync
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
 from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, block_token_ids, build_requests, workload_summary
-from pdd.config import ClusterConfig
+from pdd.config import ClusterConfig, validation_summary
 
 DEFAULT_MODES = ("same_dc_pd", "cross_dc_pd", "pdd")
 # Tuned on the live system (docs/LINK.md, "Demo scaling"): prompts 1/32 (a 512-token block
@@ -278,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = ClusterConfig.load(args.config)
         upd = {k: v for k, v in (("gateway_port", args.port), ("base_port", args.base_port)) if v is not None}
         cfg = ClusterConfig.model_validate({**cfg.model_dump(), **upd}) if upd else cfg
+    except pydantic.ValidationError as ex:  # one line per field, not pydantic's text
+        ap.error(f"--config / --port / --base-port: invalid config: {validation_summary(ex)}")
     except (OSError, ValueError) as ex:
         ap.error(f"--config / --port / --base-port: {ex}")
     busy = ports_in_use(layout(cfg))
