@@ -175,7 +175,8 @@ class EngineInstance:
         self.engine = self.load_engine()
         self.eos_ids = set(self.engine.eos_token_ids)
         loop = asyncio.get_running_loop()
-        self.worker = EngineWorker(self.engine, loop, self.on_events, self.on_seq_failed)
+        self.worker = EngineWorker(self.engine, loop, self.on_events, self.on_seq_failed,
+                                   min_step_s=self.cfg.engine.min_step_ms / 1000.0)
         self.worker.start()
         hs = self.handlers()
         if "kv_done" in hs:

@@ -27,10 +27,15 @@ class EngineWorker:
 
     ``on_events(events)`` runs on the event loop after every forward pass that produced
     token events (a list of ``TokenEvent``).
+
+    ``min_step_s`` (seconds, 0 = off) emulates an accelerator's step time: a forward pass that
+    finishes sooner is held until that long after it started, and only then are its token events
+    released and the next commands served, as a GPU's step would return (``EngineConfig.min_step_ms``).
+    The held time counts in ``busy_s`` and ``last_step_s`` (the emulated device is busy).
     """
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None],
-                 on_seq_failed: Callable[[object, str], None] | None = None):
+                 on_seq_failed: Callable[[object, str], None] | None = None, min_step_s: float = 0.0):
         self.engine = engine
         self.loop = loop
         self.on_events = on_events
@@ -43,6 +48,8 @@ class EngineWorker:
         self.last_step_s = 0.0
         self.recent_steps_s: deque[float] = deque(maxlen=64)
         self.pages_wait_s = PAGES_WAIT_S
+        self.min_step_s = float(min_step_s)
+        self.held_s = 0.0  # time steps were held to min_step_s (seconds)
 
     def start(self) -> None:
         self._thread.start()
@@ -134,6 +141,10 @@ class EngineWorker:
                 events = []
                 self._fail_step(e)
             dt = time.perf_counter() - t0
+            if dt < self.min_step_s:
+                self._stop.wait(self.min_step_s - dt)
+                self.held_s += self.min_step_s - dt
+                dt = time.perf_counter() - t0
             self.busy_s += dt
             self.last_step_s = dt
             self.recent_steps_s.append(dt)

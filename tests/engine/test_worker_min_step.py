@@ -1,0 +1,61 @@
+"""EngineWorker's emulated accelerator step (``EngineConfig.min_step_ms``): a forward pass is held
+until ``min_step_s`` after it started, and its token events are released only then. Lower bounds
+only (a sleep never ends early); no upper bound is asserted on this shared machine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdd.roles.worker import EngineWorker
+
+
+class _Engine:
+    """Three instant steps, each producing one event (its step index)."""
+
+    def __init__(self, steps: int = 3):
+        self.left = steps
+        self.started: list[float] = []
+
+    def has_work(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> list:
+        self.started.append(time.perf_counter())
+        self.left -= 1
+        return [len(self.started)]
+
+
+async def _run(min_step_s: float):
+    loop = asyncio.get_running_loop()
+    eng = _Engine()
+    got: list[tuple[int, float]] = []
+    done = asyncio.Event()
+
+    def on_events(ev):
+        got.extend((e, time.perf_counter()) for e in ev)
+        if len(got) == 3:
+            done.set()
+
+    w = EngineWorker(eng, loop, on_events, min_step_s=min_step_s)
+    w.start()
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        w.stop()
+    return eng, w, got
+
+
+async def test_steps_are_held_to_the_minimum_and_events_released_after_it():
+    eng, w, got = await _run(0.05)
+    assert [e for e, _ in got] == [1, 2, 3]
+    for (_, t_ev), t0 in zip(got, eng.started):
+        assert t_ev - t0 >= 0.05  # released at the end of the emulated step
+    for a, b in zip(eng.started, eng.started[1:]):
+        assert b - a >= 0.05  # the next pass starts after the held one
+    assert w.steps == 3 and w.held_s > 0 and w.busy_s >= 3 * 0.05
+
+
+async def test_off_by_default_nothing_is_held():
+    eng, w, got = await _run(0.0)
+    assert [e for e, _ in got] == [1, 2, 3] and w.held_s == 0.0
