@@ -522,10 +522,11 @@ def wan_reader(topo) -> Callable[[], int | None] | None:
 def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
     """``cfg`` with flag overrides (None = keep), validated. Keys: ``wan_gbps``, ``wan_rtt_ms``,
     ``wan_jitter_ms``, ``fast_gbps`` (link), ``allow_p_rld``, ``wan_order``, ``handoff_mode``,
-    ``pipeline_ttft_budget_ms`` (policy), ``base_port``, ``gateway_port``, ``model_path``,
+    ``pipeline_ttft_budget_ms`` (policy), ``min_step_ms`` (engine), ``base_port``, ``gateway_port``, ``model_path``,
     ``served_model_name``, ``request_timeout_s`` (top level)."""
     sections = {"link": ("wan_gbps", "wan_rtt_ms", "wan_jitter_ms", "fast_gbps"),
                 "policy": ("allow_p_rld", "wan_order", "handoff_mode", "pipeline_ttft_budget_ms"),
+                "engine": ("min_step_ms",),
                 "": ("base_port", "gateway_port", "model_path", "served_model_name", "request_timeout_s")}
     data = cfg.model_dump()
     known = {k for ks in sections.values() for k in ks}
@@ -1132,6 +1133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wan-gbps", type=float)
     g.add_argument("--wan-rtt-ms", type=float)
     g.add_argument("--fast-gbps", type=float)
+    g.add_argument("--min-step-ms", type=float,
+                   help="emulated accelerator step time: every engine's forward pass takes at least this long, ms "
+                        "(engine.min_step_ms; docs/LINK.md)")
     g.add_argument("--allow-p-rld", action="store_true", default=None)
     g.add_argument("--wan-order", choices=("fifo", "srf"))
     g.add_argument("--handoff-mode", choices=("one_shot", "catch_up", "auto"))
@@ -1283,7 +1287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = apply_overrides(
             base_cfg, wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms, fast_gbps=args.fast_gbps,
             allow_p_rld=args.allow_p_rld, wan_order=args.wan_order, handoff_mode=args.handoff_mode,
-            pipeline_ttft_budget_ms=args.pipeline_ttft_budget_ms, base_port=args.base_port,
+            pipeline_ttft_budget_ms=args.pipeline_ttft_budget_ms, min_step_ms=args.min_step_ms, base_port=args.base_port,
             gateway_port=args.gateway_port, served_model_name=args.model)
     except pydantic.ValidationError as ex:  # an override out of the config's range (--wan-gbps 0, a port)
         ap.error("; ".join(f"{_override_flag(e['loc'])}: {e['msg']}, got {e.get('input')!r}" for e in ex.errors()))
