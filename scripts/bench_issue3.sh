@@ -128,6 +128,16 @@ for s in $STEPS; do
       run agentic --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/agentic.yaml" \
         --output-scale 1 --max-output 512 --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 --sweep-seconds 16 \
         --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=50" ;;
+    agentic_itl30)  # the agentic step with an emulated accelerator step (--min-step-ms 30: every forward pass
+      # takes >= 30 ms, the report's ITL of 30-50 ms), so decode steps and the 20 ms WAN round trip are in the
+      # report's ratio instead of this CPU's ~1 ms steps (docs/LINK.md); the issue's four modes. A request
+      # decodes for ~5 s, so the one-in-flight reference is its first 40 requests' conversations (~3 min)
+      run agentic_itl30 --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/agentic.yaml" \
+        --min-step-ms 30 "${REF[@]}" --output-scale 1 --max-output 512 --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
+        --sweep-seconds 16 --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd" ;;
+    gaps_itl30)  # the gaps step with the emulated 30 ms step: catch-up vs one-shot switch gaps on the same workload
+      run gaps_itl30 "${AG[@]}" "${REF[@]}" --config "$OUT/agentic.yaml" --min-step-ms 30 --output-scale 1 --max-output 512 \
+        --sweep-rate none --modes "pdd+handoff_mode=catch_up,pdd+handoff_mode=one_shot" ;;
     agentic_short)  # the agentic step as run before the eighth session: outputs at bench's default scale (1/4)
       run agentic_short --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/bench.yaml" --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
         --sweep-seconds 16 --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=0" ;;
