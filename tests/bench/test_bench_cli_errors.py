@@ -47,6 +47,7 @@ def _refused(capsys, argv, *names):
     (["--sweep-points", "0"], ["--sweep-points: must be >= 1"]),
     (["--ref-requests", "-1"], ["--ref-requests: must be >= 0"]),
     (["--wan-gbps", "0"], ["--wan-gbps:", "greater than 0"]),
+    (["--min-step-ms", "-5"], ["--min-step-ms:", "greater than or equal to 0"]),
     (["--gateway-port", "99999"], ["--gateway-port:", "65535"]),
 ])
 def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):

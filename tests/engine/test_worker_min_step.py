@@ -59,3 +59,38 @@ async def test_steps_are_held_to_the_minimum_and_events_released_after_it():
 async def test_off_by_default_nothing_is_held():
     eng, w, got = await _run(0.0)
     assert [e for e, _ in got] == [1, 2, 3] and w.held_s == 0.0
+
+
+class _Gated(_Engine):
+    """One step whose events the test inspects, with commands submitted while it is held."""
+
+    def __init__(self):
+        super().__init__(steps=1)
+        self.log: list[str] = []
+
+    def step(self) -> list:
+        self.log.append("step")
+        return super().step()
+
+
+async def test_overlap_commands_run_during_the_hold_others_after_it_in_order():
+    loop = asyncio.get_running_loop()
+    eng = _Gated()
+    released = asyncio.Event()
+    w = EngineWorker(eng, loop, lambda ev: (eng.log.append("events"), released.set()), min_step_s=0.3)
+    w.start()
+    try:
+        while not eng.started:  # the step has run; the worker now holds it for 0.3 s
+            await asyncio.sleep(0.001)
+        a = w.call(lambda e: e.log.append("admit") or "a", overlap=True)
+        assert await asyncio.wait_for(a, 5) == "a"
+        assert not released.is_set()  # ran inside the hold, before the step's events
+        b = w.call(lambda e: e.log.append("take") or "b")  # reads outputs: after the step
+        c = w.call(lambda e: e.log.append("admit2") or "c", overlap=True)  # behind b: after it
+        assert await asyncio.wait_for(b, 5) == "b" and await asyncio.wait_for(c, 5) == "c"
+        await asyncio.wait_for(released.wait(), 5)
+        assert eng.log.index("admit") < eng.log.index("take") < eng.log.index("admit2")
+        assert eng.log[:2] == ["step", "admit"]
+        assert time.perf_counter() - eng.started[0] >= 0.3
+    finally:
+        w.stop()

@@ -72,7 +72,7 @@ async def test_cancelled_after_the_result_arrived_but_before_the_caller_resumed_
     first = asyncio.get_running_loop().create_future()
     calls: list = []
 
-    def call(fn):
+    def call(fn, overlap=False):
         calls.append(fn)
         if len(calls) == 1:
             return first  # the creation: resolved by hand below

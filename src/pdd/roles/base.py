@@ -166,7 +166,7 @@ class EngineInstance:
         def _peek(e):
             return e.radix.peek(prompt) * e.page_size if e.radix is not None else 0
 
-        return {"t": "peek_ok", "hit_tokens": await self.worker.call(_peek)}, b""
+        return {"t": "peek_ok", "hit_tokens": await self.worker.call(_peek, overlap=True)}, b""
 
     async def start(self) -> None:
         import torch

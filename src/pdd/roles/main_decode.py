@@ -69,7 +69,8 @@ class MainDecodeInstance(EngineInstance):
         sp = SamplingParams.from_dict(h["sampling"])
         prompt = list(h["prompt_ids"])
         seq = await self.worker.call_owned(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True,
-                                                                    min_uncached=min_uncached), free_sequence)
+                                                                    min_uncached=min_uncached), free_sequence,
+                                           overlap=True)
         ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.reqs[rid] = ctx
         if h.get("first_page") is not None:  # a predicted send: P sends [first_page, n) already
@@ -169,7 +170,7 @@ class MainDecodeInstance(EngineInstance):
             # P's first token goes out at once, not after the engine thread's current step (the
             # import waits for it); MD's own tokens come from later steps, so the order holds
             self.emit(ctx, 0, t0, fin)
-        done = self.worker.call(_imported)
+        done = self.worker.call(_imported, overlap=True)
         ctx.extra["kv_complete"] = True
         if relay:
             # tell the gateway at once: the engine thread runs commands in order, so the
@@ -219,7 +220,7 @@ class MainDecodeInstance(EngineInstance):
 
         ctx.in_engine = True
         self.counters["extends"] = self.counters.get("extends", 0) + 1
-        target = await self.worker.call(_extend)
+        target = await self.worker.call(_extend, overlap=True)
         if final:
             return {"t": "extend_ok", "found": True}
         # catch-up round: wait until MD's KV covers what it was sent (not final: no sampling)

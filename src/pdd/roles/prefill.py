@@ -204,7 +204,7 @@ class PrefillInstance(EngineInstance):
             return s
 
         try:
-            seq = await self.worker.call_owned(_new_and_add, free_sequence)
+            seq = await self.worker.call_owned(_new_and_add, free_sequence, overlap=True)
         except BaseException:
             self.first_token_waiters.pop(rid, None)
             raise
@@ -241,7 +241,7 @@ class PrefillInstance(EngineInstance):
             if n and e.radix is not None and seq.status != SeqStatus.RELEASED and len(seq.page_table) >= n:
                 e.radix.insert(prompt[: n * ps], seq.page_table[:n])
 
-        self.worker.call(_cache_prefix).add_done_callback(_log_failure)
+        self.worker.call(_cache_prefix, overlap=True).add_done_callback(_log_failure)
         if ctx.released:  # aborted meanwhile (freed by on_abort): its pages must not be streamed
             raise RuntimeError(f"request {rid} aborted")
         ctx.extra["streaming"] = True  # from here on an abort cancels the streams (on_abort)

@@ -41,7 +41,8 @@ class RelayDecodeInstance(EngineInstance):
             raise RuntimeError(f"request {rid} is already held here")
         sp = SamplingParams.from_dict(h["sampling"])
         prompt = list(h["prompt_ids"])
-        seq = await self.worker.call_owned(lambda e: e.new_sequence(rid, prompt, sp, use_cache=False), free_sequence)
+        seq = await self.worker.call_owned(lambda e: e.new_sequence(rid, prompt, sp, use_cache=False), free_sequence,
+                                           overlap=True)
         self.reqs[rid] = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.counters["requests"] += 1
         await self.admitted(self.reqs[rid])
@@ -61,7 +62,7 @@ class RelayDecodeInstance(EngineInstance):
         # P's first token goes out at once, not after the engine thread's current step (the
         # import waits for it); RLD's own tokens come from later steps, so the order holds
         self.emit(ctx, 0, t0, fin)
-        await self.worker.call(_start)
+        await self.worker.call(_start, overlap=True)
         if fin is not None:
             await self.release(ctx, cache=False)
         return None

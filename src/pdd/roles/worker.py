@@ -30,8 +30,14 @@ class EngineWorker:
 
     ``min_step_s`` (seconds, 0 = off) emulates an accelerator's step time: a forward pass that
     finishes sooner is held until that long after it started, and only then are its token events
-    released and the next commands served, as a GPU's step would return (``EngineConfig.min_step_ms``).
-    The held time counts in ``busy_s`` and ``last_step_s`` (the emulated device is busy).
+    released, as a GPU's step would return (``EngineConfig.min_step_ms``). While a step is held,
+    commands submitted with ``overlap=True`` run at once: admission-type work (a new sequence,
+    its pages, a KV import, adding a sequence to the next batch, a radix insert or peek) that a
+    production scheduler does on the CPU while the GPU computes (SGLang's overlap scheduler). A
+    command that reads or stops a sequence's outputs (a handoff's ids, a release) keeps the
+    default and waits for the step's end, when its outputs exist; so do all commands behind it,
+    so commands still run in submission order. The held time counts in ``busy_s`` and
+    ``last_step_s`` (the emulated device is busy).
     """
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None],
@@ -50,6 +56,7 @@ class EngineWorker:
         self.pages_wait_s = PAGES_WAIT_S
         self.min_step_s = float(min_step_s)
         self.held_s = 0.0  # time steps were held to min_step_s (seconds)
+        self._pending: deque = deque()  # commands taken off the queue during a hold, run after it
 
     def start(self) -> None:
         self._thread.start()
@@ -59,23 +66,25 @@ class EngineWorker:
         self._cmds.put(None)
         self._thread.join(timeout=5)
 
-    def call(self, fn: Callable[[Any], Any]) -> "asyncio.Future[Any]":
+    def call(self, fn: Callable[[Any], Any], overlap: bool = False) -> "asyncio.Future[Any]":
         """Run ``fn(engine)`` on the engine thread; the returned future resolves on the loop.
 
-        Exceptions raised by ``fn`` are set on the future.
+        Exceptions raised by ``fn`` are set on the future. ``overlap``: ``fn`` may run while a
+        step is held to ``min_step_s`` (it does not read outputs of the step in flight).
         """
         fut = self.loop.create_future()
-        self._cmds.put((fn, fut))
+        self._cmds.put((fn, fut, overlap))
         return fut
 
-    async def call_owned(self, fn: Callable[[Any], Any], undo: Callable[[Any, Any], Any]) -> Any:
+    async def call_owned(self, fn: Callable[[Any], Any], undo: Callable[[Any, Any], Any],
+                         overlap: bool = False) -> Any:
         """``await call(fn)`` for a result that owns engine resources (a new sequence and its
         pages): if the awaiting coroutine is cancelled before it has the result (its peer's
         connection closed, and the RPC layer cancelled the handler), ``fn`` still runs on the
         engine thread, and ``undo(engine, result)`` then runs there too, so nothing is left
         allocated with no owner. That holds whether the cancellation comes before or after the
         engine thread finished ``fn``. Raises what ``fn`` raised, or CancelledError."""
-        fut = self.call(fn)
+        fut = self.call(fn, overlap)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -96,7 +105,20 @@ class EngineWorker:
         else:
             fut.set_exception(value)
 
+    def _exec(self, item: tuple) -> None:
+        fn, fut, _ = item
+        try:
+            res = fn(self.engine)
+            self.loop.call_soon_threadsafe(self._resolve, fut, True, res)
+        except BaseException as e:  # delivered to the awaiting coroutine
+            self.loop.call_soon_threadsafe(self._resolve, fut, False, e)
+
     def _drain(self, block: bool) -> None:
+        while self._pending:  # taken off the queue during the last hold, in order
+            item = self._pending.popleft()
+            if item is None:
+                return
+            self._exec(item)
         while True:
             try:
                 item = self._cmds.get(block=block, timeout=0.05 if block else None)
@@ -105,12 +127,28 @@ class EngineWorker:
             block = False
             if item is None:
                 return
-            fn, fut = item
+            self._exec(item)
+
+    def _hold(self, until: float) -> None:
+        """Hold the step until ``until`` (``time.perf_counter()``), running ``overlap`` commands
+        meanwhile; the first other command (or the stop sentinel) is kept for after the hold."""
+        import time
+
+        while not self._stop.is_set():
+            rem = until - time.perf_counter()
+            if rem <= 0:
+                return
+            if self._pending:  # a command waits for the step's end: nothing runs before it
+                self._stop.wait(rem)
+                return
             try:
-                res = fn(self.engine)
-                self.loop.call_soon_threadsafe(self._resolve, fut, True, res)
-            except BaseException as e:  # delivered to the awaiting coroutine
-                self.loop.call_soon_threadsafe(self._resolve, fut, False, e)
+                item = self._cmds.get(timeout=rem)
+            except queue.Empty:
+                return
+            if item is not None and item[2]:
+                self._exec(item)
+            else:
+                self._pending.append(item)
 
     def _run(self) -> None:
         import time
@@ -142,7 +180,7 @@ class EngineWorker:
                 self._fail_step(e)
             dt = time.perf_counter() - t0
             if dt < self.min_step_s:
-                self._stop.wait(self.min_step_s - dt)
+                self._hold(t0 + self.min_step_s)
                 self.held_s += self.min_step_s - dt
                 dt = time.perf_counter() - t0
             self.busy_s += dt
