@@ -131,9 +131,10 @@ for s in $STEPS; do
     agentic_itl30)  # the agentic step with an emulated accelerator step (--min-step-ms 30: every forward pass
       # takes >= 30 ms, the report's ITL of 30-50 ms), so decode steps and the 20 ms WAN round trip are in the
       # report's ratio instead of this CPU's ~1 ms steps (docs/LINK.md); the issue's four modes. A request
-      # decodes for ~5 s, so the one-in-flight reference is its first 40 requests' conversations (~3 min)
+      # decodes for ~5 s, so the one-in-flight reference is its first 40 requests' conversations (~3 min);
+      # the sweep goes past the offered 2.5 req/s (the main run), to 3.75 and 5, as sweep-rate auto would
       run agentic_itl30 --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/agentic.yaml" \
-        --min-step-ms 30 "${REF[@]}" --output-scale 1 --max-output 512 --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
+        --min-step-ms 30 "${REF[@]}" --output-scale 1 --max-output 512 --sweep-rate 1.25,2.5,3.75,5 --sweep-requests 40 \
         --sweep-seconds 16 --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd" ;;
     gaps_itl30)  # the gaps step with the emulated 30 ms step: catch-up vs one-shot switch gaps on the same workload
       run gaps_itl30 "${AG[@]}" "${REF[@]}" --config "$OUT/agentic.yaml" --min-step-ms 30 --output-scale 1 --max-output 512 \

@@ -292,7 +292,7 @@ class EngineInstance:
         def _rel(e):
             e.release(seq, cache=cache)  # also takes it out of the running batch
 
-        await self.worker.call(_rel)
+        await self.worker.call(_rel, overlap=not ctx.in_engine)  # out of the batch: not the step's outputs
 
     # ------------------------------------------------------------------ handlers
     async def on_stats(self, peer, h, payload):
