@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The measured runs behind docs/BENCH.md (issue #3's done-when). Usage:
 #   scripts/bench_issue3.sh OUT_DIR [STEP ...]
-# STEPs (default: all, in this order): gaps ramp prld routing agentic mooncake
+# STEPs (default: all, in this order): gaps ramp prld routing agentic mooncake; also agentic_itl30 and
+# gaps_itl30 (the agentic workload with a 30 ms emulated accelerator step, docs/LINK.md), agentic_short,
+# routing_local, routing_pdd
 # Each step is one `pdd bench` invocation (its modes side by side on fresh topologies) writing
 # OUT_DIR/<step>/report.json, plots and console.txt. The configs are written into OUT_DIR.
 set -euo pipefail
