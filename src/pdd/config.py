@@ -42,7 +42,7 @@ class EngineConfig(_Strict):
         0.0, ge=0, le=10_000, description="emulated accelerator: every forward pass takes at least this long, "
         "ms (its tokens are released at the end); 0 = off. A memory-bound step reads all weights once "
         "whatever the batch, so a GPU decode step has a floor; the PDD report's ITL is 30-50 ms. On this "
-        "CPU a tiny model steps in ~1 ms, 20x under the emulated WAN's round trip (docs/LINK.md)")
+        "CPU the small model steps in ~1.3 ms, ~15x under the emulated WAN's round trip (docs/LINK.md)")
 
     @field_validator("device")
     @classmethod

@@ -32,11 +32,12 @@ class EngineWorker:
     finishes sooner is held until that long after it started, and only then are its token events
     released, as a GPU's step would return (``EngineConfig.min_step_ms``). While a step is held,
     commands submitted with ``overlap=True`` run at once: admission-type work (a new sequence,
-    its pages, a KV import, adding a sequence to the next batch, a radix insert or peek) that a
-    production scheduler does on the CPU while the GPU computes (SGLang's overlap scheduler). A
-    command that reads or stops a sequence's outputs (a handoff's ids, a release) keeps the
-    default and waits for the step's end, when its outputs exist; so do all commands behind it,
-    so commands still run in submission order. The held time counts in ``busy_s`` and
+    its pages, a KV import, adding a sequence to the next batch, releasing one that is out of the
+    batch, a radix insert or peek) that a production scheduler does on the CPU while the GPU
+    computes (SGLang's overlap scheduler). A command that reads or stops a sequence's outputs (a
+    handoff's ids, releasing a sequence still in the batch) keeps the default and waits for the
+    step's end, when its outputs exist; so do all commands behind it, so commands still run in
+    submission order. The held time counts in ``busy_s`` and
     ``last_step_s`` (the emulated device is busy).
     """
 
