@@ -94,3 +94,40 @@ async def test_overlap_commands_run_during_the_hold_others_after_it_in_order():
         assert time.perf_counter() - eng.started[0] >= 0.3
     finally:
         w.stop()
+
+
+async def test_a_command_run_after_the_hold_that_adds_work_does_not_wait_for_more_commands():
+    """A held step's engine had no more work; a command kept for after the hold adds some. The
+    worker must step at once, not block on an empty queue (it waited up to 50 ms: new user)."""
+    loop = asyncio.get_running_loop()
+    eng = _Gated()
+    log = eng.log
+    w = EngineWorker(eng, loop, lambda ev: None, min_step_s=0.2)
+    class _LoggedQueue:
+        def __init__(self, q):
+            self.q = q
+
+        def put(self, item):
+            self.q.put(item)
+
+        def get(self, block=True, timeout=None):
+            log.append(f"get block={bool(block)}")
+            return self.q.get(block, timeout)
+
+    w._cmds = _LoggedQueue(w._cmds)
+    w.start()
+    try:
+        while not eng.started:
+            await asyncio.sleep(0.001)
+
+        def add_work(e):
+            e.log.append("add")
+            e.left = 1
+
+        await asyncio.wait_for(w.call(add_work), 5)  # not overlap: kept until the hold ends
+        while len(eng.started) < 2:
+            await asyncio.sleep(0.001)
+    finally:
+        w.stop()
+    i = log.index("add")
+    assert "get block=True" not in log[i + 1: log.index("step", i)], log  # no blocking wait before the step

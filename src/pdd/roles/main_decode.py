@@ -226,7 +226,9 @@ class MainDecodeInstance(EngineInstance):
         # catch-up round: wait until MD's KV covers what it was sent (not final: no sampling)
         steps0 = self.worker.steps
         while ctx.rid in self.reqs:
-            if await self.worker.call(lambda e: seq.num_computed >= target):
+            # overlap: a poll that waited for each held step's end would park every admission
+            # behind it (the worker keeps command order); at most one step early
+            if await self.worker.call(lambda e: seq.num_computed >= target, overlap=True):
                 break
             await asyncio.sleep(0.002)
         base = sorted(self.worker.recent_steps_s)
@@ -257,5 +259,5 @@ class MainDecodeInstance(EngineInstance):
         ctx = await self._admit(peer, h, min_uncached=1)  # colocated: this engine prefills too
         seq = ctx.seq
         ctx.in_engine = True
-        await self.worker.call(lambda e: e.add(seq))
+        await self.worker.call(lambda e: e.add(seq), overlap=True)
         return {"t": "generate_ok", "rid": ctx.rid, "p_cached_tokens": int(seq.num_cached_tokens)}, b""

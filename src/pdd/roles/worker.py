@@ -120,6 +120,7 @@ class EngineWorker:
             if item is None:
                 return
             self._exec(item)
+            block = False  # it may have added work: the next step must not wait for more commands
         while True:
             try:
                 item = self._cmds.get(block=block, timeout=0.05 if block else None)
