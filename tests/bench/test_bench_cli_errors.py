@@ -146,6 +146,15 @@ def test_url_refuses_modes_other_than_the_servers(capsys, tmp_path, gateway, no_
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("flags", [["--min-step-ms", "20"], ["--wan-gbps", "0.2", "--handoff-mode", "one_shot"]])
+def test_url_refuses_topology_flags(capsys, tmp_path, no_run, flags):
+    """The server at --url runs its own config: a topology flag used to be recorded in report.json as
+    if applied (a new user's --min-step-ms 20 against a server without it)."""
+    _refused(capsys, ["--url", "http://127.0.0.1:1", *flags, "--out", str(tmp_path / "b")],
+             flags[0], "with --url the server runs its own config")
+    assert not (tmp_path / "b").exists()
+
+
 def test_url_refuses_modes_when_the_server_reports_none(capsys, tmp_path, gateway, no_run):
     url = gateway(None)
     assert RemoteTopology(url).reported_mode() is None and RemoteTopology(url).mode() == "external"

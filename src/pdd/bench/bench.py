@@ -712,6 +712,9 @@ def run_bench(
         f"{workload['input_tokens_mean']:.0f} / max {workload['input_tokens_max']} tokens, output mean "
         f"{workload['output_tokens_mean']:.0f} tokens, ideal prefix hit rate {100 * workload['ideal_prefix_hit_rate']:.1f}%"
     )
+    if not url and config.engine.min_step_ms > 0:  # says why TPOT sits at a floor
+        console.print(f"emulated accelerator step: every forward pass takes >= {config.engine.min_step_ms:g} ms "
+                      f"(engine.min_step_ms; docs/LINK.md)")
     # whole conversations, not the first requests (a multi-turn trace starts with cold first turns)
     ref_reqs = [dataclasses.replace(r, arrival_s=0.0) for r in session_subset(requests, ref_requests or None)]
     sweep_reqs = session_subset(requests, sweep_requests or None)
@@ -1248,6 +1251,16 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     if args.config is not None and not Path(args.config).is_file():
         ap.error(f"--config: no such file: {args.config}")
     if args.url:
+        # the server at --url runs its own config: a topology flag would be recorded in the report
+        # as if it had applied (found by a new user: --min-step-ms 20 against a server without it)
+        shaping = [flag for flag, v in (
+            ("--min-step-ms", args.min_step_ms), ("--wan-gbps", args.wan_gbps), ("--wan-rtt-ms", args.wan_rtt_ms),
+            ("--fast-gbps", args.fast_gbps), ("--allow-p-rld", args.allow_p_rld), ("--wan-order", args.wan_order),
+            ("--handoff-mode", args.handoff_mode), ("--pipeline-ttft-budget-ms", args.pipeline_ttft_budget_ms),
+            ("--base-port", args.base_port), ("--gateway-port", args.gateway_port)) if v is not None]
+        if shaping:
+            ap.error(f"{', '.join(shaping)}: with --url the server runs its own config; these flags shape "
+                     f"the topologies pdd bench starts (set them in the server's config instead)")
         try:
             httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10, trust_env=False)
         except httpx.HTTPError as ex:
