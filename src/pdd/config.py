@@ -39,7 +39,7 @@ class EngineConfig(_Strict):
     max_input_len: int = Field(4000, ge=1, description="prompt tokens at most")
     torch_threads: int = Field(1, ge=1)
     min_step_ms: float = Field(
-        0.0, ge=0, le=10_000, description="emulated accelerator: every forward pass takes at least this long, "
+        0.0, ge=0, le=10_000, allow_inf_nan=False, description="emulated accelerator: every forward pass takes at least this long, "
         "ms (its tokens are released at the end); 0 = off. A memory-bound step reads all weights once "
         "whatever the batch, so a GPU decode step has a floor; the PDD report's ITL is 30-50 ms. On this "
         "CPU the small model steps in ~1.3 ms, ~15x under the emulated WAN's round trip (docs/LINK.md)")

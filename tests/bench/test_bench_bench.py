@@ -107,8 +107,9 @@ def test_apply_overrides():
 def test_min_step_override_sets_the_engine_field_and_is_validated():
     assert ClusterConfig().engine.min_step_ms == 0.0  # off by default
     assert apply_overrides(ClusterConfig(), min_step_ms=30).engine.min_step_ms == 30.0
-    with pytest.raises(pydantic.ValidationError):
-        apply_overrides(ClusterConfig(), min_step_ms=-1)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(pydantic.ValidationError):
+            apply_overrides(ClusterConfig(), min_step_ms=bad)
 
 
 SCALE = Scale(block_tokens=4, output_scale=1 / 100, min_output_tokens=3, max_output_tokens=6, target_rate_rps=40)

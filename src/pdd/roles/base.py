@@ -311,6 +311,7 @@ class EngineInstance:
             "forward_calls": getattr(runner, "forward_calls", 0),
             "engine_steps": self.worker.steps,
             "engine_busy_s": round(self.worker.busy_s, 4),
+            "engine_held_s": round(self.worker.held_s, 4),  # of busy_s: steps held to engine.min_step_ms
             "preemptions": getattr(e, "preemptions", 0),
             "cpu_seconds": ru.ru_utime + ru.ru_stime,
             "counters": dict(self.counters),
