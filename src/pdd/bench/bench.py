@@ -79,6 +79,10 @@ from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, id
 from pdd.config import MODES, ClusterConfig, validation_summary
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
+# flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
+# the server runs its own config, so they are refused there
+TOPOLOGY_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "fast_gbps", "min_step_ms", "allow_p_rld", "wan_order",
+                      "handoff_mode", "pipeline_ttft_budget_ms", "base_port", "gateway_port")
 REFERENCE_MODE = "same_dc_pd"
 # The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
 # trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
@@ -1253,11 +1257,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     if args.url:
         # the server at --url runs its own config: a topology flag would be recorded in the report
         # as if it had applied (found by a new user: --min-step-ms 20 against a server without it)
-        shaping = [flag for flag, v in (
-            ("--min-step-ms", args.min_step_ms), ("--wan-gbps", args.wan_gbps), ("--wan-rtt-ms", args.wan_rtt_ms),
-            ("--fast-gbps", args.fast_gbps), ("--allow-p-rld", args.allow_p_rld), ("--wan-order", args.wan_order),
-            ("--handoff-mode", args.handoff_mode), ("--pipeline-ttft-budget-ms", args.pipeline_ttft_budget_ms),
-            ("--base-port", args.base_port), ("--gateway-port", args.gateway_port)) if v is not None]
+        shaping = [_override_flag((k,)) for k in TOPOLOGY_OVERRIDES if getattr(args, k) is not None]
         if shaping:
             ap.error(f"{', '.join(shaping)}: with --url the server runs its own config; these flags shape "
                      f"the topologies pdd bench starts (set them in the server's config instead)")
@@ -1297,11 +1297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON
         ap.error(f"--config {args.config}: {ex}")
     try:
-        config = apply_overrides(
-            base_cfg, wan_gbps=args.wan_gbps, wan_rtt_ms=args.wan_rtt_ms, fast_gbps=args.fast_gbps,
-            allow_p_rld=args.allow_p_rld, wan_order=args.wan_order, handoff_mode=args.handoff_mode,
-            pipeline_ttft_budget_ms=args.pipeline_ttft_budget_ms, min_step_ms=args.min_step_ms, base_port=args.base_port,
-            gateway_port=args.gateway_port, served_model_name=args.model)
+        config = apply_overrides(base_cfg, served_model_name=args.model,
+                                 **{k: getattr(args, k) for k in TOPOLOGY_OVERRIDES})
     except pydantic.ValidationError as ex:  # an override out of the config's range (--wan-gbps 0, a port)
         ap.error("; ".join(f"{_override_flag(e['loc'])}: {e['msg']}, got {e.get('input')!r}" for e in ex.errors()))
     try:
