@@ -832,7 +832,7 @@ class Orchestrator(Recovery):
         msgs = [] if pred is not None else [{"t": "target", "rid": trid, "slot": "md", "name": md_name,
                                              "first_page": md_first, "relay": True}]
         if pred is not None and md_first < pred:  # MD lacks pages the prediction skipped: P fills them
-            self.totals["md_predicted_fills"] = self.totals.get("md_predicted_fills", 0) + 1
+            self.totals["md_predicted_fills"] += 1
             msgs.append({"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "first_page": md_first,
                          "last_page": pred, "relay": True})
         elif st.md_fill_slot:  # P holds an md_fill slot: nothing to fill
@@ -850,7 +850,7 @@ class Orchestrator(Recovery):
                                  self.cfg.policy.kv_whole_pages)
         st.md_predicted_pages, st.md_predicted_bytes = pred_pages, nbytes
         st.wan_bytes_expected = nbytes  # until the reply (the cut-off's and early handoff's estimate)
-        self.totals["md_predicted_sends"] = self.totals.get("md_predicted_sends", 0) + 1
+        self.totals["md_predicted_sends"] += 1
         self._book_wan(st, nbytes, p)
 
     def _book_wan(self, st: ReqState, nbytes: int, p: rpc.Peer | None) -> None:
