@@ -1141,8 +1141,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wan-rtt-ms", type=float)
     g.add_argument("--fast-gbps", type=float)
     g.add_argument("--min-step-ms", type=float,
-                   help="emulated accelerator step time: every engine's forward pass takes at least this long, ms "
-                        "(engine.min_step_ms; docs/LINK.md)")
+                   help="emulated accelerator step time: every engine's forward pass takes at least this long, ms, "
+                        "0..10000 (default: the config's engine.min_step_ms, 0 = off; docs/LINK.md)")
     g.add_argument("--allow-p-rld", action="store_true", default=None)
     g.add_argument("--wan-order", choices=("fifo", "srf"))
     g.add_argument("--handoff-mode", choices=("one_shot", "catch_up", "auto"))
