@@ -254,6 +254,10 @@ def make_like(out_dir: str, like: str, seed: int = 0, vocab: int = 1024, **scale
     spec = families.TOKENIZERS[pub["tokenizer"]]
     if vocab < 300:
         raise ValueError(f"--vocab {vocab}: at least 300 entries (the 256 byte symbols and some merges)")
+    from pdd.engine.config import ModelConfig
+
+    # refuse what the engine cannot load before anything is written (message names the field)
+    ModelConfig.from_dict({**cfg, "vocab_size": vocab + len(spec["specials"])})
     os.makedirs(out_dir, exist_ok=True)
     tok = build_family_tokenizer(spec, vocab)
     ids = {t: tok.token_to_id(t) for t in spec["specials"]}
