@@ -27,8 +27,8 @@ _UNSUPPORTED_FIELDS = {
 }
 # Keys each rope type needs (besides rope_type), and the ones it may have.
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-_ROPE_OPTIONAL = {"default": (), "linear": (), "dynamic": (), "llama3": (),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_ROPE_OPTIONAL = {"default": (), "linear": (), "dynamic": (), "llama3": ("original_max_position_embeddings",),
                   "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                            "mscale", "mscale_all_dim", "truncate")}
 
@@ -72,7 +72,7 @@ def _rope_scaling(d: dict, max_pos: int) -> tuple[float, dict | None]:
         out[k] = float(out[k])
     if out["factor"] < 1.0:
         raise ValueError(f"config.json {key}.factor: must be >= 1, got {out['factor']}")
-    if rtype == "yarn":  # transformers: a top-level original_max_position_embeddings wins, else max_pos
+    if rtype in ("yarn", "llama3"):  # transformers: a top-level original_max_position_embeddings wins, else max_pos
         orig = d.get("original_max_position_embeddings") or out.get("original_max_position_embeddings") or max_pos
         out["original_max_position_embeddings"] = orig
     if "original_max_position_embeddings" in out:
