@@ -92,8 +92,22 @@ def test_prefill_decode_greedy_equal_transformers(ckpts, cid):
     seq.num_computed = len(ids)
     eng.release(seq, cache=False)
     # the engine's own greedy loop (scheduler, sampler, prefix cache) gives the same tokens
-    (out,) = eng.generate([prompt], SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True))
+    sp = SamplingParams(max_tokens=DECODE_STEPS, ignore_eos=True)
+    (out,) = eng.generate([prompt], sp)
     assert out == hf_tokens
+    if "dynamic" not in cid:  # dynamic: a chunk's K keeps its own length's rotation (docs/MODELS.md)
+        # 8-token prefill chunks, batched with a shorter prompt: first over the cached prefix of
+        # the run above (extends over pages), then from nothing
+        short = eng.tokenizer.encode("Hello, how are you today? I am fine, thank you.").ids
+        with torch.no_grad():
+            g2 = hf.generate(torch.tensor([short]), max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS,
+                             do_sample=False, pad_token_id=0)
+        eng.sched_cfg.prefill_chunk_tokens = 8
+        for flush in (False, True):
+            if flush:
+                eng.flush_cache()
+            outs = eng.generate([prompt, short], sp)
+            assert outs == [hf_tokens, g2[0, len(short):].tolist()], f"flush={flush}"
     eng.flush_cache()
     assert eng.pool.num_free == eng.pool.num_pages
     print(f"{cid}: prefill max|diff| {prefill_diff:.3g}, decode max|diff| {decode_diff:.3g}")
