@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -41,6 +42,12 @@ def ensure_model(cfg) -> None:
     from pathlib import Path
 
     if (Path(cfg.model_path) / "config.json").exists():
+        from pdd.engine.config import ModelConfig
+
+        try:  # a config.json the engine cannot compute is refused here, naming its field
+            ModelConfig.from_pretrained(cfg.model_path)
+        except (ValueError, NotImplementedError) as e:
+            raise SystemExit(f"pdd: model_path {cfg.model_path}: {e}")
         return
     if Path(cfg.model_path) != Path("models") / cfg.model_preset:
         raise SystemExit(f"pdd: no checkpoint at {cfg.model_path} (config.json missing); "
@@ -66,13 +73,48 @@ def _check_out_dir(args) -> None:
         _usage(args, f"--out {args.out}: the directory is not writable")
 
 
-def cmd_make_model(args) -> int:
-    from pdd.modelgen import make_model
+_LIKE_SCALE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+                     "max_positions", "original_max_positions", "sliding_window", "rope_scaling")
 
+
+def cmd_make_model(args) -> int:
+    from pdd.modelgen import make_like, make_model
+
+    given = [f for f in _LIKE_SCALE_FLAGS if getattr(args, f) is not None]
+    if args.like is None:
+        if given:
+            _usage(args, f"--{given[0].replace('_', '-')} shapes a --like checkpoint; give --like NAME")
+        _check_out_dir(args)
+        preset, family = args.preset or "small", args.family or "llama"
+        make_model(args.out, preset=preset, seed=args.seed, family=family, tie_word_embeddings=args.tie_embeddings)
+        print(f"wrote {preset} {family} checkpoint to {args.out}")
+        return 0
+    for flag, val in (("--preset", args.preset), ("--family", args.family)):
+        if val is not None:
+            _usage(args, f"{flag} and --like exclude each other (--like takes the published config's family)")
+    if args.tie_embeddings:
+        _usage(args, "--tie-embeddings and --like exclude each other (--like keeps the published tie_word_embeddings)")
+    scale = {f: getattr(args, f) for f in given if f != "vocab"}
+    for f, v in scale.items():
+        if f != "rope_scaling" and v < 1:
+            _usage(args, f"--{f.replace('_', '-')} {v}: must be >= 1")
+    if "rope_scaling" in scale:
+        try:
+            scale["rope_scaling"] = json.loads(scale["rope_scaling"])
+        except json.JSONDecodeError as e:
+            _usage(args, f"--rope-scaling: not JSON ({e.msg}); e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4.0}}'")
+        if scale["rope_scaling"] is not None and not isinstance(scale["rope_scaling"], dict):
+            _usage(args, "--rope-scaling: expected a JSON object or null")
     _check_out_dir(args)
-    make_model(args.out, preset=args.preset, seed=args.seed, family=args.family,
-               tie_word_embeddings=args.tie_embeddings)
-    print(f"wrote {args.preset} {args.family} checkpoint to {args.out}")
+    try:
+        make_like(args.out, args.like, seed=args.seed, vocab=args.vocab or 1024, **scale)
+        from pdd.engine.config import ModelConfig
+
+        cfg = ModelConfig.from_pretrained(args.out)
+    except (ValueError, NotImplementedError) as e:
+        _usage(args, str(e))
+    print(f"wrote a {args.like}-shaped checkpoint ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size}, random weights) to {args.out}")
     return 0
 
 
@@ -209,12 +251,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a deterministic random-weight HF-format checkpoint")
     p.add_argument("--out", required=True)
-    p.add_argument("--preset", choices=["tiny", "small"], default="small")
+    p.add_argument("--preset", choices=["tiny", "small"], default=None, help="size without --like (default small)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="llama",
-                   help="architecture: llama, qwen2 (q/k/v biases) or qwen3 (q/k norms)")
+    p.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default=None,
+                   help="architecture without --like: llama (default), qwen2 (q/k/v biases) or qwen3 (q/k norms)")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="tie the LM head to the input embeddings (no lm_head.weight in the checkpoint)")
+    from pdd.families import LIKE_NAMES
+
+    g = p.add_argument_group("--like: the published config.json of a real model, sizes scaled down "
+                             "(family features kept: rope scaling, q/k norms, biases, tied embeddings, window)")
+    g.add_argument("--like", choices=LIKE_NAMES, default=None)
+    g.add_argument("--layers", type=int, help="num_hidden_layers (default 2)")
+    g.add_argument("--hidden", type=int, help="hidden_size (default 128)")
+    g.add_argument("--heads", type=int, help="num_attention_heads (default 4)")
+    g.add_argument("--kv-heads", type=int, help="num_key_value_heads (default 2 under GQA)")
+    g.add_argument("--head-dim", type=int, help="head_dim (default keeps the published head_dim*heads/hidden)")
+    g.add_argument("--intermediate", type=int, help="intermediate_size (default keeps the published ratio)")
+    g.add_argument("--vocab", type=int, help="synthetic BPE entries, before the family's special tokens (default 1024)")
+    g.add_argument("--max-positions", type=int, help="max_position_embeddings (default: published)")
+    g.add_argument("--original-max-positions", type=int,
+                   help="rope_scaling.original_max_position_embeddings (default: published)")
+    g.add_argument("--sliding-window", type=int, help="sliding_window (Mistral; default: published)")
+    g.add_argument("--rope-scaling", help="rope_scaling as JSON, replacing the published one ('null' removes it)")
     p.set_defaults(fn=cmd_make_model, parser=p)
 
     p = sub.add_parser("launch", help="start one instance of a topology",

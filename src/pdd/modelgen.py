@@ -206,6 +206,96 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
     return out_dir
 
 
+def build_family_tokenizer(spec: dict, base_vocab: int):
+    """A ByteLevel BPE ``tokenizers.Tokenizer``: ``base_vocab`` synthetic BPE entries plus the
+    family's special tokens (``spec`` is a :data:`pdd.families.TOKENIZERS` entry), those first
+    (ids 0..) or after the BPE entries, as the family has them; ``spec["bos"]`` is prepended
+    to every encode when ``spec["add_bos"]``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = list(spec["specials"])
+    first = specials if spec["specials_first"] else []
+    trainer = trainers.BpeTrainer(
+        vocab_size=base_vocab + len(first), special_tokens=first, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if not spec["specials_first"]:
+        tok.add_special_tokens(specials)
+    want = base_vocab + len(specials)
+    if tok.get_vocab_size() != want:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {want}")
+    if spec["add_bos"]:
+        bos = spec["bos"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    return tok
+
+
+def make_like(out_dir: str, like: str, seed: int = 0, vocab: int = 1024, **scale) -> str:
+    """Write a random-weight checkpoint shaped like the released model ``like`` (a name of
+    :data:`pdd.families.PUBLISHED`) to ``out_dir`` and return ``out_dir``.
+
+    The config.json is the published one with the size fields shrunk by
+    :func:`pdd.families.scaled_config` (``**scale``: layers, hidden, heads, kv_heads, head_dim,
+    intermediate, max_positions, original_max_positions, sliding_window, rope_scaling); every
+    family feature (rope scaling, q/k norms, q/k/v biases, tied embeddings, sliding window)
+    is kept. vocab: synthetic BPE entries; the family's special tokens are added, so
+    ``vocab_size`` = vocab + their count. KeyError for an unknown ``like``; ValueError naming
+    the argument for a bad shape.
+    """
+    from pdd import families
+
+    pub = families.published(like)
+    cfg = families.scaled_config(like, **scale)
+    spec = families.TOKENIZERS[pub["tokenizer"]]
+    if vocab < 300:
+        raise ValueError(f"--vocab {vocab}: at least 300 entries (the 256 byte symbols and some merges)")
+    from pdd.engine.config import ModelConfig
+
+    # refuse what the engine cannot load before anything is written (message names the field)
+    ModelConfig.from_dict({**cfg, "vocab_size": vocab + len(spec["specials"])})
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_family_tokenizer(spec, vocab)
+    ids = {t: tok.token_to_id(t) for t in spec["specials"]}
+    # the published bos / eos ids name tokens (PUBLISHED[...]["ids"]); use this vocabulary's ids
+    bos_id, eos_id = ids[pub["ids"]["bos_token_id"]], ids[pub["ids"]["eos_token_id"]]
+    cfg.update(vocab_size=tok.get_vocab_size(), bos_token_id=bos_id, eos_token_id=eos_id,
+               torch_dtype="float32", pdd_like=like, pdd_seed=seed)
+    _dump(os.path.join(out_dir, "config.json"), cfg)
+    gen_eos = [ids[t] for t in pub["generation_eos"]]
+    _dump(os.path.join(out_dir, "generation_config.json"),
+          {"bos_token_id": bos_id, "eos_token_id": gen_eos if len(gen_eos) > 1 else gen_eos[0],
+           "do_sample": False})
+    tc = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec["bos"], "eos_token": spec["eos"], "pad_token": spec["pad"],
+        "add_bos_token": spec["add_bos"], "add_eos_token": False,
+        "model_max_length": cfg["max_position_embeddings"], "clean_up_tokenization_spaces": False,
+        "chat_template": spec["chat_template"],
+    }
+    if spec["specials_first"]:
+        tc["unk_token"] = "<unk>"
+    _dump(os.path.join(out_dir, "tokenizer_config.json"), tc)
+    _dump(os.path.join(out_dir, "special_tokens_map.json"),
+          {k: tc[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if tc.get(k)})
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    shape = dict(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                 num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+                 num_key_value_heads=cfg["num_key_value_heads"],
+                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                 vocab_size=cfg["vocab_size"])
+    weights = _weights(shape, seed)
+    weights.update(_family_weights(shape, seed, cfg["model_type"]))
+    if cfg.get("tie_word_embeddings"):
+        del weights["lm_head.weight"]
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 def _dump(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)

@@ -58,3 +58,41 @@ def test_make_model_family_matches_transformers(tmp_path, family, tied):
         g = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=1)
     assert g_out == g[0, len(prompt):].tolist()
     assert len(ours) == 12
+
+
+@pytest.mark.parametrize("like", ["llama-3.2-1b", "qwen3-0.6b"])
+def test_chat_on_a_like_checkpoint_equals_transformers(tmp_path, like):
+    """/v1/chat/completions on a ``make-model --like`` checkpoint (llama3 rope scaling past the
+    original context, or qwen3 q/k norms): the family's chat template, greedy tokens as
+    transformers' generate on apply_chat_template's ids."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.gateway.api import create_app
+    from pdd.modelgen import make_like
+
+    from .conftest import EngineOrch
+
+    path = make_like(str(tmp_path / like), like, seed=2, original_max_positions=16 if like.startswith("llama") else None)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather like?"}]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = hf_tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert len(ids) > 16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = g[0, len(ids):].tolist()
+    eng = Engine.from_pretrained(path, num_pages=64, page_size=8)
+    cfg = ClusterConfig.model_validate({"model_path": path, "served_model_name": like})
+    orch = EngineOrch(eng)
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{path}/tokenizer.json"))
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={"model": like, "messages": conv, "max_tokens": 8,
+                                                       "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert orch.started[0][0] == ids  # the family's template, tokenized as transformers does
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["choices"][0]["message"]["content"] == eng.tokenizer.decode(want)

@@ -1,7 +1,11 @@
-"""Model configuration read from an HF-format ``config.json`` (Llama family: llama, qwen2, qwen3).
+"""Model configuration read from an HF-format ``config.json`` (Llama family: llama, mistral,
+qwen2, qwen3).
 
 Only the fields the built-in engine needs are kept. ``kv_bytes_per_token`` is a model
-property (MLA / hybrid models would override it), never a constant elsewhere.
+property (MLA / hybrid models would override it), never a constant elsewhere. A config that
+asks for something the engine does not compute (an unknown ``rope_scaling.rope_type``, MoE,
+MLA, another activation, ...) is refused at load with :class:`UnsupportedModelConfig`, whose
+message names the config.json field; a malformed one with ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -10,7 +14,100 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
+
+# Fields whose presence (with a truthy value) means an architecture the engine does not compute.
+_UNSUPPORTED_FIELDS = {
+    "num_experts": "mixture-of-experts", "num_local_experts": "mixture-of-experts",
+    "n_routed_experts": "mixture-of-experts", "moe_intermediate_size": "mixture-of-experts",
+    "num_experts_per_tok": "mixture-of-experts",
+    "kv_lora_rank": "multi-head latent attention (MLA)", "q_lora_rank": "multi-head latent attention (MLA)",
+    "use_mrope": "multimodal RoPE", "mlp_bias": "MLP biases",
+}
+# Keys each rope type needs (besides rope_type), and the ones it may have.
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_ROPE_OPTIONAL = {"default": (), "linear": (), "dynamic": (), "llama3": ("original_max_position_embeddings",),
+                  "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                           "mscale", "mscale_all_dim", "truncate")}
+
+
+class UnsupportedModelConfig(NotImplementedError):
+    """A config.json feature the engine does not implement; the message names the field."""
+
+
+def _rope_scaling(d: dict, max_pos: int) -> tuple[float, dict | None]:
+    """(rope_theta, normalised scaling dict or None for plain RoPE) from ``rope_scaling`` (HF
+    4.x configs; legacy key ``type``) or ``rope_parameters`` (HF 5.x), as transformers'
+    ``standardize_rope_params`` reads them."""
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    rp = d.get(key) or {}
+    if not isinstance(rp, dict):
+        raise ValueError(f"config.json {key}: expected an object, got {rp!r}")
+    theta = d.get("rope_theta")
+    if theta is None:
+        theta = rp.get("rope_theta", 10000.0)
+    rtype = rp.get("rope_type", rp.get("type", "default")) if rp else "default"
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelConfig(f"config.json {key}.rope_type={rtype!r} is not supported "
+                                     f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    prf = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        raise UnsupportedModelConfig(f"config.json partial_rotary_factor={prf!r} is not supported (only 1.0)")
+    if rtype == "default":
+        return float(theta), None
+    out: dict = {"rope_type": rtype}
+    if rtype == "yarn" and rp.get("factor") is None and rp.get("original_max_position_embeddings"):
+        rp = {**rp, "factor": max_pos / rp["original_max_position_embeddings"]}  # transformers' fallback
+    for k in _ROPE_REQUIRED[rtype]:
+        if rp.get(k) is None:
+            raise ValueError(f"config.json {key}.{k}: required by rope_type {rtype!r}")
+    for k in _ROPE_REQUIRED[rtype] + _ROPE_OPTIONAL[rtype]:
+        if rp.get(k) is not None:
+            out[k] = rp[k]
+    for k in [k for k in out if k not in ("rope_type", "truncate", "original_max_position_embeddings")]:
+        if isinstance(out[k], bool) or not isinstance(out[k], (int, float)):
+            raise ValueError(f"config.json {key}.{k}: expected a number, got {out[k]!r}")
+        out[k] = float(out[k])
+    if out["factor"] < 1.0:
+        raise ValueError(f"config.json {key}.factor: must be >= 1, got {out['factor']}")
+    if rtype in ("yarn", "llama3"):  # transformers: a top-level original_max_position_embeddings wins, else max_pos
+        orig = d.get("original_max_position_embeddings") or out.get("original_max_position_embeddings") or max_pos
+        out["original_max_position_embeddings"] = orig
+    if "original_max_position_embeddings" in out:
+        o = out["original_max_position_embeddings"]
+        if isinstance(o, bool) or not isinstance(o, int) or o < 1:
+            raise ValueError(f"config.json {key}.original_max_position_embeddings: expected a positive integer, "
+                             f"got {o!r}")
+    if rtype == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"config.json {key}.high_freq_factor: must exceed low_freq_factor")
+    return float(theta), out
+
+
+def _sliding(d: dict, mt: str, layers: int) -> tuple[int | None, list[int]]:
+    """(window, layers that use it) as transformers' Mistral (every layer) / Qwen2 / Qwen3
+    (``use_sliding_window``: layers from ``max_window_layers`` on, or ``layer_types``) do."""
+    w = d.get("sliding_window")
+    if mt == "llama" or w is None:
+        return None, []
+    if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+        return None, []
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise ValueError(f"config.json sliding_window: expected a positive integer or null, got {w!r}")
+    types = d.get("layer_types")
+    if types is not None and mt != "mistral":
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise UnsupportedModelConfig(f"config.json layer_types: {bad} not supported "
+                                         f"(full_attention, sliding_attention)")
+        if len(types) != layers:
+            raise ValueError(f"config.json layer_types: {len(types)} entries for {layers} layers")
+        return w, [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if mt == "mistral":
+        return w, list(range(layers))
+    start = int(d.get("max_window_layers", layers))
+    return w, [i for i in range(layers) if i >= start]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -49,6 +146,11 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k, v and o projections (llama / qwen3 option)
     qkv_bias: bool = False  # bias on q, k, v only (qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (qwen3)
+    # RoPE scaling, normalised: None (plain RoPE) or {"rope_type": "linear" | "dynamic" | "yarn" |
+    # "llama3", "factor": float, ...the type's own keys (see engine/rope.py)}
+    rope_scaling: dict | None = None
+    sliding_window: int | None = None  # tokens a query sees (itself included) on sliding_window_layers
+    sliding_window_layers: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     model_type: str = "llama"
@@ -79,37 +181,45 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict, name: str = "") -> "ModelConfig":
         """Build from an HF config dict (``LlamaForCausalLM`` and compatible)."""
-        heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        rope_theta = d.get("rope_theta")
-        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope_theta is None:
-            rope_theta = rp.get("rope_theta", 10000.0)
-        rtype = rp.get("rope_type", rp.get("type", "default")) if rp else "default"
-        if rtype not in ("default", None):
-            raise NotImplementedError(f"rope scaling {rtype!r} not supported")
         mt = str(d.get("model_type", "llama"))
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(f"model_type {mt!r} not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
-        if d.get("use_sliding_window"):
-            raise NotImplementedError("sliding-window attention not supported")
+            raise UnsupportedModelConfig(f"config.json model_type={mt!r} is not supported "
+                                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        for k, what in _UNSUPPORTED_FIELDS.items():
+            if d.get(k):
+                raise UnsupportedModelConfig(f"config.json {k}={d[k]!r}: {what} is not supported")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelConfig(f"config.json hidden_act={act!r} is not supported (only silu)")
+        for k in ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers"):
+            if k not in d:
+                raise ValueError(f"config.json {k}: missing")
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        layers = int(d["num_hidden_layers"])
+        max_pos = int(d.get("max_position_embeddings", 4096))
+        rope_theta, scaling = _rope_scaling(d, max_pos)
+        window, window_layers = _sliding(d, mt, layers)
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)) and mt != "qwen2",
             qkv_bias=mt == "qwen2",
             qk_norm=mt == "qwen3",
+            rope_scaling=scaling,
+            sliding_window=window,
+            sliding_window_layers=window_layers,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             model_type=mt,

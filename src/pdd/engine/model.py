@@ -1,5 +1,6 @@
-"""Llama-family decoder (llama, qwen2 q/k/v bias, qwen3 q/k norm) in plain torch, loading
-HF-format safetensors.
+"""Llama-family decoder (llama, mistral, qwen2 q/k/v bias, qwen3 q/k norm) in plain torch,
+loading HF-format safetensors. RoPE (incl. ``linear`` / ``dynamic`` / ``yarn`` / ``llama3``
+scaling) is in :mod:`.rope`; sliding-window attention is applied by the attention backend.
 
 The model knows nothing about pages: each layer hands its fresh q/k/v to an *attention
 backend* (``runner.PagedAttention``) that stores K/V and attends over the cached context.
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelConfig, dtype_name
+from .rope import Rotary
 
 
 class AttentionBackend(Protocol):
@@ -42,21 +44,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dt)
-
-
-class Rotary:
-    """Llama RoPE (rotate-half), cos/sin computed in float32 then cast like HF."""
-
-    def __init__(self, head_dim: int, theta: float, device):
-        self.inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-        )
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64 -> cos, sin: [T, 1, D]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -145,14 +132,19 @@ class LlamaModel(nn.Module):
 
     def _rope(self) -> Rotary:
         if self.rotary is None or self.rotary.inv_freq.device != self.device:
-            self.rotary = Rotary(self.cfg.head_dim, self.cfg.rope_theta, self.device)
+            self.rotary = Rotary(self.cfg.head_dim, self.cfg.rope_theta, self.device, self.cfg.rope_scaling,
+                                 self.cfg.max_position_embeddings)
         return self.rotary
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend):
-        """input_ids, positions: [T] int64 -> final hidden states before the last norm, [T, hidden]."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                      seq_lens: list[int] | None = None):
+        """input_ids, positions: [T] int64 -> final hidden states before the last norm, [T, hidden].
+
+        seq_lens: per token, its sequence's length at this call (last position of its chunk + 1);
+        needed by ``dynamic`` rope scaling only (ValueError there when missing)."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope().cos_sin(positions, x.dtype)
+        cos, sin = self._rope().cos_sin(positions, x.dtype, seq_lens)
         for layer in self.model.layers:
             x = layer(x, cos, sin, backend)
         return x

@@ -3,7 +3,9 @@
 Each batch item contributes ``q_i`` new tokens on top of ``ctx_i`` tokens already in its pages.
 New K/V are written into the item's pages, then every new token attends causally over
 ``[0, ctx_i + q_i)``. Decodes (q_i = 1) share one padded SDPA call; each extend / prefill chunk
-gets its own SDPA call (fresh K/V used directly when ctx_i = 0).
+gets its own SDPA call (fresh K/V used directly when ctx_i = 0). On a sliding-window layer
+(``ModelConfig.sliding_window_layers``) a token at position ``p`` sees only keys at positions
+``> p - sliding_window`` (transformers' ``sliding_window_overlay``); the pages stay allocated.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ class RunItem:
 class PagedAttention:
     """Attention backend for one forward call over a :class:`KVPool`."""
 
-    def __init__(self, pool: KVPool, items: list[RunItem]):
+    def __init__(self, pool: KVPool, items: list[RunItem], sliding_window: int | None = None,
+                 sliding_window_layers=()):
         self.pool = pool
+        self.window = sliding_window
+        self.window_layers = frozenset(sliding_window_layers) if sliding_window else frozenset()
+        self._window_masks: dict = {}
         dev, ps = pool.device, pool.page_size
         page_idx, slot_idx = [], []
         dec_rows, dec_tables, dec_lens = [], [], []
@@ -68,12 +74,28 @@ class PagedAttention:
             padded = [t + [t[0]] * (maxp - len(t)) for t in dec_tables]
             lmax = maxp * ps
             lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
-            mask = (torch.arange(lmax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            kpos = torch.arange(lmax, device=dev)[None, :]
+            mask = (kpos < lens[:, None])[:, None, None, :]
             self.dec = (
                 torch.tensor(dec_rows, dtype=torch.long, device=dev),
                 torch.tensor(padded, dtype=torch.long, device=dev),
                 mask,  # [B, 1, 1, Lmax] bool
             )
+            if self.window_layers:  # the query at position len-1 sees keys >= len - window
+                self.dec_window_mask = mask & (kpos >= lens[:, None] - self.window)[:, None, None, :]
+
+    def _extend_mask(self, start: int, n: int, windowed: bool, device):
+        """[n, start + n] bool: causal, and within the window when ``windowed``; None when plain
+        causal attention over fresh K/V (``is_causal``) does the same."""
+        key = (start, n, windowed)
+        if key not in self._window_masks:
+            qpos = torch.arange(start, start + n, device=device)[:, None]
+            kpos = torch.arange(start + n, device=device)[None, :]
+            mask = kpos <= qpos
+            if windowed:
+                mask = mask & (kpos > qpos - self.window)
+            self._window_masks[key] = mask
+        return self._window_masks[key]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
@@ -84,6 +106,8 @@ class PagedAttention:
         kvh = k.shape[1]
         if self.dec is not None:
             rows, tables, mask = self.dec
+            if layer in self.window_layers:
+                mask = self.dec_window_mask
             b = tables.shape[0]
             flat = tables.reshape(-1)  # index_select per K / V: contiguous result, no extra copy
             kk = torch.index_select(kv[:, 0], 0, flat).view(b, -1, kvh, d).transpose(1, 2)
@@ -91,18 +115,23 @@ class PagedAttention:
             qq = q[rows].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
             out[rows] = o.squeeze(2)
+        windowed_layer = layer in self.window_layers
         for row0, n, start, pt in self.extends:
             qq = q[row0:row0 + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            windowed = windowed_layer and start + n > self.window
             if pt is None:  # nothing cached: attend over the fresh K/V
                 kk = k[row0:row0 + n].transpose(0, 1).unsqueeze(0)
                 vv = v[row0:row0 + n].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+                if windowed:
+                    mask = self._extend_mask(0, n, True, q.device)
+                    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+                else:
+                    o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
             else:
                 total = start + n
                 kk = torch.index_select(kv[:, 0], 0, pt).view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
                 vv = torch.index_select(kv[:, 1], 0, pt).view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
-                qpos = torch.arange(start, total, device=q.device)
-                mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
+                mask = self._extend_mask(start, n, windowed, q.device)
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
             out[row0:row0 + n] = o.squeeze(0).transpose(0, 1)
         return out
@@ -129,17 +158,19 @@ class ModelRunner:
         if not items:
             raise ValueError("empty batch")
         dev = self.pool.device
-        ids, pos = [], []
+        ids, pos, seq_lens = [], [], []
         for it in items:
             ids.extend(it.token_ids[it.start:it.start + it.num_tokens])
             pos.extend(range(it.start, it.start + it.num_tokens))
+            seq_lens.extend([it.start + it.num_tokens] * it.num_tokens)
         if len(ids) != sum(it.num_tokens for it in items):
             raise ValueError("item asks for tokens past the end of token_ids")
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        backend = PagedAttention(self.pool, items)
+        cfg = self.model.cfg
+        backend = PagedAttention(self.pool, items, cfg.sliding_window, cfg.sliding_window_layers)
         with sdpa_kernel(SDPA_BACKENDS):
-            hidden = self.model.hidden_states(input_ids, positions, backend)
+            hidden = self.model.hidden_states(input_ids, positions, backend, seq_lens)
         self.forward_calls += 1
         self.tokens_computed += len(ids)
         if all_logits:
