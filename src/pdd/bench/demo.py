@@ -115,6 +115,8 @@ def measured_replay(
     pages). ``after_replay``: called once the last request has ended, before the drain and the
     stats (``pdd bench --fault`` restarts killed instances there). ``replay_kw`` go to :func:`pdd.bench.client.replay` (``max_in_flight``, ``label``, ...).
     """
+    if getattr(topo, "extra_body", None) is not None:  # a server's own request fields (vLLM's return_token_ids)
+        replay_kw.setdefault("extra_body", topo.extra_body)
     wait_idle = getattr(topo, "wait_idle", None)
     if wait_idle is not None:  # what came before (a warm-up) must be settled before the snapshot
         wait_idle()

@@ -367,7 +367,8 @@ def table_rows(modes: Mapping[str, Mapping]) -> list[tuple[str, list[str]]]:
         row("WAN MB (requests)", lambda m: _fmt(mb(m.get("wan_bytes")), 2)),
         row("WAN MB expected", lambda m: _fmt(mb(m.get("wan_bytes_expected")), 2)),
         row("WAN MB (line)", lambda m: _fmt(mb(m.get("wan_line_bytes")), 2)),
-        row("RLD token share", lambda m: f"{100 * m['rld_output_token_share']:.1f}%"),
+        row("RLD token share", lambda m: "-" if m.get("rld_output_token_share") is None else
+            f"{100 * m['rld_output_token_share']:.1f}%"),
         row("CPU s", lambda m: _fmt(m.get("cpu_seconds"))),
         row("leaked pages", lambda m: _fmt(m.get("leaked_pages"))),
         row("stream errors", lambda m: _fmt(m.get("stream_errors"))),
