@@ -343,6 +343,25 @@ def cmd_validate(a) -> int:
     return 0
 
 
+def cmd_compare_profiles(a) -> int:
+    import json
+    from pathlib import Path
+
+    from pdd.sim.compare import compare_profiles, format_compare
+
+    if a.json:
+        check_out_file(a.json, "--json")
+    try:
+        res = compare_profiles(a.op_profile, a.calibration)
+    except ValueError as e:  # a malformed input: one line naming the file and field
+        raise UsageError(str(e)) from None
+    print(format_compare(res))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
 def cmd_calibrate_roles(a) -> int:
     from pdd.sim.validate import calibrate_roles
 
@@ -459,6 +478,16 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--profile", required=True)
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
     c.set_defaults(func=cmd_calibrate_roles)
+    from pdd.sim.compare import DEFAULT_CALIBRATION, DEFAULT_OP_PROFILE
+
+    cp = sp.add_parser("compare-profiles", help="the step model's prefill / decode step times against Vidur's "
+                                                "published operator profiles and the H200 calibration")
+    cp.add_argument("--op-profile", type=_existing_file, default=str(DEFAULT_OP_PROFILE),
+                    help="a pdd-op-profile/1 JSON (default: data/hardware/vidur/linear-ops.json)")
+    cp.add_argument("--calibration", type=_existing_file, default=str(DEFAULT_CALIBRATION),
+                    help="a measured step profile (default: the H200 calibration)")
+    cp.add_argument("--json", default=None, help="write every row and the summary here")
+    cp.set_defaults(func=cmd_compare_profiles, parser=cp)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
     g.add_argument("--n", type=POS_INT, default=5000)
     g.add_argument("--rate", type=POS_FLOAT, default=2.0)
