@@ -343,6 +343,25 @@ def cmd_validate(a) -> int:
     return 0
 
 
+def cmd_validate_report(a) -> int:
+    import json
+    from pathlib import Path
+
+    from pdd.sim.heldout import format_report, held_out_report
+
+    if a.json:
+        check_out_file(a.json, "--json")
+    try:
+        rep = held_out_report(a.calibration, a.held_out, tuple(a.noise) if a.noise else None)
+    except ValueError as e:  # a missing / malformed run directory, or a run that is not held out
+        raise UsageError(str(e)) from None
+    print(format_report(rep))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rep, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
 def cmd_compare_profiles(a) -> int:
     import json
     from pathlib import Path
@@ -478,6 +497,15 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--profile", required=True)
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
     c.set_defaults(func=cmd_calibrate_roles)
+    vr = sp.add_parser("validate-report", help="judge recorded `pdd sim validate` runs held out from the calibration "
+                                               "run, beside the noise floor of one workload run live twice")
+    vr.add_argument("--calibration", required=True, help="the validate directory the profile was fitted on")
+    vr.add_argument("--held-out", required=True, nargs="+", metavar="DIR",
+                    help="validate directories of other workloads (same profile, nothing refitted)")
+    vr.add_argument("--noise", nargs=2, metavar="DIR", default=None,
+                    help="two validate directories of one workload run live twice (the noise floor)")
+    vr.add_argument("--json", default=None, help="write the report here")
+    vr.set_defaults(func=cmd_validate_report, parser=vr)
     from pdd.sim.compare import DEFAULT_CALIBRATION, DEFAULT_OP_PROFILE
 
     cp = sp.add_parser("compare-profiles", help="the step model's prefill / decode step times against Vidur's "
