@@ -97,6 +97,7 @@ def test_held_out_report_judges_each_run_against_the_goals(tmp_path):
     rep = held_out_report(cal, [good, bad])
     r1, r2 = rep["held_out"]
     assert r1["changed"] == ["session_seed"] and r2["changed"] == ["rate_rps"]
+    assert r1["workload"]["budget_ms"] == 250.0
     assert r1["err_p50_ttft_ms"] == pytest.approx(0.04) and r1["err_p90_ttft_ms"] == pytest.approx(-0.025)
     assert r1["meets"] == {"ttft_p50": True, "ttft_p90": True, "decision_match": True}
     assert r2["meets"] == {"ttft_p50": False, "ttft_p90": True, "decision_match": False}
@@ -113,6 +114,11 @@ def test_a_run_with_the_calibration_workload_is_not_held_out(tmp_path):
     same = _run_dir(tmp_path, "same")
     with pytest.raises(ValueError, match="the same workload as the calibration run"):
         held_out_report(cal, [same])
+    other_budget = _run_dir(tmp_path, "budget40")
+    v = json.loads((other_budget / "validate.json").read_text())
+    v["config"]["pipeline_ttft_budget_ms"] = 40.0
+    (other_budget / "validate.json").write_text(json.dumps(v))
+    assert held_out_report(cal, [other_budget])["held_out"][0]["changed"] == ["budget_ms"]
 
 
 def test_noise_floor_in_the_report_needs_one_workload(tmp_path):

@@ -105,7 +105,10 @@ def read_validate(run_dir: str | Path) -> dict:
 
 
 def _workload(v: dict) -> dict:
-    return {k: v["workload"].get(k) for k in WORKLOAD_KEYS}
+    """The arguments that define a run: the workload's, and the pipeline budget (``--budget-ms``)."""
+    w = {k: v["workload"].get(k) for k in WORKLOAD_KEYS}
+    w["budget_ms"] = (v.get("config") or {}).get("pipeline_ttft_budget_ms")
+    return w
 
 
 def _judge(row: dict, goals: dict) -> dict:
@@ -133,7 +136,7 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
         w = _workload(v)
         if w == cw:
             raise ValueError(f"{d}: the same workload as the calibration run {calibration}: not held out")
-        row = {"run": str(d), "workload": w, "changed": sorted(k for k in WORKLOAD_KEYS if w[k] != cw[k]),
+        row = {"run": str(d), "workload": w, "changed": sorted(k for k in w if w[k] != cw[k]),
                "requests_compared": v.get("requests_compared"), "live": v["live"], "sim": v["sim"],
                "decision_match_share": v["decision_match_share"], "pipeline_match_share": v.get("pipeline_match_share"),
                "ttft_error_per_request": v.get("ttft_error_per_request"),
@@ -165,7 +168,7 @@ def _ms(x) -> str:
 
 def format_report(rep: dict) -> str:
     """Markdown: one row per held-out run (and the noise floor), then the goals."""
-    head = ("| run | changed | requests | TTFT P50 live / sim ms (error) | P90 | P99 | TPOT P50 | per-request "
+    head = ("| run | changed | requests | TTFT P50 live / sim ms (error; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
             "TTFT error: median, \\|e\\| P50 / P90 / P99, within 10% | decision match | pipeline match | goals met |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
 
