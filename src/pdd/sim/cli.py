@@ -343,6 +343,44 @@ def cmd_validate(a) -> int:
     return 0
 
 
+def cmd_validate_report(a) -> int:
+    import json
+    from pathlib import Path
+
+    from pdd.sim.heldout import format_report, held_out_report
+
+    if a.json:
+        check_out_file(a.json, "--json")
+    try:
+        rep = held_out_report(a.calibration, a.held_out, tuple(a.noise) if a.noise else None)
+    except ValueError as e:  # a missing / malformed run directory, or a run that is not held out
+        raise UsageError(str(e)) from None
+    print(format_report(rep))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rep, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
+def cmd_compare_profiles(a) -> int:
+    import json
+    from pathlib import Path
+
+    from pdd.sim.compare import compare_profiles, format_compare
+
+    if a.json:
+        check_out_file(a.json, "--json")
+    try:
+        res = compare_profiles(a.op_profile, a.calibration)
+    except ValueError as e:  # a malformed input: one line naming the file and field
+        raise UsageError(str(e)) from None
+    print(format_compare(res))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
 def cmd_calibrate_roles(a) -> int:
     from pdd.sim.validate import calibrate_roles
 
@@ -459,6 +497,25 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--profile", required=True)
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
     c.set_defaults(func=cmd_calibrate_roles)
+    vr = sp.add_parser("validate-report", help="judge recorded `pdd sim validate` runs held out from the calibration "
+                                               "run, beside the noise floor of one workload run live twice")
+    vr.add_argument("--calibration", required=True, help="the validate directory the profile was fitted on")
+    vr.add_argument("--held-out", required=True, nargs="+", metavar="DIR",
+                    help="validate directories of other workloads (same profile, nothing refitted)")
+    vr.add_argument("--noise", nargs=2, metavar="DIR", default=None,
+                    help="two validate directories of one workload run live twice (the noise floor)")
+    vr.add_argument("--json", default=None, help="write the report here")
+    vr.set_defaults(func=cmd_validate_report, parser=vr)
+    from pdd.sim.compare import DEFAULT_CALIBRATION, DEFAULT_OP_PROFILE
+
+    cp = sp.add_parser("compare-profiles", help="the step model's prefill / decode step times against Vidur's "
+                                                "published operator profiles and the H200 calibration")
+    cp.add_argument("--op-profile", type=_existing_file, default=str(DEFAULT_OP_PROFILE),
+                    help="a pdd-op-profile/1 JSON (default: data/hardware/vidur/linear-ops.json)")
+    cp.add_argument("--calibration", type=_existing_file, default=str(DEFAULT_CALIBRATION),
+                    help="a measured step profile (default: the H200 calibration)")
+    cp.add_argument("--json", default=None, help="write every row and the summary here")
+    cp.set_defaults(func=cmd_compare_profiles, parser=cp)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
     g.add_argument("--n", type=POS_INT, default=5000)
     g.add_argument("--rate", type=POS_FLOAT, default=2.0)

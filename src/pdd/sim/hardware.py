@@ -19,12 +19,14 @@ A measured profile JSON of the same format can be passed for any chip (``--profi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from pdd.sim.models import DATA_DIR, ModelProfile, get_model
+
+CHIP_FIGURES = ("bf16_tflops", "hbm_gb", "hbm_tbps", "interconnect_gbps", "nic_gbps", "usd_per_hour")
 
 # a copy of shared/calibration (measured on an H200, 2026-11-30), so a fresh clone has it
 CALIBRATION_DIR = Path(__file__).resolve().parents[2].parent / "data" / "calibration"
@@ -41,6 +43,8 @@ class Chip:
     nic_gbps: float
     usd_per_hour: float
     source: str = ""
+    # figure name -> its source (a datasheet line, or "assumption: ..."); see chips.json
+    cite: dict = field(default_factory=dict, compare=False, hash=False)
 
     def priced(self, usd_per_hour: float) -> "Chip":
         return replace(self, usd_per_hour=usd_per_hour)

@@ -137,31 +137,41 @@ def compare(live_records: list[dict], sim: ClusterSim) -> dict:
     out = {
         "requests_compared": n,
         "live": {"p50_ttft_ms": _pct(lt, 50) * 1e3, "p90_ttft_ms": _pct(lt, 90) * 1e3,
-                 "p50_tpot_ms": _pct(lp, 50) * 1e3 if lp else None},
+                 "p99_ttft_ms": _pct(lt, 99) * 1e3, "p50_tpot_ms": _pct(lp, 50) * 1e3 if lp else None},
         "sim": {"p50_ttft_ms": _pct(st, 50) * 1e3, "p90_ttft_ms": _pct(st, 90) * 1e3,
-                "p50_tpot_ms": _pct(sp, 50) * 1e3 if sp else None},
+                "p99_ttft_ms": _pct(st, 99) * 1e3, "p50_tpot_ms": _pct(sp, 50) * 1e3 if sp else None},
         "decision_match_share": match / n if n else None,
         "pipeline_match_share": pl_match / n if n else None,
         "mismatches": mism,
         "recorded_inputs_replayed": {"decisions": tot, "identical": ok, "differing": bad[:10]},
     }
-    for k in ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms"):
+    for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
         out[f"err_{k}"] = _err(out["sim"][k], out["live"][k])
     out["ttft_error_per_request"] = per_request_error(pairs)
     return out
 
 
-def per_request_error(pairs: list[tuple[float, float]]) -> dict | None:
-    """Request by request, ``(sim - live) / live`` of TTFT over ``(live, sim)`` pairs (seconds):
-    its median (the bias) and the P50 / P90 of its absolute value. A percentile's error compares
-    two distributions at one point, where a steep or two-humped CDF turns a few ms per request
-    into tens of percent; this one compares each request with itself. None without pairs."""
-    e = np.array([(s - lv) / lv for lv, s in pairs if lv > 0])
+def error_distribution(errors) -> dict | None:
+    """Per-request relative errors ``e`` (dimensionless): the median (the bias), P50 / P90 / P99 of
+    ``|e|`` and the shares of requests with ``|e|`` within 5%, 10% and 25%. None when empty."""
+    e = np.asarray(list(errors), dtype=float)
     if e.size == 0:
         return None
     a = np.abs(e)
-    return {"requests": int(e.size), "median": float(np.median(e)), "abs_p50": float(np.percentile(a, 50)),
-            "abs_p90": float(np.percentile(a, 90))}
+    return {"requests": int(e.size), "median": float(np.median(e)),
+            "abs_p50": float(np.percentile(a, 50)), "abs_p90": float(np.percentile(a, 90)),
+            "abs_p99": float(np.percentile(a, 99)),
+            "within_5pct": float(np.mean(a <= 0.05)), "within_10pct": float(np.mean(a <= 0.10)),
+            "within_25pct": float(np.mean(a <= 0.25))}
+
+
+def per_request_error(pairs: list[tuple[float, float]]) -> dict | None:
+    """Request by request, ``(sim - live) / live`` of TTFT over ``(live, sim)`` pairs (seconds),
+    as ``error_distribution``: its median (the bias), the P50 / P90 / P99 of its absolute value
+    and the shares within 5 / 10 / 25%. A percentile's error compares two distributions at one
+    point, where a steep or two-humped CDF turns a few ms per request into tens of percent; this
+    one compares each request with itself. None without pairs."""
+    return error_distribution((s - lv) / lv for lv, s in pairs if lv > 0)
 
 
 def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float = 0.0) -> float:
@@ -508,14 +518,18 @@ def format_validate(res: dict) -> str:
     from pdd.sim.report import table
 
     rows = []
-    for k, name in (("p50_ttft_ms", "TTFT P50 ms"), ("p90_ttft_ms", "TTFT P90 ms"), ("p50_tpot_ms", "TPOT P50 ms")):
-        rows.append({"metric": name, "live": res["live"][k], "sim": res["sim"][k], "rel_err": res[f"err_{k}"]})
+    for k, name in (("p50_ttft_ms", "TTFT P50 ms"), ("p90_ttft_ms", "TTFT P90 ms"), ("p99_ttft_ms", "TTFT P99 ms"),
+                    ("p50_tpot_ms", "TPOT P50 ms")):
+        if k in res["live"]:  # a validate.json written before P99 was reported has none
+            rows.append({"metric": name, "live": res["live"][k], "sim": res["sim"][k], "rel_err": res[f"err_{k}"]})
     pr = res.get("ttft_error_per_request")
     if pr:
         rows.append({"metric": "TTFT per request: median (sim-live)/live", "live": None, "sim": None,
                      "rel_err": pr["median"]})
-        rows.append({"metric": "TTFT per request: P50 / P90 |error|", "live": None, "sim": None,
-                     "rel_err": f"{pr['abs_p50']:.3g} / {pr['abs_p90']:.3g}"})
+        rows.append({"metric": "TTFT per request: P50 / P90 / P99 |error|", "live": None, "sim": None,
+                     "rel_err": f"{pr['abs_p50']:.3g} / {pr['abs_p90']:.3g} / {pr['abs_p99']:.3g}"})
+        rows.append({"metric": "TTFT per request: share within 5% / 10% / 25%", "live": None, "sim": None,
+                     "rel_err": f"{pr['within_5pct']:.3g} / {pr['within_10pct']:.3g} / {pr['within_25pct']:.3g}"})
     rows.append({"metric": "decision match (pipeline + handoff)", "live": None, "sim": None,
                  "rel_err": res["decision_match_share"]})
     rows.append({"metric": "pipeline match", "live": None, "sim": None, "rel_err": res["pipeline_match_share"]})

@@ -1,0 +1,202 @@
+"""Held-out validation: `pdd sim validate-report`.
+
+The profile (``pdd profile`` + ``pdd sim calibrate-roles``) is fitted on one calibration run;
+the simulator is then judged on other runs nobody fitted to (``pdd sim validate --out DIR`` with
+other ``--session-seed`` / ``--rate`` / ``--max-output-tokens`` / ``--budget-ms``), each read
+from its ``validate.json``. Beside the error stands the **noise floor**: the same workload run
+live twice (two ``pdd sim validate`` directories with identical workload arguments), compared
+with each other exactly as the simulator is compared with a live run (``live_vs_live``).
+
+All inputs are recorded files; nothing here starts a topology or a simulation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pdd.sim.validate import decisions_of, error_distribution
+
+# the goals of issue 25 (docs/SIM.md): |TTFT P50| and |TTFT P90| error, decision match
+GOALS = {"ttft_p50_abs_err": 0.05, "ttft_p90_abs_err": 0.05, "decision_match": 0.95}
+WORKLOAD_KEYS = ("requests", "rate_rps", "block_tokens", "session_sample", "session_seed", "max_output_tokens", "seed")
+
+
+def _ttft_tpot(rec: dict) -> tuple[float, float | None] | None:
+    if not rec.get("ok") or not rec.get("token_times_s"):
+        return None
+    tt = rec["token_times_s"]
+    tpot = (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None
+    return tt[0] - rec["send_s"], tpot
+
+
+def _metrics(ttft: list[float], tpot: list[float]) -> dict:
+    def pct(v, p):
+        return float(np.percentile(v, p)) * 1e3 if v else None
+
+    return {"p50_ttft_ms": pct(ttft, 50), "p90_ttft_ms": pct(ttft, 90), "p99_ttft_ms": pct(ttft, 99),
+            "p50_tpot_ms": pct(tpot, 50)}
+
+
+def live_vs_live(a: list[dict], b: list[dict]) -> dict:
+    """The noise floor: run ``b`` against run ``a`` of the same workload (request records of the
+    bench client, matched by position), with the metrics the simulator is judged on: TTFT P50 /
+    P90 / P99 and TPOT P50 of each and ``b / a - 1``; per request ``(b - a) / a`` of TTFT
+    (``error_distribution``); the share of requests both runs decided alike (pipeline, and the
+    final round's handoff mode) and the pipeline alone.
+
+    Raises ValueError when the runs hold different numbers of requests or another request at
+    some position (``prompt_tokens`` / ``max_tokens`` differ): not the same workload."""
+    if len(a) != len(b):
+        raise ValueError(f"the runs hold {len(a)} and {len(b)} requests: not the same workload")
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        for k in ("prompt_tokens", "max_tokens"):
+            if ra.get(k) != rb.get(k):
+                raise ValueError(f"request {i}: {k} {ra.get(k)} vs {rb.get(k)}: not the same workload")
+    ta, pa, tb, pb, per = [], [], [], [], []
+    n = match = pl = 0
+    for ra, rb in zip(a, b):
+        ma, mb = _ttft_tpot(ra), _ttft_tpot(rb)
+        if ma is None or mb is None:
+            continue
+        n += 1
+        ta.append(ma[0])
+        tb.append(mb[0])
+        if ma[1] is not None:
+            pa.append(ma[1])
+        if mb[1] is not None:
+            pb.append(mb[1])
+        if ma[0] > 0:
+            per.append(mb[0] / ma[0] - 1.0)
+        da = decisions_of((ra.get("pdd") or {}).get("decisions"))
+        db = decisions_of((rb.get("pdd") or {}).get("decisions"))
+        match += da == db
+        pl += da["pipeline"] == db["pipeline"]
+    out = {"requests_compared": n, "a": _metrics(ta, pa), "b": _metrics(tb, pb),
+           "decision_match_share": match / n if n else None, "pipeline_match_share": pl / n if n else None,
+           "ttft_error_per_request": error_distribution(per)}
+    for k in out["a"]:
+        x, y = out["a"][k], out["b"][k]
+        out[f"err_{k}"] = None if not x or y is None else y / x - 1.0
+    return out
+
+
+def read_records(run_dir: str | Path) -> list[dict]:
+    """``requests.jsonl`` of a ``pdd sim validate`` directory (ValueError naming the file)."""
+    p = Path(run_dir) / "requests.jsonl"
+    try:
+        return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: cannot read the live run's requests: {e}") from None
+
+
+def read_validate(run_dir: str | Path) -> dict:
+    p = Path(run_dir) / "validate.json"
+    try:
+        v = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: cannot read a validate result: {e}") from None
+    for k in ("workload", "live", "sim", "decision_match_share"):
+        if k not in v:
+            raise ValueError(f"{p}: {k} is missing")
+    return v
+
+
+def _workload(v: dict) -> dict:
+    """The arguments that define a run: the workload's, and the pipeline budget (``--budget-ms``)."""
+    w = {k: v["workload"].get(k) for k in WORKLOAD_KEYS}
+    w["budget_ms"] = (v.get("config") or {}).get("pipeline_ttft_budget_ms")
+    return w
+
+
+def _judge(row: dict, goals: dict) -> dict:
+    p50, p90, dm = row.get("err_p50_ttft_ms"), row.get("err_p90_ttft_ms"), row.get("decision_match_share")
+    return {"ttft_p50": p50 is not None and abs(p50) <= goals["ttft_p50_abs_err"],
+            "ttft_p90": p90 is not None and abs(p90) <= goals["ttft_p90_abs_err"],
+            "decision_match": dm is not None and dm >= goals["decision_match"]}
+
+
+def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: tuple | None = None,
+                    goals: dict | None = None) -> dict:
+    """Judge the simulator on ``held_out`` validate directories against the ``calibration`` one.
+
+    Each held-out run must differ from the calibration run in its workload arguments
+    (ValueError otherwise: it would not be held out). Per run: TTFT P50 / P90 / P99 and TPOT P50
+    live and simulated with their errors, the per-request TTFT error distribution, decision and
+    pipeline match, and the goal checks (``GOALS``). ``noise``: two directories of one workload,
+    run live twice, compared with ``live_vs_live``."""
+    goals = {**GOALS, **(goals or {})}
+    cal = read_validate(calibration)
+    cw = _workload(cal)
+    runs = []
+    for d in held_out:
+        v = read_validate(d)
+        w = _workload(v)
+        if w == cw:
+            raise ValueError(f"{d}: the same workload as the calibration run {calibration}: not held out")
+        row = {"run": str(d), "workload": w, "changed": sorted(k for k in w if w[k] != cw[k]),
+               "requests_compared": v.get("requests_compared"), "live": v["live"], "sim": v["sim"],
+               "decision_match_share": v["decision_match_share"], "pipeline_match_share": v.get("pipeline_match_share"),
+               "ttft_error_per_request": v.get("ttft_error_per_request"),
+               "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from")}
+        for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
+            lv, sv = v["live"].get(k), v["sim"].get(k)
+            row[f"err_{k}"] = v.get(f"err_{k}", None if not lv or sv is None else sv / lv - 1.0)
+        row["meets"] = _judge(row, goals)
+        runs.append(row)
+    out = {"calibration": str(calibration), "calibration_workload": cw, "goals": goals, "held_out": runs,
+           "all_meet": bool(runs) and all(all(r["meets"].values()) for r in runs)}
+    if noise:
+        a, b = noise
+        va, vb = read_validate(a), read_validate(b)
+        if _workload(va) != _workload(vb):
+            raise ValueError(f"--noise {a} {b}: different workloads; the noise floor needs one workload run twice")
+        out["noise_floor"] = {"runs": [str(a), str(b)], "workload": _workload(va),
+                              **live_vs_live(read_records(a), read_records(b))}
+    return out
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def format_report(rep: dict) -> str:
+    """Markdown: one row per held-out run (and the noise floor), then the goals."""
+    head = ("| run | changed | requests | TTFT P50 live / sim ms (error; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
+            "TTFT error: median, \\|e\\| P50 / P90 / P99, within 10% | decision match | pipeline match | goals met |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(name, changed, n, x, y, errs, per, dm, pm, meets):
+        cells = [f"{_ms(x.get(k))} / {_ms(y.get(k))} ({_pct(errs.get(k))})"
+                 for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")]
+        pr = "-" if not per else (f"{_pct(per['median'])}, {per['abs_p50'] * 100:.1f}% / {per['abs_p90'] * 100:.1f}% / "
+                                  f"{per.get('abs_p99', float('nan')) * 100:.1f}%, "
+                                  + ("-" if per.get("within_10pct") is None else f"{per['within_10pct'] * 100:.0f}%"))
+        dms = "-" if dm is None else f"{dm * 100:.1f}%"
+        pms = "-" if pm is None else f"{pm * 100:.1f}%"
+        lines.append(f"| {name} | {changed} | {n} | " + " | ".join(cells) + f" | {pr} | {dms} | {pms} | {meets} |")
+
+    for r in rep["held_out"]:
+        errs = {k: r.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
+        met = ", ".join(k for k, ok in r["meets"].items() if ok) or "none"
+        changed = ", ".join(f"{k}={r['workload'][k]}" for k in r["changed"])
+        row(r["run"], changed, r["requests_compared"], r["live"], r["sim"], errs, r["ttft_error_per_request"],
+            r["decision_match_share"], r["pipeline_match_share"], met)
+    nf = rep.get("noise_floor")
+    if nf:
+        errs = {k: nf.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
+        row("noise floor: live run 2 vs run 1", "none", nf["requests_compared"], nf["a"], nf["b"], errs,
+            nf["ttft_error_per_request"], nf["decision_match_share"], nf["pipeline_match_share"], "-")
+    g = rep["goals"]
+    lines.append("")
+    lines.append(f"goals: |TTFT P50| and |TTFT P90| error <= {g['ttft_p50_abs_err'] * 100:.0f}% / "
+                 f"{g['ttft_p90_abs_err'] * 100:.0f}%, decision match >= {g['decision_match'] * 100:.0f}%, on every "
+                 f"held-out run: {'met' if rep['all_meet'] else 'not met'} "
+                 f"(calibration run: {rep['calibration']})")
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""Held-out validation and the noise floor (`pdd sim validate-report`), on the recorded
+calibration run (data/profiles/calibration-run) and copies of it changed in known ways."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from pdd.cli import main as pdd_main
+from pdd.sim.heldout import format_report, held_out_report, live_vs_live, read_records
+from pdd.sim.validate import error_distribution
+
+RUN = Path(__file__).resolve().parents[2] / "data" / "profiles" / "calibration-run"
+
+
+def _small(n=30):
+    return read_records(RUN)[:n]
+
+
+def _slower(recs, factor):
+    """Each request's tokens all later by (factor - 1) x its TTFT: TTFT x factor, TPOT unchanged."""
+    out = copy.deepcopy(recs)
+    for r in out:
+        if r.get("ok") and r.get("token_times_s"):
+            d = (factor - 1) * (r["token_times_s"][0] - r["send_s"])
+            r["token_times_s"] = [t + d for t in r["token_times_s"]]
+    return out
+
+
+def test_error_distribution_exact():
+    e = error_distribution([-0.5, 0.0, 0.125, 0.25])
+    # |e| sorted 0, 0.125, 0.25, 0.5 (linear interpolation: P90 at 2.7, P99 at 2.97)
+    assert e == pytest.approx({"requests": 4, "median": 0.0625, "abs_p50": 0.1875, "abs_p90": 0.425,
+                               "abs_p99": 0.4925, "within_5pct": 0.25, "within_10pct": 0.25, "within_25pct": 0.75},
+                              rel=1e-12)
+    assert error_distribution([]) is None
+
+
+def test_noise_floor_of_a_run_against_itself_is_zero():
+    a = _small()
+    nf = live_vs_live(a, copy.deepcopy(a))
+    assert nf["requests_compared"] == 30
+    assert all(nf[f"err_{k}"] == 0.0 for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"))
+    assert nf["ttft_error_per_request"]["abs_p99"] == 0.0 and nf["ttft_error_per_request"]["within_5pct"] == 1.0
+    assert nf["decision_match_share"] == 1.0 and nf["pipeline_match_share"] == 1.0
+
+
+def test_noise_floor_sees_a_uniformly_slower_run_and_a_changed_decision():
+    a = _small()
+    b = _slower(a, 1.25)
+    first = b[0]["pdd"]["decisions"]
+    pipe = next(d for d in first if d["policy"] == "pipeline")
+    pipe["result"] = "p_md" if pipe["result"] != "p_md" else "p_rld_md"
+    nf = live_vs_live(a, b)
+    assert nf["err_p50_ttft_ms"] == pytest.approx(0.25, rel=1e-9)
+    assert nf["err_p90_ttft_ms"] == pytest.approx(0.25, rel=1e-9)
+    assert nf["err_p50_tpot_ms"] == pytest.approx(0.0, abs=1e-9)
+    per = nf["ttft_error_per_request"]
+    assert per["median"] == pytest.approx(0.25, rel=1e-9) and per["within_25pct"] in (0.0, 1.0)
+    assert nf["decision_match_share"] == pytest.approx(29 / 30) and nf["pipeline_match_share"] == pytest.approx(29 / 30)
+
+
+def test_noise_floor_refuses_different_workloads():
+    a = _small()
+    with pytest.raises(ValueError, match="hold 30 and 29 requests"):
+        live_vs_live(a, a[:29])
+    b = copy.deepcopy(a)
+    b[3]["prompt_tokens"] += 1
+    with pytest.raises(ValueError, match="request 3: prompt_tokens"):
+        live_vs_live(a, b)
+
+
+def _run_dir(tmp_path, name, workload=None, live=None, sim=None, dm=None, records=None):
+    v = json.loads((RUN / "validate.json").read_text())
+    v["workload"].update(workload or {})
+    v["live"].update(live or {})
+    v["sim"].update(sim or {})
+    for k in ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms"):
+        v[f"err_{k}"] = v["sim"][k] / v["live"][k] - 1
+    if dm is not None:
+        v["decision_match_share"] = dm
+    d = tmp_path / name
+    d.mkdir()
+    (d / "validate.json").write_text(json.dumps(v))
+    if records is not None:
+        (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return d
+
+
+def test_held_out_report_judges_each_run_against_the_goals(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    good = _run_dir(tmp_path, "seed2", {"session_seed": 2}, {"p50_ttft_ms": 100.0, "p90_ttft_ms": 400.0},
+                    {"p50_ttft_ms": 104.0, "p90_ttft_ms": 390.0}, dm=0.96)
+    bad = _run_dir(tmp_path, "rate12", {"rate_rps": 1.2}, {"p50_ttft_ms": 100.0, "p90_ttft_ms": 400.0},
+                   {"p50_ttft_ms": 90.0, "p90_ttft_ms": 410.0}, dm=0.9)
+    rep = held_out_report(cal, [good, bad])
+    r1, r2 = rep["held_out"]
+    assert r1["changed"] == ["session_seed"] and r2["changed"] == ["rate_rps"]
+    assert r1["workload"]["budget_ms"] == 250.0
+    assert r1["err_p50_ttft_ms"] == pytest.approx(0.04) and r1["err_p90_ttft_ms"] == pytest.approx(-0.025)
+    assert r1["meets"] == {"ttft_p50": True, "ttft_p90": True, "decision_match": True}
+    assert r2["meets"] == {"ttft_p50": False, "ttft_p90": True, "decision_match": False}
+    assert rep["all_meet"] is False
+    assert held_out_report(cal, [good])["all_meet"] is True
+    text = format_report(rep)
+    assert "| 100.0 / 104.0 (+4.0%) | 400.0 / 390.0 (-2.5%) |" in text
+    assert "| ttft_p50, ttft_p90, decision_match |" in text and text.count("| ttft_p90 |") == 1
+    assert "on every held-out run: not met" in text
+
+
+def test_a_run_with_the_calibration_workload_is_not_held_out(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    same = _run_dir(tmp_path, "same")
+    with pytest.raises(ValueError, match="the same workload as the calibration run"):
+        held_out_report(cal, [same])
+    other_budget = _run_dir(tmp_path, "budget40")
+    v = json.loads((other_budget / "validate.json").read_text())
+    v["config"]["pipeline_ttft_budget_ms"] = 40.0
+    (other_budget / "validate.json").write_text(json.dumps(v))
+    assert held_out_report(cal, [other_budget])["held_out"][0]["changed"] == ["budget_ms"]
+
+
+def test_noise_floor_in_the_report_needs_one_workload(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    recs = _small()
+    n1 = _run_dir(tmp_path, "n1", {"session_seed": 3}, records=recs)
+    n2 = _run_dir(tmp_path, "n2", {"session_seed": 3}, records=_slower(recs, 1.25))
+    rep = held_out_report(cal, [ho], (n1, n2))
+    assert rep["noise_floor"]["err_p50_ttft_ms"] == pytest.approx(0.25, rel=1e-9)
+    assert "| noise floor: live run 2 vs run 1 |" in format_report(rep)
+    n3 = _run_dir(tmp_path, "n3", {"session_seed": 4}, records=recs)
+    with pytest.raises(ValueError, match="different workloads"):
+        held_out_report(cal, [ho], (n1, n3))
+
+
+def test_cli_validate_report(tmp_path, capsys):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2}, {"p50_ttft_ms": 100.0}, {"p50_ttft_ms": 104.0}, dm=1.0)
+    out = tmp_path / "r.json"
+    assert pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho), "--json", str(out)]) == 0
+    assert "100.0 / 104.0 (+4.0%)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["held_out"][0]["changed"] == ["session_seed"]
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(tmp_path / "nope")])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "nope/validate.json: cannot read a validate result" in err and "Traceback" not in err
