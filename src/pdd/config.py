@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
 MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
@@ -65,6 +65,22 @@ class LinkConfig(_Strict):
     wan_jitter_ms: float = Field(1.0, ge=0)
     fast_gbps: float = Field(4.0, gt=0, description="fast path rate, Gbit/s (paced at the sender)")
     fast_rtt_ms: float = Field(0.1, ge=0)
+    wan_loss_rate: float = Field(
+        0.0, ge=0, lt=1, description="WAN packet loss probability p: each connection's throughput is capped at "
+        "TCP's loss-limited rate MSS*8/RTT * sqrt(3/2)/sqrt(p) (Mathis et al. 1997; pdd.policy.tcp_model); 0 = no cap")
+    wan_mss_bytes: int = Field(1460, ge=64, le=65535, description="TCP segment size in that formula, bytes")
+    wan_cross_traffic: list[tuple[float, float]] = Field(
+        default_factory=list, description="other traffic sharing the WAN line, per direction: [[t_s, gbps], ...] "
+        "from t_s seconds after the line started, piecewise constant, 0 before the first point; each rate below "
+        "wan_gbps (pdd bench --cross-traffic-gbps X / --cross-traffic 0:0.5,10:2.0)")
+
+    @field_validator("wan_cross_traffic")
+    @classmethod
+    def _cross(cls, v: list, info: ValidationInfo) -> list:
+        """Times >= 0 and increasing, rates >= 0 and below the line's (``wan_gbps``). Raises ValueError."""
+        from pdd.policy.tcp_model import check_schedule
+
+        return [tuple(p) for p in check_schedule(v, "", info.data.get("wan_gbps"))]
 
 
 class PolicyConfig(_Strict):

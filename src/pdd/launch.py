@@ -45,7 +45,9 @@ def link_config(cfg: ClusterConfig, lay: Layout) -> dict:
     routes = [{"listen_port": s.wan_port, "target_host": cfg.host, "target_port": s.port}
               for s in lay.instances if s.dc == "B"]
     return {"host": cfg.host, "control_port": lay.link_control_port, "gbps": cfg.link.wan_gbps,
-            "rtt_ms": cfg.link.wan_rtt_ms, "jitter_ms": cfg.link.wan_jitter_ms, "routes": routes}
+            "rtt_ms": cfg.link.wan_rtt_ms, "jitter_ms": cfg.link.wan_jitter_ms, "routes": routes,
+            "loss_rate": cfg.link.wan_loss_rate, "mss_bytes": cfg.link.wan_mss_bytes,
+            "cross_traffic": [list(p) for p in cfg.link.wan_cross_traffic]}
 
 
 def _parent_alive(parent: int) -> bool:

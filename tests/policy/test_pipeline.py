@@ -82,3 +82,28 @@ def test_relays_every_request_exactly_when_choose_pipeline_cannot_do_otherwise(m
             inp = PipelineInputs(mode=mode, prompt_tokens=1000, md_cached_tokens=cached, ttft_budget_ms=budget,
                                  allow_p_rld=allow)
             assert choose_pipeline(inp) == Pipeline.P_RLD_MD
+
+
+def test_cross_traffic_halving_the_line_flips_a_request_to_the_relay():
+    """The gateway's live estimate (MD's receive rates) falls when cross traffic takes half the
+    line, and a request whose missing KV fitted the budget at the full rate now relays."""
+    from pdd.policy.tcp_model import available_gbps
+    from pdd.policy.wan_estimate import WanEstimate
+
+    line, kvpt, budget = 0.05, 2048, 150.0
+    # 300 missing tokens = 614,400 B: 98.3 ms at 0.05 Gbit/s (+20 ms RTT fits 150 ms), 196.6 ms at 0.025
+    req = dict(mode="pdd", prompt_tokens=400, md_cached_tokens=100, kv_bytes_per_token=kvpt,
+               wan_rtt_ms=20.0, ttft_budget_ms=budget)
+    est = WanEstimate.for_line(line, 20.0)
+    decisions = []
+    for sample in [line] * 5 + [available_gbps(line, line / 2)] * 7:
+        est.add(sample)
+        decisions.append(choose_pipeline(PipelineInputs(wan_gbps_estimate=est.gbps, **req)))
+    # the median (window 9) turns once most of the window is from the halved line: the 10th sample
+    assert decisions == [Pipeline.P_MD] * 9 + [Pipeline.P_RLD_MD] * 3
+    assert est.gbps == 0.025
+    assert expected_wan_seconds(PipelineInputs(wan_gbps_estimate=0.025, **req)) == pytest.approx(
+        0.02 + 614_400 * 8 / 0.025e9, rel=1e-12)
+    # a high-hit request keeps P->MD at the halved rate: 20 missing tokens = 13 ms
+    hi = dict(req, md_cached_tokens=380)
+    assert choose_pipeline(PipelineInputs(wan_gbps_estimate=est.gbps, **hi)) is Pipeline.P_MD

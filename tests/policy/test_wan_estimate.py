@@ -26,3 +26,32 @@ def test_window_drops_oldest_and_ignores_meaningless_samples():
 def test_window_must_be_positive():
     with pytest.raises(ValueError, match="window"):
         WanEstimate(window=0)
+
+
+def test_loss_caps_the_estimate_at_one_connections_mathis_rate():
+    from pdd.policy.tcp_model import mathis_gbps
+
+    m = mathis_gbps(1460, 20.0, 1e-3)  # 0.0226 Gbit/s
+    est = WanEstimate.for_line(0.05, 20.0, loss_rate=1e-3)
+    assert est.cap_gbps == pytest.approx(m, rel=1e-12)
+    assert est.gbps == pytest.approx(m, rel=1e-12)  # before a sample: min(line, cap)
+    assert est.add(0.04) == pytest.approx(m, rel=1e-12)  # a burst above the cap reads as the cap
+    assert est.add(0.01) == pytest.approx(m, rel=1e-12)  # median of 0.04, 0.01: 0.025, above the cap
+    assert est.add(0.01) == 0.01  # median below the cap
+    # light loss: the cap is above the line; the first estimate is the line's rate
+    assert WanEstimate.for_line(0.05, 20.0, loss_rate=1e-5).gbps == 0.05
+    # no loss: exactly the plain estimate (None before a sample, no cap)
+    plain = WanEstimate.for_line(0.05, 20.0)
+    assert plain.gbps is None and plain.cap_gbps is None and plain.add(1.86) == 1.86
+    # a sender reporting the loss it saw sets the cap from then on
+    est = WanEstimate.for_line(0.05, 20.0)
+    est.add(0.05)
+    assert est.add(0.05, loss_rate=1e-2) == pytest.approx(mathis_gbps(1460, 20.0, 1e-2), rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1])
+def test_bad_loss_rate_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match=r"loss_rate must be in \[0, 1\)"):
+        WanEstimate.for_line(0.05, 20.0, loss_rate=bad)
+    with pytest.raises(ValueError, match=r"loss_rate must be in \[0, 1\)"):
+        WanEstimate().add(0.05, loss_rate=bad)

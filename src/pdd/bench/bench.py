@@ -86,7 +86,8 @@ DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 # flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
 # the server runs its own config, so they are refused there
 TOPOLOGY_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "fast_gbps", "min_step_ms", "allow_p_rld", "wan_order",
-                      "handoff_mode", "pipeline_ttft_budget_ms", "base_port", "gateway_port")
+                      "handoff_mode", "pipeline_ttft_budget_ms", "base_port", "gateway_port", "wan_loss_rate",
+                      "wan_cross_traffic")
 REFERENCE_MODE = "same_dc_pd"
 # The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
 # trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
@@ -532,7 +533,7 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
     ``wan_jitter_ms``, ``fast_gbps`` (link), ``allow_p_rld``, ``wan_order``, ``handoff_mode``,
     ``pipeline_ttft_budget_ms`` (policy), ``min_step_ms`` (engine), ``base_port``, ``gateway_port``, ``model_path``,
     ``served_model_name``, ``request_timeout_s`` (top level)."""
-    sections = {"link": ("wan_gbps", "wan_rtt_ms", "wan_jitter_ms", "fast_gbps"),
+    sections = {"link": ("wan_gbps", "wan_rtt_ms", "wan_jitter_ms", "fast_gbps", "wan_loss_rate", "wan_cross_traffic"),
                 "policy": ("allow_p_rld", "wan_order", "handoff_mode", "pipeline_ttft_budget_ms"),
                 "engine": ("min_step_ms",),
                 "": ("base_port", "gateway_port", "model_path", "served_model_name", "request_timeout_s")}
@@ -1175,6 +1176,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wan-order", choices=("fifo", "srf"))
     g.add_argument("--handoff-mode", choices=("one_shot", "catch_up", "auto"))
     g.add_argument("--pipeline-ttft-budget-ms", type=float)
+    g.add_argument("--wan-loss-rate", type=float,
+                   help="WAN packet loss probability in [0, 1): each connection is capped at TCP's loss-limited "
+                        "(Mathis) rate (link.wan_loss_rate; docs/LINK.md)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--cross-traffic-gbps", dest="wan_cross_traffic", type=_cross_traffic_gbps, metavar="GBPS",
+                   help="other traffic taking this many Gbit/s of the WAN line, per direction, from its start "
+                        "(below --wan-gbps; link.wan_cross_traffic)")
+    x.add_argument("--cross-traffic", dest="wan_cross_traffic", type=_cross_traffic_schedule, metavar="T:GBPS,...",
+                   help="cross traffic as a schedule, seconds since the line started:Gbit/s, e.g. 0:0.01,60:0.025")
     g.add_argument("--base-port", type=int)
     g.add_argument("--gateway-port", type=int)
     g.add_argument("--model", help="served model name to request (default: the config's)")
@@ -1215,11 +1225,35 @@ def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) 
     return list(specs), v
 
 
+def _cross_traffic_gbps(text: str) -> list[tuple[float, float]]:
+    """``--cross-traffic-gbps X`` -> ``[(0.0, X)]``; argparse names the flag on a bad value."""
+    from pdd.policy.tcp_model import check_schedule
+
+    try:
+        gbps = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Gbit/s, got {text!r}") from None
+    try:
+        return list(check_schedule([(0.0, gbps)], ""))
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex).split(" at ")[0]) from None
+
+
+def _cross_traffic_schedule(text: str) -> list[tuple[float, float]]:
+    """``--cross-traffic 0:0.5,10:2.0`` -> ``[(0.0, 0.5), (10.0, 2.0)]`` (pdd.policy.tcp_model.parse_cross_traffic)."""
+    from pdd.policy.tcp_model import parse_cross_traffic
+
+    try:
+        return list(parse_cross_traffic(text, "schedule"))
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex)) from None
+
+
 def _override_flag(loc: Sequence) -> str:
     """The flag of a config field :func:`apply_overrides` set (``("link", "wan_gbps")`` -> ``--wan-gbps``)."""
     if not loc:
         return "config overrides"
-    name = {"served_model_name": "model"}.get(str(loc[-1]), str(loc[-1]))
+    name = {"served_model_name": "model", "wan_cross_traffic": "cross_traffic"}.get(str(loc[-1]), str(loc[-1]))
     return "--" + name.replace("_", "-")
 
 

@@ -104,8 +104,10 @@ class Orchestrator(Recovery):
         self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
         self._rr: dict[str, int] = {}
         self._reconnecting: set[str] = set()
-        self.wan_estimate = WanEstimate()  # MD's measured KV receive rates (policy.wan_estimate)
-        self.wan_gbps_live: float | None = None  # its current value, Gbit/s
+        # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)
+        self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
+                                                 cfg.link.wan_mss_bytes)
+        self.wan_gbps_live: float | None = self.wan_estimate.gbps  # its current value, Gbit/s (None: none yet)
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
         # what the gateway routed to each instance across the WAN (cache-aware routing without a peek)
         self.prefix_index: dict[str, PrefixIndex] = {

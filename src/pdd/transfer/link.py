@@ -15,12 +15,22 @@ Config (dict, or an object with ``model_dump()``)::
     seed          RNG seed (default 0)
     chunk_bytes   largest chunk read and scheduled at once, bytes (default 65536)
     control_port  port of the control server (our wire protocol), None = none, 0 = pick
+    loss_rate     packet loss probability p in [0, 1) (default 0): each connection's throughput is
+                  capped at TCP's loss-limited rate (Mathis et al. 1997, ``pdd.policy.tcp_model``)
+    mss_bytes     TCP segment size of that formula, bytes (default 1460)
+    cross_traffic [[t_s, gbps], ...]: other traffic on the line, per direction, from t_s seconds
+                  after the link started (piecewise constant, 0 before the first point; default none)
 
 Model. Side "a" is the connecting client, side "b" the target. Each direction (a_to_b, b_to_a)
 is one line shared by all connections through the emulator (all routes). A chunk read from a
 connection at time ``now`` is serialised onto its direction's line after everything admitted
 before it (``start = max(now, line_free)``, ``end = start + bytes*8/(gbps*1e9)``), then
-delivered to the other side at ``end + rtt_ms/2 + jitter``. A connection does not read its
+delivered to the other side at ``end + rtt_ms/2 + jitter``. Cross traffic takes its rate off the
+line (``end`` integrates ``max(gbps - cross, 1% of gbps)`` over the schedule), and with loss a
+connection's chunk also cannot end sooner than its previous one plus ``bytes*8 / mathis``: one
+connection alone moves N bytes in ``N*8 / min(gbps - cross, mathis)`` s, while the line stays
+free for other connections (``pdd.policy.tcp_model.chunk_times``). Bytes are never dropped
+(TCP retransmits); loss shows as throughput. A connection does not read its
 next chunk until the line has (nearly) finished its previous one, so a fast sender is held
 back by real TCP backpressure (its socket buffers fill) instead of queueing in the proxy;
 the proxy holds at most about one bandwidth-delay product in flight. A slow receiver
@@ -29,7 +39,8 @@ connections interleave chunk by chunk: they share the line fairly.
 
 Control port messages: ``{"t": "stats"}`` -> ``{"t": "stats", "bytes_a_to_b", "bytes_b_to_a",
 "connections", ...}`` (bytes delivered, all connections, framing included);
-``{"t": "set", "gbps"?, "rtt_ms"?, "jitter_ms"?, "outage"?: bool}`` -> the new stats.
+``{"t": "set", "gbps"?, "rtt_ms"?, "jitter_ms"?, "outage"?: bool, "loss_rate"?, "cross_gbps"?}`` -> the
+new stats (``cross_gbps`` replaces the schedule by that rate from now on).
 An outage freezes the line: no byte moves and no connection is reset; when it ends, bytes in
 flight resume their remaining delay. Helpers: :func:`query_stats`, :func:`set_link`.
 """
@@ -46,6 +57,8 @@ import signal
 import sys
 from collections import deque
 from typing import Any, Optional
+
+from pdd.policy import tcp_model
 
 from . import rpc
 
@@ -91,7 +104,12 @@ def normalize_config(cfg: Any) -> dict:
         "seed": int(cfg.get("seed", 0)),
         "chunk_bytes": int(cfg.get("chunk_bytes", DEFAULT_CHUNK_BYTES)),
         "control_port": cfg.get("control_port"),
+        "loss_rate": tcp_model.check_loss_rate(cfg.get("loss_rate", 0.0) or 0.0, "loss_rate"),
+        "mss_bytes": int(cfg.get("mss_bytes", tcp_model.DEFAULT_MSS_BYTES)),
+        "cross_traffic": [list(p) for p in tcp_model.check_schedule(cfg.get("cross_traffic") or (), "cross_traffic")],
     }
+    if out["mss_bytes"] < 1:
+        raise ValueError("mss_bytes must be >= 1")
     if out["gbps"] <= 0:
         raise ValueError("gbps must be > 0")
     if out["rtt_ms"] < 0 or out["jitter_ms"] < 0:
@@ -120,7 +138,8 @@ class _Flow:
 
     __slots__ = (
         "link", "line", "src", "dst", "queue", "queued_bytes", "last_deliver", "timer",
-        "resume_timer", "line_hold", "eof_read", "eof_sent", "dead", "finished",
+        "resume_timer", "line_hold", "eof_read", "eof_sent", "dead", "finished", "free_at", "sched_s",
+        "bytes_admitted",
     )
 
     def __init__(self, link: "Link", line: _Line, src: "_Side", dst: "_Side"):
@@ -138,6 +157,11 @@ class _Flow:
         self.eof_sent = False
         self.dead = False
         self.finished = False  # EOF delivered, or killed
+        self.free_at = 0.0  # loop time at which this connection's admitted bytes are serialised
+        # seconds of schedule this connection's bytes took beyond the time it was idle: alone on
+        # the line, bytes_admitted * 8 / min(available rate, loss-limited rate), exactly
+        self.sched_s = 0.0
+        self.bytes_admitted = 0
 
     # -- admission (source side)
     def admit(self, data) -> None:
@@ -149,9 +173,22 @@ class _Flow:
         n = len(data)
         line = self.line
         start = line.free_at if line.free_at > now else now
-        ser = n * link._s_per_byte
-        end = start + ser
-        line.free_at = end
+        if link._plain:
+            ser = n * link._s_per_byte
+            end = start + ser
+            line.free_at = end
+        else:
+            t0 = link.t0
+            _, line_end, end = tcp_model.chunk_times(now - t0, n, line.free_at - t0, self.free_at - t0,
+                                                     link.gbps, link.cross_schedule, link.conn_gbps)
+            line_end += t0
+            end += t0
+            ser = line_end - start
+            line.free_at = line_end
+        prev = self.free_at if self.free_at > now else now
+        self.sched_s += end - prev
+        self.free_at = end
+        self.bytes_admitted += n
         line.busy_s += ser
         line.bytes_admitted += n
         deliver = end + link._one_way_s
@@ -441,6 +478,10 @@ class Link:
         self._servers: list[asyncio.base_events.Server] = []
         self._control: Optional[rpc.Server] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.t0 = 0.0  # loop time the cross-traffic schedule counts from (start())
+        self.cross_schedule: tcp_model.Schedule = tcp_model.check_schedule(self.cfg["cross_traffic"])
+        self.mss_bytes = self.cfg["mss_bytes"]
+        self.loss_rate = self.cfg["loss_rate"]
         self._apply(self.cfg["gbps"], self.cfg["rtt_ms"], self.cfg["jitter_ms"])
 
     def _apply(self, gbps: float, rtt_ms: float, jitter_ms: float) -> None:
@@ -450,9 +491,19 @@ class Link:
         self._s_per_byte = 8.0 / (self.gbps * 1e9)
         self._one_way_s = self.rtt_ms / 2000.0
         self._jitter_s = self.jitter_ms / 1000.0
+        # one connection's loss-limited rate, Gbit/s (inf: no loss, or no RTT)
+        self.conn_gbps = tcp_model.mathis_gbps(self.mss_bytes, self.rtt_ms, self.loss_rate)
+        # neither loss nor cross traffic: the original arithmetic, bit for bit
+        self._plain = self.conn_gbps == float("inf") and not self.cross_schedule
+
+    def cross_gbps(self) -> float:
+        """Cross traffic on the line now, Gbit/s (per direction)."""
+        now = self.loop.time() if self.loop is not None else self.t0
+        return tcp_model.cross_gbps_at(self.cross_schedule, now - self.t0)
 
     async def start(self) -> "Link":
         self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
         for r in self.cfg["routes"]:
             srv = await self.loop.create_server(
                 lambda r=r: _Conn(self, r).a, self.host, r["listen_port"], reuse_address=True
@@ -492,8 +543,17 @@ class Link:
 
     # -- control
     def set(self, gbps: Optional[float] = None, rtt_ms: Optional[float] = None,
-            jitter_ms: Optional[float] = None, outage: Optional[bool] = None) -> dict:
-        """Change rate (Gbit/s), RTT (ms), jitter (ms) for bytes admitted from now on; start/end an outage."""
+            jitter_ms: Optional[float] = None, outage: Optional[bool] = None,
+            loss_rate: Optional[float] = None, cross_gbps: Optional[float] = None) -> dict:
+        """Change rate (Gbit/s), RTT (ms), jitter (ms), loss probability ([0, 1)) for bytes admitted
+        from now on; replace the cross-traffic schedule by ``cross_gbps`` (>= 0) from now on;
+        start/end an outage. Raises ValueError naming a bad value."""
+        if loss_rate is not None:
+            self.loss_rate = tcp_model.check_loss_rate(loss_rate, "loss_rate")
+        if cross_gbps is not None:
+            now = self.loop.time() if self.loop is not None else self.t0
+            keep = tuple(p for p in self.cross_schedule if p[0] < now - self.t0)
+            self.cross_schedule = tcp_model.check_schedule(keep + ((now - self.t0, cross_gbps),), "cross_gbps")
         self._apply(
             self.gbps if gbps is None else gbps,
             self.rtt_ms if rtt_ms is None else rtt_ms,
@@ -518,6 +578,8 @@ class Link:
                     if line.free_at > self.outage_started:
                         line.free_at += d
                     for f in list(line.flows):
+                        if f.free_at > self.outage_started:
+                            f.free_at += d
                         f.shift(d)
                         if f.resume_timer is not None:
                             f.resume_timer.cancel()
@@ -545,6 +607,11 @@ class Link:
             "jitter_ms": self.jitter_ms,
             "outage": self.outage,
             "outage_total_s": self.outage_total_s,
+            "loss_rate": self.loss_rate,
+            "mss_bytes": self.mss_bytes,
+            "conn_gbps": None if self.conn_gbps == float("inf") else self.conn_gbps,
+            "cross_gbps": self.cross_gbps(),
+            "cross_traffic": [list(p) for p in self.cross_schedule],
             "ports": list(self.ports),
         }
 
@@ -553,7 +620,8 @@ class Link:
 
     def _h_set(self, peer, h, p):
         return dict(
-            self.set(h.get("gbps"), h.get("rtt_ms"), h.get("jitter_ms"), h.get("outage")),
+            self.set(h.get("gbps"), h.get("rtt_ms"), h.get("jitter_ms"), h.get("outage"), h.get("loss_rate"),
+                     h.get("cross_gbps")),
             t="stats",
         )
 
@@ -574,7 +642,7 @@ async def query_stats(host: str, port: int, timeout: float = 5.0) -> dict:
 
 
 async def set_link(host: str, port: int, timeout: float = 5.0, **kw) -> dict:
-    """``set_link(host, port, gbps=?, rtt_ms=?, jitter_ms=?, outage=?)`` -> new stats."""
+    """``set_link(host, port, gbps=?, rtt_ms=?, jitter_ms=?, outage=?, loss_rate=?, cross_gbps=?)`` -> new stats."""
     peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
     try:
         h, _ = await peer.call(dict({k: v for k, v in kw.items() if v is not None}, t="set"), timeout=timeout)
