@@ -36,10 +36,18 @@ class HeldOrch(Orchestrator):
         self.aborted = asyncio.Event()
         self.abort_reasons: list[tuple[str, str]] = []  # (rid, reason)
         self.stops: dict[str, asyncio.Event] = {}  # rid -> set when that request is aborted
+        self.refuse_sibling = False  # n > 1: the first sibling choice to start is refused
+        self.refused_one = False
 
     async def _launch(self, st, prompt, sp=None, force_relay=False):
-        if list(prompt) == PROMPT_REFUSED:
+        if list(prompt) == PROMPT_REFUSED or (self.refuse_sibling and st.sibling_of is not None
+                                              and not self.refused_one):
+            self.refused_one = st.sibling_of is not None
             raise RemoteError("OutOfPages: out of KV pages: need 57, 52 free", {})
+        if self.refuse_sibling and st.sibling_of is None:
+            self.go.set()  # choice 0 starts; of its siblings one is refused, the other held
+        elif self.refuse_sibling:
+            self.go.clear()
         self.prefilling.set()
         stop = asyncio.ensure_future(self.stops.setdefault(st.rid, asyncio.Event()).wait())
         go = asyncio.ensure_future(self.go.wait())
@@ -159,3 +167,17 @@ async def test_a_request_that_starts_normally_is_not_touched_by_the_watch(held):
     await _until(lambda: not orch.reqs, "the request to end")
     assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 1, "failed": 0, "cancelled": 0, "rejected": 0}
     assert orch.abort_reasons == []
+
+
+async def test_a_choice_refused_while_starting_stops_its_sibling_still_prefilling(held):
+    """n=3: choice 0 starts, choice 1 is refused by a tier (429), choice 2 is still prefilling:
+    it is aborted then (rejected), as choice 0 is, instead of prefilled to its end first."""
+    orch, app, port = held
+    orch.refuse_sibling = True
+    reader, writer = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 4, "n": 3})
+    status = (await asyncio.wait_for(reader.readline(), 10)).decode()
+    assert status.startswith("HTTP/1.1 429"), status
+    writer.close()
+    await _until(lambda: not orch.reqs and app.state.admission.inflight == 0, "the request to end")
+    assert orch.refused_one and not orch.go.is_set()  # the held choice ended by its abort
+    assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
