@@ -141,6 +141,11 @@ class PolicyConfig(_Strict):
         0.5, ge=0,
         description="cut off only when the rest of the transfer would take at least this long at the live WAN "
         "rate; shorter remainders finish, so MD's cache keeps the prompt for the next turn (0: always cut off)")
+    cancel_on_disconnect: bool = Field(
+        True, description="the gateway watches a request's connection while it starts (P prefilling, RLD and MD "
+        "reserving): a client gone before its first byte aborts it on every tier, P at its next prefill chunk "
+        "boundary (pdd.gateway.disconnect); false: the start runs to P's first token and the disconnect is seen "
+        "when the response begins (baseline)")
     handoff_min_tokens: int = Field(
         0,
         ge=0,

@@ -63,6 +63,11 @@ class InstanceCollector:
         c = CounterMetricFamily("pdd_forward_calls", "engine forward calls", labels=lab)
         c.add_metric(lv, getattr(e.runner, "forward_calls", 0))
         yield c
+        if hasattr(e, "prefill_chunks"):
+            c = CounterMetricFamily("pdd_prefill_chunks", "prefill chunks run (a sequence's prompt tokens in one "
+                                    "forward pass)", labels=lab)
+            c.add_metric(lv, e.prefill_chunks)
+            yield c
         if inst.worker is not None:
             c = CounterMetricFamily("pdd_engine_busy_seconds", "time spent in forward passes", labels=lab)
             c.add_metric(lv, inst.worker.busy_s)

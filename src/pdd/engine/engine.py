@@ -87,6 +87,7 @@ class Engine:
         # beyond one batch; None = unbounded. new_sequence raises TierBusy past it.
         self.max_waiting = max_waiting
         self._live: dict[int, Sequence] = {}  # id(seq) -> seq, from new_sequence until release
+        self.prefill_chunks = 0  # prefill chunks run: (sequence, forward pass) pairs that computed prompt tokens
 
     @classmethod
     def from_pretrained(cls, path: str, num_pages: int = 1024, page_size: int = 16, dtype="float32",
@@ -267,7 +268,14 @@ class Engine:
 
     # -- stepping ----------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return any(s.status == SeqStatus.RUNNING and s.pending > 0 for s in self.seqs.values())
+        return any(s.status == SeqStatus.RUNNING and s.pending > 0 and not s.cancelled for s in self.seqs.values())
+
+    @staticmethod
+    def cancel(seq: Sequence) -> None:
+        """Stop scheduling ``seq`` from the next step on (its request was aborted). Safe from any
+        thread (one attribute store): the step in flight, if any, still runs its chunk, so at
+        most one chunk runs after this call. It keeps its pages until :meth:`release`."""
+        seq.cancelled = True
 
     def step(self) -> list[TokenEvent]:
         """One forward call over a scheduled batch; returns the tokens sampled (possibly none,
@@ -286,7 +294,8 @@ class Engine:
         free pages (abort / release something) or every later step raises too."""
         while True:
             states = [SeqState(s.seq_id, len(s.token_ids), s.num_computed, s.arrival, s.can_sample)
-                      for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.pending > 0]
+                      for s in list(self.seqs.values())
+                      if s.status == SeqStatus.RUNNING and s.pending > 0 and not s.cancelled]
             if not states:
                 return []
             plan = schedule(states, self.sched_cfg)
@@ -317,6 +326,9 @@ class Engine:
         logits = self.runner.forward(items)
         sampled = []
         for seq, it in zip(seqs, plan_items):
+            if it.start < seq.prompt_len:  # computed prompt tokens: one prefill chunk of it
+                seq.prefill_chunks += 1
+                self.prefill_chunks += 1
             seq.num_computed = it.start + it.num_tokens
             if it.sample:
                 sampled.append(seq)

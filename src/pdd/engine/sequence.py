@@ -37,6 +37,11 @@ class Sequence:
     arrival: int = 0
     can_sample: bool = True  # False while catching up on handed-over tokens without sampling
     prefix_match: object = None  # radix PrefixMatch holding the lock (engine-private)
+    # prefill chunks run for this sequence: forward passes that computed some of its prompt
+    prefill_chunks: int = 0
+    # set (from any thread) when its request was aborted: the engine schedules none of its
+    # tokens from the next step on; its owner still releases it (pages freed once, by release)
+    cancelled: bool = False
 
     @property
     def num_tokens(self) -> int:

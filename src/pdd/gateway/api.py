@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
 from pdd.gateway.admission import Admission, causes, refusal
+from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unless_gone
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -381,12 +382,60 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         gen.ticket_end = ticket_end
         weakref.finalize(gen, adm.release, ticket)
 
-    async def start(ids, sps, opts, request: Request | None = None, admitted: bool = False) -> Generation:
+    async def start_watched(request: Request, plans: list, admitted: bool = False):
+        """Start one prompt's :class:`Generation` (one plan), or every prompt of a batch at once
+        (a list of them; ``admitted``: the caller holds the batch's ticket), while watching the
+        client's connection (:func:`pdd.gateway.disconnect.unless_gone`, unless
+        ``policy.cancel_on_disconnect`` is off): a client gone before the first byte aborts
+        every choice on every tier (cancelled) and gets ClientGone (499). A prompt that cannot
+        start stops the others at once (rejected when a tier refused it for now, else failed)
+        and its error is raised."""
+        made: list[Generation] = []
+        batch = len(plans) > 1
+
+        def gone() -> None:
+            for g in made:
+                g.abort_starting(ABORT_CLIENT)
+
+        async def run():
+            if not batch:
+                return await start(*plans[0], request, admitted=admitted, made=made)
+            tasks = [asyncio.ensure_future(start(*p, request, admitted=True, made=made)) for p in plans]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            except asyncio.CancelledError:
+                gone()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            errs = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+            if errs:
+                # a prompt a tier refused for now (429): the others are rejected too, not failed
+                why = ABORT_REJECTED if isinstance(errs[0], Overloaded) else ABORT_FAILED
+                for g in made:
+                    g.abort_starting(why)
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise errs[0]
+            return [t.result() for t in tasks]
+
+        try:
+            return await unless_gone(request, run(), gone, enabled=cfg.policy.cancel_on_disconnect)
+        except ClientGone:
+            for g in made:  # a choice that started as the client left: its ticket ends now
+                end = getattr(g, "ticket_end", None)
+                if end is not None:
+                    end(False)
+            raise
+
+    async def start(ids, sps, opts, request: Request | None = None, admitted: bool = False,
+                    made: list | None = None) -> Generation:
         """Admit (else 429), then start every choice. The admission ticket is released when the
         request ends (``gen.ticket_end``). ``admitted``: the caller holds the ticket (a batch of
-        prompts is admitted as one request), so none is taken here."""
+        prompts is admitted as one request), so none is taken here. ``made``: the Generation is
+        appended to it before it starts (so it can be aborted while it starts)."""
         ticket = None if admitted else admit(len(sps), len(ids), request)
         gen = Generation(orch, tokenizer, ids, sps, opts, eos_ids)
+        if made is not None:
+            made.append(gen)
         try:
             await gen.start()
         except RequestFailed as ex:
@@ -498,27 +547,17 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs)))
         opts = plans[0][2]
         if len(plans) == 1:
-            gen = await start(*plans[0], request)
+            gen = await start_watched(request, [plans[0]])
         else:
             # a batch is admitted as one request (all its choices, all its prompt tokens), so it is
             # refused before any prompt starts, never part-started and then stopped; then every
-            # prompt starts at once, and if one cannot start, the others are stopped
+            # prompt starts at once, and if one cannot start, the others are stopped at once
             ticket = admit(len(plans) * body.n, sum(len(p[0]) for p in plans), request)
             try:
-                started = await asyncio.gather(*(start(*p, request, admitted=True) for p in plans),
-                                               return_exceptions=True)
+                started = await start_watched(request, plans, admitted=True)
             except BaseException:
                 adm.release(ticket)
                 raise
-            errs = [g for g in started if isinstance(g, BaseException)]
-            if errs:
-                adm.release(ticket)
-                # a prompt a tier refused for now (429): the others started are rejected too, not failed
-                why = ABORT_REJECTED if isinstance(errs[0], Overloaded) else ABORT_FAILED
-                for g in started:
-                    if not isinstance(g, BaseException):
-                        g.close(why)
-                raise errs[0]
             gen = Batch(started, body.n)
             hold_ticket(gen, ticket)
         created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
@@ -552,7 +591,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_context(len(ids), max_tokens, param, body.n, asked, prompt_param="messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
-        gen = await start(ids, sps, opts, request)
+        gen = await start_watched(request, [(ids, sps, opts)])
         created, cid = int(time.time()), f"chatcmpl-{gen.choices[0].st.rid}"
         if body.stream:
             return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, _usage_opts(body)),
@@ -568,21 +607,6 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
 
     return app
-
-
-async def _client_gone(request: Request) -> None:
-    """Return once the client has disconnected: the ASGI receive channel yields
-    ``{"type": "http.disconnect"}`` (the body was read already, so nothing else is pending). A
-    receive channel that fails stops the watch (never returns): a request is aborted only when
-    its client is known to be gone."""
-    try:
-        while True:
-            msg = await request.receive()
-            if msg.get("type") == "http.disconnect":
-                return
-    except Exception as e:  # noqa: BLE001
-        log.debug("not watching for the client's disconnect: %r", e)
-    await asyncio.Event().wait()
 
 
 def _lp(v) -> float:

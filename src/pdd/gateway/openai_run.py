@@ -104,21 +104,55 @@ class Generation:
         self.pumps: list[asyncio.Task] = []
         self.live = 0
         self.on_first_token = None  # called once, when the first token of any choice arrives (admission)
+        self.rids: list[str] = []  # the rid of every choice asked to start (abort_starting finds them by it)
+        self.stopped: str | None = None  # abort_starting's reason: no further choice starts
+
+    def _rid(self) -> str | None:
+        """A rid for the next choice to start, from the orchestrator's own sequence (None: an
+        orchestrator without ``new_rid`` names its requests itself). Raises ``RequestFailed``
+        once :meth:`abort_starting` stopped this request (nothing more starts)."""
+        if self.stopped is not None:
+            raise RequestFailed(f"request stopped before this choice started ({self.stopped})")
+        new_rid = getattr(self.orch, "new_rid", None)
+        if new_rid is None:
+            return None
+        rid = new_rid()
+        self.rids.append(rid)
+        return rid
+
+    def abort_starting(self, reason: str) -> None:
+        """Abort every choice of this request, started or still starting (its tiers reserving,
+        P prefilling: ``Orchestrator.abort`` drops it everywhere, P at its next chunk boundary),
+        with ``reason``; a starting choice's ``start_request`` then fails at once."""
+        from pdd.gateway.disconnect import abort_starting
+
+        self.stopped = self.stopped or reason
+        self.close(reason)
+        abort_starting(self.orch, self.rids, reason)
 
     async def start(self) -> None:
         """Start every choice (choice 0 first, so the others hit P's prefix cache). Raises
         ``RequestFailed`` if a choice could not start; the choices started are then aborted
         (counted failed, rejected when a tier refused the choice for now, cancelled if the start
-        itself was cancelled)."""
+        itself was cancelled), and so are the other choices still starting, at once (not after
+        their prefill)."""
         try:
-            first = await self.orch.start_request(self.prompt_ids, self.sps[0])
+            first = await self.orch.start_request(self.prompt_ids, self.sps[0], rid=self._rid())
             self._add(first)
             if len(self.sps) > 1:
                 # the other choices reserve on choice 0's MD once its KV is there, when the copy
                 # would cost the WAN more than the wait (pdd.policy.siblings)
-                rest = await asyncio.gather(*(self.orch.start_request(self.prompt_ids, sp, sibling_of=first,
-                                                                      siblings=len(self.sps) - 1)
-                                              for sp in self.sps[1:]), return_exceptions=True)
+                loop = asyncio.get_running_loop()
+                tasks = [loop.create_task(self.orch.start_request(self.prompt_ids, sp, rid=self._rid(),
+                                                                  sibling_of=first, siblings=len(self.sps) - 1))
+                         for sp in self.sps[1:]]
+                for t in tasks:  # retrieved however this start ends (no "never retrieved" noise)
+                    t.add_done_callback(lambda f: f.cancelled() or f.exception())
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                first_err = next((t.exception() for t in tasks if t.done() and t.exception() is not None), None)
+                if first_err is not None:  # the others still starting stop now, with the same reason
+                    self.abort_starting(ABORT_REJECTED if refusal(first_err) is not None else ABORT_FAILED)
+                rest = await asyncio.gather(*tasks, return_exceptions=True)
                 errs = [r for r in rest if isinstance(r, BaseException)]
                 for r in rest:
                     if not isinstance(r, BaseException):
@@ -126,7 +160,7 @@ class Generation:
                 if errs:
                     raise errs[0]
         except asyncio.CancelledError:
-            self.close(ABORT_CLIENT)
+            self.abort_starting(ABORT_CLIENT)  # the choices still starting too
             raise
         except BaseException as e:
             # a choice refused by a tier for now (the API answers 429): the others started are

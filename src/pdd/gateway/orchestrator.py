@@ -522,6 +522,11 @@ class Orchestrator(Recovery):
         st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
         return out
 
+    def new_rid(self) -> str:
+        """A fresh request id (``r<n>-<8 hex>``): the caller may name a request before starting it
+        (``start_request(rid=...)``), so it can abort it while it starts."""
+        return f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
     async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None,
                             sibling_of: ReqState | None = None, siblings: int = 0) -> ReqState:
         """Plan and start a request (its first token sampled on P). An instance lost while
@@ -535,7 +540,7 @@ class Orchestrator(Recovery):
         request did work, and its first choice waits for the tier (recovery), so this one waits
         with it instead of failing the whole request. ``sibling_of``: the first of ``siblings`` + 1
         choices of this prompt, already started (see :meth:`_sibling_md`)."""
-        rid = rid or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        rid = rid or self.new_rid()
         st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids), sibling_of=sibling_of,
                       siblings=siblings)
         self.reqs[rid] = st
@@ -1117,7 +1122,22 @@ class Orchestrator(Recovery):
         self._count_outcome(st, ABORT_OUTCOMES[reason])
         st.finished = st.aborted = True
         self.reqs.pop(st.trid, None)
-        await self._abort_everywhere(st.trid)
+        await self._abort_tiers(st)
+
+    async def _abort_tiers(self, st: ReqState) -> None:
+        """Abort ``st``'s current attempt on every reachable instance at once (as
+        ``_abort_everywhere``); when its P answers that it never streamed the attempt's KV (aborted
+        while prefilling, or before its prefill arrived), P will never report that transfer, so its
+        planned WAN bytes leave the planned and expected totals now (``_unplan_wan``; idempotent)."""
+        trid, p_name = st.trid, st.names.get(ROLE_PREFILL)
+        names = [n for n, p in list(self.peers.items()) if not p.closed]
+        reps = await asyncio.gather(*(self.peers[n].call({"t": "abort", "rid": trid}, timeout=10) for n in names),
+                                    return_exceptions=True)
+        for n, r in zip(names, reps):
+            if isinstance(r, BaseException):
+                log.warning("abort %s on %s failed: %s", trid, n, r)
+            elif n == p_name and r[0].get("streams") is False:
+                self._unplan_wan(trid)
 
     # ------------------------------------------------------------------ stats
     async def stats(self) -> dict:

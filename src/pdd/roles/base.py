@@ -338,6 +338,7 @@ class EngineInstance:
         """Call once a new request's sequence exists: if the request was aborted meanwhile, free
         it now and raise (the owner gave up on it; its pages must not wait for anyone)."""
         if ctx.rid in self._aborted:
+            ctx.seq.cancelled = True  # the engine schedules none of it while its release waits
             await self.release(ctx, cache=False)
             raise RuntimeError(f"request {ctx.rid} was aborted")
 

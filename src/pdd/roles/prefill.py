@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 
 from pdd.engine.sequence import SeqStatus
 from pdd.policy.wan_order import WAN_LANES, express_max_bytes, send_buffer_bytes, wan_lane
-from pdd.roles.base import EngineInstance, ReqCtx, first_token_finish, free_sequence
+from pdd.roles.base import ABORTED_MEMORY, EngineInstance, ReqCtx, first_token_finish, free_sequence
 from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
 from pdd.transfer import rpc
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 # MD send skipped that MD turned out to lack (``policy.md_predicted_send``)
 DEFERRED_SLOTS = {"rld", "md", "md_fill"}
 EXPRESS = "+express"  # key suffix of a WAN target's express-lane sender
+PREFILL_CANCELS_KEPT = 64  # recent aborted prefills listed in stats (prefill_cancels)
 
 
 _log_failure = log_failure_of("caching a prompt's pages")
@@ -52,6 +54,10 @@ class PrefillInstance(EngineInstance):
         self._deferred: dict[str, dict[str, asyncio.Future]] = {}  # rid -> target name -> plan
         self.bytes_sent: dict[str, int] = {}  # target name -> KV payload bytes
         self.wan_bytes_sent = 0
+        self._streamed: dict[str, None] = {}  # rids whose KV streams started (recent ABORTED_MEMORY)
+        # the last PREFILL_CANCELS_KEPT requests aborted here before their KV streamed: rid, prefill
+        # chunks run, chunks run after the abort arrived (at most the one in flight), tokens done
+        self.prefill_cancels: deque[dict] = deque(maxlen=PREFILL_CANCELS_KEPT)
 
 
     def handlers(self) -> dict:
@@ -101,25 +107,51 @@ class PrefillInstance(EngineInstance):
         return None
 
     async def on_abort(self, peer, h, payload):
-        """Abort: a request still prefilling fails its prefill call; one whose KV is streaming
-        has its transfers cancelled, and its pages are freed only once they have drained (the
-        stream's own clean-up), never while a sender may still read them."""
+        """Abort: a request still prefilling stops at the next chunk boundary (its sequence is
+        cancelled in the engine, so at most the chunk in flight still runs), fails its prefill
+        call and frees its pages once; one whose KV is streaming has its transfers cancelled,
+        and its pages are freed only once they have drained (the stream's own clean-up), never
+        while a sender may still read them. The reply's ``streams``: whether this P started
+        streaming the request's KV (it then reports the transfer in ``xfer_done``; else never)."""
         rid = h["rid"]
         self.note_aborted(rid)
         fut = self.first_token_waiters.pop(rid, None)
         if fut is not None and not fut.done():
             fut.set_exception(RuntimeError(f"request {rid} aborted"))
         ctx = self.reqs.get(rid)
+        streams = rid in self._streamed
         if ctx is not None and ctx.extra.get("streaming"):
             self._cancel_deferred(rid, {"cancelled": True})
             n = sum(s.cancel(rid) for s in self.senders.values())
             self.counters["aborted"] += 1
-            return {"t": "abort_ok", "rid": rid, "found": True, "cancelled_transfers": n}, b""
+            return {"t": "abort_ok", "rid": rid, "found": True, "cancelled_transfers": n, "streams": True}, b""
         self._deferred.pop(rid, None)
-        return await super().on_abort(peer, h, payload)
+        if ctx is None or ctx.released:
+            rep, _ = await super().on_abort(peer, h, payload)
+            return {**rep, "streams": streams}, b""
+        seq = ctx.seq
+        prefilling = seq.num_computed < seq.prompt_len
+        at_cancel = seq.prefill_chunks
+        self.engine.cancel(seq)  # no chunk of it is scheduled after the one in flight
+        rep, _ = await super().on_abort(peer, h, payload)  # the release runs at the step's end
+        after = seq.prefill_chunks - at_cancel
+        self.counters["prefill_chunks_after_cancel"] = self.counters.get("prefill_chunks_after_cancel", 0) + after
+        if prefilling:
+            self.counters["prefill_cancelled"] = self.counters.get("prefill_cancelled", 0) + 1
+        self.prefill_cancels.append({"rid": rid, "chunks": seq.prefill_chunks, "chunks_after_cancel": after,
+                                     "prefilled_tokens": min(seq.num_computed, seq.prompt_len),
+                                     "prompt_tokens": seq.prompt_len})
+        return {**rep, "streams": streams}, b""
 
     def extra_stats(self) -> dict:
+        live = [c for c in list(self.reqs.values()) if not c.extra.get("streaming") and not c.released]
         return {
+            "prefill_chunks_run": self.engine.prefill_chunks,
+            # requests prefilling now (or queued for it): rid -> chunks run so far, prompt tokens computed
+            "prefill_live": {c.rid: {"chunks": c.seq.prefill_chunks,
+                                     "prefilled_tokens": min(c.seq.num_computed, c.seq.prompt_len),
+                                     "prompt_tokens": c.seq.prompt_len} for c in live},
+            "prefill_cancels": list(self.prefill_cancels),
             "kv_bytes_sent": dict(self.bytes_sent),
             "wan_bytes_sent": self.wan_bytes_sent,
             "wan_lane_transfers": dict(self.lane_transfers),
@@ -245,6 +277,9 @@ class PrefillInstance(EngineInstance):
         if ctx.released:  # aborted meanwhile (freed by on_abort): its pages must not be streamed
             raise RuntimeError(f"request {rid} aborted")
         ctx.extra["streaming"] = True  # from here on an abort cancels the streams (on_abort)
+        self._streamed[rid] = None
+        while len(self._streamed) > ABORTED_MEMORY:
+            self._streamed.pop(next(iter(self._streamed)))
         asyncio.get_running_loop().create_task(self._stream(ctx, h.get("targets", []), t0, fin, n_pages))
         return {"t": "prefill_ok", "rid": rid, "first_token": t0, "fin": fin, "p_cached_tokens": cached, "n_pages": n_pages,
                 "page_bytes": self.engine.pool.page_bytes}, b""
