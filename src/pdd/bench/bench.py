@@ -106,7 +106,8 @@ WIDE_WINDOW_BEFORE = 24  # the wide window also covers the catch-up jitter buffe
 REPORT_FIELDS = ("git_commit", "config", "seed", "seeds", "workload", "link", "modes", "ratios",
                  "output_agreement", "bench", "slo", "sweep", "wan_timeline", "pipeline_preview")
 MODE_EXTRA_FIELDS = ("slo_met", "slo_attainment", "request_goodput", "meets_sla", "slo_misses", "sla_goodput_rps",
-                     "pipeline_mix", "handoff", "p_hit_rate", "md_hit_rate", "cutoffs", "cpu_seconds_by_process")
+                     "pipeline_mix", "handoff", "p_hit_rate", "md_hit_rate", "cutoffs", "cpu_seconds_by_process",
+                     "hardware")
 
 
 # ---------------------------------------------------------------- per-mode metrics beyond report.mode_metrics
@@ -245,6 +246,15 @@ def _role_delta(entry: Mapping | None, roles: tuple[str, ...], key: str, absent_
     if not insts or (all(v is None for _, v in vals) and not absent_is_zero):
         return None
     return sum(int(v or 0) - int(_inst_value(before.get(name), key) or 0) for name, v in vals)
+
+
+def instance_hardware(entry: Mapping | None) -> dict:
+    """Each engine instance's emulated hardware as it reported it (``/pdd/stats``
+    ``instances[name].hardware``: device, dtype, page_size, num_pages, min_step_ms, profile, ...),
+    by instance name; empty when the stats have none."""
+    insts = (((entry or {}).get("stats") or {}).get("instances")) or {}
+    return {name: dict(v["hardware"]) for name, v in sorted(insts.items())
+            if isinstance(v, Mapping) and isinstance(v.get("hardware"), Mapping)}
 
 
 def hit_rates(records: Iterable[Mapping], entry: Mapping | None = None) -> dict:
@@ -877,6 +887,7 @@ def run_bench(
         m.update(bench_mode_extras([r for r in all_records if r["mode"] == mode], server_stats.get(mode), slo_obj,
                                    m.get("median_itl_ms")))
         m["sla_goodput_rps"] = (sweep_out.get(mode) or {}).get("sla_goodput_rps")
+        m["hardware"] = instance_hardware(server_stats.get(mode))
     wall = time.monotonic() - t_wall
     report["seeds"] = {"token_seed": seed, "session_seed": scale.session_seed, "model_seed": config.model_seed,
                        "link_jitter": "unseeded"}
