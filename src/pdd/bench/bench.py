@@ -77,6 +77,7 @@ from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_ram
                              sla_goodput)
 from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hits, workload_summary
 from pdd.config import MODES, ClusterConfig, validation_summary
+from pdd.transfer.layout import wire_dtype
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 # flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
@@ -395,7 +396,7 @@ def pipeline_preview(requests: Sequence, config: ClusterConfig, kv_bytes: int,
     from pdd.bench.trace import ideal_prefix_hits
     from pdd.policy.pipeline import PipelineInputs, expected_wan_seconds
 
-    hits = ideal_prefix_hits(requests, config.engine.page_size, 1)
+    hits = ideal_prefix_hits(requests, config.engine_for("main_decode").page_size, 1)  # MD's cache: its pages
     exp_ms = [1000.0 * expected_wan_seconds(PipelineInputs(
         mode="pdd", prompt_tokens=len(r.prompt_ids), md_cached_tokens=h, kv_bytes_per_token=kv_bytes,
         wan_gbps_estimate=config.link.wan_gbps, wan_rtt_ms=config.link.wan_rtt_ms)) for r, h in zip(requests, hits)]
@@ -706,12 +707,14 @@ def run_bench(
         raise ValueError(f"no requests in {trace} (start={scale.start} count={scale.count}){hint}")
     if ramp is not None:
         requests = ramp_arrivals(requests, *ramp)
-    workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
+    workload = workload_summary(requests, scale, trace, page_size=config.engine_for("prefill").page_size)
     if ramp is not None:
         workload["ramp_rps"] = list(ramp)
     preview = None
     try:
-        kvb = kv_bytes_per_token(config.model_path, config.engine.dtype)
+        # as the KV crosses the WAN: the narrower of P's and MD's dtypes (pdd.transfer.layout)
+        kvb = kv_bytes_per_token(config.model_path, wire_dtype(config.engine_for("prefill").dtype,
+                                                               config.engine_for("main_decode").dtype))
     except (OSError, KeyError, ValueError, TypeError):
         kvb = None  # no readable model config (e.g. --url without the model): no preview
     if kvb:
