@@ -100,7 +100,8 @@ class Orchestrator(Recovery):
         # from the checkpoint's config, so the first request is planned with it too (a new user saw 0
         # there); MD's first reservation reply confirms it from its pool (_reserved)
         mc = checkpoint_config(cfg)
-        self.kv_bytes_per_token: int | None = mc.kv_bytes_per_token(cfg.engine.dtype) if mc is not None else None
+        self.kv_bytes_per_token: int | None = mc.kv_bytes_per_token(  # as it crosses: the narrower dtype
+            wire_dtype(cfg.engine_for("prefill").dtype, cfg.engine_for("main_decode").dtype)) if mc is not None else None
         self._tasks: set = set()
         self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
         self._rr: dict[str, int] = {}
