@@ -78,3 +78,34 @@ def test_a_bad_token_range_is_refused(bad):
     s = KVPool(MC, 16, 4)
     with pytest.raises(ValueError, match="export_tokens"):
         s.export_tokens(s.alloc(2), bad[0], bad[1], 8)
+
+
+def _receiver(pool):
+    from types import SimpleNamespace
+
+    from pdd.roles.base import EngineInstance
+
+    inst = EngineInstance.__new__(EngineInstance)  # only what import_frame reads
+    inst.engine = SimpleNamespace(pool=pool)
+    return inst
+
+
+def test_the_receiver_widens_a_frame_in_the_senders_dtype_and_refuses_another_page_size():
+    from types import SimpleNamespace
+
+    torch.manual_seed(1)
+    s, r = KVPool(MC, 16, 8, "bfloat16"), KVPool(MC, 16, 16, "float32")
+    s.buffer.normal_()
+    st, rt = s.alloc(3), r.alloc(2)
+    data = s.export_tokens(st, 0, 20, 16, "bfloat16")  # the wire dtype: the sender's, narrower
+    ctx = SimpleNamespace(seq=SimpleNamespace(page_table=rt), extra={})
+    inst = _receiver(r)
+    slot = ELEMS * 2
+    h = {"rid": "a", "first_page": 0, "n_pages": 2, "layers": None, "page_bytes": 16 * slot,
+         "last_page_bytes": 4 * slot, "dtype": "bfloat16"}
+    inst.import_frame(ctx, h, data)
+    for t in range(20):
+        assert torch.equal(_token(r, rt, t), _token(s, st, t).float()), t
+    assert ctx.extra["pages_received"] == 2
+    with pytest.raises(ValueError, match=r"page_bytes 512 is not a page of 16 tokens in bfloat16 \(1024 bytes\)"):
+        inst.import_frame(ctx, {**h, "page_bytes": 8 * slot}, data)
