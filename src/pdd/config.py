@@ -6,6 +6,7 @@ Units are in the field names. Defaults describe the embedded single-machine topo
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -27,7 +28,8 @@ class EngineConfig(_Strict):
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("cpu", description="torch device of the engines: cpu, cuda or cuda:N")
-    page_size: int = Field(16, ge=1, description="tokens per KV page")
+    page_size: int = Field(16, ge=1, description="tokens per KV page (a power of two, so every tier's page size "
+                           "divides or is a multiple of every other's)")
     num_pages: int = Field(2048, ge=4, description="KV pages in the pool")
     max_batch_tokens: int = Field(512, ge=1, description="token budget of one forward pass")
     prefill_chunk_tokens: int = Field(512, ge=1)
@@ -43,6 +45,40 @@ class EngineConfig(_Strict):
         "ms (its tokens are released at the end); 0 = off. A memory-bound step reads all weights once "
         "whatever the batch, so a GPU decode step has a floor; the PDD report's ITL is 30-50 ms. On this "
         "CPU the small model steps in ~1.3 ms, ~15x under the emulated WAN's round trip (docs/LINK.md)")
+    profile: str | None = Field(
+        None, description="step-time profile written by `pdd profile` (pdd-profile/1 JSON): the engine emulates "
+        "that chip, every forward pass is held to the profile's predicted time for its batch "
+        "(pdd.sim.profile.MeasuredStepModel; at least min_step_ms); None: off")
+
+    @field_validator("page_size")
+    @classmethod
+    def _page_size(cls, v: int) -> int:
+        """A power of two: KV crossing between tiers of different page sizes is re-chunked
+        (pdd.transfer.layout), and cache matches stay whole pages of either side."""
+        if v & (v - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {v}")
+        return v
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        """The file must exist and be a pdd-profile/1 with enough rows to fit (read at load, not
+        as one instance's start-up error). Raises ValueError."""
+        if v is None:
+            return v
+        try:
+            mtime = Path(v).stat().st_mtime_ns
+        except OSError:
+            mtime = None
+        _checked_profile(v, mtime)
+        return v
+
+    @model_validator(mode="after")
+    def _fits(self) -> "EngineConfig":
+        """A page fits in one sequence of max_model_len tokens. Raises ValueError."""
+        if self.page_size > self.max_model_len:
+            raise ValueError(f"page_size {self.page_size} does not fit max_model_len {self.max_model_len}")
+        return self
 
     @field_validator("device")
     @classmethod
@@ -51,6 +87,15 @@ class EngineConfig(_Strict):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_profile(path: str, mtime_ns: int | None) -> None:
+    """Load (and fit) the profile once per file version; raises ValueError as
+    ``pdd.sim.profile.load_step_model``."""
+    from pdd.sim.profile import load_step_model
+
+    load_step_model(path)
 
 
 class LinkConfig(_Strict):
@@ -255,6 +300,48 @@ class InstanceCounts(_Strict):
     main_decode: int = Field(1, ge=1, le=10)
 
 
+TIERS: tuple[str, ...] = ("prefill", "relay_decode", "main_decode", "colocated")
+# instance names of pdd.topology.layout: prefix -> (tier, the InstanceCounts field that counts them)
+_INSTANCE_PREFIX = {"p": ("prefill", "prefill"), "rld": ("relay_decode", "relay_decode"),
+                    "md": ("main_decode", "main_decode"), "d": ("main_decode", "main_decode"),
+                    "c": ("colocated", "prefill")}
+TIER_ENGINE_FIELDS: tuple[str, ...] = (
+    "device", "dtype", "page_size", "num_pages", "max_batch_tokens", "prefill_chunk_tokens", "prefill_order",
+    "max_running", "min_step_ms", "profile", "torch_threads")
+
+
+def instance_tier(name: str) -> str | None:
+    """The tier of an instance name of ``pdd.topology.layout`` (``p0`` -> prefill, ``rld1`` ->
+    relay_decode, ``md0`` / ``d0`` -> main_decode, ``c0`` -> colocated), or None."""
+    m = re.fullmatch(r"(rld|md|p|d|c)(\d+)", name)
+    return _INSTANCE_PREFIX[m.group(1)][0] if m else None
+
+
+class TierEngine(_Strict):
+    """A tier's (or one instance's) own engine settings: the emulated hardware it runs on. Every
+    field left out inherits the top-level ``engine`` block (an instance's block: its tier's
+    first). The merged block is checked as an ``EngineConfig``. ``max_model_len`` and
+    ``max_input_len`` are not here: the gateway applies them to every request, whatever tier."""
+
+    device: str | None = None
+    dtype: str | None = None
+    page_size: int | None = None
+    num_pages: int | None = None
+    max_batch_tokens: int | None = None
+    prefill_chunk_tokens: int | None = None
+    prefill_order: str | None = None
+    max_running: int | None = None
+    min_step_ms: float | None = None
+    profile: str | None = None
+    torch_threads: int | None = None
+
+
+class TierConfig(_Strict):
+    """One entry of ``tiers``: ``{engine: {...}}``."""
+
+    engine: TierEngine = TierEngine()
+
+
 class ClusterConfig(_Strict):
     """A whole topology: the instances of each tier, the links and the policies."""
 
@@ -271,6 +358,12 @@ class ClusterConfig(_Strict):
     policy: PolicyConfig = PolicyConfig()
     security: SecurityConfig = SecurityConfig()
     instances: InstanceCounts = InstanceCounts()
+    tiers: dict[str, TierConfig] = Field(
+        default_factory=dict,
+        description="per-tier (prefill, relay_decode, main_decode, colocated) or per-instance (p0, rld0, md1, ...) "
+        "engine blocks, e.g. {main_decode: {engine: {dtype: bfloat16, page_size: 32, min_step_ms: 20}}}: each tier "
+        "emulates its own hardware; unset fields inherit the top-level engine (an instance's: its tier's first). "
+        "KV between tiers of different page size or dtype is converted (pdd.transfer.layout)")
     limits: LimitsConfig = LimitsConfig()
     request_timeout_s: float = Field(
         300.0, gt=0,
@@ -299,6 +392,45 @@ class ClusterConfig(_Strict):
             if bad:
                 raise ValueError(f"{role}: cores {bad} are not available here (available: {have})")
         return v
+
+    @model_validator(mode="after")
+    def _tiers(self) -> "ClusterConfig":
+        """Every ``tiers`` key names a tier or an instance some mode has (``md2`` needs three
+        main-decode instances), and every merged block is a valid ``EngineConfig``. Raises
+        ValueError naming the field (``tiers.main_decode.engine.page_size: ...``)."""
+        for name in self.tiers:
+            tier = name if name in TIERS else instance_tier(name)
+            if tier is None:
+                raise ValueError(f"tiers.{name}: unknown tier or instance name (tiers: {', '.join(TIERS)}; instances: "
+                                 f"p0.., rld0.., md0.., d0.., c0..)")
+            if name not in TIERS:
+                prefix = re.match(r"[a-z]+", name).group(0)
+                count = getattr(self.instances, _INSTANCE_PREFIX[prefix][1])
+                if int(name[len(prefix):]) >= count:
+                    raise ValueError(f"tiers.{name}: no such instance (instances.{_INSTANCE_PREFIX[prefix][1]} is "
+                                     f"{count})")
+            try:
+                self.engine_for(name)
+            except ValidationError as e:
+                raise ValueError(_prefixed(e, f"tiers.{name}.engine")) from None
+        return self
+
+    def engine_for(self, name: str) -> EngineConfig:
+        """The engine block of an instance (``p0``, ``md1``) or a tier (``main_decode``): the
+        top-level ``engine`` with its tier's ``tiers`` block over it, then the instance's own.
+        A name that is neither gets the top-level block. Raises ``pydantic.ValidationError`` for
+        a merged block that is not valid (the config validator has checked every one at load)."""
+        tier = name if name in TIERS else instance_tier(name)
+        blocks = [self.tiers.get(tier)] + ([self.tiers.get(name)] if name != tier else [])
+        over = {k: v for b in blocks if b is not None for k, v in b.engine.model_dump(exclude_none=True).items()}
+        return EngineConfig.model_validate({**self.engine.model_dump(), **over}) if over else self.engine
+
+    def hardware_profile(self, name: str) -> dict:
+        """What ``/pdd/stats`` and the bench report show of an instance's emulated hardware."""
+        e = self.engine_for(name)
+        return {"device": e.device, "dtype": e.dtype, "page_size": e.page_size, "num_pages": e.num_pages,
+                "max_batch_tokens": e.max_batch_tokens, "max_running": e.max_running, "min_step_ms": e.min_step_ms,
+                "profile": e.profile, "torch_threads": e.torch_threads}
 
     @field_validator("mode")
     @classmethod
@@ -339,6 +471,12 @@ class ClusterConfig(_Strict):
                 raise ValueError(f"{path}: the top level must be a mapping of config fields, not {type(data).__name__}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+
+def _prefixed(e: ValidationError, where: str) -> str:
+    """``where.field: message`` for each error of ``e`` (as :func:`validation_summary`)."""
+    return "; ".join(f"{where}{'.' if err['loc'] else ''}{'.'.join(str(x) for x in err['loc'])}: "
+                     + err["msg"].removeprefix("Value error, ") for err in e.errors())
 
 
 def validation_summary(e: ValidationError) -> str:

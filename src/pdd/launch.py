@@ -118,7 +118,7 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
 
         run_link(link_config(cfg, lay))
         return
-    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.engine.torch_threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.engine_for(name).torch_threads))
     if spec.role == ROLE_GATEWAY:
         from pdd.gateway.api import serve_gateway
 
@@ -206,7 +206,7 @@ class Topology:
 
     def _spawn(self, spec: InstanceSpec) -> None:
         logf = open(self.log_dir / f"{spec.name}.log", "w")
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.engine.torch_threads), PYTHONUNBUFFERED="1",
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.engine_for(spec.name).torch_threads), PYTHONUNBUFFERED="1",
                    **{PARENT_ENV: str(os.getpid())})  # the instance stops itself if this process dies
         cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", spec.role, "--name", spec.name,
                "--config", str(self._cfg_file)]

@@ -294,3 +294,23 @@ def test_per_request_error():
     assert e["requests"] == 4 and e["median"] == pytest.approx(0.05) and e["abs_p50"] == pytest.approx(0.15)
     assert e["abs_p90"] == pytest.approx(0.41)
     assert per_request_error([]) is None and per_request_error([(0.0, 1.0)]) is None
+
+
+def test_sim_config_takes_each_datacenters_profile_and_the_wan_dtype(tmp_path):
+    """`pdd sim validate` on heterogeneous tiers: A's chip is P's profile, B's is MD's, and the
+    simulated WAN carries the KV in the narrower dtype (bf16 MD: half of fp32's 2048 bytes)."""
+    import json as _json
+
+    from pdd.config import ClusterConfig
+    from pdd.sim.validate import sim_config
+
+    prof = _json.loads(open("data/profiles/this-machine.json").read())
+    other = tmp_path / "chip-b.json"
+    other.write_text(_json.dumps(prof))
+    cfg = ClusterConfig.model_validate({"tiers": {"main_decode": {"engine": {"dtype": "bfloat16", "page_size": 32,
+                                                                             "profile": str(other)}}}})
+    sc = sim_config(cfg, "data/profiles/this-machine.json", prof, 16)
+    assert (sc.profile_a, sc.profile_b, sc.kv_bytes_per_token) == ("data/profiles/this-machine.json", str(other), 1024)
+    same = sim_config(ClusterConfig(), "data/profiles/this-machine.json", prof, 16)
+    assert (same.profile_a, same.profile_b, same.kv_bytes_per_token) == (
+        "data/profiles/this-machine.json", "data/profiles/this-machine.json", None)

@@ -1,6 +1,7 @@
-"""KV fingerprint in the connection handshake: instances that would exchange KV pages with a
-different page size, KV dtype, KV layout or model weights are refused at connection time with an
-error naming what differs (``EngineInstance.kv_fingerprint`` + ``rpc.default_handshake_check``)."""
+"""KV fingerprint in the connection handshake: instances of a different model (architecture,
+layers, KV heads, head dim or weights) are refused at connection time with an error naming what
+differs; a different KV layout (page size, KV dtype) is accepted and announced, for the sender to
+convert to (``EngineInstance.kv_fingerprint`` + ``pdd.transfer.layout.kv_handshake_check``)."""
 
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import pytest
 from pdd.config import ClusterConfig
 from pdd.modelgen import make_model
 from pdd.roles.base import EngineInstance, weights_digest
+from pdd.transfer.layout import kv_handshake_check
 from pdd.transfer.rpc import HandshakeError, Server, connect
 
 
@@ -20,11 +22,13 @@ def models(tmp_path_factory):
     return {k: str(root / k) for k in ("a", "a_copy", "b")}
 
 
-def instance(model: str, page_size=16, dtype="float32", layers=2, kv_heads=2, head_dim=16) -> EngineInstance:
+def instance(model: str, page_size=16, dtype="float32", layers=2, kv_heads=2, head_dim=16,
+             arch="llama") -> EngineInstance:
     inst = EngineInstance.__new__(EngineInstance)  # only what kv_fingerprint reads
     inst.cfg = ClusterConfig.model_validate({"model_path": model})
     inst.engine = SimpleNamespace(pool=SimpleNamespace(page_size=page_size, dtype_name=dtype, num_layers=layers,
-                                                        num_kv_heads=kv_heads, head_dim=head_dim))
+                                                        num_kv_heads=kv_heads, head_dim=head_dim,
+                                                        model_cfg=SimpleNamespace(model_type=arch)))
     return inst
 
 
@@ -33,25 +37,56 @@ def test_weights_digest_tells_checkpoints_apart(models):
     assert weights_digest(models["a"]) != weights_digest(models["b"])
 
 
+async def serve(fp):
+    return await Server(port=0, role="main_decode", fingerprint=fp, handshake_check=kv_handshake_check).start()
+
+
 @pytest.mark.parametrize("field,other", [
-    ("page_size", dict(page_size=32)),
-    ("kv_dtype", dict(dtype="bfloat16")),
-    ("kv_layout", dict(layers=4)),
-    ("kv_layout", dict(head_dim=32)),
+    ("num_layers", dict(layers=4)),
+    ("head_dim", dict(head_dim=32)),
+    ("num_kv_heads", dict(kv_heads=4)),
+    ("architecture", dict(arch="qwen2")),
     ("weights", None),
 ])
-async def test_mismatch_refused_at_connect_naming_the_field(models, field, other):
+async def test_other_model_refused_at_connect_naming_the_field(models, field, other):
     md = instance(models["a"]).kv_fingerprint()
     p = instance(models["b"]).kv_fingerprint() if other is None else instance(models["a"], **other).kv_fingerprint()
-    server = await Server(port=0, role="main_decode", fingerprint=md).start()
+    server = await serve(md)
     try:
         with pytest.raises(HandshakeError) as e:
-            await connect("127.0.0.1", server.port, role="prefill", fingerprint=p, retries=3)
-        assert "KV fingerprint mismatch" in str(e.value) and field in str(e.value)
+            await connect("127.0.0.1", server.port, role="prefill", fingerprint=p, retries=3,
+                          handshake_check=kv_handshake_check)
+        assert "KV fingerprint mismatch, another model" in str(e.value) and f"{field}: local=" in str(e.value)
         assert server.refused == 1
         # the same checkpoint (another copy) and configuration: accepted
-        ok = await connect("127.0.0.1", server.port, role="prefill", fingerprint=instance(models["a_copy"]).kv_fingerprint())
+        ok = await connect("127.0.0.1", server.port, role="prefill", handshake_check=kv_handshake_check,
+                           fingerprint=instance(models["a_copy"]).kv_fingerprint())
         assert ok.remote_fingerprint == md
         await ok.close()
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize("other", [dict(page_size=32), dict(dtype="bfloat16"), dict(page_size=8, dtype="float16")])
+async def test_other_layout_accepted_and_announced(models, other):
+    """Page size and KV dtype are negotiated: each side learns the other's from the hello."""
+    md_fp = instance(models["a"], **other).kv_fingerprint()
+    server = await serve(md_fp)
+    try:
+        p_fp = instance(models["a_copy"]).kv_fingerprint()
+        peer = await connect("127.0.0.1", server.port, role="prefill", fingerprint=p_fp,
+                             handshake_check=kv_handshake_check)
+        assert peer.remote_fingerprint["page_size"] == other.get("page_size", 16)
+        assert peer.remote_fingerprint["kv_dtype"] == other.get("dtype", "float32")
+        assert server.refused == 0
+        await peer.close()
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("bad,field", [({"page_size": 24}, "page_size"), ({"page_size": 0}, "page_size"),
+                                       ({"kv_dtype": "int8"}, "kv_dtype")])
+def test_unconvertible_layout_refused_naming_the_field(bad, field):
+    fp = {"page_size": 16, "kv_dtype": "float32", "num_layers": 2}
+    with pytest.raises(HandshakeError, match=field):
+        kv_handshake_check(fp, {**fp, **bad})

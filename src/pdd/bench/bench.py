@@ -81,6 +81,7 @@ from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_ram
 from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hits, workload_summary
 from pdd.bench import vllm_mode
 from pdd.config import MODES, ClusterConfig, validation_summary
+from pdd.transfer.layout import wire_dtype
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 # flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
@@ -111,7 +112,8 @@ WIDE_WINDOW_BEFORE = 24  # the wide window also covers the catch-up jitter buffe
 REPORT_FIELDS = ("git_commit", "config", "seed", "seeds", "workload", "link", "modes", "ratios",
                  "output_agreement", "bench", "slo", "sweep", "wan_timeline", "pipeline_preview")
 MODE_EXTRA_FIELDS = ("slo_met", "slo_attainment", "request_goodput", "meets_sla", "slo_misses", "sla_goodput_rps",
-                     "pipeline_mix", "handoff", "p_hit_rate", "md_hit_rate", "cutoffs", "cpu_seconds_by_process")
+                     "pipeline_mix", "handoff", "p_hit_rate", "md_hit_rate", "cutoffs", "cpu_seconds_by_process",
+                     "hardware")
 
 
 # ---------------------------------------------------------------- per-mode metrics beyond report.mode_metrics
@@ -252,6 +254,15 @@ def _role_delta(entry: Mapping | None, roles: tuple[str, ...], key: str, absent_
     return sum(int(v or 0) - int(_inst_value(before.get(name), key) or 0) for name, v in vals)
 
 
+def instance_hardware(entry: Mapping | None) -> dict:
+    """Each engine instance's emulated hardware as it reported it (``/pdd/stats``
+    ``instances[name].hardware``: device, dtype, page_size, num_pages, min_step_ms, profile, ...),
+    by instance name; empty when the stats have none."""
+    insts = (((entry or {}).get("stats") or {}).get("instances")) or {}
+    return {name: dict(v["hardware"]) for name, v in sorted(insts.items())
+            if isinstance(v, Mapping) and isinstance(v.get("hardware"), Mapping)}
+
+
 def hit_rates(records: Iterable[Mapping], entry: Mapping | None = None) -> dict:
     """``p_hit_rate`` and ``md_hit_rate`` (0..1, None when unknown) of one mode's run.
 
@@ -390,7 +401,7 @@ def pipeline_preview(requests: Sequence, config: ClusterConfig, kv_bytes: int,
     from pdd.bench.trace import ideal_prefix_hits
     from pdd.policy.pipeline import PipelineInputs, expected_wan_seconds
 
-    hits = ideal_prefix_hits(requests, config.engine.page_size, 1)
+    hits = ideal_prefix_hits(requests, config.engine_for("main_decode").page_size, 1)  # MD's cache: its pages
     exp_ms = [1000.0 * expected_wan_seconds(PipelineInputs(
         mode="pdd", prompt_tokens=len(r.prompt_ids), md_cached_tokens=h, kv_bytes_per_token=kv_bytes,
         wan_gbps_estimate=config.link.wan_gbps, wan_rtt_ms=config.link.wan_rtt_ms)) for r, h in zip(requests, hits)]
@@ -715,12 +726,14 @@ def run_bench(
         raise ValueError(f"no requests in {trace} (start={scale.start} count={scale.count}){hint}")
     if ramp is not None:
         requests = ramp_arrivals(requests, *ramp)
-    workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
+    workload = workload_summary(requests, scale, trace, page_size=config.engine_for("prefill").page_size)
     if ramp is not None:
         workload["ramp_rps"] = list(ramp)
     preview = None
     try:
-        kvb = kv_bytes_per_token(config.model_path, config.engine.dtype)
+        # as the KV crosses the WAN: the narrower of P's and MD's dtypes (pdd.transfer.layout)
+        kvb = kv_bytes_per_token(config.model_path, wire_dtype(config.engine_for("prefill").dtype,
+                                                               config.engine_for("main_decode").dtype))
     except (OSError, KeyError, ValueError, TypeError):
         kvb = None  # no readable model config (e.g. --url without the model): no preview
     if kvb:
@@ -899,6 +912,7 @@ def run_bench(
         m.update(bench_mode_extras([r for r in all_records if r["mode"] == mode], server_stats.get(mode), slo_obj,
                                    m.get("median_itl_ms")))
         m["sla_goodput_rps"] = (sweep_out.get(mode) or {}).get("sla_goodput_rps")
+        m["hardware"] = instance_hardware(server_stats.get(mode))
     vllm_mode.apply_to_report(report, all_records, vllm_servers)
     wall = time.monotonic() - t_wall
     report["seeds"] = {"token_seed": seed, "session_seed": scale.session_seed, "model_seed": config.model_seed,

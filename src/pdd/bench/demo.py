@@ -181,7 +181,7 @@ def run_demo(
             hint = (f"; --session-sample {scale.session_sample} keeps 1 in {scale.session_sample} conversations "
                     f"(give --session-sample 1 to replay every record)")
         raise NoRequests(f"--start {scale.start}: no requests in {trace} from there (--requests {scale.count}){hint}")
-    workload = workload_summary(requests, scale, trace, page_size=config.engine.page_size)
+    workload = workload_summary(requests, scale, trace, page_size=config.engine_for("prefill").page_size)
     rate = f"{workload['rate_rps']:.2f} req/s" if workload["rate_rps"] else "all at once"
     console.print(
         f"workload: {workload['requests']} requests from {workload['trace']} [{scale.start}, "

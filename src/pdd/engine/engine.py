@@ -292,6 +292,7 @@ class Engine:
         again), else ``OutOfPages``; its ``seq_id`` names the first starved sequence. Either is
         raised before any forward call and without leaking: after ``OutOfPages`` the caller must
         free pages (abort / release something) or every later step raises too."""
+        self.last_step_items = []
         while True:
             states = [SeqState(s.seq_id, len(s.token_ids), s.num_computed, s.arrival, s.can_sample)
                       for s in list(self.seqs.values())
@@ -323,6 +324,8 @@ class Engine:
             self._preempt(victim)
         items = [RunItem(s.token_ids, it.start, it.num_tokens, s.page_table, it.sample)
                  for s, it in zip(seqs, plan_items)]
+        # (cached tokens, new tokens) of each item: what a step-time profile prices (EngineWorker)
+        self.last_step_items = [(it.start, it.num_tokens) for it in plan_items]
         logits = self.runner.forward(items)
         sampled = []
         for seq, it in zip(seqs, plan_items):

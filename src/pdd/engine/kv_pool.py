@@ -155,29 +155,72 @@ class KVPool:
         tail = self.buffer[pages[-1], l0:l1, :, :k].contiguous().cpu().view(torch.uint8).reshape(-1)
         return memoryview(torch.cat([whole, tail]).numpy())
 
-    def import_pages(self, pages, data, layers=None, last_slots: int | None = None) -> None:
+    def export_tokens(self, page_table, t0: int, t1: int, page_size: int, dtype=None, layers=None,
+                      whole_last: bool = False) -> memoryview:
+        """Token slots ``[t0, t1)`` of the sequence whose pages are ``page_table`` (this pool's
+        page size), re-chunked into pages of ``page_size`` tokens and cast to ``dtype`` (default
+        this pool's): the bytes :meth:`export_pages` of a pool of that page size and dtype would
+        give for the same tokens. Layout: ``(t1 - t0) // page_size`` whole pages ``[page, layer,
+        kv, slot, head, dim]``, then the partial last page's filled slots ``[layer, kv, slot < k,
+        head, dim]``; ``whole_last``: that page is sent whole instead, its empty slots zero (the
+        ``kv_whole_pages`` ablation). ``t0`` must be a multiple of ``page_size``. A cast to a
+        narrower dtype rounds to nearest (torch ``.to``). Raises ValueError for a bad range."""
+        l0, l1 = self._layers(layers)
+        ps = int(page_size)
+        if ps < 1 or t0 < 0 or t1 < t0 or t0 % ps:
+            raise ValueError(f"export_tokens: bad token range [{t0}, {t1}) for pages of {ps}")
+        if -(-t1 // self.page_size) > len(page_table):
+            raise ValueError(f"export_tokens: tokens up to {t1} need more than the {len(page_table)} pages given")
+        out_dtype = self.dtype if dtype is None else torch_dtype(dtype_name(dtype))
+        pos = torch.arange(t0, t1, dtype=torch.long)
+        pages = torch.tensor([int(p) for p in page_table], dtype=torch.long)[pos // self.page_size]
+        # advanced indices on dims 0 and 3 (split by slices): the token axis comes first
+        g = self.buffer[pages.to(self.device), l0:l1, :, (pos % self.page_size).to(self.device)]
+        g = g.to(out_dtype).cpu()  # [T, layers, 2, heads, dim]
+        n_tok = t1 - t0
+        whole, k = divmod(n_tok, ps)
+        if whole_last and k:
+            g = torch.cat([g, g.new_zeros((ps - k,) + tuple(g.shape[1:]))])
+            whole, k = whole + 1, 0
+        parts = []
+        if whole:
+            parts.append(g[: whole * ps].reshape((whole, ps) + tuple(g.shape[1:])).permute(0, 2, 3, 1, 4, 5))
+        if k:
+            parts.append(g[whole * ps:].permute(1, 2, 0, 3, 4))
+        if not parts:
+            return memoryview(b"")
+        flat = [p.contiguous().view(torch.uint8).reshape(-1) for p in parts]
+        return memoryview((flat[0] if len(flat) == 1 else torch.cat(flat)).numpy())
+
+    def import_pages(self, pages, data, layers=None, last_slots: int | None = None, src_dtype=None) -> None:
         """Write bytes produced by :meth:`export_pages` (same pages count, layer range and
         ``last_slots``) into ``pages``; the last page's slots from ``last_slots`` on are left as
-        they are. Raises ValueError when ``data`` has another length than that export's."""
+        they are. ``src_dtype``: the elements of ``data`` (default this pool's), widened or
+        narrowed to this pool's dtype on import (KV from a tier of another dtype). Raises
+        ValueError when ``data`` has another length than that export's."""
         l0, l1 = self._layers(layers)
         k = self._last_slots(last_slots)
         n = len(pages)
         nl = l1 - l0
+        src_t = self.dtype if src_dtype is None else torch_dtype(dtype_name(src_dtype))
+        eb = src_t.itemsize
         whole = n if k == self.page_size else max(0, n - 1)
-        expected = whole * nl * self.layer_page_bytes + (n - whole) * k * self.slot_bytes(layers)
+        elems_page = nl * 2 * self.page_size * self.num_kv_heads * self.head_dim
+        elems_slot = nl * 2 * self.num_kv_heads * self.head_dim
+        expected = (whole * elems_page + (n - whole) * k * elems_slot) * eb
         arr = np.frombuffer(data, dtype=np.uint8)
         if arr.size != expected:
             raise ValueError(f"import_pages: got {arr.size} bytes, expected {expected}")
         if n == 0:
             return
-        src = torch.from_numpy(arr.copy()).view(self.dtype)
-        split = whole * nl * 2 * self.page_size * self.num_kv_heads * self.head_dim
+        src = torch.from_numpy(arr.copy()).view(src_t)
+        split = whole * elems_page
         if whole:
             w = src[:split].view(whole, nl, 2, self.page_size, self.num_kv_heads, self.head_dim)
-            self.buffer[self._index(pages[:whole]), l0:l1] = w.to(self.device, non_blocking=False)
+            self.buffer[self._index(pages[:whole]), l0:l1] = w.to(self.device, self.dtype, non_blocking=False)
         if whole < n:
             t = src[split:].view(nl, 2, k, self.num_kv_heads, self.head_dim)
-            self.buffer[int(pages[-1]), l0:l1, :, :k] = t.to(self.device, non_blocking=False)
+            self.buffer[int(pages[-1]), l0:l1, :, :k] = t.to(self.device, self.dtype, non_blocking=False)
 
     def fingerprint(self) -> dict:
         """What two instances must agree on to exchange raw pages."""

@@ -210,14 +210,15 @@ def resolve_limits(cfg, lay) -> AdmissionLimits:
     from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL
 
     lim, e = cfg.limits, cfg.engine
-    decoders = len(lay.by_role(ROLE_MAIN)) + len(lay.by_role(ROLE_COLOCATED)) or 1
-    prefillers = len(lay.by_role(ROLE_PREFILL)) + len(lay.by_role(ROLE_COLOCATED)) or 1
     inflight = lim.max_inflight_requests
-    if inflight is None:
-        inflight = (e.max_running + lim.waiting(e.max_running)) * decoders
+    if inflight is None:  # each tier its own engine block (cfg.tiers)
+        inflight = sum(cfg.engine_for(s.name).max_running + lim.waiting(cfg.engine_for(s.name).max_running)
+                       for s in lay.by_role(ROLE_MAIN) + lay.by_role(ROLE_COLOCATED)) or \
+            (e.max_running + lim.waiting(e.max_running))
     queued = lim.max_queued_prompt_tokens
     if queued is None:
-        queued = e.num_pages * e.page_size * prefillers
+        queued = sum(cfg.engine_for(s.name).num_pages * cfg.engine_for(s.name).page_size
+                     for s in lay.by_role(ROLE_PREFILL) + lay.by_role(ROLE_COLOCATED)) or e.num_pages * e.page_size
     return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s,
                            lim.max_wan_backlog_s or None)
 

@@ -302,17 +302,22 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if n_prompt + max_tokens > e.max_model_len:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
-        ps = e.page_size
-        pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
-        if cfg.mode == "pdd":
-            # RLD shares nothing between choices (no prefix cache): each choice's `expect` takes
-            # its own copy of the prompt's pages (+ the first token) while the others are there
-            # too; past its pool the request failed at start with a 429 that no retry could cure
-            pages = max(pages, n * -(-(n_prompt + 1) // ps))
-        if pages > e.num_pages:
-            raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {param} ({max_tokens}) need {pages} "
-                           f"KV pages of {ps} tokens at once, more than an instance's pool ({e.num_pages}): "
-                           f"lower n or {param}", "n" if n > 1 else param)
+        # the decoding tier holds every choice; each tier has its own pages (cfg.tiers)
+        for tier in ("colocated",) if cfg.mode == "colocated" else (
+                ("main_decode", "relay_decode") if cfg.mode == "pdd" else ("main_decode",)):
+            te = cfg.engine_for(tier)
+            ps = te.page_size
+            if tier == "relay_decode":
+                # RLD shares nothing between choices (no prefix cache): each choice's `expect` takes
+                # its own copy of the prompt's pages (+ the first token) while the others are there
+                # too; past its pool the request failed at start with a 429 that no retry could cure
+                pages = n * -(-(n_prompt + 1) // ps)
+            else:
+                pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
+            if pages > te.num_pages:
+                raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {param} ({max_tokens}) need {pages} "
+                               f"KV pages of {ps} tokens at once, more than an instance's pool ({te.num_pages}): "
+                               f"lower n or {param}", "n" if n > 1 else param)
 
     def rest_of_context(n_prompt: int, where: str) -> int:
         """Output tokens the context window leaves after ``n_prompt`` prompt tokens (vLLM's

@@ -48,6 +48,7 @@ from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.transfer.kv import prompt_kv_bytes
+from pdd.transfer.layout import DTYPE_BYTES, KVLayout, wire_dtype
 from pdd.gateway import recovery
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.admission import refusal
@@ -99,7 +100,8 @@ class Orchestrator(Recovery):
         # from the checkpoint's config, so the first request is planned with it too (a new user saw 0
         # there); MD's first reservation reply confirms it from its pool (_reserved)
         mc = checkpoint_config(cfg)
-        self.kv_bytes_per_token: int | None = mc.kv_bytes_per_token(cfg.engine.dtype) if mc is not None else None
+        self.kv_bytes_per_token: int | None = mc.kv_bytes_per_token(  # as it crosses: the narrower dtype
+            wire_dtype(cfg.engine_for("prefill").dtype, cfg.engine_for("main_decode").dtype)) if mc is not None else None
         self._tasks: set = set()
         self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
         self._rr: dict[str, int] = {}
@@ -111,8 +113,11 @@ class Orchestrator(Recovery):
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
         # what the gateway routed to each instance across the WAN (cache-aware routing without a peek)
         self.prefix_index: dict[str, PrefixIndex] = {
-            sp.name: PrefixIndex(cfg.engine.page_size, cfg.engine.num_pages)
+            sp.name: PrefixIndex(cfg.engine_for(sp.name).page_size, cfg.engine_for(sp.name).num_pages)
             for sp in lay.by_role(ROLE_MAIN) if sp.dc == "B"}
+        # KV elements per token (2 x layers x kv heads x head dim), from MD's reservation replies:
+        # with each tier's page size and dtype it gives a transfer's exact bytes (_wan_page_bytes)
+        self.kv_elems_per_token: int | None = mc.kv_bytes_per_token("float32") // 4 if mc is not None else None
         from pdd.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics(self)
@@ -640,7 +645,7 @@ class Orchestrator(Recovery):
             if not (predicted and held is not None):
                 rep_, _ = await self.peers[md_name_].call(msg, timeout=t)
                 return md_name_, rep_
-            pred = held // self.cfg.engine.page_size
+            pred = held // self.cfg.engine_for(md_name_).page_size  # MD's pages
             msg["first_page"] = pred
             call = asyncio.ensure_future(self.peers[md_name_].call(msg, timeout=t))
             try:
@@ -853,8 +858,9 @@ class Orchestrator(Recovery):
     def _book_predicted(self, st: ReqState, pred_pages: int, p: rpc.Peer) -> None:
         """A predicted MD send: P sends pages ``[pred_pages, n)`` before MD's reservation replies,
         so their WAN bytes are planned now (the reply adds a fill's, :meth:`_reserved`)."""
-        nbytes = prompt_kv_bytes(st.prompt_len, pred_pages, self.cfg.engine.page_size, self.page_bytes,
-                                 self.cfg.policy.kv_whole_pages)
+        md_name = st.names[ROLE_MAIN]
+        nbytes = prompt_kv_bytes(st.prompt_len, pred_pages, self.cfg.engine_for(md_name).page_size,
+                                 self._wan_page_bytes(st, md_name), self.cfg.policy.kv_whole_pages)
         st.md_predicted_pages, st.md_predicted_bytes = pred_pages, nbytes
         st.wan_bytes_expected = nbytes  # until the reply (the cut-off's and early handoff's estimate)
         self.totals["md_predicted_sends"] += 1
@@ -884,14 +890,27 @@ class Orchestrator(Recovery):
         st.events["md_reserved"] = time.perf_counter()
         md_wan = self.layout.get(md_name).dc == "B"
         self.page_bytes = int(rep["page_bytes"])
-        self.kv_bytes_per_token = self.page_bytes // self.cfg.engine.page_size  # MD's pool: authoritative
+        md_dtype = str(rep.get("kv_dtype") or self.cfg.engine_for(md_name).dtype)
+        self.kv_elems_per_token = self.page_bytes // int(rep["page_size"]) // DTYPE_BYTES[md_dtype]  # MD's pool
+        wire_pb = self._wan_page_bytes(st, md_name, KVLayout(int(rep["page_size"]), md_dtype))
+        self.kv_bytes_per_token = wire_pb // int(rep["page_size"])  # as it crosses the WAN
         st.md_cached_tokens = int(rep["md_cached_tokens"])
         md_first = int(rep["md_cached_pages"])
         if md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
             st.wan_bytes_expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
-                                                    self.page_bytes, self.cfg.policy.kv_whole_pages)
+                                                    wire_pb, self.cfg.policy.kv_whole_pages)
             # ``booked``: a predicted send's bytes, planned when it started; the rest is its fill
             self._book_wan(st, st.wan_bytes_expected - booked, p)
+
+    def _wan_page_bytes(self, st: ReqState, md_name: str, md: KVLayout | None = None) -> int:
+        """Bytes of one of MD's pages as P sends it (``pdd.transfer.layout``: MD's page size,
+        the narrower of P's and MD's KV dtypes). ``md``: MD's layout as its reply says (default:
+        its config)."""
+        if md is None:
+            e = self.cfg.engine_for(md_name)
+            md = KVLayout(e.page_size, e.dtype)
+        p_dtype = self.cfg.engine_for(st.names.get(ROLE_PREFILL, "prefill")).dtype
+        return (self.kv_elems_per_token or 0) * md.page_size * DTYPE_BYTES[wire_dtype(p_dtype, md.dtype)]
 
     def _unplan_wan(self, trid: str) -> None:
         """Attempt ``trid`` ended before P started its streams: the WAN bytes planned for it leave

@@ -20,6 +20,7 @@ from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
 from pdd.transfer import rpc
+from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
 from pdd.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class EngineInstance:
         self.engine = None
         self.worker: EngineWorker | None = None
         self.started_at = time.time()
+        self.engine_cfg = cfg.engine_for(spec.name)  # this instance's own hardware (cfg.tiers over cfg.engine)
         self.counters: dict[str, int] = {"requests": 0, "aborted": 0, "finished": 0}
         self.prefix_hit_tokens = 0
         self.prompt_tokens = 0
@@ -141,7 +143,7 @@ class EngineInstance:
     def load_engine(self):
         from pdd.engine.engine import Engine
 
-        e = self.cfg.engine
+        e = self.engine_cfg
         return Engine.from_pretrained(
             self.cfg.model_path,
             num_pages=e.num_pages,
@@ -171,18 +173,25 @@ class EngineInstance:
     async def start(self) -> None:
         import torch
 
-        torch.set_num_threads(self.cfg.engine.torch_threads)
+        ec = self.engine_cfg
+        torch.set_num_threads(ec.torch_threads)
         self.engine = self.load_engine()
         self.eos_ids = set(self.engine.eos_token_ids)
         loop = asyncio.get_running_loop()
+        step_time = None
+        if ec.profile is not None:  # emulate that chip's prefill/decode cost curve
+            from pdd.sim.profile import load_step_model
+
+            step_time = load_step_model(ec.profile).step_time
         self.worker = EngineWorker(self.engine, loop, self.on_events, self.on_seq_failed,
-                                   min_step_s=self.cfg.engine.min_step_ms / 1000.0)
+                                   min_step_s=ec.min_step_ms / 1000.0, step_time_s=step_time)
         self.worker.start()
         hs = self.handlers()
         if "kv_done" in hs:
             hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
         self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name,
-                                 fingerprint=self.kv_fingerprint(), **self.liveness_kw(),
+                                 fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
+                                 **self.liveness_kw(),
                                  **link_security(self.cfg, self.spec.name).server())  # mTLS / fast-path MAC
         await self.server.start()
         from pdd.metrics import start_instance_metrics
@@ -195,13 +204,16 @@ class EngineInstance:
         return {"heartbeat_s": lv.heartbeat_interval_s, "dead_after_s": lv.dead_after_s}
 
     def kv_fingerprint(self) -> dict:
-        """What two instances exchanging KV pages must agree on, checked in the connection handshake
-        (``rpc.default_handshake_check``: a mismatch refuses the connection, naming the field):
-        page size (tokens), KV dtype, KV layout (layers x KV heads x head dim) and a digest of the
-        model's weights (file names, sizes and their first and last MiB: cheap for any size)."""
+        """What two instances exchanging KV pages announce in the connection handshake
+        (``pdd.transfer.layout.kv_handshake_check``): the model, which must be equal (a mismatch
+        refuses the connection, naming the field): architecture (HF model_type), layers, KV heads,
+        head dim and a digest of the weights (file names, sizes and their first and last MiB: cheap
+        for any size); and the KV layout, page size (tokens) and KV dtype, which may differ (the
+        sender converts to the receiver's, ``pdd.transfer.layout``)."""
         pool = self.engine.pool
         return {"page_size": int(pool.page_size), "kv_dtype": str(pool.dtype_name),
-                "kv_layout": f"{pool.num_layers}x{pool.num_kv_heads}x{pool.head_dim}",
+                "architecture": str(pool.model_cfg.model_type), "num_layers": int(pool.num_layers),
+                "num_kv_heads": int(pool.num_kv_heads), "head_dim": int(pool.head_dim),
                 "weights": weights_digest(self.cfg.model_path)}
 
     async def stop(self) -> None:
@@ -307,6 +319,7 @@ class EngineInstance:
             "pages_total": e.pool.num_pages,
             "pages_free": e.pool.num_free,
             "page_bytes": e.pool.page_bytes,
+            "hardware": self.hardware(),
             "running": len(self.reqs),
             "forward_calls": getattr(runner, "forward_calls", 0),
             "engine_steps": self.worker.steps,
@@ -320,6 +333,13 @@ class EngineInstance:
 
     def extra_stats(self) -> dict:
         return {}
+
+    def hardware(self) -> dict:
+        """This instance's emulated hardware profile (``ClusterConfig.hardware_profile``), its KV
+        pool's dtype and page size as built."""
+        pool = self.engine.pool
+        return {**self.cfg.hardware_profile(self.spec.name), "dtype": str(pool.dtype_name),
+                "page_size": int(pool.page_size), "num_pages": int(pool.num_pages)}
 
     async def on_flush(self, peer, h, payload):
         def _flush(e):
@@ -360,19 +380,28 @@ class EngineInstance:
 
     def import_frame(self, ctx: ReqCtx, h: dict, payload) -> None:
         """Copy one ``kv`` frame's pages (header ``first_page``, ``n_pages``, ``layers``,
-        ``last_page_bytes``) into ``ctx``'s page table. Raises ValueError for a partial last page
-        that is not whole token slots."""
+        ``last_page_bytes``, ``dtype``) into ``ctx``'s page table. The frame is in this
+        instance's pages; ``dtype`` (the sender's, narrower than this pool's:
+        ``pdd.transfer.layout``) is widened on import. Raises ValueError for a frame whose
+        ``page_bytes`` is not one of this pool's pages in that dtype, or a partial last page that
+        is not whole token slots."""
         first, n = int(h["first_page"]), int(h["n_pages"])
         pages = ctx.seq.page_table[first : first + n]
         layers = tuple(h["layers"]) if h.get("layers") is not None else None
         pool = self.engine.pool
+        src = str(h.get("dtype") or pool.dtype_name)
+        slot = wire_slot_bytes(pool.slot_bytes(layers), pool.dtype_name, src)
+        if h.get("page_bytes") is not None and int(h["page_bytes"]) != slot * pool.page_size:
+            raise ValueError(f"kv frame of {h['rid']!r}: page_bytes {h['page_bytes']} is not a page of "
+                             f"{pool.page_size} tokens in {src} ({slot * pool.page_size} bytes)")
         last_slots = None
         if h.get("last_page_bytes") is not None:  # the prompt's last page, its filled slots only
-            last_slots, rest = divmod(int(h["last_page_bytes"]), pool.slot_bytes(layers))
+            last_slots, rest = divmod(int(h["last_page_bytes"]), slot)
             if rest:
                 raise ValueError(f"kv frame of {h['rid']!r}: last_page_bytes {h['last_page_bytes']} is not whole "
-                                 f"token slots of {pool.slot_bytes(layers)} bytes")
-        pool.import_pages(pages, payload, layers=layers, last_slots=last_slots)
+                                 f"token slots of {slot} bytes")
+        pool.import_pages(pages, payload, layers=layers, last_slots=last_slots,
+                          src_dtype=None if src == pool.dtype_name else src)
         ctx.extra["pages_received"] = ctx.extra.get("pages_received", 0) + n
         if "kv_first_s" not in ctx.extra:  # the rate is measured from the end of the first frame
             ctx.extra["kv_first_s"] = time.perf_counter()

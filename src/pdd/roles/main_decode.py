@@ -8,7 +8,8 @@ Messages:
   ``after`` (another choice of the same prompt, pdd.policy.siblings), first wait until that
   request's KV has been imported here (or it is gone); then match the prompt against the
   DRC, lock the matched pages, allocate the missing ones; reply ``{md_cached_tokens,
-  md_cached_pages, n_pages, prompt_tokens, page_size, page_bytes}``. Only pages
+  md_cached_pages, n_pages, prompt_tokens, page_size, page_bytes, kv_dtype}`` (MD's own pages and
+  pool dtype: the gateway predicts the WAN bytes with them, ``pdd.transfer.layout``). Only pages
   ``[md_cached_pages, n_pages)`` cross the WAN (the partial last page is never cached, so it
   always does, as its filled token slots only: ``pdd.transfer.kv.prompt_kv_bytes``).
   With ``first_page`` (a predicted send, ``policy.md_predicted_send``: P is already sending
@@ -141,7 +142,7 @@ class MainDecodeInstance(EngineInstance):
         cached = int(ctx.seq.num_cached_tokens)
         return {"t": "reserve_ok", "rid": rid, "md_cached_tokens": cached, "md_cached_pages": cached // ps,
                 "n_pages": (len(prompt) + ps - 1) // ps, "prompt_tokens": len(prompt), "page_size": ps,
-                "page_bytes": self.engine.pool.page_bytes}, b""
+                "page_bytes": self.engine.pool.page_bytes, "kv_dtype": str(self.engine.pool.dtype_name)}, b""
 
     async def on_kv_done(self, peer, h, payload):
         ctx = self.reqs.get(h["rid"])

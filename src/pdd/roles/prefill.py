@@ -25,6 +25,7 @@ from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.kv import KVSender, prompt_kv_bytes, prompt_last_slots
+from pdd.transfer.layout import KVLayout, kv_handshake_check, layout_of, wire_dtype, wire_slot_bytes
 from pdd.transfer.wire import limit_write_buffers, set_socket_buffer
 from pdd.types import SamplingParams
 
@@ -190,11 +191,13 @@ class PrefillInstance(EngineInstance):
         if s is not None and s.peer.closed:
             await s.close()  # its transfers already failed with the connection
         if s is None or s.peer.closed:
-            # the fingerprint refuses an instance whose page size, KV dtype/layout or weights differ
-            # (HandshakeError, never retried); a dead target is not retried for long (the gateway
-            # recovers the request elsewhere)
+            # the fingerprint refuses an instance of another model (architecture, layers, KV heads,
+            # head dim, weights: HandshakeError, never retried) and tells the target's KV layout
+            # (page size, dtype: pdd.transfer.layout); a dead target is not retried for long (the
+            # gateway recovers the request elsewhere)
             peer = await rpc.connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=5,
-                                     fingerprint=self.kv_fingerprint(), **self.liveness_kw(),
+                                     fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
+                                     **self.liveness_kw(),
                                      **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
             rate = None if wan else self.cfg.link.fast_gbps
             # over the WAN, what the socket already holds (and the frame being written) goes first
@@ -294,15 +297,32 @@ class PrefillInstance(EngineInstance):
 
         n_prompt = len(ctx.seq.prompt_ids)
         whole = self.cfg.policy.kv_whole_pages  # ablation: the partial last page goes whole
-        last_slots = None if whole else prompt_last_slots(n_prompt, pool.page_size)  # its filled slots only
+        own = KVLayout(pool.page_size, pool.dtype_name)
 
-        def reader(i: int, n: int):
-            return pool.export_pages(table[i : i + n], last_slots=last_slots if i + n == n_pages else None)
+        def plan_of(rl: KVLayout):
+            """(pages of the prompt, partial last page's slots, wire dtype, bytes of a token on the
+            wire, page reader) for a receiver of layout ``rl``: page indices and the partial last
+            page are the receiver's; the elements cross in ``wire_dtype`` (pdd.transfer.layout)."""
+            npg = -(-n_prompt // rl.page_size)
+            ls = None if whole else prompt_last_slots(n_prompt, rl.page_size)  # its filled slots only
+            wdt = wire_dtype(own.dtype, rl.dtype)
+            slot = wire_slot_bytes(pool.slot_bytes(), own.dtype, wdt)
+            if rl.page_size == own.page_size and wdt == own.dtype:
+                def reader(i: int, n: int):
+                    return pool.export_pages(table[i : i + n], last_slots=ls if i + n == npg else None)
+            else:  # re-chunked to the receiver's pages, cast to the wire dtype
+                def reader(i: int, n: int):
+                    return pool.export_tokens(table, i * rl.page_size, min((i + n) * rl.page_size, n_prompt),
+                                              rl.page_size, wdt, whole_last=whole)
+            return npg, ls, wdt, slot, reader
 
-        def planned(first: int, last: int = n_pages) -> int:
-            """Payload bytes of pages ``[first, last)`` of the prompt."""
-            return (prompt_kv_bytes(n_prompt, first, pool.page_size, pool.page_bytes, whole)
-                    - prompt_kv_bytes(n_prompt, last, pool.page_size, pool.page_bytes, whole))
+        def planned(rl: KVLayout, first: int, last: int | None = None) -> int:
+            """Payload bytes of the receiver's pages ``[first, last)`` of the prompt (default: to its end)."""
+            npg, _, _, slot, _ = plan_of(rl)
+            last = npg if last is None else last
+            ps = rl.page_size
+            return (prompt_kv_bytes(n_prompt, first, ps, slot * ps, whole)
+                    - prompt_kv_bytes(n_prompt, last, ps, slot * ps, whole))
 
         def book(into: dict[str, int], name: str, nbytes: int) -> None:
             # a target may get two transfers (md and md_fill): their bytes add up; -1 ("the whole
@@ -311,9 +331,9 @@ class PrefillInstance(EngineInstance):
 
         async def one(t: dict) -> None:
             name = t.get("name", t.get("slot"))
-            tr = first = None
-            last = n_pages
+            tr = first = last = None
             wan = False
+            rl = own
             try:
                 if t.get("deferred"):
                     plan = await asyncio.wait_for(self._deferred_target(ctx.rid, t["slot"]), self.cfg.request_timeout_s)
@@ -326,25 +346,37 @@ class PrefillInstance(EngineInstance):
                             book(result, name, 0)
                             book(unsent, name, -1)  # -1: the whole planned transfer (only the gateway knows its size)
                         return
-                first = int(t["first_page"])
-                last = min(n_pages, int(t.get("last_page", n_pages)))
+                # the target's layout as configured (the gateway plans with the same): the byte
+                # counts below and the lane; the handshake's fingerprint confirms it
+                ec = self.cfg.engine_for(name)
+                rl = KVLayout(ec.page_size, ec.dtype)
+                first = int(t["first_page"])  # the receiver's pages
+                npg = plan_of(rl)[0]
+                last = min(npg, int(t.get("last_page", npg)))
                 if fin is not None and t.get("relay"):
                     # a relayed request finished by its first token (EOS, a stop id, max_tokens 1):
                     # RLD emits it and MD never decodes, so its WAN stream never starts (the
                     # gateway cuts that leg too, but its cancel may come after MD's plan did)
                     book(result, name, 0)
-                    book(unsent, name, planned(first, last))
+                    book(unsent, name, planned(rl, first, last))
                     self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + 1
                     return
-                lane = wan_lane(planned(first, last), self.express_max_bytes)  # sender_for: bulk off the WAN
+                lane = wan_lane(planned(rl, first, last), self.express_max_bytes)  # sender_for: bulk off the WAN
                 sender, wan = await self.sender_for(name, lane)
+                got = layout_of(sender.peer.remote_fingerprint)
+                if got is not None and got != rl:
+                    raise ValueError(f"{name}'s KV layout is page_size {got.page_size} {got.dtype} in its handshake, "
+                                     f"page_size {rl.page_size} {rl.dtype} in this topology's config: start every "
+                                     "instance from the same config")
                 if ctx.rid in self._aborted:  # aborted before it started (on_abort cancelled none)
                     book(result, name, 0)
-                    book(unsent, name, planned(first, last))
+                    book(unsent, name, planned(rl, first, last))
                     return
-                tr = sender.submit(ctx.rid, first, reader, last - first, pool.page_bytes,
-                                   last_page_bytes=None if last_slots is None or last < n_pages
-                                   else last_slots * pool.slot_bytes(),
+                npg, last_slots, wdt, slot, reader = plan_of(rl)
+                tr = sender.submit(ctx.rid, first, reader, last - first, slot * rl.page_size,
+                                   last_page_bytes=None if last_slots is None or last < npg
+                                   else last_slots * slot,
+                                   dtype=wdt if wdt != rl.dtype else None,  # the receiver widens
                                    layers=(0, self.engine.model_cfg.num_hidden_layers),
                                    done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
                                                 **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
@@ -369,7 +401,7 @@ class PrefillInstance(EngineInstance):
                 sent = tr.bytes_sent if tr is not None else 0
                 book(result, name, sent)
                 book(unsent, name, tr.total_bytes - sent if tr is not None
-                     else planned(first, last) if first is not None else -1)
+                     else planned(rl, first, last) if first is not None else -1)
                 self.bytes_sent[name] = self.bytes_sent.get(name, 0) + sent
                 if wan:
                     self.wan_bytes_sent += sent

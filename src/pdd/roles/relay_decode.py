@@ -87,7 +87,7 @@ class RelayDecodeInstance(EngineInstance):
         e = self.engine
         inp = HandoffInputs(
             tokens_pending=max(0, seq.num_outputs - int(h.get("sent", 0))),
-            rld_running=len(e.seqs), rld_capacity=self.cfg.engine.max_running,
+            rld_running=len(e.seqs), rld_capacity=self.engine_cfg.max_running,
             rld_pages_used=e.pool.num_pages - e.pool.num_free, rld_pages_total=e.pool.num_pages,
             threshold=pol.catchup_threshold_tokens, mode_config=pol.handoff_mode, current_mode=self.current_mode,
             round_index=int(h.get("round", 0)))

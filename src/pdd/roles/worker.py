@@ -39,10 +39,16 @@ class EngineWorker:
     step's end, when its outputs exist; so do all commands behind it, so commands still run in
     submission order. The held time counts in ``busy_s`` and
     ``last_step_s`` (the emulated device is busy).
+
+    ``step_time_s(items) -> seconds`` (None = off) emulates a whole chip's cost curve: each forward
+    pass is held the same way to the time it predicts for the step's batch, ``items`` being
+    ``(cached tokens, new tokens)`` per sequence (``Engine.last_step_items``; an engine tier's
+    ``profile``: ``pdd.sim.profile.MeasuredStepModel.step_time``), and to at least ``min_step_s``.
     """
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None],
-                 on_seq_failed: Callable[[object, str], None] | None = None, min_step_s: float = 0.0):
+                 on_seq_failed: Callable[[object, str], None] | None = None, min_step_s: float = 0.0,
+                 step_time_s: Callable[[list], float] | None = None):
         self.engine = engine
         self.loop = loop
         self.on_events = on_events
@@ -56,6 +62,7 @@ class EngineWorker:
         self.recent_steps_s: deque[float] = deque(maxlen=64)
         self.pages_wait_s = PAGES_WAIT_S
         self.min_step_s = float(min_step_s)
+        self.step_time_s = step_time_s
         self.held_s = 0.0  # time steps were held to min_step_s (seconds)
         self._pending: deque = deque()  # commands taken off the queue during a hold, run after it
 
@@ -181,8 +188,13 @@ class EngineWorker:
                 events = []
                 self._fail_step(e)
             dt = time.perf_counter() - t0
-            if dt < self.min_step_s:
-                self._hold(t0 + self.min_step_s)
+            floor = self.min_step_s
+            if self.step_time_s is not None:
+                items = getattr(self.engine, "last_step_items", None)
+                if items:
+                    floor = max(floor, float(self.step_time_s(items)))
+            if dt < floor:
+                self._hold(t0 + floor)
                 held = time.perf_counter() - t0 - dt  # overlap work may run past the deadline
                 self.held_s += held
                 dt += held

@@ -139,6 +139,23 @@ def load(path: str | Path) -> dict:
     return prof
 
 
+def load_step_model(path: str | Path) -> MeasuredStepModel:
+    """:class:`MeasuredStepModel` of the profile at ``path`` (an engine tier's ``profile``).
+    Raises ValueError naming the file: missing, not JSON, not pdd-profile/1, too few rows."""
+    try:
+        prof = load(path)
+    except OSError as e:
+        raise ValueError(f"profile {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {path}: not JSON ({e})") from None
+    try:
+        return MeasuredStepModel(prof)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"profile {path}: malformed ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise ValueError(f"profile {path}: {e}") from None
+
+
 # ----------------------------------------------------------------------------------------------
 # measuring the live engine
 

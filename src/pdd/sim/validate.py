@@ -42,11 +42,22 @@ def sim_records(requests) -> list[dict]:
 def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
                host_cores: float | None = None) -> SimConfig:
     """A SimConfig mirroring the live ``ClusterConfig`` ``cfg`` (pdd mode). On a CPU topology
-    every instance shares this machine's cores (``host_cores``, default ``os.cpu_count()``)."""
+    every instance shares this machine's cores (``host_cores``, default ``os.cpu_count()``).
+    Heterogeneous tiers (``cfg.tiers``): datacenter A's chip is P's ``profile`` and B's is MD's
+    (each defaulting to ``profile_path``), and the KV crosses the WAN in the narrower of P's and
+    MD's dtypes (``pdd.transfer.layout``)."""
+    from pdd.transfer.layout import DTYPE_BYTES, wire_dtype
+
     e, link, pol, n = cfg.engine, cfg.link, cfg.policy, cfg.instances
+    ep, emd = cfg.engine_for("prefill"), cfg.engine_for("main_decode")
+    kvb = int(prof["model"]["kv_bytes_per_token"])
+    wire_kvb = kvb // DTYPE_BYTES[prof.get("engine", {}).get("dtype", "float32")] \
+        * DTYPE_BYTES[wire_dtype(ep.dtype, emd.dtype)]
     return SimConfig(
         mode=cfg.mode, model="measured", model_spec={**prof["model"], "max_context": e.max_model_len},
-        profile_a=str(profile_path), profile_b=str(profile_path), price_a=0.0, price_b=0.0,
+        kv_bytes_per_token=wire_kvb if wire_kvb != kvb else None,
+        profile_a=str(ep.profile or profile_path), profile_b=str(emd.profile or profile_path), price_a=0.0,
+        price_b=0.0,
         n_p=n.prefill, n_rld=n.relay_decode, n_md=n.main_decode, n_d=n.relay_decode, n_c=n.prefill,
         wan_gbps=link.wan_gbps, wan_rtt_ms=link.wan_rtt_ms, wan_order=pol.wan_order,
         fast_gbps=link.fast_gbps, fast_rtt_ms=link.fast_rtt_ms,

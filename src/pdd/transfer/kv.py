@@ -3,12 +3,15 @@
 Wire messages (one-way, in this order per transfer)::
 
     {"t": "kv", "rid", "first_page", "n_pages", "layers": [l0, l1] | None, "page_bytes"
-     [, "last_page_bytes"]}
+     [, "last_page_bytes"] [, "dtype"]}
         + payload of n_pages * page_bytes bytes (pages first_page .. first_page+n_pages-1
           of the request's page table, layer range [l0, l1) of each page; None = all layers),
           or (n_pages - 1) * page_bytes + last_page_bytes when the frame ends with the
           transfer's last page and that page is sent in part (a prompt ending inside its page:
-          only its filled token slots cross, ``KVPool.export_pages(last_slots=...)``)
+          only its filled token slots cross, ``KVPool.export_pages(last_slots=...)``).
+          Pages are the receiver's (its page size); ``dtype``: the payload's element type when
+          the sender set one (a transfer between tiers of different KV dtype, pdd.transfer.layout:
+          the receiver converts to its own on import)
     {"t": "kv_done", "rid", "first_page", "n_pages", "layers", "page_bytes", "last_page_bytes",
      "bytes", **done_fields}
         after the last chunk ("bytes": payload bytes sent for this transfer)
@@ -63,7 +66,7 @@ PageReader = Callable[[int, int], Union[Any, Awaitable[Any]]]
 PickFn = Callable[[Sequence["Transfer"]], "Transfer"]
 
 _RESERVED_DONE_KEYS = frozenset({"t", "rid", "first_page", "n_pages", "layers", "page_bytes", "last_page_bytes", "bytes",
-                                 "cid", "reply"})
+                                 "cid", "reply", "dtype"})
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,10 @@ class Transfer:
         meta: dict,
         seq: int,
         last_page_bytes: Optional[int] = None,
+        dtype: Optional[str] = None,
     ):
         loop = asyncio.get_running_loop()
+        self.dtype = dtype
         self.sender = sender
         self.rid = rid
         self.first_page = first_page
@@ -296,6 +301,7 @@ class KVSender:
         done_fields: Optional[dict] = None,
         meta: Optional[dict] = None,
         last_page_bytes: Optional[int] = None,
+        dtype: Optional[str] = None,
     ) -> Transfer:
         """Queue pages ``[first_page_index, first_page_index + n_pages)`` of request ``rid``.
 
@@ -307,6 +313,8 @@ class KVSender:
         ``layers``: ``(l0, l1)`` half-open layer range, None = all layers.
         ``done_fields``: extra keys for the closing ``kv_done`` (e.g. ``{"first_token": 42}``).
         ``meta``: free dict for order policies. ``n_pages == 0`` sends only ``kv_done``.
+        ``dtype``: the payload's element type, carried in every frame header and ``kv_done``
+        (None: not said, the receiver's own).
         Raises ConnectionError if the peer is closed.
         """
         if self._closed:
@@ -338,6 +346,7 @@ class KVSender:
             dict(meta or {}),
             next(self._seq),
             last_page_bytes,
+            dtype,
         )
         self.active.append(t)
         self._wake.set()
@@ -403,6 +412,8 @@ class KVSender:
             last_page_bytes=t.last_page_bytes,
             bytes=t.bytes_sent,
         )
+        if t.dtype is not None:
+            h["dtype"] = t.dtype
         await self.peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
         self.active.remove(t)
         if not t.done.done():
@@ -454,6 +465,8 @@ class KVSender:
                 }
                 if data.nbytes != n * t.page_bytes:  # ends with the transfer's partial last page
                     header["last_page_bytes"] = t.last_page_bytes
+                if t.dtype is not None:
+                    header["dtype"] = t.dtype
                 try:
                     await asyncio.wait_for(self.peer.send(header, data, crc=self.crc), self.stall_timeout_s)
                 except (asyncio.TimeoutError, TimeoutError):
