@@ -27,7 +27,8 @@ async def test_a_sibling_reserve_sent_beside_the_first_waits_for_its_kv(tiny_mod
                                         "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
                                         "security": {"tls": False, "fast_path": "plain"},
                                         "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
-    inst = MainDecodeInstance(cfg, InstanceSpec("md0", ROLE_MAIN, "B", 0), layout(cfg))
+    # a port of the free block: its metrics server (port + 10, never stopped in-process) is the block's too
+    inst = MainDecodeInstance(cfg, InstanceSpec("md0", ROLE_MAIN, "B", base + 1), layout(cfg))
     await inst.start()
     gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: None}, role="gateway", instance="gateway")
     p = None

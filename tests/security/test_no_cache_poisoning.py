@@ -35,7 +35,8 @@ async def test_flipped_kv_stream_never_enters_the_radix_cache(tiny_model, tmp_pa
                                         "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
     cfg = prepare_security(cfg, tmp_path)
     assert cfg.security.tls and cfg.security.fast_path == "mac" and os.path.isdir(cfg.security.cert_dir)
-    inst = MainDecodeInstance(cfg, InstanceSpec("d0", ROLE_MAIN, "A", 0), layout(cfg))
+    # a port of the free block: its metrics server (port + 10, never stopped in-process) is the block's too
+    inst = MainDecodeInstance(cfg, InstanceSpec("d0", ROLE_MAIN, "A", base + 1), layout(cfg))
     await inst.start()
     port = inst.server.port
     toks: list[dict] = []
