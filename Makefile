@@ -41,8 +41,11 @@ demo: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(PY) -m pdd.cli serve $(SERVE_ARGS)
 
+# test: every test in file order (-p no:randomly), so a failing run repeats exactly.
+# test-fast: in a random order (pytest-randomly prints the seed it used; repeat an order with
+# `$(PY) -m pytest -p randomly --randomly-seed=N ...`).
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+	$(PY) -m pytest -q -p no:cacheprovider -p no:randomly --timeout=900
 
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not faults" --timeout=300

@@ -377,6 +377,14 @@ class ClusterConfig(_Strict):
         "relay_decode: [1], main_decode: [1]}; a role not named runs on every core. On a CPU-only machine this "
         "gives each tier its own cores, as each instance has its own accelerator in a deployment")
 
+    process_nice: int | None = Field(
+        None, ge=-20, le=19,
+        description="nice value every process of a topology runs at (Linux setpriority: instances, gateway, "
+        "link emulator), None: inherited. Below 0 (needs CAP_SYS_NICE, e.g. root) they take the CPU before "
+        "other work on the machine, so each tier computes, and the link emulator keeps time, as on the "
+        "dedicated hardware it stands for; the same value for every mode, so modes compare under the same "
+        "conditions. A refused value is logged and the process runs at the inherited one")
+
     @field_validator("cpu_affinity")
     @classmethod
     def _cpus(cls, v: dict) -> dict:

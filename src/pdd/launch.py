@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -105,6 +106,21 @@ def pin_cpus(cfg: ClusterConfig, role: str) -> list[int] | None:
     return sorted(cpus)
 
 
+def set_nice(nice: int | None) -> int | None:
+    """Run this process at niceness ``nice`` (``ClusterConfig.process_nice``; None: leave it);
+    returns the niceness now in force, or None when unchanged. A value the kernel refuses (below
+    the inherited one without CAP_SYS_NICE) is logged, not raised: the process runs on as it was."""
+    if nice is None or not hasattr(os, "setpriority"):
+        return None
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, int(nice))
+    except OSError as e:
+        logging.getLogger(__name__).warning("process_nice %d refused (%s): running at nice %d", nice, e,
+                                            os.getpriority(os.PRIO_PROCESS, 0))
+        return None
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def run_instance(cfg: ClusterConfig, name: str) -> None:
     """Run one instance of ``cfg``'s topology in this process until SIGTERM (or until its owner
     dies, when started by :class:`Topology`: :func:`watch_parent`)."""
@@ -113,6 +129,7 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
     lay = layout(cfg)
     spec = lay.get(name)
     pin_cpus(cfg, spec.role)  # before torch starts its threads, which inherit the mask
+    set_nice(cfg.process_nice)  # likewise inherited by them
     if spec.role == ROLE_LINK:
         from pdd.transfer.link import run_link
 

@@ -143,11 +143,15 @@ def free_port_block(n: int = 100) -> int:
     """A base port with ``n`` consecutive ports above it free on 127.0.0.1 now (best effort: a
     port may be taken between this check and the bind), for a layout's ``base_port``.
 
-    Raises RuntimeError when 200 random tries in [20000, 60000) find no such block."""
+    Raises RuntimeError when 200 random tries in [20000, 60000) find no such block. Draws from
+    the OS's entropy, not the ``random`` module's global state: a test runner that reseeds it
+    (pytest-randomly, before every test) would otherwise hand every test, and every run started
+    beside it, the same block."""
     import random
 
+    rng = random.SystemRandom()
     for _ in range(200):
-        base = random.randint(20000, 60000 - n)
+        base = rng.randint(20000, 60000 - n)
         if all(_can_bind("127.0.0.1", p) for p in range(base, base + n)):
             return base
     raise RuntimeError("no free port block")

@@ -34,10 +34,12 @@ async def _settle(w: EngineWorker) -> None:
         await asyncio.sleep(0)
 
 
-def _create(gate: threading.Event | None, name: str):
+def _create(gate: threading.Event | None, name: str, running: threading.Event | None = None):
     def fn(e):
+        if running is not None:
+            running.set()
         if gate is not None:
-            assert gate.wait(5)
+            assert gate.wait(60)
         e.created.append(name)
         return name
     return fn
@@ -50,9 +52,9 @@ def _undo(e, name):
 async def test_cancelled_while_the_engine_thread_runs_it_is_undone():
     eng, w = await _start()
     try:
-        gate = threading.Event()
-        task = asyncio.ensure_future(w.call_owned(_create(gate, "s1"), _undo))
-        await asyncio.sleep(0.05)  # fn is running on the engine thread, blocked on the gate
+        gate, running = threading.Event(), threading.Event()
+        task = asyncio.ensure_future(w.call_owned(_create(gate, "s1", running), _undo))
+        assert await asyncio.to_thread(running.wait, 60)  # fn runs on the engine thread, blocked on the gate
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -143,11 +145,12 @@ async def test_pages_held_outside_the_batch_are_waited_for_not_failed(wait_s, fa
     w.start()
     try:
         assert await w.call(lambda e: "served") == "served"  # commands go on meanwhile
-        for _ in range(200):
+        # until the sequence stepped (waited through the PagesHeld) or failed: a condition, not a time
+        for _ in range(60_000):
             if eng.steps > 5 or got:
                 break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.02)
+            await asyncio.sleep(0.001)
+        await w.call(lambda e: None)  # the step that ended the wait has returned to the loop
     finally:
         w.stop()
     assert got == failed

@@ -113,7 +113,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def wait_for(cond, timeout: float = 5.0, step: float = 0.01) -> bool:
+async def wait_for(cond, timeout: float = 60.0, step: float = 0.01) -> bool:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while loop.time() < end:

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 def free_port_block(n: int = 100) -> int:
     import random
 
+    rng = random.SystemRandom()  # not the global state pytest-randomly reseeds before each test
     for _ in range(200):
-        base = random.randint(20000, 60000 - n)
+        base = rng.randint(20000, 60000 - n)
         try:
             socks = []
             for p in range(base, base + n):

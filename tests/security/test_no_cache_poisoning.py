@@ -35,7 +35,8 @@ async def test_flipped_kv_stream_never_enters_the_radix_cache(tiny_model, tmp_pa
                                         "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
     cfg = prepare_security(cfg, tmp_path)
     assert cfg.security.tls and cfg.security.fast_path == "mac" and os.path.isdir(cfg.security.cert_dir)
-    inst = MainDecodeInstance(cfg, InstanceSpec("d0", ROLE_MAIN, "A", 0), layout(cfg))
+    # a port of the free block: its metrics server (port + 10, never stopped in-process) is the block's too
+    inst = MainDecodeInstance(cfg, InstanceSpec("d0", ROLE_MAIN, "A", base + 1), layout(cfg))
     await inst.start()
     port = inst.server.port
     toks: list[dict] = []
@@ -69,7 +70,9 @@ async def test_flipped_kv_stream_never_enters_the_radix_cache(tiny_model, tmp_pa
         proxy = await FlipProxy(port, flip_frame=(2, "payload", 100)).start()
         p1 = await stream("r1", proxy.port)
         assert await wait_for(lambda: p1.closed and proxy.flipped)
-        await asyncio.sleep(0.2)  # anything still in flight would land now
+        # p1's connection is closed (the MAC failure closed it): every frame it carried has been
+        # handled; a control round trip and the engine thread's queue (cached_pages) come after them
+        await gw.call({"t": "stats"})
         assert inst.server.mac_failures == 1
         assert await cached_pages() == 0  # the poisoned prompt never entered the radix cache
         assert not [t for t in toks if t["rid"] == "r1"]  # and D never decoded on it

@@ -18,7 +18,7 @@ def link_cfg(port, **kw):
     return c
 
 
-async def wait_for(cond, timeout=10.0):
+async def wait_for(cond, timeout=60.0):
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:

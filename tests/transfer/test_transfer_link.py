@@ -70,7 +70,7 @@ async def send_all(port, data, chunk=1 << 16, eof=True):
     return r, w, t0
 
 
-async def wait_for(cond, timeout=5.0):
+async def wait_for(cond, timeout=60.0):
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:
@@ -120,17 +120,25 @@ async def test_two_flows_share_the_line():
     await sink.close()
 
 
+async def _one_conn(link) -> list:
+    await wait_for(lambda: len(link.conns) == 1, 60)
+    return list(link.conns)
+
+
 async def test_backpressure_bounds_proxy_buffering():
     # slow line: the proxy holds only ~a chunk or two per connection, the rest stays in the sender
     sink = await SinkServer().start()
     async with Link(cfg(sink.port, gbps=0.05, rtt_ms=0, chunk_bytes=16384)) as link:
         r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        t0 = link.loop.time()
         w.write(b"x" * (8 << 20))
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: link.stats()["admitted_a_to_b"] >= 1_000_000, 60)
         st = link.stats()
+        elapsed = link.loop.time() - t0
         assert st["in_flight_a_to_b"] <= 4 * 16384
-        # at 6.25 MB/s about 1.9 MB can have been admitted in 0.3 s
-        assert st["admitted_a_to_b"] < 3_000_000
+        # admitted at the line's rate (6.25 MB/s) over the time it ran, plus the chunk being read,
+        # not the whole 8 MB at once (a late wake-up lets more time pass, not more bytes per second)
+        assert st["admitted_a_to_b"] <= 6.25e6 * elapsed + 2 * 16384, (st["admitted_a_to_b"], elapsed)
         w.transport.abort()
 
     # receiver not reading: admission stops (no unbounded buffering in the proxy)
@@ -139,9 +147,12 @@ async def test_backpressure_bounds_proxy_buffering():
     async with Link(cfg(sink2.port, gbps=10.0, rtt_ms=0)) as link:
         r, w = await asyncio.open_connection("127.0.0.1", link.ports[0])
         w.write(b"y" * (24 << 20))
-        await asyncio.sleep(0.3)
+        # until the proxy stops reading: its write to the receiver is paused (high water reached)
+        (conn,) = await _one_conn(link)
+        await wait_for(lambda: conn.b is not None and conn.b.write_paused and not conn.a.reading, 60)
         a1 = link.stats()["admitted_a_to_b"]
-        await asyncio.sleep(0.2)
+        for _ in range(20):  # the loop turns on, reading nothing more
+            await asyncio.sleep(0)
         a2 = link.stats()["admitted_a_to_b"]
         assert a1 == a2 and a1 < 16 << 20, (a1, a2)  # ~ socket buffers + 1 MiB high water
         sink2.read_ok.set()  # now drain: everything arrives

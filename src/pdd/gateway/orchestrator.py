@@ -621,21 +621,32 @@ class Orchestrator(Recovery):
             return
 
         trid, names = st.trid, st.names  # this attempt's (a recovery makes new ones)
-        sib = self._sibling_md(st) if st.attempt == 0 else None
-        relay_sibling = sib is not None and sib[2] == Pipeline.P_RLD_MD
+        # another choice of a prompt: its first choice's MD reservation may still be out (a
+        # relayed first choice returns at P's first token), then this one decides where to
+        # reserve once that reply is in, not on what the gateway happens to know now
+        pending_sib = st.attempt == 0 and self._sibling_pending(st)
+        sib = self._sibling_md(st) if st.attempt == 0 and not pending_sib else None
+        relay_sibling = pending_sib or (sib is not None and sib[2] == Pipeline.P_RLD_MD)
         # a relayed plan made before MD's reservation may also start MD's WAN send before it: P
         # sends the pages the gateway's prefix index says MD lacks at once, and only the pages
         # MD turns out to lack besides (a fill) wait for the reservation's reply
         predicted = (relay_possible and self.cfg.policy.md_predicted_send and self._always_relay() and not force_relay
-                     and sib is None and self.page_bytes is not None)
+                     and sib is None and not pending_sib and self.page_bytes is not None)
         st.md_predicted_pages, st.md_predicted_bytes, st.md_fill_slot = None, 0, False  # this attempt's own
 
         async def route_and_reserve():
             msg = {"t": "reserve", "rid": trid, "prompt_ids": prompt, "sampling": sampling}
             held = None
-            if sib is not None:  # the first choice's MD, once the prompt's KV is there
-                md_name_ = sib[0]
-                msg["after"] = sib[1]
+            sib_ = sib
+            if pending_sib:
+                try:
+                    await asyncio.wait_for(st.sibling_of.md_settled.wait(), t)
+                except asyncio.TimeoutError:
+                    pass  # the first choice's MD leg never settled: this one routes as any request
+                sib_ = self._sibling_md(st)
+            if sib_ is not None:  # the first choice's MD, once the prompt's KV is there
+                md_name_ = sib_[0]
+                msg["after"] = sib_[1]
             else:  # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
                 md_name_, held = await self._route_hit(ROLE_MAIN, prompt)
             if st.trid != trid:
@@ -684,6 +695,7 @@ class Orchestrator(Recovery):
                                  {"slot": "md", "deferred": True}]
                      + ([{"slot": "md_fill", "deferred": True}] if predicted else [])}, timeout=t))
                 md_leg = asyncio.ensure_future(self._md_leg(st, trid, reserve, p))
+                md_leg.add_done_callback(lambda _f: st.md_settled.set())
                 rep, _ = await p_call
                 if rep.get("fin") is not None:
                     # finished by its first token (EOS, a stop id, max_tokens 1): MD will never
@@ -694,6 +706,7 @@ class Orchestrator(Recovery):
                     self._md_leg_lost(st, "finished by its first token", degraded=False)
             except BaseException:
                 _give_up(reserve, md_leg)
+                st.md_settled.set()
                 if p_call is None or (p_call.done() and not p_call.cancelled()
                                       and isinstance(p_call.exception(), rpc.RemoteError)):
                     # P never started this attempt's streams (RLD refused or was lost before P was
@@ -726,6 +739,7 @@ class Orchestrator(Recovery):
             md_name, rep = await reserve
         except BaseException:
             _give_up(reserve, p_call, expect)
+            st.md_settled.set()
             if p_call is not None:  # P may hold the prompt waiting for its targets: free it there
                 self._spawn(self._abort_on(p, st.trid))
             if expect is not None:
@@ -783,14 +797,24 @@ class Orchestrator(Recovery):
         if first is None or not self.cfg.policy.sibling_kv_once or first.aborted or first.md_lost or first.attempt != 0:
             return None
         md_name = first.names.get(ROLE_MAIN)
-        if md_name is None or self.peers[md_name].closed or not self._in_b(md_name):
+        if md_name is None or "md_reserved" not in first.events or self.peers[md_name].closed \
+                or not self._in_b(md_name):
             return None
-        nbytes = first.wan_bytes_expected if "md_reserved" in first.events else \
-            first.prompt_len * (self.kv_bytes_per_token or 0)
+        nbytes = first.wan_bytes_expected
         if not sibling_waits_for_kv(nbytes, st.siblings, self.wan_gbps_live or self.cfg.link.wan_gbps,
                                     self.cfg.link.wan_rtt_ms):
             return None
         return md_name, first.trid, first.pipeline
+
+    def _sibling_pending(self, st: ReqState) -> bool:
+        """Whether ``st`` is another choice of a prompt whose first choice, relayed, still waits
+        for its MD reservation's reply (the first choice's start returned at P's first token):
+        then which MD ``st`` reserves on, and whether after the first choice's KV
+        (:meth:`_sibling_md`), is decided once that reply is in (``md_settled``)."""
+        first = st.sibling_of
+        return (first is not None and self.cfg.policy.sibling_kv_once and not first.md_settled.is_set()
+                and not (first.aborted or first.md_lost) and first.attempt == 0
+                and first.pipeline == Pipeline.P_RLD_MD)
 
     async def _release_unused(self, peer: rpc.Peer, expect: asyncio.Future, trid: str) -> None:
         """Free the reservation an instance the plan does not use made for ``trid`` (RLD of a
@@ -901,6 +925,7 @@ class Orchestrator(Recovery):
                                                     wire_pb, self.cfg.policy.kv_whole_pages)
             # ``booked``: a predicted send's bytes, planned when it started; the rest is its fill
             self._book_wan(st, st.wan_bytes_expected - booked, p)
+        st.md_settled.set()  # after the booking: a waiting sibling choice reads its planned bytes
 
     def _wan_page_bytes(self, st: ReqState, md_name: str, md: KVLayout | None = None) -> int:
         """Bytes of one of MD's pages as P sends it (``pdd.transfer.layout``: MD's page size,
@@ -1140,6 +1165,7 @@ class Orchestrator(Recovery):
             st.abort_reason = reason
         self._count_outcome(st, ABORT_OUTCOMES[reason])
         st.finished = st.aborted = True
+        st.md_settled.set()
         self.reqs.pop(st.trid, None)
         await self._abort_tiers(st)
 

@@ -128,3 +128,7 @@ class ReqState:
     # its KV is there (pdd.policy.siblings), and then ships only the prompt's partial last page
     sibling_of: "ReqState | None" = None
     siblings: int = 0  # choices of the prompt besides the first
+    # set once this request's first attempt knows its MD part of the plan (MD's reservation reply
+    # booked) or never will (its MD leg lost, the attempt given up): a sibling choice that starts
+    # while the reply is still out waits on it before choosing its own MD (pdd.policy.siblings)
+    md_settled: asyncio.Event = field(default_factory=asyncio.Event)

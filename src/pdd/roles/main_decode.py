@@ -50,6 +50,7 @@ class MainDecodeInstance(EngineInstance):
         else:
             self.tier = "md" if spec.dc == "B" else "d"
         self._kv_waits: dict[str, asyncio.Event] = {}  # rid -> set once its KV is imported or it is gone
+        self._reserving: set[str] = set()  # rids whose reservation is being admitted (not yet in reqs)
         self.early = EarlyFrames()  # kv frames that came before their reservation (predicted send)
 
     def handlers(self) -> dict:
@@ -85,9 +86,11 @@ class MainDecodeInstance(EngineInstance):
     async def _kv_arrived(self, rid: str, timeout_s: float) -> None:
         """Return once request ``rid``'s prompt KV is imported here (its whole pages are in the
         DRC), or ``rid`` is not held (never was, finished, dropped, aborted), or after
-        ``timeout_s`` seconds (then the caller just finds less cached)."""
+        ``timeout_s`` seconds (then the caller just finds less cached). A reservation of ``rid``
+        still being admitted here (its reply not sent yet) counts as held: a sibling's
+        ``reserve {after}`` handled meanwhile waits for that KV too."""
         ctx = self.reqs.get(rid)
-        if ctx is None or ctx.extra.get("kv_imported"):
+        if (ctx is None and rid not in self._reserving) or (ctx is not None and ctx.extra.get("kv_imported")):
             return
         ev = self._kv_waits.setdefault(rid, asyncio.Event())
         try:
@@ -135,8 +138,16 @@ class MainDecodeInstance(EngineInstance):
             await self._kv_arrived(str(h["after"]), self.cfg.request_timeout_s)
         # MD may hold every whole page; a predicted send's pages [first_page, n) are on their way
         first = h.get("first_page")
-        ctx = await self._admit(peer, h, min_uncached=0 if first is None else
-                                len(h["prompt_ids"]) - int(first) * self.engine.pool.page_size)
+        rid = str(h["rid"])
+        self._reserving.add(rid)
+        try:
+            ctx = await self._admit(peer, h, min_uncached=0 if first is None else
+                                    len(h["prompt_ids"]) - int(first) * self.engine.pool.page_size)
+        except BaseException:
+            self._kv_settled(rid)  # refused: a sibling waiting on it goes on
+            raise
+        finally:
+            self._reserving.discard(rid)
         rid, prompt = ctx.rid, ctx.seq.prompt_ids
         ps = self.engine.pool.page_size
         cached = int(ctx.seq.num_cached_tokens)
