@@ -105,13 +105,21 @@ def cmd_make_model(args) -> int:
             _usage(args, f"--rope-scaling: not JSON ({e.msg}); e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4.0}}'")
         if scale["rope_scaling"] is not None and not isinstance(scale["rope_scaling"], dict):
             _usage(args, "--rope-scaling: expected a JSON object or null")
+    import os
+
+    existed = os.path.exists(args.out)
     _check_out_dir(args)
     try:
-        make_like(args.out, args.like, seed=args.seed, vocab=args.vocab or 1024, **scale)
+        make_like(args.out, args.like, seed=args.seed, vocab=1024 if args.vocab is None else args.vocab, **scale)
         from pdd.engine.config import ModelConfig
 
         cfg = ModelConfig.from_pretrained(args.out)
     except (ValueError, NotImplementedError) as e:
+        if not existed:  # a refused shape leaves nothing behind, not even the empty --out directory
+            try:
+                os.rmdir(args.out)
+            except OSError:
+                pass
         _usage(args, str(e))
     print(f"wrote a {args.like}-shaped checkpoint ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}, random weights) to {args.out}")
