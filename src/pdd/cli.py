@@ -16,7 +16,7 @@ def _config(args, **over):
     try:
         return ClusterConfig.load(getattr(args, "config", None), **over)
     except ValidationError as e:
-        raise SystemExit(f"pdd: invalid config: {validation_summary(e)}")
+        raise SystemExit(f"pdd: invalid config: {_flagged(validation_summary(e), over)}")
     except FileNotFoundError as e:
         raise SystemExit(f"pdd: config file not found: {e.filename}")
     except IsADirectoryError:
@@ -25,6 +25,21 @@ def _config(args, **over):
         _usage(args, f"--config {args.config}: cannot read it: {e.strerror or e}")
     except ValueError as e:
         raise SystemExit(f"pdd: invalid config: {e}")
+
+
+_OVERRIDE_FLAGS = {"gateway_port": "--port", "base_port": "--base-port", "mode": "--mode"}
+
+
+def _flagged(summary: str, over: dict) -> str:
+    """``validation_summary`` with the flag named beside a field a flag set (``gateway_port (--port):
+    ...``): the user typed ``--port 99999``, not ``gateway_port``."""
+    parts = []
+    for part in summary.split("; "):
+        field = part.split(":", 1)[0]
+        if over.get(field) is not None and field in _OVERRIDE_FLAGS:
+            part = f"{field} ({_OVERRIDE_FLAGS[field]}){part[len(field):]}"
+        parts.append(part)
+    return "; ".join(parts)
 
 
 def _usage(args, msg: str):
