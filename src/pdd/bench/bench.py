@@ -1326,7 +1326,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--modes: {ex}")
     if vllm_mode.VLLM_MODE in labels and not args.url:
         try:
-            vllm_mode.vllm_python(args.vllm_python)
+            vllm_mode.check_vllm_importable(vllm_mode.vllm_python(args.vllm_python))
         except vllm_mode.VllmMissing as ex:  # before a model, a reference run or a topology is made
             ap.error(f"--modes: {ex}")
     if Path(args.trace).is_dir():
