@@ -16,7 +16,7 @@ def _config(args, **over):
     try:
         return ClusterConfig.load(getattr(args, "config", None), **over)
     except ValidationError as e:
-        raise SystemExit(f"pdd: invalid config: {validation_summary(e)}")
+        raise SystemExit(f"pdd: invalid config: {_flagged(validation_summary(e), over)}")
     except FileNotFoundError as e:
         raise SystemExit(f"pdd: config file not found: {e.filename}")
     except IsADirectoryError:
@@ -25,6 +25,21 @@ def _config(args, **over):
         _usage(args, f"--config {args.config}: cannot read it: {e.strerror or e}")
     except ValueError as e:
         raise SystemExit(f"pdd: invalid config: {e}")
+
+
+_OVERRIDE_FLAGS = {"gateway_port": "--port", "base_port": "--base-port", "mode": "--mode"}
+
+
+def _flagged(summary: str, over: dict) -> str:
+    """``validation_summary`` with the flag named beside a field a flag set (``gateway_port (--port):
+    ...``): the user typed ``--port 99999``, not ``gateway_port``."""
+    parts = []
+    for part in summary.split("; "):
+        field = part.split(":", 1)[0]
+        if over.get(field) is not None and field in _OVERRIDE_FLAGS:
+            part = f"{field} ({_OVERRIDE_FLAGS[field]}){part[len(field):]}"
+        parts.append(part)
+    return "; ".join(parts)
 
 
 def _usage(args, msg: str):
@@ -105,13 +120,21 @@ def cmd_make_model(args) -> int:
             _usage(args, f"--rope-scaling: not JSON ({e.msg}); e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4.0}}'")
         if scale["rope_scaling"] is not None and not isinstance(scale["rope_scaling"], dict):
             _usage(args, "--rope-scaling: expected a JSON object or null")
+    import os
+
+    existed = os.path.exists(args.out)
     _check_out_dir(args)
     try:
-        make_like(args.out, args.like, seed=args.seed, vocab=args.vocab or 1024, **scale)
+        make_like(args.out, args.like, seed=args.seed, vocab=1024 if args.vocab is None else args.vocab, **scale)
         from pdd.engine.config import ModelConfig
 
         cfg = ModelConfig.from_pretrained(args.out)
     except (ValueError, NotImplementedError) as e:
+        if not existed:  # a refused shape leaves nothing behind, not even the empty --out directory
+            try:
+                os.rmdir(args.out)
+            except OSError:
+                pass
         _usage(args, str(e))
     print(f"wrote a {args.like}-shaped checkpoint ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}, random weights) to {args.out}")

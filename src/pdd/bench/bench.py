@@ -1239,6 +1239,14 @@ def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) 
     return list(specs), v
 
 
+def _override_error(err: dict) -> str:
+    """One pydantic error of a flag override as ``--flag: message``: a range error gets the value
+    (``, got 0.0``); a validator's own message already names it and loses pydantic's ``Value error, ``."""
+    if err["type"] == "value_error":
+        return f"{_override_flag(err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+    return f"{_override_flag(err['loc'])}: {err['msg']}, got {err.get('input')!r}"
+
+
 def _cross_traffic_gbps(text: str) -> list[tuple[float, float]]:
     """``--cross-traffic-gbps X`` -> ``[(0.0, X)]``; argparse names the flag on a bad value."""
     from pdd.policy.tcp_model import check_schedule
@@ -1318,7 +1326,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--modes: {ex}")
     if vllm_mode.VLLM_MODE in labels and not args.url:
         try:
-            vllm_mode.vllm_python(args.vllm_python)
+            vllm_mode.check_vllm_importable(vllm_mode.vllm_python(args.vllm_python))
         except vllm_mode.VllmMissing as ex:  # before a model, a reference run or a topology is made
             ap.error(f"--modes: {ex}")
     if Path(args.trace).is_dir():
@@ -1381,7 +1389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = apply_overrides(base_cfg, served_model_name=args.model,
                                  **{k: getattr(args, k) for k in TOPOLOGY_OVERRIDES})
     except pydantic.ValidationError as ex:  # an override out of the config's range (--wan-gbps 0, a port)
-        ap.error("; ".join(f"{_override_flag(e['loc'])}: {e['msg']}, got {e.get('input')!r}" for e in ex.errors()))
+        ap.error("; ".join(_override_error(e) for e in ex.errors()))
     try:
         scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale,
                       min_output_tokens=args.min_output, max_output_tokens=args.max_output,

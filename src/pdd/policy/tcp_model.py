@@ -75,9 +75,13 @@ def check_schedule(points: Iterable[Sequence[float]], field: str = "cross_traffi
             t, g = (float(x) for x in pt)
         except (TypeError, ValueError):
             raise ValueError(f"{field}each point is (seconds, Gbit/s), got {pt!r}") from None
-        if not (t >= 0 and math.isfinite(t)):
+        if not math.isfinite(t):  # "must be >= 0" would read wrong for inf
+            raise ValueError(f"{field}time must be a finite number of seconds, got {t!r}")
+        if t < 0:
             raise ValueError(f"{field}time must be >= 0 s, got {t!r}")
-        if not (g >= 0 and math.isfinite(g)):
+        if not math.isfinite(g):
+            raise ValueError(f"{field}Gbit/s must be a finite number, got {g!r} at {t:g} s")
+        if g < 0:
             raise ValueError(f"{field}Gbit/s must be >= 0, got {g!r} at {t:g} s")
         if out and t <= out[-1][0]:
             raise ValueError(f"{field}times must increase, got {t:g} s after {out[-1][0]:g} s")

@@ -1,0 +1,31 @@
+"""``pdd serve``: a flag out of the config's range names the flag beside the field it sets (the user
+typed ``--port``, not ``gateway_port``); a value from the config file names the field only.
+Refused before anything is started."""
+
+import pytest
+
+from pdd.cli import main
+
+
+def _exit_message(argv):
+    with pytest.raises(SystemExit) as ex:
+        main(argv)
+    return ex.value.code
+
+
+def test_a_bad_port_flag_is_named():
+    assert _exit_message(["serve", "--port", "99999"]) == (
+        "pdd: invalid config: gateway_port (--port): Input should be less than or equal to 65535")
+
+
+def test_two_bad_flags_are_both_named():
+    assert _exit_message(["serve", "--port", "0", "--base-port", "70000"]) == (
+        "pdd: invalid config: base_port (--base-port): Input should be less than or equal to 65400; "
+        "gateway_port (--port): Input should be greater than or equal to 1")
+
+
+def test_a_bad_port_in_the_file_names_the_field_only(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("gateway_port: 99999\n")
+    assert _exit_message(["serve", "--config", str(cfg)]) == (
+        "pdd: invalid config: gateway_port: Input should be less than or equal to 65535")
