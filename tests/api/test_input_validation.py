@@ -75,6 +75,10 @@ def test_chat_prompt_just_over_max_input_len_is_400(api, tiny_model, limit):
     ({"prompt": "", "max_tokens": 2}, "prompt"),
     ({"prompt": [], "max_tokens": 2}, "prompt"),
     ({"prompt": [""], "max_tokens": 2}, "prompt"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),  # lax parsing would read true as 1
+    ({"prompt": "x", "n": True}, "n"),
+    ({"prompt": "x", "seed": False}, "seed"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),  # an integer for completions
 ])
 def test_wrong_types_and_empty_prompts_are_400_then_still_serving(api, body, param):
     client, orch = api
@@ -92,6 +96,32 @@ def test_chat_wrong_types_are_400(api, body):
     client, orch = api
     _err(client.post("/v1/chat/completions", json=body), 400)
     assert not orch.started
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role: 'wizard' is not one of"),
+    ([{"role": "user"}], "messages[0].content: required for role 'user'"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}],
+     "messages[1].content: required for role 'user'"),
+])
+def test_chat_roles_and_missing_content_are_400_naming_the_message(api, messages, message):
+    client, orch = api
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    _err(r, 400, "messages")
+    assert r.json()["error"]["message"].startswith(message), r.json()
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_chat_max_tokens_true_is_400_and_an_assistant_turn_without_content_is_served(api):
+    client, orch = api
+    _err(client.post("/v1/chat/completions",
+                     json={"messages": [{"role": "user", "content": "x"}], "max_tokens": True}), 400, "max_tokens")
+    assert not orch.started
+    r = client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "y"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("raw", [

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 from pdd.types import SamplingParams
 
 MAX_N = 16  # choices per request
+# chat message roles (OpenAI's API: system, developer, user, assistant, tool; function: its older tool role)
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs)
 # Bounds on list-valued parameters, so one request cannot make the gateway (stop strings are
 # matched on the event loop for every token) or the tiers (the sampling parameters travel in every
@@ -101,6 +103,16 @@ class _Sampling(BaseModel):
         None, ge=-1, description="keep only the prompt's last k tokens (vLLM: left truncation); -1: the "
                                  "maximum input length; 0 is refused (nothing would be left)")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_int(cls, v, info):
+        """A JSON ``true``/``false`` given for an integer parameter (``max_tokens``, ``n``, ``seed``,
+        ``top_k``, ``logprobs`` of completions, ...) is refused (ValueError, HTTP 400 naming the
+        field), as OpenAI's API does; pydantic's lax mode would read ``true`` as 1."""
+        if isinstance(v, bool) and info.field_name in _int_not_bool(cls):
+            raise ValueError(f"must be an integer, got {str(v).lower()}")
+        return v
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data):
@@ -154,6 +166,17 @@ def _non_nullable(model: type[BaseModel]) -> frozenset[str]:
     for name, f in model.model_fields.items():
         ann = f.annotation
         if ann is not type(None) and type(None) not in typing.get_args(ann) and not f.is_required():
+            out.add(name)
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _int_not_bool(cls) -> frozenset:
+    """Names of ``cls``'s fields whose type admits ``int`` but not ``bool``."""
+    out = set()
+    for name, f in cls.model_fields.items():
+        args = set(typing.get_args(f.annotation)) or {f.annotation}
+        if int in args and bool not in args:
             out.add(name)
     return frozenset(out)
 
@@ -379,8 +402,16 @@ def check_chat(body: ChatCompletionRequest) -> None:
     if not body.messages:
         raise ApiError("messages: must contain at least one message", "messages")
     for i, m in enumerate(body.messages):
-        if not isinstance(m.get("role"), str):
+        if not isinstance(m, dict):
+            raise ApiError(f"messages[{i}]: must be an object with a role and content", "messages")
+        role = m.get("role")
+        if not isinstance(role, str):
             raise ApiError(f"messages[{i}].role: required string", "messages")
+        if role not in CHAT_ROLES:
+            raise ApiError(f"messages[{i}].role: {role[:40]!r} is not one of {', '.join(sorted(CHAT_ROLES))}",
+                           "messages")
+        if role in ("system", "developer", "user", "tool") and m.get("content") is None:
+            raise ApiError(f"messages[{i}].content: required for role {role!r}", "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     tc = body.tool_choice
