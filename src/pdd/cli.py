@@ -7,33 +7,7 @@ import json
 import sys
 import time
 
-
-def _config(args, **over):
-    from pydantic import ValidationError
-
-    from pdd.config import ClusterConfig, validation_summary
-
-    try:
-        return ClusterConfig.load(getattr(args, "config", None), **over)
-    except ValidationError as e:
-        raise SystemExit(f"pdd: invalid config: {validation_summary(e)}")
-    except FileNotFoundError as e:
-        raise SystemExit(f"pdd: config file not found: {e.filename}")
-    except IsADirectoryError:
-        _usage(args, f"--config {args.config}: is a directory, not a config file (YAML or JSON)")
-    except OSError as e:  # unreadable (permissions)
-        _usage(args, f"--config {args.config}: cannot read it: {e.strerror or e}")
-    except ValueError as e:
-        raise SystemExit(f"pdd: invalid config: {e}")
-
-
-def _usage(args, msg: str):
-    """A usage error naming the flag or config field: the sub-command's argparse ``error`` (exit 2)."""
-    p = getattr(args, "parser", None)
-    if p is None:
-        print(f"pdd: error: {msg}", file=sys.stderr)
-        raise SystemExit(2)
-    p.error(msg)
+from pdd.cli_args import config_or_exit as _config, usage_error as _usage
 
 
 def ensure_model(cfg) -> None:

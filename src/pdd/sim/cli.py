@@ -15,6 +15,8 @@ import resource
 import sys
 import time
 
+from pdd.cli_args import config_or_exit  # a bad config: one line naming the field, not a traceback
+
 
 class UsageError(Exception):
     """Bad input found after parsing (a trace's content, a --set key, a configuration the
@@ -329,9 +331,7 @@ def cmd_validate(a) -> int:
 
     cfg = None
     if a.config:
-        from pdd.cli import _config  # a bad config: one line naming the field, not a traceback
-
-        cfg = _config(a)
+        cfg = config_or_exit(a)
     for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
         if v <= 0:
             raise SystemExit(f"pdd sim validate: --{k} must be > 0")
@@ -401,10 +401,9 @@ def cmd_profile(a) -> int:
     import json
     from pathlib import Path
 
-    from pdd.cli import _config  # a bad config: one line naming the field, not a traceback
     from pdd.sim.profile import measure_profile
 
-    cfg = _config(a)
+    cfg = config_or_exit(a)
     if not (Path(cfg.model_path) / "config.json").exists():
         raise SystemExit(f"pdd profile: no checkpoint at {cfg.model_path}; make one with: pdd make-model "
                          f"--out {cfg.model_path}")
