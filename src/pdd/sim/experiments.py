@@ -295,34 +295,35 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
     hi = 60.0
     iters = 5 if quick else 6
     # 1. baseline split over 88 GPU-A
-    splits = {}
-    coarse = range(12, 49, 12) if quick else range(12, 49, 6)
-    for n_p in coarse:
-        g, _ = sla_goodput(base_cfg.replace(n_p=n_p, n_d=88 - n_p), make, 1.0, hi, iters)
-        splits[n_p] = g
-        log(f"baseline {n_p}P+{88 - n_p}D: SLA goodput {g:.2f}")
-    best_p = max(splits, key=splits.get)
-    for n_p in (best_p - 3, best_p + 3):
-        if 1 <= n_p < 88 and n_p not in splits:
-            splits[n_p] = sla_goodput(base_cfg.replace(n_p=n_p, n_d=88 - n_p), make, 1.0, hi, iters)[0]
-            log(f"baseline {n_p}P+{88 - n_p}D: SLA goodput {splits[n_p]:.2f}")
-    best_p = max(splits, key=splits.get)
+    def best_split(cfg_of, label_of, coarse, step: int, total: int) -> tuple[int, dict]:
+        """SLA goodput of the ``n_p`` P-instance split of ``total`` (``cfg_of(n_p)``) over
+        ``coarse``, then ``step`` either side of the best; returns (best n_p, {n_p: goodput})."""
+        splits: dict = {}
+
+        def measure(n_p: int) -> None:
+            splits[n_p] = sla_goodput(cfg_of(n_p), make, 1.0, hi, iters)[0]
+            log(f"{label_of(n_p)}: SLA goodput {splits[n_p]:.2f}")
+
+        for n_p in coarse:
+            measure(n_p)
+        best = max(splits, key=splits.get)
+        for n_p in (best - step, best + step):
+            if 1 <= n_p < total and n_p not in splits:
+                measure(n_p)
+        return max(splits, key=splits.get), splits
+
+    best_p, splits = best_split(lambda n_p: base_cfg.replace(n_p=n_p, n_d=88 - n_p),
+                                lambda n_p: f"baseline {n_p}P+{88 - n_p}D",
+                                range(12, 49, 12) if quick else range(12, 49, 6), 3, 88)
     g_base, s_base = sla_goodput(base_cfg.replace(n_p=best_p, n_d=88 - best_p), make, 1.0, hi, iters + 2)
     base = base_cfg.replace(n_p=best_p, n_d=88 - best_p)
     log(f"baseline best {best_p}P+{88 - best_p}D: {g_base:.2f} req/s")
 
     # 2. PDD on 43 A + 32 B
     pdd_cfg = base_cfg.replace(mode="pdd", n_md=32)
-    psplits = {}
-    for n_p in (range(17, 42, 8) if quick else range(17, 42, 4)):
-        psplits[n_p] = sla_goodput(pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p), make, 1.0, hi, iters)[0]
-        log(f"pdd {n_p}P+{43 - n_p}RLD+32MD: SLA goodput {psplits[n_p]:.2f}")
-    bp = max(psplits, key=psplits.get)
-    for n_p in (bp - 2, bp + 2):
-        if 1 <= n_p < 43 and n_p not in psplits:
-            psplits[n_p] = sla_goodput(pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p), make, 1.0, hi, iters)[0]
-            log(f"pdd {n_p}P+{43 - n_p}RLD+32MD: SLA goodput {psplits[n_p]:.2f}")
-    bp = max(psplits, key=psplits.get)
+    bp, psplits = best_split(lambda n_p: pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p),
+                             lambda n_p: f"pdd {n_p}P+{43 - n_p}RLD+32MD",
+                             range(17, 42, 8) if quick else range(17, 42, 4), 2, 43)
     pdd = pdd_cfg.replace(n_p=bp, n_rld=43 - bp)
     g_pdd, s_pdd = sla_goodput(pdd, make, 1.0, hi, iters + 2)
     log(f"pdd best {bp}P+{43 - bp}RLD+32MD: {g_pdd:.2f} req/s")
