@@ -249,7 +249,6 @@ def cost_ceilings(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp
                         f"{r['kv_bytes_per_token'] // 1024}K" for r in rows], fontsize=6)
     ax.axhline(1.3, color="r", alpha=0.4)
     ax.set_ylabel(f"BCR ceiling, premium {premium:.0%}")
-    fig.tight_layout()
     _save(fig, res, out, "cost-ceiling")
     return res
 
@@ -433,12 +432,13 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
     ax[1].bar(names, vals)
     ax[1].set_ylabel("BCR (req/s per $/h)")
     ax[1].set_title(f"A = {chip_a} ${price_a:g}/h, B = {chip_b} +{main['premium']:.0%}, {model}", fontsize=8)
-    fig.tight_layout()
     _save(fig, res, out, "cost-table")
     return res
 
 
 def _save(fig, res: dict, out: Path, name: str) -> None:
+    """Lay ``fig`` out and write it as ``out/<name>.png``, and ``res`` as ``out/result.json``."""
+    fig.tight_layout()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / f"{name}.png", dpi=110)
@@ -507,7 +507,6 @@ def ttft(out: Path, quick: bool = False, rate: float = 2.0, wan_gbps: float = 15
     ax.set_yscale("log")
     ax.set_ylabel("TTFT ms (bar p90, black p50, red p99)")
     ax.set_title(f"agentic workload, {n} requests at {rate} req/s")
-    fig.tight_layout()
     _save(fig, res, out, "ttft")
     return res
 
@@ -556,7 +555,6 @@ def drc(out: Path, quick: bool = False) -> dict:
     ax.set_xlabel("average prefix hit rate")
     ax.set_ylabel("WAN GB")
     ax.legend()
-    fig.tight_layout()
     _save(fig, res, out, "drc")
     return res
 
@@ -592,7 +590,6 @@ def goodput(out: Path, quick: bool = False) -> dict:
     ax.set_xlabel("offered rate (req/s)")
     ax.set_ylabel("goodput within SLA (req/s)")
     ax.legend()
-    fig.tight_layout()
     _save(fig, res, out, "goodput")
     return res
 
@@ -695,7 +692,6 @@ def bathtub(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv", 
     ax[1].set_xlabel("prefix hit rate")
     ax[1].set_ylabel("relative prefill throughput")
     ax[1].legend(fontsize=8)
-    fig.tight_layout()
     _save(fig, res, out, "bathtub")
     return res
 
@@ -746,7 +742,6 @@ def p_rld_collapse(out: Path, quick: bool = False) -> dict:
     ax[1].set_xlabel("time decile")
     ax[1].set_ylabel("share of requests finishing on RLD")
     ax[1].legend()
-    fig.tight_layout()
     _save(fig, res, out, "p-rld-collapse")
     return res
 
@@ -778,7 +773,6 @@ def cutoff(out: Path, quick: bool = False) -> dict:
     ax[1].set_ylabel("P90 TTFT ms")
     for a in ax:
         a.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
     _save(fig, res, out, "cutoff")
     return res
 
@@ -801,7 +795,6 @@ def calibrate(out: Path, quick: bool = False, profile: str | None = None) -> dic
     ax.plot(lim, lim, "k--")
     ax.set_xlabel("measured ms (H200)")
     ax.set_ylabel("roofline ms")
-    fig.tight_layout()
     _save(fig, res, out, "calibrate")
     return res
 
