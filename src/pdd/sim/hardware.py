@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from pdd.sim.models import DATA_DIR, ModelProfile, get_model, load_profiles, pick
+from pdd.sim.models import ModelProfile, get_model, load_profiles, pick
 
 CHIP_FIGURES = ("bf16_tflops", "hbm_gb", "hbm_tbps", "interconnect_gbps", "nic_gbps", "usd_per_hour")
 
