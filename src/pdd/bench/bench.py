@@ -50,6 +50,11 @@ docs/FAULTS.md). The ``vllm_colocated`` mode runs stock vLLM's server on the sam
 (:mod:`pdd.bench.vllm_mode`); with it report.json gets ``vllm_agreement`` (its greedy outputs
 against ``colocated``'s) and its mode entry lists the fields it has no counterpart for under
 ``not_applicable`` (None there, "n/a" in the table).
+
+This module runs the modes (:func:`run_bench`) and is the entry point (:func:`main`); its pieces,
+all re-exported here: :mod:`pdd.bench.args` (flags, checks, exit status), :mod:`pdd.bench.modes`
+(mode labels, overrides), :mod:`pdd.bench.live` (driving a topology), :mod:`pdd.bench.extras`
+(per-mode metrics), :mod:`pdd.bench.preview`, :mod:`pdd.bench.table` (console output).
 """
 
 from __future__ import annotations
