@@ -18,44 +18,37 @@ mkdir -p "$OUT"
 # replays every request and measures it; overload behaviour has its own tests (docs/OVERLOAD.md).
 # WAN order shortest-remaining-first: a P->MD request's few pages do not wait behind a cold
 # prompt's megabytes (issue #3 item 3); every mode of a run gets the same config.
-cat > "$OUT/bench.yaml" <<'EOF'
+admission_off() {  # the limits section every config below ends with
+  printf 'limits:\n  max_inflight_requests: 0\n  max_queue_wait_s: 0\n  max_queued_prompt_tokens: 0\n'
+}
+{ cat <<'EOF'
 policy:
   wan_order: srf
   pipeline_ttft_budget_ms: 50
   handoff_mode: catch_up
-limits:
-  max_inflight_requests: 0
-  max_queue_wait_s: 0
-  max_queued_prompt_tokens: 0
 EOF
+  admission_off; } > "$OUT/bench.yaml"
 # the agentic step: pdd's own defaults (every request relayed: pipeline_ttft_budget_ms 0, one-shot
 # handoffs, the predicted MD send and the early handoff); at a 20 ms WAN round trip a P->MD request's
 # TTFT (MD's reservation, the KV's and the token's crossings) is past the SLO's 3 x same-DC TTFT
-cat > "$OUT/agentic.yaml" <<'EOF'
+{ cat <<'EOF'
 policy:
   wan_order: srf
-limits:
-  max_inflight_requests: 0
-  max_queue_wait_s: 0
-  max_queued_prompt_tokens: 0
 EOF
+  admission_off; } > "$OUT/agentic.yaml"
 # the load ramp: RLD's capacity for the auto rule (max(running / max_running, pages)) set to 4
 # sequences, so a ramp this 2-core machine can serve reaches the high watermark (0.85)
-cat > "$OUT/ramp.yaml" <<'EOF'
+{ cat <<'EOF'
 engine:
   max_running: 4
 policy:
   wan_order: srf
   handoff_mode: auto
-limits:
-  max_inflight_requests: 0
-  max_queue_wait_s: 0
-  max_queued_prompt_tokens: 0
-  tier_max_waiting: 1000
 EOF
+  admission_off; echo "  tier_max_waiting: 1000"; } > "$OUT/ramp.yaml"
 # several instances: 2 P, 1 RLD, 2 MD; each KV pool (1024 pages = 16k tokens) below the many-session
 # workload's working set (~1800 pages), so which instance holds a session's prefix matters
-cat > "$OUT/multi.yaml" <<'EOF'
+{ cat <<'EOF'
 engine:
   num_pages: 1024
 instances:
@@ -66,11 +59,8 @@ policy:
   wan_order: srf
   pipeline_ttft_budget_ms: 50
   handoff_mode: catch_up
-limits:
-  max_inflight_requests: 0
-  max_queue_wait_s: 0
-  max_queued_prompt_tokens: 0
 EOF
+  admission_off; } > "$OUT/multi.yaml"
 
 # the same, everything in datacenter A (same_dc_pd: no WAN round trip for the routing peek), pools of
 # 512 pages

@@ -15,6 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from pdd.topology import layout, port_conflicts
+
 Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
 MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
 
@@ -452,8 +454,6 @@ class ClusterConfig(_Strict):
         """Every port the topology binds (pdd.topology.layout: instances, their metrics, MD's WAN
         ports, the link's control port, the gateway) must be distinct: a collision would only show
         at start as "address already in use" from one process. Raises ValueError naming them."""
-        from pdd.topology import layout, port_conflicts  # topology imports this module
-
         clashes = port_conflicts(layout(self))
         if clashes:
             raise ValueError("ports collide: " + "; ".join(clashes) + " (move gateway_port or base_port, or use "

@@ -1,6 +1,7 @@
 """Where each instance of a topology lives: name, role, datacenter, port, and how to reach it.
 
-Pure data derived from a :class:`~pdd.config.ClusterConfig`; the launcher starts what this
+Pure data derived from a :class:`~pdd.config.ClusterConfig` (read through its fields only, so
+this module imports nothing of pdd and the config can check its ports with it); the launcher starts what this
 describes and every instance reads it to find its peers. Every byte between datacenter A and B
 goes through the link emulator: an instance in B is reached from A at the link's listen port
 for it, never directly.
@@ -9,8 +10,17 @@ for it, never directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from pdd.config import ClusterConfig
+
+class TopologyFields(Protocol):
+    """The fields of :class:`pdd.config.ClusterConfig` a layout is made of."""
+
+    mode: str
+    host: str
+    base_port: int
+    gateway_port: int
+    instances: Any  # .prefill, .relay_decode, .main_decode: instance counts
 
 ROLE_PREFILL = "prefill"
 ROLE_RELAY = "relay_decode"
@@ -63,7 +73,7 @@ class Layout:
         return [s for s in self.instances if s.role not in (ROLE_GATEWAY, ROLE_LINK)]
 
 
-def layout(cfg: ClusterConfig) -> Layout:
+def layout(cfg: TopologyFields) -> Layout:
     """The single-machine topology of ``cfg.mode`` with ``cfg.instances`` of each tier.
 
     Ports (b = base_port): link control b, link listen ports b+1.. (one per instance in B),

@@ -51,7 +51,7 @@ def test_demo_gives_its_config_demo_nice_unless_told(monkeypatch):
     seen = []
     monkeypatch.setattr(demo, "run_demo", lambda out, modes, n, scale, cfg, seed, **kw: seen.append(cfg.process_nice)
                         or {"modes": {}})
-    monkeypatch.setattr("pdd.bench.bench.bench_exit_status", lambda report, modes, prog: 0)
+    monkeypatch.setattr("pdd.bench.demo.bench_exit_status", lambda report, modes, prog: 0)
     for argv, want in (([], demo.DEMO_NICE), (["--nice", "3"], 3)):
         demo.main(["--modes", "pdd", "--base-port", str(base), "--port", str(base + 95), *argv])
         assert seen[-1] == want

@@ -16,7 +16,6 @@ into ``out_dir``:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -24,10 +23,11 @@ from typing import Callable, Sequence
 
 import pydantic
 
-from pdd.bench.client import replay_sync, run_one_sync
+from pdd.bench.args import bench_exit_status, check_workload_args
+from pdd.bench.live import _default_topology, _proc_cpu, _warmup, ensure_model, fit_scale, measured_replay  # noqa: F401
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
-from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, block_token_ids, build_requests, workload_summary
+from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, workload_summary
 from pdd.config import ClusterConfig, validation_summary
 
 DEFAULT_MODES = ("same_dc_pd", "cross_dc_pd", "pdd")
@@ -44,99 +44,6 @@ DEFAULT_REQUESTS = 100
 # the machine being idle (pdd's TTFT is made of compute, cross_dc_pd's also of emulated WAN time
 # that CPU contention does not stretch). Needs CAP_SYS_NICE; without it, logged and inherited.
 DEMO_NICE = -10
-
-
-def ensure_model(config: ClusterConfig, console=None) -> Path:
-    """The model directory of ``config``; written with ``pdd.modelgen.make_model`` if missing."""
-    path = Path(config.model_path)
-    if not (path / "config.json").exists():
-        if console is not None:
-            console.print(f"making model {config.model_preset!r} (seed {config.model_seed}) in {path} ...")
-        from pdd.modelgen import make_model
-
-        make_model(str(path), config.model_preset, config.model_seed)
-    return path
-
-
-def fit_scale(scale: Scale, config: ClusterConfig, n_requests: int | None, start: int | None) -> Scale:
-    """``scale`` with the slice set and the prompt cap lowered to what the engine accepts
-    (``max_input_len`` and ``max_model_len - max_output_tokens``)."""
-    eng = config.engine
-    cap = min(eng.max_input_len, eng.max_model_len - scale.max_output_tokens)
-    if scale.max_input_tokens is not None:
-        cap = min(cap, scale.max_input_tokens)
-    upd: dict = {"max_input_tokens": max(1, cap)}
-    if n_requests is not None:
-        upd["count"] = n_requests
-    if start is not None:
-        upd["start"] = start
-    return dataclasses.replace(scale, **upd)
-
-
-def _default_topology(cfg: ClusterConfig, log_dir: Path):
-    from pdd.launch import Topology
-
-    return Topology(cfg, log_dir=log_dir)
-
-
-def _proc_cpu(topo) -> dict | None:
-    fn = getattr(topo, "cpu_seconds", None)
-    if fn is None:
-        return None
-    try:
-        return {k: (None if v != v else v) for k, v in fn().items()}  # NaN -> None (JSON)
-    except Exception:  # noqa: BLE001 - CPU accounting is best effort
-        return None
-
-
-def _warmup(topo, cfg: ClusterConfig, tokens: TokenSpace, seed: int, timeout_s: float, console) -> None:
-    """Run one short private prompt through the path (first-call costs), then flush the caches."""
-    prompt = block_token_ids((1 << 65) + seed, 2 * cfg.engine.page_size + 3, tokens, seed)
-    rec = run_one_sync(topo.url, prompt, 4, model=cfg.served_model_name, timeout_s=timeout_s)
-    if not rec.ok:
-        console.print(f"[yellow]warm-up request failed: {rec.error}")
-    topo.flush()
-
-
-def measured_replay(
-    topo,
-    requests: Sequence,
-    *,
-    model: str,
-    mode: str,
-    timeout_s: float,
-    progress: bool = True,
-    console=None,
-    flush: bool = True,
-    after_replay: Callable[[], None] | None = None,
-    **replay_kw,
-) -> tuple[list, dict]:
-    """Replay ``requests`` on a running topology between two ``stats()`` snapshots.
-
-    Returns ``(records, entry)``: the client's :class:`~pdd.bench.client.RequestRecord` list and the
-    server_stats.json entry ``{"stats_before", "proc_cpu_seconds_before", "proc_cpu_seconds",
-    "stats", "flush"}`` (see :func:`pdd.bench.report.server_summary`). ``flush``: flush the caches
-    afterwards (the next replay on this topology starts empty; ``entry["flush"]`` reports leaked
-    pages). ``after_replay``: called once the last request has ended, before the drain and the
-    stats (``pdd bench --fault`` restarts killed instances there). ``replay_kw`` go to :func:`pdd.bench.client.replay` (``max_in_flight``, ``label``, ...).
-    """
-    if getattr(topo, "extra_body", None) is not None:  # a server's own request fields (vLLM's return_token_ids)
-        replay_kw.setdefault("extra_body", topo.extra_body)
-    wait_idle = getattr(topo, "wait_idle", None)
-    if wait_idle is not None:  # what came before (a warm-up) must be settled before the snapshot
-        wait_idle()
-    entry: dict = {"stats_before": topo.stats(), "proc_cpu_seconds_before": _proc_cpu(topo)}
-    records = replay_sync(topo.url, requests, model=model, mode=mode, timeout_s=timeout_s, progress=progress,
-                          console=console, **replay_kw)
-    if after_replay is not None:
-        after_replay()
-    if wait_idle is not None:  # let cut-off and finished transfers drain before counting bytes
-        entry["idle"] = wait_idle()
-    entry["proc_cpu_seconds"] = _proc_cpu(topo)
-    entry["stats"] = topo.stats()
-    if flush:
-        entry["flush"] = topo.flush()
-    return records, entry
 
 
 class NoRequests(ValueError):
@@ -274,7 +181,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--base-port", type=int, default=None,
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
-    from pdd.bench.bench import bench_exit_status, check_workload_args
     from pdd.config import MODES
     from pdd.topology import layout, ports_in_use, ports_taken_message
 

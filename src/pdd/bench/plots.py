@@ -25,12 +25,28 @@ def _figure(w: float, h: float):
     return fig
 
 
+def _mode_key(mode: str) -> tuple[int, str]:
+    """Modes in :data:`pdd.bench.report.MODE_ORDER`, then any other label by name."""
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
+
+
+def _finish(fig, ax, path: Path, title: str, legend_loc: str, legend: bool | None = None) -> Path:
+    """Title, grid and legend (when ``legend``; None: when anything is labelled), then write the
+    PNG at ``path``; returns ``path``."""
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if legend if legend is not None else ax.get_legend_handles_labels()[0]:
+        ax.legend(loc=legend_loc, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
 def _by_mode(records: Iterable[Mapping]) -> dict[str, list[Mapping]]:
     out: dict[str, list[Mapping]] = {}
     for r in records:
         out.setdefault(r.get("mode") or "", []).append(r)
-    key = lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m)  # noqa: E731
-    return {m: out[m] for m in sorted(out, key=key)}
+    return {m: out[m] for m in sorted(out, key=_mode_key)}
 
 
 def plot_ttft_cdf(
@@ -61,13 +77,7 @@ def plot_ttft_cdf(
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _finish(fig, ax, path, title, "lower right")
 
 
 def plot_token_timeline(
@@ -167,13 +177,7 @@ def plot_handoff_gaps(records: Iterable[Mapping], path: str | Path, window: int 
     ax.axvline(0, color="0.6", linewidth=0.8)
     ax.set_xlabel("token offset from the handoff (0 = gap into MD's first token)")
     ax.set_ylabel("inter-token gap (ms)")
-    ax.set_title(title if any_line else title + " (no handoffs)")
-    ax.grid(True, alpha=0.3)
-    if any_line:
-        ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _finish(fig, ax, path, title if any_line else title + " (no handoffs)", "upper right", legend=any_line)
 
 
 def plot_wan_throughput(timelines: Mapping[str, Mapping], path: str | Path, line_gbps: float | None = None,
@@ -186,9 +190,8 @@ def plot_wan_throughput(timelines: Mapping[str, Mapping], path: str | Path, line
     path = Path(path)
     fig = _figure(7.0, 4.2)
     ax = fig.add_subplot(1, 1, 1)
-    key = lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m)  # noqa: E731
     drawn = False
-    for mode in sorted(timelines, key=key):
+    for mode in sorted(timelines, key=_mode_key):
         t = np.asarray(timelines[mode].get("t_s") or [], dtype=float)
         b = np.asarray(timelines[mode].get("bytes") or [], dtype=float)
         if t.size < 2:
@@ -202,13 +205,8 @@ def plot_wan_throughput(timelines: Mapping[str, Mapping], path: str | Path, line
         ax.axhline(line_gbps * 1000, color="k", linestyle=":", linewidth=0.9, label=f"line {line_gbps * 1000:g} Mbit/s")
     ax.set_xlabel("time since replay start (s)")
     ax.set_ylabel("WAN throughput (Mbit/s)")
-    ax.set_title(title if drawn else title + " (no WAN samples)")
-    ax.grid(True, alpha=0.3)
-    if drawn or line_gbps:
-        ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _finish(fig, ax, path, title if drawn else title + " (no WAN samples)", "upper right",
+                   legend=bool(drawn or line_gbps))
 
 
 def plot_sweep(points: Mapping[str, Iterable[Mapping]], path: str | Path, threshold: float = 0.9,
@@ -218,8 +216,7 @@ def plot_sweep(points: Mapping[str, Iterable[Mapping]], path: str | Path, thresh
     path = Path(path)
     fig = _figure(7.0, 4.2)
     ax = fig.add_subplot(1, 1, 1)
-    key = lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m)  # noqa: E731
-    for mode in sorted(points, key=key):
+    for mode in sorted(points, key=_mode_key):
         pts = sorted((p["rate_rps"], p["slo_attainment"]) for p in points[mode] if p.get("slo_attainment") is not None)
         if pts:
             ax.plot([x for x, _ in pts], [100 * y for _, y in pts], marker="o", color=MODE_COLORS.get(mode), label=mode)
@@ -227,10 +224,4 @@ def plot_sweep(points: Mapping[str, Iterable[Mapping]], path: str | Path, thresh
     ax.set_xlabel("offered request rate (req/s)")
     ax.set_ylabel("requests meeting the SLO (%)")
     ax.set_ylim(0, 102)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _finish(fig, ax, path, title, "lower left")

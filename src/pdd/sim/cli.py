@@ -15,6 +15,8 @@ import resource
 import sys
 import time
 
+from pdd.cli_args import config_or_exit  # a bad config: one line naming the field, not a traceback
+
 
 class UsageError(Exception):
     """Bad input found after parsing (a trace's content, a --set key, a configuration the
@@ -329,9 +331,7 @@ def cmd_validate(a) -> int:
 
     cfg = None
     if a.config:
-        from pdd.cli import _config  # a bad config: one line naming the field, not a traceback
-
-        cfg = _config(a)
+        cfg = config_or_exit(a)
     for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
         if v <= 0:
             raise SystemExit(f"pdd sim validate: --{k} must be > 0")
@@ -343,42 +343,38 @@ def cmd_validate(a) -> int:
     return 0
 
 
-def cmd_validate_report(a) -> int:
+def _print_report(a, compute, fmt) -> int:
+    """``compute()`` (a ValueError, e.g. a missing or malformed input, becomes a UsageError naming
+    it), printed by ``fmt``, and written as JSON to ``a.json`` when given (checked first)."""
     import json
     from pathlib import Path
-
-    from pdd.sim.heldout import format_report, held_out_report
 
     if a.json:
         check_out_file(a.json, "--json")
     try:
-        rep = held_out_report(a.calibration, a.held_out, tuple(a.noise) if a.noise else None)
-    except ValueError as e:  # a missing / malformed run directory, or a run that is not held out
+        res = compute()
+    except ValueError as e:
         raise UsageError(str(e)) from None
-    print(format_report(rep))
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep, indent=1))
-        print(f"wrote {a.json}")
-    return 0
-
-
-def cmd_compare_profiles(a) -> int:
-    import json
-    from pathlib import Path
-
-    from pdd.sim.compare import compare_profiles, format_compare
-
-    if a.json:
-        check_out_file(a.json, "--json")
-    try:
-        res = compare_profiles(a.op_profile, a.calibration)
-    except ValueError as e:  # a malformed input: one line naming the file and field
-        raise UsageError(str(e)) from None
-    print(format_compare(res))
+    print(fmt(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
         print(f"wrote {a.json}")
     return 0
+
+
+def cmd_validate_report(a) -> int:
+    from pdd.sim.heldout import format_report, held_out_report
+
+    # a missing / malformed run directory, or a run that is not held out: a usage error
+    return _print_report(a, lambda: held_out_report(a.calibration, a.held_out, tuple(a.noise) if a.noise else None),
+                         format_report)
+
+
+def cmd_compare_profiles(a) -> int:
+    from pdd.sim.compare import compare_profiles, format_compare
+
+    # a malformed input: one line naming the file and field
+    return _print_report(a, lambda: compare_profiles(a.op_profile, a.calibration), format_compare)
 
 
 def cmd_calibrate_roles(a) -> int:
@@ -401,10 +397,9 @@ def cmd_profile(a) -> int:
     import json
     from pathlib import Path
 
-    from pdd.cli import _config  # a bad config: one line naming the field, not a traceback
     from pdd.sim.profile import measure_profile
 
-    cfg = _config(a)
+    cfg = config_or_exit(a)
     if not (Path(cfg.model_path) / "config.json").exists():
         raise SystemExit(f"pdd profile: no checkpoint at {cfg.model_path}; make one with: pdd make-model "
                          f"--out {cfg.model_path}")

@@ -249,7 +249,6 @@ def cost_ceilings(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp
                         f"{r['kv_bytes_per_token'] // 1024}K" for r in rows], fontsize=6)
     ax.axhline(1.3, color="r", alpha=0.4)
     ax.set_ylabel(f"BCR ceiling, premium {premium:.0%}")
-    fig.tight_layout()
     _save(fig, res, out, "cost-ceiling")
     return res
 
@@ -295,34 +294,35 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
     hi = 60.0
     iters = 5 if quick else 6
     # 1. baseline split over 88 GPU-A
-    splits = {}
-    coarse = range(12, 49, 12) if quick else range(12, 49, 6)
-    for n_p in coarse:
-        g, _ = sla_goodput(base_cfg.replace(n_p=n_p, n_d=88 - n_p), make, 1.0, hi, iters)
-        splits[n_p] = g
-        log(f"baseline {n_p}P+{88 - n_p}D: SLA goodput {g:.2f}")
-    best_p = max(splits, key=splits.get)
-    for n_p in (best_p - 3, best_p + 3):
-        if 1 <= n_p < 88 and n_p not in splits:
-            splits[n_p] = sla_goodput(base_cfg.replace(n_p=n_p, n_d=88 - n_p), make, 1.0, hi, iters)[0]
-            log(f"baseline {n_p}P+{88 - n_p}D: SLA goodput {splits[n_p]:.2f}")
-    best_p = max(splits, key=splits.get)
+    def best_split(cfg_of, label_of, coarse, step: int, total: int) -> tuple[int, dict]:
+        """SLA goodput of the ``n_p`` P-instance split of ``total`` (``cfg_of(n_p)``) over
+        ``coarse``, then ``step`` either side of the best; returns (best n_p, {n_p: goodput})."""
+        splits: dict = {}
+
+        def measure(n_p: int) -> None:
+            splits[n_p] = sla_goodput(cfg_of(n_p), make, 1.0, hi, iters)[0]
+            log(f"{label_of(n_p)}: SLA goodput {splits[n_p]:.2f}")
+
+        for n_p in coarse:
+            measure(n_p)
+        best = max(splits, key=splits.get)
+        for n_p in (best - step, best + step):
+            if 1 <= n_p < total and n_p not in splits:
+                measure(n_p)
+        return max(splits, key=splits.get), splits
+
+    best_p, splits = best_split(lambda n_p: base_cfg.replace(n_p=n_p, n_d=88 - n_p),
+                                lambda n_p: f"baseline {n_p}P+{88 - n_p}D",
+                                range(12, 49, 12) if quick else range(12, 49, 6), 3, 88)
     g_base, s_base = sla_goodput(base_cfg.replace(n_p=best_p, n_d=88 - best_p), make, 1.0, hi, iters + 2)
     base = base_cfg.replace(n_p=best_p, n_d=88 - best_p)
     log(f"baseline best {best_p}P+{88 - best_p}D: {g_base:.2f} req/s")
 
     # 2. PDD on 43 A + 32 B
     pdd_cfg = base_cfg.replace(mode="pdd", n_md=32)
-    psplits = {}
-    for n_p in (range(17, 42, 8) if quick else range(17, 42, 4)):
-        psplits[n_p] = sla_goodput(pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p), make, 1.0, hi, iters)[0]
-        log(f"pdd {n_p}P+{43 - n_p}RLD+32MD: SLA goodput {psplits[n_p]:.2f}")
-    bp = max(psplits, key=psplits.get)
-    for n_p in (bp - 2, bp + 2):
-        if 1 <= n_p < 43 and n_p not in psplits:
-            psplits[n_p] = sla_goodput(pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p), make, 1.0, hi, iters)[0]
-            log(f"pdd {n_p}P+{43 - n_p}RLD+32MD: SLA goodput {psplits[n_p]:.2f}")
-    bp = max(psplits, key=psplits.get)
+    bp, psplits = best_split(lambda n_p: pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p),
+                             lambda n_p: f"pdd {n_p}P+{43 - n_p}RLD+32MD",
+                             range(17, 42, 8) if quick else range(17, 42, 4), 2, 43)
     pdd = pdd_cfg.replace(n_p=bp, n_rld=43 - bp)
     g_pdd, s_pdd = sla_goodput(pdd, make, 1.0, hi, iters + 2)
     log(f"pdd best {bp}P+{43 - bp}RLD+32MD: {g_pdd:.2f} req/s")
@@ -432,12 +432,13 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
     ax[1].bar(names, vals)
     ax[1].set_ylabel("BCR (req/s per $/h)")
     ax[1].set_title(f"A = {chip_a} ${price_a:g}/h, B = {chip_b} +{main['premium']:.0%}, {model}", fontsize=8)
-    fig.tight_layout()
     _save(fig, res, out, "cost-table")
     return res
 
 
 def _save(fig, res: dict, out: Path, name: str) -> None:
+    """Lay ``fig`` out and write it as ``out/<name>.png``, and ``res`` as ``out/result.json``."""
+    fig.tight_layout()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / f"{name}.png", dpi=110)
@@ -506,7 +507,6 @@ def ttft(out: Path, quick: bool = False, rate: float = 2.0, wan_gbps: float = 15
     ax.set_yscale("log")
     ax.set_ylabel("TTFT ms (bar p90, black p50, red p99)")
     ax.set_title(f"agentic workload, {n} requests at {rate} req/s")
-    fig.tight_layout()
     _save(fig, res, out, "ttft")
     return res
 
@@ -555,7 +555,6 @@ def drc(out: Path, quick: bool = False) -> dict:
     ax.set_xlabel("average prefix hit rate")
     ax.set_ylabel("WAN GB")
     ax.legend()
-    fig.tight_layout()
     _save(fig, res, out, "drc")
     return res
 
@@ -591,7 +590,6 @@ def goodput(out: Path, quick: bool = False) -> dict:
     ax.set_xlabel("offered rate (req/s)")
     ax.set_ylabel("goodput within SLA (req/s)")
     ax.legend()
-    fig.tight_layout()
     _save(fig, res, out, "goodput")
     return res
 
@@ -694,7 +692,6 @@ def bathtub(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv", 
     ax[1].set_xlabel("prefix hit rate")
     ax[1].set_ylabel("relative prefill throughput")
     ax[1].legend(fontsize=8)
-    fig.tight_layout()
     _save(fig, res, out, "bathtub")
     return res
 
@@ -745,7 +742,6 @@ def p_rld_collapse(out: Path, quick: bool = False) -> dict:
     ax[1].set_xlabel("time decile")
     ax[1].set_ylabel("share of requests finishing on RLD")
     ax[1].legend()
-    fig.tight_layout()
     _save(fig, res, out, "p-rld-collapse")
     return res
 
@@ -777,7 +773,6 @@ def cutoff(out: Path, quick: bool = False) -> dict:
     ax[1].set_ylabel("P90 TTFT ms")
     for a in ax:
         a.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
     _save(fig, res, out, "cutoff")
     return res
 
@@ -800,7 +795,6 @@ def calibrate(out: Path, quick: bool = False, profile: str | None = None) -> dic
     ax.plot(lim, lim, "k--")
     ax.set_xlabel("measured ms (H200)")
     ax.set_ylabel("roofline ms")
-    fig.tight_layout()
     _save(fig, res, out, "calibrate")
     return res
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from pdd.sim.models import DATA_DIR, ModelProfile, get_model
+from pdd.sim.models import ModelProfile, get_model, load_profiles, pick
 
 CHIP_FIGURES = ("bf16_tflops", "hbm_gb", "hbm_tbps", "interconnect_gbps", "nic_gbps", "usd_per_hour")
 
@@ -50,21 +49,12 @@ class Chip:
         return replace(self, usd_per_hour=usd_per_hour)
 
 
-@lru_cache(maxsize=None)
-def _load(path: str) -> dict:
-    return json.loads(Path(path).read_text())
-
-
 def load_chips(path: str | Path | None = None) -> dict[str, Chip]:
-    data = _load(str(path or DATA_DIR / "chips.json"))
-    return {k: Chip(name=k, **v) for k, v in data.items() if not k.startswith("_")}
+    return load_profiles(path, "chips.json", Chip)
 
 
 def get_chip(name: str, path: str | Path | None = None) -> Chip:
-    chips = load_chips(path)
-    if name not in chips:
-        raise KeyError(f"unknown chip {name!r}; known: {sorted(chips)}")
-    return chips[name]
+    return pick(load_chips(path), "chip", name)
 
 
 @dataclass(frozen=True)

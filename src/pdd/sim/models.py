@@ -33,13 +33,23 @@ def _load(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def load_profiles(path: str | Path | None, default_file: str, cls) -> dict:
+    """``{name: cls(name=name, **fields)}`` of a JSON profile table at ``path`` (default
+    ``DATA_DIR / default_file``; keys starting with ``_`` are comments); read once per path."""
+    data = _load(str(path or DATA_DIR / default_file))
+    return {k: cls(name=k, **v) for k, v in data.items() if not k.startswith("_")}
+
+
+def pick(table: dict, kind: str, name: str):
+    """``table[name]``; KeyError naming the ``kind`` and the known names otherwise."""
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; known: {sorted(table)}")
+    return table[name]
+
+
 def load_models(path: str | Path | None = None) -> dict[str, ModelProfile]:
-    data = _load(str(path or DATA_DIR / "models.json"))
-    return {k: ModelProfile(name=k, **v) for k, v in data.items() if not k.startswith("_")}
+    return load_profiles(path, "models.json", ModelProfile)
 
 
 def get_model(name: str, path: str | Path | None = None) -> ModelProfile:
-    models = load_models(path)
-    if name not in models:
-        raise KeyError(f"unknown model {name!r}; known: {sorted(models)}")
-    return models[name]
+    return pick(load_models(path), "model", name)

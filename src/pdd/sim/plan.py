@@ -54,26 +54,24 @@ def search(records: list, base: SimConfig, *, md_counts: Iterable[int] = range(2
             memo[key] = (s["slo_attainment"] >= ATTAIN, s)
         return memo[key]
 
+    def add_cheapest(c: SimConfig) -> None:
+        """Row of ``c`` with the fewest P instances that meets the SLA, if any does."""
+        p = _min_p(lambda n: meets(c.replace(n_p=n))[0], p_max)
+        if p is not None:
+            cc = c.replace(n_p=p)
+            found.append(_row(cc, meets(cc)[1]))
+            if log:
+                log(found[-1])
+
     if base.mode == "same_dc_pd":
         for n_d in d_counts or range(2, 89, 2):
-            c = base.replace(n_d=n_d)
-            p = _min_p(lambda n: meets(c.replace(n_p=n))[0], p_max)
-            if p is not None:
-                cc = c.replace(n_p=p)
-                found.append(_row(cc, meets(cc)[1]))
-                if log:
-                    log(found[-1])
+            add_cheapest(base.replace(n_d=n_d))
     else:
         for w in wans:
             for n_rld in (rld_counts if base.mode == "pdd" else (0,)):
                 for n_md in md_counts:
-                    c = base.replace(n_md=n_md, n_rld=max(1, n_rld), wan_gbps=w.gbps, wan_usd_per_hour=w.usd_per_hour)
-                    p = _min_p(lambda n: meets(c.replace(n_p=n))[0], p_max)
-                    if p is not None:
-                        cc = c.replace(n_p=p)
-                        found.append(_row(cc, meets(cc)[1]))
-                        if log:
-                            log(found[-1])
+                    add_cheapest(base.replace(n_md=n_md, n_rld=max(1, n_rld), wan_gbps=w.gbps,
+                                              wan_usd_per_hour=w.usd_per_hour))
     found.sort(key=lambda r: r["cost_per_hour"])
     return found
 

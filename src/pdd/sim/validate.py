@@ -5,7 +5,7 @@
    compute is most of TTFT on this machine), replayed open-loop at ``rate`` req/s.
 2. Live: a fresh ``pdd.launch.Topology`` in pdd mode (the gateway's admission limits off: the
    simulator does not model 429s), one warm-up request, caches flushed, then
-   ``pdd.bench.demo.measured_replay`` (the bench client). Each request's usage chunk carries the
+   ``pdd.bench.live.measured_replay`` (the bench client). Each request's usage chunk carries the
    gateway's recorded policy decisions (``pdd.decisions``: inputs and result).
 3. Simulated: the same requests (arrival times, prompt lengths, the trace's hash blocks as cache
    blocks, output lengths) on a ``ClusterSim`` mirroring the topology's config (instance
@@ -230,7 +230,8 @@ def build_workload(cfg, *, n_requests: int, rate: float, block_tokens: int, sess
     1 in ``session_sample`` conversations chosen by ``session_seed``, ``block_tokens`` per block."""
     import dataclasses
 
-    from pdd.bench.demo import DEFAULT_SCALE, fit_scale
+    from pdd.bench.demo import DEFAULT_SCALE
+    from pdd.bench.live import fit_scale
     from pdd.bench.trace import DEFAULT_TRACE, TokenSpace, build_requests
 
     scale = dataclasses.replace(DEFAULT_SCALE, block_tokens=block_tokens, target_rate_rps=rate,
@@ -407,7 +408,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     from rich.console import Console
 
     from pdd.bench.client import run_one_sync
-    from pdd.bench.demo import ensure_model, measured_replay
+    from pdd.bench.live import ensure_model, measured_replay
     from pdd.bench.report import write_jsonl
     from pdd.bench.trace import TokenSpace, block_token_ids
     from pdd.launch import Topology

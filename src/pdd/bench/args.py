@@ -1,0 +1,306 @@
+"""``pdd bench``'s command line: its defaults, the parser, and the checks that refuse a bad flag
+(naming it, exit status 2) before anything runs; :func:`bench_exit_status` is the exit status of
+a finished run (``pdd demo`` shares it and the workload checks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import httpx
+
+from pdd.bench import vllm_mode
+from pdd.bench.live import RemoteTopology
+from pdd.bench.modes import parse_mode_label
+from pdd.bench.trace import DEFAULT_TRACE, Scale
+from pdd.config import MODES
+
+DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
+# flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
+# the server runs its own config, so they are refused there
+TOPOLOGY_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "fast_gbps", "min_step_ms", "allow_p_rld", "wan_order",
+                      "handoff_mode", "pipeline_ttft_budget_ms", "base_port", "gateway_port", "wan_loss_rate",
+                      "wan_cross_traffic")
+# The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
+# trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
+# trace's multi-turn prefix reuse (ideal hit rate ~30%).
+DEFAULT_SCALE = Scale(block_tokens=16, output_scale=1 / 4, min_output_tokens=16, max_output_tokens=160,
+                      target_rate_rps=2.0, session_sample=50)
+DEFAULT_REQUESTS = 200
+DEFAULT_REF_REQUESTS = 0  # 0: the whole workload (its own prompts, outputs and prefix reuse), one in flight
+DEFAULT_SWEEP = "auto"
+DEFAULT_SWEEP_REQUESTS = 48
+DEFAULT_SWEEP_POINTS = 3
+DEFAULT_SWEEP_SECONDS = 20.0  # a sweep point's arrivals span at most this (fewer requests at low rates)
+DEFAULT_SWEEP_TIMEOUT_S = 60.0
+DEFAULT_SWEEP_MIN_REQUESTS = 20  # a point's attainment over fewer requests is too coarse (90% = at most 1 of 10 missed)
+
+
+class ShortUsageParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors (argparse's own and the ``ap.error`` calls of
+    :func:`check_args` and :func:`main` alike) print one usage line pointing at ``--help``, then
+    ``PROG: error: MESSAGE``, on stderr, and exit with status 2. argparse printed the whole usage
+    first: 24 lines for ``pdd bench``, which pushed the message naming the flag off the screen."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [-h] [options]  (see {self.prog} --help)\n{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = ShortUsageParser(
+        prog="pdd bench",
+        description="Replay a Mooncake-format trace through modes on fresh topologies (or --url), with an SLO fixed "
+                    "by a same_dc_pd reference run, goodput at the offered rate and an SLA-goodput rate sweep.",
+        epilog="SLO: TTFT <= 3 x and TPOT <= 1.5 x the medians of a same_dc_pd reference run (one request in "
+               "flight), unless --slo gives them. SLA goodput: the highest swept rate with >= 90% of requests "
+               "meeting the SLO. Sweep points run on the mode's topology: the trace's next requests on warm caches when it has enough, else whole conversations on flushed caches. "
+               "Exit status: 0 when every mode completed at least one request (failed requests are measured "
+               "results), 1 when a mode completed none (its report is still written), 2 for bad arguments.")
+    ap.add_argument("--config", help="cluster config (YAML or JSON)")
+    ap.add_argument("--out", default="runs/bench", help="output directory (report.json, plots, records)")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated mode labels (default: all four pdd modes; vllm_colocated runs stock vLLM's "
+                         "server on the same checkpoint, from the venv `make vllm` builds). With --url the one mode is the "
+                         "server's: --modes may only name that mode (checked against its /pdd/stats or /health; "
+                         "refused when the server does not report a mode)")
+    ap.add_argument("--vllm-python", metavar="PATH",
+                    help=f"Python of vLLM's venv for the {vllm_mode.VLLM_MODE} mode (default: ${vllm_mode.PYTHON_ENV}, "
+                         f"else {vllm_mode.VENV_DIR}/bin/python, which `make vllm` builds)")
+    ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's; its caches are "
+                                  "flushed between runs through POST /pdd/flush when it has one)")
+    g = ap.add_argument_group("workload")
+    g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
+    g.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    g.add_argument("--start", type=int, default=0, help="first request (after session sampling)")
+    g.add_argument("--block-tokens", type=int, default=DEFAULT_SCALE.block_tokens, help="tokens per 512-token trace block")
+    g.add_argument("--output-scale", type=float, default=DEFAULT_SCALE.output_scale)
+    g.add_argument("--min-output", type=int, default=DEFAULT_SCALE.min_output_tokens)
+    g.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
+    g.add_argument("--max-input", type=int, default=None, help="prompt cap in tokens (default: none)")
+    g.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="offered rate, mean req/s")
+    g.add_argument("--ramp", metavar="START:END",
+                   help="load ramp: the main run's rate rises linearly from START to END req/s (overrides --rate "
+                        "for the main run; the sweep, if any, still starts at --rate)")
+    g.add_argument("--session-sample", type=int, default=DEFAULT_SCALE.session_sample,
+                   help=f"keep 1 in N conversations (all their turns); default {DEFAULT_SCALE.session_sample}, sized "
+                        f"for the shared Mooncake trace: give 1 for a short or generated trace (pdd workload)")
+    g.add_argument("--session-seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="token-id seed")
+    g = ap.add_argument_group("SLO and sweep")
+    g.add_argument("--slo", nargs="+", metavar="KEY:MS", help="absolute bounds, e.g. --slo ttft:500 tpot:20")
+    g.add_argument("--ref-requests", type=int, default=DEFAULT_REF_REQUESTS,
+                   help="requests of the same_dc_pd reference run: N of whole conversations (0 = all of it, "
+                        "the default: the reference then has the run's prompts, outputs and prefix reuse)")
+    g.add_argument("--sweep-rate", default=DEFAULT_SWEEP,
+                   help="'auto' (start at --rate, x2 until the SLA fails, then bisect), rates '1,2,4', or 'none'")
+    g.add_argument("--sweep-requests", type=int, default=DEFAULT_SWEEP_REQUESTS,
+                   help="requests per sweep point (N of whole conversations; 0 = all)")
+    g.add_argument("--sweep-seconds", type=float, default=DEFAULT_SWEEP_SECONDS,
+                   help="a point keeps as many requests as arrive within this many s at its rate (0 = all)")
+    g.add_argument("--sweep-min-requests", type=int, default=DEFAULT_SWEEP_MIN_REQUESTS,
+                   help="a point keeps at least this many requests, even if they arrive after --sweep-seconds")
+    g.add_argument("--sweep-points", type=int, default=DEFAULT_SWEEP_POINTS, help="auto sweep: most points per mode")
+    g.add_argument("--sweep-bisect", type=int, default=2, help="auto sweep: bisection steps")
+    g.add_argument("--sweep-timeout", type=float, default=DEFAULT_SWEEP_TIMEOUT_S, help="per request in the sweep, s")
+    g = ap.add_argument_group("config overrides")
+    g.add_argument("--wan-gbps", type=float)
+    g.add_argument("--wan-rtt-ms", type=float)
+    g.add_argument("--fast-gbps", type=float)
+    g.add_argument("--min-step-ms", type=float,
+                   help="emulated accelerator step time: every engine's forward pass takes at least this long, ms, "
+                        "0..10000 (default: the config's engine.min_step_ms, 0 = off; docs/LINK.md)")
+    g.add_argument("--allow-p-rld", action="store_true", default=None)
+    g.add_argument("--wan-order", choices=("fifo", "srf"))
+    g.add_argument("--handoff-mode", choices=("one_shot", "catch_up", "auto"))
+    g.add_argument("--pipeline-ttft-budget-ms", type=float)
+    g.add_argument("--wan-loss-rate", type=float,
+                   help="WAN packet loss probability in [0, 1): each connection is capped at TCP's loss-limited "
+                        "(Mathis) rate (link.wan_loss_rate; docs/LINK.md)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--cross-traffic-gbps", dest="wan_cross_traffic", type=_cross_traffic_gbps, metavar="GBPS",
+                   help="other traffic taking this many Gbit/s of the WAN line, per direction, from its start "
+                        "(below --wan-gbps; link.wan_cross_traffic)")
+    x.add_argument("--cross-traffic", dest="wan_cross_traffic", type=_cross_traffic_schedule, metavar="T:GBPS,...",
+                   help="cross traffic as a schedule, seconds since the line started:Gbit/s, e.g. 0:0.01,60:0.025")
+    g.add_argument("--base-port", type=int)
+    g.add_argument("--gateway-port", type=int)
+    g.add_argument("--model", help="served model name to request (default: the config's)")
+    g.add_argument("--request-timeout", type=float, help="per request, s (default: the config's)")
+    g = ap.add_argument_group("fault injection (docs/FAULTS.md)")
+    g.add_argument("--fault", action="append", default=[], metavar="KIND[:ARG]@PHASE[#N]",
+                   help="inject once when the N-th (default 1st) request reaches PHASE, in every mode that has the "
+                        "phase and target; repeatable. KIND: wan_outage:SECONDS, wan_slowdown:FACTOR, "
+                        "kill:NAME|p|rld|md. PHASE: prefill, transfer, rld_decode, handoff, md_decode")
+    g.add_argument("--fault-recover-after", default="5", metavar="SECONDS|end",
+                   help="restart a killed instance / lift a slowdown this long after the injection, or 'end' "
+                        "(after the run's last request); default 5")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) -> tuple[list[str], float | None]:
+    """``--fault`` specs (checked) and ``--fault-recover-after`` (None = 'end'); ValueError if bad."""
+    from pdd.bench.faults import parse_bench_fault
+    from pdd.faults import FaultError
+
+    try:
+        for f in specs:
+            parse_bench_fault(f)
+    except FaultError as ex:
+        raise ValueError(str(ex)) from None
+    if specs and url:
+        raise ValueError("--fault needs topologies pdd bench starts (not --url)")
+    if str(recover_after).strip().lower() == "end":
+        return list(specs), None
+    try:
+        v = float(recover_after)
+    except ValueError:
+        raise ValueError(f"--fault-recover-after: seconds or 'end', not {recover_after!r}") from None
+    if v < 0:
+        raise ValueError("--fault-recover-after must be >= 0")
+    return list(specs), v
+
+
+def _override_error(err: dict) -> str:
+    """One pydantic error of a flag override as ``--flag: message``: a range error gets the value
+    (``, got 0.0``); a validator's own message already names it and loses pydantic's ``Value error, ``."""
+    if err["type"] == "value_error":
+        return f"{_override_flag(err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+    return f"{_override_flag(err['loc'])}: {err['msg']}, got {err.get('input')!r}"
+
+
+def _cross_traffic_gbps(text: str) -> list[tuple[float, float]]:
+    """``--cross-traffic-gbps X`` -> ``[(0.0, X)]``; argparse names the flag on a bad value."""
+    from pdd.policy.tcp_model import check_schedule
+
+    try:
+        gbps = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Gbit/s, got {text!r}") from None
+    try:
+        return list(check_schedule([(0.0, gbps)], ""))
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex).split(" at ")[0]) from None
+
+
+def _cross_traffic_schedule(text: str) -> list[tuple[float, float]]:
+    """``--cross-traffic 0:0.5,10:2.0`` -> ``[(0.0, 0.5), (10.0, 2.0)]`` (pdd.policy.tcp_model.parse_cross_traffic)."""
+    from pdd.policy.tcp_model import parse_cross_traffic
+
+    try:
+        return list(parse_cross_traffic(text, "schedule"))
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex)) from None
+
+
+def _override_flag(loc: Sequence) -> str:
+    """The flag of a config field :func:`apply_overrides` set (``("link", "wan_gbps")`` -> ``--wan-gbps``)."""
+    if not loc:
+        return "config overrides"
+    name = {"served_model_name": "model", "wan_cross_traffic": "cross_traffic"}.get(str(loc[-1]), str(loc[-1]))
+    return "--" + name.replace("_", "-")
+
+
+def check_numbers(ap: argparse.ArgumentParser, checks: Iterable[tuple[str, Any, float, bool]]) -> None:
+    """``(flag, value, lo, strict)``: refuse a value not ``> lo`` (strict) or ``>= lo``, naming the flag
+    (None: not given, passes; NaN fails)."""
+    for flag, v, lo, strict in checks:
+        if v is not None and not (v > lo if strict else v >= lo):  # NaN fails both
+            ap.error(f"{flag}: must be {'>' if strict else '>='} {lo}, got {v}")
+
+
+def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
+    """The workload flags ``pdd bench`` and ``pdd demo`` share (--rate, --requests, --start, the
+    Scale knobs): refused naming the flag (argparse ``error``: exit status 2)."""
+    if args.rate is not None and not args.rate > 0:
+        ap.error(f"--rate: must be > 0 req/s, got {args.rate}")
+    if args.requests is not None and args.requests < 1:
+        ap.error(f"--requests: must be >= 1, got {args.requests}")
+    if args.start is not None and args.start < 0:
+        ap.error(f"--start: must be >= 0, got {args.start}")
+    check_numbers(ap, (
+        ("--max-input", args.max_input, 1, False), ("--block-tokens", args.block_tokens, 1, False),
+        ("--min-output", args.min_output, 1, False), ("--max-output", args.max_output, 1, False),
+        ("--session-sample", args.session_sample, 1, False), ("--output-scale", args.output_scale, 0, True)))
+    if args.max_output < args.min_output:
+        ap.error(f"--max-output: must be >= --min-output ({args.min_output}), got {args.max_output}")
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse, naming the flag, what would otherwise fail later with a traceback or run something
+    other than asked (argparse ``error``: exit status 2)."""
+    check_workload_args(ap, args)
+    check_numbers(ap, (
+        ("--ref-requests", args.ref_requests, 0, False), ("--sweep-requests", args.sweep_requests, 0, False),
+        ("--sweep-min-requests", args.sweep_min_requests, 0, False),
+        ("--sweep-points", args.sweep_points, 1, False), ("--sweep-bisect", args.sweep_bisect, 0, False),
+        ("--sweep-seconds", args.sweep_seconds, 0, False), ("--sweep-timeout", args.sweep_timeout, 0, True),
+        ("--request-timeout", args.request_timeout, 0, True)))
+    modes_given = args.modes is not None
+    args.modes = args.modes if modes_given else ",".join(DEFAULT_MODES)
+    labels = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not labels:
+        ap.error(f"--modes: no mode given ({args.modes!r}); choose from {', '.join(MODES)}")
+    for m in labels:
+        try:
+            parse_mode_label(m)
+        except ValueError as ex:
+            ap.error(f"--modes: {ex}")
+    if vllm_mode.VLLM_MODE in labels and not args.url:
+        try:
+            vllm_mode.check_vllm_importable(vllm_mode.vllm_python(args.vllm_python))
+        except vllm_mode.VllmMissing as ex:  # before a model, a reference run or a topology is made
+            ap.error(f"--modes: {ex}")
+    if Path(args.trace).is_dir():
+        ap.error(f"--trace: {args.trace} is a directory, not a trace file")
+    if not Path(args.trace).is_file():
+        ap.error(f"--trace: no such file: {args.trace}")
+    from pdd.bench.trace import load_trace
+
+    try:  # ~0.1 s for the shared trace; a bad line is refused before a model or topology is made
+        records = load_trace(args.trace)
+    except (OSError, ValueError) as ex:  # names the file and line
+        ap.error(f"--trace: {ex}")
+    if not records:
+        ap.error(f"--trace: {args.trace} holds no trace records")
+    if args.config is not None and not Path(args.config).is_file():
+        ap.error(f"--config: no such file: {args.config}")
+    if args.url:
+        # the server at --url runs its own config: a topology flag would be recorded in the report
+        # as if it had applied (found by a new user: --min-step-ms 20 against a server without it)
+        shaping = [_override_flag((k,)) for k in TOPOLOGY_OVERRIDES if getattr(args, k) is not None]
+        if shaping:
+            ap.error(f"{', '.join(shaping)}: with --url the server runs its own config; these flags shape "
+                     f"the topologies pdd bench starts (set them in the server's config instead)")
+        try:
+            httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10, trust_env=False)
+        except httpx.HTTPError as ex:
+            ap.error(f"--url: cannot reach {args.url}: {type(ex).__name__}: {ex}")
+        if modes_given:  # --url benchmarks the server's one mode: an explicit --modes must be that mode
+            server = RemoteTopology(args.url, timeout_s=10).reported_mode()
+            if server is None:
+                ap.error(f"--modes {args.modes}: the server at {args.url} does not report its mode (GET /pdd/stats "
+                         f"or /health), so it cannot be checked; with --url leave --modes out (the one mode "
+                         f"benchmarked is the server's)")
+            if labels != [server]:
+                ap.error(f"--modes {args.modes}: the server at {args.url} runs mode {server}; with --url the one "
+                         f"mode benchmarked is the server's (give --modes {server} or leave --modes out)")
+
+
+def bench_exit_status(report: Mapping, run_order: Sequence[str] | None = None, prog: str = "pdd bench") -> int:
+    """0 when every benchmarked mode completed at least one request (failed requests are measured
+    results: the report has them); 1 when a mode completed none (a wrong --model, a server that
+    refuses everything, a mode whose topology failed), said on stderr; the report is written first.
+    ``run_order``: the modes run (default ``report["bench"]["run_order"]``; ``pdd demo`` has no
+    ``bench`` section)."""
+    order = report["bench"]["run_order"] if run_order is None else run_order
+    empty = [m for m in order if not ((report.get("modes") or {}).get(m) or {}).get("completed")]
+    if not empty:
+        return 0
+    errors = report.get("mode_errors") or {}
+    print(f"{prog}: no request completed in {', '.join(empty)}"
+          + "".join(f" ({m}: {errors[m]})" for m in empty if m in errors), file=sys.stderr)
+    return 1

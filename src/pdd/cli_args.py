@@ -1,0 +1,51 @@
+"""What every ``pdd`` sub-command (``pdd.cli``, ``pdd.sim.cli``) does with a bad config or flag:
+one line naming the field or flag, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+
+
+def config_or_exit(args, **over):
+    """``ClusterConfig.load(args.config, **over)``, or exit with one line naming the field, the
+    file or the flag (SystemExit; a usage error via :func:`usage_error`), never a traceback."""
+    from pydantic import ValidationError
+
+    from pdd.config import ClusterConfig, validation_summary
+
+    try:
+        return ClusterConfig.load(getattr(args, "config", None), **over)
+    except ValidationError as e:
+        raise SystemExit(f"pdd: invalid config: {_flagged(validation_summary(e), over)}")
+    except FileNotFoundError as e:
+        raise SystemExit(f"pdd: config file not found: {e.filename}")
+    except IsADirectoryError:
+        usage_error(args, f"--config {args.config}: is a directory, not a config file (YAML or JSON)")
+    except OSError as e:  # unreadable (permissions)
+        usage_error(args, f"--config {args.config}: cannot read it: {e.strerror or e}")
+    except ValueError as e:
+        raise SystemExit(f"pdd: invalid config: {e}")
+
+
+_OVERRIDE_FLAGS = {"gateway_port": "--port", "base_port": "--base-port", "mode": "--mode"}
+
+
+def _flagged(summary: str, over: dict) -> str:
+    """``validation_summary`` with the flag named beside a field a flag set (``gateway_port (--port):
+    ...``): the user typed ``--port 99999``, not ``gateway_port``."""
+    parts = []
+    for part in summary.split("; "):
+        field = part.split(":", 1)[0]
+        if over.get(field) is not None and field in _OVERRIDE_FLAGS:
+            part = f"{field} ({_OVERRIDE_FLAGS[field]}){part[len(field):]}"
+        parts.append(part)
+    return "; ".join(parts)
+
+
+def usage_error(args, msg: str):
+    """A usage error naming the flag or config field: the sub-command's argparse ``error`` (exit 2)."""
+    p = getattr(args, "parser", None)
+    if p is None:
+        print(f"pdd: error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+    p.error(msg)

@@ -1,0 +1,207 @@
+"""One simulated engine instance: roofline step times, a KV pool, an optional prefix cache, and
+batches formed by ``pdd.engine.scheduler.schedule`` as the live engine forms them."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import pdd.engine.scheduler as eng_sched
+import pdd.policy.routing as pol_routing
+from pdd.sim.hardware import StepCostModel
+from pdd.sim.prefix_cache import PrefixCache
+from pdd.sim.request import Seq
+
+
+class Instance:
+    def __init__(self, sim: "ClusterSim", name: str, role: str, cm: StepCostModel, cache: bool,
+                 cache_frac: float = 1.0):
+        self.sim = sim
+        self.env = sim.env
+        self.name = name
+        self.role = role  # P, RLD, MD, D, C
+        self.block = sim.block
+        self.cm = cm
+        self.pool = cm.kv_capacity_tokens()
+        if self.pool <= 0:
+            raise ValueError(f"{name}: the model's weights leave no KV room on {cm.chip.name}")
+        self.cache = PrefixCache(int(self.pool * cache_frac) // sim.block) if cache else None
+        self.private = 0
+        self.seqs: dict[int, Seq] = {}
+        self.waiting: deque = deque()  # (need_tokens, admit_fn)
+        self.inbox: list[Callable[[], None]] = []
+        self.wake = None
+        self.busy_s = 0.0
+        self.steps = 0
+        self.tokens_out = 0
+        # RLD's current handoff mode (relay_decode: one_shot if configured so, else catch_up)
+        self.handoff_state = "one_shot" if sim.cfg.handoff_mode == "one_shot" else "catch_up"
+        self.routed = 0  # routed here by the gateway, not yet enqueued (in flight)
+        self.prefilling = 0
+        c = sim.cfg
+        self.step_ovh = float((c.step_overhead_s or {}).get(role, 0.0))
+        self.slot_cap = {"D": c.max_running_d, "RLD": c.max_running_rld, "MD": c.max_running_md}.get(role, 0)
+        self.slots = 0  # decode slots held (admitted decode sequences)
+        self.peak_slots = 0
+        self.proc = self.env.process(self.run())
+
+    # --- memory ------------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self.private + (len(self.cache) * self.block if self.cache is not None else 0)
+
+    def try_alloc(self, n: int) -> bool:
+        free = self.pool - self.used
+        if free < n and self.cache is not None:
+            need_blocks = -(-(n - free) // self.block)
+            self.cache.evict(need_blocks)
+            free = self.pool - self.used
+        if free >= n:
+            self.private += n
+            return True
+        return False
+
+    def free(self, n: int) -> None:
+        self.private -= n
+        assert self.private >= 0, (self.name, self.private)
+
+    def cache_insert(self, blocks) -> None:
+        """Adopt whole blocks into the prefix cache, evicting others if the pool is short."""
+        c = self.cache
+        if c is None or not blocks:
+            return
+        c.insert(blocks)
+        over = self.used - self.pool
+        if over > 0:
+            c.evict(-(-over // self.block))
+        if len(c) > c.capacity_blocks:
+            c.evict(len(c) - c.capacity_blocks)
+        # blocks still over the pool (all locked) are tolerated: they are shared, not new
+        # memory in a real pool (the owners' private pages became the cached ones)
+
+    def load(self, prefix_hit_tokens: int = 0) -> pol_routing.InstanceLoad:
+        return pol_routing.InstanceLoad(self.name, len(self.seqs), len(self.waiting) + self.routed, self.used,
+                                        self.pool, prefix_hit_tokens)
+
+    # --- queueing ------------------------------------------------------------------------------
+    def enqueue(self, need, admit: Callable[[int], None], prefill: bool = False, slot: bool = False) -> None:
+        """Queue an admission: ``need`` tokens (or a function giving them at admission time);
+        ``admit(n)`` runs once they are allocated (and, with ``slot``, a decode slot under
+        ``slot_cap``; give it back with :meth:`release_slot`). FIFO: the head blocks the rest."""
+        self.waiting.append((need, admit, prefill, slot))
+        self.poke()
+
+    def release_slot(self) -> None:
+        self.slots -= 1
+        assert self.slots >= 0, (self.name, self.slots)
+        self.poke()
+
+    def post(self, fn: Callable[[], None]) -> None:
+        self.inbox.append(fn)
+        self.poke()
+
+    def poke(self) -> None:
+        w = self.wake
+        if w is not None and not w.triggered:
+            w.succeed()
+
+    def _admit(self) -> None:
+        cap = self.sim.cfg.max_prefill_inflight
+        while self.waiting:
+            need, admit, prefill, slot = self.waiting[0]
+            if prefill and cap and self.prefilling >= cap:
+                return
+            if slot and self.slot_cap and self.slots >= self.slot_cap:
+                return
+            n = need() if callable(need) else need
+            if not self.try_alloc(n):
+                return
+            self.waiting.popleft()
+            if slot:
+                self.slots += 1
+                self.peak_slots = max(self.peak_slots, self.slots)
+            admit(n)
+
+    def add(self, seq: Seq) -> None:
+        self.seqs[seq.seq_id] = seq
+        if seq.kind in ("prefill", "coloc") and seq.num_tokens - seq.num_computed > 1:
+            self.prefilling += 1
+
+    def remove(self, rid: int) -> Seq | None:
+        s = self.seqs.pop(rid, None)
+        return s
+
+    # --- the engine loop -----------------------------------------------------------------------
+    def run(self):
+        env = self.env
+        cfg = self.sim.sched_cfg
+        cm = self.cm
+        while True:
+            if self.inbox:
+                box, self.inbox = self.inbox, []
+                for fn in box:
+                    fn()
+            self._admit()
+            if self.inbox:  # posted by an admission (MD importing KV that came before it)
+                continue
+            plan = eng_sched.schedule(self.seqs.values(), cfg)
+            if not plan:
+                self.wake = env.event()
+                yield self.wake
+                self.wake = None
+                continue
+            items = plan.items
+            seqs = self.seqs
+            if all(it.num_tokens == 1 and it.sample and seqs[it.seq_id].kind != "prefill"
+                   and seqs[it.seq_id].req.generated >= 1 for it in items):
+                # pure decode: advance to the next membership change in one event
+                k = min(seqs[it.seq_id].req.out_len - seqs[it.seq_id].req.generated for it in items)
+                k = max(1, min(k, 4096))
+                b = len(items)
+                sum_ctx = 0
+                for it in items:
+                    sum_ctx += it.start
+                dt = (cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) + self.step_ovh) * self.sim.host_share()
+                self.sim.host_busy += 1
+                t0 = env.now
+                self.wake = w = env.event()
+                yield env.timeout(k * dt) | w
+                self.wake = None
+                done = k
+                if w.triggered and env.now < t0 + k * dt - 1e-12:
+                    done = min(k, int((env.now - t0) / dt) + 1)
+                    rest = t0 + done * dt - env.now
+                    if rest > 0:
+                        yield env.timeout(rest)
+                self.sim.host_busy -= 1
+                self.busy_s += done * dt
+                self.steps += done
+                for it in items:
+                    s = seqs.get(it.seq_id)
+                    if s is None:
+                        continue
+                    s.num_computed += done
+                    s.num_tokens += done
+                    self.tokens_out += done
+                    self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
+            else:
+                dt = (cm.step_time((it.start, it.num_tokens) for it in items) + self.step_ovh) * self.sim.host_share()
+                self.sim.host_busy += 1
+                yield env.timeout(dt)
+                self.sim.host_busy -= 1
+                self.busy_s += dt
+                self.steps += 1
+                for it in items:
+                    s = seqs.get(it.seq_id)
+                    if s is None:
+                        continue
+                    was_prefill = s.kind in ("prefill", "coloc") and s.num_tokens - s.num_computed > 1
+                    s.num_computed += it.num_tokens
+                    if was_prefill and s.num_computed >= s.num_tokens:
+                        self.prefilling -= 1
+                    if it.sample:
+                        s.num_tokens += 1
+                        self.tokens_out += 1
+                        self.sim.on_tokens(self, s, env.now + s.emit_delay, 1, dt)
+                    elif s.num_computed >= s.num_tokens:
+                        self.sim.on_caught_up(self, s)

@@ -1,0 +1,142 @@
+"""One simulated deployment (:class:`SimConfig`): mode, model, chips, instance counts, link and
+policy settings, and the tiers it derives from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pdd.sim.hardware import Efficiency, get_chip
+from pdd.sim.models import get_model
+
+
+BLOCK = 512  # tokens per trace block (Mooncake hash granularity)
+
+
+@dataclass
+class SimConfig:
+    """One simulated deployment. Counts are instances (each ``model.gpus_per_instance`` chips)."""
+
+    mode: str = "pdd"  # colocated | same_dc_pd | cross_dc_pd | pdd
+    model: str = "llama-3.1-8b"
+    kv_bytes_per_token: int | None = None  # override the model's
+    chip_a: str = "H100-SXM5-80GB"  # P, RLD, same-DC D, colocated
+    chip_b: str = "H200-SXM-141GB"  # MD
+    price_a: float | None = None  # USD per GPU-hour, overrides the chip profile
+    price_b: float | None = None
+    n_p: int = 1
+    n_rld: int = 1
+    n_md: int = 1
+    n_d: int = 1  # same_dc_pd decode instances (chip A)
+    n_c: int = 1  # colocated instances (chip A)
+    wan_gbps: float = 100.0
+    wan_rtt_ms: float = 20.0
+    wan_order: str = "ps"  # ps | fifo | srf
+    wan_usd_per_hour: float = 0.0  # the cross-DC line's price
+    fast_gbps: float | None = None  # per P instance; default chip nic_gbps x gpus
+    fast_rtt_ms: float = 0.02
+    max_batch_tokens: int = 8192
+    max_running_seqs: int = 256
+    prefill_chunk_tokens: int = 8192
+    prefill_order: str = "fcfs"  # the engine scheduler's (pdd.engine.scheduler.PREFILL_ORDERS)
+    max_prefill_inflight: int = 0  # admission: sequences in prefill at once per instance (0 = any)
+    # decode admission caps per tier (sequences holding a decode slot; 0 = only KV limits), the
+    # operator's max-running-requests per decoder, e.g. sized so a full batch meets the TPOT SLO
+    # (see experiments.slo_batch)
+    max_running_d: int = 0
+    max_running_rld: int = 0
+    max_running_md: int = 0
+    ttft_budget_ms: float = 250.0  # pipeline policy budget (pdd: P->MD if the WAN fits it)
+    handoff_mode: str = "one_shot"
+    catchup_threshold: int = 64
+    allow_p_rld: bool = False
+    allow_p_rld_after_s: float = 0.0  # the ablation applies to arrivals from this time on
+    # MD's WAN send of a request relayed at once (pdd, zero TTFT budget) starts when P's prefill
+    # is done, from the gateway's predicted MD prefix, instead of after MD's reservation round
+    # trip (the runtime's policy.md_predicted_send)
+    md_predicted_send: bool = True
+    # a relayed request's handoff starts when MD's KV is expected to have left P (at the gateway's
+    # WAN estimate), not when MD's kv_ready is back at the gateway (the runtime's
+    # policy.early_handoff)
+    early_handoff: bool = True
+    cutoff: bool = True
+    cutoff_min_remaining_s: float = 0.5  # config.PolicyConfig default: shorter remainders finish
+    wan_estimate: str = "live"  # live: median of MD's recent receive rates (the gateway's); config: wan_gbps
+    drc: bool = True  # decode-side radix cache on MD
+    p_cache: bool = True
+    routing: str = "cache_aware"
+    load_slack: int = 8  # cache-aware routing slack on P / colocated (requests)
+    md_load_slack: int = 64  # on MD: decoders hold tens of sequences, affinity matters more
+    min_hit_frac: float = 0.5  # cache-aware routing ignores hits below this share of the prompt
+    md_cache_frac: float = 1.0  # fraction of MD's free KV pool the DRC may keep (capacity studies)
+    p_cache_frac: float = 1.0
+    slo_ttft_s: float = 5.0
+    slo_tpot_s: float = 0.05
+    warmup_frac: float = 0.1  # leading fraction of (measured) requests excluded from the metrics
+    measure_from_s: float = 0.0  # requests arriving earlier are warm-up, never measured
+    profile_a: str | None = None  # measured profile JSON (fits the roofline efficiencies)
+    profile_b: str | None = None
+    efficiency: Efficiency | None = None
+    model_spec: dict | None = None  # ModelProfile fields (e.g. a measured profile's "model"), overrides `model`
+    block_tokens: int = BLOCK  # tokens per hash block of the records (= cache page granularity)
+    host_cores: float = 0.0  # >0: all instances share this many CPU cores (validating a one-machine topology)
+    # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
+    # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
+    # GIL, per-step bookkeeping), measured from a live run (validate.calibrate_role_overheads)
+    step_overhead_s: dict | None = None
+    # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
+    # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
+    # 0 = a cut-off stops the flow at once. Measured on a live run (validate.calibrate_wan_buffer).
+    wan_send_buffer_bytes: float = 0.0
+    # from the gateway receiving a token to the client seeing it (HTTP streaming): shifts every
+    # token of a request alike (TTFT, not TPOT). Measured on a live run's recorded events.
+    client_delay_s: float = 0.0
+
+    def replace(self, **kw) -> "SimConfig":
+        return replace(self, **kw)
+
+    # derived --------------------------------------------------------------------------------
+    def model_profile(self):
+        if self.model_spec is not None:
+            from pdd.sim.models import ModelProfile
+
+            m = ModelProfile(name=self.model, **self.model_spec)
+            return m.with_kv_bytes(self.kv_bytes_per_token) if self.kv_bytes_per_token else m
+        m = get_model(self.model)
+        return m.with_kv_bytes(self.kv_bytes_per_token) if self.kv_bytes_per_token else m
+
+    def chip(self, which: str):
+        c = get_chip(self.chip_a if which == "a" else self.chip_b)
+        p = self.price_a if which == "a" else self.price_b
+        return c.priced(p) if p is not None else c
+
+    def tiers(self) -> dict[str, tuple[int, str]]:
+        """role -> (count, chip side)."""
+        if self.mode == "colocated":
+            return {"C": (self.n_c, "a")}
+        if self.mode == "same_dc_pd":
+            return {"P": (self.n_p, "a"), "D": (self.n_d, "a")}
+        if self.mode == "cross_dc_pd":
+            return {"P": (self.n_p, "a"), "MD": (self.n_md, "b")}
+        if self.mode == "pdd":
+            return {"P": (self.n_p, "a"), "RLD": (self.n_rld, "a"), "MD": (self.n_md, "b")}
+        raise ValueError(f"unknown mode {self.mode!r}")
+
+    def cross_dc(self) -> bool:
+        return self.mode in ("cross_dc_pd", "pdd")
+
+    def gpus(self) -> dict[str, int]:
+        g = self.model_profile().gpus_per_instance
+        out = {"a": 0, "b": 0}
+        for _, (n, side) in self.tiers().items():
+            out[side] += n * g
+        return out
+
+    def cost_per_hour(self) -> float:
+        g = self.gpus()
+        c = g["a"] * self.chip("a").usd_per_hour + g["b"] * self.chip("b").usd_per_hour
+        return c + (self.wan_usd_per_hour if self.cross_dc() else 0.0)
+
+    def describe(self) -> str:
+        t = self.tiers()
+        parts = [f"{n}{r}" for r, (n, _) in t.items()]
+        return f"{self.mode}[{'+'.join(parts)}]"
