@@ -279,11 +279,18 @@ class VllmServer:
                 except ProcessLookupError:
                     pass
                 p.wait()
-        # the engine core may outlive its parent for a moment: nothing of the group may stay
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # the engine core may outlive its parent for a moment: nothing of the group may stay.
+        # A killed child is gone from the group only once it is reaped (by init, asynchronously),
+        # so wait for that, bounded, instead of returning while the group still answers.
+        deadline = time.monotonic() + max(self.stop_grace_s, 10.0)
+        while True:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
 
     def stats(self) -> dict:
         return {"engine": "vllm", "version": self.version}
