@@ -167,7 +167,8 @@ def _fault_cell_once(fault, phase, topo, inj, reference) -> str:
         else:
             rec = inj.kill(role, rid)
             killed = rec.target
-        assert client.wait(60), f"stream hung ({len(client.tokens)} tokens so far)"
+        assert client.wait(60), (f"stream hung ({len(client.tokens)} tokens so far): {rec}, gateway "
+                                 f"{inj.live_requests().get(rid)}")
         elapsed = time.monotonic() - t0
         outcome = {"phase": rec.phase, "phase_after": rec.phase_after, "target": rec.target, "s": round(elapsed, 2),
                    "tries": tries}

@@ -164,20 +164,36 @@ def test_pick_functions_pure():
 
 
 async def test_cancel_midway_exact_accounting():
+    # The cancel lands at a controlled point: the page reader for the third chunk (pages 8..11)
+    # holds until the test has cancelled, so exactly two chunks (8 pages) went out, whatever the load.
     sink = Sink()
     sink.expect = 2
     recv, server, peer = await pair(sink)
     try:
         blob = pages_of(9, 400)
-        snd = KVSender(peer, chunk_pages=4, rate_gbps=0.05)  # 50 Mbit/s: 400 kB would take ~64 ms
-        t = snd.submit("big", 0, reader_for(blob), 400, PB)
-        await asyncio.sleep(0.02)
+        plain = reader_for(blob)
+        at_third_chunk = asyncio.Event()
+        release = asyncio.Event()
+        reads = []
+
+        async def gated(i, n):
+            reads.append((i, n))
+            if i == 8:
+                at_third_chunk.set()
+                await release.wait()
+            return plain(i, n)
+
+        snd = KVSender(peer, chunk_pages=4)
+        t = snd.submit("big", 0, gated, 400, PB)
+        await asyncio.wait_for(at_third_chunk.wait(), 5)
+        assert t.bytes_sent == 8 * PB and t.pages_sent == 8
         assert t.cancel() is True
         assert t.cancel() is False
+        release.set()
         res = await asyncio.wait_for(t, 5)
         assert res.cancelled and t.cancelled
-        assert 0 < res.bytes_sent < 400 * PB and res.bytes_sent % (4 * PB) == 0
-        assert res.bytes_sent == t.bytes_sent == res.pages_sent * PB
+        assert res.bytes_sent == t.bytes_sent == 8 * PB and res.pages_sent == 8
+        assert reads == [(0, 4), (4, 4), (8, 4)]  # the chunk read when the cancel came is not sent
         # the sender goes on with other transfers afterwards
         t2 = snd.submit("after", 0, reader_for(blob), 8, PB)
         await asyncio.wait_for(t2, 5)
