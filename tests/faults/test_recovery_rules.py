@@ -8,7 +8,9 @@ import pytest
 
 from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator, ReqState
+from pdd.gateway.phase import IllegalTransition, Phase
 from pdd.topology import layout
+from pdd.gateway.state import TokenOut
 from pdd.types import Pipeline, SamplingParams
 from tests.gateway.fake_peer import FakePeer
 
@@ -26,9 +28,16 @@ def relayed(o: Orchestrator, **kw) -> ReqState:
     st = ReqState("r1", 40, SamplingParams(max_tokens=16), trid="r1", prompt_ids=[5] * 40)
     st.pipeline = Pipeline.P_RLD_MD
     st.names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"}
-    st.events["prefilled"] = 1.0
+    st.to(Phase.PREFILL)
+    o._prefilled(st)
     for k, v in kw.items():
         setattr(st, k, v)
+    if st.kv_ready:  # the phase moves the set-up's events would have made
+        st.to(Phase.RLD_DECODE)
+    if st.md_start is not None:
+        st.to(Phase.HANDOFF)
+    if st.switch_pos is not None:
+        st.to(Phase.MD_DECODE)
     o.reqs[st.trid] = st
     return st
 
@@ -43,18 +52,64 @@ async def settle():
         await asyncio.sleep(0)
 
 
-async def test_phases(orch):
+class HandoffPeer(FakePeer):
+    """An RLD that answers every call with ``rep`` (a handoff reply)."""
+
+    def __init__(self, rep: dict):
+        super().__init__()
+        self.rep = rep
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        return dict(self.rep), b""
+
+
+async def test_phases_move_with_the_request_s_events(orch):
+    """A relayed request's held phase: transfer until MD's kv_ready, rld_decode until the
+    handoff's first call, handoff until MD's first token streams, md_decode; a lost instance
+    then makes it recover (a new attempt starts at prefill). Each move is recorded in order."""
+    orch.peers["rld0"] = HandoffPeer({"token_ids": [100, 101, 102], "mode": "one_shot", "final": True})
     st = relayed(orch)
     assert orch.phase(st) == "transfer"
-    st.kv_ready = True
-    assert orch.phase(st) == "rld_decode"
-    st.events["handoff_call"] = 2.0
-    assert orch.phase(st) == "handoff"
-    st.switch_pos = 5
+    stream_to(st, 3)
+    assert orch.phase(st) == "transfer"  # RLD decodes while MD's KV crosses
+    await orch.on_kv_ready(orch.peers["md0"], {"rid": "r1"}, b"")
+    assert orch.phase(st) == "rld_decode"  # the handoff task starts next
+    await settle()
+    assert orch.phase(st) == "handoff" and st.md_start == 3
+    toks = orch._next_tokens(st, TokenOut(3, 7, "md", None))
+    assert [t.pos for t in toks] == [3] and orch.phase(st) == "md_decode" and st.switch_pos == 3
+    assert orch.requests_view()["r1"]["phase"] == "md_decode"
+    orch._instance_lost(st, "md0", "gone")
+    orch._new_attempt(st, st.error)
+    assert orch.phase(st) == "recovery" and st.recoveries[-1]["phase"] == "md_decode"
+    assert [p.value for p, _ in st.life.history] == ["queued", "prefill", "transfer", "rld_decode", "handoff",
+                                                     "md_decode", "recovery"]
+    ts = [t for _, t in st.life.history]
+    assert ts == sorted(ts)
+
+
+async def test_p_md_request_decodes_at_its_first_token_and_ends_done(orch):
+    st = relayed(orch)
+    st.pipeline = Pipeline.P_MD
+    assert [t.pos for t in orch._next_tokens(st, TokenOut(0, 9, "md", None))] == [0]
     assert orch.phase(st) == "md_decode"
-    del st.events["prefilled"]
-    st.switch_pos = None
-    assert orch.phase(st) == "prefill"
+    await orch.abort(st, "client_disconnect")
+    assert orch.phase(st) == "done"
+    assert not st.to(Phase.TRANSFER)  # a finished request's phase never moves (late events)
+    assert orch.phase(st) == "done"
+
+
+def test_an_illegal_transition_raises_under_tests_and_is_logged_otherwise(monkeypatch, caplog):
+    from pdd.gateway import phase
+
+    st = ReqState("r9", 4, SamplingParams(max_tokens=2))
+    with pytest.raises(IllegalTransition, match="r9: illegal phase transition queued -> md_decode"):
+        st.to(Phase.MD_DECODE)
+    monkeypatch.setattr(phase, "STRICT", False)
+    assert not st.to(Phase.HANDOFF, "no prefill yet")
+    assert st.phase is Phase.QUEUED and [p for p, _ in st.life.history] == [Phase.QUEUED]
+    assert "illegal phase transition queued -> handoff (no prefill yet)" in caplog.text
 
 
 async def test_p_lost_before_rld_has_kv_recovers(orch):
@@ -164,6 +219,7 @@ async def test_md_reservation_failing_after_rld_finished_still_frees_p(orch):
     st = relayed(orch)
     stream_to(st, 16)
     st.finished = True
+    st.to(Phase.DONE)
     reserve = asyncio.get_running_loop().create_future()
     reserve.set_exception(ConnectionError("connection to md0 lost: no sign of life (heartbeat)"))
     await orch._md_leg(st, st.trid, reserve, orch.peers["p0"])

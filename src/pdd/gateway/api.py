@@ -641,7 +641,9 @@ def _pdd_summary(st: ReqState) -> dict[str, Any]:
             "handoff_mode": st.handoff_mode, "handoff_rounds": st.handoff_rounds,
             "handoff_tokens": st.handoff_tokens, "cut_off": st.cut_off, "md_diverged": st.md_diverged,
             "extend_extra_step_ms": st.extend_extra_step_ms, "decisions": st.decisions,
-            "events_ms": {k: round((v - st.t_arrival) * 1000, 2) for k, v in st.events.items()}}
+            "events_ms": {k: round((v - st.t_arrival) * 1000, 2) for k, v in st.events.items()},
+            # the held phase's moves, in order: [[phase, ms since arrival], ...] (pdd.gateway.phase)
+            "phases_ms": [[ph.value, round((t - st.t_arrival) * 1000, 2)] for ph, t in st.life.history]}
 
 
 def _data(obj) -> str:

@@ -51,6 +51,7 @@ from pdd.transfer.kv import prompt_kv_bytes
 from pdd.gateway import recovery
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.admission import refusal
+from pdd.gateway.phase import Phase
 from pdd.gateway.prefix_index import PrefixIndex
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
@@ -330,6 +331,8 @@ class Orchestrator(Recovery):
             return None
         st.kv_ready = True
         st.events["md_kv_ready"] = time.perf_counter()
+        if self._relayed_live(st) and st.phase is Phase.TRANSFER:
+            st.to(Phase.RLD_DECODE, "MD has the KV")
         if not st.handoff_started:
             asyncio.get_running_loop().create_task(self._handoff(st))
         return None
@@ -472,6 +475,8 @@ class Orchestrator(Recovery):
                 rep = {"finished": True}
             else:
                 st.events["handoff_call"] = time.perf_counter()
+                if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
+                    st.to(Phase.HANDOFF, "RLD asked for its ids")
                 rep, _ = await rld.call({"t": "handoff", "rid": st.trid, "sent": sent, "round": rounds}, timeout=t)
             if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
                 st.rld_finished_first = True
@@ -541,6 +546,7 @@ class Orchestrator(Recovery):
         waited = 0.0
         while True:
             try:
+                st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
                 await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
                 break
             except Exception as e:
@@ -562,7 +568,8 @@ class Orchestrator(Recovery):
 
     async def _launch(self, st: ReqState, prompt: list[int], sp: SamplingParams | None = None,
                       force_relay: bool = False) -> None:
-        """Start ``st``'s current attempt on ``prompt`` (returns once P sampled its first token).
+        """Start ``st``'s current attempt on ``prompt`` (returns once P sampled its first token);
+        the caller moved ``st`` to the prefill phase.
 
         ``force_relay`` (recovery): plan P->RLD->MD whatever the TTFT budget, so a WAN fault
         cannot stall the recovered request. With no MD reachable, plans P->RLD (degraded); with no
@@ -577,6 +584,7 @@ class Orchestrator(Recovery):
             self._assign(st)
             _, c = self._peer(st, ROLE_COLOCATED)
             rep, _ = await c.call({"t": "generate", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            st.to(Phase.DECODE, "first token sampled")
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
         rld_specs = self.layout.by_role(ROLE_RELAY)
@@ -604,7 +612,7 @@ class Orchestrator(Recovery):
             st.events["rld_expect"] = time.perf_counter()
             rep, _ = await p.call({"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
                                    "targets": [{"name": rld_name, "first_page": 0, "relay": False}]}, timeout=t)
-            st.events["prefilled"] = time.perf_counter()
+            self._prefilled(st)
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
 
@@ -689,7 +697,7 @@ class Orchestrator(Recovery):
                     # MD send's are booked before any reply) will never be sent nor reported
                     self._unplan_wan(st.trid)
                 raise
-            st.events["prefilled"] = time.perf_counter()
+            self._prefilled(st)
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
         # P starts prefilling now, its targets deferred: which pipeline (and so which targets)
@@ -758,7 +766,7 @@ class Orchestrator(Recovery):
         except BaseException:
             _give_up(p_call, expect)
             raise
-        st.events["prefilled"] = time.perf_counter()
+        self._prefilled(st)
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
     def _sibling_md(self, st: ReqState) -> tuple[str, str, Pipeline] | None:
@@ -948,13 +956,30 @@ class Orchestrator(Recovery):
             else:
                 return out
             st.next_pos += 1
+            if st.next_pos == st.base + 1:
+                self._first_streamed(st)
             st.emitted.append(t.token_id)
             out.append(t)
             if t.fin is not None:
                 return out
 
+    @staticmethod
+    def _prefilled(st: ReqState) -> None:
+        """P's prefill returned (its first token sampled): the KV is on its way to the decoder."""
+        st.events["prefilled"] = time.perf_counter()
+        st.to(Phase.TRANSFER, "prefilled")
+
+    def _first_streamed(self, st: ReqState) -> None:
+        """The attempt's first token was streamed: a decoder that finishes the request without a
+        handoff (MD of P->MD, RLD of P->RLD or of a relayed request whose MD leg was lost) decodes."""
+        if st.phase is Phase.TRANSFER and not self._relayed_live(st):
+            relay = st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD)
+            st.to(Phase.RLD_DECODE if relay else Phase.MD_DECODE, "first token streamed")
+
     def _switch(self, st: ReqState, pos: int) -> None:
         st.switch_pos = pos
+        if not st.md_lost:
+            st.to(Phase.MD_DECODE, "MD's stream is live")
         st.handoff_pos = pos
         st.pending.clear()
         st.events["switch"] = time.perf_counter()
@@ -1021,6 +1046,7 @@ class Orchestrator(Recovery):
                     st.last_token_s = now
                     if t.fin is not None:
                         st.finished = True
+                        st.to(Phase.DONE, f"finished ({t.fin})")
                     yield t
             # (a finished loop after an abort elsewhere was counted by that abort: no-op then)
             if self._count_outcome(st, "completed") and st.degraded:  # ended on RLD: no MD was usable
@@ -1114,6 +1140,7 @@ class Orchestrator(Recovery):
             st.abort_reason = reason
         self._count_outcome(st, ABORT_OUTCOMES[reason])
         st.finished = st.aborted = True
+        st.to(Phase.DONE, f"aborted ({reason})")
         self.reqs.pop(st.trid, None)
         await self._abort_everywhere(st.trid)
 

@@ -6,7 +6,8 @@ longer needed is ignored; MD's leg of a relayed request before the handoff is dr
 finishes (degraded); RLD lost after MD has the KV: MD takes over from the streamed ids;
 otherwise a new attempt (tier rid ``<rid>.<n>``) prefills the prompt plus every token already
 streamed on live instances, always through a relay, and the stream continues at the next
-position. Also the request phases fault injection reads (:meth:`Recovery.phase`). It uses the
+position. Also the request phases fault injection reads (:meth:`Recovery.phase`: the phase held
+on the request, :mod:`pdd.gateway.phase`). It uses the
 orchestrator's connections, tables and ``_launch`` through ``self``.
 """
 
@@ -17,6 +18,7 @@ import logging
 import time
 
 from pdd.gateway.admission import refusal
+from pdd.gateway.phase import Phase
 from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState, extend_message
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer import rpc
@@ -33,32 +35,18 @@ class Recovery:
     attempts, MD takeover, aborts on every tier."""
 
     def phase(self, st: ReqState) -> str:
-        """The phase of ``st``'s current attempt: one of :data:`PHASES`, or "done".
+        """The held phase of ``st`` (:class:`pdd.gateway.phase.Phase`) as its string, e.g.
+        "transfer"; "done" once finished."""
+        return st.phase.value
 
-        prefill: P's prefill call has not returned. transfer: KV still on its way to the decoder
-        that will finish the request (MD's WAN transfer of a relayed request, RLD decoding
-        meanwhile). rld_decode: MD holds the KV, the handoff has not begun. handoff: RLD was asked
-        for its ids, MD's stream is not live yet. md_decode: the client streams from MD.
-        """
-        if st.finished:
-            return "done"
-        ev = st.events
-        if "prefilled" not in ev:
-            return "prefill"
-        if st.pipeline == Pipeline.P_RLD_MD and not st.md_lost:
-            if st.switch_pos is not None:
-                return "md_decode"
-            if "handoff_call" in ev or st.takeover:
-                return "handoff"
-            return "rld_decode" if st.kv_ready else "transfer"
-        started = st.next_pos > st.base
-        if st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD):
-            return "rld_decode" if started else "transfer"
-        return "md_decode" if started else "transfer"
+    @staticmethod
+    def _relayed_live(st: ReqState) -> bool:
+        """A P->RLD->MD request whose MD leg is still on (MD is to finish it)."""
+        return st.pipeline == Pipeline.P_RLD_MD and not st.md_lost
 
     def requests_view(self) -> dict:
         """Live requests for fault injection and debugging: rid -> phase, pipeline, attempt, ..."""
-        return {st.rid: {"trid": st.trid, "phase": self.phase(st), "pipeline": st.pipeline.value,
+        return {st.rid: {"trid": st.trid, "phase": st.phase.value, "pipeline": st.pipeline.value,
                          "attempt": st.attempt, "next_pos": st.next_pos, "names": dict(st.names),
                          "kv_ready": st.kv_ready, "md_lost": st.md_lost, "degraded": st.degraded,
                          "recoveries": list(st.recoveries)}
@@ -71,8 +59,9 @@ class Recovery:
         ``st.recoveries`` or ``totals["recovered"]``."""
         old = st.trid
         if counted:
-            st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": self.phase(st),
+            st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": st.phase.value,
                                   "pos": st.next_pos, "pipeline": st.pipeline.value, "names": dict(st.names)})
+        st.to(Phase.RECOVERY, reason)
         self.reqs.pop(old, None)
         if old in self.planned_wan:  # P still reports the old attempt's transfer (xfer_done) ...
             self.superseded_wan[old] = (self.planned_wan.pop(old), self.planned_src.pop(old, ""))
@@ -116,12 +105,13 @@ class Recovery:
         if st.finished or st.attempt >= self.cfg.liveness.recovery_attempts:
             return False
         log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.error, st.next_pos,
-                    self.phase(st))
+                    st.phase.value)
         self._new_attempt(st, st.error or "instance lost")
         waited = 0.0
         while True:
             prompt, sp = self._attempt_prompt(st)
             try:
+                st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
                 await self._launch(st, prompt, sp, force_relay=True)
                 return True
             except Exception as e:
@@ -198,6 +188,9 @@ class Recovery:
         finished = st.finished  # ended at the client (on RLD) before MD's leg settled
         st.md_lost = True
         st.md_pending.clear()
+        if st.pipeline == Pipeline.P_RLD_MD and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE, Phase.HANDOFF):
+            # RLD finishes: it decodes (or waits for its first token)
+            st.to(Phase.RLD_DECODE if st.next_pos > st.base else Phase.TRANSFER, "MD leg lost")
         if finished:
             pass  # nothing to degrade or count, but P may still wait for MD's part of the plan
         elif degraded:
@@ -239,6 +232,8 @@ class Recovery:
         if st.takeover or st.md_start is not None or st.finished:
             return
         st.takeover = True
+        if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
+            st.to(Phase.HANDOFF, "MD takes over")
         md_name, md = self._peer(st, ROLE_MAIN)
         ids = st.emitted[st.base:]
         st.md_start = st.next_pos

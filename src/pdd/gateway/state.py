@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from pdd.gateway.phase import INJECTABLE, Phase, PhaseLog
 from pdd.types import Pipeline, SamplingParams
 
 
@@ -52,7 +53,8 @@ ABORT_OUTCOMES = {ABORT_STOP: "completed", ABORT_CLIENT: "cancelled", ABORT_FAIL
                   ABORT_REJECTED: "rejected"}
 OUTCOMES = ("completed", "failed", "cancelled", "rejected")
 
-PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
+# the phases a fault can be injected in (pdd.faults; the held phase is ReqState.phase)
+PHASES = tuple(p.value for p in INJECTABLE)
 # per-attempt events, renamed "<name>@<attempt>" when a request is recovered
 ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "p_first_token", "prefilled", "md_kv_ready", "handoff_call", "handoff",
                   "handoff_rld_ms", "switch")
@@ -128,3 +130,14 @@ class ReqState:
     # its KV is there (pdd.policy.siblings), and then ships only the prompt's partial last page
     sibling_of: "ReqState | None" = None
     siblings: int = 0  # choices of the prompt besides the first
+    life: PhaseLog = field(default_factory=PhaseLog)  # the held phase and its history (pdd.gateway.phase)
+
+    @property
+    def phase(self) -> Phase:
+        """The request's held phase (moved only by :meth:`to`)."""
+        return self.life.phase
+
+    def to(self, phase: Phase, why: str = "") -> bool:
+        """Move the request to ``phase`` (:meth:`pdd.gateway.phase.PhaseLog.to`: checked against
+        the table of legal moves, recorded with its time); True if it moved."""
+        return self.life.to(phase, self.rid, why)
