@@ -11,6 +11,7 @@ from pdd.gateway.orchestrator import Orchestrator, ReqState
 from pdd.gateway.phase import IllegalTransition, Phase
 from pdd.topology import layout
 from pdd.gateway.state import TokenOut
+from pdd.transfer.messages import KvReady, Tok, XferDone
 from pdd.types import Pipeline, SamplingParams
 from tests.gateway.fake_peer import FakePeer
 
@@ -73,7 +74,7 @@ async def test_phases_move_with_the_request_s_events(orch):
     assert orch.phase(st) == "transfer"
     stream_to(st, 3)
     assert orch.phase(st) == "transfer"  # RLD decodes while MD's KV crosses
-    await orch.on_kv_ready(orch.peers["md0"], {"rid": "r1"}, b"")
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
     assert orch.phase(st) == "rld_decode"  # the handoff task starts next
     await settle()
     assert orch.phase(st) == "handoff" and st.md_start == 3
@@ -197,8 +198,8 @@ async def test_md_lost_while_streaming_recovers_and_new_attempt_continues_at_nex
     assert prompt == [5] * 40 + list(range(100, 109)) and sp.max_tokens == 16 - 9
     assert sp.output_offset == 9  # draws, min_tokens, penalties count the streamed 9 as outputs
     # the new attempt's token 0 is the request's position 9; a stale token of the old rid is ignored
-    await orch.on_tok(None, {"rid": "r1", "pos": 9, "id": 7, "tier": "md"}, b"")
-    await orch.on_tok(None, {"rid": "r1.1", "pos": 0, "id": 42, "tier": "rld"}, b"")
+    await orch.on_tok(None, Tok("r1", 9, 7, None, "md").wire(), b"")
+    await orch.on_tok(None, Tok("r1.1", 0, 42, None, "rld").wire(), b"")
     tok = st.queue.get_nowait()
     assert (tok.pos, tok.token_id) == (9, 42) and st.queue.empty()
     assert [t.pos for t in orch._next_tokens(st, tok)] == [9]
@@ -362,7 +363,7 @@ async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch
     monkeypatch.setattr(orch, "_launch", launch)
     st.error = "instance md0 is unreachable"
     assert await orch._recover(st)  # the old attempt r1 is replaced by r1.1; P still reports r1
-    await orch.on_xfer_done(None, {"rid": "r1", "bytes": {"md0": 1500}, "unsent": {"md0": 2500},
+    await orch.on_xfer_done(None, {"t": "xfer_done", "rid": "r1", "bytes": {"md0": 1500}, "unsent": {"md0": 2500},
                                    "errors": {"md0": "connection lost"}}, b"")
     t = orch.totals
     assert (t["wan_bytes_sent"], t["wan_bytes_expected"], t["wan_bytes_cancelled"]) == (1500, 1500, 2500)
@@ -449,5 +450,5 @@ async def test_a_reservation_returning_after_its_p_died_is_booked_unreported(orc
     # the live connection books it as planned, to be reported by P's xfer_done
     orch._reserved(st2, "md0", rep)
     assert orch.planned_wan == {"r2": 4000} and t["wan_bytes_expected"] == 4000
-    await orch.on_xfer_done(None, {"rid": "r2", "bytes": {"md0": 4000}}, b"")
+    await orch.on_xfer_done(None, XferDone("r2", {"md0": 4000}, {}, {}).wire(), b"")
     assert t["wan_bytes_sent"] == t["wan_bytes_expected"] == 4000

@@ -48,6 +48,8 @@ from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.transfer.kv import prompt_kv_bytes
+from pdd.transfer.messages import (OMIT, Abort, Cancel, Drop, Expect, Finish, Flush, Generate, Handoff, KvReady, Peek,
+                                   Prefill, ReqError, Reserve, Stats, Target, Tok, Toks, WanSample, XferDone)
 from pdd.gateway import recovery
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.admission import refusal
@@ -243,7 +245,7 @@ class Orchestrator(Recovery):
         if policy == "cache_aware" and role != ROLE_RELAY:
             index = role == ROLE_MAIN and not self.cfg.policy.md_route_peek
             ask = [sp for sp in live if not (index and sp.name in self.prefix_index)]
-            reps = await asyncio.gather(*(self.peers[sp.name].call({"t": "peek", "prompt_ids": prompt}, timeout=10)
+            reps = await asyncio.gather(*(self.peers[sp.name].call(Peek(prompt).wire(), timeout=10)
                                           for sp in ask), return_exceptions=True)
             peeked = {sp.name: (int(r[0].get("hit_tokens", 0)) if not isinstance(r, BaseException) else -1)
                       for sp, r in zip(ask, reps)}
@@ -295,39 +297,43 @@ class Orchestrator(Recovery):
 
     # ------------------------------------------------------------------ inbound
     async def on_tok(self, peer, h, payload):
-        st = self.reqs.get(h["rid"])
-        if st is None:
-            return None  # finished, or an attempt given up on (a recovered request's old rid)
-        # an attempt's positions count from its own first output (base: tokens streamed before it)
-        st.queue.put_nowait(TokenOut(int(h["pos"]) + st.base, int(h["id"]), h.get("tier", "?"), h.get("fin"),
-                                     h.get("lp")))
+        self._tok(Tok.decode(h))
         return None
+
+    def _tok(self, m: Tok) -> None:
+        st = self.reqs.get(m.rid)
+        if st is None:
+            return  # finished, or an attempt given up on (a recovered request's old rid)
+        # an attempt's positions count from its own first output (base: tokens streamed before it)
+        st.queue.put_nowait(TokenOut(m.pos + st.base, m.id, m.tier, m.fin, None if m.lp is OMIT else m.lp))
 
     async def on_toks(self, peer, h, payload):
         """Several ``tok`` messages in one frame (one engine step's tokens), in order."""
-        for m in h.get("msgs", ()):
-            await self.on_tok(peer, m, b"")
+        for m in Toks.decode(h).tok_messages():
+            self._tok(m)
         return None
 
     async def on_req_error(self, peer, h, payload):
-        st = self.reqs.get(h["rid"])
+        m = ReqError.decode(h)
+        st = self.reqs.get(m.rid)
         if st is not None:
-            st.error = str(h.get("error", "engine error"))
+            st.error = m.error
             st.queue.put_nowait(None)
         return None
 
     async def on_kv_ready(self, peer, h, payload):
-        self.awaiting_kv.pop(h["rid"], None)
-        st = self.reqs.get(h["rid"])
+        rid = KvReady.decode(h).rid
+        self.awaiting_kv.pop(rid, None)
+        st = self.reqs.get(rid)
         md = peer  # the MD that has the KV
         if st is not None and st.md_lost:  # given up on MD's leg meanwhile: keep the prompt, free the rest
-            await md.send({"t": "finish", "rid": h["rid"]})
+            await md.send(Finish(rid).wire())
             return None
         if st is None or st.finished:
             if st is not None:
                 st.rld_finished_first = True
             self.totals["rld_finished_first"] += 1
-            await md.send({"t": "finish", "rid": h["rid"]})
+            await md.send(Finish(rid).wire())
             return None
         st.kv_ready = True
         st.events["md_kv_ready"] = time.perf_counter()
@@ -338,30 +344,31 @@ class Orchestrator(Recovery):
         return None
 
     async def on_xfer_done(self, peer, h, payload):
-        st = self.reqs.get(h["rid"])
-        wan = sum(v for k, v in h.get("bytes", {}).items() if self._in_b(k))
+        m = XferDone.decode(h)
+        st = self.reqs.get(m.rid)
+        wan = sum(v for k, v in m.bytes.items() if self._in_b(k))
         # bytes of pages whose sending was cancelled (cut-off): expected = planned - cancelled
-        planned = self.planned_wan.pop(h["rid"], None)
-        self.planned_src.pop(h["rid"], None)
+        planned = self.planned_wan.pop(m.rid, None)
+        self.planned_src.pop(m.rid, None)
         if planned is None:  # an attempt that recovery replaced
-            planned = self.superseded_wan.pop(h["rid"], (0, ""))[0]
-        unsent = sum(planned if v < 0 else v for k, v in h.get("unsent", {}).items() if self._in_b(k))
+            planned = self.superseded_wan.pop(m.rid, (0, ""))[0]
+        unsent = sum(planned if v < 0 else v for k, v in m.unsent.items() if self._in_b(k))
         if unsent:
             self.totals["wan_bytes_cancelled"] += unsent
             self.totals["wan_bytes_expected"] -= unsent
         self.totals["wan_bytes_sent"] += wan
-        if h["rid"] in self.awaiting_kv and (h.get("errors") or {}).get(self.awaiting_kv[h["rid"]][1]):
-            self._kv_source_lost(h["rid"])  # MD's KV stream failed after the request ended
+        if m.rid in self.awaiting_kv and m.errors.get(self.awaiting_kv[m.rid][1]):
+            self._kv_source_lost(m.rid)  # MD's KV stream failed after the request ended
         if st is not None:
             st.wan_bytes = wan
             md_name = st.names.get(ROLE_MAIN)
-            if (st.trid == h["rid"] and md_name is not None and md_name in (h.get("bytes") or {})
-                    and not (h.get("errors") or {}).get(md_name) and not (h.get("unsent") or {}).get(md_name)):
+            if (st.trid == m.rid and md_name is not None and md_name in m.bytes
+                    and not m.errors.get(md_name) and not m.unsent.get(md_name)):
                 st.kv_sent = True
                 if (self.cfg.policy.early_handoff and st.pipeline == Pipeline.P_RLD_MD and self._in_b(md_name)
                         and not (st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started)):
                     self._spawn(self._handoff_at_landing(st))
-            for name, err in (h.get("errors") or {}).items():
+            for name, err in m.errors.items():
                 # a KV stream failed (target dead or silent, stalled, refused at the handshake, a
                 # frame that failed its MAC closed the fast path): that leg is lost, recover now
                 # instead of waiting for the request timeout
@@ -379,7 +386,7 @@ class Orchestrator(Recovery):
         """MD's receive rate of one request's KV (first frame to last), Gbit/s: the live WAN
         estimate the pipeline policy reads (policy.wan_estimate). Sender-side timings would measure socket
         buffers, not the line."""
-        self.wan_gbps_live = self.wan_estimate.add(float(h["gbps"]))
+        self.wan_gbps_live = self.wan_estimate.add(float(WanSample.decode(h).gbps))
         return None
 
     def _remaining_wan_s(self, st: ReqState) -> float:
@@ -396,7 +403,7 @@ class Orchestrator(Recovery):
         _, p = self._peer(st, ROLE_PREFILL)
         st.cut_off = True
         self.totals["cut_offs"] += 1
-        for peer, msg in ((p, {"t": "cancel", "rid": st.trid, "name": md_name}), (md, {"t": "drop", "rid": st.trid})):
+        for peer, msg in ((p, Cancel(st.trid, md_name).wire()), (md, Drop(st.trid).wire())):
             try:
                 await peer.send(msg)
             except Exception as e:  # that tier is gone: its state died with it
@@ -477,11 +484,11 @@ class Orchestrator(Recovery):
                 st.events["handoff_call"] = time.perf_counter()
                 if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
                     st.to(Phase.HANDOFF, "RLD asked for its ids")
-                rep, _ = await rld.call({"t": "handoff", "rid": st.trid, "sent": sent, "round": rounds}, timeout=t)
+                rep, _ = await rld.call(Handoff(st.trid, sent, rounds).wire(), timeout=t)
             if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
                 st.rld_finished_first = True
                 self.totals["rld_finished_first"] += 1
-                await md.send({"t": "finish", "rid": st.trid})
+                await md.send(Finish(st.trid).wire())
                 return
             ids = rep["token_ids"]
             rounds += 1
@@ -583,7 +590,7 @@ class Orchestrator(Recovery):
             st.names[ROLE_COLOCATED] = await self._route(ROLE_COLOCATED, prompt)
             self._assign(st)
             _, c = self._peer(st, ROLE_COLOCATED)
-            rep, _ = await c.call({"t": "generate", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            rep, _ = await c.call(Generate(st.trid, prompt, sampling).wire(), timeout=t)
             st.to(Phase.DECODE, "first token sampled")
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
@@ -608,10 +615,10 @@ class Orchestrator(Recovery):
             st.degraded = True
             self._assign(st, ROLE_PREFILL, ROLE_RELAY)
             rld_name, rld = self._peer(st, ROLE_RELAY)
-            await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+            await rld.call(Expect(st.trid, prompt, sampling).wire(), timeout=t)
             st.events["rld_expect"] = time.perf_counter()
-            rep, _ = await p.call({"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
-                                   "targets": [{"name": rld_name, "first_page": 0, "relay": False}]}, timeout=t)
+            rep, _ = await p.call(Prefill(st.trid, prompt, sampling,
+                                          [{"name": rld_name, "first_page": 0, "relay": False}]).wire(), timeout=t)
             self._prefilled(st)
             st.p_cached_tokens = int(rep["p_cached_tokens"])
             return
@@ -627,11 +634,11 @@ class Orchestrator(Recovery):
         st.md_predicted_pages, st.md_predicted_bytes, st.md_fill_slot = None, 0, False  # this attempt's own
 
         async def route_and_reserve():
-            msg = {"t": "reserve", "rid": trid, "prompt_ids": prompt, "sampling": sampling}
+            msg = Reserve(trid, prompt, sampling)
             held = None
             if sib is not None:  # the first choice's MD, once the prompt's KV is there
                 md_name_ = sib[0]
-                msg["after"] = sib[1]
+                msg.after = sib[1]
             else:  # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
                 md_name_, held = await self._route_hit(ROLE_MAIN, prompt)
             if st.trid != trid:
@@ -639,15 +646,14 @@ class Orchestrator(Recovery):
             names[ROLE_MAIN] = md_name_
             self._assign(st, ROLE_MAIN)
             if not (predicted and held is not None):
-                rep_, _ = await self.peers[md_name_].call(msg, timeout=t)
+                rep_, _ = await self.peers[md_name_].call(msg.wire(), timeout=t)
                 return md_name_, rep_
             pred = held // self.cfg.engine.page_size
-            msg["first_page"] = pred
-            call = asyncio.ensure_future(self.peers[md_name_].call(msg, timeout=t))
+            msg.first_page = pred
+            call = asyncio.ensure_future(self.peers[md_name_].call(msg.wire(), timeout=t))
             try:
                 self._book_predicted(st, pred, p)
-                await p.send({"t": "target", "rid": trid, "slot": "md", "name": md_name_, "first_page": pred,
-                              "relay": True})
+                await p.send(Target(trid, "md", md_name_, first_page=pred, relay=True).wire())
             except BaseException:
                 _give_up(call)
                 raise
@@ -672,13 +678,12 @@ class Orchestrator(Recovery):
             st.md_fill_slot = predicted
             p_call = None
             try:
-                await rld.call({"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t)
+                await rld.call(Expect(st.trid, prompt, sampling).wire(), timeout=t)
                 st.events["rld_expect"] = time.perf_counter()
                 p_call = asyncio.ensure_future(p.call(
-                    {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling,
-                     "targets": [{"name": rld_name, "first_page": 0, "relay": False},
-                                 {"slot": "md", "deferred": True}]
-                     + ([{"slot": "md_fill", "deferred": True}] if predicted else [])}, timeout=t))
+                    Prefill(st.trid, prompt, sampling,
+                            [{"name": rld_name, "first_page": 0, "relay": False}, {"slot": "md", "deferred": True}]
+                            + ([{"slot": "md_fill", "deferred": True}] if predicted else [])).wire(), timeout=t))
                 md_leg = asyncio.ensure_future(self._md_leg(st, trid, reserve, p))
                 rep, _ = await p_call
                 if rep.get("fin") is not None:
@@ -712,12 +717,11 @@ class Orchestrator(Recovery):
                 # until RLD's target (which waits for this reply) reaches it
                 rld_name, rld = self._peer(st, ROLE_RELAY)
                 expect = asyncio.ensure_future(rld.call(
-                    {"t": "expect", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling}, timeout=t))
+                    Expect(st.trid, prompt, sampling).wire(), timeout=t))
                 expect.add_done_callback(self._event_when_done(st, "rld_expect"))
                 slots.insert(0, {"slot": "rld", "deferred": True})
             p_call = asyncio.ensure_future(p.call(
-                {"t": "prefill", "rid": st.trid, "prompt_ids": prompt, "sampling": sampling, "targets": slots},
-                timeout=t))
+                Prefill(st.trid, prompt, sampling, slots).wire(), timeout=t))
             p_call.add_done_callback(self._event_when_done(st, "p_first_token"))
             md_name, rep = await reserve
         except BaseException:
@@ -734,10 +738,8 @@ class Orchestrator(Recovery):
         st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
             Pipeline.P_MD if md_wan else Pipeline.P_D)
         relay = st.pipeline == Pipeline.P_RLD_MD
-        md_target = {"t": "target", "rid": st.trid, "slot": "md", "name": md_name, "first_page": md_first,
-                     "relay": relay}
-        rld_target = {"t": "target", "rid": st.trid, "slot": "rld", "name": rld_name, "first_page": 0,
-                      "relay": False}
+        md_target = Target(st.trid, "md", md_name, first_page=md_first, relay=relay).wire()
+        rld_target = Target(st.trid, "rld", rld_name, first_page=0, relay=False).wire()
         try:
             if relay:
                 await expect
@@ -747,8 +749,8 @@ class Orchestrator(Recovery):
                 # the excluded pipeline (--allow-p-rld ablation / degraded): MD never gets the KV
                 await expect
                 await p.send(rld_target)
-                await p.send({"t": "target", "rid": st.trid, "slot": "md", "name": md_name, "cancelled": True})
-                await md.send({"t": "drop", "rid": st.trid})
+                await p.send(Target(st.trid, "md", md_name, cancelled=True).wire())
+                await md.send(Drop(st.trid).wire())
                 if md_wan:
                     self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
                     self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
@@ -760,7 +762,7 @@ class Orchestrator(Recovery):
                 if relay_possible:
                     # planned P->MD: RLD's slot is never filled and RLD frees its reservation
                     # (MD learns it from kv_done)
-                    await p.send({"t": "target", "rid": st.trid, "slot": "rld", "cancelled": True})
+                    await p.send(Target(st.trid, "rld", cancelled=True).wire())
                     self._spawn(self._release_unused(rld, expect, st.trid))
             rep, _ = await p_call
         except BaseException:
@@ -828,7 +830,7 @@ class Orchestrator(Recovery):
         md = self.peers[md_name]
         if st.trid != trid or st.md_lost or st.aborted or st.cut_off:
             try:  # the attempt was given up (or cut off) meanwhile: free the reservation
-                await md.send({"t": "abort" if st.aborted else "drop", "rid": trid})
+                await md.send((Abort(trid) if st.aborted else Drop(trid)).wire())
             except Exception:
                 pass
             return
@@ -837,17 +839,15 @@ class Orchestrator(Recovery):
         if st.finished and not st.kv_ready:
             self._await_kv(st)
         md_first = int(rep["md_cached_pages"])
-        msgs = [] if pred is not None else [{"t": "target", "rid": trid, "slot": "md", "name": md_name,
-                                             "first_page": md_first, "relay": True}]
+        msgs = [] if pred is not None else [Target(trid, "md", md_name, first_page=md_first, relay=True)]
         if pred is not None and md_first < pred:  # MD lacks pages the prediction skipped: P fills them
             self.totals["md_predicted_fills"] += 1
-            msgs.append({"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "first_page": md_first,
-                         "last_page": pred, "relay": True})
+            msgs.append(Target(trid, "md_fill", md_name, first_page=md_first, last_page=pred, relay=True))
         elif st.md_fill_slot:  # P holds an md_fill slot: nothing to fill
-            msgs.append({"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "skip": True})
+            msgs.append(Target(trid, "md_fill", md_name, skip=True))
         try:
             for msg in msgs:
-                await p.send(msg)
+                await p.send(msg.wire())
         except Exception as e:
             self._instance_lost(st, st.names.get(ROLE_PREFILL, ""), f"P unreachable: {e}")
 
@@ -991,14 +991,14 @@ class Orchestrator(Recovery):
         self.totals["md_diverged"] = self.totals.get("md_diverged", 0) + 1
         log.warning("request %s: MD's token at %d differs from RLD's (near-tie); RLD finishes it", st.rid, pos)
         _, md = self._peer(st, ROLE_MAIN)
-        asyncio.get_running_loop().create_task(md.send({"t": "drop", "rid": st.trid}))
+        asyncio.get_running_loop().create_task(md.send(Drop(st.trid).wire()))
 
     async def _release_relay(self, st: ReqState) -> None:
         """MD's stream is live: stop RLD (catch-up kept it decoding until now)."""
         if st.handoff_mode == "catch_up":
             _, rld = self._peer(st, ROLE_RELAY)
             try:
-                await rld.call({"t": "abort", "rid": st.trid}, timeout=10)
+                await rld.call(Abort(st.trid).wire(), timeout=10)
             except Exception as e:
                 log.warning("stopping %s on RLD failed: %s", st.rid, e)
 
@@ -1102,8 +1102,8 @@ class Orchestrator(Recovery):
         _, rld = self._peer(st, ROLE_RELAY)
         try:
             if st.switch_pos is None:  # RLD finished it (MD keeps the prompt's KV)
-                await md.send({"t": "finish", "rid": st.trid})
-            await rld.send({"t": "abort", "rid": st.trid})
+                await md.send(Finish(st.trid).wire())
+            await rld.send(Abort(st.trid).wire())
         except Exception as e:
             log.warning("settling %s failed: %s", st.rid, e)
 
@@ -1150,7 +1150,7 @@ class Orchestrator(Recovery):
         inst = {}
         for name, peer in self.peers.items():
             try:
-                rep, _ = await peer.call({"t": "stats"}, timeout=10)
+                rep, _ = await peer.call(Stats().wire(), timeout=10)
                 inst[name] = {k: v for k, v in rep.items() if k not in ("t", "cid", "reply")}
             except Exception as e:
                 inst[name] = {"error": str(e)}
@@ -1197,7 +1197,7 @@ class Orchestrator(Recovery):
             inst: dict = {}
             for name, peer in self.peers.items():
                 try:
-                    rep, _ = await peer.call({"t": "flush"}, timeout=30)
+                    rep, _ = await peer.call(Flush().wire(), timeout=30)
                 except Exception as e:
                     inst[name] = {"error": f"{type(e).__name__}: {e}"}
                     continue

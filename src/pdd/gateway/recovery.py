@@ -22,6 +22,7 @@ from pdd.gateway.phase import Phase
 from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState, extend_message
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer import rpc
+from pdd.transfer.messages import Abort, Cancel, Drop, Target
 from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -209,14 +210,14 @@ class Recovery:
         # a predicted MD send gave P an md_fill slot that only MD's reservation reply resolves: the
         # reply may never come, and P's cancel below is lost if P has not admitted the request yet
         # (its prefill queued), so P would hold the request's pages until the request timeout
-        fill = ((p_name, {"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "cancelled": True}),) \
+        fill = ((p_name, Target(trid, "md_fill", md_name, cancelled=True).wire()),) \
             if st.md_fill_slot else ()
 
         async def tidy():
-            for name, msg in ((p_name, {"t": "target", "rid": trid, "slot": "md", "name": md_name, "cancelled": True}),
+            for name, msg in ((p_name, Target(trid, "md", md_name, cancelled=True).wire()),
                               *fill,
-                              (p_name, {"t": "cancel", "rid": trid, "name": md_name}),
-                              (md_name, {"t": "drop", "rid": trid})):
+                              (p_name, Cancel(trid, md_name).wire()),
+                              (md_name, Drop(trid).wire())):
                 peer = self.peers.get(name) if name else None
                 if peer is not None and not peer.closed:
                     try:
@@ -253,7 +254,7 @@ class Recovery:
     async def _abort_on(self, peer: rpc.Peer, trid: str) -> None:
         """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it already)."""
         try:
-            await peer.call({"t": "abort", "rid": trid}, timeout=10)
+            await peer.call(Abort(trid).wire(), timeout=10)
         except Exception as e:
             log.warning("abort %s on %s failed: %s", trid, peer, e)
 
@@ -261,4 +262,4 @@ class Recovery:
         _p, md_name = self.awaiting_kv.pop(trid, (None, None))
         peer = self.peers.get(md_name) if md_name else None
         if peer is not None and not peer.closed:
-            self._spawn(peer.send({"t": "drop", "rid": trid}))
+            self._spawn(peer.send(Drop(trid).wire()))

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdd.gateway.phase import INJECTABLE, Phase, PhaseLog
+from pdd.transfer.messages import Extend
 from pdd.types import Pipeline, SamplingParams
 
 
@@ -21,7 +22,7 @@ def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
     msgpack packs an id below 65,536 in 3 bytes, so 100 ids are ~300 bytes against
     100 x kv_bytes_per_token of KV (PDD report: "100 token IDs ~ 1.5 KB vs ~4649 KB of KV").
     """
-    return {"t": "extend", "rid": rid, "token_ids": [int(t) for t in token_ids], "final": bool(final)}
+    return Extend(rid, [int(t) for t in token_ids], bool(final)).wire()
 
 
 class RequestFailed(RuntimeError):

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
+from .messages import OMIT, Kv, KvCancel, KvDone
 from .pacing import Pacer
 from .rpc import Peer
 from .wire import payload_view
@@ -378,7 +379,7 @@ class KVSender:
     async def _finish_cancel(self, t: Transfer, error: Optional[BaseException] = None) -> None:
         try:
             await self.peer.send(
-                {"t": "kv_cancel", "rid": t.rid, "bytes": t.bytes_sent, "pages": t.pages_sent}, crc=self.crc
+                KvCancel(t.rid, t.bytes_sent, t.pages_sent).wire(), crc=self.crc
             )
         except ConnectionError:
             pass  # the receiver drops the request's state when the connection goes
@@ -392,9 +393,7 @@ class KVSender:
         self.peer._check_open()
 
     async def _finish_done(self, t: Transfer) -> None:
-        h = dict(t.done_fields)
-        h.update(
-            t="kv_done",
+        h = KvDone(
             rid=t.rid,
             first_page=t.first_page,
             n_pages=t.n_pages,
@@ -402,7 +401,8 @@ class KVSender:
             page_bytes=t.page_bytes,
             last_page_bytes=t.last_page_bytes,
             bytes=t.bytes_sent,
-        )
+            extra=dict(t.done_fields),
+        ).wire()
         await self.peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
         self.active.remove(t)
         if not t.done.done():
@@ -444,16 +444,9 @@ class KVSender:
                     continue
                 if t.started_at is None:
                     t.started_at = asyncio.get_running_loop().time()
-                header = {
-                    "t": "kv",
-                    "rid": t.rid,
-                    "first_page": i,
-                    "n_pages": n,
-                    "layers": list(t.layers) if t.layers is not None else None,
-                    "page_bytes": t.page_bytes,
-                }
-                if data.nbytes != n * t.page_bytes:  # ends with the transfer's partial last page
-                    header["last_page_bytes"] = t.last_page_bytes
+                # a last_page_bytes only when the frame ends with the transfer's partial last page
+                header = Kv(t.rid, i, n, list(t.layers) if t.layers is not None else None, t.page_bytes,
+                            t.last_page_bytes if data.nbytes != n * t.page_bytes else OMIT).wire()
                 try:
                     await asyncio.wait_for(self.peer.send(header, data, crc=self.crc), self.stall_timeout_s)
                 except (asyncio.TimeoutError, TimeoutError):

@@ -47,7 +47,7 @@ import sys
 from collections import deque
 from typing import Any, Optional
 
-from . import rpc
+from . import messages, rpc
 
 __all__ = ["Link", "run_link", "serve_link", "query_stats", "set_link", "normalize_config", "main"]
 
@@ -552,8 +552,9 @@ class Link:
         return dict(self.stats(), t="stats")
 
     def _h_set(self, peer, h, p):
+        m = messages.LinkSet.decode(h)
         return dict(
-            self.set(h.get("gbps"), h.get("rtt_ms"), h.get("jitter_ms"), h.get("outage")),
+            self.set(*(None if v is messages.OMIT else v for v in (m.gbps, m.rtt_ms, m.jitter_ms, m.outage))),
             t="stats",
         )
 
@@ -567,7 +568,7 @@ async def query_stats(host: str, port: int, timeout: float = 5.0) -> dict:
     """Ask a running link's control port for its stats (one short-lived connection)."""
     peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
     try:
-        h, _ = await peer.call({"t": "stats"}, timeout=timeout)
+        h, _ = await peer.call(messages.Stats().wire(), timeout=timeout)
         return _strip(h)
     finally:
         await peer.close()
@@ -577,7 +578,7 @@ async def set_link(host: str, port: int, timeout: float = 5.0, **kw) -> dict:
     """``set_link(host, port, gbps=?, rtt_ms=?, jitter_ms=?, outage=?)`` -> new stats."""
     peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
     try:
-        h, _ = await peer.call(dict({k: v for k, v in kw.items() if v is not None}, t="set"), timeout=timeout)
+        h, _ = await peer.call(messages.LinkSet(**{k: v for k, v in kw.items() if v is not None}).wire(), timeout=timeout)
         return _strip(h)
     finally:
         await peer.close()

@@ -75,7 +75,7 @@ import ssl as _ssl
 import weakref
 from typing import Any, Awaitable, Callable, Mapping, Optional, Union
 
-from . import wire
+from . import messages, wire
 from .wire import CrcError, FrameMac, MacError, WireError
 
 __all__ = [
@@ -152,7 +152,7 @@ async def _maybe_await(x):
 
 def _normalize_reply(ret, req_header: dict) -> tuple[dict, Any]:
     if ret is None:
-        return {"t": "ok"}, b""
+        return messages.Ok().wire(), b""
     if isinstance(ret, dict):
         return dict(ret), b""
     if isinstance(ret, tuple) and len(ret) == 2 and isinstance(ret[0], dict):
@@ -306,7 +306,7 @@ class Peer:
 
     async def _send_hb(self) -> None:
         try:
-            await self._write({"t": "_hb"}, b"", None)
+            await self._write(messages.Heartbeat().wire(), b"", None)
         except Exception:
             pass
         finally:
@@ -509,7 +509,7 @@ class Peer:
             if fut is not None and not fut.done():
                 fut.set_exception(WireError(str(e)))
         elif cid is not None:
-            self._spawn(self._reply(h, {"t": "error", "error": f"frame dropped: {e}"}, b""))
+            self._spawn(self._reply(h, messages.Error(f"frame dropped: {e}").wire(), b""))
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -553,7 +553,7 @@ class Peer:
             raise
         except Exception as e:
             log.debug("%r: handler for call %r raised %r", self, header["t"], e)
-            rh, rp = {"t": "error", "error": f"{type(e).__name__}: {e}"}, b""
+            rh, rp = messages.Error(f"{type(e).__name__}: {e}").wire(), b""
         await self._reply(header, rh, rp)
 
     async def _reply(self, req: dict, rh: dict, rp) -> None:
@@ -565,7 +565,7 @@ class Peer:
             pass
         except Exception as e:  # e.g. unencodable reply header
             try:
-                await self._write({"t": "error", "cid": req["cid"], "reply": True, "error": f"bad reply: {e!r}"}, b"", None)
+                await self._write({**messages.Error(f"bad reply: {e!r}").wire(), "cid": req["cid"], "reply": True}, b"", None)
             except ConnectionError:
                 pass
 
@@ -575,10 +575,9 @@ NONCE_BYTES = 16
 
 
 def _hello(role: str, instance: str, fingerprint: Optional[dict], heartbeat_s: Optional[float] = None) -> dict:
-    h = {"t": "hello", "proto": PROTO, "role": role, "instance": instance, "fingerprint": fingerprint}
-    if heartbeat_s:
-        h["hb"] = float(heartbeat_s)  # this side sends heartbeats and expects them
-    return h
+    # ``hb``: this side sends heartbeats and expects them
+    return messages.Hello(PROTO, role, instance, fingerprint,
+                          hb=float(heartbeat_s) if heartbeat_s else messages.OMIT).wire()
 
 
 def _mac(master: bytes, label: bytes, alg: str = "hmac") -> FrameMac:
@@ -685,7 +684,7 @@ async def _server_handshake(
         if isinstance(e, MacError):
             e = HandshakeError(f"fast-path authentication failed: {e}")
         try:
-            await _write_raw(peer, {"t": "error", "error": str(e)})
+            await _write_raw(peer, messages.Error(str(e)).wire())
         except Exception:
             pass
         raise HandshakeError(str(e)) from None
