@@ -5,8 +5,9 @@ value, ...}``: :meth:`Msg.wire` builds that dict (the ``"t"`` first, then the fi
 declared order; an optional field left at :data:`OMIT` is not sent at all, so a frame's bytes
 are what the dict literals it replaces sent), :func:`decode` / ``Kind.decode(header)`` read one
 back and refuse, with a :class:`MessageError` naming the kind and field, an unknown kind, a
-missing field, a field of the wrong type, or a field the kind does not have. The rpc envelope
-(``"cid"``, ``"reply"``: :mod:`pdd.transfer.rpc`) is not part of a message and is ignored.
+missing field, a field of the wrong type, or a field the kind does not have. The envelope
+(:data:`ENVELOPE`: rpc's ``"cid"``, ``"reply"``, the wire's ``"crc32"``) is not part of a
+message and is ignored.
 
 Who sends what (G: gateway, P: prefill, RLD: relay decode, MD: main decode, C: colocated):
 
@@ -53,7 +54,8 @@ class _Omit:
 
 
 OMIT: Any = _Omit()
-ENVELOPE = ("cid", "reply")  # rpc's call id and reply mark: not message fields
+# not message fields: rpc's call id and reply mark, the wire's payload checksum (a CRC'd frame)
+ENVELOPE = ("cid", "reply", "crc32")
 
 KINDS: dict[str, type] = {}
 
