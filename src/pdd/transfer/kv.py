@@ -1,18 +1,16 @@
 """KV page streaming over a :class:`~pdd.transfer.rpc.Peer`.
 
-Wire messages (one-way, in this order per transfer)::
+Wire messages (one-way, in this order per transfer; :mod:`pdd.transfer.messages`)::
 
-    {"t": "kv", "rid", "first_page", "n_pages", "layers": [l0, l1] | None, "page_bytes"
-     [, "last_page_bytes"]}
+    kv {rid, first_page, n_pages, layers: [l0, l1] | None, page_bytes [, last_page_bytes]}
         + payload of n_pages * page_bytes bytes (pages first_page .. first_page+n_pages-1
           of the request's page table, layer range [l0, l1) of each page; None = all layers),
           or (n_pages - 1) * page_bytes + last_page_bytes when the frame ends with the
           transfer's last page and that page is sent in part (a prompt ending inside its page:
           only its filled token slots cross, ``KVPool.export_pages(last_slots=...)``)
-    {"t": "kv_done", "rid", "first_page", "n_pages", "layers", "page_bytes", "last_page_bytes",
-     "bytes", **done_fields}
+    kv_done {rid, first_page, n_pages, layers, page_bytes, last_page_bytes, bytes, **done_fields}
         after the last chunk ("bytes": payload bytes sent for this transfer)
-    {"t": "kv_cancel", "rid", "bytes", "pages"} instead of kv_done when cancelled or failed
+    kv_cancel {rid, bytes, pages} instead of kv_done when cancelled or failed
 
 Page indices are *request* page indices (positions in the request's page table), not pool
 slots: each side maps them through its own page table.

@@ -27,9 +27,9 @@ the proxy holds at most about one bandwidth-delay product in flight. A slow rece
 back-pressures too (reading stops while its socket's write buffer is full). Concurrent
 connections interleave chunk by chunk: they share the line fairly.
 
-Control port messages: ``{"t": "stats"}`` -> ``{"t": "stats", "bytes_a_to_b", "bytes_b_to_a",
-"connections", ...}`` (bytes delivered, all connections, framing included);
-``{"t": "set", "gbps"?, "rtt_ms"?, "jitter_ms"?, "outage"?: bool}`` -> the new stats.
+Control port messages: ``stats`` -> ``stats {bytes_a_to_b, bytes_b_to_a, connections, ...}``
+(bytes delivered, all connections, framing included); ``set {gbps?, rtt_ms?, jitter_ms?,
+outage?: bool}`` (:class:`pdd.transfer.messages.LinkSet`) -> the new stats.
 An outage freezes the line: no byte moves and no connection is reset; when it ends, bytes in
 flight resume their remaining delay. Helpers: :func:`query_stats`, :func:`set_link`.
 """

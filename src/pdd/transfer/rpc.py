@@ -6,11 +6,12 @@ Both sides can, at any time:
 - ``await peer.call(header, payload, timeout=s)`` -> ``(reply_header, reply_payload)``:
   the request carries a ``"cid"`` (call id, unique per sending side); the reply carries the
   same ``"cid"`` and ``"reply": True``. A handler exception comes back as
-  ``{"t": "error", "cid", "reply": True, "error": str}`` and raises :class:`RemoteError`.
+  an ``error {cid, reply: True, error: str}`` header and raises :class:`RemoteError`.
 - ``await peer.send(header, payload)``: one-way message (no ``"cid"``).
 - receive: messages are dispatched by ``header["t"]`` to ``handler(peer, header, payload)``
   (sync or async). For a call, the handler's return value is the reply: ``None`` (empty reply
-  ``{"t": "ok"}``), a header dict, or ``(header, payload)``.
+  ``ok``), a header dict, or ``(header, payload)``. The headers are built and read by
+  :mod:`pdd.transfer.messages` (one dataclass per kind).
 
 Ordering: one-way messages from a peer are handled **sequentially, in arrival order**, by one
 dispatcher task per connection (so ``kv`` frames and the ``kv_done`` after them are seen in
@@ -24,9 +25,9 @@ per connection beyond the transport's high-water mark. When the connection close
 reset, protocol error or ``close()``), pending calls fail at once with ``ConnectionError``
 and later ``call``/``send`` raise ``ConnectionError``.
 
-Handshake: the connecting side sends ``{"t": "hello", "proto", "role", "instance",
-"fingerprint"}``; the accepting side checks it with ``handshake_check(local_fp, remote_fp)``
-and answers ``hello`` (its own identity) or ``{"t": "error", "error": reason}`` then closes;
+Handshake: the connecting side sends ``hello {proto, role, instance, fingerprint}``; the
+accepting side checks it with ``handshake_check(local_fp, remote_fp)``
+and answers ``hello`` (its own identity) or ``error {error: reason}`` then closes;
 the connecting side checks the answer the same way. A failed check raises
 :class:`HandshakeError` (a ``ConnectionError``).
 
