@@ -131,7 +131,8 @@ async def test_p_lost_while_md_kv_crosses_drops_md_leg_rld_finishes(orch):
 async def test_md_lost_before_its_reservation_reply_cancels_p_s_fill_slot(orch):
     # a predicted MD send: P holds an md_fill slot that only MD's reply would resolve; the reply
     # never comes, and a cancel reaching P before it admitted the request is ignored there
-    st = relayed(orch, md_fill_slot=True)
+    st = relayed(orch)
+    st.wan.fill_slot = True
     orch._instance_lost(st, "md0", "gone")
     await settle()
     assert st.md_lost and not st.lost
@@ -355,7 +356,7 @@ async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch
            "page_bytes": 16 * 100}
     st = relayed(orch)
     orch._reserved(st, "md0", rep)
-    assert st.wan_bytes_expected == 4000 and orch.planned_wan == {"r1": 4000}
+    assert st.wan.expected == 4000 and orch.planned_wan == {"r1": 4000}
 
     async def launch(st, prompt, sp=None, force_relay=False):
         return None

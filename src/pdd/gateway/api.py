@@ -635,7 +635,7 @@ def _pdd(gen: Generation) -> dict[str, Any]:
 
 def _pdd_summary(st: ReqState) -> dict[str, Any]:
     return {"rid": st.rid, "recoveries": len(st.recoveries), "degraded": st.degraded,
-            "pipeline": st.pipeline.value, "wan_bytes": st.wan_bytes, "wan_bytes_expected": st.wan_bytes_expected,
+            "pipeline": st.pipeline.value, "wan_bytes": st.wan.reported, "wan_bytes_expected": st.wan.expected,
             "md_cached_tokens": st.md_cached_tokens, "p_cached_tokens": st.p_cached_tokens,
             "handoff_pos": st.handoff_pos, "rld_finished_first": st.rld_finished_first,
             "handoff_mode": st.handoff_mode, "handoff_rounds": st.handoff_rounds,

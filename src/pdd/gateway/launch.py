@@ -94,7 +94,7 @@ class Launchers:
         # MD turns out to lack besides (a fill) wait for the reservation's reply
         predicted = (relay_possible and self.cfg.policy.md_predicted_send and self._always_relay() and not force_relay
                      and sib is None and self.page_bytes is not None)
-        st.md_predicted_pages, st.md_predicted_bytes, st.md_fill_slot = None, 0, False  # this attempt's own
+        st.wan.predicted_pages, st.wan.predicted_bytes, st.wan.fill_slot = None, 0, False  # this attempt's own
 
         async def route_and_reserve():
             msg = Reserve(trid, prompt, sampling)
@@ -177,7 +177,7 @@ class Launchers:
             st.pipeline = Pipeline.P_RLD_MD
         else:
             st.pipeline = self._plan(st, len(prompt), 0)
-        st.md_fill_slot = predicted
+        st.wan.fill_slot = predicted
         p_call = None
         try:
             await rld.call(Expect(st.trid, prompt, sampling).wire(), timeout=t)
@@ -259,11 +259,11 @@ class Launchers:
                 await p.send(Target(st.trid, "md", md_name, cancelled=True).wire())
                 await md.send(Drop(st.trid).wire())
                 if md_wan:
-                    self.totals["wan_bytes_expected"] -= st.wan_bytes_expected
-                    self.totals["wan_bytes_planned"] -= st.wan_bytes_expected
+                    self.totals["wan_bytes_expected"] -= st.wan.expected
+                    self.totals["wan_bytes_planned"] -= st.wan.expected
                     self.planned_wan.pop(st.trid, None)
                     self.planned_src.pop(st.trid, None)
-                    st.wan_bytes_expected = 0
+                    st.wan.expected = 0
             else:
                 await p.send(md_target)  # first: it is on the request's critical path
                 if relay_possible:
@@ -290,7 +290,7 @@ class Launchers:
         md_name = first.names.get(ROLE_MAIN)
         if md_name is None or self.peers[md_name].closed or not self._in_b(md_name):
             return None
-        nbytes = first.wan_bytes_expected if "md_reserved" in first.events else \
+        nbytes = first.wan.expected if "md_reserved" in first.events else \
             first.prompt_len * (self.kv_bytes_per_token or 0)
         if not sibling_waits_for_kv(nbytes, st.siblings, self.wan_gbps_live or self.cfg.link.wan_gbps,
                                     self.cfg.link.wan_rtt_ms):
@@ -341,8 +341,8 @@ class Launchers:
             except Exception:
                 pass
             return
-        pred = st.md_predicted_pages
-        self._reserved(st, md_name, rep, p, booked=st.md_predicted_bytes if pred is not None else 0)
+        pred = st.wan.predicted_pages
+        self._reserved(st, md_name, rep, p, booked=st.wan.predicted_bytes if pred is not None else 0)
         if st.finished and not st.kv_ready:
             self._await_kv(st)
         md_first = int(rep["md_cached_pages"])
@@ -350,7 +350,7 @@ class Launchers:
         if pred is not None and md_first < pred:  # MD lacks pages the prediction skipped: P fills them
             self.totals["md_predicted_fills"] += 1
             msgs.append(Target(trid, "md_fill", md_name, first_page=md_first, last_page=pred, relay=True))
-        elif st.md_fill_slot:  # P holds an md_fill slot: nothing to fill
+        elif st.wan.fill_slot:  # P holds an md_fill slot: nothing to fill
             msgs.append(Target(trid, "md_fill", md_name, skip=True))
         try:
             for msg in msgs:

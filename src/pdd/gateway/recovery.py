@@ -80,9 +80,9 @@ class Recovery:
         st.pending.clear()
         st.md_pending.clear()
         st.switch_pos = st.md_start = None
-        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.kv_sent = st.handoff_started = st.handoff_early = False
+        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.wan.kv_sent = st.handoff_started = st.handoff_early = False
         st.handoff_mode, st.handoff_rounds, st.error = None, 0, None
-        st.wan_bytes_expected = 0
+        st.wan.expected = 0
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt
             st.queue.get_nowait()
         self.reqs[st.trid] = st
@@ -159,7 +159,7 @@ class Recovery:
         if role == ROLE_PREFILL:
             if not started:  # the decoder (RLD when relayed) has not got its KV yet
                 self._fail_lost(st, reason)
-            elif relayed and not st.kv_ready and not st.kv_sent:  # (sent: its bytes are on the line)
+            elif relayed and not st.kv_ready and not st.wan.kv_sent:  # (sent: its bytes are on the line)
                 self._md_leg_lost(st, reason)
         elif role == ROLE_RELAY:
             if not relayed:
@@ -211,7 +211,7 @@ class Recovery:
         # reply may never come, and P's cancel below is lost if P has not admitted the request yet
         # (its prefill queued), so P would hold the request's pages until the request timeout
         fill = ((p_name, Target(trid, "md_fill", md_name, cancelled=True).wire()),) \
-            if st.md_fill_slot else ()
+            if st.wan.fill_slot else ()
 
         async def tidy():
             for name, msg in ((p_name, Target(trid, "md", md_name, cancelled=True).wire()),

@@ -71,6 +71,22 @@ class TokenOut:
 
 
 @dataclass
+class WanPlan:
+    """A request's KV transfer to an MD across the WAN, as the gateway books it (owner:
+    :mod:`pdd.gateway.wan_booking`; a predicted send's part is set up by :mod:`pdd.gateway.launch`).
+    Bytes are KV payload bytes."""
+
+    expected: int = 0  # this attempt's planned bytes (the cut-off's and early handoff's estimate)
+    reported: int | None = None  # what P reported it sent (xfer_done), None before
+    # a predicted MD send (policy.md_predicted_send): the pages P was told MD holds (it sends the
+    # rest at once) and the bytes booked for them; None: MD's part waits for its reservation
+    predicted_pages: int | None = None
+    predicted_bytes: int = 0
+    kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
+    fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
+
+
+@dataclass
 class ReqState:
     rid: str
     prompt_len: int
@@ -82,8 +98,7 @@ class ReqState:
     finished: bool = False
     p_cached_tokens: int = 0
     md_cached_tokens: int = 0
-    wan_bytes_expected: int = 0
-    wan_bytes: int | None = None
+    wan: WanPlan = field(default_factory=WanPlan)  # the WAN transfer's booking
     handoff_pos: int | None = None
     switch_pos: int | None = None  # first position streamed from MD
     handoff_tokens: int = 0
@@ -95,14 +110,8 @@ class ReqState:
     md_start: int | None = None  # first position MD samples (after the final handoff round)
     md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
     md_diverged: bool = False
-    # a predicted MD send (policy.md_predicted_send): the pages P was told MD holds (it sends the
-    # rest at once) and the WAN bytes booked for them; None: MD's part waits for its reservation
-    md_predicted_pages: int | None = None
-    md_predicted_bytes: int = 0
-    kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
     handoff_started: bool = False  # _handoff ran for this attempt (from kv_ready or the KV's predicted landing)
     handoff_early: bool = False  # ... from the KV's predicted landing (policy.early_handoff)
-    md_fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
     emitted: list = field(default_factory=list)  # token ids streamed so far
     extend_extra_step_ms: list = field(default_factory=list)
     last_token_s: float = 0.0

@@ -42,11 +42,11 @@ class WanBooking:
         if m.rid in self.awaiting_kv and m.errors.get(self.awaiting_kv[m.rid][1]):
             self._kv_source_lost(m.rid)  # MD's KV stream failed after the request ended
         if st is not None:
-            st.wan_bytes = wan
+            st.wan.reported = wan
             md_name = st.names.get(ROLE_MAIN)
             if (st.trid == m.rid and md_name is not None and md_name in m.bytes
                     and not m.errors.get(md_name) and not m.unsent.get(md_name)):
-                st.kv_sent = True
+                st.wan.kv_sent = True
                 if (self.cfg.policy.early_handoff and st.pipeline == Pipeline.P_RLD_MD and self._in_b(md_name)
                         and not (st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started)):
                     self._spawn(self._handoff_at_landing(st))
@@ -76,7 +76,7 @@ class WanBooking:
         configured) rate, less the time since P started streaming it."""
         started = st.events.get("prefilled")
         elapsed = time.perf_counter() - started if started is not None else 0.0
-        return early_handoff_delay_s(st.wan_bytes_expected, self.wan_gbps_live or self.cfg.link.wan_gbps, elapsed)
+        return early_handoff_delay_s(st.wan.expected, self.wan_gbps_live or self.cfg.link.wan_gbps, elapsed)
 
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
@@ -96,8 +96,8 @@ class WanBooking:
         so their WAN bytes are planned now (the reply adds a fill's, :meth:`_reserved`)."""
         nbytes = prompt_kv_bytes(st.prompt_len, pred_pages, self.cfg.engine.page_size, self.page_bytes,
                                  self.cfg.policy.kv_whole_pages)
-        st.md_predicted_pages, st.md_predicted_bytes = pred_pages, nbytes
-        st.wan_bytes_expected = nbytes  # until the reply (the cut-off's and early handoff's estimate)
+        st.wan.predicted_pages, st.wan.predicted_bytes = pred_pages, nbytes
+        st.wan.expected = nbytes  # until the reply (the cut-off's and early handoff's estimate)
         self.totals["md_predicted_sends"] += 1
         self._book_wan(st, nbytes, p)
 
@@ -129,10 +129,10 @@ class WanBooking:
         st.md_cached_tokens = int(rep["md_cached_tokens"])
         md_first = int(rep["md_cached_pages"])
         if md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
-            st.wan_bytes_expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
+            st.wan.expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
                                                     self.page_bytes, self.cfg.policy.kv_whole_pages)
             # ``booked``: a predicted send's bytes, planned when it started; the rest is its fill
-            self._book_wan(st, st.wan_bytes_expected - booked, p)
+            self._book_wan(st, st.wan.expected - booked, p)
 
     def _unplan_wan(self, trid: str) -> None:
         """Attempt ``trid`` ended before P started its streams: the WAN bytes planned for it leave
