@@ -453,3 +453,16 @@ async def test_a_reservation_returning_after_its_p_died_is_booked_unreported(orc
     assert orch.planned_wan == {"r2": 4000} and t["wan_bytes_expected"] == 4000
     await orch.on_xfer_done(None, XferDone("r2", {"md0": 4000}, {}, {}).wire(), b"")
     assert t["wan_bytes_sent"] == t["wan_bytes_expected"] == 4000
+
+
+async def test_md_kv_ready_read_before_p_s_reply_still_reaches_rld_decode(orch):
+    """MD's kv_ready (its own connection) may be handled before P's prefill reply: the request
+    is in prefill then, and P's reply moves it to rld_decode, not transfer."""
+    st = relayed(orch)
+    st.life = type(st.life)()  # back to queued: P's reply not read yet
+    st.to(Phase.PREFILL)
+    del st.events["prefilled"]
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
+    assert orch.phase(st) == "prefill" and st.kv_ready
+    orch._prefilled(st)
+    assert orch.phase(st) == "rld_decode"

@@ -363,8 +363,13 @@ class Launchers:
         pol = self.cfg.policy
         return relays_every_request(self.cfg.mode, pol.pipeline_ttft_budget_ms, pol.allow_p_rld)
 
-    @staticmethod
-    def _prefilled(st: ReqState) -> None:
-        """P's prefill returned (its first token sampled): the KV is on its way to the decoder."""
+    def _prefilled(self, st: ReqState) -> None:
+        """P's prefill returned (its first token sampled): the KV is on its way to the decoder.
+        A relayed request's MD may have reported its KV (a small prompt), and its handoff begun,
+        before P's reply was read here: the phase then moves on to where those events put it."""
         st.events["prefilled"] = time.perf_counter()
         st.to(Phase.TRANSFER, "prefilled")
+        if self._relayed_live(st) and ("handoff_call" in st.events or st.takeover):
+            st.to(Phase.HANDOFF, "handoff begun before P's reply was read")
+        elif self._relayed_live(st) and st.kv_ready:
+            st.to(Phase.RLD_DECODE, "MD had the KV before P's reply was read")
