@@ -96,7 +96,8 @@ def _ok(v, tp) -> bool:
             return False
         (item,) = typing.get_args(tp) or (Any,)
         if item is int:  # token ids: the long lists, checked at C speed
-            return all(type(x) is int for x in v)
+            kinds = set(map(type, v))
+            return kinds <= {int} or all(isinstance(x, int) and not isinstance(x, bool) for x in v)
         return item is Any or all(_ok(x, item) for x in v)
     if tp is dict or origin is dict:
         if not isinstance(v, dict):
@@ -125,12 +126,10 @@ class Msg:
         """The header to send: ``{"t": T, **fields}`` without the :data:`OMIT` ones (an OPEN
         kind's ``extra`` keys after its fields)."""
         h = {"t": self.T}
-        for f in dataclasses.fields(self):
-            if f.name == "extra":
-                continue
-            v = getattr(self, f.name)
+        for name in _NAMES.get(type(self)) or _names(type(self)):
+            v = getattr(self, name)
             if v is not OMIT:
-                h[f.name] = v
+                h[name] = v
         if self.OPEN:
             for k, v in self.extra.items():
                 h.setdefault(k, v)
@@ -151,38 +150,67 @@ class Msg:
             return kind.decode(h)
         if t != cls.T:
             raise MessageError(f"expected a {cls.T!r} message, got kind {t!r}")
-        hints = _hints(cls)
+        spec = _SPECS.get(cls) or _spec(cls)
         kw: dict = {}
-        for f in dataclasses.fields(cls):
-            if f.name == "extra":
+        for name, check, required, tp in spec:
+            v = h.get(name, _ABSENT)
+            if v is _ABSENT:
+                if required:
+                    raise MessageError(f"message {cls.T!r}: missing field {name!r}")
                 continue
-            if f.name not in h:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise MessageError(f"message {cls.T!r}: missing field {f.name!r}")
-                continue
-            v = h[f.name]
-            tp = hints[f.name]
-            if not _ok(v, tp):
-                raise MessageError(f"message {cls.T!r}: field {f.name!r} must be {_tname(tp)}, "
+            if check is not None and not check(v):
+                raise MessageError(f"message {cls.T!r}: field {name!r} must be {_tname(tp)}, "
                                    f"got {type(v).__name__} {_short(v)}")
-            kw[f.name] = v
-        rest = {k: v for k, v in h.items() if k != "t" and k not in ENVELOPE and k not in _names(cls)}
-        if rest:
-            if not cls.OPEN:
-                raise MessageError(f"message {cls.T!r}: unknown field {next(iter(rest))!r}")
-            kw["extra"] = rest
+            kw[name] = v
+        if len(h) - 1 > len(kw):  # keys besides "t" and the fields: the envelope, or refused
+            rest = {k: v for k, v in h.items() if k != "t" and k not in ENVELOPE and k not in _names(cls)}
+            if rest:
+                if not cls.OPEN:
+                    raise MessageError(f"message {cls.T!r}: unknown field {next(iter(rest))!r}")
+                kw["extra"] = rest
         return cls(**kw)
 
 
 _HINTS: dict[type, dict] = {}
-_NAMES: dict[type, frozenset] = {}
+_NAMES: dict[type, tuple] = {}  # kind -> its field names, in order (not "extra")
+_SPECS: dict[type, tuple] = {}  # kind -> ((name, check | None, required, type), ...)
+_ABSENT = object()
 
 
-def _names(cls) -> frozenset:
+def _names(cls) -> tuple:
     names = _NAMES.get(cls)
     if names is None:
-        names = _NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls) if f.name != "extra")
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
     return names
+
+
+def _checker(tp):
+    """A fast test of a decoded value against ``tp`` (None: anything), as :func:`_ok`."""
+    if tp is Any:
+        return None
+    if tp is int:
+        return lambda v: type(v) is int or (isinstance(v, int) and not isinstance(v, bool))
+    if tp is str:
+        return lambda v: type(v) is str or isinstance(v, str)
+    if tp is bool:
+        return lambda v: v is True or v is False
+    if tp is dict:
+        return lambda v: isinstance(v, dict)
+    if typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1:
+            c = _checker(inner[0])
+            return None if c is None else (lambda v: v is None or c(v))
+    return lambda v: _ok(v, tp)
+
+
+def _spec(cls) -> tuple:
+    hints = _hints(cls)
+    spec = _SPECS[cls] = tuple(
+        (f.name, _checker(hints[f.name]),
+         f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, hints[f.name])
+        for f in dataclasses.fields(cls) if f.name != "extra")
+    return spec
 
 
 def _hints(cls) -> dict:
