@@ -229,7 +229,7 @@ class EngineInstance:
         for rid in [r for r, c in list(self.reqs.items()) if c.sink.peer is peer]:
             self.counters["orphaned"] = self.counters.get("orphaned", 0) + 1
             try:
-                await self.on_abort(peer, {"rid": rid}, b"")
+                await self.on_abort(peer, Abort(rid).wire(), b"")
             except Exception:
                 log.exception("%s: abort of orphaned %s failed", self.spec.name, rid)
 
