@@ -58,7 +58,8 @@ from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.transfer.layout import wire_dtype
-from pdd.transfer.messages import OMIT, Abort, AbortOk, Finish, Flush, KvReady, ReqError, Stats, Tok, Toks
+from pdd.transfer.messages import OMIT, Abort, AbortOk, Finish, Flush, KvReady, MessageError, ReqError, Stats, Tok, Toks
+from pdd.transfer.messages import decode as decode_message
 from pdd.gateway import recovery
 from pdd.gateway.admission import refusal
 from pdd.gateway.handoff import Handoffs
@@ -481,8 +482,15 @@ class Orchestrator(Routing, Launchers, WanBooking, Handoffs, Recovery):
         for n, r in zip(names, reps):
             if isinstance(r, BaseException):
                 log.warning("abort %s on %s failed: %s", trid, n, r)
-            elif n == p_name and AbortOk.decode(r[0]).streams is False:
-                self._unplan_wan(trid)
+            elif n == p_name:
+                try:
+                    m = decode_message(r[0])
+                except MessageError as e:  # not a reply: the planned bytes stay until xfer_done or P's loss
+                    log.warning("abort %s on %s: bad reply: %s", trid, n, e)
+                    continue
+                # an instance that answers a plain Ok (or an AbortOk without streams) says nothing of them
+                if isinstance(m, AbortOk) and m.streams is False:
+                    self._unplan_wan(trid)
 
     # ------------------------------------------------------------------ stats
     async def stats(self) -> dict:
