@@ -8,8 +8,9 @@ Faults (issue 5, "fault injection"):
   - ``client_disconnect``: a streaming client closes its connection (:class:`StreamClient`).
 
 Each injection returns an :class:`Injection` record with the phase the request was in when the
-fault landed: the gateway's own view (``GET /pdd/requests``: ``Orchestrator.phase``, one of
-``prefill``, ``transfer``, ``rld_decode``, ``handoff``, ``md_decode``) read right before the fault
+fault landed: the gateway's own view (``GET /pdd/requests``: the phase held on the request,
+:mod:`pdd.gateway.phase`; a fault is injected in one of ``prefill``, ``transfer``, ``rld_decode``,
+``handoff``, ``md_decode``) read right before the fault
 is applied, and again right after it (``phase_after``). A fault that lands between phases shows
 two different values; tests assert both.
 
@@ -31,7 +32,7 @@ from typing import Any, Optional
 
 import httpx
 
-from pdd.gateway.state import PHASES  # the gateway's request phases (Orchestrator.phase)
+from pdd.gateway.state import PHASES  # the request phases a fault can be injected in (pdd.gateway.phase)
 
 KINDS = ("wan_outage", "wan_slowdown", "kill", "client_disconnect")
 ROLES = ("prefill", "relay_decode", "main_decode")

@@ -128,6 +128,15 @@ class _OrchestratorCollector:
         g = GaugeMetricFamily("pdd_gateway_requests_live", "requests in flight at the gateway")
         g.add_metric([], len(o.reqs))
         yield g
+        # the phase each live request holds (pdd.gateway.phase; a recovering one counted once)
+        g = GaugeMetricFamily("pdd_gateway_requests_phase", "requests in flight at the gateway, by phase",
+                              labels=["phase"])
+        by_phase: dict[str, int] = {}
+        for st in {id(st): st for st in list(o.reqs.values())}.values():
+            by_phase[st.phase.value] = by_phase.get(st.phase.value, 0) + 1
+        for k, v in sorted(by_phase.items()):
+            g.add_metric([k], v)
+        yield g
         if o.wan_gbps_live is not None:
             g = GaugeMetricFamily("pdd_wan_gbps_estimate", "live WAN throughput estimate, Gbit/s")
             g.add_metric([], o.wan_gbps_live)

@@ -8,7 +8,10 @@ import pytest
 
 from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator, ReqState
+from pdd.gateway.phase import IllegalTransition, Phase
 from pdd.topology import layout
+from pdd.gateway.state import TokenOut
+from pdd.transfer.messages import KvReady, Tok, XferDone
 from pdd.types import Pipeline, SamplingParams
 from tests.gateway.fake_peer import FakePeer
 
@@ -26,9 +29,16 @@ def relayed(o: Orchestrator, **kw) -> ReqState:
     st = ReqState("r1", 40, SamplingParams(max_tokens=16), trid="r1", prompt_ids=[5] * 40)
     st.pipeline = Pipeline.P_RLD_MD
     st.names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"}
-    st.events["prefilled"] = 1.0
+    st.to(Phase.PREFILL)
+    o._prefilled(st)
     for k, v in kw.items():
         setattr(st, k, v)
+    if st.kv_ready:  # the phase moves the set-up's events would have made
+        st.to(Phase.RLD_DECODE)
+    if st.md_start is not None:
+        st.to(Phase.HANDOFF)
+    if st.switch_pos is not None:
+        st.to(Phase.MD_DECODE)
     o.reqs[st.trid] = st
     return st
 
@@ -43,18 +53,64 @@ async def settle():
         await asyncio.sleep(0)
 
 
-async def test_phases(orch):
+class HandoffPeer(FakePeer):
+    """An RLD that answers every call with ``rep`` (a handoff reply)."""
+
+    def __init__(self, rep: dict):
+        super().__init__()
+        self.rep = rep
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        return dict(self.rep), b""
+
+
+async def test_phases_move_with_the_request_s_events(orch):
+    """A relayed request's held phase: transfer until MD's kv_ready, rld_decode until the
+    handoff's first call, handoff until MD's first token streams, md_decode; a lost instance
+    then makes it recover (a new attempt starts at prefill). Each move is recorded in order."""
+    orch.peers["rld0"] = HandoffPeer({"token_ids": [100, 101, 102], "mode": "one_shot", "final": True})
     st = relayed(orch)
     assert orch.phase(st) == "transfer"
-    st.kv_ready = True
-    assert orch.phase(st) == "rld_decode"
-    st.events["handoff_call"] = 2.0
-    assert orch.phase(st) == "handoff"
-    st.switch_pos = 5
+    stream_to(st, 3)
+    assert orch.phase(st) == "transfer"  # RLD decodes while MD's KV crosses
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
+    assert orch.phase(st) == "rld_decode"  # the handoff task starts next
+    await settle()
+    assert orch.phase(st) == "handoff" and st.md_start == 3
+    toks = orch._next_tokens(st, TokenOut(3, 7, "md", None))
+    assert [t.pos for t in toks] == [3] and orch.phase(st) == "md_decode" and st.switch_pos == 3
+    assert orch.requests_view()["r1"]["phase"] == "md_decode"
+    orch._instance_lost(st, "md0", "gone")
+    orch._new_attempt(st, st.error)
+    assert orch.phase(st) == "recovery" and st.recoveries[-1]["phase"] == "md_decode"
+    assert [p.value for p, _ in st.life.history] == ["queued", "prefill", "transfer", "rld_decode", "handoff",
+                                                     "md_decode", "recovery"]
+    ts = [t for _, t in st.life.history]
+    assert ts == sorted(ts)
+
+
+async def test_p_md_request_decodes_at_its_first_token_and_ends_done(orch):
+    st = relayed(orch)
+    st.pipeline = Pipeline.P_MD
+    assert [t.pos for t in orch._next_tokens(st, TokenOut(0, 9, "md", None))] == [0]
     assert orch.phase(st) == "md_decode"
-    del st.events["prefilled"]
-    st.switch_pos = None
-    assert orch.phase(st) == "prefill"
+    await orch.abort(st, "client_disconnect")
+    assert orch.phase(st) == "done"
+    assert not st.to(Phase.TRANSFER)  # a finished request's phase never moves (late events)
+    assert orch.phase(st) == "done"
+
+
+def test_an_illegal_transition_raises_under_tests_and_is_logged_otherwise(monkeypatch, caplog):
+    from pdd.gateway import phase
+
+    st = ReqState("r9", 4, SamplingParams(max_tokens=2))
+    with pytest.raises(IllegalTransition, match="r9: illegal phase transition queued -> md_decode"):
+        st.to(Phase.MD_DECODE)
+    monkeypatch.setattr(phase, "STRICT", False)
+    assert not st.to(Phase.HANDOFF, "no prefill yet")
+    assert st.phase is Phase.QUEUED and [p for p, _ in st.life.history] == [Phase.QUEUED]
+    assert "illegal phase transition queued -> handoff (no prefill yet)" in caplog.text
 
 
 async def test_p_lost_before_rld_has_kv_recovers(orch):
@@ -75,7 +131,8 @@ async def test_p_lost_while_md_kv_crosses_drops_md_leg_rld_finishes(orch):
 async def test_md_lost_before_its_reservation_reply_cancels_p_s_fill_slot(orch):
     # a predicted MD send: P holds an md_fill slot that only MD's reply would resolve; the reply
     # never comes, and a cancel reaching P before it admitted the request is ignored there
-    st = relayed(orch, md_fill_slot=True)
+    st = relayed(orch)
+    st.wan.fill_slot = True
     orch._instance_lost(st, "md0", "gone")
     await settle()
     assert st.md_lost and not st.lost
@@ -142,8 +199,8 @@ async def test_md_lost_while_streaming_recovers_and_new_attempt_continues_at_nex
     assert prompt == [5] * 40 + list(range(100, 109)) and sp.max_tokens == 16 - 9
     assert sp.output_offset == 9  # draws, min_tokens, penalties count the streamed 9 as outputs
     # the new attempt's token 0 is the request's position 9; a stale token of the old rid is ignored
-    await orch.on_tok(None, {"rid": "r1", "pos": 9, "id": 7, "tier": "md"}, b"")
-    await orch.on_tok(None, {"rid": "r1.1", "pos": 0, "id": 42, "tier": "rld"}, b"")
+    await orch.on_tok(None, Tok("r1", 9, 7, None, "md").wire(), b"")
+    await orch.on_tok(None, Tok("r1.1", 0, 42, None, "rld").wire(), b"")
     tok = st.queue.get_nowait()
     assert (tok.pos, tok.token_id) == (9, 42) and st.queue.empty()
     assert [t.pos for t in orch._next_tokens(st, tok)] == [9]
@@ -164,6 +221,7 @@ async def test_md_reservation_failing_after_rld_finished_still_frees_p(orch):
     st = relayed(orch)
     stream_to(st, 16)
     st.finished = True
+    st.to(Phase.DONE)
     reserve = asyncio.get_running_loop().create_future()
     reserve.set_exception(ConnectionError("connection to md0 lost: no sign of life (heartbeat)"))
     await orch._md_leg(st, st.trid, reserve, orch.peers["p0"])
@@ -298,7 +356,7 @@ async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch
            "page_bytes": 16 * 100}
     st = relayed(orch)
     orch._reserved(st, "md0", rep)
-    assert st.wan_bytes_expected == 4000 and orch.planned_wan == {"r1": 4000}
+    assert st.wan.expected == 4000 and orch.planned_wan == {"r1": 4000}
 
     async def launch(st, prompt, sp=None, force_relay=False):
         return None
@@ -306,7 +364,7 @@ async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch
     monkeypatch.setattr(orch, "_launch", launch)
     st.error = "instance md0 is unreachable"
     assert await orch._recover(st)  # the old attempt r1 is replaced by r1.1; P still reports r1
-    await orch.on_xfer_done(None, {"rid": "r1", "bytes": {"md0": 1500}, "unsent": {"md0": 2500},
+    await orch.on_xfer_done(None, {"t": "xfer_done", "rid": "r1", "bytes": {"md0": 1500}, "unsent": {"md0": 2500},
                                    "errors": {"md0": "connection lost"}}, b"")
     t = orch.totals
     assert (t["wan_bytes_sent"], t["wan_bytes_expected"], t["wan_bytes_cancelled"]) == (1500, 1500, 2500)
@@ -393,5 +451,18 @@ async def test_a_reservation_returning_after_its_p_died_is_booked_unreported(orc
     # the live connection books it as planned, to be reported by P's xfer_done
     orch._reserved(st2, "md0", rep)
     assert orch.planned_wan == {"r2": 4000} and t["wan_bytes_expected"] == 4000
-    await orch.on_xfer_done(None, {"rid": "r2", "bytes": {"md0": 4000}}, b"")
+    await orch.on_xfer_done(None, XferDone("r2", {"md0": 4000}, {}, {}).wire(), b"")
     assert t["wan_bytes_sent"] == t["wan_bytes_expected"] == 4000
+
+
+async def test_md_kv_ready_read_before_p_s_reply_still_reaches_rld_decode(orch):
+    """MD's kv_ready (its own connection) may be handled before P's prefill reply: the request
+    is in prefill then, and P's reply moves it to rld_decode, not transfer."""
+    st = relayed(orch)
+    st.life = type(st.life)()  # back to queued: P's reply not read yet
+    st.to(Phase.PREFILL)
+    del st.events["prefilled"]
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
+    assert orch.phase(st) == "prefill" and st.kv_ready
+    orch._prefilled(st)
+    assert orch.phase(st) == "rld_decode"

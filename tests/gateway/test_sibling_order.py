@@ -88,7 +88,7 @@ async def test_siblings_started_before_choice_0_is_reserved_wait_for_its_reply()
     assert sorted(h["rid"] for h in after) == sorted(st.trid for st in rest)
     assert {h["after"] for h in after} == {first.trid}
     # choice 0 ships 100 tokens' KV, each sibling the last page's 4
-    assert [st.wan_bytes_expected for st in [first, *rest]] == [100 * SLOT, 4 * SLOT, 4 * SLOT]
+    assert [st.wan.expected for st in [first, *rest]] == [100 * SLOT, 4 * SLOT, 4 * SLOT]
     assert o.totals["wan_bytes_expected"] == (100 + 2 * 4) * SLOT
     # P was told MD's first page for each: 0 for choice 0, 6 for the siblings
     targets = {h["rid"]: h["first_page"] for h in o.peers["p0"].sent if h.get("t") == "target" and h.get("slot") == "md"}

@@ -16,6 +16,7 @@ from pdd.launch import prepare_security
 from pdd.security import link_security
 from pdd.topology import ROLE_MAIN, InstanceSpec, layout
 from pdd.transfer.kv import KVSender
+from pdd.transfer.messages import Reserve
 from pdd.transfer.rpc import HandshakeError, connect
 from pdd.types import SamplingParams
 
@@ -51,7 +52,7 @@ async def test_flipped_kv_stream_never_enters_the_radix_cache(tiny_model, tmp_pa
         assert gw.auth == "tls"
 
         async def stream(rid: str, via_port: int):
-            r, _ = await gw.call({"t": "reserve", "rid": rid, "prompt_ids": PROMPT, "sampling": sp, "relay": False})
+            r, _ = await gw.call(Reserve(rid, PROMPT, sp).wire())
             assert r["md_cached_pages"] == 0 and r["n_pages"] == 4
             pb = r["page_bytes"]
             data = os.urandom(4 * pb)

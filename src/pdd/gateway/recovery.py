@@ -6,7 +6,8 @@ longer needed is ignored; MD's leg of a relayed request before the handoff is dr
 finishes (degraded); RLD lost after MD has the KV: MD takes over from the streamed ids;
 otherwise a new attempt (tier rid ``<rid>.<n>``) prefills the prompt plus every token already
 streamed on live instances, always through a relay, and the stream continues at the next
-position. Also the request phases fault injection reads (:meth:`Recovery.phase`). It uses the
+position. Also the request phases fault injection reads (:meth:`Recovery.phase`: the phase held
+on the request, :mod:`pdd.gateway.phase`). It uses the
 orchestrator's connections, tables and ``_launch`` through ``self``.
 """
 
@@ -17,9 +18,11 @@ import logging
 import time
 
 from pdd.gateway.admission import refusal
+from pdd.gateway.phase import Phase
 from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState, extend_message
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer import rpc
+from pdd.transfer.messages import Abort, Cancel, Drop, Target
 from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -33,32 +36,18 @@ class Recovery:
     attempts, MD takeover, aborts on every tier."""
 
     def phase(self, st: ReqState) -> str:
-        """The phase of ``st``'s current attempt: one of :data:`PHASES`, or "done".
+        """The held phase of ``st`` (:class:`pdd.gateway.phase.Phase`) as its string, e.g.
+        "transfer"; "done" once finished."""
+        return st.phase.value
 
-        prefill: P's prefill call has not returned. transfer: KV still on its way to the decoder
-        that will finish the request (MD's WAN transfer of a relayed request, RLD decoding
-        meanwhile). rld_decode: MD holds the KV, the handoff has not begun. handoff: RLD was asked
-        for its ids, MD's stream is not live yet. md_decode: the client streams from MD.
-        """
-        if st.finished:
-            return "done"
-        ev = st.events
-        if "prefilled" not in ev:
-            return "prefill"
-        if st.pipeline == Pipeline.P_RLD_MD and not st.md_lost:
-            if st.switch_pos is not None:
-                return "md_decode"
-            if "handoff_call" in ev or st.takeover:
-                return "handoff"
-            return "rld_decode" if st.kv_ready else "transfer"
-        started = st.next_pos > st.base
-        if st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD):
-            return "rld_decode" if started else "transfer"
-        return "md_decode" if started else "transfer"
+    @staticmethod
+    def _relayed_live(st: ReqState) -> bool:
+        """A P->RLD->MD request whose MD leg is still on (MD is to finish it)."""
+        return st.pipeline == Pipeline.P_RLD_MD and not st.md_lost
 
     def requests_view(self) -> dict:
         """Live requests for fault injection and debugging: rid -> phase, pipeline, attempt, ..."""
-        return {st.rid: {"trid": st.trid, "phase": self.phase(st), "pipeline": st.pipeline.value,
+        return {st.rid: {"trid": st.trid, "phase": st.phase.value, "pipeline": st.pipeline.value,
                          "attempt": st.attempt, "next_pos": st.next_pos, "names": dict(st.names),
                          "kv_ready": st.kv_ready, "md_lost": st.md_lost, "degraded": st.degraded,
                          "recoveries": list(st.recoveries)}
@@ -71,8 +60,9 @@ class Recovery:
         ``st.recoveries`` or ``totals["recovered"]``."""
         old = st.trid
         if counted:
-            st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": self.phase(st),
+            st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": st.phase.value,
                                   "pos": st.next_pos, "pipeline": st.pipeline.value, "names": dict(st.names)})
+        st.to(Phase.RECOVERY, reason)
         self.reqs.pop(old, None)
         if old in self.planned_wan:  # P still reports the old attempt's transfer (xfer_done) ...
             self.superseded_wan[old] = (self.planned_wan.pop(old), self.planned_src.pop(old, ""))
@@ -90,9 +80,9 @@ class Recovery:
         st.pending.clear()
         st.md_pending.clear()
         st.switch_pos = st.md_start = None
-        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.kv_sent = st.handoff_started = st.handoff_early = False
+        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.wan.kv_sent = st.handoff_started = st.handoff_early = False
         st.handoff_mode, st.handoff_rounds, st.error = None, 0, None
-        st.wan_bytes_expected = 0
+        st.wan.expected = 0
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt
             st.queue.get_nowait()
         self.reqs[st.trid] = st
@@ -116,12 +106,13 @@ class Recovery:
         if st.finished or st.attempt >= self.cfg.liveness.recovery_attempts:
             return False
         log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.error, st.next_pos,
-                    self.phase(st))
+                    st.phase.value)
         self._new_attempt(st, st.error or "instance lost")
         waited = 0.0
         while True:
             prompt, sp = self._attempt_prompt(st)
             try:
+                st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
                 await self._launch(st, prompt, sp, force_relay=True)
                 return True
             except Exception as e:
@@ -168,7 +159,7 @@ class Recovery:
         if role == ROLE_PREFILL:
             if not started:  # the decoder (RLD when relayed) has not got its KV yet
                 self._fail_lost(st, reason)
-            elif relayed and not st.kv_ready and not st.kv_sent:  # (sent: its bytes are on the line)
+            elif relayed and not st.kv_ready and not st.wan.kv_sent:  # (sent: its bytes are on the line)
                 self._md_leg_lost(st, reason)
         elif role == ROLE_RELAY:
             if not relayed:
@@ -198,6 +189,9 @@ class Recovery:
         finished = st.finished  # ended at the client (on RLD) before MD's leg settled
         st.md_lost = True
         st.md_pending.clear()
+        if st.pipeline == Pipeline.P_RLD_MD and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE, Phase.HANDOFF):
+            # RLD finishes: it decodes (or waits for its first token)
+            st.to(Phase.RLD_DECODE if st.next_pos > st.base else Phase.TRANSFER, "MD leg lost")
         if finished:
             pass  # nothing to degrade or count, but P may still wait for MD's part of the plan
         elif degraded:
@@ -216,14 +210,14 @@ class Recovery:
         # a predicted MD send gave P an md_fill slot that only MD's reservation reply resolves: the
         # reply may never come, and P's cancel below is lost if P has not admitted the request yet
         # (its prefill queued), so P would hold the request's pages until the request timeout
-        fill = ((p_name, {"t": "target", "rid": trid, "slot": "md_fill", "name": md_name, "cancelled": True}),) \
-            if st.md_fill_slot else ()
+        fill = ((p_name, Target(trid, "md_fill", md_name, cancelled=True).wire()),) \
+            if st.wan.fill_slot else ()
 
         async def tidy():
-            for name, msg in ((p_name, {"t": "target", "rid": trid, "slot": "md", "name": md_name, "cancelled": True}),
+            for name, msg in ((p_name, Target(trid, "md", md_name, cancelled=True).wire()),
                               *fill,
-                              (p_name, {"t": "cancel", "rid": trid, "name": md_name}),
-                              (md_name, {"t": "drop", "rid": trid})):
+                              (p_name, Cancel(trid, md_name).wire()),
+                              (md_name, Drop(trid).wire())):
                 peer = self.peers.get(name) if name else None
                 if peer is not None and not peer.closed:
                     try:
@@ -239,6 +233,8 @@ class Recovery:
         if st.takeover or st.md_start is not None or st.finished:
             return
         st.takeover = True
+        if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
+            st.to(Phase.HANDOFF, "MD takes over")
         md_name, md = self._peer(st, ROLE_MAIN)
         ids = st.emitted[st.base:]
         st.md_start = st.next_pos
@@ -258,7 +254,7 @@ class Recovery:
     async def _abort_on(self, peer: rpc.Peer, trid: str) -> None:
         """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it already)."""
         try:
-            await peer.call({"t": "abort", "rid": trid}, timeout=10)
+            await peer.call(Abort(trid).wire(), timeout=10)
         except Exception as e:
             log.warning("abort %s on %s failed: %s", trid, peer, e)
 
@@ -266,4 +262,4 @@ class Recovery:
         _p, md_name = self.awaiting_kv.pop(trid, (None, None))
         peer = self.peers.get(md_name) if md_name else None
         if peer is not None and not peer.closed:
-            self._spawn(peer.send({"t": "drop", "rid": trid}))
+            self._spawn(peer.send(Drop(trid).wire()))

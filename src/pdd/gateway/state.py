@@ -11,6 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from pdd.gateway.phase import INJECTABLE, Phase, PhaseLog
+from pdd.transfer.messages import Extend
 from pdd.types import Pipeline, SamplingParams
 
 
@@ -20,7 +22,7 @@ def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
     msgpack packs an id below 65,536 in 3 bytes, so 100 ids are ~300 bytes against
     100 x kv_bytes_per_token of KV (PDD report: "100 token IDs ~ 1.5 KB vs ~4649 KB of KV").
     """
-    return {"t": "extend", "rid": rid, "token_ids": [int(t) for t in token_ids], "final": bool(final)}
+    return Extend(rid, [int(t) for t in token_ids], bool(final)).wire()
 
 
 class RequestFailed(RuntimeError):
@@ -52,7 +54,8 @@ ABORT_OUTCOMES = {ABORT_STOP: "completed", ABORT_CLIENT: "cancelled", ABORT_FAIL
                   ABORT_REJECTED: "rejected"}
 OUTCOMES = ("completed", "failed", "cancelled", "rejected")
 
-PHASES = ("prefill", "transfer", "rld_decode", "handoff", "md_decode")
+# the phases a fault can be injected in (pdd.faults; the held phase is ReqState.phase)
+PHASES = tuple(p.value for p in INJECTABLE)
 # per-attempt events, renamed "<name>@<attempt>" when a request is recovered
 ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "p_first_token", "prefilled", "md_kv_ready", "handoff_call", "handoff",
                   "handoff_rld_ms", "switch")
@@ -68,6 +71,22 @@ class TokenOut:
 
 
 @dataclass
+class WanPlan:
+    """A request's KV transfer to an MD across the WAN, as the gateway books it (owner:
+    :mod:`pdd.gateway.wan_booking`; a predicted send's part is set up by :mod:`pdd.gateway.launch`).
+    Bytes are KV payload bytes."""
+
+    expected: int = 0  # this attempt's planned bytes (the cut-off's and early handoff's estimate)
+    reported: int | None = None  # what P reported it sent (xfer_done), None before
+    # a predicted MD send (policy.md_predicted_send): the pages P was told MD holds (it sends the
+    # rest at once) and the bytes booked for them; None: MD's part waits for its reservation
+    predicted_pages: int | None = None
+    predicted_bytes: int = 0
+    kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
+    fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
+
+
+@dataclass
 class ReqState:
     rid: str
     prompt_len: int
@@ -79,8 +98,7 @@ class ReqState:
     finished: bool = False
     p_cached_tokens: int = 0
     md_cached_tokens: int = 0
-    wan_bytes_expected: int = 0
-    wan_bytes: int | None = None
+    wan: WanPlan = field(default_factory=WanPlan)  # the WAN transfer's booking
     handoff_pos: int | None = None
     switch_pos: int | None = None  # first position streamed from MD
     handoff_tokens: int = 0
@@ -92,14 +110,8 @@ class ReqState:
     md_start: int | None = None  # first position MD samples (after the final handoff round)
     md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
     md_diverged: bool = False
-    # a predicted MD send (policy.md_predicted_send): the pages P was told MD holds (it sends the
-    # rest at once) and the WAN bytes booked for them; None: MD's part waits for its reservation
-    md_predicted_pages: int | None = None
-    md_predicted_bytes: int = 0
-    kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
     handoff_started: bool = False  # _handoff ran for this attempt (from kv_ready or the KV's predicted landing)
     handoff_early: bool = False  # ... from the KV's predicted landing (policy.early_handoff)
-    md_fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
     emitted: list = field(default_factory=list)  # token ids streamed so far
     extend_extra_step_ms: list = field(default_factory=list)
     last_token_s: float = 0.0
@@ -129,6 +141,19 @@ class ReqState:
     sibling_of: "ReqState | None" = None
     siblings: int = 0  # choices of the prompt besides the first
     # set once this request's first attempt knows its MD part of the plan (MD's reservation reply
-    # booked) or never will (its MD leg lost, the attempt given up): a sibling choice that starts
-    # while the reply is still out waits on it before choosing its own MD (pdd.policy.siblings)
+    # booked: pdd.gateway.wan_booking) or never will (its MD leg lost, the attempt given up): a
+    # sibling choice that starts while the reply is still out waits on it before choosing its own
+    # MD (pdd.gateway.launch, pdd.policy.siblings). Request-level, not the attempt's WanPlan: it is
+    # about the first attempt only and is never reset by a recovery
     md_settled: asyncio.Event = field(default_factory=asyncio.Event)
+    life: PhaseLog = field(default_factory=PhaseLog)  # the held phase and its history (pdd.gateway.phase)
+
+    @property
+    def phase(self) -> Phase:
+        """The request's held phase (moved only by :meth:`to`)."""
+        return self.life.phase
+
+    def to(self, phase: Phase, why: str = "") -> bool:
+        """Move the request to ``phase`` (:meth:`pdd.gateway.phase.PhaseLog.to`: checked against
+        the table of legal moves, recorded with its time); True if it moved."""
+        return self.life.to(phase, self.rid, why)

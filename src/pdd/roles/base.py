@@ -21,6 +21,7 @@ from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
+from pdd.transfer.messages import OMIT, Abort, AbortOk, FlushOk, Peek, PeekOk, ReqError, StatsOk, Tok, Toks
 from pdd.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -81,11 +82,11 @@ class OrderedSender:
                     batch.append(header)
                     continue
                 if batch:
-                    await self._send({"t": "toks", "msgs": batch}, b"")
+                    await self._send(Toks(batch).wire(), b"")
                     batch = []
                 await self._send(header, payload)
             if batch:
-                await self._send({"t": "toks", "msgs": batch}, b"")
+                await self._send(Toks(batch).wire(), b"")
             for _ in items:
                 self.q.task_done()
 
@@ -163,12 +164,12 @@ class EngineInstance:
     async def on_peek(self, peer, h, payload):
         """Routing probe: how many of the prompt's tokens this instance's radix cache holds
         (whole pages; no lock, no ref, no stats)."""
-        prompt = [int(t) for t in h["prompt_ids"]]
+        prompt = Peek.decode(h).prompt_ids
 
         def _peek(e):
             return e.radix.peek(prompt) * e.page_size if e.radix is not None else 0
 
-        return {"t": "peek_ok", "hit_tokens": await self.worker.call(_peek, overlap=True)}, b""
+        return PeekOk(await self.worker.call(_peek, overlap=True)).wire(), b""
 
     async def start(self) -> None:
         import torch
@@ -240,7 +241,7 @@ class EngineInstance:
         for rid in [r for r, c in list(self.reqs.items()) if c.sink.peer is peer]:
             self.counters["orphaned"] = self.counters.get("orphaned", 0) + 1
             try:
-                await self.on_abort(peer, {"rid": rid}, b"")
+                await self.on_abort(peer, Abort(rid).wire(), b"")
             except Exception:
                 log.exception("%s: abort of orphaned %s failed", self.spec.name, rid)
 
@@ -250,10 +251,7 @@ class EngineInstance:
         the request asked for logprobs; the first token's comes from P inside ``kv_done``."""
         if lp is None and pos == 0:
             lp = ctx.extra.pop("lp0", None)
-        msg = {"t": "tok", "rid": ctx.rid, "pos": pos, "id": int(token_id), "fin": fin, "tier": self.tier}
-        if lp is not None:
-            msg["lp"] = lp
-        ctx.sink.put(msg)
+        ctx.sink.put(Tok(ctx.rid, pos, int(token_id), fin, self.tier, OMIT if lp is None else lp).wire())
 
     def _first_token_logprobs(self, handler):
         """Wrap a ``kv_done`` handler: keep the first token's logprob info that P sampled it with
@@ -291,7 +289,7 @@ class EngineInstance:
             return
         ctx.released = True  # the engine thread already released its pages
         self.counters["failed"] = self.counters.get("failed", 0) + 1
-        ctx.sink.put({"t": "req_error", "rid": ctx.rid, "error": f"{self.spec.name}: {error}"})
+        ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: {error}").wire())
 
     async def release(self, ctx: ReqCtx, cache: bool) -> None:
         """Free the request's pages exactly once (inserting whole pages into the radix cache)."""
@@ -311,25 +309,24 @@ class EngineInstance:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         e = self.engine
         runner = getattr(e, "runner", None)
-        return {
-            "t": "stats_ok",
-            "name": self.spec.name,
-            "role": self.spec.role,
-            "dc": self.spec.dc,
-            "pages_total": e.pool.num_pages,
-            "pages_free": e.pool.num_free,
-            "page_bytes": e.pool.page_bytes,
-            "hardware": self.hardware(),
-            "running": len(self.reqs),
-            "forward_calls": getattr(runner, "forward_calls", 0),
-            "engine_steps": self.worker.steps,
-            "engine_busy_s": round(self.worker.busy_s, 4),
-            "engine_held_s": round(self.worker.held_s, 4),  # of busy_s: steps held to engine.min_step_ms
-            "preemptions": getattr(e, "preemptions", 0),
-            "cpu_seconds": ru.ru_utime + ru.ru_stime,
-            "counters": dict(self.counters),
-            **self.extra_stats(),
-        }, b""
+        return StatsOk(
+            name=self.spec.name,
+            role=self.spec.role,
+            dc=self.spec.dc,
+            pages_total=e.pool.num_pages,
+            pages_free=e.pool.num_free,
+            page_bytes=e.pool.page_bytes,
+            hardware=self.hardware(),
+            running=len(self.reqs),
+            forward_calls=getattr(runner, "forward_calls", 0),
+            engine_steps=self.worker.steps,
+            engine_busy_s=round(self.worker.busy_s, 4),
+            engine_held_s=round(self.worker.held_s, 4),  # of busy_s: steps held to engine.min_step_ms
+            preemptions=getattr(e, "preemptions", 0),
+            cpu_seconds=ru.ru_utime + ru.ru_stime,
+            counters=dict(self.counters),
+            extra=self.extra_stats(),
+        ).wire(), b""
 
     def extra_stats(self) -> dict:
         return {}
@@ -347,7 +344,7 @@ class EngineInstance:
             return e.pool.num_pages, e.pool.num_free
 
         total, free = await self.worker.call(_flush)
-        return {"t": "flush_ok", "name": self.spec.name, "pages_total": total, "pages_free": free, "live_requests": len(self.reqs)}, b""
+        return FlushOk(self.spec.name, total, free, len(self.reqs)).wire(), b""
 
     def note_aborted(self, rid: str) -> None:
         self._aborted[rid] = None
@@ -363,12 +360,13 @@ class EngineInstance:
             raise RuntimeError(f"request {ctx.rid} was aborted")
 
     async def on_abort(self, peer, h, payload):
-        self.note_aborted(h["rid"])
-        ctx = self.reqs.get(h["rid"])
+        rid = Abort.decode(h).rid
+        self.note_aborted(rid)
+        ctx = self.reqs.get(rid)
         if ctx is not None:
             self.counters["aborted"] += 1
             await self.release(ctx, cache=False)
-        return {"t": "abort_ok", "rid": h["rid"], "found": ctx is not None}, b""
+        return AbortOk(rid, ctx is not None).wire(), b""
 
     # ------------------------------------------------------------------ KV receive (RLD, MD)
     async def on_kv(self, peer, h, payload):

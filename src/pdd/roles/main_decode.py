@@ -37,6 +37,8 @@ import time
 from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
 from pdd.roles.early_frames import EarlyFrames
 from pdd.topology import ROLE_COLOCATED
+from pdd.transfer.messages import (OMIT, Abort, Drop, Extend, ExtendOk, Finish, Generate, GenerateOk, KvCancel, KvDone,
+                                   KvReady, Reserve, ReserveOk, ReqError, WanSample)
 from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,21 +64,22 @@ class MainDecodeInstance(EngineInstance):
         return {**self.hit_stats(), "early_frames_held": self.early.held_frames,
                 "early_frames_dropped": self.early.dropped_frames}
 
-    async def _admit(self, peer, h, min_uncached: int) -> ReqCtx:
+    async def _admit(self, peer, m: Reserve | Generate, min_uncached: int) -> ReqCtx:
         """A new request's sequence: its prompt matched against the radix cache (``min_uncached``
         prompt tokens always left to compute), the rest of its pages allocated, the hit counted."""
-        rid = h["rid"]
+        rid = m.rid
         if rid in self.reqs:  # one sequence per rid: a second would leak the first's pages
             raise RuntimeError(f"request {rid} is already held here")
-        sp = SamplingParams.from_dict(h["sampling"])
-        prompt = list(h["prompt_ids"])
+        sp = SamplingParams.from_dict(m.sampling)
+        prompt = list(m.prompt_ids)
         seq = await self.worker.call_owned(lambda e: e.new_sequence(rid, prompt, sp, use_cache=True,
                                                                     min_uncached=min_uncached), free_sequence,
                                            overlap=True)
         ctx = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.reqs[rid] = ctx
-        if h.get("first_page") is not None:  # a predicted send: P sends [first_page, n) already
-            ctx.extra["kv_parts"] = 2 if seq.num_cached_tokens // self.engine.pool.page_size < int(h["first_page"]) else 1
+        first = getattr(m, "first_page", OMIT)
+        if first is not OMIT:  # a predicted send: P sends [first_page, n) already
+            ctx.extra["kv_parts"] = 2 if seq.num_cached_tokens // self.engine.pool.page_size < first else 1
         self._replay_early(peer, ctx)
         self.counters["requests"] += 1
         self.record_hit(int(seq.num_cached_tokens), len(prompt))
@@ -109,7 +112,7 @@ class MainDecodeInstance(EngineInstance):
         self._kv_settled(ctx.rid)
 
     async def on_abort(self, peer, h, payload):
-        self.early.ended(h["rid"])  # frames still on their way (a predicted send) are dropped, not held
+        self.early.ended(Abort.decode(h).rid)  # frames still on their way (a predicted send) are dropped, not held
         return await super().on_abort(peer, h, payload)
 
     def _replay_early(self, peer, ctx: ReqCtx) -> None:
@@ -133,16 +136,17 @@ class MainDecodeInstance(EngineInstance):
         return None
 
     async def on_reserve(self, peer, h, payload):
-        if h.get("after"):  # a sibling choice: reserve once the first choice's KV is in the DRC
+        m = Reserve.decode(h)
+        if m.after:  # a sibling choice: reserve once the first choice's KV is in the DRC
             self.counters["sibling_waits"] = self.counters.get("sibling_waits", 0) + 1
-            await self._kv_arrived(str(h["after"]), self.cfg.request_timeout_s)
+            await self._kv_arrived(m.after, self.cfg.request_timeout_s)
         # MD may hold every whole page; a predicted send's pages [first_page, n) are on their way
-        first = h.get("first_page")
-        rid = str(h["rid"])
+        first = m.first_page
+        rid = m.rid
         self._reserving.add(rid)
         try:
-            ctx = await self._admit(peer, h, min_uncached=0 if first is None else
-                                    len(h["prompt_ids"]) - int(first) * self.engine.pool.page_size)
+            ctx = await self._admit(peer, m, min_uncached=0 if first is OMIT else
+                                    len(m.prompt_ids) - first * self.engine.pool.page_size)
         except BaseException:
             self._kv_settled(rid)  # refused: a sibling waiting on it goes on
             raise
@@ -151,22 +155,22 @@ class MainDecodeInstance(EngineInstance):
         rid, prompt = ctx.rid, ctx.seq.prompt_ids
         ps = self.engine.pool.page_size
         cached = int(ctx.seq.num_cached_tokens)
-        return {"t": "reserve_ok", "rid": rid, "md_cached_tokens": cached, "md_cached_pages": cached // ps,
-                "n_pages": (len(prompt) + ps - 1) // ps, "prompt_tokens": len(prompt), "page_size": ps,
-                "page_bytes": self.engine.pool.page_bytes, "kv_dtype": str(self.engine.pool.dtype_name)}, b""
+        return ReserveOk(rid, cached, cached // ps, (len(prompt) + ps - 1) // ps, len(prompt), ps,
+                         self.engine.pool.page_bytes, str(self.engine.pool.dtype_name)).wire(), b""
 
     async def on_kv_done(self, peer, h, payload):
-        ctx = self.reqs.get(h["rid"])
+        m = KvDone.decode(h)
+        ctx = self.reqs.get(m.rid)
         if ctx is None:
-            self.early.hold(h["rid"], "kv_done", h, b"", time.monotonic())
+            self.early.hold(m.rid, "kv_done", h, b"", time.monotonic())
             return None
         parts = int(ctx.extra.get("kv_parts", 1)) - 1  # a predicted send with a fill: two transfers
         ctx.extra["kv_parts"] = parts
         if parts > 0:
             return None
-        t0, fin = int(h["first_token"]), h.get("fin")
+        t0, fin = m.first_token, m.fin or None
         seq = ctx.seq
-        relay = bool(h.get("relay"))  # set by the gateway's plan, carried by P's kv_done
+        relay = bool(m.relay)  # set by the gateway's plan, carried by P's kv_done
         start = fin is None and not relay
 
         def _imported(e):
@@ -187,13 +191,13 @@ class MainDecodeInstance(EngineInstance):
         if relay:
             # tell the gateway at once: the engine thread runs commands in order, so the
             # handoff's extend (queued later) always finds the imported KV
-            ctx.sink.put({"t": "kv_ready", "rid": ctx.rid})
+            ctx.sink.put(KvReady(ctx.rid).wire())
         await done
         ctx.extra["kv_imported"] = True
         self._kv_settled(ctx.rid)
         rate = self.kv_rate_sample_gbps(ctx)
         if rate is not None:  # the gateway's live WAN estimate (pipeline choice) is made of these
-            ctx.sink.put({"t": "wan_sample", "gbps": rate})
+            ctx.sink.put(WanSample(rate).wire())
         if not relay and fin is not None:
             await self.release(ctx, cache=True)
         return None
@@ -203,23 +207,23 @@ class MainDecodeInstance(EngineInstance):
         extend over the ids it lacks. ``final`` False (a catch-up round, sent as a call): compute
         their KV without sampling, holding the newest id back so the final round always has one
         to extend from, and reply when absorbed. ``final`` True: extend, sample, decode on."""
-        ctx = self.reqs.get(h["rid"])
+        m = Extend.decode(h)
+        ctx = self.reqs.get(m.rid)
         if ctx is None:
-            return {"t": "extend_ok", "found": False}
-        ids = [int(t) for t in h["token_ids"]]
-        final = bool(h.get("final", True))
+            return ExtendOk(False).wire()
+        ids, final = m.token_ids, m.final
         if not ctx.extra.get("kv_complete"):
             # a handoff sent at the KV's predicted landing (policy.early_handoff) may come first:
             # the extend waits for the prompt's KV (then imported: the engine runs it after that)
             await self._kv_arrived(ctx.rid, self.cfg.request_timeout_s)
-            ctx = self.reqs.get(h["rid"])
+            ctx = self.reqs.get(m.rid)
             if ctx is None:
-                return {"t": "extend_ok", "found": False}
+                return ExtendOk(False).wire()
             if not ctx.extra.get("kv_imported"):
                 error = f"{self.spec.name}: the prompt's KV did not arrive within {self.cfg.request_timeout_s:.0f} s"
-                ctx.sink.put({"t": "req_error", "rid": ctx.rid, "error": error})
+                ctx.sink.put(ReqError(ctx.rid, error).wire())
                 await self.release(ctx, cache=False)
-                return {"t": "extend_ok", "found": False}
+                return ExtendOk(False).wire()
         seq = ctx.seq
 
         def _extend(e):
@@ -234,7 +238,7 @@ class MainDecodeInstance(EngineInstance):
         self.counters["extends"] = self.counters.get("extends", 0) + 1
         target = await self.worker.call(_extend, overlap=True)
         if final:
-            return {"t": "extend_ok", "found": True}
+            return ExtendOk(True).wire()
         # catch-up round: wait until MD's KV covers what it was sent (not final: no sampling)
         steps0 = self.worker.steps
         while ctx.rid in self.reqs:
@@ -245,31 +249,32 @@ class MainDecodeInstance(EngineInstance):
             await asyncio.sleep(0.002)
         base = sorted(self.worker.recent_steps_s)
         med = base[len(base) // 2] if base else 0.0
-        return {"t": "extend_ok", "found": True, "steps": self.worker.steps - steps0,
-                "extend_step_ms": round(self.worker.last_step_s * 1000, 3),
-                "extra_step_ms": round(max(0.0, self.worker.last_step_s - med) * 1000, 3)}
+        return ExtendOk(True, steps=self.worker.steps - steps0,
+                        extend_step_ms=round(self.worker.last_step_s * 1000, 3),
+                        extra_step_ms=round(max(0.0, self.worker.last_step_s - med) * 1000, 3)).wire()
 
     async def on_kv_cancel(self, peer, h, payload):
         """The transfer was cut off (RLD finished first): ``kv_cancel`` from P, or ``drop`` from
         the gateway (which also covers a transfer P never started). Free what arrived, cache
         nothing; frames still in flight find no request and are dropped."""
-        ctx = self.reqs.get(h["rid"])
+        rid = (KvCancel if h.get("t") == KvCancel.T else Drop).decode(h).rid
+        ctx = self.reqs.get(rid)
         if ctx is None:
-            self.early.ended(h["rid"])  # frames still on their way are dropped, not held
+            self.early.ended(rid)  # frames still on their way are dropped, not held
         elif not ctx.extra.get("kv_complete"):
             self.counters["dropped"] = self.counters.get("dropped", 0) + 1
             await self.release(ctx, cache=False)
         return None
 
     async def on_finish(self, peer, h, payload):
-        ctx = self.reqs.get(h["rid"])
+        ctx = self.reqs.get(Finish.decode(h).rid)
         if ctx is not None:
             await self.release(ctx, cache=True)
         return None
 
     async def on_generate(self, peer, h, payload):
-        ctx = await self._admit(peer, h, min_uncached=1)  # colocated: this engine prefills too
+        ctx = await self._admit(peer, Generate.decode(h), min_uncached=1)  # colocated: this engine prefills too
         seq = ctx.seq
         ctx.in_engine = True
         await self.worker.call(lambda e: e.add(seq), overlap=True)
-        return {"t": "generate_ok", "rid": ctx.rid, "p_cached_tokens": int(seq.num_cached_tokens)}, b""
+        return GenerateOk(ctx.rid, int(seq.num_cached_tokens)).wire(), b""

@@ -26,6 +26,7 @@ from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.kv import KVSender, prompt_kv_bytes, prompt_last_slots
 from pdd.transfer.layout import KVLayout, kv_handshake_check, layout_of, wire_dtype, wire_slot_bytes
+from pdd.transfer.messages import OMIT, Abort, AbortOk, Cancel, MessageError, Prefill, PrefillOk, Target, XferDone
 from pdd.transfer.wire import limit_write_buffers, set_socket_buffer
 from pdd.types import SamplingParams
 
@@ -67,7 +68,8 @@ class PrefillInstance(EngineInstance):
 
     async def on_cancel(self, peer, h, payload):
         """Cut-off: stop sending request ``rid``'s pages to target ``name`` (sends kv_cancel)."""
-        rid, name = h["rid"], h["name"]
+        m = Cancel.decode(h)
+        rid, name = m.rid, m.name
         if rid not in self.reqs:
             return None  # already drained and released: nothing left to cut
         self._cancel_deferred(rid, {"name": name, "cancelled": True})  # not planned yet: never start it
@@ -94,17 +96,18 @@ class PrefillInstance(EngineInstance):
         cancelled: true}`` when that target cannot be reached (never sent), or ``{rid, slot, name,
         skip: true}`` when the slot has nothing to send (a predicted MD send that MD's cache
         confirmed: no ``md_fill``)."""
-        if h["rid"] in self._aborted:
+        m = Target.decode(h)
+        if m.rid in self._aborted:
             return None  # aborted already: nothing will be sent
-        fut = self._deferred_target(h["rid"], h.get("slot") or h["name"])
+        fut = self._deferred_target(m.rid, m.slot)
         if not fut.done():
-            if h.get("cancelled") or h.get("skip"):
-                fut.set_result({"name": h.get("name") or h.get("slot"),
-                                **({"skip": True} if h.get("skip") else {"cancelled": True})})
+            if m.cancelled or m.skip:
+                fut.set_result({"name": m.name or m.slot, **({"skip": True} if m.skip else {"cancelled": True})})
+            elif m.name is OMIT or m.first_page is OMIT:
+                raise MessageError(f"message 'target': a planned slot needs 'name' and 'first_page' ({m})")
             else:
-                fut.set_result({"name": h["name"], "first_page": int(h["first_page"]),
-                                "relay": bool(h.get("relay")),
-                                **({"last_page": int(h["last_page"])} if h.get("last_page") is not None else {})})
+                fut.set_result({"name": m.name, "first_page": m.first_page, "relay": bool(m.relay),
+                                **({"last_page": m.last_page} if m.last_page is not OMIT else {})})
         return None
 
     async def on_abort(self, peer, h, payload):
@@ -114,7 +117,7 @@ class PrefillInstance(EngineInstance):
         and its pages are freed only once they have drained (the stream's own clean-up), never
         while a sender may still read them. The reply's ``streams``: whether this P started
         streaming the request's KV (it then reports the transfer in ``xfer_done``; else never)."""
-        rid = h["rid"]
+        rid = Abort.decode(h).rid
         self.note_aborted(rid)
         fut = self.first_token_waiters.pop(rid, None)
         if fut is not None and not fut.done():
@@ -125,11 +128,11 @@ class PrefillInstance(EngineInstance):
             self._cancel_deferred(rid, {"cancelled": True})
             n = sum(s.cancel(rid) for s in self.senders.values())
             self.counters["aborted"] += 1
-            return {"t": "abort_ok", "rid": rid, "found": True, "cancelled_transfers": n, "streams": True}, b""
+            return AbortOk(rid, True, cancelled_transfers=n, streams=True).wire(), b""
         self._deferred.pop(rid, None)
         if ctx is None or ctx.released:
             rep, _ = await super().on_abort(peer, h, payload)
-            return {**rep, "streams": streams}, b""
+            return self._abort_reply(rep, streams), b""
         seq = ctx.seq
         prefilling = seq.num_computed < seq.prompt_len
         at_cancel = seq.prefill_chunks
@@ -142,7 +145,15 @@ class PrefillInstance(EngineInstance):
         self.prefill_cancels.append({"rid": rid, "chunks": seq.prefill_chunks, "chunks_after_cancel": after,
                                      "prefilled_tokens": min(seq.num_computed, seq.prompt_len),
                                      "prompt_tokens": seq.prompt_len})
-        return {**rep, "streams": streams}, b""
+        return self._abort_reply(rep, streams), b""
+
+    @staticmethod
+    def _abort_reply(rep: dict, streams: bool) -> dict:
+        """The base abort reply (:class:`AbortOk`) with P's ``streams``: whether this P started
+        streaming the request's KV (the gateway writes off its planned WAN bytes if not)."""
+        ok = AbortOk.decode(rep)
+        ok.streams = streams
+        return ok.wire()
 
     def extra_stats(self) -> dict:
         live = [c for c in list(self.reqs.values()) if not c.extra.get("streaming") and not c.released]
@@ -221,9 +232,10 @@ class PrefillInstance(EngineInstance):
                 fut.set_result(ev)
 
     async def on_prefill(self, peer, h, payload):
-        rid = h["rid"]
-        prompt = list(h["prompt_ids"])
-        sp = SamplingParams.from_dict(h["sampling"])
+        m = Prefill.decode(h)
+        rid = m.rid
+        prompt = list(m.prompt_ids)
+        sp = SamplingParams.from_dict(m.sampling)
         p_sp = SamplingParams.from_dict({**sp.to_dict(), "max_tokens": 1, "ignore_eos": True})
         if rid in self._aborted:
             raise RuntimeError(f"request {rid} was aborted")
@@ -283,9 +295,8 @@ class PrefillInstance(EngineInstance):
         self._streamed[rid] = None
         while len(self._streamed) > ABORTED_MEMORY:
             self._streamed.pop(next(iter(self._streamed)))
-        asyncio.get_running_loop().create_task(self._stream(ctx, h.get("targets", []), t0, fin, n_pages))
-        return {"t": "prefill_ok", "rid": rid, "first_token": t0, "fin": fin, "p_cached_tokens": cached, "n_pages": n_pages,
-                "page_bytes": self.engine.pool.page_bytes}, b""
+        asyncio.get_running_loop().create_task(self._stream(ctx, m.targets, t0, fin, n_pages))
+        return PrefillOk(rid, t0, fin, cached, n_pages, self.engine.pool.page_bytes).wire(), b""
 
     async def _stream(self, ctx: ReqCtx, targets: list[dict], t0: int, fin: str | None, n_pages: int) -> None:
         ctx.extra["streaming"] = True
@@ -411,4 +422,4 @@ class PrefillInstance(EngineInstance):
         finally:
             self._deferred.pop(ctx.rid, None)
             await self.release(ctx, cache=True)
-            ctx.sink.put({"t": "xfer_done", "rid": ctx.rid, "bytes": result, "unsent": unsent, "errors": errors})
+            ctx.sink.put(XferDone(ctx.rid, result, unsent, errors).wire())

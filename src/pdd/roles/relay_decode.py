@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 from pdd.policy.handoff import HandoffInputs, decide_handoff, rld_load
 from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
+from pdd.transfer.messages import Expect, ExpectOk, Handoff, HandoffOk, KvDone
 from pdd.types import SamplingParams
 
 
@@ -36,23 +37,25 @@ class RelayDecodeInstance(EngineInstance):
         return {"handoff_mode_now": self.current_mode}
 
     async def on_expect(self, peer, h, payload):
-        rid = h["rid"]
+        m = Expect.decode(h)
+        rid = m.rid
         if rid in self.reqs:  # one sequence per rid: a second would leak the first's pages
             raise RuntimeError(f"request {rid} is already held here")
-        sp = SamplingParams.from_dict(h["sampling"])
-        prompt = list(h["prompt_ids"])
+        sp = SamplingParams.from_dict(m.sampling)
+        prompt = list(m.prompt_ids)
         seq = await self.worker.call_owned(lambda e: e.new_sequence(rid, prompt, sp, use_cache=False), free_sequence,
                                            overlap=True)
         self.reqs[rid] = ReqCtx(rid, seq, self.sink_for(peer), sp)
         self.counters["requests"] += 1
         await self.admitted(self.reqs[rid])
-        return {"t": "expect_ok", "rid": rid, "n_pages": len(seq.page_table)}, b""
+        return ExpectOk(rid, len(seq.page_table)).wire(), b""
 
     async def on_kv_done(self, peer, h, payload):
-        ctx = self.reqs.get(h["rid"])
+        m = KvDone.decode(h)
+        ctx = self.reqs.get(m.rid)
         if ctx is None:
             return None
-        t0, fin = int(h["first_token"]), h.get("fin")
+        t0, fin = m.first_token, m.fin or None
         seq = ctx.seq
 
         def _start(e):
@@ -76,21 +79,22 @@ class RelayDecodeInstance(EngineInstance):
         until the gateway sees MD's stream live and sends ``abort``), so the client never waits
         on the switch.
         """
-        rid = h["rid"]
+        m = Handoff.decode(h)
+        rid = m.rid
         t_in = time.perf_counter()
         ctx = self.reqs.get(rid)
-        done = {"t": "handoff_ok", "rid": rid, "finished": True, "token_ids": [], "mode": None, "final": True}
+        done = HandoffOk(rid, True, [], None, True).wire()
         if ctx is None or not ctx.in_engine:
             return done, b""
         seq = ctx.seq
         pol = self.cfg.policy
         e = self.engine
         inp = HandoffInputs(
-            tokens_pending=max(0, seq.num_outputs - int(h.get("sent", 0))),
+            tokens_pending=max(0, seq.num_outputs - m.sent),
             rld_running=len(e.seqs), rld_capacity=self.engine_cfg.max_running,
             rld_pages_used=e.pool.num_pages - e.pool.num_free, rld_pages_total=e.pool.num_pages,
             threshold=pol.catchup_threshold_tokens, mode_config=pol.handoff_mode, current_mode=self.current_mode,
-            round_index=int(h.get("round", 0)))
+            round_index=m.round)
         dec = decide_handoff(inp)
         if dec.mode != self.current_mode:
             self.counters["mode_switches"] = self.counters.get("mode_switches", 0) + 1
@@ -116,6 +120,5 @@ class RelayDecodeInstance(EngineInstance):
             asyncio.get_running_loop().create_task(self.release(ctx, cache=False))
         key = f"handoffs_{dec.mode}" if dec.final else "catchup_rounds"
         self.counters[key] = self.counters.get(key, 0) + 1
-        return {"t": "handoff_ok", "rid": rid, "finished": False, "token_ids": tokens, "mode": dec.mode,
-                "final": dec.final, "load": round(rld_load(inp), 4), "inputs": asdict(inp),
-                "rld_ms": round((time.perf_counter() - t_in) * 1000, 2)}, b""
+        return HandoffOk(rid, False, tokens, dec.mode, dec.final, load=round(rld_load(inp), 4), inputs=asdict(inp),
+                         rld_ms=round((time.perf_counter() - t_in) * 1000, 2)).wire(), b""

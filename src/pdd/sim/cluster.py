@@ -255,7 +255,7 @@ class ClusterSim:
         return min(k, (req.prompt - 1) // self.block) * self.block
 
     def _predict_md(self, req: Req) -> None:
-        """Predicted MD send (``policy.md_predicted_send``, ``orchestrator.route_and_reserve``): a
+        """Predicted MD send (``policy.md_predicted_send``, ``gateway.launch``: ``route_and_reserve``): a
         request relayed at once sends MD the pages the gateway's prefix index says MD lacks as
         soon as P's prefill is done, without waiting for MD's reservation round trip.
 
@@ -570,7 +570,7 @@ class ClusterSim:
 
     # --- handoff -----------------------------------------------------------------------------------
     def _kv_left_p(self, req: Req) -> None:
-        """Early handoff (``policy.early_handoff``, ``orchestrator._handoff_at_landing``): P wrote
+        """Early handoff (``policy.early_handoff``, ``gateway.handoff``: ``_handoff_at_landing``): P wrote
         MD's KV to the WAN (its ``xfer_done``, here the instant the flow's last byte left), so
         the gateway starts the handoff when that byte is expected to have left at its WAN
         estimate (:func:`pdd.policy.handoff.early_handoff_delay_s` of the planned bytes, counted

@@ -1,9 +1,8 @@
 """KV page streaming over a :class:`~pdd.transfer.rpc.Peer`.
 
-Wire messages (one-way, in this order per transfer)::
+Wire messages (one-way, in this order per transfer; :mod:`pdd.transfer.messages`)::
 
-    {"t": "kv", "rid", "first_page", "n_pages", "layers": [l0, l1] | None, "page_bytes"
-     [, "last_page_bytes"] [, "dtype"]}
+    kv {rid, first_page, n_pages, layers: [l0, l1] | None, page_bytes [, last_page_bytes] [, dtype]}
         + payload of n_pages * page_bytes bytes (pages first_page .. first_page+n_pages-1
           of the request's page table, layer range [l0, l1) of each page; None = all layers),
           or (n_pages - 1) * page_bytes + last_page_bytes when the frame ends with the
@@ -12,10 +11,9 @@ Wire messages (one-way, in this order per transfer)::
           Pages are the receiver's (its page size); ``dtype``: the payload's element type when
           the sender set one (a transfer between tiers of different KV dtype, pdd.transfer.layout:
           the receiver converts to its own on import)
-    {"t": "kv_done", "rid", "first_page", "n_pages", "layers", "page_bytes", "last_page_bytes",
-     "bytes", **done_fields}
+    kv_done {rid, first_page, n_pages, layers, page_bytes, last_page_bytes, bytes [, dtype], **done_fields}
         after the last chunk ("bytes": payload bytes sent for this transfer)
-    {"t": "kv_cancel", "rid", "bytes", "pages"} instead of kv_done when cancelled or failed
+    kv_cancel {rid, bytes, pages} instead of kv_done when cancelled or failed
 
 Page indices are *request* page indices (positions in the request's page table), not pool
 slots: each side maps them through its own page table.
@@ -36,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
+from .messages import OMIT, Kv, KvCancel, KvDone
 from .pacing import Pacer
 from .rpc import Peer
 from .wire import payload_view
@@ -387,7 +386,7 @@ class KVSender:
     async def _finish_cancel(self, t: Transfer, error: Optional[BaseException] = None) -> None:
         try:
             await self.peer.send(
-                {"t": "kv_cancel", "rid": t.rid, "bytes": t.bytes_sent, "pages": t.pages_sent}, crc=self.crc
+                KvCancel(t.rid, t.bytes_sent, t.pages_sent).wire(), crc=self.crc
             )
         except ConnectionError:
             pass  # the receiver drops the request's state when the connection goes
@@ -401,9 +400,7 @@ class KVSender:
         self.peer._check_open()
 
     async def _finish_done(self, t: Transfer) -> None:
-        h = dict(t.done_fields)
-        h.update(
-            t="kv_done",
+        h = KvDone(
             rid=t.rid,
             first_page=t.first_page,
             n_pages=t.n_pages,
@@ -411,9 +408,9 @@ class KVSender:
             page_bytes=t.page_bytes,
             last_page_bytes=t.last_page_bytes,
             bytes=t.bytes_sent,
-        )
-        if t.dtype is not None:
-            h["dtype"] = t.dtype
+            dtype=t.dtype if t.dtype is not None else OMIT,
+            extra=dict(t.done_fields),
+        ).wire()
         await self.peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
         self.active.remove(t)
         if not t.done.done():
@@ -455,18 +452,10 @@ class KVSender:
                     continue
                 if t.started_at is None:
                     t.started_at = asyncio.get_running_loop().time()
-                header = {
-                    "t": "kv",
-                    "rid": t.rid,
-                    "first_page": i,
-                    "n_pages": n,
-                    "layers": list(t.layers) if t.layers is not None else None,
-                    "page_bytes": t.page_bytes,
-                }
-                if data.nbytes != n * t.page_bytes:  # ends with the transfer's partial last page
-                    header["last_page_bytes"] = t.last_page_bytes
-                if t.dtype is not None:
-                    header["dtype"] = t.dtype
+                # a last_page_bytes only when the frame ends with the transfer's partial last page
+                header = Kv(t.rid, i, n, list(t.layers) if t.layers is not None else None, t.page_bytes,
+                            t.last_page_bytes if data.nbytes != n * t.page_bytes else OMIT,
+                            t.dtype if t.dtype is not None else OMIT).wire()
                 try:
                     await asyncio.wait_for(self.peer.send(header, data, crc=self.crc), self.stall_timeout_s)
                 except (asyncio.TimeoutError, TimeoutError):

@@ -37,10 +37,10 @@ the proxy holds at most about one bandwidth-delay product in flight. A slow rece
 back-pressures too (reading stops while its socket's write buffer is full). Concurrent
 connections interleave chunk by chunk: they share the line fairly.
 
-Control port messages: ``{"t": "stats"}`` -> ``{"t": "stats", "bytes_a_to_b", "bytes_b_to_a",
-"connections", ...}`` (bytes delivered, all connections, framing included);
-``{"t": "set", "gbps"?, "rtt_ms"?, "jitter_ms"?, "outage"?: bool, "loss_rate"?, "cross_gbps"?}`` -> the
-new stats (``cross_gbps`` replaces the schedule by that rate from now on).
+Control port messages: ``stats`` -> ``stats {bytes_a_to_b, bytes_b_to_a, connections, ...}``
+(bytes delivered, all connections, framing included); ``set {gbps?, rtt_ms?, jitter_ms?,
+outage?: bool, loss_rate?, cross_gbps?}`` (:class:`pdd.transfer.messages.LinkSet`) -> the new
+stats (``cross_gbps`` replaces the schedule by that rate from now on).
 An outage freezes the line: no byte moves and no connection is reset; when it ends, bytes in
 flight resume their remaining delay. Helpers: :func:`query_stats`, :func:`set_link`.
 """
@@ -60,7 +60,7 @@ from typing import Any, Optional
 
 from pdd.policy import tcp_model
 
-from . import rpc
+from . import messages, rpc
 
 __all__ = ["Link", "run_link", "serve_link", "query_stats", "set_link", "normalize_config", "main"]
 
@@ -619,9 +619,10 @@ class Link:
         return dict(self.stats(), t="stats")
 
     def _h_set(self, peer, h, p):
+        m = messages.LinkSet.decode(h)
         return dict(
-            self.set(h.get("gbps"), h.get("rtt_ms"), h.get("jitter_ms"), h.get("outage"), h.get("loss_rate"),
-                     h.get("cross_gbps")),
+            self.set(*(None if v is messages.OMIT else v
+                       for v in (m.gbps, m.rtt_ms, m.jitter_ms, m.outage, m.loss_rate, m.cross_gbps))),
             t="stats",
         )
 
@@ -635,7 +636,7 @@ async def query_stats(host: str, port: int, timeout: float = 5.0) -> dict:
     """Ask a running link's control port for its stats (one short-lived connection)."""
     peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
     try:
-        h, _ = await peer.call({"t": "stats"}, timeout=timeout)
+        h, _ = await peer.call(messages.Stats().wire(), timeout=timeout)
         return _strip(h)
     finally:
         await peer.close()
@@ -645,7 +646,7 @@ async def set_link(host: str, port: int, timeout: float = 5.0, **kw) -> dict:
     """``set_link(host, port, gbps=?, rtt_ms=?, jitter_ms=?, outage=?, loss_rate=?, cross_gbps=?)`` -> new stats."""
     peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
     try:
-        h, _ = await peer.call(dict({k: v for k, v in kw.items() if v is not None}, t="set"), timeout=timeout)
+        h, _ = await peer.call(messages.LinkSet(**{k: v for k, v in kw.items() if v is not None}).wire(), timeout=timeout)
         return _strip(h)
     finally:
         await peer.close()

@@ -6,11 +6,12 @@ Both sides can, at any time:
 - ``await peer.call(header, payload, timeout=s)`` -> ``(reply_header, reply_payload)``:
   the request carries a ``"cid"`` (call id, unique per sending side); the reply carries the
   same ``"cid"`` and ``"reply": True``. A handler exception comes back as
-  ``{"t": "error", "cid", "reply": True, "error": str}`` and raises :class:`RemoteError`.
+  an ``error {cid, reply: True, error: str}`` header and raises :class:`RemoteError`.
 - ``await peer.send(header, payload)``: one-way message (no ``"cid"``).
 - receive: messages are dispatched by ``header["t"]`` to ``handler(peer, header, payload)``
   (sync or async). For a call, the handler's return value is the reply: ``None`` (empty reply
-  ``{"t": "ok"}``), a header dict, or ``(header, payload)``.
+  ``ok``), a header dict, or ``(header, payload)``. The headers are built and read by
+  :mod:`pdd.transfer.messages` (one dataclass per kind).
 
 Ordering: one-way messages from a peer are handled **sequentially, in arrival order**, by one
 dispatcher task per connection (so ``kv`` frames and the ``kv_done`` after them are seen in
@@ -24,9 +25,9 @@ per connection beyond the transport's high-water mark. When the connection close
 reset, protocol error or ``close()``), pending calls fail at once with ``ConnectionError``
 and later ``call``/``send`` raise ``ConnectionError``.
 
-Handshake: the connecting side sends ``{"t": "hello", "proto", "role", "instance",
-"fingerprint"}``; the accepting side checks it with ``handshake_check(local_fp, remote_fp)``
-and answers ``hello`` (its own identity) or ``{"t": "error", "error": reason}`` then closes;
+Handshake: the connecting side sends ``hello {proto, role, instance, fingerprint}``; the
+accepting side checks it with ``handshake_check(local_fp, remote_fp)``
+and answers ``hello`` (its own identity) or ``error {error: reason}`` then closes;
 the connecting side checks the answer the same way. A failed check raises
 :class:`HandshakeError` (a ``ConnectionError``).
 
@@ -75,7 +76,7 @@ import ssl as _ssl
 import weakref
 from typing import Any, Awaitable, Callable, Mapping, Optional, Union
 
-from . import wire
+from . import messages, wire
 from .wire import CrcError, FrameMac, MacError, WireError
 
 __all__ = [
@@ -152,7 +153,7 @@ async def _maybe_await(x):
 
 def _normalize_reply(ret, req_header: dict) -> tuple[dict, Any]:
     if ret is None:
-        return {"t": "ok"}, b""
+        return messages.Ok().wire(), b""
     if isinstance(ret, dict):
         return dict(ret), b""
     if isinstance(ret, tuple) and len(ret) == 2 and isinstance(ret[0], dict):
@@ -306,7 +307,7 @@ class Peer:
 
     async def _send_hb(self) -> None:
         try:
-            await self._write({"t": "_hb"}, b"", None)
+            await self._write(messages.Heartbeat().wire(), b"", None)
         except Exception:
             pass
         finally:
@@ -509,7 +510,7 @@ class Peer:
             if fut is not None and not fut.done():
                 fut.set_exception(WireError(str(e)))
         elif cid is not None:
-            self._spawn(self._reply(h, {"t": "error", "error": f"frame dropped: {e}"}, b""))
+            self._spawn(self._reply(h, messages.Error(f"frame dropped: {e}").wire(), b""))
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -553,7 +554,7 @@ class Peer:
             raise
         except Exception as e:
             log.debug("%r: handler for call %r raised %r", self, header["t"], e)
-            rh, rp = {"t": "error", "error": f"{type(e).__name__}: {e}"}, b""
+            rh, rp = messages.Error(f"{type(e).__name__}: {e}").wire(), b""
         await self._reply(header, rh, rp)
 
     async def _reply(self, req: dict, rh: dict, rp) -> None:
@@ -565,7 +566,7 @@ class Peer:
             pass
         except Exception as e:  # e.g. unencodable reply header
             try:
-                await self._write({"t": "error", "cid": req["cid"], "reply": True, "error": f"bad reply: {e!r}"}, b"", None)
+                await self._write({**messages.Error(f"bad reply: {e!r}").wire(), "cid": req["cid"], "reply": True}, b"", None)
             except ConnectionError:
                 pass
 
@@ -575,10 +576,9 @@ NONCE_BYTES = 16
 
 
 def _hello(role: str, instance: str, fingerprint: Optional[dict], heartbeat_s: Optional[float] = None) -> dict:
-    h = {"t": "hello", "proto": PROTO, "role": role, "instance": instance, "fingerprint": fingerprint}
-    if heartbeat_s:
-        h["hb"] = float(heartbeat_s)  # this side sends heartbeats and expects them
-    return h
+    # ``hb``: this side sends heartbeats and expects them
+    return messages.Hello(PROTO, role, instance, fingerprint,
+                          hb=float(heartbeat_s) if heartbeat_s else messages.OMIT).wire()
 
 
 def _mac(master: bytes, label: bytes, alg: str = "hmac") -> FrameMac:
@@ -685,7 +685,7 @@ async def _server_handshake(
         if isinstance(e, MacError):
             e = HandshakeError(f"fast-path authentication failed: {e}")
         try:
-            await _write_raw(peer, {"t": "error", "error": str(e)})
+            await _write_raw(peer, messages.Error(str(e)).wire())
         except Exception:
             pass
         raise HandshakeError(str(e)) from None

@@ -10,7 +10,7 @@ A frame is::
                                  other bits reserved, must be 0)
               header_len   u32  bytes of the msgpack header
               payload_len  u64  bytes of the raw payload
-    header  msgpack map (str keys), always with "t": the message type (str)
+    header  msgpack map (str keys), always with a "t" key: the message type (str)
     payload raw bytes, never re-encoded (KV pages go out as the pool's own bytes)
     tag     only with FLAG_MAC: MAC_BYTES (16) bytes over prefix || header || payload and the
             frame's number in its direction (see :class:`FrameMac`; not counted in payload_len)

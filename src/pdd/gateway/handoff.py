@@ -1,0 +1,211 @@
+"""The handoff (a collaborator of :class:`pdd.gateway.orchestrator.Orchestrator`): RLD's output
+ids to MD (one-shot or catch-up rounds, RLD decides each by its load; or early, at the KV's
+predicted landing), and the client's switch from RLD's stream to MD's at one position, neither
+dropping nor repeating a token (:meth:`Handoffs._next_tokens`). Moves a relayed request through
+the rld_decode -> handoff -> md_decode phases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pdd.gateway.phase import Phase
+from pdd.gateway.state import ReqState, TokenOut, extend_message
+from pdd.topology import ROLE_MAIN, ROLE_RELAY
+from pdd.transfer.messages import Abort, Drop, Finish, Handoff
+from pdd.types import Pipeline
+
+log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
+
+
+class Handoffs:
+    """Mixin of the orchestrator: the RLD -> MD handoff and the client's switch."""
+
+    async def _handoff_at_landing(self, st: ReqState) -> None:
+        """Early handoff (``policy.early_handoff``): P wrote MD's KV to the WAN, so start the
+        handoff when that KV is predicted to land on MD less the WAN's one-way delay: RLD's ids
+        then cross while the KV's last bytes do, instead of a crossing after MD's kv_ready has
+        crossed back. Landing = when P began streaming + the transfer's bytes at the live WAN
+        rate (:meth:`_remaining_wan_s`). A prediction that is early makes MD's extend wait for
+        the KV (the client's switch gap grows by the error); a late one hands over at kv_ready."""
+        trid = st.trid
+
+        def moot() -> bool:
+            return st.trid != trid or st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started or st.lost
+
+        # RLD must be decoding (its first token out) before it can be asked for its ids: its
+        # fast-path KV was written beside MD's, but may still be on its way in. And MD must have
+        # admitted the request (its reservation reply is in): a refused reservation loses MD's leg
+        # and RLD, not yet stopped, finishes the request instead of handing it to nobody
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while (not moot() and (st.next_pos <= st.base or "md_reserved" not in st.events)
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.001)
+        if moot() or st.next_pos <= st.base or "md_reserved" not in st.events:
+            return
+        wait = self._remaining_wan_s(st)  # the planned bytes, with a fill's, are known from here on
+        if wait > 0:
+            await asyncio.sleep(wait)
+            if moot():
+                return
+        st.handoff_early = True
+        await self._handoff(st)
+
+    async def _handoff(self, st: ReqState) -> None:
+        """Extend-Decode handoff, one-shot or catch-up (RLD decides each round by its load).
+
+        Each round RLD returns every output id so far. Catch-up rounds before the final one
+        are absorbed by MD (KV computed, no sampling) while RLD keeps decoding; after the final
+        round MD extends, samples and decodes on, and :meth:`stream` switches the client to MD
+        at the first position MD reaches, once MD's tokens match what was streamed. One-shot:
+        RLD stops at once, MD continues at the next position.
+        """
+        if st.handoff_started:
+            return
+        st.handoff_started = True
+        trid = st.trid
+        try:
+            await self._handoff_rounds(st)
+        except Exception as e:
+            if st.trid != trid or st.finished or st.lost:
+                return
+            # a tier died mid-handoff; its closed connection tells _instance_lost what to do
+            log.warning("request %s: handoff failed: %s", st.rid, e)
+            for role in (ROLE_RELAY, ROLE_MAIN):
+                name = st.names.get(role)
+                if name is not None and self.peers[name].closed:
+                    self._instance_lost(st, name, f"instance {name} is unreachable ({e})")
+                    return
+            self._fail_lost(st, f"handoff failed: {e}")
+
+    async def _handoff_rounds(self, st: ReqState) -> None:
+        md_name, md = self._peer(st, ROLE_MAIN)
+        _, rld = self._peer(st, ROLE_RELAY)
+        t = self.cfg.request_timeout_s
+        k = self.cfg.policy.handoff_min_tokens
+        while k and st.next_pos < k and not st.finished and not st.md_lost:
+            await asyncio.sleep(0.001)
+        rounds, sent = 0, 0
+        while True:
+            if st.md_lost or st.takeover:
+                return  # MD's leg was given up (RLD finishes), or MD took over already
+            if st.finished:
+                rep = {"finished": True}
+            else:
+                st.events["handoff_call"] = time.perf_counter()
+                if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
+                    st.to(Phase.HANDOFF, "RLD asked for its ids")
+                rep, _ = await rld.call(Handoff(st.trid, sent, rounds).wire(), timeout=t)
+            if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
+                st.rld_finished_first = True
+                self.totals["rld_finished_first"] += 1
+                await md.send(Finish(st.trid).wire())
+                return
+            ids = rep["token_ids"]
+            rounds += 1
+            if "inputs" in rep:
+                st.decisions.append({"policy": "handoff", "inputs": rep["inputs"],
+                                     "result": {"mode": rep["mode"], "final": rep["final"]}})
+            st.handoff_mode, st.handoff_rounds = rep["mode"], rounds
+            st.handoff_tokens = len(ids)
+            if rep["final"]:
+                st.md_start = len(ids)
+                st.events["handoff"] = time.perf_counter()
+                st.events["handoff_rld_ms"] = st.events["handoff"] - float(rep.get("rld_ms", 0.0)) / 1000
+                self.totals["handoffs"] += 1
+                if st.handoff_early:
+                    self.totals["early_handoffs"] += 1
+                key = f"handoffs_{rep['mode']}"
+                self.totals[key] = self.totals.get(key, 0) + 1
+                await md.send(extend_message(st.trid, ids, final=True))
+                return
+            r, _ = await md.call(extend_message(st.trid, ids, final=False), timeout=t)
+            if not r.get("found", True):
+                return
+            sent = len(ids) - 1  # MD holds all but the newest id (see MainDecodeInstance.on_extend)
+            st.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))
+
+    def _next_tokens(self, st: ReqState, tok: TokenOut) -> list[TokenOut]:
+        """Route one arriving token; return the tokens that can be streamed now, in order.
+
+        Relayed requests have two sources: RLD streams from position 0; MD from ``md_start``
+        (after the final handoff round). The client switches to MD as soon as MD's stream is
+        live: at MD's first token, if RLD (still decoding in catch-up) already streamed that
+        position and MD agrees, MD takes over from the next position and RLD is stopped; if MD's
+        token is there first (one-shot: RLD has stopped), MD takes over at its position. MD's
+        tokens for positions already streamed must equal them; they do unless a numerical
+        near-tie made MD's recomputed KV pick another token: then MD is dropped and RLD, still
+        decoding, finishes the request (only possible in catch-up).
+        """
+        relayed = st.pipeline == Pipeline.P_RLD_MD
+        if relayed and tok.tier != "rld":
+            if st.md_diverged:
+                return []
+            if tok.pos < st.next_pos:
+                if st.emitted[tok.pos] != tok.token_id:
+                    if st.switch_pos is None:
+                        self._md_diverged(st, tok.pos)
+                    return []
+                if st.switch_pos is None:
+                    self._switch(st, st.next_pos)  # MD is live and agrees: it streams from here
+            else:
+                st.md_pending[tok.pos] = tok
+        elif st.switch_pos is None or tok.pos < st.switch_pos:
+            if tok.pos >= st.next_pos:
+                st.pending[tok.pos] = tok
+        out = []
+        while True:
+            p = st.next_pos
+            if st.switch_pos is not None:
+                if p not in st.md_pending:
+                    return out
+                t = st.md_pending.pop(p)
+            elif p in st.pending:
+                t = st.pending.pop(p)
+            elif relayed and p in st.md_pending and not st.md_diverged:
+                self._switch(st, p)
+                t = st.md_pending.pop(p)
+            else:
+                return out
+            st.next_pos += 1
+            if st.next_pos == st.base + 1:
+                self._first_streamed(st)
+            st.emitted.append(t.token_id)
+            out.append(t)
+            if t.fin is not None:
+                return out
+
+    def _first_streamed(self, st: ReqState) -> None:
+        """The attempt's first token was streamed: a decoder that finishes the request without a
+        handoff (MD of P->MD, RLD of P->RLD or of a relayed request whose MD leg was lost) decodes."""
+        if st.phase is Phase.TRANSFER and not self._relayed_live(st):
+            relay = st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD)
+            st.to(Phase.RLD_DECODE if relay else Phase.MD_DECODE, "first token streamed")
+
+    def _switch(self, st: ReqState, pos: int) -> None:
+        st.switch_pos = pos
+        if not st.md_lost:
+            st.to(Phase.MD_DECODE, "MD's stream is live")
+        st.handoff_pos = pos
+        st.pending.clear()
+        st.events["switch"] = time.perf_counter()
+        asyncio.get_running_loop().create_task(self._release_relay(st))
+
+    def _md_diverged(self, st: ReqState, pos: int) -> None:
+        st.md_diverged = True
+        st.md_pending.clear()
+        self.totals["md_diverged"] = self.totals.get("md_diverged", 0) + 1
+        log.warning("request %s: MD's token at %d differs from RLD's (near-tie); RLD finishes it", st.rid, pos)
+        _, md = self._peer(st, ROLE_MAIN)
+        asyncio.get_running_loop().create_task(md.send(Drop(st.trid).wire()))
+
+    async def _release_relay(self, st: ReqState) -> None:
+        """MD's stream is live: stop RLD (catch-up kept it decoding until now)."""
+        if st.handoff_mode == "catch_up":
+            _, rld = self._peer(st, ROLE_RELAY)
+            try:
+                await rld.call(Abort(st.trid).wire(), timeout=10)
+            except Exception as e:
+                log.warning("stopping %s on RLD failed: %s", st.rid, e)

@@ -1,0 +1,92 @@
+"""Routing (a collaborator of :class:`pdd.gateway.orchestrator.Orchestrator`): which instance of
+a tier serves a request (``policy.routing``: cache-aware by prefix hits within a load slack, or by
+load), the gateway's record of what it routed to each MD across the WAN (:class:`PrefixIndex`),
+and the in-flight counts routing reads. Uses the orchestrator's connections through ``self``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdd.gateway.state import NoInstance, ReqState
+from pdd.policy.routing import InstanceLoad, choose_instance
+from pdd.topology import ROLE_MAIN, ROLE_RELAY
+from pdd.transfer.messages import Peek
+
+# cache-aware routing (as in the simulator): affinity only for a prefix covering at least half the
+# prompt (a shared system-prompt block alone would pull all traffic to one instance), and never to
+# an instance more than this many requests busier than the idlest
+ROUTING_MIN_HIT_FRAC = 0.5
+ROUTING_LOAD_SLACK = 4
+
+
+class Routing:
+    """Mixin of the orchestrator: route a request to an instance of a tier, count it there."""
+
+    async def _route(self, role: str, prompt: list[int]) -> str:
+        """Choose an instance of ``role`` for a request: :meth:`_route_hit`'s name."""
+        return (await self._route_hit(role, prompt))[0]
+
+    async def _route_hit(self, role: str, prompt: list[int]) -> tuple[str, int | None]:
+        """Choose an instance of ``role`` for a request (``policy.routing``); return its name and,
+        for an instance the gateway keeps a :class:`PrefixIndex` of (an MD across the WAN), the
+        prompt tokens that index held before this request was recorded there (else None).
+
+        cache_aware (P, MD): each live candidate reports how many of the prompt's tokens its radix
+        cache holds (``peek``, no lock) and ``choose_instance`` takes the longest prefix within a
+        load slack; RLD holds no cache, so it is chosen by load. An MD across the WAN is not
+        asked (a round trip before the reservation): the gateway's record of what it routed there
+        (:class:`PrefixIndex`) stands for its cache, unless ``policy.md_route_peek``. Load =
+        requests the gateway has in flight there. Instances whose connection is down are skipped
+        (and reconnected).
+        """
+        specs = self.layout.by_role(role)
+        live = [sp for sp in specs if not self.peers[sp.name].closed]
+        for sp in specs:
+            if self.peers[sp.name].closed:
+                self._spawn(self._reconnect(sp.name))
+        if not live:
+            raise NoInstance(f"no {role} instance is reachable")
+        if len(live) == 1:
+            return live[0].name, self._record_route(live[0].name, prompt)
+        policy = self.cfg.policy.routing
+        hits = [0] * len(live)
+        if policy == "cache_aware" and role != ROLE_RELAY:
+            index = role == ROLE_MAIN and not self.cfg.policy.md_route_peek
+            ask = [sp for sp in live if not (index and sp.name in self.prefix_index)]
+            reps = await asyncio.gather(*(self.peers[sp.name].call(Peek(prompt).wire(), timeout=10)
+                                          for sp in ask), return_exceptions=True)
+            peeked = {sp.name: (int(r[0].get("hit_tokens", 0)) if not isinstance(r, BaseException) else -1)
+                      for sp, r in zip(ask, reps)}
+            hits = [peeked[sp.name] if sp.name in peeked else self.prefix_index[sp.name].match(prompt) for sp in live]
+        elif policy == "cache_aware":
+            policy = "load"
+        cands = [InstanceLoad(sp.name, running=self.inflight.get(sp.name, 0), prefix_hit_tokens=max(0, h))
+                 for sp, h in zip(live, hits)]
+        rr = self._rr.get(role, 0)
+        self._rr[role] = rr + 1
+        name = live[choose_instance(cands, policy, rr, load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt),
+                                    min_hit_frac=ROUTING_MIN_HIT_FRAC)].name
+        return name, self._record_route(name, prompt)
+
+    def _record_route(self, name: str, prompt: list[int]) -> int | None:
+        """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache.
+        Returns the prompt tokens the index held before (None: no index for ``name``)."""
+        ix = self.prefix_index.get(name)
+        if ix is None:
+            return None
+        held = ix.match(prompt)
+        ix.insert(prompt)
+        return held
+
+    def _assign(self, st: ReqState, *roles: str) -> None:
+        for role in roles or tuple(st.names):
+            name = st.names.get(role)
+            if name is not None and name not in st.assigned:
+                st.assigned.add(name)
+                self.inflight[name] = self.inflight.get(name, 0) + 1
+
+    def _unassign(self, st: ReqState) -> None:
+        for name in st.assigned:
+            self.inflight[name] = max(0, self.inflight.get(name, 0) - 1)
+        st.assigned.clear()

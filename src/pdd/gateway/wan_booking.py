@@ -1,0 +1,165 @@
+"""WAN booking (a collaborator of :class:`pdd.gateway.orchestrator.Orchestrator`): the WAN bytes
+each request's KV transfer to an MD across the WAN is planned to send, booked when MD's
+reservation (or a predicted send) fixes them and settled when P reports the transfer
+(``xfer_done``: sent, cancelled, or written off when P dies first), so that planned = sent +
+not sent; the live WAN rate estimate (MD's ``wan_sample``); the cut-off of a transfer no decoder
+needs any more (anomaly filter).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdd.gateway.state import ReqState
+from pdd.policy.handoff import early_handoff_delay_s
+from pdd.topology import ROLE_MAIN, ROLE_PREFILL
+from pdd.transfer import rpc
+from pdd.transfer.kv import prompt_kv_bytes
+from pdd.transfer.layout import DTYPE_BYTES, KVLayout, wire_dtype
+from pdd.transfer.messages import Cancel, Drop, WanSample, XferDone
+from pdd.types import Pipeline
+
+log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
+
+
+class WanBooking:
+    """Mixin of the orchestrator: plan, book and settle WAN bytes; the live WAN estimate."""
+
+    async def on_xfer_done(self, peer, h, payload):
+        m = XferDone.decode(h)
+        st = self.reqs.get(m.rid)
+        wan = sum(v for k, v in m.bytes.items() if self._in_b(k))
+        # bytes of pages whose sending was cancelled (cut-off): expected = planned - cancelled
+        planned = self.planned_wan.pop(m.rid, None)
+        self.planned_src.pop(m.rid, None)
+        if planned is None:  # an attempt that recovery replaced
+            planned = self.superseded_wan.pop(m.rid, (0, ""))[0]
+        unsent = sum(planned if v < 0 else v for k, v in m.unsent.items() if self._in_b(k))
+        if unsent:
+            self.totals["wan_bytes_cancelled"] += unsent
+            self.totals["wan_bytes_expected"] -= unsent
+        self.totals["wan_bytes_sent"] += wan
+        if m.rid in self.awaiting_kv and m.errors.get(self.awaiting_kv[m.rid][1]):
+            self._kv_source_lost(m.rid)  # MD's KV stream failed after the request ended
+        if st is not None:
+            st.wan.reported = wan
+            md_name = st.names.get(ROLE_MAIN)
+            if (st.trid == m.rid and md_name is not None and md_name in m.bytes
+                    and not m.errors.get(md_name) and not m.unsent.get(md_name)):
+                st.wan.kv_sent = True
+                if (self.cfg.policy.early_handoff and st.pipeline == Pipeline.P_RLD_MD and self._in_b(md_name)
+                        and not (st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started)):
+                    self._spawn(self._handoff_at_landing(st))
+            for name, err in m.errors.items():
+                # a KV stream failed (target dead or silent, stalled, refused at the handshake, a
+                # frame that failed its MAC closed the fast path): that leg is lost, recover now
+                # instead of waiting for the request timeout
+                self._instance_lost(st, name, f"KV transfer to {name} failed: {err}")
+        return None
+
+    def _in_b(self, name: str) -> bool:
+        """Whether instance ``name`` is in datacenter B (False for a slot never given an instance)."""
+        try:
+            return self.layout.get(name).dc == "B"
+        except KeyError:
+            return False
+
+    async def on_wan_sample(self, peer, h, payload):
+        """MD's receive rate of one request's KV (first frame to last), Gbit/s: the live WAN
+        estimate the pipeline policy reads (policy.wan_estimate). Sender-side timings would measure socket
+        buffers, not the line."""
+        self.wan_gbps_live = self.wan_estimate.add(float(WanSample.decode(h).gbps))
+        return None
+
+    def _remaining_wan_s(self, st: ReqState) -> float:
+        """Expected seconds to finish ``st``'s WAN transfer: its planned bytes at the live (else
+        configured) rate, less the time since P started streaming it."""
+        started = st.events.get("prefilled")
+        elapsed = time.perf_counter() - started if started is not None else 0.0
+        return early_handoff_delay_s(st.wan.expected, self.wan_gbps_live or self.cfg.link.wan_gbps, elapsed)
+
+    async def _cut_off(self, st: ReqState) -> None:
+        """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
+        transfer; MD frees what it received on ``kv_cancel``."""
+        md_name, md = self._peer(st, ROLE_MAIN)
+        _, p = self._peer(st, ROLE_PREFILL)
+        st.cut_off = True
+        self.totals["cut_offs"] += 1
+        for peer, msg in ((p, Cancel(st.trid, md_name).wire()), (md, Drop(st.trid).wire())):
+            try:
+                await peer.send(msg)
+            except Exception as e:  # that tier is gone: its state died with it
+                log.warning("cut-off of %s failed: %s", st.rid, e)
+
+    def _book_predicted(self, st: ReqState, pred_pages: int, p: rpc.Peer) -> None:
+        """A predicted MD send: P sends pages ``[pred_pages, n)`` before MD's reservation replies,
+        so their WAN bytes are planned now (the reply adds a fill's, :meth:`_reserved`)."""
+        md_name = st.names[ROLE_MAIN]
+        nbytes = prompt_kv_bytes(st.prompt_len, pred_pages, self.cfg.engine_for(md_name).page_size,
+                                 self._wan_page_bytes(st, md_name), self.cfg.policy.kv_whole_pages)
+        st.wan.predicted_pages, st.wan.predicted_bytes = pred_pages, nbytes
+        st.wan.expected = nbytes  # until the reply (the cut-off's and early handoff's estimate)
+        self.totals["md_predicted_sends"] += 1
+        self._book_wan(st, nbytes, p)
+
+    def _book_wan(self, st: ReqState, nbytes: int, p: rpc.Peer | None) -> None:
+        """Book ``nbytes`` more planned (and expected) WAN bytes for ``st``'s transfer from its P
+        (``p``: the connection the attempt started on, default the current one of its P); when
+        that P is already gone they go to ``wan_bytes_unreported`` instead (:meth:`_reserved`)."""
+        self.totals["wan_bytes_expected"] += nbytes
+        self.totals["wan_bytes_planned"] += nbytes
+        src = st.names.get(ROLE_PREFILL, "")
+        p = p if p is not None else self.peers.get(src)
+        if p is not None and (p.closed or self.peers.get(src) is not p):
+            self._write_off(nbytes)
+            return
+        self.planned_wan[st.trid] = self.planned_wan.get(st.trid, 0) + nbytes
+        self.planned_src[st.trid] = src
+
+    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: rpc.Peer | None = None, booked: int = 0) -> None:
+        """Book MD's reservation reply: cached tokens, the WAN bytes planned. ``p``: the P
+        connection the attempt started on (default: the current one of ``st``'s P). When that P
+        is already gone (closed, or replaced by a restarted P's connection: its loss was booked
+        before this reservation returned, e.g. a sibling choice's ``reserve {after}`` waiting on
+        MD while P was killed), it will never report the transfer: the bytes go straight to
+        ``wan_bytes_unreported`` instead of staying expected forever."""
+        st.events["md_reserved"] = time.perf_counter()
+        md_wan = self.layout.get(md_name).dc == "B"
+        self.page_bytes = int(rep["page_bytes"])
+        md_dtype = str(rep.get("kv_dtype") or self.cfg.engine_for(md_name).dtype)
+        self.kv_elems_per_token = self.page_bytes // int(rep["page_size"]) // DTYPE_BYTES[md_dtype]  # MD's pool
+        wire_pb = self._wan_page_bytes(st, md_name, KVLayout(int(rep["page_size"]), md_dtype))
+        self.kv_bytes_per_token = wire_pb // int(rep["page_size"])  # as it crosses the WAN
+        st.md_cached_tokens = int(rep["md_cached_tokens"])
+        md_first = int(rep["md_cached_pages"])
+        if md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
+            st.wan.expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
+                                              wire_pb, self.cfg.policy.kv_whole_pages)
+            # ``booked``: a predicted send's bytes, planned when it started; the rest is its fill
+            self._book_wan(st, st.wan.expected - booked, p)
+        st.md_settled.set()  # after the booking: a waiting sibling choice reads its planned bytes
+
+    def _wan_page_bytes(self, st: ReqState, md_name: str, md: KVLayout | None = None) -> int:
+        """Bytes of one of MD's pages as P sends it (``pdd.transfer.layout``: MD's page size,
+        the narrower of P's and MD's KV dtypes). ``md``: MD's layout as its reply says (default:
+        its config)."""
+        if md is None:
+            e = self.cfg.engine_for(md_name)
+            md = KVLayout(e.page_size, e.dtype)
+        p_dtype = self.cfg.engine_for(st.names.get(ROLE_PREFILL, "prefill")).dtype
+        return (self.kv_elems_per_token or 0) * md.page_size * DTYPE_BYTES[wire_dtype(p_dtype, md.dtype)]
+
+    def _unplan_wan(self, trid: str) -> None:
+        """Attempt ``trid`` ended before P started its streams: the WAN bytes planned for it leave
+        the planned and expected totals (P will never send nor report them)."""
+        nbytes = self.planned_wan.pop(trid, 0)
+        self.planned_src.pop(trid, None)
+        self.totals["wan_bytes_planned"] -= nbytes
+        self.totals["wan_bytes_expected"] -= nbytes
+
+    def _write_off(self, nbytes: int) -> None:
+        """Planned WAN bytes whose P died before reporting them: out of the expected balance,
+        into ``totals.wan_bytes_unreported``."""
+        self.totals["wan_bytes_unreported"] += nbytes
+        self.totals["wan_bytes_expected"] -= nbytes
