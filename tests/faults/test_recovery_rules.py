@@ -128,6 +128,81 @@ async def test_p_lost_while_md_kv_crosses_drops_md_leg_rld_finishes(orch):
     assert {"t": "drop", "rid": "r1"} in orch.peers["md0"].sent
 
 
+async def test_p_lost_after_xfer_done_with_early_handoff_started_recovers(orch):
+    """P reported xfer_done (its sockets took MD's KV) and died before MD's kv_ready: bytes the
+    line had not read died with P. The early handoff already asked RLD for its ids (one-shot:
+    RLD stopped) and MD's extend waits for KV that never comes, so neither leg can finish the
+    request: a new attempt, and every tier (MD too: its partial KV) frees the old one."""
+    orch._in_b = lambda name: name.startswith("md")
+    orch.peers["rld0"] = HandoffPeer({"token_ids": [100, 101, 102], "mode": "one_shot", "final": True})
+    st = relayed(orch)
+    stream_to(st, 3)
+    st.events["md_reserved"] = 0.0
+    await orch.on_xfer_done(None, XferDone("r1", {"md0": 4000}, {}, {}).wire(), b"")
+    await settle()
+    assert st.wan.kv_sent and not st.kv_ready and orch.phase(st) == "handoff" and st.md_start == 3
+    assert {"t": "extend", "rid": "r1", "token_ids": [100, 101, 102], "final": True} in orch.peers["md0"].sent
+    orch._instance_lost(st, "p0", "gone")
+    assert st.lost and not st.md_lost and st.queue.get_nowait() is None
+    orch._new_attempt(st, st.error)
+    await settle()
+    assert st.trid == "r1.1" and not st.handoff_started and "handoff_call" not in st.events
+    assert {"t": "abort", "rid": "r1"} in orch.peers["md0"].sent
+
+
+async def test_p_lost_after_xfer_done_before_rld_was_asked_drops_md_leg(orch):
+    """As above, but the early handoff still waits for RLD's ``handoff_min_tokens``: RLD was
+    not asked for its ids, so it finishes the request and the handoff never calls it."""
+    orch._in_b = lambda name: name.startswith("md")
+    orch.cfg.policy.handoff_min_tokens = 5
+    orch.peers["rld0"] = HandoffPeer({"token_ids": [100, 101, 102], "mode": "one_shot", "final": True})
+    st = relayed(orch)
+    stream_to(st, 3)
+    st.events["md_reserved"] = 0.0
+    await orch.on_xfer_done(None, XferDone("r1", {"md0": 4000}, {}, {}).wire(), b"")
+    await settle()
+    assert st.wan.kv_sent and st.handoff_started and "handoff_call" not in st.events
+    orch._instance_lost(st, "p0", "gone")
+    assert not st.lost and st.md_lost and st.degraded
+    stream_to(st, 6)
+    for _ in range(20):
+        await asyncio.sleep(0.002)
+    assert orch.peers["rld0"].sent == [] and orch.phase(st) == "rld_decode"
+    assert {"t": "drop", "rid": "r1"} in orch.peers["md0"].sent
+
+
+async def test_a_replaced_attempt_s_waiting_handoff_leaves_the_next_attempt_alone(orch):
+    """An attempt's handoff waiting for ``handoff_min_tokens`` when recovery replaces the attempt
+    stops: it never asks RLD (nor sends MD) the new attempt's ids; the new attempt's own handoff
+    runs once, from its first round."""
+    orch.cfg.policy.handoff_min_tokens = 5
+    orch.peers["rld0"] = HandoffPeer({"token_ids": [42], "mode": "one_shot", "final": True})
+    st = relayed(orch)
+    stream_to(st, 3)
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
+    await settle()
+    assert st.handoff_started and "handoff_call" not in st.events
+    orch._fail_lost(st, "instance p0 is unreachable")  # the attempt is given up: a new one
+    orch._new_attempt(st, st.error)
+    st.names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"}  # same instances again
+    st.to(Phase.PREFILL)
+    orch._prefilled(st)
+    st.emitted.append(200)
+    st.next_pos = 4  # the new attempt streamed its first token (position 3)
+    st.emitted.append(201)
+    st.next_pos = 5
+    for _ in range(20):
+        await asyncio.sleep(0.002)
+    assert [h for h in orch.peers["rld0"].sent if h.get("t") == "handoff"] == []
+    assert [h for h in orch.peers["md0"].sent if h.get("t") == "extend"] == []
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r1.1").wire(), b"")
+    await settle()
+    calls = [h for h in orch.peers["rld0"].sent if h.get("t") == "handoff"]
+    assert [h["rid"] for h in calls] == ["r1.1"] and orch.phase(st) == "handoff"
+    assert [h for h in orch.peers["md0"].sent if h.get("t") == "extend"] == [
+        {"t": "extend", "rid": "r1.1", "token_ids": [42], "final": True}]
+
+
 async def test_md_lost_before_its_reservation_reply_cancels_p_s_fill_slot(orch):
     # a predicted MD send: P holds an md_fill slot that only MD's reply would resolve; the reply
     # never comes, and a cancel reaching P before it admitted the request is ignored there

@@ -81,14 +81,20 @@ class Handoffs:
             self._fail_lost(st, f"handoff failed: {e}")
 
     async def _handoff_rounds(self, st: ReqState) -> None:
+        """The rounds of one attempt (tier rid ``st.trid`` when called): they stop as soon as
+        recovery replaced that attempt, so a later attempt's handoff never sees its rounds, ids
+        or peers."""
+        trid = st.trid
         md_name, md = self._peer(st, ROLE_MAIN)
         _, rld = self._peer(st, ROLE_RELAY)
         t = self.cfg.request_timeout_s
         k = self.cfg.policy.handoff_min_tokens
-        while k and st.next_pos < k and not st.finished and not st.md_lost:
+        while k and st.next_pos < k and not st.finished and not st.md_lost and st.trid == trid:
             await asyncio.sleep(0.001)
         rounds, sent = 0, 0
         while True:
+            if st.trid != trid or st.lost:
+                return  # the attempt was given up (recovery): its successor hands over on its own
             if st.md_lost or st.takeover:
                 return  # MD's leg was given up (RLD finishes), or MD took over already
             if st.finished:
@@ -97,11 +103,13 @@ class Handoffs:
                 st.events["handoff_call"] = time.perf_counter()
                 if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
                     st.to(Phase.HANDOFF, "RLD asked for its ids")
-                rep, _ = await rld.call(Handoff(st.trid, sent, rounds).wire(), timeout=t)
+                rep, _ = await rld.call(Handoff(trid, sent, rounds).wire(), timeout=t)
+                if st.trid != trid:
+                    return
             if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
                 st.rld_finished_first = True
                 self.totals["rld_finished_first"] += 1
-                await md.send(Finish(st.trid).wire())
+                await md.send(Finish(trid).wire())
                 return
             ids = rep["token_ids"]
             rounds += 1
@@ -119,10 +127,10 @@ class Handoffs:
                     self.totals["early_handoffs"] += 1
                 key = f"handoffs_{rep['mode']}"
                 self.totals[key] = self.totals.get(key, 0) + 1
-                await md.send(extend_message(st.trid, ids, final=True))
+                await md.send(extend_message(trid, ids, final=True))
                 return
-            r, _ = await md.call(extend_message(st.trid, ids, final=False), timeout=t)
-            if not r.get("found", True):
+            r, _ = await md.call(extend_message(trid, ids, final=False), timeout=t)
+            if not r.get("found", True) or st.trid != trid:
                 return
             sent = len(ids) - 1  # MD holds all but the newest id (see MainDecodeInstance.on_extend)
             st.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))

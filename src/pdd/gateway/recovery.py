@@ -159,8 +159,13 @@ class Recovery:
         if role == ROLE_PREFILL:
             if not started:  # the decoder (RLD when relayed) has not got its KV yet
                 self._fail_lost(st, reason)
-            elif relayed and not st.kv_ready and not st.wan.kv_sent:  # (sent: its bytes are on the line)
-                self._md_leg_lost(st, reason)
+            elif relayed and not st.kv_ready:
+                # P's xfer_done (kv_sent) only says its sockets took the bytes: what the line had
+                # not read yet died with P, so MD may never get the KV
+                if "handoff_call" in st.events:  # RLD was asked for its ids (early handoff): it may
+                    self._fail_lost(st, reason)  # have stopped, and MD waits for that KV: a new attempt
+                else:
+                    self._md_leg_lost(st, reason)  # RLD finishes the request
         elif role == ROLE_RELAY:
             if not relayed:
                 self._fail_lost(st, reason)
