@@ -149,19 +149,44 @@ def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
     return True
 
 
-def free_port_block(n: int = 100) -> int:
-    """A base port with ``n`` consecutive ports above it free on 127.0.0.1 now (best effort: a
-    port may be taken between this check and the bind), for a layout's ``base_port``.
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range of ephemeral (client-side) ports, ``(low, high)`` inclusive.
 
-    Raises RuntimeError when 200 random tries in [20000, 60000) find no such block. Draws from
-    the OS's entropy, not the ``random`` module's global state: a test runner that reseeds it
-    (pytest-randomly, before every test) would otherwise hand every test, and every run started
-    beside it, the same block."""
+    Read from ``/proc/sys/net/ipv4/ip_local_port_range`` (Linux); elsewhere IANA's dynamic
+    range 49152..65535 (RFC 6335 section 6)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_port_block(n: int = 100) -> int:
+    """A base port with ``n`` consecutive ports above it free on 127.0.0.1 now, for a layout's
+    ``base_port``.
+
+    The block lies outside the kernel's ephemeral range (:func:`ephemeral_port_range`): every
+    outgoing connection on the machine (a client, an instance dialling a peer) takes a local
+    port from that range, so a block inside it can be taken between this check and the
+    servers' bind, which is what made a CI run fail with EADDRINUSE on a link port. Below the
+    range only servers that bind explicitly compete, and a bind still races another program
+    picking the same block (best effort).
+
+    Raises RuntimeError when 200 random tries find no such block. Draws from the OS's entropy,
+    not the ``random`` module's global state: a test runner that reseeds it (pytest-randomly,
+    before every test) would otherwise hand every test, and every run started beside it, the
+    same block."""
     import random
 
+    lo_eph, hi_eph = ephemeral_port_range()
+    spans = [(a, b) for a, b in ((10000, lo_eph - 1), (hi_eph + 1, 65535)) if b - a + 1 >= n]
+    if not spans:
+        raise RuntimeError(f"no port range outside the ephemeral range {lo_eph}-{hi_eph} holds {n} ports")
     rng = random.SystemRandom()
     for _ in range(200):
-        base = rng.randint(20000, 60000 - n)
+        a, b = rng.choice(spans)
+        base = rng.randint(a, b - n + 1)
         if all(_can_bind("127.0.0.1", p) for p in range(base, base + n)):
             return base
     raise RuntimeError("no free port block")

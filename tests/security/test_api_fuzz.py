@@ -30,7 +30,7 @@ def test_gateway_openapi_schema_fuzz(tiny_model, tmp_path):
     from pdd.config import ClusterConfig
     from pdd.launch import Topology
 
-    from .test_live_topology import free_port_block
+    from pdd.topology import free_port_block
 
     base = free_port_block()
     cfg = ClusterConfig.model_validate({

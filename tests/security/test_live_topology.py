@@ -5,7 +5,6 @@ peer is refused by RLD (fast path + control) and by MD through the WAN emulator.
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -13,31 +12,10 @@ import pytest
 from pdd.config import ClusterConfig
 from pdd.launch import Topology
 from pdd.security import client_context
-from pdd.topology import ROLE_MAIN, ROLE_RELAY
+from pdd.topology import ROLE_MAIN, ROLE_RELAY, free_port_block
 from pdd.transfer.rpc import connect
 
 pytestmark = pytest.mark.slow
-
-
-def free_port_block(n: int = 100) -> int:
-    import random
-
-    rng = random.SystemRandom()  # not the global state pytest-randomly reseeds before each test
-    for _ in range(200):
-        base = rng.randint(20000, 60000 - n)
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
 
 
 async def test_live_pdd_topology_is_secured_by_default(tiny_model, tmp_path, foreign_certs):
