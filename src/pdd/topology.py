@@ -180,7 +180,8 @@ def free_port_block(n: int = 100) -> int:
     import random
 
     lo_eph, hi_eph = ephemeral_port_range()
-    spans = [(a, b) for a, b in ((10000, lo_eph - 1), (hi_eph + 1, 65535)) if b - a + 1 >= n]
+    top = 65400 + n - 1  # a config's base_port is at most 65400
+    spans = [(a, b) for a, b in ((10000, lo_eph - 1), (hi_eph + 1, min(top, 65535))) if b - a + 1 >= n]
     if not spans:
         raise RuntimeError(f"no port range outside the ephemeral range {lo_eph}-{hi_eph} holds {n} ports")
     rng = random.SystemRandom()
