@@ -121,6 +121,12 @@ def cmd_launch(args) -> int:
     if lay.get(name).role != ROLE_LINK and not (Path(cfg.model_path) / "config.json").is_file():
         _usage(args, f"model_path {cfg.model_path}: no checkpoint there (config.json missing); make one with: "
                      f"pdd make-model --out {cfg.model_path}")
+    if getattr(args, "join", None):
+        if lay.get(name).role in (ROLE_LINK, "gateway"):
+            _usage(args, "--join: only an engine instance (prefill, relay_decode, main_decode, colocated) joins")
+        from pdd.gateway.join import join_when_ready
+
+        join_when_ready(cfg, lay.get(name), args.join)  # in the background, once the instance listens
     try:
         run_instance(cfg, name)
     except SecurityError as e:  # a cert file missing or bad in security.cert_dir
@@ -266,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="instance name in the topology (default: the role's first, p0, rld0, md0, c0, "
                    "gateway or link)")
     p.add_argument("--config", help="cluster config (YAML or JSON)")
+    p.add_argument("--join", metavar="GATEWAY_URL",
+                   help="once this instance listens, add it to the running gateway at GATEWAY_URL "
+                        "(POST /pdd/instances; the API key: PDD_API_KEY or the config's first; docs/SERVE.md)")
     p.set_defaults(fn=cmd_launch, parser=p)
 
     p = sub.add_parser("serve", help="start the whole two-datacenter topology and keep the gateway up")

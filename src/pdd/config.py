@@ -379,6 +379,13 @@ class ClusterConfig(_Strict):
         "relay_decode: [1], main_decode: [1]}; a role not named runs on every core. On a CPU-only machine this "
         "gives each tier its own cores, as each instance has its own accelerator in a deployment")
 
+    standby: list[str] = Field(
+        default_factory=list,
+        description="instances of the layout (e.g. md1 with instances.main_decode: 2) that start in standby: "
+        "not started by pdd serve / Topology and not awaited by the gateway, until an operator adds them at "
+        "run time (POST /pdd/instances, pdd launch --join; docs/SERVE.md \"Elastic topology\"); their ports, "
+        "WAN link route and certificates are provisioned at start")
+
     process_nice: int | None = Field(
         None, ge=-20, le=19,
         description="nice value every process of a topology runs at (Linux setpriority: instances, gateway, "
@@ -448,6 +455,21 @@ class ClusterConfig(_Strict):
         if v not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         return v
+
+    @model_validator(mode="after")
+    def _standby(self) -> "ClusterConfig":
+        """Every ``standby`` name is an engine instance of the layout, and each tier keeps one
+        instance started. Raises ValueError naming the field."""
+        lay = layout(self)
+        engines = {s.name: s.role for s in lay.instances if s.role not in ("gateway", "link")}
+        for name in self.standby:
+            if name not in engines:
+                raise ValueError(f"standby: {name!r} is not an instance of the {self.mode} topology (instances: "
+                                 f"{', '.join(engines)})")
+        for role in sorted(set(engines.values())):
+            if all(n in self.standby for n, r in engines.items() if r == role):
+                raise ValueError(f"standby: every {role} instance is in standby; keep at least one started")
+        return self
 
     @model_validator(mode="after")
     def _ports_distinct(self) -> "ClusterConfig":

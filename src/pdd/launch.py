@@ -203,7 +203,8 @@ class Topology:
         self._cfg_file.write_text(self.cfg.model_dump_json(indent=1))
         try:
             for spec in _start_order(self.layout):
-                self._spawn(spec)
+                if spec.name not in self.cfg.standby:  # started later, when an operator adds it
+                    self._spawn(spec)
             self._check_api_keys()
         except BaseException:
             self.stop()

@@ -277,6 +277,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def live_requests():  # live requests' phases (pdd.faults records them at each injection)
         return orch.requests_view() if hasattr(orch, "requests_view") else {}
 
+    if getattr(orch, "membership", None) is not None:  # elastic topology (pdd.gateway.membership_api)
+        from pdd.gateway.membership_api import add_membership_routes
+
+        add_membership_routes(app, orch.membership)
+
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
@@ -772,6 +777,9 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
 
     tokenizer = Tokenizer.from_file(f"{cfg.model_path}/tokenizer.json")
     orch = Orchestrator(cfg, lay)
+    from pdd.gateway.membership import Membership
+
+    Membership(orch, lay, cfg.standby)  # connects only to the members: standby slots join later
     await orch.start()
     app = create_app(cfg, orch, tokenizer)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.gateway_port, log_level="warning",
@@ -795,3 +803,4 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
             pass
     await task
     await orch.close()
+    orch.membership.stop_all()

@@ -23,6 +23,15 @@ ROUTING_LOAD_SLACK = 4
 class Routing:
     """Mixin of the orchestrator: route a request to an instance of a tier, count it there."""
 
+    @property
+    def routed(self) -> dict[str, int]:
+        """instance -> requests (attempts) ever assigned to it (the per-instance counter of
+        ``/pdd/instances`` and ``pdd_gateway_routed_total``)."""
+        d = self.__dict__.get("_routed")
+        if d is None:
+            d = self.__dict__["_routed"] = {}
+        return d
+
     async def _route(self, role: str, prompt: list[int]) -> str:
         """Choose an instance of ``role`` for a request: :meth:`_route_hit`'s name."""
         return (await self._route_hit(role, prompt))[0]
@@ -41,6 +50,9 @@ class Routing:
         (and reconnected).
         """
         specs = self.layout.by_role(role)
+        ms = getattr(self, "membership", None)
+        if ms is not None:  # elastic topology: only active members take new requests (pdd.gateway.membership)
+            specs = [sp for sp in specs if ms.routable(sp.name)]
         live = [sp for sp in specs if not self.peers[sp.name].closed]
         for sp in specs:
             if self.peers[sp.name].closed:
@@ -85,6 +97,7 @@ class Routing:
             if name is not None and name not in st.assigned:
                 st.assigned.add(name)
                 self.inflight[name] = self.inflight.get(name, 0) + 1
+                self.routed[name] = self.routed.get(name, 0) + 1
 
     def _unassign(self, st: ReqState) -> None:
         for name in st.assigned:

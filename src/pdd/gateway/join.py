@@ -1,0 +1,60 @@
+"""``pdd launch --join GATEWAY_URL``: once the instance being launched listens, add it to the
+running gateway (``POST /pdd/instances``, docs/SERVE.md "Elastic topology")."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+
+JOIN_TIMEOUT_S = 180.0
+
+
+def join_body(spec, host: str) -> dict:
+    return {"role": spec.role, "name": spec.name, "address": f"{host}:{spec.port}"}
+
+
+def api_key(cfg) -> str | None:
+    return os.environ.get("PDD_API_KEY") or (cfg.security.api_keys[0] if cfg.security.api_keys else None)
+
+
+def join(cfg, spec, url: str, timeout_s: float = JOIN_TIMEOUT_S, poll_s: float = 0.2) -> dict:
+    """Wait until ``spec``'s port accepts connections, then ask the gateway at ``url`` to add it.
+    Returns the gateway's answer (a member, or ``{"error": ...}``)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((cfg.host, spec.port), timeout=1):
+                break
+        except OSError:
+            time.sleep(poll_s)
+    else:
+        return {"error": {"message": f"{spec.name} did not listen on {cfg.host}:{spec.port} in {timeout_s:.0f} s"}}
+    key = api_key(cfg)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.post(url.rstrip("/") + "/pdd/instances", json=join_body(spec, cfg.host), headers=headers,
+                       timeout=max(5.0, deadline - time.monotonic()), trust_env=False)
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else \
+            {"error": {"message": f"HTTP {r.status_code}: {r.text[:200]}"}}
+    except Exception as e:
+        return {"error": {"message": f"{type(e).__name__}: {e}"}}
+
+
+def join_when_ready(cfg, spec, url: str) -> threading.Thread:
+    """:func:`join` on a daemon thread; prints ``JOINED <name>`` or ``JOIN FAILED <name>: why``."""
+
+    def run():
+        rep = join(cfg, spec, url)
+        if "error" in rep:
+            print(f"JOIN FAILED {spec.name}: {rep['error'].get('message')}", file=sys.stderr, flush=True)
+        else:
+            print(f"JOINED {spec.name} {rep.get('state')}", flush=True)
+
+    t = threading.Thread(target=run, daemon=True, name=f"join-{spec.name}")
+    t.start()
+    return t

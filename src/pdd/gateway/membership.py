@@ -1,0 +1,433 @@
+"""Elastic topology at the gateway: which instances are members, and adding, draining and removing
+them while the gateway serves (docs/SERVE.md "Elastic topology"; the state machine is
+``pdd.policy.membership``).
+
+An instance is a *slot* of the config's layout (``pdd.topology.layout``: its name, role,
+datacenter and ports). Every process reads the same layout, so P already knows where a new MD's
+KV goes, the WAN link emulator already forwards to its port and its certificate exists: that is
+what lets an instance join without restarting anything. ``ClusterConfig.standby`` lists the slots
+that start out of service (``instances.main_decode: 2, standby: [md1]``); a removed instance
+becomes a free slot again.
+
+:class:`Membership` keeps each slot's state and replaces the orchestrator's ``layout`` with the
+members' (active and draining) on every change, so routing (``gateway.routing`` asks
+:meth:`Membership.routable`), ``/health``, the reconnect watcher, ``/pdd/stats`` and
+``/pdd/flush`` follow without a restart. What happens to a request or a cache:
+
+- add: the gateway connects (mutual TLS as at start) and routes new requests there at once; an
+  MD across the WAN gets an empty prefix index (its cache starts cold as far as routing knows).
+- drain: no new request (nor a recovery attempt) is routed there; requests in flight finish
+  where they are, their WAN transfers and handoffs included.
+- remove: refused (409) while anything is in flight there unless ``force`` (then its requests
+  are recovered exactly as after an instance loss, docs/FAULTS.md). The instance's prefix cache
+  is flushed and dropped with it: the pages it held are reported (``prefix_cache``) and logged,
+  the gateway's prefix index of it is forgotten so routing counts no hits that are gone, and the
+  instance's leaked pages (0 when it released everything) are reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdd.gateway.prefix_index import PrefixIndex
+from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide
+from pdd.topology import ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, Layout
+from pdd.transfer.messages import Flush, Stats
+
+log = logging.getLogger(__name__)
+
+ENGINE_ROLES = ("prefill", "relay_decode", "main_decode", "colocated")
+JOIN_RETRIES = 50  # connect attempts (0.1 s apart, backing off) to an instance being added
+START_TIMEOUT_S = 120.0  # an instance the gateway starts must print READY within this
+EVENTS_KEPT = 200
+
+
+class MembershipError(Exception):
+    """A refused operation: HTTP ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or {400: "invalid_request", 404: "not_found", 409: "conflict"}.get(status, "unavailable")
+
+
+@dataclass
+class Member:
+    name: str
+    role: str
+    dc: str
+    address: str  # host:port the instance listens on
+    reached_at: str  # host:port the gateway dials (an MD in B: the WAN link's port for it)
+    state: str
+    source: str = "config"  # config (started with the topology), joined (added by address), started (by the gateway)
+    since: float = field(default_factory=time.time)
+    proc: subprocess.Popen | None = None
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    """``host:port`` (an ``http://`` or ``tcp://`` prefix is allowed) -> (host, port). Raises
+    MembershipError(400) for anything else."""
+    a = addr.strip()
+    for pre in ("http://", "https://", "tcp://"):
+        if a.startswith(pre):
+            a = a[len(pre):]
+    a = a.rstrip("/")
+    host, sep, port = a.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or "/" in host or " " in host:
+        raise MembershipError(400, f"address {addr!r} is not host:port (port 1-65535)", "address", "bad_address")
+    return host, int(port)
+
+
+class Membership:
+    """The gateway's membership of one topology (module docstring). Installs itself as
+    ``orch.membership`` and sets ``orch.layout`` to its members' layout."""
+
+    def __init__(self, orch, full: Layout, standby: list[str] | tuple[str, ...] = ()):
+        self.orch, self.full = orch, full
+        self.members: dict[str, Member] = {}
+        for s in full.engines:
+            host, port = full.host, s.port
+            reach = full.address_from_a(s.name)
+            self.members[s.name] = Member(s.name, s.role, s.dc, f"{host}:{port}", f"{reach[0]}:{reach[1]}",
+                                          STANDBY if s.name in standby else ACTIVE)
+        self.events: list[dict] = []
+        self.changes: dict[str, int] = {"add": 0, "drain": 0, "remove": 0}
+        self._busy_ops: set[str] = set()  # names with an add or remove under way
+        self._watchers: dict[str, asyncio.Task] = {}
+        orch.membership = self
+        self._sync_layout()
+        reg = getattr(getattr(orch, "metrics", None), "registry", None)
+        if reg is not None:
+            reg.register(MembershipCollector(self))
+
+    # ------------------------------------------------------------------ queries
+    def routable(self, name: str) -> bool:
+        m = self.members.get(name)
+        return m is None or m.state == ACTIVE
+
+    def busy(self, name: str) -> int:
+        """Requests and transfers still in flight on ``name``: the gateway's in-flight requests
+        routed there, live requests naming it, P transfers whose outcome it has not reported,
+        and finished requests whose KV is still on its way to or from it."""
+        o = self.orch
+        n = int(o.inflight.get(name, 0))
+        n = max(n, sum(1 for st in list(o.reqs.values()) if name in getattr(st, "names", {}).values()))
+        n += sum(1 for src in list(getattr(o, "planned_src", {}).values()) if src == name)
+        n += sum(1 for _b, src in list(getattr(o, "superseded_wan", {}).values()) if src == name)
+        n += sum(1 for pm in list(getattr(o, "awaiting_kv", {}).values()) if name in pm)
+        return n
+
+    def view(self, name: str) -> dict:
+        m = self.members[name]
+        peer = self.orch.peers.get(name)
+        return {"name": m.name, "role": m.role, "dc": m.dc, "address": m.address, "reached_at": m.reached_at,
+                "state": m.state, "source": m.source, "in_flight": self.busy(name) if m.state != STANDBY else 0,
+                "routed": int(self.orch.routed.get(name, 0)),
+                "connected": bool(peer is not None and not peer.closed), "since": round(m.since, 3)}
+
+    def listing(self) -> dict:
+        return {"object": "list", "data": [self.view(n) for n in self.members],
+                "changes": dict(self.changes), "events": self.events[-20:]}
+
+    # ------------------------------------------------------------------ internals
+    def _sync_layout(self) -> None:
+        keep = tuple(s for s in self.full.instances
+                     if s.role in (ROLE_GATEWAY, ROLE_LINK) or self.members[s.name].state in (ACTIVE, DRAINING))
+        self.orch.layout = Layout(self.full.mode, self.full.host, keep, self.full.link_control_port)
+
+    def _set(self, m: Member, state: str, op: str, frm: str | None = None, **info) -> None:
+        old = frm or m.state
+        m.state, m.since = state, time.time()
+        self.changes[op] = self.changes.get(op, 0) + 1
+        ev = {"t": round(m.since, 3), "op": op, "instance": m.name, "role": m.role, "from": old, "to": state, **info}
+        self.events.append(ev)
+        del self.events[:-EVENTS_KEPT]
+        self._sync_layout()
+        log.warning("membership: %s", json.dumps(ev, sort_keys=True))
+
+    def _get(self, name: str) -> Member:
+        m = self.members.get(name)
+        if m is None:
+            raise MembershipError(404, f"no instance named {name!r} in the {self.full.mode} topology (instances: "
+                                       f"{', '.join(self.members)})", "name", "instance_not_found")
+        return m
+
+    def _others_active(self, m: Member) -> int:
+        return sum(1 for x in self.members.values() if x.role == m.role and x.name != m.name and x.state == ACTIVE)
+
+    def _slot_for(self, role: str, name: str | None, address: str | None) -> Member:
+        roles = sorted({m.role for m in self.members.values()})
+        if role not in ENGINE_ROLES:
+            raise MembershipError(400, f"unknown role {role!r}; expected one of {', '.join(ENGINE_ROLES)}", "role",
+                                  "unknown_role")
+        if role not in roles:
+            raise MembershipError(400, f"the {self.full.mode} topology has no {role} instances (roles: "
+                                       f"{', '.join(roles)})", "role", "unknown_role")
+        want = None
+        if address is not None:
+            host, port = parse_address(address)
+            want = port
+            if host not in (self.full.host, "localhost", "127.0.0.1") and self.full.host not in (host,):
+                raise MembershipError(409, f"address {address!r}: host {host} is not this topology's host "
+                                           f"{self.full.host}", "address", "address_conflict")
+            holder = next((x for x in self.members.values() if x.state in (ACTIVE, DRAINING)
+                           and port in (int(x.address.rsplit(":", 1)[1]), int(x.reached_at.rsplit(":", 1)[1]))),
+                          None)
+            if holder is not None:
+                raise MembershipError(409, f"address {address!r} is already a member's: {holder.name} "
+                                           f"({holder.state})", "address", "duplicate_address")
+        if name is not None:
+            m = self._get(name)
+            if m.role != role:
+                raise MembershipError(400, f"instance {name} is a {m.role} slot, not {role}", "role", "role_mismatch")
+            if want is not None and want not in (int(m.address.rsplit(":", 1)[1]), int(m.reached_at.rsplit(":", 1)[1])):
+                raise MembershipError(409, f"address {address!r} is not instance {name}'s ({m.address}; every "
+                                           f"instance listens where the config's layout puts it)", "address",
+                                      "address_conflict")
+            return m
+        cands = [m for m in self.members.values() if m.role == role]
+        if want is not None:
+            at = [m for m in cands if want in (int(m.address.rsplit(":", 1)[1]), int(m.reached_at.rsplit(":", 1)[1]))]
+            if not at:
+                raise MembershipError(404, f"no {role} slot of the config listens at {address!r} (slots: "
+                                           f"{', '.join(m.name + ' ' + m.address for m in cands)})", "address",
+                                      "instance_not_found")
+            return at[0]
+        free = [m for m in cands if m.state in (STANDBY, REMOVED)]
+        if not free:
+            raise MembershipError(409, f"every {role} slot is a member: raise instances.{role} in the config and "
+                                       "list the new ones in standby", "role", "no_free_slot")
+        return free[0]
+
+    # ------------------------------------------------------------------ operations
+    async def add(self, role: str, name: str | None = None, address: str | None = None, start: bool = False) -> dict:
+        """Add an instance of ``role``: the slot ``name``, or the one listening at ``address``, or
+        the role's first free slot. ``start``: the gateway starts the process itself (its engine
+        block from the config's tiers); else it must be running already (``pdd launch --join``).
+        Raises MembershipError (400 bad role or address, 404 no such slot, 409 duplicate, 503 not
+        reachable / did not start)."""
+        m = self._slot_for(role, name, address)
+        d = decide("add", m.name, m.role, m.state)
+        if not d.ok or m.name in self._busy_ops:
+            raise MembershipError(409, d.message or f"instance {m.name} is being changed now", "name", "duplicate")
+        self._busy_ops.add(m.name)
+        try:
+            if start:
+                m.proc = await asyncio.to_thread(self._start_process, m)
+            try:
+                peer = await self.orch._connect(m.name, retries=JOIN_RETRIES)
+            except Exception as e:
+                self._stop_process(m)
+                raise MembershipError(503, f"instance {m.name} is not reachable at {m.reached_at}: "
+                                           f"{type(e).__name__}: {e}", "address", "unreachable") from None
+            old = self.orch.peers.get(m.name)
+            self.orch.peers[m.name] = peer
+            if old is not None and old is not peer:
+                await old.close()
+            if m.role == ROLE_MAIN and m.dc == "B":  # a cold cache as far as routing knows
+                e = self.orch.cfg.engine_for(m.name)
+                self.orch.prefix_index[m.name] = PrefixIndex(e.page_size, e.num_pages)
+            m.source = "started" if start else "joined"
+            self._set(m, ACTIVE, "add", source=m.source)
+        finally:
+            self._busy_ops.discard(m.name)
+        return self.view(m.name)
+
+    async def drain(self, name: str, force: bool = False, remove_when_idle: bool = False) -> dict:
+        """Stop routing new requests to ``name``; requests in flight finish there. With
+        ``remove_when_idle`` it is removed (:meth:`remove`) once nothing is in flight."""
+        m = self._get(name)
+        d = decide("drain", name, m.role, m.state, others_active=self._others_active(m), force=force)
+        if not d.ok:
+            raise MembershipError(d.status, d.message, "name", "conflict")
+        if m.state != DRAINING:
+            self._set(m, DRAINING, "drain", in_flight=self.busy(name))
+        out = self.view(name)
+        out["message"] = d.message or (f"no new requests go to {name}; its {out['in_flight']} in-flight request(s) "
+                                       f"finish there; remove it when in_flight is 0")
+        out["prefix_cache"] = await self._cache_view(name)
+        if remove_when_idle and name not in self._watchers:
+            self._watchers[name] = asyncio.get_running_loop().create_task(self._remove_when_idle(name))
+            out["remove_when_idle"] = True
+        return out
+
+    async def _remove_when_idle(self, name: str, poll_s: float = 0.1) -> None:
+        try:
+            while self.members[name].state == DRAINING:
+                if self.busy(name) == 0:
+                    try:
+                        await self.remove(name)
+                    except MembershipError as e:
+                        log.warning("membership: removing drained %s when idle failed: %s", name, e.message)
+                    return
+                await asyncio.sleep(poll_s)
+        finally:
+            self._watchers.pop(name, None)
+
+    async def _cache_view(self, name: str) -> dict:
+        """What ``name``'s prefix cache holds now (its used pages while nothing runs there) and
+        what happens to it."""
+        out: dict = {"fate": "kept while draining (no new request reads it); dropped with the instance on remove"}
+        peer = self.orch.peers.get(name)
+        if peer is None or peer.closed:
+            out["pages_in_use"] = None
+            return out
+        try:
+            rep, _ = await peer.call(Stats().wire(), timeout=10)
+            out["pages_in_use"] = int(rep["pages_total"]) - int(rep["pages_free"])
+            out["running"] = int(rep.get("running", 0))
+        except Exception as e:
+            out["pages_in_use"] = None
+            out["error"] = f"{type(e).__name__}: {e}"
+        ix = self.orch.prefix_index.get(name)
+        if ix is not None:
+            out["gateway_index_pages"] = len(ix)
+        return out
+
+    async def remove(self, name: str, force: bool = False) -> dict:
+        """Remove ``name`` from the topology: refused (409) while anything is in flight there
+        unless ``force`` (its requests are then recovered as after an instance loss). Its prefix
+        cache is flushed and dropped (reported in ``prefix_cache``), the gateway's index of it
+        forgotten, its connection closed; a process the gateway started is stopped."""
+        m = self._get(name)
+        busy = self.busy(name)
+        d = decide("remove", name, m.role, m.state, busy=busy, others_active=self._others_active(m), force=force)
+        if not d.ok:
+            raise MembershipError(d.status, d.message, "name", "in_flight" if busy else "conflict")
+        if name in self._busy_ops:
+            raise MembershipError(409, f"instance {name} is being changed now", "name", "conflict")
+        self._busy_ops.add(name)
+        try:
+            o = self.orch
+            peer = o.peers.get(name)
+            cache: dict = {"fate": "dropped with the instance (flushed); the gateway's prefix index of it is "
+                                   "forgotten, so routing counts no hits there"}
+            leaked = None
+            if peer is not None and not peer.closed and busy == 0:
+                try:
+                    rep, _ = await peer.call(Stats().wire(), timeout=10)
+                    held = int(rep["pages_total"]) - int(rep["pages_free"])
+                    fl, _ = await peer.call(Flush().wire(), timeout=30)
+                    leaked = int(fl["pages_total"]) - int(fl["pages_free"])
+                    cache["pages_dropped"] = held - leaked
+                    cache["tokens_dropped"] = (held - leaked) * o.cfg.engine_for(name).page_size
+                except Exception as e:
+                    cache["error"] = f"{type(e).__name__}: {e}"
+            ix = o.prefix_index.pop(name, None)
+            cache["gateway_index_pages_forgotten"] = len(ix) if ix is not None else 0
+            if busy and peer is not None:  # forced: its requests are recovered as after a loss
+                o._peer_closed(name, peer)
+            old = m.state
+            m.state = REMOVED  # not routable from here on
+            o.peers.pop(name, None)
+            self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=busy, prefix_cache=cache,
+                      leaked_pages=leaked)
+            if peer is not None:
+                await peer.close()
+            await asyncio.to_thread(self._stop_process, m)
+        finally:
+            self._busy_ops.discard(name)
+        out = self.view(name)
+        out.update(prefix_cache=cache, leaked_pages=leaked, forced=bool(force and busy))
+        return out
+
+    # ------------------------------------------------------------------ processes (pdd serve)
+    def _start_process(self, m: Member) -> subprocess.Popen:
+        """Start slot ``m`` as ``pdd launch`` would (its engine block: the config's tiers), a child
+        of the gateway (it stops with it); wait for its READY line."""
+        cfg = self.orch.cfg
+        d = Path(tempfile.mkdtemp(prefix=f"pdd-{m.name}-"))
+        cfg_file = d / "cluster.json"
+        cfg_file.write_text(cfg.model_dump_json(indent=1))
+        logf = open(d / f"{m.name}.log", "w")
+        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.engine_for(m.name).torch_threads), PYTHONUNBUFFERED="1",
+                   PDD_PARENT_PID=str(os.getpid()))
+        cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", m.role, "--name", m.name, "--config", str(cfg_file)]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, text=True,
+                             start_new_session=True)
+        ready = threading.Event()
+
+        def pump():
+            assert p.stdout is not None
+            for line in p.stdout:
+                logf.write(line)
+                logf.flush()
+                if "READY" in line:
+                    ready.set()
+            logf.close()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(0.05):
+            if p.poll() is not None or time.monotonic() > deadline:
+                self._kill(p)
+                tail = "".join((d / f"{m.name}.log").read_text().splitlines(True)[-10:])
+                raise MembershipError(503, f"instance {m.name} did not start (log {d}/{m.name}.log):\n{tail}",
+                                      "start", "start_failed")
+        log.warning("membership: started %s (%s), log %s", m.name, m.role, d / f"{m.name}.log")
+        return p
+
+    @staticmethod
+    def _kill(p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_process(self, m: Member) -> None:
+        if m.proc is not None:
+            self._kill(m.proc)
+            m.proc = None
+
+    def stop_all(self) -> None:
+        for m in self.members.values():
+            self._stop_process(m)
+
+
+class MembershipCollector:
+    """Prometheus view of the membership: per instance its state, in-flight count and the
+    requests ever routed to it."""
+
+    def __init__(self, ms: Membership):
+        self.ms = ms
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        ms = self.ms
+        c = CounterMetricFamily("pdd_gateway_routed", "requests (attempts) the gateway routed to each instance",
+                                labels=["instance", "role"])
+        g = GaugeMetricFamily("pdd_gateway_instance_in_flight", "requests and transfers in flight on each instance",
+                              labels=["instance", "role"])
+        s = GaugeMetricFamily("pdd_gateway_instance_state", "1 for each instance's membership state",
+                              labels=["instance", "role", "state"])
+        for m in ms.members.values():
+            c.add_metric([m.name, m.role], int(ms.orch.routed.get(m.name, 0)))
+            g.add_metric([m.name, m.role], ms.busy(m.name) if m.state != STANDBY else 0)
+            s.add_metric([m.name, m.role, m.state], 1)
+        yield c
+        yield g
+        yield s
+        ch = CounterMetricFamily("pdd_gateway_membership_changes", "membership changes by operation", labels=["op"])
+        for op, n in sorted(ms.changes.items()):
+            ch.add_metric([op], n)
+        yield ch
+
+
+__all__ = ["Membership", "MembershipError", "Member", "parse_address", "ROLE_COLOCATED"]

@@ -1,0 +1,80 @@
+"""The gateway's operator endpoints of the elastic topology (``pdd.gateway.membership``), behind
+the API keys like every other endpoint (docs/SECURITY.md):
+
+- ``GET /pdd/instances``: every slot with its role, address, state, in-flight count, routed count.
+- ``POST /pdd/instances`` ``{"role", "name"?, "address"?, "start"?}``: add one.
+- ``POST /pdd/instances/{name}/drain`` ``{"force"?, "remove_when_idle"?}``: stop routing to it.
+- ``DELETE /pdd/instances/{name}`` (``?force=true``): remove it.
+
+Refusals are OpenAI-style error bodies: 400 (bad body, unknown role, bad address), 404 (no such
+instance), 409 (duplicate, still in flight, last active of its role), 503 (unreachable).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pdd.gateway.membership import Membership, MembershipError
+from pdd.gateway.openai_schemas import error_body
+
+
+class AddInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    name: Optional[str] = None
+    address: Optional[str] = None
+    start: bool = False
+
+
+class DrainInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    force: bool = False
+    remove_when_idle: bool = False
+
+
+def _error(e: MembershipError) -> JSONResponse:
+    etype = "invalid_request_error" if e.status < 500 else "server_error"
+    return JSONResponse(error_body(e.message, e.param, e.code, etype=etype), status_code=e.status)
+
+
+async def _body(request: Request, model):
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as ex:
+        err = ex.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise MembershipError(400, f"{where or 'body'}: {err.get('msg')}", where, "invalid_body") from None
+
+
+def add_membership_routes(app: FastAPI, ms: Membership) -> None:
+    @app.get("/pdd/instances")
+    async def list_instances():
+        return ms.listing()
+
+    @app.post("/pdd/instances")
+    async def add_instance(request: Request):
+        try:
+            b = await _body(request, AddInstance)
+            return await ms.add(b.role, b.name, b.address, b.start)
+        except MembershipError as e:
+            return _error(e)
+
+    @app.post("/pdd/instances/{name}/drain")
+    async def drain_instance(name: str, request: Request):
+        try:
+            b = await _body(request, DrainInstance)
+            return await ms.drain(name, force=b.force, remove_when_idle=b.remove_when_idle)
+        except MembershipError as e:
+            return _error(e)
+
+    @app.delete("/pdd/instances/{name}")
+    async def remove_instance(name: str, force: bool = False):
+        try:
+            return await ms.remove(name, force=force)
+        except MembershipError as e:
+            return _error(e)

@@ -1,0 +1,219 @@
+"""``pdd.gateway.membership``: add, drain and remove instances on a real orchestrator over fake
+connections (no processes), and the HTTP endpoints' answers and error bodies."""
+
+import asyncio
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from pdd.config import ClusterConfig
+from pdd.gateway.membership import Membership, MembershipError, parse_address
+from pdd.gateway.membership_api import add_membership_routes
+from pdd.gateway.orchestrator import Orchestrator
+from pdd.gateway.state import ReqState
+from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY
+from pdd.topology import ROLE_MAIN, layout
+from pdd.types import SamplingParams
+from tests.gateway.fake_peer import FakePeer
+
+
+class PoolPeer(FakePeer):
+    """Answers ``stats`` with ``held`` pages in use of 64, ``flush`` with ``leaked`` left."""
+
+    def __init__(self, held=5, leaked=0):
+        super().__init__()
+        self.held, self.leaked = held, leaked
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        if h.get("t") == "stats":
+            return {"pages_total": 64, "pages_free": 64 - self.held, "running": 0}, b""
+        if h.get("t") == "flush":
+            return {"pages_total": 64, "pages_free": 64 - self.leaked, "live_requests": 0}, b""
+        return {"t": "ok"}, b""
+
+
+def _setup(standby=("md1",), **inst):
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "base_port": 18000, "standby": list(standby),
+                                        "instances": {"prefill": 1, "relay_decode": 1, "main_decode": 2, **inst}})
+    lay = layout(cfg)
+    o = Orchestrator(cfg, lay)
+    ms = Membership(o, lay, cfg.standby)
+    o.peers = {s.name: PoolPeer() for s in o.layout.engines}
+    connects = []
+
+    async def connect(name, retries):
+        connects.append((name, retries))
+        return PoolPeer(held=0)
+
+    o._connect = connect
+    return o, ms, connects
+
+
+def test_standby_slot_is_not_in_the_gateway_layout():
+    o, ms, _ = _setup()
+    assert [s.name for s in o.layout.engines] == ["p0", "rld0", "md0"]
+    states = {m["name"]: (m["state"], m["address"], m["reached_at"]) for m in ms.listing()["data"]}
+    assert states == {"p0": (ACTIVE, "127.0.0.1:18010", "127.0.0.1:18010"),
+                      "rld0": (ACTIVE, "127.0.0.1:18040", "127.0.0.1:18040"),
+                      "md0": (ACTIVE, "127.0.0.1:18070", "127.0.0.1:18001"),
+                      "md1": (STANDBY, "127.0.0.1:18071", "127.0.0.1:18002")}
+    assert o.health() == {"status": "ok", "mode": "pdd", "down": []}
+
+
+def test_add_drain_remove_and_routing_follows():
+    o, ms, connects = _setup()
+
+    async def run():
+        assert await o._route(ROLE_MAIN, [1] * 40) == "md0"
+        rep = await ms.add("main_decode", address="127.0.0.1:18071")  # by address: the md1 slot
+        assert (rep["name"], rep["state"], rep["source"], rep["connected"]) == ("md1", ACTIVE, "joined", True)
+        assert connects == [("md1", 50)]
+        assert [s.name for s in o.layout.by_role(ROLE_MAIN)] == ["md0", "md1"]
+        assert len(o.prefix_index["md1"]) == 0
+        o.inflight["md0"] = 2  # two requests still decoding there
+        rep = await ms.drain("md0")
+        assert (rep["state"], rep["in_flight"]) == (DRAINING, 2)
+        assert rep["prefix_cache"]["pages_in_use"] == 5
+        for i in range(3):  # every new request goes to md1, whatever the cache says
+            assert await o._route(ROLE_MAIN, [1] * 40) == "md1"
+        with pytest.raises(MembershipError) as ei:
+            await ms.remove("md0")
+        assert ei.value.status == 409 and "still has 2 in-flight" in ei.value.message
+        o.inflight["md0"] = 0
+        o.prefix_index["md0"].insert([1] * 48)
+        peer0 = o.peers["md0"]
+        rep = await ms.remove("md0")
+        assert rep["state"] == REMOVED and rep["leaked_pages"] == 0 and rep["forced"] is False
+        assert rep["prefix_cache"]["pages_dropped"] == 5
+        assert rep["prefix_cache"]["tokens_dropped"] == 5 * o.cfg.engine_for("md0").page_size
+        assert rep["prefix_cache"]["gateway_index_pages_forgotten"] == 48 // o.cfg.engine_for("md0").page_size
+        assert [h["t"] for h in peer0.sent[-2:]] == ["stats", "flush"] and peer0.closed
+        assert "md0" not in o.peers and "md0" not in o.prefix_index
+        assert [s.name for s in o.layout.by_role(ROLE_MAIN)] == ["md1"]
+        assert o.health()["status"] == "ok"
+        assert ms.changes == {"add": 1, "drain": 1, "remove": 1}
+        assert [(e["op"], e["instance"], e["from"], e["to"]) for e in ms.events] == [
+            ("add", "md1", STANDBY, ACTIVE), ("drain", "md0", ACTIVE, DRAINING), ("remove", "md0", DRAINING, REMOVED)]
+        # a removed slot is free again: it can be added back
+        rep = await ms.add("main_decode")
+        assert (rep["name"], rep["state"]) == ("md0", ACTIVE)
+
+    asyncio.run(run())
+
+
+def test_busy_counts_live_requests_pending_transfers_and_kv_on_its_way():
+    o, ms, _ = _setup()
+    st = ReqState("r1", [1, 2, 3], SamplingParams(max_tokens=4))
+    st.names = {"prefill": "p0", "main_decode": "md0"}
+    o.reqs["r1"] = st
+    o.planned_src["t2"] = "p0"
+    o.awaiting_kv["t3"] = ("p0", "md0")
+    assert ms.busy("md0") == 2 and ms.busy("p0") == 3 and ms.busy("rld0") == 0
+
+
+def test_forced_remove_recovers_its_requests_as_after_a_loss():
+    o, ms, _ = _setup(standby=())
+    lost = []
+    o._peer_closed = lambda name, peer=None: lost.append(name)
+    o.inflight["md1"] = 1
+
+    async def run():
+        with pytest.raises(MembershipError):
+            await ms.remove("md1")
+        return await ms.remove("md1", force=True)
+
+    rep = asyncio.run(run())
+    assert lost == ["md1"] and rep["forced"] is True and rep["leaked_pages"] is None
+    assert rep["state"] == REMOVED
+
+
+def test_last_active_of_a_role_is_not_drained_or_removed():
+    o, ms, _ = _setup()
+
+    async def run():
+        for op in (ms.drain, ms.remove):
+            with pytest.raises(MembershipError) as ei:
+                await op("p0")
+            assert ei.value.status == 409
+            assert ei.value.message == "instance p0 is the last active prefill instance: add another first (or force)"
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("addr", ["18071", "host:", "127.0.0.1:99999", "127.0.0.1:port", "a b:1"])
+def test_bad_address(addr):
+    with pytest.raises(MembershipError) as ei:
+        parse_address(addr)
+    assert (ei.value.status, ei.value.param, ei.value.code) == (400, "address", "bad_address")
+
+
+def test_parse_address_forms():
+    assert parse_address("http://127.0.0.1:18071/") == ("127.0.0.1", 18071)
+    assert parse_address("localhost:1") == ("localhost", 1)
+
+
+def _client():
+    o, ms, connects = _setup()
+    app = FastAPI()
+    add_membership_routes(app, ms)
+    return TestClient(app), o, ms
+
+
+def test_http_endpoints_and_error_bodies():
+    c, o, ms = _client()
+    r = c.get("/pdd/instances")
+    assert r.status_code == 200 and [m["state"] for m in r.json()["data"]] == [ACTIVE, ACTIVE, ACTIVE, STANDBY]
+
+    def err(r, status, code, param):
+        assert r.status_code == status, r.text
+        e = r.json()["error"]
+        assert (e["code"], e["param"], e["type"]) == (code, param, "invalid_request_error")
+        return e["message"]
+
+    assert err(c.post("/pdd/instances", json={"role": "decoder"}), 400, "unknown_role", "role") == \
+        "unknown role 'decoder'; expected one of prefill, relay_decode, main_decode, colocated"
+    assert err(c.post("/pdd/instances", json={"role": "colocated"}), 400, "unknown_role", "role") == \
+        "the pdd topology has no colocated instances (roles: main_decode, prefill, relay_decode)"
+    err(c.post("/pdd/instances", json={"name": "md1"}), 400, "invalid_body", "role")
+    err(c.post("/pdd/instances", json={"role": "main_decode", "bogus": 1}), 400, "invalid_body", "bogus")
+    err(c.post("/pdd/instances", content=b"{not json", headers={"content-type": "application/json"}), 400,
+        "invalid_body", None)
+    assert err(c.post("/pdd/instances", json={"role": "main_decode", "name": "md7"}), 404, "instance_not_found",
+               "name").startswith("no instance named 'md7'")
+    err(c.post("/pdd/instances", json={"role": "main_decode", "address": "nohost"}), 400, "bad_address", "address")
+    err(c.post("/pdd/instances", json={"role": "main_decode", "address": "127.0.0.1:18070"}), 409,
+        "duplicate_address", "address")
+    err(c.post("/pdd/instances", json={"role": "main_decode", "name": "md1", "address": "127.0.0.1:18072"}), 409,
+        "address_conflict", "address")
+    err(c.post("/pdd/instances", json={"role": "main_decode", "address": "127.0.0.1:18079"}), 404,
+        "instance_not_found", "address")
+    assert err(c.post("/pdd/instances", json={"role": "main_decode", "name": "md0"}), 409, "duplicate", "name") == \
+        "instance md0 is already a member (active)"
+    err(c.post("/pdd/instances", json={"role": "prefill", "name": "md1"}), 400, "role_mismatch", "role")
+    err(c.post("/pdd/instances/nope/drain"), 404, "instance_not_found", "name")
+    err(c.delete("/pdd/instances/nope"), 404, "instance_not_found", "name")
+    err(c.delete("/pdd/instances/md1"), 409, "conflict", "name")  # standby: not a member
+
+    r = c.post("/pdd/instances", json={"role": "main_decode", "name": "md1"})
+    assert r.status_code == 200 and r.json()["state"] == ACTIVE
+    err(c.post("/pdd/instances", json={"role": "main_decode"}), 409, "no_free_slot", "role")
+    o.inflight["md0"] = 1
+    r = c.post("/pdd/instances/md0/drain", json={})
+    assert r.status_code == 200 and r.json()["state"] == DRAINING and r.json()["in_flight"] == 1
+    assert err(c.delete("/pdd/instances/md0"), 409, "in_flight", "name").startswith("instance md0 still has 1")
+    o.inflight["md0"] = 0
+    r = c.delete("/pdd/instances/md0")
+    assert r.status_code == 200 and r.json()["state"] == REMOVED and r.json()["leaked_pages"] == 0
+
+
+def test_metrics_collector():
+    from prometheus_client import generate_latest
+
+    o, ms, _ = _setup()
+    o.routed["md0"] = 7
+    text = generate_latest(o.metrics.registry).decode()
+    assert 'pdd_gateway_routed_total{instance="md0",role="main_decode"} 7.0' in text
+    assert 'pdd_gateway_instance_state{instance="md1",role="main_decode",state="standby"} 1.0' in text
+    assert 'pdd_gateway_instance_in_flight{instance="md0",role="main_decode"} 0.0' in text

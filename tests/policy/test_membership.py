@@ -1,0 +1,64 @@
+"""``pdd.policy.membership.decide``: the elastic topology's state machine, every transition."""
+
+import pytest
+
+from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide
+
+
+@pytest.mark.parametrize("state", [STANDBY, REMOVED])
+def test_add_takes_a_free_slot_to_active(state):
+    d = decide("add", "md1", "main_decode", state)
+    assert (d.ok, d.new_state, d.status) == (True, ACTIVE, 200)
+
+
+@pytest.mark.parametrize("state", [ACTIVE, DRAINING])
+def test_add_of_a_member_is_a_duplicate(state):
+    d = decide("add", "md1", "main_decode", state)
+    assert (d.ok, d.new_state, d.status) == (False, state, 409)
+    assert d.message == f"instance md1 is already a member ({state})"
+
+
+def test_drain_active_to_draining_and_idempotent():
+    assert decide("drain", "md0", "main_decode", ACTIVE, others_active=1) == decide("drain", "md0", "main_decode",
+                                                                                   ACTIVE, others_active=3)
+    d = decide("drain", "md0", "main_decode", ACTIVE, others_active=1)
+    assert (d.ok, d.new_state, d.status, d.message) == (True, DRAINING, 200, "")
+    d = decide("drain", "md0", "main_decode", DRAINING, others_active=0)
+    assert (d.ok, d.new_state, d.message) == (True, DRAINING, "instance md0 is already draining")
+
+
+def test_drain_of_the_last_active_instance_needs_force():
+    d = decide("drain", "p0", "prefill", ACTIVE, others_active=0)
+    assert (d.ok, d.new_state, d.status) == (False, ACTIVE, 409)
+    assert d.message == "instance p0 is the last active prefill instance: add another first (or force)"
+    assert decide("drain", "p0", "prefill", ACTIVE, others_active=0, force=True).new_state == DRAINING
+
+
+@pytest.mark.parametrize("op", ["drain", "remove"])
+@pytest.mark.parametrize("state", [STANDBY, REMOVED])
+def test_a_non_member_cannot_be_drained_or_removed(op, state):
+    d = decide(op, "md1", "main_decode", state, force=True)
+    assert (d.ok, d.new_state, d.status) == (False, state, 409)
+    assert d.message == f"instance md1 is {state}: not a member"
+
+
+def test_remove_refused_while_busy_unless_forced():
+    d = decide("remove", "md0", "main_decode", DRAINING, busy=2, others_active=1)
+    assert (d.ok, d.new_state, d.status) == (False, DRAINING, 409)
+    assert d.message.startswith("instance md0 still has 2 in-flight request(s)")
+    d = decide("remove", "md0", "main_decode", DRAINING, busy=2, others_active=1, force=True)
+    assert (d.ok, d.new_state) == (True, REMOVED)
+
+
+def test_remove_idle_draining_or_active():
+    assert decide("remove", "md0", "main_decode", DRAINING, busy=0, others_active=0).new_state == REMOVED
+    assert decide("remove", "md0", "main_decode", ACTIVE, busy=0, others_active=1).new_state == REMOVED
+    d = decide("remove", "md0", "main_decode", ACTIVE, busy=0, others_active=0)
+    assert (d.ok, d.status) == (False, 409)
+
+
+def test_unknown_op_or_state_raises():
+    with pytest.raises(ValueError, match="unknown membership operation 'grow'"):
+        decide("grow", "md0", "main_decode", ACTIVE)
+    with pytest.raises(ValueError, match="unknown membership state 'asleep'"):
+        decide("add", "md0", "main_decode", "asleep")
