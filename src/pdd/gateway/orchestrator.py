@@ -147,7 +147,8 @@ class Orchestrator(Routing, Launchers, WanBooking, Handoffs, Recovery):
     async def _connect(self, name: str, retries: int) -> rpc.Peer:
         from pdd.security import link_security
 
-        host, port, _wan = self.layout.address_from_a(name)
+        ms = getattr(self, "membership", None)  # an instance being added is not in self.layout yet
+        host, port, _wan = (ms.full if ms is not None else self.layout).address_from_a(name)
         lv = self.cfg.liveness
         peer = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
                                  retries=retries, backoff_s=0.1, heartbeat_s=lv.heartbeat_interval_s,
