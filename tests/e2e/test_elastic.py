@@ -128,6 +128,29 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
         assert _members(url)["md0"]["source"] == "joined"
         assert _stream(url, [300] * 60) == MAX_TOKENS
         assert topo.stats()["totals"]["failed"] == 0
+
+        # md1 drained and removed by itself once idle, then started again by the gateway itself
+        # (pdd serve's path: its engine block from the config)
+        r = httpx.post(url + "/pdd/instances/md1/drain", json={"remove_when_idle": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["remove_when_idle"] is True, r.text
+        _wait(lambda: _members(url)["md1"]["state"] == "removed", "md1 removed when idle")
+        topo.kill("md1")
+        r = httpx.post(url + "/pdd/instances", json={"role": "main_decode", "name": "md1", "start": True}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert (r.json()["state"], r.json()["source"], r.json()["connected"]) == ("active", "started", True)
+        r = httpx.post(url + "/pdd/instances/md0/drain", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+        before = _members(url)["md1"]["routed"]
+        assert _stream(url, [400] * 60) == MAX_TOKENS
+        assert _members(url)["md1"]["routed"] == before + 1
+        _wait(lambda: _members(url)["md1"]["in_flight"] == 0, "md1 idle")
+        r = httpx.delete(url + "/pdd/instances/md1?force=true", timeout=60)  # md0 is draining: md1 is the last
+        assert r.status_code == 200 and r.json()["leaked_pages"] == 0, r.text
+        import socket
+
+        with pytest.raises(OSError):  # the gateway stopped the process it started
+            socket.create_connection(("127.0.0.1", cfg.base_port + 71), timeout=2).close()
+        assert topo.stats()["totals"]["failed"] == 0
     finally:
         os.killpg(p.pid, 15)
         p.wait(timeout=30)
