@@ -19,12 +19,14 @@ from tests.e2e.conftest import make_cfg
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 48
+KEY = "k-elastic"  # the operator endpoints are behind the API keys like every other
+H = {"Authorization": f"Bearer {KEY}"}
 
 
 def _stream(url: str, prompt: list[int], started: threading.Event | None = None) -> int:
     """Stream one completion; return the number of tokens received (raises on any failure)."""
     n = 0
-    with httpx.stream("POST", url + "/v1/completions", timeout=300,
+    with httpx.stream("POST", url + "/v1/completions", timeout=300, headers=H,
                       json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200, r.read()
@@ -40,8 +42,14 @@ def _stream(url: str, prompt: list[int], started: threading.Event | None = None)
     return n
 
 
+def _stats(url: str) -> dict:
+    r = httpx.get(url + "/pdd/stats", timeout=30, headers=H)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def _members(url: str) -> dict:
-    r = httpx.get(url + "/pdd/instances", timeout=30)
+    r = httpx.get(url + "/pdd/instances", timeout=30, headers=H)
     assert r.status_code == 200, r.text
     return {m["name"]: m for m in r.json()["data"]}
 
@@ -61,13 +69,17 @@ def _wait(cond, what: str, timeout_s: float = 120.0, url: str | None = None):
 
 def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory):
     cfg = make_cfg(small_model, "pdd", instances={"prefill": 1, "relay_decode": 1, "main_decode": 2},
-                   standby=["md1"], engine={"device": "cpu", "min_step_ms": 30})
+                   standby=["md1"], engine={"device": "cpu", "min_step_ms": 30}, security={"api_keys": [KEY]})
     topo = topology_factory(cfg)
     url = topo.url
     m = _members(url)
     assert {n: v["state"] for n, v in m.items()} == {"p0": "active", "rld0": "active", "md0": "active",
                                                       "md1": "standby"}
     assert "md1" not in topo.procs
+    for call in (httpx.get(url + "/pdd/instances", timeout=10), httpx.post(url + "/pdd/instances", timeout=10,
+                                                                          json={"role": "main_decode"}),
+                 httpx.delete(url + "/pdd/instances/md0", timeout=10)):
+        assert call.status_code == 401, call.text  # no key
     assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"  # a standby slot is not "down"
 
     topo.restart("md1")  # start md1's process (pdd launch); it serves nothing until added
@@ -77,15 +89,15 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
     _wait(lambda: _members(url)["md0"]["routed"] == 3, "phase 1 routed to md0")
     # add md1 by address while they stream
     r = httpx.post(url + "/pdd/instances", json={"role": "main_decode", "address": f"127.0.0.1:{cfg.base_port + 71}"},
-                   timeout=60)
+                   timeout=60, headers=H)
     assert r.status_code == 200, r.text
     assert (r.json()["name"], r.json()["state"], r.json()["source"]) == ("md1", "active", "joined")
     # drain md0 while its requests are in flight
-    r = httpx.post(url + "/pdd/instances/md0/drain", json={}, timeout=60)
+    r = httpx.post(url + "/pdd/instances/md0/drain", json={}, timeout=60, headers=H)
     assert r.status_code == 200, r.text
     assert r.json()["state"] == "draining" and r.json()["in_flight"] >= 1, r.json()
     # removing it now is refused: requests are in flight there
-    r = httpx.delete(url + "/pdd/instances/md0", timeout=60)
+    r = httpx.delete(url + "/pdd/instances/md0", timeout=60, headers=H)
     assert r.status_code == 409 and r.json()["error"]["code"] == "in_flight", r.text
     at_drain = _members(url)
     # phase 2: every new request goes to md1
@@ -96,19 +108,18 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
     assert after["md0"]["routed"] == at_drain["md0"]["routed"] == 3
     assert after["md1"]["routed"] - at_drain["md1"]["routed"] == 4
     _wait(lambda: _members(url)["md0"]["in_flight"] == 0, "md0 idle")
-    r = httpx.delete(url + "/pdd/instances/md0", timeout=60)
+    r = httpx.delete(url + "/pdd/instances/md0", timeout=60, headers=H)
     assert r.status_code == 200, r.text
     rm = r.json()
     assert rm["state"] == "removed" and rm["leaked_pages"] == 0 and rm["forced"] is False
     assert rm["prefix_cache"]["pages_dropped"] >= 3 * 60 // cfg.engine.page_size  # phase 1's prompts were cached
-    st = topo.stats()
+    st = _stats(url)
     assert "md0" not in st["instances"]
     assert st["totals"]["failed"] == 0 and st["totals"]["completed"] == 7
     assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok", "mode": "pdd", "down": []}
-    assert topo.wait_idle(60)
-    fl = topo.flush()
+    fl = httpx.post(url + "/pdd/flush", timeout=60, headers=H).json()
     assert fl["leaked_pages"] == 0 and sorted(fl["instances"]) == ["md1", "p0", "rld0"], fl
-    metrics = httpx.get(url + "/metrics", timeout=10).text
+    metrics = httpx.get(url + "/metrics", timeout=10, headers=H).text
     assert 'pdd_gateway_routed_total{instance="md1",role="main_decode"} 4.0' in metrics
     assert 'pdd_gateway_instance_state{instance="md0",role="main_decode",state="removed"} 1.0' in metrics
 
@@ -127,30 +138,32 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
         assert lines[-1].strip() == "JOINED md0 active", lines
         assert _members(url)["md0"]["source"] == "joined"
         assert _stream(url, [300] * 60) == MAX_TOKENS
-        assert topo.stats()["totals"]["failed"] == 0
+        assert _stats(url)["totals"]["failed"] == 0
 
         # md1 drained and removed by itself once idle, then started again by the gateway itself
         # (pdd serve's path: its engine block from the config)
-        r = httpx.post(url + "/pdd/instances/md1/drain", json={"remove_when_idle": True}, timeout=60)
+        r = httpx.post(url + "/pdd/instances/md1/drain", json={"remove_when_idle": True}, timeout=60, headers=H)
         assert r.status_code == 200 and r.json()["remove_when_idle"] is True, r.text
         _wait(lambda: _members(url)["md1"]["state"] == "removed", "md1 removed when idle")
         topo.kill("md1")
-        r = httpx.post(url + "/pdd/instances", json={"role": "main_decode", "name": "md1", "start": True}, timeout=300)
+        r = httpx.post(url + "/pdd/instances", json={"role": "main_decode", "name": "md1", "start": True},
+                       timeout=300, headers=H)
         assert r.status_code == 200, r.text
         assert (r.json()["state"], r.json()["source"], r.json()["connected"]) == ("active", "started", True)
-        r = httpx.post(url + "/pdd/instances/md0/drain", json={}, timeout=60)
+        r = httpx.post(url + "/pdd/instances/md0/drain", json={}, timeout=60, headers=H)
         assert r.status_code == 200, r.text
         before = _members(url)["md1"]["routed"]
         assert _stream(url, [400] * 60) == MAX_TOKENS
         assert _members(url)["md1"]["routed"] == before + 1
         _wait(lambda: _members(url)["md1"]["in_flight"] == 0, "md1 idle")
-        r = httpx.delete(url + "/pdd/instances/md1?force=true", timeout=60)  # md0 is draining: md1 is the last
+        # md0 is draining, so md1 is the last active MD: its removal needs force
+        r = httpx.delete(url + "/pdd/instances/md1?force=true", timeout=60, headers=H)
         assert r.status_code == 200 and r.json()["leaked_pages"] == 0, r.text
         import socket
 
         with pytest.raises(OSError):  # the gateway stopped the process it started
             socket.create_connection(("127.0.0.1", cfg.base_port + 71), timeout=2).close()
-        assert topo.stats()["totals"]["failed"] == 0
+        assert _stats(url)["totals"]["failed"] == 0
     finally:
         os.killpg(p.pid, 15)
         p.wait(timeout=30)
