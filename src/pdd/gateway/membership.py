@@ -330,6 +330,9 @@ class Membership:
                 o._peer_closed(name, peer)
             old = m.state
             m.state = REMOVED  # not routable from here on
+            deadline = time.monotonic() + 5.0  # a reconnect under way would put its connection back
+            while name in getattr(o, "_reconnecting", ()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             o.peers.pop(name, None)
             self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=busy, prefix_cache=cache,
                       leaked_pages=leaked)
