@@ -780,6 +780,9 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
     from pdd.gateway.membership import Membership
 
     Membership(orch, lay, cfg.standby)  # connects only to the members: standby slots join later
+    from pdd.gateway.live_counters import LiveCounters
+
+    LiveCounters(orch)  # handoff mode switches, P/MD prefix-hit alignment on /metrics
     await orch.start()
     app = create_app(cfg, orch, tokenizer)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.gateway_port, log_level="warning",

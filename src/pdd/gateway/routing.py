@@ -100,6 +100,9 @@ class Routing:
                 self.routed[name] = self.routed.get(name, 0) + 1
 
     def _unassign(self, st: ReqState) -> None:
+        lc = getattr(self, "live_counters", None)
+        if lc is not None and st.assigned:  # the attempt ends (once: later calls find nothing assigned)
+            lc.attempt_ended(st)
         for name in st.assigned:
             self.inflight[name] = max(0, self.inflight.get(name, 0) - 1)
         st.assigned.clear()
