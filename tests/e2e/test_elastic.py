@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -56,8 +57,6 @@ def _members(url: str) -> dict:
 
 def _wait(cond, what: str, timeout_s: float = 120.0, url: str | None = None):
     """Wait for ``cond()`` (polled on the gateway's state, 20 ms apart) or fail naming ``what``."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         v = cond()
@@ -88,11 +87,14 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
     first = [pool.submit(_stream, url, [100 + i] * 60) for i in range(3)]
     _wait(lambda: _members(url)["md0"]["routed"] == 3, "phase 1 routed to md0")
     # add md1 by address while they stream
+    t0 = time.perf_counter()
     r = httpx.post(url + "/pdd/instances", json={"role": "main_decode", "address": f"127.0.0.1:{cfg.base_port + 71}"},
                    timeout=60, headers=H)
     assert r.status_code == 200, r.text
     assert (r.json()["name"], r.json()["state"], r.json()["source"]) == ("md1", "active", "joined")
+    t_add = time.perf_counter() - t0
     # drain md0 while its requests are in flight
+    t0 = time.perf_counter()
     r = httpx.post(url + "/pdd/instances/md0/drain", json={}, timeout=60, headers=H)
     assert r.status_code == 200, r.text
     assert r.json()["state"] == "draining" and r.json()["in_flight"] >= 1, r.json()
@@ -108,8 +110,12 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
     assert after["md0"]["routed"] == at_drain["md0"]["routed"] == 3
     assert after["md1"]["routed"] - at_drain["md1"]["routed"] == 4
     _wait(lambda: _members(url)["md0"]["in_flight"] == 0, "md0 idle")
+    t_idle = time.perf_counter() - t0
+    t0 = time.perf_counter()
     r = httpx.delete(url + "/pdd/instances/md0", timeout=60, headers=H)
     assert r.status_code == 200, r.text
+    print(f"ELASTIC add_s={t_add:.3f} drain_to_idle_s={t_idle:.3f} remove_s={time.perf_counter() - t0:.3f} "
+          f"in_flight_at_drain={at_drain['md0']['in_flight']} dropped_pages={r.json()['prefix_cache']['pages_dropped']}")
     rm = r.json()
     assert rm["state"] == "removed" and rm["leaked_pages"] == 0 and rm["forced"] is False
     assert rm["prefix_cache"]["pages_dropped"] >= 3 * 60 // cfg.engine.page_size  # phase 1's prompts were cached
