@@ -131,7 +131,8 @@ class Streams:
         (anomaly filter), or stop whichever decoder is still going."""
         if st.recovery.md_lost:
             return  # MD's leg was given up: dropped there already
-        if should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready, remaining_wan_s=self._remaining_wan_s(st),
+        if should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
+                          remaining_wan_s=self._remaining_wan_s(st),
                           min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
             if self.cfg.policy.cutoff:
                 await self._cut_off(st)
