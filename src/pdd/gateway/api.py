@@ -666,13 +666,14 @@ def _pdd(gen: Generation) -> dict[str, Any]:
 
 
 def _pdd_summary(st: ReqState) -> dict[str, Any]:
-    return {"rid": st.rid, "recoveries": len(st.recoveries), "degraded": st.degraded,
+    ho = st.handoff
+    return {"rid": st.rid, "recoveries": len(st.recovery.recoveries), "degraded": st.recovery.degraded,
             "pipeline": st.pipeline.value, "wan_bytes": st.wan.reported, "wan_bytes_expected": st.wan.expected,
             "md_cached_tokens": st.md_cached_tokens, "p_cached_tokens": st.p_cached_tokens,
-            "handoff_pos": st.handoff_pos, "rld_finished_first": st.rld_finished_first,
-            "handoff_mode": st.handoff_mode, "handoff_rounds": st.handoff_rounds,
-            "handoff_tokens": st.handoff_tokens, "cut_off": st.cut_off, "md_diverged": st.md_diverged,
-            "extend_extra_step_ms": st.extend_extra_step_ms, "decisions": st.decisions,
+            "handoff_pos": ho.pos, "rld_finished_first": ho.rld_finished_first,
+            "handoff_mode": ho.mode, "handoff_rounds": ho.rounds,
+            "handoff_tokens": ho.tokens, "cut_off": st.wan.cut_off, "md_diverged": ho.md_diverged,
+            "extend_extra_step_ms": ho.extend_extra_step_ms, "decisions": st.decisions,
             "events_ms": {k: round((v - st.t_arrival) * 1000, 2) for k, v in st.events.items()},
             # the held phase's moves, in order: [[phase, ms since arrival], ...] (pdd.gateway.phase)
             "phases_ms": [[ph.value, round((t - st.t_arrival) * 1000, 2)] for ph, t in st.life.history]}
