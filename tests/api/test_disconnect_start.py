@@ -54,7 +54,7 @@ class HeldOrch(Orchestrator):
         await asyncio.wait((stop, go), return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
         go.cancel()
-        if st.aborted:
+        if st.end.aborted:
             raise RemoteError(f"request {st.trid} aborted", {})
         for pos in range(st.sampling.max_tokens):
             st.queue.put_nowait(TokenOut(pos, 7, "c", "length" if pos == st.sampling.max_tokens - 1 else None))

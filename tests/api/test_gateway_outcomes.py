@@ -51,14 +51,14 @@ class ScriptedOrch(Orchestrator):
     async def _feed(self, st: ReqState, fail_at: int | None) -> None:
         n = st.sampling.max_tokens
         for pos in range(n):
-            if st.aborted:
+            if st.end.aborted:
                 return
             if pos == self.hold_at:
-                while not st.aborted:
+                while not st.end.aborted:
                     await asyncio.sleep(TICK_S)
                 return
             if pos == fail_at:
-                st.error = "injected tier failure"
+                st.recovery.error = "injected tier failure"
                 st.queue.put_nowait(None)
                 return
             st.queue.put_nowait(TokenOut(pos, self.script[pos % len(self.script)], "c",
@@ -192,10 +192,10 @@ async def test_abort_counts_once_with_its_first_reason():
     st = await orch.start_request([5] * 8, sp)
     with pytest.raises(ValueError):
         await orch.abort(st, "bored")
-    assert not st.finished and st.outcome is None  # an unknown reason changes nothing
+    assert not st.finished and st.end.outcome is None  # an unknown reason changes nothing
     await orch.abort(st, ABORT_CLIENT)
     await orch.abort(st, ABORT_FAILED)  # a later abort keeps the first count and reason
-    assert (st.abort_reason, st.outcome) == (ABORT_CLIENT, "cancelled")
+    assert (st.end.abort_reason, st.end.outcome) == (ABORT_CLIENT, "cancelled")
     assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 0, "failed": 0, "cancelled": 1, "rejected": 0}
     assert [t async for t in orch.stream(st)] == []  # its stream ends at once, counted already
     assert orch.totals["cancelled"] == 1 and orch.totals["completed"] == 0
@@ -205,7 +205,7 @@ async def test_abort_counts_once_with_its_first_reason():
     assert (await s.__anext__()).pos == 0
     await s.aclose()
     await _background_done(orch)
-    assert (st2.abort_reason, st2.outcome) == (ABORT_CLIENT, "cancelled") and orch.totals["cancelled"] == 2
+    assert (st2.end.abort_reason, st2.end.outcome) == (ABORT_CLIENT, "cancelled") and orch.totals["cancelled"] == 2
 
 
 @pytest.mark.parametrize("path,body", [

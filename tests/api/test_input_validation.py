@@ -549,3 +549,13 @@ def test_a_stop_of_another_type_and_a_lone_surrogate_in_a_message_say_where(api)
     assert _err(r, 400, "messages")["message"] == \
         "messages[0].content[0].text: not valid Unicode text (a lone surrogate at character 0)"
     assert not orch.started
+
+
+@pytest.mark.parametrize("body,offset", [(b'{"prompt": "\xff\xfe", "max_tokens": 2}', 12), (b"\xff\xfe\x00", 0)])
+def test_a_body_that_is_not_utf8_is_400_naming_the_byte(api, body, offset):
+    """Found by a new user: such a body got FastAPI's bare "There was an error parsing the body"."""
+    client, orch = api
+    err = _err(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400, None)
+    assert err["message"] == (f"request body is not valid JSON: it is not UTF-8 text (byte 0x{body[offset]:02x} "
+                              f"at offset {offset}); send JSON encoded as UTF-8")
+    assert not orch.started

@@ -29,7 +29,7 @@ import time
 import pytest
 
 from pdd.faults import StreamClient
-from pdd.transfer.link import query_stats
+from pdd.transfer.link import query_stats, set_link
 from tests.e2e.conftest import greedy_oracle, make_cfg
 
 pytestmark = pytest.mark.slow
@@ -99,16 +99,31 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
     assert topo.wait_idle(timeout_s=30)
     fills_before = topo.stats()["totals"].get("md_predicted_fills", 0)
 
-    # A (400 tokens: 800 kB, ~130 ms on the line) and B (A + 50) right behind it: B's predicted
-    # prefix is A's prompt, which MD does not hold when B's reservation lands
+    # A (400 tokens) and B (A + 50): B's predicted prefix is A's prompt, which MD must not hold
+    # yet when B's reservation lands. The line is slowed to 0.5 Mbit/s before A starts, so A's
+    # 800 kB of KV need ~13 s on it: MD cannot have A's KV until the rate is restored, and the rate
+    # is restored only once the gateway booked B's fill (its reservation reply said MD lacks
+    # pages). The order is forced by the line, not by how fast this client starts B.
     a = _ids(4, 400)
     b = a + _ids(5, 50)
-    ca = run(a, 300, start_only=True)
-    deadline = time.monotonic() + 60
-    while not ca.tokens and ca.error is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert ca.tokens, ca.error
-    cb = run(b, 600)
+
+    def set_gbps(gbps: float) -> None:
+        asyncio.run(set_link(cfg.host, topo.layout.link_control_port, gbps=gbps))
+
+    set_gbps(0.0005)
+    try:
+        ca = run(a, 300, start_only=True)
+        deadline = time.monotonic() + 60  # bounds on the waits, not timing asserts
+        while not ca.tokens and ca.error is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert ca.tokens, ca.error
+        cb = run(b, 600, start_only=True)
+        while (topo.stats()["totals"].get("md_predicted_fills", 0) == fills_before and cb.error is None
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+    finally:
+        set_gbps(0.05)
+    assert cb.wait(60) and cb.error is None, cb.error
     assert ca.wait(60) and ca.error is None, ca.error
     assert topo.wait_idle(timeout_s=30)
     st = topo.stats()

@@ -3,6 +3,7 @@ which legs a request still needs in each phase, and what it does when one is los
 processes); the fault matrix checks the same rules end to end."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -10,7 +11,7 @@ from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator, ReqState
 from pdd.gateway.phase import IllegalTransition, Phase
 from pdd.topology import layout
-from pdd.gateway.state import TokenOut
+from pdd.gateway.state import HandoffState, TokenOut
 from pdd.transfer.messages import KvReady, Tok, XferDone
 from pdd.types import Pipeline, SamplingParams
 from tests.gateway.fake_peer import FakePeer
@@ -31,13 +32,14 @@ def relayed(o: Orchestrator, **kw) -> ReqState:
     st.names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"}
     st.to(Phase.PREFILL)
     o._prefilled(st)
-    for k, v in kw.items():
-        setattr(st, k, v)
-    if st.kv_ready:  # the phase moves the set-up's events would have made
+    handoff = {f.name for f in dataclasses.fields(HandoffState)}
+    for k, v in kw.items():  # a HandoffState field (kv_ready, md_start, ...) or a top-level one
+        setattr(st.handoff if k in handoff else st, k, v)
+    if st.handoff.kv_ready:  # the phase moves the set-up's events would have made
         st.to(Phase.RLD_DECODE)
-    if st.md_start is not None:
+    if st.handoff.md_start is not None:
         st.to(Phase.HANDOFF)
-    if st.switch_pos is not None:
+    if st.handoff.switch_pos is not None:
         st.to(Phase.MD_DECODE)
     o.reqs[st.trid] = st
     return st
@@ -77,13 +79,13 @@ async def test_phases_move_with_the_request_s_events(orch):
     await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
     assert orch.phase(st) == "rld_decode"  # the handoff task starts next
     await settle()
-    assert orch.phase(st) == "handoff" and st.md_start == 3
+    assert orch.phase(st) == "handoff" and st.handoff.md_start == 3
     toks = orch._next_tokens(st, TokenOut(3, 7, "md", None))
-    assert [t.pos for t in toks] == [3] and orch.phase(st) == "md_decode" and st.switch_pos == 3
+    assert [t.pos for t in toks] == [3] and orch.phase(st) == "md_decode" and st.handoff.switch_pos == 3
     assert orch.requests_view()["r1"]["phase"] == "md_decode"
     orch._instance_lost(st, "md0", "gone")
-    orch._new_attempt(st, st.error)
-    assert orch.phase(st) == "recovery" and st.recoveries[-1]["phase"] == "md_decode"
+    orch._new_attempt(st, st.recovery.error)
+    assert orch.phase(st) == "recovery" and st.recovery.recoveries[-1]["phase"] == "md_decode"
     assert [p.value for p, _ in st.life.history] == ["queued", "prefill", "transfer", "rld_decode", "handoff",
                                                      "md_decode", "recovery"]
     ts = [t for _, t in st.life.history]
@@ -116,7 +118,7 @@ def test_an_illegal_transition_raises_under_tests_and_is_logged_otherwise(monkey
 async def test_p_lost_before_rld_has_kv_recovers(orch):
     st = relayed(orch)
     orch._instance_lost(st, "p0", "gone")
-    assert st.lost and st.queue.get_nowait() is None
+    assert st.recovery.lost and st.queue.get_nowait() is None
 
 
 async def test_p_lost_while_md_kv_crosses_drops_md_leg_rld_finishes(orch):
@@ -124,7 +126,7 @@ async def test_p_lost_while_md_kv_crosses_drops_md_leg_rld_finishes(orch):
     stream_to(st, 3)
     orch._instance_lost(st, "p0", "gone")
     await settle()
-    assert not st.lost and st.md_lost and st.degraded
+    assert not st.recovery.lost and st.recovery.md_lost and st.recovery.degraded
     assert {"t": "drop", "rid": "r1"} in orch.peers["md0"].sent
 
 
@@ -140,13 +142,13 @@ async def test_p_lost_after_xfer_done_with_early_handoff_started_recovers(orch):
     st.events["md_reserved"] = 0.0
     await orch.on_xfer_done(None, XferDone("r1", {"md0": 4000}, {}, {}).wire(), b"")
     await settle()
-    assert st.wan.kv_sent and not st.kv_ready and orch.phase(st) == "handoff" and st.md_start == 3
+    assert st.wan.kv_sent and not st.handoff.kv_ready and orch.phase(st) == "handoff" and st.handoff.md_start == 3
     assert {"t": "extend", "rid": "r1", "token_ids": [100, 101, 102], "final": True} in orch.peers["md0"].sent
     orch._instance_lost(st, "p0", "gone")
-    assert st.lost and not st.md_lost and st.queue.get_nowait() is None
-    orch._new_attempt(st, st.error)
+    assert st.recovery.lost and not st.recovery.md_lost and st.queue.get_nowait() is None
+    orch._new_attempt(st, st.recovery.error)
     await settle()
-    assert st.trid == "r1.1" and not st.handoff_started and "handoff_call" not in st.events
+    assert st.trid == "r1.1" and not st.handoff.started and "handoff_call" not in st.events
     assert {"t": "abort", "rid": "r1"} in orch.peers["md0"].sent
 
 
@@ -161,9 +163,9 @@ async def test_p_lost_after_xfer_done_before_rld_was_asked_drops_md_leg(orch):
     st.events["md_reserved"] = 0.0
     await orch.on_xfer_done(None, XferDone("r1", {"md0": 4000}, {}, {}).wire(), b"")
     await settle()
-    assert st.wan.kv_sent and st.handoff_started and "handoff_call" not in st.events
+    assert st.wan.kv_sent and st.handoff.started and "handoff_call" not in st.events
     orch._instance_lost(st, "p0", "gone")
-    assert not st.lost and st.md_lost and st.degraded
+    assert not st.recovery.lost and st.recovery.md_lost and st.recovery.degraded
     stream_to(st, 6)
     for _ in range(20):
         await asyncio.sleep(0.002)
@@ -181,9 +183,9 @@ async def test_a_replaced_attempt_s_waiting_handoff_leaves_the_next_attempt_alon
     stream_to(st, 3)
     await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
     await settle()
-    assert st.handoff_started and "handoff_call" not in st.events
+    assert st.handoff.started and "handoff_call" not in st.events
     orch._fail_lost(st, "instance p0 is unreachable")  # the attempt is given up: a new one
-    orch._new_attempt(st, st.error)
+    orch._new_attempt(st, st.recovery.error)
     st.names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0"}  # same instances again
     st.to(Phase.PREFILL)
     orch._prefilled(st)
@@ -210,7 +212,7 @@ async def test_md_lost_before_its_reservation_reply_cancels_p_s_fill_slot(orch):
     st.wan.fill_slot = True
     orch._instance_lost(st, "md0", "gone")
     await settle()
-    assert st.md_lost and not st.lost
+    assert st.recovery.md_lost and not st.recovery.lost
     assert {"t": "target", "rid": "r1", "slot": "md_fill", "name": "md0", "cancelled": True} in orch.peers["p0"].sent
     # without a fill slot (no predicted send) P is not sent one
     st2 = relayed(orch)
@@ -225,7 +227,7 @@ async def test_p_lost_after_kv_arrived_changes_nothing(orch):
     st = relayed(orch, kv_ready=True)
     stream_to(st, 3)
     orch._instance_lost(st, "p0", "gone")
-    assert not st.lost and not st.md_lost
+    assert not st.recovery.lost and not st.recovery.md_lost
 
 
 async def test_rld_lost_with_kv_at_md_md_takes_over_from_streamed_ids(orch):
@@ -233,7 +235,7 @@ async def test_rld_lost_with_kv_at_md_md_takes_over_from_streamed_ids(orch):
     stream_to(st, 4)
     orch._instance_lost(st, "rld0", "gone")
     await settle()
-    assert st.takeover and st.md_start == 4 and not st.lost
+    assert st.handoff.takeover and st.handoff.md_start == 4 and not st.recovery.lost
     assert orch.peers["md0"].sent[-1] == {"t": "extend", "rid": "r1", "token_ids": [100, 101, 102, 103],
                                           "final": True}
 
@@ -242,31 +244,31 @@ async def test_rld_lost_before_md_has_kv_recovers(orch):
     st = relayed(orch)
     stream_to(st, 4)
     orch._instance_lost(st, "rld0", "gone")
-    assert st.lost
+    assert st.recovery.lost
 
 
 async def test_rld_lost_after_final_handoff_changes_nothing(orch):
-    st = relayed(orch, kv_ready=True, md_start=6, handoff_mode="one_shot")
+    st = relayed(orch, kv_ready=True, md_start=6, mode="one_shot")
     stream_to(st, 6)
     orch._instance_lost(st, "rld0", "gone")
-    assert not st.lost and not st.takeover
+    assert not st.recovery.lost and not st.handoff.takeover
 
 
 async def test_md_lost_before_handoff_rld_finishes(orch):
     st = relayed(orch, kv_ready=True)
     stream_to(st, 4)
     orch._instance_lost(st, "md0", "gone")
-    assert st.md_lost and st.degraded and not st.lost
+    assert st.recovery.md_lost and st.recovery.degraded and not st.recovery.lost
 
 
 async def test_md_lost_while_streaming_recovers_and_new_attempt_continues_at_next_position(orch):
-    st = relayed(orch, kv_ready=True, md_start=6, switch_pos=6, handoff_mode="one_shot")
+    st = relayed(orch, kv_ready=True, md_start=6, switch_pos=6, mode="one_shot")
     stream_to(st, 9)
     orch._instance_lost(st, "md0", "gone")
-    assert st.lost
-    orch._new_attempt(st, st.error)
+    assert st.recovery.lost
+    orch._new_attempt(st, st.recovery.error)
     await settle()
-    assert st.trid == "r1.1" and st.base == 9 and st.switch_pos is None and not st.lost
+    assert st.trid == "r1.1" and st.base == 9 and st.handoff.switch_pos is None and not st.recovery.lost
     assert "r1" not in orch.reqs and orch.reqs["r1.1"] is st
     assert st.queue.empty()
     assert {"t": "abort", "rid": "r1"} in orch.peers["p1"].sent  # the old attempt, everywhere
@@ -285,7 +287,7 @@ async def test_unrelated_instance_changes_nothing(orch):
     st = relayed(orch)
     orch._instance_lost(st, "md1", "gone")
     orch._instance_lost(st, "p1", "gone")
-    assert not st.lost and not st.md_lost
+    assert not st.recovery.lost and not st.recovery.md_lost
 
 
 async def test_md_reservation_failing_after_rld_finished_still_frees_p(orch):
@@ -303,7 +305,7 @@ async def test_md_reservation_failing_after_rld_finished_still_frees_p(orch):
     await settle()
     sent = orch.peers["p0"].sent
     assert {"t": "target", "rid": "r1", "slot": "md", "name": "md0", "cancelled": True} in sent
-    assert not st.degraded  # it ended at the client already: nothing to count
+    assert not st.recovery.degraded  # it ended at the client already: nothing to count
 
 
 def test_health_degraded_while_serving_unavailable_without_p_or_decoder(orch):
@@ -383,13 +385,13 @@ async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypat
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
     calls = _launch_failing(monkeypatch, orch, 2,
                             RemoteError("OutOfPages: out of KV pages: need 211, 14 free (seq x)", {}))
-    st = relayed(orch, kv_ready=True, md_start=6, switch_pos=6, handoff_mode="one_shot")
+    st = relayed(orch, kv_ready=True, md_start=6, switch_pos=6, mode="one_shot")
     stream_to(st, 9)
-    st.error = "instance md0 is unreachable"
+    st.recovery.error = "instance md0 is unreachable"
     assert await orch._recover(st)
     assert calls == ["r1.1", "r1.2", "r1.3"] and st.trid == "r1.3" and st.base == 9
     # one recovery, however many refused tries it took (a live run had counted 356 for 10)
-    assert orch.totals["recovered"] == 1 and len(st.recoveries) == 1
+    assert orch.totals["recovered"] == 1 and len(st.recovery.recoveries) == 1
 
     calls.clear()
 
@@ -401,9 +403,9 @@ async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypat
     st2 = relayed(orch)
     st2.rid = st2.trid = "r2"
     orch.reqs["r2"] = st2
-    st2.error = "gone"
+    st2.recovery.error = "gone"
     assert not await orch._recover(st2)
-    assert calls == ["r2.1"] and "recovery failed: something else" in st2.error
+    assert calls == ["r2.1"] and "recovery failed: something else" in st2.recovery.error
 
 
 async def test_recovery_waits_for_a_restarting_tier(orch, monkeypatch):
@@ -417,7 +419,7 @@ async def test_recovery_waits_for_a_restarting_tier(orch, monkeypatch):
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
     calls = _launch_failing(monkeypatch, orch, 3, NoInstance("no prefill instance is reachable"))
     st = relayed(orch)
-    st.error = "instance p0 is unreachable"
+    st.recovery.error = "instance p0 is unreachable"
     assert await orch._recover(st)
     assert calls == ["r1.1", "r1.2", "r1.3", "r1.4"] and orch.totals["recovered"] == 1
 
@@ -437,7 +439,7 @@ async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch
         return None
 
     monkeypatch.setattr(orch, "_launch", launch)
-    st.error = "instance md0 is unreachable"
+    st.recovery.error = "instance md0 is unreachable"
     assert await orch._recover(st)  # the old attempt r1 is replaced by r1.1; P still reports r1
     await orch.on_xfer_done(None, {"t": "xfer_done", "rid": "r1", "bytes": {"md0": 1500}, "unsent": {"md0": 2500},
                                    "errors": {"md0": "connection lost"}}, b"")
@@ -538,6 +540,6 @@ async def test_md_kv_ready_read_before_p_s_reply_still_reaches_rld_decode(orch):
     st.to(Phase.PREFILL)
     del st.events["prefilled"]
     await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
-    assert orch.phase(st) == "prefill" and st.kv_ready
+    assert orch.phase(st) == "prefill" and st.handoff.kv_ready
     orch._prefilled(st)
     assert orch.phase(st) == "rld_decode"

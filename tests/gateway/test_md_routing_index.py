@@ -76,8 +76,8 @@ def _ended(o, pipeline, md_name, prompt, emitted, **kw):
     st = ReqState("r", len(prompt), SamplingParams(), trid="r", prompt_ids=prompt, pipeline=Pipeline(pipeline))
     st.names[ROLE_MAIN] = md_name
     st.emitted = list(emitted)
-    for k, v in kw.items():
-        setattr(st, k, v)
+    for k, v in kw.items():  # HandoffState fields (switch_pos, md_diverged)
+        setattr(st.handoff, k, v)
     o._record_decoded(st)
 
 

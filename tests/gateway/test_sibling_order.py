@@ -108,7 +108,7 @@ async def test_siblings_of_a_choice_whose_reservation_failed_route_on_their_own(
     md.release.set()
     for st in [first, *rest]:
         await asyncio.wait_for(st.md_settled.wait(), 10)
-    assert first.md_lost
+    assert first.recovery.md_lost
     sib_reserves = [h for h in md.sent if h.get("t") == "reserve" and h["rid"] != first.trid]
     assert sorted(h["rid"] for h in sib_reserves) == sorted(st.trid for st in rest)
     assert not any(h.get("after") for h in sib_reserves)

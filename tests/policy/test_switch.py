@@ -1,6 +1,7 @@
 """pdd.policy.switch: the catch-up jitter buffer on plain state (no processes, no clocks)."""
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,6 +79,11 @@ class FakeReq:
     next_pos: int = 0
     emitted: list = field(default_factory=list)
     md_pending: dict = field(default_factory=dict)
+
+    @property
+    def handoff(self):
+        """What the pacer reads of the gateway's ``ReqState.handoff`` (a HandoffState)."""
+        return SimpleNamespace(mode=self.handoff_mode, switch_pos=self.switch_pos, md_diverged=self.md_diverged)
 
     def route(self, st, tok):
         assert st is self

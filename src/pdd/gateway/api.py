@@ -242,8 +242,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         """404 / 405 and friends in the OpenAI error shape."""
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":
+            detail = await _body_error(request) or detail
         # the exception's headers (a 405's ``Allow``, which HTTP requires) go out with the body
-        return JSONResponse(error_body(str(exc.detail), None, etype=etype), status_code=exc.status_code,
+        return JSONResponse(error_body(detail, None, etype=etype), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdd",
@@ -668,16 +671,32 @@ def _pdd(gen: Generation) -> dict[str, Any]:
 
 
 def _pdd_summary(st: ReqState) -> dict[str, Any]:
-    return {"rid": st.rid, "recoveries": len(st.recoveries), "degraded": st.degraded,
+    ho = st.handoff
+    return {"rid": st.rid, "recoveries": len(st.recovery.recoveries), "degraded": st.recovery.degraded,
             "pipeline": st.pipeline.value, "wan_bytes": st.wan.reported, "wan_bytes_expected": st.wan.expected,
             "md_cached_tokens": st.md_cached_tokens, "p_cached_tokens": st.p_cached_tokens,
-            "handoff_pos": st.handoff_pos, "rld_finished_first": st.rld_finished_first,
-            "handoff_mode": st.handoff_mode, "handoff_rounds": st.handoff_rounds,
-            "handoff_tokens": st.handoff_tokens, "cut_off": st.cut_off, "md_diverged": st.md_diverged,
-            "extend_extra_step_ms": st.extend_extra_step_ms, "decisions": st.decisions,
+            "handoff_pos": ho.pos, "rld_finished_first": ho.rld_finished_first,
+            "handoff_mode": ho.mode, "handoff_rounds": ho.rounds,
+            "handoff_tokens": ho.tokens, "cut_off": st.wan.cut_off, "md_diverged": ho.md_diverged,
+            "extend_extra_step_ms": ho.extend_extra_step_ms, "decisions": st.decisions,
             "events_ms": {k: round((v - st.t_arrival) * 1000, 2) for k, v in st.events.items()},
             # the held phase's moves, in order: [[phase, ms since arrival], ...] (pdd.gateway.phase)
             "phases_ms": [[ph.value, round((t - st.t_arrival) * 1000, 2)] for ph, t in st.life.history]}
+
+
+async def _body_error(request: Request) -> str | None:
+    """What is wrong with a body FastAPI could not parse (its message says only "There was an
+    error parsing the body"): bytes that are not UTF-8 (JSON text is UTF-8, RFC 8259 section 8.1),
+    named with the first bad byte and its offset. None when that is not the cause."""
+    try:
+        body = await request.body()
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"request body is not valid JSON: it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                f"offset {e.start}); send JSON encoded as UTF-8")
+    except Exception:
+        return None
+    return None
 
 
 def _data(obj) -> str:

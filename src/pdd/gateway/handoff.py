@@ -1,8 +1,11 @@
-"""The handoff (a collaborator of :class:`pdd.gateway.orchestrator.Orchestrator`): RLD's output
-ids to MD (one-shot or catch-up rounds, RLD decides each by its load; or early, at the KV's
-predicted landing), and the client's switch from RLD's stream to MD's at one position, neither
-dropping nor repeating a token (:meth:`Handoffs._next_tokens`). Moves a relayed request through
-the rld_decode -> handoff -> md_decode phases.
+"""The handoff (a collaborator of :class:`pdd.gateway.orchestrator.Orchestrator`): MD's
+``kv_ready``, RLD's output ids to MD (one-shot or catch-up rounds, RLD decides each by its load;
+or early, at the KV's predicted landing; or an MD takeover when RLD was lost), and the client's
+stream in position order, switching from RLD's tokens to MD's at one position, neither dropping
+nor repeating a token (:meth:`Handoffs._next_tokens`). The only writer of a request's
+:class:`~pdd.gateway.state.HandoffState` and of its stream positions (``next_pos``, ``pending``,
+``emitted``). Moves a request from transfer to rld_decode or md_decode, and a relayed one
+through rld_decode -> handoff -> md_decode.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import ReqState, TokenOut, extend_message
 from pdd.topology import ROLE_MAIN, ROLE_RELAY
-from pdd.transfer.messages import Abort, Drop, Finish, Handoff
+from pdd.transfer.messages import Abort, Drop, Finish, Handoff, KvReady
 from pdd.types import Pipeline
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -22,6 +25,46 @@ log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gatewa
 
 class Handoffs:
     """Mixin of the orchestrator: the RLD -> MD handoff and the client's switch."""
+
+    async def on_kv_ready(self, peer, h, payload):
+        """MD holds an attempt's KV: the handoff starts (unless it began early). A request that
+        ended meanwhile (RLD finished it first) or whose MD leg was given up: MD keeps the
+        prompt's KV in its cache and frees the rest."""
+        rid = KvReady.decode(h).rid
+        self.awaiting_kv.pop(rid, None)
+        st = self.reqs.get(rid)
+        md = peer  # the MD that has the KV
+        if st is not None and st.recovery.md_lost:  # given up on MD's leg meanwhile: keep the prompt, free the rest
+            await md.send(Finish(rid).wire())
+            return None
+        if st is None or st.finished:
+            if st is not None:
+                st.handoff.rld_finished_first = True
+            self.totals["rld_finished_first"] += 1
+            await md.send(Finish(rid).wire())
+            return None
+        st.handoff.kv_ready = True
+        st.events["md_kv_ready"] = time.perf_counter()
+        if self._relayed_live(st) and st.phase is Phase.TRANSFER:
+            st.to(Phase.RLD_DECODE, "MD has the KV")
+        if not st.handoff.started:
+            asyncio.get_running_loop().create_task(self._handoff(st))
+        return None
+
+    def _handoff_new_attempt(self, st: ReqState) -> None:
+        """A new attempt (recovery) starts: forget the old one's handoff and the tokens waiting
+        for their position; the request's record (``pos``, ``tokens``, ``rld_finished_first``,
+        ``extend_extra_step_ms``) stays."""
+        ho = st.handoff
+        st.pending.clear()
+        ho.md_pending.clear()
+        ho.switch_pos = ho.md_start = None
+        ho.kv_ready = ho.md_diverged = ho.takeover = ho.started = ho.early = False
+        ho.mode, ho.rounds = None, 0
+
+    def _forget_md_tokens(self, st: ReqState) -> None:
+        """MD's leg was given up (recovery): its tokens waiting for their position never stream."""
+        st.handoff.md_pending.clear()
 
     async def _handoff_at_landing(self, st: ReqState) -> None:
         """Early handoff (``policy.early_handoff``): P wrote MD's KV to the WAN, so start the
@@ -33,7 +76,8 @@ class Handoffs:
         trid = st.trid
 
         def moot() -> bool:
-            return st.trid != trid or st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started or st.lost
+            return (st.trid != trid or st.handoff.kv_ready or st.finished or st.recovery.md_lost or st.wan.cut_off
+                    or st.handoff.started or st.recovery.lost)
 
         # RLD must be decoding (its first token out) before it can be asked for its ids: its
         # fast-path KV was written beside MD's, but may still be on its way in. And MD must have
@@ -50,7 +94,7 @@ class Handoffs:
             await asyncio.sleep(wait)
             if moot():
                 return
-        st.handoff_early = True
+        st.handoff.early = True
         await self._handoff(st)
 
     async def _handoff(self, st: ReqState) -> None:
@@ -62,14 +106,14 @@ class Handoffs:
         at the first position MD reaches, once MD's tokens match what was streamed. One-shot:
         RLD stops at once, MD continues at the next position.
         """
-        if st.handoff_started:
+        if st.handoff.started:
             return
-        st.handoff_started = True
+        st.handoff.started = True
         trid = st.trid
         try:
             await self._handoff_rounds(st)
         except Exception as e:
-            if st.trid != trid or st.finished or st.lost:
+            if st.trid != trid or st.finished or st.recovery.lost:
                 return
             # a tier died mid-handoff; its closed connection tells _instance_lost what to do
             log.warning("request %s: handoff failed: %s", st.rid, e)
@@ -89,13 +133,13 @@ class Handoffs:
         _, rld = self._peer(st, ROLE_RELAY)
         t = self.cfg.request_timeout_s
         k = self.cfg.policy.handoff_min_tokens
-        while k and st.next_pos < k and not st.finished and not st.md_lost and st.trid == trid:
+        while k and st.next_pos < k and not st.finished and not st.recovery.md_lost and st.trid == trid:
             await asyncio.sleep(0.001)
         rounds, sent = 0, 0
         while True:
-            if st.trid != trid or st.lost:
+            if st.trid != trid or st.recovery.lost:
                 return  # the attempt was given up (recovery): its successor hands over on its own
-            if st.md_lost or st.takeover:
+            if st.recovery.md_lost or st.handoff.takeover:
                 return  # MD's leg was given up (RLD finishes), or MD took over already
             if st.finished:
                 rep = {"finished": True}
@@ -107,7 +151,7 @@ class Handoffs:
                 if st.trid != trid:
                     return
             if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
-                st.rld_finished_first = True
+                st.handoff.rld_finished_first = True
                 self.totals["rld_finished_first"] += 1
                 await md.send(Finish(trid).wire())
                 return
@@ -116,14 +160,14 @@ class Handoffs:
             if "inputs" in rep:
                 st.decisions.append({"policy": "handoff", "inputs": rep["inputs"],
                                      "result": {"mode": rep["mode"], "final": rep["final"]}})
-            st.handoff_mode, st.handoff_rounds = rep["mode"], rounds
-            st.handoff_tokens = len(ids)
+            st.handoff.mode, st.handoff.rounds = rep["mode"], rounds
+            st.handoff.tokens = len(ids)
             if rep["final"]:
-                st.md_start = len(ids)
+                st.handoff.md_start = len(ids)
                 st.events["handoff"] = time.perf_counter()
                 st.events["handoff_rld_ms"] = st.events["handoff"] - float(rep.get("rld_ms", 0.0)) / 1000
                 self.totals["handoffs"] += 1
-                if st.handoff_early:
+                if st.handoff.early:
                     self.totals["early_handoffs"] += 1
                 key = f"handoffs_{rep['mode']}"
                 self.totals[key] = self.totals.get(key, 0) + 1
@@ -133,7 +177,7 @@ class Handoffs:
             if not r.get("found", True) or st.trid != trid:
                 return
             sent = len(ids) - 1  # MD holds all but the newest id (see MainDecodeInstance.on_extend)
-            st.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))
+            st.handoff.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))
 
     def _next_tokens(self, st: ReqState, tok: TokenOut) -> list[TokenOut]:
         """Route one arriving token; return the tokens that can be streamed now, in order.
@@ -148,33 +192,34 @@ class Handoffs:
         decoding, finishes the request (only possible in catch-up).
         """
         relayed = st.pipeline == Pipeline.P_RLD_MD
+        ho = st.handoff
         if relayed and tok.tier != "rld":
-            if st.md_diverged:
+            if ho.md_diverged:
                 return []
             if tok.pos < st.next_pos:
                 if st.emitted[tok.pos] != tok.token_id:
-                    if st.switch_pos is None:
+                    if ho.switch_pos is None:
                         self._md_diverged(st, tok.pos)
                     return []
-                if st.switch_pos is None:
+                if ho.switch_pos is None:
                     self._switch(st, st.next_pos)  # MD is live and agrees: it streams from here
             else:
-                st.md_pending[tok.pos] = tok
-        elif st.switch_pos is None or tok.pos < st.switch_pos:
+                ho.md_pending[tok.pos] = tok
+        elif ho.switch_pos is None or tok.pos < ho.switch_pos:
             if tok.pos >= st.next_pos:
                 st.pending[tok.pos] = tok
         out = []
         while True:
             p = st.next_pos
-            if st.switch_pos is not None:
-                if p not in st.md_pending:
+            if ho.switch_pos is not None:
+                if p not in ho.md_pending:
                     return out
-                t = st.md_pending.pop(p)
+                t = ho.md_pending.pop(p)
             elif p in st.pending:
                 t = st.pending.pop(p)
-            elif relayed and p in st.md_pending and not st.md_diverged:
+            elif relayed and p in ho.md_pending and not ho.md_diverged:
                 self._switch(st, p)
-                t = st.md_pending.pop(p)
+                t = ho.md_pending.pop(p)
             else:
                 return out
             st.next_pos += 1
@@ -193,17 +238,17 @@ class Handoffs:
             st.to(Phase.RLD_DECODE if relay else Phase.MD_DECODE, "first token streamed")
 
     def _switch(self, st: ReqState, pos: int) -> None:
-        st.switch_pos = pos
-        if not st.md_lost:
+        st.handoff.switch_pos = pos
+        if not st.recovery.md_lost:
             st.to(Phase.MD_DECODE, "MD's stream is live")
-        st.handoff_pos = pos
+        st.handoff.pos = pos
         st.pending.clear()
         st.events["switch"] = time.perf_counter()
         asyncio.get_running_loop().create_task(self._release_relay(st))
 
     def _md_diverged(self, st: ReqState, pos: int) -> None:
-        st.md_diverged = True
-        st.md_pending.clear()
+        st.handoff.md_diverged = True
+        st.handoff.md_pending.clear()
         self.totals["md_diverged"] = self.totals.get("md_diverged", 0) + 1
         log.warning("request %s: MD's token at %d differs from RLD's (near-tie); RLD finishes it", st.rid, pos)
         _, md = self._peer(st, ROLE_MAIN)
@@ -211,9 +256,30 @@ class Handoffs:
 
     async def _release_relay(self, st: ReqState) -> None:
         """MD's stream is live: stop RLD (catch-up kept it decoding until now)."""
-        if st.handoff_mode == "catch_up":
+        if st.handoff.mode == "catch_up":
             _, rld = self._peer(st, ROLE_RELAY)
             try:
                 await rld.call(Abort(st.trid).wire(), timeout=10)
             except Exception as e:
                 log.warning("stopping %s on RLD failed: %s", st.rid, e)
+
+    async def _md_takeover(self, st: ReqState) -> None:
+        """RLD is gone but MD holds the prompt's KV (recovery's rule): hand MD the tokens already
+        streamed (one extend, as a one-shot handoff would) and let it decode on from the next
+        position."""
+        ho = st.handoff
+        if ho.takeover or ho.md_start is not None or st.finished:
+            return
+        ho.takeover = True
+        if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
+            st.to(Phase.HANDOFF, "MD takes over")
+        md_name, md = self._peer(st, ROLE_MAIN)
+        ids = st.emitted[st.base:]
+        ho.md_start = st.next_pos
+        ho.mode = "takeover"
+        st.events["handoff"] = time.perf_counter()
+        self.totals["takeovers"] = self.totals.get("takeovers", 0) + 1
+        try:
+            await md.send(extend_message(st.trid, ids, final=True))
+        except Exception as e:
+            self._fail_lost(st, f"instance {md_name} is unreachable ({e})")

@@ -3,7 +3,19 @@ pipeline plan (``policy.pipeline``) and one launcher per pipeline, each returnin
 colocated instance) sampled the first token: colocated, P->RLD (no MD reachable: degraded),
 P->RLD->MD planned at once (a zero TTFT budget, a recovery, a relayed sibling), and the plan
 made when MD's reservation returns (P->MD, P->D, P->RLD->MD or P->RLD), with P prefilling
-meanwhile. Moves a request from prefill to transfer.
+meanwhile. Moves a request from prefill to transfer. Writes a request's ``pipeline``,
+``p_cached_tokens`` and ``names``.
+
+Pipelines (PDD report, "Pipelines"):
+  colocated:  C.generate
+  P_D / P_MD: D.reserve || P.prefill(targets deferred) -> plan -> P.target(D from its cached
+              pages) -> D decodes
+  P_RLD_MD:   RLD.expect, then MD.reserve || P.prefill(targets deferred) -> plan ->
+              P.target(RLD all pages, MD missing pages) -> RLD decodes -> MD.kv_ready ->
+              RLD.handoff (ids) -> MD.extend -> MD decodes
+  (with a zero TTFT budget the relay is planned at once: RLD's target is not deferred, MD's is)
+P's prefill never waits for MD's reservation (a WAN round trip): the plan needs what MD's cache
+holds, and P sends nothing before it knows where.
 """
 
 from __future__ import annotations
@@ -98,7 +110,6 @@ class Launchers:
         # MD turns out to lack besides (a fill) wait for the reservation's reply
         predicted = (relay_possible and self.cfg.policy.md_predicted_send and self._always_relay() and not force_relay
                      and sib is None and not pending_sib and self.page_bytes is not None)
-        st.wan.predicted_pages, st.wan.predicted_bytes, st.wan.fill_slot = None, 0, False  # this attempt's own
 
         async def route_and_reserve():
             msg = Reserve(trid, prompt, sampling)
@@ -160,7 +171,7 @@ class Launchers:
         for sp_ in md_specs:
             self._spawn(self._reconnect(sp_.name))
         st.pipeline = self._plan(st, len(prompt), 0, md_available=False)
-        st.degraded = True
+        self._plan_degraded(st)
         self._assign(st, ROLE_PREFILL, ROLE_RELAY)
         rld_name, rld = self._peer(st, ROLE_RELAY)
         await rld.call(Expect(st.trid, prompt, sampling).wire(), timeout=t)
@@ -188,7 +199,8 @@ class Launchers:
             st.pipeline = Pipeline.P_RLD_MD
         else:
             st.pipeline = self._plan(st, len(prompt), 0)
-        st.wan.fill_slot = predicted
+        if predicted:
+            self._open_fill_slot(st)
         p_call = None
         try:
             await rld.call(Expect(st.trid, prompt, sampling).wire(), timeout=t)
@@ -273,11 +285,7 @@ class Launchers:
                 await p.send(Target(st.trid, "md", md_name, cancelled=True).wire())
                 await md.send(Drop(st.trid).wire())
                 if md_wan:
-                    self.totals["wan_bytes_expected"] -= st.wan.expected
-                    self.totals["wan_bytes_planned"] -= st.wan.expected
-                    self.planned_wan.pop(st.trid, None)
-                    self.planned_src.pop(st.trid, None)
-                    st.wan.expected = 0
+                    self._unbook_md(st)
             else:
                 await p.send(md_target)  # first: it is on the request's critical path
                 if relay_possible:
@@ -299,7 +307,8 @@ class Launchers:
         line more than a round trip), else None (it routes and ships as any request). The first
         choice's planned bytes, or while its reservation is out its whole prompt's."""
         first = st.sibling_of
-        if first is None or not self.cfg.policy.sibling_kv_once or first.aborted or first.md_lost or first.attempt != 0:
+        if first is None or not self.cfg.policy.sibling_kv_once or first.end.aborted or first.recovery.md_lost \
+                or first.attempt != 0:
             return None
         md_name = first.names.get(ROLE_MAIN)
         if md_name is None or "md_reserved" not in first.events or self.peers[md_name].closed \
@@ -318,7 +327,7 @@ class Launchers:
         (:meth:`_sibling_md`), is decided once that reply is in (``md_settled``)."""
         first = st.sibling_of
         return (first is not None and self.cfg.policy.sibling_kv_once and not first.md_settled.is_set()
-                and not (first.aborted or first.md_lost) and first.attempt == 0
+                and not (first.end.aborted or first.recovery.md_lost) and first.attempt == 0
                 and first.pipeline == Pipeline.P_RLD_MD)
 
     async def _release_unused(self, peer: rpc.Peer, expect: asyncio.Future, trid: str) -> None:
@@ -359,15 +368,15 @@ class Launchers:
                 self._md_leg_lost(st, f"MD reservation failed: {type(e).__name__}: {e}")
             return
         md = self.peers[md_name]
-        if st.trid != trid or st.md_lost or st.aborted or st.cut_off:
+        if st.trid != trid or st.recovery.md_lost or st.end.aborted or st.wan.cut_off:
             try:  # the attempt was given up (or cut off) meanwhile: free the reservation
-                await md.send((Abort(trid) if st.aborted else Drop(trid)).wire())
+                await md.send((Abort(trid) if st.end.aborted else Drop(trid)).wire())
             except Exception:
                 pass
             return
         pred = st.wan.predicted_pages
         self._reserved(st, md_name, rep, p, booked=st.wan.predicted_bytes if pred is not None else 0)
-        if st.finished and not st.kv_ready:
+        if st.finished and not st.handoff.kv_ready:
             self._await_kv(st)
         md_first = int(rep["md_cached_pages"])
         msgs = [] if pred is not None else [Target(trid, "md", md_name, first_page=md_first, relay=True)]
@@ -393,7 +402,7 @@ class Launchers:
         before P's reply was read here: the phase then moves on to where those events put it."""
         st.events["prefilled"] = time.perf_counter()
         st.to(Phase.TRANSFER, "prefilled")
-        if self._relayed_live(st) and ("handoff_call" in st.events or st.takeover):
+        if self._relayed_live(st) and ("handoff_call" in st.events or st.handoff.takeover):
             st.to(Phase.HANDOFF, "handoff begun before P's reply was read")
-        elif self._relayed_live(st) and st.kv_ready:
+        elif self._relayed_live(st) and st.handoff.kv_ready:
             st.to(Phase.RLD_DECODE, "MD had the KV before P's reply was read")

@@ -22,9 +22,10 @@ Fed at the end of each attempt (``gateway.routing``'s ``_unassign`` hook); pure 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 ALIGN_WINDOW = 256
+SEEN_KEPT = 4096  # requests whose counted decisions are remembered (a recovered one ends its attempts soon after)
 
 
 class HitAlignment:
@@ -58,6 +59,7 @@ class LiveCounters:
         self.rounds: dict[tuple[str, str], int] = {}  # (rld, mode) -> handoff rounds
         self.switches: dict[str, int] = {}  # rld -> mode switches
         self.mode_now: dict[str, str] = {}  # rld -> mode of its last round
+        self._seen: OrderedDict[str, int] = OrderedDict()  # request -> its decisions counted (recent ones)
         orch.live_counters = self
         reg = getattr(getattr(orch, "metrics", None), "registry", None)
         if reg is not None:
@@ -66,9 +68,11 @@ class LiveCounters:
     def attempt_ended(self, st) -> None:
         """Count ``st``'s attempt that just ended: its handoff rounds not counted yet, and its hit
         tokens when both P's and MD's replies came."""
-        seen = st.__dict__.get("_lc_seen", 0)
+        seen = self._seen.pop(st.rid, 0)  # decisions of its earlier attempts, counted then
         decisions = st.decisions[seen:]
-        st.__dict__["_lc_seen"] = len(st.decisions)
+        self._seen[st.rid] = len(st.decisions)
+        while len(self._seen) > SEEN_KEPT:
+            self._seen.popitem(last=False)
         rld = st.names.get("relay_decode")
         for d in decisions:
             if d.get("policy") != "handoff" or not isinstance(d.get("inputs"), dict) or rld is None:

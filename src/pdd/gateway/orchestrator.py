@@ -1,47 +1,23 @@
-"""The gateway's orchestrator: the one owner of every request's life across P, RLD and MD.
+"""The gateway's orchestrator: the one owner of every request's life across P, RLD and MD. It
+holds the wiring (connections to every instance, the request table, the totals, stats); each
+step of a request's life is a collaborator's, mixed in here and reached through ``self``.
 
-The life of a request (its phase, :class:`pdd.gateway.phase.Phase`, held on its
-:class:`ReqState` and moved only by ``ReqState.to``), and which collaborator moves it:
+A request's phase (:class:`pdd.gateway.phase.Phase`, held on its :class:`ReqState`, moved only
+by ``ReqState.to``) and the collaborator that moves it:
 
-  queued -> prefill      :meth:`Orchestrator.start_request` routes it (:mod:`.routing`) and
-                         starts an attempt; the pipeline is planned (``policy.pipeline``)
-  prefill -> transfer    a launcher (:mod:`.launch`: colocated, P->RLD, P->RLD->MD at once, or
-                         planned on MD's reservation) returns once P sampled the first token;
-                         MD's WAN bytes are booked and settled by :mod:`.wan_booking`
-  transfer -> md_decode  (P->MD, P->D) / rld_decode (P->RLD, relayed: MD holds the KV, or MD's
-                         leg was lost): the first token streams, or MD's ``kv_ready`` comes
+  queued -> prefill          :mod:`.start` makes the request, :mod:`.routing` picks instances
+  prefill -> transfer        :mod:`.launch` plans the pipeline and starts P; P sampled the
+                             first token; :mod:`.wan_booking` books MD's WAN bytes
+  transfer -> rld_decode     :mod:`.handoff`: RLD streams, MD's ``kv_ready`` (or P->RLD)
+  transfer -> md_decode      :mod:`.handoff`: the first token of P->MD / P->D streams
   rld_decode -> handoff -> md_decode   :mod:`.handoff`: RLD's ids to MD, the client's switch
-  colocated: prefill -> decode
-  any -> recovery -> prefill   :mod:`.recovery`: an instance it needed was lost (new attempt)
-  any -> done            :meth:`Orchestrator.stream` (its last token) or :meth:`Orchestrator.abort`
+  prefill -> decode          :mod:`.launch` (colocated: one instance does both)
+  any -> recovery -> prefill :mod:`.recovery`: an instance the attempt needs was lost
+  any -> done                :mod:`.stream`: the last token, or an abort (outcome counted once)
 
-:meth:`Orchestrator.stream` yields the request's output tokens strictly by position, whichever
-decoder produced them, so the switch from RLD to MD neither drops nor repeats a token.
-
-Pipelines (PDD report, "Pipelines"):
-  colocated:  C.generate
-  P_D / P_MD: D.reserve || P.prefill(targets deferred) -> plan -> P.target(D from its cached
-              pages) -> D decodes
-  P_RLD_MD:   RLD.expect, then MD.reserve || P.prefill(targets deferred) -> plan ->
-              P.target(RLD all pages, MD missing pages) -> RLD decodes -> MD.kv_ready ->
-              RLD.handoff (ids) -> MD.extend -> MD decodes
-  (with a zero TTFT budget the relay is planned at once: RLD's target is not deferred, MD's is)
-  P's prefill never waits for MD's reservation (a WAN round trip): the plan needs what MD's
-  cache holds, and P sends nothing before it knows where. Every message is a dataclass of
-  :mod:`pdd.transfer.messages`.
-
-Faults ("degrade, don't fail"; the rules live in :mod:`pdd.gateway.recovery`). A connection to an instance closes when the instance dies or its
-heartbeat goes silent (``cfg.liveness``; a WAN outage is found that way). Each in-flight request
-then loses only the legs it still needs (:meth:`Orchestrator._instance_lost`):
-  - a leg no longer needed is ignored (P after its KV arrived, RLD after the handoff, ...);
-  - MD's leg of a relayed request before the handoff: RLD finishes the request (degraded);
-  - RLD lost while MD holds the KV: MD takes over from the tokens already streamed (extend);
-  - otherwise the request is *recovered*: a new attempt (tier rid ``<rid>.<n>``) prefills the
-    prompt plus every token already streamed (P's prefix cache holds the prompt) on live
-    instances, always through a relay (P->RLD->MD, or P->RLD when no MD is reachable: degraded),
-    and the stream continues at the next position (``ReqState.base``): no token dropped or
-    repeated. The old attempt is aborted on every tier (pages freed once there; an unreachable
-    tier frees them when its own heartbeat drops the gateway's connection).
+:mod:`pdd.gateway.state` says which module writes each part of a request's state. The pipelines
+and what each sends are :mod:`.launch`'s docstring; the fault rules :mod:`.recovery`'s
+(docs/FAULTS.md). Every message is a dataclass of :mod:`pdd.transfer.messages`.
 """
 
 from __future__ import annotations
@@ -50,36 +26,32 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 
 from pdd.config import ClusterConfig
-from pdd.policy.cutoff import should_cut_off
 from pdd.policy.wan_estimate import WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.transfer.layout import wire_dtype
-from pdd.transfer.messages import OMIT, Abort, AbortOk, Finish, Flush, KvReady, MessageError, ReqError, Stats, Tok, Toks
-from pdd.transfer.messages import decode as decode_message
-from pdd.gateway import recovery
-from pdd.gateway.admission import refusal
+from pdd.transfer.messages import Flush, Stats
 from pdd.gateway.handoff import Handoffs
 from pdd.gateway.launch import Launchers
-from pdd.gateway.phase import Phase
 from pdd.gateway.prefix_index import PrefixIndex
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.routing import ROUTING_LOAD_SLACK, ROUTING_MIN_HIT_FRAC, Routing  # noqa: F401
+from pdd.gateway.start import Starts
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
     NoInstance, RequestFailed, ReqState, TokenOut, extend_message)
+from pdd.gateway.stream import Streams
 from pdd.gateway.wan_booking import WanBooking
-from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class Orchestrator(Routing, Launchers, WanBooking, Handoffs, Recovery):
-    """The wiring: connections to every instance, the inbound handlers, a request's start,
-    stream and end, stats; the collaborators (module docstring) do the rest through ``self``."""
+class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Recovery):
+    """The wiring: connections to every instance, which collaborator handles each message
+    from the tiers (:meth:`handlers`), the request table and totals, stats; the collaborators
+    (module docstring) do the rest through ``self``."""
 
     def __init__(self, cfg: ClusterConfig, lay: Layout):
         self.cfg, self.layout = cfg, lay
@@ -124,8 +96,11 @@ class Orchestrator(Routing, Launchers, WanBooking, Handoffs, Recovery):
 
     # ------------------------------------------------------------------ connections
     def handlers(self) -> dict:
-        return {"tok": self.on_tok, "toks": self.on_toks, "kv_ready": self.on_kv_ready, "xfer_done": self.on_xfer_done,
-                "req_error": self.on_req_error, "wan_sample": self.on_wan_sample}
+        """Each message a tier sends the gateway, and the collaborator that handles it."""
+        return {"tok": self.on_tok, "toks": self.on_toks,  # stream: output tokens
+                "kv_ready": self.on_kv_ready,  # handoff: MD holds the KV
+                "xfer_done": self.on_xfer_done, "wan_sample": self.on_wan_sample,  # wan_booking
+                "req_error": self.on_req_error}  # recovery: a tier failed the attempt
 
     async def start(self) -> None:
         for s in self.layout.engines:
@@ -231,267 +206,6 @@ class Orchestrator(Routing, Launchers, WanBooking, Handoffs, Recovery):
             pass
         finally:
             self._reconnecting.discard(name)
-
-    # ------------------------------------------------------------------ inbound
-    async def on_tok(self, peer, h, payload):
-        self._tok(Tok.decode(h))
-        return None
-
-    def _tok(self, m: Tok) -> None:
-        st = self.reqs.get(m.rid)
-        if st is None:
-            return  # finished, or an attempt given up on (a recovered request's old rid)
-        # an attempt's positions count from its own first output (base: tokens streamed before it)
-        st.queue.put_nowait(TokenOut(m.pos + st.base, m.id, m.tier, m.fin, None if m.lp is OMIT else m.lp))
-
-    async def on_toks(self, peer, h, payload):
-        """Several ``tok`` messages in one frame (one engine step's tokens), in order."""
-        for m in Toks.decode(h).tok_messages():
-            self._tok(m)
-        return None
-
-    async def on_req_error(self, peer, h, payload):
-        m = ReqError.decode(h)
-        st = self.reqs.get(m.rid)
-        if st is not None:
-            st.error = m.error
-            st.queue.put_nowait(None)
-        return None
-
-    async def on_kv_ready(self, peer, h, payload):
-        rid = KvReady.decode(h).rid
-        self.awaiting_kv.pop(rid, None)
-        st = self.reqs.get(rid)
-        md = peer  # the MD that has the KV
-        if st is not None and st.md_lost:  # given up on MD's leg meanwhile: keep the prompt, free the rest
-            await md.send(Finish(rid).wire())
-            return None
-        if st is None or st.finished:
-            if st is not None:
-                st.rld_finished_first = True
-            self.totals["rld_finished_first"] += 1
-            await md.send(Finish(rid).wire())
-            return None
-        st.kv_ready = True
-        st.events["md_kv_ready"] = time.perf_counter()
-        if self._relayed_live(st) and st.phase is Phase.TRANSFER:
-            st.to(Phase.RLD_DECODE, "MD has the KV")
-        if not st.handoff_started:
-            asyncio.get_running_loop().create_task(self._handoff(st))
-        return None
-
-    # ------------------------------------------------------------------ start + stream
-    def new_rid(self) -> str:
-        """A fresh request id (``r<n>-<8 hex>``): the caller may name a request before starting it
-        (``start_request(rid=...)``), so it can abort it while it starts."""
-        return f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-
-    async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None,
-                            sibling_of: ReqState | None = None, siblings: int = 0) -> ReqState:
-        """Plan and start a request (its first token sampled on P). An instance lost while
-        starting (ConnectionError) starts it again on live instances, up to
-        ``liveness.recovery_attempts`` times; a restart that then finds no live instance of a
-        tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
-        and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does; then, or
-        for any other error, RequestFailed. A request that finds no instance on its first try
-        fails at once (the client gets a 503 with Retry-After: it did no work), unless it is
-        another choice of a request whose first choice already started (``sibling_of``): that
-        request did work, and its first choice waits for the tier (recovery), so this one waits
-        with it instead of failing the whole request. ``sibling_of``: the first of ``siblings`` + 1
-        choices of this prompt, already started (see :meth:`_sibling_md`)."""
-        rid = rid or self.new_rid()
-        st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids), sibling_of=sibling_of,
-                      siblings=siblings)
-        self.reqs[rid] = st
-        self.totals["requests"] += 1
-        waited = 0.0
-        while True:
-            try:
-                st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
-                await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
-                break
-            except Exception as e:
-                retry = isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts
-                if retry:
-                    log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
-                    self._new_attempt(st, f"{type(e).__name__}: {e}")
-                    continue
-                if isinstance(e, NoInstance) and (st.attempt > 0 or sibling_of is not None) \
-                        and waited < recovery.RECOVERY_WAIT_S:
-                    waited += await self._retry_later(st, e)
-                    continue
-                self._unassign(st)
-                # a tier refusing new work for now (the API answers 429) is not a failure
-                await self.abort(st, ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
-                raise RequestFailed(f"request {rid} failed while starting: {e}") from e
-        self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
-        return st
-
-    async def stream(self, st: ReqState):
-        """Yield tokens in position order until the request finishes (or fails).
-
-        Counts the request's outcome once (:meth:`_count_outcome`): "completed" when its last
-        token was yielded; "failed" when it raises (``RequestFailed``: a tier failed it, or no
-        token came for ``cfg.request_timeout_s`` seconds); "cancelled" when the consumer cancels
-        or closes it (the client went away). A request aborted before the stream saw it
-        (:meth:`abort` from the HTTP layer) was counted by the abort, with its reason.
-        Raises ``RequestFailed`` as above; cancellation propagates."""
-        # relayed requests that may hand over in catch-up mode stream through a jitter buffer, so MD's
-        # later stream takes over without a gap (pdd.policy.switch; docs/BENCH.md states the delays)
-        from pdd.policy.switch import PaceParams, SwitchPacer
-
-        pacer = (SwitchPacer(PaceParams(prior_lag_ms=1.5 * self.cfg.link.wan_rtt_ms))
-                 if st.pipeline == Pipeline.P_RLD_MD and self.cfg.policy.handoff_mode != "one_shot" else None)
-        try:
-            while not st.finished:
-                wait = None if pacer is None else pacer.wait_ms(1000 * time.perf_counter())
-                try:
-                    if wait is not None and not st.queue.empty():
-                        tok = st.queue.get_nowait()
-                    else:
-                        tok = await asyncio.wait_for(
-                            st.queue.get(), timeout=self.cfg.request_timeout_s if wait is None else max(wait, 0.2) / 1000)
-                except asyncio.TimeoutError:
-                    if wait is None:
-                        raise RequestFailed(f"request {st.rid}: no token for {self.cfg.request_timeout_s:.0f} s")
-                    tok = False  # a buffered token is due
-                if tok is None:
-                    if st.lost and await self._recover(st):
-                        continue  # a new attempt streams on from st.next_pos
-                    raise RequestFailed(f"request {st.rid} failed: {st.error}")
-                if pacer is not None and tok is not False:
-                    pacer.feed(st, tok, 1000 * time.perf_counter(), self._next_tokens)
-                for t in (self._next_tokens(st, tok) if pacer is None else pacer.due(1000 * time.perf_counter())):
-                    now = time.perf_counter()
-                    if t.pos == 0:
-                        st.events["first_token"] = now
-                        self.metrics.ttft.labels(st.pipeline.value).observe(now - st.t_arrival)
-                    else:
-                        self.metrics.itl.labels(st.pipeline.value, t.tier).observe(now - st.last_token_s)
-                    st.last_token_s = now
-                    if t.fin is not None:
-                        st.finished = True
-                        st.to(Phase.DONE, f"finished ({t.fin})")
-                    yield t
-            # (a finished loop after an abort elsewhere was counted by that abort: no-op then)
-            if self._count_outcome(st, "completed") and st.degraded:  # ended on RLD: no MD was usable
-                self.totals["degraded"] = self.totals.get("degraded", 0) + 1
-        except BaseException as e:
-            if not st.finished:
-                # the client went away (the consumer cancelled or closed this stream), or the
-                # request failed; the HTTP server cancels this scope, so every await here would
-                # be cancelled too: abort in a task of its own (it counts the outcome; so does
-                # this line, at once, in case the loop closes before the task runs)
-                reason = ABORT_CLIENT if isinstance(e, (asyncio.CancelledError, GeneratorExit)) else ABORT_FAILED
-                self._count_outcome(st, ABORT_OUTCOMES[reason])
-                self._spawn(self.abort(st, reason))
-            elif not st.aborted:  # its last token was yielded; the consumer just did not ask again
-                self._count_outcome(st, "completed")
-            raise
-        finally:
-            self.reqs.pop(st.trid, None)
-            self._unassign(st)
-            if st.finished and st.error is None and not st.aborted:
-                self._record_decoded(st)
-            if st.finished and st.error is None and st.pipeline == Pipeline.P_RLD_MD:
-                await self._settle_relayed(st)
-
-    def _record_decoded(self, st: ReqState) -> None:
-        """``st`` ended on an MD across the WAN that decoded it to its last token: that MD caches
-        the prompt and every output token whose KV it computed (all but the last), so the
-        gateway's index of it records them too; a next turn (this prompt + this output + more)
-        then matches them there (routing, and the predicted send's first page)."""
-        md_name = st.names.get(ROLE_MAIN)
-        ix = self.prefix_index.get(md_name) if md_name else None
-        on_md = st.pipeline == Pipeline.P_MD or (st.pipeline == Pipeline.P_RLD_MD and st.switch_pos is not None
-                                                 and not st.md_diverged and not st.md_lost)
-        if ix is not None and on_md and st.base == 0 and st.emitted:
-            ix.insert(list(st.prompt_ids) + list(st.emitted[:-1]))
-
-    async def _settle_relayed(self, st: ReqState) -> None:
-        """After a relayed request ended at the client: cut off a WAN transfer still running
-        (anomaly filter), or stop whichever decoder is still going."""
-        if st.md_lost:
-            return  # MD's leg was given up: dropped there already
-        if should_cut_off(rld_finished=True, md_kv_complete=st.kv_ready, remaining_wan_s=self._remaining_wan_s(st),
-                          min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
-            if self.cfg.policy.cutoff:
-                await self._cut_off(st)
-                return
-            self._await_kv(st)
-            return  # else: MD's kv_ready finds the request gone and tells MD to keep the KV
-        if not st.kv_ready:
-            self._await_kv(st)
-            return  # the transfer finishes; on_kv_ready tells MD to keep the prompt's KV
-        md_name, md = self._peer(st, ROLE_MAIN)
-        _, rld = self._peer(st, ROLE_RELAY)
-        try:
-            if st.switch_pos is None:  # RLD finished it (MD keeps the prompt's KV)
-                await md.send(Finish(st.trid).wire())
-            await rld.send(Abort(st.trid).wire())
-        except Exception as e:
-            log.warning("settling %s failed: %s", st.rid, e)
-
-    def _await_kv(self, st: ReqState) -> None:
-        """A finished relayed request whose KV is still on its way to MD (MD keeps the prompt's
-        pages when it lands): remembered until MD's kv_ready, so that if P is lost meanwhile
-        the reservation on MD is dropped instead of waiting forever."""
-        p_name, md_name = st.names.get(ROLE_PREFILL), st.names.get(ROLE_MAIN)
-        if p_name and md_name:
-            self.awaiting_kv[st.trid] = (p_name, md_name)
-
-    def _count_outcome(self, st: ReqState, outcome: str) -> bool:
-        """Count ``st`` in ``totals[outcome]`` (one of :data:`OUTCOMES`) unless it was counted
-        already; True if this call counted it. Raises ``ValueError`` for another outcome."""
-        if outcome not in OUTCOMES:
-            raise ValueError(f"unknown request outcome {outcome!r}; expected one of {OUTCOMES}")
-        if st.outcome is not None:
-            return False
-        st.outcome = outcome
-        self.totals[outcome] = self.totals.get(outcome, 0) + 1
-        return True
-
-    async def abort(self, st: ReqState, reason: str) -> None:
-        """End ``st`` now: tell every engine to drop it and free its pages (idempotent there;
-        an unreachable engine is logged, not raised), and count its outcome unless already
-        counted: ``reason`` :data:`ABORT_STOP` (a stop string ended it at the gateway) counts
-        "completed", :data:`ABORT_CLIENT` (client disconnected) "cancelled", :data:`ABORT_FAILED`
-        "failed", :data:`ABORT_REJECTED` (a tier refused it while starting) "rejected". The first
-        abort's reason is kept in ``st.abort_reason``. Raises ``ValueError``
-        for an unknown ``reason`` (before anything is changed)."""
-        if reason not in ABORT_OUTCOMES:
-            raise ValueError(f"unknown abort reason {reason!r}; expected one of {tuple(ABORT_OUTCOMES)}")
-        if st.abort_reason is None:
-            st.abort_reason = reason
-        self._count_outcome(st, ABORT_OUTCOMES[reason])
-        st.finished = st.aborted = True
-        st.to(Phase.DONE, f"aborted ({reason})")
-        st.md_settled.set()
-        self.reqs.pop(st.trid, None)
-        await self._abort_tiers(st)
-
-    async def _abort_tiers(self, st: ReqState) -> None:
-        """Abort ``st``'s current attempt on every reachable instance at once (as
-        ``_abort_everywhere``); when its P answers that it never streamed the attempt's KV (aborted
-        while prefilling, or before its prefill arrived: :class:`AbortOk` ``streams`` False), P will
-        never report that transfer, so its planned WAN bytes leave the planned and expected totals
-        now (``_unplan_wan``; idempotent)."""
-        trid, p_name = st.trid, st.names.get(ROLE_PREFILL)
-        names = [n for n, p in list(self.peers.items()) if not p.closed]
-        reps = await asyncio.gather(*(self.peers[n].call(Abort(trid).wire(), timeout=10) for n in names),
-                                    return_exceptions=True)
-        for n, r in zip(names, reps):
-            if isinstance(r, BaseException):
-                log.warning("abort %s on %s failed: %s", trid, n, r)
-            elif n == p_name:
-                try:
-                    m = decode_message(r[0])
-                except MessageError as e:  # not a reply: the planned bytes stay until xfer_done or P's loss
-                    log.warning("abort %s on %s: bad reply: %s", trid, n, e)
-                    continue
-                # an instance that answers a plain Ok (or an AbortOk without streams) says nothing of them
-                if isinstance(m, AbortOk) and m.streams is False:
-                    self._unplan_wan(trid)
 
     # ------------------------------------------------------------------ stats
     async def stats(self) -> dict:

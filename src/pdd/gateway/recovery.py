@@ -6,23 +6,25 @@ longer needed is ignored; MD's leg of a relayed request before the handoff is dr
 finishes (degraded); RLD lost after MD has the KV: MD takes over from the streamed ids;
 otherwise a new attempt (tier rid ``<rid>.<n>``) prefills the prompt plus every token already
 streamed on live instances, always through a relay, and the stream continues at the next
-position. Also the request phases fault injection reads (:meth:`Recovery.phase`: the phase held
-on the request, :mod:`pdd.gateway.phase`). It uses the
-orchestrator's connections, tables and ``_launch`` through ``self``.
+position; a tier's ``req_error`` fails the attempt. The only writer of a request's
+:class:`~pdd.gateway.state.RecoveryState` and of its attempt's identity (``trid``, ``base``,
+``attempt``); each other owner resets its own part for a new attempt (``_handoff_new_attempt``,
+``_wan_new_attempt``). Also the request phases fault injection reads (:meth:`Recovery.phase`: the
+phase held on the request, :mod:`pdd.gateway.phase`). Moves a request to recovery and back to
+prefill. It uses the orchestrator's connections, tables and ``_launch`` through ``self``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
-from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState, extend_message
+from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer import rpc
-from pdd.transfer.messages import Abort, Cancel, Drop, Target
+from pdd.transfer.messages import Abort, Cancel, Drop, ReqError, Target
 from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -32,8 +34,17 @@ RECOVERY_RETRY_S = 0.5  # between those retries
 
 
 class Recovery:
-    """Mixin of :class:`~pdd.gateway.orchestrator.Orchestrator`: phases, lost instances, new
-    attempts, MD takeover, aborts on every tier."""
+    """Mixin of :class:`~pdd.gateway.orchestrator.Orchestrator`: phases, failed attempts, lost
+    instances, new attempts, aborts of an attempt on every tier."""
+
+    async def on_req_error(self, peer, h, payload):
+        """A tier failed the attempt (not recoverable): the stream raises with its error."""
+        m = ReqError.decode(h)
+        st = self.reqs.get(m.rid)
+        if st is not None:
+            st.recovery.error = m.error
+            st.queue.put_nowait(None)
+        return None
 
     def phase(self, st: ReqState) -> str:
         """The held phase of ``st`` (:class:`pdd.gateway.phase.Phase`) as its string, e.g.
@@ -43,25 +54,26 @@ class Recovery:
     @staticmethod
     def _relayed_live(st: ReqState) -> bool:
         """A P->RLD->MD request whose MD leg is still on (MD is to finish it)."""
-        return st.pipeline == Pipeline.P_RLD_MD and not st.md_lost
+        return st.pipeline == Pipeline.P_RLD_MD and not st.recovery.md_lost
 
     def requests_view(self) -> dict:
         """Live requests for fault injection and debugging: rid -> phase, pipeline, attempt, ..."""
         return {st.rid: {"trid": st.trid, "phase": st.phase.value, "pipeline": st.pipeline.value,
                          "attempt": st.attempt, "next_pos": st.next_pos, "names": dict(st.names),
-                         "kv_ready": st.kv_ready, "md_lost": st.md_lost, "degraded": st.degraded,
-                         "recoveries": list(st.recoveries)}
+                         "kv_ready": st.handoff.kv_ready, "md_lost": st.recovery.md_lost,
+                         "degraded": st.recovery.degraded, "recoveries": list(st.recovery.recoveries)}
                 for st in list(self.reqs.values()) if st.trid in self.reqs}
 
     def _new_attempt(self, st: ReqState, reason: str, counted: bool = True) -> None:
         """Forget the current attempt (aborted on every tier, in the background) and make the
         next one: prompt + streamed tokens, new tier rid, per-attempt state reset. ``counted``
         False (a recovery retried because a full tier refused it): not another recovery in
-        ``st.recoveries`` or ``totals["recovered"]``."""
+        ``st.recovery.recoveries`` or ``totals["recovered"]``."""
         old = st.trid
         if counted:
-            st.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": st.phase.value,
-                                  "pos": st.next_pos, "pipeline": st.pipeline.value, "names": dict(st.names)})
+            st.recovery.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": st.phase.value,
+                                           "pos": st.next_pos, "pipeline": st.pipeline.value,
+                                           "names": dict(st.names)})
         st.to(Phase.RECOVERY, reason)
         self.reqs.pop(old, None)
         if old in self.planned_wan:  # P still reports the old attempt's transfer (xfer_done) ...
@@ -77,12 +89,10 @@ class Recovery:
             if k in st.events:
                 st.events[f"{k}@{st.attempt - 1}"] = st.events.pop(k)
         st.names = {}
-        st.pending.clear()
-        st.md_pending.clear()
-        st.switch_pos = st.md_start = None
-        st.kv_ready = st.md_lost = st.md_diverged = st.takeover = st.lost = st.wan.kv_sent = st.handoff_started = st.handoff_early = False
-        st.handoff_mode, st.handoff_rounds, st.error = None, 0, None
-        st.wan.expected = 0
+        st.recovery.md_lost = st.recovery.lost = False
+        st.recovery.error = None
+        self._handoff_new_attempt(st)
+        self._wan_new_attempt(st)
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt
             st.queue.get_nowait()
         self.reqs[st.trid] = st
@@ -102,12 +112,12 @@ class Recovery:
 
     async def _recover(self, st: ReqState) -> bool:
         """Start the next attempt of ``st`` after a lost instance; False if none is left or it
-        cannot start (``st.error`` says why)."""
+        cannot start (``st.recovery.error`` says why)."""
         if st.finished or st.attempt >= self.cfg.liveness.recovery_attempts:
             return False
-        log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.error, st.next_pos,
+        log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.recovery.error, st.next_pos,
                     st.phase.value)
-        self._new_attempt(st, st.error or "instance lost")
+        self._new_attempt(st, st.recovery.error or "instance lost")
         waited = 0.0
         while True:
             prompt, sp = self._attempt_prompt(st)
@@ -128,7 +138,7 @@ class Recovery:
                     # one in seconds; a new user: 6 of 8 streams failed when the only P was killed)
                     waited += await self._retry_later(st, e)
                     continue
-                st.error = f"recovery failed: {e}"
+                st.recovery.error = f"recovery failed: {e}"
                 return False
 
     async def _retry_later(self, st: ReqState, e: BaseException) -> float:
@@ -141,15 +151,15 @@ class Recovery:
 
     def _fail_lost(self, st: ReqState, reason: str) -> None:
         """The request needs an instance that is gone: wake its stream, which recovers it."""
-        if st.finished or st.lost:
+        if st.finished or st.recovery.lost:
             return
-        st.lost = True
-        st.error = reason
+        st.recovery.lost = True
+        st.recovery.error = reason
         st.queue.put_nowait(None)
 
     def _instance_lost(self, st: ReqState, name: str, reason: str) -> None:
         """Instance ``name`` is unreachable: act on ``st`` only if it still needs it (module doc)."""
-        if st.finished or st.lost:
+        if st.finished or st.recovery.lost:
             return
         role = next((r for r, n in st.names.items() if n == name), None)
         if role is None:
@@ -159,7 +169,7 @@ class Recovery:
         if role == ROLE_PREFILL:
             if not started:  # the decoder (RLD when relayed) has not got its KV yet
                 self._fail_lost(st, reason)
-            elif relayed and not st.kv_ready:
+            elif relayed and not st.handoff.kv_ready:
                 # P's xfer_done (kv_sent) only says its sockets took the bytes: what the line had
                 # not read yet died with P, so MD may never get the KV
                 if "handoff_call" in st.events:  # RLD was asked for its ids (early handoff): it may
@@ -169,18 +179,18 @@ class Recovery:
         elif role == ROLE_RELAY:
             if not relayed:
                 self._fail_lost(st, reason)
-            elif st.switch_pos is not None or st.md_start is not None:
+            elif st.handoff.switch_pos is not None or st.handoff.md_start is not None:
                 return  # MD has the final handoff: RLD is no longer needed
-            elif st.md_lost:
+            elif st.recovery.md_lost:
                 self._fail_lost(st, reason)
-            elif st.kv_ready and started and st.handoff_rounds == 0:
+            elif st.handoff.kv_ready and started and st.handoff.rounds == 0:
                 self._spawn(self._md_takeover(st))
             else:
                 self._fail_lost(st, reason)
         elif role in (ROLE_MAIN, ROLE_COLOCATED):
-            if relayed and st.md_start is None and st.switch_pos is None:
+            if relayed and st.handoff.md_start is None and st.handoff.switch_pos is None:
                 self._md_leg_lost(st, reason)  # RLD still decodes: it finishes the request
-            elif relayed and st.switch_pos is None and st.handoff_mode == "catch_up":
+            elif relayed and st.handoff.switch_pos is None and st.handoff.mode == "catch_up":
                 self._md_leg_lost(st, reason)  # catch-up: RLD is still decoding too
             else:
                 self._fail_lost(st, reason)
@@ -189,22 +199,21 @@ class Recovery:
         """MD's leg of a relayed request is gone before MD's stream went live: RLD finishes the
         request (degraded); P stops (or never starts) the WAN transfer, MD drops what it has.
         ``degraded`` False: the leg is cut because no decoder is needed (first token finished it)."""
-        if st.md_lost:
+        if st.recovery.md_lost:
             return
         finished = st.finished  # ended at the client (on RLD) before MD's leg settled
-        st.md_lost = True
-        st.md_pending.clear()
+        st.recovery.md_lost = True
+        self._forget_md_tokens(st)
         if st.pipeline == Pipeline.P_RLD_MD and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE, Phase.HANDOFF):
             # RLD finishes: it decodes (or waits for its first token)
             st.to(Phase.RLD_DECODE if st.next_pos > st.base else Phase.TRANSFER, "MD leg lost")
         if finished:
             pass  # nothing to degrade or count, but P may still wait for MD's part of the plan
         elif degraded:
-            st.degraded = True
+            st.recovery.degraded = True
             self.totals["md_legs_lost"] = self.totals.get("md_legs_lost", 0) + 1
         else:
-            st.cut_off = True
-            self.totals["cut_offs"] += 1
+            self._count_cut_off(st)
         # a request that had ended (a client gone, an abort) loses nothing: not worth a warning
         log.log(logging.INFO if finished else logging.WARNING, "request %s: MD leg lost (%s); %s", st.rid, reason,
                 "it had ended already" if finished else "RLD finishes it")
@@ -232,24 +241,11 @@ class Recovery:
 
         self._spawn(tidy())
 
-    async def _md_takeover(self, st: ReqState) -> None:
-        """RLD is gone but MD holds the prompt's KV: hand MD the tokens already streamed (one
-        extend, as a one-shot handoff would) and let it decode on from the next position."""
-        if st.takeover or st.md_start is not None or st.finished:
-            return
-        st.takeover = True
-        if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
-            st.to(Phase.HANDOFF, "MD takes over")
-        md_name, md = self._peer(st, ROLE_MAIN)
-        ids = st.emitted[st.base:]
-        st.md_start = st.next_pos
-        st.handoff_mode = "takeover"
-        st.events["handoff"] = time.perf_counter()
-        self.totals["takeovers"] = self.totals.get("takeovers", 0) + 1
-        try:
-            await md.send(extend_message(st.trid, ids, final=True))
-        except Exception as e:
-            self._fail_lost(st, f"instance {md_name} is unreachable ({e})")
+    @staticmethod
+    def _plan_degraded(st: ReqState) -> None:
+        """``st``'s attempt is planned without MD (none reachable, :mod:`pdd.gateway.launch`):
+        RLD finishes it, and it is counted degraded."""
+        st.recovery.degraded = True
 
     async def _abort_everywhere(self, trid: str) -> None:
         """Abort one attempt's tier rid on every reachable instance at once (idempotent there;

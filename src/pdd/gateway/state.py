@@ -1,8 +1,9 @@
 """A gateway request's state (:class:`ReqState`), its token records, outcomes and phases, and
 the handoff message (:func:`extend_message`).
 
-Shared by the orchestrator (:mod:`pdd.gateway.orchestrator`), its fault recovery
-(:mod:`pdd.gateway.recovery`) and the OpenAI layer; plain data, no I/O.
+Shared by the orchestrator (:mod:`pdd.gateway.orchestrator`), its collaborators and the OpenAI
+layer; plain data, no I/O. Each sub-state of :class:`ReqState` is written by one module, named
+in its docstring (``tests/gateway/test_state_owners.py`` checks it).
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ class TokenOut:
     lp: dict | None = None  # {"lp", "top": [[id, lp], ...]} from the logits that chose it, if asked
 
 
-@dataclass
+@dataclass(slots=True)
 class WanPlan:
-    """A request's KV transfer to an MD across the WAN, as the gateway books it (owner:
-    :mod:`pdd.gateway.wan_booking`; a predicted send's part is set up by :mod:`pdd.gateway.launch`).
-    Bytes are KV payload bytes."""
+    """A request's KV transfer to an MD across the WAN, as the gateway books it. Written only by
+    :mod:`pdd.gateway.wan_booking` (the launcher and recovery ask it: ``_open_fill_slot``,
+    ``_unbook_md``, ``_wan_new_attempt``, ``_count_cut_off``). Bytes are KV payload bytes.
+    ``reported`` and ``cut_off`` are the request's; the rest is the current attempt's."""
 
     expected: int = 0  # this attempt's planned bytes (the cut-off's and early handoff's estimate)
     reported: int | None = None  # what P reported it sent (xfer_done), None before
@@ -84,58 +86,99 @@ class WanPlan:
     predicted_bytes: int = 0
     kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
     fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
+    cut_off: bool = False  # the transfer was cut off: RLD finished first (anomaly filter) or its first token did
 
 
-@dataclass
+@dataclass(slots=True)
+class HandoffState:
+    """The RLD -> MD handoff and the client's switch to MD's stream. Written only by
+    :mod:`pdd.gateway.handoff` (MD's ``kv_ready``, the rounds, the switch, an MD takeover after
+    RLD was lost, its reset for a new attempt: ``_handoff_new_attempt``). ``pos``, ``tokens``,
+    ``rld_finished_first`` and ``extend_extra_step_ms`` are the request's record (kept across
+    attempts, the response's ``pdd`` fields); the rest is the current attempt's."""
+
+    kv_ready: bool = False  # MD reported it holds this attempt's KV (kv_ready)
+    started: bool = False  # _handoff ran for this attempt (from kv_ready or the KV's predicted landing)
+    early: bool = False  # ... from the KV's predicted landing (policy.early_handoff)
+    mode: str | None = None  # RLD's last round's mode ("one_shot", "catch_up"), or "takeover"
+    rounds: int = 0  # rounds RLD answered this attempt
+    md_start: int | None = None  # first position MD samples (after the final handoff round)
+    switch_pos: int | None = None  # this attempt's first position streamed from MD
+    md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
+    md_diverged: bool = False  # MD's token differed from one streamed (near-tie): RLD finishes
+    takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
+    pos: int | None = None  # where the client last switched to MD (the response's handoff_pos)
+    tokens: int = 0  # ids in the last round (the response's handoff_tokens)
+    rld_finished_first: bool = False  # RLD ended the request before MD's handoff (MD keeps the prompt)
+    extend_extra_step_ms: list = field(default_factory=list)  # MD's extra step time per catch-up round
+
+
+@dataclass(slots=True)
+class RecoveryState:
+    """What faults did to the request. Written only by :mod:`pdd.gateway.recovery` (a lost
+    instance, a tier's ``req_error``, a new attempt, a plan made without MD: ``_plan_degraded``).
+    ``lost``, ``error`` and ``md_lost`` are the current attempt's; the rest is the request's."""
+
+    lost: bool = False  # error is an unreachable instance: recoverable (the stream starts a new attempt)
+    error: str | None = None  # why the current attempt failed (a tier's req_error, a lost instance)
+    md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
+    degraded: bool = False  # ended (or will end) on RLD because no MD was usable
+    recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline", "names"}]
+
+
+@dataclass(slots=True)
+class EndState:
+    """How the request ended, counted once. Written only by :mod:`pdd.gateway.stream` (its
+    ``_count_outcome`` and ``abort``)."""
+
+    outcome: str | None = None  # one of OUTCOMES once counted in Orchestrator.totals (exactly once)
+    aborted: bool = False  # aborted (client gone, failure): late replies must not book anything
+    abort_reason: str | None = None  # the first abort's reason (ABORT_STOP, ABORT_CLIENT, ...)
+
+
+@dataclass(slots=True)
 class ReqState:
+    """One request at the gateway. Its own fields are the request's identity (set at its start),
+    the current attempt's identity and route, and the client's stream; the rest is in sub-states,
+    each written by one module (:class:`WanPlan`, :class:`HandoffState`, :class:`RecoveryState`,
+    :class:`EndState`). Who writes each top-level field:
+
+    - ``rid``, ``prompt_len``, ``sampling``, ``prompt_ids``, ``t_arrival``, ``sibling_of``,
+      ``siblings``: set when the request is made (:mod:`pdd.gateway.start`), never reassigned;
+    - ``trid``, ``base``, ``attempt``: :mod:`pdd.gateway.recovery` (a new attempt);
+    - ``pipeline``, ``p_cached_tokens``, ``names`` (which recovery empties for a new attempt):
+      :mod:`pdd.gateway.launch`; ``assigned``: :mod:`pdd.gateway.routing`; ``md_cached_tokens``:
+      :mod:`pdd.gateway.wan_booking` (MD's reservation reply);
+    - ``next_pos``, ``pending``, ``emitted``: :mod:`pdd.gateway.handoff` (tokens in position
+      order, whichever decoder made them); ``finished``, ``last_token_s``: :mod:`pdd.gateway.stream`;
+    - shared channels and logs any collaborator adds to: ``queue`` (tokens and failure marks to
+      the stream), ``events`` (name -> time), ``decisions`` (policy inputs and results),
+      ``md_settled``, ``life`` (the phase, moved only by :meth:`to`).
+    """
+
     rid: str
     prompt_len: int
     sampling: SamplingParams
     pipeline: Pipeline = Pipeline.P_MD
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     next_pos: int = 0
-    pending: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)  # pos -> TokenOut from RLD (or the one decoder), not streamed yet
     finished: bool = False
     p_cached_tokens: int = 0
     md_cached_tokens: int = 0
-    wan: WanPlan = field(default_factory=WanPlan)  # the WAN transfer's booking
-    handoff_pos: int | None = None
-    switch_pos: int | None = None  # first position streamed from MD
-    handoff_tokens: int = 0
-    rld_finished_first: bool = False
-    cut_off: bool = False
-    kv_ready: bool = False
-    handoff_mode: str | None = None
-    handoff_rounds: int = 0
-    md_start: int | None = None  # first position MD samples (after the final handoff round)
-    md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
-    md_diverged: bool = False
-    handoff_started: bool = False  # _handoff ran for this attempt (from kv_ready or the KV's predicted landing)
-    handoff_early: bool = False  # ... from the KV's predicted landing (policy.early_handoff)
     emitted: list = field(default_factory=list)  # token ids streamed so far
-    extend_extra_step_ms: list = field(default_factory=list)
     last_token_s: float = 0.0
-    names: dict = field(default_factory=dict)  # role -> instance serving this request
+    names: dict = field(default_factory=dict)  # role -> instance serving this attempt
     assigned: set = field(default_factory=set)  # instances counted in Orchestrator.inflight
-    error: str | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
     events: dict = field(default_factory=dict)  # name -> perf_counter seconds
     # each policy decision's inputs and result, for replay (``pdd sim validate``):
     # [{"policy": "pipeline"|"handoff", "inputs": {...}, "result": ...}, ...]
     decisions: list = field(default_factory=list)
-    # faults and recovery (module docstring)
     trid: str = ""  # the rid the tiers know this attempt by (rid, then rid.1, rid.2, ...)
     base: int = 0  # output position of this attempt's first token (tokens streamed before it)
     prompt_ids: list = field(default_factory=list)
     attempt: int = 0
-    lost: bool = False  # error is an unreachable instance: recoverable
-    md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
-    degraded: bool = False  # ended (or will end) on RLD because no MD was usable
-    takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
-    aborted: bool = False  # aborted (client gone, failure): late replies must not book anything
-    abort_reason: str | None = None  # the first abort's reason (ABORT_STOP, ABORT_CLIENT, ABORT_FAILED)
-    outcome: str | None = None  # one of OUTCOMES once counted in Orchestrator.totals (exactly once)
-    recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline"}]
     # another choice of the same prompt (n > 1), started first: this one may reserve on its MD once
     # its KV is there (pdd.policy.siblings), and then ships only the prompt's partial last page
     sibling_of: "ReqState | None" = None
@@ -147,6 +190,10 @@ class ReqState:
     # about the first attempt only and is never reset by a recovery
     md_settled: asyncio.Event = field(default_factory=asyncio.Event)
     life: PhaseLog = field(default_factory=PhaseLog)  # the held phase and its history (pdd.gateway.phase)
+    wan: WanPlan = field(default_factory=WanPlan)  # the WAN transfer's booking (wan_booking.py)
+    handoff: HandoffState = field(default_factory=HandoffState)  # RLD -> MD (handoff.py)
+    recovery: RecoveryState = field(default_factory=RecoveryState)  # faults (recovery.py)
+    end: EndState = field(default_factory=EndState)  # the outcome, counted once (stream.py)
 
     @property
     def phase(self) -> Phase:

@@ -3,7 +3,8 @@ each request's KV transfer to an MD across the WAN is planned to send, booked wh
 reservation (or a predicted send) fixes them and settled when P reports the transfer
 (``xfer_done``: sent, cancelled, or written off when P dies first), so that planned = sent +
 not sent; the live WAN rate estimate (MD's ``wan_sample``); the cut-off of a transfer no decoder
-needs any more (anomaly filter).
+needs any more (anomaly filter). The only writer of a request's
+:class:`~pdd.gateway.state.WanPlan` (and of its ``md_cached_tokens``, from MD's reply).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class WanBooking:
                     and not m.errors.get(md_name) and not m.unsent.get(md_name)):
                 st.wan.kv_sent = True
                 if (self.cfg.policy.early_handoff and st.pipeline == Pipeline.P_RLD_MD and self._in_b(md_name)
-                        and not (st.kv_ready or st.finished or st.md_lost or st.cut_off or st.handoff_started)):
+                        and not (st.handoff.kv_ready or st.finished or st.recovery.md_lost or st.wan.cut_off
+                                 or st.handoff.started)):
                     self._spawn(self._handoff_at_landing(st))
             for name, err in m.errors.items():
                 # a KV stream failed (target dead or silent, stalled, refused at the handshake, a
@@ -84,13 +86,40 @@ class WanBooking:
         transfer; MD frees what it received on ``kv_cancel``."""
         md_name, md = self._peer(st, ROLE_MAIN)
         _, p = self._peer(st, ROLE_PREFILL)
-        st.cut_off = True
-        self.totals["cut_offs"] += 1
+        self._count_cut_off(st)
         for peer, msg in ((p, Cancel(st.trid, md_name).wire()), (md, Drop(st.trid).wire())):
             try:
                 await peer.send(msg)
             except Exception as e:  # that tier is gone: its state died with it
                 log.warning("cut-off of %s failed: %s", st.rid, e)
+
+    def _count_cut_off(self, st: ReqState) -> None:
+        """``st``'s WAN transfer is cut off (RLD finished first, or its first token ended it)."""
+        st.wan.cut_off = True
+        self.totals["cut_offs"] += 1
+
+    @staticmethod
+    def _wan_new_attempt(st: ReqState) -> None:
+        """A new attempt (recovery) plans its own transfer: forget the old one's plan; what P
+        reported and whether a transfer was cut off stay the request's."""
+        w = st.wan
+        w.expected, w.kv_sent = 0, False
+        w.predicted_pages, w.predicted_bytes, w.fill_slot = None, 0, False
+
+    @staticmethod
+    def _open_fill_slot(st: ReqState) -> None:
+        """The launcher starts P with an ``md_fill`` slot (a predicted MD send), which MD's
+        reservation reply resolves (:meth:`pdd.gateway.launch.Launchers._md_leg`)."""
+        st.wan.fill_slot = True
+
+    def _unbook_md(self, st: ReqState) -> None:
+        """The plan gives MD no KV (P->RLD): its booked WAN bytes leave the planned and expected
+        totals."""
+        self.totals["wan_bytes_expected"] -= st.wan.expected
+        self.totals["wan_bytes_planned"] -= st.wan.expected
+        self.planned_wan.pop(st.trid, None)
+        self.planned_src.pop(st.trid, None)
+        st.wan.expected = 0
 
     def _book_predicted(self, st: ReqState, pred_pages: int, p: rpc.Peer) -> None:
         """A predicted MD send: P sends pages ``[pred_pages, n)`` before MD's reservation replies,

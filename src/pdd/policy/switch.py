@@ -176,8 +176,8 @@ class SwitchPacer:
     _queue: list = field(default_factory=list)  # [(release_ms, token)] in release order
 
     def _pacing(self, st) -> bool:
-        return (getattr(st, "handoff_mode", None) == "catch_up" and getattr(st, "switch_pos", None) is None
-                and not getattr(st, "md_diverged", False))
+        ho = st.handoff  # the gateway's pdd.gateway.state.HandoffState
+        return ho.mode == "catch_up" and ho.switch_pos is None and not ho.md_diverged
 
     def _itl(self) -> float:
         return max(self.itl_ms if self.itl_ms is not None else self.params.itl_floor_ms, self.params.itl_floor_ms)

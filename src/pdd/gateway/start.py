@@ -1,0 +1,68 @@
+"""A request's start (a collaborator of :class:`pdd.gateway.orchestrator.Orchestrator`): its
+:class:`~pdd.gateway.state.ReqState` and its first attempt, launched (:mod:`pdd.gateway.launch`)
+and started again on live instances when one is lost while it starts (:mod:`pdd.gateway.recovery`
+makes the new attempt). Moves a request from queued to prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from pdd.gateway import recovery
+from pdd.gateway.admission import refusal
+from pdd.gateway.phase import Phase
+from pdd.gateway.state import ABORT_FAILED, ABORT_REJECTED, NoInstance, ReqState, RequestFailed
+from pdd.types import SamplingParams
+
+log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
+
+
+class Starts:
+    """Mixin of the orchestrator: name and start a request."""
+
+    def new_rid(self) -> str:
+        """A fresh request id (``r<n>-<8 hex>``): the caller may name a request before starting it
+        (``start_request(rid=...)``), so it can abort it while it starts."""
+        return f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    async def start_request(self, prompt_ids: list[int], sp: SamplingParams, rid: str | None = None,
+                            sibling_of: ReqState | None = None, siblings: int = 0) -> ReqState:
+        """Plan and start a request (its first token sampled on P). An instance lost while
+        starting (ConnectionError) starts it again on live instances, up to
+        ``liveness.recovery_attempts`` times; a restart that then finds no live instance of a
+        tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
+        and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does; then, or
+        for any other error, RequestFailed. A request that finds no instance on its first try
+        fails at once (the client gets a 503 with Retry-After: it did no work), unless it is
+        another choice of a request whose first choice already started (``sibling_of``): that
+        request did work, and its first choice waits for the tier (recovery), so this one waits
+        with it instead of failing the whole request. ``sibling_of``: the first of ``siblings`` + 1
+        choices of this prompt, already started (see :meth:`_sibling_md`)."""
+        rid = rid or self.new_rid()
+        st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids), sibling_of=sibling_of,
+                      siblings=siblings)
+        self.reqs[rid] = st
+        self.totals["requests"] += 1
+        waited = 0.0
+        while True:
+            try:
+                st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
+                await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
+                break
+            except Exception as e:
+                retry = isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts
+                if retry:
+                    log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
+                    self._new_attempt(st, f"{type(e).__name__}: {e}")
+                    continue
+                if isinstance(e, NoInstance) and (st.attempt > 0 or sibling_of is not None) \
+                        and waited < recovery.RECOVERY_WAIT_S:
+                    waited += await self._retry_later(st, e)
+                    continue
+                self._unassign(st)
+                # a tier refusing new work for now (the API answers 429) is not a failure
+                await self.abort(st, ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
+                raise RequestFailed(f"request {rid} failed while starting: {e}") from e
+        self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
+        return st
