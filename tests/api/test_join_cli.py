@@ -1,0 +1,48 @@
+"""`pdd launch --join URL`: only an engine instance joins (a usage error otherwise, nothing
+started); the join asks the gateway for exactly that slot, with the config's API key; a config's
+`standby` names must be engine instances of its layout, keeping one of each tier started."""
+
+import json
+
+import pytest
+
+from pdd import launch
+from pdd.cli import main
+from pdd.config import ClusterConfig
+from pdd.gateway.join import api_key, join_body
+from pdd.topology import layout
+
+
+def test_join_of_the_link_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "run_instance", lambda cfg, name: (_ for _ in ()).throw(AssertionError("ran")))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model_path": str(tmp_path / "model"), "security": {"tls": False, "fast_path": "plain"}}))
+    with pytest.raises(SystemExit) as ex:
+        main(["launch", "--role", "link", "--config", str(cfg), "--join", "http://127.0.0.1:1"])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "--join: only an engine instance" in err and "Traceback" not in err
+
+
+def test_join_body_and_key(monkeypatch):
+    cfg = ClusterConfig.model_validate({"base_port": 18000, "instances": {"main_decode": 2}, "standby": ["md1"],
+                                        "security": {"api_keys": ["k1", "k2"]}})
+    assert join_body(layout(cfg).get("md1"), cfg.host) == {"role": "main_decode", "name": "md1",
+                                                           "address": "127.0.0.1:18071"}
+    monkeypatch.delenv("PDD_API_KEY", raising=False)
+    assert api_key(cfg) == "k1"
+    monkeypatch.setenv("PDD_API_KEY", "env")
+    assert api_key(cfg) == "env"
+
+
+@pytest.mark.parametrize("standby,msg", [
+    (["md7"], "standby: 'md7' is not an instance of the pdd topology"),
+    (["link"], "standby: 'link' is not an instance of the pdd topology"),
+    (["md0", "md1"], "standby: every main_decode instance is in standby; keep at least one started"),
+])
+def test_bad_standby(standby, msg):
+    with pytest.raises(Exception) as ei:
+        ClusterConfig.model_validate({"instances": {"main_decode": 2}, "standby": standby})
+    assert msg in str(ei.value)
