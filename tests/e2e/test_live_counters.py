@@ -5,12 +5,15 @@ definition (docs/SERVE.md "Live policy counters")."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdd.transfer.link import set_link
 from tests.e2e.conftest import make_cfg
 
 pytestmark = pytest.mark.slow
@@ -33,16 +36,38 @@ def _metrics(url: str) -> dict:
 
 
 def test_auto_handoff_switches_and_hit_alignment(small_model, topology_factory):
-    cfg = make_cfg(small_model, "pdd", policy={"handoff_mode": "auto"},
+    cfg = make_cfg(small_model, "pdd", policy={"handoff_mode": "auto", "early_handoff": False},
                    engine={"device": "cpu", "min_step_ms": 30},
-                   tiers={"relay_decode": {"engine": {"max_running": 2}}})
+                   tiers={"relay_decode": {"engine": {"max_running": 2}}},
+                   liveness={"dead_after_s": 120.0})  # the WAN is slowed a while below: MD is not dead
     topo = topology_factory(cfg)
     url = topo.url
     # quiet: one request at a time, RLD's load 1/2 <= 0.60: auto stays in catch-up
     _complete(url, [7] * 64)
-    # a burst filling RLD's batch (2/2 >= 0.85): auto switches to one-shot
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: _complete(url, [20 + i] * 64, 64), range(4)))
+    # a burst filling RLD's batch (2/2 >= 0.85): auto switches to one-shot. The WAN is slowed to
+    # 0.5 Mbit/s while the burst starts (a request's 128 kB of KV then need ~2 s on it), so no
+    # request can hand over before RLD holds two of them: the load each handoff reads is set by
+    # the line, not by how fast the four requests happen to arrive
+    gbps = cfg.link.wan_gbps
+
+    def slow(on: bool) -> None:
+        asyncio.run(set_link(cfg.host, topo.layout.link_control_port, gbps=0.0005 if on else gbps))
+
+    slow(True)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(_complete, url, [20 + i] * 64, 200) for i in range(4)]
+            deadline = time.monotonic() + 120  # a bound on the wait, not a timing assert
+            while (topo.stats()["instances"]["rld0"]["running"] < 2 and not any(f.done() for f in futs)
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)
+            full = topo.stats()["instances"]["rld0"]["running"]
+            slow(False)
+            for f in futs:
+                f.result()
+    finally:
+        slow(False)
+    assert full >= 2, full
     # quiet again: back to catch-up
     _complete(url, [7] * 64)  # the same prompt: P and MD both hold its whole pages now
     m = _metrics(url)
