@@ -105,6 +105,16 @@ def test_simulator_output_is_pinned(name):
     assert got == want, f"{name}: the simulator's output changed (headline {got} != {want})"
 
 
+def test_fast_instance_load_equals_the_policys():
+    import pdd.policy.routing as pol_routing
+    from pdd.sim.instance import load_maker
+
+    make = load_maker()
+    got, want = make("p0", 1, 2, 300, 400, 512), pol_routing.InstanceLoad("p0", 1, 2, 300, 400, 512)
+    assert type(got) is pol_routing.InstanceLoad and got == want and repr(got) == repr(want)
+    assert hash(got) == hash(want)
+
+
 def test_every_case_is_pinned():
     assert set(json.loads(FIXTURE.read_text())) == set(_cases())
 
