@@ -222,6 +222,8 @@ def write_comparison(out: Path, meta: dict) -> str:
              f"{ms(p1['client']['send_lag_p90_ms'])}, aiperf {ms(ai['client']['send_lag_p50_ms'])} / "
              f"{ms(ai['client']['send_lag_p90_ms'])} (aiperf: connect avg {ms(ai['client']['connect_avg_ms'])} ms, "
              f"connections reused {ai['client']['connection_reused']})"]
+    cl = A.contentless_tokens(per_ai)
+    lines.append(f"tokens whose chunk aiperf did not time (empty text): {cl['untimed']} of {cl['tokens']}")
     for k, v in paired.items():
         if v:
             lines.append(f"per-request TTFT {k}: n {v['n']}, median {100 * v['median_rel']:+.1f}%, "
@@ -230,7 +232,7 @@ def write_comparison(out: Path, meta: dict) -> str:
     (out / "compare.md").write_text(text + "\n")
     res = {"git_commit": report1.get("git_commit"), "aiperf_version": ai.get("aiperf_version"), "url": url,
            "mode": mode, **{k: v for k, v in meta.items() if k not in ("url",)}, "rows": rows,
-           "pdd_bench": p1, "aiperf": ai, "pdd_bench_run2": p2, "per_request_ttft": paired,
+           "pdd_bench": p1, "aiperf": ai, "pdd_bench_run2": p2, "per_request_ttft": paired, "aiperf_untimed_tokens": cl,
            "within_10pct": A.within(rows)}
     (out / "compare.json").write_text(json.dumps(res, indent=1))
     return text

@@ -83,6 +83,8 @@ def test_read_aiperf_summary_and_records():
     first = rows[0]
     assert first["ttft_ms"] == pytest.approx(132.030997) and first["tokens"] == 125
     assert len(first["chunk_gaps_ms"]) == 121 and first["error"] is None
+    # 125 + 81 + 46 tokens, 121 + 78 + 44 gaps: 252 - 3 first tokens - 243 = 6 chunks without text
+    assert A.contentless_tokens(rows) == {"tokens": 252, "untimed": 6}
 
 
 def _report(ttft, tpot, itl, e2e, **kw):

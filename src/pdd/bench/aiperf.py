@@ -164,6 +164,16 @@ def read_aiperf_records(out_dir: str | Path) -> list[dict]:
     return rows
 
 
+def contentless_tokens(rows: Sequence[Mapping]) -> dict:
+    """Tokens whose stream chunk aiperf did not time: ``output tokens - 1 - chunk gaps`` summed
+    over aiperf's records (aiperf times only chunks with text, ``content_responses``; a token
+    whose text delta is empty merges two gaps into one), against all tokens."""
+    tokens = sum(int(r["tokens"] or 0) for r in rows if not r.get("error"))
+    gaps = sum(len(r["chunk_gaps_ms"]) for r in rows if not r.get("error"))
+    timed = sum(1 for r in rows if not r.get("error") and r["tokens"])
+    return {"tokens": tokens, "untimed": max(0, tokens - timed - gaps)}
+
+
 def pdd_summary(report: Mapping, mode: str | None = None) -> dict:
     """The same shape as :func:`read_aiperf_summary` from a ``pdd bench`` report.json (its one mode,
     or ``mode``), keyed by aiperf's metric tags."""
