@@ -55,10 +55,19 @@ def _wait_health(url: str, proc: subprocess.Popen | None, timeout_s: float) -> N
     raise RuntimeError(f"{url}/health not ok after {timeout_s:.0f} s")
 
 
-def _run(cmd: list[str], log: Path, env=None) -> int:
+CPU_S: dict[str, float] = {}  # CPU seconds of each client run (its whole process tree, once it exited)
+
+
+def _run(cmd: list[str], log: Path, env=None, name: str = "") -> int:
+    import resource
+
     print("$ " + shlex.join(cmd), file=sys.stderr, flush=True)
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with log.open("w") as f:
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_S[name or cmd[0]] = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return rc
 
 
 def main(argv=None) -> int:
@@ -141,7 +150,7 @@ def main(argv=None) -> int:
             cmd = [py, "-m", "pdd.cli", "bench", "--url", url, "--out", str(out / d), "--sweep-rate", "none",
                    "--no-progress", *bench_args]
             cmds[d] = shlex.join(cmd)
-            rc = _run(cmd, out / f"{d}.console.txt", env)
+            rc = _run(cmd, out / f"{d}.console.txt", env, d)
             if rc != 0:
                 raise RuntimeError(f"pdd bench exited {rc}: see {out / (d + '.console.txt')}")
             return json.loads((out / d / "report.json").read_text())
@@ -164,7 +173,7 @@ def main(argv=None) -> int:
                                tok if tok.is_absolute() else ROOT / tok, slo_ms, config.request_timeout_s)
         cmds["aiperf"] = shlex.join(cmd)
         t0 = time.monotonic()
-        rc = _run(cmd, out / "aiperf.console.txt", env)
+        rc = _run(cmd, out / "aiperf.console.txt", env, "aiperf")
         aiperf_wall = time.monotonic() - t0
         if rc != 0 or not (out / "aiperf" / "profile_export_aiperf.json").exists():
             raise RuntimeError(f"aiperf exited {rc}: see {out / 'aiperf.console.txt'}")
@@ -178,7 +187,7 @@ def main(argv=None) -> int:
                 os.killpg(server.pid, signal.SIGKILL)
 
     meta = {"url": url, "requests": len(requests), "bench_args": bench_args, "commands": cmds,
-            "aiperf_wall_s": aiperf_wall, "slo": slo_ms}
+            "aiperf_wall_s": aiperf_wall, "slo": slo_ms, "client_cpu_s": dict(CPU_S)}
     (out / "run.json").write_text(json.dumps(meta, indent=1))
     print(write_comparison(out, meta))
     return 0
@@ -196,7 +205,8 @@ def write_comparison(out: Path, meta: dict) -> str:
     recs1 = _jsonl(out / "pdd_bench" / "requests.jsonl")
     rerun = out / "pdd_bench_run2" / "report.json"
     report2 = json.loads(rerun.read_text()) if rerun.exists() else None
-    slo_ms, url = meta.get("slo"), meta.get("url")
+    url = meta.get("url")
+    slo_ms = meta.get("slo") or {k: (report1.get("slo") or {}).get(k) for k in ("ttft_ms", "tpot_ms")}
     p1 = A.pdd_summary(report1)
     p1["client"] = A.pdd_send_lag(recs1)
     ai = A.read_aiperf_summary(out / "aiperf")
@@ -222,6 +232,9 @@ def write_comparison(out: Path, meta: dict) -> str:
              f"{ms(p1['client']['send_lag_p90_ms'])}, aiperf {ms(ai['client']['send_lag_p50_ms'])} / "
              f"{ms(ai['client']['send_lag_p90_ms'])} (aiperf: connect avg {ms(ai['client']['connect_avg_ms'])} ms, "
              f"connections reused {ai['client']['connection_reused']})"]
+    if meta.get("client_cpu_s"):
+        lines.append("client CPU seconds (whole process tree, start-up included): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in meta["client_cpu_s"].items()))
     cl = A.contentless_tokens(per_ai)
     lines.append(f"tokens whose chunk aiperf did not time (empty text): {cl['untimed']} of {cl['tokens']}")
     for k, v in paired.items():

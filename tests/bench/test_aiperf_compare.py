@@ -64,7 +64,7 @@ def test_aiperf_command():
     for part in ("profile --model m --url http://h:1 --endpoint-type completions --streaming",
                  "--input-file in.jsonl --custom-dataset-type mooncake_trace --fixed-schedule",
                  "--tokenizer tok --use-server-token-count", "--export-level records",
-                 "--request-timeout-seconds 300"):
+                 "--request-timeout-seconds 300", "--workers-max 1 --record-processors 1"):
         assert part in s
     assert cmd[cmd.index("--goodput") + 1] == "time_to_first_token:2000 inter_token_latency:50"
     assert "--goodput" not in A.aiperf_command("aiperf", "u", "m", "i", "o", "t")
@@ -108,7 +108,8 @@ def test_table_ratios_and_noise():
     assert by["TTFT P90"]["ratio"] == pytest.approx(1.05) and by["ITL P90"]["ratio"] is None
     assert A.within(rows, 0.10) and not A.within(rows, 0.04)
     table = A.format_table(rows)
-    assert table.splitlines()[0].count("|") == 7 and "| TTFT P50 | 100.00 | 105.00 | 1.050 | 110.00 | 1.100 |" in table
+    assert by["TTFT P50"]["ratio_aba"] == pytest.approx(1.0)
+    assert table.splitlines()[0].count("|") == 8 and "| TTFT P50 | 100.00 | 105.00 | 1.050 | 110.00 | 1.100 | 1.000 |" in table
     assert "| ITL P90 | 40.00 | - | - |" in table
     assert "run 2" not in A.format_table(A.comparison_rows(p1, ai))
     assert p1["goodput_rps"] == 0.5 and p1["good_requests"] == 9 and p1["completed"] == 10

@@ -82,12 +82,14 @@ def aiperf_command(aiperf: str, url: str, model: str, input_file: str | Path, ou
                    timeout_s: float | None = None) -> list[str]:
     """The ``aiperf profile`` command line: completions endpoint, streaming, the trace replayed
     at its timestamps, token counts from the server's usage chunk, ``--goodput`` from ``slo``
-    (``{"ttft_ms", "tpot_ms"}``: ``time_to_first_token`` / ``inter_token_latency`` in ms)."""
+    (``{"ttft_ms", "tpot_ms"}``: ``time_to_first_token`` / ``inter_token_latency`` in ms). One
+    worker and one record processor: on a small shared machine aiperf's own processes compete
+    with the server's for the cores (it times requests, it does not generate load)."""
     cmd = [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
            "--input-file", str(input_file), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
            "--tokenizer", str(tokenizer), "--use-server-token-count", "--ui-type", "none",
            "--artifact-dir", str(out_dir), "--export-level", "records", "--no-server-metrics",
-           "--no-gpu-telemetry"]
+           "--no-gpu-telemetry", "--workers-max", "1", "--record-processors", "1"]
     goodput = []
     if slo and slo.get("ttft_ms") is not None:
         goodput.append(f"time_to_first_token:{slo['ttft_ms']:g}")
@@ -221,7 +223,8 @@ def paired_ttft(a: Sequence[Mapping], b: Sequence[Mapping]) -> dict | None:
 def comparison_rows(pdd: Mapping, aiperf: Mapping, pdd_again: Mapping | None = None) -> list[dict]:
     """One row per metric and statistic: both clients' values (ms), ``ratio`` = aiperf / pdd bench,
     and with ``pdd_again`` (a second ``pdd bench`` run of the workload after aiperf's)
-    ``noise`` = pdd bench run 2 / run 1: the run-to-run ratio the clients' ratio is read against."""
+    ``noise`` = pdd bench run 2 / run 1: the run-to-run ratio the clients' ratio is read against,
+    and ``ratio_aba`` = aiperf / the mean of the two pdd bench runs (before and after aiperf's)."""
     rows = []
     for label, tag, _ in METRICS:
         for slabel, key, _k in STATS:
@@ -233,6 +236,8 @@ def comparison_rows(pdd: Mapping, aiperf: Mapping, pdd_again: Mapping | None = N
                 q = (pdd_again.get(tag) or {}).get(key)
                 row["pdd_bench_run2_ms"] = q
                 row["noise"] = q / p if p and q is not None else None
+                # A B A: a drift of the machine's load between the runs cancels to first order
+                row["ratio_aba"] = 2 * a / (p + q) if p and q is not None and a is not None else None
             rows.append(row)
     return rows
 
@@ -246,13 +251,14 @@ def format_table(rows: Sequence[Mapping]) -> str:
     again = any("noise" in r for r in rows)
     head = "| metric | pdd bench ms | aiperf ms | aiperf / pdd bench |"
     if again:
-        head += " pdd bench run 2 ms | run 2 / run 1 |"
+        head += " pdd bench run 2 ms | run 2 / run 1 | aiperf / mean(run 1, run 2) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         line = (f"| {r['metric']} | {_f(r['pdd_bench_ms'], '.2f')} | {_f(r['aiperf_ms'], '.2f')} | "
                 f"{_f(r['ratio'], '.3f')} |")
         if again:
-            line += f" {_f(r.get('pdd_bench_run2_ms'), '.2f')} | {_f(r.get('noise'), '.3f')} |"
+            line += (f" {_f(r.get('pdd_bench_run2_ms'), '.2f')} | {_f(r.get('noise'), '.3f')} |"
+                     f" {_f(r.get('ratio_aba'), '.3f')} |")
         lines.append(line)
     return "\n".join(lines)
 
