@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-fast install dev serve clean vllm
+.PHONY: demo test test-fast install dev serve clean vllm aiperf
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,19 @@ $(VLLM_VENV)/.installed:
 
 vllm: $(VLLM_VENV)/.installed
 
+# Optional: NVIDIA's aiperf, an independent benchmark client, in its own venv (Python >= 3.11), for
+# `scripts/aiperf_compare.py` (docs/BENCH.md "An independent client"). Not needed by demo or test.
+AIPERF_VENV := .venv-aiperf
+AIPERF_VERSION ?= 0.13.0
+$(AIPERF_VENV)/.installed:
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q --upgrade pip
+	$(AIPERF_VENV)/bin/pip install -q aiperf==$(AIPERF_VERSION)
+	$(AIPERF_VENV)/bin/aiperf --version
+	touch $@
+
+aiperf: $(AIPERF_VENV)/.installed
+
 dev: $(VENV)/.dev
 
 demo: $(VENV)/.installed
@@ -51,4 +64,4 @@ test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not faults" --timeout=300
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs models
+	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) runs models

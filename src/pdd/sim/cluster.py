@@ -55,7 +55,7 @@ import pdd.policy.routing as pol_routing
 from pdd.policy.wan_estimate import WanEstimate
 from pdd.sim.hardware import StepCostModel, cost_model
 # the pieces of the simulator, one job each, all still importable from here
-from pdd.sim.instance import Instance  # noqa: F401
+from pdd.sim.instance import Instance, load_maker  # noqa: F401
 from pdd.sim.links import Flow, Line, _noop  # noqa: F401
 from pdd.sim.prefix_cache import PrefixCache  # noqa: F401
 from pdd.sim.request import Req, RequestTooLarge, Seq  # noqa: F401
@@ -172,10 +172,28 @@ class ClusterSim:
         if len(insts) == 1:
             return insts[0]
         pol = policy or self.cfg.routing
+        # inst.load(hit) for every instance, inlined (the simulator's hottest loop: tens of
+        # instances per routed request); the same InstanceLoad values the policy reads
+        block = self.block
+        blocks = req.blocks[: req.n_full] if with_cache else None
+        new_load = load_maker()
         loads = []
         for inst in insts:
-            hit = inst.cache.match(req.blocks[: req.n_full]) * self.block if (with_cache and inst.cache is not None) else 0
-            loads.append(inst.load(hit))
+            c = inst.cache
+            if c is None:
+                loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, inst.private,
+                                      inst.pool, 0))
+            else:
+                lru = c.lru
+                hit = 0
+                if blocks is not None:
+                    for b in blocks:
+                        if b not in lru:
+                            break
+                        hit += 1
+                    hit *= block
+                loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed,
+                                      inst.private + len(lru) * block, inst.pool, hit))
         slack = self.cfg.md_load_slack if role == "MD" else self.cfg.load_slack
         i = pol_routing.choose_instance(loads, pol, self.rr, slack, prompt_tokens=req.prompt,
                                         min_hit_frac=self.cfg.min_hit_frac)
