@@ -84,6 +84,7 @@ def vllm_md_env(cfg, threads: int) -> dict[str, str]:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # serves /reset_prefix_cache (pdd's flush)
     env["PYTHONPATH"] = src_root()  # the connector only: vLLM's own packages come from its venv
     env["NO_PROXY"] = env["no_proxy"] = ",".join(x for x in (env.get("NO_PROXY"), cfg.host, "localhost") if x)
     return env
@@ -114,6 +115,7 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         self.stage_dir: str | None = None
         self.http: httpx.AsyncClient | None = None
         self.vllm_ready_s: float | None = None
+        self.vllm_log: str | None = None
         self.handoff_ms: list[float] = []  # extend POST -> first vLLM token, per request
 
     # ------------------------------------------------------------------ set-up
@@ -121,9 +123,13 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         await super().start()  # pdd's pool + radix cache (the DRC and staging) and the RPC server
         self.stage_dir = stage_root(self.spec.name)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), trust_env=False)
-        await asyncio.to_thread(self._start_vllm)
+        self._spawn_vllm()  # from this (the main) thread: the child's parent-death signal follows it
+        await asyncio.to_thread(self._wait_vllm)
 
-    def _start_vllm(self) -> None:
+    def _spawn_vllm(self) -> None:
+        import subprocess
+        import tempfile
+
         from pdd.bench.vllm_mode import free_port, model_max_len, vllm_python
 
         vc = self.cfg.vllm
@@ -131,26 +137,24 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         e = self.engine_cfg
         port = free_port(self.cfg.host)
         self.vllm_url = f"http://{self.cfg.host}:{port}"
-        cmd = vllm_md_command(python, self.cfg, port, model_max_len(self.cfg.model_path, e.max_model_len), e.dtype)
-        log_path = Path(self.stage_dir) / "vllm.log"
-        log_dir = os.environ.get("PDD_LOG_DIR")
-        if log_dir:
-            log_path = Path(log_dir) / f"{self.spec.name}-vllm.log"
-        self.vllm_log = str(log_path)
-        import subprocess
+        self.vllm_command = vllm_md_command(python, self.cfg, port,
+                                            model_max_len(self.cfg.model_path, e.max_model_len), e.dtype)
+        self.vllm_log = str(Path(tempfile.mkdtemp(prefix=f"pdd-vllm-{self.spec.name}-log-")) / "vllm.log")
+        self._t_spawn = time.monotonic()
+        with open(self.vllm_log, "w") as logf:
+            self.proc = subprocess.Popen(self.vllm_command, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=vllm_md_env(self.cfg, e.torch_threads),
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        print(f"{self.spec.name}: vLLM server starting on {self.vllm_url}, log {self.vllm_log}: "
+              f"{' '.join(self.vllm_command)}", flush=True)
 
-        t0 = time.monotonic()
-        logf = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=vllm_md_env(self.cfg, e.torch_threads), start_new_session=True)
-        log.info("%s: vLLM starting: %s (log %s)", self.spec.name, " ".join(cmd), log_path)
-        print(f"{self.spec.name}: vLLM server starting on {self.vllm_url} (log {log_path})", flush=True)
-        deadline = t0 + vc.start_timeout_s
+    def _wait_vllm(self) -> None:
+        deadline = self._t_spawn + self.cfg.vllm.start_timeout_s
         while True:
             rc = self.proc.poll()
             if rc is not None:
-                raise RuntimeError(f"{self.spec.name}: vLLM exited with {rc} before it was ready; log {log_path}:\n"
-                                   + _tail(log_path))
+                raise RuntimeError(f"{self.spec.name}: vLLM exited with {rc} before it was ready; log {self.vllm_log}:\n"
+                                   + _tail(self.vllm_log))
             try:
                 if httpx.get(f"{self.vllm_url}/health", timeout=5, trust_env=False).status_code == 200:
                     break
@@ -158,10 +162,11 @@ class VllmMainDecodeInstance(MainDecodeInstance):
                 pass
             if time.monotonic() > deadline:
                 self._stop_vllm()
-                raise RuntimeError(f"{self.spec.name}: vLLM not ready after {vc.start_timeout_s:.0f} s; log "
-                                   f"{log_path}:\n" + _tail(log_path))
+                raise RuntimeError(f"{self.spec.name}: vLLM not ready after {self.cfg.vllm.start_timeout_s:.0f} s; "
+                                   f"log {self.vllm_log}:\n" + _tail(self.vllm_log))
             time.sleep(0.5)
-        self.vllm_ready_s = time.monotonic() - t0
+        self.vllm_ready_s = round(time.monotonic() - self._t_spawn, 1)
+        print(f"{self.spec.name}: vLLM ready after {self.vllm_ready_s} s", flush=True)
 
     def _stop_vllm(self) -> None:
         import signal
@@ -191,9 +196,17 @@ class VllmMainDecodeInstance(MainDecodeInstance):
 
     def extra_stats(self) -> dict:
         hm = sorted(self.handoff_ms)
-        return {**super().extra_stats(), "engine": "vllm", "vllm_url": self.vllm_url,
+        return {**super().extra_stats(), "engine": "vllm", "vllm_url": self.vllm_url, "vllm_log": self.vllm_log,
                 "vllm_ready_s": self.vllm_ready_s, "vllm_requests": len(self.handoff_ms),
                 "vllm_first_token_ms_median": hm[len(hm) // 2] if hm else None}
+
+    async def on_flush(self, peer, h, payload):
+        """pdd's staging DRC is flushed as pdd's MD's; vLLM's own prefix cache is reset too."""
+        try:
+            await self.http.post(f"{self.vllm_url}/reset_prefix_cache", timeout=60)
+        except httpx.HTTPError as e:
+            log.warning("%s: vLLM's prefix cache reset failed: %s", self.spec.name, e)
+        return await super().on_flush(peer, h, payload)
 
     def handlers(self) -> dict:
         hs = super().handlers()
@@ -356,6 +369,18 @@ def _finish(reason: str | None) -> str:
     if reason == "abort":
         return FinishReason.ABORT.value
     return FinishReason.STOP.value
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Linux: the vLLM server gets SIGTERM when the MD endpoint dies (SIGKILL included)."""
+    import signal
+
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _tail(path, n: int = 30) -> str:
