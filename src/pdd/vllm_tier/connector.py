@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import SchedulerOutput
 
-log = init_logger("pdd.vllm_tier.connector")  # vLLM's log format and handlers
+log = init_logger("vllm.pdd_connector")  # under "vllm": vLLM's log handlers print it
 
 @dataclass
 class PddLoad:

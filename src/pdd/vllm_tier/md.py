@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from pdd.roles.base import first_token_finish
 from pdd.roles.main_decode import MainDecodeInstance
 from pdd.transfer.messages import Extend, ExtendOk, KvDone, KvReady, ReqError, WanSample
 from pdd.types import FinishReason
@@ -75,6 +76,7 @@ def vllm_md_command(python, cfg, port: int, max_model_len: int, torch_dtype: str
             "--max-num-batched-tokens", str(max(e.max_batch_tokens, max_model_len)),
             "--seed", str(cfg.model_seed),
             "--kv-transfer-config", json.dumps(kv_transfer_config()),
+            "--enable-prompt-tokens-details",  # usage says how many prompt tokens vLLM did not compute
             "--disable-uvicorn-access-log", *cfg.vllm.extra_args]
 
 
@@ -116,7 +118,10 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         self.http: httpx.AsyncClient | None = None
         self.vllm_ready_s: float | None = None
         self.vllm_log: str | None = None
-        self.handoff_ms: list[float] = []  # extend POST -> first vLLM token, per request
+        self.handoff_ms: list[float] = []  # extend received -> vLLM's first token, per request
+        self.stage_ms: list[float] = []  # of which: writing the staged file
+        self.vllm_cached_tokens = 0  # prompt tokens vLLM did not compute (loaded or its own cache hit)
+        self.vllm_prompt_tokens = 0
 
     # ------------------------------------------------------------------ set-up
     async def start(self) -> None:
@@ -195,10 +200,13 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         await super().stop()
 
     def extra_stats(self) -> dict:
-        hm = sorted(self.handoff_ms)
+        hm, sm = sorted(self.handoff_ms), sorted(self.stage_ms)
         return {**super().extra_stats(), "engine": "vllm", "vllm_url": self.vllm_url, "vllm_log": self.vllm_log,
                 "vllm_ready_s": self.vllm_ready_s, "vllm_requests": len(self.handoff_ms),
-                "vllm_first_token_ms_median": hm[len(hm) // 2] if hm else None}
+                "vllm_prompt_tokens": self.vllm_prompt_tokens, "vllm_cached_tokens": self.vllm_cached_tokens,
+                "vllm_first_token_ms_median": hm[len(hm) // 2] if hm else None,
+                "stage_write_ms_median": sm[len(sm) // 2] if sm else None,
+                "staged_files": sum(1 for f in os.listdir(self.stage_dir) if f.endswith(".kv")) if self.stage_dir else 0}
 
     async def on_flush(self, peer, h, payload):
         """pdd's staging DRC is flushed as pdd's MD's; vLLM's own prefix cache is reset too."""
@@ -298,18 +306,18 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         pos = len(outputs)
         stage = None
         fin_sent = False
+        t_extend = time.perf_counter()
         try:
             if sp.max_tokens - pos <= 0:
                 raise RuntimeError(f"nothing left to decode ({pos} of max_tokens {sp.max_tokens} already out)")
             stage = await asyncio.to_thread(self._stage, ctx)
+            self.stage_ms.append(round((time.perf_counter() - t_extend) * 1000, 3))
             body = {"model": self.cfg.served_model_name, "prompt": list(seq.prompt_ids) + outputs, "stream": True,
-                    "return_token_ids": True, "kv_transfer_params": {**stage.params(), "pdd_rid": rid},
-                    **sampling_body(sp, pos)}
-            t_post = time.perf_counter()
+                    "stream_options": {"include_usage": True}, "return_token_ids": True,
+                    "kv_transfer_params": {**stage.params(), "pdd_rid": rid}, **sampling_body(sp, pos)}
             async with self.http.stream("POST", f"{self.vllm_url}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"vLLM answered {r.status_code}: {(await r.aread())[:500]!r}")
-                pending: list[int] = []
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -317,23 +325,29 @@ class VllmMainDecodeInstance(MainDecodeInstance):
                     if data == "[DONE]":
                         break
                     chunk = json.loads(data)
+                    usage = chunk.get("usage")
+                    if usage:  # the last chunk: prompt tokens vLLM had (its prefix cache + the connector's load)
+                        det = usage.get("prompt_tokens_details") or {}
+                        self.vllm_cached_tokens += int(det.get("cached_tokens") or 0)
+                        self.vllm_prompt_tokens += int(usage.get("prompt_tokens") or 0)
                     for ch in chunk.get("choices", []):
-                        ids = ch.get("token_ids") or []
+                        ids = [int(t) for t in ch.get("token_ids") or []]
                         fin = ch.get("finish_reason")
-                        if pos == len(outputs) and ids:
-                            self.handoff_ms.append(round((time.perf_counter() - t_post) * 1000, 3))
-                        pending.extend(int(t) for t in ids)
-                        while len(pending) > (1 if fin is None else 0):
-                            t = pending.pop(0)
-                            last = fin is not None and not pending
-                            reason = _finish(fin) if last else None
+                        if ids and pos == len(outputs):
+                            self.handoff_ms.append(round((time.perf_counter() - t_extend) * 1000, 3))
+                        for t in ids:
+                            if fin_sent:
+                                raise RuntimeError(f"vLLM sent token {t} after the finish pdd gave position {pos - 1}")
+                            # the finish is known from the token itself, so no token waits for the next chunk
+                            reason = first_token_finish(t, sp, self.eos_ids) if pos + 1 < sp.max_tokens else \
+                                FinishReason.LENGTH.value
+                            if reason is None and fin is not None and t == ids[-1]:
+                                reason = _finish(fin)  # a finish pdd's rules do not predict (vLLM's own)
                             self.emit(ctx, pos, t, reason)
                             pos += 1
-                            fin_sent = fin_sent or reason is not None
+                            fin_sent = reason is not None
                         if fin is not None and not fin_sent:
-                            raise RuntimeError(f"vLLM finished ({fin}) without a token to carry it")
-                if pending and not fin_sent:  # a stream cut without a finish reason
-                    raise RuntimeError("vLLM's stream ended without a finish reason")
+                            raise RuntimeError(f"vLLM finished ({fin}) at position {pos} without a token to carry it")
             if not fin_sent:
                 raise RuntimeError("vLLM's stream ended without a finish reason")
             self.counters["finished"] += 1
