@@ -310,7 +310,8 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         try:
             if sp.max_tokens - pos <= 0:
                 raise RuntimeError(f"nothing left to decode ({pos} of max_tokens {sp.max_tokens} already out)")
-            stage = await asyncio.to_thread(self._stage, ctx)
+            # on the loop, not a thread: a cancel (abort) must not leave a file being written (a few ms per MB)
+            stage = self._stage(ctx)
             self.stage_ms.append(round((time.perf_counter() - t_extend) * 1000, 3))
             body = {"model": self.cfg.served_model_name, "prompt": list(seq.prompt_ids) + outputs, "stream": True,
                     "stream_options": {"include_usage": True}, "return_token_ids": True,
