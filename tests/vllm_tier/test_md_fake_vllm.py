@@ -86,3 +86,30 @@ def test_drc_and_pages(fake_md):
         if "pages_total" in v:
             assert v["pages_free"] == v["pages_total"], (name, v["pages_free"], v["pages_total"])
     assert topo.stats()["instances"]["md0"]["staged_files"] == 0  # each deleted when its stream ended
+
+
+def test_cross_dc_pd_p_to_vllm_md(tmp_path):
+    """No relay (``cross_dc_pd``: MD is the only decoder): P's first token goes out from MD at once,
+    then the completion on prompt + that token continues at position 1."""
+    from openai import OpenAI
+
+    from pdd.launch import Topology
+    from pdd.modelgen import make_model
+
+    d = tmp_path / "small"
+    make_model(str(d), preset="small", seed=0)
+    w = tmp_path / "python"
+    w.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name('fake_vllm_server.py')} \"$@\"\n")
+    os.chmod(w, 0o755)
+    cfg = make_cfg(str(d), "cross_dc_pd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120})
+    p, n = list(range(700, 850)), 20
+    (ref,), _ = greedy_oracle(str(d), [p], n)
+    with Topology(cfg, log_dir=tmp_path / "logs") as topo:
+        client = OpenAI(base_url=topo.url + "/v1", api_key="none")
+        chunks = list(client.completions.create(model="pdd-small", prompt=p, max_tokens=n, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        meta = [c.model_extra["pdd"] for c in chunks if c.choices]
+        assert [m["token_id"] for m in meta] == ref and [m["pos"] for m in meta] == list(range(n))
+        assert {m["tier"] for m in meta} == {"md"}
+        md = _idle(topo)["instances"]["md0"]
+        assert md["vllm_requests"] == 1 and md["vllm_cached_tokens"] == len(p) and md["staged_files"] == 0
