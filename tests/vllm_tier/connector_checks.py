@@ -106,6 +106,13 @@ def check_scheduler_side(tmp):
     assert req.kv_transfer_params == st.params()
     assert conn.get_num_new_matched_tokens(req, 0) == (300, False)
     assert conn.get_num_new_matched_tokens(req, 128) == (172, False)  # beyond vLLM's own hit
+    assert conn.get_num_new_matched_tokens(req, 384) == (0, False)  # vLLM's own cache holds more: nothing to load
+    conn.update_state_after_alloc(req, None, 0)
+    assert conn.build_connector_meta(types.SimpleNamespace(
+        scheduled_new_reqs=[types.SimpleNamespace(req_id="r1", block_ids=([3, 9, 5],))],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                                    num_computed_tokens=[]))).loads == []
+    assert conn.get_num_new_matched_tokens(req, 128) == (172, False)
     conn.update_state_after_alloc(req, None, 172)
     new = types.SimpleNamespace(req_id="r1", block_ids=([3, 9, 5],))
     cached = types.SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])

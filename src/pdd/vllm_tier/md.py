@@ -248,7 +248,7 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         ctx.extra["first_token"] = t0
         if not relay:
             self.emit(ctx, 0, t0, fin)
-        elif relay:
+        else:  # the pages are in the pool already (imported as they came): the handoff may stage them
             ctx.sink.put(KvReady(ctx.rid).wire())
         await self.worker.call(_imported, overlap=True)
         ctx.extra["kv_imported"] = True
@@ -292,11 +292,15 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         ctx.in_engine = True
         ctx.extra["decode_task"] = asyncio.get_running_loop().create_task(self._decode(ctx, outputs))
 
-    def _stage(self, ctx) -> "object":
+    def _stage(self, ctx):
+        """Write the prompt's pages (pdd's layout, this pool's dtype) to the request's staged file."""
+        import torch
+
         pool = self.engine.pool
         seq = ctx.seq
         n = -(-seq.prompt_len // pool.page_size)
-        pages = pool.buffer[pool._index([int(p) for p in seq.page_table[:n]])]
+        idx = torch.tensor([int(p) for p in seq.page_table[:n]], dtype=torch.long, device=pool.buffer.device)
+        pages = pool.buffer[idx]
         return write_stage(os.path.join(self.stage_dir, f"{ctx.rid}.kv"), pages, seq.prompt_len)
 
     async def _decode(self, ctx, outputs: list[int]) -> None:
