@@ -27,7 +27,7 @@ def fake_md(tmp_path_factory):
     d = tmp_path_factory.mktemp("m") / "small"
     make_model(str(d), preset="small", seed=0)
     w = tmp_path_factory.mktemp("fake") / "python"
-    w.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name('fake_vllm_server.py')} \"$@\"\n")
+    w.write_text(_wrapper())
     os.chmod(w, 0o755)
     cfg = make_cfg(str(d), "pdd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120},
                    policy={"handoff_mode": "one_shot"})
@@ -35,6 +35,12 @@ def fake_md(tmp_path_factory):
     topo.start()
     yield topo, str(d)
     topo.stop()
+
+
+def _wrapper() -> str:
+    """A shell script standing in for vLLM's Python: runs the stand-in server with this Python."""
+    server = Path(__file__).with_name("fake_vllm_server.py")
+    return f'#!/bin/sh\nexec "{sys.executable}" "{server}" "$@"\n'
 
 
 def _idle(topo, timeout_s: float = 60.0) -> dict:
@@ -99,7 +105,7 @@ def test_cross_dc_pd_p_to_vllm_md(tmp_path):
     d = tmp_path / "small"
     make_model(str(d), preset="small", seed=0)
     w = tmp_path / "python"
-    w.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name('fake_vllm_server.py')} \"$@\"\n")
+    w.write_text(_wrapper())
     os.chmod(w, 0o755)
     cfg = make_cfg(str(d), "cross_dc_pd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120})
     p, n = list(range(700, 850)), 20
