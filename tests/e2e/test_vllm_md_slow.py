@@ -101,6 +101,36 @@ def test_drc_sends_only_missing_pages(vllm_md):
             assert v["pages_free"] == v["pages_total"], (name, v["pages_free"], v["pages_total"])
 
 
+def test_client_gone_aborts_vllm_request(vllm_md):
+    """A client that closes its stream while vLLM's MD decodes: the gateway aborts the request on
+    every tier; MD cancels its completion (vLLM aborts it: nothing left running there) and frees
+    its pages; no staged file is left."""
+    import re
+
+    topo, _ = vllm_md
+    body = {"model": "pdd-small", "prompt": list(range(2500, 2700)), "max_tokens": 1500, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    md_tokens = 0
+    with httpx.stream("POST", f"{topo.url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if '"tier": "md"' in line or '"tier":"md"' in line:
+                md_tokens += 1
+                if md_tokens >= 3:
+                    break  # closes the connection mid-stream
+    assert md_tokens >= 3
+    st = _idle(topo)
+    md = st["instances"]["md0"]
+    assert md["counters"]["aborted"] >= 1 and md["staged_files"] == 0, md
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = httpx.get(f"{md['vllm_url']}/metrics", timeout=10, trust_env=False).text
+        running = sum(float(x) for x in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)", metrics, re.M))
+        if running == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert running == 0, "vLLM still runs the aborted request"
+
+
 def test_killing_vllm_md_mid_stream_recovers(vllm_md):
     """docs/FAULTS.md, MD killed while it streams: the request is recovered (a new attempt from the
     streamed ids, relayed; with no MD reachable RLD finishes it, degraded) and the client gets every
