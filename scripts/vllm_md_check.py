@@ -125,7 +125,13 @@ def main(argv=None) -> int:
         print(json.dumps({"ok": ok, "connector_loads_logged": len(loaded),
                           "tokens_loaded": [int(x) for x in loaded], "vllm_log": str(log_path)}), flush=True)
     finally:
+        import shutil
         import signal
+
+        for f in Path(stage_dir).glob("*.kv"):
+            f.unlink()
+        if not any(Path(stage_dir).iterdir()):
+            shutil.rmtree(stage_dir, ignore_errors=True)
 
         try:
             os.killpg(proc.pid, signal.SIGTERM)

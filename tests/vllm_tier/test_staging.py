@@ -50,3 +50,22 @@ def test_slot_mapping_and_layer_names():
     assert layer_index("model.layers.3.self_attn.attn") == 3 and layer_index("layers.12.attn") == 12
     with pytest.raises(ValueError):
         layer_index("lm_head")
+
+
+def test_stage_root_removes_dead_endpoints_dirs(monkeypatch, tmp_path):
+    import os
+    import subprocess
+    import tempfile
+
+    from pdd.vllm_tier import staging
+
+    monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/dev/shm" else os.path.lexists(p))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"pdd-vllm-stage-{dead.pid}-md0-x").mkdir()
+    (tmp_path / f"pdd-vllm-stage-{os.getpid()}-md1-y").mkdir()
+    d = staging.stage_root("md0")
+    assert os.path.dirname(d) == str(tmp_path) and os.path.basename(d).startswith(f"pdd-vllm-stage-{os.getpid()}-md0-")
+    assert not (tmp_path / f"pdd-vllm-stage-{dead.pid}-md0-x").exists()
+    assert (tmp_path / f"pdd-vllm-stage-{os.getpid()}-md1-y").exists()

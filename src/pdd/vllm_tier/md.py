@@ -192,11 +192,11 @@ class VllmMainDecodeInstance(MainDecodeInstance):
             p.wait()
 
     async def stop(self) -> None:
+        if self.stage_dir:  # first: a supervisor may SIGKILL this process while vLLM stops
+            shutil.rmtree(self.stage_dir, ignore_errors=True)
         if self.http is not None:
             await self.http.aclose()
         await asyncio.to_thread(self._stop_vllm)
-        if self.stage_dir:
-            shutil.rmtree(self.stage_dir, ignore_errors=True)
         await super().stop()
 
     def extra_stats(self) -> dict:

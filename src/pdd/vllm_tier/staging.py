@@ -23,9 +23,27 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def stage_root(name: str) -> str:
-    """A fresh directory for one MD endpoint's staged files (host memory where it can)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix=f"pdd-vllm-{name}-", dir=base)
+    """A fresh directory for one MD endpoint's staged files (host memory where it can), named
+    after this process; the directories of endpoints that died without cleaning up (killed) are
+    removed first."""
+    import shutil
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    for d in os.listdir(base):
+        m = re.fullmatch(r"pdd-vllm-stage-(\d+)-.*", d)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(base, d), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"pdd-vllm-stage-{os.getpid()}-{name}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
