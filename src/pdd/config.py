@@ -344,6 +344,19 @@ class TierConfig(_Strict):
     engine: TierEngine = TierEngine()
 
 
+class VllmTierConfig(_Strict):
+    """``vllm``: run a tier on vLLM's own engine through pdd's KV connector (docs/VLLM_TIER.md)."""
+
+    main_decode: bool = Field(
+        False, description="every main-decode instance is pdd's MD endpoint (wire, DRC, staging) in front of a vLLM "
+        "server it starts with pdd.vllm_tier.connector.PddConnector (pdd.vllm_tier.md); P and RLD stay pdd's")
+    python: str | None = Field(
+        None, description="Python of vLLM's venv (default: $PDD_VLLM_PYTHON, else .venv-vllm/bin/python: `make vllm`)")
+    kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of the vLLM server, GiB")
+    start_timeout_s: float = Field(400.0, gt=0, description="seconds the vLLM server may take to be ready")
+    extra_args: list[str] = Field(default_factory=list, description="more arguments of vLLM's OpenAI server")
+
+
 class ClusterConfig(_Strict):
     """A whole topology: the instances of each tier, the links and the policies."""
 
@@ -372,6 +385,7 @@ class ClusterConfig(_Strict):
         description="seconds a request may wait for its next event (a token, a tier's reply or plan) before it "
         "fails; an idle timeout between events, not a limit on the request's total time")
     liveness: LivenessConfig = LivenessConfig()
+    vllm: VllmTierConfig = VllmTierConfig()
     cpu_affinity: dict[Literal["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"],
                        list[int]] = Field(
         default_factory=dict,

@@ -147,6 +147,8 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
         from pdd.roles.prefill import PrefillInstance as cls
     elif spec.role == ROLE_RELAY:
         from pdd.roles.relay_decode import RelayDecodeInstance as cls
+    elif spec.role == ROLE_MAIN and cfg.vllm.main_decode:  # MD on vLLM (docs/VLLM_TIER.md)
+        from pdd.vllm_tier.md import VllmMainDecodeInstance as cls
     elif spec.role in (ROLE_MAIN, ROLE_COLOCATED):
         from pdd.roles.main_decode import MainDecodeInstance as cls
     else:
@@ -243,13 +245,16 @@ class Topology:
             logf.close()
 
         threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + self.start_timeout_s
+        wait_s = self.start_timeout_s
+        if spec.role == ROLE_MAIN and self.cfg.vllm.main_decode:  # it starts a vLLM server first
+            wait_s += self.cfg.vllm.start_timeout_s
+        deadline = time.monotonic() + wait_s
         while not ready.wait(0.05):
             if p.poll() is not None:
                 raise LaunchError(f"{spec.name} ({spec.role}) exited with {p.returncode} before it was ready:\n"
                                   + self._tail(spec.name))
             if time.monotonic() > deadline:
-                raise LaunchError(f"{spec.name} ({spec.role}) not ready after {self.start_timeout_s:.0f} s:\n"
+                raise LaunchError(f"{spec.name} ({spec.role}) not ready after {wait_s:.0f} s:\n"
                                   + self._tail(spec.name))
 
     def _tail(self, name: str, n: int = 30) -> str:

@@ -1,0 +1,51 @@
+"""The vLLM MD endpoint's pieces that need no vLLM: its server command and environment, the
+sampling fields of the handoff's completion, the config block and ``pdd launch``'s choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdd.config import ClusterConfig
+from pdd.types import SamplingParams
+from pdd.vllm_tier.md import kv_transfer_config, sampling_body, src_root, vllm_md_command, vllm_md_env
+
+
+def test_command_names_the_connector_and_md_engine():
+    cfg = ClusterConfig.model_validate({"model_path": "/m/small", "vllm": {"main_decode": True, "extra_args": ["--x"]},
+                                        "tiers": {"main_decode": {"engine": {"max_running": 7}}}})
+    cmd = vllm_md_command("/v/bin/python", cfg, 4321, 2048, "float32")
+    assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv == kv_transfer_config() and kv["kv_connector_module_path"] == "pdd.vllm_tier.connector"
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "7" and cmd[cmd.index("--port") + 1] == "4321"
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[-1] == "--x"
+    env = vllm_md_env(cfg, 1)
+    assert env["PYTHONPATH"] == src_root() and env["OMP_NUM_THREADS"] == "1"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_sampling_body_continues_after_the_handed_over_ids():
+    sp = SamplingParams(max_tokens=40, temperature=0.0, seed=5, min_tokens=10, stop_token_ids=[2], ignore_eos=True,
+                        logit_bias={7: -1.5})
+    b = sampling_body(sp, 6)
+    assert b["max_tokens"] == 34 and b["min_tokens"] == 4 and b["seed"] == 5 and b["ignore_eos"] is True
+    assert b["stop_token_ids"] == [2] and b["logit_bias"] == {"7": -1.5} and b["temperature"] == 0.0
+    assert "seed" not in sampling_body(SamplingParams(max_tokens=4), 1)
+
+
+def test_config_block_defaults_off():
+    assert ClusterConfig().vllm.main_decode is False
+    with pytest.raises(ValueError):
+        ClusterConfig.model_validate({"vllm": {"main_decod": True}})
+
+
+def test_example_config_loads():
+    from pathlib import Path
+
+    import yaml
+
+    p = Path(__file__).resolve().parents[2] / "examples" / "vllm-md.yaml"
+    cfg = ClusterConfig.model_validate(yaml.safe_load(p.read_text()))
+    assert cfg.vllm.main_decode and cfg.policy.handoff_mode == "one_shot" and cfg.engine.dtype == "float32"

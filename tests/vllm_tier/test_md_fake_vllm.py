@@ -1,0 +1,121 @@
+"""The vLLM MD endpoint in a whole topology without vLLM (CI): ``vllm.python`` points at a wrapper
+that starts ``fake_vllm_server.py``, which checks each staged prompt KV against pdd's engine and
+answers with pdd's engine's greedy tokens. So this covers pdd's side of MD on vLLM (the wire,
+DRC, staging file, handoff completion, token positions, release) everywhere; the connector's
+side in vLLM is ``test_connector_vllm.py`` and ``tests/e2e/test_vllm_md_slow.py``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import greedy_oracle, make_cfg
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fake_md(tmp_path_factory):
+    from pdd.launch import Topology
+    from pdd.modelgen import make_model
+
+    d = tmp_path_factory.mktemp("m") / "small"
+    make_model(str(d), preset="small", seed=0)
+    w = tmp_path_factory.mktemp("fake") / "python"
+    w.write_text(_wrapper())
+    os.chmod(w, 0o755)
+    cfg = make_cfg(str(d), "pdd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120},
+                   policy={"handoff_mode": "one_shot"})
+    topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
+    topo.start()
+    yield topo, str(d)
+    topo.stop()
+
+
+def _wrapper() -> str:
+    """A shell script standing in for vLLM's Python: runs the stand-in server with this Python."""
+    server = Path(__file__).with_name("fake_vllm_server.py")
+    return f'#!/bin/sh\nexec "{sys.executable}" "{server}" "$@"\n'
+
+
+def _idle(topo, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = topo.stats()
+        if all(v.get("running", 0) == 0 for v in st["instances"].values()):
+            return st
+        time.sleep(0.1)
+    raise AssertionError("topology did not go idle")
+
+
+def test_handoff_to_the_vllm_endpoint(fake_md):
+    from openai import OpenAI
+
+    topo, model = fake_md
+    client = OpenAI(base_url=topo.url + "/v1", api_key="none")
+    p, n = list(range(300, 520)), 40
+    (ref,), _ = greedy_oracle(model, [p], n)
+    chunks = list(client.completions.create(model="pdd-small", prompt=p, max_tokens=n, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    meta = [c.model_extra["pdd"] for c in chunks if c.choices]
+    assert [m["pos"] for m in meta] == list(range(n)) and [m["token_id"] for m in meta] == ref
+    tiers = [m["tier"] for m in meta]
+    assert tiers[0] == "rld" and "md" in tiers and set(tiers[tiers.index("md"):]) == {"md"}, tiers
+    assert chunks[-1].choices[0].finish_reason == "length"
+    md = _idle(topo)["instances"]["md0"]
+    assert md["engine"] == "vllm" and md["vllm_requests"] == 1 and md["vllm_cached_tokens"] == len(p)
+    assert md["counters"].get("failed", 0) == 0 and md["counters"]["extends"] == 1
+
+
+def test_drc_and_pages(fake_md):
+    from openai import OpenAI
+
+    topo, _ = fake_md
+    client = OpenAI(base_url=topo.url + "/v1", api_key="none")
+    prompt = list(range(1200, 1400))
+    a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=64, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    _idle(topo)
+    b = client.completions.create(model="pdd-small", prompt=prompt + [5, 6, 7], max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert a.model_extra["pdd"]["handoff_pos"] is not None and b.usage.completion_tokens == 24
+    assert b.model_extra["pdd"]["md_cached_tokens"] == 192  # 12 whole pages held by MD's DRC
+    assert b.model_extra["pdd"]["wan_bytes_expected"] == 11 * 2048  # only the last page's 11 slots cross
+    _idle(topo)
+    httpx.post(f"{topo.url}/pdd/flush", timeout=60)
+    for name, v in topo.stats()["instances"].items():
+        if "pages_total" in v:
+            assert v["pages_free"] == v["pages_total"], (name, v["pages_free"], v["pages_total"])
+    assert topo.stats()["instances"]["md0"]["staged_files"] == 0  # each deleted when its stream ended
+
+
+def test_cross_dc_pd_p_to_vllm_md(tmp_path):
+    """No relay (``cross_dc_pd``: MD is the only decoder): P's first token goes out from MD at once,
+    then the completion on prompt + that token continues at position 1."""
+    from openai import OpenAI
+
+    from pdd.launch import Topology
+    from pdd.modelgen import make_model
+
+    d = tmp_path / "small"
+    make_model(str(d), preset="small", seed=0)
+    w = tmp_path / "python"
+    w.write_text(_wrapper())
+    os.chmod(w, 0o755)
+    cfg = make_cfg(str(d), "cross_dc_pd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120})
+    p, n = list(range(700, 850)), 20
+    (ref,), _ = greedy_oracle(str(d), [p], n)
+    with Topology(cfg, log_dir=tmp_path / "logs") as topo:
+        client = OpenAI(base_url=topo.url + "/v1", api_key="none")
+        chunks = list(client.completions.create(model="pdd-small", prompt=p, max_tokens=n, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        meta = [c.model_extra["pdd"] for c in chunks if c.choices]
+        assert [m["token_id"] for m in meta] == ref and [m["pos"] for m in meta] == list(range(n))
+        assert {m["tier"] for m in meta} == {"md"}
+        md = _idle(topo)["instances"]["md0"]
+        assert md["vllm_requests"] == 1 and md["vllm_cached_tokens"] == len(p) and md["staged_files"] == 0
