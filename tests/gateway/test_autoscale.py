@@ -103,17 +103,29 @@ def test_refused_add_is_logged_and_loop_goes_on():
     clock.t += 1.0
     rec = asyncio.run(a.step())
     assert rec["applied"] == [{"role": "main_decode", "op": "add", "error": "instance md1 did not start"}]
-    assert a.applied == {"up": 0, "down": 0, "errors": 1} and a.last_change is None
-
-
-def test_never_drains_last_active():
-    orch, a, clock = make()
-    a.rule = type(a.rule)(cooldown_s=0, min_n={}, max_n={"main_decode": 2})
-    orch.membership.members["md0"].state = "active"
-    # 2 "active" by the rule's count is impossible here: one active, idle -> hold at min
+    assert a.applied == {"up": 0, "down": 0, "errors": 1} and a.last_change == 101.0
+    # the cool-down spaces the retry
     a.sample()
+    clock.t += 1.0
     rec = asyncio.run(a.step())
-    assert rec["decision"]["roles"][0]["action"] == "hold" and orch.membership.calls == []
+    assert rec["decision"]["reason"].startswith("cool-down") and len(orch.membership.calls) == 1
+    a.sample()
+    clock.t += 10.0
+    orch.membership.refuse = False
+    rec = asyncio.run(a.step())
+    assert rec["applied"] == [{"role": "main_decode", "op": "add", "instance": "md1"}]
+
+
+def test_drain_picks_least_busy_and_never_the_last_active():
+    orch, a, clock = make()
+    ms = orch.membership
+    assert a._victim("main_decode") is None  # one active MD: never drained
+    ms.members["md1"].state = "active"  # both from the config now
+    ms.members["md1"].source = "config"
+    ms.busy = lambda name: {"md0": 0, "md1": 2}[name]
+    assert a._victim("main_decode") == "md0"  # the least busy
+    ms.busy = lambda name: 0
+    assert a._victim("main_decode") == "md1"  # a tie: the later slot
 
 
 @pytest.mark.parametrize("block,msg", [

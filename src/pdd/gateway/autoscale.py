@@ -16,7 +16,9 @@ Measured per role, over the interval: utilisation = mean of (the gateway's in-fl
 the role's active instances / the sum of their engines' ``max_running``). Measured for the log
 (``AutoscaleInputs``): arrival rate (new requests seen by the samples / interval), their mean prompt
 length and requested ``max_tokens``, P's and MD's prefix-hit rates (``gateway.live_counters``),
-the WAN estimate (``orch.wan_gbps_live``). Every decision, with its inputs and what was applied,
+the WAN estimate (``orch.wan_gbps_live``). A refused or failed operation is logged with its error
+and restarts the cool-down (so a slot that does not start is retried every ``cooldown_s``, not
+every interval). Every decision, with its inputs and what was applied,
 is logged (``autoscale:`` log line) and kept in a bounded list on ``GET /pdd/autoscale``.
 """
 
@@ -134,6 +136,7 @@ class Autoscaler:
                 self.last_change = self.clock()
             except Exception as e:  # MembershipError or a failed start: logged, the loop goes on
                 self.applied["errors"] += 1
+                self.last_change = self.clock()  # the cool-down also spaces retries (a start is costly)
                 msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
                 rec["applied"].append({"role": rd.role, "op": "add" if rd.action == UP else "drain", "error": msg})
         self.decisions.append(rec)
