@@ -144,6 +144,16 @@ def cmd_serve(args) -> int:
     from pdd.topology import layout, ports_in_use, ports_taken_message
 
     cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port)
+    if getattr(args, "autoscale", False):  # the planner in the loop (docs/SERVE.md "Autoscaling")
+        from pydantic import ValidationError
+
+        from pdd.config import ClusterConfig, validation_summary
+
+        try:
+            cfg = ClusterConfig.model_validate({**cfg.model_dump(), "autoscale": {**cfg.autoscale.model_dump(),
+                                                                                  "enabled": True}})
+        except ValidationError as e:
+            raise SystemExit(f"pdd: invalid config (--autoscale): {validation_summary(e)}")
     busy = ports_in_use(layout(cfg))
     if busy:
         raise SystemExit(
@@ -285,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
     p.add_argument("--log-dir", default=None,
                    help="logs and TLS material (default: a new /tmp/pdd-<mode>-* directory, kept after exit)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="run the autoscaling loop in the gateway: the config's autoscale block (interval_s, "
+                        "cooldown_s, min, max per role) over its standby slots; GET /pdd/autoscale logs each decision")
     p.set_defaults(fn=cmd_serve, parser=p)
 
     p = sub.add_parser("certs", help="make a CA, per-instance TLS certificates and the fast-path MAC key for a topology",

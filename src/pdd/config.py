@@ -357,6 +357,42 @@ class VllmTierConfig(_Strict):
     extra_args: list[str] = Field(default_factory=list, description="more arguments of vLLM's OpenAI server")
 
 
+class AutoscaleConfig(_Strict):
+    """The planner in the loop (``pdd serve --autoscale``; ``pdd.gateway.autoscale`` applies the
+    rule of ``pdd.policy.autoscale``; docs/SERVE.md "Autoscaling"). Off by default."""
+
+    enabled: bool = Field(False, description="run the autoscaling loop in the gateway (pdd serve --autoscale)")
+    interval_s: float = Field(5.0, gt=0, description="seconds between decisions")
+    sample_s: float = Field(0.25, gt=0, description="seconds between load samples within an interval")
+    cooldown_s: float = Field(30.0, ge=0, description="no change within this many seconds of the last one")
+    min: dict[Literal["prefill", "relay_decode", "main_decode", "colocated"], int] = Field(
+        default_factory=dict, description="fewest active instances per role (default 1; at least 1)")
+    max: dict[Literal["prefill", "relay_decode", "main_decode", "colocated"], int] = Field(
+        default_factory=dict, description="most active instances per role (at most its slots, instances.<role>); "
+        "a role not named is not scaled")
+    up_at: float = Field(0.75, gt=0, le=1, description="scale a role up when its interval's mean utilisation "
+                         "(in-flight / (active * max_running)) reaches this")
+    down_at: float = Field(0.25, ge=0, description="scale down at or below this; must be < up_at / 2 (no flapping)")
+    start: bool = Field(True, description="the gateway starts the process of a slot it adds (pdd serve); false: "
+                        "the slot's instance must already run (pdd launch)")
+
+    @model_validator(mode="after")
+    def _rule(self) -> "AutoscaleConfig":
+        for role, n in self.min.items():
+            if n < 1:
+                raise ValueError(f"min.{role}: must be >= 1 (the last active instance of a role is never removed)")
+        for role, n in self.max.items():
+            if n < self.min.get(role, 1):
+                raise ValueError(f"max.{role}: {n} is below min.{role} ({self.min.get(role, 1)})")
+        if self.enabled and not self.max:
+            raise ValueError("max: name the roles to scale and their most active instances (e.g. {main_decode: 2}); "
+                             "with none the loop would change nothing")
+        if self.down_at >= self.up_at / 2:
+            raise ValueError(f"down_at: {self.down_at} must be < up_at / 2 = {self.up_at / 2} (hysteresis: no "
+                             "flapping)")
+        return self
+
+
 class ClusterConfig(_Strict):
     """A whole topology: the instances of each tier, the links and the policies."""
 
@@ -399,6 +435,8 @@ class ClusterConfig(_Strict):
         "not started by pdd serve / Topology and not awaited by the gateway, until an operator adds them at "
         "run time (POST /pdd/instances, pdd launch --join; docs/SERVE.md \"Elastic topology\"); their ports, "
         "WAN link route and certificates are provisioned at start")
+
+    autoscale: AutoscaleConfig = AutoscaleConfig()
 
     process_nice: int | None = Field(
         None, ge=-20, le=19,
@@ -483,6 +521,26 @@ class ClusterConfig(_Strict):
         for role in sorted(set(engines.values())):
             if all(n in self.standby for n, r in engines.items() if r == role):
                 raise ValueError(f"standby: every {role} instance is in standby; keep at least one started")
+        return self
+
+    @model_validator(mode="after")
+    def _autoscale(self) -> "ClusterConfig":
+        """``autoscale.min`` / ``max`` name roles of this mode, and ``max`` fits the role's slots
+        (``instances``: provision them, listing the extra ones in ``standby``). Raises ValueError
+        naming the field."""
+        lay = layout(self)
+        slots: dict[str, int] = {}
+        for s in lay.instances:
+            if s.role not in ("gateway", "link"):
+                slots[s.role] = slots.get(s.role, 0) + 1
+        for key in ("min", "max"):
+            for role, n in getattr(self.autoscale, key).items():
+                if role not in slots:
+                    raise ValueError(f"autoscale.{key}.{role}: the {self.mode} topology has no {role} instances "
+                                     f"(roles: {', '.join(sorted(slots))})")
+                if n > slots[role]:
+                    raise ValueError(f"autoscale.{key}.{role}: {n} is more than the role's {slots[role]} slot(s); "
+                                     f"raise instances and list the extra ones in standby")
         return self
 
     @model_validator(mode="after")

@@ -29,3 +29,17 @@ def test_a_bad_port_in_the_file_names_the_field_only(tmp_path):
     cfg.write_text("gateway_port: 99999\n")
     assert _exit_message(["serve", "--config", str(cfg)]) == (
         "pdd: invalid config: gateway_port: Input should be less than or equal to 65535")
+
+
+def test_autoscale_without_roles_to_scale_is_refused():
+    assert _exit_message(["serve", "--autoscale"]) == (
+        "pdd: invalid config (--autoscale): autoscale: max: name the roles to scale and their most active "
+        "instances (e.g. {main_decode: 2}); with none the loop would change nothing")
+
+
+def test_autoscale_bad_block_names_the_field(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("autoscale: {max: {main_decode: 2}}\n")
+    assert _exit_message(["serve", "--config", str(cfg), "--autoscale"]) == (
+        "pdd: invalid config: autoscale.max.main_decode: 2 is more than the role's 1 slot(s); raise instances and "
+        "list the extra ones in standby")

@@ -284,6 +284,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         from pdd.gateway.membership_api import add_membership_routes
 
         add_membership_routes(app, orch.membership)
+    from pdd.gateway.autoscale import add_autoscale_routes
+
+    add_autoscale_routes(app, orch)  # GET /pdd/autoscale (``{"enabled": false}`` unless pdd serve --autoscale)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -803,6 +806,11 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
 
     LiveCounters(orch)  # handoff mode switches, P/MD prefix-hit alignment on /metrics
     await orch.start()
+    scaler = None
+    if cfg.autoscale.enabled:  # pdd serve --autoscale (pdd.gateway.autoscale)
+        from pdd.gateway.autoscale import Autoscaler
+
+        scaler = Autoscaler(orch, cfg.autoscale)
     app = create_app(cfg, orch, tokenizer)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.gateway_port, log_level="warning",
                                            timeout_keep_alive=30, limit_concurrency=1024))
@@ -814,6 +822,8 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
             raise RuntimeError("gateway HTTP server did not start")
         await asyncio.sleep(0.05)
     print("READY gateway", flush=True)
+    if scaler is not None:
+        scaler.start()
 
     def _stop():
         server.should_exit = True
@@ -824,5 +834,7 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
         except NotImplementedError:
             pass
     await task
+    if scaler is not None:
+        await scaler.stop()
     await orch.close()
     orch.membership.stop_all()

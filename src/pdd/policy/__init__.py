@@ -12,6 +12,8 @@ Modules:
                and on which of P's two connections (lanes) it goes
     routing    which instance (P, RLD, MD) serves a request (cache-aware / load / round robin)
     siblings   whether the other choices of a prompt wait for the first one's KV on MD
+    membership the elastic topology's state machine (add / drain / remove an instance)
+    autoscale  the per-role instance mix the autoscaling loop moves to (utilisation, hysteresis)
 """
 
 from pdd.policy.cutoff import predict_rld_finishes_first, should_cut_off

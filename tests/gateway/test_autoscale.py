@@ -1,0 +1,152 @@
+"""pdd.gateway.autoscale: the loop's measuring, applying and log, on a fake membership (no
+sockets): scale-up adds a free slot, scale-down drains the least busy with remove_when_idle,
+the cool-down holds, a refused operation is logged and the loop goes on."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from pdd.config import AutoscaleConfig, ClusterConfig, validation_summary
+from pdd.gateway.autoscale import Autoscaler, add_autoscale_routes
+from pdd.gateway.membership import MembershipError
+
+
+class FakeMembership:
+    def __init__(self):
+        self.members = {n: SimpleNamespace(name=n, role="main_decode", state=s, source="config")
+                        for n, s in (("md0", "active"), ("md1", "standby"))}
+        self._busy_ops = set()
+        self.calls = []
+        self.refuse = False
+
+    def busy(self, name):
+        return 0
+
+    async def add(self, role, name=None, address=None, start=False):
+        self.calls.append(("add", role, start))
+        if self.refuse:
+            raise MembershipError(503, "instance md1 did not start", "start", "start_failed")
+        m = next(m for m in self.members.values() if m.role == role and m.state in ("standby", "removed"))
+        m.state, m.source = "active", "started"
+        return {"name": m.name}
+
+    async def drain(self, name, force=False, remove_when_idle=False):
+        self.calls.append(("drain", name, remove_when_idle))
+        self.members[name].state = "draining"
+        return {"name": name}
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(**kw):
+    cfg = ClusterConfig.model_validate({"instances": {"main_decode": 2}, "standby": ["md1"],
+                                        "engine": {"max_running": 4}})
+    orch = SimpleNamespace(cfg=cfg, inflight={}, reqs={}, membership=FakeMembership(), wan_gbps_live=0.5)
+    acfg = AutoscaleConfig(enabled=True, interval_s=1.0, cooldown_s=10.0, max={"main_decode": 2}, **kw)
+    clock = Clock()
+    return orch, Autoscaler(orch, acfg, clock=clock), clock
+
+
+def test_scale_up_then_cooldown_then_down():
+    orch, a, clock = make()
+    ms = orch.membership
+    orch.inflight["md0"] = 4  # 4 of max_running 4: utilisation 1.0
+    orch.reqs = {"r1": SimpleNamespace(prompt_len=100, sampling=SimpleNamespace(max_tokens=20)),
+                 "r2": SimpleNamespace(prompt_len=300, sampling=SimpleNamespace(max_tokens=40))}
+    a.sample()
+    clock.t += 1.0
+    rec = asyncio.run(a.step())
+    assert ms.calls == [("add", "main_decode", True)]
+    assert rec["applied"] == [{"role": "main_decode", "op": "add", "instance": "md1"}]
+    x = rec["inputs"]
+    assert x["roles"] == [{"role": "main_decode", "active": 1, "utilisation": 1.0}]
+    assert (x["arrival_rps"], x["prompt_tokens_mean"], x["output_tokens_mean"], x["wan_gbps"]) == (2.0, 200.0, 30.0, 0.5)
+    assert x["since_last_change_s"] is None
+    assert rec["decision"]["roles"][0]["reason"] == "utilisation 1.00 >= 0.75"
+    # idle now, but within the cool-down: hold
+    orch.inflight["md0"] = 0
+    a.sample()
+    clock.t += 5.0
+    rec = asyncio.run(a.step())
+    assert rec["decision"]["reason"] == "cool-down: 5.0 s since the last change < 10 s"
+    assert rec["applied"] == [] and len(ms.calls) == 1
+    # after the cool-down: drain the least busy, the latest added first (md1, started) on a tie
+    a.sample()
+    clock.t += 6.0
+    rec = asyncio.run(a.step())
+    assert rec["applied"] == [{"role": "main_decode", "op": "drain", "instance": "md1", "remove_when_idle": True}]
+    assert ms.calls[-1] == ("drain", "md1", True)
+    # while md1 drains nothing changes (pending), whatever the load
+    orch.inflight["md0"] = 4
+    a.sample()
+    clock.t += 20.0
+    rec = asyncio.run(a.step())
+    assert rec["decision"]["reason"].startswith("a change is under way")
+    v = a.view()
+    assert v["applied"] == {"up": 1, "down": 1, "errors": 0}
+    assert v["roles"] == {"main_decode": {"active": 1, "draining": 1, "min": 1, "max": 2}}
+    assert len(v["decisions"]) == 4
+
+
+def test_refused_add_is_logged_and_loop_goes_on():
+    orch, a, clock = make()
+    orch.membership.refuse = True
+    orch.inflight["md0"] = 4
+    a.sample()
+    clock.t += 1.0
+    rec = asyncio.run(a.step())
+    assert rec["applied"] == [{"role": "main_decode", "op": "add", "error": "instance md1 did not start"}]
+    assert a.applied == {"up": 0, "down": 0, "errors": 1} and a.last_change == 101.0
+    # the cool-down spaces the retry
+    a.sample()
+    clock.t += 1.0
+    rec = asyncio.run(a.step())
+    assert rec["decision"]["reason"].startswith("cool-down") and len(orch.membership.calls) == 1
+    a.sample()
+    clock.t += 10.0
+    orch.membership.refuse = False
+    rec = asyncio.run(a.step())
+    assert rec["applied"] == [{"role": "main_decode", "op": "add", "instance": "md1"}]
+
+
+def test_drain_picks_least_busy_and_never_the_last_active():
+    orch, a, clock = make()
+    ms = orch.membership
+    assert a._victim("main_decode") is None  # one active MD: never drained
+    ms.members["md1"].state = "active"  # both from the config now
+    ms.members["md1"].source = "config"
+    ms.busy = lambda name: {"md0": 0, "md1": 2}[name]
+    assert a._victim("main_decode") == "md0"  # the least busy
+    ms.busy = lambda name: 0
+    assert a._victim("main_decode") == "md1"  # a tie: the later slot
+
+
+@pytest.mark.parametrize("block,msg", [
+    ({"enabled": True}, "autoscale: max: name the roles to scale"),
+    ({"down_at": 0.4}, "autoscale: down_at: 0.4 must be < up_at / 2 = 0.375"),
+    ({"min": {"main_decode": 0}}, "autoscale: min.main_decode: must be >= 1"),
+    ({"max": {"main_decode": 3}}, "autoscale.max.main_decode: 3 is more than the role's 2 slot(s)"),
+    ({"max": {"colocated": 1}}, "autoscale.max.colocated: the pdd topology has no colocated instances"),
+    ({"cooldown_s": -1}, "autoscale.cooldown_s: Input should be greater than or equal to 0"),
+    ({"interval": 1}, "autoscale.interval: Extra inputs are not permitted"),
+])
+def test_config_names_bad_fields(block, msg):
+    with pytest.raises(ValidationError) as e:
+        ClusterConfig.model_validate({"instances": {"main_decode": 2}, "standby": ["md1"], "autoscale": block})
+    assert msg in validation_summary(e.value)
+
+
+def test_endpoint_when_off():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    add_autoscale_routes(app, SimpleNamespace())
+    assert TestClient(app).get("/pdd/autoscale").json() == {"enabled": False, "decisions": []}
