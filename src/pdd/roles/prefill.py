@@ -134,12 +134,24 @@ class PrefillInstance(EngineInstance):
         streams = rid in self._streamed
         if ctx is not None and ctx.extra.get("streaming"):
             prog = ctx.extra.get("progress")
-            if prog is not None and not prog.sealed:  # layerwise, still prefilling: stop the prefill too
-                self.engine.cancel(ctx.seq)
+            prefilling = prog is not None and not prog.settled  # layerwise: the streams run beside the prefill
+            if prefilling:
+                seq = ctx.seq
+                at_cancel = seq.prefill_chunks
+                self.engine.cancel(seq)  # no chunk of it is scheduled after the one in flight
                 prog.fail(RuntimeError(f"request {rid} aborted"))
             self._cancel_deferred(rid, {"cancelled": True})
             n = sum(s.cancel(rid) for s in self.senders.values())
             self.counters["aborted"] += 1
+            if prefilling:  # the same record as a prefill aborted before streaming (once the step is over)
+                await self.worker.call(lambda e: None)
+                after = seq.prefill_chunks - at_cancel
+                self.counters["prefill_chunks_after_cancel"] = self.counters.get("prefill_chunks_after_cancel", 0) + after
+                if seq.num_computed < seq.prompt_len:
+                    self.counters["prefill_cancelled"] = self.counters.get("prefill_cancelled", 0) + 1
+                self.prefill_cancels.append({"rid": rid, "chunks": seq.prefill_chunks, "chunks_after_cancel": after,
+                                             "prefilled_tokens": min(seq.num_computed, seq.prompt_len),
+                                             "prompt_tokens": seq.prompt_len})
             return AbortOk(rid, True, cancelled_transfers=n, streams=True).wire(), b""
         self._deferred.pop(rid, None)
         if ctx is None or ctx.released:
@@ -168,7 +180,8 @@ class PrefillInstance(EngineInstance):
         return ok.wire()
 
     def extra_stats(self) -> dict:
-        live = [c for c in list(self.reqs.values()) if not c.extra.get("streaming") and not c.released]
+        live = [c for c in list(self.reqs.values()) if not c.released and
+                (not c.extra.get("streaming") or not getattr(c.extra.get("progress"), "settled", True))]
         return {
             "prefill_chunks_run": self.engine.prefill_chunks,
             # requests prefilling now (or queued for it): rid -> chunks run so far, prompt tokens computed
@@ -321,12 +334,16 @@ class PrefillInstance(EngineInstance):
             self._start_streams(ctx, m.targets, n_pages, progress, first_tok)
         try:
             ev = await fut
-        except BaseException:
+        except BaseException as e:
             if progress is not None:  # aborted or failed while prefilling: the streams are cut
                 progress.fail(RuntimeError(f"request {rid} aborted"))
+                if isinstance(e, Exception):  # they started: P reports them in xfer_done
+                    raise rpc.CallFailed(str(e), streams=True) from e
             raise
         ctx.in_engine = False
         if ctx.released:
+            if progress is not None:
+                raise rpc.CallFailed(f"request {rid} aborted", streams=True)
             raise RuntimeError(f"request {rid} aborted")
         t0 = int(ev.token_id)
         fin = first_token_finish(t0, sp, self.eos_ids)
@@ -467,9 +484,9 @@ class PrefillInstance(EngineInstance):
                 first = int(t["first_page"])  # the receiver's pages
                 npg = plan_of(rl)[0]
                 last = min(npg, int(t.get("last_page", npg)))
-                if progress is not None:  # layerwise: the first token may be known by now
-                    t0, fin = first_tok.get("t0"), first_tok.get("fin")
-                if fin is not None and t.get("relay"):
+                # layerwise: the first token may be known by now (first_tok), or not yet
+                fin_now = first_tok.get("fin") if progress is not None else fin
+                if fin_now is not None and t.get("relay"):
                     # a relayed request finished by its first token (EOS, a stop id, max_tokens 1):
                     # RLD emits it and MD never decodes, so its WAN stream never starts (the
                     # gateway cuts that leg too, but its cancel may come after MD's plan did)
