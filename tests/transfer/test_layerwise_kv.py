@@ -40,12 +40,14 @@ def read(i: int, n: int, layers) -> bytes:
 class Sink:
     def __init__(self):
         self.frames: list = []  # (first_page, n, layers, payload)
+        self.rids: list = []  # the request of each frame
         self.done: dict | None = None
         self.cancelled = False
         self.changed = asyncio.Event()
 
     def on_pages(self, rid, first, n, layers, payload):
         self.frames.append((first, n, layers, bytes(payload)))
+        self.rids.append(rid)
         self.changed.set()
 
     def on_done(self, rid, h):
@@ -192,6 +194,28 @@ async def test_a_waiting_layered_transfer_does_not_hold_up_another():
         other = snd.submit("o", 0, lambda i, n: bytes(n * 8), 2, 8)
         res = await asyncio.wait_for(other, 5)
         assert res.bytes_sent == 16 and not tr.finished and tr.bytes_sent == 0
+        prog.seal({})
+        assert (await asyncio.wait_for(tr, 5)).bytes_sent == WHOLE_BYTES
+    finally:
+        await peer.close()
+        await server.close()
+
+
+async def test_a_finished_transfer_goes_before_a_running_prefills_units():
+    """FIFO order, the layered transfer submitted first with every layer ready but its prefill not
+    ended (no first token): the other request's KV, complete, goes first; the layered one's units
+    follow (they filled the gap) and its kv_done waits for the seal."""
+    sink, server, peer = await _pair()
+    try:
+        snd = KVSender(peer, order="fifo")
+        prog = LayerProgress(LAYERS, PROMPT)
+        for layer in range(LAYERS):
+            prog.advance(layer, PROMPT)
+        tr = _submit(snd, prog)
+        other = snd.submit("o", 0, lambda i, n: bytes(n * 8), 2, 8, chunk_pages=1)
+        await asyncio.wait_for(other, 5)
+        await sink.until(lambda: sink.bytes() == 16 + WHOLE_BYTES)
+        assert sink.rids == ["o", "o"] + ["r"] * LAYERS and sink.done is not None and sink.done["rid"] == "o"
         prog.seal({})
         assert (await asyncio.wait_for(tr, 5)).bytes_sent == WHOLE_BYTES
     finally:

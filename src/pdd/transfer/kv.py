@@ -187,6 +187,8 @@ class Transfer:
         return self.done.__await__()
 
     # the sender loop's view: what can go next (LayeredTransfer overrides these)
+    prefilling = False  # whether its KV is still being computed (a layered transfer before the seal)
+
     def sendable(self) -> bool:
         """Whether a frame (or the closing ``kv_done``) can go now."""
         return True
@@ -307,8 +309,9 @@ class LayeredTransfer(Transfer):
     ``[i, i+n)``) frames; a unit goes once every page in it has all its token slots computed for
     those layers (``progress``), the lowest layer group with pages ready first. It ends with
     ``kv_done`` once every unit is sent and ``progress`` is sealed (the closing fields are the
-    seal's), or is cancelled when ``progress`` fails. Payload bytes are those of a whole
-    transfer of the same pages: the groups split each page's bytes by layer.
+    seal's), or is cancelled when ``progress`` fails. Until the seal it is ``prefilling``: the
+    sender then sends its units only when no finished transfer has a frame ready. Payload bytes
+    are those of a whole transfer of the same pages: the groups split each page's bytes by layer.
 
     ``page_reader(i, n, layers)`` returns the bytes of pages ``[i, i+n)`` for those layers.
     ``page_tokens``: tokens of one (receiver's) page; ``group_page_bytes``: bytes of one page of
@@ -333,6 +336,10 @@ class LayeredTransfer(Transfer):
         self.wait_s = 0.0  # time (s), after its first frame, this transfer had nothing to send
         self._idle_since: Optional[float] = None
         progress.listen(self.sender._wake.set)
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.progress.sealed
 
     def _group_last_bytes(self, g: int) -> int:
         b = self.group_page_bytes[g]
@@ -712,7 +719,10 @@ class KVSender:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                t = self.pick(ready)
+                # a transfer whose prefill has ended is on its request's critical path: it goes
+                # before the units of prefills still running, which fill the line's gaps (so a
+                # long prompt's early layers never delay a finished short one, as in whole mode)
+                t = self.pick([t for t in ready if not t.prefilling] or ready)
                 if t not in self.active:
                     raise RuntimeError(f"pick function returned a transfer that is not active: {t!r}")
                 frame = t.next_frame()
