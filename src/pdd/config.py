@@ -162,6 +162,13 @@ class PolicyConfig(_Strict):
         description="ablation: send a prompt's partial last KV page whole (page-granular, as block "
         "transfers do) instead of its filled token slots only (pdd.transfer.kv.prompt_kv_bytes)",
     )
+    kv_stream: Literal["whole", "layerwise"] = Field(
+        "whole", description="when P sends a request's KV: 'whole' after its prefill (and first token); "
+        "'layerwise' each layer group's pages of the prompt as soon as that group's forward pass over the "
+        "prefill chunk is done, so the WAN and the fast path start before the prefill ends (docs/LINK.md)")
+    kv_stream_layer_group: int = Field(
+        1, ge=1, description="layerwise: layers per wire unit (request, layer range, page range); a model whose "
+        "layer count it does not divide gets a shorter last group")
     sibling_kv_once: bool = Field(
         True, description="the n choices of a prompt ship its KV across the WAN once: the others reserve on the "
         "first choice's MD after its KV arrived, when copies would cost the line more than a round trip "

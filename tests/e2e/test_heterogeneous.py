@@ -9,7 +9,9 @@ MD in bfloat16 with 8-token pages (narrower than P): P casts before sending, so 
 half the bytes; the first token is P's (computed in fp32: equal to the fp32 engine's), the rest
 are MD's, decoded in bfloat16 (the output contract of mixed dtypes, docs/ARCHITECTURE.md: their
 agreement with an engine in MD's dtype is measured, not promised).
-Every page is free afterwards.
+Every page is free afterwards. Both also run with layer-wise streaming (``policy.kv_stream:
+layerwise``, a layer group of 3 of the 4 layers: uneven groups): each group is re-chunked and cast
+on its own, and the bytes are the same.
 """
 
 from __future__ import annotations
@@ -44,10 +46,14 @@ def _run(topo, cfg, prompts, max_tokens):
     return got
 
 
-def test_mixed_page_sizes_greedy_equals_one_engine(small_model, topology_factory):
+STREAMS = [{}, {"kv_stream": "layerwise", "kv_stream_layer_group": 3}]
+
+
+@pytest.mark.parametrize("stream", STREAMS, ids=["whole", "layerwise"])
+def test_mixed_page_sizes_greedy_equals_one_engine(small_model, topology_factory, stream):
     cfg = make_cfg(small_model, "pdd", engine={"device": "cpu", "page_size": 16}, link=FAST_WAN,
                    tiers={"main_decode": {"engine": {"page_size": 32, "num_pages": 1024}}},
-                   policy={"handoff_min_tokens": 4},
+                   policy={"handoff_min_tokens": 4, **stream},
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
     prompts = _prompts()
@@ -68,9 +74,11 @@ def test_mixed_page_sizes_greedy_equals_one_engine(small_model, topology_factory
     assert fl["leaked_pages"] == 0, fl
 
 
-def test_narrower_receiver_gets_the_cast_kv(small_model, topology_factory):
+@pytest.mark.parametrize("stream", STREAMS, ids=["whole", "layerwise"])
+def test_narrower_receiver_gets_the_cast_kv(small_model, topology_factory, stream):
     cfg = make_cfg(small_model, "cross_dc_pd", engine={"device": "cpu", "page_size": 16},
                    tiers={"main_decode": {"engine": {"page_size": 8, "dtype": "bfloat16", "num_pages": 4096}}},
+                   policy=stream,
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
     prompts = _prompts()

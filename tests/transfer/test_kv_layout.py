@@ -11,6 +11,7 @@ from pdd.engine.config import ModelConfig
 from pdd.engine.kv_pool import KVPool
 from pdd.transfer.kv import prompt_kv_bytes
 from pdd.transfer.layout import KVLayout, wire_dtype, wire_page_bytes, wire_slot_bytes
+from pdd.transfer.messages import Kv
 
 MC = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, head_dim=4)
@@ -103,9 +104,9 @@ def test_the_receiver_widens_a_frame_in_the_senders_dtype_and_refuses_another_pa
     slot = ELEMS * 2
     h = {"rid": "a", "first_page": 0, "n_pages": 2, "layers": None, "page_bytes": 16 * slot,
          "last_page_bytes": 4 * slot, "dtype": "bfloat16"}
-    inst.import_frame(ctx, h, data)
+    inst.import_frame(ctx, Kv.decode({"t": "kv", **h}), data)  # the typed message (#24)
     for t in range(20):
         assert torch.equal(_token(r, rt, t), _token(s, st, t).float()), t
     assert ctx.extra["pages_received"] == 2
     with pytest.raises(ValueError, match=r"page_bytes 512 is not a page of 16 tokens in bfloat16 \(1024 bytes\)"):
-        inst.import_frame(ctx, {**h, "page_bytes": 8 * slot}, data)
+        inst.import_frame(ctx, Kv.decode({"t": "kv", **h, "page_bytes": 8 * slot}), data)

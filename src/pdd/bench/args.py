@@ -21,7 +21,7 @@ DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 # flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
 # the server runs its own config, so they are refused there
 TOPOLOGY_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "fast_gbps", "min_step_ms", "allow_p_rld", "wan_order",
-                      "handoff_mode", "pipeline_ttft_budget_ms", "base_port", "gateway_port", "wan_loss_rate",
+                      "handoff_mode", "pipeline_ttft_budget_ms", "kv_stream", "base_port", "gateway_port", "wan_loss_rate",
                       "wan_cross_traffic")
 # The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
 # trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-p-rld", action="store_true", default=None)
     g.add_argument("--wan-order", choices=("fifo", "srf"))
     g.add_argument("--handoff-mode", choices=("one_shot", "catch_up", "auto"))
+    g.add_argument("--kv-stream", choices=("whole", "layerwise"),
+                   help="when P sends KV: after the whole prefill, or each layer group as its forward pass is done "
+                        "(policy.kv_stream; docs/LINK.md)")
     g.add_argument("--pipeline-ttft-budget-ms", type=float)
     g.add_argument("--wan-loss-rate", type=float,
                    help="WAN packet loss probability in [0, 1): each connection is capped at TCP's loss-limited "

@@ -14,10 +14,10 @@ from pdd.config import MODES, ClusterConfig
 def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
     """``cfg`` with flag overrides (None = keep), validated. Keys: ``wan_gbps``, ``wan_rtt_ms``,
     ``wan_jitter_ms``, ``fast_gbps`` (link), ``allow_p_rld``, ``wan_order``, ``handoff_mode``,
-    ``pipeline_ttft_budget_ms`` (policy), ``min_step_ms`` (engine), ``base_port``, ``gateway_port``, ``model_path``,
+    ``pipeline_ttft_budget_ms``, ``kv_stream`` (policy), ``min_step_ms`` (engine), ``base_port``, ``gateway_port``, ``model_path``,
     ``served_model_name``, ``request_timeout_s`` (top level)."""
     sections = {"link": ("wan_gbps", "wan_rtt_ms", "wan_jitter_ms", "fast_gbps", "wan_loss_rate", "wan_cross_traffic"),
-                "policy": ("allow_p_rld", "wan_order", "handoff_mode", "pipeline_ttft_budget_ms"),
+                "policy": ("allow_p_rld", "wan_order", "handoff_mode", "pipeline_ttft_budget_ms", "kv_stream"),
                 "engine": ("min_step_ms",),
                 "": ("base_port", "gateway_port", "model_path", "served_model_name", "request_timeout_s")}
     data = cfg.model_dump()

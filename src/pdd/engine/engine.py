@@ -88,6 +88,14 @@ class Engine:
         self.max_waiting = max_waiting
         self._live: dict[int, Sequence] = {}  # id(seq) -> seq, from new_sequence until release
         self.prefill_chunks = 0  # prefill chunks run: (sequence, forward pass) pairs that computed prompt tokens
+        # layer-wise KV hand-off (P, policy.kv_stream = layerwise): seq id -> fn(layer, tokens, ready),
+        # called on the engine thread as soon as a prefill chunk's forward pass has written layer
+        # ``layer``'s K/V: prompt tokens [0, tokens) of that layer are then in the sequence's pages
+        # (``ready``: a torch.cuda.Event recorded after the write on CUDA, to wait on before reading
+        # the bytes; None on CPU, where they are written). ``layer`` -1: the sequence was preempted,
+        # its pages are gone (never on P, whose sequences hold their prompt's pages from the start).
+        # Set with :meth:`watch_kv`; removed on release.
+        self.kv_listeners: dict = {}
 
     @classmethod
     def from_pretrained(cls, path: str, num_pages: int = 1024, page_size: int = 16, dtype="float32",
@@ -193,6 +201,12 @@ class Engine:
         live = list(self._live.values())  # one C-level copy: safe against the metrics thread's reads
         return sum(1 for s in live if s.status not in (SeqStatus.FINISHED, SeqStatus.RELEASED))
 
+    def watch_kv(self, seq_id, fn) -> None:
+        """Call ``fn(layer, tokens, ready)`` after each layer of each prefill chunk of ``seq_id``
+        (see ``kv_listeners``); ``fn`` runs on the engine thread, inside the forward pass, so it
+        must only hand the news on (``loop.call_soon_threadsafe``)."""
+        self.kv_listeners[seq_id] = fn
+
     def add(self, seq: Sequence) -> None:
         """Put ``seq`` into the running batch (FCFS order = order of first ``add``). Adding a
         sequence already in the batch is a no-op; adding a FINISHED one is a no-op too (it
@@ -224,6 +238,7 @@ class Engine:
             return
         if self.seqs.get(seq.seq_id) is seq:
             del self.seqs[seq.seq_id]
+        self.kv_listeners.pop(seq.seq_id, None)
         if cache and self.radix is not None:
             n = min(seq.num_computed // self.page_size, len(seq.page_table))
             if n:
@@ -326,7 +341,7 @@ class Engine:
                  for s, it in zip(seqs, plan_items)]
         # (cached tokens, new tokens) of each item: what a step-time profile prices (EngineWorker)
         self.last_step_items = [(it.start, it.num_tokens) for it in plan_items]
-        logits = self.runner.forward(items)
+        logits = self.runner.forward(items, on_layer=self._layer_hook(seqs, plan_items))
         sampled = []
         for seq, it in zip(seqs, plan_items):
             if it.start < seq.prompt_len:  # computed prompt tokens: one prefill chunk of it
@@ -356,6 +371,29 @@ class Engine:
             events.append(TokenEvent(seq.seq_id, tok, n_out - 1, reason is not None, reason, lps[i]))
         return events
 
+    def _layer_hook(self, seqs: list, plan_items: list):
+        """The runner's ``on_layer`` for this step: tells each watched sequence with a prefill
+        chunk in the batch (``kv_listeners``) how far each layer's prompt K/V now reaches; None
+        when no such sequence is in the batch."""
+        if not self.kv_listeners:
+            return None
+        watched = [(fn, min(it.start + it.num_tokens, s.prompt_len))
+                   for s, it in zip(seqs, plan_items)
+                   if it.start < s.prompt_len and (fn := self.kv_listeners.get(s.seq_id)) is not None]
+        if not watched:
+            return None
+        cuda = self.pool.device.type == "cuda"
+
+        def on_layer(layer: int) -> None:
+            ready = None
+            if cuda:  # the write is queued on this thread's stream: readers wait for this event
+                ready = torch.cuda.Event()
+                ready.record()
+            for fn, tokens in watched:
+                fn(layer, tokens, ready)
+
+        return on_layer
+
     def _preemption_victim(self) -> Sequence | None:
         """The youngest running sequence holding pages, if at least two do (freeing the only one
         would let nothing else run); None otherwise."""
@@ -384,6 +422,9 @@ class Engine:
         self._free_pages(seq)
         seq.num_computed = 0
         self.preemptions += 1
+        fn = self.kv_listeners.pop(seq.seq_id, None)
+        if fn is not None:  # its KV is gone: a layer-wise stream of it must stop
+            fn(-1, 0, None)
         # a warning, as vLLM's: preemption costs a recompute, and a pool this tight is worth knowing
         log.warning("preempted %s (%d tokens to recompute): no running sequence could get a KV page; "
                     "%d preemptions so far", seq.seq_id, len(seq.token_ids), self.preemptions)

@@ -106,6 +106,19 @@ class KVPool:
             if r == 1:
                 self._free.append(p)
 
+    def copy_stream(self):
+        """A context in which reads of the buffer run off the compute stream: on CUDA a side
+        stream of this pool's device (created on first use), so copying a finished layer's pages
+        to the host waits for nothing the engine queued after it (the caller first waits for the
+        layer's event, ``Engine.kv_listeners``); on CPU a no-op context."""
+        import contextlib
+
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if getattr(self, "_copy_stream", None) is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        return torch.cuda.stream(self._copy_stream)
+
     # -- raw bytes -------------------------------------------------------------------------
     def _layers(self, layers) -> tuple[int, int]:
         if layers is None:

@@ -40,8 +40,9 @@ class PagedAttention:
     """Attention backend for one forward call over a :class:`KVPool`."""
 
     def __init__(self, pool: KVPool, items: list[RunItem], sliding_window: int | None = None,
-                 sliding_window_layers=()):
+                 sliding_window_layers=(), on_layer=None):
         self.pool = pool
+        self.on_layer = on_layer  # on_layer(layer): that layer's new K/V are stored (queued, on CUDA)
         self.window = sliding_window
         self.window_layers = frozenset(sliding_window_layers) if sliding_window else frozenset()
         self._window_masks: dict = {}
@@ -101,6 +102,8 @@ class PagedAttention:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
         kv = self.pool.buffer[:, layer]  # [P, 2, S, KVH, D] view
         kv[self.page_idx, :, self.slot_idx] = torch.stack((k, v), dim=1).to(kv.dtype)
+        if self.on_layer is not None:
+            self.on_layer(layer)
         out = torch.empty_like(q)
         t_all, h, d = q.shape
         kvh = k.shape[1]
@@ -148,8 +151,12 @@ class ModelRunner:
         self.tokens_computed = 0
 
     @torch.inference_mode()
-    def forward(self, items: list[RunItem], all_logits: bool = False):
+    def forward(self, items: list[RunItem], all_logits: bool = False, on_layer=None):
         """Run ``items`` in one forward call.
+
+        ``on_layer(layer)``: called on this thread as soon as layer ``layer``'s new K/V of every
+        item are written into the pool (before that layer's attention; on CUDA the write is
+        queued on the current stream, not finished: the callee records an event to wait on).
 
         Returns ``[N, vocab]`` float32 logits of the last token of each item with ``want_logits``
         (in item order), or, if ``all_logits``, a list with one ``[num_tokens_i, vocab]`` tensor
@@ -168,7 +175,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         cfg = self.model.cfg
-        backend = PagedAttention(self.pool, items, cfg.sliding_window, cfg.sliding_window_layers)
+        backend = PagedAttention(self.pool, items, cfg.sliding_window, cfg.sliding_window_layers, on_layer)
         with sdpa_kernel(SDPA_BACKENDS):
             hidden = self.model.hidden_states(input_ids, positions, backend, seq_lens)
         self.forward_calls += 1

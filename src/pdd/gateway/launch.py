@@ -223,10 +223,13 @@ class Launchers:
             _give_up(reserve, md_leg)
             st.md_settled.set()
             if p_call is None or (p_call.done() and not p_call.cancelled()
-                                  and isinstance(p_call.exception(), rpc.RemoteError)):
+                                  and isinstance(p_call.exception(), rpc.RemoteError)
+                                  and not (p_call.exception().header.get("detail") or {}).get("streams")):
                 # P never started this attempt's streams (RLD refused or was lost before P was
                 # asked, or P refused the prefill): the WAN bytes planned for it (a predicted
-                # MD send's are booked before any reply) will never be sent nor reported
+                # MD send's are booked before any reply) will never be sent nor reported. A
+                # layer-wise P whose streams had started says so (``detail.streams``): it reports
+                # them in ``xfer_done``
                 self._unplan_wan(st.trid)
             raise
         self._prefilled(st)

@@ -21,7 +21,7 @@ from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
 from pdd.transfer import rpc
 from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
-from pdd.transfer.messages import OMIT, Abort, AbortOk, FlushOk, Peek, PeekOk, ReqError, StatsOk, Tok, Toks
+from pdd.transfer.messages import OMIT, Abort, AbortOk, FlushOk, Kv, Peek, PeekOk, ReqError, StatsOk, Tok, Toks
 from pdd.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -370,33 +370,35 @@ class EngineInstance:
 
     # ------------------------------------------------------------------ KV receive (RLD, MD)
     async def on_kv(self, peer, h, payload):
-        ctx = self.reqs.get(h["rid"])
+        m = Kv.decode(h)
+        ctx = self.reqs.get(m.rid)
         if ctx is None:
             return None  # aborted meanwhile: drop the frame
-        self.import_frame(ctx, h, payload)
+        self.import_frame(ctx, m, payload)
         return None
 
-    def import_frame(self, ctx: ReqCtx, h: dict, payload) -> None:
-        """Copy one ``kv`` frame's pages (header ``first_page``, ``n_pages``, ``layers``,
+    def import_frame(self, ctx: ReqCtx, m: Kv, payload) -> None:
+        """Copy one ``kv`` frame's pages (``first_page``, ``n_pages``, ``layers``,
         ``last_page_bytes``, ``dtype``) into ``ctx``'s page table. The frame is in this
-        instance's pages; ``dtype`` (the sender's, narrower than this pool's:
-        ``pdd.transfer.layout``) is widened on import. Raises ValueError for a frame whose
-        ``page_bytes`` is not one of this pool's pages in that dtype, or a partial last page that
-        is not whole token slots."""
-        first, n = int(h["first_page"]), int(h["n_pages"])
+        instance's pages; ``layers`` ``[l0, l1)`` (None: all) is the frame's layer range (one
+        unit of a layer-wise stream carries one layer group of its pages); ``dtype`` (the
+        sender's, narrower than this pool's: ``pdd.transfer.layout``) is widened on import.
+        Raises ValueError for a frame whose ``page_bytes`` is not one of this pool's pages of
+        those layers in that dtype, or a partial last page that is not whole token slots."""
+        first, n = int(m.first_page), int(m.n_pages)
         pages = ctx.seq.page_table[first : first + n]
-        layers = tuple(h["layers"]) if h.get("layers") is not None else None
+        layers = tuple(m.layers) if m.layers is not None else None
         pool = self.engine.pool
-        src = str(h.get("dtype") or pool.dtype_name)
+        src = str(m.dtype if m.dtype is not OMIT and m.dtype else pool.dtype_name)
         slot = wire_slot_bytes(pool.slot_bytes(layers), pool.dtype_name, src)
-        if h.get("page_bytes") is not None and int(h["page_bytes"]) != slot * pool.page_size:
-            raise ValueError(f"kv frame of {h['rid']!r}: page_bytes {h['page_bytes']} is not a page of "
+        if int(m.page_bytes) != slot * pool.page_size:
+            raise ValueError(f"kv frame of {m.rid!r}: page_bytes {m.page_bytes} is not a page of "
                              f"{pool.page_size} tokens in {src} ({slot * pool.page_size} bytes)")
         last_slots = None
-        if h.get("last_page_bytes") is not None:  # the prompt's last page, its filled slots only
-            last_slots, rest = divmod(int(h["last_page_bytes"]), slot)
+        if m.last_page_bytes is not OMIT and m.last_page_bytes is not None:  # the prompt's last page, its filled slots only
+            last_slots, rest = divmod(int(m.last_page_bytes), slot)
             if rest:
-                raise ValueError(f"kv frame of {h['rid']!r}: last_page_bytes {h['last_page_bytes']} is not whole "
+                raise ValueError(f"kv frame of {m.rid!r}: last_page_bytes {m.last_page_bytes} is not whole "
                                  f"token slots of {slot} bytes")
         pool.import_pages(pages, payload, layers=layers, last_slots=last_slots,
                           src_dtype=None if src == pool.dtype_name else src)
@@ -407,13 +409,14 @@ class EngineInstance:
         else:
             ctx.extra["kv_bytes"] += len(payload)
 
-    def kv_rate_sample_gbps(self, ctx: ReqCtx, min_bytes: int = 256 * 1024) -> float | None:
+    def kv_rate_sample_gbps(self, ctx: ReqCtx, min_bytes: int = 256 * 1024, wait_s: float = 0.0) -> float | None:
         """Receive rate of this request's KV, Gbit/s: bytes of the frames after the first over the
-        time since the first arrived (None if too small to say anything about the line: small
-        transfers measure the RTT, not the rate)."""
+        time since the first arrived, less ``wait_s`` (seconds the sender had nothing to send:
+        a layer-wise stream waiting for the prefill, ``kv_done``'s ``kv_wait_s``); None if too
+        small to say anything about the line (small transfers measure the RTT, not the rate)."""
         b = ctx.extra.get("kv_bytes", 0)
         t0 = ctx.extra.get("kv_first_s")
-        dt = time.perf_counter() - t0 if t0 is not None else 0.0
+        dt = time.perf_counter() - t0 - max(0.0, wait_s) if t0 is not None else 0.0
         if b < min_bytes or dt <= 0:
             return None
         return b * 8 / dt / 1e9

@@ -37,7 +37,7 @@ import time
 from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
 from pdd.roles.early_frames import EarlyFrames
 from pdd.topology import ROLE_COLOCATED
-from pdd.transfer.messages import (OMIT, Abort, Drop, Extend, ExtendOk, Finish, Generate, GenerateOk, KvCancel, KvDone,
+from pdd.transfer.messages import (OMIT, Abort, Drop, Extend, ExtendOk, Finish, Generate, GenerateOk, Kv, KvCancel, KvDone,
                                    KvReady, Reserve, ReserveOk, ReqError, WanSample)
 from pdd.types import SamplingParams
 
@@ -121,18 +121,19 @@ class MainDecodeInstance(EngineInstance):
         for kind, h, payload in self.early.take(ctx.rid):
             if kind == "kv":
                 try:
-                    self.import_frame(ctx, h, payload)
+                    self.import_frame(ctx, Kv.decode(h), payload)
                 except Exception:  # as a bad frame handled on arrival: logged, dropped
                     log.exception("dropping a held kv frame of %s", ctx.rid)
             else:
                 asyncio.get_running_loop().create_task(self.on_kv_done(peer, h, payload))
 
     async def on_kv(self, peer, h, payload):
-        ctx = self.reqs.get(h["rid"])
+        m = Kv.decode(h)
+        ctx = self.reqs.get(m.rid)
         if ctx is None:  # before its reservation (held), or ended here (dropped)
-            self.early.hold(h["rid"], "kv", h, payload, time.monotonic())
+            self.early.hold(m.rid, "kv", h, payload, time.monotonic())
             return None
-        self.import_frame(ctx, h, payload)
+        self.import_frame(ctx, m, payload)
         return None
 
     async def on_reserve(self, peer, h, payload):
@@ -195,7 +196,8 @@ class MainDecodeInstance(EngineInstance):
         await done
         ctx.extra["kv_imported"] = True
         self._kv_settled(ctx.rid)
-        rate = self.kv_rate_sample_gbps(ctx)
+        wait = m.extra.get("kv_wait_s", 0.0)  # a layer-wise stream's time waiting for the prefill
+        rate = self.kv_rate_sample_gbps(ctx, wait_s=float(wait) if isinstance(wait, (int, float)) else 0.0)
         if rate is not None:  # the gateway's live WAN estimate (pipeline choice) is made of these
             ctx.sink.put(WanSample(rate).wire())
         if not relay and fin is not None:

@@ -10,6 +10,14 @@ persistent connections, lanes: a transfer small enough takes the express one
 (``pdd.policy.wan_order.wan_lane``), so it does not queue behind a large transfer's bytes. When
 every stream has drained it releases its references and tells the gateway ``xfer_done {rid, bytes: {target: payload bytes}}``.
 The partial last page is always sent: radix caches only hold whole pages.
+
+With ``policy.kv_stream: layerwise`` the streams start with the prefill instead of after it: the
+engine tells P after each layer of each prefill chunk how far that layer's K/V reaches
+(``Engine.watch_kv``, paced to the emulated step by ``EngineWorker.layer_done``), and each
+target's transfer (:class:`pdd.transfer.kv.LayeredTransfer`) sends a (layer group, page range)
+unit as soon as every token of its pages is computed for those layers. The first token, known
+after the last chunk, seals the transfers (``kv_done`` carries it); an abort or a failed prefill
+cancels them, and the pages are freed once the streams and the engine's step are done.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from pdd.roles.base import ABORTED_MEMORY, EngineInstance, ReqCtx, first_token_f
 from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
 from pdd.transfer import rpc
-from pdd.transfer.kv import KVSender, prompt_kv_bytes, prompt_last_slots
+from pdd.transfer.kv import KVSender, LayerProgress, layer_groups, prompt_kv_bytes, prompt_last_slots
 from pdd.transfer.layout import KVLayout, kv_handshake_check, layout_of, wire_dtype, wire_slot_bytes
 from pdd.transfer.messages import OMIT, Abort, AbortOk, Cancel, MessageError, Prefill, PrefillOk, Target, XferDone
 from pdd.transfer.wire import limit_write_buffers, set_socket_buffer
@@ -125,9 +133,25 @@ class PrefillInstance(EngineInstance):
         ctx = self.reqs.get(rid)
         streams = rid in self._streamed
         if ctx is not None and ctx.extra.get("streaming"):
+            prog = ctx.extra.get("progress")
+            prefilling = prog is not None and not prog.settled  # layerwise: the streams run beside the prefill
+            if prefilling:
+                seq = ctx.seq
+                at_cancel = seq.prefill_chunks
+                self.engine.cancel(seq)  # no chunk of it is scheduled after the one in flight
+                prog.fail(RuntimeError(f"request {rid} aborted"))
             self._cancel_deferred(rid, {"cancelled": True})
             n = sum(s.cancel(rid) for s in self.senders.values())
             self.counters["aborted"] += 1
+            if prefilling:  # the same record as a prefill aborted before streaming (once the step is over)
+                await self.worker.call(lambda e: None)
+                after = seq.prefill_chunks - at_cancel
+                self.counters["prefill_chunks_after_cancel"] = self.counters.get("prefill_chunks_after_cancel", 0) + after
+                if seq.num_computed < seq.prompt_len:
+                    self.counters["prefill_cancelled"] = self.counters.get("prefill_cancelled", 0) + 1
+                self.prefill_cancels.append({"rid": rid, "chunks": seq.prefill_chunks, "chunks_after_cancel": after,
+                                             "prefilled_tokens": min(seq.num_computed, seq.prompt_len),
+                                             "prompt_tokens": seq.prompt_len})
             return AbortOk(rid, True, cancelled_transfers=n, streams=True).wire(), b""
         self._deferred.pop(rid, None)
         if ctx is None or ctx.released:
@@ -156,7 +180,8 @@ class PrefillInstance(EngineInstance):
         return ok.wire()
 
     def extra_stats(self) -> dict:
-        live = [c for c in list(self.reqs.values()) if not c.extra.get("streaming") and not c.released]
+        live = [c for c in list(self.reqs.values()) if not c.released and
+                (not c.extra.get("streaming") or not getattr(c.extra.get("progress"), "settled", True))]
         return {
             "prefill_chunks_run": self.engine.prefill_chunks,
             # requests prefilling now (or queued for it): rid -> chunks run so far, prompt tokens computed
@@ -225,6 +250,34 @@ class PrefillInstance(EngineInstance):
             self.senders[key] = s
         return s, wan
 
+    def on_seq_failed(self, seq_id, error: str) -> None:
+        """The engine dropped a request (its pages are already freed there): a layer-wise stream of
+        it is cancelled (no frame reads those pages again) and its prefill call fails."""
+        ctx = self.reqs.get(seq_id)
+        super().on_seq_failed(seq_id, error)
+        prog = ctx.extra.get("progress") if ctx is not None else None
+        if prog is not None:
+            prog.fail(RuntimeError(error))
+            for s in self.senders.values():
+                s.cancel(seq_id)
+            fut = self.first_token_waiters.pop(seq_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(error))
+
+    def _watch(self, e, seq, progress: LayerProgress) -> None:
+        """Engine thread: hand each layer's progress of ``seq``'s prefill to ``progress`` on the loop
+        (``EngineWorker.layer_done`` paces it to an emulated step's layers)."""
+        loop = self.worker.loop
+        num_layers = e.model_cfg.num_hidden_layers
+
+        def on_layer(layer: int, tokens: int, ready) -> None:
+            if layer < 0:  # preempted: its pages are gone
+                loop.call_soon_threadsafe(progress.fail, RuntimeError(f"request {seq.seq_id}: KV preempted"))
+                return
+            self.worker.layer_done(layer, num_layers, lambda: progress.advance(layer, tokens, ready))
+
+        e.watch_kv(seq.seq_id, on_layer)
+
     def on_events(self, events: list) -> None:
         for ev in events:
             fut = self.first_token_waiters.pop(ev.seq_id, None)
@@ -242,11 +295,16 @@ class PrefillInstance(EngineInstance):
         # the waiter exists before the sequence can run, so its first token is never missed
         fut = asyncio.get_running_loop().create_future()
         self.first_token_waiters[rid] = fut
+        layerwise = self.cfg.policy.kv_stream == "layerwise"
+        box: dict = {}
 
         def _new_and_add(e):
             # one engine-thread call: a second call would wait for the forward pass the engine
             # starts meanwhile (a whole prefill step on a busy P) before the request joins a batch
             s = e.new_sequence(rid, prompt, p_sp, use_cache=True, min_uncached=1)
+            if layerwise:  # watched before it can run: no layer's progress is missed
+                box["progress"] = LayerProgress(e.model_cfg.num_hidden_layers, len(prompt), s.num_computed)
+                self._watch(e, s, box["progress"])
             e.add(s)
             return s
 
@@ -266,9 +324,26 @@ class PrefillInstance(EngineInstance):
             if fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved (on_abort may have failed it)
             raise
-        ev = await fut
+        ps = self.engine.pool.page_size
+        n_pages = (len(prompt) + ps - 1) // ps
+        progress: LayerProgress | None = box.get("progress")
+        first_tok: dict = {}  # layerwise: the first token's t0 / fin once known (the streams read it)
+        if progress is not None:
+            # the streams start with the prefill: each layer group's pages go as they are computed
+            ctx.extra["progress"] = progress
+            self._start_streams(ctx, m.targets, n_pages, progress, first_tok)
+        try:
+            ev = await fut
+        except BaseException as e:
+            if progress is not None:  # aborted or failed while prefilling: the streams are cut
+                progress.fail(RuntimeError(f"request {rid} aborted"))
+                if isinstance(e, Exception):  # they started: P reports them in xfer_done
+                    raise rpc.CallFailed(str(e), streams=True) from e
+            raise
         ctx.in_engine = False
         if ctx.released:
+            if progress is not None:
+                raise rpc.CallFailed(f"request {rid} aborted", streams=True)
             raise RuntimeError(f"request {rid} aborted")
         t0 = int(ev.token_id)
         fin = first_token_finish(t0, sp, self.eos_ids)
@@ -276,8 +351,6 @@ class PrefillInstance(EngineInstance):
             ctx.extra["lp0"] = ev.logprobs  # travels to RLD / MD in kv_done
         cached = int(seq.num_cached_tokens)
         self.record_hit(cached, len(prompt))
-        ps = self.engine.pool.page_size
-        n_pages = (len(prompt) + ps - 1) // ps
         # P's own cache gets the prompt's whole pages at the engine's next step boundary, so
         # requests arriving while this one is still streaming already hit it (the sequence keeps
         # its own refs until release; the engine thread runs calls in order, so the insert
@@ -289,6 +362,20 @@ class PrefillInstance(EngineInstance):
                 e.radix.insert(prompt[: n * ps], seq.page_table[:n])
 
         self.worker.call(_cache_prefix, overlap=True).add_done_callback(_log_failure)
+        if progress is not None:
+            first_tok.update(t0=t0, fin=fin)
+            # the overlap: KV bytes already written to the links when the prefill ended
+            early = sum(tr.bytes_sent for snd in list(self.senders.values()) for tr in snd.transfers(rid))
+            self.counters["kv_bytes_before_first_token"] = self.counters.get("kv_bytes_before_first_token", 0) + early
+            if fin is not None:
+                # a relayed request finished by its first token: MD never decodes it, so its WAN
+                # stream stops here (as in whole mode, where it never starts); before the seal, so
+                # no kv_done goes to MD
+                for tr in ctx.extra.get("relay_transfers", ()):
+                    if tr.cancel():
+                        self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + 1
+            progress.seal({"first_token": t0, "fin": fin, **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
+            return PrefillOk(rid, t0, fin, cached, n_pages, self.engine.pool.page_bytes).wire(), b""
         if ctx.released:  # aborted meanwhile (freed by on_abort): its pages must not be streamed
             raise RuntimeError(f"request {rid} aborted")
         ctx.extra["streaming"] = True  # from here on an abort cancels the streams (on_abort)
@@ -298,7 +385,22 @@ class PrefillInstance(EngineInstance):
         asyncio.get_running_loop().create_task(self._stream(ctx, m.targets, t0, fin, n_pages))
         return PrefillOk(rid, t0, fin, cached, n_pages, self.engine.pool.page_bytes).wire(), b""
 
-    async def _stream(self, ctx: ReqCtx, targets: list[dict], t0: int, fin: str | None, n_pages: int) -> None:
+    def _start_streams(self, ctx: ReqCtx, targets: list[dict], n_pages: int, progress: LayerProgress,
+                       first_tok: dict) -> None:
+        """Layerwise: start ``ctx``'s KV streams now, while it prefills (``first`` gets the first
+        token's ``t0`` and ``fin`` when it is sampled)."""
+        ctx.extra["streaming"] = True  # from here on an abort cancels the streams (on_abort)
+        self._streamed[ctx.rid] = None
+        while len(self._streamed) > ABORTED_MEMORY:
+            self._streamed.pop(next(iter(self._streamed)))
+        asyncio.get_running_loop().create_task(self._stream(ctx, targets, None, None, n_pages, progress, first_tok))
+
+    async def _stream(self, ctx: ReqCtx, targets: list[dict], t0: int | None, fin: str | None, n_pages: int,
+                      progress: LayerProgress | None = None, first_tok: dict | None = None) -> None:
+        """Stream ``ctx``'s prompt KV to every target, then free its pages and report ``xfer_done``.
+        Whole mode: after the prefill, with its first token ``t0`` / ``fin``. Layerwise
+        (``progress``): from the prefill's start, each layer group as it is computed; the first
+        token comes in ``first_tok`` and ``progress``'s seal."""
         ctx.extra["streaming"] = True
         pool = self.engine.pool
         table = list(ctx.seq.page_table[:n_pages])
@@ -326,6 +428,24 @@ class PrefillInstance(EngineInstance):
                     return pool.export_tokens(table, i * rl.page_size, min((i + n) * rl.page_size, n_prompt),
                                               rl.page_size, wdt, whole_last=whole)
             return npg, ls, wdt, slot, reader
+
+        async def layer_reader_of(rl: KVLayout, npg: int, ls, wdt: str):
+            """Layerwise: ``reader(i, n, (l0, l1))`` of the receiver's pages for one layer group; on
+            CUDA it waits for the group's last write (its event) and copies on a side stream, so a
+            copy never waits for the later layers the engine has queued."""
+            same = rl.page_size == own.page_size and wdt == own.dtype
+
+            async def reader(i: int, n: int, layers):
+                for ev in progress.events(*layers):
+                    while not ev.query():
+                        await asyncio.sleep(0.0002)
+                with pool.copy_stream():
+                    if same:
+                        return pool.export_pages(table[i : i + n], layers=layers,
+                                                 last_slots=ls if i + n == npg else None)
+                    return pool.export_tokens(table, i * rl.page_size, min((i + n) * rl.page_size, n_prompt),
+                                              rl.page_size, wdt, layers=layers, whole_last=whole)
+            return reader
 
         def planned(rl: KVLayout, first: int, last: int | None = None) -> int:
             """Payload bytes of the receiver's pages ``[first, last)`` of the prompt (default: to its end)."""
@@ -364,7 +484,9 @@ class PrefillInstance(EngineInstance):
                 first = int(t["first_page"])  # the receiver's pages
                 npg = plan_of(rl)[0]
                 last = min(npg, int(t.get("last_page", npg)))
-                if fin is not None and t.get("relay"):
+                # layerwise: the first token may be known by now (first_tok), or not yet
+                fin_now = first_tok.get("fin") if progress is not None else fin
+                if fin_now is not None and t.get("relay"):
                     # a relayed request finished by its first token (EOS, a stop id, max_tokens 1):
                     # RLD emits it and MD never decodes, so its WAN stream never starts (the
                     # gateway cuts that leg too, but its cancel may come after MD's plan did)
@@ -384,13 +506,26 @@ class PrefillInstance(EngineInstance):
                     book(unsent, name, planned(rl, first, last))
                     return
                 npg, last_slots, wdt, slot, reader = plan_of(rl)
-                tr = sender.submit(ctx.rid, first, reader, last - first, slot * rl.page_size,
-                                   last_page_bytes=None if last_slots is None or last < npg
-                                   else last_slots * slot,
-                                   dtype=wdt if wdt != rl.dtype else None,  # the receiver widens
-                                   layers=(0, self.engine.model_cfg.num_hidden_layers),
-                                   done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
-                                                **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
+                if progress is not None:
+                    groups = layer_groups(self.engine.model_cfg.num_hidden_layers, self.cfg.policy.kv_stream_layer_group)
+                    tr = sender.submit_layered(
+                        ctx.rid, first, await layer_reader_of(rl, npg, last_slots, wdt), last - first, progress,
+                        groups, [wire_slot_bytes(pool.slot_bytes(g), own.dtype, wdt) * rl.page_size for g in groups],
+                        rl.page_size, last_slots=None if last_slots is None or last < npg else last_slots,
+                        dtype=wdt if wdt != rl.dtype else None, done_fields={"relay": bool(t.get("relay"))})
+                    self.counters["layerwise_transfers"] = self.counters.get("layerwise_transfers", 0) + 1
+                    if t.get("relay"):
+                        ctx.extra.setdefault("relay_transfers", []).append(tr)
+                        if first_tok.get("fin") is not None and tr.cancel():  # sampled while it connected
+                            self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + 1
+                else:
+                    tr = sender.submit(ctx.rid, first, reader, last - first, slot * rl.page_size,
+                                       last_page_bytes=None if last_slots is None or last < npg
+                                       else last_slots * slot,
+                                       dtype=wdt if wdt != rl.dtype else None,  # the receiver widens
+                                       layers=(0, self.engine.model_cfg.num_hidden_layers),
+                                       done_fields={"first_token": t0, "fin": fin, "relay": bool(t.get("relay")),
+                                                    **({"lp": ctx.extra["lp0"]} if "lp0" in ctx.extra else {})})
                 if wan:
                     self.lane_transfers[lane] += 1
                 res = await tr
@@ -421,5 +556,11 @@ class PrefillInstance(EngineInstance):
             await asyncio.gather(*(one(t) for t in targets))
         finally:
             self._deferred.pop(ctx.rid, None)
-            await self.release(ctx, cache=True)
+            if progress is not None and not progress.settled:
+                # layerwise: every stream may end (cut, refused) while the prefill still runs; its
+                # pages are freed once it has ended too (first token, abort or failure)
+                ended = asyncio.get_running_loop().create_future()
+                progress.listen(lambda: progress.settled and not ended.done() and ended.set_result(None))
+                await ended
+            await self.release(ctx, cache=progress is None or progress.sealed)
             ctx.sink.put(XferDone(ctx.rid, result, unsent, errors).wire())

@@ -65,6 +65,9 @@ class EngineWorker:
         self.step_time_s = step_time_s
         self.held_s = 0.0  # time steps were held to min_step_s (seconds)
         self._pending: deque = deque()  # commands taken off the queue during a hold, run after it
+        self._step_t0 = 0.0  # perf_counter at the start of the step in flight
+        self._step_floor: float | None = None  # its emulated time (s), computed on first need
+        self._layer_due: list = []  # (due perf_counter, fn): layer news held to the emulated step's pace
 
     def start(self) -> None:
         self._thread.start()
@@ -105,6 +108,40 @@ class EngineWorker:
             fut.add_done_callback(_undo)  # at once (next loop turn) when fn already finished
             raise
 
+    def layer_done(self, layer: int, num_layers: int, fn: Callable[[], Any]) -> None:
+        """Engine thread, inside a forward pass (``Engine.kv_listeners``): run ``fn()`` on the loop
+        once layer ``layer`` of ``num_layers`` of this step is done. Without step emulation that
+        is now. With ``min_step_s`` / ``step_time_s`` the emulated device spends the step's time
+        evenly over its layers: ``fn`` runs at ``step start + floor * (layer + 1) / num_layers``
+        (seconds; the last layer's at the step's end, with its tokens), never before the real
+        compute wrote the layer."""
+        import time
+
+        if self._step_floor is None:
+            floor = self.min_step_s
+            if self.step_time_s is not None:
+                items = getattr(self.engine, "last_step_items", None)
+                if items:
+                    floor = max(floor, float(self.step_time_s(items)))
+            self._step_floor = floor
+        due = self._step_t0 + self._step_floor * (layer + 1) / max(1, num_layers)
+        if self._step_floor <= 0 or due <= time.perf_counter():
+            self.loop.call_soon_threadsafe(fn)
+        else:
+            self._layer_due.append((due, fn))
+
+    def _release_layers(self, now: float | None) -> None:
+        """Hand the held layer news due by ``now`` (perf_counter; None: all) to the loop."""
+        if not self._layer_due:
+            return
+        keep = []
+        for due, fn in self._layer_due:
+            if now is None or due <= now:
+                self.loop.call_soon_threadsafe(fn)
+            else:
+                keep.append((due, fn))
+        self._layer_due = keep
+
     def _resolve(self, fut: asyncio.Future, ok: bool, value: Any) -> None:
         if fut.cancelled():
             return
@@ -144,16 +181,20 @@ class EngineWorker:
         import time
 
         while not self._stop.is_set():
-            rem = until - time.perf_counter()
+            now = time.perf_counter()
+            self._release_layers(now)
+            rem = until - now
             if rem <= 0:
                 return
+            if self._layer_due:  # wake for the next layer's news too
+                rem = min(rem, max(0.0, min(d for d, _ in self._layer_due) - now))
             if self._pending:  # a command waits for the step's end: nothing runs before it
                 self._stop.wait(rem)
-                return
+                continue
             try:
                 item = self._cmds.get(timeout=rem)
             except queue.Empty:
-                return
+                continue
             if item is not None and item[2]:
                 self._exec(item)
             else:
@@ -171,6 +212,7 @@ class EngineWorker:
             if self._stop.is_set() or not self.engine.has_work():
                 continue
             t0 = time.perf_counter()
+            self._step_t0, self._step_floor = t0, None
             try:
                 events = self.engine.step()
                 held_since = None
@@ -198,6 +240,7 @@ class EngineWorker:
                 held = time.perf_counter() - t0 - dt  # overlap work may run past the deadline
                 self.held_s += held
                 dt += held
+            self._release_layers(None)  # the step is over: every layer's news is due
             self.busy_s += dt
             self.last_step_s = dt
             self.recent_steps_s.append(dt)

@@ -55,6 +55,9 @@ __all__ = [
     "kv_frame_bytes",
     "prompt_kv_bytes",
     "prompt_last_slots",
+    "LayerProgress",
+    "LayeredTransfer",
+    "layer_groups",
 ]
 
 log = logging.getLogger("pdd.transfer.kv")
@@ -183,11 +186,244 @@ class Transfer:
     def __await__(self):
         return self.done.__await__()
 
+    # the sender loop's view: what can go next (LayeredTransfer overrides these)
+    prefilling = False  # whether its KV is still being computed (a layered transfer before the seal)
+
+    def sendable(self) -> bool:
+        """Whether a frame (or the closing ``kv_done``) can go now."""
+        return True
+
+    def next_frame(self) -> Optional[tuple[int, int, Optional[tuple[int, int]], int, int]]:
+        """``(first_page, n_pages, layers, page_bytes, payload_bytes)`` of the next frame, or None
+        when every page is sent (the transfer ends with ``kv_done``)."""
+        if self.remaining_pages == 0:
+            return None
+        n = min(self.chunk_pages, self.remaining_pages)
+        i = self.next_page
+        return i, n, self.layers, self.page_bytes, self.frame_bytes(i, n)
+
+    def read(self, frame: tuple) -> Any:
+        """The page reader's bytes (or awaitable) for ``frame`` (from :meth:`next_frame`)."""
+        return self.page_reader(frame[0], frame[1])
+
+    def sent(self, frame: tuple, nbytes: int) -> None:
+        """Account ``frame`` as written."""
+        self.pages_sent += frame[1]
+        self.bytes_sent += nbytes
+
+    def closing_fields(self) -> dict:
+        """Extra ``kv_done`` fields (``done_fields`` of :meth:`KVSender.submit`)."""
+        return dict(self.done_fields)
+
+    @property
+    def all_pages_sent(self) -> bool:
+        return self.remaining_pages == 0
+
     def __repr__(self) -> str:
         return (
             f"<Transfer rid={self.rid!r} pages {self.pages_sent}/{self.n_pages} "
             f"from {self.first_page} layers={self.layers} bytes_sent={self.bytes_sent}>"
         )
+
+
+def layer_groups(num_layers: int, group: int) -> list[tuple[int, int]]:
+    """Half-open layer ranges of ``group`` layers each (the last one shorter when ``group`` does
+    not divide ``num_layers``): the layer part of layer-wise streaming's wire unit. Raises
+    ValueError for ``num_layers`` < 1 or ``group`` < 1."""
+    if num_layers < 1 or group < 1:
+        raise ValueError(f"need num_layers >= 1 and a layer group >= 1, got {num_layers}, {group}")
+    return [(l0, min(l0 + group, num_layers)) for l0 in range(0, num_layers, group)]
+
+
+class LayerProgress:
+    """How far one request's prompt KV is computed, per layer: the sender's side of layer-wise
+    streaming (``policy.kv_stream: layerwise``). Plain state on the event loop.
+
+    ``num_layers``: the model's layers; ``prompt_tokens``: the prompt's length (tokens);
+    ``start_tokens``: tokens whose KV is in the pages before the prefill starts (a cached
+    prefix), for every layer. :meth:`advance` moves one layer on; :meth:`seal` says the prompt's
+    KV is complete and gives the closing ``kv_done`` fields (P's first token); :meth:`fail` says
+    it never will be (the prefill was aborted or failed). Every change wakes the listeners
+    (:meth:`listen`: a :class:`KVSender`'s loop). ``ready[l]``: the event (``torch.cuda.Event``
+    on CUDA, None on CPU) recorded after layer ``l``'s last write, for readers to wait on.
+    """
+
+    def __init__(self, num_layers: int, prompt_tokens: int, start_tokens: int = 0):
+        if num_layers < 1 or prompt_tokens < 0 or not 0 <= start_tokens <= prompt_tokens:
+            raise ValueError(f"bad LayerProgress({num_layers}, {prompt_tokens}, {start_tokens})")
+        self.num_layers = int(num_layers)
+        self.prompt_tokens = int(prompt_tokens)
+        self.tokens = [int(start_tokens)] * self.num_layers
+        self.ready: list = [None] * self.num_layers
+        self.done_fields: Optional[dict] = None  # set by seal
+        self.error: Optional[BaseException] = None  # set by fail
+        self._listeners: list[Callable[[], Any]] = []
+
+    def listen(self, fn: Callable[[], Any]) -> None:
+        self._listeners.append(fn)
+
+    def _wake(self) -> None:
+        for fn in self._listeners:
+            fn()
+
+    def advance(self, layer: int, tokens: int, ready=None) -> None:
+        """Prompt tokens ``[0, tokens)`` of layer ``layer`` are in the pages (never moves back)."""
+        if tokens > self.tokens[layer]:
+            self.tokens[layer] = min(int(tokens), self.prompt_tokens)
+            self.ready[layer] = ready
+            self._wake()
+
+    def ready_tokens(self, l0: int, l1: int) -> int:
+        """Prompt tokens whose KV of every layer in ``[l0, l1)`` is in the pages."""
+        return min(self.tokens[l0:l1])
+
+    def events(self, l0: int, l1: int) -> list:
+        """The events to wait on before reading layers ``[l0, l1)`` (none on CPU)."""
+        return [e for e in self.ready[l0:l1] if e is not None]
+
+    @property
+    def sealed(self) -> bool:
+        return self.done_fields is not None
+
+    @property
+    def settled(self) -> bool:
+        """Sealed or failed: the prefill is over either way."""
+        return self.done_fields is not None or self.error is not None
+
+    def seal(self, done_fields: Optional[dict] = None) -> None:
+        """Every layer now holds the whole prompt; ``done_fields`` go into each ``kv_done``."""
+        self.tokens = [self.prompt_tokens] * self.num_layers
+        self.done_fields = dict(done_fields or {})
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """The KV will not be complete: transfers still waiting on it are cancelled."""
+        if self.error is None and self.done_fields is None:
+            self.error = error
+            self._wake()
+
+
+class LayeredTransfer(Transfer):
+    """A transfer sent layer group by layer group as the prefill computes them
+    (:meth:`KVSender.submit_layered`). Its units are (layer group ``[l0, l1)``, pages
+    ``[i, i+n)``) frames; a unit goes once every page in it has all its token slots computed for
+    those layers (``progress``), the lowest layer group with pages ready first. It ends with
+    ``kv_done`` once every unit is sent and ``progress`` is sealed (the closing fields are the
+    seal's), or is cancelled when ``progress`` fails. Until the seal it is ``prefilling``: the
+    sender then sends its units only when no finished transfer has a frame ready. Payload bytes
+    are those of a whole transfer of the same pages: the groups split each page's bytes by layer.
+
+    ``page_reader(i, n, layers)`` returns the bytes of pages ``[i, i+n)`` for those layers.
+    ``page_tokens``: tokens of one (receiver's) page; ``group_page_bytes``: bytes of one page of
+    each group on the wire; ``last_slots``: filled token slots of the prompt's partial last page
+    (None: it is sent whole).
+    """
+
+    def __init__(self, *a, progress: LayerProgress, groups: list[tuple[int, int]], group_page_bytes: list[int],
+                 page_tokens: int, last_slots: Optional[int], **kw):
+        super().__init__(*a, **kw)
+        if len(groups) != len(group_page_bytes) or not groups:
+            raise ValueError("one page size in bytes per layer group")
+        self.progress = progress
+        self.groups = [tuple(g) for g in groups]
+        self.group_page_bytes = [int(b) for b in group_page_bytes]
+        self.page_tokens = int(page_tokens)
+        self.last_slots = last_slots
+        self.group_sent = [0] * len(self.groups)  # pages of each group sent (a prefix)
+        self.group_chunk = [max(1, min(self.chunk_pages, self.sender.max_frame_bytes // b))
+                            if self.sender.max_frame_bytes is not None and b > 0 else self.chunk_pages
+                            for b in self.group_page_bytes]
+        self.wait_s = 0.0  # time (s), after its first frame, this transfer had nothing to send
+        self._idle_since: Optional[float] = None
+        progress.listen(self.sender._wake.set)
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.progress.sealed
+
+    def _group_last_bytes(self, g: int) -> int:
+        b = self.group_page_bytes[g]
+        return b if self.last_slots is None else b // self.page_tokens * self.last_slots
+
+    def _group_frame_bytes(self, g: int, i: int, n: int) -> int:
+        if n <= 0:
+            return 0
+        end = i + n == self.first_page + self.n_pages
+        short = self.group_page_bytes[g] - self._group_last_bytes(g) if end and self.last_page_bytes != self.page_bytes else 0
+        return n * self.group_page_bytes[g] - short
+
+    def _pages_ready(self, g: int) -> int:
+        """This transfer's pages (from its first) whose tokens layer group ``g`` holds."""
+        tok = self.progress.ready_tokens(*self.groups[g])
+        if tok >= self.progress.prompt_tokens:
+            ready = self.first_page + self.n_pages  # the partial last page too
+        else:
+            ready = tok // self.page_tokens
+        return max(0, min(self.n_pages, ready - self.first_page))
+
+    @property
+    def remaining_pages(self) -> int:
+        return sum(self.n_pages - s for s in self.group_sent)
+
+    @property
+    def remaining_bytes(self) -> int:
+        return self.total_bytes - self.bytes_sent
+
+    @property
+    def all_pages_sent(self) -> bool:
+        return all(s == self.n_pages for s in self.group_sent)
+
+    def _frame(self) -> Optional[tuple]:
+        for g, sent in enumerate(self.group_sent):
+            avail = self._pages_ready(g) - sent
+            if avail > 0:
+                n = min(self.group_chunk[g], avail)
+                i = self.first_page + sent
+                return i, n, self.groups[g], self.group_page_bytes[g], self._group_frame_bytes(g, i, n), g
+        return None
+
+    def sendable(self) -> bool:
+        if self.cancel_requested or self.progress.error is not None:
+            return True  # the loop cancels it
+        if self.all_pages_sent:
+            ok = self.progress.sealed
+        else:
+            ok = self._frame() is not None
+        loop_now = asyncio.get_running_loop().time()
+        if not ok and self._idle_since is None and self.chunks_sent:
+            self._idle_since = loop_now
+        elif ok and self._idle_since is not None:
+            self.wait_s += loop_now - self._idle_since
+            self._idle_since = None
+        return ok
+
+    def next_frame(self) -> Optional[tuple]:
+        if self.all_pages_sent:
+            return None
+        return self._frame()
+
+    def read(self, frame: tuple) -> Any:
+        return self.page_reader(frame[0], frame[1], frame[2])
+
+    def sent(self, frame: tuple, nbytes: int) -> None:
+        self.group_sent[frame[5]] += frame[1]
+        self.pages_sent += frame[1]
+        self.bytes_sent += nbytes
+
+    def closing_fields(self) -> dict:
+        return {**self.done_fields, **(self.progress.done_fields or {}), "kv_wait_s": round(self.wait_s, 6)}
+
+    @property
+    def next_page(self) -> int:
+        return self.first_page + min(self.group_sent)
+
+    def frame_bytes(self, i: int, n: int) -> int:
+        """Payload bytes of pages ``[i, i+n)`` over all the groups."""
+        return sum(self._group_frame_bytes(g, i, n) for g in range(len(self.groups)))
+
+    def __repr__(self) -> str:
+        return (f"<LayeredTransfer rid={self.rid!r} pages {self.group_sent}/{self.n_pages} per group "
+                f"{self.groups} from {self.first_page} bytes_sent={self.bytes_sent}>")
 
 
 # ------------------------------------------------------------------ order policies
@@ -353,6 +589,61 @@ class KVSender:
             self._task = asyncio.create_task(self._run(), name=f"kv-sender-{peer_label(self.peer)}")
         return t
 
+    def submit_layered(
+        self,
+        rid: Any,
+        first_page_index: int,
+        page_reader: PageReader,
+        n_pages: int,
+        progress: LayerProgress,
+        groups: list[tuple[int, int]],
+        group_page_bytes: list[int],
+        page_tokens: int,
+        last_slots: Optional[int] = None,
+        chunk_pages: Optional[int] = None,
+        done_fields: Optional[dict] = None,
+        meta: Optional[dict] = None,
+        dtype: Optional[str] = None,
+    ) -> "LayeredTransfer":
+        """Queue pages ``[first_page_index, first_page_index + n_pages)`` of request ``rid`` to be
+        sent layer group by layer group as ``progress`` says they are computed
+        (:class:`LayeredTransfer`). ``page_reader(i, n, (l0, l1))`` (sync or async) returns the
+        bytes of pages ``[i, i+n)`` for layers ``[l0, l1)``: ``n * group_page_bytes[g]`` bytes,
+        the last page's ``last_slots`` token slots only when the range ends with the transfer's
+        last page and ``last_slots`` is set. ``groups``: the layer ranges (:func:`layer_groups`),
+        covering the layers sent; ``group_page_bytes``: bytes of one page of each on the wire;
+        ``page_tokens``: tokens per page (the receiver's). The closing ``kv_done`` carries
+        ``done_fields``, then ``progress``'s seal fields and ``kv_wait_s`` (seconds the transfer
+        waited for the prefill after its first frame). Frames say their layer range; ``kv_done``
+        says ``layers`` ``[groups[0][0], groups[-1][1])`` and ``page_bytes`` of a whole page.
+        Raises as :meth:`submit`."""
+        if self._closed:
+            raise RuntimeError("KVSender is closed")
+        self.peer._check_open()
+        if n_pages < 0 or first_page_index < 0 or page_tokens < 1:
+            raise ValueError("n_pages and first_page_index must be >= 0, page_tokens >= 1")
+        if last_slots is not None and not 0 < last_slots < page_tokens:
+            raise ValueError(f"last_slots must be in [1, page_tokens={page_tokens}), got {last_slots}")
+        done_fields = dict(done_fields or {})
+        bad = _RESERVED_DONE_KEYS & done_fields.keys()
+        if bad:
+            raise ValueError(f"done_fields may not set reserved keys {sorted(bad)}")
+        cp = chunk_pages or self.chunk_pages
+        if cp <= 0:
+            raise ValueError("chunk_pages must be > 0")
+        page_bytes = sum(int(b) for b in group_page_bytes)
+        last = None if last_slots is None else page_bytes // page_tokens * last_slots
+        t = LayeredTransfer(
+            self, rid, int(first_page_index), int(n_pages), page_bytes, page_reader,
+            (int(groups[0][0]), int(groups[-1][1])), cp, done_fields, dict(meta or {}), next(self._seq),
+            last, dtype, progress=progress, groups=groups, group_page_bytes=group_page_bytes,
+            page_tokens=page_tokens, last_slots=last_slots)
+        self.active.append(t)
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-sender-{peer_label(self.peer)}")
+        return t
+
     def cancel(self, rid: Any) -> int:
         """Cancel every active transfer of ``rid``; returns how many were cancelled."""
         return sum(t.cancel() for t in list(self.active) if t.rid == rid)
@@ -409,7 +700,7 @@ class KVSender:
             last_page_bytes=t.last_page_bytes,
             bytes=t.bytes_sent,
             dtype=t.dtype if t.dtype is not None else OMIT,
-            extra=dict(t.done_fields),
+            extra=t.closing_fields(),
         ).wire()
         await self.peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
         self.active.remove(t)
@@ -419,27 +710,33 @@ class KVSender:
     async def _run(self) -> None:
         try:
             while True:
-                for t in [t for t in self.active if t.cancel_requested]:
+                for t in [t for t in self.active
+                          if t.cancel_requested or (isinstance(t, LayeredTransfer) and t.progress.error is not None)]:
+                    t.cancel_requested = True  # a failed prefill: what was sent is cancelled
                     await self._finish_cancel(t)
-                if not self.active:
+                ready = [t for t in self.active if t.sendable()]  # a layered transfer waits for its layers
+                if not ready:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                t = self.pick(self.active)
+                # a transfer whose prefill has ended is on its request's critical path: it goes
+                # before the units of prefills still running, which fill the line's gaps (so a
+                # long prompt's early layers never delay a finished short one, as in whole mode)
+                t = self.pick([t for t in ready if not t.prefilling] or ready)
                 if t not in self.active:
                     raise RuntimeError(f"pick function returned a transfer that is not active: {t!r}")
-                if t.remaining_pages == 0:
+                frame = t.next_frame()
+                if frame is None:
                     await self._finish_done(t)
                     continue
-                n = min(t.chunk_pages, t.remaining_pages)
-                i = t.next_page
+                i, n, layers, page_bytes, want = frame[:5]
                 try:
-                    data = payload_view(await _maybe_await(t.page_reader(i, n)))
-                    if data.nbytes != t.frame_bytes(i, n):
+                    data = payload_view(await _maybe_await(t.read(frame)))
+                    if data.nbytes != want:
                         raise ValueError(
                             f"page_reader({i}, {n}) for rid {t.rid!r} returned {data.nbytes} bytes, "
-                            f"expected {t.frame_bytes(i, n)} ({n} pages of {t.page_bytes}, the last of "
-                            f"{t.last_page_bytes})"
+                            f"expected {want} ({n} pages of {page_bytes}, the last of "
+                            f"{t.last_page_bytes} over all layers)"
                         )
                 except Exception as e:
                     log.error("transfer %r failed reading pages: %r", t, e)
@@ -453,8 +750,8 @@ class KVSender:
                 if t.started_at is None:
                     t.started_at = asyncio.get_running_loop().time()
                 # a last_page_bytes only when the frame ends with the transfer's partial last page
-                header = Kv(t.rid, i, n, list(t.layers) if t.layers is not None else None, t.page_bytes,
-                            t.last_page_bytes if data.nbytes != n * t.page_bytes else OMIT,
+                header = Kv(t.rid, i, n, list(layers) if layers is not None else None, page_bytes,
+                            data.nbytes - (n - 1) * page_bytes if data.nbytes != n * page_bytes else OMIT,
                             t.dtype if t.dtype is not None else OMIT).wire()
                 try:
                     await asyncio.wait_for(self.peer.send(header, data, crc=self.crc), self.stall_timeout_s)
@@ -464,13 +761,12 @@ class KVSender:
                     self.peer.abort()
                     raise ConnectionError(f"KV transfer {t.rid!r} to {peer_label(self.peer)} made no progress for "
                                           f"{self.stall_timeout_s} s while sending (stalled)") from None
-                t.pages_sent += n
-                t.bytes_sent += data.nbytes
+                t.sent(frame, data.nbytes)
                 t.chunks_sent += 1
                 t.last_sent_tick = self.chunks_sent
                 self.chunks_sent += 1
                 self.bytes_sent += data.nbytes
-                if t.remaining_pages == 0 and not t.cancel_requested:
+                if t.all_pages_sent and not t.cancel_requested and t.sendable():
                     await self._finish_done(t)
         except asyncio.CancelledError:
             raise

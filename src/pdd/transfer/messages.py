@@ -610,6 +610,7 @@ class Error(Msg):
     """A failed call's reply (or a refused handshake): ``error`` says why."""
     T = "error"
     error: str
+    detail: dict = OMIT  # fields the failed handler attached (an exception's ``detail``, rpc.CallFailed)
 
 
 @dataclass

@@ -113,6 +113,15 @@ class RemoteError(Exception):
         self.header = header or {}
 
 
+class CallFailed(RuntimeError):
+    """Raised by a call's handler to fail it with ``detail`` (a dict of plain values) in the error
+    reply (``Error.detail``; the caller reads it in ``RemoteError.header["detail"]``)."""
+
+    def __init__(self, msg: str, **detail):
+        super().__init__(msg)
+        self.detail = detail
+
+
 class HandshakeError(ConnectionError):
     """The two sides refused each other at connect time (e.g. KV fingerprint mismatch)."""
 
@@ -554,7 +563,8 @@ class Peer:
             raise
         except Exception as e:
             log.debug("%r: handler for call %r raised %r", self, header["t"], e)
-            rh, rp = messages.Error(f"{type(e).__name__}: {e}").wire(), b""
+            detail = getattr(e, "detail", None) if isinstance(e, CallFailed) else None
+            rh, rp = messages.Error(f"{type(e).__name__}: {e}", detail or messages.OMIT).wire(), b""
         await self._reply(header, rh, rp)
 
     async def _reply(self, req: dict, rh: dict, rp) -> None:
