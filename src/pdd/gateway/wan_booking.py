@@ -2,7 +2,8 @@
 each request's KV transfer to an MD across the WAN is planned to send, booked when MD's
 reservation (or a predicted send) fixes them and settled when P reports the transfer
 (``xfer_done``: sent, cancelled, or written off when P dies first), so that planned = sent +
-not sent; the live WAN rate estimate (MD's ``wan_sample``); the cut-off of a transfer no decoder
+not sent; the live WAN rate estimates (MD's ``wan_sample``, overall and per MD; MD's reservation
+round trips for each MD's RTT); the cut-off of a transfer no decoder
 needs any more (anomaly filter). The only writer of a request's
 :class:`~pdd.gateway.state.WanPlan` (and of its ``md_cached_tokens``, from MD's reply).
 """
@@ -71,8 +72,26 @@ class WanBooking:
         """MD's receive rate of one request's KV (first frame to last), Gbit/s: the live WAN
         estimate the pipeline policy reads (policy.wan_estimate). Sender-side timings would measure socket
         buffers, not the line."""
-        self.wan_gbps_live = self.wan_estimate.add(float(WanSample.decode(h).gbps))
+        gbps = float(WanSample.decode(h).gbps)
+        self.wan_gbps_live = self.wan_estimate.add(gbps)
+        md = self._peer_name(peer)
+        if md is not None:  # per WAN peer: what the pipeline choice and MD routing read
+            self.wan_peers.add_goodput(md, gbps)
         return None
+
+    def _peer_name(self, peer) -> str | None:
+        """The instance at the other end of the gateway's connection ``peer`` (None: unknown)."""
+        for name, p in self.peers.items():
+            if p is peer:
+                return name
+        name = getattr(peer, "remote_instance", None)
+        return name if name in self.peers else None
+
+    def _wan_rtt_sample(self, md_name: str, seconds: float) -> None:
+        """One request/reply round trip to ``md_name`` through the WAN (MD's reservation), for its
+        RTT estimate (``policy.wan_estimate.RttEstimate``: the windowed minimum)."""
+        if self._in_b(md_name):
+            self.wan_peers.add_rtt(md_name, seconds * 1000.0)
 
     def _remaining_wan_s(self, st: ReqState) -> float:
         """Expected seconds to finish ``st``'s WAN transfer: its planned bytes at the live (else
