@@ -44,8 +44,15 @@ class WanBooking:
         self.totals["wan_bytes_sent"] += wan
         if m.rid in self.awaiting_kv and m.errors.get(self.awaiting_kv[m.rid][1]):
             self._kv_source_lost(m.rid)  # MD's KV stream failed after the request ended
+        if st is None:  # an attempt that recovery replaced: its bytes are still the request's
+            old = self._request_of_attempt(m.rid)
+            if old is not None:
+                old.wan.reported = (old.wan.reported or 0) + wan
+            return None
         if st is not None:
-            st.wan.reported = wan
+            # the request's figure is the sum over its attempts of what their P reported (a P
+            # that died before reporting reported nothing: its plan is wan_bytes_unreported)
+            st.wan.reported = (st.wan.reported or 0) + wan
             md_name = st.names.get(ROLE_MAIN)
             if (st.trid == m.rid and md_name is not None and md_name in m.bytes
                     and not m.errors.get(md_name) and not m.unsent.get(md_name)):
@@ -59,6 +66,19 @@ class WanBooking:
                 # frame that failed its MAC closed the fast path): that leg is lost, recover now
                 # instead of waiting for the request timeout
                 self._instance_lost(st, name, f"KV transfer to {name} failed: {err}")
+        return None
+
+    def _request_of_attempt(self, trid: str) -> ReqState | None:
+        """The live request whose earlier attempt had tier rid ``trid`` (``rid``, then ``rid.1``,
+        ``rid.2``, ...: :meth:`pdd.gateway.recovery.Recovery._new_attempt`), else None."""
+        for st in list(self.reqs.values()):
+            if st.trid == trid:
+                continue
+            if trid == st.rid:
+                return st
+            head, dot, n = trid.rpartition(".")
+            if dot and head == st.rid and n.isdigit() and int(n) < st.attempt:
+                return st
         return None
 
     def _in_b(self, name: str) -> bool:
