@@ -134,7 +134,7 @@ class Launchers:
             sent = time.perf_counter()
             if not (predicted and held is not None):
                 rep_, _ = await self.peers[md_name_].call(msg.wire(), timeout=t)
-                if msg.after is None:  # a round trip through the line (a sibling's waits for KV)
+                if sib_ is None:  # a round trip through the line (a sibling's reserve {after} waits for KV)
                     self._wan_rtt_sample(md_name_, time.perf_counter() - sent)
                 return md_name_, rep_
             pred = held // self.cfg.engine_for(md_name_).page_size  # MD's pages

@@ -78,8 +78,6 @@ class Routing:
             self.totals["md_routes_by_wan"] += j != i
             i = j
         name = live[i].name
-        if role == ROLE_MAIN:
-            self.md_routes[name] = self.md_routes.get(name, 0) + 1
         return name, self._record_route(name, prompt)
 
     def _with_transfer_times(self, role: str, policy: str, cands: list, prompt_len: int) -> list | None:
@@ -96,6 +94,8 @@ class Routing:
     def _record_route(self, name: str, prompt: list[int]) -> int | None:
         """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache.
         Returns the prompt tokens the index held before (None: no index for ``name``)."""
+        if name in self.prefix_index:  # an MD across the WAN: routing's per-MD counter
+            self.md_routes[name] = self.md_routes.get(name, 0) + 1
         ix = self.prefix_index.get(name)
         if ix is None:
             return None
