@@ -24,10 +24,15 @@ for m in modes:
     post = [ttft(r) for k, r in enumerate(rs) if r["ok"] and k >= split - 1]
     allt = [ttft(r) for r in ok]
     cnt = lambda xs: {p: sum(1 for r in xs if r["pdd"]["pipeline"] == p) for p in ("p_md", "p_rld_md")}
-    tpot = [(r["token_times_s"][-1] - r["token_times_s"][0]) / (len(r["token_times_s"]) - 1) * 1000 for r in ok if len(r["token_times_s"]) > 1]
+    tpot = [(r["token_times_s"][-1] - r["token_times_s"][0]) / (len(r["token_times_s"]) - 1) * 1000
+            for r in ok if len(r["token_times_s"]) > 1]
     est = [x["inputs"]["wan_gbps_estimate"] for r in ok for x in r["pdd"]["decisions"] if x["policy"] == "pipeline"]
     inj = ((rep.get("faults") or {}).get("modes") or {}).get(m, {}).get("injections", [])
-    print(f"{m}: n={len(ok)}/{len(rs)}; TTFT P50/P90 all {pct(allt,50):.0f}/{pct(allt,90):.0f} ms; before the halving {pct(pre,50):.0f}/{pct(pre,90):.0f}; from it {pct(post,50):.0f}/{pct(post,90):.0f}; TPOT P50 {pct(tpot,50):.1f} ms; pipelines before {cnt(rs[:split-1])} from {cnt(rs[split-1:])}; estimate read first/min/last {est[0]:.4f}/{min(est):.4f}/{est[-1]:.4f}; injected at {[i.get('t_s') for i in inj]} s, lifted {[i.get('recovery', {}).get('t_s') for i in inj]} s")
+    print(f"{m}: n={len(ok)}/{len(rs)}; TTFT P50/P90 all {pct(allt, 50):.0f}/{pct(allt, 90):.0f} ms; "
+          f"before the halving {pct(pre, 50):.0f}/{pct(pre, 90):.0f}; from it {pct(post, 50):.0f}/{pct(post, 90):.0f}; "
+          f"TPOT P50 {pct(tpot, 50):.1f} ms; pipelines before {cnt(rs[:split - 1])} from {cnt(rs[split - 1:])}; "
+          f"estimate read first/min/last {est[0]:.4f}/{min(est):.4f}/{est[-1]:.4f}; "
+          f"injected at {[i.get('t_s') for i in inj]} s, lifted {[i.get('recovery', {}).get('t_s') for i in inj]} s")
 if len(sys.argv) > 4:
     a, b = sys.argv[3], sys.argv[4]
     pa = {r["idx"]: r["pdd"]["pipeline"] for r in byrank[a] if r["ok"]}

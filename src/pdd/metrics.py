@@ -144,8 +144,8 @@ class _OrchestratorCollector:
         peers = o.wan_peers.view() if getattr(o, "wan_peers", None) is not None else {}
         # per WAN peer (MD): what the pipeline choice and MD routing read (pdd.policy.wan_estimate)
         g = GaugeMetricFamily("pdd_wan_peer_gbps", "WAN goodput estimate per MD (live median of its KV receive "
-                              "rates, or the configured line before a sample / with policy.wan_estimate config), Gbit/s",
-                              labels=["instance"])
+                              "rates, or the configured line before a sample / with policy.wan_estimate config), "
+                              "Gbit/s", labels=["instance"])
         r = GaugeMetricFamily("pdd_wan_peer_rtt_ms", "WAN round-trip estimate per MD (minimum of recent reservation "
                               "round trips, or the configured RTT), ms", labels=["instance"])
         for name, v in peers.items():
