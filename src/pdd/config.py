@@ -187,6 +187,11 @@ class PolicyConfig(_Strict):
         False, description="ablation: cache-aware routing asks each main-decode instance across the WAN what its "
         "cache holds (a round trip before the reservation) instead of the gateway's own record of what it routed "
         "there (pdd.gateway.prefix_index)")
+    wan_estimate: Literal["live", "config"] = Field(
+        "live", description="what the pipeline choice and cache-aware MD routing read for each MD's WAN path: "
+        "live, its measured goodput (median of MD's recent KV receive rates) and RTT (minimum of recent reservation "
+        "round trips), the configured link until measured (pdd.policy.wan_estimate.PeerWanEstimates); config, the "
+        "configured link.wan_gbps (capped at the configured loss's TCP rate) and link.wan_rtt_ms (baseline)")
     routing: Literal["cache_aware", "load", "round_robin"] = Field(
         "cache_aware", description="instance choice for P and MD (RLD: load unless round_robin)")
     allow_p_rld: bool = False

@@ -4,6 +4,8 @@ Faults (issue 5, "fault injection"):
   - ``wan_outage``: the emulated WAN drops every byte for a time, without resetting any
     connection (``pdd.transfer.link`` outage: both directions freeze);
   - ``wan_slowdown``: the WAN line rate divided by a factor (until :meth:`FaultInjector.restore_wan`);
+  - ``cross_traffic``: other traffic takes that many Gbit/s of the WAN line from now on (the link's
+    ``cross_gbps``, docs/LINK.md; until :meth:`FaultInjector.restore_wan`);
   - ``kill``: SIGKILL of one instance's real process (:meth:`pdd.launch.Topology.kill`);
   - ``client_disconnect``: a streaming client closes its connection (:class:`StreamClient`).
 
@@ -34,7 +36,7 @@ import httpx
 
 from pdd.gateway.state import PHASES  # the request phases a fault can be injected in (pdd.gateway.phase)
 
-KINDS = ("wan_outage", "wan_slowdown", "kill", "client_disconnect")
+KINDS = ("wan_outage", "wan_slowdown", "cross_traffic", "kill", "client_disconnect")
 ROLES = ("prefill", "relay_decode", "main_decode")
 
 
@@ -88,6 +90,13 @@ def parse_fault(spec: str) -> FaultSpec:
             raise FaultError(f"fault {spec!r}: {kind} needs a number (seconds / factor)") from None
         if v <= 0 or (kind == "wan_slowdown" and v < 1):
             raise FaultError(f"fault {spec!r}: {kind} argument out of range")
+    if kind == "cross_traffic":
+        try:
+            v = float(arg)
+        except ValueError:
+            raise FaultError(f"fault {spec!r}: cross_traffic needs a number (Gbit/s)") from None
+        if not v >= 0:
+            raise FaultError(f"fault {spec!r}: cross_traffic argument out of range")
     if kind == "kill" and not arg:
         raise FaultError(f"fault {spec!r}: kill needs an instance name or a role {ROLES}")
     return FaultSpec(kind, arg or None, phase)
@@ -104,6 +113,7 @@ class FaultInjector:
         self.records: list[Injection] = []
         self._http = httpx.Client(timeout=10, trust_env=False)
         self._wan_base: Optional[dict] = None
+        self._cross_base: Optional[float] = None  # the cross traffic before cross_traffic() changed it
         self._outage_timer: Optional[threading.Timer] = None
 
     def close(self) -> None:
@@ -182,6 +192,9 @@ class FaultInjector:
             self._outage_timer = None
         base = self._wan_base or {}
         self._wan_base = None
+        if self._cross_base is not None:
+            base["cross_gbps"] = self._cross_base
+            self._cross_base = None
         return self._link(outage=False, **base)
 
     def wan_outage(self, duration_s: Optional[float] = None, rid: Optional[str] = None) -> Injection:
@@ -212,6 +225,16 @@ class FaultInjector:
         gbps = st["gbps"] / factor
         return self._record("wan_slowdown", None, rid, before, lambda: {"gbps": self._link(gbps=gbps)["gbps"]},
                             factor=factor)
+
+    def cross_traffic(self, gbps: float, rid: Optional[str] = None) -> Injection:
+        """Other traffic takes ``gbps`` of the WAN line from now on (per direction; below the line
+        rate, else the link refuses it), until :meth:`restore_wan`."""
+        st = self._link()
+        if self._cross_base is None:
+            self._cross_base = float(st.get("cross_gbps") or 0.0)
+        before = self._view(rid)
+        return self._record("cross_traffic", None, rid, before,
+                            lambda: {"cross_gbps": self._link(cross_gbps=gbps)["cross_gbps"]}, gbps=gbps)
 
     # ------------------------------------------------------------------ processes
     def kill(self, name: str, rid: Optional[str] = None) -> Injection:
@@ -247,6 +270,8 @@ class FaultInjector:
             return self.wan_outage(float(spec.arg), rid)
         if spec.kind == "wan_slowdown":
             return self.wan_slowdown(float(spec.arg), rid)
+        if spec.kind == "cross_traffic":
+            return self.cross_traffic(float(spec.arg), rid)
         if spec.kind == "kill":
             return self.kill(spec.arg, rid)
         if client is None:

@@ -141,6 +141,26 @@ class _OrchestratorCollector:
             g = GaugeMetricFamily("pdd_wan_gbps_estimate", "live WAN throughput estimate, Gbit/s")
             g.add_metric([], o.wan_gbps_live)
             yield g
+        peers = o.wan_peers.view() if getattr(o, "wan_peers", None) is not None else {}
+        # per WAN peer (MD): what the pipeline choice and MD routing read (pdd.policy.wan_estimate)
+        g = GaugeMetricFamily("pdd_wan_peer_gbps", "WAN goodput estimate per MD (live median of its KV receive "
+                              "rates, or the configured line before a sample / with policy.wan_estimate config), "
+                              "Gbit/s", labels=["instance"])
+        r = GaugeMetricFamily("pdd_wan_peer_rtt_ms", "WAN round-trip estimate per MD (minimum of recent reservation "
+                              "round trips, or the configured RTT), ms", labels=["instance"])
+        for name, v in peers.items():
+            g.add_metric([name], v["gbps"])
+            r.add_metric([name], v["rtt_ms"])
+        yield g
+        yield r
+        c = CounterMetricFamily("pdd_gateway_md_routes", "requests routed to each MD", labels=["instance"])
+        for name, v in sorted(getattr(o, "md_routes", {}).items()):
+            c.add_metric([name], v)
+        yield c
+        c = CounterMetricFamily("pdd_gateway_md_routes_by_wan", "MD routes the WAN estimates changed (another MD "
+                                "than the hit-and-load rule's)")
+        c.add_metric([], o.totals.get("md_routes_by_wan", 0))
+        yield c
 
 
 class GatewayMetrics:

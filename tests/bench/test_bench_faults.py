@@ -17,8 +17,11 @@ def test_parse_bench_fault():
     assert (f.spec.arg, f.nth, f.role) == ("md0", 3, None)
     f = parse_bench_fault("wan_outage:2.5@transfer#2")
     assert (f.spec.kind, f.spec.arg, f.nth) == ("wan_outage", "2.5", 2)
+    f = parse_bench_fault("cross_traffic:0.025@transfer#40")  # other traffic takes 0.025 Gbit/s from then on
+    assert (f.spec.kind, f.spec.arg, f.spec.phase, f.nth) == ("cross_traffic", "0.025", "transfer", 40)
     for bad in ("kill:md0@decode", "kill@transfer", "wan_slowdown:0.5@transfer", "kill:p@prefill#0",
-                "kill:p@prefill#x", "client_disconnect@md_decode", "nothing"):
+                "kill:p@prefill#x", "client_disconnect@md_decode", "nothing", "cross_traffic:x@transfer",
+                "cross_traffic:-1@transfer"):
         with pytest.raises(FaultError):
             parse_bench_fault(bad)
 

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fault", action="append", default=[], metavar="KIND[:ARG]@PHASE[#N]",
                    help="inject once when the N-th (default 1st) request reaches PHASE, in every mode that has the "
                         "phase and target; repeatable. KIND: wan_outage:SECONDS, wan_slowdown:FACTOR, "
-                        "kill:NAME|p|rld|md. PHASE: prefill, transfer, rld_decode, handoff, md_decode")
+                        "cross_traffic:GBPS, kill:NAME|p|rld|md. "
+                        "PHASE: prefill, transfer, rld_decode, handoff, md_decode")
     g.add_argument("--fault-recover-after", default="5", metavar="SECONDS|end",
                    help="restart a killed instance / lift a slowdown this long after the injection, or 'end' "
                         "(after the run's last request); default 5")

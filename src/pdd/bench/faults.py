@@ -77,7 +77,7 @@ def applicable(f: BenchFault, layout) -> Optional[str]:
         return f"mode {layout.mode} has no prefill tier (phase {ph})"
     if ph in ("rld_decode", "handoff") and ROLE_RELAY not in roles:
         return f"mode {layout.mode} has no relay decode tier (phase {ph})"
-    if f.spec.kind in ("wan_outage", "wan_slowdown") and layout.link_control_port is None:
+    if f.spec.kind in ("wan_outage", "wan_slowdown", "cross_traffic") and layout.link_control_port is None:
         return f"mode {layout.mode} has no WAN"
     if f.spec.kind == "kill":
         if f.role is not None:
@@ -150,7 +150,7 @@ class FaultRunner:
             rec.update(target=inj.target, phase=inj.phase, phase_after=inj.phase_after,
                        t_s=round(inj.t_mono - self.t0, 3), apply_ms=inj.apply_ms, detail=inj.detail,
                        request={k: req.get(k) for k in ("pipeline", "names", "attempt", "next_pos")})
-            if f.spec.kind in ("kill", "wan_slowdown"):
+            if f.spec.kind in ("kill", "wan_slowdown", "cross_traffic"):
                 due = time.monotonic() + self.recover_after_s if self.recover_after_s is not None else float("inf")
                 with self._lock:
                     self._recoveries.append((due, rec))
@@ -172,7 +172,7 @@ class FaultRunner:
         t = time.monotonic()
         out: dict[str, Any] = {"t_s": round(t - self.t0, 3)}
         try:
-            if rec["kind"] == "wan_slowdown":
+            if rec["kind"] in ("wan_slowdown", "cross_traffic"):
                 self.inj.restore_wan()
                 out["action"] = "wan restored"
             else:

@@ -51,13 +51,14 @@ class Launchers:
 
     def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int, md_available: bool = True) -> Pipeline:
         mode = self.cfg.mode
+        md = st.names.get(ROLE_MAIN)  # the chosen MD's path (policy.wan_estimate: live or config)
         inp = PipelineInputs(
             mode=mode,
             prompt_tokens=prompt_len,
             md_cached_tokens=md_cached_tokens,
             kv_bytes_per_token=self.kv_bytes_per_token or 0,
-            wan_gbps_estimate=self.wan_gbps_live or self.cfg.link.wan_gbps,
-            wan_rtt_ms=self.cfg.link.wan_rtt_ms,
+            wan_gbps_estimate=self.wan_peers.gbps(md),
+            wan_rtt_ms=self.wan_peers.rtt_ms_of(md),
             ttft_budget_ms=self.cfg.policy.pipeline_ttft_budget_ms,
             allow_p_rld=self.cfg.policy.allow_p_rld,
             md_available=md_available,
@@ -130,8 +131,11 @@ class Launchers:
                 raise ConnectionError(f"attempt {trid} was given up")
             names[ROLE_MAIN] = md_name_
             self._assign(st, ROLE_MAIN)
+            sent = time.perf_counter()
             if not (predicted and held is not None):
                 rep_, _ = await self.peers[md_name_].call(msg.wire(), timeout=t)
+                if sib_ is None:  # a round trip through the line (a sibling's reserve {after} waits for KV)
+                    self._wan_rtt_sample(md_name_, time.perf_counter() - sent)
                 return md_name_, rep_
             pred = held // self.cfg.engine_for(md_name_).page_size  # MD's pages
             msg.first_page = pred
@@ -143,6 +147,7 @@ class Launchers:
                 _give_up(call)
                 raise
             rep_, _ = await call
+            self._wan_rtt_sample(md_name_, time.perf_counter() - sent)
             return md_name_, rep_
 
         self._assign(st, ROLE_PREFILL, ROLE_RELAY)

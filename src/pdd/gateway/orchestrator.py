@@ -28,7 +28,7 @@ import logging
 import time
 
 from pdd.config import ClusterConfig
-from pdd.policy.wan_estimate import WanEstimate
+from pdd.policy.wan_estimate import PeerWanEstimates, WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
 from pdd.transfer import rpc
 from pdd.transfer.layout import wire_dtype
@@ -61,7 +61,8 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                        "wan_bytes_unreported": 0, "requests": 0,
                        "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,  # OUTCOMES: each request once
                        "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0,
-                       "md_predicted_sends": 0, "md_predicted_fills": 0, "early_handoffs": 0}
+                       "md_predicted_sends": 0, "md_predicted_fills": 0, "early_handoffs": 0,
+                       "md_routes_by_wan": 0}  # MD routes the WAN estimates changed (gateway.routing)
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
@@ -82,6 +83,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
                                                  cfg.link.wan_mss_bytes)
         self.wan_gbps_live: float | None = self.wan_estimate.gbps  # its current value, Gbit/s (None: none yet)
+        # per MD across the WAN: goodput and RTT, what the pipeline choice and MD routing read
+        self.wan_peers = PeerWanEstimates(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
+                                          cfg.link.wan_mss_bytes, source=cfg.policy.wan_estimate)
+        self.md_routes: dict[str, int] = {}  # MD -> requests routed there (routing's counter)
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
         # what the gateway routed to each instance across the WAN (cache-aware routing without a peek)
         self.prefix_index: dict[str, PrefixIndex] = {
@@ -223,6 +228,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         out["wan_bytes"] = self.totals["wan_bytes_sent"]
         out["wan_bytes_expected"] = self.totals["wan_bytes_expected"]
         out["wan_gbps_live"] = self.wan_gbps_live
+        out["wan_estimate"] = self.wan_peers.source
+        out["wan_peers"] = self.wan_peers.view()  # per MD: goodput and RTT, read by routing and the pipeline
+        out["md_routes"] = dict(self.md_routes)
         out["transfers_pending"] = len(self.planned_wan)  # WAN plans whose outcome P has not reported yet
         out["wan_line_bytes"] = 0
         if self.layout.link_control_port is not None:

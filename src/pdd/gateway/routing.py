@@ -7,6 +7,7 @@ and the in-flight counts routing reads. Uses the orchestrator's connections thro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from pdd.gateway.state import NoInstance, ReqState
 from pdd.policy.routing import InstanceLoad, choose_instance
@@ -18,6 +19,10 @@ from pdd.transfer.messages import Peek
 # an instance more than this many requests busier than the idlest
 ROUTING_MIN_HIT_FRAC = 0.5
 ROUTING_LOAD_SLACK = 4
+# MD routing by estimated transfer time (policy.wan_estimate live): one request in flight at an MD
+# counts as this many seconds, so a small shared prefix (16 tokens: 5 ms on the default line) does
+# not draw every request to one MD while a halved line (a cold prompt: 130 ms more) does move them
+ROUTING_LOAD_COST_S = 0.01
 
 
 class Routing:
@@ -77,13 +82,32 @@ class Routing:
                  for sp, h in zip(live, hits)]
         rr = self._rr.get(role, 0)
         self._rr[role] = rr + 1
-        name = live[choose_instance(cands, policy, rr, load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt),
-                                    min_hit_frac=ROUTING_MIN_HIT_FRAC)].name
+        kw = dict(load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt), min_hit_frac=ROUTING_MIN_HIT_FRAC)
+        i = choose_instance(cands, policy, rr, **kw)
+        timed = self._with_transfer_times(role, policy, cands, len(prompt))
+        if timed is not None:  # each MD's estimated transfer time of the KV it lacks decides
+            j = choose_instance(timed, policy, rr, load_cost_s=ROUTING_LOAD_COST_S, **kw)
+            self.totals["md_routes_by_wan"] += j != i
+            i = j
+        name = live[i].name
         return name, self._record_route(name, prompt)
+
+    def _with_transfer_times(self, role: str, policy: str, cands: list, prompt_len: int) -> list | None:
+        """``cands`` with each MD's estimated seconds to receive the prompt's KV it lacks
+        (``policy.wan_estimate.PeerWanEstimates.transfer_s``: bytes / its goodput + its RTT), for
+        cache-aware routing of MDs across the WAN with ``policy.wan_estimate: live``; else None
+        (the hit-and-load rule)."""
+        if (role != ROLE_MAIN or policy != "cache_aware" or self.wan_peers.source != "live"
+                or not self.kv_bytes_per_token or not all(self._in_b(c.name) for c in cands)):
+            return None
+        return [dataclasses.replace(c, transfer_s=self.wan_peers.transfer_s(
+            c.name, max(0, prompt_len - c.prefix_hit_tokens) * self.kv_bytes_per_token)) for c in cands]
 
     def _record_route(self, name: str, prompt: list[int]) -> int | None:
         """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache.
         Returns the prompt tokens the index held before (None: no index for ``name``)."""
+        if name in self.prefix_index:  # an MD across the WAN: routing's per-MD counter
+            self.md_routes[name] = self.md_routes.get(name, 0) + 1
         ix = self.prefix_index.get(name)
         if ix is None:
             return None

@@ -2,7 +2,8 @@
 each request's KV transfer to an MD across the WAN is planned to send, booked when MD's
 reservation (or a predicted send) fixes them and settled when P reports the transfer
 (``xfer_done``: sent, cancelled, or written off when P dies first), so that planned = sent +
-not sent; the live WAN rate estimate (MD's ``wan_sample``); the cut-off of a transfer no decoder
+not sent; the live WAN rate estimates (MD's ``wan_sample``, overall and per MD; MD's reservation
+round trips for each MD's RTT); the cut-off of a transfer no decoder
 needs any more (anomaly filter). The only writer of a request's
 :class:`~pdd.gateway.state.WanPlan` (and of its ``md_cached_tokens``, from MD's reply).
 """
@@ -43,8 +44,15 @@ class WanBooking:
         self.totals["wan_bytes_sent"] += wan
         if m.rid in self.awaiting_kv and m.errors.get(self.awaiting_kv[m.rid][1]):
             self._kv_source_lost(m.rid)  # MD's KV stream failed after the request ended
+        if st is None:  # an attempt that recovery replaced: its bytes are still the request's
+            old = self._request_of_attempt(m.rid)
+            if old is not None:
+                old.wan.reported = (old.wan.reported or 0) + wan
+            return None
         if st is not None:
-            st.wan.reported = wan
+            # the request's figure is the sum over its attempts of what their P reported (a P
+            # that died before reporting reported nothing: its plan is wan_bytes_unreported)
+            st.wan.reported = (st.wan.reported or 0) + wan
             md_name = st.names.get(ROLE_MAIN)
             if (st.trid == m.rid and md_name is not None and md_name in m.bytes
                     and not m.errors.get(md_name) and not m.unsent.get(md_name)):
@@ -60,6 +68,19 @@ class WanBooking:
                 self._instance_lost(st, name, f"KV transfer to {name} failed: {err}")
         return None
 
+    def _request_of_attempt(self, trid: str) -> ReqState | None:
+        """The live request whose earlier attempt had tier rid ``trid`` (``rid``, then ``rid.1``,
+        ``rid.2``, ...: :meth:`pdd.gateway.recovery.Recovery._new_attempt`), else None."""
+        for st in list(self.reqs.values()):
+            if st.trid == trid:
+                continue
+            if trid == st.rid:
+                return st
+            head, dot, n = trid.rpartition(".")
+            if dot and head == st.rid and n.isdigit() and int(n) < st.attempt:
+                return st
+        return None
+
     def _in_b(self, name: str) -> bool:
         """Whether instance ``name`` is in datacenter B (False for a slot never given an instance)."""
         try:
@@ -71,8 +92,26 @@ class WanBooking:
         """MD's receive rate of one request's KV (first frame to last), Gbit/s: the live WAN
         estimate the pipeline policy reads (policy.wan_estimate). Sender-side timings would measure socket
         buffers, not the line."""
-        self.wan_gbps_live = self.wan_estimate.add(float(WanSample.decode(h).gbps))
+        gbps = float(WanSample.decode(h).gbps)
+        self.wan_gbps_live = self.wan_estimate.add(gbps)
+        md = self._peer_name(peer)
+        if md is not None:  # per WAN peer: what the pipeline choice and MD routing read
+            self.wan_peers.add_goodput(md, gbps)
         return None
+
+    def _peer_name(self, peer) -> str | None:
+        """The instance at the other end of the gateway's connection ``peer`` (None: unknown)."""
+        for name, p in self.peers.items():
+            if p is peer:
+                return name
+        name = getattr(peer, "remote_instance", None)
+        return name if name in self.peers else None
+
+    def _wan_rtt_sample(self, md_name: str, seconds: float) -> None:
+        """One request/reply round trip to ``md_name`` through the WAN (MD's reservation), for its
+        RTT estimate (``policy.wan_estimate.RttEstimate``: the windowed minimum)."""
+        if self._in_b(md_name):
+            self.wan_peers.add_rtt(md_name, seconds * 1000.0)
 
     def _remaining_wan_s(self, st: ReqState) -> float:
         """Expected seconds to finish ``st``'s WAN transfer: its planned bytes at the live (else

@@ -15,6 +15,16 @@ Policies, over candidate instances of one tier (P, RLD or MD):
   With ``prompt_tokens`` > 0 and ``min_hit_frac`` > 0, a best hit below
   ``min_hit_frac * prompt_tokens`` is not worth the affinity: the least loaded eligible
   instance is chosen instead (as SGLang's cache-aware router does with its cache threshold).
+- "cache_aware" with WAN estimates (every candidate has ``transfer_s``: the estimated seconds to
+  move the prompt's KV that instance lacks over its WAN path, ``bytes / its goodput + its RTT``,
+  ``pdd.policy.wan_estimate.PeerWanEstimates.transfer_s``): the same eligible set E, and within
+  it the minimum of ``(transfer_s + load_cost_s * load, -prefix_hit_tokens, load,
+  pages_used / pages_total, index)`` wins. The transfer time already weighs the hit (only the
+  missing pages cross) by the line that path has now, so an MD whose estimate dropped loses to
+  one with a shorter hit over a faster path; with equal estimates it is the longest hit, as
+  above. ``load_cost_s`` prices one request in flight in seconds (what keeps a small shared
+  prefix from drawing every request to one instance); the ``min_hit_frac`` fall-back does not
+  apply (it would ignore the line exactly for the cold prompts that need it most).
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ class InstanceLoad:
     pages_used: int = 0
     pages_total: int = 1
     prefix_hit_tokens: int = 0
+    # estimated seconds to move the KV this instance lacks over its WAN path (None: not across a
+    # WAN, or no estimates: the hit-and-load rule)
+    transfer_s: float | None = None
 
 
 def _util(c: InstanceLoad) -> float:
@@ -46,6 +59,7 @@ def choose_instance(
     load_slack: int = 8,
     prompt_tokens: int = 0,
     min_hit_frac: float = 0.0,
+    load_cost_s: float = 0.0,
 ) -> int:
     """Index of the chosen candidate. Raises ValueError if ``cands`` is empty."""
     n = len(cands)
@@ -61,6 +75,9 @@ def choose_instance(
     loads = {i: cands[i].running + cands[i].queued for i in idx}
     min_load = min(loads.values())
     elig = [i for i in idx if loads[i] <= min_load + load_slack]
+    if all(cands[i].transfer_s is not None for i in elig):
+        return min(elig, key=lambda i: (cands[i].transfer_s + load_cost_s * loads[i], -cands[i].prefix_hit_tokens,
+                                        loads[i], _util(cands[i]), i))
     best = max(elig, key=lambda i: (cands[i].prefix_hit_tokens, -loads[i], -_util(cands[i]), -i))
     if prompt_tokens > 0 and cands[best].prefix_hit_tokens < min_hit_frac * prompt_tokens:
         return min(elig, key=lambda i: (loads[i], _util(cands[i]), i))

@@ -98,3 +98,137 @@ class WanEstimate:
         while len(self.samples) > self.window:
             self.samples.popleft()
         return self.gbps
+
+
+@dataclass
+class RttEstimate:
+    """A WAN peer's round trip, ms: the **minimum of the last ``window`` samples**.
+
+    The gateway's samples are request/reply round trips through the line (MD's reservation,
+    ``gateway.launch``): propagation plus whatever queued in front of them (a busy line's
+    buffers, MD's event loop). The transfer-time model adds the line's propagation once and
+    charges queueing to the goodput, so it wants the propagation part: BBR's windowed-minimum
+    RTT filter (Cardwell, Cheng, Gunn, Hassas Yeganeh, Jacobson, "BBR: Congestion-Based
+    Congestion Control", ACM Queue 14(5), 2016: ``RTprop = min(RTT samples over a window)``)
+    is the estimator for it; queueing only ever adds to a sample, so the minimum is the least
+    biased. A window (not all history) lets a lasting change of route show within ``window``
+    samples. Pure, as :class:`WanEstimate`."""
+
+    window: int = DEFAULT_WINDOW
+    samples: deque = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+    @property
+    def ms(self) -> float | None:
+        """The estimate (ms), None before a sample."""
+        return min(self.samples) if self.samples else None
+
+    def add(self, sample_ms: float) -> float | None:
+        """Fold one round trip (ms) in; non-finite or negative samples are ignored."""
+        if sample_ms >= 0 and sample_ms != float("inf"):
+            self.samples.append(float(sample_ms))
+            while len(self.samples) > self.window:
+                self.samples.popleft()
+        return self.ms
+
+
+def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float) -> float:
+    """Seconds from the first byte sent until the receiver's first token is back:
+    ``rtt + nbytes * 8 / (gbps * 1e9)`` (half a round trip for the KV to propagate, the other half
+    for the token to come back; ``pdd.policy.pipeline.expected_wan_seconds`` is the same formula).
+    A non-positive rate with bytes to send gives ``inf``."""
+    rtt_s = max(0.0, rtt_ms) / 1000.0
+    if nbytes <= 0:
+        return rtt_s
+    if gbps <= 0:
+        return math.inf
+    return rtt_s + nbytes * 8.0 / (gbps * 1e9)
+
+
+WAN_ESTIMATE_SOURCES = ("live", "config")
+
+
+@dataclass
+class PeerWanEstimates:
+    """One goodput and one RTT estimate **per WAN peer** (an MD instance across the WAN), with
+    the configured line as the fallback.
+
+    Goodput (Gbit/s): a :class:`WanEstimate` per peer (median of its last ``window`` KV receive
+    rates, capped by the configured loss's Mathis rate; why a median and not an EWMA: the module
+    docstring). RTT (ms): an :class:`RttEstimate` per peer (windowed minimum). A peer with no
+    sample yet reads the configured figures (``line_gbps`` capped by the loss's rate, ``rtt_ms``).
+
+    ``source``: ``"live"`` (the estimates decide) or ``"config"`` (every peer reads the configured
+    figures whatever was measured: ``policy.wan_estimate: config``, the baseline); samples are
+    kept either way, so /metrics shows what was measured.
+    """
+
+    line_gbps: float
+    rtt_ms: float
+    loss_rate: float = 0.0
+    mss_bytes: int = DEFAULT_MSS_BYTES
+    window: int = DEFAULT_WINDOW
+    source: str = "live"
+    goodput: dict = field(default_factory=dict)  # peer -> WanEstimate
+    rtt: dict = field(default_factory=dict)  # peer -> RttEstimate
+
+    def __post_init__(self) -> None:
+        if self.source not in WAN_ESTIMATE_SOURCES:
+            raise ValueError(f"source must be one of {WAN_ESTIMATE_SOURCES}, got {self.source!r}")
+
+    def _goodput(self, peer: str) -> WanEstimate:
+        if peer not in self.goodput:
+            self.goodput[peer] = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes,
+                                                      self.window)
+        return self.goodput[peer]
+
+    def add_goodput(self, peer: str, gbps: float, loss_rate: float | None = None) -> float | None:
+        """One KV receive rate (Gbit/s) of ``peer``; returns its measured estimate."""
+        return self._goodput(peer).add(gbps, loss_rate)
+
+    def add_rtt(self, peer: str, rtt_ms: float) -> float | None:
+        """One round trip (ms) to ``peer``; returns its measured estimate."""
+        return self.rtt.setdefault(peer, RttEstimate(self.window)).add(rtt_ms)
+
+    def configured_gbps(self) -> float:
+        """The configured line rate, capped by one connection's Mathis rate at the configured loss."""
+        g = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes).gbps
+        return self.line_gbps if g is None else g
+
+    def gbps(self, peer: str | None) -> float:
+        """The goodput the policies read for ``peer`` (Gbit/s): its live estimate once it has one
+        (``source`` live), else the configured figure."""
+        if self.source == "live" and peer is not None and peer in self.goodput:
+            g = self.goodput[peer].gbps
+            if g is not None:
+                return g
+        return self.configured_gbps()
+
+    def rtt_ms_of(self, peer: str | None) -> float:
+        """The round trip the policies read for ``peer`` (ms): live once sampled, else configured."""
+        if self.source == "live" and peer is not None and peer in self.rtt:
+            r = self.rtt[peer].ms
+            if r is not None:
+                return r
+        return self.rtt_ms
+
+    def transfer_s(self, peer: str | None, nbytes: float) -> float:
+        """Estimated seconds to move ``nbytes`` of KV to ``peer`` and get its first token back
+        (:func:`transfer_seconds` at the peer's goodput and RTT)."""
+        return transfer_seconds(nbytes, self.gbps(peer), self.rtt_ms_of(peer))
+
+    def view(self) -> dict:
+        """peer -> {"gbps", "rtt_ms" (what the policies read), "gbps_measured", "rtt_ms_measured"
+        (None before a sample), "goodput_samples", "rtt_samples"}: /pdd/stats ``wan_peers``."""
+        out = {}
+        for peer in sorted(set(self.goodput) | set(self.rtt)):
+            g, r = self.goodput.get(peer), self.rtt.get(peer)
+            out[peer] = {"gbps": self.gbps(peer), "rtt_ms": self.rtt_ms_of(peer),
+                         "gbps_measured": g.gbps if g is not None and g.samples else None,
+                         "rtt_ms_measured": r.ms if r is not None else None,
+                         "goodput_samples": len(g.samples) if g is not None else 0,
+                         "rtt_samples": len(r.samples) if r is not None else 0}
+        return out
