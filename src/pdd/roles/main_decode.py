@@ -15,7 +15,7 @@ Messages:
   With ``first_page`` (a predicted send, ``policy.md_predicted_send``: P is already sending
   pages ``[first_page, n_pages)``) the match is capped at ``first_page`` pages; when the cache
   holds fewer, pages ``[md_cached_pages, first_page)`` come as a second transfer (``md_fill``)
-  and the KV is complete after both ``kv_done``\ s. Frames that arrive before the reservation
+  and the KV is complete after both ``kv_done`` messages. Frames that arrive before the reservation
   are held (:class:`pdd.roles.early_frames.EarlyFrames`) and imported when it admits the request.
   ``kv`` / ``kv_done {first_token, fin}`` (from P): import; when complete either start decoding
   (no relay) or tell the gateway ``kv_ready`` and wait for the handoff.
