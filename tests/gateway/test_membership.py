@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from pdd.config import ClusterConfig
-from pdd.gateway.membership import Membership, MembershipError, parse_address
+from pdd.gateway.membership import JOIN_RETRIES, Membership, MembershipError, parse_address
 from pdd.gateway.membership_api import add_membership_routes
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.gateway.state import ReqState
@@ -69,7 +69,7 @@ def test_add_drain_remove_and_routing_follows():
         assert await o._route(ROLE_MAIN, [1] * 40) == "md0"
         rep = await ms.add("main_decode", address="127.0.0.1:18071")  # by address: the md1 slot
         assert (rep["name"], rep["state"], rep["source"], rep["connected"]) == ("md1", ACTIVE, "joined", True)
-        assert connects == [("md1", 50)]
+        assert connects == [("md1", JOIN_RETRIES)]
         assert [s.name for s in o.layout.by_role(ROLE_MAIN)] == ["md0", "md1"]
         assert len(o.prefix_index["md1"]) == 0
         o.inflight["md0"] = 2  # two requests still decoding there

@@ -48,7 +48,12 @@ from pdd.transfer.messages import Flush, Stats
 log = logging.getLogger(__name__)
 
 ENGINE_ROLES = ("prefill", "relay_decode", "main_decode", "colocated")
-JOIN_RETRIES = 50  # connect attempts (0.1 s apart, backing off) to an instance being added
+# connect attempts to an instance being added (pdd.transfer.rpc.connect: 0.1 s, doubling up to
+# 2 s apart): one already running (a join, ``start: false``) answers at once, so 7 tries (~6 s)
+# are enough and a wrong slot is refused quickly; one the gateway starts itself needs its engine
+# loaded first, so it is tried for ~90 s, and stops at once if its process exits
+JOIN_RETRIES = 7
+START_RETRIES = 50
 START_TIMEOUT_S = 120.0  # an instance the gateway starts must print READY within this
 EVENTS_KEPT = 200
 
@@ -226,9 +231,11 @@ class Membership:
             if start:
                 m.proc = await asyncio.to_thread(self._start_process, m)
             try:
-                peer = await self.orch._connect(m.name, retries=JOIN_RETRIES)
+                peer = await self._reach(m, START_RETRIES if start else JOIN_RETRIES)
             except Exception as e:
                 self._stop_process(m)
+                log.warning("add %s (%s) failed: not reachable at %s: %s: %s", m.name, m.role, m.reached_at,
+                            type(e).__name__, e)
                 raise MembershipError(503, f"instance {m.name} is not reachable at {m.reached_at}: "
                                            f"{type(e).__name__}: {e}", "address", "unreachable") from None
             old = self.orch.peers.get(m.name)
@@ -243,6 +250,19 @@ class Membership:
         finally:
             self._busy_ops.discard(m.name)
         return self.view(m.name)
+
+    async def _reach(self, m, retries: int):
+        """Connect to the instance being added (``retries``: see JOIN_RETRIES); raises the connect
+        error, or ConnectionError at once when a process the gateway started has exited."""
+        conn = asyncio.ensure_future(self.orch._connect(m.name, retries=retries))
+        proc = getattr(m, "proc", None)
+        while proc is not None and not conn.done():
+            await asyncio.wait({conn}, timeout=0.5)
+            code = proc.poll() if hasattr(proc, "poll") else None
+            if code is not None and not conn.done():
+                conn.cancel()
+                raise ConnectionError(f"its process exited with {code} before it listened")
+        return await conn
 
     async def drain(self, name: str, force: bool = False, remove_when_idle: bool = False) -> dict:
         """Stop routing new requests to ``name``; requests in flight finish there. With
