@@ -15,14 +15,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 OK, HTTP_500, MID_ERROR, HANG, NO_DONE = 1, 2, 3, 4, 5
 
 
-def fake_app() -> FastAPI:
+def fake_app(hang_every: int = 0) -> FastAPI:
+    """``hang_every`` N > 0: every N-th request (1-based, in arrival order) stalls after its first
+    token as HANG does, whatever its prompt (a mode whose requests time out)."""
     app = FastAPI()
+    arrivals = [0]
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
         prompt, n = body["prompt"], body["max_tokens"]
         kind = prompt[0] if isinstance(prompt, list) and prompt[0] < 10 else OK
+        arrivals[0] += 1
+        if hang_every and arrivals[0] % hang_every == 0:
+            kind = HANG
         assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["ignore_eos"]
         if kind == HTTP_500:
             return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)

@@ -159,3 +159,53 @@ def test_demo_cli_exits_1_when_a_mode_completed_no_request(capsys, tmp_path, dem
         assert demo_cli.main(["--modes", "pdd,colocated", "--out", str(tmp_path / "d")]) == code, name
     err = capsys.readouterr().err
     assert "pdd demo: no request completed in colocated (colocated: LaunchError: x)" in err
+
+
+def test_run_demo_warns_about_failed_requests(tmp_path):
+    """A mode with timed-out requests: a WARNING line naming it, the count and the most common
+    error, and the ratios marked as over completed requests only (a new user's demo printed
+    headline ratios over the 65 of 100 that completed, with no warning)."""
+    from bench_fakes import fake_app, serve_in_thread
+    from pdd.bench.args import bench_exit_status
+
+    flaky_url, stop = serve_in_thread(fake_app(hang_every=2))
+    ok_url, stop_ok = serve_in_thread(fake_app())
+    try:
+        cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+        scale = Scale(block_tokens=4, output_scale=1 / 100, min_output_tokens=2, max_output_tokens=5,
+                      target_rate_rps=50)
+        console_path = tmp_path / "console.txt"
+        report = run_demo(tmp_path / "demo", ("same_dc_pd", "pdd"), 6, scale, cfg, seed=1, warmup=False,
+                          request_timeout_s=1, progress=False, console=Console(file=open(console_path, "w"), width=100),
+                          topology_factory=lambda c, log_dir=None: FakeTopology(
+                              flaky_url if c.mode == "same_dc_pd" else ok_url, c, log_dir))
+    finally:
+        stop()
+        stop_ok()
+    m = report["modes"]["same_dc_pd"]
+    assert (m["completed"], m["failed"]) == (3, 3) and m["errors"] == {"Timeout": 3}
+    text = console_path.read_text()
+    assert ("WARNING: same_dc_pd: 3 of 6 requests failed (most common error, 3x: Timeout: no end after 1 s "
+            "(1 tokens)); its metrics and ratios are over its 3 completed requests only\n") in text
+    assert "WARNING: pdd" not in text
+    assert "(over completed requests only: same_dc_pd 3/6)" in text
+    assert "greedy outputs identical to same_dc_pd: pdd 3/3 (over requests completed in both)" in text
+    assert bench_exit_status(report, ["same_dc_pd", "pdd"], prog="pdd demo") == 0  # completed some: a result
+
+
+def test_demo_request_timeout_flag(monkeypatch, capsys):
+    """--request-timeout reaches run_demo; 0 is refused naming the flag (exit status 2)."""
+    import pdd.bench.demo as demo
+
+    with pytest.raises(SystemExit) as ex:
+        demo.main(["--request-timeout", "0"])
+    assert ex.value.code == 2 and "--request-timeout: must be > 0, got 0.0" in capsys.readouterr().err
+    seen = {}
+
+    def fake_run_demo(*a, **kw):
+        seen.update(kw)
+        return {"modes": {m: {"completed": 1} for m in demo.DEFAULT_MODES}}
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    monkeypatch.setattr("pdd.topology.ports_in_use", lambda lay: [])
+    assert demo.main(["--request-timeout", "600"]) == 0 and seen["request_timeout_s"] == 600

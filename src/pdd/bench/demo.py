@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import pydantic
 
-from pdd.bench.args import bench_exit_status, check_workload_args
+from pdd.bench.args import bench_exit_status, check_numbers, check_workload_args
 from pdd.bench.live import _default_topology, _proc_cpu, _warmup, ensure_model, fit_scale, measured_replay  # noqa: F401
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
@@ -157,7 +157,12 @@ def run_demo(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pdd.bench.demo``: the demo with its tuning knobs on the command line."""
-    ap = argparse.ArgumentParser(prog="pdd demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="pdd demo", description=__doc__.split("\n")[0],
+        epilog="A mode with failed requests gets a WARNING line (count, most common error) and its metrics and "
+               "ratios count its completed requests only. Exit status (as pdd bench): 0 when every mode completed "
+               "at least one request, 1 when a mode completed none (report.json is still written), 2 for bad "
+               "arguments.")
     ap.add_argument("--config", help="cluster config (YAML or JSON)")
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
@@ -174,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--session-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                    help="per request: a request with no end after this long fails as a Timeout (default: the "
+                         "config's request_timeout_s, 300)")
     ap.add_argument("--nice", type=int, default=None,
                     help=f"niceness of every demo process, -20..19 (default: the config's process_nice, else "
                          f"{DEMO_NICE}; below 0 needs root, else it is logged and the inherited one kept)")
@@ -185,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pdd.topology import layout, ports_in_use, ports_taken_message
 
     check_workload_args(ap, args)  # the numbers pdd bench checks, with its messages
+    check_numbers(ap, (("--request-timeout", args.request_timeout, 0, True),))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         ap.error(f"--modes: no mode given ({args.modes!r}); choose from {', '.join(MODES)}")
@@ -215,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   session_sample=args.session_sample, session_seed=args.session_seed)
     try:
         report = run_demo(args.out, tuple(modes), args.requests, scale, cfg, args.seed, start=args.start,
-                          warmup=not args.no_warmup)
+                          warmup=not args.no_warmup, request_timeout_s=args.request_timeout)
     except NoRequests as ex:  # the slice is empty (--start past the trace), named in the message
         ap.error(str(ex))
     return bench_exit_status(report, modes, prog="pdd demo")  # 1 when a mode completed no request

@@ -32,7 +32,7 @@ import math
 import subprocess
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -194,10 +194,20 @@ def mode_metrics(records: Iterable[Mapping], server: Mapping | None = None) -> d
             "p_cached_tokens": p_cached,
             "stream_errors": sum(1 for r in done if not stream_is_consistent(r)),
             "errors": dict(Counter(_error_kind(r.get("error")) for r in recs if not is_completed(r))),
+            "error_examples": _error_examples(recs),
         }
     )
     m.update(server_summary(server))
     return m
+
+
+def _error_examples(recs: Iterable[Mapping]) -> dict:
+    """``{error kind: its first message}``, so a warning can say what the kind was."""
+    out: dict[str, str] = {}
+    for r in recs:
+        if not is_completed(r):
+            out.setdefault(_error_kind(r.get("error")), str(r.get("error") or "no tokens"))
+    return out
 
 
 def _error_kind(err: Any) -> str:
@@ -208,6 +218,39 @@ def _error_kind(err: Any) -> str:
 
 def _mode_key(mode: str) -> tuple:
     return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
+
+
+def failure_warnings(modes: Mapping[str, Mapping]) -> list[str]:
+    """One warning line per mode with failed requests: the count, the most common error kind with
+    an example message, and that its metrics (and the ratios built on them) count only its
+    completed requests (a mode whose slowest requests timed out otherwise looks fast)."""
+    out = []
+    for name, m in modes.items():
+        failed = int(m.get("failed") or 0)
+        if not failed:
+            continue
+        done = int(m.get("completed") or 0)
+        errs = m.get("errors") or {}
+        kind, n = max(errs.items(), key=lambda kv: kv[1]) if errs else ("unknown", failed)
+        example = (m.get("error_examples") or {}).get(kind, kind)
+        out.append(f"WARNING: {name}: {failed} of {failed + done} requests failed (most common error, {n}x: "
+                   f"{example}); its metrics and ratios are over its {done} completed requests only")
+    return out
+
+
+def ratio_caveat(modes: Mapping[str, Mapping], names: Sequence[str]) -> str:
+    """`` (over completed requests only: pdd 65/100, ...)`` when one of ``names`` has failed requests, else ''."""
+    part = [(n, modes[n]) for n in names if n in modes and (modes[n].get("failed") or 0)]
+    if not part:
+        return ""
+    return " (over completed requests only: " + ", ".join(
+        f"{n} {m['completed']}/{m['completed'] + m['failed']}" for n, m in part) + ")"
+
+
+def print_failure_warnings(modes: Mapping[str, Mapping], console) -> None:
+    """:func:`failure_warnings` in bold red, never wrapped (the line stays greppable) nor read as markup."""
+    for line in failure_warnings(modes):
+        console.print(line, style="bold red", markup=False, highlight=False, soft_wrap=True)
 
 
 def compute_modes(records: Iterable[Mapping], server_stats: Mapping[str, Mapping] | None = None) -> dict:
@@ -389,18 +432,22 @@ def print_table(report_or_modes: Mapping, console=None, title: str = "pdd benchm
     for label, cells in table_rows(modes):
         table.add_row(label, *cells)
     console.print(table)
+    print_failure_warnings(modes, console)
     r = ratios(modes)
     parts = [
         f"{base}: P50 x{_fmt(r[f'pdd_over_{base}_median_ttft_ms'], 2)}, "
         f"P90 x{_fmt(r[f'pdd_over_{base}_p90_ttft_ms'], 2)}, P99 x{_fmt(r[f'pdd_over_{base}_p99_ttft_ms'], 2)}"
+        + ratio_caveat(modes, ("pdd", base))
         for base in ("cross_dc_pd", "same_dc_pd")
         if r[f"pdd_over_{base}_p90_ttft_ms"] is not None
     ]
     if parts:
-        console.print("TTFT pdd / " + "; pdd / ".join(parts))
+        console.print("TTFT pdd / " + "; pdd / ".join(parts), soft_wrap=True)
     agree = report_or_modes.get("output_agreement")
     if agree and agree.get("modes"):
         console.print(
             f"greedy outputs identical to {agree['reference']}: "
             + ", ".join(f"{m} {a['identical']}/{a['compared']}" for m, a in agree["modes"].items())
+            + (" (over requests completed in both)" if any((m.get("failed") or 0) for m in modes.values()) else ""),
+            soft_wrap=True,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from pdd.bench.report import _fmt, table_rows
+from pdd.bench.report import _fmt, print_failure_warnings, ratio_caveat, table_rows
 from pdd.bench.slo import SLA_ATTAINMENT
 from pdd.bench import vllm_mode
 
@@ -66,6 +66,7 @@ def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -
     for label, cells in vllm_mode.mark_rows(table_rows(modes) + bench_rows(modes), modes):
         table.add_row(label, *cells)
     console.print(table)
+    print_failure_warnings(modes, console)
     slo = report.get("slo") or {}
     if slo.get("ttft_ms") is not None or slo.get("tpot_ms") is not None:
         console.print(f"SLO ({slo.get('source')}): TTFT <= {_fmt(slo.get('ttft_ms'))} ms, TPOT <= "
@@ -78,11 +79,14 @@ def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -
     if r.get("pdd_over_cross_dc_pd_p90_ttft_ms") is not None:
         console.print(f"TTFT pdd / cross_dc_pd: P50 x{_fmt(r['pdd_over_cross_dc_pd_median_ttft_ms'], 2)}, "
                       f"P90 x{_fmt(r['pdd_over_cross_dc_pd_p90_ttft_ms'], 2)}, "
-                      f"P99 x{_fmt(r['pdd_over_cross_dc_pd_p99_ttft_ms'], 2)}")
+                      f"P99 x{_fmt(r['pdd_over_cross_dc_pd_p99_ttft_ms'], 2)}"
+                      + ratio_caveat(modes, ("pdd", "cross_dc_pd")), soft_wrap=True)
     agree = report.get("output_agreement") or {}
     if agree.get("modes"):
         console.print(f"greedy outputs identical to {agree['reference']}: "
-                      + ", ".join(f"{m} {a['identical']}/{a['compared']}" for m, a in agree["modes"].items()))
+                      + ", ".join(f"{m} {a['identical']}/{a['compared']}" for m, a in agree["modes"].items())
+                      + (" (over requests completed in both)" if any((m.get("failed") or 0) for m in modes.values())
+                         else ""), soft_wrap=True)
     if (line := vllm_mode.agreement_line(report.get("vllm_agreement"))) is not None:
         console.print(line)
     if report.get("mode_errors"):
