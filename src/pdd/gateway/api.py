@@ -176,7 +176,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        # where the bad value sits (body, query string, path) is not the parameter's name
+        outer = {"body", "query", "path", "header"}
+        raw_loc = list(first.get("loc", []))
+        if raw_loc and raw_loc[0] in outer:
+            raw_loc = raw_loc[1:]
+        loc = [str(x) for x in raw_loc]
         param = loc[0] if loc else None
         msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # our validators' messages
         if first.get("type") == "json_invalid":
@@ -196,7 +201,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             return bad_request(f"request body is missing: send a JSON object with at least {field!r}", field)
         # a list item by its index, as the validators and the chat renderer name it (messages[1])
         where = "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else x)
-                        for i, x in enumerate(x for x in first.get("loc", []) if x != "body"))
+                        for i, x in enumerate(raw_loc))
         if msg.startswith(f"{param}[") or msg.startswith(f"{param}:"):  # the validator named the item
             return bad_request(msg, param)
         return bad_request(f"{where}: {msg}" if where else msg, param)
