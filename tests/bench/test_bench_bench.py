@@ -385,3 +385,75 @@ def test_pipeline_preview_prices_the_missing_kv(tmp_path):
     b30 = p["by_budget_ms"]["30"]
     assert b30["relayed_share"] == 0.5 and b30["relayed_output_share"] == pytest.approx(30 / 40)
     assert b30["p_md_expected_wan_ms_p90"] == pytest.approx(20 + 16 * 0.32768)
+
+
+def settling_server(settle_after_polls: int):
+    """The fake SSE server plus a /pdd/stats that, after each completion request, reports a
+    transfer still crossing (transfers_pending 1, wan_bytes short of wan_bytes_expected) for
+    ``settle_after_polls`` polls, then balances (as pdd's gateway does a few s after a replay)."""
+    from bench_fakes import fake_app, serve_in_thread
+
+    app = fake_app()
+    state = {"requests": 0, "polls": 0}
+
+    @app.middleware("http")
+    async def count_requests(request, call_next):
+        if request.url.path == "/v1/completions":
+            state["requests"] += 1
+            state["polls"] = 0
+        return await call_next(request)
+
+    @app.get("/pdd/stats")
+    async def stats():
+        state["polls"] += 1
+        pending = state["requests"] > 0 and state["polls"] <= settle_after_polls
+        expected = 1000 * state["requests"]
+        return {"mode": "pdd", "instances": {}, "transfers_pending": int(pending),
+                "wan_bytes": expected - 500 if pending else expected, "wan_bytes_expected": expected}
+
+    return serve_in_thread(app)
+
+
+def _tiny_trace(tmp_path):
+    trace = tmp_path / "agentic.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 1024, "output_length": 300,
+                                         "hash_ids": [7, 8 + i]}) + "\n" for i in range(4)))
+    return trace
+
+
+def test_bench_url_waits_for_the_server_to_settle_before_the_final_stats(tmp_path):
+    """--url: the final /pdd/stats is read once transfers_pending is 0, so the WAN counts balance
+    (a new user's read right after the replay: 1.49 MB sent vs 8.04 expected)."""
+    url, stop = settling_server(settle_after_polls=3)
+    try:
+        cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+        report = run_bench(tmp_path / "u", ("pdd",), 4, SCALE, cfg, trace=_tiny_trace(tmp_path), url=url,
+                           slo={"ttft_ms": 1e6, "tpot_ms": 1e6}, sweep=None, request_timeout_s=10, progress=False,
+                           console=_console(tmp_path))
+    finally:
+        stop()
+    m = report["modes"]["pdd"]
+    assert m["completed"] == 4 and m["stats_settled"] is True
+    assert m["wan_bytes"] == m["wan_bytes_expected"] == 4000  # after - before, both read settled
+    assert "still busy" not in (tmp_path / "console.txt").read_text()
+
+
+def test_remote_wait_idle_is_bounded_and_says_so(tmp_path):
+    from pdd.bench.live import measured_replay
+
+    url, stop = settling_server(settle_after_polls=10 ** 6)  # never settles once a request came
+    try:
+        remote = RemoteTopology(url)
+        assert remote.wait_idle(timeout_s=0.3) is True  # nothing asked yet: settled
+        remote.wait_idle = lambda: RemoteTopology.wait_idle(remote, timeout_s=0.3, poll_s=0.05)
+        from pdd.bench.trace import ReplayRequest
+        reqs = [ReplayRequest(idx=0, arrival_s=0.0, prompt_ids=[20, 21, 22], max_tokens=3, trace_record={})]
+        console = _console(tmp_path)
+        records, entry = measured_replay(remote, reqs, model="m", mode="pdd", timeout_s=10, progress=False,
+                                         console=console)
+        console.file.flush()
+    finally:
+        stop()
+    assert records[0].ok and entry["idle"] is False
+    assert mode_metrics([r.to_dict() for r in records], entry)["stats_settled"] is False
+    assert "pdd: the server was still busy" in (tmp_path / "console.txt").read_text()

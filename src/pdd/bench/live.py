@@ -104,6 +104,10 @@ def measured_replay(
         after_replay()
     if wait_idle is not None:  # let cut-off and finished transfers drain before counting bytes
         entry["idle"] = wait_idle()
+        if not entry["idle"] and console is not None:
+            console.print(f"[yellow]{mode}: the server was still busy (transfers pending, requests running or "
+                          f"bytes on the WAN line) when the wait for it to settle ended: its WAN byte and CPU "
+                          f"counts may miss what was still in flight", soft_wrap=True)
     entry["proc_cpu_seconds"] = _proc_cpu(topo)
     entry["stats"] = topo.stats()
     if flush:
@@ -134,6 +138,27 @@ class RemoteTopology:
             return r.json() if r.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             return {}
+
+    def wait_idle(self, timeout_s: float = 30.0, poll_s: float = 0.2) -> bool:
+        """Poll /pdd/stats until the server is settled, as ``pdd.launch.Topology.wait_idle`` does for
+        the topologies pdd starts: no instance holds a live request, the WAN line carries nothing
+        in flight and no transfer awaits its outcome from P (``transfers_pending``). Read right
+        after a replay, a transfer still crossing made the WAN columns disagree (1.49 MB sent vs
+        8.04 expected). True when settled (or the server has no such stats, e.g. vLLM); False
+        after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.stats()
+            inst = st.get("instances") or {}
+            busy = any(int(v.get("running", 0) or 0) for v in inst.values() if isinstance(v, dict))
+            link = st.get("link") or {}
+            busy = busy or any(int(link.get(k, 0) or 0) for k in ("in_flight_a_to_b", "in_flight_b_to_a"))
+            busy = busy or int(st.get("transfers_pending", 0) or 0) > 0
+            if not busy:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
     def flush(self) -> dict:
         try:

@@ -133,6 +133,8 @@ def server_summary(entry: Mapping | None) -> dict:
         "wan_line_bytes": int(line) if line is not None else None,
         "cpu_seconds": cpu,
         "leaked_pages": int(flush["leaked_pages"]) if flush.get("leaked_pages") is not None else None,
+        # False: the server was still busy when the wait before the final stats ended (counts may be short)
+        **({"stats_settled": bool(entry["idle"])} if entry.get("idle") is not None else {}),
     }
 
 
