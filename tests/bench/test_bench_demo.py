@@ -54,7 +54,11 @@ def test_run_demo_with_fake_topology(tmp_path, server_url):
     for name in ("ttft_cdf.png", "timeline_pdd.png", "server_stats.json"):
         assert (out / name).stat().st_size > 0
     assert saved["output_agreement"]["modes"]["pdd"] == {"compared": 6, "identical": 6, "diverged": []}
-    assert "TTFT P90" in (tmp_path / "console.txt").read_text()
+    text = (tmp_path / "console.txt").read_text()
+    assert "TTFT P90" in text
+    # every file written, not only requests.jsonl, report.json and ttft_cdf.png
+    assert (f"wrote {out}/requests.jsonl, {out}/server_stats.json, {out}/report.json, {out}/ttft_cdf.png, "
+            f"{out}/timeline_cross_dc_pd.png, {out}/timeline_pdd.png\n") in text
 
 
 def test_plots(tmp_path):

@@ -111,6 +111,7 @@ def run_demo(
     server_stats: dict[str, dict] = {}
     mode_errors: dict[str, str] = {}
     all_records: list[dict] = []
+    timelines: list[Path] = []
     for mode in modes:
         cfg = config.model_copy(update={"mode": mode})
         console.rule(f"[bold]{mode}")
@@ -141,6 +142,7 @@ def run_demo(
                 f"{time.monotonic() - t_start:.0f} s"
             )
             plot_token_timeline(dicts, out / f"timeline_{mode}.png", title=f"{mode}: tokens at the client")
+            timelines.append(out / f"timeline_{mode}.png")
 
     report = build_report(
         all_records, server_stats, config=json.loads(config.model_dump_json()), seed=seed, workload=workload,
@@ -151,7 +153,9 @@ def run_demo(
     write_report(out / "report.json", report)
     plot_ttft_cdf(all_records, out / "ttft_cdf.png", title=f"TTFT, {len(requests)} Mooncake requests")
     print_table(report, console=console, title=f"pdd demo ({len(requests)} requests)")
-    console.print(f"wrote {req_path}, {out / 'report.json'}, {out / 'ttft_cdf.png'}")
+    written = [req_path, out / "server_stats.json", out / "report.json", out / "ttft_cdf.png", *timelines]
+    console.print("wrote " + ", ".join(str(p) for p in written if p.exists())
+                  + (f"; server logs in {out / 'logs'}" if (out / "logs").is_dir() else ""), soft_wrap=True)
     return report
 
 
