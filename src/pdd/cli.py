@@ -166,8 +166,14 @@ def cmd_serve(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
+    topo = Topology(cfg, log_dir=args.log_dir)
+    try:  # the log dir first: the one path serve creates, so an OSError here is about it
+        topo.log_dir.mkdir(parents=True, exist_ok=True)
+        (topo.log_dir / ".write-test").touch()
+        (topo.log_dir / ".write-test").unlink()
+    except OSError as e:
+        _usage(args, f"--log-dir {topo.log_dir}: cannot create or write the log directory: {e.strerror or e}")
     try:
-        topo = Topology(cfg, log_dir=args.log_dir)
         topo.start()
     except LaunchError as e:
         raise SystemExit(f"pdd: could not start the topology: {e}")

@@ -37,6 +37,26 @@ PARENT_POLL_S = 0.25  # how often an instance checks that its owner is still ali
 ORPHAN_GRACE_S = 5.0  # an orphaned instance's clean shutdown (SIGTERM) before it exits hard
 
 
+# exceptions an instance dies of at start whose cause is a config field (the field named first)
+_KNOWN_START_ERRORS = (
+    ("Torch not compiled with CUDA enabled",
+     "engine.device: cuda, but this torch has no CUDA (use device: cpu, or a CUDA build of torch)"),
+    ("can't allocate memory",
+     "engine.num_pages: the KV pool does not fit in this machine's memory (lower num_pages)"),
+    ("CUDA out of memory",
+     "engine.num_pages: the KV pool does not fit in the device's memory (lower num_pages)"),
+)
+
+
+def _explain(exc_line: str) -> str:
+    """``exc_line`` (``"RuntimeError: ..."``, a traceback's last line), prefixed with the config
+    field behind it when it is a known start failure."""
+    for needle, field in _KNOWN_START_ERRORS:
+        if needle in exc_line:
+            return f"{field}: {exc_line}"
+    return exc_line
+
+
 class LaunchError(RuntimeError):
     """An instance did not come up; the message names it and quotes its log's tail."""
 
@@ -251,11 +271,24 @@ class Topology:
         deadline = time.monotonic() + wait_s
         while not ready.wait(0.05):
             if p.poll() is not None:
-                raise LaunchError(f"{spec.name} ({spec.role}) exited with {p.returncode} before it was ready:\n"
-                                  + self._tail(spec.name))
+                raise LaunchError(f"{spec.name} ({spec.role}) exited with {p.returncode} before it was ready: "
+                                  + self._cause(spec.name))
             if time.monotonic() > deadline:
-                raise LaunchError(f"{spec.name} ({spec.role}) not ready after {wait_s:.0f} s:\n"
-                                  + self._tail(spec.name))
+                raise LaunchError(f"{spec.name} ({spec.role}) not ready after {wait_s:.0f} s: "
+                                  + self._cause(spec.name))
+
+    def _cause(self, name: str) -> str:
+        """One line for why ``name`` did not start: the exception its log ends with (a known
+        one translated to the config field behind it), else the log's last lines; then where
+        the whole log is."""
+        tail = self._tail(name, 400)
+        log_path = self.log_dir / f"{name}.log"
+        if "Traceback (most recent call last):" in tail:
+            last = [ln for ln in tail.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+            exc = last[-1].strip() if last else ""
+            return f"{_explain(exc)} (whole log: {log_path})"
+        tail = "".join(tail.splitlines(True)[-30:])
+        return f"\n{tail}(whole log: {log_path})" if tail else f"no output (log: {log_path})"
 
     def _tail(self, name: str, n: int = 30) -> str:
         try:

@@ -115,3 +115,22 @@ def test_launch_refuses_a_name_of_another_role(capsys, tmp_path, no_instance):
     cfg = _config(tmp_path, mode="pdd", model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)})
     _refused(capsys, ["launch", "--role", "prefill", "--name", "md0", "--config", cfg],
              "--name md0 is a main_decode instance, not prefill (--role)")
+
+
+def test_a_start_failure_is_one_line_naming_the_config_field(tmp_path):
+    """Found by a new user: an instance dying at start (device: cuda on a CPU-only torch, a KV
+    pool larger than memory) printed its 30-line traceback; the error is its last line, with the
+    config field behind it, and where the whole log is."""
+    from pdd.config import ClusterConfig
+    from pdd.launch import Topology
+
+    topo = Topology(ClusterConfig(), log_dir=tmp_path)
+    (tmp_path / "md0.log").write_text("starting\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                                      "    boom()\nAssertionError: Torch not compiled with CUDA enabled\n")
+    assert topo._cause("md0") == ("engine.device: cuda, but this torch has no CUDA (use device: cpu, or a CUDA "
+                                  "build of torch): AssertionError: Torch not compiled with CUDA enabled "
+                                  f"(whole log: {tmp_path / 'md0.log'})")
+    (tmp_path / "p0.log").write_text("Traceback (most recent call last):\nValueError: something else\n")
+    assert topo._cause("p0") == f"ValueError: something else (whole log: {tmp_path / 'p0.log'})"
+    (tmp_path / "rld0.log").write_text("plain line\n")
+    assert topo._cause("rld0") == f"\nplain line\n(whole log: {tmp_path / 'rld0.log'})"
