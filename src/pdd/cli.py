@@ -166,7 +166,10 @@ def cmd_serve(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
-    topo = Topology(cfg, log_dir=args.log_dir)
+    try:
+        topo = Topology(cfg, log_dir=args.log_dir)
+    except SecurityError as e:
+        _usage(args, str(e))
     try:  # the log dir first: the one path serve creates, so an OSError here is about it
         topo.log_dir.mkdir(parents=True, exist_ok=True)
         (topo.log_dir / ".write-test").touch()
