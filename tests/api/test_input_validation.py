@@ -559,3 +559,14 @@ def test_a_body_that_is_not_utf8_is_400_naming_the_byte(api, body, offset):
     assert err["message"] == (f"request body is not valid JSON: it is not UTF-8 text (byte 0x{body[offset]:02x} "
                               f"at offset {offset}); send JSON encoded as UTF-8")
     assert not orch.started
+
+
+def test_a_chat_over_the_input_limit_names_messages(api):
+    """Found by a new user: a chat prompt over the limit said ``prompt: ...`` while its param was
+    ``messages`` (a chat request has no ``prompt``)."""
+    client, orch = api
+    err = _err(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * 5000}],
+                                                          "max_tokens": 2}), 400, "messages")
+    assert err["message"].startswith("messages (as a prompt): ") and "longer than the maximum input length" in \
+        err["message"], err
+    assert not orch.started

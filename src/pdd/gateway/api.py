@@ -310,10 +310,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         per choice, as vLLM admits such requests. ``prompt_param``: the field the prompt came in
         (``messages`` for chat, whichever of max_tokens / max_completion_tokens it gave)."""
         e = cfg.engine
+        what = "prompt" if prompt_param == "prompt" else f"{prompt_param} (as a prompt)"
         if not n_prompt:
-            raise ApiError("prompt: must not be empty", prompt_param)
+            raise ApiError(f"{what}: must not be empty", prompt_param)
         if n_prompt > e.max_input_len:
-            raise ApiError(f"prompt: {n_prompt} tokens is longer than the maximum input length {e.max_input_len}",
+            raise ApiError(f"{what}: {n_prompt} tokens is longer than the maximum input length {e.max_input_len}",
                            prompt_param, code="context_length_exceeded")
         if n_prompt + max_tokens > e.max_model_len:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
