@@ -178,6 +178,8 @@ def test_http_endpoints_and_error_bodies():
         "the pdd topology has no colocated instances (roles: main_decode, prefill, relay_decode)"
     err(c.post("/pdd/instances", json={"name": "md1"}), 400, "invalid_body", "role")
     err(c.post("/pdd/instances", json={"role": "main_decode", "bogus": 1}), 400, "invalid_body", "bogus")
+    assert err(c.post("/pdd/instances", content=b'{"role": "main_decode"}', headers={"content-type": "text/plain"}),
+               415, "unsupported_media_type", None).startswith("Unsupported Media Type")
     err(c.post("/pdd/instances", content=b"{not json", headers={"content-type": "application/json"}), 400,
         "invalid_body", None)
     assert err(c.post("/pdd/instances", json={"role": "main_decode", "name": "md7"}), 404, "instance_not_found",

@@ -42,7 +42,14 @@ def _error(e: MembershipError) -> JSONResponse:
 
 
 async def _body(request: Request, model):
+    """The request's JSON body as ``model`` (an empty body: all defaults). Raises MembershipError:
+    415 for a body sent with a content type other than JSON (as the /v1 endpoints answer), 400
+    naming the field for a bad one."""
     raw = await request.body()
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if raw.strip() and ctype and "json" not in ctype:
+        raise MembershipError(415, f"Unsupported Media Type: the request body must be JSON sent with "
+                                   f"Content-Type: application/json (got {ctype!r})", None, "unsupported_media_type")
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as ex:
