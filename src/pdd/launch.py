@@ -57,6 +57,32 @@ def _explain(exc_line: str) -> str:
     return exc_line
 
 
+def spawn_instance(cfg, role: str, name: str, cfg_file: Path, log_path: Path) -> tuple[subprocess.Popen, threading.Event]:
+    """Start instance ``name`` of ``role`` as ``pdd launch --role ROLE --name NAME --config
+    CFG_FILE`` in a session of its own, its torch threads from its engine block, stopping
+    itself if this process dies (``PARENT_ENV``). Its stdout and stderr go to ``log_path``;
+    the returned event is set when it prints its READY line (the caller waits on it)."""
+    logf = open(log_path, "w")
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.engine_for(name).torch_threads), PYTHONUNBUFFERED="1",
+               **{PARENT_ENV: str(os.getpid())})
+    cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", role, "--name", name, "--config", str(cfg_file)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, text=True,
+                         start_new_session=True)
+    ready = threading.Event()
+
+    def pump():
+        assert p.stdout is not None
+        for line in p.stdout:
+            logf.write(line)
+            logf.flush()
+            if "READY" in line:
+                ready.set()
+        logf.close()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return p, ready
+
+
 class LaunchError(RuntimeError):
     """An instance did not come up; the message names it and quotes its log's tail."""
 
@@ -245,26 +271,8 @@ class Topology:
                               "a key (expected 401): refusing to serve unprotected")
 
     def _spawn(self, spec: InstanceSpec) -> None:
-        logf = open(self.log_dir / f"{spec.name}.log", "w")
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.engine_for(spec.name).torch_threads), PYTHONUNBUFFERED="1",
-                   **{PARENT_ENV: str(os.getpid())})  # the instance stops itself if this process dies
-        cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", spec.role, "--name", spec.name,
-               "--config", str(self._cfg_file)]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, text=True,
-                             start_new_session=True)
+        p, ready = spawn_instance(self.cfg, spec.role, spec.name, self._cfg_file, self.log_dir / f"{spec.name}.log")
         self.procs[spec.name] = p
-        ready = threading.Event()
-
-        def pump():
-            assert p.stdout is not None
-            for line in p.stdout:
-                logf.write(line)
-                logf.flush()
-                if "READY" in line:
-                    ready.set()
-            logf.close()
-
-        threading.Thread(target=pump, daemon=True).start()
         wait_s = self.start_timeout_s
         if spec.role == ROLE_MAIN and self.cfg.vllm.main_decode:  # it starts a vLLM server first
             wait_s += self.cfg.vllm.start_timeout_s

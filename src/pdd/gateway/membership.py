@@ -33,9 +33,7 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -373,24 +371,9 @@ class Membership:
         d = Path(tempfile.mkdtemp(prefix=f"pdd-{m.name}-"))
         cfg_file = d / "cluster.json"
         cfg_file.write_text(cfg.model_dump_json(indent=1))
-        logf = open(d / f"{m.name}.log", "w")
-        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.engine_for(m.name).torch_threads), PYTHONUNBUFFERED="1",
-                   PDD_PARENT_PID=str(os.getpid()))
-        cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", m.role, "--name", m.name, "--config", str(cfg_file)]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env, text=True,
-                             start_new_session=True)
-        ready = threading.Event()
+        from pdd.launch import spawn_instance
 
-        def pump():
-            assert p.stdout is not None
-            for line in p.stdout:
-                logf.write(line)
-                logf.flush()
-                if "READY" in line:
-                    ready.set()
-            logf.close()
-
-        threading.Thread(target=pump, daemon=True).start()
+        p, ready = spawn_instance(cfg, m.role, m.name, cfg_file, d / f"{m.name}.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready.wait(0.05):
             if p.poll() is not None or time.monotonic() > deadline:
