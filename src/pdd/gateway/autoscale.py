@@ -118,7 +118,7 @@ class Autoscaler:
         x = self.inputs()
         self._reset_window()
         d = decide_mix(x, self.rule)
-        rec = {"t": round(time.time(), 3), "inputs": _inputs_dict(x), "decision": d.as_dict(), "applied": []}
+        rec = {"time": round(time.time(), 3), "inputs": _inputs_dict(x), "decision": d.as_dict(), "applied": []}
         ms = self.orch.membership
         for rd in d.changes:
             try:

@@ -153,7 +153,7 @@ class Membership:
         old = frm or m.state
         m.state, m.since = state, time.time()
         self.changes[op] = self.changes.get(op, 0) + 1
-        ev = {"t": round(m.since, 3), "op": op, "instance": m.name, "role": m.role, "from": old, "to": state, **info}
+        ev = {"time": round(m.since, 3), "op": op, "instance": m.name, "role": m.role, "from": old, "to": state, **info}
         self.events.append(ev)
         del self.events[:-EVENTS_KEPT]
         self._sync_layout()
