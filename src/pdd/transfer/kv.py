@@ -552,20 +552,12 @@ class KVSender:
         (None: not said, the receiver's own).
         Raises ConnectionError if the peer is closed.
         """
-        if self._closed:
-            raise RuntimeError("KVSender is closed")
-        self.peer._check_open()
+        self._check_open()
         if n_pages < 0 or first_page_index < 0 or page_bytes < 0:
             raise ValueError("n_pages, first_page_index and page_bytes must be >= 0")
         if last_page_bytes is not None and not 0 < last_page_bytes <= page_bytes:
             raise ValueError(f"last_page_bytes must be in [1, page_bytes={page_bytes}], got {last_page_bytes}")
-        done_fields = dict(done_fields or {})
-        bad = _RESERVED_DONE_KEYS & done_fields.keys()
-        if bad:
-            raise ValueError(f"done_fields may not set reserved keys {sorted(bad)}")
-        cp = chunk_pages or self.chunk_pages
-        if cp <= 0:
-            raise ValueError("chunk_pages must be > 0")
+        done_fields, cp = self._done_and_chunk(done_fields, chunk_pages)
         if self.max_frame_bytes is not None and page_bytes > 0:
             cp = max(1, min(cp, self.max_frame_bytes // page_bytes))
         t = Transfer(
@@ -583,11 +575,7 @@ class KVSender:
             last_page_bytes,
             dtype,
         )
-        self.active.append(t)
-        self._wake.set()
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"kv-sender-{peer_label(self.peer)}")
-        return t
+        return self._enqueue(t)
 
     def submit_layered(
         self,
@@ -617,20 +605,12 @@ class KVSender:
         waited for the prefill after its first frame). Frames say their layer range; ``kv_done``
         says ``layers`` ``[groups[0][0], groups[-1][1])`` and ``page_bytes`` of a whole page.
         Raises as :meth:`submit`."""
-        if self._closed:
-            raise RuntimeError("KVSender is closed")
-        self.peer._check_open()
+        self._check_open()
         if n_pages < 0 or first_page_index < 0 or page_tokens < 1:
             raise ValueError("n_pages and first_page_index must be >= 0, page_tokens >= 1")
         if last_slots is not None and not 0 < last_slots < page_tokens:
             raise ValueError(f"last_slots must be in [1, page_tokens={page_tokens}), got {last_slots}")
-        done_fields = dict(done_fields or {})
-        bad = _RESERVED_DONE_KEYS & done_fields.keys()
-        if bad:
-            raise ValueError(f"done_fields may not set reserved keys {sorted(bad)}")
-        cp = chunk_pages or self.chunk_pages
-        if cp <= 0:
-            raise ValueError("chunk_pages must be > 0")
+        done_fields, cp = self._done_and_chunk(done_fields, chunk_pages)
         page_bytes = sum(int(b) for b in group_page_bytes)
         last = None if last_slots is None else page_bytes // page_tokens * last_slots
         t = LayeredTransfer(
@@ -638,6 +618,28 @@ class KVSender:
             (int(groups[0][0]), int(groups[-1][1])), cp, done_fields, dict(meta or {}), next(self._seq),
             last, dtype, progress=progress, groups=groups, group_page_bytes=group_page_bytes,
             page_tokens=page_tokens, last_slots=last_slots)
+        return self._enqueue(t)
+
+    def _check_open(self) -> None:
+        """Raises RuntimeError if this sender is closed, ConnectionError if its peer is."""
+        if self._closed:
+            raise RuntimeError("KVSender is closed")
+        self.peer._check_open()
+
+    def _done_and_chunk(self, done_fields: Optional[dict], chunk_pages: Optional[int]) -> tuple[dict, int]:
+        """A submit's ``kv_done`` extras (a copy; ValueError on a reserved key) and its pages per
+        frame (``chunk_pages`` or the sender's; ValueError unless > 0)."""
+        done_fields = dict(done_fields or {})
+        bad = _RESERVED_DONE_KEYS & done_fields.keys()
+        if bad:
+            raise ValueError(f"done_fields may not set reserved keys {sorted(bad)}")
+        cp = chunk_pages or self.chunk_pages
+        if cp <= 0:
+            raise ValueError("chunk_pages must be > 0")
+        return done_fields, cp
+
+    def _enqueue(self, t: Transfer) -> Transfer:
+        """Make ``t`` active and wake (or start) the send loop."""
         self.active.append(t)
         self._wake.set()
         if self._task is None:
