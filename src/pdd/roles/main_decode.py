@@ -204,6 +204,25 @@ class MainDecodeInstance(EngineInstance):
             await self.release(ctx, cache=True)
         return None
 
+    async def _with_kv(self, ctx):
+        """``ctx`` once its prompt's KV is complete, else None. A handoff sent at the KV's
+        predicted landing (policy.early_handoff) may come first: the extend waits for the KV
+        (then imported: the engine runs it after that). KV that never arrives within
+        ``request_timeout_s`` fails the request (``req_error``) and releases it."""
+        if ctx.extra.get("kv_complete"):
+            return ctx
+        rid = ctx.rid
+        await self._kv_arrived(rid, self.cfg.request_timeout_s)
+        ctx = self.reqs.get(rid)
+        if ctx is None:
+            return None
+        if not ctx.extra.get("kv_imported"):
+            error = f"{self.spec.name}: the prompt's KV did not arrive within {self.cfg.request_timeout_s:.0f} s"
+            ctx.sink.put(ReqError(ctx.rid, error).wire())
+            await self.release(ctx, cache=False)
+            return None
+        return ctx
+
     async def on_extend(self, peer, h, payload):
         """Handed-over output ids from RLD (``extend_message``): MD's next forward pass is one
         extend over the ids it lacks. ``final`` False (a catch-up round, sent as a call): compute
@@ -214,18 +233,9 @@ class MainDecodeInstance(EngineInstance):
         if ctx is None:
             return ExtendOk(False).wire()
         ids, final = m.token_ids, m.final
-        if not ctx.extra.get("kv_complete"):
-            # a handoff sent at the KV's predicted landing (policy.early_handoff) may come first:
-            # the extend waits for the prompt's KV (then imported: the engine runs it after that)
-            await self._kv_arrived(ctx.rid, self.cfg.request_timeout_s)
-            ctx = self.reqs.get(m.rid)
-            if ctx is None:
-                return ExtendOk(False).wire()
-            if not ctx.extra.get("kv_imported"):
-                error = f"{self.spec.name}: the prompt's KV did not arrive within {self.cfg.request_timeout_s:.0f} s"
-                ctx.sink.put(ReqError(ctx.rid, error).wire())
-                await self.release(ctx, cache=False)
-                return ExtendOk(False).wire()
+        ctx = await self._with_kv(ctx)
+        if ctx is None:
+            return ExtendOk(False).wire()
         seq = ctx.seq
 
         def _extend(e):

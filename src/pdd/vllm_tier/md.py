@@ -272,16 +272,9 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         if not m.final:  # catch-up round: nothing to compute ahead in vLLM (module docs)
             self.counters["catchup_rounds_deferred"] = self.counters.get("catchup_rounds_deferred", 0) + 1
             return ExtendOk(True, steps=0, extend_step_ms=0.0, extra_step_ms=0.0).wire()
-        if not ctx.extra.get("kv_complete"):
-            await self._kv_arrived(ctx.rid, self.cfg.request_timeout_s)
-            ctx = self.reqs.get(m.rid)
-            if ctx is None:
-                return ExtendOk(False).wire()
-            if not ctx.extra.get("kv_imported"):
-                error = f"{self.spec.name}: the prompt's KV did not arrive within {self.cfg.request_timeout_s:.0f} s"
-                ctx.sink.put(ReqError(ctx.rid, error).wire())
-                await self.release(ctx, cache=False)
-                return ExtendOk(False).wire()
+        ctx = await self._with_kv(ctx)
+        if ctx is None:
+            return ExtendOk(False).wire()
         if "decode_task" in ctx.extra:  # a repeated final round: the stream already runs
             return ExtendOk(True).wire()
         self.counters["extends"] = self.counters.get("extends", 0) + 1
