@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdd.types import Pipeline
+from pdd.policy.wan_estimate import transfer_seconds
 
 MODES = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
 
@@ -63,13 +64,7 @@ def expected_wan_seconds(inp: PipelineInputs) -> float:
     throughput) and MD's token crosses back B->A (the other half RTT). Only the missing KV
     counts (decode-side radix cache, report "DRC"). A non-positive rate gives ``inf``.
     """
-    rtt_s = max(0.0, inp.wan_rtt_ms) / 1000.0
-    nbytes = missing_tokens(inp) * inp.kv_bytes_per_token
-    if nbytes == 0:
-        return rtt_s
-    if inp.wan_gbps_estimate <= 0:
-        return float("inf")
-    return rtt_s + nbytes * 8.0 / (inp.wan_gbps_estimate * 1e9)
+    return transfer_seconds(missing_tokens(inp) * inp.kv_bytes_per_token, inp.wan_gbps_estimate, inp.wan_rtt_ms)
 
 
 def relays_every_request(mode: str, ttft_budget_ms: float, allow_p_rld: bool) -> bool:

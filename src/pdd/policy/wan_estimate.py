@@ -138,7 +138,8 @@ class RttEstimate:
 def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float) -> float:
     """Seconds from the first byte sent until the receiver's first token is back:
     ``rtt + nbytes * 8 / (gbps * 1e9)`` (half a round trip for the KV to propagate, the other half
-    for the token to come back; ``pdd.policy.pipeline.expected_wan_seconds`` is the same formula).
+    for the token to come back; ``pdd.policy.pipeline.expected_wan_seconds`` applies it to a
+    request's missing KV).
     A non-positive rate with bytes to send gives ``inf``."""
     rtt_s = max(0.0, rtt_ms) / 1000.0
     if nbytes <= 0:
@@ -178,6 +179,8 @@ class PeerWanEstimates:
     def __post_init__(self) -> None:
         if self.source not in WAN_ESTIMATE_SOURCES:
             raise ValueError(f"source must be one of {WAN_ESTIMATE_SOURCES}, got {self.source!r}")
+        g = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes).gbps
+        self._configured_gbps = self.line_gbps if g is None else g  # fixed: read on every routing
 
     def _goodput(self, peer: str) -> WanEstimate:
         if peer not in self.goodput:
@@ -195,8 +198,7 @@ class PeerWanEstimates:
 
     def configured_gbps(self) -> float:
         """The configured line rate, capped by one connection's Mathis rate at the configured loss."""
-        g = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes).gbps
-        return self.line_gbps if g is None else g
+        return self._configured_gbps
 
     def gbps(self, peer: str | None) -> float:
         """The goodput the policies read for ``peer`` (Gbit/s): its live estimate once it has one
