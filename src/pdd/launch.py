@@ -83,6 +83,22 @@ def spawn_instance(cfg, role: str, name: str, cfg_file: Path, log_path: Path) ->
     return p, ready
 
 
+def start_failure_cause(log_path: Path) -> str:
+    """One line for why an instance did not start: the exception its log ends with (a known one
+    translated to the config field behind it), else the log's last lines; then where the whole
+    log is."""
+    try:
+        tail = "".join(Path(log_path).read_text().splitlines(True)[-400:])
+    except OSError:
+        tail = ""
+    if "Traceback (most recent call last):" in tail:
+        last = [ln for ln in tail.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+        exc = last[-1].strip() if last else ""
+        return f"{_explain(exc)} (whole log: {log_path})"
+    tail = "".join(tail.splitlines(True)[-30:])
+    return f"\n{tail}(whole log: {log_path})" if tail else f"no output (log: {log_path})"
+
+
 class LaunchError(RuntimeError):
     """An instance did not come up; the message names it and quotes its log's tail."""
 
@@ -286,17 +302,8 @@ class Topology:
                                   + self._cause(spec.name))
 
     def _cause(self, name: str) -> str:
-        """One line for why ``name`` did not start: the exception its log ends with (a known
-        one translated to the config field behind it), else the log's last lines; then where
-        the whole log is."""
-        tail = self._tail(name, 400)
-        log_path = self.log_dir / f"{name}.log"
-        if "Traceback (most recent call last):" in tail:
-            last = [ln for ln in tail.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
-            exc = last[-1].strip() if last else ""
-            return f"{_explain(exc)} (whole log: {log_path})"
-        tail = "".join(tail.splitlines(True)[-30:])
-        return f"\n{tail}(whole log: {log_path})" if tail else f"no output (log: {log_path})"
+        """:func:`start_failure_cause` of ``name``'s log."""
+        return start_failure_cause(self.log_dir / f"{name}.log")
 
     def _tail(self, name: str, n: int = 30) -> str:
         try:

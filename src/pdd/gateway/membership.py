@@ -371,16 +371,15 @@ class Membership:
         d = Path(tempfile.mkdtemp(prefix=f"pdd-{m.name}-"))
         cfg_file = d / "cluster.json"
         cfg_file.write_text(cfg.model_dump_json(indent=1))
-        from pdd.launch import spawn_instance
+        from pdd.launch import spawn_instance, start_failure_cause
 
         p, ready = spawn_instance(cfg, m.role, m.name, cfg_file, d / f"{m.name}.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready.wait(0.05):
             if p.poll() is not None or time.monotonic() > deadline:
                 self._kill(p)
-                tail = "".join((d / f"{m.name}.log").read_text().splitlines(True)[-10:])
-                raise MembershipError(503, f"instance {m.name} did not start (log {d}/{m.name}.log):\n{tail}",
-                                      "start", "start_failed")
+                raise MembershipError(503, f"instance {m.name} did not start: "
+                                           f"{start_failure_cause(d / f'{m.name}.log')}", "start", "start_failed")
         log.warning("membership: started %s (%s), log %s", m.name, m.role, d / f"{m.name}.log")
         return p
 
