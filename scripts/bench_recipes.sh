@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measured runs behind docs/BENCH.md (issue #3's done-when). Usage:
-#   scripts/bench_issue3.sh OUT_DIR [STEP ...]
+#   scripts/bench_recipes.sh OUT_DIR [STEP ...]
 # STEPs (default: all, in this order): gaps ramp prld routing agentic mooncake; also agentic_itl30 and
 # gaps_itl30 (the agentic workload with a 30 ms emulated accelerator step, docs/LINK.md), agentic_short,
 # routing_local, routing_pdd
@@ -8,7 +8,7 @@
 # OUT_DIR/<step>/report.json, plots and console.txt. The configs are written into OUT_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: scripts/bench_issue3.sh OUT_DIR [STEP ...]}
+OUT=${1:?usage: scripts/bench_recipes.sh OUT_DIR [STEP ...]}
 shift || true
 STEPS=${*:-gaps ramp prld routing agentic mooncake}
 PDD=${PDD:-.venv/bin/pdd}
