@@ -286,7 +286,7 @@ class LimitsConfig(_Strict):
 
 
 class LivenessConfig(_Strict):
-    """Dead-peer detection and recovery (``pdd.transfer.rpc`` heartbeats, the gateway's recovery).
+    """Dead-peer detection and recovery (``pdd.transfer.peer`` heartbeats, the gateway's recovery).
 
     Every persistent connection between pdd processes sends a heartbeat frame each
     ``heartbeat_interval_s``; a side that has received no byte for ``dead_after_s`` (bytes of a
