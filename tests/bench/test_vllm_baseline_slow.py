@@ -28,7 +28,7 @@ def test_vllm_colocated_beside_colocated(tmp_path, vllm_python):
 
     from pdd.bench.bench import run_bench
     from pdd.bench.report import read_jsonl
-    from pdd.bench.trace import Scale
+    from pdd.workload.replay import Scale
     from pdd.config import ClusterConfig
     from pdd.modelgen import make_model
     from pdd.topology import free_port_block

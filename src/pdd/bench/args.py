@@ -14,7 +14,7 @@ import httpx
 from pdd.bench import vllm_mode
 from pdd.bench.live import RemoteTopology
 from pdd.bench.modes import parse_mode_label
-from pdd.bench.trace import DEFAULT_TRACE, Scale
+from pdd.workload.replay import DEFAULT_TRACE, Scale
 from pdd.config import MODES
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
@@ -262,7 +262,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--trace: {args.trace} is a directory, not a trace file")
     if not Path(args.trace).is_file():
         ap.error(f"--trace: no such file: {args.trace}")
-    from pdd.bench.trace import load_trace
+    from pdd.workload.replay import load_trace
 
     try:  # ~0.1 s for the shared trace; a bad line is refused before a model or topology is made
         records = load_trace(args.trace)

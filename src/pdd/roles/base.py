@@ -181,7 +181,7 @@ class EngineInstance:
         loop = asyncio.get_running_loop()
         step_time = None
         if ec.profile is not None:  # emulate that chip's prefill/decode cost curve
-            from pdd.sim.profile import load_step_model
+            from pdd.step_profile import load_step_model
 
             step_time = load_step_model(ec.profile).step_time
         self.worker = EngineWorker(self.engine, loop, self.on_events, self.on_seq_failed,
