@@ -371,7 +371,7 @@ class Membership:
         d = Path(tempfile.mkdtemp(prefix=f"pdd-{m.name}-"))
         cfg_file = d / "cluster.json"
         cfg_file.write_text(cfg.model_dump_json(indent=1))
-        from pdd.launch import spawn_instance, start_failure_cause
+        from pdd.spawn import spawn_instance, start_failure_cause
 
         p, ready = spawn_instance(cfg, m.role, m.name, cfg_file, d / f"{m.name}.log")
         deadline = time.monotonic() + START_TIMEOUT_S

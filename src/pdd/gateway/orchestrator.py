@@ -96,7 +96,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         # KV elements per token (2 x layers x kv heads x head dim), from MD's reservation replies:
         # with each tier's page size and dtype it gives a transfer's exact bytes (_wan_page_bytes)
         self.kv_elems_per_token: int | None = mc.kv_bytes_per_token("float32") // 4 if mc is not None else None
-        from pdd.metrics import GatewayMetrics
+        from pdd.gateway.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics(self)
 
