@@ -7,7 +7,8 @@ in a unit's files is an arrow to the unit it names, lazy imports inside function
 
 - no cycle between units (an arrow that runs back up makes two layers one);
 - ``policy`` imports nothing of pdd but ``policy`` and ``types`` (pure decisions, shared by the
-  runtime and the simulator).
+  runtime and the simulator);
+- the package map of ``docs/ARCHITECTURE.md`` lists every unit, each below every unit it imports.
 
 Run it as a script to print the graph's cycles with the statements that make them::
 
@@ -132,6 +133,32 @@ def test_policy_imports_only_policy_and_types():
     edges = import_edges()
     bad = {v: where for (u, v), where in edges.items() if u == "policy" and v not in POLICY_MAY_IMPORT}
     assert not bad, bad
+
+
+def package_map(doc: Path = SRC.parent / "docs" / "ARCHITECTURE.md") -> list[str]:
+    """The units of the "Package map" table, in its order (```bench/``` -> ``bench``)."""
+    text = doc.read_text()
+    table = text[text.index("## Package map"):]
+    table = table[: table.index("\n## ", 1)]
+    out = []
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            name = line.split("`")[1]
+            out.append(name.removesuffix(".py").removesuffix("/"))
+    return out
+
+
+def test_the_architecture_package_map_lists_each_unit_below_what_it_imports():
+    edges = import_edges()
+    order = package_map()
+    units = {p.stem for p in (SRC / "pdd").iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and any(p.glob("*.py")))}
+    missing = sorted(units - set(order))
+    assert not missing, f"missing from docs/ARCHITECTURE.md's package map: {missing}"
+    pos = {u: i for i, u in enumerate(order)}
+    upward = [f"{u} -> {v}: {where[0]}" for (u, v), where in sorted(edges.items())
+              if u in pos and v in pos and pos[v] > pos[u]]
+    assert not upward, "listed above what they import in docs/ARCHITECTURE.md:\n" + "\n".join(upward)
 
 
 def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
