@@ -71,7 +71,7 @@ W="$OUT/agentic.jsonl"
 # many sessions for the routing comparison: the same generator with 8 turns per session on
 # average instead of 40 (~30 sessions in 240 requests), so prefix locality across instances matters
 W2="$OUT/agentic_many.jsonl"
-[ -s "$W2" ] || .venv/bin/python -c "import sys; from pdd.sim.workloads import generate_agentic, print_hit_histogram, \
+[ -s "$W2" ] || .venv/bin/python -c "import sys; from pdd.workload.records import generate_agentic, print_hit_histogram, \
 write_trace; r = generate_agentic(240, seed=2, mean_turns=8.0); print_hit_histogram(r); write_trace(r, sys.argv[1])" \
   "$W2" | tee "$OUT/agentic_many_histogram.txt"
 

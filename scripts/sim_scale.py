@@ -44,7 +44,7 @@ def tiled(records: list[dict], n: int) -> list[dict]:
 def measure(sizes, *, mode="pdd", n_p=30, n_rld=13, n_md=32, n_d=None, n_c=None, trace=None, log=None) -> list[dict]:
     from pdd.sim.cluster import ClusterSim, SimConfig
     from pdd.sim.report import summarize
-    from pdd.sim.workloads import MOONCAKE_TRACE, load_trace
+    from pdd.workload.records import MOONCAKE_TRACE, load_trace
 
     base = load_trace(trace or MOONCAKE_TRACE)
     kw = dict(mode=mode, n_p=n_p, n_rld=n_rld, n_md=n_md)

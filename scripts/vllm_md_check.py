@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
 
-    from pdd.bench.vllm_mode import free_port, vllm_python
+    from pdd.vllm_tier.venv import free_port, vllm_python
     from pdd.config import ClusterConfig
     from pdd.vllm_tier.md import vllm_md_command, vllm_md_env
     from pdd.vllm_tier.staging import write_stage

@@ -329,7 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from pdd.sim.cli import add_plan_parser, add_profile_parser, add_sim_parser
 
-        add_sim_parser(sub)
+        try:  # `pdd sim validate` runs the live topology through the bench client
+            from pdd.bench.live_validate import add_validate_parser
+        except ImportError:
+            add_validate_parser = None
+        add_sim_parser(sub, add_validate=add_validate_parser)
         add_profile_parser(sub)
         add_plan_parser(sub)
         # `pdd workload agentic` (issue wording) is the simulator's generator under its own name

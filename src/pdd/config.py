@@ -50,7 +50,7 @@ class EngineConfig(_Strict):
     profile: str | None = Field(
         None, description="step-time profile written by `pdd profile` (pdd-profile/1 JSON): the engine emulates "
         "that chip, every forward pass is held to the profile's predicted time for its batch "
-        "(pdd.sim.profile.MeasuredStepModel; at least min_step_ms); None: off")
+        "(pdd.step_profile.MeasuredStepModel; at least min_step_ms); None: off")
 
     @field_validator("page_size")
     @classmethod
@@ -94,8 +94,8 @@ class EngineConfig(_Strict):
 @functools.lru_cache(maxsize=64)
 def _checked_profile(path: str, mtime_ns: int | None) -> None:
     """Load (and fit) the profile once per file version; raises ValueError as
-    ``pdd.sim.profile.load_step_model``."""
-    from pdd.sim.profile import load_step_model
+    ``pdd.step_profile.load_step_model``."""
+    from pdd.step_profile import load_step_model
 
     load_step_model(path)
 
@@ -286,7 +286,7 @@ class LimitsConfig(_Strict):
 
 
 class LivenessConfig(_Strict):
-    """Dead-peer detection and recovery (``pdd.transfer.rpc`` heartbeats, the gateway's recovery).
+    """Dead-peer detection and recovery (``pdd.transfer.peer`` heartbeats, the gateway's recovery).
 
     Every persistent connection between pdd processes sends a heartbeat frame each
     ``heartbeat_interval_s``; a side that has received no byte for ``dead_after_s`` (bytes of a

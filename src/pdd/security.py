@@ -11,7 +11,7 @@ What is protected how (``ClusterConfig.security``, :class:`pdd.config.SecurityCo
 - **Keyed MAC** (``fast_path: mac``, the default) on the in-datacenter fast path P -> RLD (and
   P -> D in ``same_dc_pd``), which stands in for RDMA where TLS is not used: every frame carries
   a 128-bit tag (AES-GMAC; HMAC-SHA256 for the hellos) under per-connection keys derived from the
-  topology's ``fastpath.key`` (``pdd.transfer.rpc``). A frame that fails it is dropped undecoded, counted, and the
+  topology's ``fastpath.key`` (``pdd.transfer.handshake``). A frame that fails it is dropped undecoded, counted, and the
   connection closed, so it never reaches a handler (never a radix cache).
 - ``tls: false`` is the off switch for benchmarking: control and cross-datacenter connections
   go plain (and servers accept unauthenticated peers).
@@ -286,10 +286,10 @@ def read_mac_key(cert_dir: str | Path) -> bytes:
 
 @dataclass(frozen=True)
 class LinkSecurity:
-    """What one instance passes to ``rpc.Server`` / ``rpc.connect`` (see the module doc).
+    """What one instance passes to ``transfer.server.Server`` / ``transfer.client.connect`` (see the module doc).
 
-    ``server()`` -> kwargs of its ``rpc.Server``; ``client(target, fast)`` -> kwargs of an
-    ``rpc.connect`` to instance ``target`` (``fast``: the in-datacenter fast path).
+    ``server()`` -> kwargs of its ``Server``; ``client(target, fast)`` -> kwargs of a
+    ``connect`` to instance ``target`` (``fast``: the in-datacenter fast path).
     """
 
     name: str

@@ -109,7 +109,7 @@ def _start_failure(remote_text: str):
     """The exception the orchestrator raises when a tier's call failed while starting: a
     RequestFailed raised from the RemoteError carrying the tier's error text."""
     from pdd.gateway.orchestrator import RequestFailed
-    from pdd.transfer.rpc import RemoteError
+    from pdd.transfer.peer import RemoteError
 
     try:
         try:
@@ -135,7 +135,7 @@ def test_refusal_names_a_full_queue_or_a_full_kv_pool_at_start():
     from pdd.engine.kv_pool import OutOfPages
     from pdd.gateway.admission import refusal
     from pdd.gateway.orchestrator import RequestFailed
-    from pdd.transfer.rpc import RemoteError
+    from pdd.transfer.peer import RemoteError
 
     ex = _start_failure("OutOfPages: out of KV pages: need 207, 101 free (seq r70)")
     assert refusal(ex) == "out_of_pages" and not is_tier_busy(ex)

@@ -16,7 +16,7 @@ import pytest
 from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_REJECTED, OUTCOMES, Orchestrator, TokenOut
 from pdd.topology import layout
-from pdd.transfer.rpc import RemoteError
+from pdd.transfer.peer import RemoteError
 from tests.gateway.fake_peer import FakePeer
 
 PROMPT_LONG = list(range(10, 60))  # held in "prefill" until aborted

@@ -13,7 +13,7 @@ from pdd.bench.bench import (MODE_EXTRA_FIELDS, REPORT_FIELDS, RemoteTopology, a
 from pdd.bench.report import mode_metrics, read_jsonl, recompute_report
 from pdd.bench.slo import SLO
 from pdd.bench.sweep import SweepPlan
-from pdd.bench.trace import Scale
+from pdd.workload.replay import Scale
 from pdd.config import ClusterConfig
 from test_bench_demo import fake_model
 
@@ -361,7 +361,7 @@ def test_handoff_gaps_by_mode_wide_window_baseline_and_switches():
 
 def test_pipeline_preview_prices_the_missing_kv(tmp_path):
     from pdd.bench.bench import kv_bytes_per_token, pipeline_preview
-    from pdd.bench.trace import ReplayRequest
+    from pdd.workload.replay import ReplayRequest
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
                                                       "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 256}))
@@ -446,7 +446,7 @@ def test_remote_wait_idle_is_bounded_and_says_so(tmp_path):
         remote = RemoteTopology(url)
         assert remote.wait_idle(timeout_s=0.3) is True  # nothing asked yet: settled
         remote.wait_idle = lambda: RemoteTopology.wait_idle(remote, timeout_s=0.3, poll_s=0.05)
-        from pdd.bench.trace import ReplayRequest
+        from pdd.workload.replay import ReplayRequest
         reqs = [ReplayRequest(idx=0, arrival_s=0.0, prompt_ids=[20, 21, 22], max_tokens=3, trace_record={})]
         console = _console(tmp_path)
         records, entry = measured_replay(remote, reqs, model="m", mode="pdd", timeout_s=10, progress=False,

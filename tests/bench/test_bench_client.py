@@ -4,7 +4,7 @@ import json
 
 from pdd.bench.client import replay, run_one, run_one_sync
 from pdd.bench.report import compute_modes
-from pdd.bench.trace import ReplayRequest
+from pdd.workload.replay import ReplayRequest
 
 from bench_fakes import HANG, HTTP_500, MID_ERROR, NO_DONE, OK  # noqa: E402
 

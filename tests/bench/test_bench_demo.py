@@ -7,10 +7,10 @@ import pytest
 from rich.console import Console
 
 from bench_fakes import FakeTopology
-from pdd.bench.demo import fit_scale, run_demo
+from pdd.bench.demo import run_demo
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import read_jsonl, recompute_report
-from pdd.bench.trace import Scale
+from pdd.workload.replay import Scale, fit_scale
 from pdd.config import ClusterConfig, EngineConfig
 
 

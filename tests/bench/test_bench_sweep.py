@@ -4,7 +4,7 @@ import pytest
 
 from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_sweep, plan_rates, point_requests,
                              sla_goodput)
-from pdd.bench.trace import ReplayRequest
+from pdd.workload.replay import ReplayRequest
 
 
 def capacity(limit):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.bench.trace import (
+from pdd.workload.replay import (
     DEFAULT_TRACE,
     Scale,
     TokenSpace,

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from pdd.bench import vllm_mode as vm
+from pdd.vllm_tier import venv
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vllm_python():
     try:
-        return vm.vllm_python()
-    except vm.VllmMissing as ex:
+        return venv.vllm_python()
+    except venv.VllmMissing as ex:
         pytest.skip(f"vLLM's CPU build is not installed here ({ex})")
 
 
@@ -28,7 +29,7 @@ def test_vllm_colocated_beside_colocated(tmp_path, vllm_python):
 
     from pdd.bench.bench import run_bench
     from pdd.bench.report import read_jsonl
-    from pdd.bench.trace import Scale
+    from pdd.workload.replay import Scale
     from pdd.config import ClusterConfig
     from pdd.modelgen import make_model
     from pdd.topology import free_port_block

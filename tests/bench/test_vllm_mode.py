@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from pdd.bench import vllm_mode as vm
+from pdd.vllm_tier import venv
 from pdd.bench.bench import main, mode_config, parse_mode_label, print_bench_table
 from pdd.bench.client import RequestRecord, _absorb
 from pdd.config import ClusterConfig
@@ -35,14 +36,14 @@ def test_command_matches_pdds_engine_settings(tmp_path):
     cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": str(d), "served_model_name": "m1",
                                         "engine": {"max_running": 7, "max_batch_tokens": 256, "dtype": "bfloat16"},
                                         "model_seed": 3})
-    assert vm.model_max_len(d, cfg.engine.max_model_len) == 2048  # capped at the checkpoint's positions
+    assert venv.model_max_len(d, cfg.engine.max_model_len) == 2048  # capped at the checkpoint's positions
     assert vm.vllm_command("/v/bin/python", cfg, 4321, 2048) == [
         "/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(d.resolve()),
         "--served-model-name", "m1", "--host", "127.0.0.1", "--port", "4321", "--dtype", "bfloat16",
         "--max-model-len", "2048", "--max-num-seqs", "7", "--max-num-batched-tokens", "256", "--seed", "3",
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
     (tmp_path / "m" / "config.json").write_text("{}")  # no max_position_embeddings: pdd's length
-    assert vm.model_max_len(d, 4096) == 4096
+    assert venv.model_max_len(d, 4096) == 4096
 
 
 def test_env_sets_cache_threads_and_dev_mode_but_keeps_the_users():
@@ -57,17 +58,17 @@ def test_env_sets_cache_threads_and_dev_mode_but_keeps_the_users():
 
 
 def test_missing_venv_says_run_make_vllm(tmp_path, monkeypatch):
-    monkeypatch.setattr(vm, "_source_root", lambda: tmp_path / "src")
-    with pytest.raises(vm.VllmMissing, match=r"vLLM's venv is missing .*run `make vllm`"):
-        vm.vllm_python(None, env={}, cwd=tmp_path)
-    with pytest.raises(vm.VllmMissing, match=r"--vllm-python .*/nope is not an executable Python .*make vllm"):
-        vm.vllm_python(tmp_path / "nope", env={})
-    with pytest.raises(vm.VllmMissing, match=r"\$PDD_VLLM_PYTHON .*/nope2"):
-        vm.vllm_python(None, env={"PDD_VLLM_PYTHON": str(tmp_path / "nope2")})
+    monkeypatch.setattr(venv, "_source_root", lambda: tmp_path / "src")
+    with pytest.raises(venv.VllmMissing, match=r"vLLM's venv is missing .*run `make vllm`"):
+        venv.vllm_python(None, env={}, cwd=tmp_path)
+    with pytest.raises(venv.VllmMissing, match=r"--vllm-python .*/nope is not an executable Python .*make vllm"):
+        venv.vllm_python(tmp_path / "nope", env={})
+    with pytest.raises(venv.VllmMissing, match=r"\$PDD_VLLM_PYTHON .*/nope2"):
+        venv.vllm_python(None, env={"PDD_VLLM_PYTHON": str(tmp_path / "nope2")})
     (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
     py = _exe(tmp_path / ".venv-vllm" / "bin" / "python", "#!/bin/sh\n")
-    assert vm.vllm_python(None, env={}, cwd=tmp_path) == py
-    assert vm.vllm_python(str(py), env={"PDD_VLLM_PYTHON": "/elsewhere"}) == py  # the flag wins
+    assert venv.vllm_python(None, env={}, cwd=tmp_path) == py
+    assert venv.vllm_python(str(py), env={"PDD_VLLM_PYTHON": "/elsewhere"}) == py  # the flag wins
 
 
 def test_cli_refuses_the_mode_without_the_venv_before_anything_runs(tmp_path, monkeypatch, capsys):
@@ -95,11 +96,11 @@ def test_cli_refuses_a_python_without_vllm_before_anything_runs(tmp_path, capsys
 
 
 def test_check_vllm_importable_reads_the_probe_exit_status(tmp_path):
-    vm.check_vllm_importable(_exe(tmp_path / "has", "#!/bin/sh\nexit 0\n"))  # find_spec found it
-    with pytest.raises(vm.VllmMissing, match=r"/lacks has no vllm package"):
-        vm.check_vllm_importable(_exe(tmp_path / "lacks", "#!/bin/sh\nexit 3\n"))
-    with pytest.raises(vm.VllmMissing, match=r"/text cannot be run as a Python"):
-        vm.check_vllm_importable(_exe(tmp_path / "text", "not a script\n"))
+    venv.check_vllm_importable(_exe(tmp_path / "has", "#!/bin/sh\nexit 0\n"))  # find_spec found it
+    with pytest.raises(venv.VllmMissing, match=r"/lacks has no vllm package"):
+        venv.check_vllm_importable(_exe(tmp_path / "lacks", "#!/bin/sh\nexit 3\n"))
+    with pytest.raises(venv.VllmMissing, match=r"/text cannot be run as a Python"):
+        venv.check_vllm_importable(_exe(tmp_path / "text", "not a script\n"))
 
 
 def test_mode_label_and_config():

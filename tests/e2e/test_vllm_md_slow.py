@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pdd.bench import vllm_mode as vm
+from pdd.vllm_tier import venv
 from tests.e2e.conftest import greedy_oracle, make_cfg
 
 pytestmark = pytest.mark.slow
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vllm_md(tmp_path_factory):
     try:
-        vm.vllm_python()
-    except vm.VllmMissing as ex:
+        venv.vllm_python()
+    except venv.VllmMissing as ex:
         pytest.skip(f"vLLM's CPU build is not installed here ({ex})")
     from pdd.launch import Topology
     from pdd.modelgen import make_model

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from pdd.roles.worker import EngineWorker
-from pdd.sim.profile import load_step_model
+from pdd.step_profile import load_step_model
 
 
 class _Engine:

@@ -380,7 +380,7 @@ async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypat
     waits and tries again, instead of failing a request that has streamed tokens (a new user: 3
     of 4 recoveries failed at once on a full RLD). Other errors still fail it at once."""
     from pdd.gateway import recovery
-    from pdd.transfer.rpc import RemoteError
+    from pdd.transfer.peer import RemoteError
 
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
     calls = _launch_failing(monkeypatch, orch, 2,

@@ -1,4 +1,4 @@
-"""A stand-in for :class:`pdd.transfer.rpc.Peer` in gateway unit tests: records every message
+"""A stand-in for :class:`pdd.transfer.peer.Peer` in gateway unit tests: records every message
 sent or called (headers only) and answers every call ``{"t": "ok"}``."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.gateway.state import ReqState
 from pdd.topology import layout
-from pdd.transfer import rpc
+from pdd.transfer.peer import RemoteError
 from pdd.types import SamplingParams
 from tests.gateway.fake_peer import FakePeer
 
@@ -53,7 +53,7 @@ def _orch(rld: FakePeer, p: FakePeer) -> Orchestrator:
 async def _launch_fails(o: Orchestrator, prompt: list[int]) -> ReqState:
     st = ReqState("r1", len(prompt), SamplingParams(max_tokens=16), trid="r1", prompt_ids=prompt)
     o.reqs[st.trid] = st
-    with pytest.raises((ConnectionError, rpc.RemoteError)):
+    with pytest.raises((ConnectionError, RemoteError)):
         await o._launch(st, prompt)
     return st
 
@@ -63,9 +63,9 @@ async def test_a_predicted_send_of_an_attempt_p_never_streamed_leaves_the_balanc
     if who == "rld_lost":
         o = _orch(Failing("expect", ConnectionError("rld0 lost")), FakePeer())
     elif who == "rld_refuses":
-        o = _orch(Failing("expect", rpc.RemoteError("TierBusy: rld0 queue full", {})), FakePeer())
+        o = _orch(Failing("expect", RemoteError("TierBusy: rld0 queue full", {})), FakePeer())
     else:
-        o = _orch(FakePeer(), Failing("prefill", rpc.RemoteError("OutOfPages: out of KV pages", {})))
+        o = _orch(FakePeer(), Failing("prefill", RemoteError("OutOfPages: out of KV pages", {})))
     prefix = list(range(100, 420))  # 20 whole pages the gateway routed to md0 before
     o.prefix_index["md0"].insert(prefix)
     await _launch_fails(o, prefix + list(range(7, 57)))

@@ -13,7 +13,7 @@ import os
 from pdd.config import ClusterConfig
 from pdd.topology import ROLE_MAIN, InstanceSpec, free_port_block, layout
 from pdd.transfer.kv import KVSender
-from pdd.transfer.rpc import connect
+from pdd.transfer.client import connect
 from pdd.types import SamplingParams
 
 PROMPT = list(range(10, 28))  # 18 tokens = 4 whole pages of 4 + 2

@@ -15,7 +15,9 @@ from pdd.engine.kv_pool import KVPool
 from pdd.engine.radix_cache import RadixCache
 from pdd.transfer import wire
 from pdd.transfer.kv import KVSender
-from pdd.transfer.rpc import HandshakeError, Server, connect
+from pdd.transfer.client import connect
+from pdd.transfer.handshake import HandshakeError
+from pdd.transfer.server import Server
 
 from .helpers import FlipProxy, wait_for
 

@@ -13,7 +13,7 @@ from pdd.config import ClusterConfig
 from pdd.launch import Topology
 from pdd.security import client_context
 from pdd.topology import ROLE_MAIN, ROLE_RELAY, free_port_block
-from pdd.transfer.rpc import connect
+from pdd.transfer.client import connect
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ from pdd.security import link_security
 from pdd.topology import ROLE_MAIN, InstanceSpec, layout
 from pdd.transfer.kv import KVSender
 from pdd.transfer.messages import Reserve
-from pdd.transfer.rpc import HandshakeError, connect
+from pdd.transfer.client import connect
+from pdd.transfer.handshake import HandshakeError
 from pdd.types import SamplingParams
 
 from .helpers import FlipProxy, wait_for

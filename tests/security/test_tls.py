@@ -1,4 +1,4 @@
-"""Mutual TLS on rpc connections: good peers talk; unauthenticated or wrongly-certified peers
+"""Mutual TLS on pdd connections: good peers talk; unauthenticated or wrongly-certified peers
 are refused at once (never retried); TLS runs end to end through the WAN emulator."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import ssl
 import pytest
 
 from pdd.security import client_context, server_context
-from pdd.transfer import rpc
+from pdd.transfer import peer as peer_module
 from pdd.transfer.link import Link
-from pdd.transfer.rpc import HandshakeError, Server, connect
+from pdd.transfer.client import connect
+from pdd.transfer.handshake import HandshakeError
+from pdd.transfer.server import Server
 
 from .helpers import FlipProxy, wait_for
 
@@ -192,5 +194,5 @@ def test_link_security_server_and_client_kwargs(certs):
         link_security(missing, "md0").server()
 
 
-def test_rpc_module_documents_mac_close_policy():
-    assert "connection is **closed**" in rpc.__doc__
+def test_peer_module_documents_mac_close_policy():
+    assert "connection is **closed**" in peer_module.__doc__

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from pdd.transfer import wire
-from pdd.transfer.rpc import Peer
+from pdd.transfer.peer import Peer
 from pdd.transfer.wire import FrameStream
 from tests.transfer.test_wire_fuzz import _Crashes, _FakeTransport, _run
 
@@ -20,7 +20,7 @@ def test_crc_failure_of_a_reply_with_an_unhashable_cid_is_dropped_not_a_crash():
 
         async def go():
             crashed = _Crashes()
-            logging.getLogger("pdd.transfer.rpc").addHandler(crashed)
+            logging.getLogger("pdd.transfer.peer").addHandler(crashed)
             try:
                 reader = asyncio.StreamReader()
                 reader.feed_data(bytes(frame))
@@ -32,7 +32,7 @@ def test_crc_failure_of_a_reply_with_an_unhashable_cid_is_dropped_not_a_crash():
                 await peer._closed_event.wait()
                 await asyncio.sleep(0)
             finally:
-                logging.getLogger("pdd.transfer.rpc").removeHandler(crashed)
+                logging.getLogger("pdd.transfer.peer").removeHandler(crashed)
             assert not crashed.records, (cid, [r.getMessage() for r in crashed.records])
 
         _run(go())

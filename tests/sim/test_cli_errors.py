@@ -9,7 +9,7 @@ import pytest
 from pdd.cli import main as pdd_main
 from pdd.sim.cli import UsageError, experiment_params
 from pdd.sim.cli import main as sim_main
-from pdd.sim.workloads import load_trace
+from pdd.workload.records import load_trace
 
 
 def _refused(capsys, argv, *names, entry=pdd_main):
@@ -118,9 +118,9 @@ def test_workload_agentic_refuses_bad_counts(capsys, tmp_path, monkeypatch, argv
 ])
 def test_workload_agentic_refuses_an_out_it_cannot_write(capsys, tmp_path, monkeypatch, out, message):
     """Found by a new user: the workload was generated, then open() failed with a traceback."""
-    import pdd.sim.workloads
+    import pdd.workload.records
 
-    monkeypatch.setattr(pdd.sim.workloads, "generate_agentic", lambda *a, **k: pytest.fail("generated first"))
+    monkeypatch.setattr(pdd.workload.records, "generate_agentic", lambda *a, **k: pytest.fail("generated first"))
     out = out.replace("DIR", str(tmp_path))
     message = message.replace("DIR", str(tmp_path))
     err = _refused(capsys, ["workload", "agentic", "--n", "5", "--out", out])
@@ -189,7 +189,7 @@ def test_sim_run_max_input_caps_an_over_long_prompt(capsys, tmp_path):
     87k-token request (the CPU profile's pool holds 32,768 tokens) with no way round it. The error
     now names --max-input, which clips prompts as `pdd bench --max-input` does (whole trailing
     512-token blocks dropped; no request dropped)."""
-    from pdd.sim.workloads import REPO_ROOT
+    from pdd.workload.records import REPO_ROOT
 
     profile = str(REPO_ROOT / "data" / "profiles" / "this-machine.json")
     t = tmp_path / "t.jsonl"
@@ -211,8 +211,8 @@ def test_sim_run_max_input_caps_an_over_long_prompt(capsys, tmp_path):
 
 
 def test_cap_input_drops_whole_trailing_blocks_as_bench_does():
-    from pdd.bench.trace import Scale
-    from pdd.sim.workloads import cap_input
+    from pdd.workload.replay import Scale
+    from pdd.workload.records import cap_input
 
     recs = [{"timestamp": 0, "input_length": 1300, "output_length": 4, "hash_ids": [1, 2, 3]},
             {"timestamp": 1, "input_length": 300, "output_length": 4, "hash_ids": [4]}]

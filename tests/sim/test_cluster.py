@@ -2,7 +2,7 @@ import pytest
 
 from pdd.sim.cluster import BLOCK, ClusterSim, Line, PrefixCache, SimConfig
 from pdd.sim.report import summarize
-from pdd.sim.workloads import generate_agentic, generate_fixed
+from pdd.workload.records import generate_agentic, generate_fixed
 
 RECS = generate_agentic(300, seed=4, rate=2.0)
 
@@ -170,7 +170,7 @@ def test_tail_chunks_run_alone_unless_packed():
     """The bathtub's mechanism, from the engine scheduler's batches: 8K prompts at 18.75% hit
     leave 6,656 tokens = 3 chunks of 2,048 + a 512-token tail. One prefill at a time: exactly 4
     steps per request; packing fills the tail's step with the next request's chunk."""
-    from pdd.sim.workloads import warm_start
+    from pdd.workload.records import warm_start
 
     n = 24
     recs = generate_fixed(n, 50.0, 8192, 4, 0.1875, n_prefixes=2, seed=13, warm_s=2.0)

@@ -3,7 +3,7 @@ import json
 from pdd.sim.cli import main
 from pdd.sim.cluster import SimConfig
 from pdd.sim.plan import WanOption, search
-from pdd.sim.workloads import generate_agentic
+from pdd.workload.records import generate_agentic
 
 
 def test_plan_finds_cheapest_feasible():

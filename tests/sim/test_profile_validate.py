@@ -7,7 +7,7 @@ import pytest
 
 import pdd.policy.pipeline as pol_pipeline
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.sim.profile import FORMAT, MeasuredStepModel, fit_linear
+from pdd.step_profile import FORMAT, MeasuredStepModel, fit_linear
 from pdd.sim.validate import decisions_of, replay_recorded
 
 DATA = Path(__file__).parent / "data"
@@ -94,7 +94,8 @@ def test_measure_profile_on_the_live_engine(tmp_path):
     times, the model's KV bytes as the runtime ships them, a fit the sim can load."""
     from pdd.config import ClusterConfig
     from pdd.modelgen import make_model
-    from pdd.sim.profile import load, measure_profile
+    from pdd.sim.profile import measure_profile
+    from pdd.step_profile import load
 
     make_model(str(tmp_path / "m"), preset="tiny", seed=0)
     cfg = ClusterConfig(model_path=str(tmp_path / "m"), model_preset="tiny")

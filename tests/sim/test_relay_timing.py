@@ -5,7 +5,7 @@ plain inputs (one relayed request on an idle cluster, event times in simulated s
 import pytest
 
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.sim.workloads import generate_agentic
+from pdd.workload.records import generate_agentic
 from pdd.types import Pipeline
 
 KVB = 131072  # llama-3.1-8b KV bytes per token

@@ -7,7 +7,7 @@ import pdd.policy.handoff as pol_handoff
 import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.wan_order as pol_wan
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.sim.workloads import generate_agentic
+from pdd.workload.records import generate_agentic
 from pdd.types import Pipeline
 
 RECS = generate_agentic(200, seed=2, rate=2.0)

@@ -14,7 +14,7 @@ import pytest
 
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.report import summarize
-from pdd.sim.workloads import MOONCAKE_TRACE, cap_input, generate_agentic, load_trace
+from pdd.workload.records import MOONCAKE_TRACE, cap_input, generate_agentic, load_trace
 
 FIXTURE = Path(__file__).parent / "data" / "sim_golden.json"
 
@@ -26,7 +26,7 @@ REQ_FIELDS = ("rid", "arrival", "prompt", "out_len", "p_hit", "md_hit", "t_first
 
 def _measured_case():
     """The live-validation mirror: the measured CPU profile, shared host cores, role overheads."""
-    from pdd.sim import profile as P
+    from pdd import step_profile as P
     from pdd.sim import validate as V
 
     path = Path(__file__).parents[2] / "data" / "profiles" / "this-machine.json"

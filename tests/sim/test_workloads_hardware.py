@@ -1,7 +1,7 @@
 import pytest
 
 from pdd.sim.hardware import DEFAULT_CALIBRATION, Efficiency, calibration_report, cost_model
-from pdd.sim.workloads import generate_agentic, generate_fixed, hit_histogram, load_trace, prefix_hits
+from pdd.workload.records import generate_agentic, generate_fixed, hit_histogram, load_trace, prefix_hits
 
 
 def test_agentic_matches_report_figures():

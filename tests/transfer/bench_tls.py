@@ -3,10 +3,10 @@ test; run by hand):
 
     .venv/bin/python tests/transfer/bench_tls.py [--mb 1000] [--chunk-kb 512] [--reps 2]
 
-For each mode (plain, fast-path MAC, mutual TLS 1.3) a receiver process runs an ``rpc.Server``
+For each mode (plain, fast-path MAC, mutual TLS 1.3) a receiver process runs a ``pdd.transfer.server.Server``
 whose ``kv`` handler only counts bytes, and this process streams ``--mb`` MB of KV-sized one-way
 frames (``--chunk-kb``, default 512 KiB = one 16-page KV chunk of the demo model) over one
-``rpc`` connection, as P does. Prints MB/s (payload, first byte sent -> last byte handled) and
+``pdd.transfer.client.connect`` connection, as P does. Prints MB/s (payload, first byte sent -> last byte handled) and
 CPU seconds per GB in the sender and in the receiver (getrusage of each process); best of
 ``--reps``. Also HMAC-SHA256 alone on one core.
 """
@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from pdd.security import client_context, make_certs, server_context  # noqa: E402
-from pdd.transfer.rpc import Server, connect  # noqa: E402
+from pdd.transfer.client import connect  # noqa: E402
+from pdd.transfer.server import Server  # noqa: E402
 
 KEY = os.urandom(32)
 

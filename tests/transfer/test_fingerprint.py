@@ -11,7 +11,9 @@ from pdd.config import ClusterConfig
 from pdd.modelgen import make_model
 from pdd.roles.base import EngineInstance, weights_digest
 from pdd.transfer.layout import kv_handshake_check
-from pdd.transfer.rpc import HandshakeError, Server, connect
+from pdd.transfer.client import connect
+from pdd.transfer.handshake import HandshakeError
+from pdd.transfer.server import Server
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import asyncio
 import pytest
 
 from pdd.transfer.kv import KVReceiver, KVSender, LayerProgress, layer_groups, prompt_kv_bytes
-from pdd.transfer.rpc import Server, connect
+from pdd.transfer.client import connect
+from pdd.transfer.server import Server
 
 LAYERS, PT, PROMPT, SLOT_L = 4, 4, 14, 10  # layers, tokens per page, prompt tokens, bytes per slot per layer
 FIRST, NPG = 1, 3  # pages [1, 4) cross

@@ -10,7 +10,7 @@ import pytest
 
 from pdd.policy import tcp_model as tm
 from pdd.transfer.link import Link, normalize_config, query_stats, set_link
-from pdd.transfer.rpc import RemoteError
+from pdd.transfer.peer import RemoteError
 
 from .test_transfer_link import SinkServer, cfg, wait_for
 

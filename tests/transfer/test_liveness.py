@@ -6,7 +6,8 @@ import time
 
 from pdd.transfer.kv import KVReceiver, KVSender
 from pdd.transfer.link import Link
-from pdd.transfer.rpc import Server, connect
+from pdd.transfer.client import connect
+from pdd.transfer.server import Server
 
 HB, DEAD = 0.05, 0.4  # heartbeat interval and silence limit, seconds
 STALL = 1.2  # KV chunk-stall limit of the slow-transfer test (see there)

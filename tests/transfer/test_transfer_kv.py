@@ -9,7 +9,8 @@ from pdd.transfer.kv import (
     pick_round_robin,
     pick_shortest_remaining,
 )
-from pdd.transfer.rpc import Server, connect
+from pdd.transfer.client import connect
+from pdd.transfer.server import Server
 
 PB = 1000  # bytes per page
 

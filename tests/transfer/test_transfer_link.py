@@ -11,7 +11,8 @@ import pytest
 from pdd.transfer import link as linkmod
 from pdd.transfer.kv import KVReceiver, KVSender
 from pdd.transfer.link import Link, query_stats, set_link
-from pdd.transfer.rpc import Server, connect
+from pdd.transfer.client import connect
+from pdd.transfer.server import Server
 
 
 class SinkServer:

@@ -2,8 +2,10 @@ import asyncio
 
 import pytest
 
-from pdd.transfer import rpc
-from pdd.transfer.rpc import HandshakeError, PeerPool, RemoteError, Server, connect
+from pdd.transfer.client import PeerPool, connect, connect_cached
+from pdd.transfer.handshake import HandshakeError, default_handshake_check
+from pdd.transfer.peer import RemoteError
+from pdd.transfer.server import Server
 
 
 async def start_server(handlers=None, **kw):
@@ -255,10 +257,10 @@ async def test_handshake_fingerprint_mismatch_refused():
 
 
 def test_default_handshake_check():
-    rpc.default_handshake_check(None, {"a": 1})
-    rpc.default_handshake_check({"a": 1, "b": 2}, {"a": 1, "c": 3})
+    default_handshake_check(None, {"a": 1})
+    default_handshake_check({"a": 1, "b": 2}, {"a": 1, "c": 3})
     with pytest.raises(HandshakeError, match="a: local=1 remote=2"):
-        rpc.default_handshake_check({"a": 1}, {"a": 2})
+        default_handshake_check({"a": 1}, {"a": 2})
 
 
 async def test_connect_retries_until_server_up():
@@ -319,8 +321,8 @@ async def test_peer_pool_reuses_and_reconnects():
         assert p4 is not p1 and not p4.closed and pool.connects == 2
         assert (await p4.call({"t": "who"}))[0]["t"] == "me"
         # module-level default pool
-        q1 = await rpc.connect_cached(server.addr)
-        q2 = await rpc.connect_cached(server.addr)
+        q1 = await connect_cached(server.addr)
+        q2 = await connect_cached(server.addr)
         assert q1 is q2
         await q1.close()
     finally:

@@ -4,7 +4,7 @@ or raise WireError / IncompleteReadError: never another exception (a crash) and 
 
 Three targets: ``decode_frame`` (buffer), ``read_frame`` over a ``FrameStream`` fed in random
 chunks (the socket path, large reads straight into their buffer included), and a whole
-``rpc.Peer`` read loop (decoded frames dispatched to handlers, replies written).
+``Peer`` read loop (``pdd.transfer.peer``) (decoded frames dispatched to handlers, replies written).
 
 Examples per target: ``PDD_FUZZ_EXAMPLES`` (default 100, for CI; run with e.g. 2500 for the
 full campaign: ``PDD_FUZZ_EXAMPLES=2500 pytest tests/transfer/test_wire_fuzz.py``).
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdd.transfer import wire
-from pdd.transfer.rpc import Peer
+from pdd.transfer.peer import Peer
 from pdd.transfer.wire import FrameMac, FrameStream, WireError
 
 EXAMPLES = int(os.environ.get("PDD_FUZZ_EXAMPLES", "100"))
@@ -198,7 +198,7 @@ def test_fuzz_peer_read_loop(case):
         errors = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
         crashed = _Crashes()
-        logging.getLogger("pdd.transfer.rpc").addHandler(crashed)
+        logging.getLogger("pdd.transfer.peer").addHandler(crashed)
         reader = asyncio.StreamReader()
         reader.feed_data(buf)
         reader.feed_eof()
@@ -219,7 +219,7 @@ def test_fuzz_peer_read_loop(case):
             await peer._closed_event.wait()
             await asyncio.sleep(0)
         finally:
-            logging.getLogger("pdd.transfer.rpc").removeHandler(crashed)
+            logging.getLogger("pdd.transfer.peer").removeHandler(crashed)
         assert not errors, errors
         assert not crashed.records, [r.getMessage() for r in crashed.records]  # "reader failed" & co
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdd.bench import vllm_mode as vm
+from pdd.vllm_tier import venv
 
 CHECKS = Path(__file__).with_name("connector_checks.py")
 
@@ -18,8 +19,8 @@ CHECKS = Path(__file__).with_name("connector_checks.py")
 @pytest.fixture(scope="module")
 def results():
     try:
-        python = vm.vllm_python()
-    except vm.VllmMissing as ex:
+        python = venv.vllm_python()
+    except venv.VllmMissing as ex:
         pytest.skip(f"vLLM's CPU build is not installed here ({ex})")
     env = vm.vllm_env(type("C", (), {"host": "127.0.0.1", "engine": type("E", (), {"torch_threads": 1})})())
     p = subprocess.run([str(python), str(CHECKS)], capture_output=True, text=True, timeout=600, env=env)

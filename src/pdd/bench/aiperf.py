@@ -42,8 +42,8 @@ def bench_requests(bench_argv: Sequence[str]):
     ``--rate``, ``--session-sample``, ``--block-tokens``, ``--output-scale``, ...) and may hold
     ``--config``/``--url``; ramps are not supported."""
     from pdd.bench.args import build_parser
-    from pdd.bench.live import ensure_model, fit_scale
-    from pdd.bench.trace import Scale, TokenSpace, build_requests
+    from pdd.bench.live import ensure_model
+    from pdd.workload.replay import Scale, TokenSpace, build_requests, fit_scale
     from pdd.config import ClusterConfig
 
     a = build_parser().parse_args(list(bench_argv))

@@ -12,9 +12,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import httpx
 
 from pdd.bench import vllm_mode
+from pdd.vllm_tier import venv as vllm_venv
 from pdd.bench.live import RemoteTopology
 from pdd.bench.modes import parse_mode_label
-from pdd.bench.trace import DEFAULT_TRACE, Scale
+from pdd.workload.replay import DEFAULT_TRACE, Scale
 from pdd.config import MODES
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
@@ -66,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "server's: --modes may only name that mode (checked against its /pdd/stats or /health; "
                          "refused when the server does not report a mode)")
     ap.add_argument("--vllm-python", metavar="PATH",
-                    help=f"Python of vLLM's venv for the {vllm_mode.VLLM_MODE} mode (default: ${vllm_mode.PYTHON_ENV}, "
-                         f"else {vllm_mode.VENV_DIR}/bin/python, which `make vllm` builds)")
+                    help=f"Python of vLLM's venv for the {vllm_mode.VLLM_MODE} mode (default: ${vllm_venv.PYTHON_ENV}, "
+                         f"else {vllm_venv.VENV_DIR}/bin/python, which `make vllm` builds)")
     ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's; its caches are "
                                   "flushed between runs through POST /pdd/flush when it has one)")
     g = ap.add_argument_group("workload")
@@ -255,14 +256,14 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--modes: {ex}")
     if vllm_mode.VLLM_MODE in labels and not args.url:
         try:
-            vllm_mode.check_vllm_importable(vllm_mode.vllm_python(args.vllm_python))
-        except vllm_mode.VllmMissing as ex:  # before a model, a reference run or a topology is made
+            vllm_venv.check_vllm_importable(vllm_venv.vllm_python(args.vllm_python))
+        except vllm_venv.VllmMissing as ex:  # before a model, a reference run or a topology is made
             ap.error(f"--modes: {ex}")
     if Path(args.trace).is_dir():
         ap.error(f"--trace: {args.trace} is a directory, not a trace file")
     if not Path(args.trace).is_file():
         ap.error(f"--trace: no such file: {args.trace}")
-    from pdd.bench.trace import load_trace
+    from pdd.workload.replay import load_trace
 
     try:  # ~0.1 s for the shared trace; a bad line is refused before a model or topology is made
         records = load_trace(args.trace)

@@ -4,7 +4,7 @@ One invocation:
 
 1. builds the workload from a Mooncake-format JSONL trace (the shared Mooncake trace, a generated
    agentic trace, any file of ``{"timestamp", "input_length", "output_length", "hash_ids"}``
-   records), scaled as in ``pdd demo`` (:class:`pdd.bench.trace.Scale`);
+   records), scaled as in ``pdd demo`` (:class:`pdd.workload.replay.Scale`);
 2. fixes the SLO (:mod:`pdd.bench.slo`) before anything is measured: a *reference run* of the
    workload's requests (all of them by default, or ``--ref-requests`` of whole conversations) through
    ``same_dc_pd``, one request in flight at a time (back to back), so the reference has the
@@ -79,7 +79,7 @@ from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_
                               WIDE_WINDOW_BEFORE, bench_mode_extras, cutoff_stats, handoff_gap_ms, handoff_stats,
                               hit_rates, instance_hardware, sweep_point)
 from pdd.bench.live import (RemoteTopology, WanSampler, _default_topology, _warmup, ensure_model,  # noqa: F401
-                            fit_scale, measured_replay, wan_reader)
+                            measured_replay, wan_reader)
 from pdd.bench.modes import apply_overrides, mode_config, parse_mode_label  # noqa: F401
 from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
                              plot_wan_throughput)
@@ -91,7 +91,8 @@ from pdd.bench.sweep import (SweepPlan, at_rate, mean_rate, next_rate, parse_ram
                              point_size, ramp_arrivals, session_subset,
                              sla_goodput)
 from pdd.bench.table import bench_rows, print_bench_table  # noqa: F401
-from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, ideal_prefix_hits, workload_summary
+from pdd.workload.replay import (DEFAULT_TRACE, Scale, TokenSpace, build_requests, fit_scale, ideal_prefix_hits,
+                                 workload_summary)
 from pdd.bench import vllm_mode
 from pdd.config import MODES, ClusterConfig, validation_summary
 from pdd.transfer.layout import wire_dtype

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from pdd.bench.trace import ReplayRequest
+from pdd.workload.replay import ReplayRequest
 
 
 @dataclass

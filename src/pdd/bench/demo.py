@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 import pydantic
 
 from pdd.bench.args import bench_exit_status, check_numbers, check_workload_args
-from pdd.bench.live import _default_topology, _proc_cpu, _warmup, ensure_model, fit_scale, measured_replay  # noqa: F401
+from pdd.bench.live import _default_topology, _proc_cpu, _warmup, ensure_model, measured_replay  # noqa: F401
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
-from pdd.bench.trace import DEFAULT_TRACE, Scale, TokenSpace, build_requests, workload_summary
+from pdd.workload.replay import DEFAULT_TRACE, Scale, TokenSpace, build_requests, fit_scale, workload_summary
 from pdd.config import ClusterConfig, validation_summary
 
 DEFAULT_MODES = ("same_dc_pd", "cross_dc_pd", "pdd")
@@ -69,7 +69,7 @@ def run_demo(
     """Replay the same trace slice through each mode on a fresh topology; returns the report dict.
 
     ``n_requests`` / ``start``: the slice (override ``scale.count`` / ``scale.start``).
-    ``scale``: lengths and arrival rate (see :class:`pdd.bench.trace.Scale`); prompts are also capped
+    ``scale``: lengths and arrival rate (see :class:`pdd.workload.replay.Scale`); prompts are also capped
     to the engine's limits. ``seed``: token-id generation seed. ``request_timeout_s``: per request
     (default ``config.request_timeout_s``). ``topology_factory(cfg, log_dir=...)`` returns a context
     manager with ``.url``, ``.stats()``, ``.flush()`` (default ``pdd.launch.Topology``).

@@ -1,11 +1,10 @@
-"""Driving a running topology for one measured run: the model it serves, the workload scaled to
-its engine limits, a warm-up, a replay between two ``stats()`` snapshots, and WAN byte sampling;
-:class:`RemoteTopology` stands in for a gateway that pdd did not start (``--url``)."""
+"""Driving a running topology for one measured run: the model it serves, a warm-up, a replay
+between two ``stats()`` snapshots, and WAN byte sampling (the workload is scaled to the engine's
+limits by ``pdd.workload.replay.fit_scale``); :class:`RemoteTopology` stands in for a gateway that pdd did not start (``--url``)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Callable, Sequence
 import httpx
 
 from pdd.bench.client import replay_sync, run_one_sync
-from pdd.bench.trace import Scale, TokenSpace, block_token_ids
+from pdd.workload.replay import TokenSpace, block_token_ids
 from pdd.config import ClusterConfig
 
 
@@ -28,21 +27,6 @@ def ensure_model(config: ClusterConfig, console=None) -> Path:
 
         make_model(str(path), config.model_preset, config.model_seed)
     return path
-
-
-def fit_scale(scale: Scale, config: ClusterConfig, n_requests: int | None, start: int | None) -> Scale:
-    """``scale`` with the slice set and the prompt cap lowered to what the engine accepts
-    (``max_input_len`` and ``max_model_len - max_output_tokens``)."""
-    eng = config.engine
-    cap = min(eng.max_input_len, eng.max_model_len - scale.max_output_tokens)
-    if scale.max_input_tokens is not None:
-        cap = min(cap, scale.max_input_tokens)
-    upd: dict = {"max_input_tokens": max(1, cap)}
-    if n_requests is not None:
-        upd["count"] = n_requests
-    if start is not None:
-        upd["start"] = start
-    return dataclasses.replace(scale, **upd)
 
 
 def _default_topology(cfg: ClusterConfig, log_dir: Path):

@@ -27,7 +27,7 @@ def pipeline_preview(requests: Sequence, config: ClusterConfig, kv_bytes: int,
 
     Each request's missing KV is its prompt minus its ideal prefix hit (an infinite cache holding
     every earlier prompt, whole pages, one token always computed:
-    :func:`pdd.bench.trace.ideal_prefix_hits`), priced by :func:`pdd.policy.pipeline.expected_wan_seconds`
+    :func:`pdd.workload.replay.ideal_prefix_hits`), priced by :func:`pdd.policy.pipeline.expected_wan_seconds`
     at the configured line rate and RTT. Per budget (ms): ``relayed_share`` (requests planned
     P->RLD->MD), ``relayed_output_share`` (their share of output tokens: an upper bound of RLD's
     share of output tokens, reached when RLD decodes them to the end), ``p_md_expected_wan_ms_p90``
@@ -35,7 +35,7 @@ def pipeline_preview(requests: Sequence, config: ClusterConfig, kv_bytes: int,
     config's. Live MD caches are finite and the live WAN estimate varies, so the run's mix differs a
     little; the run reports its own (``pipeline_mix``).
     """
-    from pdd.bench.trace import ideal_prefix_hits
+    from pdd.workload.replay import ideal_prefix_hits
     from pdd.policy.pipeline import PipelineInputs, expected_wan_seconds
 
     hits = ideal_prefix_hits(requests, config.engine_for("main_decode").page_size, 1)  # MD's cache: its pages

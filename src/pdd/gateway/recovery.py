@@ -23,7 +23,7 @@ from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
-from pdd.transfer import rpc
+from pdd.transfer.peer import Peer
 from pdd.transfer.messages import Abort, Cancel, Drop, ReqError, Target
 from pdd.types import Pipeline, SamplingParams
 
@@ -252,7 +252,7 @@ class Recovery:
         an unreachable one frees it when its own heartbeat drops the gateway's connection)."""
         await asyncio.gather(*(self._abort_on(p, trid) for p in list(self.peers.values()) if not p.closed))
 
-    async def _abort_on(self, peer: rpc.Peer, trid: str) -> None:
+    async def _abort_on(self, peer: Peer, trid: str) -> None:
         """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it already)."""
         try:
             await peer.call(Abort(trid).wire(), timeout=10)

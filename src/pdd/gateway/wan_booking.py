@@ -16,7 +16,7 @@ import time
 from pdd.gateway.state import ReqState
 from pdd.policy.handoff import early_handoff_delay_s
 from pdd.topology import ROLE_MAIN, ROLE_PREFILL
-from pdd.transfer import rpc
+from pdd.transfer.peer import Peer
 from pdd.transfer.kv import prompt_kv_bytes
 from pdd.transfer.layout import DTYPE_BYTES, KVLayout, wire_dtype
 from pdd.transfer.messages import Cancel, Drop, WanSample, XferDone
@@ -160,7 +160,7 @@ class WanBooking:
         self.planned_src.pop(st.trid, None)
         st.wan.expected = 0
 
-    def _book_predicted(self, st: ReqState, pred_pages: int, p: rpc.Peer) -> None:
+    def _book_predicted(self, st: ReqState, pred_pages: int, p: Peer) -> None:
         """A predicted MD send: P sends pages ``[pred_pages, n)`` before MD's reservation replies,
         so their WAN bytes are planned now (the reply adds a fill's, :meth:`_reserved`)."""
         md_name = st.names[ROLE_MAIN]
@@ -171,7 +171,7 @@ class WanBooking:
         self.totals["md_predicted_sends"] += 1
         self._book_wan(st, nbytes, p)
 
-    def _book_wan(self, st: ReqState, nbytes: int, p: rpc.Peer | None) -> None:
+    def _book_wan(self, st: ReqState, nbytes: int, p: Peer | None) -> None:
         """Book ``nbytes`` more planned (and expected) WAN bytes for ``st``'s transfer from its P
         (``p``: the connection the attempt started on, default the current one of its P); when
         that P is already gone they go to ``wan_bytes_unreported`` instead (:meth:`_reserved`)."""
@@ -185,7 +185,7 @@ class WanBooking:
         self.planned_wan[st.trid] = self.planned_wan.get(st.trid, 0) + nbytes
         self.planned_src[st.trid] = src
 
-    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: rpc.Peer | None = None, booked: int = 0) -> None:
+    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: Peer | None = None, booked: int = 0) -> None:
         """Book MD's reservation reply: cached tokens, the WAN bytes planned. ``p``: the P
         connection the attempt started on (default: the current one of ``st``'s P). When that P
         is already gone (closed, or replaced by a restarted P's connection: its loss was booked

@@ -19,7 +19,7 @@ from pdd.config import ClusterConfig
 from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
-from pdd.transfer import rpc
+from pdd.transfer.server import Server
 from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
 from pdd.transfer.messages import OMIT, Abort, AbortOk, FlushOk, Kv, Peek, PeekOk, ReqError, StatsOk, Tok, Toks
 from pdd.types import FinishReason, SamplingParams
@@ -181,7 +181,7 @@ class EngineInstance:
         loop = asyncio.get_running_loop()
         step_time = None
         if ec.profile is not None:  # emulate that chip's prefill/decode cost curve
-            from pdd.sim.profile import load_step_model
+            from pdd.step_profile import load_step_model
 
             step_time = load_step_model(ec.profile).step_time
         self.worker = EngineWorker(self.engine, loop, self.on_events, self.on_seq_failed,
@@ -190,17 +190,17 @@ class EngineInstance:
         hs = self.handlers()
         if "kv_done" in hs:
             hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
-        self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name,
-                                 fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
-                                 **self.liveness_kw(),
-                                 **link_security(self.cfg, self.spec.name).server())  # mTLS / fast-path MAC
+        self.server = Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name,
+                             fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
+                             **self.liveness_kw(),
+                             **link_security(self.cfg, self.spec.name).server())  # mTLS / fast-path MAC
         await self.server.start()
         from pdd.metrics import start_instance_metrics
 
         start_instance_metrics(self, self.spec.metrics_port, self.cfg.host)
 
     def liveness_kw(self) -> dict:
-        """Heartbeat settings for this instance's connections (``cfg.liveness``; rpc module docs)."""
+        """Heartbeat settings for this instance's connections (``cfg.liveness``; ``pdd.transfer.peer`` module docs)."""
         lv = self.cfg.liveness
         return {"heartbeat_s": lv.heartbeat_interval_s, "dead_after_s": lv.dead_after_s}
 

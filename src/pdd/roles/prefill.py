@@ -31,7 +31,8 @@ from pdd.policy.wan_order import WAN_LANES, express_max_bytes, send_buffer_bytes
 from pdd.roles.base import ABORTED_MEMORY, EngineInstance, ReqCtx, first_token_finish, free_sequence
 from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
-from pdd.transfer import rpc
+from pdd.transfer.client import connect
+from pdd.transfer.peer import CallFailed
 from pdd.transfer.kv import KVSender, LayerProgress, layer_groups, prompt_kv_bytes, prompt_last_slots
 from pdd.transfer.layout import KVLayout, kv_handshake_check, layout_of, wire_dtype, wire_slot_bytes
 from pdd.transfer.messages import OMIT, Abort, AbortOk, Cancel, MessageError, Prefill, PrefillOk, Target, XferDone
@@ -231,10 +232,10 @@ class PrefillInstance(EngineInstance):
             # head dim, weights: HandshakeError, never retried) and tells the target's KV layout
             # (page size, dtype: pdd.transfer.layout); a dead target is not retried for long (the
             # gateway recovers the request elsewhere)
-            peer = await rpc.connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=5,
-                                     fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
-                                     **self.liveness_kw(),
-                                     **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
+            peer = await connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=5,
+                                 fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
+                                 **self.liveness_kw(),
+                                 **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
             rate = None if wan else self.cfg.link.fast_gbps
             # over the WAN, what the socket already holds (and the frame being written) goes first
             # whatever the send order: the socket's buffer is kept to ~1 BDP, frames to half of it
@@ -338,12 +339,12 @@ class PrefillInstance(EngineInstance):
             if progress is not None:  # aborted or failed while prefilling: the streams are cut
                 progress.fail(RuntimeError(f"request {rid} aborted"))
                 if isinstance(e, Exception):  # they started: P reports them in xfer_done
-                    raise rpc.CallFailed(str(e), streams=True) from e
+                    raise CallFailed(str(e), streams=True) from e
             raise
         ctx.in_engine = False
         if ctx.released:
             if progress is not None:
-                raise rpc.CallFailed(f"request {rid} aborted", streams=True)
+                raise CallFailed(f"request {rid} aborted", streams=True)
             raise RuntimeError(f"request {rid} aborted")
         t0 = int(ev.token_id)
         fin = first_token_finish(t0, sp, self.eos_ids)

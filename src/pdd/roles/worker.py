@@ -43,7 +43,7 @@ class EngineWorker:
     ``step_time_s(items) -> seconds`` (None = off) emulates a whole chip's cost curve: each forward
     pass is held the same way to the time it predicts for the step's batch, ``items`` being
     ``(cached tokens, new tokens)`` per sequence (``Engine.last_step_items``; an engine tier's
-    ``profile``: ``pdd.sim.profile.MeasuredStepModel.step_time``), and to at least ``min_step_s``.
+    ``profile``: ``pdd.step_profile.MeasuredStepModel.step_time``), and to at least ``min_step_s``.
     """
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None],

@@ -1,6 +1,7 @@
 """Discrete-event cluster simulator and planner on the runtime's own policy and scheduler code.
 
 Modules: hardware (chips, roofline), models (model profiles), cluster (the SimPy simulator),
-workloads (traces, agentic generator), report (metrics), experiments (named experiments),
-plan (deployment sizing), cli (`pdd sim`, `pdd plan`).
+report (metrics), experiments (named experiments), plan (deployment sizing), profile
+(`pdd profile`), validate (the simulator's half of `pdd sim validate`), cli (`pdd sim`,
+`pdd plan`). Workloads are `pdd.workload`; the simulator imports nothing of `pdd.bench`.
 """

@@ -218,7 +218,7 @@ def _make_cfg(a):
 
 
 def _records(a, rate=None):
-    from pdd.sim import workloads as W
+    from pdd.workload import records as W
 
     cap = getattr(a, "max_input", None)  # pdd sim run only
     if a.agentic:
@@ -326,23 +326,6 @@ def cmd_experiment(a) -> int:
     return 0
 
 
-def cmd_validate(a) -> int:
-    from pdd.sim.validate import format_validate, run_validate
-
-    cfg = None
-    if a.config:
-        cfg = config_or_exit(a)
-    for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
-        if v <= 0:
-            raise SystemExit(f"pdd sim validate: --{k} must be > 0")
-    res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
-                       budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
-                       max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from)
-    print(format_validate(res))
-    print(f"wrote {a.out}/validate.json")
-    return 0
-
-
 def _print_report(a, compute, fmt) -> int:
     """``compute()`` (a ValueError, e.g. a missing or malformed input, becomes a UsageError naming
     it), printed by ``fmt``, and written as JSON to ``a.json`` when given (checked first)."""
@@ -438,7 +421,7 @@ def check_out_file(path: str, flag: str = "--out") -> None:
 
 
 def cmd_agentic(a) -> int:
-    from pdd.sim.workloads import generate_agentic, print_hit_histogram, write_trace
+    from pdd.workload.records import generate_agentic, print_hit_histogram, write_trace
 
     if a.out:
         check_out_file(a.out)
@@ -453,7 +436,10 @@ def cmd_agentic(a) -> int:
     return 0
 
 
-def add_sim_parser(subparsers) -> argparse.ArgumentParser:
+def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
+    """Add ``pdd sim`` and its sub-commands to ``subparsers``. ``add_validate(sim_subparsers)`` adds
+    ``validate`` (``pdd.bench.live_validate.add_validate_parser``: its live run drives the bench
+    client, which the simulator does not import); without it there is no ``pdd sim validate``."""
     p = subparsers.add_parser("sim", help="discrete-event simulator of a two-datacenter cluster")
     sp = p.add_subparsers(dest="sim_cmd", required=True)
     r = sp.add_parser("run", help="simulate one deployment on a workload")
@@ -471,21 +457,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
                    help="experiment parameter (a keyword of the experiment's function in pdd.sim.experiments; an "
                         "unknown key is refused, listing the valid ones), e.g. --set chip_b=MI300X --set premium=0.3")
     e.set_defaults(func=cmd_experiment, parser=e)
-    v = sp.add_parser("validate", help="one workload through the live topology and the simulator (measured "
-                                       "profile): TTFT/TPOT errors and decision match")
-    v.add_argument("--out", required=True)
-    v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")
-    v.add_argument("--requests", type=int, default=220)
-    v.add_argument("--rate", type=float, default=2.0, help="req/s")
-    v.add_argument("--block-tokens", type=int, default=64, help="tokens per 512-token trace block")
-    v.add_argument("--session-sample", type=int, default=50, help="keep 1 in N conversations of the trace")
-    v.add_argument("--session-seed", type=int, default=0, help="which conversations are kept (another workload)")
-    v.add_argument("--max-output-tokens", type=int, default=None, help="cap on output lengths (default 320)")
-    v.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if it fits)")
-    v.add_argument("--profile", default=None, help="a `pdd profile` JSON (default: measure now)")
-    v.add_argument("--live-from", default=None, help="reuse this validate output's live run (same workload "
-                                                    "arguments) and only re-simulate")
-    v.set_defaults(func=cmd_validate)
+    if add_validate is not None:  # pdd.bench.live_validate: the live run is the benchmark's
+        add_validate(sp)
     c = sp.add_parser("calibrate-roles", help="fit each live role's per-step overhead over the bare engine on "
                                              "one validate run and write it into the profile")
     c.add_argument("--run", required=True, help="a `pdd sim validate --out` directory (the calibration run)")
@@ -522,7 +495,7 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_plan(a) -> int:
     from pdd.sim.plan import WanOption, best_with_goodput, format_plan, search
-    from pdd.sim.workloads import generate_fixed
+    from pdd.workload.records import generate_fixed
 
     if a.workload == "fixed":
         def make(rate):
@@ -581,7 +554,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry (``python -m pdd.sim.cli sim ...`` / ``... plan ...``)."""
+    """Stand-alone entry (``python -m pdd.sim.cli sim ...`` / ``... plan ...``); ``sim validate``
+    is ``pdd``'s only (its live run is the benchmark's)."""
     ap = argparse.ArgumentParser(prog="pdd")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_sim_parser(sub)

@@ -14,7 +14,7 @@ from typing import Callable
 
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.report import summarize, table, write_json
-from pdd.sim.workloads import generate_agentic, generate_fixed, hit_histogram, prefix_hits, warm_start
+from pdd.workload.records import generate_agentic, generate_fixed, hit_histogram, prefix_hits, warm_start
 
 ATTAIN = 0.9  # a rate "meets the SLA" when >= 90% of its requests meet TTFT and TPOT
 

@@ -206,14 +206,14 @@ def cost_model(chip: str | Chip, model: str | ModelProfile, gpus: int | None = N
                profile: str | Path | None = None) -> StepCostModel:
     """Build a step-cost model; with ``profile`` (a measured JSON like the calibration files)
     the efficiencies are fitted to it instead of the default; a ``pdd profile`` file
-    (``format: pdd-profile/1``) gives a :class:`pdd.sim.profile.MeasuredStepModel` instead."""
+    (``format: pdd-profile/1``) gives a :class:`pdd.step_profile.MeasuredStepModel` instead."""
     c = get_chip(chip) if isinstance(chip, str) else chip
     m = get_model(model) if isinstance(model, str) else model
     eff = None
     if profile is not None:
         prof = load_profile(profile)
         if prof.get("format") == "pdd-profile/1":  # measured by `pdd profile`: interpolate, no roofline
-            from pdd.sim.profile import MeasuredStepModel
+            from pdd.step_profile import MeasuredStepModel
 
             return MeasuredStepModel(prof)
         eff, _ = fit_profile(prof, c, m)

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 from pdd.sim.cluster import SimConfig
 from pdd.sim.experiments import ATTAIN, run, sla_goodput
 from pdd.sim.report import table
-from pdd.sim.workloads import warm_start
+from pdd.workload.records import warm_start
 
 
 @dataclass(frozen=True)

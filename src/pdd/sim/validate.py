@@ -1,16 +1,19 @@
 """``pdd sim validate``: one workload through the live topology and through the simulator.
 
-1. The workload: a slice of the Mooncake conversation trace scaled by ``pdd.bench.trace``
+This module is the simulator's half and the comparison; the live run is
+``pdd.bench.live_validate`` (the bench client), which passes itself in as ``live_run``.
+
+1. The workload: a slice of the Mooncake conversation trace scaled by ``pdd.workload.replay``
    (``block_tokens`` tokens per 512-token trace block, so prompts are long enough that prefill
    compute is most of TTFT on this machine), replayed open-loop at ``rate`` req/s.
 2. Live: a fresh ``pdd.launch.Topology`` in pdd mode (the gateway's admission limits off: the
-   simulator does not model 429s), one warm-up request, caches flushed, then
-   ``pdd.bench.live.measured_replay`` (the bench client). Each request's usage chunk carries the
+   simulator does not model 429s), one warm-up request, caches flushed, then the bench
+   client's measured replay (``pdd.bench.live_validate``). Each request's usage chunk carries the
    gateway's recorded policy decisions (``pdd.decisions``: inputs and result).
 3. Simulated: the same requests (arrival times, prompt lengths, the trace's hash blocks as cache
    blocks, output lengths) on a ``ClusterSim`` mirroring the topology's config (instance
    counts, link rates and RTT, engine batch limits, KV pool, policies), step times from the
-   measured profile (``pdd profile``, :class:`pdd.sim.profile.MeasuredStepModel`).
+   measured profile (``pdd profile``, :class:`pdd.step_profile.MeasuredStepModel`).
 4. Report: TTFT P50/P90 and TPOT P50 of both and their relative errors; the share of requests
    for which both made the same decisions (pipeline; handoff mode of the final round, or no
    handoff); the live decisions' recorded inputs replayed through the simulator's policy calls
@@ -28,6 +31,13 @@ import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.topology import free_port_block
+from pdd.workload.replay import Scale
+
+# The workload's scale before build_workload's arguments (block tokens, rate, sessions, output
+# cap) are applied: the demo's scale when validation was calibrated, fixed here so that a
+# recorded run's workload is rebuilt identically (pdd sim calibrate-roles, --live-from).
+VALIDATE_SCALE = Scale(block_tokens=16, output_scale=1 / 2, min_output_tokens=16, max_output_tokens=320,
+                       target_rate_rps=2.0, session_sample=100)
 
 
 def sim_records(requests) -> list[dict]:
@@ -230,11 +240,9 @@ def build_workload(cfg, *, n_requests: int, rate: float, block_tokens: int, sess
     1 in ``session_sample`` conversations chosen by ``session_seed``, ``block_tokens`` per block."""
     import dataclasses
 
-    from pdd.bench.demo import DEFAULT_SCALE
-    from pdd.bench.live import fit_scale
-    from pdd.bench.trace import DEFAULT_TRACE, TokenSpace, build_requests
+    from pdd.workload.replay import DEFAULT_TRACE, TokenSpace, build_requests, fit_scale
 
-    scale = dataclasses.replace(DEFAULT_SCALE, block_tokens=block_tokens, target_rate_rps=rate,
+    scale = dataclasses.replace(VALIDATE_SCALE, block_tokens=block_tokens, target_rate_rps=rate,
                                 session_sample=session_sample, session_seed=session_seed)
     if max_output_tokens is not None:
         scale = dataclasses.replace(scale, max_output_tokens=max_output_tokens,
@@ -400,32 +408,36 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                  block_tokens: int = 64, budget_ms: float = 250.0, session_sample: int = 50,
                  session_seed: int = 0, max_output_tokens: int | None = None,
                  profile: str | Path | None = None, seed: int = 0, live_from: str | Path | None = None,
-                 console=None) -> dict:
-    """Run both and write ``out/validate.json`` (+ ``requests.jsonl``, ``server_stats.json``,
-    ``profile.json``). ``live_from``: reuse that directory's live run (its ``requests.jsonl`` and
-    ``server_stats.json``, same workload arguments) and only re-simulate. The profile's
-    ``role_step_overhead_s`` (``pdd sim calibrate-roles``, from another run) is applied."""
+                 live_run=None, console=None) -> dict:
+    """Run both and write ``out/validate.json`` (+ ``profile.json`` when it measured one).
+    ``live_from``: reuse that directory's live run (its ``requests.jsonl`` and
+    ``server_stats.json``, same workload arguments) and only re-simulate. Otherwise
+    ``live_run(cfg, requests, out, seed, console) -> (records, server_stats)`` runs the workload
+    on the live topology and writes ``out/requests.jsonl`` and ``out/server_stats.json``
+    (``pdd.bench.live_validate.live_run``: per-request record dicts, and the gateway's stats
+    before and after as one dict); the model directory must exist
+    (``pdd.bench.live_validate.run_validate`` makes it, then calls this). The profile's
+    ``role_step_overhead_s`` (``pdd sim calibrate-roles``, from another run) is applied.
+    Raises ValueError when neither ``live_from`` nor ``live_run`` is given, or when the live run
+    is not the workload's."""
     from rich.console import Console
 
-    from pdd.bench.client import run_one_sync
-    from pdd.bench.live import ensure_model, measured_replay
-    from pdd.bench.report import write_jsonl
-    from pdd.bench.trace import TokenSpace, block_token_ids
-    from pdd.launch import Topology
     from pdd.sim import profile as P
+    from pdd.step_profile import load as load_profile
 
+    if live_from is None and live_run is None:
+        raise ValueError("run_validate needs live_from (a recorded run) or live_run (pdd.bench.live_validate)")
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = validate_config(config, budget_ms)
-    ensure_model(cfg, console)
     t0 = time.time()
     if profile is None:
         console.print("measuring the engine's step times (pdd profile) ...")
         prof = P.measure_profile(cfg, log=lambda m: None)
         profile = out / "profile.json"
         Path(profile).write_text(json.dumps(prof, indent=1))
-    prof = P.load(profile)
+    prof = load_profile(profile)
     requests, scale = build_workload(cfg, n_requests=n_requests, rate=rate, block_tokens=block_tokens,
                                      session_sample=session_sample, session_seed=session_seed,
                                      max_output_tokens=max_output_tokens, seed=seed)
@@ -438,17 +450,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         live_s = None
     else:
         t_live = time.time()
-        tokens = TokenSpace.from_model(cfg.model_path)
-        with Topology(cfg, log_dir=out / "logs") as topo:
-            warm = block_token_ids((1 << 65) + seed, 2 * cfg.engine.page_size + 3, tokens, seed)
-            run_one_sync(topo.url, warm, 4, model=cfg.served_model_name, timeout_s=120.0)
-            topo.flush()
-            records, entry = measured_replay(topo, requests, model=cfg.served_model_name, mode="pdd",
-                                             timeout_s=cfg.request_timeout_s, progress=False, console=console)
-        live = [r.to_dict() for r in records]
+        live, entry = live_run(cfg, requests, out, seed, console)
         live_s = time.time() - t_live
-        write_jsonl(out / "requests.jsonl", live)
-        (out / "server_stats.json").write_text(json.dumps(entry, indent=1, default=str))
     if len(live) != len(requests):
         raise ValueError(f"live run has {len(live)} requests, the workload {len(requests)}: not the same workload")
     ovh = prof.get("role_step_overhead_s") or {}
@@ -489,13 +492,13 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     """``pdd sim calibrate-roles``: fit each role's per-step overhead on the live run in ``run_dir``
     (a ``pdd sim validate`` output: its workload arguments, ``server_stats.json``) and write it into
     the profile as ``role_step_overhead_s`` (with ``role_overhead_from``: which run)."""
-    from pdd.sim import profile as P
+    from pdd.step_profile import load as load_profile
 
     run_dir = Path(run_dir)
     v = json.loads((run_dir / "validate.json").read_text())
     w = v["workload"]
     cfg = validate_config(config, v["config"]["pipeline_ttft_budget_ms"])
-    prof = P.load(profile)
+    prof = load_profile(profile)
     prof.pop("role_step_overhead_s", None)
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),

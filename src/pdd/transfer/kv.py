@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
 from .messages import OMIT, Kv, KvCancel, KvDone
 from .pacing import Pacer
-from .rpc import Peer
+from .peer import Peer
 from .wire import payload_view
 
 __all__ = [

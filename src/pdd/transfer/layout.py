@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .rpc import HandshakeError
+from .handshake import HandshakeError
 
 __all__ = ["DTYPE_BYTES", "KVLayout", "LAYOUT_KEYS", "MODEL_KEYS", "kv_handshake_check", "layout_of",
            "wire_dtype", "wire_page_bytes", "wire_slot_bytes"]
@@ -80,7 +80,7 @@ def wire_page_bytes(receiver_page_bytes: int, receiver: KVLayout, sender_dtype: 
 
 
 def kv_handshake_check(local_fp: Optional[dict], remote_fp: Optional[dict]) -> None:
-    """The handshake check of two engine instances (``rpc.Server`` / ``rpc.connect``
+    """The handshake check of two engine instances (``server.Server`` / ``client.connect``
     ``handshake_check``): the model keys must be equal, the layout keys may differ (the sender
     converts) but must be a page size that is a positive power of two and a known dtype. A side
     without a fingerprint (the gateway) is accepted. Raises :class:`HandshakeError` naming the

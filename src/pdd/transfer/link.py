@@ -60,7 +60,9 @@ from typing import Any, Optional
 
 from pdd.policy import tcp_model
 
-from . import messages, rpc
+from . import messages
+from .client import connect
+from .server import Server
 
 __all__ = ["Link", "run_link", "serve_link", "query_stats", "set_link", "normalize_config", "main"]
 
@@ -476,7 +478,7 @@ class Link:
         self.ports: list[int] = []
         self.control_port: Optional[int] = None
         self._servers: list[asyncio.base_events.Server] = []
-        self._control: Optional[rpc.Server] = None
+        self._control: Optional[Server] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.t0 = 0.0  # loop time the cross-traffic schedule counts from (start())
         self.cross_schedule: tcp_model.Schedule = tcp_model.check_schedule(self.cfg["cross_traffic"])
@@ -511,7 +513,7 @@ class Link:
             self._servers.append(srv)
             self.ports.append(srv.sockets[0].getsockname()[1])
         if self.cfg["control_port"] is not None:
-            self._control = rpc.Server(
+            self._control = Server(
                 self.host,
                 int(self.cfg["control_port"]),
                 {"stats": self._h_stats, "set": self._h_set},
@@ -634,7 +636,7 @@ def _strip(h: dict) -> dict:
 
 async def query_stats(host: str, port: int, timeout: float = 5.0) -> dict:
     """Ask a running link's control port for its stats (one short-lived connection)."""
-    peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
+    peer = await connect(host, port, role="link-client", connect_timeout_s=timeout)
     try:
         h, _ = await peer.call(messages.Stats().wire(), timeout=timeout)
         return _strip(h)
@@ -644,7 +646,7 @@ async def query_stats(host: str, port: int, timeout: float = 5.0) -> dict:
 
 async def set_link(host: str, port: int, timeout: float = 5.0, **kw) -> dict:
     """``set_link(host, port, gbps=?, rtt_ms=?, jitter_ms=?, outage=?, loss_rate=?, cross_gbps=?)`` -> new stats."""
-    peer = await rpc.connect(host, port, role="link-client", connect_timeout_s=timeout)
+    peer = await connect(host, port, role="link-client", connect_timeout_s=timeout)
     try:
         h, _ = await peer.call(messages.LinkSet(**{k: v for k, v in kw.items() if v is not None}).wire(), timeout=timeout)
         return _strip(h)

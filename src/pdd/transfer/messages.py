@@ -6,7 +6,7 @@ declared order; an optional field left at :data:`OMIT` is not sent at all, so a 
 are what the dict literals it replaces sent), :func:`decode` / ``Kind.decode(header)`` read one
 back and refuse, with a :class:`MessageError` naming the kind and field, an unknown kind, a
 missing field, a field of the wrong type, or a field the kind does not have. The envelope
-(:data:`ENVELOPE`: rpc's ``"cid"``, ``"reply"``, the wire's ``"crc32"``) is not part of a
+(:data:`ENVELOPE`: the peer's ``"cid"``, ``"reply"``, the wire's ``"crc32"``) is not part of a
 message and is ignored.
 
 Who sends what (G: gateway, P: prefill, RLD: relay decode, MD: main decode, C: colocated):
@@ -18,7 +18,7 @@ Who sends what (G: gateway, P: prefill, RLD: relay decode, MD: main decode, C: c
   G -> any:      Peek (-> PeekOk), Stats (-> StatsOk), Flush (-> FlushOk), Abort (-> AbortOk)
   tiers -> G:    Tok, Toks, KvReady, XferDone, ReqError, WanSample
   P -> RLD, MD:  Kv (+ payload: the pages), KvDone, KvCancel
-  transport:     Hello, Heartbeat, Ok, Error (:mod:`pdd.transfer.rpc`); LinkSet (the WAN
+  transport:     Hello, Heartbeat, Ok, Error (:mod:`pdd.transfer.peer`, :mod:`pdd.transfer.handshake`); LinkSet (the WAN
                  emulator's control port, :mod:`pdd.transfer.link`; its stats are asked with Stats)
 
 Nested plan entries (``Prefill.targets``, ``Toks.msgs``: each a Tok header) stay plain dicts
@@ -54,7 +54,7 @@ class _Omit:
 
 
 OMIT: Any = _Omit()
-# not message fields: rpc's call id and reply mark, the wire's payload checksum (a CRC'd frame)
+# not message fields: the peer's call id and reply mark, the wire's payload checksum (a CRC'd frame)
 ENVELOPE = ("cid", "reply", "crc32")
 
 KINDS: dict[str, type] = {}
@@ -610,7 +610,7 @@ class Error(Msg):
     """A failed call's reply (or a refused handshake): ``error`` says why."""
     T = "error"
     error: str
-    detail: dict = OMIT  # fields the failed handler attached (an exception's ``detail``, rpc.CallFailed)
+    detail: dict = OMIT  # fields the failed handler attached (an exception's ``detail``, peer.CallFailed)
 
 
 @dataclass

@@ -28,7 +28,7 @@ a reader without one refuses it. The tag covers the prefix, the raw header bytes
 and an implicit per-direction frame counter (so a replayed, reordered or removed frame fails
 too) and is checked *before* the header is decoded, so nothing of a forged frame is parsed.
 A mismatch raises :class:`MacError` after the frame was consumed; unlike a CRC mismatch the
-connection must then be closed (``rpc.Peer`` does): nothing after a forged frame can be
+connection must then be closed (``peer.Peer`` does): nothing after a forged frame can be
 trusted, e.g. the ``kv_done`` that would complete a request whose pages were dropped.
 
 Future fields fit without a version bump: new header keys are ignored by old readers
@@ -123,9 +123,9 @@ class FrameMac:
     ``alg="gmac"``: AES-128-GMAC (AES-GCM over no plaintext, the frame as associated data) with
     the frame counter as nonce, ~20x cheaper than HMAC-SHA256 on AES-NI/CLMUL CPUs. A nonce must
     never repeat under a key, so a "gmac" key must belong to this one direction of one
-    connection (``rpc`` derives such keys from the shared key and both hellos' random nonces).
+    connection (``handshake`` derives such keys from the shared key and both hellos' random nonces).
     ``alg="hmac"``: HMAC-SHA256 over ``seq_u64 || frame``, truncated to 128 bits: safe under a
-    long-lived key (``rpc`` uses it for the hellos). Every :meth:`seal` / :meth:`verify` advances
+    long-lived key (``handshake`` uses it for the hellos). Every :meth:`seal` / :meth:`verify` advances
     the counter, so frames must be verified in the order they were sealed.
     """
 
@@ -353,7 +353,7 @@ def write_frame(
 ) -> int:
     """Write one frame to a StreamWriter/transport without awaiting; returns bytes written (framing incl.).
 
-    The caller must serialise writers (see ``rpc.Peer``) and ``await writer.drain()`` for backpressure.
+    The caller must serialise writers (see ``peer.Peer``) and ``await writer.drain()`` for backpressure.
     """
     n = 0
     for b in encode_frame(header, payload, crc, mac):

@@ -135,7 +135,7 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         import subprocess
         import tempfile
 
-        from pdd.bench.vllm_mode import free_port, model_max_len, vllm_python
+        from pdd.vllm_tier.venv import free_port, model_max_len, vllm_python
 
         vc = self.cfg.vllm
         python = vllm_python(vc.python)

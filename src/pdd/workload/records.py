@@ -1,4 +1,4 @@
-"""Workloads in Mooncake JSONL format: trace replay, an agentic generator, fixed-shape load.
+"""Workload records in Mooncake JSONL format: read, write, cap, retime; an agentic generator, fixed-shape load.
 
 A record is ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 "hash_ids": [...]}`` with one hash id per 512-token prompt block; equal ids mean a shareable
@@ -95,7 +95,7 @@ def write_trace(records: Iterable[dict], path: str | Path) -> None:
 
 def cap_input(records: Iterable[dict], max_tokens: int, block: int = BLOCK) -> list[dict]:
     """``records`` with every prompt at most ``max_tokens`` tokens, as ``pdd bench --max-input``
-    (:meth:`pdd.bench.trace.Scale.input_tokens`) clips, counted in trace tokens: whole trailing
+    (:meth:`pdd.workload.replay.Scale.input_tokens`) clips, counted in trace tokens: whole trailing
     ``block``-token blocks are dropped until the prompt fits (with their hash ids), and a prompt
     still longer than the cap after keeping one block is cut to the cap. No record is dropped;
     records that fit are returned unchanged. ValueError when ``max_tokens`` < 1."""
@@ -113,7 +113,7 @@ def cap_input(records: Iterable[dict], max_tokens: int, block: int = BLOCK) -> l
 def capped_prompt_tokens(max_tokens: int, block: int) -> int:
     """Length (tokens) of a prompt longer than ``max_tokens`` once capped: its whole ``block``-token
     blocks that fit (the trailing ones dropped), or ``max_tokens`` itself when not one block does.
-    The rule of ``pdd bench --max-input`` (:meth:`pdd.bench.trace.Scale.input_tokens`) and of
+    The rule of ``pdd bench --max-input`` (:meth:`pdd.workload.replay.Scale.input_tokens`) and of
     ``pdd sim run --max-input`` (:func:`cap_input`)."""
     keep = max_tokens // block
     return keep * block if keep else max_tokens

@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from pdd.sim.workloads import capped_prompt_tokens
+from pdd.workload.records import capped_prompt_tokens
+
+if TYPE_CHECKING:
+    from pdd.config import ClusterConfig
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash block in Mooncake traces
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "data" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -235,11 +238,11 @@ def session_key(record: dict, idx: int) -> str:
 
 def load_trace(path: str | Path = DEFAULT_TRACE, start: int = 0, count: int | None = None) -> list[dict]:
     """Read Mooncake JSONL records ``[start, start + count)`` (blank lines skipped;
-    :func:`pdd.sim.workloads.read_trace`).
+    :func:`pdd.workload.records.read_trace`).
 
     ValueError naming the file and line when a line read is not a JSON object with the four
     fields (e.g. ``--trace README.md``)."""
-    from pdd.sim.workloads import read_trace
+    from pdd.workload.records import read_trace
 
     return list(read_trace(path, start, None if count is None else start + count))
 
@@ -383,3 +386,18 @@ def workload_summary(
         "ideal_prefix_hit_rate_paged": ideal_prefix_hit_rate(requests, page_size, 1),
         "page_size": page_size,
     }
+
+
+def fit_scale(scale: Scale, config: "ClusterConfig", n_requests: int | None, start: int | None) -> Scale:
+    """``scale`` with the slice set and the prompt cap lowered to what the engine accepts
+    (``max_input_len`` and ``max_model_len - max_output_tokens``)."""
+    eng = config.engine
+    cap = min(eng.max_input_len, eng.max_model_len - scale.max_output_tokens)
+    if scale.max_input_tokens is not None:
+        cap = min(cap, scale.max_input_tokens)
+    upd: dict = {"max_input_tokens": max(1, cap)}
+    if n_requests is not None:
+        upd["count"] = n_requests
+    if start is not None:
+        upd["start"] = start
+    return replace(scale, **upd)

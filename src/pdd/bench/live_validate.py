@@ -1,0 +1,93 @@
+"""The live half of ``pdd sim validate``: the workload on a fresh topology through the bench client.
+
+The simulator's half, the comparison and the report are :mod:`pdd.sim.validate`; this module
+runs the live topology (``pdd.launch.Topology``: one warm-up request, caches flushed, then
+:func:`pdd.bench.live.measured_replay`) and owns the ``pdd sim validate`` sub-command, which
+``pdd.cli`` hands to the simulator's parser (``pdd.sim.cli.add_sim_parser``), so that the
+simulator does not import the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["live_run", "run_validate", "add_validate_parser", "cmd_validate"]
+
+
+def live_run(cfg, requests, out: Path, seed: int, console) -> tuple[list[dict], dict]:
+    """Replay ``requests`` (``pdd.workload.replay.ReplayRequest``) open-loop on a fresh topology of
+    ``cfg`` (logs in ``out/logs``) after one warm-up request (seeded by ``seed``) and a cache flush.
+    Writes ``out/requests.jsonl`` and ``out/server_stats.json``; returns (per-request record dicts,
+    the gateway's stats before and after the replay as one dict)."""
+    from pdd.bench.client import run_one_sync
+    from pdd.bench.live import measured_replay
+    from pdd.bench.report import write_jsonl
+    from pdd.launch import Topology
+    from pdd.workload.replay import TokenSpace, block_token_ids
+
+    tokens = TokenSpace.from_model(cfg.model_path)
+    with Topology(cfg, log_dir=out / "logs") as topo:
+        warm = block_token_ids((1 << 65) + seed, 2 * cfg.engine.page_size + 3, tokens, seed)
+        run_one_sync(topo.url, warm, 4, model=cfg.served_model_name, timeout_s=120.0)
+        topo.flush()
+        records, entry = measured_replay(topo, requests, model=cfg.served_model_name, mode="pdd",
+                                         timeout_s=cfg.request_timeout_s, progress=False, console=console)
+    live = [r.to_dict() for r in records]
+    write_jsonl(out / "requests.jsonl", live)
+    (out / "server_stats.json").write_text(json.dumps(entry, indent=1, default=str))
+    return live, entry
+
+
+def run_validate(out: str | Path, config=None, *, budget_ms: float = 250.0, console=None, **kw) -> dict:
+    """``pdd sim validate``: make the model if missing, then :func:`pdd.sim.validate.run_validate`
+    with :func:`live_run` (``kw``: its workload, profile and ``live_from`` arguments). Returns and
+    writes what it does (``out/validate.json``)."""
+    from rich.console import Console
+
+    from pdd.bench.live import ensure_model
+    from pdd.sim import validate as V
+
+    console = console or Console(stderr=True)
+    cfg = V.validate_config(config, budget_ms)
+    ensure_model(cfg, console)
+    return V.run_validate(out, cfg, budget_ms=budget_ms, live_run=live_run, console=console, **kw)
+
+
+def cmd_validate(a) -> int:
+    from pdd.cli_args import config_or_exit
+    from pdd.sim.validate import format_validate
+
+    cfg = None
+    if a.config:
+        cfg = config_or_exit(a)
+    for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
+        if v <= 0:
+            raise SystemExit(f"pdd sim validate: --{k} must be > 0")
+    res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
+                       budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
+                       max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from)
+    print(format_validate(res))
+    print(f"wrote {a.out}/validate.json")
+    return 0
+
+
+def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
+    """Add ``validate`` to the ``pdd sim`` sub-commands (``sim_subparsers``)."""
+    v = sim_subparsers.add_parser("validate", help="one workload through the live topology and the simulator "
+                                                   "(measured profile): TTFT/TPOT errors and decision match")
+    v.add_argument("--out", required=True)
+    v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")
+    v.add_argument("--requests", type=int, default=220)
+    v.add_argument("--rate", type=float, default=2.0, help="req/s")
+    v.add_argument("--block-tokens", type=int, default=64, help="tokens per 512-token trace block")
+    v.add_argument("--session-sample", type=int, default=50, help="keep 1 in N conversations of the trace")
+    v.add_argument("--session-seed", type=int, default=0, help="which conversations are kept (another workload)")
+    v.add_argument("--max-output-tokens", type=int, default=None, help="cap on output lengths (default 320)")
+    v.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if it fits)")
+    v.add_argument("--profile", default=None, help="a `pdd profile` JSON (default: measure now)")
+    v.add_argument("--live-from", default=None, help="reuse this validate output's live run (same workload "
+                                                    "arguments) and only re-simulate")
+    v.set_defaults(func=cmd_validate)
+    return v
