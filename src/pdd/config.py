@@ -116,6 +116,10 @@ class LinkConfig(_Strict):
         0.0, ge=0, lt=1, description="WAN packet loss probability p: each connection's throughput is capped at "
         "TCP's loss-limited rate MSS*8/RTT * sqrt(3/2)/sqrt(p) (Mathis et al. 1997; pdd.policy.tcp_model); 0 = no cap")
     wan_mss_bytes: int = Field(1460, ge=64, le=65535, description="TCP segment size in that formula, bytes")
+    wan_connections: int = Field(
+        1, ge=1, le=16, description="connections P's bulk KV lane to each WAN target is striped over (frames of "
+        "one transfer go over all of them, reassembled in order at the receiver; the express lane stays one "
+        "connection of its own); 1 = one connection (pdd.transfer.kv.KVSender, docs/LINK.md)")
     wan_cross_traffic: list[tuple[float, float]] = Field(
         default_factory=list, description="other traffic sharing the WAN line, per direction: [[t_s, gbps], ...] "
         "from t_s seconds after the line started, piecewise constant, 0 before the first point; each rate below "

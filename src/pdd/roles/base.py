@@ -20,6 +20,7 @@ from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
 from pdd.transfer import rpc
+from pdd.transfer.kv import KVReorder
 from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
 from pdd.transfer.messages import OMIT, Abort, AbortOk, FlushOk, Kv, Peek, PeekOk, ReqError, StatsOk, Tok, Toks
 from pdd.types import FinishReason, SamplingParams
@@ -190,6 +191,9 @@ class EngineInstance:
         hs = self.handlers()
         if "kv_done" in hs:
             hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
+        # a striped sender's frames (link.wan_connections > 1) are handed on in their order
+        self.kv_reorder = KVReorder()
+        hs = self.kv_reorder.wrap(hs)
         self.server = rpc.Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name,
                                  fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
                                  **self.liveness_kw(),
