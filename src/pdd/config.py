@@ -166,6 +166,13 @@ class PolicyConfig(_Strict):
         description="ablation: send a prompt's partial last KV page whole (page-granular, as block "
         "transfers do) instead of its filled token slots only (pdd.transfer.kv.prompt_kv_bytes)",
     )
+    wan_probe_interval_s: float = Field(
+        0.0, ge=0, description="the gateway probes each WAN MD that got no KV receive sample nor probe for this many "
+        "seconds (a timed empty and a wan_probe_bytes request: RTT and goodput samples of its estimate, "
+        "pdd.policy.wan_estimate.probe_due); 0 = off")
+    wan_probe_bytes: int = Field(
+        131072, ge=0, le=16 << 20, description="payload bytes of a WAN probe's second request (its goodput "
+        "sample); 0 = RTT only")
     kv_stream: Literal["whole", "layerwise"] = Field(
         "whole", description="when P sends a request's KV: 'whole' after its prefill (and first token); "
         "'layerwise' each layer group's pages of the prompt as soon as that group's forward pass over the "

@@ -15,6 +15,7 @@ import time
 
 from pdd.gateway.state import ReqState
 from pdd.policy.handoff import early_handoff_delay_s
+from pdd.policy.wan_estimate import queued_bytes
 from pdd.topology import ROLE_MAIN, ROLE_PREFILL
 from pdd.transfer import rpc
 from pdd.transfer.kv import prompt_kv_bytes
@@ -112,6 +113,24 @@ class WanBooking:
         RTT estimate (``policy.wan_estimate.RttEstimate``: the windowed minimum)."""
         if self._in_b(md_name):
             self.wan_peers.add_rtt(md_name, seconds * 1000.0)
+
+    def _wan_backlog_bytes(self, md_name: str | None, st: ReqState | None = None) -> float:
+        """KV bytes still queued to MD ``md_name`` ahead of a new transfer: the planned bytes of
+        the other requests whose transfer to it P has not reported done, less what the line can
+        have carried since the oldest of them started streaming (``policy.wan_estimate.queued_bytes``
+        at that MD's goodput estimate). 0 for an MD in A or none."""
+        if md_name is None or not self._in_b(md_name):
+            return 0.0
+        now, planned, oldest = time.perf_counter(), [], 0.0
+        for o in list(self.reqs.values()):
+            w = o.wan
+            if o is st or o.names.get(ROLE_MAIN) != md_name or w.expected <= 0 or w.kv_sent or w.cut_off:
+                continue
+            planned.append(w.expected)
+            started = o.events.get("prefilled")
+            if started is not None:
+                oldest = max(oldest, now - started)
+        return queued_bytes(planned, oldest, self.wan_peers.gbps(md_name))
 
     def _remaining_wan_s(self, st: ReqState) -> float:
         """Expected seconds to finish ``st``'s WAN transfer: its planned bytes at the live (else

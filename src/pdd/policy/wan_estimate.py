@@ -135,18 +135,57 @@ class RttEstimate:
         return self.ms
 
 
-def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float) -> float:
-    """Seconds from the first byte sent until the receiver's first token is back:
-    ``rtt + nbytes * 8 / (gbps * 1e9)`` (half a round trip for the KV to propagate, the other half
-    for the token to come back; ``pdd.policy.pipeline.expected_wan_seconds`` applies it to a
-    request's missing KV).
+def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float, backlog_bytes: float = 0.0) -> float:
+    """Seconds from now until the receiver's first token is back:
+    ``rtt + (backlog_bytes + nbytes) * 8 / (gbps * 1e9)`` (half a round trip for the KV to
+    propagate, the other half for the token to come back; ``pdd.policy.pipeline.expected_wan_seconds``
+    applies it to a request's missing KV). ``backlog_bytes``: bytes already queued to that peer
+    ahead of this transfer (:func:`queued_bytes`), which cross the line first (FIFO: a shared line
+    carries them before or beside these, either way the last byte leaves after all of them).
     A non-positive rate with bytes to send gives ``inf``."""
     rtt_s = max(0.0, rtt_ms) / 1000.0
-    if nbytes <= 0:
+    total = max(0.0, nbytes) + max(0.0, backlog_bytes)
+    if total <= 0:
         return rtt_s
     if gbps <= 0:
         return math.inf
-    return rtt_s + nbytes * 8.0 / (gbps * 1e9)
+    return rtt_s + total * 8.0 / (gbps * 1e9)
+
+
+def queued_bytes(planned_bytes, oldest_elapsed_s: float, gbps: float) -> float:
+    """Bytes still queued to a peer, from the transfers in flight to it: their planned payload
+    bytes (``planned_bytes``, an iterable) less what the line can have carried since the oldest
+    of them started (``oldest_elapsed_s`` seconds ago at ``gbps`` Gbit/s), at least 0:
+    ``max(0, sum(planned) - gbps * 1e9 / 8 * oldest_elapsed_s)``. A lower bound: the line carried
+    at most that much of them (less when it idled, e.g. a layer-wise transfer waiting for its
+    prefill). No transfer, or a non-positive rate, gives ``sum(planned)``."""
+    total = float(sum(max(0, b) for b in planned_bytes))
+    if total <= 0 or gbps <= 0:
+        return total
+    return max(0.0, total - gbps * 1e9 / 8.0 * max(0.0, oldest_elapsed_s))
+
+
+def probe_due(now_s: float, last_sample_s: float | None, last_probe_s: float | None, interval_s: float) -> bool:
+    """Whether a WAN peer's goodput estimate is stale and due a probe (``policy.wan_probe_interval_s``):
+    neither a goodput sample (a KV receive rate) nor a probe in the last ``interval_s`` seconds
+    (times in seconds on one clock; None: never). ``interval_s`` <= 0: probes are off, never due.
+    An idle peer is then probed once per interval; one that receives transfers never is."""
+    if interval_s <= 0:
+        return False
+    last = max((t for t in (last_sample_s, last_probe_s) if t is not None), default=None)
+    return last is None or now_s - last >= interval_s
+
+
+def probe_goodput_gbps(probe_bytes: int, payload_s: float, empty_s: float) -> float | None:
+    """Goodput (Gbit/s) from a probe pair: a request/reply of ``probe_bytes`` payload took
+    ``payload_s`` seconds, one without payload ``empty_s``; the difference is the payload's
+    serialisation on the path, so ``probe_bytes * 8 / (payload_s - empty_s) / 1e9``. None when it
+    tells nothing (no bytes, or a difference <= 0: the payload crossed no slower than the empty
+    round trip, e.g. a jitter spike on the empty one)."""
+    d = payload_s - empty_s
+    if probe_bytes <= 0 or not d > 0:
+        return None
+    return probe_bytes * 8.0 / d / 1e9
 
 
 WAN_ESTIMATE_SOURCES = ("live", "config")
@@ -217,10 +256,11 @@ class PeerWanEstimates:
                 return r
         return self.rtt_ms
 
-    def transfer_s(self, peer: str | None, nbytes: float) -> float:
-        """Estimated seconds to move ``nbytes`` of KV to ``peer`` and get its first token back
-        (:func:`transfer_seconds` at the peer's goodput and RTT)."""
-        return transfer_seconds(nbytes, self.gbps(peer), self.rtt_ms_of(peer))
+    def transfer_s(self, peer: str | None, nbytes: float, backlog_bytes: float = 0.0) -> float:
+        """Estimated seconds to move ``nbytes`` of KV to ``peer`` behind ``backlog_bytes`` already
+        queued to it and get its first token back (:func:`transfer_seconds` at the peer's goodput
+        and RTT)."""
+        return transfer_seconds(nbytes, self.gbps(peer), self.rtt_ms_of(peer), backlog_bytes)
 
     def view(self) -> dict:
         """peer -> {"gbps", "rtt_ms" (what the policies read), "gbps_measured", "rtt_ms_measured"

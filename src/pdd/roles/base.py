@@ -160,7 +160,12 @@ class EngineInstance:
         )
 
     def handlers(self) -> dict:
-        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek}
+        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek,
+                "wan_probe": self.on_wan_probe}
+
+    async def on_wan_probe(self, peer, h, payload):
+        """The gateway's WAN probe (``pdd.policy.wan_estimate.probe_due``): answered at once."""
+        return None
 
     async def on_peek(self, peer, h, payload):
         """Routing probe: how many of the prompt's tokens this instance's radix cache holds

@@ -192,6 +192,8 @@ class PrefillInstance(EngineInstance):
             "kv_bytes_sent": dict(self.bytes_sent),
             "wan_bytes_sent": self.wan_bytes_sent,
             "wan_lane_transfers": dict(self.lane_transfers),
+            # link.wan_connections > 1: payload bytes each connection of a striped lane carried
+            "wan_stripe_bytes": {k: list(s.bytes_by_connection) for k, s in list(self.senders.items()) if s.striped},
             **self.hit_stats(),
         }
 

@@ -245,6 +245,13 @@ class Stats(Msg):
 
 
 @dataclass
+class WanProbe(Msg):
+    """The gateway's timed probe of a WAN peer's path (``policy.wan_probe_interval_s``): answered
+    at once with ``ok``; its payload (any bytes) is there to be timed, then dropped."""
+    T = "wan_probe"
+
+
+@dataclass
 class Flush(Msg):
     """Empty the prefix cache, count pages -> :class:`FlushOk`."""
     T = "flush"
