@@ -81,11 +81,12 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self._reconnecting: set[str] = set()
         # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)
         self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
-                                                 cfg.link.wan_mss_bytes)
+                                                 cfg.link.wan_mss_bytes, connections=cfg.link.wan_connections)
         self.wan_gbps_live: float | None = self.wan_estimate.gbps  # its current value, Gbit/s (None: none yet)
         # per MD across the WAN: goodput and RTT, what the pipeline choice and MD routing read
         self.wan_peers = PeerWanEstimates(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
-                                          cfg.link.wan_mss_bytes, source=cfg.policy.wan_estimate)
+                                          cfg.link.wan_mss_bytes, source=cfg.policy.wan_estimate,
+                                          connections=cfg.link.wan_connections)
         self.md_routes: dict[str, int] = {}  # MD -> requests routed there (routing's counter)
         # WAN probes of idle MDs (policy.wan_probe_interval_s; gateway.wan_booking): when each MD
         # last gave a goodput sample and was last probed (monotonic s), and the probes' counters

@@ -9,8 +9,9 @@ with others reads as a fraction of it. The estimate is therefore the **median of
 estimator, as used for RTT/bandwidth probing), instead of an EWMA that one outlier drags for many
 samples.
 
-On a lossy line the estimate is also capped at what one TCP connection can carry there
-(``pdd.policy.tcp_model.mathis_gbps``: a transfer goes over one connection), once the loss is
+On a lossy line the estimate is also capped at what a transfer's TCP connections can carry there
+(``connections`` x ``pdd.policy.tcp_model.mathis_gbps``: one, or ``link.wan_connections`` when P
+stripes a transfer over several), once the loss is
 known: from the configured ``link.wan_loss_rate`` (:meth:`WanEstimate.for_line`, which then also
 gives a first estimate before any sample, ``min(line, cap)``) or from a sender reporting it with a
 sample (``add(gbps, loss_rate=)``). Without loss nothing changes: no cap, None before a sample.
@@ -39,6 +40,8 @@ class WanEstimate:
     line_gbps: the configured line rate (Gbit/s), the first estimate's upper bound; None: unknown.
     rtt_ms, mss_bytes: the line's round trip (ms) and TCP segment (bytes) of the loss cap.
     loss_rate: the line's packet loss probability in [0, 1) when known, else None (no cap).
+    connections: connections one transfer is striped over (``link.wan_connections``, >= 1): the
+        cap is that many connections' loss-limited rate.
     """
 
     window: int = DEFAULT_WINDOW
@@ -47,29 +50,34 @@ class WanEstimate:
     rtt_ms: float = 0.0
     mss_bytes: int = DEFAULT_MSS_BYTES
     loss_rate: float | None = None
+    connections: int = 1
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.connections < 1:
+            raise ValueError(f"connections must be >= 1, got {self.connections}")
         if self.loss_rate is not None:
             self.loss_rate = check_loss_rate(self.loss_rate, "loss_rate")
 
     @classmethod
     def for_line(cls, line_gbps: float, rtt_ms: float, loss_rate: float = 0.0,
-                 mss_bytes: int = DEFAULT_MSS_BYTES, window: int = DEFAULT_WINDOW) -> "WanEstimate":
+                 mss_bytes: int = DEFAULT_MSS_BYTES, window: int = DEFAULT_WINDOW,
+                 connections: int = 1) -> "WanEstimate":
         """The estimate of a configured line (``link.wan_gbps``, ``wan_rtt_ms``, ``wan_loss_rate``,
-        ``wan_mss_bytes``). Loss 0 is "no loss known": the same as ``WanEstimate(window)``."""
+        ``wan_mss_bytes``, ``wan_connections``). Loss 0 is "no loss known": the same as
+        ``WanEstimate(window)``."""
         return cls(window=window, line_gbps=line_gbps, rtt_ms=rtt_ms, mss_bytes=mss_bytes,
-                   loss_rate=check_loss_rate(loss_rate, "loss_rate") or None)
+                   loss_rate=check_loss_rate(loss_rate, "loss_rate") or None, connections=connections)
 
     @property
     def cap_gbps(self) -> float | None:
-        """One connection's loss-limited rate on this line, Gbit/s (Mathis et al. 1997), or None
-        when no loss is known (or the RTT is 0)."""
+        """``connections`` x one connection's loss-limited rate on this line, Gbit/s (Mathis et
+        al. 1997), or None when no loss is known (or the RTT is 0)."""
         if not self.loss_rate:
             return None
         m = mathis_gbps(self.mss_bytes, self.rtt_ms, self.loss_rate)
-        return None if m == math.inf else m
+        return None if m == math.inf else m * self.connections
 
     @property
     def gbps(self) -> float | None:
@@ -212,19 +220,21 @@ class PeerWanEstimates:
     mss_bytes: int = DEFAULT_MSS_BYTES
     window: int = DEFAULT_WINDOW
     source: str = "live"
+    connections: int = 1  # link.wan_connections: a transfer's connections (the loss cap is theirs)
     goodput: dict = field(default_factory=dict)  # peer -> WanEstimate
     rtt: dict = field(default_factory=dict)  # peer -> RttEstimate
 
     def __post_init__(self) -> None:
         if self.source not in WAN_ESTIMATE_SOURCES:
             raise ValueError(f"source must be one of {WAN_ESTIMATE_SOURCES}, got {self.source!r}")
-        g = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes).gbps
+        g = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes,
+                                 connections=self.connections).gbps
         self._configured_gbps = self.line_gbps if g is None else g  # fixed: read on every routing
 
     def _goodput(self, peer: str) -> WanEstimate:
         if peer not in self.goodput:
             self.goodput[peer] = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes,
-                                                      self.window)
+                                                      self.window, self.connections)
         return self.goodput[peer]
 
     def add_goodput(self, peer: str, gbps: float, loss_rate: float | None = None) -> float | None:
