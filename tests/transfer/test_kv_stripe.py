@@ -223,3 +223,27 @@ def test_one_of_the_connections_dying_fails_the_striped_transfer_once_and_closes
     assert sink.done is None and not sink.cancelled  # never completed at the receiver
     assert reorder.open_transfers == 0
     assert [f[0] for f in sink.frames] == list(range(len(sink.frames)))  # what got through, in order
+
+
+def test_backlog_bytes_is_what_is_queued_and_not_yet_written():
+    async def run():
+        sink, reorder, server, peers = await _pair(2)
+        s = KVSender(peers[0], peers=peers[1:], chunk_pages=2)
+        t1 = s.submit("a", 0, reader(), 10, PAGE)
+        t2 = s.submit("b", 0, lambda i, n: bytes(n * PAGE - (PAGE - 40 if i + n == 5 else 0)), 5, PAGE,
+                      last_page_bytes=40)
+        t3 = s.submit("c", 0, reader(), 3, PAGE)
+        t3.cancel()
+        queued = s.backlog_bytes  # nothing written yet; a cancelled transfer is not queued
+        await t1
+        await t2
+        await t3
+        after = s.backlog_bytes
+        await s.close()
+        for p in peers:
+            await p.close()
+        await server.close()
+        return queued, after
+
+    queued, after = asyncio.run(run())
+    assert queued == 10 * PAGE + 4 * PAGE + 40 and after == 0

@@ -194,6 +194,9 @@ class PrefillInstance(EngineInstance):
             "wan_lane_transfers": dict(self.lane_transfers),
             # link.wan_connections > 1: payload bytes each connection of a striped lane carried
             "wan_stripe_bytes": {k: list(s.bytes_by_connection) for k, s in list(self.senders.items()) if s.striped},
+            # KV payload bytes queued to each target and not yet written (its lanes together)
+            "kv_backlog_bytes": {n: sum(s.backlog_bytes for s in self._senders_of(n))
+                                 for n in {k.removesuffix(EXPRESS) for k in list(self.senders)}},
             **self.hit_stats(),
         }
 

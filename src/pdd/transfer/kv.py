@@ -405,8 +405,8 @@ class LayeredTransfer(Transfer):
         else:
             ok = self._frame() is not None
         loop_now = asyncio.get_running_loop().time()
-        if not ok and self._idle_since is None and self.chunks_sent:
-            self._idle_since = loop_now
+        if not ok and self._idle_since is None and self.chunks_sent and self.inflight == 0:
+            self._idle_since = loop_now  # waiting for the prefill (not for another connection's frame)
         elif ok and self._idle_since is not None:
             self.wait_s += loop_now - self._idle_since
             self._idle_since = None
