@@ -139,6 +139,7 @@ class Transfer:
         self.inflight = 0  # frames claimed and not yet written (or given up)
         self.frames_numbered = 0  # stripe sequence numbers given out (frames committed to a connection)
         self.error: Optional[BaseException] = None  # a page reader's error: the transfer is cancelled with it
+        self.closing = False  # its kv_done / kv_cancel is being sent (no connection's loop takes it)
         self.done: asyncio.Future = loop.create_future()
         # a failed transfer nobody awaits must not log "exception was never retrieved"
         self.done.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -739,7 +740,7 @@ class KVSender:
         return [t.seq, n] if self.striped else OMIT
 
     async def _finish_cancel(self, t: Transfer, peer: Peer, error: Optional[BaseException] = None) -> None:
-        self.active.remove(t)  # first: no other connection's loop takes it meanwhile
+        t.closing = True  # no other connection's loop takes it meanwhile
         try:
             await peer.send(
                 KvCancel(t.rid, t.bytes_sent, t.pages_sent, stripe=self._stripe(t, t.frames_numbered)).wire(),
@@ -747,6 +748,7 @@ class KVSender:
             )
         except ConnectionError:
             pass  # the receiver drops the request's state when the connection goes
+        self.active.remove(t)
         if not t.done.done():
             if error is not None:
                 t.finished_at = asyncio.get_running_loop().time()
@@ -756,7 +758,7 @@ class KVSender:
         peer._check_open()
 
     async def _finish_done(self, t: Transfer, peer: Peer) -> None:
-        self.active.remove(t)
+        t.closing = True  # no other connection's loop takes it meanwhile
         h = KvDone(
             rid=t.rid,
             first_page=t.first_page,
@@ -769,11 +771,8 @@ class KVSender:
             stripe=self._stripe(t, t.frames_numbered),
             extra=t.closing_fields(),
         ).wire()
-        try:
-            await peer.send(h, crc=self.crc)
-        except ConnectionError:
-            self.active.append(t)  # still unfinished: _fail_all fails it
-            raise
+        await peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
+        self.active.remove(t)
         if not t.done.done():
             t.done.set_result(self._result(t, False))
 
@@ -782,13 +781,13 @@ class KVSender:
         peer = self.peers[c]
         try:
             while True:
-                for t in [t for t in self.active if t.inflight == 0 and _ending(t)]:
+                for t in [t for t in self.active if t.inflight == 0 and not t.closing and _ending(t)]:
                     t.cancel_requested = True  # a failed prefill: what was sent is cancelled
-                    if t in self.active:  # another connection's loop may have taken it meanwhile
+                    if not t.closing:  # another connection's loop may have taken it meanwhile
                         await self._finish_cancel(t, peer, t.error)
                 # a layered transfer waits for its layers; a transfer whose every frame another
                 # connection has claimed waits for them to be written (then its kv_done goes)
-                ready = [t for t in self.active if not _ending(t) and t.sendable()
+                ready = [t for t in self.active if not t.closing and not _ending(t) and t.sendable()
                          and (t.inflight == 0 or t.next_frame() is not None)]
                 if not ready:
                     self._wake.clear()
@@ -811,8 +810,8 @@ class KVSender:
                     t.inflight -= 1
                     if self.striped:
                         self._wake.set()  # a transfer this frame held may close or cancel now
-                if t.all_pages_sent and t.inflight == 0 and not t.cancel_requested and t.sendable() \
-                        and t in self.active:
+                if t.all_pages_sent and t.inflight == 0 and not t.closing and not t.cancel_requested \
+                        and t.sendable() and t in self.active:
                     await self._finish_done(t, peer)
         except asyncio.CancelledError:
             raise
