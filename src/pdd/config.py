@@ -116,6 +116,10 @@ class LinkConfig(_Strict):
         0.0, ge=0, lt=1, description="WAN packet loss probability p: each connection's throughput is capped at "
         "TCP's loss-limited rate MSS*8/RTT * sqrt(3/2)/sqrt(p) (Mathis et al. 1997; pdd.policy.tcp_model); 0 = no cap")
     wan_mss_bytes: int = Field(1460, ge=64, le=65535, description="TCP segment size in that formula, bytes")
+    wan_connections: int = Field(
+        1, ge=1, le=16, description="connections P's bulk KV lane to each WAN target is striped over (frames of "
+        "one transfer go over all of them, reassembled in order at the receiver; the express lane stays one "
+        "connection of its own); 1 = one connection (pdd.transfer.kv.KVSender, docs/LINK.md)")
     wan_cross_traffic: list[tuple[float, float]] = Field(
         default_factory=list, description="other traffic sharing the WAN line, per direction: [[t_s, gbps], ...] "
         "from t_s seconds after the line started, piecewise constant, 0 before the first point; each rate below "
@@ -162,6 +166,13 @@ class PolicyConfig(_Strict):
         description="ablation: send a prompt's partial last KV page whole (page-granular, as block "
         "transfers do) instead of its filled token slots only (pdd.transfer.kv.prompt_kv_bytes)",
     )
+    wan_probe_interval_s: float = Field(
+        0.0, ge=0, description="the gateway probes each WAN MD that got no KV receive sample nor probe for this many "
+        "seconds (a timed empty and a wan_probe_bytes request: RTT and goodput samples of its estimate, "
+        "pdd.policy.wan_estimate.probe_due); 0 = off")
+    wan_probe_bytes: int = Field(
+        131072, ge=0, le=16 << 20, description="payload bytes of a WAN probe's second request (its goodput "
+        "sample); 0 = RTT only")
     kv_stream: Literal["whole", "layerwise"] = Field(
         "whole", description="when P sends a request's KV: 'whole' after its prefill (and first token); "
         "'layerwise' each layer group's pages of the prompt as soon as that group's forward pass over the "

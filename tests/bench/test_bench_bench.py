@@ -327,7 +327,12 @@ def test_mode_labels_and_their_configs():
     cfg = mode_config(ClusterConfig(), "pdd+engine.prefill_order=short_first+engine.max_running=8")
     assert (cfg.engine.prefill_order, cfg.engine.max_running) == ("short_first", 8)
     assert cfg.policy == ClusterConfig().policy
-    for bad, msg in (("fast", "unknown mode 'fast'"), ("pdd+warp=9", "'warp' is neither a policy setting"),
+    # a link setting per mode (link.wan_connections): bare or with its section
+    assert parse_mode_label("cross_dc_pd+wan_connections=4") == ("cross_dc_pd", {"link.wan_connections": "4"})
+    cfg = mode_config(ClusterConfig(), "cross_dc_pd+link.wan_connections=2+kv_stream=layerwise")
+    assert (cfg.link.wan_connections, cfg.policy.kv_stream) == (2, "layerwise")
+    assert mode_config(ClusterConfig(), "cross_dc_pd").link.wan_connections == 1
+    for bad, msg in (("fast", "unknown mode 'fast'"), ("pdd+wan_connections=0", "wan_connections: Input should be"), ("pdd+warp=9", "'warp' is neither a policy setting"),
                      ("pdd+engine.warp=1", "'engine.warp' is neither"), ("pdd+link.wan_gbps=1", "'link.wan_gbps'"),
                      ("pdd+engine.prefill_order=lifo", "prefill_order: Input should be"),
                      ("pdd+routing=random", "routing: Input should be"), ("pdd+allow_p_rld=maybe", "allow_p_rld")):

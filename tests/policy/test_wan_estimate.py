@@ -55,3 +55,15 @@ def test_bad_loss_rate_is_refused_naming_the_field(bad):
         WanEstimate.for_line(0.05, 20.0, loss_rate=bad)
     with pytest.raises(ValueError, match=r"loss_rate must be in \[0, 1\)"):
         WanEstimate().add(0.05, loss_rate=bad)
+
+
+def test_a_striped_transfer_is_capped_at_its_connections_mathis_rate():
+    from pdd.policy.tcp_model import mathis_gbps
+
+    m = mathis_gbps(1460, 20.0, 1e-3)  # 0.0226 Gbit/s per connection
+    two = WanEstimate.for_line(0.05, 20.0, loss_rate=1e-3, connections=2)
+    assert two.cap_gbps == pytest.approx(2 * m, rel=1e-12)
+    assert two.gbps == pytest.approx(2 * m, rel=1e-12)  # 0.0452 < the line
+    assert WanEstimate.for_line(0.05, 20.0, loss_rate=1e-3, connections=4).gbps == 0.05  # the line binds
+    with pytest.raises(ValueError, match="connections must be >= 1"):
+        WanEstimate(connections=0)

@@ -23,7 +23,7 @@ DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 # the server runs its own config, so they are refused there
 TOPOLOGY_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "fast_gbps", "min_step_ms", "allow_p_rld", "wan_order",
                       "handoff_mode", "pipeline_ttft_budget_ms", "kv_stream", "base_port", "gateway_port", "wan_loss_rate",
-                      "wan_cross_traffic")
+                      "wan_cross_traffic", "wan_connections")
 # The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
 # trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
 # trace's multi-turn prefix reuse (ideal hit rate ~30%).
@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wan-loss-rate", type=float,
                    help="WAN packet loss probability in [0, 1): each connection is capped at TCP's loss-limited "
                         "(Mathis) rate (link.wan_loss_rate; docs/LINK.md)")
+    g.add_argument("--wan-connections", type=int,
+                   help="connections P's bulk KV lane to each MD is striped over, 1..16 (link.wan_connections; "
+                        "a mode label can set it per mode: cross_dc_pd+wan_connections=4; docs/LINK.md)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--cross-traffic-gbps", dest="wan_cross_traffic", type=_cross_traffic_gbps, metavar="GBPS",
                    help="other traffic taking this many Gbit/s of the WAN line, per direction, from its start "

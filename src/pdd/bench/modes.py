@@ -13,10 +13,11 @@ from pdd.config import MODES, ClusterConfig
 
 def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
     """``cfg`` with flag overrides (None = keep), validated. Keys: ``wan_gbps``, ``wan_rtt_ms``,
-    ``wan_jitter_ms``, ``fast_gbps`` (link), ``allow_p_rld``, ``wan_order``, ``handoff_mode``,
+    ``wan_jitter_ms``, ``fast_gbps``, ``wan_loss_rate``, ``wan_cross_traffic``, ``wan_connections`` (link), ``allow_p_rld``, ``wan_order``, ``handoff_mode``,
     ``pipeline_ttft_budget_ms``, ``kv_stream`` (policy), ``min_step_ms`` (engine), ``base_port``, ``gateway_port``, ``model_path``,
     ``served_model_name``, ``request_timeout_s`` (top level)."""
-    sections = {"link": ("wan_gbps", "wan_rtt_ms", "wan_jitter_ms", "fast_gbps", "wan_loss_rate", "wan_cross_traffic"),
+    sections = {"link": ("wan_gbps", "wan_rtt_ms", "wan_jitter_ms", "fast_gbps", "wan_loss_rate", "wan_cross_traffic",
+                         "wan_connections"),
                 "policy": ("allow_p_rld", "wan_order", "handoff_mode", "pipeline_ttft_budget_ms", "kv_stream"),
                 "engine": ("min_step_ms",),
                 "": ("base_port", "gateway_port", "model_path", "served_model_name", "request_timeout_s")}
@@ -33,19 +34,24 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
+# link settings a mode label may set (per mode, side by side): a bare key or ``link.<key>``
+LINK_MODE_KEYS = ("wan_connections",)
+
+
 def parse_mode_label(label: str) -> tuple[str, dict]:
     """A mode label -> ``(mode, overrides)``.
 
     ``"pdd"`` -> ``("pdd", {})``; ``"pdd+allow_p_rld"`` -> ``("pdd", {"allow_p_rld": True})``;
     ``"pdd+routing=round_robin+handoff_mode=auto"`` -> ``("pdd", {"routing": "round_robin",
-    "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields, or
+    "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields, one of
+    :data:`LINK_MODE_KEYS` (a :class:`pdd.config.LinkConfig` field, ``cross_dc_pd+wan_connections=4``), or
     ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``);
     values are validated by them (``true``/``false`` for flags, numbers as text). A variant runs
     on its own fresh topology beside the others, so ablations are compared side by side in one
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
     """
-    from pdd.config import EngineConfig, PolicyConfig
+    from pdd.config import EngineConfig, LinkConfig, PolicyConfig
 
     base, *parts = [x.strip() for x in label.split("+")]
     if base == vllm_mode.VLLM_MODE:  # stock vLLM (pdd.bench.vllm_mode): pdd's policies do not apply
@@ -59,16 +65,20 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     for part in parts:
         key, eq, val = part.partition("=")
         key = key.strip()
+        if key in LINK_MODE_KEYS:
+            key = "link." + key
         section, dot, field = key.partition(".")
         known = EngineConfig.model_fields if dot and section == "engine" else (
-            {} if dot else PolicyConfig.model_fields)
+            {k: None for k in LINK_MODE_KEYS} if dot and section == "link" else ({} if dot else PolicyConfig.model_fields))
         if field not in known if dot else key not in known:
-            raise ValueError(f"mode {label!r}: {key!r} is neither a policy setting ({sorted(PolicyConfig.model_fields)}) "
-                             f"nor engine.<setting> ({sorted(EngineConfig.model_fields)})")
+            raise ValueError(f"mode {label!r}: {key!r} is neither a policy setting ({sorted(PolicyConfig.model_fields)}), "
+                             f"a link setting ({', '.join(LINK_MODE_KEYS)}) nor engine.<setting> "
+                             f"({sorted(EngineConfig.model_fields)})")
         over[key] = True if not eq else val.strip()
     try:
         PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k})
-        EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if "." in k})
+        EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.startswith("engine.")})
+        LinkConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.startswith("link.")})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
         raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None

@@ -62,6 +62,7 @@ class Launchers:
             ttft_budget_ms=self.cfg.policy.pipeline_ttft_budget_ms,
             allow_p_rld=self.cfg.policy.allow_p_rld,
             md_available=md_available,
+            wan_backlog_bytes=self._wan_backlog_bytes(md, st),
         )
         out = choose_pipeline(inp)
         st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})

@@ -86,6 +86,12 @@ class _OrchestratorCollector:
                                 "than the hit-and-load rule's)")
         c.add_metric([], o.totals.get("md_routes_by_wan", 0))
         yield c
+        probes = getattr(o, "wan_probes", {})
+        c = CounterMetricFamily("pdd_gateway_wan_probes", "WAN probes of MDs whose goodput estimate was stale "
+                                "(policy.wan_probe_interval_s)", labels=["outcome"])
+        c.add_metric(["ok"], probes.get("probes", 0))
+        c.add_metric(["failed"], probes.get("failures", 0))
+        yield c
 
 
 class GatewayMetrics:

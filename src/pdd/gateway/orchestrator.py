@@ -82,12 +82,18 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self._reconnecting: set[str] = set()
         # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)
         self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
-                                                 cfg.link.wan_mss_bytes)
+                                                 cfg.link.wan_mss_bytes, connections=cfg.link.wan_connections)
         self.wan_gbps_live: float | None = self.wan_estimate.gbps  # its current value, Gbit/s (None: none yet)
         # per MD across the WAN: goodput and RTT, what the pipeline choice and MD routing read
         self.wan_peers = PeerWanEstimates(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
-                                          cfg.link.wan_mss_bytes, source=cfg.policy.wan_estimate)
+                                          cfg.link.wan_mss_bytes, source=cfg.policy.wan_estimate,
+                                          connections=cfg.link.wan_connections)
         self.md_routes: dict[str, int] = {}  # MD -> requests routed there (routing's counter)
+        # WAN probes of idle MDs (policy.wan_probe_interval_s; gateway.wan_booking): when each MD
+        # last gave a goodput sample and was last probed (monotonic s), and the probes' counters
+        self.wan_last_sample: dict[str, float] = {}
+        self.wan_last_probe: dict[str, float] = {}
+        self.wan_probes = {"probes": 0, "failures": 0, "bytes": 0, "goodput_samples": 0}
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
         # what the gateway routed to each instance across the WAN (cache-aware routing without a peek)
         self.prefix_index: dict[str, PrefixIndex] = {
@@ -112,6 +118,8 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         for s in self.layout.engines:
             self.peers[s.name] = await self._connect(s.name, retries=200)
         self._watch = asyncio.get_running_loop().create_task(self._watch_closed())
+        if self.cfg.policy.wan_probe_interval_s > 0:
+            self._probes = asyncio.get_running_loop().create_task(self._probe_loop())
 
     async def _watch_closed(self) -> None:
         """Every ``liveness.reconnect_interval_s`` seconds, try once to reach each instance whose
@@ -139,9 +147,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         return peer
 
     async def close(self) -> None:
-        watch = getattr(self, "_watch", None)
-        if watch is not None:
-            watch.cancel()
+        for name in ("_watch", "_probes"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
         for p in self.peers.values():
             await p.close()
 
@@ -231,6 +240,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         out["wan_gbps_live"] = self.wan_gbps_live
         out["wan_estimate"] = self.wan_peers.source
         out["wan_peers"] = self.wan_peers.view()  # per MD: goodput and RTT, read by routing and the pipeline
+        out["wan_probes"] = dict(self.wan_probes)  # probes of idle MDs (policy.wan_probe_interval_s)
         out["md_routes"] = dict(self.md_routes)
         out["transfers_pending"] = len(self.planned_wan)  # WAN plans whose outcome P has not reported yet
         out["wan_line_bytes"] = 0

@@ -94,14 +94,16 @@ class Routing:
 
     def _with_transfer_times(self, role: str, policy: str, cands: list, prompt_len: int) -> list | None:
         """``cands`` with each MD's estimated seconds to receive the prompt's KV it lacks
-        (``policy.wan_estimate.PeerWanEstimates.transfer_s``: bytes / its goodput + its RTT), for
+        (``policy.wan_estimate.PeerWanEstimates.transfer_s``: (bytes queued to it + these bytes) /
+        its goodput + its RTT), for
         cache-aware routing of MDs across the WAN with ``policy.wan_estimate: live``; else None
         (the hit-and-load rule)."""
         if (role != ROLE_MAIN or policy != "cache_aware" or self.wan_peers.source != "live"
                 or not self.kv_bytes_per_token or not all(self._in_b(c.name) for c in cands)):
             return None
         return [dataclasses.replace(c, transfer_s=self.wan_peers.transfer_s(
-            c.name, max(0, prompt_len - c.prefix_hit_tokens) * self.kv_bytes_per_token)) for c in cands]
+            c.name, max(0, prompt_len - c.prefix_hit_tokens) * self.kv_bytes_per_token,
+            self._wan_backlog_bytes(c.name))) for c in cands]
 
     def _record_route(self, name: str, prompt: list[int]) -> int | None:
         """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache.

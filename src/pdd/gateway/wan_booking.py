@@ -10,16 +10,18 @@ needs any more (anomaly filter). The only writer of a request's
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from pdd.gateway.state import ReqState
 from pdd.policy.handoff import early_handoff_delay_s
+from pdd.policy.wan_estimate import probe_due, probe_goodput_gbps, queued_bytes
 from pdd.topology import ROLE_MAIN, ROLE_PREFILL
 from pdd.transfer.peer import Peer
 from pdd.transfer.kv import prompt_kv_bytes
 from pdd.transfer.layout import DTYPE_BYTES, KVLayout, wire_dtype
-from pdd.transfer.messages import Cancel, Drop, WanSample, XferDone
+from pdd.transfer.messages import Cancel, Drop, WanProbe, WanSample, XferDone
 from pdd.types import Pipeline
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -97,7 +99,60 @@ class WanBooking:
         md = self._peer_name(peer)
         if md is not None:  # per WAN peer: what the pipeline choice and MD routing read
             self.wan_peers.add_goodput(md, gbps)
+            self.wan_last_sample[md] = time.monotonic()
         return None
+
+    # ------------------------------------------------------------------ probes
+    async def _probe_loop(self) -> None:
+        """Every ``policy.wan_probe_interval_s`` / 2 (at most 1 s), probe each MD across the WAN
+        whose goodput estimate is stale (``policy.wan_estimate.probe_due``)."""
+        interval = self.cfg.policy.wan_probe_interval_s
+        while True:
+            await asyncio.sleep(min(1.0, interval / 2))
+            for name in self._probes_due(time.monotonic()):
+                self._spawn(self._probe(name))
+
+    def _probes_due(self, now: float) -> list[str]:
+        """The MDs across the WAN due a probe at ``now`` (monotonic s); each is marked probed."""
+        due = []
+        for s in self.layout.by_role(ROLE_MAIN):
+            peer = self.peers.get(s.name)
+            if peer is None or peer.closed or not self._in_b(s.name):
+                continue
+            if probe_due(now, self.wan_last_sample.get(s.name), self.wan_last_probe.get(s.name),
+                         self.cfg.policy.wan_probe_interval_s):
+                self.wan_last_probe[s.name] = now
+                due.append(s.name)
+        return due
+
+    async def _probe(self, name: str) -> None:
+        """One probe of ``name``'s path: an empty ``wan_probe`` call (its round trip: an RTT
+        sample), then one carrying ``policy.wan_probe_bytes`` (the difference: a goodput sample,
+        ``policy.wan_estimate.probe_goodput_gbps``). A failed probe is counted, nothing else."""
+        peer = self.peers.get(name)
+        nbytes = self.cfg.policy.wan_probe_bytes
+        try:
+            t0 = time.perf_counter()
+            await peer.call(WanProbe().wire(), timeout=10.0)
+            t1 = time.perf_counter()
+            if nbytes > 0:
+                await peer.call(WanProbe().wire(), bytes(nbytes), timeout=10.0)
+            t2 = time.perf_counter()
+        except Exception as e:  # the connection's own liveness handles a dead peer
+            self.wan_probes["failures"] += 1
+            log.info("WAN probe of %s failed: %s", name, e)
+            return
+        self._probe_result(name, t1 - t0, t2 - t1 if nbytes > 0 else None, nbytes)
+
+    def _probe_result(self, name: str, empty_s: float, payload_s: float | None, nbytes: int) -> None:
+        """Fold a probe's timings (s) into ``name``'s estimates and count it (``wan_probes``)."""
+        self.wan_probes["probes"] += 1
+        self.wan_probes["bytes"] += nbytes if payload_s is not None else 0
+        self.wan_peers.add_rtt(name, empty_s * 1000.0)
+        g = probe_goodput_gbps(nbytes, payload_s, empty_s) if payload_s is not None else None
+        if g is not None:
+            self.wan_peers.add_goodput(name, g)
+            self.wan_probes["goodput_samples"] += 1
 
     def _peer_name(self, peer) -> str | None:
         """The instance at the other end of the gateway's connection ``peer`` (None: unknown)."""
@@ -112,6 +167,24 @@ class WanBooking:
         RTT estimate (``policy.wan_estimate.RttEstimate``: the windowed minimum)."""
         if self._in_b(md_name):
             self.wan_peers.add_rtt(md_name, seconds * 1000.0)
+
+    def _wan_backlog_bytes(self, md_name: str | None, st: ReqState | None = None) -> float:
+        """KV bytes still queued to MD ``md_name`` ahead of a new transfer: the planned bytes of
+        the other requests whose transfer to it P has not reported done, less what the line can
+        have carried since the oldest of them started streaming (``policy.wan_estimate.queued_bytes``
+        at that MD's goodput estimate). 0 for an MD in A or none."""
+        if md_name is None or not self._in_b(md_name):
+            return 0.0
+        now, planned, oldest = time.perf_counter(), [], 0.0
+        for o in list(self.reqs.values()):
+            w = o.wan
+            if o is st or o.names.get(ROLE_MAIN) != md_name or w.expected <= 0 or w.kv_sent or w.cut_off:
+                continue
+            planned.append(w.expected)
+            started = o.events.get("prefilled")
+            if started is not None:
+                oldest = max(oldest, now - started)
+        return queued_bytes(planned, oldest, self.wan_peers.gbps(md_name))
 
     def _remaining_wan_s(self, st: ReqState) -> float:
         """Expected seconds to finish ``st``'s WAN transfer: its planned bytes at the live (else

@@ -38,6 +38,8 @@ class PipelineInputs:
         0 (or less) means "always relay" in pdd mode (config.PolicyConfig semantics).
     allow_p_rld: ablation: requests that do not fit the budget finish on RLD (P->RLD).
     md_available: False when no MD is reachable (degraded: P->RLD).
+    wan_backlog_bytes: KV bytes already queued to that MD ahead of this request's (bytes;
+        ``pdd.policy.wan_estimate.queued_bytes``), which cross the line first.
     """
 
     mode: str
@@ -49,6 +51,7 @@ class PipelineInputs:
     ttft_budget_ms: float = 0.0
     allow_p_rld: bool = False
     md_available: bool = True
+    wan_backlog_bytes: float = 0.0
 
 
 def missing_tokens(inp: PipelineInputs) -> int:
@@ -59,12 +62,14 @@ def missing_tokens(inp: PipelineInputs) -> int:
 def expected_wan_seconds(inp: PipelineInputs) -> float:
     """Expected seconds until MD can emit the first token through the gateway over the WAN.
 
-    ``rtt + missing_tokens * kv_bytes_per_token * 8 / (wan_gbps_estimate * 1e9)``:
+    ``rtt + (wan_backlog_bytes + missing_tokens * kv_bytes_per_token) * 8 / (wan_gbps_estimate * 1e9)``:
     the KV crosses A->B (half an RTT of propagation plus serialisation at the estimated
-    throughput) and MD's token crosses back B->A (the other half RTT). Only the missing KV
-    counts (decode-side radix cache, report "DRC"). A non-positive rate gives ``inf``.
+    throughput, after the bytes already queued to MD) and MD's token crosses back B->A (the
+    other half RTT). Only the missing KV counts (decode-side radix cache, report "DRC"). A
+    non-positive rate gives ``inf``.
     """
-    return transfer_seconds(missing_tokens(inp) * inp.kv_bytes_per_token, inp.wan_gbps_estimate, inp.wan_rtt_ms)
+    return transfer_seconds(missing_tokens(inp) * inp.kv_bytes_per_token, inp.wan_gbps_estimate, inp.wan_rtt_ms,
+                            inp.wan_backlog_bytes)
 
 
 def relays_every_request(mode: str, ttft_budget_ms: float, allow_p_rld: bool) -> bool:

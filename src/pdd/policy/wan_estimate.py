@@ -9,8 +9,9 @@ with others reads as a fraction of it. The estimate is therefore the **median of
 estimator, as used for RTT/bandwidth probing), instead of an EWMA that one outlier drags for many
 samples.
 
-On a lossy line the estimate is also capped at what one TCP connection can carry there
-(``pdd.policy.tcp_model.mathis_gbps``: a transfer goes over one connection), once the loss is
+On a lossy line the estimate is also capped at what a transfer's TCP connections can carry there
+(``connections`` x ``pdd.policy.tcp_model.mathis_gbps``: one, or ``link.wan_connections`` when P
+stripes a transfer over several), once the loss is
 known: from the configured ``link.wan_loss_rate`` (:meth:`WanEstimate.for_line`, which then also
 gives a first estimate before any sample, ``min(line, cap)``) or from a sender reporting it with a
 sample (``add(gbps, loss_rate=)``). Without loss nothing changes: no cap, None before a sample.
@@ -39,6 +40,8 @@ class WanEstimate:
     line_gbps: the configured line rate (Gbit/s), the first estimate's upper bound; None: unknown.
     rtt_ms, mss_bytes: the line's round trip (ms) and TCP segment (bytes) of the loss cap.
     loss_rate: the line's packet loss probability in [0, 1) when known, else None (no cap).
+    connections: connections one transfer is striped over (``link.wan_connections``, >= 1): the
+        cap is that many connections' loss-limited rate.
     """
 
     window: int = DEFAULT_WINDOW
@@ -47,29 +50,34 @@ class WanEstimate:
     rtt_ms: float = 0.0
     mss_bytes: int = DEFAULT_MSS_BYTES
     loss_rate: float | None = None
+    connections: int = 1
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.connections < 1:
+            raise ValueError(f"connections must be >= 1, got {self.connections}")
         if self.loss_rate is not None:
             self.loss_rate = check_loss_rate(self.loss_rate, "loss_rate")
 
     @classmethod
     def for_line(cls, line_gbps: float, rtt_ms: float, loss_rate: float = 0.0,
-                 mss_bytes: int = DEFAULT_MSS_BYTES, window: int = DEFAULT_WINDOW) -> "WanEstimate":
+                 mss_bytes: int = DEFAULT_MSS_BYTES, window: int = DEFAULT_WINDOW,
+                 connections: int = 1) -> "WanEstimate":
         """The estimate of a configured line (``link.wan_gbps``, ``wan_rtt_ms``, ``wan_loss_rate``,
-        ``wan_mss_bytes``). Loss 0 is "no loss known": the same as ``WanEstimate(window)``."""
+        ``wan_mss_bytes``, ``wan_connections``). Loss 0 is "no loss known": the same as
+        ``WanEstimate(window)``."""
         return cls(window=window, line_gbps=line_gbps, rtt_ms=rtt_ms, mss_bytes=mss_bytes,
-                   loss_rate=check_loss_rate(loss_rate, "loss_rate") or None)
+                   loss_rate=check_loss_rate(loss_rate, "loss_rate") or None, connections=connections)
 
     @property
     def cap_gbps(self) -> float | None:
-        """One connection's loss-limited rate on this line, Gbit/s (Mathis et al. 1997), or None
-        when no loss is known (or the RTT is 0)."""
+        """``connections`` x one connection's loss-limited rate on this line, Gbit/s (Mathis et
+        al. 1997), or None when no loss is known (or the RTT is 0)."""
         if not self.loss_rate:
             return None
         m = mathis_gbps(self.mss_bytes, self.rtt_ms, self.loss_rate)
-        return None if m == math.inf else m
+        return None if m == math.inf else m * self.connections
 
     @property
     def gbps(self) -> float | None:
@@ -135,18 +143,57 @@ class RttEstimate:
         return self.ms
 
 
-def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float) -> float:
-    """Seconds from the first byte sent until the receiver's first token is back:
-    ``rtt + nbytes * 8 / (gbps * 1e9)`` (half a round trip for the KV to propagate, the other half
-    for the token to come back; ``pdd.policy.pipeline.expected_wan_seconds`` applies it to a
-    request's missing KV).
+def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float, backlog_bytes: float = 0.0) -> float:
+    """Seconds from now until the receiver's first token is back:
+    ``rtt + (backlog_bytes + nbytes) * 8 / (gbps * 1e9)`` (half a round trip for the KV to
+    propagate, the other half for the token to come back; ``pdd.policy.pipeline.expected_wan_seconds``
+    applies it to a request's missing KV). ``backlog_bytes``: bytes already queued to that peer
+    ahead of this transfer (:func:`queued_bytes`), which cross the line first (FIFO: a shared line
+    carries them before or beside these, either way the last byte leaves after all of them).
     A non-positive rate with bytes to send gives ``inf``."""
     rtt_s = max(0.0, rtt_ms) / 1000.0
-    if nbytes <= 0:
+    total = max(0.0, nbytes) + max(0.0, backlog_bytes)
+    if total <= 0:
         return rtt_s
     if gbps <= 0:
         return math.inf
-    return rtt_s + nbytes * 8.0 / (gbps * 1e9)
+    return rtt_s + total * 8.0 / (gbps * 1e9)
+
+
+def queued_bytes(planned_bytes, oldest_elapsed_s: float, gbps: float) -> float:
+    """Bytes still queued to a peer, from the transfers in flight to it: their planned payload
+    bytes (``planned_bytes``, an iterable) less what the line can have carried since the oldest
+    of them started (``oldest_elapsed_s`` seconds ago at ``gbps`` Gbit/s), at least 0:
+    ``max(0, sum(planned) - gbps * 1e9 / 8 * oldest_elapsed_s)``. A lower bound: the line carried
+    at most that much of them (less when it idled, e.g. a layer-wise transfer waiting for its
+    prefill). No transfer, or a non-positive rate, gives ``sum(planned)``."""
+    total = float(sum(max(0, b) for b in planned_bytes))
+    if total <= 0 or gbps <= 0:
+        return total
+    return max(0.0, total - gbps * 1e9 / 8.0 * max(0.0, oldest_elapsed_s))
+
+
+def probe_due(now_s: float, last_sample_s: float | None, last_probe_s: float | None, interval_s: float) -> bool:
+    """Whether a WAN peer's goodput estimate is stale and due a probe (``policy.wan_probe_interval_s``):
+    neither a goodput sample (a KV receive rate) nor a probe in the last ``interval_s`` seconds
+    (times in seconds on one clock; None: never). ``interval_s`` <= 0: probes are off, never due.
+    An idle peer is then probed once per interval; one that receives transfers never is."""
+    if interval_s <= 0:
+        return False
+    last = max((t for t in (last_sample_s, last_probe_s) if t is not None), default=None)
+    return last is None or now_s - last >= interval_s
+
+
+def probe_goodput_gbps(probe_bytes: int, payload_s: float, empty_s: float) -> float | None:
+    """Goodput (Gbit/s) from a probe pair: a request/reply of ``probe_bytes`` payload took
+    ``payload_s`` seconds, one without payload ``empty_s``; the difference is the payload's
+    serialisation on the path, so ``probe_bytes * 8 / (payload_s - empty_s) / 1e9``. None when it
+    tells nothing (no bytes, or a difference <= 0: the payload crossed no slower than the empty
+    round trip, e.g. a jitter spike on the empty one)."""
+    d = payload_s - empty_s
+    if probe_bytes <= 0 or not d > 0:
+        return None
+    return probe_bytes * 8.0 / d / 1e9
 
 
 WAN_ESTIMATE_SOURCES = ("live", "config")
@@ -173,19 +220,21 @@ class PeerWanEstimates:
     mss_bytes: int = DEFAULT_MSS_BYTES
     window: int = DEFAULT_WINDOW
     source: str = "live"
+    connections: int = 1  # link.wan_connections: a transfer's connections (the loss cap is theirs)
     goodput: dict = field(default_factory=dict)  # peer -> WanEstimate
     rtt: dict = field(default_factory=dict)  # peer -> RttEstimate
 
     def __post_init__(self) -> None:
         if self.source not in WAN_ESTIMATE_SOURCES:
             raise ValueError(f"source must be one of {WAN_ESTIMATE_SOURCES}, got {self.source!r}")
-        g = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes).gbps
+        g = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes,
+                                 connections=self.connections).gbps
         self._configured_gbps = self.line_gbps if g is None else g  # fixed: read on every routing
 
     def _goodput(self, peer: str) -> WanEstimate:
         if peer not in self.goodput:
             self.goodput[peer] = WanEstimate.for_line(self.line_gbps, self.rtt_ms, self.loss_rate, self.mss_bytes,
-                                                      self.window)
+                                                      self.window, self.connections)
         return self.goodput[peer]
 
     def add_goodput(self, peer: str, gbps: float, loss_rate: float | None = None) -> float | None:
@@ -217,10 +266,11 @@ class PeerWanEstimates:
                 return r
         return self.rtt_ms
 
-    def transfer_s(self, peer: str | None, nbytes: float) -> float:
-        """Estimated seconds to move ``nbytes`` of KV to ``peer`` and get its first token back
-        (:func:`transfer_seconds` at the peer's goodput and RTT)."""
-        return transfer_seconds(nbytes, self.gbps(peer), self.rtt_ms_of(peer))
+    def transfer_s(self, peer: str | None, nbytes: float, backlog_bytes: float = 0.0) -> float:
+        """Estimated seconds to move ``nbytes`` of KV to ``peer`` behind ``backlog_bytes`` already
+        queued to it and get its first token back (:func:`transfer_seconds` at the peer's goodput
+        and RTT)."""
+        return transfer_seconds(nbytes, self.gbps(peer), self.rtt_ms_of(peer), backlog_bytes)
 
     def view(self) -> dict:
         """peer -> {"gbps", "rtt_ms" (what the policies read), "gbps_measured", "rtt_ms_measured"

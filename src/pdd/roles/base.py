@@ -20,6 +20,7 @@ from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
 from pdd.transfer.server import Server
+from pdd.transfer.kv import KVReorder
 from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
 from pdd.transfer.messages import OMIT, Abort, AbortOk, FlushOk, Kv, Peek, PeekOk, ReqError, StatsOk, Tok, Toks
 from pdd.types import FinishReason, SamplingParams
@@ -159,7 +160,12 @@ class EngineInstance:
         )
 
     def handlers(self) -> dict:
-        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek}
+        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek,
+                "wan_probe": self.on_wan_probe}
+
+    async def on_wan_probe(self, peer, h, payload):
+        """The gateway's WAN probe (``pdd.policy.wan_estimate.probe_due``): answered at once."""
+        return None
 
     async def on_peek(self, peer, h, payload):
         """Routing probe: how many of the prompt's tokens this instance's radix cache holds
@@ -190,6 +196,9 @@ class EngineInstance:
         hs = self.handlers()
         if "kv_done" in hs:
             hs["kv_done"] = self._first_token_logprobs(hs["kv_done"])
+        # a striped sender's frames (link.wan_connections > 1) are handed on in their order
+        self.kv_reorder = KVReorder()
+        hs = self.kv_reorder.wrap(hs)
         self.server = Server(self.cfg.host, self.spec.port, hs, role=self.spec.role, instance=self.spec.name,
                              fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
                              **self.liveness_kw(),

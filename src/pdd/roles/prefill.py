@@ -31,7 +31,7 @@ from pdd.policy.wan_order import WAN_LANES, express_max_bytes, send_buffer_bytes
 from pdd.roles.base import ABORTED_MEMORY, EngineInstance, ReqCtx, first_token_finish, free_sequence
 from pdd.roles.worker import log_failure_of
 from pdd.security import link_security
-from pdd.transfer.client import connect
+from pdd.transfer.client import connect as connect_peer
 from pdd.transfer.peer import CallFailed
 from pdd.transfer.kv import KVSender, LayerProgress, layer_groups, prompt_kv_bytes, prompt_last_slots
 from pdd.transfer.layout import KVLayout, kv_handshake_check, layout_of, wire_dtype, wire_slot_bytes
@@ -193,6 +193,11 @@ class PrefillInstance(EngineInstance):
             "kv_bytes_sent": dict(self.bytes_sent),
             "wan_bytes_sent": self.wan_bytes_sent,
             "wan_lane_transfers": dict(self.lane_transfers),
+            # link.wan_connections > 1: payload bytes each connection of a striped lane carried
+            "wan_stripe_bytes": {k: list(s.bytes_by_connection) for k, s in list(self.senders.items()) if s.striped},
+            # KV payload bytes queued to each target and not yet written (its lanes together)
+            "kv_backlog_bytes": {n: sum(s.backlog_bytes for s in self._senders_of(n))
+                                 for n in {k.removesuffix(EXPRESS) for k in list(self.senders)}},
             **self.hit_stats(),
         }
 
@@ -225,17 +230,23 @@ class PrefillInstance(EngineInstance):
 
     async def _sender_locked(self, key: str, name: str, host: str, port: int, wan: bool) -> tuple[KVSender, bool]:
         s = self.senders.get(key)
-        if s is not None and s.peer.closed:
+        if s is not None and s.connection_closed:
             await s.close()  # its transfers already failed with the connection
-        if s is None or s.peer.closed:
+        if s is None or s.connection_closed:
             # the fingerprint refuses an instance of another model (architecture, layers, KV heads,
             # head dim, weights: HandshakeError, never retried) and tells the target's KV layout
             # (page size, dtype: pdd.transfer.layout); a dead target is not retried for long (the
             # gateway recovers the request elsewhere)
-            peer = await connect(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=5,
-                                 fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
-                                 **self.liveness_kw(),
-                                 **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
+            async def connect_one():
+                return await connect_peer(host, port, {}, role=self.spec.role, instance=self.spec.name, retries=5,
+                                         fingerprint=self.kv_fingerprint(), handshake_check=kv_handshake_check,
+                                         **self.liveness_kw(),
+                                         **link_security(self.cfg, self.spec.name).client(name, fast=not wan))
+            peer = await connect_one()
+            # the bulk lane of a WAN target may be striped over link.wan_connections connections
+            # (pdd.transfer.kv.KVSender(peers=...), docs/LINK.md "Parallel connections")
+            n_extra = self.cfg.link.wan_connections - 1 if wan and key == name else 0
+            extra = [await connect_one() for _ in range(n_extra)]
             rate = None if wan else self.cfg.link.fast_gbps
             # over the WAN, what the socket already holds (and the frame being written) goes first
             # whatever the send order: the socket's buffer is kept to ~1 BDP, frames to half of it
@@ -243,11 +254,12 @@ class PrefillInstance(EngineInstance):
                                     self.cfg.policy.wan_send_buffer_bdp) if wan else None
             s = KVSender(peer, rate_gbps=rate, order=self.cfg.policy.wan_order if wan else "fifo",
                          max_frame_bytes=cap // 2 if cap is not None else None,
-                         stall_timeout_s=self.cfg.liveness.kv_stall_timeout_s)
+                         stall_timeout_s=self.cfg.liveness.kv_stall_timeout_s, peers=extra)
             if cap is not None:
-                set_socket_buffer(peer.writer, cap)
-                # and nothing waits in user space: TLS alone would hold 512 KiB ahead of the order
-                limit_write_buffers(peer.writer.transport)
+                for pe in s.peers:
+                    set_socket_buffer(pe.writer, cap)
+                    # and nothing waits in user space: TLS alone would hold 512 KiB ahead of the order
+                    limit_write_buffers(pe.writer.transport)
             self.senders[key] = s
         return s, wan
 

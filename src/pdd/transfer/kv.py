@@ -1,4 +1,4 @@
-"""KV page streaming over a :class:`~pdd.transfer.rpc.Peer`.
+"""KV page streaming over a :class:`~pdd.transfer.peer.Peer`.
 
 Wire messages (one-way, in this order per transfer; :mod:`pdd.transfer.messages`)::
 
@@ -56,6 +56,7 @@ __all__ = [
     "prompt_kv_bytes",
     "prompt_last_slots",
     "LayerProgress",
+    "KVReorder",
     "LayeredTransfer",
     "layer_groups",
 ]
@@ -132,6 +133,13 @@ class Transfer:
         self.chunks_sent = 0
         self.last_sent_tick = -1
         self.cancel_requested = False
+        # several connections (KVSender(peers=...)): a frame is *claimed* by the connection that
+        # will write it before it is read, so no two connections take the same pages
+        self.pages_claimed = 0
+        self.inflight = 0  # frames claimed and not yet written (or given up)
+        self.frames_numbered = 0  # stripe sequence numbers given out (frames committed to a connection)
+        self.error: Optional[BaseException] = None  # a page reader's error: the transfer is cancelled with it
+        self.closing = False  # its kv_done / kv_cancel is being sent (no connection's loop takes it)
         self.done: asyncio.Future = loop.create_future()
         # a failed transfer nobody awaits must not log "exception was never retrieved"
         self.done.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -194,13 +202,20 @@ class Transfer:
         return True
 
     def next_frame(self) -> Optional[tuple[int, int, Optional[tuple[int, int]], int, int]]:
-        """``(first_page, n_pages, layers, page_bytes, payload_bytes)`` of the next frame, or None
-        when every page is sent (the transfer ends with ``kv_done``)."""
-        if self.remaining_pages == 0:
+        """``(first_page, n_pages, layers, page_bytes, payload_bytes)`` of the next frame not yet
+        claimed, or None when every page is (the transfer ends with ``kv_done`` once they are
+        written)."""
+        left = self.n_pages - self.pages_claimed
+        if left == 0:
             return None
-        n = min(self.chunk_pages, self.remaining_pages)
-        i = self.next_page
+        n = min(self.chunk_pages, left)
+        i = self.first_page + self.pages_claimed
         return i, n, self.layers, self.page_bytes, self.frame_bytes(i, n)
+
+    def claim(self, frame: tuple) -> None:
+        """``frame`` (from :meth:`next_frame`) will be written by the calling connection."""
+        self.pages_claimed += frame[1]
+        self.inflight += 1
 
     def read(self, frame: tuple) -> Any:
         """The page reader's bytes (or awaitable) for ``frame`` (from :meth:`next_frame`)."""
@@ -330,6 +345,7 @@ class LayeredTransfer(Transfer):
         self.page_tokens = int(page_tokens)
         self.last_slots = last_slots
         self.group_sent = [0] * len(self.groups)  # pages of each group sent (a prefix)
+        self.group_claimed = [0] * len(self.groups)  # pages of each group claimed by a connection
         self.group_chunk = [max(1, min(self.chunk_pages, self.sender.max_frame_bytes // b))
                             if self.sender.max_frame_bytes is not None and b > 0 else self.chunk_pages
                             for b in self.group_page_bytes]
@@ -374,7 +390,7 @@ class LayeredTransfer(Transfer):
         return all(s == self.n_pages for s in self.group_sent)
 
     def _frame(self) -> Optional[tuple]:
-        for g, sent in enumerate(self.group_sent):
+        for g, sent in enumerate(self.group_claimed):
             avail = self._pages_ready(g) - sent
             if avail > 0:
                 n = min(self.group_chunk[g], avail)
@@ -390,8 +406,8 @@ class LayeredTransfer(Transfer):
         else:
             ok = self._frame() is not None
         loop_now = asyncio.get_running_loop().time()
-        if not ok and self._idle_since is None and self.chunks_sent:
-            self._idle_since = loop_now
+        if not ok and self._idle_since is None and self.chunks_sent and self.inflight == 0:
+            self._idle_since = loop_now  # waiting for the prefill (not for another connection's frame)
         elif ok and self._idle_since is not None:
             self.wait_s += loop_now - self._idle_since
             self._idle_since = None
@@ -404,6 +420,10 @@ class LayeredTransfer(Transfer):
 
     def read(self, frame: tuple) -> Any:
         return self.page_reader(frame[0], frame[1], frame[2])
+
+    def claim(self, frame: tuple) -> None:
+        self.group_claimed[frame[5]] += frame[1]
+        self.inflight += 1
 
     def sent(self, frame: tuple, nbytes: int) -> None:
         self.group_sent[frame[5]] += frame[1]
@@ -469,6 +489,11 @@ def resolve_order(order: Union[str, PickFn]) -> PickFn:
         raise ValueError(f"unknown order {order!r}; known: {sorted(ORDERS)} or a pick(transfers) function") from None
 
 
+def _ending(t: Transfer) -> bool:
+    """Whether ``t`` is to be cancelled (asked to, a page reader's error, or a failed prefill)."""
+    return t.cancel_requested or (isinstance(t, LayeredTransfer) and t.progress.error is not None)
+
+
 async def _maybe_await(x):
     if inspect.isawaitable(x):
         return await x
@@ -490,6 +515,21 @@ class KVSender:
     progress for this long closes the connection and fails every transfer on it with
     :class:`ConnectionError` ("stalled"); a transfer waiting its turn, or one progressing slowly
     (each chunk written within the limit), is never timed out. None: no limit.
+
+    ``peers``: further connections to the same peer (``link.wan_connections`` - 1 of them): the
+    sender then *stripes*, one send loop per connection, each taking the next frame (by the
+    send order) whenever its connection has written its previous one, so a connection that
+    drains faster carries more frames (least-loaded). Frames of one transfer then go over all
+    the connections; each carries ``stripe: [transfer seq, frame seq]`` (its transfer's frames
+    numbered in the order they were committed to a connection), and its ``kv_done`` /
+    ``kv_cancel`` ``stripe: [transfer seq, frames]``, so the receiver (:class:`KVReorder`)
+    hands them on in that order, the closing message after the last frame. Why: one TCP
+    connection's throughput is capped by its loss and window (Mathis et al. 1997; rate <=
+    window / RTT), not by the line, and Prefill-as-a-Service (arXiv 2604.15039) streams KV over
+    several connections for this reason. One connection dying fails every unfinished transfer
+    of the sender (as one connection's loss does) and aborts the other connections: a stripe
+    cannot be completed without its lost frames, and the caller's recovery handles a failed
+    transfer already. Without ``peers`` nothing is added to the wire.
     """
 
     def __init__(
@@ -502,10 +542,14 @@ class KVSender:
         max_frame_bytes: Optional[int] = None,
         crc: Optional[bool] = None,
         stall_timeout_s: Optional[float] = None,
+        peers: Sequence[Peer] = (),
     ):
         if max_frame_bytes is not None and max_frame_bytes <= 0:
             raise ValueError("max_frame_bytes must be > 0 (or None)")
         self.peer = peer
+        self.peers: list[Peer] = [peer, *peers]
+        self.striped = len(self.peers) > 1
+        self.bytes_by_connection = [0] * len(self.peers)  # payload bytes each connection wrote
         self.max_frame_bytes = max_frame_bytes
         self.stall_timeout_s = stall_timeout_s
         self.stalls = 0
@@ -518,8 +562,20 @@ class KVSender:
         self.chunks_sent = 0
         self._seq = itertools.count()
         self._wake = asyncio.Event()
-        self._task: Optional[asyncio.Task] = None
+        self._tasks: list[Optional[asyncio.Task]] = [None] * len(self.peers)
         self._closed = False
+
+    @property
+    def connection_closed(self) -> bool:
+        """Whether any of its connections is closed (a striped sender is then unusable)."""
+        return any(p.closed for p in self.peers)
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Payload bytes queued and not yet written, over every active transfer (a layered
+        transfer's not-yet-computed layers included): what a new transfer finds ahead of it under
+        FIFO order (``pdd.policy.wan_estimate.transfer_seconds(backlog_bytes=...)``)."""
+        return sum(max(0, t.remaining_bytes) for t in self.active if not t.cancel_requested)
 
     def set_order(self, order: Union[str, PickFn]) -> None:
         self.pick = resolve_order(order)
@@ -624,7 +680,8 @@ class KVSender:
         """Raises RuntimeError if this sender is closed, ConnectionError if its peer is."""
         if self._closed:
             raise RuntimeError("KVSender is closed")
-        self.peer._check_open()
+        for p in self.peers:
+            p._check_open()
 
     def _done_and_chunk(self, done_fields: Optional[dict], chunk_pages: Optional[int]) -> tuple[dict, int]:
         """A submit's ``kv_done`` extras (a copy; ValueError on a reserved key) and its pages per
@@ -642,8 +699,9 @@ class KVSender:
         """Make ``t`` active and wake (or start) the send loop."""
         self.active.append(t)
         self._wake.set()
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"kv-sender-{peer_label(self.peer)}")
+        for c, task in enumerate(self._tasks):
+            if task is None:
+                self._tasks[c] = asyncio.create_task(self._run(c), name=f"kv-sender-{peer_label(self.peer)}-{c}")
         return t
 
     def cancel(self, rid: Any) -> int:
@@ -656,12 +714,13 @@ class KVSender:
     async def close(self) -> None:
         """Stop the loop; unfinished transfers fail with ConnectionError (no kv_cancel is sent)."""
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in self._tasks:
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         self._fail_all(ConnectionError("KVSender closed"))
 
     # -------------------------------------------------------------- loop
@@ -676,10 +735,16 @@ class KVSender:
         t.finished_at = asyncio.get_running_loop().time()
         return TransferResult(t.rid, t.bytes_sent, t.pages_sent, cancelled, t.finished_at - t.submitted_at)
 
-    async def _finish_cancel(self, t: Transfer, error: Optional[BaseException] = None) -> None:
+    def _stripe(self, t: Transfer, n: int):
+        """The ``stripe`` field: ``[t.seq, n]`` when striped, else omitted (the wire of one connection)."""
+        return [t.seq, n] if self.striped else OMIT
+
+    async def _finish_cancel(self, t: Transfer, peer: Peer, error: Optional[BaseException] = None) -> None:
+        t.closing = True  # no other connection's loop takes it meanwhile
         try:
-            await self.peer.send(
-                KvCancel(t.rid, t.bytes_sent, t.pages_sent).wire(), crc=self.crc
+            await peer.send(
+                KvCancel(t.rid, t.bytes_sent, t.pages_sent, stripe=self._stripe(t, t.frames_numbered)).wire(),
+                crc=self.crc
             )
         except ConnectionError:
             pass  # the receiver drops the request's state when the connection goes
@@ -690,9 +755,10 @@ class KVSender:
                 t.done.set_exception(error)
             else:
                 t.done.set_result(self._result(t, True))
-        self.peer._check_open()
+        peer._check_open()
 
-    async def _finish_done(self, t: Transfer) -> None:
+    async def _finish_done(self, t: Transfer, peer: Peer) -> None:
+        t.closing = True  # no other connection's loop takes it meanwhile
         h = KvDone(
             rid=t.rid,
             first_page=t.first_page,
@@ -702,21 +768,27 @@ class KVSender:
             last_page_bytes=t.last_page_bytes,
             bytes=t.bytes_sent,
             dtype=t.dtype if t.dtype is not None else OMIT,
+            stripe=self._stripe(t, t.frames_numbered),
             extra=t.closing_fields(),
         ).wire()
-        await self.peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
+        await peer.send(h, crc=self.crc)  # on ConnectionError t stays active -> _fail_all
         self.active.remove(t)
         if not t.done.done():
             t.done.set_result(self._result(t, False))
 
-    async def _run(self) -> None:
+    async def _run(self, c: int = 0) -> None:
+        """Connection ``c``'s send loop (one per connection; they share ``active``)."""
+        peer = self.peers[c]
         try:
             while True:
-                for t in [t for t in self.active
-                          if t.cancel_requested or (isinstance(t, LayeredTransfer) and t.progress.error is not None)]:
+                for t in [t for t in self.active if t.inflight == 0 and not t.closing and _ending(t)]:
                     t.cancel_requested = True  # a failed prefill: what was sent is cancelled
-                    await self._finish_cancel(t)
-                ready = [t for t in self.active if t.sendable()]  # a layered transfer waits for its layers
+                    if not t.closing:  # another connection's loop may have taken it meanwhile
+                        await self._finish_cancel(t, peer, t.error)
+                # a layered transfer waits for its layers; a transfer whose every frame another
+                # connection has claimed waits for them to be written (then its kv_done goes)
+                ready = [t for t in self.active if not t.closing and not _ending(t) and t.sendable()
+                         and (t.inflight == 0 or t.next_frame() is not None)]
                 if not ready:
                     self._wake.clear()
                     await self._wake.wait()
@@ -729,56 +801,83 @@ class KVSender:
                     raise RuntimeError(f"pick function returned a transfer that is not active: {t!r}")
                 frame = t.next_frame()
                 if frame is None:
-                    await self._finish_done(t)
+                    await self._finish_done(t, peer)
                     continue
-                i, n, layers, page_bytes, want = frame[:5]
+                t.claim(frame)
                 try:
-                    data = payload_view(await _maybe_await(t.read(frame)))
-                    if data.nbytes != want:
-                        raise ValueError(
-                            f"page_reader({i}, {n}) for rid {t.rid!r} returned {data.nbytes} bytes, "
-                            f"expected {want} ({n} pages of {page_bytes}, the last of "
-                            f"{t.last_page_bytes} over all layers)"
-                        )
-                except Exception as e:
-                    log.error("transfer %r failed reading pages: %r", t, e)
-                    await self._finish_cancel(t, e)
-                    continue
-                if t.cancel_requested:
-                    continue
-                await self.pacer.wait(data.nbytes)
-                if t.cancel_requested:
-                    continue
-                if t.started_at is None:
-                    t.started_at = asyncio.get_running_loop().time()
-                # a last_page_bytes only when the frame ends with the transfer's partial last page
-                header = Kv(t.rid, i, n, list(layers) if layers is not None else None, page_bytes,
-                            data.nbytes - (n - 1) * page_bytes if data.nbytes != n * page_bytes else OMIT,
-                            t.dtype if t.dtype is not None else OMIT).wire()
-                try:
-                    await asyncio.wait_for(self.peer.send(header, data, crc=self.crc), self.stall_timeout_s)
-                except (asyncio.TimeoutError, TimeoutError):
-                    # the frame is half written: the connection cannot carry anything else
-                    self.stalls += 1
-                    self.peer.abort()
-                    raise ConnectionError(f"KV transfer {t.rid!r} to {peer_label(self.peer)} made no progress for "
-                                          f"{self.stall_timeout_s} s while sending (stalled)") from None
-                t.sent(frame, data.nbytes)
-                t.chunks_sent += 1
-                t.last_sent_tick = self.chunks_sent
-                self.chunks_sent += 1
-                self.bytes_sent += data.nbytes
-                if t.all_pages_sent and not t.cancel_requested and t.sendable():
-                    await self._finish_done(t)
+                    await self._send_frame(t, frame, peer, c)
+                finally:
+                    t.inflight -= 1
+                    if self.striped:
+                        self._wake.set()  # a transfer this frame held may close or cancel now
+                if t.all_pages_sent and t.inflight == 0 and not t.closing and not t.cancel_requested \
+                        and t.sendable() and t in self.active:
+                    await self._finish_done(t, peer)
         except asyncio.CancelledError:
             raise
         except ConnectionError as e:
-            self._fail_all(e)
+            self._connection_lost(e)
         except Exception as e:
             log.exception("KV sender loop to %s failed", peer_label(self.peer))
-            self._fail_all(e)
+            self._connection_lost(e)
         finally:
-            self._task = None if not self._closed else self._task
+            if not self._closed:
+                self._tasks[c] = None
+
+    def _connection_lost(self, e: BaseException) -> None:
+        """A connection failed: every unfinished transfer fails with ``e``; a striped sender's
+        other connections are aborted (its stripes cannot complete without the lost frames)."""
+        self._fail_all(e)
+        if self.striped:
+            for p in self.peers:
+                if not p.closed:
+                    p.abort()
+
+    async def _send_frame(self, t: Transfer, frame: tuple, peer: Peer, c: int) -> None:
+        """Read and write one claimed frame of ``t`` on connection ``c`` (``peer``)."""
+        i, n, layers, page_bytes, want = frame[:5]
+        try:
+            data = payload_view(await _maybe_await(t.read(frame)))
+            if data.nbytes != want:
+                raise ValueError(
+                    f"page_reader({i}, {n}) for rid {t.rid!r} returned {data.nbytes} bytes, "
+                    f"expected {want} ({n} pages of {page_bytes}, the last of "
+                    f"{t.last_page_bytes} over all layers)"
+                )
+        except Exception as e:
+            log.error("transfer %r failed reading pages: %r", t, e)
+            t.error, t.cancel_requested = e, True  # the cancel sweep sends kv_cancel once no frame is in flight
+            self._wake.set()
+            return
+        if t.cancel_requested:
+            return
+        await self.pacer.wait(data.nbytes)
+        if t.cancel_requested:
+            return
+        if t.started_at is None:
+            t.started_at = asyncio.get_running_loop().time()
+        # numbered here, with no await before the write: a numbered frame is written or its
+        # connection is lost (and with it the transfer), so the receiver never waits for a gap
+        stripe = self._stripe(t, t.frames_numbered)
+        t.frames_numbered += 1
+        # a last_page_bytes only when the frame ends with the transfer's partial last page
+        header = Kv(t.rid, i, n, list(layers) if layers is not None else None, page_bytes,
+                    data.nbytes - (n - 1) * page_bytes if data.nbytes != n * page_bytes else OMIT,
+                    t.dtype if t.dtype is not None else OMIT, stripe).wire()
+        try:
+            await asyncio.wait_for(peer.send(header, data, crc=self.crc), self.stall_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            # the frame is half written: the connection cannot carry anything else
+            self.stalls += 1
+            peer.abort()
+            raise ConnectionError(f"KV transfer {t.rid!r} to {peer_label(peer)} made no progress for "
+                                  f"{self.stall_timeout_s} s while sending (stalled)") from None
+        t.sent(frame, data.nbytes)
+        t.chunks_sent += 1
+        t.last_sent_tick = self.chunks_sent
+        self.chunks_sent += 1
+        self.bytes_sent += data.nbytes
+        self.bytes_by_connection[c] += data.nbytes
 
 
 def prompt_kv_bytes(prompt_tokens: int, first_page: int, page_size: int, page_bytes: int,
@@ -907,3 +1006,131 @@ class KVReceiver:
         self._mark_finished(rid)
         if self.on_cancel is not None:
             await _maybe_await(self.on_cancel(rid))
+
+
+# ------------------------------------------------------------------ striped receive
+class _Stripe:
+    __slots__ = ("next", "buf", "close", "lock", "peers")
+
+    def __init__(self):
+        self.next = 0  # the frame seq to hand on next
+        self.buf: dict[int, tuple] = {}  # frame seq -> (handler, peer, header, payload), arrived early
+        self.close: Optional[tuple] = None  # (handler, peer, header, payload, frames) of kv_done / kv_cancel
+        self.lock = asyncio.Lock()
+        self.peers: set = set()
+
+
+class KVReorder:
+    """The receiver's side of a striped sender (:class:`KVSender` with ``peers``): hands each
+    transfer's ``kv`` frames to the wrapped handlers in the order they were numbered (``stripe:
+    [transfer seq, frame seq]``), whatever connection each came over and whenever it arrived,
+    and its ``kv_done`` / ``kv_cancel`` (``stripe: [transfer seq, frames]``) after the last of
+    them, so the import sees exactly one connection's sequence. Frames without ``stripe`` (one
+    connection) pass straight through.
+
+    A frame that arrives ahead of its turn is held (its payload is its own ``bytes``): at most what
+    the other connections carried while it was ahead. A transfer one of whose connections closes
+    before it completes is forgotten (held frames dropped, later ones of it too): its sender fails
+    it and the request's owner frees what was imported. Counters: ``reordered_frames`` (frames
+    held for an earlier one), ``dropped_frames`` (duplicates, frames of a forgotten transfer,
+    malformed ``stripe``). Per-transfer state lives until its closing message is handed on.
+    """
+
+    KINDS = ("kv", "kv_done", "kv_cancel")
+
+    def __init__(self, keep_finished: int = 4096):
+        self.keep_finished = keep_finished
+        self.reordered_frames = 0
+        self.dropped_frames = 0
+        self._streams: dict[tuple, _Stripe] = {}
+        self._finished: "OrderedDict[tuple, None]" = OrderedDict()
+        self._watched: set[int] = set()
+
+    def wrap(self, handlers: dict) -> dict:
+        """``handlers`` with its ``kv`` / ``kv_done`` / ``kv_cancel`` entries reordered."""
+        out = dict(handlers)
+        for kind in self.KINDS:
+            if kind in handlers:
+                out[kind] = self._wrapped(kind, handlers[kind])
+        return out
+
+    @property
+    def open_transfers(self) -> int:
+        """Striped transfers with frames or a closing message still held."""
+        return len(self._streams)
+
+    def _wrapped(self, kind: str, h: Callable):
+        async def handler(peer, header, payload):
+            stripe = header.get("stripe")
+            if stripe is None:
+                return await _maybe_await(h(peer, header, payload))
+            await self.push(kind, h, peer, header, payload)
+            return None
+
+        return handler
+
+    def _finish(self, key: tuple) -> None:
+        self._streams.pop(key, None)
+        self._finished[key] = None
+        while len(self._finished) > self.keep_finished:
+            self._finished.popitem(last=False)
+
+    def _watch(self, peer) -> None:
+        if id(peer) in self._watched or not hasattr(peer, "on_close"):
+            return
+        self._watched.add(id(peer))
+
+        def gone(p) -> None:
+            self._watched.discard(id(p))
+            for key, st in list(self._streams.items()):
+                if p in st.peers:
+                    self.dropped_frames += len(st.buf)
+                    st.buf.clear()
+                    self._finish(key)
+
+        peer.on_close(gone)
+
+    async def push(self, kind: str, h: Callable, peer, header: dict, payload) -> None:
+        """One striped message: held until its turn, then handed to ``h(peer, header, payload)``."""
+        stripe = header.get("stripe")
+        if (not isinstance(stripe, (list, tuple)) or len(stripe) != 2
+                or not all(type(x) is int and x >= 0 for x in stripe)):
+            self.dropped_frames += 1
+            log.error("dropping %s rid=%r: bad stripe %r", kind, header.get("rid"), stripe)
+            return
+        key = (header.get("rid"), stripe[0])
+        if key in self._finished:
+            self.dropped_frames += 1
+            return
+        st = self._streams.get(key)
+        if st is None:
+            st = self._streams[key] = _Stripe()
+        self._watch(peer)
+        st.peers.add(peer)
+        if kind == "kv":
+            seq = stripe[1]
+            if seq < st.next or seq in st.buf:
+                self.dropped_frames += 1
+                log.error("dropping duplicate kv frame %d of rid %r", seq, key[0])
+                return
+            if seq != st.next:
+                self.reordered_frames += 1
+            st.buf[seq] = (h, peer, header, payload)
+        else:
+            st.close = (h, peer, header, payload, stripe[1])
+        async with st.lock:
+            while st.next in st.buf and self._streams.get(key) is st:
+                item = st.buf.pop(st.next)
+                st.next += 1
+                await self._hand_on(item)
+            if st.close is not None and st.next >= st.close[4] and self._streams.get(key) is st:
+                self._finish(key)
+                await self._hand_on(st.close[:4])
+
+    @staticmethod
+    async def _hand_on(item: tuple) -> None:
+        h, peer, header, payload = item
+        try:
+            await _maybe_await(h(peer, header, payload))
+        except Exception:
+            log.exception("%s handler failed for rid %r", header.get("t"), header.get("rid"))

@@ -245,6 +245,13 @@ class Stats(Msg):
 
 
 @dataclass
+class WanProbe(Msg):
+    """The gateway's timed probe of a WAN peer's path (``policy.wan_probe_interval_s``): answered
+    at once with ``ok``; its payload (any bytes) is there to be timed, then dropped."""
+    T = "wan_probe"
+
+
+@dataclass
 class Flush(Msg):
     """Empty the prefix cache, count pages -> :class:`FlushOk`."""
     T = "flush"
@@ -547,6 +554,7 @@ class Kv(Msg):
     page_bytes: int
     last_page_bytes: int = OMIT
     dtype: str = OMIT  # the payload's element type when it is not the receiver's (pdd.transfer.layout)
+    stripe: list[int] = OMIT  # [transfer seq, frame seq] when sent over several connections (transfer.kv.KVReorder)
 
 
 @dataclass
@@ -568,6 +576,7 @@ class KvDone(Msg):
     relay: bool = OMIT
     lp: dict = OMIT
     dtype: str = OMIT  # the transfer's element type when the sender set one (pdd.transfer.layout)
+    stripe: list[int] = OMIT  # [transfer seq, frames sent] when striped (transfer.kv.KVReorder)
     extra: dict = field(default_factory=dict)
 
 
@@ -578,6 +587,7 @@ class KvCancel(Msg):
     rid: str
     bytes: int
     pages: int
+    stripe: list[int] = OMIT  # [transfer seq, frames sent] when striped (transfer.kv.KVReorder)
 
 
 # ---------------------------------------------------------------- transport
