@@ -152,3 +152,20 @@ def test_sim_config_reads_the_runtime_keys():
     assert (cfg.wan_gbps, cfg.wan_rtt_ms, cfg.wan_loss_rate, cfg.wan_mss_bytes) == (2.0, 30.0, 0.001, 1400)
     assert cfg.wan_cross_traffic == ((0.0, 0.5), (10.0, 1.0))
     assert (cfg.kv_stream, cfg.kv_stream_layer_group, cfg.wan_order) == ("layerwise", 2, "srf")
+
+
+def test_sim_run_reads_the_runtime_yaml(tmp_path):
+    import argparse
+
+    from pdd.sim.cli import _cfg_args, _make_cfg
+
+    y = tmp_path / "c.yaml"
+    y.write_text("link:\n  wan_loss_rate: 0.001\n  wan_cross_traffic: [[0, 0.01]]\npolicy:\n  kv_stream: layerwise\n")
+    p = argparse.ArgumentParser()
+    _cfg_args(p)
+    cfg = _make_cfg(p.parse_args(["--config", str(y)]))
+    assert (cfg.wan_gbps, cfg.wan_loss_rate, cfg.wan_cross_traffic, cfg.kv_stream, cfg.wan_order) == \
+        (0.05, 0.001, ((0.0, 0.01),), "layerwise", "fifo")
+    cfg = _make_cfg(p.parse_args(["--wan-loss-rate", "0.01", "--cross-traffic", "0:5,10:1", "--kv-stream",
+                                  "layerwise", "--kv-stream-layer-group", "4"]))
+    assert (cfg.wan_loss_rate, cfg.wan_cross_traffic, cfg.kv_stream_layer_group) == (0.01, ((0.0, 5.0), (10.0, 1.0)), 4)
