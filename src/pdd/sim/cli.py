@@ -412,7 +412,7 @@ def cmd_compare_profiles(a) -> int:
 def cmd_calibrate_roles(a) -> int:
     from pdd.sim.validate import calibrate_roles
 
-    prof = calibrate_roles(a.run, a.profile, a.out)
+    prof = calibrate_roles(a.run, a.profile, a.out, config_or_exit(a) if a.config else None)
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
         print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "
@@ -523,6 +523,8 @@ def add_sim_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--run", required=True, help="a `pdd sim validate --out` directory (the calibration run)")
     c.add_argument("--profile", required=True)
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
+    c.add_argument("--config", default=None, help="the cluster config (YAML/JSON) the run was made with "
+                                                  "(default: the embedded topology)")
     c.set_defaults(func=cmd_calibrate_roles)
     vr = sp.add_parser("validate-report", help="judge recorded `pdd sim validate` runs held out from the calibration "
                                                "run, beside the noise floor of one workload run live twice")
