@@ -115,10 +115,14 @@ def test_layerwise_ttft_closed_form_fast_path_uneven_groups():
     assert lw.t_first - lw.arrival == pytest.approx(want, rel=1e-9)
 
 
-def test_layerwise_lossy_runs_complete_and_free_every_page():
+@pytest.mark.parametrize("kw", [
+    dict(mode="pdd"), dict(mode="pdd", ttft_budget_ms=0.0, handoff_mode="catch_up", wan_order="srf"),
+    dict(mode="pdd", wan_order="ps", prefill_chunk_tokens=1024), dict(mode="cross_dc_pd"),
+    dict(mode="same_dc_pd")])
+def test_layerwise_lossy_runs_complete_and_free_every_page(kw):
     recs = generate_agentic(150, seed=5, rate=2.0)
-    base = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=2, wan_gbps=10.0, warmup_frac=0.0, wan_order="fifo",
-                     wan_loss_rate=1e-5, wan_cross_traffic=((0.0, 2.0), (30.0, 6.0)))
+    base = SimConfig(**{**dict(n_p=2, n_rld=1, n_md=2, n_d=2, wan_gbps=10.0, warmup_frac=0.0, wan_order="fifo",
+                               wan_loss_rate=1e-5, wan_cross_traffic=((0.0, 2.0), (30.0, 6.0))), **kw})
     for cfg in (base, base.replace(kv_stream="layerwise", kv_stream_layer_group=4)):
         sim = ClusterSim(cfg).run(recs)
         assert all(r.finished for r in sim.reqs)
@@ -128,7 +132,8 @@ def test_layerwise_lossy_runs_complete_and_free_every_page():
                 if inst.cache is not None:
                     assert not inst.cache.locks, inst.name
                 assert not inst.seqs and not inst.waiting and inst.slots == 0
-        assert not sim.wan.flows and sim.wan.n_held == 0
+        for line in ([sim.wan] if sim.wan else []) + list(sim.fast.values()):
+            assert not line.flows and line.n_held == 0
         assert not sim.kv_ready and not sim.kv_dispatched
 
 
