@@ -141,6 +141,17 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wan-rtt-ms", type=NONNEG_FLOAT, default=30.0)
     g.add_argument("--wan-order", default="ps", choices=["ps", "fifo", "srf"])
     g.add_argument("--wan-usd-per-hour", type=NONNEG_FLOAT, default=0.0)
+    g.add_argument("--wan-loss-rate", type=float, default=0.0,
+                   help="packet loss p in [0, 1): each WAN transfer at most TCP's Mathis rate (pdd.policy.tcp_model)")
+    g.add_argument("--wan-mss-bytes", type=POS_INT, default=1460, help="TCP segment of that formula, bytes")
+    g.add_argument("--cross-traffic", default=None, metavar="T:GBPS,...",
+                   help="cross traffic on the WAN line from T seconds of simulated time, e.g. 0:5,60:10")
+    g.add_argument("--kv-stream", default="whole", choices=["whole", "layerwise"],
+                   help="P sends a request's KV after its prefill, or layer group by layer group during it")
+    g.add_argument("--kv-stream-layer-group", type=POS_INT, default=1, help="layers per group (layerwise)")
+    g.add_argument("--config", default=None,
+                   help="a runtime cluster config (YAML/JSON): its link.wan_* (rate, RTT, loss, MSS, cross "
+                   "traffic) and policy.wan_order / kv_stream / kv_stream_layer_group replace those flags")
     g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=250.0, help="pipeline TTFT budget (P->MD if the WAN fits)")
     g.add_argument("--handoff", default="one_shot", choices=["one_shot", "catch_up", "auto"])
     g.add_argument("--catchup-threshold", type=NONNEG_INT, default=64)
@@ -204,7 +215,7 @@ def _make_cfg(a):
 
     spec = _measured_model(a)
     profile_a, profile_b = _profiles(a)
-    return SimConfig(
+    kw = dict(
         mode=a.mode, model="measured" if spec else a.model, model_spec=spec, kv_bytes_per_token=a.kv_bytes_per_token, chip_a=a.chip_a, chip_b=a.chip_b,
         price_a=a.price_a, price_b=a.price_b, profile_a=profile_a, profile_b=profile_b, n_p=a.n_p,
         n_rld=a.n_rld, n_md=a.n_md, n_d=a.n_d, n_c=a.n_c, wan_gbps=a.wan_gbps, wan_rtt_ms=a.wan_rtt_ms,
@@ -215,6 +226,27 @@ def _make_cfg(a):
         max_batch_tokens=a.max_batch_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens, max_running_seqs=a.max_running_seqs,
         slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
+    kw.update(_wan_fields(a))  # --config's WAN line replaces --wan-gbps / --wan-rtt-ms / --wan-order too
+    return SimConfig(**kw)
+
+
+def _wan_fields(a) -> dict:
+    """The WAN line's loss / cross traffic and the KV streaming fields from the flags, or from
+    ``--config``'s runtime keys (``pdd.sim.sim_config.runtime_wan_fields``). UsageError naming the
+    flag for a bad value."""
+    from pdd.policy.tcp_model import check_loss_rate, check_schedule, parse_cross_traffic
+    from pdd.sim.sim_config import runtime_wan_fields
+
+    if getattr(a, "config", None):
+        return runtime_wan_fields(config_or_exit(a))
+    try:
+        cross = parse_cross_traffic(a.cross_traffic, "--cross-traffic") if a.cross_traffic else ()
+        check_schedule(cross, "--cross-traffic", a.wan_gbps)
+        loss = check_loss_rate(a.wan_loss_rate, "--wan-loss-rate")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return dict(wan_loss_rate=loss, wan_mss_bytes=a.wan_mss_bytes, wan_cross_traffic=cross,
+                kv_stream=a.kv_stream, kv_stream_layer_group=a.kv_stream_layer_group)
 
 
 def _records(a, rate=None):
@@ -363,7 +395,7 @@ def cmd_compare_profiles(a) -> int:
 def cmd_calibrate_roles(a) -> int:
     from pdd.sim.validate import calibrate_roles
 
-    prof = calibrate_roles(a.run, a.profile, a.out)
+    prof = calibrate_roles(a.run, a.profile, a.out, config_or_exit(a) if a.config else None)
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
         print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "
@@ -464,6 +496,8 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     c.add_argument("--run", required=True, help="a `pdd sim validate --out` directory (the calibration run)")
     c.add_argument("--profile", required=True)
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
+    c.add_argument("--config", default=None, help="the cluster config (YAML/JSON) the run was made with "
+                                                  "(default: the embedded topology)")
     c.set_defaults(func=cmd_calibrate_roles)
     vr = sp.add_parser("validate-report", help="judge recorded `pdd sim validate` runs held out from the calibration "
                                                "run, beside the noise floor of one workload run live twice")

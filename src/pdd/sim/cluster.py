@@ -52,6 +52,7 @@ import pdd.policy.cutoff as pol_cutoff
 import pdd.policy.handoff as pol_handoff
 import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.routing as pol_routing
+import pdd.policy.tcp_model as tcp_model
 from pdd.policy.wan_estimate import WanEstimate
 from pdd.sim.hardware import StepCostModel, cost_model
 # the pieces of the simulator, one job each, all still importable from here
@@ -60,6 +61,7 @@ from pdd.sim.links import Flow, Line, _noop  # noqa: F401
 from pdd.sim.prefix_cache import PrefixCache  # noqa: F401
 from pdd.sim.request import Req, RequestTooLarge, Seq  # noqa: F401
 from pdd.sim.sim_config import BLOCK, SimConfig  # noqa: F401
+from pdd.transfer.kv import layer_groups
 from pdd.types import Pipeline
 
 
@@ -89,7 +91,11 @@ class ClusterSim:
             self.tiers[role] = [Instance(self, f"{role}{i}", role, cm, cache, frac) for i in range(n)]
             if n <= 0:
                 raise ValueError(f"{role} needs at least one instance")
-        self.wan = Line(self, "wan", cfg.wan_gbps, self.owd, cfg.wan_order) if cfg.cross_dc() else None
+        # the WAN line as the runtime's emulator models it (pdd.policy.tcp_model): one flow's rate
+        # capped by the loss (Mathis), the line's rate less the cross traffic
+        self.wan_conn_gbps = tcp_model.mathis_gbps(cfg.wan_mss_bytes, cfg.wan_rtt_ms, cfg.wan_loss_rate)
+        self.wan = Line(self, "wan", cfg.wan_gbps, self.owd, cfg.wan_order, self.wan_conn_gbps,
+                        cfg.wan_cross_traffic) if cfg.cross_dc() else None
         fast = cfg.fast_gbps or cfg.chip("a").nic_gbps * self.model.gpus_per_instance
         self.fast = {p.name: Line(self, f"fast-{p.name}", fast, cfg.fast_rtt_ms / 2000.0, "ps")
                      for p in self.tiers.get("P", [])}
@@ -107,7 +113,16 @@ class ClusterSim:
         self.early_handoffs = 0  # handoffs started before MD's kv_ready was back (early_handoff)
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
-        self.wan_estimate = WanEstimate()  # MD's receive rates, as the gateway holds them
+        # MD's receive rates, as the gateway holds them (capped at the configured loss's TCP rate)
+        self.wan_estimate = WanEstimate.for_line(cfg.wan_gbps, cfg.wan_rtt_ms, cfg.wan_loss_rate, cfg.wan_mss_bytes)
+        g = self.wan_estimate.gbps
+        self.wan_gbps_configured = cfg.wan_gbps if g is None else g  # PeerWanEstimates.configured_gbps
+        # layer-wise streaming (policy.kv_stream: layerwise): the layer groups (pdd.transfer.kv.layer_groups)
+        # and, per request whose prefill P admitted, the prompt tokens each group's KV holds
+        self.layerwise = cfg.kv_stream == "layerwise"
+        self.layer_groups = layer_groups(self.model.layers, cfg.kv_stream_layer_group) if self.layerwise else []
+        self.kv_ready: dict[int, list[int]] = {}
+        self.kv_dispatched: set[int] = set()  # requests whose sends P set up before its prefill ended
         self.wan_gbps_live: float | None = None  # its current value (gateway's estimate)
         self.host_busy = 0  # instances in a step now (for host_cores)
         self.record_decisions = False  # keep each policy call's inputs and result per request
@@ -128,7 +143,7 @@ class ClusterSim:
         gateway's ``wan_gbps_live or link.wan_gbps``), else the configured line rate."""
         if self.cfg.wan_estimate == "live" and self.wan_gbps_live is not None:
             return self.wan_gbps_live
-        return self.cfg.wan_gbps
+        return self.wan_gbps_configured
 
     def _wan_sample(self, f: "Flow") -> None:
         """MD's receive rate of one request's KV (first frame to last: time queued behind other
@@ -136,7 +151,8 @@ class ClusterSim:
         (``policy.wan_estimate``, as the gateway does)."""
         if f is None or f.total < self.WAN_SAMPLE_MIN_BYTES or f.t_end is None:
             return
-        dt = f.t_end - (f.t_served if f.t_served is not None else f.t_start)
+        # less the time a layer-wise stream waited for the prefill (the runtime's kv_done kv_wait_s)
+        dt = f.t_end - (f.t_served if f.t_served is not None else f.t_start) - f.wait_s
         if dt <= 0:
             return
         self.wan_gbps_live = self.wan_estimate.add(f.total * 8 / dt / 1e9)
@@ -314,7 +330,7 @@ class ClusterSim:
             self._md_enqueue(req)
         else:
             req.md = None
-        if not planned and req.prefill_done:
+        if not planned and (req.prefill_done or req.rid in self.kv_ready):
             self._dispatch_kv(req)
 
     def _decide(self, req: Req) -> None:
@@ -385,6 +401,11 @@ class ClusterSim:
             seq = Seq(req, req.prompt, req.p_hit, self._next_order(), "coloc" if colocated else "prefill",
                       n, locked, 0.0)
             inst.add(seq)
+            if self.layerwise and not colocated:
+                # the cached prefix holds every layer; P's sends start now when the plan is known
+                self.kv_ready[req.rid] = [req.p_hit] * len(self.layer_groups)
+                if req.pipeline is not None:
+                    self._dispatch_kv(req)
 
         inst.enqueue(need, admit, prefill=True)
 
@@ -451,21 +472,73 @@ class ClusterSim:
                 p.cache.evict(-(-over // self.block))
         else:
             req.p_locked = ((), s.reserved)
-        if req.pipeline is not None:  # else the plan (MD's reservation reply) dispatches
+        if self.layerwise:
+            self._kv_sealed(req)
+        if req.rid in self.kv_dispatched:  # layer-wise: the sends started during the prefill
+            self.kv_dispatched.discard(req.rid)
+            if req.pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):
+                self._maybe_send_wan(req)  # an empty send waits for the prefill's end (its kv_done)
+            if req.p_pending_flows == 0:
+                self._p_release(req)
+        elif req.pipeline is not None:  # else the plan (MD's reservation reply) dispatches
             self._dispatch_kv(req)
+
+    # --- layer-wise streaming (policy.kv_stream: layerwise; pdd.transfer.kv.LayeredTransfer) ------
+    def on_prefill_chunk(self, req: Req, end: int, dt: float) -> None:
+        """P's step of ``dt`` seconds computes ``req``'s prompt up to token ``end``: layer group
+        ``[l0, l1)`` of it is written ``dt * l1 / layers`` after the step starts (the step's time
+        spread evenly over the model's layers, as the engine's forward pass runs them in turn)."""
+        n = self.model.layers
+        end = min(end, req.prompt)
+        for g, (_l0, l1) in enumerate(self.layer_groups):
+            self.after(dt * l1 / n, self._layers_ready, req, g, end)
+
+    def _held(self, req: Req, lo: int, total: float) -> float:
+        """Bytes of a send of the prompt's tokens ``[lo, prompt)`` (``total`` bytes) whose KV P
+        has not computed yet: 0 unless layer-wise and the prefill is running."""
+        if not self.layerwise or req.prefill_done or total <= 0:
+            return 0.0
+        ready = self.kv_ready.get(req.rid)
+        if ready is None:
+            return float(total)
+        if min(ready) >= req.prompt:
+            return 0.0
+        rel = sum(max(0, min(r, req.prompt) - lo) * (l1 - l0) for r, (l0, l1) in zip(ready, self.layer_groups))
+        return max(0.0, total - rel * self.model.kv_bytes_per_token / self.model.layers)
+
+    def _layers_ready(self, req: Req, g: int, end: int) -> None:
+        ready = self.kv_ready.get(req.rid)
+        if ready is None or end <= ready[g]:
+            return
+        ready[g] = end
+        self._release_flows(req)
+
+    def _release_flows(self, req: Req) -> None:
+        for f, lo in ((req.fast_flow, 0), (req.wan_flow, req.prompt - req.md_missing)):
+            if f is not None and not f.done and f.held > 0:
+                f.line.release(f, self._held(req, lo, f.total))
+
+    def _kv_sealed(self, req: Req) -> None:
+        """P's prefill is done: every layer of the prompt is written (the runtime's seal)."""
+        self.kv_ready.pop(req.rid, None)
+        self._release_flows(req)
 
     def _dispatch_kv(self, req: Req) -> None:
         """P's KV sends once both its prefill and the plan are done (each exactly once)."""
         p = req.p
         pl = req.pipeline
         kvb = self.model.kv_bytes_per_token
+        if not req.prefill_done:
+            self.kv_dispatched.add(req.rid)
+        total = req.prompt * kvb
         if pl == Pipeline.P_D:
             req.d = d = self._route("D", req, False, policy="load")
             req.p_pending_flows = 1
 
             def admit_d(_n):
                 seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
-                req.fast_flow = self.fast[p.name].send(req.rid, req.prompt * kvb, lambda: self._kv_at_decoder(d, req, seq))
+                req.fast_flow = self.fast[p.name].send(req.rid, total, lambda: self._kv_at_decoder(d, req, seq),
+                                                       held=self._held(req, 0, total))
 
             d.enqueue(req.prompt + req.out_len, admit_d, slot=True)
             return
@@ -476,32 +549,35 @@ class ClusterSim:
             def admit_rld(_n):
                 seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
                 req.rld_seq = seq
-                req.fast_flow = self.fast[p.name].send(req.rid, req.prompt * kvb,
-                                                       lambda: self._kv_at_decoder(rld, req, seq))
+                req.fast_flow = self.fast[p.name].send(req.rid, total, lambda: self._kv_at_decoder(rld, req, seq),
+                                                       held=self._held(req, 0, total))
 
             rld.enqueue(req.prompt + req.out_len, admit_rld, slot=True)
         if pl in (Pipeline.P_MD, Pipeline.P_RLD_MD):
             req.p_pending_flows += 1
             self._maybe_send_wan(req)
-        if req.p_pending_flows == 0:
+        if req.p_pending_flows == 0 and req.prefill_done:
             self._p_release(req)
 
     def _maybe_send_wan(self, req: Req) -> None:
-        """Start MD's WAN send once P's prefill is done and MD has reserved (or at once with a
-        predicted send)."""
-        if (not (req.prefill_done and (req.md_reserved or req.md_predicted)) or req.wan_flow is not None
-                or req.cut_off):
+        """Start MD's WAN send once P's prefill is done (layer-wise: once P's sends are set up, its
+        prefill running) and MD has reserved (or at once with a predicted send)."""
+        if (not ((req.prefill_done or req.rid in self.kv_dispatched) and (req.md_reserved or req.md_predicted))
+                or req.wan_flow is not None or req.cut_off):
             return
         nbytes = req.md_missing * self.model.kv_bytes_per_token
+        if nbytes <= 0 and not req.prefill_done:
+            return
         req.wan_bytes = nbytes
         on_sent = None
         if self.cfg.early_handoff and req.pipeline == Pipeline.P_RLD_MD:
             on_sent = lambda: self._kv_left_p(req)  # noqa: E731
-        req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent)
+        req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent,
+                                     held=self._held(req, req.prompt - req.md_missing, nbytes))
 
     def _flow_drained(self, req: Req) -> None:
         req.p_pending_flows -= 1
-        if req.p_pending_flows == 0:
+        if req.p_pending_flows == 0 and req.prefill_done:  # else the prefill's end releases
             self._p_release(req)
 
     def _p_release(self, req: Req) -> None:

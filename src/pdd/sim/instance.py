@@ -231,6 +231,11 @@ class Instance:
                     self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
             else:
                 dt = (cm.step_time((it.start, it.num_tokens) for it in items) + self.step_ovh) * self.sim.host_share()
+                if self.sim.layerwise and self.role == "P":  # each layer group's KV as the step writes it
+                    for it in items:
+                        s = seqs[it.seq_id]
+                        if s.kind == "prefill":
+                            self.sim.on_prefill_chunk(s.req, it.start + it.num_tokens, dt)
                 self.sim.host_busy += 1
                 yield env.timeout(dt)
                 self.sim.host_busy -= 1

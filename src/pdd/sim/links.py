@@ -1,18 +1,38 @@
 """Simulated links: a :class:`Line` shared by its :class:`Flow` s (processor sharing, or the
-runtime's WAN send order via ``pdd.policy.wan_order.pick_next``) plus propagation delay."""
+runtime's WAN send order via ``pdd.policy.wan_order.pick_next``) plus propagation delay.
+
+The WAN line models what the runtime's link emulator (``pdd.transfer.link``) does, with the same
+pure functions (``pdd.policy.tcp_model``):
+
+- **Loss**: each flow (one transfer: the runtime sends it over one connection) moves at most
+  ``mathis_gbps(mss, rtt, p)`` (Mathis et al. 1997); the line's rate not taken stays free for
+  other flows (processor sharing: each of ``n`` active flows gets ``min(rate / n, conn)``; a send
+  order: the chosen flow gets ``min(rate, conn)``).
+- **Cross traffic**: a schedule ``((t_s, gbps), ...)`` on the simulation clock; from each point
+  on the line's rate is ``available_gbps(line, cross)`` (at least 1% of the line).
+- **Layer-wise streaming**: a flow may start with ``held`` bytes not yet computed (its prefill is
+  still running); :meth:`Line.release` hands them over. A flow with nothing released takes no
+  share; with a send order, flows whose KV is complete go before prefilling ones (the runtime's
+  ``LayeredTransfer``: a prefilling transfer sends only when no finished one has a frame ready).
+
+Without loss, cross traffic or held bytes every step is the original processor-sharing / send-order
+arithmetic, bit for bit.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
+import pdd.policy.tcp_model as tcp_model
 import pdd.policy.wan_order as pol_wan
 
 
 class Flow:
     __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end", "t_served",
-                 "on_sent")
+                 "on_sent", "held", "wait_s", "idle_since")
 
-    def __init__(self, rid, nbytes, seq, cb, on_sent=None):
+    def __init__(self, rid, nbytes, seq, cb, on_sent=None, held: float = 0.0):
         self.rid = rid
         self.remaining = float(nbytes)
         self.total = float(nbytes)
@@ -23,6 +43,9 @@ class Flow:
         self.t_start = self.t_end = None
         self.t_served = None  # when the line first sent bytes of it (its first frame)
         self.on_sent = on_sent  # called when its last byte has left (before the propagation)
+        self.held = float(held)  # bytes of ``remaining`` not yet computed (layer-wise streaming)
+        self.wait_s = 0.0  # seconds, after its first frame, it had nothing released to send
+        self.idle_since = None
 
 
 def _noop() -> None:
@@ -31,12 +54,21 @@ def _noop() -> None:
 
 class Line:
     """One link: serialises flows at ``gbps`` (processor sharing or a send-order policy from
-    ``pdd.policy.wan_order``), then delivers after ``owd_s`` of propagation."""
+    ``pdd.policy.wan_order``), then delivers after ``owd_s`` of propagation.
 
-    def __init__(self, sim: "ClusterSim", name: str, gbps: float, owd_s: float, order: str = "ps"):
+    ``conn_gbps``: one flow's largest rate, Gbit/s (``tcp_model.mathis_gbps`` of the line's loss;
+    ``inf`` = no cap). ``cross``: cross-traffic schedule ``((t_s, gbps), ...)``, seconds of
+    simulation time and Gbit/s, each below ``gbps`` (ValueError otherwise)."""
+
+    def __init__(self, sim: "ClusterSim", name: str, gbps: float, owd_s: float, order: str = "ps",
+                 conn_gbps: float = math.inf, cross=()):
         self.sim = sim
         self.name = name
-        self.rate = gbps * 1e9 / 8.0
+        self.gbps = gbps
+        self.cross = tcp_model.check_schedule(cross, f"{name} cross traffic", gbps)
+        self.rate = tcp_model.available_gbps(gbps, tcp_model.cross_gbps_at(self.cross, 0.0)) * 1e9 / 8.0 \
+            if self.cross else gbps * 1e9 / 8.0
+        self.conn_rate = conn_gbps * 1e9 / 8.0 if conn_gbps != math.inf else math.inf
         self.owd = owd_s
         self.order = order
         self.flows: list[Flow] = []
@@ -45,12 +77,32 @@ class Line:
         self.bytes_sent = 0.0
         self.busy_s = 0.0
         self.seq = 0
+        self.n_held = 0  # flows with bytes not yet released
+        for t, _g in self.cross:
+            if t > 0:
+                sim.after(t, self._cross_change)
+
+    def _general(self) -> bool:
+        return self.conn_rate != math.inf or self.n_held > 0
+
+    def _cross_change(self) -> None:
+        """A cross-traffic schedule point: bytes so far at the old rate, the rest at the new."""
+        self._advance()
+        now = self.sim.env.now
+        self.rate = tcp_model.available_gbps(self.gbps, tcp_model.cross_gbps_at(self.cross, now)) * 1e9 / 8.0
+        self._reschedule()
+
+    def _active(self) -> list[Flow]:
+        return [f for f in self.flows if f.remaining - f.held > 0.0]
 
     def _advance(self):
         now = self.sim.env.now
         dt = now - self.last_t
         self.last_t = now
         if dt <= 0 or not self.flows:
+            return
+        if self._general():
+            self._advance_general(now, dt)
             return
         self.busy_s += dt
         amount = self.rate * dt
@@ -65,6 +117,30 @@ class Line:
                 f.t_served = now - dt
         self.bytes_sent += amount
 
+    def _advance_general(self, now: float, dt: float) -> None:
+        act = self._active()
+        if not act:
+            return
+        self.busy_s += dt
+        if self.order == "ps":
+            per = min(self.rate / len(act), self.conn_rate) * dt
+            served = act
+        else:
+            served = [self._pick(act)]
+            per = min(self.rate, self.conn_rate) * dt
+        for f in served:
+            got = min(per, f.remaining - f.held)
+            f.remaining -= got
+            self.bytes_sent += got
+            if f.t_served is None:
+                f.t_served = now - dt
+
+    def _pick(self, act: list[Flow]) -> Flow:
+        """The send order's choice among flows with bytes to send: complete ones first."""
+        ready = [f for f in act if f.held == 0.0] or act
+        views = [pol_wan.TransferView(f.rid, int(max(0.0, f.remaining)), f.seq) for f in ready]
+        return ready[pol_wan.pick_next(views, self.order)]
+
     def _chosen(self) -> int:
         views = [pol_wan.TransferView(f.rid, int(max(0.0, f.remaining)), f.seq) for f in self.flows]
         return pol_wan.pick_next(views, self.order)
@@ -73,7 +149,16 @@ class Line:
         self.version += 1
         if not self.flows:
             return
-        if self.order == "ps":
+        if self._general():
+            act = self._active()
+            if not act:
+                return  # every flow waits for its prefill (release reschedules)
+            if self.order == "ps":
+                dt = min(f.remaining - f.held for f in act) / min(self.rate / len(act), self.conn_rate)
+            else:
+                f = self._pick(act)
+                dt = (f.remaining - f.held) / min(self.rate, self.conn_rate)
+        elif self.order == "ps":
             dt = min(f.remaining for f in self.flows) * len(self.flows) / self.rate
         else:
             dt = self.flows[self._chosen()].remaining / self.rate
@@ -85,25 +170,50 @@ class Line:
             return
         self._advance()
         eps = 1e-6 * self.rate  # a microsecond's worth of bytes
+        if self._general():
+            self._timer_general(eps)
+            return
         done = [f for f in self.flows if f.remaining <= eps]
         if not done:  # numerical leftovers
             done = [min(self.flows, key=lambda f: f.remaining)]
         for f in done:
-            self.flows.remove(f)
-            f.done = True
-            f.t_end = self.sim.env.now
-            self.bytes_sent += max(0.0, f.remaining)
-            f.remaining = 0.0
-            self.sim.after(self.owd, f.cb)
-            if f.on_sent is not None:
-                f.on_sent()
+            self._finish(f)
         self._reschedule()
 
+    def _timer_general(self, eps: float) -> None:
+        now = self.sim.env.now
+        done, idle = [], []
+        for f in self.flows:
+            if f.remaining - f.held <= eps:
+                (done if f.held == 0.0 else idle).append(f)
+        if not done and not idle:  # numerical leftovers
+            act = self._active()
+            f = min(act, key=lambda f: f.remaining - f.held)
+            (done if f.held == 0.0 else idle).append(f)
+        for f in idle:  # all it has so far is sent: it waits for the prefill
+            f.remaining = f.held
+            if f.idle_since is None:
+                f.idle_since = now
+        for f in done:
+            self._finish(f)
+        self._reschedule()
+
+    def _finish(self, f: Flow) -> None:
+        self.flows.remove(f)
+        f.done = True
+        f.t_end = self.sim.env.now
+        self.bytes_sent += max(0.0, f.remaining)
+        f.remaining = 0.0
+        self.sim.after(self.owd, f.cb)
+        if f.on_sent is not None:
+            f.on_sent()
+
     def send(self, rid, nbytes: float, cb: Callable[[], None],
-             on_sent: Callable[[], None] | None = None) -> Flow:
+             on_sent: Callable[[], None] | None = None, held: float = 0.0) -> Flow:
         """Queue ``nbytes`` on the line; ``cb`` runs when the last byte arrives (propagation
-        included), ``on_sent`` (optional) when it has left."""
-        f = Flow(rid, nbytes, self.seq, cb, on_sent)
+        included), ``on_sent`` (optional) when it has left. ``held``: bytes of them not computed
+        yet (0 <= held <= nbytes), sent only once :meth:`release` d."""
+        f = Flow(rid, nbytes, self.seq, cb, on_sent, held if nbytes > 0 else 0.0)
         self.seq += 1
         f.line = self
         f.t_start = self.sim.env.now
@@ -115,10 +225,29 @@ class Line:
             return f
         self._advance()
         self.flows.append(f)
-        if self.order == "ps":
+        if f.held > 0:
+            self.n_held += 1
+        if self.order == "ps" and not self._general():
             f.t_served = f.t_start  # processor sharing serves every flow at once
         self._reschedule()
         return f
+
+    def release(self, f: Flow, held: float) -> None:
+        """``f``'s bytes not yet computed are now ``held`` (<= its current held; 0: its KV is
+        complete). No-op for a finished or cancelled flow."""
+        if f.done or f not in self.flows or held >= f.held:
+            return
+        self._advance()
+        now = self.sim.env.now
+        if f.idle_since is not None:
+            f.wait_s += now - f.idle_since
+            f.idle_since = None
+        if f.remaining - f.held <= 0.0:  # idle: snapped to its held bytes
+            f.remaining = f.held
+        f.held = max(0.0, float(held))
+        if f.held == 0.0:
+            self.n_held -= 1
+        self._reschedule()
 
     def cancel(self, f: Flow, committed: float = 0.0) -> float:
         """Stop a flow; returns the bytes it will not send. A flow already on the line keeps up
@@ -128,7 +257,14 @@ class Line:
             return 0.0
         self._advance()
         left = max(0.0, f.remaining)
-        keep = min(left, committed) if f.t_served is not None else 0.0
+        if f.held > 0:  # bytes not computed were never written: only the released part may be kept
+            self.n_held -= 1
+            left_sent = max(0.0, f.remaining - f.held)
+            f.held = 0.0
+            f.remaining = left_sent
+            keep = min(left_sent, committed) if f.t_served is not None else 0.0
+        else:
+            keep = min(left, committed) if f.t_served is not None else 0.0
         if keep > 1e-6 * self.rate:
             f.remaining = keep
             f.cb = _noop

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pdd.policy.tcp_model import DEFAULT_MSS_BYTES, check_loss_rate, check_schedule
 from pdd.sim.hardware import Efficiency, get_chip
 from pdd.sim.models import get_model
 
 
 BLOCK = 512  # tokens per trace block (Mooncake hash granularity)
+KV_STREAMS = ("whole", "layerwise")  # config.PolicyConfig.kv_stream
+
+
+def runtime_wan_fields(cfg) -> dict:
+    """The SimConfig fields a runtime ``ClusterConfig`` (``pdd.config``, the YAML ``pdd serve``,
+    ``pdd bench`` and ``pdd sim validate`` read) sets for the WAN line and KV streaming:
+    ``link.wan_gbps``, ``wan_rtt_ms``, ``wan_loss_rate``, ``wan_mss_bytes``, ``wan_cross_traffic``,
+    ``policy.wan_order``, ``kv_stream``, ``kv_stream_layer_group``."""
+    link, pol = cfg.link, cfg.policy
+    return dict(wan_gbps=link.wan_gbps, wan_rtt_ms=link.wan_rtt_ms, wan_loss_rate=link.wan_loss_rate,
+                wan_mss_bytes=link.wan_mss_bytes, wan_cross_traffic=tuple(tuple(p) for p in link.wan_cross_traffic),
+                wan_order=pol.wan_order, kv_stream=pol.kv_stream, kv_stream_layer_group=pol.kv_stream_layer_group)
 
 
 @dataclass
@@ -31,6 +44,18 @@ class SimConfig:
     wan_gbps: float = 100.0
     wan_rtt_ms: float = 20.0
     wan_order: str = "ps"  # ps | fifo | srf
+    # the WAN line as the runtime's link emulator models it (pdd.policy.tcp_model, docs/SIM.md):
+    # packet loss probability p in [0, 1) capping each transfer at one TCP connection's Mathis rate
+    # (MSS wan_mss_bytes, RTT wan_rtt_ms), and cross traffic ((t_s, gbps), ...) taking its rate off
+    # the line from t_s seconds of simulated time (the runtime's link.wan_loss_rate, wan_mss_bytes,
+    # wan_cross_traffic)
+    wan_loss_rate: float = 0.0
+    wan_mss_bytes: int = DEFAULT_MSS_BYTES
+    wan_cross_traffic: tuple = ()
+    # when P sends a request's KV (the runtime's policy.kv_stream, kv_stream_layer_group): whole,
+    # after its prefill; layerwise, each group of this many layers as P's step writes it
+    kv_stream: str = "whole"
+    kv_stream_layer_group: int = 1
     wan_usd_per_hour: float = 0.0  # the cross-DC line's price
     fast_gbps: float | None = None  # per P instance; default chip nic_gbps x gpus
     fast_rtt_ms: float = 0.02
@@ -90,6 +115,17 @@ class SimConfig:
     # from the gateway receiving a token to the client seeing it (HTTP streaming): shifts every
     # token of a request alike (TTFT, not TPOT). Measured on a live run's recorded events.
     client_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Checks the WAN and streaming fields; raises ValueError naming the field."""
+        self.wan_loss_rate = check_loss_rate(self.wan_loss_rate, "wan_loss_rate")
+        if not (self.wan_mss_bytes >= 1):
+            raise ValueError(f"wan_mss_bytes must be >= 1, got {self.wan_mss_bytes!r}")
+        self.wan_cross_traffic = check_schedule(self.wan_cross_traffic, "wan_cross_traffic", self.wan_gbps)
+        if self.kv_stream not in KV_STREAMS:
+            raise ValueError(f"kv_stream must be one of {KV_STREAMS}, got {self.kv_stream!r}")
+        if not (self.kv_stream_layer_group >= 1):
+            raise ValueError(f"kv_stream_layer_group must be >= 1, got {self.kv_stream_layer_group!r}")
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)

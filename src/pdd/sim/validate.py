@@ -57,6 +57,7 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
     (each defaulting to ``profile_path``), and the KV crosses the WAN in the narrower of P's and
     MD's dtypes (``pdd.transfer.layout``)."""
     from pdd.transfer.layout import DTYPE_BYTES, wire_dtype
+    from pdd.sim.sim_config import runtime_wan_fields
 
     e, link, pol, n = cfg.engine, cfg.link, cfg.policy, cfg.instances
     ep, emd = cfg.engine_for("prefill"), cfg.engine_for("main_decode")
@@ -69,7 +70,7 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
         profile_a=str(ep.profile or profile_path), profile_b=str(emd.profile or profile_path), price_a=0.0,
         price_b=0.0,
         n_p=n.prefill, n_rld=n.relay_decode, n_md=n.main_decode, n_d=n.relay_decode, n_c=n.prefill,
-        wan_gbps=link.wan_gbps, wan_rtt_ms=link.wan_rtt_ms, wan_order=pol.wan_order,
+        **runtime_wan_fields(cfg),  # line rate, RTT, loss, cross traffic, send order, kv_stream
         fast_gbps=link.fast_gbps, fast_rtt_ms=link.fast_rtt_ms,
         max_batch_tokens=e.max_batch_tokens, max_running_seqs=e.max_running,
         prefill_chunk_tokens=e.prefill_chunk_tokens, prefill_order=e.prefill_order,
@@ -466,7 +467,9 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                      "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in requests])),
                      "output_tokens_mean": float(np.mean([r.max_tokens for r in requests]))},
         "config": {"pipeline_ttft_budget_ms": budget_ms, "wan_gbps": cfg.link.wan_gbps,
-                   "wan_rtt_ms": cfg.link.wan_rtt_ms, "instances": cfg.instances.model_dump(),
+                   "wan_rtt_ms": cfg.link.wan_rtt_ms, "wan_loss_rate": cfg.link.wan_loss_rate,
+                   "wan_cross_traffic": [list(x) for x in cfg.link.wan_cross_traffic],
+                   "kv_stream": cfg.policy.kv_stream, "instances": cfg.instances.model_dump(),
                    "engine": cfg.engine.model_dump()},
         "profile": {"path": str(profile), "fit": prof.get("fit"), "machine": prof.get("machine"),
                     "role_step_overhead_s": ovh, "wan_send_buffer_bytes": wb,

@@ -1,0 +1,176 @@
+"""The simulator's WAN line models loss, cross traffic and layer-wise KV streaming with the
+runtime's formulas (pdd.policy.tcp_model; pdd.transfer.kv layer groups): exact values."""
+
+import math
+
+import pytest
+
+import pdd.policy.tcp_model as tcp
+from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.workloads import generate_agentic
+
+MB = 1 << 20
+
+
+def _alone(cfg: SimConfig, nbytes: float, flows: int = 1) -> list:
+    """Send ``flows`` flows of ``nbytes`` at t=0 on cfg's WAN line; their last-byte times."""
+    sim = ClusterSim(cfg)
+    fs = [sim.wan.send(i, nbytes, lambda: None) for i in range(flows)]
+    sim.env.run()
+    return [f.t_end for f in fs]
+
+
+@pytest.mark.parametrize("order", ["ps", "fifo"])
+def test_lossy_flow_moves_at_the_mathis_rate(order):
+    cfg = SimConfig(mode="cross_dc_pd", wan_gbps=10.0, wan_rtt_ms=20.0, wan_loss_rate=1e-4, wan_order=order)
+    conn = tcp.mathis_gbps(1460, 20.0, 1e-4)  # 0.0715 Gbit/s: far below the line
+    assert conn < 10.0
+    (t,) = _alone(cfg, 8 * MB)
+    assert t == pytest.approx(tcp.transfer_seconds(8 * MB, 10.0, 0.0, conn), rel=1e-9)
+    assert t == pytest.approx(8 * MB * 8 / (conn * 1e9), rel=1e-9)
+
+
+def test_lossy_flows_share_the_line_only_when_it_is_the_bottleneck():
+    # conn = 0.0715 Gbit/s; 4 flows on a 0.2 Gbit/s line: each min(0.05, conn) = 0.05 (line-bound)
+    cfg = SimConfig(mode="cross_dc_pd", wan_gbps=0.2, wan_rtt_ms=20.0, wan_loss_rate=1e-4)
+    ts = _alone(cfg, MB, flows=4)
+    assert ts == pytest.approx([4 * MB * 8 / 0.2e9] * 4, rel=1e-9)
+    # 2 flows: each min(0.1, conn) = conn: the line is not saturated
+    conn = tcp.mathis_gbps(1460, 20.0, 1e-4)
+    ts = _alone(cfg, MB, flows=2)
+    assert ts == pytest.approx([MB * 8 / (conn * 1e9)] * 2, rel=1e-9)
+
+
+def test_cross_traffic_taking_half_the_line_halves_the_throughput():
+    base = SimConfig(mode="cross_dc_pd", wan_gbps=1.0, wan_rtt_ms=20.0)
+    (t0,) = _alone(base, 16 * MB)
+    (t1,) = _alone(base.replace(wan_cross_traffic=((0.0, 0.5),)), 16 * MB)
+    assert t0 == pytest.approx(16 * MB * 8 / 1e9, rel=1e-12)
+    assert t1 == pytest.approx(2 * t0, rel=1e-9)
+    assert t1 == pytest.approx(tcp.transfer_seconds(16 * MB, 1.0, 0.5), rel=1e-9)
+
+
+@pytest.mark.parametrize("order", ["ps", "srf"])
+def test_cross_traffic_schedule_integrates_as_the_emulator(order):
+    sched = ((0.05, 0.5), (0.1, 0.75), (0.2, 0.0))
+    cfg = SimConfig(mode="cross_dc_pd", wan_gbps=1.0, wan_rtt_ms=20.0, wan_cross_traffic=sched, wan_order=order)
+    (t,) = _alone(cfg, 16 * MB)
+    assert t == pytest.approx(tcp.serialize_end(0.0, 16 * MB, 1.0, sched), rel=1e-9)
+    # cross traffic and loss together: one connection alone moves at min(line - cross, conn)
+    lossy = cfg.replace(wan_cross_traffic=((0.0, 0.9),), wan_loss_rate=1e-4)
+    (t,) = _alone(lossy, 4 * MB)
+    conn = tcp.mathis_gbps(1460, 20.0, 1e-4)
+    assert t == pytest.approx(tcp.transfer_seconds(4 * MB, 1.0, 0.9, conn), rel=1e-9)
+
+
+def test_bad_wan_fields_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="wan_loss_rate"):
+        SimConfig(wan_loss_rate=1.0)
+    with pytest.raises(ValueError, match="wan_cross_traffic"):
+        SimConfig(wan_gbps=1.0, wan_cross_traffic=((0.0, 1.5),))
+    with pytest.raises(ValueError, match="kv_stream"):
+        SimConfig(kv_stream="chunked")
+    with pytest.raises(ValueError, match="kv_stream_layer_group"):
+        SimConfig(kv_stream_layer_group=0)
+
+
+def _one(cfg: SimConfig, prompt: int):
+    rec = [{"timestamp": 0, "input_length": prompt, "output_length": 1, "hash_ids": list(range(prompt // 512))}]
+    return ClusterSim(cfg).run(rec).reqs[0]
+
+
+@pytest.mark.parametrize("gbps", [0.5, 20.0])  # transfer-bound, compute-bound
+def test_layerwise_ttft_closed_form_cross_dc(gbps):
+    """One request alone, zero RTT, G equal layer groups: whole = D + B/R; layer-wise, group g
+    (B/G bytes) is written at (g+1)*D/G and the line sends them in turn, so the last byte leaves
+    at max(D/G + B/R, D + B/(G*R))."""
+    prompt = 4096
+    cfg = SimConfig(mode="cross_dc_pd", n_p=1, n_md=1, wan_gbps=gbps, wan_rtt_ms=0.0, wan_order="fifo",
+                    warmup_frac=0.0)
+    whole = _one(cfg, prompt)
+    lw = _one(cfg.replace(kv_stream="layerwise", kv_stream_layer_group=8), prompt)  # 32 layers: G = 4
+    d = whole.t_prefill_done - whole.arrival
+    assert lw.t_prefill_done - lw.arrival == d  # streaming does not change the step
+    b = prompt * cfg.model_profile().kv_bytes_per_token * 8 / (gbps * 1e9)  # whole transfer, s
+    g = 4
+    assert whole.t_first - whole.arrival == pytest.approx(d + b, rel=1e-9)
+    assert lw.t_first - lw.arrival == pytest.approx(max(d / g + b, d + b / g), rel=1e-9)
+    assert lw.t_first < whole.t_first
+
+
+def test_layerwise_ttft_closed_form_fast_path_uneven_groups():
+    """same_dc_pd over the fast path, 32 layers in groups of 12: 12, 12, 8 layers, written at
+    12/32, 24/32, 1 of the step; compute-bound: the last group's bytes after the step's end."""
+    prompt = 4096
+    cfg = SimConfig(mode="same_dc_pd", n_p=1, n_d=1, fast_gbps=100.0, fast_rtt_ms=0.0, warmup_frac=0.0)
+    whole = _one(cfg, prompt)
+    lw = _one(cfg.replace(kv_stream="layerwise", kv_stream_layer_group=12), prompt)
+    d = whole.t_prefill_done - whole.arrival
+    b = prompt * cfg.model_profile().kv_bytes_per_token * 8 / 100e9
+    assert whole.t_first - whole.arrival == pytest.approx(d + b, rel=1e-9)
+    # last byte: max over groups of (written_g + bytes from g on / R)
+    written = [12 / 32 * d, 24 / 32 * d, d]
+    share = [12 / 32, 12 / 32, 8 / 32]
+    want = max(written[i] + sum(share[i:]) * b for i in range(3))
+    assert lw.t_first - lw.arrival == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="pdd"), dict(mode="pdd", ttft_budget_ms=0.0, handoff_mode="catch_up", wan_order="srf"),
+    dict(mode="pdd", wan_order="ps", prefill_chunk_tokens=1024), dict(mode="cross_dc_pd"),
+    dict(mode="same_dc_pd")])
+def test_layerwise_lossy_runs_complete_and_free_every_page(kw):
+    recs = generate_agentic(150, seed=5, rate=2.0)
+    base = SimConfig(**{**dict(n_p=2, n_rld=1, n_md=2, n_d=2, wan_gbps=10.0, warmup_frac=0.0, wan_order="fifo",
+                               wan_loss_rate=1e-5, wan_cross_traffic=((0.0, 2.0), (30.0, 6.0))), **kw})
+    for cfg in (base, base.replace(kv_stream="layerwise", kv_stream_layer_group=4)):
+        sim = ClusterSim(cfg).run(recs)
+        assert all(r.finished for r in sim.reqs)
+        for insts in sim.tiers.values():
+            for inst in insts:
+                assert inst.private == 0, inst.name
+                if inst.cache is not None:
+                    assert not inst.cache.locks, inst.name
+                assert not inst.seqs and not inst.waiting and inst.slots == 0
+        for line in ([sim.wan] if sim.wan else []) + list(sim.fast.values()):
+            assert not line.flows and line.n_held == 0
+        assert not sim.kv_ready and not sim.kv_dispatched
+
+
+def test_configured_estimate_is_capped_by_the_loss():
+    sim = ClusterSim(SimConfig(mode="pdd", wan_gbps=10.0, wan_rtt_ms=20.0, wan_loss_rate=1e-4))
+    assert sim.wan_gbps_estimate() == tcp.mathis_gbps(1460, 20.0, 1e-4)
+    assert ClusterSim(SimConfig(mode="pdd", wan_gbps=10.0)).wan_gbps_estimate() == 10.0
+    assert math.isinf(ClusterSim(SimConfig(mode="pdd", wan_rtt_ms=0.0, wan_loss_rate=0.01)).wan_conn_gbps)
+
+
+def test_sim_config_reads_the_runtime_keys():
+    from pdd.config import ClusterConfig
+    from pdd.sim.sim_config import runtime_wan_fields
+
+    cc = ClusterConfig.model_validate({
+        "link": {"wan_gbps": 2.0, "wan_rtt_ms": 30.0, "wan_loss_rate": 0.001, "wan_mss_bytes": 1400,
+                 "wan_cross_traffic": [[0, 0.5], [10, 1.0]]},
+        "policy": {"kv_stream": "layerwise", "kv_stream_layer_group": 2, "wan_order": "srf"}})
+    f = runtime_wan_fields(cc)
+    cfg = SimConfig(mode="pdd", **f)
+    assert (cfg.wan_gbps, cfg.wan_rtt_ms, cfg.wan_loss_rate, cfg.wan_mss_bytes) == (2.0, 30.0, 0.001, 1400)
+    assert cfg.wan_cross_traffic == ((0.0, 0.5), (10.0, 1.0))
+    assert (cfg.kv_stream, cfg.kv_stream_layer_group, cfg.wan_order) == ("layerwise", 2, "srf")
+
+
+def test_sim_run_reads_the_runtime_yaml(tmp_path):
+    import argparse
+
+    from pdd.sim.cli import _cfg_args, _make_cfg
+
+    y = tmp_path / "c.yaml"
+    y.write_text("link:\n  wan_loss_rate: 0.001\n  wan_cross_traffic: [[0, 0.01]]\npolicy:\n  kv_stream: layerwise\n")
+    p = argparse.ArgumentParser()
+    _cfg_args(p)
+    cfg = _make_cfg(p.parse_args(["--config", str(y)]))
+    assert (cfg.wan_gbps, cfg.wan_loss_rate, cfg.wan_cross_traffic, cfg.kv_stream, cfg.wan_order) == \
+        (0.05, 0.001, ((0.0, 0.01),), "layerwise", "fifo")
+    cfg = _make_cfg(p.parse_args(["--wan-loss-rate", "0.01", "--cross-traffic", "0:5,10:1", "--kv-stream",
+                                  "layerwise", "--kv-stream-layer-group", "4"]))
+    assert (cfg.wan_loss_rate, cfg.wan_cross_traffic, cfg.kv_stream_layer_group) == (0.01, ((0.0, 5.0), (10.0, 1.0)), 4)
