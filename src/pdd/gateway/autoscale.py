@@ -167,9 +167,9 @@ def membership_log(orch) -> dict:
     ms = getattr(orch, "membership", None)
     out: dict = {"time": round(time.time(), 3)}
     if ms is not None:
-        out["membership"] = {"instances": {m.name: {"role": m.role, "state": m.state, "since": round(m.since, 3)}
+        out["membership"] = {"instances": {m.name: {"role": m.role, "state": m.state, "since": round(float(getattr(m, "since", 0.0)), 3)}
                                            for m in ms.members.values()},
-                             "events": list(ms.events)}
+                             "events": list(getattr(ms, "events", ()))}
     return out
 
 
