@@ -33,6 +33,9 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
+AUTOSCALE = "autoscale"  # mode suffix: pdd+autoscale runs the config's autoscale block (pdd serve --autoscale)
+
+
 def parse_mode_label(label: str) -> tuple[str, dict]:
     """A mode label -> ``(mode, overrides)``.
 
@@ -40,7 +43,9 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     ``"pdd+routing=round_robin+handoff_mode=auto"`` -> ``("pdd", {"routing": "round_robin",
     "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields, or
     ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``);
-    values are validated by them (``true``/``false`` for flags, numbers as text). A variant runs
+    values are validated by them (``true``/``false`` for flags, numbers as text). ``autoscale``
+    (``pdd+autoscale``, ``+autoscale=false``) switches the config's ``autoscale`` block on (off):
+    the same topology, its standby slots added and drained by the gateway's loop. A variant runs
     on its own fresh topology beside the others, so ablations are compared side by side in one
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
@@ -59,6 +64,12 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     for part in parts:
         key, eq, val = part.partition("=")
         key = key.strip()
+        if key == AUTOSCALE:  # the config's autoscale block switched on (or off) for this mode
+            v = val.strip().lower() if eq else "true"
+            if v not in ("true", "false"):
+                raise ValueError(f"mode {label!r}: {AUTOSCALE} takes true or false, got {val.strip()!r}")
+            over[AUTOSCALE] = v == "true"
+            continue
         section, dot, field = key.partition(".")
         known = EngineConfig.model_fields if dot and section == "engine" else (
             {} if dot else PolicyConfig.model_fields)
@@ -67,7 +78,7 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
                              f"nor engine.<setting> ({sorted(EngineConfig.model_fields)})")
         over[key] = True if not eq else val.strip()
     try:
-        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k})
+        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k != AUTOSCALE})
         EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if "." in k})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
@@ -77,14 +88,22 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
 
 def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
     """``config`` for one mode label (:func:`parse_mode_label`): its mode, policy and engine
-    overrides."""
+    overrides, and ``autoscale.enabled``. Raises ValueError (the config's own message) when the
+    result is not a valid config, e.g. ``+autoscale`` with no ``autoscale.max`` in the config."""
     base, over = parse_mode_label(label)
     data = config.model_dump()
     data["mode"] = "colocated" if base == vllm_mode.VLLM_MODE else base  # vLLM: colocated's engine settings
     for key, val in over.items():
         section, dot, field = key.partition(".")
-        if dot:
+        if key == AUTOSCALE:
+            data["autoscale"]["enabled"] = bool(val)
+        elif dot:
             data[section][field] = val
         else:
             data["policy"][key] = val
-    return ClusterConfig.model_validate(data)
+    try:
+        return ClusterConfig.model_validate(data)
+    except pydantic.ValidationError as ex:
+        from pdd.config import validation_summary
+
+        raise ValueError(f"mode {label!r}: {validation_summary(ex)}") from None

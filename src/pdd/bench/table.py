@@ -49,6 +49,12 @@ def bench_rows(modes: Mapping[str, Mapping]) -> list[tuple[str, list[str]]]:
         row("P hit rate", lambda m: pct(m.get("p_hit_rate"))),
         row("MD (D) hit rate", lambda m: pct(m.get("md_hit_rate"))),
         row("cut-offs", lambda m: _fmt((m.get("cutoffs") or {}).get("requests"))),
+        row("instance-seconds (mean instances)", lambda m: "-" if not m.get("autoscale") else
+            f"{m['autoscale']['instance_seconds']:.1f} ({_fmt(m['autoscale']['mean_instances'], 2)})"),
+        row("autoscale: up / down", lambda m: "-" if not m.get("autoscale") else
+            (f"{m['autoscale']['scale_ups']} / {m['autoscale']['scale_downs']}"
+             + (f" ({m['autoscale']['errors']} failed)" if m["autoscale"]["errors"] else "")
+             if m["autoscale"]["enabled"] else "off")),
     ]
 
 
