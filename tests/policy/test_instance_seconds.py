@@ -58,14 +58,15 @@ def test_bench_window_from_two_snapshots():
         {"time": 129.0, "applied": [{"op": "drain", "instance": "md1", "remove_when_idle": True}]},
         {"time": 139.0, "applied": [{"op": "add", "error": "no free slot"}]},
         {"time": 140.0, "applied": []},
+        {"time": 145.0, "applied": [], "under_way": [{"op": "add", "role": "main_decode"}]},  # starting
     ]
-    assert decision_counts(decisions, 100.0, 150.0) == {"scale_ups": 1, "scale_downs": 1, "errors": 1}
+    assert decision_counts(decisions, 100.0, 150.0) == {"scale_ups": 2, "scale_downs": 1, "errors": 1}
     before = _snap(100.0, INITIAL, EVENTS[:1])
     after = _snap(150.0, INITIAL, EVENTS[:5], decisions)
     a = mode_autoscale(before, after)
     assert a["instance_seconds"] == 184.5 and a["window_s"] == 50.0 and a["mean_instances"] == 3.69
     assert a["instance_seconds_by_role"]["main_decode"] == 84.5
-    assert (a["scale_ups"], a["scale_downs"], a["errors"], a["enabled"]) == (1, 1, 1, True)
+    assert (a["scale_ups"], a["scale_downs"], a["errors"], a["enabled"]) == (2, 1, 1, True)
     assert [e["op"] for e in a["events"]] == ["add", "drain", "remove", "add"]
     assert mode_autoscale(before, None) is None
     fixed = mode_autoscale(_snap(0.0, INITIAL, enabled=False), _snap(20.0, INITIAL, enabled=False))

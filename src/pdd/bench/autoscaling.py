@@ -39,13 +39,13 @@ def snapshot(url: str, timeout_s: float = 30.0) -> dict | None:
 
 
 def decision_counts(decisions, t0: float, t1: float) -> dict:
-    """Applied scale-ups (adds) and scale-downs (drains) of the decisions timed in ``(t0, t1]``,
-    and the operations that failed."""
+    """Scale-ups (adds) and scale-downs (drains) of the decisions timed in ``(t0, t1]``: applied,
+    or still under way (an add whose process is starting), and the operations that failed."""
     out = {"scale_ups": 0, "scale_downs": 0, "errors": 0}
     for d in decisions or ():
         if not t0 < float(d.get("time", 0.0)) <= t1:
             continue
-        for a in d.get("applied") or ():
+        for a in list(d.get("applied") or ()) + list(d.get("under_way") or ()):
             if "error" in a:
                 out["errors"] += 1
             elif a.get("op") == "add":

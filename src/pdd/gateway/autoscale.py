@@ -16,7 +16,9 @@ Measured per role, over the interval: utilisation = mean of (the gateway's in-fl
 the role's active instances / the sum of their engines' ``max_running``). Measured for the log
 (``AutoscaleInputs``): arrival rate (new requests seen by the samples / interval), their mean prompt
 length and requested ``max_tokens``, P's and MD's prefix-hit rates (``gateway.live_counters``),
-the WAN estimate (``orch.wan_gbps_live``). A refused or failed operation is logged with its error
+the WAN estimate (``orch.wan_gbps_live``). A decision is listed as soon as it is made; the operation running for it is in
+its ``under_way`` (an add that starts a process takes seconds), and goes to its ``applied`` with
+its ``instance`` (or its ``error``) when done. A refused or failed operation is logged with its error
 and restarts the cool-down (so a slot that does not start is retried every ``cooldown_s``, not
 every interval). Every decision, with its inputs and what was applied,
 is logged (``autoscale:`` log line) and kept in a bounded list on ``GET /pdd/autoscale``.
@@ -101,27 +103,33 @@ class Autoscaler:
         self._reset_window()
         d = decide_mix(x, self.rule)
         rec = {"time": round(time.time(), 3), "inputs": _inputs_dict(x), "decision": d.as_dict(), "applied": []}
+        self.decisions.append(rec)  # listed at once: an add that starts a process is "under way" for seconds
         ms = self.orch.membership
         for rd in d.changes:
+            op = "add" if rd.action == UP else "drain"
+            entry = {"role": rd.role, "op": op}
+            rec["under_way"] = [entry]
             try:
                 if rd.action == UP:
                     out = await ms.add(rd.role, start=bool(self.acfg.start))
-                    rec["applied"].append({"role": rd.role, "op": "add", "instance": out["name"]})
+                    entry["instance"] = out["name"]
                 elif rd.action == DOWN:
                     name = self._victim(rd.role)
                     if name is None:
                         raise RuntimeError(f"no {rd.role} instance can be drained (the last active one stays)")
+                    entry["instance"] = name
                     await ms.drain(name, remove_when_idle=True)
-                    rec["applied"].append({"role": rd.role, "op": "drain", "instance": name,
-                                           "remove_when_idle": True})
+                    entry["remove_when_idle"] = True
                 self.applied[rd.action] += 1
                 self.last_change = self.clock()
             except Exception as e:  # MembershipError or a failed start: logged, the loop goes on
                 self.applied["errors"] += 1
                 self.last_change = self.clock()  # the cool-down also spaces retries (a start is costly)
-                msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
-                rec["applied"].append({"role": rd.role, "op": "add" if rd.action == UP else "drain", "error": msg})
-        self.decisions.append(rec)
+                entry.pop("instance", None)
+                entry["error"] = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            finally:
+                rec.pop("under_way", None)
+                rec["applied"].append(entry)
         log.warning("autoscale: %s", json.dumps(rec, sort_keys=True, default=str))
         return rec
 
