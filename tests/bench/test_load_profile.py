@@ -99,5 +99,10 @@ def test_autoscale_mode_suffix():
     assert mode_config(base, "pdd").autoscale.enabled is False
     on = mode_config(base, "pdd+autoscale")
     assert on.autoscale.enabled is True and on.standby == ["md1"] and on.autoscale.max == {"main_decode": 2}
+    full = mode_config(base, "pdd+standby=none")
+    assert full.standby == [] and full.autoscale.enabled is False
+    assert parse_mode_label("pdd+standby=none") == ("pdd", {"standby": []})
+    with pytest.raises(ValueError, match="takes none"):
+        parse_mode_label("pdd+standby=md1")
     with pytest.raises(ValueError, match="max"):  # nothing to scale: refused before anything starts
         mode_config(ClusterConfig(), "pdd+autoscale")

@@ -34,6 +34,7 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
 
 
 AUTOSCALE = "autoscale"  # mode suffix: pdd+autoscale runs the config's autoscale block (pdd serve --autoscale)
+STANDBY = "standby"  # mode suffix: pdd+standby=none starts every slot (the topology fixed at its full size)
 
 
 def parse_mode_label(label: str) -> tuple[str, dict]:
@@ -45,7 +46,8 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``);
     values are validated by them (``true``/``false`` for flags, numbers as text). ``autoscale``
     (``pdd+autoscale``, ``+autoscale=false``) switches the config's ``autoscale`` block on (off):
-    the same topology, its standby slots added and drained by the gateway's loop. A variant runs
+    the same topology, its standby slots added and drained by the gateway's loop; ``standby=none``
+    starts every slot of the config (the same topology fixed at its largest size). A variant runs
     on its own fresh topology beside the others, so ablations are compared side by side in one
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
@@ -70,6 +72,11 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
                 raise ValueError(f"mode {label!r}: {AUTOSCALE} takes true or false, got {val.strip()!r}")
             over[AUTOSCALE] = v == "true"
             continue
+        if key == STANDBY:  # +standby=none: every slot of the config starts active (fixed at its full size)
+            if val.strip().lower() != "none":
+                raise ValueError(f"mode {label!r}: {STANDBY} takes none (every slot started), got {val.strip()!r}")
+            over[STANDBY] = []
+            continue
         section, dot, field = key.partition(".")
         known = EngineConfig.model_fields if dot and section == "engine" else (
             {} if dot else PolicyConfig.model_fields)
@@ -78,7 +85,7 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
                              f"nor engine.<setting> ({sorted(EngineConfig.model_fields)})")
         over[key] = True if not eq else val.strip()
     try:
-        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k != AUTOSCALE})
+        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k not in (AUTOSCALE, STANDBY)})
         EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if "." in k})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
@@ -97,6 +104,8 @@ def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
         section, dot, field = key.partition(".")
         if key == AUTOSCALE:
             data["autoscale"]["enabled"] = bool(val)
+        elif key == STANDBY:
+            data["standby"] = list(val)
         elif dot:
             data[section][field] = val
         else:

@@ -252,12 +252,18 @@ def plot_autoscale(autoscale: Mapping[str, Mapping], records: Iterable[Mapping],
     for ax, mode in zip(axes, modes):
         a = autoscale[mode]
         end = float(a.get("window_s") or 0.0)
-        for role, pts in sorted((a.get("timeline") or {}).items()):
+        styles = ((6, "-"), (3.5, "--"), (1.8, "-"), (1.2, ":"))  # overlapping counts stay visible
+        for k, (role, pts) in enumerate(sorted((a.get("timeline") or {}).items())):
             ts = [float(t) for t, _ in pts] + [end]
             ns = [int(n) for _, n in pts]
             ns.append(ns[-1])
-            ax.step(ts, ns, where="post", color=ROLE_COLORS.get(role, "tab:gray"), lw=2, label=f"{role} instances")
+            lw, ls = styles[k % len(styles)]
+            ax.step(ts, ns, where="post", color=ROLE_COLORS.get(role, "tab:gray"), lw=lw, ls=ls, alpha=0.85,
+                    label=f"{role} instances")
         ax.set_ylabel("instances")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         top = max((int(n) for pts in (a.get("timeline") or {}).values() for _, n in pts), default=1)
         ax.set_ylim(0, top + 1)
         ax2 = ax.twinx()
