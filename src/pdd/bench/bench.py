@@ -33,7 +33,8 @@ One invocation:
 4. writes ``--out``: ``report.json``, ``requests.jsonl`` (main runs), ``reference_requests.jsonl``,
    ``sweep_requests.jsonl`` (with ``rate_rps``), ``server_stats.json``, ``ttft_cdf.png``,
    ``handoff_gaps.png``, ``wan_throughput.png``, ``sweep.png`` (with a sweep),
-   ``timeline_<mode>.png``; prints the comparison table and the total wall time.
+   ``timeline_<mode>.png``, ``autoscale.png`` (with a rate schedule or an autoscaled mode);
+   prints the comparison table and the total wall time.
 
 Exit status (:func:`bench_exit_status`): 0 when every mode completed at least one request (failed
 requests are measured results, in the report); 1 when a mode completed none, after the report is
@@ -44,7 +45,8 @@ workload, link, modes, ratios, output_agreement) plus ``bench``, ``seeds``, ``sl
 ``wan_timeline`` and, in every ``modes[mode]``, the fields of :func:`bench_mode_extras`
 (``slo_met``, ``slo_attainment``, ``request_goodput``, ``meets_sla``, ``sla_goodput_rps``,
 ``pipeline_mix``, ``handoff``, ``p_hit_rate``, ``md_hit_rate``, ``cutoffs``,
-``cpu_seconds_by_process``). See :data:`REPORT_FIELDS`. With ``--fault SPEC`` (repeatable) faults
+``cpu_seconds_by_process``) and ``autoscale`` (instance-seconds and the autoscaling loop's
+decisions over the main run, :mod:`pdd.bench.autoscaling`; None without a pdd gateway). See :data:`REPORT_FIELDS`. With ``--fault SPEC`` (repeatable) faults
 are injected during the main runs and report.json gets ``faults`` (:mod:`pdd.bench.faults`,
 docs/FAULTS.md). The ``vllm_colocated`` mode runs stock vLLM's server on the same checkpoint
 (:mod:`pdd.bench.vllm_mode`); with it report.json gets ``vllm_agreement`` (its greedy outputs
