@@ -86,3 +86,37 @@ def test_role_counts_and_refusals():
         autoscaled_sim(SimConfig(mode="same_dc_pd"), ACFG)
     with pytest.raises(ValueError, match="below its 4"):
         autoscaled_sim(CFG.replace(n_md=4), ACFG)
+
+
+def test_pdd_sim_run_autoscale_cli(capsys, tmp_path):
+    """The CLI path: a ramp retimes the workload, the loop's decisions and instance-seconds are
+    printed and written; bad autoscale flags are refused naming them."""
+    import json
+
+    from pdd.cli import main as pdd_main
+
+    out = tmp_path / "s.json"
+    rc = pdd_main(["sim", "run", "--mode", "pdd", "--agentic", "3000", "--n-p", "4", "--n-rld", "2", "--n-md", "2",
+                   "--max-running-seqs", "8", "--load-profile", "ramp", "--peak-rate", "4", "--low-rate", "1",
+                   "--phase-seconds", "120:240:120:240", "--autoscale", "md=6", "--autoscale-interval", "10",
+                   "--autoscale-cooldown", "30", "--autoscale-start-s", "60", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    s = json.loads(out.read_text())
+    a = s["autoscale"]
+    assert s["rate_schedule"] == [[0, 1], [120, 1], [360, 4], [480, 4], [720, 1], [840, 1]]
+    assert a["scale_ups"] >= 1 and a["scale_downs"] >= 1 and a["errors"] == 0
+    ups = [d for d in a["decisions"] if any(o["op"] == "add" for o in d["applied"])]
+    assert "autoscale t=" in text and "-> add MD" in text and "-> drain MD" in text
+    assert f"instance-seconds {a['instance_seconds']:.1f}" in text
+    # an add serves 60 s after its decision (--autoscale-start-s): the membership event follows
+    adds = [e for e in a["events"] if e["op"] == "add"]
+    assert [e["time"] for e in adds] == [round(d["time"] + 60, 6) for d in ups][:len(adds)]
+    for argv, msg in ((["--autoscale", "md=0"], "--autoscale: expected ROLE=N"),
+                      (["--autoscale", "md=2", "--autoscale-down-at", "0.5"], "--autoscale: down_at: 0.5"),
+                      (["--autoscale", "md=1", "--n-md", "2"], "below its 2"),
+                      (["--peak-rate", "3"], "--peak-rate: only with --load-profile ramp")):
+        with pytest.raises(SystemExit) as ex:
+            pdd_main(["sim", "run", "--agentic", "20"] + argv)
+        assert ex.value.code == 2
+        assert msg in capsys.readouterr().err

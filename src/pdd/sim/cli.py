@@ -288,8 +288,10 @@ def _autoscale_config(a):
         return AutoscaleConfig(enabled=True, interval_s=a.autoscale_interval, sample_s=a.autoscale_sample,
                                cooldown_s=a.autoscale_cooldown, min=mn, max=mx, up_at=a.autoscale_up_at,
                                down_at=a.autoscale_down_at)
-    except ValueError as e:
-        raise UsageError(f"--autoscale: {validation_summary(e) if isinstance(e, ValidationError) else e}") from None
+    except ValidationError as e:  # a field of the loop's config: named as the flag's setting
+        raise UsageError(f"--autoscale: {validation_summary(e)}") from None
+    except ValueError as e:  # parse_role_counts names its flag
+        raise UsageError(str(e)) from None
 
 
 def cmd_run(a) -> int:
