@@ -106,3 +106,17 @@ def test_autoscale_mode_suffix():
         parse_mode_label("pdd+standby=md1")
     with pytest.raises(ValueError, match="max"):  # nothing to scale: refused before anything starts
         mode_config(ClusterConfig(), "pdd+autoscale")
+
+
+def test_autoscale_lines():
+    from pdd.bench.table import autoscale_lines
+
+    a = {"instance_seconds": 118.514, "window_s": 36.081, "scale_ups": 1, "scale_downs": 1, "enabled": True}
+    modes = {"pdd": {"request_goodput": 1.723, "p90_ttft_ms": 327.8, "failed": 0,
+                     "autoscale": dict(a, enabled=False, instance_seconds=106.9)},
+             "pdd+autoscale": {"request_goodput": 1.704, "p90_ttft_ms": 264.4, "failed": 2, "autoscale": a},
+             "vllm_colocated": {"autoscale": None}}
+    assert autoscale_lines(modes) == [
+        "cost pdd: goodput 1.72 req/s, TTFT P90 327.8 ms, 0 failed, 106.9 instance-s over 36.1 s, autoscale off",
+        "cost pdd+autoscale: goodput 1.70 req/s, TTFT P90 264.4 ms, 2 FAILED, 118.5 instance-s over 36.1 s, "
+        "autoscale 1 up / 1 down"]
