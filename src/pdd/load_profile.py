@@ -98,6 +98,34 @@ def parse_phases(text: str) -> tuple[float, float, float, float]:
     return vals  # type: ignore[return-value]
 
 
+def schedule_from_flags(load_profile: str | None, rate_schedule: str | None, peak_rate: float | None,
+                        low_rate: float | None, phase_seconds: str | None, rate: float,
+                        ramp: str | None = None) -> Schedule | None:
+    """The schedule ``pdd bench`` and ``pdd sim run`` take from their flags: ``--rate-schedule``,
+    or ``--load-profile ramp`` (``--peak-rate``, default ``rate``; ``--low-rate``, default peak /
+    4; ``--phase-seconds``, default :data:`DEFAULT_RAMP_PHASES_S`); None without either.
+    ValueError naming the flag when a value is bad or flags conflict (``ramp``: bench's linear
+    ``--ramp``, which excludes both)."""
+    ramp_only = [f for f, v in (("--peak-rate", peak_rate), ("--low-rate", low_rate),
+                                ("--phase-seconds", phase_seconds)) if v is not None]
+    if load_profile and rate_schedule:
+        raise ValueError("--load-profile and --rate-schedule: give one (a ramp is a rate schedule)")
+    if (load_profile or rate_schedule) and ramp:
+        raise ValueError("--ramp: not with --load-profile / --rate-schedule (give the whole schedule there)")
+    if ramp_only and load_profile != "ramp":
+        raise ValueError(f"{', '.join(ramp_only)}: only with --load-profile ramp")
+    if rate_schedule:
+        return parse_rate_schedule(rate_schedule)
+    if load_profile == "ramp":
+        peak = peak_rate if peak_rate is not None else rate
+        low = low_rate if low_rate is not None else peak / 4
+        phases = parse_phases(phase_seconds) if phase_seconds is not None else DEFAULT_RAMP_PHASES_S
+        return ramp_schedule(low, peak, phases)
+    if load_profile is not None:
+        raise ValueError(f"--load-profile: unknown profile {load_profile!r} (known: ramp)")
+    return None
+
+
 def duration_s(points: Schedule) -> float:
     return points[-1][0]
 
@@ -172,4 +200,5 @@ def describe(points: Schedule) -> str:
 
 
 __all__ = ["Schedule", "DEFAULT_RAMP_PHASES_S", "check_schedule", "parse_rate_schedule", "ramp_schedule", "parse_phases",
+           "schedule_from_flags",
            "duration_s", "rate_at", "expected_arrivals", "invert", "schedule_arrivals", "offered_series", "describe"]

@@ -308,27 +308,12 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
 
 def load_schedule(args) -> tuple | None:
     """The rate schedule of ``--load-profile ramp`` (with ``--peak-rate``, ``--low-rate``,
-    ``--phase-seconds``) or ``--rate-schedule`` (:mod:`pdd.load_profile`), None without either.
-    ValueError naming the flag when a value is bad or the flags conflict."""
-    from pdd.load_profile import DEFAULT_RAMP_PHASES_S, parse_phases, parse_rate_schedule, ramp_schedule
+    ``--phase-seconds``) or ``--rate-schedule`` (:func:`pdd.load_profile.schedule_from_flags`),
+    None without either. ValueError naming the flag when a value is bad or the flags conflict."""
+    from pdd.load_profile import schedule_from_flags
 
-    prof, sched = getattr(args, "load_profile", None), getattr(args, "rate_schedule", None)
-    ramp_only = [f for f, v in (("--peak-rate", args.peak_rate), ("--low-rate", args.low_rate),
-                                ("--phase-seconds", args.phase_seconds)) if v is not None]
-    if prof and sched:
-        raise ValueError("--load-profile and --rate-schedule: give one (a ramp is a rate schedule)")
-    if (prof or sched) and getattr(args, "ramp", None):
-        raise ValueError("--ramp: not with --load-profile / --rate-schedule (give the whole schedule there)")
-    if ramp_only and prof != "ramp":
-        raise ValueError(f"{', '.join(ramp_only)}: only with --load-profile ramp")
-    if sched:
-        return parse_rate_schedule(sched)
-    if prof == "ramp":
-        peak = args.peak_rate if args.peak_rate is not None else args.rate
-        low = args.low_rate if args.low_rate is not None else peak / 4
-        phases = parse_phases(args.phase_seconds) if args.phase_seconds is not None else DEFAULT_RAMP_PHASES_S
-        return ramp_schedule(low, peak, phases)
-    return None
+    return schedule_from_flags(args.load_profile, args.rate_schedule, args.peak_rate, args.low_rate,
+                               args.phase_seconds, args.rate, getattr(args, "ramp", None))
 
 
 def bench_exit_status(report: Mapping, run_order: Sequence[str] | None = None, prog: str = "pdd bench") -> int:

@@ -262,13 +262,11 @@ def _autoscale_args(p: argparse.ArgumentParser) -> None:
 
 def _apply_load_profile(a, recs):
     """The records retimed by --load-profile ramp / --rate-schedule (pdd.load_profile), else as given."""
-    from pdd.bench.args import load_schedule
-    from pdd.load_profile import schedule_arrivals
+    from pdd.load_profile import schedule_arrivals, schedule_from_flags
     from pdd.sim.autoscale import retime
 
-    a.ramp = None
     try:
-        sched = load_schedule(a)
+        sched = schedule_from_flags(a.load_profile, a.rate_schedule, a.peak_rate, a.low_rate, a.phase_seconds, a.rate)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if sched is None:
