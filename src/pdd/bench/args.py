@@ -84,6 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ramp", metavar="START:END",
                    help="load ramp: the main run's rate rises linearly from START to END req/s (overrides --rate "
                         "for the main run; the sweep, if any, still starts at --rate)")
+    g.add_argument("--load-profile", choices=("ramp",),
+                   help="offered load over time: 'ramp' = --low-rate, rising to --peak-rate, held, falling back "
+                        "(--phase-seconds); Poisson arrivals drawn with --seed, prompts and outputs from the trace's "
+                        "requests in order (docs/BENCH.md \"Load ramps and autoscaling\")")
+    g.add_argument("--peak-rate", type=float, help="ramp: peak req/s (default: --rate)")
+    g.add_argument("--low-rate", type=float, help="ramp: low req/s before and after the peak (default: peak / 4)")
+    g.add_argument("--phase-seconds", default=None, metavar="LOW:RISE:HOLD:FALL",
+                   help="ramp: seconds at the low rate, rising, at the peak, falling (then LOW again); "
+                        "default 10:20:10:20")
+    g.add_argument("--rate-schedule", metavar="T:RATE,...",
+                   help="offered rate as points seconds:req/s, linear between them, ending at the last "
+                        "(e.g. 0:0.5,20:4,40:0.5); Poisson arrivals drawn with --seed")
     g.add_argument("--session-sample", type=int, default=DEFAULT_SCALE.session_sample,
                    help=f"keep 1 in N conversations (all their turns); default {DEFAULT_SCALE.session_sample}, sized "
                         f"for the shared Mooncake trace: give 1 for a short or generated trace (pdd workload)")
@@ -296,6 +308,16 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             if labels != [server]:
                 ap.error(f"--modes {args.modes}: the server at {args.url} runs mode {server}; with --url the one "
                          f"mode benchmarked is the server's (give --modes {server} or leave --modes out)")
+
+
+def load_schedule(args) -> tuple | None:
+    """The rate schedule of ``--load-profile ramp`` (with ``--peak-rate``, ``--low-rate``,
+    ``--phase-seconds``) or ``--rate-schedule`` (:func:`pdd.load_profile.schedule_from_flags`),
+    None without either. ValueError naming the flag when a value is bad or the flags conflict."""
+    from pdd.load_profile import schedule_from_flags
+
+    return schedule_from_flags(args.load_profile, args.rate_schedule, args.peak_rate, args.low_rate,
+                               args.phase_seconds, args.rate, getattr(args, "ramp", None))
 
 
 def bench_exit_status(report: Mapping, run_order: Sequence[str] | None = None, prog: str = "pdd bench") -> int:

@@ -33,7 +33,8 @@ One invocation:
 4. writes ``--out``: ``report.json``, ``requests.jsonl`` (main runs), ``reference_requests.jsonl``,
    ``sweep_requests.jsonl`` (with ``rate_rps``), ``server_stats.json``, ``ttft_cdf.png``,
    ``handoff_gaps.png``, ``wan_throughput.png``, ``sweep.png`` (with a sweep),
-   ``timeline_<mode>.png``; prints the comparison table and the total wall time.
+   ``timeline_<mode>.png``, ``autoscale.png`` (with a rate schedule or an autoscaled mode);
+   prints the comparison table and the total wall time.
 
 Exit status (:func:`bench_exit_status`): 0 when every mode completed at least one request (failed
 requests are measured results, in the report); 1 when a mode completed none, after the report is
@@ -44,7 +45,8 @@ workload, link, modes, ratios, output_agreement) plus ``bench``, ``seeds``, ``sl
 ``wan_timeline`` and, in every ``modes[mode]``, the fields of :func:`bench_mode_extras`
 (``slo_met``, ``slo_attainment``, ``request_goodput``, ``meets_sla``, ``sla_goodput_rps``,
 ``pipeline_mix``, ``handoff``, ``p_hit_rate``, ``md_hit_rate``, ``cutoffs``,
-``cpu_seconds_by_process``). See :data:`REPORT_FIELDS`. With ``--fault SPEC`` (repeatable) faults
+``cpu_seconds_by_process``) and ``autoscale`` (instance-seconds and the autoscaling loop's
+decisions over the main run, :mod:`pdd.bench.autoscaling`; None without a pdd gateway). See :data:`REPORT_FIELDS`. With ``--fault SPEC`` (repeatable) faults
 are injected during the main runs and report.json gets ``faults`` (:mod:`pdd.bench.faults`,
 docs/FAULTS.md). The ``vllm_colocated`` mode runs stock vLLM's server on the same checkpoint
 (:mod:`pdd.bench.vllm_mode`); with it report.json gets ``vllm_agreement`` (its greedy outputs
@@ -74,14 +76,15 @@ from pdd.bench.args import (DEFAULT_MODES, DEFAULT_REF_REQUESTS, DEFAULT_REQUEST
                             DEFAULT_SWEEP, DEFAULT_SWEEP_MIN_REQUESTS, DEFAULT_SWEEP_POINTS, DEFAULT_SWEEP_REQUESTS,
                             DEFAULT_SWEEP_SECONDS, DEFAULT_SWEEP_TIMEOUT_S, TOPOLOGY_OVERRIDES, ShortUsageParser,
                             bench_exit_status, build_parser, check_args, check_numbers, check_workload_args,
-                            parse_fault_args, _override_error, _override_flag)
+                            load_schedule, parse_fault_args, _override_error, _override_flag)
 from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_FIELDS,  # noqa: F401
                               WIDE_WINDOW_BEFORE, bench_mode_extras, cutoff_stats, handoff_gap_ms, handoff_stats,
                               hit_rates, instance_hardware, sweep_point)
 from pdd.bench.live import (RemoteTopology, WanSampler, _default_topology, _warmup, ensure_model,  # noqa: F401
                             measured_replay, wan_reader)
 from pdd.bench.modes import apply_overrides, mode_config, parse_mode_label  # noqa: F401
-from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
+from pdd.bench.autoscaling import mode_autoscale, snapshot as autoscale_snapshot
+from pdd.bench.plots import (handoff_index, plot_autoscale, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
                              plot_wan_throughput)
 from pdd.bench.preview import PREVIEW_BUDGETS_MS, kv_bytes_per_token, pipeline_preview  # noqa: F401
 from pdd.bench.report import (MODE_ORDER, _fmt, build_report, is_completed, mode_metrics, request_latencies,
@@ -147,6 +150,7 @@ def run_bench(
     fault_recover_after_s: float | None = 5.0,
     vllm_python: str | None = None,
     vllm_factory: Callable[..., object] | None = None,
+    rate_schedule: Sequence[tuple[float, float]] | None = None,
 ) -> dict:
     """Run the benchmark (see the module docstring); returns the report dict (also in ``out_dir``).
 
@@ -162,6 +166,11 @@ def run_bench(
     ``faults``: ``KIND[:ARG]@PHASE[#N]`` specs injected during each applicable mode's main run,
     killed instances restarted / slowdowns lifted ``fault_recover_after_s`` later (None: at the end
     of the run); report.json ``faults[mode]`` (:mod:`pdd.bench.faults`).
+    ``rate_schedule``: ``[(t_s, rate_rps), ...]`` (:mod:`pdd.load_profile`; ``--load-profile
+    ramp``, ``--rate-schedule``): the main run's arrivals are a Poisson process with that rate,
+    drawn with ``seed``, given to the workload's requests in order (those past the schedule's
+    end are not sent); each mode's report entry gets ``autoscale`` (instance-seconds, scale-ups
+    and -downs, :mod:`pdd.bench.autoscaling`) and ``autoscale.png`` plots them.
     ``vllm_python``: the interpreter of vLLM's venv for the ``vllm_colocated`` mode (default:
     :func:`pdd.bench.vllm_mode.vllm_python`'s search); ``vllm_factory(cfg, log_dir=...)`` replaces
     :class:`pdd.bench.vllm_mode.VllmServer` for that mode.
@@ -196,6 +205,7 @@ def run_bench(
         factory = topology_factory or _default_topology
         for m in modes:
             parse_mode_label(m)  # ValueError naming a bad label before anything starts
+            mode_config(config, m)  # ... or a label the config cannot run (+autoscale without autoscale.max)
     run_order = _order_modes(modes)
 
     # ---- workload
@@ -213,9 +223,24 @@ def run_bench(
         raise ValueError(f"no requests in {trace} (start={scale.start} count={scale.count}){hint}")
     if ramp is not None:
         requests = ramp_arrivals(requests, *ramp)
+    schedule_note = None
+    if rate_schedule is not None:
+        from pdd.load_profile import describe, expected_arrivals, schedule_arrivals
+
+        arrivals = schedule_arrivals(rate_schedule, len(requests), seed)
+        if not arrivals:
+            raise ValueError(f"rate schedule {describe(rate_schedule)}: no arrival within it")
+        schedule_note = (f"rate schedule {describe(rate_schedule)} (req/s): {len(arrivals)} arrivals of "
+                         f"{len(requests)} requests (expected {expected_arrivals(rate_schedule):.1f} within the "
+                         f"schedule); last at {arrivals[-1]:.1f} s")
+        requests = [dataclasses.replace(r, arrival_s=t) for r, t in zip(requests, arrivals)]
     workload = workload_summary(requests, scale, trace, page_size=config.engine_for("prefill").page_size)
     if ramp is not None:
         workload["ramp_rps"] = list(ramp)
+    if rate_schedule is not None:
+        workload["rate_schedule"] = [list(p) for p in rate_schedule]
+        workload["rate_schedule_seed"] = seed
+        console.print(schedule_note)
     preview = None
     try:
         # as the KV crosses the WAN: the narrower of P's and MD's dtypes (pdd.transfer.layout)
@@ -262,6 +287,7 @@ def run_bench(
     slo_info: dict = {}
     ref_entry: dict | None = None
     mode_wall: dict[str, float] = {}  # per mode: topology start to stop, its sweep included (s)
+    autoscale_out: dict[str, dict] = {}  # per mode: instance-seconds and decisions over the main run
     ref_wall: float | None = None  # the reference run alone (s)
 
     def fix_slo(ref_records: list[dict] | None, where: str) -> None:
@@ -339,16 +365,30 @@ def run_bench(
                     skipped = {f.text: why for f in bench_faults if (why := applicable(f, lay)) is not None}
                     todo = [f for f in bench_faults if f.text not in skipped]
                     runner = FaultRunner(topo, todo, fault_recover_after_s).start() if todo else None
+                snaps: list = [None, None]
+
+                def after_main_replay() -> None:
+                    snaps[1] = autoscale_snapshot(topo.url) if snaps[0] is not None else None
+                    if runner is not None:
+                        runner.finish()
+
+                snaps[0] = autoscale_snapshot(topo.url)
                 try:
                     records, entry = measured_replay(
                         topo, requests, model=cfg.served_model_name, mode=mode, timeout_s=timeout_s,
                         progress=progress, console=console, label=f"{mode} @ {_fmt(offered, 2)} req/s",
-                        after_replay=runner.finish if runner is not None else None, flush=not warm_sweep)
+                        after_replay=after_main_replay, flush=not warm_sweep)
                 finally:
                     if runner is not None:
                         runner.finish()  # idempotent: restarts whatever is still down if the replay failed
                     if sampler is not None:
                         wan_timeline[mode] = sampler.stop()
+                    if (auto := mode_autoscale(*snaps)) is not None:
+                        autoscale_out[mode] = auto
+                        console.print(f"{mode}: {auto['instance_seconds']:.1f} instance-s over {auto['window_s']:.1f} s "
+                                      f"({', '.join(f'{r} {v:.1f}' for r, v in auto['instance_seconds_by_role'].items())}); "
+                                      f"autoscale {'on' if auto['enabled'] else 'off'}: {auto['scale_ups']} up, "
+                                      f"{auto['scale_downs']} down, {auto['errors']} failed")
                 if bench_faults:
                     fault_out[mode] = fault_report(runner, [r.to_dict() for r in records], skipped,
                                                    fault_recover_after_s)
@@ -399,6 +439,7 @@ def run_bench(
         m.update(bench_mode_extras([r for r in all_records if r["mode"] == mode], server_stats.get(mode), slo_obj,
                                    m.get("median_itl_ms")))
         m["sla_goodput_rps"] = (sweep_out.get(mode) or {}).get("sla_goodput_rps")
+        m["autoscale"] = autoscale_out.get(mode)
         m["hardware"] = instance_hardware(server_stats.get(mode))
     vllm_mode.apply_to_report(report, all_records, vllm_servers)
     wall = time.monotonic() - t_wall
@@ -445,6 +486,8 @@ def run_bench(
                   slo_ttft_ms=slo_obj.ttft_ms if slo_obj else None)
     plot_handoff_gaps(all_records, out / "handoff_gaps.png")
     plot_wan_throughput(wan_timeline, out / "wan_throughput.png", line_gbps=config.link.wan_gbps)
+    if autoscale_out and (rate_schedule is not None or any(a["enabled"] for a in autoscale_out.values())):
+        plot_autoscale(autoscale_out, all_records, out / "autoscale.png", schedule=rate_schedule)
     if sweep_out:
         plot_sweep({m: s["points"] for m, s in sweep_out.items()}, out / "sweep.png", threshold=sweep.threshold)
     print_bench_table(report, console=console, title=f"pdd bench ({len(requests)} requests)")
@@ -527,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweep = parse_sweep(args.sweep_rate, start_rps=args.rate, max_points=args.sweep_points,
                             bisect_steps=args.sweep_bisect)
         faults, recover_after = parse_fault_args(args.fault, args.fault_recover_after, args.url)
+        rate_schedule = load_schedule(args)
     except ValueError as ex:
         ap.error(str(ex))
     try:
@@ -561,7 +605,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            sweep_seconds=args.sweep_seconds or None, sweep_min_requests=args.sweep_min_requests,
                            warmup=not args.no_warmup, request_timeout_s=args.request_timeout,
                            progress=not args.no_progress, argv=argv, ramp=ramp, faults=faults,
-                           fault_recover_after_s=recover_after, vllm_python=args.vllm_python)
+                           fault_recover_after_s=recover_after, vllm_python=args.vllm_python,
+                           rate_schedule=rate_schedule)
     except ValueError as ex:  # the workload or a label refused before anything ran (named in the message)
         ap.error(str(ex))
     return bench_exit_status(report)

@@ -36,6 +36,8 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
 
 # link settings a mode label may set (per mode, side by side): a bare key or ``link.<key>``
 LINK_MODE_KEYS = ("wan_connections",)
+AUTOSCALE = "autoscale"  # mode suffix: pdd+autoscale runs the config's autoscale block (pdd serve --autoscale)
+STANDBY = "standby"  # mode suffix: pdd+standby=none starts every slot (the topology fixed at its full size)
 
 
 def parse_mode_label(label: str) -> tuple[str, dict]:
@@ -46,7 +48,10 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields, one of
     :data:`LINK_MODE_KEYS` (a :class:`pdd.config.LinkConfig` field, ``cross_dc_pd+wan_connections=4``), or
     ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``);
-    values are validated by them (``true``/``false`` for flags, numbers as text). A variant runs
+    values are validated by them (``true``/``false`` for flags, numbers as text). ``autoscale``
+    (``pdd+autoscale``, ``+autoscale=false``) switches the config's ``autoscale`` block on (off):
+    the same topology, its standby slots added and drained by the gateway's loop; ``standby=none``
+    starts every slot of the config (the same topology fixed at its largest size). A variant runs
     on its own fresh topology beside the others, so ablations are compared side by side in one
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
@@ -65,6 +70,17 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     for part in parts:
         key, eq, val = part.partition("=")
         key = key.strip()
+        if key == AUTOSCALE:  # the config's autoscale block switched on (or off) for this mode
+            v = val.strip().lower() if eq else "true"
+            if v not in ("true", "false"):
+                raise ValueError(f"mode {label!r}: {AUTOSCALE} takes true or false, got {val.strip()!r}")
+            over[AUTOSCALE] = v == "true"
+            continue
+        if key == STANDBY:  # +standby=none: every slot of the config starts active (fixed at its full size)
+            if val.strip().lower() != "none":
+                raise ValueError(f"mode {label!r}: {STANDBY} takes none (every slot started), got {val.strip()!r}")
+            over[STANDBY] = []
+            continue
         if key in LINK_MODE_KEYS:
             key = "link." + key
         section, dot, field = key.partition(".")
@@ -76,7 +92,7 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
                              f"({sorted(EngineConfig.model_fields)})")
         over[key] = True if not eq else val.strip()
     try:
-        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k})
+        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k not in (AUTOSCALE, STANDBY)})
         EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.startswith("engine.")})
         LinkConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.startswith("link.")})
     except pydantic.ValidationError as ex:
@@ -87,14 +103,24 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
 
 def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
     """``config`` for one mode label (:func:`parse_mode_label`): its mode, policy and engine
-    overrides."""
+    overrides, and ``autoscale.enabled``. Raises ValueError (the config's own message) when the
+    result is not a valid config, e.g. ``+autoscale`` with no ``autoscale.max`` in the config."""
     base, over = parse_mode_label(label)
     data = config.model_dump()
     data["mode"] = "colocated" if base == vllm_mode.VLLM_MODE else base  # vLLM: colocated's engine settings
     for key, val in over.items():
         section, dot, field = key.partition(".")
-        if dot:
+        if key == AUTOSCALE:
+            data["autoscale"]["enabled"] = bool(val)
+        elif key == STANDBY:
+            data["standby"] = list(val)
+        elif dot:
             data[section][field] = val
         else:
             data["policy"][key] = val
-    return ClusterConfig.model_validate(data)
+    try:
+        return ClusterConfig.model_validate(data)
+    except pydantic.ValidationError as ex:
+        from pdd.config import validation_summary
+
+        raise ValueError(f"mode {label!r}: {validation_summary(ex)}") from None

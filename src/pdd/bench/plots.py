@@ -225,3 +225,65 @@ def plot_sweep(points: Mapping[str, Iterable[Mapping]], path: str | Path, thresh
     ax.set_ylabel("requests meeting the SLO (%)")
     ax.set_ylim(0, 102)
     return _finish(fig, ax, path, title, "lower left")
+
+
+ROLE_COLORS = {"prefill": "tab:green", "relay_decode": "tab:orange", "main_decode": "tab:blue",
+               "colocated": "tab:purple"}
+
+
+def plot_autoscale(autoscale: Mapping[str, Mapping], records: Iterable[Mapping], path: str | Path,
+                   schedule: Iterable[Iterable[float]] | None = None, bin_s: float = 5.0) -> Path | None:
+    """Instances per role and the offered load over the replay, one panel per mode; writes a PNG
+    (None when no mode has an ``autoscale`` entry).
+
+    ``autoscale``: ``{mode: report.json modes[mode]["autoscale"]}`` (its ``timeline``: members per
+    role, seconds since the window start, :mod:`pdd.bench.autoscaling`); left axis: members per
+    role (steps). Right axis: the requests sent per second in ``bin_s`` bins (from the records'
+    ``send_s``, seconds since the replay start) and, with ``schedule`` (``[(t_s, rate_rps)]``),
+    the scheduled rate (dashed)."""
+    modes = [m for m in sorted(autoscale, key=_mode_key) if autoscale.get(m)]
+    if not modes:
+        return None
+    path = Path(path)
+    by_mode = _by_mode(records)
+    sched = [tuple(p) for p in schedule] if schedule else None
+    fig = _figure(9, 2.8 * len(modes) + 0.4)
+    axes = fig.subplots(len(modes), 1, squeeze=False, sharex=True)[:, 0]
+    for ax, mode in zip(axes, modes):
+        a = autoscale[mode]
+        end = float(a.get("window_s") or 0.0)
+        styles = ((6, "-"), (3.5, "--"), (1.8, "-"), (1.2, ":"))  # overlapping counts stay visible
+        for k, (role, pts) in enumerate(sorted((a.get("timeline") or {}).items())):
+            ts = [float(t) for t, _ in pts] + [end]
+            ns = [int(n) for _, n in pts]
+            ns.append(ns[-1])
+            lw, ls = styles[k % len(styles)]
+            ax.step(ts, ns, where="post", color=ROLE_COLORS.get(role, "tab:gray"), lw=lw, ls=ls, alpha=0.85,
+                    label=f"{role} instances")
+        ax.set_ylabel("instances")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        top = max((int(n) for pts in (a.get("timeline") or {}).values() for _, n in pts), default=1)
+        ax.set_ylim(0, top + 1)
+        ax2 = ax.twinx()
+        sends = [float(r["send_s"]) for r in by_mode.get(mode, []) if r.get("send_s") is not None]
+        if sends:
+            nb = max(1, int(np.ceil(max(sends) / bin_s)))
+            counts, edges = np.histogram(sends, bins=nb, range=(0, nb * bin_s))
+            ax2.bar(edges[:-1], counts / bin_s, width=bin_s, align="edge", color="tab:gray", alpha=0.25,
+                    label=f"sent (req/s, {bin_s:g} s bins)")
+        if sched:
+            ax2.plot([p[0] for p in sched], [p[1] for p in sched], "k--", lw=1, label="scheduled rate (req/s)")
+        ax2.set_ylabel("req/s")
+        lines = ax.get_legend_handles_labels()
+        lines2 = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=7)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"{mode}: {a.get('instance_seconds', 0):.0f} instance-s, {a.get('scale_ups', 0)} up / "
+                     f"{a.get('scale_downs', 0)} down" + (" (autoscaled)" if a.get("enabled") else " (fixed)"),
+                     fontsize=9)
+    axes[-1].set_xlabel("seconds since the replay started")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path

@@ -49,7 +49,29 @@ def bench_rows(modes: Mapping[str, Mapping]) -> list[tuple[str, list[str]]]:
         row("P hit rate", lambda m: pct(m.get("p_hit_rate"))),
         row("MD (D) hit rate", lambda m: pct(m.get("md_hit_rate"))),
         row("cut-offs", lambda m: _fmt((m.get("cutoffs") or {}).get("requests"))),
+        row("instance-seconds (mean instances)", lambda m: "-" if not m.get("autoscale") else
+            f"{m['autoscale']['instance_seconds']:.1f} ({_fmt(m['autoscale']['mean_instances'], 2)})"),
+        row("autoscale: up / down", lambda m: "-" if not m.get("autoscale") else
+            (f"{m['autoscale']['scale_ups']} / {m['autoscale']['scale_downs']}"
+             + (f" ({m['autoscale']['errors']} failed)" if m["autoscale"]["errors"] else "")
+             if m["autoscale"]["enabled"] else "off")),
     ]
+
+
+def autoscale_lines(modes: Mapping[str, Mapping]) -> list[str]:
+    """One line per mode with an ``autoscale`` entry (docs/BENCH.md "Load ramps and autoscaling"):
+    goodput, TTFT P90, whether no request failed, instance-seconds and the loop's decisions."""
+    out = []
+    for name, m in modes.items():
+        a = m.get("autoscale")
+        if not a:
+            continue
+        failed = int(m.get("failed") or 0)
+        out.append(f"cost {name}: goodput {_fmt(m.get('request_goodput'), 2)} req/s, TTFT P90 "
+                   f"{_fmt(m.get('p90_ttft_ms'))} ms, {'0 failed' if not failed else f'{failed} FAILED'}, "
+                   f"{a['instance_seconds']:.1f} instance-s over {a['window_s']:.1f} s, autoscale "
+                   + (f"{a['scale_ups']} up / {a['scale_downs']} down" if a["enabled"] else "off"))
+    return out
 
 
 def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -> None:
@@ -67,6 +89,8 @@ def print_bench_table(report: Mapping, console=None, title: str = "pdd bench") -
         table.add_row(label, *cells)
     console.print(table)
     print_failure_warnings(modes, console)
+    for line in autoscale_lines(modes):
+        console.print(line, soft_wrap=True, highlight=False)
     slo = report.get("slo") or {}
     if slo.get("ttft_ms") is not None or slo.get("tpot_ms") is not None:
         console.print(f"SLO ({slo.get('source')}): TTFT <= {_fmt(slo.get('ttft_ms'))} ms, TPOT <= "

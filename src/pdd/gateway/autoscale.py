@@ -16,7 +16,9 @@ Measured per role, over the interval: utilisation = mean of (the gateway's in-fl
 the role's active instances / the sum of their engines' ``max_running``). Measured for the log
 (``AutoscaleInputs``): arrival rate (new requests seen by the samples / interval), their mean prompt
 length and requested ``max_tokens``, P's and MD's prefix-hit rates (``gateway.live_counters``),
-the WAN estimate (``orch.wan_gbps_live``). A refused or failed operation is logged with its error
+the WAN estimate (``orch.wan_gbps_live``). A decision is listed as soon as it is made; the operation running for it is in
+its ``under_way`` (an add that starts a process takes seconds), and goes to its ``applied`` with
+its ``instance`` (or its ``error``) when done. A refused or failed operation is logged with its error
 and restarts the cool-down (so a slot that does not start is retried every ``cooldown_s``, not
 every interval). Every decision, with its inputs and what was applied,
 is logged (``autoscale:`` log line) and kept in a bounded list on ``GET /pdd/autoscale``.
@@ -30,7 +32,8 @@ import logging
 import time
 from collections import deque
 
-from pdd.policy.autoscale import DOWN, UP, AutoscaleInputs, AutoscaleRule, RoleLoad, decide_mix
+from pdd.policy.autoscale import (DOWN, UP, AutoscaleInputs, AutoscaleRule, AutoscaleWindow, decide_mix,
+                                  pick_drain)
 from pdd.policy.membership import ACTIVE, DRAINING
 
 log = logging.getLogger(__name__)
@@ -57,11 +60,7 @@ class Autoscaler:
 
     # ------------------------------------------------------------------ measuring
     def _reset_window(self) -> None:
-        self._util: dict[str, list[float]] = {r: [] for r in self.roles}
-        self._arrivals = 0
-        self._prompt: list[int] = []
-        self._output: list[int] = []
-        self._window_start = self.clock()
+        self.window = AutoscaleWindow(tuple(self.roles), self.clock())
 
     def _members(self, role: str, state: str = ACTIVE) -> list:
         ms = self.orch.membership
@@ -70,48 +69,33 @@ class Autoscaler:
     def sample(self) -> None:
         """One load sample of every scaled role, and the requests that arrived since the last."""
         o = self.orch
+        load = {}
         for role in self.roles:
             act = self._members(role)
-            cap = sum(max(1, int(o.cfg.engine_for(m.name).max_running)) for m in act)
-            busy = sum(int(o.inflight.get(m.name, 0)) for m in act)
-            self._util[role].append(busy / cap if cap else 0.0)
+            load[role] = (sum(int(o.inflight.get(m.name, 0)) for m in act),
+                          sum(max(1, int(o.cfg.engine_for(m.name).max_running)) for m in act))
+        self.window.sample(load)
         reqs = dict(getattr(o, "reqs", {}))
         new = [st for rid, st in reqs.items() if rid not in self._seen]
         self._seen = set(reqs)
-        self._arrivals += len(new)
         for st in new:
-            self._prompt.append(int(getattr(st, "prompt_len", 0)))
             mt = getattr(getattr(st, "sampling", None), "max_tokens", None)
-            if mt is not None:
-                self._output.append(int(mt))
+            self.window.arrived(int(getattr(st, "prompt_len", 0)), None if mt is None else int(mt))
 
     def inputs(self) -> AutoscaleInputs:
         """The interval's measured state (the samples taken since the last decision)."""
-        now = self.clock()
         ms = self.orch.membership
-        roles = tuple(RoleLoad(r, len(self._members(r)),
-                               round(sum(self._util[r]) / len(self._util[r]), 4) if self._util[r] else 0.0)
-                      for r in self.roles)
         pending = bool(getattr(ms, "_busy_ops", ())) or any(self._members(r, DRAINING) for r in self.roles)
         lc = getattr(self.orch, "live_counters", None)
         hits = lc.align.rates() if lc is not None else {}
-        span = max(1e-9, now - self._window_start)
-        return AutoscaleInputs(
-            roles, since_last_change_s=None if self.last_change is None else round(now - self.last_change, 3),
-            pending=pending, arrival_rps=round(self._arrivals / span, 4),
-            prompt_tokens_mean=round(sum(self._prompt) / len(self._prompt), 2) if self._prompt else None,
-            output_tokens_mean=round(sum(self._output) / len(self._output), 2) if self._output else None,
-            p_hit_rate=hits.get("p_hit_rate"), md_hit_rate=hits.get("md_hit_rate"),
-            wan_gbps=getattr(self.orch, "wan_gbps_live", None))
+        return self.window.inputs(self.clock(), {r: len(self._members(r)) for r in self.roles}, self.last_change,
+                                  pending, hits.get("p_hit_rate"), hits.get("md_hit_rate"),
+                                  getattr(self.orch, "wan_gbps_live", None))
 
     # ------------------------------------------------------------------ deciding and applying
     def _victim(self, role: str) -> str | None:
         ms = self.orch.membership
-        act = self._members(role)
-        if len(act) < 2:
-            return None
-        order = list(ms.members)
-        return min(act, key=lambda m: (ms.busy(m.name), m.source == "config", -order.index(m.name))).name
+        return pick_drain([(m.name, ms.busy(m.name), m.source == "config") for m in self._members(role)])
 
     async def step(self) -> dict:
         """Decide on the interval's measurements, apply, record; never raises."""
@@ -119,27 +103,33 @@ class Autoscaler:
         self._reset_window()
         d = decide_mix(x, self.rule)
         rec = {"time": round(time.time(), 3), "inputs": _inputs_dict(x), "decision": d.as_dict(), "applied": []}
+        self.decisions.append(rec)  # listed at once: an add that starts a process is "under way" for seconds
         ms = self.orch.membership
         for rd in d.changes:
+            op = "add" if rd.action == UP else "drain"
+            entry = {"role": rd.role, "op": op}
+            rec["under_way"] = [entry]
             try:
                 if rd.action == UP:
                     out = await ms.add(rd.role, start=bool(self.acfg.start))
-                    rec["applied"].append({"role": rd.role, "op": "add", "instance": out["name"]})
+                    entry["instance"] = out["name"]
                 elif rd.action == DOWN:
                     name = self._victim(rd.role)
                     if name is None:
                         raise RuntimeError(f"no {rd.role} instance can be drained (the last active one stays)")
+                    entry["instance"] = name
                     await ms.drain(name, remove_when_idle=True)
-                    rec["applied"].append({"role": rd.role, "op": "drain", "instance": name,
-                                           "remove_when_idle": True})
+                    entry["remove_when_idle"] = True
                 self.applied[rd.action] += 1
                 self.last_change = self.clock()
             except Exception as e:  # MembershipError or a failed start: logged, the loop goes on
                 self.applied["errors"] += 1
                 self.last_change = self.clock()  # the cool-down also spaces retries (a start is costly)
-                msg = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
-                rec["applied"].append({"role": rd.role, "op": "add" if rd.action == UP else "drain", "error": msg})
-        self.decisions.append(rec)
+                entry.pop("instance", None)
+                entry["error"] = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            finally:
+                rec.pop("under_way", None)
+                rec["applied"].append(entry)
         log.warning("autoscale: %s", json.dumps(rec, sort_keys=True, default=str))
         return rec
 
@@ -174,7 +164,21 @@ class Autoscaler:
                 "roles": {r: {"active": len(self._members(r)), "draining": len(self._members(r, DRAINING)),
                               "min": self.rule.bounds(r, 1)[0], "max": int(a.max.get(r, 0)) or None}
                           for r in self.roles},
-                "applied": dict(self.applied), "decisions": list(self.decisions)}
+                "applied": dict(self.applied), "decisions": list(self.decisions), **membership_log(self.orch)}
+
+
+def membership_log(orch) -> dict:
+    """``time`` (the gateway's wall clock now, s) and ``membership``: every engine instance's role,
+    state and ``since``, and the membership's kept events (``time``, ``op``, ``instance``,
+    ``role``, ``from``, ``to``), from which a client computes instance-seconds over a window of
+    its own (``pdd.policy.autoscale.instance_seconds``; ``pdd bench``)."""
+    ms = getattr(orch, "membership", None)
+    out: dict = {"time": round(time.time(), 3)}
+    if ms is not None:
+        out["membership"] = {"instances": {m.name: {"role": m.role, "state": m.state, "since": round(float(getattr(m, "since", 0.0)), 3)}
+                                           for m in ms.members.values()},
+                             "events": list(getattr(ms, "events", ()))}
+    return out
 
 
 def _inputs_dict(x: AutoscaleInputs) -> dict:
@@ -185,12 +189,12 @@ def _inputs_dict(x: AutoscaleInputs) -> dict:
 
 def add_autoscale_routes(app, orch) -> None:
     """``GET /pdd/autoscale``: the loop's config, applied counts and its last decisions (each with
-    its inputs); ``{"enabled": false}`` when the loop is off."""
+    its inputs); ``{"enabled": false}`` when the loop is off. Both carry :func:`membership_log`."""
 
     @app.get("/pdd/autoscale")
     async def autoscale_view():
         a = getattr(orch, "autoscaler", None)
-        return a.view() if a is not None else {"enabled": False, "decisions": []}
+        return a.view() if a is not None else {"enabled": False, "decisions": [], **membership_log(orch)}
 
 
-__all__ = ["Autoscaler", "add_autoscale_routes", "DECISIONS_KEPT"]
+__all__ = ["Autoscaler", "add_autoscale_routes", "membership_log", "DECISIONS_KEPT"]

@@ -31,7 +31,7 @@ decision. At most one instance per role changes per decision.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 UP, DOWN, HOLD = "up", "down", "hold"
 
@@ -141,5 +141,111 @@ def decide_mix(x: AutoscaleInputs, rule: AutoscaleRule) -> AutoscaleDecision:
     return AutoscaleDecision(tuple(out), "per role")
 
 
+# ---------------------------------------------------------------- the interval's measurements
+
+
+@dataclass
+class AutoscaleWindow:
+    """What one interval measured, turned into :class:`AutoscaleInputs` the same way by the
+    gateway (``pdd.gateway.autoscale``) and the simulator (``pdd.sim.autoscale``).
+
+    ``sample(load)``: one load sample, ``{role: (busy, capacity)}`` with busy = requests in flight
+    assigned to the role's active instances (from routing to the end of the request) and
+    capacity = the sum of their ``max_running``; its utilisation is busy / capacity (0 with no
+    capacity). ``arrived(prompt_tokens, max_tokens)``: one new request. ``inputs(...)``: the
+    interval's means (utilisation rounded to 4 places, rates and token means to 4 and 2) with
+    ``arrival_rps`` = arrivals / (``now_s`` - ``start_s``)."""
+
+    roles: tuple[str, ...]
+    start_s: float
+    util: dict[str, list[float]] = field(default_factory=dict)
+    arrivals: int = 0
+    prompt: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        for r in self.roles:
+            self.util.setdefault(r, [])
+
+    def sample(self, load: Mapping[str, tuple[int, int]]) -> None:
+        for role in self.roles:
+            busy, cap = load.get(role, (0, 0))
+            self.util[role].append(busy / cap if cap else 0.0)
+
+    def arrived(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        self.arrivals += 1
+        self.prompt.append(int(prompt_tokens))
+        if max_tokens is not None:
+            self.output.append(int(max_tokens))
+
+    def inputs(self, now_s: float, active: Mapping[str, int], last_change_s: float | None = None,
+               pending: bool = False, p_hit_rate: float | None = None, md_hit_rate: float | None = None,
+               wan_gbps: float | None = None) -> AutoscaleInputs:
+        roles = tuple(RoleLoad(r, int(active.get(r, 0)),
+                               round(sum(self.util[r]) / len(self.util[r]), 4) if self.util[r] else 0.0)
+                      for r in self.roles)
+        span = max(1e-9, now_s - self.start_s)
+        return AutoscaleInputs(
+            roles, since_last_change_s=None if last_change_s is None else round(now_s - last_change_s, 3),
+            pending=pending, arrival_rps=round(self.arrivals / span, 4),
+            prompt_tokens_mean=round(sum(self.prompt) / len(self.prompt), 2) if self.prompt else None,
+            output_tokens_mean=round(sum(self.output) / len(self.output), 2) if self.output else None,
+            p_hit_rate=p_hit_rate, md_hit_rate=md_hit_rate, wan_gbps=wan_gbps)
+
+
+def pick_drain(candidates: Sequence[tuple[str, int, bool]]) -> str | None:
+    """Which active instance of a role a scale-down drains: ``candidates`` = (name, requests in
+    flight, started with the topology) in the order the instances were listed; the fewest in
+    flight, then one the loop added before one started with the topology, then the latest listed.
+    None with fewer than two (a role's last active instance is never drained)."""
+    if len(candidates) < 2:
+        return None
+    order = {c[0]: i for i, c in enumerate(candidates)}
+    return min(candidates, key=lambda c: (c[1], c[2], -order[c[0]]))[0]
+
+
+# ---------------------------------------------------------------- the cost proxy
+
+MEMBER_STATES = ("active", "draining")  # pdd.policy.membership.ACTIVE, DRAINING: an instance that holds its chips
+
+
+def instance_seconds(initial: Mapping[str, tuple[str, str]], events: Sequence[Mapping], t0: float,
+                     t1: float) -> dict:
+    """Instance-seconds used over ``[t0, t1]`` (seconds, one clock): for every engine instance,
+    the time it was a member (state ``active`` or ``draining``: serving, or finishing what it
+    holds), summed. ``initial``: ``{name: (role, state at t0)}``; ``events``: membership changes
+    ``{"time", "instance", "role", "to"}`` (``pdd.gateway.membership`` events, or the
+    simulator's); events outside ``(t0, t1]`` are ignored, an instance not in ``initial`` starts
+    out of service. Returns ``{"total", "by_role": {role: s}, "by_instance": {name: s},
+    "timeline": {role: [[t, members], ...]}}`` (timeline times relative to ``t0``, one point at 0
+    and one per change). Raises ValueError if ``t1 < t0``."""
+    if t1 < t0:
+        raise ValueError(f"t1 ({t1}) is before t0 ({t0})")
+    state = {n: (role, st) for n, (role, st) in initial.items()}
+    since = {n: t0 for n in state}
+    used: dict[str, float] = {n: 0.0 for n in state}
+    roles = sorted({r for r, _ in state.values()} | {str(e.get("role")) for e in events if e.get("role")})
+
+    def count(role: str) -> int:
+        return sum(1 for r, st in state.values() if r == role and st in MEMBER_STATES)
+
+    timeline = {r: [[0.0, count(r)]] for r in roles}
+    for e in sorted((e for e in events if t0 < float(e["time"]) <= t1), key=lambda e: float(e["time"])):
+        name, t = str(e["instance"]), float(e["time"])
+        role, old = state.get(name, (str(e.get("role")), "standby"))
+        if old in MEMBER_STATES:
+            used[name] = used.get(name, 0.0) + t - since[name]
+        state[name], since[name] = (role, str(e["to"])), t
+        used.setdefault(name, 0.0)
+        timeline.setdefault(role, [[0.0, 0]]).append([round(t - t0, 3), count(role)])
+    for name, (role, st) in state.items():
+        if st in MEMBER_STATES:
+            used[name] = used.get(name, 0.0) + t1 - since[name]
+    by_role: dict[str, float] = {}
+    for name, (role, _) in state.items():
+        by_role[role] = by_role.get(role, 0.0) + used.get(name, 0.0)
+    return {"total": sum(used.values()), "by_role": by_role, "by_instance": used, "timeline": timeline}
+
+
 __all__ = ["UP", "DOWN", "HOLD", "RoleLoad", "AutoscaleInputs", "AutoscaleRule", "RoleDecision",
-           "AutoscaleDecision", "decide_mix"]
+           "AutoscaleDecision", "decide_mix", "AutoscaleWindow", "pick_drain", "instance_seconds", "MEMBER_STATES"]

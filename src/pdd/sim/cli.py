@@ -270,15 +270,71 @@ def _records(a, rate=None):
     return W.scale_rate(recs, a.scale_rate) if a.scale_rate != 1.0 else recs
 
 
+def _autoscale_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load profile and autoscaling (docs/SIM.md \"Autoscaling\")")
+    g.add_argument("--load-profile", choices=("ramp",),
+                   help="'ramp': Poisson arrivals at --low-rate, rising to --peak-rate, held, falling back "
+                        "(--phase-seconds), drawn with --seed, on the workload's requests in order")
+    g.add_argument("--peak-rate", type=POS_FLOAT, default=None, help="ramp: peak req/s (default: --rate)")
+    g.add_argument("--low-rate", type=NONNEG_FLOAT, default=None, help="ramp: low req/s (default: peak / 4)")
+    g.add_argument("--phase-seconds", default=None, metavar="LOW:RISE:HOLD:FALL", help="ramp phases (default 10:20:10:20)")
+    g.add_argument("--rate-schedule", default=None, metavar="T:RATE,...", help="rate points seconds:req/s, linear between")
+    g.add_argument("--autoscale", default=None, metavar="ROLE=MAX,...",
+                   help="run the gateway's autoscaling loop (pdd serve --autoscale) with these most active "
+                        "instances per role (p, rld, md; e.g. md=3); the --n-* counts are the initial ones")
+    g.add_argument("--autoscale-min", default=None, metavar="ROLE=MIN,...", help="fewest active per role (default 1)")
+    g.add_argument("--autoscale-interval", type=POS_FLOAT, default=5.0, help="seconds between decisions")
+    g.add_argument("--autoscale-sample", type=POS_FLOAT, default=0.25, help="seconds between load samples")
+    g.add_argument("--autoscale-cooldown", type=NONNEG_FLOAT, default=30.0, help="no change within this many s")
+    g.add_argument("--autoscale-up-at", type=POS_FLOAT, default=0.75, help="scale up at this mean utilisation")
+    g.add_argument("--autoscale-down-at", type=NONNEG_FLOAT, default=0.25, help="scale down at or below this")
+    g.add_argument("--autoscale-start-s", type=NONNEG_FLOAT, default=0.0,
+                   help="seconds from an add decision to the new instance serving")
+
+
+def _apply_load_profile(a, recs):
+    """The records retimed by --load-profile ramp / --rate-schedule (pdd.load_profile), else as given."""
+    from pdd.load_profile import schedule_arrivals, schedule_from_flags
+    from pdd.sim.autoscale import retime
+
+    try:
+        sched = schedule_from_flags(a.load_profile, a.rate_schedule, a.peak_rate, a.low_rate, a.phase_seconds, a.rate)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if sched is None:
+        return recs, None
+    return retime(recs, schedule_arrivals(sched, len(recs), a.seed)), sched
+
+
+def _autoscale_config(a):
+    from pydantic import ValidationError
+
+    from pdd.config import AutoscaleConfig, validation_summary
+    from pdd.sim.autoscale import parse_role_counts
+
+    try:
+        mx = parse_role_counts(a.autoscale)
+        mn = parse_role_counts(a.autoscale_min, "--autoscale-min") if a.autoscale_min else {}
+        return AutoscaleConfig(enabled=True, interval_s=a.autoscale_interval, sample_s=a.autoscale_sample,
+                               cooldown_s=a.autoscale_cooldown, min=mn, max=mx, up_at=a.autoscale_up_at,
+                               down_at=a.autoscale_down_at)
+    except ValidationError as e:  # a field of the loop's config: named as the flag's setting
+        raise UsageError(f"--autoscale: {validation_summary(e)}") from None
+    except ValueError as e:  # parse_role_counts names its flag
+        raise UsageError(str(e)) from None
+
+
 def cmd_run(a) -> int:
+    from pdd.sim.autoscale import autoscaled_sim, fixed_summary
     from pdd.sim.cluster import ClusterSim, RequestTooLarge
     from pdd.sim.report import print_summary, summarize, write_json
 
-    recs = _records(a)
+    recs, sched = _apply_load_profile(a, _records(a))
     cfg = _make_cfg(a)
+    acfg = _autoscale_config(a) if a.autoscale else None
     t0 = time.time()
     try:
-        sim = ClusterSim(cfg).run(recs)
+        sim = (autoscaled_sim(cfg, acfg, a.autoscale_start_s) if acfg is not None else ClusterSim(cfg)).run(recs)
     except RequestTooLarge as e:  # e.g. the shared trace's 87k-token prompts on a CPU profile's pool
         if e.max_prompt < 1:
             raise UsageError(f"{e}; no prompt cap helps: the longest output alone does not fit") from None
@@ -291,6 +347,22 @@ def cmd_run(a) -> int:
     s["wall_s"] = wall
     s["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_summary(s)
+    if sched is not None:
+        s["rate_schedule"] = [list(p) for p in sched]
+    auto = sim.autoscaler.summary(s["duration_s"]) if sim.autoscaler is not None else fixed_summary(sim, s["duration_s"])
+    s["autoscale"] = auto
+    for d in auto.get("decisions", ()):
+        if d["applied"]:
+            x = d["inputs"]
+            print(f"autoscale t={d['time']:.1f} s: " + ", ".join(
+                f"{r['role']} {r['active']} active, utilisation {r['utilisation']:.2f}" for r in x["roles"])
+                + f", arrivals {x['arrival_rps']:.2f} req/s -> " + ", ".join(
+                f"{o['op']} {o.get('instance') or o.get('error')}" for o in d["applied"]))
+    print(f"instance-seconds {auto['instance_seconds']:.1f} over {auto['window_s']:.1f} s (mean "
+          f"{auto['mean_instances']} instances; " + ", ".join(f"{r} {v:.1f}" for r, v in
+                                                            auto["instance_seconds_by_role"].items())
+          + f"); autoscale " + (f"{auto['scale_ups']} up, {auto['scale_downs']} down" if sim.autoscaler is not None
+                                else "off"))
     print(f"simulated {len(recs)} requests ({s['duration_s']:.0f} s of traffic) in {wall:.1f} s wall, "
           f"peak RSS {s['peak_rss_mb']:.0f} MB")
     if a.json:
@@ -477,6 +549,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     r = sp.add_parser("run", help="simulate one deployment on a workload")
     _cfg_args(r)
     _workload_args(r, max_input=True)
+    _autoscale_args(r)
     r.add_argument("--json", default=None, help="write the summary here")
     r.set_defaults(func=cmd_run, parser=r)
     from pdd.sim.experiments import EXPERIMENTS

@@ -127,6 +127,7 @@ class ClusterSim:
         self.host_busy = 0  # instances in a step now (for host_cores)
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}
+        self.autoscaler = None  # pdd.sim.autoscale.SimAutoscaler: routes to its active instances only
 
     def host_share(self) -> float:
         """Slow-down of a step starting now when every instance shares ``cfg.host_cores`` CPU
@@ -184,7 +185,7 @@ class ClusterSim:
         ev.callbacks.append(lambda _e: fn(*args))
 
     def _route(self, role: str, req: Req, with_cache: bool, policy: str | None = None) -> Instance:
-        insts = self.tiers[role]
+        insts = self.tiers[role] if self.autoscaler is None else self.autoscaler.routable(role)
         if len(insts) == 1:
             return insts[0]
         pol = policy or self.cfg.routing
@@ -234,6 +235,8 @@ class ClusterSim:
                     fit = min(t[0].pool - (out if ro != "P" else 0) for ro, t in self.tiers.items())
                     raise RequestTooLarge(r.rid, role, r.prompt, r.out_len, insts[0].pool, fit)
         self.env.process(self._arrivals())
+        if self.autoscaler is not None:
+            self.env.process(self.autoscaler.run())
         self.env.run(until=until)
         return self
 
