@@ -159,7 +159,12 @@ class EngineInstance:
         )
 
     def handlers(self) -> dict:
-        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek}
+        hs = {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek}
+        if self.spec.name in self.cfg.rerole:  # may change role at run time (pdd.roles.rerole)
+            from pdd.roles.rerole import SET_ROLE, on_set_role
+
+            hs[SET_ROLE] = lambda peer, h, payload: on_set_role(self, peer, h, payload)
+        return hs
 
     async def on_peek(self, peer, h, payload):
         """Routing probe: how many of the prompt's tokens this instance's radix cache holds
