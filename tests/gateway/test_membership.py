@@ -357,3 +357,16 @@ def test_removed_md_leaves_the_wan_peer_metrics():
     asyncio.run(run())
     text = generate_latest(o.metrics.registry).decode()
     assert 'instance="md1"}' not in "".join(l for l in text.splitlines() if l.startswith("pdd_wan_peer"))
+
+
+def test_public_accessors_are_snapshots():
+    o, ms, _ = _setup()
+    act = ms.members_of("main_decode")
+    assert [(m.name, m.state, m.source) for m in act] == [("md0", ACTIVE, "config")]
+    assert [m.name for m in ms.members_of(None, None)] == ["p0", "rld0", "md0", "md1"]
+    assert [m.name for m in ms.members_of("main_decode", STANDBY)] == ["md1"]
+    with pytest.raises(Exception):
+        act[0].state = DRAINING  # read-only
+    assert ms.changing is False
+    ms._busy_ops.add("md1")
+    assert ms.changing is True

@@ -64,8 +64,7 @@ class Autoscaler:
         self._window_start = self.clock()
 
     def _members(self, role: str, state: str = ACTIVE) -> list:
-        ms = self.orch.membership
-        return [m for m in ms.members.values() if m.role == role and m.state == state]
+        return list(self.orch.membership.members_of(role, state))
 
     def sample(self) -> None:
         """One load sample of every scaled role, and the requests that arrived since the last."""
@@ -92,7 +91,7 @@ class Autoscaler:
         roles = tuple(RoleLoad(r, len(self._members(r)),
                                round(sum(self._util[r]) / len(self._util[r]), 4) if self._util[r] else 0.0)
                       for r in self.roles)
-        pending = bool(getattr(ms, "_busy_ops", ())) or any(self._members(r, DRAINING) for r in self.roles)
+        pending = ms.changing or any(self._members(r, DRAINING) for r in self.roles)
         lc = getattr(self.orch, "live_counters", None)
         hits = lc.align.rates() if lc is not None else {}
         span = max(1e-9, now - self._window_start)
@@ -110,7 +109,7 @@ class Autoscaler:
         act = self._members(role)
         if len(act) < 2:
             return None
-        order = list(ms.members)
+        order = [m.name for m in ms.members_of(None, None)]
         return min(act, key=lambda m: (ms.busy(m.name), m.source == "config", -order.index(m.name))).name
 
     async def step(self) -> dict:

@@ -87,6 +87,17 @@ class Member:
     proc: subprocess.Popen | None = None
 
 
+@dataclass(frozen=True)
+class MemberInfo:
+    """A read-only snapshot of one member (:meth:`Membership.members_of`)."""
+
+    name: str
+    role: str
+    dc: str
+    state: str
+    source: str
+
+
 def parse_address(addr: str) -> tuple[str, int]:
     """``host:port`` (an ``http://`` or ``tcp://`` prefix is allowed) -> (host, port). Raises
     MembershipError(400) for anything else."""
@@ -124,6 +135,17 @@ class Membership:
             reg.register(MembershipCollector(self))
 
     # ------------------------------------------------------------------ queries
+    def members_of(self, role: str | None = None, state: str | None = ACTIVE) -> tuple[MemberInfo, ...]:
+        """Snapshots of the slots of ``role`` (None: every role) in ``state`` (None: any), in the
+        config's slot order."""
+        return tuple(MemberInfo(m.name, m.role, m.dc, m.state, m.source) for m in self.members.values()
+                     if (role is None or m.role == role) and (state is None or m.state == state))
+
+    @property
+    def changing(self) -> bool:
+        """Whether an add, remove or re-role is under way now."""
+        return bool(self._busy_ops)
+
     def routable(self, name: str) -> bool:
         m = self.members.get(name)
         return m is None or m.state == ACTIVE
@@ -506,4 +528,4 @@ class MembershipCollector:
         yield ch
 
 
-__all__ = ["Membership", "MembershipError", "Member", "parse_address", "ROLE_COLOCATED"]
+__all__ = ["Membership", "MembershipError", "Member", "MemberInfo", "parse_address", "ROLE_COLOCATED"]
