@@ -370,3 +370,52 @@ def test_public_accessors_are_snapshots():
     assert ms.changing is False
     ms._busy_ops.add("md1")
     assert ms.changing is True
+
+
+def test_admission_capacities_follow_membership():
+    from pdd.gateway.admission import Admission, resolve_limits
+
+    cfg = ClusterConfig.model_validate({
+        "mode": "pdd", "base_port": 18000, "standby": ["md2"], "rerole": ["rld0"],
+        "engine": {"max_running": 8, "num_pages": 100, "page_size": 16},
+        "tiers": {"relay_decode": {"engine": {"max_running": 4}}},
+        "instances": {"prefill": 2, "relay_decode": 2, "main_decode": 3}})
+    lay = layout(cfg)
+    o = Orchestrator(cfg, lay)
+    ms = Membership(o, lay, cfg.standby)
+    o.peers = {s.name: RolePeer(held=0) for s in o.layout.engines}
+
+    async def connect(name, retries):
+        return RolePeer(held=0)
+
+    o._connect = connect
+    adm = Admission.from_config(cfg, o.layout)
+    ms.admission = adm
+
+    def caps():
+        return adm.limits.max_inflight, adm.limits.max_queued_tokens
+
+    # MD slots x (max_running + tier_max_waiting, default one batch); P's pool in tokens
+    assert caps() == ((8 + 8) * 2, 100 * 16 * 2)
+    assert resolve_limits(cfg, ms.serving_layout()) == adm.limits
+
+    async def run():
+        out = []
+        await ms.add("main_decode", name="md2")
+        out.append(caps())
+        await ms.drain("md0")  # draining: takes no new request, so no capacity for one
+        out.append(caps())
+        await ms.remove("md0")
+        out.append(caps())
+        await ms.rerole("rld0", "main_decode")  # an MD in A with its own engine block (max_running 4)
+        out.append(caps())
+        await ms.drain("p1")
+        out.append(caps())
+        await ms.rerole("rld0", "relay_decode")
+        out.append(caps())
+        return out
+
+    assert asyncio.run(run()) == [(48, 3200), (32, 3200), (32, 3200), (32 + 8, 3200), (40, 1600), (32, 1600)]
+    # configured (non-derived) limits stay as set
+    cfg2 = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"max_inflight_requests": 5})})
+    assert resolve_limits(cfg2, ms.serving_layout()).max_inflight == 5

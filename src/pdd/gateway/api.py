@@ -293,6 +293,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         from pdd.gateway.membership_api import add_membership_routes
 
         add_membership_routes(app, orch.membership)
+        orch.membership.admission = adm  # capacities follow add / drain / remove / re-role
+        orch.membership.sync_admission()
     from pdd.gateway.autoscale import add_autoscale_routes
 
     add_autoscale_routes(app, orch)  # GET /pdd/autoscale (``{"enabled": false}`` unless pdd serve --autoscale)

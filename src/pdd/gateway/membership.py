@@ -128,6 +128,7 @@ class Membership:
         self.changes: dict[str, int] = {"add": 0, "drain": 0, "remove": 0}  # and "rerole" once one happens
         self._busy_ops: set[str] = set()  # names with an add or remove under way
         self._watchers: dict[str, asyncio.Task] = {}
+        self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
         orch.membership = self
         self._sync_layout()
         reg = getattr(getattr(orch, "metrics", None), "registry", None)
@@ -183,6 +184,22 @@ class Membership:
                      if s.role in (ROLE_GATEWAY, ROLE_LINK) or self.members[s.name].state in (ACTIVE, DRAINING))
         self.orch.layout = Layout(self.full.mode, self.full.host, keep, self.full.link_control_port)
 
+    def serving_layout(self) -> Layout:
+        """The layout of the *active* members (each in its current role): what new requests can
+        be routed to, so what admission's derived capacities count (``gateway.admission``)."""
+        keep = tuple(s for s in self.orch.layout.instances
+                     if s.role in (ROLE_GATEWAY, ROLE_LINK) or self.members[s.name].state == ACTIVE)
+        return Layout(self.full.mode, self.full.host, keep, self.full.link_control_port)
+
+    def sync_admission(self) -> None:
+        """Recompute admission's capacities (in-flight slots, prefill queue tokens) for the
+        active members (called on every membership change; a no-op before the HTTP app exists)."""
+        adm = self.admission
+        if adm is not None:
+            from pdd.gateway.admission import resolve_limits
+
+            adm.follow(resolve_limits(self.orch.cfg, self.serving_layout()))
+
     def _set(self, m: Member, state: str, op: str, frm: str | None = None, **info) -> None:
         old = frm or m.state
         m.state, m.since = state, time.time()
@@ -191,6 +208,7 @@ class Membership:
         self.events.append(ev)
         del self.events[:-EVENTS_KEPT]
         self._sync_layout()
+        self.sync_admission()
         log.warning("membership: %s", json.dumps(ev, sort_keys=True))
 
     def _get(self, name: str) -> Member:
