@@ -299,6 +299,8 @@ def test_rerole_refusals():
             await ms.rerole("rld0", "main_decode", force=True, wait_s=0.0, poll_s=0.001)
         assert ei.value.status == 409 and ei.value.code == "in_flight"
         assert (ms.members["rld0"].state, ms.members["rld0"].role) == (ACTIVE, "relay_decode")
+        assert ms.changes["rerole_refused"] == 1 and "rerole" not in ms.changes
+        assert await o._route("relay_decode", [1] * 40) == "rld0"  # routable again (rld1 is draining)
 
     asyncio.run(run())
 

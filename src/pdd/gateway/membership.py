@@ -448,7 +448,7 @@ class Membership:
             deadline = time.monotonic() + (o.cfg.request_timeout_s if wait_s is None else wait_s)
             while self.busy(name) > 0:  # in-flight relays finish (or hand off to MD) where they are
                 if time.monotonic() > deadline:
-                    self._set(m, ACTIVE, "rerole", frm=DRAINING, refused=f"still {self.busy(name)} in flight")
+                    self._set(m, ACTIVE, "rerole_refused", frm=DRAINING, refused=f"still {self.busy(name)} in flight")
                     raise MembershipError(409, f"instance {name} still has {self.busy(name)} request(s) in flight "
                                                f"after draining; it is active as {frm} again", "name", "in_flight")
                 await asyncio.sleep(poll_s)
@@ -458,7 +458,7 @@ class Membership:
                     raise ConnectionError("not connected")
                 rep, _ = await peer.call(set_role_msg(role), timeout=60)
             except Exception as e:
-                self._set(m, ACTIVE, "rerole", frm=DRAINING, refused=f"{type(e).__name__}: {e}")
+                self._set(m, ACTIVE, "rerole_refused", frm=DRAINING, refused=f"{type(e).__name__}: {e}")
                 raise MembershipError(503, f"instance {name} did not change role: {type(e).__name__}: {e}; it is "
                                            f"active as {frm} again", "name", "rerole_failed") from None
             leaked = int(rep["pages_total"]) - int(rep["pages_free"])
