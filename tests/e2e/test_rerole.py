@@ -6,6 +6,7 @@ fails, no page leaks anywhere."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -22,6 +23,15 @@ def _members(url: str) -> dict:
     r = httpx.get(url + "/pdd/instances", timeout=30)
     assert r.status_code == 200, r.text
     return {m["name"]: m for m in r.json()["data"]}
+
+
+def _until(cond, what: str, timeout_s: float = 300.0) -> None:
+    """Wait for ``cond()`` (polled 20 ms apart) or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def _role(url: str, name: str, role: str) -> httpx.Response:
@@ -50,19 +60,14 @@ def test_rerole_rld_to_md_in_a_and_back(small_model, topology_factory):
 
     # phase 1: four relayed requests, two on each RLD, all streaming
     first = [StreamClient(url, body(p)).start() for p in prompts[:4]]
-    started = threading.Event()
-
-    def all_streaming() -> bool:
-        return all(len(c.tokens) >= 1 or c.done.is_set() for c in first)
-
-    while not all_streaming():  # each has its first token: rld0's two are mid-decode there
-        started.wait(0.02)
+    # each has its first token: rld0's two are mid-decode there
+    _until(lambda: all(len(c.tokens) >= 1 or c.done.is_set() for c in first), "phase 1 streaming")
     # re-role rld0 while its relays are in flight; a request arriving meanwhile relays on rld1
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault("r", _role(url, "rld0", "main_decode")))
     t.start()
-    while not any(m["state"] == "draining" or m["role"] == "main_decode" for m in [_members(url)["rld0"]]):
-        started.wait(0.02)  # rld0 takes no new relay from here on
+    _until(lambda: (lambda m: m["state"] == "draining" or m["role"] == "main_decode")(_members(url)["rld0"]),
+           "rld0 draining")  # rld0 takes no new relay from here on
     mid = StreamClient(url, body(prompts[4])).start()
     t.join(300)
     r = out["r"]
