@@ -108,6 +108,12 @@ def cmd_launch(args) -> int:
     from pdd.security import CERT_DIR_UNSET, SecurityError, needs_material
     from pdd.topology import ROLE_LINK, layout
 
+    if getattr(args, "join", None) is not None:  # before anything starts: a typo is a usage error, not a late JOIN FAILED
+        from pdd.gateway.join import gateway_url_problem
+
+        bad = gateway_url_problem(args.join)
+        if bad:
+            _usage(args, f"--join: {bad}")
     cfg = _config(args)
     lay = layout(cfg)
     name = args.name  # main() gives the role's first instance by default (p0, rld0, ...)

@@ -459,6 +459,13 @@ class ClusterConfig(_Strict):
         "run time (POST /pdd/instances, pdd launch --join; docs/SERVE.md \"Elastic topology\"); their ports, "
         "WAN link route and certificates are provisioned at start")
 
+    rerole: list[str] = Field(
+        default_factory=list,
+        description="relay decoders (pdd mode, e.g. [rld0]) an operator may re-role to main-decode duty in "
+        "datacenter A at run time and back (POST /pdd/instances/{name}/role; docs/SERVE.md \"Re-role\"): "
+        "as an MD in A it serves requests P->MD over the fast path, no WAN; its engine block stays its tier's. "
+        "An instance not listed cannot change role")
+
     autoscale: AutoscaleConfig = AutoscaleConfig()
 
     process_nice: int | None = Field(
@@ -544,6 +551,11 @@ class ClusterConfig(_Strict):
         for role in sorted(set(engines.values())):
             if all(n in self.standby for n, r in engines.items() if r == role):
                 raise ValueError(f"standby: every {role} instance is in standby; keep at least one started")
+        for name in self.rerole:
+            if engines.get(name) != "relay_decode":
+                rlds = [n for n, r in engines.items() if r == "relay_decode"]
+                raise ValueError(f"rerole: {name!r} is not a relay_decode instance of the {self.mode} topology "
+                                 f"(relay decoders: {', '.join(rlds) or 'none'})")
         return self
 
     @model_validator(mode="after")

@@ -46,3 +46,31 @@ def test_bad_standby(standby, msg):
     with pytest.raises(Exception) as ei:
         ClusterConfig.model_validate({"instances": {"main_decode": 2}, "standby": standby})
     assert msg in str(ei.value)
+
+
+@pytest.mark.parametrize("url,why", [
+    ("127.0.0.1:8000", "is not an http:// or https:// URL"),
+    ("http://127.0.0.1:80x0", "has a bad port"),
+    ("http://127.0.0.1:70000", "has a bad port"),
+    ("http://:8000", "names no host"),
+    ("ftp://gw:8000", "is not an http:// or https:// URL"),
+])
+def test_malformed_join_url_is_a_one_line_usage_error(tmp_path, capsys, monkeypatch, url, why):
+    monkeypatch.setattr(launch, "run_instance", lambda cfg, name: (_ for _ in ()).throw(AssertionError("ran")))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model_path": str(tmp_path / "model"), "security": {"tls": False, "fast_path": "plain"}}))
+    with pytest.raises(SystemExit) as ex:
+        main(["launch", "--role", "main_decode", "--config", str(cfg), "--join", url])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if "--join" in ln and why in ln]
+    assert line and "Traceback" not in err, err
+
+
+def test_good_join_urls_pass():
+    from pdd.gateway.join import gateway_url_problem
+
+    assert gateway_url_problem("http://127.0.0.1:8000") is None
+    assert gateway_url_problem("https://gw.example:443/") is None

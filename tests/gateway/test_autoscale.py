@@ -24,6 +24,14 @@ class FakeMembership:
     def busy(self, name):
         return 0
 
+    def members_of(self, role=None, state="active"):  # Membership's public accessors
+        return tuple(m for m in self.members.values()
+                     if (role is None or m.role == role) and (state is None or m.state == state))
+
+    @property
+    def changing(self):
+        return bool(self._busy_ops)
+
     async def add(self, role, name=None, address=None, start=False):
         self.calls.append(("add", role, start))
         if self.refuse:

@@ -219,3 +219,205 @@ def test_metrics_collector():
     assert 'pdd_gateway_routed_total{instance="md0",role="main_decode"} 7.0' in text
     assert 'pdd_gateway_instance_state{instance="md1",role="main_decode",state="standby"} 1.0' in text
     assert 'pdd_gateway_instance_in_flight{instance="md0",role="main_decode"} 0.0' in text
+
+
+class RolePeer(PoolPeer):
+    """Answers ``set_role`` as an instance that flushed ``held`` pages (``leaked`` left)."""
+
+    async def call(self, h, payload=b"", timeout=None):
+        if h.get("t") == "set_role":
+            self.sent.append(dict(h))
+            return {"t": "set_role_ok", "role": h["role"], "pages_dropped": self.held - self.leaked,
+                    "tokens_dropped": (self.held - self.leaked) * 16, "pages_total": 64,
+                    "pages_free": 64 - self.leaked}, b""
+        return await super().call(h, payload, timeout)
+
+
+def _rerole_setup(rerole=("rld0",)):
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "base_port": 18000, "rerole": list(rerole),
+                                        "instances": {"prefill": 1, "relay_decode": 2, "main_decode": 1}})
+    lay = layout(cfg)
+    o = Orchestrator(cfg, lay)
+    ms = Membership(o, lay, cfg.standby)
+    o.peers = {s.name: RolePeer(held=0) for s in o.layout.engines}
+    return o, ms
+
+
+def test_rerole_drains_then_switches_and_routing_follows():
+    o, ms = _rerole_setup()
+    o.inflight["rld0"] = 1  # a relay still decoding there
+
+    async def run():
+        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode", poll_s=0.001))
+        await asyncio.sleep(0.01)
+        assert ms.members["rld0"].state == DRAINING and not task.done()  # waits for the relay
+        assert await o._route("relay_decode", [1] * 40) == "rld1"  # no new relay goes there
+        assert [h["t"] for h in o.peers["rld0"].sent] == []  # not switched while busy
+        o.inflight["rld0"] = 0
+        rep = await task
+        assert (rep["role"], rep["slot_role"], rep["state"], rep["role_from"], rep["drained_in_flight"]) == \
+            ("main_decode", "relay_decode", ACTIVE, "relay_decode", 1)
+        assert rep["leaked_pages"] == 0 and rep["prefix_cache"]["pages_dropped"] == 0
+        assert o.peers["rld0"].sent == [{"t": "set_role", "role": "main_decode"}]
+        mds = [(s.name, s.dc, s.port) for s in o.layout.by_role(ROLE_MAIN)]
+        assert mds == [("rld0", "A", 18040), ("md0", "B", 18070)]
+        assert [s.name for s in o.layout.by_role("relay_decode")] == ["rld1"]
+        assert o._always_relay() is False  # an MD in A: the plan waits for MD's choice
+        assert ms.changes == {"add": 0, "drain": 1, "remove": 0, "rerole": 1}
+        # back: its MD cache (3 pages) is flushed and reported
+        o.peers["rld0"].held = 3
+        rep = await ms.rerole("rld0", "relay_decode")
+        assert (rep["role"], rep["prefix_cache"]["pages_dropped"], rep["prefix_cache"]["tokens_dropped"]) == \
+            ("relay_decode", 3, 48)
+        assert [s.name for s in o.layout.by_role("relay_decode")] == ["rld0", "rld1"]
+        assert o._always_relay() is True
+        # the same role again: nothing to do
+        rep = await ms.rerole("rld0", "relay_decode")
+        assert rep["changed"] is False
+
+    asyncio.run(run())
+
+
+def test_rerole_refusals():
+    o, ms = _rerole_setup()
+
+    async def run():
+        for name, role, status, code in (("rld1", "main_decode", 403, "rerole_not_allowed"),
+                                         ("rld0", "prefill", 400, "unknown_role"),
+                                         ("md0", "relay_decode", 403, "rerole_not_allowed"),
+                                         ("nope", "main_decode", 404, "instance_not_found")):
+            with pytest.raises(MembershipError) as ei:
+                await ms.rerole(name, role)
+            assert (ei.value.status, ei.value.code) == (status, code), ei.value.message
+        await ms.drain("rld1")  # rld0 is the last active RLD now
+        with pytest.raises(MembershipError) as ei:
+            await ms.rerole("rld0", "main_decode")
+        assert ei.value.status == 409 and "last active relay_decode" in ei.value.message
+        # still busy after the wait: active again in its old role
+        o.inflight["rld0"] = 1
+        with pytest.raises(MembershipError) as ei:
+            await ms.rerole("rld0", "main_decode", force=True, wait_s=0.0, poll_s=0.001)
+        assert ei.value.status == 409 and ei.value.code == "in_flight"
+        assert (ms.members["rld0"].state, ms.members["rld0"].role) == (ACTIVE, "relay_decode")
+        assert ms.changes["rerole_refused"] == 1 and "rerole" not in ms.changes
+        assert await o._route("relay_decode", [1] * 40) == "rld0"  # routable again (rld1 is draining)
+
+    asyncio.run(run())
+
+
+def test_rerole_config_names_a_relay_decoder():
+    with pytest.raises(ValueError, match="rerole: 'md0' is not a relay_decode instance"):
+        ClusterConfig.model_validate({"mode": "pdd", "rerole": ["md0"]})
+
+
+def test_role_endpoint_and_strict_bools():
+    o, ms = _rerole_setup()
+    app = FastAPI()
+    add_membership_routes(app, ms)
+    c = TestClient(app)
+    r = c.post("/pdd/instances/rld0/role", json={"role": "main_decode"})
+    assert r.status_code == 200 and r.json()["role"] == "main_decode", r.text
+    r = c.post("/pdd/instances/rld1/role", json={"role": "main_decode"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "rerole_not_allowed"
+    for path, body, field in (("/pdd/instances", {"role": "main_decode", "start": "yes"}, "start"),
+                              ("/pdd/instances/md0/drain", {"force": 1}, "force"),
+                              ("/pdd/instances/md0/drain", {"remove_when_idle": "true"}, "remove_when_idle"),
+                              ("/pdd/instances/rld0/role", {"role": "relay_decode", "force": "no"}, "force")):
+        r = c.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_body", field)
+
+
+def test_bad_query_value_carries_a_code():
+    from pdd.gateway.api import create_app
+
+    class Tok:  # what the app reads of a tokenizer when it is built
+        def get_vocab_size(self, with_added_tokens=True):
+            return 256
+
+    o, ms, _ = _setup()
+    c = TestClient(create_app(o.cfg, o, Tok()))
+    r = c.delete("/pdd/instances/md0?force=maybe")
+    assert r.status_code == 400, r.text
+    e = r.json()["error"]
+    assert (e["code"], e["param"]) == ("invalid_query", "force"), e
+
+
+def test_removed_md_leaves_the_wan_peer_metrics():
+    from prometheus_client import generate_latest
+
+    o, ms, _ = _setup(standby=())
+    o.wan_peers.add_rtt("md1", 20.0)
+    o.wan_peers.add_goodput("md1", 5.0)
+    text = generate_latest(o.metrics.registry).decode()
+    assert 'pdd_wan_peer_rtt_ms{instance="md1"}' in text and 'pdd_wan_peer_gbps{instance="md1"}' in text
+
+    async def run():
+        await ms.drain("md1")
+        await ms.remove("md1")
+
+    asyncio.run(run())
+    text = generate_latest(o.metrics.registry).decode()
+    assert 'instance="md1"}' not in "".join(l for l in text.splitlines() if l.startswith("pdd_wan_peer"))
+
+
+def test_public_accessors_are_snapshots():
+    o, ms, _ = _setup()
+    act = ms.members_of("main_decode")
+    assert [(m.name, m.state, m.source) for m in act] == [("md0", ACTIVE, "config")]
+    assert [m.name for m in ms.members_of(None, None)] == ["p0", "rld0", "md0", "md1"]
+    assert [m.name for m in ms.members_of("main_decode", STANDBY)] == ["md1"]
+    with pytest.raises(Exception):
+        act[0].state = DRAINING  # read-only
+    assert ms.changing is False
+    ms._busy_ops.add("md1")
+    assert ms.changing is True
+
+
+def test_admission_capacities_follow_membership():
+    from pdd.gateway.admission import Admission, resolve_limits
+
+    cfg = ClusterConfig.model_validate({
+        "mode": "pdd", "base_port": 18000, "standby": ["md2"], "rerole": ["rld0"],
+        "engine": {"max_running": 8, "num_pages": 100, "page_size": 16},
+        "tiers": {"relay_decode": {"engine": {"max_running": 4}}},
+        "instances": {"prefill": 2, "relay_decode": 2, "main_decode": 3}})
+    lay = layout(cfg)
+    o = Orchestrator(cfg, lay)
+    ms = Membership(o, lay, cfg.standby)
+    o.peers = {s.name: RolePeer(held=0) for s in o.layout.engines}
+
+    async def connect(name, retries):
+        return RolePeer(held=0)
+
+    o._connect = connect
+    adm = Admission.from_config(cfg, o.layout)
+    ms.admission = adm
+
+    def caps():
+        return adm.limits.max_inflight, adm.limits.max_queued_tokens
+
+    # MD slots x (max_running + tier_max_waiting, default one batch); P's pool in tokens
+    assert caps() == ((8 + 8) * 2, 100 * 16 * 2)
+    assert resolve_limits(cfg, ms.serving_layout()) == adm.limits
+
+    async def run():
+        out = []
+        await ms.add("main_decode", name="md2")
+        out.append(caps())
+        await ms.drain("md0")  # draining: takes no new request, so no capacity for one
+        out.append(caps())
+        await ms.remove("md0")
+        out.append(caps())
+        await ms.rerole("rld0", "main_decode")  # an MD in A with its own engine block (max_running 4)
+        out.append(caps())
+        await ms.drain("p1")
+        out.append(caps())
+        await ms.rerole("rld0", "relay_decode")
+        out.append(caps())
+        return out
+
+    assert asyncio.run(run()) == [(48, 3200), (32, 3200), (32, 3200), (32 + 8, 3200), (40, 1600), (32, 1600)]
+    # configured (non-derived) limits stay as set
+    cfg2 = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"max_inflight_requests": 5})})
+    assert resolve_limits(cfg2, ms.serving_layout()).max_inflight == 5

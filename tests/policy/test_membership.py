@@ -62,3 +62,29 @@ def test_unknown_op_or_state_raises():
         decide("grow", "md0", "main_decode", ACTIVE)
     with pytest.raises(ValueError, match="unknown membership state 'asleep'"):
         decide("add", "md0", "main_decode", "asleep")
+
+
+def test_rerole_decisions():
+    from pdd.policy.membership import decide_rerole
+
+    ok = decide_rerole("rld0", "relay_decode", "main_decode", ACTIVE, "A", allowed=True, others_active=1)
+    assert (ok.ok, ok.changed, ok.status) == (True, True, 200)
+    same = decide_rerole("rld0", "main_decode", "main_decode", ACTIVE, "A", allowed=True, others_active=0)
+    assert (same.ok, same.changed, same.status) == (True, False, 200)
+    cases = {
+        ("relay_decode", "prefill", ACTIVE, "A", True, 1, False): 400,
+        ("relay_decode", "main_decode", ACTIVE, "A", False, 1, False): 403,  # not listed in rerole
+        ("main_decode", "relay_decode", ACTIVE, "B", True, 1, False): 403,  # an MD in B is not an RLD
+        ("prefill", "main_decode", ACTIVE, "A", True, 1, False): 403,
+        ("relay_decode", "main_decode", DRAINING, "A", True, 1, False): 409,
+        ("relay_decode", "main_decode", STANDBY, "A", True, 1, False): 409,
+        ("relay_decode", "main_decode", ACTIVE, "A", True, 0, False): 409,  # the last RLD
+    }
+    for (role, to, state, dc, allowed, others, force), status in cases.items():
+        d = decide_rerole("rld0", role, to, state, dc, allowed=allowed, others_active=others, force=force)
+        assert (d.ok, d.status) == (False, status), (role, to, state, dc, d)
+    forced = decide_rerole("rld0", "relay_decode", "main_decode", ACTIVE, "A", allowed=True, others_active=0,
+                           force=True)
+    assert (forced.ok, forced.changed) == (True, True)
+    with pytest.raises(ValueError):
+        decide_rerole("rld0", "relay_decode", "main_decode", "gone", "A", allowed=True, others_active=1)

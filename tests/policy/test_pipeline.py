@@ -107,3 +107,16 @@ def test_cross_traffic_halving_the_line_flips_a_request_to_the_relay():
     # a high-hit request keeps P->MD at the halved rate: 20 missing tokens = 13 ms
     hi = dict(req, md_cached_tokens=380)
     assert choose_pipeline(PipelineInputs(wan_gbps_estimate=est.gbps, **hi)) is Pipeline.P_MD
+
+
+def test_md_in_datacenter_a_is_p_d_and_not_relayed_at_once():
+    from pdd.policy.pipeline import PipelineInputs, choose_pipeline, relays_every_request
+    from pdd.types import Pipeline
+
+    inp = PipelineInputs(mode="pdd", prompt_tokens=4096, md_cached_tokens=0, ttft_budget_ms=0.0,
+                         md_crosses_wan=False)
+    assert choose_pipeline(inp) == Pipeline.P_D  # a re-roled RLD: the KV takes the fast path
+    assert choose_pipeline(PipelineInputs(mode="pdd", prompt_tokens=4096, md_available=False,
+                                          md_crosses_wan=False)) == Pipeline.P_RLD
+    assert relays_every_request("pdd", 0.0, False) is True
+    assert relays_every_request("pdd", 0.0, False, md_in_a=True) is False

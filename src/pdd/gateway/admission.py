@@ -206,7 +206,11 @@ class PrefillRate:
 
 def resolve_limits(cfg, lay) -> AdmissionLimits:
     """``cfg.limits`` with its None defaults derived from the engines' sizes and instance counts
-    (see :class:`pdd.config.LimitsConfig`); 0 turns a limit off."""
+    of layout ``lay`` (see :class:`pdd.config.LimitsConfig`); 0 turns a limit off. With an
+    elastic topology ``lay`` is the *active* members' (``Membership.serving_layout``: a draining
+    instance takes no new request, a standby or removed one none at all, a re-roled relay decoder
+    counts in its new role with its own engine block), and the gateway recomputes the limits on
+    every membership change (:meth:`Admission.follow`)."""
     from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL
 
     lim, e = cfg.limits, cfg.engine
@@ -265,6 +269,14 @@ class Admission:
         lim = cfg.limits
         return cls(resolve_limits(cfg, lay), lim.ttft_target_ms / 1000 or None, lim.tpot_target_ms / 1000 or None,
                    lim.min_inflight_requests)
+
+    def follow(self, limits: AdmissionLimits) -> None:
+        """Take ``limits`` (recomputed by :func:`resolve_limits` after a membership change); the
+        requests in flight and the adaptive limit's state stay (its upper bound is the new
+        ``max_inflight``)."""
+        self.limits = limits
+        if self.adaptive is not None and limits.max_inflight is not None and self.adaptive.limit > limits.max_inflight:
+            self.adaptive = dataclasses.replace(self.adaptive, limit=float(limits.max_inflight))
 
     def state(self) -> AdmissionState:
         wan = self.wan_backlog() if self.wan_backlog is not None and self.limits.max_wan_backlog_s else None

@@ -202,9 +202,13 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         # a list item by its index, as the validators and the chat renderer name it (messages[1])
         where = "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else x)
                         for i, x in enumerate(raw_loc))
+        # a bad query string or path value (``?force=maybe``) carries a code, as a bad operator
+        # body does (``invalid_body``); a bad /v1 body keeps OpenAI's null code
+        code = {"query": "invalid_query", "path": "invalid_path", "header": "invalid_header"}.get(
+            str((first.get("loc") or ("body",))[0]))
         if msg.startswith(f"{param}[") or msg.startswith(f"{param}:"):  # the validator named the item
-            return bad_request(msg, param)
-        return bad_request(f"{where}: {msg}" if where else msg, param)
+            return bad_request(msg, param, code=code)
+        return bad_request(f"{where}: {msg}" if where else msg, param, code=code)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -289,6 +293,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         from pdd.gateway.membership_api import add_membership_routes
 
         add_membership_routes(app, orch.membership)
+        orch.membership.admission = adm  # capacities follow add / drain / remove / re-role
+        orch.membership.sync_admission()
     from pdd.gateway.autoscale import add_autoscale_routes
 
     add_autoscale_routes(app, orch)  # GET /pdd/autoscale (``{"enabled": false}`` unless pdd serve --autoscale)

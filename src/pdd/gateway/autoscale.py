@@ -63,8 +63,7 @@ class Autoscaler:
         self.window = AutoscaleWindow(tuple(self.roles), self.clock())
 
     def _members(self, role: str, state: str = ACTIVE) -> list:
-        ms = self.orch.membership
-        return [m for m in ms.members.values() if m.role == role and m.state == state]
+        return list(self.orch.membership.members_of(role, state))
 
     def sample(self) -> None:
         """One load sample of every scaled role, and the requests that arrived since the last."""
@@ -85,7 +84,7 @@ class Autoscaler:
     def inputs(self) -> AutoscaleInputs:
         """The interval's measured state (the samples taken since the last decision)."""
         ms = self.orch.membership
-        pending = bool(getattr(ms, "_busy_ops", ())) or any(self._members(r, DRAINING) for r in self.roles)
+        pending = ms.changing or any(self._members(r, DRAINING) for r in self.roles)
         lc = getattr(self.orch, "live_counters", None)
         hits = lc.align.rates() if lc is not None else {}
         return self.window.inputs(self.clock(), {r: len(self._members(r)) for r in self.roles}, self.last_change,

@@ -12,6 +12,25 @@ import time
 JOIN_TIMEOUT_S = 180.0
 
 
+def gateway_url_problem(url: str) -> str | None:
+    """Why ``url`` is not a gateway URL (``http[s]://host[:port]``, port 1-65535), or None."""
+    from urllib.parse import urlsplit
+
+    u = (url or "").strip()
+    try:
+        parts = urlsplit(u)
+        port = parts.port  # ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        return f"{url!r} has a bad port (expected http://host:port, port 1-65535)"
+    if parts.scheme not in ("http", "https"):
+        return f"{url!r} is not an http:// or https:// URL (expected e.g. http://127.0.0.1:8000)"
+    if not parts.hostname or " " in u:
+        return f"{url!r} names no host (expected http://host:port)"
+    if port == 0:
+        return f"{url!r} has port 0 (expected 1-65535)"
+    return None
+
+
 def join_body(spec, host: str) -> dict:
     return {"role": spec.role, "name": spec.name, "address": f"{host}:{spec.port}"}
 

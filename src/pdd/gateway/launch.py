@@ -63,6 +63,7 @@ class Launchers:
             allow_p_rld=self.cfg.policy.allow_p_rld,
             md_available=md_available,
             wan_backlog_bytes=self._wan_backlog_bytes(md, st),
+            md_crosses_wan=md is None or self._in_b(md),
         )
         out = choose_pipeline(inp)
         st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
@@ -403,7 +404,9 @@ class Launchers:
     def _always_relay(self) -> bool:
         """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""
         pol = self.cfg.policy
-        return relays_every_request(self.cfg.mode, pol.pipeline_ttft_budget_ms, pol.allow_p_rld)
+        # an MD in datacenter A (a re-roled relay decoder, gateway.membership): wait for MD's choice
+        md_in_a = any(s.dc == "A" for s in self.layout.by_role(ROLE_MAIN)) if self.cfg.mode == "pdd" else False
+        return relays_every_request(self.cfg.mode, pol.pipeline_ttft_budget_ms, pol.allow_p_rld, md_in_a)
 
     def _prefilled(self, st: ReqState) -> None:
         """P's prefill returned (its first token sampled): the KV is on its way to the decoder.

@@ -23,11 +23,19 @@ members' (active and draining) on every change, so routing (``gateway.routing`` 
   is flushed and dropped with it: the pages it held are reported (``prefix_cache``) and logged,
   the gateway's prefix index of it is forgotten so routing counts no hits that are gone, and the
   instance's leaked pages (0 when it released everything) are reported.
+- re-role (:meth:`Membership.rerole`, only for the relay decoders the config's ``rerole`` lists):
+  the instance is drained (no new request of its current role; in-flight relays finish or hand
+  off to MD as usual), then, once nothing is in flight there, the same process switches its role
+  object (``pdd.roles.rerole``: same address, connections, weights) and is active again in the
+  new role: as an MD in datacenter A it is routed P->MD requests over the fast path (no WAN,
+  pipeline ``p_d``). Its prefix cache is flushed on the switch and the pages dropped are
+  reported (``prefix_cache``) with its leaked pages, as on remove.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdd.gateway.prefix_index import PrefixIndex
-from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide
+from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide, decide_rerole
+from pdd.roles.rerole import set_role_msg
 from pdd.topology import ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, Layout
 from pdd.transfer.messages import Flush, Stats
 
@@ -78,6 +87,17 @@ class Member:
     proc: subprocess.Popen | None = None
 
 
+@dataclass(frozen=True)
+class MemberInfo:
+    """A read-only snapshot of one member (:meth:`Membership.members_of`)."""
+
+    name: str
+    role: str
+    dc: str
+    state: str
+    source: str
+
+
 def parse_address(addr: str) -> tuple[str, int]:
     """``host:port`` (an ``http://`` or ``tcp://`` prefix is allowed) -> (host, port). Raises
     MembershipError(400) for anything else."""
@@ -105,9 +125,10 @@ class Membership:
             self.members[s.name] = Member(s.name, s.role, s.dc, f"{host}:{port}", f"{reach[0]}:{reach[1]}",
                                           STANDBY if s.name in standby else ACTIVE)
         self.events: list[dict] = []
-        self.changes: dict[str, int] = {"add": 0, "drain": 0, "remove": 0}
+        self.changes: dict[str, int] = {"add": 0, "drain": 0, "remove": 0}  # and "rerole" once one happens
         self._busy_ops: set[str] = set()  # names with an add or remove under way
         self._watchers: dict[str, asyncio.Task] = {}
+        self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
         orch.membership = self
         self._sync_layout()
         reg = getattr(getattr(orch, "metrics", None), "registry", None)
@@ -115,6 +136,17 @@ class Membership:
             reg.register(MembershipCollector(self))
 
     # ------------------------------------------------------------------ queries
+    def members_of(self, role: str | None = None, state: str | None = ACTIVE) -> tuple[MemberInfo, ...]:
+        """Snapshots of the slots of ``role`` (None: every role) in ``state`` (None: any), in the
+        config's slot order."""
+        return tuple(MemberInfo(m.name, m.role, m.dc, m.state, m.source) for m in self.members.values()
+                     if (role is None or m.role == role) and (state is None or m.state == state))
+
+    @property
+    def changing(self) -> bool:
+        """Whether an add, remove or re-role is under way now."""
+        return bool(self._busy_ops)
+
     def routable(self, name: str) -> bool:
         m = self.members.get(name)
         return m is None or m.state == ACTIVE
@@ -134,7 +166,8 @@ class Membership:
     def view(self, name: str) -> dict:
         m = self.members[name]
         peer = self.orch.peers.get(name)
-        return {"name": m.name, "role": m.role, "dc": m.dc, "address": m.address, "reached_at": m.reached_at,
+        return {"name": m.name, "role": m.role, "slot_role": self.full.get(name).role, "dc": m.dc,
+                "address": m.address, "reached_at": m.reached_at,
                 "state": m.state, "source": m.source, "in_flight": self.busy(name) if m.state != STANDBY else 0,
                 "routed": int(self.orch.routed.get(name, 0)),
                 "connected": bool(peer is not None and not peer.closed), "since": round(m.since, 3)}
@@ -145,9 +178,27 @@ class Membership:
 
     # ------------------------------------------------------------------ internals
     def _sync_layout(self) -> None:
-        keep = tuple(s for s in self.full.instances
+        keep = tuple(s if s.role in (ROLE_GATEWAY, ROLE_LINK) or self.members[s.name].role == s.role
+                     else dataclasses.replace(s, role=self.members[s.name].role)  # re-roled
+                     for s in self.full.instances
                      if s.role in (ROLE_GATEWAY, ROLE_LINK) or self.members[s.name].state in (ACTIVE, DRAINING))
         self.orch.layout = Layout(self.full.mode, self.full.host, keep, self.full.link_control_port)
+
+    def serving_layout(self) -> Layout:
+        """The layout of the *active* members (each in its current role): what new requests can
+        be routed to, so what admission's derived capacities count (``gateway.admission``)."""
+        keep = tuple(s for s in self.orch.layout.instances
+                     if s.role in (ROLE_GATEWAY, ROLE_LINK) or self.members[s.name].state == ACTIVE)
+        return Layout(self.full.mode, self.full.host, keep, self.full.link_control_port)
+
+    def sync_admission(self) -> None:
+        """Recompute admission's capacities (in-flight slots, prefill queue tokens) for the
+        active members (called on every membership change; a no-op before the HTTP app exists)."""
+        adm = self.admission
+        if adm is not None:
+            from pdd.gateway.admission import resolve_limits
+
+            adm.follow(resolve_limits(self.orch.cfg, self.serving_layout()))
 
     def _set(self, m: Member, state: str, op: str, frm: str | None = None, **info) -> None:
         old = frm or m.state
@@ -157,6 +208,7 @@ class Membership:
         self.events.append(ev)
         del self.events[:-EVENTS_KEPT]
         self._sync_layout()
+        self.sync_admission()
         log.warning("membership: %s", json.dumps(ev, sort_keys=True))
 
     def _get(self, name: str) -> Member:
@@ -344,10 +396,14 @@ class Membership:
                     cache["error"] = f"{type(e).__name__}: {e}"
             ix = o.prefix_index.pop(name, None)
             cache["gateway_index_pages_forgotten"] = len(ix) if ix is not None else 0
+            wp = getattr(o, "wan_peers", None)
+            if wp is not None:  # its WAN estimates (pdd_wan_peer_* on /metrics) go with it
+                wp.forget(name)
             if busy and peer is not None:  # forced: its requests are recovered as after a loss
                 o._peer_closed(name, peer)
             old = m.state
             m.state = REMOVED  # not routable from here on
+            m.role = self.full.get(name).role  # a re-roled slot starts again in its configured role
             deadline = time.monotonic() + 5.0  # a reconnect under way would put its connection back
             while name in getattr(o, "_reconnecting", ()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -362,6 +418,61 @@ class Membership:
         out = self.view(name)
         out.update(prefix_cache=cache, leaked_pages=leaked, forced=bool(force and busy))
         return out
+
+    async def rerole(self, name: str, role: str, force: bool = False, wait_s: float | None = None,
+                     poll_s: float = 0.05) -> dict:
+        """Give instance ``name`` (a relay decoder the config's ``rerole`` lists) ``role``
+        (main_decode: MD duty in datacenter A; relay_decode: back). Drains it, waits until nothing
+        is in flight there (at most ``wait_s``, default the request timeout), switches the role in
+        the same process (``pdd.roles.rerole``) and makes it active again in the new role.
+        Returns its view with ``prefix_cache`` (pages flushed on the switch), ``leaked_pages`` and
+        ``drained_in_flight``. Raises MembershipError: 400 bad role, 403 not allowed by the config,
+        404 no such instance, 409 not active / last of its role / still busy after ``wait_s``
+        (it is active again in its old role), 503 the instance refused or was lost."""
+        m = self._get(name)
+        o = self.orch
+        if name in self._busy_ops:
+            raise MembershipError(409, f"instance {name} is being changed now", "name", "conflict")
+        d = decide_rerole(name, m.role, role, m.state, m.dc, allowed=name in getattr(o.cfg, "rerole", ()),
+                          others_active=self._others_active(m), force=force)
+        if not d.ok:
+            code = {400: "unknown_role", 403: "rerole_not_allowed"}.get(d.status, "conflict")
+            raise MembershipError(d.status, d.message, "role" if d.status == 400 else "name", code)
+        if not d.changed:
+            return {**self.view(name), "message": d.message, "changed": False}
+        self._busy_ops.add(name)
+        frm = m.role
+        try:
+            in_flight = self.busy(name)
+            self._set(m, DRAINING, "drain", in_flight=in_flight, reason=f"rerole to {role}")
+            deadline = time.monotonic() + (o.cfg.request_timeout_s if wait_s is None else wait_s)
+            while self.busy(name) > 0:  # in-flight relays finish (or hand off to MD) where they are
+                if time.monotonic() > deadline:
+                    self._set(m, ACTIVE, "rerole_refused", frm=DRAINING, refused=f"still {self.busy(name)} in flight")
+                    raise MembershipError(409, f"instance {name} still has {self.busy(name)} request(s) in flight "
+                                               f"after draining; it is active as {frm} again", "name", "in_flight")
+                await asyncio.sleep(poll_s)
+            peer = o.peers.get(name)
+            try:
+                if peer is None or peer.closed:
+                    raise ConnectionError("not connected")
+                rep, _ = await peer.call(set_role_msg(role), timeout=60)
+            except Exception as e:
+                self._set(m, ACTIVE, "rerole_refused", frm=DRAINING, refused=f"{type(e).__name__}: {e}")
+                raise MembershipError(503, f"instance {name} did not change role: {type(e).__name__}: {e}; it is "
+                                           f"active as {frm} again", "name", "rerole_failed") from None
+            leaked = int(rep["pages_total"]) - int(rep["pages_free"])
+            cache = {"fate": "flushed on the role switch (an RLD keeps no prefix cache; an MD's starts cold)",
+                     "pages_dropped": int(rep["pages_dropped"]), "tokens_dropped": int(rep["tokens_dropped"])}
+            ix = o.prefix_index.pop(name, None)  # routing peeks an instance in A; nothing indexed of it stays
+            cache["gateway_index_pages_forgotten"] = len(ix) if ix is not None else 0
+            m.role = role
+            self._set(m, ACTIVE, "rerole", frm=DRAINING, role_from=frm, drained_in_flight=in_flight,
+                      prefix_cache=cache, leaked_pages=leaked)
+        finally:
+            self._busy_ops.discard(name)
+        return {**self.view(name), "changed": True, "role_from": frm, "drained_in_flight": in_flight,
+                "prefix_cache": cache, "leaked_pages": leaked}
 
     # ------------------------------------------------------------------ processes (pdd serve)
     def _start_process(self, m: Member) -> subprocess.Popen:
@@ -435,4 +546,4 @@ class MembershipCollector:
         yield ch
 
 
-__all__ = ["Membership", "MembershipError", "Member", "parse_address", "ROLE_COLOCATED"]
+__all__ = ["Membership", "MembershipError", "Member", "MemberInfo", "parse_address", "ROLE_COLOCATED"]

@@ -5,9 +5,13 @@ the API keys like every other endpoint (docs/SECURITY.md):
 - ``POST /pdd/instances`` ``{"role", "name"?, "address"?, "start"?}``: add one.
 - ``POST /pdd/instances/{name}/drain`` ``{"force"?, "remove_when_idle"?}``: stop routing to it.
 - ``DELETE /pdd/instances/{name}`` (``?force=true``): remove it.
+- ``POST /pdd/instances/{name}/role`` ``{"role", "force"?}``: re-role a relay decoder the config's
+  ``rerole`` lists to main-decode duty in datacenter A (``main_decode``) or back
+  (``relay_decode``); answers once it serves in the new role (it is drained first).
 
-Refusals are OpenAI-style error bodies: 400 (bad body, unknown role, bad address), 404 (no such
-instance), 409 (duplicate, still in flight, last active of its role), 503 (unreachable).
+Refusals are OpenAI-style error bodies: 400 (bad body, unknown role, bad address), 403 (re-role
+not allowed by the config), 404 (no such instance), 409 (duplicate, still in flight, last active
+of its role), 503 (unreachable). Booleans are strict: ``"yes"`` or ``1`` is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from pdd.gateway.membership import Membership, MembershipError
 from pdd.gateway.openai_schemas import error_body
@@ -27,13 +31,19 @@ class AddInstance(BaseModel):
     role: str
     name: Optional[str] = None
     address: Optional[str] = None
-    start: bool = False
+    start: StrictBool = False
 
 
 class DrainInstance(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    force: bool = False
-    remove_when_idle: bool = False
+    force: StrictBool = False
+    remove_when_idle: StrictBool = False
+
+
+class RoleChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    force: StrictBool = False
 
 
 def _error(e: MembershipError) -> JSONResponse:
@@ -76,6 +86,14 @@ def add_membership_routes(app: FastAPI, ms: Membership) -> None:
         try:
             b = await _body(request, DrainInstance)
             return await ms.drain(name, force=b.force, remove_when_idle=b.remove_when_idle)
+        except MembershipError as e:
+            return _error(e)
+
+    @app.post("/pdd/instances/{name}/role")
+    async def rerole_instance(name: str, request: Request):
+        try:
+            b = await _body(request, RoleChange)
+            return await ms.rerole(name, b.role, force=b.force)
         except MembershipError as e:
             return _error(e)
 

@@ -22,6 +22,18 @@ same role):
 |        |                      |          | force: its requests are then recovered as after a loss) |
 
 A standby or removed instance cannot be drained or removed (409).
+
+Re-role (``decide_rerole``): a relay decoder listed in the config's ``rerole`` takes main-decode
+duty in its datacenter (A: P->MD over the fast path, no WAN) and back. The gateway drains it
+first (``active -> draining``: no new request of its current role), switches its role once
+nothing is in flight there, and it is ``active`` again in the new role. Refused with
+
+- 403 when the config does not list the instance (``rerole``), or it is not in datacenter A;
+- 400 when the target role is not ``relay_decode`` / ``main_decode``;
+- 409 when it is not a member (standby, removed), is being drained for another reason, or is
+  the last active instance of its current role (unless force: a pdd topology serves without an
+  RLD, P->MD, but an operator should say so);
+- ``changed=False`` (200, nothing to do) when it already has that role.
 """
 
 from __future__ import annotations
@@ -73,3 +85,40 @@ def decide(op: str, name: str, role: str, state: str, *, busy: int = 0, others_a
     if state == ACTIVE and others_active < 1 and not force:
         return refuse(f"instance {name} is the last active {role} instance: add another first (or force)")
     return Decision(True, REMOVED)
+
+
+REROLE_ROLES = ("relay_decode", "main_decode")
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    ok: bool
+    changed: bool  # False: refused, or it already has that role
+    status: int = 200
+    message: str = ""
+
+
+def decide_rerole(name: str, role: str, to: str, state: str, dc: str, *, allowed: bool, others_active: int,
+                  force: bool = False) -> RoleDecision:
+    """Whether instance ``name`` (now ``role`` in ``state``, datacenter ``dc``) may take role
+    ``to``. ``allowed``: the config lists it in ``rerole``; ``others_active``: other active
+    instances of its current role. Raises ValueError for an unknown ``state``."""
+    if state not in STATES:
+        raise ValueError(f"unknown membership state {state!r}; expected one of {STATES}")
+    if to not in REROLE_ROLES:
+        return RoleDecision(False, False, 400, f"role {to!r} cannot be taken at run time; expected one of "
+                                               f"{', '.join(REROLE_ROLES)}")
+    if not allowed or role not in REROLE_ROLES:
+        return RoleDecision(False, False, 403, f"instance {name} may not change role: the config's rerole lists "
+                                               f"the relay decoders that may (rerole: [{name}])")
+    if dc != "A":
+        return RoleDecision(False, False, 403, f"instance {name} is in datacenter {dc}: only an instance in A "
+                                               f"changes role (an RLD's duty is the fast path next to P)")
+    if to == role:
+        return RoleDecision(True, False, 200, f"instance {name} is already {to}")
+    if state != ACTIVE:
+        return RoleDecision(False, False, 409, f"instance {name} is {state}: only an active member changes role")
+    if others_active < 1 and not force:
+        return RoleDecision(False, False, 409, f"instance {name} is the last active {role} instance: add another "
+                                               f"first (or force)")
+    return RoleDecision(True, True)

@@ -40,6 +40,8 @@ class PipelineInputs:
     md_available: False when no MD is reachable (degraded: P->RLD).
     wan_backlog_bytes: KV bytes already queued to that MD ahead of this request's (bytes;
         ``pdd.policy.wan_estimate.queued_bytes``), which cross the line first.
+    md_crosses_wan: False for an MD in datacenter A (a relay decoder re-roled to main-decode
+        duty, ``pdd.gateway.membership``): its KV comes over the fast path, nothing to mask.
     """
 
     mode: str
@@ -52,6 +54,7 @@ class PipelineInputs:
     allow_p_rld: bool = False
     md_available: bool = True
     wan_backlog_bytes: float = 0.0
+    md_crosses_wan: bool = True
 
 
 def missing_tokens(inp: PipelineInputs) -> int:
@@ -72,12 +75,14 @@ def expected_wan_seconds(inp: PipelineInputs) -> float:
                             inp.wan_backlog_bytes)
 
 
-def relays_every_request(mode: str, ttft_budget_ms: float, allow_p_rld: bool) -> bool:
+def relays_every_request(mode: str, ttft_budget_ms: float, allow_p_rld: bool, md_in_a: bool = False) -> bool:
     """Whether every request is planned P->RLD->MD before MD's cache state is known: ``pdd``
-    mode with a zero (or negative) TTFT budget and without the ``allow_p_rld`` ablation. Then
-    :func:`choose_pipeline` cannot return anything else (what MD holds does not matter), so P
-    may stream to RLD at once instead of waiting for MD's reservation."""
-    return mode == "pdd" and ttft_budget_ms <= 0 and not allow_p_rld
+    mode with a zero (or negative) TTFT budget, without the ``allow_p_rld`` ablation and with no
+    MD in datacenter A among the routable ones (``md_in_a``: a request routed there goes P->MD
+    over the fast path, so the plan waits for MD's choice). Then :func:`choose_pipeline` cannot
+    return anything else (what MD holds does not matter), so P may stream to RLD at once instead
+    of waiting for MD's reservation."""
+    return mode == "pdd" and ttft_budget_ms <= 0 and not allow_p_rld and not md_in_a
 
 
 def choose_pipeline(inp: PipelineInputs) -> Pipeline:
@@ -86,6 +91,7 @@ def choose_pipeline(inp: PipelineInputs) -> Pipeline:
     - colocated -> COLOCATED; same_dc_pd -> P_D; cross_dc_pd -> P_MD (no relay exists there).
     - pdd:
         * MD unreachable -> P_RLD (degraded mode, never planned otherwise);
+        * MD in datacenter A (``md_crosses_wan`` False) -> P_D: its KV takes the fast path;
         * budget > 0 and expected_wan_seconds <= budget -> P_MD (high-hit: small increment);
         * otherwise -> P_RLD_MD (low-hit: RLD masks the WAN), or P_RLD when the
           ``allow_p_rld`` ablation is on (report: the excluded pipeline that collapses).
@@ -100,6 +106,8 @@ def choose_pipeline(inp: PipelineInputs) -> Pipeline:
         raise ValueError(f"unknown mode {inp.mode!r}; expected one of {MODES}")
     if not inp.md_available:
         return Pipeline.P_RLD
+    if not inp.md_crosses_wan:
+        return Pipeline.P_D
     if inp.ttft_budget_ms > 0 and expected_wan_seconds(inp) * 1000.0 <= inp.ttft_budget_ms + 1e-9:
         return Pipeline.P_MD
     return Pipeline.P_RLD if inp.allow_p_rld else Pipeline.P_RLD_MD

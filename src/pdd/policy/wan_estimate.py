@@ -245,6 +245,11 @@ class PeerWanEstimates:
         """One round trip (ms) to ``peer``; returns its measured estimate."""
         return self.rtt.setdefault(peer, RttEstimate(self.window)).add(rtt_ms)
 
+    def forget(self, peer: str) -> None:
+        """Drop ``peer``'s estimates (it left the topology); a later sample starts afresh."""
+        self.goodput.pop(peer, None)
+        self.rtt.pop(peer, None)
+
     def configured_gbps(self) -> float:
         """The configured line rate, capped by one connection's Mathis rate at the configured loss."""
         return self._configured_gbps

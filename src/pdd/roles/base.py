@@ -160,8 +160,13 @@ class EngineInstance:
         )
 
     def handlers(self) -> dict:
-        return {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek,
-                "wan_probe": self.on_wan_probe}
+        hs = {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek,
+              "wan_probe": self.on_wan_probe}
+        if self.spec.name in self.cfg.rerole:  # may change role at run time (pdd.roles.rerole)
+            from pdd.roles.rerole import SET_ROLE, on_set_role
+
+            hs[SET_ROLE] = lambda peer, h, payload: on_set_role(self, peer, h, payload)
+        return hs
 
     async def on_wan_probe(self, peer, h, payload):
         """The gateway's WAN probe (``pdd.policy.wan_estimate.probe_due``): answered at once."""

@@ -47,6 +47,12 @@ log = logging.getLogger(__name__)
 class MainDecodeInstance(EngineInstance):
     def __init__(self, cfg, spec, lay):
         super().__init__(cfg, spec, lay)
+        self.role_state()
+
+    def role_state(self) -> None:
+        """This role's own state (also set when an instance takes this role at run time,
+        ``pdd.roles.rerole``: an RLD in A on main-decode duty is tier ``d``, as same_dc_pd's)."""
+        spec = self.spec
         if spec.role == ROLE_COLOCATED:
             self.tier = "colocated"
         else:

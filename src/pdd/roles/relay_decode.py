@@ -30,6 +30,12 @@ class RelayDecodeInstance(EngineInstance):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
+        self.role_state()
+
+    def role_state(self) -> None:
+        """This role's own state (also set when an instance takes this role at run time,
+        ``pdd.roles.rerole``)."""
+        self.tier = "rld"
         # the mode auto is in now (hysteresis state); a fixed mode starts in itself
         self.current_mode = "one_shot" if self.cfg.policy.handoff_mode == "one_shot" else "catch_up"
 
