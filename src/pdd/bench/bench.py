@@ -80,7 +80,7 @@ from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_
                               hit_rates, instance_hardware, sweep_point)
 from pdd.bench.live import (RemoteTopology, WanSampler, _default_topology, _warmup, ensure_model,  # noqa: F401
                             fit_scale, measured_replay, wan_reader)
-from pdd.bench.modes import apply_overrides, mode_config, parse_mode_label  # noqa: F401
+from pdd.bench.modes import apply_overrides, check_vllm_tiers, mode_config, parse_mode_label  # noqa: F401
 from pdd.bench.plots import (handoff_index, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
                              plot_wan_throughput)
 from pdd.bench.preview import PREVIEW_BUDGETS_MS, kv_bytes_per_token, pipeline_preview  # noqa: F401
@@ -195,6 +195,8 @@ def run_bench(
         factory = topology_factory or _default_topology
         for m in modes:
             parse_mode_label(m)  # ValueError naming a bad label before anything starts
+        if topology_factory is None:  # a mode with MD on vLLM and no vLLM venv: ValueError naming `make vllm`
+            check_vllm_tiers(config, modes, vllm_python)
     run_order = _order_modes(modes)
 
     # ---- workload
@@ -310,7 +312,7 @@ def run_bench(
 
     warm_sweep = sweep is not None and sweep_next is not None
     for k, mode in enumerate(run_order, 1):
-        cfg = config if remote is not None else mode_config(config, mode)
+        cfg = config if remote is not None else mode_config(config, mode, vllm_python)
         console.rule(f"[bold]{mode}[/] ({k}/{len(run_order)})")
         t_start = time.monotonic()
         entry: dict = {}

@@ -1,5 +1,6 @@
-"""Mode labels (``pdd+allow_p_rld``, ``pdd+engine.prefill_order=short_first``) and flag overrides
-turned into the :class:`~pdd.config.ClusterConfig` a benchmarked mode runs."""
+"""Mode labels (``pdd+allow_p_rld``, ``pdd+engine.prefill_order=short_first``,
+``pdd+vllm.main_decode``) and flag overrides turned into the :class:`~pdd.config.ClusterConfig` a
+benchmarked mode runs."""
 
 from __future__ import annotations
 
@@ -38,14 +39,18 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
 
     ``"pdd"`` -> ``("pdd", {})``; ``"pdd+allow_p_rld"`` -> ``("pdd", {"allow_p_rld": True})``;
     ``"pdd+routing=round_robin+handoff_mode=auto"`` -> ``("pdd", {"routing": "round_robin",
-    "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields, or
-    ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``);
-    values are validated by them (``true``/``false`` for flags, numbers as text). A variant runs
+    "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields,
+    ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``),
+    or ``vllm.<field>`` for a :class:`pdd.config.VllmTierConfig` one (``pdd+vllm.main_decode``: the
+    mode's main-decode instances run on vLLM through pdd's KV connector, docs/VLLM_TIER.md;
+    ``extra_args`` is not settable from a label); values are validated by them (``true``/``false`` for flags, numbers as text). A variant runs
     on its own fresh topology beside the others, so ablations are compared side by side in one
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
     """
-    from pdd.config import EngineConfig, PolicyConfig
+    from pdd.config import EngineConfig, PolicyConfig, VllmTierConfig
+
+    sections = {"engine": EngineConfig, "vllm": VllmTierConfig}
 
     base, *parts = [x.strip() for x in label.split("+")]
     if base == vllm_mode.VLLM_MODE:  # stock vLLM (pdd.bench.vllm_mode): pdd's policies do not apply
@@ -60,24 +65,27 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
         key, eq, val = part.partition("=")
         key = key.strip()
         section, dot, field = key.partition(".")
-        known = EngineConfig.model_fields if dot and section == "engine" else (
-            {} if dot else PolicyConfig.model_fields)
+        known = (set(sections[section].model_fields) - {"extra_args"} if section in sections else set()) if dot else (
+            PolicyConfig.model_fields)
         if field not in known if dot else key not in known:
             raise ValueError(f"mode {label!r}: {key!r} is neither a policy setting ({sorted(PolicyConfig.model_fields)}) "
-                             f"nor engine.<setting> ({sorted(EngineConfig.model_fields)})")
+                             f"nor engine.<setting> ({sorted(EngineConfig.model_fields)}) nor vllm.<setting> "
+                             f"({sorted(set(VllmTierConfig.model_fields) - {'extra_args'})})")
         over[key] = True if not eq else val.strip()
     try:
         PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k})
-        EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if "." in k})
+        for name, model in sections.items():
+            model.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.partition(".")[0] == name})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
         raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     return base, over
 
 
-def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
-    """``config`` for one mode label (:func:`parse_mode_label`): its mode, policy and engine
-    overrides."""
+def mode_config(config: ClusterConfig, label: str, vllm_python: str | None = None) -> ClusterConfig:
+    """``config`` for one mode label (:func:`parse_mode_label`): its mode, policy, engine and vllm
+    overrides. ``vllm_python`` (``pdd bench --vllm-python``) becomes ``vllm.python`` of a mode
+    whose MD runs on vLLM when the config leaves it unset."""
     base, over = parse_mode_label(label)
     data = config.model_dump()
     data["mode"] = "colocated" if base == vllm_mode.VLLM_MODE else base  # vLLM: colocated's engine settings
@@ -87,4 +95,28 @@ def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
             data[section][field] = val
         else:
             data["policy"][key] = val
-    return ClusterConfig.model_validate(data)
+    cfg = ClusterConfig.model_validate(data)
+    if vllm_python and cfg.vllm.main_decode and cfg.vllm.python is None:
+        cfg = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(update={"python": str(vllm_python)})})
+    return cfg
+
+
+def check_vllm_tiers(config: ClusterConfig, labels, vllm_python: str | None = None) -> None:
+    """Refuse, before anything runs, a mode whose MD runs on vLLM (``vllm.main_decode`` from its
+    label, ``pdd+vllm.main_decode``, or from the config) when vLLM's venv is missing or has no
+    ``vllm`` package (:func:`pdd.bench.vllm_mode.vllm_python`, :func:`~pdd.bench.vllm_mode.
+    check_vllm_importable`; the interpreter is looked up once per distinct ``vllm.python``).
+    Raises ValueError: one line naming the mode and ``make vllm``."""
+    checked: set[str | None] = set()
+    for label in labels:
+        if parse_mode_label(label)[0] == vllm_mode.VLLM_MODE:
+            continue  # stock vLLM: pdd bench's argument check covers it
+        cfg = mode_config(config, label, vllm_python)
+        if not cfg.vllm.main_decode or cfg.vllm.python in checked:
+            continue
+        who = f"{label} (MD on vLLM, vllm.main_decode)"
+        try:
+            vllm_mode.check_vllm_importable(vllm_mode.vllm_python(cfg.vllm.python, who=who), who=who)
+        except vllm_mode.VllmMissing as ex:
+            raise ValueError(str(ex)) from None
+        checked.add(cfg.vllm.python)
