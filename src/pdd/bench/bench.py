@@ -82,7 +82,7 @@ from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_
                               hit_rates, instance_hardware, sweep_point)
 from pdd.bench.live import (RemoteTopology, WanSampler, _default_topology, _warmup, ensure_model,  # noqa: F401
                             measured_replay, wan_reader)
-from pdd.bench.modes import apply_overrides, mode_config, parse_mode_label  # noqa: F401
+from pdd.bench.modes import apply_overrides, check_vllm_tiers, mode_config, parse_mode_label  # noqa: F401
 from pdd.bench.autoscaling import mode_autoscale, snapshot as autoscale_snapshot
 from pdd.bench.plots import (handoff_index, plot_autoscale, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
                              plot_wan_throughput)
@@ -172,7 +172,7 @@ def run_bench(
     end are not sent); each mode's report entry gets ``autoscale`` (instance-seconds, scale-ups
     and -downs, :mod:`pdd.bench.autoscaling`) and ``autoscale.png`` plots them.
     ``vllm_python``: the interpreter of vLLM's venv for the ``vllm_colocated`` mode (default:
-    :func:`pdd.bench.vllm_mode.vllm_python`'s search); ``vllm_factory(cfg, log_dir=...)`` replaces
+    :func:`pdd.vllm_tier.venv.vllm_python`'s search); ``vllm_factory(cfg, log_dir=...)`` replaces
     :class:`pdd.bench.vllm_mode.VllmServer` for that mode.
     """
     from pdd.bench.faults import FaultRunner, fault_report, parse_bench_fault
@@ -206,6 +206,8 @@ def run_bench(
         for m in modes:
             parse_mode_label(m)  # ValueError naming a bad label before anything starts
             mode_config(config, m)  # ... or a label the config cannot run (+autoscale without autoscale.max)
+        if topology_factory is None:  # a mode with MD on vLLM and no vLLM venv: ValueError naming `make vllm`
+            check_vllm_tiers(config, modes, vllm_python)
     run_order = _order_modes(modes)
 
     # ---- workload
@@ -337,7 +339,7 @@ def run_bench(
 
     warm_sweep = sweep is not None and sweep_next is not None
     for k, mode in enumerate(run_order, 1):
-        cfg = config if remote is not None else mode_config(config, mode)
+        cfg = config if remote is not None else mode_config(config, mode, vllm_python)
         console.rule(f"[bold]{mode}[/] ({k}/{len(run_order)})")
         t_start = time.monotonic()
         entry: dict = {}

