@@ -22,9 +22,12 @@ SLOT = 2048  # small preset: 4 layers x (K, V) x 2 KV heads x 32 dims x fp32 byt
 
 @pytest.mark.parametrize("mode,group", [("cross_dc_pd", 1), ("pdd", 3)])
 def test_layerwise_bytes_outputs_and_pages(small_model, topology_factory, mode, group):
-    # prefill chunks of 64 tokens: the 200-token prompt's layers arrive over four chunks
+    # prefill chunks of 64 tokens: the 200-token prompt's layers arrive over four chunks. No
+    # cut-off: in pdd mode RLD may finish a request's 8 tokens before its KV has crossed (a busy
+    # machine), and the cut-off would then cancel the rest, so MD would not hold the first
+    # prompt's pages for the second; without it the KV always lands and MD keeps the prompt's.
     cfg = make_cfg(small_model, mode, engine={"device": "cpu", "page_size": 16, "prefill_chunk_tokens": 64},
-                   policy={"kv_stream": "layerwise", "kv_stream_layer_group": group},
+                   policy={"kv_stream": "layerwise", "kv_stream_layer_group": group, "cutoff": False},
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
     rng = random.Random(5)
