@@ -7,7 +7,7 @@ import pytest
 
 import pdd.policy.tcp_model as tcp
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.sim.workloads import generate_agentic
+from pdd.workload.records import generate_agentic
 
 MB = 1 << 20
 
