@@ -543,3 +543,25 @@ async def test_md_kv_ready_read_before_p_s_reply_still_reaches_rld_decode(orch):
     assert orch.phase(st) == "prefill" and st.handoff.kv_ready
     orch._prefilled(st)
     assert orch.phase(st) == "rld_decode"
+
+
+async def test_kv_ready_after_the_request_ended_is_not_awaited_again(orch):
+    """MD's kv_ready can come after a relayed request has ended at the client (RLD finished it)
+    and left the request table, but before its settling ran. MD is told then to keep the prompt's
+    KV; the settling must not wait for a kv_ready that has already come, or p0 and md0 would count
+    one transfer in flight for ever (a drain or remove of md0 would never finish)."""
+    orch.cfg.policy.cutoff = False  # the settling's wait path, whatever the transfer's remaining time
+    st = relayed(orch)
+    stream_to(st, 16)
+    st.finished = True
+    orch.reqs.pop(st.trid)  # the stream's end takes it out of the table first
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
+    assert [m["t"] for m in orch.peers["md0"].sent] == ["finish"]  # MD keeps the prompt's KV
+    await orch._settle_relayed(st)
+    assert orch.awaiting_kv == {} and orch.kv_landed == {}
+    # without that kv_ready the settling waits for it (MD is told to keep the KV when it lands)
+    st2 = relayed(orch)
+    st2.finished = True
+    orch.reqs.pop(st2.trid)
+    await orch._settle_relayed(st2)
+    assert orch.awaiting_kv == {"r1": ("p0", "md0")}

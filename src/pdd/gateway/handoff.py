@@ -23,6 +23,9 @@ from pdd.types import Pipeline
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
 
 
+KV_LANDED_MAX = 4096  # kv_ready of ended requests remembered (a bound, not a tuned figure)
+
+
 class Handoffs:
     """Mixin of the orchestrator: the RLD -> MD handoff and the client's switch."""
 
@@ -40,6 +43,11 @@ class Handoffs:
         if st is None or st.finished:
             if st is not None:
                 st.handoff.rld_finished_first = True
+            # the request's settling (stream._settle_relayed) may not have run yet: it must not
+            # wait for this kv_ready again
+            self.kv_landed[rid] = None
+            while len(self.kv_landed) > KV_LANDED_MAX:
+                self.kv_landed.pop(next(iter(self.kv_landed)))
             self.totals["rld_finished_first"] += 1
             await md.send(Finish(rid).wire())
             return None

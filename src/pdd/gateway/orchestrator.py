@@ -95,6 +95,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.wan_last_probe: dict[str, float] = {}
         self.wan_probes = {"probes": 0, "failures": 0, "bytes": 0, "goodput_samples": 0}
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
+        # trids whose kv_ready came after the request had ended (MD was told to keep the KV then): the
+        # relayed request's settling must not wait for it again (gateway.stream._await_kv). Oldest
+        # dropped beyond KV_LANDED_MAX, so one never settled (failed meanwhile) cannot grow it.
+        self.kv_landed: dict[str, None] = {}
         # what the gateway routed to each instance across the WAN (cache-aware routing without a peek)
         self.prefix_index: dict[str, PrefixIndex] = {
             sp.name: PrefixIndex(cfg.engine_for(sp.name).page_size, cfg.engine_for(sp.name).num_pages)

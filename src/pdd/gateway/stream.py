@@ -131,6 +131,8 @@ class Streams:
         (anomaly filter), or stop whichever decoder is still going."""
         if st.recovery.md_lost:
             return  # MD's leg was given up: dropped there already
+        if self.kv_landed.pop(st.trid, 0) is None:
+            return  # MD's kv_ready came after the request ended: MD was told then to keep the prompt's KV
         if should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
                           remaining_wan_s=self._remaining_wan_s(st),
                           min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
