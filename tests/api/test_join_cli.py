@@ -74,3 +74,11 @@ def test_good_join_urls_pass():
 
     assert gateway_url_problem("http://127.0.0.1:8000") is None
     assert gateway_url_problem("https://gw.example:443/") is None
+    assert gateway_url_problem("http://127.0.0.1") is None  # port 80, as any HTTP client
+
+
+def test_a_join_url_with_a_path_or_query_is_refused():
+    from pdd.gateway.join import gateway_url_problem
+
+    for url in ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/?x=1", "http://127.0.0.1:8000#top"):
+        assert "path, query or fragment" in gateway_url_problem(url), url

@@ -41,9 +41,12 @@ def _role(url: str, name: str, role: str) -> httpx.Response:
 def test_rerole_rld_to_md_in_a_and_back(small_model, topology_factory):
     # round-robin routing: with two candidates each role alternates, so where a request goes
     # is known (RLD: phase 1 spreads over both; MD: phase 3 sends one to each)
+    # the relays stay on their RLD for >= 1.2 s after their first token (12 tokens before a
+    # handoff, RLD steps >= 100 ms), so rld0's two are still there when its re-role starts
     cfg = make_cfg(small_model, "pdd", instances={"prefill": 1, "relay_decode": 2, "main_decode": 1},
                    rerole=["rld0"], engine={"device": "cpu", "min_step_ms": 20},
-                   policy={"routing": "round_robin", "pipeline_ttft_budget_ms": 0})
+                   tiers={"relay_decode": {"engine": {"min_step_ms": 100}}},
+                   policy={"routing": "round_robin", "pipeline_ttft_budget_ms": 0, "handoff_min_tokens": 12})
     topo = topology_factory(cfg)
     url = topo.url
     prompts = [[7 + i, 11, 13] * 12 for i in range(8)]

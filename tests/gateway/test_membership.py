@@ -421,3 +421,16 @@ def test_admission_capacities_follow_membership():
     # configured (non-derived) limits stay as set
     cfg2 = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"max_inflight_requests": 5})})
     assert resolve_limits(cfg2, ms.serving_layout()).max_inflight == 5
+
+
+def test_health_is_degraded_while_a_role_has_no_active_member():
+    """Draining the only relay decoder leaves P and an MD serving (requests go P->MD): /health
+    says degraded, not ok, though no connection is down; active again, ok."""
+    o, ms, _ = _setup()
+
+    async def run():
+        assert o.health()["status"] == "ok"
+        await ms.drain("rld0", force=True)
+        assert o.health() == {"status": "degraded", "mode": "pdd", "down": []}
+
+    asyncio.run(run())

@@ -88,3 +88,13 @@ def test_rerole_decisions():
     assert (forced.ok, forced.changed) == (True, True)
     with pytest.raises(ValueError):
         decide_rerole("rld0", "relay_decode", "main_decode", "gone", "A", allowed=True, others_active=1)
+
+
+def test_a_refused_rerole_names_the_real_reason():
+    from pdd.policy.membership import decide_rerole
+
+    md = decide_rerole("md0", "main_decode", "relay_decode", ACTIVE, "B", allowed=False, others_active=1)
+    assert md.status == 403 and md.message == ("instance md0 is a main_decode instance: only relay decoders "
+                                               "the config's rerole lists may change role")
+    rld = decide_rerole("rld1", "relay_decode", "main_decode", ACTIVE, "A", allowed=False, others_active=1)
+    assert rld.status == 403 and "add it: rerole: [rld1]" in rld.message

@@ -13,7 +13,8 @@ JOIN_TIMEOUT_S = 180.0
 
 
 def gateway_url_problem(url: str) -> str | None:
-    """Why ``url`` is not a gateway URL (``http[s]://host[:port]``, port 1-65535), or None."""
+    """Why ``url`` is not a gateway URL (``http[s]://host[:port]``, port 1-65535, default 80 / 443
+    as in any HTTP client; no path, query or fragment), or None."""
     from urllib.parse import urlsplit
 
     u = (url or "").strip()
@@ -28,6 +29,8 @@ def gateway_url_problem(url: str) -> str | None:
         return f"{url!r} names no host (expected http://host:port)"
     if port == 0:
         return f"{url!r} has port 0 (expected 1-65535)"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return f"{url!r} has a path, query or fragment (expected the gateway's root, http://host:port)"
     return None
 
 

@@ -87,11 +87,17 @@ class Launchers:
         rld_specs = self.layout.by_role(ROLE_RELAY)
         relay_possible = bool(rld_specs)
         md_specs = self.layout.by_role(ROLE_MAIN)
-        md_live = any(not self.peers[sp_.name].closed for sp_ in md_specs)
-        if relay_possible and md_live and all(self.peers[sp_.name].closed for sp_ in rld_specs):
-            # no RLD is reachable (dead, restarting) but an MD is: plan P->MD rather than fail
+        ms = getattr(self, "membership", None)
+
+        def usable(name: str) -> bool:  # connected, and an active member (not draining, removed or re-roled away)
+            return not self.peers[name].closed and (ms is None or ms.routable(name))
+
+        md_live = any(usable(sp_.name) for sp_ in md_specs)
+        if relay_possible and md_live and not any(usable(sp_.name) for sp_ in rld_specs):
+            # no RLD is reachable (dead, restarting, drained) but an MD is: plan P->MD rather than fail
             for sp_ in rld_specs:
-                self._spawn(self._reconnect(sp_.name))
+                if self.peers[sp_.name].closed:
+                    self._spawn(self._reconnect(sp_.name))
             relay_possible = False
         st.names[ROLE_PREFILL] = await self._route(ROLE_PREFILL, prompt)
         if relay_possible:

@@ -192,18 +192,23 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
     def health(self) -> dict:
         """{"status": "ok" | "degraded" | "unavailable", "down": [instances whose connection is
         closed]}: "degraded" while requests can still be served (a P and some decoder are up:
-        recovery and routing go around the rest), "unavailable" when they cannot."""
+        recovery and routing go around the rest) but an instance is down or a role of the layout
+        has no active member (all drained or re-roled away: e.g. no RLD, requests go P->MD),
+        "unavailable" when they cannot."""
         down = sorted(n for n, p in self.peers.items() if p.closed)
+        ms = getattr(self, "membership", None)
 
         def up(*roles: str) -> bool:
-            return any(not self.peers[s.name].closed for r in roles for s in self.layout.by_role(r)
-                       if s.name in self.peers)
+            return any(not self.peers[s.name].closed and (ms is None or ms.routable(s.name))
+                       for r in roles for s in self.layout.by_role(r) if s.name in self.peers)
 
         if self.cfg.mode == "colocated":
             serving = up(ROLE_COLOCATED)
         else:
             serving = up(ROLE_PREFILL) and up(ROLE_RELAY, ROLE_MAIN)
-        status = "ok" if not down else ("degraded" if serving else "unavailable")
+        roles = (ROLE_PREFILL, ROLE_RELAY, ROLE_MAIN, ROLE_COLOCATED)
+        missing = [r for r in roles if self.layout.by_role(r) and not up(r)]
+        status = "ok" if not down and not missing else ("degraded" if serving else "unavailable")
         return {"status": status, "mode": self.cfg.mode, "down": down}
 
     def _peer(self, st: ReqState | None, role: str) -> tuple[str, Peer]:

@@ -108,9 +108,12 @@ def decide_rerole(name: str, role: str, to: str, state: str, dc: str, *, allowed
     if to not in REROLE_ROLES:
         return RoleDecision(False, False, 400, f"role {to!r} cannot be taken at run time; expected one of "
                                                f"{', '.join(REROLE_ROLES)}")
+    if not allowed and role == "relay_decode":
+        return RoleDecision(False, False, 403, f"instance {name} may not change role: only the relay decoders "
+                                               f"the config's rerole lists may (add it: rerole: [{name}])")
     if not allowed or role not in REROLE_ROLES:
-        return RoleDecision(False, False, 403, f"instance {name} may not change role: the config's rerole lists "
-                                               f"the relay decoders that may (rerole: [{name}])")
+        return RoleDecision(False, False, 403, f"instance {name} is a {role} instance: only relay decoders "
+                                               f"the config's rerole lists may change role")
     if dc != "A":
         return RoleDecision(False, False, 403, f"instance {name} is in datacenter {dc}: only an instance in A "
                                                f"changes role (an RLD's duty is the fast path next to P)")
