@@ -13,12 +13,19 @@ from pdd.gateway.join import api_key, join_body
 from pdd.topology import layout
 
 
-def test_join_of_the_link_is_a_usage_error(tmp_path, capsys, monkeypatch):
+def _config_that_must_not_run(tmp_path, monkeypatch):
+    """A config file for ``pdd launch`` whose instance fails the test if it is started (the
+    usage error must come first)."""
     monkeypatch.setattr(launch, "run_instance", lambda cfg, name: (_ for _ in ()).throw(AssertionError("ran")))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model_path": str(tmp_path / "model"), "security": {"tls": False, "fast_path": "plain"}}))
+    return cfg
+
+
+def test_join_of_the_link_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    cfg = _config_that_must_not_run(tmp_path, monkeypatch)
     with pytest.raises(SystemExit) as ex:
         main(["launch", "--role", "link", "--config", str(cfg), "--join", "http://127.0.0.1:1"])
     assert ex.value.code == 2
@@ -56,11 +63,7 @@ def test_bad_standby(standby, msg):
     ("ftp://gw:8000", "is not an http:// or https:// URL"),
 ])
 def test_malformed_join_url_is_a_one_line_usage_error(tmp_path, capsys, monkeypatch, url, why):
-    monkeypatch.setattr(launch, "run_instance", lambda cfg, name: (_ for _ in ()).throw(AssertionError("ran")))
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"model_path": str(tmp_path / "model"), "security": {"tls": False, "fast_path": "plain"}}))
+    cfg = _config_that_must_not_run(tmp_path, monkeypatch)
     with pytest.raises(SystemExit) as ex:
         main(["launch", "--role", "main_decode", "--config", str(cfg), "--join", url])
     assert ex.value.code == 2
