@@ -43,7 +43,8 @@ class Failing(FakePeer):
 
 
 def _orch(rld: FakePeer, p: FakePeer) -> Orchestrator:
-    cfg = ClusterConfig.model_validate({"mode": "pdd"})
+    # budget 0: every request relayed at once (the prompts below fit the default budget: P->MD)
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "policy": {"pipeline_ttft_budget_ms": 0}})
     o = Orchestrator(cfg, layout(cfg))
     o.peers = {"p0": p, "rld0": rld, "md0": SlowMD()}
     o.page_bytes = PAGE_BYTES  # learnt from an earlier reservation
@@ -76,3 +77,32 @@ async def test_a_predicted_send_of_an_attempt_p_never_streamed_leaves_the_balanc
     # ... and nothing of it stays planned or expected: P will never report it
     assert o.planned_wan == {}
     assert o.totals["wan_bytes_planned"] == o.totals["wan_bytes_expected"] == 0
+
+
+@pytest.mark.parametrize("held,relayed", [(0, True), (320, False)], ids=["misses_budget", "fits_budget"])
+async def test_a_positive_budget_plans_on_the_prefix_index_before_md_replies(held, relayed):
+    """Budget 50 ms on the default line (0.05 Gbit/s, 20 ms RTT), 2,048 KV bytes a token: a
+    370-token prompt MD lacks (141 ms) is relayed at once, RLD's target not deferred, the decision
+    recorded on the index's prediction and MD's pages sent predicted; with 320 of its tokens in
+    MD's index (50 missing: 36 ms) it fits, and P waits for MD's reply with both targets deferred.
+    P refuses the prefill (or MD the reservation) so the launch ends where the plan shows."""
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "policy": {"pipeline_ttft_budget_ms": 50}})
+    o = Orchestrator(cfg, layout(cfg))
+    p = Failing("prefill", RemoteError("OutOfPages: out of KV pages", {}))
+    md = SlowMD() if relayed else Failing("reserve", ConnectionError("md0 lost"))
+    o.peers = {"p0": p, "rld0": FakePeer(), "md0": md}
+    o.page_bytes, o.kv_bytes_per_token = PAGE_BYTES, 2048
+    prefix = list(range(100, 420))
+    if held:
+        o.prefix_index["md0"].insert(prefix)
+    st = await _launch_fails(o, prefix + list(range(7, 57)))
+    prefill = next(h for h in p.sent if h["t"] == "prefill")
+    if relayed:
+        assert prefill["targets"][0] == {"name": "rld0", "first_page": 0, "relay": False}
+        assert [d["inputs"]["md_cached_tokens"] for d in st.decisions if d["policy"] == "pipeline"] == [0]
+        assert [d["result"] for d in st.decisions] == ["p_rld_md"]
+        assert o.totals["md_predicted_sends"] == 1
+    else:
+        assert all(t.get("deferred") for t in prefill["targets"])
+        assert not [d for d in st.decisions if d["policy"] == "pipeline"]  # planned on MD's reply
+        assert o.totals["md_predicted_sends"] == 0

@@ -120,3 +120,15 @@ def test_md_in_datacenter_a_is_p_d_and_not_relayed_at_once():
                                           md_crosses_wan=False)) == Pipeline.P_RLD
     assert relays_every_request("pdd", 0.0, False) is True
     assert relays_every_request("pdd", 0.0, False, md_in_a=True) is False
+
+
+@pytest.mark.parametrize("mode,budget,allow,peek,expected", [
+    ("pdd", 50.0, False, False, True), ("pdd", 0.0, False, False, False), ("pdd", 50.0, True, False, False),
+    ("pdd", 50.0, False, True, False), ("cross_dc_pd", 50.0, False, False, False),
+])
+def test_plans_from_index_only_for_a_positive_budget_without_ablations(mode, budget, allow, peek, expected):
+    from pdd.policy.pipeline import plans_from_index
+
+    assert plans_from_index(mode, budget, allow, peek) is expected
+    # never both: a zero budget relays every request at once whatever the index says
+    assert not (plans_from_index(mode, budget, allow, peek) and relays_every_request(mode, budget, allow))

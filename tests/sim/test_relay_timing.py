@@ -62,9 +62,12 @@ def test_predicted_send_sends_only_what_md_lacks():
 
 
 def test_predicted_send_only_for_requests_relayed_at_once():
-    sim = run(RELAY.replace(ttft_budget_ms=250.0))  # planned from MD's reply: the send waits for it
+    # 1 s budget: the cold prompt's 0.83 s (KV + RTT) fits, so it is planned P->MD on MD's reply
+    # and the send waits for that reply
+    sim = run(RELAY.replace(ttft_budget_ms=1000.0))
+    assert sim.reqs[0].pipeline == Pipeline.P_MD
     assert sim.md_predicted_sends == 0 and not sim.reqs[0].md_predicted
-    assert sim.reqs[0].wan_flow is None or sim.reqs[0].wan_flow.t_start >= 0.4
+    assert sim.reqs[0].wan_flow.t_start >= 0.4
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -224,3 +227,22 @@ def test_flags_follow_the_cli_and_the_live_policy():
         live = ClusterConfig(policy={"md_predicted_send": ps, "early_handoff": eh})
         s = sim_config(live, "p.json", prof, 16)
         assert (s.md_predicted_send, s.early_handoff) == (ps, eh)
+
+
+def test_a_positive_budget_relays_what_misses_it_at_once_and_waits_for_md_on_what_fits():
+    """Budget 500 ms on the 400 ms RTT line: the cold 4,096-token prompt (0.43 s of KV + the RTT)
+    misses it by the index, so it is relayed at once with the predicted send, exactly as with a
+    zero budget; the second turn (64 missing tokens of 4,160: 6.7 ms of KV + the RTT) fits and
+    waits for MD's reservation (P->MD)."""
+    second = {"timestamp": 5000, "input_length": 4160, "output_length": 20, "hash_ids": list(range(9))}
+    recs = ONE + [second]
+    zero = run(RELAY.replace(md_predicted_send=True, early_handoff=False), recs)
+    budget = run(RELAY.replace(md_predicted_send=True, early_handoff=False, ttft_budget_ms=500.0), recs)
+    rz, rb = zero.reqs[0], budget.reqs[0]
+    assert rb.pipeline == Pipeline.P_RLD_MD and rb.md_predicted
+    assert rb.wan_flow.t_start == rb.t_prefill_done == rz.wan_flow.t_start  # not after the round trip
+    assert rb.t_first == rz.t_first and rb.t_md_kv == pytest.approx(rz.t_md_kv)
+    warm = budget.reqs[1]
+    assert warm.pipeline == Pipeline.P_MD and not warm.md_predicted and warm.md_hit == 4096
+    assert warm.wan_bytes == 64 * KVB
+    assert warm.t_first > warm.arrival + 2 * 0.2  # P->MD: the first token after MD's reply, the KV and the way back

@@ -29,7 +29,9 @@ def test_pipeline_sentinel_changes_decisions(monkeypatch):
 
     monkeypatch.setattr(pol_pipeline, "choose_pipeline", sentinel)
     fake = run()
-    assert len(calls) == len(RECS)
+    # twice a request (budget 250 ms): on the prefix index's prediction at arrival (no relay at
+    # once: the sentinel never says P->RLD->MD), then the plan on MD's reservation reply
+    assert len(calls) == 2 * len(RECS)
     assert {d for _, d in fake.decisions} == {"p_rld"}
     assert fake.wan.bytes_sent == 0  # nothing ever went to MD
     assert all(r.finished for r in fake.reqs)

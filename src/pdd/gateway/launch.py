@@ -13,7 +13,9 @@ Pipelines (PDD report, "Pipelines"):
   P_RLD_MD:   RLD.expect, then MD.reserve || P.prefill(targets deferred) -> plan ->
               P.target(RLD all pages, MD missing pages) -> RLD decodes -> MD.kv_ready ->
               RLD.handoff (ids) -> MD.extend -> MD decodes
-  (with a zero TTFT budget the relay is planned at once: RLD's target is not deferred, MD's is)
+  (the relay is planned at once, RLD's target not deferred, MD's is: with a zero TTFT budget,
+  and with a non-zero one when the gateway's prefix index of the chosen MD says the missing KV
+  does not fit it; a request that fits waits for MD's reservation, which re-plans)
 P's prefill never waits for MD's reservation (a WAN round trip): the plan needs what MD's cache
 holds, and P sends nothing before it knows where.
 """
@@ -26,7 +28,7 @@ from dataclasses import asdict
 
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import ReqState
-from pdd.policy.pipeline import PipelineInputs, choose_pipeline, relays_every_request
+from pdd.policy.pipeline import PipelineInputs, choose_pipeline, plans_from_index, relays_every_request
 from pdd.policy.siblings import sibling_waits_for_kv
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.peer import Peer, RemoteError
@@ -49,9 +51,13 @@ def _give_up(*futs: asyncio.Future | None) -> None:
 class Launchers:
     """Mixin of the orchestrator: plan a request's pipeline and start its attempt on the tiers."""
 
-    def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int, md_available: bool = True) -> Pipeline:
+    def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int, md_available: bool = True,
+              md: str | None = None, record: bool = True) -> Pipeline:
+        """The pipeline of ``st``'s attempt (``policy.pipeline.choose_pipeline``) toward MD ``md``
+        (default: the one ``st`` names) holding ``md_cached_tokens`` of the prompt; appended to
+        the request's decisions unless ``record`` is False (a prediction the reservation checks)."""
         mode = self.cfg.mode
-        md = st.names.get(ROLE_MAIN)  # the chosen MD's path (policy.wan_estimate: live or config)
+        md = md or st.names.get(ROLE_MAIN)  # the chosen MD's path (policy.wan_estimate: live or config)
         inp = PipelineInputs(
             mode=mode,
             prompt_tokens=prompt_len,
@@ -66,7 +72,8 @@ class Launchers:
             md_crosses_wan=md is None or self._in_b(md),
         )
         out = choose_pipeline(inp)
-        st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
+        if record:
+            st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
         return out
 
     async def _launch(self, st: ReqState, prompt: list[int], sp: SamplingParams | None = None,
@@ -119,6 +126,19 @@ class Launchers:
         # MD turns out to lack besides (a fill) wait for the reservation's reply
         predicted = (relay_possible and self.cfg.policy.md_predicted_send and self._always_relay() and not force_relay
                      and sib is None and not pending_sib and self.page_bytes is not None)
+        # a non-zero budget: MD is chosen now from the gateway's prefix index (no round trip), and
+        # a request whose missing KV does not fit the budget by that index is relayed at once, as
+        # with a zero budget, so its TTFT never waits for MD's reservation; one that fits waits for
+        # the reservation's reply, which re-plans on what MD's cache really holds
+        pre = None  # (MD's name, prompt tokens its index held), routed before P starts
+        pre_relay = False
+        if relay_possible and not force_relay and sib is None and not pending_sib and self._plans_from_index():
+            pre = await self._route_hit(ROLE_MAIN, prompt)
+            if pre[1] is not None:
+                pre_relay = self._plan(st, len(prompt), pre[1], md=pre[0], record=False) == Pipeline.P_RLD_MD
+                if pre_relay:
+                    self._plan(st, len(prompt), pre[1], md=pre[0])  # the decision, recorded
+                    predicted = self.cfg.policy.md_predicted_send and self.page_bytes is not None
 
         async def route_and_reserve():
             msg = Reserve(trid, prompt, sampling)
@@ -133,6 +153,8 @@ class Launchers:
             if sib_ is not None:  # the first choice's MD, once the prompt's KV is there
                 md_name_ = sib_[0]
                 msg.after = sib_[1]
+            elif pre is not None:  # chosen from the prefix index before P started
+                md_name_, held = pre
             else:  # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
                 md_name_, held = await self._route_hit(ROLE_MAIN, prompt)
             if st.trid != trid:
@@ -162,8 +184,9 @@ class Launchers:
         reserve = asyncio.ensure_future(route_and_reserve())
         # a sibling of a relayed choice is relayed at once too (relay_sibling): its MD reservation
         # waits for the first choice's KV, and the relay's first token must not
-        if relay_possible and (self._always_relay() or force_relay or relay_sibling):
-            await self._launch_relayed(st, prompt, sampling, p, reserve, predicted, force_relay or relay_sibling)
+        if relay_possible and (self._always_relay() or force_relay or relay_sibling or pre_relay):
+            await self._launch_relayed(st, prompt, sampling, p, reserve, predicted, force_relay or relay_sibling,
+                                       planned=pre_relay)
             return
         await self._launch_on_reservation(st, prompt, sampling, p, reserve, relay_possible)
 
@@ -195,11 +218,14 @@ class Launchers:
         st.p_cached_tokens = int(rep["p_cached_tokens"])
 
     async def _launch_relayed(self, st: ReqState, prompt: list[int], sampling: dict, p: Peer,
-                              reserve: asyncio.Future, predicted: bool, at_once: bool) -> None:
+                              reserve: asyncio.Future, predicted: bool, at_once: bool,
+                              planned: bool = False) -> None:
         """P->RLD->MD planned before MD's reservation: P starts now with RLD's target, MD's part
         of the plan (``reserve``: which MD, which pages; ``predicted``: P sends the pages the
         prefix index says MD lacks at once) follows. ``at_once``: relayed whatever the plan (a
-        recovery, or a sibling of a relayed choice); else ``policy.pipeline`` with a zero budget."""
+        recovery, or a sibling of a relayed choice); ``planned``: ``policy.pipeline`` chose the
+        relay on the prefix index's prediction (recorded by the caller); else ``policy.pipeline``
+        with a zero budget."""
         t = self.cfg.request_timeout_s
         trid = st.trid
         # the relay is planned whatever MD holds: P starts now and learns MD's part of the
@@ -208,7 +234,7 @@ class Launchers:
         # leg runs on its own: if MD cannot be reached, RLD finishes the request.
         rld_name, rld = self._peer(st, ROLE_RELAY)
         md_leg = None
-        if at_once:
+        if at_once or planned:
             st.pipeline = Pipeline.P_RLD_MD
         else:
             st.pipeline = self._plan(st, len(prompt), 0)
@@ -406,6 +432,13 @@ class Launchers:
                 await p.send(msg.wire())
         except Exception as e:
             self._instance_lost(st, st.names.get(ROLE_PREFILL, ""), f"P unreachable: {e}")
+
+    def _plans_from_index(self) -> bool:
+        """pdd mode with a non-zero TTFT budget (``policy.pipeline.plans_from_index``): MD is
+        chosen from the gateway's prefix index before P starts, and the relay is planned at once
+        when the index says the missing KV does not fit the budget."""
+        pol = self.cfg.policy
+        return plans_from_index(self.cfg.mode, pol.pipeline_ttft_budget_ms, pol.allow_p_rld, pol.md_route_peek)
 
     def _always_relay(self) -> bool:
         """pdd mode with a zero TTFT budget: every request is planned P->RLD->MD."""

@@ -85,6 +85,16 @@ def relays_every_request(mode: str, ttft_budget_ms: float, allow_p_rld: bool, md
     return mode == "pdd" and ttft_budget_ms <= 0 and not allow_p_rld and not md_in_a
 
 
+def plans_from_index(mode: str, ttft_budget_ms: float, allow_p_rld: bool, md_route_peek: bool) -> bool:
+    """Whether the gateway plans a request on its prefix index's prediction of MD's cache before
+    MD's reservation returns: ``pdd`` mode with a positive TTFT budget, neither the
+    ``allow_p_rld`` ablation nor ``md_route_peek`` (which asks MD over the WAN). Then a request
+    :func:`choose_pipeline` relays on the predicted ``md_cached_tokens`` is relayed at once
+    (its TTFT does not wait a WAN round trip for the reservation, as with a zero budget) and one
+    it sends P->MD is re-planned on MD's reply (what MD's cache really holds)."""
+    return mode == "pdd" and ttft_budget_ms > 0 and not allow_p_rld and not md_route_peek
+
+
 def choose_pipeline(inp: PipelineInputs) -> Pipeline:
     """Choose the pipeline for one request.
 

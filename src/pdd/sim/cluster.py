@@ -265,13 +265,19 @@ class ClusterSim:
             self._start_prefill(p, req)
             return
         # cross-DC: P prefills at once while MD is asked to reserve (a WAN round trip); the plan
-        # follows MD's reply, and P's sends wait for it (the runtime's deferred targets). With a
-        # zero TTFT budget the relay is planned at once (MD's cache state cannot change it).
+        # follows MD's reply, and P's sends wait for it (the runtime's deferred targets). The relay
+        # is planned at once with a zero TTFT budget (MD's cache state cannot change it), and with
+        # a non-zero one when the gateway's index of MD says the missing KV does not fit it.
         md = self._route("MD", req, True)
         req.md = md
         if self._always_relay(req):
             self._decide(req)
             if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
+                self._predict_md(req)
+        elif self._relays_by_index(req):  # a non-zero budget the index says the KV misses: relayed at once
+            req.md_hit = self._md_match(req)
+            self._decide(req)
+            if self.cfg.md_predicted_send:
                 self._predict_md(req)
         self._start_prefill(p, req)
         self.after(self.owd, self._md_reserve, req)
@@ -282,6 +288,20 @@ class ClusterSim:
         cfg = self.cfg
         return pol_pipeline.relays_every_request(cfg.mode, cfg.ttft_budget_ms,
                                                  cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s)
+
+    def _relays_by_index(self, req: Req) -> bool:
+        """As the runtime (policy.pipeline.plans_from_index, ``gateway.launch``): with a non-zero
+        budget the gateway plans on its prefix index of MD (here MD's cache match at arrival) and
+        relays at once what does not fit; what fits waits for MD's reservation, which re-plans."""
+        cfg = self.cfg
+        allow = cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s
+        if not pol_pipeline.plans_from_index(cfg.mode, cfg.ttft_budget_ms, allow, False):
+            return False
+        inp = pol_pipeline.PipelineInputs(
+            mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=self._md_match(req),
+            kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=self.wan_gbps_estimate(),
+            wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=allow)
+        return self.decide_pipeline(inp) == Pipeline.P_RLD_MD
 
     def _md_match(self, req: Req) -> int:
         """Tokens of ``req``'s prompt MD's cache holds now (whole blocks, at least one token left)."""
