@@ -28,12 +28,13 @@ policy:
   handoff_mode: catch_up
 EOF
   admission_off; } > "$OUT/bench.yaml"
-# the agentic step: pdd's own defaults (every request relayed: pipeline_ttft_budget_ms 0, one-shot
-# handoffs, the predicted MD send and the early handoff); at a 20 ms WAN round trip a P->MD request's
-# TTFT (MD's reservation, the KV's and the token's crossings) is past the SLO's 3 x same-DC TTFT
+# the agentic step: every request relayed (pipeline_ttft_budget_ms 0), one-shot handoffs, the
+# predicted MD send and the early handoff; at a 20 ms WAN round trip a P->MD request's TTFT (the
+# KV's and the token's crossings) is past the SLO's 3 x same-DC TTFT
 { cat <<'EOF'
 policy:
   wan_order: srf
+  pipeline_ttft_budget_ms: 0
 EOF
   admission_off; } > "$OUT/agentic.yaml"
 # the load ramp: RLD's capacity for the auto rule (max(running / max_running, pages)) set to 4
@@ -43,6 +44,7 @@ engine:
   max_running: 4
 policy:
   wan_order: srf
+  pipeline_ttft_budget_ms: 0
   handoff_mode: auto
 EOF
   admission_off; echo "  tier_max_waiting: 1000"; } > "$OUT/ramp.yaml"
@@ -112,10 +114,10 @@ for s in $STEPS; do
     routing_pdd)
       run routing_pdd --trace "$W2" --session-sample 1 --requests 240 --rate 3 --no-progress "${REF[@]}" --config "$OUT/multi.yaml" \
         --sweep-rate none --modes "pdd+routing=cache_aware,pdd+routing=round_robin" ;;
-    agentic)  # the issue's four modes, plus pdd with a 50 ms budget (high-hit requests P->MD) as the ablation;
+    agentic)  # the four modes, plus pdd with a 50 ms budget (high-hit requests P->MD) as the ablation;
       # the generated outputs unscaled (--output-scale 1, at most 512 tokens: mean 166), so a handoff's
       # WAN round trips weigh on a request's decode as the report's ~1 s increment does on its outputs
-      # (docs/BENCH.md, eighth session); offered 2.5 req/s; sweep 0.625, 1.25 (>= 20 requests each),
+      # (docs/BENCH.md); offered 2.5 req/s; sweep 0.625, 1.25 (>= 20 requests each),
       # then 2.5 = the main run, stopping at the first rate that misses the SLA
       run agentic --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/agentic.yaml" \
         --output-scale 1 --max-output 512 --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 --sweep-seconds 16 \
@@ -131,7 +133,7 @@ for s in $STEPS; do
     gaps_itl30)  # the gaps step with the emulated 30 ms step: catch-up vs one-shot switch gaps on the same workload
       run gaps_itl30 "${AG[@]}" "${REF[@]}" --config "$OUT/agentic.yaml" --min-step-ms 30 --output-scale 1 --max-output 512 \
         --sweep-rate none --modes "pdd+handoff_mode=catch_up,pdd+handoff_mode=one_shot" ;;
-    agentic_short)  # the agentic step as run before the eighth session: outputs at bench's default scale (1/4)
+    agentic_short)  # the agentic step with outputs at bench's default scale (1/4)
       run agentic_short --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/bench.yaml" --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
         --sweep-seconds 16 --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=0" ;;
     mooncake)  # a slice of the shared Mooncake conversation trace (bench's default scale: 1 in 50 conversations)

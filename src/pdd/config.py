@@ -138,10 +138,12 @@ class PolicyConfig(_Strict):
     """Knobs of the pure policy layer (pdd.policy)."""
 
     pipeline_ttft_budget_ms: float = Field(
-        0.0,
+        50.0,
         ge=0,
-        description="P->MD is chosen when the missing KV's expected WAN time fits this budget; "
-        "0 always relays in pdd mode",
+        description="P->MD is chosen when the missing KV's expected WAN time (RTT + missing bytes "
+        "at the WAN rate) fits this budget, so short and well-cached requests skip the relay; 0 "
+        "always relays in pdd mode. The default's measurements: docs/BENCH.md \"Choosing the "
+        "pipeline budget\"",
     )
     handoff_mode: Literal["one_shot", "catch_up", "auto"] = "one_shot"
     catchup_threshold_tokens: int = Field(64, ge=1)

@@ -57,10 +57,14 @@ def greedy_oracle(model_dir: str, prompts: list[list[int]], max_tokens: int):
 
 
 def make_cfg(model: str, mode: str, **over) -> ClusterConfig:
+    """A config on a free port block. The relay is what most topology tests exercise, and their
+    prompts are short enough to fit the default pipeline budget (P->MD): the budget is 0 (every
+    pdd request relayed) unless the test's ``policy`` sets ``pipeline_ttft_budget_ms``."""
     base = free_port_block()
     data = {"mode": mode, "model_path": model, "base_port": base, "gateway_port": base + 95,
             "engine": {"device": TEST_DEVICE}}
     data.update(over)
+    data["policy"] = {"pipeline_ttft_budget_ms": 0.0, **(data.get("policy") or {})}
     return ClusterConfig.model_validate(data)
 
 

@@ -235,7 +235,8 @@ class RolePeer(PoolPeer):
 
 def _rerole_setup(rerole=("rld0",)):
     cfg = ClusterConfig.model_validate({"mode": "pdd", "base_port": 18000, "rerole": list(rerole),
-                                        "instances": {"prefill": 1, "relay_decode": 2, "main_decode": 1}})
+                                        "instances": {"prefill": 1, "relay_decode": 2, "main_decode": 1},
+                                        "policy": {"pipeline_ttft_budget_ms": 0}})  # relayed at once unless an MD is in A
     lay = layout(cfg)
     o = Orchestrator(cfg, lay)
     ms = Membership(o, lay, cfg.standby)
