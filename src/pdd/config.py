@@ -553,6 +553,9 @@ class ClusterConfig(_Strict):
         for role in sorted(set(engines.values())):
             if all(n in self.standby for n, r in engines.items() if r == role):
                 raise ValueError(f"standby: every {role} instance is in standby; keep at least one started")
+        twice = sorted({n for n in self.rerole if self.rerole.count(n) > 1})
+        if twice:
+            raise ValueError(f"rerole: {', '.join(map(repr, twice))} listed more than once; list each relay decoder once")
         for name in self.rerole:
             if engines.get(name) != "relay_decode":
                 rlds = [n for n, r in engines.items() if r == "relay_decode"]

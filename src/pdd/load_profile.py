@@ -32,6 +32,11 @@ def check_schedule(points: Sequence[Sequence[float]], what: str = "--rate-schedu
     """``points`` as a schedule, or ValueError naming ``what``: at least two points, times from 0
     strictly increasing, rates finite and >= 0, some rate > 0."""
     pts = tuple((float(t), float(r)) for t, r in points)
+    for t, r in pts:  # before the order checks: "must increase" / "must be at t=0" would read wrong for inf or NaN
+        if not math.isfinite(t):
+            raise ValueError(f"{what}: times must be finite seconds, got {t:g}")
+        if not math.isfinite(r):
+            raise ValueError(f"{what}: rates must be finite req/s, got {r:g} at t={t:g}")
     if len(pts) < 2:
         raise ValueError(f"{what}: needs at least two T:RATE points (the rate is linear between them), got {len(pts)}")
     if pts[0][0] != 0.0:
@@ -40,8 +45,8 @@ def check_schedule(points: Sequence[Sequence[float]], what: str = "--rate-schedu
         if not t1 > t0:
             raise ValueError(f"{what}: times must increase strictly, got {t0:g} then {t1:g}")
     for t, r in pts:
-        if not (math.isfinite(t) and math.isfinite(r)) or r < 0:
-            raise ValueError(f"{what}: rates must be finite and >= 0 req/s, got {r:g} at t={t:g}")
+        if r < 0:
+            raise ValueError(f"{what}: rates must be >= 0 req/s, got {r:g} at t={t:g}")
     if not any(r > 0 for _, r in pts):
         raise ValueError(f"{what}: every rate is 0: nothing would arrive")
     return pts
@@ -50,6 +55,8 @@ def check_schedule(points: Sequence[Sequence[float]], what: str = "--rate-schedu
 def parse_rate_schedule(text: str, what: str = "--rate-schedule") -> Schedule:
     """``"0:0.5,20:4,40:0.5"`` -> ``((0.0, 0.5), (20.0, 4.0), (40.0, 0.5))`` (seconds, req/s);
     ValueError naming ``what`` for anything else (:func:`check_schedule`)."""
+    if not str(text).strip():
+        raise ValueError(f"{what}: empty; expected T:RATE points (seconds:req/s), comma-separated, e.g. 0:0.5,20:4,40:0.5")
     pts = []
     for item in str(text).split(","):
         t, sep, r = item.strip().partition(":")
@@ -108,13 +115,13 @@ def schedule_from_flags(load_profile: str | None, rate_schedule: str | None, pea
     ``--ramp``, which excludes both)."""
     ramp_only = [f for f, v in (("--peak-rate", peak_rate), ("--low-rate", low_rate),
                                 ("--phase-seconds", phase_seconds)) if v is not None]
-    if load_profile and rate_schedule:
+    if load_profile and rate_schedule is not None:
         raise ValueError("--load-profile and --rate-schedule: give one (a ramp is a rate schedule)")
-    if (load_profile or rate_schedule) and ramp:
+    if (load_profile or rate_schedule is not None) and ramp:
         raise ValueError("--ramp: not with --load-profile / --rate-schedule (give the whole schedule there)")
     if ramp_only and load_profile != "ramp":
         raise ValueError(f"{', '.join(ramp_only)}: only with --load-profile ramp")
-    if rate_schedule:
+    if rate_schedule is not None:  # "" is refused, not taken as no schedule
         return parse_rate_schedule(rate_schedule)
     if load_profile == "ramp":
         peak = peak_rate if peak_rate is not None else rate

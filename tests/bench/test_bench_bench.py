@@ -332,7 +332,7 @@ def test_mode_labels_and_their_configs():
     cfg = mode_config(ClusterConfig(), "cross_dc_pd+link.wan_connections=2+kv_stream=layerwise")
     assert (cfg.link.wan_connections, cfg.policy.kv_stream) == (2, "layerwise")
     assert mode_config(ClusterConfig(), "cross_dc_pd").link.wan_connections == 1
-    for bad, msg in (("fast", "unknown mode 'fast'"), ("pdd+wan_connections=0", "wan_connections: Input should be"), ("pdd+warp=9", "'warp' is neither a policy setting"),
+    for bad, msg in (("fast", "unknown mode 'fast'"), ("pdd+wan_connections=0", "wan_connections: Input should be"), ("pdd+warp=9", r"'warp' is neither autoscale\[=true\|false\], standby=none, a policy setting"),
                      ("pdd+engine.warp=1", "'engine.warp' is neither"), ("pdd+link.wan_gbps=1", "'link.wan_gbps'"),
                      ("pdd+engine.prefill_order=lifo", "prefill_order: Input should be"),
                      ("pdd+routing=random", "routing: Input should be"), ("pdd+allow_p_rld=maybe", "allow_p_rld")):

@@ -59,6 +59,14 @@ def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, nam
     (["--rate", "-1"], "--rate: must be > 0 req/s, got -1.0"),  # check_args
     (["--requests", "x"], "argument --requests: invalid int value: 'x'"),  # argparse
     (["--bogus"], "unrecognized arguments: --bogus"),  # argparse
+    # pydantic's "Input should be greater than or equal to 1, got 0" named neither the range nor its meaning
+    (["--wan-connections", "0"], "--wan-connections: must be 1..16 (connections P's bulk KV lane to each MD is "
+                                 "striped over), got 0"),
+    (["--wan-connections", "17"], "--wan-connections: must be 1..16 (connections P's bulk KV lane to each MD is "
+                                  "striped over), got 17"),
+    (["--modes", "colocated", "--wan-loss-rate", "0.001"],
+     "--wan-loss-rate: no listed mode uses the WAN (--modes colocated); the modes that cross it are cross_dc_pd "
+     "and pdd, with any +labels"),
 ])
 def test_a_usage_error_is_one_usage_line_and_the_message(capsys, tmp_path, no_run, args, message):
     """argparse printed all 24 lines of pdd bench's usage before the message naming the flag."""
@@ -242,3 +250,69 @@ def test_a_trace_directory_is_named_as_such(capsys, tmp_path, no_run):
     """``--trace DIR`` said 'no such file' though the path exists."""
     _refused(capsys, ["--trace", str(tmp_path), "--out", str(tmp_path / "b")],
              f"--trace: {tmp_path} is a directory, not a trace file")
+
+
+@pytest.mark.parametrize("modes", ["colocated", "colocated,same_dc_pd+allow_p_rld", " same_dc_pd "])
+@pytest.mark.parametrize("flags", [["--wan-loss-rate", "0.001"], ["--wan-connections", "4"], ["--wan-gbps", "0.1"],
+                                   ["--wan-rtt-ms", "5"], ["--wan-order", "srf"], ["--cross-traffic", "0:0.01"],
+                                   ["--cross-traffic-gbps", "0.01"]])
+def test_wan_flags_without_a_mode_crossing_the_wan_are_refused(capsys, tmp_path, no_run, modes, flags):
+    """`--modes colocated --wan-loss-rate 0.001` ran, and report.json recorded a loss rate nothing
+    could see: no instance of colocated or same_dc_pd is across the WAN."""
+    _refused(capsys, ["--modes", modes, *flags, "--out", str(tmp_path / "b")],
+             f"error: {flags[0]}: no listed mode uses the WAN", "cross_dc_pd and pdd")
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("modes", ["colocated,pdd+allow_p_rld", "cross_dc_pd+wan_connections=2", "same_dc_pd,pdd"])
+def test_wan_flags_with_a_mode_crossing_the_wan_pass_the_checks(tmp_path, modes):
+    from pdd.bench.args import build_parser, check_args
+
+    ap = build_parser()
+    args = ap.parse_args(["--modes", modes, "--wan-connections", "4", "--cross-traffic", "0:0.01",
+                          "--trace", str(_small_trace(tmp_path))])
+    check_args(ap, args)  # no SystemExit
+    assert args.wan_connections == 4 and args.wan_cross_traffic == [(0.0, 0.01)]
+
+
+def test_wan_modes_are_the_topologies_with_a_link():
+    """WAN_MODES (the modes the WAN flags and link labels need) = the layouts with datacenter B."""
+    from pdd.bench.modes import WAN_MODES
+    from pdd.config import MODES, ClusterConfig
+    from pdd.topology import layout
+
+    assert [m for m in MODES if layout(ClusterConfig(mode=m)).link_control_port is not None] == list(WAN_MODES)
+
+
+def test_a_rate_schedule_with_an_infinite_time_names_the_flag(capsys, tmp_path, no_run):
+    """`0:1,inf:2` was refused as `rates must be finite and >= 0 req/s, got 2 at t=inf` (the rate was fine)."""
+    trace = str(_small_trace(tmp_path))
+    for sched, msg in (("0:1,inf:2", "--rate-schedule: times must be finite seconds, got inf\n"),
+                       ("0:1,nan:2", "--rate-schedule: times must be finite seconds, got nan\n"),
+                       ("0:nan,5:1", "--rate-schedule: rates must be finite req/s, got nan at t=0\n"),
+                       ("", "--rate-schedule: empty; expected T:RATE points")):
+        _refused(capsys, ["--trace", trace, "--rate-schedule", sched, "--out", str(tmp_path / "b")],
+                 f"pdd bench: error: {msg}")
+
+
+def test_mode_label_errors_list_every_suffix(capsys, tmp_path, no_run):
+    """An unknown or empty setting in a label listed policy, link, engine and vllm settings but not
+    +autoscale or +standby=none; a link setting on a mode with no WAN was accepted and did nothing."""
+    from pdd.bench.modes import parse_mode_label
+
+    err = _refused(capsys, ["--modes", "pdd+autoscal", "--out", str(tmp_path / "b")],
+                   "--modes: mode 'pdd+autoscal': 'autoscal' is neither autoscale[=true|false], standby=none, "
+                   "a policy setting (")
+    assert "a link setting (wan_connections), engine.<setting> (" in err
+    with pytest.raises(ValueError) as ex:
+        parse_mode_label("pdd+")
+    assert str(ex.value) == ("mode 'pdd+': an empty setting after '+'; a label is MODE+SETTING[=VALUE]+...; SETTING "
+                             "is autoscale[=true|false], standby=none, a policy setting, wan_connections (link), "
+                             "engine.<setting> or vllm.<setting>")
+    for label in ("colocated+wan_connections=4", "same_dc_pd+link.wan_connections=2"):
+        with pytest.raises(ValueError) as ex:
+            parse_mode_label(label)
+        assert str(ex.value) == (f"mode {label!r}: wan_connections is a WAN setting and no instance of "
+                                 f"{label.split('+')[0]} crosses the WAN (modes that do: cross_dc_pd, pdd)")
+    assert parse_mode_label("pdd+wan_connections=4") == ("pdd", {"link.wan_connections": "4"})
+    assert parse_mode_label("cross_dc_pd+link.wan_connections=2") == ("cross_dc_pd", {"link.wan_connections": "2"})

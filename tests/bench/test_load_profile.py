@@ -60,6 +60,10 @@ def test_invert_flat_falling_and_beyond():
 @pytest.mark.parametrize("text,msg", [
     ("0:1", "at least two"), ("1:1,2:2", "first point must be at t=0"), ("0:1,0:2", "increase strictly"),
     ("0:1,5:-1", ">= 0"), ("0:0,5:0", "every rate is 0"), ("0:1,x", "bad item 'x'"),
+    # inf and NaN are named as such (were "increase strictly", "first point", "rates ... got 2 at t=inf")
+    ("0:1,inf:2", "times must be finite seconds, got inf"), ("0:1,nan:2", "times must be finite seconds, got nan"),
+    ("nan:1,5:2", "times must be finite seconds, got nan"), ("0:1,5:inf", "rates must be finite req/s, got inf at t=5"),
+    ("0:nan,5:1", "rates must be finite req/s, got nan at t=0"), ("", "--rate-schedule: empty"), (" ", "empty"),
 ])
 def test_bad_schedules_named(text, msg):
     with pytest.raises(ValueError, match="--rate-schedule") as e:
@@ -76,6 +80,8 @@ def _args(**kw):
 
 def test_bench_flags_to_schedule():
     assert load_schedule(_args()) is None
+    with pytest.raises(ValueError, match="--rate-schedule: empty"):  # "" was taken as no schedule
+        load_schedule(_args(rate_schedule=""))
     assert load_schedule(_args(load_profile="ramp")) == ramp_schedule(0.5, 2.0, (10, 20, 10, 20))
     assert load_schedule(_args(load_profile="ramp", peak_rate=3, low_rate=1, phase_seconds="1:2:3:4")) == \
         ramp_schedule(1, 3, (1, 2, 3, 4))

@@ -309,6 +309,19 @@ def test_rerole_refusals():
 def test_rerole_config_names_a_relay_decoder():
     with pytest.raises(ValueError, match="rerole: 'md0' is not a relay_decode instance"):
         ClusterConfig.model_validate({"mode": "pdd", "rerole": ["md0"]})
+    with pytest.raises(ValueError, match="rerole: 'p0' is not a relay_decode instance"):
+        ClusterConfig.model_validate({"mode": "pdd", "rerole": ["p0"]})
+    with pytest.raises(ValueError, match=r"rerole: 'rld0' is not a relay_decode instance of the cross_dc_pd "
+                                         r"topology \(relay decoders: none\)"):
+        ClusterConfig.model_validate({"mode": "cross_dc_pd", "rerole": ["rld0"]})
+
+
+def test_rerole_config_lists_each_relay_decoder_once():
+    """`rerole: [rld0, rld0]` was accepted."""
+    with pytest.raises(ValueError, match="rerole: 'rld0' listed more than once; list each relay decoder once"):
+        ClusterConfig.model_validate({"mode": "pdd", "rerole": ["rld0", "rld0"]})
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "instances": {"relay_decode": 2}, "rerole": ["rld1", "rld0"]})
+    assert cfg.rerole == ["rld1", "rld0"]
 
 
 def test_role_endpoint_and_strict_bools():

@@ -245,3 +245,35 @@ def test_validate_and_profile_name_a_bad_config_field_without_a_traceback(capsys
         pdd_main(argv + ["--config", str(cfg)])
     assert str(ex.value.code).startswith("pdd: invalid config: policy.md_predicted_send: "), ex.value.code
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    # a role given twice (either spelling) kept the last; `md=4 md=2` was "unrecognized arguments: md=2"
+    (["--autoscale", "md=4", "md=2"], "--autoscale: main_decode given twice ('md=4' and 'md=2'); give each role once"),
+    (["--autoscale", "md=4,main_decode=2"],
+     "--autoscale: main_decode given twice ('md=4' and 'main_decode=2'); give each role once"),
+    (["--autoscale", "md=2", "--autoscale-min", "rld=1", "relay_decode=1"],
+     "--autoscale-min: relay_decode given twice ('rld=1' and 'relay_decode=1'); give each role once"),
+    (["--autoscale", ""], "--autoscale: expected ROLE=N with ROLE one of p, rld, md (or prefill, relay_decode, "
+                          "main_decode) and N >= 1, e.g. md=3, got ''"),  # "" ran without the loop
+    (["--autoscale-min", "md=1"],  # was ignored
+     "--autoscale-min: only with --autoscale (the loop's most active instances per role)"),
+    (["--cross-traffic", ""], "--cross-traffic: no seconds:Gbit/s point in ''"),  # "" ran with none
+    (["--rate-schedule", "0:1,inf:2"], "--rate-schedule: times must be finite seconds, got inf"),
+])
+def test_sim_run_refuses_duplicate_roles_and_empty_values(capsys, args, message):
+    _refused(capsys, ["sim", "run", "--agentic", "5"] + args, f"pdd sim run: error: {message}\n")
+
+
+def test_sim_run_autoscale_takes_both_role_spellings():
+    """p/rld/md and the config's role names, comma- or space-separated."""
+    import argparse
+
+    from pdd.sim.cli import _autoscale_config, add_sim_parser
+
+    ap = argparse.ArgumentParser()
+    add_sim_parser(ap.add_subparsers())
+    for spec in (["md=3", "relay_decode=2"], ["main_decode=3,rld=2"]):
+        a = ap.parse_args(["sim", "run", "--autoscale", *spec, "--autoscale-min", "prefill=1"])
+        acfg = _autoscale_config(a)
+        assert acfg.max == {"main_decode": 3, "relay_decode": 2} and acfg.min == {"prefill": 1}

@@ -14,9 +14,9 @@ import httpx
 from pdd.bench import vllm_mode
 from pdd.vllm_tier import venv as vllm_venv
 from pdd.bench.live import RemoteTopology
-from pdd.bench.modes import parse_mode_label
+from pdd.bench.modes import WAN_MODES, parse_mode_label
 from pdd.workload.replay import DEFAULT_TRACE, Scale
-from pdd.config import MODES
+from pdd.config import MODES, LinkConfig
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 # flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
@@ -24,6 +24,8 @@ DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 TOPOLOGY_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "fast_gbps", "min_step_ms", "allow_p_rld", "wan_order",
                       "handoff_mode", "pipeline_ttft_budget_ms", "kv_stream", "base_port", "gateway_port", "wan_loss_rate",
                       "wan_cross_traffic", "wan_connections")
+# the flags (argparse dests) that set the WAN line or its send order: refused when no mode run crosses the WAN
+WAN_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "wan_loss_rate", "wan_connections", "wan_cross_traffic", "wan_order")
 # The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
 # trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
 # trace's multi-turn prefix reuse (ideal hit rate ~30%).
@@ -47,6 +49,15 @@ class ShortUsageParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"usage: {self.prog} [-h] [options]  (see {self.prog} --help)\n{self.prog}: error: {message}\n")
+
+
+class _StoreNamingFlag(argparse.Action):
+    """``store``, also keeping the option string used in ``<dest>_flag`` (two flags share ``dest``:
+    an error names the one given)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + "_flag", option_string)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sweep-points", type=int, default=DEFAULT_SWEEP_POINTS, help="auto sweep: most points per mode")
     g.add_argument("--sweep-bisect", type=int, default=2, help="auto sweep: bisection steps")
     g.add_argument("--sweep-timeout", type=float, default=DEFAULT_SWEEP_TIMEOUT_S, help="per request in the sweep, s")
-    g = ap.add_argument_group("config overrides")
+    g = ap.add_argument_group("config overrides", "each replaces the config's value for every mode; the WAN flags "
+                              "(--wan-*, --cross-traffic*) are refused when no listed mode crosses the WAN "
+                              "(cross_dc_pd, pdd)")
     g.add_argument("--wan-gbps", type=float)
     g.add_argument("--wan-rtt-ms", type=float)
     g.add_argument("--fast-gbps", type=float)
@@ -139,9 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "a mode label can set it per mode: cross_dc_pd+wan_connections=4; docs/LINK.md)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--cross-traffic-gbps", dest="wan_cross_traffic", type=_cross_traffic_gbps, metavar="GBPS",
+                   action=_StoreNamingFlag,
                    help="other traffic taking this many Gbit/s of the WAN line, per direction, from its start "
                         "(below --wan-gbps; link.wan_cross_traffic)")
     x.add_argument("--cross-traffic", dest="wan_cross_traffic", type=_cross_traffic_schedule, metavar="T:GBPS,...",
+                   action=_StoreNamingFlag,
                    help="cross traffic as a schedule, seconds since the line started:Gbit/s, e.g. 0:0.01,60:0.025")
     g.add_argument("--base-port", type=int)
     g.add_argument("--gateway-port", type=int)
@@ -216,12 +231,25 @@ def _cross_traffic_schedule(text: str) -> list[tuple[float, float]]:
         raise argparse.ArgumentTypeError(str(ex)) from None
 
 
+def _given_flag(args, dest: str) -> str:
+    """The flag that set ``dest`` (``--cross-traffic-gbps`` or ``--cross-traffic`` for ``wan_cross_traffic``)."""
+    return getattr(args, dest + "_flag", None) or _override_flag((dest,))
+
+
 def _override_flag(loc: Sequence) -> str:
     """The flag of a config field :func:`apply_overrides` set (``("link", "wan_gbps")`` -> ``--wan-gbps``)."""
     if not loc:
         return "config overrides"
     name = {"served_model_name": "model", "wan_cross_traffic": "cross_traffic"}.get(str(loc[-1]), str(loc[-1]))
     return "--" + name.replace("_", "-")
+
+
+def _field_range(model, name: str) -> tuple[Any, Any]:
+    """The ``(ge, le)`` bounds of a pydantic field (None where it has none)."""
+    lo = hi = None
+    for m in model.model_fields[name].metadata:
+        lo, hi = getattr(m, "ge", lo), getattr(m, "le", hi)
+    return lo, hi
 
 
 def check_numbers(ap: argparse.ArgumentParser, checks: Iterable[tuple[str, Any, float, bool]]) -> None:
@@ -259,6 +287,10 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ("--sweep-points", args.sweep_points, 1, False), ("--sweep-bisect", args.sweep_bisect, 0, False),
         ("--sweep-seconds", args.sweep_seconds, 0, False), ("--sweep-timeout", args.sweep_timeout, 0, True),
         ("--request-timeout", args.request_timeout, 0, True)))
+    lo, hi = _field_range(LinkConfig, "wan_connections")
+    if args.wan_connections is not None and not lo <= args.wan_connections <= hi:
+        ap.error(f"--wan-connections: must be {lo}..{hi} (connections P's bulk KV lane to each MD is striped "
+                 f"over), got {args.wan_connections}")
     modes_given = args.modes is not None
     args.modes = args.modes if modes_given else ",".join(DEFAULT_MODES)
     labels = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -269,6 +301,11 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             parse_mode_label(m)
         except ValueError as ex:
             ap.error(f"--modes: {ex}")
+    wan = [_given_flag(args, k) for k in WAN_OVERRIDES if getattr(args, k) is not None]
+    if wan and not args.url and not any(parse_mode_label(m)[0] in WAN_MODES for m in labels):
+        # nothing would cross the WAN: the flag would change nothing yet be recorded as if it applied
+        ap.error(f"{', '.join(wan)}: no listed mode uses the WAN (--modes {args.modes}); the modes that cross "
+                 f"it are {' and '.join(WAN_MODES)}, with any +labels")
     if vllm_mode.VLLM_MODE in labels and not args.url:
         try:
             vllm_venv.check_vllm_importable(vllm_venv.vllm_python(args.vllm_python))
@@ -291,7 +328,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     if args.url:
         # the server at --url runs its own config: a topology flag would be recorded in the report
         # as if it had applied (found by a new user: --min-step-ms 20 against a server without it)
-        shaping = [_override_flag((k,)) for k in TOPOLOGY_OVERRIDES if getattr(args, k) is not None]
+        shaping = [_given_flag(args, k) for k in TOPOLOGY_OVERRIDES if getattr(args, k) is not None]
         if shaping:
             ap.error(f"{', '.join(shaping)}: with --url the server runs its own config; these flags shape "
                      f"the topologies pdd bench starts (set them in the server's config instead)")

@@ -39,8 +39,15 @@ def apply_overrides(cfg: ClusterConfig, **kw) -> ClusterConfig:
 
 # link settings a mode label may set (per mode, side by side): a bare key or ``link.<key>``
 LINK_MODE_KEYS = ("wan_connections",)
+# the modes whose topology crosses the WAN (pdd.topology.layout: a link emulator and datacenter B);
+# colocated and same_dc_pd keep every instance in datacenter A
+WAN_MODES = ("cross_dc_pd", "pdd")
 AUTOSCALE = "autoscale"  # mode suffix: pdd+autoscale runs the config's autoscale block (pdd serve --autoscale)
 STANDBY = "standby"  # mode suffix: pdd+standby=none starts every slot (the topology fixed at its full size)
+
+
+_LABEL_SUFFIXES = (f"a label is MODE+SETTING[=VALUE]+...; SETTING is {AUTOSCALE}[=true|false], {STANDBY}=none, a "
+                   f"policy setting, {', '.join(LINK_MODE_KEYS)} (link), engine.<setting> or vllm.<setting>")
 
 
 def parse_mode_label(label: str) -> tuple[str, dict]:
@@ -57,7 +64,8 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     for flags, numbers as text). ``autoscale``
     (``pdd+autoscale``, ``+autoscale=false``) switches the config's ``autoscale`` block on (off):
     the same topology, its standby slots added and drained by the gateway's loop; ``standby=none``
-    starts every slot of the config (the same topology fixed at its largest size). A variant runs
+    starts every slot of the config (the same topology fixed at its largest size). A link setting
+    is refused on a mode not in :data:`WAN_MODES` (it would change nothing). A variant runs
     on its own fresh topology beside the others, so ablations are compared side by side in one
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
@@ -78,6 +86,8 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     for part in parts:
         key, eq, val = part.partition("=")
         key = key.strip()
+        if not key:
+            raise ValueError(f"mode {label!r}: an empty setting after '+'; {_LABEL_SUFFIXES}")
         if key == AUTOSCALE:  # the config's autoscale block switched on (or off) for this mode
             v = val.strip().lower() if eq else "true"
             if v not in ("true", "false"):
@@ -99,10 +109,14 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
         else:
             known = PolicyConfig.model_fields
         if field not in known if dot else key not in known:
-            raise ValueError(f"mode {label!r}: {key!r} is neither a policy setting ({sorted(PolicyConfig.model_fields)}), "
+            raise ValueError(f"mode {label!r}: {key!r} is neither {AUTOSCALE}[=true|false], {STANDBY}=none, a policy "
+                             f"setting ({sorted(PolicyConfig.model_fields)}), "
                              f"a link setting ({', '.join(LINK_MODE_KEYS)}), engine.<setting> "
                              f"({sorted(EngineConfig.model_fields)}) nor vllm.<setting> "
                              f"({sorted(set(VllmTierConfig.model_fields) - {'extra_args'})})")
+        if section == "link" and base not in WAN_MODES:  # nothing of the mode crosses the WAN: it would do nothing
+            raise ValueError(f"mode {label!r}: {field} is a WAN setting and no instance of {base} crosses the "
+                             f"WAN (modes that do: {', '.join(WAN_MODES)})")
         over[key] = True if not eq else val.strip()
     try:
         PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k not in (AUTOSCALE, STANDBY)})

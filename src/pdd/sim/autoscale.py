@@ -256,8 +256,10 @@ def fixed_summary(sim, t1: float) -> dict:
 
 def parse_role_counts(text: str, flag: str = "--autoscale") -> dict[str, int]:
     """``"md=3,rld=2"`` -> ``{"main_decode": 3, "relay_decode": 2}`` (p, rld, md or the config's
-    role names); ValueError naming ``flag`` otherwise."""
+    role names, each role once); ValueError naming ``flag`` otherwise (a bad item, a role given
+    twice in either spelling)."""
     out: dict[str, int] = {}
+    given: dict[str, str] = {}
     for item in str(text).split(","):
         k, eq, v = item.strip().partition("=")
         role = SHORT.get(k.strip(), k.strip())
@@ -266,9 +268,12 @@ def parse_role_counts(text: str, flag: str = "--autoscale") -> dict[str, int]:
         except ValueError:
             n = -1
         if not eq or role not in SIM_ROLE or n < 1:
-            raise ValueError(f"{flag}: expected ROLE=N with ROLE one of p, rld, md and N >= 1, comma-separated "
-                             f"(e.g. md=3), got {item.strip()!r}")
+            raise ValueError(f"{flag}: expected ROLE=N with ROLE one of p, rld, md (or prefill, relay_decode, "
+                             f"main_decode) and N >= 1, e.g. md=3, got {item.strip()!r}")
+        if role in out:
+            raise ValueError(f"{flag}: {role} given twice ({given[role]!r} and {item.strip()!r}); give each role once")
         out[role] = n
+        given[role] = item.strip()
     return out
 
 

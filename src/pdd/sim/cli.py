@@ -240,7 +240,8 @@ def _wan_fields(a) -> dict:
     if getattr(a, "config", None):
         return runtime_wan_fields(config_or_exit(a))
     try:
-        cross = parse_cross_traffic(a.cross_traffic, "--cross-traffic") if a.cross_traffic else ()
+        # "" is refused (no point in it), not taken as no cross traffic
+        cross = parse_cross_traffic(a.cross_traffic, "--cross-traffic") if a.cross_traffic is not None else ()
         check_schedule(cross, "--cross-traffic", a.wan_gbps)
         loss = check_loss_rate(a.wan_loss_rate, "--wan-loss-rate")
     except ValueError as e:
@@ -279,10 +280,12 @@ def _autoscale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--low-rate", type=NONNEG_FLOAT, default=None, help="ramp: low req/s (default: peak / 4)")
     g.add_argument("--phase-seconds", default=None, metavar="LOW:RISE:HOLD:FALL", help="ramp phases (default 10:20:10:20)")
     g.add_argument("--rate-schedule", default=None, metavar="T:RATE,...", help="rate points seconds:req/s, linear between")
-    g.add_argument("--autoscale", default=None, metavar="ROLE=MAX,...",
+    g.add_argument("--autoscale", default=None, nargs="+", metavar="ROLE=MAX",
                    help="run the gateway's autoscaling loop (pdd serve --autoscale) with these most active "
-                        "instances per role (p, rld, md; e.g. md=3); the --n-* counts are the initial ones")
-    g.add_argument("--autoscale-min", default=None, metavar="ROLE=MIN,...", help="fewest active per role (default 1)")
+                        "instances per role (p, rld, md or prefill, relay_decode, main_decode; e.g. md=3 rld=2 "
+                        "or md=3,rld=2; a role once); the --n-* counts are the initial ones")
+    g.add_argument("--autoscale-min", default=None, nargs="+", metavar="ROLE=MIN",
+                   help="fewest active per role (default 1)")
     g.add_argument("--autoscale-interval", type=POS_FLOAT, default=5.0, help="seconds between decisions")
     g.add_argument("--autoscale-sample", type=POS_FLOAT, default=0.25, help="seconds between load samples")
     g.add_argument("--autoscale-cooldown", type=NONNEG_FLOAT, default=30.0, help="no change within this many s")
@@ -306,6 +309,11 @@ def _apply_load_profile(a, recs):
     return retime(recs, schedule_arrivals(sched, len(recs), a.seed)), sched
 
 
+def _joined(items) -> str:
+    """``--autoscale md=3 rld=2`` (nargs="+") as ``"md=3,rld=2"``; a single string as it is."""
+    return items if isinstance(items, str) else ",".join(items)
+
+
 def _autoscale_config(a):
     from pydantic import ValidationError
 
@@ -313,8 +321,8 @@ def _autoscale_config(a):
     from pdd.sim.autoscale import parse_role_counts
 
     try:
-        mx = parse_role_counts(a.autoscale)
-        mn = parse_role_counts(a.autoscale_min, "--autoscale-min") if a.autoscale_min else {}
+        mx = parse_role_counts(_joined(a.autoscale))
+        mn = parse_role_counts(_joined(a.autoscale_min), "--autoscale-min") if a.autoscale_min is not None else {}
         return AutoscaleConfig(enabled=True, interval_s=a.autoscale_interval, sample_s=a.autoscale_sample,
                                cooldown_s=a.autoscale_cooldown, min=mn, max=mx, up_at=a.autoscale_up_at,
                                down_at=a.autoscale_down_at)
@@ -329,9 +337,11 @@ def cmd_run(a) -> int:
     from pdd.sim.cluster import ClusterSim, RequestTooLarge
     from pdd.sim.report import print_summary, summarize, write_json
 
+    if a.autoscale is None and a.autoscale_min is not None:
+        raise UsageError("--autoscale-min: only with --autoscale (the loop's most active instances per role)")
+    acfg = _autoscale_config(a) if a.autoscale is not None else None  # refused before the workload is read
     recs, sched = _apply_load_profile(a, _records(a))
     cfg = _make_cfg(a)
-    acfg = _autoscale_config(a) if a.autoscale else None
     t0 = time.time()
     try:
         sim = (autoscaled_sim(cfg, acfg, a.autoscale_start_s) if acfg is not None else ClusterSim(cfg)).run(recs)
