@@ -8,6 +8,7 @@ import pytest
 from pdd import launch
 from pdd.cli import main
 from pdd.security import CERT_DIR_UNSET, SecurityError
+from tests.cli_usage import usage_error
 
 
 @pytest.fixture
@@ -33,11 +34,7 @@ def _config(tmp_path, **fields):
 
 
 def _refused(capsys, argv, message):
-    with pytest.raises(SystemExit) as ex:
-        main(argv)
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    err = usage_error(capsys, main, argv)
     assert err.endswith(f"pdd {argv[0]}: error: {message}\n"), err
 
 

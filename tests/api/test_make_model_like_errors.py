@@ -4,14 +4,11 @@ and a refused run leaves no --out directory behind. Found by a new user."""
 import pytest
 
 from pdd.cli import main
+from tests.cli_usage import usage_error
 
 
 def _refused(capsys, argv, message):
-    with pytest.raises(SystemExit) as ex:
-        main(argv)
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    err = usage_error(capsys, main, argv)
     assert err.endswith(f"pdd make-model: error: {message}\n"), err
 
 

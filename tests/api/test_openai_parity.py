@@ -4,12 +4,11 @@ after the handoff, logprobs from every tier, n = 2, and OpenAI-style 400s."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_cfg
+from tests.e2e.conftest import make_cfg, wait_no_running
 
 pytestmark = pytest.mark.slow
 
@@ -39,14 +38,9 @@ def oa(topo):
     return OpenAI(base_url=topo.url + "/v1", api_key="none", max_retries=0)
 
 
-def _wait_idle(topo, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        inst = topo.stats()["instances"]
-        if all(v.get("running", 0) == 0 for v in inst.values()):
-            return inst
-        time.sleep(0.05)
-    raise AssertionError("topology did not go idle")
+def _wait_idle(topo) -> dict:
+    """The instances' stats once none runs a request."""
+    return wait_no_running(topo, timeout_s=30.0, poll_s=0.05)["instances"]
 
 
 def test_streaming_chat_completion_with_usage(oa):

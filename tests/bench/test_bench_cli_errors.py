@@ -12,6 +12,7 @@ from bench_fakes import serve_in_thread
 
 from pdd.bench import bench as bench_mod
 from pdd.bench.bench import RemoteTopology, bench_exit_status, main
+from tests.cli_usage import usage_error
 
 
 @pytest.fixture
@@ -24,11 +25,8 @@ def no_run(monkeypatch):
 
 
 def _refused(capsys, argv, *names):
-    with pytest.raises(SystemExit) as ex:
-        main(argv)
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
-    assert "pdd bench: error:" in err and "Traceback" not in err
+    err = usage_error(capsys, main, argv)
+    assert "pdd bench: error:" in err, err
     for n in names:
         assert n in err, (n, err)
     return err

@@ -8,6 +8,7 @@ from pdd.bench.bench import apply_overrides, main
 from pdd.config import ClusterConfig
 from pdd.launch import link_config
 from pdd.topology import layout
+from tests.cli_usage import usage_error
 
 
 @pytest.fixture
@@ -24,11 +25,8 @@ def captured(monkeypatch):
 
 
 def _refused(capsys, argv, *names):
-    with pytest.raises(SystemExit) as ex:
-        main(argv)
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
-    assert "pdd bench: error:" in err and "Traceback" not in err
+    err = usage_error(capsys, main, argv)
+    assert "pdd bench: error:" in err, err
     for n in names:
         assert n in err, (n, err)
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
+import time
 from pathlib import Path
 
 import pytest
 
 from pdd.config import ClusterConfig
+from pdd.faults import StreamClient
 from pdd.launch import Topology
 from pdd.topology import free_port_block
 
@@ -54,6 +57,54 @@ def greedy_oracle(model_dir: str, prompts: list[list[int]], max_tokens: int):
         return float(top2[0] - top2[1])
 
     return outs, margin
+
+
+def warm_then_cold_prompts(seed: int, n_first: int, n_cold: int) -> list[list[int]]:
+    """Three prompts of token ids (5..3999, from ``random.Random(seed)``): one of ``n_first``
+    tokens, the same plus ``[7, 8, 9]`` (it hits the first's cached pages) and an unrelated cold
+    one of ``n_cold`` tokens."""
+    rng = random.Random(seed)
+    first = [rng.randrange(5, 4000) for _ in range(n_first)]
+    cold = [rng.randrange(5, 4000) for _ in range(n_cold)]
+    return [first, first + [7, 8, 9], cold]
+
+
+def run_checking_wan_bytes(topo: Topology, prompts: list[list[int]], want: list[int],
+                           max_tokens: int) -> tuple[list[dict], dict]:
+    """Streams ``prompts`` through ``topo`` one at a time (greedy, ``max_tokens`` each, EOS
+    ignored), each after the topology is idle again, and asserts: each output equals
+    ``greedy_oracle``'s on the topology's model, request i's ``wan_bytes_expected`` is ``want[i]``
+    bytes, the gateway's ``wan_bytes`` == ``wan_bytes_expected`` == ``sum(want)``, and after a
+    flush no instance holds a leaked page. Returns the requests' summaries and the stats taken
+    before the flush."""
+    outs, _ = greedy_oracle(topo.cfg.model_path, prompts, max_tokens)
+    summaries = []
+    for prompt, nbytes, out in zip(prompts, want, outs):
+        c = StreamClient(topo.url, {"model": topo.cfg.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+                                    "temperature": 0, "ignore_eos": True}).start()
+        assert c.wait(60) and c.error is None, c.error
+        assert c.tokens == out
+        assert c.summary["wan_bytes_expected"] == nbytes, c.summary
+        assert topo.wait_idle(timeout_s=30)
+        summaries.append(c.summary)
+    st = topo.stats()
+    assert st["wan_bytes"] == st["wan_bytes_expected"] == sum(want)
+    fl = topo.flush()
+    assert fl["leaked_pages"] == 0, fl
+    return summaries, st
+
+
+def wait_no_running(topo: Topology, timeout_s: float = 60.0, poll_s: float = 0.1) -> dict:
+    """Polls ``topo.stats()`` every ``poll_s`` seconds until no instance reports a running request
+    (MD settles after the client's stream ends) and returns those stats; raises AssertionError
+    after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = topo.stats()
+        if all(v.get("running", 0) == 0 for v in st["instances"].values()):
+            return st
+        time.sleep(poll_s)
+    raise AssertionError("topology did not go idle")
 
 
 def make_cfg(model: str, mode: str, **over) -> ClusterConfig:

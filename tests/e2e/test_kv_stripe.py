@@ -4,12 +4,9 @@ greedy outputs equal one engine's (MD imported every page in place), and every p
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from pdd.faults import StreamClient
-from tests.e2e.conftest import greedy_oracle, make_cfg
+from tests.e2e.conftest import make_cfg, run_checking_wan_bytes, warm_then_cold_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -22,25 +19,11 @@ def test_four_connections_send_the_bytes_of_one_and_free_every_page(small_model,
                    link={"wan_connections": 4}, policy={"kv_stream": kv_stream, "wan_express_lane_bdp": 0},
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
-    rng = random.Random(3)
-    first = [rng.randrange(5, 4000) for _ in range(150)]
-    cold = [rng.randrange(5, 4000) for _ in range(230)]
-    prompts = [first, first + [7, 8, 9], cold]
+    prompts = warm_then_cold_prompts(3, 150, 230)
     want = [150 * SLOT, 9 * SLOT, 230 * SLOT]  # MD's 9 cached pages of the first prompt never cross again
-    outs, _ = greedy_oracle(small_model, prompts, 6)
-    for prompt, nbytes, out in zip(prompts, want, outs):
-        c = StreamClient(topo.url, {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": 6,
-                                    "temperature": 0, "ignore_eos": True}).start()
-        assert c.wait(60) and c.error is None, c.error
-        assert c.tokens == out
-        assert c.summary["wan_bytes_expected"] == nbytes, c.summary
-        assert topo.wait_idle(timeout_s=30)
-    st = topo.stats()
-    assert st["wan_bytes"] == st["wan_bytes_expected"] == sum(want)
+    _, st = run_checking_wan_bytes(topo, prompts, want, 6)
     p0 = st["instances"]["p0"]
     assert p0["wan_bytes_sent"] == sum(want)
     stripes = p0["wan_stripe_bytes"]  # one striped lane (express off: every transfer on it), 4 connections
     assert len(stripes) == 1 and len(next(iter(stripes.values()))) == 4, stripes
     assert sum(next(iter(stripes.values()))) == sum(want)
-    fl = topo.flush()
-    assert fl["leaked_pages"] == 0, fl

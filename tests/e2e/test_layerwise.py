@@ -8,12 +8,9 @@ engine's (the receivers assembled every layer of every page), and every page is 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from pdd.faults import StreamClient
-from tests.e2e.conftest import greedy_oracle, make_cfg
+from tests.e2e.conftest import make_cfg, run_checking_wan_bytes, warm_then_cold_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -30,27 +27,13 @@ def test_layerwise_bytes_outputs_and_pages(small_model, topology_factory, mode, 
                    policy={"kv_stream": "layerwise", "kv_stream_layer_group": group, "cutoff": False},
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
-    rng = random.Random(5)
-    first = [rng.randrange(5, 4000) for _ in range(100)]
-    cold = [rng.randrange(5, 4000) for _ in range(200)]
-    prompts = [first, first + [7, 8, 9], cold]
+    prompts = warm_then_cold_prompts(5, 100, 200)
     want = [100 * SLOT, 7 * SLOT, 200 * SLOT]  # MD's 6 cached pages of the first prompt never cross again
-    outs, _ = greedy_oracle(small_model, prompts, 8)
-    for prompt, nbytes, out in zip(prompts, want, outs):
-        c = StreamClient(topo.url, {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": 8,
-                                    "temperature": 0, "ignore_eos": True}).start()
-        assert c.wait(60) and c.error is None, c.error
-        assert c.tokens == out
-        assert c.summary["wan_bytes_expected"] == nbytes, c.summary
-        assert topo.wait_idle(timeout_s=30)
-    st = topo.stats()
-    assert st["wan_bytes"] == st["wan_bytes_expected"] == sum(want)
+    _, st = run_checking_wan_bytes(topo, prompts, want, 8)
     p0 = st["instances"]["p0"]
     assert p0["wan_bytes_sent"] == sum(want)
     # every transfer went layer by layer: MD's three, and in pdd RLD's three
     assert p0["counters"]["layerwise_transfers"] == (3 if mode == "cross_dc_pd" else 6), p0["counters"]
-    fl = topo.flush()
-    assert fl["leaked_pages"] == 0, fl
 
 
 def test_layerwise_disconnect_mid_prefill_cuts_the_streams_and_frees_every_page_once(tmp_path_factory):

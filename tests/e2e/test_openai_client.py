@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_cfg
+from tests.e2e.conftest import make_cfg, wait_no_running
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_non_streaming_completion_and_prefix_hit(pdd_topology):
     # long enough that MD's KV arrives before RLD finishes (else the anomaly filter cuts it off)
     a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=200, temperature=0,
                                   extra_body={"ignore_eos": True})
-    _wait_idle(pdd_topology)
+    wait_no_running(pdd_topology, timeout_s=30.0, poll_s=0.05)
     b = client.completions.create(model="pdd-small", prompt=prompt + [5, 6, 7], max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert a.usage.completion_tokens == 200 and a.choices[0].finish_reason == "length"
@@ -64,19 +64,6 @@ def test_non_streaming_completion_and_prefix_hit(pdd_topology):
     # only the KV MD lacked crossed the WAN: 203 tokens -> 13 pages, 12 cached -> the last page's
     # 11 filled slots of 2048 bytes (32768 / 16)
     assert b.model_extra["pdd"]["wan_bytes_expected"] == 11 * 2048
-
-
-def _wait_idle(topo, timeout_s: float = 30.0) -> None:
-    """Wait until no engine holds a live request (MD settles after the client's stream ends)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        inst = topo.stats()["instances"]
-        if all(v.get("running", 0) == 0 for v in inst.values()):
-            return
-        time.sleep(0.05)
-    raise AssertionError("topology did not go idle")
 
 
 @pytest.mark.parametrize("body,param", [

@@ -12,12 +12,9 @@ lane (pdd.policy.wan_order.wan_lane); a third, cold 200-token prompt (400 kB) ta
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from pdd.faults import StreamClient
-from tests.e2e.conftest import greedy_oracle, make_cfg
+from tests.e2e.conftest import make_cfg, run_checking_wan_bytes, warm_then_cold_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -31,23 +28,8 @@ def test_partial_last_page_bytes(small_model, topology_factory, whole):
                    policy={"kv_whole_pages": whole},
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
-    rng = random.Random(3)
-    first = [rng.randrange(5, 4000) for _ in range(100)]
-    cold = [rng.randrange(5, 4000) for _ in range(200)]
-    prompts = [first, first + [7, 8, 9], cold]
+    prompts = warm_then_cold_prompts(3, 100, 200)
     want = [7 * PAGE, 1 * PAGE, 13 * PAGE] if whole else [100 * SLOT, 7 * SLOT, 200 * SLOT]
-    outs, _ = greedy_oracle(small_model, prompts, 8)
-    for prompt, nbytes, out in zip(prompts, want, outs):
-        c = StreamClient(topo.url, {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": 8,
-                                    "temperature": 0, "ignore_eos": True}).start()
-        assert c.wait(60) and c.error is None, c.error
-        assert c.tokens == out
-        assert c.summary["wan_bytes_expected"] == nbytes, c.summary
-        assert topo.wait_idle(timeout_s=30)
-        if prompt is prompts[1]:
-            assert c.summary["md_cached_tokens"] == 96
-    st = topo.stats()
+    summaries, st = run_checking_wan_bytes(topo, prompts, want, 8)
+    assert summaries[1]["md_cached_tokens"] == 96
     assert st["instances"]["p0"]["wan_lane_transfers"] == {"express": 2, "bulk": 1}, st["instances"]["p0"]
-    assert st["wan_bytes"] == st["wan_bytes_expected"] == sum(want)
-    fl = topo.flush()
-    assert fl["leaked_pages"] == 0, fl

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 from pdd.roles.worker import EngineWorker
+from tests.engine.worker_harness import run_worker
 
 
 class _Engine:
@@ -27,22 +28,8 @@ class _Engine:
 
 
 async def _run(min_step_s: float):
-    loop = asyncio.get_running_loop()
     eng = _Engine()
-    got: list[tuple[int, float]] = []
-    done = asyncio.Event()
-
-    def on_events(ev):
-        got.extend((e, time.perf_counter()) for e in ev)
-        if len(got) == 3:
-            done.set()
-
-    w = EngineWorker(eng, loop, on_events, min_step_s=min_step_s)
-    w.start()
-    try:
-        await asyncio.wait_for(done.wait(), 10)
-    finally:
-        w.stop()
+    w, got = await run_worker(eng, 3, min_step_s=min_step_s)
     return eng, w, got
 
 

@@ -4,11 +4,10 @@ at least ``min_step_s``. Lower bounds only (a sleep never ends early)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-from pdd.roles.worker import EngineWorker
 from pdd.step_profile import load_step_model
+from tests.engine.worker_harness import run_worker
 
 
 class _Engine:
@@ -29,23 +28,10 @@ class _Engine:
 
 
 async def _run(batches, step_time_s, min_step_s=0.0):
-    loop = asyncio.get_running_loop()
+    """Each batch's event release time (one event a step), with the engine and the worker."""
     eng = _Engine(batches)
-    got: list[float] = []
-    done = asyncio.Event()
-
-    def on_events(ev):
-        got.extend(time.perf_counter() for _ in ev)
-        if len(got) == len(eng.started) and not eng.batches:
-            done.set()
-
-    w = EngineWorker(eng, loop, on_events, min_step_s=min_step_s, step_time_s=step_time_s)
-    w.start()
-    try:
-        await asyncio.wait_for(done.wait(), 10)
-    finally:
-        w.stop()
-    return eng, w, got
+    w, got = await run_worker(eng, len(eng.batches), min_step_s=min_step_s, step_time_s=step_time_s)
+    return eng, w, [t for _, t in got]
 
 
 async def test_each_step_is_held_to_the_time_predicted_for_its_batch():

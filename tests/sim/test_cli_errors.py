@@ -10,14 +10,11 @@ from pdd.cli import main as pdd_main
 from pdd.sim.cli import UsageError, experiment_params
 from pdd.sim.cli import main as sim_main
 from pdd.workload.records import load_trace
+from tests.cli_usage import usage_error
 
 
 def _refused(capsys, argv, *names, entry=pdd_main):
-    with pytest.raises(SystemExit) as ex:
-        entry(argv)
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    err = usage_error(capsys, entry, argv)
     for n in names:
         assert n in err, (n, err)
     return err

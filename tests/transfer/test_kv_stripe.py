@@ -15,6 +15,7 @@ import pytest
 from pdd.transfer.kv import KVReceiver, KVReorder, KVSender
 from pdd.transfer.client import connect
 from pdd.transfer.server import Server
+from tests.transfer.kv_sink import EventSink
 
 PAGE = 100  # bytes per page
 
@@ -91,32 +92,15 @@ def test_reorder_keys_transfers_apart_drops_duplicates_and_forgets_a_stripe_whos
     assert r.dropped_frames == 3 and r.open_transfers == 1  # r's second transfer is still open
 
 
-class Sink:
+class Sink(EventSink):
     def __init__(self):
+        super().__init__()
         self.frames = []  # (first_page, n, payload)
-        self.done = None
-        self.cancelled = False
-        self.changed = asyncio.Event()
 
     def on_pages(self, rid, first, n, layers, payload):
         assert self.done is None and not self.cancelled, "a frame after the transfer's close"
         self.frames.append((first, n, bytes(payload)))
         self.changed.set()
-
-    def on_done(self, rid, h):
-        self.done = h
-        self.changed.set()
-
-    def on_cancel(self, rid):
-        self.cancelled = True
-        self.changed.set()
-
-    async def until(self, pred):
-        async def loop():
-            while not pred():
-                self.changed.clear()
-                await self.changed.wait()
-        await asyncio.wait_for(loop(), 10)
 
 
 async def _pair(n_conns: int):
@@ -127,6 +111,13 @@ async def _pair(n_conns: int):
     await server.start()
     peers = [await connect("127.0.0.1", server.port) for _ in range(n_conns)]
     return sink, reorder, server, peers
+
+
+async def _close(sender, peers, server) -> None:
+    await sender.close()
+    for p in peers:
+        await p.close()
+    await server.close()
 
 
 def reader(gate: asyncio.Event | None = None, after: int = 0):
@@ -152,10 +143,7 @@ def test_a_striped_transfer_delivers_the_same_pages_and_bytes_as_one_connection(
         t = s.submit("r", 3, reader(), N, PAGE, done_fields={"first_token": 5})
         res = await t
         await sink.until(lambda: sink.done is not None)
-        await s.close()
-        for p in peers:
-            await p.close()
-        await server.close()
+        await _close(s, peers, server)
         return sink, reorder, s, res
 
     sink, reorder, s, res = asyncio.run(run())
@@ -180,10 +168,7 @@ def test_a_striped_transfer_cancelled_mid_way_closes_after_the_frames_it_sent():
         gate.set()
         res = await t
         await sink.until(lambda: sink.cancelled)
-        await s.close()
-        for p in peers:
-            await p.close()
-        await server.close()
+        await _close(s, peers, server)
         return sink, reorder, res
 
     sink, reorder, res = asyncio.run(run())
@@ -240,10 +225,7 @@ def test_backlog_bytes_is_what_is_queued_and_not_yet_written():
         await t2
         await t3
         after = s.backlog_bytes
-        await s.close()
-        for p in peers:
-            await p.close()
-        await server.close()
+        await _close(s, peers, server)
         return queued, after
 
     queued, after = asyncio.run(run())

@@ -16,6 +16,7 @@ import pytest
 from pdd.transfer.kv import KVReceiver, KVSender, LayerProgress, layer_groups, prompt_kv_bytes
 from pdd.transfer.client import connect
 from pdd.transfer.server import Server
+from tests.transfer.kv_sink import EventSink
 
 LAYERS, PT, PROMPT, SLOT_L = 4, 4, 14, 10  # layers, tokens per page, prompt tokens, bytes per slot per layer
 FIRST, NPG = 1, 3  # pages [1, 4) cross
@@ -38,34 +39,18 @@ def read(i: int, n: int, layers) -> bytes:
     return out
 
 
-class Sink:
+class Sink(EventSink):
+    wait_s = 5.0  # until(): a hung sender fails after 5 s
+
     def __init__(self):
+        super().__init__()
         self.frames: list = []  # (first_page, n, layers, payload)
         self.rids: list = []  # the request of each frame
-        self.done: dict | None = None
-        self.cancelled = False
-        self.changed = asyncio.Event()
 
     def on_pages(self, rid, first, n, layers, payload):
         self.frames.append((first, n, layers, bytes(payload)))
         self.rids.append(rid)
         self.changed.set()
-
-    def on_done(self, rid, h):
-        self.done = h
-        self.changed.set()
-
-    def on_cancel(self, rid):
-        self.cancelled = True
-        self.changed.set()
-
-    async def until(self, pred) -> None:
-        """Wait for the receiver's next events until ``pred()`` holds (5 s: a hung sender fails)."""
-        async def loop():
-            while not pred():
-                self.changed.clear()
-                await self.changed.wait()
-        await asyncio.wait_for(loop(), 5)
 
     def bytes(self) -> int:
         return sum(len(f[3]) for f in self.frames)

@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 
 import pytest
 
@@ -67,11 +68,22 @@ async def pair(sink, **kw):
     return recv, server, peer
 
 
-async def test_stream_intact_with_done_fields_and_layers():
+@contextlib.asynccontextmanager
+async def linked(expect: int = 0):
+    """A ``Sink`` that counts ``expect`` finished transfers as done, a ``KVReceiver`` serving it and a
+    peer connected to that receiver; the peer and the server are closed on the way out."""
     sink = Sink()
-    sink.expect = 1
+    sink.expect = expect
     recv, server, peer = await pair(sink)
     try:
+        yield sink, recv, server, peer
+    finally:
+        await peer.close()
+        await server.close()
+
+
+async def test_stream_intact_with_done_fields_and_layers():
+    async with linked(1) as (sink, recv, server, peer):
         blob = pages_of(7, 20)
         snd = KVSender(peer, chunk_pages=3, crc=True)
         t = snd.submit("r1", 5, reader_for(blob), 15, PB, layers=(0, 4), done_fields={"first_token": 42})
@@ -88,16 +100,10 @@ async def test_stream_intact_with_done_fields_and_layers():
         d = sink.done["r1"]
         assert d["first_token"] == 42 and d["n_pages"] == 15 and d["bytes"] == 15 * PB and d["first_page"] == 5
         assert recv.bytes_received["r1"] == 15 * PB and recv.pages_received["r1"] == 15
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_async_page_reader_and_zero_pages():
-    sink = Sink()
-    sink.expect = 2
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked(2) as (sink, recv, server, peer):
         blob = pages_of(1, 4)
 
         async def aread(i, n):
@@ -112,16 +118,10 @@ async def test_async_page_reader_and_zero_pages():
         assert r1.bytes_sent == 4 * PB and r0.bytes_sent == 0
         assert sink.done["z"]["n_pages"] == 0 and "z" not in sink.data
         assert b"".join(sink.data["a"][i] for i in range(4)) == blob
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def _order_run(order):
-    sink = Sink()
-    sink.expect = 3
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked(3) as (sink, recv, server, peer):
         snd = KVSender(peer, order=order, chunk_pages=2)
         blobs = {"A": pages_of(1, 8), "B": pages_of(2, 4), "C": pages_of(3, 2)}
         ts = [snd.submit(r, 0, reader_for(b), len(b) // PB, PB) for r, b in blobs.items()]
@@ -130,9 +130,6 @@ async def _order_run(order):
         for r, b in blobs.items():
             assert b"".join(sink.data[r][i] for i in range(len(b) // PB)) == b
         return [e[1] for e in sink.events if e[0] == "kv"], [e[1] for e in sink.events if e[0] == "done"]
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_order_fifo():
@@ -167,10 +164,7 @@ def test_pick_functions_pure():
 async def test_cancel_midway_exact_accounting():
     # The cancel lands at a controlled point: the page reader for the third chunk (pages 8..11)
     # holds until the test has cancelled, so exactly two chunks (8 pages) went out, whatever the load.
-    sink = Sink()
-    sink.expect = 2
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked(2) as (sink, recv, server, peer):
         blob = pages_of(9, 400)
         plain = reader_for(blob)
         at_third_chunk = asyncio.Event()
@@ -203,16 +197,10 @@ async def test_cancel_midway_exact_accounting():
         assert recv.bytes_received["big"] == res.bytes_sent
         assert sink.events.index(("cancel", "big")) > max(i for i, e in enumerate(sink.events) if e[:2] == ("kv", "big"))
         assert recv.bytes_received["after"] == 8 * PB
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_cancel_before_start_and_by_rid():
-    sink = Sink()
-    sink.expect = 3
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked(3) as (sink, recv, server, peer):
         blob = pages_of(4, 50)
         snd = KVSender(peer, chunk_pages=1)
         t1 = snd.submit("x", 0, reader_for(blob), 50, PB)
@@ -225,16 +213,10 @@ async def test_cancel_before_start_and_by_rid():
         await asyncio.wait_for(sink.finished.wait(), 5)
         assert "y" not in recv.bytes_received and sink.cancelled == {"y"}
         assert t1.cancel() is False
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_page_reader_error_and_bad_size():
-    sink = Sink()
-    sink.expect = 3
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked(3) as (sink, recv, server, peer):
         blob = pages_of(4, 10)
 
         def broken(i, n):
@@ -254,9 +236,6 @@ async def test_page_reader_error_and_bad_size():
         await asyncio.wait_for(sink.finished.wait(), 5)
         assert sink.cancelled == {"broken", "short"}
         assert recv.bytes_received["broken"] == 4 * PB
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_connection_loss_fails_transfers():
@@ -277,10 +256,7 @@ async def test_connection_loss_fails_transfers():
 
 
 async def test_pacing_rate_lower_bound():
-    sink = Sink()
-    sink.expect = 1
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked(1) as (sink, recv, server, peer):
         n = 200
         blob = pages_of(5, n)  # 200 kB
         loop = asyncio.get_running_loop()
@@ -294,18 +270,12 @@ async def test_pacing_rate_lower_bound():
         expect = (n - 10) * PB * 8 / 0.02e9
         assert el2 >= expect * 0.95, (el2, expect)
         assert el2 < expect * 5 + 1.0
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_bidirectional_kv_on_one_peer():
     """P streams to MD while MD calls P on the same connection (shared persistent link)."""
-    sink = Sink()
-    sink.expect = 1
-    recv, server, peer = await pair(sink)
-    server.on("status", lambda p, h, pl: {"t": "st", "ok": True})
-    try:
+    async with linked(1) as (sink, recv, server, peer):
+        server.on("status", lambda p, h, pl: {"t": "st", "ok": True})
         blob = pages_of(6, 64)
         snd = KVSender(peer, chunk_pages=4)
         t = snd.submit("r", 0, reader_for(blob), 64, PB)
@@ -314,9 +284,6 @@ async def test_bidirectional_kv_on_one_peer():
         await asyncio.wait_for(t, 5)
         await asyncio.wait_for(sink.finished.wait(), 5)
         assert recv.bytes_received["r"] == 64 * PB
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_policy_module_pick_adapter():
@@ -331,10 +298,7 @@ async def test_policy_module_pick_adapter():
 
 
 async def test_max_frame_bytes_caps_frames_at_whole_pages():
-    sink = Sink()
-    sink.expect = 2
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked(2) as (sink, recv, server, peer):
         snd = KVSender(peer, chunk_pages=16, max_frame_bytes=2500)  # 2 pages of 1,000 bytes
         a = snd.submit("a", 0, reader_for(pages_of(1, 7)), 7, PB)
         big = bytes(range(200)) * 60  # 3 pages of 4,000 bytes, each above the cap: 1 per frame
@@ -346,9 +310,6 @@ async def test_max_frame_bytes_caps_frames_at_whole_pages():
         assert [n for r, n in frames if r == "b"] == [1, 1, 1]
         with pytest.raises(ValueError):
             KVSender(peer, max_frame_bytes=0)
-    finally:
-        await peer.close()
-        await server.close()
 
 
 
@@ -356,18 +317,15 @@ async def test_partial_last_page_sends_only_its_filled_bytes():
     """A transfer whose last page is partial (``last_page_bytes``): the frame that ends with it
     carries ``(n - 1) * PB + last_page_bytes`` and says so in its header; the other frames are
     whole; ``bytes_sent`` / ``total_bytes`` / ``kv_done`` count exactly what crossed."""
-    sink = Sink()
-    sink.expect = 1
-    recv, server, peer = await pair(sink)
-    raw = []
-    orig = recv._on_kv
+    async with linked(1) as (sink, recv, server, peer):
+        raw = []
+        orig = recv._on_kv
 
-    async def spy(p, h, payload):
-        raw.append((dict(h), len(payload)))
-        await orig(p, h, payload)
+        async def spy(p, h, payload):
+            raw.append((dict(h), len(payload)))
+            await orig(p, h, payload)
 
-    server.handlers["kv"] = spy
-    try:
+        server.handlers["kv"] = spy
         blob = pages_of(3, 7)
         last = 300
 
@@ -385,15 +343,10 @@ async def test_partial_last_page_sends_only_its_filled_bytes():
             (2, 3, None, 3 * PB), (5, 2, last, PB + last)]
         assert sink.done["r1"]["bytes"] == 4 * PB + last and sink.done["r1"]["last_page_bytes"] == last
         assert t.remaining_bytes == 0
-    finally:
-        await peer.close()
-        await server.close()
 
 
 async def test_partial_last_page_reader_of_whole_pages_fails_the_transfer():
-    sink = Sink()
-    recv, server, peer = await pair(sink)
-    try:
+    async with linked() as (sink, recv, server, peer):
         blob = pages_of(3, 2)
         snd = KVSender(peer, chunk_pages=4)
         t = snd.submit("r1", 0, reader_for(blob), 2, PB, last_page_bytes=10)  # reader ignores the tail
@@ -401,9 +354,6 @@ async def test_partial_last_page_reader_of_whole_pages_fails_the_transfer():
             await asyncio.wait_for(t, 5)
         with pytest.raises(ValueError, match="last_page_bytes"):
             snd.submit("r2", 0, reader_for(blob), 2, PB, last_page_bytes=PB + 1)
-    finally:
-        await peer.close()
-        await server.close()
 
 
 def test_kv_frame_bytes_and_prompt_kv_bytes():
