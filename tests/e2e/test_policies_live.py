@@ -109,3 +109,40 @@ def test_pipeline_choice_live(small_model, topology_factory, allow_p_rld):
     # served correctly: a single engine's greedy outputs
     assert got_short == want_short and got_long == want_long, (got_short, want_short, got_long, want_long)
     assert topo.flush()["leaked_pages"] == 0
+
+
+def test_default_budget_sends_short_and_cached_prompts_direct(small_model, topology_factory):
+    """The default budget (``PolicyConfig().pipeline_ttft_budget_ms``, 50 ms) on the default line
+    (0.05 Gbit/s, 20 ms RTT): the cold SHORT prompt (26.6 ms) goes P->MD; the cold LONG one
+    (151 ms) is relayed, planned at once on the gateway's index; LONG again with 10 more tokens,
+    whose 400-token prefix MD now holds (23.3 ms), goes P->MD and ships only the 10 missing
+    tokens' KV."""
+    from pdd.config import PolicyConfig
+
+    budget = PolicyConfig().pipeline_ttft_budget_ms
+    short, long_ = _ids(1, SHORT), _ids(2, LONG)
+    again = long_ + _ids(3, 10)
+    assert RTT_MS + SHORT * SLOT * 8 / 0.05e9 * 1000 < budget / 1.5
+    assert RTT_MS + LONG * SLOT * 8 / 0.05e9 * 1000 > budget * 2
+    assert RTT_MS + 10 * SLOT * 8 / 0.05e9 * 1000 < budget / 1.5
+    want, _ = greedy_oracle(small_model, [short, long_, again], MAX_TOKENS)
+    cfg = make_cfg(small_model, "pdd", engine={"device": "cpu"},
+                   policy={"pipeline_ttft_budget_ms": budget, "wan_estimate": "config", "cutoff": False},
+                   limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
+    assert (cfg.link.wan_gbps, cfg.link.wan_rtt_ms) == (0.05, RTT_MS)
+    topo = topology_factory(cfg)
+    got, summaries = [], []
+    for prompt in (short, long_, again):
+        toks, s = _complete(topo.url, cfg.served_model_name, prompt)
+        got.append(toks)
+        summaries.append(s)
+        assert topo.wait_idle(timeout_s=60)  # the relayed prompt's KV is in MD's cache before the next
+    assert [s["pipeline"] for s in summaries] == ["p_md", "p_rld_md", "p_md"], summaries
+    relayed = [d for d in summaries[1]["decisions"] if d["policy"] == "pipeline"]
+    assert [(d["inputs"]["md_cached_tokens"], d["result"]) for d in relayed] == [(0, "p_rld_md")]
+    assert summaries[2]["md_cached_tokens"] == LONG, summaries[2]
+    assert [s["wan_bytes_expected"] for s in summaries] == [SHORT * SLOT, LONG * SLOT, 10 * SLOT], summaries
+    st = topo.stats()
+    assert st["wan_bytes"] == st["wan_bytes_expected"] == (SHORT + LONG + 10) * SLOT, st
+    assert st["totals"]["failed"] == 0
+    assert got == want
