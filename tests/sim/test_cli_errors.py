@@ -274,3 +274,21 @@ def test_sim_run_autoscale_takes_both_role_spellings():
         a = ap.parse_args(["sim", "run", "--autoscale", *spec, "--autoscale-min", "prefill=1"])
         acfg = _autoscale_config(a)
         assert acfg.max == {"main_decode": 3, "relay_decode": 2} and acfg.min == {"prefill": 1}
+
+
+def test_calibrate_roles_without_the_run_s_model_is_a_usage_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no models/small here
+    _refused(capsys, ["sim", "calibrate-roles", "--run", str(tmp_path), "--profile", str(tmp_path / "p.json")],
+             "error:", "no checkpoint at models/small", "pdd make-model")
+
+
+def test_validate_live_from_another_workload_is_a_usage_error(capsys, tmp_path, monkeypatch):
+    import pdd.bench.live_validate as lv
+    from pdd.sim.validate import WorkloadMismatch
+
+    def mismatch(*a, **k):
+        raise WorkloadMismatch("live run has 40 requests, the workload 220: not the same workload")
+
+    monkeypatch.setattr(lv, "run_validate", mismatch)
+    _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(tmp_path)],
+             "error:", f"--live-from {tmp_path}", "not the same workload")

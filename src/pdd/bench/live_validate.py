@@ -65,9 +65,16 @@ def cmd_validate(a) -> int:
     for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
         if v <= 0:
             raise SystemExit(f"pdd sim validate: --{k} must be > 0")
-    res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
-                       budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
-                       max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from)
+    from pdd.sim.validate import WorkloadMismatch
+
+    try:
+        res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
+                           budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
+                           max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from)
+    except WorkloadMismatch as e:
+        from pdd.sim.cli import UsageError
+
+        raise UsageError(f"--live-from {a.live_from}: {e}") from None
     print(format_validate(res))
     print(f"wrote {a.out}/validate.json")
     return 0

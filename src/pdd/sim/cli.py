@@ -475,9 +475,17 @@ def cmd_compare_profiles(a) -> int:
 
 
 def cmd_calibrate_roles(a) -> int:
+    from pathlib import Path
+
+    from pdd.config import ClusterConfig
     from pdd.sim.validate import calibrate_roles
 
-    prof = calibrate_roles(a.run, a.profile, a.out, config_or_exit(a) if a.config else None)
+    cfg = config_or_exit(a) if a.config else None
+    model = (cfg or ClusterConfig()).model_path  # the run is re-simulated on this model's shapes
+    if not (Path(model) / "config.json").exists():
+        raise UsageError(f"no checkpoint at {model} (the run's model); make one with: pdd make-model --out "
+                         f"{model}, or give the run's --config")
+    prof = calibrate_roles(a.run, a.profile, a.out, cfg)
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
         print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "

@@ -40,6 +40,10 @@ VALIDATE_SCALE = Scale(block_tokens=16, output_scale=1 / 2, min_output_tokens=16
                        target_rate_rps=2.0, session_sample=100)
 
 
+class WorkloadMismatch(ValueError):
+    """A reused live run (``--live-from``) was made with other workload arguments."""
+
+
 def sim_records(requests) -> list[dict]:
     """Mooncake-format records (ms timestamps, token lengths, block hash ids) of replay requests."""
     out = []
@@ -454,7 +458,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         live, entry = live_run(cfg, requests, out, seed, console)
         live_s = time.time() - t_live
     if len(live) != len(requests):
-        raise ValueError(f"live run has {len(live)} requests, the workload {len(requests)}: not the same workload")
+        raise WorkloadMismatch(f"live run has {len(live)} requests, the workload {len(requests)}: not the same "
+                               "workload (give the run's own workload arguments: its validate.json 'workload')")
     ovh = prof.get("role_step_overhead_s") or {}
     wb = float(prof.get("wan_send_buffer_bytes", 0.0))
     t_sim = time.time()
