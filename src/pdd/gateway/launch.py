@@ -248,6 +248,7 @@ class Launchers:
                 Prefill(st.trid, prompt, sampling,
                         [{"name": rld_name, "first_page": 0, "relay": False}, {"slot": "md", "deferred": True}]
                         + ([{"slot": "md_fill", "deferred": True}] if predicted else [])).wire(), timeout=t))
+            p_call.add_done_callback(self._event_when_done(st, "p_first_token"))
             md_leg = asyncio.ensure_future(self._md_leg(st, trid, reserve, p))
             md_leg.add_done_callback(lambda _f: st.md_settled.set())
             rep, _ = await p_call
