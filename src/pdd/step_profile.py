@@ -127,7 +127,11 @@ class MeasuredStepModel:
 
 
 def load(path: str | Path) -> dict:
+    """The ``pdd profile`` JSON at ``path``. Raises OSError (unreadable), json.JSONDecodeError, or
+    ValueError naming the file when it is not a pdd-profile/1 object."""
     prof = json.loads(Path(path).read_text())
+    if not isinstance(prof, dict):
+        raise ValueError(f"{path}: not a {FORMAT} profile (a JSON {type(prof).__name__}, not an object)")
     if prof.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} profile (format={prof.get('format')!r})")
     return prof

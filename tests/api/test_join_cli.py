@@ -61,6 +61,11 @@ def test_bad_standby(standby, msg):
     ("http://127.0.0.1:70000", "has a bad port"),
     ("http://:8000", "names no host"),
     ("ftp://gw:8000", "is not an http:// or https:// URL"),
+    # used as given: urlsplit accepted these, the HTTP client then failed late (JOIN FAILED)
+    (" http://127.0.0.1:8000", "has whitespace or a control character"),
+    ("http://127.0.0.1:8000/ ", "has whitespace or a control character"),
+    ("http://127.0.0.1\n:8000", "has whitespace or a control character"),
+    ("http://[::1:8000", "has a malformed IPv6 host"),
 ])
 def test_malformed_join_url_is_a_one_line_usage_error(tmp_path, capsys, monkeypatch, url, why):
     cfg = _config_that_must_not_run(tmp_path, monkeypatch)
@@ -78,6 +83,7 @@ def test_good_join_urls_pass():
     assert gateway_url_problem("http://127.0.0.1:8000") is None
     assert gateway_url_problem("https://gw.example:443/") is None
     assert gateway_url_problem("http://127.0.0.1") is None  # port 80, as any HTTP client
+    assert gateway_url_problem("http://[::1]:8000") is None
 
 
 def test_a_join_url_with_a_path_or_query_is_refused():

@@ -292,3 +292,131 @@ def test_validate_live_from_another_workload_is_a_usage_error(capsys, tmp_path, 
     monkeypatch.setattr(lv, "run_validate", mismatch)
     _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(tmp_path)],
              "error:", f"--live-from {tmp_path}", "not the same workload")
+
+
+def _recorded_run(d, *, rate=0.8, n=2, budget=250.0):
+    """A minimal `pdd sim validate --out` directory: validate.json's workload and budget, n request
+    records, server stats."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "validate.json").write_text(json.dumps({
+        "workload": {"requests": n, "rate_rps": rate, "block_tokens": 64, "session_sample": 50, "session_seed": 0,
+                     "max_output_tokens": 320, "seed": 0},
+        "config": {"pipeline_ttft_budget_ms": budget}}))
+    (d / "requests.jsonl").write_text("".join(json.dumps({"ok": True}) + "\n" for _ in range(n)))
+    (d / "server_stats.json").write_text("{}")
+    return d
+
+
+def _fake_model_config(tmp_path):
+    """A config whose model_path holds a config.json: the CLIs' checkpoint checks pass, and every
+    case below is refused before the model is read."""
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"model_path: {m}\n")
+    return str(cfg)
+
+
+PROFILE = "data/profiles/this-machine.json"
+
+
+@pytest.mark.parametrize("case,flag,message", [
+    ("missing", "--run", "no such directory"),
+    ("a_file", "--run", "not a directory"),
+    ("empty", "--run", "no validate.json in it"),
+    ("bad_validate", "--run", "validate.json: not JSON"),
+    ("bad_line", "--run", "requests.jsonl line 2: not JSON"),
+    ("no_stats", "--run", "no server_stats.json in it"),
+    ("profile_missing", "--profile", "no such file"),
+    ("profile_list", "--profile", "not a pdd-profile/1 profile (a JSON list, not an object)"),
+    ("profile_dir", "--profile", "is a directory"),
+    ("out_dir_missing", "--out", "no such directory"),
+])
+def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, flag, message):
+    """A run directory or profile calibrate-roles cannot use: `error: FLAG: PATH: why` (exit 2),
+    not a FileNotFoundError / JSONDecodeError / AttributeError traceback; nothing is fitted."""
+    run = _recorded_run(tmp_path / "run")
+    profile, out = PROFILE, str(tmp_path / "out.json")
+    if case == "missing":
+        run = tmp_path / "nosuch"
+    elif case == "a_file":
+        run = run / "validate.json"
+    elif case == "empty":
+        run = tmp_path / "empty"
+        run.mkdir()
+    elif case == "bad_validate":
+        (run / "validate.json").write_text("{not json")
+    elif case == "bad_line":
+        (run / "requests.jsonl").write_text('{"ok": true}\n{oops\n')
+    elif case == "no_stats":
+        (run / "server_stats.json").unlink()
+    elif case == "profile_missing":
+        profile = str(tmp_path / "nosuch.json")
+    elif case == "profile_list":
+        profile = str(tmp_path / "list.json")
+        (tmp_path / "list.json").write_text("[1, 2]")
+    elif case == "profile_dir":
+        profile = str(run)
+    elif case == "out_dir_missing":
+        out = str(tmp_path / "nosuch" / "out.json")
+    _refused(capsys, ["sim", "calibrate-roles", "--run", str(run), "--profile", profile, "--out", out,
+                      "--config", _fake_model_config(tmp_path)],
+             "pdd sim calibrate-roles: error:", f"{flag}", message)
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("case,flag,message", [
+    ("missing", "--live-from", "no such directory"),
+    ("no_stats", "--live-from", "no server_stats.json in it"),
+    ("profile_list", "--profile", "not a pdd-profile/1 profile"),
+])
+def test_validate_live_from_bad_run_is_one_line(capsys, tmp_path, case, flag, message):
+    """--live-from a directory that is not a recorded validate run (or a --profile that is not
+    one): a usage error naming the flag, before the profile is measured or anything simulated."""
+    run = _recorded_run(tmp_path / "run")
+    profile = PROFILE
+    if case == "missing":
+        run = tmp_path / "nosuch"
+    elif case == "no_stats":
+        (run / "server_stats.json").unlink()
+    elif case == "profile_list":
+        profile = str(tmp_path / "list.json")
+        (tmp_path / "list.json").write_text("[]")
+    _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", profile,
+                      "--config", _fake_model_config(tmp_path)],
+             "pdd sim validate: error:", flag, message)
+    assert not (tmp_path / "v" / "validate.json").exists()
+
+
+def test_validate_live_from_a_run_at_another_rate_is_refused(capsys, tmp_path, monkeypatch):
+    """A recorded run of as many requests but another rate (or session seed, output cap, budget)
+    is another workload: re-simulating it at the flags' rate compared arrivals that never
+    happened. Refused naming the flag and both values."""
+    from types import SimpleNamespace
+
+    import pdd.sim.validate as V
+
+    run = _recorded_run(tmp_path / "run", rate=0.8, n=2)
+    reqs = [SimpleNamespace(prompt_ids=[1, 2, 3], max_tokens=4) for _ in range(2)]
+    monkeypatch.setattr(V, "build_workload", lambda cfg, **kw: (reqs, SimpleNamespace(max_output_tokens=320)))
+    monkeypatch.setattr(V, "simulate", lambda *a, **k: pytest.fail("simulated another workload's live run"))
+    err = _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile",
+                            PROFILE, "--rate", "2", "--requests", "2", "--config", _fake_model_config(tmp_path)],
+                   "pdd sim validate: error:", f"--live-from {run}", "not the same workload")
+    assert "--rate 2.0 (the run's: 0.8)" in err, err
+
+
+def test_check_same_run_names_each_differing_argument():
+    from pdd.sim.validate import WorkloadMismatch, check_same_run
+
+    rec = {"workload": {"requests": 211, "rate_rps": 0.8, "session_seed": 1, "max_output_tokens": 32},
+           "config": {"pipeline_ttft_budget_ms": 250.0}}
+    check_same_run(rec, {"workload": {"requests": 211, "rate_rps": 0.8, "session_seed": 1, "max_output_tokens": 32,
+                                      "block_tokens": 64}, "config": {"pipeline_ttft_budget_ms": 250}})
+    with pytest.raises(WorkloadMismatch) as ex:
+        check_same_run(rec, {"workload": {"requests": 211, "rate_rps": 0.8, "session_seed": 2,
+                                          "max_output_tokens": 320}, "config": {"pipeline_ttft_budget_ms": 50.0}})
+    assert str(ex.value) == ("not the same workload: --session-seed 2 (the run's: 1), --max-output-tokens 320 (the "
+                             "run's: 32), --budget-ms 50.0 (the run's: 250.0); give the run's own workload arguments "
+                             "(its validate.json 'workload' and 'config.pipeline_ttft_budget_ms')")

@@ -65,16 +65,18 @@ def cmd_validate(a) -> int:
     for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
         if v <= 0:
             raise SystemExit(f"pdd sim validate: --{k} must be > 0")
-    from pdd.sim.validate import WorkloadMismatch
+    from pdd.sim.validate import RecordedRunError, WorkloadMismatch
 
     try:
         res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
                            budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
                            max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from)
-    except WorkloadMismatch as e:
+    except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
         from pdd.sim.cli import UsageError
 
-        raise UsageError(f"--live-from {a.live_from}: {e}") from None
+        if isinstance(e, WorkloadMismatch):
+            raise UsageError(f"--live-from {a.live_from}: {e}") from None
+        raise UsageError(f"{'--profile' if e.source == 'profile' else '--live-from'}: {e}") from None
     print(format_validate(res))
     print(f"wrote {a.out}/validate.json")
     return 0
@@ -96,5 +98,5 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
     v.add_argument("--profile", default=None, help="a `pdd profile` JSON (default: measure now)")
     v.add_argument("--live-from", default=None, help="reuse this validate output's live run (same workload "
                                                     "arguments) and only re-simulate")
-    v.set_defaults(func=cmd_validate)
+    v.set_defaults(func=cmd_validate, parser=v)
     return v

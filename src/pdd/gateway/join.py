@@ -14,18 +14,26 @@ JOIN_TIMEOUT_S = 180.0
 
 def gateway_url_problem(url: str) -> str | None:
     """Why ``url`` is not a gateway URL (``http[s]://host[:port]``, port 1-65535, default 80 / 443
-    as in any HTTP client; no path, query or fragment), or None."""
+    as in any HTTP client; no path, query or fragment; no whitespace or control character anywhere,
+    as the URL is used as given: urlsplit drops a tab or newline and a leading space, the HTTP
+    client does not), or None."""
     from urllib.parse import urlsplit
 
-    u = (url or "").strip()
+    u = url or ""
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in u):
+        return f"{url!r} has whitespace or a control character (expected http://host:port)"
     try:
         parts = urlsplit(u)
+        if "[" in parts.netloc or "]" in parts.netloc:
+            parts.hostname  # ValueError for an unbalanced IPv6 bracket
         port = parts.port  # ValueError for a port that is not a number in 0-65535
-    except ValueError:
+    except ValueError as e:
+        if "IPv6" in str(e):
+            return f"{url!r} has a malformed IPv6 host (expected e.g. http://[::1]:8000)"
         return f"{url!r} has a bad port (expected http://host:port, port 1-65535)"
     if parts.scheme not in ("http", "https"):
         return f"{url!r} is not an http:// or https:// URL (expected e.g. http://127.0.0.1:8000)"
-    if not parts.hostname or " " in u:
+    if not parts.hostname:
         return f"{url!r} names no host (expected http://host:port)"
     if port == 0:
         return f"{url!r} has port 0 (expected 1-65535)"

@@ -307,7 +307,10 @@ class Launchers:
             if expect is not None:
                 self._spawn(self._abort_on(rld, st.trid))
             raise
-        self._reserved(st, md_name, rep, p)
+        # aborted while MD reserved (the client gone before its first byte, a sibling refused): P's
+        # targets were never sent, so it will neither stream nor report this attempt's WAN bytes,
+        # and the abort's write-off (_unplan_wan) may have run already: book none
+        self._reserved(st, md_name, rep, p, book=not st.end.aborted)
         md = self.peers[md_name]
         md_wan = self.layout.get(md_name).dc == "B"
         md_first = int(rep["md_cached_pages"])

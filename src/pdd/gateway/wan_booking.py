@@ -258,8 +258,11 @@ class WanBooking:
         self.planned_wan[st.trid] = self.planned_wan.get(st.trid, 0) + nbytes
         self.planned_src[st.trid] = src
 
-    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: Peer | None = None, booked: int = 0) -> None:
-        """Book MD's reservation reply: cached tokens, the WAN bytes planned. ``p``: the P
+    def _reserved(self, st: ReqState, md_name: str, rep: dict, p: Peer | None = None, booked: int = 0,
+                  book: bool = True) -> None:
+        """Book MD's reservation reply: cached tokens, the WAN bytes planned. ``book`` False: the
+        attempt was aborted before P got its targets (P will neither send nor report the bytes),
+        so none are planned and its ``wan.expected`` is 0. ``p``: the P
         connection the attempt started on (default: the current one of ``st``'s P). When that P
         is already gone (closed, or replaced by a restarted P's connection: its loss was booked
         before this reservation returned, e.g. a sibling choice's ``reserve {after}`` waiting on
@@ -274,7 +277,9 @@ class WanBooking:
         self.kv_bytes_per_token = wire_pb // int(rep["page_size"])  # as it crosses the WAN
         st.md_cached_tokens = int(rep["md_cached_tokens"])
         md_first = int(rep["md_cached_pages"])
-        if md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
+        if md_wan and not book:
+            st.wan.expected = 0
+        elif md_wan:  # the prompt's tokens MD lacks (P sends the last page's filled slots only)
             st.wan.expected = prompt_kv_bytes(int(rep["prompt_tokens"]), md_first, int(rep["page_size"]),
                                               wire_pb, self.cfg.policy.kv_whole_pages)
             # ``booked``: a predicted send's bytes, planned when it started; the rest is its fill

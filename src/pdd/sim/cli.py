@@ -478,14 +478,18 @@ def cmd_calibrate_roles(a) -> int:
     from pathlib import Path
 
     from pdd.config import ClusterConfig
-    from pdd.sim.validate import calibrate_roles
+    from pdd.sim.validate import RecordedRunError, calibrate_roles
 
     cfg = config_or_exit(a) if a.config else None
     model = (cfg or ClusterConfig()).model_path  # the run is re-simulated on this model's shapes
     if not (Path(model) / "config.json").exists():
         raise UsageError(f"no checkpoint at {model} (the run's model); make one with: pdd make-model --out "
                          f"{model}, or give the run's --config")
-    prof = calibrate_roles(a.run, a.profile, a.out, cfg)
+    check_out_file(a.out or a.profile, "--out" if a.out else "--profile")
+    try:
+        prof = calibrate_roles(a.run, a.profile, a.out, cfg)
+    except RecordedRunError as e:  # a missing / malformed run directory or profile: one line naming it
+        raise UsageError(f"{'--profile' if e.source == 'profile' else '--run'}: {e}") from None
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
         print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "
@@ -589,7 +593,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
     c.add_argument("--config", default=None, help="the cluster config (YAML/JSON) the run was made with "
                                                   "(default: the embedded topology)")
-    c.set_defaults(func=cmd_calibrate_roles)
+    c.set_defaults(func=cmd_calibrate_roles, parser=c)
     vr = sp.add_parser("validate-report", help="judge recorded `pdd sim validate` runs held out from the calibration "
                                                "run, beside the noise floor of one workload run live twice")
     vr.add_argument("--calibration", required=True, help="the validate directory the profile was fitted on")

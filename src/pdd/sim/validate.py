@@ -40,8 +40,102 @@ VALIDATE_SCALE = Scale(block_tokens=16, output_scale=1 / 2, min_output_tokens=16
                        target_rate_rps=2.0, session_sample=100)
 
 
-class WorkloadMismatch(ValueError):
+class RecordedRunError(ValueError):
+    """A recorded run (``pdd sim validate --live-from DIR``, ``pdd sim calibrate-roles --run DIR``)
+    or a profile that cannot be used: missing, not a directory, a file of it missing, unreadable or
+    not JSON. The message names the path (the CLI prints it as a usage error); ``source`` is
+    ``"run"`` (the recorded run) or ``"profile"``."""
+
+    def __init__(self, message: str, source: str = "run"):
+        super().__init__(message)
+        self.source = source
+
+
+class WorkloadMismatch(RecordedRunError):
     """A reused live run (``--live-from``) was made with other workload arguments."""
+
+
+# validate.json "workload" / "config" keys a reused live run must share, and their flags
+_RUN_ARGS = (("workload", "requests", "--requests"), ("workload", "rate_rps", "--rate"),
+             ("workload", "block_tokens", "--block-tokens"), ("workload", "session_sample", "--session-sample"),
+             ("workload", "session_seed", "--session-seed"),
+             ("workload", "max_output_tokens", "--max-output-tokens"), ("workload", "seed", "seed"),
+             ("config", "pipeline_ttft_budget_ms", "--budget-ms"))
+
+
+def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict | None, list[dict], dict]:
+    """A recorded ``pdd sim validate --out`` directory: (its ``validate.json``, or None when absent
+    and not ``need_validate``; the ``requests.jsonl`` records; ``server_stats.json``). Raises
+    :class:`RecordedRunError` naming the directory and the file (missing, not a directory, a file
+    missing, unreadable or not JSON) before anything is computed."""
+    d = Path(run_dir)
+    what = "a `pdd sim validate --out` directory"
+    if not d.exists():
+        raise RecordedRunError(f"{d}: no such directory ({what})")
+    if not d.is_dir():
+        raise RecordedRunError(f"{d}: not a directory; give {what}")
+
+    def text(name: str) -> str:
+        try:
+            return (d / name).read_text()
+        except FileNotFoundError:
+            raise RecordedRunError(f"{d}: no {name} in it (not {what})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise RecordedRunError(f"{d / name}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+    def parse(raw: str, where: str):
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise RecordedRunError(f"{where}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise RecordedRunError(f"{where}: not a JSON object ({type(obj).__name__})")
+        return obj
+
+    v = parse(text("validate.json"), str(d / "validate.json")) \
+        if need_validate or (d / "validate.json").exists() else None
+    if v is not None and not isinstance(v.get("workload"), dict):
+        raise RecordedRunError(f"{d / 'validate.json'}: no 'workload' object (not a `pdd sim validate` output)")
+    recs = [parse(x, f"{d / 'requests.jsonl'} line {i}")
+            for i, x in enumerate(text("requests.jsonl").splitlines(), 1) if x.strip()]
+    return v, recs, parse(text("server_stats.json"), str(d / "server_stats.json"))
+
+
+def check_same_run(recorded: dict, now: dict) -> None:
+    """Raise :class:`WorkloadMismatch` naming every argument (and its flag) of ``now`` (a
+    validate.json-shaped ``{"workload": ..., "config": ...}``) that differs from the recorded
+    run's; an argument the recorded run lacks is not compared."""
+    diff = []
+    for sec, key, flag in _RUN_ARGS:
+        rec, cur = (recorded.get(sec) or {}).get(key), (now.get(sec) or {}).get(key)
+        if rec is None or cur is None:
+            continue
+        same = abs(float(rec) - float(cur)) <= 1e-9 * max(1.0, abs(float(rec))) \
+            if isinstance(rec, (int, float)) and isinstance(cur, (int, float)) else rec == cur
+        if not same:
+            diff.append(f"{flag} {cur} (the run's: {rec})")
+    if diff:
+        raise WorkloadMismatch("not the same workload: " + ", ".join(diff) + "; give the run's own workload "
+                               "arguments (its validate.json 'workload' and 'config.pipeline_ttft_budget_ms')")
+
+
+def load_profile_checked(path: str | Path) -> dict:
+    """``pdd.step_profile.load`` with its failures as :class:`RecordedRunError` naming the file."""
+    from pdd.step_profile import load
+
+    p = Path(path)
+    if p.is_dir():
+        raise RecordedRunError(f"{p}: is a directory; give a `pdd profile` JSON file", "profile")
+    try:
+        return load(p)
+    except FileNotFoundError:
+        raise RecordedRunError(f"{p}: no such file (a `pdd profile` JSON)", "profile") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordedRunError(f"{p}: cannot read it ({getattr(e, 'strerror', None) or e})", "profile") from None
+    except json.JSONDecodeError as e:
+        raise RecordedRunError(f"{p}: not JSON ({e})", "profile") from None
+    except ValueError as e:  # not a pdd-profile/1 object: the message names the file
+        raise RecordedRunError(str(e), "profile") from None
 
 
 def sim_records(requests) -> list[dict]:
@@ -423,15 +517,20 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     before and after as one dict); the model directory must exist
     (``pdd.bench.live_validate.run_validate`` makes it, then calls this). The profile's
     ``role_step_overhead_s`` (``pdd sim calibrate-roles``, from another run) is applied.
-    Raises ValueError when neither ``live_from`` nor ``live_run`` is given, or when the live run
-    is not the workload's."""
+    Raises ValueError when neither ``live_from`` nor ``live_run`` is given;
+    :class:`RecordedRunError` for a ``live_from`` directory or ``profile`` it cannot read (before
+    the profile is measured); :class:`WorkloadMismatch` when the reused run is not the workload's
+    (its validate.json's workload arguments or pipeline budget differ, or its request count)."""
     from rich.console import Console
 
     from pdd.sim import profile as P
-    from pdd.step_profile import load as load_profile
 
     if live_from is None and live_run is None:
         raise ValueError("run_validate needs live_from (a recorded run) or live_run (pdd.bench.live_validate)")
+    # a reused run and a given profile are read first: a bad one fails before the profile is measured
+    recorded = read_run(live_from, need_validate=False) if live_from is not None else None
+    if profile is not None:
+        load_profile_checked(profile)
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -442,16 +541,20 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         prof = P.measure_profile(cfg, log=lambda m: None)
         profile = out / "profile.json"
         Path(profile).write_text(json.dumps(prof, indent=1))
-    prof = load_profile(profile)
+    prof = load_profile_checked(profile)
     requests, scale = build_workload(cfg, n_requests=n_requests, rate=rate, block_tokens=block_tokens,
                                      session_sample=session_sample, session_seed=session_seed,
                                      max_output_tokens=max_output_tokens, seed=seed)
+    if recorded is not None and recorded[0] is not None:
+        check_same_run(recorded[0], {
+            "workload": {"requests": len(requests), "rate_rps": rate, "block_tokens": block_tokens,
+                         "session_sample": session_sample, "session_seed": session_seed,
+                         "max_output_tokens": scale.max_output_tokens, "seed": seed},
+            "config": {"pipeline_ttft_budget_ms": budget_ms}})
     console.print(f"{len(requests)} requests, prompts mean {np.mean([len(r.prompt_ids) for r in requests]):.0f} "
                   f"tokens, outputs mean {np.mean([r.max_tokens for r in requests]):.0f}, {rate} req/s")
-    if live_from is not None:
-        src = Path(live_from)
-        live = [json.loads(x) for x in (src / "requests.jsonl").read_text().splitlines() if x.strip()]
-        entry = json.loads((src / "server_stats.json").read_text())
+    if recorded is not None:
+        _, live, entry = recorded
         live_s = None
     else:
         t_live = time.time()
@@ -499,23 +602,29 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
                     config=None) -> dict:
     """``pdd sim calibrate-roles``: fit each role's per-step overhead on the live run in ``run_dir``
     (a ``pdd sim validate`` output: its workload arguments, ``server_stats.json``) and write it into
-    the profile as ``role_step_overhead_s`` (with ``role_overhead_from``: which run)."""
-    from pdd.step_profile import load as load_profile
-
+    the profile as ``role_step_overhead_s`` (with ``role_overhead_from``: which run). Raises
+    :class:`RecordedRunError` naming the path for a run directory or profile it cannot use, before
+    anything is fitted."""
     run_dir = Path(run_dir)
-    v = json.loads((run_dir / "validate.json").read_text())
+    v, live_recs, entry = read_run(run_dir)
     w = v["workload"]
-    cfg = validate_config(config, v["config"]["pipeline_ttft_budget_ms"])
-    prof = load_profile(profile)
+    budget = (v.get("config") or {}).get("pipeline_ttft_budget_ms")
+    if not isinstance(budget, (int, float)):
+        raise RecordedRunError(f"{run_dir / 'validate.json'}: no config.pipeline_ttft_budget_ms (not a `pdd sim "
+                               "validate` output)")
+    missing = [k for k in ("requests", "rate_rps", "block_tokens", "session_sample") if k not in w]
+    if missing:
+        raise RecordedRunError(f"{run_dir / 'validate.json'}: workload lacks {', '.join(missing)} (not a `pdd sim "
+                               "validate` output)")
+    cfg = validate_config(config, budget)
+    prof = load_profile_checked(profile)
     prof.pop("role_step_overhead_s", None)
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
                                  max_output_tokens=w.get("max_output_tokens"), seed=w.get("seed", 0))
-    entry = json.loads((run_dir / "server_stats.json").read_text())
     live = live_role_steps(entry)
     live_bytes = live_wan_payload_bytes(entry)
     prof.pop("wan_send_buffer_bytes", None)
-    live_recs = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines() if x.strip()]
     prof["client_delay_s"] = live_client_delay_s(live_recs) or 0.0
     prof.pop("fast_path", None)
     fp = live_fast_path(live_recs, int(prof["model"]["kv_bytes_per_token"]), cfg.link.fast_gbps)
