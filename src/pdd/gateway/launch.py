@@ -51,14 +51,25 @@ def _give_up(*futs: asyncio.Future | None) -> None:
 class Launchers:
     """Mixin of the orchestrator: plan a request's pipeline and start its attempt on the tiers."""
 
-    def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int, md_available: bool = True,
-              md: str | None = None, record: bool = True) -> Pipeline:
-        """The pipeline of ``st``'s attempt (``policy.pipeline.choose_pipeline``) toward MD ``md``
-        (default: the one ``st`` names) holding ``md_cached_tokens`` of the prompt; appended to
-        the request's decisions unless ``record`` is False (a prediction the reservation checks)."""
+    def _plan(self, st: ReqState, prompt_len: int, md_cached_tokens: int, md_available: bool = True) -> Pipeline:
+        """The pipeline of ``st``'s attempt (``policy.pipeline.choose_pipeline``) toward the MD it
+        names, holding ``md_cached_tokens`` of the prompt; appended to the request's decisions."""
+        inp = self._pipeline_inputs(st, prompt_len, md_cached_tokens, md_available)
+        out = choose_pipeline(inp)
+        self._record_plan(st, inp, out)
+        return out
+
+    @staticmethod
+    def _record_plan(st: ReqState, inp: PipelineInputs, out: Pipeline) -> None:
+        st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
+
+    def _pipeline_inputs(self, st: ReqState, prompt_len: int, md_cached_tokens: int, md_available: bool = True,
+                         md: str | None = None) -> PipelineInputs:
+        """What the gateway knows of ``st``'s attempt toward MD ``md`` (default: the one ``st``
+        names) holding ``md_cached_tokens`` of the prompt."""
         mode = self.cfg.mode
         md = md or st.names.get(ROLE_MAIN)  # the chosen MD's path (policy.wan_estimate: live or config)
-        inp = PipelineInputs(
+        return PipelineInputs(
             mode=mode,
             prompt_tokens=prompt_len,
             md_cached_tokens=md_cached_tokens,
@@ -71,10 +82,6 @@ class Launchers:
             wan_backlog_bytes=self._wan_backlog_bytes(md, st),
             md_crosses_wan=md is None or self._in_b(md),
         )
-        out = choose_pipeline(inp)
-        if record:
-            st.decisions.append({"policy": "pipeline", "inputs": asdict(inp), "result": out.value})
-        return out
 
     async def _launch(self, st: ReqState, prompt: list[int], sp: SamplingParams | None = None,
                       force_relay: bool = False) -> None:
@@ -135,9 +142,10 @@ class Launchers:
         if relay_possible and not force_relay and sib is None and not pending_sib and self._plans_from_index():
             pre = await self._route_hit(ROLE_MAIN, prompt)
             if pre[1] is not None:
-                pre_relay = self._plan(st, len(prompt), pre[1], md=pre[0], record=False) == Pipeline.P_RLD_MD
-                if pre_relay:
-                    self._plan(st, len(prompt), pre[1], md=pre[0])  # the decision, recorded
+                inp = self._pipeline_inputs(st, len(prompt), pre[1], md=pre[0])
+                pre_relay = choose_pipeline(inp) == Pipeline.P_RLD_MD
+                if pre_relay:  # the decision (a P->MD prediction is not one: MD's reply re-plans)
+                    self._record_plan(st, inp, Pipeline.P_RLD_MD)
                     predicted = self.cfg.policy.md_predicted_send and self.page_bytes is not None
 
         async def route_and_reserve():

@@ -275,8 +275,6 @@ class ClusterSim:
             if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
                 self._predict_md(req)
         elif self._relays_by_index(req):  # a non-zero budget the index says the KV misses: relayed at once
-            req.md_hit = self._md_match(req)
-            self._decide(req)
             if self.cfg.md_predicted_send:
                 self._predict_md(req)
         self._start_prefill(p, req)
@@ -286,22 +284,22 @@ class ClusterSim:
         """As the runtime (policy.pipeline.relays_every_request): pdd with a zero budget relays
         every request."""
         cfg = self.cfg
-        return pol_pipeline.relays_every_request(cfg.mode, cfg.ttft_budget_ms,
-                                                 cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s)
+        return pol_pipeline.relays_every_request(cfg.mode, cfg.ttft_budget_ms, self._allow_p_rld(req))
 
     def _relays_by_index(self, req: Req) -> bool:
         """As the runtime (policy.pipeline.plans_from_index, ``gateway.launch``): with a non-zero
         budget the gateway plans on its prefix index of MD (here MD's cache match at arrival) and
-        relays at once what does not fit; what fits waits for MD's reservation, which re-plans."""
+        relays at once what does not fit (the decision, made here); what fits waits for MD's
+        reservation, which re-plans (this prediction is not a decision)."""
         cfg = self.cfg
-        allow = cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s
-        if not pol_pipeline.plans_from_index(cfg.mode, cfg.ttft_budget_ms, allow, False):
+        if not pol_pipeline.plans_from_index(cfg.mode, cfg.ttft_budget_ms, self._allow_p_rld(req), False):
             return False
-        inp = pol_pipeline.PipelineInputs(
-            mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=self._md_match(req),
-            kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=self.wan_gbps_estimate(),
-            wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=allow)
-        return self.decide_pipeline(inp) == Pipeline.P_RLD_MD
+        req.md_hit = self._md_match(req)
+        inp = self._pipeline_inputs(req)
+        if self.decide_pipeline(inp) != Pipeline.P_RLD_MD:
+            return False
+        self._decided(req, inp, Pipeline.P_RLD_MD)
+        return True
 
     def _md_match(self, req: Req) -> int:
         """Tokens of ``req``'s prompt MD's cache holds now (whole blocks, at least one token left)."""
@@ -356,17 +354,25 @@ class ClusterSim:
         if not planned and (req.prefill_done or req.rid in self.kv_ready):
             self._dispatch_kv(req)
 
+    def _allow_p_rld(self, req: Req) -> bool:
+        return self.cfg.allow_p_rld and req.arrival >= self.cfg.allow_p_rld_after_s
+
+    def _pipeline_inputs(self, req: Req) -> "pol_pipeline.PipelineInputs":
+        """What the gateway knows when it plans ``req`` (MD holding ``req.md_hit`` tokens)."""
+        cfg = self.cfg
+        return pol_pipeline.PipelineInputs(
+            mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
+            kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=self.wan_gbps_estimate(),
+            wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=self._allow_p_rld(req),
+            md_available=True)
+
     def _decide(self, req: Req) -> None:
         """The pipeline decision (policy.pipeline, the runtime's function) for ``req``."""
-        cfg = self.cfg
-        md_ok = True
-        est = self.wan_gbps_estimate()
-        inp = pol_pipeline.PipelineInputs(
-            mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
-            kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=est,
-            wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms,
-            allow_p_rld=cfg.allow_p_rld and req.arrival >= cfg.allow_p_rld_after_s, md_available=md_ok)
-        pl = self.decide_pipeline(inp)
+        inp = self._pipeline_inputs(req)
+        self._decided(req, inp, self.decide_pipeline(inp))
+
+    def _decided(self, req: Req, inp: "pol_pipeline.PipelineInputs", pl: Pipeline) -> None:
+        """Log and apply pipeline ``pl`` for ``req``, chosen on ``inp``."""
         self._log_decision(req, "pipeline", inp, pl.value)
         req.pipeline = pl
         self._count_pipeline(req)
