@@ -529,19 +529,17 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         raise ValueError("run_validate needs live_from (a recorded run) or live_run (pdd.bench.live_validate)")
     # a reused run and a given profile are read first: a bad one fails before the profile is measured
     recorded = read_run(live_from, need_validate=False) if live_from is not None else None
-    if profile is not None:
-        load_profile_checked(profile)
+    prof = load_profile_checked(profile) if profile is not None else None
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = validate_config(config, budget_ms)
     t0 = time.time()
-    if profile is None:
+    if prof is None:
         console.print("measuring the engine's step times (pdd profile) ...")
-        prof = P.measure_profile(cfg, log=lambda m: None)
         profile = out / "profile.json"
-        Path(profile).write_text(json.dumps(prof, indent=1))
-    prof = load_profile_checked(profile)
+        Path(profile).write_text(json.dumps(P.measure_profile(cfg, log=lambda m: None), indent=1))
+        prof = load_profile_checked(profile)  # as a given profile is read
     requests, scale = build_workload(cfg, n_requests=n_requests, rate=rate, block_tokens=block_tokens,
                                      session_sample=session_sample, session_seed=session_seed,
                                      max_output_tokens=max_output_tokens, seed=seed)
