@@ -21,6 +21,7 @@ equal the bytes planned, and every page is free afterwards.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -71,7 +72,7 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
     # D: a fresh prompt, decoded long enough to be handed over to MD; E: D's next turn
     d = _ids(2, 100)
     cd = run(d, 600)
-    assert cd.summary["handoff_pos"] is not None, cd.summary  # MD decoded D's end (and cached it)
+    assert cd.summary["handoff_pos"] is not None, json.dumps(cd.summary)  # MD decoded D's end (and cached it)
     assert topo.wait_idle(timeout_s=30)
     e = d + cd.tokens + _ids(3, 20)
     held = (len(d) + len(cd.tokens) - 1) // PAGE_TOKENS * PAGE_TOKENS  # MD caches all but the last token's KV
@@ -135,7 +136,7 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
     assert st["totals"]["md_predicted_fills"] == fills_before + 1, st["totals"]
     assert cb.summary["md_cached_tokens"] < 400 // PAGE_TOKENS * PAGE_TOKENS, cb.summary
     # B was handed over to MD (early, or at MD's kv_ready if the live estimate put it off)
-    assert cb.summary["handoff_pos"] is not None, cb.summary
+    assert cb.summary["handoff_pos"] is not None, json.dumps(cb.summary)
     assert st["totals"]["early_handoffs"] >= 3, st["totals"]
 
     outs, _ = greedy_oracle(small_model, [d, b], 600)
