@@ -12,10 +12,11 @@ says MD's cache ends at, instead of a WAN round trip later (200 ms here):
 - a request whose predicted prefix MD does not hold yet (another request's KV still on the line):
   MD's reservation finds fewer pages, and they follow as a fill transfer.
 
-Both relayed handoffs start early (``policy.early_handoff``): once P has written MD's KV, at its
-predicted landing, not after MD's kv_ready crossed back; B's ids reach MD before its fill does, and
-MD's extend waits for it. Every output equals a single engine's greedy output, WAN bytes sent
-equal the bytes planned, and every page is free afterwards.
+Relayed handoffs start early (``policy.early_handoff``): once P has written MD's KV, at its
+predicted landing, not after MD's kv_ready crossed back. B's comes at the latest at its kv_ready:
+RLD is held stopped until MD holds B's KV, so B cannot end on RLD first. Every output equals a
+single engine's greedy output, WAN bytes sent equal the bytes planned, and every page is free
+afterwards.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import random
 import signal
 import time
 
+import httpx
 import pytest
 
 from pdd.faults import StreamClient
@@ -108,15 +110,22 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
     # A (400 tokens) and B (A + 50): B's predicted prefix is A's prompt, which MD must not hold
     # yet when B's reservation lands. The line is slowed to 0.5 Mbit/s before A starts, so A's
     # 800 kB of KV need ~13 s on it: MD cannot have A's KV until the rate is restored, and the rate
-    # is restored only once the gateway booked B's fill (its reservation reply said MD lacks
-    # pages). The order is forced by the line, not by how fast this client starts B.
+    # is restored only once B's reservation reply is in (it said MD lacks pages: the fill). RLD is
+    # stopped (SIGSTOP) from B's first RLD token until MD holds B's KV, so B cannot end on RLD
+    # first however slowly the busy machine moves the reservation, the fill and MD's kv_ready:
+    # the order is forced by the line and the stop, not by how fast anything runs.
     a = _ids(4, 400)
     b = a + _ids(5, 50)
 
     def set_gbps(gbps: float) -> None:
         asyncio.run(set_link(cfg.host, topo.layout.link_control_port, gbps=gbps))
 
+    def live(rid: str) -> dict:
+        return httpx.get(topo.url + "/pdd/requests", timeout=30).json().get(rid, {})
+
+    rld = topo.procs["rld0"]
     set_gbps(0.0005)
+    stopped = False
     try:
         ca = run(a, 300, start_only=True)
         deadline = time.monotonic() + 60  # bounds on the waits, not timing asserts
@@ -124,10 +133,22 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
             time.sleep(0.002)
         assert ca.tokens, ca.error
         cb = run(b, 600, start_only=True)
-        while (topo.stats()["totals"].get("md_predicted_fills", 0) == fills_before and cb.error is None
-               and time.monotonic() < deadline):
+        while "rld" not in cb.tiers and cb.error is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert "rld" in cb.tiers, (cb.tiers, cb.error)
+        os.kill(rld.pid, signal.SIGSTOP)
+        stopped = True
+        while not live(cb.rid).get("md_reserved") and cb.error is None and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert live(cb.rid).get("md_reserved"), (live(cb.rid), cb.error)
+        set_gbps(0.05)
+        deadline = time.monotonic() + 60
+        while not live(cb.rid).get("kv_ready") and cb.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert live(cb.rid).get("kv_ready"), (live(cb.rid), cb.error)
     finally:
+        if stopped:
+            os.kill(rld.pid, signal.SIGCONT)
         set_gbps(0.05)
     assert cb.wait(60) and cb.error is None, cb.error
     assert ca.wait(60) and ca.error is None, ca.error

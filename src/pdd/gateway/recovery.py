@@ -57,10 +57,12 @@ class Recovery:
         return st.pipeline == Pipeline.P_RLD_MD and not st.recovery.md_lost
 
     def requests_view(self) -> dict:
-        """Live requests for fault injection and debugging: rid -> phase, pipeline, attempt, ..."""
+        """Live requests for fault injection and debugging: rid -> phase, pipeline, attempt, next_pos,
+        md_reserved (MD's reservation reply is in), kv_ready (MD holds the attempt's KV), ..."""
         return {st.rid: {"trid": st.trid, "phase": st.phase.value, "pipeline": st.pipeline.value,
                          "attempt": st.attempt, "next_pos": st.next_pos, "names": dict(st.names),
-                         "kv_ready": st.handoff.kv_ready, "md_lost": st.recovery.md_lost,
+                         "md_reserved": "md_reserved" in st.events, "kv_ready": st.handoff.kv_ready,
+                         "md_lost": st.recovery.md_lost,
                          "degraded": st.recovery.degraded, "recoveries": list(st.recovery.recoveries)}
                 for st in list(self.reqs.values()) if st.trid in self.reqs}
 
