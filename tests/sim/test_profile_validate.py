@@ -388,3 +388,26 @@ def test_fit_step_scale_recovers_factor_and_step_overhead():
     # minimising sum (s x p / y - 1)^2: s = sum(p/y) / sum((p/y)^2)
     assert neg["scale"] == pytest.approx(sum(1 / q for q in ratios) / sum(1 / q ** 2 for q in ratios), rel=1e-9)
     assert fit_step_scale([{**r, "live_s": 0.01 * r["steps"] - 0.1 * r["profile_s"]} for r in pre]) is None
+
+
+def test_p_level_recovers_a_known_factor_on_the_step_shape(tmp_path):
+    """calibrate_p_level: given P's mean step of a run simulated with 0.8 x (1.5 x profile + 4 ms),
+    the level on the shape (1.5, 4 ms) is found again."""
+    from types import SimpleNamespace
+
+    from pdd.config import ClusterConfig
+    from pdd.sim.validate import calibrate_p_level, sim_role_steps, simulate
+
+    prof = _synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))
+    prof["model"] = {"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048, "weight_bytes": 2e7,
+                     "flops_per_token": 8e6}
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(prof))
+    cfg = ClusterConfig()
+    reqs = [SimpleNamespace(arrival_s=0.7 * i, prompt_ids=[0] * (200 + 64 * (i % 9)), max_tokens=24,
+                            hash_ids=list(range(100 * i, 100 * i + 13 + 4 * (i % 9)))) for i in range(40)]
+    other = {"RLD": 0.004, "MD": 0.008}
+    known = {**prof, "role_step_scale": {"P": 0.8 * 1.5}}
+    target = sim_role_steps(simulate(cfg, p, known, 16, reqs, {**other, "P": 0.8 * 0.004}))["P"]["mean_step_s"]
+    lam = calibrate_p_level(cfg, p, prof, 16, reqs, target, 1.5, 0.004, other)
+    assert lam == pytest.approx(0.8, rel=1e-3)
