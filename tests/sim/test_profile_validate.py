@@ -411,3 +411,30 @@ def test_p_level_recovers_a_known_factor_on_the_step_shape(tmp_path):
     target = sim_role_steps(simulate(cfg, p, known, 16, reqs, {**other, "P": 0.8 * 0.004}))["P"]["mean_step_s"]
     lam = calibrate_p_level(cfg, p, prof, 16, reqs, target, 1.5, 0.004, other)
     assert lam == pytest.approx(0.8, rel=1e-3)
+
+
+def test_gateway_rtt_is_the_median_of_the_recorded_pipeline_inputs():
+    from pdd.sim.validate import live_gateway_rtt_ms
+
+    def rec(rtts, ok=True):
+        return {"ok": ok, "pdd": {"decisions": [{"policy": "pipeline", "inputs": {"wan_rtt_ms": r}} for r in rtts]
+                                  + [{"policy": "handoff", "inputs": {"tokens_pending": 3}}]}}
+
+    assert live_gateway_rtt_ms([rec([22.0]), rec([24.0, 23.0]), rec([99.0], ok=False), {"ok": True}]) == 23.0
+    assert live_gateway_rtt_ms([rec([])]) is None
+
+
+def test_the_pipeline_decision_reads_the_gateway_rtt_estimate(tmp_path):
+    """SimConfig.wan_rtt_estimate_ms replaces the line's RTT in the gateway's pipeline inputs
+    only; None leaves wan_rtt_ms."""
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(_synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))))
+    recs = [{"timestamp": 0.0, "input_length": 300, "output_length": 20, "hash_ids": list(range(19))}]
+    got = {}
+    for est in (None, 23.5):
+        sim = ClusterSim(_measured_cfg(p, wan_rtt_ms=20.0, wan_rtt_estimate_ms=est))
+        sim.record_decisions = True
+        sim.run(recs)
+        got[est] = [d["inputs"]["wan_rtt_ms"] for d in sim.decision_log[sim.reqs[0].rid] if d["policy"] == "pipeline"]
+    assert got[None] and set(got[None]) == {20.0}
+    assert set(got[23.5]) == {23.5}

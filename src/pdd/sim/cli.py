@@ -507,6 +507,8 @@ def cmd_calibrate_roles(a) -> int:
     print(f"WAN committed bytes a cut-off cannot recall: {prof['wan_send_buffer_bytes'] / 2 ** 20:.2f} MiB (sim carries "
           f"{f['sim_wan_bytes'] / 1e6:.1f} MB, live {f['live_wan_payload_bytes'] / 1e6:.1f} MB)")
     print(f"client delay (gateway first token -> client): {prof['client_delay_s'] * 1e3:.1f} ms")
+    if prof.get("gateway_rtt_ms"):
+        print(f"WAN RTT the gateway's decisions read (median): {prof['gateway_rtt_ms']:.2f} ms")
     print(f"wrote {a.out or a.profile}")
     return 0
 

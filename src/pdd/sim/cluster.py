@@ -363,8 +363,8 @@ class ClusterSim:
         return pol_pipeline.PipelineInputs(
             mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
             kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=self.wan_gbps_estimate(),
-            wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=self._allow_p_rld(req),
-            md_available=True)
+            wan_rtt_ms=cfg.wan_rtt_ms if cfg.wan_rtt_estimate_ms is None else cfg.wan_rtt_estimate_ms,
+            ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=self._allow_p_rld(req), md_available=True)
 
     def _decide(self, req: Req) -> None:
         """The pipeline decision (policy.pipeline, the runtime's function) for ``req``."""

@@ -113,6 +113,10 @@ class SimConfig:
     # role's own threads sharing the cores), fitted from a live run's isolated prefills
     # (validate.fit_step_scale); absent roles 1
     step_scale: dict | None = None
+    # the WAN RTT the gateway's pipeline decision reads (ms), when it differs from the line's
+    # wan_rtt_ms: the live gateway's estimate is its windowed minimum of MD reservation round
+    # trips, software included. Measured on a live run (validate.live_gateway_rtt_ms); None: wan_rtt_ms
+    wan_rtt_estimate_ms: float | None = None
     # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
     # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
     # 0 = a cut-off stops the flow at once. Measured on a live run (validate.calibrate_wan_buffer).

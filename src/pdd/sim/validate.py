@@ -396,6 +396,8 @@ def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: d
     wb = prof.get("wan_send_buffer_bytes", 0.0) if wan_buffer is None else wan_buffer
     if prof.get("client_delay_s"):
         scfg = scfg.replace(client_delay_s=float(prof["client_delay_s"]))
+    if prof.get("gateway_rtt_ms"):
+        scfg = scfg.replace(wan_rtt_estimate_ms=float(prof["gateway_rtt_ms"]))
     fp = prof.get("fast_path")
     if fp:  # measured on a live run (live_fast_path): the Python KV path, not the configured pacing
         scfg = scfg.replace(fast_gbps=float(fp["gbps"]), fast_rtt_ms=2000.0 * float(fp["latency_s"]))
@@ -414,6 +416,16 @@ def live_client_delay_s(live_records: list[dict]) -> float | None:
          for rec in live_records if rec.get("ok") and rec.get("token_times_s")
          and "first_token" in ((rec.get("pdd") or {}).get("events_ms") or {})]
     return float(np.median(d)) if d else None
+
+
+def live_gateway_rtt_ms(live_records: list[dict]) -> float | None:
+    """Median WAN RTT (ms) the live gateway's pipeline decisions read (their recorded
+    ``wan_rtt_ms`` input: its windowed minimum of MD reservation round trips, software included),
+    over a run's requests; None without recorded pipeline decisions."""
+    v = [d["inputs"]["wan_rtt_ms"] for rec in live_records if rec.get("ok")
+         for d in ((rec.get("pdd") or {}).get("decisions") or [])
+         if d.get("policy") == "pipeline" and isinstance((d.get("inputs") or {}).get("wan_rtt_ms"), (int, float))]
+    return float(np.median(v)) if v else None
 
 
 def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: float,
@@ -648,7 +660,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         "profile": {"path": str(profile), "fit": prof.get("fit"), "machine": prof.get("machine"),
                     "role_step_overhead_s": ovh, "role_step_scale": prof.get("role_step_scale") or {},
                     "wan_send_buffer_bytes": wb,
-                    "client_delay_s": prof.get("client_delay_s", 0.0), "fast_path": prof.get("fast_path"),
+                    "client_delay_s": prof.get("client_delay_s", 0.0), "gateway_rtt_ms": prof.get("gateway_rtt_ms"),
+                    "fast_path": prof.get("fast_path"),
                     "role_overhead_from": (prof.get("role_overhead_from") or {}).get("run")},
         "wan_bytes": {"live": live_wan_payload_bytes(entry), "sim": sim.wan.bytes_sent if sim.wan else 0.0},
         **compare(live, sim),
@@ -698,7 +711,8 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     isolated prefills (:func:`fit_step_scale`), its level from P's mean live step
     (:func:`calibrate_p_level`); the other roles' per-step overheads
     (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
-    prefills); ``role_overhead_from``: which run and the fits. Raises
+    prefills); the WAN RTT the gateway's decisions read (``gateway_rtt_ms``,
+    :func:`live_gateway_rtt_ms`); ``role_overhead_from``: which run and the fits. Raises
     :class:`RecordedRunError` naming the path for a run directory or profile it cannot use, before
     anything is fitted."""
     run_dir = Path(run_dir)
@@ -722,6 +736,10 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     live_bytes = live_wan_payload_bytes(entry)
     prof.pop("wan_send_buffer_bytes", None)
     prof["client_delay_s"] = live_client_delay_s(live_recs) or 0.0
+    prof.pop("gateway_rtt_ms", None)
+    g = live_gateway_rtt_ms(live_recs)
+    if g is not None:
+        prof["gateway_rtt_ms"] = g
     prof.pop("fast_path", None)
     fp = live_fast_path(live_recs, int(prof["model"]["kv_bytes_per_token"]), cfg.link.fast_gbps)
     if fp is not None:
