@@ -438,3 +438,27 @@ def test_the_pipeline_decision_reads_the_gateway_rtt_estimate(tmp_path):
         got[est] = [d["inputs"]["wan_rtt_ms"] for d in sim.decision_log[sim.reqs[0].rid] if d["policy"] == "pipeline"]
     assert got[None] and set(got[None]) == {20.0}
     assert set(got[23.5]) == {23.5}
+
+
+def test_wan_backlog_counts_undelivered_transfers_to_the_same_md():
+    """ClusterSim._wan_backlog_bytes (the gateway's _wan_backlog_bytes): planned bytes of the other
+    transfers to the request's MD not yet delivered nor cut off, less what the line can have
+    carried since the oldest of them finished its prefill; delivered and cut-off ones leave the
+    set."""
+    from types import SimpleNamespace as NS
+
+    sim = ClusterSim(SimConfig(mode="pdd", wan_gbps=0.008))  # 1 MB/s
+    sim.env.run(until=1.0)
+    kvb = sim.model.kv_bytes_per_token
+    md, other = object(), object()
+
+    def req(**kw):
+        base = dict(cut_off=False, wan_flow=None, finished=False, md=md, md_missing=1000, t_prefill_done=None)
+        return NS(**{**base, **kw})
+
+    me = req()
+    sim.wan_planned = {1: req(t_prefill_done=0.5), 2: req(md_missing=300), 3: req(wan_flow=NS(done=True)),
+                       4: req(cut_off=True), 5: req(md=other), 6: me}
+    assert sim.wan_gbps_estimate() == pytest.approx(0.008)
+    assert sim._wan_backlog_bytes(me) == pytest.approx(1300 * kvb - 0.5e6)
+    assert sorted(sim.wan_planned) == [1, 2, 5, 6]

@@ -117,6 +117,10 @@ class SimConfig:
     # wan_rtt_ms: the live gateway's estimate is its windowed minimum of MD reservation round
     # trips, software included. Measured on a live run (validate.live_gateway_rtt_ms); None: wan_rtt_ms
     wan_rtt_estimate_ms: float | None = None
+    # the gateway's pipeline inputs carry the WAN backlog to the chosen MD (the runtime's
+    # gateway.wan_booking._wan_backlog_bytes: planned bytes of transfers to it not yet delivered,
+    # less what the line can have carried since the oldest started). Off: 0, as before
+    wan_backlog_in_plan: bool = False
     # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
     # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
     # 0 = a cut-off stops the flow at once. Measured on a live run (validate.calibrate_wan_buffer).

@@ -388,7 +388,7 @@ def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: d
     """The requests on the simulator mirroring ``cfg``, with the profile's live-run corrections:
     per-role step factors (``role_step_scale``), ``overheads`` (seconds a step, by role), the WAN
     buffer (``wan_buffer``, else the profile's), client delay and fast path."""
-    scfg = sim_config(cfg, profile, prof, block_tokens)
+    scfg = sim_config(cfg, profile, prof, block_tokens).replace(wan_backlog_in_plan=True)
     if overheads:
         scfg = scfg.replace(step_overhead_s=dict(overheads))
     if prof.get("role_step_scale"):
