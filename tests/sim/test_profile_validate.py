@@ -315,3 +315,150 @@ def test_sim_config_takes_each_datacenters_profile_and_the_wan_dtype(tmp_path):
     same = sim_config(ClusterConfig(), "data/profiles/this-machine.json", prof, 16)
     assert (same.profile_a, same.profile_b, same.kv_bytes_per_token) == (
         "data/profiles/this-machine.json", "data/profiles/this-machine.json", None)
+
+
+def test_role_step_scale_multiplies_the_profile_step_before_the_overhead(tmp_path):
+    """SimConfig.step_scale: a role's step is scale x profile step + overhead (a lone cold
+    300-token prefill: one P step); other roles keep theirs."""
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(_synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))))
+    recs = [{"timestamp": 0.0, "input_length": 300, "output_length": 20, "hash_ids": list(range(19))}]
+    base = ClusterSim(_measured_cfg(p))
+    base.run(recs)
+    both = ClusterSim(_measured_cfg(p, step_scale={"P": 2.5}, step_overhead_s={"P": 0.05}))
+    both.run(recs)
+    step = base.tiers["P"][0].busy_s
+    assert step == pytest.approx(0.002 + 1e-4 * 300 + 5e-8 * 300 * 150.5 + 3e-7 * 300 + 1e-4)
+    assert both.tiers["P"][0].busy_s == pytest.approx(2.5 * step + 0.05)
+    assert both.reqs[0].t_prefill_done - base.reqs[0].t_prefill_done == pytest.approx(1.5 * step + 0.05)
+    for t in ("RLD", "MD"):
+        b, o = base.tiers[t][0], both.tiers[t][0]
+        if b.steps:
+            assert o.busy_s / o.steps == pytest.approx(b.busy_s / b.steps)
+
+
+class _LinearStep:
+    """step_time = 2 ms + 0.1 ms a token (the items' new tokens)."""
+
+    @staticmethod
+    def step_time(items):
+        return 0.002 + 1e-4 * sum(n for _, n in items)
+
+
+def _rec(send, prompt, cached, p_first_ms, ok=True):
+    return {"ok": ok, "send_s": send, "prompt_tokens": prompt,
+            "pdd": {"p_cached_tokens": cached, "events_ms": {"p_first_token": p_first_ms}}}
+
+
+def test_isolated_prefills_keep_requests_p_served_alone_and_chunk_them():
+    from pdd.sim.validate import isolated_prefills
+
+    recs = [_rec(0.0, 600, 0, 100.0),        # alone: chunks 512 + 88
+            _rec(1.0, 100, 64, 12.4),        # alone: 36 tokens over a 64-token hit
+            _rec(2.0, 900, 0, 300.0),        # overlaps the next
+            _rec(2.2, 300, 0, 50.0),
+            _rec(3.0, 200, 0, 30.0, ok=False),   # failed
+            _rec(4.0, 128, 128, 5.0),        # all cached: nothing computed
+            {"ok": True, "send_s": 5.0, "prompt_tokens": 50, "pdd": {"events_ms": {}}}]  # no P event
+    got = isolated_prefills(recs, _LinearStep, 512)
+    assert [(g["tokens"], g["steps"]) for g in got] == [(600, 2), (36, 1)]
+    assert got[0]["profile_s"] == pytest.approx(0.002 + 0.0512 + 0.002 + 0.0088)
+    assert got[0]["live_s"] == pytest.approx(0.1)
+    assert got[1]["profile_s"] == pytest.approx(0.0056)
+    assert got[1]["live_s"] == pytest.approx(0.0124)
+
+
+def test_fit_step_scale_recovers_factor_and_step_overhead():
+    """live = 1.5 x profile + 4 ms a step exactly: the fit returns both; a negative overhead is
+    refitted as 0; too few samples or a non-positive factor give None."""
+    from pdd.sim.validate import fit_step_scale
+
+    pre = [{"tokens": n, "steps": -(-n // 512), "profile_s": 0.002 * -(-n // 512) + 1e-4 * n}
+           for n in (16, 64, 128, 256, 400, 512, 700, 1000)]
+    exact = [{**r, "live_s": 1.5 * r["profile_s"] + 0.004 * r["steps"]} for r in pre]
+    got = fit_step_scale(exact)
+    assert got["scale"] == pytest.approx(1.5, rel=1e-9)
+    assert got["overhead_s"] == pytest.approx(0.004, rel=1e-9)
+    assert got["samples"] == 8 and got["mean_abs_rel_err"] == pytest.approx(0.0, abs=1e-9)
+    assert fit_step_scale(exact[:7]) is None
+    # live = 2 x profile - 1 ms a step: no negative overhead; the factor alone, in relative error
+    neg = fit_step_scale([{**r, "live_s": 2.0 * r["profile_s"] - 0.001 * r["steps"]} for r in pre])
+    assert neg["overhead_s"] == 0.0
+    ratios = [(2.0 * r["profile_s"] - 0.001 * r["steps"]) / r["profile_s"] for r in pre]
+    # minimising sum (s x p / y - 1)^2: s = sum(p/y) / sum((p/y)^2)
+    assert neg["scale"] == pytest.approx(sum(1 / q for q in ratios) / sum(1 / q ** 2 for q in ratios), rel=1e-9)
+    assert fit_step_scale([{**r, "live_s": 0.01 * r["steps"] - 0.1 * r["profile_s"]} for r in pre]) is None
+
+
+def test_p_level_recovers_a_known_factor_on_the_step_shape(tmp_path):
+    """calibrate_p_level: given P's mean step of a run simulated with 0.8 x (1.5 x profile + 4 ms),
+    the level on the shape (1.5, 4 ms) is found again."""
+    from types import SimpleNamespace
+
+    from pdd.config import ClusterConfig
+    from pdd.sim.validate import calibrate_p_level, sim_role_steps, simulate
+
+    prof = _synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))
+    prof["model"] = {"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048, "weight_bytes": 2e7,
+                     "flops_per_token": 8e6}
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(prof))
+    cfg = ClusterConfig()
+    reqs = [SimpleNamespace(arrival_s=0.7 * i, prompt_ids=[0] * (200 + 64 * (i % 9)), max_tokens=24,
+                            hash_ids=list(range(100 * i, 100 * i + 13 + 4 * (i % 9)))) for i in range(40)]
+    other = {"RLD": 0.004, "MD": 0.008}
+    known = {**prof, "role_step_scale": {"P": 0.8 * 1.5}}
+    target = sim_role_steps(simulate(cfg, p, known, 16, reqs, {**other, "P": 0.8 * 0.004}))["P"]["mean_step_s"]
+    lam = calibrate_p_level(cfg, p, prof, 16, reqs, target, 1.5, 0.004, other)
+    assert lam == pytest.approx(0.8, rel=1e-3)
+
+
+def test_gateway_rtt_is_the_median_of_the_recorded_pipeline_inputs():
+    from pdd.sim.validate import live_gateway_rtt_ms
+
+    def rec(rtts, ok=True):
+        return {"ok": ok, "pdd": {"decisions": [{"policy": "pipeline", "inputs": {"wan_rtt_ms": r}} for r in rtts]
+                                  + [{"policy": "handoff", "inputs": {"tokens_pending": 3}}]}}
+
+    assert live_gateway_rtt_ms([rec([22.0]), rec([24.0, 23.0]), rec([99.0], ok=False), {"ok": True}]) == 23.0
+    assert live_gateway_rtt_ms([rec([])]) is None
+
+
+def test_the_pipeline_decision_reads_the_gateway_rtt_estimate(tmp_path):
+    """SimConfig.wan_rtt_estimate_ms replaces the line's RTT in the gateway's pipeline inputs
+    only; None leaves wan_rtt_ms."""
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(_synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))))
+    recs = [{"timestamp": 0.0, "input_length": 300, "output_length": 20, "hash_ids": list(range(19))}]
+    got = {}
+    for est in (None, 23.5):
+        sim = ClusterSim(_measured_cfg(p, wan_rtt_ms=20.0, wan_rtt_estimate_ms=est))
+        sim.record_decisions = True
+        sim.run(recs)
+        got[est] = [d["inputs"]["wan_rtt_ms"] for d in sim.decision_log[sim.reqs[0].rid] if d["policy"] == "pipeline"]
+    assert got[None] and set(got[None]) == {20.0}
+    assert set(got[23.5]) == {23.5}
+
+
+def test_wan_backlog_counts_undelivered_transfers_to_the_same_md():
+    """ClusterSim._wan_backlog_bytes (the gateway's _wan_backlog_bytes): planned bytes of the other
+    transfers to the request's MD not yet delivered nor cut off, less what the line can have
+    carried since the oldest of them finished its prefill; delivered and cut-off ones leave the
+    set."""
+    from types import SimpleNamespace as NS
+
+    sim = ClusterSim(SimConfig(mode="pdd", wan_gbps=0.008))  # 1 MB/s
+    sim.env.run(until=1.0)
+    kvb = sim.model.kv_bytes_per_token
+    md, other = object(), object()
+
+    def req(**kw):
+        base = dict(cut_off=False, wan_flow=None, finished=False, md=md, md_missing=1000, t_prefill_done=None)
+        return NS(**{**base, **kw})
+
+    me = req()
+    sim.wan_planned = {1: req(t_prefill_done=0.5), 2: req(md_missing=300), 3: req(wan_flow=NS(done=True)),
+                       4: req(cut_off=True), 5: req(md=other), 6: me}
+    assert sim.wan_gbps_estimate() == pytest.approx(0.008)
+    assert sim._wan_backlog_bytes(me) == pytest.approx(1300 * kvb - 0.5e6)
+    assert sorted(sim.wan_planned) == [1, 2, 5, 6]

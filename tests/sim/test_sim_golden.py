@@ -34,6 +34,8 @@ def _measured_case():
     cfg = V.sim_config(V.validate_config(None, 40.0), path, prof, 64, host_cores=2.0)
     fp = prof.get("fast_path") or {}
     cfg = cfg.replace(step_overhead_s=dict(prof.get("role_step_overhead_s") or {}),
+                      step_scale=dict(prof.get("role_step_scale") or {}),
+                      wan_rtt_estimate_ms=prof.get("gateway_rtt_ms"),
                       client_delay_s=float(prof.get("client_delay_s", 0.0)),
                       wan_send_buffer_bytes=float(prof.get("wan_send_buffer_bytes", 0.0)),
                       **({"fast_gbps": float(fp["gbps"]), "fast_rtt_ms": 2000.0 * float(fp["latency_s"])} if fp else {}))

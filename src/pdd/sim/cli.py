@@ -490,14 +490,25 @@ def cmd_calibrate_roles(a) -> int:
         prof = calibrate_roles(a.run, a.profile, a.out, cfg)
     except RecordedRunError as e:  # a missing / malformed run directory or profile: one line naming it
         raise UsageError(f"{'--profile' if e.source == 'profile' else '--run'}: {e}") from None
+    sc = (prof["role_overhead_from"].get("step_scale_fit") or {}).get("P")
+    if sc:
+        print(f"P    step shape x{sc['scale']:.3f} over the profile + {sc['overhead_s'] * 1e3:.2f} ms ({sc['samples']} "
+              f"isolated prefills, fit |error| {sc['mean_abs_rel_err']:.1%}); level x{sc['level']:.3f} (P's mean "
+              f"live step): step x{prof['role_step_scale']['P']:.3f} + {prof['role_step_overhead_s']['P'] * 1e3:.2f} ms")
+    else:
+        print("P    step factor: too few isolated prefills in the run, 1")
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
+        if t == "P" and sc:
+            continue  # its level was fitted above
         print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "
               f"sim {it[t]['sim_mean_step_s'] * 1e3:7.2f} ms at the previous iterate)")
     f = prof["role_overhead_from"]
     print(f"WAN committed bytes a cut-off cannot recall: {prof['wan_send_buffer_bytes'] / 2 ** 20:.2f} MiB (sim carries "
           f"{f['sim_wan_bytes'] / 1e6:.1f} MB, live {f['live_wan_payload_bytes'] / 1e6:.1f} MB)")
     print(f"client delay (gateway first token -> client): {prof['client_delay_s'] * 1e3:.1f} ms")
+    if prof.get("gateway_rtt_ms"):
+        print(f"WAN RTT the gateway's decisions read (median): {prof['gateway_rtt_ms']:.2f} ms")
     print(f"wrote {a.out or a.profile}")
     return 0
 
@@ -586,8 +597,9 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_experiment, parser=e)
     if add_validate is not None:  # pdd.bench.live_validate: the live run is the benchmark's
         add_validate(sp)
-    c = sp.add_parser("calibrate-roles", help="fit each live role's per-step overhead over the bare engine on "
-                                             "one validate run and write it into the profile")
+    c = sp.add_parser("calibrate-roles", help="fit each live role's step over the bare engine's (P's factor from "
+                                             "isolated prefills, each role's per-step overhead) on one validate run "
+                                             "and write it into the profile")
     c.add_argument("--run", required=True, help="a `pdd sim validate --out` directory (the calibration run)")
     c.add_argument("--profile", required=True)
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")

@@ -53,7 +53,7 @@ import pdd.policy.handoff as pol_handoff
 import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.routing as pol_routing
 import pdd.policy.tcp_model as tcp_model
-from pdd.policy.wan_estimate import WanEstimate
+from pdd.policy.wan_estimate import WanEstimate, queued_bytes
 from pdd.sim.hardware import StepCostModel, cost_model
 # the pieces of the simulator, one job each, all still importable from here
 from pdd.sim.instance import Instance, load_maker  # noqa: F401
@@ -125,6 +125,7 @@ class ClusterSim:
         self.kv_dispatched: set[int] = set()  # requests whose sends P set up before its prefill ended
         self.wan_gbps_live: float | None = None  # its current value (gateway's estimate)
         self.host_busy = 0  # instances in a step now (for host_cores)
+        self.wan_planned: dict[int, Req] = {}  # WAN transfers planned to an MD, not yet delivered
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}
         self.autoscaler = None  # pdd.sim.autoscale.SimAutoscaler: routes to its active instances only
@@ -326,6 +327,8 @@ class ClusterSim:
         req.md_predicted = True
         req.md_hit = self._md_match(req)
         req.md_missing = req.prompt - req.md_hit
+        if req.md_missing > 0 and self.cfg.wan_backlog_in_plan:
+            self.wan_planned[req.rid] = req
         self.md_predicted_sends += 1
 
     def _md_reserve(self, req: Req) -> None:
@@ -363,8 +366,27 @@ class ClusterSim:
         return pol_pipeline.PipelineInputs(
             mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
             kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=self.wan_gbps_estimate(),
-            wan_rtt_ms=cfg.wan_rtt_ms, ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=self._allow_p_rld(req),
-            md_available=True)
+            wan_rtt_ms=cfg.wan_rtt_ms if cfg.wan_rtt_estimate_ms is None else cfg.wan_rtt_estimate_ms,
+            ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=self._allow_p_rld(req), md_available=True,
+            wan_backlog_bytes=self._wan_backlog_bytes(req) if cfg.wan_backlog_in_plan else 0.0)
+
+    def _wan_backlog_bytes(self, req: Req) -> float:
+        """The runtime gateway's ``_wan_backlog_bytes`` for ``req``'s MD: the planned bytes of the
+        other transfers to it not yet delivered nor cut off, less what the line can have carried
+        since the oldest of them finished its prefill (``policy.wan_estimate.queued_bytes``)."""
+        now, planned, oldest = self.env.now, [], 0.0
+        kvb = self.model.kv_bytes_per_token
+        for rid, o in list(self.wan_planned.items()):
+            f = o.wan_flow
+            if o.cut_off or (f is not None and f.done) or o.finished:
+                del self.wan_planned[rid]
+                continue
+            if o is req or o.md is not req.md:
+                continue
+            planned.append(o.md_missing * kvb)
+            if o.t_prefill_done is not None:
+                oldest = max(oldest, now - o.t_prefill_done)
+        return queued_bytes(planned, oldest, self.wan_gbps_estimate())
 
     def _decide(self, req: Req) -> None:
         """The pipeline decision (policy.pipeline, the runtime's function) for ``req``."""
@@ -389,6 +411,8 @@ class ClusterSim:
         blocks = req.blocks[: req.md_hit // self.block]
         missing = req.prompt - req.md_hit
         req.md_missing = missing
+        if missing > 0 and self.cfg.wan_backlog_in_plan:
+            self.wan_planned[req.rid] = req
 
         def admit(n: int):
             if md.cache is not None and blocks:

@@ -85,6 +85,7 @@ class Instance:
         self.prefilling = 0
         c = sim.cfg
         self.step_ovh = float((c.step_overhead_s or {}).get(role, 0.0))
+        self.step_scale = float((c.step_scale or {}).get(role, 1.0))
         self.slot_cap = {"D": c.max_running_d, "RLD": c.max_running_rld, "MD": c.max_running_md}.get(role, 0)
         self.slots = 0  # decode slots held (admitted decode sequences)
         self.peak_slots = 0
@@ -206,7 +207,8 @@ class Instance:
                 sum_ctx = 0
                 for it in items:
                     sum_ctx += it.start
-                dt = (cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) + self.step_ovh) * self.sim.host_share()
+                dt = (cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) * self.step_scale + self.step_ovh) \
+                    * self.sim.host_share()
                 self.sim.host_busy += 1
                 t0 = env.now
                 self.wake = w = env.event()
@@ -230,7 +232,8 @@ class Instance:
                     self.tokens_out += done
                     self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
             else:
-                dt = (cm.step_time((it.start, it.num_tokens) for it in items) + self.step_ovh) * self.sim.host_share()
+                dt = (cm.step_time((it.start, it.num_tokens) for it in items) * self.step_scale + self.step_ovh) \
+                    * self.sim.host_share()
                 if self.sim.layerwise and self.role == "P":  # each layer group's KV as the step writes it
                     for it in items:
                         s = seqs[it.seq_id]

@@ -108,6 +108,19 @@ class SimConfig:
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
     # GIL, per-step bookkeeping), measured from a live run (validate.calibrate_role_overheads)
     step_overhead_s: dict | None = None
+    # factor on every engine step of a role ("P", ...) before its overhead: a live role's step is
+    # ``scale x profile step + overhead`` (the engine's compute slowed in proportion, e.g. by the
+    # role's own threads sharing the cores), fitted from a live run's isolated prefills
+    # (validate.fit_step_scale); absent roles 1
+    step_scale: dict | None = None
+    # the WAN RTT the gateway's pipeline decision reads (ms), when it differs from the line's
+    # wan_rtt_ms: the live gateway's estimate is its windowed minimum of MD reservation round
+    # trips, software included. Measured on a live run (validate.live_gateway_rtt_ms); None: wan_rtt_ms
+    wan_rtt_estimate_ms: float | None = None
+    # the gateway's pipeline inputs carry the WAN backlog to the chosen MD (the runtime's
+    # gateway.wan_booking._wan_backlog_bytes: planned bytes of transfers to it not yet delivered,
+    # less what the line can have carried since the oldest started). Off: 0, as before
+    wan_backlog_in_plan: bool = False
     # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
     # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
     # 0 = a cut-off stops the flow at once. Measured on a live run (validate.calibrate_wan_buffer).

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.step_profile import MeasuredStepModel
 from pdd.topology import free_port_block
 from pdd.workload.replay import Scale
 
@@ -294,9 +295,10 @@ def per_request_error(pairs: list[tuple[float, float]]) -> dict | None:
     return error_distribution((s - lv) / lv for lv, s in pairs if lv > 0)
 
 
-def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float = 0.0) -> float:
+def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float = 0.0, scale: float = 1.0) -> float:
     """Prefill compute of each request alone (measured step model, the engine's chunks over its
-    live P-cached prefix, each chunk + ``overhead_s``) over its live TTFT, summed over requests."""
+    live P-cached prefix, each chunk x ``scale`` + ``overhead_s``) over its live TTFT, summed over
+    requests."""
     cm = sim.tiers["P"][0].cm
     chunk = sim.cfg.prefill_chunk_tokens
     num = den = 0.0
@@ -308,7 +310,7 @@ def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float =
         prompt = rec["prompt_tokens"] or len(sim.reqs[i].blocks)
         while s0 < prompt:
             k = min(chunk, prompt - s0)
-            t += cm.step_time([(s0, k)]) + overhead_s
+            t += cm.step_time([(s0, k)]) * scale + overhead_s
             s0 += k
         num += t
         den += rec["token_times_s"][0] - rec["send_s"]
@@ -383,12 +385,19 @@ def sim_role_steps(sim: ClusterSim) -> dict:
 
 def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: dict | None = None,
              wan_buffer: float | None = None) -> ClusterSim:
-    scfg = sim_config(cfg, profile, prof, block_tokens)
+    """The requests on the simulator mirroring ``cfg``, with the profile's live-run corrections:
+    per-role step factors (``role_step_scale``), ``overheads`` (seconds a step, by role), the WAN
+    buffer (``wan_buffer``, else the profile's), client delay and fast path."""
+    scfg = sim_config(cfg, profile, prof, block_tokens).replace(wan_backlog_in_plan=True)
     if overheads:
         scfg = scfg.replace(step_overhead_s=dict(overheads))
+    if prof.get("role_step_scale"):
+        scfg = scfg.replace(step_scale=dict(prof["role_step_scale"]))
     wb = prof.get("wan_send_buffer_bytes", 0.0) if wan_buffer is None else wan_buffer
     if prof.get("client_delay_s"):
         scfg = scfg.replace(client_delay_s=float(prof["client_delay_s"]))
+    if prof.get("gateway_rtt_ms"):
+        scfg = scfg.replace(wan_rtt_estimate_ms=float(prof["gateway_rtt_ms"]))
     fp = prof.get("fast_path")
     if fp:  # measured on a live run (live_fast_path): the Python KV path, not the configured pacing
         scfg = scfg.replace(fast_gbps=float(fp["gbps"]), fast_rtt_ms=2000.0 * float(fp["latency_s"]))
@@ -407,6 +416,16 @@ def live_client_delay_s(live_records: list[dict]) -> float | None:
          for rec in live_records if rec.get("ok") and rec.get("token_times_s")
          and "first_token" in ((rec.get("pdd") or {}).get("events_ms") or {})]
     return float(np.median(d)) if d else None
+
+
+def live_gateway_rtt_ms(live_records: list[dict]) -> float | None:
+    """Median WAN RTT (ms) the live gateway's pipeline decisions read (their recorded
+    ``wan_rtt_ms`` input: its windowed minimum of MD reservation round trips, software included),
+    over a run's requests; None without recorded pipeline decisions."""
+    v = [d["inputs"]["wan_rtt_ms"] for rec in live_records if rec.get("ok")
+         for d in ((rec.get("pdd") or {}).get("decisions") or [])
+         if d.get("policy") == "pipeline" and isinstance((d.get("inputs") or {}).get("wan_rtt_ms"), (int, float))]
+    return float(np.median(v)) if v else None
 
 
 def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: float,
@@ -440,6 +459,63 @@ def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: 
     gbps = min(max_gbps, 8.0 / c1 / 1e9)
     return {"latency_s": max(0.0, float(c0)), "gbps": float(gbps), "samples": len(xs),
             "median_s": float(np.median(ys))}
+
+
+def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -> list[dict]:
+    """The live requests P prefilled alone: P's interval (the client's send to the gateway's
+    ``p_first_token`` event) overlaps no other request's. Each as ``{"tokens"`` (computed: prompt
+    less P's cached prefix), ``"steps"`` (chunks of ``chunk_tokens``), ``"profile_s"`` (those
+    chunks on ``step_model``, a ``MeasuredStepModel``: seconds), ``"live_s"`` (the interval,
+    seconds)``}``, in request order."""
+    iv = []
+    for rec in live_records:
+        p = rec.get("pdd") or {}
+        ev = p.get("events_ms") or {}
+        if not rec.get("ok") or "p_first_token" not in ev or not rec.get("prompt_tokens"):
+            continue
+        prompt, cached = int(rec["prompt_tokens"]), int(p.get("p_cached_tokens") or 0)
+        if prompt - cached < 1:
+            continue
+        t0 = float(rec["send_s"])
+        iv.append((t0, t0 + ev["p_first_token"] / 1000.0, prompt, cached))
+    out = []
+    for i, (a, b, prompt, cached) in enumerate(iv):
+        if any(j != i and x[0] < b and x[1] > a for j, x in enumerate(iv)):
+            continue
+        s0, t, k = cached, 0.0, 0
+        while s0 < prompt:
+            n = min(chunk_tokens, prompt - s0)
+            t += step_model.step_time([(s0, n)])
+            s0 += n
+            k += 1
+        out.append({"tokens": prompt - cached, "steps": k, "profile_s": t, "live_s": b - a})
+    return out
+
+
+def fit_step_scale(prefills: list[dict], min_samples: int = 8) -> dict | None:
+    """P's live step over the profile's from isolated live prefills (:func:`isolated_prefills`):
+    least squares, in relative error, of ``live_s = scale x profile_s + overhead_s x steps``
+    (``overhead_s`` >= 0: refitted without it when negative). A per-step overhead alone, fitted
+    to P's mean step, adds the same to a 16-token and a 512-token chunk; on this CPU the live P is
+    slower in proportion to the chunk's compute, plus a few ms a step.
+
+    Returns ``{"scale", "overhead_s", "samples", "mean_abs_rel_err"}`` (the last: of the fitted
+    times over the samples), or None with fewer than ``min_samples`` prefills or a non-positive
+    scale."""
+    if len(prefills) < min_samples:
+        return None
+    x = np.array([r["profile_s"] for r in prefills], dtype=float)
+    k = np.array([r["steps"] for r in prefills], dtype=float)
+    y = np.array([r["live_s"] for r in prefills], dtype=float)
+    a = np.vstack([x, k]).T / y[:, None]
+    (sc, ov), *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
+    if ov < 0:
+        (sc,), *_ = np.linalg.lstsq((x / y)[:, None], np.ones(len(y)), rcond=None)
+        ov = 0.0
+    if sc <= 0:
+        return None
+    return {"scale": float(sc), "overhead_s": float(ov), "samples": int(len(y)),
+            "mean_abs_rel_err": float(np.mean(np.abs((sc * x + ov * k) / y - 1.0)))}
 
 
 def live_wan_payload_bytes(entry: dict) -> float:
@@ -480,12 +556,15 @@ def calibrate_wan_buffer(cfg, profile, prof: dict, block_tokens: int, requests, 
 
 
 def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, requests, live_steps: dict,
-                             iters: int = 8, wan_buffer: float | None = None) -> tuple[dict, list]:
+                             iters: int = 8, wan_buffer: float | None = None,
+                             fixed: dict | None = None) -> tuple[dict, list]:
     """Per-step overhead of each live role over the bare engine: the constant that, added to every
     simulated step of that tier, makes the simulated mean step equal the live run's (fixed point:
-    the overheads also change the simulated core sharing and batches). Fitted on one live run (a
-    calibration workload); validation then uses another workload."""
-    ovh = {t: 0.0 for t in live_steps}
+    the overheads also change the simulated core sharing and batches). Roles in ``fixed`` (seconds
+    a step) keep that overhead. Fitted on one live run (a calibration workload); validation then
+    uses another workload."""
+    fixed = fixed or {}
+    ovh = {t: float(fixed.get(t, 0.0)) for t in live_steps}
     hist = []
     for _ in range(iters):
         sim = simulate(cfg, profile, prof, block_tokens, requests, ovh, wan_buffer)
@@ -495,7 +574,8 @@ def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, reques
         new = {}
         for t in ovh:
             lv, sv = live_steps[t]["mean_step_s"], ss[t]["mean_step_s"]
-            new[t] = max(0.0, ovh[t] + (lv - sv)) if lv is not None and sv is not None else ovh[t]
+            new[t] = max(0.0, ovh[t] + (lv - sv)) if lv is not None and sv is not None and t not in fixed \
+                else ovh[t]
         if all(abs(new[t] - ovh[t]) < 1e-5 for t in ovh):
             ovh = new
             break
@@ -578,13 +658,16 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                    "kv_stream": cfg.policy.kv_stream, "instances": cfg.instances.model_dump(),
                    "engine": cfg.engine.model_dump()},
         "profile": {"path": str(profile), "fit": prof.get("fit"), "machine": prof.get("machine"),
-                    "role_step_overhead_s": ovh, "wan_send_buffer_bytes": wb,
-                    "client_delay_s": prof.get("client_delay_s", 0.0), "fast_path": prof.get("fast_path"),
+                    "role_step_overhead_s": ovh, "role_step_scale": prof.get("role_step_scale") or {},
+                    "wan_send_buffer_bytes": wb,
+                    "client_delay_s": prof.get("client_delay_s", 0.0), "gateway_rtt_ms": prof.get("gateway_rtt_ms"),
+                    "fast_path": prof.get("fast_path"),
                     "role_overhead_from": (prof.get("role_overhead_from") or {}).get("run")},
         "wan_bytes": {"live": live_wan_payload_bytes(entry), "sim": sim.wan.bytes_sent if sim.wan else 0.0},
         **compare(live, sim),
         "compute_share_of_ttft": compute_share(sim, live),
-        "compute_share_of_ttft_with_role_overhead": compute_share(sim, live, ovh.get("P", 0.0)),
+        "compute_share_of_ttft_with_role_overhead": compute_share(sim, live, ovh.get("P", 0.0),
+                                                                  (prof.get("role_step_scale") or {}).get("P", 1.0)),
         "role_steps": {"live": live_role_steps(entry), "sim": sim_role_steps(sim)},
         "live_failed": sum(1 for r in live if not r.get("ok")),
         "live_errors": sorted({str(r.get("error"))[:80] for r in live if not r.get("ok")})[:5],
@@ -596,11 +679,40 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     return res
 
 
+def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, live_mean_step_s: float,
+                      scale: float, overhead_s: float, overheads: dict, wan_buffer: float | None = None,
+                      iters: int = 12) -> float:
+    """The factor ``level`` on P's fitted step shape (``scale`` x profile + ``overhead_s``, from
+    :func:`fit_step_scale`) at which the simulated mean P step equals the live one
+    (``engine_busy_s / engine_steps``; fixed point, the other roles at ``overheads``). The
+    isolated prefills give the shape (what a step costs in proportion to its compute, what per
+    step), the engine's own step timing the level: the prefill intervals also hold the request's
+    trip gateway -> P -> gateway, which is not step time."""
+    lam = 1.0
+    for _ in range(iters):
+        p = {**prof, "role_step_scale": {**(prof.get("role_step_scale") or {}), "P": lam * scale}}
+        sim = simulate(cfg, profile, p, block_tokens, requests, {**overheads, "P": lam * overhead_s}, wan_buffer)
+        sv = sim_role_steps(sim)["P"]["mean_step_s"]
+        if not sv:
+            break
+        r = live_mean_step_s / sv
+        lam *= r
+        if abs(r - 1.0) < 1e-4:
+            break
+    return lam
+
+
 def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str | Path | None = None,
                     config=None) -> dict:
-    """``pdd sim calibrate-roles``: fit each role's per-step overhead on the live run in ``run_dir``
-    (a ``pdd sim validate`` output: its workload arguments, ``server_stats.json``) and write it into
-    the profile as ``role_step_overhead_s`` (with ``role_overhead_from``: which run). Raises
+    """``pdd sim calibrate-roles``: fit each role's step correction on the live run in ``run_dir``
+    (a ``pdd sim validate`` output: its workload arguments, ``requests.jsonl``,
+    ``server_stats.json``) and write it into the profile: P's step as ``scale x profile +
+    overhead`` (``role_step_scale["P"]``, ``role_step_overhead_s["P"]``): the shape from the run's
+    isolated prefills (:func:`fit_step_scale`), its level from P's mean live step
+    (:func:`calibrate_p_level`); the other roles' per-step overheads
+    (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
+    prefills); the WAN RTT the gateway's decisions read (``gateway_rtt_ms``,
+    :func:`live_gateway_rtt_ms`); ``role_overhead_from``: which run and the fits. Raises
     :class:`RecordedRunError` naming the path for a run directory or profile it cannot use, before
     anything is fitted."""
     run_dir = Path(run_dir)
@@ -624,22 +736,39 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     live_bytes = live_wan_payload_bytes(entry)
     prof.pop("wan_send_buffer_bytes", None)
     prof["client_delay_s"] = live_client_delay_s(live_recs) or 0.0
+    prof.pop("gateway_rtt_ms", None)
+    g = live_gateway_rtt_ms(live_recs)
+    if g is not None:
+        prof["gateway_rtt_ms"] = g
     prof.pop("fast_path", None)
     fp = live_fast_path(live_recs, int(prof["model"]["kv_bytes_per_token"]), cfg.link.fast_gbps)
     if fp is not None:
         prof["fast_path"] = fp
+    prof.pop("role_step_scale", None)
+    ep = cfg.engine_for("prefill")  # P's chip: its tier's profile, else the given one
+    p_prof = load_profile_checked(ep.profile) if ep.profile else prof
+    iso = isolated_prefills(live_recs, MeasuredStepModel(p_prof), min(ep.prefill_chunk_tokens, ep.max_batch_tokens))
+    sc = fit_step_scale(iso)
+    if sc is not None:
+        prof["role_step_scale"] = {"P": sc["scale"]}
     bt = w["block_tokens"]
     # two rounds: the buffer moves WAN queueing (not step times), the overheads move step times
     # (and so when transfers start); each fitted with the other fixed
     wb, _ = calibrate_wan_buffer(cfg, profile, prof, bt, requests, live_bytes)
-    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb)
+    fx = {"P": sc["overhead_s"]} if sc is not None else None  # P's level is fitted below
+    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb, fixed=fx)
     wb, sim_bytes = calibrate_wan_buffer(cfg, profile, prof, bt, requests, live_bytes, overheads=ovh)
-    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb)
+    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb, fixed=fx)
+    if sc is not None and (live.get("P") or {}).get("mean_step_s"):
+        sc["level"] = calibrate_p_level(cfg, profile, prof, bt, requests, live["P"]["mean_step_s"], sc["scale"],
+                                        sc["overhead_s"], ovh, wb)
+        prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}
+        ovh = {**ovh, "P": sc["level"] * sc["overhead_s"]}
     prof["role_step_overhead_s"] = ovh
     prof["wan_send_buffer_bytes"] = wb
     prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
                                   "live_wan_payload_bytes": live_bytes, "sim_wan_bytes": sim_bytes,
-                                  "iterations": hist}
+                                  "step_scale_fit": {"P": sc}, "iterations": hist}
     Path(out_profile or profile).write_text(json.dumps(prof, indent=1))
     return prof
 
@@ -670,10 +799,12 @@ def format_validate(res: dict) -> str:
                     for t in ("P", "RLD", "MD") if rs.get("live", {}).get(t, {}).get("mean_step_s")
                     and rs.get("sim", {}).get(t, {}).get("mean_step_s"))
     ovh = res.get("profile", {}).get("role_step_overhead_s") or {}
+    scale = res.get("profile", {}).get("role_step_scale") or {}
     return (table(rows, ["metric", "live", "sim", "rel_err"])
             + f"\nrecorded inputs replayed through the sim's policy calls: {rep['identical']}/{rep['decisions']} "
               f"identical\ncompute share of TTFT {res['compute_share_of_ttft']:.0%}; "
               f"(with P's role overhead {res.get('compute_share_of_ttft_with_role_overhead', 0):.0%}); "
               f"{res['requests_compared']} requests compared, {res['live_failed']} live failures; live "
               f"{res['live_wall_s'] or 0:.0f} s, sim {res['sim_wall_s']:.2f} s"
-              f"\nrole step overheads (ms): " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in ovh.items()) + steps)
+              f"\nrole step overheads (ms): " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in ovh.items())
+            + ("; step factors: " + ", ".join(f"{t} x{v:.3f}" for t, v in scale.items()) if scale else "") + steps)
