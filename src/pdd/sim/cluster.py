@@ -626,7 +626,8 @@ class ClusterSim:
         if self.cfg.early_handoff and req.pipeline == Pipeline.P_RLD_MD:
             on_sent = lambda: self._kv_left_p(req)  # noqa: E731
         req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent,
-                                     held=self._held(req, req.prompt - req.md_missing, nbytes))
+                                     held=self._held(req, req.prompt - req.md_missing, nbytes),
+                                     sent_lead=self.cfg.wan_send_buffer_bytes)
 
     def _flow_drained(self, req: Req) -> None:
         req.p_pending_flows -= 1
@@ -718,7 +719,8 @@ class ClusterSim:
     # --- handoff -----------------------------------------------------------------------------------
     def _kv_left_p(self, req: Req) -> None:
         """Early handoff (``policy.early_handoff``, ``gateway.handoff``: ``_handoff_at_landing``): P wrote
-        MD's KV to the WAN (its ``xfer_done``, here the instant the flow's last byte left), so
+        MD's KV to the WAN (its ``xfer_done``: its sockets took the last byte, here the instant at
+        most ``wan_send_buffer_bytes`` of the flow are still to go on the line; 0: its last byte left), so
         the gateway starts the handoff when that byte is expected to have left at its WAN
         estimate (:func:`pdd.policy.handoff.early_handoff_delay_s` of the planned bytes, counted
         from P's prefill end): RLD's ids then cross the WAN beside the KV's last bytes instead of

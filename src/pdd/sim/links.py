@@ -30,9 +30,9 @@ import pdd.policy.wan_order as pol_wan
 
 class Flow:
     __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end", "t_served",
-                 "on_sent", "held", "wait_s", "idle_since")
+                 "on_sent", "held", "wait_s", "idle_since", "sent_lead")
 
-    def __init__(self, rid, nbytes, seq, cb, on_sent=None, held: float = 0.0):
+    def __init__(self, rid, nbytes, seq, cb, on_sent=None, held: float = 0.0, sent_lead: float = 0.0):
         self.rid = rid
         self.remaining = float(nbytes)
         self.total = float(nbytes)
@@ -42,7 +42,11 @@ class Flow:
         self.done = False
         self.t_start = self.t_end = None
         self.t_served = None  # when the line first sent bytes of it (its first frame)
-        self.on_sent = on_sent  # called when its last byte has left (before the propagation)
+        # called once its last byte has been written: all its bytes computed (``held`` 0) and at
+        # most ``sent_lead`` of them not yet on the line (the sender's socket buffers hold them);
+        # ``sent_lead`` 0: when its last byte has left (before the propagation)
+        self.on_sent = on_sent
+        self.sent_lead = float(sent_lead)
         self.held = float(held)  # bytes of ``remaining`` not yet computed (layer-wise streaming)
         self.wait_s = 0.0  # seconds, after its first frame, it had nothing released to send
         self.idle_since = None
@@ -162,30 +166,76 @@ class Line:
             dt = min(f.remaining for f in self.flows) * len(self.flows) / self.rate
         else:
             dt = self.flows[self._chosen()].remaining / self.rate
+        lead = self._next_sent_s()
+        if lead is not None and lead < dt:
+            dt = lead
         v = self.version
         self.sim.after(max(0.0, dt), self._timer, v)
+
+    def _rate_of(self, f: Flow) -> float:
+        """``f``'s current rate on the line, bytes/s (0: not served now)."""
+        if self._general():
+            act = self._active()
+            if f not in act:
+                return 0.0
+            if self.order == "ps":
+                return min(self.rate / len(act), self.conn_rate)
+            return min(self.rate, self.conn_rate) if self._pick(act) is f else 0.0
+        if self.order == "ps":
+            return self.rate / len(self.flows)
+        return self.rate if self.flows[self._chosen()] is f else 0.0
+
+    def _next_sent_s(self) -> float | None:
+        """Seconds until the next flow's written-out point (``remaining`` down to its
+        ``sent_lead``), at the current rates; None when no flow has one ahead."""
+        best = None
+        for f in self.flows:
+            if f.on_sent is None or f.sent_lead <= 0.0 or f.held > 0.0 or f.remaining <= f.sent_lead:
+                continue
+            r = self._rate_of(f)
+            if r > 0.0:
+                t = (f.remaining - f.sent_lead) / r
+                best = t if best is None or t < best else best
+        return best
+
+    def _fire_sent(self, eps: float) -> bool:
+        """Call ``on_sent`` of each flow written out by now (see :class:`Flow`); True if any."""
+        fired = False
+        for f in list(self.flows):
+            if f.on_sent is not None and f.held == 0.0 and f.sent_lead > 0.0 and f.remaining <= f.sent_lead + eps:
+                cb, f.on_sent = f.on_sent, None
+                cb()
+                fired = True
+        return fired
 
     def _timer(self, v):
         if v != self.version:
             return
         self._advance()
         eps = 1e-6 * self.rate  # a microsecond's worth of bytes
+        fired = self._fire_sent(eps)
         if self._general():
-            self._timer_general(eps)
+            self._timer_general(eps, fired)
             return
         done = [f for f in self.flows if f.remaining <= eps]
+        if not done and fired:  # a written-out point, no flow's end
+            self._reschedule()
+            return
         if not done:  # numerical leftovers
             done = [min(self.flows, key=lambda f: f.remaining)]
         for f in done:
             self._finish(f)
         self._reschedule()
 
-    def _timer_general(self, eps: float) -> None:
+    def _timer_general(self, eps: float, fired: bool = False) -> None:
         now = self.sim.env.now
         done, idle = [], []
         for f in self.flows:
             if f.remaining - f.held <= eps:
                 (done if f.held == 0.0 else idle).append(f)
+        if not done and not idle and fired:  # a written-out point, no flow's end
+            self._reschedule()
+            return
         if not done and not idle:  # numerical leftovers
             act = self._active()
             f = min(act, key=lambda f: f.remaining - f.held)
@@ -206,14 +256,17 @@ class Line:
         f.remaining = 0.0
         self.sim.after(self.owd, f.cb)
         if f.on_sent is not None:
-            f.on_sent()
+            cb, f.on_sent = f.on_sent, None
+            cb()
 
     def send(self, rid, nbytes: float, cb: Callable[[], None],
-             on_sent: Callable[[], None] | None = None, held: float = 0.0) -> Flow:
+             on_sent: Callable[[], None] | None = None, held: float = 0.0, sent_lead: float = 0.0) -> Flow:
         """Queue ``nbytes`` on the line; ``cb`` runs when the last byte arrives (propagation
-        included), ``on_sent`` (optional) when it has left. ``held``: bytes of them not computed
-        yet (0 <= held <= nbytes), sent only once :meth:`release` d."""
-        f = Flow(rid, nbytes, self.seq, cb, on_sent, held if nbytes > 0 else 0.0)
+        included), ``on_sent`` (optional) once the sender has written the last byte: when at most
+        ``sent_lead`` bytes (its socket buffers, >= 0) are still to go on the line, all of them
+        computed; ``sent_lead`` 0: when the last byte has left. ``held``: bytes of them not
+        computed yet (0 <= held <= nbytes), sent only once :meth:`release` d."""
+        f = Flow(rid, nbytes, self.seq, cb, on_sent, held if nbytes > 0 else 0.0, max(0.0, float(sent_lead)))
         self.seq += 1
         f.line = self
         f.t_start = self.sim.env.now
@@ -229,6 +282,9 @@ class Line:
             self.n_held += 1
         if self.order == "ps" and not self._general():
             f.t_served = f.t_start  # processor sharing serves every flow at once
+        if f.on_sent is not None and f.held == 0.0 and f.sent_lead > 0.0 and f.remaining <= f.sent_lead:
+            cb_sent, f.on_sent = f.on_sent, None  # it fits the socket buffers: written at once
+            self.sim.after(0.0, cb_sent)
         self._reschedule()
         return f
 
@@ -247,6 +303,9 @@ class Line:
         f.held = max(0.0, float(held))
         if f.held == 0.0:
             self.n_held -= 1
+            if f.on_sent is not None and f.sent_lead > 0.0 and f.remaining <= f.sent_lead:
+                cb_sent, f.on_sent = f.on_sent, None  # its last computed bytes fit the buffers
+                self.sim.after(0.0, cb_sent)
         self._reschedule()
 
     def cancel(self, f: Flow, committed: float = 0.0) -> float:
@@ -265,6 +324,7 @@ class Line:
             keep = min(left_sent, committed) if f.t_served is not None else 0.0
         else:
             keep = min(left, committed) if f.t_served is not None else 0.0
+        f.on_sent = None  # cut off: its KV is not all written
         if keep > 1e-6 * self.rate:
             f.remaining = keep
             f.cb = _noop

@@ -124,6 +124,8 @@ class SimConfig:
     # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
     # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
     # 0 = a cut-off stops the flow at once. Measured on a live run (validate.calibrate_wan_buffer).
+    # P's xfer_done (which starts an early handoff's wait) comes when the sockets took the last
+    # byte: this many bytes before the flow's last byte leaves the line (0: when it leaves)
     wan_send_buffer_bytes: float = 0.0
     # from the gateway receiving a token to the client seeing it (HTTP streaming): shifts every
     # token of a request alike (TTFT, not TPOT). Measured on a live run's recorded events.
