@@ -47,6 +47,16 @@ def _refused(capsys, argv, *names):
     (["--wan-gbps", "0"], ["--wan-gbps:", "greater than 0"]),
     (["--min-step-ms", "-5"], ["--min-step-ms:", "greater than or equal to 0"]),
     (["--gateway-port", "99999"], ["--gateway-port:", "65535"]),
+    # 'inf' and 1e400 parse as floats: these reached the run (all arrivals at t=0, a sweep at inf req/s)
+    (["--rate", "inf"], ["--rate: must be a finite number of req/s, got inf"]),
+    (["--rate", "1e400"], ["--rate: must be a finite number of req/s, got inf"]),
+    (["--output-scale", "inf"], ["--output-scale: must be a finite number, got inf"]),
+    (["--request-timeout", "inf"], ["--request-timeout: must be a finite number, got inf"]),
+    (["--sweep-seconds", "inf"], ["--sweep-seconds: must be a finite number, got inf"]),
+    (["--sweep-rate", "inf"], ["--sweep-rate: rates must be finite and > 0 req/s, got inf in 'inf'"]),
+    (["--sweep-rate", "1,nan"], ["--sweep-rate: rates must be finite and > 0 req/s, got nan in '1,nan'"]),
+    (["--sweep-rate=0,2"], ["--sweep-rate: rates must be finite and > 0 req/s, got 0.0 in '0,2'"]),
+    (["--ramp", "1:inf"], ["--ramp: rates must be finite and > 0, got '1:inf'"]),
 ])
 def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):
     _refused(capsys, args + ["--out", str(tmp_path / "b")], *names)

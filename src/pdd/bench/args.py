@@ -260,6 +260,8 @@ def check_numbers(ap: argparse.ArgumentParser, checks: Iterable[tuple[str, Any, 
     for flag, v, lo, strict in checks:
         if v is not None and not (v > lo if strict else v >= lo):  # NaN fails both
             ap.error(f"{flag}: must be {'>' if strict else '>='} {lo}, got {v}")
+        if v is not None and v == float("inf"):  # 'inf' / 1e400 parse as floats
+            ap.error(f"{flag}: must be a finite number, got {v}")
 
 
 def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
@@ -267,6 +269,8 @@ def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
     Scale knobs): refused naming the flag (argparse ``error``: exit status 2)."""
     if args.rate is not None and not args.rate > 0:
         ap.error(f"--rate: must be > 0 req/s, got {args.rate}")
+    if args.rate == float("inf"):  # every arrival at t=0, and a sweep that doubles it forever
+        ap.error(f"--rate: must be a finite number of req/s, got {args.rate}")
     if args.requests is not None and args.requests < 1:
         ap.error(f"--requests: must be >= 1, got {args.requests}")
     if args.start is not None and args.start < 0:
