@@ -586,3 +586,14 @@ def test_a_boolean_for_a_number_parameter_is_named(api, path, body, param, messa
     client, orch = api
     assert _err(client.post(path, json=body), 400, param)["message"] == message
     assert not orch.started
+
+
+@pytest.mark.parametrize("raw,kind", [(b"null", "null"), (b"[]", "an array"), (b'"x"', "a string"), (b"5", "a number"),
+                                      (b"true", "a boolean")])
+def test_a_body_that_is_not_an_object_says_so(api, raw, kind):
+    """It said 'Input should be a valid dictionary or object to extract fields from'."""
+    client, orch = api
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert _err(r, 400, None)["message"] == f"request body must be a JSON object, got {kind}"
+    assert not orch.started
