@@ -139,7 +139,8 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
         changed = PolicyConfig.model_validate({k: v for k, v in over.items() if k in PDD_ONLY_POLICY})
         moved = [k for k in over if k in PDD_ONLY_POLICY and getattr(changed, k) != getattr(PolicyConfig(), k)]
         if moved:
-            raise ValueError(f"mode {label!r}: {', '.join(moved)} {'acts' if len(moved) == 1 else 'act'} on pdd's relay tier or pipeline choice, which "
+            verb = "acts" if len(moved) == 1 else "act"
+            raise ValueError(f"mode {label!r}: {', '.join(moved)} {verb} on pdd's relay tier or pipeline choice, which "
                              f"{base} does not have (pdd-only settings: {', '.join(PDD_ONLY_POLICY)}; one at its "
                              f"default, e.g. +cutoff=true, is allowed as a no-op that tells two runs apart)")
     return base, over
