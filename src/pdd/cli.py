@@ -150,6 +150,10 @@ def cmd_serve(args) -> int:
     from pdd.topology import layout, ports_in_use, ports_taken_message
 
     cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port)
+    unused = cfg.unused_settings()
+    if unused:  # served all the same (a config may be shared by modes), but the user is told
+        print(f"pdd: note: mode {cfg.mode} has no relay tier nor pipeline choice; it does not use {', '.join(unused)} "
+              f"(pdd mode only)", file=sys.stderr)
     if getattr(args, "autoscale", False):  # the planner in the loop (docs/SERVE.md "Autoscaling")
         from pydantic import ValidationError
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +23,51 @@ MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every config block: unknown fields refused; floats finite (a YAML ``.inf`` WAN RTT or
+    timeout would only show as a hang); a boolean for a number refused (below)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, v, info: ValidationInfo):
+        """A boolean where a number is expected (``pipeline_ttft_budget_ms: true``, ``wan_gbps: on``,
+        ``autoscale: {min: {main_decode: yes}}``, a bare ``pdd+pipeline_ttft_budget_ms`` mode label)
+        is refused (ValueError naming the field): pydantic's lax mode would read it as 1 (a 1 ms
+        budget, a 1 Gbit/s line). YAML reads yes / no / on / off / true / false as booleans."""
+        if info.field_name in _number_fields(cls) and _has_bool(v):
+            raise ValueError(f"must be a number, got {_bool_text(v)} (YAML reads true/false, yes/no and on/off as "
+                             f"booleans)")
+        return v
+
+
+def _mentions(ann, types: tuple) -> bool:
+    """Whether a type annotation is, or holds anywhere (``int | None``, ``dict[str, int]``,
+    ``list[tuple[float, float]]``), one of ``types``."""
+    return ann in types or any(_mentions(a, types) for a in typing.get_args(ann))
+
+
+@functools.lru_cache(maxsize=None)
+def _number_fields(cls) -> frozenset[str]:
+    """Names of ``cls``'s fields that take numbers (anywhere in their type) and never a boolean."""
+    return frozenset(name for name, f in cls.model_fields.items()
+                     if _mentions(f.annotation, (int, float)) and not _mentions(f.annotation, (bool,)))
+
+
+def _has_bool(v) -> bool:
+    """Whether ``v`` is a boolean or a list / tuple / mapping holding one (values, nested)."""
+    if isinstance(v, bool):
+        return True
+    if isinstance(v, (list, tuple)):
+        return any(_has_bool(x) for x in v)
+    if isinstance(v, dict):
+        return any(_has_bool(x) for x in v.values())
+    return False
+
+
+def _bool_text(v) -> str:
+    """``v`` as the config wrote it: ``true`` / ``false``, or the container holding one."""
+    return str(v).lower() if isinstance(v, bool) else json.dumps(v)
 
 
 class EngineConfig(_Strict):
@@ -225,6 +270,14 @@ class PolicyConfig(_Strict):
         "MD has its KV). For tests and experiments that force the handoff point; a request that "
         "finishes first is never handed over",
     )
+
+
+# policy settings that act on the relay tier or the pipeline choice, which only pdd mode has
+# (pdd.policy.pipeline.choose_pipeline, the relay decoder's handoff, the cut-off of a relayed
+# request's WAN transfer): in colocated, same_dc_pd and cross_dc_pd they change nothing
+PDD_ONLY_POLICY: tuple[str, ...] = (
+    "pipeline_ttft_budget_ms", "allow_p_rld", "handoff_mode", "catchup_threshold_tokens", "early_handoff",
+    "md_predicted_send", "handoff_min_tokens", "cutoff", "cutoff_min_remaining_s")
 
 
 class SecurityConfig(_Strict):
@@ -525,6 +578,15 @@ class ClusterConfig(_Strict):
         blocks = [self.tiers.get(tier)] + ([self.tiers.get(name)] if name != tier else [])
         over = {k: v for b in blocks if b is not None for k, v in b.engine.model_dump(exclude_none=True).items()}
         return EngineConfig.model_validate({**self.engine.model_dump(), **over}) if over else self.engine
+
+    def unused_settings(self) -> list[str]:
+        """The ``policy`` settings the config sets (explicitly, ``model_fields_set``) that its mode
+        does not use: :data:`PDD_ONLY_POLICY` outside pdd mode (``policy.pipeline_ttft_budget_ms``
+        in a colocated config). What ``pdd serve`` notes at start; a config shared by several modes
+        (``pdd bench --config``) may set them."""
+        if self.mode == "pdd":
+            return []
+        return [f"policy.{k}" for k in PDD_ONLY_POLICY if k in self.policy.model_fields_set]
 
     def hardware_profile(self, name: str) -> dict:
         """What ``/pdd/stats`` and the bench report show of an instance's emulated hardware."""

@@ -79,6 +79,10 @@ def test_chat_prompt_just_over_max_input_len_is_400(api, tiny_model, limit):
     ({"prompt": "x", "n": True}, "n"),
     ({"prompt": "x", "seed": False}, "seed"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),  # an integer for completions
+    ({"prompt": "x", "temperature": True}, "temperature"),  # lax parsing sampled at 1.0
+    ({"prompt": "x", "top_p": True}, "top_p"),
+    ({"prompt": "x", "frequency_penalty": False}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty"),
 ])
 def test_wrong_types_and_empty_prompts_are_400_then_still_serving(api, body, param):
     client, orch = api
@@ -569,4 +573,27 @@ def test_a_chat_over_the_input_limit_names_messages(api):
                                                           "max_tokens": 2}), 400, "messages")
     assert err["message"].startswith("messages (as a prompt): ") and "longer than the maximum input length" in \
         err["message"], err
+    assert not orch.started
+
+
+@pytest.mark.parametrize("path,body,param,message", [
+    ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature", "temperature: must be a number, got true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_p": False}, "min_p",
+     "min_p: must be a number, got false"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens: must be an integer, got true"),
+])
+def test_a_boolean_for_a_number_parameter_is_named(api, path, body, param, message):
+    client, orch = api
+    assert _err(client.post(path, json=body), 400, param)["message"] == message
+    assert not orch.started
+
+
+@pytest.mark.parametrize("raw,kind", [(b"null", "null"), (b"[]", "an array"), (b'"x"', "a string"), (b"5", "a number"),
+                                      (b"true", "a boolean")])
+def test_a_body_that_is_not_an_object_says_so(api, raw, kind):
+    """It said 'Input should be a valid dictionary or object to extract fields from'."""
+    client, orch = api
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert _err(r, 400, None)["message"] == f"request body must be a JSON object, got {kind}"
     assert not orch.started

@@ -257,17 +257,17 @@ def test_main_cli(tmp_path, server_url, monkeypatch):
         return FakeTopology(server_url, c, log_dir)
 
     monkeypatch.setattr(bench_mod, "_default_topology", factory)
-    argv = ["--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "cli"), "--modes", "cross_dc_pd",
+    argv = ["--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "cli"), "--modes", "pdd",
             "--requests", "4", "--block-tokens", "4", "--min-output", "2", "--max-output", "4", "--rate", "50",
             "--slo", "ttft:30000", "tpot:30000", "--sweep-rate", "50,100", "--sweep-requests", "3",
             "--wan-gbps", "0.3", "--allow-p-rld", "--wan-order", "srf", "--gateway-port", "28999", "--no-progress"]
     assert main(argv) == 0
-    assert {c.mode for c in seen} == {"cross_dc_pd"} and seen[0].link.wan_gbps == 0.3
+    assert {c.mode for c in seen} == {"pdd"} and seen[0].link.wan_gbps == 0.3
     assert seen[0].policy.allow_p_rld and seen[0].policy.wan_order == "srf" and seen[0].gateway_port == 28999
     rep = json.loads((tmp_path / "cli" / "report.json").read_text())
     assert rep["bench"]["argv"] == argv and rep["bench"]["command"].startswith("pdd bench --config")
     assert rep["config"]["link"]["wan_gbps"] == 0.3
-    assert rep["modes"]["cross_dc_pd"]["sla_goodput_rps"] == 100.0
+    assert rep["modes"]["pdd"]["sla_goodput_rps"] == 100.0
     with pytest.raises(SystemExit):
         main(["--slo", "e2el:5"])
 
@@ -338,6 +338,39 @@ def test_mode_labels_and_their_configs():
                      ("pdd+routing=random", "routing: Input should be"), ("pdd+allow_p_rld=maybe", "allow_p_rld")):
         with pytest.raises(ValueError, match=msg):
             parse_mode_label(bad)
+
+
+@pytest.mark.parametrize("label,message", [
+    # bare, a number setting read as true: a 1 ms budget, a batch of 1
+    ("pdd+pipeline_ttft_budget_ms", "mode 'pdd+pipeline_ttft_budget_ms': pipeline_ttft_budget_ms takes a value "
+                                    "(pdd+pipeline_ttft_budget_ms=VALUE); only on/off settings may be given bare"),
+    ("pdd+engine.max_running", "engine.max_running takes a value (pdd+engine.max_running=VALUE)"),
+    ("cross_dc_pd+wan_connections", "wan_connections takes a value (cross_dc_pd+wan_connections=VALUE)"),
+    # pdd-only settings moved from their default on a mode without a relay tier: they would do nothing
+    ("colocated+pipeline_ttft_budget_ms=100", "mode 'colocated+pipeline_ttft_budget_ms=100': pipeline_ttft_budget_ms "
+                                              "acts on pdd's relay tier or pipeline choice, which colocated does not have"),
+    ("cross_dc_pd+handoff_mode=auto+allow_p_rld", "handoff_mode, allow_p_rld act on"),
+    ("same_dc_pd+cutoff=false", "cutoff acts on"),
+    # a validator's message without pydantic's prefix
+    ("pdd+wan_connections=0", "mode 'pdd+wan_connections=0': wan_connections: Input should be greater than or equal to 1"),
+])
+def test_mode_labels_that_would_do_nothing_or_else_are_refused(label, message):
+    from pdd.bench.modes import parse_mode_label
+
+    with pytest.raises(ValueError) as ex:
+        parse_mode_label(label)
+    assert message in str(ex.value) and "Value error" not in str(ex.value)
+
+
+def test_a_pdd_only_setting_at_its_default_is_a_no_op_label():
+    """The recipes tell two runs of one configuration apart with a no-op (A B B A: cross_dc_pd+cutoff=true)."""
+    from pdd.bench.modes import parse_mode_label
+
+    assert parse_mode_label("cross_dc_pd+routing=round_robin+cutoff=true") == (
+        "cross_dc_pd", {"routing": "round_robin", "cutoff": "true"})
+    assert parse_mode_label("same_dc_pd+pipeline_ttft_budget_ms=50") == ("same_dc_pd", {"pipeline_ttft_budget_ms": "50"})
+    assert parse_mode_label("pdd+pipeline_ttft_budget_ms=100+allow_p_rld") == (
+        "pdd", {"pipeline_ttft_budget_ms": "100", "allow_p_rld": True})
 
 
 def test_handoff_gaps_by_mode_wide_window_baseline_and_switches():

@@ -47,6 +47,16 @@ def _refused(capsys, argv, *names):
     (["--wan-gbps", "0"], ["--wan-gbps:", "greater than 0"]),
     (["--min-step-ms", "-5"], ["--min-step-ms:", "greater than or equal to 0"]),
     (["--gateway-port", "99999"], ["--gateway-port:", "65535"]),
+    # 'inf' and 1e400 parse as floats: these reached the run (all arrivals at t=0, a sweep at inf req/s)
+    (["--rate", "inf"], ["--rate: must be a finite number of req/s, got inf"]),
+    (["--rate", "1e400"], ["--rate: must be a finite number of req/s, got inf"]),
+    (["--output-scale", "inf"], ["--output-scale: must be a finite number, got inf"]),
+    (["--request-timeout", "inf"], ["--request-timeout: must be a finite number, got inf"]),
+    (["--sweep-seconds", "inf"], ["--sweep-seconds: must be a finite number, got inf"]),
+    (["--sweep-rate", "inf"], ["--sweep-rate: rates must be finite and > 0 req/s, got inf in 'inf'"]),
+    (["--sweep-rate", "1,nan"], ["--sweep-rate: rates must be finite and > 0 req/s, got nan in '1,nan'"]),
+    (["--sweep-rate=0,2"], ["--sweep-rate: rates must be finite and > 0 req/s, got 0.0 in '0,2'"]),
+    (["--ramp", "1:inf"], ["--ramp: rates must be finite and > 0, got '1:inf'"]),
 ])
 def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):
     _refused(capsys, args + ["--out", str(tmp_path / "b")], *names)
@@ -147,7 +157,7 @@ def test_url_refuses_modes_other_than_the_servers(capsys, tmp_path, gateway, no_
     _refused(capsys, ["--url", url, "--modes", "pdd", "--out", str(tmp_path / "b")],
              "--modes pdd", f"the server at {url} runs mode same_dc_pd", "--modes same_dc_pd or leave --modes out")
     _refused(capsys, ["--url", url, "--modes", "same_dc_pd,pdd", "--out", str(tmp_path / "b")], "runs mode same_dc_pd")
-    _refused(capsys, ["--url", url, "--modes", "same_dc_pd+allow_p_rld", "--out", str(tmp_path / "b")],
+    _refused(capsys, ["--url", url, "--modes", "same_dc_pd+routing=round_robin", "--out", str(tmp_path / "b")],
              "runs mode same_dc_pd")
     assert not (tmp_path / "b").exists()
 
@@ -250,7 +260,7 @@ def test_a_trace_directory_is_named_as_such(capsys, tmp_path, no_run):
              f"--trace: {tmp_path} is a directory, not a trace file")
 
 
-@pytest.mark.parametrize("modes", ["colocated", "colocated,same_dc_pd+allow_p_rld", " same_dc_pd "])
+@pytest.mark.parametrize("modes", ["colocated", "colocated,same_dc_pd+routing=round_robin", " same_dc_pd "])
 @pytest.mark.parametrize("flags", [["--wan-loss-rate", "0.001"], ["--wan-connections", "4"], ["--wan-gbps", "0.1"],
                                    ["--wan-rtt-ms", "5"], ["--wan-order", "srf"], ["--cross-traffic", "0:0.01"],
                                    ["--cross-traffic-gbps", "0.01"]])
@@ -271,6 +281,27 @@ def test_wan_flags_with_a_mode_crossing_the_wan_pass_the_checks(tmp_path, modes)
                           "--trace", str(_small_trace(tmp_path))])
     check_args(ap, args)  # no SystemExit
     assert args.wan_connections == 4 and args.wan_cross_traffic == [(0.0, 0.01)]
+
+
+@pytest.mark.parametrize("modes", ["colocated", "cross_dc_pd,same_dc_pd+cutoff=true"])
+@pytest.mark.parametrize("flags", [["--pipeline-ttft-budget-ms", "100"], ["--allow-p-rld"],
+                                   ["--handoff-mode", "auto"]])
+def test_pdd_only_flags_without_a_pdd_mode_are_refused(capsys, tmp_path, no_run, modes, flags):
+    """`--modes colocated --pipeline-ttft-budget-ms 100` ran, and report.json recorded a budget no
+    mode has: only pdd chooses a pipeline and has a relay tier."""
+    _refused(capsys, ["--modes", modes, *flags, "--out", str(tmp_path / "b")],
+             f"error: {flags[0]}: no listed mode is pdd (--modes {modes})")
+    assert not (tmp_path / "b").exists()
+
+
+def test_pdd_only_flags_with_a_pdd_mode_pass_the_checks(tmp_path):
+    from pdd.bench.args import build_parser, check_args
+
+    ap = build_parser()
+    args = ap.parse_args(["--modes", "colocated,pdd+routing=round_robin", "--pipeline-ttft-budget-ms", "100",
+                          "--handoff-mode", "auto", "--trace", str(_small_trace(tmp_path))])
+    check_args(ap, args)  # no SystemExit
+    assert (args.pipeline_ttft_budget_ms, args.handoff_mode) == (100.0, "auto")
 
 
 def test_wan_modes_are_the_topologies_with_a_link():

@@ -26,6 +26,8 @@ TOPOLOGY_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "fast_gbps", "min_step_ms", "all
                       "wan_cross_traffic", "wan_connections")
 # the flags (argparse dests) that set the WAN line or its send order: refused when no mode run crosses the WAN
 WAN_OVERRIDES = ("wan_gbps", "wan_rtt_ms", "wan_loss_rate", "wan_connections", "wan_cross_traffic", "wan_order")
+# the flags (argparse dests) that set pdd-only policy (pdd.config.PDD_ONLY_POLICY): refused when no mode run is pdd
+PDD_ONLY_OVERRIDES = ("pipeline_ttft_budget_ms", "allow_p_rld", "handoff_mode")
 # The demo's scale (docs: tuned on the live system) with 1 in 50 conversations, so the shared
 # trace yields ~240 requests (the demo's 1 in 100 gives ~150) and a 200-request run keeps the
 # trace's multi-turn prefix reuse (ideal hit rate ~30%).
@@ -258,6 +260,8 @@ def check_numbers(ap: argparse.ArgumentParser, checks: Iterable[tuple[str, Any, 
     for flag, v, lo, strict in checks:
         if v is not None and not (v > lo if strict else v >= lo):  # NaN fails both
             ap.error(f"{flag}: must be {'>' if strict else '>='} {lo}, got {v}")
+        if v is not None and v == float("inf"):  # 'inf' / 1e400 parse as floats
+            ap.error(f"{flag}: must be a finite number, got {v}")
 
 
 def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
@@ -265,6 +269,8 @@ def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
     Scale knobs): refused naming the flag (argparse ``error``: exit status 2)."""
     if args.rate is not None and not args.rate > 0:
         ap.error(f"--rate: must be > 0 req/s, got {args.rate}")
+    if args.rate == float("inf"):  # every arrival at t=0, and a sweep that doubles it forever
+        ap.error(f"--rate: must be a finite number of req/s, got {args.rate}")
     if args.requests is not None and args.requests < 1:
         ap.error(f"--requests: must be >= 1, got {args.requests}")
     if args.start is not None and args.start < 0:
@@ -306,6 +312,11 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         # nothing would cross the WAN: the flag would change nothing yet be recorded as if it applied
         ap.error(f"{', '.join(wan)}: no listed mode uses the WAN (--modes {args.modes}); the modes that cross "
                  f"it are {' and '.join(WAN_MODES)}, with any +labels")
+    relay = [_given_flag(args, k) for k in PDD_ONLY_OVERRIDES if getattr(args, k) is not None]
+    if relay and not args.url and not any(parse_mode_label(m)[0] == "pdd" for m in labels):
+        # no relay tier nor pipeline choice in any listed mode: the flag would change nothing yet be recorded
+        ap.error(f"{', '.join(relay)}: no listed mode is pdd (--modes {args.modes}); these flags set pdd's pipeline "
+                 f"choice and relay tier, which colocated, same_dc_pd and cross_dc_pd do not have")
     if vllm_mode.VLLM_MODE in labels and not args.url:
         try:
             vllm_venv.check_vllm_importable(vllm_venv.vllm_python(args.vllm_python))

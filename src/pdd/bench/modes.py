@@ -9,7 +9,7 @@ from typing import Any
 import pydantic
 
 from pdd.bench import vllm_mode
-from pdd.config import MODES, ClusterConfig
+from pdd.config import MODES, PDD_ONLY_POLICY, ClusterConfig
 from pdd.vllm_tier.venv import VllmMissing, check_vllm_importable
 from pdd.vllm_tier.venv import vllm_python as vllm_python_of
 
@@ -65,7 +65,11 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     (``pdd+autoscale``, ``+autoscale=false``) switches the config's ``autoscale`` block on (off):
     the same topology, its standby slots added and drained by the gateway's loop; ``standby=none``
     starts every slot of the config (the same topology fixed at its largest size). A link setting
-    is refused on a mode not in :data:`WAN_MODES` (it would change nothing). A variant runs
+    is refused on a mode not in :data:`WAN_MODES`, a :data:`pdd.config.PDD_ONLY_POLICY` setting other
+    than its default on any mode but pdd (at its default it is a no-op that tells two runs of one
+    configuration apart, e.g. ``cross_dc_pd+cutoff=true`` in A B B A order), and a bare setting
+    that is not on/off (``pdd+pipeline_ttft_budget_ms`` would read as 1): each would change nothing
+    or something else than meant. A variant runs
     on its own fresh topology beside the others, so ablations are compared side by side in one
     invocation; its records and report entry carry the whole label. Raises ValueError naming the
     bad part.
@@ -99,6 +103,7 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
                 raise ValueError(f"mode {label!r}: {STANDBY} takes none (every slot started), got {val.strip()!r}")
             over[STANDBY] = []
             continue
+        typed = key
         if key in LINK_MODE_KEYS:
             key = "link." + key
         section, dot, field = key.partition(".")
@@ -117,6 +122,9 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
         if section == "link" and base not in WAN_MODES:  # nothing of the mode crosses the WAN: it would do nothing
             raise ValueError(f"mode {label!r}: {field} is a WAN setting and no instance of {base} crosses the "
                              f"WAN (modes that do: {', '.join(WAN_MODES)})")
+        if not eq and _field_of(key, sections).annotation is not bool:  # a bare number would read as 1
+            raise ValueError(f"mode {label!r}: {typed} takes a value ({base}+{typed}=VALUE); only on/off settings "
+                             f"may be given bare")
         over[key] = True if not eq else val.strip()
     try:
         PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k not in (AUTOSCALE, STANDBY)})
@@ -125,8 +133,27 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
             model.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.partition(".")[0] == name})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
-        raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: "
+                         f"{err['msg'].removeprefix('Value error, ')}") from None
+    if base != "pdd":  # no relay tier nor pipeline choice there: a changed pdd-only setting would do nothing
+        changed = PolicyConfig.model_validate({k: v for k, v in over.items() if k in PDD_ONLY_POLICY})
+        moved = [k for k in over if k in PDD_ONLY_POLICY and getattr(changed, k) != getattr(PolicyConfig(), k)]
+        if moved:
+            verb = "acts" if len(moved) == 1 else "act"
+            raise ValueError(f"mode {label!r}: {', '.join(moved)} {verb} on pdd's relay tier or pipeline choice, which "
+                             f"{base} does not have (pdd-only settings: {', '.join(PDD_ONLY_POLICY)}; one at its "
+                             f"default, e.g. +cutoff=true, is allowed as a no-op that tells two runs apart)")
     return base, over
+
+
+def _field_of(key: str, sections: dict):
+    """The pydantic field a checked label key sets (``pipeline_ttft_budget_ms``, ``link.wan_connections``,
+    ``engine.min_step_ms``)."""
+    from pdd.config import LinkConfig, PolicyConfig
+
+    section, dot, field = key.partition(".")
+    model = (LinkConfig if section == "link" else sections[section]) if dot else PolicyConfig
+    return model.model_fields[field if dot else key]
 
 
 def mode_config(config: ClusterConfig, label: str, vllm_python: str | None = None) -> ClusterConfig:

@@ -27,6 +27,7 @@ made of them measures a different workload than the run at the offered rate.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -78,6 +79,9 @@ def parse_sweep(spec: str | None, start_rps: float = 2.0, **kw) -> SweepPlan | N
         rates = tuple(sorted({float(x) for x in spec.split(",") if x.strip()}))
     except ValueError:
         raise ValueError(f"--sweep-rate: expected 'auto' or comma-separated rates, got {spec!r}") from None
+    bad = [r for r in rates if not 0 < r < math.inf]  # NaN fails too
+    if bad:
+        raise ValueError(f"--sweep-rate: rates must be finite and > 0 req/s, got {bad[0]} in {spec!r}")
     return SweepPlan(rates=rates, start_rps=start_rps, **kw)
 
 
@@ -216,8 +220,8 @@ def parse_ramp(spec: str | None) -> tuple[float, float] | None:
         a, b = (float(x) for x in spec.split(":"))
     except ValueError:
         raise ValueError(f"--ramp: expected START:END in req/s (e.g. 1:8), got {spec!r}") from None
-    if a <= 0 or b <= 0:
-        raise ValueError(f"--ramp: rates must be > 0, got {spec!r}")
+    if not (0 < a < math.inf and 0 < b < math.inf):  # NaN and inf parse as floats
+        raise ValueError(f"--ramp: rates must be finite and > 0, got {spec!r}")
     return a, b
 
 

@@ -199,6 +199,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if not loc and first.get("type") == "missing":  # no body at all
             field = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
             return bad_request(f"request body is missing: send a JSON object with at least {field!r}", field)
+        if not loc and first.get("type") == "model_attributes_type":  # JSON null, an array, a string, a number
+            got = first.get("input")
+            kind = {type(None): "null", list: "an array", str: "a string", bool: "a boolean"}.get(type(got), "a number")
+            return bad_request(f"request body must be a JSON object, got {kind}", None)
         # a list item by its index, as the validators and the chat renderer name it (messages[1])
         where = "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else x)
                         for i, x in enumerate(raw_loc))

@@ -106,11 +106,14 @@ class _Sampling(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_int(cls, v, info):
-        """A JSON ``true``/``false`` given for an integer parameter (``max_tokens``, ``n``, ``seed``,
-        ``top_k``, ``logprobs`` of completions, ...) is refused (ValueError, HTTP 400 naming the
-        field), as OpenAI's API does; pydantic's lax mode would read ``true`` as 1."""
+        """A JSON ``true``/``false`` given for a number parameter (``max_tokens``, ``n``, ``seed``,
+        ``top_k``, ``logprobs`` of completions, ``temperature``, ``top_p``, the penalties, ...) is
+        refused (ValueError, HTTP 400 naming the field), as OpenAI's API does; pydantic's lax mode
+        would read ``true`` as 1 (``"temperature": true`` sampled at 1.0)."""
         if isinstance(v, bool) and info.field_name in _int_not_bool(cls):
             raise ValueError(f"must be an integer, got {str(v).lower()}")
+        if isinstance(v, bool) and info.field_name in _float_not_bool(cls):
+            raise ValueError(f"must be a number, got {str(v).lower()}")
         return v
 
     @model_validator(mode="before")
@@ -177,6 +180,17 @@ def _int_not_bool(cls) -> frozenset:
     for name, f in cls.model_fields.items():
         args = set(typing.get_args(f.annotation)) or {f.annotation}
         if int in args and bool not in args:
+            out.add(name)
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _float_not_bool(cls) -> frozenset:
+    """Names of ``cls``'s fields whose type admits ``float`` but neither ``int`` nor ``bool``."""
+    out = set()
+    for name, f in cls.model_fields.items():
+        args = set(typing.get_args(f.annotation)) or {f.annotation}
+        if float in args and not args & {int, bool}:
             out.add(name)
     return frozenset(out)
 
