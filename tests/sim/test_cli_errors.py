@@ -35,6 +35,7 @@ def _refused(capsys, argv, *names, entry=pdd_main):
     (["--n-md", "-1"], ["--n-md", "must be >= 0"]),
     (["--slo-ttft", "0"], ["--slo-ttft", "must be > 0"]),
     (["--limit", "abc"], ["--limit", "not an integer: 'abc'"]),
+    (["--budget-ms", "inf"], ["--budget-ms", "must be a finite number >= 0, got inf"]),
 ])
 def test_sim_run_refuses_bad_flags(capsys, args, names):
     _refused(capsys, ["sim", "run"] + args, "pdd sim run: error:", *names)

@@ -60,6 +60,8 @@ def _number(conv, what: str, ok):
             v = conv(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {'an integer' if conv is int else 'a number'}: {text!r}") from None
+        if v in (float("inf"), float("-inf")) and not ok(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number {what}, got {text}")
         if v != v or not ok(v):  # NaN passes no comparison
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return v
@@ -152,7 +154,8 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None,
                    help="a runtime cluster config (YAML/JSON): its link.wan_* (rate, RTT, loss, MSS, cross "
                    "traffic) and policy.wan_order / kv_stream / kv_stream_layer_group replace those flags")
-    g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=250.0, help="pipeline TTFT budget (P->MD if the WAN fits)")
+    g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=250.0,
+                   help="pipeline TTFT budget (P->MD if the WAN fits); the server's default is 50")
     g.add_argument("--handoff", default="one_shot", choices=["one_shot", "catch_up", "auto"])
     g.add_argument("--catchup-threshold", type=NONNEG_INT, default=64)
     g.add_argument("--allow-p-rld", action="store_true")
