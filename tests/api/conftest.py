@@ -100,13 +100,6 @@ class EngineOrch:
         return {}
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    from pdd.modelgen import make_model
-
-    return make_model(str(tmp_path_factory.mktemp("api") / "tiny"), preset="tiny", seed=0)
-
-
 @pytest.fixture
 def api(tiny_model):
     """(TestClient, EngineOrch) for a fresh engine on the tiny checkpoint."""

@@ -89,13 +89,6 @@ def _with_template(src: str, dst, template) -> str:
     return str(dst)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    from pdd.modelgen import make_model
-
-    return make_model(str(tmp_path_factory.mktemp("chat") / "tiny"), preset="tiny", seed=0)
-
-
 def _check(path: str, conv, **kw):
     from tokenizers import Tokenizer
 
@@ -112,32 +105,32 @@ def _check(path: str, conv, **kw):
 
 
 @pytest.mark.parametrize("conv", CONVERSATIONS, ids=["one", "reasoning", "tool"])
-def test_generated_checkpoint_template_matches_transformers(tiny, conv):
-    text = _check(tiny, conv, add_generation_prompt=True)
+def test_generated_checkpoint_template_matches_transformers(tiny_model, conv):
+    text = _check(tiny_model, conv, add_generation_prompt=True)
     assert text.endswith("<|assistant|>\n")
-    _check(tiny, conv, add_generation_prompt=False)
+    _check(tiny_model, conv, add_generation_prompt=False)
 
 
 @pytest.mark.parametrize("conv", CONVERSATIONS, ids=["one", "reasoning", "tool"])
 @pytest.mark.parametrize("name,template", [("qwen", QWEN_STYLE), ("llama", LLAMA_STYLE)])
-def test_third_party_style_templates_match_transformers(tiny, tmp_path, conv, name, template):
-    path = _with_template(tiny, tmp_path / name, template)
+def test_third_party_style_templates_match_transformers(tiny_model, tmp_path, conv, name, template):
+    path = _with_template(tiny_model, tmp_path / name, template)
     _check(path, conv, add_generation_prompt=True)
     if name == "qwen":
         _check(path, conv, add_generation_prompt=True, tools=TOOLS)
         _check(path, conv, add_generation_prompt=True, chat_template_kwargs={"enable_thinking": False})
 
 
-def test_continue_final_message_matches_transformers(tiny, tmp_path):
-    path = _with_template(tiny, tmp_path / "q", QWEN_STYLE)
+def test_continue_final_message_matches_transformers(tiny_model, tmp_path):
+    path = _with_template(tiny_model, tmp_path / "q", QWEN_STYLE)
     conv = [{"role": "user", "content": "Write a poem"}, {"role": "assistant", "content": "The moon "}]
     text = _check(path, conv, add_generation_prompt=False, continue_final_message=True)
     assert text.endswith("<|assistant|>\nThe moon ")  # no end-of-turn: the model continues it
 
 
-def test_named_templates_and_jinja_file_precedence(tiny, tmp_path):
-    path = _with_template(tiny, tmp_path / "named", [{"name": "default", "template": LLAMA_STYLE},
-                                                       {"name": "tool_use", "template": QWEN_STYLE}])
+def test_named_templates_and_jinja_file_precedence(tiny_model, tmp_path):
+    path = _with_template(tiny_model, tmp_path / "named", [{"name": "default", "template": LLAMA_STYLE},
+                                                           {"name": "tool_use", "template": QWEN_STYLE}])
     _check(path, CONVERSATIONS[0], add_generation_prompt=True)
     _check(path, CONVERSATIONS[0], add_generation_prompt=True, tools=TOOLS)
     # a chat_template.jinja file wins over tokenizer_config.json (transformers' loader)
@@ -146,8 +139,8 @@ def test_named_templates_and_jinja_file_precedence(tiny, tmp_path):
     _check(path, CONVERSATIONS[1], add_generation_prompt=True)
 
 
-def test_openai_content_parts_and_errors(tiny):
-    ct = ChatTemplate.from_model_dir(tiny)
+def test_openai_content_parts_and_errors(tiny_model):
+    ct = ChatTemplate.from_model_dir(tiny_model)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert ct.render(parts) == ct.render([{"role": "user", "content": "a\nb"}])
     with pytest.raises(ChatTemplateError, match="'image_url' is not supported"):
@@ -161,5 +154,5 @@ def test_openai_content_parts_and_errors(tiny):
         bad.render([{"role": "system", "content": "x"}])
 
 
-def test_make_model_writes_a_chat_template(tiny):
-    assert ChatTemplate.from_model_dir(tiny) is not None
+def test_make_model_writes_a_chat_template(tiny_model):
+    assert ChatTemplate.from_model_dir(tiny_model) is not None

@@ -17,13 +17,10 @@ PROMPT = list(range(300, 340))
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory):
+def topo(tmp_path_factory, small_model):
     from pdd.launch import Topology
-    from pdd.modelgen import make_model
 
-    d = tmp_path_factory.mktemp("m") / "small"
-    make_model(str(d), preset="small", seed=0)
-    cfg = make_cfg(str(d), "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
+    cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
                    policy={"handoff_min_tokens": HANDOFF_AT})
     t = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
     t.start()

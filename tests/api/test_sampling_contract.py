@@ -64,16 +64,7 @@ def _sampling(body: dict, logprobs: int | None):
 
 
 @pytest.fixture(scope="module")
-def small_model_mod(tmp_path_factory) -> str:
-    from pdd.modelgen import make_model
-
-    d = tmp_path_factory.mktemp("sc") / "small"
-    make_model(str(d), preset="small", seed=0)
-    return str(d)
-
-
-@pytest.fixture(scope="module")
-def reference(small_model_mod):
+def reference(small_model):
     """Tokens, logprobs and text of each prompt from one in-process engine (the oracle), and a
     probe of the decision margin at a position."""
     import torch
@@ -84,8 +75,8 @@ def reference(small_model_mod):
     from pdd.gateway.openai_text import Detokenizer
 
     torch.set_num_threads(1)
-    eng = Engine.from_pretrained(small_model_mod, num_pages=1024, page_size=16, device=TEST_DEVICE)
-    tok = Tokenizer.from_file(f"{small_model_mod}/tokenizer.json")
+    eng = Engine.from_pretrained(small_model, num_pages=1024, page_size=16, device=TEST_DEVICE)
+    tok = Tokenizer.from_file(f"{small_model}/tokenizer.json")
     refs = []
     for i, p in enumerate(_prompts()):
         s = eng.new_sequence(f"ref{i}", p, _sampling(_body(i), TOP_LOGPROBS), use_cache=False)
@@ -137,10 +128,10 @@ def _stop_for(pieces: list[str], start: int) -> tuple[int, str] | None:
 
 @pytest.mark.parametrize("handoff_min_tokens,label,stop_from",
                          [(1, "after-first-token", 2), (12, "mid-stream", 14), (10**6, "never", 14)])
-def test_seeded_sampling_equals_single_engine_across_handoff(small_model_mod, reference, topology_factory,
+def test_seeded_sampling_equals_single_engine_across_handoff(small_model, reference, topology_factory,
                                                               handoff_min_tokens, label, stop_from):
     refs, margin, tok = reference
-    cfg = make_cfg(small_model_mod, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
+    cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
                    policy={"handoff_min_tokens": handoff_min_tokens})
     topo = topology_factory(cfg)
     excused, handoffs, lp_err, stops = [], [], 0.0, []

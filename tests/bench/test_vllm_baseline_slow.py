@@ -24,19 +24,17 @@ def vllm_python():
         pytest.skip(f"vLLM's CPU build is not installed here ({ex})")
 
 
-def test_vllm_colocated_beside_colocated(tmp_path, vllm_python):
+def test_vllm_colocated_beside_colocated(tmp_path, small_model, vllm_python):
     from rich.console import Console
 
     from pdd.bench.bench import run_bench
     from pdd.bench.report import read_jsonl
     from pdd.workload.replay import Scale
     from pdd.config import ClusterConfig
-    from pdd.modelgen import make_model
     from pdd.topology import free_port_block
 
-    model = make_model(str(tmp_path / "small"), preset="small", seed=0)
     base = free_port_block()
-    cfg = ClusterConfig.model_validate({"model_path": model, "base_port": base, "gateway_port": base + 95})
+    cfg = ClusterConfig.model_validate({"model_path": small_model, "base_port": base, "gateway_port": base + 95})
     scale = Scale(block_tokens=16, output_scale=1 / 8, min_output_tokens=8, max_output_tokens=24,
                   target_rate_rps=4.0, session_sample=1)
     out = tmp_path / "bench"

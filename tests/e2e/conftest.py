@@ -15,15 +15,6 @@ from pdd.launch import Topology
 from pdd.topology import free_port_block
 
 
-@pytest.fixture(scope="session")
-def small_model(tmp_path_factory) -> str:
-    from pdd.modelgen import make_model
-
-    d = tmp_path_factory.mktemp("models") / "small"
-    make_model(str(d), preset="small", seed=0)
-    return str(d)
-
-
 TEST_DEVICE = os.environ.get("PDD_TEST_DEVICE", "cpu")  # "cuda" runs every engine of a topology on the GPU
 
 

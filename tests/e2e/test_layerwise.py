@@ -36,20 +36,18 @@ def test_layerwise_bytes_outputs_and_pages(small_model, topology_factory, mode, 
     assert p0["counters"]["layerwise_transfers"] == (3 if mode == "cross_dc_pd" else 6), p0["counters"]
 
 
-def test_layerwise_disconnect_mid_prefill_cuts_the_streams_and_frees_every_page_once(tmp_path_factory):
+def test_layerwise_disconnect_mid_prefill_cuts_the_streams_and_frees_every_page_once(tmp_path_factory, small_model):
     """A 2,400-token prompt prefilled in 32-token chunks held to 40 ms each (~3 s): its layer
     groups stream to RLD and MD while it runs. The client leaves once P has run two chunks (the
     first chunk's layers are then on their way, between layer groups of the prefill): the prefill
     stops within one chunk, the streams are cancelled (kv_cancel), the gateway's WAN balance holds
     (planned = sent + cancelled) and every instance frees every page."""
     from pdd.launch import Topology
-    from pdd.modelgen import make_model
     from tests.e2e.test_prefill_cancel import CHUNK, LONG, STEP_MS, RawClient, _cancelled_total, _one_live, \
         _p, _prompt, _settled, _until
 
-    model = make_model(str(tmp_path_factory.mktemp("lw-cancel") / "small"), preset="small", seed=0)
-    cfg = make_cfg(model, "pdd", engine={"device": "cpu", "min_step_ms": STEP_MS, "prefill_chunk_tokens": CHUNK,
-                                         "max_batch_tokens": CHUNK},
+    cfg = make_cfg(small_model, "pdd", engine={"device": "cpu", "min_step_ms": STEP_MS, "prefill_chunk_tokens": CHUNK,
+                                               "max_batch_tokens": CHUNK},
                    link={"wan_gbps": 0.05, "wan_rtt_ms": 20.0, "wan_jitter_ms": 0.0},
                    policy={"kv_stream": "layerwise"}, request_timeout_s=60.0)
     topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("lw-cancel-logs"))

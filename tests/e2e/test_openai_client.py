@@ -11,13 +11,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pdd_topology(tmp_path_factory):
+def pdd_topology(tmp_path_factory, small_model):
     from pdd.launch import Topology
-    from pdd.modelgen import make_model
 
-    d = tmp_path_factory.mktemp("m") / "small"
-    make_model(str(d), preset="small", seed=0)
-    cfg = make_cfg(str(d), "pdd")
+    cfg = make_cfg(small_model, "pdd")
     topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
     topo.start()
     yield topo

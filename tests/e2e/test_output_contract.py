@@ -30,26 +30,17 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(small_model_mod):
+def reference(small_model):
     """Greedy outputs and a logits probe from one in-process engine (the single-engine oracle)."""
-    return greedy_oracle(small_model_mod, _prompts(), MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def small_model_mod(tmp_path_factory) -> str:
-    from pdd.modelgen import make_model
-
-    d = tmp_path_factory.mktemp("mc") / "small"
-    make_model(str(d), preset="small", seed=0)
-    return str(d)
+    return greedy_oracle(small_model, _prompts(), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("handoff_min_tokens,label", [(1, "after-first-token"), (12, "mid-stream"), (10**6, "never")])
-def test_greedy_equals_single_engine_across_handoff(small_model_mod, reference, topology_factory, handoff_min_tokens,
+def test_greedy_equals_single_engine_across_handoff(small_model, reference, topology_factory, handoff_min_tokens,
                                                      label):
     ref_outs, margin = reference
     # a fast WAN so MD's KV is there at once and the handoff point is set by handoff_min_tokens
-    cfg = make_cfg(small_model_mod, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
+    cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
                    policy={"handoff_min_tokens": handoff_min_tokens})
     topo = topology_factory(cfg)
     excused, handoffs = [], []

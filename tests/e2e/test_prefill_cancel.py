@@ -48,12 +48,9 @@ def _prompt(seed: int, n: int = LONG) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory):
-    from pdd.modelgen import make_model
-
-    model = make_model(str(tmp_path_factory.mktemp("cancel") / "small"), preset="small", seed=0)
-    cfg = make_cfg(model, "pdd", engine={"device": "cpu", "min_step_ms": STEP_MS, "prefill_chunk_tokens": CHUNK,
-                                         "max_batch_tokens": CHUNK},
+def topo(tmp_path_factory, small_model):
+    cfg = make_cfg(small_model, "pdd", engine={"device": "cpu", "min_step_ms": STEP_MS, "prefill_chunk_tokens": CHUNK,
+                                               "max_batch_tokens": CHUNK},
                    link={"wan_gbps": 0.05, "wan_rtt_ms": 20.0, "wan_jitter_ms": 0.0, "fast_gbps": 0.02},
                    request_timeout_s=60.0)
     t = Topology(cfg, log_dir=tmp_path_factory.mktemp("cancel-logs"))
@@ -207,14 +204,11 @@ def test_disconnect_during_the_fast_path_send_to_rld(topo, stream):
     assert not any(c["rid"] == trid for c in _p(topo)["prefill_cancels"])  # its prefill had finished
 
 
-def test_a_server_timeout_during_prefill_stops_it_too(tmp_path_factory):
+def test_a_server_timeout_during_prefill_stops_it_too(tmp_path_factory, small_model):
     """``request_timeout_s`` shorter than the prefill: the gateway's call to P times out, the
     request fails and is aborted on every tier; P stops at its next chunk boundary."""
-    from pdd.modelgen import make_model
-
-    model = make_model(str(tmp_path_factory.mktemp("cancel-timeout") / "small"), preset="small", seed=0)
-    cfg = make_cfg(model, "pdd", engine={"device": "cpu", "min_step_ms": STEP_MS, "prefill_chunk_tokens": CHUNK,
-                                         "max_batch_tokens": CHUNK},
+    cfg = make_cfg(small_model, "pdd", engine={"device": "cpu", "min_step_ms": STEP_MS, "prefill_chunk_tokens": CHUNK,
+                                               "max_batch_tokens": CHUNK},
                    request_timeout_s=1.0)
     with Topology(cfg, log_dir=tmp_path_factory.mktemp("cancel-timeout-logs")) as t:
         r = httpx.post(t.url + "/v1/completions", json={"prompt": _prompt(7), "max_tokens": 4}, timeout=WAIT_S)

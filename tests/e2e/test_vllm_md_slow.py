@@ -16,20 +16,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def vllm_md(tmp_path_factory):
+def vllm_md(tmp_path_factory, small_model):
     try:
         venv.vllm_python()
     except venv.VllmMissing as ex:
         pytest.skip(f"vLLM's CPU build is not installed here ({ex})")
     from pdd.launch import Topology
-    from pdd.modelgen import make_model
 
-    d = tmp_path_factory.mktemp("m") / "small"
-    make_model(str(d), preset="small", seed=0)
-    cfg = make_cfg(str(d), "pdd", vllm={"main_decode": True}, policy={"handoff_mode": "one_shot"})
+    cfg = make_cfg(small_model, "pdd", vllm={"main_decode": True}, policy={"handoff_mode": "one_shot"})
     topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
     topo.start()
-    yield topo, str(d)
+    yield topo, small_model
     topo.stop()
 
 

@@ -1,11 +1,10 @@
-"""Fixtures for the engine tests: one tiny generated checkpoint per session, devices."""
+"""Fixtures for the engine tests: devices, engines and prompts on the session's tiny checkpoint
+(``tiny_model``, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from pdd.modelgen import make_model
 
 torch.set_num_threads(1)
 
@@ -14,22 +13,17 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason
 
 
 @pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory) -> str:
-    return make_model(str(tmp_path_factory.mktemp("models") / "tiny"), preset="tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def hf_model(tiny_path):
+def hf_model(tiny_model):
     transformers = pytest.importorskip("transformers")
-    m = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    m = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     return m.eval()
 
 
 @pytest.fixture(scope="session")
-def prompts(tiny_path) -> list[list[int]]:
+def prompts(tiny_model) -> list[list[int]]:
     from pdd.engine.engine import load_tokenizer
 
-    tok = load_tokenizer(tiny_path)
+    tok = load_tokenizer(tiny_model)
     texts = [
         "Hello, how are you today?",
         "The prefill stage reads the whole prompt at once and is bound by compute, while",
@@ -45,11 +39,11 @@ def device(request) -> str:
 
 
 @pytest.fixture
-def make_engine(tiny_path, device):
+def make_engine(tiny_model, device):
     """``make_engine(num_pages=128, page_size=4, **kw)`` -> Engine on the tiny model and ``device``."""
     from pdd.engine import Engine
 
     def _make(num_pages=128, page_size=4, **kw):
-        return Engine.from_pretrained(tiny_path, num_pages=num_pages, page_size=page_size, device=device, **kw)
+        return Engine.from_pretrained(tiny_model, num_pages=num_pages, page_size=page_size, device=device, **kw)
 
     return _make

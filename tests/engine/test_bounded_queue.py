@@ -11,8 +11,8 @@ from pdd.engine.scheduler import TierBusy
 from pdd.types import SamplingParams
 
 
-def test_new_sequence_beyond_the_queue_raises_tier_busy_and_takes_nothing(tiny_path):
-    eng = Engine.from_pretrained(tiny_path, num_pages=64, page_size=8, max_running_seqs=2, max_waiting=1)
+def test_new_sequence_beyond_the_queue_raises_tier_busy_and_takes_nothing(tiny_model):
+    eng = Engine.from_pretrained(tiny_model, num_pages=64, page_size=8, max_running_seqs=2, max_waiting=1)
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
     seqs = [eng.new_sequence(f"s{i}", [10 + i, 11, 12], sp) for i in range(3)]
     assert eng.pending_seqs() == 3
@@ -38,8 +38,8 @@ def test_new_sequence_beyond_the_queue_raises_tier_busy_and_takes_nothing(tiny_p
         eng.release(s, cache=False)
 
 
-def test_unbounded_by_default(tiny_path):
-    eng = Engine.from_pretrained(tiny_path, num_pages=256, page_size=8, max_running_seqs=1)
+def test_unbounded_by_default(tiny_model):
+    eng = Engine.from_pretrained(tiny_model, num_pages=256, page_size=8, max_running_seqs=1)
     seqs = [eng.new_sequence(i, [5, 6, 7]) for i in range(20)]
     assert eng.max_waiting is None and eng.pending_seqs() == 20
     for s in seqs:

@@ -16,10 +16,10 @@ PROMPTS = [BASE[:9], BASE[:13], BASE[:16] + [7, 8], BASE + [9], [3] + BASE[:11],
 
 
 @pytest.fixture(scope="module")
-def ref_and_engine(tiny_path):
-    ref = Engine.from_pretrained(tiny_path, num_pages=64, page_size=4)
+def ref_and_engine(tiny_model):
+    ref = Engine.from_pretrained(tiny_model, num_pages=64, page_size=4)
     outs = [ref.generate([p], SP, use_cache=False)[0] for p in PROMPTS]
-    eng = Engine.from_pretrained(tiny_path, num_pages=14, page_size=4, max_batch_tokens=12, prefill_chunk_tokens=6)
+    eng = Engine.from_pretrained(tiny_model, num_pages=14, page_size=4, max_batch_tokens=12, prefill_chunk_tokens=6)
     return outs, eng
 
 

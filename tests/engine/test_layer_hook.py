@@ -16,8 +16,8 @@ from tests.engine.conftest import DEVICES
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_each_layer_of_each_prefill_chunk_is_announced_once_written(tiny_path, device):
-    eng = Engine.from_pretrained(tiny_path, num_pages=64, page_size=4, device=device, prefill_chunk_tokens=8)
+def test_each_layer_of_each_prefill_chunk_is_announced_once_written(tiny_model, device):
+    eng = Engine.from_pretrained(tiny_model, num_pages=64, page_size=4, device=device, prefill_chunk_tokens=8)
     n_layers = eng.model_cfg.num_hidden_layers
     prompt = [(7 * i) % 200 + 3 for i in range(21)]  # chunks end at 8, 16, 21
     seq = eng.new_sequence("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True), use_cache=False)

@@ -22,8 +22,8 @@ PROMPT = list(range(30, 51))  # 21 tokens: two whole pages of 8 and a partial on
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_path):
-    return [Engine.from_pretrained(tiny_path, num_pages=64, page_size=8) for _ in range(4)]
+def engines(tiny_model):
+    return [Engine.from_pretrained(tiny_model, num_pages=64, page_size=8) for _ in range(4)]
 
 
 def _run(eng, seq):

@@ -12,23 +12,24 @@ from pdd.engine import ModelConfig
 from pdd.modelgen import make_model
 
 
-def test_same_seed_is_byte_identical(tmp_path, tiny_path):
+def test_same_seed_is_byte_identical(tmp_path, tiny_model):
     again = make_model(str(tmp_path / "again"), preset="tiny", seed=0)
     for fn in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json", "generation_config.json"):
-        with open(os.path.join(tiny_path, fn), "rb") as a, open(os.path.join(again, fn), "rb") as b:
+        with open(os.path.join(tiny_model, fn), "rb") as a, open(os.path.join(again, fn), "rb") as b:
             assert a.read() == b.read(), fn
     other = make_model(str(tmp_path / "other"), preset="tiny", seed=1)
-    with open(os.path.join(tiny_path, "model.safetensors"), "rb") as a, open(os.path.join(other, "model.safetensors"), "rb") as b:
+    with open(os.path.join(tiny_model, "model.safetensors"), "rb") as a, \
+            open(os.path.join(other, "model.safetensors"), "rb") as b:
         assert a.read() != b.read()
 
 
-def test_config_and_tokenizer(tiny_path):
-    cfg = ModelConfig.from_pretrained(tiny_path)
+def test_config_and_tokenizer(tiny_model):
+    cfg = ModelConfig.from_pretrained(tiny_model)
     assert cfg.num_hidden_layers == 2 and cfg.num_key_value_heads == 2 and cfg.head_dim == 16
     assert cfg.kv_bytes_per_token("float32") == 2 * 2 * 2 * 16 * 4
     from pdd.engine.engine import load_tokenizer
 
-    tok = load_tokenizer(tiny_path)
+    tok = load_tokenizer(tiny_model)
     assert tok.get_vocab_size() <= cfg.vocab_size
     assert tok.token_to_id("<s>") == cfg.bos_token_id and tok.token_to_id("</s>") in cfg.eos_token_ids
     enc = tok.encode("Hello, world! 123")
@@ -36,19 +37,19 @@ def test_config_and_tokenizer(tiny_path):
     assert tok.decode(enc.ids) == "Hello, world! 123"
 
 
-def test_transformers_loads_it(tiny_path, hf_model):
+def test_transformers_loads_it(tiny_model, hf_model):
     transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(tiny_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model)
     from pdd.engine.engine import load_tokenizer
 
-    ours = load_tokenizer(tiny_path)
+    ours = load_tokenizer(tiny_model)
     text = "The robot opened a book and tried to guess the words."
     assert tok(text).input_ids == ours.encode(text).ids
     assert tok.eos_token == "</s>" and tok.bos_token == "<s>"
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|user|>\nhi</s>\n<|assistant|>\n"
     assert hf_model.config.num_hidden_layers == 2
-    with open(os.path.join(tiny_path, "config.json")) as f:
+    with open(os.path.join(tiny_model, "config.json")) as f:
         assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
 
 

@@ -59,24 +59,15 @@ def _cell_prompt(fault: str, phase: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from pdd.modelgen import make_model
-
-    d = tmp_path_factory.mktemp("faults") / "small"
-    make_model(str(d), preset="small", seed=0)
-    return str(d)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
+def reference(small_model):
     """Greedy outputs of every cell's prompt on one in-process engine, and a top-2 logit margin probe."""
-    outs, margin = greedy_oracle(model_dir, [_cell_prompt(f, p) for f, p in CELLS], MAX_TOKENS)
+    outs, margin = greedy_oracle(small_model, [_cell_prompt(f, p) for f, p in CELLS], MAX_TOKENS)
     return dict(zip(CELLS, outs)), margin
 
 
 @pytest.fixture(scope="module")
-def topo(model_dir, tmp_path_factory):
-    cfg = make_cfg(model_dir, "pdd", instances={"prefill": 2, "relay_decode": 2, "main_decode": 2},
+def topo(small_model, tmp_path_factory):
+    cfg = make_cfg(small_model, "pdd", instances={"prefill": 2, "relay_decode": 2, "main_decode": 2},
                    link={"wan_gbps": 0.05, "wan_rtt_ms": 20.0, "wan_jitter_ms": 0.0},
                    policy={"handoff_min_tokens": HANDOFF_AT},
                    liveness={"heartbeat_interval_s": 0.25, "dead_after_s": DEAD_AFTER_S},
@@ -239,7 +230,7 @@ def test_matrix_table(topo):
     assert len(RESULTS) == len(CELLS)
 
 
-def test_first_token_eos_stops_after_one_token_and_cuts_the_wan_leg(topo, model_dir):
+def test_first_token_eos_stops_after_one_token_and_cuts_the_wan_leg(topo, small_model):
     """The first sampled token is EOS (forced with logit_bias): finish_reason "stop" after one
     token (emitted by RLD), MD never decodes, and the WAN transfer is cut before it starts
     (fewer bytes cross the line than one KV page; the prompt has 13 pages)."""
@@ -248,7 +239,7 @@ def test_first_token_eos_stops_after_one_token_and_cuts_the_wan_leg(topo, model_
     from pdd.engine.config import ModelConfig
 
     _warm_up(topo)
-    eos = ModelConfig.from_pretrained(model_dir).eos_token_ids[0]
+    eos = ModelConfig.from_pretrained(small_model).eos_token_ids[0]
     page_bytes = 4 * 2 * 2 * 32 * 16 * 4  # small preset: layers x (K,V) x kv heads x head dim x page x fp32
     before = topo.stats()
     md_fwd = sum(v["forward_calls"] for n, v in before["instances"].items() if n.startswith("md"))

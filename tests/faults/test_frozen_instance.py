@@ -28,12 +28,8 @@ FREEZE_S = 6.0  # seconds frozen after they were sent: 4x dead_after_s
 
 
 @pytest.mark.parametrize("frozen", ["md0", "p0"])
-def test_instance_frozen_past_the_heartbeat_leaks_no_pages(tmp_path, frozen):
-    from pdd.modelgen import make_model
-
-    model = str(tmp_path / "small")
-    make_model(model, preset="small", seed=0)
-    cfg = make_cfg(model, "pdd", link={"wan_gbps": 1.0, "wan_rtt_ms": 2.0, "wan_jitter_ms": 0.0},
+def test_instance_frozen_past_the_heartbeat_leaks_no_pages(tmp_path, small_model, frozen):
+    cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 1.0, "wan_rtt_ms": 2.0, "wan_jitter_ms": 0.0},
                    liveness={"heartbeat_interval_s": 0.25, "dead_after_s": 1.5}, request_timeout_s=60.0,
                    limits={"max_inflight_requests": 0, "max_queue_wait_s": 0, "max_queued_prompt_tokens": 0})
     topo = Topology(cfg, log_dir=tmp_path / "logs")

@@ -19,25 +19,22 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 MAX_TOKENS = 40
 
 
-def test_wan_outage_on_p_md_recovers_through_relay(tmp_path):
+def test_wan_outage_on_p_md_recovers_through_relay(tmp_path, small_model):
     import torch
 
     from pdd.engine.engine import Engine
-    from pdd.modelgen import make_model
     from pdd.types import SamplingParams
 
-    model = str(tmp_path / "small")
-    make_model(model, preset="small", seed=0)
     prompt = [random.Random(77).randrange(5, 4000) for _ in range(64)]
     torch.set_num_threads(1)
-    eng = Engine.from_pretrained(model, num_pages=256, page_size=16, device=TEST_DEVICE)
+    eng = Engine.from_pretrained(small_model, num_pages=256, page_size=16, device=TEST_DEVICE)
     s = eng.new_sequence("ref", prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_cache=False)
     eng.add(s)
     while eng.has_work():
         eng.step()
     ref = list(s.output_ids)
 
-    cfg = make_cfg(model, "pdd", link={"wan_gbps": 1.0, "wan_rtt_ms": 2.0, "wan_jitter_ms": 0.0},
+    cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 1.0, "wan_rtt_ms": 2.0, "wan_jitter_ms": 0.0},
                    policy={"pipeline_ttft_budget_ms": 1000.0},
                    liveness={"heartbeat_interval_s": 0.25, "dead_after_s": 1.5}, request_timeout_s=60.0)
     topo = Topology(cfg, log_dir=tmp_path / "logs")

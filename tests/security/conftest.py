@@ -22,12 +22,3 @@ def foreign_certs(tmp_path_factory):
     d = tmp_path_factory.mktemp("foreign-certs")
     make_certs(d, NAMES, ca_name="some other CA")
     return d
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    from pdd.modelgen import make_model
-
-    d = tmp_path_factory.mktemp("models") / "tiny"
-    make_model(str(d), preset="tiny", seed=0)
-    return str(d)

@@ -89,23 +89,21 @@ def test_recorded_live_decisions_replay_identically(monkeypatch):
     assert ok2 < tot2 and len(bad2) == sum(1 for d in entries if d["policy"] == "pipeline")
 
 
-def test_measure_profile_on_the_live_engine(tmp_path):
+def test_measure_profile_on_the_live_engine(tmp_path, tiny_model):
     """`pdd profile`'s measurement on a real (tiny) engine: every requested row, positive
     times, the model's KV bytes as the runtime ships them, a fit the sim can load."""
     from pdd.config import ClusterConfig
-    from pdd.modelgen import make_model
     from pdd.sim.profile import measure_profile
     from pdd.step_profile import load
 
-    make_model(str(tmp_path / "m"), preset="tiny", seed=0)
-    cfg = ClusterConfig(model_path=str(tmp_path / "m"), model_preset="tiny")
+    cfg = ClusterConfig(model_path=tiny_model, model_preset="tiny")
     prof = measure_profile(cfg, prefill_tokens=(8, 32), decode_batches=(1, 2), decode_contexts=(16, 64),
                            extend_tokens=(4,), extend_contexts=(32, 64), reps=1, log=lambda m: None)
     assert [r["tokens"] for r in prof["prefill"]] == [8, 32]
     assert [(r["batch"], r["context"]) for r in prof["decode"]] == [(1, 16), (2, 16), (1, 64), (2, 64)]
     assert [(r["tokens"], r["context"]) for r in prof["extend"]] == [(4, 32), (4, 64)]
     assert all(r.get("seconds", r.get("seconds_per_step")) > 0 for k in ("prefill", "decode", "extend") for r in prof[k])
-    m = json.loads((tmp_path / "m" / "config.json").read_text())
+    m = json.loads((Path(tiny_model) / "config.json").read_text())
     assert prof["model"]["kv_bytes_per_token"] == 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 4
     assert prof["kv_capacity_tokens"] == cfg.engine.num_pages * cfg.engine.page_size
     p = tmp_path / "prof.json"

@@ -17,11 +17,13 @@ from pdd.transfer.server import Server
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, tiny_model):
+    """``a``: the session's tiny checkpoint; ``a_copy``: the same built again in another
+    directory; ``b``: another seed."""
     root = tmp_path_factory.mktemp("fp")
-    for name, seed in (("a", 0), ("a_copy", 0), ("b", 1)):
+    for name, seed in (("a_copy", 0), ("b", 1)):
         make_model(str(root / name), preset="tiny", seed=seed)
-    return {k: str(root / k) for k in ("a", "a_copy", "b")}
+    return {"a": tiny_model, "a_copy": str(root / "a_copy"), "b": str(root / "b")}
 
 
 def instance(model: str, page_size=16, dtype="float32", layers=2, kv_heads=2, head_dim=16,

@@ -19,20 +19,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fake_md(tmp_path_factory):
+def fake_md(tmp_path_factory, small_model):
     from pdd.launch import Topology
-    from pdd.modelgen import make_model
 
-    d = tmp_path_factory.mktemp("m") / "small"
-    make_model(str(d), preset="small", seed=0)
     w = tmp_path_factory.mktemp("fake") / "python"
     w.write_text(_wrapper())
     os.chmod(w, 0o755)
-    cfg = make_cfg(str(d), "pdd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120},
+    cfg = make_cfg(small_model, "pdd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120},
                    policy={"handoff_mode": "one_shot"})
     topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
     topo.start()
-    yield topo, str(d)
+    yield topo, small_model
     topo.stop()
 
 
@@ -83,22 +80,19 @@ def test_drc_and_pages(fake_md):
     assert topo.stats()["instances"]["md0"]["staged_files"] == 0  # each deleted when its stream ended
 
 
-def test_cross_dc_pd_p_to_vllm_md(tmp_path):
+def test_cross_dc_pd_p_to_vllm_md(tmp_path, small_model):
     """No relay (``cross_dc_pd``: MD is the only decoder): P's first token goes out from MD at once,
     then the completion on prompt + that token continues at position 1."""
     from openai import OpenAI
 
     from pdd.launch import Topology
-    from pdd.modelgen import make_model
 
-    d = tmp_path / "small"
-    make_model(str(d), preset="small", seed=0)
     w = tmp_path / "python"
     w.write_text(_wrapper())
     os.chmod(w, 0o755)
-    cfg = make_cfg(str(d), "cross_dc_pd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120})
+    cfg = make_cfg(small_model, "cross_dc_pd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120})
     p, n = list(range(700, 850)), 20
-    (ref,), _ = greedy_oracle(str(d), [p], n)
+    (ref,), _ = greedy_oracle(small_model, [p], n)
     with Topology(cfg, log_dir=tmp_path / "logs") as topo:
         client = OpenAI(base_url=topo.url + "/v1", api_key="none")
         chunks = list(client.completions.create(model="pdd-small", prompt=p, max_tokens=n, temperature=0,
