@@ -152,22 +152,30 @@ def test_live_role_steps_reads_the_replay_delta():
     assert got["MD"]["mean_step_s"] == pytest.approx(0.05) and set(got) == {"P", "MD"}
 
 
-def test_calibrated_overheads_recover_known_ones(tmp_path):
-    """calibrate_role_overheads is a fixed point on the simulated mean step per tier: given the
-    step statistics of a run with known per-role overheads, it finds them again."""
+def _overhead_fixture(tmp_path):
+    """A synthetic profile (written to ``tmp_path``), the default config and 40 requests of
+    200-712 prompt tokens and 24 output tokens, 0.7 s apart: (profile dict, its path, config,
+    requests)."""
     from types import SimpleNamespace
 
     from pdd.config import ClusterConfig
-    from pdd.sim.validate import calibrate_role_overheads, simulate, sim_role_steps
 
     prof = _synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))
     prof["model"] = {"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048, "weight_bytes": 2e7,
                      "flops_per_token": 8e6}
     p = tmp_path / "prof.json"
     p.write_text(json.dumps(prof))
-    cfg = ClusterConfig()
     reqs = [SimpleNamespace(arrival_s=0.7 * i, prompt_ids=[0] * (200 + 64 * (i % 9)), max_tokens=24,
                             hash_ids=list(range(100 * i, 100 * i + 13 + 4 * (i % 9)))) for i in range(40)]
+    return prof, p, ClusterConfig(), reqs
+
+
+def test_calibrated_overheads_recover_known_ones(tmp_path):
+    """calibrate_role_overheads is a fixed point on the simulated mean step per tier: given the
+    step statistics of a run with known per-role overheads, it finds them again."""
+    from pdd.sim.validate import calibrate_role_overheads, simulate, sim_role_steps
+
+    prof, p, cfg, reqs = _overhead_fixture(tmp_path)
     known = {"P": 0.03, "RLD": 0.004, "MD": 0.008}
     target = sim_role_steps(simulate(cfg, p, prof, 16, reqs, known))
     got, hist = calibrate_role_overheads(cfg, p, prof, 16, reqs, target, iters=12)
@@ -391,19 +399,9 @@ def test_fit_step_scale_recovers_factor_and_step_overhead():
 def test_p_level_recovers_a_known_factor_on_the_step_shape(tmp_path):
     """calibrate_p_level: given P's mean step of a run simulated with 0.8 x (1.5 x profile + 4 ms),
     the level on the shape (1.5, 4 ms) is found again."""
-    from types import SimpleNamespace
-
-    from pdd.config import ClusterConfig
     from pdd.sim.validate import calibrate_p_level, sim_role_steps, simulate
 
-    prof = _synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))
-    prof["model"] = {"layers": 4, "attn_dim": 256, "kv_bytes_per_token": 2048, "weight_bytes": 2e7,
-                     "flops_per_token": 8e6}
-    p = tmp_path / "prof.json"
-    p.write_text(json.dumps(prof))
-    cfg = ClusterConfig()
-    reqs = [SimpleNamespace(arrival_s=0.7 * i, prompt_ids=[0] * (200 + 64 * (i % 9)), max_tokens=24,
-                            hash_ids=list(range(100 * i, 100 * i + 13 + 4 * (i % 9)))) for i in range(40)]
+    prof, p, cfg, reqs = _overhead_fixture(tmp_path)
     other = {"RLD": 0.004, "MD": 0.008}
     known = {**prof, "role_step_scale": {"P": 0.8 * 1.5}}
     target = sim_role_steps(simulate(cfg, p, known, 16, reqs, {**other, "P": 0.8 * 0.004}))["P"]["mean_step_s"]
