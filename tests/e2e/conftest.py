@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import json
 import time
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def run_checking_wan_bytes(topo: Topology, prompts: list[list[int]], want: list[
                                     "temperature": 0, "ignore_eos": True}).start()
         assert c.wait(60) and c.error is None, c.error
         assert c.tokens == out
-        assert c.summary["wan_bytes_expected"] == nbytes, c.summary
+        assert c.summary["wan_bytes_expected"] == nbytes, json.dumps(
+            {**c.summary, "instances_lost": topo.stats()["totals"].get("instances_lost", 0)})
         assert topo.wait_idle(timeout_s=30)
         summaries.append(c.summary)
     st = topo.stats()

@@ -23,9 +23,12 @@ def test_layerwise_bytes_outputs_and_pages(small_model, topology_factory, mode, 
     # cut-off: in pdd mode RLD may finish a request's 8 tokens before its KV has crossed (a busy
     # machine), and the cut-off would then cancel the rest, so MD would not hold the first
     # prompt's pages for the second; without it the KV always lands and MD keeps the prompt's.
+    # Liveness 30 s: a peer silent for the default 5 s on a busy machine is declared lost, and its
+    # cache (and the gateway's index of it) with it, so the second prompt would cross whole.
     cfg = make_cfg(small_model, mode, engine={"device": "cpu", "page_size": 16, "prefill_chunk_tokens": 64},
                    policy={"kv_stream": "layerwise", "kv_stream_layer_group": group, "cutoff": False},
-                   limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
+                   limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0,
+                   liveness={"dead_after_s": 30.0})
     topo = topology_factory(cfg)
     prompts = warm_then_cold_prompts(5, 100, 200)
     want = [100 * SLOT, 7 * SLOT, 200 * SLOT]  # MD's 6 cached pages of the first prompt never cross again
