@@ -174,25 +174,24 @@ def _non_nullable(model: type[BaseModel]) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def _fields_admitting(cls, want: type, excluded: frozenset) -> frozenset:
+    """Names of ``cls``'s fields whose type admits ``want`` but none of ``excluded``."""
+    out = set()
+    for name, f in cls.model_fields.items():
+        args = set(typing.get_args(f.annotation)) or {f.annotation}
+        if want in args and not args & excluded:
+            out.add(name)
+    return frozenset(out)
+
+
 def _int_not_bool(cls) -> frozenset:
     """Names of ``cls``'s fields whose type admits ``int`` but not ``bool``."""
-    out = set()
-    for name, f in cls.model_fields.items():
-        args = set(typing.get_args(f.annotation)) or {f.annotation}
-        if int in args and bool not in args:
-            out.add(name)
-    return frozenset(out)
+    return _fields_admitting(cls, int, frozenset({bool}))
 
 
-@functools.lru_cache(maxsize=None)
 def _float_not_bool(cls) -> frozenset:
     """Names of ``cls``'s fields whose type admits ``float`` but neither ``int`` nor ``bool``."""
-    out = set()
-    for name, f in cls.model_fields.items():
-        args = set(typing.get_args(f.annotation)) or {f.annotation}
-        if float in args and not args & {int, bool}:
-            out.add(name)
-    return frozenset(out)
+    return _fields_admitting(cls, float, frozenset({int, bool}))
 
 
 def _at_most(v, n: int, what: str):
