@@ -500,6 +500,14 @@ def cmd_calibrate_roles(a) -> int:
               f"live step): step x{prof['role_step_scale']['P']:.3f} + {prof['role_step_overhead_s']['P'] * 1e3:.2f} ms")
     else:
         print("P    step factor: too few isolated prefills in the run, 1")
+    di = prof["role_overhead_from"].get("decode_interference_fit")
+    if di:
+        per = "; ".join(f"{t}: {g['busy_median_s'] * 1e3:.1f} ms over {g['quiet_median_s'] * 1e3:.1f} ms, "
+                        f"{g['busy_samples']} / {g['quiet_samples']} gaps" for t, g in di["tiers"].items())
+        fs = ", ".join(f"{r} x{f:.2f}" for r, f in di["factors"].items())
+        print(f"decode step while P prefills: {fs} (median token gap, P busy over P quiet: {per})")
+    else:
+        print("decode step while P prefills: too few token gaps of one tier in the run, x1")
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
         if t == "P" and sc:

@@ -125,6 +125,8 @@ class ClusterSim:
         self.kv_dispatched: set[int] = set()  # requests whose sends P set up before its prefill ended
         self.wan_gbps_live: float | None = None  # its current value (gateway's estimate)
         self.host_busy = 0  # instances in a step now (for host_cores)
+        self.host_prefilling = 0  # instances in a prefill or extend step now (for decode_interference)
+        self.interference = dict(cfg.decode_interference or {}) if cfg.host_cores > 0 else {}
         self.wan_planned: dict[int, Req] = {}  # WAN transfers planned to an MD, not yet delivered
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}
@@ -136,6 +138,21 @@ class ClusterSim:
         fixed for the step; 1 when ``host_cores`` is 0 (one accelerator per instance)."""
         c = self.cfg.host_cores
         return max(1.0, (self.host_busy + 1) / c) if c > 0 else 1.0
+
+    def decode_slowdown(self, role: str) -> float:
+        """Factor on a decode step of ``role`` starting now: its ``cfg.decode_interference`` while
+        another instance on the shared host runs a prefill or extend step, else 1."""
+        return self.interference.get(role, 1.0) if self.host_prefilling else 1.0
+
+    def prefill_step(self, inst: "Instance", delta: int) -> None:
+        """``inst`` starts (``delta`` +1) or ends (-1) a prefill or extend step; with decode
+        interference on, the other instances of the roles it slows re-time the decode step they
+        are in (each finishes its current step at the old pace, the next at the new)."""
+        self.host_prefilling += delta
+        for role in self.interference:
+            for i in self.tiers.get(role, ()):
+                if i is not inst:
+                    i.poke()
 
     # --- the gateway's live WAN estimate (pdd.gateway.orchestrator semantics) ----------------------
     WAN_SAMPLE_MIN_BYTES = 256 * 1024  # roles.base.kv_rate_sample_gbps: smaller ones measure the RTT

@@ -208,7 +208,7 @@ class Instance:
                 for it in items:
                     sum_ctx += it.start
                 dt = (cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) * self.step_scale + self.step_ovh) \
-                    * self.sim.host_share()
+                    * self.sim.host_share() * self.sim.decode_slowdown(self.role)
                 self.sim.host_busy += 1
                 t0 = env.now
                 self.wake = w = env.event()
@@ -232,15 +232,21 @@ class Instance:
                     self.tokens_out += done
                     self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
             else:
+                extend = any(it.num_tokens > 1 for it in items)  # a prefill or extend step
                 dt = (cm.step_time((it.start, it.num_tokens) for it in items) * self.step_scale + self.step_ovh) \
-                    * self.sim.host_share()
+                    * self.sim.host_share() * (1.0 if extend else self.sim.decode_slowdown(self.role))
+                interfere = extend and bool(self.sim.interference)
                 if self.sim.layerwise and self.role == "P":  # each layer group's KV as the step writes it
                     for it in items:
                         s = seqs[it.seq_id]
                         if s.kind == "prefill":
                             self.sim.on_prefill_chunk(s.req, it.start + it.num_tokens, dt)
                 self.sim.host_busy += 1
+                if interfere:
+                    self.sim.prefill_step(self, +1)
                 yield env.timeout(dt)
+                if interfere:
+                    self.sim.prefill_step(self, -1)
                 self.sim.host_busy -= 1
                 self.busy_s += dt
                 self.steps += 1

@@ -104,6 +104,12 @@ class SimConfig:
     model_spec: dict | None = None  # ModelProfile fields (e.g. a measured profile's "model"), overrides `model`
     block_tokens: int = BLOCK  # tokens per hash block of the records (= cache page granularity)
     host_cores: float = 0.0  # >0: all instances share this many CPU cores (validating a one-machine topology)
+    # factor on a role's decode step ("RLD", "MD", ...) while another instance on the shared host
+    # (host_cores > 0) runs a prefill or extend step: on one CPU machine a prefill slows the
+    # decoders beside it beyond what their share of the cores says (memory bandwidth, the
+    # gateway's and link emulator's threads). Measured from a live run's token gaps
+    # (validate.live_decode_interference); absent roles 1
+    decode_interference: dict | None = None
     # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
     # GIL, per-step bookkeeping), measured from a live run (validate.calibrate_role_overheads)
@@ -141,6 +147,9 @@ class SimConfig:
             raise ValueError(f"kv_stream must be one of {KV_STREAMS}, got {self.kv_stream!r}")
         if not (self.kv_stream_layer_group >= 1):
             raise ValueError(f"kv_stream_layer_group must be >= 1, got {self.kv_stream_layer_group!r}")
+        for role, f in (self.decode_interference or {}).items():
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
+                raise ValueError(f"decode_interference[{role!r}] must be a finite factor >= 1, got {f!r}")
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)

@@ -398,6 +398,8 @@ def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: d
         scfg = scfg.replace(client_delay_s=float(prof["client_delay_s"]))
     if prof.get("gateway_rtt_ms"):
         scfg = scfg.replace(wan_rtt_estimate_ms=float(prof["gateway_rtt_ms"]))
+    if prof.get("decode_interference"):
+        scfg = scfg.replace(decode_interference=dict(prof["decode_interference"]))
     fp = prof.get("fast_path")
     if fp:  # measured on a live run (live_fast_path): the Python KV path, not the configured pacing
         scfg = scfg.replace(fast_gbps=float(fp["gbps"]), fast_rtt_ms=2000.0 * float(fp["latency_s"]))
@@ -426,6 +428,81 @@ def live_gateway_rtt_ms(live_records: list[dict]) -> float | None:
          for d in ((rec.get("pdd") or {}).get("decisions") or [])
          if d.get("policy") == "pipeline" and isinstance((d.get("inputs") or {}).get("wan_rtt_ms"), (int, float))]
     return float(np.median(v)) if v else None
+
+
+HANDOFF_EVENTS = ("handoff_call", "handoff", "switch")
+
+
+def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
+    """A live run's decode inter-token gaps (seconds, as the client saw them), by the tier that
+    decoded both tokens (the record's per-token ``tiers``: ``"rld"``, ``"md"``, ...; ``"all"``
+    for a record without them) and by what P did meanwhile: ``{tier: {"busy": [...], "quiet":
+    [...]}}``. Busy: the gap's midpoint inside another request's P interval (its send to the
+    gateway's ``p_first_token``: queued or prefilling at P); quiet: the gap overlaps no P
+    interval (gaps that overlap one only in part are left out). A request's first token, gaps
+    between two tiers' tokens and the gaps within ``margin_s`` of its handoff events
+    (``handoff_call``, ``handoff``, ``switch``: RLD's stream giving way to MD's) are not decode
+    gaps."""
+    iv = []
+    for rec in live_records:
+        ev = (rec.get("pdd") or {}).get("events_ms") or {}
+        if rec.get("ok") and "p_first_token" in ev:
+            t0 = float(rec["send_s"])
+            iv.append((id(rec), t0, t0 + ev["p_first_token"] / 1000.0))
+    iv.sort(key=lambda x: x[1])
+    starts = np.array([x[1] for x in iv])
+    out: dict[str, dict[str, list[float]]] = {}
+    for rec in live_records:
+        tt = rec.get("token_times_s") or []
+        if not rec.get("ok") or len(tt) < 3:
+            continue
+        tiers = rec.get("tiers") or ["all"] * len(tt)
+        ev = (rec.get("pdd") or {}).get("events_ms") or {}
+        t0 = float(rec["send_s"])
+        ho = [t0 + ev[k] / 1000.0 for k in HANDOFF_EVENTS if k in ev]
+        lo, hi = (min(ho) - margin_s, max(ho) + margin_s) if ho else (None, None)
+        for i in range(1, len(tt) - 1):
+            a, b = tt[i], tt[i + 1]
+            if tiers[i] != tiers[i + 1] or (lo is not None and a < hi and b > lo):
+                continue
+            mid, over, inside = (a + b) / 2, False, False
+            for j in range(int(np.searchsorted(starts, b))):  # P intervals that start before b
+                rid, pa, pb = iv[j]
+                if rid == id(rec) or pb <= a:
+                    continue
+                over = True
+                if pa <= mid < pb:
+                    inside = True
+                    break
+            g = out.setdefault(str(tiers[i]), {"busy": [], "quiet": []})
+            if inside:
+                g["busy"].append(b - a)
+            elif not over:
+                g["quiet"].append(b - a)
+    return out
+
+
+def live_decode_interference(live_records: list[dict], min_samples: int = 50) -> dict | None:
+    """How much slower each tier's decode step runs while P prefills on the same machine: the
+    median decode gap while P is busy over the median while it is quiet (:func:`live_decode_gaps`;
+    within one tier, so RLD's and MD's different step times do not mix), floored at 1, for each
+    tier with ``min_samples`` gaps of both kinds. Returns ``{"factors": {role: factor}`` (roles as
+    the simulator names them: ``"RLD"``, ``"MD"``), ``"tiers": {tier: {"ratio",
+    "busy_median_s", "quiet_median_s", "busy_samples", "quiet_samples"}}}``, or None when no tier
+    has enough gaps (records without per-token ``tiers`` count for none). A ratio also holds the
+    larger decode batches that come with a busy P, which on a CPU, where a decode step reads the
+    weights once whatever its batch, adds little."""
+    tiers = {}
+    for tier, g in sorted(live_decode_gaps(live_records).items()):
+        if tier == "all" or len(g["busy"]) < min_samples or len(g["quiet"]) < min_samples:
+            continue
+        b, q = float(np.median(g["busy"])), float(np.median(g["quiet"]))
+        if q > 0:
+            tiers[tier] = {"ratio": b / q, "busy_median_s": b, "quiet_median_s": q,
+                           "busy_samples": len(g["busy"]), "quiet_samples": len(g["quiet"])}
+    if not tiers:
+        return None
+    return {"factors": {t.upper(): max(1.0, g["ratio"]) for t, g in tiers.items()}, "tiers": tiers}
 
 
 def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: float,
@@ -661,6 +738,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                     "role_step_overhead_s": ovh, "role_step_scale": prof.get("role_step_scale") or {},
                     "wan_send_buffer_bytes": wb,
                     "client_delay_s": prof.get("client_delay_s", 0.0), "gateway_rtt_ms": prof.get("gateway_rtt_ms"),
+                    "decode_interference": prof.get("decode_interference") or {},
                     "fast_path": prof.get("fast_path"),
                     "role_overhead_from": (prof.get("role_overhead_from") or {}).get("run")},
         "wan_bytes": {"live": live_wan_payload_bytes(entry), "sim": sim.wan.bytes_sent if sim.wan else 0.0},
@@ -711,7 +789,9 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     isolated prefills (:func:`fit_step_scale`), its level from P's mean live step
     (:func:`calibrate_p_level`); the other roles' per-step overheads
     (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
-    prefills); the WAN RTT the gateway's decisions read (``gateway_rtt_ms``,
+    prefills); how much a decode step slows while P prefills beside it (``decode_interference``,
+    :func:`live_decode_interference`, fitted before the overheads, which then hold the rest); the
+    WAN RTT the gateway's decisions read (``gateway_rtt_ms``,
     :func:`live_gateway_rtt_ms`); ``role_overhead_from``: which run and the fits. Raises
     :class:`RecordedRunError` naming the path for a run directory or profile it cannot use, before
     anything is fitted."""
@@ -744,6 +824,10 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     fp = live_fast_path(live_recs, int(prof["model"]["kv_bytes_per_token"]), cfg.link.fast_gbps)
     if fp is not None:
         prof["fast_path"] = fp
+    prof.pop("decode_interference", None)
+    di = live_decode_interference(live_recs)
+    if di is not None:
+        prof["decode_interference"] = di["factors"]
     prof.pop("role_step_scale", None)
     ep = cfg.engine_for("prefill")  # P's chip: its tier's profile, else the given one
     p_prof = load_profile_checked(ep.profile) if ep.profile else prof
@@ -768,7 +852,8 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     prof["wan_send_buffer_bytes"] = wb
     prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
                                   "live_wan_payload_bytes": live_bytes, "sim_wan_bytes": sim_bytes,
-                                  "step_scale_fit": {"P": sc}, "iterations": hist}
+                                  "step_scale_fit": {"P": sc}, "decode_interference_fit": di,
+                                  "iterations": hist}
     Path(out_profile or profile).write_text(json.dumps(prof, indent=1))
     return prof
 

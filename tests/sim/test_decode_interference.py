@@ -1,0 +1,122 @@
+"""The simulator's decode interference on a shared host (``SimConfig.decode_interference``: a
+decode step slows while another instance runs a prefill step, as on the one-machine CPU testbed)
+and its fit from a live run's token gaps (``validate.live_decode_interference``)."""
+
+import pytest
+
+from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.validate import live_decode_gaps, live_decode_interference
+
+# A: a short prompt with a long output, decoding on D; B: a long prompt arriving while A decodes
+A = {"timestamp": 0, "input_length": 512, "output_length": 3000, "hash_ids": [0]}
+B = {"timestamp": 2000, "input_length": 8192, "output_length": 1, "hash_ids": list(range(100, 116))}
+HOST = SimConfig(mode="same_dc_pd", n_p=1, n_d=1, host_cores=2.0, warmup_frac=0.0)
+SLOW = {"D": 2.0}
+
+
+def run(cfg, recs):
+    sim = ClusterSim(cfg).run(recs)
+    for insts in sim.tiers.values():
+        for inst in insts:
+            assert inst.private == 0 and inst.slots == 0 and not inst.seqs, inst.name
+    assert sim.host_prefilling == 0 and sim.host_busy == 0
+    return sim
+
+
+def test_a_decode_slows_by_the_factor_while_a_prefill_runs_beside_it():
+    base = run(HOST, [A, B])
+    slow = run(HOST.replace(decode_interference=SLOW), [A, B])
+    a0, a1 = base.reqs[0], slow.reqs[0]
+    b0, b1 = base.reqs[1], slow.reqs[1]
+    p0, p1 = base.tiers["P"][0], slow.tiers["P"][0]
+    assert p0.busy_s == p1.busy_s and p0.steps == p1.steps  # P's prefill steps are not slowed
+    assert b1.t_prefill_done == b0.t_prefill_done  # B's prefill ends at the same time
+    window = b0.t_prefill_done - B["timestamp"] / 1000.0  # P's steps for B (A decodes throughout)
+    d = base.tiers["D"][0]
+    step = d.busy_s / d.steps  # A decodes alone: every D step the same length
+    assert a0.t_done > b0.t_prefill_done  # A still decodes when B's prefill ends
+    # over the window, A runs at half pace: it ends window/2 later, give or take the step in
+    # flight at each edge (finished at the pace it started with)
+    assert a1.t_done - a0.t_done == pytest.approx(window / 2, abs=2 * step)
+    assert a1.n_emitted == a0.n_emitted == 3000
+
+
+def test_without_a_shared_host_or_an_overlapping_prefill_nothing_changes():
+    # one accelerator per instance (host_cores 0): the factor does not apply
+    off = HOST.replace(host_cores=0.0)
+    a = run(off, [A, B])
+    b = run(off.replace(decode_interference=SLOW), [A, B])
+    assert [r.t_done for r in a.reqs] == [r.t_done for r in b.reqs]
+    # B arrives after A finished: no decode beside its prefill
+    late = {**B, "timestamp": 60_000}
+    a = run(HOST, [A, late])
+    b = run(HOST.replace(decode_interference=SLOW), [A, late])
+    assert a.reqs[0].t_done < 60.0
+    assert [r.t_done for r in a.reqs] == [r.t_done for r in b.reqs]
+    # a factor for another role: D's steps unchanged
+    a = run(HOST, [A, B])
+    b = run(HOST.replace(decode_interference={"MD": 2.0}), [A, B])
+    assert [r.t_done for r in a.reqs] == [r.t_done for r in b.reqs]
+
+
+@pytest.mark.parametrize("bad", [0.5, float("inf"), float("nan"), True, "2"])
+def test_the_factor_is_checked(bad):
+    with pytest.raises(ValueError, match=r"decode_interference\['RLD'\]"):
+        HOST.replace(decode_interference={"RLD": bad})
+
+
+def rec(send, p_first_ms, tokens, tiers=None, **ev):
+    r = {"ok": True, "send_s": send, "token_times_s": tokens,
+         "pdd": {"events_ms": {"p_first_token": p_first_ms, **ev}}}
+    if tiers is not None:
+        r["tiers"] = tiers
+    return r
+
+
+def test_token_gaps_split_by_what_p_did():
+    # request 1's P interval: [10.0, 10.5) s
+    p = rec(10.0, 500.0, [10.6, 10.7])
+    # request 2 decodes 9.0 .. 10.8: gaps before and after P's interval (quiet), two with their
+    # midpoint inside it (busy), two overlapping it with their midpoint outside (left out)
+    d = rec(8.0, 100.0, [8.9, 9.0, 9.1, 9.2, 10.1, 10.3, 10.45, 10.6, 10.7, 10.8])
+    g = live_decode_gaps([p, d])
+    assert list(g) == ["all"]  # no per-token tiers in the records
+    assert g["all"]["quiet"] == pytest.approx([0.1, 0.1, 0.1, 0.1])  # 9.0-9.1, 9.1-9.2, 10.6-10.7, 10.7-10.8
+    assert g["all"]["busy"] == pytest.approx([0.2, 0.15])  # 10.1-10.3, 10.3-10.45
+    # 9.2-10.1 and 10.45-10.6 overlap P's interval in part, midpoint outside: left out;
+    # the first token (8.9) starts no gap
+
+
+def test_gaps_around_a_handoff_or_between_tiers_are_not_decode_gaps():
+    d = rec(0.0, 100.0, [0.2, 0.3, 0.4, 0.9, 1.0, 1.1], handoff_call=450.0, switch=850.0)
+    g = live_decode_gaps([d])
+    # 0.4-0.9 overlaps the handoff (0.45 .. 0.85 s, +-20 ms): left out
+    assert g["all"]["quiet"] == pytest.approx([0.1, 0.1, 0.1]) and g["all"]["busy"] == []
+    # by tier: RLD's 0.3-0.4, MD's 1.0-1.1; 0.9-1.0 is RLD's token then MD's: left out
+    d = rec(0.0, 100.0, [0.2, 0.3, 0.4, 0.9, 1.0, 1.1], ["rld", "rld", "rld", "rld", "md", "md"],
+            handoff_call=450.0, switch=850.0)
+    g = live_decode_gaps([d])
+    assert g["rld"]["quiet"] == pytest.approx([0.1]) and g["md"]["quiet"] == pytest.approx([0.1])
+
+
+def test_interference_is_the_ratio_of_medians_per_tier_and_needs_samples():
+    p = rec(100.0, 50_000.0, [150.1, 150.2])  # P busy 100 .. 150 s
+    # RLD: 60 gaps of 10 ms before P's interval, 61 of 15 ms inside it
+    quiet = [50.0 + 0.01 * i for i in range(62)]
+    busy = [110.0 + 0.015 * i for i in range(62)]
+    rld = rec(49.0, 10.0, quiet + busy, ["rld"] * 124)
+    # MD: 100 quiet gaps of 4 ms, never beside P: no factor of its own
+    md = rec(160.0, 10.0, [161.0 + 0.004 * i for i in range(102)], ["md"] * 102)
+    f = live_decode_interference([p, rld, md])
+    assert f["factors"] == {"RLD": pytest.approx(1.5)}
+    t = f["tiers"]["rld"]
+    assert (t["busy_samples"], t["quiet_samples"]) == (61, 60)  # the gap 50.61 .. 110.0 overlaps in part
+    assert live_decode_interference([p, rld, md], min_samples=62) is None
+    # MD beside P too, 20 ms gaps inside P's interval against 4 ms quiet: its own factor
+    md2 = rec(49.0, 10.0, [120.0 + 0.02 * i for i in range(62)], ["md"] * 62)
+    f = live_decode_interference([p, rld, md, md2])
+    assert f["factors"] == {"RLD": pytest.approx(1.5), "MD": pytest.approx(5.0)}
+    # faster while P is busy: floored at 1; records without per-token tiers count for none
+    d2 = rec(49.0, 10.0, [50.0 + 0.02 * i for i in range(62)] + busy, ["rld"] * 124)
+    assert live_decode_interference([p, d2])["factors"] == {"RLD": 1.0}
+    assert live_decode_interference([p, rec(49.0, 10.0, quiet + busy)]) is None
