@@ -3,6 +3,7 @@
 simulates anything (they fail before), so they are fast."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -332,6 +333,8 @@ PROFILE = "data/profiles/this-machine.json"
     ("profile_missing", "--profile", "no such file"),
     ("profile_list", "--profile", "not a pdd-profile/1 profile (a JSON list, not an object)"),
     ("profile_dir", "--profile", "is a directory"),
+    ("profile_bad_factor", "--profile", "decode_interference['RLD'] must be a finite number >= 1, got 0.5"),
+    ("profile_bad_scale", "--profile", "role_step_scale must be an object of role -> number, got 1.5"),
     ("out_dir_missing", "--out", "no such directory"),
 ])
 def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, flag, message):
@@ -359,6 +362,11 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
         (tmp_path / "list.json").write_text("[1, 2]")
     elif case == "profile_dir":
         profile = str(run)
+    elif case in ("profile_bad_factor", "profile_bad_scale"):  # a hand-edited fit
+        prof = json.loads(Path(PROFILE).read_text())
+        prof.update({"decode_interference": {"RLD": 0.5}} if case == "profile_bad_factor" else {"role_step_scale": 1.5})
+        profile = str(tmp_path / "bad.json")
+        (tmp_path / "bad.json").write_text(json.dumps(prof))
     elif case == "out_dir_missing":
         out = str(tmp_path / "nosuch" / "out.json")
     _refused(capsys, ["sim", "calibrate-roles", "--run", str(run), "--profile", profile, "--out", out,
@@ -371,6 +379,7 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
     ("missing", "--live-from", "no such directory"),
     ("no_stats", "--live-from", "no server_stats.json in it"),
     ("profile_list", "--profile", "not a pdd-profile/1 profile"),
+    ("profile_b_missing", "--profile-b", "no such file"),
 ])
 def test_validate_live_from_bad_run_is_one_line(capsys, tmp_path, case, flag, message):
     """--live-from a directory that is not a recorded validate run (or a --profile that is not
@@ -384,8 +393,9 @@ def test_validate_live_from_bad_run_is_one_line(capsys, tmp_path, case, flag, me
     elif case == "profile_list":
         profile = str(tmp_path / "list.json")
         (tmp_path / "list.json").write_text("[]")
+    extra = ["--profile-b", str(tmp_path / "nosuch.json")] if case == "profile_b_missing" else []
     _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", profile,
-                      "--config", _fake_model_config(tmp_path)],
+                      "--config", _fake_model_config(tmp_path), *extra],
              "pdd sim validate: error:", flag, message)
     assert not (tmp_path / "v" / "validate.json").exists()
 

@@ -120,3 +120,20 @@ def test_interference_is_the_ratio_of_medians_per_tier_and_needs_samples():
     d2 = rec(49.0, 10.0, [50.0 + 0.02 * i for i in range(62)] + busy, ["rld"] * 124)
     assert live_decode_interference([p, d2])["factors"] == {"RLD": 1.0}
     assert live_decode_interference([p, rec(49.0, 10.0, quiet + busy)]) is None
+
+
+def test_md_profile_for_the_simulator_alone():
+    """`pdd sim validate --profile-b`: MD's chip in the simulator, the live config untouched."""
+    import json
+    from pathlib import Path
+
+    from pdd.sim import validate as V
+
+    path = "data/profiles/this-machine.json"
+    prof = json.loads(Path(path).read_text())
+    cfg = V.validate_config(None, 40.0)
+    a = V.sim_config(cfg, path, prof, 64)
+    b = V.sim_config(cfg, path, prof, 64, profile_b="md-bf16.json")
+    assert (a.profile_a, a.profile_b) == (path, path)
+    assert (b.profile_a, b.profile_b) == (path, "md-bf16.json")
+    assert cfg.engine_for("main_decode").profile is None

@@ -70,13 +70,15 @@ def cmd_validate(a) -> int:
     try:
         res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
                            budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
-                           max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from)
+                           max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from,
+                           profile_b=a.profile_b)
     except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
         from pdd.sim.cli import UsageError
 
         if isinstance(e, WorkloadMismatch):
             raise UsageError(f"--live-from {a.live_from}: {e}") from None
-        raise UsageError(f"{'--profile' if e.source == 'profile' else '--live-from'}: {e}") from None
+        flag = {"profile": "--profile", "profile_b": "--profile-b"}.get(e.source, "--live-from")
+        raise UsageError(f"{flag}: {e}") from None
     print(format_validate(res))
     print(f"wrote {a.out}/validate.json")
     return 0
@@ -96,6 +98,10 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
     v.add_argument("--max-output-tokens", type=int, default=None, help="cap on output lengths (default 320)")
     v.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if it fits)")
     v.add_argument("--profile", default=None, help="a `pdd profile` JSON (default: measure now)")
+    v.add_argument("--profile-b", default=None,
+                   help="MD's step profile for the simulator when MD's tier runs other engine settings than "
+                        "--profile measured (e.g. bf16): `pdd profile --config` with that tier's engine; the live "
+                        "run does not read it (default: --profile)")
     v.add_argument("--live-from", default=None, help="reuse this validate output's live run (same workload "
                                                     "arguments) and only re-simulate")
     v.set_defaults(func=cmd_validate, parser=v)

@@ -23,6 +23,7 @@ This module is the simulator's half and the comparison; the live run is
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ class RecordedRunError(ValueError):
     """A recorded run (``pdd sim validate --live-from DIR``, ``pdd sim calibrate-roles --run DIR``)
     or a profile that cannot be used: missing, not a directory, a file of it missing, unreadable or
     not JSON. The message names the path (the CLI prints it as a usage error); ``source`` is
-    ``"run"`` (the recorded run) or ``"profile"``."""
+    ``"run"`` (the recorded run), ``"profile"`` or ``"profile_b"`` (MD's profile)."""
 
     def __init__(self, message: str, source: str = "run"):
         super().__init__(message)
@@ -128,7 +129,7 @@ def load_profile_checked(path: str | Path) -> dict:
     if p.is_dir():
         raise RecordedRunError(f"{p}: is a directory; give a `pdd profile` JSON file", "profile")
     try:
-        return load(p)
+        prof = load(p)
     except FileNotFoundError:
         raise RecordedRunError(f"{p}: no such file (a `pdd profile` JSON)", "profile") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -137,6 +138,30 @@ def load_profile_checked(path: str | Path) -> dict:
         raise RecordedRunError(f"{p}: not JSON ({e})", "profile") from None
     except ValueError as e:  # not a pdd-profile/1 object: the message names the file
         raise RecordedRunError(str(e), "profile") from None
+    check_role_fits(prof, p)
+    return prof
+
+
+# the per-role corrections calibrate-roles writes into a profile: field -> (lowest value, closed)
+ROLE_FITS = {"role_step_scale": (0.0, False), "role_step_overhead_s": (0.0, True), "decode_interference": (1.0, True)}
+
+
+def check_role_fits(prof: dict, path: Path) -> None:
+    """Raises :class:`RecordedRunError` naming the file and field when a per-role correction
+    (``ROLE_FITS``) is not an object of role -> finite number in its range (a hand-edited
+    profile)."""
+    for field, (lo, closed) in ROLE_FITS.items():
+        v = prof.get(field)
+        if v is None:
+            continue
+        if not isinstance(v, dict):
+            raise RecordedRunError(f"{path}: {field} must be an object of role -> number, got {v!r}", "profile")
+        for role, x in v.items():
+            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
+                and (x >= lo if closed else x > lo)
+            if not ok:
+                raise RecordedRunError(f"{path}: {field}[{role!r}] must be a finite number "
+                                       f"{'>=' if closed else '>'} {lo:g}, got {x!r}", "profile")
 
 
 def sim_records(requests) -> list[dict]:
@@ -149,11 +174,12 @@ def sim_records(requests) -> list[dict]:
 
 
 def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
-               host_cores: float | None = None) -> SimConfig:
+               host_cores: float | None = None, profile_b: str | Path | None = None) -> SimConfig:
     """A SimConfig mirroring the live ``ClusterConfig`` ``cfg`` (pdd mode). On a CPU topology
     every instance shares this machine's cores (``host_cores``, default ``os.cpu_count()``).
     Heterogeneous tiers (``cfg.tiers``): datacenter A's chip is P's ``profile`` and B's is MD's
-    (each defaulting to ``profile_path``), and the KV crosses the WAN in the narrower of P's and
+    (each defaulting to ``profile_path``; ``profile_b``, when given, is MD's for the simulator
+    alone: the live tier is not held to it), and the KV crosses the WAN in the narrower of P's and
     MD's dtypes (``pdd.transfer.layout``)."""
     from pdd.transfer.layout import DTYPE_BYTES, wire_dtype
     from pdd.sim.sim_config import runtime_wan_fields
@@ -166,7 +192,7 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
     return SimConfig(
         mode=cfg.mode, model="measured", model_spec={**prof["model"], "max_context": e.max_model_len},
         kv_bytes_per_token=wire_kvb if wire_kvb != kvb else None,
-        profile_a=str(ep.profile or profile_path), profile_b=str(emd.profile or profile_path), price_a=0.0,
+        profile_a=str(ep.profile or profile_path), profile_b=str(profile_b or emd.profile or profile_path), price_a=0.0,
         price_b=0.0,
         n_p=n.prefill, n_rld=n.relay_decode, n_md=n.main_decode, n_d=n.relay_decode, n_c=n.prefill,
         **runtime_wan_fields(cfg),  # line rate, RTT, loss, cross traffic, send order, kv_stream
@@ -384,11 +410,12 @@ def sim_role_steps(sim: ClusterSim) -> dict:
 
 
 def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: dict | None = None,
-             wan_buffer: float | None = None) -> ClusterSim:
+             wan_buffer: float | None = None, profile_b: str | Path | None = None) -> ClusterSim:
     """The requests on the simulator mirroring ``cfg``, with the profile's live-run corrections:
     per-role step factors (``role_step_scale``), ``overheads`` (seconds a step, by role), the WAN
-    buffer (``wan_buffer``, else the profile's), client delay and fast path."""
-    scfg = sim_config(cfg, profile, prof, block_tokens).replace(wan_backlog_in_plan=True)
+    buffer (``wan_buffer``, else the profile's), client delay and fast path; ``profile_b``: MD's
+    step profile when its tier runs other engine settings (:func:`sim_config`)."""
+    scfg = sim_config(cfg, profile, prof, block_tokens, profile_b=profile_b).replace(wan_backlog_in_plan=True)
     if overheads:
         scfg = scfg.replace(step_overhead_s=dict(overheads))
     if prof.get("role_step_scale"):
@@ -664,7 +691,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                  block_tokens: int = 64, budget_ms: float = 250.0, session_sample: int = 50,
                  session_seed: int = 0, max_output_tokens: int | None = None,
                  profile: str | Path | None = None, seed: int = 0, live_from: str | Path | None = None,
-                 live_run=None, console=None) -> dict:
+                 live_run=None, console=None, profile_b: str | Path | None = None) -> dict:
     """Run both and write ``out/validate.json`` (+ ``profile.json`` when it measured one).
     ``live_from``: reuse that directory's live run (its ``requests.jsonl`` and
     ``server_stats.json``, same workload arguments) and only re-simulate. Otherwise
@@ -687,6 +714,11 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     # a reused run and a given profile are read first: a bad one fails before the profile is measured
     recorded = read_run(live_from, need_validate=False) if live_from is not None else None
     prof = load_profile_checked(profile) if profile is not None else None
+    if profile_b is not None:
+        try:
+            load_profile_checked(profile_b)
+        except RecordedRunError as e:
+            raise RecordedRunError(str(e), "profile_b") from None
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -721,7 +753,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     ovh = prof.get("role_step_overhead_s") or {}
     wb = float(prof.get("wan_send_buffer_bytes", 0.0))
     t_sim = time.time()
-    sim = simulate(cfg, profile, prof, block_tokens, requests, ovh)
+    sim = simulate(cfg, profile, prof, block_tokens, requests, ovh, profile_b=profile_b)
     sim_s = time.time() - t_sim
     res = {
         "workload": {"requests": len(requests), "rate_rps": rate, "block_tokens": block_tokens,
@@ -734,7 +766,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                    "wan_cross_traffic": [list(x) for x in cfg.link.wan_cross_traffic],
                    "kv_stream": cfg.policy.kv_stream, "instances": cfg.instances.model_dump(),
                    "engine": cfg.engine.model_dump()},
-        "profile": {"path": str(profile), "fit": prof.get("fit"), "machine": prof.get("machine"),
+        "profile": {"path": str(profile), "profile_b": str(profile_b) if profile_b is not None else None,
+                    "fit": prof.get("fit"), "machine": prof.get("machine"),
                     "role_step_overhead_s": ovh, "role_step_scale": prof.get("role_step_scale") or {},
                     "wan_send_buffer_bytes": wb,
                     "client_delay_s": prof.get("client_delay_s", 0.0), "gateway_rtt_ms": prof.get("gateway_rtt_ms"),
