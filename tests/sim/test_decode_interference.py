@@ -137,3 +137,31 @@ def test_md_profile_for_the_simulator_alone():
     assert (a.profile_a, a.profile_b) == (path, path)
     assert (b.profile_a, b.profile_b) == (path, "md-bf16.json")
     assert cfg.engine_for("main_decode").profile is None
+
+
+def test_a_factor_of_one_simulates_as_none():
+    # calibrate-roles floors a ratio at 1: such a role must not re-time (poke) the decoders
+    a = run(HOST, [A, B])
+    b = run(HOST.replace(decode_interference={"D": 1.0}), [A, B])
+    assert [r.t_done for r in a.reqs] == [r.t_done for r in b.reqs]
+    assert a.tiers["D"][0].busy_s == b.tiers["D"][0].busy_s
+
+
+@pytest.mark.parametrize("tiers", [["rld"], "rld", [None] * 3, [1, 1, 1]])
+def test_malformed_per_token_tiers_count_for_no_tier(tiers):
+    # a hand-edited or truncated requests.jsonl: no IndexError, no role named "NONE" or "1"
+    g = live_decode_gaps([rec(0.0, 100.0, [0.2, 0.3, 0.4], tiers)])
+    assert list(g) == ["all"]
+
+
+def test_a_role_the_simulator_does_not_have_is_refused(tmp_path):
+    import json
+    from pathlib import Path
+
+    from pdd.sim.validate import RecordedRunError, load_profile_checked
+
+    prof = json.loads(Path("data/profiles/this-machine.json").read_text())
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({**prof, "decode_interference": {"rld": 1.5}}))
+    with pytest.raises(RecordedRunError, match=r"decode_interference has role 'rld'"):
+        load_profile_checked(p)

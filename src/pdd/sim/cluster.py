@@ -126,7 +126,9 @@ class ClusterSim:
         self.wan_gbps_live: float | None = None  # its current value (gateway's estimate)
         self.host_busy = 0  # instances in a step now (for host_cores)
         self.host_prefilling = 0  # instances in a prefill or extend step now (for decode_interference)
-        self.interference = dict(cfg.decode_interference or {}) if cfg.host_cores > 0 else {}
+        # roles whose factor is 1 are left out: no pokes, so such a profile simulates as one without it
+        self.interference = {r: f for r, f in (cfg.decode_interference or {}).items() if f != 1.0} \
+            if cfg.host_cores > 0 else {}
         self.wan_planned: dict[int, Req] = {}  # WAN transfers planned to an MD, not yet delivered
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}

@@ -142,6 +142,7 @@ def load_profile_checked(path: str | Path) -> dict:
     return prof
 
 
+SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tiers)
 # the per-role corrections calibrate-roles writes into a profile: field -> (lowest value, closed)
 ROLE_FITS = {"role_step_scale": (0.0, False), "role_step_overhead_s": (0.0, True), "decode_interference": (1.0, True)}
 
@@ -157,6 +158,9 @@ def check_role_fits(prof: dict, path: Path) -> None:
         if not isinstance(v, dict):
             raise RecordedRunError(f"{path}: {field} must be an object of role -> number, got {v!r}", "profile")
         for role, x in v.items():
+            if role not in SIM_ROLES:  # e.g. "rld": the simulator would ignore it
+                raise RecordedRunError(f"{path}: {field} has role {role!r}; roles are {', '.join(SIM_ROLES)}",
+                                       "profile")
             ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
                 and (x >= lo if closed else x > lo)
             if not ok:
@@ -483,7 +487,9 @@ def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
         tt = rec.get("token_times_s") or []
         if not rec.get("ok") or len(tt) < 3:
             continue
-        tiers = rec.get("tiers") or ["all"] * len(tt)
+        tiers = rec.get("tiers")
+        if not (isinstance(tiers, list) and len(tiers) == len(tt) and all(isinstance(t, str) for t in tiers)):
+            tiers = ["all"] * len(tt)  # absent or malformed per-token tiers: the gaps count for no tier
         ev = (rec.get("pdd") or {}).get("events_ms") or {}
         t0 = float(rec["send_s"])
         ho = [t0 + ev[k] / 1000.0 for k in HANDOFF_EVENTS if k in ev]
@@ -521,7 +527,7 @@ def live_decode_interference(live_records: list[dict], min_samples: int = 50) ->
     weights once whatever its batch, adds little."""
     tiers = {}
     for tier, g in sorted(live_decode_gaps(live_records).items()):
-        if tier == "all" or len(g["busy"]) < min_samples or len(g["quiet"]) < min_samples:
+        if tier.upper() not in SIM_ROLES or len(g["busy"]) < min_samples or len(g["quiet"]) < min_samples:
             continue
         b, q = float(np.median(g["busy"])), float(np.median(g["quiet"]))
         if q > 0:
