@@ -125,7 +125,7 @@ class ClusterSim:
         self.kv_dispatched: set[int] = set()  # requests whose sends P set up before its prefill ended
         self.wan_gbps_live: float | None = None  # its current value (gateway's estimate)
         self.host_busy = 0  # instances in a step now (for host_cores)
-        self.host_prefilling = 0  # instances in a prefill or extend step now (for decode_interference)
+        self.host_prefilling = 0  # P instances in a step now (for decode_interference)
         # roles whose factor is 1 are left out: no pokes, so such a profile simulates as one without it
         self.interference = {r: f for r, f in (cfg.decode_interference or {}).items() if f != 1.0} \
             if cfg.host_cores > 0 else {}
@@ -143,11 +143,11 @@ class ClusterSim:
 
     def decode_slowdown(self, role: str) -> float:
         """Factor on a decode step of ``role`` starting now: its ``cfg.decode_interference`` while
-        another instance on the shared host runs a prefill or extend step, else 1."""
+        a P instance on the shared host runs a prefill step, else 1."""
         return self.interference.get(role, 1.0) if self.host_prefilling else 1.0
 
     def prefill_step(self, inst: "Instance", delta: int) -> None:
-        """``inst`` starts (``delta`` +1) or ends (-1) a prefill or extend step; with decode
+        """``inst`` (a P instance) starts (``delta`` +1) or ends (-1) a prefill step; with decode
         interference on, the other instances of the roles it slows re-time the decode step they
         are in (each finishes its current step at the old pace, the next at the new)."""
         self.host_prefilling += delta

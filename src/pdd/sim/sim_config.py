@@ -104,8 +104,8 @@ class SimConfig:
     model_spec: dict | None = None  # ModelProfile fields (e.g. a measured profile's "model"), overrides `model`
     block_tokens: int = BLOCK  # tokens per hash block of the records (= cache page granularity)
     host_cores: float = 0.0  # >0: all instances share this many CPU cores (validating a one-machine topology)
-    # factor on a role's decode step ("RLD", "MD", ...) while another instance on the shared host
-    # (host_cores > 0) runs a prefill or extend step: on one CPU machine a prefill slows the
+    # factor on a role's decode step ("RLD", "MD", ...) while a P instance on the shared host
+    # (host_cores > 0) runs a prefill step: on one CPU machine a prefill slows the
     # decoders beside it beyond what their share of the cores says (memory bandwidth, the
     # gateway's and link emulator's threads). Measured from a live run's token gaps
     # (validate.live_decode_interference); absent roles 1
