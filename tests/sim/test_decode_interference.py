@@ -165,3 +165,31 @@ def test_a_role_the_simulator_does_not_have_is_refused(tmp_path):
     p.write_text(json.dumps({**prof, "decode_interference": {"rld": 1.5}}))
     with pytest.raises(RecordedRunError, match=r"decode_interference has role 'rld'"):
         load_profile_checked(p)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("send_s", None, "send_s is missing"),
+    ("send_s", "0.5", "send_s must be a number"),
+    ("token_times_s", [0.1, "x"], "token_times_s must be a list of numbers"),
+    ("pdd", {"events_ms": {"p_first_token": "7"}}, "pdd.events_ms must be an object of numbers"),
+])
+def test_a_malformed_record_is_named_not_a_traceback(tmp_path, field, value, message):
+    """calibrate-roles and validate --live-from read a recorded run's records: a record whose
+    fields the fits read are of the wrong type is refused naming the file, line and field."""
+    import json
+
+    from pdd.sim.validate import RecordedRunError, read_run
+
+    good = rec(1.0, 50.0, [1.1, 1.2, 1.3], ["rld"] * 3)
+    bad = dict(good)
+    if value is None:
+        del bad[field]
+    else:
+        bad[field] = value
+    (tmp_path / "validate.json").write_text(json.dumps({"workload": {}}))
+    (tmp_path / "server_stats.json").write_text("{}")
+    (tmp_path / "requests.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(RecordedRunError, match=f"requests.jsonl line 2: {message}"):
+        read_run(tmp_path)
+    (tmp_path / "requests.jsonl").write_text(json.dumps(good) + "\n")
+    assert read_run(tmp_path)[1] == [good]

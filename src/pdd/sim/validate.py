@@ -98,9 +98,38 @@ def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict |
         if need_validate or (d / "validate.json").exists() else None
     if v is not None and not isinstance(v.get("workload"), dict):
         raise RecordedRunError(f"{d / 'validate.json'}: no 'workload' object (not a `pdd sim validate` output)")
-    recs = [parse(x, f"{d / 'requests.jsonl'} line {i}")
+    recs = [check_record(parse(x, f"{d / 'requests.jsonl'} line {i}"), f"{d / 'requests.jsonl'} line {i}")
             for i, x in enumerate(text("requests.jsonl").splitlines(), 1) if x.strip()]
     return v, recs, parse(text("server_stats.json"), str(d / "server_stats.json"))
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_record(rec: dict, where: str) -> dict:
+    """``rec`` (one ``requests.jsonl`` record) when the fields the fits read have their types:
+    ``send_s`` a number (present on a completed record with token times or gateway events),
+    ``token_times_s`` a list of numbers, ``pdd`` an object whose ``events_ms`` is an object of
+    numbers. Raises :class:`RecordedRunError` naming ``where`` and the field."""
+    def bad(field: str, why: str):
+        raise RecordedRunError(f"{where}: {field} {why} (not a `pdd sim validate` record)")
+
+    tt = rec.get("token_times_s")
+    if tt is not None and not (isinstance(tt, list) and all(_number(t) for t in tt)):
+        bad("token_times_s", "must be a list of numbers")
+    p = rec.get("pdd")
+    if p is not None and not isinstance(p, dict):
+        bad("pdd", "must be an object")
+    ev = (p or {}).get("events_ms")
+    if ev is not None and not (isinstance(ev, dict) and all(_number(t) for t in ev.values())):
+        bad("pdd.events_ms", "must be an object of numbers")
+    if "send_s" in rec:
+        if not _number(rec["send_s"]):
+            bad("send_s", "must be a number")
+    elif rec.get("ok") and (tt or ev):
+        bad("send_s", "is missing")
+    return rec
 
 
 def check_same_run(recorded: dict, now: dict) -> None:
