@@ -64,7 +64,14 @@ def test_mixed_page_sizes_greedy_equals_one_engine(small_model, topology_factory
         k = c.tiers.count("rld")  # handed over after >= 4 relayed tokens: MD decoded the rest
         assert k >= 4 and c.tiers == ["rld"] * k + ["md"] * (12 - k), c.tiers
     assert [c.summary["wan_bytes_expected"] for c in got] == [100 * SLOT, 7 * SLOT, 200 * SLOT]
-    assert got[1].summary["md_cached_tokens"] == 96  # 3 of MD's 32-token pages
+    # 3 of MD's 32-token pages: the plan above was made on them (7 tokens' bytes); MD's own count
+    # comes with its reservation reply, which a request RLD finished first on a busy machine can
+    # end without (a layer-wise send starts before it, from the gateway's index)
+    s1 = got[1].summary
+    if "md_reserved" in s1["events_ms"] or "md" in got[1].tiers:
+        assert "md_reserved" in s1["events_ms"] and s1["md_cached_tokens"] == 96, s1
+    else:
+        assert s1["rld_finished_first"] and s1["md_cached_tokens"] == 0, s1
     st = topo.stats()
     assert st["wan_bytes"] == st["wan_bytes_expected"] == 307 * SLOT
     hw = {n: (st["instances"][n]["hardware"]["page_size"], st["instances"][n]["hardware"]["dtype"])
