@@ -108,7 +108,6 @@ def _gone_everywhere(topo, rid: str) -> bool:
     return not busy
 
 
-@pytest.mark.parametrize("fault,phase", CELLS, ids=[f"{f}__{p}" for f, p in CELLS])
 def onward(phase: str) -> set[str]:
     """``phase``, done, and every phase a request reaches from it by legal moves
     (:data:`pdd.gateway.phase.TRANSITIONS`) without recovery."""
@@ -121,6 +120,7 @@ def onward(phase: str) -> set[str]:
     return {p.value for p in seen} | {"done"}
 
 
+@pytest.mark.parametrize("fault,phase", CELLS, ids=[f"{f}__{p}" for f, p in CELLS])
 def test_fault_cell(fault, phase, topo, inj, reference):
     # the request can move on between seeing the phase and the fault landing (a loaded machine):
     # such a try is still checked in full (output, drain, pages), then the cell runs again
