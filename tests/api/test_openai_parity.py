@@ -20,8 +20,11 @@ PROMPT = list(range(300, 340))
 def topo(tmp_path_factory, small_model):
     from pdd.launch import Topology
 
+    # every request relayed (budget 0) and RLD's step held to >= 20 ms, so MD's KV (a fast WAN)
+    # lands long before RLD's last token even on a busy machine: the handoffs below happen
     cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
-                   policy={"handoff_min_tokens": HANDOFF_AT})
+                   policy={"handoff_min_tokens": HANDOFF_AT, "pipeline_ttft_budget_ms": 0},
+                   tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}})
     t = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
     t.start()
     yield t
