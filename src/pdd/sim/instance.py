@@ -232,11 +232,13 @@ class Instance:
                     self.tokens_out += done
                     self.sim.on_tokens(self, s, t0 + dt + s.emit_delay, done, dt)
             else:
-                # a decode step is slowed while P prefills (decode_interference); P's steps are its prefills
-                extend = self.role == "P" or any(it.num_tokens > 1 for it in items)
+                # a decode step is slowed while P prefills (decode_interference); P's steps are its
+                # prefills. Nothing is looked at when no role has a factor (the usual simulation)
+                interfere = bool(self.sim.interference) and self.role == "P"
+                slow = self.sim.decode_slowdown(self.role) if self.sim.interference and self.role != "P" \
+                    and all(it.num_tokens == 1 for it in items) else 1.0
                 dt = (cm.step_time((it.start, it.num_tokens) for it in items) * self.step_scale + self.step_ovh) \
-                    * self.sim.host_share() * (1.0 if extend else self.sim.decode_slowdown(self.role))
-                interfere = self.role == "P" and bool(self.sim.interference)
+                    * self.sim.host_share() * slow
                 if self.sim.layerwise and self.role == "P":  # each layer group's KV as the step writes it
                     for it in items:
                         s = seqs[it.seq_id]

@@ -190,9 +190,7 @@ def check_role_fits(prof: dict, path: Path) -> None:
             if role not in SIM_ROLES:  # e.g. "rld": the simulator would ignore it
                 raise RecordedRunError(f"{path}: {field} has role {role!r}; roles are {', '.join(SIM_ROLES)}",
                                        "profile")
-            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
-                and (x >= lo if closed else x > lo)
-            if not ok:
+            if not (_number(x) and (x >= lo if closed else x > lo)):
                 raise RecordedRunError(f"{path}: {field}[{role!r}] must be a finite number "
                                        f"{'>=' if closed else '>'} {lo:g}, got {x!r}", "profile")
 
