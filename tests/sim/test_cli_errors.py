@@ -431,3 +431,22 @@ def test_check_same_run_names_each_differing_argument():
     assert str(ex.value) == ("not the same workload: --session-seed 2 (the run's: 1), --max-output-tokens 320 (the "
                              "run's: 32), --budget-ms 50.0 (the run's: 250.0); give the run's own workload arguments "
                              "(its validate.json 'workload' and 'config.pipeline_ttft_budget_ms')")
+
+
+def test_validate_live_from_a_run_with_no_completed_request_is_one_line(capsys, tmp_path, monkeypatch):
+    """A recorded run whose every request failed (a killed topology) has nothing to compare: one
+    usage line naming the run's errors, not a TypeError from the percentiles of nothing."""
+    import json
+    from types import SimpleNamespace
+
+    import pdd.sim.validate as V
+
+    run = _recorded_run(tmp_path / "run", rate=0.8, n=2)
+    (run / "requests.jsonl").write_text("".join(json.dumps({"ok": False, "error": "ConnectionResetError"}) + "\n"
+                                                for _ in range(2)))
+    reqs = [SimpleNamespace(prompt_ids=[1, 2, 3], max_tokens=4) for _ in range(2)]
+    monkeypatch.setattr(V, "build_workload", lambda cfg, **kw: (reqs, SimpleNamespace(max_output_tokens=320)))
+    monkeypatch.setattr(V, "simulate", lambda *a, **k: pytest.fail("simulated a run with nothing to compare"))
+    _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", PROFILE,
+                      "--rate", "0.8", "--requests", "2", "--config", _fake_model_config(tmp_path)],
+             "pdd sim validate: error:", "--live-from", "no completed request to compare (2 failed: ConnectionResetError)")

@@ -783,6 +783,10 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     if len(live) != len(requests):
         raise WorkloadMismatch(f"live run has {len(live)} requests, the workload {len(requests)}: not the same "
                                "workload (give the run's own workload arguments: its validate.json 'workload')")
+    if not any(r.get("ok") and r.get("token_times_s") for r in live):
+        errs = sorted({str(r.get("error"))[:80] for r in live})[:3]
+        raise RecordedRunError(f"the live run has no completed request to compare ({len(live)} failed: "
+                               f"{'; '.join(errs)})")
     ovh = prof.get("role_step_overhead_s") or {}
     wb = float(prof.get("wan_send_buffer_bytes", 0.0))
     t_sim = time.time()
