@@ -304,7 +304,8 @@ def _recorded_run(d, *, rate=0.8, n=2, budget=250.0):
         "workload": {"requests": n, "rate_rps": rate, "block_tokens": 64, "session_sample": 50, "session_seed": 0,
                      "max_output_tokens": 320, "seed": 0},
         "config": {"pipeline_ttft_budget_ms": budget}}))
-    (d / "requests.jsonl").write_text("".join(json.dumps({"ok": True}) + "\n" for _ in range(n)))
+    (d / "requests.jsonl").write_text("".join(json.dumps({"ok": True, "send_s": 0.0, "token_times_s": [0.1]}) + "\n"
+                                              for _ in range(n)))
     (d / "server_stats.json").write_text("{}")
     return d
 
@@ -336,6 +337,7 @@ PROFILE = "data/profiles/this-machine.json"
     ("profile_bad_factor", "--profile", "decode_interference['RLD'] must be a finite number >= 1, got 0.5"),
     ("profile_bad_scale", "--profile", "role_step_scale must be an object of role -> number, got 1.5"),
     ("out_dir_missing", "--out", "no such directory"),
+    ("all_failed", "--run", "no completed request to fit (2 failed: ConnectionResetError)"),
 ])
 def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, flag, message):
     """A run directory or profile calibrate-roles cannot use: `error: FLAG: PATH: why` (exit 2),
@@ -369,6 +371,9 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
         (tmp_path / "bad.json").write_text(json.dumps(prof))
     elif case == "out_dir_missing":
         out = str(tmp_path / "nosuch" / "out.json")
+    elif case == "all_failed":  # a killed topology: nothing to fit, and no profile written
+        (run / "requests.jsonl").write_text("".join(json.dumps({"ok": False, "error": "ConnectionResetError"}) + "\n"
+                                                    for _ in range(2)))
     _refused(capsys, ["sim", "calibrate-roles", "--run", str(run), "--profile", profile, "--out", out,
                       "--config", _fake_model_config(tmp_path)],
              "pdd sim calibrate-roles: error:", f"{flag}", message)

@@ -65,6 +65,12 @@ def test_the_factor_is_checked(bad):
         HOST.replace(decode_interference={"RLD": bad})
 
 
+@pytest.mark.parametrize("role", ["P", "rld"])
+def test_a_role_without_decode_steps_is_refused(role):
+    with pytest.raises(ValueError, match=rf"decode_interference has role '{role}'; it applies to the decoding roles"):
+        HOST.replace(decode_interference={role: 1.2})
+
+
 def rec(send, p_first_ms, tokens, tiers=None, **ev):
     r = {"ok": True, "send_s": send, "token_times_s": tokens,
          "pdd": {"events_ms": {"p_first_token": p_first_ms, **ev}}}
@@ -165,6 +171,10 @@ def test_a_role_the_simulator_does_not_have_is_refused(tmp_path):
     p.write_text(json.dumps({**prof, "decode_interference": {"rld": 1.5}}))
     with pytest.raises(RecordedRunError, match=r"decode_interference has role 'rld'"):
         load_profile_checked(p)
+    # P's steps are the prefills themselves: a factor for it would be silently unused
+    p.write_text(json.dumps({**prof, "decode_interference": {"P": 1.2}}))
+    with pytest.raises(RecordedRunError, match=r"decode_interference has role 'P'; roles are RLD, MD, D, C"):
+        load_profile_checked(p)
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -193,3 +203,24 @@ def test_a_malformed_record_is_named_not_a_traceback(tmp_path, field, value, mes
         read_run(tmp_path)
     (tmp_path / "requests.jsonl").write_text(json.dumps(good) + "\n")
     assert read_run(tmp_path)[1] == [good]
+
+
+def test_validate_names_what_the_simulator_was_given():
+    """`pdd sim validate` prints which MD profile and decode factors the re-simulation used, so a
+    reader of the table knows whether --profile-b and the interference fit applied."""
+    import json
+    from pathlib import Path
+
+    from pdd.sim.validate import error_distribution, format_validate
+
+    v = json.loads((Path(__file__).resolve().parents[2] / "data" / "profiles" / "calibration-run"
+                    / "validate.json").read_text())
+    v["ttft_error_per_request"] = error_distribution([0.1, -0.2])  # the recorded file predates its P99
+    v["profile"].update(path="fit.json", profile_b="md-bf16.json", decode_interference={"RLD": 1.39}, host_cores=2)
+    assert ("simulated with: profile fit.json; MD's step from --profile-b md-bf16.json; decode step while P "
+            "prefills: RLD x1.39 (2 shared cores)") in format_validate(v)
+    v["profile"].update(profile_b=None, decode_interference={}, host_cores=2)
+    assert "MD's step from the same profile (or MD's tier's own); decode step while P prefills: no factor" \
+        in format_validate(v)
+    v["live_failed"], v["live_errors"] = 2, ["ConnectionResetError"]
+    assert "2 live failures (ConnectionResetError)" in format_validate(v)

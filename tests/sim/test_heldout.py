@@ -147,3 +147,24 @@ def test_cli_validate_report(tmp_path, capsys):
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert "nope/validate.json: cannot read a validate result" in err and "Traceback" not in err
+
+
+def test_live_failures_are_shown_beside_each_run(tmp_path):
+    """A held-out run compared on its completed requests only says how many failed live, and so
+    does the noise floor (each run's count): a run that lost requests is not read as a clean one."""
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v["live_failed"], v["requests_compared"] = 3, 208
+    (ho / "validate.json").write_text(json.dumps(v))
+    recs = _small()
+    lost = copy.deepcopy(recs)
+    lost[5].update(ok=False, error="ConnectionResetError")
+    n1 = _run_dir(tmp_path, "n1", {"session_seed": 3}, records=recs)
+    n2 = _run_dir(tmp_path, "n2", {"session_seed": 3}, records=lost)
+    rep = held_out_report(cal, [ho], (n1, n2))
+    assert rep["held_out"][0]["live_failed"] == 3 and rep["noise_floor"]["live_failed"] == [0, 1]
+    assert rep["noise_floor"]["requests_compared"] == 29
+    text = format_report(rep)
+    assert "| session_seed=2 | 208 (3 failed live) |" in text
+    assert "| none | 29 (0 / 1 failed live) |" in text

@@ -481,7 +481,7 @@ def cmd_calibrate_roles(a) -> int:
     from pathlib import Path
 
     from pdd.config import ClusterConfig
-    from pdd.sim.validate import RecordedRunError, calibrate_roles
+    from pdd.sim.validate import DECODE_GAPS_MIN, RecordedRunError, calibrate_roles
 
     cfg = config_or_exit(a) if a.config else None
     model = (cfg or ClusterConfig()).model_path  # the run is re-simulated on this model's shapes
@@ -499,15 +499,18 @@ def cmd_calibrate_roles(a) -> int:
               f"isolated prefills, fit |error| {sc['mean_abs_rel_err']:.1%}); level x{sc['level']:.3f} (P's mean "
               f"live step): step x{prof['role_step_scale']['P']:.3f} + {prof['role_step_overhead_s']['P'] * 1e3:.2f} ms")
     else:
-        print("P    step factor: too few isolated prefills in the run, 1")
+        print("P    step shape: too few isolated prefills in the run to fit a scale (x1); its per-step overhead "
+              "is fitted below")
     di = prof["role_overhead_from"].get("decode_interference_fit")
     if di:
         per = "; ".join(f"{t}: {g['busy_median_s'] * 1e3:.1f} ms over {g['quiet_median_s'] * 1e3:.1f} ms, "
-                        f"{g['busy_samples']} / {g['quiet_samples']} gaps" for t, g in di["tiers"].items())
+                        f"{g['busy_samples']} gaps with P busy, {g['quiet_samples']} with P quiet"
+                        for t, g in di["tiers"].items())
         fs = ", ".join(f"{r} x{f:.2f}" for r, f in di["factors"].items())
         print(f"decode step while P prefills: {fs} (median token gap, P busy over P quiet: {per})")
     else:
-        print("decode step while P prefills: too few token gaps of one tier in the run, x1")
+        print(f"decode step while P prefills: no slow-down fitted (x1): no tier has {DECODE_GAPS_MIN} token gaps "
+              "both with P busy and with P quiet")
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
         if t == "P" and sc:

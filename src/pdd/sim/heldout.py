@@ -74,7 +74,9 @@ def live_vs_live(a: list[dict], b: list[dict]) -> dict:
         db = decisions_of((rb.get("pdd") or {}).get("decisions"))
         match += da == db
         pl += da["pipeline"] == db["pipeline"]
-    out = {"requests_compared": n, "a": _metrics(ta, pa), "b": _metrics(tb, pb),
+    out = {"requests_compared": n, "live_failed": [sum(1 for r in a if not r.get("ok")),
+                                                   sum(1 for r in b if not r.get("ok"))],
+           "a": _metrics(ta, pa), "b": _metrics(tb, pb),
            "decision_match_share": match / n if n else None, "pipeline_match_share": pl / n if n else None,
            "ttft_error_per_request": error_distribution(per)}
     for k in out["a"]:
@@ -137,7 +139,8 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
         if w == cw:
             raise ValueError(f"{d}: the same workload as the calibration run {calibration}: not held out")
         row = {"run": str(d), "workload": w, "changed": sorted(k for k in w if w[k] != cw[k]),
-               "requests_compared": v.get("requests_compared"), "live": v["live"], "sim": v["sim"],
+               "requests_compared": v.get("requests_compared"), "live_failed": v.get("live_failed") or 0,
+               "live": v["live"], "sim": v["sim"],
                "decision_match_share": v["decision_match_share"], "pipeline_match_share": v.get("pipeline_match_share"),
                "ttft_error_per_request": v.get("ttft_error_per_request"),
                "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from")}
@@ -168,11 +171,11 @@ def _ms(x) -> str:
 
 def format_report(rep: dict) -> str:
     """Markdown: one row per held-out run (and the noise floor), then the goals."""
-    head = ("| run | changed | requests | TTFT P50 live / sim ms (error; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
+    head = ("| run | changed | requests compared | TTFT P50 live / sim ms (error; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
             "TTFT error: median, \\|e\\| P50 / P90 / P99, within 10% | decision match | pipeline match | goals met |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def row(name, changed, n, x, y, errs, per, dm, pm, meets):
+    def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed=""):
         cells = [f"{_ms(x.get(k))} / {_ms(y.get(k))} ({_pct(errs.get(k))})"
                  for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")]
         pr = "-" if not per else (f"{_pct(per['median'])}, {per['abs_p50'] * 100:.1f}% / {per['abs_p90'] * 100:.1f}% / "
@@ -180,19 +183,22 @@ def format_report(rep: dict) -> str:
                                   + ("-" if per.get("within_10pct") is None else f"{per['within_10pct'] * 100:.0f}%"))
         dms = "-" if dm is None else f"{dm * 100:.1f}%"
         pms = "-" if pm is None else f"{pm * 100:.1f}%"
-        lines.append(f"| {name} | {changed} | {n} | " + " | ".join(cells) + f" | {pr} | {dms} | {pms} | {meets} |")
+        lines.append(f"| {name} | {changed} | {n}{failed} | " + " | ".join(cells) + f" | {pr} | {dms} | {pms} | {meets} |")
 
     for r in rep["held_out"]:
         errs = {k: r.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
         met = ", ".join(k for k, ok in r["meets"].items() if ok) or "none"
         changed = ", ".join(f"{k}={r['workload'][k]}" for k in r["changed"])
+        nf_ = r.get("live_failed") or 0
         row(r["run"], changed, r["requests_compared"], r["live"], r["sim"], errs, r["ttft_error_per_request"],
-            r["decision_match_share"], r["pipeline_match_share"], met)
+            r["decision_match_share"], r["pipeline_match_share"], met, f" ({nf_} failed live)" if nf_ else "")
     nf = rep.get("noise_floor")
     if nf:
         errs = {k: nf.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
+        fa, fb = nf.get("live_failed") or (0, 0)
         row("noise floor: live run 2 vs run 1", "none", nf["requests_compared"], nf["a"], nf["b"], errs,
-            nf["ttft_error_per_request"], nf["decision_match_share"], nf["pipeline_match_share"], "-")
+            nf["ttft_error_per_request"], nf["decision_match_share"], nf["pipeline_match_share"], "-",
+            f" ({fa} / {fb} failed live)" if fa or fb else "")
     g = rep["goals"]
     lines.append("")
     lines.append(f"goals: |TTFT P50| and |TTFT P90| error <= {g['ttft_p50_abs_err'] * 100:.0f}% / "

@@ -12,6 +12,7 @@ from pdd.sim.models import get_model
 
 BLOCK = 512  # tokens per trace block (Mooncake hash granularity)
 KV_STREAMS = ("whole", "layerwise")  # config.PolicyConfig.kv_stream
+DECODE_ROLES = ("RLD", "MD", "D", "C")  # the simulator's roles that run decode steps (SimConfig.tiers)
 
 
 def runtime_wan_fields(cfg) -> dict:
@@ -109,7 +110,7 @@ class SimConfig:
     # decoders beside it beyond what their share of the cores says (memory bandwidth, the
     # gateway's and link emulator's threads). Measured from a live run's token gaps
     # (validate.live_decode_interference); absent roles 1
-    decode_interference: dict | None = None
+    decode_interference: dict | None = None  # role in DECODE_ROLES -> factor >= 1
     # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
     # GIL, per-step bookkeeping), measured from a live run (validate.calibrate_role_overheads)
@@ -148,6 +149,9 @@ class SimConfig:
         if not (self.kv_stream_layer_group >= 1):
             raise ValueError(f"kv_stream_layer_group must be >= 1, got {self.kv_stream_layer_group!r}")
         for role, f in (self.decode_interference or {}).items():
+            if role not in DECODE_ROLES:  # P's own steps are the prefills: no factor applies to them
+                raise ValueError(f"decode_interference has role {role!r}; it applies to the decoding roles "
+                                 f"{', '.join(DECODE_ROLES)}")
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
                 raise ValueError(f"decode_interference[{role!r}] must be a finite factor >= 1, got {f!r}")
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.sim_config import DECODE_ROLES
 from pdd.step_profile import MeasuredStepModel
 from pdd.topology import free_port_block
 from pdd.workload.replay import Scale
@@ -187,8 +188,9 @@ def check_role_fits(prof: dict, path: Path) -> None:
         if not isinstance(v, dict):
             raise RecordedRunError(f"{path}: {field} must be an object of role -> number, got {v!r}", "profile")
         for role, x in v.items():
-            if role not in SIM_ROLES:  # e.g. "rld": the simulator would ignore it
-                raise RecordedRunError(f"{path}: {field} has role {role!r}; roles are {', '.join(SIM_ROLES)}",
+            roles = DECODE_ROLES if field == "decode_interference" else SIM_ROLES
+            if role not in roles:  # e.g. "rld": the simulator would ignore it; "P" has no decode step
+                raise RecordedRunError(f"{path}: {field} has role {role!r}; roles are {', '.join(roles)}",
                                        "profile")
             if not (_number(x) and (x >= lo if closed else x > lo)):
                 raise RecordedRunError(f"{path}: {field}[{role!r}] must be a finite number "
@@ -509,6 +511,9 @@ def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
             iv.append((id(rec), t0, t0 + ev["p_first_token"] / 1000.0))
     iv.sort(key=lambda x: x[1])
     starts = np.array([x[1] for x in iv])
+    # the latest end among the intervals up to each one (sorted by start): those before the first
+    # index whose running end passes a gap's start all ended before it, so none is scanned
+    reach = np.maximum.accumulate([x[2] for x in iv]) if iv else np.array([])
     out: dict[str, dict[str, list[float]]] = {}
     for rec in live_records:
         tt = rec.get("token_times_s") or []
@@ -526,7 +531,8 @@ def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
             if tiers[i] != tiers[i + 1] or (lo is not None and a < hi and b > lo):
                 continue
             mid, over, inside = (a + b) / 2, False, False
-            for j in range(int(np.searchsorted(starts, b))):  # P intervals that start before b
+            # P intervals that start before b, from the first that may end after a
+            for j in range(int(np.searchsorted(reach, a, side="right")), int(np.searchsorted(starts, b))):
                 rid, pa, pb = iv[j]
                 if rid == id(rec) or pb <= a:
                     continue
@@ -542,7 +548,10 @@ def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
     return out
 
 
-def live_decode_interference(live_records: list[dict], min_samples: int = 50) -> dict | None:
+DECODE_GAPS_MIN = 50  # token gaps of a tier with P busy, and with it quiet, to fit its factor
+
+
+def live_decode_interference(live_records: list[dict], min_samples: int = DECODE_GAPS_MIN) -> dict | None:
     """How much slower each tier's decode step runs while P prefills on the same machine: the
     median decode gap while P is busy over the median while it is quiet (:func:`live_decode_gaps`;
     within one tier, so RLD's and MD's different step times do not mix), floored at 1, for each
@@ -554,7 +563,7 @@ def live_decode_interference(live_records: list[dict], min_samples: int = 50) ->
     weights once whatever its batch, adds little."""
     tiers = {}
     for tier, g in sorted(live_decode_gaps(live_records).items()):
-        if tier.upper() not in SIM_ROLES or len(g["busy"]) < min_samples or len(g["quiet"]) < min_samples:
+        if tier.upper() not in DECODE_ROLES or len(g["busy"]) < min_samples or len(g["quiet"]) < min_samples:
             continue
         b, q = float(np.median(g["busy"])), float(np.median(g["quiet"]))
         if q > 0:
@@ -783,10 +792,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     if len(live) != len(requests):
         raise WorkloadMismatch(f"live run has {len(live)} requests, the workload {len(requests)}: not the same "
                                "workload (give the run's own workload arguments: its validate.json 'workload')")
-    if not any(r.get("ok") and r.get("token_times_s") for r in live):
-        errs = sorted({str(r.get("error"))[:80] for r in live})[:3]
-        raise RecordedRunError(f"the live run has no completed request to compare ({len(live)} failed: "
-                               f"{'; '.join(errs)})")
+    require_completed(live, "compare")
     ovh = prof.get("role_step_overhead_s") or {}
     wb = float(prof.get("wan_send_buffer_bytes", 0.0))
     t_sim = time.time()
@@ -809,6 +815,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                     "wan_send_buffer_bytes": wb,
                     "client_delay_s": prof.get("client_delay_s", 0.0), "gateway_rtt_ms": prof.get("gateway_rtt_ms"),
                     "decode_interference": prof.get("decode_interference") or {},
+                    "host_cores": sim.cfg.host_cores,
                     "fast_path": prof.get("fast_path"),
                     "role_overhead_from": (prof.get("role_overhead_from") or {}).get("run")},
         "wan_bytes": {"live": live_wan_payload_bytes(entry), "sim": sim.wan.bytes_sent if sim.wan else 0.0},
@@ -850,6 +857,15 @@ def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, liv
     return lam
 
 
+def require_completed(live: list[dict], purpose: str) -> None:
+    """Raises :class:`RecordedRunError` when no record of the live run completed with tokens
+    (every request failed: nothing to ``purpose``), naming up to three of its errors."""
+    if not any(r.get("ok") and r.get("token_times_s") for r in live):
+        errs = sorted({str(r.get("error"))[:80] for r in live})[:3]
+        raise RecordedRunError(f"the live run has no completed request to {purpose} ({len(live)} failed: "
+                               f"{'; '.join(errs)})")
+
+
 def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str | Path | None = None,
                     config=None) -> dict:
     """``pdd sim calibrate-roles``: fit each role's step correction on the live run in ``run_dir``
@@ -878,6 +894,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
                                "validate` output)")
     cfg = validate_config(config, budget)
     prof = load_profile_checked(profile)
+    require_completed(live_recs, "fit")
     prof.pop("role_step_overhead_s", None)
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
@@ -953,13 +970,24 @@ def format_validate(res: dict) -> str:
                     f"{rs['sim'][t]['mean_step_s'] * 1e3:.1f} ms x {rs['sim'][t]['steps']}"
                     for t in ("P", "RLD", "MD") if rs.get("live", {}).get(t, {}).get("mean_step_s")
                     and rs.get("sim", {}).get(t, {}).get("mean_step_s"))
-    ovh = res.get("profile", {}).get("role_step_overhead_s") or {}
-    scale = res.get("profile", {}).get("role_step_scale") or {}
+    pf = res.get("profile", {})
+    ovh = pf.get("role_step_overhead_s") or {}
+    scale = pf.get("role_step_scale") or {}
+    di, cores = pf.get("decode_interference") or {}, pf.get("host_cores") or 0
+    inputs = (f"\nsimulated with: profile {pf.get('path')}; MD's step from "
+              + (f"--profile-b {pf['profile_b']}" if pf.get("profile_b") else "the same profile (or MD's tier's own)")
+              + "; decode step while P prefills: "
+              + (", ".join(f"{t} x{v:.2f}" for t, v in di.items()) + (f" ({cores:g} shared cores)" if cores else
+                                                                       " (not applied: no shared host)")
+                 if di else "no factor"))
+    errs = res.get("live_errors") or []
+    failed = (f"{res['live_failed']} live failures" + (f" ({'; '.join(errs)})" if errs and res['live_failed'] else ""))
     return (table(rows, ["metric", "live", "sim", "rel_err"])
             + f"\nrecorded inputs replayed through the sim's policy calls: {rep['identical']}/{rep['decisions']} "
               f"identical\ncompute share of TTFT {res['compute_share_of_ttft']:.0%}; "
               f"(with P's role overhead {res.get('compute_share_of_ttft_with_role_overhead', 0):.0%}); "
-              f"{res['requests_compared']} requests compared, {res['live_failed']} live failures; live "
+              f"{res['requests_compared']} requests compared, {failed}; live "
               f"{res['live_wall_s'] or 0:.0f} s, sim {res['sim_wall_s']:.2f} s"
               f"\nrole step overheads (ms): " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in ovh.items())
-            + ("; step factors: " + ", ".join(f"{t} x{v:.3f}" for t, v in scale.items()) if scale else "") + steps)
+            + ("; step factors: " + ", ".join(f"{t} x{v:.3f}" for t, v in scale.items()) if scale else "") + steps
+            + inputs)
