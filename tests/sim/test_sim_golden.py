@@ -38,6 +38,7 @@ def _measured_case():
                       wan_rtt_estimate_ms=prof.get("gateway_rtt_ms"),
                       client_delay_s=float(prof.get("client_delay_s", 0.0)),
                       wan_send_buffer_bytes=float(prof.get("wan_send_buffer_bytes", 0.0)),
+                      decode_interference=dict(prof.get("decode_interference") or {}) or None,
                       **({"fast_gbps": float(fp["gbps"]), "fast_rtt_ms": 2000.0 * float(fp["latency_s"])} if fp else {}))
     return cfg, cap_input(generate_agentic(200, seed=3, rate=0.8), 1500, 64)
 
