@@ -286,7 +286,7 @@ def test_calibrate_roles_without_the_run_s_model_is_a_usage_error(capsys, tmp_pa
 
 def test_validate_live_from_another_workload_is_a_usage_error(capsys, tmp_path, monkeypatch):
     import pdd.bench.live_validate as lv
-    from pdd.sim.validate import WorkloadMismatch
+    from pdd.sim.recorded import WorkloadMismatch
 
     def mismatch(*a, **k):
         raise WorkloadMismatch("live run has 40 requests, the workload 220: not the same workload")
@@ -424,7 +424,7 @@ def test_validate_live_from_a_run_at_another_rate_is_refused(capsys, tmp_path, m
 
 
 def test_check_same_run_names_each_differing_argument():
-    from pdd.sim.validate import WorkloadMismatch, check_same_run
+    from pdd.sim.recorded import WorkloadMismatch, check_same_run
 
     rec = {"workload": {"requests": 211, "rate_rps": 0.8, "session_seed": 1, "max_output_tokens": 32},
            "config": {"pipeline_ttft_budget_ms": 250.0}}

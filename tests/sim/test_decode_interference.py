@@ -1,11 +1,11 @@
 """The simulator's decode interference on a shared host (``SimConfig.decode_interference``: a
 decode step slows while another instance runs a prefill step, as on the one-machine CPU testbed)
-and its fit from a live run's token gaps (``validate.live_decode_interference``)."""
+and its fit from a live run's token gaps (``live_measures.live_decode_interference``)."""
 
 import pytest
 
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.sim.validate import live_decode_gaps, live_decode_interference
+from pdd.sim.live_measures import live_decode_gaps, live_decode_interference
 
 # A: a short prompt with a long output, decoding on D; B: a long prompt arriving while A decodes
 A = {"timestamp": 0, "input_length": 512, "output_length": 3000, "hash_ids": [0]}
@@ -164,7 +164,7 @@ def test_a_role_the_simulator_does_not_have_is_refused(tmp_path):
     import json
     from pathlib import Path
 
-    from pdd.sim.validate import RecordedRunError, load_profile_checked
+    from pdd.sim.recorded import RecordedRunError, load_profile_checked
 
     prof = json.loads(Path("data/profiles/this-machine.json").read_text())
     p = tmp_path / "p.json"
@@ -188,7 +188,7 @@ def test_a_malformed_record_is_named_not_a_traceback(tmp_path, field, value, mes
     fields the fits read are of the wrong type is refused naming the file, line and field."""
     import json
 
-    from pdd.sim.validate import RecordedRunError, read_run
+    from pdd.sim.recorded import RecordedRunError, read_run
 
     good = rec(1.0, 50.0, [1.1, 1.2, 1.3], ["rld"] * 3)
     bad = dict(good)

@@ -141,7 +141,7 @@ def test_role_step_overhead_adds_to_every_step(tmp_path):
 
 
 def test_live_role_steps_reads_the_replay_delta():
-    from pdd.sim.validate import live_role_steps
+    from pdd.sim.live_measures import live_role_steps
 
     entry = {"stats_before": {"instances": {"p0": {"role": "prefill", "engine_steps": 1, "engine_busy_s": 0.01}}},
              "stats": {"instances": {"p0": {"role": "prefill", "engine_steps": 11, "engine_busy_s": 1.01},
@@ -173,7 +173,8 @@ def _overhead_fixture(tmp_path):
 def test_calibrated_overheads_recover_known_ones(tmp_path):
     """calibrate_role_overheads is a fixed point on the simulated mean step per tier: given the
     step statistics of a run with known per-role overheads, it finds them again."""
-    from pdd.sim.validate import calibrate_role_overheads, simulate, sim_role_steps
+    from pdd.sim.calibrate import calibrate_role_overheads
+    from pdd.sim.validate import sim_role_steps, simulate
 
     prof, p, cfg, reqs = _overhead_fixture(tmp_path)
     known = {"P": 0.03, "RLD": 0.004, "MD": 0.008}
@@ -221,7 +222,7 @@ def test_wan_buffer_fit_never_books_an_unexplained_shortfall(monkeypatch):
     """The allowance is fitted only as far as it changes what the simulated WAN carries."""
     from types import SimpleNamespace
 
-    from pdd.sim import validate as V
+    from pdd.sim import calibrate as C
 
     def fake(carry):
         def simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer=0.0):
@@ -229,20 +230,20 @@ def test_wan_buffer_fit_never_books_an_unexplained_shortfall(monkeypatch):
         return simulate
 
     # no cut-off depends on it: 0, whatever the live shortfall
-    monkeypatch.setattr(V, "simulate", fake(lambda b: 100.0))
-    assert V.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=120.0) == (0.0, 100.0)
+    monkeypatch.setattr(C, "simulate", fake(lambda b: 100.0))
+    assert C.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=120.0) == (0.0, 100.0)
     # grows with it up to 110 at 8 MiB: the smallest allowance reaching 110, not the cap
     mib = 2 ** 20
-    monkeypatch.setattr(V, "simulate", fake(lambda b: 100.0 + 10.0 * min(b, 8 * mib) / (8 * mib)))
-    b, c = V.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=120.0)
+    monkeypatch.setattr(C, "simulate", fake(lambda b: 100.0 + 10.0 * min(b, 8 * mib) / (8 * mib)))
+    b, c = C.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=120.0)
     assert c == pytest.approx(110.0) and b == pytest.approx(8 * mib, rel=1e-3)
     # reaches the live bytes at 4 MiB
-    b, c = V.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=105.0)
+    b, c = C.calibrate_wan_buffer(None, None, {}, 16, [], live_bytes=105.0)
     assert b == pytest.approx(4 * mib, rel=1e-3) and c == pytest.approx(105.0, rel=1e-6)
 
 
 def test_live_fast_path_fits_latency_and_rate():
-    from pdd.sim.validate import live_fast_path
+    from pdd.sim.live_measures import live_fast_path
 
     kvb = 2048
 
@@ -357,7 +358,7 @@ def _rec(send, prompt, cached, p_first_ms, ok=True):
 
 
 def test_isolated_prefills_keep_requests_p_served_alone_and_chunk_them():
-    from pdd.sim.validate import isolated_prefills
+    from pdd.sim.live_measures import isolated_prefills
 
     recs = [_rec(0.0, 600, 0, 100.0),        # alone: chunks 512 + 88
             _rec(1.0, 100, 64, 12.4),        # alone: 36 tokens over a 64-token hit
@@ -377,7 +378,7 @@ def test_isolated_prefills_keep_requests_p_served_alone_and_chunk_them():
 def test_fit_step_scale_recovers_factor_and_step_overhead():
     """live = 1.5 x profile + 4 ms a step exactly: the fit returns both; a negative overhead is
     refitted as 0; too few samples or a non-positive factor give None."""
-    from pdd.sim.validate import fit_step_scale
+    from pdd.sim.calibrate import fit_step_scale
 
     pre = [{"tokens": n, "steps": -(-n // 512), "profile_s": 0.002 * -(-n // 512) + 1e-4 * n}
            for n in (16, 64, 128, 256, 400, 512, 700, 1000)]
@@ -399,7 +400,8 @@ def test_fit_step_scale_recovers_factor_and_step_overhead():
 def test_p_level_recovers_a_known_factor_on_the_step_shape(tmp_path):
     """calibrate_p_level: given P's mean step of a run simulated with 0.8 x (1.5 x profile + 4 ms),
     the level on the shape (1.5, 4 ms) is found again."""
-    from pdd.sim.validate import calibrate_p_level, sim_role_steps, simulate
+    from pdd.sim.calibrate import calibrate_p_level
+    from pdd.sim.validate import sim_role_steps, simulate
 
     prof, p, cfg, reqs = _overhead_fixture(tmp_path)
     other = {"RLD": 0.004, "MD": 0.008}
@@ -410,7 +412,7 @@ def test_p_level_recovers_a_known_factor_on_the_step_shape(tmp_path):
 
 
 def test_gateway_rtt_is_the_median_of_the_recorded_pipeline_inputs():
-    from pdd.sim.validate import live_gateway_rtt_ms
+    from pdd.sim.live_measures import live_gateway_rtt_ms
 
     def rec(rtts, ok=True):
         return {"ok": ok, "pdd": {"decisions": [{"policy": "pipeline", "inputs": {"wan_rtt_ms": r}} for r in rtts]

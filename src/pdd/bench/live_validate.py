@@ -65,7 +65,7 @@ def cmd_validate(a) -> int:
     for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
         if v <= 0:
             raise SystemExit(f"pdd sim validate: --{k} must be > 0")
-    from pdd.sim.validate import RecordedRunError, WorkloadMismatch
+    from pdd.sim.recorded import RecordedRunError, WorkloadMismatch
 
     try:
         res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,

@@ -481,7 +481,9 @@ def cmd_calibrate_roles(a) -> int:
     from pathlib import Path
 
     from pdd.config import ClusterConfig
-    from pdd.sim.validate import DECODE_GAPS_MIN, RecordedRunError, calibrate_roles
+    from pdd.sim.calibrate import calibrate_roles
+    from pdd.sim.live_measures import DECODE_GAPS_MIN
+    from pdd.sim.recorded import RecordedRunError
 
     cfg = config_or_exit(a) if a.config else None
     model = (cfg or ClusterConfig()).model_path  # the run is re-simulated on this model's shapes

@@ -109,20 +109,20 @@ class SimConfig:
     # (host_cores > 0) runs a prefill step: on one CPU machine a prefill slows the
     # decoders beside it beyond what their share of the cores says (memory bandwidth, the
     # gateway's and link emulator's threads). Measured from a live run's token gaps
-    # (validate.live_decode_interference); absent roles 1
+    # (live_measures.live_decode_interference); absent roles 1
     decode_interference: dict | None = None  # role in DECODE_ROLES -> factor >= 1
     # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
-    # GIL, per-step bookkeeping), measured from a live run (validate.calibrate_role_overheads)
+    # GIL, per-step bookkeeping), measured from a live run (calibrate.calibrate_role_overheads)
     step_overhead_s: dict | None = None
     # factor on every engine step of a role ("P", ...) before its overhead: a live role's step is
     # ``scale x profile step + overhead`` (the engine's compute slowed in proportion, e.g. by the
     # role's own threads sharing the cores), fitted from a live run's isolated prefills
-    # (validate.fit_step_scale); absent roles 1
+    # (calibrate.fit_step_scale); absent roles 1
     step_scale: dict | None = None
     # the WAN RTT the gateway's pipeline decision reads (ms), when it differs from the line's
     # wan_rtt_ms: the live gateway's estimate is its windowed minimum of MD reservation round
-    # trips, software included. Measured on a live run (validate.live_gateway_rtt_ms); None: wan_rtt_ms
+    # trips, software included. Measured on a live run (live_measures.live_gateway_rtt_ms); None: wan_rtt_ms
     wan_rtt_estimate_ms: float | None = None
     # the gateway's pipeline inputs carry the WAN backlog to the chosen MD (the runtime's
     # gateway.wan_booking._wan_backlog_bytes: planned bytes of transfers to it not yet delivered,
@@ -130,7 +130,7 @@ class SimConfig:
     wan_backlog_in_plan: bool = False
     # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
     # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
-    # 0 = a cut-off stops the flow at once. Measured on a live run (validate.calibrate_wan_buffer).
+    # 0 = a cut-off stops the flow at once. Measured on a live run (calibrate.calibrate_wan_buffer).
     # P's xfer_done (which starts an early handoff's wait) comes when the sockets took the last
     # byte: this many bytes before the flow's last byte leaves the line (0: when it leaves)
     wan_send_buffer_bytes: float = 0.0

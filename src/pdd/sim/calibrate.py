@@ -1,0 +1,204 @@
+"""``pdd sim calibrate-roles``: fit, on one recorded live run, what the bare-engine profile does
+not hold: P's step as ``scale x profile + overhead`` (:func:`fit_step_scale` on the prefills P
+ran alone, :func:`calibrate_p_level`), the other roles' per-step overheads
+(:func:`calibrate_role_overheads`), the decode slow-down while P prefills, the WAN bytes a
+cut-off cannot recall (:func:`calibrate_wan_buffer`), the client delay, the gateway's WAN RTT
+and the fast path, written into the profile (:func:`calibrate_roles`). The method and its
+results: docs/SIM.md "Measure this machine and validate the simulator".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pdd.sim.live_measures import (isolated_prefills, live_client_delay_s, live_decode_interference, live_fast_path,
+                                   live_gateway_rtt_ms, live_role_steps, live_wan_payload_bytes)
+from pdd.sim.recorded import RecordedRunError, load_profile_checked, read_run, require_completed
+from pdd.sim.validate import build_workload, sim_role_steps, simulate, validate_config
+from pdd.step_profile import MeasuredStepModel
+
+
+def fit_step_scale(prefills: list[dict], min_samples: int = 8) -> dict | None:
+    """P's live step over the profile's from isolated live prefills (:func:`isolated_prefills`):
+    least squares, in relative error, of ``live_s = scale x profile_s + overhead_s x steps``
+    (``overhead_s`` >= 0: refitted without it when negative). A per-step overhead alone, fitted
+    to P's mean step, adds the same to a 16-token and a 512-token chunk; on this CPU the live P is
+    slower in proportion to the chunk's compute, plus a few ms a step.
+
+    Returns ``{"scale", "overhead_s", "samples", "mean_abs_rel_err"}`` (the last: of the fitted
+    times over the samples), or None with fewer than ``min_samples`` prefills or a non-positive
+    scale."""
+    if len(prefills) < min_samples:
+        return None
+    x = np.array([r["profile_s"] for r in prefills], dtype=float)
+    k = np.array([r["steps"] for r in prefills], dtype=float)
+    y = np.array([r["live_s"] for r in prefills], dtype=float)
+    a = np.vstack([x, k]).T / y[:, None]
+    (sc, ov), *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
+    if ov < 0:
+        (sc,), *_ = np.linalg.lstsq((x / y)[:, None], np.ones(len(y)), rcond=None)
+        ov = 0.0
+    if sc <= 0:
+        return None
+    return {"scale": float(sc), "overhead_s": float(ov), "samples": int(len(y)),
+            "mean_abs_rel_err": float(np.mean(np.abs((sc * x + ov * k) / y - 1.0)))}
+
+
+def calibrate_wan_buffer(cfg, profile, prof: dict, block_tokens: int, requests, live_bytes: float,
+                         overheads: dict | None = None, hi: float = 64 * 2 ** 20, iters: int = 14) -> tuple[float, float]:
+    """The committed-bytes allowance (``SimConfig.wan_send_buffer_bytes``) at which the simulated
+    WAN carries the bytes the live one did on the same workload (bisection; the carried bytes grow
+    with it, and only through cut-offs). When even ``hi`` carries less than the live run, the
+    smallest allowance that carries what ``hi`` does: 0 when the run's cut-offs (if any) do not
+    depend on it, so an unexplained shortfall is never booked as a buffer. Returns (bytes,
+    simulated bytes at it)."""
+    def carried(b):
+        return simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer=b).wan.bytes_sent
+
+    c0 = carried(0.0)
+    if c0 >= live_bytes:
+        return 0.0, c0
+    target = min(live_bytes, carried(hi))
+    if target <= c0 * (1 + 1e-6):
+        return 0.0, c0
+    lo_b, hi_b = 0.0, hi
+    for _ in range(iters):
+        mid = (lo_b + hi_b) / 2
+        if carried(mid) < target * (1 - 1e-6):
+            lo_b = mid
+        else:
+            hi_b = mid
+    return hi_b, carried(hi_b)
+
+
+def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, requests, live_steps: dict,
+                             iters: int = 8, wan_buffer: float | None = None,
+                             fixed: dict | None = None) -> tuple[dict, list]:
+    """Per-step overhead of each live role over the bare engine: the constant that, added to every
+    simulated step of that tier, makes the simulated mean step equal the live run's (fixed point:
+    the overheads also change the simulated core sharing and batches). Roles in ``fixed`` (seconds
+    a step) keep that overhead. Fitted on one live run (a calibration workload); validation then
+    uses another workload."""
+    fixed = fixed or {}
+    ovh = {t: float(fixed.get(t, 0.0)) for t in live_steps}
+    hist = []
+    for _ in range(iters):
+        sim = simulate(cfg, profile, prof, block_tokens, requests, ovh, wan_buffer)
+        ss = sim_role_steps(sim)
+        hist.append({t: {"overhead_s": ovh[t], "sim_mean_step_s": ss[t]["mean_step_s"],
+                         "live_mean_step_s": live_steps[t]["mean_step_s"]} for t in ovh})
+        new = {}
+        for t in ovh:
+            lv, sv = live_steps[t]["mean_step_s"], ss[t]["mean_step_s"]
+            new[t] = max(0.0, ovh[t] + (lv - sv)) if lv is not None and sv is not None and t not in fixed \
+                else ovh[t]
+        if all(abs(new[t] - ovh[t]) < 1e-5 for t in ovh):
+            ovh = new
+            break
+        ovh = new
+    return ovh, hist
+
+
+def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, live_mean_step_s: float,
+                      scale: float, overhead_s: float, overheads: dict, wan_buffer: float | None = None,
+                      iters: int = 12) -> float:
+    """The factor ``level`` on P's fitted step shape (``scale`` x profile + ``overhead_s``, from
+    :func:`fit_step_scale`) at which the simulated mean P step equals the live one
+    (``engine_busy_s / engine_steps``; fixed point, the other roles at ``overheads``). The
+    isolated prefills give the shape (what a step costs in proportion to its compute, what per
+    step), the engine's own step timing the level: the prefill intervals also hold the request's
+    trip gateway -> P -> gateway, which is not step time."""
+    lam = 1.0
+    for _ in range(iters):
+        p = {**prof, "role_step_scale": {**(prof.get("role_step_scale") or {}), "P": lam * scale}}
+        sim = simulate(cfg, profile, p, block_tokens, requests, {**overheads, "P": lam * overhead_s}, wan_buffer)
+        sv = sim_role_steps(sim)["P"]["mean_step_s"]
+        if not sv:
+            break
+        r = live_mean_step_s / sv
+        lam *= r
+        if abs(r - 1.0) < 1e-4:
+            break
+    return lam
+
+
+def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str | Path | None = None,
+                    config=None) -> dict:
+    """``pdd sim calibrate-roles``: fit each role's step correction on the live run in ``run_dir``
+    (a ``pdd sim validate`` output: its workload arguments, ``requests.jsonl``,
+    ``server_stats.json``) and write it into the profile: P's step as ``scale x profile +
+    overhead`` (``role_step_scale["P"]``, ``role_step_overhead_s["P"]``): the shape from the run's
+    isolated prefills (:func:`fit_step_scale`), its level from P's mean live step
+    (:func:`calibrate_p_level`); the other roles' per-step overheads
+    (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
+    prefills); how much a decode step slows while P prefills beside it (``decode_interference``,
+    :func:`live_decode_interference`, fitted before the overheads, which then hold the rest); the
+    WAN RTT the gateway's decisions read (``gateway_rtt_ms``,
+    :func:`live_gateway_rtt_ms`); ``role_overhead_from``: which run and the fits. Raises
+    :class:`RecordedRunError` naming the path for a run directory or profile it cannot use, before
+    anything is fitted."""
+    run_dir = Path(run_dir)
+    v, live_recs, entry = read_run(run_dir)
+    w = v["workload"]
+    budget = (v.get("config") or {}).get("pipeline_ttft_budget_ms")
+    if not isinstance(budget, (int, float)):
+        raise RecordedRunError(f"{run_dir / 'validate.json'}: no config.pipeline_ttft_budget_ms (not a `pdd sim "
+                               "validate` output)")
+    missing = [k for k in ("requests", "rate_rps", "block_tokens", "session_sample") if k not in w]
+    if missing:
+        raise RecordedRunError(f"{run_dir / 'validate.json'}: workload lacks {', '.join(missing)} (not a `pdd sim "
+                               "validate` output)")
+    cfg = validate_config(config, budget)
+    prof = load_profile_checked(profile)
+    require_completed(live_recs, "fit")
+    prof.pop("role_step_overhead_s", None)
+    requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
+                                 session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
+                                 max_output_tokens=w.get("max_output_tokens"), seed=w.get("seed", 0))
+    live = live_role_steps(entry)
+    live_bytes = live_wan_payload_bytes(entry)
+    prof.pop("wan_send_buffer_bytes", None)
+    prof["client_delay_s"] = live_client_delay_s(live_recs) or 0.0
+    prof.pop("gateway_rtt_ms", None)
+    g = live_gateway_rtt_ms(live_recs)
+    if g is not None:
+        prof["gateway_rtt_ms"] = g
+    prof.pop("fast_path", None)
+    fp = live_fast_path(live_recs, int(prof["model"]["kv_bytes_per_token"]), cfg.link.fast_gbps)
+    if fp is not None:
+        prof["fast_path"] = fp
+    prof.pop("decode_interference", None)
+    di = live_decode_interference(live_recs)
+    if di is not None:
+        prof["decode_interference"] = di["factors"]
+    prof.pop("role_step_scale", None)
+    ep = cfg.engine_for("prefill")  # P's chip: its tier's profile, else the given one
+    p_prof = load_profile_checked(ep.profile) if ep.profile else prof
+    iso = isolated_prefills(live_recs, MeasuredStepModel(p_prof), min(ep.prefill_chunk_tokens, ep.max_batch_tokens))
+    sc = fit_step_scale(iso)
+    if sc is not None:
+        prof["role_step_scale"] = {"P": sc["scale"]}
+    bt = w["block_tokens"]
+    # two rounds: the buffer moves WAN queueing (not step times), the overheads move step times
+    # (and so when transfers start); each fitted with the other fixed
+    wb, _ = calibrate_wan_buffer(cfg, profile, prof, bt, requests, live_bytes)
+    fx = {"P": sc["overhead_s"]} if sc is not None else None  # P's level is fitted below
+    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb, fixed=fx)
+    wb, sim_bytes = calibrate_wan_buffer(cfg, profile, prof, bt, requests, live_bytes, overheads=ovh)
+    ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb, fixed=fx)
+    if sc is not None and (live.get("P") or {}).get("mean_step_s"):
+        sc["level"] = calibrate_p_level(cfg, profile, prof, bt, requests, live["P"]["mean_step_s"], sc["scale"],
+                                        sc["overhead_s"], ovh, wb)
+        prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}
+        ovh = {**ovh, "P": sc["level"] * sc["overhead_s"]}
+    prof["role_step_overhead_s"] = ovh
+    prof["wan_send_buffer_bytes"] = wb
+    prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
+                                  "live_wan_payload_bytes": live_bytes, "sim_wan_bytes": sim_bytes,
+                                  "step_scale_fit": {"P": sc}, "decode_interference_fit": di,
+                                  "iterations": hist}
+    Path(out_profile or profile).write_text(json.dumps(prof, indent=1))
+    return prof

@@ -1,0 +1,180 @@
+"""A recorded live run (a ``pdd sim validate --out`` directory) and a step profile, read and
+checked before anything is simulated or fitted: :func:`read_run` (``validate.json``,
+``requests.jsonl``, ``server_stats.json``), :func:`check_record`, :func:`check_same_run` (a
+reused run's workload arguments), :func:`load_profile_checked` with :func:`check_role_fits` (a
+profile's per-role corrections), :func:`require_completed`. Every problem is a
+:class:`RecordedRunError` naming the path and field (the CLIs print it as one usage line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pdd.sim.sim_config import DECODE_ROLES
+
+
+class RecordedRunError(ValueError):
+    """A recorded run (``pdd sim validate --live-from DIR``, ``pdd sim calibrate-roles --run DIR``)
+    or a profile that cannot be used: missing, not a directory, a file of it missing, unreadable or
+    not JSON. The message names the path (the CLI prints it as a usage error); ``source`` is
+    ``"run"`` (the recorded run), ``"profile"`` or ``"profile_b"`` (MD's profile)."""
+
+    def __init__(self, message: str, source: str = "run"):
+        super().__init__(message)
+        self.source = source
+
+
+class WorkloadMismatch(RecordedRunError):
+    """A reused live run (``--live-from``) was made with other workload arguments."""
+
+
+# validate.json "workload" / "config" keys a reused live run must share, and their flags
+_RUN_ARGS = (("workload", "requests", "--requests"), ("workload", "rate_rps", "--rate"),
+             ("workload", "block_tokens", "--block-tokens"), ("workload", "session_sample", "--session-sample"),
+             ("workload", "session_seed", "--session-seed"),
+             ("workload", "max_output_tokens", "--max-output-tokens"), ("workload", "seed", "seed"),
+             ("config", "pipeline_ttft_budget_ms", "--budget-ms"))
+
+
+def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict | None, list[dict], dict]:
+    """A recorded ``pdd sim validate --out`` directory: (its ``validate.json``, or None when absent
+    and not ``need_validate``; the ``requests.jsonl`` records; ``server_stats.json``). Raises
+    :class:`RecordedRunError` naming the directory and the file (missing, not a directory, a file
+    missing, unreadable or not JSON) before anything is computed."""
+    d = Path(run_dir)
+    what = "a `pdd sim validate --out` directory"
+    if not d.exists():
+        raise RecordedRunError(f"{d}: no such directory ({what})")
+    if not d.is_dir():
+        raise RecordedRunError(f"{d}: not a directory; give {what}")
+
+    def text(name: str) -> str:
+        try:
+            return (d / name).read_text()
+        except FileNotFoundError:
+            raise RecordedRunError(f"{d}: no {name} in it (not {what})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise RecordedRunError(f"{d / name}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+    def parse(raw: str, where: str):
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise RecordedRunError(f"{where}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise RecordedRunError(f"{where}: not a JSON object ({type(obj).__name__})")
+        return obj
+
+    v = parse(text("validate.json"), str(d / "validate.json")) \
+        if need_validate or (d / "validate.json").exists() else None
+    if v is not None and not isinstance(v.get("workload"), dict):
+        raise RecordedRunError(f"{d / 'validate.json'}: no 'workload' object (not a `pdd sim validate` output)")
+    recs = [check_record(parse(x, f"{d / 'requests.jsonl'} line {i}"), f"{d / 'requests.jsonl'} line {i}")
+            for i, x in enumerate(text("requests.jsonl").splitlines(), 1) if x.strip()]
+    return v, recs, parse(text("server_stats.json"), str(d / "server_stats.json"))
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_record(rec: dict, where: str) -> dict:
+    """``rec`` (one ``requests.jsonl`` record) when the fields the fits read have their types:
+    ``send_s`` a number (present on a completed record with token times or gateway events),
+    ``token_times_s`` a list of numbers, ``pdd`` an object whose ``events_ms`` is an object of
+    numbers. Raises :class:`RecordedRunError` naming ``where`` and the field."""
+    def bad(field: str, why: str):
+        raise RecordedRunError(f"{where}: {field} {why} (not a `pdd sim validate` record)")
+
+    tt = rec.get("token_times_s")
+    if tt is not None and not (isinstance(tt, list) and all(_number(t) for t in tt)):
+        bad("token_times_s", "must be a list of numbers")
+    p = rec.get("pdd")
+    if p is not None and not isinstance(p, dict):
+        bad("pdd", "must be an object")
+    ev = (p or {}).get("events_ms")
+    if ev is not None and not (isinstance(ev, dict) and all(_number(t) for t in ev.values())):
+        bad("pdd.events_ms", "must be an object of numbers")
+    if "send_s" in rec:
+        if not _number(rec["send_s"]):
+            bad("send_s", "must be a number")
+    elif rec.get("ok") and (tt or ev):
+        bad("send_s", "is missing")
+    return rec
+
+
+def check_same_run(recorded: dict, now: dict) -> None:
+    """Raise :class:`WorkloadMismatch` naming every argument (and its flag) of ``now`` (a
+    validate.json-shaped ``{"workload": ..., "config": ...}``) that differs from the recorded
+    run's; an argument the recorded run lacks is not compared."""
+    diff = []
+    for sec, key, flag in _RUN_ARGS:
+        rec, cur = (recorded.get(sec) or {}).get(key), (now.get(sec) or {}).get(key)
+        if rec is None or cur is None:
+            continue
+        same = abs(float(rec) - float(cur)) <= 1e-9 * max(1.0, abs(float(rec))) \
+            if isinstance(rec, (int, float)) and isinstance(cur, (int, float)) else rec == cur
+        if not same:
+            diff.append(f"{flag} {cur} (the run's: {rec})")
+    if diff:
+        raise WorkloadMismatch("not the same workload: " + ", ".join(diff) + "; give the run's own workload "
+                               "arguments (its validate.json 'workload' and 'config.pipeline_ttft_budget_ms')")
+
+
+def load_profile_checked(path: str | Path) -> dict:
+    """``pdd.step_profile.load`` with its failures as :class:`RecordedRunError` naming the file."""
+    from pdd.step_profile import load
+
+    p = Path(path)
+    if p.is_dir():
+        raise RecordedRunError(f"{p}: is a directory; give a `pdd profile` JSON file", "profile")
+    try:
+        prof = load(p)
+    except FileNotFoundError:
+        raise RecordedRunError(f"{p}: no such file (a `pdd profile` JSON)", "profile") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordedRunError(f"{p}: cannot read it ({getattr(e, 'strerror', None) or e})", "profile") from None
+    except json.JSONDecodeError as e:
+        raise RecordedRunError(f"{p}: not JSON ({e})", "profile") from None
+    except ValueError as e:  # not a pdd-profile/1 object: the message names the file
+        raise RecordedRunError(str(e), "profile") from None
+    check_role_fits(prof, p)
+    return prof
+
+
+SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tiers)
+
+
+# the per-role corrections calibrate-roles writes into a profile: field -> (lowest value, closed)
+ROLE_FITS = {"role_step_scale": (0.0, False), "role_step_overhead_s": (0.0, True), "decode_interference": (1.0, True)}
+
+
+def check_role_fits(prof: dict, path: Path) -> None:
+    """Raises :class:`RecordedRunError` naming the file and field when a per-role correction
+    (``ROLE_FITS``) is not an object of role -> finite number in its range (a hand-edited
+    profile)."""
+    for field, (lo, closed) in ROLE_FITS.items():
+        v = prof.get(field)
+        if v is None:
+            continue
+        if not isinstance(v, dict):
+            raise RecordedRunError(f"{path}: {field} must be an object of role -> number, got {v!r}", "profile")
+        for role, x in v.items():
+            roles = DECODE_ROLES if field == "decode_interference" else SIM_ROLES
+            if role not in roles:  # e.g. "rld": the simulator would ignore it; "P" has no decode step
+                raise RecordedRunError(f"{path}: {field} has role {role!r}; roles are {', '.join(roles)}",
+                                       "profile")
+            if not (_number(x) and (x >= lo if closed else x > lo)):
+                raise RecordedRunError(f"{path}: {field}[{role!r}] must be a finite number "
+                                       f"{'>=' if closed else '>'} {lo:g}, got {x!r}", "profile")
+
+
+def require_completed(live: list[dict], purpose: str) -> None:
+    """Raises :class:`RecordedRunError` when no record of the live run completed with tokens
+    (every request failed: nothing to ``purpose``), naming up to three of its errors."""
+    if not any(r.get("ok") and r.get("token_times_s") for r in live):
+        errs = sorted({str(r.get("error"))[:80] for r in live})[:3]
+        raise RecordedRunError(f"the live run has no completed request to {purpose} ({len(live)} failed: "
+                               f"{'; '.join(errs)})")
