@@ -72,3 +72,13 @@ def test_held_out_errors_are_the_documented_ones(resim):
     for i, want in NOISE.items():
         nf = json.loads((resim / f"report-{i}.json").read_text())["noise_floor"]
         assert (round(nf["err_p50_ttft_ms"], 3), round(nf["err_p90_ttft_ms"], 3)) == want
+
+
+def test_tpot_by_path_splits_the_calibration_runs_tpot(resim):
+    """Relay-only and handed-over requests, live and simulated, as docs/SIM.md reads them: the
+    live longest token gap of a relay-only request (10.7 ms) is RLD's step variance, which the
+    deterministic simulated step (6.0) does not have."""
+    tp = json.loads((resim / "cal-seed1" / "validate.json").read_text())["tpot_by_path"]
+    got = {k: (g["requests"], round(g["p50_tpot_ms"]["live"], 2), round(g["p50_tpot_ms"]["sim"], 2),
+               round(g["p50_max_gap_ms"]["live"], 1), round(g["p50_max_gap_ms"]["sim"], 1)) for k, g in tp.items()}
+    assert got == {"relay_only": (68, 6.33, 6.02, 10.7, 6.0), "handed_over": (22, 7.51, 6.53, 36.2, 26.3)}

@@ -460,3 +460,29 @@ def test_wan_backlog_counts_undelivered_transfers_to_the_same_md():
     assert sim.wan_gbps_estimate() == pytest.approx(0.008)
     assert sim._wan_backlog_bytes(me) == pytest.approx(1300 * kvb - 0.5e6)
     assert sorted(sim.wan_planned) == [1, 2, 5, 6]
+
+
+def test_tpot_by_path_groups_requests_by_who_decoded_them():
+    from types import SimpleNamespace
+
+    from pdd.sim.validate import tpot_by_path
+
+    def req(rld, md, first, done, n, gap):
+        return SimpleNamespace(t_first=first, t_done=done, n_emitted=n, rld_tokens=rld, md_tokens=md, max_gap=gap)
+
+    live = [
+        {"ok": True, "token_times_s": [0.0, 0.01, 0.03], "tiers": ["rld"] * 3},  # relay only, both
+        {"ok": True, "token_times_s": [0.0, 0.01, 0.05, 0.06], "tiers": ["rld", "rld", "md", "md"]},  # handed over
+        {"ok": True, "token_times_s": [0.0, 0.01, 0.02]},  # no per-token tiers: neither
+        {"ok": True, "token_times_s": [0.0, 0.01, 0.02], "tiers": ["rld"] * 3},  # the sim handed it over: neither
+    ]
+    sim = SimpleNamespace(reqs=[req(3, 0, 1.0, 1.02, 3, 0.01), req(2, 2, 1.0, 1.09, 4, 0.05),
+                                req(3, 0, 1.0, 1.02, 3, 0.01), req(1, 2, 1.0, 1.02, 3, 0.01)])
+    got = tpot_by_path(live, sim)
+    assert got["relay_only"]["requests"] == 1 and got["handed_over"]["requests"] == 1
+    assert got["relay_only"]["p50_tpot_ms"] == pytest.approx({"live": 15.0, "sim": 10.0})
+    assert got["relay_only"]["p50_max_gap_ms"] == pytest.approx({"live": 20.0, "sim": 10.0})
+    assert got["handed_over"]["p50_tpot_ms"] == pytest.approx({"live": 20.0, "sim": 30.0})
+    assert got["handed_over"]["p50_max_gap_ms"] == pytest.approx({"live": 40.0, "sim": 50.0})
+    assert tpot_by_path(live[2:3], SimpleNamespace(reqs=sim.reqs[2:3])) == {"relay_only": {"requests": 0},
+                                                                            "handed_over": {"requests": 0}}

@@ -174,7 +174,40 @@ def compare(live_records: list[dict], sim: ClusterSim) -> dict:
     for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
         out[f"err_{k}"] = _err(out["sim"][k], out["live"][k])
     out["ttft_error_per_request"] = per_request_error(pairs)
+    out["tpot_by_path"] = tpot_by_path(live_records, sim)
     return out
+
+
+def tpot_by_path(live_records: list[dict], sim: ClusterSim) -> dict:
+    """Where a TPOT error comes from: the requests both decoded on RLD alone (``relay_only``:
+    every live token from ``"rld"``, no simulated MD token) and those both handed over
+    (``handed_over``: tokens from RLD then MD in each), each with its count, TPOT P50 live and
+    simulated (ms), and each request's longest token gap, P50 live and simulated (ms: for a
+    handed-over request, most often the switch from RLD's last token to MD's first). Records
+    without per-token ``tiers`` count for neither. Requests matched by position; both need >= 3
+    tokens."""
+    groups: dict[str, dict[str, list[float]]] = {"relay_only": {}, "handed_over": {}}
+    for i, rec in enumerate(live_records):
+        tt, tiers, req = rec.get("token_times_s") or [], rec.get("tiers"), sim.reqs[i]
+        if not rec.get("ok") or len(tt) < 3 or not isinstance(tiers, list) or len(tiers) != len(tt) \
+                or req.t_first is None or req.n_emitted < 3:
+            continue
+        kinds = set(tiers)
+        if kinds == {"rld"} and req.md_tokens == 0:
+            g = groups["relay_only"]
+        elif kinds == {"rld", "md"} and req.rld_tokens > 0 and req.md_tokens > 0:
+            g = groups["handed_over"]
+        else:
+            continue
+        for k, v in (("live_tpot", (tt[-1] - tt[0]) / (len(tt) - 1)),
+                     ("sim_tpot", (req.t_done - req.t_first) / (req.n_emitted - 1)),
+                     ("live_gap", max(b - a for a, b in zip(tt, tt[1:]))), ("sim_gap", req.max_gap)):
+            g.setdefault(k, []).append(v)
+    return {name: {"requests": len(g.get("live_tpot", [])),
+                   **({"p50_tpot_ms": {"live": _pct(g["live_tpot"], 50) * 1e3, "sim": _pct(g["sim_tpot"], 50) * 1e3},
+                       "p50_max_gap_ms": {"live": _pct(g["live_gap"], 50) * 1e3, "sim": _pct(g["sim_gap"], 50) * 1e3}}
+                      if g else {})}
+            for name, g in groups.items()}
 
 
 def error_distribution(errors) -> dict | None:
@@ -433,6 +466,10 @@ def format_validate(res: dict) -> str:
               + (", ".join(f"{t} x{v:.2f}" for t, v in di.items()) + (f" ({cores:g} shared cores)" if cores else
                                                                        " (not applied: no shared host)")
                  if di else "no factor"))
+    paths = "".join(f"\n{name.replace('_', ' ')}: {g['requests']} requests, TPOT P50 live {g['p50_tpot_ms']['live']:.2f} / "
+                    f"sim {g['p50_tpot_ms']['sim']:.2f} ms, longest token gap P50 live "
+                    f"{g['p50_max_gap_ms']['live']:.1f} / sim {g['p50_max_gap_ms']['sim']:.1f} ms"
+                    for name, g in (res.get("tpot_by_path") or {}).items() if g.get("requests"))
     errs = res.get("live_errors") or []
     failed = (f"{res['live_failed']} live failures" + (f" ({'; '.join(errs)})" if errs and res['live_failed'] else ""))
     return (table(rows, ["metric", "live", "sim", "rel_err"])
@@ -443,4 +480,4 @@ def format_validate(res: dict) -> str:
               f"{res['live_wall_s'] or 0:.0f} s, sim {res['sim_wall_s']:.2f} s"
               f"\nrole step overheads (ms): " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in ovh.items())
             + ("; step factors: " + ", ".join(f"{t} x{v:.3f}" for t, v in scale.items()) if scale else "") + steps
-            + inputs)
+            + paths + inputs)
