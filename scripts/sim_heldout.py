@@ -12,11 +12,13 @@ run) and one ``pdd sim validate --out`` directory per run. The steps are the doc
 2. per run, ``pdd sim validate --profile OUT/fit.json --live-from RUNS/<run>`` with the run's own
    workload arguments (from its ``validate.json``), its ``--config`` and ``--profile-b`` (MD's
    bare engine measured with that tier's engine settings: an input, not a fit) -> ``OUT/<run>``;
-3. ``pdd sim validate-report`` over them, once per noise pair -> ``OUT/report-<n>.md`` / ``.json``.
+3. ``pdd sim validate-report`` over them, once per noise pair: the table printed, the report
+   written to ``OUT/report-<n>.json``.
 
 Nothing live is started: the simulator is deterministic, so the same inputs give the same table
 on any machine (about 15 s). Needs the runs' model checkpoint (``models/small``; made when missing,
-as ``make demo`` does). Exit status: that of the first step that fails.
+as ``make demo`` does). A manifest or run directory it cannot use is one usage line (exit 2)
+before anything runs; otherwise the exit status is that of the first step that fails.
 """
 
 from __future__ import annotations
@@ -34,14 +36,48 @@ WORKLOAD_FLAGS = (("requests", "--requests"), ("rate_rps", "--rate"), ("block_to
 
 
 def run_args(run: Path) -> list[str]:
-    """The workload and budget flags a run was recorded with (its validate.json)."""
-    v = json.loads((run / "validate.json").read_text())
-    w = v["workload"]
+    """The workload and budget flags a run was recorded with (its validate.json). Raises
+    ValueError naming the file when it is missing, not JSON or lacks ``workload`` or
+    ``config.pipeline_ttft_budget_ms``."""
+    f = run / "validate.json"
+    try:
+        v = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    w = v.get("workload") if isinstance(v, dict) else None
+    budget = (v.get("config") or {}).get("pipeline_ttft_budget_ms") if isinstance(v, dict) else None
+    if not isinstance(w, dict) or budget is None:
+        raise ValueError(f"{f}: no 'workload' object or config.pipeline_ttft_budget_ms "
+                         "(not a `pdd sim validate` output)")
     out = []
     for k, flag in WORKLOAD_FLAGS:
         if w.get(k) is not None:
             out += [flag, str(w[k])]
-    return out + ["--budget-ms", str(v["config"]["pipeline_ttft_budget_ms"])]
+    return out + ["--budget-ms", str(budget)]
+
+
+def check_manifest(man) -> None:
+    """Raises ValueError naming the key when ``man`` is not a manifest: ``calibration`` a run name,
+    ``held_out`` a non-empty list of names, ``noise`` (optional) a list of name pairs, ``config``
+    and ``profile_b`` (optional) objects of run name -> path under the runs directory."""
+    def name(x):
+        return isinstance(x, str) and x != ""
+
+    if not isinstance(man, dict):
+        raise ValueError(f"not a JSON object ({type(man).__name__})")
+    if not name(man.get("calibration")):
+        raise ValueError("'calibration' must name the calibration run's directory")
+    ho = man.get("held_out")
+    if not (isinstance(ho, list) and ho and all(name(x) for x in ho)):
+        raise ValueError("'held_out' must be a non-empty list of run directory names")
+    noise = man.get("noise")
+    if noise is not None and not (isinstance(noise, list)
+                                  and all(isinstance(p, list) and len(p) == 2 and all(name(x) for x in p)
+                                          for p in noise)):
+        raise ValueError("'noise' must be a list of [run, run] pairs")
+    for k in ("config", "profile_b"):
+        if not isinstance(man.get(k, {}), dict):
+            raise ValueError(f"'{k}' must be an object of run name -> path")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         man = json.loads((runs / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        ap.error(f"--runs {runs}: cannot read manifest.json ({e})")
+        ap.error(f"--runs: {runs / 'manifest.json'}: cannot read it ({getattr(e, 'strerror', None) or e})")
+    try:
+        check_manifest(man)
+        args = {n: run_args(runs / n) for n in dict.fromkeys([man["calibration"], *man["held_out"]])}
+    except ValueError as e:
+        ap.error(f"--runs: {e}" if str(e).startswith(str(runs)) else f"--runs: {runs / 'manifest.json'}: {e}")
     out.mkdir(parents=True, exist_ok=True)
     from pdd.config import ClusterConfig
 
@@ -75,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--profile-b", str(runs / man["profile_b"][name])]
         print(f"\n== {name}", flush=True)
         if rc := pdd(["sim", "validate", "--profile", str(fit), "--live-from", str(runs / name),
-                      "--out", str(out / name), *run_args(runs / name), *extra]):
+                      "--out", str(out / name), *args[name], *extra]):
             return rc
     for i, (x, y) in enumerate(man.get("noise") or [[None, None]]):
         print(f"\n== held-out report{'' if x is None else f', noise floor {x} / {y}'}", flush=True)

@@ -338,6 +338,7 @@ PROFILE = "data/profiles/this-machine.json"
     ("profile_bad_scale", "--profile", "role_step_scale must be an object of role -> number, got 1.5"),
     ("out_dir_missing", "--out", "no such directory"),
     ("all_failed", "--run", "no completed request to fit (2 failed: ConnectionResetError)"),
+    ("no_records", "--run", "no request to fit (its requests.jsonl has no records)"),
 ])
 def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, flag, message):
     """A run directory or profile calibrate-roles cannot use: `error: FLAG: PATH: why` (exit 2),
@@ -374,6 +375,8 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
     elif case == "all_failed":  # a killed topology: nothing to fit, and no profile written
         (run / "requests.jsonl").write_text("".join(json.dumps({"ok": False, "error": "ConnectionResetError"}) + "\n"
                                                     for _ in range(2)))
+    elif case == "no_records":  # an empty requests.jsonl: not "0 failed"
+        (run / "requests.jsonl").write_text("")
     _refused(capsys, ["sim", "calibrate-roles", "--run", str(run), "--profile", profile, "--out", out,
                       "--config", _fake_model_config(tmp_path)],
              "pdd sim calibrate-roles: error:", f"{flag}", message)

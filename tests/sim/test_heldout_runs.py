@@ -82,3 +82,51 @@ def test_tpot_by_path_splits_the_calibration_runs_tpot(resim):
     got = {k: (g["requests"], round(g["p50_tpot_ms"]["live"], 2), round(g["p50_tpot_ms"]["sim"], 2),
                round(g["p50_max_gap_ms"]["live"], 1), round(g["p50_max_gap_ms"]["sim"], 1)) for k, g in tp.items()}
     assert got == {"relay_only": (68, 6.33, 6.02, 10.7, 6.0), "handed_over": (22, 7.51, 6.53, 36.2, 26.3)}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("sim_heldout", ROOT / "scripts" / "sim_heldout.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no_manifest", "manifest.json: cannot read it (No such file or directory)"),
+    ("a_list", "manifest.json: not a JSON object (list)"),
+    ("no_calibration", "manifest.json: 'calibration' must name the calibration run's directory"),
+    ("no_held_out", "manifest.json: 'held_out' must be a non-empty list of run directory names"),
+    ("noise_of_one", "manifest.json: 'noise' must be a list of [run, run] pairs"),
+    ("no_run", "seed3/validate.json: cannot read it (No such file or directory)"),
+    ("no_budget", "seed3/validate.json: no 'workload' object or config.pipeline_ttft_budget_ms"),
+])
+def test_a_manifest_or_run_it_cannot_use_is_one_line(capsys, tmp_path, case, message):
+    """scripts/sim_heldout.py checks the manifest and every run's validate.json before anything
+    runs: one usage line (exit 2), not a KeyError / FileNotFoundError traceback, nothing written."""
+    runs = tmp_path / "my runs"
+    runs.mkdir()
+    man = {"calibration": "cal", "held_out": ["seed3"], "noise": [["seed3", "seed3"]]}
+    for n in ("cal", "seed3"):
+        (runs / n).mkdir()
+        (runs / n / "validate.json").write_text(json.dumps({"workload": {"requests": 2},
+                                                            "config": {"pipeline_ttft_budget_ms": 40}}))
+    if case == "a_list":
+        man = []
+    elif case == "no_calibration":
+        del man["calibration"]
+    elif case == "no_held_out":
+        man["held_out"] = []
+    elif case == "noise_of_one":
+        man["noise"] = [["seed3"]]
+    elif case == "no_run":
+        (runs / "seed3" / "validate.json").unlink()
+    elif case == "no_budget":
+        (runs / "seed3" / "validate.json").write_text(json.dumps({"workload": {"requests": 2}}))
+    if case != "no_manifest":
+        (runs / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(SystemExit) as ex:
+        _script().main(["--out", str(tmp_path / "out"), "--runs", str(runs)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "error: --runs: " in err[-1] and message in err[-1], err
+    assert not (tmp_path / "out").exists()

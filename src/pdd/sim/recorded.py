@@ -172,8 +172,11 @@ def check_role_fits(prof: dict, path: Path) -> None:
 
 
 def require_completed(live: list[dict], purpose: str) -> None:
-    """Raises :class:`RecordedRunError` when no record of the live run completed with tokens
-    (every request failed: nothing to ``purpose``), naming up to three of its errors."""
+    """Raises :class:`RecordedRunError` when the live run has no record (an empty
+    ``requests.jsonl``) or none completed with tokens (every request failed: nothing to
+    ``purpose``), naming up to three of its errors."""
+    if not live:
+        raise RecordedRunError(f"the live run has no request to {purpose} (its requests.jsonl has no records)")
     if not any(r.get("ok") and r.get("token_times_s") for r in live):
         errs = sorted({str(r.get("error"))[:80] for r in live})[:3]
         raise RecordedRunError(f"the live run has no completed request to {purpose} ({len(live)} failed: "
