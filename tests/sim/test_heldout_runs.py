@@ -55,7 +55,8 @@ def test_the_committed_profile_is_the_calibration_runs_fit(resim):
     fit, committed = json.loads((resim / "fit.json").read_text()), json.loads(PROFILE.read_text())
     for k in ("role_step_scale", "role_step_overhead_s", "decode_interference", "wan_send_buffer_bytes",
               "client_delay_s", "gateway_rtt_ms", "fast_path"):
-        assert fit.get(k) == committed.get(k), k
+        # least squares and fixed-point fits: equal to the last few bits on another BLAS or CPU
+        assert fit.get(k) == pytest.approx(committed.get(k), rel=1e-9), k
 
 
 @pytest.mark.parametrize("run", ["cal-seed1", *DOCUMENTED])

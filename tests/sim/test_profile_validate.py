@@ -373,6 +373,13 @@ def test_isolated_prefills_keep_requests_p_served_alone_and_chunk_them():
     assert got[0]["live_s"] == pytest.approx(0.1)
     assert got[1]["profile_s"] == pytest.approx(0.0056)
     assert got[1]["live_s"] == pytest.approx(0.0124)
+    # a P interval that is no sample itself (all cached, or no prompt_tokens) still occupies P:
+    # the prefill beside it is not alone
+    beside = [_rec(0.0, 600, 0, 100.0), _rec(0.05, 128, 128, 5.0)]
+    assert isolated_prefills(beside, _LinearStep, 512) == []
+    nolen = {**_rec(0.05, 100, 0, 5.0)}
+    nolen.pop("prompt_tokens")
+    assert isolated_prefills([_rec(0.0, 600, 0, 100.0), nolen], _LinearStep, 512) == []
 
 
 def test_fit_step_scale_recovers_factor_and_step_overhead():

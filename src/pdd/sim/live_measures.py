@@ -182,16 +182,15 @@ def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -
     for rec in live_records:
         p = rec.get("pdd") or {}
         ev = p.get("events_ms") or {}
-        if not rec.get("ok") or "p_first_token" not in ev or not rec.get("prompt_tokens"):
+        if not rec.get("ok") or "p_first_token" not in ev:
             continue
-        prompt, cached = int(rec["prompt_tokens"]), int(p.get("p_cached_tokens") or 0)
-        if prompt - cached < 1:
-            continue
+        prompt, cached = int(rec.get("prompt_tokens") or 0), int(p.get("p_cached_tokens") or 0)
         t0 = float(rec["send_s"])
+        # every P interval counts for the overlap test; only those with tokens to compute are samples
         iv.append((t0, t0 + ev["p_first_token"] / 1000.0, prompt, cached))
     out = []
     for i, (a, b, prompt, cached) in enumerate(iv):
-        if any(j != i and x[0] < b and x[1] > a for j, x in enumerate(iv)):
+        if prompt - cached < 1 or any(j != i and x[0] < b and x[1] > a for j, x in enumerate(iv)):
             continue
         s0, t, k = cached, 0.0, 0
         while s0 < prompt:
