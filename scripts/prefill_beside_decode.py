@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -93,8 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.decode_loop:
         decode_loop(a.model, a.decode_loop[0], int(a.decode_loop[1]), a.batch, 1500, a.decode_loop[2])
         return 0
-    if not os.path.exists(os.path.join(a.model, "config.json")):
-        ap.error(f"--model {a.model}: no checkpoint (make one with: pdd make-model --out {a.model})")
+    if not a.seconds > 0:
+        ap.error(f"--seconds must be > 0, got {a.seconds}")
+    if a.batch < 1:
+        ap.error(f"--batch must be >= 1, got {a.batch}")
+    cfg = os.path.join(a.model, "config.json")
+    if not os.path.isfile(cfg):
+        ap.error(f"--model {a.model}: no checkpoint's config.json in it (make one with: pdd make-model --out DIR)")
+    try:
+        with open(cfg) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        ap.error(f"--model {a.model}: cannot read config.json ({e})")
     settings = [None, ("float32", 16), ("bfloat16", 16), ("float32", 32), ("bfloat16", 32)]
     pooled: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

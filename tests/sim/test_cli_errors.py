@@ -336,8 +336,14 @@ PROFILE = "data/profiles/this-machine.json"
     ("profile_dir", "--profile", "is a directory"),
     ("profile_bad_factor", "--profile", "decode_interference['RLD'] must be a finite number >= 1, got 0.5"),
     ("profile_bad_scale", "--profile", "role_step_scale must be an object of role -> number, got 1.5"),
+    ("profile_bad_rtt", "--profile", "gateway_rtt_ms must be a finite number > 0, got 'fast'"),
+    ("profile_bad_delay", "--profile", "client_delay_s must be a finite number >= 0, got -1"),
+    ("profile_bad_fast_path", "--profile", "fast_path must be an object with gbps > 0 and latency_s >= 0, got 'x'"),
     ("out_dir_missing", "--out", "no such directory"),
     ("all_failed", "--run", "no completed request to fit (2 failed: ConnectionResetError)"),
+    ("stats_not_object", "--run", "stats must be an object with an 'instances' object"),
+    ("busy_not_number", "--run", "stats.instances.p0.engine_busy_s must be a number, got 'x'"),
+    ("requests_text", "--run", "workload.requests must be a number, got '100'"),
     ("no_records", "--run", "no request to fit (its requests.jsonl has no records)"),
 ])
 def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, flag, message):
@@ -365,13 +371,25 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
         (tmp_path / "list.json").write_text("[1, 2]")
     elif case == "profile_dir":
         profile = str(run)
-    elif case in ("profile_bad_factor", "profile_bad_scale"):  # a hand-edited fit
+    elif case.startswith("profile_bad_"):  # a hand-edited fit
         prof = json.loads(Path(PROFILE).read_text())
-        prof.update({"decode_interference": {"RLD": 0.5}} if case == "profile_bad_factor" else {"role_step_scale": 1.5})
+        prof.update({"profile_bad_factor": {"decode_interference": {"RLD": 0.5}},
+                     "profile_bad_scale": {"role_step_scale": 1.5},
+                     "profile_bad_rtt": {"gateway_rtt_ms": "fast"},
+                     "profile_bad_delay": {"client_delay_s": -1},
+                     "profile_bad_fast_path": {"fast_path": "x"}}[case])
         profile = str(tmp_path / "bad.json")
         (tmp_path / "bad.json").write_text(json.dumps(prof))
     elif case == "out_dir_missing":
         out = str(tmp_path / "nosuch" / "out.json")
+    elif case == "stats_not_object":
+        (run / "server_stats.json").write_text('{"stats": 5}')
+    elif case == "busy_not_number":
+        (run / "server_stats.json").write_text(json.dumps({"stats": {"instances": {"p0": {"engine_busy_s": "x"}}}}))
+    elif case == "requests_text":
+        v = json.loads((run / "validate.json").read_text())
+        v["workload"]["requests"] = "100"
+        (run / "validate.json").write_text(json.dumps(v))
     elif case == "all_failed":  # a killed topology: nothing to fit, and no profile written
         (run / "requests.jsonl").write_text("".join(json.dumps({"ok": False, "error": "ConnectionResetError"}) + "\n"
                                                     for _ in range(2)))

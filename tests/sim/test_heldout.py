@@ -85,6 +85,7 @@ def _run_dir(tmp_path, name, workload=None, live=None, sim=None, dm=None, record
     (d / "validate.json").write_text(json.dumps(v))
     if records is not None:
         (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (d / "server_stats.json").write_text((RUN / "server_stats.json").read_text())
     return d
 
 
@@ -168,3 +169,44 @@ def test_live_failures_are_shown_beside_each_run(tmp_path):
     text = format_report(rep)
     assert "| session_seed=2 | 208 (3 failed live) |" in text
     assert "| none | 29 (0 / 1 failed live) |" in text
+
+
+def test_a_run_judged_must_be_simulated_as_the_calibration_and_not_fitted_on_itself(tmp_path):
+    """A held-out validate.json simulated with another profile fit (a recorded run's stale
+    simulated half) or with a profile fitted on that very run is refused, naming the run."""
+    cal = _run_dir(tmp_path, "cal")
+    other = _run_dir(tmp_path, "other", {"session_seed": 2})
+    v = json.loads((other / "validate.json").read_text())
+    v["profile"]["role_step_overhead_s"] = {"P": 0.001}
+    (other / "validate.json").write_text(json.dumps(v))
+    with pytest.raises(ValueError, match=r"other: simulated with another profile fit than the calibration run .*"
+                                         r"\(role_step_overhead_s differ\)"):
+        held_out_report(cal, [other])
+    # the calibration's profile says it was fitted on this run's live records
+    fitted = json.loads((cal / "validate.json").read_text())["profile"]["role_overhead_from"]
+    selfish = _run_dir(tmp_path, "selfish", {"session_seed": 3})
+    v = json.loads((selfish / "validate.json").read_text())
+    v["live_from"] = fitted
+    (selfish / "validate.json").write_text(json.dumps(v))
+    with pytest.raises(ValueError, match=r"selfish: its profile was fitted on this run"):
+        held_out_report(cal, [selfish])
+
+
+def test_noise_floor_needs_two_runs_of_one_topology(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    recs = _small()
+    n1 = _run_dir(tmp_path, "n1", {"session_seed": 3}, records=recs)
+    with pytest.raises(ValueError, match="one directory twice"):
+        held_out_report(cal, [ho], (n1, n1))
+    n2 = _run_dir(tmp_path, "n2", {"session_seed": 3}, records=recs)
+    st = json.loads((n2 / "server_stats.json").read_text())
+    st["stats"]["instances"]["md0"]["hardware"] = {"device": "cpu", "dtype": "bfloat16", "page_size": 32}
+    (n2 / "server_stats.json").write_text(json.dumps(st))
+    with pytest.raises(ValueError, match="different topologies"):
+        held_out_report(cal, [ho], (n1, n2))
+    bad = copy.deepcopy(recs)
+    bad[3]["send_s"] = "abc"
+    n3 = _run_dir(tmp_path, "n3", {"session_seed": 3}, records=bad)
+    with pytest.raises(ValueError, match=r"requests.jsonl line 4: send_s must be a number"):
+        held_out_report(cal, [ho], (n1, n3))

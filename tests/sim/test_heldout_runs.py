@@ -131,3 +131,32 @@ def test_a_manifest_or_run_it_cannot_use_is_one_line(capsys, tmp_path, case, mes
     err = capsys.readouterr().err.strip().splitlines()
     assert "error: --runs: " in err[-1] and message in err[-1], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("run,config,ran", [
+    ("seed4-het", None, "md0 ran bfloat16 on 32-token pages (the config: float32 on 16)"),
+    ("seed4", "seed4-het/cluster.yaml", "md0 ran float32 on 16-token pages (the config: bfloat16 on 32)"),
+])
+def test_a_run_is_not_resimulated_on_another_topology(resim, capsys, run, config, ran):
+    """The recorded tiers' engine settings (server_stats.json) must be the config's: the
+    heterogeneous run without its --config (or the homogeneous one with it) is refused in one
+    line, by validate --live-from and by calibrate-roles."""
+    from pdd.cli import main as pdd
+
+    extra = ["--config", str(RUNS / config)] if config else []
+    mp = pytest.MonkeyPatch()
+    mp.chdir(resim.parent)  # the runs' model, models/small
+    try:
+        for argv in (["sim", "validate", "--profile", str(PROFILE), "--live-from", str(RUNS / run), "--out",
+                      str(resim.parent / "refused"), "--requests", "100", "--rate", "1.0", "--session-seed", "4",
+                      "--max-output-tokens", "24", "--budget-ms", "40", *extra],
+                     ["sim", "calibrate-roles", "--run", str(RUNS / run), "--profile", str(PROFILE), "--out",
+                      str(resim.parent / "refused.json"), *extra]):
+            with pytest.raises(SystemExit) as ex:
+                pdd(argv)
+            assert ex.value.code == 2
+            err = capsys.readouterr().err
+            assert f"not the same topology: {ran}; give the run's own --config" in err and "Traceback" not in err
+    finally:
+        mp.undo()
+    assert not (resim.parent / "refused.json").exists()

@@ -16,7 +16,7 @@ import numpy as np
 
 from pdd.sim.live_measures import (isolated_prefills, live_client_delay_s, live_decode_interference, live_fast_path,
                                    live_gateway_rtt_ms, live_role_steps, live_wan_payload_bytes)
-from pdd.sim.recorded import RecordedRunError, load_profile_checked, read_run, require_completed
+from pdd.sim.recorded import RecordedRunError, check_same_engines, load_profile_checked, read_run, require_completed
 from pdd.sim.validate import build_workload, sim_role_steps, simulate, validate_config
 from pdd.step_profile import MeasuredStepModel
 
@@ -152,6 +152,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
         raise RecordedRunError(f"{run_dir / 'validate.json'}: workload lacks {', '.join(missing)} (not a `pdd sim "
                                "validate` output)")
     cfg = validate_config(config, budget)
+    check_same_engines(entry, cfg)  # fitted on the topology the run had, not the default one
     prof = load_profile_checked(profile)
     require_completed(live_recs, "fit")
     prof.pop("role_step_overhead_s", None)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdd.sim.recorded import RecordedRunError, read_run, run_engines
 from pdd.sim.validate import decisions_of, error_distribution
 
 # the goals of issue 25 (docs/SIM.md): |TTFT P50| and |TTFT P90| error, decision match
@@ -95,15 +96,47 @@ def read_records(run_dir: str | Path) -> list[dict]:
 
 
 def read_validate(run_dir: str | Path) -> dict:
+    """``validate.json`` of a ``pdd sim validate`` directory, with its ``workload``, ``live``
+    and ``sim`` objects and decision match (ValueError naming the file and field)."""
     p = Path(run_dir) / "validate.json"
     try:
         v = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{p}: cannot read a validate result: {e}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{p}: not a JSON object")
     for k in ("workload", "live", "sim", "decision_match_share"):
         if k not in v:
             raise ValueError(f"{p}: {k} is missing")
+    for k in ("workload", "live", "sim"):
+        if not isinstance(v[k], dict):
+            raise ValueError(f"{p}: {k} must be an object, got {v[k]!r}")
     return v
+
+
+# the profile fields a re-simulation applies (pdd.sim.validate.simulate): held-out runs must share them
+FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "wan_send_buffer_bytes",
+              "client_delay_s", "gateway_rtt_ms", "fast_path", "role_overhead_from")
+
+
+def _same_path(a, b) -> bool:
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def check_simulated_alike(cal_dir, cal: dict, d, v: dict) -> None:
+    """ValueError when the held-out run ``d`` (its validate.json ``v``) cannot be judged against
+    the calibration run: its simulation applied another profile fit than the calibration's
+    (``FIT_FIELDS``: e.g. a recorded run's own, older simulated half), or the profile was fitted
+    on this very run (``profile.role_overhead_from`` is its live run)."""
+    pc, pv = cal.get("profile") or {}, v.get("profile") or {}
+    diff = [k for k in FIT_FIELDS if pc.get(k) != pv.get(k)]
+    if diff:
+        raise ValueError(f"{d}: simulated with another profile fit than the calibration run {cal_dir} ("
+                         f"{', '.join(diff)} differ); re-simulate both with one profile: pdd sim validate "
+                         "--profile FIT --live-from RUN")
+    fitted = pv.get("role_overhead_from")
+    if _same_path(fitted, v.get("live_from") or d):
+        raise ValueError(f"{d}: its profile was fitted on this run ({fitted}): not held out")
 
 
 def _workload(v: dict) -> dict:
@@ -138,6 +171,7 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
         w = _workload(v)
         if w == cw:
             raise ValueError(f"{d}: the same workload as the calibration run {calibration}: not held out")
+        check_simulated_alike(calibration, cal, d, v)
         row = {"run": str(d), "workload": w, "changed": sorted(k for k in w if w[k] != cw[k]),
                "requests_compared": v.get("requests_compared"), "live_failed": v.get("live_failed") or 0,
                "live": v["live"], "sim": v["sim"],
@@ -153,12 +187,25 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
            "all_meet": bool(runs) and all(all(r["meets"].values()) for r in runs)}
     if noise:
         a, b = noise
+        if _same_path(a, b):
+            raise ValueError(f"--noise {a} {b}: one directory twice; the noise floor needs two live runs")
         va, vb = read_validate(a), read_validate(b)
         if _workload(va) != _workload(vb):
             raise ValueError(f"--noise {a} {b}: different workloads; the noise floor needs one workload run twice")
-        out["noise_floor"] = {"runs": [str(a), str(b)], "workload": _workload(va),
-                              **live_vs_live(read_records(a), read_records(b))}
+        (_, ra, ea), (_, rb, eb) = _recorded(a), _recorded(b)
+        if run_engines(ea) != run_engines(eb):
+            raise ValueError(f"--noise {a} {b}: different topologies ({run_engines(ea)} vs {run_engines(eb)}); the "
+                             "noise floor needs one topology run twice")
+        out["noise_floor"] = {"runs": [str(a), str(b)], "workload": _workload(va), **live_vs_live(ra, rb)}
     return out
+
+
+def _recorded(run_dir):
+    """``read_run`` of a noise-floor directory, its errors as ValueError (the report's usage errors)."""
+    try:
+        return read_run(run_dir)
+    except RecordedRunError as e:
+        raise ValueError(str(e)) from None
 
 
 def _pct(x) -> str:

@@ -69,11 +69,71 @@ def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict |
 
     v = parse(text("validate.json"), str(d / "validate.json")) \
         if need_validate or (d / "validate.json").exists() else None
-    if v is not None and not isinstance(v.get("workload"), dict):
-        raise RecordedRunError(f"{d / 'validate.json'}: no 'workload' object (not a `pdd sim validate` output)")
+    if v is not None:
+        w = v.get("workload")
+        if not isinstance(w, dict):
+            raise RecordedRunError(f"{d / 'validate.json'}: no 'workload' object (not a `pdd sim validate` output)")
+        for k in WORKLOAD_NUMBERS:
+            if k in w and w[k] is not None and not _number(w[k]):
+                raise RecordedRunError(f"{d / 'validate.json'}: workload.{k} must be a number, got {w[k]!r}")
+        budget = (v.get("config") or {}).get("pipeline_ttft_budget_ms") if isinstance(v.get("config"), dict) else None
+        if budget is not None and not _number(budget):
+            raise RecordedRunError(f"{d / 'validate.json'}: config.pipeline_ttft_budget_ms must be a number, "
+                                   f"got {budget!r}")
     recs = [check_record(parse(x, f"{d / 'requests.jsonl'} line {i}"), f"{d / 'requests.jsonl'} line {i}")
             for i, x in enumerate(text("requests.jsonl").splitlines(), 1) if x.strip()]
-    return v, recs, parse(text("server_stats.json"), str(d / "server_stats.json"))
+    entry = parse(text("server_stats.json"), str(d / "server_stats.json"))
+    check_stats(entry, d / "server_stats.json")
+    return v, recs, entry
+
+
+WORKLOAD_NUMBERS = ("requests", "rate_rps", "block_tokens", "session_sample", "session_seed", "max_output_tokens",
+                    "seed")
+STEP_COUNTERS = ("engine_steps", "engine_busy_s")  # what live_measures.live_role_steps reads of an instance
+
+
+def check_stats(entry: dict, path: Path) -> None:
+    """``server_stats.json``'s ``stats`` and ``stats_before``, when present: objects whose
+    ``instances`` is an object of name -> object, each one's step counters numbers and its
+    ``hardware`` an object. Raises :class:`RecordedRunError` naming the file and field."""
+    for key in ("stats", "stats_before"):
+        st = entry.get(key)
+        if st is None:
+            continue
+        if not isinstance(st, dict) or not isinstance(st.get("instances", {}), dict):
+            raise RecordedRunError(f"{path}: {key} must be an object with an 'instances' object")
+        for name, inst in st.get("instances", {}).items():
+            if not isinstance(inst, dict):
+                raise RecordedRunError(f"{path}: {key}.instances.{name} must be an object")
+            for c in STEP_COUNTERS:
+                if c in inst and not _number(inst[c]):
+                    raise RecordedRunError(f"{path}: {key}.instances.{name}.{c} must be a number, got {inst[c]!r}")
+            if "hardware" in inst and not isinstance(inst["hardware"], dict):
+                raise RecordedRunError(f"{path}: {key}.instances.{name}.hardware must be an object")
+
+
+def run_engines(entry: dict) -> dict[str, tuple]:
+    """The engine settings each instance ran with in a recorded run, from ``server_stats.json``
+    (``stats.instances.<name>.hardware``: ``dtype``, ``page_size``): ``{name: (dtype,
+    page_size)}`` for the instances that recorded them."""
+    out = {}
+    for name, inst in ((entry.get("stats") or {}).get("instances") or {}).items():
+        hw = inst.get("hardware") or {}
+        if "dtype" in hw and "page_size" in hw:
+            out[name] = (hw["dtype"], hw["page_size"])
+    return out
+
+
+def check_same_engines(entry: dict, cfg) -> None:
+    """Raise :class:`WorkloadMismatch` when a recorded run's instances ran other engine settings
+    (KV dtype, page size: :func:`run_engines`) than ``cfg`` (a ``ClusterConfig``) gives them:
+    re-simulating it on that config would model another topology. Names each instance, both
+    settings and the flag to give."""
+    diff = [f"{name} ran {dtype} on {page}-token pages (the config: {e.dtype} on {e.page_size})"
+            for name, (dtype, page) in sorted(run_engines(entry).items())
+            for e in [cfg.engine_for(name)] if (e.dtype, e.page_size) != (dtype, page)]
+    if diff:
+        raise WorkloadMismatch(f"not the same topology: {'; '.join(diff)}; give the run's own --config")
 
 
 def _number(x) -> bool:
@@ -108,7 +168,10 @@ def check_record(rec: dict, where: str) -> dict:
 def check_same_run(recorded: dict, now: dict) -> None:
     """Raise :class:`WorkloadMismatch` naming every argument (and its flag) of ``now`` (a
     validate.json-shaped ``{"workload": ..., "config": ...}``) that differs from the recorded
-    run's; an argument the recorded run lacks is not compared."""
+    run's; an argument the recorded run lacks is not compared, except the budget (without it the
+    directory is not a ``pdd sim validate`` output: :class:`RecordedRunError`)."""
+    if not _number((recorded.get("config") or {}).get("pipeline_ttft_budget_ms")):
+        raise RecordedRunError("validate.json: no config.pipeline_ttft_budget_ms (not a `pdd sim validate` output)")
     diff = []
     for sec, key, flag in _RUN_ARGS:
         rec, cur = (recorded.get(sec) or {}).get(key), (now.get(sec) or {}).get(key)
@@ -148,13 +211,16 @@ SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tie
 
 
 # the per-role corrections calibrate-roles writes into a profile: field -> (lowest value, closed)
+# the scalar fits calibrate-roles writes: field -> (lowest value, closed)
+SCALAR_FITS = {"gateway_rtt_ms": (0.0, False), "client_delay_s": (0.0, True), "wan_send_buffer_bytes": (0.0, True)}
 ROLE_FITS = {"role_step_scale": (0.0, False), "role_step_overhead_s": (0.0, True), "decode_interference": (1.0, True)}
 
 
 def check_role_fits(prof: dict, path: Path) -> None:
     """Raises :class:`RecordedRunError` naming the file and field when a per-role correction
-    (``ROLE_FITS``) is not an object of role -> finite number in its range (a hand-edited
-    profile)."""
+    (``ROLE_FITS``) is not an object of role -> finite number in its range, a scalar fit
+    (``SCALAR_FITS``) is not a finite number in its range, or ``fast_path`` is not an object of
+    ``gbps`` > 0 and ``latency_s`` >= 0 (a hand-edited profile)."""
     for field, (lo, closed) in ROLE_FITS.items():
         v = prof.get(field)
         if v is None:
@@ -169,6 +235,16 @@ def check_role_fits(prof: dict, path: Path) -> None:
             if not (_number(x) and (x >= lo if closed else x > lo)):
                 raise RecordedRunError(f"{path}: {field}[{role!r}] must be a finite number "
                                        f"{'>=' if closed else '>'} {lo:g}, got {x!r}", "profile")
+    for field, (lo, closed) in SCALAR_FITS.items():
+        x = prof.get(field)
+        if x is not None and not (_number(x) and (x >= lo if closed else x > lo)):
+            raise RecordedRunError(f"{path}: {field} must be a finite number {'>=' if closed else '>'} {lo:g}, "
+                                   f"got {x!r}", "profile")
+    fp = prof.get("fast_path")
+    if fp is not None and not (isinstance(fp, dict) and _number(fp.get("gbps")) and fp["gbps"] > 0
+                               and _number(fp.get("latency_s")) and fp["latency_s"] >= 0):
+        raise RecordedRunError(f"{path}: fast_path must be an object with gbps > 0 and latency_s >= 0, got {fp!r}",
+                               "profile")
 
 
 def require_completed(live: list[dict], purpose: str) -> None:

@@ -31,8 +31,8 @@ import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
-from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_run, load_profile_checked, read_run,
-                              require_completed)
+from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run,
+                              load_profile_checked, read_run, require_completed)
 from pdd.topology import free_port_block
 from pdd.workload.replay import Scale
 
@@ -377,6 +377,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                          "session_sample": session_sample, "session_seed": session_seed,
                          "max_output_tokens": scale.max_output_tokens, "seed": seed},
             "config": {"pipeline_ttft_budget_ms": budget_ms}})
+        check_same_engines(recorded[2], cfg)  # e.g. a heterogeneous run re-simulated without its --config
     console.print(f"{len(requests)} requests, prompts mean {np.mean([len(r.prompt_ids) for r in requests]):.0f} "
                   f"tokens, outputs mean {np.mean([r.max_tokens for r in requests]):.0f}, {rate} req/s")
     if recorded is not None:
