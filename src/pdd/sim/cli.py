@@ -617,7 +617,8 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
                                              "isolated prefills, each role's per-step overhead) on one validate run "
                                              "and write it into the profile")
     c.add_argument("--run", required=True, help="a `pdd sim validate --out` directory (the calibration run)")
-    c.add_argument("--profile", required=True)
+    c.add_argument("--profile", required=True, help="the bare engine's step profile (`pdd profile`) the fits are "
+                                                    "made over; its earlier fits are replaced")
     c.add_argument("--out", default=None, help="profile to write (default: --profile in place)")
     c.add_argument("--config", default=None, help="the cluster config (YAML/JSON) the run was made with "
                                                   "(default: the embedded topology)")

@@ -196,7 +196,11 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
         if run_engines(ea) != run_engines(eb):
             raise ValueError(f"--noise {a} {b}: different topologies ({run_engines(ea)} vs {run_engines(eb)}); the "
                              "noise floor needs one topology run twice")
-        out["noise_floor"] = {"runs": [str(a), str(b)], "workload": _workload(va), **live_vs_live(ra, rb)}
+        try:
+            nf = live_vs_live(ra, rb)
+        except ValueError as e:
+            raise ValueError(f"--noise {a} {b}: {e}") from None
+        out["noise_floor"] = {"runs": [str(a), str(b)], "workload": _workload(va), **nf}
     return out
 
 

@@ -478,7 +478,8 @@ def format_validate(res: dict) -> str:
               f"identical\ncompute share of TTFT {res['compute_share_of_ttft']:.0%}; "
               f"(with P's role overhead {res.get('compute_share_of_ttft_with_role_overhead', 0):.0%}); "
               f"{res['requests_compared']} requests compared, {failed}; live "
-              f"{res['live_wall_s'] or 0:.0f} s, sim {res['sim_wall_s']:.2f} s"
+              + (f"{res['live_wall_s']:.0f} s" if res.get("live_wall_s") is not None else
+                 f"run reused from {res.get('live_from')}") + f", sim {res['sim_wall_s']:.2f} s"
               f"\nrole step overheads (ms): " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in ovh.items())
             + ("; step factors: " + ", ".join(f"{t} x{v:.3f}" for t, v in scale.items()) if scale else "") + steps
             + paths + inputs)
