@@ -31,10 +31,7 @@ import sys
 from pathlib import Path
 
 from pdd.cli import main as pdd
-
-WORKLOAD_FLAGS = (("requests", "--requests"), ("rate_rps", "--rate"), ("block_tokens", "--block-tokens"),
-                  ("session_sample", "--session-sample"), ("session_seed", "--session-seed"),
-                  ("max_output_tokens", "--max-output-tokens"))
+from pdd.sim.recorded import RUN_ARGS
 
 
 def run_args(run: Path) -> list[str]:
@@ -52,10 +49,11 @@ def run_args(run: Path) -> list[str]:
         raise ValueError(f"{f}: no 'workload' object or config.pipeline_ttft_budget_ms "
                          "(not a `pdd sim validate` output)")
     out = []
-    for k, flag in WORKLOAD_FLAGS:
-        if w.get(k) is not None:
-            out += [flag, str(w[k])]
-    return out + ["--budget-ms", str(budget)]
+    for sec, key, flag in RUN_ARGS:  # the flags check_same_run compares a reused run by
+        x = v[sec].get(key)
+        if x is not None and flag.startswith("--"):
+            out += [flag, str(x)]
+    return out
 
 
 def check_manifest(man) -> None:

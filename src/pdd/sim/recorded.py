@@ -30,8 +30,9 @@ class WorkloadMismatch(RecordedRunError):
     """A reused live run (``--live-from``) was made with other workload arguments."""
 
 
-# validate.json "workload" / "config" keys a reused live run must share, and their flags
-_RUN_ARGS = (("workload", "requests", "--requests"), ("workload", "rate_rps", "--rate"),
+# validate.json "workload" / "config" keys a reused live run must share, and their flags (`pdd sim
+# validate`'s; "seed" has none)
+RUN_ARGS = (("workload", "requests", "--requests"), ("workload", "rate_rps", "--rate"),
              ("workload", "block_tokens", "--block-tokens"), ("workload", "session_sample", "--session-sample"),
              ("workload", "session_seed", "--session-seed"),
              ("workload", "max_output_tokens", "--max-output-tokens"), ("workload", "seed", "seed"),
@@ -73,13 +74,10 @@ def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict |
         w = v.get("workload")
         if not isinstance(w, dict):
             raise RecordedRunError(f"{d / 'validate.json'}: no 'workload' object (not a `pdd sim validate` output)")
-        for k in WORKLOAD_NUMBERS:
-            if k in w and w[k] is not None and not _number(w[k]):
-                raise RecordedRunError(f"{d / 'validate.json'}: workload.{k} must be a number, got {w[k]!r}")
-        budget = (v.get("config") or {}).get("pipeline_ttft_budget_ms") if isinstance(v.get("config"), dict) else None
-        if budget is not None and not _number(budget):
-            raise RecordedRunError(f"{d / 'validate.json'}: config.pipeline_ttft_budget_ms must be a number, "
-                                   f"got {budget!r}")
+        for sec, key, _ in RUN_ARGS:  # the arguments that define the run: numbers where present
+            x = v[sec].get(key) if isinstance(v.get(sec), dict) else None
+            if x is not None and not _number(x):
+                raise RecordedRunError(f"{d / 'validate.json'}: {sec}.{key} must be a number, got {x!r}")
     recs = [check_record(parse(x, f"{d / 'requests.jsonl'} line {i}"), f"{d / 'requests.jsonl'} line {i}")
             for i, x in enumerate(text("requests.jsonl").splitlines(), 1) if x.strip()]
     entry = parse(text("server_stats.json"), str(d / "server_stats.json"))
@@ -87,8 +85,6 @@ def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict |
     return v, recs, entry
 
 
-WORKLOAD_NUMBERS = ("requests", "rate_rps", "block_tokens", "session_sample", "session_seed", "max_output_tokens",
-                    "seed")
 STEP_COUNTERS = ("engine_steps", "engine_busy_s")  # what live_measures.live_role_steps reads of an instance
 
 
@@ -173,7 +169,7 @@ def check_same_run(recorded: dict, now: dict) -> None:
     if not _number((recorded.get("config") or {}).get("pipeline_ttft_budget_ms")):
         raise RecordedRunError("validate.json: no config.pipeline_ttft_budget_ms (not a `pdd sim validate` output)")
     diff = []
-    for sec, key, flag in _RUN_ARGS:
+    for sec, key, flag in RUN_ARGS:
         rec, cur = (recorded.get(sec) or {}).get(key), (now.get(sec) or {}).get(key)
         if rec is None or cur is None:
             continue
