@@ -344,6 +344,8 @@ PROFILE = "data/profiles/this-machine.json"
     ("stats_not_object", "--run", "stats must be an object with an 'instances' object"),
     ("busy_not_number", "--run", "stats.instances.p0.engine_busy_s must be a number, got 'x'"),
     ("requests_text", "--run", "workload.requests must be a number, got '100'"),
+    ("lost_instance", "--run", "the live run lost an instance (md0 unreachable at the run's end; 1 of 2 requests "
+                               "degraded (an instance lost mid-run)): not a calibration run"),
     ("no_records", "--run", "no request to fit (its requests.jsonl has no records)"),
 ])
 def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, flag, message):
@@ -390,6 +392,11 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
         v = json.loads((run / "validate.json").read_text())
         v["workload"]["requests"] = "100"
         (run / "validate.json").write_text(json.dumps(v))
+    elif case == "lost_instance":  # MD killed mid-run: the gateway finished on a fallback path
+        (run / "requests.jsonl").write_text(
+            json.dumps({"ok": True, "send_s": 0.0, "token_times_s": [0.1], "pdd": {"degraded": True}}) + "\n"
+            + json.dumps({"ok": True, "send_s": 0.0, "token_times_s": [0.1]}) + "\n")
+        (run / "server_stats.json").write_text(json.dumps({"flush": {"unreachable": ["md0"]}}))
     elif case == "all_failed":  # a killed topology: nothing to fit, and no profile written
         (run / "requests.jsonl").write_text("".join(json.dumps({"ok": False, "error": "ConnectionResetError"}) + "\n"
                                                     for _ in range(2)))

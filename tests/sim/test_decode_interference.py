@@ -224,3 +224,7 @@ def test_validate_names_what_the_simulator_was_given():
         in format_validate(v)
     v["live_failed"], v["live_errors"] = 2, ["ConnectionResetError"]
     assert "2 live failures (ConnectionResetError)" in format_validate(v)
+    assert "WARNING" not in format_validate(v)
+    v["live_faults"] = {"degraded": 10, "unreachable": ["md0"]}
+    assert ("WARNING: the live run lost an instance (md0 unreachable at the run's end; 10 of "
+            f"{v['requests_compared']} requests degraded (an instance lost mid-run))") in format_validate(v)

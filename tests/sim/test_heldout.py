@@ -210,3 +210,13 @@ def test_noise_floor_needs_two_runs_of_one_topology(tmp_path):
     n3 = _run_dir(tmp_path, "n3", {"session_seed": 3}, records=bad)
     with pytest.raises(ValueError, match=r"requests.jsonl line 4: send_s must be a number"):
         held_out_report(cal, [ho], (n1, n3))
+
+
+def test_a_run_that_lost_an_instance_is_not_judged(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v["live_faults"] = {"degraded": 3, "unreachable": []}
+    (ho / "validate.json").write_text(json.dumps(v))
+    with pytest.raises(ValueError, match=r"ho: its live run lost an instance \(3 of .* requests degraded"):
+        held_out_report(cal, [ho])

@@ -16,7 +16,8 @@ import numpy as np
 
 from pdd.sim.live_measures import (isolated_prefills, live_client_delay_s, live_decode_interference, live_fast_path,
                                    live_gateway_rtt_ms, live_role_steps, live_wan_payload_bytes)
-from pdd.sim.recorded import RecordedRunError, check_same_engines, load_profile_checked, read_run, require_completed
+from pdd.sim.recorded import (RecordedRunError, check_same_engines, faults_text, load_profile_checked, read_run,
+                              require_completed, run_faults)
 from pdd.sim.validate import build_workload, sim_role_steps, simulate, validate_config
 from pdd.step_profile import MeasuredStepModel
 
@@ -155,6 +156,10 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     check_same_engines(entry, cfg)  # fitted on the topology the run had, not the default one
     prof = load_profile_checked(profile)
     require_completed(live_recs, "fit")
+    bad = faults_text(run_faults(live_recs, entry), len(live_recs))
+    if bad:  # fitted on a run that lost an instance, every fit would hold the fault
+        raise RecordedRunError(f"{run_dir}: the live run lost an instance ({bad}): not a calibration run; record "
+                               "another")
     prof.pop("role_step_overhead_s", None)
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdd.sim.recorded import RecordedRunError, read_run, run_engines
+from pdd.sim.recorded import RecordedRunError, faults_text, read_run, run_engines
 from pdd.sim.validate import decisions_of, error_distribution
 
 # the goals of issue 25 (docs/SIM.md): |TTFT P50| and |TTFT P90| error, decision match
@@ -172,6 +172,10 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
         if w == cw:
             raise ValueError(f"{d}: the same workload as the calibration run {calibration}: not held out")
         check_simulated_alike(calibration, cal, d, v)
+        lost = faults_text(v.get("live_faults") or {"degraded": 0, "unreachable": []}, v.get("requests_compared") or 0)
+        if lost:
+            raise ValueError(f"{d}: its live run lost an instance ({lost}): it measured another topology; not a "
+                             "held-out run")
         row = {"run": str(d), "workload": w, "changed": sorted(k for k in w if w[k] != cw[k]),
                "requests_compared": v.get("requests_compared"), "live_failed": v.get("live_failed") or 0,
                "live": v["live"], "sim": v["sim"],

@@ -243,6 +243,23 @@ def check_role_fits(prof: dict, path: Path) -> None:
                                "profile")
 
 
+def run_faults(live: list[dict], entry: dict) -> dict:
+    """What went wrong in a recorded live run beyond failed requests: ``degraded`` (requests the
+    gateway finished on a fallback path after losing an instance: their ``pdd.degraded``) and
+    ``unreachable`` (instances the end-of-run flush could not reach: ``flush.unreachable`` of
+    ``server_stats.json``). Such a run measured another topology than the one simulated."""
+    unreach = (entry.get("flush") or {}).get("unreachable") if isinstance(entry.get("flush"), dict) else None
+    return {"degraded": sum(1 for r in live if (r.get("pdd") or {}).get("degraded")),
+            "unreachable": [str(x) for x in unreach] if isinstance(unreach, list) else []}
+
+
+def faults_text(f: dict, n: int) -> str:
+    """One phrase for :func:`run_faults`' result over ``n`` requests ('' when the run was clean)."""
+    parts = ([f"{', '.join(f['unreachable'])} unreachable at the run's end"] if f["unreachable"] else []) \
+        + ([f"{f['degraded']} of {n} requests degraded (an instance lost mid-run)"] if f["degraded"] else [])
+    return "; ".join(parts)
+
+
 def require_completed(live: list[dict], purpose: str) -> None:
     """Raises :class:`RecordedRunError` when the live run has no record (an empty
     ``requests.jsonl``) or none completed with tokens (every request failed: nothing to

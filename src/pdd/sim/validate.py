@@ -31,8 +31,8 @@ import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
-from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run,
-                              load_profile_checked, read_run, require_completed)
+from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run, faults_text,
+                              load_profile_checked, read_run, require_completed, run_faults)
 from pdd.topology import free_port_block
 from pdd.workload.replay import Scale
 
@@ -387,10 +387,10 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         t_live = time.time()
         live, entry = live_run(cfg, requests, out, seed, console)
         live_s = time.time() - t_live
+    require_completed(live, "compare")  # first: an empty or all-failed run is not a workload mismatch
     if len(live) != len(requests):
         raise WorkloadMismatch(f"live run has {len(live)} requests, the workload {len(requests)}: not the same "
                                "workload (give the run's own workload arguments: its validate.json 'workload')")
-    require_completed(live, "compare")
     ovh = prof.get("role_step_overhead_s") or {}
     wb = float(prof.get("wan_send_buffer_bytes", 0.0))
     t_sim = time.time()
@@ -423,6 +423,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                                                                   (prof.get("role_step_scale") or {}).get("P", 1.0)),
         "role_steps": {"live": live_role_steps(entry), "sim": sim_role_steps(sim)},
         "live_failed": sum(1 for r in live if not r.get("ok")),
+        "live_faults": run_faults(live, entry),
         "live_errors": sorted({str(r.get("error"))[:80] for r in live if not r.get("ok")})[:5],
         "live_from": str(live_from) if live_from else None,
         "live_wall_s": live_s, "sim_wall_s": sim_s, "wall_s": time.time() - t0,
@@ -471,6 +472,9 @@ def format_validate(res: dict) -> str:
                     f"sim {g['p50_tpot_ms']['sim']:.2f} ms, longest token gap P50 live "
                     f"{g['p50_max_gap_ms']['live']:.1f} / sim {g['p50_max_gap_ms']['sim']:.1f} ms"
                     for name, g in (res.get("tpot_by_path") or {}).items() if g.get("requests"))
+    lost = faults_text(res.get("live_faults") or {"degraded": 0, "unreachable": []}, res["requests_compared"])
+    warn = f"\nWARNING: the live run lost an instance ({lost}): it measured another topology than the " \
+        "simulated one; do not read its errors as the simulator's" if lost else ""
     errs = res.get("live_errors") or []
     failed = (f"{res['live_failed']} live failures" + (f" ({'; '.join(errs)})" if errs and res['live_failed'] else ""))
     return (table(rows, ["metric", "live", "sim", "rel_err"])
@@ -482,4 +486,4 @@ def format_validate(res: dict) -> str:
                  f"run reused from {res.get('live_from')}") + f", sim {res['sim_wall_s']:.2f} s"
               f"\nrole step overheads (ms): " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in ovh.items())
             + ("; step factors: " + ", ".join(f"{t} x{v:.3f}" for t, v in scale.items()) if scale else "") + steps
-            + paths + inputs)
+            + paths + inputs + warn)
