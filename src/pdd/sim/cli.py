@@ -137,6 +137,10 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
                    "--profile-a / --profile-b override it per chip")
     g.add_argument("--profile-a", default=None, help="measured profile JSON (format of ../shared/calibration)")
     g.add_argument("--profile-b", default=None)
+    g.add_argument("--no-live-fit", action="store_true",
+                   help="ignore the live-run fit `pdd sim calibrate-roles` wrote into --profile / --profile-a "
+                   "(role step scale and overheads, WAN send buffer, client delay, gateway RTT, fast path): "
+                   "the bare engine's step times alone")
     for n, d in (("p", 4), ("rld", 2), ("md", 4), ("d", 4), ("c", 8)):
         g.add_argument(f"--n-{n}", type=NONNEG_INT, default=d)
     g.add_argument("--wan-gbps", type=POS_FLOAT, default=25.0)
@@ -196,27 +200,59 @@ def _profiles(a) -> tuple[str | None, str | None]:
     return a.profile_a or a.profile, a.profile_b or a.profile
 
 
-def _measured_model(a) -> dict | None:
-    """The model shape of a `pdd profile` file given as --profile(-a/-b) (its step times and KV pool
-    belong to that model), else None."""
-    import json
+def _read_profiles(a) -> list[tuple[str, dict]]:
+    """(path, JSON) of each profile given as --profile(-a/-b), chip A's first. SystemExit naming
+    the file when one cannot be read."""
     from pathlib import Path
 
-    for p in _profiles(a):
-        if p:
-            try:
-                prof = json.loads(Path(p).read_text())
-            except (OSError, ValueError) as e:
-                raise SystemExit(f"pdd sim: cannot read profile {p}: {e}")
-            if prof.get("format") == "pdd-profile/1":
-                return prof["model"]
+    out = []
+    for p in dict.fromkeys(x for x in _profiles(a) if x):
+        try:
+            out.append((p, json.loads(Path(p).read_text())))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"pdd sim: cannot read profile {p}: {e}")
+    return out
+
+
+def _measured_model(profiles: list[tuple[str, dict]]) -> dict | None:
+    """The model shape of a `pdd profile` file among ``profiles`` (its step times and KV pool
+    belong to that model), else None."""
+    for _, prof in profiles:
+        if isinstance(prof, dict) and prof.get("format") == "pdd-profile/1":
+            return prof["model"]
     return None
+
+
+def _live_fit(a, profiles: list[tuple[str, dict]], cfg):
+    """``cfg`` with the live-run fit (``pdd.sim.sim_config.with_live_fit``) of chip A's profile
+    (--profile, else --profile-a; the fit is of one whole live run, so one profile carries it),
+    unless --no-live-fit; says on stderr what it applied. Chip B's own fit, when it has another,
+    is named as not applied."""
+    from pdd.sim.sim_config import live_fit_of, with_live_fit
+
+    if a.no_live_fit or not profiles:
+        return cfg
+    path_a, prof_a = profiles[0]
+    if a.profile_a is None and a.profile is None:  # only --profile-b: chip A is a table chip
+        path_a, prof_a = None, {}
+    fields = live_fit_of(prof_a) if isinstance(prof_a, dict) else []
+    for path, prof in profiles:
+        if path != path_a and isinstance(prof, dict) and live_fit_of(prof):
+            print(f"pdd sim: the live-run fit in {path} is not applied (the one of --profile / --profile-a is)",
+                  file=sys.stderr)
+    if not fields:
+        return cfg
+    run = (prof_a.get("role_overhead_from") or {}).get("run")
+    print(f"pdd sim: applying the live-run fit in {path_a}" + (f" (calibrated on {run})" if run else "")
+          + f": {', '.join(fields)}; --no-live-fit ignores it", file=sys.stderr)
+    return with_live_fit(cfg, prof_a)
 
 
 def _make_cfg(a):
     from pdd.sim.cluster import SimConfig
 
-    spec = _measured_model(a)
+    profiles = _read_profiles(a)
+    spec = _measured_model(profiles)
     profile_a, profile_b = _profiles(a)
     kw = dict(
         mode=a.mode, model="measured" if spec else a.model, model_spec=spec, kv_bytes_per_token=a.kv_bytes_per_token, chip_a=a.chip_a, chip_b=a.chip_b,
@@ -230,7 +266,7 @@ def _make_cfg(a):
         prefill_chunk_tokens=a.prefill_chunk_tokens, max_running_seqs=a.max_running_seqs,
         slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     kw.update(_wan_fields(a))  # --config's WAN line replaces --wan-gbps / --wan-rtt-ms / --wan-order too
-    return SimConfig(**kw)
+    return _live_fit(a, profiles, SimConfig(**kw))
 
 
 def _wan_fields(a) -> dict:

@@ -204,3 +204,45 @@ class SimConfig:
         t = self.tiers()
         parts = [f"{n}{r}" for r, (n, _) in t.items()]
         return f"{self.mode}[{'+'.join(parts)}]"
+
+
+# what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate), and
+# the SimConfig field each sets (:func:`with_live_fit`)
+LIVE_FIT_FIELDS = {"role_step_overhead_s": "step_overhead_s", "role_step_scale": "step_scale",
+                   "wan_send_buffer_bytes": "wan_send_buffer_bytes", "client_delay_s": "client_delay_s",
+                   "gateway_rtt_ms": "wan_rtt_estimate_ms", "decode_interference": "decode_interference",
+                   "fast_path": "fast_gbps"}
+
+
+def live_fit_of(prof: dict) -> list[str]:
+    """The live-run fit fields (``LIVE_FIT_FIELDS``) a profile dict carries with a value."""
+    return [k for k in LIVE_FIT_FIELDS if prof.get(k)]
+
+
+def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
+                  wan_buffer: float | None = None) -> SimConfig:
+    """``scfg`` with a profile's live-run fit (``pdd sim calibrate-roles``, docs/SIM.md): per-role
+    step factors (``role_step_scale``) and seconds a step (``role_step_overhead_s``, or
+    ``overheads`` when given), the WAN send buffer (bytes; ``wan_buffer`` when given), the client
+    delay (s), the gateway's RTT estimate (ms), the decode interference factors (applied only on a
+    shared host, ``host_cores`` > 0) and the measured P -> RLD fast path (Gbit/s and one-way
+    latency s, as an RTT of twice it in ms). Fields the profile lacks leave ``scfg``'s."""
+    kw = {}
+    ovh = overheads if overheads is not None else prof.get("role_step_overhead_s")
+    if ovh:
+        kw["step_overhead_s"] = dict(ovh)
+    if prof.get("role_step_scale"):
+        kw["step_scale"] = dict(prof["role_step_scale"])
+    if prof.get("client_delay_s"):
+        kw["client_delay_s"] = float(prof["client_delay_s"])
+    if prof.get("gateway_rtt_ms"):
+        kw["wan_rtt_estimate_ms"] = float(prof["gateway_rtt_ms"])
+    if prof.get("decode_interference"):
+        kw["decode_interference"] = dict(prof["decode_interference"])
+    fp = prof.get("fast_path")
+    if fp:  # measured on a live run (live_fast_path): the Python KV path, not the configured pacing
+        kw.update(fast_gbps=float(fp["gbps"]), fast_rtt_ms=2000.0 * float(fp["latency_s"]))
+    wb = prof.get("wan_send_buffer_bytes", 0.0) if wan_buffer is None else wan_buffer
+    if wb:
+        kw["wan_send_buffer_bytes"] = float(wb)
+    return scfg.replace(**kw) if kw else scfg

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.sim_config import with_live_fit
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
 from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run, faults_text,
                               load_profile_checked, read_run, require_completed, run_faults)
@@ -130,6 +131,19 @@ def _err(sim, live):
     return None if not live or sim is None else sim / live - 1.0
 
 
+def live_tpot_s(token_times_s: list[float]) -> float | None:
+    """A live request's TPOT (s): its first to last token over the tokens after the first
+    (the client's times, ``token_times_s``); None with fewer than two tokens."""
+    tt = token_times_s
+    return (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None
+
+
+def sim_tpot_s(req) -> float | None:
+    """A simulated request's TPOT (s), as :func:`live_tpot_s`; None with fewer than two tokens
+    or none at all."""
+    return (req.t_done - req.t_first) / (req.n_emitted - 1) if req.t_first is not None and req.n_emitted > 1 else None
+
+
 def compare(live_records: list[dict], sim: ClusterSim) -> dict:
     """Metrics of both runs (requests matched by position) and the decision match."""
     lt, lp, st, sp = [], [], [], []
@@ -145,12 +159,12 @@ def compare(live_records: list[dict], sim: ClusterSim) -> dict:
         tt = rec["token_times_s"]
         lt.append(tt[0] - rec["send_s"])
         if len(tt) > 1:
-            lp.append((tt[-1] - tt[0]) / (len(tt) - 1))
+            lp.append(live_tpot_s(tt))
         if req.t_first is not None:
             st.append(req.t_first - req.arrival)
             pairs.append((tt[0] - rec["send_s"], req.t_first - req.arrival))
             if req.n_emitted > 1:
-                sp.append((req.t_done - req.t_first) / (req.n_emitted - 1))
+                sp.append(sim_tpot_s(req))
         live_dec = (rec.get("pdd") or {}).get("decisions") or []
         recorded.extend(live_dec)
         a, b = decisions_of(live_dec), decisions_of(sim.decision_log.get(req.rid))
@@ -199,8 +213,7 @@ def tpot_by_path(live_records: list[dict], sim: ClusterSim) -> dict:
             g = groups["handed_over"]
         else:
             continue
-        for k, v in (("live_tpot", (tt[-1] - tt[0]) / (len(tt) - 1)),
-                     ("sim_tpot", (req.t_done - req.t_first) / (req.n_emitted - 1)),
+        for k, v in (("live_tpot", live_tpot_s(tt)), ("sim_tpot", sim_tpot_s(req)),
                      ("live_gap", max(b - a for a, b in zip(tt, tt[1:]))), ("sim_gap", req.max_gap)):
             g.setdefault(k, []).append(v)
     return {name: {"requests": len(g.get("live_tpot", [])),
@@ -304,22 +317,7 @@ def simulate(cfg, profile, prof: dict, block_tokens: int, requests, overheads: d
     buffer (``wan_buffer``, else the profile's), client delay and fast path; ``profile_b``: MD's
     step profile when its tier runs other engine settings (:func:`sim_config`)."""
     scfg = sim_config(cfg, profile, prof, block_tokens, profile_b=profile_b).replace(wan_backlog_in_plan=True)
-    if overheads:
-        scfg = scfg.replace(step_overhead_s=dict(overheads))
-    if prof.get("role_step_scale"):
-        scfg = scfg.replace(step_scale=dict(prof["role_step_scale"]))
-    wb = prof.get("wan_send_buffer_bytes", 0.0) if wan_buffer is None else wan_buffer
-    if prof.get("client_delay_s"):
-        scfg = scfg.replace(client_delay_s=float(prof["client_delay_s"]))
-    if prof.get("gateway_rtt_ms"):
-        scfg = scfg.replace(wan_rtt_estimate_ms=float(prof["gateway_rtt_ms"]))
-    if prof.get("decode_interference"):
-        scfg = scfg.replace(decode_interference=dict(prof["decode_interference"]))
-    fp = prof.get("fast_path")
-    if fp:  # measured on a live run (live_fast_path): the Python KV path, not the configured pacing
-        scfg = scfg.replace(fast_gbps=float(fp["gbps"]), fast_rtt_ms=2000.0 * float(fp["latency_s"]))
-    if wb:
-        scfg = scfg.replace(wan_send_buffer_bytes=float(wb))
+    scfg = with_live_fit(scfg, prof, overheads or {}, wan_buffer)  # no overheads given: none (a fit in the making)
     sim = ClusterSim(scfg)
     sim.record_decisions = True
     sim.run(sim_records(requests))
