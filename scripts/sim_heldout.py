@@ -75,9 +75,28 @@ def check_manifest(man) -> None:
                                   and all(isinstance(p, list) and len(p) == 2 and all(name(x) for x in p)
                                           for p in noise)):
         raise ValueError("'noise' must be a list of [run, run] pairs")
+    if man["calibration"] in ho:
+        raise ValueError(f"'held_out' lists the calibration run {man['calibration']!r}: a run the fit was made on "
+                         "is not held out")
     for k in ("config", "profile_b"):
         if not isinstance(man.get(k, {}), dict):
             raise ValueError(f"'{k}' must be an object of run name -> path")
+
+
+def check_manifest_files(man: dict, runs: Path) -> None:
+    """Raises ValueError naming the file or key when a run the manifest names has no usable
+    directory (a noise run is read as recorded, so it needs one too) or a ``config`` /
+    ``profile_b`` entry names a run not in it or a file that does not exist."""
+    known = [man["calibration"], *man["held_out"]]
+    for x in dict.fromkeys(n for pair in man.get("noise") or [] for n in pair):
+        if not (runs / x / "validate.json").is_file():
+            raise ValueError(f"{runs / x / 'validate.json'}: cannot read it (a noise run of the manifest)")
+    for k in ("config", "profile_b"):
+        for n, path in man.get(k, {}).items():
+            if n not in known:
+                raise ValueError(f"'{k}' names {n!r}, neither the calibration run nor a held-out one")
+            if not isinstance(path, str) or not (runs / path).is_file():
+                raise ValueError(f"'{k}' of {n}: no such file {runs / str(path)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_manifest(man)
         args = {n: run_args(runs / n) for n in dict.fromkeys([man["calibration"], *man["held_out"]])}
+        check_manifest_files(man, runs)
     except ValueError as e:
         ap.error(f"--runs: {e}" if str(e).startswith(str(runs)) else f"--runs: {runs / 'manifest.json'}: {e}")
     out.mkdir(parents=True, exist_ok=True)

@@ -462,8 +462,9 @@ def test_check_same_run_names_each_differing_argument():
         check_same_run(rec, {"workload": {"requests": 211, "rate_rps": 0.8, "session_seed": 2,
                                           "max_output_tokens": 320}, "config": {"pipeline_ttft_budget_ms": 50.0}})
     assert str(ex.value) == ("not the same workload: --session-seed 2 (the run's: 1), --max-output-tokens 320 (the "
-                             "run's: 32), --budget-ms 50.0 (the run's: 250.0); give the run's own workload arguments "
-                             "(its validate.json 'workload' and 'config.pipeline_ttft_budget_ms')")
+                             "run's: 32), --budget-ms 50.0 (the run's: 250.0); leave those flags out (a reused run's "
+                             "own are the defaults) or give the run's own (its validate.json 'workload' and "
+                             "'config.pipeline_ttft_budget_ms')")
 
 
 def test_validate_live_from_a_run_with_no_completed_request_is_one_line(capsys, tmp_path, monkeypatch):
@@ -483,3 +484,61 @@ def test_validate_live_from_a_run_with_no_completed_request_is_one_line(capsys, 
     _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", PROFILE,
                       "--rate", "0.8", "--requests", "2", "--config", _fake_model_config(tmp_path)],
              "pdd sim validate: error:", "--live-from", "no completed request to compare (2 failed: ConnectionResetError)")
+
+
+def test_sim_run_applies_the_profiles_live_fit_unless_told_not_to(capsys, tmp_path):
+    """A profile `pdd sim calibrate-roles` wrote carries a live-run fit (role step overheads and
+    scale, client delay, ...). `pdd sim validate` applied it; `pdd sim run --profile` read only the
+    step times and dropped the fit unsaid. It now applies it (and says so), as validate does;
+    --no-live-fit runs the bare engine's step times."""
+    from pdd.workload.records import REPO_ROOT
+
+    profile = REPO_ROOT / "data" / "profiles" / "this-machine.json"
+    prof = json.loads(profile.read_text())
+    t = tmp_path / "t.jsonl"
+    t.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 600, "output_length": 8,
+                                     "hash_ids": [i, i + 1]}) + "\n" for i in range(6)))
+    argv = ["sim", "run", "--profile", str(profile), "--trace", str(t), "--n-p", "1", "--n-rld", "1", "--n-md", "1"]
+    res = {}
+    for name, extra in (("fit", []), ("bare", ["--no-live-fit"])):
+        out = tmp_path / f"{name}.json"
+        assert pdd_main(argv + extra + ["--json", str(out)]) == 0
+        res[name] = json.loads(out.read_text())
+        err = capsys.readouterr().err
+        assert ("applying the live-run fit in" in err) == (name == "fit"), err
+    # the client delay alone shifts every TTFT by it (one request at a time: no queueing)
+    delay_ms = 1000 * prof["client_delay_s"]
+    assert res["fit"]["median_ttft_ms"] > res["bare"]["median_ttft_ms"] + delay_ms
+    # a bare profile (no fit) runs as before and says nothing
+    bare = tmp_path / "bare-profile.json"
+    bare.write_text(json.dumps({k: v for k, v in prof.items() if k not in
+                                ("role_step_overhead_s", "role_step_scale", "wan_send_buffer_bytes", "client_delay_s",
+                                 "gateway_rtt_ms", "decode_interference", "fast_path")}))
+    out = tmp_path / "plain.json"
+    assert pdd_main(argv[:3] + [str(bare)] + argv[4:] + ["--json", str(out)]) == 0
+    assert "live-run fit" not in capsys.readouterr().err
+    assert json.loads(out.read_text())["median_ttft_ms"] == res["bare"]["median_ttft_ms"]
+
+
+def test_validate_live_from_reads_the_runs_workload_arguments(capsys, tmp_path, monkeypatch):
+    """`pdd sim validate --live-from RUN` re-simulates RUN's workload: each workload flag not given
+    is the run's own (its validate.json), not the fresh-run default that was then refused as
+    another workload; a flag given still has to match."""
+    import pdd.sim.validate as V
+
+    run = _recorded_run(tmp_path / "run", rate=0.8, n=2, budget=40.0)
+    got = {}
+
+    def workload(cfg, **kw):
+        got.update(kw)
+        raise SystemExit(0)  # the workload's arguments are what this test reads
+
+    monkeypatch.setattr(V, "build_workload", workload)
+    real = V.validate_config
+    monkeypatch.setattr(V, "validate_config", lambda config, budget_ms: (got.update(budget_ms=budget_ms),
+                                                                         real(config, budget_ms))[1])
+    with pytest.raises(SystemExit):
+        pdd_main(["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", PROFILE,
+                  "--config", _fake_model_config(tmp_path)])
+    assert got == {"n_requests": 2, "rate": 0.8, "block_tokens": 64, "session_sample": 50, "session_seed": 0,
+                   "max_output_tokens": 320, "seed": 0, "budget_ms": 40.0}

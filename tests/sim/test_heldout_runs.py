@@ -100,6 +100,10 @@ def _script():
     ("noise_of_one", "manifest.json: 'noise' must be a list of [run, run] pairs"),
     ("no_run", "seed3/validate.json: cannot read it (No such file or directory)"),
     ("no_budget", "seed3/validate.json: no 'workload' object or config.pipeline_ttft_budget_ms"),
+    ("calibration_held_out", "manifest.json: 'held_out' lists the calibration run 'cal'"),
+    ("no_noise_run", "seed9/validate.json: cannot read it (a noise run of the manifest)"),
+    ("no_config_file", "'config' of seed3: no such file"),
+    ("config_of_unknown_run", "'profile_b' names 'seed7', neither the calibration run nor a held-out one"),
 ])
 def test_a_manifest_or_run_it_cannot_use_is_one_line(capsys, tmp_path, case, message):
     """scripts/sim_heldout.py checks the manifest and every run's validate.json before anything
@@ -123,6 +127,15 @@ def test_a_manifest_or_run_it_cannot_use_is_one_line(capsys, tmp_path, case, mes
         (runs / "seed3" / "validate.json").unlink()
     elif case == "no_budget":
         (runs / "seed3" / "validate.json").write_text(json.dumps({"workload": {"requests": 2}}))
+    elif case == "calibration_held_out":
+        man["held_out"] = ["seed3", "cal"]
+    elif case == "no_noise_run":
+        man["noise"] = [["seed3", "seed9"]]
+    elif case == "no_config_file":
+        man["config"] = {"seed3": "seed3/cluster.yaml"}
+    elif case == "config_of_unknown_run":
+        (runs / "b.json").write_text("{}")
+        man["profile_b"] = {"seed7": "b.json"}
     if case != "no_manifest":
         (runs / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(SystemExit) as ex:

@@ -55,23 +55,31 @@ def run_validate(out: str | Path, config=None, *, budget_ms: float = 250.0, cons
     return V.run_validate(out, cfg, budget_ms=budget_ms, live_run=live_run, console=console, **kw)
 
 
+# `pdd sim validate`'s workload flags (argument names) and their defaults
+WORKLOAD_DEFAULTS = {"requests": 220, "rate": 2.0, "block_tokens": 64, "session_sample": 50, "session_seed": 0,
+                     "max_output_tokens": None, "budget_ms": 250.0}
+
+
 def cmd_validate(a) -> int:
     from pdd.cli_args import config_or_exit
     from pdd.sim.validate import format_validate
 
+    from pdd.sim.recorded import RecordedRunError, WorkloadMismatch, recorded_run_args
+
     cfg = None
     if a.config:
         cfg = config_or_exit(a)
-    for k, v in (("requests", a.requests), ("rate", a.rate), ("block-tokens", a.block_tokens)):
-        if v <= 0:
-            raise SystemExit(f"pdd sim validate: --{k} must be > 0")
-    from pdd.sim.recorded import RecordedRunError, WorkloadMismatch
-
+    # a flag not given: the reused run's own value (--live-from), else the default
+    rec = recorded_run_args(a.live_from) if a.live_from else {}
+    w = {k: getattr(a, k) if getattr(a, k) is not None else rec.get(k, d) for k, d in WORKLOAD_DEFAULTS.items()}
+    for k in ("requests", "rate", "block_tokens"):
+        if w[k] <= 0:
+            raise SystemExit(f"pdd sim validate: --{k.replace('_', '-')} must be > 0")
     try:
-        res = run_validate(a.out, cfg, n_requests=a.requests, rate=a.rate, block_tokens=a.block_tokens,
-                           budget_ms=a.budget_ms, session_sample=a.session_sample, session_seed=a.session_seed,
-                           max_output_tokens=a.max_output_tokens, profile=a.profile, live_from=a.live_from,
-                           profile_b=a.profile_b)
+        res = run_validate(a.out, cfg, n_requests=w["requests"], rate=w["rate"], block_tokens=w["block_tokens"],
+                           budget_ms=w["budget_ms"], session_sample=w["session_sample"],
+                           session_seed=w["session_seed"], max_output_tokens=w["max_output_tokens"],
+                           seed=rec.get("seed", 0), profile=a.profile, live_from=a.live_from, profile_b=a.profile_b)
     except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
         from pdd.sim.cli import UsageError
 
@@ -90,19 +98,22 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
                                                    "(measured profile): TTFT/TPOT errors and decision match")
     v.add_argument("--out", required=True)
     v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")
-    v.add_argument("--requests", type=int, default=220)
-    v.add_argument("--rate", type=float, default=2.0, help="req/s")
-    v.add_argument("--block-tokens", type=int, default=64, help="tokens per 512-token trace block")
-    v.add_argument("--session-sample", type=int, default=50, help="keep 1 in N conversations of the trace")
-    v.add_argument("--session-seed", type=int, default=0, help="which conversations are kept (another workload)")
-    v.add_argument("--max-output-tokens", type=int, default=None, help="cap on output lengths (default 320)")
-    v.add_argument("--budget-ms", type=float, default=250.0, help="pipeline TTFT budget (P->MD if it fits)")
+    same = "; with --live-from, default: the run's own"
+    v.add_argument("--requests", type=int, default=None, help="(220)" + same)
+    v.add_argument("--rate", type=float, default=None, help="req/s (2.0)" + same)
+    v.add_argument("--block-tokens", type=int, default=None, help="tokens per 512-token trace block (64)" + same)
+    v.add_argument("--session-sample", type=int, default=None, help="keep 1 in N conversations of the trace (50)"
+                   + same)
+    v.add_argument("--session-seed", type=int, default=None, help="which conversations are kept (0)" + same)
+    v.add_argument("--max-output-tokens", type=int, default=None, help="cap on output lengths (320)" + same)
+    v.add_argument("--budget-ms", type=float, default=None, help="pipeline TTFT budget (P->MD if it fits; 250)"
+                   + same)
     v.add_argument("--profile", default=None, help="a `pdd profile` JSON (default: measure now)")
     v.add_argument("--profile-b", default=None,
                    help="MD's step profile for the simulator when MD's tier runs other engine settings than "
                         "--profile measured (e.g. bf16): `pdd profile --config` with that tier's engine; the live "
                         "run does not read it (default: --profile)")
-    v.add_argument("--live-from", default=None, help="reuse this validate output's live run (same workload "
-                                                    "arguments) and only re-simulate")
+    v.add_argument("--live-from", default=None, help="reuse this validate output's live run and only re-simulate "
+                                                    "(its workload arguments unless given; a flag given must match)")
     v.set_defaults(func=cmd_validate, parser=v)
     return v

@@ -39,6 +39,24 @@ RUN_ARGS = (("workload", "requests", "--requests"), ("workload", "rate_rps", "--
              ("config", "pipeline_ttft_budget_ms", "--budget-ms"))
 
 
+def recorded_run_args(run_dir: str | Path) -> dict:
+    """The workload arguments a recorded run was made with, by ``pdd sim validate``'s argument
+    names (``requests``, ``rate``, ``block_tokens``, ``session_sample``, ``session_seed``,
+    ``max_output_tokens``, ``seed``, ``budget_ms``: :data:`RUN_ARGS`), read from its
+    ``validate.json``; those it lacks are absent. Empty when the file is missing or not a JSON
+    object (:func:`read_run` names that problem when the run is read)."""
+    try:
+        v = json.loads((Path(run_dir) / "validate.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for sec, key, flag in RUN_ARGS:
+        x = v.get(sec).get(key) if isinstance(v, dict) and isinstance(v.get(sec), dict) else None
+        if x is not None:
+            out[flag.lstrip("-").replace("-", "_")] = x
+    return out
+
+
 def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict | None, list[dict], dict]:
     """A recorded ``pdd sim validate --out`` directory: (its ``validate.json``, or None when absent
     and not ``need_validate``; the ``requests.jsonl`` records; ``server_stats.json``). Raises
@@ -178,8 +196,9 @@ def check_same_run(recorded: dict, now: dict) -> None:
         if not same:
             diff.append(f"{flag} {cur} (the run's: {rec})")
     if diff:
-        raise WorkloadMismatch("not the same workload: " + ", ".join(diff) + "; give the run's own workload "
-                               "arguments (its validate.json 'workload' and 'config.pipeline_ttft_budget_ms')")
+        raise WorkloadMismatch("not the same workload: " + ", ".join(diff) + "; leave those flags out (a "
+                               "reused run's own are the defaults) or give the run's own (its validate.json "
+                               "'workload' and 'config.pipeline_ttft_budget_ms')")
 
 
 def load_profile_checked(path: str | Path) -> dict:
