@@ -188,6 +188,7 @@ class Topology:
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self._cfg_file: Path | None = None
+        self.last_busy: list[str] = []  # busy_reasons at wait_idle's last poll (a timed-out wait's cause)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Topology":
@@ -287,20 +288,16 @@ class Topology:
         return httpx.get(f"{self.url}/pdd/stats", timeout=30).json()
 
     def wait_idle(self, timeout_s: float = 30.0, poll_s: float = 0.1) -> bool:
-        """Wait until no instance holds a live request (P holds one until its KV streams have
-        drained), the WAN emulator carries nothing in flight and the gateway has every transfer's
-        outcome from P. Returns False on timeout."""
+        """Wait until the topology is settled (:func:`busy_reasons` of its stats is empty).
+        Returns False on timeout or when the gateway cannot be reached."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 st = self.stats()
             except httpx.HTTPError:
                 return False
-            busy = any(int(v.get("running", 0)) for v in st.get("instances", {}).values() if isinstance(v, dict))
-            link = st.get("link") or {}
-            busy = busy or any(int(link.get(k, 0) or 0) for k in ("in_flight_a_to_b", "in_flight_b_to_a"))
-            busy = busy or int(st.get("transfers_pending", 0) or 0) > 0  # P's xfer_done still on its way
-            if not busy:
+            self.last_busy = busy_reasons(st)
+            if not self.last_busy:
                 return True
             time.sleep(poll_s)
         return False
@@ -319,6 +316,23 @@ class Topology:
             except (OSError, IndexError, ValueError):
                 out[name] = float("nan")
         return out
+
+
+def busy_reasons(stats: dict) -> list[str]:
+    """What keeps a topology from being settled, read from the gateway's ``/pdd/stats``: an
+    instance holding a live request (P holds one until its KV streams have drained), the WAN
+    emulator carrying bytes, a transfer whose outcome P has not reported (``transfers_pending``),
+    an attempt the gateway still runs (``requests_live``), or a relayed request that ended at the
+    client while its KV still crosses to MD (``kv_awaited``: MD caches the prompt's pages when it
+    lands, so a next request with that prefix would otherwise race it). Empty when settled; a
+    server without these stats (e.g. vLLM) is settled."""
+    out = [f"{name} running {int(v.get('running', 0))}" for name, v in (stats.get("instances") or {}).items()
+           if isinstance(v, dict) and int(v.get("running", 0) or 0)]
+    link = stats.get("link") or {}
+    out += [f"link {k} {int(link[k])}" for k in ("in_flight_a_to_b", "in_flight_b_to_a") if int(link.get(k, 0) or 0)]
+    out += [f"{k} {int(stats[k])}" for k in ("transfers_pending", "requests_live", "kv_awaited")
+            if int(stats.get(k, 0) or 0) > 0]
+    return out
 
 
 def config_from_args(config: str | None, **overrides) -> ClusterConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_cfg, wait_no_running
+from tests.e2e.conftest import make_cfg, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def oa(topo):
 
 def _wait_idle(topo) -> dict:
     """The instances' stats once none runs a request."""
-    return wait_no_running(topo, timeout_s=30.0, poll_s=0.05)["instances"]
+    return settled_stats(topo, timeout_s=30.0)["instances"]
 
 
 def test_streaming_chat_completion_with_usage(oa):

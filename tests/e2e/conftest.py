@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -87,17 +86,12 @@ def run_checking_wan_bytes(topo: Topology, prompts: list[list[int]], want: list[
     return summaries, st
 
 
-def wait_no_running(topo: Topology, timeout_s: float = 60.0, poll_s: float = 0.1) -> dict:
-    """Polls ``topo.stats()`` every ``poll_s`` seconds until no instance reports a running request
-    (MD settles after the client's stream ends) and returns those stats; raises AssertionError
+def settled_stats(topo: Topology, timeout_s: float = 60.0) -> dict:
+    """``topo``'s stats once it is settled (``Topology.wait_idle``: no instance runs a request, no
+    KV in flight or awaited; MD settles after the client's stream ends); raises AssertionError
     after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = topo.stats()
-        if all(v.get("running", 0) == 0 for v in st["instances"].values()):
-            return st
-        time.sleep(poll_s)
-    raise AssertionError("topology did not go idle")
+    assert topo.wait_idle(timeout_s=timeout_s), "topology did not go idle"
+    return topo.stats()
 
 
 def make_cfg(model: str, mode: str, **over) -> ClusterConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_cfg, wait_no_running
+from tests.e2e.conftest import make_cfg, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_non_streaming_completion_and_prefix_hit(pdd_topology):
     # long enough that MD's KV arrives before RLD finishes (else the anomaly filter cuts it off)
     a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=200, temperature=0,
                                   extra_body={"ignore_eos": True})
-    wait_no_running(pdd_topology, timeout_s=30.0, poll_s=0.05)
+    settled_stats(pdd_topology, timeout_s=30.0)
     b = client.completions.create(model="pdd-small", prompt=prompt + [5, 6, 7], max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert a.usage.completion_tokens == 200 and a.choices[0].finish_reason == "length"

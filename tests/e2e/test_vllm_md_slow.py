@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pdd.vllm_tier import venv
-from tests.e2e.conftest import greedy_oracle, make_cfg, wait_no_running
+from tests.e2e.conftest import greedy_oracle, make_cfg, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_openai_stream_hands_over_to_vllm_md(vllm_md):
         assert set(tiers[k:]) == {"md"}
         div = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), None)
         assert div is None, f"differs from pdd's engine at {div} (margin {margin(p, ref[:div]):.3g}), handoff at {k}"
-    st = wait_no_running(topo)
+    st = settled_stats(topo)
     md = st["instances"]["md0"]
     assert md["engine"] == "vllm" and md["vllm_requests"] == 2  # the role's own stats, beside the counters
     print("md0 stats:", {k: md.get(k) for k in ("vllm_ready_s", "vllm_requests", "vllm_prompt_tokens",
@@ -73,14 +73,14 @@ def test_drc_sends_only_missing_pages(vllm_md):
     prompt = list(range(1200, 1400))
     a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=64, temperature=0,
                                   extra_body={"ignore_eos": True})
-    wait_no_running(topo)
+    settled_stats(topo)
     b = client.completions.create(model="pdd-small", prompt=prompt + [5, 6, 7], max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert a.model_extra["pdd"]["handoff_pos"] is not None
     # 200 shared tokens = 12 whole pages of 16 held by MD's DRC: only the last page's 11 slots cross
     assert b.model_extra["pdd"]["md_cached_tokens"] == 192
     assert b.model_extra["pdd"]["wan_bytes_expected"] == 11 * 2048
-    st = wait_no_running(topo)
+    st = settled_stats(topo)
     flushed = httpx.post(f"{topo.url}/pdd/flush", timeout=60).json()
     assert flushed  # every tier's pages back after a flush: none leaked
     for name, v in topo.stats()["instances"].items():
@@ -105,7 +105,7 @@ def test_client_gone_aborts_vllm_request(vllm_md):
                 if md_tokens >= 3:
                     break  # closes the connection mid-stream
     assert md_tokens >= 3
-    st = wait_no_running(topo)
+    st = settled_stats(topo)
     md = st["instances"]["md0"]
     assert md["counters"]["aborted"] >= 1 and md["staged_files"] == 0, md
     deadline = time.monotonic() + 30
@@ -147,7 +147,7 @@ def test_killing_vllm_md_mid_stream_recovers(vllm_md):
             topo.kill("md0")
     assert killed_at is not None, tiers
     assert len(ids) == n and ids == ref, (killed_at, tiers)
-    wait_no_running(topo)
+    settled_stats(topo)
     httpx.post(f"{topo.url}/pdd/flush", timeout=60)
     for name, v in topo.stats()["instances"].items():
         if name != "md0" and "pages_total" in v:

@@ -97,7 +97,7 @@ def _warm_up(topo) -> None:
         r = httpx.post(topo.url + "/v1/completions", json={"prompt": [7 + i] * 20, "max_tokens": 2,
                                                             "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     topo.flush()
 
 
@@ -215,11 +215,7 @@ def _fault_cell_once(fault, phase, topo, inj, reference) -> str:
         inj.restore_wan()
         if killed is not None:
             inj.restart(killed)
-    if not topo.wait_idle(timeout_s=30):
-        st = topo.stats()
-        busy = {n: v.get("running") for n, v in st["instances"].items() if isinstance(v, dict) and v.get("running")}
-        raise AssertionError(f"system did not drain: running {busy}, transfers_pending {st.get('transfers_pending')}, "
-                             f"link {st.get('link')}")
+    assert topo.wait_idle(timeout_s=30), f"system did not drain: {topo.last_busy}"
     fl = topo.flush()
     errs = {n: v for n, v in fl["instances"].items() if "error" in v}
     assert not errs, errs

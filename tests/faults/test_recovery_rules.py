@@ -565,3 +565,26 @@ async def test_kv_ready_after_the_request_ended_is_not_awaited_again(orch):
     orch.reqs.pop(st2.trid)
     await orch._settle_relayed(st2)
     assert orch.awaiting_kv == {"r1": ("p0", "md0")}
+
+
+async def test_an_aborted_relayed_request_awaits_no_kv_ready(orch):
+    """An abort drops the request on every tier (MD frees its reservation, keeps none of its KV),
+    so no kv_ready will come for it. Whichever runs first, the abort or the stream's settling,
+    nothing may wait for one: an entry left in ``awaiting_kv`` kept the topology busy for good
+    (``kv_awaited`` in /pdd/stats; seen live after a client disconnect during prefill)."""
+    from pdd.gateway.state import ABORT_CLIENT, ABORT_STOP
+
+    orch.cfg.policy.cutoff = False  # the settling's wait path
+    st = relayed(orch)  # settled first (its last token went out), then a stop string aborts it
+    stream_to(st, 16)
+    st.finished = True
+    orch.reqs.pop(st.trid)
+    await orch._settle_relayed(st)
+    assert orch.awaiting_kv == {"r1": ("p0", "md0")}
+    await orch.abort(st, ABORT_STOP)
+    assert orch.awaiting_kv == {} and orch.kv_landed == {}
+    assert "abort" in [m["t"] for m in orch.peers["md0"].sent]
+    st2 = relayed(orch, rid="r2", trid="r2")  # aborted first (the client left), then the stream's end settles it
+    await orch.abort(st2, ABORT_CLIENT)
+    await orch._settle_relayed(st2)
+    assert orch.awaiting_kv == {} and "finish" not in [m["t"] for m in orch.peers["md0"].sent]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import greedy_oracle, make_cfg, wait_no_running
+from tests.e2e.conftest import greedy_oracle, make_cfg, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_handoff_to_the_vllm_endpoint(fake_md):
     tiers = [m["tier"] for m in meta]
     assert tiers[0] == "rld" and "md" in tiers and set(tiers[tiers.index("md"):]) == {"md"}, tiers
     assert chunks[-1].choices[0].finish_reason == "length"
-    md = wait_no_running(topo)["instances"]["md0"]
+    md = settled_stats(topo)["instances"]["md0"]
     assert md["engine"] == "vllm" and md["vllm_requests"] == 1 and md["vllm_cached_tokens"] == len(p)
     assert md["counters"].get("failed", 0) == 0 and md["counters"]["extends"] == 1
 
@@ -66,13 +66,13 @@ def test_drc_and_pages(fake_md):
     prompt = list(range(1200, 1400))
     a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=64, temperature=0,
                                   extra_body={"ignore_eos": True})
-    wait_no_running(topo)
+    settled_stats(topo)
     b = client.completions.create(model="pdd-small", prompt=prompt + [5, 6, 7], max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert a.model_extra["pdd"]["handoff_pos"] is not None and b.usage.completion_tokens == 24
     assert b.model_extra["pdd"]["md_cached_tokens"] == 192  # 12 whole pages held by MD's DRC
     assert b.model_extra["pdd"]["wan_bytes_expected"] == 11 * 2048  # only the last page's 11 slots cross
-    wait_no_running(topo)
+    settled_stats(topo)
     httpx.post(f"{topo.url}/pdd/flush", timeout=60)
     for name, v in topo.stats()["instances"].items():
         if "pages_total" in v:
@@ -100,5 +100,5 @@ def test_cross_dc_pd_p_to_vllm_md(tmp_path, small_model):
         meta = [c.model_extra["pdd"] for c in chunks if c.choices]
         assert [m["token_id"] for m in meta] == ref and [m["pos"] for m in meta] == list(range(n))
         assert {m["tier"] for m in meta} == {"md"}
-        md = wait_no_running(topo)["instances"]["md0"]
+        md = settled_stats(topo)["instances"]["md0"]
         assert md["vllm_requests"] == 1 and md["vllm_cached_tokens"] == len(p) and md["staged_files"] == 0

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import httpx
 
 from pdd.bench.client import replay_sync, run_one_sync
+from pdd.launch import busy_reasons
 from pdd.workload.replay import TokenSpace, block_token_ids
 from pdd.config import ClusterConfig
 
@@ -124,21 +125,14 @@ class RemoteTopology:
             return {}
 
     def wait_idle(self, timeout_s: float = 30.0, poll_s: float = 0.2) -> bool:
-        """Poll /pdd/stats until the server is settled, as ``pdd.launch.Topology.wait_idle`` does for
-        the topologies pdd starts: no instance holds a live request, the WAN line carries nothing
-        in flight and no transfer awaits its outcome from P (``transfers_pending``). Read right
-        after a replay, a transfer still crossing made the WAN columns disagree (1.49 MB sent vs
-        8.04 expected). True when settled (or the server has no such stats, e.g. vLLM); False
-        after ``timeout_s``."""
+        """Poll /pdd/stats until the server is settled (``pdd.launch.busy_reasons``, as
+        ``pdd.launch.Topology.wait_idle`` does for the topologies pdd starts). Read right after a
+        replay, a transfer still crossing made the WAN columns disagree (1.49 MB sent vs 8.04
+        expected). True when settled (or the server has no such stats, e.g. vLLM); False after
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            st = self.stats()
-            inst = st.get("instances") or {}
-            busy = any(int(v.get("running", 0) or 0) for v in inst.values() if isinstance(v, dict))
-            link = st.get("link") or {}
-            busy = busy or any(int(link.get(k, 0) or 0) for k in ("in_flight_a_to_b", "in_flight_b_to_a"))
-            busy = busy or int(st.get("transfers_pending", 0) or 0) > 0
-            if not busy:
+            if not busy_reasons(self.stats()):
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -252,6 +252,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         out["wan_probes"] = dict(self.wan_probes)  # probes of idle MDs (policy.wan_probe_interval_s)
         out["md_routes"] = dict(self.md_routes)
         out["transfers_pending"] = len(self.planned_wan)  # WAN plans whose outcome P has not reported yet
+        out["requests_live"] = len(self.reqs)  # attempts the gateway still runs (a stream not yet settled)
+        # relayed requests that ended at the client while their KV still crosses to MD (MD keeps
+        # the prompt's pages once it lands): the topology is not settled until MD has them
+        out["kv_awaited"] = len(self.awaiting_kv)
         out["wan_line_bytes"] = 0
         if self.layout.link_control_port is not None:
             try:

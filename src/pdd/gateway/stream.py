@@ -131,6 +131,8 @@ class Streams:
         (anomaly filter), or stop whichever decoder is still going."""
         if st.recovery.md_lost:
             return  # MD's leg was given up: dropped there already
+        if st.end.aborted:
+            return  # dropped on every tier (the abort): no KV lands on MD, no kv_ready to await
         if self.kv_landed.pop(st.trid, 0) is None:
             return  # MD's kv_ready came after the request ended: MD was told then to keep the prompt's KV
         if should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
@@ -189,6 +191,10 @@ class Streams:
         st.to(Phase.DONE, f"aborted ({reason})")
         st.md_settled.set()
         self.reqs.pop(st.trid, None)
+        # every tier drops it: MD keeps none of its KV, so no kv_ready is awaited (one settled
+        # before this abort, e.g. a stop string seen after the last token, would wait forever)
+        self.awaiting_kv.pop(st.trid, None)
+        self.kv_landed.pop(st.trid, None)
         await self._abort_tiers(st)
 
     async def _abort_tiers(self, st: ReqState) -> None:
