@@ -28,18 +28,11 @@ def _measured_case():
     """The live-validation mirror: the measured CPU profile, shared host cores, role overheads."""
     from pdd import step_profile as P
     from pdd.sim import validate as V
+    from pdd.sim.sim_config import with_live_fit
 
     path = Path(__file__).parents[2] / "data" / "profiles" / "this-machine.json"
     prof = P.load(path)
-    cfg = V.sim_config(V.validate_config(None, 40.0), path, prof, 64, host_cores=2.0)
-    fp = prof.get("fast_path") or {}
-    cfg = cfg.replace(step_overhead_s=dict(prof.get("role_step_overhead_s") or {}),
-                      step_scale=dict(prof.get("role_step_scale") or {}),
-                      wan_rtt_estimate_ms=prof.get("gateway_rtt_ms"),
-                      client_delay_s=float(prof.get("client_delay_s", 0.0)),
-                      wan_send_buffer_bytes=float(prof.get("wan_send_buffer_bytes", 0.0)),
-                      decode_interference=dict(prof.get("decode_interference") or {}) or None,
-                      **({"fast_gbps": float(fp["gbps"]), "fast_rtt_ms": 2000.0 * float(fp["latency_s"])} if fp else {}))
+    cfg = with_live_fit(V.sim_config(V.validate_config(None, 40.0), path, prof, 64, host_cores=2.0), prof)
     return cfg, cap_input(generate_agentic(200, seed=3, rate=0.8), 1500, 64)
 
 
