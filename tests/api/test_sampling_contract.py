@@ -131,8 +131,14 @@ def _stop_for(pieces: list[str], start: int) -> tuple[int, str] | None:
 def test_seeded_sampling_equals_single_engine_across_handoff(small_model, reference, topology_factory,
                                                               handoff_min_tokens, label, stop_from):
     refs, margin, tok = reference
+    # a fast WAN so MD's KV is there early and the handoff point is set by handoff_min_tokens;
+    # every request relayed (budget 0). Where a handoff is wanted RLD's step is held to >= 20 ms,
+    # so its tokens after handoff_min_tokens take >= 0.4 s, far longer than the handoff call needs
+    # on a quiet machine; a busy one may still let RLD finish first (checked below, as in
+    # tests/e2e/test_output_contract.py)
+    hold = {"relay_decode": {"engine": {"min_step_ms": 20.0}}} if handoff_min_tokens < MAX_TOKENS else {}
     cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
-                   policy={"handoff_min_tokens": handoff_min_tokens})
+                   policy={"handoff_min_tokens": handoff_min_tokens, "pipeline_ttft_budget_ms": 0}, tiers=hold)
     topo = topology_factory(cfg)
     excused, handoffs, lp_err, stops = [], [], 0.0, []
     for i, p in enumerate(_prompts()):
@@ -143,8 +149,10 @@ def test_seeded_sampling_equals_single_engine_across_handoff(small_model, refere
         assert len(got["ids"]) == MAX_TOKENS and got["finish"] == "length"
         if handoff_min_tokens >= MAX_TOKENS:
             assert hp is None and set(got["tiers"]) == {"rld"}
+        elif hp is None:  # RLD finished before the handoff reached it (a busy machine)
+            assert got["summary"]["rld_finished_first"] and set(got["tiers"]) == {"rld"}, got["summary"]
         else:
-            assert hp is not None and hp >= handoff_min_tokens
+            assert hp >= handoff_min_tokens
             assert got["tiers"] == ["rld"] * hp + ["md"] * (MAX_TOKENS - hp)
         same = got["ids"] == ref["ids"]
         n_cmp = MAX_TOKENS
@@ -183,7 +191,9 @@ def test_seeded_sampling_equals_single_engine_across_handoff(small_model, refere
     assert lp_err <= LP_TOL
     assert len(excused) <= 2
     assert len(stops) >= N_PROMPTS - len(excused) - 2
-    if handoff_min_tokens < MAX_TOKENS:  # stop strings completed by MD, after the handoff, were checked
+    if handoff_min_tokens < MAX_TOKENS:  # the handoff this case is about happened
+        assert sum(h is not None for h in handoffs) >= N_PROMPTS // 2, handoffs
+        # stop strings completed by MD, after the handoff, were checked
         # (how many depends on when each separately sent stop request handed over: timing)
         assert sum(t == "md" for _, t in stops) >= 1
 
