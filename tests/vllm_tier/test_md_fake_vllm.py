@@ -25,8 +25,12 @@ def fake_md(tmp_path_factory, small_model):
     w = tmp_path_factory.mktemp("fake") / "python"
     w.write_text(_wrapper())
     os.chmod(w, 0o755)
+    # the handoffs asserted below (40- and 64-token requests) need MD's KV to land and the handoff
+    # call to reach RLD before RLD's last token: RLD's step held to >= 20 ms, so that holds on a
+    # busy machine too (its 40 tokens take >= 0.8 s; the KV needs ~0.1 s on the default line)
     cfg = make_cfg(small_model, "pdd", vllm={"main_decode": True, "python": str(w), "start_timeout_s": 120},
-                   policy={"handoff_mode": "one_shot"})
+                   policy={"handoff_mode": "one_shot"},
+                   tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}})
     topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
     topo.start()
     yield topo, small_model
