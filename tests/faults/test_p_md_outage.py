@@ -34,8 +34,12 @@ def test_wan_outage_on_p_md_recovers_through_relay(tmp_path, small_model):
         eng.step()
     ref = list(s.output_ids)
 
+    # MD's step held to >= 50 ms: its 39 decode steps then last >= 1.9 s, so the outage, started
+    # once the gateway reports md_decode, lands while MD still streams (unheld they took ~0.2 s, and
+    # a busy machine could let MD send its last token before the outage began)
     cfg = make_cfg(small_model, "pdd", link={"wan_gbps": 1.0, "wan_rtt_ms": 2.0, "wan_jitter_ms": 0.0},
                    policy={"pipeline_ttft_budget_ms": 1000.0},
+                   tiers={"main_decode": {"engine": {"min_step_ms": 50.0}}},
                    liveness={"heartbeat_interval_s": 0.25, "dead_after_s": 1.5}, request_timeout_s=60.0)
     topo = Topology(cfg, log_dir=tmp_path / "logs")
     topo.start()
