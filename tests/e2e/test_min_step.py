@@ -1,10 +1,14 @@
 """pdd with an emulated accelerator step (``engine.min_step_ms``): every forward pass of every
-engine is held to 20 ms, and admission-type commands run during the hold (``EngineWorker``).
+engine is held to at least 20 ms, and admission-type commands run during the hold (``EngineWorker``).
 
 Concurrent relayed requests sharing a prefix (so reservations, KV imports, catch-up extends and
 releases arrive while steps are held) each produce a single engine's greedy output, the WAN bytes
 sent equal the bytes planned, every page is free afterwards, and a request takes at least its
-decode steps' held time (a lower bound: a held step never ends early).
+decode steps' held time (a lower bound: a held step never ends early). RLD's steps are held to
+``RLD_STEP_MS`` (40 ms): a catch-up round (RLD's ids, then MD's extend over a held step) takes about
+two of MD's steps, so RLD, slower, lets the gap close within the round cap long before its 48th
+token even on a busy machine (at 20 ms RLD made about as many tokens per round as the threshold,
+so a handoff could run to the 8-round cap: ~0.5 s of the ~0.96 s RLD had, more when busy).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tests.e2e.conftest import greedy_oracle, make_cfg
 pytestmark = pytest.mark.slow
 
 STEP_MS = 20.0
+RLD_STEP_MS = 40.0
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -33,7 +38,8 @@ def test_held_steps_keep_outputs_bytes_and_pages_exact(small_model, topology_fac
                    policy={"pipeline_ttft_budget_ms": 0.0, "handoff_mode": handoff_mode,
                            "catchup_threshold_tokens": 2, "cutoff": False},
                    link={"wan_gbps": 0.05, "wan_rtt_ms": 20.0, "wan_jitter_ms": 0.0},
-                   limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
+                   limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0,
+                   tiers={"relay_decode": {"engine": {"min_step_ms": RLD_STEP_MS}}})
     topo = topology_factory(cfg)
     shared = _ids(1, 64)
     prompts = [shared + _ids(10 + i, 20 + 7 * i) for i in range(4)]
