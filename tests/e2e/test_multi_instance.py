@@ -36,8 +36,13 @@ def test_two_of_each_tier_kill_and_restart_one_prefill(small_model, topology_fac
         assert _requests_on(topo, name) >= 2, name  # round robin used every instance
 
     topo.kill("p1")
-    time.sleep(0.5)
+    # the gateway sees p1's connection close on its own loop: poll /health for it (bounded), not
+    # a guessed sleep
+    deadline = time.monotonic() + 30
     h = httpx.get(topo.url + "/health", timeout=10)
+    while h.json().get("down") != ["p1"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        h = httpx.get(topo.url + "/health", timeout=10)
     # still serving (p0 is up): 200 "degraded" naming p1, so a load balancer keeps the gateway
     assert h.status_code == 200 and h.json()["status"] == "degraded" and h.json()["down"] == ["p1"]
     for i in range(4):  # p1 is down: the router skips it
