@@ -20,15 +20,17 @@ from tests.e2e.conftest import make_cfg
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 48
+LONG_TOKENS = 160  # phase 1 of the drain test
 KEY = "k-elastic"  # the operator endpoints are behind the API keys like every other
 H = {"Authorization": f"Bearer {KEY}"}
 
 
-def _stream(url: str, prompt: list[int], started: threading.Event | None = None) -> int:
+def _stream(url: str, prompt: list[int], started: threading.Event | None = None,
+            max_tokens: int = MAX_TOKENS) -> int:
     """Stream one completion; return the number of tokens received (raises on any failure)."""
     n = 0
     with httpx.stream("POST", url + "/v1/completions", timeout=300, headers=H,
-                      json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -83,8 +85,9 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
 
     topo.restart("md1")  # start md1's process (pdd launch); it serves nothing until added
     pool = ThreadPoolExecutor(8)
-    # phase 1: requests on md0 (the only MD member)
-    first = [pool.submit(_stream, url, [100 + i] * 60) for i in range(3)]
+    # phase 1: requests on md0 (the only MD member), long enough (>= 4.8 s of 30 ms steps) to be
+    # still in flight there when md0 is drained, however long adding md1 takes on a busy machine
+    first = [pool.submit(_stream, url, [100 + i] * 60, None, LONG_TOKENS) for i in range(3)]
     _wait(lambda: _members(url)["md0"]["routed"] == 3, "phase 1 routed to md0")
     # add md1 by address while they stream
     t0 = time.perf_counter()
@@ -105,7 +108,7 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
     # phase 2: every new request goes to md1
     second = [pool.submit(_stream, url, [200 + i] * 60) for i in range(4)]
     tokens = [f.result(timeout=600) for f in first + second]
-    assert tokens == [MAX_TOKENS] * 7  # every request finished with all its tokens
+    assert tokens == [LONG_TOKENS] * 3 + [MAX_TOKENS] * 4  # every request finished with all its tokens
     after = _members(url)
     assert after["md0"]["routed"] == at_drain["md0"]["routed"] == 3
     assert after["md1"]["routed"] - at_drain["md1"]["routed"] == 4
