@@ -102,7 +102,8 @@ class RelayDecodeInstance(EngineInstance):
             threshold=pol.catchup_threshold_tokens, mode_config=pol.handoff_mode, current_mode=self.current_mode,
             round_index=m.round)
         dec = decide_handoff(inp)
-        if dec.mode != self.current_mode:
+        switched = dec.mode != inp.current_mode  # a round deciding meanwhile reads the new mode
+        if switched:
             self.counters["mode_switches"] = self.counters.get("mode_switches", 0) + 1
             self.current_mode = dec.mode
         stop = dec.final and dec.mode == "one_shot"
@@ -116,6 +117,13 @@ class RelayDecodeInstance(EngineInstance):
 
         tokens = await self.worker.call(_take)
         if tokens is None:
+            # the request finished first: no round was applied, so no switch happened (the gateway
+            # counts switches from the applied rounds' inputs, pdd.gateway.live_counters, and this
+            # reply carries none); the mode goes back unless a later round moved it since
+            if switched:
+                self.counters["mode_switches"] -= 1
+                if self.current_mode == dec.mode:
+                    self.current_mode = inp.current_mode
             return done, b""
         if stop:
             ctx.in_engine = False
