@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow
 def pdd_topology(tmp_path_factory, small_model):
     from pdd.launch import Topology
 
-    cfg = make_cfg(small_model, "pdd")
+    # RLD's step held to >= 20 ms: the 200-token request below is handed over to MD (its KV, ~0.1 s
+    # on the default line, lands long before RLD's last token) on a busy machine too
+    cfg = make_cfg(small_model, "pdd", tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}})
     topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
     topo.start()
     yield topo
@@ -47,7 +49,7 @@ def test_non_streaming_completion_and_prefix_hit(pdd_topology):
 
     client = OpenAI(base_url=pdd_topology.url + "/v1", api_key="none")
     prompt = list(range(500, 700))
-    # long enough that MD's KV arrives before RLD finishes (else the anomaly filter cuts it off)
+    # long enough that MD's KV arrives before RLD finishes (RLD held to >= 20 ms a step: >= 4 s)
     a = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=200, temperature=0,
                                   extra_body={"ignore_eos": True})
     settled_stats(pdd_topology, timeout_s=30.0)
