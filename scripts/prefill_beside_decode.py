@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+REFILL_STEPS = 200  # decode steps before the loop's sequences are replaced (context stays near 1,500)
+
 
 def engine(model: str, dtype: str, page: int):
     import torch
@@ -40,13 +42,19 @@ def decode_loop(model: str, dtype: str, page: int, batch: int, ctx: int, stop: s
     """Decode ``batch`` sequences of ``ctx`` prompt tokens until the file ``stop`` exists (fresh
     sequences every 200 steps, so the context stays near ``ctx``); prints ``ready`` once
     prefilled, then its step count."""
+    from pdd.types import SamplingParams
+
     eng = engine(model, dtype, page)
     rng, ids, vocab = np.random.default_rng(1), itertools.count(), eng.model_cfg.vocab_size
+    # every sequence decodes until its refill (the default max_tokens, 16, had them finish after
+    # 16 of every 200 steps, so the loop mostly stepped an empty batch)
+    sampling = SamplingParams(max_tokens=2 * REFILL_STEPS, ignore_eos=True)  # a later-prefilled one starts decoding later
 
     def fill():
         seqs = []
         for _ in range(batch):
-            s = eng.new_sequence(("md", next(ids)), [int(x) for x in rng.integers(2, vocab, ctx)], use_cache=False)
+            s = eng.new_sequence(("md", next(ids)), [int(x) for x in rng.integers(2, vocab, ctx)], sampling,
+                                 use_cache=False)
             eng.add(s)
             seqs.append(s)
         while any(x.num_computed < x.prompt_len for x in seqs):
@@ -55,15 +63,18 @@ def decode_loop(model: str, dtype: str, page: int, batch: int, ctx: int, stop: s
 
     seqs = fill()
     print("ready", flush=True)
-    n, t0 = 0, time.perf_counter()
+    n, busy = 0, 0.0
     while not os.path.exists(stop):
+        t0 = time.perf_counter()
         eng.step()
+        busy += time.perf_counter() - t0
         n += 1
-        if n % 200 == 0:
+        assert not any(x.is_finished for x in seqs), "a decode sequence finished before its refill"
+        if n % REFILL_STEPS == 0:
             for s in seqs:
                 eng.release(s, cache=False)
-            seqs = fill()
-    print(f"decode steps {n} in {time.perf_counter() - t0:.1f} s", flush=True)
+            seqs = fill()  # its prefill steps are not counted
+    print(f"decode steps {n}, {busy / max(n, 1) * 1e3:.2f} ms each", flush=True)
 
 
 def prefill_steps(model: str, seconds: float, prompt: int = 1500) -> list[float]:
