@@ -322,16 +322,16 @@ def busy_reasons(stats: dict) -> list[str]:
     """What keeps a topology from being settled, read from the gateway's ``/pdd/stats``: an
     instance holding a live request (P holds one until its KV streams have drained), the WAN
     emulator carrying bytes, a transfer whose outcome P has not reported (``transfers_pending``),
-    an attempt the gateway still runs (``requests_live``), or a relayed request that ended at the
-    client while its KV still crosses to MD (``kv_awaited``: MD caches the prompt's pages when it
-    lands, so a next request with that prefix would otherwise race it). Empty when settled; a
-    server without these stats (e.g. vLLM) is settled."""
+    or a relayed request that ended at the client while its KV still crosses to MD
+    (``kv_awaited``: MD caches the prompt's pages when it lands, so a next request with that
+    prefix would otherwise race it). Empty when settled; a server without these stats (e.g.
+    vLLM) is settled. (The gateway's ``requests_live`` is not read: a request whose client has
+    its last byte may still be leaving the gateway's table.)"""
     out = [f"{name} running {int(v.get('running', 0))}" for name, v in (stats.get("instances") or {}).items()
            if isinstance(v, dict) and int(v.get("running", 0) or 0)]
     link = stats.get("link") or {}
     out += [f"link {k} {int(link[k])}" for k in ("in_flight_a_to_b", "in_flight_b_to_a") if int(link.get(k, 0) or 0)]
-    out += [f"{k} {int(stats[k])}" for k in ("transfers_pending", "requests_live", "kv_awaited")
-            if int(stats.get(k, 0) or 0) > 0]
+    out += [f"{k} {int(stats[k])}" for k in ("transfers_pending", "kv_awaited") if int(stats.get(k, 0) or 0) > 0]
     return out
 
 

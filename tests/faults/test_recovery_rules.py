@@ -588,3 +588,40 @@ async def test_an_aborted_relayed_request_awaits_no_kv_ready(orch):
     await orch.abort(st2, ABORT_CLIENT)
     await orch._settle_relayed(st2)
     assert orch.awaiting_kv == {} and "finish" not in [m["t"] for m in orch.peers["md0"].sent]
+
+
+async def test_a_kv_ready_never_coming_expires_and_drops_the_reservation_on_md(orch):
+    """A finished relayed request awaited past ``request_timeout_s`` (its kv_ready lost on a path
+    not foreseen) is forgotten, dropped on its MD and counted; the topology settles instead of
+    awaiting it for good. One still in time, or whose kv_ready came, is left alone."""
+    orch.cfg.policy.cutoff = False
+    st = relayed(orch)
+    stream_to(st, 16)
+    st.finished = True
+    orch.reqs.pop(st.trid)
+    await orch._settle_relayed(st)
+    deadline = orch.awaiting_kv_deadline["r1"]
+    assert orch._expire_awaited_kv(deadline - 0.001) == [] and "r1" in orch.awaiting_kv
+    assert orch._expire_awaited_kv(deadline) == ["r1"]
+    await settle()
+    assert orch.awaiting_kv == {} and orch.awaiting_kv_deadline == {}
+    assert orch.totals["kv_awaited_expired"] == 1 and orch.peers["md0"].sent[-1]["t"] == "drop"
+    st2 = relayed(orch, rid="r2", trid="r2")  # its kv_ready came: its deadline goes with it
+    stream_to(st2, 16)
+    st2.finished = True
+    orch.reqs.pop(st2.trid)
+    await orch._settle_relayed(st2)
+    await orch.on_kv_ready(orch.peers["md0"], KvReady("r2").wire(), b"")
+    assert orch._expire_awaited_kv(orch.awaiting_kv_deadline.get("r2", 0.0) + 1e9) == []
+    assert orch.awaiting_kv_deadline == {} and orch.totals["kv_awaited_expired"] == 1
+
+
+async def test_a_new_attempt_of_an_ended_request_does_not_enter_the_table_again(orch):
+    """A recovery step (a full tier refused the new attempt, retried later) that runs after the
+    request ended (its stream's end or an abort took it out of the table) must not put it back:
+    the gateway would count a live request for good."""
+    st = relayed(orch)
+    st.finished = True
+    orch.reqs.pop(st.trid)
+    orch._new_attempt(st, "retried after its end", counted=False)
+    assert st.trid not in orch.reqs and orch.reqs == {}

@@ -33,7 +33,7 @@ from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, La
 from pdd.transfer.client import connect
 from pdd.transfer.peer import Peer
 from pdd.transfer.layout import wire_dtype
-from pdd.transfer.messages import Flush, Stats
+from pdd.transfer.messages import Drop, Flush, Stats
 from pdd.gateway.handoff import Handoffs
 from pdd.gateway.launch import Launchers
 from pdd.gateway.prefix_index import PrefixIndex
@@ -95,6 +95,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.wan_last_probe: dict[str, float] = {}
         self.wan_probes = {"probes": 0, "failures": 0, "bytes": 0, "goodput_samples": 0}
         self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
+        # finished trid -> monotonic deadline (request_timeout_s after the wait began): an entry
+        # still awaited then is dropped on MD and forgotten (_expire_awaited_kv)
+        self.awaiting_kv_deadline: dict[str, float] = {}
         # trids whose kv_ready came after the request had ended (MD was told to keep the KV then): the
         # relayed request's settling must not wait for it again (gateway.stream._await_kv). Oldest
         # dropped beyond KV_LANDED_MAX, so one never settled (failed meanwhile) cannot grow it.
@@ -136,6 +139,30 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                 await self._reconnect_closed()
             except Exception as e:  # never let the watcher die
                 log.warning("reconnecting closed instances failed: %s", e)
+            self._expire_awaited_kv(time.monotonic())
+
+    def _expire_awaited_kv(self, now: float) -> list[str]:
+        """Forget the finished relayed requests whose KV MD has not reported (kv_ready) within
+        ``request_timeout_s`` of the wait's start (``awaiting_kv_deadline``): each is dropped on
+        its MD (which frees a reservation still held; its cache keeps nothing of it), counted in
+        ``totals["kv_awaited_expired"]`` and logged. Without it one lost kv_ready (a path not
+        foreseen) would keep the gateway awaiting for good, and the topology never settled.
+        Returns the tier rids expired (``now``: ``time.monotonic()``)."""
+        out = []
+        for trid, deadline in list(self.awaiting_kv_deadline.items()):
+            if trid not in self.awaiting_kv:
+                self.awaiting_kv_deadline.pop(trid, None)
+            elif now >= deadline:
+                self.awaiting_kv_deadline.pop(trid, None)
+                _p, md_name = self.awaiting_kv.pop(trid)
+                self.totals["kv_awaited_expired"] = self.totals.get("kv_awaited_expired", 0) + 1
+                log.warning("request %s: MD %s did not report its KV within %.0f s of the request's end; dropped there",
+                            trid, md_name, self.cfg.request_timeout_s)
+                peer = self.peers.get(md_name)
+                if peer is not None and not peer.closed:
+                    self._spawn(peer.send(Drop(trid).wire()))
+                out.append(trid)
+        return out
 
     async def _connect(self, name: str, retries: int) -> Peer:
         from pdd.security import link_security

@@ -97,7 +97,8 @@ class Recovery:
         self._wan_new_attempt(st)
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt
             st.queue.get_nowait()
-        self.reqs[st.trid] = st
+        if not st.finished:  # an ended request (its stream's end or an abort took it out) stays out
+            self.reqs[st.trid] = st
         if counted:
             self.totals["recovered"] = self.totals.get("recovered", 0) + 1
 

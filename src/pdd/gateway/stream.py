@@ -162,6 +162,7 @@ class Streams:
         p_name, md_name = st.names.get(ROLE_PREFILL), st.names.get(ROLE_MAIN)
         if p_name and md_name:
             self.awaiting_kv[st.trid] = (p_name, md_name)
+            self.awaiting_kv_deadline[st.trid] = time.monotonic() + self.cfg.request_timeout_s
 
     def _count_outcome(self, st: ReqState, outcome: str) -> bool:
         """Count ``st`` in ``totals[outcome]`` (one of :data:`OUTCOMES`) unless it was counted
