@@ -348,6 +348,8 @@ def test_a_requests_own_chat_template_is_refused(api):
     ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/chat/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt_logprobs": 2}, "prompt_logprobs"),  # was 200 with none (ignored)
+    ("/v1/chat/completions", {"prompt_logprobs": 0}, "prompt_logprobs"),
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"truncate_prompt_tokens": 401}, "truncate_prompt_tokens"),
     ("/v1/completions", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),

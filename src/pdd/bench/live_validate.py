@@ -64,6 +64,9 @@ def cmd_validate(a) -> int:
     from pdd.cli_args import config_or_exit
     from pdd.sim.validate import format_validate
 
+    import math
+
+    from pdd.sim.cli import check_out_dir
     from pdd.sim.recorded import RecordedRunError, WorkloadMismatch, recorded_run_args
 
     cfg = None
@@ -73,8 +76,9 @@ def cmd_validate(a) -> int:
     rec = recorded_run_args(a.live_from) if a.live_from else {}
     w = {k: getattr(a, k) if getattr(a, k) is not None else rec.get(k, d) for k, d in WORKLOAD_DEFAULTS.items()}
     for k in ("requests", "rate", "block_tokens"):
-        if w[k] <= 0:
-            raise SystemExit(f"pdd sim validate: --{k.replace('_', '-')} must be > 0")
+        if not (math.isfinite(w[k]) and w[k] > 0):  # nan / inf gave arrival times of nan / None
+            raise SystemExit(f"pdd sim validate: --{k.replace('_', '-')} must be a finite number > 0, got {w[k]}")
+    check_out_dir(a.out)  # a file or an unwritable place: one line, before any work
     try:
         res = run_validate(a.out, cfg, n_requests=w["requests"], rate=w["rate"], block_tokens=w["block_tokens"],
                            budget_ms=w["budget_ms"], session_sample=w["session_sample"],

@@ -74,6 +74,7 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = None  # vLLM's extra parameter; refused (_check_response_format's callers)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0 (OpenAI's and vLLM's default)
@@ -382,7 +383,15 @@ def check_completion(body: CompletionRequest) -> None:
         raise ApiError("best_of other than n is not supported", "best_of")
     if body.echo and body.logprobs is not None:
         raise ApiError("echo with logprobs (prompt logprobs) is not supported", "echo")
+    _check_prompt_logprobs(body)
     _check_response_format(body.response_format)
+
+
+def _check_prompt_logprobs(body) -> None:
+    """vLLM's ``prompt_logprobs`` would be silently dropped (unknown fields are ignored): refused."""
+    if body.prompt_logprobs is not None:
+        raise ApiError("prompt_logprobs is not supported (logprobs of the sampled tokens are: logprobs)",
+                       "prompt_logprobs")
 
 
 def _check_response_format(rf: dict | None) -> None:
@@ -444,6 +453,7 @@ def check_chat(body: ChatCompletionRequest) -> None:
         raise ApiError("chat_template: a request's own chat template is not accepted; the model's template "
                        "is used (chat_template_kwargs pass variables to it)", "chat_template")
     _check_response_format(body.response_format)
+    _check_prompt_logprobs(body)
     if body.echo:
         raise ApiError("echo (prepending the last message to the reply) is not supported", "echo")
     if body.best_of is not None and body.best_of != body.n:

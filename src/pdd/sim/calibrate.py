@@ -169,9 +169,11 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     prof.pop("wan_send_buffer_bytes", None)
     prof["client_delay_s"] = live_client_delay_s(live_recs) or 0.0
     prof.pop("gateway_rtt_ms", None)
+    prof.pop("gateway_rtt_line_ms", None)
     g = live_gateway_rtt_ms(live_recs)
     if g is not None:
         prof["gateway_rtt_ms"] = g
+        prof["gateway_rtt_line_ms"] = float(cfg.link.wan_rtt_ms)  # the line it was measured on
     prof.pop("fast_path", None)
     fp = live_fast_path(live_recs, int(prof["model"]["kv_bytes_per_token"]), cfg.link.fast_gbps)
     if fp is not None:

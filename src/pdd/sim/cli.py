@@ -135,7 +135,8 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default=None,
                    help="one measured profile for both chips (as `pdd sim validate --profile`); "
                    "--profile-a / --profile-b override it per chip")
-    g.add_argument("--profile-a", default=None, help="measured profile JSON (format of ../shared/calibration)")
+    g.add_argument("--profile-a", default=None, help="chip A's measured profile (`pdd profile`) or roofline "
+                   "calibration file (format of data/calibration)")
     g.add_argument("--profile-b", default=None)
     g.add_argument("--no-live-fit", action="store_true",
                    help="ignore the live-run fit `pdd sim calibrate-roles` wrote into --profile / --profile-a "
@@ -201,16 +202,35 @@ def _profiles(a) -> tuple[str | None, str | None]:
 
 
 def _read_profiles(a) -> list[tuple[str, dict]]:
-    """(path, JSON) of each profile given as --profile(-a/-b), chip A's first. SystemExit naming
-    the file when one cannot be read."""
+    """(path, JSON) of each profile given as --profile(-a/-b), chip A's first. A measured profile
+    (``pdd-profile/1``) is checked as ``pdd sim validate`` checks one
+    (``recorded.load_profile_checked``: its live-run fit's fields and ranges); any other JSON
+    object is a roofline calibration file (``data/calibration``) and may not carry a live-run
+    fit. UsageError naming the flag and file otherwise."""
     from pathlib import Path
 
+    from pdd.sim.recorded import RecordedRunError, load_profile_checked
+    from pdd.sim.sim_config import live_fit_of
+
+    flags = {a.profile: "--profile", a.profile_a: "--profile-a", a.profile_b: "--profile-b"}
     out = []
     for p in dict.fromkeys(x for x in _profiles(a) if x):
+        flag = flags.get(p, "--profile")
         try:
-            out.append((p, json.loads(Path(p).read_text())))
+            prof = json.loads(Path(p).read_text())
         except (OSError, ValueError) as e:
-            raise SystemExit(f"pdd sim: cannot read profile {p}: {e}")
+            raise UsageError(f"{flag} {p}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        if not isinstance(prof, dict):
+            raise UsageError(f"{flag} {p}: not a profile (a JSON {type(prof).__name__}, not an object)")
+        if prof.get("format") == "pdd-profile/1":
+            try:
+                prof = load_profile_checked(p)
+            except RecordedRunError as e:
+                raise UsageError(f"{flag} {e}") from None
+        elif live_fit_of(prof):
+            raise UsageError(f"{flag} {p}: carries a live-run fit ({', '.join(live_fit_of(prof))}) but is not a "
+                             f"pdd-profile/1 profile (format {prof.get('format')!r})")
+        out.append((p, prof))
     return out
 
 
@@ -379,6 +399,8 @@ def cmd_run(a) -> int:
     if a.autoscale is None and a.autoscale_min is not None:
         raise UsageError("--autoscale-min: only with --autoscale (the loop's most active instances per role)")
     acfg = _autoscale_config(a) if a.autoscale is not None else None  # refused before the workload is read
+    if a.json:
+        check_out_file(a.json, "--json")  # before the simulation, not after it
     recs, sched = _apply_load_profile(a, _records(a))
     cfg = _make_cfg(a)
     t0 = time.time()
@@ -571,13 +593,30 @@ def cmd_profile(a) -> int:
 
     from pdd.sim.profile import measure_profile
 
+    from pdd.sim.sim_config import live_fit_of
+
     cfg = config_or_exit(a)
     if not (Path(cfg.model_path) / "config.json").exists():
         raise SystemExit(f"pdd profile: no checkpoint at {cfg.model_path}; make one with: pdd make-model "
                          f"--out {cfg.model_path}")
+    out = Path(a.out)
+    if not out.parent.exists():  # made now, so the check below (and the write after minutes) can pass
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out {a.out}: cannot make its directory ({e.strerror or e})") from None
+    check_out_file(a.out)  # before a minute of measuring, not after
+    if out.is_file() and not a.force:
+        try:
+            old = json.loads(out.read_text())
+        except (OSError, ValueError):
+            old = None
+        if isinstance(old, dict) and live_fit_of(old):
+            raise UsageError(f"--out {a.out}: holds a live-run fit (pdd sim calibrate-roles: "
+                             f"{', '.join(live_fit_of(old))}) that a new profile would drop; give another --out, "
+                             "or --force")
     prof = measure_profile(cfg, reps=a.reps)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(prof, indent=1))
+    out.write_text(json.dumps(prof, indent=1))
     f = prof["fit"]
     print(f"step-time fit over {len(prof['prefill']) + len(prof['decode']) + len(prof['extend'])} rows: mean |rel "
           f"err| {f['mean_abs_rel_err']:.1%}, max {f['max_abs_rel_err']:.1%}; wrote {a.out}")
@@ -587,11 +626,31 @@ def cmd_profile(a) -> int:
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="measure the live engine's prefill / decode / extend step times "
                                               "and write a hardware profile for `pdd sim --profile-a`")
-    p.add_argument("--out", default="data/profiles/this-machine.json")
+    p.add_argument("--out", default="runs/profile.json",
+                   help="the profile to write (default runs/profile.json); an existing profile that carries a "
+                   "live-run fit (e.g. data/profiles/this-machine.json) is kept unless --force")
+    p.add_argument("--force", action="store_true", help="overwrite --out even when it holds a live-run fit")
     p.add_argument("--config", default=None, help="cluster config (YAML/JSON) whose engine settings to use")
     p.add_argument("--reps", type=int, default=5, help="repetitions per point (median)")
     p.set_defaults(func=cmd_profile)
     return p
+
+
+def check_out_dir(path: str, flag: str = "--out") -> None:
+    """Make the output directory ``path`` now (parents too) so that a bad one is a UsageError
+    naming ``flag`` before the work, not a traceback after it."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot make it ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK):
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 def check_out_file(path: str, flag: str = "--out") -> None:

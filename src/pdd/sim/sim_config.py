@@ -224,8 +224,9 @@ def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
     """``scfg`` with a profile's live-run fit (``pdd sim calibrate-roles``, docs/SIM.md): per-role
     step factors (``role_step_scale``) and seconds a step (``role_step_overhead_s``, or
     ``overheads`` when given), the WAN send buffer (bytes; ``wan_buffer`` when given), the client
-    delay (s), the gateway's RTT estimate (ms), the decode interference factors (applied only on a
-    shared host, ``host_cores`` > 0) and the measured P -> RLD fast path (Gbit/s and one-way
+    delay (s), the gateway's RTT estimate (ms: ``scfg``'s line RTT plus what the measured one was
+    above the line it was measured on, ``gateway_rtt_line_ms``), the decode interference factors
+    (applied only on a shared host, ``host_cores`` > 0) and the measured P -> RLD fast path (Gbit/s and one-way
     latency s, as an RTT of twice it in ms). Fields the profile lacks leave ``scfg``'s."""
     kw = {}
     ovh = overheads if overheads is not None else prof.get("role_step_overhead_s")
@@ -236,7 +237,11 @@ def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
     if prof.get("client_delay_s"):
         kw["client_delay_s"] = float(prof["client_delay_s"])
     if prof.get("gateway_rtt_ms"):
-        kw["wan_rtt_estimate_ms"] = float(prof["gateway_rtt_ms"])
+        line = prof.get("gateway_rtt_line_ms")
+        # the software's share (the measured RTT less the line's it was measured on) on top of
+        # this deployment's line; a profile without the line's RTT gives its measured RTT as is
+        kw["wan_rtt_estimate_ms"] = float(prof["gateway_rtt_ms"]) if line is None else \
+            max(0.0, scfg.wan_rtt_ms + float(prof["gateway_rtt_ms"]) - float(line))
     if prof.get("decode_interference"):
         kw["decode_interference"] = dict(prof["decode_interference"])
     fp = prof.get("fast_path")
