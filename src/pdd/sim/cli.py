@@ -818,11 +818,14 @@ def main(argv=None) -> int:
 
 
 def run_command(a, ap: argparse.ArgumentParser) -> int:
-    """Run the parsed sub-command; its UsageError becomes the sub-command's ``error: ...`` (exit 2)."""
+    """Run the parsed sub-command; its UsageError becomes one ``PROG: error: ...`` line on
+    stderr (exit 2), without the usage block argparse prints for a malformed command line (a
+    refusal of a value names its flag; the usage of 40 flags above it buried it)."""
     try:
         return a.func(a)
     except UsageError as e:
-        (getattr(a, "parser", None) or ap).error(str(e))
+        sys.stderr.write(f"{(getattr(a, 'parser', None) or ap).prog}: error: {e}\n")
+        sys.exit(2)
 
 
 if __name__ == "__main__":
