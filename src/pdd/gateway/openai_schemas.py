@@ -74,7 +74,7 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    prompt_logprobs: int | None = None  # vLLM's extra parameter; refused (_check_response_format's callers)
+    prompt_logprobs: int | None = None  # vLLM's extra parameter: refused (_check_prompt_logprobs), not ignored
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0 (OpenAI's and vLLM's default)
