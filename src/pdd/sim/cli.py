@@ -238,7 +238,7 @@ def _measured_model(profiles: list[tuple[str, dict]]) -> dict | None:
     """The model shape of a `pdd profile` file among ``profiles`` (its step times and KV pool
     belong to that model), else None."""
     for _, prof in profiles:
-        if isinstance(prof, dict) and prof.get("format") == "pdd-profile/1":
+        if prof.get("format") == "pdd-profile/1":
             return prof["model"]
     return None
 
@@ -255,9 +255,9 @@ def _live_fit(a, profiles: list[tuple[str, dict]], cfg):
     path_a, prof_a = profiles[0]
     if a.profile_a is None and a.profile is None:  # only --profile-b: chip A is a table chip
         path_a, prof_a = None, {}
-    fields = live_fit_of(prof_a) if isinstance(prof_a, dict) else []
+    fields = live_fit_of(prof_a)
     for path, prof in profiles:
-        if path != path_a and isinstance(prof, dict) and live_fit_of(prof):
+        if path != path_a and live_fit_of(prof):
             print(f"pdd sim: the live-run fit in {path} is not applied (the one of --profile / --profile-a is)",
                   file=sys.stderr)
     if not fields:

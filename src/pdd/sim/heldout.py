@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.sim.recorded import RecordedRunError, faults_text, read_run, run_engines
+from pdd.sim.sim_config import LIVE_FIT_FIELDS
 from pdd.sim.validate import decisions_of, error_distribution
 
 # the goals of issue 25 (docs/SIM.md): |TTFT P50| and |TTFT P90| error, decision match
@@ -115,8 +116,7 @@ def read_validate(run_dir: str | Path) -> dict:
 
 
 # the profile fields a re-simulation applies (pdd.sim.validate.simulate): held-out runs must share them
-FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "wan_send_buffer_bytes",
-              "client_delay_s", "gateway_rtt_ms", "fast_path", "role_overhead_from")
+FIT_FIELDS = (*LIVE_FIT_FIELDS, "role_overhead_from")
 
 
 def _same_path(a, b) -> bool:

@@ -206,12 +206,10 @@ class SimConfig:
         return f"{self.mode}[{'+'.join(parts)}]"
 
 
-# what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate), and
-# the SimConfig field each sets (:func:`with_live_fit`)
-LIVE_FIT_FIELDS = {"role_step_overhead_s": "step_overhead_s", "role_step_scale": "step_scale",
-                   "wan_send_buffer_bytes": "wan_send_buffer_bytes", "client_delay_s": "client_delay_s",
-                   "gateway_rtt_ms": "wan_rtt_estimate_ms", "decode_interference": "decode_interference",
-                   "fast_path": "fast_gbps"}
+# what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate) and
+# :func:`with_live_fit` applies
+LIVE_FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "wan_send_buffer_bytes",
+                   "client_delay_s", "gateway_rtt_ms", "fast_path")
 
 
 def live_fit_of(prof: dict) -> list[str]:
