@@ -9,8 +9,8 @@ run) and one ``pdd sim validate --out`` directory per run. The steps are the doc
 
 1. ``pdd sim calibrate-roles --run RUNS/<calibration> --profile PROFILE --out OUT/fit.json``:
    every role fit from the calibration run alone;
-2. per run, ``pdd sim validate --profile OUT/fit.json --live-from RUNS/<run>`` with the run's own
-   workload arguments (from its ``validate.json``), its ``--config`` and ``--profile-b`` (MD's
+2. per run, ``pdd sim validate --profile OUT/fit.json --live-from RUNS/<run>`` (which takes the
+   run's own workload arguments from its ``validate.json``), its ``--config`` and ``--profile-b`` (MD's
    bare engine measured with that tier's engine settings: an input, not a fit) -> ``OUT/<run>``;
 3. ``pdd sim validate-report`` over them, once per noise pair: the table printed, the report
    written to ``OUT/report-<n>.json``.
@@ -31,13 +31,12 @@ import sys
 from pathlib import Path
 
 from pdd.cli import main as pdd
-from pdd.sim.recorded import RUN_ARGS
 
 
-def run_args(run: Path) -> list[str]:
-    """The workload and budget flags a run was recorded with (its validate.json). Raises
-    ValueError naming the file when it is missing, not JSON or lacks ``workload`` or
-    ``config.pipeline_ttft_budget_ms``."""
+def check_run(run: Path) -> None:
+    """Raises ValueError naming the file when ``run``'s validate.json is missing, not JSON or
+    lacks ``workload`` or ``config.pipeline_ttft_budget_ms`` (`pdd sim validate --live-from`
+    reads the run's workload arguments from it)."""
     f = run / "validate.json"
     try:
         v = json.loads(f.read_text())
@@ -48,12 +47,6 @@ def run_args(run: Path) -> list[str]:
     if not isinstance(w, dict) or budget is None:
         raise ValueError(f"{f}: no 'workload' object or config.pipeline_ttft_budget_ms "
                          "(not a `pdd sim validate` output)")
-    out = []
-    for sec, key, flag in RUN_ARGS:  # the flags check_same_run compares a reused run by
-        x = v[sec].get(key)
-        if x is not None and flag.startswith("--"):
-            out += [flag, str(x)]
-    return out
 
 
 def check_manifest(man) -> None:
@@ -113,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--runs: {runs / 'manifest.json'}: cannot read it ({getattr(e, 'strerror', None) or e})")
     try:
         check_manifest(man)
-        args = {n: run_args(runs / n) for n in dict.fromkeys([man["calibration"], *man["held_out"]])}
+        for n in dict.fromkeys([man["calibration"], *man["held_out"]]):
+            check_run(runs / n)
         check_manifest_files(man, runs)
     except ValueError as e:
         ap.error(f"--runs: {e}" if str(e).startswith(str(runs)) else f"--runs: {runs / 'manifest.json'}: {e}")
@@ -136,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--profile-b", str(runs / man["profile_b"][name])]
         print(f"\n== {name}", flush=True)
         if rc := pdd(["sim", "validate", "--profile", str(fit), "--live-from", str(runs / name),
-                      "--out", str(out / name), *args[name], *extra]):
+                      "--out", str(out / name), *extra]):
             return rc
     for i, (x, y) in enumerate(man.get("noise") or [[None, None]]):
         print(f"\n== held-out report{'' if x is None else f', noise floor {x} / {y}'}", flush=True)
