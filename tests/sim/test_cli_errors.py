@@ -542,3 +542,11 @@ def test_validate_live_from_reads_the_runs_workload_arguments(capsys, tmp_path, 
                   "--config", _fake_model_config(tmp_path)])
     assert got == {"n_requests": 2, "rate": 0.8, "block_tokens": 64, "session_sample": 50, "session_seed": 0,
                    "max_output_tokens": 320, "seed": 0, "budget_ms": 40.0}
+
+
+def test_plan_names_the_prompt_cap_when_a_prompt_does_not_fit(capsys):
+    """`pdd plan --profile data/profiles/this-machine.json` on its default agentic workload (57k-token
+    prompts, a 32,768-token CPU pool) ended in a RequestTooLarge traceback and had no --max-input:
+    now one line naming the cap, which plan takes as sim run does."""
+    argv = ["plan", "--profile", PROFILE, "--requests", "20", "--rate", "1", "--seed", "1"]
+    _refused(capsys, argv, "pdd plan: error:", "do not fit the KV pool", "cap the prompts with --max-input")

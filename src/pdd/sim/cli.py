@@ -312,7 +312,7 @@ def _wan_fields(a) -> dict:
 def _records(a, rate=None):
     from pdd.workload import records as W
 
-    cap = getattr(a, "max_input", None)  # pdd sim run only
+    cap = getattr(a, "max_input", None)  # pdd sim run and pdd plan
     if a.agentic:
         recs = W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
         return W.cap_input(recs, cap) if cap else recs
@@ -747,6 +747,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
 
 
 def cmd_plan(a) -> int:
+    from pdd.sim.cluster import RequestTooLarge
     from pdd.sim.plan import WanOption, best_with_goodput, format_plan, search
     from pdd.workload.records import generate_fixed
 
@@ -767,15 +768,21 @@ def cmd_plan(a) -> int:
     wans = _wan_options(a.wan)
     rlds = _rld_counts(a.rld)
     recs = make(a.rate)
-    found = search(recs, base, md_counts=range(a.md_min, a.md_max + 1, a.md_step),
-                   rld_counts=rlds, wans=wans, p_max=a.p_max,
-                   d_counts=range(a.md_min, a.md_max + 1, a.md_step),
-                   log=lambda r: print(f"  feasible: {r['config']} WAN {r['wan_gbps']} ${r['cost_per_hour']:.1f}/h",
-                                       file=sys.stderr))
-    if not found:
-        print("no configuration in the search space meets the SLO at this rate")
-        return 1
-    rows = best_with_goodput(found, make, a.rate, a.top)
+    try:
+        found = search(recs, base, md_counts=range(a.md_min, a.md_max + 1, a.md_step),
+                       rld_counts=rlds, wans=wans, p_max=a.p_max,
+                       d_counts=range(a.md_min, a.md_max + 1, a.md_step),
+                       log=lambda r: print(f"  feasible: {r['config']} WAN {r['wan_gbps']} "
+                                           f"${r['cost_per_hour']:.1f}/h", file=sys.stderr))
+        if not found:
+            print("no configuration in the search space meets the SLO at this rate")
+            return 1
+        rows = best_with_goodput(found, make, a.rate, a.top)
+    except RequestTooLarge as e:  # e.g. the agentic workload's 57k-token prompts on a CPU profile's pool
+        cap = ("lower --input-len" if a.workload == "fixed" else
+               f"cap the prompts with --max-input {e.max_prompt} or less") if e.max_prompt >= 1 else \
+            "no prompt cap helps: the longest output alone does not fit"
+        raise UsageError(f"{e}; {cap}") from None
     print(format_plan(rows))
     if a.json:
         from pdd.sim.report import write_json
@@ -788,7 +795,7 @@ def cmd_plan(a) -> int:
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="size P / RLD / MD counts and the WAN line for a workload and SLO")
     _cfg_args(p)
-    _workload_args(p)
+    _workload_args(p, max_input=True)
     p.add_argument("--workload", default="agentic", choices=["agentic", "trace", "fixed"])
     p.add_argument("--requests", type=POS_INT, default=1500)
     p.add_argument("--input-len", type=POS_INT, default=63 * 1024)
