@@ -550,3 +550,28 @@ def test_plan_names_the_prompt_cap_when_a_prompt_does_not_fit(capsys):
     now one line naming the cap, which plan takes as sim run does."""
     argv = ["plan", "--profile", PROFILE, "--requests", "20", "--rate", "1", "--seed", "1"]
     _refused(capsys, argv, "pdd plan: error:", "do not fit the KV pool", "cap the prompts with --max-input")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["decode"][0].update(seconds_per_step="abc"), "decode[0].seconds_per_step must be a finite number > 0"),
+    (lambda d: d["decode"][0].update(seconds_per_step=-1), "decode[0].seconds_per_step must be a finite number > 0"),
+    (lambda d: d.update(decode=[]), "decode must be a non-empty list of measured rows"),
+    (lambda d: d.pop("model"), "model must be an object with kv_bytes_per_token > 0"),
+    (lambda d: d.update(format="other/9", **{k: None for k in ("role_step_overhead_s", "role_step_scale",
+                                                                "decode_interference", "wan_send_buffer_bytes",
+                                                                "client_delay_s", "gateway_rtt_ms", "fast_path")}),
+     "unsupported profile format 'other/9'"),
+])
+def test_sim_run_refuses_a_profile_whose_measured_tables_are_malformed(capsys, tmp_path, edit, message):
+    """A hand-edited profile's step tables: a string or negative step time, no decode rows, no
+    model gave a TypeError / ZeroDivisionError / KeyError traceback or ran on nonsense; another
+    format was read as a roofline calibration file. Each is one line naming file and field."""
+    d = json.loads(Path(PROFILE).read_text())
+    edit(d)
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(d))
+    _refused(capsys, ["sim", "run", "--profile", str(f), "--agentic", "5", "--max-input", "4000"],
+             "pdd sim run: error: --profile", message)
+    _refused(capsys, ["sim", "run", "--profile", str(tmp_path / "none.json")], "--profile")
+    (tmp_path / "empty.json").write_text("{}")
+    _refused(capsys, ["sim", "run", "--profile", str(tmp_path / "empty.json")], "prefill must be a list")

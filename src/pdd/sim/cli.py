@@ -209,7 +209,7 @@ def _read_profiles(a) -> list[tuple[str, dict]]:
     fit. UsageError naming the flag and file otherwise."""
     from pathlib import Path
 
-    from pdd.sim.recorded import RecordedRunError, load_profile_checked
+    from pdd.sim.recorded import RecordedRunError, check_step_rows, load_profile_checked
     from pdd.sim.sim_config import live_fit_of
 
     flags = {a.profile: "--profile", a.profile_a: "--profile-a", a.profile_b: "--profile-b"}
@@ -227,9 +227,17 @@ def _read_profiles(a) -> list[tuple[str, dict]]:
                 prof = load_profile_checked(p)
             except RecordedRunError as e:
                 raise UsageError(f"{flag} {e}") from None
+        elif "format" in prof:  # a roofline calibration file (data/calibration) has none
+            raise UsageError(f"{flag} {p}: unsupported profile format {prof['format']!r} (expected pdd-profile/1, "
+                             "or a roofline calibration file of data/calibration)")
         elif live_fit_of(prof):
             raise UsageError(f"{flag} {p}: carries a live-run fit ({', '.join(live_fit_of(prof))}) but is not a "
                              f"pdd-profile/1 profile (format {prof.get('format')!r})")
+        else:  # a roofline calibration file: the same measured tables, no model
+            try:
+                check_step_rows(prof, Path(p), need_model=False)
+            except RecordedRunError as e:
+                raise UsageError(f"{flag} {e}") from None
         out.append((p, prof))
     return out
 

@@ -218,8 +218,37 @@ def load_profile_checked(path: str | Path) -> dict:
         raise RecordedRunError(f"{p}: not JSON ({e})", "profile") from None
     except ValueError as e:  # not a pdd-profile/1 object: the message names the file
         raise RecordedRunError(str(e), "profile") from None
+    check_step_rows(prof, p)
     check_role_fits(prof, p)
     return prof
+
+
+# a profile's measured tables (pdd.sim.profile.measure_profile): table -> its numeric fields
+STEP_ROWS = {"prefill": ("tokens", "seconds"), "decode": ("batch", "context", "seconds_per_step"),
+             "extend": ("tokens", "context", "seconds")}
+
+
+def check_step_rows(prof: dict, path: Path, need_model: bool = True) -> None:
+    """Raises :class:`RecordedRunError` naming the file and field when the profile has no
+    ``model`` object with ``kv_bytes_per_token`` (``need_model``: a roofline calibration file of
+    data/calibration has none), a table of ``STEP_ROWS`` is not a list of
+    objects whose fields are finite numbers > 0, or ``decode`` is empty (a hand-edited profile:
+    the step model's fit divided by a string or by zero rows)."""
+    m = prof.get("model")
+    if need_model and not (isinstance(m, dict) and _number(m.get("kv_bytes_per_token"))
+                           and m["kv_bytes_per_token"] > 0):
+        raise RecordedRunError(f"{path}: model must be an object with kv_bytes_per_token > 0, got {m!r}", "profile")
+    for table, fields in STEP_ROWS.items():
+        rows = prof.get(table)
+        if not isinstance(rows, list) or (table == "decode" and not rows):
+            raise RecordedRunError(f"{path}: {table} must be a{' non-empty' if table == 'decode' else ''} list of "
+                                   f"measured rows, got {rows!r}"[:300], "profile")
+        for i, r in enumerate(rows):
+            for f in fields:
+                x = r.get(f) if isinstance(r, dict) else None
+                if not (_number(x) and x > 0):
+                    raise RecordedRunError(f"{path}: {table}[{i}].{f} must be a finite number > 0, got {x!r}",
+                                           "profile")
 
 
 SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tiers)
