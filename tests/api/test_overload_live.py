@@ -42,5 +42,5 @@ def test_full_tier_queue_gives_429_then_normal_service(tiny_model, tmp_path):
         # the load is gone: served as usual, and no page leaked by the refusals
         r = httpx.post(topo.url + "/v1/completions", json={**body, "max_tokens": 4}, timeout=120, trust_env=False)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        assert topo.wait_idle(60)
+        assert topo.wait_idle(60), topo.last_busy
         assert topo.flush()["leaked_pages"] == 0

@@ -77,7 +77,7 @@ def run_checking_wan_bytes(topo: Topology, prompts: list[list[int]], want: list[
         assert c.tokens == out
         assert c.summary["wan_bytes_expected"] == nbytes, json.dumps(
             {**c.summary, "instances_lost": topo.stats()["totals"].get("instances_lost", 0)})
-        assert topo.wait_idle(timeout_s=30)
+        assert topo.wait_idle(timeout_s=30), topo.last_busy
         summaries.append(c.summary)
     st = topo.stats()
     assert st["wan_bytes"] == st["wan_bytes_expected"] == sum(want)
@@ -90,7 +90,7 @@ def settled_stats(topo: Topology, timeout_s: float = 60.0) -> dict:
     """``topo``'s stats once it is settled (``Topology.wait_idle``: no instance runs a request, no
     KV in flight or awaited; MD settles after the client's stream ends); raises AssertionError
     after ``timeout_s`` seconds."""
-    assert topo.wait_idle(timeout_s=timeout_s), "topology did not go idle"
+    assert topo.wait_idle(timeout_s=timeout_s), f"topology did not go idle: {topo.last_busy}"
     return topo.stats()
 
 

@@ -49,6 +49,6 @@ def test_prefill_overlaps_md_reservation(small_model, topology_factory, mode, bu
     assert ev["p_first_token"] < ev.get("md_reserved", float("inf")), ev
     outs, _ = greedy_oracle(small_model, [prompt], 12)
     assert c.tokens == outs[0]
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     fl = topo.flush()
     assert fl["leaked_pages"] == 0, fl

@@ -41,7 +41,7 @@ def _run(topo, cfg, prompts, max_tokens):
         c = StreamClient(topo.url, {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
                                     "temperature": 0, "ignore_eos": True}).start()
         assert c.wait(90) and c.error is None, c.error
-        assert topo.wait_idle(timeout_s=30)
+        assert topo.wait_idle(timeout_s=30), topo.last_busy
         got.append(c)
     return got
 

@@ -60,7 +60,7 @@ def _instances(url: str) -> dict:
 
 
 def _all_free_after_flush(topo) -> dict:
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     fl = topo.flush()
     assert fl["leaked_pages"] == 0, fl
     for name, v in fl["instances"].items():

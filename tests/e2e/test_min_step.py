@@ -59,7 +59,7 @@ def test_held_steps_keep_outputs_bytes_and_pages_exact(small_model, topology_fac
     assert all(c.summary["pipeline"] == "p_rld_md" and c.summary["handoff_pos"] is not None for c in clients), \
         [c.summary for c in clients]
     assert {c.summary["handoff_mode"] for c in clients} == {handoff_mode}
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     st = topo.stats()
     assert st["wan_bytes"] == st["wan_bytes_expected"] > 0, st
     fl = topo.flush()

@@ -85,7 +85,7 @@ def test_pipeline_choice_live(small_model, topology_factory, allow_p_rld):
     got_short, ps = _complete(topo.url, cfg.served_model_name, short)
     ps = planned(ps, "p_md", SHORT)
     assert ps["wan_bytes_expected"] == SHORT * SLOT, ps  # MD gets the whole prompt's KV across the WAN
-    assert topo.wait_idle(timeout_s=60)
+    assert topo.wait_idle(timeout_s=60), topo.last_busy
     mid = topo.stats()
     assert mid["pipelines"].get("p_md", 0) == before["pipelines"].get("p_md", 0) + 1, mid["pipelines"]
     assert mid["wan_bytes"] == mid["wan_bytes_expected"] == before["wan_bytes"] + ps["wan_bytes_expected"], mid
@@ -98,7 +98,7 @@ def test_pipeline_choice_live(small_model, topology_factory, allow_p_rld):
         assert pl["handoff_pos"] is None, pl
     else:
         assert pl["wan_bytes_expected"] == LONG * SLOT, pl
-    assert topo.wait_idle(timeout_s=60)
+    assert topo.wait_idle(timeout_s=60), topo.last_busy
     after = topo.stats()
     assert after["pipelines"].get(long_pipeline, 0) == mid["pipelines"].get(long_pipeline, 0) + 1, after["pipelines"]
     assert after["pipelines"].get("p_md", 0) == mid["pipelines"].get("p_md", 0), after["pipelines"]
@@ -136,7 +136,7 @@ def test_default_budget_sends_short_and_cached_prompts_direct(small_model, topol
         toks, s = _complete(topo.url, cfg.served_model_name, prompt)
         got.append(toks)
         summaries.append(s)
-        assert topo.wait_idle(timeout_s=60)  # the relayed prompt's KV is in MD's cache before the next
+        assert topo.wait_idle(timeout_s=60), topo.last_busy  # the relayed prompt's KV is in MD's cache before the next
     assert [s["pipeline"] for s in summaries] == ["p_md", "p_rld_md", "p_md"], summaries
     relayed = [d for d in summaries[1]["decisions"] if d["policy"] == "pipeline"]
     assert [(d["inputs"]["md_cached_tokens"], d["result"]) for d in relayed] == [(0, "p_rld_md")]

@@ -69,13 +69,13 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
 
     warm = _ids(1, 40)  # the gateway learns MD's page size from a first reservation
     run(warm, 4)
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
 
     # D: a fresh prompt, decoded long enough to be handed over to MD; E: D's next turn
     d = _ids(2, 100)
     cd = run(d, 600)
     assert cd.summary["handoff_pos"] is not None, json.dumps(cd.summary)  # MD decoded D's end (and cached it)
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     e = d + cd.tokens + _ids(3, 20)
     held = (len(d) + len(cd.tokens) - 1) // PAGE_TOKENS * PAGE_TOKENS  # MD caches all but the last token's KV
     kv_payload = (len(e) - held) * SLOT
@@ -104,7 +104,7 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
     assert "md_reserved" in ev and "md_kv_ready" in ev, ev
     # early handoff: RLD's ids left at the KV's predicted landing, before MD's kv_ready came back
     assert ev["handoff_call"] < ev["md_kv_ready"], ev
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     fills_before = topo.stats()["totals"].get("md_predicted_fills", 0)
 
     # A (400 tokens) and B (A + 50): B's predicted prefix is A's prompt, which MD must not hold
@@ -152,7 +152,7 @@ def test_predicted_send_and_its_fill(small_model, topology_factory):
         set_gbps(0.05)
     assert cb.wait(60) and cb.error is None, cb.error
     assert ca.wait(60) and ca.error is None, ca.error
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     st = topo.stats()
     assert st["totals"]["md_predicted_fills"] == fills_before + 1, st["totals"]
     assert cb.summary["md_cached_tokens"] < 400 // PAGE_TOKENS * PAGE_TOKENS, cb.summary

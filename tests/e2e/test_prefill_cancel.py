@@ -113,7 +113,7 @@ def _one_live(topo) -> tuple[str, dict] | None:
 def _settled(topo, before_cancelled: float) -> None:
     """No request left anywhere, every page free, nothing pending on the WAN, one more cancelled."""
     _until(lambda: not _live(topo), "/pdd/requests to empty")
-    assert topo.wait_idle(timeout_s=WAIT_S)
+    assert topo.wait_idle(timeout_s=WAIT_S), topo.last_busy
     st = topo.stats()
     assert st["transfers_pending"] == 0, st["totals"]
     assert st["wan_bytes"] == st["wan_bytes_expected"], st["totals"]  # planned = sent + cancelled
@@ -219,7 +219,7 @@ def test_a_server_timeout_during_prefill_stops_it_too(tmp_path_factory, small_mo
         assert entry["chunks_after_cancel"] <= 1 and entry["prefilled_tokens"] < entry["prompt_tokens"], entry
         assert p["counters"]["prefill_cancelled"] == 1
         _until(lambda: not _live(t), "/pdd/requests to empty")
-        assert t.wait_idle(timeout_s=WAIT_S)
+        assert t.wait_idle(timeout_s=WAIT_S), t.last_busy
         st = t.stats()
         assert st["totals"]["failed"] == 1 and st["totals"]["cancelled"] == 0
         assert st["transfers_pending"] == 0 and st["wan_bytes"] == st["wan_bytes_expected"], st["totals"]

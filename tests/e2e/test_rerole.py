@@ -104,7 +104,7 @@ def test_rerole_rld_to_md_in_a_and_back(small_model, topology_factory):
     assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
 
     # and back: its MD cache (phase 3's prompt) is flushed and reported
-    assert topo.wait_idle(timeout_s=60)
+    assert topo.wait_idle(timeout_s=60), topo.last_busy
     r = _role(url, "rld0", "relay_decode")
     assert r.status_code == 200, r.text
     back = r.json()
@@ -119,6 +119,6 @@ def test_rerole_rld_to_md_in_a_and_back(small_model, topology_factory):
     assert st["instances"]["rld0"]["role"] == "relay_decode"
     metrics = httpx.get(url + "/metrics", timeout=10).text
     assert 'pdd_gateway_membership_changes_total{op="rerole"} 2.0' in metrics
-    assert topo.wait_idle(timeout_s=60)
+    assert topo.wait_idle(timeout_s=60), topo.last_busy
     fl = topo.flush()
     assert fl["leaked_pages"] == 0, fl

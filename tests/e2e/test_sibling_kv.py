@@ -43,7 +43,7 @@ def test_choices_ship_the_prompt_kv_once(small_model, topology_factory, mode, on
                 if "pdd" in chunk:  # one token of one choice: its id in the pdd extension
                     toks[chunk["choices"][0]["index"]].append(chunk["pdd"]["token_id"])
     assert toks == {0: want, 1: want, 2: want}
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     g = topo.stats()["totals"]
     assert g["wan_bytes_expected"] == ((100 + 2 * 4) if once else 3 * 100) * SLOT, g
     assert g["wan_bytes_sent"] == g["wan_bytes_expected"]
@@ -71,7 +71,7 @@ def test_siblings_of_a_cut_off_choice_do_not_hang(small_model, topology_factory)
     assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 3
     texts = {c["text"] for c in body["choices"]}
     assert len(texts) == 1
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     g = topo.stats()["totals"]
     assert g["wan_bytes_sent"] == g["wan_bytes_expected"], g
     assert g["cut_offs"] >= 1, g

@@ -57,7 +57,7 @@ def test_slowed_line_flips_requests_to_the_relay(small_model, topology_factory):
     # nothing measured yet: md0 reads the configured line, the request fits the budget: P->MD
     first = run(_ids(1, TOKENS))
     assert planned_as_the_policy_says(first) == 0.05 and first["pipeline"] == "p_md", first
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     deadline = time.monotonic() + 60  # a bound on the waits below, not a timing assert
     while md0().get("goodput_samples", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)  # MD's wan_sample for the first transfer (sent after its import)
@@ -75,7 +75,7 @@ def test_slowed_line_flips_requests_to_the_relay(small_model, topology_factory):
             s = run(_ids(seed, TOKENS))
             seed += 1
             seen.append((planned_as_the_policy_says(s), s["pipeline"]))
-            assert topo.wait_idle(timeout_s=30)
+            assert topo.wait_idle(timeout_s=30), topo.last_busy
             while md0()["goodput_samples"] == n and time.monotonic() < deadline:
                 time.sleep(0.05)  # this transfer's sample reached the gateway
         low = md0()
@@ -85,7 +85,7 @@ def test_slowed_line_flips_requests_to_the_relay(small_model, topology_factory):
     finally:
         asyncio.run(set_link(cfg.host, topo.layout.link_control_port, gbps=0.05))
     assert planned_as_the_policy_says(relayed) < THRESHOLD_GBPS and relayed["pipeline"] == "p_rld_md", relayed
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     after = topo.stats()
     assert after["pipelines"].get("p_rld_md", 0) == counts.get("p_rld_md", 0) + 1, (counts, after["pipelines"])
     assert after["pipelines"].get("p_md", 0) == counts.get("p_md", 0), (counts, after["pipelines"])

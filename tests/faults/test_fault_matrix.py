@@ -159,7 +159,7 @@ def _fault_cell_once(fault, phase, topo, inj, reference) -> str:
             assert client.wait(60)
             client.close()
             inj.restore_wan()
-            assert topo.wait_idle(timeout_s=30)
+            assert topo.wait_idle(timeout_s=30), topo.last_busy
             topo.flush()  # P's cache must not shorten the next try's prefill
     try:
         if fault == "wan_outage":
@@ -262,7 +262,7 @@ def test_first_token_eos_stops_after_one_token_and_cuts_the_wan_leg(topo, small_
     j = r.json()
     assert j["choices"][0]["finish_reason"] == "stop" and j["usage"]["completion_tokens"] == 1
     assert j["pdd"]["cut_off"] is True and j["pdd"]["pipeline"] == "p_rld_md"
-    assert topo.wait_idle(timeout_s=30)
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
     after = topo.stats()
     assert sum(v["forward_calls"] for n, v in after["instances"].items() if n.startswith("md")) == md_fwd
     sent = after["link"]["bytes_a_to_b"] - before["link"]["bytes_a_to_b"]
@@ -297,4 +297,5 @@ def test_no_prefill_left_fails_fast_with_a_clear_error(topo, inj):
         inj.restart("p0")
         inj.restart("p1")
     _warm_up(topo)
-    assert topo.wait_idle(timeout_s=30) and topo.flush()["leaked_pages"] == 0
+    assert topo.wait_idle(timeout_s=30), topo.last_busy
+    assert topo.flush()["leaked_pages"] == 0

@@ -66,7 +66,7 @@ def test_instance_frozen_past_the_heartbeat_leaks_no_pages(tmp_path, small_model
         assert all(code in (200, 503) for _, code in results), results
         if frozen == "md0":
             assert all(code == 200 for _, code in results), results
-        assert topo.wait_idle(timeout_s=30)
+        assert topo.wait_idle(timeout_s=30), topo.last_busy
         deadline = time.time() + 30
         while True:
             fl = topo.flush()

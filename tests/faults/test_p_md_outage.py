@@ -57,7 +57,7 @@ def test_wan_outage_on_p_md_recovers_through_relay(tmp_path, small_model):
         assert c.summary["pipeline"] == "p_rld"  # recovered attempt: degraded (no MD reachable)
         time.sleep(1.5)  # the outage ends; the gateway reconnects MD on flush
         inj.restore_wan()
-        assert topo.wait_idle(timeout_s=30)
+        assert topo.wait_idle(timeout_s=30), topo.last_busy
         fl = topo.flush()
         assert not [n for n, v in fl["instances"].items() if "error" in v] and fl["leaked_pages"] == 0, fl
         totals = topo.stats()["totals"]

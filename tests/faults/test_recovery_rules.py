@@ -558,13 +558,14 @@ async def test_kv_ready_after_the_request_ended_is_not_awaited_again(orch):
     await orch.on_kv_ready(orch.peers["md0"], KvReady("r1").wire(), b"")
     assert [m["t"] for m in orch.peers["md0"].sent] == ["finish"]  # MD keeps the prompt's KV
     await orch._settle_relayed(st)
-    assert orch.awaiting_kv == {} and orch.kv_landed == {}
+    # kv_landed keeps it (bounded): MD's reservation reply may still come (the test below)
+    assert orch.awaiting_kv == {} and orch.kv_landed == {"r1": None}
     # without that kv_ready the settling waits for it (MD is told to keep the KV when it lands)
-    st2 = relayed(orch)
+    st2 = relayed(orch, rid="r2", trid="r2")
     st2.finished = True
     orch.reqs.pop(st2.trid)
     await orch._settle_relayed(st2)
-    assert orch.awaiting_kv == {"r1": ("p0", "md0")}
+    assert orch.awaiting_kv == {"r2": ("p0", "md0")}
 
 
 async def test_an_aborted_relayed_request_awaits_no_kv_ready(orch):
@@ -625,3 +626,42 @@ async def test_a_new_attempt_of_an_ended_request_does_not_enter_the_table_again(
     orch.reqs.pop(st.trid)
     orch._new_attempt(st, "retried after its end", counted=False)
     assert st.trid not in orch.reqs and orch.reqs == {}
+
+
+async def test_a_kv_ready_before_md_s_reservation_reply_is_not_awaited_again(orch):
+    """With a predicted send, MD imports the frames that came before the reservation while it
+    admits it, so its kv_ready can reach the gateway before its reservation reply. For a request
+    RLD already finished, the reply (``_md_leg``) must not start awaiting a kv_ready that came:
+    the entry stayed in ``awaiting_kv`` and kept the topology busy (``kv_awaited 1``; seen live
+    with one-slot tiers, ``tests/api/test_overload_live.py``). Each order of the three events:
+    kv_ready, the stream's settling, the reservation reply."""
+    from pdd.transfer.messages import ReserveOk
+
+    orch.cfg.policy.cutoff = False
+    rep = ReserveOk("x", 32, 2, 3, 40, 16, 8192, "float32").wire()
+
+    async def reply():
+        return "md0", dict(rep)
+
+    async def kv_ready(st):
+        await orch.on_kv_ready(orch.peers["md0"], KvReady(st.trid).wire(), b"")
+
+    async def stream_end(st):  # the stream's finally: out of the table, then the settling
+        orch.reqs.pop(st.trid, None)
+        await orch._settle_relayed(st)
+
+    async def md_leg(st):
+        await orch._md_leg(st, st.trid, reply(), orch.peers["p0"])
+
+    orders = [(kv_ready, stream_end, md_leg), (stream_end, kv_ready, md_leg), (kv_ready, md_leg, stream_end),
+              (stream_end, md_leg, kv_ready), (md_leg, kv_ready, stream_end), (md_leg, stream_end, kv_ready)]
+    for i, order in enumerate(orders):
+        st = relayed(orch, rid=f"r{i}", trid=f"r{i}")
+        st.wan.predicted_pages = 2
+        stream_to(st, 16)
+        st.finished = True
+        for step in order:
+            await step(st)
+        names = [f.__name__ for f in order]
+        assert orch.awaiting_kv == {}, names
+        assert [m["rid"] for m in orch.peers["md0"].sent if m["t"] == "finish"].count(st.trid) == 1, names

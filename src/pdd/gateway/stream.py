@@ -133,8 +133,10 @@ class Streams:
             return  # MD's leg was given up: dropped there already
         if st.end.aborted:
             return  # dropped on every tier (the abort): no KV lands on MD, no kv_ready to await
-        if self.kv_landed.pop(st.trid, 0) is None:
-            return  # MD's kv_ready came after the request ended: MD was told then to keep the prompt's KV
+        if st.trid in self.kv_landed:
+            # MD's kv_ready came after the request ended: MD was told then to keep the prompt's KV.
+            # The entry stays (bounded, KV_LANDED_MAX): MD's reservation reply may come later still
+            return
         if should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
                           remaining_wan_s=self._remaining_wan_s(st),
                           min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
@@ -158,7 +160,11 @@ class Streams:
     def _await_kv(self, st: ReqState) -> None:
         """A finished relayed request whose KV is still on its way to MD (MD keeps the prompt's
         pages when it lands): remembered until MD's kv_ready, so that if P is lost meanwhile
-        the reservation on MD is dropped instead of waiting forever."""
+        the reservation on MD is dropped instead of waiting forever. Not when that kv_ready came
+        already: MD replays a predicted send's early frames while it admits the reservation, so
+        its kv_ready can reach the gateway before its reservation reply (``_md_leg``)."""
+        if st.handoff.kv_ready or st.trid in self.kv_landed:
+            return
         p_name, md_name = st.names.get(ROLE_PREFILL), st.names.get(ROLE_MAIN)
         if p_name and md_name:
             self.awaiting_kv[st.trid] = (p_name, md_name)
