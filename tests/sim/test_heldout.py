@@ -220,3 +220,11 @@ def test_a_run_that_lost_an_instance_is_not_judged(tmp_path):
     (ho / "validate.json").write_text(json.dumps(v))
     with pytest.raises(ValueError, match=r"ho: its live run lost an instance \(3 of .* requests degraded"):
         held_out_report(cal, [ho])
+
+
+def test_at_live_p_speed_needs_a_fitted_p_step():
+    """No fitted P step in the profile, or no live P step in the run: nothing to re-simulate."""
+    from pdd.sim.p_speed import at_live_p_speed
+
+    assert at_live_p_speed(None, "x", {}, 64, [], [], 0.09, {}) is None
+    assert at_live_p_speed(None, "x", {"role_step_scale": {"P": 1.3}}, 64, [], [], None, {}) is None

@@ -31,6 +31,12 @@ DOCUMENTED = {
 # pdd.step_profile._decode_residuals: the bf16 MD of the het runs was -15.3% / -12.0% on the fit alone)
 TPOT = {"seed2-a": -0.003, "seed2-b": -0.023, "seed3": -0.001, "seed4": 0.011, "seed4-het": -0.080,
         "seed4-het-b": -0.044, "seed2-long-a": -0.077, "seed2-long-b": -0.097}
+# held-out run -> (P step factor, TTFT P50 error, TTFT P90 error) re-simulated at the run's own
+# live P step (pdd.sim.p_speed, a diagnostic): the het runs' P50 error is P's speed in them
+AT_LIVE_P_SPEED = {"seed2-a": (1.006, 0.021, 0.108), "seed2-b": (0.985, -0.016, -0.075),
+                   "seed3": (1.03, -0.027, 0.065), "seed4": (1.023, 0.05, -0.139),
+                   "seed4-het": (1.228, 0.019, 0.029), "seed4-het-b": (1.117, -0.002, -0.201),
+                   "seed2-long-a": (1.05, 0.106, 0.022), "seed2-long-b": (1.043, -0.2, 0.035)}
 # noise pair -> (TTFT P50, TTFT P90) of its second run against its first
 NOISE = {0: (0.017, 0.174), 1: (-0.070, 0.038), 2: (0.345, -0.019)}
 
@@ -178,3 +184,16 @@ def test_a_run_is_not_resimulated_on_another_topology(resim, capsys, run, config
     finally:
         mp.undo()
     assert not (resim.parent / "refused.json").exists()
+
+
+def test_at_the_run_s_own_p_speed(resim):
+    """The diagnostic re-simulation sets P's level so that the simulated mean P step is the run's
+    own live one (to 1e-6), and its errors are the documented ones."""
+    rep = json.loads((resim / "report-0.json").read_text())
+    got = {}
+    for r in rep["held_out"]:
+        ps = r["at_live_p_speed"]
+        assert ps["sim_p_step_ms"] == pytest.approx(ps["live_p_step_ms"], rel=1e-6)
+        got[Path(r["run"]).name] = (round(ps["level"], 3), round(ps["err_p50_ttft_ms"], 3),
+                                    round(ps["err_p90_ttft_ms"], 3))
+    assert got == AT_LIVE_P_SPEED

@@ -105,17 +105,19 @@ def calibrate_role_overheads(cfg, profile, prof: dict, block_tokens: int, reques
 
 def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, live_mean_step_s: float,
                       scale: float, overhead_s: float, overheads: dict, wan_buffer: float | None = None,
-                      iters: int = 12) -> float:
+                      iters: int = 12, profile_b: str | Path | None = None) -> float:
     """The factor ``level`` on P's fitted step shape (``scale`` x profile + ``overhead_s``, from
     :func:`fit_step_scale`) at which the simulated mean P step equals the live one
     (``engine_busy_s / engine_steps``; fixed point, the other roles at ``overheads``). The
     isolated prefills give the shape (what a step costs in proportion to its compute, what per
     step), the engine's own step timing the level: the prefill intervals also hold the request's
-    trip gateway -> P -> gateway, which is not step time."""
+    trip gateway -> P -> gateway, which is not step time. ``profile_b``: MD's step profile
+    (:func:`pdd.sim.validate.simulate`)."""
     lam = 1.0
     for _ in range(iters):
         p = {**prof, "role_step_scale": {**(prof.get("role_step_scale") or {}), "P": lam * scale}}
-        sim = simulate(cfg, profile, p, block_tokens, requests, {**overheads, "P": lam * overhead_s}, wan_buffer)
+        sim = simulate(cfg, profile, p, block_tokens, requests, {**overheads, "P": lam * overhead_s}, wan_buffer,
+                       profile_b=profile_b)
         sv = sim_role_steps(sim)["P"]["mean_step_s"]
         if not sv:
             break

@@ -181,7 +181,8 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
                "live": v["live"], "sim": v["sim"],
                "decision_match_share": v["decision_match_share"], "pipeline_match_share": v.get("pipeline_match_share"),
                "ttft_error_per_request": v.get("ttft_error_per_request"),
-               "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from")}
+               "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from"),
+               "at_live_p_speed": v.get("at_live_p_speed")}
         for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
             lv, sv = v["live"].get(k), v["sim"].get(k)
             row[f"err_{k}"] = v.get(f"err_{k}", None if not lv or sv is None else sv / lv - 1.0)
@@ -227,10 +228,11 @@ def _ms(x) -> str:
 def format_report(rep: dict) -> str:
     """Markdown: one row per held-out run (and the noise floor), then the goals."""
     head = ("| run | changed | requests compared | TTFT P50 live / sim ms (error; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
-            "TTFT error: median, \\|e\\| P50 / P90 / P99, within 10% | decision match | pipeline match | goals met |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "TTFT error: median, \\|e\\| P50 / P90 / P99, within 10% | decision match | pipeline match | goals met | "
+            "TTFT P50 / P90 error at the run's own P speed (P step factor; a diagnostic, pdd.sim.p_speed) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed=""):
+    def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed="", ps=None):
         cells = [f"{_ms(x.get(k))} / {_ms(y.get(k))} ({_pct(errs.get(k))})"
                  for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")]
         pr = "-" if not per else (f"{_pct(per['median'])}, {per['abs_p50'] * 100:.1f}% / {per['abs_p90'] * 100:.1f}% / "
@@ -238,7 +240,10 @@ def format_report(rep: dict) -> str:
                                   + ("-" if per.get("within_10pct") is None else f"{per['within_10pct'] * 100:.0f}%"))
         dms = "-" if dm is None else f"{dm * 100:.1f}%"
         pms = "-" if pm is None else f"{pm * 100:.1f}%"
-        lines.append(f"| {name} | {changed} | {n}{failed} | " + " | ".join(cells) + f" | {pr} | {dms} | {pms} | {meets} |")
+        pss = "-" if not ps else (f"{_pct(ps.get('err_p50_ttft_ms'))} / {_pct(ps.get('err_p90_ttft_ms'))} "
+                                  f"(x{ps['level']:.3f})")
+        lines.append(f"| {name} | {changed} | {n}{failed} | " + " | ".join(cells)
+                     + f" | {pr} | {dms} | {pms} | {meets} | {pss} |")
 
     for r in rep["held_out"]:
         errs = {k: r.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
@@ -246,7 +251,8 @@ def format_report(rep: dict) -> str:
         changed = ", ".join(f"{k}={r['workload'][k]}" for k in r["changed"])
         nf_ = r.get("live_failed") or 0
         row(r["run"], changed, r["requests_compared"], r["live"], r["sim"], errs, r["ttft_error_per_request"],
-            r["decision_match_share"], r["pipeline_match_share"], met, f" ({nf_} failed live)" if nf_ else "")
+            r["decision_match_share"], r["pipeline_match_share"], met, f" ({nf_} failed live)" if nf_ else "",
+            r.get("at_live_p_speed"))
     nf = rep.get("noise_floor")
     if nf:
         errs = {k: nf.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}

@@ -427,6 +427,11 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         "live_wall_s": live_s, "sim_wall_s": sim_s, "wall_s": time.time() - t0,
         "sim_pipelines": dict(sim.pipelines), "sim_handoffs": dict(sim.handoffs),
     }
+    from pdd.sim.p_speed import at_live_p_speed  # imports this module
+
+    res["at_live_p_speed"] = at_live_p_speed(cfg, profile, prof, block_tokens, requests, live,
+                                             (res["role_steps"]["live"].get("P") or {}).get("mean_step_s"), ovh,
+                                             profile_b=profile_b)
     (out / "validate.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
@@ -470,6 +475,11 @@ def format_validate(res: dict) -> str:
                     f"sim {g['p50_tpot_ms']['sim']:.2f} ms, longest token gap P50 live "
                     f"{g['p50_max_gap_ms']['live']:.1f} / sim {g['p50_max_gap_ms']['sim']:.1f} ms"
                     for name, g in (res.get("tpot_by_path") or {}).items() if g.get("requests"))
+    ps = res.get("at_live_p_speed")
+    if ps:
+        paths += (f"\nat the run's own P speed (diagnostic: P's step x{ps['level']:.3f}, mean {ps['sim_p_step_ms']:.1f} "
+                  f"ms as live): TTFT P50 error {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 "
+                  f"{ps['err_p90_ttft_ms'] * 100:+.1f}% (pdd.sim.p_speed)")
     lost = faults_text(res.get("live_faults") or {"degraded": 0, "unreachable": []}, res["requests_compared"])
     warn = f"\nWARNING: the live run lost an instance ({lost}): it measured another topology than the " \
         "simulated one; do not read its errors as the simulator's" if lost else ""

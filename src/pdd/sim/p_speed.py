@@ -1,0 +1,43 @@
+"""How much of a validation's TTFT error is P's speed during that run (``pdd sim validate``).
+
+The simulator's P step is fitted on one calibration run (:mod:`pdd.sim.calibrate`): scale x the
+profile + a per-step overhead, at the level where the simulated mean P step equals that run's.
+A held-out run's own live P step can differ from what the fit predicts for it: the shared
+machine runs faster or slower from one run to the next (P's engine time per computed prompt
+token over the recorded runs of docs/SIM.md spans 202-242 us), or the fit misses how the
+workload loads P. :func:`at_live_p_speed` re-simulates the run with P's level set so that the
+simulated mean P step equals the run's own (live ``engine_busy_s / engine_steps``), every other
+fit unchanged, and reports the TTFT errors there. It is a diagnostic, never the simulator's
+result: it reads the run it is judged on. An error that vanishes at the run's own P speed is
+P's speed; one that stays is elsewhere in the model (decode, transfer, handoff, routing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdd.sim.calibrate import calibrate_p_level
+from pdd.sim.validate import compare, sim_role_steps, simulate
+
+
+def at_live_p_speed(cfg, profile: str | Path, prof: dict, block_tokens: int, requests, live_records: list[dict],
+                    live_p_step_s: float | None, overheads: dict, profile_b: str | Path | None = None) -> dict | None:
+    """The run re-simulated at its own P speed: ``level`` (the factor on the fitted P step, scale
+    and overhead alike, :func:`pdd.sim.calibrate.calibrate_p_level`), the live and the simulated
+    mean P step there (ms), and the TTFT P50 / P90 / P99 errors (``err_*``, (sim - live) / live)
+    and decision match at that level. ``overheads``: the profile's per-role step overheads
+    (seconds); ``live_p_step_s``: the run's mean live P step (seconds). None when the profile has
+    no fitted P step (``role_step_scale["P"]``) or the run no live P step."""
+    scale = (prof.get("role_step_scale") or {}).get("P")
+    if not scale or not live_p_step_s:
+        return None
+    ovh = dict(overheads)
+    lam = calibrate_p_level(cfg, profile, prof, block_tokens, requests, live_p_step_s, float(scale),
+                            float(ovh.get("P", 0.0)), ovh, profile_b=profile_b)
+    p = {**prof, "role_step_scale": {**(prof.get("role_step_scale") or {}), "P": lam * scale}}
+    sim = simulate(cfg, profile, p, block_tokens, requests, {**ovh, "P": lam * ovh.get("P", 0.0)},
+                   profile_b=profile_b)
+    c = compare(live_records, sim)
+    return {"level": lam, "live_p_step_ms": live_p_step_s * 1e3,
+            "sim_p_step_ms": (sim_role_steps(sim)["P"]["mean_step_s"] or 0.0) * 1e3,
+            **{k: c[k] for k in ("err_p50_ttft_ms", "err_p90_ttft_ms", "err_p99_ttft_ms", "decision_match_share")}}
