@@ -665,3 +665,20 @@ async def test_a_kv_ready_before_md_s_reservation_reply_is_not_awaited_again(orc
         names = [f.__name__ for f in order]
         assert orch.awaiting_kv == {}, names
         assert [m["rid"] for m in orch.peers["md0"].sent if m["t"] == "finish"].count(st.trid) == 1, names
+
+
+async def test_a_booking_of_no_bytes_after_p_s_report_awaits_no_transfer(orch):
+    """MD's reservation reply can come after P reported the attempt's transfer (a predicted send
+    MD received before its reservation): a reply that adds no bytes (no fill) must not open a
+    planned transfer again, or ``transfers_pending`` stays 1 for good. One that adds bytes to a
+    plan not yet reported adds to it."""
+    st = relayed(orch)
+    p = orch.peers["p0"]
+    orch._book_wan(st, 4000, p)
+    assert orch.planned_wan == {"r1": 4000}
+    orch._book_wan(st, 0, p)
+    assert orch.planned_wan == {"r1": 4000}
+    await orch.on_xfer_done(None, XferDone("r1", {"md0": 4000}, {}, {}).wire(), b"")
+    assert orch.planned_wan == {}
+    orch._book_wan(st, 0, p)
+    assert orch.planned_wan == {} and (await orch.stats())["transfers_pending"] == 0

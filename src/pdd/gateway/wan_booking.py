@@ -255,8 +255,9 @@ class WanBooking:
         if p is not None and (p.closed or self.peers.get(src) is not p):
             self._write_off(nbytes)
             return
-        self.planned_wan[st.trid] = self.planned_wan.get(st.trid, 0) + nbytes
-        self.planned_src[st.trid] = src
+        if nbytes or st.trid in self.planned_wan:  # no bytes: no transfer to await (its report may be in)
+            self.planned_wan[st.trid] = self.planned_wan.get(st.trid, 0) + nbytes
+            self.planned_src[st.trid] = src
 
     def _reserved(self, st: ReqState, md_name: str, rep: dict, p: Peer | None = None, booked: int = 0,
                   book: bool = True) -> None:
