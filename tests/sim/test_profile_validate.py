@@ -382,6 +382,33 @@ def test_isolated_prefills_keep_requests_p_served_alone_and_chunk_them():
     assert isolated_prefills([_rec(0.0, 600, 0, 100.0), nolen], _LinearStep, 512) == []
 
 
+def test_isolated_prefills_measure_the_share_decoded_beside_them():
+    """A prefill's ``decode_busy_frac``: the share of its P interval covered by the union of other
+    requests' streaming (client first to last token); overlapping streams count once."""
+    from pdd.sim.live_measures import isolated_prefills
+
+    alone = _rec(0.0, 600, 0, 100.0)  # P interval [0, 0.1]
+    a = {**_rec(-1.0, 100, 0, 1.0), "token_times_s": [0.02, 0.03, 0.06]}  # streams over [0.02, 0.06]
+    b = {**_rec(-1.0, 100, 0, 1.0), "token_times_s": [0.04, 0.08]}  # [0.04, 0.08]: union [0.02, 0.08]
+    one = {**_rec(-1.0, 100, 0, 1.0), "token_times_s": [0.05]}  # one token: no stream
+    got = isolated_prefills([alone, a, b, one], _LinearStep, 512)
+    assert got[0]["decode_busy_frac"] == pytest.approx(0.6)
+
+
+def test_prefill_beside_decode_fit_recovers_a_known_slow_down():
+    """live / profile = 1.5 x (1 + 0.8 x share) exactly: the fit's factor is 1.8, the medians split
+    at the given shares; too few prefills give None."""
+    from pdd.sim.live_measures import live_prefill_beside_decode
+
+    pre = [{"profile_s": 0.05, "live_s": 0.05 * 1.5 * (1 + 0.8 * f), "decode_busy_frac": f}
+           for f in (0.0, 0.0, 0.01, 0.02, 0.1, 0.3, 0.5, 1.0)]
+    got = live_prefill_beside_decode(pre)
+    assert got["fit"]["factor"] == pytest.approx(1.8, rel=1e-9) and got["fit"]["a"] == pytest.approx(1.5, rel=1e-9)
+    assert got["quiet"] == {"n": 4, "median_ratio": pytest.approx(1.5 * (1 + 0.8 * 0.005))}
+    assert got["busy"]["n"] == 3 and got["busy"]["median_ratio"] == pytest.approx(1.5 * 1.4)
+    assert live_prefill_beside_decode(pre[:7]) is None
+
+
 def test_fit_step_scale_recovers_factor_and_step_overhead():
     """live = 1.5 x profile + 4 ms a step exactly: the fit returns both; a negative overhead is
     refitted as 0; too few samples or a non-positive factor give None."""

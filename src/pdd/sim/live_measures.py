@@ -172,16 +172,31 @@ def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: 
             "median_s": float(np.median(ys))}
 
 
+def _covered(a: float, b: float, spans: list[tuple[float, float]]) -> float:
+    """Seconds of ``[a, b]`` inside the union of ``spans``."""
+    cov, end = 0.0, a
+    for x, y in sorted((max(a, x), min(b, y)) for x, y in spans if x < b and y > a):
+        x = max(x, end)
+        if y > x:
+            cov, end = cov + y - x, y
+    return cov
+
+
 def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -> list[dict]:
     """The live requests P prefilled alone: P's interval (the client's send to the gateway's
     ``p_first_token`` event) overlaps no other request's. Each as ``{"tokens"`` (computed: prompt
     less P's cached prefix), ``"steps"`` (chunks of ``chunk_tokens``), ``"profile_s"`` (those
     chunks on ``step_model``, a ``MeasuredStepModel``: seconds), ``"live_s"`` (the interval,
-    seconds)``}``, in request order."""
+    seconds), ``"decode_busy_frac"`` (the share of the interval in which another request was
+    streaming tokens: its first to its last token at the client)``}``, in request order."""
     iv = []
+    decoding = []
     for rec in live_records:
         p = rec.get("pdd") or {}
         ev = p.get("events_ms") or {}
+        tt = rec.get("token_times_s") or []
+        if rec.get("ok") and len(tt) > 1:
+            decoding.append((float(tt[0]), float(tt[-1])))
         if not rec.get("ok") or "p_first_token" not in ev:
             continue
         prompt, cached = int(rec.get("prompt_tokens") or 0), int(p.get("p_cached_tokens") or 0)
@@ -198,8 +213,31 @@ def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -
             t += step_model.step_time([(s0, n)])
             s0 += n
             k += 1
-        out.append({"tokens": prompt - cached, "steps": k, "profile_s": t, "live_s": b - a})
+        out.append({"tokens": prompt - cached, "steps": k, "profile_s": t, "live_s": b - a,
+                    "decode_busy_frac": _covered(a, b, decoding) / (b - a) if b > a else 0.0})
     return out
+
+
+def live_prefill_beside_decode(prefills: list[dict], quiet_below: float = 0.05, busy_from: float = 0.3,
+                               min_samples: int = 8) -> dict | None:
+    """How much slower P's isolated prefills (:func:`isolated_prefills`) run while other requests
+    decode: the median live / profile time of those with ``decode_busy_frac`` below
+    ``quiet_below`` and from ``busy_from``, and a least-squares fit, in relative error, of
+    ``live / profile = a + b x decode_busy_frac`` whose ``factor`` ``1 + b / a`` is the slow-down
+    of a prefill decoded beside all along. None with fewer than ``min_samples`` prefills. A
+    measurement of this one-machine testbed (every tier, the gateway and the client share its
+    cores), reported, not applied by the simulator."""
+    if len(prefills) < min_samples:
+        return None
+    fr = np.array([r["decode_busy_frac"] for r in prefills], dtype=float)
+    y = np.array([r["live_s"] / r["profile_s"] for r in prefills], dtype=float)
+    a_mat = np.vstack([np.ones_like(fr), fr]).T / y[:, None]
+    (a, b), *_ = np.linalg.lstsq(a_mat, np.ones_like(y), rcond=None)
+    quiet, busy = y[fr < quiet_below], y[fr >= busy_from]
+    return {"samples": int(len(y)), "mean_busy_frac": float(fr.mean()),
+            "quiet": {"n": int(len(quiet)), "median_ratio": float(np.median(quiet)) if len(quiet) else None},
+            "busy": {"n": int(len(busy)), "median_ratio": float(np.median(busy)) if len(busy) else None},
+            "fit": {"a": float(a), "b": float(b), "factor": float(1 + b / a) if a > 0 else None}}
 
 
 def live_wan_payload_bytes(entry: dict) -> float:
