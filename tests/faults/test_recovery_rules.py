@@ -682,3 +682,40 @@ async def test_a_booking_of_no_bytes_after_p_s_report_awaits_no_transfer(orch):
     assert orch.planned_wan == {}
     orch._book_wan(st, 0, p)
     assert orch.planned_wan == {} and (await orch.stats())["transfers_pending"] == 0
+
+
+async def test_an_early_handoff_that_finds_rld_finished_leaves_md_for_its_kv_ready(orch):
+    """Early handoff (at the KV's predicted landing, before MD's kv_ready) that finds the request
+    finished (RLD's reply ``finished``, or the stream's end first): MD must not be told to finish
+    before its KV lands. A ``finish`` then released MD's reservation, so the KV found no request
+    there and no kv_ready ever came, while the stream's settling awaited it: the request stayed in
+    ``awaiting_kv`` (``kv_awaited 1``) until ``request_timeout_s`` (seen live: md_predicted_send
+    false, short streamed requests, /work/meas/stress_gen.py). Each order of RLD's reply and the
+    stream's settling; MD's kv_ready then ends the wait, and MD gets one finish (after it)."""
+    orch._in_b = lambda name: name.startswith("md")
+    orch.cfg.policy.cutoff = False
+    orch.peers["rld0"] = HandoffPeer({"finished": True})
+    for i, settle_first in enumerate((False, True)):
+        trid = f"r{i}"
+        st = relayed(orch, rid=trid, trid=trid)
+        stream_to(st, 3)
+        st.events["md_reserved"] = 0.0
+        if settle_first:  # the stream ended (RLD's last token) before the early handoff started
+            st.finished = True
+            orch.reqs.pop(trid)
+            await orch._settle_relayed(st)
+            await orch._handoff(st)
+        else:  # P reported the KV written: the early handoff asks RLD, which has just finished it
+            await orch.on_xfer_done(None, XferDone(trid, {"md0": 4000}, {}, {}).wire(), b"")
+            await settle()
+            assert st.handoff.started and {"t": "handoff"} .items() <= orch.peers["rld0"].sent[-1].items()
+            st.finished = True
+            orch.reqs.pop(trid)
+            await orch._settle_relayed(st)
+        finishes = [m for m in orch.peers["md0"].sent if m["t"] == "finish" and m["rid"] == trid]
+        assert finishes == [], (settle_first, "MD was told to finish before its KV landed")
+        assert orch.awaiting_kv == {trid: ("p0", "md0")}
+        await orch.on_kv_ready(orch.peers["md0"], KvReady(trid).wire(), b"")
+        assert orch.awaiting_kv == {}
+        finishes = [m for m in orch.peers["md0"].sent if m["t"] == "finish" and m["rid"] == trid]
+        assert len(finishes) == 1

@@ -160,6 +160,13 @@ class Handoffs:
                     return
             if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
                 st.handoff.rld_finished_first = True
+                if not st.handoff.kv_ready:
+                    # an early handoff (policy.early_handoff) whose KV has not landed on MD: a finish
+                    # now would release MD's reservation before it lands, so no kv_ready would ever
+                    # come while the request's settling awaits it (stream._await_kv). MD is told to
+                    # keep the prompt's KV when its kv_ready comes (on_kv_ready counts it then), or
+                    # the settling cuts the transfer off
+                    return
                 self.totals["rld_finished_first"] += 1
                 await md.send(Finish(trid).wire())
                 return
