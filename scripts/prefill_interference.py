@@ -31,17 +31,34 @@ def _row(name: str, m: dict | None) -> str:
     return f"| {name} | {m['samples']} | {m['mean_busy_frac'] * 100:.0f}% | {med(q)} | {med(b)} | {fac} |"
 
 
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", default="data/validation")
-    ap.add_argument("--profile", default="data/profiles/this-machine.json")
-    ap.add_argument("--chunk-tokens", type=int, default=512, help="P's prefill chunk (the runs': 512)")
+    ap.add_argument("--runs", default="data/validation",
+                    help="a directory of recorded runs with their manifest.json (default: data/validation)")
+    ap.add_argument("--profile", default="data/profiles/this-machine.json",
+                    help="a `pdd profile` JSON (default: data/profiles/this-machine.json)")
+    ap.add_argument("--chunk-tokens", type=_positive_int, default=512, help="P's prefill chunk (the runs': 512)")
     a = ap.parse_args(argv)
     runs = Path(a.runs)
     try:
-        man = json.loads((runs / "manifest.json").read_text())
+        mf = runs / "manifest.json"
+        if not mf.is_file():
+            raise ValueError(f"{runs}: not a directory of recorded runs (no manifest.json; "
+                             "the committed ones are data/validation)")
+        try:
+            man = json.loads(mf.read_text())
+            names = [man["calibration"], *man["held_out"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{mf}: not a runs manifest (an object with 'calibration' and 'held_out'): "
+                             f"{type(e).__name__}: {e}") from None
         model = MeasuredStepModel(load_profile_checked(a.profile))
-        names = [man["calibration"], *man["held_out"]]
         recs = {n: read_run(runs / n)[1] for n in names}
     except (OSError, ValueError, KeyError, RecordedRunError) as e:
         print(f"prefill_interference: {e}", file=sys.stderr)

@@ -520,3 +520,41 @@ def test_tpot_by_path_groups_requests_by_who_decoded_them():
     assert got["handed_over"]["p50_max_gap_ms"] == pytest.approx({"live": 40.0, "sim": 50.0})
     assert tpot_by_path(live[2:3], SimpleNamespace(reqs=sim.reqs[2:3])) == {"relay_only": {"requests": 0},
                                                                             "handed_over": {"requests": 0}}
+
+
+def test_isolated_prefills_refuse_a_chunk_below_one_token():
+    """A chunk of 0 (or less) tokens would chunk a prompt forever: refused, not a hang."""
+    from pdd.sim.live_measures import isolated_prefills
+
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            isolated_prefills([_rec(0.0, 600, 0, 100.0)], _LinearStep, bad)
+
+
+def test_prefill_interference_script_refuses_bad_inputs_in_one_line(tmp_path, capsys):
+    """scripts/prefill_interference.py: a bad --chunk-tokens, a --runs directory without a
+    manifest (a single run's directory, a file, nothing) and a manifest missing its keys each end
+    with exit 2 and one line naming the input, no traceback and no hang."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("prefill_interference",
+                                                  root / "scripts" / "prefill_interference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--chunk-tokens", bad])
+        assert e.value.code == 2
+        assert "--chunk-tokens: must be at least 1" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "manifest.json").write_text("{}")
+    for runs, want in ((tmp_path / "nothing", "not a directory of recorded runs"),
+                       (tmp_path / "file", "not a directory of recorded runs"),
+                       (root / "data" / "validation" / "seed4", "not a directory of recorded runs"),
+                       (tmp_path / "keys", "not a runs manifest")):
+        assert mod.main(["--runs", str(runs)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err and str(runs) in err

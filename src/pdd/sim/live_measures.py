@@ -188,7 +188,10 @@ def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -
     less P's cached prefix), ``"steps"`` (chunks of ``chunk_tokens``), ``"profile_s"`` (those
     chunks on ``step_model``, a ``MeasuredStepModel``: seconds), ``"live_s"`` (the interval,
     seconds), ``"decode_busy_frac"`` (the share of the interval in which another request was
-    streaming tokens: its first to its last token at the client)``}``, in request order."""
+    streaming tokens: its first to its last token at the client)``}``, in request order.
+    ``chunk_tokens`` below 1 is a ValueError (the chunking would never end)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     iv = []
     decoding = []
     for rec in live_records:
