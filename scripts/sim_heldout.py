@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             rc = pdd(["sim", "validate-report", "--calibration", str(out / cal),
                       "--held-out", *[str(out / n) for n in man["held_out"]], *noise,
                       "--json", str(out / f"report-{i}.json")])
-        # the held-out rows once; each later report adds only its noise floor
+        # the held-out rows once; each later report adds only its noise floor, under the table's head
+        lines = buf.getvalue().splitlines(keepends=True)
         print(buf.getvalue() if i == 0 or rc else
-              "".join(ln for ln in buf.getvalue().splitlines(keepends=True) if ln.startswith("| noise floor")
-                      or ln.startswith("wrote")), end="")
+              "".join(lines[:2] + [ln for ln in lines[2:] if ln.startswith("| noise floor") or ln.startswith("wrote")]),
+              end="")
         if rc:
             return rc
     return 0
