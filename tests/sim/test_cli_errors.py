@@ -491,6 +491,7 @@ def test_sim_run_applies_the_profiles_live_fit_unless_told_not_to(capsys, tmp_pa
     scale, client delay, ...). `pdd sim validate` applied it; `pdd sim run --profile` read only the
     step times and dropped the fit unsaid. It now applies it (and says so), as validate does;
     --no-live-fit runs the bare engine's step times."""
+    from pdd.sim.sim_config import LIVE_FIT_FIELDS
     from pdd.workload.records import REPO_ROOT
 
     profile = REPO_ROOT / "data" / "profiles" / "this-machine.json"
@@ -511,9 +512,7 @@ def test_sim_run_applies_the_profiles_live_fit_unless_told_not_to(capsys, tmp_pa
     assert res["fit"]["median_ttft_ms"] > res["bare"]["median_ttft_ms"] + delay_ms
     # a bare profile (no fit) runs as before and says nothing
     bare = tmp_path / "bare-profile.json"
-    bare.write_text(json.dumps({k: v for k, v in prof.items() if k not in
-                                ("role_step_overhead_s", "role_step_scale", "wan_send_buffer_bytes", "client_delay_s",
-                                 "gateway_rtt_ms", "decode_interference", "fast_path")}))
+    bare.write_text(json.dumps({k: v for k, v in prof.items() if k not in LIVE_FIT_FIELDS}))
     out = tmp_path / "plain.json"
     assert pdd_main(argv[:3] + [str(bare)] + argv[4:] + ["--json", str(out)]) == 0
     assert "live-run fit" not in capsys.readouterr().err

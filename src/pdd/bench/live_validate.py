@@ -100,7 +100,8 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
     """Add ``validate`` to the ``pdd sim`` sub-commands (``sim_subparsers``)."""
     v = sim_subparsers.add_parser("validate", help="one workload through the live topology and the simulator "
                                                    "(measured profile): TTFT/TPOT errors and decision match")
-    v.add_argument("--out", required=True)
+    v.add_argument("--out", required=True, help="directory for validate.json, and for a live run its "
+                                                "requests.jsonl and server_stats.json (made if missing)")
     v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")
     same = "; with --live-from, default: the run's own"
     v.add_argument("--requests", type=int, default=None, help="(220)" + same)

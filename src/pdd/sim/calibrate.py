@@ -1,6 +1,7 @@
 """``pdd sim calibrate-roles``: fit, on one recorded live run, what the bare-engine profile does
-not hold: P's step as ``scale x profile + overhead`` (:func:`fit_step_scale` on the prefills P
-ran alone, :func:`calibrate_p_level`), the other roles' per-step overheads
+not hold: P's step as ``scale x profile + overhead``, and how much slower it runs while other
+requests decode (:func:`fit_step_scale` on the prefills P ran alone, :func:`calibrate_p_level`),
+the other roles' per-step overheads
 (:func:`calibrate_role_overheads`), the decode slow-down while P prefills, the WAN bytes a
 cut-off cannot recall (:func:`calibrate_wan_buffer`), the client delay, the gateway's WAN RTT
 and the fast path, written into the profile (:func:`calibrate_roles`). The method and its
@@ -18,34 +19,66 @@ from pdd.sim.live_measures import (isolated_prefills, live_client_delay_s, live_
                                    live_gateway_rtt_ms, live_role_steps, live_wan_payload_bytes)
 from pdd.sim.recorded import (RecordedRunError, check_same_engines, faults_text, load_profile_checked, read_run,
                               require_completed, run_faults)
-from pdd.sim.validate import build_workload, sim_role_steps, simulate, validate_config
+from pdd.sim.validate import as_sent, build_workload, sim_role_steps, simulate, validate_config
 from pdd.step_profile import MeasuredStepModel
 
 
-def fit_step_scale(prefills: list[dict], min_samples: int = 8) -> dict | None:
+PREFILL_BUSY_FROM = 0.3  # an isolated prefill decoded beside for at least this share of it is "busy"
+PREFILL_BUSY_MIN = 8  # busy isolated prefills needed to fit the prefill interference
+
+
+def _fit_shape(x, k, y, w):
+    """``scale``, ``overhead_s`` of ``y = (scale x + overhead_s k) w`` by least squares in relative
+    error (``overhead_s`` >= 0: refitted without it when negative), and the squared error."""
+    a = np.vstack([x * w, k * w]).T / y[:, None]
+    (sc, ov), *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
+    if ov < 0:
+        (sc,), *_ = np.linalg.lstsq((x * w / y)[:, None], np.ones(len(y)), rcond=None)
+        ov = 0.0
+    r = (sc * x + ov * k) * w / y - 1.0
+    return float(sc), float(ov), float(r @ r)
+
+
+def fit_step_scale(prefills: list[dict], min_samples: int = 8, interference: bool = False,
+                   busy_min: int = PREFILL_BUSY_MIN) -> dict | None:
     """P's live step over the profile's from isolated live prefills (:func:`isolated_prefills`):
     least squares, in relative error, of ``live_s = scale x profile_s + overhead_s x steps``
     (``overhead_s`` >= 0: refitted without it when negative). A per-step overhead alone, fitted
     to P's mean step, adds the same to a 16-token and a 512-token chunk; on this CPU the live P is
     slower in proportion to the chunk's compute, plus a few ms a step.
 
-    Returns ``{"scale", "overhead_s", "samples", "mean_abs_rel_err"}`` (the last: of the fitted
-    times over the samples), or None with fewer than ``min_samples`` prefills or a non-positive
-    scale."""
+    With ``interference`` and at least ``busy_min`` prefills decoded beside for
+    ``PREFILL_BUSY_FROM`` of their time or more, also the **prefill interference** ``f``: ``live_s
+    = (scale x profile_s + overhead_s x steps) x (1 + (f - 1) x decode_busy_frac)``, the step
+    ``f`` times slower while other requests decode (``SimConfig.prefill_interference``); ``f`` is
+    found on a grid of 0.005 over [1, 5] (each point's ``scale`` and ``overhead_s`` by least
+    squares), the best in summed squared relative error. Without enough busy prefills ``f`` is 1
+    (not measured: a run that seldom decodes beside P cannot pin it).
+
+    Returns ``{"scale", "overhead_s", "samples", "mean_abs_rel_err", "prefill_interference",
+    "busy_samples"}`` (``mean_abs_rel_err``: of the fitted times over the samples), or None with
+    fewer than ``min_samples`` prefills or a non-positive scale."""
     if len(prefills) < min_samples:
         return None
     x = np.array([r["profile_s"] for r in prefills], dtype=float)
     k = np.array([r["steps"] for r in prefills], dtype=float)
     y = np.array([r["live_s"] for r in prefills], dtype=float)
-    a = np.vstack([x, k]).T / y[:, None]
-    (sc, ov), *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
-    if ov < 0:
-        (sc,), *_ = np.linalg.lstsq((x / y)[:, None], np.ones(len(y)), rcond=None)
-        ov = 0.0
+    fr = np.array([r.get("decode_busy_frac", 0.0) for r in prefills], dtype=float)
+    busy = int(np.sum(fr >= PREFILL_BUSY_FROM))
+    g = 0.0
+    sc, ov, _ = _fit_shape(x, k, y, np.ones_like(y))
+    if interference and busy >= busy_min:
+        best = None
+        for gi in np.arange(0.0, 4.0 + 1e-9, 0.005):
+            fit = _fit_shape(x, k, y, 1.0 + gi * fr)
+            if best is None or fit[2] < best[1][2]:
+                best = (float(gi), fit)
+        g, (sc, ov, _) = best
     if sc <= 0:
         return None
-    return {"scale": float(sc), "overhead_s": float(ov), "samples": int(len(y)),
-            "mean_abs_rel_err": float(np.mean(np.abs((sc * x + ov * k) / y - 1.0)))}
+    return {"scale": sc, "overhead_s": ov, "samples": int(len(y)),
+            "mean_abs_rel_err": float(np.mean(np.abs((sc * x + ov * k) * (1.0 + g * fr) / y - 1.0))),
+            "prefill_interference": 1.0 + g, "busy_samples": busy}
 
 
 def calibrate_wan_buffer(cfg, profile, prof: dict, block_tokens: int, requests, live_bytes: float,
@@ -112,20 +145,66 @@ def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, liv
     isolated prefills give the shape (what a step costs in proportion to its compute, what per
     step), the engine's own step timing the level: the prefill intervals also hold the request's
     trip gateway -> P -> gateway, which is not step time. ``profile_b``: MD's step profile
-    (:func:`pdd.sim.validate.simulate`)."""
-    lam = 1.0
-    for _ in range(iters):
+    (:func:`pdd.sim.validate.simulate`).
+
+    The mean step is not continuous in the level: a slower P batches other chunks together, so
+    the step count jumps. When the fixed point does not settle (to 1e-4) in ``iters`` rounds, the
+    level is bisected between the closest levels found below and above the live step (20 rounds)
+    and the one whose simulated mean step is nearest the live one is returned."""
+    def mean_step(lam):
         p = {**prof, "role_step_scale": {**(prof.get("role_step_scale") or {}), "P": lam * scale}}
         sim = simulate(cfg, profile, p, block_tokens, requests, {**overheads, "P": lam * overhead_s}, wan_buffer,
                        profile_b=profile_b)
-        sv = sim_role_steps(sim)["P"]["mean_step_s"]
+        return sim_role_steps(sim)["P"]["mean_step_s"]
+
+    lam, seen = 1.0, []
+    for _ in range(iters):
+        sv = mean_step(lam)
         if not sv:
-            break
+            return lam
+        seen.append((lam, sv))
         r = live_mean_step_s / sv
-        lam *= r
         if abs(r - 1.0) < 1e-4:
-            break
-    return lam
+            return lam
+        lam *= r
+    lo = max((x for x in seen if x[1] < live_mean_step_s), default=None)
+    hi = min((x for x in seen if x[1] > live_mean_step_s), default=None)
+    if lo is not None and hi is not None and lo[0] < hi[0]:
+        for _ in range(20):
+            mid = (lo[0] + hi[0]) / 2
+            sv = mean_step(mid)
+            seen.append((mid, sv))
+            if sv < live_mean_step_s:
+                lo = (mid, sv)
+            else:
+                hi = (mid, sv)
+    return min(seen, key=lambda x: abs(x[1] - live_mean_step_s))[0]
+
+
+def calibrate_p_dispatch(cfg, profile, prof: dict, block_tokens: int, requests, prefills: list[dict],
+                         overheads: dict, wan_buffer: float | None = None) -> dict | None:
+    """P's dispatch delay (``SimConfig.p_dispatch_s``): the median, over the run's isolated
+    prefills (:func:`isolated_prefills`), of the live P interval (the client's send to the
+    gateway's ``p_first_token``) less the simulated one (arrival to the prefill's end) with every
+    other fit in place. What the engine's steps do not hold: the gateway's RLD expect call before
+    it sends P the prefill, P's RPC each way, the engine loop picking the request up. Fitted after
+    P's level (:func:`calibrate_p_level`), which matches the engine's own step time, so the two do
+    not trade. Returns ``{"dispatch_s"`` (>= 0), ``"samples"``, ``"median_live_s"``,
+    ``"median_sim_s"}``, or None without isolated prefills."""
+    sim = simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer)
+    res, lv, sv = [], [], []
+    for r in prefills:
+        q = sim.reqs[r["index"]]
+        if q.t_prefill_done is None:
+            continue
+        s_ = q.t_prefill_done - q.arrival
+        res.append(r["live_s"] - s_)
+        lv.append(r["live_s"])
+        sv.append(s_)
+    if not res:
+        return None
+    return {"dispatch_s": max(0.0, float(np.median(res))), "samples": len(res),
+            "median_live_s": float(np.median(lv)), "median_sim_s": float(np.median(sv))}
 
 
 def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str | Path | None = None,
@@ -134,8 +213,10 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     (a ``pdd sim validate`` output: its workload arguments, ``requests.jsonl``,
     ``server_stats.json``) and write it into the profile: P's step as ``scale x profile +
     overhead`` (``role_step_scale["P"]``, ``role_step_overhead_s["P"]``): the shape from the run's
-    isolated prefills (:func:`fit_step_scale`), its level from P's mean live step
-    (:func:`calibrate_p_level`); the other roles' per-step overheads
+    isolated prefills (:func:`fit_step_scale`), with the factor on it while other requests decode
+    (``prefill_interference``, when enough of them were decoded beside), its level from P's mean
+    live step (:func:`calibrate_p_level`); the part of P's interval that is no step
+    (``p_dispatch_s``, :func:`calibrate_p_dispatch`); the other roles' per-step overheads
     (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
     prefills); how much a decode step slows while P prefills beside it (``decode_interference``,
     :func:`live_decode_interference`, fitted before the overheads, which then hold the rest); the
@@ -163,9 +244,11 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
         raise RecordedRunError(f"{run_dir}: the live run lost an instance ({bad}): not a calibration run; record "
                                "another")
     prof.pop("role_step_overhead_s", None)
+    prof.pop("p_dispatch_s", None)  # fitted last, from the other fits' simulation
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
                                  max_output_tokens=w.get("max_output_tokens"), seed=w.get("seed", 0))
+    requests = as_sent(requests, live_recs)  # as the live system received them
     live = live_role_steps(entry)
     live_bytes = live_wan_payload_bytes(entry)
     prof.pop("wan_send_buffer_bytes", None)
@@ -188,9 +271,12 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     ep = cfg.engine_for("prefill")  # P's chip: its tier's profile, else the given one
     p_prof = load_profile_checked(ep.profile) if ep.profile else prof
     iso = isolated_prefills(live_recs, MeasuredStepModel(p_prof), min(ep.prefill_chunk_tokens, ep.max_batch_tokens))
-    sc = fit_step_scale(iso)
+    prof.pop("prefill_interference", None)
+    sc = fit_step_scale(iso, interference=True)
     if sc is not None:
         prof["role_step_scale"] = {"P": sc["scale"]}
+        if sc["prefill_interference"] != 1.0:
+            prof["prefill_interference"] = sc["prefill_interference"]
     bt = w["block_tokens"]
     # two rounds: the buffer moves WAN queueing (not step times), the overheads move step times
     # (and so when transfers start); each fitted with the other fixed
@@ -204,11 +290,15 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
                                         sc["overhead_s"], ovh, wb)
         prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}
         ovh = {**ovh, "P": sc["level"] * sc["overhead_s"]}
+    disp = calibrate_p_dispatch(cfg, profile, prof, bt, requests, iso, ovh, wb) if iso else None
+    if disp is not None and disp["dispatch_s"] > 0:
+        prof["p_dispatch_s"] = disp["dispatch_s"]
     prof["role_step_overhead_s"] = ovh
     prof["wan_send_buffer_bytes"] = wb
     prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
                                   "live_wan_payload_bytes": live_bytes, "sim_wan_bytes": sim_bytes,
                                   "step_scale_fit": {"P": sc}, "decode_interference_fit": di,
+                                  "p_dispatch_fit": disp,
                                   "iterations": hist}
     Path(out_profile or profile).write_text(json.dumps(prof, indent=1))
     return prof

@@ -547,7 +547,7 @@ def cmd_calibrate_roles(a) -> int:
     from pathlib import Path
 
     from pdd.config import ClusterConfig
-    from pdd.sim.calibrate import calibrate_roles
+    from pdd.sim.calibrate import PREFILL_BUSY_FROM, PREFILL_BUSY_MIN, calibrate_roles
     from pdd.sim.live_measures import DECODE_GAPS_MIN
     from pdd.sim.recorded import RecordedRunError
 
@@ -566,9 +566,21 @@ def cmd_calibrate_roles(a) -> int:
         print(f"P    step shape x{sc['scale']:.3f} over the profile + {sc['overhead_s'] * 1e3:.2f} ms ({sc['samples']} "
               f"isolated prefills, fit |error| {sc['mean_abs_rel_err']:.1%}); level x{sc['level']:.3f} (P's mean "
               f"live step): step x{prof['role_step_scale']['P']:.3f} + {prof['role_step_overhead_s']['P'] * 1e3:.2f} ms")
+        if sc.get("prefill_interference", 1.0) != 1.0:
+            print(f"P    step while other requests decode: x{sc['prefill_interference']:.3f} ({sc['busy_samples']} "
+                  f"isolated prefills decoded beside for >= {PREFILL_BUSY_FROM:.0%} of their time)")
+        else:
+            print(f"P    step while other requests decode: no slow-down fitted (x1): {sc.get('busy_samples', 0)} "
+                  f"isolated prefills decoded beside for >= {PREFILL_BUSY_FROM:.0%} of their time, under "
+                  f"{PREFILL_BUSY_MIN}")
     else:
         print("P    step shape: too few isolated prefills in the run to fit a scale (x1); its per-step overhead "
               "is fitted below")
+    dp = prof["role_overhead_from"].get("p_dispatch_fit")
+    if dp:
+        print(f"P    dispatch {prof.get('p_dispatch_s', 0.0) * 1e3:.2f} ms a request (median over {dp['samples']} "
+              f"isolated prefills of the live P interval {dp['median_live_s'] * 1e3:.1f} ms less the simulated "
+              f"{dp['median_sim_s'] * 1e3:.1f} ms)")
     di = prof["role_overhead_from"].get("decode_interference_fit")
     if di:
         per = "; ".join(f"{t}: {g['busy_median_s'] * 1e3:.1f} ms over {g['quiet_median_s'] * 1e3:.1f} ms, "
@@ -708,7 +720,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
 
     e = sp.add_parser("experiment", help="run a named experiment")
     e.add_argument("name", choices=sorted(EXPERIMENTS))
-    e.add_argument("--out", required=True)
+    e.add_argument("--out", required=True, help="directory for result.json and the experiment's plot")
     e.add_argument("--quick", action="store_true", help="fewer points and requests")
     e.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="experiment parameter (a keyword of the experiment's function in pdd.sim.experiments; an "
@@ -749,7 +761,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     g.add_argument("--n", type=POS_INT, default=5000)
     g.add_argument("--rate", type=POS_FLOAT, default=2.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", default=None)
+    g.add_argument("--out", default=None, help="Mooncake-format JSONL file to write (default: only the hit histogram is printed)")
     g.set_defaults(func=cmd_agentic)
     return p
 

@@ -129,6 +129,9 @@ class ClusterSim:
         # roles whose factor is 1 are left out: no pokes, so such a profile simulates as one without it
         self.interference = {r: f for r, f in (cfg.decode_interference or {}).items() if f != 1.0} \
             if cfg.host_cores > 0 else {}
+        # P's step while decoders run (prefill_interference): 1 = off, nothing tracked
+        self.p_interference = float(cfg.prefill_interference) if cfg.host_cores > 0 else 1.0
+        self.host_decoding = 0  # decoding instances (not P) in a step now, tracked when it is on
         self.wan_planned: dict[int, Req] = {}  # WAN transfers planned to an MD, not yet delivered
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}
@@ -145,6 +148,21 @@ class ClusterSim:
         """Factor on a decode step of ``role`` starting now: its ``cfg.decode_interference`` while
         a P instance on the shared host runs a prefill step, else 1."""
         return self.interference.get(role, 1.0) if self.host_prefilling else 1.0
+
+    def prefill_slowdown(self) -> float:
+        """Factor on P's prefill step now: ``cfg.prefill_interference`` while a decoding instance
+        on the shared host is in a step, else 1."""
+        return self.p_interference if self.host_decoding else 1.0
+
+    def decode_step(self, delta: int) -> None:
+        """A decoding instance starts (``delta`` +1) or ends (-1) a step; with prefill
+        interference on, P instances in a prefill step re-time its rest when the host's decoders
+        go from none to some or back."""
+        was = self.host_decoding
+        self.host_decoding += delta
+        if (was == 0) != (self.host_decoding == 0):
+            for i in self.tiers.get("P", ()):
+                i.retime()
 
     def prefill_step(self, inst: "Instance", delta: int) -> None:
         """``inst`` (a P instance) starts (``delta`` +1) or ends (-1) a prefill step; with decode
@@ -268,6 +286,14 @@ class ClusterSim:
             self._on_arrival(req)
 
     # --- request life --------------------------------------------------------------------------
+    def _to_p(self, p: Instance, req: Req) -> None:
+        """``req`` goes to P (the gateway's dispatch: ``cfg.p_dispatch_s`` later; at once when 0)."""
+        d = self.cfg.p_dispatch_s
+        if d > 0:
+            self.after(d, self._start_prefill, p, req)
+        else:
+            self._start_prefill(p, req)
+
     def _on_arrival(self, req: Req) -> None:
         mode = self.cfg.mode
         if mode == "colocated":
@@ -282,7 +308,7 @@ class ClusterSim:
         if mode == "same_dc_pd":
             req.pipeline = Pipeline.P_D
             self._count_pipeline(req)
-            self._start_prefill(p, req)
+            self._to_p(p, req)
             return
         # cross-DC: P prefills at once while MD is asked to reserve (a WAN round trip); the plan
         # follows MD's reply, and P's sends wait for it (the runtime's deferred targets). The relay
@@ -297,7 +323,7 @@ class ClusterSim:
         elif self._relays_by_index(req):  # a non-zero budget the index says the KV misses: relayed at once
             if self.cfg.md_predicted_send:
                 self._predict_md(req)
-        self._start_prefill(p, req)
+        self._to_p(p, req)
         self.after(self.owd, self._md_reserve, req)
 
     def _always_relay(self, req: Req) -> bool:

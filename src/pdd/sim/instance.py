@@ -76,6 +76,7 @@ class Instance:
         self.waiting: deque = deque()  # (need_tokens, admit_fn)
         self.inbox: list[Callable[[], None]] = []
         self.wake = None
+        self.step_wake = None  # a P step in flight that prefill interference may re-time
         self.busy_s = 0.0
         self.steps = 0
         self.tokens_out = 0
@@ -146,6 +147,12 @@ class Instance:
         self.inbox.append(fn)
         self.poke()
 
+    def retime(self) -> None:
+        """The pace of the prefill step in flight changed (prefill interference): wake it."""
+        w = self.step_wake
+        if w is not None and not w.triggered:
+            w.succeed()
+
     def poke(self) -> None:
         w = self.wake
         if w is not None and not w.triggered:
@@ -210,6 +217,9 @@ class Instance:
                 dt = (cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) * self.step_scale + self.step_ovh) \
                     * self.sim.host_share() * self.sim.decode_slowdown(self.role)
                 self.sim.host_busy += 1
+                track = self.sim.p_interference != 1.0 and self.role != "P"
+                if track:
+                    self.sim.decode_step(+1)
                 t0 = env.now
                 self.wake = w = env.event()
                 yield env.timeout(k * dt) | w
@@ -220,6 +230,8 @@ class Instance:
                     rest = t0 + done * dt - env.now
                     if rest > 0:
                         yield env.timeout(rest)
+                if track:
+                    self.sim.decode_step(-1)
                 self.sim.host_busy -= 1
                 self.busy_s += done * dt
                 self.steps += done
@@ -247,7 +259,22 @@ class Instance:
                 self.sim.host_busy += 1
                 if interfere:
                     self.sim.prefill_step(self, +1)
-                yield env.timeout(dt)
+                if self.sim.p_interference == 1.0:
+                    yield env.timeout(dt)
+                elif self.role == "P":  # dt is the step's work at the quiet pace: re-timed as the pace changes
+                    t_start, work = env.now, dt
+                    while work > 1e-12:
+                        f = self.sim.prefill_slowdown()
+                        self.step_wake = w = env.event()
+                        t0 = env.now
+                        yield env.timeout(work * f) | w
+                        self.step_wake = None
+                        work -= (env.now - t0) / f
+                    dt = env.now - t_start
+                else:
+                    self.sim.decode_step(+1)
+                    yield env.timeout(dt)
+                    self.sim.decode_step(-1)
                 if interfere:
                     self.sim.prefill_step(self, -1)
                 self.sim.host_busy -= 1

@@ -188,13 +188,14 @@ def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -
     less P's cached prefix), ``"steps"`` (chunks of ``chunk_tokens``), ``"profile_s"`` (those
     chunks on ``step_model``, a ``MeasuredStepModel``: seconds), ``"live_s"`` (the interval,
     seconds), ``"decode_busy_frac"`` (the share of the interval in which another request was
-    streaming tokens: its first to its last token at the client)``}``, in request order.
+    streaming tokens: its first to its last token at the client), ``"index"`` (the record's
+    position in ``live_records``)``}``, in request order.
     ``chunk_tokens`` below 1 is a ValueError (the chunking would never end)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     iv = []
     decoding = []
-    for rec in live_records:
+    for idx, rec in enumerate(live_records):
         p = rec.get("pdd") or {}
         ev = p.get("events_ms") or {}
         tt = rec.get("token_times_s") or []
@@ -205,9 +206,9 @@ def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -
         prompt, cached = int(rec.get("prompt_tokens") or 0), int(p.get("p_cached_tokens") or 0)
         t0 = float(rec["send_s"])
         # every P interval counts for the overlap test; only those with tokens to compute are samples
-        iv.append((t0, t0 + ev["p_first_token"] / 1000.0, prompt, cached))
+        iv.append((t0, t0 + ev["p_first_token"] / 1000.0, prompt, cached, idx))
     out = []
-    for i, (a, b, prompt, cached) in enumerate(iv):
+    for i, (a, b, prompt, cached, idx) in enumerate(iv):
         if prompt - cached < 1 or any(j != i and x[0] < b and x[1] > a for j, x in enumerate(iv)):
             continue
         s0, t, k = cached, 0.0, 0
@@ -217,7 +218,7 @@ def isolated_prefills(live_records: list[dict], step_model, chunk_tokens: int) -
             s0 += n
             k += 1
         out.append({"tokens": prompt - cached, "steps": k, "profile_s": t, "live_s": b - a,
-                    "decode_busy_frac": _covered(a, b, decoding) / (b - a) if b > a else 0.0})
+                    "decode_busy_frac": _covered(a, b, decoding) / (b - a) if b > a else 0.0, "index": idx})
     return out
 
 
@@ -229,7 +230,9 @@ def live_prefill_beside_decode(prefills: list[dict], quiet_below: float = 0.05, 
     ``live / profile = a + b x decode_busy_frac`` whose ``factor`` ``1 + b / a`` is the slow-down
     of a prefill decoded beside all along. None with fewer than ``min_samples`` prefills. A
     measurement of this one-machine testbed (every tier, the gateway and the client share its
-    cores), reported, not applied by the simulator."""
+    cores), reported by ``scripts/prefill_interference.py``; the simulator's factor
+    (``SimConfig.prefill_interference``) is fitted with P's step shape by
+    :func:`pdd.sim.calibrate.fit_step_scale`."""
     if len(prefills) < min_samples:
         return None
     fr = np.array([r["decode_busy_frac"] for r in prefills], dtype=float)

@@ -257,7 +257,8 @@ SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tie
 # the per-role corrections calibrate-roles writes into a profile: field -> (lowest value, closed)
 # the scalar fits calibrate-roles writes: field -> (lowest value, closed)
 SCALAR_FITS = {"gateway_rtt_ms": (0.0, False), "gateway_rtt_line_ms": (0.0, True), "client_delay_s": (0.0, True),
-               "wan_send_buffer_bytes": (0.0, True)}
+               "wan_send_buffer_bytes": (0.0, True), "prefill_interference": (1.0, True),
+               "p_dispatch_s": (0.0, True)}
 ROLE_FITS = {"role_step_scale": (0.0, False), "role_step_overhead_s": (0.0, True), "decode_interference": (1.0, True)}
 
 

@@ -111,6 +111,17 @@ class SimConfig:
     # gateway's and link emulator's threads). Measured from a live run's token gaps
     # (live_measures.live_decode_interference); absent roles 1
     decode_interference: dict | None = None  # role in DECODE_ROLES -> factor >= 1
+    # the converse: factor on P's prefill step while a decoding instance (RLD, MD, D, C) on the
+    # shared host (host_cores > 0) is in a step. Live, each decoded token also keeps the gateway
+    # (relaying it) and the client (reading it) busy on the same cores. A step is re-timed when
+    # the decoders start or stop: its remaining work goes at the new pace. Measured from a live
+    # run's isolated prefills and the share of each decoded beside (calibrate.fit_step_scale,
+    # live_measures.isolated_prefills); 1 is none
+    prefill_interference: float = 1.0
+    # seconds from a request's arrival at the gateway to its admission at P, plus P's reply back:
+    # the live P interval's part that is not engine steps (the gateway's RLD expect call and P's
+    # RPC, each way). Measured on a live run (calibrate.calibrate_p_dispatch); 0 = P starts at arrival
+    p_dispatch_s: float = 0.0
     # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
     # GIL, per-step bookkeeping), measured from a live run (calibrate.calibrate_role_overheads)
@@ -154,6 +165,12 @@ class SimConfig:
                                  f"{', '.join(DECODE_ROLES)}")
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
                 raise ValueError(f"decode_interference[{role!r}] must be a finite factor >= 1, got {f!r}")
+        if isinstance(self.p_dispatch_s, bool) or not isinstance(self.p_dispatch_s, (int, float)) \
+                or not (0.0 <= self.p_dispatch_s < float("inf")):
+            raise ValueError(f"p_dispatch_s must be a finite number of seconds >= 0, got {self.p_dispatch_s!r}")
+        f = self.prefill_interference
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
+            raise ValueError(f"prefill_interference must be a finite factor >= 1, got {f!r}")
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
@@ -208,8 +225,8 @@ class SimConfig:
 
 # what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate) and
 # :func:`with_live_fit` applies
-LIVE_FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "wan_send_buffer_bytes",
-                   "client_delay_s", "gateway_rtt_ms", "fast_path")
+LIVE_FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "prefill_interference",
+                   "p_dispatch_s", "wan_send_buffer_bytes", "client_delay_s", "gateway_rtt_ms", "fast_path")
 
 
 def live_fit_of(prof: dict) -> list[str]:
@@ -223,8 +240,9 @@ def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
     step factors (``role_step_scale``) and seconds a step (``role_step_overhead_s``, or
     ``overheads`` when given), the WAN send buffer (bytes; ``wan_buffer`` when given), the client
     delay (s), the gateway's RTT estimate (ms: ``scfg``'s line RTT plus what the measured one was
-    above the line it was measured on, ``gateway_rtt_line_ms``), the decode interference factors
-    (applied only on a shared host, ``host_cores`` > 0) and the measured P -> RLD fast path (Gbit/s and one-way
+    above the line it was measured on, ``gateway_rtt_line_ms``), the decode and prefill
+    interference factors (applied only on a shared host, ``host_cores`` > 0), P's dispatch
+    delay (s) and the measured P -> RLD fast path (Gbit/s and one-way
     latency s, as an RTT of twice it in ms). Fields the profile lacks leave ``scfg``'s."""
     kw = {}
     ovh = overheads if overheads is not None else prof.get("role_step_overhead_s")
@@ -242,6 +260,10 @@ def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
             max(0.0, scfg.wan_rtt_ms + float(prof["gateway_rtt_ms"]) - float(line))
     if prof.get("decode_interference"):
         kw["decode_interference"] = dict(prof["decode_interference"])
+    if prof.get("prefill_interference"):
+        kw["prefill_interference"] = float(prof["prefill_interference"])
+    if prof.get("p_dispatch_s"):
+        kw["p_dispatch_s"] = float(prof["p_dispatch_s"])
     fp = prof.get("fast_path")
     if fp:  # measured on a live run (live_fast_path): the Python KV path, not the configured pacing
         kw.update(fast_gbps=float(fp["gbps"]), fast_rtt_ms=2000.0 * float(fp["latency_s"]))

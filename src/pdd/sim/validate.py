@@ -44,6 +44,24 @@ VALIDATE_SCALE = Scale(block_tokens=16, output_scale=1 / 2, min_output_tokens=16
                        target_rate_rps=2.0, session_sample=100)
 
 
+def as_sent(requests, live_records: list[dict]) -> list:
+    """The replay requests at the times the live client sent them: each request's ``arrival_s``
+    replaced by its live record's ``send_s`` (seconds, the same origin; records matched by
+    position, a record without ``send_s`` keeps the schedule's). About a fifth of a trace slice's
+    requests share their scheduled instant with another one (a conversation's turns replayed
+    together); the live client sends them in an order of its own, a millisecond or two apart,
+    and P prefills them in the order they arrive. Simulated on the schedule, such a tie goes in
+    index order instead, and the two requests' TTFTs can swap (one waits a whole prefill for the
+    other): the simulator is judged on the requests the live system received."""
+    import dataclasses
+
+    out = []
+    for r, rec in zip(requests, live_records):
+        t = rec.get("send_s") if isinstance(rec, dict) else None
+        out.append(dataclasses.replace(r, arrival_s=float(t)) if isinstance(t, (int, float)) else r)
+    return out + list(requests[len(out):])
+
+
 def sim_records(requests) -> list[dict]:
     """Mooncake-format records (ms timestamps, token lengths, block hash ids) of replay requests."""
     out = []
@@ -391,8 +409,9 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                                "workload (give the run's own workload arguments: its validate.json 'workload')")
     ovh = prof.get("role_step_overhead_s") or {}
     wb = float(prof.get("wan_send_buffer_bytes", 0.0))
+    sent = as_sent(requests, live)  # the requests as the live system received them
     t_sim = time.time()
-    sim = simulate(cfg, profile, prof, block_tokens, requests, ovh, profile_b=profile_b)
+    sim = simulate(cfg, profile, prof, block_tokens, sent, ovh, profile_b=profile_b)
     sim_s = time.time() - t_sim
     res = {
         "workload": {"requests": len(requests), "rate_rps": rate, "block_tokens": block_tokens,
@@ -411,6 +430,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                     "wan_send_buffer_bytes": wb,
                     "client_delay_s": prof.get("client_delay_s", 0.0), "gateway_rtt_ms": prof.get("gateway_rtt_ms"),
                     "decode_interference": prof.get("decode_interference") or {},
+                    "prefill_interference": sim.cfg.prefill_interference,
+                    "p_dispatch_s": sim.cfg.p_dispatch_s,
                     "host_cores": sim.cfg.host_cores,
                     "fast_path": prof.get("fast_path"),
                     "role_overhead_from": (prof.get("role_overhead_from") or {}).get("run")},
@@ -429,7 +450,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     }
     from pdd.sim.p_speed import at_live_p_speed  # imports this module
 
-    res["at_live_p_speed"] = at_live_p_speed(cfg, profile, prof, block_tokens, requests, live,
+    res["at_live_p_speed"] = at_live_p_speed(cfg, profile, prof, block_tokens, sent, live,
                                              (res["role_steps"]["live"].get("P") or {}).get("mean_step_s"), ovh,
                                              profile_b=profile_b)
     (out / "validate.json").write_text(json.dumps(res, indent=1, default=str))
@@ -471,6 +492,11 @@ def format_validate(res: dict) -> str:
               + (", ".join(f"{t} x{v:.2f}" for t, v in di.items()) + (f" ({cores:g} shared cores)" if cores else
                                                                        " (not applied: no shared host)")
                  if di else "no factor"))
+    pi = pf.get("prefill_interference") or 1.0
+    if pi != 1.0:
+        inputs += f"; P's step while decoders run: x{pi:.3f}" + ("" if cores else " (not applied: no shared host)")
+    if pf.get("p_dispatch_s"):
+        inputs += f"; P's dispatch {pf['p_dispatch_s'] * 1e3:.2f} ms a request"
     paths = "".join(f"\n{name.replace('_', ' ')}: {g['requests']} requests, TPOT P50 live {g['p50_tpot_ms']['live']:.2f} / "
                     f"sim {g['p50_tpot_ms']['sim']:.2f} ms, longest token gap P50 live "
                     f"{g['p50_max_gap_ms']['live']:.1f} / sim {g['p50_max_gap_ms']['sim']:.1f} ms"
@@ -478,7 +504,7 @@ def format_validate(res: dict) -> str:
     ps = res.get("at_live_p_speed")
     if ps:
         paths += (f"\nat the run's own P speed (diagnostic: P's step x{ps['level']:.3f}, mean {ps['sim_p_step_ms']:.1f} "
-                  f"ms as live): TTFT P50 error {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 "
+                  f"ms, live {ps['live_p_step_ms']:.1f}): TTFT P50 error {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 "
                   f"{ps['err_p90_ttft_ms'] * 100:+.1f}% (pdd.sim.p_speed)")
     lost = faults_text(res.get("live_faults") or {"degraded": 0, "unreachable": []}, res["requests_compared"])
     warn = f"\nWARNING: the live run lost an instance ({lost}): it measured another topology than the " \

@@ -1,0 +1,135 @@
+"""P's prefill interference on a shared host (``SimConfig.prefill_interference``: P's step runs
+slower while a decoding instance is in a step, as on the one-machine CPU testbed, where each
+decoded token also keeps the gateway and the client busy), its fit from a live run's isolated
+prefills (``calibrate.fit_step_scale``), and the validation's replay of the requests as the live
+client sent them (``validate.as_sent``)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pdd.sim.calibrate import PREFILL_BUSY_FROM, PREFILL_BUSY_MIN, fit_step_scale
+from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.recorded import RecordedRunError, check_role_fits
+from pdd.sim.sim_config import with_live_fit
+from pdd.sim.validate import as_sent, sim_records
+from pdd.workload.replay import ReplayRequest
+
+# A: a short prompt decoding on D; B: a long prompt arriving at 2 s while A decodes
+A = {"timestamp": 0, "input_length": 512, "output_length": 3000, "hash_ids": [0]}
+B = {"timestamp": 2000, "input_length": 8192, "output_length": 1, "hash_ids": list(range(100, 116))}
+HOST = SimConfig(mode="same_dc_pd", n_p=1, n_d=1, host_cores=2.0, warmup_frac=0.0)
+
+
+def run(cfg, recs):
+    sim = ClusterSim(cfg).run(recs)
+    for insts in sim.tiers.values():
+        for inst in insts:
+            assert inst.private == 0 and inst.slots == 0 and not inst.seqs, inst.name
+    assert sim.host_busy == 0 and sim.host_decoding == 0
+    return sim
+
+
+def test_a_prefill_beside_decoding_takes_the_factor_longer():
+    base = run(HOST, [A, B])
+    slow = run(HOST.replace(prefill_interference=2.0), [A, B])
+    a0, a1 = base.reqs[0], slow.reqs[0]
+    b0, b1 = base.reqs[1], slow.reqs[1]
+    assert a1.t_prefill_done == a0.t_prefill_done  # A's prefill: nothing decodes beside it
+    w = b0.t_prefill_done - B["timestamp"] / 1000.0  # B's prefill alone, P idle when it comes
+    assert a0.t_done > b1.t_prefill_done  # A decodes all along B's prefill
+    assert b1.t_prefill_done - B["timestamp"] / 1000.0 == pytest.approx(2 * w, rel=1e-9)
+    p0, p1 = base.tiers["P"][0], slow.tiers["P"][0]
+    assert p1.steps == p0.steps
+    assert p1.busy_s - p0.busy_s == pytest.approx(w, rel=1e-9)  # P's busy time holds the slow-down
+
+
+def test_the_step_in_flight_is_re_timed_when_the_decoders_stop():
+    a = {**A, "output_length": 330}  # A's last token comes during B's prefill
+    base = run(HOST, [a, B])
+    slow = run(HOST.replace(prefill_interference=2.0), [a, B])
+    t0, w = B["timestamp"] / 1000.0, base.reqs[1].t_prefill_done - B["timestamp"] / 1000.0
+    end = slow.reqs[0].t_done
+    assert t0 < end < t0 + w  # A ends inside B's prefill (a single step)
+    # half pace until A's decoding ends, full pace for the rest of the work
+    assert slow.reqs[1].t_prefill_done == pytest.approx(end + (w - (end - t0) / 2.0), rel=1e-12)
+
+
+def test_without_a_shared_host_or_decoding_beside_nothing_changes():
+    off = HOST.replace(host_cores=0.0)  # one accelerator per instance: the factor does not apply
+    assert [r.t_done for r in run(off, [A, B]).reqs] == \
+        [r.t_done for r in run(off.replace(prefill_interference=2.0), [A, B]).reqs]
+    late = {**B, "timestamp": 60_000}  # B comes after A finished: nothing decodes beside it
+    a, b = run(HOST, [A, late]), run(HOST.replace(prefill_interference=2.0), [A, late])
+    assert a.reqs[0].t_done < 60.0
+    assert [r.t_done for r in a.reqs] == [r.t_done for r in b.reqs]
+    # a factor of 1 is none: the same run to the last event
+    one = run(HOST.replace(prefill_interference=1.0), [A, B])
+    assert [r.t_done for r in run(HOST, [A, B]).reqs] == [r.t_done for r in one.reqs]
+
+
+@pytest.mark.parametrize("bad", [0.5, float("inf"), float("nan"), True, "2", None])
+def test_the_factor_is_checked(bad):
+    with pytest.raises(ValueError, match=r"prefill_interference must be a finite factor >= 1"):
+        HOST.replace(prefill_interference=bad)
+
+
+def test_a_profile_s_factor_is_checked_and_applied(tmp_path):
+    with pytest.raises(RecordedRunError, match=r"prefill_interference must be a finite number >= 1"):
+        check_role_fits({"prefill_interference": 0.9}, tmp_path / "p.json")
+    check_role_fits({"prefill_interference": 1.3}, tmp_path / "p.json")
+    assert with_live_fit(HOST, {"prefill_interference": 1.3}).prefill_interference == 1.3
+    assert with_live_fit(HOST, {}).prefill_interference == 1.0
+
+
+def prefills(scale, ovh, factor, n=60, busy_every=4, seed=0):
+    """Synthetic isolated prefills whose live time is exactly the model's."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        steps = int(rng.integers(1, 6))
+        prof = float(rng.uniform(0.02, 0.05)) * steps
+        fr = float(rng.uniform(0.4, 1.0)) if i % busy_every == 0 else float(rng.uniform(0.0, 0.04))
+        out.append({"profile_s": prof, "steps": steps, "decode_busy_frac": fr,
+                    "live_s": (scale * prof + ovh * steps) * (1 + (factor - 1) * fr)})
+    return out
+
+
+def test_the_fit_recovers_scale_overhead_and_factor():
+    pf = prefills(1.4, 0.003, 1.365)
+    got = fit_step_scale(pf, interference=True)
+    assert got["prefill_interference"] == pytest.approx(1.365, abs=1e-9)  # on the fit's 0.005 grid
+    assert got["scale"] == pytest.approx(1.4, rel=1e-9)
+    assert got["overhead_s"] == pytest.approx(0.003, rel=1e-6)
+    assert got["mean_abs_rel_err"] == pytest.approx(0.0, abs=1e-9)
+    assert got["busy_samples"] == 15
+    # without asking for it, the factor is 1 and the shape fit takes the slow-down as it can
+    plain = fit_step_scale(pf)
+    assert plain["prefill_interference"] == 1.0 and plain["mean_abs_rel_err"] > 0.01
+
+
+def test_too_few_busy_prefills_fit_no_factor():
+    pf = prefills(1.4, 0.003, 1.5, n=60, busy_every=60)  # one busy prefill
+    assert sum(r["decode_busy_frac"] >= PREFILL_BUSY_FROM for r in pf) < PREFILL_BUSY_MIN
+    got = fit_step_scale(pf, interference=True)
+    assert got["prefill_interference"] == 1.0 and got["busy_samples"] == 1
+
+
+def req(idx, t):
+    return ReplayRequest(idx=idx, arrival_s=t, prompt_ids=[1] * 9000, max_tokens=2, trace_record={},
+                         hash_ids=tuple(range(idx * 100, idx * 100 + 18)), block_tokens=512)
+
+
+def test_requests_are_replayed_as_the_live_client_sent_them():
+    reqs = [req(0, 1.0), req(1, 1.0), req(2, 3.0)]
+    live = [{"send_s": 1.0021}, {"send_s": 1.0008}, {"ok": False}]  # a tie sent in the other order
+    sent = as_sent(reqs, live)
+    assert [r.arrival_s for r in sent] == [1.0021, 1.0008, 3.0]  # no send_s: the schedule's
+    assert [dataclasses.replace(r, arrival_s=0) for r in sent] == [dataclasses.replace(r, arrival_s=0) for r in reqs]
+    # on one P, the request sent first is prefilled first, whatever its index
+    cfg = SimConfig(mode="same_dc_pd", n_p=1, n_d=1, warmup_frac=0.0)
+    on_schedule = ClusterSim(cfg).run(sim_records(reqs[:2]))
+    as_live = ClusterSim(cfg).run(sim_records(sent[:2]))
+    assert on_schedule.reqs[0].t_prefill_done < on_schedule.reqs[1].t_prefill_done
+    assert as_live.reqs[1].t_prefill_done < as_live.reqs[0].t_prefill_done
