@@ -19,7 +19,7 @@ def run(cfg, recs):
     for insts in sim.tiers.values():
         for inst in insts:
             assert inst.private == 0 and inst.slots == 0 and not inst.seqs, inst.name
-    assert sim.host_prefilling == 0 and sim.host_busy == 0
+    assert sim.host_prefilling == 0 and sim.host_busy == 0 and sim.host_decoding == 0
     return sim
 
 

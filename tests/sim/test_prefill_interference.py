@@ -15,20 +15,9 @@ from pdd.sim.recorded import RecordedRunError, check_role_fits
 from pdd.sim.sim_config import with_live_fit
 from pdd.sim.validate import as_sent, sim_records
 from pdd.workload.replay import ReplayRequest
-
-# A: a short prompt decoding on D; B: a long prompt arriving at 2 s while A decodes
-A = {"timestamp": 0, "input_length": 512, "output_length": 3000, "hash_ids": [0]}
-B = {"timestamp": 2000, "input_length": 8192, "output_length": 1, "hash_ids": list(range(100, 116))}
-HOST = SimConfig(mode="same_dc_pd", n_p=1, n_d=1, host_cores=2.0, warmup_frac=0.0)
-
-
-def run(cfg, recs):
-    sim = ClusterSim(cfg).run(recs)
-    for insts in sim.tiers.values():
-        for inst in insts:
-            assert inst.private == 0 and inst.slots == 0 and not inst.seqs, inst.name
-    assert sim.host_busy == 0 and sim.host_decoding == 0
-    return sim
+# A: a short prompt decoding on D; B: a long prompt arriving at 2 s while A decodes; run(): the
+# simulation, with every page and counter back to 0 at its end
+from tests.sim.test_decode_interference import A, B, HOST, run
 
 
 def test_a_prefill_beside_decoding_takes_the_factor_longer():
