@@ -191,8 +191,10 @@ def test_tail_chunks_run_alone_unless_packed():
 def test_line_on_sent_when_the_rest_fits_the_socket_buffers():
     """``on_sent`` (P's xfer_done) comes once at most ``sent_lead`` bytes are still to go on the
     line: processor sharing with two 1 GB flows at 1 GB/s, a 0.2 GB lead: each has 0.2 GB left at
-    t = 1.6 s (0.5 GB/s each), and its last byte leaves at 2.0 s. A flow that fits the lead is
-    written at once; a cut-off one never is; without a lead it is the last byte's departure."""
+    t = 1.6 s (0.5 GB/s each), and its last byte leaves at 2.0 s. With a send order the flows
+    share one connection: a flow is written once the queue ahead of it and its own rest fit the
+    lead (one that fits it alone is written at once only on the express lane); a cut-off one
+    never is; without a lead it is the last byte's departure."""
     sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1))
     sent, done = {}, {}
     line = Line(sim, "x", 8.0, 0.0, "ps")
@@ -208,12 +210,26 @@ def test_line_on_sent_when_the_rest_fits_the_socket_buffers():
     line.send("a", 1e9, lambda: done.setdefault("a", sim.env.now), lambda: sent.setdefault("a", sim.env.now),
               sent_lead=0.25e9)
     line.send("b", 0.1e9, lambda: done.setdefault("b", sim.env.now), lambda: sent.setdefault("b", sim.env.now),
-              sent_lead=0.25e9)  # fits the lead: written at once, though it waits behind a
+              sent_lead=0.25e9)  # fits the lead, but waits behind a on one connection: written once
+    # a's rest and b together fit it (a has 0.15 GB left, at 0.85 s)
     c = line.send("c", 1e9, lambda: done.setdefault("c", sim.env.now), lambda: sent.setdefault("c", sim.env.now),
                   sent_lead=0.25e9)
     d = line.send("d", 1e9, lambda: done.setdefault("d", sim.env.now), lambda: sent.setdefault("d", sim.env.now))
     sim.after(0.5, line.cancel, c)
     sim.env.run()
-    assert sent == pytest.approx({"a": 0.75, "b": 0.0, "d": 2.1}) and "c" not in sent and "c" not in done
+    assert sent == pytest.approx({"a": 0.75, "b": 0.85, "d": 2.1}) and "c" not in sent and "c" not in done
     assert done == pytest.approx({"a": 1.0, "b": 1.1, "d": 2.1})
     assert d.t_end == pytest.approx(2.1)
+
+    # the express lane (a transfer of at most express_bytes has a connection of its own): b is
+    # written at once, though the line still serves it after a
+    sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1))
+    sent, done = {}, {}
+    line = Line(sim, "z", 8.0, 0.0, "fifo", express_bytes=0.1e9)
+    for n, size in (("a", 1e9), ("b", 0.1e9), ("e", 0.2e9)):
+        line.send(n, size, lambda n=n: done.setdefault(n, sim.env.now), lambda n=n: sent.setdefault(n, sim.env.now),
+                  sent_lead=0.25e9)
+    sim.env.run()
+    # e (0.2 GB, bulk) is written once a's rest, b and e fit 0.25 GB: a has none left, b 0.05 GB, at 1.05 s
+    assert sent == pytest.approx({"a": 0.75, "b": 0.0, "e": 1.05})
+    assert done == pytest.approx({"a": 1.0, "b": 1.1, "e": 1.3})

@@ -578,9 +578,9 @@ def cmd_calibrate_roles(a) -> int:
               "is fitted below")
     dp = prof["role_overhead_from"].get("p_dispatch_fit")
     if dp:
-        print(f"P    dispatch {prof.get('p_dispatch_s', 0.0) * 1e3:.2f} ms a request (median over {dp['samples']} "
-              f"isolated prefills of the live P interval {dp['median_live_s'] * 1e3:.1f} ms less the simulated "
-              f"{dp['median_sim_s'] * 1e3:.1f} ms)")
+        print(f"P    dispatch {prof.get('p_dispatch_s', 0.0) * 1e3:.2f} ms a request (the median, over {dp['samples']} "
+              f"isolated prefills, of the live P interval less the simulated one; their medians "
+              f"{dp['median_live_s'] * 1e3:.1f} and {dp['median_sim_s'] * 1e3:.1f} ms)")
     di = prof["role_overhead_from"].get("decode_interference_fit")
     if di:
         per = "; ".join(f"{t}: {g['busy_median_s'] * 1e3:.1f} ms over {g['quiet_median_s'] * 1e3:.1f} ms, "

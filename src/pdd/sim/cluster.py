@@ -53,6 +53,7 @@ import pdd.policy.handoff as pol_handoff
 import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.routing as pol_routing
 import pdd.policy.tcp_model as tcp_model
+import pdd.policy.wan_order as pol_wan
 from pdd.policy.wan_estimate import WanEstimate, queued_bytes
 from pdd.sim.hardware import StepCostModel, cost_model
 # the pieces of the simulator, one job each, all still importable from here
@@ -94,8 +95,10 @@ class ClusterSim:
         # the WAN line as the runtime's emulator models it (pdd.policy.tcp_model): one flow's rate
         # capped by the loss (Mathis), the line's rate less the cross traffic
         self.wan_conn_gbps = tcp_model.mathis_gbps(cfg.wan_mss_bytes, cfg.wan_rtt_ms, cfg.wan_loss_rate)
+        express = pol_wan.express_max_bytes(cfg.wan_gbps, cfg.wan_rtt_ms, cfg.wan_express_lane_bdp) \
+            if cfg.wan_express_lane_bdp > 0 else 0
         self.wan = Line(self, "wan", cfg.wan_gbps, self.owd, cfg.wan_order, self.wan_conn_gbps,
-                        cfg.wan_cross_traffic) if cfg.cross_dc() else None
+                        cfg.wan_cross_traffic, express) if cfg.cross_dc() else None
         fast = cfg.fast_gbps or cfg.chip("a").nic_gbps * self.model.gpus_per_instance
         self.fast = {p.name: Line(self, f"fast-{p.name}", fast, cfg.fast_rtt_ms / 2000.0, "ps")
                      for p in self.tiers.get("P", [])}

@@ -62,10 +62,12 @@ class Line:
 
     ``conn_gbps``: one flow's largest rate, Gbit/s (``tcp_model.mathis_gbps`` of the line's loss;
     ``inf`` = no cap). ``cross``: cross-traffic schedule ``((t_s, gbps), ...)``, seconds of
-    simulation time and Gbit/s, each below ``gbps`` (ValueError otherwise)."""
+    simulation time and Gbit/s, each below ``gbps`` (ValueError otherwise). ``express_bytes``:
+    with a send order, flows of at most this many bytes are written to their sockets as if on a
+    connection of their own (the runtime's express lane; the line still serves them in order)."""
 
     def __init__(self, sim: "ClusterSim", name: str, gbps: float, owd_s: float, order: str = "ps",
-                 conn_gbps: float = math.inf, cross=()):
+                 conn_gbps: float = math.inf, cross=(), express_bytes: float = 0.0):
         self.sim = sim
         self.name = name
         self.gbps = gbps
@@ -75,6 +77,7 @@ class Line:
         self.conn_rate = conn_gbps * 1e9 / 8.0 if conn_gbps != math.inf else math.inf
         self.owd = owd_s
         self.order = order
+        self.express_bytes = float(express_bytes)  # flows of at most this many bytes: a connection of their own
         self.flows: list[Flow] = []
         self.last_t = 0.0
         self.version = 0
@@ -185,24 +188,65 @@ class Line:
             return self.rate / len(self.flows)
         return self.rate if self.flows[self._chosen()] is f else 0.0
 
+    def _queue_ahead(self) -> dict[int, float]:
+        """With a send order: for each flow (by ``id``), the bytes the line sends before that
+        flow's last byte, its own remaining included, if the order serves the flows now queued
+        one after another (complete ones first, as :meth:`_pick`). The runtime's sender writes a
+        transfer's frames only after the transfers the order serves before it on that connection:
+        its last byte enters the socket buffers once no more than the buffers' worth of the
+        queue is left ahead of it, its own bytes included."""
+        rest = [f for f in self.flows if f.remaining - f.held > 0.0 or f.held == 0.0]
+        out, cum = {}, 0.0
+        while rest:
+            f = self._pick(rest)
+            cum += max(0.0, f.remaining)
+            out[id(f)] = cum
+            rest.remove(f)
+        return out
+
+    def _written_bytes(self, f: Flow, ahead: dict | None) -> float:
+        """Bytes still to go on the line before ``f`` is written out: its own remaining (processor
+        sharing: each flow has its own connection) or the queue ahead of and including it (a send
+        order, :meth:`_queue_ahead`; a flow of at most ``express_bytes`` has a connection of its
+        own, the runtime's express lane)."""
+        if ahead is None or f.total <= self.express_bytes:  # its own connection
+            return f.remaining
+        return ahead.get(id(f), f.remaining)
+
     def _next_sent_s(self) -> float | None:
-        """Seconds until the next flow's written-out point (``remaining`` down to its
-        ``sent_lead``), at the current rates; None when no flow has one ahead."""
+        """Seconds until the next flow's written-out point (the bytes to go before its last one,
+        :meth:`_written_bytes`, down to its ``sent_lead``), at the current rates; None when no
+        flow has one ahead."""
         best = None
+        ahead = None
         for f in self.flows:
-            if f.on_sent is None or f.sent_lead <= 0.0 or f.held > 0.0 or f.remaining <= f.sent_lead:
+            if f.on_sent is None or f.sent_lead <= 0.0 or f.held > 0.0:
                 continue
-            r = self._rate_of(f)
+            if ahead is None and self.order != "ps":
+                ahead = self._queue_ahead()
+            left = self._written_bytes(f, ahead)
+            if left <= f.sent_lead:
+                continue
+            if ahead is None:
+                r = self._rate_of(f)
+            else:  # the queue ahead of it drains at the served flow's rate
+                act = self._active()
+                r = self._rate_of(self._pick(act)) if act else 0.0
             if r > 0.0:
-                t = (f.remaining - f.sent_lead) / r
+                t = (left - f.sent_lead) / r
                 best = t if best is None or t < best else best
         return best
+
+    def _is_written(self, f: Flow, eps: float = 0.0, ahead: dict | None = None) -> bool:
+        return (f.on_sent is not None and f.held == 0.0 and f.sent_lead > 0.0
+                and self._written_bytes(f, ahead) <= f.sent_lead + eps)
 
     def _fire_sent(self, eps: float) -> bool:
         """Call ``on_sent`` of each flow written out by now (see :class:`Flow`); True if any."""
         fired = False
+        ahead = self._queue_ahead() if self.order != "ps" and any(f.on_sent for f in self.flows) else None
         for f in list(self.flows):
-            if f.on_sent is not None and f.held == 0.0 and f.sent_lead > 0.0 and f.remaining <= f.sent_lead + eps:
+            if self._is_written(f, eps, ahead):
                 cb, f.on_sent = f.on_sent, None
                 cb()
                 fired = True
@@ -282,7 +326,7 @@ class Line:
             self.n_held += 1
         if self.order == "ps" and not self._general():
             f.t_served = f.t_start  # processor sharing serves every flow at once
-        if f.on_sent is not None and f.held == 0.0 and f.sent_lead > 0.0 and f.remaining <= f.sent_lead:
+        if self._is_written(f, ahead=self._queue_ahead() if self.order != "ps" and f.on_sent else None):
             cb_sent, f.on_sent = f.on_sent, None  # it fits the socket buffers: written at once
             self.sim.after(0.0, cb_sent)
         self._reschedule()
@@ -303,7 +347,7 @@ class Line:
         f.held = max(0.0, float(held))
         if f.held == 0.0:
             self.n_held -= 1
-            if f.on_sent is not None and f.sent_lead > 0.0 and f.remaining <= f.sent_lead:
+            if self._is_written(f, ahead=self._queue_ahead() if self.order != "ps" and f.on_sent else None):
                 cb_sent, f.on_sent = f.on_sent, None  # its last computed bytes fit the buffers
                 self.sim.after(0.0, cb_sent)
         self._reschedule()

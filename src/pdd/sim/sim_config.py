@@ -19,11 +19,12 @@ def runtime_wan_fields(cfg) -> dict:
     """The SimConfig fields a runtime ``ClusterConfig`` (``pdd.config``, the YAML ``pdd serve``,
     ``pdd bench`` and ``pdd sim validate`` read) sets for the WAN line and KV streaming:
     ``link.wan_gbps``, ``wan_rtt_ms``, ``wan_loss_rate``, ``wan_mss_bytes``, ``wan_cross_traffic``,
-    ``policy.wan_order``, ``kv_stream``, ``kv_stream_layer_group``."""
+    ``policy.wan_order``, ``wan_express_lane_bdp``, ``kv_stream``, ``kv_stream_layer_group``."""
     link, pol = cfg.link, cfg.policy
     return dict(wan_gbps=link.wan_gbps, wan_rtt_ms=link.wan_rtt_ms, wan_loss_rate=link.wan_loss_rate,
                 wan_mss_bytes=link.wan_mss_bytes, wan_cross_traffic=tuple(tuple(p) for p in link.wan_cross_traffic),
-                wan_order=pol.wan_order, kv_stream=pol.kv_stream, kv_stream_layer_group=pol.kv_stream_layer_group)
+                wan_order=pol.wan_order, wan_express_lane_bdp=pol.wan_express_lane_bdp, kv_stream=pol.kv_stream,
+                kv_stream_layer_group=pol.kv_stream_layer_group)
 
 
 @dataclass
@@ -45,6 +46,11 @@ class SimConfig:
     wan_gbps: float = 100.0
     wan_rtt_ms: float = 20.0
     wan_order: str = "ps"  # ps | fifo | srf
+    # the runtime's express lane (policy.wan_express_lane_bdp, pdd.policy.wan_order.wan_lane): a
+    # WAN transfer of at most this many bandwidth-delay products has a connection of its own, so
+    # with a send order it is written to its sockets without waiting for the queue ahead of it
+    # (its xfer_done); 0: every transfer on one connection per target
+    wan_express_lane_bdp: float = 0.0
     # the WAN line as the runtime's link emulator models it (pdd.policy.tcp_model, docs/SIM.md):
     # packet loss probability p in [0, 1) capping each transfer at one TCP connection's Mathis rate
     # (MSS wan_mss_bytes, RTT wan_rtt_ms), and cross traffic ((t_s, gbps), ...) taking its rate off
