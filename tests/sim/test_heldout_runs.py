@@ -197,3 +197,23 @@ def test_at_the_run_s_own_p_speed(resim):
         got[Path(r["run"]).name] = (round(ps["level"], 3), round(ps["err_p50_ttft_ms"], 3),
                                     round(ps["err_p90_ttft_ms"], 3))
     assert got == AT_LIVE_P_SPEED
+
+
+def test_re_simulating_a_run_in_place_keeps_its_recorded_wall_time(resim, tmp_path):
+    """`pdd sim validate --live-from D --out D` rewrites D's validate.json; the live run's wall time
+    (what the recording took) is kept as ``recorded_live_wall_s``, not lost."""
+    import shutil
+
+    from pdd.cli import main as pdd
+
+    run = tmp_path / "seed3"
+    shutil.copytree(RUNS / "seed3", run)
+    recorded = json.loads((run / "validate.json").read_text())["live_wall_s"]
+    mp = pytest.MonkeyPatch()
+    mp.chdir(resim.parent)  # the runs' model, models/small
+    try:
+        assert pdd(["sim", "validate", "--profile", str(PROFILE), "--live-from", str(run), "--out", str(run)]) == 0
+    finally:
+        mp.undo()
+    v = json.loads((run / "validate.json").read_text())
+    assert recorded > 100 and v["live_wall_s"] is None and v["recorded_live_wall_s"] == recorded

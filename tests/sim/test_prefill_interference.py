@@ -122,3 +122,21 @@ def test_requests_are_replayed_as_the_live_client_sent_them():
     as_live = ClusterSim(cfg).run(sim_records(sent[:2]))
     assert on_schedule.reqs[0].t_prefill_done < on_schedule.reqs[1].t_prefill_done
     assert as_live.reqs[1].t_prefill_done < as_live.reqs[0].t_prefill_done
+
+
+def test_a_late_clock_does_not_stall_a_re_timed_step():
+    """At a late simulated time a step's last sliver of work is below the clock's resolution: a
+    timeout of it would not move the clock, and the re-timing loop spun for ever (found with a
+    hand-edited dispatch delay of 1e5 s). Two days into a run, the step ends."""
+    late = [{**A, "timestamp": 200_000_000}, {**B, "timestamp": 200_002_000}]
+    sim = run(HOST.replace(prefill_interference=1.3), late)
+    assert 200_002.0 < sim.reqs[1].t_prefill_done < 200_003.0
+
+
+@pytest.mark.parametrize("bad", [-0.001, 60.5, 1e308, float("inf"), float("nan"), True, "5"])
+def test_the_dispatch_delay_is_checked(bad, tmp_path):
+    with pytest.raises(ValueError, match=r"p_dispatch_s must be a number of seconds in \[0, 60\]"):
+        HOST.replace(p_dispatch_s=bad)
+    if isinstance(bad, float) and bad > 60 and bad != float("inf"):
+        with pytest.raises(RecordedRunError, match=r"p_dispatch_s must be at most 60 seconds"):
+            check_role_fits({"p_dispatch_s": bad}, tmp_path / "p.json")

@@ -98,8 +98,16 @@ def cmd_validate(a) -> int:
 
 def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
     """Add ``validate`` to the ``pdd sim`` sub-commands (``sim_subparsers``)."""
-    v = sim_subparsers.add_parser("validate", help="one workload through the live topology and the simulator "
-                                                   "(measured profile): TTFT/TPOT errors and decision match")
+    v = sim_subparsers.add_parser(
+        "validate", help="one workload through the live topology and the simulator "
+                         "(measured profile): TTFT/TPOT errors and decision match",
+        description="Replay a Mooncake-trace slice through a live pdd topology (or reuse a recorded one with "
+                    "--live-from) and through the simulator mirroring its config, then compare them request by "
+                    "request. The simulator replays the requests at the times the live client sent them, and "
+                    "applies the live-run fit a --profile written by `pdd sim calibrate-roles` carries (role step "
+                    "scale and overheads, decode and prefill interference, P's dispatch delay, WAN send buffer, "
+                    "client delay, gateway RTT, fast path). docs/SIM.md \"Measure this machine and validate the "
+                    "simulator\".")
     v.add_argument("--out", required=True, help="directory for validate.json, and for a live run its "
                                                 "requests.jsonl and server_stats.json (made if missing)")
     v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")

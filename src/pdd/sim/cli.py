@@ -271,8 +271,11 @@ def _live_fit(a, profiles: list[tuple[str, dict]], cfg):
     if not fields:
         return cfg
     run = (prof_a.get("role_overhead_from") or {}).get("run")
+    shared = [f for f in fields if f in ("decode_interference", "prefill_interference")]
+    note = f" ({', '.join(shared)} only on a shared host, which `pdd sim run` does not simulate)" \
+        if shared and cfg.host_cores <= 0 else ""
     print(f"pdd sim: applying the live-run fit in {path_a}" + (f" (calibrated on {run})" if run else "")
-          + f": {', '.join(fields)}; --no-live-fit ignores it", file=sys.stderr)
+          + f": {', '.join(fields)}{note}; --no-live-fit ignores it", file=sys.stderr)
     return with_live_fit(cfg, prof_a)
 
 

@@ -263,7 +263,9 @@ class Instance:
                     yield env.timeout(dt)
                 elif self.role == "P":  # dt is the step's work at the quiet pace: re-timed as the pace changes
                     t_start, work = env.now, dt
-                    while work > 1e-12:
+                    # until the rest is below the clock's resolution (at a late ``now`` a tiny
+                    # timeout would not move it, and the loop would never end)
+                    while work > 1e-12 and env.now + work * self.sim.prefill_slowdown() > env.now:
                         f = self.sim.prefill_slowdown()
                         self.step_wake = w = env.event()
                         t0 = env.now

@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from pdd.sim.sim_config import DECODE_ROLES
+from pdd.sim.sim_config import DECODE_ROLES, P_DISPATCH_MAX_S
 
 
 class RecordedRunError(ValueError):
@@ -286,6 +286,10 @@ def check_role_fits(prof: dict, path: Path) -> None:
         if x is not None and not (_number(x) and (x >= lo if closed else x > lo)):
             raise RecordedRunError(f"{path}: {field} must be a finite number {'>=' if closed else '>'} {lo:g}, "
                                    f"got {x!r}", "profile")
+    pd = prof.get("p_dispatch_s")
+    if pd is not None and pd > P_DISPATCH_MAX_S:
+        raise RecordedRunError(f"{path}: p_dispatch_s must be at most {P_DISPATCH_MAX_S:g} seconds (a request's trip "
+                               f"to P), got {pd!r}", "profile")
     fp = prof.get("fast_path")
     if fp is not None and not (isinstance(fp, dict) and _number(fp.get("gbps")) and fp["gbps"] > 0
                                and _number(fp.get("latency_s")) and fp["latency_s"] >= 0):

@@ -27,6 +27,9 @@ def runtime_wan_fields(cfg) -> dict:
                 kv_stream_layer_group=pol.kv_stream_layer_group)
 
 
+P_DISPATCH_MAX_S = 60.0  # SimConfig.p_dispatch_s above this is no trip to P (a hand-edited profile)
+
+
 @dataclass
 class SimConfig:
     """One simulated deployment. Counts are instances (each ``model.gpus_per_instance`` chips)."""
@@ -172,8 +175,9 @@ class SimConfig:
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
                 raise ValueError(f"decode_interference[{role!r}] must be a finite factor >= 1, got {f!r}")
         if isinstance(self.p_dispatch_s, bool) or not isinstance(self.p_dispatch_s, (int, float)) \
-                or not (0.0 <= self.p_dispatch_s < float("inf")):
-            raise ValueError(f"p_dispatch_s must be a finite number of seconds >= 0, got {self.p_dispatch_s!r}")
+                or not (0.0 <= self.p_dispatch_s <= P_DISPATCH_MAX_S):
+            raise ValueError(f"p_dispatch_s must be a number of seconds in [0, {P_DISPATCH_MAX_S:g}] (a request's "
+                             f"trip to P, milliseconds when measured), got {self.p_dispatch_s!r}")
         f = self.prefill_interference
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
             raise ValueError(f"prefill_interference must be a finite factor >= 1, got {f!r}")

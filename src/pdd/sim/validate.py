@@ -446,6 +446,9 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         "live_errors": sorted({str(r.get("error"))[:80] for r in live if not r.get("ok")})[:5],
         "live_from": str(live_from) if live_from else None,
         "live_wall_s": live_s, "sim_wall_s": sim_s, "wall_s": time.time() - t0,
+        # a reused run keeps its recording's wall time (re-simulated in place, it would be lost)
+        "recorded_live_wall_s": live_s if recorded is None else
+        ((recorded[0] or {}).get("live_wall_s") or (recorded[0] or {}).get("recorded_live_wall_s")),
         "sim_pipelines": dict(sim.pipelines), "sim_handoffs": dict(sim.handoffs),
     }
     from pdd.sim.p_speed import at_live_p_speed  # imports this module
