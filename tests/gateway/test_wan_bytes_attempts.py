@@ -55,6 +55,8 @@ def test_p_killed_mid_prefill_then_the_new_attempt_reports():
         t = o.totals
         assert (t["wan_bytes_sent"], t["wan_bytes_expected"], t["wan_bytes_unreported"]) == (4000, 4000, 4000)
         assert st.wan.reported == 4000 and _pdd_summary(st)["wan_bytes"] == 4000
+        # P's report is the request's xfer_done event (when its sockets took the KV's last byte)
+        assert "xfer_done" in _pdd_summary(st)["events_ms"]
 
     asyncio.run(run())
 
@@ -74,6 +76,8 @@ def test_a_replaced_attempts_late_report_is_added_to_the_request():
         assert o.totals["wan_bytes_sent"] == 5500 == st.wan.reported
         assert _pdd_summary(st)["wan_bytes"] == 5500
         assert st.recovery.error is None and st.trid == "r1.1"  # the old attempt's error is not this one's
+        ev = _pdd_summary(st)["events_ms"]  # this attempt's report is its xfer_done; the replaced one's
+        assert "xfer_done" in ev and not any(k.startswith("xfer_done@") for k in ev)  # late report is none
 
     asyncio.run(run())
 

@@ -58,8 +58,8 @@ OUTCOMES = ("completed", "failed", "cancelled", "rejected")
 # the phases a fault can be injected in (pdd.faults; the held phase is ReqState.phase)
 PHASES = tuple(p.value for p in INJECTABLE)
 # per-attempt events, renamed "<name>@<attempt>" when a request is recovered
-ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "p_first_token", "prefilled", "md_kv_ready", "handoff_call", "handoff",
-                  "handoff_rld_ms", "switch")
+ATTEMPT_EVENTS = ("rld_expect", "md_reserved", "p_first_token", "prefilled", "xfer_done", "md_kv_ready", "handoff_call",
+                  "handoff", "handoff_rld_ms", "switch")
 
 
 @dataclass

@@ -55,6 +55,8 @@ class WanBooking:
             # the request's figure is the sum over its attempts of what their P reported (a P
             # that died before reporting reported nothing: its plan is wan_bytes_unreported)
             st.wan.reported = (st.wan.reported or 0) + wan
+            if st.trid == m.rid:  # when P had written this attempt's KV (its sockets took the last byte)
+                st.events.setdefault("xfer_done", time.perf_counter())
             md_name = st.names.get(ROLE_MAIN)
             if (st.trid == m.rid and md_name is not None and md_name in m.bytes
                     and not m.errors.get(md_name) and not m.unsent.get(md_name)):
