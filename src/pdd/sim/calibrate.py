@@ -65,15 +65,14 @@ def fit_step_scale(prefills: list[dict], min_samples: int = 8, interference: boo
     y = np.array([r["live_s"] for r in prefills], dtype=float)
     fr = np.array([r.get("decode_busy_frac", 0.0) for r in prefills], dtype=float)
     busy = int(np.sum(fr >= PREFILL_BUSY_FROM))
-    g = 0.0
-    sc, ov, _ = _fit_shape(x, k, y, np.ones_like(y))
-    if interference and busy >= busy_min:
-        best = None
-        for gi in np.arange(0.0, 4.0 + 1e-9, 0.005):
-            fit = _fit_shape(x, k, y, 1.0 + gi * fr)
-            if best is None or fit[2] < best[1][2]:
-                best = (float(gi), fit)
-        g, (sc, ov, _) = best
+    # g = f - 1 on the grid (its first point, 0, is the plain fit), or 0 alone when not fitted
+    grid = np.arange(0.0, 4.0 + 1e-9, 0.005) if interference and busy >= busy_min else (0.0,)
+    best = None
+    for gi in grid:
+        fit = _fit_shape(x, k, y, 1.0 + gi * fr)
+        if best is None or fit[2] < best[1][2]:
+            best = (float(gi), fit)
+    g, (sc, ov, _) = best
     if sc <= 0:
         return None
     return {"scale": sc, "overhead_s": ov, "samples": int(len(y)),

@@ -27,6 +27,12 @@ def runtime_wan_fields(cfg) -> dict:
                 kv_stream_layer_group=pol.kv_stream_layer_group)
 
 
+def _in_range(x, lo: float, hi: float, closed_hi: bool = False) -> bool:
+    """``x`` is a number (not a bool) with ``lo <= x < hi`` (``<= hi`` when ``closed_hi``); NaN is not."""
+    return (not isinstance(x, bool) and isinstance(x, (int, float))
+            and lo <= x and (x <= hi if closed_hi else x < hi))
+
+
 P_DISPATCH_MAX_S = 60.0  # SimConfig.p_dispatch_s above this is no trip to P (a hand-edited profile)
 
 
@@ -172,15 +178,13 @@ class SimConfig:
             if role not in DECODE_ROLES:  # P's own steps are the prefills: no factor applies to them
                 raise ValueError(f"decode_interference has role {role!r}; it applies to the decoding roles "
                                  f"{', '.join(DECODE_ROLES)}")
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
+            if not _in_range(f, 1.0, float("inf")):
                 raise ValueError(f"decode_interference[{role!r}] must be a finite factor >= 1, got {f!r}")
-        if isinstance(self.p_dispatch_s, bool) or not isinstance(self.p_dispatch_s, (int, float)) \
-                or not (0.0 <= self.p_dispatch_s <= P_DISPATCH_MAX_S):
+        if not _in_range(self.p_dispatch_s, 0.0, P_DISPATCH_MAX_S, closed_hi=True):
             raise ValueError(f"p_dispatch_s must be a number of seconds in [0, {P_DISPATCH_MAX_S:g}] (a request's "
                              f"trip to P, milliseconds when measured), got {self.p_dispatch_s!r}")
-        f = self.prefill_interference
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (1.0 <= f < float("inf")):
-            raise ValueError(f"prefill_interference must be a finite factor >= 1, got {f!r}")
+        if not _in_range(self.prefill_interference, 1.0, float("inf")):
+            raise ValueError(f"prefill_interference must be a finite factor >= 1, got {self.prefill_interference!r}")
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
