@@ -221,8 +221,9 @@ def test_line_on_sent_when_the_rest_fits_the_socket_buffers():
     assert done == pytest.approx({"a": 1.0, "b": 1.1, "d": 2.1})
     assert d.t_end == pytest.approx(2.1)
 
-    # the express lane (a transfer of at most express_bytes has a connection of its own): b is
-    # written at once, though the line still serves it after a
+    # the express lane (a transfer of at most express_bytes has a connection of its own, which
+    # shares the line with the bulk one): b is written at once and goes beside a at half the
+    # line each (0.1 GB by 0.2 s); e (0.2 GB, bulk) waits behind a on the bulk connection
     sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1))
     sent, done = {}, {}
     line = Line(sim, "z", 8.0, 0.0, "fifo", express_bytes=0.1e9)
@@ -230,6 +231,35 @@ def test_line_on_sent_when_the_rest_fits_the_socket_buffers():
         line.send(n, size, lambda n=n: done.setdefault(n, sim.env.now), lambda n=n: sent.setdefault(n, sim.env.now),
                   sent_lead=0.25e9)
     sim.env.run()
-    # e (0.2 GB, bulk) is written once a's rest, b and e fit 0.25 GB: a has none left, b 0.05 GB, at 1.05 s
-    assert sent == pytest.approx({"a": 0.75, "b": 0.0, "e": 1.05})
-    assert done == pytest.approx({"a": 1.0, "b": 1.1, "e": 1.3})
+    # a: 0.9 GB left at 0.2 s, alone from then on: written when 0.25 GB are left (0.85 s), done at
+    # 1.1 s; e: written once a's rest and e fit 0.25 GB (a 0.05 GB left, at 1.05 s), done at 1.3 s
+    assert sent == pytest.approx({"a": 0.85, "b": 0.0, "e": 1.05})
+    assert done == pytest.approx({"a": 1.1, "b": 0.2, "e": 1.3})
+
+    # two senders' connections share the line; each serves its own flows in turn
+    sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1))
+    done = {}
+    line = Line(sim, "c", 8.0, 0.0, "fifo")
+    for n, size, conn in (("a", 1e9, "p0"), ("b", 0.5e9, "p0"), ("c", 0.5e9, "p1")):
+        line.send(n, size, lambda n=n: done.setdefault(n, sim.env.now), conn=conn)
+    sim.env.run()
+    # a and c at 0.5 GB/s each until c ends (1.0 s, a 0.5 GB left), a alone to 1.5 s, then b
+    assert done == pytest.approx({"c": 1.0, "a": 1.5, "b": 2.0})
+
+
+def test_a_prompt_held_whole_computes_its_last_page_not_its_last_block():
+    """The engine matches whole pages and computes at least one token, so a prompt P holds whole
+    computes its last page (16 tokens of a 3,968-token prompt); without ``page_tokens`` the
+    simulator's granule is the block (64 tokens). A prompt held in part hits its whole blocks."""
+    prompt = {"timestamp": 0, "input_length": 3968, "output_length": 2, "hash_ids": list(range(62))}
+    again = {**prompt, "timestamp": 5000}
+    part = {"timestamp": 10000, "input_length": 3968, "output_length": 2, "hash_ids": list(range(30)) + [99] * 32}
+    hits = {}
+    for page in (None, 16):
+        cfg = SimConfig(mode="same_dc_pd", n_p=1, n_d=1, block_tokens=64, page_tokens=page, warmup_frac=0.0)
+        sim = ClusterSim(cfg).run([prompt, again, part])
+        hits[page] = [r.p_hit for r in sim.reqs]
+    assert hits == {None: [0, 3904, 1920], 16: [0, 3952, 1920]}
+    for bad in (0, 24, 2.0, -16):
+        with pytest.raises(ValueError, match="page_tokens must be a whole number of tokens >= 1 dividing block_tokens"):
+            SimConfig(block_tokens=64, page_tokens=bad)

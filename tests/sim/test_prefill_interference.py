@@ -1,15 +1,14 @@
 """P's prefill interference on a shared host (``SimConfig.prefill_interference``: P's step runs
 slower while a decoding instance is in a step, as on the one-machine CPU testbed, where each
 decoded token also keeps the gateway and the client busy), its fit from a live run's isolated
-prefills (``calibrate.fit_step_scale``), and the validation's replay of the requests as the live
-client sent them (``validate.as_sent``)."""
+prefills' steps and P's mean live step (``calibrate.calibrate_p_interference``), and the
+validation's replay of the requests as the live client sent them (``validate.as_sent``)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from pdd.sim.calibrate import PREFILL_BUSY_FROM, PREFILL_BUSY_MIN, fit_step_scale
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.recorded import RecordedRunError, check_role_fits
 from pdd.sim.sim_config import with_live_fit
@@ -72,37 +71,32 @@ def test_a_profile_s_factor_is_checked_and_applied(tmp_path):
     assert with_live_fit(HOST, {}).prefill_interference == 1.0
 
 
-def prefills(scale, ovh, factor, n=60, busy_every=4, seed=0):
-    """Synthetic isolated prefills whose live time is exactly the model's."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        steps = int(rng.integers(1, 6))
-        prof = float(rng.uniform(0.02, 0.05)) * steps
-        fr = float(rng.uniform(0.4, 1.0)) if i % busy_every == 0 else float(rng.uniform(0.0, 0.04))
-        out.append({"profile_s": prof, "steps": steps, "decode_busy_frac": fr,
-                    "live_s": (scale * prof + ovh * steps) * (1 + (factor - 1) * fr)})
-    return out
+def test_the_factor_is_found_again_from_p_s_mean_step(tmp_path):
+    """calibrate_p_interference: given P's mean step of a run simulated with a factor of 1.3 on a
+    shared host (each prefill has the previous request decoding beside it), the factor is
+    found again; a live mean step below the factor-free one gives None (the level's job)."""
+    from types import SimpleNamespace
 
+    from pdd.sim.calibrate import calibrate_p_interference
+    from pdd.sim.validate import sim_role_steps, simulate
+    from tests.sim.test_profile_validate import _overhead_fixture
 
-def test_the_fit_recovers_scale_overhead_and_factor():
-    pf = prefills(1.4, 0.003, 1.365)
-    got = fit_step_scale(pf, interference=True)
-    assert got["prefill_interference"] == pytest.approx(1.365, abs=1e-9)  # on the fit's 0.005 grid
-    assert got["scale"] == pytest.approx(1.4, rel=1e-9)
-    assert got["overhead_s"] == pytest.approx(0.003, rel=1e-6)
-    assert got["mean_abs_rel_err"] == pytest.approx(0.0, abs=1e-9)
-    assert got["busy_samples"] == 15
-    # without asking for it, the factor is 1 and the shape fit takes the slow-down as it can
-    plain = fit_step_scale(pf)
-    assert plain["prefill_interference"] == 1.0 and plain["mean_abs_rel_err"] > 0.01
+    prof, p, cfg, _ = _overhead_fixture(tmp_path)
+    reqs = [SimpleNamespace(arrival_s=0.5 * i, prompt_ids=[0] * (200 + 64 * (i % 9)), max_tokens=200,
+                            hash_ids=list(range(100 * i, 100 * i + 13 + 4 * (i % 9)))) for i in range(40)]
+    prof = {**prof, "role_step_scale": {"P": 1.5}}
+    ovh = {"P": 0.004, "RLD": 0.004, "MD": 0.008}
 
+    def mean_step(f):
+        return sim_role_steps(simulate(cfg, p, {**prof, "prefill_interference": f}, 16, reqs, ovh))["P"]["mean_step_s"]
 
-def test_too_few_busy_prefills_fit_no_factor():
-    pf = prefills(1.4, 0.003, 1.5, n=60, busy_every=60)  # one busy prefill
-    assert sum(r["decode_busy_frac"] >= PREFILL_BUSY_FROM for r in pf) < PREFILL_BUSY_MIN
-    got = fit_step_scale(pf, interference=True)
-    assert got["prefill_interference"] == 1.0 and got["busy_samples"] == 1
+    target = mean_step(1.3)
+    assert target > mean_step(1.0) * 1.02  # the fixture's prefills do run beside decoding
+    got = calibrate_p_interference(cfg, p, prof, 16, reqs, target, ovh)
+    assert got == pytest.approx(1.3, abs=2e-3)
+    assert mean_step(got) == pytest.approx(target, rel=1e-3)
+    assert calibrate_p_interference(cfg, p, prof, 16, reqs, 0.9 * mean_step(1.0), ovh) is None
+    assert calibrate_p_interference(cfg, p, prof, 16, reqs, 10 * target, ovh, f_max=2.0) == 2.0
 
 
 def req(idx, t):
@@ -138,5 +132,5 @@ def test_the_dispatch_delay_is_checked(bad, tmp_path):
     with pytest.raises(ValueError, match=r"p_dispatch_s must be a number of seconds in \[0, 60\]"):
         HOST.replace(p_dispatch_s=bad)
     if isinstance(bad, float) and bad > 60 and bad != float("inf"):
-        with pytest.raises(RecordedRunError, match=r"p_dispatch_s must be at most 60 seconds"):
+        with pytest.raises(RecordedRunError, match=r"p_dispatch_s must be a finite number >= 0 and <= 60,"):
             check_role_fits({"p_dispatch_s": bad}, tmp_path / "p.json")

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pdd.policy.pipeline as pol_pipeline
@@ -409,26 +410,32 @@ def test_prefill_beside_decode_fit_recovers_a_known_slow_down():
     assert live_prefill_beside_decode(pre[:7]) is None
 
 
-def test_fit_step_scale_recovers_factor_and_step_overhead():
-    """live = 1.5 x profile + 4 ms a step exactly: the fit returns both; a negative overhead is
-    refitted as 0; too few samples or a non-positive factor give None."""
-    from pdd.sim.calibrate import fit_step_scale
+def test_fit_quiet_step_recovers_scale_overhead_and_reply_lag():
+    """live = 1.5 x profile + 4 ms a step + 20 us a token of the largest step exactly: the fit
+    returns all three from the quiet prefills (busy ones, decoded beside, are left out); a
+    negative overhead or lag is refitted as 0; too few quiet samples or a non-positive scale give
+    None."""
+    from pdd.sim.calibrate import fit_quiet_step
 
-    pre = [{"tokens": n, "steps": -(-n // 512), "profile_s": 0.002 * -(-n // 512) + 1e-4 * n}
-           for n in (16, 64, 128, 256, 400, 512, 700, 1000)]
-    exact = [{**r, "live_s": 1.5 * r["profile_s"] + 0.004 * r["steps"]} for r in pre]
-    got = fit_step_scale(exact)
+    pre = [{"tokens": n, "steps": -(-n // 512), "profile_s": 0.002 * -(-n // 512) + 1e-4 * n, "decode_busy_frac": 0.0}
+           for n in (16, 64, 128, 256, 400, 512, 700, 1000, 1500, 2100)]
+    exact = [{**r, "live_s": 1.5 * r["profile_s"] + 0.004 * r["steps"] + 2e-5 * min(r["tokens"], 512)} for r in pre]
+    busy = [{**r, "decode_busy_frac": 0.5, "live_s": 9 * r["live_s"]} for r in exact[:3]]
+    got = fit_quiet_step(exact + busy, 512)
     assert got["scale"] == pytest.approx(1.5, rel=1e-9)
     assert got["overhead_s"] == pytest.approx(0.004, rel=1e-9)
-    assert got["samples"] == 8 and got["mean_abs_rel_err"] == pytest.approx(0.0, abs=1e-9)
-    assert fit_step_scale(exact[:7]) is None
-    # live = 2 x profile - 1 ms a step: no negative overhead; the factor alone, in relative error
-    neg = fit_step_scale([{**r, "live_s": 2.0 * r["profile_s"] - 0.001 * r["steps"]} for r in pre])
-    assert neg["overhead_s"] == 0.0
-    ratios = [(2.0 * r["profile_s"] - 0.001 * r["steps"]) / r["profile_s"] for r in pre]
-    # minimising sum (s x p / y - 1)^2: s = sum(p/y) / sum((p/y)^2)
-    assert neg["scale"] == pytest.approx(sum(1 / q for q in ratios) / sum(1 / q ** 2 for q in ratios), rel=1e-9)
-    assert fit_step_scale([{**r, "live_s": 0.01 * r["steps"] - 0.1 * r["profile_s"]} for r in pre]) is None
+    assert got["lag_s_per_token"] == pytest.approx(2e-5, rel=1e-9)
+    assert got["samples"] == 10 and got["mean_abs_rel_err"] == pytest.approx(0.0, abs=1e-9)
+    assert fit_quiet_step(exact[:7] + busy, 512) is None  # 7 quiet ones
+    # live = 2 x profile - 1 ms a step: the negative overhead is dropped and the rest refitted
+    # without it, in relative error (least squares of [profile, tokens] / live against 1)
+    neg_live = [2.0 * r["profile_s"] - 0.001 * r["steps"] for r in pre]
+    neg = fit_quiet_step([{**r, "live_s": y} for r, y in zip(pre, neg_live)], 512)
+    assert neg["overhead_s"] == 0.0 and neg["lag_s_per_token"] >= 0.0
+    a = np.array([[r["profile_s"] / y, min(r["tokens"], 512) / y] for r, y in zip(pre, neg_live)])
+    (sc, lag), *_ = np.linalg.lstsq(a, np.ones(len(pre)), rcond=None)
+    assert lag > 0 and (neg["scale"], neg["lag_s_per_token"]) == (pytest.approx(sc, rel=1e-9), pytest.approx(lag, rel=1e-9))
+    assert fit_quiet_step([{**r, "live_s": 0.01 * r["steps"] - 0.1 * r["profile_s"]} for r in pre], 512) is None
 
 
 def test_p_level_recovers_a_known_factor_on_the_step_shape(tmp_path):

@@ -1,7 +1,8 @@
 """``pdd sim calibrate-roles``: fit, on one recorded live run, what the bare-engine profile does
-not hold: P's step as ``scale x profile + overhead``, and how much slower it runs while other
-requests decode (:func:`fit_step_scale` on the prefills P ran alone, :func:`calibrate_p_level`),
-the other roles' per-step overheads
+not hold: P's step as ``scale x profile + overhead`` and its reply lag (:func:`fit_quiet_step` on
+the prefills P ran alone, nothing decoding beside), how much slower its steps run while other
+requests decode (:func:`calibrate_p_interference`, on the engine's own step time), the other
+roles' per-step overheads
 (:func:`calibrate_role_overheads`), the decode slow-down while P prefills, the WAN bytes a
 cut-off cannot recall (:func:`calibrate_wan_buffer`), the client delay, the gateway's WAN RTT
 and the fast path, written into the profile (:func:`calibrate_roles`). The method and its
@@ -23,61 +24,7 @@ from pdd.sim.validate import as_sent, build_workload, sim_role_steps, simulate, 
 from pdd.step_profile import MeasuredStepModel
 
 
-PREFILL_BUSY_FROM = 0.3  # an isolated prefill decoded beside for at least this share of it is "busy"
-PREFILL_BUSY_MIN = 8  # busy isolated prefills needed to fit the prefill interference
-
-
-def _fit_shape(x, k, y, w):
-    """``scale``, ``overhead_s`` of ``y = (scale x + overhead_s k) w`` by least squares in relative
-    error (``overhead_s`` >= 0: refitted without it when negative), and the squared error."""
-    a = np.vstack([x * w, k * w]).T / y[:, None]
-    (sc, ov), *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
-    if ov < 0:
-        (sc,), *_ = np.linalg.lstsq((x * w / y)[:, None], np.ones(len(y)), rcond=None)
-        ov = 0.0
-    r = (sc * x + ov * k) * w / y - 1.0
-    return float(sc), float(ov), float(r @ r)
-
-
-def fit_step_scale(prefills: list[dict], min_samples: int = 8, interference: bool = False,
-                   busy_min: int = PREFILL_BUSY_MIN) -> dict | None:
-    """P's live step over the profile's from isolated live prefills (:func:`isolated_prefills`):
-    least squares, in relative error, of ``live_s = scale x profile_s + overhead_s x steps``
-    (``overhead_s`` >= 0: refitted without it when negative). A per-step overhead alone, fitted
-    to P's mean step, adds the same to a 16-token and a 512-token chunk; on this CPU the live P is
-    slower in proportion to the chunk's compute, plus a few ms a step.
-
-    With ``interference`` and at least ``busy_min`` prefills decoded beside for
-    ``PREFILL_BUSY_FROM`` of their time or more, also the **prefill interference** ``f``: ``live_s
-    = (scale x profile_s + overhead_s x steps) x (1 + (f - 1) x decode_busy_frac)``, the step
-    ``f`` times slower while other requests decode (``SimConfig.prefill_interference``); ``f`` is
-    found on a grid of 0.005 over [1, 5] (each point's ``scale`` and ``overhead_s`` by least
-    squares), the best in summed squared relative error. Without enough busy prefills ``f`` is 1
-    (not measured: a run that seldom decodes beside P cannot pin it).
-
-    Returns ``{"scale", "overhead_s", "samples", "mean_abs_rel_err", "prefill_interference",
-    "busy_samples"}`` (``mean_abs_rel_err``: of the fitted times over the samples), or None with
-    fewer than ``min_samples`` prefills or a non-positive scale."""
-    if len(prefills) < min_samples:
-        return None
-    x = np.array([r["profile_s"] for r in prefills], dtype=float)
-    k = np.array([r["steps"] for r in prefills], dtype=float)
-    y = np.array([r["live_s"] for r in prefills], dtype=float)
-    fr = np.array([r.get("decode_busy_frac", 0.0) for r in prefills], dtype=float)
-    busy = int(np.sum(fr >= PREFILL_BUSY_FROM))
-    # g = f - 1 on the grid (its first point, 0, is the plain fit), or 0 alone when not fitted
-    grid = np.arange(0.0, 4.0 + 1e-9, 0.005) if interference and busy >= busy_min else (0.0,)
-    best = None
-    for gi in grid:
-        fit = _fit_shape(x, k, y, 1.0 + gi * fr)
-        if best is None or fit[2] < best[1][2]:
-            best = (float(gi), fit)
-    g, (sc, ov, _) = best
-    if sc <= 0:
-        return None
-    return {"scale": sc, "overhead_s": ov, "samples": int(len(y)),
-            "mean_abs_rel_err": float(np.mean(np.abs((sc * x + ov * k) * (1.0 + g * fr) / y - 1.0))),
-            "prefill_interference": 1.0 + g, "busy_samples": busy}
+PREFILL_QUIET_BELOW = 0.05  # an isolated prefill decoded beside for under this share of it is "quiet"
 
 
 def calibrate_wan_buffer(cfg, profile, prof: dict, block_tokens: int, requests, live_bytes: float,
@@ -139,12 +86,11 @@ def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, liv
                       scale: float, overhead_s: float, overheads: dict, wan_buffer: float | None = None,
                       iters: int = 12, profile_b: str | Path | None = None) -> float:
     """The factor ``level`` on P's fitted step shape (``scale`` x profile + ``overhead_s``, from
-    :func:`fit_step_scale`) at which the simulated mean P step equals the live one
-    (``engine_busy_s / engine_steps``; fixed point, the other roles at ``overheads``). The
-    isolated prefills give the shape (what a step costs in proportion to its compute, what per
-    step), the engine's own step timing the level: the prefill intervals also hold the request's
-    trip gateway -> P -> gateway, which is not step time. ``profile_b``: MD's step profile
-    (:func:`pdd.sim.validate.simulate`).
+    :func:`fit_quiet_step`) at which the simulated mean P step equals the live one
+    (``engine_busy_s / engine_steps``; fixed point, the other roles at ``overheads``): the
+    calibration's fallback when the quiet fit is slower than the run's engine even with no
+    prefill interference (:func:`calibrate_p_interference`), and the P speed diagnostic
+    (:mod:`pdd.sim.p_speed`). ``profile_b``: MD's step profile (:func:`pdd.sim.validate.simulate`).
 
     The mean step is not continuous in the level: a slower P batches other chunks together, so
     the step count jumps. When the fixed point does not settle (to 1e-4) in ``iters`` rounds, the
@@ -180,16 +126,88 @@ def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, liv
     return min(seen, key=lambda x: abs(x[1] - live_mean_step_s))[0]
 
 
+def fit_quiet_step(prefills: list[dict], chunk_tokens: int, min_samples: int = 8,
+                   quiet_below: float = PREFILL_QUIET_BELOW) -> dict | None:
+    """P's step and its reply lag from the isolated prefills (:func:`isolated_prefills`) decoded
+    beside for under ``quiet_below`` of their time: least squares, in relative error, of
+    ``live_s = scale x profile_s + overhead_s x steps + lag x min(tokens, chunk_tokens)``. The
+    first two terms are P's engine steps (what a step costs in proportion to its compute, and per
+    step), the third the part of the interval that grows with the prefill's largest step but is
+    no engine time (``SimConfig.p_reply_lag_s_per_token``): on this testbed a 16-token prefill's
+    interval is its step plus about 1 ms, a 512-token one's its steps plus about 10 ms, whatever
+    the number of steps (docs/SIM.md). A negative ``overhead_s`` or ``lag`` is refitted as 0.
+    Quiet prefills only: how much decoding beside slows P is fitted on the engine's own step time
+    (:func:`calibrate_p_interference`).
+
+    Returns ``{"scale", "overhead_s", "lag_s_per_token", "samples", "mean_abs_rel_err"}``, or None
+    with fewer than ``min_samples`` quiet prefills or a non-positive scale."""
+    q = [r for r in prefills if r.get("decode_busy_frac", 0.0) < quiet_below]
+    if len(q) < min_samples:
+        return None
+    y = np.array([r["live_s"] for r in q], dtype=float)
+    cols = {"scale": np.array([r["profile_s"] for r in q], dtype=float),
+            "overhead_s": np.array([r["steps"] for r in q], dtype=float),
+            "lag_s_per_token": np.array([min(r["tokens"], chunk_tokens) for r in q], dtype=float)}
+    keep = list(cols)
+    while True:
+        a = np.vstack([cols[k] for k in keep]).T / y[:, None]
+        c, *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
+        fit = dict(zip(keep, (float(v) for v in c)))
+        neg = [k for k in keep if k != "scale" and fit[k] < 0]
+        if not neg:
+            break
+        keep.remove(min(neg, key=lambda k: fit[k] * float(np.mean(cols[k]))))  # the most negative share first
+    if fit["scale"] <= 0:
+        return None
+    out = {k: fit.get(k, 0.0) for k in cols}
+    pred = sum(out[k] * cols[k] for k in cols)
+    return {**out, "samples": len(q), "mean_abs_rel_err": float(np.mean(np.abs(pred / y - 1.0)))}
+
+
+def calibrate_p_interference(cfg, profile, prof: dict, block_tokens: int, requests, live_mean_step_s: float,
+                             overheads: dict, wan_buffer: float | None = None, f_max: float = 5.0,
+                             iters: int = 30, profile_b: str | Path | None = None) -> float | None:
+    """The prefill interference (``SimConfig.prefill_interference``) at which the simulated mean
+    P step equals the live one (``engine_busy_s / engine_steps``), P's step as ``prof`` has it
+    (fitted on the quiet prefills, :func:`fit_quiet_step`), bisected on [1, ``f_max``]: the
+    engine's own time says how much slower its steps run while other requests decode. None when
+    at 1 the simulated mean step already reaches the live one (the quiet fit is then too slow
+    for this run's engine; :func:`calibrate_p_level` scales it down instead); ``f_max`` when even
+    it falls short."""
+    def mean_step(f):
+        sim = simulate(cfg, profile, {**prof, "prefill_interference": f}, block_tokens, requests, overheads,
+                       wan_buffer, profile_b=profile_b)
+        return sim_role_steps(sim)["P"]["mean_step_s"] or 0.0
+
+    lo, m_lo = 1.0, mean_step(1.0)
+    if m_lo >= live_mean_step_s:
+        return None
+    hi, m_hi = f_max, mean_step(f_max)
+    if m_hi <= live_mean_step_s:
+        return f_max
+    seen = [(lo, m_lo), (hi, m_hi)]
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        m = mean_step(mid)
+        seen.append((mid, m))
+        if m < live_mean_step_s:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-4:
+            break
+    return min(seen, key=lambda x: abs(x[1] - live_mean_step_s))[0]
+
+
 def calibrate_p_dispatch(cfg, profile, prof: dict, block_tokens: int, requests, prefills: list[dict],
                          overheads: dict, wan_buffer: float | None = None) -> dict | None:
-    """P's dispatch delay (``SimConfig.p_dispatch_s``): the median, over the run's isolated
-    prefills (:func:`isolated_prefills`), of the live P interval (the client's send to the
-    gateway's ``p_first_token``) less the simulated one (arrival to the prefill's end) with every
-    other fit in place. What the engine's steps do not hold: the gateway's RLD expect call before
-    it sends P the prefill, P's RPC each way, the engine loop picking the request up. Fitted after
-    P's level (:func:`calibrate_p_level`), which matches the engine's own step time, so the two do
-    not trade. Returns ``{"dispatch_s"`` (>= 0), ``"samples"``, ``"median_live_s"``,
-    ``"median_sim_s"}``, or None without isolated prefills."""
+    """P's dispatch delay (``SimConfig.p_dispatch_s``): the median, over ``prefills`` (the run's
+    isolated ones, :func:`isolated_prefills`; the calibration passes the quiet ones), of the live
+    P interval (the client's send to the gateway's ``p_first_token``) less the simulated one
+    (arrival to P's reply) with every other fit in place: what the steps and the reply lag
+    (:func:`fit_quiet_step`) leave of the interval, the same for every request (the gateway's RLD
+    expect call, P's RPC each way). Returns ``{"dispatch_s"`` (>= 0), ``"samples"``,
+    ``"median_live_s"``, ``"median_sim_s"}``, or None without isolated prefills."""
     sim = simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer)
     res, lv, sv = [], [], []
     for r in prefills:
@@ -211,10 +229,12 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     """``pdd sim calibrate-roles``: fit each role's step correction on the live run in ``run_dir``
     (a ``pdd sim validate`` output: its workload arguments, ``requests.jsonl``,
     ``server_stats.json``) and write it into the profile: P's step as ``scale x profile +
-    overhead`` (``role_step_scale["P"]``, ``role_step_overhead_s["P"]``): the shape from the run's
-    isolated prefills (:func:`fit_step_scale`), with the factor on it while other requests decode
-    (``prefill_interference``, when enough of them were decoded beside), its level from P's mean
-    live step (:func:`calibrate_p_level`); the part of P's interval that is no step
+    overhead`` (``role_step_scale["P"]``, ``role_step_overhead_s["P"]``) and its reply lag
+    (``p_reply_lag_s_per_token``) from the run's isolated prefills with nothing decoding beside
+    (:func:`fit_quiet_step`); the factor on P's step while other requests decode
+    (``prefill_interference``) where the simulated mean P step equals P's mean live step
+    (:func:`calibrate_p_interference`; :func:`calibrate_p_level` scales the step down instead when
+    the quiet fit is slower than the engine); the part of P's interval that is neither
     (``p_dispatch_s``, :func:`calibrate_p_dispatch`); the other roles' per-step overheads
     (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
     prefills); how much a decode step slows while P prefills beside it (``decode_interference``,
@@ -244,6 +264,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
                                "another")
     prof.pop("role_step_overhead_s", None)
     prof.pop("p_dispatch_s", None)  # fitted last, from the other fits' simulation
+    prof.pop("p_reply_lag_s_per_token", None)
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
                                  max_output_tokens=w.get("max_output_tokens"), seed=w.get("seed", 0))
@@ -271,11 +292,11 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     p_prof = load_profile_checked(ep.profile) if ep.profile else prof
     iso = isolated_prefills(live_recs, MeasuredStepModel(p_prof), min(ep.prefill_chunk_tokens, ep.max_batch_tokens))
     prof.pop("prefill_interference", None)
-    sc = fit_step_scale(iso, interference=True)
+    sc = fit_quiet_step(iso, min(ep.prefill_chunk_tokens, ep.max_batch_tokens))
     if sc is not None:
         prof["role_step_scale"] = {"P": sc["scale"]}
-        if sc["prefill_interference"] != 1.0:
-            prof["prefill_interference"] = sc["prefill_interference"]
+        if sc["lag_s_per_token"] > 0:
+            prof["p_reply_lag_s_per_token"] = sc["lag_s_per_token"]
     bt = w["block_tokens"]
     # two rounds: the buffer moves WAN queueing (not step times), the overheads move step times
     # (and so when transfers start); each fitted with the other fixed
@@ -285,11 +306,18 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     wb, sim_bytes = calibrate_wan_buffer(cfg, profile, prof, bt, requests, live_bytes, overheads=ovh)
     ovh, hist = calibrate_role_overheads(cfg, profile, prof, bt, requests, live, wan_buffer=wb, fixed=fx)
     if sc is not None and (live.get("P") or {}).get("mean_step_s"):
-        sc["level"] = calibrate_p_level(cfg, profile, prof, bt, requests, live["P"]["mean_step_s"], sc["scale"],
-                                        sc["overhead_s"], ovh, wb)
-        prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}
-        ovh = {**ovh, "P": sc["level"] * sc["overhead_s"]}
-    disp = calibrate_p_dispatch(cfg, profile, prof, bt, requests, iso, ovh, wb) if iso else None
+        f = calibrate_p_interference(cfg, profile, prof, bt, requests, live["P"]["mean_step_s"], ovh, wb)
+        sc["prefill_interference"], sc["level"] = f or 1.0, 1.0
+        if f is not None and f > 1.0:
+            prof["prefill_interference"] = f
+        elif f is None:  # the quiet fit is slower than this run's engine at every factor: scaled down
+            sc["level"] = calibrate_p_level(cfg, profile, prof, bt, requests, live["P"]["mean_step_s"],
+                                            sc["scale"], sc["overhead_s"], ovh, wb)
+            prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}
+            ovh = {**ovh, "P": sc["level"] * sc["overhead_s"]}
+    quiet = [r for r in iso if r["decode_busy_frac"] < PREFILL_QUIET_BELOW]
+    disp = calibrate_p_dispatch(cfg, profile, prof, bt, requests, quiet if len(quiet) >= 8 else iso, ovh, wb) \
+        if iso else None
     if disp is not None and disp["dispatch_s"] > 0:
         prof["p_dispatch_s"] = disp["dispatch_s"]
     prof["role_step_overhead_s"] = ovh

@@ -550,7 +550,7 @@ def cmd_calibrate_roles(a) -> int:
     from pathlib import Path
 
     from pdd.config import ClusterConfig
-    from pdd.sim.calibrate import PREFILL_BUSY_FROM, PREFILL_BUSY_MIN, calibrate_roles
+    from pdd.sim.calibrate import PREFILL_QUIET_BELOW, calibrate_roles
     from pdd.sim.live_measures import DECODE_GAPS_MIN
     from pdd.sim.recorded import RecordedRunError
 
@@ -566,16 +566,17 @@ def cmd_calibrate_roles(a) -> int:
         raise UsageError(f"{'--profile' if e.source == 'profile' else '--run'}: {e}") from None
     sc = (prof["role_overhead_from"].get("step_scale_fit") or {}).get("P")
     if sc:
-        print(f"P    step shape x{sc['scale']:.3f} over the profile + {sc['overhead_s'] * 1e3:.2f} ms ({sc['samples']} "
-              f"isolated prefills, fit |error| {sc['mean_abs_rel_err']:.1%}); level x{sc['level']:.3f} (P's mean "
-              f"live step): step x{prof['role_step_scale']['P']:.3f} + {prof['role_step_overhead_s']['P'] * 1e3:.2f} ms")
-        if sc.get("prefill_interference", 1.0) != 1.0:
-            print(f"P    step while other requests decode: x{sc['prefill_interference']:.3f} ({sc['busy_samples']} "
-                  f"isolated prefills decoded beside for >= {PREFILL_BUSY_FROM:.0%} of their time)")
+        print(f"P    step shape x{sc['scale']:.3f} over the profile + {sc['overhead_s'] * 1e3:.2f} ms, reply lag "
+              f"{sc['lag_s_per_token'] * 1e6:.1f} us a token of its largest step ({sc['samples']} isolated prefills "
+              f"decoded beside for under {PREFILL_QUIET_BELOW:.0%} of their time, fit |error| "
+              f"{sc['mean_abs_rel_err']:.1%})")
+        if sc["level"] != 1.0:
+            print(f"P    level x{sc['level']:.3f} (the quiet fit is slower than P's mean live step at every prefill "
+                  f"interference): step x{prof['role_step_scale']['P']:.3f} + "
+                  f"{prof['role_step_overhead_s']['P'] * 1e3:.2f} ms")
         else:
-            print(f"P    step while other requests decode: no slow-down fitted (x1): {sc.get('busy_samples', 0)} "
-                  f"isolated prefills decoded beside for >= {PREFILL_BUSY_FROM:.0%} of their time, under "
-                  f"{PREFILL_BUSY_MIN}")
+            print(f"P    step while other requests decode: x{sc['prefill_interference']:.3f} (where the simulated mean "
+                  f"P step equals the live one)")
     else:
         print("P    step shape: too few isolated prefills in the run to fit a scale (x1); its per-step overhead "
               "is fitted below")

@@ -72,6 +72,8 @@ class ClusterSim:
         self.env = simpy.Environment()
         self.model = cfg.model_profile()
         self.block = cfg.block_tokens
+        self.page = cfg.page_tokens or cfg.block_tokens  # P's cache hit: whole pages, the last one computed
+        self.chunk_tokens = min(cfg.prefill_chunk_tokens, cfg.max_batch_tokens)  # most tokens of a prefill step
         self.sched_cfg = eng_sched.SchedulerConfig(
             max_batch_tokens=cfg.max_batch_tokens,
             max_running_seqs=cfg.max_running_seqs,
@@ -491,11 +493,11 @@ class ClusterSim:
 
         def need() -> int:  # matched at admission time: the cache may change while waiting
             k = inst.cache.match(full) if inst.cache is not None else 0
-            req.p_hit = min(k, (req.prompt - 1) // self.block) * self.block
+            req.p_hit = min(k * self.block, (req.prompt - 1) // self.page * self.page)
             return req.prompt - req.p_hit + extra
 
         def admit(n: int):
-            locked = full[: req.p_hit // self.block]
+            locked = full[: -(-req.p_hit // self.block)]  # a block the hit ends inside is read too
             if inst.cache is not None and locked:
                 inst.cache.lock(locked)
                 inst.cache.touch(locked)
@@ -518,7 +520,11 @@ class ClusterSim:
             # P sampled the first token at the end of prefill
             req.generated = 1
             inst.remove(req.rid)
-            self._prefill_done(inst, req, s)
+            lag = self.cfg.p_reply_lag_s_per_token
+            if lag > 0.0 and inst.role == "P":  # the reply trails the step; P's engine is free
+                self.after(lag * min(req.prompt - req.p_hit, self.chunk_tokens), self._prefill_done, inst, req, s)
+            else:
+                self._prefill_done(inst, req, s)
             return
         req.generated += n
         self.decode_tokens[role] = self.decode_tokens.get(role, 0) + n
@@ -675,7 +681,7 @@ class ClusterSim:
             on_sent = lambda: self._kv_left_p(req)  # noqa: E731
         req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent,
                                      held=self._held(req, req.prompt - req.md_missing, nbytes),
-                                     sent_lead=self.cfg.wan_send_buffer_bytes)
+                                     sent_lead=self.cfg.wan_send_buffer_bytes, conn=(req.p.name, req.md.name))
 
     def _flow_drained(self, req: Req) -> None:
         req.p_pending_flows -= 1

@@ -10,13 +10,18 @@ pure functions (``pdd.policy.tcp_model``):
   order: the chosen flow gets ``min(rate, conn)``).
 - **Cross traffic**: a schedule ``((t_s, gbps), ...)`` on the simulation clock; from each point
   on the line's rate is ``available_gbps(line, cross)`` (at least 1% of the line).
+- **Connections**: with a send order, the flows of one connection (one sender's lane to one
+  target: ``conn`` of :meth:`Line.send`, and the express lane, a connection of its own for a flow
+  of at most ``express_bytes``) go one at a time in that order, and the connections with a flow to
+  send share the line equally (the emulator interleaves their chunks; processor sharing across
+  connections, each capped by the loss as above).
 - **Layer-wise streaming**: a flow may start with ``held`` bytes not yet computed (its prefill is
   still running); :meth:`Line.release` hands them over. A flow with nothing released takes no
   share; with a send order, flows whose KV is complete go before prefilling ones (the runtime's
   ``LayeredTransfer``: a prefilling transfer sends only when no finished one has a frame ready).
 
-Without loss, cross traffic or held bytes every step is the original processor-sharing / send-order
-arithmetic, bit for bit.
+Without loss, cross traffic, held bytes or a second connection every step is the original
+processor-sharing / send-order arithmetic, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import pdd.policy.wan_order as pol_wan
 
 class Flow:
     __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end", "t_served",
-                 "on_sent", "held", "wait_s", "idle_since", "sent_lead")
+                 "on_sent", "held", "wait_s", "idle_since", "sent_lead", "lane")
 
-    def __init__(self, rid, nbytes, seq, cb, on_sent=None, held: float = 0.0, sent_lead: float = 0.0):
+    def __init__(self, rid, nbytes, seq, cb, on_sent=None, held: float = 0.0, sent_lead: float = 0.0,
+                 lane=None):
         self.rid = rid
         self.remaining = float(nbytes)
         self.total = float(nbytes)
@@ -50,6 +56,7 @@ class Flow:
         self.held = float(held)  # bytes of ``remaining`` not yet computed (layer-wise streaming)
         self.wait_s = 0.0  # seconds, after its first frame, it had nothing released to send
         self.idle_since = None
+        self.lane = lane  # the connection it goes over (Line.send): flows of one lane go in turn
 
 
 def _noop() -> None:
@@ -63,8 +70,9 @@ class Line:
     ``conn_gbps``: one flow's largest rate, Gbit/s (``tcp_model.mathis_gbps`` of the line's loss;
     ``inf`` = no cap). ``cross``: cross-traffic schedule ``((t_s, gbps), ...)``, seconds of
     simulation time and Gbit/s, each below ``gbps`` (ValueError otherwise). ``express_bytes``:
-    with a send order, flows of at most this many bytes are written to their sockets as if on a
-    connection of their own (the runtime's express lane; the line still serves them in order)."""
+    with a send order, a flow of at most this many bytes goes over its sender's express lane, a
+    connection of its own that shares the line with the bulk one (``pdd.policy.wan_order.wan_lane``;
+    0: one connection)."""
 
     def __init__(self, sim: "ClusterSim", name: str, gbps: float, owd_s: float, order: str = "ps",
                  conn_gbps: float = math.inf, cross=(), express_bytes: float = 0.0):
@@ -85,12 +93,40 @@ class Line:
         self.busy_s = 0.0
         self.seq = 0
         self.n_held = 0  # flows with bytes not yet released
+        self.lanes: dict = {}  # connection (Flow.lane) -> its flows on the line, with a send order
         for t, _g in self.cross:
             if t > 0:
                 sim.after(t, self._cross_change)
 
     def _general(self) -> bool:
-        return self.conn_rate != math.inf or self.n_held > 0
+        return self.conn_rate != math.inf or self.n_held > 0 or len(self.lanes) > 1
+
+    def _lane_add(self, f: Flow) -> None:
+        if self.order != "ps":
+            self.lanes[f.lane] = self.lanes.get(f.lane, 0) + 1
+
+    def _lane_drop(self, f: Flow) -> None:
+        if self.order != "ps":
+            n = self.lanes[f.lane] - 1
+            if n:
+                self.lanes[f.lane] = n
+            else:
+                del self.lanes[f.lane]
+
+    def _served(self, act: list[Flow]) -> list[Flow]:
+        """The flows the line sends now among ``act`` (those with bytes to send): every one
+        (processor sharing), or each connection's pick of the send order (:meth:`_pick`)."""
+        if self.order == "ps":
+            return act
+        by: dict = {}
+        for f in act:
+            by.setdefault(f.lane, []).append(f)
+        return [v[0] if len(v) == 1 else self._pick(v) for v in by.values()]
+
+    def _per_flow(self, n_served: int) -> float:
+        """Bytes/s of each of ``n_served`` flows served at once: an equal share, at most one
+        connection's loss-limited rate."""
+        return min(self.rate / n_served, self.conn_rate)
 
     def _cross_change(self) -> None:
         """A cross-traffic schedule point: bytes so far at the old rate, the rest at the new."""
@@ -129,12 +165,8 @@ class Line:
         if not act:
             return
         self.busy_s += dt
-        if self.order == "ps":
-            per = min(self.rate / len(act), self.conn_rate) * dt
-            served = act
-        else:
-            served = [self._pick(act)]
-            per = min(self.rate, self.conn_rate) * dt
+        served = self._served(act)
+        per = self._per_flow(len(served)) * dt
         for f in served:
             got = min(per, f.remaining - f.held)
             f.remaining -= got
@@ -143,7 +175,8 @@ class Line:
                 f.t_served = now - dt
 
     def _pick(self, act: list[Flow]) -> Flow:
-        """The send order's choice among flows with bytes to send: complete ones first."""
+        """The send order's choice among flows with bytes to send (of one connection): complete
+        ones first."""
         ready = [f for f in act if f.held == 0.0] or act
         views = [pol_wan.TransferView(f.rid, int(max(0.0, f.remaining)), f.seq) for f in ready]
         return ready[pol_wan.pick_next(views, self.order)]
@@ -160,11 +193,8 @@ class Line:
             act = self._active()
             if not act:
                 return  # every flow waits for its prefill (release reschedules)
-            if self.order == "ps":
-                dt = min(f.remaining - f.held for f in act) / min(self.rate / len(act), self.conn_rate)
-            else:
-                f = self._pick(act)
-                dt = (f.remaining - f.held) / min(self.rate, self.conn_rate)
+            served = self._served(act)
+            dt = min(f.remaining - f.held for f in served) / self._per_flow(len(served))
         elif self.order == "ps":
             dt = min(f.remaining for f in self.flows) * len(self.flows) / self.rate
         else:
@@ -181,35 +211,38 @@ class Line:
             act = self._active()
             if f not in act:
                 return 0.0
-            if self.order == "ps":
-                return min(self.rate / len(act), self.conn_rate)
-            return min(self.rate, self.conn_rate) if self._pick(act) is f else 0.0
+            served = self._served(act)
+            return self._per_flow(len(served)) if f in served else 0.0
         if self.order == "ps":
             return self.rate / len(self.flows)
         return self.rate if self.flows[self._chosen()] is f else 0.0
 
     def _queue_ahead(self) -> dict[int, float]:
-        """With a send order: for each flow (by ``id``), the bytes the line sends before that
-        flow's last byte, its own remaining included, if the order serves the flows now queued
-        one after another (complete ones first, as :meth:`_pick`). The runtime's sender writes a
-        transfer's frames only after the transfers the order serves before it on that connection:
-        its last byte enters the socket buffers once no more than the buffers' worth of the
-        queue is left ahead of it, its own bytes included."""
-        rest = [f for f in self.flows if f.remaining - f.held > 0.0 or f.held == 0.0]
-        out, cum = {}, 0.0
-        while rest:
-            f = self._pick(rest)
-            cum += max(0.0, f.remaining)
-            out[id(f)] = cum
-            rest.remove(f)
+        """With a send order: for each flow (by ``id``), the bytes its connection sends before
+        that flow's last byte, its own remaining included, if the order serves the flows now
+        queued on it one after another (complete ones first, as :meth:`_pick`). The runtime's
+        sender writes a transfer's frames only after the transfers the order serves before it on
+        that connection: its last byte enters the socket buffers once no more than the buffers'
+        worth of the queue is left ahead of it, its own bytes included."""
+        lanes: dict = {}
+        for f in self.flows:
+            if f.remaining - f.held > 0.0 or f.held == 0.0:
+                lanes.setdefault(f.lane, []).append(f)
+        out = {}
+        for rest in lanes.values():
+            cum = 0.0
+            while rest:
+                f = self._pick(rest)
+                cum += max(0.0, f.remaining)
+                out[id(f)] = cum
+                rest.remove(f)
         return out
 
     def _written_bytes(self, f: Flow, ahead: dict | None) -> float:
         """Bytes still to go on the line before ``f`` is written out: its own remaining (processor
-        sharing: each flow has its own connection) or the queue ahead of and including it (a send
-        order, :meth:`_queue_ahead`; a flow of at most ``express_bytes`` has a connection of its
-        own, the runtime's express lane)."""
-        if ahead is None or f.total <= self.express_bytes:  # its own connection
+        sharing: each flow has its own connection) or its connection's queue ahead of and
+        including it (a send order, :meth:`_queue_ahead`)."""
+        if ahead is None:  # its own connection
             return f.remaining
         return ahead.get(id(f), f.remaining)
 
@@ -229,9 +262,9 @@ class Line:
                 continue
             if ahead is None:
                 r = self._rate_of(f)
-            else:  # the queue ahead of it drains at the served flow's rate
-                act = self._active()
-                r = self._rate_of(self._pick(act)) if act else 0.0
+            else:  # the queue ahead of it drains at its connection's served flow's rate
+                served = self._served(self._active())
+                r = self._per_flow(len(served)) if any(s.lane == f.lane for s in served) else 0.0
             if r > 0.0:
                 t = (left - f.sent_lead) / r
                 best = t if best is None or t < best else best
@@ -294,6 +327,7 @@ class Line:
 
     def _finish(self, f: Flow) -> None:
         self.flows.remove(f)
+        self._lane_drop(f)
         f.done = True
         f.t_end = self.sim.env.now
         self.bytes_sent += max(0.0, f.remaining)
@@ -304,13 +338,18 @@ class Line:
             cb()
 
     def send(self, rid, nbytes: float, cb: Callable[[], None],
-             on_sent: Callable[[], None] | None = None, held: float = 0.0, sent_lead: float = 0.0) -> Flow:
+             on_sent: Callable[[], None] | None = None, held: float = 0.0, sent_lead: float = 0.0,
+             conn=None) -> Flow:
         """Queue ``nbytes`` on the line; ``cb`` runs when the last byte arrives (propagation
         included), ``on_sent`` (optional) once the sender has written the last byte: when at most
         ``sent_lead`` bytes (its socket buffers, >= 0) are still to go on the line, all of them
         computed; ``sent_lead`` 0: when the last byte has left. ``held``: bytes of them not
-        computed yet (0 <= held <= nbytes), sent only once :meth:`release` d."""
-        f = Flow(rid, nbytes, self.seq, cb, on_sent, held if nbytes > 0 else 0.0, max(0.0, float(sent_lead)))
+        computed yet (0 <= held <= nbytes), sent only once :meth:`release` d. ``conn``: with a
+        send order, the sender and target whose connections it takes (any hashable; flows of one
+        ``conn`` share its bulk connection, or its express one when at most ``express_bytes``)."""
+        express = self.order != "ps" and 0 < nbytes <= self.express_bytes
+        f = Flow(rid, nbytes, self.seq, cb, on_sent, held if nbytes > 0 else 0.0, max(0.0, float(sent_lead)),
+                 (conn, express))
         self.seq += 1
         f.line = self
         f.t_start = self.sim.env.now
@@ -322,6 +361,7 @@ class Line:
             return f
         self._advance()
         self.flows.append(f)
+        self._lane_add(f)
         if f.held > 0:
             self.n_held += 1
         if self.order == "ps" and not self._general():
@@ -375,6 +415,7 @@ class Line:
             self._reschedule()
             return left - keep
         self.flows.remove(f)
+        self._lane_drop(f)
         f.done = True
         self._reschedule()
         return left

@@ -230,9 +230,10 @@ def live_prefill_beside_decode(prefills: list[dict], quiet_below: float = 0.05, 
     ``live / profile = a + b x decode_busy_frac`` whose ``factor`` ``1 + b / a`` is the slow-down
     of a prefill decoded beside all along. None with fewer than ``min_samples`` prefills. A
     measurement of this one-machine testbed (every tier, the gateway and the client share its
-    cores), reported by ``scripts/prefill_interference.py``; the simulator's factor
-    (``SimConfig.prefill_interference``) is fitted with P's step shape by
-    :func:`pdd.sim.calibrate.fit_step_scale`."""
+    cores), reported by ``scripts/prefill_interference.py``. The simulator's factor
+    (``SimConfig.prefill_interference``) is fitted on P's engine step instead
+    (:func:`pdd.sim.calibrate.calibrate_p_interference`): the intervals also hold the reply, which
+    decoding beside slows more (docs/SIM.md)."""
     if len(prefills) < min_samples:
         return None
     fr = np.array([r["decode_busy_frac"] for r in prefills], dtype=float)

@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from pdd.sim.sim_config import DECODE_ROLES, P_DISPATCH_MAX_S
+from pdd.sim.sim_config import DECODE_ROLES, P_DISPATCH_MAX_S, P_REPLY_LAG_MAX_S
 
 
 class RecordedRunError(ValueError):
@@ -254,11 +254,13 @@ def check_step_rows(prof: dict, path: Path, need_model: bool = True) -> None:
 SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tiers)
 
 
-# the per-role corrections calibrate-roles writes into a profile: field -> (lowest value, closed)
-# the scalar fits calibrate-roles writes: field -> (lowest value, closed)
-SCALAR_FITS = {"gateway_rtt_ms": (0.0, False), "gateway_rtt_line_ms": (0.0, True), "client_delay_s": (0.0, True),
-               "wan_send_buffer_bytes": (0.0, True), "prefill_interference": (1.0, True),
-               "p_dispatch_s": (0.0, True)}
+# the scalar fits calibrate-roles writes: field -> (lowest value, closed, highest value or None;
+# a hand-edited profile beyond it is refused: the highest is a bound no measurement reaches)
+SCALAR_FITS = {"gateway_rtt_ms": (0.0, False, None), "gateway_rtt_line_ms": (0.0, True, None),
+               "client_delay_s": (0.0, True, None), "wan_send_buffer_bytes": (0.0, True, None),
+               "prefill_interference": (1.0, True, None), "p_dispatch_s": (0.0, True, P_DISPATCH_MAX_S),
+               "p_reply_lag_s_per_token": (0.0, True, P_REPLY_LAG_MAX_S)}
+# the per-role corrections: field -> (lowest value, closed)
 ROLE_FITS = {"role_step_scale": (0.0, False), "role_step_overhead_s": (0.0, True), "decode_interference": (1.0, True)}
 
 
@@ -281,15 +283,12 @@ def check_role_fits(prof: dict, path: Path) -> None:
             if not (_number(x) and (x >= lo if closed else x > lo)):
                 raise RecordedRunError(f"{path}: {field}[{role!r}] must be a finite number "
                                        f"{'>=' if closed else '>'} {lo:g}, got {x!r}", "profile")
-    for field, (lo, closed) in SCALAR_FITS.items():
+    for field, (lo, closed, hi) in SCALAR_FITS.items():
         x = prof.get(field)
-        if x is not None and not (_number(x) and (x >= lo if closed else x > lo)):
-            raise RecordedRunError(f"{path}: {field} must be a finite number {'>=' if closed else '>'} {lo:g}, "
-                                   f"got {x!r}", "profile")
-    pd = prof.get("p_dispatch_s")
-    if pd is not None and pd > P_DISPATCH_MAX_S:
-        raise RecordedRunError(f"{path}: p_dispatch_s must be at most {P_DISPATCH_MAX_S:g} seconds (a request's trip "
-                               f"to P), got {pd!r}", "profile")
+        if x is not None and not (_number(x) and (x >= lo if closed else x > lo) and (hi is None or x <= hi)):
+            within = f" and <= {hi:g}" if hi is not None else ""
+            raise RecordedRunError(f"{path}: {field} must be a finite number {'>=' if closed else '>'} {lo:g}"
+                                   f"{within}, got {x!r}", "profile")
     fp = prof.get("fast_path")
     if fp is not None and not (isinstance(fp, dict) and _number(fp.get("gbps")) and fp["gbps"] > 0
                                and _number(fp.get("latency_s")) and fp["latency_s"] >= 0):

@@ -34,6 +34,7 @@ def _in_range(x, lo: float, hi: float, closed_hi: bool = False) -> bool:
 
 
 P_DISPATCH_MAX_S = 60.0  # SimConfig.p_dispatch_s above this is no trip to P (a hand-edited profile)
+P_REPLY_LAG_MAX_S = 0.01  # SimConfig.p_reply_lag_s_per_token above this (5 s a 512-token chunk): hand-edited
 
 
 @dataclass
@@ -119,6 +120,10 @@ class SimConfig:
     efficiency: Efficiency | None = None
     model_spec: dict | None = None  # ModelProfile fields (e.g. a measured profile's "model"), overrides `model`
     block_tokens: int = BLOCK  # tokens per hash block of the records (= cache page granularity)
+    # P's KV page, tokens (dividing block_tokens): a prompt P holds whole in its cache still
+    # computes its last page (the engine keeps at least one token to compute and matches whole
+    # pages: pdd.engine's min_uncached). None: block_tokens (the last block is computed)
+    page_tokens: int | None = None
     host_cores: float = 0.0  # >0: all instances share this many CPU cores (validating a one-machine topology)
     # factor on a role's decode step ("RLD", "MD", ...) while a P instance on the shared host
     # (host_cores > 0) runs a prefill step: on one CPU machine a prefill slows the
@@ -129,14 +134,22 @@ class SimConfig:
     # the converse: factor on P's prefill step while a decoding instance (RLD, MD, D, C) on the
     # shared host (host_cores > 0) is in a step. Live, each decoded token also keeps the gateway
     # (relaying it) and the client (reading it) busy on the same cores. A step is re-timed when
-    # the decoders start or stop: its remaining work goes at the new pace. Measured from a live
-    # run's isolated prefills and the share of each decoded beside (calibrate.fit_step_scale,
-    # live_measures.isolated_prefills); 1 is none
+    # the decoders start or stop: its remaining work goes at the new pace. Measured as the factor
+    # at which the simulated mean P step equals a live run's (calibrate.calibrate_p_interference:
+    # engine_busy_s / engine_steps); 1 is none
     prefill_interference: float = 1.0
-    # seconds from a request's arrival at the gateway to its admission at P, plus P's reply back:
-    # the live P interval's part that is not engine steps (the gateway's RLD expect call and P's
-    # RPC, each way). Measured on a live run (calibrate.calibrate_p_dispatch); 0 = P starts at arrival
+    # seconds from a request's arrival at the gateway to its admission at P: the live P
+    # interval's part that is neither engine steps nor the reply lag, the same for every request
+    # (the gateway's RLD expect call, P's RPC). Measured on a live run
+    # (calibrate.calibrate_p_dispatch); 0 = P starts at arrival
     p_dispatch_s: float = 0.0
+    # seconds per token of a prefill's largest step (its computed tokens, at most
+    # min(prefill_chunk_tokens, max_batch_tokens)) from its last step's end to P's reply (its
+    # first token) reaching the gateway: on the CPU testbed the live P interval outgrows the
+    # engine's steps by about a tenth of a chunk's step, whatever the number of steps. P's
+    # engine is free meanwhile; the reply and P's KV sends wait. Measured on a live run's quiet
+    # isolated prefills (calibrate.fit_quiet_step); 0 = the reply at the last step's end
+    p_reply_lag_s_per_token: float = 0.0
     # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the
     # GIL, per-step bookkeeping), measured from a live run (calibrate.calibrate_role_overheads)
@@ -144,7 +157,7 @@ class SimConfig:
     # factor on every engine step of a role ("P", ...) before its overhead: a live role's step is
     # ``scale x profile step + overhead`` (the engine's compute slowed in proportion, e.g. by the
     # role's own threads sharing the cores), fitted from a live run's isolated prefills
-    # (calibrate.fit_step_scale); absent roles 1
+    # (calibrate.fit_quiet_step); absent roles 1
     step_scale: dict | None = None
     # the WAN RTT the gateway's pipeline decision reads (ms), when it differs from the line's
     # wan_rtt_ms: the live gateway's estimate is its windowed minimum of MD reservation round
@@ -183,6 +196,13 @@ class SimConfig:
         if not _in_range(self.p_dispatch_s, 0.0, P_DISPATCH_MAX_S, closed_hi=True):
             raise ValueError(f"p_dispatch_s must be a number of seconds in [0, {P_DISPATCH_MAX_S:g}] (a request's "
                              f"trip to P, milliseconds when measured), got {self.p_dispatch_s!r}")
+        if self.page_tokens is not None and not (isinstance(self.page_tokens, int) and self.page_tokens >= 1
+                                                 and self.block_tokens % self.page_tokens == 0):
+            raise ValueError(f"page_tokens must be a whole number of tokens >= 1 dividing block_tokens "
+                             f"({self.block_tokens}), got {self.page_tokens!r}")
+        if not _in_range(self.p_reply_lag_s_per_token, 0.0, P_REPLY_LAG_MAX_S, closed_hi=True):
+            raise ValueError(f"p_reply_lag_s_per_token must be a number of seconds in [0, {P_REPLY_LAG_MAX_S:g}] "
+                             f"(microseconds when measured), got {self.p_reply_lag_s_per_token!r}")
         if not _in_range(self.prefill_interference, 1.0, float("inf")):
             raise ValueError(f"prefill_interference must be a finite factor >= 1, got {self.prefill_interference!r}")
 
@@ -240,7 +260,7 @@ class SimConfig:
 # what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate) and
 # :func:`with_live_fit` applies
 LIVE_FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "prefill_interference",
-                   "p_dispatch_s", "wan_send_buffer_bytes", "client_delay_s", "gateway_rtt_ms", "fast_path")
+                   "p_dispatch_s", "p_reply_lag_s_per_token", "wan_send_buffer_bytes", "client_delay_s", "gateway_rtt_ms", "fast_path")
 
 
 def live_fit_of(prof: dict) -> list[str]:
@@ -278,6 +298,8 @@ def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
         kw["prefill_interference"] = float(prof["prefill_interference"])
     if prof.get("p_dispatch_s"):
         kw["p_dispatch_s"] = float(prof["p_dispatch_s"])
+    if prof.get("p_reply_lag_s_per_token"):
+        kw["p_reply_lag_s_per_token"] = float(prof["p_reply_lag_s_per_token"])
     fp = prof.get("fast_path")
     if fp:  # measured on a live run (live_fast_path): the Python KV path, not the configured pacing
         kw.update(fast_gbps=float(fp["gbps"]), fast_rtt_ms=2000.0 * float(fp["latency_s"]))

@@ -101,7 +101,8 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
         handoff_mode=pol.handoff_mode, catchup_threshold=pol.catchup_threshold_tokens,
         allow_p_rld=pol.allow_p_rld, md_predicted_send=pol.md_predicted_send, early_handoff=pol.early_handoff,
         cutoff=pol.cutoff, cutoff_min_remaining_s=pol.cutoff_min_remaining_s,
-        routing=pol.routing, block_tokens=block_tokens, warmup_frac=0.0, slo_ttft_s=1e9, slo_tpot_s=1e9,
+        routing=pol.routing, block_tokens=block_tokens,
+        page_tokens=ep.page_size if block_tokens % ep.page_size == 0 else None, warmup_frac=0.0, slo_ttft_s=1e9, slo_tpot_s=1e9,
         host_cores=host_cores if host_cores is not None else (0.0 if e.device != "cpu" else float(os.cpu_count() or 1)))
 
 
@@ -432,6 +433,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                     "decode_interference": prof.get("decode_interference") or {},
                     "prefill_interference": sim.cfg.prefill_interference,
                     "p_dispatch_s": sim.cfg.p_dispatch_s,
+                    "p_reply_lag_s_per_token": sim.cfg.p_reply_lag_s_per_token,
                     "host_cores": sim.cfg.host_cores,
                     "fast_path": prof.get("fast_path"),
                     "role_overhead_from": (prof.get("role_overhead_from") or {}).get("run")},
@@ -500,6 +502,8 @@ def format_validate(res: dict) -> str:
         inputs += f"; P's step while decoders run: x{pi:.3f}" + ("" if cores else " (not applied: no shared host)")
     if pf.get("p_dispatch_s"):
         inputs += f"; P's dispatch {pf['p_dispatch_s'] * 1e3:.2f} ms a request"
+    if pf.get("p_reply_lag_s_per_token"):
+        inputs += f"; P's reply lag {pf['p_reply_lag_s_per_token'] * 1e6:.1f} us a token of its largest step"
     paths = "".join(f"\n{name.replace('_', ' ')}: {g['requests']} requests, TPOT P50 live {g['p50_tpot_ms']['live']:.2f} / "
                     f"sim {g['p50_tpot_ms']['sim']:.2f} ms, longest token gap P50 live "
                     f"{g['p50_max_gap_ms']['live']:.1f} / sim {g['p50_max_gap_ms']['sim']:.1f} ms"
