@@ -599,3 +599,59 @@ def test_a_body_that_is_not_an_object_says_so(api, raw, kind):
         r = client.post(path, content=raw, headers={"content-type": "application/json"})
         assert _err(r, 400, None)["message"] == f"request body must be a JSON object, got {kind}"
     assert not orch.started
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path,body,param,message", [
+    ("/v1/completions", {**OK, "n": "2"}, "n", "n: must be an integer, got a string '2'"),
+    ("/v1/completions", {**OK, "max_tokens": "5"}, "max_tokens", "max_tokens: must be an integer, got a string '5'"),
+    ("/v1/completions", {**OK, "seed": "7"}, "seed", "seed: must be an integer, got a string '7'"),
+    ("/v1/completions", {**OK, "logprobs": "1"}, "logprobs", "logprobs: must be an integer, got a string '1'"),
+    ("/v1/completions", {**OK, "stream": "yes"}, "stream", "stream: Input should be a valid boolean"),
+    ("/v1/completions", {**OK, "stream": "true"}, "stream", "stream: Input should be a valid boolean"),
+    ("/v1/completions", {**OK, "stream": 1}, "stream", "stream: Input should be a valid boolean"),
+    ("/v1/completions", {**OK, "echo": "false"}, "echo", "echo: Input should be a valid boolean"),
+    ("/v1/completions", {**OK, "ignore_eos": 0}, "ignore_eos", "ignore_eos: Input should be a valid boolean"),
+    ("/v1/completions", {**OK, "temperature": "0.5"}, "temperature", "temperature: Input should be a valid number"),
+    ("/v1/completions", {**OK, "top_p": "1"}, "top_p", "top_p: Input should be a valid number"),
+    ("/v1/completions", {**OK, "logit_bias": {"5": "10"}}, "logit_bias", "logit_bias.5: Input should be a valid number"),
+    ("/v1/completions", {**OK, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options",
+     "stream_options.include_usage: Input should be a valid boolean"),
+    ("/v1/chat/completions", {**CHAT, "n": "2"}, "n", "n: must be an integer, got a string '2'"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, "max_tokens", "max_tokens: must be an integer, got a string '5'"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": "5"}, "max_completion_tokens",
+     "max_completion_tokens: must be an integer, got a string '5'"),
+    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream", "stream: Input should be a valid boolean"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "true"}, "logprobs", "logprobs: Input should be a valid boolean"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": "2", "logprobs": True}, "top_logprobs",
+     "top_logprobs: must be an integer, got a string '2'"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": "1"}, "presence_penalty",
+     "presence_penalty: Input should be a valid number"),
+    ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": "no"}, "parallel_tool_calls",
+     "parallel_tool_calls: Input should be a valid boolean"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens",
+     "add_special_tokens: Input should be a valid boolean"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": 1}, "return_token_strs",
+     "return_token_strs: Input should be a valid boolean"),
+])
+def test_a_string_for_a_number_or_boolean_parameter_is_400_naming_it(api, path, body, param, message):
+    """Found by a new user: pydantic's lax mode served ``"n": "2"``, ``"stream": "yes"`` and
+    ``"max_tokens": "5"`` with 200 (as 2, true and 5), where OpenAI answers 400."""
+    client, orch = api
+    assert _err(client.post(path, json=body), 400, param)["message"] == message
+    assert not orch.started
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {**OK, "temperature": 1, "top_p": 1, "presence_penalty": 0, "logit_bias": {"5": 1}}),
+    ("/v1/completions", {**OK, "max_tokens": 2.0, "n": 1.0}),  # a number without a fraction, as before (and vLLM)
+    ("/v1/chat/completions", {**CHAT, "temperature": 0, "min_p": 0, "repetition_penalty": 1}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2.0, "stream": False, "logprobs": False}),
+])
+def test_an_integer_for_a_number_parameter_is_still_served(api, path, body):
+    client, _ = api
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2

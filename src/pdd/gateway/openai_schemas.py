@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from pdd.types import SamplingParams
 
@@ -62,8 +62,8 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's extension: usage so far on every chunk too
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's extension: usage so far on every chunk too
 
 
 class _Sampling(BaseModel):
@@ -75,13 +75,13 @@ class _Sampling(BaseModel):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     prompt_logprobs: int | None = None  # vLLM's extra parameter: refused (_check_prompt_logprobs), not ignored
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0 (OpenAI's and vLLM's default)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)  # None: 1.0 (OpenAI's and vLLM's default)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    logit_bias: dict[str, StrictFloat] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100]; at most 1,024 entries "
                           "(MAX_LOGIT_BIAS; OpenAI: typically up to 300)")
     seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)  # int64, as vLLM
@@ -91,30 +91,37 @@ class _Sampling(BaseModel):
     user: str | None = None
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1, le=(1 << 63) - 1)  # -1 or 0: off; int64 (>= vocab: no limit)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, strict=True)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, strict=True)
     min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = Field(
         None, description="token ids that end a choice: at most 1,024 ids (MAX_STOP_TOKEN_IDS)")
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    add_special_tokens: bool = False  # chat: the template writes the special tokens (vLLM's default)
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool = False  # chat: the template writes the special tokens (vLLM's default)
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep only the prompt's last k tokens (vLLM: left truncation); -1: the "
                                  "maximum input length; 0 is refused (nothing would be left)")
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_for_int(cls, v, info):
-        """A JSON ``true``/``false`` given for a number parameter (``max_tokens``, ``n``, ``seed``,
-        ``top_k``, ``logprobs`` of completions, ``temperature``, ``top_p``, the penalties, ...) is
-        refused (ValueError, HTTP 400 naming the field), as OpenAI's API does; pydantic's lax mode
-        would read ``true`` as 1 (``"temperature": true`` sampled at 1.0)."""
+    def _json_number(cls, v, info):
+        """A JSON ``true``/``false`` or a string given for a number parameter (``max_tokens``,
+        ``n``, ``seed``, ``top_k``, ``logprobs`` of completions, ``temperature``, ``top_p``, the
+        penalties, ...) is refused (ValueError, HTTP 400 naming the field), as OpenAI's API does;
+        pydantic's lax mode would read ``true`` as 1 (``"temperature": true`` sampled at 1.0) and
+        ``"5"`` as 5. The float fields and the booleans are strict in pydantic itself
+        (``strict=True``, ``StrictBool``: ``"stream": "yes"`` or ``1`` is refused; an integer is
+        still a number); the integer fields stay lax for a JSON number without a fraction
+        (``"max_tokens": 5.0`` is 5, as before and as vLLM; 2.5 is refused), so their strings are
+        refused here."""
         if isinstance(v, bool) and info.field_name in _int_not_bool(cls):
             raise ValueError(f"must be an integer, got {str(v).lower()}")
         if isinstance(v, bool) and info.field_name in _float_not_bool(cls):
             raise ValueError(f"must be a number, got {str(v).lower()}")
+        if isinstance(v, str) and info.field_name in _int_not_bool(cls):
+            raise ValueError(f"must be an integer, got a string {v!r}"[:200])
         return v
 
     @model_validator(mode="before")
@@ -208,10 +215,10 @@ class CompletionRequest(_Sampling):
     # vLLM's default for completions: a text prompt gets the tokenizer's special tokens (a Llama
     # BOS), so the same prompt is the same token ids (and output) as on vLLM; token-id prompts
     # are never changed
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
@@ -254,18 +261,18 @@ class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused (below), as vLLM without --trust-request-chat-template
-    echo: bool = False  # vLLM: prepend the last message to the reply; refused (below)
+    echo: StrictBool = False  # vLLM: prepend the last message to the reply; refused (below)
     best_of: int | None = Field(None, ge=1)  # refused unless equal to n (below)
 
 
@@ -278,12 +285,12 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool | None = None  # None: as the matching endpoint (prompt True, messages False)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: StrictBool | None = None  # None: as the matching endpoint (prompt True, messages False)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _one_input(self):
