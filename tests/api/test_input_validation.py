@@ -655,3 +655,43 @@ def test_an_integer_for_a_number_parameter_is_still_served(api, path, body):
     r = client.post(path, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("body,why", [
+    (b"\xff\xfe", "byte 0xff at offset 0"),  # a UTF-16 (LE) byte-order mark alone
+    (b"\xfe\xff", "byte 0xfe at offset 0"),  # UTF-16 BE's
+    ('{"prompt": [5, 6, 7], "max_tokens": 2}'.encode("utf-16"), "byte 0xff at offset 0"),  # with its BOM
+    ('{"prompt": [5, 6, 7], "max_tokens": 2}'.encode("utf-32"), "byte 0xff at offset 0"),
+    ('{"prompt": [5, 6, 7], "max_tokens": 2}'.encode("utf-16-be"), "byte 0x00 at offset 0: it reads as UTF-16-BE"),
+    ('{"prompt": [5, 6, 7], "max_tokens": 2}'.encode("utf-16-le"), "byte 0x00 at offset 1: it reads as UTF-16-LE"),
+    ('{"prompt": [5, 6, 7], "max_tokens": 2}'.encode("utf-32-le"), "byte 0x00 at offset 1: it reads as UTF-32-LE"),
+], ids=["utf16-bom-alone", "utf16be-bom-alone", "utf16-with-bom", "utf32-with-bom", "utf16be", "utf16le", "utf32le"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_body_with_a_utf16_or_utf32_bom_or_encoding_is_not_utf8(api, path, body, why):
+    """Found by a new user: ``b"\\xff\\xfe"`` got "request body is not valid JSON at character 0:
+    Expecting value" (``json.loads`` on the bytes read it as UTF-16, which made it empty) instead
+    of the not-UTF-8 message other bytes get; ASCII JSON in UTF-16 without a BOM (valid UTF-8
+    bytes) and JSON in UTF-16 or UTF-32 with one were read in that encoding and served."""
+    client, orch = api
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert _err(r, 400, None)["message"] == (f"request body is not valid JSON: it is not UTF-8 text ({why}); "
+                                             f"send JSON encoded as UTF-8")
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_a_utf8_bom_is_ignored_and_a_non_json_content_type_keeps_its_415(api):
+    """RFC 8259 section 8.1: a sender MUST NOT add a byte-order mark, a parser MAY ignore one; the
+    gateway ignores a UTF-8 one (as ``json.loads`` does). A body that is not UTF-8 sent as a form
+    is not read as JSON at all: it keeps the 415 that says so."""
+    client, orch = api
+    r = client.post("/v1/completions", content=b"\xef\xbb\xbf" + json.dumps(OK).encode(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = client.post("/v1/completions", content=b"\xef\xbb\xbf\xef\xbb\xbf{}",  # a second one is text, not JSON
+                    headers={"content-type": "application/json"})
+    assert _err(r, 400, None)["message"].startswith("request body is not valid JSON at character 0: ")
+    r = client.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert _err(r, 415, None)["message"].startswith("Unsupported Media Type: ")
+    r = client.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/vnd.x+json"})
+    assert _err(r, 400, None)["message"].startswith("request body is not valid JSON: it is not UTF-8 text (byte 0xff")

@@ -448,3 +448,19 @@ def test_health_is_degraded_while_a_role_has_no_active_member():
         assert o.health() == {"status": "degraded", "mode": "pdd", "down": []}
 
     asyncio.run(run())
+
+
+def test_an_operator_body_that_is_not_utf8_says_so_and_a_utf8_bom_is_ignored():
+    """As on /v1 (pdd.gateway.openai_schemas.not_utf8): a UTF-16 body said "body: Invalid JSON:
+    expected value at line 1 column 1"; a UTF-8 byte-order mark (RFC 8259 8.1: a parser MAY
+    ignore one) was refused the same way."""
+    c, o, ms = _client()
+    for body, why in ((b"\xff\xfe", "byte 0xff at offset 0"),
+                      ('{"force": true}'.encode("utf-16-le"), "byte 0x00 at offset 1: it reads as UTF-16-LE")):
+        r = c.post("/pdd/instances/md0/drain", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": f"request body is not valid JSON: it is not UTF-8 text ({why}); "
+                                                "send JSON encoded as UTF-8", "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_body"}
+    r = c.post("/pdd/instances", content=b'\xef\xbb\xbf{"role": "decoder"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_role", r.text  # the body was read

@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
@@ -44,7 +45,7 @@ from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, error_body, sampling_for,
-                                        lone_surrogate, truncated_prompt)
+                                        lone_surrogate, not_utf8, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
@@ -84,6 +85,36 @@ def _too_large(n: int | None) -> JSONResponse:
     what = f"request body of {n} bytes" if n is not None else "request body"
     return JSONResponse(error_body(f"{what} exceeds the limit of {MAX_BODY_BYTES} bytes", None,
                                    code="body_too_large"), status_code=413)
+
+
+def _json_body(request: Request) -> bool:
+    """Whether FastAPI parses ``request``'s body as JSON (a POST, PUT or PATCH sent with an
+    ``application/json`` or ``application/*+json`` content type; other bodies get the 415)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return request.method in ("POST", "PUT", "PATCH") and ctype.startswith("application/") and (
+        ctype.endswith("/json") or ctype.endswith("+json"))
+
+
+class Utf8JsonRoute(APIRoute):
+    """Every route of the gateway: a JSON body that is not UTF-8 (:func:`not_utf8`) gets 400
+    saying so before FastAPI parses it (a route that takes a body model; the operator endpoints
+    read theirs themselves, ``pdd.gateway.membership_api``). FastAPI's ``json.loads`` on the bytes would read a body
+    with a UTF-16 or UTF-32 byte-order mark, or with a NUL among its first bytes, as that
+    encoding (``b"\\xff\\xfe"`` was "not valid JSON at character 0: Expecting value", and
+    ASCII JSON in UTF-16 was served); other bytes that are not UTF-8 failed its parse with
+    "There was an error parsing the body"."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request):
+            if self.body_field is not None and _json_body(request):
+                why = not_utf8(await request.body())  # read once: FastAPI's parse reuses it
+                if why is not None:
+                    return bad_request(why)
+            return await handler(request)
+
+        return checked
 
 
 ARRIVAL = "pdd_arrival"  # scope["state"] key: time.monotonic() when the request reached the app
@@ -143,6 +174,7 @@ class BodyLimit:
 
 def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
     app = FastAPI(title="pdd gateway", version="0.1.0")
+    app.router.route_class = Utf8JsonRoute  # before any route is added (membership_api's too)
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
     mc = checkpoint_config(cfg)
     model_vocab = (mc.vocab_size if mc is not None else None) or vocab
@@ -705,17 +737,12 @@ def _pdd_summary(st: ReqState) -> dict[str, Any]:
 
 async def _body_error(request: Request) -> str | None:
     """What is wrong with a body FastAPI could not parse (its message says only "There was an
-    error parsing the body"): bytes that are not UTF-8 (JSON text is UTF-8, RFC 8259 section 8.1),
-    named with the first bad byte and its offset. None when that is not the cause."""
+    error parsing the body"): :func:`not_utf8`. None when that is not the cause. (A route of
+    :class:`Utf8JsonRoute` refuses such a body before FastAPI parses it; this covers any other.)"""
     try:
-        body = await request.body()
-        body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return (f"request body is not valid JSON: it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
-                f"offset {e.start}); send JSON encoded as UTF-8")
+        return not_utf8(await request.body())
     except Exception:
         return None
-    return None
 
 
 def _data(obj) -> str:

@@ -16,6 +16,7 @@ of its role), 503 (unreachable). Booleans are strict: ``"yes"`` or ``1`` is a 40
 
 from __future__ import annotations
 
+import codecs
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from pdd.gateway.membership import Membership, MembershipError
-from pdd.gateway.openai_schemas import error_body
+from pdd.gateway.openai_schemas import error_body, not_utf8
 
 
 class AddInstance(BaseModel):
@@ -54,14 +55,17 @@ def _error(e: MembershipError) -> JSONResponse:
 async def _body(request: Request, model):
     """The request's JSON body as ``model`` (an empty body: all defaults). Raises MembershipError:
     415 for a body sent with a content type other than JSON (as the /v1 endpoints answer), 400
-    naming the field for a bad one."""
+    naming the field for a bad one, 400 for one that is not UTF-8 (``not_utf8``)."""
     raw = await request.body()
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if raw.strip() and ctype and "json" not in ctype:
         raise MembershipError(415, f"Unsupported Media Type: the request body must be JSON sent with "
                                    f"Content-Type: application/json (got {ctype!r})", None, "unsupported_media_type")
-    try:
-        return model.model_validate_json(raw or b"{}")
+    why = not_utf8(raw)  # as the /v1 endpoints say it (pydantic's parser: "expected value at line 1 column 1")
+    if why is not None:
+        raise MembershipError(400, why, None, "invalid_body")
+    try:  # a UTF-8 byte-order mark is ignored, as on /v1 (pydantic's parser refuses one)
+        return model.model_validate_json(raw.removeprefix(codecs.BOM_UTF8) or b"{}")
     except ValidationError as ex:
         err = ex.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or None

@@ -8,6 +8,7 @@ Ranges are checked by pydantic (``Field`` bounds, so the 400 names the parameter
 from __future__ import annotations
 
 import functools
+import json
 import secrets
 import typing
 from dataclasses import dataclass
@@ -41,6 +42,25 @@ def lone_surrogate(text: str) -> int | None:
         return None
     except UnicodeEncodeError as e:
         return e.start
+
+
+def not_utf8(body: bytes) -> str | None:
+    """Why ``body`` is not JSON text in UTF-8 (RFC 8259 section 8.1: JSON exchanged between
+    systems MUST be UTF-8), else None: the first byte that is not UTF-8 and its offset (a UTF-16
+    or UTF-32 byte-order mark is one: ``\\xff`` / ``\\xfe``), or the NUL byte that makes
+    ``json.loads`` read the bytes as UTF-16 or UTF-32 (its encoding detection: ASCII text in
+    UTF-16 without a byte-order mark is valid UTF-8, but no JSON text as UTF-8). A UTF-8
+    byte-order mark is ignored (the RFC allows it; ``json.loads`` skips it)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        why = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
+    else:
+        enc = json.detect_encoding(body)
+        if enc in ("utf-8", "utf-8-sig"):
+            return None
+        why = f"byte 0x00 at offset {body.index(0)}: it reads as {enc.upper()}"
+    return f"request body is not valid JSON: it is not UTF-8 text ({why}); send JSON encoded as UTF-8"
 
 
 class ApiError(Exception):
