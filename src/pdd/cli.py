@@ -215,6 +215,8 @@ def _supervise(topo, poll_s: float = 0.5) -> int:
     is crash-looping: the whole topology stops and 1 is returned. A restart that dies before it
     is ready counts as one more exit (a new user killed md0 again while it restarted, and the
     whole topology went down with a traceback)."""
+    from pathlib import Path
+
     from pdd.launch import LaunchError
 
     restarts: dict[str, list[float]] = {}
@@ -231,7 +233,8 @@ def _supervise(topo, poll_s: float = 0.5) -> int:
                 print(f"pdd: {name} exited {len(recent)} times in {SUPERVISE_WINDOW_S:.0f} s (last exit code "
                       f"{rc}); stopping (logs in {topo.log_dir})", file=sys.stderr)
                 return 1
-            print(f"pdd: {name} exited (code {rc}); restarting it, the rest keep serving", file=sys.stderr)
+            print(f"pdd: {name} exited (code {rc}); restarting it, the rest keep serving (its log: "
+                  f"{Path(topo.log_dir) / f'{name}.log'})", file=sys.stderr)
             try:
                 topo.restart(name)
             except LaunchError as e:  # it died again before it was ready: one more exit, seen at the next poll

@@ -3,7 +3,8 @@
 Each instance is ``python -m pdd.cli launch --role ROLE --name NAME --config FILE``; it prints
 ``READY NAME`` (or ``LINK READY``) on stdout once it serves. :class:`Topology` starts them in
 dependency order (link and MD first, the gateway last), waits for each, and stops them all on
-exit (SIGTERM, then SIGKILL after a grace period). Logs go to ``<log_dir>/<name>.log``.
+exit (SIGTERM, then SIGKILL after a grace period). Logs go to ``<log_dir>/<name>.log``; a
+restart (:meth:`Topology.restart`) continues its instance's log after a ``--- restart N ...`` line.
 
 No orphans: each instance runs in a session of its own (so a signal to the owner's terminal does
 not reach it twice), and so would outlive an owner killed with SIGKILL (which runs no clean-up).
@@ -187,6 +188,7 @@ class Topology:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"pdd-{cfg.mode}-"))
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}  # name -> times restarted (its log is continued, not replaced)
         self._cfg_file: Path | None = None
         self.last_busy: list[str] = []  # busy_reasons at wait_idle's last poll (a timed-out wait's cause)
 
@@ -224,8 +226,9 @@ class Topology:
             raise LaunchError(f"security.api_keys is set but the gateway answered {code} to a request without "
                               "a key (expected 401): refusing to serve unprotected")
 
-    def _spawn(self, spec: InstanceSpec) -> None:
-        p, ready = spawn_instance(self.cfg, spec.role, spec.name, self._cfg_file, self.log_dir / f"{spec.name}.log")
+    def _spawn(self, spec: InstanceSpec, previous_exit: int | None = None) -> None:
+        p, ready = spawn_instance(self.cfg, spec.role, spec.name, self._cfg_file, self.log_dir / f"{spec.name}.log",
+                                  restart=self.restarts.get(spec.name, 0), previous_exit=previous_exit)
         self.procs[spec.name] = p
         wait_s = self.start_timeout_s
         if spec.role == ROLE_MAIN and self.cfg.vllm.main_decode:  # it starts a vLLM server first
@@ -277,11 +280,13 @@ class Topology:
 
     def restart(self, name: str) -> None:
         """Start one (stopped or killed) instance again, as ``pdd launch`` would; the others keep
-        running and reconnect to it."""
+        running and reconnect to it. Its log keeps what the run before wrote (its traceback):
+        the new run's output follows a ``--- restart N at <time> ---`` line (``pdd.spawn``)."""
         p = self.procs.get(name)
         if p is not None and p.poll() is None:
             raise LaunchError(f"{name} is still running")
-        self._spawn(self.layout.get(name))
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self._spawn(self.layout.get(name), previous_exit=p.returncode if p is not None else None)
 
     # ------------------------------------------------------------------ queries
     def stats(self) -> dict:

@@ -2,7 +2,9 @@
 
 :func:`spawn_instance` runs ``pdd launch --role ROLE --name NAME --config FILE`` in a session of
 its own, stopping itself if its parent dies (``PARENT_ENV``, watched by
-``pdd.launch.watch_parent``); :func:`start_failure_cause` turns its log into one line. Used by
+``pdd.launch.watch_parent``); :func:`start_failure_cause` turns its log into one line. A restart
+(``pdd serve``'s supervisor, ``Topology.restart``) appends to the instance's log after a
+:func:`restart_marker` line, so the run that crashed keeps its traceback. Used by
 ``pdd.launch.Topology`` (a whole topology) and by ``pdd.gateway.membership`` (a slot added while
 the gateway serves), so the gateway does not import the launcher that starts it.
 """
@@ -13,11 +15,22 @@ import os
 import subprocess
 import sys
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 
-__all__ = ["PARENT_ENV", "spawn_instance", "start_failure_cause"]
+__all__ = ["PARENT_ENV", "RESTART_MARK", "restart_marker", "spawn_instance", "start_failure_cause"]
 
 PARENT_ENV = "PDD_PARENT_PID"
+_pumps: dict[str, threading.Thread] = {}  # log path -> the thread copying its instance's stdout into it
+RESTART_MARK = "--- restart "  # how the line that starts a restarted run's part of a log begins
+
+
+def restart_marker(n: int, previous_exit: int | None = None, when: datetime | None = None) -> str:
+    """The line written to an instance's log before its ``n``-th restart's output:
+    ``--- restart 2 at 2026-12-05T00:31:07+00:00 (the previous run exited with code -9) ---``."""
+    when = (when or datetime.now(timezone.utc)).isoformat(timespec="seconds")
+    why = f" (the previous run exited with code {previous_exit})" if previous_exit is not None else ""
+    return f"{RESTART_MARK}{n} at {when}{why} ---\n"
 
 
 # exceptions an instance dies of at start whose cause is a config field (the field named first)
@@ -40,12 +53,31 @@ def _explain(exc_line: str) -> str:
     return exc_line
 
 
-def spawn_instance(cfg, role: str, name: str, cfg_file: Path, log_path: Path) -> tuple[subprocess.Popen, threading.Event]:
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file at ``path`` ends with a partial line (a run killed mid-write)."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def spawn_instance(cfg, role: str, name: str, cfg_file: Path, log_path: Path, restart: int = 0,
+                   previous_exit: int | None = None) -> tuple[subprocess.Popen, threading.Event]:
     """Start instance ``name`` of ``role`` as ``pdd launch --role ROLE --name NAME --config
     CFG_FILE`` in a session of its own, its torch threads from its engine block, stopping
     itself if this process dies (``PARENT_ENV``). Its stdout and stderr go to ``log_path``;
-    the returned event is set when it prints its READY line (the caller waits on it)."""
-    logf = open(log_path, "w")
+    the returned event is set when it prints its READY line (the caller waits on it).
+    ``restart``: 0 for a first start (a new log), else the restart's number: the log is kept
+    and continued after a :func:`restart_marker` line (``previous_exit``: the exit code of the
+    run before, named in it)."""
+    old = _pumps.pop(str(log_path), None)
+    if old is not None:  # the run before is gone: let its last stdout lines land before the marker
+        old.join(timeout=2.0)
+    logf = open(log_path, "a" if restart else "w")
+    if restart:
+        logf.write(("\n" if _ends_mid_line(Path(log_path)) else "") + restart_marker(restart, previous_exit))
+        logf.flush()  # before the child writes to the same file
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.engine_for(name).torch_threads), PYTHONUNBUFFERED="1",
                **{PARENT_ENV: str(os.getpid())})
     cmd = [sys.executable, "-m", "pdd.cli", "launch", "--role", role, "--name", name, "--config", str(cfg_file)]
@@ -62,18 +94,23 @@ def spawn_instance(cfg, role: str, name: str, cfg_file: Path, log_path: Path) ->
                 ready.set()
         logf.close()
 
-    threading.Thread(target=pump, daemon=True).start()
+    t = _pumps[str(log_path)] = threading.Thread(target=pump, daemon=True)
+    t.start()
     return p, ready
 
 
 def start_failure_cause(log_path: Path) -> str:
     """One line for why an instance did not start: the exception its log ends with (a known one
     translated to the config field behind it), else the log's last lines; then where the whole
-    log is."""
+    log is. Only the last run's part of the log is read (after the last :func:`restart_marker`
+    line): an earlier run's traceback is not this start's cause."""
     try:
-        tail = "".join(Path(log_path).read_text().splitlines(True)[-400:])
+        lines = Path(log_path).read_text().splitlines(True)
     except OSError:
-        tail = ""
+        lines = []
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(RESTART_MARK)]
+    tail = "".join(lines[starts[-1] + 1:] if starts else lines)
+    tail = "".join(tail.splitlines(True)[-400:])
     if "Traceback (most recent call last):" in tail:
         last = [ln for ln in tail.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
         exc = last[-1].strip() if last else ""

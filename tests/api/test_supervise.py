@@ -42,6 +42,8 @@ def test_a_restart_that_dies_before_ready_is_retried(capsys):
     assert topo.restarts == 3
     err = capsys.readouterr().err
     assert err.count("md0 did not come back (md0 (main_decode) exited with -9 before it was ready:); trying again") == 2
+    # where the crashed run's output is (a restart keeps it: tests/api/test_instance_logs.py)
+    assert err.count("pdd: md0 exited (code -9); restarting it, the rest keep serving (its log: logs/md0.log)") == 3
 
 
 def test_a_crash_loop_still_stops_the_topology(capsys):
