@@ -41,14 +41,14 @@ class Handoffs:
             await md.send(Finish(rid).wire())
             return None
         if st is None or st.finished:
-            if st is not None:
-                st.handoff.rld_finished_first = True
             # the request's settling (stream._settle_relayed) may not have run yet: it must not
-            # wait for this kv_ready again
+            # wait for this kv_ready again. Not counted here: this attempt may also have been
+            # aborted, cut off or replaced by a recovery (its kv_ready crossed the abort, the cut-off
+            # or the new attempt); the settling counts a request RLD finished first
+            # (:meth:`_rld_finished_first`)
             self.kv_landed[rid] = None
             while len(self.kv_landed) > KV_LANDED_MAX:
                 self.kv_landed.pop(next(iter(self.kv_landed)))
-            self.totals["rld_finished_first"] += 1
             await md.send(Finish(rid).wire())
             return None
         st.handoff.kv_ready = True
@@ -58,6 +58,17 @@ class Handoffs:
         if not st.handoff.started:
             asyncio.get_running_loop().create_task(self._handoff(st))
         return None
+
+    def _rld_finished_first(self, st: ReqState) -> None:
+        """``st`` (a relayed request that completed, not aborted nor failed, whose MD leg was not
+        given up) ended on RLD before any handoff to MD (no final round, no takeover in its last
+        attempt), and its WAN transfer was not cut off: MD keeps the prompt's KV. The request's
+        ``rld_finished_first`` and ``totals.rld_finished_first`` are set together, once, by the
+        stream's settling (:meth:`pdd.gateway.stream.Streams._settle_relayed`), before the
+        response's ``pdd`` record is read; a cut-off request is counted in ``cut_offs`` only."""
+        if not st.handoff.rld_finished_first:
+            st.handoff.rld_finished_first = True
+            self.totals["rld_finished_first"] += 1
 
     def _handoff_new_attempt(self, st: ReqState) -> None:
         """A new attempt (recovery) starts: forget the old one's handoff and the tokens waiting
@@ -158,16 +169,15 @@ class Handoffs:
                 rep, _ = await rld.call(Handoff(trid, sent, rounds).wire(), timeout=t)
                 if st.trid != trid:
                     return
-            if rep.get("finished"):  # RLD finished the request first: MD keeps the prompt's KV
-                st.handoff.rld_finished_first = True
+            if rep.get("finished"):  # RLD finished the request (or it ended): MD keeps the prompt's KV
+                # (the stream's settling counts it, _rld_finished_first: an aborted request ends here too)
                 if not st.handoff.kv_ready:
                     # an early handoff (policy.early_handoff) whose KV has not landed on MD: a finish
                     # now would release MD's reservation before it lands, so no kv_ready would ever
                     # come while the request's settling awaits it (stream._await_kv). MD is told to
-                    # keep the prompt's KV when its kv_ready comes (on_kv_ready counts it then), or
-                    # the settling cuts the transfer off
+                    # keep the prompt's KV when its kv_ready comes (on_kv_ready), or the settling
+                    # cuts the transfer off
                     return
-                self.totals["rld_finished_first"] += 1
                 await md.send(Finish(trid).wire())
                 return
             ids = rep["token_ids"]

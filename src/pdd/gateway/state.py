@@ -109,7 +109,9 @@ class HandoffState:
     takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
     pos: int | None = None  # where the client last switched to MD (the response's handoff_pos)
     tokens: int = 0  # ids in the last round (the response's handoff_tokens)
-    rld_finished_first: bool = False  # RLD ended the request before MD's handoff (MD keeps the prompt)
+    # RLD ended the request (completed) before any handoff to MD, and its transfer was not cut off
+    # (MD keeps the prompt's KV); with totals.rld_finished_first set once, at the stream's settling
+    rld_finished_first: bool = False
     extend_extra_step_ms: list = field(default_factory=list)  # MD's extra step time per catch-up round
 
 

@@ -133,13 +133,19 @@ class Streams:
             return  # MD's leg was given up: dropped there already
         if st.end.aborted:
             return  # dropped on every tier (the abort): no KV lands on MD, no kv_ready to await
-        if st.trid in self.kv_landed:
+        landed = st.trid in self.kv_landed
+        cut = not landed and should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
+                                            remaining_wan_s=self._remaining_wan_s(st),
+                                            min_remaining_s=self.cfg.policy.cutoff_min_remaining_s)
+        if st.handoff.md_start is None and not (cut and self.cfg.policy.cutoff):
+            # RLD ended it before any handoff to MD, and MD keeps the prompt's KV; counted here,
+            # before any await, so the response's pdd record (read once this stream has ended) has it
+            self._rld_finished_first(st)
+        if landed:
             # MD's kv_ready came after the request ended: MD was told then to keep the prompt's KV.
             # The entry stays (bounded, KV_LANDED_MAX): MD's reservation reply may come later still
             return
-        if should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
-                          remaining_wan_s=self._remaining_wan_s(st),
-                          min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
+        if cut:
             if self.cfg.policy.cutoff:
                 await self._cut_off(st)
                 return
