@@ -1,0 +1,131 @@
+"""The held-out table of docs/SIM.md with one part of the simulator's model taken out at a time:
+
+    python scripts/sim_ablation.py --out runs/ablation [--variant NAME ...] [--runs data/validation]
+
+Each variant reruns ``scripts/sim_heldout.py`` (the fit on the calibration run, every run
+re-simulated, the report) with ``pdd.sim`` patched in a process of its own, and prints one row of
+the ablation table: TTFT P50 and P90 error, per-request TTFT median error (%) and decision match
+(%), the calibration run first, then the held-out runs in the manifest's order. Variants:
+
+- ``all``: nothing taken out (the held-out table);
+- ``one-lane``: one WAN connection per sender, no express lane of its own (``links.Line.send``
+  with no ``conn`` and ``express_bytes`` 0);
+- ``no-reply-lag``: P's quiet fit without its reply-lag term (``calibrate.fit_quiet_step`` on
+  scale and per-step overhead; the dispatch takes what is left);
+- ``no-interference``: no prefill interference (``calibrate.calibrate_p_interference`` gives
+  None, so P's level is fitted on its mean step at a factor of 1);
+- ``block-hits``: P's cache hit in whole blocks, not pages (``SimConfig.page_tokens`` None);
+- ``schedule``: requests replayed at the schedule's times, not as the client sent them
+  (``validate.as_sent`` the identity).
+
+Nothing live is started; about 10 s of CPU a variant. Exit status 2 for an unknown variant, else
+that of the first variant that fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS = ("all", "one-lane", "no-reply-lag", "no-interference", "block-hits", "schedule")
+
+
+def patch(variant: str) -> None:
+    """Take ``variant``'s part out of ``pdd.sim`` in this process."""
+    import numpy as np
+
+    import pdd.sim.calibrate as cal
+    import pdd.sim.links as links
+    import pdd.sim.validate as val
+
+    if variant == "one-lane":
+        send = links.Line.send
+
+        def one_lane(self, *a, conn=None, **k):
+            keep, self.express_bytes = self.express_bytes, 0.0
+            try:
+                return send(self, *a, **k)
+            finally:
+                self.express_bytes = keep
+        links.Line.send = one_lane
+    elif variant == "no-reply-lag":
+        def no_lag(prefills, chunk_tokens, min_samples=8, quiet_below=cal.PREFILL_QUIET_BELOW):
+            q = [r for r in prefills if r.get("decode_busy_frac", 0.0) < quiet_below]
+            if len(q) < min_samples:
+                return None
+            y = np.array([r["live_s"] for r in q])
+            x = np.array([r["profile_s"] for r in q])
+            k = np.array([r["steps"] for r in q], dtype=float)
+            (sc, ov), *_ = np.linalg.lstsq(np.vstack([x, k]).T / y[:, None], np.ones(len(y)), rcond=None)
+            if ov < 0:
+                (sc,), *_ = np.linalg.lstsq((x / y)[:, None], np.ones(len(y)), rcond=None)
+                ov = 0.0
+            return {"scale": float(sc), "overhead_s": float(ov), "lag_s_per_token": 0.0, "samples": len(q),
+                    "mean_abs_rel_err": float(np.mean(np.abs((sc * x + ov * k) / y - 1)))}
+        cal.fit_quiet_step = no_lag
+    elif variant == "no-interference":
+        cal.calibrate_p_interference = lambda *a, **k: None
+    elif variant == "block-hits":
+        sim_config = val.sim_config
+        val.sim_config = lambda *a, **k: sim_config(*a, **k).replace(page_tokens=None)
+    elif variant == "schedule":
+        def same(reqs, live):
+            return list(reqs)
+        cal.as_sent = val.as_sent = same
+
+
+def row(variant: str, out: Path) -> str:
+    """One table row from ``out`` (a ``sim_heldout.py --out`` directory)."""
+    rep = json.loads((out / "report-0.json").read_text())
+    cal = json.loads((out / Path(rep["calibration"]).name / "validate.json").read_text())
+    rows = [cal] + rep["held_out"]
+
+    def col(f):
+        return f"{f(rows[0])}; " + ", ".join(f(r) for r in rows[1:])
+
+    return "| " + " | ".join([variant, col(lambda r: f"{r['err_p50_ttft_ms'] * 100:+.1f}"),
+                              col(lambda r: f"{r['err_p90_ttft_ms'] * 100:+.1f}"),
+                              col(lambda r: f"{r['ttft_error_per_request']['median'] * 100:+.1f}"),
+                              col(lambda r: f"{r['decision_match_share'] * 100:.0f}")]) + " |"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for each variant's sim_heldout.py output (made)")
+    ap.add_argument("--variant", action="append", default=None, help=f"one of {', '.join(VARIANTS)} (repeatable; "
+                    "default: all of them)")
+    ap.add_argument("--runs", default="data/validation", help="the recorded runs (default: data/validation)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a variant in this process
+    a = ap.parse_args(argv)
+    variants = a.variant or list(VARIANTS)
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variant: unknown {', '.join(bad)}; variants are {', '.join(VARIANTS)}")
+    out = Path(a.out)
+    if a.one:
+        (variant,) = variants
+        patch(variant)
+        sys.path.insert(0, str(Path(__file__).parent))
+        import sim_heldout
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = sim_heldout.main(["--out", str(out / variant), "--runs", a.runs])
+        if rc == 0:
+            print(row(variant, out / variant), flush=True)
+        return rc
+    print("| model | TTFT P50 error | TTFT P90 error | per-request median | decision match |")
+    print("|---|---|---|---|---|", flush=True)
+    for v in variants:
+        rc = subprocess.call([sys.executable, __file__, "--one", "--variant", v, "--out", str(out), "--runs", a.runs])
+        if rc:
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
