@@ -218,3 +218,13 @@ def test_re_simulating_a_run_in_place_keeps_its_recorded_wall_time(resim, tmp_pa
         mp.undo()
     v = json.loads((run / "validate.json").read_text())
     assert recorded > 100 and v["live_wall_s"] is None and v["recorded_live_wall_s"] == recorded
+
+
+def test_the_ablation_script_refuses_an_unknown_variant(capsys):
+    spec = importlib.util.spec_from_file_location("sim_ablation", ROOT / "scripts" / "sim_ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--out", "unused", "--variant", "all", "--variant", "no-lanes"])
+    assert e.value.code == 2
+    assert "--variant: unknown no-lanes; variants are all, one-lane, no-reply-lag" in capsys.readouterr().err
