@@ -93,7 +93,7 @@ class Line:
         self.busy_s = 0.0
         self.seq = 0
         self.n_held = 0  # flows with bytes not yet released
-        self.lanes: dict = {}  # connection (Flow.lane) -> its flows on the line, with a send order
+        self.lanes: dict = {}  # connection (Flow.lane) -> how many of its flows are on the line (a send order)
         for t, _g in self.cross:
             if t > 0:
                 sim.after(t, self._cross_change)
