@@ -107,14 +107,34 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--variant: unknown {', '.join(bad)}; variants are {', '.join(VARIANTS)}")
     out = Path(a.out)
+    if not a.one:  # the runs and --out checked once, before the table's head (each variant would refuse them)
+        sys.path.insert(0, str(Path(__file__).parent))
+        import sim_heldout
+
+        try:
+            sim_heldout.load_runs(Path(a.runs))
+        except ValueError as e:
+            ap.error(f"--runs: {e}")
+        try:
+            for d in [out, *(out / v for v in variants)]:
+                sim_heldout.make_out(d)
+        except ValueError as e:
+            ap.error(f"--out: {e}")
     if a.one:
         (variant,) = variants
         patch(variant)
         sys.path.insert(0, str(Path(__file__).parent))
         import sim_heldout
 
-        with contextlib.redirect_stdout(io.StringIO()):
-            rc = sim_heldout.main(["--out", str(out / variant), "--runs", a.runs])
+        # the re-simulations' stderr (a workload line each, nine a variant, which split the table's
+        # rows on a terminal) is shown only when the variant fails
+        err, rc = io.StringIO(), 1
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                rc = sim_heldout.main(["--out", str(out / variant), "--runs", a.runs])
+        finally:
+            if rc:
+                sys.stderr.write(err.getvalue())
         if rc == 0:
             print(row(variant, out / variant), flush=True)
         return rc

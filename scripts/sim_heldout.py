@@ -92,6 +92,34 @@ def check_manifest_files(man: dict, runs: Path) -> None:
                 raise ValueError(f"'{k}' of {n}: no such file {runs / str(path)}")
 
 
+def load_runs(runs: Path) -> dict:
+    """``runs``' manifest once it and every run it names pass the checks above; else ValueError
+    naming the file or key (the usage line of this script and of scripts/sim_ablation.py)."""
+    try:
+        man = json.loads((runs / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{runs / 'manifest.json'}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        check_manifest(man)
+        for n in dict.fromkeys([man["calibration"], *man["held_out"]]):
+            check_run(runs / n)
+        check_manifest_files(man, runs)
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith(str(runs)) else f"{runs / 'manifest.json'}: {e}") from None
+    return man
+
+
+def make_out(out: Path) -> None:
+    """Makes the output directory ``out``; ValueError naming it when it is a file or cannot be
+    made (was a FileExistsError / NotADirectoryError traceback)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{out}: cannot make the directory ({e.strerror or e})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for the fit, the re-simulations and the reports")
@@ -101,17 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     runs, out = Path(a.runs), Path(a.out)
     try:
-        man = json.loads((runs / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        ap.error(f"--runs: {runs / 'manifest.json'}: cannot read it ({getattr(e, 'strerror', None) or e})")
-    try:
-        check_manifest(man)
-        for n in dict.fromkeys([man["calibration"], *man["held_out"]]):
-            check_run(runs / n)
-        check_manifest_files(man, runs)
+        man = load_runs(runs)
     except ValueError as e:
-        ap.error(f"--runs: {e}" if str(e).startswith(str(runs)) else f"--runs: {runs / 'manifest.json'}: {e}")
-    out.mkdir(parents=True, exist_ok=True)
+        ap.error(f"--runs: {e}")
+    try:
+        make_out(out)
+    except ValueError as e:
+        ap.error(f"--out: {e}")
     from pdd.config import ClusterConfig
 
     model = Path(ClusterConfig().model_path)

@@ -408,6 +408,28 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.parametrize("kv", [0, -5, 2.5, "x", True, None, float("inf")])
+@pytest.mark.parametrize("argv", [
+    ["sim", "validate", "--live-from", "data/validation/seed3", "--out", "{tmp}/v"],
+    ["sim", "calibrate-roles", "--run", "data/validation/cal-a", "--out", "{tmp}/fit.json"],
+    ["sim", "run", "--agentic", "20", "--rate", "1", "--seed", "1", "--max-input", "4000"],
+])
+def test_a_hand_edited_kv_capacity_is_one_line(capsys, tmp_path, kv, argv):
+    """A profile's ``kv_capacity_tokens`` (the simulated KV pool) 0, negative, fractional, a string,
+    a boolean, missing or infinite: `--profile FILE: kv_capacity_tokens must be ...` (exit 2), not
+    a ValueError / OverflowError / KeyError traceback from the simulator's instances."""
+    prof = json.loads(Path(PROFILE).read_text())
+    if kv is None:
+        del prof["kv_capacity_tokens"]
+    else:
+        prof["kv_capacity_tokens"] = kv
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(prof))  # inf is written as Infinity, which json.loads reads back
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--profile", str(bad)]
+    _refused(capsys, argv, f"pdd {' '.join(argv[:2])}: error:", "--profile", str(bad),
+             "kv_capacity_tokens must be a whole number of tokens >= 1")
+
+
 @pytest.mark.parametrize("case,flag,message", [
     ("missing", "--live-from", "no such directory"),
     ("no_stats", "--live-from", "no server_stats.json in it"),

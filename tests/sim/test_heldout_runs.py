@@ -228,3 +228,26 @@ def test_the_ablation_script_refuses_an_unknown_variant(capsys):
         mod.main(["--out", "unused", "--variant", "all", "--variant", "no-lanes"])
     assert e.value.code == 2
     assert "--variant: unknown no-lanes; variants are all, one-lane, no-reply-lag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["sim_heldout", "sim_ablation"])
+@pytest.mark.parametrize("case", ["out_a_file", "out_under_a_file", "runs_empty"])
+def test_the_scripts_refuse_an_unusable_out_or_runs_in_one_line(capsys, tmp_path, script, case):
+    """An --out that is a file (or under one) or a --runs without a manifest: one usage line
+    naming the flag (exit 2), before the ablation table's head; was a FileExistsError /
+    NotADirectoryError traceback (exit 1) after the head."""
+    spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "f").write_text("")
+    (tmp_path / "empty").mkdir()
+    out = {"out_a_file": tmp_path / "f", "out_under_a_file": tmp_path / "f" / "out"}.get(case, tmp_path / "out")
+    runs = tmp_path / "empty" if case == "runs_empty" else RUNS
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--out", str(out), "--runs", str(runs)])
+    assert e.value.code == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    flag = "--runs" if case == "runs_empty" else "--out"
+    assert f"error: {flag}: " in cap.err.strip().splitlines()[-1], cap.err
+    assert "Traceback" not in cap.err

@@ -233,11 +233,17 @@ def check_step_rows(prof: dict, path: Path, need_model: bool = True) -> None:
     ``model`` object with ``kv_bytes_per_token`` (``need_model``: a roofline calibration file of
     data/calibration has none), a table of ``STEP_ROWS`` is not a list of
     objects whose fields are finite numbers > 0, or ``decode`` is empty (a hand-edited profile:
-    the step model's fit divided by a string or by zero rows)."""
+    the step model's fit divided by a string or by zero rows), or, with ``need_model``,
+    ``kv_capacity_tokens`` is not a whole number >= 1 (the simulated instances' KV pool: a hand-edited
+    0, string or 1e400 was a traceback in ``validate`` and ``calibrate-roles``)."""
     m = prof.get("model")
     if need_model and not (isinstance(m, dict) and _number(m.get("kv_bytes_per_token"))
                            and m["kv_bytes_per_token"] > 0):
         raise RecordedRunError(f"{path}: model must be an object with kv_bytes_per_token > 0, got {m!r}", "profile")
+    kv = prof.get("kv_capacity_tokens")
+    if need_model and not (_number(kv) and kv >= 1 and float(kv).is_integer()):
+        raise RecordedRunError(f"{path}: kv_capacity_tokens must be a whole number of tokens >= 1 (the KV pool "
+                               f"`pdd profile` measured), got {kv!r}", "profile")
     for table, fields in STEP_ROWS.items():
         rows = prof.get(table)
         if not isinstance(rows, list) or (table == "decode" and not rows):
