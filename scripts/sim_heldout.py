@@ -16,7 +16,7 @@ run) and one ``pdd sim validate --out`` directory per run. The steps are the doc
    written to ``OUT/report-<n>.json``.
 
 Nothing live is started: the simulator is deterministic, so the same inputs give the same table
-on any machine (about 15 s). Needs the runs' model checkpoint (``models/small``; made when missing,
+on any machine (about 10 s). Needs the runs' model checkpoint (``models/small``; made when missing,
 as ``make demo`` does). A manifest or run directory it cannot use is one usage line (exit 2)
 before anything runs; otherwise the exit status is that of the first step that fails.
 """

@@ -206,8 +206,9 @@ def calibrate_p_dispatch(cfg, profile, prof: dict, block_tokens: int, requests, 
     P interval (the client's send to the gateway's ``p_first_token``) less the simulated one
     (arrival to P's reply) with every other fit in place: what the steps and the reply lag
     (:func:`fit_quiet_step`) leave of the interval, the same for every request (the gateway's RLD
-    expect call, P's RPC each way). Returns ``{"dispatch_s"`` (>= 0), ``"samples"``,
-    ``"median_live_s"``, ``"median_sim_s"}``, or None without isolated prefills."""
+    expect call, P's RPC each way). Returns ``{"dispatch_s"`` (that median, or 0 when it is
+    negative), ``"median_diff_s"`` (the median itself), ``"samples"``, ``"median_live_s"``,
+    ``"median_sim_s"}``, or None without isolated prefills."""
     sim = simulate(cfg, profile, prof, block_tokens, requests, overheads, wan_buffer)
     res, lv, sv = [], [], []
     for r in prefills:
@@ -220,7 +221,7 @@ def calibrate_p_dispatch(cfg, profile, prof: dict, block_tokens: int, requests, 
         sv.append(s_)
     if not res:
         return None
-    return {"dispatch_s": max(0.0, float(np.median(res))), "samples": len(res),
+    return {"dispatch_s": max(0.0, float(np.median(res))), "median_diff_s": float(np.median(res)), "samples": len(res),
             "median_live_s": float(np.median(lv)), "median_sim_s": float(np.median(sv))}
 
 

@@ -582,9 +582,10 @@ def cmd_calibrate_roles(a) -> int:
               "is fitted below")
     dp = prof["role_overhead_from"].get("p_dispatch_fit")
     if dp:
+        md = dp.get("median_diff_s", dp["dispatch_s"])
         print(f"P    dispatch {prof.get('p_dispatch_s', 0.0) * 1e3:.2f} ms a request (the median, over {dp['samples']} "
-              f"isolated prefills, of the live P interval less the simulated one; their medians "
-              f"{dp['median_live_s'] * 1e3:.1f} and {dp['median_sim_s'] * 1e3:.1f} ms)")
+              f"isolated prefills, of the live P interval less the simulated one: {md * 1e3:.2f} ms"
+              + (", below 0: none" if md < 0 else "") + ")")
     di = prof["role_overhead_from"].get("decode_interference_fit")
     if di:
         per = "; ".join(f"{t}: {g['busy_median_s'] * 1e3:.1f} ms over {g['quiet_median_s'] * 1e3:.1f} ms, "
@@ -598,9 +599,9 @@ def cmd_calibrate_roles(a) -> int:
     it = prof["role_overhead_from"]["iterations"][-1]
     for t, o in prof["role_step_overhead_s"].items():
         if t == "P" and sc:
-            continue  # its level was fitted above
+            continue  # fitted above
         print(f"{t:4s} overhead {o * 1e3:7.2f} ms/step  (live mean step {it[t]['live_mean_step_s'] * 1e3:7.2f} ms, "
-              f"sim {it[t]['sim_mean_step_s'] * 1e3:7.2f} ms at the previous iterate)")
+              f"simulated {it[t]['sim_mean_step_s'] * 1e3:7.2f} ms, the fit's last round)")
     f = prof["role_overhead_from"]
     print(f"WAN committed bytes a cut-off cannot recall: {prof['wan_send_buffer_bytes'] / 2 ** 20:.2f} MiB (sim carries "
           f"{f['sim_wan_bytes'] / 1e6:.1f} MB, live {f['live_wan_payload_bytes'] / 1e6:.1f} MB)")
