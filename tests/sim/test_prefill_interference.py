@@ -74,7 +74,8 @@ def test_a_profile_s_factor_is_checked_and_applied(tmp_path):
 def test_the_factor_is_found_again_from_p_s_mean_step(tmp_path):
     """calibrate_p_interference: given P's mean step of a run simulated with a factor of 1.3 on a
     shared host (each prefill has the previous request decoding beside it), the factor is
-    found again; a live mean step below the factor-free one gives None (the level's job)."""
+    found again; a live mean step below the factor-free one, or above the largest factor's, gives
+    None (the level's job), as does a run where nothing decodes beside P."""
     from types import SimpleNamespace
 
     from pdd.sim.calibrate import calibrate_p_interference
@@ -96,7 +97,11 @@ def test_the_factor_is_found_again_from_p_s_mean_step(tmp_path):
     assert got == pytest.approx(1.3, abs=2e-3)
     assert mean_step(got) == pytest.approx(target, rel=1e-3)
     assert calibrate_p_interference(cfg, p, prof, 16, reqs, 0.9 * mean_step(1.0), ovh) is None
-    assert calibrate_p_interference(cfg, p, prof, 16, reqs, 10 * target, ovh, f_max=2.0) == 2.0
+    assert calibrate_p_interference(cfg, p, prof, 16, reqs, 10 * target, ovh, f_max=2.0) is None
+    # one request: nothing decodes beside its prefill, no factor moves P's step
+    alone = reqs[:1]
+    m = sim_role_steps(simulate(cfg, p, prof, 16, alone, ovh))["P"]["mean_step_s"]
+    assert calibrate_p_interference(cfg, p, prof, 16, alone, 1.2 * m, ovh) is None
 
 
 def req(idx, t):

@@ -171,9 +171,10 @@ def calibrate_p_interference(cfg, profile, prof: dict, block_tokens: int, reques
     P step equals the live one (``engine_busy_s / engine_steps``), P's step as ``prof`` has it
     (fitted on the quiet prefills, :func:`fit_quiet_step`), bisected on [1, ``f_max``]: the
     engine's own time says how much slower its steps run while other requests decode. None when
-    at 1 the simulated mean step already reaches the live one (the quiet fit is then too slow
-    for this run's engine; :func:`calibrate_p_level` scales it down instead); ``f_max`` when even
-    it falls short."""
+    no factor in that range gives the live mean step: at 1 the simulated one already reaches it
+    (the quiet fit is too slow for this run's engine), or even ``f_max`` falls short of it (the
+    run decodes beside P too little for a factor to matter, or its instances share no host);
+    :func:`calibrate_p_level` then fits P's level on the quiet fit instead."""
     def mean_step(f):
         sim = simulate(cfg, profile, {**prof, "prefill_interference": f}, block_tokens, requests, overheads,
                        wan_buffer, profile_b=profile_b)
@@ -184,7 +185,7 @@ def calibrate_p_interference(cfg, profile, prof: dict, block_tokens: int, reques
         return None
     hi, m_hi = f_max, mean_step(f_max)
     if m_hi <= live_mean_step_s:
-        return f_max
+        return None
     seen = [(lo, m_lo), (hi, m_hi)]
     for _ in range(iters):
         mid = (lo + hi) / 2
@@ -234,8 +235,8 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     (``p_reply_lag_s_per_token``) from the run's isolated prefills with nothing decoding beside
     (:func:`fit_quiet_step`); the factor on P's step while other requests decode
     (``prefill_interference``) where the simulated mean P step equals P's mean live step
-    (:func:`calibrate_p_interference`; :func:`calibrate_p_level` scales the step down instead when
-    the quiet fit is slower than the engine); the part of P's interval that is neither
+    (:func:`calibrate_p_interference`; when no factor in [1, 5] does, :func:`calibrate_p_level`
+    scales the quiet fit to that step instead); the part of P's interval that is neither
     (``p_dispatch_s``, :func:`calibrate_p_dispatch`); the other roles' per-step overheads
     (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
     prefills); how much a decode step slows while P prefills beside it (``decode_interference``,
@@ -311,7 +312,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
         sc["prefill_interference"], sc["level"] = f or 1.0, 1.0
         if f is not None and f > 1.0:
             prof["prefill_interference"] = f
-        elif f is None:  # the quiet fit is slower than this run's engine at every factor: scaled down
+        elif f is None:  # no factor gives the engine's mean step: P's level on the quiet fit does
             sc["level"] = calibrate_p_level(cfg, profile, prof, bt, requests, live["P"]["mean_step_s"],
                                             sc["scale"], sc["overhead_s"], ovh, wb)
             prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}

@@ -571,8 +571,8 @@ def cmd_calibrate_roles(a) -> int:
               f"decoded beside for under {PREFILL_QUIET_BELOW:.0%} of their time, fit |error| "
               f"{sc['mean_abs_rel_err']:.1%})")
         if sc["level"] != 1.0:
-            print(f"P    level x{sc['level']:.3f} (the quiet fit is slower than P's mean live step at every prefill "
-                  f"interference): step x{prof['role_step_scale']['P']:.3f} + "
+            print(f"P    level x{sc['level']:.3f} (no prefill interference in [1, 5] gives P's mean live step; the "
+                  f"level does): step x{prof['role_step_scale']['P']:.3f} + "
                   f"{prof['role_step_overhead_s']['P'] * 1e3:.2f} ms")
         else:
             print(f"P    step while other requests decode: x{sc['prefill_interference']:.3f} (where the simulated mean "
