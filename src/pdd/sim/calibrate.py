@@ -222,7 +222,8 @@ def calibrate_p_dispatch(cfg, profile, prof: dict, block_tokens: int, requests, 
         sv.append(s_)
     if not res:
         return None
-    return {"dispatch_s": max(0.0, float(np.median(res))), "median_diff_s": float(np.median(res)), "samples": len(res),
+    med = float(np.median(res))
+    return {"dispatch_s": max(0.0, med), "median_diff_s": med, "samples": len(res),
             "median_live_s": float(np.median(lv)), "median_sim_s": float(np.median(sv))}
 
 

@@ -260,7 +260,8 @@ class SimConfig:
 # what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate) and
 # :func:`with_live_fit` applies
 LIVE_FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "prefill_interference",
-                   "p_dispatch_s", "p_reply_lag_s_per_token", "wan_send_buffer_bytes", "client_delay_s", "gateway_rtt_ms", "fast_path")
+                   "p_dispatch_s", "p_reply_lag_s_per_token", "wan_send_buffer_bytes", "client_delay_s",
+                   "gateway_rtt_ms", "fast_path")
 
 
 def live_fit_of(prof: dict) -> list[str]:
