@@ -119,7 +119,7 @@ def main(argv=None) -> int:
             for d in [out, *(out / v for v in variants)]:
                 sim_heldout.make_out(d)
         except ValueError as e:
-            ap.error(f"--out: {e}")
+            ap.error(str(e))
     if a.one:
         (variant,) = variants
         patch(variant)

@@ -110,14 +110,15 @@ def load_runs(runs: Path) -> dict:
 
 
 def make_out(out: Path) -> None:
-    """Makes the output directory ``out``; ValueError naming it when it is a file or cannot be
-    made (was a FileExistsError / NotADirectoryError traceback)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a directory")
+    """Makes the output directory ``out`` as `pdd sim` does its ``--out`` (parents too); ValueError
+    naming ``--out`` and it when it is a file, cannot be made or is not writable (was a
+    FileExistsError / NotADirectoryError traceback)."""
+    from pdd.sim.cli import UsageError, check_out_dir
+
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{out}: cannot make the directory ({e.strerror or e})") from None
+        check_out_dir(str(out), "--out")
+    except UsageError as e:
+        raise ValueError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         make_out(out)
     except ValueError as e:
-        ap.error(f"--out: {e}")
+        ap.error(str(e))
     from pdd.config import ClusterConfig
 
     model = Path(ClusterConfig().model_path)

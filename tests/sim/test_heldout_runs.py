@@ -249,5 +249,5 @@ def test_the_scripts_refuse_an_unusable_out_or_runs_in_one_line(capsys, tmp_path
     cap = capsys.readouterr()
     assert cap.out == ""
     flag = "--runs" if case == "runs_empty" else "--out"
-    assert f"error: {flag}: " in cap.err.strip().splitlines()[-1], cap.err
+    assert f"error: {flag}" in cap.err.strip().splitlines()[-1], cap.err
     assert "Traceback" not in cap.err
