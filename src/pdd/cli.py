@@ -218,6 +218,7 @@ def _supervise(topo, poll_s: float = 0.5) -> int:
     from pathlib import Path
 
     from pdd.launch import LaunchError
+    from pdd.spawn import note_stop
 
     restarts: dict[str, list[float]] = {}
     while True:
@@ -232,6 +233,7 @@ def _supervise(topo, poll_s: float = 0.5) -> int:
             if len(recent) > SUPERVISE_MAX_RESTARTS:
                 print(f"pdd: {name} exited {len(recent)} times in {SUPERVISE_WINDOW_S:.0f} s (last exit code "
                       f"{rc}); stopping (logs in {topo.log_dir})", file=sys.stderr)
+                note_stop(Path(topo.log_dir) / f"{name}.log", len(recent), SUPERVISE_WINDOW_S, rc)
                 return 1
             print(f"pdd: {name} exited (code {rc}); restarting it, the rest keep serving (its log: "
                   f"{Path(topo.log_dir) / f'{name}.log'})", file=sys.stderr)

@@ -18,7 +18,7 @@ import threading
 from datetime import datetime, timezone
 from pathlib import Path
 
-__all__ = ["PARENT_ENV", "RESTART_MARK", "restart_marker", "spawn_instance", "start_failure_cause"]
+__all__ = ["PARENT_ENV", "RESTART_MARK", "note_stop", "restart_marker", "spawn_instance", "start_failure_cause"]
 
 PARENT_ENV = "PDD_PARENT_PID"
 _pumps: dict[str, threading.Thread] = {}  # log path -> the thread copying its instance's stdout into it
@@ -42,6 +42,26 @@ _KNOWN_START_ERRORS = (
     ("CUDA out of memory",
      "engine.num_pages: the KV pool does not fit in the device's memory (lower num_pages)"),
 )
+
+
+def note_stop(log_path: Path, exits: int, window_s: float, last_exit: int | None,
+              when: datetime | None = None) -> None:
+    """Append to an instance's log why it was not restarted (``pdd serve``'s supervisor gave up
+    on a crash loop), after its last run's output: ``--- not restarted at <UTC time>: exited 6
+    times in 60 s (the last run exited with code -9); the topology stopped ---``. An unwritable
+    log (its directory gone) is left as it is: the supervisor's own message says the same."""
+    old = _pumps.pop(str(log_path), None)
+    if old is not None:  # the run's last stdout lines land first
+        old.join(timeout=2.0)
+    when = (when or datetime.now(timezone.utc)).isoformat(timespec="seconds")
+    why = f" (the last run exited with code {last_exit})" if last_exit is not None else ""
+    line = f"--- not restarted at {when}: exited {exits} times in {window_s:.0f} s{why}; the topology stopped ---\n"
+    try:
+        lead = "\n" if Path(log_path).exists() and _ends_mid_line(Path(log_path)) else ""
+        with open(log_path, "a") as f:
+            f.write(lead + line)
+    except OSError:
+        pass
 
 
 def _explain(exc_line: str) -> str:

@@ -4,6 +4,8 @@ md0); a crash loop still stops it. Fake processes: no topology."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pdd import cli
@@ -46,8 +48,23 @@ def test_a_restart_that_dies_before_ready_is_retried(capsys):
     assert err.count("pdd: md0 exited (code -9); restarting it, the rest keep serving (its log: logs/md0.log)") == 3
 
 
-def test_a_crash_loop_still_stops_the_topology(capsys):
+def test_a_crash_loop_still_stops_the_topology(capsys, tmp_path):
     topo = Topo(fail_restarts=100)
+    topo.log_dir = str(tmp_path)
+    (tmp_path / "md0.log").write_text("READY md0\nTraceback (most recent call last):\n  boom")  # killed mid-line
     assert cli._supervise(topo, poll_s=0) == 1
     assert topo.restarts == cli.SUPERVISE_MAX_RESTARTS
     assert "md0 exited 6 times in 60 s" in capsys.readouterr().err
+    # the instance's log says why it was not restarted, after the last run's output
+    lines = (tmp_path / "md0.log").read_text().splitlines()
+    assert lines[:3] == ["READY md0", "Traceback (most recent call last):", "  boom"]
+    assert re.fullmatch(r"--- not restarted at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00: exited 6 times in 60 s "
+                        r"\(the last run exited with code -9\); the topology stopped ---", lines[3]), lines[3]
+    assert len(lines) == 4
+
+
+def test_a_stop_note_with_no_log_directory_is_skipped(tmp_path):
+    from pdd.spawn import note_stop
+
+    note_stop(tmp_path / "gone" / "md0.log", 6, 60.0, -9)  # its directory is gone: nothing to write, no error
+    assert not (tmp_path / "gone").exists()
