@@ -25,12 +25,26 @@ _pumps: dict[str, threading.Thread] = {}  # log path -> the thread copying its i
 RESTART_MARK = "--- restart "  # how the line that starts a restarted run's part of a log begins
 
 
+def _stamp(when: datetime | None) -> str:
+    """``when`` (default: now, UTC) as a log line's ISO time to the second."""
+    return (when or datetime.now(timezone.utc)).isoformat(timespec="seconds")
+
+
 def restart_marker(n: int, previous_exit: int | None = None, when: datetime | None = None) -> str:
     """The line written to an instance's log before its ``n``-th restart's output:
     ``--- restart 2 at 2026-12-05T00:31:07+00:00 (the previous run exited with code -9) ---``."""
-    when = (when or datetime.now(timezone.utc)).isoformat(timespec="seconds")
     why = f" (the previous run exited with code {previous_exit})" if previous_exit is not None else ""
-    return f"{RESTART_MARK}{n} at {when}{why} ---\n"
+    return f"{RESTART_MARK}{n} at {_stamp(when)}{why} ---\n"
+
+
+def _after_last_run(log_path: Path) -> str:
+    """Wait (2 s at most) for the stdout copier of the run last started with ``log_path`` to
+    write that run's last lines; returns the newline a line appended now needs first ("" unless
+    the run ended mid-line; "" without a log)."""
+    old = _pumps.pop(str(log_path), None)
+    if old is not None:
+        old.join(timeout=2.0)
+    return "\n" if Path(log_path).exists() and _ends_mid_line(Path(log_path)) else ""
 
 
 # exceptions an instance dies of at start whose cause is a config field (the field named first)
@@ -50,14 +64,11 @@ def note_stop(log_path: Path, exits: int, window_s: float, last_exit: int | None
     on a crash loop), after its last run's output: ``--- not restarted at <UTC time>: exited 6
     times in 60 s (the last run exited with code -9); the topology stopped ---``. An unwritable
     log (its directory gone) is left as it is: the supervisor's own message says the same."""
-    old = _pumps.pop(str(log_path), None)
-    if old is not None:  # the run's last stdout lines land first
-        old.join(timeout=2.0)
-    when = (when or datetime.now(timezone.utc)).isoformat(timespec="seconds")
     why = f" (the last run exited with code {last_exit})" if last_exit is not None else ""
-    line = f"--- not restarted at {when}: exited {exits} times in {window_s:.0f} s{why}; the topology stopped ---\n"
+    line = (f"--- not restarted at {_stamp(when)}: exited {exits} times in {window_s:.0f} s{why}; the topology "
+            "stopped ---\n")
     try:
-        lead = "\n" if Path(log_path).exists() and _ends_mid_line(Path(log_path)) else ""
+        lead = _after_last_run(log_path)
         with open(log_path, "a") as f:
             f.write(lead + line)
     except OSError:
@@ -91,12 +102,10 @@ def spawn_instance(cfg, role: str, name: str, cfg_file: Path, log_path: Path, re
     ``restart``: 0 for a first start (a new log), else the restart's number: the log is kept
     and continued after a :func:`restart_marker` line (``previous_exit``: the exit code of the
     run before, named in it)."""
-    old = _pumps.pop(str(log_path), None)
-    if old is not None:  # the run before is gone: let its last stdout lines land before the marker
-        old.join(timeout=2.0)
+    lead = _after_last_run(log_path)  # the run before is gone: its last stdout lines land before the marker
     logf = open(log_path, "a" if restart else "w")
     if restart:
-        logf.write(("\n" if _ends_mid_line(Path(log_path)) else "") + restart_marker(restart, previous_exit))
+        logf.write(lead + restart_marker(restart, previous_exit))
         logf.flush()  # before the child writes to the same file
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.engine_for(name).torch_threads), PYTHONUNBUFFERED="1",
                **{PARENT_ENV: str(os.getpid())})
@@ -129,8 +138,7 @@ def start_failure_cause(log_path: Path) -> str:
     except OSError:
         lines = []
     starts = [i for i, ln in enumerate(lines) if ln.startswith(RESTART_MARK)]
-    tail = "".join(lines[starts[-1] + 1:] if starts else lines)
-    tail = "".join(tail.splitlines(True)[-400:])
+    tail = "".join((lines[starts[-1] + 1:] if starts else lines)[-400:])
     if "Traceback (most recent call last):" in tail:
         last = [ln for ln in tail.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
         exc = last[-1].strip() if last else ""
