@@ -10,8 +10,8 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT median error (%) an
 - ``all``: nothing taken out (the held-out table);
 - ``one-lane``: one WAN connection per sender, no express lane of its own (``links.Line.send``
   with no ``conn`` and ``express_bytes`` 0);
-- ``no-reply-lag``: P's quiet fit without its reply-lag term (``calibrate.fit_quiet_step`` on
-  scale and per-step overhead; the dispatch takes what is left);
+- ``no-reply-lag``: P's quiet fit without its reply-lag term (``calibrate.fit_quiet_step``
+  with ``with_lag`` False: scale and per-step overhead; the dispatch takes what is left);
 - ``no-interference``: no prefill interference (``calibrate.calibrate_p_interference`` gives
   None, so P's level is fitted on its mean step at a factor of 1);
 - ``block-hits``: P's cache hit in whole blocks, not pages (``SimConfig.page_tokens`` None);
@@ -37,8 +37,6 @@ VARIANTS = ("all", "one-lane", "no-reply-lag", "no-interference", "block-hits", 
 
 def patch(variant: str) -> None:
     """Take ``variant``'s part out of ``pdd.sim`` in this process."""
-    import numpy as np
-
     import pdd.sim.calibrate as cal
     import pdd.sim.links as links
     import pdd.sim.validate as val
@@ -54,20 +52,8 @@ def patch(variant: str) -> None:
                 self.express_bytes = keep
         links.Line.send = one_lane
     elif variant == "no-reply-lag":
-        def no_lag(prefills, chunk_tokens, min_samples=8, quiet_below=cal.PREFILL_QUIET_BELOW):
-            q = [r for r in prefills if r.get("decode_busy_frac", 0.0) < quiet_below]
-            if len(q) < min_samples:
-                return None
-            y = np.array([r["live_s"] for r in q])
-            x = np.array([r["profile_s"] for r in q])
-            k = np.array([r["steps"] for r in q], dtype=float)
-            (sc, ov), *_ = np.linalg.lstsq(np.vstack([x, k]).T / y[:, None], np.ones(len(y)), rcond=None)
-            if ov < 0:
-                (sc,), *_ = np.linalg.lstsq((x / y)[:, None], np.ones(len(y)), rcond=None)
-                ov = 0.0
-            return {"scale": float(sc), "overhead_s": float(ov), "lag_s_per_token": 0.0, "samples": len(q),
-                    "mean_abs_rel_err": float(np.mean(np.abs((sc * x + ov * k) / y - 1)))}
-        cal.fit_quiet_step = no_lag
+        fit = cal.fit_quiet_step
+        cal.fit_quiet_step = lambda *a, **k: fit(*a, **k, with_lag=False)
     elif variant == "no-interference":
         cal.calibrate_p_interference = lambda *a, **k: None
     elif variant == "block-hits":
@@ -107,10 +93,10 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--variant: unknown {', '.join(bad)}; variants are {', '.join(VARIANTS)}")
     out = Path(a.out)
-    if not a.one:  # the runs and --out checked once, before the table's head (each variant would refuse them)
-        sys.path.insert(0, str(Path(__file__).parent))
-        import sim_heldout
+    sys.path.insert(0, str(Path(__file__).parent))
+    import sim_heldout
 
+    if not a.one:  # the runs and --out checked once, before the table's head (each variant would refuse them)
         try:
             sim_heldout.load_runs(Path(a.runs))
         except ValueError as e:
@@ -123,9 +109,6 @@ def main(argv=None) -> int:
     if a.one:
         (variant,) = variants
         patch(variant)
-        sys.path.insert(0, str(Path(__file__).parent))
-        import sim_heldout
-
         # the re-simulations' stderr (a workload line each, nine a variant, which split the table's
         # rows on a terminal) is shown only when the variant fails
         err, rc = io.StringIO(), 1

@@ -126,8 +126,14 @@ def calibrate_p_level(cfg, profile, prof: dict, block_tokens: int, requests, liv
     return min(seen, key=lambda x: abs(x[1] - live_mean_step_s))[0]
 
 
+def quiet_prefills(prefills: list[dict], below: float = PREFILL_QUIET_BELOW) -> list[dict]:
+    """The isolated prefills (:func:`isolated_prefills`) other requests were decoding beside for
+    under ``below`` of their time."""
+    return [r for r in prefills if r.get("decode_busy_frac", 0.0) < below]
+
+
 def fit_quiet_step(prefills: list[dict], chunk_tokens: int, min_samples: int = 8,
-                   quiet_below: float = PREFILL_QUIET_BELOW) -> dict | None:
+                   quiet_below: float = PREFILL_QUIET_BELOW, with_lag: bool = True) -> dict | None:
     """P's step and its reply lag from the isolated prefills (:func:`isolated_prefills`) decoded
     beside for under ``quiet_below`` of their time: least squares, in relative error, of
     ``live_s = scale x profile_s + overhead_s x steps + lag x min(tokens, chunk_tokens)``. The
@@ -135,20 +141,21 @@ def fit_quiet_step(prefills: list[dict], chunk_tokens: int, min_samples: int = 8
     step), the third the part of the interval that grows with the prefill's largest step but is
     no engine time (``SimConfig.p_reply_lag_s_per_token``): on this testbed a 16-token prefill's
     interval is its step plus about 1 ms, a 512-token one's its steps plus about 10 ms, whatever
-    the number of steps (docs/SIM.md). A negative ``overhead_s`` or ``lag`` is refitted as 0.
-    Quiet prefills only: how much decoding beside slows P is fitted on the engine's own step time
-    (:func:`calibrate_p_interference`).
+    the number of steps (docs/SIM.md). A negative ``overhead_s`` or ``lag`` is refitted as 0;
+    ``with_lag`` False fits the first two terms alone (``scripts/sim_ablation.py``). Quiet
+    prefills only (:func:`quiet_prefills`): how much decoding beside slows P is fitted on the
+    engine's own step time (:func:`calibrate_p_interference`).
 
     Returns ``{"scale", "overhead_s", "lag_s_per_token", "samples", "mean_abs_rel_err"}``, or None
     with fewer than ``min_samples`` quiet prefills or a non-positive scale."""
-    q = [r for r in prefills if r.get("decode_busy_frac", 0.0) < quiet_below]
+    q = quiet_prefills(prefills, quiet_below)
     if len(q) < min_samples:
         return None
     y = np.array([r["live_s"] for r in q], dtype=float)
     cols = {"scale": np.array([r["profile_s"] for r in q], dtype=float),
             "overhead_s": np.array([r["steps"] for r in q], dtype=float),
             "lag_s_per_token": np.array([min(r["tokens"], chunk_tokens) for r in q], dtype=float)}
-    keep = list(cols)
+    keep = list(cols) if with_lag else ["scale", "overhead_s"]
     while True:
         a = np.vstack([cols[k] for k in keep]).T / y[:, None]
         c, *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
@@ -318,7 +325,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
                                             sc["scale"], sc["overhead_s"], ovh, wb)
             prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}
             ovh = {**ovh, "P": sc["level"] * sc["overhead_s"]}
-    quiet = [r for r in iso if r["decode_busy_frac"] < PREFILL_QUIET_BELOW]
+    quiet = quiet_prefills(iso)
     disp = calibrate_p_dispatch(cfg, profile, prof, bt, requests, quiet if len(quiet) >= 8 else iso, ovh, wb) \
         if iso else None
     if disp is not None and disp["dispatch_s"] > 0:

@@ -255,16 +255,17 @@ class Line:
         for f in self.flows:
             if f.on_sent is None or f.sent_lead <= 0.0 or f.held > 0.0:
                 continue
-            if ahead is None and self.order != "ps":
+            if ahead is None and self.order != "ps":  # once a call: the queues and who is served now
                 ahead = self._queue_ahead()
+                served = self._served(self._active())
+                sending, per = {s.lane for s in served}, self._per_flow(len(served)) if served else 0.0
             left = self._written_bytes(f, ahead)
             if left <= f.sent_lead:
                 continue
             if ahead is None:
                 r = self._rate_of(f)
             else:  # the queue ahead of it drains at its connection's served flow's rate
-                served = self._served(self._active())
-                r = self._per_flow(len(served)) if any(s.lane == f.lane for s in served) else 0.0
+                r = per if f.lane in sending else 0.0
             if r > 0.0:
                 t = (left - f.sent_lead) / r
                 best = t if best is None or t < best else best
