@@ -45,7 +45,7 @@ from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, error_body, sampling_for,
-                                        lone_surrogate, not_utf8, truncated_prompt)
+                                        lone_surrogate, media_type, not_utf8, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
@@ -90,7 +90,7 @@ def _too_large(n: int | None) -> JSONResponse:
 def _json_body(request: Request) -> bool:
     """Whether FastAPI parses ``request``'s body as JSON (a POST, PUT or PATCH sent with an
     ``application/json`` or ``application/*+json`` content type; other bodies get the 415)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    ctype = media_type(request.headers.get("content-type"))
     return request.method in ("POST", "PUT", "PATCH") and ctype.startswith("application/") and (
         ctype.endswith("/json") or ctype.endswith("+json"))
 
@@ -220,7 +220,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             err = (first.get("ctx") or {}).get("error")
             at = f" at character {loc[0]}" if loc and loc[0].isdigit() else ""
             return bad_request(f"request body is not valid JSON{at}: {err or msg}", None)
-        ctype = request.headers.get("content-type", "").split(";")[0].strip()
+        ctype = media_type(request.headers.get("content-type"))
         if first.get("type") == "model_attributes_type" and "json" not in ctype:
             # a body sent as a form (``curl -d`` without ``-H 'content-type: application/json'``) or
             # with no content type is not parsed as JSON (FastAPI's strict content type, against

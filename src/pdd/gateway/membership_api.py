@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from pdd.gateway.membership import Membership, MembershipError
-from pdd.gateway.openai_schemas import error_body, not_utf8
+from pdd.gateway.openai_schemas import error_body, media_type, not_utf8
 
 
 class AddInstance(BaseModel):
@@ -57,7 +57,7 @@ async def _body(request: Request, model):
     415 for a body sent with a content type other than JSON (as the /v1 endpoints answer), 400
     naming the field for a bad one, 400 for one that is not UTF-8 (``not_utf8``)."""
     raw = await request.body()
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    ctype = media_type(request.headers.get("content-type"))
     if raw.strip() and ctype and "json" not in ctype:
         raise MembershipError(415, f"Unsupported Media Type: the request body must be JSON sent with "
                                    f"Content-Type: application/json (got {ctype!r})", None, "unsupported_media_type")

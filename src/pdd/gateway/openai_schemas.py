@@ -44,6 +44,12 @@ def lone_surrogate(text: str) -> int | None:
         return e.start
 
 
+def media_type(content_type: str | None) -> str:
+    """A ``Content-Type`` header's media type, lower case, without its parameters
+    (``"Application/JSON; charset=utf-8"`` -> ``"application/json"``); "" for none."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 def not_utf8(body: bytes) -> str | None:
     """Why ``body`` is not JSON text in UTF-8 (RFC 8259 section 8.1: JSON exchanged between
     systems MUST be UTF-8), else None: the first byte that is not UTF-8 and its offset (a UTF-16
