@@ -16,7 +16,9 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT median error (%) an
   None, so P's level is fitted on its mean step at a factor of 1);
 - ``block-hits``: P's cache hit in whole blocks, not pages (``SimConfig.page_tokens`` None);
 - ``schedule``: requests replayed at the schedule's times, not as the client sent them
-  (``validate.as_sent`` the identity).
+  (``validate.as_sent`` the identity);
+- ``no-index``: the gateway plans and routes on MD's cache itself, not on its prefix index of MD
+  (``SimConfig.md_prefix_index`` False).
 
 Nothing live is started; about 10 s of CPU a variant. Exit status 2 for an unknown variant, else
 that of the first variant that fails.
@@ -32,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ("all", "one-lane", "no-reply-lag", "no-interference", "block-hits", "schedule")
+VARIANTS = ("all", "one-lane", "no-reply-lag", "no-interference", "block-hits", "schedule", "no-index")
 
 
 def patch(variant: str) -> None:
@@ -56,9 +58,10 @@ def patch(variant: str) -> None:
         cal.fit_quiet_step = lambda *a, **k: fit(*a, **k, with_lag=False)
     elif variant == "no-interference":
         cal.calibrate_p_interference = lambda *a, **k: None
-    elif variant == "block-hits":
+    elif variant in ("block-hits", "no-index"):
         sim_config = val.sim_config
-        val.sim_config = lambda *a, **k: sim_config(*a, **k).replace(page_tokens=None)
+        off = {"page_tokens": None} if variant == "block-hits" else {"md_prefix_index": False}
+        val.sim_config = lambda *a, **k: sim_config(*a, **k).replace(**off)
     elif variant == "schedule":
         def same(reqs, live):
             return list(reqs)

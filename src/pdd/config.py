@@ -244,7 +244,7 @@ class PolicyConfig(_Strict):
     md_route_peek: bool = Field(
         False, description="ablation: cache-aware routing asks each main-decode instance across the WAN what its "
         "cache holds (a round trip before the reservation) instead of the gateway's own record of what it routed "
-        "there (pdd.gateway.prefix_index)")
+        "there (pdd.policy.prefix_index)")
     wan_estimate: Literal["live", "config"] = Field(
         "live", description="what the pipeline choice and cache-aware MD routing read for each MD's WAN path: "
         "live, its measured goodput (median of MD's recent KV receive rates) and RTT (minimum of recent reservation "

@@ -1,5 +1,5 @@
 """Cache-aware routing to main-decode instances across the WAN uses the gateway's own record of
-what it routed there (pdd.gateway.prefix_index), not a peek: no round trip before the
+what it routed there (pdd.policy.prefix_index), not a peek: no round trip before the
 reservation. P (same datacenter) is still asked. ``policy.md_route_peek`` restores the peek."""
 import asyncio
 

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdd.gateway.prefix_index import PrefixIndex
+from pdd.policy.prefix_index import PrefixIndex
 from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide, decide_rerole
 from pdd.roles.rerole import set_role_msg
 from pdd.topology import ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, Layout

@@ -36,7 +36,7 @@ from pdd.transfer.layout import wire_dtype
 from pdd.transfer.messages import Drop, Flush, Stats
 from pdd.gateway.handoff import Handoffs
 from pdd.gateway.launch import Launchers
-from pdd.gateway.prefix_index import PrefixIndex
+from pdd.policy.prefix_index import PrefixIndex
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.routing import ROUTING_LOAD_SLACK, ROUTING_MIN_HIT_FRAC, Routing  # noqa: F401
 from pdd.gateway.start import Starts

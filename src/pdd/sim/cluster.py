@@ -54,6 +54,7 @@ import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.routing as pol_routing
 import pdd.policy.tcp_model as tcp_model
 import pdd.policy.wan_order as pol_wan
+from pdd.policy.prefix_index import PrefixIndex
 from pdd.policy.wan_estimate import WanEstimate, queued_bytes
 from pdd.sim.hardware import StepCostModel, cost_model
 # the pieces of the simulator, one job each, all still importable from here
@@ -115,6 +116,12 @@ class ClusterSim:
         self.wan_saved_bytes = 0.0
         self.md_predicted_sends = 0  # relayed requests whose MD send started from the prediction
         self.md_predicted_short = 0  # ... whose MD matched less by the time the reservation reached it
+        # the gateway's prefix index of each MD across the WAN (md_prefix_index), keyed by page as
+        # the runtime's (one key a page: trace hash id and page within the block), at MD's pool
+        self.md_index: dict[str, PrefixIndex] = {}
+        if cfg.md_prefix_index and self.wan is not None:
+            self.md_index = {md.name: PrefixIndex(self.page, max(1, md.pool // self.page))
+                             for md in self.tiers.get("MD", [])}
         self.early_handoffs = 0  # handoffs started before MD's kv_ready was back (early_handoff)
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
@@ -238,9 +245,14 @@ class ClusterSim:
         blocks = req.blocks[: req.n_full] if with_cache else None
         new_load = load_maker()
         loads = []
+        index = self.md_index if role == "MD" and with_cache else None
         for inst in insts:
             c = inst.cache
-            if c is None:
+            if index:  # the gateway's index of each MD stands for its cache (as the runtime routes)
+                hit = index[inst.name].match_keys(self._page_keys(req)) * self.page
+                used = inst.private + (len(c.lru) * block if c is not None else 0)
+                loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, used, inst.pool, hit))
+            elif c is None:
                 loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, inst.private,
                                       inst.pool, 0))
             else:
@@ -321,6 +333,11 @@ class ClusterSim:
         # a non-zero one when the gateway's index of MD says the missing KV does not fit it.
         md = self._route("MD", req, True)
         req.md = md
+        ix = self.md_index.get(md.name)
+        if ix is not None:  # the runtime's _record_route: what the index held, then the prompt recorded
+            held = ix.match_keys(self._page_keys(req)) * self.page
+            req.md_held = min(held, (req.prompt - 1) // self.block * self.block)  # as _md_match
+            ix.insert_keys(self._page_keys(req))
         if self._always_relay(req):
             self._decide(req)
             if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
@@ -345,12 +362,31 @@ class ClusterSim:
         cfg = self.cfg
         if not pol_pipeline.plans_from_index(cfg.mode, cfg.ttft_budget_ms, self._allow_p_rld(req), False):
             return False
-        req.md_hit = self._md_match(req)
+        req.md_hit = self._md_known(req)
         inp = self._pipeline_inputs(req)
         if self.decide_pipeline(inp) != Pipeline.P_RLD_MD:
             return False
         self._decided(req, inp, Pipeline.P_RLD_MD)
         return True
+
+    def _page_keys(self, req: Req, out_tokens: int = 0):
+        """The keys of ``req``'s whole pages in the gateway's index (``PrefixIndex.match_keys``):
+        the pages of the prompt's whole trace blocks, (hash id, page within the block), as MD's
+        simulated cache holds whole blocks; then, with ``out_tokens`` output tokens after the
+        prompt, a key of this request's own for each further page (the prompt's last part-block
+        and the outputs: as the runtime's index, they take room; no later prompt matches them)."""
+        ppb = self.block // self.page
+        blocks = req.blocks
+        n = min(req.n_full, len(blocks)) * ppb  # a trace may name fewer blocks than its length fills
+        for i in range(n):
+            yield blocks[i // ppb], i % ppb
+        for j in range(n, (req.prompt + out_tokens) // self.page):
+            yield "out", req.rid, j
+
+    def _md_known(self, req: Req) -> int:
+        """The prompt tokens the gateway reckons ``req``'s MD holds when it plans: its index's
+        (``md_prefix_index``), else MD's cache match."""
+        return req.md_held if req.md_held is not None else self._md_match(req)
 
     def _md_match(self, req: Req) -> int:
         """Tokens of ``req``'s prompt MD's cache holds now (whole blocks, at least one token left)."""
@@ -365,17 +401,17 @@ class ClusterSim:
         request relayed at once sends MD the pages the gateway's prefix index says MD lacks as
         soon as P's prefill is done, without waiting for MD's reservation round trip.
 
-        Here the prediction is exact and made at arrival (when the runtime routes and predicts):
-        ``md_hit`` = MD's cache match at arrival, which is what the gateway's index of that MD
-        holds in the simulator. MD caps its reservation's match at the predicted page, so a
-        longer match one one-way delay later changes nothing. Not modelled: the runtime's fill
-        (``md_fill``, pages MD turned out to lack, sent after the reservation's reply) when MD's
-        match is shorter by then (blocks evicted in that one-way delay; the simulator does not
-        model evictions between a match and its lock elsewhere either): such reservations are
-        counted in ``md_predicted_short``. Also not modelled: the runtime's index counting KV
-        still on the line (a prediction longer than MD's cache, then a fill)."""
+        The prediction is made at arrival (when the runtime routes and predicts): ``md_hit`` =
+        what the gateway's index of that MD held (``md_prefix_index``; else MD's cache match
+        then). MD caps its reservation's match at the predicted page, so a longer match one
+        one-way delay later changes nothing: the index forgot a prefix MD still holds, and P
+        sends it again, as the runtime does. A shorter one (the index holds a prompt whose KV was
+        cut off, or is still on the line, or MD evicted it) is the runtime's fill (``md_fill``):
+        P sends MD's missing pages too, counted in ``md_predicted_short``; modelled as part of
+        the one send, so only while that send has not started when the reservation reaches MD
+        (a layer-wise send can start earlier: its fill is not modelled)."""
         req.md_predicted = True
-        req.md_hit = self._md_match(req)
+        req.md_hit = self._md_known(req)
         req.md_missing = req.prompt - req.md_hit
         if req.md_missing > 0 and self.cfg.wan_backlog_in_plan:
             self.wan_planned[req.rid] = req
@@ -389,6 +425,15 @@ class ClusterSim:
         if req.md_predicted:
             if cached < req.md_hit:
                 self.md_predicted_short += 1
+                if req.md_held is not None:
+                    # MD lacks pages the index said it held: P sends them too (the runtime's fill,
+                    # a second send once MD's reply is back at the gateway; in the one send when
+                    # that has not started yet)
+                    fill = req.md_hit - cached
+                    req.md_hit = cached
+                    if req.wan_flow is not None:
+                        req.fill_pending = True
+                        self.after(self.owd, self._send_fill, req, fill)
             self._md_enqueue(req)
             return
         req.md_hit = cached
@@ -720,10 +765,35 @@ class ClusterSim:
 
         inst.post(add)
 
+    def _send_fill(self, req: Req, tokens: int) -> None:
+        """The runtime's fill (``md_fill``): MD's reservation reply, back at the gateway, says MD
+        lacks ``tokens`` of the prompt the predicted send left out; P sends them over the same
+        connection, after the predicted send. Nothing once the transfer was cut off."""
+        if req.cut_off:
+            req.fill_pending = False
+            return
+        nbytes = tokens * self.model.kv_bytes_per_token
+        req.wan_bytes += nbytes
+        req.p_pending_flows += 1
+        req.fill_flow = self.wan.send(req.rid, nbytes, lambda: self._fill_at_md(req), conn=(req.p.name, req.md.name))
+
+    def _fill_at_md(self, req: Req) -> None:
+        self._flow_drained(req)
+        req.fill_pending = False
+        if req.main_landed:
+            self._kv_landed(req)
+
     def _kv_at_md(self, req: Req) -> None:
-        """The WAN transfer of the missing KV completed (propagation included)."""
+        """The WAN transfer of the missing KV completed (propagation included); with a fill still
+        on its way, MD's KV is complete when that lands too."""
         self._flow_drained(req)
         self._wan_sample(req.wan_flow)
+        if req.fill_pending:
+            req.main_landed = True
+            return
+        self._kv_landed(req)
+
+    def _kv_landed(self, req: Req) -> None:
         req.wan_landed = True
         if req.md_seq is None:  # predicted send ahead of MD's admission: imported when admitted
             return
@@ -896,6 +966,9 @@ class ClusterSim:
             self._rld_finished(inst, req)
         elif role == "MD":
             self._md_release(req, cache=True)
+            ix = self.md_index.get(inst.name)
+            if ix is not None:  # the runtime's _record_decoded: the prompt and the outputs but the last
+                ix.insert_keys(self._page_keys(req, req.out_len - 1))
             self._complete(req)
         elif role == "C":
             if inst.cache is not None:
@@ -923,6 +996,11 @@ class ClusterSim:
                     self.cutoffs += 1
                     if req.wan_flow is not None and not req.wan_flow.done:
                         left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)
+                        self.wan_saved_bytes += left
+                        req.wan_bytes -= left
+                        self._flow_drained(req)
+                    if req.fill_flow is not None and not req.fill_flow.done:
+                        left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)
                         self.wan_saved_bytes += left
                         req.wan_bytes -= left
                         self._flow_drained(req)

@@ -29,6 +29,7 @@ class Req:
         "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
         "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
         "handoff_started", "t_handoff_start", "t_handoff", "t_md_replied", "early_pending",
+        "md_held", "fill_flow", "fill_pending", "main_landed",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -41,6 +42,10 @@ class Req:
         self.pipeline = None
         self.p = self.rld = self.md = self.d = None
         self.p_hit = self.md_hit = 0
+        self.md_held = None  # prompt tokens the gateway's index of MD held when routed (md_prefix_index)
+        self.fill_flow = None  # the fill: pages the index said MD held and it lacked, sent after its reply
+        self.fill_pending = False  # ... not landed yet (MD's KV is complete with both sends)
+        self.main_landed = False  # the predicted send landed while the fill was still pending
         self.md_seq = self.rld_seq = None
         self.t_first = self.t_last = self.t_done = None
         self.n_emitted = 0

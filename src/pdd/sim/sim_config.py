@@ -96,6 +96,10 @@ class SimConfig:
     # is done, from the gateway's predicted MD prefix, instead of after MD's reservation round
     # trip (the runtime's policy.md_predicted_send)
     md_predicted_send: bool = True
+    # the gateway plans and routes on its prefix index of each MD (pdd.policy.prefix_index: every
+    # prompt routed there and every output decoded there, LRU at MD's pool size), as the runtime
+    # does, and MD caps its match at a predicted send's first page; False: on MD's cache itself
+    md_prefix_index: bool = True
     # a relayed request's handoff starts when MD's KV is expected to have left P (at the gateway's
     # WAN estimate), not when MD's kv_ready is back at the gateway (the runtime's
     # policy.early_handoff)

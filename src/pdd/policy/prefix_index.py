@@ -15,6 +15,7 @@ out here; a restarted instance starts over (:meth:`clear`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable
 
 
 class PrefixIndex:
@@ -36,22 +37,36 @@ class PrefixIndex:
     def match(self, prompt: list[int]) -> int:
         """Tokens of ``prompt``'s longest whole-page prefix recorded here (a multiple of the page
         size); the matched keys count as used."""
-        n = 0
-        for key in self._chain(prompt):
-            if key not in self._keys:
-                break
-            self._keys.move_to_end(key)
-            n += 1
-        return n * self.page_size
+        return self.match_keys(self._chain(prompt)) * self.page_size
 
     def insert(self, prompt: list[int]) -> None:
         """Record ``prompt``'s whole pages as held (most recently used), evicting the least
         recently used keys beyond ``capacity_pages``."""
-        for key in self._chain(prompt):
-            self._keys[key] = None
-            self._keys.move_to_end(key)
-        while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
+        self.insert_keys(self._chain(prompt))
+
+    def match_keys(self, keys: Iterable[Hashable]) -> int:
+        """Pages of a prefix given as its pages' keys (each key naming the whole prefix up to its
+        page, as :meth:`match`'s chain does) held here, from the first, up to the first key not
+        held; the matched keys count as used. The simulator (``pdd.sim.cluster``) keys its pages
+        by trace hash id and page within the block."""
+        n = 0
+        held, touch = self._keys, self._keys.move_to_end
+        for key in keys:
+            if key not in held:
+                break
+            touch(key)
+            n += 1
+        return n
+
+    def insert_keys(self, keys: Iterable[Hashable]) -> None:
+        """Record the pages named by ``keys`` (as :meth:`match_keys`) as held, most recently used,
+        evicting the least recently used keys beyond ``capacity_pages``."""
+        held, touch = self._keys, self._keys.move_to_end
+        for key in keys:
+            held[key] = None
+            touch(key)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
 
     def clear(self) -> None:
         self._keys.clear()

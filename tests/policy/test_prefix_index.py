@@ -1,7 +1,7 @@
-"""pdd.gateway.prefix_index: the gateway's approximate record of a remote instance's prefixes."""
+"""pdd.policy.prefix_index: the gateway's approximate record of a remote instance's prefixes."""
 import pytest
 
-from pdd.gateway.prefix_index import PrefixIndex
+from pdd.policy.prefix_index import PrefixIndex
 
 
 def test_longest_whole_page_prefix_of_what_was_inserted():
@@ -36,3 +36,19 @@ def test_bad_sizes_are_refused():
         PrefixIndex(0, 10)
     with pytest.raises(ValueError, match="capacity_pages"):
         PrefixIndex(16, 0)
+
+
+def test_keys_of_the_caller_name_pages_as_the_token_chain_does():
+    """match_keys / insert_keys: the simulator names a page by (trace hash id, page in block);
+    a key names its whole prefix, so matching stops at the first page not held, and the same
+    LRU bound applies."""
+    ix = PrefixIndex(page_size=16, capacity_pages=3)
+    ix.insert_keys([("a", 0), ("a", 1)])
+    assert ix.match_keys([("a", 0), ("a", 1), ("b", 0)]) == 2
+    assert ix.match_keys([("b", 0), ("a", 1)]) == 0  # page 2 held, page 1 not: no prefix
+    assert ix.match_keys(iter([])) == 0
+    ix.insert_keys([("c", 0), ("c", 1)])  # 4 keys > 3: the least recently used, ("a", 0), leaves
+    assert len(ix) == 3 and ix.match_keys([("a", 0)]) == 0 and ix.match_keys([("c", 0), ("c", 1)]) == 2
+    tokens = list(range(40))
+    ix.insert(tokens)  # the token API is the same index: two whole pages recorded
+    assert ix.match(tokens) == 32 and len(ix) == 3

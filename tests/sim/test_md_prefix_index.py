@@ -1,0 +1,117 @@
+"""The gateway's prefix index of MD in the simulator (``SimConfig.md_prefix_index``), as the
+runtime plans on it (``pdd.policy.prefix_index``; ``gateway.routing._record_route`` and
+``gateway.stream._record_decoded``): the predicted send starts from what the index holds, MD caps
+its match there, and a prefix the index holds but MD lacks is sent too (the fill). One relayed
+request then a second turn on an idle cluster; times in simulated seconds."""
+
+import pytest
+
+from pdd.sim.cluster import ClusterSim, SimConfig
+
+KVB = 131072  # llama-3.1-8b KV bytes per token
+FIRST = {"timestamp": 0, "input_length": 4096, "output_length": 200, "hash_ids": list(range(8))}
+SECOND = {"timestamp": 20000, "input_length": 6000, "output_length": 20, "hash_ids": list(range(12))}
+RELAY = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=10.0, wan_rtt_ms=400.0, ttft_budget_ms=0.0,
+                  warmup_frac=0.0)
+
+
+def run(cfg, recs, at=None):
+    """``recs`` simulated; ``at`` = (seconds, fn(sim)) runs ``fn`` at that simulated time."""
+    sim = ClusterSim(cfg)
+    if at is not None:
+        sim.after(at[0], at[1], sim)
+    sim.run(recs)
+    for insts in sim.tiers.values():
+        for inst in insts:  # every page, lock and decode slot returned exactly once
+            assert inst.private == 0 and inst.slots == 0 and not inst.seqs and not inst.waiting, inst.name
+            assert inst.cache is None or not inst.cache.locks, inst.name
+    assert all(r.finished and r.n_emitted == r.out_len for r in sim.reqs)
+    return sim
+
+
+def test_the_index_records_the_prompt_at_routing_and_the_outputs_decoded_on_md():
+    sim = run(RELAY, [FIRST])
+    r = sim.reqs[0]
+    assert r.md_held == 0 and r.md_hit == 0 and r.md_tokens > 0  # handed over: MD decoded its end
+    page = sim.page
+    # the prompt's 4,096 tokens and 199 of its 200 outputs (the last has no KV): whole pages
+    assert len(sim.md_index["MD0"]) == (4096 + 199) // page
+
+
+def test_a_second_turn_sends_only_what_the_index_says_md_lacks():
+    sim = run(RELAY, [FIRST, SECOND])
+    r = sim.reqs[1]
+    assert (r.md_held, r.md_hit, r.md_predicted) == (4096, 4096, True)
+    assert r.wan_bytes == (6000 - 4096) * KVB and sim.md_predicted_short == 0
+
+
+def test_a_prefix_the_index_forgot_is_sent_again_though_md_holds_it():
+    """The index is approximate: when it no longer holds a prefix MD still caches, the predicted
+    send starts from its first page and MD caps its match there (the runtime's reserve with
+    ``first_page``), so the KV crosses the WAN again; planning on MD's cache instead (the old
+    model, ``md_prefix_index=False``) sends only the rest."""
+    forget = (10.0, lambda sim: sim.md_index["MD0"].clear())
+    sim = run(RELAY, [FIRST, SECOND], at=forget)
+    r = sim.reqs[1]
+    assert sim.tiers["MD"][0].cache.match(list(range(8))) == 8  # MD still caches the first turn
+    assert (r.md_held, r.md_hit) == (0, 0)
+    assert r.wan_bytes == 6000 * KVB
+    old = run(RELAY.replace(md_prefix_index=False), [FIRST, SECOND])
+    assert old.reqs[1].md_hit == 4096 and old.reqs[1].wan_bytes == (6000 - 4096) * KVB
+    assert not old.md_index and old.reqs[1].md_held is None
+
+
+def test_a_cut_off_prompt_stays_in_the_index_and_md_s_reservation_asks_for_a_fill():
+    """RLD finishes the first turn (2 tokens) while its 0.54 GB crosses a 1 Gbit/s line: the
+    transfer is cut off and MD caches nothing, but the index recorded the prompt at routing. The
+    second turn is planned on the index (4,096 tokens held); MD's reservation finds none and P
+    sends the whole prompt (the runtime's fill, counted in ``md_predicted_short``; the second
+    turn's own transfer is cut off too on this line)."""
+    first = dict(FIRST, output_length=2)
+    cfg = RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0)  # planned on the index, relayed at once
+    sim = ClusterSim(cfg)
+    sim.record_decisions = True
+    sim.run([first, SECOND])
+    r0, r1 = sim.reqs
+    assert r0.cut_off
+    assert sim.tiers["MD"][0].cache.match(list(range(8))) == 0  # MD cached nothing of it
+    assert r1.md_held == 4096 and sim.md_predicted_short == 1
+    plan = [d for d in sim.decision_log[1] if d["policy"] == "pipeline"]
+    assert plan[0]["inputs"]["md_cached_tokens"] == 4096  # the decision read the index
+    assert r1.md_hit == 0 and r1.md_missing == 6000  # MD's reservation: the whole prompt is sent
+
+
+def test_md_routing_reads_the_index_not_the_cache():
+    """Two MDs: the second turn goes to the MD whose index holds its prefix; once that index is
+    cleared (the runtime clears it when the MD restarts), the cache it still has does not draw it."""
+    cfg = RELAY.replace(n_md=2)
+    sim = run(cfg, [FIRST, SECOND])
+    assert sim.reqs[1].md is sim.reqs[0].md and sim.reqs[1].md_held == 4096
+    first_md = {}
+
+    def forget(s):
+        first_md["name"] = s.reqs[0].md.name
+        s.md_index[s.reqs[0].md.name].clear()
+
+    sim = run(cfg, [FIRST, SECOND], at=(10.0, forget))
+    assert sim.reqs[1].md_held == 0
+    hits = {m.name: m.cache.match(list(range(8))) for m in sim.tiers["MD"]}
+    assert hits[first_md["name"]] == 8  # its cache held the prefix; routing did not see it
+
+
+def test_a_fill_after_the_predicted_send_completes_md_s_kv_when_it_lands():
+    """The reservation reaches MD (one way, 0.2 s) after P's short prefill (the second turn's
+    prefix is in P's cache): the predicted send is already on the line, so the fill goes after
+    MD's reply is back at the gateway, on the same connection; MD's KV is complete (its
+    ``kv_ready``) only when both have landed."""
+    first = dict(FIRST, output_length=2)
+    second = dict(SECOND, output_length=3000)  # RLD does not finish it first: handed over to MD
+    sim = run(RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0), [first, second])
+    r1 = sim.reqs[1]
+    main, fill = r1.wan_flow, r1.fill_flow
+    assert main.t_start == r1.t_prefill_done < 0.2 + 20.0  # started before the reservation reached MD
+    assert fill is not None and fill.t_start == pytest.approx(20.0 + 2 * 0.2)  # MD's reply back at the gateway
+    assert main.total == (6000 - 4096) * KVB and fill.total == 4096 * KVB
+    assert r1.wan_bytes == 6000 * KVB and not r1.cut_off
+    assert r1.t_md_kv == pytest.approx(max(main.t_end, fill.t_end) + 0.2)
+    assert r1.md_tokens > 0 and sim.tiers["MD"][0].cache.match(list(range(12))) >= 8
