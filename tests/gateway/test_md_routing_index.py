@@ -96,3 +96,80 @@ def test_an_md_that_decoded_a_request_is_indexed_with_its_output():
     assert o2.prefix_index[md].match(nxt) == 0
     _ended(o2, "p_rld_md", md, prompt, out, switch_pos=5)
     assert o2.prefix_index[md].match(nxt) == 64
+
+
+def _routed(o, trid, prompt):
+    """Route attempt ``trid`` of ``prompt`` to an MD (recorded in its index, as launch does)."""
+    from pdd.gateway.state import ReqState
+    from pdd.types import SamplingParams
+
+    name, _ = asyncio.run(o._route_hit(ROLE_MAIN, prompt, trid))
+    st = ReqState(trid, len(prompt), SamplingParams(), trid=trid, prompt_ids=prompt)
+    st.names[ROLE_MAIN] = name
+    return name, st
+
+
+def _kv_ready(o, name, trid):
+    from pdd.transfer.messages import KvReady
+
+    asyncio.run(o.on_kv_ready(o.peers[name], KvReady(trid).wire(), b""))
+
+
+def test_a_cut_off_transfer_takes_its_prompt_out_of_the_index():
+    """The transfer was cut off: MD caches nothing of it, so the gateway's index of MD must not
+    plan the next turn on it (a predicted send that MD's reservation then has to fill) nor keep
+    it in place of prefixes MD holds."""
+    o = _orch(routing="load")  # one MD by load: the index alone is under test
+    shared, rest = list(range(100, 164)), list(range(500, 820))  # 4 + 20 pages
+    name, a = _routed(o, "a", shared + rest)
+    _kv_ready(o, name, "a")  # a's KV landed: MD caches its pages
+    b_prompt = shared + list(range(2000, 2320))
+    name_b, b = _routed(o, "b", b_prompt)
+    ix = o.prefix_index[name_b]
+    assert ix.match(b_prompt) == 384 and len(ix) == 24 + (20 if name_b == name else 0)
+    o._count_cut_off(b)  # RLD finished b first: its transfer is cut off
+    assert ix.match(b_prompt) == (64 if name_b == name else 0)  # b's own pages are gone
+    if name_b == name:
+        assert ix.match(shared + rest) == 384  # a's landed pages stay
+    assert "b" not in o.index_claims and o.totals["cut_offs"] == 1
+
+
+def test_pages_another_request_still_brings_stay_until_it_is_settled():
+    """Two requests routed with one new prefix to one MD: the first is cut off while the second's
+    KV is on its way (the pages stay), then the second lands (they stay for good: a later
+    drop of a third does not take them)."""
+    o = _orch(routing="load")
+    o.peers = {n: p for n, p in o.peers.items()}
+    p = list(range(3000, 3160))  # 10 pages
+    name, first = _routed(o, "x1", p)
+    for other in o.layout.by_role(ROLE_MAIN):  # the second turn goes to the same MD
+        if other.name != name:
+            o.inflight[other.name] = 10
+    name2, second = _routed(o, "x2", p + [5] * 16)
+    assert name2 == name
+    ix = o.prefix_index[name]
+    o._count_cut_off(first)
+    assert ix.match(p) == 160  # x2's KV is still bringing them
+    _kv_ready(o, name, "x2")
+    name3, third = _routed(o, "x3", p + [6] * 16)
+    o._count_cut_off(third)
+    assert ix.match(p + [5] * 16) == 176 and ix.match(p + [6] * 16) == 160
+
+
+def test_an_md_leg_given_up_before_its_kv_landed_takes_its_prompt_out():
+    o = _orch(routing="load")
+    prompt = list(range(7000, 7320))
+
+    async def lose(st):  # in a loop: the leg's tidy-up (drops on P and MD) runs as a task
+        o._md_leg_lost(st, "test: MD lost")
+        await asyncio.sleep(0)
+
+    name, st = _routed(o, "m1", prompt)
+    asyncio.run(lose(st))
+    assert o.prefix_index[name].match(prompt) == 0
+    # landed first: MD keeps its pages when its leg is given up later
+    name, st = _routed(o, "m2", prompt)
+    _kv_ready(o, name, "m2")
+    st.handoff.kv_ready = True
+    asyncio.run(lose(st))
+    assert o.prefix_index[name].match(prompt) == 320

@@ -52,3 +52,30 @@ def test_keys_of_the_caller_name_pages_as_the_token_chain_does():
     tokens = list(range(40))
     ix.insert(tokens)  # the token API is the same index: two whole pages recorded
     assert ix.match(tokens) == 32 and len(ix) == 3
+
+
+def test_a_dropped_prompt_leaves_unless_landed_or_still_on_its_way():
+    """insert (routed: on its way) / landed / dropped: a page leaves on a drop only when no other
+    routed request's KV is bringing it and it never landed; an insert with ``landed`` (MD
+    computed the pages: an output it decoded) counts as landed."""
+    ix = PrefixIndex(page_size=2, capacity_pages=100)
+    a, b = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
+    ix.insert(a)
+    ix.insert(b)
+    ix.dropped(a)
+    assert ix.match(b) == 6  # b's KV still brings pages 1-2
+    ix.dropped(b)
+    assert ix.match(b) == 0 and len(ix) == 0
+    ix.insert(a)
+    ix.landed(a)
+    ix.insert(b)
+    ix.dropped(b)
+    assert ix.match(b) == 4  # a's pages landed: only b's third page left
+    ix.dropped(a)  # a drop after its landing takes nothing
+    assert ix.match(a) == 4
+    ix.insert([9, 9, 8, 8], landed=True)
+    ix.dropped([9, 9, 8, 8])
+    assert ix.match([9, 9, 8, 8]) == 4
+    ix.landed([7, 7])  # never recorded: stays out
+    ix.dropped([6, 6])
+    assert ix.match([7, 7]) == 0 and len(ix) == 4

@@ -61,14 +61,26 @@ def test_a_prefix_the_index_forgot_is_sent_again_though_md_holds_it():
     assert not old.md_index and old.reqs[1].md_held is None
 
 
-def test_a_cut_off_prompt_stays_in_the_index_and_md_s_reservation_asks_for_a_fill():
+def test_a_cut_off_prompt_leaves_the_index():
     """RLD finishes the first turn (2 tokens) while its 0.54 GB crosses a 1 Gbit/s line: the
-    transfer is cut off and MD caches nothing, but the index recorded the prompt at routing. The
-    second turn is planned on the index (4,096 tokens held); MD's reservation finds none and P
-    sends the whole prompt (the runtime's fill, counted in ``md_predicted_short``; the second
-    turn's own transfer is cut off too on this line)."""
+    transfer is cut off and MD caches nothing, so the gateway takes the prompt's pages back out
+    of its index (``PrefixIndex.dropped``, the runtime's ``_index_dropped``): the second turn is
+    planned on what MD holds, and no fill is needed."""
     first = dict(FIRST, output_length=2)
-    cfg = RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0)  # planned on the index, relayed at once
+    sim = run(RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0), [first, SECOND])
+    r0, r1 = sim.reqs
+    assert r0.cut_off and len(sim.md_index["MD0"]) == 0
+    assert r1.md_held == 0 and r1.md_hit == 0 and sim.md_predicted_short == 0
+
+
+def test_a_cut_off_prompt_kept_in_the_index_makes_md_s_reservation_ask_for_a_fill():
+    """As before the gateway took cut-off prompts back (``md_index_drops_cut_offs`` False): the
+    index recorded the prompt at routing and keeps it. The second turn is planned on the index
+    (4,096 tokens held); MD's reservation finds none and P sends the whole prompt (the runtime's
+    fill, counted in ``md_predicted_short``; the second turn's own transfer is cut off too on
+    this line)."""
+    first = dict(FIRST, output_length=2)
+    cfg = RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0, md_index_drops_cut_offs=False)
     sim = ClusterSim(cfg)
     sim.record_decisions = True
     sim.run([first, SECOND])
@@ -100,13 +112,13 @@ def test_md_routing_reads_the_index_not_the_cache():
 
 
 def test_a_fill_after_the_predicted_send_completes_md_s_kv_when_it_lands():
-    """The reservation reaches MD (one way, 0.2 s) after P's short prefill (the second turn's
+    """(The index keeping a cut-off prompt, as the old gateway: a fill.) The reservation reaches MD (one way, 0.2 s) after P's short prefill (the second turn's
     prefix is in P's cache): the predicted send is already on the line, so the fill goes after
     MD's reply is back at the gateway, on the same connection; MD's KV is complete (its
     ``kv_ready``) only when both have landed."""
     first = dict(FIRST, output_length=2)
     second = dict(SECOND, output_length=3000)  # RLD does not finish it first: handed over to MD
-    sim = run(RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0), [first, second])
+    sim = run(RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0, md_index_drops_cut_offs=False), [first, second])
     r1 = sim.reqs[1]
     main, fill = r1.wan_flow, r1.fill_flow
     assert main.t_start == r1.t_prefill_done < 0.2 + 20.0  # started before the reservation reached MD

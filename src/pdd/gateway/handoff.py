@@ -35,6 +35,7 @@ class Handoffs:
         prompt's KV in its cache and frees the rest."""
         rid = KvReady.decode(h).rid
         self.awaiting_kv.pop(rid, None)
+        self._index_landed(rid)
         st = self.reqs.get(rid)
         md = peer  # the MD that has the KV
         if st is not None and st.recovery.md_lost:  # given up on MD's leg meanwhile: keep the prompt, free the rest

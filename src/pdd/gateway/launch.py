@@ -140,7 +140,7 @@ class Launchers:
         pre = None  # (MD's name, prompt tokens its index held), routed before P starts
         pre_relay = False
         if relay_possible and not force_relay and sib is None and not pending_sib and self._plans_from_index():
-            pre = await self._route_hit(ROLE_MAIN, prompt)
+            pre = await self._route_hit(ROLE_MAIN, prompt, trid)
             if pre[1] is not None:
                 inp = self._pipeline_inputs(st, len(prompt), pre[1], md=pre[0])
                 pre_relay = choose_pipeline(inp) == Pipeline.P_RLD_MD
@@ -164,7 +164,7 @@ class Launchers:
             elif pre is not None:  # chosen from the prefix index before P started
                 md_name_, held = pre
             else:  # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
-                md_name_, held = await self._route_hit(ROLE_MAIN, prompt)
+                md_name_, held = await self._route_hit(ROLE_MAIN, prompt, trid)
             if st.trid != trid:
                 raise ConnectionError(f"attempt {trid} was given up")
             names[ROLE_MAIN] = md_name_

@@ -23,6 +23,9 @@ ROUTING_LOAD_SLACK = 4
 # counts as this many seconds, so a small shared prefix (16 tokens: 5 ms on the default line) does
 # not draw every request to one MD while a halved line (a cold prompt: 130 ms more) does move them
 ROUTING_LOAD_COST_S = 0.01
+# requests whose prompt an MD's index recorded at routing, kept until their KV lands there or is
+# dropped (a bound, not a tuned figure: the oldest unresolved claims go first)
+INDEX_CLAIMS_MAX = 1024
 
 
 class Routing:
@@ -41,7 +44,7 @@ class Routing:
         """Choose an instance of ``role`` for a request: :meth:`_route_hit`'s name."""
         return (await self._route_hit(role, prompt))[0]
 
-    async def _route_hit(self, role: str, prompt: list[int]) -> tuple[str, int | None]:
+    async def _route_hit(self, role: str, prompt: list[int], trid: str | None = None) -> tuple[str, int | None]:
         """Choose an instance of ``role`` for a request (``policy.routing``); return its name and,
         for an instance the gateway keeps a :class:`PrefixIndex` of (an MD across the WAN), the
         prompt tokens that index held before this request was recorded there (else None).
@@ -52,7 +55,8 @@ class Routing:
         asked (a round trip before the reservation): the gateway's record of what it routed there
         (:class:`PrefixIndex`) stands for its cache, unless ``policy.md_route_peek``. Load =
         requests the gateway has in flight there. Instances whose connection is down are skipped
-        (and reconnected).
+        (and reconnected). ``trid``: the attempt whose KV the routed MD's index now expects
+        (:meth:`_index_landed` / :meth:`_index_dropped` settle it).
         """
         specs = self.layout.by_role(role)
         ms = getattr(self, "membership", None)
@@ -65,7 +69,7 @@ class Routing:
         if not live:
             raise NoInstance(f"no {role} instance is reachable")
         if len(live) == 1:
-            return live[0].name, self._record_route(live[0].name, prompt)
+            return live[0].name, self._record_route(live[0].name, prompt, trid)
         policy = self.cfg.policy.routing
         hits = [0] * len(live)
         if policy == "cache_aware" and role != ROLE_RELAY:
@@ -90,7 +94,7 @@ class Routing:
             self.totals["md_routes_by_wan"] += j != i
             i = j
         name = live[i].name
-        return name, self._record_route(name, prompt)
+        return name, self._record_route(name, prompt, trid)
 
     def _with_transfer_times(self, role: str, policy: str, cands: list, prompt_len: int) -> list | None:
         """``cands`` with each MD's estimated seconds to receive the prompt's KV it lacks
@@ -105,9 +109,10 @@ class Routing:
             c.name, max(0, prompt_len - c.prefix_hit_tokens) * self.kv_bytes_per_token,
             self._wan_backlog_bytes(c.name))) for c in cands]
 
-    def _record_route(self, name: str, prompt: list[int]) -> int | None:
-        """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache.
-        Returns the prompt tokens the index held before (None: no index for ``name``)."""
+    def _record_route(self, name: str, prompt: list[int], trid: str | None = None) -> int | None:
+        """``prompt`` was routed to ``name``: its whole pages will be in that instance's cache
+        once attempt ``trid``'s KV lands there. Returns the prompt tokens the index held before
+        (None: no index for ``name``)."""
         if name in self.prefix_index:  # an MD across the WAN: routing's per-MD counter
             self.md_routes[name] = self.md_routes.get(name, 0) + 1
         ix = self.prefix_index.get(name)
@@ -115,7 +120,31 @@ class Routing:
             return None
         held = ix.match(prompt)
         ix.insert(prompt)
+        if trid is not None:
+            claims = self.index_claims
+            claims[trid] = (name, prompt)
+            while len(claims) > INDEX_CLAIMS_MAX:
+                claims.pop(next(iter(claims)))
         return held
+
+    def _index_landed(self, trid: str) -> None:
+        """Attempt ``trid``'s KV is in its MD's cache (MD's ``kv_ready``): the pages its routing
+        recorded stay in that MD's index whatever becomes of other requests routed with them."""
+        name, prompt = self.index_claims.pop(trid, (None, None))
+        ix = self.prefix_index.get(name) if name is not None else None
+        if ix is not None:
+            ix.landed(prompt)
+
+    def _index_dropped(self, trid: str) -> None:
+        """Attempt ``trid``'s KV will not be cached on its MD (the transfer was cut off, or MD's
+        leg given up before it landed): its MD's index takes back the pages only its routing
+        recorded (``PrefixIndex.dropped``), so that later requests are not planned on them (a
+        fill when MD's reservation finds them missing) and they do not push out prefixes MD
+        does hold."""
+        name, prompt = self.index_claims.pop(trid, (None, None))
+        ix = self.prefix_index.get(name) if name is not None else None
+        if ix is not None:
+            ix.dropped(prompt)
 
     def _assign(self, st: ReqState, *roles: str) -> None:
         for role in roles or tuple(st.names):

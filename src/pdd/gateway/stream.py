@@ -124,7 +124,8 @@ class Streams:
         on_md = st.pipeline == Pipeline.P_MD or (st.pipeline == Pipeline.P_RLD_MD and st.handoff.switch_pos is not None
                                                  and not st.handoff.md_diverged and not st.recovery.md_lost)
         if ix is not None and on_md and st.base == 0 and st.emitted:
-            ix.insert(list(st.prompt_ids) + list(st.emitted[:-1]))
+            self.index_claims.pop(st.trid, None)
+            ix.insert(list(st.prompt_ids) + list(st.emitted[:-1]), landed=True)
 
     async def _settle_relayed(self, st: ReqState) -> None:
         """After a relayed request ended at the client: cut off a WAN transfer still running

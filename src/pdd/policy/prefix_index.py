@@ -7,15 +7,21 @@ a WAN round trip before the request's reservation can even be sent (docs/BENCH.m
 each prompt routed to an instance is recorded as the chain of its whole pages (page ``i``'s key
 hashes page ``i - 1``'s key and its tokens, so a key names a whole prefix, as a radix path
 does), and a new prompt's hit is its longest prefix of recorded pages. At most ``capacity_pages``
-keys are kept, least recently used out first, like the instance's own evictions. Approximate: a
-prefix the instance evicted, or never received (a cut-off transfer), still counts until it ages
-out here; a restarted instance starts over (:meth:`clear`).
+keys are kept, least recently used out first, like the instance's own evictions. A prompt's
+pages count from its routing (its KV is on its way; a next turn routed meanwhile goes to the
+same instance); a request whose KV will not arrive (a cut-off transfer) takes back the pages
+only it was bringing (:meth:`dropped`), and pages whose KV did arrive (:meth:`landed`) stay
+whatever becomes of other requests. Approximate: a prefix the instance evicted still counts
+until it ages out here, and one evicted here is sent again; a restarted instance starts over
+(:meth:`clear`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
+
+LANDED = -1  # a page the instance is known to hold (its KV arrived, or it computed it)
 
 
 class PrefixIndex:
@@ -25,7 +31,9 @@ class PrefixIndex:
         if page_size < 1 or capacity_pages < 1:
             raise ValueError(f"page_size ({page_size}) and capacity_pages ({capacity_pages}) must be >= 1")
         self.page_size, self.capacity = page_size, capacity_pages
-        self._keys: OrderedDict[int, None] = OrderedDict()
+        # key -> LANDED once the instance is known to hold the page, else the number of routed
+        # requests whose KV for it is still on its way (a page nobody's KV brought stays out)
+        self._keys: OrderedDict[Hashable, int] = OrderedDict()
 
     def _chain(self, prompt: list[int]):
         key = 0
@@ -36,13 +44,26 @@ class PrefixIndex:
 
     def match(self, prompt: list[int]) -> int:
         """Tokens of ``prompt``'s longest whole-page prefix recorded here (a multiple of the page
-        size); the matched keys count as used."""
+        size), landed or on its way; the matched keys count as used."""
         return self.match_keys(self._chain(prompt)) * self.page_size
 
-    def insert(self, prompt: list[int]) -> None:
+    def insert(self, prompt: list[int], landed: bool = False) -> None:
         """Record ``prompt``'s whole pages as held (most recently used), evicting the least
-        recently used keys beyond ``capacity_pages``."""
-        self.insert_keys(self._chain(prompt))
+        recently used keys beyond ``capacity_pages``: routed there (``landed`` False: its KV is
+        on its way, :meth:`dropped` takes back what no other request's KV brings), or known to be
+        there (``landed``: the instance computed or imported them)."""
+        self.insert_keys(self._chain(prompt), landed)
+
+    def landed(self, prompt: list[int]) -> None:
+        """The instance now holds ``prompt``'s pages (its KV arrived): a later :meth:`dropped` of
+        another request routed with the same prefix keeps them. Pages no longer recorded stay out."""
+        self.landed_keys(self._chain(prompt))
+
+    def dropped(self, prompt: list[int]) -> None:
+        """A request routed with ``prompt`` will not bring its KV (its transfer was cut off, the
+        instance dropped it uncached): each of its pages is taken back unless it has landed or
+        another routed request's KV is still bringing it."""
+        self.dropped_keys(self._chain(prompt))
 
     def match_keys(self, keys: Iterable[Hashable]) -> int:
         """Pages of a prefix given as its pages' keys (each key naming the whole prefix up to its
@@ -58,15 +79,34 @@ class PrefixIndex:
             n += 1
         return n
 
-    def insert_keys(self, keys: Iterable[Hashable]) -> None:
-        """Record the pages named by ``keys`` (as :meth:`match_keys`) as held, most recently used,
-        evicting the least recently used keys beyond ``capacity_pages``."""
+    def insert_keys(self, keys: Iterable[Hashable], landed: bool = False) -> None:
+        """:meth:`insert` for pages named by ``keys`` (as :meth:`match_keys`)."""
         held, touch = self._keys, self._keys.move_to_end
         for key in keys:
-            held[key] = None
+            v = held.get(key, 0)
+            held[key] = LANDED if landed or v == LANDED else v + 1
             touch(key)
         while len(held) > self.capacity:
             held.popitem(last=False)
+
+    def landed_keys(self, keys: Iterable[Hashable]) -> None:
+        """:meth:`landed` for pages named by ``keys``."""
+        held = self._keys
+        for key in keys:
+            if key in held:
+                held[key] = LANDED
+
+    def dropped_keys(self, keys: Iterable[Hashable]) -> None:
+        """:meth:`dropped` for pages named by ``keys``."""
+        held = self._keys
+        for key in keys:
+            v = held.get(key)
+            if v is None or v == LANDED:
+                continue
+            if v <= 1:
+                del held[key]
+            else:
+                held[key] = v - 1
 
     def clear(self) -> None:
         self._keys.clear()

@@ -405,8 +405,9 @@ class ClusterSim:
         what the gateway's index of that MD held (``md_prefix_index``; else MD's cache match
         then). MD caps its reservation's match at the predicted page, so a longer match one
         one-way delay later changes nothing: the index forgot a prefix MD still holds, and P
-        sends it again, as the runtime does. A shorter one (the index holds a prompt whose KV was
-        cut off, or is still on the line, or MD evicted it) is the runtime's fill (``md_fill``):
+        sends it again, as the runtime does. A shorter one (the index holds a prompt whose KV is
+        still on the line, or was cut off with ``md_index_drops_cut_offs`` False, or MD evicted
+        it) is the runtime's fill (``md_fill``):
         P sends MD's missing pages too, counted in ``md_predicted_short``; modelled as part of
         the one send, so only while that send has not started when the reservation reaches MD
         (a layer-wise send can start earlier: its fill is not modelled)."""
@@ -802,6 +803,9 @@ class ClusterSim:
     def _kv_imported(self, req: Req) -> None:
         """MD holds all of the request's KV in its pool (MD's ``kv_ready``)."""
         req.md_kv_complete = True
+        ix = self.md_index.get(req.md.name)
+        if ix is not None and self.cfg.md_index_drops_cut_offs:
+            ix.landed_keys(self._page_keys(req))
         req.t_md_kv = self.env.now
         md = req.md
         seq = req.md_seq
@@ -968,7 +972,7 @@ class ClusterSim:
             self._md_release(req, cache=True)
             ix = self.md_index.get(inst.name)
             if ix is not None:  # the runtime's _record_decoded: the prompt and the outputs but the last
-                ix.insert_keys(self._page_keys(req, req.out_len - 1))
+                ix.insert_keys(self._page_keys(req, req.out_len - 1), landed=self.cfg.md_index_drops_cut_offs)
             self._complete(req)
         elif role == "C":
             if inst.cache is not None:
@@ -993,6 +997,9 @@ class ClusterSim:
             if cut or not req.md_kv_complete:
                 if cut and self.cfg.cutoff:
                     req.cut_off = True
+                    ix = self.md_index.get(req.md.name)
+                    if ix is not None and self.cfg.md_index_drops_cut_offs:
+                        ix.dropped_keys(self._page_keys(req))
                     self.cutoffs += 1
                     if req.wan_flow is not None and not req.wan_flow.done:
                         left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)

@@ -100,6 +100,9 @@ class SimConfig:
     # prompt routed there and every output decoded there, LRU at MD's pool size), as the runtime
     # does, and MD caps its match at a predicted send's first page; False: on MD's cache itself
     md_prefix_index: bool = True
+    # ... and takes a cut-off prompt's pages back out of it (PrefixIndex.dropped; the runtime's
+    # gateway.routing._index_dropped); False: they stay until they age out (the gateway before)
+    md_index_drops_cut_offs: bool = True
     # a relayed request's handoff starts when MD's KV is expected to have left P (at the gateway's
     # WAN estimate), not when MD's kv_ready is back at the gateway (the runtime's
     # policy.early_handoff)
