@@ -335,8 +335,7 @@ class ClusterSim:
         req.md = md
         ix = self.md_index.get(md.name)
         if ix is not None:  # the runtime's _record_route: what the index held, then the prompt recorded
-            held = ix.match_keys(self._page_keys(req)) * self.page
-            req.md_held = min(held, (req.prompt - 1) // self.block * self.block)  # as _md_match
+            req.md_held = ix.match_keys(self._page_keys(req)) * self.page
             ix.insert_keys(self._page_keys(req))
         if self._always_relay(req):
             self._decide(req)
@@ -389,12 +388,13 @@ class ClusterSim:
         return req.md_held if req.md_held is not None else self._md_match(req)
 
     def _md_match(self, req: Req) -> int:
-        """Tokens of ``req``'s prompt MD's cache holds now (whole blocks, at least one token left)."""
+        """Tokens of ``req``'s prompt MD's cache holds now, in whole blocks: a prompt held whole
+        counts whole, as MD's reservation matches it (MD computes none of the prompt: P sends its
+        first token with the KV)."""
         md = req.md
         if md.cache is None:
             return 0
-        k = md.cache.match(req.blocks[: req.n_full])
-        return min(k, (req.prompt - 1) // self.block) * self.block
+        return md.cache.match(req.blocks[: req.n_full]) * self.block
 
     def _predict_md(self, req: Req) -> None:
         """Predicted MD send (``policy.md_predicted_send``, ``gateway.launch``: ``route_and_reserve``): a
