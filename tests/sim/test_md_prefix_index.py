@@ -7,6 +7,7 @@ request then a second turn on an idle cluster; times in simulated seconds."""
 import pytest
 
 from pdd.sim.cluster import ClusterSim, SimConfig
+from tests.sim.sim_checks import check_settled
 
 KVB = 131072  # llama-3.1-8b KV bytes per token
 FIRST = {"timestamp": 0, "input_length": 4096, "output_length": 200, "hash_ids": list(range(8))}
@@ -21,11 +22,7 @@ def run(cfg, recs, at=None):
     if at is not None:
         sim.after(at[0], at[1], sim)
     sim.run(recs)
-    for insts in sim.tiers.values():
-        for inst in insts:  # every page, lock and decode slot returned exactly once
-            assert inst.private == 0 and inst.slots == 0 and not inst.seqs and not inst.waiting, inst.name
-            assert inst.cache is None or not inst.cache.locks, inst.name
-    assert all(r.finished and r.n_emitted == r.out_len for r in sim.reqs)
+    check_settled(sim)
     return sim
 
 

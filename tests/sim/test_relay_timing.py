@@ -5,8 +5,9 @@ plain inputs (one relayed request on an idle cluster, event times in simulated s
 import pytest
 
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.workload.records import generate_agentic
 from pdd.types import Pipeline
+from pdd.workload.records import generate_agentic
+from tests.sim.sim_checks import check_settled
 
 KVB = 131072  # llama-3.1-8b KV bytes per token
 # one 4,096-token prompt (8 blocks) relayed at once over a 10 Gbit/s, 400 ms RTT line: P's prefill
@@ -18,11 +19,7 @@ RELAY = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=10.0, wan_rtt_ms=
 
 def run(cfg, recs=ONE):
     sim = ClusterSim(cfg).run(recs)
-    for insts in sim.tiers.values():
-        for inst in insts:  # every page, lock and decode slot returned exactly once
-            assert inst.private == 0 and inst.slots == 0 and not inst.seqs and not inst.waiting, inst.name
-            assert inst.cache is None or not inst.cache.locks, inst.name
-    assert all(r.finished and r.n_emitted == r.out_len for r in sim.reqs)
+    check_settled(sim)
     return sim
 
 
