@@ -131,7 +131,7 @@ def test_a_cut_off_transfer_takes_its_prompt_out_of_the_index():
     assert ix.match(b_prompt) == (64 if name_b == name else 0)  # b's own pages are gone
     if name_b == name:
         assert ix.match(shared + rest) == 384  # a's landed pages stay
-    assert "b" not in o.index_claims and o.totals["cut_offs"] == 1
+    assert o.index_claims["b"][2] and o.totals["cut_offs"] == 1  # kept, dropped, for a late kv_ready
 
 
 def test_pages_another_request_still_brings_stay_until_it_is_settled():
@@ -173,3 +173,21 @@ def test_an_md_leg_given_up_before_its_kv_landed_takes_its_prompt_out():
     st.handoff.kv_ready = True
     asyncio.run(lose(st))
     assert o.prefix_index[name].match(prompt) == 320
+
+
+def test_a_kv_ready_that_crossed_the_cut_off_records_the_prompt_again():
+    """The cut-off came while MD already held the whole KV (its kv_ready on the way): MD keeps it
+    cached, so when that kv_ready arrives the index records the prompt again, landed; a second
+    drop of the same attempt changes nothing."""
+    o = _orch(routing="load")
+    prompt = list(range(8000, 8320))
+    name, st = _routed(o, "c1", prompt)
+    o._count_cut_off(st)
+    ix = o.prefix_index[name]
+    assert ix.match(prompt) == 0
+    o._index_dropped("c1")
+    _kv_ready(o, name, "c1")
+    assert ix.match(prompt) == 320 and "c1" not in o.index_claims
+    _, other = _routed(o, "c2", prompt)
+    o._count_cut_off(other)
+    assert ix.match(prompt) == 320  # landed: another request's drop keeps it

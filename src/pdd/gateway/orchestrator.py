@@ -103,12 +103,12 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         # dropped beyond KV_LANDED_MAX, so one never settled (failed meanwhile) cannot grow it.
         self.kv_landed: dict[str, None] = {}
         # what the gateway routed to each instance across the WAN (cache-aware routing without a peek)
-        # attempt -> (MD, prompt) its routing recorded in that MD's index, until its KV lands or
-        # is dropped (gateway.routing._index_landed / _index_dropped)
-        self.index_claims: dict[str, tuple[str, list[int]]] = {}
         self.prefix_index: dict[str, PrefixIndex] = {
             sp.name: PrefixIndex(cfg.engine_for(sp.name).page_size, cfg.engine_for(sp.name).num_pages)
             for sp in lay.by_role(ROLE_MAIN) if sp.dc == "B"}
+        # attempt -> (MD, prompt, dropped) its routing recorded in that MD's index, until its KV
+        # lands (gateway.routing._index_landed; a drop is kept for a kv_ready that crossed it)
+        self.index_claims: dict[str, tuple[str, list[int], bool]] = {}
         # KV elements per token (2 x layers x kv heads x head dim), from MD's reservation replies:
         # with each tier's page size and dtype it gives a transfer's exact bytes (_wan_page_bytes)
         self.kv_elems_per_token: int | None = mc.kv_bytes_per_token("float32") // 4 if mc is not None else None

@@ -122,17 +122,23 @@ class Routing:
         ix.insert(prompt)
         if trid is not None:
             claims = self.index_claims
-            claims[trid] = (name, prompt)
+            claims[trid] = (name, prompt, False)
             while len(claims) > INDEX_CLAIMS_MAX:
                 claims.pop(next(iter(claims)))
         return held
 
     def _index_landed(self, trid: str) -> None:
         """Attempt ``trid``'s KV is in its MD's cache (MD's ``kv_ready``): the pages its routing
-        recorded stay in that MD's index whatever becomes of other requests routed with them."""
-        name, prompt = self.index_claims.pop(trid, (None, None))
+        recorded stay in that MD's index whatever becomes of other requests routed with them.
+        A kv_ready that crossed the attempt's cut-off (MD had it all when the cut came, and keeps
+        it) records them again."""
+        name, prompt, dropped = self.index_claims.pop(trid, (None, None, False))
         ix = self.prefix_index.get(name) if name is not None else None
-        if ix is not None:
+        if ix is None:
+            return
+        if dropped:
+            ix.insert(prompt, landed=True)
+        else:
             ix.landed(prompt)
 
     def _index_dropped(self, trid: str) -> None:
@@ -141,8 +147,12 @@ class Routing:
         recorded (``PrefixIndex.dropped``), so that later requests are not planned on them (a
         fill when MD's reservation finds them missing) and they do not push out prefixes MD
         does hold."""
-        name, prompt = self.index_claims.pop(trid, (None, None))
-        ix = self.prefix_index.get(name) if name is not None else None
+        claim = self.index_claims.get(trid)
+        if claim is None or claim[2]:
+            return
+        name, prompt, _ = claim
+        self.index_claims[trid] = (name, prompt, True)
+        ix = self.prefix_index.get(name)
         if ix is not None:
             ix.dropped(prompt)
 
