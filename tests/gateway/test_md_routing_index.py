@@ -191,3 +191,48 @@ def test_a_kv_ready_that_crossed_the_cut_off_records_the_prompt_again():
     _, other = _routed(o, "c2", prompt)
     o._count_cut_off(other)
     assert ix.match(prompt) == 320  # landed: another request's drop keeps it
+
+
+def test_an_aborted_request_takes_its_prompt_out():
+    """A request aborted before its KV landed on MD (the client disconnected, a stop string, a tier
+    refused it): every tier drops it and MD caches none of its KV, so its MD's index takes back the
+    pages only it was bringing, as for a cut-off; one whose KV had landed keeps them."""
+    from pdd.gateway.state import ABORT_CLIENT, ABORT_STOP
+    from pdd.types import Pipeline
+
+    o = _orch(routing="load")
+    prompt = list(range(9000, 9320))
+    name, st = _routed(o, "d1", prompt)
+    st.pipeline = Pipeline.P_RLD_MD
+    asyncio.run(o.abort(st, ABORT_CLIENT))
+    assert o.prefix_index[name].match(prompt) == 0
+    assert o.index_claims.get("d1", (None, None, True))[2]  # settled (kept dropped, or gone)
+    name, st = _routed(o, "d2", prompt)
+    st.pipeline = Pipeline.P_RLD_MD
+    _kv_ready(o, name, "d2")
+    st.handoff.kv_ready = True
+    asyncio.run(o.abort(st, ABORT_STOP))
+    assert o.prefix_index[name].match(prompt) == 320
+
+
+def test_a_new_attempt_takes_the_old_attempts_prompt_out():
+    """Recovery gives up an attempt (aborted on every tier) before its KV landed on MD: the old
+    attempt's pages leave its MD's index; the new attempt routes (and claims) on its own."""
+    from pdd.gateway.phase import Phase
+    from pdd.types import Pipeline
+
+    o = _orch(routing="load")
+    prompt = list(range(9500, 9820))
+
+    async def recover(st):  # the old attempt's aborts run as a task
+        o._new_attempt(st, "test: RLD lost")
+        await asyncio.sleep(0)
+
+    name, st = _routed(o, "e1", prompt)
+    st.rid, st.pipeline = "e1", Pipeline.P_RLD_MD
+    st.to(Phase.PREFILL)
+    st.to(Phase.TRANSFER)  # P streams its KV to RLD and MD; then RLD is lost
+    o.reqs["e1"] = st
+    asyncio.run(recover(st))
+    assert st.trid == "e1.1"
+    assert o.prefix_index[name].match(prompt) == 0

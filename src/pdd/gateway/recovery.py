@@ -82,6 +82,7 @@ class Recovery:
             self.superseded_wan[old] = (self.planned_wan.pop(old), self.planned_src.pop(old, ""))
             while len(self.superseded_wan) > 10000:  # ... unless it never streamed: bounded
                 self.superseded_wan.pop(next(iter(self.superseded_wan)))
+        self._index_given_up(st)  # the old attempt's KV not landed on MD never will
         self._spawn(self._abort_everywhere(old))
         self._unassign(st)
         st.attempt += 1

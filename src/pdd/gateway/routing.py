@@ -13,6 +13,7 @@ from pdd.gateway.state import NoInstance, ReqState
 from pdd.policy.routing import InstanceLoad, choose_instance
 from pdd.topology import ROLE_MAIN, ROLE_RELAY
 from pdd.transfer.messages import Peek
+from pdd.types import Pipeline
 
 # cache-aware routing (as in the simulator): affinity only for a prefix covering at least half the
 # prompt (a shared system-prompt block alone would pull all traffic to one instance), and never to
@@ -155,6 +156,19 @@ class Routing:
         ix = self.prefix_index.get(name)
         if ix is not None:
             ix.dropped(prompt)
+
+    def _index_given_up(self, st: ReqState) -> None:
+        """``st``'s current attempt is aborted on every tier (the client went away, a stop string,
+        a tier refused it, or recovery replaced it): MD releases it uncached, so its claim is
+        settled now instead of keeping its pages in MD's index as on their way for good. Its KV
+        already in MD's cache stays (a relayed attempt's kv_ready settled the claim as landed; a
+        P->MD attempt MD emitted from had imported the prompt into its cache); else dropped."""
+        if st.trid not in self.index_claims:
+            return
+        if st.handoff.kv_ready or (st.pipeline == Pipeline.P_MD and st.emitted):
+            self._index_landed(st.trid)
+        else:
+            self._index_dropped(st.trid)
 
     def _assign(self, st: ReqState, *roles: str) -> None:
         for role in roles or tuple(st.names):

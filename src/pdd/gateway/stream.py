@@ -209,6 +209,7 @@ class Streams:
         # before this abort, e.g. a stop string seen after the last token, would wait forever)
         self.awaiting_kv.pop(st.trid, None)
         self.kv_landed.pop(st.trid, None)
+        self._index_given_up(st)  # MD caches none of what had not landed
         await self._abort_tiers(st)
 
     async def _abort_tiers(self, st: ReqState) -> None:
