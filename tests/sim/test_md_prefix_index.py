@@ -109,8 +109,8 @@ def test_md_routing_reads_the_index_not_the_cache():
 
 
 def test_a_fill_after_the_predicted_send_completes_md_s_kv_when_it_lands():
-    """(The index keeping a cut-off prompt, as the old gateway: a fill.) The reservation reaches MD (one way, 0.2 s) after P's short prefill (the second turn's
-    prefix is in P's cache): the predicted send is already on the line, so the fill goes after
+    """(The index keeping a cut-off prompt, as the gateway before: a fill.) The reservation
+    reaches MD (one way, 0.2 s) after P's short prefill (the second turn's prefix is in P's cache): the predicted send is already on the line, so the fill goes after
     MD's reply is back at the gateway, on the same connection; MD's KV is complete (its
     ``kv_ready``) only when both have landed."""
     first = dict(FIRST, output_length=2)

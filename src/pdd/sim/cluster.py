@@ -1006,14 +1006,14 @@ class ClusterSim:
                         self.wan_saved_bytes += left
                         req.wan_bytes -= left
                         self._flow_drained(req)
-                    if req.fill_flow is not None and not req.fill_flow.done:
-                        left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)
-                        self.wan_saved_bytes += left
-                        req.wan_bytes -= left
-                        self._flow_drained(req)
                     elif req.wan_flow is None and req.prefill_done:
                         # never started (MD reservation pending): nothing will be sent
                         self.wan_saved_bytes += req.md_missing * self.model.kv_bytes_per_token
+                        self._flow_drained(req)
+                    if req.fill_flow is not None and not req.fill_flow.done:  # a fill follows only a started send
+                        left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)
+                        self.wan_saved_bytes += left
+                        req.wan_bytes -= left
                         self._flow_drained(req)
                     self._md_release(req, cache=False)
                 # otherwise the transfer runs on; MD caches it on arrival
