@@ -79,3 +79,18 @@ def test_a_dropped_prompt_leaves_unless_landed_or_still_on_its_way():
     ix.landed([7, 7])  # never recorded: stays out
     ix.dropped([6, 6])
     assert ix.match([7, 7]) == 0 and len(ix) == 4
+
+
+def test_record_is_match_then_insert():
+    """record / record_keys: the pages held before, then the prompt recorded as on its way, in one
+    pass: the same held count, counts and LRU order as match followed by insert."""
+    a, b = PrefixIndex(page_size=2, capacity_pages=5), PrefixIndex(page_size=2, capacity_pages=5)
+    steps = [[1, 2, 3, 4], [1, 2, 9, 9, 3, 4], [5, 6], [1, 2, 3, 4, 7, 8]]
+    for i, p in enumerate(steps):
+        if i == 2:
+            a.landed([1, 2, 3, 4])
+            b.landed([1, 2, 3, 4])
+        held = a.match(p)
+        a.insert(p)
+        assert b.record(p) == held
+        assert list(b._keys.items()) == list(a._keys.items())

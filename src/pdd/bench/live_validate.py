@@ -106,8 +106,8 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
                     "request. The simulator replays the requests at the times the live client sent them, and "
                     "applies the live-run fit a --profile written by `pdd sim calibrate-roles` carries (role step "
                     "scale and overheads, decode and prefill interference, P's dispatch delay and reply lag, WAN "
-                    "send buffer, client delay, gateway RTT, fast path). docs/SIM.md \"Measure this machine and validate the "
-                    "simulator\".")
+                    "send buffer, client delay, gateway RTT, fast path). docs/SIM.md \"Measure this machine and "
+                    "validate the simulator\".")
     v.add_argument("--out", required=True, help="directory for validate.json, and for a live run its "
                                                 "requests.jsonl and server_stats.json (made if missing)")
     v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")

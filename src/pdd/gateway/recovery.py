@@ -207,8 +207,7 @@ class Recovery:
             return
         finished = st.finished  # ended at the client (on RLD) before MD's leg settled
         st.recovery.md_lost = True
-        if not st.handoff.kv_ready:  # MD drops what it has of the prompt, uncached
-            self._index_dropped(st.trid)
+        self._index_given_up(st)  # MD drops what it has of the prompt, uncached
         self._forget_md_tokens(st)
         if st.pipeline == Pipeline.P_RLD_MD and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE, Phase.HANDOFF):
             # RLD finishes: it decodes (or waits for its first token)

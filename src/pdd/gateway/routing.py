@@ -119,8 +119,7 @@ class Routing:
         ix = self.prefix_index.get(name)
         if ix is None:
             return None
-        held = ix.match(prompt)
-        ix.insert(prompt)
+        held = ix.record(prompt)
         if trid is not None:
             claims = self.index_claims
             claims[trid] = (name, prompt, False)
@@ -158,11 +157,12 @@ class Routing:
             ix.dropped(prompt)
 
     def _index_given_up(self, st: ReqState) -> None:
-        """``st``'s current attempt is aborted on every tier (the client went away, a stop string,
-        a tier refused it, or recovery replaced it): MD releases it uncached, so its claim is
-        settled now instead of keeping its pages in MD's index as on their way for good. Its KV
-        already in MD's cache stays (a relayed attempt's kv_ready settled the claim as landed; a
-        P->MD attempt MD emitted from had imported the prompt into its cache); else dropped."""
+        """``st``'s current attempt will not bring any more of its KV to MD: aborted on every tier
+        (the client went away, a stop string, a tier refused it, or recovery replaced it), its
+        transfer cut off, or its MD leg given up. Its claim is settled now instead of keeping its
+        pages in MD's index as on their way for good: its KV already in MD's cache stays (a
+        relayed attempt's kv_ready settled the claim as landed; a P->MD attempt MD emitted from
+        had imported the prompt into its cache); else dropped (MD frees what arrived uncached)."""
         if st.trid not in self.index_claims:
             return
         if st.handoff.kv_ready or (st.pipeline == Pipeline.P_MD and st.emitted):

@@ -211,8 +211,7 @@ class WanBooking:
         """``st``'s WAN transfer is cut off (RLD finished first, or its first token ended it)."""
         st.wan.cut_off = True
         self.totals["cut_offs"] += 1
-        if not st.handoff.kv_ready:  # MD frees what arrived, caches nothing
-            self._index_dropped(st.trid)
+        self._index_given_up(st)  # MD frees what arrived, caches nothing
 
     @staticmethod
     def _wan_new_attempt(st: ReqState) -> None:

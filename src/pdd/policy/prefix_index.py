@@ -54,6 +54,11 @@ class PrefixIndex:
         there (``landed``: the instance computed or imported them)."""
         self.insert_keys(self._chain(prompt), landed)
 
+    def record(self, prompt: list[int]) -> int:
+        """:meth:`match` then :meth:`insert` (routed: on its way) in one pass over ``prompt``'s
+        pages: the tokens held before, as a request routed here records its prompt."""
+        return self.record_keys(self._chain(prompt)) * self.page_size
+
     def landed(self, prompt: list[int]) -> None:
         """The instance now holds ``prompt``'s pages (its KV arrived): a later :meth:`dropped` of
         another request routed with the same prefix keeps them. Pages no longer recorded stay out."""
@@ -88,6 +93,22 @@ class PrefixIndex:
             touch(key)
         while len(held) > self.capacity:
             held.popitem(last=False)
+
+    def record_keys(self, keys: Iterable[Hashable]) -> int:
+        """:meth:`record` for pages named by ``keys``: the pages held before, from the first."""
+        held, touch = self._keys, self._keys.move_to_end
+        n, matching = 0, True
+        for key in keys:
+            v = held.get(key)
+            if matching and v is not None:
+                n += 1
+            else:
+                matching = False
+            held[key] = LANDED if v == LANDED else (v or 0) + 1
+            touch(key)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+        return n
 
     def landed_keys(self, keys: Iterable[Hashable]) -> None:
         """:meth:`landed` for pages named by ``keys``."""

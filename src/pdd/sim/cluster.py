@@ -335,8 +335,7 @@ class ClusterSim:
         req.md = md
         ix = self.md_index.get(md.name)
         if ix is not None:  # the runtime's _record_route: what the index held, then the prompt recorded
-            req.md_held = ix.match_keys(self._page_keys(req)) * self.page
-            ix.insert_keys(self._page_keys(req))
+            req.md_held = ix.record_keys(self._page_keys(req)) * self.page
         if self._always_relay(req):
             self._decide(req)
             if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
@@ -804,7 +803,7 @@ class ClusterSim:
         """MD holds all of the request's KV in its pool (MD's ``kv_ready``)."""
         req.md_kv_complete = True
         ix = self.md_index.get(req.md.name)
-        if ix is not None and self.cfg.md_index_drops_cut_offs:
+        if ix is not None:
             ix.landed_keys(self._page_keys(req))
         req.t_md_kv = self.env.now
         md = req.md
@@ -972,7 +971,7 @@ class ClusterSim:
             self._md_release(req, cache=True)
             ix = self.md_index.get(inst.name)
             if ix is not None:  # the runtime's _record_decoded: the prompt and the outputs but the last
-                ix.insert_keys(self._page_keys(req, req.out_len - 1), landed=self.cfg.md_index_drops_cut_offs)
+                ix.insert_keys(self._page_keys(req, req.out_len - 1), landed=True)
             self._complete(req)
         elif role == "C":
             if inst.cache is not None:
