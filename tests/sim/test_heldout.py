@@ -228,3 +228,35 @@ def test_at_live_p_speed_needs_a_fitted_p_step():
 
     assert at_live_p_speed(None, "x", {}, 64, [], [], 0.09, {}) is None
     assert at_live_p_speed(None, "x", {"role_step_scale": {"P": 1.3}}, 64, [], [], None, {}) is None
+
+
+def test_noise_floor_intervals_of_a_copy_and_of_a_uniformly_slower_run(tmp_path):
+    """The noise floor carries each error's paired-bootstrap interval (pdd.sim.uncertainty): zero
+    wide at zero for a copy of the run; for every TTFT x1.25, +25% at both ends and TPOT at 0."""
+    a = _small()
+    same = live_vs_live(a, copy.deepcopy(a))["err_ci"]
+    assert all(same[k] == [0.0, 0.0] for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"))
+    slow = live_vs_live(a, _slower(a, 1.25))["err_ci"]
+    for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"):
+        assert slow[k] == [pytest.approx(0.25, rel=1e-9), pytest.approx(0.25, rel=1e-9)]
+    assert slow["p50_tpot_ms"] == [pytest.approx(0.0, abs=1e-9), pytest.approx(0.0, abs=1e-9)]
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    n1 = _run_dir(tmp_path, "n1", {"session_seed": 3}, records=a)
+    n2 = _run_dir(tmp_path, "n2", {"session_seed": 3}, records=_slower(a, 1.25))
+    text = format_report(held_out_report(cal, [ho], (n1, n2)))
+    assert "(+25.0% [+25, +25])" in text and "95% interval: the error's paired bootstrap" in text
+
+
+def test_a_held_out_runs_interval_is_shown_beside_its_error(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2}, {"p50_ttft_ms": 100.0}, {"p50_ttft_ms": 104.0})
+    v = json.loads((ho / "validate.json").read_text())
+    v["err_ci"] = {"p50_ttft_ms": [-0.123, 0.402], "p90_ttft_ms": [-0.003, 0.1], "p99_ttft_ms": None,
+                   "p50_tpot_ms": None}
+    (ho / "validate.json").write_text(json.dumps(v))
+    rep = held_out_report(cal, [ho])
+    assert rep["held_out"][0]["err_ci"]["p50_ttft_ms"] == [-0.123, 0.402]
+    text = format_report(rep)
+    assert "100.0 / 104.0 (+4.0% [-12, +40])" in text and "(-0.0% [+0, +10])" not in text
+    assert "[+0, +10])" in text

@@ -87,6 +87,20 @@ def test_held_out_errors_are_the_documented_ones(resim):
         assert (round(nf["err_p50_ttft_ms"], 3), round(nf["err_p90_ttft_ms"], 3)) == want
 
 
+def test_each_error_comes_with_its_interval(resim):
+    """Every held-out error carries its 95% paired-bootstrap interval (pdd.sim.uncertainty); the
+    TTFT P50 of these 100-242 request runs could have come out more than 10 points apart with
+    other requests of the same workload, on every run (docs/SIM.md "How far a run's sample
+    decides its error")."""
+    rep = json.loads((resim / "report-0.json").read_text())
+    for r in rep["held_out"]:
+        for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
+            lo, hi = r["err_ci"][k]
+            assert lo <= hi, (r["run"], k)
+        lo, hi = r["err_ci"]["p50_ttft_ms"]
+        assert hi - lo > 0.10 and lo < r["err_p50_ttft_ms"] < hi, r["run"]
+
+
 def test_tpot_by_path_splits_the_calibration_runs_tpot(resim):
     """Relay-only and handed-over requests, live and simulated, as docs/SIM.md reads them: the
     live longest token gap of a relay-only request (13.2 ms) is RLD's step variance, which the

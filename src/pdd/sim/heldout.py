@@ -19,6 +19,7 @@ import numpy as np
 
 from pdd.sim.recorded import RecordedRunError, faults_text, read_run, run_engines
 from pdd.sim.sim_config import LIVE_FIT_FIELDS
+from pdd.sim.uncertainty import error_intervals
 from pdd.sim.validate import decisions_of, error_distribution
 
 # the goals of issue 25 (docs/SIM.md): |TTFT P50| and |TTFT P90| error, decision match
@@ -45,7 +46,8 @@ def _metrics(ttft: list[float], tpot: list[float]) -> dict:
 def live_vs_live(a: list[dict], b: list[dict]) -> dict:
     """The noise floor: run ``b`` against run ``a`` of the same workload (request records of the
     bench client, matched by position), with the metrics the simulator is judged on: TTFT P50 /
-    P90 / P99 and TPOT P50 of each and ``b / a - 1``; per request ``(b - a) / a`` of TTFT
+    P90 / P99 and TPOT P50 of each and ``b / a - 1`` with its 95% paired-bootstrap interval
+    (``err_ci``, :func:`pdd.sim.uncertainty.error_intervals`); per request ``(b - a) / a`` of TTFT
     (``error_distribution``); the share of requests both runs decided alike (pipeline, and the
     final round's handoff mode) and the pipeline alone.
 
@@ -58,6 +60,7 @@ def live_vs_live(a: list[dict], b: list[dict]) -> dict:
             if ra.get(k) != rb.get(k):
                 raise ValueError(f"request {i}: {k} {ra.get(k)} vs {rb.get(k)}: not the same workload")
     ta, pa, tb, pb, per = [], [], [], [], []
+    ttft_pairs, tpot_pairs = [], []  # (run a, run b) of each request both completed
     n = match = pl = 0
     for ra, rb in zip(a, b):
         ma, mb = _ttft_tpot(ra), _ttft_tpot(rb)
@@ -66,10 +69,13 @@ def live_vs_live(a: list[dict], b: list[dict]) -> dict:
         n += 1
         ta.append(ma[0])
         tb.append(mb[0])
+        ttft_pairs.append((ma[0], mb[0]))
         if ma[1] is not None:
             pa.append(ma[1])
         if mb[1] is not None:
             pb.append(mb[1])
+        if ma[1] is not None and mb[1] is not None:
+            tpot_pairs.append((ma[1], mb[1]))
         if ma[0] > 0:
             per.append(mb[0] / ma[0] - 1.0)
         da = decisions_of((ra.get("pdd") or {}).get("decisions"))
@@ -84,6 +90,7 @@ def live_vs_live(a: list[dict], b: list[dict]) -> dict:
     for k in out["a"]:
         x, y = out["a"][k], out["b"][k]
         out[f"err_{k}"] = None if not x or y is None else y / x - 1.0
+    out["err_ci"] = error_intervals(ttft_pairs, tpot_pairs)
     return out
 
 
@@ -181,6 +188,7 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
                "live": v["live"], "sim": v["sim"],
                "decision_match_share": v["decision_match_share"], "pipeline_match_share": v.get("pipeline_match_share"),
                "ttft_error_per_request": v.get("ttft_error_per_request"),
+               "err_ci": v.get("err_ci"),  # absent in a validate.json written before it was reported
                "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from"),
                "at_live_p_speed": v.get("at_live_p_speed")}
         for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
@@ -221,19 +229,24 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
 
 
+def _ci(ci) -> str:
+    # whole percents (round() first: -0.3% shows as +0, not -0)
+    return "" if not ci else f" [{round(ci[0] * 100):+d}, {round(ci[1] * 100):+d}]"
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
 def format_report(rep: dict) -> str:
     """Markdown: one row per held-out run (and the noise floor), then the goals."""
-    head = ("| run | changed | requests compared | TTFT P50 live / sim ms (error; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
+    head = ("| run | changed | requests compared | TTFT P50 live / sim ms (error [95% interval]; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
             "TTFT error: median, \\|e\\| P50 / P90 / P99, within 10% | decision match | pipeline match | goals met | "
             "TTFT P50 / P90 error at the run's own P speed (P step factor; a diagnostic, pdd.sim.p_speed) |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed="", ps=None):
-        cells = [f"{_ms(x.get(k))} / {_ms(y.get(k))} ({_pct(errs.get(k))})"
+    def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed="", ps=None, ci=None):
+        cells = [f"{_ms(x.get(k))} / {_ms(y.get(k))} ({_pct(errs.get(k))}{_ci((ci or {}).get(k))})"
                  for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")]
         pr = "-" if not per else (f"{_pct(per['median'])}, {per['abs_p50'] * 100:.1f}% / {per['abs_p90'] * 100:.1f}% / "
                                   f"{per.get('abs_p99', float('nan')) * 100:.1f}%, "
@@ -252,18 +265,22 @@ def format_report(rep: dict) -> str:
         nf_ = r.get("live_failed") or 0
         row(r["run"], changed, r["requests_compared"], r["live"], r["sim"], errs, r["ttft_error_per_request"],
             r["decision_match_share"], r["pipeline_match_share"], met, f" ({nf_} failed live)" if nf_ else "",
-            r.get("at_live_p_speed"))
+            r.get("at_live_p_speed"), r.get("err_ci"))
     nf = rep.get("noise_floor")
     if nf:
         errs = {k: nf.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
         fa, fb = nf.get("live_failed") or (0, 0)
         row("noise floor: live run 2 vs run 1", "none", nf["requests_compared"], nf["a"], nf["b"], errs,
             nf["ttft_error_per_request"], nf["decision_match_share"], nf["pipeline_match_share"], "-",
-            f" ({fa} / {fb} failed live)" if fa or fb else "")
+            f" ({fa} / {fb} failed live)" if fa or fb else "", ci=nf.get("err_ci"))
     g = rep["goals"]
     lines.append("")
     lines.append(f"goals: |TTFT P50| and |TTFT P90| error <= {g['ttft_p50_abs_err'] * 100:.0f}% / "
                  f"{g['ttft_p90_abs_err'] * 100:.0f}%, decision match >= {g['decision_match'] * 100:.0f}%, on every "
                  f"held-out run: {'met' if rep['all_meet'] else 'not met'} "
                  f"(calibration run: {rep['calibration']})")
+    if any(r.get("err_ci") for r in rep["held_out"]) or (nf or {}).get("err_ci"):
+        lines.append("95% interval: the error's paired bootstrap over the run's requests (each drawn with its live "
+                     "and simulated value; 2,000 resamples): what a run of this size could have shown with other "
+                     "requests of the same workload (pdd.sim.uncertainty)")
     return "\n".join(lines)

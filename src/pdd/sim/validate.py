@@ -34,6 +34,7 @@ from pdd.sim.sim_config import with_live_fit
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
 from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run, faults_text,
                               load_profile_checked, read_run, require_completed, run_faults)
+from pdd.sim.uncertainty import error_intervals
 from pdd.topology import free_port_block
 from pdd.workload.replay import Scale
 
@@ -164,9 +165,12 @@ def sim_tpot_s(req) -> float | None:
 
 
 def compare(live_records: list[dict], sim: ClusterSim) -> dict:
-    """Metrics of both runs (requests matched by position) and the decision match."""
+    """Metrics of both runs (requests matched by position) and the decision match; ``err_ci``:
+    each percentile error's 95% paired-bootstrap interval over the requests both completed
+    (:func:`pdd.sim.uncertainty.error_intervals`)."""
     lt, lp, st, sp = [], [], [], []
     pairs: list[tuple[float, float]] = []  # (live, sim) TTFT of each request both completed
+    tpot_pairs: list[tuple[float, float]] = []  # (live, sim) TPOT of each request both decoded past its first token
     match = pl_match = n = 0
     mism = []
     recorded = []
@@ -184,6 +188,8 @@ def compare(live_records: list[dict], sim: ClusterSim) -> dict:
             pairs.append((tt[0] - rec["send_s"], req.t_first - req.arrival))
             if req.n_emitted > 1:
                 sp.append(sim_tpot_s(req))
+                if len(tt) > 1:
+                    tpot_pairs.append((live_tpot_s(tt), sim_tpot_s(req)))
         live_dec = (rec.get("pdd") or {}).get("decisions") or []
         recorded.extend(live_dec)
         a, b = decisions_of(live_dec), decisions_of(sim.decision_log.get(req.rid))
@@ -207,6 +213,8 @@ def compare(live_records: list[dict], sim: ClusterSim) -> dict:
     for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
         out[f"err_{k}"] = _err(out["sim"][k], out["live"][k])
     out["ttft_error_per_request"] = per_request_error(pairs)
+    # what the errors above could have been with other requests of the same workload
+    out["err_ci"] = error_intervals(pairs, tpot_pairs)
     out["tpot_by_path"] = tpot_by_path(live_records, sim)
     return out
 
@@ -469,7 +477,9 @@ def format_validate(res: dict) -> str:
     for k, name in (("p50_ttft_ms", "TTFT P50 ms"), ("p90_ttft_ms", "TTFT P90 ms"), ("p99_ttft_ms", "TTFT P99 ms"),
                     ("p50_tpot_ms", "TPOT P50 ms")):
         if k in res["live"]:  # a validate.json written before P99 was reported has none
-            rows.append({"metric": name, "live": res["live"][k], "sim": res["sim"][k], "rel_err": res[f"err_{k}"]})
+            ci = (res.get("err_ci") or {}).get(k)
+            rows.append({"metric": name, "live": res["live"][k], "sim": res["sim"][k], "rel_err": res[f"err_{k}"],
+                         "95% interval": None if not ci else f"{ci[0] * 100:+.1f}% .. {ci[1] * 100:+.1f}%"})
     pr = res.get("ttft_error_per_request")
     if pr:
         rows.append({"metric": "TTFT per request: median (sim-live)/live", "live": None, "sim": None,
@@ -518,7 +528,10 @@ def format_validate(res: dict) -> str:
         "simulated one; do not read its errors as the simulator's" if lost else ""
     errs = res.get("live_errors") or []
     failed = (f"{res['live_failed']} live failures" + (f" ({'; '.join(errs)})" if errs and res['live_failed'] else ""))
-    return (table(rows, ["metric", "live", "sim", "rel_err"])
+    ci_note = ("\n95% interval: the error's paired bootstrap over the compared requests (what a run of this size "
+               "could have shown with other requests of the same workload; pdd.sim.uncertainty)"
+               if res.get("err_ci") else "")
+    return (table(rows, ["metric", "live", "sim", "rel_err", "95% interval"]) + ci_note
             + f"\nrecorded inputs replayed through the sim's policy calls: {rep['identical']}/{rep['decisions']} "
               f"identical\ncompute share of TTFT {res['compute_share_of_ttft']:.0%}; "
               f"(with P's role overhead {res.get('compute_share_of_ttft_with_role_overhead', 0):.0%}); "
