@@ -244,6 +244,31 @@ def test_the_ablation_script_refuses_an_unknown_variant(capsys):
     assert "--variant: unknown no-lanes; variants are all, one-lane, no-reply-lag" in capsys.readouterr().err
 
 
+def test_pairs_as_live_moves_only_the_first_of_a_pair_the_live_p_ran_in_one_step():
+    """The ablation script's ``pairs-as-live`` diagnostic: of requests sent within 2 ms, the first
+    one goes to its partner's send time when its live prefill interval is over 25 ms longer than
+    simulated; one sent alone, or simulated as slow as live, stays."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("sim_ablation", ROOT / "scripts" / "sim_ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    @dataclasses.dataclass(frozen=True)
+    class R:
+        arrival_s: float
+
+    reqs = [R(1.0), R(1.0015), R(2.0), R(2.001), R(3.0)]
+    # live prefill intervals (ms): the first of pair 1 ran 60 ms beside its partner's chunk; pair 2's first
+    # as simulated; the lone request slow but alone
+    live = [{"pdd": {"events_ms": {"p_first_token": t}}} for t in (75.0, 70.0, 20.0, 90.0, 200.0)]
+    sim = SimpleNamespace(reqs=[SimpleNamespace(arrival=r.arrival_s, t_prefill_done=r.arrival_s + d)
+                                for r, d in zip(reqs, (0.015, 0.07, 0.019, 0.09, 0.02))])
+    got = [r.arrival_s for r in mod.pairs_as_live(reqs, live, sim)]
+    assert got == [1.0015, 1.0015, 2.0, 2.001, 3.0]
+
+
 @pytest.mark.parametrize("script", ["sim_heldout", "sim_ablation"])
 @pytest.mark.parametrize("case", ["out_a_file", "out_under_a_file", "runs_empty"])
 def test_the_scripts_refuse_an_unusable_out_or_runs_in_one_line(capsys, tmp_path, script, case):
