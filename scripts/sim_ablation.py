@@ -12,6 +12,9 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT median error (%) an
   with no ``conn`` and ``express_bytes`` 0);
 - ``no-reply-lag``: P's quiet fit without its reply-lag term (``calibrate.fit_quiet_step``
   with ``with_lag`` False: scale and per-step overhead; the dispatch takes what is left);
+- ``no-decode-scale``: RLD's step without its factor over the bare step
+  (``live_measures.live_decode_scale`` gives None: RLD's step is the profile's plus a per-step
+  overhead fitted on the mean step alone, as MD's);
 - ``no-interference``: no prefill interference (``calibrate.calibrate_p_interference`` gives
   None, so P's level is fitted on its mean step at a factor of 1);
 - ``block-hits``: P's cache hit in whole blocks, not pages (``SimConfig.page_tokens`` None);
@@ -41,8 +44,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ("all", "one-lane", "no-reply-lag", "no-interference", "block-hits", "schedule", "no-index",
-            "pairs-as-live")
+VARIANTS = ("all", "one-lane", "no-reply-lag", "no-decode-scale", "no-interference", "block-hits", "schedule",
+            "no-index", "pairs-as-live")
 PAIR_WITHIN_S = 0.002  # pairs-as-live: two requests sent at most this far apart ...
 PAIR_SLOWER_S = 0.025  # ... the first one's live prefill interval this much longer than simulated
 
@@ -83,6 +86,8 @@ def patch(variant: str) -> None:
     elif variant == "no-reply-lag":
         fit = cal.fit_quiet_step
         cal.fit_quiet_step = lambda *a, **k: fit(*a, **k, with_lag=False)
+    elif variant == "no-decode-scale":
+        cal.live_decode_scale = lambda *a, **k: None
     elif variant == "no-interference":
         cal.calibrate_p_interference = lambda *a, **k: None
     elif variant in ("block-hits", "no-index"):

@@ -228,3 +228,38 @@ def test_validate_names_what_the_simulator_was_given():
     v["live_faults"] = {"degraded": 10, "unreachable": ["md0"]}
     assert ("WARNING: the live run lost an instance (md0 unreachable at the run's end; 10 of "
             f"{v['requests_compared']} requests degraded (an instance lost mid-run))") in format_validate(v)
+
+
+def test_alone_gaps_leave_out_p_busy_and_another_stream():
+    from pdd.sim.live_measures import live_decode_alone_gaps
+
+    p = rec(10.0, 500.0, [10.6, 10.7])  # at P 10.0 .. 10.5 s, then streams 10.6 .. 10.7
+    d = rec(8.0, 100.0, [8.9, 9.0, 9.1, 9.2, 10.1, 10.3, 10.45, 10.6, 10.65, 10.8, 10.9], ["rld"] * 11)
+    d["prompt_tokens"] = 100
+    g = live_decode_alone_gaps([p, d])
+    # 9.2 .. 10.6: P busy; 10.6-10.65: the other request streams; the gap between tokens i and
+    # i + 1 is a step over prompt + i tokens
+    assert [(round(x, 6), c) for x, c in g["rld"]] == [(0.1, 101), (0.1, 102), (0.15, 108), (0.1, 109)]
+    assert live_decode_alone_gaps([rec(8.0, 100.0, [8.9, 9.0, 9.1])]) == {}  # no per-token tiers
+
+
+def test_decode_scale_is_the_median_gap_over_the_bare_step():
+    from pdd.sim.live_measures import live_decode_scale
+
+    class Bare:  # 1 ms + 1 us a token of context
+        def decode_time(self, batch, ctx):
+            return 0.001 + 1e-6 * ctx
+
+    t, tokens = 5.0, [5.0]
+    for i in range(70):  # the gap before token i + 1: twice the bare step over 1,000 + i tokens
+        t += 2 * (0.001 + 1e-6 * (1000 + i))
+        tokens.append(t)
+    r = rec(4.0, 100.0, tokens, ["rld"] * len(tokens))
+    r["prompt_tokens"] = 1000
+    md = rec(20.0, 100.0, [20.1 + 0.004 * i for i in range(10)], ["md"] * 10)  # 8 gaps: too few
+    md["prompt_tokens"] = 10
+    got = live_decode_scale([r, md], {"RLD": Bare(), "MD": Bare()})
+    assert got["factors"] == {"RLD": pytest.approx(2.0, rel=1e-9)}
+    assert got["tiers"]["rld"]["samples"] == 69  # the first token starts no gap
+    assert live_decode_scale([r], {"RLD": Bare()}, min_samples=70) is None
+    assert live_decode_scale([r], {"MD": Bare()}) is None  # no model for RLD's tier

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdd.sim.live_measures import (isolated_prefills, live_client_delay_s, live_decode_interference, live_fast_path,
-                                   live_gateway_rtt_ms, live_role_steps, live_wan_payload_bytes)
+from pdd.sim.live_measures import (isolated_prefills, live_client_delay_s, live_decode_interference, live_decode_scale,
+                                   live_fast_path, live_gateway_rtt_ms, live_role_steps, live_wan_payload_bytes)
 from pdd.sim.recorded import (RecordedRunError, check_same_engines, faults_text, load_profile_checked, read_run,
                               require_completed, run_faults)
 from pdd.sim.validate import as_sent, build_workload, sim_role_steps, simulate, validate_config
@@ -245,7 +245,9 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     (``prefill_interference``) where the simulated mean P step equals P's mean live step
     (:func:`calibrate_p_interference`; when no factor in [1, 5] does, :func:`calibrate_p_level`
     scales the quiet fit to that step instead); the part of P's interval that is neither
-    (``p_dispatch_s``, :func:`calibrate_p_dispatch`); the other roles' per-step overheads
+    (``p_dispatch_s``, :func:`calibrate_p_dispatch`); RLD's step as a factor over its bare engine's
+    (``role_step_scale["RLD"]``, :func:`live_decode_scale`: the median token gap of a request
+    decoding alone over the bare step at its context); the other roles' per-step overheads
     (:func:`calibrate_role_overheads`; P's too, with no factor, when the run has too few isolated
     prefills); how much a decode step slows while P prefills beside it (``decode_interference``,
     :func:`live_decode_interference`, fitted before the overheads, which then hold the rest); the
@@ -298,13 +300,27 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     if di is not None:
         prof["decode_interference"] = di["factors"]
     prof.pop("role_step_scale", None)
+    # RLD's step against its bare engine's, from the gaps of a request decoding alone (a factor:
+    # the live gap grows with the context about twice as fast as the bare step); the per-step
+    # overheads below then hold what is left of its mean engine step. MD keeps an overhead alone:
+    # a run is often re-simulated with MD on another engine (tier B's own bare profile,
+    # --profile-b: bf16 on this CPU steps 1.5-2.2x as long), which a factor fitted against this
+    # one would scale with it (the heterogeneous runs' MD step 9.0 ms simulated, 7.2 live),
+    # where a per-step overhead carries over (7.5 ms)
+    ep_rld = cfg.engine_for("relay_decode")
+    ds = live_decode_scale(live_recs, {"RLD": MeasuredStepModel(load_profile_checked(ep_rld.profile)
+                                                                if ep_rld.profile else prof)})
+    scales = dict(ds["factors"]) if ds is not None else {}
     ep = cfg.engine_for("prefill")  # P's chip: its tier's profile, else the given one
     p_prof = load_profile_checked(ep.profile) if ep.profile else prof
     iso = isolated_prefills(live_recs, MeasuredStepModel(p_prof), min(ep.prefill_chunk_tokens, ep.max_batch_tokens))
     prof.pop("prefill_interference", None)
     sc = fit_quiet_step(iso, min(ep.prefill_chunk_tokens, ep.max_batch_tokens))
     if sc is not None:
-        prof["role_step_scale"] = {"P": sc["scale"]}
+        scales["P"] = sc["scale"]
+    if scales:
+        prof["role_step_scale"] = dict(scales)
+    if sc is not None:
         if sc["lag_s_per_token"] > 0:
             prof["p_reply_lag_s_per_token"] = sc["lag_s_per_token"]
     bt = w["block_tokens"]
@@ -323,7 +339,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
         elif f is None:  # no factor gives the engine's mean step: P's level on the quiet fit does
             sc["level"] = calibrate_p_level(cfg, profile, prof, bt, requests, live["P"]["mean_step_s"],
                                             sc["scale"], sc["overhead_s"], ovh, wb)
-            prof["role_step_scale"] = {"P": sc["level"] * sc["scale"]}
+            prof["role_step_scale"] = {**scales, "P": sc["level"] * sc["scale"]}
             ovh = {**ovh, "P": sc["level"] * sc["overhead_s"]}
     quiet = quiet_prefills(iso)
     disp = calibrate_p_dispatch(cfg, profile, prof, bt, requests, quiet if len(quiet) >= 8 else iso, ovh, wb) \
@@ -335,6 +351,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
                                   "live_wan_payload_bytes": live_bytes, "sim_wan_bytes": sim_bytes,
                                   "step_scale_fit": {"P": sc}, "decode_interference_fit": di,
+                                  "decode_scale_fit": ds,
                                   "p_dispatch_fit": disp,
                                   "iterations": hist}
     Path(out_profile or profile).write_text(json.dumps(prof, indent=1))

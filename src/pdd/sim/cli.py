@@ -586,6 +586,15 @@ def cmd_calibrate_roles(a) -> int:
         print(f"P    dispatch {prof.get('p_dispatch_s', 0.0) * 1e3:.2f} ms a request (the median, over {dp['samples']} "
               f"isolated prefills, of the live P interval less the simulated one: {md * 1e3:.2f} ms"
               + (", below 0: none" if md < 0 else "") + ")")
+    ds = prof["role_overhead_from"].get("decode_scale_fit")
+    if ds:
+        for t, g in ds["tiers"].items():
+            print(f"{t.upper():4s} step shape x{g['factor']:.3f} over the profile (median token gap over the bare step, "
+                  f"{g['samples']} gaps of a request decoding alone: {g['median_gap_s'] * 1e3:.2f} ms against "
+                  f"{g['median_bare_s'] * 1e3:.2f} ms)")
+    else:
+        print(f"RLD  step shape: no factor fitted (x1): fewer than {DECODE_GAPS_MIN} token gaps of a request decoding "
+              "alone; its per-step overhead is fitted below")
     di = prof["role_overhead_from"].get("decode_interference_fit")
     if di:
         per = "; ".join(f"{t}: {g['busy_median_s'] * 1e3:.1f} ms over {g['quiet_median_s'] * 1e3:.1f} ms, "

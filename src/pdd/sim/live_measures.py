@@ -139,6 +139,85 @@ def live_decode_interference(live_records: list[dict], min_samples: int = DECODE
     return {"factors": {t.upper(): max(1.0, g["ratio"]) for t, g in tiers.items()}, "tiers": tiers}
 
 
+def live_decode_alone_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
+    """Decode token gaps (seconds, as the client saw them) of a request decoding alone: while no
+    request is at P (its send to the gateway's ``p_first_token``: queued or prefilling) and no
+    other request streams tokens (its first to its last token at the client, any tier), so the
+    tier's step held one sequence and shared the cores with nothing but the serving path. Per
+    tier (``"rld"``, ``"md"``: the record's per-token ``tiers``), a list of ``(gap_s,
+    context_tokens)``: the gap between tokens ``i`` and ``i + 1`` of a request of ``p`` prompt
+    tokens is a step over ``p + i`` tokens of context. As :func:`live_decode_gaps`, a request's
+    first token, gaps between two tiers' tokens and gaps within ``margin_s`` of its handoff
+    events are left out."""
+    p_iv, streams = [], []
+    for k, rec in enumerate(live_records):
+        if not rec.get("ok"):
+            continue
+        t0 = float(rec["send_s"])
+        ev = (rec.get("pdd") or {}).get("events_ms") or {}
+        if "p_first_token" in ev:
+            p_iv.append((t0, t0 + ev["p_first_token"] / 1000.0))
+        tt = rec.get("token_times_s") or []
+        if len(tt) >= 2:
+            streams.append((float(tt[0]), float(tt[-1]), k))
+    ps = np.array([a for a, _ in p_iv]) if p_iv else np.zeros(0)
+    pe = np.array([b for _, b in p_iv]) if p_iv else np.zeros(0)
+    ss = np.array([a for a, _, _ in streams]) if streams else np.zeros(0)
+    se = np.array([b for _, b, _ in streams]) if streams else np.zeros(0)
+    sk = np.array([k for _, _, k in streams]) if streams else np.zeros(0, dtype=int)
+    out: dict[str, list[tuple[float, int]]] = {}
+    for k, rec in enumerate(live_records):
+        tt = rec.get("token_times_s") or []
+        tiers = rec.get("tiers")
+        if not rec.get("ok") or len(tt) < 3 or not (isinstance(tiers, list) and len(tiers) == len(tt)):
+            continue
+        ev = (rec.get("pdd") or {}).get("events_ms") or {}
+        t0 = float(rec["send_s"])
+        ho = [t0 + ev[h] / 1000.0 for h in HANDOFF_EVENTS if h in ev]
+        lo, hi = (min(ho) - margin_s, max(ho) + margin_s) if ho else (None, None)
+        prompt = int(rec.get("prompt_tokens") or 0)
+        for i in range(1, len(tt) - 1):
+            a, b = tt[i], tt[i + 1]
+            if tiers[i] != tiers[i + 1] or not isinstance(tiers[i], str) or (lo is not None and a < hi and b > lo):
+                continue
+            if np.any((ps < b) & (pe > a)):  # a request at P during the gap
+                continue
+            mid = (a + b) / 2
+            if np.any((ss <= mid) & (se >= mid) & (sk != k)):  # another request streaming
+                continue
+            out.setdefault(tiers[i], []).append((b - a, prompt + i))
+    return out
+
+
+def live_decode_scale(live_records: list[dict], step_models: dict, min_samples: int = DECODE_GAPS_MIN) -> dict | None:
+    """Each decoding tier's step as the client sees it, against its bare engine's: the median of
+    ``gap / step_model.decode_time(1, context)`` over the gaps of a request decoding alone
+    (:func:`live_decode_alone_gaps`), for each tier in ``step_models`` (role as the simulator
+    names it, ``"RLD"`` / ``"MD"`` -> a step model with ``decode_time(batch, sum_context)``,
+    seconds) with at least ``min_samples`` such gaps. A factor, not an added constant: on this
+    machine the live gap grows with the context about twice as fast as the bare step
+    (docs/SIM.md "Where the decisions still differ"). Returns ``{"factors": {role: factor},
+    "tiers": {tier: {"factor", "samples", "median_gap_s", "median_bare_s"}}}``, or None when no
+    tier has enough gaps."""
+    gaps = live_decode_alone_gaps(live_records)
+    factors, tiers = {}, {}
+    for tier, g in sorted(gaps.items()):
+        role = tier.upper()
+        model = step_models.get(role)
+        if model is None or len(g) < min_samples:
+            continue
+        gap = np.array([x for x, _ in g])
+        bare = np.array([model.decode_time(1, float(c)) for _, c in g])
+        ok = bare > 0
+        if ok.sum() < min_samples:
+            continue
+        f = float(np.median(gap[ok] / bare[ok]))
+        factors[role] = f
+        tiers[tier] = {"factor": f, "samples": int(ok.sum()), "median_gap_s": float(np.median(gap[ok])),
+                       "median_bare_s": float(np.median(bare[ok]))}
+    return {"factors": factors, "tiers": tiers} if factors else None
+
+
 def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: float,
                    min_samples: int = 20) -> dict | None:
     """The in-datacenter KV path P -> RLD as the live run shows it: least squares of (gateway's
