@@ -260,3 +260,44 @@ def test_a_held_out_runs_interval_is_shown_beside_its_error(tmp_path):
     text = format_report(rep)
     assert "100.0 / 104.0 (+4.0% [-12, +40])" in text and "(-0.0% [+0, +10])" not in text
     assert "[+0, +10])" in text
+
+
+@pytest.mark.parametrize("bad", [{"p50_ttft_ms": "x"}, [1], "abc", 5, {"p50_ttft_ms": [1]},
+                                 {"p90_ttft_ms": [None, None]}, {"p50_ttft_ms": ["a", "b"]},
+                                 {"p50_ttft_ms": [True, False]}, {"p50_ttft_ms": [1, 2, 3]},
+                                 {"p50_tpot_ms": [0.2, -0.1]}])
+def test_a_malformed_err_ci_is_one_line_naming_the_field(tmp_path, capsys, bad):
+    """A validate.json whose err_ci is not what `pdd sim validate` writes (hand-edited, truncated):
+    exit 2 and one line naming the file and the field, never a traceback from the formatting."""
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v["err_ci"] = bad
+    (ho / "validate.json").write_text(json.dumps(v))
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "ho/validate.json: err_ci" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_non_finite_err_ci_bound_is_refused(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v["err_ci"] = {"p50_ttft_ms": [float("nan"), 1.0]}
+    (ho / "validate.json").write_text(json.dumps(v))  # NaN, as Python's json writes it
+    with pytest.raises(ValueError, match="err_ci.p50_ttft_ms must be null or"):
+        held_out_report(cal, [ho])
+
+
+def test_an_err_ci_absent_or_null_is_read_as_none_recorded(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v["err_ci"] = {"p50_ttft_ms": None, "level": 0.95, "resamples": 2000}
+    (ho / "validate.json").write_text(json.dumps(v))
+    assert "[" not in format_report(held_out_report(cal, [ho])).splitlines()[2].split("|")[4]
+    v.pop("err_ci")
+    (ho / "validate.json").write_text(json.dumps(v))
+    held_out_report(cal, [ho])

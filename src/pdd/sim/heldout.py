@@ -19,7 +19,7 @@ import numpy as np
 
 from pdd.sim.recorded import RecordedRunError, faults_text, read_run, run_engines
 from pdd.sim.sim_config import LIVE_FIT_FIELDS
-from pdd.sim.uncertainty import error_intervals
+from pdd.sim.uncertainty import METRICS, error_intervals
 from pdd.sim.validate import decisions_of, error_distribution
 
 # the goals of issue 25 (docs/SIM.md): |TTFT P50| and |TTFT P90| error, decision match
@@ -119,7 +119,27 @@ def read_validate(run_dir: str | Path) -> dict:
     for k in ("workload", "live", "sim"):
         if not isinstance(v[k], dict):
             raise ValueError(f"{p}: {k} must be an object, got {v[k]!r}")
+    _check_err_ci(p, v.get("err_ci"))
     return v
+
+
+def _check_err_ci(p, ci) -> None:
+    """ValueError naming the file and field unless ``err_ci`` (optional: absent or null in a
+    validate.json written before it was reported) is an object whose judged metrics are each
+    null or ``[lo, hi]``, two finite numbers with lo <= hi (what the report prints)."""
+    if ci is None:
+        return
+    if not isinstance(ci, dict):
+        raise ValueError(f"{p}: err_ci must be an object, got {json.dumps(ci)}")
+    for name, _, _ in METRICS:
+        x = ci.get(name)
+        if x is None:
+            continue
+        if not (isinstance(x, list) and len(x) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and np.isfinite(b) for b in x)
+                and x[0] <= x[1]):
+            raise ValueError(f"{p}: err_ci.{name} must be null or [lo, hi], two finite numbers with lo <= hi, "
+                             f"got {json.dumps(x)}")
 
 
 # the profile fields a re-simulation applies (pdd.sim.validate.simulate): held-out runs must share them
