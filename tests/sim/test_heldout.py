@@ -301,3 +301,20 @@ def test_an_err_ci_absent_or_null_is_read_as_none_recorded(tmp_path):
     v.pop("err_ci")
     (ho / "validate.json").write_text(json.dumps(v))
     held_out_report(cal, [ho])
+
+
+def test_noise_on_a_re_simulation_names_the_live_run_to_give(tmp_path):
+    """`pdd sim validate --live-from RUN --out DIR` writes DIR/validate.json alone: given as a
+    noise-floor run, DIR is refused naming RUN (whose live requests the noise floor reads)."""
+    a = _small()
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    n1 = _run_dir(tmp_path, "n1", {"session_seed": 3}, records=a)
+    re1 = _run_dir(tmp_path, "re1", {"session_seed": 3})
+    v = json.loads((re1 / "validate.json").read_text())
+    v["live_from"] = str(n1)
+    (re1 / "validate.json").write_text(json.dumps(v))
+    n2 = _run_dir(tmp_path, "n2", {"session_seed": 3}, records=a)
+    with pytest.raises(ValueError, match=f"a re-simulation of the live run {n1}.*give --noise the live run's"):
+        held_out_report(cal, [ho], (re1, n2))
+    held_out_report(cal, [ho], (n1, n2))

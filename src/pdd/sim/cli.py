@@ -758,7 +758,8 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     vr.add_argument("--held-out", required=True, nargs="+", metavar="DIR",
                     help="validate directories of other workloads (same profile, nothing refitted)")
     vr.add_argument("--noise", nargs=2, metavar="DIR", default=None,
-                    help="two validate directories of one workload run live twice (the noise floor)")
+                    help="two validate directories of one workload run live twice (the noise floor): the "
+                         "live runs themselves (holding requests.jsonl), not `--live-from` re-simulations of them")
     vr.add_argument("--json", default=None, help="write the report here")
     vr.set_defaults(func=cmd_validate_report, parser=vr)
     from pdd.sim.compare import DEFAULT_CALIBRATION, DEFAULT_OP_PROFILE

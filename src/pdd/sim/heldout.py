@@ -225,7 +225,7 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
         va, vb = read_validate(a), read_validate(b)
         if _workload(va) != _workload(vb):
             raise ValueError(f"--noise {a} {b}: different workloads; the noise floor needs one workload run twice")
-        (_, ra, ea), (_, rb, eb) = _recorded(a), _recorded(b)
+        (_, ra, ea), (_, rb, eb) = _recorded(a, va), _recorded(b, vb)
         if run_engines(ea) != run_engines(eb):
             raise ValueError(f"--noise {a} {b}: different topologies ({run_engines(ea)} vs {run_engines(eb)}); the "
                              "noise floor needs one topology run twice")
@@ -237,11 +237,18 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
     return out
 
 
-def _recorded(run_dir):
-    """``read_run`` of a noise-floor directory, its errors as ValueError (the report's usage errors)."""
+def _recorded(run_dir, v: dict | None = None):
+    """``read_run`` of a noise-floor directory, its errors as ValueError (the report's usage errors).
+    A re-simulation (``pdd sim validate --live-from RUN --out DIR``) writes only validate.json:
+    its live run is RUN's, which the error names."""
     try:
         return read_run(run_dir)
     except RecordedRunError as e:
+        src = (v or {}).get("live_from")
+        if src and not (Path(run_dir) / "requests.jsonl").exists():
+            raise ValueError(f"--noise {run_dir}: a re-simulation of the live run {src} (`pdd sim validate "
+                             f"--live-from`), which holds no live requests of its own; give --noise the live "
+                             f"run's directory ({src})") from None
         raise ValueError(str(e)) from None
 
 
