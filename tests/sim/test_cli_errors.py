@@ -596,3 +596,20 @@ def test_sim_run_refuses_a_profile_whose_measured_tables_are_malformed(capsys, t
     _refused(capsys, ["sim", "run", "--profile", str(tmp_path / "none.json")], "--profile")
     (tmp_path / "empty.json").write_text("{}")
     _refused(capsys, ["sim", "run", "--profile", str(tmp_path / "empty.json")], "prefill must be a list")
+
+
+@pytest.mark.parametrize("case,flag", [("live_from", "--live-from"), ("profile", "--profile"),
+                                       ("profile_b", "--profile-b")])
+def test_validate_refuses_a_bad_input_before_making_the_model(capsys, tmp_path, case, flag):
+    """A missing --live-from / --profile / --profile-b: refused in one line before `pdd sim
+    validate` writes a model checkpoint (19 MB, into the working directory by default) for a run
+    it will not make."""
+    model = tmp_path / "no-model-yet"
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"model_path: {model}\n")
+    run = _recorded_run(tmp_path / "run") if case != "live_from" else tmp_path / "nosuch"
+    profile = str(tmp_path / "nosuch.json") if case == "profile" else PROFILE
+    extra = ["--profile-b", str(tmp_path / "nosuch-b.json")] if case == "profile_b" else []
+    _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", profile,
+                      "--config", str(cfg), *extra], "pdd sim validate: error:", flag, "no such")
+    assert not model.exists()

@@ -51,6 +51,17 @@ def run_validate(out: str | Path, config=None, *, budget_ms: float = 250.0, cons
 
     console = console or Console(stderr=True)
     cfg = V.validate_config(config, budget_ms)
+    # a bad --live-from / --profile fails before a model is written into the working directory
+    from pdd.sim.recorded import RecordedRunError, load_profile_checked, read_run
+
+    if kw.get("live_from") is not None:
+        read_run(kw["live_from"], need_validate=False)
+    for key in ("profile", "profile_b"):
+        if kw.get(key) is not None:
+            try:
+                load_profile_checked(kw[key])
+            except RecordedRunError as e:
+                raise RecordedRunError(str(e), key) from None
     ensure_model(cfg, console)
     return V.run_validate(out, cfg, budget_ms=budget_ms, live_run=live_run, console=console, **kw)
 
