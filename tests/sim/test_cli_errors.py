@@ -613,3 +613,20 @@ def test_validate_refuses_a_bad_input_before_making_the_model(capsys, tmp_path, 
     _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", profile,
                       "--config", str(cfg), *extra], "pdd sim validate: error:", flag, "no such")
     assert not model.exists()
+
+
+@pytest.mark.parametrize("times,message", [([-1.0, 0.2], "before the request's send_s"),
+                                           ([0.3, 0.2], "non-decreasing")])
+def test_a_recorded_token_before_its_send_or_out_of_order_is_one_line(capsys, tmp_path, times, message):
+    """A hand-edited requests.jsonl whose first token comes before the request was sent (a
+    negative live TTFT, read into the errors and their intervals as it stood) or whose tokens are
+    out of order: refused naming the line and field."""
+    run = _recorded_run(tmp_path / "run")
+    lines = (run / "requests.jsonl").read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["token_times_s"] = times
+    lines[1] = json.dumps(rec)
+    (run / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run),
+                      "--profile", PROFILE, "--config", _fake_model_config(tmp_path)],
+             "pdd sim validate: error:", "--live-from", "requests.jsonl line 2: token_times_s", message)

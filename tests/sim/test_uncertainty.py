@@ -94,3 +94,17 @@ def test_validate_prints_each_errors_interval():
     text = format_validate(v)
     assert "-12.3% .. +40.2%" in text and "+0.0% .. +5.0%" in text
     assert "95% interval: the error's paired bootstrap over the compared requests" in text
+
+
+def test_an_overflowing_error_is_left_out_not_a_nan_interval():
+    """A live percentile so small (subnormal) that sim / live overflows: those resamples are left
+    out like a non-positive live percentile, never a (nan, nan) interval with RuntimeWarnings."""
+    import warnings
+
+    from pdd.sim.uncertainty import paired_percentile_error_ci
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert paired_percentile_error_ci([1e-320] * 3, [1.0] * 3, 50) is None
+        lo, hi = paired_percentile_error_ci([1e-320, 1.0, 1.0, 1.0], [1.0, 1.1, 1.1, 1.1], 50)
+    assert lo == lo and hi == hi and lo <= hi

@@ -176,6 +176,11 @@ def check_record(rec: dict, where: str) -> dict:
             bad("send_s", "must be a number")
     elif rec.get("ok") and (tt or ev):
         bad("send_s", "is missing")
+    if tt:  # a token before its request was sent, or out of order, is a negative TTFT or token gap
+        if any(b < a for a, b in zip(tt, tt[1:])):
+            bad("token_times_s", "must be in the order the tokens came (non-decreasing)")
+        if _number(rec.get("send_s")) and tt[0] < rec["send_s"]:
+            bad("token_times_s", f"starts at {tt[0]}, before the request's send_s {rec['send_s']}")
     return rec
 
 

@@ -32,8 +32,8 @@ def paired_percentile_error_ci(live, sim, q: float, resamples: int = RESAMPLES, 
     request ``i`` of one paired with request ``i`` of the other. ``q`` in [0, 100] (numpy's
     linear interpolation, as the reported percentiles). Returns ``(lo, hi)``, dimensionless (e.g.
     -0.12, +0.40), the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled
-    errors; resamples whose live percentile is not positive are left out. None with fewer than
-    two requests or no usable resample.
+    errors; resamples whose live percentile is not positive (or whose error overflows) are left
+    out. None with fewer than two requests or no usable resample.
 
     Raises ValueError when the lengths differ, a value is not finite, ``q`` is outside [0, 100],
     ``level`` outside (0, 1) or ``resamples`` below 1."""
@@ -62,7 +62,9 @@ def paired_percentile_error_ci(live, sim, q: float, resamples: int = RESAMPLES, 
         lq = np.percentile(x[idx], q, axis=1)
         sq = np.percentile(y[idx], q, axis=1)
         ok = lq > 0
-        errs.append(sq[ok] / lq[ok] - 1.0)
+        with np.errstate(over="ignore", invalid="ignore"):  # a live percentile so small the ratio overflows
+            e = sq[ok] / lq[ok] - 1.0
+        errs.append(e[np.isfinite(e)])
         done += k
     e = np.concatenate(errs)
     if e.size == 0:
