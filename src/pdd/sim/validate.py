@@ -479,7 +479,7 @@ def format_validate(res: dict) -> str:
         if k in res["live"]:  # a validate.json written before P99 was reported has none
             ci = (res.get("err_ci") or {}).get(k)
             rows.append({"metric": name, "live": res["live"][k], "sim": res["sim"][k], "rel_err": res[f"err_{k}"],
-                         "95% interval": None if not ci else f"{ci[0] * 100:+.1f}% .. {ci[1] * 100:+.1f}%"})
+                         "95% interval": None if not ci else f"{ci[0]:+.3g} .. {ci[1]:+.3g}"})  # rel_err's units
     pr = res.get("ttft_error_per_request")
     if pr:
         rows.append({"metric": "TTFT per request: median (sim-live)/live", "live": None, "sim": None,
@@ -528,8 +528,9 @@ def format_validate(res: dict) -> str:
         "simulated one; do not read its errors as the simulator's" if lost else ""
     errs = res.get("live_errors") or []
     failed = (f"{res['live_failed']} live failures" + (f" ({'; '.join(errs)})" if errs and res['live_failed'] else ""))
-    ci_note = ("\n95% interval: the error's paired bootstrap over the compared requests (what a run of this size "
-               "could have shown with other requests of the same workload; pdd.sim.uncertainty)"
+    ci_note = ("\n95% interval: rel_err's paired bootstrap over the compared requests (what a run of this size "
+               "could have shown with other requests of the same workload; none for P99, which its top few "
+               "requests set; pdd.sim.uncertainty)"
                if res.get("err_ci") else "")
     return (table(rows, ["metric", "live", "sim", "rel_err", "95% interval"]) + ci_note
             + f"\nrecorded inputs replayed through the sim's policy calls: {rep['identical']}/{rep['decisions']} "
