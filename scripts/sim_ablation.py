@@ -28,7 +28,11 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT median error (%) an
   chunk: which of the two P received first, and whether its step had begun, is decided live
   within a millisecond) is simulated as sent at the second one's time, so the simulated P forms
   that step too (``validate.simulate`` run twice per re-simulation; the fit is the calibration
-  run's own, unchanged).
+  run's own, unchanged);
+- ``rtt-as-live``: a diagnostic too: each request's pipeline decision reads the WAN RTT estimate
+  the live gateway's decision read for it (its recorded ``wan_rtt_ms`` input, a windowed minimum
+  of reservation round trips that moves from request to request) instead of the calibration
+  run's median (``ClusterSim._pipeline_inputs`` patched; the fit redone with it).
 
 Nothing live is started; about 10 s of CPU a variant. Exit status 2 for an unknown variant, else
 that of the first variant that fails.
@@ -45,9 +49,22 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("all", "one-lane", "no-reply-lag", "no-decode-scale", "no-interference", "block-hits", "schedule",
-            "no-index", "pairs-as-live")
+            "no-index", "pairs-as-live", "rtt-as-live")
 PAIR_WITHIN_S = 0.002  # pairs-as-live: two requests sent at most this far apart ...
 PAIR_SLOWER_S = 0.025  # ... the first one's live prefill interval this much longer than simulated
+
+
+def live_rtt_estimates(live: list[dict]) -> dict:
+    """Request index (the simulator's rid) -> the WAN RTT estimate (ms) the live gateway's first
+    pipeline decision of it read (``rtt-as-live``); requests without one are left out."""
+    out = {}
+    for i, rec in enumerate(live):
+        for d in (rec.get("pdd") or {}).get("decisions") or []:
+            x = (d.get("inputs") or {}).get("wan_rtt_ms") if d.get("policy") == "pipeline" else None
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                out[i] = float(x)
+                break
+    return out
 
 
 def pairs_as_live(requests, live: list[dict], sim) -> list:
@@ -112,6 +129,25 @@ def patch(variant: str) -> None:
             moved = pairs_as_live(requests, last["live"], sim)
             return simulate(cfg, profile, prof, block_tokens, moved, *a, **k)
         val.as_sent, val.simulate = as_sent_kept, simulate_pairs
+    elif variant == "rtt-as-live":
+        import dataclasses
+
+        import pdd.sim.cluster as cluster
+
+        sent, rtt = val.as_sent, {}
+
+        def as_sent_rtt(reqs, live):
+            rtt.clear()
+            rtt.update(live_rtt_estimates(live))
+            return sent(reqs, live)
+
+        inputs = cluster.ClusterSim._pipeline_inputs
+
+        def pipeline_inputs(self, req):
+            inp = inputs(self, req)
+            return inp if req.rid not in rtt else dataclasses.replace(inp, wan_rtt_ms=rtt[req.rid])
+        cal.as_sent = val.as_sent = as_sent_rtt
+        cluster.ClusterSim._pipeline_inputs = pipeline_inputs
 
 
 def row(variant: str, out: Path) -> str:

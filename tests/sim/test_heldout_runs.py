@@ -269,6 +269,22 @@ def test_pairs_as_live_moves_only_the_first_of_a_pair_the_live_p_ran_in_one_step
     assert got == [1.0015, 1.0015, 2.0, 2.001, 3.0]
 
 
+def test_rtt_as_live_reads_each_requests_first_pipeline_decision():
+    spec = importlib.util.spec_from_file_location("sim_ablation", ROOT / "scripts" / "sim_ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def rec(*decisions):
+        return {"pdd": {"decisions": list(decisions)}}
+
+    live = [rec({"policy": "handoff", "inputs": {}}, {"policy": "pipeline", "inputs": {"wan_rtt_ms": 21.5}},
+                {"policy": "pipeline", "inputs": {"wan_rtt_ms": 30.0}}),  # a recovery's second plan
+            rec(),  # failed before any decision
+            rec({"policy": "pipeline", "inputs": {"wan_rtt_ms": True}}),
+            rec({"policy": "pipeline", "inputs": {"wan_rtt_ms": 24}})]
+    assert mod.live_rtt_estimates(live) == {0: 21.5, 3: 24.0}
+
+
 @pytest.mark.parametrize("script", ["sim_heldout", "sim_ablation"])
 @pytest.mark.parametrize("case", ["out_a_file", "out_under_a_file", "runs_empty"])
 def test_the_scripts_refuse_an_unusable_out_or_runs_in_one_line(capsys, tmp_path, script, case):
