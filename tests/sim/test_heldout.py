@@ -318,3 +318,16 @@ def test_noise_on_a_re_simulation_names_the_live_run_to_give(tmp_path):
     with pytest.raises(ValueError, match=f"a re-simulation of the live run {n1}.*give --noise the live run's"):
         held_out_report(cal, [ho], (re1, n2))
     held_out_report(cal, [ho], (n1, n2))
+
+
+def test_an_interval_for_p99_in_an_older_validate_json_is_not_shown(tmp_path):
+    """P99 gets no interval (pdd.sim.uncertainty.METRICS); a validate.json that carries one (written
+    before it was dropped, or by hand, malformed) is neither checked nor printed."""
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v["err_ci"] = {"p50_ttft_ms": [-0.1, 0.2], "p99_ttft_ms": "x"}
+    (ho / "validate.json").write_text(json.dumps(v))
+    row = next(ln for ln in format_report(held_out_report(cal, [ho])).splitlines() if ln.startswith(f"| {ho} |"))
+    p50, p90, p99 = row.split(" | ")[3:6]
+    assert p50.endswith("[-10, +20])") and "[" not in p90 and "[" not in p99

@@ -301,7 +301,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
         prof["decode_interference"] = di["factors"]
     prof.pop("role_step_scale", None)
     # RLD's step against its bare engine's, from the gaps of a request decoding alone (a factor:
-    # the live gap grows with the context about twice as fast as the bare step); the per-step
+    # the live gap grows with the context faster than the bare step); the per-step
     # overheads below then hold what is left of its mean engine step. MD keeps an overhead alone:
     # a run is often re-simulated with MD on another engine (tier B's own bare profile,
     # --profile-b: bf16 on this CPU steps 1.5-2.2x as long), which a factor fitted against this

@@ -195,8 +195,8 @@ def live_decode_scale(live_records: list[dict], step_models: dict, min_samples: 
     (:func:`live_decode_alone_gaps`), for each tier in ``step_models`` (role as the simulator
     names it, ``"RLD"`` / ``"MD"`` -> a step model with ``decode_time(batch, sum_context)``,
     seconds) with at least ``min_samples`` such gaps. A factor, not an added constant: on this
-    machine the live gap grows with the context about twice as fast as the bare step
-    (docs/SIM.md "Where the decisions still differ"). Returns ``{"factors": {role: factor},
+    machine the live gap grows with the context faster than the bare step (docs/SIM.md "Where
+    the decisions still differ"). Returns ``{"factors": {role: factor},
     "tiers": {tier: {"factor", "samples", "median_gap_s", "median_bare_s"}}}``, or None when no
     tier has enough gaps."""
     gaps = live_decode_alone_gaps(live_records)
