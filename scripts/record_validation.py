@@ -139,14 +139,15 @@ def main(argv=None, pdd=None, load=os.getloadavg, sleep=time.sleep) -> int:
         shutil.copyfile(a.profile, profile)
     elif rc := pdd(["profile", "--out", str(profile), "--force"]):
         return rc
-    configs = {}
+    configs, measured = {}, set()
     for n in runs:  # each run's config beside it, and MD's own profile for each config that names one
         if n in man.get("config", {}):
             configs[n] = out / man["config"][n]  # where the manifest names it, under OUT
             configs[n].parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / man["config"][n], configs[n])
             pb = out / man["profile_b"][n] if n in man.get("profile_b", {}) else None
-            if pb is not None and not pb.exists():
+            if pb is not None and pb not in measured:  # today's, even where OUT holds an older one
+                measured.add(pb)
                 if rc := pdd(["profile", "--config", str(configs[n]), "--out", str(pb), "--force"]):
                     return rc
     try:

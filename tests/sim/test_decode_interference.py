@@ -230,16 +230,21 @@ def test_validate_names_what_the_simulator_was_given():
             f"{v['requests_compared']} requests degraded (an instance lost mid-run))") in format_validate(v)
 
 
-def test_alone_gaps_leave_out_p_busy_and_another_stream():
+def test_alone_gaps_leave_out_any_gap_another_request_overlaps():
     from pdd.sim.live_measures import live_decode_alone_gaps
 
-    p = rec(10.0, 500.0, [10.6, 10.7])  # at P 10.0 .. 10.5 s, then streams 10.6 .. 10.7
+    p = rec(10.0, 500.0, [10.6, 10.7])  # in the system 10.0 .. 10.7 s: at P to 10.5, streaming from 10.6
     d = rec(8.0, 100.0, [8.9, 9.0, 9.1, 9.2, 10.1, 10.3, 10.45, 10.6, 10.65, 10.8, 10.9], ["rld"] * 11)
     d["prompt_tokens"] = 100
     g = live_decode_alone_gaps([p, d])
-    # 9.2 .. 10.6: P busy; 10.6-10.65: the other request streams; the gap between tokens i and
-    # i + 1 is a step over prompt + i tokens
-    assert [(round(x, 6), c) for x, c in g["rld"]] == [(0.1, 101), (0.1, 102), (0.15, 108), (0.1, 109)]
+    # 9.2 .. 10.8 overlap the other request (10.65-10.8 in part: not alone either); the gap
+    # between tokens i and i + 1 is a step over prompt + i tokens
+    assert [(round(x, 6), c) for x, c in g["rld"]] == [(0.1, 101), (0.1, 102), (0.1, 109)]
+    # a request between P's reply (12.1) and its first token (12.3): its KV on the way to RLD
+    q = rec(12.0, 100.0, [12.3, 12.4])
+    e = rec(11.0, 10.0, [11.5, 11.6, 11.7, 12.15, 12.25, 12.5], ["rld"] * 6)
+    e["prompt_tokens"] = 10
+    assert [(round(x, 6), c) for x, c in live_decode_alone_gaps([q, e])["rld"]] == [(0.1, 11)]
     assert live_decode_alone_gaps([rec(8.0, 100.0, [8.9, 9.0, 9.1])]) == {}  # no per-token tiers
 
 

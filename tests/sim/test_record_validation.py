@@ -80,3 +80,34 @@ def test_a_bad_subset_is_one_usage_line(tmp_path, capsys, runs, message):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_manifest_it_writes_is_one_sim_heldout_reads(tmp_path, monkeypatch):
+    """The round trip: the recorded set (here the committed runs' files, put in place by a fake
+    `pdd`) with the manifest the script writes passes sim_heldout.py's checks, the heterogeneous
+    run's config and MD profile where the manifest names them."""
+    import shutil
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    src = ROOT / "data" / "validation"
+    out = tmp_path / "o"
+
+    def pdd(argv):
+        if argv[:2] == ["sim", "validate"]:
+            d = Path(argv[argv.index("--out") + 1])
+            d.mkdir(parents=True, exist_ok=True)
+            for f in ("validate.json", "requests.jsonl", "server_stats.json"):
+                shutil.copyfile(src / d.name / f, d / f)
+        elif argv[:1] == ["profile"]:
+            shutil.copyfile(src / "md-bf16-profile.json", argv[argv.index("--out") + 1])
+        return 0
+
+    assert _mod().main(["--out", str(out), "--runs", "cal-a,seed3,seed4-het,seed4-het-b,cal-b"], pdd=pdd,
+                       load=lambda: (0.1, 0, 0), sleep=lambda s: None) == 0
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sim_heldout
+
+    man = sim_heldout.load_runs(out)
+    assert man["noise"] == [["seed4-het", "seed4-het-b"], ["cal-a", "cal-b"]]
+    assert (out / man["config"]["seed4-het-b"]).is_file() and (out / man["profile_b"]["seed4-het"]).is_file()

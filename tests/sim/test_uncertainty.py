@@ -62,6 +62,7 @@ def test_too_few_requests_give_none():
     ({"level": 1.0}, "level must be in \\(0, 1\\), got 1.0"),
     ({"resamples": 0}, "resamples must be a whole number >= 1, got 0"),
     ({"resamples": 2.5}, "resamples must be a whole number >= 1, got 2.5"),
+    ({"resamples": True}, "resamples must be a whole number >= 1, got True"),
 ])
 def test_bad_arguments_are_a_clear_error(kw, message):
     args = {"live": [1.0, 2.0], "sim": [1.0, 2.0], "q": 50, **kw}

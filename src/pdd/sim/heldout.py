@@ -260,8 +260,10 @@ def _pct(x) -> str:
 
 
 def _ci(ci) -> str:
-    # whole percents (round() first: -0.3% shows as +0, not -0)
-    return "" if not ci else f" [{round(ci[0] * 100):+d}, {round(ci[1] * 100):+d}]"
+    """`` [lo, hi]`` in percent: whole ones, one decimal under 1% (-0.2 stays visibly below 0)."""
+    def pc(x):
+        return f"{x * 100:+.1f}" if abs(x) < 0.01 else f"{round(x * 100):+d}"
+    return "" if not ci else f" [{pc(ci[0])}, {pc(ci[1])}]"
 
 
 def _ms(x) -> str:

@@ -140,31 +140,27 @@ def live_decode_interference(live_records: list[dict], min_samples: int = DECODE
 
 
 def live_decode_alone_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
-    """Decode token gaps (seconds, as the client saw them) of a request decoding alone: while no
-    request is at P (its send to the gateway's ``p_first_token``: queued or prefilling) and no
-    other request streams tokens (its first to its last token at the client, any tier), so the
+    """Decode token gaps (seconds, as the client saw them) of a request decoding alone: no other
+    request was in the system at any point of the gap (from its send to its last token at the
+    client: queued or prefilling at P, its KV on the way to its decoder, or streaming), so the
     tier's step held one sequence and shared the cores with nothing but the serving path. Per
     tier (``"rld"``, ``"md"``: the record's per-token ``tiers``), a list of ``(gap_s,
     context_tokens)``: the gap between tokens ``i`` and ``i + 1`` of a request of ``p`` prompt
     tokens is a step over ``p + i`` tokens of context. As :func:`live_decode_gaps`, a request's
     first token, gaps between two tiers' tokens and gaps within ``margin_s`` of its handoff
     events are left out."""
-    p_iv, streams = [], []
+    spans = []  # (from, to, record index) of every completed request: its send to its last token
     for k, rec in enumerate(live_records):
         if not rec.get("ok"):
             continue
         t0 = float(rec["send_s"])
         ev = (rec.get("pdd") or {}).get("events_ms") or {}
-        if "p_first_token" in ev:
-            p_iv.append((t0, t0 + ev["p_first_token"] / 1000.0))
         tt = rec.get("token_times_s") or []
-        if len(tt) >= 2:
-            streams.append((float(tt[0]), float(tt[-1]), k))
-    ps = np.array([a for a, _ in p_iv]) if p_iv else np.zeros(0)
-    pe = np.array([b for _, b in p_iv]) if p_iv else np.zeros(0)
-    ss = np.array([a for a, _, _ in streams]) if streams else np.zeros(0)
-    se = np.array([b for _, b, _ in streams]) if streams else np.zeros(0)
-    sk = np.array([k for _, _, k in streams]) if streams else np.zeros(0, dtype=int)
+        end = max([t0 + ev["p_first_token"] / 1000.0] if "p_first_token" in ev else [t0], default=t0)
+        spans.append((t0, max(end, float(tt[-1])) if tt else end, k))
+    ss = np.array([a for a, _, _ in spans]) if spans else np.zeros(0)
+    se = np.array([b for _, b, _ in spans]) if spans else np.zeros(0)
+    sk = np.array([k for _, _, k in spans]) if spans else np.zeros(0, dtype=int)
     out: dict[str, list[tuple[float, int]]] = {}
     for k, rec in enumerate(live_records):
         tt = rec.get("token_times_s") or []
@@ -180,10 +176,7 @@ def live_decode_alone_gaps(live_records: list[dict], margin_s: float = 0.02) -> 
             a, b = tt[i], tt[i + 1]
             if tiers[i] != tiers[i + 1] or not isinstance(tiers[i], str) or (lo is not None and a < hi and b > lo):
                 continue
-            if np.any((ps < b) & (pe > a)):  # a request at P during the gap
-                continue
-            mid = (a + b) / 2
-            if np.any((ss <= mid) & (se >= mid) & (sk != k)):  # another request streaming
+            if np.any((ss < b) & (se > a) & (sk != k)):  # another request in the system during the gap
                 continue
             out.setdefault(tiers[i], []).append((b - a, prompt + i))
     return out

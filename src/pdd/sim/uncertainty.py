@@ -20,7 +20,7 @@ import numpy as np
 RESAMPLES = 2000  # bootstrap resamples (Efron & Tibshirani recommend >= 1,000 for percentile intervals)
 LEVEL = 0.95  # central share of the resampled errors the interval holds
 SEED = 0
-_CELLS = 1 << 20  # values resampled at once (8 MiB of float64): memory stays flat for large runs
+_CELLS = 1 << 20  # values resampled at once (their indices and two gathers: ~24 MiB): flat for large runs
 
 
 def paired_percentile_error_ci(live, sim, q: float, resamples: int = RESAMPLES, level: float = LEVEL,
@@ -47,7 +47,7 @@ def paired_percentile_error_ci(live, sim, q: float, resamples: int = RESAMPLES, 
         raise ValueError(f"q must be a percentile in [0, 100], got {q!r}")
     if not (0.0 < level < 1.0):
         raise ValueError(f"level must be in (0, 1), got {level!r}")
-    if not (isinstance(resamples, (int, np.integer)) and resamples >= 1):
+    if not (isinstance(resamples, (int, np.integer)) and not isinstance(resamples, bool) and resamples >= 1):
         raise ValueError(f"resamples must be a whole number >= 1, got {resamples!r}")
     n = x.size
     if n < 2:
