@@ -128,12 +128,8 @@ def main(argv=None, pdd=None, load=os.getloadavg, sleep=time.sleep) -> int:
         sim_heldout.make_out(out)
     except ValueError as e:
         ap.error(str(e))
-    from pdd.config import ClusterConfig
-
-    model = Path(ClusterConfig().model_path)
-    if not (model / "config.json").exists():
-        if rc := pdd(["make-model", "--out", str(model)]):
-            return rc
+    if rc := sim_heldout.ensure_model(pdd):
+        return rc
     profile = out / "profile.json"
     if a.profile is not None:
         shutil.copyfile(a.profile, profile)

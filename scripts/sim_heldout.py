@@ -121,6 +121,18 @@ def make_out(out: Path) -> None:
         raise ValueError(str(e)) from None
 
 
+def ensure_model(run=None) -> int:
+    """Makes the runs' model checkpoint (``models/small`` under the working directory) when it is
+    missing, as `make demo` does, with ``run`` (default: `pdd`'s main) as ``pdd make-model``;
+    returns its exit status, 0 when there was nothing to make."""
+    from pdd.config import ClusterConfig
+
+    model = Path(ClusterConfig().model_path)
+    if (model / "config.json").exists():
+        return 0
+    return (run or pdd)(["make-model", "--out", str(model)])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for the fit, the re-simulations and the reports")
@@ -137,12 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         make_out(out)
     except ValueError as e:
         ap.error(str(e))
-    from pdd.config import ClusterConfig
-
-    model = Path(ClusterConfig().model_path)
-    if not (model / "config.json").exists():
-        if rc := pdd(["make-model", "--out", str(model)]):
-            return rc
+    if rc := ensure_model():
+        return rc
     cal = man["calibration"]
     fit = out / "fit.json"
     if rc := pdd(["sim", "calibrate-roles", "--run", str(runs / cal), "--profile", a.profile, "--out", str(fit)]):
