@@ -279,9 +279,23 @@ def test_sim_run_autoscale_takes_both_role_spellings():
 
 
 def test_calibrate_roles_without_the_run_s_model_is_a_usage_error(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no models/small here
-    _refused(capsys, ["sim", "calibrate-roles", "--run", str(tmp_path), "--profile", str(tmp_path / "p.json")],
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # no models/small here; the run and the profile are fine
+    _refused(capsys, ["sim", "calibrate-roles", "--run", str(root / "data" / "validation" / "cal-a"),
+                      "--profile", str(root / PROFILE), "--out", str(tmp_path / "fit.json")],
              "error:", "no checkpoint at models/small", "pdd make-model")
+
+
+def test_calibrate_roles_names_a_bad_run_or_profile_before_the_missing_model(capsys, tmp_path, monkeypatch):
+    """A bad --run or --profile is named first, whether or not the model checkpoint exists (in a
+    fresh clone the test of a hand-edited profile ran before any test had made the model, and got
+    the checkpoint's error instead)."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # no models/small here
+    _refused(capsys, ["sim", "calibrate-roles", "--run", str(tmp_path), "--profile", str(root / PROFILE)],
+             "error:", "--run", str(tmp_path))
+    _refused(capsys, ["sim", "calibrate-roles", "--run", str(root / "data" / "validation" / "cal-a"),
+                      "--profile", str(tmp_path / "p.json")], "error:", "--profile", "p.json")
 
 
 def test_validate_live_from_another_workload_is_a_usage_error(capsys, tmp_path, monkeypatch):

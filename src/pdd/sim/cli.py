@@ -552,9 +552,14 @@ def cmd_calibrate_roles(a) -> int:
     from pdd.config import ClusterConfig
     from pdd.sim.calibrate import PREFILL_QUIET_BELOW, calibrate_roles
     from pdd.sim.live_measures import DECODE_GAPS_MIN
-    from pdd.sim.recorded import RecordedRunError
+    from pdd.sim.recorded import RecordedRunError, load_profile_checked, read_run
 
     cfg = config_or_exit(a) if a.config else None
+    try:  # the run and the profile first: a bad one is named whatever else is missing
+        read_run(a.run)
+        load_profile_checked(a.profile)
+    except RecordedRunError as e:
+        raise UsageError(f"{'--profile' if e.source == 'profile' else '--run'}: {e}") from None
     model = (cfg or ClusterConfig()).model_path  # the run is re-simulated on this model's shapes
     if not (Path(model) / "config.json").exists():
         raise UsageError(f"no checkpoint at {model} (the run's model); make one with: pdd make-model --out "
