@@ -158,7 +158,9 @@ class Generation:
                     if not isinstance(r, BaseException):
                         self._add(r)
                 if errs:
-                    raise errs[0]
+                    # the choice that failed first is the cause; the others may only have been
+                    # aborted because of it ("request ... aborted"), which would hide a 429
+                    raise first_err if first_err is not None else errs[0]
         except asyncio.CancelledError:
             self.abort_starting(ABORT_CLIENT)  # the choices still starting too
             raise
