@@ -311,3 +311,41 @@ async def test_the_started_choices_of_a_refused_request_are_rejected_too(tiny_mo
         assert r.status_code == 429, r.text
         assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
         assert orch.totals["requests"] == 3
+
+
+class AbortedBeforeRefusalOrch(ScriptedOrch):
+    """Choice 0 starts; choice 1 is still starting when choice 2 is refused for now, and ends
+    only as aborted because of that refusal (as P reports it: "request ... aborted")."""
+
+    async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
+        if sibling_of is None:
+            return await super().start_request(prompt_ids, sp, rid)
+        st = ReqState(f"r{next(self._ids)}", len(prompt_ids), sp, trid="x", prompt_ids=list(prompt_ids))
+        self.totals["requests"] += 1
+        self._starts = getattr(self, "_starts", 0) + 1
+        if self._starts == 1:  # still starting when its sibling is refused; aborted because of it
+            await asyncio.sleep(0.05)
+            await self.abort(st, ABORT_REJECTED)
+            raise RequestFailed(f"request {st.rid} failed while starting: RuntimeError: request {st.rid} aborted")
+        await self.abort(st, ABORT_REJECTED)
+        raise RequestFailed("request failed while starting") from RuntimeError("TierBusy: queue full: 128 sequences "
+                                                                            "need compute, the limit is 128")
+
+
+async def test_a_refused_choice_is_answered_429_not_its_aborted_sibling(tiny_model):
+    """n=3: choice 2 is refused for now (429) while choice 1 is still starting; choice 1 then fails
+    only as aborted. The answer is the refusal's 429, not a 503 "request ... aborted" (a new user
+    saw a 9-prompt x n=16 batch answered either way at random)."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = AbortedBeforeRefusalOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
+    app = create_app(cfg, orch, tok)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/completions", json={**BODY, "stream": False, "n": 3})
+        assert r.status_code == 429, r.text
+        assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
