@@ -315,7 +315,8 @@ async def test_the_started_choices_of_a_refused_request_are_rejected_too(tiny_mo
 
 class AbortedBeforeRefusalOrch(ScriptedOrch):
     """Choice 0 starts; choice 1 is still starting when choice 2 is refused for now, and ends
-    only as aborted because of that refusal (as P reports it: "request ... aborted")."""
+    only as aborted because of that refusal (as P reports it: "request ... aborted"): it waits
+    for the refusal (an event, not a delay), so it always fails second."""
 
     async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
         if sibling_of is None:
@@ -324,10 +325,13 @@ class AbortedBeforeRefusalOrch(ScriptedOrch):
         self.totals["requests"] += 1
         self._starts = getattr(self, "_starts", 0) + 1
         if self._starts == 1:  # still starting when its sibling is refused; aborted because of it
-            await asyncio.sleep(0.05)
+            self.refused = getattr(self, "refused", None) or asyncio.Event()
+            await self.refused.wait()
             await self.abort(st, ABORT_REJECTED)
             raise RequestFailed(f"request {st.rid} failed while starting: RuntimeError: request {st.rid} aborted")
         await self.abort(st, ABORT_REJECTED)
+        self.refused = getattr(self, "refused", None) or asyncio.Event()
+        self.refused.set()  # choice 1 goes on only after this choice's refusal is raised (same step)
         raise RequestFailed("request failed while starting") from RuntimeError("TierBusy: queue full: 128 sequences "
                                                                             "need compute, the limit is 128")
 
