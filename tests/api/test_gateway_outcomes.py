@@ -281,6 +281,22 @@ async def test_a_tier_refusing_a_starting_request_counts_it_rejected_not_failed(
         assert orch.totals["failed"] == 0 and orch.totals["rejected"] == orch.totals["requests"] >= 2
 
 
+async def _three_choices(tiny_model, orch_cls):
+    """(the fake orchestrator, the response) of one non-streamed n=3 completion on a colocated
+    gateway (in process) whose orchestrator is ``orch_cls``."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = orch_cls(cfg, tok.encode("a b c", add_special_tokens=False).ids)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, orch, tok)),
+                                 base_url="http://t") as client:
+        return orch, await client.post("/v1/completions", json={**BODY, "stream": False, "n": 3})
+
+
 class SiblingRefusingOrch(ScriptedOrch):
     """Choice 0 starts (scripted tokens); every other choice is refused by a tier while starting,
     counted as the real ``start_request`` counts it."""
@@ -297,20 +313,10 @@ class SiblingRefusingOrch(ScriptedOrch):
 async def test_the_started_choices_of_a_refused_request_are_rejected_too(tiny_model):
     """n=3 where choices 1 and 2 are refused for now (429): choice 0, already started, is stopped
     and counted rejected as well, not failed (a new user saw one "failed" per such 429)."""
-    from tokenizers import Tokenizer
-
-    from pdd.gateway.api import create_app
-
-    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
-                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
-    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-    orch = SiblingRefusingOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
-    app = create_app(cfg, orch, tok)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-        r = await client.post("/v1/completions", json={**BODY, "stream": False, "n": 3})
-        assert r.status_code == 429, r.text
-        assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
-        assert orch.totals["requests"] == 3
+    orch, r = await _three_choices(tiny_model, SiblingRefusingOrch)
+    assert r.status_code == 429, r.text
+    assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
+    assert orch.totals["requests"] == 3
 
 
 class AbortedBeforeRefusalOrch(ScriptedOrch):
@@ -340,16 +346,6 @@ async def test_a_refused_choice_is_answered_429_not_its_aborted_sibling(tiny_mod
     """n=3: choice 2 is refused for now (429) while choice 1 is still starting; choice 1 then fails
     only as aborted. The answer is the refusal's 429, not a 503 "request ... aborted" (a new user
     saw a 9-prompt x n=16 batch answered either way at random)."""
-    from tokenizers import Tokenizer
-
-    from pdd.gateway.api import create_app
-
-    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
-                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
-    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-    orch = AbortedBeforeRefusalOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
-    app = create_app(cfg, orch, tok)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-        r = await client.post("/v1/completions", json={**BODY, "stream": False, "n": 3})
-        assert r.status_code == 429, r.text
-        assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
+    orch, r = await _three_choices(tiny_model, AbortedBeforeRefusalOrch)
+    assert r.status_code == 429, r.text
+    assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
