@@ -58,6 +58,21 @@ def live_gateway_rtt_ms(live_records: list[dict]) -> float | None:
 HANDOFF_EVENTS = ("handoff_call", "handoff", "switch")
 
 
+def _same_tier_gaps(rec: dict, tiers: list, margin_s: float):
+    """``(i, a, b)`` for each gap of ``rec`` between its tokens ``i`` and ``i + 1`` (client times,
+    seconds) that one tier decoded both of (``tiers``: a tier per token), from its second token
+    on (the first token is P's) and not within ``margin_s`` of its handoff events."""
+    tt = rec["token_times_s"]
+    ev = (rec.get("pdd") or {}).get("events_ms") or {}
+    t0 = float(rec["send_s"])
+    ho = [t0 + ev[k] / 1000.0 for k in HANDOFF_EVENTS if k in ev]
+    lo, hi = (min(ho) - margin_s, max(ho) + margin_s) if ho else (None, None)
+    for i in range(1, len(tt) - 1):
+        a, b = tt[i], tt[i + 1]
+        if tiers[i] == tiers[i + 1] and not (lo is not None and a < hi and b > lo):
+            yield i, a, b
+
+
 def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
     """A live run's decode inter-token gaps (seconds, as the client saw them), by the tier that
     decoded both tokens (the record's per-token ``tiers``: ``"rld"``, ``"md"``, ...; ``"all"``
@@ -87,14 +102,7 @@ def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
         tiers = rec.get("tiers")
         if not (isinstance(tiers, list) and len(tiers) == len(tt) and all(isinstance(t, str) for t in tiers)):
             tiers = ["all"] * len(tt)  # absent or malformed per-token tiers: the gaps count for no tier
-        ev = (rec.get("pdd") or {}).get("events_ms") or {}
-        t0 = float(rec["send_s"])
-        ho = [t0 + ev[k] / 1000.0 for k in HANDOFF_EVENTS if k in ev]
-        lo, hi = (min(ho) - margin_s, max(ho) + margin_s) if ho else (None, None)
-        for i in range(1, len(tt) - 1):
-            a, b = tt[i], tt[i + 1]
-            if tiers[i] != tiers[i + 1] or (lo is not None and a < hi and b > lo):
-                continue
+        for i, a, b in _same_tier_gaps(rec, tiers, margin_s):
             mid, over, inside = (a + b) / 2, False, False
             # P intervals that start before b, from the first that may end after a
             for j in range(int(np.searchsorted(reach, a, side="right")), int(np.searchsorted(starts, b))):
@@ -167,14 +175,9 @@ def live_decode_alone_gaps(live_records: list[dict], margin_s: float = 0.02) -> 
         tiers = rec.get("tiers")
         if not rec.get("ok") or len(tt) < 3 or not (isinstance(tiers, list) and len(tiers) == len(tt)):
             continue
-        ev = (rec.get("pdd") or {}).get("events_ms") or {}
-        t0 = float(rec["send_s"])
-        ho = [t0 + ev[h] / 1000.0 for h in HANDOFF_EVENTS if h in ev]
-        lo, hi = (min(ho) - margin_s, max(ho) + margin_s) if ho else (None, None)
         prompt = int(rec.get("prompt_tokens") or 0)
-        for i in range(1, len(tt) - 1):
-            a, b = tt[i], tt[i + 1]
-            if tiers[i] != tiers[i + 1] or not isinstance(tiers[i], str) or (lo is not None and a < hi and b > lo):
+        for i, a, b in _same_tier_gaps(rec, tiers, margin_s):
+            if not isinstance(tiers[i], str):
                 continue
             if np.any((ss < b) & (se > a) & (sk != k)):  # another request in the system during the gap
                 continue
