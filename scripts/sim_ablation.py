@@ -4,8 +4,8 @@
 
 Each variant reruns ``scripts/sim_heldout.py`` (the fit on the calibration run, every run
 re-simulated, the report) with ``pdd.sim`` patched in a process of its own, and prints one row of
-the ablation table: TTFT P50 and P90 error, per-request TTFT median error (%) and decision match
-(%), the calibration run first, then the held-out runs in the manifest's order. Variants:
+the ablation table: TTFT P50 and P90 error, per-request TTFT error's median and |error|'s median
+(%) and decision match (%), the calibration run first, then the held-out runs in the manifest's order. Variants:
 
 - ``all``: nothing taken out (the held-out table);
 - ``one-lane``: one WAN connection per sender, no express lane of its own (``links.Line.send``
@@ -32,7 +32,11 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT median error (%) an
 - ``rtt-as-live``: a diagnostic too: each request's pipeline decision reads the WAN RTT estimate
   the live gateway's decision read for it (its recorded ``wan_rtt_ms`` input, a windowed minimum
   of reservation round trips that moves from request to request) instead of the calibration
-  run's median (``ClusterSim._pipeline_inputs`` patched; the fit redone with it).
+  run's median (``ClusterSim._pipeline_inputs`` patched; the fit redone with it);
+- ``fast-path-alone``: the P -> RLD path fitted on the requests that had it to themselves
+  (``live_measures.live_fast_path`` with ``alone`` True: no other request at P or on its way to
+  its decoder around this one's KV trip) instead of on every relayed request, whose other half
+  waited on P's next step, on another request's KV or on the cores.
 
 Nothing live is started; about 10 s of CPU a variant. Exit status 2 for an unknown variant, else
 that of the first variant that fails.
@@ -49,7 +53,7 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("all", "one-lane", "no-reply-lag", "no-decode-scale", "no-interference", "block-hits", "schedule",
-            "no-index", "pairs-as-live", "rtt-as-live")
+            "no-index", "pairs-as-live", "rtt-as-live", "fast-path-alone")
 PAIR_WITHIN_S = 0.002  # pairs-as-live: two requests sent at most this far apart ...
 PAIR_SLOWER_S = 0.025  # ... the first one's live prefill interval this much longer than simulated
 
@@ -148,6 +152,10 @@ def patch(variant: str) -> None:
             return inp if req.rid not in rtt else dataclasses.replace(inp, wan_rtt_ms=rtt[req.rid])
         cal.as_sent = val.as_sent = as_sent_rtt
         cluster.ClusterSim._pipeline_inputs = pipeline_inputs
+    elif variant == "fast-path-alone":
+        import functools
+
+        cal.live_fast_path = functools.partial(cal.live_fast_path, alone=True)
 
 
 def row(variant: str, out: Path) -> str:
@@ -162,6 +170,7 @@ def row(variant: str, out: Path) -> str:
     return "| " + " | ".join([variant, col(lambda r: f"{r['err_p50_ttft_ms'] * 100:+.1f}"),
                               col(lambda r: f"{r['err_p90_ttft_ms'] * 100:+.1f}"),
                               col(lambda r: f"{r['ttft_error_per_request']['median'] * 100:+.1f}"),
+                              col(lambda r: f"{r['ttft_error_per_request']['abs_p50'] * 100:.1f}"),
                               col(lambda r: f"{r['decision_match_share'] * 100:.0f}")]) + " |"
 
 
@@ -206,8 +215,9 @@ def main(argv=None) -> int:
         if rc == 0:
             print(row(variant, out / variant), flush=True)
         return rc
-    print("| model | TTFT P50 error | TTFT P90 error | per-request median | decision match |")
-    print("|---|---|---|---|---|", flush=True)
+    print("| model | TTFT P50 error | TTFT P90 error | per-request median | per-request \\|error\\| median | "
+          "decision match |")
+    print("|---|---|---|---|---|---|", flush=True)
     for v in variants:
         rc = subprocess.call([sys.executable, __file__, "--one", "--variant", v, "--out", str(out), "--runs", a.runs])
         if rc:

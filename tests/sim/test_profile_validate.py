@@ -268,6 +268,42 @@ def test_live_fast_path_fits_latency_and_rate():
     assert live_fast_path(recs[:5], kvb, max_gbps=4.0) is None
 
 
+def test_live_fast_path_alone_keeps_requests_that_had_the_path_to_themselves():
+    from pdd.sim.live_measures import live_fast_path
+
+    kvb = 2048
+
+    def rec(send, tokens, extra_ms=0.0):
+        # sent at `send` s; P replies 50 ms later; then 1 ms + the KV at 2 Gbit/s (+ extra_ms: it waited)
+        dt_ms = 1.0 + tokens * kvb * 8 / 2e9 * 1e3 + extra_ms
+        return {"ok": True, "prompt_tokens": tokens, "send_s": send,
+                "pdd": {"pipeline": "p_rld_md", "events_ms": {"md_reserved": 5.0, "p_first_token": 50.0,
+                                                            "first_token": 50.0 + dt_ms}}}
+
+    alone = [rec(10.0 * k, 100 * k) for k in range(1, 25)]  # 10 s apart: nothing overlaps
+    # pairs sent 1 ms apart: each one's KV trip overlaps the other's span, both waited 20 ms more
+    pairs = [r for k in range(1, 11) for r in (rec(1000.0 + 10 * k, 300 * k, 20.0),
+                                               rec(1000.0 + 10 * k + 0.001, 200 * k, 20.0))]
+    fp = live_fast_path(alone + pairs, kvb, max_gbps=4.0, alone=True)
+    assert fp["samples"] == 24
+    assert fp["latency_s"] == pytest.approx(0.001) and fp["gbps"] == pytest.approx(2.0)
+    # over every request the waits go into the fit
+    both = live_fast_path(alone + pairs, kvb, max_gbps=4.0)
+    assert both["samples"] == 44 and both["latency_s"] > 0.005
+    # a request that ended 1 ms before this one's reply still counts as beside it (2 ms lead) ...
+    near = rec(2000.0, 400)
+    before = rec(2000.0 + 0.050 - 0.001 - 0.060, 100)  # its span ends 1 ms before near's P reply
+    before["pdd"]["events_ms"].update(p_first_token=30.0, first_token=60.0)
+    got = live_fast_path(alone + [near, before], kvb, max_gbps=4.0, alone=True)
+    assert got["samples"] == 24
+    # ... one that ended 3 ms before does not
+    before["send_s"] -= 0.002
+    assert live_fast_path(alone + [near, before], kvb, max_gbps=4.0, alone=True)["samples"] == 25
+    # a record without send_s cannot be placed: left out when alone
+    nosend = dict(near, send_s=None)
+    assert live_fast_path(alone + [nosend], kvb, max_gbps=4.0, alone=True)["samples"] == 24
+
+
 def test_measured_fast_path_replaces_the_configured_fast_line(tmp_path, monkeypatch):
     """validate.simulate gives the simulator the profile's measured fast path (rate, twice the
     latency as RTT) instead of the configured one; and a relayed request's first token, emitted

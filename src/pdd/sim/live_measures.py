@@ -122,6 +122,7 @@ def live_decode_gaps(live_records: list[dict], margin_s: float = 0.02) -> dict:
 
 
 DECODE_GAPS_MIN = 50  # token gaps of a tier with P busy, and with it quiet, to fit its factor
+FAST_PATH_ALONE_LEAD_S = 0.002  # live_fast_path(alone=True): no other request from this long before P's reply
 
 
 def live_decode_interference(live_records: list[dict], min_samples: int = DECODE_GAPS_MIN) -> dict | None:
@@ -215,11 +216,19 @@ def live_decode_scale(live_records: list[dict], step_models: dict, min_samples: 
 
 
 def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: float,
-                   min_samples: int = 20) -> dict | None:
+                   min_samples: int = 20, alone: bool = False) -> dict | None:
     """The in-datacenter KV path P -> RLD as the live run shows it: least squares of (gateway's
     first token - P's prefill reply) over the prompt's KV bytes, for relayed requests whose plan
     was known before P finished (``md_reserved`` before ``p_first_token``), so the interval is
     the KV's trip, RLD's receive and its first token's trip to the gateway.
+
+    ``alone``: only requests that had that path to themselves: no other request between its send
+    and its gateway first token (at P, or its KV on the way to its decoder) from 2 ms before this
+    one's ``p_first_token`` to its ``first_token`` (a diagnostic: ``scripts/sim_ablation.py
+    --variant fast-path-alone``). On the committed calibration run about half the requests: 2.4 ms
+    + 2.2 Gbit/s, against 9.2 ms + 3.2 Gbit/s over all of them (the other half's interval, a
+    median 23 ms against 10, holds P's next step, a queue behind another request's KV and the
+    cores the other requests take; docs/SIM.md "Where the decisions still differ").
 
     Returns ``{"latency_s", "gbps", "samples", "median_s"}`` (latency >= 0, rate capped at
     ``max_gbps``, the configured pacing), or None with fewer than ``min_samples`` such requests
@@ -227,13 +236,26 @@ def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: 
     and twice the latency as RTT) instead of the configured rate: on this CPU the Python sender
     and receiver, not the 4 Gbit/s pacing, set the pace (2026-12-01: ~1.9-2.8 Gbit/s effective
     and a median of 18 ms for ~1,000-token prompts, against 4 ms at the configured rate)."""
+    spans = []  # (index, send, gateway first token) of every request P answered, in seconds
+    for i, rec in enumerate(live_records):
+        ev = (rec.get("pdd") or {}).get("events_ms") or {}
+        if "p_first_token" in ev and isinstance(rec.get("send_s"), (int, float)):
+            end = ev.get("first_token", ev["p_first_token"])
+            spans.append((i, float(rec["send_s"]), float(rec["send_s"]) + end / 1000.0))
     xs, ys = [], []
-    for rec in live_records:
+    for i, rec in enumerate(live_records):
         p = rec.get("pdd") or {}
         ev = p.get("events_ms") or {}
         if (not rec.get("ok") or p.get("pipeline") != "p_rld_md" or "first_token" not in ev
                 or "p_first_token" not in ev or ev.get("md_reserved", float("inf")) > ev["p_first_token"]):
             continue
+        if alone:
+            if not isinstance(rec.get("send_s"), (int, float)):
+                continue
+            lo = float(rec["send_s"]) + ev["p_first_token"] / 1000.0 - FAST_PATH_ALONE_LEAD_S
+            hi = float(rec["send_s"]) + ev["first_token"] / 1000.0
+            if any(j != i and s < hi and e > lo for j, s, e in spans):
+                continue
         xs.append(float(rec.get("prompt_tokens") or 0) * kv_bytes_per_token)
         ys.append((ev["first_token"] - ev["p_first_token"]) / 1000.0)
     if len(xs) < min_samples:
