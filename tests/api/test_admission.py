@@ -345,3 +345,80 @@ def test_choices_of_one_prompt_queue_the_prompt_once():
     adm.prefilled(t1)
     adm.release(t2)
     assert adm.queued_tokens == 0
+
+
+# ------------------------------------------------------------------ choices per request (hard cap)
+@pytest.fixture
+def small_queues(tiny_model):
+    """(TestClient, EngineOrch, Admission): one colocated instance whose bounded queue holds 3
+    sequences (engine.max_running 2 + limits.tier_max_waiting 1), as ``pdd serve`` builds it."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+
+    from .conftest import EngineOrch
+
+    eng = Engine.from_pretrained(tiny_model, num_pages=256, page_size=8, max_running=2, max_waiting=1)
+    orch = EngineOrch(eng)
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model,
+                                        "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400, "max_running": 2},
+                                        "limits": {"tier_max_waiting": 1}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    with TestClient(app) as client:
+        yield client, orch, app.state.admission
+
+
+def _assert_choices_400(r, param: str, asked: int, what: str):
+    assert r.status_code == 400, r.text
+    assert "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err == {"message": err["message"], "type": "invalid_request_error", "param": param, "code": None}
+    hint = "lower n or send fewer prompts" if "prompts" in what else "lower n"
+    assert err["message"] == (
+        f"{what}: {asked} choices requested; at most 3 choices per request are served (each choice takes one of "
+        f"the 3 places of an instance's queue on every tier it passes; c0: engine.max_running 2 + "
+        f"limits.tier_max_waiting 1); {hint}")
+
+
+@pytest.mark.parametrize("path,body,param,asked,what", [
+    ("/v1/completions", {**BODY, "n": 4}, "n", 4, "n (4)"),
+    ("/v1/completions", {**BODY, "prompt": ["a", "b"], "n": 2}, "n", 4, "2 prompts x n (2)"),
+    ("/v1/completions", {**BODY, "prompt": ["a", "b", "c", "d"]}, "prompt", 4, "4 prompts x n (1)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 5}, "n", 5,
+     "n (5)"),
+])
+def test_more_choices_than_a_tier_queue_holds_is_400_not_a_429_forever(small_queues, path, body, param, asked, what):
+    """Found by a new user: a request whose choices exceed what one instance's bounded queue holds
+    (max_running + tier_max_waiting: 128 by default) was refused 429 on every try, on an idle
+    gateway too (the tier's TierBusy), though no retry could help. It is a 400 naming the field,
+    before any tier does work; one at the cap is served."""
+    client, orch, adm = small_queues
+    for _ in range(2):  # the same answer on a retry
+        _assert_choices_400(client.post(path, json=body), param, asked, what)
+    assert not orch.started and adm.rejected == {} and adm.admitted == 0 and adm.limits.max_choices == 3
+    r = client.post("/v1/completions", json={**BODY, "prompt": ["a", "b", "c"]})  # 3 choices: served
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+    r = client.post(path, json={**body, "n": 3} if "messages" in body else {**body, "prompt": "a", "n": 3})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+
+
+def test_max_choices_is_the_smallest_queue_a_request_passes():
+    """One instance's queue on every tier that holds each choice until it ends or fails the request
+    when it refuses: P, and RLD in pdd mode (MD's refusal there only degrades a choice to RLD), MD
+    or D elsewhere; a tier's own engine block counts."""
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "engine": {"max_running": 8},
+                                        "instances": {"prefill": 2, "main_decode": 3},
+                                        "tiers": {"main_decode": {"engine": {"max_running": 2}},
+                                                  "relay_decode": {"engine": {"max_running": 6}}}})
+    assert resolve_limits(cfg, layout(cfg)).max_choices == 12  # RLD's 6 + 6; MD's 4 only degrades
+    cfg = cfg.model_copy(update={"mode": "cross_dc_pd"})
+    assert resolve_limits(cfg, layout(cfg)).max_choices == 4  # MD: 2 + 2
+    cfg = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"tier_max_waiting": 0})})
+    assert resolve_limits(cfg, layout(cfg)).max_choices == 2
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "engine": {"max_running": 64}})
+    assert resolve_limits(cfg, layout(cfg)).max_choices == 128

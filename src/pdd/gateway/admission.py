@@ -30,7 +30,8 @@ way also becomes a 429 with ``Retry-After`` (:func:`refusal`), not a server erro
 The decision (:func:`decide`) is a pure function of plain dataclasses (no clock, no sockets);
 :class:`Admission` keeps the live state with ``time.monotonic`` and hands out :class:`Ticket`\\ s.
 A request that finds nothing queued and nothing in flight is always admitted, however large, so
-no request is refused forever.
+no request is refused forever; only a request with more choices than one instance's bounded
+queue holds (:func:`choice_cap`) could never be served, and the API refuses it with HTTP 400.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class AdmissionLimits:
     max_wait_s: float | None
     retry_after_max_s: int = 30
     max_wan_backlog_s: float | None = None
+    # choices one request may have at all (not a load limit: :func:`choice_cap`), and why
+    max_choices: int | None = None
+    max_choices_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,29 @@ class PrefillRate:
         return sum(k for k, _ in self.samples) / busy if busy >= 0.05 else None
 
 
+def choice_cap(cfg, lay) -> tuple[int | None, str]:
+    """The most choices one request may have however idle the system is, and where that bound
+    sits (``"c0: engine.max_running 64 + limits.tier_max_waiting 64"``); (None, "") when ``lay``
+    has no such instance. A request's choices start together, so they are pending at once on
+    every tier they pass (all of them may be routed to one instance: siblings follow their
+    prompt's prefix), and an engine refuses a sequence beyond ``max_running + tier_max_waiting``
+    (``TierBusy``): more choices than the smallest such queue would be refused on every try, so
+    the API refuses them up front (HTTP 400), not with a 429 that no retry cures.
+    The tiers counted: P, colocated, and the decoder whose refusal fails a choice (RLD in pdd
+    mode, where an MD refusal only degrades the choice to RLD; MD or D in the other modes, and in
+    pdd mode without relay decoders). Each instance's own engine block counts (``cfg.tiers``)."""
+    from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
+
+    decoder = ROLE_RELAY if cfg.mode == "pdd" and lay.by_role(ROLE_RELAY) else ROLE_MAIN
+    best: tuple[int | None, str] = (None, "")
+    for s in lay.by_role(ROLE_PREFILL) + lay.by_role(ROLE_COLOCATED) + lay.by_role(decoder):
+        run = cfg.engine_for(s.name).max_running
+        wait = cfg.limits.waiting(run)
+        if best[0] is None or run + wait < best[0]:
+            best = (run + wait, f"{s.name}: engine.max_running {run} + limits.tier_max_waiting {wait}")
+    return best
+
+
 def resolve_limits(cfg, lay) -> AdmissionLimits:
     """``cfg.limits`` with its None defaults derived from the engines' sizes and instance counts
     of layout ``lay`` (see :class:`pdd.config.LimitsConfig`); 0 turns a limit off. With an
@@ -224,7 +251,7 @@ def resolve_limits(cfg, lay) -> AdmissionLimits:
         queued = sum(cfg.engine_for(s.name).num_pages * cfg.engine_for(s.name).page_size
                      for s in lay.by_role(ROLE_PREFILL) + lay.by_role(ROLE_COLOCATED)) or e.num_pages * e.page_size
     return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s,
-                           lim.max_wan_backlog_s or None)
+                           lim.max_wan_backlog_s or None, *choice_cap(cfg, lay))
 
 
 @dataclass
@@ -387,7 +414,8 @@ class Admission:
                 "admitted": self.admitted, "rejected": dict(self.rejected),
                 "limits": {"max_inflight_requests": self.limits.max_inflight,
                            "max_queued_prompt_tokens": self.limits.max_queued_tokens,
-                           "max_queue_wait_s": self.limits.max_wait_s}}
+                           "max_queue_wait_s": self.limits.max_wait_s,
+                           "max_choices_per_request": self.limits.max_choices}}
 
 
 def causes(exc: BaseException | None, limit: int = 8):

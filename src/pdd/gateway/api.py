@@ -378,6 +378,21 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                                f"KV pages of {ps} tokens at once, more than an instance's pool ({te.num_pages}): "
                                f"lower n or {param}", "n" if n > 1 else param)
 
+    def check_choices(n: int, prompts: int = 1) -> None:
+        """400 naming ``n`` (``prompt`` for a batch of single choices) when the request's
+        ``prompts`` x ``n`` choices exceed what one instance's bounded queue holds
+        (``AdmissionLimits.max_choices``, :func:`pdd.gateway.admission.choice_cap`): a tier would
+        refuse the excess however idle the system is, so a 429 (retry later) could never be cured."""
+        lim = adm.limits
+        asked = prompts * n
+        if lim.max_choices is None or asked <= lim.max_choices:
+            return
+        what, hint = (f"n ({n})", "lower n") if prompts == 1 else (f"{prompts} prompts x n ({n})",
+                                                                  "lower n or send fewer prompts")
+        raise ApiError(f"{what}: {asked} choices requested; at most {lim.max_choices} choices per request are served "
+                       f"(each choice takes one of the {lim.max_choices} places of an instance's queue on every tier "
+                       f"it passes; {lim.max_choices_why}); {hint}", "n" if n > 1 else "prompt")
+
     def rest_of_context(n_prompt: int, where: str) -> int:
         """Output tokens the context window leaves after ``n_prompt`` prompt tokens (vLLM's
         ``max_tokens`` when none is given); ApiError naming ``where`` ("prompt" / "messages")
@@ -600,6 +615,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
+        p = body.prompt
+        check_choices(body.n, len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1)
         batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens)  # off the event loop
         plans = []
         for ids in batch:
@@ -644,6 +661,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat(body)
+        check_choices(body.n)
         text = render_chat(body)
         ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages")
         ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
