@@ -349,3 +349,79 @@ async def test_a_refused_choice_is_answered_429_not_its_aborted_sibling(tiny_mod
     orch, r = await _three_choices(tiny_model, AbortedBeforeRefusalOrch)
     assert r.status_code == 429, r.text
     assert await _settled(orch, 3) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 3}
+
+
+class FinishedBeforeRefusalOrch(ScriptedOrch):
+    """A request refused partway: its first choice (or, in a batch, its first prompt's choice) runs
+    to its last token; only then are the other choices refused for now (``OutOfPages`` while
+    starting, as the real ``start_request`` counts it), or failed (``ending`` "failed"), or started
+    after all (``ending`` "completed"). The others wait for that last token to be handed to the
+    gateway (an event, not a delay)."""
+
+    ending = "rejected"
+
+    def __init__(self, cfg: ClusterConfig, script: list[int]):
+        super().__init__(cfg, script)
+        self.first_done = asyncio.Event()
+        self.first: str | None = None
+
+    async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
+        if self.first is None:
+            st = await super().start_request(prompt_ids, sp, rid)
+            self.first = st.rid
+            return st
+        await self.first_done.wait()
+        if self.ending == "completed":
+            return await super().start_request(prompt_ids, sp, rid)
+        st = ReqState(f"r{next(self._ids)}", len(prompt_ids), sp, trid="x", prompt_ids=list(prompt_ids))
+        self.totals["requests"] += 1
+        if self.ending == "failed":
+            await self.abort(st, ABORT_FAILED)
+            raise RequestFailed(f"request {st.rid} failed while starting: RuntimeError: injected")
+        await self.abort(st, ABORT_REJECTED)
+        raise RequestFailed("request failed while starting") from RuntimeError("OutOfPages: out of KV pages: need 45, "
+                                                                            "38 free")
+
+    async def stream(self, st: ReqState):
+        async for t in super().stream(st):
+            if t.fin is not None and st.rid == self.first:
+                self.first_done.set()
+            yield t
+
+
+@pytest.mark.parametrize("ending,status", [("rejected", 429), ("failed", 503), ("completed", 200)])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body", [{"prompt": "hello there", "n": 3}, {"prompt": ["a b", "c d", "e f"]}])
+async def test_choices_finished_before_a_sibling_is_refused_count_as_the_request_ended(tiny_model, body, stream,
+                                                                                        ending, status):
+    """Found by a new user: a request refused partway (429: one choice had already run to its last
+    token when a sibling choice, or another prompt of its batch, was refused) counted that
+    finished choice "completed", though the client got nothing but the refusal. Every choice of it
+    is "rejected" (or "failed", when the sibling failed: 503), in totals and /metrics; the
+    admission counts one refused request. Had the siblings started, all three are completed."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = FinishedBeforeRefusalOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
+    orch.ending = ending
+    app = create_app(cfg, orch, tok)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/completions", json={**body, "max_tokens": 2, "ignore_eos": True, "stream": stream})
+        assert r.status_code == status, r.text
+        want = {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 0, ending: 3}
+        assert await _settled(orch, 3) == want
+        assert orch.totals["requests"] == 3 and orch.fed[orch.first] == 2  # the first choice did finish
+        assert await _metrics(client) == {k: float(v) for k, v in want.items()}
+        adm = app.state.admission
+        assert adm.inflight == 0 and adm.admitted == 1
+        assert adm.rejected == ({"out_of_pages": 1} if ending == "rejected" else {})
+        if ending == "completed":
+            if stream:
+                fins = [json.loads(x[6:])["choices"][0] for x in r.text.splitlines() if x.startswith("data: {")]
+                assert sorted(c["index"] for c in fins if c["finish_reason"] == "length") == [0, 1, 2]
+            else:
+                assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 3

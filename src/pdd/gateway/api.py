@@ -65,11 +65,12 @@ MAX_CHARS_PER_TOKEN = 64  # no tokenizer's token is longer: a longer text cannot
 
 class Overloaded(ApiError):
     """HTTP 429: admission refused the request (or a tier's queue was full); ``retry_after_s``
-    goes into the ``Retry-After`` header."""
+    goes into the ``Retry-After`` header; ``reason``: a tier's refusal (``admission.refusal``)."""
 
-    def __init__(self, message: str, retry_after_s: int):
+    def __init__(self, message: str, retry_after_s: int, reason: str | None = None):
         super().__init__(message, None, status=429, code="rate_limit_exceeded", etype="rate_limit_error")
         self.retry_after_s = int(retry_after_s)
+        self.reason = reason
 
 
 class Unavailable(ApiError):
@@ -479,7 +480,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         async def run():
             if not batch:
                 return await start(*plans[0], request, admitted=admitted, made=made)
-            tasks = [asyncio.ensure_future(start(*p, request, admitted=True, made=made)) for p in plans]
+            # no prompt's choice ends (is counted) until every prompt started: a refused prompt
+            # stops the others, finished or not, with its reason (Generation.settle)
+            tasks = [asyncio.ensure_future(start(*p, request, admitted=True, made=made, settle=False)) for p in plans]
             try:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             except asyncio.CancelledError:
@@ -494,6 +497,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                     g.abort_starting(why)
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise errs[0]
+            for g in made:
+                g.settle()
             return [t.result() for t in tasks]
 
         try:
@@ -506,24 +511,26 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             raise
 
     async def start(ids, sps, opts, request: Request | None = None, admitted: bool = False,
-                    made: list | None = None) -> Generation:
+                    made: list | None = None, settle: bool = True) -> Generation:
         """Admit (else 429), then start every choice. The admission ticket is released when the
         request ends (``gen.ticket_end``). ``admitted``: the caller holds the ticket (a batch of
         prompts is admitted as one request), so none is taken here. ``made``: the Generation is
-        appended to it before it starts (so it can be aborted while it starts)."""
+        appended to it before it starts (so it can be aborted while it starts). ``settle``:
+        False when the caller settles it (``Generation.settle``: a batch, once every prompt started)."""
         ticket = None if admitted else admit(len(sps), len(ids), request)
         gen = Generation(orch, tokenizer, ids, sps, opts, eos_ids)
         if made is not None:
             made.append(gen)
         try:
-            await gen.start()
+            await gen.start(settle)
         except RequestFailed as ex:
             if ticket is not None:
                 adm.release(ticket)
             why = refusal(ex)  # a tier that cannot take new work now: retry later (429), not a failure
             if why is not None:
-                adm.reject(why)
-                raise Overloaded(f"server overloaded: {ex}", adm.retry_hint()) from ex
+                if not admitted:  # a batch's prompt: the batch counts its refusal once (completions)
+                    adm.reject(why)
+                raise Overloaded(f"server overloaded: {ex}", adm.retry_hint(), why) from ex
             if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
                 raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
             raise ApiError(str(ex), None, status=503, etype="server_error") from ex
@@ -636,8 +643,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             ticket = admit(len(plans) * body.n, sum(len(p[0]) for p in plans), request)
             try:
                 started = await start_watched(request, plans, admitted=True)
-            except BaseException:
+            except BaseException as e:
                 adm.release(ticket)
+                if isinstance(e, Overloaded) and e.reason is not None:
+                    adm.reject(e.reason)  # once for the batch, as it was admitted once
                 raise
             gen = Batch(started, body.n)
             hold_ticket(gen, ticket)

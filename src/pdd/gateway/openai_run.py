@@ -13,6 +13,13 @@ decides how the gateway counts the choice (``Orchestrator.totals``, /metrics
 ``pdd_gateway_outcomes``): a stop string ``ABORT_STOP`` (completed), the client gone or no longer
 reading ``ABORT_CLIENT`` (cancelled), a failure of the request or of a sibling choice
 ``ABORT_FAILED`` (failed).
+
+A choice that runs to its last token while other choices of its request are still starting
+(a short one, or a batch's prompt whose sibling prompts start later) is held at its end: its
+stream, which counts it, ends only once every choice of the request has started
+(:meth:`Generation.settle`: counted completed). If the request is stopped instead (a sibling
+refused for now: 429, failed, the client gone), the held choice is aborted with that reason like
+the others, so the counts say what happened to the request, not to each choice alone.
 """
 
 from __future__ import annotations
@@ -106,6 +113,8 @@ class Generation:
         self.on_first_token = None  # called once, when the first token of any choice arrives (admission)
         self.rids: list[str] = []  # the rid of every choice asked to start (abort_starting finds them by it)
         self.stopped: str | None = None  # abort_starting's reason: no further choice starts
+        self.settled = asyncio.Event()  # every choice of the API request started (settle)
+        self.held: set[int] = set()  # choices at their last token, their stream's end held until settled
 
     def _rid(self) -> str | None:
         """A rid for the next choice to start, from the orchestrator's own sequence (None: an
@@ -130,12 +139,19 @@ class Generation:
         self.close(reason)
         abort_starting(self.orch, self.rids, reason)
 
-    async def start(self) -> None:
-        """Start every choice (choice 0 first, so the others hit P's prefix cache). Raises
-        ``RequestFailed`` if a choice could not start; the choices started are then aborted
-        (counted failed, rejected when a tier refused the choice for now, cancelled if the start
-        itself was cancelled), and so are the other choices still starting, at once (not after
-        their prefill)."""
+    def settle(self) -> None:
+        """Every choice of the API request has started: a choice held at its end (it finished
+        meanwhile) ends now, counted completed. Idempotent."""
+        self.held.clear()
+        self.settled.set()
+
+    async def start(self, settle: bool = True) -> None:
+        """Start every choice (choice 0 first, so the others hit P's prefix cache), then
+        :meth:`settle` (``settle`` False: the caller does, once the other prompts of its batch
+        started too). Raises ``RequestFailed`` if a choice could not start; the choices started
+        are then aborted (counted failed, rejected when a tier refused the choice for now,
+        cancelled if the start itself was cancelled), those that already finished too, and so are
+        the other choices still starting, at once (not after their prefill)."""
         try:
             first = await self.orch.start_request(self.prompt_ids, self.sps[0], rid=self._rid())
             self._add(first)
@@ -161,6 +177,8 @@ class Generation:
                     # the choice that failed first is the cause; the others may only have been
                     # aborted because of it ("request ... aborted"), which would hide a 429
                     raise first_err if first_err is not None else errs[0]
+            if settle:
+                self.settle()
         except asyncio.CancelledError:
             self.abort_starting(ABORT_CLIENT)  # the choices still starting too
             raise
@@ -179,8 +197,14 @@ class Generation:
 
     async def _pump(self, i: int, st: ReqState) -> None:
         try:
-            async for t in self.orch.stream(st):
-                self.q.put_nowait((i, t))
+            async with contextlib.aclosing(self.orch.stream(st)) as toks:  # closed here, however it ends
+                async for t in toks:
+                    self.q.put_nowait((i, t))
+                    if t.fin is not None and not self.settled.is_set():
+                        # its last token, while other choices still start: its stream (which counts
+                        # it completed) ends once they all started; a refusal aborts it (close)
+                        self.held.add(i)
+                        await self.settled.wait()
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -218,11 +242,12 @@ class Generation:
                         self._stop(i, ABORT_STOP)
                 yield d
 
-    def _stop(self, i: int, reason: str) -> None:
+    def _stop(self, i: int, reason: str, held: bool = False) -> None:
         """Abort choice ``i`` on every tier with ``reason`` (``Orchestrator.abort``) and cancel
-        its pump."""
+        its pump; ``held``: it finished, but its end is held (not counted yet), so it is aborted
+        too."""
         st = self.choices[i].st
-        if not st.finished:
+        if not st.finished or held:
             # runs before the pump sees its cancellation, so the reason is the one counted
             _spawn(self.orch.abort(st, reason))
         pump = self.pumps[i]
@@ -232,12 +257,16 @@ class Generation:
     def close(self, reason: str) -> None:
         """Abort every choice still running, with ``reason`` (``ABORT_CLIENT``: the client went
         away; ``ABORT_FAILED``: the request failed), which decides how they are counted
-        (cancelled / failed); idempotent: a choice already ended keeps its first count. A choice
-        that finished on a tier's finish token is left alone (its stream still tidies up)."""
+        (cancelled / failed; ``ABORT_REJECTED``: a choice was refused while starting);
+        idempotent: a choice already ended keeps its first count. A choice that finished on a
+        tier's finish token is left alone (its stream still tidies up), unless its end is held
+        (its request never fully started): it is aborted with ``reason`` too."""
         for i, pump in enumerate(self.pumps):
-            if not pump.done() and self.choices[i].finish_reason is None:
+            held = i in self.held
+            if not pump.done() and (self.choices[i].finish_reason is None or held):
+                self.held.discard(i)
                 self.choices[i].finish_reason = "abort"
-                self._stop(i, reason)
+                self._stop(i, reason, held)
 
     async def collect(self) -> None:
         async for _ in self.deltas():

@@ -47,6 +47,8 @@ class InstanceLost(ConnectionError):
 # "cancelled" (the client went away or stopped reading: vLLM's finish reason "abort") or
 # "rejected" (a tier refused it for now while it was starting, its queue full or its KV pool short
 # of pages: the client got a 429 to retry later, and nothing of it was kept; docs/OVERLOAD.md).
+# The choices of one API request end as the request did: one that finished while a sibling was
+# still starting is counted only once they all started (pdd.gateway.openai_run: held, then settled).
 ABORT_STOP = "stop"  # a stop string completed at the gateway: the request is done -> "completed"
 ABORT_CLIENT = "client_disconnect"  # the client disconnected (or stopped reading) -> "cancelled"
 ABORT_FAILED = "failed"  # the request (or a sibling choice) failed -> "failed"
