@@ -221,7 +221,7 @@ def test_chat_prompt_is_the_rendered_template(api, tiny_model):
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": list(range(10, 300)), "max_tokens": 300}, "max_tokens"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
      "top_logprobs"),
@@ -231,7 +231,8 @@ def test_chat_prompt_is_the_rendered_template(api, tiny_model):
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
 ])
 def test_bad_parameters_get_openai_400(api, path, body, param):

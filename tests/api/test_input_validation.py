@@ -9,6 +9,7 @@ import json
 import pytest
 
 OK = {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
 
 
 def _err(r, status: int, param=..., code=...) -> dict:
@@ -102,29 +103,36 @@ def test_chat_wrong_types_are_400(api, body):
     assert not orch.started
 
 
-@pytest.mark.parametrize("messages,message", [
-    ([{"role": "wizard", "content": "hi"}], "messages[0].role: 'wizard' is not one of"),
-    ([{"role": "user"}], "messages[0].content: required for role 'user'"),
-    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}],
+@pytest.mark.parametrize("messages,param,message", [
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role", "messages[0].role: 'wizard' is not one of"),
+    ([{"role": "user"}], "messages[0].content", "messages[0].content: required for role 'user'"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}], "messages[1].content",
      "messages[1].content: required for role 'user'"),
 ])
-def test_chat_roles_and_missing_content_are_400_naming_the_message(api, messages, message):
+def test_chat_roles_and_missing_content_are_400_naming_the_message(api, messages, param, message):
     client, orch = api
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
-    _err(r, 400, "messages")
+    _err(r, 400, param)
     assert r.json()["error"]["message"].startswith(message), r.json()
     assert not orch.started
     _still_serving(client)
 
 
-def test_chat_max_tokens_true_is_400_and_an_assistant_turn_without_content_is_served(api):
+def test_chat_max_tokens_true_is_400_and_an_assistant_turn_needs_content_or_tool_calls(api):
+    """An assistant turn with neither content nor tool_calls was served (its content rendered
+    empty); OpenAI's API refuses it: content is required unless tool_calls is given."""
     client, orch = api
     _err(client.post("/v1/chat/completions",
                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": True}), 400, "max_tokens")
-    assert not orch.started
     r = client.post("/v1/chat/completions", json={"messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": None},
         {"role": "user", "content": "y"}], "max_tokens": 2})
+    assert _err(r, 400, "messages[1].content")["message"] == \
+        "messages[1].content: required for role 'assistant' unless tool_calls is given"
+    assert not orch.started
+    r = client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
 
 
@@ -418,16 +426,17 @@ def test_a_malformed_prompt_item_is_named_by_its_index(api, prompt, message):
     _still_serving(client)
 
 
-@pytest.mark.parametrize("messages,message", [
-    ([{"role": "user", "content": "hi"}, 5], "messages[1]: Input should be a valid dictionary"),
-    (["x"], "messages[0]: Input should be a valid dictionary"),
-    ([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}],
-     "messages[1].content: content must be a string, a list of parts or null"),
+@pytest.mark.parametrize("messages,param,message", [
+    ([{"role": "user", "content": "hi"}, 5], "messages[1]",
+     "messages[1]: must be an object with a role and content, got int"),
+    (["x"], "messages[0]", "messages[0]: must be an object with a role and content, got str"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}], "messages[1].content",
+     "messages[1].content: must be a string or a list of content parts, got int 5"),
 ])
-def test_a_malformed_chat_message_is_named_by_its_index(api, messages, message):
+def test_a_malformed_chat_message_is_named_by_its_index(api, messages, param, message):
     client, orch = api
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
-    assert _err(r, 400, "messages")["message"] == message
+    assert _err(r, 400, param)["message"] == message
     assert not orch.started
 
 
@@ -548,11 +557,11 @@ def test_a_stop_of_another_type_and_a_lone_surrogate_in_a_message_say_where(api)
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "a\ud800"}],
                        "max_tokens": 2})
     r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-    assert _err(r, 400, "messages")["message"] == \
+    assert _err(r, 400, "messages[1].content")["message"] == \
         "messages[1].content: not valid Unicode text (a lone surrogate at character 1)"
     body = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}], "max_tokens": 2})
     r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-    assert _err(r, 400, "messages")["message"] == \
+    assert _err(r, 400, "messages[0].content[0].text")["message"] == \
         "messages[0].content[0].text: not valid Unicode text (a lone surrogate at character 0)"
     assert not orch.started
 
@@ -695,3 +704,85 @@ def test_a_utf8_bom_is_ignored_and_a_non_json_content_type_keeps_its_415(api):
     assert _err(r, 415, None)["message"].startswith("Unsupported Media Type: ")
     r = client.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/vnd.x+json"})
     assert _err(r, 400, None)["message"].startswith("request body is not valid JSON: it is not UTF-8 text (byte 0xff")
+
+
+USER = {"role": "user", "content": "What is the weather in Oslo?"}
+ASSISTANT_CALL = {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
+
+
+@pytest.mark.parametrize("bad,param,message", [
+    # tool: the call it answers and its result
+    ({"role": "tool", "content": "21"}, "messages[2].tool_call_id",
+     "messages[2].tool_call_id: required for role 'tool'"),
+    ({"role": "tool", "content": "21", "tool_call_id": None}, "messages[2].tool_call_id",
+     "messages[2].tool_call_id: required for role 'tool'"),
+    ({"role": "tool", "content": "21", "tool_call_id": 7}, "messages[2].tool_call_id",
+     "messages[2].tool_call_id: Input should be a valid string"),
+    ({"role": "tool", "tool_call_id": "call_1"}, "messages[2].content", "messages[2].content: required for role 'tool'"),
+    ({"role": "tool", "tool_call_id": "call_1", "content": {"temp": 21}}, "messages[2].content",
+     "messages[2].content: must be a string or a list of content parts, got dict {'temp': 21}"),
+    # assistant: content or tool_calls, each well formed
+    ({"role": "assistant"}, "messages[2].content",
+     "messages[2].content: required for role 'assistant' unless tool_calls is given"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "messages[2].tool_calls",
+     "messages[2].tool_calls: List should have at least 1 item after validation, not 0"),
+    ({"role": "assistant", "tool_calls": TOOL_CALL}, "messages[2].tool_calls",
+     "messages[2].tool_calls: Input should be a valid list"),
+    ({"role": "assistant", "tool_calls": [{k: v for k, v in TOOL_CALL.items() if k != "id"}]},
+     "messages[2].tool_calls[0].id", "messages[2].tool_calls[0].id: required"),
+    ({"role": "assistant", "tool_calls": [{**TOOL_CALL, "id": None}]}, "messages[2].tool_calls[0].id",
+     "messages[2].tool_calls[0].id: Input should be a valid string"),
+    ({"role": "assistant", "tool_calls": [{**TOOL_CALL, "type": "code"}]}, "messages[2].tool_calls[0].type",
+     "messages[2].tool_calls[0].type: Input should be 'function'"),
+    ({"role": "assistant", "tool_calls": [{**TOOL_CALL, "function": {"name": "get_weather"}}]},
+     "messages[2].tool_calls[0].function.arguments", "messages[2].tool_calls[0].function.arguments: required"),
+    ({"role": "assistant", "content": 3}, "messages[2].content",
+     "messages[2].content: must be a string or a list of content parts, got int 3"),
+    # system, developer, user: content of the right type
+    ({"role": "system"}, "messages[2].content", "messages[2].content: required for role 'system'"),
+    ({"role": "developer", "content": True}, "messages[2].content",
+     "messages[2].content: must be a string or a list of content parts, got bool True"),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[2].content[0].text",
+     "messages[2].content[0].text: a text content part needs a string 'text'"),
+    ({"role": "user", "content": [7]}, "messages[2].content[0]",
+     "messages[2].content[0]: content part of type 'int' is not supported (text only)"),
+    ({"role": "user", "content": "x", "name": 5}, "messages[2].name", "messages[2].name: Input should be a valid string"),
+    # function (OpenAI's older tool result): its name
+    ({"role": "function", "content": "21"}, "messages[2].name", "messages[2].name: required for role 'function'"),
+    # the role itself
+    ({"role": "robot", "content": "x"}, "messages[2].role",
+     "messages[2].role: 'robot' is not one of assistant, developer, function, system, tool, user"),
+    ({"content": "x"}, "messages[2].role", "messages[2].role: required"),
+    ({"role": ["user"], "content": "x"}, "messages[2].role", "messages[2].role: must be a string, got list ['user']"),
+    ("x", "messages[2]", "messages[2]: must be an object with a role and content, got str"),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_chat_messages_are_validated_as_openai_does_naming_the_field(api, path, bad, param, message):
+    """Found by a new user: a tool message without tool_call_id got 200 (OpenAI: 400). Each
+    message must have the shape its role requires; the 400 names the field (param
+    ``messages[2].tool_call_id``), before any tier does work; /tokenize renders chat as the chat
+    endpoint does and checks it the same way."""
+    client, orch = api
+    r = client.post(path, json={"messages": [USER, ASSISTANT_CALL, bad], "max_tokens": 2})
+    assert _err(r, 400, param, None)["message"] == message
+    assert not orch.started
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "system", "content": "Be brief."},
+    {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+    {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}], "name": "ann"},
+    {"role": "assistant", "content": "It is sunny.", "tool_calls": None},
+    {"role": "assistant", "content": None, "tool_calls": [{**TOOL_CALL, "id": "call_2"}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
+    {"role": "function", "name": "get_weather", "content": "21"},
+])
+def test_chat_messages_of_each_role_are_served(api, message):
+    client, orch = api
+    msgs = [USER, ASSISTANT_CALL, message]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2 and len(orch.started) == 1
+    r = client.post("/tokenize", json={"messages": msgs})
+    assert r.status_code == 200 and r.json()["count"] == len(orch.started[0][0])

@@ -44,7 +44,8 @@ from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unle
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        TokenizeRequest, check_chat, check_completion, error_body, sampling_for,
+                                        TokenizeRequest, check_chat, check_completion, check_messages, error_body,
+                                        sampling_for,
                                         lone_surrogate, media_type, not_utf8, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
@@ -591,7 +592,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                                         documents=getattr(body, "documents", None),
                                         chat_template_kwargs=body.chat_template_kwargs)
         except ChatTemplateError as e:
-            raise ApiError(str(e), "messages") from e
+            raise ApiError(str(e), e.param or "messages") from e
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -600,6 +601,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         chat template for messages)."""
         check_model(body.model)
         if body.messages is not None:
+            check_messages(body.messages)
             text, param, special = render_chat(body), "messages", False
         else:
             text, param, special = body.prompt, "prompt", True

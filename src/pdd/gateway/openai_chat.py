@@ -41,7 +41,12 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateError(ValueError):
-    """The request cannot be rendered (bad messages, or the template raised)."""
+    """The request cannot be rendered (bad messages, or the template raised); ``param``: the
+    field at fault (``messages[0].content[1]``), None for the request's messages as a whole."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class _Generation(jinja2.ext.Extension):
@@ -118,7 +123,7 @@ def flatten_content(content, where: str):
     if isinstance(content, str):
         bad = lone_surrogate(content)
         if bad is not None:
-            raise ChatTemplateError(f"{where}: not valid Unicode text (a lone surrogate at character {bad})")
+            raise ChatTemplateError(f"{where}: not valid Unicode text (a lone surrogate at character {bad})", where)
         return content
     if content is None:
         return content
@@ -130,12 +135,14 @@ def flatten_content(content, where: str):
             elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 texts.append(flatten_content(part["text"], f"{where}[{i}].text"))
             elif isinstance(part, dict) and part.get("type", "text") == "text":
-                raise ChatTemplateError(f"{where}[{i}].text: a text content part needs a string 'text'")
+                raise ChatTemplateError(f"{where}[{i}].text: a text content part needs a string 'text'",
+                                        f"{where}[{i}].text")
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatTemplateError(f"{where}[{i}]: content part of type {kind!r} is not supported (text only)")
+                raise ChatTemplateError(f"{where}[{i}]: content part of type {kind!r} is not supported (text only)",
+                                        f"{where}[{i}]")
         return "\n".join(texts)
-    raise ChatTemplateError(f"{where}: content must be a string, a list of parts or null")
+    raise ChatTemplateError(f"{where}: content must be a string, a list of parts or null", where)
 
 
 class ChatTemplate:
@@ -200,7 +207,7 @@ class ChatTemplate:
         chat = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
-                raise ChatTemplateError(f"messages[{i}]: must be an object")
+                raise ChatTemplateError(f"messages[{i}]: must be an object", f"messages[{i}]")
             m = {k: v for k, v in m.items() if v is not None}
             if "content" in m:
                 m["content"] = flatten_content(m["content"], f"messages[{i}].content")

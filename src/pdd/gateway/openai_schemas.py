@@ -12,9 +12,10 @@ import json
 import secrets
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
 
 from pdd.types import SamplingParams
 
@@ -283,8 +284,104 @@ class CompletionRequest(_Sampling):
         return v
 
 
+class _Message(BaseModel):
+    """A chat message as OpenAI's API defines it for its role (:data:`_MESSAGES` picks the class
+    by ``role``; :func:`check_messages` validates). Keys it does not define (a template's own,
+    e.g. ``reasoning_content``) go to the template unchecked; a null value counts as absent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    name: StrictStr | None = None
+    content: Any = None  # a string or a list of content parts (their kinds: openai_chat.flatten_content)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v):
+        if v is None or isinstance(v, (str, list)):
+            return v
+        raise ValueError(f"must be a string or a list of content parts, got {type(v).__name__} {v!r}"[:200])
+
+
+class _ContentMessage(_Message):
+    """system, developer, user: ``content`` required."""
+
+    content: Any
+
+
+class _ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it back
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr
+    type: Literal["function"]
+    function: _ToolCallFunction
+
+
+class _AssistantMessage(_Message):
+    """``content``, or ``tool_calls`` (at least one; or the older ``function_call``) instead."""
+
+    tool_calls: list[_ToolCall] | None = Field(None, min_length=1)
+    function_call: _ToolCallFunction | None = None
+
+
+class _ToolMessage(_Message):
+    """The result of a tool call: ``tool_call_id`` names the call, ``content`` holds the result."""
+
+    content: Any
+    tool_call_id: StrictStr
+
+
+class _FunctionMessage(_Message):
+    """The older tool result: ``name`` of the function; ``content`` a string or null."""
+
+    name: StrictStr
+    content: StrictStr | None = None
+
+
+_MESSAGES: dict[str, type[_Message]] = {"system": _ContentMessage, "developer": _ContentMessage,
+                                        "user": _ContentMessage, "assistant": _AssistantMessage,
+                                        "tool": _ToolMessage, "function": _FunctionMessage}
+assert set(_MESSAGES) == CHAT_ROLES
+
+
+def check_messages(messages: list) -> None:
+    """Each chat message has the shape OpenAI's API requires for its role (:class:`_Message`
+    and its subclasses): a known ``role``; ``content`` for system, developer, user and tool;
+    ``tool_call_id`` for tool; ``content`` or ``tool_calls`` for assistant; ``name`` for function;
+    each of the right type. ApiError (400) whose ``param`` is the field, e.g.
+    ``messages[2].tool_call_id``, and whose message says what is wrong with it."""
+    for i, m in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"{at}: must be an object with a role and content, got {type(m).__name__}", at)
+        role = m.get("role")
+        if role is None:
+            raise ApiError(f"{at}.role: required", f"{at}.role")
+        if not isinstance(role, str):
+            raise ApiError(f"{at}.role: must be a string, got {type(role).__name__} {role!r}"[:200], f"{at}.role")
+        if role not in CHAT_ROLES:
+            raise ApiError(f"{at}.role: {role[:40]!r} is not one of {', '.join(sorted(CHAT_ROLES))}", f"{at}.role")
+        try:
+            msg = _MESSAGES[role].model_validate({k: v for k, v in m.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = at + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
+            if err["type"] == "missing":
+                whose = f" for role {role!r}" if len(err["loc"]) == 1 else ""  # else a tool call's key
+                raise ApiError(f"{where}: required{whose}", where) from None
+            raise ApiError(f"{where}: {err['msg'].removeprefix('Value error, ')}", where) from None
+        if isinstance(msg, _AssistantMessage) and msg.content is None and msg.tool_calls is None \
+                and msg.function_call is None:
+            raise ApiError(f"{at}.content: required for role 'assistant' unless tool_calls is given", f"{at}.content")
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]]
+    messages: list[Any]  # each checked by check_messages (400 naming the message's field)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -310,7 +407,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[Any] | None = None  # checked by check_messages
     add_special_tokens: StrictBool | None = None  # None: as the matching endpoint (prompt True, messages False)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -456,17 +553,7 @@ def check_chat(body: ChatCompletionRequest) -> None:
     _check_stream_options(body)
     if not body.messages:
         raise ApiError("messages: must contain at least one message", "messages")
-    for i, m in enumerate(body.messages):
-        if not isinstance(m, dict):
-            raise ApiError(f"messages[{i}]: must be an object with a role and content", "messages")
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise ApiError(f"messages[{i}].role: required string", "messages")
-        if role not in CHAT_ROLES:
-            raise ApiError(f"messages[{i}].role: {role[:40]!r} is not one of {', '.join(sorted(CHAT_ROLES))}",
-                           "messages")
-        if role in ("system", "developer", "user", "tool") and m.get("content") is None:
-            raise ApiError(f"messages[{i}].content: required for role {role!r}", "messages")
+    check_messages(body.messages)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     tc = body.tool_choice
