@@ -310,6 +310,13 @@ def test_validate_live_from_another_workload_is_a_usage_error(capsys, tmp_path, 
              "error:", f"--live-from {tmp_path}", "not the same workload")
 
 
+def _record(**fields):
+    """A completed request's record as the bench client writes it, with the gateway's ``pdd``
+    block (its per-request events, ms from arrival)."""
+    return {"ok": True, "send_s": 0.0, "token_times_s": [0.1],
+            "pdd": {"events_ms": {"p_first_token": 80.0, "first_token": 90.0}}, **fields}
+
+
 def _recorded_run(d, *, rate=0.8, n=2, budget=250.0):
     """A minimal `pdd sim validate --out` directory: validate.json's workload and budget, n request
     records, server stats."""
@@ -318,8 +325,7 @@ def _recorded_run(d, *, rate=0.8, n=2, budget=250.0):
         "workload": {"requests": n, "rate_rps": rate, "block_tokens": 64, "session_sample": 50, "session_seed": 0,
                      "max_output_tokens": 320, "seed": 0},
         "config": {"pipeline_ttft_budget_ms": budget}}))
-    (d / "requests.jsonl").write_text("".join(json.dumps({"ok": True, "send_s": 0.0, "token_times_s": [0.1]}) + "\n"
-                                              for _ in range(n)))
+    (d / "requests.jsonl").write_text("".join(json.dumps(_record()) + "\n" for _ in range(n)))
     (d / "server_stats.json").write_text("{}")
     return d
 
@@ -377,7 +383,7 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
     elif case == "bad_validate":
         (run / "validate.json").write_text("{not json")
     elif case == "bad_line":
-        (run / "requests.jsonl").write_text('{"ok": true}\n{oops\n')
+        (run / "requests.jsonl").write_text(json.dumps(_record()) + "\n{oops\n")
     elif case == "no_stats":
         (run / "server_stats.json").unlink()
     elif case == "profile_missing":
@@ -407,9 +413,8 @@ def test_calibrate_roles_bad_run_or_profile_is_one_line(capsys, tmp_path, case, 
         v["workload"]["requests"] = "100"
         (run / "validate.json").write_text(json.dumps(v))
     elif case == "lost_instance":  # MD killed mid-run: the gateway finished on a fallback path
-        (run / "requests.jsonl").write_text(
-            json.dumps({"ok": True, "send_s": 0.0, "token_times_s": [0.1], "pdd": {"degraded": True}}) + "\n"
-            + json.dumps({"ok": True, "send_s": 0.0, "token_times_s": [0.1]}) + "\n")
+        (run / "requests.jsonl").write_text(json.dumps(_record(pdd={"degraded": True})) + "\n"
+                                            + json.dumps(_record()) + "\n")
         (run / "server_stats.json").write_text(json.dumps({"flush": {"unreachable": ["md0"]}}))
     elif case == "all_failed":  # a killed topology: nothing to fit, and no profile written
         (run / "requests.jsonl").write_text("".join(json.dumps({"ok": False, "error": "ConnectionResetError"}) + "\n"
@@ -644,3 +649,29 @@ def test_a_recorded_token_before_its_send_or_out_of_order_is_one_line(capsys, tm
     _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run),
                       "--profile", PROFILE, "--config", _fake_model_config(tmp_path)],
              "pdd sim validate: error:", "--live-from", "requests.jsonl line 2: token_times_s", message)
+
+
+@pytest.mark.parametrize("pdd", ["absent", None])
+@pytest.mark.parametrize("argv,flag", [
+    (["sim", "calibrate-roles", "--run", "{run}", "--out", "{tmp}/fit.json"], "--run"),
+    (["sim", "validate", "--live-from", "{run}", "--out", "{tmp}/v"], "--live-from"),
+])
+def test_a_completed_record_without_the_gateways_pdd_block_is_refused(capsys, tmp_path, argv, flag, pdd):
+    """A completed record with no `pdd` block (the gateway's per-request events and decisions)
+    was read as one: its P interval missing, the requests P prefilled beside it counted as
+    isolated and the token gaps beside it as P quiet, so it moved the fit unsaid. Refused naming
+    the file and line, as a record of the wrong shape is; a failed request has no block and is
+    read as before."""
+    run = _recorded_run(tmp_path / "run", n=3)
+    bare = _record()
+    if pdd == "absent":
+        del bare["pdd"]
+    else:
+        bare["pdd"] = None  # what RequestRecord.to_dict writes when no usage chunk carried one
+    recs = [{"ok": False, "error": "ConnectionResetError", "pdd": None}, bare, _record()]
+    (run / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
+    _refused(capsys, argv + ["--profile", PROFILE, "--config", _fake_model_config(tmp_path)],
+             f"pdd {' '.join(argv[:2])}: error: {flag}",
+             f"{run / 'requests.jsonl'} line 2: pdd is missing on a completed request")
+    assert not (tmp_path / "fit.json").exists() and not (tmp_path / "v" / "validate.json").exists()

@@ -182,6 +182,7 @@ def test_a_role_the_simulator_does_not_have_is_refused(tmp_path):
     ("send_s", "0.5", "send_s must be a number"),
     ("token_times_s", [0.1, "x"], "token_times_s must be a list of numbers"),
     ("pdd", {"events_ms": {"p_first_token": "7"}}, "pdd.events_ms must be an object of numbers"),
+    ("pdd", None, "pdd is missing on a completed request"),
 ])
 def test_a_malformed_record_is_named_not_a_traceback(tmp_path, field, value, message):
     """calibrate-roles and validate --live-from read a recorded run's records: a record whose

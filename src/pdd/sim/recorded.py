@@ -158,7 +158,10 @@ def check_record(rec: dict, where: str) -> dict:
     """``rec`` (one ``requests.jsonl`` record) when the fields the fits read have their types:
     ``send_s`` a number (present on a completed record with token times or gateway events),
     ``token_times_s`` a list of numbers, ``pdd`` an object whose ``events_ms`` is an object of
-    numbers. Raises :class:`RecordedRunError` naming ``where`` and the field."""
+    numbers, present on every completed record (``ok``): the gateway writes it on each request
+    it completes, and a record without it would count as a request P never prefilled (its
+    neighbours' prefills as isolated, the token gaps beside it as P quiet). Raises
+    :class:`RecordedRunError` naming ``where`` and the field."""
     def bad(field: str, why: str):
         raise RecordedRunError(f"{where}: {field} {why} (not a `pdd sim validate` record)")
 
@@ -168,6 +171,9 @@ def check_record(rec: dict, where: str) -> dict:
     p = rec.get("pdd")
     if p is not None and not isinstance(p, dict):
         bad("pdd", "must be an object")
+    if p is None and rec.get("ok"):  # absent, or null: no usage chunk carried the gateway's block
+        bad("pdd", "is missing on a completed request (the gateway's per-request block: its events_ms and "
+                   "decisions)")
     ev = (p or {}).get("events_ms")
     if ev is not None and not (isinstance(ev, dict) and all(_number(t) for t in ev.values())):
         bad("pdd.events_ms", "must be an object of numbers")
