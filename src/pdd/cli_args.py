@@ -11,7 +11,7 @@ def config_or_exit(args, **over):
     file or the flag (SystemExit; a usage error via :func:`usage_error`), never a traceback."""
     from pydantic import ValidationError
 
-    from pdd.config import ClusterConfig, validation_summary
+    from pdd.config import ClusterConfig, ConfigFileError, validation_summary
 
     try:
         return ClusterConfig.load(getattr(args, "config", None), **over)
@@ -23,6 +23,8 @@ def config_or_exit(args, **over):
         usage_error(args, f"--config {args.config}: is a directory, not a config file (YAML or JSON)")
     except OSError as e:  # unreadable (permissions)
         usage_error(args, f"--config {args.config}: cannot read it: {e.strerror or e}")
+    except ConfigFileError as e:  # not YAML / JSON, or not a mapping of fields: the message names the file
+        usage_error(args, f"--config {e}")
     except ValueError as e:
         raise SystemExit(f"pdd: invalid config: {e}")
 

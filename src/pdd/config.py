@@ -472,6 +472,21 @@ class AutoscaleConfig(_Strict):
         return self
 
 
+class ConfigFileError(ValueError):
+    """A config file that does not hold a mapping of config fields (:meth:`ClusterConfig.load`):
+    not YAML / JSON, or its top level a list, string, number or boolean. The message starts with
+    the file's path; the CLIs print it as a usage error naming ``--config``."""
+
+
+def _kind(x) -> str:
+    """What a parsed config's top level is, in JSON's words (``a list``, ``a number``, ...)."""
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, (int, float)):
+        return "a number"
+    return {str: "a string", list: "a list"}.get(type(x), f"a {type(x).__name__}")
+
+
 class ClusterConfig(_Strict):
     """A whole topology: the instances of each tier, the links and the policies."""
 
@@ -659,9 +674,12 @@ class ClusterConfig(_Strict):
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides) -> "ClusterConfig":
-        """Load from a YAML/JSON file (or defaults), then apply keyword overrides.
+        """Load from a YAML/JSON file (or defaults), then apply keyword overrides. An empty file
+        (or ``null``) holds no settings: the defaults.
 
-        Raises ``pydantic.ValidationError`` naming the bad field.
+        Raises ``pydantic.ValidationError`` naming the bad field; :class:`ConfigFileError` naming
+        the file when it is not YAML / JSON or its top level is not a mapping (a list, an empty
+        one too, a string, number or boolean); OSError when it cannot be read.
         """
         data: dict = {}
         if path is not None:
@@ -670,10 +688,12 @@ class ClusterConfig(_Strict):
                 # YAML is a superset of JSON: one parser for .yaml, .yml, .json and anything else
                 data = yaml.safe_load(text)
             except yaml.YAMLError as e:
-                raise ValueError(f"{path}: not valid YAML/JSON: {e}") from None
-            data = data or {}
-            if not isinstance(data, dict):
-                raise ValueError(f"{path}: the top level must be a mapping of config fields, not {type(data).__name__}")
+                raise ConfigFileError(f"{path}: not valid YAML/JSON: {e}") from None
+            if data is None:
+                data = {}
+            if not isinstance(data, dict):  # `[]` and `false` too: they are not "no settings"
+                raise ConfigFileError(f"{path}: expected a JSON object (a YAML mapping) of config fields, "
+                                      f"got {_kind(data)}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
 

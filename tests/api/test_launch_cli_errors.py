@@ -44,6 +44,16 @@ def test_a_config_that_is_a_directory_names_config(capsys, tmp_path, cmd, no_ins
              f"--config {tmp_path}: is a directory, not a config file (YAML or JSON)")
 
 
+@pytest.mark.parametrize("cmd", [["launch", "--role", "prefill"], ["serve"], ["certs", "--out", "x"]])
+def test_a_config_that_is_not_an_object_names_config(capsys, tmp_path, cmd, no_instance):
+    """A config file holding a JSON list was `pdd: invalid config: ...` with exit 1; now a usage
+    error naming --config, the file and what it must hold."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text('[{"mode": "pdd"}]')
+    _refused(capsys, cmd + ["--config", str(cfg)],
+             f"--config {cfg}: expected a JSON object (a YAML mapping) of config fields, got a list")
+
+
 def test_launch_refuses_an_instance_not_in_the_config(capsys, tmp_path, no_instance):
     cfg = _config(tmp_path, mode="colocated", model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)})
     _refused(capsys, ["launch", "--role", "prefill", "--name", "p7", "--config", cfg],

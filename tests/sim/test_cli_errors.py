@@ -675,3 +675,29 @@ def test_a_completed_record_without_the_gateways_pdd_block_is_refused(capsys, tm
              f"pdd {' '.join(argv[:2])}: error: {flag}",
              f"{run / 'requests.jsonl'} line 2: pdd is missing on a completed request")
     assert not (tmp_path / "fit.json").exists() and not (tmp_path / "v" / "validate.json").exists()
+
+
+@pytest.mark.parametrize("text,got", [("[1, 2]\n", "a list"), ("[]\n", "a list"), ('"fast"\n', "a string"),
+                                      ("3\n", "a number"), ("false\n", "a boolean")])
+@pytest.mark.parametrize("argv", [
+    ["sim", "calibrate-roles", "--run", "{root}/data/validation/cal-a", "--profile", "{root}/" + PROFILE,
+     "--out", "{tmp}/fit.json"],
+    ["sim", "validate", "--out", "{tmp}/v", "--live-from", "{root}/data/validation/seed3"],
+    ["sim", "run", "--agentic", "3"],
+    ["plan", "--requests", "3"],
+    ["profile", "--out", "{tmp}/p.json"],
+])
+def test_a_config_that_is_not_an_object_is_one_line(capsys, tmp_path, monkeypatch, argv, text, got):
+    """--config FILE holding a JSON list (or a string, number, boolean): `pdd: invalid config:
+    ...` with exit 1, or for an empty list or false no error at all (read as no settings: the
+    embedded topology, unsaid). One usage line naming the file and what it must hold (exit 2),
+    before anything is read or run, as for a config that is a directory."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # no models/small here: nothing is made or measured
+    cfg = tmp_path / "c.json"
+    cfg.write_text(text)
+    argv = [a.replace("{root}", str(root)).replace("{tmp}", str(tmp_path)) for a in argv]
+    err = _refused(capsys, argv + ["--config", str(cfg)])
+    assert err.endswith(f"pdd {' '.join(argv[:2]) if argv[0] == 'sim' else argv[0]}: error: --config {cfg}: "
+                        f"expected a JSON object (a YAML mapping) of config fields, got {got}\n"), err
+    assert not any(tmp_path.glob("*/validate.json")) and not (tmp_path / "fit.json").exists()

@@ -671,7 +671,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out even when it holds a live-run fit")
     p.add_argument("--config", default=None, help="cluster config (YAML/JSON) whose engine settings to use")
     p.add_argument("--reps", type=int, default=5, help="repetitions per point (median)")
-    p.set_defaults(func=cmd_profile)
+    p.set_defaults(func=cmd_profile, parser=p)
     return p
 
 
