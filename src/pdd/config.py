@@ -474,8 +474,9 @@ class AutoscaleConfig(_Strict):
 
 class ConfigFileError(ValueError):
     """A config file that does not hold a mapping of config fields (:meth:`ClusterConfig.load`):
-    not YAML / JSON, or its top level a list, string, number or boolean. The message starts with
-    the file's path; the CLIs print it as a usage error naming ``--config``."""
+    not UTF-8 text, not YAML / JSON, or its top level a list, string, number or boolean. The
+    message (one line) starts with the file's path; the CLIs print it as a usage error naming
+    ``--config``."""
 
 
 def _kind(x) -> str:
@@ -485,6 +486,18 @@ def _kind(x) -> str:
     if isinstance(x, (int, float)):
         return "a number"
     return {str: "a string", list: "a list"}.get(type(x), f"a {type(x).__name__}")
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: what is wrong and where (line and column from 1), not its
+    several lines that show the text as "<unicode string>" with a caret under the column."""
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"unacceptable character #x{e.character:04x} at position {e.position}: {e.reason}"
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem:
+        mark = e.problem_mark or e.context_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        return (f"{e.context}: " if e.context else "") + e.problem + at
+    return " ".join(str(e).split())
 
 
 class ClusterConfig(_Strict):
@@ -678,17 +691,21 @@ class ClusterConfig(_Strict):
         (or ``null``) holds no settings: the defaults.
 
         Raises ``pydantic.ValidationError`` naming the bad field; :class:`ConfigFileError` naming
-        the file when it is not YAML / JSON or its top level is not a mapping (a list, an empty
-        one too, a string, number or boolean); OSError when it cannot be read.
+        the file (one line) when it is not UTF-8 text, not YAML / JSON, or its top level is not a
+        mapping (a list, an empty one too, a string, number or boolean); OSError when it cannot be
+        read.
         """
         data: dict = {}
         if path is not None:
-            text = Path(path).read_text()
+            try:
+                text = Path(path).read_text()
+            except UnicodeDecodeError:
+                raise ConfigFileError(f"{path}: not UTF-8 text (a YAML or JSON config)") from None
             try:
                 # YAML is a superset of JSON: one parser for .yaml, .yml, .json and anything else
                 data = yaml.safe_load(text)
             except yaml.YAMLError as e:
-                raise ConfigFileError(f"{path}: not valid YAML/JSON: {e}") from None
+                raise ConfigFileError(f"{path}: not valid YAML/JSON: {_yaml_problem(e)}") from None
             if data is None:
                 data = {}
             if not isinstance(data, dict):  # `[]` and `false` too: they are not "no settings"

@@ -701,3 +701,30 @@ def test_a_config_that_is_not_an_object_is_one_line(capsys, tmp_path, monkeypatc
     assert err.endswith(f"pdd {' '.join(argv[:2]) if argv[0] == 'sim' else argv[0]}: error: --config {cfg}: "
                         f"expected a JSON object (a YAML mapping) of config fields, got {got}\n"), err
     assert not any(tmp_path.glob("*/validate.json")) and not (tmp_path / "fit.json").exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"mode": [1,\n', "not valid YAML/JSON: while parsing a flow node: expected the node content, but found "
+                        "'<stream end>' (line 2, column 1)"),
+    (b"policy:\n\t- 1\n", "not valid YAML/JSON: while scanning for the next token: found character '\\t' that "
+                           "cannot start any token (line 2, column 1)"),
+    (b"mode: pdd\x00\n", "not valid YAML/JSON: unacceptable character #x0000 at position 9: special characters are "
+                         "not allowed"),
+    (b"\x87\xff mode: pdd\n", "not UTF-8 text (a YAML or JSON config)"),
+])
+@pytest.mark.parametrize("argv", [
+    ["sim", "calibrate-roles", "--run", "{root}/data/validation/cal-a", "--profile", "{root}/" + PROFILE],
+    ["profile", "--out", "{tmp}/p.json"],
+])
+def test_a_config_that_is_not_yaml_is_one_line(capsys, tmp_path, monkeypatch, argv, content, message):
+    """A config that does not parse printed PyYAML's message over four lines (the file shown as
+    "<unicode string>", a caret under the column: a traceback's look), one that is not UTF-8 a
+    codec error not naming the file; both with exit 1. One usage line naming the file (exit 2)."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(content)
+    argv = [a.replace("{root}", str(root)).replace("{tmp}", str(tmp_path)) for a in argv]
+    err = _refused(capsys, argv + ["--config", str(cfg)])
+    prog = " ".join(argv[:2]) if argv[0] == "sim" else argv[0]
+    assert err.endswith(f"pdd {prog}: error: --config {cfg}: {message}\n"), err
