@@ -728,3 +728,36 @@ def test_a_config_that_is_not_yaml_is_one_line(capsys, tmp_path, monkeypatch, ar
     err = _refused(capsys, argv + ["--config", str(cfg)])
     prog = " ".join(argv[:2]) if argv[0] == "sim" else argv[0]
     assert err.endswith(f"pdd {prog}: error: --config {cfg}: {message}\n"), err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["sim", "calibrate-roles", "--run", "{run}", "--out", "{tmp}/fit.json"], "--run: the live run has no completed "
+                                                                             "request to fit"),
+    (["sim", "validate", "--live-from", "{run}", "--out", "{tmp}/v"], "--live-from: the live run has no completed "
+                                                                     "request to compare"),
+])
+def test_the_run_and_the_profile_are_read_once(capsys, tmp_path, monkeypatch, argv, message):
+    """calibrate-roles and validate --live-from read the run and the profile once, inside
+    calibrate_roles / run_validate, before anything needs the model (the CLI read them first
+    too, to name a bad one before the checkpoint, then the function read them again). Here a
+    run with no completed request, refused after every file of it was read."""
+    from types import SimpleNamespace
+
+    import pdd.sim.validate as V
+
+    run = _recorded_run(tmp_path / "run")
+    reqs = [SimpleNamespace(prompt_ids=[1, 2, 3], max_tokens=4) for _ in range(2)]  # the fake model has no tokens
+    monkeypatch.setattr(V, "build_workload", lambda cfg, **kw: (reqs, SimpleNamespace(max_output_tokens=320)))
+    (run / "requests.jsonl").write_text("".join(json.dumps({"ok": False, "error": "ConnectionResetError"}) + "\n"
+                                                for _ in range(2)))
+    profile = tmp_path / "profile.json"
+    profile.write_text(Path(PROFILE).read_text())
+    cfg = _fake_model_config(tmp_path)
+    reads = []
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (reads.append(Path(self).resolve()),
+                                                                  real(self, *a, **k))[1])
+    argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
+    _refused(capsys, argv + ["--profile", str(profile), "--config", cfg], message)
+    for f in (run / "requests.jsonl", run / "server_stats.json", profile):
+        assert reads.count(f.resolve()) == 1, (f, reads)

@@ -41,29 +41,19 @@ def live_run(cfg, requests, out: Path, seed: int, console) -> tuple[list[dict], 
 
 
 def run_validate(out: str | Path, config=None, *, budget_ms: float = 250.0, console=None, **kw) -> dict:
-    """``pdd sim validate``: make the model if missing, then :func:`pdd.sim.validate.run_validate`
-    with :func:`live_run` (``kw``: its workload, profile and ``live_from`` arguments). Returns and
-    writes what it does (``out/validate.json``)."""
+    """``pdd sim validate``: :func:`pdd.sim.validate.run_validate` with :func:`live_run` (``kw``:
+    its workload, profile and ``live_from`` arguments), making the model if missing once it has
+    read and checked a ``live_from`` run and the profiles (a bad one fails before a model is
+    written into the working directory). Returns and writes what it does
+    (``out/validate.json``)."""
     from rich.console import Console
 
     from pdd.bench.live import ensure_model
     from pdd.sim import validate as V
 
     console = console or Console(stderr=True)
-    cfg = V.validate_config(config, budget_ms)
-    # a bad --live-from / --profile fails before a model is written into the working directory
-    from pdd.sim.recorded import RecordedRunError, load_profile_checked, read_run
-
-    if kw.get("live_from") is not None:
-        read_run(kw["live_from"], need_validate=False)
-    for key in ("profile", "profile_b"):
-        if kw.get(key) is not None:
-            try:
-                load_profile_checked(kw[key])
-            except RecordedRunError as e:
-                raise RecordedRunError(str(e), key) from None
-    ensure_model(cfg, console)
-    return V.run_validate(out, cfg, budget_ms=budget_ms, live_run=live_run, console=console, **kw)
+    return V.run_validate(out, config, budget_ms=budget_ms, live_run=live_run, console=console,
+                          before_model=lambda cfg: ensure_model(cfg, console), **kw)
 
 
 # `pdd sim validate`'s workload flags (argument names) and their defaults

@@ -235,7 +235,7 @@ def calibrate_p_dispatch(cfg, profile, prof: dict, block_tokens: int, requests, 
 
 
 def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str | Path | None = None,
-                    config=None) -> dict:
+                    config=None, *, before_model=None) -> dict:
     """``pdd sim calibrate-roles``: fit each role's step correction on the live run in ``run_dir``
     (a ``pdd sim validate`` output: its workload arguments, ``requests.jsonl``,
     ``server_stats.json``) and write it into the profile: P's step as ``scale x profile +
@@ -254,9 +254,13 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     WAN RTT the gateway's decisions read (``gateway_rtt_ms``,
     :func:`live_gateway_rtt_ms`); ``role_overhead_from``: which run and the fits. Raises
     :class:`RecordedRunError` naming the path for a run directory or profile it cannot use, before
-    anything is fitted."""
+    anything is fitted and before anything needs the model checkpoint (the workload's tokens):
+    each is read once, here. ``before_model(cfg)``, when given, is called with the run's
+    ``ClusterConfig`` once they are read and checked, before that (``pdd sim calibrate-roles``
+    checks the checkpoint and ``--out`` there, so a bad run or profile is named first)."""
     run_dir = Path(run_dir)
     v, live_recs, entry = read_run(run_dir)
+    prof = load_profile_checked(profile)
     w = v["workload"]
     budget = (v.get("config") or {}).get("pipeline_ttft_budget_ms")
     if not isinstance(budget, (int, float)):
@@ -268,12 +272,13 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
                                "validate` output)")
     cfg = validate_config(config, budget)
     check_same_engines(entry, cfg)  # fitted on the topology the run had, not the default one
-    prof = load_profile_checked(profile)
     require_completed(live_recs, "fit")
     bad = faults_text(run_faults(live_recs, entry), len(live_recs))
     if bad:  # fitted on a run that lost an instance, every fit would hold the fault
         raise RecordedRunError(f"{run_dir}: the live run lost an instance ({bad}): not a calibration run; record "
                                "another")
+    if before_model is not None:
+        before_model(cfg)
     prof.pop("role_step_overhead_s", None)
     prof.pop("p_dispatch_s", None)  # fitted last, from the other fits' simulation
     prof.pop("p_reply_lag_s_per_token", None)

@@ -549,24 +549,21 @@ def cmd_compare_profiles(a) -> int:
 def cmd_calibrate_roles(a) -> int:
     from pathlib import Path
 
-    from pdd.config import ClusterConfig
     from pdd.sim.calibrate import PREFILL_QUIET_BELOW, calibrate_roles
     from pdd.sim.live_measures import DECODE_GAPS_MIN
-    from pdd.sim.recorded import RecordedRunError, load_profile_checked, read_run
+    from pdd.sim.recorded import RecordedRunError
 
     cfg = config_or_exit(a) if a.config else None
-    try:  # the run and the profile first: a bad one is named whatever else is missing
-        read_run(a.run)
-        load_profile_checked(a.profile)
-    except RecordedRunError as e:
-        raise UsageError(f"{'--profile' if e.source == 'profile' else '--run'}: {e}") from None
-    model = (cfg or ClusterConfig()).model_path  # the run is re-simulated on this model's shapes
-    if not (Path(model) / "config.json").exists():
-        raise UsageError(f"no checkpoint at {model} (the run's model); make one with: pdd make-model --out "
-                         f"{model}, or give the run's --config")
-    check_out_file(a.out or a.profile, "--out" if a.out else "--profile")
+
+    def before_model(run_cfg) -> None:  # the run and the profile are read: a bad one was named first
+        model = run_cfg.model_path  # the run is re-simulated on this model's shapes
+        if not (Path(model) / "config.json").exists():
+            raise UsageError(f"no checkpoint at {model} (the run's model); make one with: pdd make-model --out "
+                             f"{model}, or give the run's --config")
+        check_out_file(a.out or a.profile, "--out" if a.out else "--profile")
+
     try:
-        prof = calibrate_roles(a.run, a.profile, a.out, cfg)
+        prof = calibrate_roles(a.run, a.profile, a.out, cfg, before_model=before_model)
     except RecordedRunError as e:  # a missing / malformed run directory or profile: one line naming it
         raise UsageError(f"{'--profile' if e.source == 'profile' else '--run'}: {e}") from None
     sc = (prof["role_overhead_from"].get("step_scale_fit") or {}).get("P")

@@ -355,20 +355,23 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
                  block_tokens: int = 64, budget_ms: float = 250.0, session_sample: int = 50,
                  session_seed: int = 0, max_output_tokens: int | None = None,
                  profile: str | Path | None = None, seed: int = 0, live_from: str | Path | None = None,
-                 live_run=None, console=None, profile_b: str | Path | None = None) -> dict:
+                 live_run=None, console=None, profile_b: str | Path | None = None, before_model=None) -> dict:
     """Run both and write ``out/validate.json`` (+ ``profile.json`` when it measured one).
     ``live_from``: reuse that directory's live run (its ``requests.jsonl`` and
     ``server_stats.json``, same workload arguments) and only re-simulate. Otherwise
     ``live_run(cfg, requests, out, seed, console) -> (records, server_stats)`` runs the workload
     on the live topology and writes ``out/requests.jsonl`` and ``out/server_stats.json``
     (``pdd.bench.live_validate.live_run``: per-request record dicts, and the gateway's stats
-    before and after as one dict); the model directory must exist
-    (``pdd.bench.live_validate.run_validate`` makes it, then calls this). The profile's
+    before and after as one dict); the model directory must exist by the time the workload is
+    built: ``before_model(cfg)``, when given, is called with the live topology's config once the
+    ``live_from`` run and the profiles are read and checked, before anything needs the model
+    (``pdd.bench.live_validate.run_validate`` makes it there). The profile's
     ``role_step_overhead_s`` (``pdd sim calibrate-roles``, from another run) is applied.
     Raises ValueError when neither ``live_from`` nor ``live_run`` is given;
-    :class:`RecordedRunError` for a ``live_from`` directory or ``profile`` it cannot read (before
-    the profile is measured); :class:`WorkloadMismatch` when the reused run is not the workload's
-    (its validate.json's workload arguments or pipeline budget differ, or its request count)."""
+    :class:`RecordedRunError` for a ``live_from`` directory or ``profile`` / ``profile_b`` it
+    cannot read (before ``before_model`` and before the profile is measured; each is read once,
+    here); :class:`WorkloadMismatch` when the reused run is not the workload's (its validate.json's
+    workload arguments or pipeline budget differ, or its request count)."""
     from rich.console import Console
 
     from pdd.sim import profile as P
@@ -387,6 +390,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = validate_config(config, budget_ms)
+    if before_model is not None:
+        before_model(cfg)
     t0 = time.time()
     if prof is None:
         console.print("measuring the engine's step times (pdd profile) ...")
