@@ -9,7 +9,9 @@ For each size N it simulates the first N requests of the Mooncake trace (`pdd si
 simulation alone (trace loading excluded), wall seconds, requests simulated per CPU second,
 CPU microseconds per request and that cost relative to the smallest size (1.00 = linear), and
 the summary's completed count and median TTFT (so two code versions can be seen to give the same
-results). CPU time is this process's (`time.process_time`): one core, less sensitive than wall
+results; `pdd.sim.report.summarize` leaves out the first `int(0.1 x N)` requests by arrival, the
+simulator's warm-up `SimConfig.warmup_frac`, so with every request finished it reads 90% of N
+completed; the CPU time and rates are of all N). CPU time is this process's (`time.process_time`): one core, less sensitive than wall
 time to other work on a shared machine. Sizes above the trace's length tile it (each copy
 shifted by the trace's span, its block hashes offset, so copies share no prefixes).
 """
