@@ -245,3 +245,28 @@ def test_a_positive_budget_relays_what_misses_it_at_once_and_waits_for_md_on_wha
     assert warm.pipeline == Pipeline.P_MD and not warm.md_predicted and warm.md_hit == 4096
     assert warm.wan_bytes == 64 * KVB
     assert warm.t_first > warm.arrival + 2 * 0.2  # P->MD: the first token after MD's reply, the KV and the way back
+
+
+def test_md_s_reservation_reply_takes_the_gateways_measured_round_trip():
+    """With the gateway's RTT estimate above the line's (``wan_rtt_estimate_ms``: the live round
+    trip, software included), MD's reservation reply reaches the gateway that much later: the
+    ablation's send, which waits for it, starts 20 ms later for an estimate 20 ms above the 400 ms
+    line, and so does everything after it; the predicted send (not waiting) is unchanged."""
+    base = RELAY.replace(md_predicted_send=False, early_handoff=False)
+    line = run(base)
+    slow = run(base.replace(wan_rtt_estimate_ms=420.0))
+    rl, rs = line.reqs[0], slow.reqs[0]
+    assert rl.wan_flow.t_start == pytest.approx(0.4)
+    assert rs.wan_flow.t_start == pytest.approx(0.42)
+    assert rs.t_md_kv - rl.t_md_kv == pytest.approx(0.02)
+    # an estimate below the line's (a profile measured on a faster line) adds nothing
+    assert run(base.replace(wan_rtt_estimate_ms=380.0)).reqs[0].wan_flow.t_start == pytest.approx(0.4)
+    pred = RELAY.replace(md_predicted_send=True, early_handoff=False)
+    rp, rq = run(pred).reqs[0], run(pred.replace(wan_rtt_estimate_ms=420.0)).reqs[0]
+    assert rq.wan_flow.t_start == rp.wan_flow.t_start == rp.t_prefill_done
+    # a P->MD request (the budget's warm second turn) gets its first token 20 ms later
+    second = {"timestamp": 5000, "input_length": 4160, "output_length": 20, "hash_ids": list(range(9))}
+    cfg = RELAY.replace(md_predicted_send=True, early_handoff=False, ttft_budget_ms=500.0)
+    a, b = run(cfg, ONE + [second]).reqs[1], run(cfg.replace(wan_rtt_estimate_ms=420.0), ONE + [second]).reqs[1]
+    assert a.pipeline == b.pipeline == Pipeline.P_MD
+    assert (b.t_first - b.arrival) - (a.t_first - a.arrival) == pytest.approx(0.02)

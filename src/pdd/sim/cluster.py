@@ -82,6 +82,12 @@ class ClusterSim:
             prefill_order=cfg.prefill_order,
         )
         self.owd = cfg.wan_rtt_ms / 2000.0
+        # MD's reservation reply back at the gateway: the line's one-way delay plus the software
+        # share of the round trip the gateway measures (its RTT estimate less the line's RTT; the
+        # live run's MD reply, gateway and link emulator), so the plan it waits for and the
+        # early handoff's wait for the reply come when the runtime's do. No estimate: the line's
+        self.reply_owd = self.owd + max(0.0, (cfg.wan_rtt_estimate_ms - cfg.wan_rtt_ms) / 1000.0) \
+            if cfg.wan_rtt_estimate_ms is not None else self.owd
         self.tiers: dict[str, list[Instance]] = {}
         eff = cfg.efficiency
         for role, (n, side) in cfg.tiers().items():
@@ -433,11 +439,11 @@ class ClusterSim:
                     req.md_hit = cached
                     if req.wan_flow is not None:
                         req.fill_pending = True
-                        self.after(self.owd, self._send_fill, req, fill)
-            self._md_enqueue(req)
+                        self.after(self.reply_owd, self._send_fill, req, fill)
+            self._md_enqueue(req, self.reply_owd)
             return
         req.md_hit = cached
-        self.after(self.owd, self._plan, req)
+        self.after(self.reply_owd, self._plan, req)
 
     def _plan(self, req: Req) -> None:
         """MD's reservation reply is back at the gateway: plan (unless planned at arrival), queue
@@ -501,7 +507,11 @@ class ClusterSim:
         self.pipelines[v] = self.pipelines.get(v, 0) + 1
         self.decisions.append((req.rid, v))
 
-    def _md_enqueue(self, req: Req) -> None:
+    def _md_enqueue(self, req: Req, reply_owd: float | None = None) -> None:
+        """Queue ``req``'s admission at MD; ``reply_owd``: seconds its reservation reply takes from
+        MD to the gateway once admitted (a predicted send's: :attr:`reply_owd`; else the line's
+        one-way delay, admission queued at the gateway's plan)."""
+        back = self.owd if reply_owd is None else reply_owd
         md = req.md
         blocks = req.blocks[: req.md_hit // self.block]
         missing = req.prompt - req.md_hit
@@ -516,10 +526,10 @@ class ClusterSim:
             seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", n, blocks, self.owd)
             req.md_seq = seq
             req.md_reserved = True
-            req.t_md_replied = self.env.now + self.owd
+            req.t_md_replied = self.env.now + back
             if req.early_pending:  # the early handoff waited for this reply
                 req.early_pending = False
-                self.after(self.owd, self._early_handoff, req)
+                self.after(back, self._early_handoff, req)
             if req.cut_off:
                 self._md_release(req, cache=False)
                 return
