@@ -247,11 +247,12 @@ def test_a_positive_budget_relays_what_misses_it_at_once_and_waits_for_md_on_wha
     assert warm.t_first > warm.arrival + 2 * 0.2  # P->MD: the first token after MD's reply, the KV and the way back
 
 
-def test_md_s_reservation_reply_takes_the_gateways_measured_round_trip():
+def test_md_s_messages_to_the_gateway_take_the_gateways_measured_round_trip():
     """With the gateway's RTT estimate above the line's (``wan_rtt_estimate_ms``: the live round
-    trip, software included), MD's reservation reply reaches the gateway that much later: the
-    ablation's send, which waits for it, starts 20 ms later for an estimate 20 ms above the 400 ms
-    line, and so does everything after it; the predicted send (not waiting) is unchanged."""
+    trip, software included), MD's messages to the gateway (``ClusterSim.md_owd``) come that much
+    later: the reservation reply, so the ablation's send, which waits for it, starts 20 ms later
+    for an estimate 20 ms above the 400 ms line; the predicted send (not waiting) is unchanged;
+    a P -> MD request's first token comes 40 ms later (the reply, then the token itself)."""
     base = RELAY.replace(md_predicted_send=False, early_handoff=False)
     line = run(base)
     slow = run(base.replace(wan_rtt_estimate_ms=420.0))
@@ -264,9 +265,14 @@ def test_md_s_reservation_reply_takes_the_gateways_measured_round_trip():
     pred = RELAY.replace(md_predicted_send=True, early_handoff=False)
     rp, rq = run(pred).reqs[0], run(pred.replace(wan_rtt_estimate_ms=420.0)).reqs[0]
     assert rq.wan_flow.t_start == rp.wan_flow.t_start == rp.t_prefill_done
-    # a P->MD request (the budget's warm second turn) gets its first token 20 ms later
+    # a P->MD request (the budget's warm second turn): the reply and the token, 20 ms each
     second = {"timestamp": 5000, "input_length": 4160, "output_length": 20, "hash_ids": list(range(9))}
     cfg = RELAY.replace(md_predicted_send=True, early_handoff=False, ttft_budget_ms=500.0)
     a, b = run(cfg, ONE + [second]).reqs[1], run(cfg.replace(wan_rtt_estimate_ms=420.0), ONE + [second]).reqs[1]
     assert a.pipeline == b.pipeline == Pipeline.P_MD
-    assert (b.t_first - b.arrival) - (a.t_first - a.arrival) == pytest.approx(0.02)
+    assert b.wan_flow.t_start - a.wan_flow.t_start == pytest.approx(0.02)
+    assert (b.t_first - b.arrival) - (a.t_first - a.arrival) == pytest.approx(0.04)
+    # a relayed request: MD's kv_ready reaches the gateway 20 ms later, so does its handoff
+    c, d = run(base).reqs[0], run(base.replace(wan_rtt_estimate_ms=420.0)).reqs[0]
+    assert c.pipeline == d.pipeline == Pipeline.P_RLD_MD
+    assert d.t_handoff_start - d.t_md_kv - (c.t_handoff_start - c.t_md_kv) == pytest.approx(0.02)

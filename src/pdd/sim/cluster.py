@@ -82,11 +82,14 @@ class ClusterSim:
             prefill_order=cfg.prefill_order,
         )
         self.owd = cfg.wan_rtt_ms / 2000.0
-        # MD's reservation reply back at the gateway: the line's one-way delay plus the software
-        # share of the round trip the gateway measures (its RTT estimate less the line's RTT; the
-        # live run's MD reply, gateway and link emulator), so the plan it waits for and the
-        # early handoff's wait for the reply come when the runtime's do. No estimate: the line's
-        self.reply_owd = self.owd + max(0.0, (cfg.wan_rtt_estimate_ms - cfg.wan_rtt_ms) / 1000.0) \
+        # MD's messages to the gateway (its reservation reply, kv_ready, tokens): the line's
+        # one-way delay plus the software share of the round trip the gateway measures (its RTT
+        # estimate less the line's RTT: MD's send, the link emulator, the gateway's receive), so
+        # the plan that waits for the reply, the early handoff's wait for it, the handoff after
+        # kv_ready and MD's tokens come when the runtime's do (live, MD's first token reaches the
+        # gateway 3.0-3.6 ms after the line's delay; docs/SIM.md "P -> MD requests"). No
+        # estimate: the line's
+        self.md_owd = self.owd + max(0.0, (cfg.wan_rtt_estimate_ms - cfg.wan_rtt_ms) / 1000.0) \
             if cfg.wan_rtt_estimate_ms is not None else self.owd
         self.tiers: dict[str, list[Instance]] = {}
         eff = cfg.efficiency
@@ -439,11 +442,11 @@ class ClusterSim:
                     req.md_hit = cached
                     if req.wan_flow is not None:
                         req.fill_pending = True
-                        self.after(self.reply_owd, self._send_fill, req, fill)
-            self._md_enqueue(req, self.reply_owd)
+                        self.after(self.md_owd, self._send_fill, req, fill)
+            self._md_enqueue(req, self.md_owd)
             return
         req.md_hit = cached
-        self.after(self.reply_owd, self._plan, req)
+        self.after(self.md_owd, self._plan, req)
 
     def _plan(self, req: Req) -> None:
         """MD's reservation reply is back at the gateway: plan (unless planned at arrival), queue
@@ -509,7 +512,7 @@ class ClusterSim:
 
     def _md_enqueue(self, req: Req, reply_owd: float | None = None) -> None:
         """Queue ``req``'s admission at MD; ``reply_owd``: seconds its reservation reply takes from
-        MD to the gateway once admitted (a predicted send's: :attr:`reply_owd`; else the line's
+        MD to the gateway once admitted (a predicted send's: :attr:`md_owd`; else the line's
         one-way delay, admission queued at the gateway's plan)."""
         back = self.owd if reply_owd is None else reply_owd
         md = req.md
@@ -523,7 +526,7 @@ class ClusterSim:
             if md.cache is not None and blocks:
                 md.cache.lock(blocks)
                 md.cache.touch(blocks)
-            seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", n, blocks, self.owd)
+            seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", n, blocks, self.md_owd)
             req.md_seq = seq
             req.md_reserved = True
             req.t_md_replied = self.env.now + back
@@ -839,7 +842,7 @@ class ClusterSim:
             return
         if req.pipeline == Pipeline.P_MD:
             seq = req.md_seq
-            self._emit(req, self.env.now + self.owd, 1, 0.0)
+            self._emit(req, self.env.now + self.md_owd, 1, 0.0)
             if req.generated >= req.out_len:
                 self._md_release(req, cache=True)
                 self._complete(req)
@@ -851,7 +854,7 @@ class ClusterSim:
         waiting, req.md_waiting = req.md_waiting, []
         for fn in waiting:
             md.post(fn)
-        self.after(self.owd, self._start_handoff, req)
+        self.after(self.md_owd, self._start_handoff, req)
 
     # --- handoff -----------------------------------------------------------------------------------
     def _kv_left_p(self, req: Req) -> None:
@@ -967,7 +970,7 @@ class ClusterSim:
         rld = req.rld
         if rld is None or req.rld_finished or req.finished:
             return
-        self.after(self.owd, lambda: rld.post(lambda: self._handoff_round(rld, req)))
+        self.after(self.md_owd, lambda: rld.post(lambda: self._handoff_round(rld, req)))
 
     # --- finishing ---------------------------------------------------------------------------------
     def _finish_on(self, inst: Instance, req: Req, s: Seq) -> None:
