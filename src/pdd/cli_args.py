@@ -17,8 +17,8 @@ def config_or_exit(args, **over):
         return ClusterConfig.load(getattr(args, "config", None), **over)
     except ValidationError as e:
         raise SystemExit(f"pdd: invalid config: {_flagged(validation_summary(e), over)}")
-    except FileNotFoundError as e:
-        raise SystemExit(f"pdd: config file not found: {e.filename}")
+    except FileNotFoundError:  # the only file load reads is --config itself
+        usage_error(args, f"--config {args.config}: no such file")
     except IsADirectoryError:
         usage_error(args, f"--config {args.config}: is a directory, not a config file (YAML or JSON)")
     except OSError as e:  # unreadable (permissions)
@@ -45,9 +45,10 @@ def _flagged(summary: str, over: dict) -> str:
 
 
 def usage_error(args, msg: str):
-    """A usage error naming the flag or config field: the sub-command's argparse ``error`` (exit 2)."""
+    """A usage error naming the flag or config field: one line ``PROG: error: MSG`` on stderr (the
+    sub-command's prog, else ``pdd``), then SystemExit(2). Not argparse's ``error``, whose usage
+    block (37 lines for ``pdd sim run``) came first and buried the line naming the flag, as
+    ``pdd.sim.cli.run_command`` prints a refused value."""
     p = getattr(args, "parser", None)
-    if p is None:
-        print(f"pdd: error: {msg}", file=sys.stderr)
-        raise SystemExit(2)
-    p.error(msg)
+    print(f"{p.prog if p is not None else 'pdd'}: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)

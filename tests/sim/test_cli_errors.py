@@ -761,3 +761,32 @@ def test_the_run_and_the_profile_are_read_once(capsys, tmp_path, monkeypatch, ar
     _refused(capsys, argv + ["--profile", str(profile), "--config", cfg], message)
     for f in (run / "requests.jsonl", run / "server_stats.json", profile):
         assert reads.count(f.resolve()) == 1, (f, reads)
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "run", "--agentic", "3"],
+    ["sim", "calibrate-roles", "--run", "{root}/data/validation/cal-a", "--profile", "{root}/" + PROFILE,
+     "--out", "{tmp}/fit.json"],
+    ["sim", "validate", "--out", "{tmp}/v", "--live-from", "{root}/data/validation/seed3"],
+    ["plan", "--requests", "3"],
+    ["profile", "--out", "{tmp}/p.json"],
+    ["serve"],
+    ["launch", "--role", "prefill"],
+])
+@pytest.mark.parametrize("kind", ["missing", "list"])
+def test_a_bad_config_file_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, kind):
+    """Found by a new user: a --config file that does not exist was `pdd: config file not found:
+    PATH` with exit 1, naming neither --config nor the command; one that is refused (here a JSON
+    list) printed argparse's whole usage first (37 lines for `pdd sim run`), the line naming the
+    file last. Both are one line, `PROG: error: --config PATH: ...`, exit 2, as every other bad
+    flag of these commands (pdd.sim.cli.run_command)."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # no models/small here: nothing is made or measured
+    cfg = tmp_path / "c.json"
+    if kind == "list":
+        cfg.write_text("[1, 2]\n")
+    argv = [a.replace("{root}", str(root)).replace("{tmp}", str(tmp_path)) for a in argv]
+    err = usage_error(capsys, pdd_main, argv + ["--config", str(cfg)])
+    prog = " ".join(argv[:2]) if argv[0] == "sim" else argv[0]
+    what = "no such file" if kind == "missing" else "expected a JSON object (a YAML mapping) of config fields, got a list"
+    assert err == f"pdd {prog}: error: --config {cfg}: {what}\n"
