@@ -76,3 +76,10 @@ def test_md_routing_moves_off_an_md_whose_estimate_dropped_and_is_exported():
     _samples(c, "md0", 0.0125)
     assert asyncio.run(c._route(ROLE_MAIN, session)) == "md0" and c.totals["md_routes_by_wan"] == 0
     assert c.wan_peers.view()["md0"]["gbps_measured"] == 0.0125 and c.wan_peers.view()["md0"]["gbps"] == 0.05
+
+
+def test_a_fresh_gateway_reports_every_fault_total_as_zero():
+    """/pdd/stats' totals name recovered and degraded (docs/FAULTS.md) from the start, 0 until a
+    request is recovered or ends degraded, like every other outcome."""
+    t = _orch().totals
+    assert t["recovered"] == 0 and t["degraded"] == 0

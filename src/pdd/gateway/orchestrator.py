@@ -63,7 +63,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                        "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,  # OUTCOMES: each request once
                        "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0,
                        "md_predicted_sends": 0, "md_predicted_fills": 0, "early_handoffs": 0,
-                       "md_routes_by_wan": 0}  # MD routes the WAN estimates changed (gateway.routing)
+                       "md_routes_by_wan": 0,  # MD routes the WAN estimates changed (gateway.routing)
+                       # requests completed after a new attempt (gateway.recovery) / ended on RLD
+                       # without MD (gateway.stream): docs/FAULTS.md reads them, 0 included
+                       "recovered": 0, "degraded": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done

@@ -101,7 +101,7 @@ class Recovery:
         if not st.finished:  # an ended request (its stream's end or an abort took it out) stays out
             self.reqs[st.trid] = st
         if counted:
-            self.totals["recovered"] = self.totals.get("recovered", 0) + 1
+            self.totals["recovered"] += 1
 
     def _attempt_prompt(self, st: ReqState) -> tuple[list[int], SamplingParams]:
         """This attempt's prompt (the request's prompt + tokens already streamed) and sampling

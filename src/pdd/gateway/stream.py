@@ -93,7 +93,7 @@ class Streams:
                     yield t
             # (a finished loop after an abort elsewhere was counted by that abort: no-op then)
             if self._count_outcome(st, "completed") and st.recovery.degraded:  # ended on RLD: no MD was usable
-                self.totals["degraded"] = self.totals.get("degraded", 0) + 1
+                self.totals["degraded"] += 1
         except BaseException as e:
             if not st.finished:
                 # the client went away (the consumer cancelled or closed this stream), or the
