@@ -151,7 +151,7 @@ def _fault_cell_once(fault, phase, topo, inj, reference) -> str:
             if phase in STAGED:
                 inj.wait_phase(STAGED[phase][0], timeout_s=10)
                 inj.set_wan(**STAGED[phase][1])
-            rid, _view = inj.wait_phase(phase, timeout_s=10, need=role)
+            rid, view = inj.wait_phase(phase, timeout_s=10, need=role)
             break
         except FaultError:
             if tries >= 3:
@@ -169,7 +169,11 @@ def _fault_cell_once(fault, phase, topo, inj, reference) -> str:
         elif fault == "client_disconnect":
             rec = inj.client_disconnect(client, rid)
         else:
-            rec = inj.kill(role, rid)
+            # the instance that served the request when its phase was read, by name: a request
+            # that moved on meanwhile (finished, or no longer held by that role; the reads are HTTP
+            # calls apart on a loaded machine) still gets the kill, recorded with the phase it had
+            # by then, so the try is checked in full and the cell runs again
+            rec = inj.kill(view["names"][role], rid)
             killed = rec.target
         assert client.wait(60), (f"stream hung ({len(client.tokens)} tokens so far): {rec}, gateway "
                                  f"{inj.live_requests().get(rid)}")
