@@ -45,8 +45,8 @@ from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages, error_body,
-                                        sampling_for,
-                                        lone_surrogate, media_type, not_utf8, truncated_prompt)
+                                        lone_surrogate, media_type, not_utf8, prompt_batch, sampling_for,
+                                        truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
@@ -433,11 +433,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     def batch_ids(prompt, add_special_tokens: bool) -> list[list[int]]:
         """Token ids of each prompt of a completion request: one, or a batch (a list of texts or
         of token-id lists, as vLLM and OpenAI take it)."""
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) == 1:
-                return [prompt_ids(prompt[0], add_special_tokens)]
-            return [prompt_ids(p, add_special_tokens, f"prompt[{i}]") for i, p in enumerate(prompt)]
-        return [prompt_ids(prompt, add_special_tokens)]
+        prompts = prompt_batch(prompt)
+        if len(prompts) == 1:
+            return [prompt_ids(prompts[0], add_special_tokens)]
+        return [prompt_ids(p, add_special_tokens, f"prompt[{i}]") for i, p in enumerate(prompts)]
 
     def admit(n_choices: int, prompt_tokens: int, request: Request | None):
         """An admission ticket for ``n_choices`` choices over ``prompt_tokens`` prompt tokens, else
@@ -624,8 +623,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
-        p = body.prompt
-        check_choices(body.n, len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1)
+        check_choices(body.n, len(prompt_batch(body.prompt)))
         batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens)  # off the event loop
         plans = []
         for ids in batch:

@@ -504,6 +504,12 @@ def _check_stream_options(body: _Sampling) -> None:
         raise ApiError("stream_options can only be set when stream is true", "stream_options")
 
 
+def prompt_batch(prompt) -> list:
+    """The prompts of a ``/v1/completions`` ``prompt``: its items when it is a batch (a list of
+    texts or of token-id lists), else ``[prompt]`` (a text, or one list of token ids)."""
+    return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+
+
 def check_completion(body: CompletionRequest) -> None:
     """Completion-only checks (ApiError naming the parameter)."""
     _check_stream_options(body)
