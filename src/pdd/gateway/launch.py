@@ -260,13 +260,7 @@ class Launchers:
             md_leg = asyncio.ensure_future(self._md_leg(st, trid, reserve, p))
             md_leg.add_done_callback(lambda _f: st.md_settled.set())
             rep, _ = await p_call
-            if rep.get("fin") is not None:
-                # finished by its first token (EOS, a stop id, max_tokens 1): MD will never
-                # decode it, so its WAN transfer is cut before it starts (P waits for MD's
-                # part of the plan): the cut-off's "short remainders finish" rule is about
-                # transfers that feed MD's cache for a next turn; this one would only
-                # carry a finished request's prompt (RLD emits the token and frees)
-                self._md_leg_lost(st, "finished by its first token", degraded=False)
+            self._cut_md_if_first_token_ended(st, rep)
         except BaseException:
             _give_up(reserve, md_leg)
             st.md_settled.set()
@@ -282,6 +276,18 @@ class Launchers:
             raise
         self._prefilled(st)
         st.p_cached_tokens = int(rep["p_cached_tokens"])
+
+    def _cut_md_if_first_token_ended(self, st: ReqState, rep: dict) -> None:
+        """A relayed request P's reply says its first token finished (EOS, a stop id, max_tokens
+        1): MD will never decode it, and P never starts its WAN stream (``roles.prefill``), so MD's
+        leg is cut here, MD's reservation dropped (else MD holds its place and the gateway awaits
+        a kv_ready that never comes, until the request timeout). The cut-off's "short remainders
+        finish" rule is about transfers that feed MD's cache for a next turn; this one would only
+        carry a finished request's prompt (RLD emits the token and frees). Whichever way the relay
+        was planned: at once (:meth:`_launch_relayed`) or on MD's reply
+        (:meth:`_launch_on_reservation`)."""
+        if rep.get("fin") is not None:
+            self._md_leg_lost(st, "finished by its first token", degraded=False)
 
     async def _launch_on_reservation(self, st: ReqState, prompt: list[int], sampling: dict, p: Peer,
                                      reserve: asyncio.Future, relay_possible: bool) -> None:
@@ -348,6 +354,8 @@ class Launchers:
                     await p.send(Target(st.trid, "rld", cancelled=True).wire())
                     self._spawn(self._release_unused(rld, expect, st.trid))
             rep, _ = await p_call
+            if relay:
+                self._cut_md_if_first_token_ended(st, rep)
         except BaseException:
             _give_up(p_call, expect)
             raise
