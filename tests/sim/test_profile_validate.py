@@ -8,7 +8,7 @@ import pytest
 
 import pdd.policy.pipeline as pol_pipeline
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.step_profile import FORMAT, MeasuredStepModel, fit_linear
+from pdd.step_profile import FORMAT, MeasuredStepModel, _features, fit_linear
 from pdd.sim.validate import decisions_of, replay_recorded
 
 DATA = Path(__file__).parent / "data"
@@ -43,6 +43,50 @@ def test_fit_recovers_a_linear_profile_exactly():
     assert m.kv_capacity_tokens() == 4096
     assert m.decode_time(4, 4 * 1024) == pytest.approx(prof["decode"][3]["seconds_per_step"])
     assert m.prefill_time(100, 300) == pytest.approx(0.002 + 1e-4 * 100 + 5e-8 * 100 * 350.5 + 3e-7 * 400 + 1e-4 + 0.003)
+
+
+def _bent():
+    """A linear profile whose chunk rows (prefill at context 0, extend at 1,024 and 3,072 tokens)
+    are each measured a known factor off the linear model."""
+    prof = _synthetic((0.002, 1e-4, 5e-8, 3e-7, 1e-4, 0.003))
+    lin = MeasuredStepModel(prof)
+    bend = {(16, 0): 1.0, (512, 0): 1.25, (16, 1024): 0.9, (512, 1024): 1.1, (16, 3072): 0.8, (512, 3072): 0.95}
+    prof["prefill"] = [{"tokens": n, "seconds": lin.step_time([(0, n)]) * bend[(n, 0)]} for n in (16, 512)]
+    prof["extend"] = [{"tokens": n, "context": c, "seconds": lin.step_time([(c, n)]) * bend[(n, c)]}
+                      for n in (16, 512) for c in (1024, 3072)]
+    return prof, bend
+
+
+def test_a_chunk_step_keeps_the_measured_prefill_and_extend_rows():
+    prof, bend = _bent()
+    m = MeasuredStepModel(prof)
+    lin = m._t  # the profile's own linear fit (refitted on the bent rows)
+    for r in prof["prefill"]:
+        assert m.step_time([(0, r["tokens"])]) == pytest.approx(r["seconds"], rel=1e-12)
+    for r in prof["extend"]:
+        assert m.step_time([(r["context"], r["tokens"])]) == pytest.approx(r["seconds"], rel=1e-12)
+    ratio = {k: next(r["seconds"] for r in prof["prefill" if k[1] == 0 else "extend"]
+                     if r["tokens"] == k[0] and r.get("context", 0) == k[1]) / lin(_features([(k[1], k[0])]))
+             for k in bend}
+    # between the points: bilinear in log2 tokens (90.5 is halfway from 16 to 512) and in context
+    assert m.step_time([(2048, 90)]) == pytest.approx(lin(_features([(2048, 90)])) * (
+        0.5 * (1 - np.log2(90 / 16) / 5) * (ratio[(16, 1024)] + ratio[(16, 3072)])
+        + 0.5 * np.log2(90 / 16) / 5 * (ratio[(512, 1024)] + ratio[(512, 3072)])), rel=1e-12)
+    # beyond the grid: held at its edge (more context than 3,072, fewer tokens than 16)
+    assert m.step_time([(4000, 8)]) == pytest.approx(lin(_features([(4000, 8)])) * ratio[(16, 3072)], rel=1e-12)
+    # two chunks in one step: their new tokens and token-weighted mean context (here 1,024 + 3,072 -> 2,048)
+    both = [(1024, 256), (3072, 256)]
+    assert m.step_time(both) == pytest.approx(lin(_features(both)) * m._chunk_grid(512, 2048), rel=1e-12)
+    # a decode step is not a chunk: the decode grid's, unchanged
+    assert m.step_time([(1024, 1)] * 4) == pytest.approx(m.decode_time(4, 4 * 1024))
+
+
+def test_no_chunk_grid_without_rows_at_every_context():
+    prof, _ = _bent()
+    prof["extend"] = [r for r in prof["extend"] if not (r["tokens"] == 512 and r["context"] == 3072)]
+    m = MeasuredStepModel(prof)
+    assert m._chunk_grid is None
+    assert m.step_time([(1024, 512)]) == pytest.approx(m._t(_features([(1024, 512)])), rel=1e-12)
 
 
 def test_fit_refuses_too_few_rows():
