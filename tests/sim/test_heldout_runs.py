@@ -22,14 +22,14 @@ DOCUMENTED = {
     "seed2-b": (0.92, 0.086, 0.007),
     "seed3": (0.98, 0.006, 0.068),
     "seed4": (0.98, 0.015, -0.038),
-    "seed4-het": (0.94, 0.002, -0.004),
+    "seed4-het": (0.95, 0.002, -0.004),
     "seed4-het-b": (0.94, -0.045, 0.001),
-    "seed2-long-a": (0.9545, -0.062, -0.066),
-    "seed2-long-b": (0.9711, -0.03, -0.005),
+    "seed2-long-a": (0.9587, -0.062, -0.066),
+    "seed2-long-b": (0.9752, -0.03, -0.005),
 }
 # held-out run -> TPOT P50 error
-TPOT = {"seed2-a": -0.14, "seed2-b": 0.011, "seed3": -0.027, "seed4": -0.026, "seed4-het": 0.154,
-        "seed4-het-b": 0.032, "seed2-long-a": -0.084, "seed2-long-b": -0.147}
+TPOT = {"seed2-a": -0.14, "seed2-b": 0.012, "seed3": -0.027, "seed4": -0.026, "seed4-het": 0.114,
+        "seed4-het-b": 0.011, "seed2-long-a": -0.084, "seed2-long-b": -0.147}
 # held-out run -> (P step factor, TTFT P50 error, TTFT P90 error) re-simulated at the run's own
 # live P step (pdd.sim.p_speed, a diagnostic)
 AT_LIVE_P_SPEED = {"seed2-a": (0.997, -0.052, -0.026), "seed2-b": (0.969, -0.002, -0.025),
@@ -63,8 +63,8 @@ def resim(tmp_path_factory, small_model):
 def test_the_committed_profile_is_the_calibration_runs_fit(resim):
     fit, committed = json.loads((resim / "fit.json").read_text()), json.loads(PROFILE.read_text())
     for k in ("role_step_scale", "role_step_overhead_s", "decode_interference", "prefill_interference",
-              "p_dispatch_s", "p_reply_lag_s_per_token", "wan_send_buffer_bytes", "client_delay_s", "gateway_rtt_ms",
-              "fast_path"):
+              "p_dispatch_s", "p_reply_lag_s_per_token", "wan_send_buffer_bytes", "wan_written_lead_bytes",
+              "client_delay_s", "gateway_rtt_ms", "fast_path"):
         # least squares, bisection and fixed-point fits: equal to the last few bits on another BLAS or CPU
         want = committed.get(k)
         assert fit.get(k) == (want if want is None else pytest.approx(want, rel=1e-9)), k
@@ -108,7 +108,7 @@ def test_tpot_by_path_splits_the_calibration_runs_tpot(resim):
     tp = json.loads((resim / "cal-a" / "validate.json").read_text())["tpot_by_path"]
     got = {k: (g["requests"], round(g["p50_tpot_ms"]["live"], 2), round(g["p50_tpot_ms"]["sim"], 2),
                round(g["p50_max_gap_ms"]["live"], 1), round(g["p50_max_gap_ms"]["sim"], 1)) for k, g in tp.items()}
-    assert got == {'relay_only': (78, 6.76, 5.9, 13.2, 7.0), 'handed_over': (49, 5.25, 4.88, 36.7, 33.1)}
+    assert got == {'relay_only': (79, 6.75, 5.94, 13.2, 7.0), 'handed_over': (47, 5.25, 4.72, 36.6, 32.8)}
 
 
 def _script():

@@ -167,6 +167,32 @@ def test_early_handoff_waits_for_the_estimated_last_byte(monkeypatch):
     assert r.t_handoff_start == pytest.approx(r.t_md_kv + 0.2) and slow.early_handoffs == 0
 
 
+def test_p_has_written_md_s_kv_when_the_lead_is_left_to_go():
+    """P's xfer_done (which starts the early handoff's wait) comes when all but
+    ``wan_written_lead_bytes`` of the flow have left P (its socket buffer and the link's hold the
+    rest); without one, the committed bytes a cut-off cannot recall (``wan_send_buffer_bytes``);
+    at 0, as the last byte leaves. With an estimate far above the line the wait is 0 and the
+    handoff starts at that point (after MD's reservation reply at 0.4 s)."""
+    n, mib = 4096 * KVB, 2 ** 20
+
+    def written(**kw):
+        sim = ClusterSim(RELAY.replace(**kw))
+        sim.wan_gbps_estimate = lambda: 1e9
+        sim.run(ONE)
+        r = sim.reqs[0]
+        assert r.t_handoff_start == pytest.approx(r.t_kv_written) and sim.early_handoffs == 1
+        return r
+
+    r = written(wan_written_lead_bytes=100 * mib, wan_send_buffer_bytes=300 * mib)
+    assert r.t_kv_written == pytest.approx(r.wan_flow.t_start + (n - 100 * mib) * 8 / 10e9)
+    assert r.t_kv_written > 0.4
+    assert written(wan_send_buffer_bytes=100 * mib).t_kv_written == pytest.approx(r.t_kv_written)
+    r0 = written(wan_written_lead_bytes=0.0, wan_send_buffer_bytes=100 * mib)
+    assert r0.t_kv_written == pytest.approx(r0.wan_flow.t_end) and r0.t_kv_written > r.t_kv_written
+    with pytest.raises(ValueError, match="wan_written_lead_bytes"):
+        RELAY.replace(wan_written_lead_bytes=-1.0)
+
+
 def test_early_handoff_only_for_relayed_requests():
     """A P->MD request has no handoff; a relay ablation (P->RLD) has no MD: neither starts one."""
     recs = generate_agentic(60, seed=3, rate=2.0)

@@ -4,7 +4,8 @@ the prefills P ran alone, nothing decoding beside), how much slower its steps ru
 requests decode (:func:`calibrate_p_interference`, on the engine's own step time), the other
 roles' per-step overheads
 (:func:`calibrate_role_overheads`), the decode slow-down while P prefills, the WAN bytes a
-cut-off cannot recall (:func:`calibrate_wan_buffer`), the client delay, the gateway's WAN RTT
+cut-off cannot recall (:func:`calibrate_wan_buffer`), when P has written MD's KV
+(:func:`calibrate_wan_written_lead`), the client delay, the gateway's WAN RTT
 and the fast path, written into the profile (:func:`calibrate_roles`). The method and its
 results: docs/SIM.md "Measure this machine and validate the simulator".
 """
@@ -235,6 +236,68 @@ def calibrate_p_dispatch(cfg, profile, prof: dict, block_tokens: int, requests, 
             "median_live_s": float(np.median(lv)), "median_sim_s": float(np.median(sv))}
 
 
+WRITTEN_LEAD_MAX_BYTES = 4 * 2 ** 20  # the bisection's top: net.ipv4.tcp_wmem's autotuned maximum here
+
+
+def live_kv_written_s(live_records: list[dict]) -> dict:
+    """Request index -> seconds from the client's send to the gateway's ``xfer_done`` event (P
+    reported MD's KV written to its sockets), for the requests relayed to MD (``p_rld_md``) that
+    have one."""
+    out = {}
+    for i, rec in enumerate(live_records):
+        p = rec.get("pdd") or {}
+        x = (p.get("events_ms") or {}).get("xfer_done")
+        if rec.get("ok") and p.get("pipeline") == "p_rld_md" and isinstance(x, (int, float)) \
+                and not isinstance(x, bool):
+            out[i] = float(x) / 1000.0
+    return out
+
+
+def calibrate_wan_written_lead(cfg, profile, prof: dict, block_tokens: int, requests, live_records: list[dict],
+                               overheads: dict, wan_buffer: float | None = None, min_samples: int = 8,
+                               hi_bytes: float = WRITTEN_LEAD_MAX_BYTES, tol_bytes: float = 1024.0,
+                               profile_b: str | Path | None = None) -> dict | None:
+    """The bytes of MD's KV still to go on the line when P has written it
+    (``SimConfig.wan_written_lead_bytes``: P's send buffer and the link's) at which the simulated
+    written point of the relayed requests (``Req.t_kv_written``, which starts an early handoff's
+    wait) falls, at the median, on the live one (:func:`live_kv_written_s`), each from the
+    request's send: bisected on [0, ``hi_bytes``] to ``tol_bytes`` (a larger lead writes earlier).
+    The live point comes when P's sockets took the last byte, about one bandwidth-delay product
+    of the line before it leaves (``policy.wan_send_buffer_bdp``), which the bytes a cut-off cannot
+    recall (``wan_buffer``, :func:`calibrate_wan_buffer`: the link's receive side too) overstate.
+    Returns ``{"lead_bytes", "samples", "median_diff_s"}`` (simulated less live at that lead), or
+    None with fewer than ``min_samples`` requests written both live and simulated (no early
+    handoff, no relayed requests)."""
+    live = live_kv_written_s(live_records)
+
+    def diff(lead):
+        sim = simulate(cfg, profile, {**prof, "wan_written_lead_bytes": lead}, block_tokens, requests, overheads,
+                       wan_buffer, profile_b=profile_b)
+        d = [sim.reqs[i].t_kv_written - sim.reqs[i].arrival - t for i, t in live.items()
+             if i < len(sim.reqs) and sim.reqs[i].t_kv_written is not None]
+        return (float(np.median(d)) if d else 0.0), len(d)
+
+    lo, (d_lo, n) = 0.0, diff(0.0)
+    if n < min_samples:
+        return None
+    if d_lo <= 0.0:  # even written as its last byte leaves, the simulated point is not late
+        return {"lead_bytes": 0.0, "samples": n, "median_diff_s": d_lo}
+    hi, (d_hi, _) = float(hi_bytes), diff(float(hi_bytes))
+    if d_hi >= 0.0:
+        return {"lead_bytes": hi, "samples": n, "median_diff_s": d_hi}
+    best = min(((lo, d_lo), (hi, d_hi)), key=lambda x: abs(x[1]))
+    while hi - lo > tol_bytes:
+        mid = (lo + hi) / 2
+        d_mid, _ = diff(mid)
+        if abs(d_mid) < abs(best[1]):
+            best = (mid, d_mid)
+        if d_mid > 0.0:
+            lo = mid
+        else:
+            hi = mid
+    return {"lead_bytes": float(round(best[0])), "samples": n, "median_diff_s": best[1]}
+
+
 def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str | Path | None = None,
                     config=None, *, before_model=None) -> dict:
     """``pdd sim calibrate-roles``: fit each role's step correction on the live run in ``run_dir``
@@ -253,7 +316,9 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     prefills); how much a decode step slows while P prefills beside it (``decode_interference``,
     :func:`live_decode_interference`, fitted before the overheads, which then hold the rest); the
     WAN RTT the gateway's decisions read (``gateway_rtt_ms``,
-    :func:`live_gateway_rtt_ms`); ``role_overhead_from``: which run and the fits. Raises
+    :func:`live_gateway_rtt_ms`); the bytes of MD's KV still to go when P has written it
+    (``wan_written_lead_bytes``, :func:`calibrate_wan_written_lead`); ``role_overhead_from``:
+    which run and the fits. Raises
     :class:`RecordedRunError` naming the path for a run directory or profile it cannot use, before
     anything is fitted and before anything needs the model checkpoint (the workload's tokens):
     each is read once, here. ``before_model(cfg)``, when given, is called with the run's
@@ -290,6 +355,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     live = live_role_steps(entry)
     live_bytes = live_wan_payload_bytes(entry)
     prof.pop("wan_send_buffer_bytes", None)
+    prof.pop("wan_written_lead_bytes", None)
     prof["client_delay_s"] = live_client_delay_s(live_recs) or 0.0
     prof.pop("gateway_rtt_ms", None)
     prof.pop("gateway_rtt_line_ms", None)
@@ -354,11 +420,14 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
         prof["p_dispatch_s"] = disp["dispatch_s"]
     prof["role_step_overhead_s"] = ovh
     prof["wan_send_buffer_bytes"] = wb
+    wl = calibrate_wan_written_lead(cfg, profile, prof, bt, requests, live_recs, ovh, wb)
+    if wl is not None:
+        prof["wan_written_lead_bytes"] = wl["lead_bytes"]
     prof["role_overhead_from"] = {"run": str(run_dir), "workload": w, "live_steps": live,
                                   "live_wan_payload_bytes": live_bytes, "sim_wan_bytes": sim_bytes,
                                   "step_scale_fit": {"P": sc}, "decode_interference_fit": di,
                                   "decode_scale_fit": ds,
-                                  "p_dispatch_fit": disp,
+                                  "p_dispatch_fit": disp, "wan_written_lead_fit": wl,
                                   "iterations": hist}
     Path(out_profile or profile).write_text(json.dumps(prof, indent=1))
     return prof

@@ -616,6 +616,14 @@ def cmd_calibrate_roles(a) -> int:
     f = prof["role_overhead_from"]
     print(f"WAN committed bytes a cut-off cannot recall: {prof['wan_send_buffer_bytes'] / 2 ** 20:.2f} MiB (sim carries "
           f"{f['sim_wan_bytes'] / 1e6:.1f} MB, live {f['live_wan_payload_bytes'] / 1e6:.1f} MB)")
+    wl = f.get("wan_written_lead_fit")
+    if wl:
+        print(f"WAN bytes still to go when P has written MD's KV: {wl['lead_bytes'] / 2 ** 10:.0f} KiB (where the "
+              f"simulated xfer_done falls on the live one: median {wl['median_diff_s'] * 1e3:+.1f} ms over "
+              f"{wl['samples']} relayed requests)")
+    else:
+        print("WAN bytes still to go when P has written MD's KV: not fitted (too few relayed requests with an "
+              "xfer_done); the committed bytes above")
     print(f"client delay (gateway first token -> client): {prof['client_delay_s'] * 1e3:.1f} ms")
     if prof.get("gateway_rtt_ms"):
         print(f"WAN RTT the gateway's decisions read (median): {prof['gateway_rtt_ms']:.2f} ms")

@@ -739,7 +739,7 @@ class ClusterSim:
             on_sent = lambda: self._kv_left_p(req)  # noqa: E731
         req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent,
                                      held=self._held(req, req.prompt - req.md_missing, nbytes),
-                                     sent_lead=self.cfg.wan_send_buffer_bytes, conn=(req.p.name, req.md.name))
+                                     sent_lead=self.wan_written_lead, conn=(req.p.name, req.md.name))
 
     def _flow_drained(self, req: Req) -> None:
         req.p_pending_flows -= 1
@@ -860,18 +860,27 @@ class ClusterSim:
     def _kv_left_p(self, req: Req) -> None:
         """Early handoff (``policy.early_handoff``, ``gateway.handoff``: ``_handoff_at_landing``): P wrote
         MD's KV to the WAN (its ``xfer_done``: its sockets took the last byte, here the instant at
-        most ``wan_send_buffer_bytes`` of the flow are still to go on the line; 0: its last byte left), so
+        most :attr:`wan_written_lead` bytes of the flow are still to go on the line; 0: its last byte left), so
         the gateway starts the handoff when that byte is expected to have left at its WAN
         estimate (:func:`pdd.policy.handoff.early_handoff_delay_s` of the planned bytes, counted
         from P's prefill end): RLD's ids then cross the WAN beside the KV's last bytes instead of
         after MD's kv_ready crossed back, a round trip earlier. With an exact estimate and the
         send started at prefill end the wait is 0; a send that queued or shared the line has
         waited already; an estimate below the rate the flow got waits on."""
+        if req.t_kv_written is None:
+            req.t_kv_written = self.env.now
         if self._early_moot(req):
             return
         elapsed = self.env.now - req.t_prefill_done
         wait = pol_handoff.early_handoff_delay_s(req.wan_bytes, self.wan_gbps_estimate(), elapsed)
         self.after(wait, self._early_handoff, req)
+
+    @property
+    def wan_written_lead(self) -> float:
+        """Bytes of MD's KV still to go on the line when P has written it (its ``xfer_done``):
+        ``SimConfig.wan_written_lead_bytes``, else ``wan_send_buffer_bytes``."""
+        lead = self.cfg.wan_written_lead_bytes
+        return self.cfg.wan_send_buffer_bytes if lead is None else lead
 
     def _early_moot(self, req: Req) -> bool:
         return req.handoff_started or req.finished or req.rld_finished or req.cut_off

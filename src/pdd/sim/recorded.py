@@ -275,6 +275,7 @@ SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tie
 # a hand-edited profile beyond it is refused: the highest is a bound no measurement reaches)
 SCALAR_FITS = {"gateway_rtt_ms": (0.0, False, None), "gateway_rtt_line_ms": (0.0, True, None),
                "client_delay_s": (0.0, True, None), "wan_send_buffer_bytes": (0.0, True, None),
+               "wan_written_lead_bytes": (0.0, True, None),
                "prefill_interference": (1.0, True, None), "p_dispatch_s": (0.0, True, P_DISPATCH_MAX_S),
                "p_reply_lag_s_per_token": (0.0, True, P_REPLY_LAG_MAX_S)}
 # the per-role corrections: field -> (lowest value, closed)

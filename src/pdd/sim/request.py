@@ -29,7 +29,7 @@ class Req:
         "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
         "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
         "handoff_started", "t_handoff_start", "t_handoff", "t_md_replied", "early_pending",
-        "md_held", "fill_flow", "fill_pending", "main_landed",
+        "md_held", "fill_flow", "fill_pending", "main_landed", "t_kv_written",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -71,6 +71,7 @@ class Req:
         self.handoff_started = False  # the gateway asked RLD for the first handoff round
         self.t_handoff_start = None  # ... at this time
         self.t_md_replied = None  # when MD's reservation reply reaches the gateway (its admission + one owd)
+        self.t_kv_written = None  # when P wrote MD's KV to its sockets (the runtime's xfer_done; early handoff)
         self.early_pending = False  # an early handoff waits for that reply
         self.t_handoff = None  # when RLD ran it (after its step in flight)
 

@@ -177,9 +177,12 @@ class SimConfig:
     # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
     # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
     # 0 = a cut-off stops the flow at once. Measured on a live run (calibrate.calibrate_wan_buffer).
-    # P's xfer_done (which starts an early handoff's wait) comes when the sockets took the last
-    # byte: this many bytes before the flow's last byte leaves the line (0: when it leaves)
     wan_send_buffer_bytes: float = 0.0
+    # P's xfer_done of MD's KV (which starts an early handoff's wait) comes when its sockets took
+    # the last byte: this many bytes before the flow's last byte leaves the line (0: when it
+    # leaves). Measured on a live run's xfer_done events (calibrate.calibrate_wan_written_lead);
+    # None: wan_send_buffer_bytes
+    wan_written_lead_bytes: float | None = None
     # from the gateway receiving a token to the client seeing it (HTTP streaming): shifts every
     # token of a request alike (TTFT, not TPOT). Measured on a live run's recorded events.
     client_delay_s: float = 0.0
@@ -210,6 +213,9 @@ class SimConfig:
         if not _in_range(self.p_reply_lag_s_per_token, 0.0, P_REPLY_LAG_MAX_S, closed_hi=True):
             raise ValueError(f"p_reply_lag_s_per_token must be a number of seconds in [0, {P_REPLY_LAG_MAX_S:g}] "
                              f"(microseconds when measured), got {self.p_reply_lag_s_per_token!r}")
+        if self.wan_written_lead_bytes is not None and not _in_range(self.wan_written_lead_bytes, 0.0, float("inf")):
+            raise ValueError(f"wan_written_lead_bytes must be a finite number of bytes >= 0 or None, got "
+                             f"{self.wan_written_lead_bytes!r}")
         if not _in_range(self.prefill_interference, 1.0, float("inf")):
             raise ValueError(f"prefill_interference must be a finite factor >= 1, got {self.prefill_interference!r}")
 
@@ -267,8 +273,8 @@ class SimConfig:
 # what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate) and
 # :func:`with_live_fit` applies
 LIVE_FIT_FIELDS = ("role_step_overhead_s", "role_step_scale", "decode_interference", "prefill_interference",
-                   "p_dispatch_s", "p_reply_lag_s_per_token", "wan_send_buffer_bytes", "client_delay_s",
-                   "gateway_rtt_ms", "fast_path")
+                   "p_dispatch_s", "p_reply_lag_s_per_token", "wan_send_buffer_bytes", "wan_written_lead_bytes",
+                   "client_delay_s", "gateway_rtt_ms", "fast_path")
 
 
 def live_fit_of(prof: dict) -> list[str]:
@@ -280,7 +286,8 @@ def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
                   wan_buffer: float | None = None) -> SimConfig:
     """``scfg`` with a profile's live-run fit (``pdd sim calibrate-roles``, docs/SIM.md): per-role
     step factors (``role_step_scale``) and seconds a step (``role_step_overhead_s``, or
-    ``overheads`` when given), the WAN send buffer (bytes; ``wan_buffer`` when given), the client
+    ``overheads`` when given), the WAN send buffer (bytes; ``wan_buffer`` when given) and the
+    bytes of MD's KV still to go when P has written it (``wan_written_lead_bytes``), the client
     delay (s), the gateway's RTT estimate (ms: ``scfg``'s line RTT plus what the measured one was
     above the line it was measured on, ``gateway_rtt_line_ms``), the decode and prefill
     interference factors (applied only on a shared host, ``host_cores`` > 0), P's dispatch
@@ -314,4 +321,6 @@ def with_live_fit(scfg: SimConfig, prof: dict, overheads: dict | None = None,
     wb = prof.get("wan_send_buffer_bytes", 0.0) if wan_buffer is None else wan_buffer
     if wb:
         kw["wan_send_buffer_bytes"] = float(wb)
+    if prof.get("wan_written_lead_bytes") is not None:
+        kw["wan_written_lead_bytes"] = float(prof["wan_written_lead_bytes"])
     return scfg.replace(**kw) if kw else scfg

@@ -441,7 +441,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         "profile": {"path": str(profile), "profile_b": str(profile_b) if profile_b is not None else None,
                     "fit": prof.get("fit"), "machine": prof.get("machine"),
                     "role_step_overhead_s": ovh, "role_step_scale": prof.get("role_step_scale") or {},
-                    "wan_send_buffer_bytes": wb,
+                    "wan_send_buffer_bytes": wb, "wan_written_lead_bytes": sim.wan_written_lead,
                     "client_delay_s": prof.get("client_delay_s", 0.0), "gateway_rtt_ms": prof.get("gateway_rtt_ms"),
                     "decode_interference": prof.get("decode_interference") or {},
                     "prefill_interference": sim.cfg.prefill_interference,
@@ -519,6 +519,8 @@ def format_validate(res: dict) -> str:
         inputs += f"; P's dispatch {pf['p_dispatch_s'] * 1e3:.2f} ms a request"
     if pf.get("p_reply_lag_s_per_token"):
         inputs += f"; P's reply lag {pf['p_reply_lag_s_per_token'] * 1e6:.1f} us a token of its largest step"
+    if pf.get("wan_written_lead_bytes") is not None:
+        inputs += f"; MD's KV written {pf['wan_written_lead_bytes'] / 2 ** 10:.0f} KiB before its last byte leaves"
     paths = "".join(f"\n{name.replace('_', ' ')}: {g['requests']} requests, TPOT P50 live {g['p50_tpot_ms']['live']:.2f} / "
                     f"sim {g['p50_tpot_ms']['sim']:.2f} ms, longest token gap P50 live "
                     f"{g['p50_max_gap_ms']['live']:.1f} / sim {g['p50_max_gap_ms']['sim']:.1f} ms"
