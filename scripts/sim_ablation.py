@@ -36,6 +36,9 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT error's median and 
 - ``linear-chunks``: a step that computes a chunk (prefill, extend) on the profile's linear fit
   alone, without the measured / fitted ratio of its prefill and extend rows
   (``step_profile._chunk_residuals`` gives None; the fit redone with it);
+- ``written-at-committed``: P has written MD's KV (its ``xfer_done``, the early handoff's
+  start) where the bytes a cut-off cannot recall are still to go, not at the lead fitted on the
+  live ``xfer_done`` (``calibrate.calibrate_wan_written_lead`` gives None);
 - ``fast-path-alone``: the P -> RLD path fitted on the requests that had it to themselves
   (``live_measures.live_fast_path`` with ``alone`` True: no other request at P or on its way to
   its decoder around this one's KV trip) instead of on every relayed request, whose other half
@@ -56,7 +59,7 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("all", "one-lane", "no-reply-lag", "no-decode-scale", "no-interference", "block-hits", "schedule",
-            "no-index", "pairs-as-live", "rtt-as-live", "fast-path-alone", "linear-chunks")
+            "no-index", "pairs-as-live", "rtt-as-live", "fast-path-alone", "linear-chunks", "written-at-committed")
 PAIR_WITHIN_S = 0.002  # pairs-as-live: two requests sent at most this far apart ...
 PAIR_SLOWER_S = 0.025  # ... the first one's live prefill interval this much longer than simulated
 
@@ -155,6 +158,8 @@ def patch(variant: str) -> None:
             return inp if req.rid not in rtt else dataclasses.replace(inp, wan_rtt_ms=rtt[req.rid])
         cal.as_sent = val.as_sent = as_sent_rtt
         cluster.ClusterSim._pipeline_inputs = pipeline_inputs
+    elif variant == "written-at-committed":
+        cal.calibrate_wan_written_lead = lambda *a, **k: None
     elif variant == "linear-chunks":
         import pdd.step_profile as step_profile
 
