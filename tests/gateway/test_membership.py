@@ -142,7 +142,8 @@ def test_last_active_of_a_role_is_not_drained_or_removed():
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("addr", ["18071", "host:", "127.0.0.1:99999", "127.0.0.1:port", "a b:1"])
+@pytest.mark.parametrize("addr", ["18071", "host:", "127.0.0.1:99999", "127.0.0.1:port", "a b:1",
+                                  "127.0.0.1:\u00b2", "127.0.0.1:\u0669\u0663\u0664\u0661"])
 def test_bad_address(addr):
     with pytest.raises(MembershipError) as ei:
         parse_address(addr)
@@ -464,3 +465,59 @@ def test_an_operator_body_that_is_not_utf8_says_so_and_a_utf8_bom_is_ignored():
                                      "param": None, "code": "invalid_body"}
     r = c.post("/pdd/instances", content=b'\xef\xbb\xbf{"role": "decoder"}', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_role", r.text  # the body was read
+
+
+class SlowFlushPeer(PoolPeer):
+    """A PoolPeer whose ``flush`` answers only once ``release`` is set (``flushing`` is set when
+    it is asked)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.flushing, self.release = asyncio.Event(), asyncio.Event()
+
+    async def call(self, h, payload=b"", timeout=None):
+        if h.get("t") == "flush":
+            self.flushing.set()
+            await self.release.wait()
+        return await super().call(h, payload, timeout)
+
+
+def test_an_instance_being_removed_takes_no_new_request_while_its_cache_is_flushed():
+    """Removing an idle active instance flushes it (two calls) before it leaves the membership: a
+    request routed in between went to it, and lost its instance (its connection closed without
+    recovery, the peer gone from the gateway) once the removal went on."""
+    o, ms, _ = _setup(standby=())
+    o.inflight["md0"] = 3  # md1 is the less loaded: it would take a new request
+
+    async def run():
+        slow = o.peers["md1"] = SlowFlushPeer()
+        rm = asyncio.ensure_future(ms.remove("md1"))
+        await slow.flushing.wait()
+        routed = await o._route(ROLE_MAIN, [1] * 40)
+        slow.release.set()
+        return routed, await rm
+
+    routed, rep = asyncio.run(run())
+    assert routed == "md0"
+    assert (rep["state"], rep["leaked_pages"], rep["forced"]) == (REMOVED, 0, False)
+
+
+def test_a_request_that_reached_an_instance_during_its_removal_is_recovered():
+    """One routed there before the removal began but assigned while its cache was flushed (routing
+    awaits a peek before the assignment) is recovered as after a loss, not left pointing at an
+    instance whose connection the removal closes."""
+    o, ms, _ = _setup(standby=())
+    lost = []
+    o._peer_closed = lambda name, peer=None: lost.append(name)
+
+    async def run():
+        slow = o.peers["md1"] = SlowFlushPeer()
+        rm = asyncio.ensure_future(ms.remove("md1"))
+        await slow.flushing.wait()
+        o.inflight["md1"] = 1
+        slow.release.set()
+        return await rm
+
+    rep = asyncio.run(run())
+    assert lost == ["md1"]
+    assert (rep["state"], rep["in_flight_recovered"], rep["forced"]) == (REMOVED, 1, False)

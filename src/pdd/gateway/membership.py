@@ -107,7 +107,7 @@ def parse_address(addr: str) -> tuple[str, int]:
             a = a[len(pre):]
     a = a.rstrip("/")
     host, sep, port = a.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or "/" in host or " " in host:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535 or "/" in host or " " in host:
         raise MembershipError(400, f"address {addr!r} is not host:port (port 1-65535)", "address", "bad_address")
     return host, int(port)
 
@@ -127,6 +127,7 @@ class Membership:
         self.events: list[dict] = []
         self.changes: dict[str, int] = {"add": 0, "drain": 0, "remove": 0}  # and "rerole" once one happens
         self._busy_ops: set[str] = set()  # names with an add or remove under way
+        self._removing: set[str] = set()  # names being removed: routed nothing from the removal's start
         self._watchers: dict[str, asyncio.Task] = {}
         self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
         orch.membership = self
@@ -148,8 +149,10 @@ class Membership:
         return bool(self._busy_ops)
 
     def routable(self, name: str) -> bool:
+        """Whether new requests may go to ``name``: an active member not being removed (or a
+        name that is no slot of the membership)."""
         m = self.members.get(name)
-        return m is None or m.state == ACTIVE
+        return m is None or (m.state == ACTIVE and name not in self._removing)
 
     def busy(self, name: str) -> int:
         """Requests and transfers still in flight on ``name``: the gateway's in-flight requests
@@ -378,6 +381,8 @@ class Membership:
         if name in self._busy_ops:
             raise MembershipError(409, f"instance {name} is being changed now", "name", "conflict")
         self._busy_ops.add(name)
+        self._removing.add(name)  # no new request goes there while its cache is flushed (awaits)
+        late = 0
         try:
             o = self.orch
             peer = o.peers.get(name)
@@ -399,7 +404,10 @@ class Membership:
             wp = getattr(o, "wan_peers", None)
             if wp is not None:  # its WAN estimates (pdd_wan_peer_* on /metrics) go with it
                 wp.forget(name)
-            if busy and peer is not None:  # forced: its requests are recovered as after a loss
+            late = 0 if busy else self.busy(name)  # routed there before the removal began, assigned since
+            if late:  # the flush counted their pages: unknown how many are leaked
+                leaked = None
+            if (busy or late) and peer is not None:  # forced (or late): recovered as after a loss
                 o._peer_closed(name, peer)
             old = m.state
             m.state = REMOVED  # not routable from here on
@@ -408,15 +416,18 @@ class Membership:
             while name in getattr(o, "_reconnecting", ()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             o.peers.pop(name, None)
-            self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=busy, prefix_cache=cache,
+            self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=busy + late, prefix_cache=cache,
                       leaked_pages=leaked)
             if peer is not None:
                 await peer.close()
             await asyncio.to_thread(self._stop_process, m)
         finally:
             self._busy_ops.discard(name)
+            self._removing.discard(name)
         out = self.view(name)
         out.update(prefix_cache=cache, leaked_pages=leaked, forced=bool(force and busy))
+        if late:
+            out["in_flight_recovered"] = late
         return out
 
     async def rerole(self, name: str, role: str, force: bool = False, wait_s: float | None = None,
