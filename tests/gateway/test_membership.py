@@ -521,3 +521,22 @@ def test_a_request_that_reached_an_instance_during_its_removal_is_recovered():
     rep = asyncio.run(run())
     assert lost == ["md1"]
     assert (rep["state"], rep["in_flight_recovered"], rep["forced"]) == (REMOVED, 1, False)
+
+
+def test_health_follows_a_role_whose_every_instance_was_removed():
+    """/health read "ok" with the only P removed (force): a role with no member left dropped out
+    of the gateway's layout, so nothing counted it missing, and every request was a 503."""
+    o, ms, _ = _setup()
+
+    async def run():
+        out = []
+        await ms.remove("rld0", force=True)  # P and an MD serve, P->MD
+        out.append(o.health()["status"])
+        await ms.remove("p0", force=True)  # nothing can be prefilled
+        out.append(o.health()["status"])
+        await ms.add("prefill")
+        await ms.add("relay_decode")
+        out.append(o.health()["status"])
+        return out
+
+    assert asyncio.run(run()) == ["degraded", "unavailable", "ok"]

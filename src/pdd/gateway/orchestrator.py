@@ -225,9 +225,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
     def health(self) -> dict:
         """{"status": "ok" | "degraded" | "unavailable", "down": [instances whose connection is
         closed]}: "degraded" while requests can still be served (a P and some decoder are up:
-        recovery and routing go around the rest) but an instance is down or a role of the layout
-        has no active member (all drained or re-roled away: e.g. no RLD, requests go P->MD),
-        "unavailable" when they cannot."""
+        recovery and routing go around the rest) but an instance is down or a role of the config's
+        layout has no active member (all drained, removed or re-roled away: e.g. no RLD, requests
+        go P->MD), "unavailable" when they cannot (e.g. every P removed)."""
         down = sorted(n for n, p in self.peers.items() if p.closed)
         ms = getattr(self, "membership", None)
 
@@ -240,8 +240,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         else:
             serving = up(ROLE_PREFILL) and up(ROLE_RELAY, ROLE_MAIN)
         roles = (ROLE_PREFILL, ROLE_RELAY, ROLE_MAIN, ROLE_COLOCATED)
-        missing = [r for r in roles if self.layout.by_role(r) and not up(r)]
-        status = "ok" if not down and not missing else ("degraded" if serving else "unavailable")
+        full = ms.full if ms is not None else self.layout  # a role whose every member was removed is missing too
+        missing = [r for r in roles if full.by_role(r) and not up(r)]
+        status = "unavailable" if not serving else ("ok" if not down and not missing else "degraded")
         return {"status": status, "mode": self.cfg.mode, "down": down}
 
     def _peer(self, st: ReqState | None, role: str) -> tuple[str, Peer]:
