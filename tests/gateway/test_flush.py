@@ -82,3 +82,32 @@ def test_flush_forgets_what_the_gateway_routed_to_each_md():
     assert o.prefix_index[md].match(list(range(64))) == 64
     asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
     assert o.prefix_index[md].match(list(range(64))) == 0
+
+
+class RemovingPeer(FlushPeer):
+    """While answering ``flush`` and ``stats``, the instance ``gone`` leaves the gateway's peers
+    (a removal finishing meanwhile: ``remove_when_idle``, another operator's DELETE)."""
+
+    def __init__(self, o_ref, gone):
+        super().__init__()
+        self.o_ref, self.gone = o_ref, gone
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.o_ref[0].peers.pop(self.gone, None)
+        if h.get("t") == "stats":
+            return {"pages_total": 64, "pages_free": 64}, b""
+        return await super().call(h, payload, timeout)
+
+
+def test_flush_and_stats_while_an_instance_leaves_the_membership():
+    """A removal that completed while /pdd/flush or /pdd/stats awaited an instance's answer made
+    them a 500 (RuntimeError: dictionary changed size during iteration)."""
+    ref = [None]
+    o = ref[0] = _orch([RemovingPeer(ref, "md0"), FlushPeer(), FlushPeer()])
+    names = [s.name for s in o.layout.engines]
+    assert names == ["p0", "rld0", "md0"]
+    rep = asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    assert rep["leaked_pages"] == 0 and sorted(rep["instances"]) == ["p0", "rld0"]
+    o.peers["md0"] = FlushPeer()
+    st = asyncio.run(o.stats())
+    assert sorted(st["instances"]) == ["p0", "rld0"]

@@ -188,7 +188,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()
-        for p in self.peers.values():
+        for p in list(self.peers.values()):
             await p.close()
 
     def _spawn(self, coro) -> None:
@@ -269,7 +269,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
     async def stats(self) -> dict:
         await self._reconnect_closed()
         inst = {}
-        for name, peer in self.peers.items():
+        for name, peer in list(self.peers.items()):  # a membership change may land during the awaits
+            if self.peers.get(name) is not peer:
+                continue  # removed (or replaced) meanwhile
             try:
                 rep, _ = await peer.call(Stats().wire(), timeout=10)
                 inst[name] = {k: v for k, v in rep.items() if k not in ("t", "cid", "reply")}
@@ -324,7 +326,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         deadline = time.monotonic() + settle_s
         while True:
             inst: dict = {}
-            for name, peer in self.peers.items():
+            for name, peer in list(self.peers.items()):  # a membership change may land during the awaits
+                if self.peers.get(name) is not peer:
+                    continue  # removed (or replaced) meanwhile
                 try:
                     rep, _ = await peer.call(Flush().wire(), timeout=30)
                 except Exception as e:
