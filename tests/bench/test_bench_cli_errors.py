@@ -345,3 +345,16 @@ def test_mode_label_errors_list_every_suffix(capsys, tmp_path, no_run):
                                  f"{label.split('+')[0]} crosses the WAN (modes that do: cross_dc_pd, pdd)")
     assert parse_mode_label("pdd+wan_connections=4") == ("pdd", {"link.wan_connections": "4"})
     assert parse_mode_label("cross_dc_pd+link.wan_connections=2") == ("cross_dc_pd", {"link.wan_connections": "2"})
+
+
+def test_a_flag_that_makes_the_configs_cross_traffic_too_high_names_both(capsys, tmp_path, no_run):
+    """--wan-gbps below the config file's link.wan_cross_traffic was refused as '--cross-traffic:
+    ...', a flag not given."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("link: {wan_cross_traffic: [[0, 0.02]]}\n")
+    with pytest.raises(SystemExit) as ex:
+        main(["--wan-gbps", "0.01", "--config", str(cfg), "--out", str(tmp_path / "b")])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"pdd bench: error: --wan-gbps: with link.wan_cross_traffic of --config {cfg}: 0.02 Gbit/s at 0 s must be "
+        "below the line's 0.01 Gbit/s")

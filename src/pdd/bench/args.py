@@ -201,12 +201,20 @@ def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) 
     return list(specs), v
 
 
-def _override_error(err: dict) -> str:
+def _override_error(err: dict, given: Sequence[str] | None = None, config: str | None = None) -> str:
     """One pydantic error of a flag override as ``--flag: message``: a range error gets the value
-    (``, got 0.0``); a validator's own message already names it and loses pydantic's ``Value error, ``."""
-    if err["type"] == "value_error":
-        return f"{_override_flag(err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
-    return f"{_override_flag(err['loc'])}: {err['msg']}, got {err.get('input')!r}"
+    (``, got 0.0``); a validator's own message already names it and loses pydantic's ``Value error, ``.
+    ``given``: the overrides set by flags (config field names); a config field refused that no flag
+    set was refused because of them (``--wan-gbps`` below the config's ``link.wan_cross_traffic``):
+    the message names those flags and the config's field (``config``: the --config file)."""
+    msg = err["msg"].removeprefix("Value error, ") if err["type"] == "value_error" else \
+        f"{err['msg']}, got {err.get('input')!r}"
+    loc = tuple(str(x) for x in err.get("loc", ()))
+    if given is not None and loc and loc[-1] not in given:
+        flags = ", ".join(_override_flag((g,)) for g in given) or "the flags"
+        src = f"--config {config}" if config else "the default config"
+        return f"{flags}: with {'.'.join(loc)} of {src}: {msg}"
+    return f"{_override_flag(err['loc'])}: {msg}"
 
 
 def _cross_traffic_gbps(text: str) -> list[tuple[float, float]]:

@@ -585,7 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = apply_overrides(base_cfg, served_model_name=args.model,
                                  **{k: getattr(args, k) for k in TOPOLOGY_OVERRIDES})
     except pydantic.ValidationError as ex:  # an override out of the config's range (--wan-gbps 0, a port)
-        ap.error("; ".join(_override_error(e) for e in ex.errors()))
+        given = [k for k in TOPOLOGY_OVERRIDES if getattr(args, k) is not None]
+        given += ["served_model_name"] if args.model is not None else []
+        ap.error("; ".join(_override_error(e, given, args.config) for e in ex.errors()))
     try:
         scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale,
                       min_output_tokens=args.min_output, max_output_tokens=args.max_output,
