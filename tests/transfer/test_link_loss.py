@@ -97,3 +97,38 @@ async def test_control_port_sets_loss_and_cross_traffic():
 def test_bad_link_config_names_the_field(kw, msg):
     with pytest.raises(ValueError, match=msg):
         normalize_config(cfg(1, **kw))
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"gbps": float("nan")}, r"gbps must be a finite number > 0, got nan"),
+    ({"gbps": float("inf")}, r"gbps must be a finite number > 0, got inf"),
+    ({"gbps": 0.0}, r"gbps must be a finite number > 0, got 0.0"),
+    ({"rtt_ms": float("inf")}, r"rtt_ms must be a finite number >= 0, got inf"),
+    ({"jitter_ms": float("nan")}, r"jitter_ms must be a finite number >= 0, got nan"),
+    ({"jitter_ms": -1.0}, r"jitter_ms must be a finite number >= 0, got -1.0"),
+    ({"loss_rate": 1e-3, "gbps": 0.0}, r"gbps must be a finite number > 0"),  # refused whole: loss unchanged
+    ({"cross_gbps": 0.01, "rtt_ms": -1.0}, r"rtt_ms must be a finite number >= 0"),
+])
+async def test_control_port_refuses_a_bad_line_setting_and_changes_nothing(kw, msg):
+    """The control port's set took gbps NaN (every later transfer's time NaN) and jitter or RTT
+    inf, and a set refused for one field had already applied the loss rate or cross traffic given
+    with it."""
+    sink = await SinkServer().start()
+    async with Link(cfg(sink.port, gbps=0.1, rtt_ms=20, jitter_ms=1)) as link:
+        host, port = "127.0.0.1", link.control_port
+        before = await query_stats(host, port)
+        with pytest.raises(RemoteError, match=msg):
+            await set_link(host, port, **kw)
+        after = await query_stats(host, port)
+        keys = ("gbps", "rtt_ms", "jitter_ms", "loss_rate", "cross_gbps", "cross_traffic", "conn_gbps")
+        assert {k: after[k] for k in keys} == {k: before[k] for k in keys}
+    await sink.close()
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"gbps": float("nan")}, r"gbps must be a finite number > 0, got nan"),
+    ({"rtt_ms": float("inf")}, r"rtt_ms must be a finite number >= 0, got inf"),
+])
+def test_bad_link_line_config_names_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        normalize_config(cfg(1, **kw))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import json
 import logging
 import os
@@ -112,13 +113,18 @@ def normalize_config(cfg: Any) -> dict:
     }
     if out["mss_bytes"] < 1:
         raise ValueError("mss_bytes must be >= 1")
-    if out["gbps"] <= 0:
-        raise ValueError("gbps must be > 0")
-    if out["rtt_ms"] < 0 or out["jitter_ms"] < 0:
-        raise ValueError("rtt_ms and jitter_ms must be >= 0")
+    check_line(out["gbps"], out["rtt_ms"], out["jitter_ms"])
     if out["chunk_bytes"] < 1024:
         raise ValueError("chunk_bytes must be >= 1024")
     return out
+
+
+def check_line(gbps: float, rtt_ms: float, jitter_ms: float) -> None:
+    """The line's rate (Gbit/s, finite > 0), RTT and jitter (ms, finite >= 0). Raises ValueError
+    naming the first bad one (NaN and inf included: a NaN rate made every transfer's time NaN)."""
+    for name, v, strict in (("gbps", gbps, True), ("rtt_ms", rtt_ms, False), ("jitter_ms", jitter_ms, False)):
+        if not (math.isfinite(v) and (v > 0 if strict else v >= 0)):
+            raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} 0, got {v!r}")
 
 
 class _Line:
@@ -487,8 +493,7 @@ class Link:
         self._apply(self.cfg["gbps"], self.cfg["rtt_ms"], self.cfg["jitter_ms"])
 
     def _apply(self, gbps: float, rtt_ms: float, jitter_ms: float) -> None:
-        if gbps <= 0 or rtt_ms < 0 or jitter_ms < 0:
-            raise ValueError("need gbps > 0, rtt_ms >= 0, jitter_ms >= 0")
+        check_line(gbps, rtt_ms, jitter_ms)
         self.gbps, self.rtt_ms, self.jitter_ms = float(gbps), float(rtt_ms), float(jitter_ms)
         self._s_per_byte = 8.0 / (self.gbps * 1e9)
         self._one_way_s = self.rtt_ms / 2000.0
@@ -549,18 +554,18 @@ class Link:
             loss_rate: Optional[float] = None, cross_gbps: Optional[float] = None) -> dict:
         """Change rate (Gbit/s), RTT (ms), jitter (ms), loss probability ([0, 1)) for bytes admitted
         from now on; replace the cross-traffic schedule by ``cross_gbps`` (>= 0) from now on;
-        start/end an outage. Raises ValueError naming a bad value."""
-        if loss_rate is not None:
-            self.loss_rate = tcp_model.check_loss_rate(loss_rate, "loss_rate")
+        start/end an outage. Raises ValueError naming a bad value; then nothing is changed."""
+        line = (self.gbps if gbps is None else gbps, self.rtt_ms if rtt_ms is None else rtt_ms,
+                self.jitter_ms if jitter_ms is None else jitter_ms)
+        check_line(*line)  # every value is checked before any is applied
+        loss = self.loss_rate if loss_rate is None else tcp_model.check_loss_rate(loss_rate, "loss_rate")
+        schedule = self.cross_schedule
         if cross_gbps is not None:
             now = self.loop.time() if self.loop is not None else self.t0
             keep = tuple(p for p in self.cross_schedule if p[0] < now - self.t0)
-            self.cross_schedule = tcp_model.check_schedule(keep + ((now - self.t0, cross_gbps),), "cross_gbps")
-        self._apply(
-            self.gbps if gbps is None else gbps,
-            self.rtt_ms if rtt_ms is None else rtt_ms,
-            self.jitter_ms if jitter_ms is None else jitter_ms,
-        )
+            schedule = tcp_model.check_schedule(keep + ((now - self.t0, cross_gbps),), "cross_gbps")
+        self.loss_rate, self.cross_schedule = loss, schedule
+        self._apply(*line)
         if outage is not None and bool(outage) != self.outage:
             now = self.loop.time()
             if outage:
