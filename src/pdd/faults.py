@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -88,6 +89,8 @@ def parse_fault(spec: str) -> FaultSpec:
             v = float(arg)
         except ValueError:
             raise FaultError(f"fault {spec!r}: {kind} needs a number (seconds / factor)") from None
+        if not math.isfinite(v):
+            raise FaultError(f"fault {spec!r}: {kind} needs a finite number (seconds / factor), got {v}")
         if v <= 0 or (kind == "wan_slowdown" and v < 1):
             raise FaultError(f"fault {spec!r}: {kind} argument out of range")
     if kind == "cross_traffic":
@@ -95,6 +98,8 @@ def parse_fault(spec: str) -> FaultSpec:
             v = float(arg)
         except ValueError:
             raise FaultError(f"fault {spec!r}: cross_traffic needs a number (Gbit/s)") from None
+        if not math.isfinite(v):
+            raise FaultError(f"fault {spec!r}: cross_traffic needs a finite number (Gbit/s), got {v}")
         if not v >= 0:
             raise FaultError(f"fault {spec!r}: cross_traffic argument out of range")
     if kind == "kill" and not arg:

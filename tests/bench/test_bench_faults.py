@@ -26,6 +26,22 @@ def test_parse_bench_fault():
             parse_bench_fault(bad)
 
 
+@pytest.mark.parametrize("spec", ["wan_slowdown:nan@transfer", "wan_slowdown:inf@transfer", "wan_outage:nan@transfer",
+                                  "wan_outage:inf@transfer", "cross_traffic:nan@transfer", "cross_traffic:inf@transfer",
+                                  "cross_traffic:1e400@transfer"])
+def test_a_fault_argument_that_is_not_a_finite_number_is_refused(spec):
+    """NaN and inf passed the range checks (NaN compares false, inf is >= 1): a slowdown set the
+    line's rate to NaN or 0 in the middle of the run."""
+    with pytest.raises(FaultError, match="needs a finite number"):
+        parse_bench_fault(spec)
+
+
+@pytest.mark.parametrize("rec", ["nan", "inf"])
+def test_fault_recover_after_must_be_finite(rec):
+    with pytest.raises(ValueError, match="--fault-recover-after: seconds or 'end'"):
+        parse_fault_args(["kill:p@prefill"], rec, None)
+
+
 def test_cli_fault_flags():
     a = build_parser().parse_args(["--fault", "kill:rld@rld_decode", "--fault", "wan_slowdown:10@transfer#2",
                                    "--fault-recover-after", "end"])

@@ -5,6 +5,7 @@ a finished run (``pdd demo`` shares it and the workload checks)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -196,6 +197,8 @@ def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) 
         v = float(recover_after)
     except ValueError:
         raise ValueError(f"--fault-recover-after: seconds or 'end', not {recover_after!r}") from None
+    if not math.isfinite(v):  # NaN passed the >= 0 check; inf is what 'end' says
+        raise ValueError(f"--fault-recover-after: seconds or 'end', not {recover_after!r}")
     if v < 0:
         raise ValueError("--fault-recover-after must be >= 0")
     return list(specs), v
