@@ -62,6 +62,13 @@ def test_apply_overrides_sets_the_link_fields():
     (["--cross-traffic-gbps", "0.1", "--wan-gbps", "0.2"], []),  # accepted: below the line given
     (["--cross-traffic", "0:0.01,5"], ["argument --cross-traffic: schedule: expected seconds:Gbit/s, got '5'"]),
     (["--cross-traffic", "9:0.01,5:0.02"], ["argument --cross-traffic: schedule: times must increase"]),
+    # an empty item was skipped: '0:0.01,,5:0.02' ran as '0:0.01,5:0.02', a trailing comma as if absent
+    (["--cross-traffic", "0:0.01,,5:0.02"], ["pdd bench: error: argument --cross-traffic: schedule: item 2 of "
+                                             "'0:0.01,,5:0.02' is empty; give seconds:Gbit/s points separated by "
+                                             "single commas\n"]),
+    (["--cross-traffic", "0:0.01,"], ["pdd bench: error: argument --cross-traffic: schedule: item 2 of '0:0.01,' is "
+                                      "empty; give seconds:Gbit/s points separated by single commas\n"]),
+    (["--cross-traffic", ", 0:0.01"], ["argument --cross-traffic: schedule: item 1 of ', 0:0.01' is empty"]),
     (["--cross-traffic", "0:-0.01"], ["argument --cross-traffic: schedule: Gbit/s must be >= 0"]),
     (["--cross-traffic", "0:0.01", "--cross-traffic-gbps", "0.01"], ["not allowed with argument"]),
     (["--wan-loss-rate", "1"], ["--wan-loss-rate:", "less than 1"]),

@@ -78,6 +78,14 @@ def test_parse_cross_traffic_and_bad_schedules():
         tm.parse_cross_traffic("a:b")
     with pytest.raises(ValueError, match="no seconds:Gbit/s point"):
         tm.parse_cross_traffic(",")
+    with pytest.raises(ValueError) as ex:  # was skipped: the schedule ran without the item
+        tm.parse_cross_traffic("0:0.5,,10:2.0,")
+    assert str(ex.value) == ("--cross-traffic: item 2 of '0:0.5,,10:2.0,' is empty; give seconds:Gbit/s points "
+                             "separated by single commas")
+    with pytest.raises(ValueError) as ex:
+        tm.parse_cross_traffic("0:0.5,10:2.0, ")
+    assert str(ex.value) == ("--cross-traffic: item 3 of '0:0.5,10:2.0, ' is empty; give seconds:Gbit/s points "
+                             "separated by single commas")
 
 
 def test_a_non_finite_schedule_point_is_named_as_such():

@@ -93,12 +93,17 @@ def check_schedule(points: Iterable[Sequence[float]], field: str = "cross_traffi
 
 def parse_cross_traffic(text: str, field: str = "--cross-traffic") -> Schedule:
     """``"0:0.5,10:2.0"`` (seconds:Gbit/s, comma-separated) -> ``((0.0, 0.5), (10.0, 2.0))``.
-    Raises ValueError naming ``field`` (bad syntax, negative rate, times not increasing)."""
+    Raises ValueError naming ``field`` (bad syntax, an empty item such as ``0:0.5,,10:2.0`` or a
+    trailing comma, named by its position from 1; negative rate, times not increasing)."""
     pts = []
-    for part in str(text).split(","):
+    parts = str(text).split(",")
+    if not any(p.strip() for p in parts):
+        raise ValueError(f"{field}: no seconds:Gbit/s point in {text!r}")
+    for i, part in enumerate(parts, 1):
         part = part.strip()
-        if not part:
-            continue
+        if not part:  # was skipped: the schedule ran without whatever the user meant there
+            raise ValueError(f"{field}: item {i} of {text!r} is empty; give seconds:Gbit/s points separated by "
+                             f"single commas")
         t, sep, g = part.partition(":")
         if not sep:
             raise ValueError(f"{field}: expected seconds:Gbit/s, got {part!r}")
@@ -106,8 +111,6 @@ def parse_cross_traffic(text: str, field: str = "--cross-traffic") -> Schedule:
             pts.append((float(t), float(g)))
         except ValueError:
             raise ValueError(f"{field}: expected seconds:Gbit/s numbers, got {part!r}") from None
-    if not pts:
-        raise ValueError(f"{field}: no seconds:Gbit/s point in {text!r}")
     return check_schedule(pts, field)
 
 
