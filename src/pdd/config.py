@@ -500,6 +500,16 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(str(e).split())
 
 
+def check_served_model_name(name: str) -> str:
+    """``name`` if it can be a served model name (what clients send as ``"model"`` and
+    ``/v1/models`` lists); ValueError for an empty or whitespace-only one. The rule of
+    ``served_model_name`` in a config, and of the flags that set it (``pdd bench --model``)."""
+    if not name.strip():
+        raise ValueError(f'served_model_name must be the name clients send as "model", not empty nor only '
+                         f"whitespace; got {name!r}")
+    return name
+
+
 class ClusterConfig(_Strict):
     """A whole topology: the instances of each tier, the links and the policies."""
 
@@ -623,6 +633,11 @@ class ClusterConfig(_Strict):
         return {"device": e.device, "dtype": e.dtype, "page_size": e.page_size, "num_pages": e.num_pages,
                 "max_batch_tokens": e.max_batch_tokens, "max_running": e.max_running, "min_step_ms": e.min_step_ms,
                 "profile": e.profile, "torch_threads": e.torch_threads}
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_model_name(cls, v: str) -> str:
+        return check_served_model_name(v)
 
     @field_validator("mode")
     @classmethod

@@ -3,6 +3,8 @@
 (a YAML ``.inf`` RTT or timeout would only show as a hang) are refused naming the field; numbers
 written as text stay accepted (mode labels pass them so). Found by a new-user review."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -63,6 +65,19 @@ def test_serve_prints_the_field_not_a_traceback(tmp_path):
     with pytest.raises(SystemExit) as ex:
         main(["serve", "--config", str(cfg)])
     assert ex.value.code == f"pdd: invalid config: policy.pipeline_ttft_budget_ms: {BOOL.format('true')}"
+
+
+@pytest.mark.parametrize("name", ["", "  ", "\t\n"])
+def test_an_empty_served_model_name_is_refused(tmp_path, name):
+    """An empty or blank served_model_name was served: /v1/models listed '' and a client could not
+    name the model. pdd serve and pdd bench (its --model, and a config file's) refuse it alike."""
+    msg = (f'served_model_name must be the name clients send as "model", not empty nor only whitespace; '
+           f"got {name!r}")
+    assert _refused(f"served_model_name: {json.dumps(name)}\n", tmp_path) == f"served_model_name: {msg}"
+    with pytest.raises(SystemExit) as ex:
+        main(["serve", "--config", str(tmp_path / "c.yaml")])  # the file _refused wrote
+    assert ex.value.code == f"pdd: invalid config: served_model_name: {msg}"
+    assert ClusterConfig.model_validate({"served_model_name": " a b "}).served_model_name == " a b "
 
 
 def test_unused_settings_are_the_pdd_only_policy_a_file_sets(tmp_path):

@@ -72,6 +72,11 @@ def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, nam
                                  "striped over), got 0"),
     (["--wan-connections", "17"], "--wan-connections: must be 1..16 (connections P's bulk KV lane to each MD is "
                                   "striped over), got 17"),
+    # an empty or blank served model name started a whole run whose every request was refused (404)
+    (["--model", ""], "argument --model: served_model_name must be the name clients send as \"model\", not empty "
+                      "nor only whitespace; got ''"),
+    (["--model", " \t"], "argument --model: served_model_name must be the name clients send as \"model\", not empty "
+                         "nor only whitespace; got ' \\t'"),
     (["--modes", "colocated", "--wan-loss-rate", "0.001"],
      "--wan-loss-rate: no listed mode uses the WAN (--modes colocated); the modes that cross it are cross_dc_pd "
      "and pdd, with any +labels"),

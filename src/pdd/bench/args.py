@@ -17,7 +17,7 @@ from pdd.vllm_tier import venv as vllm_venv
 from pdd.bench.live import RemoteTopology
 from pdd.bench.modes import WAN_MODES, parse_mode_label
 from pdd.workload.replay import DEFAULT_TRACE, Scale
-from pdd.config import MODES, LinkConfig
+from pdd.config import MODES, LinkConfig, check_served_model_name
 
 DEFAULT_MODES = MODES  # colocated, same_dc_pd, cross_dc_pd, pdd
 # flags that shape the topologies pdd bench starts (argparse dests = apply_overrides keys); with --url
@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cross traffic as a schedule, seconds since the line started:Gbit/s, e.g. 0:0.01,60:0.025")
     g.add_argument("--base-port", type=int)
     g.add_argument("--gateway-port", type=int)
-    g.add_argument("--model", help="served model name to request (default: the config's)")
+    g.add_argument("--model", type=_served_model_name,
+                   help="served model name to request (default: the config's)")
     g.add_argument("--request-timeout", type=float, help="per request, s (default: the config's)")
     g = ap.add_argument_group("fault injection (docs/FAULTS.md)")
     g.add_argument("--fault", action="append", default=[], metavar="KIND[:ARG]@PHASE[#N]",
@@ -240,6 +241,15 @@ def _cross_traffic_schedule(text: str) -> list[tuple[float, float]]:
 
     try:
         return list(parse_cross_traffic(text, "schedule"))
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex)) from None
+
+
+def _served_model_name(text: str) -> str:
+    """``--model``: the rule of the config's ``served_model_name`` (:func:`pdd.config.check_served_model_name`:
+    not empty nor only whitespace); argparse names the flag on a bad one."""
+    try:
+        return check_served_model_name(text)
     except ValueError as ex:
         raise argparse.ArgumentTypeError(str(ex)) from None
 
