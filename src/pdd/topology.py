@@ -97,10 +97,11 @@ def layout(cfg: TopologyFields) -> Layout:
     return Layout(cfg.mode, cfg.host, ps + rlds + mds + (link, gw), b)
 
 
-def port_conflicts(lay: Layout) -> list[str]:
-    """Ports two of ``lay``'s listeners would share, each as ``"18010: p0, md9 wan"`` (instance
-    RPC ports, engines' metrics ports, MD's WAN ports on the link, the link's control port, the
-    gateway's HTTP port); empty when all are distinct."""
+def port_users(lay: Layout) -> dict[int, list[str]]:
+    """Every port ``lay``'s listeners bind -> who binds it: an instance's name for its RPC port
+    (``"p0"``; ``"link"`` for the link's control port, ``"gateway"`` for the gateway's HTTP
+    port), ``"p0 metrics"`` for an engine's metrics port, ``"md0 wan"`` for an MD's WAN port on
+    the link; ports ascending. The ports :func:`ports_in_use` checks."""
     users: dict[int, list[str]] = {}
     for sp in lay.instances:
         users.setdefault(sp.port, []).append(sp.name)
@@ -108,7 +109,14 @@ def port_conflicts(lay: Layout) -> list[str]:
             users.setdefault(sp.metrics_port, []).append(f"{sp.name} metrics")
         if sp.wan_port is not None:
             users.setdefault(sp.wan_port, []).append(f"{sp.name} wan")
-    return [f"{port}: {', '.join(who)}" for port, who in sorted(users.items()) if len(who) > 1]
+    return dict(sorted(users.items()))
+
+
+def port_conflicts(lay: Layout) -> list[str]:
+    """Ports two of ``lay``'s listeners would share, each as ``"18010: p0, md9 wan"`` (instance
+    RPC ports, engines' metrics ports, MD's WAN ports on the link, the link's control port, the
+    gateway's HTTP port); empty when all are distinct."""
+    return [f"{port}: {', '.join(who)}" for port, who in port_users(lay).items() if len(who) > 1]
 
 
 def ports_in_use(lay: Layout) -> list[int]:
@@ -116,16 +124,9 @@ def ports_in_use(lay: Layout) -> list[int]:
     port, the gateway's HTTP port) that cannot be bound on its host now, ascending: another
     topology (``pdd serve``, ``make demo``) or another program holds them. Best effort: a port
     may be taken between this check and the bind."""
-    need = set()
-    for sp in lay.instances:
-        need.add(sp.port)
-        if sp.role not in (ROLE_GATEWAY, ROLE_LINK):
-            need.add(sp.metrics_port)
-        if sp.wan_port is not None:
-            need.add(sp.wan_port)
     # SO_REUSEADDR as the servers themselves bind (asyncio, uvicorn): a port a closed
     # connection left in TIME_WAIT is free for them
-    return [port for port in sorted(need) if not _can_bind(lay.host, port, reuse_addr=True)]
+    return [port for port in port_users(lay) if not _can_bind(lay.host, port, reuse_addr=True)]
 
 
 def ports_taken_message(busy: list[int]) -> str:

@@ -3,6 +3,7 @@
 Found by a new user. No topology is started: the --url cases use a tiny in-process gateway."""
 
 import json
+import socket
 
 import pytest
 from fastapi import FastAPI
@@ -12,6 +13,7 @@ from bench_fakes import serve_in_thread
 
 from pdd.bench import bench as bench_mod
 from pdd.bench.bench import RemoteTopology, bench_exit_status, main
+from pdd.topology import free_port_block
 from tests.cli_usage import usage_error
 
 
@@ -363,3 +365,68 @@ def test_a_flag_that_makes_the_configs_cross_traffic_too_high_names_both(capsys,
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"pdd bench: error: --wan-gbps: with link.wan_cross_traffic of --config {cfg}: 0.02 Gbit/s at 0 s must be "
         "below the line's 0.01 Gbit/s")
+
+
+# ---------------------------------------------------------------- ports taken before the run
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """A check that lets the run go on would make the model or start a topology: fail loudly instead."""
+    def started(*a, **k):
+        raise AssertionError("a model or topology was started")
+
+    monkeypatch.setattr(bench_mod, "ensure_model", started)
+    monkeypatch.setattr(bench_mod, "_default_topology", started)
+
+
+def _ports_refusal(port_text: str, gateway: int, base: int) -> str:
+    return (f"pdd bench: error: {port_text} already in use (another pdd serve, make demo or pdd bench?): pdd bench "
+            f"starts each mode's topology on the gateway port {gateway} and base_port {base}..{base + 99}; choose "
+            f"others with --gateway-port and --base-port (or gateway_port / base_port in the config)\n")
+
+
+def test_a_busy_gateway_port_is_refused_before_anything_starts(capsys, tmp_path, nothing_starts):
+    """pdd serve refuses a taken port at once; pdd bench made the model, ran its reference and died in
+    each mode with a LaunchError after starting the instances."""
+    base = free_port_block()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        err = usage_error(capsys, main, ["--gateway-port", str(port), "--base-port", str(base), "--modes", "colocated",
+                                         "--out", str(tmp_path / "b")])
+    assert err.splitlines()[-1] + "\n" == _ports_refusal(f"port {port} (gateway: gateway_port)", port, base)
+    assert not (tmp_path / "b" / "requests.jsonl").exists() and not (tmp_path / "b" / "logs").exists()
+
+
+@pytest.mark.parametrize("modes,slo,offset,who", [
+    ("colocated", [], 70, "d0: base_port + 70"),  # the same_dc_pd reference run's decoder
+    ("colocated,pdd", ["--slo", "ttft:500", "tpot:50"], 70, "md0: base_port + 70"),  # no reference run
+    ("colocated,pdd", ["--slo", "ttft:500", "tpot:50"], 1, "md0 wan: base_port + 1"),
+    ("same_dc_pd,pdd", [], 80, "d0 metrics, md0 metrics: base_port + 80"),
+])
+def test_a_busy_instance_port_names_what_uses_it(capsys, tmp_path, nothing_starts, modes, slo, offset, who):
+    base = free_port_block()
+    gateway = base + 99
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + offset))
+        s.listen()
+        err = usage_error(capsys, main, ["--gateway-port", str(gateway), "--base-port", str(base), "--modes", modes,
+                                         *slo, "--out", str(tmp_path / "b")])
+    assert err.splitlines()[-1] + "\n" == _ports_refusal(f"port {base + offset} ({who})", gateway, base)
+
+
+def test_only_the_ports_of_the_topologies_run_are_checked():
+    """colocated with both SLO bounds given runs no same_dc_pd reference: its decoder's port is not needed."""
+    from pdd.bench.modes import check_ports_free
+    from pdd.config import ClusterConfig
+
+    base = free_port_block()
+    cfg = ClusterConfig(base_port=base, gateway_port=base + 99)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 70))
+        s.listen()
+        check_ports_free(cfg, ["colocated", "vllm_colocated"], reference=False)  # no error
+        with pytest.raises(ValueError, match=rf"^port {base + 70} \(d0: base_port \+ 70\) already in use"):
+            check_ports_free(cfg, ["colocated"], reference=True)

@@ -82,7 +82,8 @@ from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_
                               hit_rates, instance_hardware, sweep_point)
 from pdd.bench.live import (RemoteTopology, WanSampler, _default_topology, _warmup, ensure_model,  # noqa: F401
                             measured_replay, wan_reader)
-from pdd.bench.modes import apply_overrides, check_vllm_tiers, mode_config, parse_mode_label  # noqa: F401
+from pdd.bench.modes import (REFERENCE_MODE, apply_overrides, check_ports_free, check_vllm_tiers,  # noqa: F401
+                             mode_config, parse_mode_label)
 from pdd.bench.autoscaling import mode_autoscale, snapshot as autoscale_snapshot
 from pdd.bench.plots import (handoff_index, plot_autoscale, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
                              plot_wan_throughput)
@@ -99,8 +100,6 @@ from pdd.workload.replay import (DEFAULT_TRACE, Scale, TokenSpace, build_request
 from pdd.bench import vllm_mode
 from pdd.config import MODES, ClusterConfig, validation_summary
 from pdd.transfer.layout import wire_dtype
-
-REFERENCE_MODE = "same_dc_pd"
 
 # report.json: top-level fields and the fields bench adds to every modes[mode] (the rest of a mode's
 # fields are report.mode_metrics', named as in vllm bench serve)
@@ -208,6 +207,8 @@ def run_bench(
             mode_config(config, m)  # ... or a label the config cannot run (+autoscale without autoscale.max)
         if topology_factory is None:  # a mode with MD on vLLM and no vLLM venv: ValueError naming `make vllm`
             check_vllm_tiers(config, modes, vllm_python)
+            # a port taken (another pdd serve, demo or bench): ValueError naming it, as pdd serve refuses
+            check_ports_free(config, modes, reference=need_ref and REFERENCE_MODE not in modes)
     run_order = _order_modes(modes)
 
     # ---- workload
