@@ -52,6 +52,25 @@ def test_cache_aware_skips_full_pools():
     assert choose_instance([L("a", used=100), L("b", used=100, hit=5)], "cache_aware") == 1
 
 
+def test_a_full_queue_is_chosen_only_when_every_candidate_is_full():
+    """A candidate whose bounded queue is full (the router's own count) is skipped by every policy
+    while another has room, whatever its prefix hit or load; all full: the policy as usual."""
+    import dataclasses
+
+    c = [L("a", running=3, hit=4096), L("b", running=9, hit=0), L("c", running=1, hit=0)]
+    full = [dataclasses.replace(c[0], full=True), c[1], dataclasses.replace(c[2], full=True)]
+    assert choose_instance(c, "cache_aware", load_slack=4) == 0  # the hit within the slack
+    assert choose_instance(full, "cache_aware", load_slack=4) == 1  # the only one with room
+    assert choose_instance(full, "load") == 1
+    assert [choose_instance(full, "round_robin", rr_counter=k) for k in range(3)] == [1, 1, 1]
+    timed = [dataclasses.replace(x, transfer_s=0.01 * i) for i, x in enumerate(full)]
+    assert choose_instance(timed, "cache_aware") == 1  # with WAN estimates too
+    every = [dataclasses.replace(x, full=True) for x in c]
+    for pol in ("cache_aware", "load", "round_robin"):
+        assert choose_instance(every, pol, rr_counter=2, load_slack=4) == choose_instance(c, pol, rr_counter=2,
+                                                                                          load_slack=4)
+
+
 def test_empty_and_bad():
     with pytest.raises(ValueError):
         choose_instance([], "load")

@@ -25,6 +25,13 @@ Policies, over candidate instances of one tier (P, RLD or MD):
   above. ``load_cost_s`` prices one request in flight in seconds (what keeps a small shared
   prefix from drawing every request to one instance); the ``min_hit_frac`` fall-back does not
   apply (it would ignore the line exactly for the cold prompts that need it most).
+
+Whatever the policy, a candidate whose bounded queue is ``full`` (the sequences the router
+placed there that may still need compute reach its ``max_running + tier_max_waiting``: the
+engine would refuse another with ``TierBusy``) is chosen only when every candidate is full; the
+policy picks among the others. So the choices of one request spread over a tier's instances
+once the one they favour (its cache holds their prompt) is full, and a tier refuses a request
+only when all of its instances are full.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ class InstanceLoad:
     # estimated seconds to move the KV this instance lacks over its WAN path (None: not across a
     # WAN, or no estimates: the hit-and-load rule)
     transfer_s: float | None = None
+    # its bounded queue holds as many sequences as the router placed there that may still need
+    # compute (max_running + tier_max_waiting): another would be refused (TierBusy)
+    full: bool = False
 
 
 def _util(c: InstanceLoad) -> float:
@@ -61,17 +71,19 @@ def choose_instance(
     min_hit_frac: float = 0.0,
     load_cost_s: float = 0.0,
 ) -> int:
-    """Index of the chosen candidate. Raises ValueError if ``cands`` is empty."""
+    """Index of the chosen candidate (into ``cands``); a ``full`` candidate only when all are
+    (module docstring). Raises ValueError if ``cands`` is empty or ``policy`` is unknown."""
     n = len(cands)
     if n == 0:
         raise ValueError("no candidate instances")
-    if policy == "round_robin":
-        return rr_counter % n
-    if policy == "load":
-        return min(range(n), key=lambda i: (cands[i].running + cands[i].queued, _util(cands[i]), i))
-    if policy != "cache_aware":
+    if policy not in ROUTING_POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}; expected one of {ROUTING_POLICIES}")
-    idx = [i for i in range(n) if cands[i].pages_used < cands[i].pages_total] or list(range(n))
+    room = [i for i in range(n) if not cands[i].full] or list(range(n))
+    if policy == "round_robin":
+        return room[rr_counter % len(room)]
+    if policy == "load":
+        return min(room, key=lambda i: (cands[i].running + cands[i].queued, _util(cands[i]), i))
+    idx = [i for i in room if cands[i].pages_used < cands[i].pages_total] or room
     loads = {i: cands[i].running + cands[i].queued for i in idx}
     min_load = min(loads.values())
     elig = [i for i in idx if loads[i] <= min_load + load_slack]
