@@ -21,7 +21,7 @@ SUB_OWNERS = {"wan": (S.WanPlan, "wan_booking"), "handoff": (S.HandoffState, "ha
 # logs (queue, events, decisions, md_settled, life) are appended to by any collaborator
 TOP_OWNERS = {"trid": {"recovery"}, "base": {"recovery"}, "attempt": {"recovery"},
               "pipeline": {"launch"}, "p_cached_tokens": {"launch"}, "names": {"launch", "recovery"},
-              "assigned": {"routing"}, "md_cached_tokens": {"wan_booking"},
+              "assigned": {"routing"}, "holds": {"routing"}, "md_cached_tokens": {"wan_booking"},
               "next_pos": {"handoff"}, "pending": {"handoff"}, "emitted": {"handoff"},
               "finished": {"stream"}, "last_token_s": {"stream"}}
 SHARED = {"queue", "events", "decisions", "md_settled", "life"}

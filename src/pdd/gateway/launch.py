@@ -113,9 +113,13 @@ class Launchers:
                 if self.peers[sp_.name].closed:
                     self._spawn(self._reconnect(sp_.name))
             relay_possible = False
+        # each instance is counted as soon as it is chosen (gateway.routing: its queue's places),
+        # so the next choice of the request, routed meanwhile, sees it
         st.names[ROLE_PREFILL] = await self._route(ROLE_PREFILL, prompt)
+        self._assign(st, ROLE_PREFILL)
         if relay_possible:
             st.names[ROLE_RELAY] = await self._route(ROLE_RELAY, prompt)
+            self._assign(st, ROLE_RELAY)
         _, p = self._peer(st, ROLE_PREFILL)
         if relay_possible and not md_live:
             await self._launch_p_rld(st, prompt, sampling, p, md_specs)
@@ -141,6 +145,7 @@ class Launchers:
         pre_relay = False
         if relay_possible and not force_relay and sib is None and not pending_sib and self._plans_from_index():
             pre = await self._route_hit(ROLE_MAIN, prompt, trid)
+            self._hold(st, pre[0])
             if pre[1] is not None:
                 inp = self._pipeline_inputs(st, len(prompt), pre[1], md=pre[0])
                 pre_relay = choose_pipeline(inp) == Pipeline.P_RLD_MD
@@ -158,6 +163,8 @@ class Launchers:
                 except asyncio.TimeoutError:
                     pass  # the first choice's MD leg never settled: this one routes as any request
                 sib_ = self._sibling_md(st)
+            if sib_ is not None and self.queue_full(sib_[0]):
+                sib_ = None  # the first choice's MD holds as many choices as its queue: routed as any request
             if sib_ is not None:  # the first choice's MD, once the prompt's KV is there
                 md_name_ = sib_[0]
                 msg.after = sib_[1]
@@ -188,7 +195,6 @@ class Launchers:
             self._wan_rtt_sample(md_name_, time.perf_counter() - sent)
             return md_name_, rep_
 
-        self._assign(st, ROLE_PREFILL, ROLE_RELAY)
         reserve = asyncio.ensure_future(route_and_reserve())
         # a sibling of a relayed choice is relayed at once too (relay_sibling): its MD reservation
         # waits for the first choice's KV, and the relay's first token must not
@@ -472,6 +478,7 @@ class Launchers:
         A relayed request's MD may have reported its KV (a small prompt), and its handoff begun,
         before P's reply was read here: the phase then moves on to where those events put it."""
         st.events["prefilled"] = time.perf_counter()
+        self._unhold(st, st.names.get(ROLE_PREFILL))  # P's sequence has finished: its place is free
         st.to(Phase.TRANSFER, "prefilled")
         if self._relayed_live(st) and ("handoff_call" in st.events or st.handoff.takeover):
             st.to(Phase.HANDOFF, "handoff begun before P's reply was read")

@@ -2,6 +2,16 @@
 a tier serves a request (``policy.routing``: cache-aware by prefix hits within a load slack, or by
 load), the gateway's record of what it routed to each MD across the WAN (:class:`PrefixIndex`),
 and the in-flight counts routing reads. Uses the orchestrator's connections through ``self``.
+
+Each choice of an API request is routed on its own, on every tier (P, RLD, MD / D, colocated):
+the choices of one request may land on several instances of a tier. What keeps them within the
+instances' bounded queues is the gateway's count of the places it holds there (``holding``: the
+attempts routed to an instance that may still need compute there, counted when the instance is
+chosen, before the next choice is routed; on P until its prefill returned, elsewhere until the
+attempt ends), at least what the engine counts against ``max_running + tier_max_waiting``. An
+instance whose count reaches that is routed to only when every candidate's has
+(``pdd.policy.routing``: ``InstanceLoad.full``), so an idle tier takes any request whose choices
+fit the sum of its active instances' queues (``pdd.gateway.admission.choice_cap``).
 """
 
 from __future__ import annotations
@@ -83,8 +93,8 @@ class Routing:
             hits = [peeked[sp.name] if sp.name in peeked else self.prefix_index[sp.name].match(prompt) for sp in live]
         elif policy == "cache_aware":
             policy = "load"
-        cands = [InstanceLoad(sp.name, running=self.inflight.get(sp.name, 0), prefix_hit_tokens=max(0, h))
-                 for sp, h in zip(live, hits)]
+        cands = [InstanceLoad(sp.name, running=self.inflight.get(sp.name, 0), prefix_hit_tokens=max(0, h),
+                              full=self.queue_full(sp.name)) for sp, h in zip(live, hits)]
         rr = self._rr.get(role, 0)
         self._rr[role] = rr + 1
         kw = dict(load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt), min_hit_frac=ROUTING_MIN_HIT_FRAC)
@@ -170,13 +180,48 @@ class Routing:
         else:
             self._index_dropped(st.trid)
 
+    @property
+    def holding(self) -> dict[str, int]:
+        """instance -> places of its bounded queue the gateway holds there: attempts routed to it
+        that may still need compute (module docstring; ``ReqState.holds``)."""
+        d = self.__dict__.get("_holding")
+        if d is None:
+            d = self.__dict__["_holding"] = {}
+        return d
+
+    def queue_places(self, name: str) -> int:
+        """The sequences instance ``name``'s engine holds before it refuses another with
+        ``TierBusy``: its ``engine.max_running + limits.tier_max_waiting``."""
+        run = self.cfg.engine_for(name).max_running
+        return run + self.cfg.limits.waiting(run)
+
+    def queue_full(self, name: str) -> bool:
+        """Whether the places the gateway holds on ``name`` (:attr:`holding`) fill its queue."""
+        return self.holding.get(name, 0) >= self.queue_places(name)
+
+    def _hold(self, st: ReqState, name: str) -> None:
+        """``st``'s attempt takes a place of ``name``'s queue (once per attempt and instance)."""
+        if name not in st.holds:
+            st.holds.add(name)
+            self.holding[name] = self.holding.get(name, 0) + 1
+
+    def _unhold(self, st: ReqState, name: str | None) -> None:
+        """``st``'s attempt no longer needs compute on ``name`` (P: its prefill returned)."""
+        if name is not None and name in st.holds:
+            st.holds.discard(name)
+            self.holding[name] = max(0, self.holding.get(name, 0) - 1)
+
     def _assign(self, st: ReqState, *roles: str) -> None:
+        """Count ``st``'s attempt on the instances it names for ``roles`` (all when none): in
+        flight there (``inflight``, ``routed``) and holding a place of its queue (:meth:`_hold`).
+        Called as soon as an instance is chosen, before another choice is routed."""
         for role in roles or tuple(st.names):
             name = st.names.get(role)
             if name is not None and name not in st.assigned:
                 st.assigned.add(name)
                 self.inflight[name] = self.inflight.get(name, 0) + 1
                 self.routed[name] = self.routed.get(name, 0) + 1
+                self._hold(st, name)
 
     def _unassign(self, st: ReqState) -> None:
         lc = getattr(self, "live_counters", None)
@@ -185,3 +230,5 @@ class Routing:
         for name in st.assigned:
             self.inflight[name] = max(0, self.inflight.get(name, 0) - 1)
         st.assigned.clear()
+        for name in list(st.holds):
+            self._unhold(st, name)

@@ -151,8 +151,8 @@ class ReqState:
       ``siblings``: set when the request is made (:mod:`pdd.gateway.start`), never reassigned;
     - ``trid``, ``base``, ``attempt``: :mod:`pdd.gateway.recovery` (a new attempt);
     - ``pipeline``, ``p_cached_tokens``, ``names`` (which recovery empties for a new attempt):
-      :mod:`pdd.gateway.launch`; ``assigned``: :mod:`pdd.gateway.routing`; ``md_cached_tokens``:
-      :mod:`pdd.gateway.wan_booking` (MD's reservation reply);
+      :mod:`pdd.gateway.launch`; ``assigned``, ``holds``: :mod:`pdd.gateway.routing`;
+      ``md_cached_tokens``: :mod:`pdd.gateway.wan_booking` (MD's reservation reply);
     - ``next_pos``, ``pending``, ``emitted``: :mod:`pdd.gateway.handoff` (tokens in position
       order, whichever decoder made them); ``finished``, ``last_token_s``: :mod:`pdd.gateway.stream`;
     - shared channels and logs any collaborator adds to: ``queue`` (tokens and failure marks to
@@ -174,6 +174,9 @@ class ReqState:
     last_token_s: float = 0.0
     names: dict = field(default_factory=dict)  # role -> instance serving this attempt
     assigned: set = field(default_factory=set)  # instances counted in Orchestrator.inflight
+    # instances whose bounded queue this attempt may still take a place of (Orchestrator.holding):
+    # from routing; P's until its prefill returned, the others' until the attempt ends
+    holds: set = field(default_factory=set)
     t_arrival: float = field(default_factory=time.perf_counter)
     events: dict = field(default_factory=dict)  # name -> perf_counter seconds
     # each policy decision's inputs and result, for replay (``pdd sim validate``):

@@ -205,6 +205,11 @@ class Streams:
         st.to(Phase.DONE, f"aborted ({reason})")
         st.md_settled.set()
         self.reqs.pop(st.trid, None)
+        # its instances' in-flight counts and queue places end here, not only when its stream ends:
+        # a choice of a refused request may be aborted before its stream ever started (its pump
+        # cancelled unstarted), which left them counted for good (routing read the instances as
+        # busy or full, and removing one was refused as in flight)
+        self._unassign(st)
         # every tier drops it: MD keeps none of its KV, so no kv_ready is awaited (one settled
         # before this abort, e.g. a stop string seen after the last token, would wait forever)
         self.awaiting_kv.pop(st.trid, None)
