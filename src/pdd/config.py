@@ -329,8 +329,9 @@ class LimitsConfig(_Strict):
     tier_max_waiting: int | None = Field(
         None, ge=0,
         description="sequences an engine holds beyond one full batch (engine.max_running) before it refuses new "
-        "ones with TierBusy (the gateway answers 429); a request with more choices than max_running + this is "
-        "refused up front with 400 (docs/OVERLOAD.md); None: engine.max_running")
+        "ones with TierBusy (the gateway answers 429); a request with more choices than the decoding tier's "
+        "max_running + this hold together (or more prefills at once than P's) is refused up front with 400 "
+        "(docs/OVERLOAD.md); None: engine.max_running")
     retry_after_max_s: int = Field(30, ge=1, description="cap of the Retry-After seconds a 429 carries")
     ttft_target_ms: float = Field(
         0.0, ge=0,

@@ -378,9 +378,9 @@ def _assert_choices_400(r, param: str, asked: int, what: str):
     assert err == {"message": err["message"], "type": "invalid_request_error", "param": param, "code": None}
     hint = "lower n or send fewer prompts" if "prompts" in what else "lower n"
     assert err["message"] == (
-        f"{what}: {asked} choices requested; at most 3 choices per request are served (each choice takes one of "
-        f"the 3 places of an instance's queue on every tier it passes; c0: engine.max_running 2 + "
-        f"limits.tier_max_waiting 1); {hint}")
+        f"{what}: {asked} choices requested; at most 3 choices per request are served (each choice holds a place "
+        f"of an instance's queue on every tier it passes until it leaves that tier; the active colocated instances "
+        f"hold 3: c0 (engine.max_running 2 + limits.tier_max_waiting 1)); {hint}")
 
 
 @pytest.mark.parametrize("path,body,param,asked,what", [
@@ -407,18 +407,61 @@ def test_more_choices_than_a_tier_queue_holds_is_400_not_a_429_forever(small_que
     assert len(r.json()["choices"]) == 3
 
 
-def test_max_choices_is_the_smallest_queue_a_request_passes():
-    """One instance's queue on every tier that holds each choice until it ends or fails the request
-    when it refuses: P, and RLD in pdd mode (MD's refusal there only degrades a choice to RLD), MD
-    or D elsewhere; a tier's own engine block counts."""
+def test_max_choices_is_what_the_decoding_tier_holds_together():
+    """Every choice is routed on its own and holds a place of its decoder's queue until it ends,
+    so a tier holds the sum of its instances' queues (each its own engine block): RLD in pdd mode,
+    and MD there too unless every request is relayed at once (a plan made on MD's reservation
+    fails when MD refuses; a relayed one only degrades to RLD); MD or D in the other modes. P is
+    counted apart: the prefills a request runs at once (``max_prefills``)."""
     cfg = ClusterConfig.model_validate({"mode": "pdd", "engine": {"max_running": 8},
-                                        "instances": {"prefill": 2, "main_decode": 3},
-                                        "tiers": {"main_decode": {"engine": {"max_running": 2}},
+                                        "instances": {"prefill": 2, "relay_decode": 2, "main_decode": 3},
+                                        "tiers": {"main_decode": {"engine": {"max_running": 1}},
                                                   "relay_decode": {"engine": {"max_running": 6}}}})
-    assert resolve_limits(cfg, layout(cfg)).max_choices == 12  # RLD's 6 + 6; MD's 4 only degrades
+    lim = resolve_limits(cfg, layout(cfg))
+    assert (lim.max_choices, lim.max_prefills) == (6, 32)  # MD's 3 x (1 + 1) < RLD's 2 x (6 + 6); P's 2 x (8 + 8)
+    assert lim.max_choices_why == ("the active main_decode instances hold 6: md0, md1, md2 (engine.max_running 1 + "
+                                   "limits.tier_max_waiting 1 each)")
+    assert lim.max_prefills_why == ("the active prefill instances hold 32: p0, p1 (engine.max_running 8 + "
+                                    "limits.tier_max_waiting 8 each)")
+    relayed = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"pipeline_ttft_budget_ms": 0})})
+    assert resolve_limits(relayed, layout(relayed)).max_choices == 24  # MD's refusal only degrades: RLD's
     cfg = cfg.model_copy(update={"mode": "cross_dc_pd"})
-    assert resolve_limits(cfg, layout(cfg)).max_choices == 4  # MD: 2 + 2
+    assert resolve_limits(cfg, layout(cfg)).max_choices == 6  # MD: 3 x (1 + 1)
     cfg = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"tier_max_waiting": 0})})
-    assert resolve_limits(cfg, layout(cfg)).max_choices == 2
-    cfg = ClusterConfig.model_validate({"mode": "colocated", "engine": {"max_running": 64}})
-    assert resolve_limits(cfg, layout(cfg)).max_choices == 128
+    lim = resolve_limits(cfg, layout(cfg))
+    assert (lim.max_choices, lim.max_prefills) == (3, 16)
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "engine": {"max_running": 64},
+                                        "instances": {"prefill": 2},  # colocated instances c0, c1
+                                        "tiers": {"c1": {"engine": {"max_running": 32}}}})
+    lim = resolve_limits(cfg, layout(cfg))
+    assert (lim.max_choices, lim.max_prefills) == (192, None)
+    assert lim.max_choices_why == ("the active colocated instances hold 192: c0 (engine.max_running 64 + "
+                                   "limits.tier_max_waiting 64) + c1 (engine.max_running 32 + limits.tier_max_waiting 32)")
+
+
+@pytest.mark.parametrize("prompts,n,why", [
+    (1, 5, None), (1, 6, "prefills"), (1, 7, "choices"),  # n 5: 5 choices, 4 prefills at once (the first alone)
+    (1, 1, None), (4, 1, None), (5, 1, "prefills"),  # single choices: one prefill per prompt, together
+    (2, 3, None), (3, 2, None),  # 6 choices, 2 x (3 - 1) and 3 x (2 - 1) prefills at once
+])
+def test_choice_refusal_counts_choices_and_prefills_at_once(prompts, n, why):
+    """A prompt's first choice is prefilled before its other n - 1 start: P runs prompts x
+    max(1, n - 1) of a request's prefills at once, the decoder holds all prompts x n choices."""
+    from pdd.gateway.admission import choice_refusal
+
+    lim = AdmissionLimits(None, None, None, max_choices=6, max_choices_why="D", max_prefills=4, max_prefills_why="P")
+    msg = choice_refusal(lim, prompts, n)
+    if why is None:
+        assert msg is None
+    elif why == "choices":
+        assert msg == ("n (7): 7 choices requested; at most 6 choices per request are served (each choice holds a place "
+                       "of an instance's queue on every tier it passes until it leaves that tier; D); lower n")
+    else:
+        what, hint = (f"n ({n})", "lower n") if prompts == 1 else (f"{prompts} prompts x n ({n})",
+                                                                  "lower n or send fewer prompts")
+        order = ("each prompt's first choice is prefilled first, then its other n - 1 together" if n > 1
+                 else "the prompts are prefilled together")
+        assert msg == (f"{what}: {prompts * n} choices requested, {prompts * max(1, n - 1)} of them prefilled at once "
+                       f"({order}); at most 4 prefills per request run at once (each holds a place of a prefill "
+                       f"instance's queue until it returns; P); {hint}")
+    assert choice_refusal(AdmissionLimits(None, None, None), 64, 16) is None  # no instance: no cap

@@ -410,10 +410,13 @@ def test_admission_capacities_follow_membership():
     ms.admission = adm
 
     def caps():
-        return adm.limits.max_inflight, adm.limits.max_queued_tokens
+        lim = adm.limits
+        return lim.max_inflight, lim.max_queued_tokens, lim.max_choices, lim.max_prefills
 
-    # MD slots x (max_running + tier_max_waiting, default one batch); P's pool in tokens
-    assert caps() == ((8 + 8) * 2, 100 * 16 * 2)
+    # MD slots x (max_running + tier_max_waiting, default one batch); P's pool in tokens; the
+    # choices per request the active RLDs (2 x (4 + 4)) and MDs (2 x (8 + 8)) hold, the smaller;
+    # the prefills at once the active Ps hold (2 x (8 + 8))
+    assert caps() == ((8 + 8) * 2, 100 * 16 * 2, 16, 32)
     assert resolve_limits(cfg, ms.serving_layout()) == adm.limits
 
     async def run():
@@ -432,7 +435,9 @@ def test_admission_capacities_follow_membership():
         out.append(caps())
         return out
 
-    assert asyncio.run(run()) == [(48, 3200), (32, 3200), (32, 3200), (32 + 8, 3200), (40, 1600), (32, 1600)]
+    # re-roled, rld0 leaves the relay decoders (8 places, rld1's, now the smallest) for the MDs
+    assert asyncio.run(run()) == [(48, 3200, 16, 32), (32, 3200, 16, 32), (32, 3200, 16, 32), (32 + 8, 3200, 8, 32),
+                                  (40, 1600, 8, 16), (32, 1600, 16, 16)]
     # configured (non-derived) limits stay as set
     cfg2 = cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"max_inflight_requests": 5})})
     assert resolve_limits(cfg2, ms.serving_layout()).max_inflight == 5

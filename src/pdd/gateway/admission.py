@@ -30,8 +30,9 @@ way also becomes a 429 with ``Retry-After`` (:func:`refusal`), not a server erro
 The decision (:func:`decide`) is a pure function of plain dataclasses (no clock, no sockets);
 :class:`Admission` keeps the live state with ``time.monotonic`` and hands out :class:`Ticket`\\ s.
 A request that finds nothing queued and nothing in flight is always admitted, however large, so
-no request is refused forever; only a request with more choices than one instance's bounded
-queue holds (:func:`choice_cap`) could never be served, and the API refuses it with HTTP 400.
+no request is refused forever; only a request with more choices than a tier's bounded queues
+hold (:func:`choice_cap`, :func:`choice_refusal`) could never be served, and the API refuses it
+with HTTP 400.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class AdmissionLimits:
     # choices one request may have at all (not a load limit: :func:`choice_cap`), and why
     max_choices: int | None = None
     max_choices_why: str = ""
+    # prefills one request may run at once on P (:func:`prefill_cap`), and why
+    max_prefills: int | None = None
+    max_prefills_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,27 +212,93 @@ class PrefillRate:
         return sum(k for k, _ in self.samples) / busy if busy >= 0.05 else None
 
 
-def choice_cap(cfg, lay) -> tuple[int | None, str]:
-    """The most choices one request may have however idle the system is, and where that bound
-    sits (``"c0: engine.max_running 64 + limits.tier_max_waiting 64"``); (None, "") when ``lay``
-    has no such instance. A request's choices start together, so they are pending at once on
-    every tier they pass (all of them may be routed to one instance: siblings follow their
-    prompt's prefix), and an engine refuses a sequence beyond ``max_running + tier_max_waiting``
-    (``TierBusy``): more choices than the smallest such queue would be refused on every try, so
-    the API refuses them up front (HTTP 400), not with a 429 that no retry cures.
-    The tiers counted: P, colocated, and the decoder whose refusal fails a choice (RLD in pdd
-    mode, where an MD refusal only degrades the choice to RLD; MD or D in the other modes, and in
-    pdd mode without relay decoders). Each instance's own engine block counts (``cfg.tiers``)."""
-    from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
+def _queues(cfg, role: str, specs) -> tuple[int, str]:
+    """The places of the bounded queues of instances ``specs`` of ``role`` together (each engine
+    refuses a sequence beyond its ``max_running + tier_max_waiting``: ``TierBusy``), and the
+    terms (``"the active relay_decode instances hold 6: rld0, rld1 (engine.max_running 2 +
+    limits.tier_max_waiting 1 each)"``). Each instance's own engine block counts (``cfg.tiers``)."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for sp in specs:
+        run = cfg.engine_for(sp.name).max_running
+        groups.setdefault((run, cfg.limits.waiting(run)), []).append(sp.name)
+    places = sum((run + wait) * len(names) for (run, wait), names in groups.items())
+    terms = " + ".join(f"{', '.join(names)} (engine.max_running {run} + limits.tier_max_waiting {wait}"
+                       f"{' each' if len(names) > 1 else ''})" for (run, wait), names in groups.items())
+    return places, f"the active {role} instances hold {places}: {terms}"
 
-    decoder = ROLE_RELAY if cfg.mode == "pdd" and lay.by_role(ROLE_RELAY) else ROLE_MAIN
+
+def choice_cap(cfg, lay) -> tuple[int | None, str]:
+    """The most choices (prompts x ``n``) one request may have however idle the system is, and
+    why (:func:`_queues`'s terms); (None, "") when ``lay`` has no decoding instance.
+
+    Every choice is routed on its own (``pdd.gateway.routing``) and holds a place of its
+    decoding instance's bounded queue until it ends; a request's choices start together, so on
+    an idle system they hold as many places at once. Routing counts the places it holds and
+    sends a choice to a full instance only when all are, so a tier takes any request whose
+    choices fit the sum of its *active* instances' queues (``lay``: ``Membership.serving_layout``,
+    recomputed on every add, drain, remove or re-role), and refuses the excess of a larger one
+    (``TierBusy``) on every try: the API refuses such a request up front (HTTP 400).
+
+    The tiers counted, the smallest sum wins: colocated; in pdd mode RLD (every choice reserves
+    a relay decoder), and MD unless every request is relayed at once (``policy.pipeline``'s zero
+    TTFT budget: MD's refusal then only degrades a choice to RLD; a plan made on MD's reservation,
+    a prompt MD's cache holds, fails when MD refuses it); MD or D in the other modes and in pdd
+    mode without relay decoders. P counts apart (:func:`prefill_cap`)."""
+    from pdd.policy.pipeline import relays_every_request
+    from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_RELAY
+
+    pol = cfg.policy
+    if lay.by_role(ROLE_COLOCATED):
+        roles = [ROLE_COLOCATED]
+    elif cfg.mode == "pdd" and lay.by_role(ROLE_RELAY):
+        md_in_a = any(sp.dc == "A" for sp in lay.by_role(ROLE_MAIN))
+        relayed = relays_every_request(cfg.mode, pol.pipeline_ttft_budget_ms, pol.allow_p_rld, md_in_a)
+        roles = [ROLE_RELAY] + ([] if relayed else [ROLE_MAIN])
+    else:
+        roles = [ROLE_MAIN]
     best: tuple[int | None, str] = (None, "")
-    for s in lay.by_role(ROLE_PREFILL) + lay.by_role(ROLE_COLOCATED) + lay.by_role(decoder):
-        run = cfg.engine_for(s.name).max_running
-        wait = cfg.limits.waiting(run)
-        if best[0] is None or run + wait < best[0]:
-            best = (run + wait, f"{s.name}: engine.max_running {run} + limits.tier_max_waiting {wait}")
+    for role in roles:
+        specs = lay.by_role(role)
+        if specs:
+            places, why = _queues(cfg, role, specs)
+            if best[0] is None or places < best[0]:
+                best = (places, why)
     return best
+
+
+def prefill_cap(cfg, lay) -> tuple[int | None, str]:
+    """The most prefills one request may run at once on P, and why (:func:`_queues`'s terms);
+    (None, "") without prefill instances. A prefill holds a place of its P's bounded queue only
+    until it returns (its first token sampled), and a prompt's first choice is prefilled before
+    its other ``n - 1`` start (they hit its cached prefix): a request of ``prompts`` x ``n``
+    choices runs at most ``prompts x max(1, n - 1)`` prefills at once (:func:`choice_refusal`),
+    and routing spreads them over the active P instances as it does the choices."""
+    from pdd.topology import ROLE_PREFILL
+
+    specs = lay.by_role(ROLE_PREFILL)
+    return _queues(cfg, ROLE_PREFILL, specs) if specs else (None, "")
+
+
+def choice_refusal(lim: AdmissionLimits, prompts: int, n: int) -> str | None:
+    """Why a request of ``prompts`` prompts x ``n`` choices each can never be served with limits
+    ``lim`` (the message of its HTTP 400), or None when it fits: its choices must fit the
+    decoding tier's queues (``prompts x n <= max_choices``) and the prefills it runs at once P's
+    (``prompts x max(1, n - 1) <= max_prefills``; :func:`prefill_cap`)."""
+    asked = prompts * n
+    what, hint = (f"n ({n})", "lower n") if prompts == 1 else (f"{prompts} prompts x n ({n})",
+                                                              "lower n or send fewer prompts")
+    if lim.max_choices is not None and asked > lim.max_choices:
+        return (f"{what}: {asked} choices requested; at most {lim.max_choices} choices per request are served "
+                f"(each choice holds a place of an instance's queue on every tier it passes until it leaves that "
+                f"tier; {lim.max_choices_why}); {hint}")
+    prefills = prompts * max(1, n - 1)
+    if lim.max_prefills is not None and prefills > lim.max_prefills:
+        order = ("each prompt's first choice is prefilled first, then its other n - 1 together"
+                 if n > 1 else "the prompts are prefilled together")
+        return (f"{what}: {asked} choices requested, {prefills} of them prefilled at once ({order}); at most "
+                f"{lim.max_prefills} prefills per request run at once (each holds a place of a prefill instance's "
+                f"queue until it returns; {lim.max_prefills_why}); {hint}")
+    return None
 
 
 def resolve_limits(cfg, lay) -> AdmissionLimits:
@@ -251,7 +321,7 @@ def resolve_limits(cfg, lay) -> AdmissionLimits:
         queued = sum(cfg.engine_for(s.name).num_pages * cfg.engine_for(s.name).page_size
                      for s in lay.by_role(ROLE_PREFILL) + lay.by_role(ROLE_COLOCATED)) or e.num_pages * e.page_size
     return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s,
-                           lim.max_wan_backlog_s or None, *choice_cap(cfg, lay))
+                           lim.max_wan_backlog_s or None, *choice_cap(cfg, lay), *prefill_cap(cfg, lay))
 
 
 @dataclass
@@ -415,7 +485,8 @@ class Admission:
                 "limits": {"max_inflight_requests": self.limits.max_inflight,
                            "max_queued_prompt_tokens": self.limits.max_queued_tokens,
                            "max_queue_wait_s": self.limits.max_wait_s,
-                           "max_choices_per_request": self.limits.max_choices}}
+                           "max_choices_per_request": self.limits.max_choices,
+                           "max_prefills_per_request": self.limits.max_prefills}}
 
 
 def causes(exc: BaseException | None, limit: int = 8):

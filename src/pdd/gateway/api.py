@@ -39,7 +39,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdd.config import ClusterConfig
-from pdd.gateway.admission import Admission, causes, refusal
+from pdd.gateway.admission import Admission, causes, choice_refusal, refusal
 from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unless_gone
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
@@ -382,18 +382,13 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     def check_choices(n: int, prompts: int = 1) -> None:
         """400 naming ``n`` (``prompt`` for a batch of single choices) when the request's
-        ``prompts`` x ``n`` choices exceed what one instance's bounded queue holds
-        (``AdmissionLimits.max_choices``, :func:`pdd.gateway.admission.choice_cap`): a tier would
-        refuse the excess however idle the system is, so a 429 (retry later) could never be cured."""
-        lim = adm.limits
-        asked = prompts * n
-        if lim.max_choices is None or asked <= lim.max_choices:
-            return
-        what, hint = (f"n ({n})", "lower n") if prompts == 1 else (f"{prompts} prompts x n ({n})",
-                                                                  "lower n or send fewer prompts")
-        raise ApiError(f"{what}: {asked} choices requested; at most {lim.max_choices} choices per request are served "
-                       f"(each choice takes one of the {lim.max_choices} places of an instance's queue on every tier "
-                       f"it passes; {lim.max_choices_why}); {hint}", "n" if n > 1 else "prompt")
+        ``prompts`` x ``n`` choices can never be served: more than the decoding tier's bounded
+        queues hold together, or more prefills at once than P's do
+        (:func:`pdd.gateway.admission.choice_refusal`): a tier would refuse the excess however idle
+        the system is, so a 429 (retry later) could never be cured."""
+        why = choice_refusal(adm.limits, prompts, n)
+        if why is not None:
+            raise ApiError(why, "n" if n > 1 else "prompt")
 
     def rest_of_context(n_prompt: int, where: str) -> int:
         """Output tokens the context window leaves after ``n_prompt`` prompt tokens (vLLM's
