@@ -152,10 +152,10 @@ class MeasuredStepModel:
         return self.step_time([(cached, tokens)])
 
 
-def _bilinear(xs: list[float], ys: list[float], ratio: dict, log2_x: bool = True):
+def _bilinear(xs: list[float], ys: list[float], ratio: dict):
     """``f(x, y)``: ``ratio[(x_i, y_j)]`` on the full grid ``xs`` x ``ys`` (sorted), interpolated
-    bilinearly (in log2 x when ``log2_x``, and in y) and held at the grid's edge beyond it."""
-    ax = np.log2(xs) if log2_x else np.asarray(xs, dtype=float)
+    bilinearly (in log2 x and in y) and held at the grid's edge beyond it."""
+    ax = np.log2(xs)
 
     def at(axis, x):
         """(lower index, weight of the upper point) of ``x`` on the sorted ``axis``, clamped."""
@@ -167,7 +167,7 @@ def _bilinear(xs: list[float], ys: list[float], ratio: dict, log2_x: bool = True
         return i, (x - axis[i]) / (axis[i + 1] - axis[i])
 
     def interp(x: float, y: float) -> float:
-        i, u = at(ax, float(np.log2(x)) if log2_x else float(x))
+        i, u = at(ax, float(np.log2(x)))
         j, v = at(ys, y)
         r = lambda a, c: ratio[(xs[a], ys[c])]  # noqa: E731
         return ((1 - u) * ((1 - v) * r(i, j) + v * r(i, j + 1))
