@@ -33,9 +33,9 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT error's median and 
   the live gateway's decision read for it (its recorded ``wan_rtt_ms`` input, a windowed minimum
   of reservation round trips that moves from request to request) instead of the calibration
   run's median (``ClusterSim._pipeline_inputs`` patched; the fit redone with it);
-- ``linear-chunks``: a step that computes a chunk (prefill, extend) on the profile's linear fit
-  alone, without the measured / fitted ratio of its prefill and extend rows
-  (``step_profile._chunk_residuals`` gives None; the fit redone with it);
+- ``chunk-grid``: added rather than taken out, a step that computes a chunk (prefill, extend)
+  is the profile's linear fit times the measured / fitted ratio of its prefill and extend rows
+  (``step_profile.MeasuredStepModel`` with ``chunk_grid``; the fit redone with it);
 - ``written-at-committed``: P has written MD's KV (its ``xfer_done``, the early handoff's
   start) where the bytes a cut-off cannot recall are still to go, not at the lead fitted on the
   live ``xfer_done`` (``calibrate.calibrate_wan_written_lead`` gives None);
@@ -59,7 +59,7 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("all", "one-lane", "no-reply-lag", "no-decode-scale", "no-interference", "block-hits", "schedule",
-            "no-index", "pairs-as-live", "rtt-as-live", "fast-path-alone", "linear-chunks", "written-at-committed")
+            "no-index", "pairs-as-live", "rtt-as-live", "fast-path-alone", "chunk-grid", "written-at-committed")
 PAIR_WITHIN_S = 0.002  # pairs-as-live: two requests sent at most this far apart ...
 PAIR_SLOWER_S = 0.025  # ... the first one's live prefill interval this much longer than simulated
 
@@ -160,10 +160,13 @@ def patch(variant: str) -> None:
         cluster.ClusterSim._pipeline_inputs = pipeline_inputs
     elif variant == "written-at-committed":
         cal.calibrate_wan_written_lead = lambda *a, **k: None
-    elif variant == "linear-chunks":
+    elif variant == "chunk-grid":
+        import functools
+
         import pdd.step_profile as step_profile
 
-        step_profile._chunk_residuals = lambda *a, **k: None
+        step_profile.MeasuredStepModel.__init__ = functools.partialmethod(step_profile.MeasuredStepModel.__init__,
+                                                                          chunk_grid=True)
     elif variant == "fast-path-alone":
         import functools
 

@@ -12,11 +12,13 @@ non-negative least-squares fit (relative error) of
 over every measured row (N new tokens, ``n_i`` new over ``s_i`` cached tokens per item) --
 interpolation between measured points instead of a datasheet roofline. A pure decode step (every
 item one new token) is that fit times the measured / fitted ratio of the profile's decode grid
-(batch x context) at the step's batch and mean context (:func:`_decode_residuals`), and a step
-that computes a chunk (an item of more than one new token) is the fit times the measured / fitted
-ratio of the profile's prefill and extend rows (new tokens x cached context) at the step's chunk
-tokens and their mean context (:func:`_chunk_residuals`), so the step keeps what was measured where
-the engine's cost bends away from the fit.
+(batch x context) at the step's batch and mean context (:func:`_decode_residuals`), so the step
+keeps what was measured where the engine's cost bends away from the fit. A step that computes a
+chunk (an item of more than one new token) can read the prefill and extend rows the same way
+(``chunk_grid``, :func:`_chunk_residuals`); it does not by default: against the recorded live
+runs it moved the simulated prefills about 2% faster on every run and left the per-request error
+larger on 8 of 13 held-out runs of three recorded sets (docs/SIM.md, "The step between measured
+points")
 
 Used by the simulator (``pdd.sim.hardware``), by an engine tier's ``profile`` (the emulated step
 of ``pdd.roles.worker``) and by the config's check of that file (``pdd.config``); it imports
@@ -103,12 +105,13 @@ class MeasuredStepModel:
     as ``hardware.StepCostModel`` (``step_time``, ``decode_time``, ``prefill_time``,
     ``kv_capacity_tokens``)."""
 
-    def __init__(self, prof: dict, kv_capacity_tokens: int | None = None):
+    def __init__(self, prof: dict, kv_capacity_tokens: int | None = None, chunk_grid: bool = False):
         self.prof = prof
         self.coef, self.mean_rel_err, self.max_rel_err = fit_linear(prof)
         self._c = [self.coef[f] for f in FEATURES]
         self._grid = _decode_residuals(prof, self._t)
-        self._chunk_grid = _chunk_residuals(prof, self._t)
+        # a chunk step on the prefill and extend rows' grid (module docstring), only when asked
+        self._chunk_grid = _chunk_residuals(prof, self._t) if chunk_grid else None
         self.chip = MeasuredChip(prof.get("machine", "measured"))
         self.gpus = 1
         self._kv = int(kv_capacity_tokens if kv_capacity_tokens is not None else prof["kv_capacity_tokens"])
@@ -126,9 +129,9 @@ class MeasuredStepModel:
 
     def step_time(self, items) -> float:
         """Seconds of one engine step over ``items``, ``(cached tokens, new tokens)`` per sequence:
-        a pure decode step on :meth:`decode_time`; a step with chunks (items of more than one new
-        token) is the fit times the chunk grid's ratio at the chunks' new tokens and their mean
-        cached context, weighted by new tokens (:func:`_chunk_residuals`), the whole step's."""
+        a pure decode step on :meth:`decode_time`; any other the fit, times (with ``chunk_grid``)
+        the chunk grid's ratio at its chunks' new tokens and their mean cached context, weighted
+        by new tokens (:func:`_chunk_residuals`)."""
         items = list(items)
         if self._grid is not None and items and all(n == 1 for _, n in items):
             return self.decode_time(len(items), float(sum(s for s, _ in items)))
@@ -203,10 +206,10 @@ def _chunk_residuals(prof: dict, model):
     context), on the grid of the chunk sizes measured at every context (the extend rows'
     contexts and 0), interpolated bilinearly (in log2 new tokens and in context) and held at the
     grid's edge beyond it; None without a full grid of at least 2 x 2 points. The linear fit of
-    every row at once is 13-20% off a CPU engine's 512-token chunk at no and at 3,072 tokens of
-    context (``data/profiles/this-machine.json``: 46.1 ms measured, 36.8 fitted at 0; 143.2 and
-    145.6 at 3,072) and leaves a long prompt's chunks 4% slow in sum; the grid keeps what was
-    measured."""
+    every row at once is 20% under a CPU engine's 512-token chunk at no context
+    (``data/profiles/this-machine.json``: 46.1 ms measured, 36.8 fitted; 143.2 and 145.6 at
+    3,072 tokens of context) and puts a long prompt's chunks 4% over in sum; the grid keeps what
+    was measured."""
     rows = {}
     for r in prof.get("prefill", []):
         rows[(int(r["tokens"]), 0.0)] = float(r["seconds"])

@@ -59,7 +59,8 @@ def _bent():
 
 def test_a_chunk_step_keeps_the_measured_prefill_and_extend_rows():
     prof, bend = _bent()
-    m = MeasuredStepModel(prof)
+    assert MeasuredStepModel(prof)._chunk_grid is None  # only when asked (chunk_grid)
+    m = MeasuredStepModel(prof, chunk_grid=True)
     lin = m._t  # the profile's own linear fit (refitted on the bent rows)
     for r in prof["prefill"]:
         assert m.step_time([(0, r["tokens"])]) == pytest.approx(r["seconds"], rel=1e-12)
@@ -84,7 +85,7 @@ def test_a_chunk_step_keeps_the_measured_prefill_and_extend_rows():
 def test_no_chunk_grid_without_rows_at_every_context():
     prof, _ = _bent()
     prof["extend"] = [r for r in prof["extend"] if not (r["tokens"] == 512 and r["context"] == 3072)]
-    m = MeasuredStepModel(prof)
+    m = MeasuredStepModel(prof, chunk_grid=True)
     assert m._chunk_grid is None
     assert m.step_time([(1024, 512)]) == pytest.approx(m._t(_features([(1024, 512)])), rel=1e-12)
 
