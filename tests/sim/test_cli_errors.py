@@ -790,3 +790,23 @@ def test_a_bad_config_file_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch,
     prog = " ".join(argv[:2]) if argv[0] == "sim" else argv[0]
     what = "no such file" if kind == "missing" else "expected a JSON object (a YAML mapping) of config fields, got a list"
     assert err == f"pdd {prog}: error: --config {cfg}: {what}\n"
+
+
+@pytest.mark.parametrize("engine", [None, "x", {"dtype": "float7"}])
+@pytest.mark.parametrize("argv", [
+    ["sim", "validate", "--live-from", "data/validation/seed3", "--out", "{tmp}/v"],
+    ["sim", "calibrate-roles", "--run", "data/validation/cal-a", "--out", "{tmp}/fit.json"],
+])
+def test_a_hand_edited_engine_block_is_one_line(capsys, tmp_path, engine, argv):
+    """A profile's ``engine`` block null, a string, or with a KV dtype the runtime lacks is one line
+    naming the flag, the file and the field, exit 2 (it was an AttributeError / KeyError traceback
+    from pdd.sim.validate.sim_config, exit 1)."""
+    prof = json.loads(Path(PROFILE).read_text())
+    if isinstance(engine, dict):
+        prof["engine"] = {**prof["engine"], **engine}
+    else:
+        prof["engine"] = engine
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(prof))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--profile", str(bad)]
+    _refused(capsys, argv, f"pdd {' '.join(argv[:2])}: error:", "--profile", str(bad), "engine")

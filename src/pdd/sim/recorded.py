@@ -246,7 +246,9 @@ def check_step_rows(prof: dict, path: Path, need_model: bool = True) -> None:
     objects whose fields are finite numbers > 0, or ``decode`` is empty (a hand-edited profile:
     the step model's fit divided by a string or by zero rows), or, with ``need_model``,
     ``kv_capacity_tokens`` is not a whole number >= 1 (the simulated instances' KV pool: a hand-edited
-    0, string or 1e400 was a traceback in ``validate`` and ``calibrate-roles``)."""
+    0, string or 1e400 was a traceback in ``validate`` and ``calibrate-roles``), or, with
+    ``need_model``, an ``engine`` block is not an object or names a KV dtype the runtime does not
+    have (``pdd.transfer.layout.DTYPE_BYTES``)."""
     m = prof.get("model")
     if need_model and not (isinstance(m, dict) and _number(m.get("kv_bytes_per_token"))
                            and m["kv_bytes_per_token"] > 0):
@@ -255,6 +257,16 @@ def check_step_rows(prof: dict, path: Path, need_model: bool = True) -> None:
     if need_model and not (_number(kv) and kv >= 1 and float(kv).is_integer()):
         raise RecordedRunError(f"{path}: kv_capacity_tokens must be a whole number of tokens >= 1 (the KV pool "
                                f"`pdd profile` measured), got {kv!r}", "profile")
+    if need_model and "engine" in prof:
+        from pdd.transfer.layout import DTYPE_BYTES
+
+        eng = prof["engine"]
+        if not isinstance(eng, dict):
+            raise RecordedRunError(f"{path}: engine must be an object of the engine settings `pdd profile` measured "
+                                   f"with, got {eng!r}"[:300], "profile")
+        if "dtype" in eng and eng["dtype"] not in DTYPE_BYTES:
+            raise RecordedRunError(f"{path}: engine.dtype must be one of {', '.join(sorted(DTYPE_BYTES))}, got "
+                                   f"{eng['dtype']!r}"[:300], "profile")
     for table, fields in STEP_ROWS.items():
         rows = prof.get(table)
         if not isinstance(rows, list) or (table == "decode" and not rows):
