@@ -1,6 +1,7 @@
 """The held-out table of docs/SIM.md with one part of the simulator's model taken out at a time:
 
     python scripts/sim_ablation.py --out runs/ablation [--variant NAME ...] [--runs data/validation]
+        [--profile FILE]
 
 Each variant reruns ``scripts/sim_heldout.py`` (the fit on the calibration run, every run
 re-simulated, the report) with ``pdd.sim`` patched in a process of its own, and prints one row of
@@ -195,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", default=None, help=f"one of {', '.join(VARIANTS)} (repeatable; "
                     "default: all of them)")
     ap.add_argument("--runs", default="data/validation", help="the recorded runs (default: data/validation)")
+    ap.add_argument("--profile", default=None, help="the bare-engine profile the fit starts from, as "
+                    "sim_heldout.py's --profile (default: its default; a recorded set's own, e.g. "
+                    "data/validation-subset/profile.json)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a variant in this process
     a = ap.parse_args(argv)
     variants = a.variant or list(VARIANTS)
@@ -223,7 +227,8 @@ def main(argv=None) -> int:
         err, rc = io.StringIO(), 1
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-                rc = sim_heldout.main(["--out", str(out / variant), "--runs", a.runs])
+                rc = sim_heldout.main(["--out", str(out / variant), "--runs", a.runs]
+                                      + (["--profile", a.profile] if a.profile else []))
         finally:
             if rc:
                 sys.stderr.write(err.getvalue())
@@ -234,7 +239,8 @@ def main(argv=None) -> int:
           "decision match |")
     print("|---|---|---|---|---|---|", flush=True)
     for v in variants:
-        rc = subprocess.call([sys.executable, __file__, "--one", "--variant", v, "--out", str(out), "--runs", a.runs])
+        rc = subprocess.call([sys.executable, __file__, "--one", "--variant", v, "--out", str(out), "--runs", a.runs]
+                             + (["--profile", a.profile] if a.profile else []))
         if rc:
             return rc
     return 0
