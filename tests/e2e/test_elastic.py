@@ -125,7 +125,7 @@ def test_add_md_drain_first_under_load_then_remove(small_model, topology_factory
     st = _stats(url)
     assert "md0" not in st["instances"]
     assert st["totals"]["failed"] == 0 and st["totals"]["completed"] == 7
-    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok", "mode": "pdd", "down": []}
+    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok", "mode": "pdd", "down": [], "missing": []}
     fl = httpx.post(url + "/pdd/flush", timeout=60, headers=H).json()
     assert fl["leaked_pages"] == 0 and sorted(fl["instances"]) == ["md1", "p0", "rld0"], fl
     metrics = httpx.get(url + "/metrics", timeout=10, headers=H).text

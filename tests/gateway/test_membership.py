@@ -59,7 +59,7 @@ def test_standby_slot_is_not_in_the_gateway_layout():
                       "rld0": (ACTIVE, "127.0.0.1:18040", "127.0.0.1:18040"),
                       "md0": (ACTIVE, "127.0.0.1:18070", "127.0.0.1:18001"),
                       "md1": (STANDBY, "127.0.0.1:18071", "127.0.0.1:18002")}
-    assert o.health() == {"status": "ok", "mode": "pdd", "down": []}
+    assert o.health() == {"status": "ok", "mode": "pdd", "down": [], "missing": []}
 
 
 def test_add_drain_remove_and_routing_follows():
@@ -451,7 +451,7 @@ def test_health_is_degraded_while_a_role_has_no_active_member():
     async def run():
         assert o.health()["status"] == "ok"
         await ms.drain("rld0", force=True)
-        assert o.health() == {"status": "degraded", "mode": "pdd", "down": []}
+        assert o.health() == {"status": "degraded", "mode": "pdd", "down": [], "missing": ["relay_decode"]}
 
     asyncio.run(run())
 
@@ -536,12 +536,13 @@ def test_health_follows_a_role_whose_every_instance_was_removed():
     async def run():
         out = []
         await ms.remove("rld0", force=True)  # P and an MD serve, P->MD
-        out.append(o.health()["status"])
-        await ms.remove("p0", force=True)  # nothing can be prefilled
-        out.append(o.health()["status"])
+        out.append((o.health()["status"], o.health()["missing"]))
+        await ms.remove("p0", force=True)  # nothing can be prefilled: /health says which role is missing
+        out.append((o.health()["status"], o.health()["missing"]))
         await ms.add("prefill")
         await ms.add("relay_decode")
-        out.append(o.health()["status"])
+        out.append((o.health()["status"], o.health()["missing"]))
         return out
 
-    assert asyncio.run(run()) == ["degraded", "unavailable", "ok"]
+    assert asyncio.run(run()) == [("degraded", ["relay_decode"]), ("unavailable", ["prefill", "relay_decode"]),
+                                  ("ok", [])]

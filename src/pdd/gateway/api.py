@@ -256,9 +256,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.get("/health")
     async def health():
-        """200 while requests can be served ("ok", or "degraded" naming the unreachable instances,
-        so a load balancer keeps a gateway that still serves); 503 when they cannot."""
-        h = orch.health() if hasattr(orch, "health") else {"status": "ok", "mode": cfg.mode, "down": []}
+        """200 while requests can be served ("ok", or "degraded" naming the unreachable instances
+        and the roles with no reachable member, so a load balancer keeps a gateway that still
+        serves); 503 when they cannot (the roles missing say why)."""
+        h = orch.health() if hasattr(orch, "health") else {"status": "ok", "mode": cfg.mode, "down": [], "missing": []}
         return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
 
     if cfg.security.api_keys:  # optional API keys (Authorization: Bearer KEY); health stays open

@@ -224,7 +224,8 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
 
     def health(self) -> dict:
         """{"status": "ok" | "degraded" | "unavailable", "down": [instances whose connection is
-        closed]}: "degraded" while requests can still be served (a P and some decoder are up:
+        closed], "missing": [roles of the config's layout with no active member reachable]}:
+        "degraded" while requests can still be served (a P and some decoder are up:
         recovery and routing go around the rest) but an instance is down or a role of the config's
         layout has no active member (all drained, removed or re-roled away: e.g. no RLD, requests
         go P->MD), "unavailable" when they cannot (e.g. every P removed)."""
@@ -243,7 +244,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         full = ms.full if ms is not None else self.layout  # a role whose every member was removed is missing too
         missing = [r for r in roles if full.by_role(r) and not up(r)]
         status = "unavailable" if not serving else ("ok" if not down and not missing else "degraded")
-        return {"status": status, "mode": self.cfg.mode, "down": down}
+        return {"status": status, "mode": self.cfg.mode, "down": down, "missing": missing}
 
     def _peer(self, st: ReqState | None, role: str) -> tuple[str, Peer]:
         """The instance of ``role`` serving ``st`` (routed at its start)."""
