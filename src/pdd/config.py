@@ -609,6 +609,13 @@ class ClusterConfig(_Strict):
                 raise ValueError(_prefixed(e, f"tiers.{name}.engine")) from None
         return self
 
+    def bounded_queue(self, name: str) -> tuple[int, int]:
+        """``(max_running, waiting)`` of instance ``name``'s engine (:meth:`engine_for`,
+        :meth:`LimitsConfig.waiting`): it holds their sum of sequences and refuses another with
+        ``TierBusy``. What the gateway's routing and choices cap count an instance's queue as."""
+        run = self.engine_for(name).max_running
+        return run, self.limits.waiting(run)
+
     def engine_for(self, name: str) -> EngineConfig:
         """The engine block of an instance (``p0``, ``md1``) or a tier (``main_decode``): the
         top-level ``engine`` with its tier's ``tiers`` block over it, then the instance's own.

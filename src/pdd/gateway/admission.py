@@ -219,8 +219,7 @@ def _queues(cfg, role: str, specs) -> tuple[int, str]:
     limits.tier_max_waiting 1 each)"``). Each instance's own engine block counts (``cfg.tiers``)."""
     groups: dict[tuple[int, int], list[str]] = {}
     for sp in specs:
-        run = cfg.engine_for(sp.name).max_running
-        groups.setdefault((run, cfg.limits.waiting(run)), []).append(sp.name)
+        groups.setdefault(cfg.bounded_queue(sp.name), []).append(sp.name)
     places = sum((run + wait) * len(names) for (run, wait), names in groups.items())
     terms = " + ".join(f"{', '.join(names)} (engine.max_running {run} + limits.tier_max_waiting {wait}"
                        f"{' each' if len(names) > 1 else ''})" for (run, wait), names in groups.items())

@@ -81,6 +81,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             wire_dtype(cfg.engine_for("prefill").dtype, cfg.engine_for("main_decode").dtype)) if mc is not None else None
         self._tasks: set = set()
         self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
+        # instance -> places of its bounded queue the gateway holds there: attempts routed to it that
+        # may still need compute (gateway.routing's module docstring; ReqState.holds)
+        self.holding: dict[str, int] = {}
         self._rr: dict[str, int] = {}
         self._reconnecting: set[str] = set()
         # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)

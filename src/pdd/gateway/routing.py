@@ -180,20 +180,10 @@ class Routing:
         else:
             self._index_dropped(st.trid)
 
-    @property
-    def holding(self) -> dict[str, int]:
-        """instance -> places of its bounded queue the gateway holds there: attempts routed to it
-        that may still need compute (module docstring; ``ReqState.holds``)."""
-        d = self.__dict__.get("_holding")
-        if d is None:
-            d = self.__dict__["_holding"] = {}
-        return d
-
     def queue_places(self, name: str) -> int:
         """The sequences instance ``name``'s engine holds before it refuses another with
-        ``TierBusy``: its ``engine.max_running + limits.tier_max_waiting``."""
-        run = self.cfg.engine_for(name).max_running
-        return run + self.cfg.limits.waiting(run)
+        ``TierBusy``: its ``engine.max_running + limits.tier_max_waiting`` (``ClusterConfig.bounded_queue``)."""
+        return sum(self.cfg.bounded_queue(name))
 
     def queue_full(self, name: str) -> bool:
         """Whether the places the gateway holds on ``name`` (:attr:`holding`) fill its queue."""
