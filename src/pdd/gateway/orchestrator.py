@@ -270,12 +270,18 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             self._reconnecting.discard(name)
 
     # ------------------------------------------------------------------ stats
+    def _current_peers(self):
+        """``(name, peer)`` of each connection when the call began, skipping, as the loop reaches
+        it, one removed or replaced meanwhile (a membership change may land during a caller's
+        awaits between two of them)."""
+        for name, peer in list(self.peers.items()):
+            if self.peers.get(name) is peer:
+                yield name, peer
+
     async def stats(self) -> dict:
         await self._reconnect_closed()
         inst = {}
-        for name, peer in list(self.peers.items()):  # a membership change may land during the awaits
-            if self.peers.get(name) is not peer:
-                continue  # removed (or replaced) meanwhile
+        for name, peer in self._current_peers():
             try:
                 rep, _ = await peer.call(Stats().wire(), timeout=10)
                 inst[name] = {k: v for k, v in rep.items() if k not in ("t", "cid", "reply")}
@@ -330,9 +336,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         deadline = time.monotonic() + settle_s
         while True:
             inst: dict = {}
-            for name, peer in list(self.peers.items()):  # a membership change may land during the awaits
-                if self.peers.get(name) is not peer:
-                    continue  # removed (or replaced) meanwhile
+            for name, peer in self._current_peers():
                 try:
                     rep, _ = await peer.call(Flush().wire(), timeout=30)
                 except Exception as e:
