@@ -129,11 +129,13 @@ def ports_in_use(lay: Layout) -> list[int]:
     return [port for port in port_users(lay) if not _can_bind(lay.host, port, reuse_addr=True)]
 
 
-def ports_taken_message(busy: list[int]) -> str:
+def ports_taken_message(busy: list[int], users: dict[int, str] | None = None) -> str:
     """``"port 18070"`` / ``"ports 18000, 18001, ... and 4 more"`` for :func:`ports_in_use`'s
-    answer (the first five named), the head of ``pdd serve``'s and ``pdd demo``'s refusal."""
+    answer (the first five named; each followed by ``" (WHO)"`` when ``users`` names it), the head
+    of ``pdd serve``'s, ``pdd demo``'s and ``pdd bench``'s refusal."""
     more = f" and {len(busy) - 5} more" if len(busy) > 5 else ""
-    return f"port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:5]))}{more}"
+    named = ", ".join(f"{p} ({users[p]})" if users and p in users else str(p) for p in busy[:5])
+    return f"port{'s' if len(busy) > 1 else ''} {named}{more}"
 
 
 def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:

@@ -217,7 +217,7 @@ def check_ports_free(config: ClusterConfig, labels, reference: bool = False) -> 
     ``vllm_colocated`` is skipped: stock vLLM's server takes a free port. Raises ValueError: one
     line naming each busy port (the first five), what listens on it in the config (``gateway:
     gateway_port``, ``d0, md0: base_port + 70``) and the flags that move them."""
-    from pdd.topology import layout, port_users, ports_in_use
+    from pdd.topology import layout, port_users, ports_in_use, ports_taken_message
 
     cfgs = [mode_config(config, label) for label in labels if parse_mode_label(label)[0] != vllm_mode.VLLM_MODE]
     if reference:
@@ -235,10 +235,8 @@ def check_ports_free(config: ClusterConfig, labels, reference: bool = False) -> 
     def where(port: int) -> str:
         return "gateway_port" if port == config.gateway_port else f"base_port + {port - config.base_port}"
 
-    ports = sorted(busy)
-    more = f" and {len(ports) - 5} more" if len(ports) > 5 else ""
-    named = ", ".join(f"{p} ({', '.join(sorted(busy[p]))}: {where(p)})" for p in ports[:5])
-    raise ValueError(f"port{'s' if len(ports) > 1 else ''} {named}{more} already in use (another pdd serve, make demo "
+    named = ports_taken_message(sorted(busy), {p: f"{', '.join(sorted(who))}: {where(p)}" for p, who in busy.items()})
+    raise ValueError(f"{named} already in use (another pdd serve, make demo "
                      f"or pdd bench?): pdd bench starts each mode's topology on the gateway port "
                      f"{config.gateway_port} and base_port {config.base_port}..{config.base_port + 99}; choose others "
                      f"with --gateway-port and --base-port (or gateway_port / base_port in the config)")
