@@ -65,6 +65,18 @@ class Tier(FakePeer):
         if h.get("t") in ("abort", "drop"):
             self.pending.pop(h.get("rid"), None)
 
+    def other(self, h: dict, mine: str):
+        """Record the call ``h``; the reply to anything but this tier's ``mine`` call: a ``peek``
+        answered from the cache (P's; D's in same_dc_pd, the gateway keeping an index of an MD
+        across the WAN), anything else forgotten (``ok``); None for ``mine``."""
+        self.sent.append(dict(h))
+        if h["t"] == "peek":
+            return {"t": "peek_ok", "hit_tokens": _hit(self, list(h["prompt_ids"]))}, b""
+        if h["t"] != mine:
+            self.forget(h)
+            return {"t": "ok"}, b""
+        return None
+
     async def send(self, h, payload=b""):
         self.sent.append(dict(h))
         self.forget(h)
@@ -98,12 +110,9 @@ class P(Tier):
             self.tiers.md[self.targets.pop(rid)].kv_done(rid, self.done.pop(rid))
 
     async def call(self, h, payload=b"", timeout=None):
-        self.sent.append(dict(h))
-        if h["t"] == "peek":
-            return {"t": "peek_ok", "hit_tokens": _hit(self, list(h["prompt_ids"]))}, b""
-        if h["t"] != "prefill":
-            self.forget(h)
-            return {"t": "ok"}, b""
+        other = self.other(h, "prefill")
+        if other is not None:
+            return other
         rid, prompt = h["rid"], list(h["prompt_ids"])
         self.admit(rid, prompt)
         hit = _hit(self, prompt)
@@ -134,12 +143,9 @@ class MD(Tier):
         self.cached: set[tuple[int, ...]] = set()
 
     async def call(self, h, payload=b"", timeout=None):
-        self.sent.append(dict(h))
-        if h["t"] == "peek":  # D's cache (same_dc_pd; the gateway keeps an index of an MD across the WAN)
-            return {"t": "peek_ok", "hit_tokens": _hit(self, list(h["prompt_ids"]))}, b""
-        if h["t"] != "reserve":
-            self.forget(h)
-            return {"t": "ok"}, b""
+        other = self.other(h, "reserve")
+        if other is not None:
+            return other
         rid, prompt = h["rid"], list(h["prompt_ids"])
         self.admit(rid, prompt)
         ps = self.tiers.page_size
