@@ -2,6 +2,7 @@
 connections (no processes), and the HTTP endpoints' answers and error bodies."""
 
 import asyncio
+import types
 
 import pytest
 from fastapi import FastAPI
@@ -546,3 +547,19 @@ def test_health_follows_a_role_whose_every_instance_was_removed():
 
     assert asyncio.run(run()) == [("degraded", ["relay_decode"]), ("unavailable", ["prefill", "relay_decode"]),
                                   ("ok", [])]
+
+
+def test_a_request_routed_to_an_instance_removed_since_starts_again_elsewhere():
+    """A forced removal pops the instance's connection while a request that had routed to it is
+    still starting: looking it up raised KeyError, which failed the request with a 503 reading
+    "'p0'" though another P was up; it is a ConnectionError now, which start_request retries on
+    live instances as after a loss."""
+    o, ms, _ = _setup(prefill=2)
+    st = types.SimpleNamespace(names={"prefill": "p0"})
+    assert o._peer(st, "prefill") == ("p0", o.peers["p0"])
+
+    async def run():
+        await ms.remove("p0", force=True)
+    asyncio.run(run())
+    with pytest.raises(ConnectionError, match="instance p0 was removed"):
+        o._peer(st, "prefill")

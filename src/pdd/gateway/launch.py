@@ -104,13 +104,14 @@ class Launchers:
         ms = getattr(self, "membership", None)
 
         def usable(name: str) -> bool:  # connected, and an active member (not draining, removed or re-roled away)
-            return not self.peers[name].closed and (ms is None or ms.routable(name))
+            peer = self.peers.get(name)
+            return peer is not None and not peer.closed and (ms is None or ms.routable(name))
 
         md_live = any(usable(sp_.name) for sp_ in md_specs)
         if relay_possible and md_live and not any(usable(sp_.name) for sp_ in rld_specs):
             # no RLD is reachable (dead, restarting, drained) but an MD is: plan P->MD rather than fail
             for sp_ in rld_specs:
-                if self.peers[sp_.name].closed:
+                if sp_.name in self.peers and self.peers[sp_.name].closed:
                     self._spawn(self._reconnect(sp_.name))
             relay_possible = False
         # each instance is counted as soon as it is chosen (gateway.routing: its queue's places),
@@ -178,13 +179,13 @@ class Launchers:
             self._assign(st, ROLE_MAIN)
             sent = time.perf_counter()
             if not (predicted and held is not None):
-                rep_, _ = await self.peers[md_name_].call(msg.wire(), timeout=t)
+                rep_, _ = await self.peer_named(md_name_).call(msg.wire(), timeout=t)
                 if sib_ is None:  # a round trip through the line (a sibling's reserve {after} waits for KV)
                     self._wan_rtt_sample(md_name_, time.perf_counter() - sent)
                 return md_name_, rep_
             pred = held // self.cfg.engine_for(md_name_).page_size  # MD's pages
             msg.first_page = pred
-            call = asyncio.ensure_future(self.peers[md_name_].call(msg.wire(), timeout=t))
+            call = asyncio.ensure_future(self.peer_named(md_name_).call(msg.wire(), timeout=t))
             try:
                 self._book_predicted(st, pred, p)
                 await p.send(Target(trid, "md", md_name_, first_page=pred, relay=True).wire())
@@ -331,7 +332,7 @@ class Launchers:
         # targets were never sent, so it will neither stream nor report this attempt's WAN bytes,
         # and the abort's write-off (_unplan_wan) may have run already: book none
         self._reserved(st, md_name, rep, p, book=not st.end.aborted)
-        md = self.peers[md_name]
+        md = self.peer_named(md_name)
         md_wan = self.layout.get(md_name).dc == "B"
         md_first = int(rep["md_cached_pages"])
         st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
@@ -379,7 +380,7 @@ class Launchers:
                 or first.attempt != 0:
             return None
         md_name = first.names.get(ROLE_MAIN)
-        if md_name is None or "md_reserved" not in first.events or self.peers[md_name].closed \
+        if md_name is None or "md_reserved" not in first.events or md_name not in self.peers or self.peers[md_name].closed \
                 or not self._in_b(md_name):
             return None
         nbytes = first.wan.expected
@@ -435,7 +436,12 @@ class Launchers:
             if st.trid == trid:
                 self._md_leg_lost(st, f"MD reservation failed: {type(e).__name__}: {e}")
             return
-        md = self.peers[md_name]
+        try:
+            md = self.peer_named(md_name)
+        except ConnectionError as e:  # MD removed since it reserved: its reservation went with it
+            if st.trid == trid:
+                self._md_leg_lost(st, str(e))
+            return
         if st.trid != trid or st.recovery.md_lost or st.end.aborted or st.wan.cut_off:
             try:  # the attempt was given up (or cut off) meanwhile: free the reservation
                 await md.send((Abort(trid) if st.end.aborted else Drop(trid)).wire())

@@ -254,7 +254,16 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         name = st.names.get(role) if st is not None else None
         if name is None:
             name = self.layout.by_role(role)[0].name
-        return name, self.peers[name]
+        return name, self.peer_named(name)
+
+    def peer_named(self, name: str) -> Peer:
+        """The connection to instance ``name``. Raises ConnectionError when it is no longer a
+        member (removed after a request was routed to it: the request starts again elsewhere, as
+        after a loss, instead of failing on a KeyError)."""
+        peer = self.peers.get(name)
+        if peer is None:
+            raise ConnectionError(f"instance {name} was removed")
+        return peer
 
     async def _reconnect(self, name: str) -> None:
         """Try once to reach a restarted instance again (it rejoins without restarting the rest)."""
