@@ -810,3 +810,11 @@ def test_a_hand_edited_engine_block_is_one_line(capsys, tmp_path, engine, argv):
     bad.write_text(json.dumps(prof))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--profile", str(bad)]
     _refused(capsys, argv, f"pdd {' '.join(argv[:2])}: error:", "--profile", str(bad), "engine")
+
+
+@pytest.mark.parametrize("reps,message", [("0", "must be >= 1, got 0"), ("-2", "must be >= 1, got -2"),
+                                          ("x", "not an integer: 'x'")])
+def test_profile_refuses_reps_below_one_naming_the_flag(capsys, tmp_path, reps, message):
+    # `pdd profile --reps 0` loaded the model, then died in statistics.median([]) with a traceback
+    _refused(capsys, ["profile", "--reps", reps, "--out", str(tmp_path / "p.json")], "--reps", message)
+    assert not (tmp_path / "p.json").exists()

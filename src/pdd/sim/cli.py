@@ -675,7 +675,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                    "live-run fit (e.g. data/profiles/this-machine.json) is kept unless --force")
     p.add_argument("--force", action="store_true", help="overwrite --out even when it holds a live-run fit")
     p.add_argument("--config", default=None, help="cluster config (YAML/JSON) whose engine settings to use")
-    p.add_argument("--reps", type=int, default=5, help="repetitions per point (median)")
+    p.add_argument("--reps", type=POS_INT, default=5, help="repetitions per point (median; >= 1)")
     p.set_defaults(func=cmd_profile, parser=p)
     return p
 
