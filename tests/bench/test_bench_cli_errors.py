@@ -59,6 +59,7 @@ def _refused(capsys, argv, *names):
     (["--sweep-rate", "1,nan"], ["--sweep-rate: rates must be finite and > 0 req/s, got nan in '1,nan'"]),
     (["--sweep-rate=0,2"], ["--sweep-rate: rates must be finite and > 0 req/s, got 0.0 in '0,2'"]),
     (["--ramp", "1:inf"], ["--ramp: rates must be finite and > 0, got '1:inf'"]),
+    (["--seed", "-1"], ["--seed: must be >= 0, got -1"]),  # numpy's default_rng: a ValueError traceback
 ])
 def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):
     _refused(capsys, args + ["--out", str(tmp_path / "b")], *names)

@@ -128,6 +128,7 @@ def demo_cli(monkeypatch):
     (["--max-output", "0"], "--max-output: must be >= 1, got 0"),
     (["--session-sample", "0"], "--session-sample: must be >= 1, got 0"),
     (["--output-scale", "-1"], "--output-scale: must be > 0, got -1.0"),
+    (["--seed", "-1"], "--seed: must be >= 0, got -1"),  # was numpy's ValueError traceback
 ])
 def test_demo_cli_refuses_bad_modes_and_numbers_naming_the_flag(capsys, tmp_path, demo_cli, args, message):
     """``--modes foo`` ran nothing and exited 0; bad numbers were tracebacks (found by a new user)."""

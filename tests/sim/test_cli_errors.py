@@ -818,3 +818,17 @@ def test_profile_refuses_reps_below_one_naming_the_flag(capsys, tmp_path, reps, 
     # `pdd profile --reps 0` loaded the model, then died in statistics.median([]) with a traceback
     _refused(capsys, ["profile", "--reps", reps, "--out", str(tmp_path / "p.json")], "--reps", message)
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["sim", "run", "--agentic", "5", "--seed", "-1"], ["pdd sim run: error:", "--seed", "must be >= 0, got -1"]),
+    (["plan", "--seed", "-1"], ["pdd plan: error:", "--seed", "must be >= 0, got -1"]),
+    (["sim", "agentic", "--n", "5", "--seed", "-1"], ["pdd sim agentic: error:", "--seed", "must be >= 0, got -1"]),
+    (["workload", "agentic", "--n", "5", "--seed", "-1", "--out", "x.jsonl"],
+     ["pdd workload agentic: error:", "--seed", "must be >= 0, got -1"]),
+])
+def test_a_negative_workload_seed_is_a_usage_error(capsys, tmp_path, monkeypatch, argv, names):
+    # numpy's default_rng takes no negative seed: `pdd sim agentic --seed -1` was a ValueError traceback
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, argv, *names)
+    assert not (tmp_path / "x.jsonl").exists()

@@ -296,6 +296,8 @@ def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--requests: must be >= 1, got {args.requests}")
     if args.start is not None and args.start < 0:
         ap.error(f"--start: must be >= 0, got {args.start}")
+    if args.seed < 0:  # the token-id seed feeds numpy's default_rng, which takes no negative seed
+        ap.error(f"--seed: must be >= 0, got {args.seed}")
     check_numbers(ap, (
         ("--max-input", args.max_input, 1, False), ("--block-tokens", args.block_tokens, 1, False),
         ("--min-output", args.min_output, 1, False), ("--max-output", args.max_output, 1, False),

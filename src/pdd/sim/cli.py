@@ -192,7 +192,7 @@ def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
     g.add_argument("--scale-rate", type=POS_FLOAT, default=1.0, help="replay this many times faster")
     g.add_argument("--agentic", type=NONNEG_INT, default=0, help="generate N agentic requests instead of a trace")
     g.add_argument("--rate", type=POS_FLOAT, default=2.0, help="req/s for generated workloads")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=NONNEG_INT, default=0, help="workload seed (>= 0: numpy's generators take no negative seed)")
 
 
 def _profiles(a) -> tuple[str | None, str | None]:
@@ -785,7 +785,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
     g.add_argument("--n", type=POS_INT, default=5000)
     g.add_argument("--rate", type=POS_FLOAT, default=2.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=NONNEG_INT, default=0)
     g.add_argument("--out", default=None, help="Mooncake-format JSONL file to write (default: only the hit histogram is printed)")
     g.set_defaults(func=cmd_agentic)
     return p
