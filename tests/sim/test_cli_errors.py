@@ -832,3 +832,17 @@ def test_a_negative_workload_seed_is_a_usage_error(capsys, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     _refused(capsys, argv, *names)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize("out,message", [("FILE", "--out FILE: exists and is not a directory"),
+                                         ("FILE/sub", "--out FILE/sub: cannot make it")])
+def test_sim_experiment_refuses_an_out_that_cannot_be_a_directory(capsys, tmp_path, monkeypatch, out, message):
+    # `pdd sim experiment ttft --out FILE` was a FileExistsError traceback from the experiment's mkdir
+    import pdd.sim.experiments
+
+    monkeypatch.setattr(pdd.sim.experiments, "run_experiment", lambda *a, **k: pytest.fail("ran"))
+    f = tmp_path / "f.json"
+    f.write_text("{}")
+    out, message = out.replace("FILE", str(f)), message.replace("FILE", str(f))
+    err = _refused(capsys, ["sim", "experiment", "ttft", "--quick", "--out", out])
+    assert f"pdd sim experiment: error: {message}" in err, err

@@ -501,6 +501,7 @@ def cmd_experiment(a) -> int:
 
     t0 = time.time()
     kw = experiment_params(a.name, a.set or [])
+    check_out_dir(a.out)  # a file or an unwritable path: one line naming --out, not the experiment's traceback
     res = run_experiment(a.name, a.out, quick=a.quick, **kw)
     print(res.get("table", ""))
     for k in ("wan_sensitivity_table", "bounds_table"):
