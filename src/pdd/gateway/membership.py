@@ -19,7 +19,10 @@ members' (active and draining) on every change, so routing (``gateway.routing`` 
 - drain: no new request (nor a recovery attempt) is routed there; requests in flight finish
   where they are, their WAN transfers and handoffs included.
 - remove: refused (409) while anything is in flight there unless ``force`` (then its requests
-  are recovered exactly as after an instance loss, docs/FAULTS.md). The instance's prefix cache
+  are recovered exactly as after an instance loss, docs/FAULTS.md). Once a role has no instance
+  in service (all removed or drained), a request needing it fails at once with a 503 naming the
+  role (:class:`pdd.gateway.state.NoMember`) instead of waiting for one, as for a crashed
+  instance; every change wakes the recoveries that do wait (``Orchestrator.topology_changed``). The instance's prefix cache
   is flushed and dropped with it: the pages it held are reported (``prefix_cache``) and logged,
   the gateway's prefix index of it is forgotten so routing counts no hits that are gone, and the
   instance's leaked pages (0 when it released everything) are reported.
@@ -154,6 +157,18 @@ class Membership:
         m = self.members.get(name)
         return m is None or (m.state == ACTIVE and name not in self._removing)
 
+    def out_of_service(self, role: str) -> str:
+        """Why no new request (nor a recovery attempt) can go to a ``role`` instance when none is
+        routable: the message of :class:`pdd.gateway.state.NoMember`, naming the role and each
+        of its slots' states (e.g. "p0 removed")."""
+
+        def state(m: Member) -> str:
+            return "being removed" if m.name in self._removing and m.state != REMOVED else m.state
+
+        slots = ", ".join(f"{m.name} {state(m)}" for m in self.members.values() if m.role == role) or "no slot"
+        return (f"no {role} instance is in service ({slots}): every one was removed or drained, and none serves "
+                f"again until an operator adds one (POST /pdd/instances)")
+
     def busy(self, name: str) -> int:
         """Requests and transfers still in flight on ``name``: the gateway's in-flight requests
         routed there, live requests naming it, P transfers whose outcome it has not reported,
@@ -212,7 +227,15 @@ class Membership:
         del self.events[:-EVENTS_KEPT]
         self._sync_layout()
         self.sync_admission()
+        self._changed()
         log.warning("membership: %s", json.dumps(ev, sort_keys=True))
+
+    def _changed(self) -> None:
+        """Wake the recoveries waiting for an instance (``Orchestrator.topology_changed``): one
+        added serves them at once; with a role's last one removed they fail at once (NoMember)."""
+        notify = getattr(self.orch, "topology_changed", None)
+        if notify is not None:
+            notify()
 
     def _get(self, name: str) -> Member:
         m = self.members.get(name)
@@ -382,6 +405,7 @@ class Membership:
             raise MembershipError(409, f"instance {name} is being changed now", "name", "conflict")
         self._busy_ops.add(name)
         self._removing.add(name)  # no new request goes there while its cache is flushed (awaits)
+        self._changed()  # a recovery waiting for the role's last instance fails now (NoMember)
         late = 0
         try:
             o = self.orch

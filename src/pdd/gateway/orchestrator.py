@@ -42,7 +42,7 @@ from pdd.gateway.routing import ROUTING_LOAD_SLACK, ROUTING_MIN_HIT_FRAC, Routin
 from pdd.gateway.start import Starts
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
-    NoInstance, RequestFailed, ReqState, TokenOut, extend_message)
+    NoInstance, NoMember, RequestFailed, ReqState, TokenOut, extend_message)
 from pdd.gateway.stream import Streams
 from pdd.gateway.wan_booking import WanBooking
 
@@ -86,6 +86,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.holding: dict[str, int] = {}
         self._rr: dict[str, int] = {}
         self._reconnecting: set[str] = set()
+        # topology changes (a membership change, a reconnected instance): their count, and the
+        # futures of recoveries waiting for one (:meth:`topology_changed`, :meth:`_topology_wait`)
+        self.topology_version = 0
+        self._topology_waiters: set[asyncio.Future] = set()
         # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)
         self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
                                                  cfg.link.wan_mss_bytes, connections=cfg.link.wan_connections)
@@ -273,10 +277,34 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         try:
             self.peers[name] = await self._connect(name, retries=0)
             log.info("reconnected to %s", name)
+            self.topology_changed()  # a recovery waiting for this instance goes on now
         except Exception:
             pass
         finally:
             self._reconnecting.discard(name)
+
+    def topology_changed(self) -> None:
+        """The instances a request can be routed to changed (added, drained, removed, re-roled,
+        or a closed connection is back): wake every recovery waiting for an instance
+        (:meth:`_topology_wait`), which tries again at once."""
+        self.topology_version += 1
+        waiters, self._topology_waiters = self._topology_waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _topology_wait(self, seen: int, timeout_s: float) -> None:
+        """Wait until the topology changes after version ``seen`` (:attr:`topology_version` read
+        before the attempt that failed: a change since returns at once), or ``timeout_s`` seconds."""
+        if self.topology_version != seen:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._topology_waiters.add(fut)
+        try:
+            await asyncio.wait({fut}, timeout=timeout_s)
+        finally:
+            self._topology_waiters.discard(fut)
+            fut.cancel()
 
     # ------------------------------------------------------------------ stats
     def _current_peers(self):

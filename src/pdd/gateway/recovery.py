@@ -21,7 +21,7 @@ import logging
 
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
-from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, ReqState
+from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, NoMember, ReqState
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.peer import Peer
 from pdd.transfer.messages import Abort, Cancel, Drop, ReqError, Target
@@ -30,7 +30,15 @@ from pdd.types import Pipeline, SamplingParams
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
 
 RECOVERY_WAIT_S = 30.0  # how long a recovery retries while a full tier (KV pool, queue) refuses it or none is up
-RECOVERY_RETRY_S = 0.5  # between those retries
+RECOVERY_RETRY_S = 0.5  # between those retries, at most (a topology change retries at once)
+
+
+def waits_for_tier(e: BaseException) -> bool:
+    """Whether an attempt that could not start with ``e`` is worth retrying for a while: a full
+    tier refused it (it frees pages and places as its requests finish) or no instance of a tier
+    is up (a crashed one is restarted in seconds), but not when the role has no instance in
+    service at all (:class:`NoMember`: removed by the operator, it does not come back)."""
+    return refusal(e) is not None or (isinstance(e, NoInstance) and not isinstance(e, NoMember))
 
 
 class Recovery:
@@ -125,6 +133,7 @@ class Recovery:
         waited = 0.0
         while True:
             prompt, sp = self._attempt_prompt(st)
+            seen = self.topology_version  # a change from here on retries at once
             try:
                 st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
                 await self._launch(st, prompt, sp, force_relay=True)
@@ -133,25 +142,30 @@ class Recovery:
                 if isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts:
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
-                if (refusal(e) is not None or isinstance(e, NoInstance)) and waited < RECOVERY_WAIT_S \
-                        and not st.finished:
+                if waits_for_tier(e) and waited < RECOVERY_WAIT_S and not st.finished:
                     # a full tier (KV pool or queue) refused the new attempt: it frees pages as its
                     # requests finish, so wait and try again instead of failing a request that has
                     # streamed tokens already (a new user: 3 of 4 recoveries failed on a full RLD);
                     # likewise when no instance of a tier is up (its supervisor restarts a killed
-                    # one in seconds; a new user: 6 of 8 streams failed when the only P was killed)
-                    waited += await self._retry_later(st, e)
+                    # one in seconds; a new user: 6 of 8 streams failed when the only P was killed).
+                    # Not when the role has none in service (NoMember: all removed): that fails now
+                    waited += await self._retry_later(st, e, seen)
                     continue
                 st.recovery.error = f"recovery failed: {e}"
                 return False
 
-    async def _retry_later(self, st: ReqState, e: BaseException) -> float:
+    async def _retry_later(self, st: ReqState, e: BaseException, seen: int) -> float:
         """A new attempt could not start now (a full tier, or none of a tier up): replace it with
-        the next one, not counted as a recovery, and wait ``RECOVERY_RETRY_S``; returns the wait.
-        Callers bound their total wait by ``RECOVERY_WAIT_S``."""
+        the next one, not counted as a recovery, and wait until the topology changes (an instance
+        added, removed or reconnected: ``Orchestrator.topology_changed``) after version ``seen``
+        (read before the failed attempt), for at most ``RECOVERY_RETRY_S`` (a full tier frees
+        room without an event); returns the seconds waited. Callers bound their total wait by
+        ``RECOVERY_WAIT_S``."""
         self._new_attempt(st, f"{type(e).__name__}: {e}", counted=False)
-        await asyncio.sleep(RECOVERY_RETRY_S)
-        return RECOVERY_RETRY_S
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self._topology_wait(seen, RECOVERY_RETRY_S)
+        return loop.time() - t0
 
     def _fail_lost(self, st: ReqState, reason: str) -> None:
         """The request needs an instance that is gone: wake its stream, which recovers it."""

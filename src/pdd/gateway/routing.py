@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from pdd.gateway.state import NoInstance, ReqState
+from pdd.gateway.state import NoInstance, NoMember, ReqState
 from pdd.policy.routing import InstanceLoad, choose_instance
 from pdd.topology import ROLE_MAIN, ROLE_RELAY
 from pdd.transfer.messages import Peek
@@ -66,13 +66,17 @@ class Routing:
         asked (a round trip before the reservation): the gateway's record of what it routed there
         (:class:`PrefixIndex`) stands for its cache, unless ``policy.md_route_peek``. Load =
         requests the gateway has in flight there. Instances whose connection is down are skipped
-        (and reconnected). ``trid``: the attempt whose KV the routed MD's index now expects
+        (and reconnected). Raises NoInstance when none of ``role`` is reachable (down or
+        restarting), NoMember when none is in service at all (every one removed or drained by
+        the operator). ``trid``: the attempt whose KV the routed MD's index now expects
         (:meth:`_index_landed` / :meth:`_index_dropped` settle it).
         """
         specs = self.layout.by_role(role)
         ms = getattr(self, "membership", None)
         if ms is not None:  # elastic topology: only active members take new requests (pdd.gateway.membership)
             specs = [sp for sp in specs if ms.routable(sp.name)]
+            if not specs:  # none of the role in service: none comes back until an operator adds one
+                raise NoMember(ms.out_of_service(role))
         live = [sp for sp in specs if not self.peers[sp.name].closed]
         for sp in specs:
             if self.peers[sp.name].closed:

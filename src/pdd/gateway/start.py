@@ -12,7 +12,7 @@ import uuid
 from pdd.gateway import recovery
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
-from pdd.gateway.state import ABORT_FAILED, ABORT_REJECTED, NoInstance, ReqState, RequestFailed
+from pdd.gateway.state import ABORT_FAILED, ABORT_REJECTED, NoInstance, NoMember, ReqState, RequestFailed
 from pdd.types import SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -32,9 +32,12 @@ class Starts:
         starting (ConnectionError) starts it again on live instances, up to
         ``liveness.recovery_attempts`` times; a restart that then finds no live instance of a
         tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
-        and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does; then, or
-        for any other error, RequestFailed. A request that finds no instance on its first try
-        fails at once (the client gets a 503 with Retry-After: it did no work), unless it is
+        and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does, at once when
+        the topology changes (an instance added or reconnected); then, or for any other error,
+        RequestFailed. A tier with no instance in service at all (NoMember: every one removed by
+        the operator, so none comes back by itself) fails it at once. A request that finds no
+        instance on its first try fails at once (the client gets a 503 with Retry-After: it did
+        no work), unless it is
         another choice of a request whose first choice already started (``sibling_of``): that
         request did work, and its first choice waits for the tier (recovery), so this one waits
         with it instead of failing the whole request. ``sibling_of``: the first of ``siblings`` + 1
@@ -46,6 +49,7 @@ class Starts:
         self.totals["requests"] += 1
         waited = 0.0
         while True:
+            seen = self.topology_version  # a topology change from here on retries at once
             try:
                 st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
                 await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
@@ -56,9 +60,9 @@ class Starts:
                     log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
-                if isinstance(e, NoInstance) and (st.attempt > 0 or sibling_of is not None) \
-                        and waited < recovery.RECOVERY_WAIT_S:
-                    waited += await self._retry_later(st, e)
+                if isinstance(e, NoInstance) and not isinstance(e, NoMember) \
+                        and (st.attempt > 0 or sibling_of is not None) and waited < recovery.RECOVERY_WAIT_S:
+                    waited += await self._retry_later(st, e, seen)
                     continue
                 self._unassign(st)
                 # a tier refusing new work for now (the API answers 429) is not a failure

@@ -36,6 +36,14 @@ class NoInstance(RequestFailed):
     ``liveness.reconnect_interval_s``)."""
 
 
+class NoMember(NoInstance):
+    """No instance of a role the request needs is in service at all: every one of the role was
+    removed (or drained, or is a standby slot) by the operator, so none comes back by itself (a
+    crashed one is still a member and is reconnected: that is plain :class:`NoInstance`). A request
+    needing the role fails at once instead of waiting for one (``pdd.gateway.recovery``); the
+    message names the role and its slots' states."""
+
+
 class InstanceLost(ConnectionError):
     """An instance a request needs is unreachable (dead, or silent past its heartbeat)."""
 
