@@ -115,10 +115,13 @@ def test_busy_counts_live_requests_pending_transfers_and_kv_on_its_way():
 
 
 def test_forced_remove_recovers_its_requests_as_after_a_loss():
-    o, ms, _ = _setup(standby=())
+    """Its requests are recovered, the gateway's connection closed, and its cache flushed over a
+    fresh connection (the gateway's own is gone)."""
+    o, ms, connects = _setup(standby=())
     lost = []
     o._peer_closed = lambda name, peer=None: lost.append(name)
     o.inflight["md1"] = 1
+    peer1 = o.peers["md1"]
 
     async def run():
         with pytest.raises(MembershipError):
@@ -126,8 +129,9 @@ def test_forced_remove_recovers_its_requests_as_after_a_loss():
         return await ms.remove("md1", force=True)
 
     rep = asyncio.run(run())
-    assert lost == ["md1"] and rep["forced"] is True and rep["leaked_pages"] is None
-    assert rep["state"] == REMOVED
+    assert lost == ["md1"] and rep["forced"] is True and rep["leaked_pages"] == 0
+    assert rep["state"] == REMOVED and rep["prefix_cache"]["flushed"] is True
+    assert peer1.closed and peer1.sent == [] and connects == [("md1", 2)]
 
 
 def test_last_active_of_a_role_is_not_drained_or_removed():

@@ -22,10 +22,13 @@ members' (active and draining) on every change, so routing (``gateway.routing`` 
   are recovered exactly as after an instance loss, docs/FAULTS.md). Once a role has no instance
   in service (all removed or drained), a request needing it fails at once with a 503 naming the
   role (:class:`pdd.gateway.state.NoMember`) instead of waiting for one, as for a crashed
-  instance; every change wakes the recoveries that do wait (``Orchestrator.topology_changed``). The instance's prefix cache
-  is flushed and dropped with it: the pages it held are reported (``prefix_cache``) and logged,
-  the gateway's prefix index of it is forgotten so routing counts no hits that are gone, and the
-  instance's leaked pages (0 when it released everything) are reported.
+  instance; every change wakes the recoveries that do wait (``Orchestrator.topology_changed``).
+  The instance's prefix cache is flushed and dropped with it (with requests in flight there:
+  after the gateway's connection closed and the instance aborted them, over a fresh
+  connection, so the cache pages they locked go too): what the flush did is reported
+  (``prefix_cache``: ``flushed``, the pages dropped, or why not) and logged, the gateway's
+  prefix index of it is forgotten so routing counts no hits that are gone, and the instance's
+  leaked pages (0 when it released everything) are reported.
 - re-role (:meth:`Membership.rerole`, only for the relay decoders the config's ``rerole`` lists):
   the instance is drained (no new request of its current role; in-flight relays finish or hand
   off to MD as usual), then, once nothing is in flight there, the same process switches its role
@@ -393,9 +396,24 @@ class Membership:
 
     async def remove(self, name: str, force: bool = False) -> dict:
         """Remove ``name`` from the topology: refused (409) while anything is in flight there
-        unless ``force`` (its requests are then recovered as after an instance loss). Its prefix
-        cache is flushed and dropped (reported in ``prefix_cache``), the gateway's index of it
-        forgotten, its connection closed; a process the gateway started is stopped."""
+        unless ``force``, and for the role's last active instance unless ``force``. Returns its
+        view with ``prefix_cache`` (what became of its cache: ``flushed``, ``fate``, pages and
+        tokens dropped), ``leaked_pages`` (its pages still in use after the flush; None when
+        unknown), ``forced`` (True only when requests were in flight there and were recovered
+        elsewhere: a ``force`` removal with nothing in flight answers False) and, when requests
+        reached it while it was being removed, ``in_flight_recovered``. Raises MembershipError
+        (404 no such slot, 409 refused as above or being changed).
+
+        An idle instance's cache is flushed over the gateway's connection, which is then closed.
+        Its requests in flight (``force``, or routed there just before the call and assigned
+        while its cache was flushed) are recovered as after an instance loss and the gateway's
+        connection closed before the flush: the instance then aborts every request it held for
+        the gateway, freeing each one's pages once (``pdd.roles.base``: ``_owner_gone``; an abort
+        is idempotent there), and its cache is flushed over a fresh connection once nothing runs
+        there, so the cache pages those requests held (a flush evicts only unlocked pages) are
+        dropped too. A flush that fails leaves the cache with the instance's process, and says
+        so (``flushed`` false, ``error``). The gateway's prefix index of it is forgotten; a
+        process the gateway started is stopped."""
         m = self._get(name)
         busy = self.busy(name)
         d = decide("remove", name, m.role, m.state, busy=busy, others_active=self._others_active(m), force=force)
@@ -410,28 +428,22 @@ class Membership:
         try:
             o = self.orch
             peer = o.peers.get(name)
-            cache: dict = {"fate": "dropped with the instance (flushed); the gateway's prefix index of it is "
-                                   "forgotten, so routing counts no hits there"}
+            connected = peer is not None and not peer.closed
+            cache: dict = {"flushed": False}
             leaked = None
-            if peer is not None and not peer.closed and busy == 0:
+            if connected and not busy:  # idle: flushed over the gateway's connection
                 try:
-                    rep, _ = await peer.call(Stats().wire(), timeout=10)
-                    held = int(rep["pages_total"]) - int(rep["pages_free"])
-                    fl, _ = await peer.call(Flush().wire(), timeout=30)
-                    leaked = int(fl["pages_total"]) - int(fl["pages_free"])
-                    cache["pages_dropped"] = held - leaked
-                    cache["tokens_dropped"] = (held - leaked) * o.cfg.engine_for(name).page_size
+                    leaked = await self._flush_cache(name, peer, cache)
                 except Exception as e:
                     cache["error"] = f"{type(e).__name__}: {e}"
+                late = self.busy(name)  # routed there before the removal began, assigned since
+            recovered = busy + late
             ix = o.prefix_index.pop(name, None)
             cache["gateway_index_pages_forgotten"] = len(ix) if ix is not None else 0
             wp = getattr(o, "wan_peers", None)
             if wp is not None:  # its WAN estimates (pdd_wan_peer_* on /metrics) go with it
                 wp.forget(name)
-            late = 0 if busy else self.busy(name)  # routed there before the removal began, assigned since
-            if late:  # the flush counted their pages: unknown how many are leaked
-                leaked = None
-            if (busy or late) and peer is not None:  # forced (or late): recovered as after a loss
+            if recovered and peer is not None:  # forced (or late): recovered as after a loss
                 o._peer_closed(name, peer)
             old = m.state
             m.state = REMOVED  # not routable from here on
@@ -440,10 +452,15 @@ class Membership:
             while name in getattr(o, "_reconnecting", ()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             o.peers.pop(name, None)
-            self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=busy + late, prefix_cache=cache,
-                      leaked_pages=leaked)
-            if peer is not None:
+            if peer is not None:  # the instance aborts what it still holds for the gateway (each freed once)
                 await peer.close()
+            if connected and (recovered or cache.get("live_requests")):
+                # the flush (if any) ran beside requests, whose cache pages it could not evict:
+                # again, once the instance has freed them
+                leaked = await self._flush_after_close(name, cache)
+            cache["fate"] = self._removal_fate(cache, connected, recovered)
+            self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=recovered,
+                      prefix_cache=cache, leaked_pages=leaked)
             await asyncio.to_thread(self._stop_process, m)
         finally:
             self._busy_ops.discard(name)
@@ -453,6 +470,85 @@ class Membership:
         if late:
             out["in_flight_recovered"] = late
         return out
+
+    async def _flush_cache(self, name: str, peer, cache: dict) -> int | None:
+        """Flush ``name``'s prefix cache over ``peer`` and add to ``cache``: ``flushed``,
+        ``pages_dropped`` (the pages the flush evicted, as the instance counts them: ``FlushOk``;
+        from an instance that does not, its pages in use before (``Stats``) less after),
+        ``tokens_dropped``, and ``live_requests`` when requests still ran there. Returns its
+        pages in use after the flush (leaked), or None when requests still ran there (their
+        pages are no leak, and the count cannot tell them apart). Raises what the calls raise."""
+        rep, _ = await peer.call(Stats().wire(), timeout=10)
+        held = int(rep["pages_total"]) - int(rep["pages_free"])
+        fl, _ = await peer.call(Flush().wire(), timeout=30)
+        left = int(fl["pages_total"]) - int(fl["pages_free"])
+        evicted = fl.get("pages_dropped")
+        dropped = cache.get("pages_dropped", 0) + (int(evicted) if evicted is not None else max(0, held - left))
+        cache.update(flushed=True, pages_dropped=dropped,
+                     tokens_dropped=dropped * self.orch.cfg.engine_for(name).page_size)
+        live = int(fl.get("live_requests", 0))
+        if live:
+            cache["live_requests"] = live
+            return None
+        cache.pop("live_requests", None)
+        return left
+
+    async def _flush_after_close(self, name: str, cache: dict, settle_s: float = 10.0,
+                                 poll_s: float = 0.05) -> int | None:
+        """Flush ``name``'s cache over a fresh connection after the gateway's own one closed with
+        requests in flight there (the instance aborts them, each freed once, as its owner is
+        gone): once the instance reports no request running (at most ``settle_s`` seconds,
+        asked every ``poll_s``), so the pages they shared with the cache are flushed too.
+        Returns the leaked pages as :meth:`_flush_cache` (None when requests still ran there
+        or the flush failed: ``cache["error"]`` says why). Raises nothing."""
+        o = self.orch
+        try:
+            peer = await o._connect(name, retries=2)
+        except Exception as e:
+            cache["error"] = f"{type(e).__name__}: {e}"
+            return None
+        try:
+            deadline = time.monotonic() + settle_s
+            while True:
+                rep, _ = await peer.call(Stats().wire(), timeout=10)
+                if int(rep.get("running", 0)) == 0 or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(poll_s)
+            cache.pop("error", None)
+            return await self._flush_cache(name, peer, cache)
+        except Exception as e:
+            cache["error"] = f"{type(e).__name__}: {e}"
+            return None
+        finally:
+            await peer.close()
+
+    @staticmethod
+    def _removal_fate(cache: dict, connected: bool, recovered: int) -> str:
+        """What became of a removed instance's prefix cache, in words (``prefix_cache.fate``):
+        ``cache`` as :meth:`remove` filled it, ``connected`` whether the gateway was connected to
+        it, ``recovered`` the requests in flight there that were recovered elsewhere."""
+        index = "the gateway's prefix index of it is forgotten, so routing counts no hits there"
+        err, n = cache.get("error"), recovered
+        if not connected:
+            return (f"not flushed: the instance was not connected (its pages died with its process, or a restarted "
+                    f"one started empty); {index}")
+        if not cache.get("flushed"):
+            freed = (f"; the instance freed the pages of the {n} request(s) in flight there itself as the gateway's "
+                     f"connection closed") if n else ""
+            return (f"not flushed: the flush failed ({err}){freed}; its cache stays with its process (stopped if "
+                    f"the gateway started it), its pages unknown here; {index}")
+        if err:  # flushed before requests reached it, not once they were freed
+            how = (f"flushed, but not again once the requests that ran there during that flush were freed ({err}): "
+                   f"the cache pages they held stay with its process")
+        elif n:
+            how = (f"flushed once the instance had freed the pages of the {n} request(s) in flight there (recovered "
+                   f"elsewhere: the gateway closed its connection first, so the instance aborted them)")
+        else:
+            how = "flushed"
+        if cache.get("live_requests"):
+            how += (f"; {cache['live_requests']} request(s) still ran there at the flush: the pages they held are not "
+                    f"counted")
+        return f"{how} and dropped with the instance; {index}"
 
     async def rerole(self, name: str, role: str, force: bool = False, wait_s: float | None = None,
                      poll_s: float = 0.05) -> dict:

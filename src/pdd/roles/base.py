@@ -354,11 +354,12 @@ class EngineInstance:
 
     async def on_flush(self, peer, h, payload):
         def _flush(e):
+            free0 = e.pool.num_free
             e.flush_cache()
-            return e.pool.num_pages, e.pool.num_free
+            return e.pool.num_pages, e.pool.num_free, e.pool.num_free - free0
 
-        total, free = await self.worker.call(_flush)
-        return FlushOk(self.spec.name, total, free, len(self.reqs)).wire(), b""
+        total, free, dropped = await self.worker.call(_flush)
+        return FlushOk(self.spec.name, total, free, len(self.reqs), dropped).wire(), b""
 
     def note_aborted(self, rid: str) -> None:
         self._aborted[rid] = None

@@ -452,11 +452,15 @@ class StatsOk(Msg):
 
 @dataclass
 class FlushOk(Msg):
+    """``pages_dropped``: the pages this flush evicted from the prefix cache, counted on the
+    engine thread in one step with the flush (a difference of two calls would count pages that
+    requests took or freed in between)."""
     T = "flush_ok"
     name: str
     pages_total: int
     pages_free: int
     live_requests: int
+    pages_dropped: int = OMIT
 
 
 @dataclass

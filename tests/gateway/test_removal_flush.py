@@ -1,0 +1,196 @@
+"""What ``DELETE /pdd/instances/{name}`` does to the removed instance's prefix cache and KV pages,
+and what its answer says about them, on a fake instance that keeps its pages as an engine
+instance does (``pdd.roles.base``): requests own pages and lock the cache pages their prompt hit,
+an abort frees a request's pages once, a closed owner's requests are aborted, a flush evicts only
+the cache's unlocked pages. Real orchestrator and membership; no processes, no clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from pdd.policy.membership import REMOVED
+from tests.gateway.fake_peer import FakePeer
+from tests.gateway.test_membership import _setup
+
+PAGE_SIZE = 16  # the config's default engine page size
+
+
+class FakeInstance:
+    """One instance's KV pool: ``cache`` (page ids in its prefix cache), ``reqs`` (rid -> its own
+    pages, the cache pages it locks, the connection that owns it), ``freed`` (every page freed,
+    in order: a page freed twice shows twice)."""
+
+    def __init__(self, total: int = 64):
+        self.total, self.next = total, 0
+        self.cache: set[int] = set()
+        self.reqs: dict[str, tuple[set[int], set[int], Conn]] = {}
+        self.freed: list[int] = []
+        self.refuse = False  # a new connection is refused
+
+    def _alloc(self, n: int) -> set[int]:
+        pages = set(range(self.next, self.next + n))
+        self.next += n
+        return pages
+
+    def cached(self, n: int) -> list[int]:
+        pages = self._alloc(n)
+        self.cache |= pages
+        return sorted(pages)
+
+    def admit(self, rid: str, own: int, locks: list[int], conn: "Conn") -> None:
+        self.reqs[rid] = (self._alloc(own), set(locks), conn)
+
+    def used(self) -> int:
+        return len(self.cache) + sum(len(own) for own, _l, _c in self.reqs.values())
+
+    def abort(self, rid: str) -> None:
+        r = self.reqs.pop(rid, None)  # a second abort finds nothing (ReqCtx.released)
+        if r is not None:
+            self.freed += sorted(r[0])
+
+    def flush(self) -> None:
+        locked = set().union(*(locks for _o, locks, _c in self.reqs.values()))
+        evict = self.cache - locked
+        self.cache -= evict
+        self.freed += sorted(evict)
+
+    def connect(self) -> "Conn":
+        if self.refuse:
+            raise ConnectionRefusedError("connection refused")
+        return Conn(self)
+
+
+class Conn(FakePeer):
+    """A connection to a FakeInstance, answering stats / flush / abort as an instance does."""
+
+    def __init__(self, inst: FakeInstance):
+        super().__init__()
+        self.inst = inst
+        self.before_flush = None  # an async hook run when a flush is asked, before it runs
+
+    async def call(self, h, payload=b"", timeout=None):
+        self.sent.append(dict(h))
+        i = self.inst
+        if h["t"] == "stats":
+            return {"pages_total": i.total, "pages_free": i.total - i.used(), "running": len(i.reqs)}, b""
+        if h["t"] == "flush":
+            if self.before_flush is not None:
+                await self.before_flush()
+            used = i.used()
+            i.flush()
+            return {"pages_total": i.total, "pages_free": i.total - i.used(), "live_requests": len(i.reqs),
+                    "pages_dropped": used - i.used()}, b""
+        if h["t"] == "abort":
+            i.abort(h["rid"])
+        return {"t": "ok"}, b""
+
+    async def close(self):
+        self.closed = True
+        for rid in [r for r, (_o, _l, c) in self.inst.reqs.items() if c is self]:  # its owner is gone
+            self.inst.abort(rid)
+
+
+def _with_instance(name: str = "md1"):
+    """``_setup``'s gateway (md0, md1 active) with ``name`` a FakeInstance: its cache holds 5 pages;
+    returns (orchestrator, membership, instance, the gateway's connection, connections opened)."""
+    o, ms, _ = _setup(standby=())
+    inst = FakeInstance()
+    conn = o.peers[name] = Conn(inst)
+    opened = []
+
+    async def connect(n, retries):
+        assert n == name
+        c = inst.connect()
+        opened.append(c)
+        return c
+
+    o._connect = connect
+    inst.cached(5)
+    return o, ms, inst, conn, opened
+
+
+def _freed_once(inst: FakeInstance) -> bool:
+    return all(n == 1 for n in Counter(inst.freed).values())
+
+
+def test_forced_removal_with_a_request_in_flight_flushes_and_frees_every_page_once():
+    """``DELETE /pdd/instances/md1?force=true`` with a request decoding there: the answer said
+    "dropped with the instance (flushed)" but nothing was flushed (the instance kept its 5 cache
+    pages) and it gave no pages dropped. The request is recovered elsewhere, the instance
+    aborts it as the gateway's connection closes, and its cache (the 2 pages the request locked
+    included) is flushed over a fresh connection: each of the 8 pages freed exactly once."""
+    o, ms, inst, conn, opened = _with_instance()
+    cache_pages = sorted(inst.cache)
+    inst.admit("r1", 3, cache_pages[:2], conn)  # its prompt hit 2 cache pages; 3 pages of its own
+    o.inflight["md1"] = 1
+    lost = []
+    o._peer_closed = lambda name, peer=None: lost.append((name, peer.closed))
+    rep = asyncio.run(ms.remove("md1", force=True))
+    assert lost == [("md1", False)]  # recovered before its connection closed
+    assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, 0)
+    assert rep["prefix_cache"] == {
+        "flushed": True, "pages_dropped": 5, "tokens_dropped": 5 * PAGE_SIZE, "gateway_index_pages_forgotten": 0,
+        "fate": "flushed once the instance had freed the pages of the 1 request(s) in flight there (recovered "
+                "elsewhere: the gateway closed its connection first, so the instance aborted them) and dropped with "
+                "the instance; the gateway's prefix index of it is forgotten, so routing counts no hits there"}
+    assert inst.cache == set() and inst.reqs == {} and inst.used() == 0
+    assert sorted(inst.freed) == list(range(8)) and _freed_once(inst)
+    assert conn.closed and conn.sent == [] and [c.closed for c in opened] == [True]
+    assert ms.events[-1]["prefix_cache"] == rep["prefix_cache"] and ms.events[-1]["forced"] is True
+
+
+def test_a_forced_removal_whose_flush_fails_says_the_cache_was_not_flushed():
+    """The instance refuses the fresh connection: the answer says the cache was not flushed and
+    why, and leaked_pages is unknown; the request's pages are freed once all the same (its owner
+    gone), the cache pages stay with the instance."""
+    o, ms, inst, conn, opened = _with_instance()
+    inst.admit("r1", 3, sorted(inst.cache)[:2], conn)
+    inst.refuse = True
+    o.inflight["md1"] = 1
+    o._peer_closed = lambda name, peer=None: None
+    rep = asyncio.run(ms.remove("md1", force=True))
+    assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, None)
+    assert rep["prefix_cache"] == {
+        "flushed": False, "gateway_index_pages_forgotten": 0, "error": "ConnectionRefusedError: connection refused",
+        "fate": "not flushed: the flush failed (ConnectionRefusedError: connection refused); the instance freed the "
+                "pages of the 1 request(s) in flight there itself as the gateway's connection closed; its cache stays "
+                "with its process (stopped if the gateway started it), its pages unknown here; the gateway's prefix "
+                "index of it is forgotten, so routing counts no hits there"}
+    assert len(inst.cache) == 5 and inst.reqs == {} and sorted(inst.freed) == [5, 6, 7] and _freed_once(inst)
+
+
+def test_a_request_reaching_an_instance_during_its_removal_leaves_nothing_cached():
+    """A request routed there just before the removal, assigned while its cache was flushed: the
+    flush could not evict the cache page it locked, and leaked_pages was null. The instance is
+    flushed again once it freed that request (the gateway's connection closed): every cache
+    page dropped, each page freed once, leaked_pages exact."""
+    o, ms, inst, conn, opened = _with_instance()
+    o._peer_closed = lambda name, peer=None: None
+    first = sorted(inst.cache)[0]
+
+    async def arrives():  # during the first flush
+        conn.before_flush = None
+        inst.admit("r2", 2, [first], conn)
+        o.inflight["md1"] = 1
+
+    conn.before_flush = arrives
+    rep = asyncio.run(ms.remove("md1"))
+    assert (rep["state"], rep["forced"], rep["in_flight_recovered"], rep["leaked_pages"]) == (REMOVED, False, 1, 0)
+    assert (rep["prefix_cache"]["flushed"], rep["prefix_cache"]["pages_dropped"]) == (True, 5)
+    assert inst.cache == set() and inst.reqs == {} and sorted(inst.freed) == list(range(7)) and _freed_once(inst)
+    assert [h["t"] for h in conn.sent] == ["stats", "flush"] and [[h["t"] for h in c.sent] for c in opened] == [
+        ["stats", "stats", "flush"]]
+
+
+def test_a_request_the_gateway_does_not_know_is_no_leak():
+    """An idle removal whose flush finds a request still running there (one the gateway no
+    longer counts, its abort still on its way): its pages were reported as leaked. They are not
+    counted as leaked; the instance aborts it as the gateway's connection closes, and the cache
+    is flushed again then."""
+    o, ms, inst, conn, opened = _with_instance()
+    inst.admit("old", 4, sorted(inst.cache)[:1], conn)
+    rep = asyncio.run(ms.remove("md1"))
+    assert (rep["forced"], rep["leaked_pages"], rep["prefix_cache"]["pages_dropped"]) == (False, 0, 5)
+    assert "live_requests" not in rep["prefix_cache"]
+    assert inst.cache == set() and inst.reqs == {} and sorted(inst.freed) == list(range(9)) and _freed_once(inst)
