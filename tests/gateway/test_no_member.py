@@ -160,7 +160,8 @@ async def test_a_waiting_recovery_fails_at_once_when_the_p_it_waits_for_is_remov
     started = _launch_on_p(o)
     st, task = await _waiting_recovery(o)
     rep = await ms.remove("p0", force=True)
-    assert rep["state"] == REMOVED and rep["forced"] is False  # nothing in flight there: force only lifted "last active"
+    # nothing in flight there: force only lifted the "last active" refusal (docs/SERVE.md)
+    assert rep["state"] == REMOVED and rep["forced"] is False
     finished = await _turns(task)
     if not finished:
         await _cancel(task)

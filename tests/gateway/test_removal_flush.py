@@ -131,9 +131,10 @@ def test_forced_removal_with_a_request_in_flight_flushes_and_frees_every_page_on
     assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, 0)
     assert rep["prefix_cache"] == {
         "flushed": True, "pages_dropped": 5, "tokens_dropped": 5 * PAGE_SIZE, "gateway_index_pages_forgotten": 0,
-        "fate": "flushed once the instance had freed the pages of the 1 request(s) in flight there (recovered "
-                "elsewhere: the gateway closed its connection first, so the instance aborted them) and dropped with "
-                "the instance; the gateway's prefix index of it is forgotten, so routing counts no hits there"}
+        "fate": "flushed once the instance had freed the pages of the 1 request(s) or transfer(s) in flight there "
+                "(recovered elsewhere: the gateway closed its connection first, so the instance aborted them) and "
+                "dropped with the instance; the gateway's prefix index of it is forgotten, so routing counts no hits "
+                "there"}
     assert inst.cache == set() and inst.reqs == {} and inst.used() == 0
     assert sorted(inst.freed) == list(range(8)) and _freed_once(inst)
     assert conn.closed and conn.sent == [] and [c.closed for c in opened] == [True]
@@ -154,9 +155,9 @@ def test_a_forced_removal_whose_flush_fails_says_the_cache_was_not_flushed():
     assert rep["prefix_cache"] == {
         "flushed": False, "gateway_index_pages_forgotten": 0, "error": "ConnectionRefusedError: connection refused",
         "fate": "not flushed: the flush failed (ConnectionRefusedError: connection refused); the instance freed the "
-                "pages of the 1 request(s) in flight there itself as the gateway's connection closed; its cache stays "
-                "with its process (stopped if the gateway started it), its pages unknown here; the gateway's prefix "
-                "index of it is forgotten, so routing counts no hits there"}
+                "pages of the 1 request(s) or transfer(s) in flight there itself as the gateway's connection closed; "
+                "its cache stays with its process (stopped if the gateway started it), its pages unknown here; the "
+                "gateway's prefix index of it is forgotten, so routing counts no hits there"}
     assert len(inst.cache) == 5 and inst.reqs == {} and sorted(inst.freed) == [5, 6, 7] and _freed_once(inst)
 
 

@@ -533,21 +533,22 @@ class Membership:
             return (f"not flushed: the instance was not connected (its pages died with its process, or a restarted "
                     f"one started empty); {index}")
         if not cache.get("flushed"):
-            freed = (f"; the instance freed the pages of the {n} request(s) in flight there itself as the gateway's "
-                     f"connection closed") if n else ""
+            freed = (f"; the instance freed the pages of the {n} request(s) or transfer(s) in flight there itself "
+                     f"as the gateway's connection closed") if n else ""
             return (f"not flushed: the flush failed ({err}){freed}; its cache stays with its process (stopped if "
                     f"the gateway started it), its pages unknown here; {index}")
         if err:  # flushed before requests reached it, not once they were freed
             how = (f"flushed, but not again once the requests that ran there during that flush were freed ({err}): "
                    f"the cache pages they held stay with its process")
         elif n:
-            how = (f"flushed once the instance had freed the pages of the {n} request(s) in flight there (recovered "
-                   f"elsewhere: the gateway closed its connection first, so the instance aborted them)")
+            how = (f"flushed once the instance had freed the pages of the {n} request(s) or transfer(s) in flight "
+                   f"there (recovered elsewhere: the gateway closed its connection first, so the instance aborted "
+                   f"them)")
         else:
             how = "flushed"
         if cache.get("live_requests"):
-            how += (f"; {cache['live_requests']} request(s) still ran there at the flush: the pages they held are not "
-                    f"counted")
+            how += (f"; {cache['live_requests']} request(s) still ran there at the flush: the pages they held "
+                    f"are not counted")
         return f"{how} and dropped with the instance; {index}"
 
     async def rerole(self, name: str, role: str, force: bool = False, wait_s: float | None = None,
