@@ -331,3 +331,71 @@ def test_an_interval_for_p99_in_an_older_validate_json_is_not_shown(tmp_path):
     row = next(ln for ln in format_report(held_out_report(cal, [ho])).splitlines() if ln.startswith(f"| {ho} |"))
     p50, p90, p99 = row.split(" | ")[3:6]
     assert p50.endswith("[-10, +20])") and "[" not in p90 and "[" not in p99
+
+
+def _with_ci(d, ci, n=None):
+    v = json.loads((d / "validate.json").read_text())
+    v["err_ci"] = ci
+    if n is not None:
+        v["requests_compared"] = n
+    (d / "validate.json").write_text(json.dumps(v))
+    return d
+
+
+def test_each_goal_is_judged_against_the_runs_interval(tmp_path):
+    """Issue 25's goal "judged against the noise": met; not met but the 95% interval reaches the
+    goal band (the run cannot tell its error from one that meets it); missed beyond the interval."""
+    cal = _run_dir(tmp_path, "cal")
+    live = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 400.0}
+    # P50 +8% with [-11, +39] (reaches +5%); P90 +12% with [+6, +20] (wholly above +5%); 92 of 100 decided alike
+    a = _with_ci(_run_dir(tmp_path, "a", {"session_seed": 2}, live, {"p50_ttft_ms": 108.0, "p90_ttft_ms": 448.0},
+                          dm=0.92), {"p50_ttft_ms": [-0.11, 0.39], "p90_ttft_ms": [0.06, 0.20]}, n=100)
+    # P50 -7.5% with [-16, -5.5] (wholly below -5%); P90 +1% (met); 80 of 100 alike (Wilson [71, 87]: below 95)
+    b = _with_ci(_run_dir(tmp_path, "b", {"session_seed": 3}, live, {"p50_ttft_ms": 92.5, "p90_ttft_ms": 404.0},
+                          dm=0.80), {"p50_ttft_ms": [-0.16, -0.055], "p90_ttft_ms": [-0.07, 0.05]}, n=100)
+    # no intervals recorded (an older validate.json): the misses cannot be judged against one
+    c = _run_dir(tmp_path, "c", {"session_seed": 4}, live, {"p50_ttft_ms": 120.0, "p90_ttft_ms": 400.0}, dm=0.5)
+    v = json.loads((c / "validate.json").read_text())
+    v.pop("err_ci", None)
+    v["requests_compared"] = 0
+    (c / "validate.json").write_text(json.dumps(v))
+    rep = held_out_report(cal, [a, b, c])
+    ra, rb, rc = rep["held_out"]
+    assert ra["decision_match_ci"] == pytest.approx([0.8500189229905127, 0.9589065385156194])
+    assert ra["judged"] == {"ttft_p50": "within the interval", "ttft_p90": "missed beyond the interval",
+                            "decision_match": "within the interval"}
+    assert rb["decision_match_ci"] == pytest.approx([0.7112, 0.8666], abs=1e-4)
+    assert rb["judged"] == {"ttft_p50": "missed beyond the interval", "ttft_p90": "met",
+                            "decision_match": "missed beyond the interval"}
+    assert rc["decision_match_ci"] is None
+    assert rc["judged"] == {"ttft_p50": None, "ttft_p90": "met", "decision_match": None}
+    assert rep["judged"] == {
+        "ttft_p50": {"met": 0, "within the interval": 1, "missed beyond the interval": 1},
+        "ttft_p90": {"met": 2, "within the interval": 0, "missed beyond the interval": 1},
+        "decision_match": {"met": 0, "within the interval": 1, "missed beyond the interval": 1}}
+    text = format_report(rep)
+    assert "| 92.0% [85, 96] |" in text
+    assert ("of 3 held-out run(s): TTFT P50 0 / 1 / 1; TTFT P90 2 / 0 / 1; decision match 0 / 1 / 1") in text
+
+
+def test_a_band_edge_on_the_interval_counts_as_reached(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    a = _with_ci(_run_dir(tmp_path, "a", {"session_seed": 2}, {"p50_ttft_ms": 100.0}, {"p50_ttft_ms": 110.0}),
+                 {"p50_ttft_ms": [0.05, 0.2]})
+    assert held_out_report(cal, [a])["held_out"][0]["judged"]["ttft_p50"] == "within the interval"
+
+
+@pytest.mark.parametrize("field, bad", [("decision_match_share", "x"), ("decision_match_share", 1.5),
+                                        ("decision_match_share", True), ("requests_compared", -1),
+                                        ("requests_compared", 2.5), ("requests_compared", "100")])
+def test_a_malformed_share_or_count_is_one_line_naming_the_field(tmp_path, capsys, field, bad):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v[field] = bad
+    (ho / "validate.json").write_text(json.dumps(v))
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert f"ho/validate.json: {field}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

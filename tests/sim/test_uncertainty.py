@@ -109,3 +109,20 @@ def test_an_overflowing_error_is_left_out_not_a_nan_interval():
         assert paired_percentile_error_ci([1e-320] * 3, [1.0] * 3, 50) is None
         lo, hi = paired_percentile_error_ci([1e-320, 1.0, 1.0, 1.0], [1.0, 1.1, 1.1, 1.1], 50)
     assert lo == lo and hi == hi and lo <= hi
+
+
+def test_share_interval_is_wilsons():
+    """Wilson's score interval at 95% (z = 1.959964): 92 of 100 -> [0.8500, 0.9589] (as the
+    published tables give), exactly 0 / 1 at the ends, None for no requests."""
+    from pdd.sim.uncertainty import share_interval
+
+    assert share_interval(92, 100) == pytest.approx((0.8500189, 0.9589065), abs=1e-6)
+    assert share_interval(0, 10) == pytest.approx((0.0, 0.2775328), abs=1e-6) and share_interval(0, 10)[0] == 0.0
+    assert share_interval(100, 100)[1] == 1.0 and share_interval(100, 100)[0] == pytest.approx(0.9630065, abs=1e-6)
+    assert share_interval(0, 0) is None
+    for hits, n, msg in ((3, 2, "hits must be in"), (-1, 5, "hits must be in"), (1.5, 5, "whole number"),
+                         (True, 5, "whole number")):
+        with pytest.raises(ValueError, match=msg):
+            share_interval(hits, n)
+    with pytest.raises(ValueError, match="level"):
+        share_interval(1, 2, level=1.0)

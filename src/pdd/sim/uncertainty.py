@@ -93,3 +93,33 @@ def error_intervals(ttft_pairs, tpot_pairs, resamples: int = RESAMPLES, level: f
             if len(p) >= 2 else None
         out[name] = None if ci is None else [ci[0], ci[1]]
     return out
+
+
+def share_interval(hits: int, n: int, level: float = LEVEL) -> tuple[float, float] | None:
+    """Interval of a share (e.g. the decision match: ``hits`` of ``n`` requests decided alike):
+    the **Wilson score interval** (E. B. Wilson, "Probable inference, the law of succession, and
+    statistical inference", JASA 22, 1927; recommended over the normal approximation by Agresti
+    & Coull, The American Statistician 52, 1998), the central ``level`` of the binomial share a
+    run of ``n`` requests could have shown. Returns ``(lo, hi)`` in [0, 1], or None when ``n`` is 0.
+
+    Raises ValueError when ``hits`` or ``n`` is not a whole number, ``hits`` is outside [0, n] or
+    ``level`` outside (0, 1)."""
+    from statistics import NormalDist
+
+    for name, v in (("hits", hits), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name} must be a whole number, got {v!r}")
+    if not (0 <= hits <= n):
+        raise ValueError(f"hits must be in [0, n] = [0, {n}], got {hits}")
+    if not (0.0 < level < 1.0):
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    if n == 0:
+        return None
+    z = NormalDist().inv_cdf((1.0 + level) / 2.0)
+    p = hits / n
+    den = 1.0 + z * z / n
+    mid = (p + z * z / (2.0 * n)) / den
+    half = z * np.sqrt(p * (1.0 - p) / n + z * z / (4.0 * n * n)) / den
+    lo = 0.0 if hits == 0 else max(0.0, mid - half)  # exactly 0 / 1 at the ends (no rounding residue)
+    hi = 1.0 if hits == n else min(1.0, mid + half)
+    return float(lo), float(hi)
