@@ -147,7 +147,7 @@ def cmd_serve(args) -> int:
 
     from pdd.launch import LaunchError
     from pdd.security import SecurityError
-    from pdd.topology import layout, ports_in_use, ports_taken_message
+    from pdd.topology import ports_taken_refusal
 
     cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port)
     unused = cfg.unused_settings()
@@ -164,12 +164,9 @@ def cmd_serve(args) -> int:
                                                                                   "enabled": True}})
         except ValidationError as e:
             raise SystemExit(f"pdd: invalid config (--autoscale): {validation_summary(e)}")
-    busy = ports_in_use(layout(cfg))
-    if busy:
-        raise SystemExit(
-            f"pdd: {ports_taken_message(busy)} already in use (another pdd serve or make demo?): this topology "
-            f"needs the gateway port {cfg.gateway_port} and base_port {cfg.base_port}..{cfg.base_port + 99}; "
-            f"choose others with --port and --base-port (or gateway_port / base_port in the config)")
+    taken = ports_taken_refusal([cfg], "pdd serve")
+    if taken:  # one line naming the ports and their users, exit 2, as pdd demo and pdd bench refuse
+        _usage(args, taken)
     ensure_model(cfg)
 
     def _term(signum, frame):  # systemd / docker / k8s stop with SIGTERM: shut down like Ctrl-C

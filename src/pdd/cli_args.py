@@ -50,5 +50,12 @@ def usage_error(args, msg: str):
     block (37 lines for ``pdd sim run``) came first and buried the line naming the flag, as
     ``pdd.sim.cli.run_command`` prints a refused value."""
     p = getattr(args, "parser", None)
-    print(f"{p.prog if p is not None else 'pdd'}: error: {msg}", file=sys.stderr)
+    refuse(p.prog if p is not None else "pdd", msg)
+
+
+def refuse(prog: str, msg: str):
+    """One line ``PROG: error: MSG`` on stderr, then SystemExit(2): :func:`usage_error` for a
+    command that has its parser's prog at hand (``pdd demo``, ``pdd bench``) rather than in
+    ``args``."""
+    print(f"{prog}: error: {msg}", file=sys.stderr)
     raise SystemExit(2)

@@ -138,6 +138,36 @@ def ports_taken_message(busy: list[int], users: dict[int, str] | None = None) ->
     return f"port{'s' if len(busy) > 1 else ''} {named}{more}"
 
 
+def ports_taken_refusal(cfgs: list[TopologyFields], prog: str, port_flag: str = "--port") -> str | None:
+    """None when every port the topologies of ``cfgs`` need can be bound now
+    (:func:`ports_in_use` of each :func:`layout`); else the one line with which ``pdd serve``,
+    ``pdd demo`` and ``pdd bench`` (``prog``) refuse to start (exit status 2): each busy port
+    (:func:`ports_taken_message`) with who in those topologies would listen on it and where in
+    the config's block (``8000 (gateway: gateway_port)``, ``18070 (d0, md0: base_port + 70)``,
+    from :func:`port_users`), the ports the topologies use, and the flags that move them
+    (``port_flag``: ``prog``'s flag for the gateway port, then ``--base-port``). ``cfgs``: one
+    config in one or more modes (``pdd bench``'s), so they share its gateway port and base port
+    (the first's are named)."""
+    busy: dict[int, list[str]] = {}
+    for cfg in cfgs:
+        lay = layout(cfg)
+        users = port_users(lay)
+        for port in ports_in_use(lay):
+            busy.setdefault(port, [])
+            busy[port] += [u for u in users[port] if u not in busy[port]]
+    if not busy:
+        return None
+    gateway, base = cfgs[0].gateway_port, cfgs[0].base_port
+
+    def where(port: int) -> str:
+        return "gateway_port" if port == gateway else f"base_port + {port - base}"
+
+    named = ports_taken_message(sorted(busy), {p: f"{', '.join(sorted(who))}: {where(p)}" for p, who in busy.items()})
+    return (f"{named} already in use (another pdd serve, make demo or pdd bench?): {prog} needs the gateway port "
+            f"{gateway} and base_port {base}..{base + 99}; choose others with {port_flag} and --base-port (or "
+            f"gateway_port / base_port in the config)")
+
+
 def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
     """Whether a TCP socket can bind ``host:port`` now (it is closed again at once)."""
     import socket

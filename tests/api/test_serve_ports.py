@@ -8,6 +8,7 @@ import pytest
 from pdd.cli import main
 from pdd.config import ClusterConfig
 from pdd.topology import free_port_block, layout, ports_in_use
+from tests.cli_usage import usage_error
 
 
 def test_ports_in_use_names_the_taken_ones():
@@ -21,15 +22,46 @@ def test_ports_in_use_names_the_taken_ones():
         assert ports_in_use(lay) == [base + 10]
 
 
+def _ports_refusal(prog: str, port_text: str, gateway: int, base: int, port_flag: str = "--port") -> str:
+    return (f"{prog}: error: {port_text} already in use (another pdd serve, make demo or pdd bench?): {prog} needs "
+            f"the gateway port {gateway} and base_port {base}..{base + 99}; choose others with {port_flag} and "
+            f"--base-port (or gateway_port / base_port in the config)\n")
+
+
 def test_serve_refuses_a_taken_block_with_a_clear_message(capsys):
     base = free_port_block()
     with socket.socket() as s:
         s.bind(("127.0.0.1", base + 70))  # MD's RPC port
         s.listen()
-        with pytest.raises(SystemExit) as e:
-            main(["serve", "--base-port", str(base), "--port", str(base + 95)])
-    msg = str(e.value)
-    assert f"port {base + 70} already in use" in msg and "--base-port" in msg and "--port" in msg
+        err = usage_error(capsys, main, ["serve", "--base-port", str(base), "--port", str(base + 95)])
+    assert err == _ports_refusal("pdd serve", f"port {base + 70} (md0: base_port + 70)", base + 95, base)
+
+
+@pytest.mark.parametrize("cmd,port_flag", [("serve", "--port"), ("demo", "--port"), ("bench", "--gateway-port")])
+def test_serve_demo_and_bench_refuse_taken_ports_alike(capsys, monkeypatch, tmp_path, cmd, port_flag):
+    """The three commands that start a topology refused a taken port three ways: serve exit 1 with
+    no user named, demo argparse's usage block, bench exit 2 naming users after a usage line. Now
+    one line naming the ports and their users, exit 2."""
+    from pdd.bench import bench as bench_mod, demo as demo_mod
+
+    def started(*a, **k):
+        raise AssertionError("a model, run or topology was started")
+
+    monkeypatch.setattr(demo_mod, "run_demo", started)
+    monkeypatch.setattr(bench_mod, "ensure_model", started)
+    monkeypatch.setattr(bench_mod, "_default_topology", started)
+    base = free_port_block()
+    with socket.socket() as gw, socket.socket() as s:
+        gw.bind(("127.0.0.1", 0))
+        gw.listen()
+        gateway = gw.getsockname()[1]
+        s.bind(("127.0.0.1", base + 10))  # P's RPC port (pdd's p0, same_dc_pd's p0 in bench's reference run)
+        s.listen()
+        extra = [] if cmd == "serve" else ["--out", str(tmp_path / "out"), "--modes", "pdd"]
+        err = usage_error(capsys, main, [cmd, port_flag, str(gateway), "--base-port", str(base), *extra])
+    named = {base + 10: f"{base + 10} (p0: base_port + 10)", gateway: f"{gateway} (gateway: gateway_port)"}
+    assert err == _ports_refusal(f"pdd {cmd}", "ports " + ", ".join(named[p] for p in sorted(named)), gateway, base,
+                                 port_flag)
 
 
 @pytest.mark.parametrize("over,clash", [

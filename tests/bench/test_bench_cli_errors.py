@@ -383,8 +383,8 @@ def nothing_starts(monkeypatch):
 
 def _ports_refusal(port_text: str, gateway: int, base: int) -> str:
     return (f"pdd bench: error: {port_text} already in use (another pdd serve, make demo or pdd bench?): pdd bench "
-            f"starts each mode's topology on the gateway port {gateway} and base_port {base}..{base + 99}; choose "
-            f"others with --gateway-port and --base-port (or gateway_port / base_port in the config)\n")
+            f"needs the gateway port {gateway} and base_port {base}..{base + 99}; choose others with --gateway-port "
+            f"and --base-port (or gateway_port / base_port in the config)\n")
 
 
 def test_a_busy_gateway_port_is_refused_before_anything_starts(capsys, tmp_path, nothing_starts):
@@ -397,7 +397,7 @@ def test_a_busy_gateway_port_is_refused_before_anything_starts(capsys, tmp_path,
         port = s.getsockname()[1]
         err = usage_error(capsys, main, ["--gateway-port", str(port), "--base-port", str(base), "--modes", "colocated",
                                          "--out", str(tmp_path / "b")])
-    assert err.splitlines()[-1] + "\n" == _ports_refusal(f"port {port} (gateway: gateway_port)", port, base)
+    assert err == _ports_refusal(f"port {port} (gateway: gateway_port)", port, base)
     assert not (tmp_path / "b" / "requests.jsonl").exists() and not (tmp_path / "b" / "logs").exists()
 
 
@@ -415,7 +415,7 @@ def test_a_busy_instance_port_names_what_uses_it(capsys, tmp_path, nothing_start
         s.listen()
         err = usage_error(capsys, main, ["--gateway-port", str(gateway), "--base-port", str(base), "--modes", modes,
                                          *slo, "--out", str(tmp_path / "b")])
-    assert err.splitlines()[-1] + "\n" == _ports_refusal(f"port {base + offset} ({who})", gateway, base)
+    assert err == _ports_refusal(f"port {base + offset} ({who})", gateway, base)
 
 
 def test_only_the_ports_of_the_topologies_run_are_checked():

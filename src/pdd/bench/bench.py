@@ -82,8 +82,8 @@ from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_
                               hit_rates, instance_hardware, sweep_point)
 from pdd.bench.live import (RemoteTopology, WanSampler, _default_topology, _warmup, ensure_model,  # noqa: F401
                             measured_replay, wan_reader)
-from pdd.bench.modes import (REFERENCE_MODE, apply_overrides, check_ports_free, check_vllm_tiers,  # noqa: F401
-                             mode_config, parse_mode_label)
+from pdd.bench.modes import (REFERENCE_MODE, PortsTaken, apply_overrides, check_ports_free,  # noqa: F401
+                             check_vllm_tiers, mode_config, parse_mode_label)
 from pdd.bench.autoscaling import mode_autoscale, snapshot as autoscale_snapshot
 from pdd.bench.plots import (handoff_index, plot_autoscale, plot_handoff_gaps, plot_sweep, plot_token_timeline, plot_ttft_cdf,
                              plot_wan_throughput)
@@ -98,6 +98,7 @@ from pdd.bench.table import bench_rows, print_bench_table  # noqa: F401
 from pdd.workload.replay import (DEFAULT_TRACE, Scale, TokenSpace, build_requests, fit_scale, ideal_prefix_hits,
                                  workload_summary)
 from pdd.bench import vllm_mode
+from pdd.cli_args import refuse
 from pdd.config import MODES, ClusterConfig, validation_summary
 from pdd.transfer.layout import wire_dtype
 
@@ -612,6 +613,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            progress=not args.no_progress, argv=argv, ramp=ramp, faults=faults,
                            fault_recover_after_s=recover_after, vllm_python=args.vllm_python,
                            rate_schedule=rate_schedule)
+    except PortsTaken as ex:  # one line, as pdd serve and pdd demo refuse a taken port
+        refuse(ap.prog, str(ex))
     except ValueError as ex:  # the workload or a label refused before anything ran (named in the message)
         ap.error(str(ex))
     return bench_exit_status(report)

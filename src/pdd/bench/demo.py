@@ -194,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
     from pdd.config import MODES
-    from pdd.topology import layout, ports_in_use, ports_taken_message
+    from pdd.cli_args import refuse
+    from pdd.topology import ports_taken_refusal
 
     check_workload_args(ap, args)  # the numbers pdd bench checks, with its messages
     check_numbers(ap, (("--request-timeout", args.request_timeout, 0, True),))
@@ -219,10 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--config / --port / --base-port / --nice: invalid config: {validation_summary(ex)}")
     except (OSError, ValueError) as ex:
         ap.error(f"--config / --port / --base-port / --nice: {ex}")
-    busy = ports_in_use(layout(cfg))
-    if busy:
-        ap.error(f"{ports_taken_message(busy)} already in use (a pdd serve or another demo?): choose others "
-                 f"with --port and --base-port")
+    taken = ports_taken_refusal([cfg], ap.prog)
+    if taken:  # one line naming the ports and their users, exit 2, as pdd serve and pdd bench refuse
+        refuse(ap.prog, taken)
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)

@@ -210,33 +210,24 @@ def check_vllm_tiers(config: ClusterConfig, labels, vllm_python: str | None = No
 REFERENCE_MODE = "same_dc_pd"  # the mode of the reference run that fixes the SLO (pdd.bench.bench)
 
 
+class PortsTaken(ValueError):
+    """A port a topology of the run needs is taken (:func:`check_ports_free`); its message is
+    the one line ``pdd serve`` and ``pdd demo`` refuse with (:func:`pdd.topology.ports_taken_refusal`)."""
+
+
 def check_ports_free(config: ClusterConfig, labels, reference: bool = False) -> None:
     """Refuse, before anything starts, a port that a topology of ``labels`` (and, with
     ``reference``, the ``same_dc_pd`` reference run's own topology) will listen on and that
     cannot be bound now (:func:`pdd.topology.ports_in_use`, the check ``pdd serve`` makes).
-    ``vllm_colocated`` is skipped: stock vLLM's server takes a free port. Raises ValueError: one
-    line naming each busy port (the first five), what listens on it in the config (``gateway:
-    gateway_port``, ``d0, md0: base_port + 70``) and the flags that move them."""
-    from pdd.topology import layout, port_users, ports_in_use, ports_taken_message
+    ``vllm_colocated`` is skipped: stock vLLM's server takes a free port. Raises
+    :class:`PortsTaken` (a ValueError): one line naming each busy port (the first five), what
+    listens on it in the config (``gateway: gateway_port``, ``d0, md0: base_port + 70``) and the
+    flags that move them (:func:`pdd.topology.ports_taken_refusal`)."""
+    from pdd.topology import ports_taken_refusal
 
     cfgs = [mode_config(config, label) for label in labels if parse_mode_label(label)[0] != vllm_mode.VLLM_MODE]
     if reference:
         cfgs.append(config.model_copy(update={"mode": REFERENCE_MODE}))
-    busy: dict[int, list[str]] = {}
-    for cfg in cfgs:
-        lay = layout(cfg)
-        users = port_users(lay)
-        for port in ports_in_use(lay):
-            busy.setdefault(port, [])
-            busy[port] += [u for u in users[port] if u not in busy[port]]
-    if not busy:
-        return
-
-    def where(port: int) -> str:
-        return "gateway_port" if port == config.gateway_port else f"base_port + {port - config.base_port}"
-
-    named = ports_taken_message(sorted(busy), {p: f"{', '.join(sorted(who))}: {where(p)}" for p, who in busy.items()})
-    raise ValueError(f"{named} already in use (another pdd serve, make demo "
-                     f"or pdd bench?): pdd bench starts each mode's topology on the gateway port "
-                     f"{config.gateway_port} and base_port {config.base_port}..{config.base_port + 99}; choose others "
-                     f"with --gateway-port and --base-port (or gateway_port / base_port in the config)")
+    taken = ports_taken_refusal(cfgs, "pdd bench", port_flag="--gateway-port") if cfgs else None
+    if taken:
+        raise PortsTaken(taken)
