@@ -62,6 +62,7 @@ def test_serve_demo_and_bench_refuse_taken_ports_alike(capsys, monkeypatch, tmp_
     named = {base + 10: f"{base + 10} (p0: base_port + 10)", gateway: f"{gateway} (gateway: gateway_port)"}
     assert err == _ports_refusal(f"pdd {cmd}", "ports " + ", ".join(named[p] for p in sorted(named)), gateway, base,
                                  port_flag)
+    assert not (tmp_path / "out").exists()  # pdd bench made it before the refusal
 
 
 @pytest.mark.parametrize("over,clash", [

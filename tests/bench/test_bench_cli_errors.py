@@ -116,6 +116,16 @@ def test_refuses_an_output_dir_it_cannot_create(capsys, tmp_path, no_run, out, n
     _refused(capsys, ["--out", out], f"--out {out}", *names)
 
 
+def test_the_output_dir_check_makes_nothing(tmp_path):
+    from pdd.bench.args import out_dir_problem
+
+    assert out_dir_problem(tmp_path / "a" / "b" / "c") is None
+    assert out_dir_problem(str(tmp_path / "x" / ".." / "y")) is None
+    (tmp_path / "kept").mkdir()
+    assert out_dir_problem(tmp_path / "kept" / "new") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+
+
 # ---------------------------------------------------------------- against a fake gateway (--url)
 
 
@@ -251,6 +261,7 @@ def test_a_trace_the_default_session_sample_empties_names_the_flag(capsys, tmp_p
     del argv[i:i + 2]  # the default
     err = _refused(capsys, argv, "no requests in", "--session-sample 50", "give --session-sample 1")
     assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # the refused run made --out and three empty .jsonl files there
 
 
 def test_an_empty_trace_is_named_as_such(capsys, tmp_path, no_run):
@@ -396,9 +407,9 @@ def test_a_busy_gateway_port_is_refused_before_anything_starts(capsys, tmp_path,
         s.listen()
         port = s.getsockname()[1]
         err = usage_error(capsys, main, ["--gateway-port", str(port), "--base-port", str(base), "--modes", "colocated",
-                                         "--out", str(tmp_path / "b")])
+                                         "--out", str(tmp_path / "b" / "run")])
     assert err == _ports_refusal(f"port {port} (gateway: gateway_port)", port, base)
-    assert not (tmp_path / "b" / "requests.jsonl").exists() and not (tmp_path / "b" / "logs").exists()
+    assert list(tmp_path.iterdir()) == []  # --out and its parent were made before the refusal, and left behind
 
 
 @pytest.mark.parametrize("modes,slo,offset,who", [

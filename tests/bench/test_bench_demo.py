@@ -152,6 +152,18 @@ def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert "pdd demo: error: --start 100000000: no requests in" in err and "Traceback" not in err, err
+    assert not (tmp_path / "d").exists()  # run_demo made --out before it found the slice empty
+
+
+def test_demo_cli_refuses_an_out_it_cannot_create(capsys, tmp_path, demo_cli):
+    """``pdd demo --out FILE`` was a FileExistsError traceback from run_demo."""
+    (tmp_path / "FILE").write_text("x")
+    for out, message in ((tmp_path / "FILE", "a file of that name exists"), (tmp_path / "FILE" / "x", "Not a directory")):
+        with pytest.raises(SystemExit) as ex:
+            demo_cli.main(["--out", str(out)])
+        assert ex.value.code == 2
+        err = capsys.readouterr().err
+        assert err.endswith(f"pdd demo: error: --out {out}: cannot create the output directory: {message}\n"), err
 
 
 def test_demo_cli_exits_1_when_a_mode_completed_no_request(capsys, tmp_path, demo_cli, monkeypatch):

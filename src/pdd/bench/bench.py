@@ -76,7 +76,7 @@ from pdd.bench.args import (DEFAULT_MODES, DEFAULT_REF_REQUESTS, DEFAULT_REQUEST
                             DEFAULT_SWEEP, DEFAULT_SWEEP_MIN_REQUESTS, DEFAULT_SWEEP_POINTS, DEFAULT_SWEEP_REQUESTS,
                             DEFAULT_SWEEP_SECONDS, DEFAULT_SWEEP_TIMEOUT_S, TOPOLOGY_OVERRIDES, ShortUsageParser,
                             bench_exit_status, build_parser, check_args, check_numbers, check_workload_args,
-                            load_schedule, parse_fault_args, _override_error, _override_flag)
+                            load_schedule, out_dir_problem, parse_fault_args, _override_error, _override_flag)
 from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_FIELDS,  # noqa: F401
                               WIDE_WINDOW_BEFORE, bench_mode_extras, cutoff_stats, handoff_gap_ms, handoff_stats,
                               hit_rates, instance_hardware, sweep_point)
@@ -182,8 +182,7 @@ def run_bench(
     cpu0 = time.process_time()
     console = console or Console()
     config = config or ClusterConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # made once the checks below passed: a refused run leaves nothing there
     timeout_s = request_timeout_s or config.request_timeout_s
     absolute = dict(slo or {})
     need_ref = not ("ttft_ms" in absolute and "tpot_ms" in absolute)
@@ -279,6 +278,7 @@ def run_bench(
                                    "each point replays whole conversations of the workload on flushed caches"))
 
     # ---- outputs
+    out.mkdir(parents=True, exist_ok=True)
     paths = {k: out / f"{k}.jsonl" for k in ("requests", "reference_requests", "sweep_requests")}
     for p in paths.values():
         p.write_text("")
@@ -597,12 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       session_sample=args.session_sample, session_seed=args.session_seed)
     except ValueError as ex:  # check_args names the flags; this is the backstop for a combination it misses
         ap.error(f"workload scaling: {ex}")
-    try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        ap.error(f"--out {args.out}: cannot create the output directory: a file of that name exists")
-    except OSError as ex:
-        ap.error(f"--out {args.out}: cannot create the output directory: {ex.strerror or ex}")
+    bad_out = out_dir_problem(args.out)  # run_bench makes it once its own checks passed
+    if bad_out:
+        ap.error(f"--out {args.out}: {bad_out}")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     try:
         report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace,

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import pydantic
 
-from pdd.bench.args import bench_exit_status, check_numbers, check_workload_args
+from pdd.bench.args import bench_exit_status, check_numbers, check_workload_args, out_dir_problem
 from pdd.bench.live import _default_topology, _proc_cpu, _warmup, ensure_model, measured_replay  # noqa: F401
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
@@ -79,8 +79,7 @@ def run_demo(
     console = console or Console()
     config = config or ClusterConfig()
     factory = topology_factory or _default_topology
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # made once the workload is built: a refused run (NoRequests) leaves nothing there
     timeout_s = request_timeout_s or config.request_timeout_s
 
     from pdd.launch import set_nice
@@ -106,6 +105,7 @@ def run_demo(
         f"ideal prefix hit rate {100 * workload['ideal_prefix_hit_rate']:.1f}%"
     )
 
+    out.mkdir(parents=True, exist_ok=True)
     req_path = out / "requests.jsonl"
     req_path.write_text("")
     server_stats: dict[str, dict] = {}
@@ -223,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     taken = ports_taken_refusal([cfg], ap.prog)
     if taken:  # one line naming the ports and their users, exit 2, as pdd serve and pdd bench refuse
         refuse(ap.prog, taken)
+    bad_out = out_dir_problem(args.out)  # run_demo makes it once the workload is built
+    if bad_out:
+        ap.error(f"--out {args.out}: {bad_out}")
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)
