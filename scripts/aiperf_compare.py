@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, bench_args = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="aiperf_compare.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/aiperf")
     ap.add_argument("--mode", default="pdd", choices=("colocated", "same_dc_pd", "cross_dc_pd", "pdd"),
                     help="the mode of the `pdd serve` this starts (not with --url)")
@@ -105,6 +105,13 @@ def main(argv=None) -> int:
         bench_args += ["--slo", "ttft:2000", "tpot:200"]  # absolute: no reference run, the same SLO for aiperf
     if not Path(a.aiperf).exists():
         print(f"aiperf not found at {a.aiperf}: run `make aiperf` (or give --aiperf)", file=sys.stderr)
+        return 2
+    try:  # before anything starts: a wrong name made every request of both clients a 404
+        if a.url is not None:
+            _wait_health(a.url, None, a.serve_timeout)  # a server still starting is waited for, as before
+        A.check_model(bench_args, a.url)
+    except (RuntimeError, ValueError) as ex:
+        print(f"{ap.prog}: error: {ex}", file=sys.stderr)
         return 2
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -130,3 +130,95 @@ def test_per_request_pairing_and_send_lag():
     lag = A.pdd_send_lag(recs)
     assert lag["send_lag_p50_ms"] == pytest.approx(2.0)
     assert A.paired_ttft([], []) is None
+
+
+# ---- the script's model check (scripts/aiperf_compare.py), before anything starts
+
+
+def _script():
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "scripts" / "aiperf_compare.py"
+    spec = importlib.util.spec_from_file_location("aiperf_compare", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def models_gateway():
+    """A gateway whose GET /v1/models lists ``served`` (its completions are never reached)."""
+    from fastapi import FastAPI
+
+    from bench_fakes import serve_in_thread
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "served", "object": "model"}]}
+
+    url, stop = serve_in_thread(app)
+    yield url
+    stop()
+
+
+@pytest.fixture
+def compare(monkeypatch, tmp_path):
+    """The script's main with an aiperf executable in place and nothing allowed to start."""
+    mod = _script()
+    aiperf = tmp_path / "aiperf"
+    aiperf.write_text("")
+
+    def started(*a, **k):
+        raise AssertionError("a server or client was started")
+
+    monkeypatch.setattr(mod.subprocess, "Popen", started)
+    monkeypatch.setattr(mod.subprocess, "run", started)
+    monkeypatch.setattr(A, "bench_requests", started)
+    return lambda argv: mod.main(["--aiperf", str(aiperf), "--out", str(tmp_path / "out"), *argv])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--url", "URL", "--", "--model", "wrong"],
+     "--model 'wrong': the server at URL serves 'served' (GET /v1/models); give that name with --model after `--`"),
+    (["--url", "URL"], "served_model_name 'pdd-small' of the default config: the server at URL serves 'served' "
+                       "(GET /v1/models); give that name with --model after `--`"),
+    (["--", "--model", "other"], "--model 'other': the pdd serve this comparison starts serves served_model_name "
+                                 "'pdd-small' of the default config; leave --model out, or give --url for a server "
+                                 "that serves 'other'"),
+    (["--", "--config", "MISSING"], "--config MISSING: "),
+])
+def test_a_wrong_model_is_refused_before_anything_starts(capsys, tmp_path, models_gateway, compare, argv, message):
+    """A model name the server does not serve was found only after `pdd serve` had started and pdd
+    bench's whole run of 404s had ended (`RuntimeError: pdd bench exited 1`, a traceback)."""
+    sub = {"URL": models_gateway, "MISSING": str(tmp_path / "missing.yaml")}
+    argv = [sub.get(x, x) for x in argv]
+    message = message.replace("URL", models_gateway).replace("MISSING", sub["MISSING"])
+    assert compare(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiperf_compare.py: error: {message}") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_model_is_refused_naming_the_flag(capsys, tmp_path, compare):
+    with pytest.raises(SystemExit) as ex:
+        compare(["--", "--model", " "])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("pdd bench: error: argument --model: served_model_name must "
+                                                        "be the name clients send as \"model\", not empty nor only "
+                                                        "whitespace; got ' '")
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_model_accepts_the_served_name(models_gateway, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"served_model_name": "served"}))
+    assert A.check_model(["--model", "served"], models_gateway) == "served"
+    assert A.check_model(["--config", str(cfg)], models_gateway) == "served"
+    assert A.check_model(["--config", str(cfg)]) == "served" == A.check_model(["--config", str(cfg), "--model", "served"])
+    assert A.check_model([]) == "pdd-small"

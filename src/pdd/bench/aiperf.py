@@ -63,6 +63,53 @@ def bench_requests(bench_argv: Sequence[str]):
     return build_requests(a.trace, scale, tokens, a.seed), scale, config
 
 
+def check_model(bench_argv: Sequence[str], url: str | None = None, timeout_s: float = 10.0) -> str:
+    """The served model name both clients request for ``pdd bench BENCH_ARGV`` (its ``--model``,
+    else ``served_model_name`` of its ``--config``), checked before anything starts: a wrong one
+    made every request of both clients a 404 (aiperf's ``--model`` and every payload carry it),
+    found only once the server had started and ``pdd bench``'s whole run had failed. ``url``: a
+    running gateway, whose ``GET /v1/models`` must list the name; None: the ``pdd serve`` the
+    comparison starts serves the config's name, so a ``--model`` other than it is refused.
+    Raises ValueError naming ``--model`` (or the config's ``served_model_name`` and ``--url``),
+    or ``--config`` when it is missing or invalid; a malformed flag (an empty ``--model``) exits
+    2 through ``pdd bench``'s parser, naming it."""
+    import httpx
+    import pydantic
+
+    from pdd.bench.args import build_parser
+    from pdd.config import ClusterConfig, validation_summary
+
+    a = build_parser().parse_args(list(bench_argv))
+    try:
+        served = ClusterConfig.load(a.config).served_model_name
+    except pydantic.ValidationError as ex:  # one line per field, as pdd bench says it
+        raise ValueError(f"--config {a.config}: invalid config: {validation_summary(ex)}") from None
+    except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON
+        raise ValueError(f"--config {a.config}: {ex}") from None
+    src = f"served_model_name {served!r} of {f'--config {a.config}' if a.config else 'the default config'}"
+    if url is None:
+        if a.model is not None and a.model != served:
+            raise ValueError(f"--model {a.model!r}: the pdd serve this comparison starts serves {src}; leave "
+                             f"--model out, or give --url for a server that serves {a.model!r}")
+        return served
+    model = served if a.model is None else a.model
+    named = src if a.model is None else f"--model {a.model!r}"
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s, trust_env=False)
+        r.raise_for_status()
+        names = [m["id"] for m in r.json()["data"]]
+    except httpx.HTTPError as ex:
+        raise ValueError(f"--url {url}: GET /v1/models failed ({type(ex).__name__}: {ex}), so {named} "
+                         f"cannot be checked") from None
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--url {url}: GET /v1/models is not an OpenAI model list, so {named} cannot be "
+                         f"checked") from None
+    if model not in names:
+        raise ValueError(f"{named}: the server at {url} serves {', '.join(map(repr, names)) or 'no model'} "
+                         f"(GET /v1/models); give that name with --model after `--`")
+    return model
+
+
 def aiperf_trace(requests: Iterable, model: str) -> list[dict]:
     """aiperf ``mooncake_trace`` records replaying ``requests`` (``ReplayRequest``s) verbatim:
     ``timestamp`` = the request's send time (ms after the first), ``payload`` = ``pdd bench``'s
