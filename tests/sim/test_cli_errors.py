@@ -298,6 +298,25 @@ def test_calibrate_roles_names_a_bad_run_or_profile_before_the_missing_model(cap
                       "--profile", str(tmp_path / "p.json")], "error:", "--profile", "p.json")
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--requests", "0"], "--requests must be a finite number > 0, got 0"),  # was exit 1, no `error:`
+    (["--rate", "nan"], "--rate must be a finite number > 0, got nan"),
+    # these were tracebacks from the workload's Scale: `ValueError: session_sample must be >= 1`, ...
+    (["--session-sample", "0"], "--session-sample must be a finite number > 0, got 0"),
+    (["--max-output-tokens", "0"], "--max-output-tokens must be a finite number > 0, got 0"),
+    # the live topology's pipeline budget: NaN or negative reached its config unchecked
+    (["--budget-ms", "nan"], "--budget-ms must be a finite number >= 0, got nan"),
+    (["--budget-ms", "-1"], "--budget-ms must be a finite number >= 0, got -1.0"),
+])
+def test_validate_refuses_bad_workload_numbers_naming_the_flag(capsys, tmp_path, monkeypatch, args, message):
+    import pdd.bench.live_validate as lv
+
+    monkeypatch.setattr(lv, "run_validate", lambda *a, **k: pytest.fail("the validation ran"))
+    err = _refused(capsys, ["sim", "validate", "--out", str(tmp_path / "v"), *args])
+    assert err == f"pdd sim validate: error: {message}\n"
+    assert not (tmp_path / "v").exists()
+
+
 def test_validate_live_from_another_workload_is_a_usage_error(capsys, tmp_path, monkeypatch):
     import pdd.bench.live_validate as lv
     from pdd.sim.recorded import WorkloadMismatch

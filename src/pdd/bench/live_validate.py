@@ -76,9 +76,13 @@ def cmd_validate(a) -> int:
     # a flag not given: the reused run's own value (--live-from), else the default
     rec = recorded_run_args(a.live_from) if a.live_from else {}
     w = {k: getattr(a, k) if getattr(a, k) is not None else rec.get(k, d) for k, d in WORKLOAD_DEFAULTS.items()}
-    for k in ("requests", "rate", "block_tokens"):
-        if not (math.isfinite(w[k]) and w[k] > 0):  # nan / inf gave arrival times of nan / None
-            raise SystemExit(f"pdd sim validate: --{k.replace('_', '-')} must be a finite number > 0, got {w[k]}")
+    from pdd.sim.cli import UsageError
+
+    for k in ("requests", "rate", "block_tokens", "session_sample", "max_output_tokens"):
+        if w[k] is not None and not (math.isfinite(w[k]) and w[k] > 0):  # nan / inf gave arrival times of nan / None
+            raise UsageError(f"--{k.replace('_', '-')} must be a finite number > 0, got {w[k]}")
+    if not (math.isfinite(w["budget_ms"]) and w["budget_ms"] >= 0):  # the live topology's pipeline budget
+        raise UsageError(f"--budget-ms must be a finite number >= 0, got {w['budget_ms']}")
     check_out_dir(a.out)  # a file or an unwritable place: one line, before any work
     try:
         res = run_validate(a.out, cfg, n_requests=w["requests"], rate=w["rate"], block_tokens=w["block_tokens"],
@@ -86,8 +90,6 @@ def cmd_validate(a) -> int:
                            session_seed=w["session_seed"], max_output_tokens=w["max_output_tokens"],
                            seed=rec.get("seed", 0), profile=a.profile, live_from=a.live_from, profile_b=a.profile_b)
     except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
-        from pdd.sim.cli import UsageError
-
         if isinstance(e, WorkloadMismatch):
             raise UsageError(f"--live-from {a.live_from}: {e}") from None
         flag = {"profile": "--profile", "profile_b": "--profile-b"}.get(e.source, "--live-from")
