@@ -132,6 +132,19 @@ def test_plan_refuses_an_empty_md_range(capsys, args):
     _refused(capsys, ["plan"] + args, "pdd plan: error:", "--md-min", "empty")
 
 
+@pytest.mark.parametrize("json_out,message", [
+    # the search ran (minutes) and then writing the JSON into a directory was an IsADirectoryError traceback
+    ("DIR", "pdd plan: error: --json DIR: is a directory; give a file path"),
+    ("DIR/no/x.json", "pdd plan: error: --json DIR/no/x.json: no such directory: DIR/no"),
+])
+def test_plan_checks_its_json_before_the_search(capsys, tmp_path, monkeypatch, json_out, message):
+    import pdd.sim.plan
+
+    monkeypatch.setattr(pdd.sim.plan, "search", lambda *a, **k: pytest.fail("the search ran"))
+    err = _refused(capsys, ["plan", "--json", json_out.replace("DIR", str(tmp_path))])
+    assert err.splitlines()[-1] == message.replace("DIR", str(tmp_path))
+
+
 @pytest.mark.parametrize("args,names", [
     (["--wan", "-1"], ["--wan", "GBPS:USD_PER_HOUR", "'-1'"]),
     (["--wan", "abc"], ["--wan", "'abc'"]),

@@ -810,6 +810,8 @@ def cmd_plan(a) -> int:
     if a.md_step < 1 or a.md_min < 1 or a.md_max < a.md_min:
         raise UsageError(f"--md-min {a.md_min} / --md-max {a.md_max} / --md-step {a.md_step}: the MD counts searched "
                          "are empty (need 1 <= --md-min <= --md-max and --md-step >= 1)")
+    if a.json:
+        check_out_file(a.json, "--json")  # before the search (minutes), not after it
     base = _make_cfg(a)
     wans = _wan_options(a.wan)
     rlds = _rld_counts(a.rld)
