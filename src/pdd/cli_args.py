@@ -8,7 +8,8 @@ import sys
 
 def config_or_exit(args, **over):
     """``ClusterConfig.load(args.config, **over)``, or exit with one line naming the field, the
-    file or the flag (SystemExit; a usage error via :func:`usage_error`), never a traceback."""
+    file or the flag (SystemExit: status 1 for a bad config file, 2 via :func:`usage_error` for a
+    bad --config path or a flag's value out of range), never a traceback."""
     from pydantic import ValidationError
 
     from pdd.config import ClusterConfig, ConfigFileError, validation_summary
@@ -16,7 +17,11 @@ def config_or_exit(args, **over):
     try:
         return ClusterConfig.load(getattr(args, "config", None), **over)
     except ValidationError as e:
-        raise SystemExit(f"pdd: invalid config: {_flagged(validation_summary(e), over)}")
+        msg = f"invalid config: {_flagged(validation_summary(e), over)}"
+        if any(err.get("loc") and _OVERRIDE_FLAGS.get(str(err["loc"][0])) and over.get(str(err["loc"][0])) is not None
+               for err in e.errors()):  # a flag's value out of range (--port 0): bad CLI input, exit 2
+            usage_error(args, msg)
+        raise SystemExit(f"pdd: {msg}")
     except FileNotFoundError:  # the only file load reads is --config itself
         usage_error(args, f"--config {args.config}: no such file")
     except IsADirectoryError:

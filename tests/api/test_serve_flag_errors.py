@@ -1,10 +1,11 @@
 """``pdd serve``: a flag out of the config's range names the flag beside the field it sets (the user
-typed ``--port``, not ``gateway_port``); a value from the config file names the field only.
-Refused before anything is started."""
+typed ``--port``, not ``gateway_port``) and is a usage error (exit 2); a value from the config file
+names the field only (exit 1). Refused before anything is started."""
 
 import pytest
 
 from pdd.cli import main
+from tests.cli_usage import usage_error
 
 
 def _exit_message(argv):
@@ -13,15 +14,16 @@ def _exit_message(argv):
     return ex.value.code
 
 
-def test_a_bad_port_flag_is_named():
-    assert _exit_message(["serve", "--port", "99999"]) == (
-        "pdd: invalid config: gateway_port (--port): Input should be less than or equal to 65535")
+def test_a_bad_port_flag_is_named(capsys):
+    """Bad CLI input, exit 2, as pdd demo --port 0 and pdd bench --gateway-port 0 (it was exit 1)."""
+    assert usage_error(capsys, main, ["serve", "--port", "99999"]) == (
+        "pdd serve: error: invalid config: gateway_port (--port): Input should be less than or equal to 65535\n")
 
 
-def test_two_bad_flags_are_both_named():
-    assert _exit_message(["serve", "--port", "0", "--base-port", "70000"]) == (
-        "pdd: invalid config: base_port (--base-port): Input should be less than or equal to 65400; "
-        "gateway_port (--port): Input should be greater than or equal to 1")
+def test_two_bad_flags_are_both_named(capsys):
+    assert usage_error(capsys, main, ["serve", "--port", "0", "--base-port", "70000"]) == (
+        "pdd serve: error: invalid config: base_port (--base-port): Input should be less than or equal to 65400; "
+        "gateway_port (--port): Input should be greater than or equal to 1\n")
 
 
 def test_a_bad_port_in_the_file_names_the_field_only(tmp_path):
