@@ -60,6 +60,7 @@ def _refused(capsys, argv, *names):
     (["--sweep-rate=0,2"], ["--sweep-rate: rates must be finite and > 0 req/s, got 0.0 in '0,2'"]),
     (["--ramp", "1:inf"], ["--ramp: rates must be finite and > 0, got '1:inf'"]),
     (["--seed", "-1"], ["--seed: must be >= 0, got -1"]),  # numpy's default_rng: a ValueError traceback
+    (["--sweep-rate", ","], ["--sweep-rate: expected 'auto', 'none' or comma-separated rates, got ','"]),
 ])
 def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):
     _refused(capsys, args + ["--out", str(tmp_path / "b")], *names)
@@ -103,6 +104,13 @@ def test_names_the_file_and_line_of_a_bad_trace(capsys, tmp_path, no_run):
                  + "\n\n" + json.dumps({"timestamp": 5}) + "\n")
     _refused(capsys, ["--trace", str(t), "--out", str(tmp_path / "b")], f"{t}, line 3", "lacks 'input_length'")
     assert not (tmp_path / "b").exists()
+
+
+def test_refuses_an_empty_output_dir(capsys, tmp_path, monkeypatch, no_run):
+    """`--out ''` wrote the run's files into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    err = _refused(capsys, ["--out", ""])
+    assert err.splitlines()[-1] == "pdd bench: error: --out '': empty; give the output directory"
 
 
 @pytest.mark.parametrize("out,names", [

@@ -164,6 +164,10 @@ def test_demo_cli_refuses_an_out_it_cannot_create(capsys, tmp_path, demo_cli):
         assert ex.value.code == 2
         err = capsys.readouterr().err
         assert err.endswith(f"pdd demo: error: --out {out}: cannot create the output directory: {message}\n"), err
+    with pytest.raises(SystemExit) as ex:  # '' wrote into the current directory
+        demo_cli.main(["--out", ""])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.endswith("pdd demo: error: --out '': empty; give the output directory\n")
 
 
 def test_demo_cli_exits_1_when_a_mode_completed_no_request(capsys, tmp_path, demo_cli, monkeypatch):

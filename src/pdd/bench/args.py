@@ -388,6 +388,8 @@ def out_dir_problem(path: str | Path) -> str | None:
     taken port, an empty workload) leaves nothing behind; the run makes it once it starts."""
     import os
 
+    if not str(path).strip():  # Path("") is the current directory: the run's files would land there
+        return "empty; give the output directory"
     out = Path(os.path.abspath(path))  # no '..' in it: only what this call made is removed
     made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     try:

@@ -599,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"workload scaling: {ex}")
     bad_out = out_dir_problem(args.out)  # run_bench makes it once its own checks passed
     if bad_out:
-        ap.error(f"--out {args.out}: {bad_out}")
+        ap.error(f"--out {args.out or repr(args.out)}: {bad_out}")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     try:
         report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace,

@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         refuse(ap.prog, taken)
     bad_out = out_dir_problem(args.out)  # run_demo makes it once the workload is built
     if bad_out:
-        ap.error(f"--out {args.out}: {bad_out}")
+        ap.error(f"--out {args.out or repr(args.out)}: {bad_out}")
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)

@@ -79,6 +79,8 @@ def parse_sweep(spec: str | None, start_rps: float = 2.0, **kw) -> SweepPlan | N
         rates = tuple(sorted({float(x) for x in spec.split(",") if x.strip()}))
     except ValueError:
         raise ValueError(f"--sweep-rate: expected 'auto' or comma-separated rates, got {spec!r}") from None
+    if not rates:  # ',': SweepPlan's own "fixed sweep rates must be > 0" named no flag
+        raise ValueError(f"--sweep-rate: expected 'auto', 'none' or comma-separated rates, got {spec!r}")
     bad = [r for r in rates if not 0 < r < math.inf]  # NaN fails too
     if bad:
         raise ValueError(f"--sweep-rate: rates must be finite and > 0 req/s, got {bad[0]} in {spec!r}")
