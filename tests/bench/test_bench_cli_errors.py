@@ -61,6 +61,10 @@ def _refused(capsys, argv, *names):
     (["--ramp", "1:inf"], ["--ramp: rates must be finite and > 0, got '1:inf'"]),
     (["--seed", "-1"], ["--seed: must be >= 0, got -1"]),  # numpy's default_rng: a ValueError traceback
     (["--sweep-rate", ","], ["--sweep-rate: expected 'auto', 'none' or comma-separated rates, got ','"]),
+    # "bad SLO term 'ttft:nan'" named no flag; 1e400 was an infinite bound nothing misses
+    (["--slo", "ttft:nan"], ["pdd bench: error: --slo: bad term 'ttft:nan': expected ttft:MS or tpot:MS"]),
+    (["--slo", "ttft:0"], ["pdd bench: error: --slo: a bound must be a finite number of ms > 0, got 'ttft:0'"]),
+    (["--slo", "tpot:1e400"], ["pdd bench: error: --slo: a bound must be a finite number of ms > 0, got 'tpot:1e400'"]),
 ])
 def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):
     _refused(capsys, args + ["--out", str(tmp_path / "b")], *names)

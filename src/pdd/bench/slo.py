@@ -21,6 +21,7 @@ duration (req/s), the duration being the mode's (last stream end - first send, a
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping
@@ -63,7 +64,8 @@ class SLO:
 
 def parse_slo(spec: str | Iterable[str] | None) -> dict[str, float]:
     """``"ttft:500 tpot:50"`` (or the tokens as a list, or comma separated) -> ``{"ttft_ms": 500.0,
-    "tpot_ms": 50.0}``. Only ttft and tpot are accepted; values are ms, > 0."""
+    "tpot_ms": 50.0}``. Only ttft and tpot are accepted; values are ms, finite and > 0. ValueError
+    naming ``--slo`` and the bad term otherwise."""
     if spec is None:
         return {}
     text = spec if isinstance(spec, str) else " ".join(spec)
@@ -73,10 +75,10 @@ def parse_slo(spec: str | Iterable[str] | None) -> dict[str, float]:
             continue
         m = re.fullmatch(r"(ttft|tpot)[:=]([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(ms)?", tok.lower())
         if m is None:
-            raise ValueError(f"bad SLO term {tok!r}: expected ttft:MS or tpot:MS")
+            raise ValueError(f"--slo: bad term {tok!r}: expected ttft:MS or tpot:MS")
         v = float(m.group(2))
-        if v <= 0:
-            raise ValueError(f"SLO bound must be > 0: {tok!r}")
+        if not 0 < v < math.inf:  # 1e400 parses as inf: a bound nothing misses
+            raise ValueError(f"--slo: a bound must be a finite number of ms > 0, got {tok!r}")
         out[f"{m.group(1)}_ms"] = v
     return out
 
