@@ -106,24 +106,36 @@ def main(argv=None) -> int:
     if not Path(a.aiperf).exists():
         print(f"aiperf not found at {a.aiperf}: run `make aiperf` (or give --aiperf)", file=sys.stderr)
         return 2
+    if a.min_step_ms is not None and a.url:
+        ap.error("--min-step-ms: the server at --url runs its own config")
+    if not 0 < a.serve_timeout < float("inf"):  # NaN too: the wait for /health never ran, then failed
+        print(f"{ap.prog}: error: --serve-timeout: must be a finite number of s > 0, got {a.serve_timeout}",
+              file=sys.stderr)
+        return 2
+    serve_cfg = None
     try:  # before anything starts: a wrong name made every request of both clients a 404
         if a.url is not None:
             _wait_health(a.url, None, a.serve_timeout)  # a server still starting is waited for, as before
         A.check_model(bench_args, a.url)
+        if a.min_step_ms is not None:  # the started server's config (--config's, checked above) with it
+            import pydantic
+
+            from pdd.bench.modes import apply_overrides
+            from pdd.config import ClusterConfig
+
+            i = bench_args.index("--config") if "--config" in bench_args else None
+            try:
+                serve_cfg = apply_overrides(ClusterConfig.load(bench_args[i + 1] if i is not None else None),
+                                            min_step_ms=a.min_step_ms)
+            except pydantic.ValidationError as ex:  # a traceback once --out was made
+                raise ValueError(f"--min-step-ms {a.min_step_ms}: {ex.errors()[0]['msg']}") from None
     except (RuntimeError, ValueError) as ex:
         print(f"{ap.prog}: error: {ex}", file=sys.stderr)
         return 2
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if a.min_step_ms is not None:
-        if a.url:
-            ap.error("--min-step-ms: the server at --url runs its own config")
-        from pdd.bench.modes import apply_overrides
-        from pdd.config import ClusterConfig
-
-        i = bench_args.index("--config") if "--config" in bench_args else None
-        cfg = apply_overrides(ClusterConfig.load(bench_args[i + 1] if i is not None else None), min_step_ms=a.min_step_ms)
-        (out / "serve_config.json").write_text(cfg.model_dump_json(indent=1))
+    if serve_cfg is not None:
+        (out / "serve_config.json").write_text(serve_cfg.model_dump_json(indent=1))
         if i is not None:
             del bench_args[i:i + 2]
         bench_args += ["--config", str(out / "serve_config.json")]

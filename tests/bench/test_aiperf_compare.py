@@ -192,8 +192,11 @@ def compare(monkeypatch, tmp_path):
                                  "'pdd-small' of the default config; leave --model out, or give --url for a server "
                                  "that serves 'other'"),
     (["--", "--config", "MISSING"], "--config MISSING: "),
+    # the script's own numbers: a traceback once the server had started / once --out was made
+    (["--serve-timeout", "nan"], "--serve-timeout: must be a finite number of s > 0, got nan"),
+    (["--min-step-ms", "-1"], "--min-step-ms -1.0: Input should be greater than or equal to 0"),
 ])
-def test_a_wrong_model_is_refused_before_anything_starts(capsys, tmp_path, models_gateway, compare, argv, message):
+def test_bad_input_is_refused_before_anything_starts(capsys, tmp_path, models_gateway, compare, argv, message):
     """A model name the server does not serve was found only after `pdd serve` had started and pdd
     bench's whole run of 404s had ended (`RuntimeError: pdd bench exited 1`, a traceback)."""
     sub = {"URL": models_gateway, "MISSING": str(tmp_path / "missing.yaml")}
