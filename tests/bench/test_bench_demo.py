@@ -140,6 +140,16 @@ def test_demo_cli_refuses_bad_modes_and_numbers_naming_the_flag(capsys, tmp_path
     assert not (tmp_path / "d").exists()
 
 
+def test_demo_cli_refusals_are_not_buried_under_the_usage(capsys, tmp_path, demo_cli):
+    """argparse printed all 20 lines of pdd demo's usage before the line naming the flag (pdd bench
+    prints one pointing at --help)."""
+    with pytest.raises(SystemExit) as ex:
+        demo_cli.main(["--rate", "-1", "--out", str(tmp_path / "d")])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err == ("usage: pdd demo [-h] [options]  (see pdd demo --help)\n"
+                                       "pdd demo: error: --rate: must be > 0 req/s, got -1.0\n")
+
+
 def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
     from pdd import topology
     from pdd.bench.demo import main

@@ -15,7 +15,6 @@ into ``out_dir``:
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Callable, Sequence
 
 import pydantic
 
-from pdd.bench.args import bench_exit_status, check_numbers, check_workload_args, out_dir_problem
+from pdd.bench.args import (ShortUsageParser, bench_exit_status, check_numbers, check_workload_args,
+                            out_dir_problem)
 from pdd.bench.live import _default_topology, _proc_cpu, _warmup, ensure_model, measured_replay  # noqa: F401
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
@@ -161,7 +161,7 @@ def run_demo(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pdd.bench.demo``: the demo with its tuning knobs on the command line."""
-    ap = argparse.ArgumentParser(
+    ap = ShortUsageParser(  # pdd bench's: one usage line before the refusal, not the 20 of every flag
         prog="pdd demo", description=__doc__.split("\n")[0],
         epilog="A mode with failed requests gets a WARNING line (count, most common error) and its metrics and "
                "ratios count its completed requests only. Exit status (as pdd bench): 0 when every mode completed "
