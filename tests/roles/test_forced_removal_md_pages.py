@@ -10,34 +10,20 @@ answer said "flushed". Ordered by events (MD's kv_ready, the replies), not by a 
 from __future__ import annotations
 
 import asyncio
-import os
 
-from pdd.config import ClusterConfig
 from pdd.gateway.membership import Membership
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.policy.membership import REMOVED
-from pdd.topology import ROLE_MAIN, InstanceSpec, free_port_block, layout
+from pdd.topology import layout
 from pdd.transfer.client import connect
-from pdd.transfer.kv import KVSender
 from pdd.types import SamplingParams
 from tests.gateway.fake_peer import FakePeer
-
-PROMPT = list(range(10, 28))  # 18 tokens = 4 whole pages of 4 + 2
+from tests.roles.md_tiny import PROMPT, send_prompt_kv, start_md
 
 
 async def test_forced_removal_frees_every_md_page_once_and_flushes_its_cache(tiny_model):
-    from pdd.roles.main_decode import MainDecodeInstance
-
-    base = free_port_block()
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "model_preset": "tiny",
-                                        "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
-                                        "security": {"tls": False, "fast_path": "plain"},
-                                        "instances": {"prefill": 1, "relay_decode": 1, "main_decode": 2},
-                                        "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
+    cfg, inst = await start_md(tiny_model, {"prefill": 1, "relay_decode": 1, "main_decode": 2})
     lay = layout(cfg)
-    # a port of the free block: its metrics server (port + 10, never stopped in-process) is the block's too
-    inst = MainDecodeInstance(cfg, InstanceSpec("md0", ROLE_MAIN, "B", base + 1), lay)
-    await inst.start()
     o = Orchestrator(cfg, lay)
     ms = Membership(o, lay, cfg.standby)
     landed = asyncio.Event()
@@ -62,12 +48,8 @@ async def test_forced_removal_frees_every_md_page_once_and_flushes_its_cache(tin
     pool = inst.engine.pool
     try:
         r0, _ = await gw.call({"t": "reserve", "rid": "c0", "prompt_ids": PROMPT, "sampling": sp})
-        pb = r0["page_bytes"]
-        data = os.urandom(5 * pb)
         p = await connect("127.0.0.1", inst.server.port, role="prefill", instance="p0")
-        KVSender(p, chunk_pages=1).submit("c0", 0, lambda i, n: data[i * pb:(i + n) * pb], 5, pb,
-                                          layers=(0, inst.engine.model_cfg.num_hidden_layers),
-                                          done_fields={"first_token": 5, "fin": None, "relay": True})
+        send_prompt_kv(p, inst, "c0", r0["page_bytes"])
         await asyncio.wait_for(landed.wait(), 30)  # c0's KV is in MD's cache
         r1, _ = await gw.call({"t": "reserve", "rid": "c1", "prompt_ids": PROMPT, "sampling": sp})
         assert r1["md_cached_pages"] == 4  # c1 locks c0's 4 whole pages and waits for the rest

@@ -8,28 +8,14 @@ reservations sent back to back on one connection), not raced."""
 from __future__ import annotations
 
 import asyncio
-import os
 
-from pdd.config import ClusterConfig
-from pdd.topology import ROLE_MAIN, InstanceSpec, free_port_block, layout
-from pdd.transfer.kv import KVSender
 from pdd.transfer.client import connect
 from pdd.types import SamplingParams
-
-PROMPT = list(range(10, 28))  # 18 tokens = 4 whole pages of 4 + 2
+from tests.roles.md_tiny import PROMPT, send_prompt_kv, start_md
 
 
 async def test_a_sibling_reserve_sent_beside_the_first_waits_for_its_kv(tiny_model):
-    from pdd.roles.main_decode import MainDecodeInstance
-
-    base = free_port_block()
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "model_preset": "tiny",
-                                        "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
-                                        "security": {"tls": False, "fast_path": "plain"},
-                                        "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
-    # a port of the free block: its metrics server (port + 10, never stopped in-process) is the block's too
-    inst = MainDecodeInstance(cfg, InstanceSpec("md0", ROLE_MAIN, "B", base + 1), layout(cfg))
-    await inst.start()
+    _, inst = await start_md(tiny_model)
     gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: None}, role="gateway", instance="gateway")
     p = None
     sp = SamplingParams(max_tokens=2, ignore_eos=True).to_dict()
@@ -40,12 +26,8 @@ async def test_a_sibling_reserve_sent_beside_the_first_waits_for_its_kv(tiny_mod
         r0, _ = await first
         assert r0["md_cached_pages"] == 0 and r0["n_pages"] == 5
         assert not sib.done()  # c0's KV has not arrived: c1 waits for it
-        pb = r0["page_bytes"]
-        data = os.urandom(5 * pb)
         p = await connect("127.0.0.1", inst.server.port, role="prefill", instance="p0")
-        KVSender(p, chunk_pages=1).submit("c0", 0, lambda i, n: data[i * pb:(i + n) * pb], 5, pb,
-                                          layers=(0, inst.engine.model_cfg.num_hidden_layers),
-                                          done_fields={"first_token": 5, "fin": None, "relay": True})
+        send_prompt_kv(p, inst, "c0", r0["page_bytes"])
         r1, _ = await asyncio.wait_for(sib, 30)
         assert (r1["md_cached_tokens"], r1["md_cached_pages"]) == (16, 4)  # c0's whole pages, from the DRC
     finally:
