@@ -76,11 +76,16 @@ class PrefillInstance(EngineInstance):
                 "cancel": self.on_cancel}
 
     async def on_cancel(self, peer, h, payload):
-        """Cut-off: stop sending request ``rid``'s pages to target ``name`` (sends kv_cancel)."""
+        """Cut-off: stop sending request ``rid``'s pages to target ``name`` (sends kv_cancel).
+        ``name`` None (an MD leg lost before an MD was chosen): no stream went to a named target,
+        so only the request's deferred slots are cancelled."""
         m = Cancel.decode(h)
         rid, name = m.rid, m.name
         if rid not in self.reqs:
             return None  # already drained and released: nothing left to cut
+        if name is None:  # the slots keep their own names (a None key would not encode in xfer_done)
+            self._cancel_deferred(rid, {"cancelled": True})
+            return None
         self._cancel_deferred(rid, {"name": name, "cancelled": True})  # not planned yet: never start it
         n = sum(s.cancel(rid) for s in self._senders_of(name))
         self.counters["cancelled_transfers"] = self.counters.get("cancelled_transfers", 0) + n
