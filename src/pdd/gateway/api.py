@@ -37,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pdd.config import ClusterConfig
 from pdd.gateway.admission import Admission, causes, choice_refusal, refusal
@@ -111,7 +112,12 @@ class Utf8JsonRoute(APIRoute):
 
         async def checked(request: Request):
             if self.body_field is not None and _json_body(request):
-                why = not_utf8(await request.body())  # read once: FastAPI's parse reuses it
+                try:
+                    body = await request.body()  # read once: FastAPI's parse reuses it
+                except ClientDisconnect:  # gone before its body arrived: nothing started, nobody reads this
+                    gone = ClientGone()
+                    return JSONResponse(gone.body(), status_code=gone.status)
+                why = not_utf8(body)
                 if why is not None:
                     return bad_request(why)
             return await handler(request)
