@@ -216,6 +216,23 @@ def test_http_endpoints_and_error_bodies():
     assert r.status_code == 200 and r.json()["state"] == REMOVED and r.json()["leaked_pages"] == 0
 
 
+def test_remove_of_a_removed_instance_still_counting_in_flight_is_a_conflict_not_in_flight():
+    """A second DELETE (two operators, or a retried call) of an instance already removed whose
+    requests are still counted there (forced: being recovered elsewhere) is refused as "not a
+    member", code ``conflict``; before, its code said ``in_flight`` while its message said "is
+    removed: not a member"."""
+    c, o, ms = _client()
+    r = c.delete("/pdd/instances/md0?force=true")
+    assert r.status_code == 200 and r.json()["state"] == REMOVED
+    o.inflight["md0"] = 2  # its forced requests, recovered elsewhere, not yet unassigned
+    r = c.delete("/pdd/instances/md0?force=true")
+    assert r.status_code == 409
+    assert r.json()["error"] == {"message": "instance md0 is removed: not a member", "type": "invalid_request_error",
+                                 "param": "name", "code": "conflict"}
+    r = c.delete("/pdd/instances/md0")
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "conflict")
+
+
 def test_metrics_collector():
     from prometheus_client import generate_latest
 

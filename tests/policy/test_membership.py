@@ -39,13 +39,15 @@ def test_drain_of_the_last_active_instance_needs_force():
 def test_a_non_member_cannot_be_drained_or_removed(op, state):
     d = decide(op, "md1", "main_decode", state, force=True)
     assert (d.ok, d.new_state, d.status) == (False, state, 409)
-    assert d.message == f"instance md1 is {state}: not a member"
+    assert (d.message, d.code) == (f"instance md1 is {state}: not a member", "conflict")
+    # however busy it still is (a removed instance's forced requests, still recovering)
+    assert decide(op, "md1", "main_decode", state, busy=2, force=True).code == "conflict"
 
 
 def test_remove_refused_while_busy_unless_forced():
     d = decide("remove", "md0", "main_decode", DRAINING, busy=2, others_active=1)
     assert (d.ok, d.new_state, d.status) == (False, DRAINING, 409)
-    assert d.message.startswith("instance md0 still has 2 in-flight request(s)")
+    assert d.message.startswith("instance md0 still has 2 in-flight request(s)") and d.code == "in_flight"
     d = decide("remove", "md0", "main_decode", DRAINING, busy=2, others_active=1, force=True)
     assert (d.ok, d.new_state) == (True, REMOVED)
 

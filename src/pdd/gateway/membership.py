@@ -418,7 +418,7 @@ class Membership:
         busy = self.busy(name)
         d = decide("remove", name, m.role, m.state, busy=busy, others_active=self._others_active(m), force=force)
         if not d.ok:
-            raise MembershipError(d.status, d.message, "name", "in_flight" if busy else "conflict")
+            raise MembershipError(d.status, d.message, "name", d.code)
         if name in self._busy_ops:
             raise MembershipError(409, f"instance {name} is being changed now", "name", "conflict")
         self._busy_ops.add(name)

@@ -51,6 +51,7 @@ class Decision:
     new_state: str  # the state after the operation (the old one when refused)
     status: int = 200  # HTTP status of the answer (409 when refused)
     message: str = ""
+    code: str = ""  # a refusal's error code: "in_flight" (remove while busy), else "conflict"
 
 
 def decide(op: str, name: str, role: str, state: str, *, busy: int = 0, others_active: int = 1,
@@ -63,8 +64,8 @@ def decide(op: str, name: str, role: str, state: str, *, busy: int = 0, others_a
     if state not in STATES:
         raise ValueError(f"unknown membership state {state!r}; expected one of {STATES}")
 
-    def refuse(msg: str) -> Decision:
-        return Decision(False, state, 409, msg)
+    def refuse(msg: str, code: str = "conflict") -> Decision:
+        return Decision(False, state, 409, msg, code)
 
     if op == "add":
         if state in (ACTIVE, DRAINING):
@@ -81,7 +82,7 @@ def decide(op: str, name: str, role: str, state: str, *, busy: int = 0, others_a
     # remove
     if busy > 0 and not force:
         return refuse(f"instance {name} still has {busy} in-flight request(s) or transfer(s): drain it and wait "
-                      f"until in_flight is 0 (or force)")
+                      f"until in_flight is 0 (or force)", "in_flight")
     if state == ACTIVE and others_active < 1 and not force:
         return refuse(f"instance {name} is the last active {role} instance: add another first (or force)")
     return Decision(True, REMOVED)
