@@ -139,7 +139,8 @@ class Handoffs:
             log.warning("request %s: handoff failed: %s", st.rid, e)
             for role in (ROLE_RELAY, ROLE_MAIN):
                 name = st.names.get(role)
-                if name is not None and self.peers[name].closed:
+                peer = self.peers.get(name) if name is not None else None
+                if name is not None and (peer is None or peer.closed):  # closed, or removed by the operator
                     self._instance_lost(st, name, f"instance {name} is unreachable ({e})")
                     return
             self._fail_lost(st, f"handoff failed: {e}")
