@@ -452,3 +452,51 @@ async def test_an_increment_on_its_own_connection_shares_the_line_with_a_large_t
     # on the line and about one more while the two flows alternate
     assert one_lane >= 10  # measured: 12-15 on one connection, 3-6 on two
     assert two_lanes <= 7 < one_lane
+
+
+async def test_a_rate_restored_re_times_what_the_line_still_holds():
+    """A line slowed to a trickle and restored serialises what it had admitted at the restored
+    rate from the restore on (a real line's queue drains at its new rate): a 64 KiB chunk
+    admitted at 1e-5 Gbit/s (52 s) is through in well under a second once the rate is back at 1
+    Gbit/s; before, it kept the trickle's schedule, and every connection behind it waited the 52 s
+    (the gateway's WAN connections hit their dead-peer timeout). Read from the link's schedule at
+    the restore, not from a clock."""
+    sink = await SinkServer().start()
+    n = 1 << 16
+    async with Link(cfg(sink.port, gbps=1e-5, rtt_ms=0)) as link:
+        data = os.urandom(n)
+        r, w, _ = await send_all(link.ports[0], data, eof=False)
+        # the proxy reads what the socket holds: most of the chunk at once (the rest after the line's hold)
+        await wait_for(lambda: link.stats()["admitted_a_to_b"] >= n // 2)
+        line = link.a_to_b
+        assert line.free_at - link.loop.time() > 20  # at least 26 s at 1e-5 Gbit/s, less the time to get here
+        busy = line.busy_s
+        link.set(gbps=1.0)
+        left = line.free_at - link.loop.time()
+        assert left < 0.001, left  # the rest of 52.4 s x 1e-5: under 0.53 ms
+        (f,) = line.flows
+        assert f.free_at == line.free_at and f.queue[-1][2] == f.free_at  # the connection's schedule moved too
+        assert line.busy_s < busy - 20  # the schedule it no longer takes is not counted busy
+        await wait_for(lambda: sink.conns and sink.conns[0]["bytes"] == n, 30)
+        assert bytes(sink.conns[0]["data"]) == data
+        w.close()
+    await sink.close()
+
+
+async def test_a_rate_drop_slows_what_the_line_still_holds():
+    """The other way: bytes admitted at 1e-4 Gbit/s (up to 5.2 s for 64 KiB) but not yet serialised
+    when the rate drops to 1e-5 take ten times as long for the rest."""
+    sink = await SinkServer().start()
+    n = 1 << 16
+    async with Link(cfg(sink.port, gbps=1e-4, rtt_ms=0)) as link:
+        r, w, _ = await send_all(link.ports[0], b"x" * n, eof=False)
+        await wait_for(lambda: link.stats()["admitted_a_to_b"] >= n // 2)
+        line = link.a_to_b
+        t = link.loop.time()
+        before = line.free_at - t
+        assert 2 < before < 5.3
+        link.set(gbps=1e-5)
+        after = line.free_at - t
+        assert after == pytest.approx(10 * before, rel=0.01)  # the pivot is a few us after t
+        w.close()
+    await sink.close()

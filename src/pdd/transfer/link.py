@@ -40,7 +40,8 @@ connections interleave chunk by chunk: they share the line fairly.
 Control port messages: ``stats`` -> ``stats {bytes_a_to_b, bytes_b_to_a, connections, ...}``
 (bytes delivered, all connections, framing included); ``set {gbps?, rtt_ms?, jitter_ms?,
 outage?: bool, loss_rate?, cross_gbps?}`` (:class:`pdd.transfer.messages.LinkSet`) -> the new
-stats (``cross_gbps`` replaces the schedule by that rate from now on).
+stats (``cross_gbps`` replaces the schedule by that rate from now on; a rate change re-times the
+bytes the line holds but has not serialised, :meth:`Link.set`).
 An outage freezes the line: no byte moves and no connection is reset; when it ends, bytes in
 flight resume their remaining delay. Helpers: :func:`query_stats`, :func:`set_link`.
 """
@@ -155,7 +156,7 @@ class _Flow:
         self.line = line
         self.src = src
         self.dst = dst
-        self.queue: deque = deque()  # (deliver_at, bytes | None=EOF)
+        self.queue: deque = deque()  # (deliver_at, bytes | None=EOF, serialised_at: its line end)
         self.queued_bytes = 0
         self.last_deliver = 0.0
         self.timer: Optional[asyncio.TimerHandle] = None
@@ -207,7 +208,7 @@ class _Flow:
         if deliver < self.last_deliver:
             deliver = self.last_deliver
         self.last_deliver = deliver
-        self.queue.append((deliver, data))
+        self.queue.append((deliver, data, end))
         self.queued_bytes += n
         if self.timer is None and not link.outage:
             self.timer = loop.call_at(deliver, self.flush)
@@ -230,7 +231,7 @@ class _Flow:
         loop = self.link.loop
         deliver = max(self.last_deliver, self.line.free_at + self.link._one_way_s)
         self.last_deliver = deliver
-        self.queue.append((deliver, None))
+        self.queue.append((deliver, None, self.line.free_at))
         if self.timer is None and not self.link.outage:
             self.timer = loop.call_at(deliver, self.flush)
 
@@ -246,7 +247,7 @@ class _Flow:
         delivered = 0
         eof = False
         while q and q[0][0] <= horizon:
-            _, data = q.popleft()
+            _, data, _ = q.popleft()
             if data is None:
                 eof = True
                 break
@@ -273,13 +274,40 @@ class _Flow:
     def shift(self, d: float) -> None:
         """Delay everything in flight by ``d`` seconds (end of an outage)."""
         if self.queue:
-            self.queue = deque((t + d, x) for t, x in self.queue)
+            self.queue = deque((t + d, x, e + d) for t, x, e in self.queue)
         self.last_deliver += d
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
         if self.queue:
             self.timer = self.link.loop.call_at(self.queue[0][0], self.flush)
+
+    def retime(self, pivot: float, k: float) -> None:
+        """The line's rate changed at loop time ``pivot``: what this connection had admitted but
+        the line had not serialised by then is serialised ``k`` times as long from ``pivot`` on
+        (``k`` = old rate / new rate), and delivered that much later or sooner, in order; its
+        source's hold is moved with its last chunk (:meth:`admit`)."""
+        if self.free_at > pivot:
+            new = pivot + (self.free_at - pivot) * k
+            self.sched_s += new - self.free_at
+            self.free_at = new
+        if any(e > pivot for _, _, e in self.queue):
+            q, last = deque(), 0.0
+            for deliver, data, end in self.queue:
+                if end > pivot:
+                    new = pivot + (end - pivot) * k
+                    deliver, end = deliver + new - end, new
+                if deliver < last:
+                    deliver = last  # a connection's bytes are never reordered
+                last = deliver
+                q.append((deliver, data, end))
+            self.queue, self.last_deliver = q, last
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = self.link.loop.call_at(q[0][0], self.flush)
+        if self.resume_timer is not None and not self.link.outage:
+            self.resume_timer.cancel()
+            self.resume_timer = self.link.loop.call_at(self.free_at - RESUME_LEAD_S, self._line_free)
 
     def kill(self) -> None:
         self.dead = self.finished = True
@@ -552,9 +580,14 @@ class Link:
     def set(self, gbps: Optional[float] = None, rtt_ms: Optional[float] = None,
             jitter_ms: Optional[float] = None, outage: Optional[bool] = None,
             loss_rate: Optional[float] = None, cross_gbps: Optional[float] = None) -> dict:
-        """Change rate (Gbit/s), RTT (ms), jitter (ms), loss probability ([0, 1)) for bytes admitted
-        from now on; replace the cross-traffic schedule by ``cross_gbps`` (>= 0) from now on;
-        start/end an outage. Raises ValueError naming a bad value; then nothing is changed."""
+        """Change rate (Gbit/s), RTT (ms), jitter (ms), loss probability ([0, 1)); replace the
+        cross-traffic schedule by ``cross_gbps`` (>= 0) from now on; start/end an outage. RTT and
+        jitter apply to bytes admitted from now on (bits already on their way keep their delay);
+        a rate change (rate, loss or cross traffic) also re-times the bytes admitted but not yet
+        serialised, as a real line's queue drains at its new rate (:meth:`_retime`): a line slowed
+        to a trickle and restored does not keep the trickle's schedule for what it held (a 64 KiB
+        chunk admitted at 1e-5 Gbit/s would otherwise take 52 s after the restore). Raises
+        ValueError naming a bad value; then nothing is changed."""
         line = (self.gbps if gbps is None else gbps, self.rtt_ms if rtt_ms is None else rtt_ms,
                 self.jitter_ms if jitter_ms is None else jitter_ms)
         check_line(*line)  # every value is checked before any is applied
@@ -564,8 +597,12 @@ class Link:
             now = self.loop.time() if self.loop is not None else self.t0
             keep = tuple(p for p in self.cross_schedule if p[0] < now - self.t0)
             schedule = tcp_model.check_schedule(keep + ((now - self.t0, cross_gbps),), "cross_gbps")
+        before = self._rates()
         self.loss_rate, self.cross_schedule = loss, schedule
         self._apply(*line)
+        after = self._rates()
+        if self.loop is not None and after != before:
+            self._retime(before, after)
         if outage is not None and bool(outage) != self.outage:
             now = self.loop.time()
             if outage:
@@ -594,6 +631,31 @@ class Link:
                             f.line_hold = False
                         f.src.update_reading()
         return self.stats()
+
+    def _rates(self) -> tuple[float, float]:
+        """``(line, connection)`` rates now, Gbit/s: the line's rate less the cross traffic
+        (``tcp_model.available_gbps``), and one connection's, that capped by the loss
+        (``conn_gbps``)."""
+        now = self.outage_started if self.outage else (self.loop.time() if self.loop is not None else self.t0)
+        line = tcp_model.available_gbps(self.gbps, tcp_model.cross_gbps_at(self.cross_schedule, now - self.t0))
+        return line, min(line, self.conn_gbps)
+
+    def _retime(self, before: tuple[float, float], after: tuple[float, float]) -> None:
+        """Re-time the bytes admitted but not serialised when the rates went from ``before`` to
+        ``after`` (:meth:`_rates`), from now (during an outage: from its start, the instant the
+        line froze; its end then shifts them as everything in flight): each line's schedule by
+        the ratio of its rates, each connection's by the ratio of a connection's. Exact without
+        loss and cross traffic (one FIFO line); with them, the remaining schedule is scaled as a
+        whole, where admission computes each chunk's time over the cross-traffic schedule."""
+        pivot = self.outage_started if self.outage else self.loop.time()
+        k_line, k_conn = before[0] / after[0], before[1] / after[1]
+        for line in (self.a_to_b, self.b_to_a):
+            if line.free_at > pivot:
+                new = pivot + (line.free_at - pivot) * k_line
+                line.busy_s += new - line.free_at
+                line.free_at = new
+            for f in list(line.flows):
+                f.retime(pivot, k_conn)
 
     def stats(self) -> dict:
         """Counters; bytes are bytes delivered (all connections, framing included)."""
