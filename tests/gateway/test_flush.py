@@ -111,3 +111,37 @@ def test_flush_and_stats_while_an_instance_leaves_the_membership():
     o.peers["md0"] = FlushPeer()
     st = asyncio.run(o.stats())
     assert sorted(st["instances"]) == ["p0", "rld0"]
+
+
+class WaitingPeer(FlushPeer):
+    """Answers ``stats`` / ``flush`` only once every instance has been asked (``asked`` counts
+    the calls out; ``all_out`` is set by the last): asked one after another, the first would
+    wait for ever, as an instance across a WAN outage made /pdd/stats wait its 10 s timeout
+    per such instance before the next was asked."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    async def call(self, h, payload=b"", timeout=None):
+        st = self.state
+        st["asked"] += 1
+        if st["asked"] % st["n"] == 0:
+            st["all_out"].set()
+        await asyncio.wait_for(st["all_out"].wait(), 30)  # a guard: the order, not a clock, decides
+        if h.get("t") == "stats":
+            return {"pages_total": 64, "pages_free": 64}, b""
+        return await super().call(h, payload, timeout)
+
+
+def test_stats_and_flush_ask_every_instance_at_once():
+    async def run():
+        st = {"asked": 0, "n": 3, "all_out": asyncio.Event()}
+        o = _orch([WaitingPeer(st), WaitingPeer(st), WaitingPeer(st)])
+        stats = await o.stats()
+        assert sorted(stats["instances"]) == ["md0", "p0", "rld0"]
+        assert all("error" not in v for v in stats["instances"].values())
+        st["all_out"].clear()
+        rep = await o.flush(settle_s=0.05, poll_s=0.001)
+        assert rep["leaked_pages"] == 0 and rep["unreachable"] == [] and st["asked"] == 6
+    asyncio.run(run())

@@ -315,15 +315,29 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             if self.peers.get(name) is peer:
                 yield name, peer
 
+    async def _ask_every_instance(self, make, timeout: float) -> list[tuple[str, object]]:
+        """Call every connected instance at once (``make()``: the message, a new one each) and
+        return ``(name, reply header or the Exception it raised)`` in connection order, leaving
+        out an instance removed or replaced while the calls were out (:meth:`_current_peers`).
+        At once, so an instance that does not answer (across a WAN outage) costs the caller one
+        ``timeout`` seconds, not one per such instance before the others are asked."""
+        pairs = list(self._current_peers())
+
+        async def ask(peer):
+            try:
+                rep, _ = await peer.call(make(), timeout=timeout)
+                return rep
+            except Exception as e:
+                return e
+        reps = await asyncio.gather(*(ask(p) for _, p in pairs))
+        return [(n, r) for (n, p), r in zip(pairs, reps) if self.peers.get(n) is p]
+
     async def stats(self) -> dict:
         await self._reconnect_closed()
         inst = {}
-        for name, peer in self._current_peers():
-            try:
-                rep, _ = await peer.call(Stats().wire(), timeout=10)
-                inst[name] = {k: v for k, v in rep.items() if k not in ("t", "cid", "reply")}
-            except Exception as e:
-                inst[name] = {"error": str(e)}
+        for name, rep in await self._ask_every_instance(lambda: Stats().wire(), timeout=10):
+            inst[name] = ({"error": str(rep)} if isinstance(rep, Exception)
+                          else {k: v for k, v in rep.items() if k not in ("t", "cid", "reply")})
         out = {"mode": self.cfg.mode, "instances": inst, "totals": dict(self.totals), "pipelines": dict(self.pipelines)}
         # as P reported them per transfer (xfer_done): kept by the gateway, so a restarted P's
         # fresh counters do not reset it (each instance's own count is in instances[...])
@@ -373,11 +387,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         deadline = time.monotonic() + settle_s
         while True:
             inst: dict = {}
-            for name, peer in self._current_peers():
-                try:
-                    rep, _ = await peer.call(Flush().wire(), timeout=30)
-                except Exception as e:
-                    inst[name] = {"error": f"{type(e).__name__}: {e}"}
+            for name, rep in await self._ask_every_instance(lambda: Flush().wire(), timeout=30):
+                if isinstance(rep, Exception):
+                    inst[name] = {"error": f"{type(rep).__name__}: {rep}"}
                     continue
                 inst[name] = {"pages_total": rep["pages_total"], "pages_free": rep["pages_free"],
                               "live_requests": rep.get("live_requests", 0)}
