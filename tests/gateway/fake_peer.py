@@ -18,3 +18,16 @@ class FakePeer:
 
     async def close(self):
         self.closed = True
+
+
+def fake_orchestrator(**config):
+    """An :class:`pdd.gateway.orchestrator.Orchestrator` of the config ``{"mode": "pdd",
+    **config}`` whose every instance is a :class:`FakePeer` (no process, no socket)."""
+    from pdd.config import ClusterConfig
+    from pdd.gateway.orchestrator import Orchestrator
+    from pdd.topology import layout
+
+    cfg = ClusterConfig.model_validate({"mode": "pdd", **config})
+    o = Orchestrator(cfg, layout(cfg))
+    o.peers = {s.name: FakePeer() for s in o.layout.engines}
+    return o

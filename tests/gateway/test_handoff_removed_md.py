@@ -7,13 +7,11 @@ connections, no processes, no clock."""
 
 import pytest
 
-from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import ReqState
-from pdd.topology import layout
 from pdd.types import Pipeline, SamplingParams
-from tests.gateway.fake_peer import FakePeer
+from tests.gateway.fake_peer import FakePeer, fake_orchestrator
 
 
 class FinalIds(FakePeer):
@@ -34,10 +32,7 @@ class Closing(FakePeer):
 
 @pytest.fixture
 def orch():
-    cfg = ClusterConfig.model_validate({"mode": "pdd"})
-    o = Orchestrator(cfg, layout(cfg))
-    o.peers = {s.name: FakePeer() for s in o.layout.engines}
-    return o
+    return fake_orchestrator()
 
 
 def _relaying(o: Orchestrator) -> ReqState:

@@ -6,21 +6,16 @@ import dataclasses
 
 import pytest
 
-from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import EndState, HandoffState, RecoveryState, ReqState, TokenOut, WanPlan
-from pdd.topology import layout
 from pdd.types import Pipeline, SamplingParams
-from tests.gateway.fake_peer import FakePeer
+from tests.gateway.fake_peer import fake_orchestrator
 
 
 @pytest.fixture
 def orch():
-    cfg = ClusterConfig.model_validate({"mode": "pdd"})
-    o = Orchestrator(cfg, layout(cfg))
-    o.peers = {s.name: FakePeer() for s in o.layout.engines}
-    return o
+    return fake_orchestrator()
 
 
 def _mid_handoff(o: Orchestrator) -> ReqState:

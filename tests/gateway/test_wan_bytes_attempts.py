@@ -4,24 +4,19 @@ kill -9 of P mid-prefill the recovered request read ``wan_bytes: null`` while th
 the bytes). Fake connections, no processes."""
 import asyncio
 
-from pdd.config import ClusterConfig
 from pdd.gateway.api import _pdd_summary
-from pdd.gateway.orchestrator import Orchestrator, ReqState
+from pdd.gateway.orchestrator import ReqState
 from pdd.gateway.phase import Phase
-from pdd.topology import layout
 from pdd.transfer.messages import XferDone
 from pdd.types import Pipeline, SamplingParams
-from tests.gateway.fake_peer import FakePeer
+from tests.gateway.fake_peer import fake_orchestrator
 
 REP = {"md_cached_tokens": 0, "md_cached_pages": 0, "n_pages": 3, "prompt_tokens": 40, "page_size": 16,
        "page_bytes": 16 * 100}
 
 
 def _orch():
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "instances": {"prefill": 2, "relay_decode": 2,
-                                                                     "main_decode": 2}})
-    o = Orchestrator(cfg, layout(cfg))
-    o.peers = {s.name: FakePeer() for s in o.layout.engines}
+    o = fake_orchestrator(instances={"prefill": 2, "relay_decode": 2, "main_decode": 2})
     o._in_b = lambda name: name.startswith("md")
 
     async def launch(st, prompt, sp=None, force_relay=False):

@@ -5,19 +5,16 @@ import asyncio
 
 from prometheus_client import generate_latest
 
-from pdd.config import ClusterConfig
-from pdd.gateway.orchestrator import Orchestrator, ReqState
-from pdd.topology import ROLE_MAIN, layout
+from pdd.gateway.orchestrator import ReqState
+from pdd.topology import ROLE_MAIN
 from pdd.transfer.messages import WanSample
 from pdd.types import Pipeline, SamplingParams
-from tests.gateway.fake_peer import FakePeer
+from tests.gateway.fake_peer import fake_orchestrator
 
 
 def _orch(**policy):
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "instances": {"prefill": 1, "relay_decode": 1, "main_decode": 2},
-                                        "policy": {"pipeline_ttft_budget_ms": 150, **policy}})
-    o = Orchestrator(cfg, layout(cfg))
-    o.peers = {s.name: FakePeer() for s in o.layout.engines}
+    o = fake_orchestrator(instances={"prefill": 1, "relay_decode": 1, "main_decode": 2},
+                          policy={"pipeline_ttft_budget_ms": 150, **policy})
     o.kv_bytes_per_token = 2048
     return o
 
