@@ -4,6 +4,8 @@ Messages:
   ``expect {rid, prompt_ids, sampling}`` (call, gateway): allocate the prompt's pages.
   ``kv`` / ``kv_done {first_token, fin}`` (from P): import pages; on done emit the first token
   and start decoding at once ("eager output tokens", PDD report).
+  ``kv_cancel`` (from P: the fast-path transfer was cancelled or failed before its ``kv_done``,
+  e.g. the request aborted mid-prefill): free what arrived; the request cannot decode here.
   ``handoff {rid}`` (call, gateway, one-shot): stop decoding the request, reply with every output
   token id so far (ids only: MD recomputes their KV in one extend), free its pages.
 """
@@ -16,7 +18,7 @@ from dataclasses import asdict
 
 from pdd.policy.handoff import HandoffInputs, decide_handoff, rld_load
 from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
-from pdd.transfer.messages import Expect, ExpectOk, Handoff, HandoffOk, KvDone
+from pdd.transfer.messages import Expect, ExpectOk, Handoff, HandoffOk, KvCancel, KvDone
 from pdd.types import SamplingParams
 
 
@@ -26,7 +28,7 @@ class RelayDecodeInstance(EngineInstance):
 
     def handlers(self) -> dict:
         return {**super().handlers(), "expect": self.on_expect, "kv": self.on_kv, "kv_done": self.on_kv_done,
-                "handoff": self.on_handoff}
+                "kv_cancel": self.on_kv_cancel, "handoff": self.on_handoff}
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -73,6 +75,15 @@ class RelayDecodeInstance(EngineInstance):
         self.emit(ctx, 0, t0, fin)
         await self.worker.call(_start, overlap=True)
         if fin is not None:
+            await self.release(ctx, cache=False)
+        return None
+
+    async def on_kv_cancel(self, peer, h, payload):
+        """P's transfer of the request's prompt KV ended without ``kv_done`` (docs/LINK.md: on a
+        cancel, abort or failed prefill "the receivers free what arrived"): free the request's
+        pages, cache nothing. One already decoding (its ``kv_done`` came) or gone is left alone."""
+        ctx = self.reqs.get(KvCancel.decode(h).rid)
+        if ctx is not None and not ctx.in_engine:
             await self.release(ctx, cache=False)
         return None
 
