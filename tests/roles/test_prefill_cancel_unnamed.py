@@ -12,25 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdd.config import ClusterConfig
-from pdd.topology import ROLE_PREFILL, InstanceSpec, free_port_block, layout
 from pdd.transfer.client import connect
 from pdd.types import SamplingParams
-
-PROMPT = list(range(10, 28))  # 18 tokens
+from tests.roles.md_tiny import PROMPT, start_instance
 
 
 async def test_cancel_without_a_target_name_cancels_the_deferred_slots(tiny_model, caplog):
-    from pdd.roles.prefill import PrefillInstance
-
-    base = free_port_block()
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "model_preset": "tiny",
-                                        "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
-                                        "security": {"tls": False, "fast_path": "plain"},
-                                        "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
-    lay = layout(cfg)
-    inst = PrefillInstance(cfg, InstanceSpec("p0", ROLE_PREFILL, "A", base + 1), lay)
-    await inst.start()
+    _, inst = await start_instance(tiny_model, "p0")
     done = asyncio.get_running_loop().create_future()
 
     async def on_xfer_done(peer, h, payload):

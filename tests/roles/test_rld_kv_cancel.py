@@ -11,30 +11,21 @@ from __future__ import annotations
 
 import asyncio
 
-from pdd.config import ClusterConfig
-from pdd.topology import ROLE_RELAY, InstanceSpec, free_port_block, layout
 from pdd.transfer.client import connect
 from pdd.transfer.messages import Expect, KvCancel
 from pdd.types import SamplingParams
+from tests.roles.md_tiny import PROMPT, start_instance
 
 
 async def test_kv_cancel_frees_the_pages_of_a_request_waiting_for_its_kv(tiny_model, caplog):
-    from pdd.roles.relay_decode import RelayDecodeInstance
-
-    base = free_port_block()
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "model_preset": "tiny",
-                                        "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
-                                        "security": {"tls": False, "fast_path": "plain"},
-                                        "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
-    inst = RelayDecodeInstance(cfg, InstanceSpec("rld0", ROLE_RELAY, "A", base + 1), layout(cfg))
-    await inst.start()
+    _, inst = await start_instance(tiny_model, "rld0")
     marked = asyncio.Event()
     inst.server.on("test_mark", lambda p, h, b: marked.set())
     gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: None}, role="gateway", instance="gateway")
     try:
         free0 = await inst.worker.call(lambda e: e.pool.num_free)
         sp = SamplingParams(max_tokens=4, ignore_eos=True).to_dict()
-        rep, _ = await gw.call(Expect("r0", list(range(10, 28)), sp).wire())
+        rep, _ = await gw.call(Expect("r0", PROMPT, sp).wire())
         assert rep["n_pages"] == 5  # 18 prompt tokens on 4-token pages
         assert await inst.worker.call(lambda e: e.pool.num_free) == free0 - 5
         await gw.send(KvCancel("r0", 4096, 2).wire())
