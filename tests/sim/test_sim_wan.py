@@ -174,3 +174,24 @@ def test_sim_run_reads_the_runtime_yaml(tmp_path):
     cfg = _make_cfg(p.parse_args(["--wan-loss-rate", "0.01", "--cross-traffic", "0:5,10:1", "--kv-stream",
                                   "layerwise", "--kv-stream-layer-group", "4"]))
     assert (cfg.wan_loss_rate, cfg.wan_cross_traffic, cfg.kv_stream_layer_group) == (0.01, ((0.0, 5.0), (10.0, 1.0)), 4)
+
+
+def test_sim_run_says_which_config_blocks_it_does_not_simulate(tmp_path, capsys):
+    """A heterogeneous config (tiers: a bf16 MD) given to `pdd sim run --config` was simulated as a
+    homogeneous topology without a word (the same WAN bytes as without the tiers): stderr now
+    names the blocks not read; a config of WAN fields alone gets no note."""
+    import argparse
+
+    from pdd.sim.cli import _cfg_args, _make_cfg
+
+    p = argparse.ArgumentParser()
+    _cfg_args(p)
+    het = tmp_path / "het.yaml"
+    het.write_text("tiers:\n  main_decode:\n    engine: {dtype: bfloat16, page_size: 32}\ninstances: {main_decode: 2}\n")
+    _make_cfg(p.parse_args(["--config", str(het)]))
+    err = capsys.readouterr().err
+    assert f"--config {het}: its instances, tiers are not simulated here" in err
+    wan = tmp_path / "wan.yaml"
+    wan.write_text("link:\n  wan_loss_rate: 0.001\n")
+    _make_cfg(p.parse_args(["--config", str(wan)]))
+    assert "not simulated" not in capsys.readouterr().err

@@ -300,6 +300,10 @@ def _make_cfg(a):
     return _live_fit(a, profiles, SimConfig(**kw))
 
 
+# a runtime config's blocks `pdd sim run` / `experiment` / `plan` do not read from --config
+NOT_SIMULATED_FROM_CONFIG = frozenset({"instances", "engine", "tiers", "model_path", "model_preset", "mode"})
+
+
 def _wan_fields(a) -> dict:
     """The WAN line's loss / cross traffic and the KV streaming fields from the flags, or from
     ``--config``'s runtime keys (``pdd.sim.sim_config.runtime_wan_fields``). UsageError naming the
@@ -308,7 +312,14 @@ def _wan_fields(a) -> dict:
     from pdd.sim.sim_config import runtime_wan_fields
 
     if getattr(a, "config", None):
-        return runtime_wan_fields(config_or_exit(a))
+        cfg = config_or_exit(a)
+        unread = sorted(cfg.model_fields_set & NOT_SIMULATED_FROM_CONFIG)
+        if unread:  # a heterogeneous config (tiers: a bf16 MD) simulated as homogeneous, silently
+            print(f"pdd sim: --config {a.config}: its {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not simulated here: only its link.wan_* "
+                  "and policy's WAN order / KV streaming are read (instance counts: --n-p / --n-rld / --n-md; KV "
+                  "size: --kv-bytes-per-token; a live run's tiers: pdd sim validate --config with --profile-b)",
+                  file=sys.stderr)
+        return runtime_wan_fields(cfg)
     try:
         # "" is refused (no point in it), not taken as no cross traffic
         cross = parse_cross_traffic(a.cross_traffic, "--cross-traffic") if a.cross_traffic is not None else ()
