@@ -399,3 +399,32 @@ def test_a_malformed_share_or_count_is_one_line_naming_the_field(tmp_path, capsy
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert f"ho/validate.json: {field}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("field, bad", [("live.p50_ttft_ms", "x"), ("sim.p90_ttft_ms", -1.0),
+                                        ("sim.p50_tpot_ms", float("nan")), ("err_p50_ttft_ms", "x"),
+                                        ("err_p90_ttft_ms", float("nan")), ("pipeline_match_share", "x"),
+                                        ("pipeline_match_share", 1.5), ("live_failed", -1),
+                                        ("ttft_error_per_request", 0.5), ("ttft_error_per_request.median", "x"),
+                                        ("at_live_p_speed", "x"), ("at_live_p_speed.level", None)])
+def test_every_number_the_report_reads_is_checked(tmp_path, capsys, field, bad):
+    """A hand-edited validate.json with a bad value in any field the report reads (not only the
+    decision match, the count and err_ci): exit 2 and one line naming the file and the field,
+    never a traceback from the arithmetic or the formatting, nor a NaN judged as a miss."""
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v.setdefault("ttft_error_per_request", {"median": 0.0, "abs_p50": 0.1, "abs_p90": 0.2})
+    v.setdefault("at_live_p_speed", {"level": 1.0, "err_p50_ttft_ms": 0.0, "err_p90_ttft_ms": 0.0})
+    *parents, leaf = field.split(".")
+    d = v
+    for k in parents:
+        d = d[k]
+    d[leaf] = bad
+    (ho / "validate.json").write_text(json.dumps(v))
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert f"ho/validate.json: {field} must be" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -132,7 +132,72 @@ def read_validate(run_dir: str | Path) -> dict:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise ValueError(f"{p}: requests_compared must be a whole number >= 0, got {n!r}")
     _check_err_ci(p, v.get("err_ci"))
+    _check_numbers(p, v)
     return v
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and bool(np.isfinite(x))
+
+
+# the latencies the report reads from ``live`` and ``sim`` (ms) and their errors (``err_*``)
+REPORTED = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")
+
+
+def _check_numbers(p, v: dict) -> None:
+    """ValueError naming the file and field unless every other number the report reads is what
+    `pdd sim validate` writes (each may be absent or null: not recorded): ``live`` / ``sim``
+    latencies finite ms >= 0; ``err_*`` and ``at_live_p_speed``'s errors finite; shares
+    (``pipeline_match_share``, ``ttft_error_per_request.within_*``) in [0, 1];
+    ``live_failed`` a whole number >= 0; ``ttft_error_per_request`` an object with finite
+    ``median`` and ``abs_p50`` / ``abs_p90`` >= 0; ``at_live_p_speed`` an object with a finite
+    ``level`` > 0 (what the report prints)."""
+    def bad(field, what, x):
+        raise ValueError(f"{p}: {field} must be {what}, got {json.dumps(x)}")
+
+    for side in ("live", "sim"):
+        for k in REPORTED:
+            x = v[side].get(k)
+            if x is not None and not (_is_num(x) and x >= 0):
+                bad(f"{side}.{k}", "null or a finite number of ms >= 0", x)
+    for k in REPORTED:
+        x = v.get(f"err_{k}")
+        if x is not None and not _is_num(x):
+            bad(f"err_{k}", "null or a finite number", x)
+    x = v.get("pipeline_match_share")
+    if x is not None and not (_is_num(x) and 0 <= x <= 1):
+        bad("pipeline_match_share", "null or a share in [0, 1]", x)
+    x = v.get("live_failed")
+    if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
+        bad("live_failed", "a whole number >= 0", x)
+    per = v.get("ttft_error_per_request")
+    if per is not None:
+        if not isinstance(per, dict):
+            bad("ttft_error_per_request", "null or an object", per)
+        for k in ("median", "abs_p50", "abs_p90", "abs_p99", "within_5pct", "within_10pct", "within_25pct"):
+            x = per.get(k)
+            required = k in ("median", "abs_p50", "abs_p90")
+            if x is None and not required:
+                continue
+            if k == "median":
+                ok, what = _is_num(x), "a finite number"
+            elif k.startswith("abs_"):
+                ok, what = _is_num(x) and x >= 0, "a finite number >= 0"
+            else:
+                ok, what = _is_num(x) and 0 <= x <= 1, "null or a share in [0, 1]"
+            if not ok:
+                bad(f"ttft_error_per_request.{k}", what, x)
+    ps = v.get("at_live_p_speed")
+    if ps is not None:
+        if not isinstance(ps, dict):
+            bad("at_live_p_speed", "null or an object", ps)
+        x = ps.get("level")
+        if not (_is_num(x) and x > 0):
+            bad("at_live_p_speed.level", "a finite number > 0", x)
+        for k in ("err_p50_ttft_ms", "err_p90_ttft_ms"):
+            x = ps.get(k)
+            if x is not None and not _is_num(x):
+                bad(f"at_live_p_speed.{k}", "null or a finite number", x)
 
 
 def _check_err_ci(p, ci) -> None:
