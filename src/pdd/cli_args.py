@@ -21,6 +21,11 @@ def config_or_exit(args, **over):
         if any(err.get("loc") and _OVERRIDE_FLAGS.get(str(err["loc"][0])) and over.get(str(err["loc"][0])) is not None
                for err in e.errors()):  # a flag's value out of range (--port 0): bad CLI input, exit 2
             usage_error(args, msg)
+        flags = [f for k, f in _OVERRIDE_FLAGS.items() if over.get(k) is not None]
+        if flags and _loads(args, {k: v for k, v in over.items() if k not in _OVERRIDE_FLAGS}):
+            # valid without the flags: their values made it invalid (--port inside --base-port's block,
+            # "ports collide"), bad CLI input as in pdd demo and pdd bench, exit 2
+            usage_error(args, f"{' / '.join(flags)}: {msg}")
         raise SystemExit(f"pdd: {msg}")
     except FileNotFoundError:  # the only file load reads is --config itself
         usage_error(args, f"--config {args.config}: no such file")
@@ -35,6 +40,17 @@ def config_or_exit(args, **over):
 
 
 _OVERRIDE_FLAGS = {"gateway_port": "--port", "base_port": "--base-port", "mode": "--mode"}
+
+
+def _loads(args, over: dict) -> bool:
+    """Whether ``--config`` with ``over`` (and none of the flags' overrides) is a valid config."""
+    from pdd.config import ClusterConfig
+
+    try:
+        ClusterConfig.load(getattr(args, "config", None), **over)
+    except Exception:
+        return False
+    return True
 
 
 def _flagged(summary: str, over: dict) -> str:

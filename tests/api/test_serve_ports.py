@@ -96,3 +96,16 @@ def test_serve_names_colliding_ports_without_an_empty_location(tmp_path):
         main(["serve", "--config", str(cfg)])
     assert str(e.value) == ("pdd: invalid config: ports collide: 18012: p0, gateway (move gateway_port or "
                             "base_port, or use fewer instances)")
+
+
+@pytest.mark.parametrize("argv,flags,clash", [
+    (["--port", "18012", "--base-port", "18002"], "--port / --base-port", "18012: p0, gateway"),
+    (["--base-port", "7990"], "--base-port", "8000: p0, gateway"),
+])
+def test_serve_refuses_flags_whose_ports_collide_as_demo_and_bench_do(capsys, argv, flags, clash):
+    """`pdd serve --port 9100 --base-port 9050` (the gateway inside the instances' block) exited 1
+    like a bad config file, where pdd demo and pdd bench refuse the same flags as a usage error:
+    the config is valid without the flags, so their values are bad CLI input, exit 2, named."""
+    err = usage_error(capsys, main, ["serve", *argv])
+    assert err == (f"pdd serve: error: {flags}: invalid config: ports collide: {clash} (move gateway_port or "
+                   "base_port, or use fewer instances)\n")
