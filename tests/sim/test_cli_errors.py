@@ -878,3 +878,16 @@ def test_sim_experiment_refuses_an_out_that_cannot_be_a_directory(capsys, tmp_pa
     out, message = out.replace("FILE", str(f)), message.replace("FILE", str(f))
     err = _refused(capsys, ["sim", "experiment", "ttft", "--quick", "--out", out])
     assert f"pdd sim experiment: error: {message}" in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "validate-report", "--calibration", "data/validation/cal-a", "--held-out", "data/validation/seed3",
+     "--json", ""],
+    ["sim", "run", "--json", ""], ["plan", "--json", ""], ["sim", "compare-profiles", "--json", ""],
+    ["workload", "agentic", "--out", ""]])
+def test_an_empty_output_file_is_refused_not_ignored(capsys, monkeypatch, argv):
+    """`--json ''` read as no --json: the report was printed and its file silently not written
+    (as bench --out '' wrote into the current directory). Refused, naming the flag, exit 2."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    err = usage_error(capsys, pdd_main, argv)
+    assert f"error: {argv[-2]} '': empty; give a file path" in err and len(err.strip().splitlines()) == 1

@@ -421,7 +421,7 @@ def cmd_run(a) -> int:
     if a.autoscale is None and a.autoscale_min is not None:
         raise UsageError("--autoscale-min: only with --autoscale (the loop's most active instances per role)")
     acfg = _autoscale_config(a) if a.autoscale is not None else None  # refused before the workload is read
-    if a.json:
+    if a.json is not None:
         check_out_file(a.json, "--json")  # before the simulation, not after it
     recs, sched = _apply_load_profile(a, _records(a))
     cfg = _make_cfg(a)
@@ -530,7 +530,7 @@ def _print_report(a, compute, fmt) -> int:
     import json
     from pathlib import Path
 
-    if a.json:
+    if a.json is not None:  # --json '' is refused, not read as "no --json" (the report went unwritten)
         check_out_file(a.json, "--json")
     try:
         res = compute()
@@ -714,6 +714,8 @@ def check_out_file(path: str, flag: str = "--out") -> None:
     import os
     from pathlib import Path
 
+    if not str(path).strip():
+        raise UsageError(f"{flag} {path!r}: empty; give a file path")
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{flag} {path}: is a directory; give a file path")
@@ -727,7 +729,7 @@ def check_out_file(path: str, flag: str = "--out") -> None:
 def cmd_agentic(a) -> int:
     from pdd.workload.records import generate_agentic, print_hit_histogram, write_trace
 
-    if a.out:
+    if a.out is not None:
         check_out_file(a.out)
     recs = generate_agentic(a.n, seed=a.seed, rate=a.rate)
     print_hit_histogram(recs)
@@ -821,7 +823,7 @@ def cmd_plan(a) -> int:
     if a.md_step < 1 or a.md_min < 1 or a.md_max < a.md_min:
         raise UsageError(f"--md-min {a.md_min} / --md-max {a.md_max} / --md-step {a.md_step}: the MD counts searched "
                          "are empty (need 1 <= --md-min <= --md-max and --md-step >= 1)")
-    if a.json:
+    if a.json is not None:
         check_out_file(a.json, "--json")  # before the search (minutes), not after it
     base = _make_cfg(a)
     wans = _wan_options(a.wan)
