@@ -92,6 +92,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.report_only:
         out = Path(a.out).resolve()
+        if not a.out.strip() or not out.is_dir():  # a traceback reading its files once
+            print(f"{ap.prog}: error: --out {a.out!r}: not a directory of an earlier run (--report-only rebuilds "
+                  "the comparison from its files)", file=sys.stderr)
+            return 2
         meta = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {
             "requests": len(_jsonl(out / "aiperf_input.jsonl")), "url": None, "slo": None}
         print(write_comparison(out, meta))

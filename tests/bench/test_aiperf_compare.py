@@ -225,3 +225,17 @@ def test_check_model_accepts_the_served_name(models_gateway, tmp_path):
     assert A.check_model(["--config", str(cfg)], models_gateway) == "served"
     assert A.check_model(["--config", str(cfg)]) == "served" == A.check_model(["--config", str(cfg), "--model", "served"])
     assert A.check_model([]) == "pdd-small"
+
+
+@pytest.mark.parametrize("out", ["", "missing", "file"])
+def test_report_only_without_a_run_directory_is_one_line(capsys, tmp_path, out):
+    """--report-only with an --out that is no directory was a FileNotFoundError /
+    NotADirectoryError traceback (exit 1); now one line naming --out, exit 2."""
+    mod = _script()
+    if out == "file":
+        (tmp_path / "file").write_text("")
+    arg = str(tmp_path / out) if out else ""
+    assert mod.main(["--out", arg, "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"aiperf_compare.py: error: --out {arg!r}: not a directory of an earlier run (--report-only "
+                   "rebuilds the comparison from its files)\n")
