@@ -96,9 +96,15 @@ def main(argv=None) -> int:
             print(f"{ap.prog}: error: --out {a.out!r}: not a directory of an earlier run (--report-only rebuilds "
                   "the comparison from its files)", file=sys.stderr)
             return 2
-        meta = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {
-            "requests": len(_jsonl(out / "aiperf_input.jsonl")), "url": None, "slo": None}
-        print(write_comparison(out, meta))
+        try:
+            meta = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {
+                "requests": len(_jsonl(out / "aiperf_input.jsonl")), "url": None, "slo": None}
+            text = write_comparison(out, meta)
+        except FileNotFoundError as e:  # a directory without an earlier run's files
+            print(f"{ap.prog}: error: --out {a.out!r}: {Path(e.filename).name} missing: not a directory of an "
+                  "earlier run (--report-only rebuilds the comparison from its files)", file=sys.stderr)
+            return 2
+        print(text)
         return 0
 
     from pdd.bench import aiperf as A

@@ -239,3 +239,11 @@ def test_report_only_without_a_run_directory_is_one_line(capsys, tmp_path, out):
     err = capsys.readouterr().err
     assert err == (f"aiperf_compare.py: error: --out {arg!r}: not a directory of an earlier run (--report-only "
                    "rebuilds the comparison from its files)\n")
+
+
+def test_report_only_in_a_directory_without_a_run_names_the_missing_file(capsys, tmp_path):
+    mod = _script()
+    assert mod.main(["--out", str(tmp_path), "--report-only"]) == 2
+    assert capsys.readouterr().err == (f"aiperf_compare.py: error: --out {str(tmp_path)!r}: aiperf_input.jsonl "
+                                       "missing: not a directory of an earlier run (--report-only rebuilds the "
+                                       "comparison from its files)\n")
