@@ -92,7 +92,8 @@ def parse_fault(spec: str) -> FaultSpec:
         if not math.isfinite(v):
             raise FaultError(f"fault {spec!r}: {kind} needs a finite number (seconds / factor), got {v}")
         if v <= 0 or (kind == "wan_slowdown" and v < 1):
-            raise FaultError(f"fault {spec!r}: {kind} argument out of range")
+            want = "seconds > 0" if kind == "wan_outage" else "a factor >= 1 (the line's rate divided by it)"
+            raise FaultError(f"fault {spec!r}: {kind} needs {want}, got {arg}")
     if kind == "cross_traffic":
         try:
             v = float(arg)

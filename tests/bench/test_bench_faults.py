@@ -84,3 +84,13 @@ def test_outcomes_and_report():
     assert rep["injections"][0]["outcome"]["ok"] and rep["injections"][0]["outcome"]["recoveries"] == 1
     assert rep["injections"][1]["outcome"]["ok"] is False
     assert rep["not_injected"] == {"wan_outage:1@handoff": "never"} and rep["not_applicable"] == {"x": "no wan"}
+
+
+@pytest.mark.parametrize("spec, want", [("wan_slowdown:0.5@transfer", "wan_slowdown needs a factor >= 1"),
+                                        ("wan_slowdown:0@transfer", "wan_slowdown needs a factor >= 1"),
+                                        ("wan_outage:-2@transfer", "wan_outage needs seconds > 0")])
+def test_an_argument_out_of_range_names_the_range(spec, want):
+    """A new user's `--fault wan_slowdown:0.5@transfer` read "argument out of range", naming neither
+    the range nor what FACTOR does."""
+    with pytest.raises(FaultError, match=want):
+        parse_bench_fault(spec)
