@@ -307,21 +307,14 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             fut.cancel()
 
     # ------------------------------------------------------------------ stats
-    def _current_peers(self):
-        """``(name, peer)`` of each connection when the call began, skipping, as the loop reaches
-        it, one removed or replaced meanwhile (a membership change may land during a caller's
-        awaits between two of them)."""
-        for name, peer in list(self.peers.items()):
-            if self.peers.get(name) is peer:
-                yield name, peer
-
     async def _ask_every_instance(self, make, timeout: float) -> list[tuple[str, object]]:
         """Call every connected instance at once (``make()``: the message, a new one each) and
         return ``(name, reply header or the Exception it raised)`` in connection order, leaving
-        out an instance removed or replaced while the calls were out (:meth:`_current_peers`).
-        At once, so an instance that does not answer (across a WAN outage) costs the caller one
-        ``timeout`` seconds, not one per such instance before the others are asked."""
-        pairs = list(self._current_peers())
+        out an instance removed or replaced while the calls were out (a membership change may land
+        during the awaits). At once, so an instance that does not answer (across a WAN outage)
+        costs the caller one ``timeout`` seconds, not one per such instance before the others are
+        asked."""
+        pairs = list(self.peers.items())
 
         async def ask(peer):
             try:
