@@ -125,12 +125,6 @@ def read_validate(run_dir: str | Path) -> dict:
     for k in ("workload", "live", "sim"):
         if not isinstance(v[k], dict):
             raise ValueError(f"{p}: {k} must be an object, got {v[k]!r}")
-    dm = v["decision_match_share"]
-    if dm is not None and (isinstance(dm, bool) or not isinstance(dm, (int, float)) or not 0.0 <= dm <= 1.0):
-        raise ValueError(f"{p}: decision_match_share must be null or a share in [0, 1], got {dm!r}")
-    n = v.get("requests_compared")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-        raise ValueError(f"{p}: requests_compared must be a whole number >= 0, got {n!r}")
     _check_err_ci(p, v.get("err_ci"))
     _check_numbers(p, v)
     return v
@@ -148,8 +142,8 @@ def _check_numbers(p, v: dict) -> None:
     """ValueError naming the file and field unless every other number the report reads is what
     `pdd sim validate` writes (each may be absent or null: not recorded): ``live`` / ``sim``
     latencies finite ms >= 0; ``err_*`` and ``at_live_p_speed``'s errors finite; shares
-    (``pipeline_match_share``, ``ttft_error_per_request.within_*``) in [0, 1];
-    ``live_failed`` a whole number >= 0; ``ttft_error_per_request`` an object with finite
+    (``decision_match_share``, ``pipeline_match_share``, ``ttft_error_per_request.within_*``) in
+    [0, 1]; ``requests_compared`` and ``live_failed`` whole numbers >= 0; ``ttft_error_per_request`` an object with finite
     ``median`` and ``abs_p50`` / ``abs_p90`` >= 0; ``at_live_p_speed`` an object with a finite
     ``level`` > 0 (what the report prints)."""
     def bad(field, what, x):
@@ -164,12 +158,14 @@ def _check_numbers(p, v: dict) -> None:
         x = v.get(f"err_{k}")
         if x is not None and not _is_num(x):
             bad(f"err_{k}", "null or a finite number", x)
-    x = v.get("pipeline_match_share")
-    if x is not None and not (_is_num(x) and 0 <= x <= 1):
-        bad("pipeline_match_share", "null or a share in [0, 1]", x)
-    x = v.get("live_failed")
-    if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
-        bad("live_failed", "a whole number >= 0", x)
+    for k in ("decision_match_share", "pipeline_match_share"):
+        x = v.get(k)
+        if x is not None and not (_is_num(x) and 0 <= x <= 1):
+            bad(k, "null or a share in [0, 1]", x)
+    for k in ("requests_compared", "live_failed"):
+        x = v.get(k)
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
+            bad(k, "a whole number >= 0", x)
     per = v.get("ttft_error_per_request")
     if per is not None:
         if not isinstance(per, dict):
@@ -320,7 +316,7 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
                "err_ci": v.get("err_ci"),  # absent in a validate.json written before it was reported
                "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from"),
                "at_live_p_speed": v.get("at_live_p_speed")}
-        for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms"):
+        for k in REPORTED:
             lv, sv = v["live"].get(k), v["sim"].get(k)
             row[f"err_{k}"] = v.get(f"err_{k}", None if not lv or sv is None else sv / lv - 1.0)
         dm, nc = v.get("decision_match_share"), v.get("requests_compared") or 0
@@ -390,7 +386,7 @@ def format_report(rep: dict) -> str:
 
     def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed="", ps=None, ci=None, dmci=None):
         cells = [f"{_ms(x.get(k))} / {_ms(y.get(k))} ({_pct(errs.get(k))}{_ci((ci or {}).get(k) if k in CI_NAMES else None)})"
-                 for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")]
+                 for k in REPORTED]
         pr = "-" if not per else (f"{_pct(per['median'])}, {per['abs_p50'] * 100:.1f}% / {per['abs_p90'] * 100:.1f}% / "
                                   f"{per.get('abs_p99', float('nan')) * 100:.1f}%, "
                                   + ("-" if per.get("within_10pct") is None else f"{per['within_10pct'] * 100:.0f}%"))
@@ -402,7 +398,7 @@ def format_report(rep: dict) -> str:
                      + f" | {pr} | {dms} | {pms} | {meets} | {pss} |")
 
     for r in rep["held_out"]:
-        errs = {k: r.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
+        errs = {k: r.get(f"err_{k}") for k in REPORTED}
         met = ", ".join(k for k, ok in r["meets"].items() if ok) or "none"
         changed = ", ".join(f"{k}={r['workload'][k]}" for k in r["changed"])
         nf_ = r.get("live_failed") or 0
@@ -411,7 +407,7 @@ def format_report(rep: dict) -> str:
             r.get("at_live_p_speed"), r.get("err_ci"), r.get("decision_match_ci"))
     nf = rep.get("noise_floor")
     if nf:
-        errs = {k: nf.get(f"err_{k}") for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")}
+        errs = {k: nf.get(f"err_{k}") for k in REPORTED}
         fa, fb = nf.get("live_failed") or (0, 0)
         row("noise floor: live run 2 vs run 1", "none", nf["requests_compared"], nf["a"], nf["b"], errs,
             nf["ttft_error_per_request"], nf["decision_match_share"], nf["pipeline_match_share"], "-",
