@@ -1,5 +1,6 @@
 """P's reply lag (``SimConfig.p_reply_lag_s_per_token``): P's reply (its first token, and in whole
-mode its KV sends) comes ``lag x min(computed tokens, chunk)`` after the prefill's last step,
+mode its KV sends) comes ``lag x min(computed tokens, chunk)`` after the prefill's last step (the
+largest such of the prefills that step finishes: P replies for them together, in batch order),
 while P's engine goes on with the next prefill; and its checks in a config and a profile."""
 
 import pytest
@@ -24,6 +25,24 @@ def test_the_reply_trails_the_step_and_p_goes_on():
     assert slow.reqs[0].t_prefill_done - base.reqs[0].t_prefill_done == pytest.approx(320 * lag, rel=1e-9)
     assert slow.reqs[1].t_prefill_done - base.reqs[1].t_prefill_done == pytest.approx(192 * lag, rel=1e-9)
     assert slow.reqs[0].t_first - base.reqs[0].t_first >= 320 * lag * (1 - 1e-9)
+
+
+def test_prefills_finishing_in_one_step_reply_together_in_batch_order():
+    """A short prompt joining a long one's last chunk gets its reply with the long one's, after it
+    (the runtime's P resolves a step's first tokens in one pass, in batch order, and starts their
+    KV sends in that order), not its own smaller lag earlier: a live run's relayed short request
+    that finished beside a 3,904-token prefill sent its KV behind that one's 8 MB."""
+    lag = 1e-4
+    cfg = HOST.replace(prefill_chunk_tokens=512, max_batch_tokens=512)
+    long_ = {"timestamp": 0, "input_length": 900, "output_length": 2, "hash_ids": list(range(40, 55))}
+    short = {"timestamp": 1, "input_length": 64, "output_length": 2, "hash_ids": [60]}
+    base, slow = run(cfg, [long_, short]), run(cfg.replace(p_reply_lag_s_per_token=lag), [long_, short])
+    # one step finishes both (the long one's 388-token rest and the short 64), without a lag too
+    assert base.tiers["P"][0].steps == slow.tiers["P"][0].steps == 2
+    assert base.reqs[0].t_prefill_done == base.reqs[1].t_prefill_done
+    # both replies trail that step by the long prefill's largest step (512 tokens)
+    for i in (0, 1):
+        assert slow.reqs[i].t_prefill_done - base.reqs[i].t_prefill_done == pytest.approx(512 * lag, rel=1e-9)
 
 
 def test_the_lag_counts_one_chunk_at_most():

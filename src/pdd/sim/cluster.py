@@ -580,7 +580,7 @@ class ClusterSim:
             inst.remove(req.rid)
             lag = self.cfg.p_reply_lag_s_per_token
             if lag > 0.0 and inst.role == "P":  # the reply trails the step; P's engine is free
-                self.after(lag * min(req.prompt - req.p_hit, self.chunk_tokens), self._prefill_done, inst, req, s)
+                self.after(lag * inst.step_reply_tokens, self._prefill_done, inst, req, s)
             else:
                 self._prefill_done(inst, req, s)
             return

@@ -84,6 +84,7 @@ class Instance:
         self.handoff_state = "one_shot" if sim.cfg.handoff_mode == "one_shot" else "catch_up"
         self.routed = 0  # routed here by the gateway, not yet enqueued (in flight)
         self.prefilling = 0
+        self.step_reply_tokens = 0  # P: the reply lag's tokens of the step just ended (cluster.on_tokens)
         c = sim.cfg
         self.step_ovh = float((c.step_overhead_s or {}).get(role, 0.0))
         self.step_scale = float((c.step_scale or {}).get(role, 1.0))
@@ -282,6 +283,12 @@ class Instance:
                 self.sim.host_busy -= 1
                 self.busy_s += dt
                 self.steps += 1
+                # P replies for every prefill this step finishes together, in batch order, after the
+                # lag of the largest of them (the runtime's on_events: one pass over the step's events)
+                self.step_reply_tokens = max((min(seqs[it.seq_id].req.prompt - seqs[it.seq_id].req.p_hit,
+                                                  self.sim.chunk_tokens)
+                                              for it in items if it.sample and it.seq_id in seqs
+                                              and seqs[it.seq_id].kind == "prefill"), default=0)
                 for it in items:
                     s = seqs.get(it.seq_id)
                     if s is None:

@@ -154,8 +154,11 @@ class SimConfig:
     # min(prefill_chunk_tokens, max_batch_tokens)) from its last step's end to P's reply (its
     # first token) reaching the gateway: on the CPU testbed the live P interval outgrows the
     # engine's steps by about a tenth of a chunk's step, whatever the number of steps. P's
-    # engine is free meanwhile; the reply and P's KV sends wait. Measured on a live run's quiet
-    # isolated prefills (calibrate.fit_quiet_step); 0 = the reply at the last step's end
+    # engine is free meanwhile; the reply and P's KV sends wait. The prefills one step finishes
+    # reply together, in batch order, after the largest of their lags (the runtime's P resolves
+    # a step's first tokens in one pass and starts their KV sends in that order). Measured on a
+    # live run's quiet isolated prefills (calibrate.fit_quiet_step); 0 = the reply at the last
+    # step's end
     p_reply_lag_s_per_token: float = 0.0
     # seconds added to every engine step of a role ("P", "RLD", "MD", ...): what a live role's
     # step costs beyond the bare engine's (RPC and token-streaming threads contending for the

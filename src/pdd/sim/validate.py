@@ -518,7 +518,7 @@ def format_validate(res: dict) -> str:
     if pf.get("p_dispatch_s"):
         inputs += f"; P's dispatch {pf['p_dispatch_s'] * 1e3:.2f} ms a request"
     if pf.get("p_reply_lag_s_per_token"):
-        inputs += f"; P's reply lag {pf['p_reply_lag_s_per_token'] * 1e6:.1f} us a token of its largest step"
+        inputs += f"; P's reply lag {pf['p_reply_lag_s_per_token'] * 1e6:.1f} us a token of the largest prefill step its step finishes"
     if pf.get("wan_written_lead_bytes") is not None:
         inputs += f"; MD's KV written {pf['wan_written_lead_bytes'] / 2 ** 10:.0f} KiB before its last byte leaves"
     paths = "".join(f"\n{name.replace('_', ' ')}: {g['requests']} requests, TPOT P50 live {g['p50_tpot_ms']['live']:.2f} / "
