@@ -12,20 +12,31 @@ from tests.gateway.fake_peer import FakePeer
 
 
 class FlushPeer(FakePeer):
-    """Answers ``flush`` with a live request (holding ``held`` pages) for the first ``live_for``
-    calls, then with an empty pool; ``live_for`` None: live for ever (an orphan)."""
+    """Answers ``flush`` with ``held`` pages in use and one live request while it holds one
+    (``live``); ``wait_idle`` as an instance does: once that request is gone (``finishing``: it
+    finishes as the call arrives; else, an orphan, it is still there when the wait runs out).
+    Records each call's header (``sent``) and timeout (``timeouts``)."""
 
-    def __init__(self, live_for=0, held=3):
+    def __init__(self, live=False, held=3, finishing=True):
         super().__init__()
-        self.live_for, self.held, self.flushes = live_for, held, 0
+        self.live, self.held, self.finishing, self.flushes = live, held, finishing, 0
+        self.timeouts: list = []
 
     async def call(self, h, payload=b"", timeout=None):
+        self.timeouts.append(timeout)
+        if h.get("t") == "wait_idle":
+            self.sent.append(dict(h))
+            waited = int(self.live)
+            if self.finishing:
+                self.live = False
+            return {"t": "idle_ok", "name": "x", "waited_for": waited, "left": int(self.live),
+                    "running": int(self.live)}, b""
         if h.get("t") != "flush":
             return await super().call(h, payload, timeout)
+        self.sent.append(dict(h))
         self.flushes += 1
-        live = self.live_for is None or self.flushes <= self.live_for
-        return {"pages_total": 64, "pages_free": 64 - (self.held if live else 0),
-                "live_requests": 1 if live else 0}, b""
+        return {"pages_total": 64, "pages_free": 64 - (self.held if self.live else 0),
+                "live_requests": int(self.live)}, b""
 
 
 def _orch(peers):
@@ -36,25 +47,33 @@ def _orch(peers):
 
 
 def test_flush_waits_for_a_finishing_request_then_counts_nothing():
-    finishing = FlushPeer(live_for=3)
-    o = _orch([finishing, FlushPeer(), FlushPeer()])
-    rep = asyncio.run(o.flush(settle_s=5.0, poll_s=0.001))
-    assert rep["leaked_pages"] == 0 and rep["busy"] == [] and finishing.flushes == 4
+    """The instance whose flush found a live request is asked to answer once it is gone
+    (``wait_idle``, bounded by ``settle_s``) and flushed again then: no flush repeated on a
+    clock, and the instances with nothing live are flushed once."""
+    finishing, idle = FlushPeer(live=True), FlushPeer()
+    o = _orch([finishing, idle, FlushPeer()])
+    rep = asyncio.run(o.flush(settle_s=5.0))
+    assert rep["leaked_pages"] == 0 and rep["busy"] == [] and rep["unreachable"] == []
+    assert finishing.sent == [{"t": "flush"}, {"t": "wait_idle", "timeout_s": 5.0}, {"t": "flush"}]
+    assert finishing.timeouts[1] == 5.0 + o.cfg.liveness.dead_after_s  # the instance answers within settle_s
+    assert idle.sent == [{"t": "flush"}]
 
 
 def test_flush_counts_an_orphaned_live_request_as_leaked_when_idle():
-    o = _orch([FlushPeer(live_for=None, held=5), FlushPeer(), FlushPeer()])
-    rep = asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    orphan = FlushPeer(live=True, held=5, finishing=False)
+    o = _orch([orphan, FlushPeer(), FlushPeer()])
+    rep = asyncio.run(o.flush(settle_s=0.05))
     assert rep["leaked_pages"] == 5 and rep["busy"] == []
+    assert [h["t"] for h in orphan.sent] == ["flush", "wait_idle", "flush"]
 
 
 def test_flush_under_traffic_does_not_wait_and_lists_busy_instances():
-    peers = [FlushPeer(live_for=None, held=5), FlushPeer(), FlushPeer()]
+    peers = [FlushPeer(live=True, held=5, finishing=False), FlushPeer(), FlushPeer()]
     o = _orch(peers)
     o.reqs["r1"] = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
-    rep = asyncio.run(o.flush(settle_s=5.0, poll_s=0.001))
+    rep = asyncio.run(o.flush(settle_s=5.0))
     name = o.layout.engines[0].name
-    assert rep["busy"] == [name] and rep["leaked_pages"] == 0 and peers[0].flushes == 1
+    assert rep["busy"] == [name] and rep["leaked_pages"] == 0 and peers[0].sent == [{"t": "flush"}]
 
 
 def test_flush_with_an_unreachable_instance_reports_leaks_unknown():
@@ -66,10 +85,10 @@ def test_flush_with_an_unreachable_instance_reports_leaks_unknown():
             raise ConnectionError("no sign of life (heartbeat)")
 
     o = _orch([FlushPeer(), FlushPeer(), DeadPeer()])
-    rep = asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    rep = asyncio.run(o.flush(settle_s=0.05))
     dead = o.layout.engines[2].name
     assert rep["leaked_pages"] is None and rep["unreachable"] == [dead] and "error" in rep["instances"][dead]
-    rep = asyncio.run(_orch([FlushPeer(), FlushPeer(), FlushPeer()]).flush(settle_s=0.05, poll_s=0.001))
+    rep = asyncio.run(_orch([FlushPeer(), FlushPeer(), FlushPeer()]).flush(settle_s=0.05))
     assert rep["leaked_pages"] == 0 and rep["unreachable"] == []
 
 
@@ -80,7 +99,7 @@ def test_flush_forgets_what_the_gateway_routed_to_each_md():
     md = next(iter(o.prefix_index))
     o._record_route(md, list(range(64)))
     assert o.prefix_index[md].match(list(range(64))) == 64
-    asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    asyncio.run(o.flush(settle_s=0.05))
     assert o.prefix_index[md].match(list(range(64))) == 0
 
 
@@ -106,7 +125,7 @@ def test_flush_and_stats_while_an_instance_leaves_the_membership():
     o = ref[0] = _orch([RemovingPeer(ref, "md0"), FlushPeer(), FlushPeer()])
     names = [s.name for s in o.layout.engines]
     assert names == ["p0", "rld0", "md0"]
-    rep = asyncio.run(o.flush(settle_s=0.05, poll_s=0.001))
+    rep = asyncio.run(o.flush(settle_s=0.05))
     assert rep["leaked_pages"] == 0 and sorted(rep["instances"]) == ["p0", "rld0"]
     o.peers["md0"] = FlushPeer()
     st = asyncio.run(o.stats())
@@ -142,6 +161,6 @@ def test_stats_and_flush_ask_every_instance_at_once():
         assert sorted(stats["instances"]) == ["md0", "p0", "rld0"]
         assert all("error" not in v for v in stats["instances"].values())
         st["all_out"].clear()
-        rep = await o.flush(settle_s=0.05, poll_s=0.001)
+        rep = await o.flush(settle_s=0.05)
         assert rep["leaked_pages"] == 0 and rep["unreachable"] == [] and st["asked"] == 6
     asyncio.run(run())

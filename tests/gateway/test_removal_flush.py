@@ -2,7 +2,8 @@
 and what its answer says about them, on a fake instance that keeps its pages as an engine
 instance does (``pdd.roles.base``): requests own pages and lock the cache pages their prompt hit,
 an abort frees a request's pages once, a closed owner's requests are aborted, a flush evicts only
-the cache's unlocked pages. Real orchestrator and membership; no processes, no clock."""
+the cache's unlocked pages, ``wait_idle`` answers once the requests held when it arrived are gone.
+Real orchestrator and membership; no processes, no clock."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class FakeInstance:
         self.reqs: dict[str, tuple[set[int], set[int], Conn]] = {}
         self.freed: list[int] = []
         self.refuse = False  # a new connection is refused
+        self.gone = asyncio.Event()  # set (and cleared) on every abort: wakes the wait_idle calls
 
     def _alloc(self, n: int) -> set[int]:
         pages = set(range(self.next, self.next + n))
@@ -48,6 +50,15 @@ class FakeInstance:
         r = self.reqs.pop(rid, None)  # a second abort finds nothing (ReqCtx.released)
         if r is not None:
             self.freed += sorted(r[0])
+            self.gone.set()
+            self.gone.clear()
+
+    async def wait_idle(self) -> dict:
+        """Answer once every request held now is gone (as ``pdd.roles.base``: no clock here)."""
+        held = set(self.reqs)
+        while held & set(self.reqs):
+            await self.gone.wait()
+        return {"waited_for": len(held), "left": 0, "running": len(self.reqs)}
 
     def flush(self) -> None:
         locked = set().union(*(locks for _o, locks, _c in self.reqs.values()))
@@ -81,6 +92,8 @@ class Conn(FakePeer):
             i.flush()
             return {"pages_total": i.total, "pages_free": i.total - i.used(), "live_requests": len(i.reqs),
                     "pages_dropped": used - i.used()}, b""
+        if h["t"] == "wait_idle":
+            return await i.wait_idle(), b""
         if h["t"] == "abort":
             i.abort(h["rid"])
         return {"t": "ok"}, b""
@@ -181,7 +194,7 @@ def test_a_request_reaching_an_instance_during_its_removal_leaves_nothing_cached
     assert (rep["prefix_cache"]["flushed"], rep["prefix_cache"]["pages_dropped"]) == (True, 5)
     assert inst.cache == set() and inst.reqs == {} and sorted(inst.freed) == list(range(7)) and _freed_once(inst)
     assert [h["t"] for h in conn.sent] == ["stats", "flush"] and [[h["t"] for h in c.sent] for c in opened] == [
-        ["stats", "stats", "flush"]]
+        ["wait_idle", "stats", "flush"]]
 
 
 def test_a_request_the_gateway_does_not_know_is_no_leak():
@@ -195,3 +208,37 @@ def test_a_request_the_gateway_does_not_know_is_no_leak():
     assert (rep["forced"], rep["leaked_pages"], rep["prefix_cache"]["pages_dropped"]) == (False, 0, 5)
     assert "live_requests" not in rep["prefix_cache"]
     assert inst.cache == set() and inst.reqs == {} and sorted(inst.freed) == list(range(9)) and _freed_once(inst)
+
+
+def test_a_forced_removal_flushes_once_the_instance_has_aborted_its_requests_however_late():
+    """The instance notices the gateway's connection closed (and aborts its requests) only after
+    the fresh connection's first message has arrived: the flush waits for the instance's word
+    that those requests are gone (``wait_idle``), not for a clock, so the cache pages the request
+    locked are flushed too and every page is freed once."""
+    o, ms, inst, conn, opened = _with_instance()
+    inst.admit("r1", 3, sorted(inst.cache)[:2], conn)
+    o.inflight["md1"] = 1
+    o._peer_closed = lambda name, peer=None: None
+    noticed = asyncio.Event()  # the instance has read the gateway's close
+
+    async def late_close():  # the close is read later: the abort waits for the test
+        conn.closed = True
+
+        async def notice():
+            await noticed.wait()
+            inst.abort("r1")
+        asyncio.ensure_future(notice())
+    conn.close = late_close
+
+    async def run():
+        removal = asyncio.ensure_future(ms.remove("md1", force=True))
+        while not (opened and opened[0].sent):  # the fresh connection's first message
+            await asyncio.sleep(0)
+        assert [h["t"] for h in opened[0].sent] == ["wait_idle"] and "r1" in inst.reqs and not removal.done()
+        noticed.set()
+        return await removal
+
+    rep = asyncio.run(run())
+    assert (rep["state"], rep["forced"], rep["leaked_pages"], rep["prefix_cache"]["pages_dropped"]) == (REMOVED, True, 0, 5)
+    assert [h["t"] for h in opened[0].sent] == ["wait_idle", "stats", "flush"]
+    assert inst.cache == set() and inst.reqs == {} and sorted(inst.freed) == list(range(8)) and _freed_once(inst)

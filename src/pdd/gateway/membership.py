@@ -56,7 +56,7 @@ from pdd.policy.prefix_index import PrefixIndex
 from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide, decide_rerole
 from pdd.roles.rerole import set_role_msg
 from pdd.topology import ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, Layout
-from pdd.transfer.messages import Flush, Stats
+from pdd.transfer.messages import Flush, Stats, WaitIdle
 
 log = logging.getLogger(__name__)
 
@@ -493,14 +493,14 @@ class Membership:
         cache.pop("live_requests", None)
         return left
 
-    async def _flush_after_close(self, name: str, cache: dict, settle_s: float = 10.0,
-                                 poll_s: float = 0.05) -> int | None:
+    async def _flush_after_close(self, name: str, cache: dict, settle_s: float = 10.0) -> int | None:
         """Flush ``name``'s cache over a fresh connection after the gateway's own one closed with
         requests in flight there (the instance aborts them, each freed once, as its owner is
-        gone): once the instance reports no request running (at most ``settle_s`` seconds,
-        asked every ``poll_s``), so the pages they shared with the cache are flushed too.
-        Returns the leaked pages as :meth:`_flush_cache` (None when requests still ran there
-        or the flush failed: ``cache["error"]`` says why). Raises nothing."""
+        gone): once the instance says the requests it held are gone, their pages freed
+        (``WaitIdle``: it answers on their release, at most ``settle_s`` seconds later), so the
+        pages they shared with the cache are flushed too. Returns the leaked pages as
+        :meth:`_flush_cache` (None when requests still ran there or the flush failed:
+        ``cache["error"]`` says why). Raises nothing."""
         o = self.orch
         try:
             peer = await o._connect(name, retries=2)
@@ -508,12 +508,7 @@ class Membership:
             cache["error"] = f"{type(e).__name__}: {e}"
             return None
         try:
-            deadline = time.monotonic() + settle_s
-            while True:
-                rep, _ = await peer.call(Stats().wire(), timeout=10)
-                if int(rep.get("running", 0)) == 0 or time.monotonic() >= deadline:
-                    break
-                await asyncio.sleep(poll_s)
+            await peer.call(WaitIdle(settle_s).wire(), timeout=settle_s + o.cfg.liveness.dead_after_s)
             cache.pop("error", None)
             return await self._flush_cache(name, peer, cache)
         except Exception as e:

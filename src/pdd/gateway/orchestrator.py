@@ -33,7 +33,7 @@ from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, La
 from pdd.transfer.client import connect
 from pdd.transfer.peer import Peer
 from pdd.transfer.layout import wire_dtype
-from pdd.transfer.messages import Drop, Flush, Stats
+from pdd.transfer.messages import Drop, Flush, Stats, WaitIdle
 from pdd.gateway.handoff import Handoffs
 from pdd.gateway.launch import Launchers
 from pdd.policy.prefix_index import PrefixIndex
@@ -307,14 +307,15 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             fut.cancel()
 
     # ------------------------------------------------------------------ stats
-    async def _ask_every_instance(self, make, timeout: float) -> list[tuple[str, object]]:
-        """Call every connected instance at once (``make()``: the message, a new one each) and
-        return ``(name, reply header or the Exception it raised)`` in connection order, leaving
-        out an instance removed or replaced while the calls were out (a membership change may land
-        during the awaits). At once, so an instance that does not answer (across a WAN outage)
-        costs the caller one ``timeout`` seconds, not one per such instance before the others are
-        asked."""
-        pairs = list(self.peers.items())
+    async def _ask_every_instance(self, make, timeout: float,
+                                  names: list[str] | None = None) -> list[tuple[str, object]]:
+        """Call every connected instance (or those of ``names``) at once (``make()``: the
+        message, a new one each) and return ``(name, reply header or the Exception it raised)``
+        in connection order, leaving out an instance removed or replaced while the calls were
+        out (a membership change may land during the awaits). At once, so an instance that does
+        not answer (across a WAN outage) costs the caller one ``timeout`` seconds, not one per
+        such instance before the others are asked."""
+        pairs = [(n, p) for n, p in self.peers.items() if names is None or n in names]
 
         async def ask(peer):
             try:
@@ -363,40 +364,48 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         after a WAN outage)."""
         await asyncio.gather(*(self._reconnect(n) for n, p in list(self.peers.items()) if p.closed))
 
-    async def flush(self, settle_s: float = 10.0, poll_s: float = 0.05) -> dict:
+    async def flush(self, settle_s: float = 10.0) -> dict:
         """Empty every instance's prefix cache and count the pages still in use (``leaked_pages``).
 
         A request the client has seen finish may still be live on an instance for a while (a
         cut-off transfer's cancel crossing the WAN behind bytes already on the line, an MD
         releasing after its last token): those pages are not leaked. So when the gateway has no
-        request in flight, the flush is repeated every ``poll_s`` until no instance reports a
-        live request, for at most ``settle_s`` seconds; a live request left after that, with the
-        gateway idle, is orphaned and its pages count as leaked. With requests in flight there is
-        no wait: instances holding live requests are listed in ``busy`` and only the others'
-        pages are counted. An instance that cannot be asked (down, silent) is listed in
-        ``unreachable`` and ``leaked_pages`` is None (unknown): its pages cannot be counted, and
-        a 0 that left them out would read as "nothing leaked"."""
+        request in flight, each instance whose flush found live requests is asked to answer once
+        those requests are gone (``WaitIdle``: it answers on their release, at most ``settle_s``
+        seconds later; one arriving meanwhile is not waited for) and is flushed again then; a
+        live request left after that, with the gateway idle, is orphaned and its pages count as
+        leaked. With requests in flight there is no wait: instances holding live requests are
+        listed in ``busy`` and only the others' pages are counted. An instance that cannot be
+        asked (down, silent) is listed in ``unreachable`` and ``leaked_pages`` is None
+        (unknown): its pages cannot be counted, and a 0 that left them out would read as
+        "nothing leaked"."""
         await self._reconnect_closed()
-        deadline = time.monotonic() + settle_s
-        while True:
-            inst: dict = {}
-            for name, rep in await self._ask_every_instance(lambda: Flush().wire(), timeout=30):
-                if isinstance(rep, Exception):
-                    inst[name] = {"error": f"{type(rep).__name__}: {rep}"}
-                    continue
-                inst[name] = {"pages_total": rep["pages_total"], "pages_free": rep["pages_free"],
-                              "live_requests": rep.get("live_requests", 0)}
-            busy = sorted(n for n, v in inst.items() if v.get("live_requests")) if self.reqs else []
-            live = any(v.get("live_requests") for v in inst.values())
-            if not live or self.reqs or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(poll_s)
+        inst = await self._flush_instances()
+        live = [n for n, v in inst.items() if v.get("live_requests")]
+        if live and not self.reqs:
+            await self._ask_every_instance(lambda: WaitIdle(settle_s).wire(),
+                                           timeout=settle_s + self.cfg.liveness.dead_after_s, names=live)
+            inst.update(await self._flush_instances(live))
+            inst = {n: v for n, v in inst.items() if n in self.peers}  # one removed meanwhile is no member
         for ix in self.prefix_index.values():  # the instances' caches are empty now
             ix.clear()
+        busy = sorted(n for n, v in inst.items() if v.get("live_requests")) if self.reqs else []
         unreachable = sorted(n for n, v in inst.items() if "pages_total" not in v)
         leaked = None if unreachable else sum(int(v["pages_total"]) - int(v["pages_free"])
                                               for n, v in inst.items() if n not in busy)
         return {"instances": inst, "leaked_pages": leaked, "busy": busy, "unreachable": unreachable}
+
+    async def _flush_instances(self, names: list[str] | None = None) -> dict:
+        """Flush every connected instance's prefix cache (or those of ``names``) at once:
+        ``{name: {pages_total, pages_free, live_requests} or {error}}``."""
+        inst: dict = {}
+        for name, rep in await self._ask_every_instance(lambda: Flush().wire(), timeout=30, names=names):
+            if isinstance(rep, Exception):
+                inst[name] = {"error": f"{type(rep).__name__}: {rep}"}
+                continue
+            inst[name] = {"pages_total": rep["pages_total"], "pages_free": rep["pages_free"],
+                          "live_requests": rep.get("live_requests", 0)}
+        return inst
 
 
 def checkpoint_config(cfg: ClusterConfig):

@@ -3,7 +3,9 @@ ordered token streams to the gateway, and the ``stats`` / ``flush`` / ``abort`` 
 
 Message types handled here (all from the gateway):
   ``stats`` -> instance counters; ``flush`` -> evict every unlocked radix-cache page and report
-  free pages; ``abort {rid}`` -> stop the request and free its pages (exactly once).
+  free pages; ``wait_idle {timeout_s}`` -> answer once the requests held when it arrived are
+  all gone, their pages freed (or once ``timeout_s`` ran out); ``abort {rid}`` -> stop the
+  request and free its pages (exactly once).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pdd.security import link_security
 from pdd.transfer.server import Server
 from pdd.transfer.kv import KVReorder
 from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
-from pdd.transfer.messages import OMIT, Abort, AbortOk, FlushOk, Kv, Peek, PeekOk, ReqError, StatsOk, Tok, Toks
+from pdd.transfer.messages import (OMIT, Abort, AbortOk, FlushOk, IdleOk, Kv, Peek, PeekOk, ReqError, StatsOk, Tok, Toks,
+                                   WaitIdle)
 from pdd.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,11 @@ class EngineInstance:
         # rids aborted here recently: a request message that arrives after its abort (calls run
         # concurrently; an abort can overtake a reservation still being allocated) is refused
         self._aborted: dict[str, None] = {}
+        # requests taken out of ``reqs`` whose pages are being freed (id -> ctx), and the
+        # ``wait_idle`` calls waiting for requests to go: (the requests still awaited, by id;
+        # the future set once none is left)
+        self._freeing: dict[int, ReqCtx] = {}
+        self._idle_waiters: list[tuple[dict[int, ReqCtx], asyncio.Future]] = []
 
     def record_hit(self, cached_tokens: int, prompt_tokens: int) -> None:
         """One request's prefix-cache lookup (for the token-weighted hit-rate gauges)."""
@@ -161,7 +169,7 @@ class EngineInstance:
 
     def handlers(self) -> dict:
         hs = {"stats": self.on_stats, "flush": self.on_flush, "abort": self.on_abort, "peek": self.on_peek,
-              "wan_probe": self.on_wan_probe}
+              "wan_probe": self.on_wan_probe, "wait_idle": self.on_wait_idle}
         if self.spec.name in self.cfg.rerole:  # may change role at run time (pdd.roles.rerole)
             from pdd.roles.rerole import SET_ROLE, on_set_role
 
@@ -302,6 +310,7 @@ class EngineInstance:
         if ctx is None:
             return
         ctx.released = True  # the engine thread already released its pages
+        self._req_gone(ctx)
         self.counters["failed"] = self.counters.get("failed", 0) + 1
         ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: {error}").wire())
 
@@ -311,12 +320,45 @@ class EngineInstance:
             return
         ctx.released = True
         self.reqs.pop(ctx.rid, None)
+        self._freeing[id(ctx)] = ctx
         seq = ctx.seq
 
         def _rel(e):
             e.release(seq, cache=cache)  # also takes it out of the running batch
 
-        await self.worker.call(_rel, overlap=not ctx.in_engine)  # out of the batch: not the step's outputs
+        try:
+            await self.worker.call(_rel, overlap=not ctx.in_engine)  # out of the batch: not the step's outputs
+        finally:
+            self._freeing.pop(id(ctx), None)
+            self._req_gone(ctx)
+
+    def _req_gone(self, ctx: ReqCtx) -> None:
+        """``ctx`` is gone from this instance, its pages freed: answer the ``wait_idle`` calls
+        that waited for nothing else."""
+        for held, fut in self._idle_waiters:
+            held.pop(id(ctx), None)
+            if not held and not fut.done():
+                fut.set_result(None)
+
+    async def on_wait_idle(self, peer, h, payload):
+        """``wait_idle {timeout_s}``: answer :class:`IdleOk` once every request held here when it
+        arrived (in ``reqs``, or out of it with its pages still being freed) is gone, its pages
+        freed, or once ``timeout_s`` seconds have passed; woken by the requests' release, not
+        by a clock. A request arriving meanwhile is not waited for."""
+        timeout_s = max(0.0, float(WaitIdle.decode(h).timeout_s))
+        held = {id(c): c for c in self.reqs.values()}
+        held.update(self._freeing)
+        n = len(held)
+        if held:
+            fut = asyncio.get_running_loop().create_future()
+            entry = (held, fut)
+            self._idle_waiters.append(entry)
+            try:
+                await asyncio.wait({fut}, timeout=timeout_s)
+            finally:
+                self._idle_waiters.remove(entry)
+                fut.cancel()
+        return IdleOk(self.spec.name, n, len(held), len(self.reqs)).wire(), b""
 
     # ------------------------------------------------------------------ handlers
     async def on_stats(self, peer, h, payload):

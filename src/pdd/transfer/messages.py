@@ -15,7 +15,7 @@ Who sends what (G: gateway, P: prefill, RLD: relay decode, MD: main decode, C: c
   G -> RLD:      Expect (-> ExpectOk), Handoff (-> HandoffOk)
   G -> MD:       Reserve (-> ReserveOk), Extend (-> ExtendOk when called), Finish, Drop
   G -> C:        Generate (-> GenerateOk)
-  G -> any:      Peek (-> PeekOk), Stats (-> StatsOk), Flush (-> FlushOk), Abort (-> AbortOk)
+  G -> any:      Peek (-> PeekOk), Stats (-> StatsOk), Flush (-> FlushOk), WaitIdle (-> IdleOk), Abort (-> AbortOk)
   tiers -> G:    Tok, Toks, KvReady, XferDone, ReqError, WanSample
   P -> RLD, MD:  Kv (+ payload: the pages), KvDone, KvCancel
   transport:     Hello, Heartbeat, Ok, Error (:mod:`pdd.transfer.peer`, :mod:`pdd.transfer.handshake`); LinkSet (the WAN
@@ -258,6 +258,17 @@ class Flush(Msg):
 
 
 @dataclass
+class WaitIdle(Msg):
+    """Answer once every request the instance held when this arrived is gone, its pages freed
+    (a request that arrives later is not waited for), or once ``timeout_s`` seconds have passed,
+    whichever comes first -> :class:`IdleOk`. The instance answers on the requests' release,
+    not by polling: what the gateway asks before a flush that must find the pages of requests
+    still finishing (or being aborted) there freed."""
+    T = "wait_idle"
+    timeout_s: float
+
+
+@dataclass
 class Abort(Msg):
     """Drop tier rid ``rid`` and free its pages (idempotent) -> :class:`AbortOk`."""
     T = "abort"
@@ -461,6 +472,19 @@ class FlushOk(Msg):
     pages_free: int
     live_requests: int
     pages_dropped: int = OMIT
+
+
+@dataclass
+class IdleOk(Msg):
+    """The answer to :class:`WaitIdle`: ``waited_for``, the requests the instance held when it
+    arrived; ``left``, those of them still held at the answer (0: every one gone, its pages
+    freed; more: ``timeout_s`` ran out); ``running``, the requests it holds now (later arrivals
+    included)."""
+    T = "idle_ok"
+    name: str
+    waited_for: int
+    left: int
+    running: int
 
 
 @dataclass
