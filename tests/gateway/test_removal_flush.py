@@ -242,3 +242,89 @@ def test_a_forced_removal_flushes_once_the_instance_has_aborted_its_requests_how
     assert (rep["state"], rep["forced"], rep["leaked_pages"], rep["prefix_cache"]["pages_dropped"]) == (REMOVED, True, 0, 5)
     assert [h["t"] for h in opened[0].sent] == ["wait_idle", "stats", "flush"]
     assert inst.cache == set() and inst.reqs == {} and sorted(inst.freed) == list(range(8)) and _freed_once(inst)
+
+
+def _silent_instance(dead_after_s: float = 0.01):
+    """``_with_instance``'s gateway whose instance sits behind a WAN outage: a new connection is
+    never answered (``connects`` counts the tries, ``cancelled`` those given up), and the
+    liveness config's ``dead_after_s`` is ``dead_after_s``."""
+    o, ms, inst, conn, opened = _with_instance()
+    o.cfg = o.cfg.model_copy(update={"liveness": o.cfg.liveness.model_copy(update={"dead_after_s": dead_after_s})})
+    tries = {"connects": 0, "cancelled": 0}
+
+    async def never_answers(n, retries):
+        tries["connects"] += 1
+        try:
+            await asyncio.Event().wait()  # the handshake's answer never comes
+        except asyncio.CancelledError:
+            tries["cancelled"] += 1
+            raise
+    o._connect = never_answers
+    o._peer_closed = lambda name, peer=None: None
+    return o, ms, inst, conn, tries
+
+
+def test_a_forced_removal_of_an_unreachable_instance_answers_after_dead_after_s_once():
+    """``DELETE /pdd/instances/md1?force=true`` during a WAN outage took 32 s: the flush's fresh
+    connection was tried three times, each waiting its 10 s handshake timeout. The new
+    connection is given ``liveness.dead_after_s`` in all, once: the answer says the cache was not
+    flushed and why; the request's pages are freed all the same (its owner's connection closed)."""
+    o, ms, inst, conn, tries = _silent_instance()
+    inst.admit("r1", 3, sorted(inst.cache)[:2], conn)
+    o.inflight["md1"] = 1
+    rep = asyncio.run(asyncio.wait_for(ms.remove("md1", force=True), 30))  # a guard: hung for ever before
+    err = "TimeoutError: instance md1 did not answer a new connection within 0.01 s (liveness.dead_after_s)"
+    assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, None)
+    assert (rep["prefix_cache"]["flushed"], rep["prefix_cache"]["error"]) == (False, err)
+    assert rep["prefix_cache"]["fate"].startswith(f"not flushed: the flush failed ({err})")
+    assert tries == {"connects": 1, "cancelled": 1} and conn.closed and conn.sent == []
+    assert inst.reqs == {} and len(inst.cache) == 5 and _freed_once(inst)
+
+
+def test_an_idle_instance_found_dead_by_its_flush_is_not_asked_again():
+    """An idle instance's flush over the gateway's connection fails as its heartbeat finds it
+    dead (a request reaching it meanwhile): the removal no longer tries a fresh connection after
+    it (a second wait on the same silent instance)."""
+    o, ms, inst, conn, tries = _silent_instance(dead_after_s=5.0)
+
+    async def dead(h, payload=b"", timeout=None):
+        conn.sent.append(dict(h))
+        o.inflight["md1"] = 1  # routed there before the removal, assigned while the call was out
+        raise ConnectionError("connection to md1 lost: no sign of life from md1 for 5.0 s (heartbeat)")
+    conn.call = dead
+    rep = asyncio.run(asyncio.wait_for(ms.remove("md1"), 30))  # a guard: hung for ever before
+    assert (rep["state"], rep["forced"], rep["in_flight_recovered"], rep["leaked_pages"]) == (REMOVED, False, 1, None)
+    assert rep["prefix_cache"]["flushed"] is False and "no sign of life" in rep["prefix_cache"]["error"]
+    assert tries == {"connects": 0, "cancelled": 0} and [h["t"] for h in conn.sent] == ["stats"]
+
+
+def test_a_removal_does_not_wait_for_a_reconnect_under_way_nor_gets_it_back():
+    """The gateway's connection to md1 already closed (outage) and its reconnect watcher trying
+    again: the removal waited up to 5 s for that try, polling, and a try answered after it put the
+    removed instance's connection back. Now the removal goes on at once and a late try's
+    connection is closed, not kept."""
+    o, ms, inst, conn, _ = _silent_instance()
+    conn.closed = True
+    answer = asyncio.Event()
+    late = []
+
+    async def reconnect_try(n, retries):
+        await answer.wait()  # answered only when the test says so
+        c = inst.connect()
+        late.append(c)
+        return c
+    o._connect = reconnect_try
+
+    async def run():
+        watcher = asyncio.ensure_future(o._reconnect("md1"))
+        await asyncio.sleep(0)
+        assert o._reconnecting == {"md1"}
+        rep = await asyncio.wait_for(ms.remove("md1", force=True), 30)  # a guard
+        assert not watcher.done()
+        answer.set()
+        await watcher
+        return rep
+
+    rep = asyncio.run(run())
+    assert (rep["state"], rep["prefix_cache"]["flushed"]) == (REMOVED, False)
+    assert "md1" not in o.peers and [c.closed for c in late] == [True]

@@ -431,11 +431,14 @@ class Membership:
             connected = peer is not None and not peer.closed
             cache: dict = {"flushed": False}
             leaked = None
+            reachable = connected
             if connected and not busy:  # idle: flushed over the gateway's connection
                 try:
                     leaked = await self._flush_cache(name, peer, cache)
                 except Exception as e:
                     cache["error"] = f"{type(e).__name__}: {e}"
+                    # no answer (its heartbeat went silent, the call timed out): not asked again below
+                    reachable = not isinstance(e, (ConnectionError, TimeoutError))
                 late = self.busy(name)  # routed there before the removal began, assigned since
             recovered = busy + late
             ix = o.prefix_index.pop(name, None)
@@ -448,13 +451,10 @@ class Membership:
             old = m.state
             m.state = REMOVED  # not routable from here on
             m.role = self.full.get(name).role  # a re-roled slot starts again in its configured role
-            deadline = time.monotonic() + 5.0  # a reconnect under way would put its connection back
-            while name in getattr(o, "_reconnecting", ()) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            o.peers.pop(name, None)
+            o.peers.pop(name, None)  # a reconnect under way leaves it out (Orchestrator._reconnect)
             if peer is not None:  # the instance aborts what it still holds for the gateway (each freed once)
                 await peer.close()
-            if connected and (recovered or cache.get("live_requests")):
+            if reachable and (recovered or cache.get("live_requests")):
                 # the flush (if any) ran beside requests, whose cache pages it could not evict:
                 # again, once the instance has freed them
                 leaked = await self._flush_after_close(name, cache)
@@ -502,13 +502,18 @@ class Membership:
         :meth:`_flush_cache` (None when requests still ran there or the flush failed:
         ``cache["error"]`` says why). Raises nothing."""
         o = self.orch
-        try:
-            peer = await o._connect(name, retries=2)
+        dead_s = o.cfg.liveness.dead_after_s
+        try:  # an instance that does not answer (across a WAN outage) costs dead_after_s, once
+            peer = await asyncio.wait_for(o._connect(name, retries=2), dead_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            cache["error"] = (f"TimeoutError: instance {name} did not answer a new connection within "
+                              f"{dead_s:g} s (liveness.dead_after_s)")
+            return None
         except Exception as e:
             cache["error"] = f"{type(e).__name__}: {e}"
             return None
-        try:
-            await peer.call(WaitIdle(settle_s).wire(), timeout=settle_s + o.cfg.liveness.dead_after_s)
+        try:  # connected: its heartbeat finds it dead within dead_after_s should it go silent now
+            await peer.call(WaitIdle(settle_s).wire(), timeout=settle_s + dead_s)
             cache.pop("error", None)
             return await self._flush_cache(name, peer, cache)
         except Exception as e:

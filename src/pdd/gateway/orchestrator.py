@@ -270,12 +270,20 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         return peer
 
     async def _reconnect(self, name: str) -> None:
-        """Try once to reach a restarted instance again (it rejoins without restarting the rest)."""
+        """Try once to reach a restarted instance again (it rejoins without restarting the rest).
+        The new connection replaces the closed one only if that is still the instance's: one
+        removed meanwhile (``Membership.remove``), or connected again by an add, is left as it
+        is and the new connection closed, so a removal need not wait for a reconnect under way."""
         if name in self._reconnecting:
             return
+        old = self.peers.get(name)
         self._reconnecting.add(name)
         try:
-            self.peers[name] = await self._connect(name, retries=0)
+            peer = await self._connect(name, retries=0)
+            if self.peers.get(name) is not old:
+                await peer.close()
+                return
+            self.peers[name] = peer
             log.info("reconnected to %s", name)
             self.topology_changed()  # a recovery waiting for this instance goes on now
         except Exception:
