@@ -142,9 +142,10 @@ def test_forced_removal_with_a_request_in_flight_flushes_and_frees_every_page_on
     rep = asyncio.run(ms.remove("md1", force=True))
     assert lost == [("md1", False)]  # recovered before its connection closed
     assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, 0)
+    assert rep["in_flight_at_removal"] == {"requests": 1, "transfers": 0}
     assert rep["prefix_cache"] == {
         "flushed": True, "pages_dropped": 5, "tokens_dropped": 5 * PAGE_SIZE, "gateway_index_pages_forgotten": 0,
-        "fate": "flushed once the instance had freed the pages of the 1 request(s) or transfer(s) in flight there "
+        "fate": "flushed once the instance had freed the pages of the 1 request(s) in flight there "
                 "(recovered elsewhere: the gateway closed its connection first, so the instance aborted them) and "
                 "dropped with the instance; the gateway's prefix index of it is forgotten, so routing counts no hits "
                 "there"}
@@ -168,7 +169,7 @@ def test_a_forced_removal_whose_flush_fails_says_the_cache_was_not_flushed():
     assert rep["prefix_cache"] == {
         "flushed": False, "gateway_index_pages_forgotten": 0, "error": "ConnectionRefusedError: connection refused",
         "fate": "not flushed: the flush failed (ConnectionRefusedError: connection refused); the instance freed the "
-                "pages of the 1 request(s) or transfer(s) in flight there itself as the gateway's connection closed; "
+                "pages of the 1 request(s) in flight there itself as the gateway's connection closed; "
                 "its cache stays with its process (stopped if the gateway started it), its pages unknown here; the "
                 "gateway's prefix index of it is forgotten, so routing counts no hits there"}
     assert len(inst.cache) == 5 and inst.reqs == {} and sorted(inst.freed) == [5, 6, 7] and _freed_once(inst)
@@ -328,3 +329,37 @@ def test_a_removal_does_not_wait_for_a_reconnect_under_way_nor_gets_it_back():
     rep = asyncio.run(run())
     assert (rep["state"], rep["prefix_cache"]["flushed"]) == (REMOVED, False)
     assert "md1" not in o.peers and [c.closed for c in late] == [True]
+
+
+def test_a_forced_removal_counts_requests_and_their_transfers_apart():
+    """P removed with 6 requests there, each with its KV transfer planned: the answer showed
+    ``in_flight`` 6 beside a fate of "the 12 request(s) or transfer(s)". The fate counts the
+    requests and names the transfers, and ``in_flight_at_removal`` (answer and event) gives both."""
+    o, ms, _connects = _setup(standby=(), prefill=2)
+    lost = []
+    o._peer_closed = lambda name, peer=None: lost.append(name)
+    for i in range(6):
+        o.planned_src[f"r{i}"] = "p0"  # P has not reported the transfer's outcome yet
+    o.inflight["p0"] = 6
+    rep = asyncio.run(ms.remove("p0", force=True))
+    assert lost == ["p0"] and (rep["state"], rep["forced"]) == (REMOVED, True)
+    assert rep["in_flight_at_removal"] == {"requests": 6, "transfers": 6}
+    assert rep["prefix_cache"]["fate"] == (
+        "flushed once the instance had freed the pages of the 6 request(s) and 6 KV transfer(s) in flight there "
+        "(the requests recovered elsewhere, the transfers given up: the gateway closed its connection first, so the "
+        "instance aborted them) and dropped with the instance; the gateway's prefix index of it is forgotten, so "
+        "routing counts no hits there")
+    ev = ms.events[-1]
+    assert (ev["op"], ev["in_flight"], ev["in_flight_at_removal"]) == ("remove", 12, {"requests": 6, "transfers": 6})
+
+
+def test_the_fate_of_a_removal_with_only_transfers_in_flight_names_them():
+    """MD removed while a finished request's KV was still on its way there: no request is
+    counted, the transfer is named."""
+    o, ms, _connects = _setup(standby=())
+    o._peer_closed = lambda name, peer=None: None
+    o.awaiting_kv["t1"] = ("p0", "md1")
+    rep = asyncio.run(ms.remove("md1", force=True))
+    assert rep["in_flight_at_removal"] == {"requests": 0, "transfers": 1}
+    assert rep["prefix_cache"]["fate"].startswith(
+        "flushed once the instance had freed the pages of the 1 KV transfer(s) in flight there (given up: ")

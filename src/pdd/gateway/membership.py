@@ -172,17 +172,24 @@ class Membership:
         return (f"no {role} instance is in service ({slots}): every one was removed or drained, and none serves "
                 f"again until an operator adds one (POST /pdd/instances)")
 
-    def busy(self, name: str) -> int:
-        """Requests and transfers still in flight on ``name``: the gateway's in-flight requests
-        routed there, live requests naming it, P transfers whose outcome it has not reported,
-        and finished requests whose KV is still on its way to or from it."""
+    def in_flight_counts(self, name: str) -> dict[str, int]:
+        """What is still in flight on ``name``, by kind: ``requests`` (the gateway's in-flight
+        requests routed there, or the live requests naming it if more) and ``transfers`` (KV
+        transfers: P's whose outcome it has not reported, and finished requests' KV still on its
+        way to or from it). A request's own planned transfer counts once in each."""
         o = self.orch
         n = int(o.inflight.get(name, 0))
         n = max(n, sum(1 for st in list(o.reqs.values()) if name in getattr(st, "names", {}).values()))
-        n += sum(1 for src in list(getattr(o, "planned_src", {}).values()) if src == name)
-        n += sum(1 for _b, src in list(getattr(o, "superseded_wan", {}).values()) if src == name)
-        n += sum(1 for pm in list(getattr(o, "awaiting_kv", {}).values()) if name in pm)
-        return n
+        t = sum(1 for src in list(getattr(o, "planned_src", {}).values()) if src == name)
+        t += sum(1 for _b, src in list(getattr(o, "superseded_wan", {}).values()) if src == name)
+        t += sum(1 for pm in list(getattr(o, "awaiting_kv", {}).values()) if name in pm)
+        return {"requests": n, "transfers": t}
+
+    def busy(self, name: str) -> int:
+        """Requests and transfers still in flight on ``name`` together (:meth:`in_flight_counts`):
+        what ``in_flight`` reports and a removal without ``force`` waits for."""
+        c = self.in_flight_counts(name)
+        return c["requests"] + c["transfers"]
 
     def view(self, name: str) -> dict:
         m = self.members[name]
@@ -397,11 +404,13 @@ class Membership:
     async def remove(self, name: str, force: bool = False) -> dict:
         """Remove ``name`` from the topology: refused (409) while anything is in flight there
         unless ``force``, and for the role's last active instance unless ``force``. Returns its
-        view with ``prefix_cache`` (what became of its cache: ``flushed``, ``fate``, pages and
-        tokens dropped), ``leaked_pages`` (its pages still in use after the flush; None when
-        unknown), ``forced`` (True only when requests were in flight there and were recovered
-        elsewhere: a ``force`` removal with nothing in flight answers False) and, when requests
-        reached it while it was being removed, ``in_flight_recovered``. Raises MembershipError
+        view with ``in_flight_at_removal`` (what was in flight there at the removal, by kind:
+        :meth:`in_flight_counts`), ``prefix_cache`` (what became of its cache: ``flushed``,
+        ``fate``, pages and tokens dropped), ``leaked_pages`` (its pages still in use after the
+        flush; None when unknown), ``forced`` (True only when requests were in flight there and
+        were recovered elsewhere: a ``force`` removal with nothing in flight answers False) and,
+        when requests reached it while it was being removed, ``in_flight_recovered`` (those
+        requests and transfers together). Raises MembershipError
         (404 no such slot, 409 refused as above or being changed).
 
         An idle instance's cache is flushed over the gateway's connection, which is then closed.
@@ -415,7 +424,8 @@ class Membership:
         so (``flushed`` false, ``error``). The gateway's prefix index of it is forgotten; a
         process the gateway started is stopped."""
         m = self._get(name)
-        busy = self.busy(name)
+        counts = self.in_flight_counts(name)
+        busy = counts["requests"] + counts["transfers"]
         d = decide("remove", name, m.role, m.state, busy=busy, others_active=self._others_active(m), force=force)
         if not d.ok:
             raise MembershipError(d.status, d.message, "name", d.code)
@@ -439,7 +449,9 @@ class Membership:
                     cache["error"] = f"{type(e).__name__}: {e}"
                     # no answer (its heartbeat went silent, the call timed out): not asked again below
                     reachable = not isinstance(e, (ConnectionError, TimeoutError))
-                late = self.busy(name)  # routed there before the removal began, assigned since
+                late_counts = self.in_flight_counts(name)  # routed there before the removal began, assigned since
+                counts = {k: counts[k] + late_counts[k] for k in counts}
+                late = late_counts["requests"] + late_counts["transfers"]
             recovered = busy + late
             ix = o.prefix_index.pop(name, None)
             cache["gateway_index_pages_forgotten"] = len(ix) if ix is not None else 0
@@ -458,15 +470,15 @@ class Membership:
                 # the flush (if any) ran beside requests, whose cache pages it could not evict:
                 # again, once the instance has freed them
                 leaked = await self._flush_after_close(name, cache)
-            cache["fate"] = self._removal_fate(cache, connected, recovered)
+            cache["fate"] = self._removal_fate(cache, connected, counts)
             self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=recovered,
-                      prefix_cache=cache, leaked_pages=leaked)
+                      in_flight_at_removal=counts, prefix_cache=cache, leaked_pages=leaked)
             await asyncio.to_thread(self._stop_process, m)
         finally:
             self._busy_ops.discard(name)
             self._removing.discard(name)
         out = self.view(name)
-        out.update(prefix_cache=cache, leaked_pages=leaked, forced=bool(force and busy))
+        out.update(in_flight_at_removal=counts, prefix_cache=cache, leaked_pages=leaked, forced=bool(force and busy))
         if late:
             out["in_flight_recovered"] = late
         return out
@@ -523,27 +535,31 @@ class Membership:
             await peer.close()
 
     @staticmethod
-    def _removal_fate(cache: dict, connected: bool, recovered: int) -> str:
+    def _removal_fate(cache: dict, connected: bool, counts: dict[str, int]) -> str:
         """What became of a removed instance's prefix cache, in words (``prefix_cache.fate``):
         ``cache`` as :meth:`remove` filled it, ``connected`` whether the gateway was connected to
-        it, ``recovered`` the requests in flight there that were recovered elsewhere."""
+        it, ``counts`` what was in flight there (:meth:`in_flight_counts`: the requests,
+        recovered elsewhere, and the KV transfers, given up), each kind counted and named."""
         index = "the gateway's prefix index of it is forgotten, so routing counts no hits there"
-        err, n = cache.get("error"), recovered
+        err = cache.get("error")
+        r, t = counts.get("requests", 0), counts.get("transfers", 0)
+        what = " and ".join(x for x in (f"{r} request(s)" if r else "", f"{t} KV transfer(s)" if t else "") if x)
         if not connected:
             return (f"not flushed: the instance was not connected (its pages died with its process, or a restarted "
                     f"one started empty); {index}")
         if not cache.get("flushed"):
-            freed = (f"; the instance freed the pages of the {n} request(s) or transfer(s) in flight there itself "
-                     f"as the gateway's connection closed") if n else ""
+            freed = (f"; the instance freed the pages of the {what} in flight there itself as the gateway's "
+                     f"connection closed") if what else ""
             return (f"not flushed: the flush failed ({err}){freed}; its cache stays with its process (stopped if "
                     f"the gateway started it), its pages unknown here; {index}")
         if err:  # flushed before requests reached it, not once they were freed
             how = (f"flushed, but not again once the requests that ran there during that flush were freed ({err}): "
                    f"the cache pages they held stay with its process")
-        elif n:
-            how = (f"flushed once the instance had freed the pages of the {n} request(s) or transfer(s) in flight "
-                   f"there (recovered elsewhere: the gateway closed its connection first, so the instance aborted "
-                   f"them)")
+        elif what:
+            fate = {(True, False): "recovered elsewhere", (False, True): "given up",
+                    (True, True): "the requests recovered elsewhere, the transfers given up"}[(r > 0, t > 0)]
+            how = (f"flushed once the instance had freed the pages of the {what} in flight there ({fate}: the "
+                   f"gateway closed its connection first, so the instance aborted them)")
         else:
             how = "flushed"
         if cache.get("live_requests"):
