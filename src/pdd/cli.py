@@ -33,18 +33,13 @@ def ensure_model(cfg) -> None:
 
 
 def _check_out_dir(args) -> None:
-    """A usage error naming --out unless it is (or can be made) a directory, checked before the work."""
-    import os
-    from pathlib import Path
+    """A usage error naming --out unless it is (or can be made, and is now) a writable directory,
+    checked before the work (:func:`pdd.cli_args.out_dir_problem`)."""
+    from pdd.cli_args import out_dir_problem
 
-    try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        _usage(args, f"--out {args.out}: cannot create the output directory: a file of that name exists")
-    except OSError as ex:
-        _usage(args, f"--out {args.out}: cannot create the output directory: {ex.strerror or ex}")
-    if not os.access(args.out, os.W_OK):
-        _usage(args, f"--out {args.out}: the directory is not writable")
+    bad = out_dir_problem(args.out, keep=True)
+    if bad:
+        _usage(args, bad)
 
 
 _LIKE_SCALE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",

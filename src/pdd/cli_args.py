@@ -80,3 +80,38 @@ def refuse(prog: str, msg: str):
     ``args``."""
     print(f"{prog}: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def out_dir_problem(path, keep: bool, flag: str = "--out") -> str | None:
+    """None when ``path`` (str or Path) is, or can be made, a writable directory (parents too);
+    else the one line naming ``flag`` that says why not, e.g. ``--out F: cannot create the output
+    directory: a file of that name exists``. An empty ``path`` is refused (``Path("")`` is the
+    current directory: the run's files would land there).
+
+    ``keep=True`` leaves the directory made (``pdd make-model``, ``pdd certs``, ``pdd sim ...``
+    write into it next); ``keep=False`` makes it only to find out and then removes what this call
+    made, down to what existed before (``pdd bench`` / ``pdd demo``: a run refused after this
+    check, e.g. for a taken port, leaves nothing behind; the run makes it once it starts).
+    Raises nothing."""
+    import os
+    from pathlib import Path
+
+    if not str(path).strip():
+        return f"{flag} {str(path)!r}: empty; give the output directory"
+    out = Path(os.path.abspath(path))  # no '..' in it: only what this call made is removed
+    made = [] if keep else [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            return f"{flag} {path}: the output directory is not writable"
+    except FileExistsError:
+        return f"{flag} {path}: cannot create the output directory: a file of that name exists"
+    except OSError as ex:
+        return f"{flag} {path}: cannot create the output directory: {ex.strerror or ex}"
+    finally:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break  # not empty (another process wrote there meanwhile): kept
+    return None

@@ -105,11 +105,14 @@ def test_serve_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monke
     ("FILE", "--out FILE: cannot create the output directory: a file of that name exists"),
     ("FILE/x", "--out FILE/x: cannot create the output directory: Not a directory"),
     ("/proc/pdd-test/x", "--out /proc/pdd-test/x: cannot create the output directory: No such file or directory"),
+    ("", "--out '': empty; give the output directory"),  # wrote into the current directory
 ])
 def test_make_model_and_certs_refuse_an_out_they_cannot_write(capsys, tmp_path, monkeypatch, cmd, out, message):
     """Found by a new user: make-model --out an existing file and certs --out an unwritable place
     were FileExistsError / PermissionError tracebacks."""
     import pdd.modelgen
+
+    monkeypatch.chdir(tmp_path)
 
     monkeypatch.setattr(pdd.modelgen, "make_model", lambda *a, **k: pytest.fail("make_model was reached"))
     (tmp_path / "FILE").write_text("x")

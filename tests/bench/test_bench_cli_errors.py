@@ -129,13 +129,31 @@ def test_refuses_an_output_dir_it_cannot_create(capsys, tmp_path, no_run, out, n
 
 
 def test_the_output_dir_check_makes_nothing(tmp_path):
-    from pdd.bench.args import out_dir_problem
+    from pdd.cli_args import out_dir_problem
 
-    assert out_dir_problem(tmp_path / "a" / "b" / "c") is None
-    assert out_dir_problem(str(tmp_path / "x" / ".." / "y")) is None
+    assert out_dir_problem(tmp_path / "a" / "b" / "c", keep=False) is None
+    assert out_dir_problem(str(tmp_path / "x" / ".." / "y"), keep=False) is None
     (tmp_path / "kept").mkdir()
-    assert out_dir_problem(tmp_path / "kept" / "new") is None
+    assert out_dir_problem(tmp_path / "kept" / "new", keep=False) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+
+
+def test_one_output_dir_check_for_every_command(tmp_path):
+    """pdd make-model / certs, pdd sim ... and pdd bench / demo each had their own --out check with
+    its own wording; one function now, keep=True leaving the directory made."""
+    from pdd.cli_args import out_dir_problem
+
+    assert out_dir_problem(tmp_path / "a" / "b", keep=True) is None
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "f").write_text("x")
+    for keep in (True, False):
+        assert out_dir_problem(tmp_path / "f", keep) == (
+            f"--out {tmp_path / 'f'}: cannot create the output directory: a file of that name exists")
+        assert out_dir_problem(tmp_path / "f" / "x", keep, flag="--dir") == (
+            f"--dir {tmp_path / 'f' / 'x'}: cannot create the output directory: Not a directory")
+        assert out_dir_problem("", keep) == "--out '': empty; give the output directory"
+        assert out_dir_problem(" ", keep) == "--out ' ': empty; give the output directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "f"]
 
 
 # ---------------------------------------------------------------- against a fake gateway (--url)

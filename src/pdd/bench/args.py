@@ -381,34 +381,6 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
                          f"mode benchmarked is the server's (give --modes {server} or leave --modes out)")
 
 
-def out_dir_problem(path: str | Path) -> str | None:
-    """None when ``path`` is, or can be made, a writable directory (parents too); else why not,
-    to follow ``--out PATH: `` (``cannot create the output directory: Not a directory``). Made to
-    find out, then removed again down to what existed before: a run refused after this check (a
-    taken port, an empty workload) leaves nothing behind; the run makes it once it starts."""
-    import os
-
-    if not str(path).strip():  # Path("") is the current directory: the run's files would land there
-        return "empty; give the output directory"
-    out = Path(os.path.abspath(path))  # no '..' in it: only what this call made is removed
-    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            return "the output directory is not writable"
-    except FileExistsError:
-        return "cannot create the output directory: a file of that name exists"
-    except OSError as ex:
-        return f"cannot create the output directory: {ex.strerror or ex}"
-    finally:
-        for p in made:
-            try:
-                p.rmdir()
-            except OSError:
-                break  # not empty (another process wrote there meanwhile): kept
-    return None
-
-
 def load_schedule(args) -> tuple | None:
     """The rate schedule of ``--load-profile ramp`` (with ``--peak-rate``, ``--low-rate``,
     ``--phase-seconds``) or ``--rate-schedule`` (:func:`pdd.load_profile.schedule_from_flags`),

@@ -76,7 +76,7 @@ from pdd.bench.args import (DEFAULT_MODES, DEFAULT_REF_REQUESTS, DEFAULT_REQUEST
                             DEFAULT_SWEEP, DEFAULT_SWEEP_MIN_REQUESTS, DEFAULT_SWEEP_POINTS, DEFAULT_SWEEP_REQUESTS,
                             DEFAULT_SWEEP_SECONDS, DEFAULT_SWEEP_TIMEOUT_S, TOPOLOGY_OVERRIDES, ShortUsageParser,
                             bench_exit_status, build_parser, check_args, check_numbers, check_workload_args,
-                            load_schedule, out_dir_problem, parse_fault_args, _override_error, _override_flag)
+                            load_schedule, parse_fault_args, _override_error, _override_flag)
 from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_FIELDS,  # noqa: F401
                               WIDE_WINDOW_BEFORE, bench_mode_extras, cutoff_stats, handoff_gap_ms, handoff_stats,
                               hit_rates, instance_hardware, sweep_point)
@@ -98,7 +98,7 @@ from pdd.bench.table import bench_rows, print_bench_table  # noqa: F401
 from pdd.workload.replay import (DEFAULT_TRACE, Scale, TokenSpace, build_requests, fit_scale, ideal_prefix_hits,
                                  workload_summary)
 from pdd.bench import vllm_mode
-from pdd.cli_args import refuse
+from pdd.cli_args import out_dir_problem, refuse
 from pdd.config import MODES, ClusterConfig, validation_summary
 from pdd.transfer.layout import wire_dtype
 
@@ -597,9 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       session_sample=args.session_sample, session_seed=args.session_seed)
     except ValueError as ex:  # check_args names the flags; this is the backstop for a combination it misses
         ap.error(f"workload scaling: {ex}")
-    bad_out = out_dir_problem(args.out)  # run_bench makes it once its own checks passed
+    bad_out = out_dir_problem(args.out, keep=False)  # run_bench makes it once its own checks passed
     if bad_out:
-        ap.error(f"--out {args.out or repr(args.out)}: {bad_out}")
+        ap.error(bad_out)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     try:
         report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace,

@@ -22,8 +22,7 @@ from typing import Callable, Sequence
 
 import pydantic
 
-from pdd.bench.args import (ShortUsageParser, bench_exit_status, check_numbers, check_workload_args,
-                            out_dir_problem)
+from pdd.bench.args import ShortUsageParser, bench_exit_status, check_numbers, check_workload_args
 from pdd.bench.live import _default_topology, _proc_cpu, _warmup, ensure_model, measured_replay  # noqa: F401
 from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
 from pdd.bench.report import build_report, compute_modes, print_table, write_jsonl, write_report
@@ -194,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
     from pdd.config import MODES
-    from pdd.cli_args import refuse
+    from pdd.cli_args import out_dir_problem, refuse
     from pdd.topology import ports_taken_refusal
 
     check_workload_args(ap, args)  # the numbers pdd bench checks, with its messages
@@ -223,9 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     taken = ports_taken_refusal([cfg], ap.prog)
     if taken:  # one line naming the ports and their users, exit 2, as pdd serve and pdd bench refuse
         refuse(ap.prog, taken)
-    bad_out = out_dir_problem(args.out)  # run_demo makes it once the workload is built
+    bad_out = out_dir_problem(args.out, keep=False)  # run_demo makes it once the workload is built
     if bad_out:
-        ap.error(f"--out {args.out or repr(args.out)}: {bad_out}")
+        ap.error(bad_out)
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)

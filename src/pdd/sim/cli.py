@@ -694,19 +694,12 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 
 def check_out_dir(path: str, flag: str = "--out") -> None:
     """Make the output directory ``path`` now (parents too) so that a bad one is a UsageError
-    naming ``flag`` before the work, not a traceback after it."""
-    import os
-    from pathlib import Path
+    naming ``flag`` before the work, not a traceback after it (:func:`pdd.cli_args.out_dir_problem`)."""
+    from pdd.cli_args import out_dir_problem
 
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"{flag} {path}: exists and is not a directory")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot make it ({e.strerror or e})") from None
-    if not os.access(p, os.W_OK):
-        raise UsageError(f"{flag} {path}: not writable")
+    bad = out_dir_problem(path, keep=True, flag=flag)
+    if bad:
+        raise UsageError(bad)
 
 
 def check_out_file(path: str, flag: str = "--out") -> None:
