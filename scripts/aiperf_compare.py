@@ -113,6 +113,7 @@ def main(argv=None) -> int:
         ap.error("give --url before `--` (it is this script's, passed on to pdd bench)")
     if not any(x == "--slo" or x.startswith("--slo=") for x in bench_args):
         bench_args += ["--slo", "ttft:2000", "tpot:200"]  # absolute: no reference run, the same SLO for aiperf
+    A.check_workload(bench_args)  # --rate 1e-9 started pdd serve, then a replay that never ended
     if not Path(a.aiperf).exists():
         print(f"aiperf not found at {a.aiperf}: run `make aiperf` (or give --aiperf)", file=sys.stderr)
         return 2

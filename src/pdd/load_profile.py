@@ -27,6 +27,27 @@ Schedule = tuple[tuple[float, float], ...]
 # FALL s, low again for LOW s
 DEFAULT_RAMP_PHASES_S = (10.0, 20.0, 10.0, 20.0)
 
+# The lowest constant request rate a command takes, req/s: one arrival per 1000 s on average. A
+# run's arrivals span about n / rate, so below this even a handful of requests is hours of wall
+# time (``--rate 1e-9`` passed "> 0" and never ended). It bounds pdd bench / pdd demo --rate,
+# --ramp and --sweep-rate's rates, pdd sim run / pdd plan / pdd sim agentic / pdd workload agentic
+# --rate, pdd sim validate --rate, and (as a factor) pdd sim run --scale-rate. A rate schedule
+# (--rate-schedule, --load-profile ramp) is not bounded by it: it ends at its last point.
+MIN_RATE_RPS = 1e-3
+
+
+def slow_rate_problem(rate: float, factor: bool = False) -> str | None:
+    """None unless ``rate`` is a number > 0 below :data:`MIN_RATE_RPS`; then why it is refused, to
+    follow ``FLAG: ``. ``factor``: ``rate`` is a replay speed-up (--scale-rate), not req/s. NaN,
+    inf and values <= 0 are left to the callers' own checks (and messages)."""
+    if not 0 < rate < MIN_RATE_RPS:
+        return None
+    if factor:
+        return (f"must be >= {MIN_RATE_RPS:g} (a replay at most {1 / MIN_RATE_RPS:g} times slower than the trace; "
+                f"a slower one's run would not end), got {rate:g}")
+    return (f"must be >= {MIN_RATE_RPS:g} req/s (one request per {1 / MIN_RATE_RPS:g} s on average; a lower "
+            f"rate's run would take hours), got {rate:g}")
+
 
 def check_schedule(points: Sequence[Sequence[float]], what: str = "--rate-schedule") -> Schedule:
     """``points`` as a schedule, or ValueError naming ``what``: at least two points, times from 0

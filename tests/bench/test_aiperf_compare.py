@@ -218,6 +218,15 @@ def test_an_empty_model_is_refused_naming_the_flag(capsys, tmp_path, compare):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_too_slow_rate_is_refused_before_anything_starts(capsys, tmp_path, compare):
+    """`-- --rate 1e-9` started pdd serve, then a pdd bench replay that never ended."""
+    with pytest.raises(SystemExit) as ex:
+        compare(["--", "--rate", "1e-9"])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "pdd bench: error: --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"
+    assert not (tmp_path / "out").exists()
+
+
 def test_check_model_accepts_the_served_name(models_gateway, tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"served_model_name": "served"}))

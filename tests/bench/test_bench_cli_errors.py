@@ -59,6 +59,11 @@ def _refused(capsys, argv, *names):
     (["--sweep-rate", "1,nan"], ["--sweep-rate: rates must be finite and > 0 req/s, got nan in '1,nan'"]),
     (["--sweep-rate=0,2"], ["--sweep-rate: rates must be finite and > 0 req/s, got 0.0 in '0,2'"]),
     (["--ramp", "1:inf"], ["--ramp: rates must be finite and > 0, got '1:inf'"]),
+    # passed "> 0", then a run whose arrivals spanned centuries (pdd.load_profile.MIN_RATE_RPS)
+    (["--rate", "1e-9"], ["--rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
+    (["--ramp", "1e-9:4"], ["--ramp: each rate must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09 in '1e-9:4'"]),
+    (["--ramp", "4:1e-9"], ["--ramp: each rate must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09 in '4:1e-9'"]),
+    (["--sweep-rate", "1,1e-9"], ["--sweep-rate: each rate must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09 in '1,1e-9'"]),
     (["--seed", "-1"], ["--seed: must be >= 0, got -1"]),  # numpy's default_rng: a ValueError traceback
     (["--sweep-rate", ","], ["--sweep-rate: expected 'auto', 'none' or comma-separated rates, got ','"]),
     # "bad SLO term 'ttft:nan'" named no flag; 1e400 was an infinite bound nothing misses

@@ -123,6 +123,7 @@ def demo_cli(monkeypatch):
     (["--requests", "0"], "--requests: must be >= 1, got 0"),
     (["--rate", "0"], "--rate: must be > 0 req/s, got 0.0"),
     (["--rate", "-1"], "--rate: must be > 0 req/s, got -1.0"),
+    (["--rate", "1e-9"], "--rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"),  # passed "> 0": a replay spanning centuries
     (["--start", "-1"], "--start: must be >= 0, got -1"),
     (["--block-tokens", "0"], "--block-tokens: must be >= 1, got 0"),
     (["--max-output", "0"], "--max-output: must be >= 1, got 0"),

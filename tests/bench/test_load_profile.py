@@ -126,3 +126,18 @@ def test_autoscale_lines():
         "cost pdd: goodput 1.72 req/s, TTFT P90 327.8 ms, 0 failed, 106.9 instance-s over 36.1 s, autoscale off",
         "cost pdd+autoscale: goodput 1.70 req/s, TTFT P90 264.4 ms, 2 FAILED, 118.5 instance-s over 36.1 s, "
         "autoscale 1 up / 1 down"]
+
+
+def test_the_rate_floor_is_inclusive_and_leaves_other_values_to_their_checks():
+    """MIN_RATE_RPS (0.001 req/s) is accepted, anything > 0 below it refused with the floor named;
+    0, negatives, NaN and inf keep their callers' own messages (None here)."""
+    from pdd.load_profile import MIN_RATE_RPS, slow_rate_problem
+
+    assert MIN_RATE_RPS == 1e-3
+    for ok in (1e-3, 0.5, 1e6, 0.0, -1.0, math.nan, math.inf):
+        assert slow_rate_problem(ok) is None and slow_rate_problem(ok, factor=True) is None
+    assert slow_rate_problem(9.99e-4) == ("must be >= 0.001 req/s (one request per 1000 s on average; a lower "
+                                          "rate's run would take hours), got 0.000999")
+    assert slow_rate_problem(5e-324, factor=True) == (
+        "must be >= 0.001 (a replay at most 1000 times slower than the trace; a slower one's run would not end), "
+        "got 4.94066e-324")

@@ -33,6 +33,10 @@ def _refused(capsys, argv, *names, entry=pdd_main):
     (["--limit", "0"], ["--limit", "must be >= 1"]),
     (["--agentic", "-5"], ["--agentic", "must be >= 0"]),
     (["--scale-rate", "0"], ["--scale-rate", "must be > 0"]),
+    # passed "> 0": with --autoscale the simulated span's decision ticks never ended
+    (["--rate", "1e-9", "--agentic", "5"], ["argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
+    (["--scale-rate", "1e-9"], ["argument --scale-rate: must be >= 0.001 (a replay at most 1000 times slower than "
+                                "the trace; a slower one's run would not end), got 1e-09"]),
     (["--n-md", "-1"], ["--n-md", "must be >= 0"]),
     (["--slo-ttft", "0"], ["--slo-ttft", "must be > 0"]),
     (["--limit", "abc"], ["--limit", "not an integer: 'abc'"]),
@@ -103,6 +107,9 @@ def test_experiment_params_convert_by_the_parameter_type():
 @pytest.mark.parametrize("argv,names", [
     (["workload", "agentic", "--n", "0", "--out", "x.jsonl"], ["pdd workload agentic: error:", "--n", ">= 1"]),
     (["workload", "agentic", "--rate", "0"], ["--rate", "must be > 0"]),
+    (["workload", "agentic", "--rate", "1e-9"], ["pdd workload agentic: error: argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
+    (["sim", "agentic", "--rate", "1e-9"], ["pdd sim agentic: error: argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
+    (["plan", "--rate", "1e-9"], ["pdd plan: error: argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
     (["sim", "agentic", "--n", "-2"], ["pdd sim agentic: error:", "--n", ">= 1"]),
 ])
 def test_workload_agentic_refuses_bad_counts(capsys, tmp_path, monkeypatch, argv, names):
@@ -314,6 +321,7 @@ def test_calibrate_roles_names_a_bad_run_or_profile_before_the_missing_model(cap
 @pytest.mark.parametrize("args,message", [
     (["--requests", "0"], "--requests must be a finite number > 0, got 0"),  # was exit 1, no `error:`
     (["--rate", "nan"], "--rate must be a finite number > 0, got nan"),
+    (["--rate", "1e-9"], "--rate must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"),  # passed "> 0": a live run spanning centuries
     # these were tracebacks from the workload's Scale: `ValueError: session_sample must be >= 1`, ...
     (["--session-sample", "0"], "--session-sample must be a finite number > 0, got 0"),
     (["--max-output-tokens", "0"], "--max-output-tokens must be a finite number > 0, got 0"),

@@ -63,6 +63,17 @@ def bench_requests(bench_argv: Sequence[str]):
     return build_requests(a.trace, scale, tokens, a.seed), scale, config
 
 
+def check_workload(bench_argv: Sequence[str]) -> None:
+    """``pdd bench BENCH_ARGV``'s workload flags checked as ``pdd bench`` checks them
+    (:func:`pdd.bench.args.check_workload_args`: ``--rate`` at least
+    :data:`pdd.load_profile.MIN_RATE_RPS`, ``--requests`` >= 1, ...), before anything starts: a bad
+    one exits 2 through ``pdd bench``'s parser, one line naming the flag (SystemExit)."""
+    from pdd.bench.args import build_parser, check_workload_args
+
+    ap = build_parser()
+    check_workload_args(ap, ap.parse_args(list(bench_argv)))
+
+
 def check_model(bench_argv: Sequence[str], url: str | None = None, timeout_s: float = 10.0) -> str:
     """The served model name both clients request for ``pdd bench BENCH_ARGV`` (its ``--model``,
     else ``served_model_name`` of its ``--config``), checked before anything starts: a wrong one

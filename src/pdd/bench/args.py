@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-output", type=int, default=DEFAULT_SCALE.min_output_tokens)
     g.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
     g.add_argument("--max-input", type=int, default=None, help="prompt cap in tokens (default: none)")
-    g.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="offered rate, mean req/s")
+    g.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps,
+                   help="offered rate, mean req/s (>= 0.001: one request per 1000 s on average; below that a "
+                        "run takes hours)")
     g.add_argument("--ramp", metavar="START:END",
                    help="load ramp: the main run's rate rises linearly from START to END req/s (overrides --rate "
                         "for the main run; the sweep, if any, still starts at --rate)")
@@ -287,11 +289,17 @@ def check_numbers(ap: argparse.ArgumentParser, checks: Iterable[tuple[str, Any, 
 
 def check_workload_args(ap: argparse.ArgumentParser, args) -> None:
     """The workload flags ``pdd bench`` and ``pdd demo`` share (--rate, --requests, --start, the
-    Scale knobs): refused naming the flag (argparse ``error``: exit status 2)."""
+    Scale knobs): refused naming the flag (argparse ``error``: exit status 2). --rate must be at
+    least :data:`pdd.load_profile.MIN_RATE_RPS`."""
+    from pdd.load_profile import slow_rate_problem
+
     if args.rate is not None and not args.rate > 0:
         ap.error(f"--rate: must be > 0 req/s, got {args.rate}")
     if args.rate == float("inf"):  # every arrival at t=0, and a sweep that doubles it forever
         ap.error(f"--rate: must be a finite number of req/s, got {args.rate}")
+    bad = args.rate is not None and slow_rate_problem(args.rate)
+    if bad:  # 1e-9 passed "> 0", and the run's arrivals spanned centuries
+        ap.error(f"--rate: {bad}")
     if args.requests is not None and args.requests < 1:
         ap.error(f"--requests: must be >= 1, got {args.requests}")
     if args.start is not None and args.start < 0:

@@ -176,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--min-output", type=int, default=DEFAULT_SCALE.min_output_tokens)
     ap.add_argument("--max-output", type=int, default=DEFAULT_SCALE.max_output_tokens)
     ap.add_argument("--max-input", type=int, default=None)
-    ap.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps, help="mean arrivals, req/s")
+    ap.add_argument("--rate", type=float, default=DEFAULT_SCALE.target_rate_rps,
+                    help="mean arrivals, req/s (>= 0.001: one request per 1000 s on average)")
     ap.add_argument("--session-sample", type=int, default=DEFAULT_SCALE.session_sample,
                     help="keep 1 in N conversations (all their turns)")
     ap.add_argument("--session-seed", type=int, default=0)

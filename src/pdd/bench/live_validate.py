@@ -81,6 +81,11 @@ def cmd_validate(a) -> int:
     for k in ("requests", "rate", "block_tokens", "session_sample", "max_output_tokens"):
         if w[k] is not None and not (math.isfinite(w[k]) and w[k] > 0):  # nan / inf gave arrival times of nan / None
             raise UsageError(f"--{k.replace('_', '-')} must be a finite number > 0, got {w[k]}")
+    from pdd.load_profile import slow_rate_problem
+
+    slow = w["rate"] is not None and slow_rate_problem(w["rate"])
+    if slow:  # 1e-9 passed "> 0": the live run's arrivals spanned centuries
+        raise UsageError(f"--rate {slow}")
     if not (math.isfinite(w["budget_ms"]) and w["budget_ms"] >= 0):  # the live topology's pipeline budget
         raise UsageError(f"--budget-ms must be a finite number >= 0, got {w['budget_ms']}")
     check_out_dir(a.out)  # a file or an unwritable place: one line, before any work
@@ -116,7 +121,7 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
     v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")
     same = "; with --live-from, default: the run's own"
     v.add_argument("--requests", type=int, default=None, help="(220)" + same)
-    v.add_argument("--rate", type=float, default=None, help="req/s (2.0)" + same)
+    v.add_argument("--rate", type=float, default=None, help="req/s, >= 0.001 (2.0)" + same)
     v.add_argument("--block-tokens", type=int, default=None, help="tokens per 512-token trace block (64)" + same)
     v.add_argument("--session-sample", type=int, default=None, help="keep 1 in N conversations of the trace (50)"
                    + same)

@@ -32,6 +32,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
+from pdd.load_profile import slow_rate_problem
 from pdd.bench.slo import SLA_ATTAINMENT
 from pdd.workload.replay import session_key
 
@@ -70,7 +71,8 @@ class SweepPlan:
 
 def parse_sweep(spec: str | None, start_rps: float = 2.0, **kw) -> SweepPlan | None:
     """``None``/"" /"none"/"off" -> None; "auto" -> an auto plan starting at ``start_rps``;
-    "1,2,4" -> a fixed plan. ``kw`` sets other :class:`SweepPlan` fields."""
+    "1,2,4" -> a fixed plan (each rate finite and at least :data:`pdd.load_profile.MIN_RATE_RPS`).
+    ``kw`` sets other :class:`SweepPlan` fields. ValueError naming --sweep-rate otherwise."""
     if spec is None or spec.strip().lower() in ("", "none", "off", "no"):
         return None
     if spec.strip().lower() == "auto":
@@ -84,6 +86,9 @@ def parse_sweep(spec: str | None, start_rps: float = 2.0, **kw) -> SweepPlan | N
     bad = [r for r in rates if not 0 < r < math.inf]  # NaN fails too
     if bad:
         raise ValueError(f"--sweep-rate: rates must be finite and > 0 req/s, got {bad[0]} in {spec!r}")
+    slow = [slow_rate_problem(r) for r in rates if slow_rate_problem(r)]
+    if slow:  # a point keeps at least --sweep-min-requests: 8 at 1e-9 req/s never ended
+        raise ValueError(f"--sweep-rate: each rate {slow[0]} in {spec!r}")
     return SweepPlan(rates=rates, start_rps=start_rps, **kw)
 
 
@@ -215,7 +220,8 @@ def point_size(available: int, rate_rps: float, max_arrival_s: float | None = No
 
 def parse_ramp(spec: str | None) -> tuple[float, float] | None:
     """``"1:8"`` -> ``(1.0, 8.0)`` (req/s, start and end rate of a load ramp); None/"" -> None.
-    Raises ValueError naming the flag for anything else (rates must be > 0)."""
+    Raises ValueError naming the flag for anything else (rates must be finite and at least
+    :data:`pdd.load_profile.MIN_RATE_RPS`)."""
     if spec is None or not spec.strip():
         return None
     try:
@@ -224,6 +230,9 @@ def parse_ramp(spec: str | None) -> tuple[float, float] | None:
         raise ValueError(f"--ramp: expected START:END in req/s (e.g. 1:8), got {spec!r}") from None
     if not (0 < a < math.inf and 0 < b < math.inf):  # NaN and inf parse as floats
         raise ValueError(f"--ramp: rates must be finite and > 0, got {spec!r}")
+    slow = slow_rate_problem(min(a, b))
+    if slow:  # the ramp's arrivals at 1e-9 req/s spanned centuries
+        raise ValueError(f"--ramp: each rate {slow} in {spec!r}")
     return a, b
 
 

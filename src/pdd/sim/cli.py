@@ -87,6 +87,26 @@ NONNEG_FLOAT = _number(float, ">= 0", _nonneg)
 FRACTION = _number(float, "in [0, 1]", lambda v: 0 <= v <= 1)
 
 
+def _rate(factor: bool):
+    """An argparse ``type=`` for a request rate (req/s; ``factor``: a replay speed-up): as
+    POS_FLOAT, and refused below :data:`pdd.load_profile.MIN_RATE_RPS` (a run that would not end)."""
+    def parse(text: str) -> float:
+        from pdd.load_profile import slow_rate_problem
+
+        v = POS_FLOAT(text)
+        bad = slow_rate_problem(v, factor=factor)
+        if bad:
+            raise argparse.ArgumentTypeError(bad)
+        return v
+
+    parse.__name__ = "float"
+    return parse
+
+
+RATE = _rate(False)
+SCALE_RATE = _rate(True)
+
+
 def _known(kind: str, load):
     """An argparse ``type=`` accepting the names ``load()`` knows (a dict), listing them otherwise."""
     def parse(text: str) -> str:
@@ -189,9 +209,11 @@ def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
         g.add_argument("--max-input", type=POS_INT, default=None,
                        help="prompt cap in tokens, as pdd bench --max-input: whole trailing 512-token blocks "
                             "are dropped until a prompt fits (no request is dropped; default: none)")
-    g.add_argument("--scale-rate", type=POS_FLOAT, default=1.0, help="replay this many times faster")
+    g.add_argument("--scale-rate", type=SCALE_RATE, default=1.0,
+                   help="replay this many times faster (>= 0.001: at most 1000 times slower)")
     g.add_argument("--agentic", type=NONNEG_INT, default=0, help="generate N agentic requests instead of a trace")
-    g.add_argument("--rate", type=POS_FLOAT, default=2.0, help="req/s for generated workloads")
+    g.add_argument("--rate", type=RATE, default=2.0,
+                   help="req/s for generated workloads (>= 0.001: one request per 1000 s on average)")
     g.add_argument("--seed", type=NONNEG_INT, default=0, help="workload seed (>= 0: numpy's generators take no negative seed)")
 
 
@@ -791,7 +813,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     cp.set_defaults(func=cmd_compare_profiles, parser=cp)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
     g.add_argument("--n", type=POS_INT, default=5000)
-    g.add_argument("--rate", type=POS_FLOAT, default=2.0)
+    g.add_argument("--rate", type=RATE, default=2.0, help="mean arrivals, req/s (>= 0.001)")
     g.add_argument("--seed", type=NONNEG_INT, default=0)
     g.add_argument("--out", default=None, help="Mooncake-format JSONL file to write (default: only the hit histogram is printed)")
     g.set_defaults(func=cmd_agentic)
