@@ -152,10 +152,10 @@ class LinkConfig(_Strict):
     ``fast_*``: the in-datacenter path P -> RLD (stands in for RDMA).
     """
 
-    wan_gbps: float = Field(0.05, gt=0, description="WAN line rate per direction, Gbit/s")
+    wan_gbps: float = Field(0.05, gt=0, description="WAN line rate per direction, Gbit/s (>= 1e-6: 1 kbit/s)")
     wan_rtt_ms: float = Field(20.0, ge=0)
     wan_jitter_ms: float = Field(1.0, ge=0)
-    fast_gbps: float = Field(4.0, gt=0, description="fast path rate, Gbit/s (paced at the sender)")
+    fast_gbps: float = Field(4.0, gt=0, description="fast path rate, Gbit/s (paced at the sender; >= 1e-6)")
     fast_rtt_ms: float = Field(0.1, ge=0)
     wan_loss_rate: float = Field(
         0.0, ge=0, lt=1, description="WAN packet loss probability p: each connection's throughput is capped at "
@@ -169,6 +169,18 @@ class LinkConfig(_Strict):
         default_factory=list, description="other traffic sharing the WAN line, per direction: [[t_s, gbps], ...] "
         "from t_s seconds after the line started, piecewise constant, 0 before the first point; each rate below "
         "wan_gbps (pdd bench --cross-traffic-gbps X / --cross-traffic 0:0.5,10:2.0)")
+
+    @field_validator("wan_gbps", "fast_gbps")
+    @classmethod
+    def _line_rate(cls, v: float, info: ValidationInfo) -> float:
+        """At least ``pdd.policy.tcp_model.MIN_LINK_GBPS`` (1e-6 Gbit/s): a subnormal rate
+        (1e-312) passed ``gt=0`` and overflowed the emulated line's chunk times. Raises ValueError."""
+        from pdd.policy.tcp_model import slow_line_problem
+
+        slow = slow_line_problem(v, "")  # the location names the field (link.wan_gbps / --wan-gbps)
+        if slow:
+            raise ValueError(slow)
+        return v
 
     @field_validator("wan_cross_traffic")
     @classmethod

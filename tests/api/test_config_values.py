@@ -48,6 +48,17 @@ def test_a_non_finite_float_names_the_field(tmp_path, yaml_text, field):
     assert _refused(yaml_text, tmp_path) == f"{field}: Input should be a finite number"
 
 
+@pytest.mark.parametrize("yaml_text,field,shown", [
+    ("link: {wan_gbps: 1.0e-312}\n", "link.wan_gbps", "1e-312"),  # subnormal: passed gt=0, a chunk's time inf
+    ("link: {fast_gbps: 5.0e-7}\n", "link.fast_gbps", "5e-07"),
+])
+def test_a_line_rate_below_1_kbit_s_names_the_field(tmp_path, yaml_text, field, shown):
+    assert _refused(yaml_text, tmp_path) == f"{field}: must be >= 1e-06 Gbit/s (1 kbit/s: a 64 KiB chunk then takes 524 s; below it a chunk's time overflows), got {shown}"
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text("link: {wan_gbps: 1.0e-6, fast_gbps: 1.0e-6}\n")  # the floor itself is a rate
+    assert ClusterConfig.load(cfg).link.wan_gbps == 1e-6
+
+
 def test_booleans_and_numbers_as_text_stay_accepted(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("policy: {cutoff: off, allow_p_rld: yes, pipeline_ttft_budget_ms: '80'}\n"

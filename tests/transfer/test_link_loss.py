@@ -103,6 +103,10 @@ def test_bad_link_config_names_the_field(kw, msg):
     ({"gbps": float("nan")}, r"gbps must be a finite number > 0, got nan"),
     ({"gbps": float("inf")}, r"gbps must be a finite number > 0, got inf"),
     ({"gbps": 0.0}, r"gbps must be a finite number > 0, got 0.0"),
+    # subnormal: passed > 0, then 8 / (gbps * 1e9) s per byte made a chunk's time inf
+    ({"gbps": 1e-312}, r"gbps must be >= 1e-06 Gbit/s \(1 kbit/s: a 64 KiB chunk then takes 524 s; below it a "
+                       r"chunk's time overflows\), got 1e-312"),
+    ({"gbps": 9e-7}, r"gbps must be >= 1e-06 Gbit/s .*, got 9e-07"),
     ({"rtt_ms": float("inf")}, r"rtt_ms must be a finite number >= 0, got inf"),
     ({"jitter_ms": float("nan")}, r"jitter_ms must be a finite number >= 0, got nan"),
     ({"jitter_ms": -1.0}, r"jitter_ms must be a finite number >= 0, got -1.0"),
@@ -127,6 +131,7 @@ async def test_control_port_refuses_a_bad_line_setting_and_changes_nothing(kw, m
 
 @pytest.mark.parametrize("kw,msg", [
     ({"gbps": float("nan")}, r"gbps must be a finite number > 0, got nan"),
+    ({"gbps": 1e-312}, r"gbps must be >= 1e-06 Gbit/s .*, got 1e-312"),
     ({"rtt_ms": float("inf")}, r"rtt_ms must be a finite number >= 0, got inf"),
 ])
 def test_bad_link_line_config_names_the_field(kw, msg):

@@ -27,7 +27,8 @@ import math
 from typing import Iterable, Sequence
 
 __all__ = [
-    "MATHIS_C", "MIN_SHARE", "DEFAULT_MSS_BYTES", "mathis_gbps", "check_loss_rate", "check_schedule",
+    "MATHIS_C", "MIN_SHARE", "DEFAULT_MSS_BYTES", "MIN_LINK_GBPS", "mathis_gbps", "check_loss_rate",
+    "slow_line_problem", "check_schedule",
     "parse_cross_traffic", "cross_gbps_at", "available_gbps", "serialize_end", "chunk_times",
     "transfer_seconds",
 ]
@@ -37,6 +38,20 @@ MIN_SHARE = 0.01  # cross traffic never takes more than 99% of the line (the lin
 DEFAULT_MSS_BYTES = 1460  # Ethernet MTU 1500 less 40 bytes of IPv4 + TCP headers
 
 Schedule = tuple[tuple[float, float], ...]  # ((t_s, gbps), ...), t_s strictly increasing
+# The lowest line rate the link emulator and the config take, Gbit/s: 1 kbit/s, at which one
+# 64 KiB chunk is serialised in 524 s. Below it a chunk's time overflows: at a subnormal
+# 1e-312 Gbit/s a byte takes 8 / (gbps * 1e9) = 8e303 s and a chunk inf.
+MIN_LINK_GBPS = 1e-6
+
+
+def slow_line_problem(gbps: float, field: str = "gbps") -> str | None:
+    """None unless ``gbps`` is a number > 0 below :data:`MIN_LINK_GBPS`; then the message that
+    refuses it, naming ``field`` ("" for none: a config field's location names it). NaN, inf and
+    values <= 0 are left to the callers' own checks."""
+    if not 0 < gbps < MIN_LINK_GBPS:
+        return None
+    return (f"{f'{field} ' if field else ''}must be >= {MIN_LINK_GBPS:g} Gbit/s (1 kbit/s: a 64 KiB chunk then "
+            f"takes 524 s; below it a chunk's time overflows), got {gbps!r}")
 
 
 def check_loss_rate(loss_rate: float, field: str = "loss_rate") -> float:
