@@ -67,10 +67,14 @@ def _refused(capsys, argv, *names):
     (["--sweep-rate", "1,1e-9"], ["--sweep-rate: each rate must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09 in '1,1e-9'"]),
     (["--seed", "-1"], ["--seed: must be >= 0, got -1"]),  # numpy's default_rng: a ValueError traceback
     (["--sweep-rate", ","], ["--sweep-rate: expected 'auto', 'none' or comma-separated rates, got ','"]),
-    # "bad SLO term 'ttft:nan'" named no flag; 1e400 was an infinite bound nothing misses
-    (["--slo", "ttft:nan"], ["pdd bench: error: --slo: bad term 'ttft:nan': expected ttft:MS or tpot:MS"]),
-    (["--slo", "ttft:0"], ["pdd bench: error: --slo: a bound must be a finite number of ms > 0, got 'ttft:0'"]),
-    (["--slo", "tpot:1e400"], ["pdd bench: error: --slo: a bound must be a finite number of ms > 0, got 'tpot:1e400'"]),
+    # "bad SLO term 'ttft:nan'" named no flag; 1e400 was an infinite bound nothing misses; 'ttft:-5' was a
+    # "bad term" naming neither the metric nor the range
+    (["--slo", "ttft:nan"], ["pdd bench: error: --slo: the ttft bound must be a positive, finite number of ms, got 'ttft:nan'"]),
+    (["--slo", "ttft:0"], ["pdd bench: error: --slo: the ttft bound must be a positive, finite number of ms, got 'ttft:0'"]),
+    (["--slo", "tpot:1e400"], ["pdd bench: error: --slo: the tpot bound must be a positive, finite number of ms, got 'tpot:1e400'"]),
+    (["--slo", "ttft:-5"], ["pdd bench: error: --slo: the ttft bound must be a positive, finite number of ms, got 'ttft:-5'"]),
+    (["--slo", "ttft:500", "tpot:-0.5ms"], ["pdd bench: error: --slo: the tpot bound must be a positive, finite number of ms, got 'tpot:-0.5ms'"]),
+    (["--slo", "ttft:abc"], ["pdd bench: error: --slo: bad term 'ttft:abc': expected ttft:MS or tpot:MS"]),
 ])
 def test_refuses_bad_numbers_naming_the_flag(capsys, tmp_path, no_run, args, names):
     _refused(capsys, args + ["--out", str(tmp_path / "b")], *names)

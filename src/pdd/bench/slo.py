@@ -65,7 +65,8 @@ class SLO:
 def parse_slo(spec: str | Iterable[str] | None) -> dict[str, float]:
     """``"ttft:500 tpot:50"`` (or the tokens as a list, or comma separated) -> ``{"ttft_ms": 500.0,
     "tpot_ms": 50.0}``. Only ttft and tpot are accepted; values are ms, finite and > 0. ValueError
-    naming ``--slo`` and the bad term otherwise."""
+    naming ``--slo`` and the bad term otherwise; a number out of range (``ttft:-5``, ``tpot:0``,
+    ``ttft:nan``, ``tpot:1e400``) is refused naming its metric."""
     if spec is None:
         return {}
     text = spec if isinstance(spec, str) else " ".join(spec)
@@ -73,12 +74,13 @@ def parse_slo(spec: str | Iterable[str] | None) -> dict[str, float]:
     for tok in re.split(r"[\s,]+", text.strip()):
         if not tok:
             continue
-        m = re.fullmatch(r"(ttft|tpot)[:=]([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(ms)?", tok.lower())
+        m = re.fullmatch(r"(ttft|tpot)[:=](-?(?:[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?|nan|inf(?:inity)?))(ms)?",
+                         tok.lower())  # a sign, nan and inf parse here, to be refused naming the metric
         if m is None:
             raise ValueError(f"--slo: bad term {tok!r}: expected ttft:MS or tpot:MS")
         v = float(m.group(2))
-        if not 0 < v < math.inf:  # 1e400 parses as inf: a bound nothing misses
-            raise ValueError(f"--slo: a bound must be a finite number of ms > 0, got {tok!r}")
+        if not 0 < v < math.inf:  # NaN fails too; 1e400 parses as inf: a bound nothing misses
+            raise ValueError(f"--slo: the {m.group(1)} bound must be a positive, finite number of ms, got {tok!r}")
         out[f"{m.group(1)}_ms"] = v
     return out
 
