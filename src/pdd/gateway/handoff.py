@@ -79,7 +79,8 @@ class Handoffs:
         st.pending.clear()
         ho.md_pending.clear()
         ho.switch_pos = ho.md_start = None
-        ho.kv_ready = ho.md_diverged = ho.takeover = ho.started = ho.early = False
+        ho.kv_ready = ho.md_diverged = ho.takeover = ho.started = ho.early = ho.rld_lost = False
+        ho.final_ids = []
         ho.mode, ho.rounds = None, 0
 
     def _forget_md_tokens(self, st: ReqState) -> None:
@@ -169,8 +170,8 @@ class Handoffs:
                 if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
                     st.to(Phase.HANDOFF, "RLD asked for its ids")
                 rep, _ = await rld.call(Handoff(trid, sent, rounds).wire(), timeout=t)
-                if st.trid != trid:
-                    return
+                if st.trid != trid or st.handoff.takeover:
+                    return  # ... or RLD was lost as it answered and MD took over already (one extend only)
             if rep.get("finished"):  # RLD finished the request (or it ended): MD keeps the prompt's KV
                 # (the stream's settling counts it, _rld_finished_first: an aborted request ends here too)
                 if not st.handoff.kv_ready:
@@ -191,6 +192,7 @@ class Handoffs:
             st.handoff.tokens = len(ids)
             if rep["final"]:
                 st.handoff.md_start = len(ids)
+                st.handoff.final_ids = list(ids)  # RLD's tokens up to md_start, should its stream of them be cut
                 st.events["handoff"] = time.perf_counter()
                 st.events["handoff_rld_ms"] = st.events["handoff"] - float(rep.get("rld_ms", 0.0)) / 1000
                 self.totals["handoffs"] += 1
@@ -232,6 +234,8 @@ class Handoffs:
                     self._switch(st, st.next_pos)  # MD is live and agrees: it streams from here
             else:
                 ho.md_pending[tok.pos] = tok
+        elif ho.takeover and tok.pos >= ho.md_start:
+            pass  # RLD's, queued before its loss: MD took over from md_start and makes this position
         elif ho.switch_pos is None or tok.pos < ho.switch_pos:
             if tok.pos >= st.next_pos:
                 st.pending[tok.pos] = tok
@@ -277,6 +281,12 @@ class Handoffs:
         st.handoff.md_diverged = True
         st.handoff.md_pending.clear()
         self.totals["md_diverged"] = self.totals.get("md_diverged", 0) + 1
+        if st.handoff.rld_lost or st.handoff.takeover:
+            # RLD, which would finish it, is gone: nothing would stream again (a stall until
+            # request_timeout_s); a new attempt continues from the next position
+            log.warning("request %s: MD's token at %d differs from RLD's and RLD is lost; recovering", st.rid, pos)
+            self._fail_lost(st, f"MD's token at {pos} differs from the one streamed and RLD is lost")
+            return
         log.warning("request %s: MD's token at %d differs from RLD's (near-tie); RLD finishes it", st.rid, pos)
         _, md = self._peer(st, ROLE_MAIN)
         asyncio.get_running_loop().create_task(md.send(Drop(st.trid).wire()))
@@ -290,12 +300,45 @@ class Handoffs:
             except Exception as e:
                 log.warning("stopping %s on RLD failed: %s", st.rid, e)
 
-    async def _md_takeover(self, st: ReqState) -> None:
+    def _rld_lost_after_final(self, st: ReqState, reason: str) -> None:
+        """RLD was lost after its final round (MD decodes from ``md_start``) and before the client
+        switched to MD. RLD's tokens below ``md_start`` that had not reached the stream died with
+        its connection: RLD writes them ahead of its reply, but the gateway's connection delivers a
+        reply as it reads it and its one-way messages (tokens) through a queue that its close
+        drops, and catch-up does not flush them first at all. Nothing else would ever bring those
+        positions, so the stream would wait until ``request_timeout_s``. The final round's ids are
+        those tokens: each position from the next one to ``md_start`` is queued from them behind
+        the tokens already queued (a position those streamed is ignored when it comes), so MD's
+        stream goes on from ``md_start``. A request that asked for logprobs cannot have them for
+        those ids: it is recovered instead (``reason``). After a takeover nothing of RLD's is
+        awaited (MD continues from the streamed ids)."""
+        ho = st.handoff
+        if ho.takeover or ho.rld_lost:
+            return
+        ho.rld_lost = True
+        first = st.next_pos - st.base  # the attempt's first output the stream has not had
+        if first >= ho.md_start:
+            return
+        if st.sampling.logprobs is not None:
+            self._fail_lost(st, reason)
+            return
+        log.warning("request %s: %s after its final handoff round; positions %d-%d from that round's ids", st.rid,
+                    reason, st.next_pos, st.base + ho.md_start - 1)
+        for i in range(first, ho.md_start):
+            st.queue.put_nowait(TokenOut(st.base + i, int(ho.final_ids[i]), "rld", None, None))
+
+    async def _md_takeover(self, st: ReqState, reason: str = "RLD is lost") -> None:
         """RLD is gone but MD holds the prompt's KV (recovery's rule): hand MD the tokens already
         streamed (one extend, as a one-shot handoff would) and let it decode on from the next
-        position."""
+        position. RLD's tokens for that position on, still queued, are not streamed: MD makes
+        them (:meth:`_next_tokens`), so MD continues from exactly what the client has."""
         ho = st.handoff
-        if ho.takeover or ho.md_start is not None or st.finished:
+        if ho.takeover or st.finished:
+            return
+        if ho.md_start is not None:
+            # the final round's reply was read with RLD's loss (it overtook the tokens before it):
+            # the handoff went ahead of this task, and RLD's tokens below md_start may be lost
+            self._rld_lost_after_final(st, reason)
             return
         ho.takeover = True
         if self._relayed_live(st) and st.phase in (Phase.TRANSFER, Phase.RLD_DECODE):
@@ -304,6 +347,7 @@ class Handoffs:
         ids = st.emitted[st.base:]
         ho.md_start = st.next_pos
         ho.mode = "takeover"
+        st.pending.clear()  # RLD's, past the next position: MD's to make
         st.events["handoff"] = time.perf_counter()
         self.totals["takeovers"] = self.totals.get("takeovers", 0) + 1
         try:

@@ -197,12 +197,17 @@ class Recovery:
         elif role == ROLE_RELAY:
             if not relayed:
                 self._fail_lost(st, reason)
-            elif st.handoff.switch_pos is not None or st.handoff.md_start is not None:
-                return  # MD has the final handoff: RLD is no longer needed
+            elif st.handoff.switch_pos is not None:
+                return  # MD streams: RLD is no longer needed
+            elif st.handoff.md_diverged:
+                self._fail_lost(st, reason)  # MD's tokens differed: RLD was to finish it
+            elif st.handoff.md_start is not None:
+                # MD has the final handoff: RLD is needed only for its tokens below it not yet streamed
+                self._rld_lost_after_final(st, reason)
             elif st.recovery.md_lost:
                 self._fail_lost(st, reason)
             elif st.handoff.kv_ready and started and st.handoff.rounds == 0:
-                self._spawn(self._md_takeover(st))
+                self._spawn(self._md_takeover(st, reason))
             else:
                 self._fail_lost(st, reason)
         elif role in (ROLE_MAIN, ROLE_COLOCATED):

@@ -117,6 +117,8 @@ class HandoffState:
     md_pending: dict = field(default_factory=dict)  # pos -> TokenOut from MD, before/after the switch
     md_diverged: bool = False  # MD's token differed from one streamed (near-tie): RLD finishes
     takeover: bool = False  # RLD was lost after MD had the KV: MD continued from the streamed ids
+    final_ids: list = field(default_factory=list)  # the final round's ids (RLD's outputs up to md_start)
+    rld_lost: bool = False  # RLD was lost after the final round, before the switch: it finishes nothing
     pos: int | None = None  # where the client last switched to MD (the response's handoff_pos)
     tokens: int = 0  # ids in the last round (the response's handoff_tokens)
     # RLD ended the request (completed) before any handoff to MD, and its transfer was not cut off
