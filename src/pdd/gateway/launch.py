@@ -338,6 +338,11 @@ class Launchers:
         st.pipeline = self._plan(st, len(prompt), st.md_cached_tokens) if relay_possible else (
             Pipeline.P_MD if md_wan else Pipeline.P_D)
         relay = st.pipeline == Pipeline.P_RLD_MD
+        if relay_possible and st.pipeline not in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
+            # the plan does not use the RLD routed beside P (its slot is cancelled and its
+            # reservation freed below): it is no longer this attempt's, so its loss is not either
+            # (it re-prefilled a request that never needed it: Recovery._instance_lost)
+            st.names.pop(ROLE_RELAY, None)
         md_target = Target(st.trid, "md", md_name, first_page=md_first, relay=relay).wire()
         rld_target = Target(st.trid, "rld", rld_name, first_page=0, relay=False).wire()
         try:
