@@ -279,7 +279,7 @@ class PolicyConfig(_Strict):
         0,
         ge=0,
         description="hand over only once RLD has streamed at least this many tokens (0: as soon as "
-        "MD has its KV). For tests and experiments that force the handoff point; a request that "
+        "MD has its KV and RLD has streamed its first). For tests and experiments that force the handoff point; a request that "
         "finishes first is never handed over",
     )
 

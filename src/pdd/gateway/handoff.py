@@ -56,8 +56,12 @@ class Handoffs:
         st.events["md_kv_ready"] = time.perf_counter()
         if self._relayed_live(st) and st.phase is Phase.TRANSFER:
             st.to(Phase.RLD_DECODE, "MD has the KV")
-        if not st.handoff.started:
+        if not st.handoff.started and st.next_pos > st.base:
             asyncio.get_running_loop().create_task(self._handoff(st))
+        # else RLD has not streamed the attempt's first token: it may not be decoding yet (its
+        # fast-path KV still on its way in, a loaded host), and asked for its ids then it answers
+        # "finished" (it holds nothing in its engine): MD would be told to finish while RLD goes on
+        # to decode the whole request alone. The first token starts the handoff (_first_streamed)
         return None
 
     def _rld_finished_first(self, st: ReqState) -> None:
@@ -267,6 +271,11 @@ class Handoffs:
         if st.phase is Phase.TRANSFER and not self._relayed_live(st):
             relay = st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD)
             st.to(Phase.RLD_DECODE if relay else Phase.MD_DECODE, "first token streamed")
+        ho = st.handoff
+        if (self._relayed_live(st) and ho.kv_ready and not ho.started and not st.finished
+                and not st.recovery.lost):
+            # MD's KV landed before RLD streamed (on_kv_ready waited for this): hand over now
+            asyncio.get_running_loop().create_task(self._handoff(st))
 
     def _switch(self, st: ReqState, pos: int) -> None:
         st.handoff.switch_pos = pos
