@@ -160,7 +160,8 @@ class Streams:
         try:
             if st.handoff.switch_pos is None:  # RLD finished it (MD keeps the prompt's KV)
                 await md.send(Finish(st.trid).wire())
-            await rld.send(Abort(st.trid).wire())
+            if not rld.closed:  # a lost RLD (its connection closed) holds nothing to stop
+                await rld.send(Abort(st.trid).wire())
         except Exception as e:
             log.warning("settling %s failed: %s", st.rid, e)
 
