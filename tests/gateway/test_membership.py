@@ -584,3 +584,21 @@ def test_a_request_routed_to_an_instance_removed_since_starts_again_elsewhere():
     asyncio.run(run())
     with pytest.raises(ConnectionError, match="instance p0 was removed"):
         o._peer(st, "prefill")
+
+
+def test_a_drain_that_removes_when_idle_says_the_gateway_removes_it():
+    """``drain {remove_when_idle: true}`` answered "remove it when in_flight is 0" though the
+    gateway removes it itself (found by a new user); a plain drain still tells the operator to."""
+    o, ms, _ = _setup(standby=(), main_decode=3)
+
+    async def run():
+        o.inflight["md0"] = 1  # one request still decoding there: the watcher waits
+        plain = await ms.drain("md1")
+        assert plain["message"].endswith("; remove it when in_flight is 0")
+        rep = await ms.drain("md0", remove_when_idle=True)
+        assert rep["remove_when_idle"] is True
+        assert rep["message"] == ("no new requests go to md0; its 1 in-flight request(s) finish there; "
+                                  "the gateway removes it once in_flight is 0")
+        ms._watchers.pop("md0").cancel()
+
+    asyncio.run(run())

@@ -360,8 +360,10 @@ class Membership:
         if m.state != DRAINING:
             self._set(m, DRAINING, "drain", in_flight=self.busy(name))
         out = self.view(name)
+        then = ("the gateway removes it once in_flight is 0" if remove_when_idle or name in self._watchers
+                else "remove it when in_flight is 0")
         out["message"] = d.message or (f"no new requests go to {name}; its {out['in_flight']} in-flight request(s) "
-                                       f"finish there; remove it when in_flight is 0")
+                                       f"finish there; {then}")
         out["prefix_cache"] = await self._cache_view(name)
         if remove_when_idle and name not in self._watchers:
             self._watchers[name] = asyncio.get_running_loop().create_task(self._remove_when_idle(name))
