@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from pdd.topology import layout, port_conflicts
+from pdd.policy.tcp_model import MAX_LINE_DELAY_MS
 
 Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
 MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
@@ -153,10 +154,10 @@ class LinkConfig(_Strict):
     """
 
     wan_gbps: float = Field(0.05, gt=0, description="WAN line rate per direction, Gbit/s (>= 1e-6: 1 kbit/s)")
-    wan_rtt_ms: float = Field(20.0, ge=0)
-    wan_jitter_ms: float = Field(1.0, ge=0)
+    wan_rtt_ms: float = Field(20.0, ge=0, le=MAX_LINE_DELAY_MS, description="WAN round trip, ms (<= 60,000)")
+    wan_jitter_ms: float = Field(1.0, ge=0, le=MAX_LINE_DELAY_MS)
     fast_gbps: float = Field(4.0, gt=0, description="fast path rate, Gbit/s (paced at the sender; >= 1e-6)")
-    fast_rtt_ms: float = Field(0.1, ge=0)
+    fast_rtt_ms: float = Field(0.1, ge=0, le=MAX_LINE_DELAY_MS)
     wan_loss_rate: float = Field(
         0.0, ge=0, lt=1, description="WAN packet loss probability p: each connection's throughput is capped at "
         "TCP's loss-limited rate MSS*8/RTT * sqrt(3/2)/sqrt(p) (Mathis et al. 1997; pdd.policy.tcp_model); 0 = no cap")

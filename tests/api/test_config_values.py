@@ -59,6 +59,18 @@ def test_a_line_rate_below_1_kbit_s_names_the_field(tmp_path, yaml_text, field, 
     assert ClusterConfig.load(cfg).link.wan_gbps == 1e-6
 
 
+@pytest.mark.parametrize("yaml_text,field", [
+    ("link: {wan_rtt_ms: 1.0e12}\n", "link.wan_rtt_ms"),  # passed ge=0: every byte held past every timeout
+    ("link: {wan_jitter_ms: 70000}\n", "link.wan_jitter_ms"),
+    ("link: {fast_rtt_ms: 60001}\n", "link.fast_rtt_ms"),
+])
+def test_a_line_delay_above_a_minute_names_the_field(tmp_path, yaml_text, field):
+    assert _refused(yaml_text, tmp_path) == f"{field}: Input should be less than or equal to 60000"
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text("link: {wan_rtt_ms: 60000, wan_jitter_ms: 60000, fast_rtt_ms: 60000}\n")  # the bound itself
+    assert ClusterConfig.load(cfg).link.wan_rtt_ms == 60000
+
+
 def test_booleans_and_numbers_as_text_stay_accepted(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("policy: {cutoff: off, allow_p_rld: yes, pipeline_ttft_budget_ms: '80'}\n"

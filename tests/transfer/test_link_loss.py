@@ -110,6 +110,9 @@ def test_bad_link_config_names_the_field(kw, msg):
     ({"rtt_ms": float("inf")}, r"rtt_ms must be a finite number >= 0, got inf"),
     ({"jitter_ms": float("nan")}, r"jitter_ms must be a finite number >= 0, got nan"),
     ({"jitter_ms": -1.0}, r"jitter_ms must be a finite number >= 0, got -1.0"),
+    # a minute at most: 1e12 ms passed >= 0 and held every byte past every timeout
+    ({"rtt_ms": 1e12}, r"rtt_ms must be <= 60000 ms, got 1000000000000.0"),
+    ({"jitter_ms": 60000.5}, r"jitter_ms must be <= 60000 ms, got 60000.5"),
     ({"loss_rate": 1e-3, "gbps": 0.0}, r"gbps must be a finite number > 0"),  # refused whole: loss unchanged
     ({"cross_gbps": 0.01, "rtt_ms": -1.0}, r"rtt_ms must be a finite number >= 0"),
 ])
@@ -133,6 +136,7 @@ async def test_control_port_refuses_a_bad_line_setting_and_changes_nothing(kw, m
     ({"gbps": float("nan")}, r"gbps must be a finite number > 0, got nan"),
     ({"gbps": 1e-312}, r"gbps must be >= 1e-06 Gbit/s .*, got 1e-312"),
     ({"rtt_ms": float("inf")}, r"rtt_ms must be a finite number >= 0, got inf"),
+    ({"rtt_ms": 1e12}, r"rtt_ms must be <= 60000 ms, got 1000000000000.0"),
 ])
 def test_bad_link_line_config_names_the_field(kw, msg):
     with pytest.raises(ValueError, match=msg):

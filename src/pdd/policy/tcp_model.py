@@ -27,7 +27,7 @@ import math
 from typing import Iterable, Sequence
 
 __all__ = [
-    "MATHIS_C", "MIN_SHARE", "DEFAULT_MSS_BYTES", "MIN_LINK_GBPS", "mathis_gbps", "check_loss_rate",
+    "MATHIS_C", "MIN_SHARE", "DEFAULT_MSS_BYTES", "MIN_LINK_GBPS", "MAX_LINE_DELAY_MS", "mathis_gbps", "check_loss_rate",
     "slow_line_problem", "check_schedule",
     "parse_cross_traffic", "cross_gbps_at", "available_gbps", "serialize_end", "chunk_times",
     "transfer_seconds",
@@ -42,6 +42,10 @@ Schedule = tuple[tuple[float, float], ...]  # ((t_s, gbps), ...), t_s strictly i
 # 64 KiB chunk is serialised in 524 s. Below it a chunk's time overflows: at a subnormal
 # 1e-312 Gbit/s a byte takes 8 / (gbps * 1e9) = 8e303 s and a chunk inf.
 MIN_LINK_GBPS = 1e-6
+# The longest line delay (RTT, jitter) the link emulator and the config take, ms: a minute, far
+# past any terrestrial or satellite path (GEO ~600 ms). A larger one (1e12 ms) passed ">= 0" and
+# held every byte on the line past every timeout.
+MAX_LINE_DELAY_MS = 60_000.0
 
 
 def slow_line_problem(gbps: float, field: str = "gbps") -> str | None:

@@ -122,12 +122,14 @@ def normalize_config(cfg: Any) -> dict:
 
 def check_line(gbps: float, rtt_ms: float, jitter_ms: float) -> None:
     """The line's rate (Gbit/s, finite and at least :data:`pdd.policy.tcp_model.MIN_LINK_GBPS`),
-    RTT and jitter (ms, finite >= 0). Raises ValueError naming the first bad one (NaN and inf
-    included: a NaN rate made every transfer's time NaN; a subnormal one, 1e-312, overflowed a
-    chunk's time to inf)."""
+    RTT and jitter (ms, finite >= 0 and at most :data:`pdd.policy.tcp_model.MAX_LINE_DELAY_MS`).
+    Raises ValueError naming the first bad one (NaN and inf included: a NaN rate made every
+    transfer's time NaN; a subnormal one, 1e-312, overflowed a chunk's time to inf)."""
     for name, v, strict in (("gbps", gbps, True), ("rtt_ms", rtt_ms, False), ("jitter_ms", jitter_ms, False)):
         if not (math.isfinite(v) and (v > 0 if strict else v >= 0)):
             raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} 0, got {v!r}")
+        if not strict and v > tcp_model.MAX_LINE_DELAY_MS:
+            raise ValueError(f"{name} must be <= {tcp_model.MAX_LINE_DELAY_MS:g} ms, got {v!r}")
         slow = strict and tcp_model.slow_line_problem(v, name)
         if slow:
             raise ValueError(slow)
