@@ -482,3 +482,22 @@ def test_only_the_ports_of_the_topologies_run_are_checked():
         check_ports_free(cfg, ["colocated", "vllm_colocated"], reference=False)  # no error
         with pytest.raises(ValueError, match=rf"^port {base + 70} \(d0: base_port \+ 70\) already in use"):
             check_ports_free(cfg, ["colocated"], reference=True)
+
+
+def test_a_fault_that_applies_to_no_mode_is_refused_before_anything_starts(capsys, tmp_path, monkeypatch):
+    """``--fault kill:zzz@prefill`` (a typo of an instance name) ran a whole benchmark with the
+    fault only listed as not applicable in each mode (found by a new user); one that applies to
+    some of the modes still runs (the others record it as not applicable)."""
+    def no_topology(*a, **k):
+        raise AssertionError("a topology was started")
+
+    monkeypatch.setattr(bench_mod, "_default_topology", no_topology)
+    err = _refused(capsys, ["--fault", "kill:zzz@prefill", "--modes", "pdd,cross_dc_pd", "--out", str(tmp_path / "b")],
+                   "--fault kill:zzz@prefill: applies to none of the modes benchmarked (pdd: mode pdd has no "
+                   "instance 'zzz'; cross_dc_pd: mode cross_dc_pd has no instance 'zzz')")
+    assert err.count("\n") == 2 and not (tmp_path / "b").exists()
+    from pdd.bench.faults import parse_bench_fault
+    from pdd.config import ClusterConfig
+
+    # kill:rld0 applies to pdd (which has an RLD) though not to cross_dc_pd: no refusal
+    bench_mod._check_faults_apply([parse_bench_fault("kill:rld0@rld_decode")], ClusterConfig(), ["pdd", "cross_dc_pd"])

@@ -205,6 +205,7 @@ def run_bench(
         for m in modes:
             parse_mode_label(m)  # ValueError naming a bad label before anything starts
             mode_config(config, m)  # ... or a label the config cannot run (+autoscale without autoscale.max)
+        _check_faults_apply(bench_faults, config, modes)
         if topology_factory is None:  # a mode with MD on vLLM and no vLLM venv: ValueError naming `make vllm`
             check_vllm_tiers(config, modes, vllm_python)
             # a port taken (another pdd serve, demo or bench): ValueError naming it, as pdd serve refuses
@@ -560,6 +561,21 @@ def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequ
                       f"{100 * p['ideal_prefix_hit_rate']:.0f}%, prompt mean {p['prompt_tokens_mean']:.0f} tokens"
                       + (" (main run)" if reused else ""))
     return points
+
+
+def _check_faults_apply(bench_faults, config: ClusterConfig, modes: Sequence[str]) -> None:
+    """Raises ValueError naming a ``--fault`` that can happen in none of ``modes`` (each mode's
+    topology, :func:`pdd.bench.faults.applicable`): ``kill:rld1`` on a topology of one RLD ran a
+    whole benchmark with the fault only listed as not applicable. One that applies to some of the
+    modes runs (the others record it as not applicable, as before)."""
+    from pdd.bench.faults import applicable
+    from pdd.topology import layout
+
+    for f in bench_faults:
+        why = {m: applicable(f, layout(mode_config(config, m))) for m in modes}
+        if modes and all(w is not None for w in why.values()):
+            raise ValueError(f"--fault {f.text}: applies to none of the modes benchmarked ("
+                             + "; ".join(f"{m}: {w}" for m, w in why.items()) + ")")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
