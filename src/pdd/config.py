@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from pdd.topology import layout, port_conflicts
-from pdd.policy.tcp_model import MAX_LINE_DELAY_MS
+from pdd.policy.tcp_model import MAX_LINE_DELAY_MS, slow_line_problem
 
 Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
 MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
@@ -176,8 +176,6 @@ class LinkConfig(_Strict):
     def _line_rate(cls, v: float, info: ValidationInfo) -> float:
         """At least ``pdd.policy.tcp_model.MIN_LINK_GBPS`` (1e-6 Gbit/s): a subnormal rate
         (1e-312) passed ``gt=0`` and overflowed the emulated line's chunk times. Raises ValueError."""
-        from pdd.policy.tcp_model import slow_line_problem
-
         slow = slow_line_problem(v, "")  # the location names the field (link.wan_gbps / --wan-gbps)
         if slow:
             raise ValueError(slow)
@@ -280,8 +278,8 @@ class PolicyConfig(_Strict):
         0,
         ge=0,
         description="hand over only once RLD has streamed at least this many tokens (0: as soon as "
-        "MD has its KV and RLD has streamed its first). For tests and experiments that force the handoff point; a request that "
-        "finishes first is never handed over",
+        "MD has its KV and RLD has streamed its first). For tests and experiments that force the "
+        "handoff point; a request that finishes first is never handed over",
     )
 
 

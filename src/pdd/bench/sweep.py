@@ -86,9 +86,9 @@ def parse_sweep(spec: str | None, start_rps: float = 2.0, **kw) -> SweepPlan | N
     bad = [r for r in rates if not 0 < r < math.inf]  # NaN fails too
     if bad:
         raise ValueError(f"--sweep-rate: rates must be finite and > 0 req/s, got {bad[0]} in {spec!r}")
-    slow = [slow_rate_problem(r) for r in rates if slow_rate_problem(r)]
+    slow = next(filter(None, map(slow_rate_problem, rates)), None)
     if slow:  # a point keeps at least --sweep-min-requests: 8 at 1e-9 req/s never ended
-        raise ValueError(f"--sweep-rate: each rate {slow[0]} in {spec!r}")
+        raise ValueError(f"--sweep-rate: each rate {slow} in {spec!r}")
     return SweepPlan(rates=rates, start_rps=start_rps, **kw)
 
 
