@@ -27,33 +27,20 @@ class RLD(FakePeer):
         super().__init__()
         self.decoding = False
         self.outputs: list[int] = []
-        self.asked = asyncio.Event()
 
     async def call(self, h, payload=b"", timeout=None):
-        self.sent.append(dict(h))
+        self._record(h)
         if h.get("t") != "handoff":
             return {"t": "ok"}, b""
-        self.asked.set()
         if not self.decoding:
             return HandoffOk(h["rid"], True, [], None, True).wire(), b""
         return HandoffOk(h["rid"], False, list(self.outputs), "one_shot", True).wire(), b""
 
 
-class MD(FakePeer):
-    def __init__(self):
-        super().__init__()
-        self.got = asyncio.Event()
-
-    async def send(self, h, payload=b""):
-        self.sent.append(dict(h))
-        if h.get("t") in ("extend", "finish"):
-            self.got.set()
-
-
 def test_md_s_kv_before_rld_s_first_token_waits_for_that_token():
     async def run():
         o = fake_orchestrator()
-        rld, md = RLD(), MD()
+        rld, md = RLD(), FakePeer()
         o.peers["rld0"], o.peers["md0"] = rld, md
         st = ReqState("r1", 40, SamplingParams(max_tokens=16), trid="r1", prompt_ids=[5] * 40,
                       pipeline=Pipeline.P_RLD_MD)
@@ -72,15 +59,15 @@ def test_md_s_kv_before_rld_s_first_token_waits_for_that_token():
         await o.on_kv_ready(md, KvReady("r1").wire(), b"")  # MD has the KV; RLD has streamed nothing
         for _ in range(4):  # a handoff task started by it would have asked RLD by now
             await asyncio.sleep(0)
-        assert not rld.asked.is_set(), "RLD was asked for its ids before it streamed a token"
-        assert not [h for h in md.sent if h.get("t") == "finish"]
+        assert not rld.of("handoff"), "RLD was asked for its ids before it streamed a token"
+        assert not md.of("finish")
         # RLD's first token (P's, which RLD streams once its KV is in and it decodes)
         rld.decoding, rld.outputs = True, [7]
         o._tok(Tok("r1", 0, 7, None, "rld"))
-        await asyncio.wait_for(md.got.wait(), BOUND_S)
-        ext = [h for h in md.sent if h.get("t") == "extend"]
+        await asyncio.wait_for(md.seen("extend").wait(), BOUND_S)
+        ext = md.of("extend")
         assert [h["token_ids"] for h in ext] == [[7]] and ext[0]["final"] is True
-        assert not [h for h in md.sent if h.get("t") == "finish"]
+        assert not md.of("finish")
         assert st.handoff.md_start == 1
         o._tok(Tok("r1", 1, 8, "length", "md"))  # MD goes on at position 1 and ends it
         await asyncio.wait_for(task, BOUND_S)

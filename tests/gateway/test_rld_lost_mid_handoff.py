@@ -31,22 +31,6 @@ BOUND_S = 10.0  # how long a step may take before the test calls it a stall (the
 RLD_IDS = [100, 101, 102, 103, 104]  # RLD's outputs at its final round; the client has the first 3
 
 
-class MD(FakePeer):
-    """MD: records what it is sent; ``extended`` is set at the first extend."""
-
-    def __init__(self):
-        super().__init__()
-        self.extended = asyncio.Event()
-
-    async def send(self, h, payload=b""):
-        self.sent.append(dict(h))
-        if h.get("t") == "extend":
-            self.extended.set()
-
-    def extends(self) -> list[dict]:
-        return [h for h in self.sent if h.get("t") == "extend"]
-
-
 class Writer:
     """The gateway's side of RLD's socket: what it writes is readable from ``out``."""
 
@@ -79,7 +63,7 @@ def _frame(header: dict) -> bytes:
 
 def _orch(**config):
     o = fake_orchestrator(**config)
-    o.peers["md0"] = MD()
+    o.peers["md0"] = FakePeer()  # MD: records what it is sent
     return o
 
 
@@ -150,14 +134,14 @@ async def test_final_reply_read_with_rld_s_end_streams_its_dropped_tokens_from_t
     reader.feed_data(_frame({**HandoffOk("r1", False, RLD_IDS, "one_shot", True).wire(),
                              "cid": call["cid"], "reply": True}))
     reader.feed_eof()
-    await asyncio.wait_for(o.peers["md0"].extended.wait(), BOUND_S)
+    await asyncio.wait_for(o.peers["md0"].seen("extend").wait(), BOUND_S)
     await handoff
     assert st.handoff.md_start == 5 and rld.closed
     _md_streams(o, 5, [105, 106, 107])
     await _ends(consumer, st, "MD from 5")
     assert got == [(3, 103, "rld"), (4, 104, "rld"), (5, 105, "md"), (6, 106, "md"), (7, 107, "md")]
     assert st.emitted == RLD_IDS + [105, 106, 107] and st.handoff.switch_pos == 5
-    assert o.peers["md0"].extends() == [{"t": "extend", "rid": "r1", "token_ids": RLD_IDS, "final": True}]
+    assert o.peers["md0"].of("extend") == [{"t": "extend", "rid": "r1", "token_ids": RLD_IDS, "final": True}]
     assert o.totals.get("takeovers", 0) == 0 and o.totals["recovered"] == 0 and o.totals["completed"] == 1
 
 
@@ -169,7 +153,7 @@ async def test_rld_lost_after_its_final_round_fills_only_the_positions_not_queue
     st = _relaying(o)
     o.peers["rld0"] = _final_rld()
     await o._handoff(st)
-    assert st.handoff.md_start == 5 and len(o.peers["md0"].extends()) == 1
+    assert st.handoff.md_start == 5 and len(o.peers["md0"].of("extend")) == 1
     o._tok(Tok("r1", 3, 103, None, "rld", lp={"lp": -0.5, "top": []}))
     o.peers["rld0"].closed = True
     o._peer_closed("rld0")
@@ -204,9 +188,9 @@ async def test_takeover_does_not_stream_rld_s_tokens_queued_past_where_md_starts
     o._tok(Tok("r1", 3, 103, None, "rld"))
     o._tok(Tok("r1", 4, 104, None, "rld"))
     o._peer_closed("rld0")
-    await asyncio.wait_for(o.peers["md0"].extended.wait(), BOUND_S)
+    await asyncio.wait_for(o.peers["md0"].seen("extend").wait(), BOUND_S)
     assert st.handoff.takeover and st.handoff.md_start == 3
-    assert o.peers["md0"].extends() == [{"t": "extend", "rid": "r1", "token_ids": RLD_IDS[:3], "final": True}]
+    assert o.peers["md0"].of("extend") == [{"t": "extend", "rid": "r1", "token_ids": RLD_IDS[:3], "final": True}]
     consumer, got = _consume(o, st)
     _md_streams(o, 3, [203, 204, 205])
     await _ends(consumer, st, "MD from 3")
