@@ -89,3 +89,18 @@ async def test_rld_lost_while_md_s_reply_is_out_still_recovers():
     assert st.recovery.lost  # the plan may still relay through that RLD
     o.peers["md0"].release.set()
     await launch
+
+
+async def test_a_p_md_plan_leaves_the_unused_rld_s_load_at_once():
+    # the RLD routed beside P counted the request in its inflight (routing's least-loaded
+    # choice, /pdd/stats, the autoscaler) until the request ended though the plan never used it
+    o = _orch()
+    st = _request(o, "r1")
+    o.peers["md0"].release.set()
+    await o._launch(st, st.prompt_ids)
+    assert st.pipeline == Pipeline.P_MD and not st.finished
+    assert o.inflight == {"p0": 1, "rld0": 0, "md0": 1}
+    assert o.routed.get("rld0") == 1  # it was routed there
+    assert "rld0" not in st.assigned and "rld0" not in st.holds
+    o._unassign(st)  # the request ends: nothing counted twice
+    assert o.inflight == {"p0": 0, "rld0": 0, "md0": 0}

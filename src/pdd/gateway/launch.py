@@ -341,8 +341,9 @@ class Launchers:
         if relay_possible and st.pipeline not in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
             # the plan does not use the RLD routed beside P (its slot is cancelled and its
             # reservation freed below): it is no longer this attempt's, so its loss is not either
-            # (it re-prefilled a request that never needed it: Recovery._instance_lost)
-            st.names.pop(ROLE_RELAY, None)
+            # (it re-prefilled a request that never needed it: Recovery._instance_lost), nor
+            # its load (it counted in that RLD's inflight until the request ended)
+            self._unassign_one(st, st.names.pop(ROLE_RELAY, None))
         md_target = Target(st.trid, "md", md_name, first_page=md_first, relay=relay).wire()
         rld_target = Target(st.trid, "rld", rld_name, first_page=0, relay=False).wire()
         try:

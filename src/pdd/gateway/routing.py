@@ -217,6 +217,16 @@ class Routing:
                 self.routed[name] = self.routed.get(name, 0) + 1
                 self._hold(st, name)
 
+    def _unassign_one(self, st: ReqState, name: str | None) -> None:
+        """``st``'s attempt no longer uses ``name`` (the RLD routed beside P when the plan is
+        P->MD or P->D): it leaves that instance's ``inflight`` and queue place now, not when the
+        request ends. ``routed`` keeps it (it was routed there). No-op when not assigned."""
+        if name is None or name not in st.assigned:
+            return
+        st.assigned.discard(name)
+        self.inflight[name] = max(0, self.inflight.get(name, 0) - 1)
+        self._unhold(st, name)
+
     def _unassign(self, st: ReqState) -> None:
         lc = getattr(self, "live_counters", None)
         if lc is not None and st.assigned:  # the attempt ends (once: later calls find nothing assigned)
