@@ -26,6 +26,28 @@ per connection beyond the transport's high-water mark. When the connection close
 reset, protocol error or ``close()``), pending calls fail at once with ``ConnectionError``
 and later ``call``/``send`` raise ``ConnectionError``.
 
+Close: :attr:`Peer.closed` turns true as soon as the connection ends (and ``call``/``send``
+raise ``ConnectionError`` from then on); the close is *reported* (``on_close`` callbacks
+called, :meth:`Peer.wait_closed` / :meth:`Peer.wait_close_reported` return) once the one-way
+messages already read are dealt with:
+
+- The connection ended **from the remote side** (EOF between or in the middle of a frame, a
+  reset or other socket error while reading, a write that failed, or the heartbeat finding the
+  peer dead): the one-way messages read before the end (queued, and the one being handled) are
+  still handed to their handlers, in order, for at most ``drain_timeout_s`` seconds in all (a
+  handler still running then is cancelled and the rest dropped, counted in
+  ``Peer.oneway_dropped``), and only then is the close reported. E.g. an instance's last tokens,
+  sent just before it died, reach the gateway before it declares the instance lost. A handler
+  running during this drain sees ``peer.closed`` true; its ``send``/``call`` on this connection
+  fail at once with ``ConnectionError``.
+- **Protocol or MAC error** (the stream can no longer be trusted) and **local** ``close()`` /
+  ``abort()``: the queued one-way messages are dropped (the running handler is cancelled) and
+  the close is reported at once. A ``close()``/``abort()`` during a drain ends it the same way.
+
+A reply is still delivered as soon as it is read, even when one-way messages read before it
+wait in the queue (a reply held behind them would deadlock a one-way handler awaiting a call on
+the same connection).
+
 Heartbeats (liveness): a side created with ``heartbeat_s`` says so in its hello (``"hb"``);
 when both sides do, each sends a ``_hb`` frame every ``heartbeat_s`` seconds (consumed by the
 reader, never dispatched) and closes the connection once it has received **no byte at all** for
@@ -48,17 +70,20 @@ import collections
 import inspect
 import itertools
 import logging
+import math
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from . import messages, wire
 from .wire import CrcError, FrameMac, MacError, WireError
 
-__all__ = ["RemoteError", "CallFailed", "Handler", "Peer", "STREAM_LIMIT_BYTES", "DEFAULT_CALL_TIMEOUT_S"]
+__all__ = ["RemoteError", "CallFailed", "Handler", "Peer", "STREAM_LIMIT_BYTES", "DEFAULT_CALL_TIMEOUT_S",
+           "DEFAULT_DRAIN_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 STREAM_LIMIT_BYTES = 1 << 20  # unread bytes buffered per connection before reading pauses
 DEFAULT_CALL_TIMEOUT_S = 60.0
+DEFAULT_DRAIN_TIMEOUT_S = 2.0  # remote close: seconds to handle the one-way messages already read
 
 Reply = Union[None, dict, tuple]
 Handler = Callable[["Peer", dict, bytes], Union[Reply, Awaitable[Reply]]]
@@ -113,6 +138,9 @@ class Peer:
     ``max_payload_bytes``: largest payload accepted from the other side.
     ``dispatch_queue`` / ``dispatch_queue_bytes``: one-way frames / payload bytes buffered for the
     dispatcher before the reader stops reading (backpressure; one frame is always admitted).
+    ``drain_timeout_s``: when the remote side ends the connection, the most seconds spent handing
+    the one-way messages already read to their handlers before the close is reported (module
+    doc, "Close"); 0 drops them at once. Raises ValueError unless finite and >= 0.
     """
 
     def __init__(
@@ -128,8 +156,13 @@ class Peer:
         dispatch_queue_bytes: int = 16 << 20,
         heartbeat_s: Optional[float] = None,
         dead_after_s: Optional[float] = None,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ):
+        if not (isinstance(drain_timeout_s, (int, float)) and math.isfinite(drain_timeout_s)
+                and drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number of seconds >= 0, got {drain_timeout_s!r}")
         self.reader = reader
+        self.drain_timeout_s = float(drain_timeout_s)
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s if dead_after_s is not None else (
             5 * heartbeat_s if heartbeat_s else None)
@@ -155,7 +188,11 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._reader_task: Optional[asyncio.Task] = None
         self._dispatch_task: Optional[asyncio.Task] = None
-        self._closed = False
+        self._drain_task: Optional[asyncio.Task] = None
+        self._handling = False  # the dispatcher is inside a one-way handler
+        self._closed = False  # the connection ended: nothing more is sent or read
+        self._draining = False  # ended by the remote side; the one-way messages read are being handled
+        self._reported = False  # the close was reported (on_close callbacks called)
         self._close_reason: Optional[BaseException] = None
         self._closed_event = asyncio.Event()
         self._on_close: list[Callable[["Peer"], Any]] = []
@@ -166,6 +203,7 @@ class Peer:
         self.frames_received = 0
         self.frames_dropped = 0
         self.mac_failures = 0
+        self.oneway_dropped = 0  # one-way messages read but never handled: dropped at the close
         # authentication of this connection, set by the handshake: "tls", "mac" or None (plain)
         self.auth: Optional[str] = None
         self.mac_tx: Optional[FrameMac] = None  # set together when auth == "mac"
@@ -200,15 +238,25 @@ class Peer:
         self._own_handlers[t] = handler
 
     def on_close(self, cb: Callable[["Peer"], Any]) -> None:
-        """Call ``cb(peer)`` (sync, or async -> scheduled) once when the connection closes."""
-        if self._closed:
+        """Call ``cb(peer)`` (sync, or async -> scheduled) once when the connection's close is
+        reported: after the one-way messages read before a remote close were handled (module
+        doc, "Close"); at once if it already was."""
+        if self._reported:
             self._spawn_cb(cb)
         else:
             self._on_close.append(cb)
 
     @property
     def closed(self) -> bool:
+        """Whether the connection ended (``call``/``send`` raise ConnectionError). It turns true
+        at once; the close may be reported (``on_close``) up to ``drain_timeout_s`` later."""
         return self._closed
+
+    @property
+    def draining(self) -> bool:
+        """Whether the connection ended from the remote side and the one-way messages read
+        before the end are still being handled (``closed`` is true, the close not reported yet)."""
+        return self._draining
 
     def start(self) -> None:
         """Start the reader and dispatcher tasks (done by ``connect``/``Server`` after the handshake)."""
@@ -236,8 +284,10 @@ class Peer:
             elif now - seen > self.dead_after_s:
                 self.dead_peer = True
                 log.warning("%r: nothing received for %.1f s: peer declared dead", self, now - seen)
+                # the peer is gone as on a reset: the one-way messages read before are handled
                 self._shutdown(ConnectionError(
-                    f"no sign of life from {self._label()} for {now - seen:.1f} s (heartbeat)"), abort=True)
+                    f"no sign of life from {self._label()} for {now - seen:.1f} s (heartbeat)"),
+                    abort=True, drain=True)
                 return
             if not self._hb_sending:  # one heartbeat in flight at most (a blocked write holds it)
                 self._hb_sending = True
@@ -258,24 +308,38 @@ class Peer:
         (a peer that stopped reading cannot make ``close`` hang).
         """
         self._shutdown(ConnectionError("connection closed locally"))
+        self._report_close()  # a drain under way ends: what is still queued is dropped
         try:
             await asyncio.wait_for(self.wait_closed(), timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             self.writer.transport.abort()
 
     async def wait_closed(self) -> None:
-        """Wait until the connection is closed (by either side) and the socket is released."""
+        """Wait until the connection is closed (by either side), its close reported (``on_close``
+        callbacks called) and the socket released."""
         await self._closed_event.wait()
         try:
             await self.writer.wait_closed()
         except Exception:
             pass
 
-    def abort(self) -> None:
-        """Drop the connection at once (RST where possible), failing pending calls."""
-        self._shutdown(ConnectionError("connection aborted locally"), abort=True)
+    async def wait_close_reported(self) -> None:
+        """Wait until the connection is closed and its close reported (``on_close`` callbacks
+        called: at most about ``drain_timeout_s`` after ``closed`` turned true); unlike
+        :meth:`wait_closed` it does not wait for the socket to be released."""
+        await self._closed_event.wait()
 
-    def _shutdown(self, reason: BaseException, abort: bool = False) -> None:
+    def abort(self) -> None:
+        """Drop the connection at once (RST where possible), failing pending calls; the one-way
+        messages queued (or still being drained after a remote close) are dropped."""
+        self._shutdown(ConnectionError("connection aborted locally"), abort=True)
+        self._report_close()
+
+    def _shutdown(self, reason: BaseException, abort: bool = False, drain: bool = False) -> None:
+        """End the connection: pending calls fail, the socket is closed (``abort``: reset), the
+        reader, heartbeat and call handlers are cancelled. ``drain`` (the remote side ended it):
+        the one-way messages already read are handled first, for at most ``drain_timeout_s``,
+        then the close is reported (:meth:`_report_close`); otherwise it is reported at once."""
         if self._closed:
             return
         self._closed = True
@@ -292,12 +356,51 @@ class Peer:
         except Exception:
             pass
         cur = asyncio.current_task()
-        for t in (self._reader_task, self._dispatch_task, self._hb_task):
+        for t in (self._reader_task, self._hb_task):
             if t is not None and t is not cur and not t.done():
                 t.cancel()
         for t in list(self._tasks):
             if t is not cur:
                 t.cancel()
+        d = self._dispatch_task
+        if (drain and self.drain_timeout_s > 0 and d is not None and not d.done()
+                and (self._q or self._handling)):
+            self._draining = True
+            self._q_items.set()  # the dispatcher ends once the queue is empty
+            self._drain_task = asyncio.get_running_loop().create_task(
+                self._drain(d), name=f"peer-drain-{self.name}")
+            return
+        self._report_close()
+
+    async def _drain(self, dispatch: asyncio.Task) -> None:
+        """Let the dispatcher hand the queued one-way messages to their handlers (it ends when
+        the queue is empty) for at most ``drain_timeout_s``, then report the close."""
+        try:
+            await asyncio.wait({dispatch}, timeout=self.drain_timeout_s)
+            if not dispatch.done():
+                log.warning("%r: one-way handlers still busy %.1f s after the connection ended; "
+                            "%d queued message(s) dropped", self, self.drain_timeout_s, len(self._q))
+        finally:
+            self._report_close()
+
+    def _report_close(self) -> None:
+        """Report the close (idempotent; only once the connection is closed): the dispatcher
+        (a handler still running) is cancelled, the one-way messages still queued are dropped
+        (``oneway_dropped``), :meth:`wait_closed` returns and the ``on_close`` callbacks run."""
+        if self._reported or not self._closed:
+            return
+        self._reported = True
+        self._draining = False
+        cur = asyncio.current_task()
+        for t in (self._dispatch_task, self._drain_task):
+            if t is not None and t is not cur and not t.done():
+                t.cancel()
+        if self._q:
+            self.oneway_dropped += len(self._q)
+            log.debug("%r: %d one-way message(s) dropped at the close", self, len(self._q))
+            self._q.clear()
+            self._q_bytes = 0
+        self._q_space.set()
         self._closed_event.set()
         for cb in self._on_close:
             self._spawn_cb(cb)
@@ -337,7 +440,7 @@ class Peer:
                 await self.writer.drain()
             except (ConnectionError, OSError, RuntimeError) as e:
                 err = ConnectionError(f"send to {self._label()} failed: {e!r}")
-                self._shutdown(err)
+                self._shutdown(err, drain=True)  # the socket failed: what was read is handled
                 raise err from e
 
     async def send(self, header: dict, payload: Any = b"", *, crc: Optional[bool] = None) -> None:
@@ -387,6 +490,7 @@ class Peer:
     # ---------------------------------------------------------------- receiving
     async def _read_loop(self) -> None:
         reason: BaseException = ConnectionError("connection closed by peer")
+        drain = False  # ended by the remote side (EOF, reset): the one-way messages read are handled
         try:
             while True:
                 try:
@@ -418,6 +522,7 @@ class Peer:
                     self._q_bytes += len(payload)
                     self._q_items.set()
         except asyncio.IncompleteReadError as e:
+            drain = True  # the frames before the cut were read whole (and checked)
             if e.partial:
                 reason = ConnectionError(f"connection closed mid-frame ({len(e.partial)} of {e.expected} bytes)")
         except MacError as e:
@@ -431,12 +536,13 @@ class Peer:
         except asyncio.CancelledError:
             reason = self._close_reason or ConnectionError("reader cancelled")
         except (ConnectionError, OSError) as e:
+            drain = True
             reason = ConnectionError(f"connection lost: {e!r}")
         except Exception as e:  # pragma: no cover - defensive
             log.exception("%r: reader failed", self)
             reason = ConnectionError(f"reader failed: {e!r}")
         finally:
-            self._shutdown(reason)
+            self._shutdown(reason, drain=drain)
 
     def _on_bad_crc(self, e: CrcError) -> None:
         h = e.header or {}
@@ -464,8 +570,12 @@ class Peer:
         return h
 
     async def _dispatch_loop(self) -> None:
-        while True:
+        """Hand the queued one-way messages to their handlers, one at a time, in order; after a
+        remote close (draining) it ends once the queue is empty."""
+        while not self._reported:
             while not self._q:
+                if self._closed:  # draining, and nothing left (nothing more is read)
+                    return
                 self._q_items.clear()
                 await self._q_items.wait()
             header, payload = self._q.popleft()
@@ -475,12 +585,15 @@ class Peer:
             if h is None:
                 log.warning("%r: no handler for one-way message %r, dropped", self, header["t"])
                 continue
+            self._handling = True
             try:
                 await maybe_await(h(self, header, payload))
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("%r: handler for one-way %r failed", self, header["t"])
+            finally:
+                self._handling = False
 
     async def _handle_call(self, header: dict, payload) -> None:
         h = self._handler(header["t"])
