@@ -47,6 +47,10 @@ def _after_last_run(log_path: Path) -> str:
     return "\n" if Path(log_path).exists() and _ends_mid_line(Path(log_path)) else ""
 
 
+_BIND_FAILED = "error while attempting to bind on address"  # asyncio's words, uvicorn's too
+# where the ports an instance binds come from, named before its bind error
+BIND_FIELDS = "cannot listen on its port (gateway_port / base_port; pdd serve --port / --base-port)"
+
 # exceptions an instance dies of at start whose cause is a config field (the field named first)
 _KNOWN_START_ERRORS = (
     ("Torch not compiled with CUDA enabled",
@@ -139,6 +143,10 @@ def start_failure_cause(log_path: Path) -> str:
         lines = []
     starts = [i for i, ln in enumerate(lines) if ln.startswith(RESTART_MARK)]
     tail = "".join((lines[starts[-1] + 1:] if starts else lines)[-400:])
+    bind = [ln for ln in tail.splitlines() if _BIND_FAILED in ln]
+    if bind:  # uvicorn logs it (no traceback), asyncio raises it: taken meanwhile, or below 1024 as a user
+        said = bind[-1].split(":", 1)[1].strip() if bind[-1].startswith(("ERROR:", "OSError:")) else bind[-1].strip()
+        return f"{BIND_FIELDS}: {said} (whole log: {log_path})"
     if "Traceback (most recent call last):" in tail:
         last = [ln for ln in tail.splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
         exc = last[-1].strip() if last else ""

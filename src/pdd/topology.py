@@ -9,6 +9,7 @@ for it, never directly.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -147,7 +148,8 @@ def ports_taken_refusal(cfgs: list[TopologyFields], prog: str, port_flag: str = 
     from :func:`port_users`), the ports the topologies use, and the flags that move them
     (``port_flag``: ``prog``'s flag for the gateway port, then ``--base-port``). ``cfgs``: one
     config in one or more modes (``pdd bench``'s), so they share its gateway port and base port
-    (the first's are named)."""
+    (the first's are named). A port the bind refuses for want of permission (``pdd serve --port
+    80`` as a user) is named as such, not as in use."""
     busy: dict[int, list[str]] = {}
     for cfg in cfgs:
         lay = layout(cfg)
@@ -162,14 +164,29 @@ def ports_taken_refusal(cfgs: list[TopologyFields], prog: str, port_flag: str = 
     def where(port: int) -> str:
         return "gateway_port" if port == gateway else f"base_port + {port - base}"
 
-    named = ports_taken_message(sorted(busy), {p: f"{', '.join(sorted(who))}: {where(p)}" for p, who in busy.items()})
-    return (f"{named} already in use (another pdd serve, make demo or pdd bench?): {prog} needs the gateway port "
-            f"{gateway} and base_port {base}..{base + 99}; choose others with {port_flag} and --base-port (or "
-            f"gateway_port / base_port in the config)")
+    who = {p: f"{', '.join(sorted(u))}: {where(p)}" for p, u in busy.items()}
+    host = layout(cfgs[0]).host
+    denied = sorted(p for p in busy if _bind_errno(host, p, reuse_addr=True) in (errno.EACCES, errno.EPERM))
+    taken = sorted(p for p in busy if p not in denied)
+    why = []
+    if taken:
+        why.append(f"{ports_taken_message(taken, who)} already in use (another pdd serve, make demo or pdd bench?)")
+    if denied:  # a port below 1024 (pdd serve --port 80) as a user that may not bind it
+        why.append(f"{ports_taken_message(denied, who)}: permission denied (a port below 1024 needs root or "
+                   "CAP_NET_BIND_SERVICE)")
+    return (f"{'; '.join(why)}: {prog} needs the gateway port {gateway} and base_port {base}..{base + 99}; choose "
+            f"others with {port_flag} and --base-port (or gateway_port / base_port in the config)")
 
 
 def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
     """Whether a TCP socket can bind ``host:port`` now (it is closed again at once)."""
+    return _bind_errno(host, port, reuse_addr) is None
+
+
+def _bind_errno(host: str, port: int, reuse_addr: bool = False) -> int | None:
+    """None when a TCP socket can bind ``host:port`` now (it is closed again at once); else the
+    errno the bind failed with (``errno.EADDRINUSE``, ``errno.EACCES`` for a port below 1024 as
+    a user that may not bind it; -1 when the error carries none)."""
     import socket
 
     with socket.socket() as s:
@@ -177,9 +194,9 @@ def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as e:
+            return e.errno if e.errno is not None else -1
+    return None
 
 
 def ephemeral_port_range() -> tuple[int, int]:

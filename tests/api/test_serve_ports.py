@@ -109,3 +109,72 @@ def test_serve_refuses_flags_whose_ports_collide_as_demo_and_bench_do(capsys, ar
     err = usage_error(capsys, main, ["serve", *argv])
     assert err == (f"pdd serve: error: {flags}: invalid config: ports collide: {clash} (move gateway_port or "
                    "base_port, or use fewer instances)\n")
+
+
+@pytest.mark.parametrize("cmd,flag,value,message", [
+    ("serve", "--port", "70000", "invalid config: gateway_port (--port): Input should be less than or equal to 65535"),
+    ("serve", "--port", "0", "invalid config: gateway_port (--port): Input should be greater than or equal to 1"),
+    ("serve", "--port", "-1", "invalid config: gateway_port (--port): Input should be greater than or equal to 1"),
+    ("serve", "--base-port", "70000",
+     "invalid config: base_port (--base-port): Input should be less than or equal to 65400"),
+    ("demo", "--port", "70000", "--port: invalid config: gateway_port: Input should be less than or equal to 65535"),
+    ("demo", "--port", "-1", "--port: invalid config: gateway_port: Input should be greater than or equal to 1"),
+    ("demo", "--base-port", "70000", "--base-port: invalid config: base_port: Input should be less than or equal to "
+                                     "65400"),
+    ("bench", "--gateway-port", "70000", "--gateway-port: Input should be less than or equal to 65535, got 70000"),
+    ("bench", "--gateway-port", "0", "--gateway-port: Input should be greater than or equal to 1, got 0"),
+])
+def test_a_port_out_of_range_is_refused_naming_its_flag(capsys, monkeypatch, tmp_path, cmd, flag, value, message):
+    """Every command with a port flag refuses a port outside 1..65535 before anything starts, one
+    line naming the flag (pdd demo named "--config / --port / --base-port / --nice")."""
+    from pdd.bench import bench as bench_mod, demo as demo_mod
+
+    def started(*a, **k):
+        raise AssertionError("a model, run or topology was started")
+
+    monkeypatch.setattr(demo_mod, "run_demo", started)
+    monkeypatch.setattr(bench_mod, "ensure_model", started)
+    monkeypatch.setattr(bench_mod, "_default_topology", started)
+    err = usage_error(capsys, main, [cmd, f"{flag}={value}"])
+    assert err.splitlines()[-1] == f"pdd {cmd}: error: {message}"
+
+
+def test_a_port_the_user_may_not_bind_is_named_as_such_not_as_in_use(capsys, monkeypatch):
+    """``pdd serve --port 80`` as a user: the bind is refused with EACCES, which the check called
+    "already in use"."""
+    import errno
+
+    base = free_port_block()
+    real = socket.socket
+
+    class NoLowPorts(real):
+        def bind(self, addr):
+            if addr[1] < 1024:
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return super().bind(addr)
+
+    monkeypatch.setattr(socket, "socket", NoLowPorts)
+    err = usage_error(capsys, main, ["serve", "--port", "80", "--base-port", str(base)])
+    assert err == (f"pdd serve: error: port 80 (gateway: gateway_port): permission denied (a port below 1024 needs "
+                   f"root or CAP_NET_BIND_SERVICE): pdd serve needs the gateway port 80 and base_port "
+                   f"{base}..{base + 99}; choose others with --port and --base-port (or gateway_port / base_port in "
+                   f"the config)\n")
+
+
+@pytest.mark.parametrize("log,said", [
+    ("INFO: loading\nERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): address "
+     "already in use\nTraceback (most recent call last):\n  File \"x\"\nSystemExit: 3\n",
+     "[Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): address already in use"),
+    ("Traceback (most recent call last):\n  File \"x\"\nOSError: [Errno 13] error while attempting to bind "
+     "on address ('127.0.0.1', 80): permission denied\n",
+     "[Errno 13] error while attempting to bind on address ('127.0.0.1', 80): permission denied"),
+])
+def test_a_bind_failure_at_start_is_one_line_naming_the_port_settings(tmp_path, log, said):
+    """A port taken between the check and the bind: the gateway's log (uvicorn) ends with
+    ``SystemExit: 3``, which was all ``pdd serve`` said of it."""
+    from pdd.spawn import BIND_FIELDS, start_failure_cause
+
+    path = tmp_path / "gateway.log"
+    path.write_text(log)
+    assert start_failure_cause(path) == f"{BIND_FIELDS}: {said} (whole log: {path})"
+    assert BIND_FIELDS == "cannot listen on its port (gateway_port / base_port; pdd serve --port / --base-port)"

@@ -211,15 +211,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = ClusterConfig.load(args.config)
-        upd = {k: v for k, v in (("gateway_port", args.port), ("base_port", args.base_port),
-                                 ("process_nice", args.nice)) if v is not None}
-        if cfg.process_nice is None and args.nice is None:
-            upd["process_nice"] = DEMO_NICE
-        cfg = ClusterConfig.model_validate({**cfg.model_dump(), **upd}) if upd else cfg
     except pydantic.ValidationError as ex:  # one line per field, not pydantic's text
-        ap.error(f"--config / --port / --base-port / --nice: invalid config: {validation_summary(ex)}")
+        ap.error(f"--config: invalid config: {validation_summary(ex)}")
     except (OSError, ValueError) as ex:
-        ap.error(f"--config / --port / --base-port / --nice: {ex}")
+        ap.error(f"--config: {ex}")
+    flags = {"gateway_port": "--port", "base_port": "--base-port", "process_nice": "--nice"}
+    given = {k: v for k, v in (("gateway_port", args.port), ("base_port", args.base_port),
+                               ("process_nice", args.nice)) if v is not None}
+    upd = dict(given)
+    if cfg.process_nice is None and args.nice is None:
+        upd["process_nice"] = DEMO_NICE
+    try:
+        cfg = ClusterConfig.model_validate({**cfg.model_dump(), **upd}) if upd else cfg
+    except pydantic.ValidationError as ex:  # the flag whose value is out of range (--port 70000) named
+        bad = [flags[k] for k in flags if k in given and any(e.get("loc") and e["loc"][0] == k for e in ex.errors())]
+        named = bad or [flags[k] for k in given] or ["--config"]
+        ap.error(f"{' / '.join(named)}: invalid config: {validation_summary(ex)}")
     taken = ports_taken_refusal([cfg], ap.prog)
     if taken:  # one line naming the ports and their users, exit 2, as pdd serve and pdd bench refuse
         refuse(ap.prog, taken)
