@@ -786,3 +786,31 @@ def test_chat_messages_of_each_role_are_served(api, message):
     assert r.json()["usage"]["completion_tokens"] == 2 and len(orch.started) == 1
     r = client.post("/tokenize", json={"messages": msgs})
     assert r.status_code == 200 and r.json()["count"] == len(orch.started[0][0])
+
+
+DEEP = ("request body is nested too deeply: JSON arrays and objects may nest at most 512 levels deep")
+
+
+@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")])
+@pytest.mark.parametrize("depth", [513, 1000, 100_000])
+@pytest.mark.parametrize("kind", ["arrays", "objects"])
+def test_a_body_nested_too_deeply_is_400_naming_the_limit(api, path, field, depth, kind):
+    """Found by a new user: ``{"messages": [[[[...]]]]}`` 100,000 deep got "There was an error
+    parsing the body" (Python's parser hit its recursion limit)."""
+    client, orch = api
+    inner = "[" * depth + "]" * depth if kind == "arrays" else '{"a":' * depth + "1" + "}" * depth
+    r = client.post(path, content=f'{{"{field}": {inner}}}', headers={"content-type": "application/json"})
+    assert _err(r, 400, None, None)["message"] == DEEP
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_nesting_up_to_the_limit_and_brackets_in_strings_are_not_refused_for_depth(api):
+    """511 levels inside the body object (512 in all) reach the parameter checks; brackets inside
+    strings are text, not nesting."""
+    client, orch = api
+    r = client.post("/v1/chat/completions", content='{"messages": ' + "[" * 511 + "]" * 511 + "}",
+                    headers={"content-type": "application/json"})
+    assert _err(r, 400, "messages[0]")["message"] == "messages[0]: must be an object with a role and content, got list"
+    r = client.post("/v1/completions", json={**OK, "stop": ["[{" * 500, '\\"[' * 300]})  # 1600 brackets, as text
+    assert r.status_code == 200, r.text

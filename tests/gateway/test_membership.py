@@ -602,3 +602,14 @@ def test_a_drain_that_removes_when_idle_says_the_gateway_removes_it():
         ms._watchers.pop("md0").cancel()
 
     asyncio.run(run())
+
+
+def test_an_operator_body_nested_too_deeply_says_so():
+    """As on /v1 (pdd.gateway.openai_schemas.too_deep)."""
+    c, o, ms = _client()
+    r = c.post("/pdd/instances/md0/drain", content='{"force": ' + "[" * 100_000 + "]" * 100_000 + "}",
+               headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "request body is nested too deeply: JSON arrays and objects may nest at "
+                                            "most 512 levels deep", "type": "invalid_request_error", "param": None,
+                                 "code": "invalid_body"}

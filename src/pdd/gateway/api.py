@@ -46,7 +46,7 @@ from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages, error_body,
-                                        lone_surrogate, media_type, not_utf8, prompt_batch, sampling_for,
+                                        lone_surrogate, media_type, not_utf8, too_deep, prompt_batch, sampling_for,
                                         truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
@@ -117,7 +117,7 @@ class Utf8JsonRoute(APIRoute):
                 except ClientDisconnect:  # gone before its body arrived: nothing started, nobody reads this
                     gone = ClientGone()
                     return JSONResponse(gone.body(), status_code=gone.status)
-                why = not_utf8(body)
+                why = not_utf8(body) or too_deep(body)
                 if why is not None:
                     return bad_request(why)
             return await handler(request)
@@ -769,7 +769,8 @@ async def _body_error(request: Request) -> str | None:
     error parsing the body"): :func:`not_utf8`. None when that is not the cause. (A route of
     :class:`Utf8JsonRoute` refuses such a body before FastAPI parses it; this covers any other.)"""
     try:
-        return not_utf8(await request.body())
+        body = await request.body()
+        return not_utf8(body) or too_deep(body)
     except Exception:
         return None
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from pdd.gateway.membership import Membership, MembershipError
-from pdd.gateway.openai_schemas import error_body, media_type, not_utf8
+from pdd.gateway.openai_schemas import error_body, media_type, not_utf8, too_deep
 
 
 class AddInstance(BaseModel):
@@ -61,7 +61,7 @@ async def _body(request: Request, model):
     if raw.strip() and ctype and "json" not in ctype:
         raise MembershipError(415, f"Unsupported Media Type: the request body must be JSON sent with "
                                    f"Content-Type: application/json (got {ctype!r})", None, "unsupported_media_type")
-    why = not_utf8(raw)  # as the /v1 endpoints say it (pydantic's parser: "expected value at line 1 column 1")
+    why = not_utf8(raw) or too_deep(raw)  # as the /v1 endpoints say it (pydantic's parser: "expected value at line 1 column 1")
     if why is not None:
         raise MembershipError(400, why, None, "invalid_body")
     try:  # a UTF-8 byte-order mark is ignored, as on /v1 (pydantic's parser refuses one)
