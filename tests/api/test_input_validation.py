@@ -814,3 +814,35 @@ def test_nesting_up_to_the_limit_and_brackets_in_strings_are_not_refused_for_dep
     assert _err(r, 400, "messages[0]")["message"] == "messages[0]: must be an object with a role and content, got list"
     r = client.post("/v1/completions", json={**OK, "stop": ["[{" * 500, '\\"[' * 300]})  # 1600 brackets, as text
     assert r.status_code == 200, r.text
+
+
+I64 = "[-9223372036854775808, 9223372036854775807]"
+
+
+@pytest.mark.parametrize("path,field,value,message", [
+    ("/v1/completions", "seed", "1e30", f"seed: must be an integer in {I64}, got 1e+30"),
+    ("/v1/completions", "seed", "-1e30", f"seed: must be an integer in {I64}, got -1e+30"),
+    ("/v1/completions", "seed", "9.3e18", f"seed: must be an integer in {I64}, got 9.3e+18"),
+    ("/v1/completions", "max_tokens", "1e30", "max_tokens: must be an integer in [1, 9223372036854775807], got 1e+30"),
+    ("/v1/completions", "n", "1e30", "n: must be an integer in [1, 16], got 1e+30"),
+    ("/v1/completions", "top_k", "-1e30", "top_k: must be an integer in [-1, 9223372036854775807], got -1e+30"),
+    ("/v1/completions", "min_tokens", "1e30", "min_tokens: must be an integer in [0, 9223372036854775807], got 1e+30"),
+    ("/v1/completions", "logprobs", "1e30", "logprobs: must be an integer in [0, 20], got 1e+30"),
+    ("/v1/completions", "best_of", "1e30", "best_of: must be an integer in [1, 9223372036854775807], got 1e+30"),
+    ("/v1/completions", "truncate_prompt_tokens", "1e30",
+     "truncate_prompt_tokens: must be an integer in [-1, 9223372036854775807], got 1e+30"),
+    ("/v1/chat/completions", "max_completion_tokens", "1e30",
+     "max_completion_tokens: must be an integer in [1, 9223372036854775807], got 1e+30"),
+    ("/v1/chat/completions", "top_logprobs", "1e30", "top_logprobs: must be an integer in [0, 20], got 1e+30"),
+    ("/v1/chat/completions", "seed", "1e30", f"seed: must be an integer in {I64}, got 1e+30"),
+])
+def test_an_integer_parameter_too_large_as_a_float_names_its_range(api, path, field, value, message):
+    """Found by a new user: ``"seed": 1e30`` said "Unable to parse input string as an integer,
+    exceeded maximum size" (the number is no string); every integer parameter said the same."""
+    client, orch = api
+    head = '"prompt": "x"' if path == "/v1/completions" else '"messages": [{"role": "user", "content": "x"}]'
+    r = client.post(path, content=f'{{{head}, "{field}": {value}}}', headers={"content-type": "application/json"})
+    assert _err(r, 400, field)["message"] == message
+    assert not orch.started
+    r = client.post("/v1/completions", json={**OK, "seed": 1e3})  # a float that is an integer: still served
+    assert r.status_code == 200, r.text

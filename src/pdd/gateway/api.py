@@ -46,8 +46,8 @@ from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages, error_body,
-                                        lone_surrogate, media_type, not_utf8, too_deep, prompt_batch, sampling_for,
-                                        truncated_prompt)
+                                        int_range, lone_surrogate, media_type, not_utf8, too_deep, prompt_batch,
+                                        sampling_for, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
@@ -124,6 +124,10 @@ class Utf8JsonRoute(APIRoute):
 
         return checked
 
+
+# the body model of each route that takes one (for the bounds a 400 names: openai_schemas.int_range)
+_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 ARRIVAL = "pdd_arrival"  # scope["state"] key: time.monotonic() when the request reached the app
 
@@ -250,6 +254,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         # body does (``invalid_body``); a bad /v1 body keeps OpenAI's null code
         code = {"query": "invalid_query", "path": "invalid_path", "header": "invalid_header"}.get(
             str((first.get("loc") or ("body",))[0]))
+        model = _BODY_MODELS.get(request.url.path)
+        if first.get("type") == "int_parsing_size" and len(raw_loc) == 1 and model and param in model.model_fields:
+            # "seed": 1e30 (a number with an exponent past int64) was "Unable to parse input string as an integer"
+            lo, hi = int_range(model, param)
+            msg = f"must be an integer in [{lo}, {hi}], got {first.get('input')!r}"
         if msg.startswith(f"{param}[") or msg.startswith(f"{param}:"):  # the validator named the item
             return bad_request(msg, param, code=code)
         return bad_request(f"{where}: {msg}" if where else msg, param, code=code)

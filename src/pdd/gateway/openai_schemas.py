@@ -462,6 +462,22 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
+INT64_RANGE = (-(1 << 63), (1 << 63) - 1)  # what the instance protocol (msgpack) carries
+
+
+def int_range(model: type[BaseModel], field: str) -> tuple[int, int]:
+    """The integers ``model``'s parameter ``field`` accepts, ``(low, high)`` inclusive: its
+    ``ge``/``gt``/``le``/``lt`` bounds, :data:`INT64_RANGE` where it has none. For the 400 of a
+    number with a fraction or exponent too large for an integer (``"seed": 1e30``: pydantic says
+    "Unable to parse input string as an integer, exceeded maximum size"). Raises KeyError for a
+    field ``model`` does not have."""
+    lo, hi = INT64_RANGE
+    for m in model.model_fields[field].metadata:
+        lo = max(lo, getattr(m, "ge", lo), getattr(m, "gt", lo - 1) + 1)
+        hi = min(hi, getattr(m, "le", hi), getattr(m, "lt", hi + 1) - 1)
+    return lo, hi
+
+
 @dataclass
 class TextOptions:
     """What the gateway does with each choice's tokens (not sent to the tiers)."""
