@@ -253,10 +253,32 @@ def _url_argv(tmp_path, url, *extra):
 
 def test_every_request_failing_exits_1_after_writing_the_report(capsys, tmp_path, gateway):
     url = gateway("pdd", completions_status=404)
-    assert main(_url_argv(tmp_path, url, "--modes", "pdd", "--model", "wrong")) == 1  # --modes = the server's
+    assert main(_url_argv(tmp_path, url, "--modes", "pdd", "--model", "served")) == 1  # --modes = the server's
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["bench"]["run_order"] == ["pdd"] and rep["modes"]["pdd"]["completed"] == 0
     assert "no request completed in pdd" in capsys.readouterr().err
+
+
+def test_a_model_the_server_does_not_serve_is_refused_before_the_run(capsys, tmp_path, gateway, no_run):
+    """Found by a new user: ``--url URL --model WRONG`` ran the whole benchmark, every request a
+    404, and exited 1 with a report of failures."""
+    url = gateway("pdd")
+    err = usage_error(capsys, main, _url_argv(tmp_path, url, "--model", "wrong"))
+    assert err.splitlines()[-1] == f"pdd bench: error: --model 'wrong': the server at {url} serves 'served' (GET /v1/models)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_cannot_be_checked_without_the_servers_model_list(capsys, tmp_path, no_run):
+    app = FastAPI()  # no /v1/models: 404
+    url, stop = serve_in_thread(app)
+    try:
+        err = usage_error(capsys, main, _url_argv(tmp_path, url, "--model", "m"))
+    finally:
+        stop()
+    assert err.splitlines()[-1] == (f"pdd bench: error: --url {url}: GET /v1/models answered HTTP 404, not an OpenAI "
+                                    f"model list, so --model 'm' cannot be checked")
+    err = usage_error(capsys, main, _url_argv(tmp_path, "http://127.0.0.1:1", "--model", "m"))
+    assert err.splitlines()[-1].startswith("pdd bench: error: --url: cannot reach http://127.0.0.1:1: ConnectError")
 
 
 def test_exit_status_counts_modes_without_a_completed_request():

@@ -375,9 +375,17 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"{', '.join(shaping)}: with --url the server runs its own config; these flags shape "
                      f"the topologies pdd bench starts (set them in the server's config instead)")
         try:
-            httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10, trust_env=False)
+            models = httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10, trust_env=False)
         except httpx.HTTPError as ex:
             ap.error(f"--url: cannot reach {args.url}: {type(ex).__name__}: {ex}")
+        if args.model is not None:  # a wrong name ran the whole benchmark, every request a 404, then exit 1
+            names = served_models(models)
+            if names is None:
+                ap.error(f"--url {args.url}: GET /v1/models answered HTTP {models.status_code}, not an OpenAI model "
+                         f"list, so --model {args.model!r} cannot be checked")
+            if args.model not in names:
+                ap.error(f"--model {args.model!r}: the server at {args.url} serves "
+                         f"{', '.join(map(repr, names)) or 'no model'} (GET /v1/models)")
         if modes_given:  # --url benchmarks the server's one mode: an explicit --modes must be that mode
             server = RemoteTopology(args.url, timeout_s=10).reported_mode()
             if server is None:
@@ -387,6 +395,17 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             if labels != [server]:
                 ap.error(f"--modes {args.modes}: the server at {args.url} runs mode {server}; with --url the one "
                          f"mode benchmarked is the server's (give --modes {server} or leave --modes out)")
+
+
+def served_models(resp: httpx.Response) -> list[str] | None:
+    """The model ids of a ``GET /v1/models`` answer (OpenAI's ``{"data": [{"id": ...}, ...]}``),
+    None when it is no such list (not HTTP 200, not JSON, another shape). Raises nothing."""
+    if resp.status_code != 200:
+        return None
+    try:
+        return [str(m["id"]) for m in resp.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def load_schedule(args) -> tuple | None:
@@ -401,8 +420,8 @@ def load_schedule(args) -> tuple | None:
 
 def bench_exit_status(report: Mapping, run_order: Sequence[str] | None = None, prog: str = "pdd bench") -> int:
     """0 when every benchmarked mode completed at least one request (failed requests are measured
-    results: the report has them); 1 when a mode completed none (a wrong --model, a server that
-    refuses everything, a mode whose topology failed), said on stderr; the report is written first.
+    results: the report has them); 1 when a mode completed none (a server that refuses everything,
+    a mode whose topology failed; a --model the server at --url does not list is refused before), said on stderr; the report is written first.
     ``run_order``: the modes run (default ``report["bench"]["run_order"]``; ``pdd demo`` has no
     ``bench`` section)."""
     order = report["bench"]["run_order"] if run_order is None else run_order
