@@ -613,3 +613,17 @@ def test_an_operator_body_nested_too_deeply_says_so():
     assert r.json()["error"] == {"message": "request body is nested too deeply: JSON arrays and objects may nest at "
                                             "most 512 levels deep", "type": "invalid_request_error", "param": None,
                                  "code": "invalid_body"}
+
+
+def test_delete_of_the_last_active_instance_with_requests_in_flight_is_a_conflict_naming_both():
+    """It answered 409 ``in_flight`` ("drain it and wait"), though the role's last active instance
+    cannot be drained either: ``conflict``, the message naming both reasons."""
+    c, o, ms = _client()  # md0 the only active main decoder (md1 standby)
+    o.inflight["md0"] = 2
+    r = c.delete("/pdd/instances/md0")
+    assert r.status_code == 409, r.text
+    assert r.json()["error"] == {
+        "message": "instance md0 is the last active main_decode instance and still has 2 in-flight request(s) or "
+                   "transfer(s): add another first, then drain it and wait until in_flight is 0 (or force)",
+        "type": "invalid_request_error", "param": "name", "code": "conflict"}
+    assert ms.view("md0")["state"] == ACTIVE

@@ -52,6 +52,18 @@ def test_remove_refused_while_busy_unless_forced():
     assert (d.ok, d.new_state) == (True, REMOVED)
 
 
+def test_remove_of_the_last_active_instance_while_busy_names_both_reasons_as_a_conflict():
+    """Found by a new user: it answered ``in_flight`` alone, though draining and waiting would not
+    do (the last active instance cannot be drained either)."""
+    d = decide("remove", "md0", "main_decode", ACTIVE, busy=3, others_active=0)
+    assert (d.ok, d.new_state, d.status, d.code) == (False, ACTIVE, 409, "conflict")
+    assert d.message == ("instance md0 is the last active main_decode instance and still has 3 in-flight request(s) "
+                         "or transfer(s): add another first, then drain it and wait until in_flight is 0 (or force)")
+    assert decide("remove", "md0", "main_decode", ACTIVE, busy=3, others_active=0, force=True).new_state == REMOVED
+    assert decide("remove", "md0", "main_decode", ACTIVE, busy=3, others_active=1).code == "in_flight"
+    assert decide("remove", "md0", "main_decode", DRAINING, busy=3, others_active=0).code == "in_flight"
+
+
 def test_remove_idle_draining_or_active():
     assert decide("remove", "md0", "main_decode", DRAINING, busy=0, others_active=0).new_state == REMOVED
     assert decide("remove", "md0", "main_decode", ACTIVE, busy=0, others_active=1).new_state == REMOVED

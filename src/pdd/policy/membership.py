@@ -19,7 +19,8 @@ same role):
 | drain  | active               | draining | 409 when it is the role's last active one (unless force)|
 | drain  | draining             | draining | (idempotent)                                            |
 | remove | active, draining     | removed  | 409 while busy > 0, or the role's last active (unless   |
-|        |                      |          | force: its requests are then recovered as after a loss) |
+|        |                      |          | force: its requests are then recovered as after a loss);|
+|        |                      |          | both: code "conflict", the message names both           |
 
 A standby or removed instance cannot be drained or removed (409).
 
@@ -51,7 +52,7 @@ class Decision:
     new_state: str  # the state after the operation (the old one when refused)
     status: int = 200  # HTTP status of the answer (409 when refused)
     message: str = ""
-    code: str = ""  # a refusal's error code: "in_flight" (remove while busy), else "conflict"
+    code: str = ""  # a refusal's error code: "in_flight" (remove while busy, not the last), else "conflict"
 
 
 def decide(op: str, name: str, role: str, state: str, *, busy: int = 0, others_active: int = 1,
@@ -80,10 +81,15 @@ def decide(op: str, name: str, role: str, state: str, *, busy: int = 0, others_a
             return refuse(f"instance {name} is the last active {role} instance: add another first (or force)")
         return Decision(True, DRAINING)
     # remove
+    last = state == ACTIVE and others_active < 1 and not force
     if busy > 0 and not force:
+        if last:  # both are true: the conflict's code (waiting alone would not do), both reasons said
+            return refuse(f"instance {name} is the last active {role} instance and still has {busy} in-flight "
+                          f"request(s) or transfer(s): add another first, then drain it and wait until in_flight "
+                          f"is 0 (or force)")
         return refuse(f"instance {name} still has {busy} in-flight request(s) or transfer(s): drain it and wait "
                       f"until in_flight is 0 (or force)", "in_flight")
-    if state == ACTIVE and others_active < 1 and not force:
+    if last:
         return refuse(f"instance {name} is the last active {role} instance: add another first (or force)")
     return Decision(True, REMOVED)
 
