@@ -176,6 +176,12 @@ class Handoffs:
                 rep, _ = await rld.call(Handoff(trid, sent, rounds).wire(), timeout=t)
                 if st.trid != trid or st.handoff.takeover:
                     return  # ... or RLD was lost as it answered and MD took over already (one extend only)
+            if rep.get("not_started"):
+                # RLD holds the attempt but is not decoding it yet (its KV still coming in): nothing
+                # finished, no round applied. Ask again once it streamed its first token (the loop's
+                # checks above end this if the attempt ends or is replaced meanwhile)
+                await self._rld_first_token(st, trid)
+                continue
             if rep.get("finished"):  # RLD finished the request (or it ended): MD keeps the prompt's KV
                 # (the stream's settling counts it, _rld_finished_first: an aborted request ends here too)
                 if not st.handoff.kv_ready:
@@ -211,6 +217,15 @@ class Handoffs:
                 return
             sent = len(ids) - 1  # MD holds all but the newest id (see MainDecodeInstance.on_extend)
             st.handoff.extend_extra_step_ms.append(float(r.get("extra_step_ms", 0.0)))
+
+    async def _rld_first_token(self, st: ReqState, trid: str, poll_s: float = 0.001) -> None:
+        """Return once attempt ``trid`` of ``st`` streamed its first token (``next_pos`` past
+        ``base``), or it finished, was replaced or lost; then at least ``poll_s`` later (an RLD
+        that answered ``not_started`` is not asked again at once)."""
+        await asyncio.sleep(poll_s)
+        while (st.next_pos <= st.base and not st.finished and st.trid == trid and not st.recovery.lost
+               and not st.recovery.md_lost):
+            await asyncio.sleep(poll_s)
 
     def _next_tokens(self, st: ReqState, tok: TokenOut) -> list[TokenOut]:
         """Route one arriving token; return the tokens that can be streamed now, in order.

@@ -70,6 +70,7 @@ class RelayDecodeInstance(EngineInstance):
             e.kv_imported(seq, t0, add=fin is None)
 
         ctx.in_engine = fin is None
+        ctx.extra["kv_done"] = True  # decoding starts (or the request ended at P's token): on_handoff tells them apart
         # P's first token goes out at once, not after the engine thread's current step (the
         # import waits for it); RLD's own tokens come from later steps, so the order holds
         self.emit(ctx, 0, t0, fin)
@@ -94,13 +95,18 @@ class RelayDecodeInstance(EngineInstance):
         token_ids (all outputs so far), finished}``. One-shot final: RLD stops and frees the
         request at once. Catch-up: RLD keeps decoding and streaming (also after the final round,
         until the gateway sees MD's stream live and sends ``abort``), so the client never waits
-        on the switch.
+        on the switch. ``finished``: RLD holds the request no more, or no more in its engine (it
+        ended, or a one-shot final round stopped it). ``not_started`` (``finished`` false, no
+        ids, no round): RLD holds the request but has not started decoding it (P's ``kv_done``
+        has not come); the gateway asks again once RLD streams its first token.
         """
         m = Handoff.decode(h)
         rid = m.rid
         t_in = time.perf_counter()
         ctx = self.reqs.get(rid)
         done = HandoffOk(rid, True, [], None, True).wire()
+        if ctx is not None and not ctx.in_engine and not ctx.extra.get("kv_done"):
+            return HandoffOk(rid, False, [], None, False, not_started=True).wire(), b""
         if ctx is None or not ctx.in_engine:
             return done, b""
         seq = ctx.seq

@@ -555,8 +555,10 @@ class GenerateOk(Msg):
 @dataclass
 class HandoffOk(Msg):
     """RLD's output ids so far and its decision (``mode`` one_shot | catch_up, ``final``);
-    ``finished``: RLD finished the request first (no ids). ``inputs``: the decision's inputs
-    (replayed by ``pdd sim validate``), ``load``, ``rld_ms``: time RLD took to answer."""
+    ``finished``: RLD finished the request first (no ids). ``not_started`` (sent only as true,
+    with ``finished`` false and no ids): RLD holds the request but has not started decoding it,
+    so no round was applied. ``inputs``: the decision's inputs (replayed by ``pdd sim
+    validate``), ``load``, ``rld_ms``: time RLD took to answer."""
     T = "handoff_ok"
     rid: str
     finished: bool
@@ -566,6 +568,7 @@ class HandoffOk(Msg):
     load: float = OMIT
     inputs: dict = OMIT
     rld_ms: float = OMIT
+    not_started: bool = OMIT
 
 
 # ---------------------------------------------------------------- P -> RLD, MD: KV pages
