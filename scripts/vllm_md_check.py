@@ -1,4 +1,4 @@
-"""Live check of ``PddConnector`` (docs/VLLM_TIER.md, "Measured"): vLLM continues from KV that
+"""Live check of ``PddConnector`` (docs/VLLM_TIER.md, "Results"): vLLM continues from KV that
 pdd's engine computed, as MD does after a one-shot handoff.
 
 For each prompt: pdd's engine (in process, page size 16, float32) prefills it and decodes
