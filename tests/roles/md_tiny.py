@@ -12,25 +12,26 @@ PROMPT = list(range(10, 28))  # 18 tokens = 4 whole pages of 4 + 2
 _ROLES = {"p0": (ROLE_PREFILL, "A"), "rld0": (ROLE_RELAY, "A"), "md0": (ROLE_MAIN, "B")}
 
 
-def tiny_config(tiny_model, instances: dict | None = None) -> ClusterConfig:
+def tiny_config(tiny_model, instances: dict | None = None, policy: dict | None = None) -> ClusterConfig:
     """A pdd topology on a free port block (64 pages of 4 tokens, plain transport) of
-    ``instances`` (the embedded counts when None)."""
+    ``instances`` (the embedded counts when None), with ``policy`` over the default one."""
     base = free_port_block()
     return ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "model_preset": "tiny",
                                          "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
                                          "security": {"tls": False, "fast_path": "plain"},
                                          **({"instances": instances} if instances else {}),
+                                         **({"policy": policy} if policy else {}),
                                          "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
 
 
-async def start_instance(tiny_model, name: str, instances: dict | None = None):
-    """``(cfg, inst)``: instance ``name`` (``p0``, ``rld0`` or ``md0``) of :func:`tiny_config`,
-    started. Stop it with ``await inst.stop()``."""
+async def start_instance(tiny_model, name: str, instances: dict | None = None, policy: dict | None = None):
+    """``(cfg, inst)``: instance ``name`` (``p0``, ``rld0`` or ``md0``) of :func:`tiny_config`
+    (``instances``, ``policy``), started. Stop it with ``await inst.stop()``."""
     from pdd.roles.main_decode import MainDecodeInstance
     from pdd.roles.prefill import PrefillInstance
     from pdd.roles.relay_decode import RelayDecodeInstance
 
-    cfg = tiny_config(tiny_model, instances)
+    cfg = tiny_config(tiny_model, instances, policy)
     role, dc = _ROLES[name]
     cls = {ROLE_PREFILL: PrefillInstance, ROLE_RELAY: RelayDecodeInstance, ROLE_MAIN: MainDecodeInstance}[role]
     # a port of the free block: its metrics server (port + 10, never stopped in-process) is the block's too

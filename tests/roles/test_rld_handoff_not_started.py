@@ -7,32 +7,23 @@ request RLD holds no more, or stopped after a one-shot final round, still answer
 
 from __future__ import annotations
 
-from pdd.config import ClusterConfig
-from pdd.topology import ROLE_RELAY, InstanceSpec, free_port_block, layout
 from pdd.transfer.client import connect
 from pdd.transfer.messages import Expect, Handoff
 from pdd.types import SamplingParams
+from tests.roles.md_tiny import start_instance
 
 
 async def test_a_handoff_round_before_decoding_started_answers_not_started(tiny_model):
-    from pdd.roles.relay_decode import RelayDecodeInstance
-
-    base = free_port_block()
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "model_preset": "tiny",
-                                        "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
-                                        "policy": {"handoff_mode": "auto"},
-                                        "security": {"tls": False, "fast_path": "plain"},
-                                        "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
-    inst = RelayDecodeInstance(cfg, InstanceSpec("rld0", ROLE_RELAY, "A", base + 1), layout(cfg))
-    await inst.start()
+    _, inst = await start_instance(tiny_model, "rld0", policy={"handoff_mode": "auto"})
     gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: None}, role="gateway", instance="gateway")
     try:
         sp = SamplingParams(max_tokens=4, ignore_eos=True).to_dict()
         await gw.call(Expect("r0", list(range(10, 28)), sp).wire())
         mode, counters = inst.current_mode, dict(inst.counters)
         rep, _ = await gw.call(Handoff("r0", 0, 0).wire())
-        assert {k: v for k, v in rep.items() if k not in ("cid", "reply")} == {"t": "handoff_ok", "rid": "r0", "finished": False, "token_ids": [], "mode": None,
-                       "final": False, "not_started": True}
+        assert {k: v for k, v in rep.items() if k not in ("cid", "reply")} == {
+            "t": "handoff_ok", "rid": "r0", "finished": False, "token_ids": [], "mode": None, "final": False,
+            "not_started": True}
         assert (inst.current_mode, inst.counters) == (mode, counters) and "r0" in inst.reqs
         inst.reqs["r0"].extra["kv_done"] = True  # as after a one-shot final round stopped it: out of the engine
         rep, _ = await gw.call(Handoff("r0", 0, 1).wire())

@@ -9,24 +9,14 @@ but never added to it, so RLD's engine thread finds it not running."""
 
 from __future__ import annotations
 
-from pdd.config import ClusterConfig
-from pdd.topology import ROLE_RELAY, InstanceSpec, free_port_block, layout
 from pdd.transfer.client import connect
 from pdd.transfer.messages import Expect, Handoff
 from pdd.types import SamplingParams
+from tests.roles.md_tiny import start_instance
 
 
 async def test_a_handoff_call_on_a_finished_request_counts_no_switch(tiny_model):
-    from pdd.roles.relay_decode import RelayDecodeInstance
-
-    base = free_port_block()
-    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "model_preset": "tiny",
-                                        "base_port": base, "gateway_port": base + 95, "request_timeout_s": 30,
-                                        "policy": {"handoff_mode": "auto"},
-                                        "security": {"tls": False, "fast_path": "plain"},
-                                        "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 256}})
-    inst = RelayDecodeInstance(cfg, InstanceSpec("rld0", ROLE_RELAY, "A", base + 1), layout(cfg))
-    await inst.start()
+    _, inst = await start_instance(tiny_model, "rld0", policy={"handoff_mode": "auto"})
     gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: None}, role="gateway", instance="gateway")
     try:
         sp = SamplingParams(max_tokens=4, ignore_eos=True).to_dict()

@@ -203,18 +203,26 @@ async def _until(cond) -> None:
         await asyncio.sleep(0)
 
 
-@pytest.mark.parametrize("how", ["close", "abort"])
-async def test_a_local_close_during_the_drain_drops_the_rest_at_once(how):
-    peer, reader, writer = _peer(drain_timeout_s=3600)
+def _stuck_handler(peer: Peer) -> tuple[list, asyncio.Event]:
+    """Install on ``peer`` a handler of ``m`` that never returns (its message is never handled):
+    ``(handled, started)``, the ids handled (stays empty) and an event set when one is in it."""
     handled: list = []
-    reported: list = []
-    never = asyncio.Event()
+    started, never = asyncio.Event(), asyncio.Event()
 
     async def handler(p, h, payload):
+        started.set()
         await never.wait()
         handled.append(h["i"])
 
     peer.on("m", handler)
+    return handled, started
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+async def test_a_local_close_during_the_drain_drops_the_rest_at_once(how):
+    peer, reader, writer = _peer(drain_timeout_s=3600)
+    handled, _ = _stuck_handler(peer)
+    reported: list = []
     peer.on_close(reported.append)
     peer.start()
     _feed(reader, 3)
@@ -230,16 +238,7 @@ async def test_a_local_close_during_the_drain_drops_the_rest_at_once(how):
 
 async def test_a_local_close_drops_the_queue_as_before():
     peer, reader, writer = _peer()
-    handled: list = []
-    started = asyncio.Event()
-    never = asyncio.Event()
-
-    async def handler(p, h, payload):
-        started.set()
-        await never.wait()
-        handled.append(h["i"])
-
-    peer.on("m", handler)
+    handled, started = _stuck_handler(peer)
     reported: list = []
     peer.on_close(reported.append)
     peer.start()
@@ -253,16 +252,7 @@ async def test_a_local_close_drops_the_queue_as_before():
 async def test_a_protocol_error_drops_the_queue_and_reports_at_once():
     """Frames after a malformed one are not to be trusted: nothing queued is handled."""
     peer, reader, writer = _peer(drain_timeout_s=3600)
-    handled: list = []
-    started = asyncio.Event()
-    never = asyncio.Event()
-
-    async def handler(p, h, payload):
-        started.set()
-        await never.wait()
-        handled.append(h["i"])
-
-    peer.on("m", handler)
+    handled, started = _stuck_handler(peer)
     reported = asyncio.Event()
     peer.on_close(lambda p: reported.set())
     peer.start()
