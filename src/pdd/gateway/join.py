@@ -52,7 +52,9 @@ def api_key(cfg) -> str | None:
 
 def join(cfg, spec, url: str, timeout_s: float = JOIN_TIMEOUT_S, poll_s: float = 0.2) -> dict:
     """Wait until ``spec``'s port accepts connections, then ask the gateway at ``url`` to add it.
-    Returns the gateway's answer (a member, or ``{"error": ...}``)."""
+    Returns the gateway's answer (a member, or ``{"error": ...}``). The check connects and closes
+    without a byte, which the instance's server counts as a probe (``Server.probes``), not as a
+    refused connection."""
     import httpx
 
     deadline = time.monotonic() + timeout_s

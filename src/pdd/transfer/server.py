@@ -11,7 +11,10 @@ TLS and plain connections share the port: the first byte tells a TLS ClientHello
 pdd frame (``b"P"``). Anything else is refused and counted in ``Server.refused``: a plain or
 MAC-less connection where authentication is required, a TLS client without a certificate or with
 one the CA did not sign, a MAC'd hello under another key, and (``check_identity``) a TLS peer
-whose hello names an instance other than its certificate's common name.
+whose hello names an instance other than its certificate's common name. A connection closed
+before sending a single byte (a readiness probe: ``pdd launch --join`` waits for the port to
+accept, a monitor's TCP check, a port scan) is not refused: it is logged at debug level and
+counted in ``Server.probes``; one that stays silent until the handshake timeout is still refused.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ class Server:
     accept plain connections authenticated by the fast-path MAC; ``allow_plain``: accept
     unauthenticated plain connections (default: only when neither ``ssl`` nor ``mac_key``);
     ``check_identity``: a TLS peer's hello must name its certificate's common name.
-    Counters: ``refused`` (connections refused at TLS or hello time), ``mac_failures``
-    (connections closed because a frame failed its MAC).
+    Counters: ``refused`` (connections refused at TLS or hello time, a silent one at the
+    handshake timeout), ``probes`` (connections closed before sending a byte: readiness checks,
+    not refused), ``mac_failures`` (connections closed because a frame failed its MAC).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class Server:
         self.handshake_timeout_s = handshake_timeout_s
         self.peers: set[Peer] = set()
         self.refused = 0
+        self.probes = 0
         self.mac_failures = 0
         self.ssl = ssl
         self.mac_key = bytes(mac_key) if mac_key is not None else None
@@ -128,6 +133,11 @@ class Server:
         self.refused += 1
         log.warning("refused connection from %s: %s", addr, why)
 
+    def _probed(self, addr) -> None:
+        """A connection closed before sending a byte: a readiness probe, not a refusal."""
+        self.probes += 1
+        log.debug("connection from %s closed before sending a byte (a probe)", addr)
+
     async def _accept_sniffed(self, conn: socket.socket, addr) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -137,9 +147,13 @@ class Server:
                 self._refuse(addr, f"nothing received: {e!r}")
                 conn.close()
                 return
+            if not first:  # EOF before any byte: someone checked that the port accepts
+                self._probed(addr)
+                conn.close()
+                return
             tls = first == b"\x16"  # TLS record type "handshake" (ClientHello)
-            if not first or (not tls and self.mac_key is None and not self.allow_plain):
-                self._refuse(addr, "plain connection where mutual TLS is required" if first else "closed at once")
+            if not tls and self.mac_key is None and not self.allow_plain:
+                self._refuse(addr, "plain connection where mutual TLS is required")
                 conn.close()
                 return
             try:
@@ -188,7 +202,10 @@ class Server:
             writer.close()
             raise
         except Exception as e:
-            self._refuse(writer.get_extra_info("peername"), repr(e))
+            if not tls and isinstance(e, asyncio.IncompleteReadError) and reader.rx_bytes == 0:
+                self._probed(writer.get_extra_info("peername"))  # EOF before any byte (plain port)
+            else:
+                self._refuse(writer.get_extra_info("peername"), repr(e))
             writer.close()
             return
         peer.name = str(peer.remote_instance or peer.peername)
