@@ -11,6 +11,7 @@ import json
 import re
 import typing
 from pathlib import Path
+from types import UnionType
 from typing import Literal
 
 import yaml
@@ -25,7 +26,9 @@ MODES: tuple[str, ...] = ("colocated", "same_dc_pd", "cross_dc_pd", "pdd")
 
 class _Strict(BaseModel):
     """Every config block: unknown fields refused; floats finite (a YAML ``.inf`` WAN RTT or
-    timeout would only show as a hang); a boolean for a number refused (below)."""
+    timeout would only show as a hang); a value of the wrong YAML type refused rather than
+    converted (below): a boolean or a quoted string for a number, anything but a boolean for a
+    boolean, as the HTTP API refuses them."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -41,6 +44,32 @@ class _Strict(BaseModel):
                              f"booleans)")
         return v
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_text_for_number(cls, v, info: ValidationInfo):
+        """A string where only a number is expected (``page_size: '16'``, ``wan_gbps: '1.5'``,
+        ``autoscale: {max: {main_decode: '2'}}``, ``wan_cross_traffic: [[0, '1']]``) is refused
+        (ValueError naming the field and the string): pydantic's lax mode would parse it, where
+        the HTTP API refuses ``"max_tokens": "5"``. A field that takes text too (a Literal of
+        names, ``str | None``) keeps its strings; an int for a float field stays a number."""
+        text = _text_for_number(cls.model_fields[info.field_name].annotation, v)
+        if text is not None:
+            at, s = text
+            raise ValueError(f"must be a number written without quotes, got the string {_short(s)}"
+                             + (f" at {at}" if at else ""))
+        return v
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _only_bool_for_bool(cls, v, info: ValidationInfo):
+        """Anything but a boolean where a boolean is expected (``cutoff: 'yes'`` quoted, ``cutoff:
+        1``, ``early_handoff: 'no'``) is refused (ValueError naming the field): pydantic's lax mode
+        would read ``'no'`` as false and ``1`` as true. YAML's unquoted yes / no / on / off / true /
+        false are booleans already."""
+        if info.field_name in _bool_fields(cls) and not isinstance(v, bool):
+            raise ValueError(f"must be true or false (YAML's yes/no and on/off unquoted too), got {_given(v)}")
+        return v
+
 
 def _mentions(ann, types: tuple) -> bool:
     """Whether a type annotation is, or holds anywhere (``int | None``, ``dict[str, int]``,
@@ -53,6 +82,78 @@ def _number_fields(cls) -> frozenset[str]:
     """Names of ``cls``'s fields that take numbers (anywhere in their type) and never a boolean."""
     return frozenset(name for name, f in cls.model_fields.items()
                      if _mentions(f.annotation, (int, float)) and not _mentions(f.annotation, (bool,)))
+
+
+@functools.lru_cache(maxsize=None)
+def _bool_fields(cls) -> frozenset[str]:
+    """Names of ``cls``'s fields whose type is ``bool`` (``bool | None``: None stays pydantic's)."""
+    return frozenset(name for name, f in cls.model_fields.items()
+                     if f.annotation is bool or set(_arms(f.annotation)) == {bool, type(None)})
+
+
+def _arms(ann) -> tuple:
+    """The alternatives of a union annotation (``int | None`` -> ``(int, NoneType)``), else ``(ann,)``."""
+    if typing.get_origin(ann) in (typing.Union, UnionType):
+        return tuple(x for a in typing.get_args(ann) for x in _arms(a))
+    return (ann,)
+
+
+def _takes_text(ann) -> bool:
+    """Whether a (non-union) annotation accepts a string: ``str``, or a Literal with a string."""
+    return ann is str or (typing.get_origin(ann) is Literal and any(isinstance(x, str) for x in typing.get_args(ann)))
+
+
+def _text_for_number(ann, v, at: str = "") -> tuple[str, str] | None:
+    """The first string in ``v`` at a place where ``ann`` takes numbers and no text: ``(where,
+    string)`` (where: ``""`` for ``v`` itself, ``main_decode`` for a mapping's value, ``[0][1]``
+    inside lists), or None. Mapping keys are not numbers here (``Literal`` role names)."""
+    arms = _arms(ann)
+    if isinstance(v, str):
+        if any(a in (int, float) for a in arms) and not any(_takes_text(a) for a in arms):
+            return at, v
+        return None
+    if isinstance(v, dict):
+        for a in arms:
+            if typing.get_origin(a) is dict:
+                val_ann = typing.get_args(a)[1]
+                for k, x in v.items():
+                    hit = _text_for_number(val_ann, x, f"{at}.{k}" if at else str(k))
+                    if hit:
+                        return hit
+        return None
+    if isinstance(v, (list, tuple)):
+        for a in arms:
+            origin, args = typing.get_origin(a), typing.get_args(a)
+            if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+                elems = [args[0]] * len(v)
+            elif origin is tuple:
+                elems = list(args)
+            else:
+                continue
+            for i, (e, x) in enumerate(zip(elems, v)):
+                hit = _text_for_number(e, x, f"{at}[{i}]")
+                if hit:
+                    return hit
+    return None
+
+
+def _short(s: str, n: int = 60) -> str:
+    """``repr(s)``, cut to about ``n`` characters (a long string named in one line)."""
+    r = repr(s)
+    return r if len(r) <= n else r[: n - 4] + "...'"
+
+
+def _given(v) -> str:
+    """What a config gave, in its own words: ``the string 'yes'``, ``the number 1``, ``null``, a list."""
+    if isinstance(v, str):
+        return f"the string {_short(v)}"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"the number {v}"
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = type(v).__name__
+    return text if len(text) <= 60 else text[:56] + " ..."
 
 
 def _has_bool(v) -> bool:
@@ -500,6 +601,17 @@ def _kind(x) -> str:
     return {str: "a string", list: "a list"}.get(type(x), f"a {type(x).__name__}")
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with YAML 1.2's (and JSON's) numbers in exponent form: unquoted
+    ``1e3``, ``5e-7`` and ``1.0e12`` are floats. YAML 1.1 reads them as strings (its floats need
+    a dot and a signed exponent), which a config's number fields refuse as quoted text."""
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """PyYAML's error on one line: what is wrong and where (line and column from 1), not its
     several lines that show the text as "<unicode string>" with a caret under the column."""
@@ -737,7 +849,7 @@ class ClusterConfig(_Strict):
                 raise ConfigFileError(f"{path}: not UTF-8 text (a YAML or JSON config)") from None
             try:
                 # YAML is a superset of JSON: one parser for .yaml, .yml, .json and anything else
-                data = yaml.safe_load(text)
+                data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a safe loader)
             except yaml.YAMLError as e:
                 raise ConfigFileError(f"{path}: not valid YAML/JSON: {_yaml_problem(e)}") from None
             if data is None:

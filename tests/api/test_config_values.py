@@ -1,7 +1,10 @@
 """Config values pydantic's lax mode would have taken for something else: a boolean for a number
-(YAML's true / yes / on read as 1: a 1 ms pipeline budget, a 1 Gbit/s line) and a non-finite float
-(a YAML ``.inf`` RTT or timeout would only show as a hang) are refused naming the field; numbers
-written as text stay accepted (mode labels pass them so). Found by a new-user review."""
+(YAML's true / yes / on read as 1: a 1 ms pipeline budget, a 1 Gbit/s line), a number written as a
+quoted string, anything but a boolean for a boolean (a quoted 'no' read as false, 1 as true) and a
+non-finite float (a YAML ``.inf`` RTT or timeout would only show as a hang) are refused naming the
+field, as the HTTP API refuses them; YAML's unquoted booleans and numbers stay accepted (mode
+labels' text is read as its field's type first: pdd.bench.modes.typed_overrides). Found by
+new-user reviews."""
 
 import json
 
@@ -71,15 +74,91 @@ def test_a_line_delay_above_a_minute_names_the_field(tmp_path, yaml_text, field)
     assert ClusterConfig.load(cfg).link.wan_rtt_ms == 60000
 
 
-def test_booleans_and_numbers_as_text_stay_accepted(tmp_path):
+TEXT = "must be a number written without quotes, got the string {}"
+NOT_BOOL = "must be true or false (YAML's yes/no and on/off unquoted too), got {}"
+
+
+@pytest.mark.parametrize("yaml_text,message", [
+    ("engine: {page_size: '16'}\n", f"engine.page_size: {TEXT.format(repr('16'))}"),
+    ("link: {wan_gbps: '1.5'}\n", f"link.wan_gbps: {TEXT.format(repr('1.5'))}"),
+    ("request_timeout_s: '30'\n", f"request_timeout_s: {TEXT.format(repr('30'))}"),
+    ("instances: {main_decode: '2'}\n", f"instances.main_decode: {TEXT.format(repr('2'))}"),
+    ("engine: {min_step_ms: '5'}\n", f"engine.min_step_ms: {TEXT.format(repr('5'))}"),
+    ('policy: {pipeline_ttft_budget_ms: "80"}\n', f"policy.pipeline_ttft_budget_ms: {TEXT.format(repr('80'))}"),
+    ("limits: {max_inflight_requests: '8'}\n", f"limits.max_inflight_requests: {TEXT.format(repr('8'))}"),
+    ("process_nice: '5'\n", f"process_nice: {TEXT.format(repr('5'))}"),
+    ("tiers: {md0: {engine: {min_step_ms: '20'}}}\n", f"tiers.md0.engine.min_step_ms: {TEXT.format(repr('20'))}"),
+    ("autoscale: {max: {main_decode: '2'}}\n", f"autoscale.max: {TEXT.format(repr('2'))} at main_decode"),
+    ("cpu_affinity: {prefill: ['0']}\n", f"cpu_affinity: {TEXT.format(repr('0'))} at prefill[0]"),
+    ("link: {wan_cross_traffic: [[0, '0.01']]}\n", f"link.wan_cross_traffic: {TEXT.format(repr('0.01'))} at [0][1]"),
+    ("engine: {num_pages: fast}\n", f"engine.num_pages: {TEXT.format(repr('fast'))}"),
+])
+def test_a_string_for_a_number_names_the_field(tmp_path, yaml_text, message):
+    """Pydantic's lax mode parsed a quoted number, where the HTTP API refuses ``"max_tokens": "5"``."""
+    assert _refused(yaml_text, tmp_path) == message
+
+
+@pytest.mark.parametrize("yaml_text,message", [
+    ("policy: {cutoff: 'yes'}\n", f"policy.cutoff: {NOT_BOOL.format(chr(39).join(['the string ', 'yes', '']))}"),
+    ("policy: {cutoff: 1}\n", f"policy.cutoff: {NOT_BOOL.format('the number 1')}"),
+    ("policy: {early_handoff: 'no'}\n", f"policy.early_handoff: {NOT_BOOL.format(chr(39).join(['the string ', 'no', '']))}"),
+    ("policy: {kv_whole_pages: 0}\n", f"policy.kv_whole_pages: {NOT_BOOL.format('the number 0')}"),
+    ('security: {tls: "false"}\n', f"security.tls: {NOT_BOOL.format(chr(39).join(['the string ', 'false', '']))}"),
+    ("vllm: {main_decode: 1.0}\n", f"vllm.main_decode: {NOT_BOOL.format('the number 1.0')}"),
+    ("autoscale: {enabled: 'yes', max: {main_decode: 1}}\n",
+     f"autoscale.enabled: {NOT_BOOL.format(chr(39).join(['the string ', 'yes', '']))}"),
+    ("policy: {cutoff: null}\n", f"policy.cutoff: {NOT_BOOL.format('null')}"),
+    ("policy: {cutoff: [true]}\n", f"policy.cutoff: {NOT_BOOL.format('[true]')}"),
+])
+def test_anything_but_a_boolean_for_a_boolean_names_the_field(tmp_path, yaml_text, message):
+    """Pydantic's lax mode read a quoted 'no' as false and 1 as true (while the same text in
+    ``autoscale.enabled`` was refused by its rule): every boolean field now takes booleans only."""
+    assert _refused(yaml_text, tmp_path) == message
+
+
+def test_unquoted_booleans_and_numbers_stay_accepted(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("policy: {cutoff: off, allow_p_rld: yes, pipeline_ttft_budget_ms: '80'}\n"
-                   "engine: {num_pages: '4096'}\nautoscale: {enabled: false, min: {main_decode: 1}}\n")
+    cfg.write_text("policy: {cutoff: off, allow_p_rld: yes, early_handoff: no, sibling_kv_once: on, kv_whole_pages: true,"
+                   " pipeline_ttft_budget_ms: 80, routing: load, handoff_mode: auto}\n"
+                   "engine: {num_pages: 4096, min_step_ms: 5, dtype: float16, device: cpu}\n"
+                   "link: {wan_gbps: 1, wan_cross_traffic: [[0, 0.01], [1.5, 0]]}\n"
+                   "tiers: {main_decode: {engine: {dtype: bfloat16, page_size: 32, prefill_order: short_first}}}\n"
+                   "autoscale: {enabled: false, min: {main_decode: 1}}\nrequest_timeout_s: 30\n")
     c = ClusterConfig.load(cfg)
-    assert (c.policy.cutoff, c.policy.allow_p_rld, c.policy.pipeline_ttft_budget_ms, c.engine.num_pages) == (
-        False, True, 80.0, 4096)
+    assert (c.policy.cutoff, c.policy.allow_p_rld, c.policy.early_handoff, c.policy.sibling_kv_once,
+            c.policy.kv_whole_pages, c.policy.pipeline_ttft_budget_ms, c.engine.num_pages) == (
+        False, True, False, True, True, 80.0, 4096)
+    assert (c.link.wan_gbps, c.link.wan_cross_traffic, c.request_timeout_s) == (1.0, [(0.0, 0.01), (1.5, 0.0)], 30.0)
     assert c.autoscale.min == {"main_decode": 1}
     assert ClusterConfig.model_validate(c.model_dump()) == c  # a dumped config validates again unchanged
+    assert ClusterConfig.model_validate_json(c.model_dump_json()) == c  # as cluster.json, the instances' config
+
+
+def test_numbers_in_exponent_form_are_numbers(tmp_path):
+    """YAML 1.1 (PyYAML) reads an unquoted ``5e-1`` or ``1.0e12`` as a string, which the number
+    fields refuse: the config loader reads them as YAML 1.2 and JSON do; quoted they stay strings."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("link: {wan_gbps: 5e-1, fast_gbps: 1E1, wan_rtt_ms: 2.5e+1}\nengine: {num_pages: 4e3}\n")
+    c = ClusterConfig.load(cfg)
+    assert (c.link.wan_gbps, c.link.fast_gbps, c.link.wan_rtt_ms, c.engine.num_pages) == (0.5, 10.0, 25.0, 4000)
+    assert _refused("link: {wan_gbps: '5e-1'}\n", tmp_path) == f"link.wan_gbps: {TEXT.format(repr('5e-1'))}"
+
+
+def test_mode_label_text_is_read_as_its_fields_type():
+    """A label has only text: ``pdd+pipeline_ttft_budget_ms=80+cutoff=no`` sets the number 80 and
+    false, not a string the config now refuses; a value that is neither is named."""
+    from pdd.bench.modes import mode_config, parse_mode_label
+
+    cfg = mode_config(ClusterConfig(), "pdd+pipeline_ttft_budget_ms=80+cutoff=no+engine.min_step_ms=2.5"
+                                       "+routing=load+vllm.kvcache_gib=2+vllm.python=/v/bin/python")
+    assert (cfg.policy.pipeline_ttft_budget_ms, cfg.policy.cutoff, cfg.engine.min_step_ms, cfg.policy.routing,
+            cfg.vllm.kvcache_gib, cfg.vllm.python) == (80.0, False, 2.5, "load", 2, "/v/bin/python")
+    assert mode_config(ClusterConfig(), "cross_dc_pd+wan_connections=4").link.wan_connections == 4
+    for label, msg in (("pdd+pipeline_ttft_budget_ms=fast", "pipeline_ttft_budget_ms: must be a number, got 'fast'"),
+                       ("pdd+cutoff=maybe", "cutoff: must be true or false, got 'maybe'")):
+        with pytest.raises(ValueError) as ex:
+            parse_mode_label(label)
+        assert str(ex.value) == f"mode {label!r}: {msg}"
 
 
 def test_serve_prints_the_field_not_a_traceback(tmp_path):

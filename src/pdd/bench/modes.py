@@ -60,8 +60,9 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
     ``engine.<field>`` for an :class:`pdd.config.EngineConfig` one (``pdd+engine.prefill_order=short_first``),
     or ``vllm.<field>`` for a :class:`pdd.config.VllmTierConfig` one (``pdd+vllm.main_decode``: the
     mode's main-decode instances run on vLLM through pdd's KV connector, docs/VLLM_TIER.md;
-    ``extra_args`` is not settable from a label); values are validated by them (``true``/``false``
-    for flags, numbers as text). ``autoscale``
+    ``extra_args`` is not settable from a label); values are validated by them, each read as its
+    field's type first (:func:`typed_overrides`: ``true``/``false`` for flags, numbers), and
+    returned as the label's text. ``autoscale``
     (``pdd+autoscale``, ``+autoscale=false``) switches the config's ``autoscale`` block on (off):
     the same topology, its standby slots added and drained by the gateway's loop; ``standby=none``
     starts every slot of the config (the same topology fixed at its largest size). A link setting
@@ -126,17 +127,18 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
             raise ValueError(f"mode {label!r}: {typed} takes a value ({base}+{typed}=VALUE); only on/off settings "
                              f"may be given bare")
         over[key] = True if not eq else val.strip()
+    values = typed_overrides(label, over)
     try:
-        PolicyConfig.model_validate({k: v for k, v in over.items() if "." not in k and k not in (AUTOSCALE, STANDBY)})
-        LinkConfig.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.startswith("link.")})
+        PolicyConfig.model_validate({k: v for k, v in values.items() if "." not in k and k not in (AUTOSCALE, STANDBY)})
+        LinkConfig.model_validate({k.partition(".")[2]: v for k, v in values.items() if k.startswith("link.")})
         for name, model in sections.items():
-            model.model_validate({k.partition(".")[2]: v for k, v in over.items() if k.partition(".")[0] == name})
+            model.model_validate({k.partition(".")[2]: v for k, v in values.items() if k.partition(".")[0] == name})
     except pydantic.ValidationError as ex:
         err = ex.errors()[0]
         raise ValueError(f"mode {label!r}: {'.'.join(map(str, err['loc']))}: "
                          f"{err['msg'].removeprefix('Value error, ')}") from None
     if base != "pdd":  # no relay tier nor pipeline choice there: a changed pdd-only setting would do nothing
-        changed = PolicyConfig.model_validate({k: v for k, v in over.items() if k in PDD_ONLY_POLICY})
+        changed = PolicyConfig.model_validate({k: v for k, v in values.items() if k in PDD_ONLY_POLICY})
         moved = [k for k in over if k in PDD_ONLY_POLICY and getattr(changed, k) != getattr(PolicyConfig(), k)]
         if moved:
             verb = "acts" if len(moved) == 1 else "act"
@@ -144,6 +146,58 @@ def parse_mode_label(label: str) -> tuple[str, dict]:
                              f"{base} does not have (pdd-only settings: {', '.join(PDD_ONLY_POLICY)}; one at its "
                              f"default, e.g. +cutoff=true, is allowed as a no-op that tells two runs apart)")
     return base, over
+
+
+# the words a label may write a boolean setting's value with (pdd+cutoff=false, +allow_p_rld=yes):
+# those pydantic's lax mode took from the text, before the config took only real booleans
+_LABEL_TRUE = ("true", "yes", "on", "1", "y", "t")
+_LABEL_FALSE = ("false", "no", "off", "0", "n", "f")
+
+
+def typed_overrides(label: str, over: dict) -> dict:
+    """``over`` of :func:`parse_mode_label` (``label``'s settings, their values as the label's
+    text) with each text value read as the type of the field it sets: ``"80"`` -> 80 for
+    ``pipeline_ttft_budget_ms``, ``"2.5"`` -> 2.5, ``"false"`` / ``"no"`` / ``"off"`` / ``"0"``
+    -> False for an on/off setting; a field that takes names (``routing=round_robin``,
+    ``vllm.python=/path``) keeps its text. The config refuses a string where a number or a boolean
+    is expected (a quoted YAML value); a label has only text. Raises ValueError naming the label
+    and the setting for a value that is not one (``pdd+pipeline_ttft_budget_ms=fast``)."""
+    from pdd.config import EngineConfig, VllmTierConfig
+
+    sections = {"engine": EngineConfig, "vllm": VllmTierConfig}
+    out = {}
+    for key, val in over.items():
+        if key in (AUTOSCALE, STANDBY) or not isinstance(val, str):
+            out[key] = val
+            continue
+        field = key.partition(".")[2] or key
+        arms = _arms(_field_of(key, sections).annotation)
+        if bool in arms:
+            word = val.strip().lower()
+            if word not in _LABEL_TRUE + _LABEL_FALSE:
+                raise ValueError(f"mode {label!r}: {field}: must be true or false, got {val!r}")
+            out[key] = word in _LABEL_TRUE
+        elif any(a in (int, float) for a in arms) and str not in arms:
+            try:
+                out[key] = int(val)
+            except ValueError:
+                try:
+                    out[key] = float(val)
+                except ValueError:
+                    raise ValueError(f"mode {label!r}: {field}: must be a number, got {val!r}") from None
+        else:
+            out[key] = val
+    return out
+
+
+def _arms(ann) -> tuple:
+    """The alternatives of a union annotation (``int | None`` -> ``(int, NoneType)``), else ``(ann,)``."""
+    import types
+    import typing
+
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return typing.get_args(ann)
+    return (ann,)
 
 
 def _field_of(key: str, sections: dict):
@@ -163,6 +217,7 @@ def mode_config(config: ClusterConfig, label: str, vllm_python: str | None = Non
     Raises ValueError (the config's own message) when the result is not a valid config, e.g.
     ``+autoscale`` with no ``autoscale.max`` in the config."""
     base, over = parse_mode_label(label)
+    over = typed_overrides(label, over)  # the label's text as numbers and booleans
     data = config.model_dump()
     data["mode"] = "colocated" if base == vllm_mode.VLLM_MODE else base  # vLLM: colocated's engine settings
     for key, val in over.items():
