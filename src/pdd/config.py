@@ -634,6 +634,33 @@ def check_served_model_name(name: str) -> str:
     return name
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _check_host(host: str) -> str:
+    """``host`` (the config's) if the topology can listen on it: an IP address (IPv4, IPv6: ``127.0.0.1``,
+    ``0.0.0.0``, ``::1``) or a hostname by RFC 1123's syntax (``localhost``, ``node-1.dc.example``:
+    dot-separated labels of letters, digits and hyphens, 1-63 characters each, no hyphen at
+    either end, 253 at most, one trailing dot allowed; the last label not all digits, which
+    would be a malformed IPv4 address). No DNS lookup. ValueError otherwise (the config names
+    the field): an empty host started the topology and failed later with socket.gaierror, and ``'not a host!'``
+    was reported as its ports already in use."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    labels = name.split(".")
+    if (name and len(name) <= 253 and all(_HOST_LABEL.fullmatch(x) for x in labels)
+            and not labels[-1].isdigit()):
+        return host
+    raise ValueError(f"must be an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a hostname (RFC 1123: "
+                     f"dot-separated labels of letters, digits and hyphens, e.g. localhost), got {_short(host)}")
+
+
 class ClusterConfig(_Strict):
     """A whole topology: the instances of each tier, the links and the policies."""
 
@@ -641,7 +668,8 @@ class ClusterConfig(_Strict):
     model_path: str = "models/small"
     model_preset: Literal["tiny", "small"] = "small"
     model_seed: int = 0
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address every process of the topology listens on: an IP address "
+                      "or a hostname (RFC 1123 syntax; checked at load, not looked up)")
     base_port: int = Field(18000, ge=1024, le=65400, description="the topology uses base_port .. base_port+99")
     gateway_port: int = Field(8000, ge=1, le=65535)
     served_model_name: str = "pdd-small"
@@ -769,6 +797,11 @@ class ClusterConfig(_Strict):
     @classmethod
     def _served_model_name(cls, v: str) -> str:
         return check_served_model_name(v)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return _check_host(v)
 
     @field_validator("mode")
     @classmethod

@@ -201,3 +201,25 @@ def test_serve_notes_pdd_only_settings_a_mode_ignores(tmp_path, capsys):
     assert capsys.readouterr().err == (
         "pdd: note: mode colocated has no relay tier nor pipeline choice; it does not use "
         "policy.pipeline_ttft_budget_ms, policy.handoff_mode (pdd mode only)\n")
+
+
+HOST = ("must be an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a hostname (RFC 1123: dot-separated labels of "
+        "letters, digits and hyphens, e.g. localhost), got {}")
+
+
+@pytest.mark.parametrize("host", ["not a host!", "", " 127.0.0.1", "999.1.1.1", "1.2.3", "-a.example", "a..b",
+                                  "under_score", "x" * 64, "http://127.0.0.1", "localhost:8000", "[::1]", "."])
+def test_a_host_that_is_neither_an_ip_nor_a_hostname_is_refused_at_load(tmp_path, host):
+    """``host: 'not a host!'`` was reported as its ports "already in use", and ``host: ''``
+    started the topology and failed later with socket.gaierror."""
+    shown = repr(host) if len(repr(host)) <= 60 else repr(host)[:56] + "...'"  # a long one cut
+    assert _refused(f"host: {json.dumps(host)}\n", tmp_path) == f"host: {HOST.format(shown)}"
+    with pytest.raises(SystemExit) as ex:
+        main(["serve", "--config", str(tmp_path / "c.yaml")])  # the file _refused wrote
+    assert ex.value.code == f"pdd: invalid config: host: {HOST.format(shown)}"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0", "::1", "10.1.2.3", "node-1.dc.example",
+                                  "example.com.", "1host", "x" * 63])
+def test_ip_addresses_and_hostnames_stay_accepted(host):
+    assert ClusterConfig.model_validate({"host": host}).host == host
