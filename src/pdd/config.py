@@ -412,8 +412,31 @@ class SecurityConfig(_Strict):
     )
     api_keys: list[str] = Field(
         default_factory=list,
-        description="gateway API keys (Authorization: Bearer KEY); empty: no key needed",
+        description="gateway API keys (Authorization: Bearer KEY); empty: no key needed. Each a non-empty string "
+        "without surrounding whitespace or control characters (what an HTTP header can carry)",
     )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, v: list[str]) -> list[str]:
+        """Every key one a client can send: the gateway's ``pdd.security.ApiKeyMiddleware`` drops
+        empty keys (``['']`` alone meant no auth, caught only by pdd serve's start-up check after the
+        whole topology started) and compares the header's value trimmed, so a key with whitespace
+        around it, or a control character an HTTP header cannot carry, could never match. Raises
+        ValueError naming the key by position, not its text (a secret)."""
+        for i, key in enumerate(v):
+            which = f"key {i + 1} of {len(v)}"
+            if not key.strip():
+                raise ValueError(f"{which} is empty or only whitespace: no client can send it (the gateway drops an "
+                                 f"empty key; with no other key it would serve without auth); give a key or leave "
+                                 f"it out")
+            if key != key.strip():
+                raise ValueError(f"{which} has whitespace before or after it, which no Authorization header can "
+                                 f"carry (the value is trimmed): it could never match; remove the whitespace")
+            if any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7F for c in key):
+                raise ValueError(f"{which} holds a control character, which no HTTP header can carry: it could "
+                                 f"never match")
+        return v
 
 
 class LimitsConfig(_Strict):

@@ -223,3 +223,33 @@ def test_a_host_that_is_neither_an_ip_nor_a_hostname_is_refused_at_load(tmp_path
                                   "example.com.", "1host", "x" * 63])
 def test_ip_addresses_and_hostnames_stay_accepted(host):
     assert ClusterConfig.model_validate({"host": host}).host == host
+
+
+EMPTY_KEY = ("is empty or only whitespace: no client can send it (the gateway drops an empty key; with no other key "
+             "it would serve without auth); give a key or leave it out")
+SPACED_KEY = ("has whitespace before or after it, which no Authorization header can carry (the value is trimmed): it "
+              "could never match; remove the whitespace")
+
+
+@pytest.mark.parametrize("keys,message", [
+    ([""], f"key 1 of 1 {EMPTY_KEY}"),
+    (["   "], f"key 1 of 1 {EMPTY_KEY}"),
+    (["sk-good", "\t"], f"key 2 of 2 {EMPTY_KEY}"),
+    ([" sk-1"], f"key 1 of 1 {SPACED_KEY}"),
+    (["sk-1", "sk-2\n"], f"key 2 of 2 {SPACED_KEY}"),
+    (["sk\x001"], "key 1 of 1 holds a control character, which no HTTP header can carry: it could never match"),
+])
+def test_an_api_key_no_client_can_send_is_refused_at_load(tmp_path, keys, message):
+    """``security.api_keys: ['']`` passed the config; the gateway drops empty keys, so it served
+    without auth until pdd serve's start-up check, after the whole topology started, refused it.
+    The message names the key by position, never its text."""
+    assert _refused(f"security: {{api_keys: {json.dumps(keys)}}}\n", tmp_path) == f"security.api_keys: {message}"
+    with pytest.raises(SystemExit) as ex:
+        main(["serve", "--config", str(tmp_path / "c.yaml")])  # the file _refused wrote
+    assert ex.value.code == f"pdd: invalid config: security.api_keys: {message}"
+
+
+def test_api_keys_a_client_can_send_stay_accepted():
+    keys = ["sk-1", "a key with spaces inside", "k\tey", "clé"]
+    assert ClusterConfig.model_validate({"security": {"api_keys": keys}}).security.api_keys == keys
+    assert ClusterConfig.model_validate({"security": {"api_keys": []}}).security.api_keys == []
