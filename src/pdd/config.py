@@ -88,13 +88,14 @@ def _number_fields(cls) -> frozenset[str]:
 def _bool_fields(cls) -> frozenset[str]:
     """Names of ``cls``'s fields whose type is ``bool`` (``bool | None``: None stays pydantic's)."""
     return frozenset(name for name, f in cls.model_fields.items()
-                     if f.annotation is bool or set(_arms(f.annotation)) == {bool, type(None)})
+                     if f.annotation is bool or set(union_arms(f.annotation)) == {bool, type(None)})
 
 
-def _arms(ann) -> tuple:
-    """The alternatives of a union annotation (``int | None`` -> ``(int, NoneType)``), else ``(ann,)``."""
+def union_arms(ann) -> tuple:
+    """The alternatives of a union annotation, nested unions flattened (``int | None`` -> ``(int,
+    NoneType)``), else ``(ann,)``."""
     if typing.get_origin(ann) in (typing.Union, UnionType):
-        return tuple(x for a in typing.get_args(ann) for x in _arms(a))
+        return tuple(x for a in typing.get_args(ann) for x in union_arms(a))
     return (ann,)
 
 
@@ -107,7 +108,7 @@ def _text_for_number(ann, v, at: str = "") -> tuple[str, str] | None:
     """The first string in ``v`` at a place where ``ann`` takes numbers and no text: ``(where,
     string)`` (where: ``""`` for ``v`` itself, ``main_decode`` for a mapping's value, ``[0][1]``
     inside lists), or None. Mapping keys are not numbers here (``Literal`` role names)."""
-    arms = _arms(ann)
+    arms = union_arms(ann)
     if isinstance(v, str):
         if any(a in (int, float) for a in arms) and not any(_takes_text(a) for a in arms):
             return at, v

@@ -162,7 +162,7 @@ def typed_overrides(label: str, over: dict) -> dict:
     ``vllm.python=/path``) keeps its text. The config refuses a string where a number or a boolean
     is expected (a quoted YAML value); a label has only text. Raises ValueError naming the label
     and the setting for a value that is not one (``pdd+pipeline_ttft_budget_ms=fast``)."""
-    from pdd.config import EngineConfig, VllmTierConfig
+    from pdd.config import EngineConfig, VllmTierConfig, union_arms
 
     sections = {"engine": EngineConfig, "vllm": VllmTierConfig}
     out = {}
@@ -171,7 +171,7 @@ def typed_overrides(label: str, over: dict) -> dict:
             out[key] = val
             continue
         field = key.partition(".")[2] or key
-        arms = _arms(_field_of(key, sections).annotation)
+        arms = union_arms(_field_of(key, sections).annotation)
         if bool in arms:
             word = val.strip().lower()
             if word not in _LABEL_TRUE + _LABEL_FALSE:
@@ -188,16 +188,6 @@ def typed_overrides(label: str, over: dict) -> dict:
         else:
             out[key] = val
     return out
-
-
-def _arms(ann) -> tuple:
-    """The alternatives of a union annotation (``int | None`` -> ``(int, NoneType)``), else ``(ann,)``."""
-    import types
-    import typing
-
-    if typing.get_origin(ann) in (typing.Union, types.UnionType):
-        return typing.get_args(ann)
-    return (ann,)
 
 
 def _field_of(key: str, sections: dict):
