@@ -202,6 +202,23 @@ def test_unknown_model_404_then_still_serving(api):
     _still_serving(client)
 
 
+def test_a_refusal_echoes_a_huge_value_bounded(api):
+    """The model name, a bad batch item or logit_bias key is echoed cut to 120 characters and its
+    length (``openai_schemas.shown``), not whole."""
+    client, orch = api
+    r = client.post("/v1/completions", json={**OK, "model": "m" * 100_000})
+    assert _err(r, 404, "model", "model_not_found")["message"] == (
+        f"model '{'m' * 119}... (100000 characters) does not exist; this server serves 'pdd-tiny'")
+    r = client.post("/v1/completions", json={**OK, "prompt": ["a", ["z"] * 50_000]})
+    assert _err(r, 400, "prompt")["message"] == (
+        "prompt[1]: a batch of texts must hold strings only (prompt[0] is a string), got "
+        f"{repr(['z'] * 50)[:120]}... (50000 items)")
+    r = client.post("/v1/completions", json={**OK, "logit_bias": {"k" * 100_000: 1}})
+    assert _err(r, 400, "logit_bias")["message"] == (
+        f"logit_bias: key '{'k' * 119}... (100000 characters) is not a token id")
+    assert not orch.started
+
+
 def test_n_two_never_hangs_and_n_over_the_limit_is_400(api):
     client, orch = api
     r = client.post("/v1/completions", json={**OK, "n": 2, "max_tokens": 3})

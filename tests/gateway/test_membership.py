@@ -627,3 +627,35 @@ def test_delete_of_the_last_active_instance_with_requests_in_flight_is_a_conflic
                    "transfer(s): add another first, then drain it and wait until in_flight is 0 (or force)",
         "type": "invalid_request_error", "param": "name", "code": "conflict"}
     assert ms.view("md0")["state"] == ACTIVE
+
+
+def test_a_refusal_echoes_a_huge_value_bounded():
+    """An address of 1,000,000 characters got a 409 holding it twice (2,000,156 bytes): each value
+    a message echoes is cut to ``SHOWN_CHARS`` characters, then its full length
+    (``openai_schemas.shown``)."""
+    c, o, ms = _client()
+    addr = "a" * 1_000_000 + ":1"
+    r = c.post("/pdd/instances", json={"role": "main_decode", "address": addr})
+    assert r.status_code == 409, r.text[:300]
+    cut = "'" + "a" * 119
+    assert r.json()["error"] == {
+        "message": f"address {cut}... (1000002 characters): host {cut}... (1000000 characters) is not this "
+                   "topology's host 127.0.0.1", "type": "invalid_request_error", "param": "address",
+        "code": "address_conflict"}
+    assert len(r.content) < 500
+    r = c.post("/pdd/instances", json={"role": "x" * 10_000})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"unknown role '{'x' * 119}... (10000 characters); expected one of prefill, relay_decode, main_decode, "
+        "colocated")
+    r = c.post("/pdd/instances", json={"role": "main_decode", "address": "b" * 10_000})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"address '{'b' * 119}... (10000 characters) is not host:port (port 1-65535)")
+
+
+def test_shown_keeps_a_short_value_whole():
+    from pdd.gateway.openai_schemas import shown
+
+    assert shown("md0") == "'md0'" and shown(None) == "None" and shown([1, 2]) == "[1, 2]"
+    assert shown("a" * 118) == repr("a" * 118)  # 120 characters with its quotes
+    assert shown("a" * 119) == "'" + "a" * 119 + "... (119 characters)"
+    assert shown(list(range(100))) == repr(list(range(100)))[:120] + "... (100 items)"

@@ -46,7 +46,7 @@ from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages, error_body,
-                                        int_range, lone_surrogate, media_type, not_utf8, too_deep, prompt_batch,
+                                        int_range, lone_surrogate, media_type, not_utf8, too_deep, prompt_batch, shown,
                                         sampling_for, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
@@ -355,7 +355,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise ApiError(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
+            raise ApiError(f"model {shown(name)} does not exist; this server serves {model_name!r}", "model",
                            status=404, code="model_not_found")
 
     def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1, asked: bool = True,

@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdd.gateway.openai_schemas import shown
 from pdd.policy.prefix_index import PrefixIndex
 from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide, decide_rerole
 from pdd.roles.rerole import set_role_msg
@@ -114,7 +115,8 @@ def parse_address(addr: str) -> tuple[str, int]:
     a = a.rstrip("/")
     host, sep, port = a.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535 or "/" in host or " " in host:
-        raise MembershipError(400, f"address {addr!r} is not host:port (port 1-65535)", "address", "bad_address")
+        raise MembershipError(400, f"address {shown(addr)} is not host:port (port 1-65535)", "address",
+                              "bad_address")
     return host, int(port)
 
 
@@ -250,7 +252,7 @@ class Membership:
     def _get(self, name: str) -> Member:
         m = self.members.get(name)
         if m is None:
-            raise MembershipError(404, f"no instance named {name!r} in the {self.full.mode} topology (instances: "
+            raise MembershipError(404, f"no instance named {shown(name)} in the {self.full.mode} topology (instances: "
                                        f"{', '.join(self.members)})", "name", "instance_not_found")
         return m
 
@@ -260,7 +262,7 @@ class Membership:
     def _slot_for(self, role: str, name: str | None, address: str | None) -> Member:
         roles = sorted({m.role for m in self.members.values()})
         if role not in ENGINE_ROLES:
-            raise MembershipError(400, f"unknown role {role!r}; expected one of {', '.join(ENGINE_ROLES)}", "role",
+            raise MembershipError(400, f"unknown role {shown(role)}; expected one of {', '.join(ENGINE_ROLES)}", "role",
                                   "unknown_role")
         if role not in roles:
             raise MembershipError(400, f"the {self.full.mode} topology has no {role} instances (roles: "
@@ -270,20 +272,20 @@ class Membership:
             host, port = parse_address(address)
             want = port
             if host not in (self.full.host, "localhost", "127.0.0.1") and self.full.host not in (host,):
-                raise MembershipError(409, f"address {address!r}: host {host} is not this topology's host "
+                raise MembershipError(409, f"address {shown(address)}: host {shown(host)} is not this topology's host "
                                            f"{self.full.host}", "address", "address_conflict")
             holder = next((x for x in self.members.values() if x.state in (ACTIVE, DRAINING)
                            and port in (int(x.address.rsplit(":", 1)[1]), int(x.reached_at.rsplit(":", 1)[1]))),
                           None)
             if holder is not None:
-                raise MembershipError(409, f"address {address!r} is already a member's: {holder.name} "
+                raise MembershipError(409, f"address {shown(address)} is already a member's: {holder.name} "
                                            f"({holder.state})", "address", "duplicate_address")
         if name is not None:
             m = self._get(name)
             if m.role != role:
                 raise MembershipError(400, f"instance {name} is a {m.role} slot, not {role}", "role", "role_mismatch")
             if want is not None and want not in (int(m.address.rsplit(":", 1)[1]), int(m.reached_at.rsplit(":", 1)[1])):
-                raise MembershipError(409, f"address {address!r} is not instance {name}'s ({m.address}; every "
+                raise MembershipError(409, f"address {shown(address)} is not instance {name}'s ({m.address}; every "
                                            f"instance listens where the config's layout puts it)", "address",
                                       "address_conflict")
             return m
@@ -291,7 +293,7 @@ class Membership:
         if want is not None:
             at = [m for m in cands if want in (int(m.address.rsplit(":", 1)[1]), int(m.reached_at.rsplit(":", 1)[1]))]
             if not at:
-                raise MembershipError(404, f"no {role} slot of the config listens at {address!r} (slots: "
+                raise MembershipError(404, f"no {role} slot of the config listens at {shown(address)} (slots: "
                                            f"{', '.join(m.name + ' ' + m.address for m in cands)})", "address",
                                       "instance_not_found")
             return at[0]
@@ -587,7 +589,8 @@ class Membership:
                           others_active=self._others_active(m), force=force)
         if not d.ok:
             code = {400: "unknown_role", 403: "rerole_not_allowed"}.get(d.status, "conflict")
-            raise MembershipError(d.status, d.message, "role" if d.status == 400 else "name", code)
+            msg = d.message.replace(repr(role), shown(role), 1)  # an unknown role, bounded
+            raise MembershipError(d.status, msg, "role" if d.status == 400 else "name", code)
         if not d.changed:
             return {**self.view(name), "message": d.message, "changed": False}
         self._busy_ops.add(name)

@@ -113,6 +113,25 @@ class ApiError(Exception):
         return error_body(self.message, self.param, self.code, self.etype)
 
 
+SHOWN_CHARS = 120  # a value an error message echoes is cut to about this many characters (:func:`shown`)
+
+
+def shown(value, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error message, bounded: at most ``limit`` characters of it, then
+    ``...`` and the value's full length (``'aaaa... (1000002 characters)``: a str's characters,
+    a bytes' bytes, a list's or dict's items, else its repr's characters), so a refusal of a
+    huge input is not huge itself (an address of 1,000,000 characters made a 2 MB 409).
+    Raises nothing."""
+    s = repr(value)
+    if len(s) <= limit:
+        return s
+    if isinstance(value, (str, bytes, list, tuple, dict)):
+        n, what = len(value), {str: "characters", bytes: "bytes"}.get(type(value), "items")
+    else:
+        n, what = len(s), "characters"
+    return f"{s[:limit]}... ({n} {what})"
+
+
 def error_body(message: str, param: str | None = None, code: str | None = None,
                etype: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
@@ -299,19 +318,19 @@ class CompletionRequest(_Sampling):
             for i, p in enumerate(v):
                 if not isinstance(p, str):
                     raise ValueError(f"prompt[{i}]: a batch of texts must hold strings only "
-                                     f"(prompt[0] is a string), got {p!r}")
+                                     f"(prompt[0] is a string), got {shown(p)}")
         elif isinstance(v[0], list):
             for i, ids in enumerate(v):
                 if not isinstance(ids, list):
                     raise ValueError(f"prompt[{i}]: a batch of token-id lists must hold lists only "
-                                     f"(prompt[0] is a list), got {ids!r}")
+                                     f"(prompt[0] is a list), got {shown(ids)}")
                 for j, t in enumerate(ids):
                     if isinstance(t, bool) or not isinstance(t, int):
-                        raise ValueError(f"prompt[{i}][{j}]: token ids must be integers, got {t!r}")
+                        raise ValueError(f"prompt[{i}][{j}]: token ids must be integers, got {shown(t)}")
         else:
             for i, t in enumerate(v):
                 if isinstance(t, bool) or not isinstance(t, int):
-                    raise ValueError(f"prompt[{i}]: token ids must be integers, got {t!r}")
+                    raise ValueError(f"prompt[{i}]: token ids must be integers, got {shown(t)}")
         return v
 
 
@@ -515,7 +534,7 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
         try:
             t = int(k)
         except ValueError:
-            raise ApiError(f"logit_bias: key {k!r} is not a token id", "logit_bias") from None
+            raise ApiError(f"logit_bias: key {shown(k)} is not a token id", "logit_bias") from None
         if not 0 <= t < vocab:
             raise ApiError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})", "logit_bias")
         if not -100.0 <= v <= 100.0:
@@ -580,7 +599,7 @@ def _check_prompt_logprobs(body) -> None:
 def _check_response_format(rf: dict | None) -> None:
     """Only plain text output: a JSON schema or object format needs guided decoding (ApiError)."""
     if rf is not None and rf.get("type", "text") != "text":
-        raise ApiError(f"response_format {rf.get('type')!r} is not supported (no guided decoding)",
+        raise ApiError(f"response_format {shown(rf.get('type'))} is not supported (no guided decoding)",
                        "response_format")
 
 
