@@ -659,3 +659,23 @@ def test_shown_keeps_a_short_value_whole():
     assert shown("a" * 118) == repr("a" * 118)  # 120 characters with its quotes
     assert shown("a" * 119) == "'" + "a" * 119 + "... (119 characters)"
     assert shown(list(range(100))) == repr(list(range(100)))[:120] + "... (100 items)"
+
+
+def test_a_path_with_a_trailing_slash_is_an_unknown_path_not_a_redirect():
+    """``DELETE /pdd/instances/`` was a 307 with an empty body to ``/pdd/instances`` (FastAPI's
+    redirect_slashes), where the DELETE got 405: now a 404 in the OpenAI error shape, as any
+    unknown path."""
+    from pdd.gateway.api import create_app
+
+    class Tok:
+        def get_vocab_size(self, with_added_tokens=True):
+            return 256
+
+    o, ms, _ = _setup()
+    c = TestClient(create_app(o.cfg, o, Tok()), follow_redirects=False)
+    not_found = {"error": {"message": "Not Found", "type": "invalid_request_error", "param": None, "code": None}}
+    for method, path in (("DELETE", "/pdd/instances/"), ("GET", "/pdd/instances/"), ("GET", "/health/"),
+                         ("POST", "/v1/completions/"), ("GET", "/no/such/path")):
+        r = c.request(method, path)
+        assert (r.status_code, r.json()) == (404, not_found), (method, path, r.status_code, r.text)
+    assert c.get("/pdd/instances").status_code == 200

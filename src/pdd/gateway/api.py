@@ -185,7 +185,10 @@ class BodyLimit:
 
 
 def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
-    app = FastAPI(title="pdd gateway", version="0.1.0")
+    # no 307 to the path without its trailing slash (FastAPI's redirect_slashes: an empty body, and
+    # a client that follows it with its method changed may get a 405): ``/pdd/instances/`` is an
+    # unknown path like any other, a 404 in the OpenAI error shape (no documented path ends in /)
+    app = FastAPI(title="pdd gateway", version="0.1.0", redirect_slashes=False)
     app.router.route_class = Utf8JsonRoute  # before any route is added (membership_api's too)
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
     mc = checkpoint_config(cfg)
