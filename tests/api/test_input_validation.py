@@ -863,3 +863,37 @@ def test_an_integer_parameter_too_large_as_a_float_names_its_range(api, path, fi
     assert not orch.started
     r = client.post("/v1/completions", json={**OK, "seed": 1e3})  # a float that is an integer: still served
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{"prompt": "a", "max_tokens": %s}'),
+    ("/v1/completions", '{"prompt": [5, 6, -%s], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "seed": %s}'),
+    ("/tokenize", '{"prompt": "a", "x": [%s]}'),
+])
+def test_an_integer_past_the_digit_limit_is_400_naming_the_limit(api, path, body):
+    """Found by a new user: ``"max_tokens": 999...`` of 5000 digits got "There was an error
+    parsing the body" (Python's int() refuses more than 4300 digits while parsing)."""
+    client, orch = api
+    r = client.post(path, content=body % ("9" * 5000), headers={"content-type": "application/json"})
+    assert _err(r, 400, None, None)["message"] == (
+        "request body has a number with too many digits (5000): a JSON integer may have at most 4300 digits")
+    assert not orch.started
+    _still_serving(client)
+
+
+def test_digits_in_strings_floats_and_4300_digit_integers_are_not_refused_for_digits(api):
+    from pdd.gateway.openai_schemas import too_many_digits
+
+    client, orch = api
+    r = client.post("/v1/completions", content='{"prompt": "a", "user": "%s", "max_tokens": 2}' % ("7" * 5000),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", content='{"prompt": "a", "max_tokens": %s}' % ("9" * 4300),
+                    headers={"content-type": "application/json"})
+    assert _err(r, 400, "max_tokens", "context_length_exceeded")["message"].endswith(
+        ") exceeds the context window of 512 tokens")  # parsed: a range error, not a parse error
+    assert too_many_digits(b'{"a": "%s", "b": 1.%s, "c": %se5, "d": -%s}' % ((b"9" * 5000,) * 3 + (b"9" * 4300,))) \
+        is None
+    assert too_many_digits(b'{"a": [0, %s]}' % (b"1" * 4301)) == (
+        "request body has a number with too many digits (4301): a JSON integer may have at most 4300 digits")

@@ -679,3 +679,15 @@ def test_a_path_with_a_trailing_slash_is_an_unknown_path_not_a_redirect():
         r = c.request(method, path)
         assert (r.status_code, r.json()) == (404, not_found), (method, path, r.status_code, r.text)
     assert c.get("/pdd/instances").status_code == 200
+
+
+def test_an_operator_body_with_an_integer_past_the_digit_limit_says_so():
+    """As on /v1 (pdd.gateway.openai_schemas.too_many_digits): pydantic's parser said "body:
+    Invalid JSON: number out of range at line 1 column 4310"."""
+    c, o, ms = _client()
+    r = c.post("/pdd/instances/md0/drain", content='{"force": ' + "1" * 5000 + "}",
+               headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "request body has a number with too many digits (5000): a JSON integer "
+                                            "may have at most 4300 digits", "type": "invalid_request_error",
+                                 "param": None, "code": "invalid_body"}

@@ -47,7 +47,7 @@ from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages, error_body,
                                         int_range, lone_surrogate, media_type, not_utf8, too_deep, prompt_batch, shown,
-                                        sampling_for, truncated_prompt)
+                                        sampling_for, too_many_digits, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
@@ -778,11 +778,13 @@ def _pdd_summary(st: ReqState) -> dict[str, Any]:
 
 async def _body_error(request: Request) -> str | None:
     """What is wrong with a body FastAPI could not parse (its message says only "There was an
-    error parsing the body"): :func:`not_utf8`. None when that is not the cause. (A route of
-    :class:`Utf8JsonRoute` refuses such a body before FastAPI parses it; this covers any other.)"""
+    error parsing the body"): :func:`not_utf8`, :func:`too_deep`, or an integer past Python's
+    digit limit (:func:`too_many_digits`: only looked for here, once the parse failed). None when
+    that is not the cause. (A route of :class:`Utf8JsonRoute` refuses a body that is not UTF-8
+    or too deep before FastAPI parses it; this covers any other.)"""
     try:
         body = await request.body()
-        return not_utf8(body) or too_deep(body)
+        return not_utf8(body) or too_deep(body) or too_many_digits(body)
     except Exception:
         return None
 

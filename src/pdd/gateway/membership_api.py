@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from pdd.gateway.membership import Membership, MembershipError
-from pdd.gateway.openai_schemas import error_body, media_type, not_utf8, too_deep
+from pdd.gateway.openai_schemas import error_body, media_type, not_utf8, too_deep, too_many_digits
 
 
 class AddInstance(BaseModel):
@@ -55,7 +55,8 @@ def _error(e: MembershipError) -> JSONResponse:
 async def _body(request: Request, model):
     """The request's JSON body as ``model`` (an empty body: all defaults). Raises MembershipError:
     415 for a body sent with a content type other than JSON (as the /v1 endpoints answer), 400
-    naming the field for a bad one, 400 for one that is not UTF-8 (``not_utf8``)."""
+    naming the field for a bad one, 400 for one that is not UTF-8 (``not_utf8``), nested too deeply
+    (``too_deep``) or with an integer past Python's digit limit (``too_many_digits``)."""
     raw = await request.body()
     ctype = media_type(request.headers.get("content-type"))
     if raw.strip() and ctype and "json" not in ctype:
@@ -68,6 +69,9 @@ async def _body(request: Request, model):
         return model.model_validate_json(raw.removeprefix(codecs.BOM_UTF8) or b"{}")
     except ValidationError as ex:
         err = ex.errors()[0]
+        why = too_many_digits(raw) if err.get("type") == "json_invalid" else None  # "number out of range"
+        if why is not None:
+            raise MembershipError(400, why, None, "invalid_body") from None
         where = ".".join(str(x) for x in err.get("loc", ())) or None
         raise MembershipError(400, f"{where or 'body'}: {err.get('msg')}", where, "invalid_body") from None
 

@@ -101,6 +101,32 @@ def too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> str | None:
     return None
 
 
+_JSON_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+
+
+def too_many_digits(body: bytes, limit: int | None = None) -> str | None:
+    """Why ``body`` (JSON text) cannot be parsed for an integer with more than ``limit`` digits
+    (default: Python's ``sys.get_int_max_str_digits()``, 4300; 0 is no limit), else None. The
+    parser's ``int()`` refuses one (a ValueError, which FastAPI reported as "There was an error
+    parsing the body"; pydantic's as "number out of range"); a number with a fraction or an
+    exponent is a float and has no such limit. Meant for a body that failed to parse: O(body),
+    a regex pass to drop strings (their digits are text) and one over the numbers left.
+    Raises nothing."""
+    import sys
+
+    limit = sys.get_int_max_str_digits() if limit is None else limit
+    if not limit or len(body) <= limit:
+        return None
+    most = 0
+    for m in _JSON_NUMBER.finditer(_JSON_STRING.sub(b'""', body)):
+        if m.group(1) is None and m.group(2) is None:
+            most = max(most, m.end() - m.start() - (m.group().startswith(b"-")))
+    if most <= limit:
+        return None
+    return (f"request body has a number with too many digits ({most}): a JSON integer may have at most {limit} "
+            "digits")
+
+
 class ApiError(Exception):
     """An OpenAI-style error: ``status`` (400 unless said), ``param``, ``code``."""
 
