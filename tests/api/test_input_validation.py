@@ -413,6 +413,37 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens(api):
     assert cut.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
 
 
+def test_a_text_too_long_to_fit_is_truncated_with_truncate_prompt_tokens_up_to_its_own_limit(api):
+    """Found by a new user: a text of more than max_input_len x 64 characters (25,600 here) was
+    refused "cannot fit the maximum input length" before tokenizing, although
+    truncate_prompt_tokens keeps a prompt's last tokens instead of refusing it. With it set, a
+    text is tokenized up to MAX_TRUNCATED_PROMPT_CHARS (1,048,576) and cut; past that, a 400
+    naming the limit."""
+    from pdd.gateway.api import MAX_TRUNCATED_PROMPT_CHARS
+
+    client, orch = api
+    long = "hello world " * 10_000  # 120,000 characters
+    assert _err(client.post("/v1/completions", json={**OK, "prompt": long}), 400, "prompt",
+                "context_length_exceeded")["message"] == (
+        "prompt: 120000 characters cannot fit the maximum input length of 400 tokens")
+    r = client.post("/v1/completions", json={**OK, "prompt": long, "truncate_prompt_tokens": 100})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    r = client.post("/v1/completions", json={**OK, "prompt": ["a", long], "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2 + 400, r.text  # "a" and its BOS
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}], "max_tokens": 2,
+                                                  "truncate_prompt_tokens": 50})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50, r.text
+    too_long = "a" * (MAX_TRUNCATED_PROMPT_CHARS + 1)
+    assert _err(client.post("/v1/completions", json={**OK, "prompt": too_long, "truncate_prompt_tokens": 100}),
+                400, "prompt", "context_length_exceeded")["message"] == (
+        "prompt: 1048577 characters is more than a prompt with truncate_prompt_tokens may have (1048576 characters)")
+    n = len(orch.started)
+    assert _err(client.post("/v1/completions", json={**OK, "prompt": too_long, "truncate_prompt_tokens": 0}),
+                400, "truncate_prompt_tokens")["message"].startswith("truncate_prompt_tokens: 0 would leave no prompt")
+    assert len(orch.started) == n
+
+
 @pytest.mark.parametrize("prompt", [[True, False], [5, True], [[5, 6], [7, False]], [5.0, 6.0]])
 def test_token_id_prompts_must_be_json_integers(api, prompt):
     """Booleans (and floats) are not token ids: lax parsing served [true, false] as ids 1 and 0."""

@@ -45,9 +45,9 @@ from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unle
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        TokenizeRequest, check_chat, check_completion, check_messages, error_body,
-                                        int_range, lone_surrogate, media_type, not_utf8, too_deep, prompt_batch, shown,
-                                        sampling_for, too_many_digits, truncated_prompt)
+                                        TokenizeRequest, check_chat, check_completion, check_messages,
+                                        check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
+                                        too_deep, prompt_batch, shown, sampling_for, too_many_digits, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
@@ -63,6 +63,11 @@ def bad_request(message: str, param: str | None = None, status: int = 400, code:
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a max_input_len prompt as JSON token ids is well under 1 MiB
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer's token is longer: a longer text cannot fit max_input_len
+# A text prompt with truncate_prompt_tokens is tokenized whole, then cut to its last k tokens (a
+# suffix of the text is not tokenized exactly as the whole: a BPE word's merges, a byte-level
+# pre-tokenizer's first space), so it may be longer than max_input_len x MAX_CHARS_PER_TOKEN, up to
+# this many characters (about 0.7 s of one core for the demo's byte-level BPE); bounded work still
+MAX_TRUNCATED_PROMPT_CHARS = 1 << 20
 
 
 class Overloaded(ApiError):
@@ -419,13 +424,20 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                            f"{cfg.engine.max_model_len} tokens", where, code="context_length_exceeded")
         return n
 
-    def encode(text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def encode(text: str, add_special_tokens: bool, param: str, truncating: bool = False) -> list[int]:
         """Tokenize (the caller runs this off the event loop), refusing what cannot be a prompt
-        that fits: a text longer than max_input_len x MAX_CHARS_PER_TOKEN characters, or one with
-        lone surrogates (not valid Unicode). ``param`` names the text in the message (a batch's
-        ``prompt[1]``); the error's ``param`` is the field (``prompt``)."""
+        that fits: a text longer than max_input_len x MAX_CHARS_PER_TOKEN characters (with
+        ``truncating``, the request's truncate_prompt_tokens set: longer than that or
+        MAX_TRUNCATED_PROMPT_CHARS, whichever is more), or one with lone surrogates (not valid
+        Unicode). ``param`` names the text in the message (a batch's ``prompt[1]``); the error's
+        ``param`` is the field (``prompt``)."""
         field = param.partition("[")[0]
-        if len(text) > cfg.engine.max_input_len * MAX_CHARS_PER_TOKEN:
+        fits = cfg.engine.max_input_len * MAX_CHARS_PER_TOKEN
+        if truncating and len(text) > max(fits, MAX_TRUNCATED_PROMPT_CHARS):
+            raise ApiError(f"{param}: {len(text)} characters is more than a prompt with truncate_prompt_tokens may "
+                           f"have ({max(fits, MAX_TRUNCATED_PROMPT_CHARS)} characters)", field,
+                           code="context_length_exceeded")
+        if not truncating and len(text) > fits:
             raise ApiError(f"{param}: {len(text)} characters cannot fit the maximum input length of "
                            f"{cfg.engine.max_input_len} tokens", field, code="context_length_exceeded")
         bad = lone_surrogate(text)
@@ -436,21 +448,21 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         except (TypeError, ValueError, UnicodeError) as e:
             raise ApiError(f"{param}: not valid Unicode text ({e})", field) from None
 
-    def prompt_ids(prompt, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """Token ids of one prompt (text or token ids)."""
+    def prompt_ids(prompt, add_special_tokens: bool, param: str = "prompt", truncating: bool = False) -> list[int]:
+        """Token ids of one prompt (text or token ids; ``truncating``: see :func:`encode`)."""
         if not prompt:  # a text refused even where the tokenizer would add a BOS to it
             raise ApiError(f"{param}: must not be empty", "prompt")
         if isinstance(prompt, str):
-            return encode(prompt, add_special_tokens, param)
+            return encode(prompt, add_special_tokens, param, truncating)
         return vocab_ids(list(prompt), param)
 
-    def batch_ids(prompt, add_special_tokens: bool) -> list[list[int]]:
+    def batch_ids(prompt, add_special_tokens: bool, truncating: bool = False) -> list[list[int]]:
         """Token ids of each prompt of a completion request: one, or a batch (a list of texts or
         of token-id lists, as vLLM and OpenAI take it)."""
         prompts = prompt_batch(prompt)
         if len(prompts) == 1:
-            return [prompt_ids(prompts[0], add_special_tokens)]
-        return [prompt_ids(p, add_special_tokens, f"prompt[{i}]") for i, p in enumerate(prompts)]
+            return [prompt_ids(prompts[0], add_special_tokens, truncating=truncating)]
+        return [prompt_ids(p, add_special_tokens, f"prompt[{i}]", truncating) for i, p in enumerate(prompts)]
 
     def admit(n_choices: int, prompt_tokens: int, request: Request | None):
         """An admission ticket for ``n_choices`` choices over ``prompt_tokens`` prompt tokens, else
@@ -638,7 +650,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_model(body.model)
         check_completion(body)
         check_choices(body.n, len(prompt_batch(body.prompt)))
-        batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens)  # off the event loop
+        check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)  # before the tokenizer's work
+        batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens,  # off the event loop
+                                        body.truncate_prompt_tokens is not None)
         plans = []
         for ids in batch:
             ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
@@ -685,8 +699,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_model(body.model)
         check_chat(body)
         check_choices(body.n)
+        check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)
         text = render_chat(body)
-        ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages")
+        ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages",
+                                      body.truncate_prompt_tokens is not None)
         ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens

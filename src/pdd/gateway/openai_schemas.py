@@ -629,19 +629,24 @@ def _check_response_format(rf: dict | None) -> None:
                        "response_format")
 
 
-def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[int]:
-    """``truncate_prompt_tokens`` (vLLM's extension): the last ``k`` prompt tokens (left
-    truncation; -1: the last ``max_input_len``); ``ids`` unchanged for None. ApiError for 0
-    (nothing would be left) or ``k`` above ``max_input_len`` (vLLM refuses a k past the model's
-    limit too)."""
-    if k is None:
-        return ids
+def check_truncate(k: int | None, max_input_len: int) -> None:
+    """ApiError for a ``truncate_prompt_tokens`` of 0 (nothing would be left) or above
+    ``max_input_len`` (vLLM refuses a k past the model's limit too); None and -1 pass."""
     if k == 0:
         raise ApiError("truncate_prompt_tokens: 0 would leave no prompt; use k >= 1, or -1 for the maximum "
                        "input length", "truncate_prompt_tokens")
-    if k > max_input_len:
+    if k is not None and k > max_input_len:
         raise ApiError(f"truncate_prompt_tokens: {k} is above the maximum input length {max_input_len}",
                        "truncate_prompt_tokens")
+
+
+def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[int]:
+    """``truncate_prompt_tokens`` (vLLM's extension): the last ``k`` prompt tokens (left
+    truncation; -1: the last ``max_input_len``); ``ids`` unchanged for None. ApiError for a bad
+    ``k`` (:func:`check_truncate`)."""
+    if k is None:
+        return ids
+    check_truncate(k, max_input_len)
     k = max_input_len if k == -1 else k
     return ids[-k:] if len(ids) > k else ids
 
