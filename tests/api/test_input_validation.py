@@ -63,6 +63,24 @@ def test_chat_prompt_just_over_max_input_len_is_400(api, tiny_model, limit):
     assert not orch.started
 
 
+@pytest.mark.parametrize("limit", [{"max_completion_tokens": 4}, {"max_tokens": 4}, {"max_tokens": None}, {}])
+def test_a_prompt_past_the_context_window_too_is_refused_for_max_input_len_in_the_same_words(api, limit):
+    """Found by a new user: with no max_tokens, a prompt past the context window (512 here) was
+    "N prompt tokens leave no room in the context window", with it "... is longer than the
+    maximum input length": the over-long prompt is named first either way."""
+    client, orch = api
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello " * 600}],
+                                                  **limit})
+    msg = _err(r, 400, "messages", "context_length_exceeded")["message"]
+    assert msg.startswith("messages (as a prompt): ") and msg.endswith(
+        " tokens is longer than the maximum input length 400"), msg
+    if "max_completion_tokens" not in limit:
+        r = client.post("/v1/completions", json={"prompt": list(range(10, 610)), **limit})
+        assert _err(r, 400, "prompt", "context_length_exceeded")["message"] == (
+            "prompt: 600 tokens is longer than the maximum input length 400")
+    assert not orch.started
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),

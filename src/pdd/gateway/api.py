@@ -378,12 +378,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         per choice, as vLLM admits such requests. ``prompt_param``: the field the prompt came in
         (``messages`` for chat, whichever of max_tokens / max_completion_tokens it gave)."""
         e = cfg.engine
-        what = "prompt" if prompt_param == "prompt" else f"{prompt_param} (as a prompt)"
         if not n_prompt:
+            what = "prompt" if prompt_param == "prompt" else f"{prompt_param} (as a prompt)"
             raise ApiError(f"{what}: must not be empty", prompt_param)
-        if n_prompt > e.max_input_len:
-            raise ApiError(f"{what}: {n_prompt} tokens is longer than the maximum input length {e.max_input_len}",
-                           prompt_param, code="context_length_exceeded")
+        check_input_len(n_prompt, prompt_param)
         if n_prompt + max_tokens > e.max_model_len:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
@@ -414,10 +412,21 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if why is not None:
             raise ApiError(why, "n" if n > 1 else "prompt")
 
+    def check_input_len(n_prompt: int, prompt_param: str) -> None:
+        """ApiError (400 ``context_length_exceeded`` naming ``prompt_param``, "prompt" or
+        "messages") for a prompt of more than max_input_len tokens: the first length check, with
+        ``max_tokens`` given or not, so such a prompt is refused in the same words either way."""
+        e = cfg.engine
+        if n_prompt > e.max_input_len:
+            what = "prompt" if prompt_param == "prompt" else f"{prompt_param} (as a prompt)"
+            raise ApiError(f"{what}: {n_prompt} tokens is longer than the maximum input length {e.max_input_len}",
+                           prompt_param, code="context_length_exceeded")
+
     def rest_of_context(n_prompt: int, where: str) -> int:
         """Output tokens the context window leaves after ``n_prompt`` prompt tokens (vLLM's
         ``max_tokens`` when none is given); ApiError naming ``where`` ("prompt" / "messages")
-        when it leaves none."""
+        for a prompt over max_input_len (:func:`check_input_len`), or when it leaves none."""
+        check_input_len(n_prompt, where)
         n = cfg.engine.max_model_len - n_prompt
         if n < 1:
             raise ApiError(f"{where}: {n_prompt} prompt tokens leave no room in the context window of "
