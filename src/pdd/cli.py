@@ -138,8 +138,7 @@ def cmd_launch(args) -> int:
 def cmd_serve(args) -> int:
     from pdd.launch import Topology
 
-    import signal
-
+    from pdd.cli_args import stop_on_sigterm
     from pdd.launch import LaunchError
     from pdd.security import SecurityError
     from pdd.topology import ports_taken_refusal
@@ -164,10 +163,7 @@ def cmd_serve(args) -> int:
         _usage(args, taken)
     ensure_model(cfg)
 
-    def _term(signum, frame):  # systemd / docker / k8s stop with SIGTERM: shut down like Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _term)
+    stop_on_sigterm()  # systemd / docker / k8s stop with SIGTERM: shut down like Ctrl-C (instances waited for)
     try:
         topo = Topology(cfg, log_dir=args.log_dir)
     except SecurityError as e:

@@ -115,3 +115,38 @@ def out_dir_problem(path, keep: bool, flag: str = "--out") -> str | None:
             except OSError:
                 break  # not empty (another process wrote there meanwhile): kept
     return None
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM received by a command that :func:`stop_on_sigterm` set up: raised in its main
+    thread like Ctrl-C's KeyboardInterrupt, so its clean-up runs; ``signum`` the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, systemd, docker, k8s) stop this command as Ctrl-C does: it raises
+    :class:`Stopped` (a KeyboardInterrupt) in the main thread, so the ``with Topology(...)``
+    blocks and ``finally`` clauses run and its instances are stopped and waited for
+    (``Topology.stop``: SIGTERM, then SIGKILL after a grace) before it exits. Python's default
+    for SIGTERM ends the process at once: ``pdd demo`` exited while its instances, each in a
+    session of its own, still held their ports for ~2 s (until their parent watch saw it), and a
+    demo started right away was refused "port ... already in use". Call from the main thread."""
+    import signal
+
+    def _term(signum, frame):
+        raise Stopped(signum)
+
+    signal.signal(signal.SIGTERM, _term)
+
+
+def stopped_status(prog: str, ex: KeyboardInterrupt) -> int:
+    """For a command stopped by Ctrl-C or SIGTERM once its clean-up ran: one line on stderr
+    saying so, and the shell's status for the signal (130 for SIGINT, 143 for SIGTERM)."""
+    import signal
+
+    signum = getattr(ex, "signum", signal.SIGINT)
+    print(f"{prog}: stopped by {signal.Signals(signum).name}; its instances have exited", file=sys.stderr)
+    return 128 + signum

@@ -175,6 +175,15 @@ def _start_order(lay: Layout) -> list[InstanceSpec]:
     return sorted(lay.instances, key=lambda s: rank[s.role])
 
 
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL ``p``'s process group (an instance and what it started) unless it has exited."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class Topology:
     """A running topology for ``cfg.mode``; use as a context manager.
 
@@ -253,6 +262,11 @@ class Topology:
             return ""
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every instance and return once each process has exited: SIGTERM to each one's
+        process group (its clean shutdown), SIGKILL to those still running ``grace_s`` seconds
+        later. A KeyboardInterrupt meanwhile (a second Ctrl-C or SIGTERM) SIGKILLs the rest at
+        once and waits for them before it goes on, so the owner never exits before its instances
+        (whose ports a next topology needs)."""
         for name in reversed(list(self.procs)):
             p = self.procs[name]
             if p.poll() is None:
@@ -261,15 +275,20 @@ class Topology:
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        try:
+            for p in self.procs.values():
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _kill_group(p)
+                    p.wait()
+        except KeyboardInterrupt:
+            for p in self.procs.values():
+                _kill_group(p)
+            for p in self.procs.values():
                 p.wait()
+            self.procs.clear()
+            raise
         self.procs.clear()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

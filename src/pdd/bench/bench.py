@@ -98,7 +98,7 @@ from pdd.bench.table import bench_rows, print_bench_table  # noqa: F401
 from pdd.workload.replay import (DEFAULT_TRACE, Scale, TokenSpace, build_requests, fit_scale, ideal_prefix_hits,
                                  workload_summary)
 from pdd.bench import vllm_mode
-from pdd.cli_args import out_dir_problem, refuse
+from pdd.cli_args import out_dir_problem, refuse, stop_on_sigterm, stopped_status
 from pdd.config import MODES, ClusterConfig, validation_summary
 from pdd.transfer.layout import wire_dtype
 
@@ -617,6 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad_out:
         ap.error(bad_out)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    stop_on_sigterm()  # SIGTERM stops the instances and waits for them, as Ctrl-C does, before exiting
     try:
         report = run_bench(args.out, modes, args.requests, scale, config, args.seed, trace=args.trace,
                            start=args.start, url=args.url, slo=slo, ref_requests=args.ref_requests, sweep=sweep,
@@ -630,6 +631,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         refuse(ap.prog, str(ex))
     except ValueError as ex:  # the workload or a label refused before anything ran (named in the message)
         ap.error(str(ex))
+    except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM: the mode's topology was stopped on the way out
+        return stopped_status(ap.prog, ex)
     return bench_exit_status(report)
 
 

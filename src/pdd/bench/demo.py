@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
     from pdd.config import MODES
-    from pdd.cli_args import out_dir_problem, refuse
+    from pdd.cli_args import out_dir_problem, refuse, stop_on_sigterm, stopped_status
     from pdd.topology import ports_taken_refusal
 
     check_workload_args(ap, args)  # the numbers pdd bench checks, with its messages
@@ -236,11 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = Scale(block_tokens=args.block_tokens, output_scale=args.output_scale, min_output_tokens=args.min_output,
                   max_output_tokens=args.max_output, max_input_tokens=args.max_input, target_rate_rps=args.rate,
                   session_sample=args.session_sample, session_seed=args.session_seed)
+    stop_on_sigterm()  # SIGTERM stops the instances and waits for them, as Ctrl-C does, before exiting
     try:
         report = run_demo(args.out, tuple(modes), args.requests, scale, cfg, args.seed, start=args.start,
                           warmup=not args.no_warmup, request_timeout_s=args.request_timeout)
     except NoRequests as ex:  # the slice is empty (--start past the trace), named in the message
         ap.error(str(ex))
+    except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM: the mode's topology was stopped on the way out
+        return stopped_status(ap.prog, ex)
     return bench_exit_status(report, modes, prog="pdd demo")  # 1 when a mode completed no request
 
 

@@ -1,0 +1,112 @@
+"""``pdd demo`` and ``pdd bench`` stopped with SIGTERM exit only once their instances have
+(``pdd.cli_args.stop_on_sigterm``, ``Topology.stop``): they exited at once, and the instances,
+each in a session of its own, held their ports ~2 s more, so a demo started right away was
+refused "port ... already in use". The topology here is a :class:`~pdd.launch.Topology` whose
+one instance is a small process that takes its time to stop (or never does); the test waits on
+its output and on exits, never on a clock."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.api.test_launch_orphans import _alive, _kill_all
+
+# an instance: says when its SIGTERM handler is in place and when SIGTERM came (on stderr, the
+# owner's, which the test reads); "slow" then exits 0.3 s later, "stuck" never does
+CHILD = r"""
+import signal, sys, time
+mode = sys.argv[1]
+def term(*_):
+    print("instance got SIGTERM", file=sys.stderr, flush=True)
+    if mode == "slow":
+        time.sleep(0.3)
+        sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+OWNER = r"""
+import subprocess, sys, time
+import pdd.bench.bench, pdd.bench.demo, pdd.cli
+from pdd.launch import Topology
+
+cmd, mode, child = sys.argv[1:4]
+
+class OneInstance(Topology):
+    def start(self):
+        p = subprocess.Popen([sys.executable, "-c", child, mode], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        self.procs["md0"] = p
+        assert p.stdout.readline().strip() == "ready"
+
+def run(out, modes, requests, scale, cfg, *a, **kw):
+    with OneInstance(cfg, log_dir=out) as topo:
+        print("topology up", topo.procs["md0"].pid, flush=True)
+        time.sleep(300)
+
+pdd.bench.demo.run_demo = pdd.bench.bench.run_bench = run
+sys.exit(pdd.cli.main([cmd, "--modes", "pdd", "--requests", "5", "--out", sys.argv[4]]))
+"""
+
+
+def _owner(cmd: str, mode: str, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, cmd, mode, CHILD, str(tmp_path / "out")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env)
+    line = owner.stdout.readline().decode()
+    assert line.startswith("topology up "), (line, owner.stderr.read() if owner.poll() is not None else "")
+    return owner, int(line.split()[2])
+
+
+def _wait_for(owner: subprocess.Popen, text: bytes, bound_s: float = 60.0) -> None:
+    """Read the owner's stderr (which its instance shares) until ``text`` appears; fails as soon
+    as the owner has exited without it (its instance, alive, keeps the pipe open: a plain read
+    would block)."""
+    seen, deadline = b"", time.monotonic() + bound_s
+    while text not in seen:
+        assert owner.poll() is None, f"the owner exited ({owner.returncode}) before its instance got SIGTERM"
+        assert time.monotonic() < deadline, seen
+        if select.select([owner.stderr], [], [], 0.2)[0]:
+            seen += os.read(owner.stderr.fileno(), 65536)
+
+
+@pytest.mark.parametrize("cmd", ["demo", "bench"])
+def test_sigterm_stops_the_instances_before_the_command_exits(cmd, tmp_path):
+    owner, pid = _owner(cmd, "slow", tmp_path)
+    try:
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not _alive(pid)  # gone before its owner exited (reaped by it), not 0.3 s later
+        err = owner.stderr.read().decode()
+        assert err.splitlines()[-1] == f"pdd {cmd}: stopped by SIGTERM; its instances have exited", err
+    finally:
+        _kill_all([pid])
+        owner.kill()
+        owner.wait()
+
+
+def test_a_second_sigterm_while_the_instances_stop_kills_them_and_still_waits_for_them(tmp_path):
+    """An instance that does not stop on SIGTERM is killed after the grace (5 s); a second
+    SIGTERM (or Ctrl-C) meanwhile kills it at once, and the command still exits after it."""
+    owner, pid = _owner("demo", "stuck", tmp_path)
+    try:
+        owner.send_signal(signal.SIGTERM)
+        _wait_for(owner, b"instance got SIGTERM")  # Topology.stop is waiting for it
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not _alive(pid)
+    finally:
+        _kill_all([pid])
+        owner.kill()
+        owner.wait()
