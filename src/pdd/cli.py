@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from pdd.cli_args import config_or_exit as _config, usage_error as _usage
+from pdd.cli_args import ShortUsageParser, config_or_exit as _config, usage_error as _usage
 
 
 def ensure_model(cfg) -> None:
@@ -256,7 +256,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pdd", description="Cross-datacenter Prefill / RelayDecode / MainDecode serving")
+    ap = ShortUsageParser(prog="pdd", description="Cross-datacenter Prefill / RelayDecode / MainDecode serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("make-model", help="write a deterministic random-weight HF-format checkpoint")

@@ -3,7 +3,20 @@ one line naming the field or flag, never a traceback."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+
+class ShortUsageParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors (argparse's own and ``ap.error`` calls alike) print
+    one usage line pointing at ``--help``, then ``PROG: error: MESSAGE``, on stderr, and exit
+    with status 2. argparse printed the whole usage first: 24 lines for ``pdd bench``, 37 for
+    ``pdd sim run``, which pushed the message naming the flag off the screen. ``pdd``'s parser
+    is one (``pdd.cli``), so every sub-command's parser is one too (argparse makes them of the
+    parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [-h] [options]  (see {self.prog} --help)\n{self.prog}: error: {message}\n")
 
 
 def config_or_exit(args, **over):
@@ -27,16 +40,27 @@ def config_or_exit(args, **over):
             # "ports collide"), bad CLI input as in pdd demo and pdd bench, exit 2
             usage_error(args, f"{' / '.join(flags)}: {msg}")
         raise SystemExit(f"pdd: {msg}")
-    except FileNotFoundError:  # the only file load reads is --config itself
-        usage_error(args, f"--config {args.config}: no such file")
-    except IsADirectoryError:
-        usage_error(args, f"--config {args.config}: is a directory, not a config file (YAML or JSON)")
-    except OSError as e:  # unreadable (permissions)
-        usage_error(args, f"--config {args.config}: cannot read it: {e.strerror or e}")
-    except ConfigFileError as e:  # not YAML / JSON, or not a mapping of fields: the message names the file
-        usage_error(args, f"--config {e}")
+    except (OSError, ConfigFileError) as e:  # the only file load reads is --config itself
+        usage_error(args, config_file_problem(args.config, e))
     except ValueError as e:
         raise SystemExit(f"pdd: invalid config: {e}")
+
+
+def config_file_problem(path, ex: Exception) -> str | None:
+    """The one line naming ``--config PATH`` for a config file ``ClusterConfig.load`` could not
+    read (``ex``), as every command says it (``--config /x.yaml: no such file``; ``pdd demo`` said
+    "--config: [Errno 2] No such file or directory: '/x.yaml'"); None for another exception."""
+    from pdd.config import ConfigFileError
+
+    if isinstance(ex, FileNotFoundError):
+        return f"--config {path}: no such file"
+    if isinstance(ex, IsADirectoryError):
+        return f"--config {path}: is a directory, not a config file (YAML or JSON)"
+    if isinstance(ex, OSError):  # unreadable (permissions)
+        return f"--config {path}: cannot read it: {ex.strerror or ex}"
+    if isinstance(ex, ConfigFileError):  # not YAML / JSON, or not a mapping of fields: the message names the file
+        return f"--config {ex}"
+    return None
 
 
 _OVERRIDE_FLAGS = {"gateway_port": "--port", "base_port": "--base-port", "mode": "--mode"}

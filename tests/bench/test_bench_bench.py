@@ -277,7 +277,7 @@ def test_main_cli(tmp_path, server_url, monkeypatch):
     (["--modes", " , "], "--modes: no mode given"),
     (["--modes", "pdd+warp=1"], "--modes: mode 'pdd+warp=1'"),
     (["--trace", "/nonexistent.jsonl"], "--trace: no such file"),
-    (["--config", "/nonexistent.yaml"], "--config: no such file"),
+    (["--config", "/nonexistent.yaml"], "pdd bench: error: --config /nonexistent.yaml: no such file\n"),  # as pdd serve
     (["--requests", "0"], "--requests: must be >= 1"),
     (["--requests", "-5"], "--requests: must be >= 1"),
     (["--rate", "-1", "--sweep-rate", "none"], "--rate: must be > 0"),

@@ -151,6 +151,16 @@ def test_demo_cli_refusals_are_not_buried_under_the_usage(capsys, tmp_path, demo
                                        "pdd demo: error: --rate: must be > 0 req/s, got -1.0\n")
 
 
+@pytest.mark.parametrize("path,says", [("/nonexistent.yaml", "no such file"),
+                                       ("/", "is a directory, not a config file (YAML or JSON)")])
+def test_demo_cli_names_a_config_it_cannot_read_as_pdd_serve_does(capsys, tmp_path, demo_cli, path, says):
+    """It said "--config: [Errno 2] No such file or directory: '/nonexistent.yaml'"."""
+    with pytest.raises(SystemExit) as ex:
+        demo_cli.main(["--config", path, "--out", str(tmp_path / "d")])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"pdd demo: error: --config {path}: {says}"
+
+
 def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
     from pdd import topology
     from pdd.bench.demo import main

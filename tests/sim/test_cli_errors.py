@@ -74,7 +74,34 @@ def test_load_trace_errors_name_file_and_line(tmp_path):
 
 
 def test_sim_run_refusal_by_the_simulator_is_a_usage_error(capsys):
-    _refused(capsys, ["sim", "run", "--n-p", "0", "--limit", "3"], "pdd sim run: error:", "P needs at least one")
+    _refused(capsys, ["sim", "run", "--n-p", "0", "--limit", "3"], "pdd sim run: error: --n-p 0: pdd mode needs at least one P")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["sim", "run", "--n-md", "0"], "pdd sim run: error: --n-md 0: pdd mode needs at least one MD instance"),
+    (["sim", "run", "--mode", "pdd", "--n-rld", "0"], "pdd sim run: error: --n-rld 0: pdd mode needs at least one "
+                                                      "RLD instance"),
+    (["sim", "run", "--mode", "colocated", "--n-c", "0"], "pdd sim run: error: --n-c 0: colocated mode needs at "
+                                                          "least one C instance"),
+])
+def test_an_instance_count_of_zero_names_its_flag(capsys, argv, line):
+    """Found by a new user: ``--n-md 0`` was "MD needs at least one instance", naming no flag."""
+    assert usage_error(capsys, pdd_main, argv) == line + "\n"
+
+
+@pytest.mark.parametrize("argv,prog,message", [
+    (["sim", "run", "--n-md", "x"], "pdd sim run", "argument --n-md: not an integer: 'x'"),
+    (["plan", "--wan-gbps", "fast"], "pdd plan", "argument --wan-gbps: "),
+    (["sim", "run", "--bogus"], "pdd", "unrecognized arguments: --bogus"),
+    (["serve", "--port", "x"], "pdd serve", "argument --port: invalid int value: 'x'"),
+])
+def test_an_argparse_refusal_is_one_usage_line_then_the_error(capsys, argv, prog, message):
+    """Found by a new user: ``pdd sim run`` and ``pdd plan`` printed their whole usage (30-37
+    lines) before the line naming the flag; ``pdd bench`` and ``pdd demo`` print one line pointing
+    at --help (``cli_args.ShortUsageParser``, now ``pdd``'s parser and so every sub-command's)."""
+    usage, err = usage_error(capsys, pdd_main, argv).splitlines()
+    assert usage == f"usage: {prog} [-h] [options]  (see {prog} --help)"
+    assert err.startswith(f"{prog}: error: {message}"), err
 
 
 @pytest.mark.parametrize("sets,names", [

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import httpx
 
 from pdd.bench import vllm_mode
+from pdd.cli_args import ShortUsageParser  # noqa: F401 - pdd bench's and pdd demo's parser
 from pdd.vllm_tier import venv as vllm_venv
 from pdd.bench.live import RemoteTopology
 from pdd.bench.modes import WAN_MODES, parse_mode_label
@@ -42,16 +43,6 @@ DEFAULT_SWEEP_POINTS = 3
 DEFAULT_SWEEP_SECONDS = 20.0  # a sweep point's arrivals span at most this (fewer requests at low rates)
 DEFAULT_SWEEP_TIMEOUT_S = 60.0
 DEFAULT_SWEEP_MIN_REQUESTS = 20  # a point's attainment over fewer requests is too coarse (90% = at most 1 of 10 missed)
-
-
-class ShortUsageParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors (argparse's own and the ``ap.error`` calls of
-    :func:`check_args` and :func:`main` alike) print one usage line pointing at ``--help``, then
-    ``PROG: error: MESSAGE``, on stderr, and exit with status 2. argparse printed the whole usage
-    first: 24 lines for ``pdd bench``, which pushed the message naming the flag off the screen."""
-
-    def error(self, message: str):
-        self.exit(2, f"usage: {self.prog} [-h] [options]  (see {self.prog} --help)\n{self.prog}: error: {message}\n")
 
 
 class _StoreNamingFlag(argparse.Action):
@@ -366,7 +357,8 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     if not records:
         ap.error(f"--trace: {args.trace} holds no trace records")
     if args.config is not None and not Path(args.config).is_file():
-        ap.error(f"--config: no such file: {args.config}")
+        ap.error(f"--config {args.config}: "
+                 + ("is a directory, not a config file (YAML or JSON)" if Path(args.config).is_dir() else "no such file"))
     if args.url:
         # the server at --url runs its own config: a topology flag would be recorded in the report
         # as if it had applied (found by a new user: --min-step-ms 20 against a server without it)

@@ -98,7 +98,7 @@ from pdd.bench.table import bench_rows, print_bench_table  # noqa: F401
 from pdd.workload.replay import (DEFAULT_TRACE, Scale, TokenSpace, build_requests, fit_scale, ideal_prefix_hits,
                                  workload_summary)
 from pdd.bench import vllm_mode
-from pdd.cli_args import out_dir_problem, refuse, stop_on_sigterm, stopped_status
+from pdd.cli_args import config_file_problem, out_dir_problem, refuse, stop_on_sigterm, stopped_status
 from pdd.config import MODES, ClusterConfig, validation_summary
 from pdd.transfer.layout import wire_dtype
 
@@ -597,8 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_cfg = ClusterConfig.load(args.config)
     except pydantic.ValidationError as ex:  # a field out of range: one line per field, not pydantic's text
         ap.error(f"--config {args.config}: invalid config: {validation_summary(ex)}")
-    except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON
-        ap.error(f"--config {args.config}: {ex}")
+    except (OSError, ValueError) as ex:  # missing file, bad YAML/JSON: as pdd serve says it
+        ap.error(config_file_problem(args.config, ex) or f"--config {args.config}: {ex}")
     try:
         config = apply_overrides(base_cfg, served_model_name=args.model,
                                  **{k: getattr(args, k) for k in TOPOLOGY_OVERRIDES})

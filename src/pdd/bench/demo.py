@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
     from pdd.config import MODES
-    from pdd.cli_args import out_dir_problem, refuse, stop_on_sigterm, stopped_status
+    from pdd.cli_args import config_file_problem, out_dir_problem, refuse, stop_on_sigterm, stopped_status
     from pdd.topology import ports_taken_refusal
 
     check_workload_args(ap, args)  # the numbers pdd bench checks, with its messages
@@ -213,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = ClusterConfig.load(args.config)
     except pydantic.ValidationError as ex:  # one line per field, not pydantic's text
         ap.error(f"--config: invalid config: {validation_summary(ex)}")
-    except (OSError, ValueError) as ex:
-        ap.error(f"--config: {ex}")
+    except (OSError, ValueError) as ex:  # missing file, a directory, bad YAML/JSON: as pdd serve says it
+        ap.error(config_file_problem(args.config, ex) or f"--config {args.config}: {ex}")
     flags = {"gateway_port": "--port", "base_port": "--base-port", "process_nice": "--nice"}
     given = {k: v for k, v in (("gateway_port", args.port), ("base_port", args.base_port),
                                ("process_nice", args.nice)) if v is not None}

@@ -15,7 +15,7 @@ import resource
 import sys
 import time
 
-from pdd.cli_args import config_or_exit  # a bad config: one line naming the field, not a traceback
+from pdd.cli_args import ShortUsageParser, config_or_exit  # a bad config: one line naming the field, not a traceback
 
 
 class UsageError(Exception):
@@ -319,7 +319,11 @@ def _make_cfg(a):
         prefill_chunk_tokens=a.prefill_chunk_tokens, max_running_seqs=a.max_running_seqs,
         slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     kw.update(_wan_fields(a))  # --config's WAN line replaces --wan-gbps / --wan-rtt-ms / --wan-order too
-    return _live_fit(a, profiles, SimConfig(**kw))
+    cfg = SimConfig(**kw)
+    for role, (n, _) in cfg.tiers().items():  # the flag named (the simulator said "MD needs at least one instance")
+        if n < 1:
+            raise UsageError(f"--n-{role.lower()} {n}: {cfg.mode} mode needs at least one {role} instance")
+    return _live_fit(a, profiles, cfg)
 
 
 # a runtime config's blocks `pdd sim run` / `experiment` / `plan` do not read from --config
@@ -892,7 +896,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Stand-alone entry (``python -m pdd.sim.cli sim ...`` / ``... plan ...``); ``sim validate``
     is ``pdd``'s only (its live run is the benchmark's)."""
-    ap = argparse.ArgumentParser(prog="pdd")
+    ap = ShortUsageParser(prog="pdd")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_sim_parser(sub)
     add_plan_parser(sub)
