@@ -138,7 +138,7 @@ def cmd_launch(args) -> int:
 def cmd_serve(args) -> int:
     from pdd.launch import Topology
 
-    from pdd.cli_args import stop_on_sigterm
+    from pdd.cli_args import stop_on_sigterm, stopped_status
     from pdd.launch import LaunchError
     from pdd.security import SecurityError
     from pdd.topology import ports_taken_refusal
@@ -180,15 +180,16 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"pdd: could not start the topology: {e}")
     except SecurityError as e:  # security.cert_dir lacks what it needs (no CA key to issue a certificate)
         _usage(args, str(e))
-    except KeyboardInterrupt:
-        return 1
+    except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM while starting: start() stopped what it started
+        return stopped_status("pdd serve", ex)
     try:
         print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
         return _supervise(topo)
-    except KeyboardInterrupt:
-        return 0
-    finally:
+    except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM: 130 / 143 and one line once the instances exited
         topo.stop()
+        return stopped_status("pdd serve", ex)
+    finally:
+        topo.stop()  # (a no-op after the one above)
 
 
 SUPERVISE_MAX_RESTARTS = 5  # restarts of one instance within SUPERVISE_WINDOW_S before giving up

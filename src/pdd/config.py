@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 import typing
 from pathlib import Path
 from types import UnionType
@@ -909,6 +910,9 @@ class ClusterConfig(_Strict):
                 data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a safe loader)
             except yaml.YAMLError as e:
                 raise ConfigFileError(f"{path}: not valid YAML/JSON: {_yaml_problem(e)}") from None
+            except ValueError:  # an integer past Python's digit limit (its message advises a sys call)
+                raise ConfigFileError(f"{path}: a number in it has more than {sys.get_int_max_str_digits()} "
+                                      f"digits; no setting takes one that large") from None
             if data is None:
                 data = {}
             if not isinstance(data, dict):  # `[]` and `false` too: they are not "no settings"

@@ -267,15 +267,15 @@ class Topology:
         later. A KeyboardInterrupt meanwhile (a second Ctrl-C or SIGTERM) SIGKILLs the rest at
         once and waits for them before it goes on, so the owner never exits before its instances
         (whose ports a next topology needs)."""
-        for name in reversed(list(self.procs)):
-            p = self.procs[name]
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        try:
+        try:  # (the SIGTERMs too: a second signal can come as soon as an instance got its first)
+            for name in reversed(list(self.procs)):
+                p = self.procs[name]
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + grace_s
             for p in self.procs.values():
                 try:
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,7 +1,7 @@
-"""``pdd demo`` and ``pdd bench`` stopped with SIGTERM exit only once their instances have
+"""``pdd demo``, ``pdd bench`` and ``pdd serve`` stopped with SIGTERM exit only once their instances have
 (``pdd.cli_args.stop_on_sigterm``, ``Topology.stop``): they exited at once, and the instances,
 each in a session of its own, held their ports ~2 s more, so a demo started right away was
-refused "port ... already in use". The topology here is a :class:`~pdd.launch.Topology` whose
+refused "port ... already in use"; ``pdd serve`` exited 0 and silent. The topology here is a :class:`~pdd.launch.Topology` whose
 one instance is a small process that takes its time to stop (or never does); the test waits on
 its output and on exits, never on a clock."""
 
@@ -55,6 +55,23 @@ def run(out, modes, requests, scale, cfg, *a, **kw):
         time.sleep(300)
 
 pdd.bench.demo.run_demo = pdd.bench.bench.run_bench = run
+if cmd == "serve":  # its own Topology (one slow instance), no checkpoint made, ports of a free block
+    import pdd.launch
+    from pdd.topology import free_port_block
+
+    class Served(OneInstance):
+        def start(self):  # as Topology.start, what it started is stopped when it is interrupted
+            try:
+                super().start()
+                print("topology up", self.procs["md0"].pid, flush=True)
+            except BaseException:
+                self.stop()
+                raise
+
+    pdd.launch.Topology = Served
+    pdd.cli.ensure_model = lambda cfg: None
+    base = free_port_block()
+    sys.exit(pdd.cli.main([cmd, "--port", str(base + 95), "--base-port", str(base), "--log-dir", sys.argv[4]]))
 sys.exit(pdd.cli.main([cmd, "--modes", "pdd", "--requests", "5", "--out", sys.argv[4]]))
 """
 
@@ -81,7 +98,7 @@ def _wait_for(owner: subprocess.Popen, text: bytes, bound_s: float = 60.0) -> No
             seen += os.read(owner.stderr.fileno(), 65536)
 
 
-@pytest.mark.parametrize("cmd", ["demo", "bench"])
+@pytest.mark.parametrize("cmd", ["demo", "bench", "serve"])
 def test_sigterm_stops_the_instances_before_the_command_exits(cmd, tmp_path):
     owner, pid = _owner(cmd, "slow", tmp_path)
     try:

@@ -50,6 +50,7 @@ def _refused(capsys, argv, *names):
     (["--wan-gbps", "1e-312"], ["pdd bench: error: --wan-gbps: must be >= 1e-06 Gbit/s (1 kbit/s: a 64 KiB chunk then takes 524 s; below it a chunk's time overflows), got 1e-312"]),  # a chunk's time overflowed
     (["--min-step-ms", "-5"], ["--min-step-ms:", "greater than or equal to 0"]),
     (["--gateway-port", "99999"], ["--gateway-port:", "65535"]),
+    (["--port", "99999"], ["--gateway-port:", "65535"]),  # --port as serve and demo name it ("unrecognized")
     # 'inf' and 1e400 parse as floats: these reached the run (all arrivals at t=0, a sweep at inf req/s)
     (["--rate", "inf"], ["--rate: must be a finite number of req/s, got inf"]),
     (["--rate", "1e400"], ["--rate: must be a finite number of req/s, got inf"]),

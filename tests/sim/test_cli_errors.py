@@ -778,6 +778,9 @@ def test_a_config_that_is_not_an_object_is_one_line(capsys, tmp_path, monkeypatc
     (b"mode: pdd\x00\n", "not valid YAML/JSON: unacceptable character #x0000 at position 9: special characters are "
                          "not allowed"),
     (b"\x87\xff mode: pdd\n", "not UTF-8 text (a YAML or JSON config)"),
+    # Python's own message, naming no field and advising sys.set_int_max_str_digits()
+    (b"engine:\n  num_pages: 1" + b"0" * 5000 + b"\n",
+     "a number in it has more than 4300 digits; no setting takes one that large"),
 ])
 @pytest.mark.parametrize("argv", [
     ["sim", "calibrate-roles", "--run", "{root}/data/validation/cal-a", "--profile", "{root}/" + PROFILE],

@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    action=_StoreNamingFlag,
                    help="cross traffic as a schedule, seconds since the line started:Gbit/s, e.g. 0:0.01,60:0.025")
     g.add_argument("--base-port", type=int)
-    g.add_argument("--gateway-port", type=int)
+    g.add_argument("--gateway-port", "--port", dest="gateway_port", type=int,
+                   help="the gateway's port (--port, as pdd serve and pdd demo name it)")
     g.add_argument("--model", type=_served_model_name,
                    help="served model name to request (default: the config's)")
     g.add_argument("--request-timeout", type=float, help="per request, s (default: the config's)")
