@@ -358,6 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _deepest_parser(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The sub-command parser ``argv`` reaches from ``ap`` (``pdd sim run ...``: sim run's)."""
+    for tok in argv:
+        subs = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and tok in subs[0].choices:
+            ap = subs[0].choices[tok]
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":  # the demo owns its flags (pdd demo --help)
@@ -371,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"pdd bench is not available: {e}")
         return int(bench_main(argv[1:]) or 0)
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # refused by the sub-command's parser, which names itself (pdd sim run), not pdd's
+        _deepest_parser(ap, argv).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "launch" and not args.name:
         from pdd.topology import ROLE_LINK
 

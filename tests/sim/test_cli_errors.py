@@ -92,7 +92,9 @@ def test_an_instance_count_of_zero_names_its_flag(capsys, argv, line):
 @pytest.mark.parametrize("argv,prog,message", [
     (["sim", "run", "--n-md", "x"], "pdd sim run", "argument --n-md: not an integer: 'x'"),
     (["plan", "--wan-gbps", "fast"], "pdd plan", "argument --wan-gbps: "),
-    (["sim", "run", "--bogus"], "pdd", "unrecognized arguments: --bogus"),
+    # an unknown flag is the sub-command's (it was "pdd: error: unrecognized arguments")
+    (["sim", "run", "--bogus"], "pdd sim run", "unrecognized arguments: --bogus"),
+    (["plan", "--bogus", "1"], "pdd plan", "unrecognized arguments: --bogus 1"),
     (["serve", "--port", "x"], "pdd serve", "argument --port: invalid int value: 'x'"),
 ])
 def test_an_argparse_refusal_is_one_usage_line_then_the_error(capsys, argv, prog, message):
