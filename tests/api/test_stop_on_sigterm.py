@@ -70,9 +70,12 @@ if cmd == "serve":  # its own Topology (one slow instance), no checkpoint made, 
 
     pdd.launch.Topology = Served
     pdd.cli.ensure_model = lambda cfg: None
-    base = free_port_block()
+    base = free_port_block()  # not the default ports: a pdd serve or make demo may hold them
     sys.exit(pdd.cli.main([cmd, "--port", str(base + 95), "--base-port", str(base), "--log-dir", sys.argv[4]]))
-sys.exit(pdd.cli.main([cmd, "--modes", "pdd", "--requests", "5", "--out", sys.argv[4]]))
+from pdd.topology import free_port_block
+base = free_port_block()  # not the default ports: a pdd serve or make demo may hold them
+port = ["--port" if cmd == "demo" else "--gateway-port", str(base + 95), "--base-port", str(base)]
+sys.exit(pdd.cli.main([cmd, "--modes", "pdd", "--requests", "5", "--out", sys.argv[4], *port]))
 """
 
 
