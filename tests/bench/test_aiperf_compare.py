@@ -13,6 +13,7 @@ from pdd.bench import bench as bench_mod
 from pdd.bench.client import completion_body
 from pdd.bench.report import read_jsonl
 from pdd.config import ClusterConfig
+from pdd.topology import free_port_block
 from test_bench_demo import fake_model
 
 DATA = Path(__file__).parent / "data" / "aiperf-0.13"
@@ -29,7 +30,9 @@ def test_requests_are_pdd_benchs_and_replay_verbatim(tmp_path, server_url, monke
     """bench_requests(ARGS) builds exactly the requests `pdd bench ARGS` replays (same ids, prompt
     lengths, output lengths, send times), and each aiperf record carries pdd bench's request body."""
     cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(ClusterConfig(model_path=str(fake_model(tmp_path / "model"))).model_dump_json())
+    base = free_port_block()  # not the config's default ports: a pdd serve or make demo may hold them
+    cfg_path.write_text(ClusterConfig(model_path=str(fake_model(tmp_path / "model")), base_port=base,
+                                      gateway_port=base + 99).model_dump_json())
     args = ["--trace", str(_trace(tmp_path / "t.jsonl")), "--requests", "6", "--rate", "40", "--session-sample", "1",
             "--block-tokens", "4", "--output-scale", "0.01", "--min-output", "3", "--max-output", "6",
             "--config", str(cfg_path), "--seed", "3"]

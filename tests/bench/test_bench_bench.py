@@ -248,8 +248,11 @@ def test_bench_against_url(tmp_path, server_url):
 
 
 def test_main_cli(tmp_path, server_url, monkeypatch):
+    from pdd.topology import free_port_block
+
     model = fake_model(tmp_path / "model")
-    (tmp_path / "cfg.json").write_text(json.dumps({"model_path": str(model)}))
+    base = free_port_block()  # not the config's default ports: a pdd serve or make demo may hold them
+    (tmp_path / "cfg.json").write_text(json.dumps({"model_path": str(model), "base_port": base}))
     seen = []
 
     def factory(c, log_dir=None):
@@ -260,10 +263,10 @@ def test_main_cli(tmp_path, server_url, monkeypatch):
     argv = ["--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "cli"), "--modes", "pdd",
             "--requests", "4", "--block-tokens", "4", "--min-output", "2", "--max-output", "4", "--rate", "50",
             "--slo", "ttft:30000", "tpot:30000", "--sweep-rate", "50,100", "--sweep-requests", "3",
-            "--wan-gbps", "0.3", "--allow-p-rld", "--wan-order", "srf", "--gateway-port", "28999", "--no-progress"]
+            "--wan-gbps", "0.3", "--allow-p-rld", "--wan-order", "srf", "--gateway-port", str(base + 99), "--no-progress"]
     assert main(argv) == 0
     assert {c.mode for c in seen} == {"pdd"} and seen[0].link.wan_gbps == 0.3
-    assert seen[0].policy.allow_p_rld and seen[0].policy.wan_order == "srf" and seen[0].gateway_port == 28999
+    assert seen[0].policy.allow_p_rld and seen[0].policy.wan_order == "srf" and seen[0].gateway_port == base + 99
     rep = json.loads((tmp_path / "cli" / "report.json").read_text())
     assert rep["bench"]["argv"] == argv and rep["bench"]["command"].startswith("pdd bench --config")
     assert rep["config"]["link"]["wan_gbps"] == 0.3
