@@ -213,10 +213,10 @@ def gateway():
 def test_url_refuses_modes_other_than_the_servers(capsys, tmp_path, gateway, no_run):
     url = gateway("same_dc_pd")
     assert RemoteTopology(url).mode() == "same_dc_pd"
-    _refused(capsys, ["--url", url, "--modes", "pdd", "--out", str(tmp_path / "b")],
+    _refused(capsys, ["--url", url, "--model", "served", "--modes", "pdd", "--out", str(tmp_path / "b")],
              "--modes pdd", f"the server at {url} runs mode same_dc_pd", "--modes same_dc_pd or leave --modes out")
-    _refused(capsys, ["--url", url, "--modes", "same_dc_pd,pdd", "--out", str(tmp_path / "b")], "runs mode same_dc_pd")
-    _refused(capsys, ["--url", url, "--modes", "same_dc_pd+routing=round_robin", "--out", str(tmp_path / "b")],
+    _refused(capsys, ["--url", url, "--model", "served", "--modes", "same_dc_pd,pdd", "--out", str(tmp_path / "b")], "runs mode same_dc_pd")
+    _refused(capsys, ["--url", url, "--model", "served", "--modes", "same_dc_pd+routing=round_robin", "--out", str(tmp_path / "b")],
              "runs mode same_dc_pd")
     assert not (tmp_path / "b").exists()
 
@@ -233,7 +233,7 @@ def test_url_refuses_topology_flags(capsys, tmp_path, no_run, flags):
 def test_url_refuses_modes_when_the_server_reports_none(capsys, tmp_path, gateway, no_run):
     url = gateway(None)
     assert RemoteTopology(url).reported_mode() is None and RemoteTopology(url).mode() == "external"
-    _refused(capsys, ["--url", url, "--modes", "pdd", "--out", str(tmp_path / "b")],
+    _refused(capsys, ["--url", url, "--model", "served", "--modes", "pdd", "--out", str(tmp_path / "b")],
              "does not report its mode", "leave --modes out")
 
 
@@ -244,9 +244,11 @@ def _small_trace(tmp_path):
     return t
 
 
-def _url_argv(tmp_path, url, *extra):
+def _url_argv(tmp_path, url, *extra, served="served"):
+    """``served``: the config's served_model_name, the name requested without --model (the fake
+    gateway serves 'served')."""
     cfg = tmp_path / "cfg.json"  # no checkpoint at model_path: the token space needs none with --url
-    cfg.write_text(json.dumps({"model_path": str(tmp_path / "no-model")}))
+    cfg.write_text(json.dumps({"model_path": str(tmp_path / "no-model"), "served_model_name": served}))
     return ["--url", url, "--config", str(cfg), "--trace", str(_small_trace(tmp_path)), "--requests", "3",
             "--rate", "50", "--session-sample", "1", "--sweep-rate", "none", "--slo", "ttft:1000", "tpot:1000", "--no-warmup",
             "--no-progress", "--request-timeout", "5", "--out", str(tmp_path / "out"), *extra]
@@ -267,6 +269,26 @@ def test_a_model_the_server_does_not_serve_is_refused_before_the_run(capsys, tmp
     err = usage_error(capsys, main, _url_argv(tmp_path, url, "--model", "wrong"))
     assert err.splitlines()[-1] == f"pdd bench: error: --model 'wrong': the server at {url} serves 'served' (GET /v1/models)"
     assert not (tmp_path / "out").exists()
+
+
+def test_the_configs_model_name_is_checked_without_model(capsys, tmp_path, gateway, no_run):
+    """Found in user testing: without --model, ``--url`` requested the config's served_model_name
+    unchecked (a server serving another name: every request a 404, as --model WRONG was)."""
+    url = gateway("pdd")
+    err = usage_error(capsys, main, _url_argv(tmp_path, url, served="pdd-small"))
+    assert err.splitlines()[-1] == (f"pdd bench: error: served_model_name 'pdd-small' of --config {tmp_path / 'cfg.json'}: "
+                                    f"the server at {url} serves 'served' (GET /v1/models); give the name to "
+                                    f"request with --model")
+    assert not (tmp_path / "out").exists()
+    app = FastAPI()  # no /v1/models: 404
+    url, stop = serve_in_thread(app)
+    try:
+        err = usage_error(capsys, main, _url_argv(tmp_path, url, served="pdd-small"))
+    finally:
+        stop()
+    assert err.splitlines()[-1] == (f"pdd bench: error: --url {url}: GET /v1/models answered HTTP 404, not an OpenAI "
+                                    f"model list, so served_model_name 'pdd-small' of --config {tmp_path / 'cfg.json'} "
+                                    f"cannot be checked; give the name to request with --model")
 
 
 def test_a_model_cannot_be_checked_without_the_servers_model_list(capsys, tmp_path, no_run):

@@ -371,14 +371,21 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             models = httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=10, trust_env=False)
         except httpx.HTTPError as ex:
             ap.error(f"--url: cannot reach {args.url}: {type(ex).__name__}: {ex}")
-        if args.model is not None:  # a wrong name ran the whole benchmark, every request a 404, then exit 1
+        # a wrong name ran the whole benchmark, every request a 404, then exit 1; without --model the
+        # requests carry the config's served_model_name, checked the same way
+        model, named, hint = args.model, f"--model {args.model!r}", ""
+        if model is None:
+            model = _config_model_name(args.config)
+            named = f"served_model_name {model!r} of {f'--config {args.config}' if args.config else 'the default config'}"
+            hint = "; give the name to request with --model"
+        if model is not None:
             names = served_models(models)
             if names is None:
                 ap.error(f"--url {args.url}: GET /v1/models answered HTTP {models.status_code}, not an OpenAI model "
-                         f"list, so --model {args.model!r} cannot be checked")
-            if args.model not in names:
-                ap.error(f"--model {args.model!r}: the server at {args.url} serves "
-                         f"{', '.join(map(repr, names)) or 'no model'} (GET /v1/models)")
+                         f"list, so {named} cannot be checked{hint}")
+            if model not in names:
+                ap.error(f"{named}: the server at {args.url} serves "
+                         f"{', '.join(map(repr, names)) or 'no model'} (GET /v1/models){hint}")
         if modes_given:  # --url benchmarks the server's one mode: an explicit --modes must be that mode
             server = RemoteTopology(args.url, timeout_s=10).reported_mode()
             if server is None:
@@ -388,6 +395,21 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             if labels != [server]:
                 ap.error(f"--modes {args.modes}: the server at {args.url} runs mode {server}; with --url the one "
                          f"mode benchmarked is the server's (give --modes {server} or leave --modes out)")
+
+
+def _config_model_name(path: str | None) -> str | None:
+    """``served_model_name`` of the config at ``path`` (the defaults' without one), the name
+    ``pdd bench --url`` requests when ``--model`` is not given; None when the config cannot be
+    loaded (``pdd bench`` refuses it right after the checks, naming the file and field). Raises
+    nothing."""
+    import pydantic
+
+    from pdd.config import ClusterConfig
+
+    try:
+        return ClusterConfig.load(path).served_model_name
+    except (pydantic.ValidationError, OSError, ValueError):
+        return None
 
 
 def served_models(resp: httpx.Response) -> list[str] | None:
