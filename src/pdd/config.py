@@ -56,6 +56,9 @@ class _Strict(BaseModel):
         text = _text_for_number(cls.model_fields[info.field_name].annotation, v)
         if text is not None:
             at, s = text
+            if isinstance(s, _BareNonFinite):  # NaN unquoted in a JSON file: not "the string 'NaN'"
+                raise ValueError(f"must be a finite number; {s} is not a valid JSON number (JSON has no NaN or "
+                                 f"Infinity)" + (f" at {at}" if at else ""))
             raise ValueError(f"must be a number written without quotes, got the string {_short(s)}"
                              + (f" at {at}" if at else ""))
         return v
@@ -147,6 +150,8 @@ def _short(s: str, n: int = 60) -> str:
 
 def _given(v) -> str:
     """What a config gave, in its own words: ``the string 'yes'``, ``the number 1``, ``null``, a list."""
+    if isinstance(v, _BareNonFinite):
+        return f"{v} (not a valid JSON number: JSON has no NaN or Infinity)"
     if isinstance(v, str):
         return f"the string {_short(v)}"
     if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -635,6 +640,20 @@ class _ConfigLoader(yaml.SafeLoader):
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."))
+
+
+class _BareNonFinite(str):
+    """An unquoted ``NaN``, ``Infinity`` or ``-Infinity`` (any case, ``inf`` too) in a config file:
+    what Python's ``json.dumps`` writes for a non-finite float, which JSON does not allow and
+    YAML reads as text. It stays that text (a field that takes text keeps it); a number field
+    refuses it as not a valid JSON number rather than as "the string 'NaN'", which the file
+    did not quote."""
+
+
+_ConfigLoader.add_implicit_resolver("tag:pdd,2026:bare-non-finite",
+                                    re.compile(r"^[-+]?(?i:nan|inf|infinity)$"), list("-+nNiI"))
+_ConfigLoader.add_constructor("tag:pdd,2026:bare-non-finite",
+                              lambda loader, node: _BareNonFinite(loader.construct_scalar(node)))
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -144,6 +144,37 @@ def test_numbers_in_exponent_form_are_numbers(tmp_path):
     assert _refused("link: {wan_gbps: '5e-1'}\n", tmp_path) == f"link.wan_gbps: {TEXT.format(repr('5e-1'))}"
 
 
+NOT_JSON = "must be a finite number; {} is not a valid JSON number (JSON has no NaN or Infinity)"
+
+
+@pytest.mark.parametrize("json_text,message", [
+    ('{"engine": {"page_size": NaN}}', f"engine.page_size: {NOT_JSON.format('NaN')}"),
+    ('{"link": {"wan_gbps": Infinity}}', f"link.wan_gbps: {NOT_JSON.format('Infinity')}"),
+    ('{"link": {"wan_cross_traffic": [[0, -Infinity]]}}', f"link.wan_cross_traffic: {NOT_JSON.format('-Infinity')} at [0][1]"),
+    ('{"policy": {"cutoff": NaN}}',
+     f"policy.cutoff: {NOT_BOOL.format('NaN (not a valid JSON number: JSON has no NaN or Infinity)')}"),
+    ('{"engine": {"page_size": "NaN"}}', f"engine.page_size: {TEXT.format(repr('NaN'))}"),  # quoted: a string
+])
+def test_nan_in_a_json_config_is_named_as_not_json(tmp_path, json_text, message):
+    """Found in user testing: ``{"page_size": NaN}`` (what Python's json.dumps writes for a NaN) was
+    refused as "the string 'NaN'", which the file did not quote; JSON has no NaN nor Infinity."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json_text)
+    with pytest.raises(ValidationError) as ex:
+        ClusterConfig.load(cfg)
+    assert validation_summary(ex.value) == message
+    with pytest.raises(SystemExit) as ex:
+        main(["serve", "--config", str(cfg)])
+    assert ex.value.code == f"pdd: invalid config: {message}"
+
+
+def test_nan_stays_text_where_a_field_takes_text(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"served_model_name": NaN}')
+    c = ClusterConfig.load(cfg)
+    assert c.served_model_name == "NaN" and type(c.served_model_name) is str
+
+
 def test_mode_label_text_is_read_as_its_fields_type():
     """A label has only text: ``pdd+pipeline_ttft_budget_ms=80+cutoff=no`` sets the number 80 and
     false, not a string the config now refuses; a value that is neither is named."""
