@@ -237,6 +237,36 @@ def test_a_refusal_echoes_a_huge_value_bounded(api):
     assert not orch.started
 
 
+def test_a_refusal_of_a_long_wrong_typed_value_keeps_its_tail(api):
+    """Found in user testing: these messages were cut whole at 200 characters (``[:200]``), so a
+    long value lost the message's closing words and never said it had been cut; the value is
+    now cut by ``shown`` (120 characters, then its full length)."""
+    client, orch = api
+    long = "x" * 1000
+    cut = f"'{'x' * 119}... (1000 characters)"
+    cases = [
+        ("/v1/completions", {**OK, "max_tokens": long}, "max_tokens", f"max_tokens: must be an integer, got a string {cut}"),
+        ("/v1/completions", {**OK, "stop": {"a": long}}, "stop",
+         f"stop: must be a string or a list of strings, got dict {{'a': {cut[:120 - 6]}... (1 items)"),
+        ("/v1/completions", {**OK, "stop": ["a", {"b": long}]}, "stop",
+         f"stop[1]: must be a string, got dict {{'b': {cut[:120 - 6]}... (1 items)"),
+        ("/v1/completions", {**OK, "prompt": {"p": long}}, "prompt",
+         "prompt: must be a text, a list of token ids, a list of texts or a list of token-id lists, got dict "
+         f"{{'p': {cut[:120 - 6]}... (1 items)"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"c": long}}], "max_tokens": 2},
+         "messages[0].content", f"messages[0].content: must be a string or a list of content parts, got dict "
+                                f"{{'c': {cut[:120 - 6]}... (1 items)"),
+        ("/v1/chat/completions", {"messages": [{"role": [long], "content": "hi"}], "max_tokens": 2},
+         "messages[0].role", f"messages[0].role: must be a string, got list [{cut[:120 - 1]}... (1 items)"),
+        ("/v1/chat/completions", {"messages": [{"role": long, "content": "hi"}], "max_tokens": 2},
+         "messages[0].role", f"messages[0].role: {cut} is not one of assistant, developer, function, system, tool, "
+                             "user"),
+    ]
+    for path, body, param, message in cases:
+        assert _err(client.post(path, json=body), 400, param)["message"] == message
+    assert not orch.started
+
+
 def test_n_two_never_hangs_and_n_over_the_limit_is_400(api):
     client, orch = api
     r = client.post("/v1/completions", json={**OK, "n": 2, "max_tokens": 3})

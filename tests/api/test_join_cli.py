@@ -91,3 +91,37 @@ def test_a_join_url_with_a_path_or_query_is_refused():
 
     for url in ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/?x=1", "http://127.0.0.1:8000#top"):
         assert "path, query or fragment" in gateway_url_problem(url), url
+
+
+def test_a_join_answered_with_a_long_page_says_how_long_it_was():
+    """A gateway (or a proxy before it) answering with a page, not JSON: the message cut the page
+    at 200 characters without saying so; it is now cut by ``shown`` (120, then its length)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from pdd.gateway.join import join
+
+    class Page(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = ("<p>" + "e" * 997).encode()
+            self.send_response(502)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]  # the instance "listening" is the page's own server
+        cfg = SimpleNamespace(host="127.0.0.1", security=SimpleNamespace(api_keys=[]))
+        spec = SimpleNamespace(name="md1", role="main_decode", port=port)
+        rep = join(cfg, spec, f"http://127.0.0.1:{port}", timeout_s=10)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert rep == {"error": {"message": f"HTTP 502: '<p>{'e' * 116}... (1000 characters)"}}

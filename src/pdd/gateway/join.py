@@ -71,8 +71,11 @@ def join(cfg, spec, url: str, timeout_s: float = JOIN_TIMEOUT_S, poll_s: float =
     try:
         r = httpx.post(url.rstrip("/") + "/pdd/instances", json=join_body(spec, cfg.host), headers=headers,
                        timeout=max(5.0, deadline - time.monotonic()), trust_env=False)
-        return r.json() if r.headers.get("content-type", "").startswith("application/json") else \
-            {"error": {"message": f"HTTP {r.status_code}: {r.text[:200]}"}}
+        if r.headers.get("content-type", "").startswith("application/json"):
+            return r.json()
+        from pdd.gateway.openai_schemas import shown  # a proxy's page: cut, saying its length
+
+        return {"error": {"message": f"HTTP {r.status_code}: {shown(r.text)}"}}
     except Exception as e:
         return {"error": {"message": f"{type(e).__name__}: {e}"}}
 

@@ -224,7 +224,7 @@ class _Sampling(BaseModel):
         if isinstance(v, bool) and info.field_name in _float_not_bool(cls):
             raise ValueError(f"must be a number, got {str(v).lower()}")
         if isinstance(v, str) and info.field_name in _int_not_bool(cls):
-            raise ValueError(f"must be an integer, got a string {v!r}"[:200])
+            raise ValueError(f"must be an integer, got a string {shown(v)}")
         return v
 
     @model_validator(mode="before")
@@ -248,11 +248,11 @@ class _Sampling(BaseModel):
         """``stop``: one string or a list of at most ``MAX_STOP`` (64) strings, each at most
         ``MAX_STOP_CHARS`` (1,024) characters. OpenAI allows 4 strings; vLLM sets no bound."""
         if v is not None and not isinstance(v, (str, list)):
-            raise ValueError(f"must be a string or a list of strings, got {type(v).__name__} {v!r}"[:200])
+            raise ValueError(f"must be a string or a list of strings, got {type(v).__name__} {shown(v)}")
         stops = [v] if isinstance(v, str) else _at_most(v, MAX_STOP, "stop strings") if isinstance(v, list) else []
         for i, s in enumerate(stops):
             if not isinstance(s, str):
-                raise ValueError(f"stop[{i}]: must be a string, got {type(s).__name__} {s!r}"[:200])
+                raise ValueError(f"stop[{i}]: must be a string, got {type(s).__name__} {shown(s)}")
             if len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
             if (bad := lone_surrogate(s)) is not None:
@@ -335,7 +335,7 @@ class CompletionRequest(_Sampling):
         ``prompt``), instead of the union's first branch ("Input should be a valid string")."""
         if not isinstance(v, (str, list)):
             raise ValueError("prompt: must be a text, a list of token ids, a list of texts or a list of token-id "
-                             f"lists, got {type(v).__name__} {v!r}"[:200])
+                             f"lists, got {type(v).__name__} {shown(v)}")
         if not isinstance(v, list) or not v:
             return v
         if isinstance(v[0], (str, list)):
@@ -376,7 +376,7 @@ class _Message(BaseModel):
     def _content_shape(cls, v):
         if v is None or isinstance(v, (str, list)):
             return v
-        raise ValueError(f"must be a string or a list of content parts, got {type(v).__name__} {v!r}"[:200])
+        raise ValueError(f"must be a string or a list of content parts, got {type(v).__name__} {shown(v)}")
 
 
 class _ContentMessage(_Message):
@@ -439,9 +439,9 @@ def check_messages(messages: list) -> None:
         if role is None:
             raise ApiError(f"{at}.role: required", f"{at}.role")
         if not isinstance(role, str):
-            raise ApiError(f"{at}.role: must be a string, got {type(role).__name__} {role!r}"[:200], f"{at}.role")
+            raise ApiError(f"{at}.role: must be a string, got {type(role).__name__} {shown(role)}", f"{at}.role")
         if role not in CHAT_ROLES:
-            raise ApiError(f"{at}.role: {role[:40]!r} is not one of {', '.join(sorted(CHAT_ROLES))}", f"{at}.role")
+            raise ApiError(f"{at}.role: {shown(role)} is not one of {', '.join(sorted(CHAT_ROLES))}", f"{at}.role")
         try:
             msg = _MESSAGES[role].model_validate({k: v for k, v in m.items() if v is not None})
         except ValidationError as e:
