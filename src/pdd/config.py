@@ -18,6 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from pdd.text import shown
 from pdd.topology import layout, port_conflicts
 from pdd.policy.tcp_model import MAX_LINE_DELAY_MS, slow_line_problem
 
@@ -59,7 +60,7 @@ class _Strict(BaseModel):
             if isinstance(s, _BareNonFinite):  # NaN unquoted in a JSON file: not "the string 'NaN'"
                 raise ValueError(f"must be a finite number; {s} is not a valid JSON number (JSON has no NaN or "
                                  f"Infinity)" + (f" at {at}" if at else ""))
-            raise ValueError(f"must be a number written without quotes, got the string {_short(s)}"
+            raise ValueError(f"must be a number written without quotes, got the string {shown(s)}"
                              + (f" at {at}" if at else ""))
         return v
 
@@ -142,18 +143,12 @@ def _text_for_number(ann, v, at: str = "") -> tuple[str, str] | None:
     return None
 
 
-def _short(s: str, n: int = 60) -> str:
-    """``repr(s)``, cut to about ``n`` characters (a long string named in one line)."""
-    r = repr(s)
-    return r if len(r) <= n else r[: n - 4] + "...'"
-
-
 def _given(v) -> str:
     """What a config gave, in its own words: ``the string 'yes'``, ``the number 1``, ``null``, a list."""
     if isinstance(v, _BareNonFinite):
         return f"{v} (not a valid JSON number: JSON has no NaN or Infinity)"
     if isinstance(v, str):
-        return f"the string {_short(v)}"
+        return f"the string {shown(v)}"
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return f"the number {v}"
     try:
@@ -702,7 +697,7 @@ def _check_host(host: str) -> str:
             and not labels[-1].isdigit()):
         return host
     raise ValueError(f"must be an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a hostname (RFC 1123: "
-                     f"dot-separated labels of letters, digits and hyphens, e.g. localhost), got {_short(host)}")
+                     f"dot-separated labels of letters, digits and hyphens, e.g. localhost), got {shown(host)}")
 
 
 class ClusterConfig(_Strict):

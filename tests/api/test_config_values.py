@@ -92,6 +92,7 @@ NOT_BOOL = "must be true or false (YAML's yes/no and on/off unquoted too), got {
     ("cpu_affinity: {prefill: ['0']}\n", f"cpu_affinity: {TEXT.format(repr('0'))} at prefill[0]"),
     ("link: {wan_cross_traffic: [[0, '0.01']]}\n", f"link.wan_cross_traffic: {TEXT.format(repr('0.01'))} at [0][1]"),
     ("engine: {num_pages: fast}\n", f"engine.num_pages: {TEXT.format(repr('fast'))}"),
+    (f"engine: {{num_pages: {'f' * 200}}}\n", f"engine.num_pages: {TEXT.format(repr('f' * 200)[:120] + '... (200 characters)')}"),
 ])
 def test_a_string_for_a_number_names_the_field(tmp_path, yaml_text, message):
     """Pydantic's lax mode parsed a quoted number, where the HTTP API refuses ``"max_tokens": "5"``."""
@@ -239,11 +240,13 @@ HOST = ("must be an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a hostname (RFC
 
 
 @pytest.mark.parametrize("host", ["not a host!", "", " 127.0.0.1", "999.1.1.1", "1.2.3", "-a.example", "a..b",
-                                  "under_score", "x" * 64, "http://127.0.0.1", "localhost:8000", "[::1]", "."])
+                                  "under_score", "x" * 64, "y" * 300, "http://127.0.0.1", "localhost:8000", "[::1]",
+                                  "."])
 def test_a_host_that_is_neither_an_ip_nor_a_hostname_is_refused_at_load(tmp_path, host):
     """``host: 'not a host!'`` was reported as its ports "already in use", and ``host: ''``
     started the topology and failed later with socket.gaierror."""
-    shown = repr(host) if len(repr(host)) <= 60 else repr(host)[:56] + "...'"  # a long one cut
+    # a long one cut to 120 characters, then its length (pdd.text.shown, as the HTTP API's refusals)
+    shown = repr(host) if len(repr(host)) <= 120 else f"'{host[:119]}... ({len(host)} characters)"
     assert _refused(f"host: {json.dumps(host)}\n", tmp_path) == f"host: {HOST.format(shown)}"
     with pytest.raises(SystemExit) as ex:
         main(["serve", "--config", str(tmp_path / "c.yaml")])  # the file _refused wrote

@@ -222,7 +222,7 @@ def test_unknown_model_404_then_still_serving(api):
 
 def test_a_refusal_echoes_a_huge_value_bounded(api):
     """The model name, a bad batch item or logit_bias key is echoed cut to 120 characters and its
-    length (``openai_schemas.shown``), not whole."""
+    length (``pdd.text.shown``), not whole."""
     client, orch = api
     r = client.post("/v1/completions", json={**OK, "model": "m" * 100_000})
     assert _err(r, 404, "model", "model_not_found")["message"] == (

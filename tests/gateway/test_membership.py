@@ -632,7 +632,7 @@ def test_delete_of_the_last_active_instance_with_requests_in_flight_is_a_conflic
 def test_a_refusal_echoes_a_huge_value_bounded():
     """An address of 1,000,000 characters got a 409 holding it twice (2,000,156 bytes): each value
     a message echoes is cut to ``SHOWN_CHARS`` characters, then its full length
-    (``openai_schemas.shown``)."""
+    (``pdd.text.shown``)."""
     c, o, ms = _client()
     addr = "a" * 1_000_000 + ":1"
     r = c.post("/pdd/instances", json={"role": "main_decode", "address": addr})
@@ -653,7 +653,7 @@ def test_a_refusal_echoes_a_huge_value_bounded():
 
 
 def test_shown_keeps_a_short_value_whole():
-    from pdd.gateway.openai_schemas import shown
+    from pdd.text import shown
 
     assert shown("md0") == "'md0'" and shown(None) == "None" and shown([1, 2]) == "[1, 2]"
     assert shown("a" * 118) == repr("a" * 118)  # 120 characters with its quotes

@@ -73,7 +73,7 @@ def join(cfg, spec, url: str, timeout_s: float = JOIN_TIMEOUT_S, poll_s: float =
                        timeout=max(5.0, deadline - time.monotonic()), trust_env=False)
         if r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
-        from pdd.gateway.openai_schemas import shown  # a proxy's page: cut, saying its length
+        from pdd.text import shown  # a proxy's page: cut, saying its length
 
         return {"error": {"message": f"HTTP {r.status_code}: {shown(r.text)}"}}
     except Exception as e:

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdd.gateway.openai_schemas import shown
+from pdd.text import shown
 from pdd.policy.prefix_index import PrefixIndex
 from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide, decide_rerole
 from pdd.roles.rerole import set_role_msg

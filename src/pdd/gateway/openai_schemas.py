@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       field_validator, model_validator)
 
+from pdd.text import shown
 from pdd.types import SamplingParams
 
 MAX_N = 16  # choices per request
@@ -137,25 +138,6 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.param, self.code, self.etype)
-
-
-SHOWN_CHARS = 120  # a value an error message echoes is cut to about this many characters (:func:`shown`)
-
-
-def shown(value, limit: int = SHOWN_CHARS) -> str:
-    """``repr(value)`` for an error message, bounded: at most ``limit`` characters of it, then
-    ``...`` and the value's full length (``'aaaa... (1000002 characters)``: a str's characters,
-    a bytes' bytes, a list's or dict's items, else its repr's characters), so a refusal of a
-    huge input is not huge itself (an address of 1,000,000 characters made a 2 MB 409).
-    Raises nothing."""
-    s = repr(value)
-    if len(s) <= limit:
-        return s
-    if isinstance(value, (str, bytes, list, tuple, dict)):
-        n, what = len(value), {str: "characters", bytes: "bytes"}.get(type(value), "items")
-    else:
-        n, what = len(s), "characters"
-    return f"{s[:limit]}... ({n} {what})"
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
