@@ -927,6 +927,8 @@ I64 = "[-9223372036854775808, 9223372036854775807]"
     ("/v1/completions", "best_of", "1e30", "best_of: must be an integer in [1, 9223372036854775807], got 1e+30"),
     ("/v1/completions", "truncate_prompt_tokens", "1e30",
      "truncate_prompt_tokens: must be an integer in [-1, 9223372036854775807], got 1e+30"),
+    ("/tokenize", "truncate_prompt_tokens", "1e30",
+     "truncate_prompt_tokens: must be an integer in [-1, 9223372036854775807], got 1e+30"),
     ("/v1/chat/completions", "max_completion_tokens", "1e30",
      "max_completion_tokens: must be an integer in [1, 9223372036854775807], got 1e+30"),
     ("/v1/chat/completions", "top_logprobs", "1e30", "top_logprobs: must be an integer in [0, 20], got 1e+30"),

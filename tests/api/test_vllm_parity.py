@@ -81,6 +81,37 @@ def test_tokenize_detokenize_and_version_as_vllm(api, tiny_model):
     assert client.get("/version").json() == {"version": pdd.__version__}
 
 
+def test_tokenize_truncates_as_the_endpoint_it_mirrors(api, tiny_model):
+    """Found in user testing: /tokenize ignored ``truncate_prompt_tokens``, so its ids and count were
+    not what the completion (or chat) with it serves; a bad value is refused as there."""
+    client, orch = api
+    text = "Hello there, how are you doing today?"
+    ids = _tok(tiny_model).encode(text, add_special_tokens=True).ids
+    assert len(ids) > 5
+    r = client.post("/tokenize", json={"prompt": text, "truncate_prompt_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 5, "max_model_len": 512, "tokens": ids[-5:], "token_strs": None}
+    client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 5})
+    assert orch.started[-1][0] == ids[-5:]  # what the completion is served with
+    assert client.post("/tokenize", json={"prompt": text, "truncate_prompt_tokens": -1}).json()["tokens"] == ids
+    msgs = [{"role": "user", "content": text}]
+    r = client.post("/tokenize", json={"messages": msgs, "truncate_prompt_tokens": 3}).json()
+    client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "truncate_prompt_tokens": 3})
+    assert r["tokens"] == orch.started[-1][0] and r["count"] == 3
+    n = len(orch.started)
+    for value, message in [
+        (0, "truncate_prompt_tokens: 0 would leave no prompt; use k >= 1, or -1 for the maximum input length"),
+        (401, "truncate_prompt_tokens: 401 is above the maximum input length 400"),
+        (True, "truncate_prompt_tokens: must be an integer, got true"),
+        ("5", "truncate_prompt_tokens: must be an integer, got a string '5'"),
+        (-2, "truncate_prompt_tokens: Input should be greater than or equal to -1"),
+    ]:
+        r = client.post("/tokenize", json={"prompt": text, "truncate_prompt_tokens": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert r.json()["error"]["message"] == message
+    assert len(orch.started) == n  # no tier work
+
+
 def test_method_not_allowed_names_the_allowed_methods(api):
     """A 405 must carry ``Allow`` (RFC 9110); the OpenAI-shaped error handler dropped it."""
     client, _ = api

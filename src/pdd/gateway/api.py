@@ -632,8 +632,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def tokenize(body: TokenizeRequest):
         """vLLM's /tokenize: the token ids the completion (``prompt``) or chat (``messages``)
         endpoint would serve, with the same defaults (special tokens added to a text prompt, the
-        chat template for messages)."""
+        chat template for messages) and the same ``truncate_prompt_tokens`` (its last k ids; it
+        was ignored, so ``count`` was not what the endpoint serves)."""
         check_model(body.model)
+        check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)  # before the tokenizer's work
         if body.messages is not None:
             check_messages(body.messages)
             text, param, special = render_chat(body), "messages", False
@@ -641,7 +643,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             text, param, special = body.prompt, "prompt", True
         if body.add_special_tokens is not None:
             special = body.add_special_tokens
-        ids = await asyncio.to_thread(encode, text, special, param)
+        ids = await asyncio.to_thread(encode, text, special, param, body.truncate_prompt_tokens is not None)
+        ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
         out = {"count": len(ids), "max_model_len": cfg.engine.max_model_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = [tokenizer.id_to_token(t) for t in ids]

@@ -459,7 +459,8 @@ class ChatCompletionRequest(_Sampling):
 
 class TokenizeRequest(BaseModel):
     """vLLM's ``POST /tokenize``: a completion ``prompt`` (text) or chat ``messages`` (rendered
-    with the model's chat template, as ``/v1/chat/completions`` does)."""
+    with the model's chat template, as ``/v1/chat/completions`` does), cut as those endpoints cut
+    it with ``truncate_prompt_tokens``."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -472,6 +473,21 @@ class TokenizeRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="the ids the matching endpoint serves with it: the last k tokens (-1: the "
+                                 "maximum input length); 0 is refused, as there")
+
+    @field_validator("truncate_prompt_tokens", mode="before")
+    @classmethod
+    def _json_integer(cls, v):
+        """``true`` or a string is refused (ValueError, a 400 naming the field), as
+        :meth:`_Sampling._json_number` refuses them for completions: lax pydantic reads them as
+        1 / the number."""
+        if isinstance(v, bool):
+            raise ValueError(f"must be an integer, got {str(v).lower()}")
+        if isinstance(v, str):
+            raise ValueError(f"must be an integer, got a string {shown(v)}")
+        return v
 
     @model_validator(mode="after")
     def _one_input(self):
