@@ -215,8 +215,10 @@ def test_url_refuses_modes_other_than_the_servers(capsys, tmp_path, gateway, no_
     assert RemoteTopology(url).mode() == "same_dc_pd"
     _refused(capsys, ["--url", url, "--model", "served", "--modes", "pdd", "--out", str(tmp_path / "b")],
              "--modes pdd", f"the server at {url} runs mode same_dc_pd", "--modes same_dc_pd or leave --modes out")
-    _refused(capsys, ["--url", url, "--model", "served", "--modes", "same_dc_pd,pdd", "--out", str(tmp_path / "b")], "runs mode same_dc_pd")
-    _refused(capsys, ["--url", url, "--model", "served", "--modes", "same_dc_pd+routing=round_robin", "--out", str(tmp_path / "b")],
+    _refused(capsys, ["--url", url, "--model", "served", "--modes", "same_dc_pd,pdd", "--out", str(tmp_path / "b")],
+             "runs mode same_dc_pd")
+    _refused(capsys, ["--url", url, "--model", "served", "--modes", "same_dc_pd+routing=round_robin",
+                      "--out", str(tmp_path / "b")],
              "runs mode same_dc_pd")
     assert not (tmp_path / "b").exists()
 

@@ -376,7 +376,8 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         model, named, hint = args.model, f"--model {args.model!r}", ""
         if model is None:
             model = _config_model_name(args.config)
-            named = f"served_model_name {model!r} of {f'--config {args.config}' if args.config else 'the default config'}"
+            where = f"--config {args.config}" if args.config else "the default config"
+            named = f"served_model_name {model!r} of {where}"
             hint = "; give the name to request with --model"
         if model is not None:
             names = served_models(models)
