@@ -47,10 +47,11 @@ from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
-                                        too_deep, prompt_batch, shown, sampling_for, too_many_digits, truncated_prompt)
+                                        too_deep, prompt_batch, sampling_for, too_many_digits, truncated_prompt)
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
+from pdd.text import shown
 
 log = logging.getLogger(__name__)
 

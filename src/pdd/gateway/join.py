@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from pdd.text import shown
+
 JOIN_TIMEOUT_S = 180.0
 
 
@@ -73,8 +75,6 @@ def join(cfg, spec, url: str, timeout_s: float = JOIN_TIMEOUT_S, poll_s: float =
                        timeout=max(5.0, deadline - time.monotonic()), trust_env=False)
         if r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
-        from pdd.text import shown  # a proxy's page: cut, saying its length
-
         return {"error": {"message": f"HTTP {r.status_code}: {shown(r.text)}"}}
     except Exception as e:
         return {"error": {"message": f"{type(e).__name__}: {e}"}}

@@ -31,6 +31,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
+from pdd.text import shown
+
 
 class MessageError(ValueError):
     """A header that is not a well-formed message: the text names the kind and the field."""
@@ -160,7 +162,7 @@ class Msg:
                 continue
             if check is not None and not check(v):
                 raise MessageError(f"message {cls.T!r}: field {name!r} must be {_tname(tp)}, "
-                                   f"got {type(v).__name__} {_short(v)}")
+                                   f"got {type(v).__name__} {shown(v, 40)}")
             kw[name] = v
         if len(h) - 1 > len(kw):  # keys besides "t" and the fields: the envelope, or refused
             rest = {k: v for k, v in h.items() if k != "t" and k not in ENVELOPE and k not in _names(cls)}
@@ -218,11 +220,6 @@ def _hints(cls) -> dict:
     if hints is None:
         hints = _HINTS[cls] = typing.get_type_hints(cls)
     return hints
-
-
-def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 40 else s[:37] + "..."
 
 
 def decode(h: dict) -> Msg:
