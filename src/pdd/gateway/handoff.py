@@ -142,13 +142,41 @@ class Handoffs:
                 return
             # a tier died mid-handoff; its closed connection tells _instance_lost what to do
             log.warning("request %s: handoff failed: %s", st.rid, e)
+            reported = await self._close_reports(st)
+            if st.trid != trid or st.finished or st.recovery.lost:
+                return  # recovered (by the close's report, _peer_closed) or ended while it drained
             for role in (ROLE_RELAY, ROLE_MAIN):
                 name = st.names.get(role)
                 peer = self.peers.get(name) if name is not None else None
                 if name is not None and (peer is None or peer.closed):  # closed, or removed by the operator
+                    if peer is not None and peer in reported:
+                        return  # _peer_closed applied this loss to the attempt when it reported the close
                     self._instance_lost(st, name, f"instance {name} is unreachable ({e})")
                     return
             self._fail_lost(st, f"handoff failed: {e}")
+
+    async def _close_reports(self, st: ReqState) -> list:
+        """Wait until the close of each closed connection to the attempt's RLD and MD is reported
+        (``Peer.wait_close_reported``): one that ended from the instance's side first hands the
+        one-way messages it read before the end (e.g. RLD's last tokens) to their handlers, for
+        at most its ``drain_timeout_s`` seconds (:mod:`pdd.transfer.peer`, "Close"), so a loss
+        decided after this sees those tokens in the stream's queue. Returns those connections
+        that are still their instance's: reporting the close ran :meth:`_peer_closed` (as
+        ``_connect`` registered it), which applied the loss to every request routed there, this
+        one included. Never waits on a call: the handlers drained are one-way (tokens, kv_ready,
+        errors) and never await a handoff, so this ends within the longest ``drain_timeout_s``.
+        A stand-in connection without close reports (tests' fakes) is not waited for nor returned."""
+        out = []
+        for role in (ROLE_RELAY, ROLE_MAIN):
+            name = st.names.get(role)
+            peer = self.peers.get(name) if name is not None else None
+            wait = getattr(peer, "wait_close_reported", None)
+            if peer is None or not peer.closed or wait is None:
+                continue
+            await wait()
+            if self.peers.get(name) is peer:
+                out.append(peer)
+        return out
 
     async def _handoff_rounds(self, st: ReqState) -> None:
         """The rounds of one attempt (tier rid ``st.trid`` when called): they stop as soon as
