@@ -53,3 +53,42 @@ def fake_orchestrator(**config):
     o = Orchestrator(cfg, layout(cfg))
     o.peers = {s.name: FakePeer() for s in o.layout.engines}
     return o
+
+
+class SocketWriter:
+    """The gateway's side of an instance's socket, for a real :class:`pdd.transfer.peer.Peer`
+    whose reader a test feeds: what the gateway writes is readable from ``out``."""
+
+    def __init__(self):
+        self.out = asyncio.StreamReader()
+        self.transport = self
+
+    def write(self, b) -> None:
+        self.out.feed_data(bytes(b))
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        pass
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+def consume(o, st) -> tuple[asyncio.Task, list]:
+    """A task reading the orchestrator's stream of ``st`` as the HTTP layer does, and the list
+    of ``(pos, token_id, tier)`` it fills."""
+    got: list = []
+
+    async def run():
+        async for t in o.stream(st):
+            got.append((t.pos, t.token_id, t.tier))
+
+    return asyncio.get_running_loop().create_task(run()), got

@@ -26,38 +26,12 @@ from pdd.transfer import wire
 from pdd.transfer.messages import Tok
 from pdd.transfer.peer import Peer
 from pdd.types import Pipeline, SamplingParams
-from tests.gateway.fake_peer import fake_orchestrator
+from tests.gateway.fake_peer import SocketWriter, consume, fake_orchestrator
 
 BOUND_S = 10.0  # how long a step may take before the test calls it a stall
 TURNS = 50  # loop turns (no clock) given to a handoff that would decide without waiting for the drain
 PROMPT = [5] * 40
 STREAMED = [100, 101, 102]  # RLD's outputs the client has; RLD's next one (103) is in its last frame
-
-
-class Writer:
-    """The gateway's side of RLD's socket: what it writes is readable from ``out``."""
-
-    def __init__(self):
-        self.out = asyncio.StreamReader()
-        self.transport = self
-
-    def write(self, b) -> None:
-        self.out.feed_data(bytes(b))
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    async def wait_closed(self) -> None:
-        pass
-
-    def get_extra_info(self, name, default=None):
-        return default
 
 
 def _relaying(o, kv_ready: bool) -> ReqState:
@@ -79,7 +53,7 @@ class Rld:
     of RLD's token frames waits for ``release`` (``held`` is set once the first one is held)."""
 
     def __init__(self, o):
-        self.reader, self.writer = asyncio.StreamReader(), Writer()
+        self.reader, self.writer = asyncio.StreamReader(), SocketWriter()
         self.peer = Peer(self.reader, self.writer, o.handlers(), name="rld0", drain_timeout_s=3600)
         self.held, self.release = asyncio.Event(), asyncio.Event()
         on_tok = o.on_tok
@@ -119,16 +93,6 @@ def _count_losses(o) -> list:
     return calls
 
 
-def _consume(o, st) -> tuple[asyncio.Task, list]:
-    got: list = []
-
-    async def run():
-        async for t in o.stream(st):
-            got.append((t.pos, t.token_id, t.tier))
-
-    return asyncio.get_running_loop().create_task(run()), got
-
-
 async def _turns(n: int = TURNS) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
@@ -160,7 +124,7 @@ async def test_a_new_attempt_after_a_failed_handoff_call_starts_after_rld_s_drai
     st = _relaying(o, kv_ready=False)
     st.handoff.early = True
     rld = Rld(o)
-    consumer, got = _consume(o, st)
+    consumer, got = consume(o, st)
     handoff = asyncio.get_running_loop().create_task(o._handoff(st))
     await rld.dies_during_the_handoff_call()
     await _turns()
@@ -196,7 +160,7 @@ async def test_md_takes_over_after_rld_s_drained_token_and_the_loss_is_declared_
     losses = _count_losses(o)
     st = _relaying(o, kv_ready=True)
     rld = Rld(o)
-    consumer, got = _consume(o, st)
+    consumer, got = consume(o, st)
     handoff = asyncio.get_running_loop().create_task(o._handoff(st))
     await rld.dies_during_the_handoff_call()
     await _turns()

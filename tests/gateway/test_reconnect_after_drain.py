@@ -10,31 +10,9 @@ import asyncio
 
 from pdd.transfer import wire
 from pdd.transfer.peer import Peer
-from tests.gateway.fake_peer import FakePeer, fake_orchestrator
+from tests.gateway.fake_peer import FakePeer, SocketWriter, fake_orchestrator
 
 GUARD_S = 30
-
-
-class _Writer:
-    class transport:  # noqa: N801 - what Peer reads of a writer
-        @staticmethod
-        def abort():
-            pass
-
-    def write(self, b):
-        pass
-
-    async def drain(self):
-        pass
-
-    def close(self):
-        pass
-
-    async def wait_closed(self):
-        pass
-
-    def get_extra_info(self, name, default=None):
-        return default
 
 
 async def _until(cond) -> None:
@@ -46,7 +24,7 @@ async def test_a_reconnect_waits_for_the_old_connections_close_to_be_reported():
     o = fake_orchestrator()
     name = o.layout.engines[0].name
     reader = asyncio.StreamReader()
-    old = Peer(reader, _Writer(), name=name, drain_timeout_s=3600)
+    old = Peer(reader, SocketWriter(), name=name, drain_timeout_s=3600)
     release, started = asyncio.Event(), asyncio.Event()
 
     async def last_tokens(p, h, payload):  # the instance's last message, handled slowly

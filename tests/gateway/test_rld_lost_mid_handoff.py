@@ -25,36 +25,10 @@ from pdd.transfer import wire
 from pdd.transfer.messages import HandoffOk, Tok
 from pdd.transfer.peer import Peer
 from pdd.types import Pipeline, SamplingParams
-from tests.gateway.fake_peer import FakePeer, fake_orchestrator
+from tests.gateway.fake_peer import FakePeer, SocketWriter, consume, fake_orchestrator
 
 BOUND_S = 10.0  # how long a step may take before the test calls it a stall (the request timeout is 300 s)
 RLD_IDS = [100, 101, 102, 103, 104]  # RLD's outputs at its final round; the client has the first 3
-
-
-class Writer:
-    """The gateway's side of RLD's socket: what it writes is readable from ``out``."""
-
-    def __init__(self):
-        self.out = asyncio.StreamReader()
-        self.transport = self
-
-    def write(self, b) -> None:
-        self.out.feed_data(bytes(b))
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    async def wait_closed(self) -> None:
-        pass
-
-    def get_extra_info(self, name, default=None):
-        return default
 
 
 def _frame(header: dict) -> bytes:
@@ -79,16 +53,6 @@ def _relaying(o, logprobs=None) -> ReqState:
     st.events["md_reserved"] = 0.0
     o.reqs[st.trid] = st
     return st
-
-
-def _consume(o, st) -> tuple[asyncio.Task, list]:
-    got: list = []
-
-    async def run():
-        async for t in o.stream(st):
-            got.append((t.pos, t.token_id, t.tier))
-
-    return asyncio.get_running_loop().create_task(run()), got
 
 
 def _md_streams(o, first: int, ids: list[int]) -> None:
@@ -119,12 +83,12 @@ async def test_final_reply_read_with_rld_s_end_streams_its_dropped_tokens_from_t
     MD's from 5; MD is extended once, with RLD's 5 ids; no takeover, no recovery."""
     o = _orch()
     st = _relaying(o)
-    reader, writer = asyncio.StreamReader(), Writer()
+    reader, writer = asyncio.StreamReader(), SocketWriter()
     rld = Peer(reader, writer, o.handlers(), name="rld0")
     rld.on_close(lambda p: o._peer_closed("rld0", p))
     o.peers["rld0"] = rld
     rld.start()
-    consumer, got = _consume(o, st)
+    consumer, got = consume(o, st)
     handoff = asyncio.get_running_loop().create_task(o._handoff(st))
     call, _ = await asyncio.wait_for(wire.read_frame(writer.out), BOUND_S)  # the gateway asks RLD for its ids
     assert call["t"] == "handoff" and call["rid"] == "r1" and o.phase(st) == "handoff"
@@ -157,7 +121,7 @@ async def test_rld_lost_after_its_final_round_fills_only_the_positions_not_queue
     o._tok(Tok("r1", 3, 103, None, "rld", lp={"lp": -0.5, "top": []}))
     o.peers["rld0"].closed = True
     o._peer_closed("rld0")
-    consumer, got = _consume(o, st)
+    consumer, got = consume(o, st)
     _md_streams(o, 5, [105, 106])
     await _ends(consumer, st, "MD from 5")
     assert got == [(3, 103, "rld"), (4, 104, "rld"), (5, 105, "md"), (6, 106, "md")]
@@ -191,7 +155,7 @@ async def test_takeover_does_not_stream_rld_s_tokens_queued_past_where_md_starts
     await asyncio.wait_for(o.peers["md0"].seen("extend").wait(), BOUND_S)
     assert st.handoff.takeover and st.handoff.md_start == 3
     assert o.peers["md0"].of("extend") == [{"t": "extend", "rid": "r1", "token_ids": RLD_IDS[:3], "final": True}]
-    consumer, got = _consume(o, st)
+    consumer, got = consume(o, st)
     _md_streams(o, 3, [203, 204, 205])
     await _ends(consumer, st, "MD from 3")
     assert got == [(3, 203, "md"), (4, 204, "md"), (5, 205, "md")]
