@@ -22,16 +22,16 @@ DOCUMENTED = {
     "seed2-b": (0.94, 0.08, 0.052),
     "seed3": (0.98, 0.032, 0.106),
     "seed4": (0.99, -0.012, -0.017),
-    "seed4-het": (0.95, 0.031, 0.008),
-    "seed4-het-b": (0.95, -0.071, 0.019),
+    "seed4-het": (0.95, 0.072, 0.02),
+    "seed4-het-b": (0.95, -0.055, 0.031),
     "seed2-long-a": (0.9669, -0.064, -0.01),
     "seed2-long-b": (0.9835, -0.013, 0.041),
 }
 # held-out run -> TPOT P50 error
-TPOT = {"seed2-a": -0.137, "seed2-b": 0.015, "seed3": -0.03, "seed4": -0.018, "seed4-het": 0.087, "seed4-het-b": 0.003, "seed2-long-a": -0.082, "seed2-long-b": -0.145}
+TPOT = {"seed2-a": -0.137, "seed2-b": 0.015, "seed3": -0.03, "seed4": -0.018, "seed4-het": 0.099, "seed4-het-b": 0.013, "seed2-long-a": -0.082, "seed2-long-b": -0.145}
 # held-out run -> (P step factor, TTFT P50 error, TTFT P90 error) re-simulated at the run's own
 # live P step (pdd.sim.p_speed, a diagnostic)
-AT_LIVE_P_SPEED = {"seed2-a": (0.973, -0.056, 0.004), "seed2-b": (0.95, -0.016, -0.001), "seed3": (0.976, 0.016, 0.08), "seed4": (0.984, -0.025, -0.033), "seed4-het": (0.957, -0.004, -0.034), "seed4-het-b": (0.98, -0.086, 0.0), "seed2-long-a": (1.001, -0.063, -0.008), "seed2-long-b": (1.011, -0.005, 0.052)}
+AT_LIVE_P_SPEED = {"seed2-a": (0.973, -0.056, 0.004), "seed2-b": (0.95, -0.016, -0.001), "seed3": (0.976, 0.016, 0.08), "seed4": (0.984, -0.025, -0.033), "seed4-het": (0.958, 0.038, -0.022), "seed4-het-b": (0.981, -0.069, 0.012), "seed2-long-a": (1.001, -0.063, -0.008), "seed2-long-b": (1.011, -0.005, 0.052)}
 # noise pair -> (TTFT P50, TTFT P90) of its second run against its first
 NOISE = {0: (-0.239, -0.009), 1: (0.033, -0.03), 2: (0.037, -0.046), 3: (0.219, 0.026)}
 

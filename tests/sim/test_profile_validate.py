@@ -570,7 +570,7 @@ def test_wan_backlog_counts_undelivered_transfers_to_the_same_md():
     sim = ClusterSim(SimConfig(mode="pdd", wan_gbps=0.008))  # 1 MB/s
     sim.env.run(until=1.0)
     kvb = sim.model.kv_bytes_per_token
-    md, other = object(), object()
+    md, other = sim.tiers["MD"][0], object()  # bytes at the request's MD's KV size (Instance.kvb)
 
     def req(**kw):
         base = dict(cut_off=False, wan_flow=None, finished=False, md=md, md_missing=1000, t_prefill_done=None)

@@ -5,7 +5,7 @@ same inputs, measured the same way over simulated time.
 - Every ``sample_s`` the loop samples each scaled role: busy = requests in flight assigned to the
   role's active instances (from routing to the end of the request, as the gateway's
   ``inflight``), capacity = the sum of their ``max_running`` (the tier's decode cap
-  ``max_running_<role>`` when set, else ``max_running_seqs``), and the requests that arrived since
+  ``max_running_<role>`` when set, else the instance's ``max_running_seqs``), and the requests that arrived since
   the last sample (their prompt and output lengths); every ``interval_s`` it builds
   :class:`pdd.policy.autoscale.AutoscaleInputs` with :class:`pdd.policy.autoscale.AutoscaleWindow`
   and decides with :func:`pdd.policy.autoscale.decide_mix` under the rule the gateway builds from
@@ -111,7 +111,7 @@ class SimAutoscaler:
         return [i for i in self.sim.tiers[SIM_ROLE[role]] if self.state[i.name] == state]
 
     def _cap(self, inst) -> int:
-        return max(1, int(inst.slot_cap or self.sim.cfg.max_running_seqs))
+        return max(1, int(inst.slot_cap or inst.max_running))
 
     # ------------------------------------------------------------------ measuring
     def _arrivals(self) -> None:

@@ -47,7 +47,6 @@ from typing import Callable
 
 import simpy
 
-import pdd.engine.scheduler as eng_sched
 import pdd.policy.cutoff as pol_cutoff
 import pdd.policy.handoff as pol_handoff
 import pdd.policy.pipeline as pol_pipeline
@@ -73,14 +72,9 @@ class ClusterSim:
         self.env = simpy.Environment()
         self.model = cfg.model_profile()
         self.block = cfg.block_tokens
-        self.page = cfg.page_tokens or cfg.block_tokens  # P's cache hit: whole pages, the last one computed
-        self.chunk_tokens = min(cfg.prefill_chunk_tokens, cfg.max_batch_tokens)  # most tokens of a prefill step
-        self.sched_cfg = eng_sched.SchedulerConfig(
-            max_batch_tokens=cfg.max_batch_tokens,
-            max_running_seqs=cfg.max_running_seqs,
-            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
-            prefill_order=cfg.prefill_order,
-        )
+        # the top-level KV page (an instance's own: Instance.page, from cfg.engine_of): P's cache
+        # hit is whole pages, the last one computed
+        self.page = cfg.page_tokens or cfg.block_tokens
         self.owd = cfg.wan_rtt_ms / 2000.0
         # MD's messages to the gateway (its reservation reply, kv_ready, tokens): the line's
         # one-way delay plus the software share of the round trip the gateway measures (its RTT
@@ -93,15 +87,25 @@ class ClusterSim:
             if cfg.wan_rtt_estimate_ms is not None else self.owd
         self.tiers: dict[str, list[Instance]] = {}
         eff = cfg.efficiency
+        models: dict = {}  # (chip side, profile) -> step model, shared by the instances that run it
+
+        def step_model(side: str, prof):
+            if (side, prof) not in models:
+                chip = cfg.chip(side)
+                cm = cost_model(chip, self.model, profile=prof)
+                if eff is not None and prof is None:
+                    cm = StepCostModel(chip, self.model, None, eff)
+                models[side, prof] = cm
+            return models[side, prof]
+
         for role, (n, side) in cfg.tiers().items():
-            chip = cfg.chip(side)
             prof = cfg.profile_a if side == "a" else cfg.profile_b
-            cm = cost_model(chip, self.model, profile=prof)
-            if eff is not None and prof is None:
-                cm = StepCostModel(chip, self.model, None, eff)
             cache = (role in ("P", "C") and cfg.p_cache) or (role == "MD" and cfg.drc)
             frac = cfg.md_cache_frac if role == "MD" else cfg.p_cache_frac
-            self.tiers[role] = [Instance(self, f"{role}{i}", role, cm, cache, frac) for i in range(n)]
+            # an instance's step model: its tier's own profile (tier_engines), else its chip side's
+            names = [f"{role}{i}" for i in range(n)]
+            self.tiers[role] = [Instance(self, name, role, step_model(side, cfg.engine_of(name).profile or prof),
+                                         cache, frac) for name in names]
             if n <= 0:
                 raise ValueError(f"{role} needs at least one instance")
         # the WAN line as the runtime's emulator models it (pdd.policy.tcp_model): one flow's rate
@@ -129,7 +133,7 @@ class ClusterSim:
         # the runtime's (one key a page: trace hash id and page within the block), at MD's pool
         self.md_index: dict[str, PrefixIndex] = {}
         if cfg.md_prefix_index and self.wan is not None:
-            self.md_index = {md.name: PrefixIndex(self.page, max(1, md.pool // self.page))
+            self.md_index = {md.name: PrefixIndex(md.page, max(1, md.pool // md.page))
                              for md in self.tiers.get("MD", [])}
         self.early_handoffs = 0  # handoffs started before MD's kv_ready was back (early_handoff)
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
@@ -221,7 +225,7 @@ class ClusterSim:
         """The gateway's ``_remaining_wan_s``: the planned WAN bytes at the estimated rate, less
         the time since P finished prefill (when it starts streaming), at least 0."""
         elapsed = self.env.now - req.t_prefill_done if req.t_prefill_done is not None else 0.0
-        return pol_handoff.early_handoff_delay_s(req.md_missing * self.model.kv_bytes_per_token,
+        return pol_handoff.early_handoff_delay_s(req.md_missing * self._wan_kvb(req),
                                                  self.wan_gbps_estimate(), elapsed)
 
     # --- the policy calls (the runtime's functions; recorded live inputs can be fed here) ----------
@@ -258,7 +262,7 @@ class ClusterSim:
         for inst in insts:
             c = inst.cache
             if index:  # the gateway's index of each MD stands for its cache (as the runtime routes)
-                hit = index[inst.name].match_keys(self._page_keys(req)) * self.page
+                hit = index[inst.name].match_keys(self._page_keys(req, inst.page)) * inst.page
                 used = inst.private + (len(c.lru) * block if c is not None else 0)
                 loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, used, inst.pool, hit))
             elif c is None:
@@ -291,13 +295,15 @@ class ClusterSim:
         naming the first request whose KV can never fit one instance's pool (it would wait
         forever, as the engine refuses it), before simulating anything."""
         self.reqs = [Req(i, r, self.block) for i, r in enumerate(records)]
+        # a tier's smallest pool (instances may have their own): routing may pick that instance
+        pools = {role: min(i.pool for i in insts) for role, insts in self.tiers.items()}
         for r in self.reqs:
-            for role, insts in self.tiers.items():
+            for role, pool in pools.items():
                 need = r.prompt + (r.out_len if role != "P" else 0)
-                if need > insts[0].pool:
+                if need > pool:
                     out = max(q.out_len for q in self.reqs)  # the cap that fits every request
-                    fit = min(t[0].pool - (out if ro != "P" else 0) for ro, t in self.tiers.items())
-                    raise RequestTooLarge(r.rid, role, r.prompt, r.out_len, insts[0].pool, fit)
+                    fit = min(pl - (out if ro != "P" else 0) for ro, pl in pools.items())
+                    raise RequestTooLarge(r.rid, role, r.prompt, r.out_len, pool, fit)
         self.env.process(self._arrivals())
         if self.autoscaler is not None:
             self.env.process(self.autoscaler.run())
@@ -344,7 +350,7 @@ class ClusterSim:
         req.md = md
         ix = self.md_index.get(md.name)
         if ix is not None:  # the runtime's _record_route: what the index held, then the prompt recorded
-            req.md_held = ix.record_keys(self._page_keys(req)) * self.page
+            req.md_held = ix.record_keys(self._page_keys(req, md.page)) * md.page
         if self._always_relay(req):
             self._decide(req)
             if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
@@ -376,18 +382,19 @@ class ClusterSim:
         self._decided(req, inp, Pipeline.P_RLD_MD)
         return True
 
-    def _page_keys(self, req: Req, out_tokens: int = 0):
-        """The keys of ``req``'s whole pages in the gateway's index (``PrefixIndex.match_keys``):
-        the pages of the prompt's whole trace blocks, (hash id, page within the block), as MD's
+    def _page_keys(self, req: Req, page: int, out_tokens: int = 0):
+        """The keys of ``req``'s whole ``page``-token pages (its MD's page: ``Instance.page``) in
+        the gateway's index (``PrefixIndex.match_keys``): the pages of the prompt's whole trace
+        blocks, (hash id, page within the block), as MD's
         simulated cache holds whole blocks; then, with ``out_tokens`` output tokens after the
         prompt, a key of this request's own for each further page (the prompt's last part-block
         and the outputs: as the runtime's index, they take room; no later prompt matches them)."""
-        ppb = self.block // self.page
+        ppb = self.block // page
         blocks = req.blocks
         n = min(req.n_full, len(blocks)) * ppb  # a trace may name fewer blocks than its length fills
         for i in range(n):
             yield blocks[i // ppb], i % ppb
-        for j in range(n, (req.prompt + out_tokens) // self.page):
+        for j in range(n, (req.prompt + out_tokens) // page):
             yield "out", req.rid, j
 
     def _md_known(self, req: Req) -> int:
@@ -461,6 +468,16 @@ class ClusterSim:
         if not planned and (req.prefill_done or req.rid in self.kv_ready):
             self._dispatch_kv(req)
 
+    def _wan_kvb(self, req: Req) -> int:
+        """Bytes a token of ``req``'s KV carries to its MD (that MD's ``Instance.kvb``: the wire
+        format P sends it in); the model's when it has no MD."""
+        return req.md.kvb if req.md is not None else self.model.kv_bytes_per_token
+
+    def _fast_kvb(self, req: Req) -> int:
+        """Bytes a token of ``req``'s KV carries on P's fast path (to its RLD, or D)."""
+        to = req.rld if req.rld is not None else req.d
+        return to.kvb if to is not None else self.model.kv_bytes_per_token
+
     def _allow_p_rld(self, req: Req) -> bool:
         return self.cfg.allow_p_rld and req.arrival >= self.cfg.allow_p_rld_after_s
 
@@ -469,7 +486,7 @@ class ClusterSim:
         cfg = self.cfg
         return pol_pipeline.PipelineInputs(
             mode=cfg.mode, prompt_tokens=req.prompt, md_cached_tokens=req.md_hit,
-            kv_bytes_per_token=self.model.kv_bytes_per_token, wan_gbps_estimate=self.wan_gbps_estimate(),
+            kv_bytes_per_token=self._wan_kvb(req), wan_gbps_estimate=self.wan_gbps_estimate(),
             wan_rtt_ms=cfg.wan_rtt_ms if cfg.wan_rtt_estimate_ms is None else cfg.wan_rtt_estimate_ms,
             ttft_budget_ms=cfg.ttft_budget_ms, allow_p_rld=self._allow_p_rld(req), md_available=True,
             wan_backlog_bytes=self._wan_backlog_bytes(req) if cfg.wan_backlog_in_plan else 0.0)
@@ -479,7 +496,7 @@ class ClusterSim:
         other transfers to it not yet delivered nor cut off, less what the line can have carried
         since the oldest of them finished its prefill (``policy.wan_estimate.queued_bytes``)."""
         now, planned, oldest = self.env.now, [], 0.0
-        kvb = self.model.kv_bytes_per_token
+        kvb = self._wan_kvb(req)
         for rid, o in list(self.wan_planned.items()):
             f = o.wan_flow
             if o.cut_off or (f is not None and f.done) or o.finished:
@@ -551,7 +568,7 @@ class ClusterSim:
 
         def need() -> int:  # matched at admission time: the cache may change while waiting
             k = inst.cache.match(full) if inst.cache is not None else 0
-            req.p_hit = min(k * self.block, (req.prompt - 1) // self.page * self.page)
+            req.p_hit = min(k * self.block, (req.prompt - 1) // inst.page * inst.page)
             return req.prompt - req.p_hit + extra
 
         def admit(n: int):
@@ -658,9 +675,9 @@ class ClusterSim:
         for g, (_l0, l1) in enumerate(self.layer_groups):
             self.after(dt * l1 / n, self._layers_ready, req, g, end)
 
-    def _held(self, req: Req, lo: int, total: float) -> float:
-        """Bytes of a send of the prompt's tokens ``[lo, prompt)`` (``total`` bytes) whose KV P
-        has not computed yet: 0 unless layer-wise and the prefill is running."""
+    def _held(self, req: Req, lo: int, total: float, kvb: int) -> float:
+        """Bytes of a send of the prompt's tokens ``[lo, prompt)`` (``total`` bytes, ``kvb`` a
+        token) whose KV P has not computed yet: 0 unless layer-wise and the prefill is running."""
         if not self.layerwise or req.prefill_done or total <= 0:
             return 0.0
         ready = self.kv_ready.get(req.rid)
@@ -669,7 +686,7 @@ class ClusterSim:
         if min(ready) >= req.prompt:
             return 0.0
         rel = sum(max(0, min(r, req.prompt) - lo) * (l1 - l0) for r, (l0, l1) in zip(ready, self.layer_groups))
-        return max(0.0, total - rel * self.model.kv_bytes_per_token / self.model.layers)
+        return max(0.0, total - rel * kvb / self.model.layers)
 
     def _layers_ready(self, req: Req, g: int, end: int) -> None:
         ready = self.kv_ready.get(req.rid)
@@ -679,9 +696,10 @@ class ClusterSim:
         self._release_flows(req)
 
     def _release_flows(self, req: Req) -> None:
-        for f, lo in ((req.fast_flow, 0), (req.wan_flow, req.prompt - req.md_missing)):
+        for f, lo, kvb in ((req.fast_flow, 0, self._fast_kvb), (req.wan_flow, req.prompt - req.md_missing,
+                                                                 self._wan_kvb)):
             if f is not None and not f.done and f.held > 0:
-                f.line.release(f, self._held(req, lo, f.total))
+                f.line.release(f, self._held(req, lo, f.total, kvb(req)))
 
     def _kv_sealed(self, req: Req) -> None:
         """P's prefill is done: every layer of the prompt is written (the runtime's seal)."""
@@ -692,30 +710,30 @@ class ClusterSim:
         """P's KV sends once both its prefill and the plan are done (each exactly once)."""
         p = req.p
         pl = req.pipeline
-        kvb = self.model.kv_bytes_per_token
         if not req.prefill_done:
             self.kv_dispatched.add(req.rid)
-        total = req.prompt * kvb
         if pl == Pipeline.P_D:
             req.d = d = self._route("D", req, False, policy="load")
             req.p_pending_flows = 1
+            total_d = req.prompt * d.kvb  # in D's wire format
 
             def admit_d(_n):
                 seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
-                req.fast_flow = self.fast[p.name].send(req.rid, total, lambda: self._kv_at_decoder(d, req, seq),
-                                                       held=self._held(req, 0, total))
+                req.fast_flow = self.fast[p.name].send(req.rid, total_d, lambda: self._kv_at_decoder(d, req, seq),
+                                                       held=self._held(req, 0, total_d, d.kvb))
 
             d.enqueue(req.prompt + req.out_len, admit_d, slot=True)
             return
         if pl in (Pipeline.P_RLD_MD, Pipeline.P_RLD):
             rld = req.rld
             req.p_pending_flows += 1
+            total = req.prompt * rld.kvb  # in RLD's wire format (P's dtype or RLD's, the narrower)
 
             def admit_rld(_n):
                 seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
                 req.rld_seq = seq
                 req.fast_flow = self.fast[p.name].send(req.rid, total, lambda: self._kv_at_decoder(rld, req, seq),
-                                                       held=self._held(req, 0, total))
+                                                       held=self._held(req, 0, total, rld.kvb))
 
             rld.enqueue(req.prompt + req.out_len, admit_rld, slot=True)
         if pl in (Pipeline.P_MD, Pipeline.P_RLD_MD):
@@ -730,7 +748,8 @@ class ClusterSim:
         if (not ((req.prefill_done or req.rid in self.kv_dispatched) and (req.md_reserved or req.md_predicted))
                 or req.wan_flow is not None or req.cut_off):
             return
-        nbytes = req.md_missing * self.model.kv_bytes_per_token
+        kvb = req.md.kvb
+        nbytes = req.md_missing * kvb
         if nbytes <= 0 and not req.prefill_done:
             return
         req.wan_bytes = nbytes
@@ -738,7 +757,7 @@ class ClusterSim:
         if self.cfg.early_handoff and req.pipeline == Pipeline.P_RLD_MD:
             on_sent = lambda: self._kv_left_p(req)  # noqa: E731
         req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent,
-                                     held=self._held(req, req.prompt - req.md_missing, nbytes),
+                                     held=self._held(req, req.prompt - req.md_missing, nbytes, kvb),
                                      sent_lead=self.wan_written_lead, conn=(req.p.name, req.md.name))
 
     def _flow_drained(self, req: Req) -> None:
@@ -785,7 +804,7 @@ class ClusterSim:
         if req.cut_off:
             req.fill_pending = False
             return
-        nbytes = tokens * self.model.kv_bytes_per_token
+        nbytes = tokens * req.md.kvb
         req.wan_bytes += nbytes
         req.p_pending_flows += 1
         req.fill_flow = self.wan.send(req.rid, nbytes, lambda: self._fill_at_md(req), conn=(req.p.name, req.md.name))
@@ -817,7 +836,7 @@ class ClusterSim:
         req.md_kv_complete = True
         ix = self.md_index.get(req.md.name)
         if ix is not None:
-            ix.landed_keys(self._page_keys(req))
+            ix.landed_keys(self._page_keys(req, req.md.page))
         req.t_md_kv = self.env.now
         md = req.md
         seq = req.md_seq
@@ -928,7 +947,7 @@ class ClusterSim:
         cfg = self.cfg
         pending = req.generated - req.handed
         hin = pol_handoff.HandoffInputs(
-            tokens_pending=pending, rld_running=len(rld.seqs), rld_capacity=cfg.max_running_seqs,
+            tokens_pending=pending, rld_running=len(rld.seqs), rld_capacity=rld.max_running,
             rld_pages_used=rld.used, rld_pages_total=rld.pool, threshold=cfg.catchup_threshold,
             mode_config=cfg.handoff_mode, current_mode=rld.handoff_state, round_index=req.handoff_round)
         dec = self.decide_handoff(hin)
@@ -993,7 +1012,7 @@ class ClusterSim:
             self._md_release(req, cache=True)
             ix = self.md_index.get(inst.name)
             if ix is not None:  # the runtime's _record_decoded: the prompt and the outputs but the last
-                ix.insert_keys(self._page_keys(req, req.out_len - 1), landed=True)
+                ix.insert_keys(self._page_keys(req, inst.page, req.out_len - 1), landed=True)
             self._complete(req)
         elif role == "C":
             if inst.cache is not None:
@@ -1020,7 +1039,7 @@ class ClusterSim:
                     req.cut_off = True
                     ix = self.md_index.get(req.md.name)
                     if ix is not None and self.cfg.md_index_drops_cut_offs:
-                        ix.dropped_keys(self._page_keys(req))
+                        ix.dropped_keys(self._page_keys(req, req.md.page))
                     self.cutoffs += 1
                     if req.wan_flow is not None and not req.wan_flow.done:
                         left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)
@@ -1029,7 +1048,7 @@ class ClusterSim:
                         self._flow_drained(req)
                     elif req.wan_flow is None and req.prefill_done:
                         # never started (MD reservation pending): nothing will be sent
-                        self.wan_saved_bytes += req.md_missing * self.model.kv_bytes_per_token
+                        self.wan_saved_bytes += req.md_missing * req.md.kvb
                         self._flow_drained(req)
                     if req.fill_flow is not None and not req.fill_flow.done:  # a fill follows only a started send
                         left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)

@@ -59,6 +59,10 @@ def _load_maker(cls):
 
 
 class Instance:
+    """One engine. Its batch limits, step floor, KV page, pool and the KV size of transfers to
+    it are its own (``SimConfig.engine_of(name)``: the top-level settings with its tier's and its
+    own ``tier_engines`` entries over them, as the runtime's ``ClusterConfig.engine_for``)."""
+
     def __init__(self, sim: "ClusterSim", name: str, role: str, cm: StepCostModel, cache: bool,
                  cache_frac: float = 1.0):
         self.sim = sim
@@ -67,7 +71,18 @@ class Instance:
         self.role = role  # P, RLD, MD, D, C
         self.block = sim.block
         self.cm = cm
-        self.pool = cm.kv_capacity_tokens()
+        eng = sim.cfg.engine_of(name)
+        self.engine = eng
+        self.sched_cfg = eng_sched.SchedulerConfig(
+            max_batch_tokens=eng.max_batch_tokens, max_running_seqs=eng.max_running_seqs,
+            prefill_chunk_tokens=eng.prefill_chunk_tokens, prefill_order=eng.prefill_order)
+        self.max_running = eng.max_running_seqs  # sequences of one step
+        self.chunk_tokens = min(eng.prefill_chunk_tokens, eng.max_batch_tokens)  # most tokens of a prefill step
+        self.min_step_s = float(eng.min_step_s)
+        self.page = eng.page_tokens  # KV page, tokens (dividing block)
+        # bytes a token of KV sent to this instance carries (its wire format)
+        self.kvb = eng.kv_bytes_per_token or sim.model.kv_bytes_per_token
+        self.pool = eng.kv_pool_tokens or cm.kv_capacity_tokens()
         if self.pool <= 0:
             raise ValueError(f"{name}: the model's weights leave no KV room on {cm.chip.name}")
         self.cache = PrefixCache(int(self.pool * cache_frac) // sim.block) if cache else None
@@ -188,8 +203,9 @@ class Instance:
     # --- the engine loop -----------------------------------------------------------------------
     def run(self):
         env = self.env
-        cfg = self.sim.sched_cfg
+        cfg = self.sched_cfg
         cm = self.cm
+        floor = self.min_step_s
         while True:
             if self.inbox:
                 box, self.inbox = self.inbox, []
@@ -217,6 +233,8 @@ class Instance:
                     sum_ctx += it.start
                 dt = (cm.decode_time(b, sum_ctx + b * (k - 1) / 2.0) * self.step_scale + self.step_ovh) \
                     * self.sim.host_share() * self.sim.decode_slowdown(self.role)
+                if dt < floor:  # the emulated accelerator's floor (engine.min_step_ms): the step is held
+                    dt = floor
                 self.sim.host_busy += 1
                 track = self.sim.p_interference != 1.0 and self.role != "P"
                 if track:
@@ -252,6 +270,9 @@ class Instance:
                     and all(it.num_tokens == 1 for it in items) else 1.0
                 dt = (cm.step_time((it.start, it.num_tokens) for it in items) * self.step_scale + self.step_ovh) \
                     * self.sim.host_share() * slow
+                work = dt  # the step's compute (a P step's at the quiet pace, re-timed below)
+                if dt < floor:  # the emulated accelerator's floor (engine.min_step_ms): the step is held
+                    dt = floor
                 if self.sim.layerwise and self.role == "P":  # each layer group's KV as the step writes it
                     for it in items:
                         s = seqs[it.seq_id]
@@ -262,8 +283,8 @@ class Instance:
                     self.sim.prefill_step(self, +1)
                 if self.sim.p_interference == 1.0:
                     yield env.timeout(dt)
-                elif self.role == "P":  # dt is the step's work at the quiet pace: re-timed as the pace changes
-                    t_start, work = env.now, dt
+                elif self.role == "P":  # work is the step's at the quiet pace: re-timed as the pace changes
+                    t_start = env.now
                     # until the rest is below the clock's resolution (at a late ``now`` a tiny
                     # timeout would not move it, and the loop would never end)
                     while work > 1e-12 and env.now + work * self.sim.prefill_slowdown() > env.now:
@@ -273,6 +294,8 @@ class Instance:
                         yield env.timeout(work * f) | w
                         self.step_wake = None
                         work -= (env.now - t0) / f
+                    if env.now - t_start < floor:  # held to the floor: the hold is not slowed
+                        yield env.timeout(t_start + floor - env.now)
                     dt = env.now - t_start
                 else:
                     self.sim.decode_step(+1)
@@ -286,7 +309,7 @@ class Instance:
                 # P replies for every prefill this step finishes together, in batch order, after the
                 # lag of the largest of them (the runtime's on_events: one pass over the step's events)
                 self.step_reply_tokens = max((min(seqs[it.seq_id].req.prompt - seqs[it.seq_id].req.p_hit,
-                                                  self.sim.chunk_tokens)
+                                                  self.chunk_tokens)
                                               for it in items if it.sample and it.seq_id in seqs
                                               and seqs[it.seq_id].kind == "prefill"), default=0)
                 for it in items:

@@ -3,8 +3,11 @@ policy settings, and the tiers it derives from them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+import re
+from dataclasses import dataclass, fields, replace
 
+from pdd.engine.scheduler import PREFILL_ORDERS
 from pdd.policy.tcp_model import DEFAULT_MSS_BYTES, check_loss_rate, check_schedule
 from pdd.sim.hardware import Efficiency, get_chip
 from pdd.sim.models import get_model
@@ -31,6 +34,79 @@ def _in_range(x, lo: float, hi: float, closed_hi: bool = False) -> bool:
     """``x`` is a number (not a bool) with ``lo <= x < hi`` (``<= hi`` when ``closed_hi``); NaN is not."""
     return (not isinstance(x, bool) and isinstance(x, (int, float))
             and lo <= x and (x <= hi if closed_hi else x < hi))
+
+
+ENGINE_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tiers)
+
+
+@dataclass(frozen=True)
+class SimEngine:
+    """A simulated tier's (key ``"MD"``) or one instance's (``"MD1"``: role and index, as
+    ``ClusterSim`` names its instances) own engine settings: the runtime's ``tiers.<tier>.engine``
+    (``pdd.config.TierEngine``) as the simulator models them. A field left None inherits: an
+    instance's from its role's entry, a role's from :class:`SimConfig`'s top-level fields
+    (:meth:`SimConfig.engine_of` resolves them)."""
+
+    max_batch_tokens: int | None = None  # new tokens of one step (engine.max_batch_tokens)
+    prefill_chunk_tokens: int | None = None  # tokens of one prompt in one step
+    max_running_seqs: int | None = None  # sequences of one step (engine.max_running)
+    prefill_order: str | None = None  # pdd.engine.scheduler.PREFILL_ORDERS
+    # every step takes at least this long, seconds (engine.min_step_ms / 1000: the emulated
+    # accelerator's floor, the live worker holding a faster step; 0 = none)
+    min_step_s: float | None = None
+    # the KV page, tokens (dividing block_tokens): P's cache hit computes the prompt's last page;
+    # the gateway's prefix index of MD counts MD's pages (engine.page_size)
+    page_tokens: int | None = None
+    # the KV pool, tokens (engine.num_pages x page_size); None: the step model's
+    # (``kv_capacity_tokens``: a measured profile's engine, or the chip's HBM)
+    kv_pool_tokens: int | None = None
+    # bytes one token of KV occupies on a transfer *to* this tier (P's KV in the narrower of the
+    # two tiers' dtypes, pdd.transfer.layout.wire_dtype); None: the model's kv_bytes_per_token
+    kv_bytes_per_token: int | None = None
+    # the step profile of this tier's engine (its engine.profile); None: its chip side's
+    # (SimConfig.profile_a / profile_b)
+    profile: str | None = None
+
+    def check(self, at: str, block_tokens: int) -> None:
+        """Raises ValueError naming ``at.<field>`` for a value the engine would refuse: counts
+        below 1, an unknown prefill order, a negative or non-finite step floor, a page that does
+        not divide ``block_tokens``."""
+        def whole(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        for f in ("max_batch_tokens", "prefill_chunk_tokens", "max_running_seqs", "kv_pool_tokens",
+                  "kv_bytes_per_token"):
+            v = getattr(self, f)
+            if v is not None and not whole(v):
+                raise ValueError(f"{at}.{f} must be a whole number >= 1, got {v!r}")
+        if self.prefill_order is not None and self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"{at}.prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
+        v = self.min_step_s
+        if v is not None and not (_in_range(v, 0.0, math.inf)):
+            raise ValueError(f"{at}.min_step_s must be a finite number of seconds >= 0, got {v!r}")
+        v = self.page_tokens
+        if v is not None and not (whole(v) and block_tokens % v == 0):
+            raise ValueError(f"{at}.page_tokens must be a whole number of tokens >= 1 dividing block_tokens "
+                             f"({block_tokens}), got {v!r}")
+        if self.profile is not None and not isinstance(self.profile, str):
+            raise ValueError(f"{at}.profile must be a path, got {self.profile!r}")
+
+
+_ENGINE_KEY = re.compile(r"(P|RLD|MD|D|C)(\d+)?")
+
+
+def _sim_engine(v, at: str) -> SimEngine:
+    """``v`` (a :class:`SimEngine` or a dict of its fields) as a SimEngine; ValueError naming a
+    field it does not have."""
+    if isinstance(v, SimEngine):
+        return v
+    if not isinstance(v, dict):
+        raise ValueError(f"{at} must be a SimEngine or a dict of its fields, got {type(v).__name__}")
+    known = {f.name for f in fields(SimEngine)}
+    bad = sorted(set(v) - known)
+    if bad:
+        raise ValueError(f"{at}: unknown field(s) {', '.join(map(str, bad))} (fields: {', '.join(sorted(known))})")
+    return SimEngine(**v)
 
 
 P_DISPATCH_MAX_S = 60.0  # SimConfig.p_dispatch_s above this is no trip to P (a hand-edited profile)
@@ -80,6 +156,11 @@ class SimConfig:
     max_running_seqs: int = 256
     prefill_chunk_tokens: int = 8192
     prefill_order: str = "fcfs"  # the engine scheduler's (pdd.engine.scheduler.PREFILL_ORDERS)
+    min_step_s: float = 0.0  # every engine step takes at least this long, seconds (engine.min_step_ms)
+    # each tier's (key "MD") or instance's ("MD1") own engine settings over the fields above and
+    # page_tokens (the runtime's tiers.<tier>.engine): role or instance name -> SimEngine (or a
+    # dict of its fields). None: every instance runs the top-level ones
+    tier_engines: dict | None = None
     max_prefill_inflight: int = 0  # admission: sequences in prefill at once per instance (0 = any)
     # decode admission caps per tier (sequences holding a decode slot; 0 = only KV limits), the
     # operator's max-running-requests per decoder, e.g. sized so a full batch meets the TPOT SLO
@@ -221,9 +302,43 @@ class SimConfig:
                              f"{self.wan_written_lead_bytes!r}")
         if not _in_range(self.prefill_interference, 1.0, float("inf")):
             raise ValueError(f"prefill_interference must be a finite factor >= 1, got {self.prefill_interference!r}")
+        if not _in_range(self.min_step_s, 0.0, math.inf):
+            raise ValueError(f"min_step_s must be a finite number of seconds >= 0, got {self.min_step_s!r}")
+        if self.tier_engines is not None:
+            if not isinstance(self.tier_engines, dict):
+                raise ValueError(f"tier_engines must be a dict of role or instance name -> SimEngine, got "
+                                 f"{type(self.tier_engines).__name__}")
+            te = {}
+            for k, v in self.tier_engines.items():
+                if not (isinstance(k, str) and _ENGINE_KEY.fullmatch(k)):
+                    raise ValueError(f"tier_engines has key {k!r}: a role ({', '.join(ENGINE_ROLES)}) or an "
+                                     f"instance of one (MD1)")
+                te[k] = _sim_engine(v, f"tier_engines[{k!r}]")
+                te[k].check(f"tier_engines[{k!r}]", self.block_tokens)
+            self.tier_engines = te
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
+
+    def engine_of(self, name: str) -> SimEngine:
+        """The engine settings of instance ``name`` (``"MD1"``) or role (``"MD"``): the top-level
+        fields with its role's ``tier_engines`` entry over them, then the instance's own. Every
+        field is set but ``kv_pool_tokens``, ``kv_bytes_per_token`` and ``profile`` (None: the
+        step model's pool, the model's KV size, the chip side's profile). Raises ValueError for a
+        name that is not a role or an instance of one."""
+        m = _ENGINE_KEY.fullmatch(name)
+        if m is None:
+            raise ValueError(f"{name!r} is not a role ({', '.join(ENGINE_ROLES)}) or an instance of one (MD1)")
+        kw = dict(max_batch_tokens=self.max_batch_tokens, prefill_chunk_tokens=self.prefill_chunk_tokens,
+                  max_running_seqs=self.max_running_seqs, prefill_order=self.prefill_order,
+                  min_step_s=self.min_step_s, page_tokens=self.page_tokens or self.block_tokens)
+        te = self.tier_engines or {}
+        for key in (m.group(1), name) if m.group(2) is not None else (name,):
+            over = te.get(key)
+            if over is not None:
+                kw.update({f.name: getattr(over, f.name) for f in fields(SimEngine)
+                           if getattr(over, f.name) is not None})
+        return SimEngine(**kw)
 
     # derived --------------------------------------------------------------------------------
     def model_profile(self):

@@ -12,8 +12,9 @@ This module is the simulator's half and the comparison; the live run is
    gateway's recorded policy decisions (``pdd.decisions``: inputs and result).
 3. Simulated: the same requests (arrival times, prompt lengths, the trace's hash blocks as cache
    blocks, output lengths) on a ``ClusterSim`` mirroring the topology's config (instance
-   counts, link rates and RTT, engine batch limits, KV pool, policies), step times from the
-   measured profile (``pdd profile``, :class:`pdd.step_profile.MeasuredStepModel`).
+   counts, link rates and RTT, each tier's own engine block: batch limits, step floor, KV page
+   and pool, the KV size of transfers to it; policies), step times from the measured profile
+   (``pdd profile``, :class:`pdd.step_profile.MeasuredStepModel`).
 4. Report: TTFT P50/P90 and TPOT P50 of both and their relative errors; the share of requests
    for which both made the same decisions (pipeline; handoff mode of the final round, or no
    handoff); the live decisions' recorded inputs replayed through the simulator's policy calls
@@ -72,32 +73,90 @@ def sim_records(requests) -> list[dict]:
     return out
 
 
+# pdd mode's tiers: (the runtime's tier, the simulator's role, the runtime's instance name prefix)
+SIM_TIERS = (("prefill", "P", "p"), ("relay_decode", "RLD", "rld"), ("main_decode", "MD", "md"))
+
+
+def _sim_engine_fields(e, block_tokens: int, kv_bytes_per_token: int) -> dict:
+    """The :class:`pdd.sim.sim_config.SimEngine` fields of a runtime engine block ``e``
+    (``pdd.config.EngineConfig``): its batch limits, step floor (s), KV page (tokens; the block
+    when it does not divide ``block_tokens``), pool (``num_pages x page_size`` tokens) and
+    ``kv_bytes_per_token`` (bytes a token of KV sent to it carries)."""
+    return dict(max_batch_tokens=e.max_batch_tokens, prefill_chunk_tokens=e.prefill_chunk_tokens,
+                max_running_seqs=e.max_running, prefill_order=e.prefill_order, min_step_s=e.min_step_ms / 1000.0,
+                page_tokens=e.page_size if block_tokens % e.page_size == 0 else block_tokens,
+                kv_pool_tokens=e.num_pages * e.page_size, kv_bytes_per_token=kv_bytes_per_token)
+
+
+def sim_tier_engines(cfg, base: dict, block_tokens: int, wire_kvb, profile_path) -> dict:
+    """``SimConfig.tier_engines`` mirroring ``cfg``'s ``tiers`` (pdd mode): for P, RLD and MD the
+    fields of its tier's effective engine (``ClusterConfig.engine_for``) that differ from
+    ``base`` (the top-level ones the SimConfig carries), its KV pool always (the live pool, not
+    the one the step profile was measured with); for each instance (``MD1``) what its own
+    block changes over its tier's. ``wire_kvb(dtype)``: bytes a token of P's KV carries to a
+    tier of that dtype. A tier's ``profile`` other than P's (RLD's; an instance's own) is that
+    role's step model (``profile_path`` when it has none); MD's is SimConfig.profile_b."""
+    out = {}
+    ep = cfg.engine_for("prefill")
+    for tier, role, prefix in SIM_TIERS:
+        et = cfg.engine_for(tier)
+        kvb = base["kv_bytes_per_token"] if role == "P" else wire_kvb(et.dtype)  # P receives no KV
+        own = _sim_engine_fields(et, block_tokens, kvb)
+        entry = {k: v for k, v in own.items() if k == "kv_pool_tokens" or v != base[k]}
+        if role == "RLD" and et.profile != ep.profile:  # RLD runs on chip A's side: P's profile unless its own
+            entry["profile"] = str(et.profile or profile_path)
+        out[role] = entry
+        for i in range(getattr(cfg.instances, tier)):
+            ei = cfg.engine_for(f"{prefix}{i}")
+            if ei is et:
+                continue
+            mine = _sim_engine_fields(ei, block_tokens, base["kv_bytes_per_token"] if role == "P"
+                                      else wire_kvb(ei.dtype))
+            diff = {k: v for k, v in mine.items() if v != own[k]}
+            if ei.profile != et.profile:
+                diff["profile"] = str(ei.profile or profile_path)
+            if diff:
+                out[f"{role}{i}"] = diff
+    return out
+
+
 def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
                host_cores: float | None = None, profile_b: str | Path | None = None) -> SimConfig:
     """A SimConfig mirroring the live ``ClusterConfig`` ``cfg`` (pdd mode). On a CPU topology
     every instance shares this machine's cores (``host_cores``, default ``os.cpu_count()``).
     Heterogeneous tiers (``cfg.tiers``): datacenter A's chip is P's ``profile`` and B's is MD's
     (each defaulting to ``profile_path``; ``profile_b``, when given, is MD's for the simulator
-    alone: the live tier is not held to it), and the KV crosses the WAN in the narrower of P's and
-    MD's dtypes (``pdd.transfer.layout``)."""
+    alone: the live tier is not held to it), the KV crosses the WAN in the narrower of P's and
+    MD's dtypes and the fast path in the narrower of P's and RLD's (``pdd.transfer.layout``), and
+    each tier's (and instance's) simulated engine runs its own effective engine block: batch
+    limits, prefill order, step floor, KV page and pool (:func:`sim_tier_engines`)."""
     from pdd.transfer.layout import DTYPE_BYTES, wire_dtype
     from pdd.sim.sim_config import runtime_wan_fields
 
     e, link, pol, n = cfg.engine, cfg.link, cfg.policy, cfg.instances
     ep, emd = cfg.engine_for("prefill"), cfg.engine_for("main_decode")
     kvb = int(prof["model"]["kv_bytes_per_token"])
-    wire_kvb = kvb // DTYPE_BYTES[prof.get("engine", {}).get("dtype", "float32")] \
-        * DTYPE_BYTES[wire_dtype(ep.dtype, emd.dtype)]
+    per_elem = DTYPE_BYTES[prof.get("engine", {}).get("dtype", "float32")]
+
+    def wire_kvb(dtype: str) -> int:  # bytes a token of P's KV carries to a tier of that dtype
+        return kvb // per_elem * DTYPE_BYTES[wire_dtype(ep.dtype, dtype)]
+
+    wan_kvb = wire_kvb(emd.dtype)
+    base = dict(max_batch_tokens=e.max_batch_tokens, prefill_chunk_tokens=e.prefill_chunk_tokens,
+                max_running_seqs=e.max_running, prefill_order=e.prefill_order, min_step_s=e.min_step_ms / 1000.0,
+                page_tokens=ep.page_size if block_tokens % ep.page_size == 0 else block_tokens,
+                kv_bytes_per_token=wan_kvb)
     return SimConfig(
         mode=cfg.mode, model="measured", model_spec={**prof["model"], "max_context": e.max_model_len},
-        kv_bytes_per_token=wire_kvb if wire_kvb != kvb else None,
+        kv_bytes_per_token=wan_kvb if wan_kvb != kvb else None,
         profile_a=str(ep.profile or profile_path), profile_b=str(profile_b or emd.profile or profile_path), price_a=0.0,
         price_b=0.0,
         n_p=n.prefill, n_rld=n.relay_decode, n_md=n.main_decode, n_d=n.relay_decode, n_c=n.prefill,
         **runtime_wan_fields(cfg),  # line rate, RTT, loss, cross traffic, send order, kv_stream
         fast_gbps=link.fast_gbps, fast_rtt_ms=link.fast_rtt_ms,
         max_batch_tokens=e.max_batch_tokens, max_running_seqs=e.max_running,
-        prefill_chunk_tokens=e.prefill_chunk_tokens, prefill_order=e.prefill_order,
+        prefill_chunk_tokens=e.prefill_chunk_tokens, prefill_order=e.prefill_order, min_step_s=e.min_step_ms / 1000.0,
+        tier_engines=sim_tier_engines(cfg, base, block_tokens, wire_kvb, profile_path),
         ttft_budget_ms=pol.pipeline_ttft_budget_ms,
         handoff_mode=pol.handoff_mode, catchup_threshold=pol.catchup_threshold_tokens,
         allow_p_rld=pol.allow_p_rld, md_predicted_send=pol.md_predicted_send, early_handoff=pol.early_handoff,
@@ -278,7 +337,7 @@ def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float =
     live P-cached prefix, each chunk x ``scale`` + ``overhead_s``) over its live TTFT, summed over
     requests."""
     cm = sim.tiers["P"][0].cm
-    chunk = sim.cfg.prefill_chunk_tokens
+    chunk = sim.tiers["P"][0].chunk_tokens  # P's own (its tier's engine block)
     num = den = 0.0
     for i, rec in enumerate(live_records):
         if not rec.get("ok") or not rec.get("token_times_s"):
