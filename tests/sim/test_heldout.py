@@ -415,3 +415,34 @@ def test_every_number_the_report_reads_is_checked(tmp_path, capsys, field, bad):
     err = capsys.readouterr().err
     assert f"ho/validate.json: {field} must be" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_validate_warns_when_the_run_stepped_at_another_speed_than_the_fit():
+    """``pdd sim validate`` says so when the run's own P speed is more than 15% off the fit's (a
+    profile fitted on another day: the committed fit judged on a run of the next day was x0.774,
+    P90 +74%), naming the calibration run and the errors at the run's own speed; within 15% (the
+    recorded runs of one day: x0.950-x1.011) it says nothing."""
+    import json
+    from pathlib import Path
+
+    from pdd.sim.p_speed import SPEED_WARN, speed_warning
+    from pdd.sim.validate import format_validate
+
+    ps = {"level": 0.774, "live_p_step_ms": 59.1, "sim_p_step_ms": 59.1, "err_p50_ttft_ms": -0.061,
+          "err_p90_ttft_ms": 0.067}
+    line = speed_warning(ps, "data/validation/cal-a")
+    assert line.startswith("WARNING: this run's P stepped faster than the profile's calibration run "
+                           "(data/validation/cal-a) predicts (P's step x0.774: mean 59.1 ms live)")
+    assert "(at the run's own P speed: P50 -6.1%, P90 +6.7%)" in line
+    assert "slower" in speed_warning({**ps, "level": 1.2})
+    assert SPEED_WARN == 0.15
+    for level in (0.85, 0.95, 1.0, 1.011, 1.15):
+        assert speed_warning({**ps, "level": level}) is None
+    assert speed_warning(None) is None
+
+    v = json.loads((Path(__file__).resolve().parents[2] / "data" / "validation" / "seed4" / "validate.json")
+                   .read_text())
+    assert "WARNING: this run's P" not in format_validate(v)  # recorded the day of its fit
+    v["at_live_p_speed"] = ps
+    v.setdefault("profile", {})["role_overhead_from"] = "data/validation/cal-a"
+    assert format_validate(v).endswith(line)

@@ -19,6 +19,11 @@ from pathlib import Path
 from pdd.sim.calibrate import calibrate_p_level
 from pdd.sim.validate import compare, sim_role_steps, simulate
 
+# |level - 1| above this: the run's P stepped at another speed than the fit's. Runs of one quiet
+# day spread x0.950-x1.011 around their calibration run (docs/SIM.md, the held-out table's last
+# column); the committed fit (2026-12-05) judged on a run of 2026-12-06 was x0.774
+SPEED_WARN = 0.15
+
 
 def at_live_p_speed(cfg, profile: str | Path, prof: dict, block_tokens: int, requests, live_records: list[dict],
                     live_p_step_s: float | None, overheads: dict, profile_b: str | Path | None = None) -> dict | None:
@@ -41,3 +46,20 @@ def at_live_p_speed(cfg, profile: str | Path, prof: dict, block_tokens: int, req
     return {"level": lam, "live_p_step_ms": live_p_step_s * 1e3,
             "sim_p_step_ms": (sim_role_steps(sim)["P"]["mean_step_s"] or 0.0) * 1e3,
             **{k: c[k] for k in ("err_p50_ttft_ms", "err_p90_ttft_ms", "err_p99_ttft_ms", "decision_match_share")}}
+
+
+def speed_warning(ps: dict | None, calibration_run: str | None = None) -> str | None:
+    """One line for ``pdd sim validate``'s output when the run's own P speed (``ps``:
+    :func:`at_live_p_speed`'s result) is more than :data:`SPEED_WARN` off the fit's: the
+    profile was then fitted on another day's or machine's speed (``calibration_run``: the run it
+    was fitted on), and most of the run's TTFT error is that, not the model. None otherwise."""
+    if not ps or not ps.get("level") or round(abs(ps["level"] - 1.0), 9) <= SPEED_WARN:
+        return None
+    faster = "faster" if ps["level"] < 1.0 else "slower"
+    cal = f" ({calibration_run})" if calibration_run else ""
+    return (f"WARNING: this run's P stepped {faster} than the profile's calibration run{cal} predicts (P's "
+            f"step x{ps['level']:.3f}: mean {ps['live_p_step_ms']:.1f} ms live): the profile was fitted on "
+            f"another day's or machine's speed, and the TTFT errors above are mostly that (at the run's own P "
+            f"speed: P50 {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 {ps['err_p90_ttft_ms'] * 100:+.1f}%). Record a "
+            f"calibration run on this machine today and fit it (docs/SIM.md \"Measure this machine and validate "
+            f"the simulator\", or scripts/record_validation.py)")
