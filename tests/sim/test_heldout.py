@@ -446,3 +446,25 @@ def test_validate_warns_when_the_run_stepped_at_another_speed_than_the_fit():
     v["at_live_p_speed"] = ps
     v.setdefault("profile", {})["role_overhead_from"] = "data/validation/cal-a"
     assert format_validate(v).endswith(line)
+
+
+def test_validate_warns_when_the_profile_has_no_live_run_fit():
+    """A profile without a live-run fit (``role_overhead_from`` None: a bare engine's steps, as
+    ``pdd sim validate`` without ``--profile`` measures one) gets a WARNING line naming the fit
+    to run or give; a fitted profile's run (every committed held-out run) none."""
+    import json
+    from pathlib import Path
+
+    from pdd.sim.p_speed import unfitted_warning
+    from pdd.sim.validate import format_validate
+
+    v = json.loads((Path(__file__).resolve().parents[2] / "data" / "validation" / "seed4" / "validate.json")
+                   .read_text())
+    assert unfitted_warning(v["profile"]) is None and "WARNING" not in format_validate(v)
+    v["profile"] = {**v["profile"], "path": "/tmp/x/profile.json", "role_overhead_from": None}
+    line = unfitted_warning(v["profile"])
+    assert line.startswith("WARNING: the profile carries no live-run fit")
+    assert "pdd sim calibrate-roles --run OUT --profile /tmp/x/profile.json" in line
+    assert "--profile (data/profiles/this-machine.json for the committed runs)" in line
+    assert format_validate(v).endswith(line)
+    assert unfitted_warning(None) is None

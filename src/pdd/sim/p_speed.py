@@ -63,3 +63,20 @@ def speed_warning(ps: dict | None, calibration_run: str | None = None) -> str | 
             f"speed: P50 {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 {ps['err_p90_ttft_ms'] * 100:+.1f}%). Record a "
             f"calibration run on this machine today and fit it (docs/SIM.md \"Measure this machine and validate "
             f"the simulator\", or scripts/record_validation.py)")
+
+
+def unfitted_warning(profile: dict | None) -> str | None:
+    """One line for ``pdd sim validate``'s output when its profile (validate.json's ``profile``
+    block) carries no live-run fit (``role_overhead_from`` None: a bare-engine profile, e.g. the
+    one a run without ``--profile`` measures): the simulator then runs the bare engine's steps,
+    without the live roles' step factors and overheads, the fast path or the interference, and
+    comes out fast (seed 3 re-simulated so: TTFT P50 -33.7% against +3.2% with the committed
+    fit). None when the profile has a fit."""
+    if not isinstance(profile, dict) or profile.get("role_overhead_from"):
+        return None
+    path = profile.get("path") or "PROFILE"
+    return ("WARNING: the profile carries no live-run fit (a bare engine's steps, without the live roles' step "
+            "factors and overheads, the P -> RLD path's measured speed or the interference), so these errors are "
+            "not the fitted simulator's. If this run is your calibration run, fit it: pdd sim calibrate-roles "
+            f"--run OUT --profile {path} (docs/SIM.md \"Measure this machine and validate the simulator\"); "
+            "else give the fitted profile with --profile (data/profiles/this-machine.json for the committed runs)")

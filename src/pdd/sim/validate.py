@@ -589,13 +589,15 @@ def format_validate(res: dict) -> str:
         paths += (f"\nat the run's own P speed (diagnostic: P's step x{ps['level']:.3f}, mean {ps['sim_p_step_ms']:.1f} "
                   f"ms, live {ps['live_p_step_ms']:.1f}): TTFT P50 error {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 "
                   f"{ps['err_p90_ttft_ms'] * 100:+.1f}% (pdd.sim.p_speed)")
-    from pdd.sim.p_speed import speed_warning  # imports this module
+    from pdd.sim.p_speed import speed_warning, unfitted_warning  # imports this module
 
     drift = speed_warning(ps, (res.get("profile") or {}).get("role_overhead_from"))
     lost = faults_text(res.get("live_faults") or {"degraded": 0, "unreachable": []}, res["requests_compared"])
     warn = f"\nWARNING: the live run lost an instance ({lost}): it measured another topology than the " \
         "simulated one; do not read its errors as the simulator's" if lost else ""
     warn += f"\n{drift}" if drift else ""
+    bare = unfitted_warning(res.get("profile"))
+    warn += f"\n{bare}" if bare else ""
     errs = res.get("live_errors") or []
     failed = (f"{res['live_failed']} live failures" + (f" ({'; '.join(errs)})" if errs and res['live_failed'] else ""))
     ci_note = ("\n95% interval: rel_err's paired bootstrap over the compared requests (what a run of this size "
