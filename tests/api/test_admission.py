@@ -465,3 +465,40 @@ def test_choice_refusal_counts_choices_and_prefills_at_once(prompts, n, why):
                        f"({order}); at most 4 prefills per request run at once (each holds a place of a prefill "
                        f"instance's queue until it returns; P); {hint}")
     assert choice_refusal(AdmissionLimits(None, None, None), 64, 16) is None  # no instance: no cap
+
+
+def _pool_refusal(prompts: list[tuple[int, int]], n: int, **cfg) -> str | None:
+    from pdd.gateway.admission import kv_refusal
+
+    c = ClusterConfig.model_validate({"mode": "pdd", **cfg})
+    return kv_refusal(resolve_limits(c, layout(c)), prompts, n, "max_tokens")
+
+
+def test_a_batch_is_counted_against_each_tiers_pool_at_once():
+    """A new user's 12 prompts of ~3,660 tokens x max_tokens 50 (each fits alone) got 429
+    'OutOfPages: need 232, 218 free' on an idle server, on every try. The whole request is now
+    counted on each tier it passes (P, RLD, MD; 2,048 pages of 16 tokens by default)."""
+    assert _pool_refusal([(3664, 48)] * 12, 1) == (
+        "12 prompts x n (1): 12 choices need 2748 KV pages of 16 tokens at once on the prefill tier (each "
+        "prompt's tokens while it is prefilled, page-rounded), more than its active instances' pools hold "
+        "together (2048: p0 (engine.num_pages 2048 of 16 tokens)); send fewer prompts, lower n or max_tokens")
+    assert _pool_refusal([(3664, 48)] * 8, 1) is None  # 8 x 232 = 1,856
+    # at the boundary: 12 x 232 pages (3,664 + 48 = 232 x 16) fit 2,784; one more token each does not
+    assert _pool_refusal([(3664, 48)] * 12, 1, engine={"num_pages": 2784}) is None
+    assert "2796 KV pages of 16 tokens at once on the main_decode tier (each choice's prompt + max_tokens, the " \
+        "prompt's whole pages shared, page-rounded), more than its active instances' pools hold together (2784: " \
+        "md0" in _pool_refusal([(3664, 49)] * 12, 1, engine={"num_pages": 2784})
+    # 2 prompts x n 6: RLD holds a copy per choice, 12 x 230 = 2,760 > 2,759; MD shares the prompt
+    why = _pool_refusal([(3664, 48)] * 2, 6, engine={"num_pages": 2759})
+    assert why.startswith("2 prompts x n (6): 12 choices need 2760 KV pages of 16 tokens at once on the "
+                          "relay_decode tier (a copy of each choice's prompt + its first token, page-rounded)")
+    assert _pool_refusal([(3664, 48)] * 2, 6, engine={"num_pages": 2760}) is None
+    # P holds each prompt while it is prefilled: 3 x 229 = 687 (its own pool, tiers.prefill)
+    assert "687 KV pages" in _pool_refusal([(3664, 48)] * 3, 1, tiers={"prefill": {"engine": {"num_pages": 686}}})
+    assert _pool_refusal([(3664, 48)] * 3, 1, tiers={"prefill": {"engine": {"num_pages": 687}}}) is None
+    # a tier's active instances hold it together, each with its own engine block
+    two = {"main_decode": 2, "relay_decode": 2, "prefill": 2}
+    assert _pool_refusal([(3664, 48)] * 12, 1, instances=two) is None
+    assert _pool_refusal([(3664, 48)] * 12, 1, instances=two, tiers={"md1": {"engine": {"num_pages": 736}}}) is None
+    why = _pool_refusal([(3664, 48)] * 12, 1, instances=two, tiers={"md1": {"engine": {"num_pages": 735}}})
+    assert "(2783: md0 (engine.num_pages 2048 of 16 tokens), md1 (engine.num_pages 735 of 16 tokens))" in why

@@ -621,6 +621,46 @@ def test_n_choices_past_rlds_pool_are_400_naming_n_in_pdd_mode(tiny_model, mode,
         assert client.post("/v1/completions", json={**body, "n": 4}).status_code == 200  # 4 x 19 fits
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_past_the_pool_together_is_400_and_one_that_fits_is_served(tiny_model, stream):
+    """A new user's batch of prompts that each fit the KV pool alone but not together got 429
+    'OutOfPages' on an idle server on every try. Here the colocated instance holds 63 pages of 16
+    tokens: 9 prompts of 100 tokens + max_tokens 12 need 9 x 7 = 63 and are served; max_tokens 13
+    needs 9 x 8 = 72: a 400 up front naming the pages and the pool. 3 prompts x n 15 need
+    3 x (15 x 7 - 14 x 6) = 63 (the prompt's 6 whole pages shared); n 16 needs 66."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=512, page_size=16))
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"num_pages": 63, "page_size": 16, "max_model_len": 512,
+                                                   "max_input_len": 400}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    prompts = [list(range(10 + i, 110 + i)) for i in range(9)]
+    body = {"prompt": prompts, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": stream}
+    pool = "more than its active instances' pools hold together (63: c0 (engine.num_pages 63 of 16 tokens))"
+    with TestClient(app) as client:
+        err = _err(client.post("/v1/completions", json={**body, "max_tokens": 13}), 400, "prompt")
+        assert err["message"] == (
+            "9 prompts x n (1): 9 choices need 72 KV pages of 16 tokens at once on the colocated tier (each "
+            f"choice's prompt + max_tokens, the prompt's whole pages shared, page-rounded), {pool}; send fewer "
+            "prompts, lower n or max_tokens")
+        err = _err(client.post("/v1/completions", json={**body, "prompt": prompts[:3], "n": 16}), 400, "n")
+        assert err["message"].startswith("3 prompts x n (16): 48 choices need 66 KV pages of 16 tokens")
+        assert not orch.started
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert len(orch.started) == 9
+        r = client.post("/v1/completions", json={**body, "prompt": prompts[:3], "n": 15})
+        assert r.status_code == 200, r.text
+        assert len(orch.started) == 9 + 45
+
+
 @pytest.mark.parametrize("body,param,message", [
     ({"prompt": 5}, "prompt", "prompt: must be a text, a list of token ids, a list of texts or a list of "
                               "token-id lists, got int 5"),

@@ -31,8 +31,8 @@ The decision (:func:`decide`) is a pure function of plain dataclasses (no clock,
 :class:`Admission` keeps the live state with ``time.monotonic`` and hands out :class:`Ticket`\\ s.
 A request that finds nothing queued and nothing in flight is always admitted, however large, so
 no request is refused forever; only a request with more choices than a tier's bounded queues
-hold (:func:`choice_cap`, :func:`choice_refusal`) could never be served, and the API refuses it
-with HTTP 400.
+hold (:func:`choice_cap`, :func:`choice_refusal`) or more KV pages at once than a tier's pools
+(:func:`kv_refusal`) could never be served, and the API refuses it with HTTP 400.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class AdmissionLimits:
     # prefills one request may run at once on P (:func:`prefill_cap`), and why
     max_prefills: int | None = None
     max_prefills_why: str = ""
+    # the KV pools a request's pages pass, in its order: (tier, ((instance, num_pages, page_size), ...))
+    # of the active instances (:func:`kv_pools`, :func:`kv_refusal`)
+    kv_pools: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,72 @@ def choice_refusal(lim: AdmissionLimits, prompts: int, n: int) -> str | None:
     return None
 
 
+def kv_pools(cfg, lay) -> tuple:
+    """The KV pools of layout ``lay``'s active instances that a request's pages pass, in its
+    order: ``((tier, ((instance, num_pages, page_size), ...)), ...)``, each instance with its own
+    engine block (``cfg.engine_for``): the colocated instances; else P, RLD (pdd mode) and MD / D.
+    What :func:`kv_refusal` counts a request against."""
+    from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
+
+    if lay.by_role(ROLE_COLOCATED):
+        roles = [ROLE_COLOCATED]
+    else:
+        roles = [ROLE_PREFILL] + ([ROLE_RELAY] if cfg.mode == "pdd" else []) + [ROLE_MAIN]
+    out = []
+    for role in roles:
+        specs = lay.by_role(role)
+        if specs:
+            engines = [(sp.name, cfg.engine_for(sp.name)) for sp in specs]
+            out.append((role, tuple((name, e.num_pages, e.page_size) for name, e in engines)))
+    return tuple(out)
+
+
+def request_pages(tier: str, prompts: list[tuple[int, int]], n: int, page_size: int) -> int:
+    """KV pages of ``page_size`` tokens a request's choices hold at once on an instance of
+    ``tier`` (a :data:`pdd.config.TIERS` name): ``prompts`` is ``(prompt tokens, output tokens
+    counted)`` per prompt, each prompt with ``n`` choices, all started together. Per prompt: on
+    P its tokens, the ``n - 1`` later choices sharing the first's whole pages but the last
+    (``min_uncached`` 1); on RLD a copy of prompt + first token per choice (no prefix cache);
+    on MD / D / colocated prompt + output per choice, the prompt's whole pages shared."""
+    ps, pages = page_size, 0
+    for n_prompt, out in prompts:
+        if tier == "prefill":
+            pages += n * -(-n_prompt // ps) - (n - 1) * ((n_prompt - 1) // ps)
+        elif tier == "relay_decode":
+            pages += n * -(-(n_prompt + 1) // ps)
+        else:
+            pages += n * -(-(n_prompt + out) // ps) - (n - 1) * (n_prompt // ps)
+    return pages
+
+
+def kv_refusal(lim: AdmissionLimits, prompts: list[tuple[int, int]], n: int, param: str) -> str | None:
+    """Why a request can never be served because its choices' KV pages cannot all be held at
+    once by a tier it passes (the message of its HTTP 400, naming the pages and the pool), or
+    None when they fit every tier of ``lim.kv_pools``. ``prompts``: ``(prompt tokens, output
+    tokens counted)`` per prompt (see :func:`request_pages`), each with ``n`` choices;
+    ``param``: the output-length field (``max_tokens``). A batch's prompts and choices start
+    together, each on its own, so a tier must hold them all at once: its active instances'
+    pools together (a request over that fails with ``OutOfPages`` on every try, idle system
+    or not). Page sizes may differ between instances: the smallest is counted, which needs the
+    fewest tokens (page sizes are powers of two)."""
+    for tier, pools in lim.kv_pools:
+        ps = min(p for _, _, p in pools)
+        need = request_pages(tier, prompts, n, ps)
+        have = sum(pages * size for _, pages, size in pools) // ps
+        if need <= have:
+            continue
+        what = f"n ({n})" if len(prompts) == 1 else f"{len(prompts)} prompts x n ({n})"
+        hint = f"lower n or {param}" if len(prompts) == 1 else f"send fewer prompts, lower n or {param}"
+        held = {"prefill": "each prompt's tokens while it is prefilled",
+                "relay_decode": "a copy of each choice's prompt + its first token"}.get(
+                    tier, f"each choice's prompt + {param}, the prompt's whole pages shared")
+        terms = ", ".join(f"{name} (engine.num_pages {pages} of {size} tokens)" for name, pages, size in pools)
+        return (f"{what}: {len(prompts) * n} choices need {need} KV pages of {ps} tokens at once on the {tier} "
+                f"tier ({held}, page-rounded), more than its active instances' pools hold together ({have}: "
+                f"{terms}); {hint}")
+    return None
+
+
 def resolve_limits(cfg, lay) -> AdmissionLimits:
     """``cfg.limits`` with its None defaults derived from the engines' sizes and instance counts
     of layout ``lay`` (see :class:`pdd.config.LimitsConfig`); 0 turns a limit off. With an
@@ -320,7 +389,8 @@ def resolve_limits(cfg, lay) -> AdmissionLimits:
         queued = sum(cfg.engine_for(s.name).num_pages * cfg.engine_for(s.name).page_size
                      for s in lay.by_role(ROLE_PREFILL) + lay.by_role(ROLE_COLOCATED)) or e.num_pages * e.page_size
     return AdmissionLimits(inflight or None, queued or None, lim.max_queue_wait_s or None, lim.retry_after_max_s,
-                           lim.max_wan_backlog_s or None, *choice_cap(cfg, lay), *prefill_cap(cfg, lay))
+                           lim.max_wan_backlog_s or None, *choice_cap(cfg, lay), *prefill_cap(cfg, lay),
+                           kv_pools(cfg, lay))
 
 
 @dataclass

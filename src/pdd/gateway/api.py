@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdd.config import ClusterConfig
-from pdd.gateway.admission import Admission, causes, choice_refusal, refusal
+from pdd.gateway.admission import Admission, causes, choice_refusal, kv_refusal, refusal
 from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unless_gone
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
@@ -413,6 +413,18 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if why is not None:
             raise ApiError(why, "n" if n > 1 else "prompt")
 
+    def check_pages(prompts: list[tuple[int, int]], n: int, param: str, asked: bool = True) -> None:
+        """400 (naming ``n``, else ``prompt`` for a batch, else ``param``) when a request's
+        choices together need more KV pages at once than a tier it passes holds: every prompt's
+        pages x its ``n`` choices, each prompt's ``(tokens, output tokens)`` of ``prompts``
+        page-rounded on each tier's active instances' pools (P, RLD, MD / D or colocated,
+        :func:`pdd.gateway.admission.kv_refusal`). Such a batch failed with ``OutOfPages`` (a
+        429 no retry cured) after P's work, on every try. ``asked``: as :func:`check_context`
+        (one output token per choice counted when the client set no output length)."""
+        why = kv_refusal(adm.limits, [(k, out if asked else 1) for k, out in prompts], n, param)
+        if why is not None:
+            raise ApiError(why, "n" if n > 1 else "prompt" if len(prompts) > 1 else param)
+
     def check_input_len(n_prompt: int, prompt_param: str) -> None:
         """ApiError (400 ``context_length_exceeded`` naming ``prompt_param``, "prompt" or
         "messages") for a prompt of more than max_input_len tokens: the first length check, with
@@ -666,7 +678,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)  # before the tokenizer's work
         batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens,  # off the event loop
                                         body.truncate_prompt_tokens is not None)
-        plans = []
+        plans, lens = [], []
         for ids in batch:
             ids = truncated_prompt(ids, body.truncate_prompt_tokens, cfg.engine.max_input_len)
             max_tokens = body.max_tokens
@@ -674,6 +686,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 max_tokens = rest_of_context(len(ids), "prompt")
             check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None)
             plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs)))
+            lens.append((len(ids), max_tokens))
+        check_pages(lens, body.n, "max_tokens", asked=body.max_tokens is not None)
         opts = plans[0][2]
         if len(plans) == 1:
             gen = await start_watched(request, [plans[0]])
@@ -723,6 +737,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if max_tokens is None:  # as vLLM: whatever the context window leaves
             max_tokens = rest_of_context(len(ids), "messages")
         check_context(len(ids), max_tokens, param, body.n, asked, prompt_param="messages")
+        check_pages([(len(ids), max_tokens)], body.n, param, asked)
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
         gen = await start_watched(request, [(ids, sps, opts)])
