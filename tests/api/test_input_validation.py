@@ -445,6 +445,47 @@ def test_non_finite_floats_and_unsupported_options_are_400_naming_them(api, path
     _still_serving(client)
 
 
+REFUSED_VLLM = [
+    ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", "root ::= 'a'"), ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "xgrammar"),
+    ("structured_outputs", {"json": {"type": "object"}}), ("allowed_token_ids", [5, 6]), ("allowed_token_ids", []),
+    ("bad_words", ["the"]), ("use_beam_search", True), ("length_penalty", 0.5), ("length_penalty", True),
+    ("logits_processors", ["my.module:Proc"]), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
+    ("spaces_between_special_tokens", False), ("priority", 1), ("priority", False), ("cache_salt", "tenant-a"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("name,value", REFUSED_VLLM)
+def test_vllm_parameters_pdd_cannot_honour_are_400_naming_them(api, path, name, value):
+    """A new user's guided_json, bad_words, use_beam_search, ... were silently ignored (200 with
+    output that did not do what was asked); each is refused with a value that asks for something."""
+    client, orch = api
+    body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    err = _err(client.post(path, json={**body, name: value}), 400, name)
+    assert err["message"].startswith(f"{name} is not supported: pdd does not support "), err
+    assert err["message"].endswith(f"; leave {name} out"), err
+    assert not orch.started
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_parameters_at_their_defaults_and_unknown_fields_are_accepted(api, path):
+    """What vLLM's and the openai client may send for a parameter not asked for is served, and a
+    field unknown to pdd and vLLM stays ignored (as vLLM)."""
+    client, orch = api
+    body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    defaults = {name: None for name, _ in REFUSED_VLLM}
+    defaults.update({"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "logits_processors": [],
+                     "return_tokens_as_token_ids": False, "return_token_ids": False,
+                     "spaces_between_special_tokens": True, "priority": 0, "no_such_field": {"x": 1}})
+    r = client.post(path, json={**body, **defaults})
+    assert r.status_code == 200, r.text
+    r = client.post(path, json={**body, "length_penalty": 1, "allowed_token_ids": None, "guided_json": None})
+    assert r.status_code == 200, r.text
+    assert len(orch.started) == 2
+
+
 def test_truncate_prompt_tokens_keeps_the_last_k_tokens(api):
     """vLLM's left truncation: the prompt's last k tokens are served (usage counts them); -1 keeps
     the last max_input_len (400 here), so an over-long prompt is served instead of refused."""

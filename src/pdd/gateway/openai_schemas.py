@@ -188,6 +188,25 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep only the prompt's last k tokens (vLLM: left truncation); -1: the "
                                  "maximum input length; 0 is refused (nothing would be left)")
+    # vLLM's parameters pdd cannot honour: refused with a value that asks for something
+    # (check_unhonoured, UNHONOURED), accepted with their defaults (what clients may send)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    priority: Any = None
+    cache_salt: Any = None
 
     @field_validator("*", mode="before")
     @classmethod
@@ -611,6 +630,59 @@ def check_completion(body: CompletionRequest) -> None:
         raise ApiError("echo with logprobs (prompt logprobs) is not supported", "echo")
     _check_prompt_logprobs(body)
     _check_response_format(body.response_format)
+    check_unhonoured(body)
+
+
+def _empty(v) -> bool:
+    return isinstance(v, list) and not v
+
+
+def _is(value):
+    """A default test: the JSON value ``value`` itself (a boolean is not a number: ``true`` is not
+    1, ``0`` is not ``false``; an integer equals its float, ``1`` is ``1.0``)."""
+    def test(v) -> bool:
+        if isinstance(value, bool) or isinstance(v, bool):
+            return v is value
+        return isinstance(v, (int, float)) and v == value
+
+    return test
+
+
+# vLLM's request parameters that pdd cannot honour: name -> (what it asks for, a test of the
+# values that ask nothing: vLLM's default, which vLLM's and the openai client may send; null is
+# one for each). Any other value is a 400 naming the parameter (check_unhonoured), not ignored.
+UNHONOURED: dict[str, tuple[str, Any]] = {
+    "guided_json": ("guided decoding", None),
+    "guided_regex": ("guided decoding", None),
+    "guided_choice": ("guided decoding", None),
+    "guided_grammar": ("guided decoding", None),
+    "guided_whitespace_pattern": ("guided decoding", None),
+    "guided_decoding_backend": ("guided decoding", None),
+    "structured_outputs": ("guided decoding", None),
+    "allowed_token_ids": ("restricting the vocabulary", None),
+    "bad_words": ("banned words", _empty),
+    "logits_processors": ("custom logits processors", _empty),
+    "use_beam_search": ("beam search", _is(False)),
+    "length_penalty": ("beam search's length penalty", _is(1.0)),
+    "return_tokens_as_token_ids": ("tokens as token ids in logprobs", _is(False)),
+    "return_token_ids": ("token ids in the response", _is(False)),
+    "spaces_between_special_tokens": ("detokenizing without spaces between special tokens", _is(True)),
+    "priority": ("priority scheduling", _is(0)),
+    "cache_salt": ("prefix-cache isolation by salt", None),
+}
+
+
+def check_unhonoured(body) -> None:
+    """ApiError (400, ``param`` naming it) for the first of vLLM's parameters pdd cannot honour
+    (:data:`UNHONOURED`: guided decoding, ``allowed_token_ids``, ``bad_words``, beam search, ...)
+    given with a value that asks for something; its default (``use_beam_search: false``,
+    ``length_penalty: 1.0``, ``bad_words: []``, null) passes. Silently ignoring one would answer
+    200 with output that does not do what was asked. Fields unknown to vLLM too stay ignored."""
+    for name, (what, harmless) in UNHONOURED.items():
+        v = getattr(body, name)
+        if v is None or (harmless is not None and harmless(v)):
+            continue
+        raise ApiError(f"{name} is not supported: pdd does not support {what}; leave {name} out", name)
 
 
 def _check_prompt_logprobs(body) -> None:
@@ -675,6 +747,7 @@ def check_chat(body: ChatCompletionRequest) -> None:
                        "is used (chat_template_kwargs pass variables to it)", "chat_template")
     _check_response_format(body.response_format)
     _check_prompt_logprobs(body)
+    check_unhonoured(body)
     if body.echo:
         raise ApiError("echo (prepending the last message to the reply) is not supported", "echo")
     if body.best_of is not None and body.best_of != body.n:
