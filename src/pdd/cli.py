@@ -10,10 +10,13 @@ import time
 from pdd.cli_args import ShortUsageParser, config_or_exit as _config, usage_error as _usage
 
 
-def ensure_model(cfg) -> None:
+def ensure_model(cfg, prog: str = "pdd serve") -> None:
     """Write the configured random-weight checkpoint if the model directory has none and the
-    path is the embedded default (``models/<preset>``); any other missing path is an error."""
+    path is the embedded default (``models/<preset>``); any other missing path is a usage error
+    naming ``model_path`` (exit 2, :func:`pdd.cli_args.missing_model_problem`)."""
     from pathlib import Path
+
+    from pdd.cli_args import missing_model_problem, refuse
 
     if (Path(cfg.model_path) / "config.json").exists():
         from pdd.engine.config import ModelConfig
@@ -23,9 +26,9 @@ def ensure_model(cfg) -> None:
         except (ValueError, NotImplementedError) as e:
             raise SystemExit(f"pdd: model_path {cfg.model_path}: {e}")
         return
-    if Path(cfg.model_path) != Path("models") / cfg.model_preset:
-        raise SystemExit(f"pdd: no checkpoint at {cfg.model_path} (config.json missing); "
-                         f"make one with: pdd make-model --out {cfg.model_path}")
+    missing = missing_model_problem(cfg)
+    if missing:
+        refuse(prog, missing)
     from pdd.modelgen import make_model
 
     print(f"pdd: writing a {cfg.model_preset} random-weight checkpoint to {cfg.model_path} (seed {cfg.model_seed})")

@@ -89,6 +89,21 @@ def _flagged(summary: str, over: dict) -> str:
     return "; ".join(parts)
 
 
+def missing_model_problem(cfg) -> str | None:
+    """Why the checkpoint ``cfg.model_path`` names cannot be used or made: None when it holds a
+    ``config.json`` or is the embedded default ``models/<model_preset>`` (which ``pdd serve``,
+    ``pdd bench`` and ``pdd demo`` write with random weights when missing); else the one line
+    naming ``model_path`` and the command that makes one. A path the user named is never
+    filled with random weights behind their back. Raises nothing."""
+    from pathlib import Path
+
+    path = Path(cfg.model_path)
+    if (path / "config.json").exists() or path == Path("models") / cfg.model_preset:
+        return None
+    return (f"model_path {cfg.model_path}: no checkpoint there (config.json missing); make one with: "
+            f"pdd make-model --out {cfg.model_path}")
+
+
 def usage_error(args, msg: str):
     """A usage error naming the flag or config field: one line ``PROG: error: MSG`` on stderr (the
     sub-command's prog, else ``pdd``), then SystemExit(2). Not argparse's ``error``, whose usage

@@ -144,3 +144,16 @@ def test_a_start_failure_is_one_line_naming_the_config_field(tmp_path):
     assert topo._cause("p0") == f"ValueError: something else (whole log: {tmp_path / 'p0.log'})"
     (tmp_path / "rld0.log").write_text("plain line\n")
     assert topo._cause("rld0") == f"\nplain line\n(whole log: {tmp_path / 'rld0.log'})"
+
+
+def test_serve_refuses_a_model_path_with_no_checkpoint_naming_the_field(capsys, tmp_path):
+    """As pdd launch, pdd bench and pdd demo say it: a usage error naming model_path (it was exit 1
+    with "pdd: no checkpoint at ..."); only the default models/<preset> is made."""
+    from pdd.cli import ensure_model
+    from pdd.config import ClusterConfig
+
+    model = tmp_path / "no" / "model"
+    err = usage_error(capsys, ensure_model, ClusterConfig(model_path=str(model)))
+    assert err == (f"pdd serve: error: model_path {model}: no checkpoint there (config.json missing); make one with: "
+                   f"pdd make-model --out {model}\n")
+    assert not (tmp_path / "no").exists()

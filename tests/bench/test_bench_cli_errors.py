@@ -548,3 +548,34 @@ def test_a_fault_that_applies_to_no_mode_is_refused_before_anything_starts(capsy
 
     # kill:rld0 applies to pdd (which has an RLD) though not to cross_dc_pd: no refusal
     bench_mod._check_faults_apply([parse_bench_fault("kill:rld0@rld_decode")], ClusterConfig(), ["pdd", "cross_dc_pd"])
+
+
+# ---------------------------------------------------------------- a model_path with no checkpoint
+
+
+def test_a_model_path_with_no_checkpoint_is_refused_as_pdd_serve_does(capsys, tmp_path, monkeypatch):
+    """Found by a new user: ``model_path: /nonexistent/model`` printed "making model 'small' (seed 0) in
+    /nonexistent/model ...", made the directory and benchmarked random weights (exit 0), where
+    pdd serve refuses the same config. Only the default models/<preset> is made."""
+    def started(*a, **k):
+        raise AssertionError("a topology was started")
+
+    monkeypatch.setattr(bench_mod, "_default_topology", started)
+    monkeypatch.setattr(bench_mod, "check_ports_free", lambda *a, **k: None)  # other topologies may hold them
+    model = tmp_path / "no" / "model"
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"model_path": str(model)}))
+    err = usage_error(capsys, main, ["--config", str(cfg), "--modes", "colocated", "--out", str(tmp_path / "out")])
+    assert err.splitlines()[-1] == (f"pdd bench: error: model_path {model}: no checkpoint there (config.json missing); "
+                                    f"make one with: pdd make-model --out {model}")
+    assert not (tmp_path / "no").exists() and not (tmp_path / "out").exists()
+
+
+def test_the_default_model_path_is_still_made(tmp_path, monkeypatch):
+    """``make demo`` and ``pdd bench`` without --config rely on the default checkpoint being written."""
+    from pdd.bench.live import ensure_model
+    from pdd.config import ClusterConfig
+
+    monkeypatch.chdir(tmp_path)
+    path = ensure_model(ClusterConfig(model_path="models/tiny", model_preset="tiny"))
+    assert str(path) == "models/tiny" and (tmp_path / "models" / "tiny" / "config.json").is_file()

@@ -251,3 +251,18 @@ def test_demo_request_timeout_flag(monkeypatch, capsys):
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)
     monkeypatch.setattr("pdd.topology.ports_in_use", lambda lay: [])
     assert demo.main(["--request-timeout", "600"]) == 0 and seen["request_timeout_s"] == 600
+
+
+def test_demo_cli_refuses_a_model_path_with_no_checkpoint_as_pdd_serve_does(capsys, tmp_path, demo_cli):
+    """``model_path: /nonexistent/model`` was filled with random weights and benchmarked (exit 0)
+    where pdd serve refuses it (found by a new user); only the default models/<preset> is made."""
+    model = tmp_path / "no" / "model"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model_path: {model}\n")
+    with pytest.raises(SystemExit) as ex:
+        demo_cli.main(["--config", str(cfg), "--out", str(tmp_path / "d")])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"pdd demo: error: model_path {model}: no checkpoint there (config.json missing); make one with: "
+        f"pdd make-model --out {model}")
+    assert not (tmp_path / "no").exists() and not (tmp_path / "d").exists()

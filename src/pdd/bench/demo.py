@@ -194,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="first of the 100 instance ports (default: the config's, 18000)")
     args = ap.parse_args(argv)
     from pdd.config import MODES
-    from pdd.cli_args import config_file_problem, out_dir_problem, refuse, stop_on_sigterm, stopped_status
+    from pdd.cli_args import (config_file_problem, missing_model_problem, out_dir_problem, refuse, stop_on_sigterm,
+                              stopped_status)
     from pdd.topology import ports_taken_refusal
 
     check_workload_args(ap, args)  # the numbers pdd bench checks, with its messages
@@ -227,6 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [flags[k] for k in flags if k in given and any(e.get("loc") and e["loc"][0] == k for e in ex.errors())]
         named = bad or [flags[k] for k in given] or ["--config"]
         ap.error(f"{' / '.join(named)}: invalid config: {validation_summary(ex)}")
+    missing = missing_model_problem(cfg)
+    if missing:  # a model_path with no checkpoint, as pdd serve refuses it (only models/<preset> is made)
+        refuse(ap.prog, missing)
     taken = ports_taken_refusal([cfg], ap.prog)
     if taken:  # one line naming the ports and their users, exit 2, as pdd serve and pdd bench refuse
         refuse(ap.prog, taken)

@@ -19,9 +19,17 @@ from pdd.config import ClusterConfig
 
 
 def ensure_model(config: ClusterConfig, console=None) -> Path:
-    """The model directory of ``config``; written with ``pdd.modelgen.make_model`` if missing."""
+    """The model directory of ``config``; written with ``pdd.modelgen.make_model`` if missing and
+    it is the default ``models/<model_preset>``, as ``pdd serve`` does. ValueError naming
+    ``model_path`` and ``pdd make-model`` for any other path with no checkpoint (a config's
+    ``model_path: /typo`` was filled with random weights and benchmarked)."""
+    from pdd.cli_args import missing_model_problem
+
     path = Path(config.model_path)
     if not (path / "config.json").exists():
+        missing = missing_model_problem(config)
+        if missing:
+            raise ValueError(missing)
         if console is not None:
             console.print(f"making model {config.model_preset!r} (seed {config.model_seed}) in {path} ...")
         from pdd.modelgen import make_model

@@ -52,8 +52,16 @@ def run_validate(out: str | Path, config=None, *, budget_ms: float = 250.0, cons
     from pdd.sim import validate as V
 
     console = console or Console(stderr=True)
+    def before_model(cfg) -> None:
+        try:
+            ensure_model(cfg, console)
+        except ValueError as e:  # a model_path with no checkpoint: one line naming it (pdd sim validate: error:)
+            from pdd.sim.cli import UsageError
+
+            raise UsageError(str(e)) from None
+
     return V.run_validate(out, config, budget_ms=budget_ms, live_run=live_run, console=console,
-                          before_model=lambda cfg: ensure_model(cfg, console), **kw)
+                          before_model=before_model, **kw)
 
 
 # `pdd sim validate`'s workload flags (argument names) and their defaults
