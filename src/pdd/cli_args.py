@@ -30,9 +30,9 @@ def config_or_exit(args, **over):
     try:
         return ClusterConfig.load(getattr(args, "config", None), **over)
     except ValidationError as e:
-        msg = f"invalid config: {_flagged(validation_summary(e), over)}"
-        if any(err.get("loc") and _OVERRIDE_FLAGS.get(str(err["loc"][0])) and over.get(str(err["loc"][0])) is not None
-               for err in e.errors()):  # a flag's value out of range (--port 0): bad CLI input, exit 2
+        by_flag = {str(err["loc"][0]) for err in e.errors() if _by_flag(err, over)}
+        msg = f"invalid config: {_flagged(validation_summary(e), by_flag)}"
+        if by_flag:  # a flag's value out of range (--port 0): bad CLI input, exit 2
             usage_error(args, msg)
         flags = [f for k, f in _OVERRIDE_FLAGS.items() if over.get(k) is not None]
         if flags and _loads(args, {k: v for k, v in over.items() if k not in _OVERRIDE_FLAGS}):
@@ -77,13 +77,21 @@ def _loads(args, over: dict) -> bool:
     return True
 
 
-def _flagged(summary: str, over: dict) -> str:
+def _by_flag(err: dict, over: dict) -> bool:
+    """Whether pydantic error ``err`` is about a value a flag gave (``over``), not the one the
+    config file has for that field (``ClusterConfig.load`` checks that one too: ``gateway_port:
+    70000`` under ``--port 9300``)."""
+    field = str(err["loc"][0]) if err.get("loc") else None
+    return field in _OVERRIDE_FLAGS and over.get(field) is not None and err.get("input") == over[field]
+
+
+def _flagged(summary: str, by_flag: set[str]) -> str:
     """``validation_summary`` with the flag named beside a field a flag set (``gateway_port (--port):
-    ...``): the user typed ``--port 99999``, not ``gateway_port``."""
+    ...``): the user typed ``--port 99999``, not ``gateway_port``. ``by_flag``: those fields."""
     parts = []
     for part in summary.split("; "):
         field = part.split(":", 1)[0]
-        if over.get(field) is not None and field in _OVERRIDE_FLAGS:
+        if field in by_flag:
             part = f"{field} ({_OVERRIDE_FLAGS[field]}){part[len(field):]}"
         parts.append(part)
     return "; ".join(parts)

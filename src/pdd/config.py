@@ -908,6 +908,10 @@ class ClusterConfig(_Strict):
         """Load from a YAML/JSON file (or defaults), then apply keyword overrides. An empty file
         (or ``null``) holds no settings: the defaults.
 
+        A field the file sets and an override replaces (``pdd serve --port`` over ``gateway_port``)
+        is checked as the file has it all the same: ``gateway_port: 70000`` is refused whatever
+        flags are given.
+
         Raises ``pydantic.ValidationError`` naming the bad field; :class:`ConfigFileError` naming
         the file (one line) when it is not UTF-8 text, not YAML / JSON, or its top level is not a
         mapping (a list, an empty one too, a string, number or boolean); OSError when it cannot be
@@ -932,7 +936,16 @@ class ClusterConfig(_Strict):
             if not isinstance(data, dict):  # `[]` and `false` too: they are not "no settings"
                 raise ConfigFileError(f"{path}: expected a JSON object (a YAML mapping) of config fields, "
                                       f"got {_kind(data)}")
-        data.update({k: v for k, v in overrides.items() if v is not None})
+        over = {k: v for k, v in overrides.items() if v is not None}
+        shadowed = [k for k in over if k in data]
+        if shadowed:  # the file's own value is checked too: a flag overriding it must not hide a bad file
+            try:
+                cls.model_validate(data)
+            except ValidationError as e:
+                bad = [err for err in e.errors() if err["loc"] and err["loc"][0] in shadowed]
+                if bad:
+                    raise ValidationError.from_exception_data(cls.__name__, bad) from None
+        data.update(over)
         return cls.model_validate(data)
 
 

@@ -45,3 +45,35 @@ def test_autoscale_bad_block_names_the_field(tmp_path):
     assert _exit_message(["serve", "--config", str(cfg), "--autoscale"]) == (
         "pdd: invalid config: autoscale.max.main_decode: 2 is more than the role's 1 slot(s); raise instances and "
         "list the extra ones in standby")
+
+
+@pytest.mark.parametrize("text,flags,message", [
+    ("gateway_port: 70000\n", ["--port", "9300"], "gateway_port: Input should be less than or equal to 65535"),
+    ("base_port: 70000\n", ["--base-port", "18000"], "base_port: Input should be less than or equal to 65400"),
+    ("gateway_port: 0\nbase_port: 80\n", ["--port", "9300", "--base-port", "18000"],
+     "base_port: Input should be greater than or equal to 1024; gateway_port: Input should be greater than or equal to 1"),
+])
+def test_a_bad_port_in_the_file_is_refused_under_the_flag_that_overrides_it(tmp_path, monkeypatch, text, flags,
+                                                                           message):
+    """Found by a new user: ``gateway_port: 70000`` with ``--port 9300`` was accepted (the flag
+    replaced the value before the check), where pdd bench and serve without --port refuse the file.
+    The file's field is named, not the flag, as without it (exit 1)."""
+    import pdd.cli
+    import pdd.topology
+
+    def started(*a, **k):
+        raise AssertionError("serve went on to start the topology")
+
+    monkeypatch.setattr(pdd.topology, "ports_taken_refusal", started)
+    monkeypatch.setattr(pdd.cli, "ensure_model", started)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    assert _exit_message(["serve", "--config", str(cfg), *flags]) == f"pdd: invalid config: {message}"
+
+
+def test_a_flag_may_still_move_a_port_the_file_sets_to_a_valid_one(tmp_path):
+    from pdd.config import ClusterConfig
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("gateway_port: 9000\nbase_port: 8950\n")  # the file's ports collide; --port moves the gateway out
+    assert ClusterConfig.load(cfg, gateway_port=9300).gateway_port == 9300
