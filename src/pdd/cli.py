@@ -107,8 +107,10 @@ def cmd_launch(args) -> int:
     from pdd.topology import ROLE_LINK, layout
 
     if getattr(args, "join", None) is not None:  # before anything starts: a typo is a usage error, not a late JOIN FAILED
+        from pdd.cli_args import gateway_root
         from pdd.gateway.join import gateway_url_problem
 
+        args.join = gateway_root(args.join)  # the ".../v1" pdd serve prints: the gateway's root
         bad = gateway_url_problem(args.join)
         if bad:
             _usage(args, f"--join: {bad}")
@@ -300,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="cluster config (YAML or JSON)")
     p.add_argument("--join", metavar="GATEWAY_URL",
                    help="once this instance listens, add it to the running gateway at GATEWAY_URL "
-                        "(POST /pdd/instances; the API key: PDD_API_KEY or the config's first; docs/SERVE.md)")
+                        "(http://host:port, a trailing /v1 dropped; POST /pdd/instances; the API key: "
+                        "PDD_API_KEY or the config's first; docs/SERVE.md)")
     p.set_defaults(fn=cmd_launch, parser=p)
 
     p = sub.add_parser("serve", help="start the whole two-datacenter topology and keep the gateway up")

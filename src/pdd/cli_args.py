@@ -112,6 +112,17 @@ def missing_model_problem(cfg) -> str | None:
             f"pdd make-model --out {cfg.model_path}")
 
 
+def gateway_root(url: str) -> str:
+    """``url`` without a trailing ``/v1`` or ``/v1/``: the OpenAI ``base_url`` form users copy
+    (``pdd serve`` prints "serving at http://127.0.0.1:8000/v1") taken as the gateway's root,
+    which ``pdd bench --url`` and ``pdd launch --join`` want (they add ``/v1/models``,
+    ``/pdd/stats``, ``/pdd/instances`` themselves). Anything else is returned as given."""
+    for tail in ("/v1/", "/v1"):
+        if url.endswith(tail):
+            return url[:-len(tail)]
+    return url
+
+
 def usage_error(args, msg: str):
     """A usage error naming the flag or config field: one line ``PROG: error: MSG`` on stderr (the
     sub-command's prog, else ``pdd``), then SystemExit(2). Not argparse's ``error``, whose usage

@@ -125,3 +125,17 @@ def test_a_join_answered_with_a_long_page_says_how_long_it_was():
         srv.shutdown()
         srv.server_close()
     assert rep == {"error": {"message": f"HTTP 502: '<p>{'e' * 116}... (1000 characters)"}}
+
+
+@pytest.mark.parametrize("given", ["http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1/"])
+def test_join_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(tmp_path, monkeypatch, given):
+    """``pdd serve`` prints "serving at http://127.0.0.1:8000/v1" (the OpenAI base_url form): that
+    URL given to --join was refused as having a path; its root is joined."""
+    import pdd.gateway.join as join_mod
+
+    cfg = _config_that_must_not_run(tmp_path, monkeypatch)
+    joined, ran = [], []
+    monkeypatch.setattr(join_mod, "join_when_ready", lambda cfg, spec, url: joined.append((spec.name, url)))
+    monkeypatch.setattr(launch, "run_instance", lambda cfg, name: ran.append(name))
+    assert main(["launch", "--role", "main_decode", "--config", str(cfg), "--join", given]) == 0
+    assert joined == [("md0", "http://127.0.0.1:1")] and ran == ["md0"]

@@ -264,6 +264,18 @@ def test_every_request_failing_exits_1_after_writing_the_report(capsys, tmp_path
     assert "no request completed in pdd" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tail", ["/v1", "/v1/"])
+def test_url_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(capsys, tmp_path, gateway, tail):
+    """Found by a new user: ``--url http://127.0.0.1:9100/v1``, exactly what pdd serve prints
+    ("serving at .../v1", the OpenAI base_url form), failed: "GET /v1/models answered HTTP 404,
+    not an OpenAI model list" (it asked /v1/v1/models). Its root is benchmarked."""
+    url = gateway("pdd")  # it refuses every completion: exit 1 once the run is over and its report written
+    assert main(_url_argv(tmp_path, url + tail, "--modes", "pdd", "--model", "served")) == 1
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["bench"]["run_order"] == ["pdd"] and rep["modes"]["pdd"]["completed"] == 0
+    assert f"external gateway {url}: mode pdd" in capsys.readouterr().out
+
+
 def test_a_model_the_server_does_not_serve_is_refused_before_the_run(capsys, tmp_path, gateway, no_run):
     """Found by a new user: ``--url URL --model WRONG`` ran the whole benchmark, every request a
     404, and exited 1 with a report of failures."""

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-python", metavar="PATH",
                     help=f"Python of vLLM's venv for the {vllm_mode.VLLM_MODE} mode (default: ${vllm_venv.PYTHON_ENV}, "
                          f"else {vllm_venv.VENV_DIR}/bin/python, which `make vllm` builds)")
-    ap.add_argument("--url", help="benchmark a running gateway instead (one mode: the server's; its caches are "
+    ap.add_argument("--url", help="benchmark a running gateway instead, http://host:port (a trailing /v1, as "
+                                  "pdd serve prints it, is dropped; one mode: the server's; its caches are "
                                   "flushed between runs through POST /pdd/flush when it has one)")
     g = ap.add_argument_group("workload")
     g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL")
@@ -361,6 +362,9 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--config {args.config}: "
                  + ("is a directory, not a config file (YAML or JSON)" if Path(args.config).is_dir() else "no such file"))
     if args.url:
+        from pdd.cli_args import gateway_root
+
+        args.url = gateway_root(args.url)  # the ".../v1" pdd serve prints, an OpenAI base_url: its root
         # the server at --url runs its own config: a topology flag would be recorded in the report
         # as if it had applied (found by a new user: --min-step-ms 20 against a server without it)
         shaping = [_given_flag(args, k) for k in TOPOLOGY_OVERRIDES if getattr(args, k) is not None]
