@@ -629,7 +629,27 @@ def _kind(x) -> str:
 class _ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader, with YAML 1.2's (and JSON's) numbers in exponent form: unquoted
     ``1e3``, ``5e-7`` and ``1.0e12`` are floats. YAML 1.1 reads them as strings (its floats need
-    a dot and a signed exponent), which a config's number fields refuse as quoted text."""
+    a dot and a signed exponent), which a config's number fields refuse as quoted text. A key
+    given twice in one mapping is refused (``engine: {page_size: 16, page_size: 32}``: PyYAML
+    kept the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        """The mapping of ``node``; ``yaml.constructor.ConstructorError`` naming a key given twice
+        in it and both lines (a key a ``<<`` merge brings in may be overridden, as YAML allows)."""
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                try:
+                    seen = first.setdefault(key, key_node.start_mark)
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                if seen is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}, given first on line {seen.line + 1}", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _ConfigLoader.add_implicit_resolver(
