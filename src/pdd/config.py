@@ -189,7 +189,8 @@ class EngineConfig(_Strict):
         "short_first (short prefills beside a long one's chunk; the oldest keeps >= half the budget)")
     max_running: int = Field(64, ge=1, description="sequences in one batch at most")
     max_model_len: int = Field(4096, ge=2, description="prompt + output tokens at most")
-    max_input_len: int = Field(4000, ge=1, description="prompt tokens at most")
+    max_input_len: int = Field(4000, ge=1, description="prompt tokens at most; <= max_model_len (left out: "
+                               "max_model_len when that is below 4000)")
     torch_threads: int = Field(1, ge=1)
     min_step_ms: float = Field(
         0.0, ge=0, le=10_000, allow_inf_nan=False, description="emulated accelerator: every forward pass takes at least this long, "
@@ -229,6 +230,20 @@ class EngineConfig(_Strict):
         """A page fits in one sequence of max_model_len tokens. Raises ValueError."""
         if self.page_size > self.max_model_len:
             raise ValueError(f"page_size {self.page_size} does not fit max_model_len {self.max_model_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _input_fits(self) -> "EngineConfig":
+        """``max_input_len`` <= ``max_model_len``: a longer prompt passes the gateway's input check
+        only to be refused by the context check. Given larger, ValueError naming both; left out
+        under a ``max_model_len`` below its default (4000), it is ``max_model_len`` (a block that
+        lowers only ``max_model_len`` stays valid, and so does its dump read back)."""
+        if self.max_input_len > self.max_model_len:
+            if "max_input_len" in self.model_fields_set:
+                raise ValueError(f"max_input_len {self.max_input_len} is above max_model_len {self.max_model_len} "
+                                 f"(prompt + output tokens): no prompt that long fits; lower max_input_len or raise "
+                                 f"max_model_len")
+            self.max_input_len = self.max_model_len
         return self
 
     @field_validator("device")

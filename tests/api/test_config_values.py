@@ -319,3 +319,31 @@ def test_a_merge_key_may_still_be_overridden(tmp_path):
                    "  main_decode:\n    engine:\n      <<: *e\n      page_size: 32\n")
     c = ClusterConfig.load(cfg)
     assert (c.tiers["main_decode"].engine.page_size, c.tiers["main_decode"].engine.num_pages) == (32, 64)
+
+
+def test_a_max_input_len_above_max_model_len_is_refused_naming_both(tmp_path):
+    """Found by a new user: ``max_input_len`` above ``max_model_len`` was accepted; a prompt between
+    the two passed the gateway's input check only to be refused as over the context."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine: {max_model_len: 512, max_input_len: 600}\n")
+    message = ("engine: max_input_len 600 is above max_model_len 512 (prompt + output tokens): no prompt that long "
+               "fits; lower max_input_len or raise max_model_len")
+    with pytest.raises(ValidationError) as ex:
+        ClusterConfig.load(cfg)
+    assert validation_summary(ex.value) == message
+    with pytest.raises(SystemExit) as ex:
+        main(["certs", "--config", str(cfg), "--out", str(tmp_path / "certs")])
+    assert ex.value.code == f"pdd: invalid config: {message}"
+    assert not (tmp_path / "certs").exists()
+
+
+def test_a_lowered_max_model_len_alone_lowers_the_default_max_input_len(tmp_path):
+    """A block that sets only ``max_model_len`` (below the default max_input_len 4000) stays valid,
+    and so does its dump read back (what pdd serve hands its instances)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine: {max_model_len: 256}\ntiers: {prefill: {engine: {num_pages: 64}}}\n")
+    c = ClusterConfig.load(cfg)
+    assert (c.engine.max_model_len, c.engine.max_input_len) == (256, 256)
+    assert ClusterConfig.model_validate(c.model_dump()).engine.max_input_len == 256
+    assert c.engine_for("p0").max_input_len == 256
+    assert ClusterConfig().engine.max_input_len == 4000
