@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from pdd.policy.autoscale import DOWN, UP, AutoscaleRule, AutoscaleWindow, decide_mix, instance_seconds, pick_drain
 from pdd.sim.prefix_cache import PrefixCache
+from pdd.sim.sim_config import SIM_ROLE
 
-SIM_ROLE = {"prefill": "P", "relay_decode": "RLD", "main_decode": "MD"}  # config role -> simulator tier
 TIER_ROLE = {"P": "prefill", "RLD": "relay_decode", "MD": "main_decode", "D": "decode", "C": "colocated"}
 SHORT = {"p": "prefill", "rld": "relay_decode", "md": "main_decode"}  # --autoscale md=3
 COUNT_FIELD = {"prefill": "n_p", "relay_decode": "n_rld", "main_decode": "n_md"}

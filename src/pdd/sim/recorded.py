@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from pdd.sim.sim_config import DECODE_ROLES, P_DISPATCH_MAX_S, P_REPLY_LAG_MAX_S
+from pdd.sim.sim_config import DECODE_ROLES, ENGINE_ROLES, P_DISPATCH_MAX_S, P_REPLY_LAG_MAX_S
 
 
 class RecordedRunError(ValueError):
@@ -280,7 +280,7 @@ def check_step_rows(prof: dict, path: Path, need_model: bool = True) -> None:
                                            "profile")
 
 
-SIM_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tiers)
+SIM_ROLES = ENGINE_ROLES  # the simulator's roles (SimConfig.tiers)
 
 
 # the scalar fits calibrate-roles writes: field -> (lowest value, closed, highest value or None;

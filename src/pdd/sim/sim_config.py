@@ -37,6 +37,7 @@ def _in_range(x, lo: float, hi: float, closed_hi: bool = False) -> bool:
 
 
 ENGINE_ROLES = ("P", "RLD", "MD", "D", "C")  # the simulator's roles (SimConfig.tiers)
+SIM_ROLE = {"prefill": "P", "relay_decode": "RLD", "main_decode": "MD"}  # config role -> simulator tier (pdd mode)
 
 
 @dataclass(frozen=True)

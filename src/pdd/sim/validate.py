@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.sim.sim_config import with_live_fit
+from pdd.sim.sim_config import SIM_ROLE, with_live_fit
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
 from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run, faults_text,
                               load_profile_checked, read_run, require_completed, run_faults)
@@ -73,10 +73,6 @@ def sim_records(requests) -> list[dict]:
     return out
 
 
-# pdd mode's tiers: (the runtime's tier, the simulator's role, the runtime's instance name prefix)
-SIM_TIERS = (("prefill", "P", "p"), ("relay_decode", "RLD", "rld"), ("main_decode", "MD", "md"))
-
-
 def _sim_engine_fields(e, block_tokens: int, kv_bytes_per_token: int) -> dict:
     """The :class:`pdd.sim.sim_config.SimEngine` fields of a runtime engine block ``e``
     (``pdd.config.EngineConfig``): its batch limits, step floor (s), KV page (tokens; the block
@@ -98,7 +94,10 @@ def sim_tier_engines(cfg, base: dict, block_tokens: int, wire_kvb, profile_path)
     role's step model (``profile_path`` when it has none); MD's is SimConfig.profile_b."""
     out = {}
     ep = cfg.engine_for("prefill")
-    for tier, role, prefix in SIM_TIERS:
+    from pdd.topology import layout
+
+    lay = layout(cfg)
+    for tier, role in SIM_ROLE.items():
         et = cfg.engine_for(tier)
         kvb = base["kv_bytes_per_token"] if role == "P" else wire_kvb(et.dtype)  # P receives no KV
         own = _sim_engine_fields(et, block_tokens, kvb)
@@ -106,8 +105,8 @@ def sim_tier_engines(cfg, base: dict, block_tokens: int, wire_kvb, profile_path)
         if role == "RLD" and et.profile != ep.profile:  # RLD runs on chip A's side: P's profile unless its own
             entry["profile"] = str(et.profile or profile_path)
         out[role] = entry
-        for i in range(getattr(cfg.instances, tier)):
-            ei = cfg.engine_for(f"{prefix}{i}")
+        for i, spec in enumerate(lay.by_role(tier)):  # the runtime's p0.., rld0.., md0..
+            ei = cfg.engine_for(spec.name)
             if ei is et:
                 continue
             mine = _sim_engine_fields(ei, block_tokens, base["kv_bytes_per_token"] if role == "P"
