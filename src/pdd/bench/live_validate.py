@@ -13,7 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["live_run", "run_validate", "add_validate_parser", "cmd_validate"]
+__all__ = ["live_run", "run_validate", "calibrate_same_day", "add_validate_parser", "cmd_validate",
+           "CALIBRATION_ARGS"]
 
 
 def live_run(cfg, requests, out: Path, seed: int, console) -> tuple[list[dict], dict]:
@@ -67,6 +68,55 @@ def run_validate(out: str | Path, config=None, *, budget_ms: float = 250.0, cons
 # `pdd sim validate`'s workload flags (argument names) and their defaults
 WORKLOAD_DEFAULTS = {"requests": 220, "rate": 2.0, "block_tokens": 64, "session_sample": 50, "session_seed": 0,
                      "max_output_tokens": None, "budget_ms": 250.0}
+# the committed calibration run's workload and budget (data/validation/cal-a; docs/SIM.md "Measure
+# this machine and validate the simulator", step 2): what `pdd sim validate --calibrate` runs live
+# first and fits on. Its rate and output cap keep requests decoding while others prefill, which
+# the prefill-interference fit needs (tests/sim/test_validate_calibrate.py pins it to cal-a's).
+CALIBRATION_ARGS = {"requests": 150, "rate": 1.0, "block_tokens": 64, "session_sample": 50, "session_seed": 1,
+                    "max_output_tokens": 64, "budget_ms": 40.0}
+
+
+def calibration_config(cfg):
+    """The topology the calibration run uses: ``cfg`` (None: the embedded one) with every tier on
+    the top-level engine (its ``tiers`` blocks dropped), as the committed calibration run was
+    recorded for the heterogeneous held-out runs: the fit's per-role terms are over the bare
+    profile of that engine, and a heterogeneous MD is then simulated on ``--profile-b``."""
+    return None if cfg is None else cfg.model_copy(update={"tiers": {}})
+
+
+def calibrate_same_day(out: Path, cfg, profile, console) -> Path:
+    """``pdd sim validate --calibrate``: run the calibration workload (:data:`CALIBRATION_ARGS`)
+    live on :func:`calibration_config` into ``out/calibration`` (simulated on ``profile``; None:
+    the bare engine is measured there first, ``out/calibration/profile.json``), fit the live-run
+    terms on it (:func:`pdd.sim.calibrate.calibrate_roles`) into ``out/fit.json``, and
+    re-simulate the calibration run with that fit (so ``pdd sim validate-report`` reads it beside
+    the held-out run). Returns the fitted profile's path. A fit is only good for runs of its own
+    day on its own machine (docs/SIM.md "Fit on one day, judged on another"): this is what a
+    held-out run recorded today is judged with. Raises what :func:`run_validate` and
+    ``calibrate_roles`` raise (:class:`pdd.sim.recorded.RecordedRunError` for a profile it cannot
+    read)."""
+    from pdd.sim.calibrate import calibrate_roles
+
+    cal, ccfg = out / "calibration", calibration_config(cfg)
+    w = dict(CALIBRATION_ARGS)
+    args = dict(n_requests=w.pop("requests"), rate=w.pop("rate"), budget_ms=w.pop("budget_ms"), **w)
+    console.print(f"calibration run: {args['n_requests']} requests at {args['rate']} req/s, session seed "
+                  f"{args['session_seed']}, outputs up to {args['max_output_tokens']} tokens -> {cal}")
+    run_validate(cal, ccfg, profile=profile, console=console, **args)
+    base = Path(profile) if profile is not None else cal / "profile.json"
+    fit = out / "fit.json"
+    calibrate_roles(cal, base, fit, ccfg)
+    run_validate(cal, ccfg, profile=fit, live_from=cal, console=console, **args)
+    console.print(f"fitted on the calibration run: {fit}")
+    return fit
+
+
+def _resolved(w: dict) -> dict:
+    """Workload arguments with a default output cap spelled out (the workload's own, 320)."""
+    from pdd.sim.validate import VALIDATE_SCALE
+
+    mot = w["max_output_tokens"]
+    return {**w, "max_output_tokens": VALIDATE_SCALE.max_output_tokens if mot is None else mot}
 
 
 def cmd_validate(a) -> int:
@@ -96,12 +146,34 @@ def cmd_validate(a) -> int:
         raise UsageError(f"--rate {slow}")
     if not (math.isfinite(w["budget_ms"]) and w["budget_ms"] >= 0):  # the live topology's pipeline budget
         raise UsageError(f"--budget-ms must be a finite number >= 0, got {w['budget_ms']}")
+    if a.calibrate and a.live_from:
+        raise UsageError("--calibrate runs a calibration workload live before this one; --live-from re-simulates a "
+                         "recorded run: give one of them")
+    if a.calibrate and _resolved(w) == _resolved(CALIBRATION_ARGS):
+        raise UsageError("--calibrate: this workload is the calibration run's own (" + ", ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in CALIBRATION_ARGS.items()) + "): not held out; give "
+            "another --session-seed, --rate, --max-output-tokens or --budget-ms")
     check_out_dir(a.out)  # a file or an unwritable place: one line, before any work
+    profile = a.profile
+    if a.calibrate:
+        from rich.console import Console
+
+        from pdd.sim.recorded import load_profile_checked
+
+        try:
+            if a.profile_b is not None:  # read before the calibration run, not after it
+                load_profile_checked(a.profile_b)
+        except RecordedRunError as e:
+            raise UsageError(f"--profile-b: {e}") from None
+        try:
+            profile = calibrate_same_day(Path(a.out), cfg, a.profile, Console(stderr=True))
+        except RecordedRunError as e:  # a --profile it cannot read: before anything runs
+            raise UsageError(f"{'--profile' if e.source == 'profile' else '--calibrate'}: {e}") from None
     try:
         res = run_validate(a.out, cfg, n_requests=w["requests"], rate=w["rate"], block_tokens=w["block_tokens"],
                            budget_ms=w["budget_ms"], session_sample=w["session_sample"],
                            session_seed=w["session_seed"], max_output_tokens=w["max_output_tokens"],
-                           seed=rec.get("seed", 0), profile=a.profile, live_from=a.live_from, profile_b=a.profile_b)
+                           seed=rec.get("seed", 0), profile=profile, live_from=a.live_from, profile_b=a.profile_b)
     except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
         if isinstance(e, WorkloadMismatch):
             raise UsageError(f"--live-from {a.live_from}: {e}") from None
@@ -109,6 +181,17 @@ def cmd_validate(a) -> int:
         raise UsageError(f"{flag}: {e}") from None
     print(format_validate(res))
     print(f"wrote {a.out}/validate.json")
+    if a.calibrate:  # the goals, judged as `pdd sim validate-report` judges a held-out run
+        from pdd.sim.heldout import format_report, held_out_report
+
+        try:
+            rep = held_out_report(Path(a.out) / "calibration", [a.out])
+        except ValueError as e:  # e.g. the live run lost an instance: printed above with a WARNING
+            print(f"not judged against the goals: {e}")
+            return 0
+        (Path(a.out) / "report.json").write_text(json.dumps(rep, indent=1, default=str))
+        print(format_report(rep))
+        print(f"wrote {a.out}/report.json (calibration run and fit: {a.out}/calibration, {profile})")
     return 0
 
 
@@ -142,6 +225,12 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
                    help="MD's step profile for the simulator when MD's tier runs other engine settings than "
                         "--profile measured (e.g. bf16): `pdd profile --config` with that tier's engine; the live "
                         "run does not read it (default: --profile)")
+    v.add_argument("--calibrate", action="store_true",
+                   help="first run the committed calibration workload live (150 requests at 1 req/s, session seed "
+                        "1, outputs up to 64, budget 40 ms) into OUT/calibration, fit the live-run terms on it "
+                        "(`pdd sim calibrate-roles`, over --profile or a bare profile measured now) into "
+                        "OUT/fit.json, then run this workload judged with that fit: a same-day fit (about 3 "
+                        "minutes more)")
     v.add_argument("--live-from", default=None, help="reuse this validate output's live run and only re-simulate "
                                                     "(its workload arguments unless given; a flag given must match)")
     v.set_defaults(func=cmd_validate, parser=v)

@@ -60,9 +60,10 @@ def speed_warning(ps: dict | None, calibration_run: str | None = None) -> str | 
     return (f"WARNING: this run's P stepped {faster} than the profile's calibration run{cal} predicts (P's "
             f"step x{ps['level']:.3f}: mean {ps['live_p_step_ms']:.1f} ms live): the profile was fitted on "
             f"another day's or machine's speed, and the TTFT errors above are mostly that (at the run's own P "
-            f"speed: P50 {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 {ps['err_p90_ttft_ms'] * 100:+.1f}%). Record a "
-            f"calibration run on this machine today and fit it (docs/SIM.md \"Measure this machine and validate "
-            f"the simulator\", or scripts/record_validation.py)")
+            f"speed: P50 {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 {ps['err_p90_ttft_ms'] * 100:+.1f}%). Run it "
+            f"again with --calibrate (a calibration run recorded and fitted first, on this machine today), or "
+            f"see docs/SIM.md \"Measure this machine and validate the simulator\" and "
+            f"scripts/record_validation.py")
 
 
 def unfitted_warning(profile: dict | None) -> str | None:
@@ -79,4 +80,5 @@ def unfitted_warning(profile: dict | None) -> str | None:
             "factors and overheads, the P -> RLD path's measured speed or the interference), so these errors are "
             "not the fitted simulator's. If this run is your calibration run, fit it: pdd sim calibrate-roles "
             f"--run OUT --profile {path} (docs/SIM.md \"Measure this machine and validate the simulator\"); "
-            "else give the fitted profile with --profile (data/profiles/this-machine.json for the committed runs)")
+            "else give the fitted profile with --profile (data/profiles/this-machine.json for the committed runs), "
+            "or run with --calibrate to record and fit a calibration run first, today")

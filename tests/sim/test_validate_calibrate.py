@@ -1,0 +1,115 @@
+"""`pdd sim validate --calibrate`: the committed calibration workload run live first, fitted, and the
+held-out run judged with that fit. The live runs are the committed recordings (data/validation),
+handed back by a stand-in for the live topology, so the fit and the errors are exactly those of
+`scripts/sim_heldout.py` on the same recordings (tests/sim/test_heldout_runs.py pins those)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = ROOT / "data" / "validation"
+PROFILE = ROOT / "data" / "profiles" / "this-machine.json"
+SEED3 = ["--requests", "100", "--rate", "0.5", "--session-seed", "3", "--max-output-tokens", "32",
+         "--budget-ms", "40"]
+
+
+def _recorded(name: str) -> dict:
+    return json.loads((RUNS / name / "validate.json").read_text())
+
+
+def test_the_calibration_workload_is_the_committed_calibration_runs():
+    from pdd.bench.live_validate import CALIBRATION_ARGS
+
+    v = _recorded(json.loads((RUNS / "manifest.json").read_text())["calibration"])
+    w = v["workload"]
+    assert CALIBRATION_ARGS == {"requests": w["requests"], "rate": w["rate_rps"], "block_tokens": w["block_tokens"],
+                                "session_sample": w["session_sample"], "session_seed": w["session_seed"],
+                                "max_output_tokens": w["max_output_tokens"],
+                                "budget_ms": v["config"]["pipeline_ttft_budget_ms"]}
+
+
+@pytest.fixture
+def replayed_live(monkeypatch, tmp_path, small_model):
+    """The live topology replaced by the committed recordings (cal-a for the calibration workload,
+    seed3 for the held-out one), in a working directory holding the runs' model."""
+    import pdd.bench.live_validate as lv
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "small").symlink_to(small_model)
+    monkeypatch.chdir(tmp_path)
+    ran = []
+
+    def live_run(cfg, requests, out, seed, console):
+        name = {150: "cal-a", 100: "seed3"}[len(requests)]
+        ran.append((name, cfg.policy.pipeline_ttft_budget_ms, dict(cfg.tiers)))
+        for f in ("requests.jsonl", "server_stats.json"):
+            shutil.copy(RUNS / name / f, Path(out) / f)
+        live = [json.loads(x) for x in (RUNS / name / "requests.jsonl").read_text().splitlines() if x.strip()]
+        return live, json.loads((RUNS / name / "server_stats.json").read_text())
+
+    monkeypatch.setattr(lv, "live_run", live_run)
+    return tmp_path, ran
+
+
+def test_calibrate_fits_on_the_calibration_run_and_judges_the_held_out_one(replayed_live, capsys):
+    from pdd.cli import main as pdd
+
+    work, ran = replayed_live
+    out = work / "v"
+    assert pdd(["sim", "validate", "--calibrate", "--profile", str(PROFILE), "--out", str(out), *SEED3]) == 0
+    assert [r[0] for r in ran] == ["cal-a", "seed3"] and ran[0][1] == 40.0
+    # the fit is the committed profile's (fitted on the same recording of cal-a)
+    fit, committed = json.loads((out / "fit.json").read_text()), json.loads(PROFILE.read_text())
+    for k in ("role_step_scale", "role_step_overhead_s", "prefill_interference", "decode_interference",
+              "p_reply_lag_s_per_token", "wan_written_lead_bytes", "gateway_rtt_ms"):
+        assert fit.get(k) == pytest.approx(committed.get(k), rel=1e-9), k
+    assert Path(fit["role_overhead_from"]["run"]).resolve() == (out / "calibration").resolve()
+    v = json.loads((out / "validate.json").read_text())
+    assert Path(v["profile"]["path"]).resolve() == (out / "fit.json").resolve()
+    # docs/SIM.md's held-out table for seed3 (tests/sim/test_heldout_runs.py DOCUMENTED)
+    assert (round(v["decision_match_share"], 4), round(v["err_p50_ttft_ms"], 3), round(v["err_p90_ttft_ms"], 3)) \
+        == (0.98, 0.032, 0.106)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["judged"]["ttft_p50"]["met"] == 1 and rep["judged"]["ttft_p90"]["met"] == 0
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "report.json" in printed
+
+
+def test_calibration_runs_every_tier_on_the_top_level_engine():
+    """A heterogeneous config's calibration run drops its ``tiers`` blocks (the fit is over the
+    top-level engine's profile); the held-out run keeps them."""
+    from pdd.bench.live_validate import calibration_config
+    from pdd.config import ClusterConfig
+
+    cfg = ClusterConfig.load(RUNS / "seed4-het" / "cluster.yaml")
+    assert cfg.engine_for("md0").dtype == "bfloat16"
+    cal = calibration_config(cfg)
+    assert cal.tiers == {} and cal.engine_for("md0").dtype == cfg.engine.dtype
+    assert calibration_config(None) is None
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--live-from", str(RUNS / "seed3")], "--calibrate runs a calibration workload live before this one; "
+                                           "--live-from re-simulates a recorded run: give one of them"),
+    (["--requests", "150", "--rate", "1", "--session-seed", "1", "--max-output-tokens", "64", "--budget-ms", "40"],
+     "--calibrate: this workload is the calibration run's own (--requests 150, --rate 1.0, --block-tokens 64, "
+     "--session-sample 50, --session-seed 1, --max-output-tokens 64, --budget-ms 40.0): not held out"),
+    (["--profile-b", "nowhere.json", *SEED3], "--profile-b: nowhere.json: no such file"),
+    (["--profile", "nowhere.json", *SEED3], "--profile: nowhere.json: no such file"),
+])
+def test_calibrate_refuses_in_one_line_before_anything_runs(monkeypatch, tmp_path, capsys, argv, msg):
+    import pdd.bench.live_validate as lv
+    from pdd.cli import main as pdd
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lv, "live_run", lambda *a, **k: pytest.fail("a live run started"))
+    with pytest.raises(SystemExit) as ex:
+        pdd(["sim", "validate", "--calibrate", "--out", str(tmp_path / "v"), *argv])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
