@@ -42,10 +42,10 @@ def replayed_live(monkeypatch, tmp_path, small_model):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "small").symlink_to(small_model)
     monkeypatch.chdir(tmp_path)
-    ran = []
+    ran, held_out = [], []  # held_out: the recordings the 100-request runs hand back, in order
 
     def live_run(cfg, requests, out, seed, console):
-        name = {150: "cal-a", 100: "seed3"}[len(requests)]
+        name = "cal-a" if len(requests) == 150 else held_out.pop(0)
         ran.append((name, cfg.policy.pipeline_ttft_budget_ms, dict(cfg.tiers)))
         for f in ("requests.jsonl", "server_stats.json"):
             shutil.copy(RUNS / name / f, Path(out) / f)
@@ -53,13 +53,14 @@ def replayed_live(monkeypatch, tmp_path, small_model):
         return live, json.loads((RUNS / name / "server_stats.json").read_text())
 
     monkeypatch.setattr(lv, "live_run", live_run)
-    return tmp_path, ran
+    return tmp_path, ran, held_out
 
 
 def test_calibrate_fits_on_the_calibration_run_and_judges_the_held_out_one(replayed_live, capsys):
     from pdd.cli import main as pdd
 
-    work, ran = replayed_live
+    work, ran, held_out = replayed_live
+    held_out.append("seed3")
     out = work / "v"
     assert pdd(["sim", "validate", "--calibrate", "--profile", str(PROFILE), "--out", str(out), *SEED3]) == 0
     assert [r[0] for r in ran] == ["cal-a", "seed3"] and ran[0][1] == 40.0
@@ -78,6 +79,29 @@ def test_calibrate_fits_on_the_calibration_run_and_judges_the_held_out_one(repla
     assert rep["judged"]["ttft_p50"]["met"] == 1 and rep["judged"]["ttft_p90"]["met"] == 0
     printed = capsys.readouterr().out
     assert "wrote" in printed and "report.json" in printed
+
+
+def test_noise_floor_runs_the_workload_twice_and_judges_both(replayed_live, capsys):
+    """--noise-floor: the second run (OUT/repeat) is a second held-out run and, against the first,
+    the noise floor: here the committed pair seed2-a / seed2-b, so every figure is docs/SIM.md's
+    (tests/sim/test_heldout_runs.py DOCUMENTED and NOISE)."""
+    from pdd.cli import main as pdd
+
+    work, ran, held_out = replayed_live
+    held_out.extend(["seed2-a", "seed2-b"])
+    out = work / "v"
+    assert pdd(["sim", "validate", "--calibrate", "--noise-floor", "--profile", str(PROFILE), "--out", str(out),
+                "--requests", "100", "--rate", "0.8", "--session-seed", "2", "--max-output-tokens", "16",
+                "--budget-ms", "40"]) == 0
+    assert [r[0] for r in ran] == ["cal-a", "seed2-a", "seed2-b"]
+    rep = json.loads((out / "report.json").read_text())
+    got = [(round(r["decision_match_share"], 4), round(r["err_p50_ttft_ms"], 3), round(r["err_p90_ttft_ms"], 3))
+           for r in rep["held_out"]]
+    assert got == [(0.98, -0.03, 0.035), (0.94, 0.08, 0.052)]
+    nf = rep["noise_floor"]
+    assert Path(nf["runs"][1]).resolve() == (out / "repeat").resolve()
+    assert (round(nf["err_p50_ttft_ms"], 3), round(nf["err_p90_ttft_ms"], 3)) == (-0.239, -0.009)
+    assert "noise floor" in capsys.readouterr().out
 
 
 def test_calibration_runs_every_tier_on_the_top_level_engine():
@@ -113,3 +137,17 @@ def test_calibrate_refuses_in_one_line_before_anything_runs(monkeypatch, tmp_pat
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+def test_noise_floor_needs_calibrate(monkeypatch, tmp_path, capsys):
+    import pdd.bench.live_validate as lv
+    from pdd.cli import main as pdd
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lv, "live_run", lambda *a, **k: pytest.fail("a live run started"))
+    with pytest.raises(SystemExit) as ex:
+        pdd(["sim", "validate", "--noise-floor", "--out", str(tmp_path / "v"), *SEED3])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "--noise-floor judges two runs of the workload against a calibration run of the same day: give it " \
+           "with --calibrate" in err and "Traceback" not in err

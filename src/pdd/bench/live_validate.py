@@ -149,6 +149,9 @@ def cmd_validate(a) -> int:
     if a.calibrate and a.live_from:
         raise UsageError("--calibrate runs a calibration workload live before this one; --live-from re-simulates a "
                          "recorded run: give one of them")
+    if a.noise_floor and not a.calibrate:
+        raise UsageError("--noise-floor judges two runs of the workload against a calibration run of the same day: "
+                         "give it with --calibrate (or record them and use `pdd sim validate-report --noise`)")
     if a.calibrate and _resolved(w) == _resolved(CALIBRATION_ARGS):
         raise UsageError("--calibrate: this workload is the calibration run's own (" + ", ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in CALIBRATION_ARGS.items()) + "): not held out; give "
@@ -169,23 +172,31 @@ def cmd_validate(a) -> int:
             profile = calibrate_same_day(Path(a.out), cfg, a.profile, Console(stderr=True))
         except RecordedRunError as e:  # a --profile it cannot read: before anything runs
             raise UsageError(f"{'--profile' if e.source == 'profile' else '--calibrate'}: {e}") from None
-    try:
-        res = run_validate(a.out, cfg, n_requests=w["requests"], rate=w["rate"], block_tokens=w["block_tokens"],
-                           budget_ms=w["budget_ms"], session_sample=w["session_sample"],
-                           session_seed=w["session_seed"], max_output_tokens=w["max_output_tokens"],
-                           seed=rec.get("seed", 0), profile=profile, live_from=a.live_from, profile_b=a.profile_b)
-    except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
-        if isinstance(e, WorkloadMismatch):
-            raise UsageError(f"--live-from {a.live_from}: {e}") from None
-        flag = {"profile": "--profile", "profile_b": "--profile-b"}.get(e.source, "--live-from")
-        raise UsageError(f"{flag}: {e}") from None
-    print(format_validate(res))
-    print(f"wrote {a.out}/validate.json")
+    def one(out) -> None:
+        try:
+            res = run_validate(out, cfg, n_requests=w["requests"], rate=w["rate"], block_tokens=w["block_tokens"],
+                               budget_ms=w["budget_ms"], session_sample=w["session_sample"],
+                               session_seed=w["session_seed"], max_output_tokens=w["max_output_tokens"],
+                               seed=rec.get("seed", 0), profile=profile, live_from=a.live_from, profile_b=a.profile_b)
+        except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
+            if isinstance(e, WorkloadMismatch):
+                raise UsageError(f"--live-from {a.live_from}: {e}") from None
+            flag = {"profile": "--profile", "profile_b": "--profile-b"}.get(e.source, "--live-from")
+            raise UsageError(f"{flag}: {e}") from None
+        print(format_validate(res))
+        print(f"wrote {out}/validate.json")
+
+    one(a.out)
+    repeat = Path(a.out) / "repeat"
+    if a.noise_floor:  # the same workload live again: a second held-out run, and the first's noise floor
+        print(f"\nthe same workload run live again (--noise-floor) -> {repeat}")
+        one(repeat)
     if a.calibrate:  # the goals, judged as `pdd sim validate-report` judges a held-out run
         from pdd.sim.heldout import format_report, held_out_report
 
         try:
-            rep = held_out_report(Path(a.out) / "calibration", [a.out])
+            rep = held_out_report(Path(a.out) / "calibration", [a.out] + ([repeat] if a.noise_floor else []),
+                                  (a.out, repeat) if a.noise_floor else None)
         except ValueError as e:  # e.g. the live run lost an instance: printed above with a WARNING
             print(f"not judged against the goals: {e}")
             return 0
@@ -231,6 +242,10 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
                         "(`pdd sim calibrate-roles`, over --profile or a bare profile measured now) into "
                         "OUT/fit.json, then run this workload judged with that fit: a same-day fit (about 3 "
                         "minutes more)")
+    v.add_argument("--noise-floor", action="store_true",
+                   help="with --calibrate: run this workload live a second time into OUT/repeat, judge both runs, "
+                        "and compare the second with the first as the noise floor (about 2 minutes more for the "
+                        "100-request runs)")
     v.add_argument("--live-from", default=None, help="reuse this validate output's live run and only re-simulate "
                                                     "(its workload arguments unless given; a flag given must match)")
     v.set_defaults(func=cmd_validate, parser=v)
