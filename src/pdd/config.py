@@ -188,7 +188,9 @@ class EngineConfig(_Strict):
         "fcfs", description="order of prefill chunks in a batch (pdd.engine.scheduler): fcfs by arrival, or "
         "short_first (short prefills beside a long one's chunk; the oldest keeps >= half the budget)")
     max_running: int = Field(64, ge=1, description="sequences in one batch at most")
-    max_model_len: int = Field(4096, ge=2, description="prompt + output tokens at most")
+    max_model_len: int = Field(4096, ge=2, description="prompt + output tokens at most; <= the KV pool "
+                               "(num_pages x page_size tokens) of every tier and instance (left out: the smallest "
+                               "pool's tokens when that is below 4096)")
     max_input_len: int = Field(4000, ge=1, description="prompt tokens at most; <= max_model_len (left out: "
                                "max_model_len when that is below 4000)")
     torch_threads: int = Field(1, ge=1)
@@ -233,6 +235,22 @@ class EngineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _pool_fits(self) -> "EngineConfig":
+        """The KV pool (``num_pages x page_size`` tokens) holds one sequence of ``max_model_len``
+        tokens, as vLLM requires at start-up: else a request with no output limit is admitted and
+        fails part-way with ``OutOfPages`` once its context outgrows the pool. Given larger,
+        ValueError naming both; left out, ``max_model_len`` is the pool's tokens (still not
+        counted as given: ``model_fields_set``)."""
+        pool = self.num_pages * self.page_size
+        if pool < self.max_model_len:
+            if "max_model_len" in self.model_fields_set:
+                raise ValueError(f"max_model_len {self.max_model_len} is above the KV pool (num_pages {self.num_pages} "
+                                 f"x page_size {self.page_size} = {pool} tokens): one sequence that long cannot be "
+                                 f"held; raise num_pages or lower max_model_len")
+            _derive(self, "max_model_len", pool)
+        return self
+
+    @model_validator(mode="after")
     def _input_fits(self) -> "EngineConfig":
         """``max_input_len`` <= ``max_model_len``: a longer prompt passes the gateway's input check
         only to be refused by the context check. Given larger, ValueError naming both; left out
@@ -243,7 +261,7 @@ class EngineConfig(_Strict):
                 raise ValueError(f"max_input_len {self.max_input_len} is above max_model_len {self.max_model_len} "
                                  f"(prompt + output tokens): no prompt that long fits; lower max_input_len or raise "
                                  f"max_model_len")
-            self.max_input_len = self.max_model_len
+            _derive(self, "max_input_len", self.max_model_len)
         return self
 
     @field_validator("device")
@@ -253,6 +271,14 @@ class EngineConfig(_Strict):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
+
+
+def _derive(model: BaseModel, field: str, value) -> None:
+    """Set a field a validator derives (a default lowered to fit) without counting it as given
+    (``model_fields_set``): a later check (:meth:`ClusterConfig._tiers`) may lower it again, and
+    refuses only what the config itself set."""
+    setattr(model, field, value)
+    model.__pydantic_fields_set__.discard(field)
 
 
 @functools.lru_cache(maxsize=64)
@@ -555,7 +581,8 @@ class TierEngine(_Strict):
     """A tier's (or one instance's) own engine settings: the emulated hardware it runs on. Every
     field left out inherits the top-level ``engine`` block (an instance's block: its tier's
     first). The merged block is checked as an ``EngineConfig``. ``max_model_len`` and
-    ``max_input_len`` are not here: the gateway applies them to every request, whatever tier."""
+    ``max_input_len`` are not here: the gateway applies them to every request, whatever tier, so
+    every block's pool holds ``max_model_len`` tokens (:meth:`ClusterConfig._pools_fit`)."""
 
     device: str | None = None
     dtype: str | None = None
@@ -638,6 +665,8 @@ def _kind(x) -> str:
         return "a boolean"
     if isinstance(x, (int, float)):
         return "a number"
+    if isinstance(x, _BareNonFinite):
+        return f"{x} (not a valid JSON number)"
     return {str: "a string", list: "a list"}.get(type(x), f"a {type(x).__name__}")
 
 
@@ -815,7 +844,8 @@ class ClusterConfig(_Strict):
     @model_validator(mode="after")
     def _tiers(self) -> "ClusterConfig":
         """Every ``tiers`` key names a tier or an instance some mode has (``md2`` needs three
-        main-decode instances), and every merged block is a valid ``EngineConfig``. Raises
+        main-decode instances), every block's KV pool holds one sequence of ``engine.max_model_len``
+        tokens (:meth:`_pools_fit`), and every merged block is a valid ``EngineConfig``. Raises
         ValueError naming the field (``tiers.main_decode.engine.page_size: ...``)."""
         for name in self.tiers:
             tier = name if name in TIERS else instance_tier(name)
@@ -828,11 +858,59 @@ class ClusterConfig(_Strict):
                 if int(name[len(prefix):]) >= count:
                     raise ValueError(f"tiers.{name}: no such instance (instances.{_INSTANCE_PREFIX[prefix][1]} is "
                                      f"{count})")
+        self._pools_fit()
+        for name in self.tiers:
             try:
                 self.engine_for(name)
             except ValidationError as e:
                 raise ValueError(_prefixed(e, f"tiers.{name}.engine")) from None
         return self
+
+    def _pools_fit(self) -> None:
+        """``engine.max_model_len`` is the context window of every request, whatever tier serves
+        it, so every tier's and instance's KV pool (its ``tiers`` block's ``num_pages x page_size``
+        merged over ``engine``, as :meth:`engine_for`) holds one sequence that long, as
+        :meth:`EngineConfig._pool_fits` for the top-level block. ``max_model_len`` given (or
+        ``max_input_len`` given, above a pool): ValueError naming the block's field
+        (``tiers.main_decode.engine.num_pages: ...``); left out, it is lowered to the smallest
+        pool's tokens (and ``max_input_len`` left out follows), the same in every mode."""
+        e = self.engine
+        small = None  # (pool tokens, name, field, num_pages, page_size) of the smallest pool
+        for name, block in self.tiers.items():
+            own = block.engine.model_dump(exclude_none=True)
+            if "num_pages" not in own and "page_size" not in own:
+                continue  # its pool is its tier's or the top-level one, checked as such
+            tier = name if name in TIERS else instance_tier(name)
+            merged = {"num_pages": e.num_pages, "page_size": e.page_size}
+            for b in [self.tiers.get(tier)] + ([block] if name != tier else []):
+                if b is not None:
+                    merged.update({k: v for k, v in b.engine.model_dump(exclude_none=True).items() if k in merged})
+            pages, ps = merged["num_pages"], merged["page_size"]
+            if pages < 4 or ps < 1 or ps & (ps - 1):
+                continue  # not a valid block: engine_for's check names the field
+            if small is None or pages * ps < small[0]:
+                small = (pages * ps, name, "num_pages" if "num_pages" in own else "page_size", pages, ps)
+        if small is None:
+            return
+        pool, name, field, pages, ps = small
+        what = f"the KV pool (num_pages {pages} x page_size {ps} = {pool} tokens)"
+        for key, why in (("max_model_len", "one sequence that long cannot be held"),
+                         ("max_input_len", "no prompt that long fits")):
+            if key in e.model_fields_set and getattr(e, key) > pool:
+                raise ValueError(f"tiers.{name}.engine.{field}: {what} is below engine.{key} {getattr(e, key)}: "
+                                 f"{why}; raise {field} or lower engine.{key}")
+        if e.max_model_len <= pool:
+            return
+        try:
+            lowered = EngineConfig.model_validate({**e.model_dump(include=e.model_fields_set), "max_model_len": pool})
+        except ValidationError as err:
+            raise ValueError(f"tiers.{name}.engine.{field}: engine.max_model_len lowered to {what}: "
+                             + _prefixed(err, "engine")) from None
+        lowered.__pydantic_fields_set__.discard("max_model_len")
+        given = "engine" in self.model_fields_set
+        self.engine = lowered
+        if not given:
+            self.__pydantic_fields_set__.discard("engine")
 
     def bounded_queue(self, name: str) -> tuple[int, int]:
         """``(max_running, waiting)`` of instance ``name``'s engine (:meth:`engine_for`,

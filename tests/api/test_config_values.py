@@ -347,3 +347,86 @@ def test_a_lowered_max_model_len_alone_lowers_the_default_max_input_len(tmp_path
     assert ClusterConfig.model_validate(c.model_dump()).engine.max_input_len == 256
     assert c.engine_for("p0").max_input_len == 256
     assert ClusterConfig().engine.max_input_len == 4000
+
+
+POOL = "the KV pool (num_pages {} x page_size 16 = {} tokens)"
+
+
+def test_a_max_model_len_above_the_kv_pool_is_refused_naming_both(tmp_path):
+    """Found by a new user: ``num_pages: 32`` with ``max_model_len: 1024`` (a pool of 512 tokens)
+    was accepted; a request with no max_tokens was admitted and failed part-way with a 503
+    OutOfPages (a stream: 200, some tokens, then an error). vLLM refuses such a config at start."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine: {num_pages: 32, max_model_len: 1024}\n")
+    message = ("engine: max_model_len 1024 is above the KV pool (num_pages 32 x page_size 16 = 512 tokens): one "
+               "sequence that long cannot be held; raise num_pages or lower max_model_len")
+    with pytest.raises(ValidationError) as ex:
+        ClusterConfig.load(cfg)
+    assert validation_summary(ex.value) == message
+    with pytest.raises(SystemExit) as ex:
+        main(["certs", "--config", str(cfg), "--out", str(tmp_path / "certs")])
+    assert ex.value.code == f"pdd: invalid config: {message}"
+    assert ClusterConfig.model_validate({"engine": {"num_pages": 32, "max_model_len": 512}}).engine.max_model_len == 512
+
+
+def test_a_default_max_model_len_is_lowered_to_the_kv_pool(tmp_path):
+    """Left out, max_model_len is the pool's tokens (max_input_len left out follows), not counted
+    as given, and the config's dump (what pdd serve hands its instances) reads back the same."""
+    c = ClusterConfig.model_validate({"engine": {"num_pages": 32}})
+    assert (c.engine.max_model_len, c.engine.max_input_len) == (512, 512)
+    assert c.engine.model_fields_set == {"num_pages"}
+    assert ClusterConfig.model_validate(c.model_dump()).engine == c.engine
+    c = ClusterConfig.model_validate({"engine": {"num_pages": 32, "max_input_len": 300}})
+    assert (c.engine.max_model_len, c.engine.max_input_len) == (512, 300)
+    assert _refused("engine: {num_pages: 32, max_input_len: 600}\n", tmp_path) == (
+        "engine: max_input_len 600 is above max_model_len 512 (prompt + output tokens): no prompt that long fits; "
+        "lower max_input_len or raise max_model_len")
+    assert (ClusterConfig().engine.max_model_len, ClusterConfig().engine.max_input_len) == (4096, 4000)
+
+
+@pytest.mark.parametrize("engine,tiers,message", [
+    ({"max_model_len": 1024}, {"main_decode": {"engine": {"num_pages": 32}}},
+     "tiers.main_decode.engine.num_pages: {} is below engine.max_model_len 1024: one sequence that long cannot be "
+     "held; raise num_pages or lower engine.max_model_len".format(POOL.format(32, 512))),
+    ({"max_input_len": 600}, {"prefill": {"engine": {"num_pages": 32}}},
+     "tiers.prefill.engine.num_pages: {} is below engine.max_input_len 600: no prompt that long fits; raise "
+     "num_pages or lower engine.max_input_len".format(POOL.format(32, 512))),
+    ({"max_model_len": 1024, "page_size": 64, "num_pages": 16}, {"md1": {"engine": {"page_size": 16}}},
+     "tiers.md1.engine.page_size: {} is below engine.max_model_len 1024: one sequence that long cannot be held; "
+     "raise page_size or lower engine.max_model_len".format(POOL.format(16, 256))),
+])
+def test_a_tier_pool_below_a_given_max_model_len_is_refused_naming_the_tier_field(tmp_path, engine, tiers, message):
+    """``max_model_len`` is every request's context window, whatever tier serves it: a tier's or
+    instance's block that shrinks its pool below a given one is refused, naming the block's field."""
+    text = json.dumps({"instances": {"main_decode": 2}, "engine": engine, "tiers": tiers})
+    assert _refused(text, tmp_path) == message
+
+
+def test_a_tier_pool_lowers_a_default_max_model_len_in_every_tier():
+    """Left out everywhere, max_model_len is the smallest pool's tokens (a tier's or an instance's
+    block), the same context window for every tier and mode; max_input_len left out follows."""
+    c = ClusterConfig.model_validate({"instances": {"main_decode": 2}, "engine": {"num_pages": 64},
+                                      "tiers": {"main_decode": {"engine": {"num_pages": 48}},
+                                                "md1": {"engine": {"page_size": 8}},
+                                                "prefill": {"engine": {"num_pages": 4096}}}})
+    assert (c.engine.max_model_len, c.engine.max_input_len) == (384, 384)  # md1: 48 pages of 8 tokens
+    assert [c.engine_for(n).max_model_len for n in ("p0", "rld0", "md0", "md1")] == [384] * 4
+    assert c.engine.model_fields_set == {"num_pages"} and "engine" in c.model_fields_set
+    assert ClusterConfig.model_validate(c.model_dump()).engine == c.engine
+    c = ClusterConfig.model_validate({"tiers": {"main_decode": {"engine": {"num_pages": 32}}}})
+    assert (c.engine.max_model_len, c.engine.max_input_len, c.engine.num_pages) == (512, 512, 2048)
+    assert "engine" not in c.model_fields_set
+    c = ClusterConfig.model_validate({"engine": {"max_input_len": 100}, "tiers": {"prefill": {"engine": {"num_pages": 8}}}})
+    assert (c.engine.max_model_len, c.engine.max_input_len) == (128, 100)
+
+
+def test_a_bare_nan_config_is_named_as_not_json(tmp_path):
+    """A config file holding only ``NaN`` said "got a _BareNonFinite" (the loader's class)."""
+    from pdd.config import ConfigFileError
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text("NaN\n")
+    with pytest.raises(ConfigFileError) as ex:
+        ClusterConfig.load(cfg)
+    assert str(ex.value) == (f"{cfg}: expected a JSON object (a YAML mapping) of config fields, got NaN (not a valid "
+                             "JSON number)")

@@ -405,6 +405,42 @@ def test_choices_no_kv_pool_could_hold_are_400_up_front(tiny_model):
         assert r.status_code == 200 and len(r.json()["choices"]) == 8
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_max_tokens_on_a_small_pool_gets_the_pool_not_a_failure_part_way(tiny_model, stream):
+    """Found by a new user: ``engine: {num_pages: 32}`` (512 tokens of pool) kept the default
+    context window (4,096), so a request with no max_tokens was admitted for the rest of it and
+    failed part-way with OutOfPages (a stream: 200, some tokens, then an error event). The window
+    is now the pool's tokens: here 8 pages of 16 tokens, a chat prompt of 8 gets 120 tokens."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=8, page_size=16))
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"num_pages": 8, "page_size": 16}})
+    assert (cfg.engine.max_model_len, cfg.engine.max_input_len) == (128, 128)
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=body)  # no max_tokens: the rest of the context
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert not [e for e in events if "error" in e], r.text
+            assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+            usage = events[-1]["usage"]
+            assert r.text.rstrip().endswith("data: [DONE]")
+        else:
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            usage = r.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (8, 120)  # the chat template's 8
+
+
 def test_a_requests_own_chat_template_is_refused(api):
     """As vLLM without --trust-request-chat-template (a new user saw it silently ignored)."""
     client, orch = api
