@@ -481,7 +481,7 @@ def test_a_batch_is_counted_against_each_tiers_pool_at_once():
     assert _pool_refusal([(3664, 48)] * 12, 1) == (
         "12 prompts x n (1): 12 choices need 2748 KV pages of 16 tokens at once on the prefill tier (each "
         "prompt's tokens while it is prefilled, page-rounded), more than its active instances' pools hold "
-        "together (2048: p0 (engine.num_pages 2048 of 16 tokens)); send fewer prompts, lower n or max_tokens")
+        "together (2048: p0 (engine.num_pages 2048 of 16 tokens)); send fewer prompts")  # P holds no output
     assert _pool_refusal([(3664, 48)] * 8, 1) is None  # 8 x 232 = 1,856
     # at the boundary: 12 x 232 pages (3,664 + 48 = 232 x 16) fit 2,784; one more token each does not
     assert _pool_refusal([(3664, 48)] * 12, 1, engine={"num_pages": 2784}) is None

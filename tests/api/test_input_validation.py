@@ -399,7 +399,9 @@ def test_choices_no_kv_pool_could_hold_are_400_up_front(tiny_model):
     app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
     with TestClient(app) as client:
         err = _err(client.post("/v1/completions", json={"prompt": [5], "n": 16, "max_tokens": 100}), 400, "n")
-        assert "112 KV pages" in err["message"] and "(64)" in err["message"]
+        assert err["message"] == ("n (16) choices of prompt (1 tokens) + max_tokens (100) need 112 KV pages of 16 "
+                                  "tokens at once on the main_decode tier, more than an instance's pool (64 pages): "
+                                  "lower n or max_tokens")
         assert not orch.started
         r = client.post("/v1/completions", json={"prompt": [5], "n": 8, "max_tokens": 100})
         assert r.status_code == 200 and len(r.json()["choices"]) == 8
@@ -439,6 +441,37 @@ def test_no_max_tokens_on_a_small_pool_gets_the_pool_not_a_failure_part_way(tiny
             assert r.json()["choices"][0]["finish_reason"] == "length"
             usage = r.json()["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (8, 120)  # the chat template's 8
+
+
+@pytest.mark.parametrize("mode,pages,n_prompt,n,max_tokens,message", [
+    ("colocated", 64, 1, 16, 100, "n (16) choices of prompt (1 tokens) + max_tokens (100) need 112 KV pages of 16 "
+     "tokens at once on the colocated tier, more than an instance's pool (64 pages): lower n or max_tokens"),
+    # RLD holds a copy of the prompt + first token per choice: max_tokens does not count there
+    ("pdd", 64, 300, 4, 50, "n (4) choices of prompt (300 tokens) + max_tokens (50) need 76 KV pages of 16 tokens at "
+     "once on the relay_decode tier, more than an instance's pool (64 pages): lower n"),
+    ("colocated", 32, 399, 16, 1, "n (16) choices of prompt (399 tokens) + max_tokens (1) need 40 KV pages of 16 "
+     "tokens at once on the colocated tier, more than an instance's pool (32 pages): lower n"),
+])
+def test_the_kv_refusal_of_one_prompt_names_the_tier_and_only_what_helps(tiny_model, mode, pages, n_prompt, n,
+                                                                        max_tokens, message):
+    """Found by a new user: the refusal named no tier and said "lower n or max_tokens" with
+    max_tokens 1, or on RLD, where the output does not count. Pages of 16 tokens."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=64, page_size=16))
+    cfg = ClusterConfig.model_validate({"mode": mode, "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"num_pages": pages, "max_model_len": 512, "max_input_len": 400}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    body = {"prompt": list(range(10, 10 + n_prompt)), "n": n, "max_tokens": max_tokens}
+    with TestClient(app) as client:
+        assert _err(client.post("/v1/completions", json=body), 400, "n")["message"] == message
+        assert not orch.started
 
 
 def test_a_requests_own_chat_template_is_refused(api):
@@ -726,7 +759,7 @@ def test_a_batch_past_the_pool_together_is_400_and_one_that_fits_is_served(tiny_
         assert err["message"] == (
             "9 prompts x n (1): 9 choices need 72 KV pages of 16 tokens at once on the colocated tier (each "
             f"choice's prompt + max_tokens, the prompt's whole pages shared, page-rounded), {pool}; send fewer "
-            "prompts, lower n or max_tokens")
+            "prompts or lower max_tokens")  # n is 1: lowering it cannot help
         err = _err(client.post("/v1/completions", json={**body, "prompt": prompts[:3], "n": 16}), 400, "n")
         assert err["message"].startswith("3 prompts x n (16): 48 choices need 66 KV pages of 16 tokens")
         assert not orch.started

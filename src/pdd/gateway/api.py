@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdd.config import ClusterConfig
-from pdd.gateway.admission import Admission, causes, choice_refusal, kv_refusal, refusal
+from pdd.gateway.admission import Admission, causes, choice_refusal, kv_hint, kv_refusal, refusal
 from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unless_gone
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
@@ -399,9 +399,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             else:
                 pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
             if pages > te.num_pages:
+                hint = kv_hint(tier, n, max_tokens if asked else 1, param)
                 raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {param} ({max_tokens}) need {pages} "
-                               f"KV pages of {ps} tokens at once, more than an instance's pool ({te.num_pages}): "
-                               f"lower n or {param}", "n" if n > 1 else param)
+                               f"KV pages of {ps} tokens at once on the {tier} tier, more than an instance's pool "
+                               f"({te.num_pages} pages): {hint}",
+                               "n" if n > 1 else param if hint != "send a shorter prompt" else prompt_param)
 
     def check_choices(n: int, prompts: int = 1) -> None:
         """400 naming ``n`` (``prompt`` for a batch of single choices) when the request's
