@@ -376,7 +376,8 @@ def _assert_choices_400(r, param: str, asked: int, what: str):
     assert "retry-after" not in r.headers
     err = r.json()["error"]
     assert err == {"message": err["message"], "type": "invalid_request_error", "param": param, "code": None}
-    hint = "lower n or send fewer prompts" if "prompts" in what else "lower n"
+    hint = "lower n" if "prompts" not in what else "send fewer prompts" if what.endswith("n (1)") else \
+        "lower n or send fewer prompts"
     assert err["message"] == (
         f"{what}: {asked} choices requested; at most 3 choices per request are served (each choice holds a place "
         f"of an instance's queue on every tier it passes until it leaves that tier; the active colocated instances "
@@ -457,8 +458,10 @@ def test_choice_refusal_counts_choices_and_prefills_at_once(prompts, n, why):
         assert msg == ("n (7): 7 choices requested; at most 6 choices per request are served (each choice holds a place "
                        "of an instance's queue on every tier it passes until it leaves that tier; D); lower n")
     else:
+        # n 1: lowering it cannot help, only fewer prompts can
         what, hint = (f"n ({n})", "lower n") if prompts == 1 else (f"{prompts} prompts x n ({n})",
-                                                                  "lower n or send fewer prompts")
+                                                                  "lower n or send fewer prompts" if n > 1
+                                                                  else "send fewer prompts")
         order = ("each prompt's first choice is prefilled first, then its other n - 1 together" if n > 1
                  else "the prompts are prefilled together")
         assert msg == (f"{what}: {prompts * n} choices requested, {prompts * max(1, n - 1)} of them prefilled at once "

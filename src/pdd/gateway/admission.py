@@ -288,7 +288,8 @@ def choice_refusal(lim: AdmissionLimits, prompts: int, n: int) -> str | None:
     (``prompts x max(1, n - 1) <= max_prefills``; :func:`prefill_cap`)."""
     asked = prompts * n
     what, hint = (f"n ({n})", "lower n") if prompts == 1 else (f"{prompts} prompts x n ({n})",
-                                                              "lower n or send fewer prompts")
+                                                              "lower n or send fewer prompts" if n > 1
+                                                              else "send fewer prompts")
     if lim.max_choices is not None and asked > lim.max_choices:
         return (f"{what}: {asked} choices requested; at most {lim.max_choices} choices per request are served "
                 f"(each choice holds a place of an instance's queue on every tier it passes until it leaves that "
