@@ -324,10 +324,16 @@ def test_a_merge_key_may_still_be_overridden(tmp_path):
 def test_a_max_input_len_above_max_model_len_is_refused_naming_both(tmp_path):
     """Found by a new user: ``max_input_len`` above ``max_model_len`` was accepted; a prompt between
     the two passed the gateway's input check only to be refused as over the context."""
+    _refused_on_load_and_by_the_cli(tmp_path, "engine: {max_model_len: 512, max_input_len: 600}\n", (
+        "engine: max_input_len 600 is above max_model_len 512 (prompt + output tokens): no prompt that long fits; "
+        "lower max_input_len or raise max_model_len"))
+
+
+def _refused_on_load_and_by_the_cli(tmp_path, text: str, message: str) -> None:
+    """The config ``text`` is refused with ``message`` by ``ClusterConfig.load`` and by a command
+    (``pdd certs``: exit with that line, nothing written)."""
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("engine: {max_model_len: 512, max_input_len: 600}\n")
-    message = ("engine: max_input_len 600 is above max_model_len 512 (prompt + output tokens): no prompt that long "
-               "fits; lower max_input_len or raise max_model_len")
+    cfg.write_text(text)
     with pytest.raises(ValidationError) as ex:
         ClusterConfig.load(cfg)
     assert validation_summary(ex.value) == message
@@ -356,16 +362,9 @@ def test_a_max_model_len_above_the_kv_pool_is_refused_naming_both(tmp_path):
     """Found by a new user: ``num_pages: 32`` with ``max_model_len: 1024`` (a pool of 512 tokens)
     was accepted; a request with no max_tokens was admitted and failed part-way with a 503
     OutOfPages (a stream: 200, some tokens, then an error). vLLM refuses such a config at start."""
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("engine: {num_pages: 32, max_model_len: 1024}\n")
-    message = ("engine: max_model_len 1024 is above the KV pool (num_pages 32 x page_size 16 = 512 tokens): one "
-               "sequence that long cannot be held; raise num_pages or lower max_model_len")
-    with pytest.raises(ValidationError) as ex:
-        ClusterConfig.load(cfg)
-    assert validation_summary(ex.value) == message
-    with pytest.raises(SystemExit) as ex:
-        main(["certs", "--config", str(cfg), "--out", str(tmp_path / "certs")])
-    assert ex.value.code == f"pdd: invalid config: {message}"
+    _refused_on_load_and_by_the_cli(tmp_path, "engine: {num_pages: 32, max_model_len: 1024}\n", (
+        "engine: max_model_len 1024 is above the KV pool (num_pages 32 x page_size 16 = 512 tokens): one sequence "
+        "that long cannot be held; raise num_pages or lower max_model_len"))
     assert ClusterConfig.model_validate({"engine": {"num_pages": 32, "max_model_len": 512}}).engine.max_model_len == 512
 
 

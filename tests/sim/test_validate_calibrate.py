@@ -127,27 +127,24 @@ def test_calibration_runs_every_tier_on_the_top_level_engine():
     (["--profile", "nowhere.json", *SEED3], "--profile: nowhere.json: no such file"),
 ])
 def test_calibrate_refuses_in_one_line_before_anything_runs(monkeypatch, tmp_path, capsys, argv, msg):
+    assert msg in _refused(monkeypatch, tmp_path, capsys, ["--calibrate", *argv])
+
+
+def _refused(monkeypatch, tmp_path, capsys, argv: list[str]) -> str:
+    """``pdd sim validate --out DIR argv`` exits 2 before any live run starts; its stderr."""
     import pdd.bench.live_validate as lv
     from pdd.cli import main as pdd
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(lv, "live_run", lambda *a, **k: pytest.fail("a live run started"))
     with pytest.raises(SystemExit) as ex:
-        pdd(["sim", "validate", "--calibrate", "--out", str(tmp_path / "v"), *argv])
+        pdd(["sim", "validate", "--out", str(tmp_path / "v"), *argv])
     assert ex.value.code == 2
     err = capsys.readouterr().err
-    assert msg in err and "Traceback" not in err
+    assert "Traceback" not in err
+    return err
 
 
 def test_noise_floor_needs_calibrate(monkeypatch, tmp_path, capsys):
-    import pdd.bench.live_validate as lv
-    from pdd.cli import main as pdd
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(lv, "live_run", lambda *a, **k: pytest.fail("a live run started"))
-    with pytest.raises(SystemExit) as ex:
-        pdd(["sim", "validate", "--noise-floor", "--out", str(tmp_path / "v"), *SEED3])
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
     assert "--noise-floor judges two runs of the workload against a calibration run of the same day: give it " \
-           "with --calibrate" in err and "Traceback" not in err
+           "with --calibrate" in _refused(monkeypatch, tmp_path, capsys, ["--noise-floor", *SEED3])
