@@ -170,8 +170,9 @@ def cmd_validate(a) -> int:
             raise UsageError(f"--profile-b: {e}") from None
         try:
             profile = calibrate_same_day(Path(a.out), cfg, a.profile, Console(stderr=True))
-        except RecordedRunError as e:  # a --profile it cannot read: before anything runs
+        except RecordedRunError as e:  # a --profile it cannot read (before anything runs), a run it cannot fit
             raise UsageError(f"{'--profile' if e.source == 'profile' else '--calibrate'}: {e}") from None
+
     def one(out) -> None:
         try:
             res = run_validate(out, cfg, n_requests=w["requests"], rate=w["rate"], block_tokens=w["block_tokens"],
