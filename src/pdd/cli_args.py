@@ -123,6 +123,18 @@ def gateway_root(url: str) -> str:
     return url
 
 
+def openai_endpoint(url: str) -> str | None:
+    """The OpenAI endpoint path ``url`` names (``/v1/completions``, ``/v1/chat/completions``, any
+    ``/v1/<something>``), or None: given to a flag that wants the gateway's root, where the
+    command adds the endpoints itself (``pdd bench --url``), it would be requested as
+    ``.../v1/completions/v1/models``. A root behind a path prefix (``http://host/pdd``) is not one."""
+    from urllib.parse import urlsplit
+
+    path = urlsplit(url or "").path
+    i = path.find("/v1/")
+    return path[i:] if i >= 0 and path[i + 4:].strip("/") else None
+
+
 def usage_error(args, msg: str):
     """A usage error naming the flag or config field: one line ``PROG: error: MSG`` on stderr (the
     sub-command's prog, else ``pdd``), then SystemExit(2). Not argparse's ``error``, whose usage

@@ -276,6 +276,19 @@ def test_url_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(capsys, tmp_
     assert f"external gateway {url}: mode pdd" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("tail", ["/v1/completions", "/v1/chat/completions/", "/pdd/v1/models"])
+def test_an_endpoint_url_is_refused_naming_it(capsys, tmp_path, tail, no_run):
+    """Found by a new user: ``--url http://host:port/v1/completions`` (an endpoint, not the base
+    URL) was asked ``.../v1/completions/v1/models`` and refused with advice about ``--model``. It
+    is refused before anything is requested, naming the endpoint."""
+    url = "http://127.0.0.1:9"  # nothing listens: the refusal comes before any request
+    err = usage_error(capsys, main, _url_argv(tmp_path, url + tail, "--model", "served"))
+    assert err.splitlines()[-1] == (f"pdd bench: error: --url {url + tail}: names the endpoint "
+                                    f"{tail[tail.index('/v1/'):]}; give the server's root (http://host:port) or its "
+                                    f"/v1 base URL: pdd bench requests the endpoints itself")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_the_server_does_not_serve_is_refused_before_the_run(capsys, tmp_path, gateway, no_run):
     """Found by a new user: ``--url URL --model WRONG`` ran the whole benchmark, every request a
     404, and exited 1 with a report of failures."""

@@ -362,8 +362,11 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--config {args.config}: "
                  + ("is a directory, not a config file (YAML or JSON)" if Path(args.config).is_dir() else "no such file"))
     if args.url:
-        from pdd.cli_args import gateway_root
+        from pdd.cli_args import gateway_root, openai_endpoint
 
+        if openai_endpoint(args.url):  # it was asked for .../v1/completions/v1/models, then blamed --model
+            ap.error(f"--url {args.url}: names the endpoint {openai_endpoint(args.url)}; give the server's root "
+                     f"(http://host:port) or its /v1 base URL: pdd bench requests the endpoints itself")
         args.url = gateway_root(args.url)  # the ".../v1" pdd serve prints, an OpenAI base_url: its root
         # the server at --url runs its own config: a topology flag would be recorded in the report
         # as if it had applied (found by a new user: --min-step-ms 20 against a server without it)
