@@ -121,8 +121,12 @@ def test_calibration_runs_every_tier_on_the_top_level_engine():
     (["--live-from", str(RUNS / "seed3")], "--calibrate runs a calibration workload live before this one; "
                                            "--live-from re-simulates a recorded run: give one of them"),
     (["--requests", "150", "--rate", "1", "--session-seed", "1", "--max-output-tokens", "64", "--budget-ms", "40"],
-     "--calibrate: this workload is the calibration run's own (--requests 150, --rate 1.0, --block-tokens 64, "
-     "--session-sample 50, --session-seed 1, --max-output-tokens 64, --budget-ms 40.0): not held out"),
+     "--calibrate: 150 of this workload's 150 requests are the calibration run's own (its conversations: "
+     "--session-seed 1, --session-sample 50): not held out; give another --session-seed (the rate, output cap and "
+     "budget do not change which requests run)"),
+    # found by a new user: another rate, output cap or budget passed as held out, with the same requests
+    (["--requests", "30", "--rate", "0.8", "--session-seed", "1", "--max-output-tokens", "16", "--budget-ms", "250"],
+     "--calibrate: 30 of this workload's 30 requests are the calibration run's own"),
     (["--profile-b", "nowhere.json", *SEED3], "--profile-b: nowhere.json: no such file"),
     (["--profile", "nowhere.json", *SEED3], "--profile: nowhere.json: no such file"),
 ])
@@ -141,10 +145,24 @@ def _refused(monkeypatch, tmp_path, capsys, argv: list[str]) -> str:
         pdd(["sim", "validate", "--out", str(tmp_path / "v"), *argv])
     assert ex.value.code == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err
+    # one line; nothing said to start and no --out made (found by a new user: a bad --profile printed
+    # "calibration run: ..." first and left an empty directory)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "v").exists()
     return err
 
 
 def test_noise_floor_needs_calibrate(monkeypatch, tmp_path, capsys):
     assert "--noise-floor judges two runs of the workload against a calibration run of the same day: give it " \
            "with --calibrate" in _refused(monkeypatch, tmp_path, capsys, ["--noise-floor", *SEED3])
+
+
+def test_a_held_out_workload_shares_no_request_with_the_calibration_run():
+    """Which trace records a run replays is chosen by its session seed and sample: seed 3's 100
+    share none of the calibration run's 150; a slice of seed 1's is all the calibration's."""
+    from pdd.bench.live_validate import calibration_overlap
+
+    w = {"requests": 100, "rate": 0.5, "block_tokens": 64, "session_sample": 50, "session_seed": 3,
+         "max_output_tokens": 32, "budget_ms": 40.0}
+    assert calibration_overlap(None, w) == 0
+    assert calibration_overlap(None, {**w, "session_seed": 1, "requests": 30}) == 30
+    assert calibration_overlap(None, {**w, "session_seed": 1, "requests": 200}) == 150

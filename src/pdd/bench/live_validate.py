@@ -111,12 +111,23 @@ def calibrate_same_day(out: Path, cfg, profile, console) -> Path:
     return fit
 
 
-def _resolved(w: dict) -> dict:
-    """Workload arguments with a default output cap spelled out (the workload's own, 320)."""
-    from pdd.sim.validate import VALIDATE_SCALE
+def calibration_overlap(cfg, w: dict) -> int:
+    """How many of the trace records the workload ``w`` (``pdd sim validate``'s argument names, as
+    :data:`CALIBRATION_ARGS`) replays the calibration run replays too (``ReplayRequest.idx``): a
+    held-out run must share none, else the fit has seen its requests. The records are chosen by
+    ``--session-seed`` / ``--session-sample`` and ``--requests``, not by the rate, output cap or
+    budget, so only those can make a workload held out."""
+    from pdd.sim.validate import build_workload, validate_config
+    from pdd.workload.replay import TokenSpace
 
-    mot = w["max_output_tokens"]
-    return {**w, "max_output_tokens": VALIDATE_SCALE.max_output_tokens if mot is None else mot}
+    def records(cfg, a: dict) -> set[int]:
+        reqs, _ = build_workload(cfg, n_requests=a["requests"], rate=a["rate"], block_tokens=a["block_tokens"],
+                                 session_sample=a["session_sample"], session_seed=a["session_seed"],
+                                 max_output_tokens=a["max_output_tokens"], tokens=TokenSpace())
+        return {r.idx for r in reqs}
+
+    vc = validate_config(cfg, w["budget_ms"])
+    return len(records(vc, w) & records(calibration_config(vc), CALIBRATION_ARGS))
 
 
 def cmd_validate(a) -> int:
@@ -152,22 +163,26 @@ def cmd_validate(a) -> int:
     if a.noise_floor and not a.calibrate:
         raise UsageError("--noise-floor judges two runs of the workload against a calibration run of the same day: "
                          "give it with --calibrate (or record them and use `pdd sim validate-report --noise`)")
-    if a.calibrate and _resolved(w) == _resolved(CALIBRATION_ARGS):
-        raise UsageError("--calibrate: this workload is the calibration run's own (" + ", ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in CALIBRATION_ARGS.items()) + "): not held out; give "
-            "another --session-seed, --rate, --max-output-tokens or --budget-ms")
+    if a.calibrate:
+        shared = calibration_overlap(cfg, w)
+        if shared:  # its requests would be among those the fit was made on
+            raise UsageError(f"--calibrate: {shared} of this workload's {w['requests']} requests are the calibration "
+                             f"run's own (its conversations: --session-seed {CALIBRATION_ARGS['session_seed']}, "
+                             f"--session-sample {CALIBRATION_ARGS['session_sample']}): not held out; give another "
+                             f"--session-seed (the rate, output cap and budget do not change which requests run)")
+        from pdd.sim.recorded import load_profile_checked
+
+        for flag, path in (("--profile", a.profile), ("--profile-b", a.profile_b)):
+            try:  # read before the calibration run (and before --out is made), not after it
+                if path is not None:
+                    load_profile_checked(path)
+            except RecordedRunError as e:
+                raise UsageError(f"{flag}: {e}") from None
     check_out_dir(a.out)  # a file or an unwritable place: one line, before any work
     profile = a.profile
     if a.calibrate:
         from rich.console import Console
 
-        from pdd.sim.recorded import load_profile_checked
-
-        try:
-            if a.profile_b is not None:  # read before the calibration run, not after it
-                load_profile_checked(a.profile_b)
-        except RecordedRunError as e:
-            raise UsageError(f"--profile-b: {e}") from None
         try:
             profile = calibrate_same_day(Path(a.out), cfg, a.profile, Console(stderr=True))
         except RecordedRunError as e:  # a --profile it cannot read (before anything runs), a run it cannot fit

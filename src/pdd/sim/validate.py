@@ -369,9 +369,11 @@ def validate_config(config=None, budget_ms: float = 250.0):
 
 
 def build_workload(cfg, *, n_requests: int, rate: float, block_tokens: int, session_sample: int,
-                   session_seed: int = 0, max_output_tokens: int | None = None, seed: int = 0):
+                   session_seed: int = 0, max_output_tokens: int | None = None, seed: int = 0, tokens=None):
     """The replay requests (deterministic in the arguments): a Mooncake conversation-trace slice,
-    1 in ``session_sample`` conversations chosen by ``session_seed``, ``block_tokens`` per block."""
+    1 in ``session_sample`` conversations chosen by ``session_seed``, ``block_tokens`` per block.
+    ``tokens``: the ``TokenSpace`` prompts are drawn from (default: the config's model's; which
+    trace records are used, ``ReplayRequest.idx``, does not depend on it)."""
     import dataclasses
 
     from pdd.workload.replay import DEFAULT_TRACE, TokenSpace, build_requests, fit_scale
@@ -382,7 +384,7 @@ def build_workload(cfg, *, n_requests: int, rate: float, block_tokens: int, sess
         scale = dataclasses.replace(scale, max_output_tokens=max_output_tokens,
                                     min_output_tokens=min(scale.min_output_tokens, max_output_tokens))
     scale = fit_scale(scale, cfg, n_requests, 0)
-    return build_requests(DEFAULT_TRACE, scale, TokenSpace.from_model(cfg.model_path), seed), scale
+    return build_requests(DEFAULT_TRACE, scale, tokens or TokenSpace.from_model(cfg.model_path), seed), scale
 
 
 def sim_role_steps(sim: ClusterSim) -> dict:
