@@ -447,8 +447,8 @@ def test_no_max_tokens_on_a_small_pool_gets_the_pool_not_a_failure_part_way(tiny
     ("colocated", 64, 1, 16, 100, "n (16) choices of prompt (1 tokens) + max_tokens (100) need 112 KV pages of 16 "
      "tokens at once on the colocated tier, more than an instance's pool (64 pages): lower n or max_tokens"),
     # RLD holds a copy of the prompt + first token per choice: max_tokens does not count there
-    ("pdd", 64, 300, 4, 50, "n (4) choices of prompt (300 tokens) + max_tokens (50) need 76 KV pages of 16 tokens at "
-     "once on the relay_decode tier, more than an instance's pool (64 pages): lower n"),
+    ("pdd", 64, 300, 4, 50, "n (4) choices of prompt (300 tokens) + its first output token need 76 KV pages of 16 "
+     "tokens at once on the relay_decode tier, more than an instance's pool (64 pages): lower n"),
     ("colocated", 32, 399, 16, 1, "n (16) choices of prompt (399 tokens) + max_tokens (1) need 40 KV pages of 16 "
      "tokens at once on the colocated tier, more than an instance's pool (32 pages): lower n"),
 ])
@@ -471,6 +471,36 @@ def test_the_kv_refusal_of_one_prompt_names_the_tier_and_only_what_helps(tiny_mo
     body = {"prompt": list(range(10, 10 + n_prompt)), "n": n, "max_tokens": max_tokens}
     with TestClient(app) as client:
         assert _err(client.post("/v1/completions", json=body), 400, "n")["message"] == message
+        assert not orch.started
+
+
+def test_the_kv_refusal_without_max_tokens_counts_the_first_token(tiny_model):
+    """Found by a new user: chat with n 4 and no max_tokens was told "+ max_tokens (29) need 18
+    pages" (29: the rest of the window, never sent; the pages counted one output token). Chat:
+    completions' max_tokens defaults to 16, which counts."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=64, page_size=16))
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"num_pages": 32, "max_model_len": 512, "max_input_len": 400}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    import re
+
+    with TestClient(app) as client:
+        body = {"messages": [{"role": "user", "content": "hello world " * 60}], "n": 16}
+        got = _err(client.post("/v1/chat/completions", json=body), 400, "n")["message"]
+        m = re.fullmatch(r"n \(16\) choices of prompt \((\d+) tokens\) \+ its first output token need (\d+) KV pages of "
+                         r"16 tokens at once on the colocated tier, more than an instance's pool \(32 pages\): lower n",
+                         got)
+        assert m, got
+        n_prompt = int(m[1])  # the pages count one output token a choice, the prompt's whole pages shared
+        assert int(m[2]) == 16 * -(-(n_prompt + 1) // 16) - 15 * (n_prompt // 16) > 32
         assert not orch.started
 
 
@@ -521,6 +551,8 @@ REFUSED_VLLM = [
     ("bad_words", ["the"]), ("use_beam_search", True), ("length_penalty", 0.5), ("length_penalty", True),
     ("logits_processors", ["my.module:Proc"]), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
     ("spaces_between_special_tokens", False), ("priority", 1), ("priority", False), ("cache_salt", "tenant-a"),
+    # OpenAI's audio output (found by a new user: a 200 with text only)
+    ("modalities", ["text", "audio"]), ("modalities", "audio"), ("audio", {"voice": "alloy", "format": "wav"}),
 ]
 
 
@@ -547,7 +579,8 @@ def test_vllm_parameters_at_their_defaults_and_unknown_fields_are_accepted(api, 
     defaults = {name: None for name, _ in REFUSED_VLLM}
     defaults.update({"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "logits_processors": [],
                      "return_tokens_as_token_ids": False, "return_token_ids": False,
-                     "spaces_between_special_tokens": True, "priority": 0, "no_such_field": {"x": 1}})
+                     "spaces_between_special_tokens": True, "priority": 0, "modalities": ["text"],
+                     "no_such_field": {"x": 1}})
     r = client.post(path, json={**body, **defaults})
     assert r.status_code == 200, r.text
     r = client.post(path, json={**body, "length_penalty": 1, "allowed_token_ids": None, "guided_json": None})
@@ -1128,3 +1161,27 @@ def test_digits_in_strings_floats_and_4300_digit_integers_are_not_refused_for_di
         is None
     assert too_many_digits(b'{"a": [0, %s]}' % (b"1" * 4301)) == (
         "request body has a number with too many digits (4301): a JSON integer may have at most 4300 digits")
+
+
+def test_the_context_refusal_says_when_max_tokens_is_completions_default(tiny_model):
+    """Found by a new user: a 250-token prompt with no max_tokens on a 256-token window was told
+    "+ max_tokens (16) exceeds the context window", a max_tokens never sent (completions' default)."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=64, page_size=16))
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 256}})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    prompt = list(range(10, 260))
+    with TestClient(app) as client:
+        for extra, said in (({}, "16, its default when not sent"), ({"max_tokens": 16}, "16")):
+            r = client.post("/v1/completions", json={"prompt": prompt, **extra})
+            assert _err(r, 400, "max_tokens", "context_length_exceeded")["message"] == (
+                f"prompt (250 tokens) + max_tokens ({said}) exceeds the context window of 256 tokens")
+        assert not orch.started

@@ -368,7 +368,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                            status=404, code="model_not_found")
 
     def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1, asked: bool = True,
-                      prompt_param: str = "prompt") -> None:
+                      prompt_param: str = "prompt", defaulted: bool = False) -> None:
         """400 (ApiError naming the field) for an empty or too long prompt, a prompt + output past
         the context window, or ``n`` choices that no decoder's KV pool could hold at once even
         with the prompt's full pages shared (in pdd mode: RLD's, which shares nothing, holds a
@@ -377,14 +377,17 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         ``asked``: False when the client set no output length (``max_tokens`` is then the rest
         of the context, which choices rarely reach): the pool check then counts one output token
         per choice, as vLLM admits such requests. ``prompt_param``: the field the prompt came in
-        (``messages`` for chat, whichever of max_tokens / max_completion_tokens it gave)."""
+        (``messages`` for chat, whichever of max_tokens / max_completion_tokens it gave).
+        ``defaulted``: ``max_tokens`` is the API's default, not sent (completions' 16), which the
+        refusal says."""
         e = cfg.engine
         if not n_prompt:
             what = "prompt" if prompt_param == "prompt" else f"{prompt_param} (as a prompt)"
             raise ApiError(f"{what}: must not be empty", prompt_param)
         check_input_len(n_prompt, prompt_param)
         if n_prompt + max_tokens > e.max_model_len:
-            raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({max_tokens}) exceeds the context window "
+            given = f"{max_tokens}, its default when not sent" if defaulted else max_tokens
+            raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({given}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
         # the decoding tier holds every choice; each tier has its own pages (cfg.tiers)
         for tier in ("colocated",) if cfg.mode == "colocated" else (
@@ -400,7 +403,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
             if pages > te.num_pages:
                 hint = kv_hint(tier, n, max_tokens if asked else 1, param)
-                raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {param} ({max_tokens}) need {pages} "
+                # what the pages count: the output given, else (not given, or RLD's copy) the first token
+                counted = (f"{param} ({max_tokens})" if asked and tier != "relay_decode"
+                           else "its first output token")
+                raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {counted} need {pages} "
                                f"KV pages of {ps} tokens at once on the {tier} tier, more than an instance's pool "
                                f"({te.num_pages} pages): {hint}",
                                "n" if n > 1 else param if hint != "send a shorter prompt" else prompt_param)
@@ -686,7 +692,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             max_tokens = body.max_tokens
             if max_tokens is None:  # an explicit null, as vLLM: whatever the context window leaves
                 max_tokens = rest_of_context(len(ids), "prompt")
-            check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None)
+            check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None,
+                          defaulted="max_tokens" not in body.model_fields_set)
             plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs)))
             lens.append((len(ids), max_tokens))
         check_pages(lens, body.n, "max_tokens", asked=body.max_tokens is not None)

@@ -207,6 +207,8 @@ class _Sampling(BaseModel):
     spaces_between_special_tokens: Any = None
     priority: Any = None
     cache_salt: Any = None
+    modalities: Any = None  # OpenAI's: ["text"] is all pdd outputs
+    audio: Any = None
 
     @field_validator("*", mode="before")
     @classmethod
@@ -669,6 +671,8 @@ UNHONOURED: dict[str, tuple[str, Any]] = {
     "spaces_between_special_tokens": ("detokenizing without spaces between special tokens", _is(True)),
     "priority": ("priority scheduling", _is(0)),
     "cache_salt": ("prefix-cache isolation by salt", None),
+    "modalities": ("output modalities other than text", lambda v: isinstance(v, list) and all(x == "text" for x in v)),
+    "audio": ("audio output", None),
 }
 
 
