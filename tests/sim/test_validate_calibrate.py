@@ -56,35 +56,11 @@ def replayed_live(monkeypatch, tmp_path, small_model):
     return tmp_path, ran, held_out
 
 
-def test_calibrate_fits_on_the_calibration_run_and_judges_the_held_out_one(replayed_live, capsys):
-    from pdd.cli import main as pdd
-
-    work, ran, held_out = replayed_live
-    held_out.append("seed3")
-    out = work / "v"
-    assert pdd(["sim", "validate", "--calibrate", "--profile", str(PROFILE), "--out", str(out), *SEED3]) == 0
-    assert [r[0] for r in ran] == ["cal-a", "seed3"] and ran[0][1] == 40.0
-    # the fit is the committed profile's (fitted on the same recording of cal-a)
-    fit, committed = json.loads((out / "fit.json").read_text()), json.loads(PROFILE.read_text())
-    for k in ("role_step_scale", "role_step_overhead_s", "prefill_interference", "decode_interference",
-              "p_reply_lag_s_per_token", "wan_written_lead_bytes", "gateway_rtt_ms"):
-        assert fit.get(k) == pytest.approx(committed.get(k), rel=1e-9), k
-    assert Path(fit["role_overhead_from"]["run"]).resolve() == (out / "calibration").resolve()
-    v = json.loads((out / "validate.json").read_text())
-    assert Path(v["profile"]["path"]).resolve() == (out / "fit.json").resolve()
-    # docs/SIM.md's held-out table for seed3 (tests/sim/test_heldout_runs.py DOCUMENTED)
-    assert (round(v["decision_match_share"], 4), round(v["err_p50_ttft_ms"], 3), round(v["err_p90_ttft_ms"], 3)) \
-        == (0.98, 0.032, 0.106)
-    rep = json.loads((out / "report.json").read_text())
-    assert rep["judged"]["ttft_p50"]["met"] == 1 and rep["judged"]["ttft_p90"]["met"] == 0
-    printed = capsys.readouterr().out
-    assert "wrote" in printed and "report.json" in printed
-
-
-def test_noise_floor_runs_the_workload_twice_and_judges_both(replayed_live, capsys):
-    """--noise-floor: the second run (OUT/repeat) is a second held-out run and, against the first,
-    the noise floor: here the committed pair seed2-a / seed2-b, so every figure is docs/SIM.md's
-    (tests/sim/test_heldout_runs.py DOCUMENTED and NOISE)."""
+def test_calibrate_fits_on_the_calibration_run_and_judges_both_runs_and_the_noise_floor(replayed_live, capsys):
+    """--calibrate fits the calibration run (the committed recording of cal-a: the committed fit)
+    and judges the held-out run with it; --noise-floor runs the workload again (OUT/repeat), judges
+    it too and compares the pair: here the committed pair seed2-a / seed2-b, so every figure is
+    docs/SIM.md's (tests/sim/test_heldout_runs.py DOCUMENTED and NOISE)."""
     from pdd.cli import main as pdd
 
     work, ran, held_out = replayed_live
@@ -93,15 +69,26 @@ def test_noise_floor_runs_the_workload_twice_and_judges_both(replayed_live, caps
     assert pdd(["sim", "validate", "--calibrate", "--noise-floor", "--profile", str(PROFILE), "--out", str(out),
                 "--requests", "100", "--rate", "0.8", "--session-seed", "2", "--max-output-tokens", "16",
                 "--budget-ms", "40"]) == 0
-    assert [r[0] for r in ran] == ["cal-a", "seed2-a", "seed2-b"]
+    assert [r[0] for r in ran] == ["cal-a", "seed2-a", "seed2-b"] and ran[0][1] == 40.0
+    # the fit is the committed profile's (fitted on the same recording of cal-a)
+    fit, committed = json.loads((out / "fit.json").read_text()), json.loads(PROFILE.read_text())
+    for k in ("role_step_scale", "role_step_overhead_s", "prefill_interference", "decode_interference",
+              "p_reply_lag_s_per_token", "wan_written_lead_bytes", "gateway_rtt_ms"):
+        assert fit.get(k) == pytest.approx(committed.get(k), rel=1e-9), k
+    assert Path(fit["role_overhead_from"]["run"]).resolve() == (out / "calibration").resolve()
+    for d in (out, out / "repeat", out / "calibration"):
+        v = json.loads((d / "validate.json").read_text())
+        assert Path(v["profile"]["path"]).resolve() == (out / "fit.json").resolve()
     rep = json.loads((out / "report.json").read_text())
     got = [(round(r["decision_match_share"], 4), round(r["err_p50_ttft_ms"], 3), round(r["err_p90_ttft_ms"], 3))
            for r in rep["held_out"]]
     assert got == [(0.98, -0.03, 0.035), (0.94, 0.08, 0.052)]
+    assert rep["judged"]["ttft_p50"]["met"] == 1 and rep["judged"]["ttft_p90"]["met"] == 1
     nf = rep["noise_floor"]
     assert Path(nf["runs"][1]).resolve() == (out / "repeat").resolve()
     assert (round(nf["err_p50_ttft_ms"], 3), round(nf["err_p90_ttft_ms"], 3)) == (-0.239, -0.009)
-    assert "noise floor" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "noise floor" in printed and f"wrote {out}/report.json" in printed
 
 
 def test_calibration_runs_every_tier_on_the_top_level_engine():
