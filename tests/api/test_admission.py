@@ -491,6 +491,13 @@ def test_a_batch_is_counted_against_each_tiers_pool_at_once():
     assert "2796 KV pages of 16 tokens at once on the main_decode tier (each choice's prompt + max_tokens, the " \
         "prompt's whole pages shared, page-rounded), more than its active instances' pools hold together (2784: " \
         "md0" in _pool_refusal([(3664, 49)] * 12, 1, engine={"num_pages": 2784})
+    # lower max_tokens is advised only where one output token a choice would fit: 12 x 230 = 2,760
+    # pages at one token (found by a user: "or max_tokens" where no max_tokens could help)
+    big = {"engine": {"num_pages": 4000}}
+    assert _pool_refusal([(3664, 48)] * 12, 1, **big, tiers={"main_decode": {"engine": {"num_pages": 2770}}}) \
+        .endswith("; send fewer prompts or lower max_tokens")
+    assert _pool_refusal([(3664, 48)] * 12, 1, **big, tiers={"main_decode": {"engine": {"num_pages": 2759}}}) \
+        .endswith("(engine.num_pages 2759 of 16 tokens)); send fewer prompts")
     # 2 prompts x n 6: RLD holds a copy per choice, 12 x 230 = 2,760 > 2,759; MD shares the prompt
     why = _pool_refusal([(3664, 48)] * 2, 6, engine={"num_pages": 2759})
     assert why.startswith("2 prompts x n (6): 12 choices need 2760 KV pages of 16 tokens at once on the "

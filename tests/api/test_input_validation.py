@@ -451,6 +451,11 @@ def test_no_max_tokens_on_a_small_pool_gets_the_pool_not_a_failure_part_way(tiny
      "tokens at once on the relay_decode tier, more than an instance's pool (64 pages): lower n"),
     ("colocated", 32, 399, 16, 1, "n (16) choices of prompt (399 tokens) + max_tokens (1) need 40 KV pages of 16 "
      "tokens at once on the colocated tier, more than an instance's pool (32 pages): lower n"),
+    # 40 pages with one output token a choice: no max_tokens fits 32, so only n is advised
+    ("colocated", 32, 399, 16, 5, "n (16) choices of prompt (399 tokens) + max_tokens (5) need 56 KV pages of 16 "
+     "tokens at once on the colocated tier, more than an instance's pool (32 pages): lower n"),
+    ("colocated", 64, 399, 16, 40, "n (16) choices of prompt (399 tokens) + max_tokens (40) need 88 KV pages of 16 "
+     "tokens at once on the colocated tier, more than an instance's pool (64 pages): lower n or max_tokens"),
 ])
 def test_the_kv_refusal_of_one_prompt_names_the_tier_and_only_what_helps(tiny_model, mode, pages, n_prompt, n,
                                                                         max_tokens, message):
@@ -501,6 +506,11 @@ def test_the_kv_refusal_without_max_tokens_counts_the_first_token(tiny_model):
         assert m, got
         n_prompt = int(m[1])  # the pages count one output token a choice, the prompt's whole pages shared
         assert int(m[2]) == 16 * -(-(n_prompt + 1) // 16) - 15 * (n_prompt // 16) > 32
+        # completions' max_tokens defaults to 16, which the pages count: said so (a user's re-check)
+        got = _err(client.post("/v1/completions", json={"prompt": list(range(10, 409)), "n": 16}), 400, "n")
+        assert got["message"] == ("n (16) choices of prompt (399 tokens) + max_tokens (16, its default when not sent) "
+                                  "need 56 KV pages of 16 tokens at once on the colocated tier, more than an "
+                                  "instance's pool (32 pages): lower n")
         assert not orch.started
 
 

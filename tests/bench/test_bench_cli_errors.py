@@ -273,7 +273,11 @@ def test_url_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(capsys, tmp_
     assert main(_url_argv(tmp_path, url + tail, "--modes", "pdd", "--model", "served")) == 1
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["bench"]["run_order"] == ["pdd"] and rep["modes"]["pdd"]["completed"] == 0
-    assert f"external gateway {url}: mode pdd" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"external gateway {url}: mode pdd" in out
+    # found by a user: a server with a smaller vocabulary refused every request; said up front
+    assert " ".join(out.split()).count("no checkpoint at") == 1 and "prompt token ids are drawn from [0, 32000)" \
+        in " ".join(out.split())
 
 
 @pytest.mark.parametrize("tail", ["/v1/completions", "/v1/chat/completions/", "/pdd/v1/models"])

@@ -155,3 +155,20 @@ def test_a_held_out_workload_shares_requests_with_the_calibration_run_only_by_ch
     assert calibration_overlap(None, {**w, "session_seed": 5}) == 2  # by chance: accepted (docs/SIM.md's example)
     assert calibration_overlap(None, {**w, "session_seed": 1, "requests": 30}) == 30
     assert calibration_overlap(None, {**w, "session_seed": 1, "requests": 200}) == 150
+
+
+def test_ctrl_c_during_the_live_run_is_one_line_and_status_130(replayed_live, monkeypatch, capsys):
+    """Found by a new user: Ctrl-C during `pdd sim validate --calibrate` printed a traceback (the
+    topology's instances still exited: ``with Topology``); it ends as pdd bench's does."""
+    import pdd.bench.live_validate as lv
+    from pdd.cli import main as pdd
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lv, "live_run", interrupted)
+    work, _, _ = replayed_live
+    assert pdd(["sim", "validate", "--calibrate", "--profile", str(PROFILE), "--out", str(work / "v"), *SEED3]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "pdd sim validate: stopped by SIGINT; its instances have exited"
+    assert "Traceback" not in err

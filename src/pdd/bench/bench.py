@@ -215,6 +215,10 @@ def run_bench(
     # ---- workload
     if remote is not None and not (Path(config.model_path) / "config.json").exists():
         tokens = TokenSpace()
+        # the server refuses ids past its model's vocabulary (a pdd make-model checkpoint has 4,096)
+        console.print(f"note: no checkpoint at {config.model_path} (the config's model_path): prompt token ids are "
+                      f"drawn from [0, {tokens.vocab_size}); a server whose model has a smaller vocabulary refuses "
+                      f"them: give --config with the server's model_path")
     else:
         tokens = TokenSpace.from_model(ensure_model(config, console))
     scale = fit_scale(scale, config, n_requests, start)

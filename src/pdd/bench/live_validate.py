@@ -138,6 +138,19 @@ def calibration_overlap(cfg, w: dict) -> int:
 
 
 def cmd_validate(a) -> int:
+    """``pdd sim validate``: :func:`_cmd_validate`, stopped by Ctrl-C or SIGTERM with one line and
+    the signal's status once the live topology's instances have exited (as ``pdd bench``)."""
+    from pdd.cli_args import stop_on_sigterm, stopped_status
+
+    if a.live_from is None:  # a live run: SIGTERM stops its instances and waits for them first
+        stop_on_sigterm()
+    try:
+        return _cmd_validate(a)
+    except KeyboardInterrupt as ex:  # the topology was stopped on the way out (``with Topology``)
+        return stopped_status("pdd sim validate", ex)
+
+
+def _cmd_validate(a) -> int:
     from pdd.cli_args import config_or_exit
     from pdd.sim.validate import format_validate
 

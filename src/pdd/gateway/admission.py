@@ -342,13 +342,15 @@ def request_pages(tier: str, prompts: list[tuple[int, int]], n: int, page_size: 
     return pages
 
 
-def kv_hint(tier: str, n: int, out: int, param: str, prompts: int = 1) -> str:
+def kv_hint(tier: str, n: int, out: int, param: str, prompts: int = 1, output_helps: bool = True) -> str:
     """What a request refused for its KV pages on ``tier`` (:func:`kv_refusal`) can change that
     lowers them: fewer ``prompts`` (a batch), a lower ``n`` (above 1), a lower ``param``
-    (``max_tokens``, when ``out``, the most output tokens counted per choice, is above 1 and the
-    tier holds the output: not P nor RLD), else a shorter prompt. ``send fewer prompts, lower n
-    or max_tokens``; ``lower max_tokens``; ``send a shorter prompt``."""
-    lower = (["n"] if n > 1 else []) + ([param] if out > 1 and tier not in ("prefill", "relay_decode") else [])
+    (``max_tokens``, when ``out``, the most output tokens counted per choice, is above 1, the
+    tier holds the output: not P nor RLD, and ``output_helps``: the pages fit with one output
+    token a choice), else a shorter prompt. ``send fewer prompts, lower n or max_tokens``;
+    ``lower max_tokens``; ``send a shorter prompt``."""
+    holds = out > 1 and output_helps and tier not in ("prefill", "relay_decode")
+    lower = (["n"] if n > 1 else []) + ([param] if holds else [])
     parts = (["send fewer prompts"] if prompts > 1 else []) + ([f"lower {' or '.join(lower)}"] if lower else [])
     if not parts:
         return "send a shorter prompt"
@@ -372,7 +374,8 @@ def kv_refusal(lim: AdmissionLimits, prompts: list[tuple[int, int]], n: int, par
         if need <= have:
             continue
         what = f"n ({n})" if len(prompts) == 1 else f"{len(prompts)} prompts x n ({n})"
-        hint = kv_hint(tier, n, max(out for _, out in prompts), param, len(prompts))
+        fits_at_one = request_pages(tier, [(k, 1) for k, _ in prompts], n, ps) <= have  # lowering max_tokens helps
+        hint = kv_hint(tier, n, max(out for _, out in prompts), param, len(prompts), fits_at_one)
         held = {"prefill": "each prompt's tokens while it is prefilled",
                 "relay_decode": "a copy of each choice's prompt + its first token"}.get(
                     tier, f"each choice's prompt + {param}, the prompt's whole pages shared")

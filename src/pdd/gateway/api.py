@@ -385,8 +385,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             what = "prompt" if prompt_param == "prompt" else f"{prompt_param} (as a prompt)"
             raise ApiError(f"{what}: must not be empty", prompt_param)
         check_input_len(n_prompt, prompt_param)
+        given = f"{max_tokens}, its default when not sent" if defaulted else max_tokens
         if n_prompt + max_tokens > e.max_model_len:
-            given = f"{max_tokens}, its default when not sent" if defaulted else max_tokens
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({given}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
         # the decoding tier holds every choice; each tier has its own pages (cfg.tiers)
@@ -402,9 +402,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             else:
                 pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
             if pages > te.num_pages:
-                hint = kv_hint(tier, n, max_tokens if asked else 1, param)
+                at_one = n * -(-(n_prompt + 1) // ps) - (n - 1) * (n_prompt // ps)  # one output token a choice
+                hint = kv_hint(tier, n, max_tokens if asked else 1, param, output_helps=at_one <= te.num_pages)
                 # what the pages count: the output given, else (not given, or RLD's copy) the first token
-                counted = (f"{param} ({max_tokens})" if asked and tier != "relay_decode"
+                counted = (f"{param} ({given})" if asked and tier != "relay_decode"
                            else "its first output token")
                 raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {counted} need {pages} "
                                f"KV pages of {ps} tokens at once on the {tier} tier, more than an instance's pool "
