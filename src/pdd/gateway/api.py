@@ -40,7 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdd.config import ClusterConfig
-from pdd.gateway.admission import Admission, causes, choice_refusal, kv_hint, kv_refusal, refusal
+from pdd.gateway.admission import (Admission, causes, choice_refusal, kv_hint, kv_refusal, refusal,
+                                   request_pages)
 from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unless_gone
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_run import Batch, Delta, Generation
@@ -394,15 +395,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 ("main_decode", "relay_decode") if cfg.mode == "pdd" else ("main_decode",)):
             te = cfg.engine_for(tier)
             ps = te.page_size
-            if tier == "relay_decode":
-                # RLD shares nothing between choices (no prefix cache): each choice's `expect` takes
-                # its own copy of the prompt's pages (+ the first token) while the others are there
-                # too; past its pool the request failed at start with a 429 that no retry could cure
-                pages = n * -(-(n_prompt + 1) // ps)
-            else:
-                pages = n * -(-(n_prompt + (max_tokens if asked else 1)) // ps) - (n - 1) * (n_prompt // ps)
+            # RLD shares nothing between choices (no prefix cache): each choice's `expect` takes its
+            # own copy of the prompt's pages (+ the first token) while the others are there too; past
+            # its pool the request failed at start with a 429 that no retry could cure
+            pages = request_pages(tier, [(n_prompt, max_tokens if asked else 1)], n, ps)
             if pages > te.num_pages:
-                at_one = n * -(-(n_prompt + 1) // ps) - (n - 1) * (n_prompt // ps)  # one output token a choice
+                at_one = request_pages(tier, [(n_prompt, 1)], n, ps)  # one output token a choice
                 hint = kv_hint(tier, n, max_tokens if asked else 1, param, output_helps=at_one <= te.num_pages)
                 # what the pages count: the output given, else (not given, or RLD's copy) the first token
                 counted = (f"{param} ({given})" if asked and tier != "relay_decode"
