@@ -880,12 +880,8 @@ class ClusterConfig(_Strict):
             own = block.engine.model_dump(exclude_none=True)
             if "num_pages" not in own and "page_size" not in own:
                 continue  # its pool is its tier's or the top-level one, checked as such
-            tier = name if name in TIERS else instance_tier(name)
-            merged = {"num_pages": e.num_pages, "page_size": e.page_size}
-            for b in [self.tiers.get(tier)] + ([block] if name != tier else []):
-                if b is not None:
-                    merged.update({k: v for k, v in b.engine.model_dump(exclude_none=True).items() if k in merged})
-            pages, ps = merged["num_pages"], merged["page_size"]
+            over = self._overrides(name)
+            pages, ps = over.get("num_pages", e.num_pages), over.get("page_size", e.page_size)
             if pages < 4 or ps < 1 or ps & (ps - 1):
                 continue  # not a valid block: engine_for's check names the field
             if small is None or pages * ps < small[0]:
@@ -924,10 +920,16 @@ class ClusterConfig(_Strict):
         top-level ``engine`` with its tier's ``tiers`` block over it, then the instance's own.
         A name that is neither gets the top-level block. Raises ``pydantic.ValidationError`` for
         a merged block that is not valid (the config validator has checked every one at load)."""
+        over = self._overrides(name)
+        return EngineConfig.model_validate({**self.engine.model_dump(), **over}) if over else self.engine
+
+    def _overrides(self, name: str) -> dict:
+        """The engine fields the ``tiers`` blocks of ``name`` set over the top-level ``engine``:
+        its tier's, then (an instance) its own, unvalidated (:meth:`engine_for` validates the
+        merge; :meth:`_pools_fit` reads the pool before it)."""
         tier = name if name in TIERS else instance_tier(name)
         blocks = [self.tiers.get(tier)] + ([self.tiers.get(name)] if name != tier else [])
-        over = {k: v for b in blocks if b is not None for k, v in b.engine.model_dump(exclude_none=True).items()}
-        return EngineConfig.model_validate({**self.engine.model_dump(), **over}) if over else self.engine
+        return {k: v for b in blocks if b is not None for k, v in b.engine.model_dump(exclude_none=True).items()}
 
     def unused_settings(self) -> list[str]:
         """The ``policy`` settings the config sets (explicitly, ``model_fields_set``) that its mode
