@@ -803,6 +803,13 @@ def test_a_batch_past_the_pool_together_is_400_and_one_that_fits_is_served(tiny_
             "9 prompts x n (1): 9 choices need 72 KV pages of 16 tokens at once on the colocated tier (each "
             f"choice's prompt + max_tokens, the prompt's whole pages shared, page-rounded), {pool}; send fewer "
             "prompts or lower max_tokens")  # n is 1: lowering it cannot help
+        # max_tokens null: each choice counted with its first output token, which the message says
+        err = _err(client.post("/v1/completions", json={**body, "prompt": prompts + [prompts[0]], "max_tokens": None}),
+                   400, "prompt")
+        assert err["message"] == (
+            "10 prompts x n (1): 10 choices need 70 KV pages of 16 tokens at once on the colocated tier (each "
+            f"choice's prompt + its first output token, the prompt's whole pages shared, page-rounded), {pool}; "
+            "send fewer prompts")
         err = _err(client.post("/v1/completions", json={**body, "prompt": prompts[:3], "n": 16}), 400, "n")
         assert err["message"].startswith("3 prompts x n (16): 48 choices need 66 KV pages of 16 tokens")
         assert not orch.started

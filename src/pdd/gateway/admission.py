@@ -357,12 +357,14 @@ def kv_hint(tier: str, n: int, out: int, param: str, prompts: int = 1, output_he
     return ", ".join(parts) if len(lower) > 1 else " or ".join(parts)
 
 
-def kv_refusal(lim: AdmissionLimits, prompts: list[tuple[int, int]], n: int, param: str) -> str | None:
+def kv_refusal(lim: AdmissionLimits, prompts: list[tuple[int, int]], n: int, param: str,
+               asked: bool = True) -> str | None:
     """Why a request can never be served because its choices' KV pages cannot all be held at
     once by a tier it passes (the message of its HTTP 400, naming the pages and the pool), or
     None when they fit every tier of ``lim.kv_pools``. ``prompts``: ``(prompt tokens, output
     tokens counted)`` per prompt (see :func:`request_pages`), each with ``n`` choices;
-    ``param``: the output-length field (``max_tokens``). A batch's prompts and choices start
+    ``param``: the output-length field (``max_tokens``); ``asked``: False when the client set
+    none (each choice counted with its first output token, which the message says). A batch's prompts and choices start
     together, each on its own, so a tier must hold them all at once: its active instances'
     pools together (a request over that fails with ``OutOfPages`` on every try, idle system
     or not). Page sizes may differ between instances: the smallest is counted, which needs the
@@ -378,7 +380,8 @@ def kv_refusal(lim: AdmissionLimits, prompts: list[tuple[int, int]], n: int, par
         hint = kv_hint(tier, n, max(out for _, out in prompts), param, len(prompts), fits_at_one)
         held = {"prefill": "each prompt's tokens while it is prefilled",
                 "relay_decode": "a copy of each choice's prompt + its first token"}.get(
-                    tier, f"each choice's prompt + {param}, the prompt's whole pages shared")
+                    tier, f"each choice's prompt + {param if asked else 'its first output token'}, the prompt's "
+                          "whole pages shared")
         terms = ", ".join(f"{name} (engine.num_pages {pages} of {size} tokens)" for name, pages, size in pools)
         return (f"{what}: {len(prompts) * n} choices need {need} KV pages of {ps} tokens at once on the {tier} "
                 f"tier ({held}, page-rounded), more than its active instances' pools hold together ({have}: "

@@ -428,7 +428,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         :func:`pdd.gateway.admission.kv_refusal`). Such a batch failed with ``OutOfPages`` (a
         429 no retry cured) after P's work, on every try. ``asked``: as :func:`check_context`
         (one output token per choice counted when the client set no output length)."""
-        why = kv_refusal(adm.limits, [(k, out if asked else 1) for k, out in prompts], n, param)
+        why = kv_refusal(adm.limits, [(k, out if asked else 1) for k, out in prompts], n, param, asked)
         if why is not None:
             raise ApiError(why, "n" if n > 1 else "prompt" if len(prompts) > 1 else param)
 
