@@ -1,4 +1,4 @@
-"""Does a decode loop beside P slow P's prefill step on this machine? (docs/SIM.md, heterogeneous runs)
+"""Does a decode loop beside P slow P's prefill step on this machine? (docs/SIM.md "Prefill beside decoding")
 
     python scripts/prefill_beside_decode.py --model models/small --seconds 15
 

@@ -1,4 +1,4 @@
-"""P's prefill beside decoding, on the recorded live runs (docs/SIM.md, the heterogeneous runs):
+"""P's prefill beside decoding, on the recorded live runs (docs/SIM.md "Prefill beside decoding"):
 
     python scripts/prefill_interference.py [--runs data/validation] [--profile data/profiles/this-machine.json]
 

@@ -228,7 +228,7 @@ def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: 
     --variant fast-path-alone``). On the committed calibration run about half the requests: 2.4 ms
     + 2.2 Gbit/s, against 9.2 ms + 3.2 Gbit/s over all of them (the other half's interval, a
     median 23 ms against 10, holds P's next step, a queue behind another request's KV and the
-    cores the other requests take; docs/SIM.md "Where the decisions still differ").
+    cores the other requests take; docs/SIM.md "The P -> RLD path has two regimes").
 
     Returns ``{"latency_s", "gbps", "samples", "median_s"}`` (latency >= 0, rate capped at
     ``max_gbps``, the configured pacing), or None with fewer than ``min_samples`` such requests
