@@ -140,10 +140,11 @@ def fit_quiet_step(prefills: list[dict], chunk_tokens: int, min_samples: int = 8
     ``live_s = scale x profile_s + overhead_s x steps + lag x min(tokens, chunk_tokens)``. The
     first two terms are P's engine steps (what a step costs in proportion to its compute, and per
     step), the third the part of the interval that grows with the prefill's largest step but is
-    no engine time (``SimConfig.p_reply_lag_s_per_token``): on this testbed 4.7 us a token, a
-    512-token prefill's interval its steps plus about 2.4 ms whatever the number of steps (14.5
-    us before the step model read the profile's measured chunk rows, which the lag had stood in
-    for; docs/SIM.md). A negative ``overhead_s`` or ``lag`` is refitted as 0;
+    no engine time (``SimConfig.p_reply_lag_s_per_token``): 14.5 us a token on the committed fit
+    (``data/profiles/this-machine.json``), which also stands in for the linear step model being
+    under a short chunk's measured time; 4.7 us with the chunk grid
+    (``MeasuredStepModel(chunk_grid=True)``, off by default; docs/SIM.md "The step between
+    measured points"). A negative ``overhead_s`` or ``lag`` is refitted as 0;
     ``with_lag`` False fits the first two terms alone (``scripts/sim_ablation.py``). Quiet
     prefills only (:func:`quiet_prefills`): how much decoding beside slows P is fitted on the
     engine's own step time (:func:`calibrate_p_interference`).
