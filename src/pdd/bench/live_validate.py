@@ -137,6 +137,16 @@ def calibration_overlap(cfg, w: dict) -> int:
     return len(records(vc, w) & records(calibration_config(vc), CALIBRATION_ARGS))
 
 
+def flag_error(e, run_flag: str):
+    """The :class:`pdd.sim.cli.UsageError` for a :class:`pdd.sim.recorded.RecordedRunError` ``e``,
+    its message after the flag it came from: ``--profile`` / ``--profile-b`` by ``e.source``,
+    else ``run_flag`` (the recorded or calibration run's flag)."""
+    from pdd.sim.cli import UsageError
+
+    flag = {"profile": "--profile", "profile_b": "--profile-b"}.get(e.source, run_flag)
+    return UsageError(f"{flag}: {e}")
+
+
 def cmd_validate(a) -> int:
     """``pdd sim validate``: :func:`_cmd_validate`, stopped by Ctrl-C or SIGTERM with one line and
     the signal's status once the live topology's instances have exited (as ``pdd bench``)."""
@@ -206,7 +216,7 @@ def _cmd_validate(a) -> int:
         try:
             profile = calibrate_same_day(Path(a.out), cfg, a.profile, Console(stderr=True))
         except RecordedRunError as e:  # a --profile it cannot read (before anything runs), a run it cannot fit
-            raise UsageError(f"{'--profile' if e.source == 'profile' else '--calibrate'}: {e}") from None
+            raise flag_error(e, "--calibrate") from None
 
     def one(out) -> None:
         try:
@@ -215,10 +225,8 @@ def _cmd_validate(a) -> int:
                                session_seed=w["session_seed"], max_output_tokens=w["max_output_tokens"],
                                seed=rec.get("seed", 0), profile=profile, live_from=a.live_from, profile_b=a.profile_b)
         except RecordedRunError as e:  # a missing / malformed --live-from directory or --profile, another workload
-            if isinstance(e, WorkloadMismatch):
-                raise UsageError(f"--live-from {a.live_from}: {e}") from None
-            flag = {"profile": "--profile", "profile_b": "--profile-b"}.get(e.source, "--live-from")
-            raise UsageError(f"{flag}: {e}") from None
+            raise flag_error(e, f"--live-from {a.live_from}" if isinstance(e, WorkloadMismatch) else "--live-from") \
+                from None
         print(format_validate(res))
         print(f"wrote {out}/validate.json")
 
