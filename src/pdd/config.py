@@ -792,6 +792,12 @@ class ClusterConfig(_Strict):
         300.0, gt=0,
         description="seconds a request may wait for its next event (a token, a tier's reply or plan) before it "
         "fails; an idle timeout between events, not a limit on the request's total time")
+    shutdown_timeout_s: float = Field(
+        30.0, ge=0,
+        description="seconds the gateway lets requests in flight finish after SIGTERM or Ctrl-C (pdd serve "
+        "--shutdown-timeout), new ones refused with 503; those still running then end with an error (a stream: an "
+        "SSE error event and [DONE]) and are aborted on every tier. 0: end them at once (vLLM's --shutdown-timeout "
+        "0). The instances stop after the gateway (docs/SERVE.md \"Stop it\")")
     liveness: LivenessConfig = LivenessConfig()
     vllm: VllmTierConfig = VllmTierConfig()
     cpu_affinity: dict[Literal["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"],

@@ -56,6 +56,7 @@ from pdd.text import shown
 
 log = logging.getLogger(__name__)
 
+SERVER_CLOSE_S = 3.0  # after the drain: uvicorn's own wait for responses still being sent, seconds
 LP_FLOOR = -9999.0  # a logprob of -inf is reported as this (JSON has no infinity; vLLM does the same)
 
 
@@ -283,9 +284,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def health():
         """200 while requests can be served ("ok", or "degraded" naming the unreachable instances
         and the roles with no reachable member, so a load balancer keeps a gateway that still
-        serves); 503 when they cannot (the roles missing say why)."""
+        serves); 503 when they cannot (the roles missing say why), or while the gateway shuts down
+        ("shutting_down": :mod:`pdd.gateway.shutdown`)."""
         h = orch.health() if hasattr(orch, "health") else {"status": "ok", "mode": cfg.mode, "down": [], "missing": []}
-        return JSONResponse(h, status_code=503 if h["status"] == "unavailable" else 200)
+        if app.state.drain.draining:  # shutting down (pdd.gateway.shutdown): a load balancer sends nothing more
+            h = {**h, "status": "shutting_down"}
+        return JSONResponse(h, status_code=503 if h["status"] in ("unavailable", "shutting_down") else 200)
 
     if cfg.security.api_keys:  # optional API keys (Authorization: Bearer KEY); health stays open
         from pdd.security import ApiKeyMiddleware
@@ -310,6 +314,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         return await call_next(request)
 
     app.add_middleware(BodyLimit)
+    from pdd.gateway.shutdown import Drain, DrainGate
+
+    drain = app.state.drain = Drain(cfg.shutdown_timeout_s)  # serve_gateway begins it on SIGTERM / Ctrl-C
+    app.add_middleware(DrainGate, drain=drain)  # outermost: during the drain a new request costs nothing
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -574,6 +582,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         False when the caller settles it (``Generation.settle``: a batch, once every prompt started)."""
         ticket = None if admitted else admit(len(sps), len(ids), request)
         gen = Generation(orch, tokenizer, ids, sps, opts, eos_ids)
+        app.state.drain.track(gen)  # ended by the shutdown timeout if it still runs then
         if made is not None:
             made.append(gen)
         try:
@@ -929,7 +938,10 @@ async def _chat_chunks(gen: Generation, tt: TokenText):
 
 
 async def serve_gateway(cfg: ClusterConfig, lay) -> None:
-    """Run the gateway process: connect to every tier, then serve HTTP; print ``READY gateway``."""
+    """Run the gateway process: connect to every tier, then serve HTTP; print ``READY gateway``.
+    The first SIGTERM or SIGINT drains (:mod:`pdd.gateway.shutdown`: new requests refused, those
+    in flight finish within ``shutdown_timeout_s`` or are ended with an error), then the server
+    stops and this returns; a second one meanwhile stops the server at once."""
     import asyncio
     import signal
 
@@ -951,8 +963,11 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
 
         scaler = Autoscaler(orch, cfg.autoscale)
     app = create_app(cfg, orch, tokenizer)
+    # timeout_graceful_shutdown: once the drain is over (pdd.gateway.shutdown), what uvicorn still waits
+    # for (a response its client does not read) is cancelled after this many seconds
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.gateway_port, log_level="warning",
-                                           timeout_keep_alive=30, limit_concurrency=1024))
+                                           timeout_keep_alive=30, limit_concurrency=1024,
+                                           timeout_graceful_shutdown=SERVER_CLOSE_S))
     loop = asyncio.get_running_loop()
     task = loop.create_task(server.serve())
     while not server.started:
@@ -964,8 +979,23 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
     if scaler is not None:
         scaler.start()
 
+    drain, drained = app.state.drain, []
+
+    async def _drain_then_exit():
+        try:
+            await drain.run(orch)
+        except Exception:  # the server stops all the same
+            log.exception("shutdown: the drain failed")
+        finally:
+            server.should_exit = True
+
     def _stop():
-        server.should_exit = True
+        """The first SIGTERM / SIGINT drains (pdd.gateway.shutdown), a second stops at once."""
+        if drain.draining:
+            server.should_exit = server.force_exit = True
+            return
+        drain.begin()
+        drained.append(loop.create_task(_drain_then_exit()))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -973,6 +1003,8 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
         except NotImplementedError:
             pass
     await task
+    for t in drained:
+        t.cancel()
     if scaler is not None:
         await scaler.stop()
     await orch.close()

@@ -115,6 +115,7 @@ class Generation:
         self.stopped: str | None = None  # abort_starting's reason: no further choice starts
         self.settled = asyncio.Event()  # every choice of the API request started (settle)
         self.held: set[int] = set()  # choices at their last token, their stream's end held until settled
+        self.shutdown: str | None = None  # shut_down's message: the server's shutdown timeout ended it
 
     def _rid(self) -> str | None:
         """A rid for the next choice to start, from the orchestrator's own sequence (None: an
@@ -138,6 +139,22 @@ class Generation:
         self.stopped = self.stopped or reason
         self.close(reason)
         abort_starting(self.orch, self.rids, reason)
+
+    def shut_down(self, message: str) -> bool:
+        """The server's shutdown timeout ran out with this request in flight
+        (:mod:`pdd.gateway.shutdown`): no further choice starts, every choice still running or
+        starting is aborted on every tier as failed (:meth:`abort_starting`), and :meth:`deltas`
+        (or a :meth:`start` still under way) raises ``RequestFailed(message)``, which the API
+        answers with its error (an SSE error event then ``[DONE]``, or a 503). Returns whether
+        the request was still running (False: it had ended, or was shut down already)."""
+        if self.shutdown is not None:
+            return False
+        self.shutdown = message
+        running = not self.settled.is_set() or any(
+            c.finish_reason is None or i in self.held for i, c in enumerate(self.choices))
+        self.abort_starting(ABORT_FAILED)
+        self.q.put_nowait((None, RequestFailed(message)))
+        return running
 
     def settle(self) -> None:
         """Every choice of the API request has started: a choice held at its end (it finished
@@ -186,6 +203,8 @@ class Generation:
             # a choice refused by a tier for now (the API answers 429): the others started are
             # stopped as rejected too, not failed (pdd.gateway.admission.refusal)
             self.close(ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
+            if self.shutdown is not None:  # stopped by the server's shutdown: say so, not how the tier saw it
+                raise RequestFailed(self.shutdown) from e
             raise
 
     def _add(self, st: ReqState) -> None:
@@ -222,6 +241,8 @@ class Generation:
         with _closing(self.close):
             while self.live:
                 i, item = await self.q.get()
+                if i is None:  # shut_down: the server's shutdown timeout ended the request
+                    raise item
                 c = self.choices[i]
                 if c.finish_reason is not None:
                     continue  # stopped at the gateway: later tokens are dropped

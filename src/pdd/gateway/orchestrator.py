@@ -177,6 +177,20 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                 out.append(trid)
         return out
 
+    def drop_awaited_kv(self) -> list[str]:
+        """Shutdown (``pdd.gateway.shutdown``): forget every finished relayed request whose KV
+        its MD has not reported yet and drop it there (MD frees a reservation still held, its
+        cache keeps nothing of it), as :meth:`_expire_awaited_kv` does at a wait's deadline: with
+        the gateway gone no ``kv_ready`` would be answered. Returns the tier rids dropped."""
+        out = list(self.awaiting_kv)
+        for trid in out:
+            _p, md_name = self.awaiting_kv.pop(trid)
+            self.awaiting_kv_deadline.pop(trid, None)
+            peer = self.peers.get(md_name)
+            if peer is not None and not peer.closed:
+                self._spawn(peer.send(Drop(trid).wire()))
+        return out
+
     async def _connect(self, name: str, retries: int) -> Peer:
         from pdd.security import link_security
 
