@@ -3,7 +3,8 @@
 Each instance is ``python -m pdd.cli launch --role ROLE --name NAME --config FILE``; it prints
 ``READY NAME`` (or ``LINK READY``) on stdout once it serves. :class:`Topology` starts them in
 dependency order (link and MD first, the gateway last), waits for each, and stops them all on
-exit (SIGTERM, then SIGKILL after a grace period). Logs go to ``<log_dir>/<name>.log``; a
+exit: the gateway first (it drains its requests in flight: ``shutdown_timeout_s``), then the
+others (SIGTERM, then SIGKILL after a grace period). Logs go to ``<log_dir>/<name>.log``; a
 restart (:meth:`Topology.restart`) continues its instance's log after a ``--- restart N ...`` line.
 
 No orphans: each instance runs in a session of its own (so a signal to the owner's terminal does
@@ -35,6 +36,9 @@ from pdd.topology import (ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, RO
 
 PARENT_POLL_S = 0.25  # how often an instance checks that its owner is still alive
 ORPHAN_GRACE_S = 5.0  # an orphaned instance's clean shutdown (SIGTERM) before it exits hard
+# what the gateway may take past its shutdown_timeout_s before Topology.stop kills it: ending the
+# requests still running (pdd.gateway.shutdown.END_WAIT_S, 12 s) and closing its HTTP server (3 s)
+GATEWAY_EXIT_S = 20.0
 
 
 class LaunchError(RuntimeError):
@@ -262,12 +266,17 @@ class Topology:
             return ""
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop every instance and return once each process has exited: SIGTERM to each one's
+        """Stop every instance and return once each process has exited. The gateway first: its
+        SIGTERM starts its drain (``pdd.gateway.shutdown``: new requests refused with 503, those
+        in flight finish on the live instances within ``cfg.shutdown_timeout_s`` or end with an
+        error and are aborted on every tier), and it is SIGKILLed if it has not exited
+        ``GATEWAY_EXIT_S`` seconds after that timeout. Then the others: SIGTERM to each one's
         process group (its clean shutdown), SIGKILL to those still running ``grace_s`` seconds
         later. A KeyboardInterrupt meanwhile (a second Ctrl-C or SIGTERM) SIGKILLs the rest at
         once and waits for them before it goes on, so the owner never exits before its instances
         (whose ports a next topology needs)."""
         try:  # (the SIGTERMs too: a second signal can come as soon as an instance got its first)
+            self._stop_gateway()
             for name in reversed(list(self.procs)):
                 p = self.procs[name]
                 if p.poll() is None:
@@ -290,6 +299,27 @@ class Topology:
             self.procs.clear()
             raise
         self.procs.clear()
+
+    def _stop_gateway(self) -> None:
+        """SIGTERM the gateway (its drain) and wait for it to exit: at most
+        ``cfg.shutdown_timeout_s + GATEWAY_EXIT_S`` seconds, then SIGKILL. The instances keep
+        running meanwhile, so the requests in flight finish on them."""
+        gw = [s.name for s in self.layout.instances if s.role == ROLE_GATEWAY and s.name in self.procs]
+        for name in gw:
+            p = self.procs[name]
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s + GATEWAY_EXIT_S
+        for name in gw:
+            p = self.procs[name]
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(p)
+                p.wait()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Fault injection: signal one instance's process (and wait for it to go)."""
