@@ -143,12 +143,13 @@ def cmd_launch(args) -> int:
 def cmd_serve(args) -> int:
     from pdd.launch import Topology
 
-    from pdd.cli_args import stop_on_sigterm, stopped_status
+    from pdd.cli_args import seconds_flag, stop_on_sigterm, stopped_status
     from pdd.launch import LaunchError
     from pdd.security import SecurityError
     from pdd.topology import ports_taken_refusal
 
-    cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port)
+    cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port,
+                  shutdown_timeout_s=seconds_flag(args, "--shutdown-timeout", args.shutdown_timeout))
     unused = cfg.unused_settings()
     if unused:  # served all the same (a config may be shared by modes), but the user is told
         print(f"pdd: note: mode {cfg.mode} has no relay tier nor pipeline choice; it does not use {', '.join(unused)} "
@@ -191,7 +192,12 @@ def cmd_serve(args) -> int:
         print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
         return _supervise(topo)
     except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM: 130 / 143 and one line once the instances exited
-        topo.stop()
+        print(f"pdd serve: stopping: requests in flight may finish for up to {cfg.shutdown_timeout_s:g} s "
+              "(--shutdown-timeout), new ones are refused; Ctrl-C again stops at once", file=sys.stderr, flush=True)
+        try:
+            topo.stop()  # the gateway drains first, then the instances stop
+        except KeyboardInterrupt as again:  # a second Ctrl-C / SIGTERM: everything was killed at once
+            ex = again
         return stopped_status("pdd serve", ex)
     finally:
         topo.stop()  # (a no-op after the one above)
@@ -314,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
     p.add_argument("--log-dir", default=None,
                    help="logs and TLS material (default: a new /tmp/pdd-<mode>-* directory, kept after exit)")
+    p.add_argument("--shutdown-timeout", metavar="SECONDS", default=None,
+                   help="on Ctrl-C / SIGTERM, seconds requests in flight may still finish (new ones get 503) "
+                        "before they end with an error; 0 ends them at once (default: the config's "
+                        "shutdown_timeout_s, 30); a second Ctrl-C stops at once")
     p.add_argument("--autoscale", action="store_true",
                    help="run the autoscaling loop in the gateway: the config's autoscale block (interval_s, "
                         "cooldown_s, min, max per role) over its standby slots; GET /pdd/autoscale logs each decision")

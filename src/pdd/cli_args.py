@@ -63,7 +63,8 @@ def config_file_problem(path, ex: Exception) -> str | None:
     return None
 
 
-_OVERRIDE_FLAGS = {"gateway_port": "--port", "base_port": "--base-port", "mode": "--mode"}
+_OVERRIDE_FLAGS = {"gateway_port": "--port", "base_port": "--base-port", "mode": "--mode",
+                   "shutdown_timeout_s": "--shutdown-timeout"}
 
 
 def _loads(args, over: dict) -> bool:
@@ -82,7 +83,8 @@ def _by_flag(err: dict, over: dict) -> bool:
     config file has for that field (``ClusterConfig.load`` checks that one too: ``gateway_port:
     70000`` under ``--port 9300``)."""
     field = str(err["loc"][0]) if err.get("loc") else None
-    return field in _OVERRIDE_FLAGS and over.get(field) is not None and err.get("input") == over[field]
+    given = over.get(field)  # (the same object: a NaN equals nothing, itself included)
+    return field in _OVERRIDE_FLAGS and given is not None and (err.get("input") is given or err.get("input") == given)
 
 
 def _flagged(summary: str, by_flag: set[str]) -> str:
@@ -95,6 +97,19 @@ def _flagged(summary: str, by_flag: set[str]) -> str:
             part = f"{field} ({_OVERRIDE_FLAGS[field]}){part[len(field):]}"
         parts.append(part)
     return "; ".join(parts)
+
+
+def seconds_flag(args, flag: str, text: str | None) -> float | None:
+    """The number of seconds ``text`` given to ``flag`` (``pdd serve --shutdown-timeout``) says,
+    or None when the flag was not given; a usage error naming the flag (one line, exit 2) when it
+    is not a number. Its range is the config field's, checked with the config (the flag named
+    there too: a negative, NaN or infinite value)."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        usage_error(args, f"{flag} {text!r}: not a number; give seconds >= 0")
 
 
 def missing_model_problem(cfg) -> str | None:

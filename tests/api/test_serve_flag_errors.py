@@ -77,3 +77,33 @@ def test_a_flag_may_still_move_a_port_the_file_sets_to_a_valid_one(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("gateway_port: 9000\nbase_port: 8950\n")  # the file's ports collide; --port moves the gateway out
     assert ClusterConfig.load(cfg, gateway_port=9300).gateway_port == 9300
+
+
+@pytest.mark.parametrize("value,message", [
+    ("abc", "--shutdown-timeout 'abc': not a number; give seconds >= 0"),
+    ("", "--shutdown-timeout '': not a number; give seconds >= 0"),
+    ("-1", "invalid config: shutdown_timeout_s (--shutdown-timeout): Input should be greater than or equal to 0"),
+    ("nan", "invalid config: shutdown_timeout_s (--shutdown-timeout): Input should be a finite number"),
+    ("inf", "invalid config: shutdown_timeout_s (--shutdown-timeout): Input should be a finite number"),
+])
+def test_a_bad_shutdown_timeout_is_refused_in_one_line_naming_the_flag(capsys, value, message):
+    assert usage_error(capsys, main, ["serve", f"--shutdown-timeout={value}"]) == f"pdd serve: error: {message}\n"
+
+
+def test_the_shutdown_timeout_flag_sets_the_config_field(monkeypatch):
+    """``--shutdown-timeout 0`` (end requests in flight at once) reaches the topology's config; left
+    out, the config's (30 s by default)."""
+    import pdd.cli
+
+    seen = []
+
+    def started(cfg, *a, **k):
+        seen.append(cfg.shutdown_timeout_s)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pdd.cli, "ensure_model", started)
+    monkeypatch.setattr("pdd.topology.ports_taken_refusal", lambda *a, **k: None)
+    for argv in (["serve", "--shutdown-timeout", "0"], ["serve", "--shutdown-timeout", "2.5"], ["serve"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert seen == [0.0, 2.5, 30.0]

@@ -41,17 +41,18 @@ import pdd.bench.bench, pdd.bench.demo, pdd.cli
 from pdd.launch import Topology
 
 cmd, mode, child = sys.argv[1:4]
+name = sys.argv[5] if len(sys.argv) > 5 else "md0"  # the instance's name in the layout (gateway: stopped first)
 
 class OneInstance(Topology):
     def start(self):
         p = subprocess.Popen([sys.executable, "-c", child, mode], stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
-        self.procs["md0"] = p
+        self.procs[name] = p
         assert p.stdout.readline().strip() == "ready"
 
 def run(out, modes, requests, scale, cfg, *a, **kw):
     with OneInstance(cfg, log_dir=out) as topo:
-        print("topology up", topo.procs["md0"].pid, flush=True)
+        print("topology up", topo.procs[name].pid, flush=True)
         time.sleep(300)
 
 pdd.bench.demo.run_demo = pdd.bench.bench.run_bench = run
@@ -63,7 +64,7 @@ if cmd == "serve":  # its own Topology (one slow instance), no checkpoint made, 
         def start(self):  # as Topology.start, what it started is stopped when it is interrupted
             try:
                 super().start()
-                print("topology up", self.procs["md0"].pid, flush=True)
+                print("topology up", self.procs[name].pid, flush=True)
             except BaseException:
                 self.stop()
                 raise
@@ -79,10 +80,10 @@ sys.exit(pdd.cli.main([cmd, "--modes", "pdd", "--requests", "5", "--out", sys.ar
 """
 
 
-def _owner(cmd: str, mode: str, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+def _owner(cmd: str, mode: str, tmp_path: Path, name: str = "md0") -> tuple[subprocess.Popen, int]:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, cmd, mode, CHILD, str(tmp_path / "out")],
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, cmd, mode, CHILD, str(tmp_path / "out"), name],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env)
     line = owner.stdout.readline().decode()
     assert line.startswith("topology up "), (line, owner.stderr.read() if owner.poll() is not None else "")
@@ -126,6 +127,26 @@ def test_a_second_sigterm_while_the_instances_stop_kills_them_and_still_waits_fo
         owner.send_signal(signal.SIGTERM)
         assert owner.wait(timeout=60) == 128 + signal.SIGTERM
         assert not _alive(pid)
+    finally:
+        _kill_all([pid])
+        owner.kill()
+        owner.wait()
+
+
+def test_a_second_sigterm_during_the_gateway_drain_stops_serve_at_once(tmp_path):
+    """``pdd serve`` stops its gateway first and waits for its drain (up to shutdown_timeout_s, 30 s,
+    and more); a gateway that does not exit is killed at once by a second SIGTERM (or Ctrl-C), and
+    serve says it stopped, with SIGTERM's status (the second interrupt ended it with a traceback)."""
+    owner, pid = _owner("serve", "stuck", tmp_path, name="gateway")
+    try:
+        owner.send_signal(signal.SIGTERM)
+        _wait_for(owner, b"instance got SIGTERM")  # Topology.stop is waiting for the gateway's drain
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not _alive(pid)
+        err = owner.stderr.read().decode()
+        assert "Traceback" not in err, err
+        assert err.splitlines()[-1] == "pdd serve: stopped by SIGTERM; its instances have exited", err
     finally:
         _kill_all([pid])
         owner.kill()
