@@ -983,6 +983,8 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
 
     async def _drain_then_exit():
         try:
+            if scaler is not None:  # no instance added or removed while the topology stops
+                await scaler.stop()
             await drain.run(orch)
         except Exception:  # the server stops all the same
             log.exception("shutdown: the drain failed")

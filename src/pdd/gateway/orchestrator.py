@@ -177,6 +177,17 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                 out.append(trid)
         return out
 
+    def pending_calls(self) -> int:
+        """Background calls to the tiers not finished yet (aborts, drops, probes, reconnects)."""
+        return len(self._tasks)
+
+    def stop_probes(self) -> None:
+        """Stop probing idle MDs across the WAN (``policy.wan_probe_interval_s``): a gateway
+        that shuts down starts no new WAN work (``pdd.gateway.shutdown``). Idempotent."""
+        task = getattr(self, "_probes", None)
+        if task is not None:
+            task.cancel()
+
     def drop_awaited_kv(self) -> list[str]:
         """Shutdown (``pdd.gateway.shutdown``): forget every finished relayed request whose KV
         its MD has not reported yet and drop it there (MD frees a reservation still held, its

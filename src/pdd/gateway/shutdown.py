@@ -83,8 +83,8 @@ class Drain:
         out = [f"{self.in_flight} requests in flight"] if self.in_flight else []
         for what, n in (("attempts live", len(getattr(orch, "reqs", {}))),
                         ("kv_awaited", len(getattr(orch, "awaiting_kv", {}))),
-                        ("calls to the tiers", len(getattr(orch, "_tasks", ())) + len(openai_run._BACKGROUND)
-                         + len(disconnect._BACKGROUND))):
+                        ("calls to the tiers", (orch.pending_calls() if hasattr(orch, "pending_calls") else 0)
+                         + len(openai_run._BACKGROUND) + len(disconnect._BACKGROUND))):
             if n:
                 out.append(f"{what} {n}")
         return out
@@ -114,6 +114,8 @@ class Drain:
         more. Returns ``{"waited_s", "ended", "left"}``: seconds spent, requests the timeout
         ended, what was still pending when the drain gave up (empty when all ended)."""
         self.begin()
+        if hasattr(orch, "stop_probes"):  # no new WAN probe holds the drain up
+            orch.stop_probes()
         t0 = clock()
         log.warning("shutting down: new requests are refused (503 %s); waiting up to %g s (shutdown_timeout_s) "
                     "for %s", SHUTTING_DOWN, self.timeout_s, ", ".join(self.pending(orch)) or "nothing")
