@@ -160,6 +160,41 @@ class EarlyReject:
         return await self.app(scope, receive, send)
 
 
+MAX_CONCURRENT_REQUESTS = 1024  # HTTP requests the gateway serves at once (a stream counts until it ends)
+ALWAYS_SERVED = ("/health", "/metrics")  # a load balancer's probe and the scrape, however many clients wait
+
+
+class ConcurrencyLimit:
+    """ASGI middleware, the outermost but the shutdown's drain gate: at most ``limit`` HTTP requests are served at once (a
+    stream counts until it ends); one more gets HTTP 429 with ``Retry-After: 1`` and an
+    OpenAI-style ``rate_limit_error`` body at once, counted in ``admission.rejected["concurrency"]``
+    (``pdd_gateway_rejected_total{reason="concurrency"}``). ``ALWAYS_SERVED`` paths neither count
+    nor are refused. It replaces uvicorn's ``limit_concurrency``, whose refusal past 1,024
+    connections was a plain-text 503 "Service Unavailable" (no JSON body, no ``Retry-After``)
+    that refused ``/health`` too: 1,500 concurrent streaming clients got 701 of those."""
+
+    def __init__(self, app, admission: Admission | None = None, limit: int | None = None):
+        self.app, self.adm = app, admission
+        self.limit = MAX_CONCURRENT_REQUESTS if limit is None else int(limit)
+        self.serving = 0  # requests inside the app now
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in ALWAYS_SERVED:
+            return await self.app(scope, receive, send)
+        if self.serving >= self.limit:
+            if self.adm is not None:
+                self.adm.reject("concurrency")
+            ex = Overloaded(f"server overloaded: the gateway serves at most {self.limit} HTTP requests at once "
+                            f"(a stream counts until it ends) and all are in use; retry later", 1)
+            resp = JSONResponse(ex.body(), status_code=429, headers={"Retry-After": str(ex.retry_after_s)})
+            return await resp(scope, receive, send)
+        self.serving += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.serving -= 1
+
+
 class BodyLimit:
     """ASGI middleware: a request body sent without ``Content-Length`` (chunked) is read up to
     ``MAX_BODY_BYTES`` and refused with 413 beyond it (so memory stays bounded), else replayed to
@@ -314,6 +349,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         return await call_next(request)
 
     app.add_middleware(BodyLimit)
+    app.add_middleware(ConcurrencyLimit, admission=adm)  # bounds everything above (inside the drain gate)
     from pdd.gateway.shutdown import Drain, DrainGate
 
     drain = app.state.drain = Drain(cfg.shutdown_timeout_s)  # serve_gateway begins it on SIGTERM / Ctrl-C
@@ -937,6 +973,18 @@ async def _chat_chunks(gen: Generation, tt: TokenText):
                "pdd": _tok_ext(d)}
 
 
+def http_server_config(cfg: ClusterConfig, app):
+    """The gateway's uvicorn config: no ``limit_concurrency`` (its refusal is a plain-text 503;
+    the app's own :class:`ConcurrencyLimit` bounds the requests served at once with a 429 in the
+    OpenAI shape); idle keep-alive connections close after 30 s."""
+    import uvicorn
+
+    # timeout_graceful_shutdown: once the drain is over (pdd.gateway.shutdown), what uvicorn still waits
+    # for (a response its client does not read) is cancelled after this many seconds
+    return uvicorn.Config(app, host=cfg.host, port=cfg.gateway_port, log_level="warning", timeout_keep_alive=30,
+                          limit_concurrency=None, timeout_graceful_shutdown=SERVER_CLOSE_S)
+
+
 async def serve_gateway(cfg: ClusterConfig, lay) -> None:
     """Run the gateway process: connect to every tier, then serve HTTP; print ``READY gateway``.
     The first SIGTERM or SIGINT drains (:mod:`pdd.gateway.shutdown`: new requests refused, those
@@ -963,11 +1011,7 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
 
         scaler = Autoscaler(orch, cfg.autoscale)
     app = create_app(cfg, orch, tokenizer)
-    # timeout_graceful_shutdown: once the drain is over (pdd.gateway.shutdown), what uvicorn still waits
-    # for (a response its client does not read) is cancelled after this many seconds
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.gateway_port, log_level="warning",
-                                           timeout_keep_alive=30, limit_concurrency=1024,
-                                           timeout_graceful_shutdown=SERVER_CLOSE_S))
+    server = uvicorn.Server(http_server_config(cfg, app))
     loop = asyncio.get_running_loop()
     task = loop.create_task(server.serve())
     while not server.started:
