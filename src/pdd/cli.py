@@ -104,7 +104,7 @@ def cmd_launch(args) -> int:
     from pathlib import Path
 
     from pdd.security import CERT_DIR_UNSET, SecurityError, needs_material
-    from pdd.topology import ROLE_LINK, layout
+    from pdd.topology import ROLE_LINK, instance_ports_refusal, layout
 
     if getattr(args, "join", None) is not None:  # before anything starts: a typo is a usage error, not a late JOIN FAILED
         from pdd.cli_args import gateway_root
@@ -127,6 +127,9 @@ def cmd_launch(args) -> int:
     if lay.get(name).role != ROLE_LINK and not (Path(cfg.model_path) / "config.json").is_file():
         _usage(args, f"model_path {cfg.model_path}: no checkpoint there (config.json missing); make one with: "
                      f"pdd make-model --out {cfg.model_path}")
+    taken = instance_ports_refusal(cfg, name)
+    if taken:  # the bind failed later with a traceback (OSError: address already in use)
+        _usage(args, taken)
     if getattr(args, "join", None):
         if lay.get(name).role in (ROLE_LINK, "gateway"):
             _usage(args, "--join: only an engine instance (prefill, relay_decode, main_decode, colocated) joins")

@@ -178,6 +178,37 @@ def ports_taken_refusal(cfgs: list[TopologyFields], prog: str, port_flag: str = 
             f"others with {port_flag} and --base-port (or gateway_port / base_port in the config)")
 
 
+def instance_ports(lay: Layout, name: str) -> list[int]:
+    """The ports the process of instance ``name`` binds, ascending (:func:`port_users`): an engine
+    its RPC and metrics ports, the gateway its HTTP port, the link its control port and every MD's
+    WAN port."""
+    return [port for port, who in port_users(lay).items()
+            if name in who or f"{name} metrics" in who or (name == ROLE_LINK and any(w.endswith(" wan") for w in who))]
+
+
+def instance_ports_refusal(cfg: TopologyFields, name: str, prog: str = "pdd launch") -> str | None:
+    """None when every port instance ``name`` of ``cfg``'s topology binds (:func:`instance_ports`)
+    can be bound now; else the one line with which ``pdd launch`` refuses to start it (exit
+    status 2), e.g. ``port 18010 (p0: base_port + 10) already in use (...): p0 listens on 18010
+    and 18020; ...``. The bind failed later with a traceback (asyncio's ``OSError: [Errno 98]``)."""
+    lay = layout(cfg)
+    ports = instance_ports(lay, name)
+    busy = [p for p in ports if not _can_bind(lay.host, p, reuse_addr=True)]
+    if not busy:
+        return None
+    users = port_users(lay)
+
+    def where(port: int) -> str:
+        return "gateway_port" if port == cfg.gateway_port else f"base_port + {port - cfg.base_port}"
+
+    who = {p: f"{', '.join(users[p])}: {where(p)}" for p in busy}
+    listens = " and ".join([", ".join(str(p) for p in ports[:-1]), str(ports[-1])] if len(ports) > 1
+                           else [str(ports[0])])
+    return (f"{ports_taken_message(busy, who)} already in use (is {name} already running, or another pdd "
+            f"serve, make demo or pdd bench?): {name} listens on {listens}; move base_port / gateway_port in "
+            f"the config to run another topology beside it")
+
+
 def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
     """Whether a TCP socket can bind ``host:port`` now (it is closed again at once)."""
     return _bind_errno(host, port, reuse_addr) is None

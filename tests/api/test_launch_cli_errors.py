@@ -157,3 +157,30 @@ def test_serve_refuses_a_model_path_with_no_checkpoint_naming_the_field(capsys, 
     assert err == (f"pdd serve: error: model_path {model}: no checkpoint there (config.json missing); make one with: "
                    f"pdd make-model --out {model}\n")
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("role,name,offset,listens", [
+    ("prefill", "p0", 10, "{b10} and {b20}"),  # its RPC port taken; it listens on its metrics port too
+    ("link", "link", 1, "{b0} and {b1}"),  # md0's WAN port, which the link binds
+])
+def test_launch_refuses_an_instance_whose_port_is_taken(capsys, tmp_path, no_instance, role, name, offset, listens):
+    """Found by a new user: `pdd launch` of an instance already running (or beside another
+    topology on its ports) got past every check and died in the bind with asyncio's 20-line
+    OSError traceback ("[Errno 98] ... address already in use")."""
+    import socket
+
+    from pdd.topology import free_port_block
+
+    base = free_port_block()
+    cfg = _config(tmp_path, mode="cross_dc_pd", model_path=_model(tmp_path), base_port=base,
+                  security={"cert_dir": str(tmp_path)})
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", base + offset))
+        s.listen()
+        who = f"{name}: base_port + {offset}" if role != "link" else f"md0 wan: base_port + {offset}"
+        ports = listens.format(b0=base, b1=base + 1, b10=base + 10, b20=base + 20)
+        _refused(capsys, ["launch", "--role", role, "--config", cfg],
+                 f"port {base + offset} ({who}) already in use (is {name} already running, or another pdd serve, "
+                 f"make demo or pdd bench?): {name} listens on {ports}; move base_port / gateway_port in the "
+                 f"config to run another topology beside it")
