@@ -163,14 +163,22 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
 def prepare_security(cfg: ClusterConfig, log_dir: str | Path) -> ClusterConfig:
     """Make the topology's CA, certificates and fast-path key (``pdd.security``) when its security
     needs them: into ``security.cert_dir`` when set (what exists there is kept), else into
-    ``<log_dir>/certs``. Returns ``cfg`` with an absolute ``security.cert_dir``."""
-    from pdd.security import ensure_topology_certs, needs_material
+    ``<log_dir>/certs``. Returns ``cfg`` with an absolute ``security.cert_dir``. Raises
+    SecurityError naming the field when that directory cannot be made or written
+    (``security.cert_dir: /etc/passwd`` was a FileExistsError traceback from ``pdd serve``)."""
+    from pdd.security import SecurityError, ensure_topology_certs, needs_material
 
     sec = cfg.security
     if not needs_material(sec):
         return cfg
     cert_dir = Path(sec.cert_dir) if sec.cert_dir else Path(log_dir) / "certs"
-    ensure_topology_certs(cfg, cert_dir)
+    try:
+        ensure_topology_certs(cfg, cert_dir)
+    except OSError as e:
+        why = ("a file of that name exists" if isinstance(e, FileExistsError) and not cert_dir.is_dir()
+               else e.strerror or str(e))
+        where = f"security.cert_dir {sec.cert_dir}" if sec.cert_dir else f"certificate directory {cert_dir}"
+        raise SecurityError(f"{where}: cannot create or write the topology's certificates there: {why}") from None
     return cfg.model_copy(update={"security": sec.model_copy(update={"cert_dir": str(cert_dir.resolve())})})
 
 

@@ -184,3 +184,27 @@ def test_launch_refuses_an_instance_whose_port_is_taken(capsys, tmp_path, no_ins
                  f"port {base + offset} ({who}) already in use (is {name} already running, or another pdd serve, "
                  f"make demo or pdd bench?): {name} listens on {ports}; move base_port / gateway_port in the "
                  f"config to run another topology beside it")
+
+
+@pytest.mark.parametrize("cert_dir,why", [
+    ("FILE", "a file of that name exists"),
+    ("FILE/x", "Not a directory"),
+    ("/proc/pdd-test/x", "No such file or directory"),
+])
+def test_serve_refuses_a_cert_dir_it_cannot_make_naming_the_field(capsys, tmp_path, monkeypatch, cert_dir, why):
+    """Found by a new user: `security.cert_dir` naming a file (or a path that cannot be made) was a
+    FileExistsError / NotADirectoryError traceback from `pdd serve` (and `pdd bench` said only
+    "FileExistsError: [Errno 17] File exists"); nothing is started."""
+    import signal
+
+    from pdd import cli, topology
+
+    (tmp_path / "FILE").write_text("x")
+    cert_dir = cert_dir.replace("FILE", str(tmp_path / "FILE"))
+    monkeypatch.setattr(topology, "ports_in_use", lambda lay: [])
+    monkeypatch.setattr(cli, "ensure_model", lambda cfg: None)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # serve's SIGTERM handler stays out of pytest
+    monkeypatch.setattr(launch, "spawn_instance", lambda *a, **k: pytest.fail("an instance was started"))
+    cfg = _config(tmp_path, mode="pdd", model_path=_model(tmp_path), security={"cert_dir": cert_dir})
+    _refused(capsys, ["serve", "--config", cfg, "--log-dir", str(tmp_path / "logs")],
+             f"security.cert_dir {cert_dir}: cannot create or write the topology's certificates there: {why}")
