@@ -31,7 +31,7 @@ import httpx
 from pdd.config import ClusterConfig
 from pdd.spawn import PARENT_ENV, spawn_instance, start_failure_cause
 from pdd.topology import (ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY,
-                          InstanceSpec, Layout, layout)
+                          InstanceSpec, Layout, http_url, layout)
 
 
 PARENT_POLL_S = 0.25  # how often an instance checks that its owner is still alive
@@ -205,7 +205,7 @@ class Topology:
     def __init__(self, cfg: ClusterConfig, log_dir: str | Path | None = None, start_timeout_s: float = 120.0):
         self.cfg = cfg
         self.layout = layout(cfg)
-        self.url = f"http://{cfg.host}:{cfg.gateway_port}"
+        self.url = http_url(cfg.host, cfg.gateway_port)
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"pdd-{cfg.mode}-"))
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}

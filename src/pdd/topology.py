@@ -150,6 +150,9 @@ def ports_taken_refusal(cfgs: list[TopologyFields], prog: str, port_flag: str = 
     config in one or more modes (``pdd bench``'s), so they share its gateway port and base port
     (the first's are named). A port the bind refuses for want of permission (``pdd serve --port
     80`` as a user) is named as such, not as in use."""
+    host_problem = unbindable_host(cfgs[0].host)
+    if host_problem:  # every port "in use" was the message for an address not of this machine
+        return host_problem
     busy: dict[int, list[str]] = {}
     for cfg in cfgs:
         lay = layout(cfg)
@@ -191,6 +194,9 @@ def instance_ports_refusal(cfg: TopologyFields, name: str, prog: str = "pdd laun
     can be bound now; else the one line with which ``pdd launch`` refuses to start it (exit
     status 2), e.g. ``port 18010 (p0: base_port + 10) already in use (...): p0 listens on 18010
     and 18020; ...``. The bind failed later with a traceback (asyncio's ``OSError: [Errno 98]``)."""
+    host_problem = unbindable_host(cfg.host)
+    if host_problem:
+        return host_problem
     lay = layout(cfg)
     ports = instance_ports(lay, name)
     busy = [p for p in ports if not _can_bind(lay.host, p, reuse_addr=True)]
@@ -209,6 +215,32 @@ def instance_ports_refusal(cfg: TopologyFields, name: str, prog: str = "pdd laun
             f"the config to run another topology beside it")
 
 
+def unbindable_host(host: str) -> str | None:
+    """None when a listener can bind ``host`` (the config's ``host``: an address of this machine,
+    or a name that resolves to one); else the one line with which ``pdd serve``, ``pdd launch``,
+    ``pdd demo`` and ``pdd bench`` refuse it, naming the field and why (``8.8.8.8``: "Cannot
+    assign requested address"; an unknown name: "Name or service not known"). Every port of such
+    a host was reported "already in use"."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family) as s:
+            s.bind((host, 0))
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EADDRINUSE):  # about a port, not the address
+            return None
+        return (f"host {host}: cannot listen there ({e.strerror or e}): every process of the topology listens "
+                f"on it; set host in the config to an address of this machine (127.0.0.1, 0.0.0.0, ::1) or a "
+                f"name that resolves to one")
+    return None
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``http://[::1]:8000``)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
     """Whether a TCP socket can bind ``host:port`` now (it is closed again at once)."""
     return _bind_errno(host, port, reuse_addr) is None
@@ -220,7 +252,11 @@ def _bind_errno(host: str, port: int, reuse_addr: bool = False) -> int | None:
     a user that may not bind it; -1 when the error carries none)."""
     import socket
 
-    with socket.socket() as s:
+    try:  # the address's own family: an IPv6 host (::1) cannot be bound by an IPv4 socket
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as e:
+        return e.errno if e.errno is not None else -1
+    with socket.socket(family) as s:
         if reuse_addr:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

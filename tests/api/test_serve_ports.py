@@ -178,3 +178,56 @@ def test_a_bind_failure_at_start_is_one_line_naming_the_port_settings(tmp_path, 
     path.write_text(log)
     assert start_failure_cause(path) == f"{BIND_FIELDS}: {said} (whole log: {path})"
     assert BIND_FIELDS == "cannot listen on its port (gateway_port / base_port; pdd serve --port / --base-port)"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+HOST_ADVICE = ("every process of the topology listens on it; set host in the config to an address of this machine "
+               "(127.0.0.1, 0.0.0.0, ::1) or a name that resolves to one")
+
+
+@pytest.mark.parametrize("cmd", ["serve", "launch"])
+def test_a_host_not_of_this_machine_is_named_not_every_port_in_use(capsys, monkeypatch, tmp_path, cmd):
+    """Found by a new user: `host: 192.0.2.1` (an address of another machine, or a name that does
+    not resolve) was refused as "ports 18000 (link: ...), ... and 4 more already in use (another
+    pdd serve ...?)": the bind failed for want of the address, not of the ports."""
+    import json
+
+    from pdd import launch
+
+    monkeypatch.setattr(launch, "run_instance", lambda *a: pytest.fail("an instance was started"))
+    base = free_port_block()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"mode": "pdd", "host": "192.0.2.1", "base_port": base, "gateway_port": base + 95,
+                               "model_path": str(model), "security": {"cert_dir": str(tmp_path)}}))
+    argv = ["serve", "--config", str(cfg)] if cmd == "serve" else ["launch", "--role", "prefill", "--config", str(cfg)]
+    err = usage_error(capsys, main, argv)
+    assert err == (f"pdd {cmd}: error: host 192.0.2.1: cannot listen there (Cannot assign requested address): "
+                   f"{HOST_ADVICE}\n")
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_host_the_config_accepts_is_checked_in_its_own_family():
+    """`host: "::1"` (an address the config names as valid) was refused as every port "already in
+    use": the check bound an IPv4 socket to it. The gateway's URL puts it in brackets."""
+    from pdd.launch import Topology
+    from pdd.topology import ports_taken_refusal
+
+    base = free_port_block()
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "host": "::1", "base_port": base, "gateway_port": base + 95})
+    assert ports_taken_refusal([cfg], "pdd serve") is None
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", base + 10))
+        s.listen()
+        assert ports_in_use(layout(cfg)) == [base + 10]
+    assert Topology(cfg).url == f"http://[::1]:{base + 95}"

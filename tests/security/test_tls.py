@@ -196,3 +196,30 @@ def test_link_security_server_and_client_kwargs(certs):
 
 def test_peer_module_documents_mac_close_policy():
     assert "connection is **closed**" in peer_module.__doc__
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_a_tls_server_listens_on_an_ipv6_host(certs):
+    """`host: "::1"` (valid in the config) made every engine die at start: the TLS listener was an
+    IPv4 socket ("Address family for hostname not supported")."""
+    s = Server("::1", 0, {"echo": lambda p, h, b: ({"t": "echo_ok"}, bytes(b))}, role="md", instance="srv",
+               ssl=server_context(certs, "srv"))
+    server = await s.start()
+    try:
+        peer = await connect("::1", server.port, role="gw", **tls_client(certs))
+        h, p = await peer.call({"t": "echo"}, b"x")
+        assert (h["t"], bytes(p), peer.auth) == ("echo_ok", b"x", "tls")
+        await peer.close()
+    finally:
+        await server.close()

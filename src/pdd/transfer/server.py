@@ -102,7 +102,8 @@ class Server:
     async def start(self) -> "Server":
         loop = asyncio.get_running_loop()
         if self.ssl is not None:  # TLS and plain (MAC) connections on one port: sniff the first byte
-            sock = socket.create_server((self.host, self.port), backlog=128)
+            family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]  # ::1 is IPv6
+            sock = socket.create_server((self.host, self.port), family=family, backlog=128)
             sock.setblocking(False)
             self._lsock = sock
             self.port = sock.getsockname()[1]
