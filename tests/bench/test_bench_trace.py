@@ -152,3 +152,37 @@ def test_session_sampling_keeps_whole_conversations():
     assert 200 < len(whole_hour) < 260 and ideal_prefix_hit_rate(whole_hour) > 0.25
     other = build_requests(DEFAULT_TRACE, Scale(session_sample=50, session_seed=1, count=40), TS)
     assert [r.idx for r in other] != [r.idx for r in reqs]
+
+
+def test_arrivals_count_from_the_slice_earliest_timestamp_not_its_first():
+    """Found by a new user: a trace whose first record was not its earliest (an outlier, an
+    unsorted file) gave the earlier records negative arrivals and the summary "0.0 s of arrivals
+    (all at once)" for a replay that then waited on its latest record."""
+    recs = [rec(5000, 600, 10, [1]), rec(0, 600, 10, [2]), rec(2500, 600, 10, [3])]
+    reqs = build_requests(recs, Scale(session_sample=1), TS)
+    assert [r.arrival_s for r in reqs] == [5.0, 0.0, 2.5]
+    assert workload_summary(reqs, Scale(session_sample=1), "t.jsonl")["duration_s"] == 5.0
+    # a target rate spans the earliest to the latest: 2 gaps over 5 s at 1 req/s is 2.5x faster
+    fast = build_requests(recs, Scale(session_sample=1, target_rate_rps=1.0), TS)
+    assert [r.arrival_s for r in fast] == [2.0, 0.0, 1.0]
+
+
+def test_sim_counts_a_trace_from_its_earliest_timestamp(tmp_path):
+    """`pdd sim run` on a trace of epoch-millisecond timestamps simulated 1,733,443,206 s of
+    traffic (instance-seconds of 1.7e10) before its first request: it starts at the earliest, as
+    pdd bench does."""
+    from pdd.cli import main as pdd_main
+    from pdd.workload.records import from_earliest
+
+    epoch = 1_733_443_200_000
+    recs = [rec(epoch + 1000 * i, 600, 10, [i]) for i in range(3)]
+    assert [r["timestamp"] for r in from_earliest(recs)] == [0, 1000, 2000]
+    assert from_earliest([rec(0, 1, 1, [])])[0]["timestamp"] == 0
+    runs = []
+    for name, rs in (("epoch", recs), ("zero", [dict(r, timestamp=r["timestamp"] - epoch) for r in recs])):
+        trace, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        trace.write_text("".join(json.dumps(r) + "\n" for r in rs))
+        assert pdd_main(["sim", "run", "--trace", str(trace), "--json", str(out)]) == 0
+        runs.append({k: v for k, v in json.loads(out.read_text()).items() if k not in ("wall_s", "peak_rss_mb")})
+    assert runs[0] == runs[1]  # the same simulation: duration_s was 1.7e9 s for the epoch trace
+    assert runs[0]["duration_s"] < 10

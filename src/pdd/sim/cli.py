@@ -371,6 +371,7 @@ def _records(a, rate=None):
         raise UsageError(f"--trace: {e}") from None
     if not recs:  # as pdd bench and pdd plan refuse it: "simulated 0 requests" measures nothing
         raise UsageError(f"--trace: {path} holds no trace records")
+    recs = W.from_earliest(recs)  # as pdd bench: epoch-ms timestamps simulated 1.7e9 idle seconds first
     if cap:
         recs = W.cap_input(recs, cap)
     if rate is not None:

@@ -119,6 +119,14 @@ def capped_prompt_tokens(max_tokens: int, block: int) -> int:
     return keep * block if keep else max_tokens
 
 
+def from_earliest(records: Sequence[dict]) -> list[dict]:
+    """``records`` with their timestamps counted from the earliest one (ms), as ``pdd bench``
+    replays a slice: a trace of absolute times (epoch milliseconds) starts at once rather than
+    after that many idle seconds. Records whose earliest timestamp is 0 are returned unchanged."""
+    t0 = min((r["timestamp"] for r in records), default=0)
+    return list(records) if t0 == 0 else [dict(r, timestamp=r["timestamp"] - t0) for r in records]
+
+
 def scale_rate(records: Sequence[dict], factor: float) -> list[dict]:
     """Replay ``factor`` times faster (timestamps divided by factor)."""
     return [dict(r, timestamp=r["timestamp"] / factor) for r in records]

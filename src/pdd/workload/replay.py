@@ -20,7 +20,9 @@ How a record is scaled (all of it in :class:`Scale`):
   prompt still longer than the cap after keeping one block is cut to the cap).
 - output: ``round(output_length * output_scale)`` clamped to ``[min_output_tokens,
   max_output_tokens]``.
-- time: ``arrival_s = (timestamp - timestamp_of_first_request_in_slice) / 1000 / time_scale``;
+- time: ``arrival_s = (timestamp - earliest_timestamp_in_slice) / 1000 / time_scale`` (the
+  earliest, not the first: a record whose timestamp is below the first's arrives at 0, not
+  before the replay starts);
   with ``target_rate_rps`` set, ``time_scale`` is chosen so the slice's mean arrival rate
   (``(n - 1) / span``) equals it.
 """
@@ -126,7 +128,7 @@ class Scale:
             return self.time_scale
         if len(timestamps_ms) < 2:
             return 1.0
-        span_s = (timestamps_ms[-1] - timestamps_ms[0]) / 1000.0
+        span_s = (max(timestamps_ms) - min(timestamps_ms)) / 1000.0
         if span_s <= 0:
             return 1.0  # all arrive at once whatever the scale
         return self.target_rate_rps * span_s / (len(timestamps_ms) - 1)
@@ -268,6 +270,7 @@ def build_requests(
     if not recs:
         return []
     ts = [float(r["timestamp"]) for r in recs]
+    t0 = min(ts)  # the slice's earliest: ts[0] gave an unsorted slice's earlier records negative arrivals
     tscale = scale.effective_time_scale(ts)
     bt = scale.block_tokens
     cache: dict[int, list[int]] = {}
@@ -293,7 +296,7 @@ def build_requests(
         out.append(
             ReplayRequest(
                 idx=indices[i],
-                arrival_s=(ts[i] - ts[0]) / 1000.0 / tscale,
+                arrival_s=(ts[i] - t0) / 1000.0 / tscale,
                 prompt_ids=prompt,
                 max_tokens=scale.output_tokens(int(rec["output_length"])),
                 trace_record=rec,
@@ -365,7 +368,8 @@ def workload_summary(
     ts = [float(r.trace_record["timestamp"]) for r in requests]
     ins = [len(r.prompt_ids) for r in requests]
     outs = [r.max_tokens for r in requests]
-    span = requests[-1].arrival_s if requests else 0.0
+    span = max(r.arrival_s for r in requests) if requests else 0.0  # the last's: "0.0 s (all at once)" for
+    # a slice whose latest record was not its last
     try:
         trace_name = str(Path(trace).resolve().relative_to(DEFAULT_TRACE.parents[2]))
     except ValueError:
