@@ -136,10 +136,14 @@ def cmd_launch(args) -> int:
         from pdd.gateway.join import join_when_ready
 
         join_when_ready(cfg, lay.get(name), args.join)  # in the background, once the instance listens
+    from pdd.gateway.orchestrator import TierUnreachable
+
     try:
         run_instance(cfg, name)
     except SecurityError as e:  # a cert file missing or bad in security.cert_dir
         _usage(args, str(e))
+    except TierUnreachable as e:  # the gateway launched alone: an instance of its layout never answered
+        raise SystemExit(f"pdd launch: gateway: {e}")
     return 0
 
 

@@ -49,6 +49,14 @@ from pdd.gateway.wan_booking import WanBooking
 log = logging.getLogger(__name__)
 
 
+START_RETRIES = 200  # connects to each instance at start-up (backing off to 2 s apart: about 6.5 min)
+
+
+class TierUnreachable(ConnectionError):
+    """The gateway could not connect to an instance of its layout at start-up: nothing answered
+    at its address, or its handshake refused the gateway."""
+
+
 class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Recovery):
     """The wiring: connections to every instance, which collaborator handles each message
     from the tiers (:meth:`handlers`), the request table and totals, stats; the collaborators
@@ -134,9 +142,11 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                 "xfer_done": self.on_xfer_done, "wan_sample": self.on_wan_sample,  # wan_booking
                 "req_error": self.on_req_error}  # recovery: a tier failed the attempt
 
-    async def start(self) -> None:
+    async def start(self, retries: int = START_RETRIES) -> None:
+        """Connect to every engine of the layout (each retried ``retries`` times, backing off to 2 s
+        apart); raises :class:`TierUnreachable` naming the one that did not answer or refused."""
         for s in self.layout.engines:
-            self.peers[s.name] = await self._connect(s.name, retries=200)
+            self.peers[s.name] = await self._connect_at_start(s.name, retries)
         self._watch = asyncio.get_running_loop().create_task(self._watch_closed())
         if self.cfg.policy.wan_probe_interval_s > 0:
             self._probes = asyncio.get_running_loop().create_task(self._probe_loop())
@@ -201,6 +211,27 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             if peer is not None and not peer.closed:
                 self._spawn(peer.send(Drop(trid).wire()))
         return out
+
+    async def _connect_at_start(self, name: str, retries: int) -> Peer:
+        """:meth:`_connect` at start-up: once at once, then (saying so on stderr: the gateway
+        launched alone before its instances was silent for minutes) with ``retries``. A refused
+        handshake or no answer is a :class:`TierUnreachable` naming the instance and its address
+        (it was a HandshakeError or ConnectionError traceback)."""
+        from pdd.transfer.handshake import HandshakeError
+
+        ms = getattr(self, "membership", None)
+        host, port, _wan = (ms.full if ms is not None else self.layout).address_from_a(name)
+        for attempt, n in enumerate((0, retries)):
+            try:
+                return await self._connect(name, retries=n)
+            except HandshakeError as e:
+                raise TierUnreachable(f"{name} at {host}:{port} refused the gateway's connection: {e} (an "
+                                      f"instance of another topology, or one with other security settings?)") from None
+            except ConnectionError as e:
+                if attempt:
+                    raise TierUnreachable(f"{name} at {host}:{port} did not answer: {e}") from None
+                log.warning("gateway: waiting for %s at %s:%d (start the topology's instances first)", name, host, port)
+        raise AssertionError("unreachable")
 
     async def _connect(self, name: str, retries: int) -> Peer:
         from pdd.security import link_security
