@@ -125,8 +125,9 @@ def cmd_launch(args) -> int:
     if needs_material(cfg.security) and not cfg.security.cert_dir:
         _usage(args, CERT_DIR_UNSET)
     if lay.get(name).role != ROLE_LINK and not (Path(cfg.model_path) / "config.json").is_file():
-        _usage(args, f"model_path {cfg.model_path}: no checkpoint there (config.json missing); make one with: "
-                     f"pdd make-model --out {cfg.model_path}")
+        from pdd.cli_args import no_checkpoint_message
+
+        _usage(args, no_checkpoint_message(cfg.model_path))
     taken = instance_ports_refusal(cfg, name)
     if taken:  # the bind failed later with a traceback (OSError: address already in use)
         _usage(args, taken)

@@ -121,10 +121,24 @@ def missing_model_problem(cfg) -> str | None:
     from pathlib import Path
 
     path = Path(cfg.model_path)
-    if (path / "config.json").exists() or path == Path("models") / cfg.model_preset:
+    if (path / "config.json").exists() or (path == Path("models") / cfg.model_preset and not path.is_file()):
         return None
-    return (f"model_path {cfg.model_path}: no checkpoint there (config.json missing); make one with: "
-            f"pdd make-model --out {cfg.model_path}")
+    return no_checkpoint_message(cfg.model_path)
+
+
+def no_checkpoint_message(model_path: str) -> str:
+    """The one line naming ``model_path`` when no checkpoint is there: a file (``config.json``
+    itself, a weights file) is named as such, since ``pdd make-model --out FILE`` cannot make one
+    there; else the command that makes one."""
+    from pathlib import Path
+
+    if Path(model_path).is_file():
+        parent = Path(model_path).parent
+        hint = f" (did you mean {parent}?)" if (parent / "config.json").is_file() else ""
+        return (f"model_path {model_path}: is a file; give the checkpoint's directory (the one holding "
+                f"config.json){hint}")
+    return (f"model_path {model_path}: no checkpoint there (config.json missing); make one with: "
+            f"pdd make-model --out {model_path}")
 
 
 def gateway_root(url: str) -> str:

@@ -208,3 +208,18 @@ def test_serve_refuses_a_cert_dir_it_cannot_make_naming_the_field(capsys, tmp_pa
     cfg = _config(tmp_path, mode="pdd", model_path=_model(tmp_path), security={"cert_dir": cert_dir})
     _refused(capsys, ["serve", "--config", cfg, "--log-dir", str(tmp_path / "logs")],
              f"security.cert_dir {cert_dir}: cannot create or write the topology's certificates there: {why}")
+
+
+@pytest.mark.parametrize("cmd", [["launch", "--role", "prefill"], ["serve"]])
+def test_a_model_path_that_is_a_file_is_named_as_one(capsys, tmp_path, monkeypatch, cmd, no_instance):
+    """Found by a new user: `model_path: models/small/config.json` (or any file) was "no checkpoint
+    there (config.json missing); make one with: pdd make-model --out models/small/config.json", a
+    command that refuses a file."""
+    from pdd import topology
+
+    monkeypatch.setattr(topology, "ports_in_use", lambda lay: [])
+    model = _model(tmp_path)
+    for path, hint in ((f"{model}/config.json", f" (did you mean {model}?)"), (str(tmp_path / "c.json"), "")):
+        cfg = _config(tmp_path, model_path=path, security={"cert_dir": str(tmp_path)})
+        _refused(capsys, cmd + ["--config", cfg],
+                 f"model_path {path}: is a file; give the checkpoint's directory (the one holding config.json){hint}")
