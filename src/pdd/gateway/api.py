@@ -18,7 +18,8 @@ chunk carries ``usage`` (``prompt_tokens_details.cached_tokens`` = P's prefix-ca
 figure billing uses) and ``"pdd": {"pipeline", "wan_bytes", "wan_bytes_expected", ...}``.
 Bad input gets HTTP 400 with an OpenAI-style error body before any tier does work. What the
 system cannot take now (``pdd.gateway.admission``: requests in flight, prompt tokens queued for
-prefill and their expected wait, or a tier whose bounded queue is full) gets HTTP 429 with
+prefill and their expected wait, or a tier whose bounded queue is full; :class:`ConcurrencyLimit`:
+more HTTP requests at once than ``MAX_CONCURRENT_REQUESTS``) gets HTTP 429 with
 ``Retry-After`` and ``{"error": {"type": "rate_limit_error", "code": "rate_limit_exceeded"}}``.
 """
 
