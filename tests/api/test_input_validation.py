@@ -1202,3 +1202,22 @@ def test_the_context_refusal_says_when_max_tokens_is_completions_default(tiny_mo
             assert _err(r, 400, "max_tokens", "context_length_exceeded")["message"] == (
                 f"prompt (250 tokens) + max_tokens ({said}) exceeds the context window of 256 tokens")
         assert not orch.started
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br, gzip"])
+def test_a_compressed_body_is_415_naming_its_content_encoding(api, coding):
+    """A gzip body (``Content-Encoding: gzip``) was read as JSON text and refused as "not UTF-8
+    (byte 0x8b at offset 1)", gzip's magic number, which does not say what to change: the
+    gateway takes no content coding, and says so with 415 (RFC 9110 section 15.5.16). An
+    ``identity`` coding is the body as sent."""
+    import gzip
+
+    client, orch = api
+    r = client.post("/v1/completions", content=gzip.compress(json.dumps(OK).encode()),
+                    headers={"content-type": "application/json", "content-encoding": coding})
+    assert _err(r, 415, None)["message"] == (f"Unsupported Media Type: Content-Encoding {coding!r} is not supported; "
+                                             "send the request body uncompressed")
+    assert not orch.started
+    r = client.post("/v1/completions", content=json.dumps(OK).encode(),
+                    headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert r.status_code == 200, r.text

@@ -120,6 +120,12 @@ class Utf8JsonRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def checked(request: Request):
+            coding = request.headers.get("content-encoding", "identity").strip().lower()
+            if self.body_field is not None and coding not in ("", "identity"):
+                # a compressed body read as JSON was "not UTF-8 (byte 0x8b at offset 1)" (gzip's
+                # magic); RFC 9110 section 15.5.16: 415 for a content coding the server does not take
+                return bad_request(f"Unsupported Media Type: Content-Encoding {shown(coding)} is not supported; "
+                                   "send the request body uncompressed", None, status=415)
             if self.body_field is not None and _json_body(request):
                 try:
                     body = await request.body()  # read once: FastAPI's parse reuses it
