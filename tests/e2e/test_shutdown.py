@@ -63,13 +63,15 @@ class RawStream:
             self.done.set()
 
 
-def _cfg(small_model: str, timeout_s: float):
+def _cfg(small_model: str, timeout_s: float, min_step_ms: float = 20.0):
     return make_cfg(small_model, "pdd", shutdown_timeout_s=timeout_s,
-                    engine={"device": TEST_DEVICE, "min_step_ms": 20.0}, request_timeout_s=60.0)
+                    engine={"device": TEST_DEVICE, "min_step_ms": min_step_ms}, request_timeout_s=60.0)
 
 
 def test_a_stream_in_flight_at_stop_finishes_on_live_instances_and_new_requests_get_503(small_model, tmp_path):
-    topo = Topology(_cfg(small_model, 120.0), log_dir=tmp_path / "logs")
+    # 100 ms steps: the stream's last 57 tokens take >= 5.7 s, far more than the test's few HTTP calls
+    # to the draining gateway, which answers them only while the stream still runs
+    topo = Topology(_cfg(small_model, 120.0, min_step_ms=100.0), log_dir=tmp_path / "logs")
     topo.start()
     stopper = threading.Thread(target=topo.stop)
     try:
