@@ -58,7 +58,9 @@ def test_pdd_launch_gateway_fails_in_one_line(capsys, monkeypatch, tmp_path):
 
     monkeypatch.setattr(launch, "run_instance", run_instance)
     cfg = tmp_path / "c.json"
-    cfg.write_text('{"mode": "colocated", "security": {"tls": false, "fast_path": "plain"}}')
+    base = free_port_block()  # the default ports may be another process's: launch refuses taken ports first
+    cfg.write_text(f'{{"mode": "colocated", "base_port": {base}, "gateway_port": {base + 95}, '
+                   '"security": {"tls": false, "fast_path": "plain"}}')
     with pytest.raises(SystemExit) as ex:
         main(["launch", "--role", "gateway", "--config", str(cfg)])
     assert ex.value.code == "pdd launch: gateway: c0 at 127.0.0.1:18010 did not answer: cannot connect"
