@@ -79,8 +79,12 @@ def test_launch_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monk
     def run_instance(cfg, name):
         raise SecurityError(f"{tmp_path}/ca.pem is missing")
 
+    from pdd.topology import free_port_block
+
     monkeypatch.setattr(launch, "run_instance", run_instance)
-    cfg = _config(tmp_path, model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)})
+    base = free_port_block()  # launch refuses an instance whose (default) ports another process holds first
+    cfg = _config(tmp_path, model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)}, base_port=base,
+                  gateway_port=base + 95)
     _refused(capsys, ["launch", "--role", "prefill", "--config", cfg], f"{tmp_path}/ca.pem is missing")
 
 
