@@ -5,6 +5,7 @@ HandshakeError traceback at once)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -58,9 +59,12 @@ def test_pdd_launch_gateway_fails_in_one_line(capsys, monkeypatch, tmp_path):
 
     monkeypatch.setattr(launch, "run_instance", run_instance)
     cfg = tmp_path / "c.json"
+    model = tmp_path / "model"  # launch checks model_path first: the default models/small is not in a fresh clone
+    model.mkdir()
+    (model / "config.json").write_text("{}")
     base = free_port_block()  # the default ports may be another process's: launch refuses taken ports first
-    cfg.write_text(f'{{"mode": "colocated", "base_port": {base}, "gateway_port": {base + 95}, '
-                   '"security": {"tls": false, "fast_path": "plain"}}')
+    cfg.write_text(json.dumps({"mode": "colocated", "base_port": base, "gateway_port": base + 95,
+                               "model_path": str(model), "security": {"tls": False, "fast_path": "plain"}}))
     with pytest.raises(SystemExit) as ex:
         main(["launch", "--role", "gateway", "--config", str(cfg)])
     assert ex.value.code == "pdd launch: gateway: c0 at 127.0.0.1:18010 did not answer: cannot connect"
