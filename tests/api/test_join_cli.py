@@ -10,7 +10,7 @@ from pdd import launch
 from pdd.cli import main
 from pdd.config import ClusterConfig
 from pdd.gateway.join import api_key, join_body
-from pdd.topology import layout
+from pdd.topology import free_port_block, layout
 
 
 def _config_that_must_not_run(tmp_path, monkeypatch):
@@ -20,7 +20,9 @@ def _config_that_must_not_run(tmp_path, monkeypatch):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"model_path": str(tmp_path / "model"), "security": {"tls": False, "fast_path": "plain"}}))
+    base = free_port_block()  # launch refuses an instance whose (default) ports another process holds first
+    cfg.write_text(json.dumps({"model_path": str(tmp_path / "model"), "base_port": base, "gateway_port": base + 95,
+                               "security": {"tls": False, "fast_path": "plain"}}))
     return cfg
 
 
