@@ -937,3 +937,25 @@ def test_an_empty_output_file_is_refused_not_ignored(capsys, monkeypatch, argv):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     err = usage_error(capsys, pdd_main, argv)
     assert f"error: {argv[-2]} '': empty; give a file path" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sim_run_checks_a_json_no_file_can_be_made_in_before_the_simulation(capsys, monkeypatch):
+    """Found by a new user (as root): `pdd sim run --json /proc/x.json` simulated, printed its
+    summary, then ended in a FileNotFoundError traceback (os.access says yes to root there)."""
+    import pdd.sim.cluster
+
+    monkeypatch.setattr(pdd.sim.cluster.ClusterSim, "run", lambda *a, **k: pytest.fail("simulated first"))
+    err = _refused(capsys, ["sim", "run", "--limit", "5", "--json", "/proc/pdd-no-such.json"])
+    assert err.splitlines()[-1] in ("pdd sim run: error: --json /proc/pdd-no-such.json: cannot write it: "
+                                    "No such file or directory",
+                                    "pdd sim run: error: --json /proc/pdd-no-such.json: not writable"), err
+
+
+def test_check_out_file_leaves_no_file_behind(tmp_path):
+    from pdd.sim.cli import check_out_file
+
+    check_out_file(str(tmp_path / "s.json"), "--json")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old.json").write_text("kept")
+    check_out_file(str(tmp_path / "old.json"), "--json")
+    assert (tmp_path / "old.json").read_text() == "kept"

@@ -730,7 +730,9 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
 
 
 def check_out_file(path: str, flag: str = "--out") -> None:
-    """UsageError naming ``flag`` unless ``path`` can be written as a file (checked before the work)."""
+    """UsageError naming ``flag`` unless ``path`` can be written as a file (checked before the work):
+    opened for appending (nothing written; a file this call made is removed again), since
+    ``os.access`` says yes to root for a directory no file can be made in (``/proc``)."""
     import os
     from pathlib import Path
 
@@ -744,6 +746,14 @@ def check_out_file(path: str, flag: str = "--out") -> None:
         raise UsageError(f"{flag} {path}: no such directory: {parent}")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as ex:  # root in /proc or /sys: the simulation ran, then write_text was a traceback
+        raise UsageError(f"{flag} {path}: cannot write it: {ex.strerror or ex}") from None
+    if not existed:
+        p.unlink(missing_ok=True)
 
 
 def cmd_agentic(a) -> int:
