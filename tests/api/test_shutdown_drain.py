@@ -148,3 +148,16 @@ async def test_the_drain_waits_for_nothing_when_nothing_runs(gateway):
     app, orch, _ = gateway
     rep = await app.state.drain.run(orch)
     assert (rep["ended"], rep["left"], app.state.drain.draining, app.state.drain.expired) == (0, [], True, False)
+
+
+async def test_a_batch_ended_by_the_shutdown_timeout_counts_as_one_request(gateway):
+    """Found by a new user: the gateway's log said "waiting ... for 4 requests in flight", then
+    "7 requests ended with an error": each prompt of a batch was counted as a request."""
+    app, orch, eng = gateway
+    _expire_at(app, orch, 2)
+    status, _, raw = await call(app, "POST", "/v1/completions",
+                                {"prompt": [[5, 6, 7], [8, 9, 10], [11, 12]], "max_tokens": 100, "ignore_eos": True})
+    assert (status, json.loads(raw)) == (503, error_body(expired_message(0), etype="server_error"))
+    await _settled(orch)
+    assert orch.abort_reasons == ["failed", "failed", "failed"] and app.state.drain.ended == 1
+    assert orch.seqs == {} and _leaked(eng) == 0

@@ -625,7 +625,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         False when the caller settles it (``Generation.settle``: a batch, once every prompt started)."""
         ticket = None if admitted else admit(len(sps), len(ids), request)
         gen = Generation(orch, tokenizer, ids, sps, opts, eos_ids)
-        app.state.drain.track(gen)  # ended by the shutdown timeout if it still runs then
+        app.state.drain.track(gen, request)  # ended by the shutdown timeout if it still runs then
         if made is not None:
             made.append(gen)
         try:

@@ -52,7 +52,8 @@ class Drain:
     requests in flight may run on after :meth:`begin` (0: none). Attributes: ``draining``
     (begun: new generation requests are refused), ``expired`` (the timeout ran out: what was
     still running was ended), ``in_flight`` (generation requests past :class:`DrainGate` whose
-    response is not sent yet), ``ended`` (requests ended by the timeout)."""
+    response is not sent yet), ``ended`` (HTTP requests ended by the timeout: a batch of prompts,
+    one Generation each, is one)."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = float(timeout_s)
@@ -61,15 +62,18 @@ class Drain:
         self.in_flight = 0
         self.ended = 0
         self.gens: weakref.WeakSet = weakref.WeakSet()  # the running Generations (pdd.gateway.openai_run)
+        self._request_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Generation -> its request's id
 
     def begin(self) -> None:
         """Refuse new generation requests from now on (idempotent)."""
         self.draining = True
 
-    def track(self, gen) -> None:
+    def track(self, gen, request=None) -> None:
         """A :class:`pdd.gateway.openai_run.Generation` just made: ended by :meth:`expire` if it
-        still runs then (at once when the timeout ran out already)."""
+        still runs then (at once when the timeout ran out already). ``request``: the HTTP request
+        it serves (the prompts of a batch share it), so that :attr:`ended` counts requests."""
         self.gens.add(gen)
+        self._request_of[gen] = id(request if request is not None else gen)
         if self.expired:
             gen.shut_down(expired_message(self.timeout_s))
 
@@ -93,12 +97,13 @@ class Drain:
         """The timeout ran out: end every request still running (:meth:`Generation.shut_down`:
         its response ends with the error of :func:`expired_message`; its choices are aborted on
         every tier, counted failed), abort as failed any attempt no request holds, and drop on MD
-        every relayed request's KV still awaited. Returns the requests ended."""
+        every relayed request's KV still awaited. Returns the HTTP requests ended (a batch's
+        prompts count once, as the drain's "requests in flight" do)."""
         from pdd.gateway.state import ABORT_FAILED
 
         self.expired = True
         msg = expired_message(self.timeout_s)
-        n = sum(1 for gen in list(self.gens) if gen.shut_down(msg))
+        n = len({self._request_of.get(gen, id(gen)) for gen in list(self.gens) if gen.shut_down(msg)})
         self.ended += n
         for st in list(getattr(orch, "reqs", {}).values()):
             if not st.finished:  # (one a Generation holds was aborted by it: abort is idempotent)
