@@ -356,6 +356,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         return await call_next(request)
 
     app.add_middleware(BodyLimit)
+    from pdd.gateway.slow_body import BodyIdleTimeout
+
+    app.add_middleware(BodyIdleTimeout)  # a body that stops arriving frees its place below (408)
     app.add_middleware(ConcurrencyLimit, admission=adm)  # bounds everything above (inside the drain gate)
     from pdd.gateway.shutdown import Drain, DrainGate
 
