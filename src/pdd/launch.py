@@ -284,21 +284,9 @@ class Topology:
         once and waits for them before it goes on, so the owner never exits before its instances
         (whose ports a next topology needs)."""
         try:  # (the SIGTERMs too: a second signal can come as soon as an instance got its first)
-            self._stop_gateway()
-            for name in reversed(list(self.procs)):
-                p = self.procs[name]
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + grace_s
-            for p in self.procs.values():
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    _kill_group(p)
-                    p.wait()
+            gw = [s.name for s in self.layout.instances if s.role == ROLE_GATEWAY and s.name in self.procs]
+            self._terminate(gw, self.cfg.shutdown_timeout_s + GATEWAY_EXIT_S)  # its drain, on live instances
+            self._terminate(list(reversed(list(self.procs))), grace_s)
         except KeyboardInterrupt:
             for p in self.procs.values():
                 _kill_group(p)
@@ -308,20 +296,18 @@ class Topology:
             raise
         self.procs.clear()
 
-    def _stop_gateway(self) -> None:
-        """SIGTERM the gateway (its drain) and wait for it to exit: at most
-        ``cfg.shutdown_timeout_s + GATEWAY_EXIT_S`` seconds, then SIGKILL. The instances keep
-        running meanwhile, so the requests in flight finish on them."""
-        gw = [s.name for s in self.layout.instances if s.role == ROLE_GATEWAY and s.name in self.procs]
-        for name in gw:
+    def _terminate(self, names: list[str], timeout_s: float) -> None:
+        """SIGTERM the process group of each of ``names`` still running (in that order), then wait
+        for each to exit, all within ``timeout_s`` seconds; SIGKILL those still running then."""
+        for name in names:
             p = self.procs[name]
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + self.cfg.shutdown_timeout_s + GATEWAY_EXIT_S
-        for name in gw:
+        deadline = time.monotonic() + timeout_s
+        for name in names:
             p = self.procs[name]
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
