@@ -9,6 +9,7 @@ from pdd.cli import main
 from pdd.config import ClusterConfig
 from pdd.topology import free_port_block, layout, ports_in_use
 from tests.cli_usage import usage_error
+from tests.net import ipv6_loopback
 
 
 def test_ports_in_use_names_the_taken_ones():
@@ -180,15 +181,6 @@ def test_a_bind_failure_at_start_is_one_line_naming_the_port_settings(tmp_path, 
     assert BIND_FIELDS == "cannot listen on its port (gateway_port / base_port; pdd serve --port / --base-port)"
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 HOST_ADVICE = ("every process of the topology listens on it; set host in the config to an address of this machine "
                "(127.0.0.1, 0.0.0.0, ::1) or a name that resolves to one")
 
@@ -216,7 +208,7 @@ def test_a_host_not_of_this_machine_is_named_not_every_port_in_use(capsys, monke
                    f"{HOST_ADVICE}\n")
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 def test_an_ipv6_host_the_config_accepts_is_checked_in_its_own_family():
     """`host: "::1"` (an address the config names as valid) was refused as every port "already in
     use": the check bound an IPv4 socket to it. The gateway's URL puts it in brackets."""

@@ -14,6 +14,7 @@ from pdd.transfer.link import Link
 from pdd.transfer.client import connect
 from pdd.transfer.handshake import HandshakeError
 from pdd.transfer.server import Server
+from tests.net import ipv6_loopback
 
 from .helpers import FlipProxy, wait_for
 
@@ -198,18 +199,7 @@ def test_peer_module_documents_mac_close_policy():
     assert "connection is **closed**" in peer_module.__doc__
 
 
-def _ipv6_loopback() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_a_tls_server_listens_on_an_ipv6_host(certs):
     """`host: "::1"` (valid in the config) made every engine die at start: the TLS listener was an
     IPv4 socket ("Address family for hostname not supported")."""
