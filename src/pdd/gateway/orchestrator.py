@@ -176,16 +176,23 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             if trid not in self.awaiting_kv:
                 self.awaiting_kv_deadline.pop(trid, None)
             elif now >= deadline:
-                self.awaiting_kv_deadline.pop(trid, None)
-                _p, md_name = self.awaiting_kv.pop(trid)
+                md_name = self._drop_awaited_kv(trid)
                 self.totals["kv_awaited_expired"] = self.totals.get("kv_awaited_expired", 0) + 1
                 log.warning("request %s: MD %s did not report its KV within %.0f s of the request's end; dropped there",
                             trid, md_name, self.cfg.request_timeout_s)
-                peer = self.peers.get(md_name)
-                if peer is not None and not peer.closed:
-                    self._spawn(peer.send(Drop(trid).wire()))
                 out.append(trid)
         return out
+
+    def _drop_awaited_kv(self, trid: str) -> str:
+        """Stop awaiting tier rid ``trid``'s KV (``awaiting_kv``, its deadline) and drop it on its
+        MD if that one is reachable (MD frees a reservation still held; its cache keeps nothing of
+        it). Returns the MD's name."""
+        self.awaiting_kv_deadline.pop(trid, None)
+        _p, md_name = self.awaiting_kv.pop(trid)
+        peer = self.peers.get(md_name)
+        if peer is not None and not peer.closed:
+            self._spawn(peer.send(Drop(trid).wire()))
+        return md_name
 
     def pending_calls(self) -> int:
         """Background calls to the tiers not finished yet (aborts, drops, probes, reconnects)."""
@@ -205,11 +212,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         the gateway gone no ``kv_ready`` would be answered. Returns the tier rids dropped."""
         out = list(self.awaiting_kv)
         for trid in out:
-            _p, md_name = self.awaiting_kv.pop(trid)
-            self.awaiting_kv_deadline.pop(trid, None)
-            peer = self.peers.get(md_name)
-            if peer is not None and not peer.closed:
-                self._spawn(peer.send(Drop(trid).wire()))
+            self._drop_awaited_kv(trid)
         return out
 
     async def _connect_at_start(self, name: str, retries: int) -> Peer:
