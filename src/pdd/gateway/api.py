@@ -50,6 +50,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, too_many_digits, truncated_prompt)
+from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, checkpoint_config)
@@ -152,7 +153,7 @@ class EarlyReject:
     request gets 429 before its body is read or parsed, so refusing costs the gateway almost no
     CPU however hard clients push."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions")
+    PATHS = GENERATION_PATHS
 
     def __init__(self, app, admission: Admission):
         self.app, self.adm = app, admission
@@ -360,8 +361,6 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     app.add_middleware(BodyIdleTimeout)  # a body that stops arriving frees its place below (408)
     app.add_middleware(ConcurrencyLimit, admission=adm)  # bounds everything above (inside the drain gate)
-    from pdd.gateway.shutdown import Drain, DrainGate
-
     drain = app.state.drain = Drain(cfg.shutdown_timeout_s)  # serve_gateway begins it on SIGTERM / Ctrl-C
     app.add_middleware(DrainGate, drain=drain)  # outermost: during the drain a new request costs nothing
 
