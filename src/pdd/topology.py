@@ -139,6 +139,12 @@ def ports_taken_message(busy: list[int], users: dict[int, str] | None = None) ->
     return f"port{'s' if len(busy) > 1 else ''} {named}{more}"
 
 
+def port_field(cfg: TopologyFields, port: int) -> str:
+    """Where ``port`` of ``cfg``'s topology comes from in the config: ``gateway_port`` or
+    ``base_port + N``."""
+    return "gateway_port" if port == cfg.gateway_port else f"base_port + {port - cfg.base_port}"
+
+
 def ports_taken_refusal(cfgs: list[TopologyFields], prog: str, port_flag: str = "--port") -> str | None:
     """None when every port the topologies of ``cfgs`` need can be bound now
     (:func:`ports_in_use` of each :func:`layout`); else the one line with which ``pdd serve``,
@@ -163,11 +169,7 @@ def ports_taken_refusal(cfgs: list[TopologyFields], prog: str, port_flag: str = 
     if not busy:
         return None
     gateway, base = cfgs[0].gateway_port, cfgs[0].base_port
-
-    def where(port: int) -> str:
-        return "gateway_port" if port == gateway else f"base_port + {port - base}"
-
-    who = {p: f"{', '.join(sorted(u))}: {where(p)}" for p, u in busy.items()}
+    who = {p: f"{', '.join(sorted(u))}: {port_field(cfgs[0], p)}" for p, u in busy.items()}
     host = layout(cfgs[0]).host
     denied = sorted(p for p in busy if _bind_errno(host, p, reuse_addr=True) in (errno.EACCES, errno.EPERM))
     taken = sorted(p for p in busy if p not in denied)
@@ -203,11 +205,7 @@ def instance_ports_refusal(cfg: TopologyFields, name: str, prog: str = "pdd laun
     if not busy:
         return None
     users = port_users(lay)
-
-    def where(port: int) -> str:
-        return "gateway_port" if port == cfg.gateway_port else f"base_port + {port - cfg.base_port}"
-
-    who = {p: f"{', '.join(users[p])}: {where(p)}" for p in busy}
+    who = {p: f"{', '.join(users[p])}: {port_field(cfg, p)}" for p in busy}
     listens = " and ".join([", ".join(str(p) for p in ports[:-1]), str(ports[-1])] if len(ports) > 1
                            else [str(ports[0])])
     return (f"{ports_taken_message(busy, who)} already in use (is {name} already running, or another pdd "
