@@ -86,7 +86,9 @@ class Choice:
         if self.ntok < self.opts.min_tokens:
             out = piece  # stop strings count only from min_tokens on (as in vLLM)
         else:
-            out, matched = self.stop.feed(piece)
+            # the detokenizer's held-back partial character counts: a stop string in decode(ids)
+            # ends the choice on this token
+            out, matched = self.stop.feed(piece, self.detok.pending)
             if matched is not None:
                 fin, reason = "stop", matched
         if fin is not None and reason is None:

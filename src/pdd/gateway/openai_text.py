@@ -3,7 +3,10 @@
 Stop strings are applied here, on the detokenized stream, whichever tier produced the tokens:
 text that could still be the start of a stop string is held back, so text after (or of) a stop
 string is never streamed, including stop strings that span token boundaries or complete only
-after the handoff from RLD to MD.
+after the handoff from RLD to MD. A stop string matches as soon as the text of the ids so far
+(``decode(ids)``) contains it: the text the detokenizer still holds back (an incomplete UTF-8
+character at the end, decoded as U+FFFD) takes part in the match, so the request stops on the
+token that completes the stop string, not on the one after.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ class Detokenizer:
 
     Decodes a short window (vLLM's prefix/read offsets) rather than every id each time, and holds
     back text that ends in a partial UTF-8 character until the next token completes it (or the
-    stream ends). The concatenation of everything returned equals ``decode(all ids)``.
+    stream ends). The concatenation of everything returned equals ``decode(all ids)``;
+    ``pending`` is the text held back after the last :meth:`add` (``decode(all ids)`` = what was
+    returned + ``pending``), for stop strings to match on before it is released.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -25,6 +30,7 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        self.pending = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip) if ids else ""
@@ -35,14 +41,19 @@ class Detokenizer:
         new = self._decode(self.ids[self.prefix_offset:])
         if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.pending = ""
             return new[len(prefix):]
-        return self.flush() if final else ""
+        if final:
+            return self.flush()
+        self.pending = new[len(prefix):] if len(new) > len(prefix) else ""
+        return ""
 
     def flush(self) -> str:
         """Whatever is still held back (a partial character at the end of the stream)."""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
+        self.pending = ""
         return new[len(prefix):] if len(new) > len(prefix) else ""
 
 
@@ -50,10 +61,13 @@ class StopMatcher:
     """Finds the first stop string to complete in a text stream fed piece by piece (the
     earliest end; on a tie the earliest start), however the stream is split.
 
-    ``feed(text) -> (releasable text, matched stop or None)``: the text returned can never be
-    part of a stop string; the longest tail that is a proper prefix of some stop string is held
-    back until more text decides it. On a match, the text up to the stop string (plus the stop
-    string if ``include_stop``) is returned and nothing after it ever is.
+    ``feed(text, pending="") -> (releasable text, matched stop or None)``: the text returned can
+    never be part of a stop string; the longest tail that is a proper prefix of some stop string
+    is held back until more text decides it. On a match, the text up to the stop string (plus the
+    stop string if ``include_stop``) is returned and nothing after it ever is. ``pending`` is text
+    that follows ``text`` for now but is not final (the detokenizer's held-back partial
+    character, :attr:`Detokenizer.pending`): a stop string may match in it (or across it), which
+    ends the stream there; otherwise it is ignored, and fed again as ``text`` once final.
     """
 
     def __init__(self, stops: list[str], include_stop: bool = False):
@@ -62,20 +76,21 @@ class StopMatcher:
         self.buf = ""
         self.done = False
 
-    def feed(self, text: str) -> tuple[str, str | None]:
+    def feed(self, text: str, pending: str = "") -> tuple[str, str | None]:
         if self.done:
             return "", None
         self.buf += text
         if not self.stops:
             out, self.buf = self.buf, ""
             return out, None
+        seen = self.buf + pending
         best, which = None, None  # the stop string that completes first (then the longer one)
         for s in self.stops:
-            i = self.buf.find(s)
+            i = seen.find(s)
             if i >= 0 and (best is None or (i + len(s), i) < best):
                 best, which = (i + len(s), i), s
         if which is not None:
-            out = self.buf[:best[1]] + (which if self.include else "")
+            out = seen[:best[1]] + (which if self.include else "")
             self.buf, self.done = "", True
             return out, which
         hold = 0
