@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import sys
 
@@ -16,6 +17,7 @@ from pdd.vllm_tier import venv
 from pdd.bench.bench import main, mode_config, parse_mode_label, print_bench_table
 from pdd.bench.client import RequestRecord, _absorb
 from pdd.config import ClusterConfig
+from tests.net import ipv6_loopback
 
 
 def _model_dir(tmp_path, max_pos=8192):
@@ -142,6 +144,30 @@ signal.signal(signal.SIGTERM, stop)
 print("serving", os.environ.get("VLLM_SERVER_DEV_MODE"), flush=True)
 srv.serve_forever()
 """
+
+
+def test_server_url_puts_an_ipv6_host_in_brackets(tmp_path):
+    """`host: "::1"` gave ``http://::1:PORT`` (no brackets), which no client parses; it is
+    ``http://[::1]:PORT`` as the gateway's (pdd.topology.http_url). Nothing is started."""
+    py = _exe(tmp_path / "python", "")
+    model = str(_model_dir(tmp_path))
+    for host, url in (("::1", "http://[::1]:4321"), ("127.0.0.1", "http://127.0.0.1:4321")):
+        cfg = ClusterConfig.model_validate({"mode": "colocated", "host": host, "model_path": model})
+        srv = vm.VllmServer(cfg, python=py, port=4321)
+        assert srv.url == url and srv.command[srv.command.index("--host") + 1] == host
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_free_port_binds_an_ipv6_host_in_its_own_family(tmp_path):
+    """The port for vLLM's server on `host: "::1"` was looked for with an IPv4 socket, which
+    cannot bind ``::1`` (an OSError before vLLM started)."""
+    port = venv.free_port("::1")
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", port))
+    srv = vm.VllmServer(ClusterConfig.model_validate({"mode": "colocated", "host": "::1",
+                                                      "model_path": str(_model_dir(tmp_path))}),
+                        python=_exe(tmp_path / "python", ""))
+    assert srv.url == f"http://[::1]:{srv.port}"
 
 
 def test_server_waits_for_ready_flushes_and_stops(tmp_path):

@@ -49,3 +49,33 @@ def test_example_config_loads():
     p = Path(__file__).resolve().parents[2] / "examples" / "vllm-md.yaml"
     cfg = ClusterConfig.model_validate(yaml.safe_load(p.read_text()))
     assert cfg.vllm.main_decode and cfg.policy.handoff_mode == "one_shot" and cfg.engine.dtype == "float32"
+
+
+def test_vllm_url_puts_an_ipv6_host_in_brackets(tmp_path, monkeypatch):
+    """`host: "::1"` gave the vLLM server's URL as ``http://::1:PORT`` (no brackets), which no
+    client parses; it is ``http://[::1]:PORT`` as the gateway's (pdd.topology.http_url). The
+    server is not started: its spawn is replaced by a recorder."""
+    import subprocess
+    import tempfile
+    from types import SimpleNamespace
+
+    from pdd.vllm_tier import venv
+    from pdd.vllm_tier.md import VllmMainDecodeInstance
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    py = tmp_path / "python"
+    py.write_text("")
+    py.chmod(0o755)
+    spawned = []
+    monkeypatch.setattr(venv, "free_port", lambda host: 4321)
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: spawned.append(cmd) or SimpleNamespace(pid=0))
+    for host, url in (("::1", "http://[::1]:4321"), ("127.0.0.1", "http://127.0.0.1:4321")):
+        cfg = ClusterConfig.model_validate({"host": host, "model_path": str(tmp_path / "m"),
+                                            "vllm": {"main_decode": True, "python": str(py)}})
+        inst = SimpleNamespace(cfg=cfg, spec=SimpleNamespace(name="md0"), engine_cfg=cfg.engine_for("md0"))
+        VllmMainDecodeInstance._spawn_vllm(inst)
+        assert inst.vllm_url == url
+        cmd = spawned[-1]
+        assert (cmd[cmd.index("--host") + 1], cmd[cmd.index("--port") + 1]) == (host, "4321")

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import httpx
 
+from pdd.topology import http_url
 from pdd.vllm_tier.venv import free_port, model_max_len, vllm_python
 
 VLLM_MODE = "vllm_colocated"
@@ -125,7 +126,7 @@ class VllmServer:
         self.cfg = cfg
         self.python = vllm_python(python)
         self.port = int(port or free_port(cfg.host))
-        self.url = f"http://{cfg.host}:{self.port}"
+        self.url = http_url(cfg.host, self.port)
         self.command = vllm_command(self.python, cfg, self.port,
                                     model_max_len(cfg.model_path, cfg.engine.max_model_len))
         self.log_dir = Path(log_dir) if log_dir is not None else None

@@ -43,6 +43,7 @@ import httpx
 
 from pdd.roles.base import first_token_finish
 from pdd.roles.main_decode import MainDecodeInstance
+from pdd.topology import http_url
 from pdd.transfer.messages import Extend, ExtendOk, KvDone, KvReady, ReqError, WanSample
 from pdd.types import FinishReason
 from pdd.vllm_tier.staging import stage_root, write_stage
@@ -141,7 +142,7 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         python = vllm_python(vc.python, who=f"{self.spec.name} (vllm.main_decode)")
         e = self.engine_cfg
         port = free_port(self.cfg.host)
-        self.vllm_url = f"http://{self.cfg.host}:{port}"
+        self.vllm_url = http_url(self.cfg.host, port)
         self.vllm_command = vllm_md_command(python, self.cfg, port,
                                             model_max_len(self.cfg.model_path, e.max_model_len), e.dtype)
         self.vllm_log = str(Path(tempfile.mkdtemp(prefix=f"pdd-vllm-{self.spec.name}-log-")) / "vllm.log")

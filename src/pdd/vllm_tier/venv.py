@@ -91,7 +91,10 @@ def model_max_len(model_dir: str | Path, configured: int) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port free on ``host`` now (the OS picks it), bound in the address's own family (an
+    IPv6 host such as ``::1`` cannot be bound by an IPv4 socket). Raises ``OSError`` when
+    ``host`` does not resolve or cannot be bound here."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
