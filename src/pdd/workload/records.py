@@ -120,9 +120,10 @@ def capped_prompt_tokens(max_tokens: int, block: int) -> int:
 
 
 def from_earliest(records: Sequence[dict]) -> list[dict]:
-    """``records`` with their timestamps counted from the earliest one (ms), as ``pdd bench``
-    replays a slice: a trace of absolute times (epoch milliseconds) starts at once rather than
-    after that many idle seconds. Records whose earliest timestamp is 0 are returned unchanged."""
+    """``records`` with their timestamps counted from the earliest one (ms), the one rule of
+    ``pdd bench`` (:func:`pdd.workload.replay.build_requests`) and ``pdd sim run``: a trace of
+    absolute times (epoch milliseconds) starts at once rather than after that many idle seconds.
+    Records whose earliest timestamp is 0 are returned unchanged."""
     t0 = min((r["timestamp"] for r in records), default=0)
     return list(records) if t0 == 0 else [dict(r, timestamp=r["timestamp"] - t0) for r in records]
 

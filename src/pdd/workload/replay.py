@@ -20,9 +20,10 @@ How a record is scaled (all of it in :class:`Scale`):
   prompt still longer than the cap after keeping one block is cut to the cap).
 - output: ``round(output_length * output_scale)`` clamped to ``[min_output_tokens,
   max_output_tokens]``.
-- time: ``arrival_s = (timestamp - earliest_timestamp_in_slice) / 1000 / time_scale`` (the
-  earliest, not the first: a record whose timestamp is below the first's arrives at 0, not
-  before the replay starts);
+- time: ``arrival_s = (timestamp - earliest_timestamp_in_slice) / 1000 / time_scale``
+  (:func:`pdd.workload.records.from_earliest`, as ``pdd sim run``: the earliest, not the first,
+  so a record whose timestamp is below the first's arrives at 0, not before the replay starts;
+  ``ReplayRequest.trace_record`` keeps the record's own timestamp);
   with ``target_rate_rps`` set, ``time_scale`` is chosen so the slice's mean arrival rate
   (``(n - 1) / span``) equals it.
 """
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from pdd.workload.records import capped_prompt_tokens
+from pdd.workload.records import capped_prompt_tokens, from_earliest
 
 if TYPE_CHECKING:
     from pdd.config import ClusterConfig
@@ -269,8 +270,9 @@ def build_requests(
         indices, recs = [i for i, _ in kept], [r for _, r in kept]
     if not recs:
         return []
-    ts = [float(r["timestamp"]) for r in recs]
-    t0 = min(ts)  # the slice's earliest: ts[0] gave an unsorted slice's earlier records negative arrivals
+    # counted from the slice's earliest timestamp, by pdd sim run's rule (ts[0] gave an unsorted
+    # slice's earlier records negative arrivals); each request keeps its record as read
+    ts = [float(r["timestamp"]) for r in from_earliest(recs)]
     tscale = scale.effective_time_scale(ts)
     bt = scale.block_tokens
     cache: dict[int, list[int]] = {}
@@ -296,7 +298,7 @@ def build_requests(
         out.append(
             ReplayRequest(
                 idx=indices[i],
-                arrival_s=(ts[i] - t0) / 1000.0 / tscale,
+                arrival_s=ts[i] / 1000.0 / tscale,
                 prompt_ids=prompt,
                 max_tokens=scale.output_tokens(int(rec["output_length"])),
                 trace_record=rec,
