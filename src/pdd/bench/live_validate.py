@@ -170,8 +170,8 @@ def _cmd_validate(a) -> int:
     from pdd.sim.recorded import RecordedRunError, WorkloadMismatch, recorded_run_args
 
     cfg = None
-    if a.config:
-        cfg = config_or_exit(a)
+    if a.config or a.port is not None or a.base_port is not None:  # else the embedded topology on free ports
+        cfg = config_or_exit(a, gateway_port=a.port, base_port=a.base_port)  # pdd serve's checks and messages
     # a flag not given: the reused run's own value (--live-from), else the default
     rec = recorded_run_args(a.live_from) if a.live_from else {}
     w = {k: getattr(a, k) if getattr(a, k) is not None else rec.get(k, d) for k, d in WORKLOAD_DEFAULTS.items()}
@@ -208,6 +208,13 @@ def _cmd_validate(a) -> int:
                     load_profile_checked(path)
             except RecordedRunError as e:
                 raise UsageError(f"{flag}: {e}") from None
+    if cfg is not None and a.live_from is None:  # the live run's ports, as pdd serve, demo and bench refuse them
+        from pdd.cli_args import usage_error
+        from pdd.topology import ports_taken_refusal
+
+        taken = ports_taken_refusal([cfg], "pdd sim validate")
+        if taken:
+            usage_error(a, taken)
     check_out_dir(a.out)  # a file or an unwritable place: one line, before any work
     profile = a.profile
     if a.calibrate:
@@ -265,6 +272,12 @@ def add_validate_parser(sim_subparsers) -> argparse.ArgumentParser:
     v.add_argument("--out", required=True, help="directory for validate.json, and for a live run its "
                                                 "requests.jsonl and server_stats.json (made if missing)")
     v.add_argument("--config", default=None, help="cluster config (YAML/JSON); default: the embedded topology")
+    v.add_argument("--port", type=int, default=None,
+                   help="the live topology's gateway port (default: the config's, 8000; with neither --config nor "
+                        "--base-port, a free block's)")
+    v.add_argument("--base-port", type=int, default=None,
+                   help="the live topology's instances use base_port .. base_port+99 (default: the config's, 18000; "
+                        "with neither --config nor --port, a free block)")
     same = "; with --live-from, default: the run's own"
     v.add_argument("--requests", type=int, default=None, help="(220)" + same)
     v.add_argument("--rate", type=float, default=None, help="req/s, >= 0.001 (2.0)" + same)
