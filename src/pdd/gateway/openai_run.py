@@ -86,8 +86,8 @@ class Choice:
         if self.ntok < self.opts.min_tokens:
             out = piece  # stop strings count only from min_tokens on (as in vLLM)
         else:
-            # the detokenizer's held-back partial character counts: a stop string in decode(ids)
-            # ends the choice on this token
+            # the text the detokenizer holds back before a partial character counts: a stop
+            # string in it ends the choice on this token (StopMatcher.feed)
             out, matched = self.stop.feed(piece, self.detok.pending)
             if matched is not None:
                 fin, reason = "stop", matched

@@ -4,9 +4,12 @@ Stop strings are applied here, on the detokenized stream, whichever tier produce
 text that could still be the start of a stop string is held back, so text after (or of) a stop
 string is never streamed, including stop strings that span token boundaries or complete only
 after the handoff from RLD to MD. A stop string matches as soon as the text of the ids so far
-(``decode(ids)``) contains it: the text the detokenizer still holds back (an incomplete UTF-8
-character at the end, decoded as U+FFFD) takes part in the match, so the request stops on the
-token that completes the stop string, not on the one after.
+(``decode(ids)``) contains it, but for a U+FFFD at its end: the text the detokenizer holds back
+with an incomplete UTF-8 character takes part in the match (so a token carrying a stop string's
+last characters and the first byte of the next character ends the request on that token), the
+trailing U+FFFD itself does not, since the next token may complete it into another character.
+A stop string that holds U+FFFD (an invalid byte sequence) therefore matches one token after the
+one completing it, once the replacement character is final (as vLLM's held-back detokenizer).
 """
 
 from __future__ import annotations
@@ -67,7 +70,9 @@ class StopMatcher:
     stop string if ``include_stop``) is returned and nothing after it ever is. ``pending`` is text
     that follows ``text`` for now but is not final (the detokenizer's held-back partial
     character, :attr:`Detokenizer.pending`): a stop string may match in it (or across it), which
-    ends the stream there; otherwise it is ignored, and fed again as ``text`` once final.
+    ends the stream there, but not in its trailing U+FFFD characters (an incomplete character the
+    next token may complete: a stop string holding U+FFFD would match every multi-byte character
+    split across tokens); otherwise it is ignored, and fed again as ``text`` once final.
     """
 
     def __init__(self, stops: list[str], include_stop: bool = False):
@@ -83,7 +88,7 @@ class StopMatcher:
         if not self.stops:
             out, self.buf = self.buf, ""
             return out, None
-        seen = self.buf + pending
+        seen = self.buf + pending.rstrip("\ufffd")
         best, which = None, None  # the stop string that completes first (then the longer one)
         for s in self.stops:
             i = seen.find(s)
