@@ -98,15 +98,21 @@ class Launchers:
         if self.cfg.mode == "colocated":
             await self._launch_colocated(st, prompt, sampling)
             return
-        rld_specs = self.layout.by_role(ROLE_RELAY)
-        relay_possible = bool(rld_specs)
-        md_specs = self.layout.by_role(ROLE_MAIN)
         ms = getattr(self, "membership", None)
 
         def usable(name: str) -> bool:  # connected, and an active member (not draining, removed or re-roled away)
             peer = self.peers.get(name)
             return peer is not None and not peer.closed and (ms is None or ms.routable(name))
 
+        # each instance is counted as soon as it is chosen (gateway.routing: its queue's places),
+        # so the next choice of the request, routed meanwhile, sees it
+        st.names[ROLE_PREFILL] = await self._route(ROLE_PREFILL, prompt)
+        self._assign(st, ROLE_PREFILL)
+        # read after P's routing (a peek of each P, a round trip): an RLD or MD lost, drained or
+        # re-roled meanwhile changes the plan here, with no await before RLD's routing below
+        rld_specs = self.layout.by_role(ROLE_RELAY)
+        relay_possible = bool(rld_specs)
+        md_specs = self.layout.by_role(ROLE_MAIN)
         md_live = any(usable(sp_.name) for sp_ in md_specs)
         if relay_possible and md_live and not any(usable(sp_.name) for sp_ in rld_specs):
             # no RLD is reachable (dead, restarting, drained) but an MD is: plan P->MD rather than fail
@@ -114,10 +120,6 @@ class Launchers:
                 if sp_.name in self.peers and self.peers[sp_.name].closed:
                     self._spawn(self._reconnect(sp_.name))
             relay_possible = False
-        # each instance is counted as soon as it is chosen (gateway.routing: its queue's places),
-        # so the next choice of the request, routed meanwhile, sees it
-        st.names[ROLE_PREFILL] = await self._route(ROLE_PREFILL, prompt)
-        self._assign(st, ROLE_PREFILL)
         if relay_possible:
             st.names[ROLE_RELAY] = await self._route(ROLE_RELAY, prompt)
             self._assign(st, ROLE_RELAY)
