@@ -239,6 +239,12 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on (or otherwise holds) ``host:port`` now: a server could not
+    bind it (SO_REUSEADDR, as the servers bind, so a port left in TIME_WAIT reads free)."""
+    return not _can_bind(host, port, reuse_addr=True)
+
+
 def _can_bind(host: str, port: int, reuse_addr: bool = False) -> bool:
     """Whether a TCP socket can bind ``host:port`` now (it is closed again at once)."""
     return _bind_errno(host, port, reuse_addr) is None

@@ -691,3 +691,45 @@ def test_an_operator_body_with_an_integer_past_the_digit_limit_says_so():
     assert r.json()["error"] == {"message": "request body has a number with too many digits (5000): a JSON integer "
                                             "may have at most 4300 digits", "type": "invalid_request_error",
                                  "param": None, "code": "invalid_body"}
+
+
+def test_start_on_a_slot_whose_instance_already_runs_joins_it():
+    # pdd serve's md1, removed (by the autoscaler's scale-down, or DELETE): its process keeps
+    # running idle on md1's port. An add with start (the autoscaler's scale-up) spawned a second
+    # md1, which failed "ports ... already in use": 503 start_failed on every scale-up
+    import socket
+
+    from pdd.gateway.membership import JOIN_RETRIES
+
+    with socket.socket() as lsn:
+        lsn.bind(("127.0.0.1", 0))  # an OS-chosen port stands for md1's (base_port + 71)
+        lsn.listen()
+        base = lsn.getsockname()[1] - 71
+        cfg = ClusterConfig.model_validate({"mode": "pdd", "base_port": base, "gateway_port": base + 95,
+                                            "instances": {"prefill": 1, "relay_decode": 1, "main_decode": 2}})
+        lay = layout(cfg)
+        o = Orchestrator(cfg, lay)
+        ms = Membership(o, lay, ())
+        o.peers = {s.name: PoolPeer() for s in o.layout.engines}
+        connects = []
+
+        async def connect(name, retries):
+            connects.append((name, retries))
+            return PoolPeer(held=0)
+
+        def spawn(m):
+            raise AssertionError(f"a second {m.name} process was started")
+
+        o._connect = connect
+        ms._start_process = spawn
+
+        async def run():
+            o.inflight["md1"] = 0
+            await ms.drain("md1")
+            await ms.remove("md1")
+            rep = await ms.add("main_decode", start=True)  # the first free slot: md1
+            assert (rep["name"], rep["state"], rep["source"], rep["connected"]) == ("md1", ACTIVE, "joined", True)
+            assert connects[-1] == ("md1", JOIN_RETRIES)
+            assert ms.members["md1"].proc is None  # not the gateway's: a later remove leaves it running
+
+        asyncio.run(run())

@@ -56,7 +56,7 @@ from pdd.text import shown
 from pdd.policy.prefix_index import PrefixIndex
 from pdd.policy.membership import ACTIVE, DRAINING, REMOVED, STANDBY, decide, decide_rerole
 from pdd.roles.rerole import set_role_msg
-from pdd.topology import ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, Layout
+from pdd.topology import ROLE_COLOCATED, ROLE_GATEWAY, ROLE_LINK, ROLE_MAIN, Layout, port_taken
 from pdd.transfer.messages import Flush, Stats, WaitIdle
 
 log = logging.getLogger(__name__)
@@ -307,15 +307,21 @@ class Membership:
     async def add(self, role: str, name: str | None = None, address: str | None = None, start: bool = False) -> dict:
         """Add an instance of ``role``: the slot ``name``, or the one listening at ``address``, or
         the role's first free slot. ``start``: the gateway starts the process itself (its engine
-        block from the config's tiers); else it must be running already (``pdd launch --join``).
-        Raises MembershipError (400 bad role or address, 404 no such slot, 409 duplicate, 503 not
-        reachable / did not start)."""
+        block from the config's tiers), unless the slot's instance already runs (its port is
+        taken: one ``pdd serve`` started and a remove left running idle), which is joined instead,
+        as a second process could not bind its ports; else it must be running already (``pdd
+        launch --join``). Raises MembershipError (400 bad role or address, 404 no such slot, 409
+        duplicate, 503 not reachable / did not start)."""
         m = self._slot_for(role, name, address)
         d = decide("add", m.name, m.role, m.state)
         if not d.ok or m.name in self._busy_ops:
             raise MembershipError(409, d.message or f"instance {m.name} is being changed now", "name", "duplicate")
         self._busy_ops.add(m.name)
         try:
+            if start and port_taken(self.full.host, int(m.address.rsplit(":", 1)[1])):
+                log.warning("membership: %s already listens at %s: joining it rather than starting a second "
+                            "process", m.name, m.address)
+                start = False
             if start:
                 m.proc = await asyncio.to_thread(self._start_process, m)
             try:
