@@ -62,11 +62,21 @@ async def reader(scope, receive, send):
             return await JSONResponse({"ok": True})(scope, receive, send)
 
 
+def _silent():
+    """An ASGI receive: no part of a body, ever."""
+    never = asyncio.Event()
+
+    async def receive():
+        await never.wait()
+
+    return receive
+
+
 async def test_a_stalled_body_gets_408_and_frees_its_place():
     adm = Admission(AdmissionLimits(None, None, None))
     bound = BodyIdleTimeout(reader, idle_s=0)
     app = ConcurrencyLimit(bound, admission=adm, limit=1)
-    status, headers, body = await _call(app, _stalled())
+    status, headers, body = await _call(app, _silent())
     assert (status, headers["connection"], json.loads(body)) == (408, "close", timeout_body(0))
     assert timeout_body(30) == {"error": {
         "message": "request body incomplete: none of it arrived for 30 s; send the whole body without pausing",
@@ -75,6 +85,22 @@ async def test_a_stalled_body_gets_408_and_frees_its_place():
     bound.idle_s = 30.0  # (0 times out even a body part that is there, on Python 3.11)
     assert (await _call(app, _whole))[0] == 200  # the place is free: not a 429
     assert adm.rejected == {}
+
+
+@pytest.mark.parametrize("first, message", [
+    (b"", "request body incomplete: none of it arrived for 0.001 s; send the whole body without pausing"),
+    (b"{", "request body incomplete: no more of it arrived for 0.001 s after 1 byte; send the whole body "
+           "without pausing"),
+    (b'{"prompt": "hi"', "request body incomplete: no more of it arrived for 0.001 s after 15 bytes; send "
+                         "the whole body without pausing"),
+])
+async def test_the_408_says_whether_part_of_the_body_arrived(first, message):
+    """Found by a new user: a body that stopped after 15 of its bytes was answered "none of it
+    arrived". (A positive ``idle_s``: its first part is there and is read, the next never comes.)"""
+    app = BodyIdleTimeout(reader, idle_s=0.001)
+    status, _, body = await _call(app, _stalled(first))
+    assert (status, json.loads(body)["error"]["message"]) == (408, message)
+    assert json.loads(body) == timeout_body(0.001, len(first))
 
 
 @pytest.mark.parametrize("headers", [
@@ -91,13 +117,13 @@ async def test_the_gateway_answers_a_stalled_body_408(tiny_model, monkeypatch, h
     from pdd.gateway.shutdown import DrainGate
     from tests.api.conftest import EngineOrch
 
-    monkeypatch.setattr(pdd.gateway.slow_body, "BODY_IDLE_S", 0.0)
+    monkeypatch.setattr(pdd.gateway.slow_body, "BODY_IDLE_S", 0.001)  # (its first 15 bytes are read)
     cfg = ClusterConfig.model_validate({"model_path": tiny_model, "served_model_name": "pdd-tiny",
                                         "engine": {"max_model_len": 512, "max_input_len": 400}})
     orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=64, page_size=8))
     app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
     status, hdrs, body = await _call(app, _stalled(), headers=headers)
-    assert (status, hdrs["connection"], json.loads(body)) == (408, "close", timeout_body(0))
+    assert (status, hdrs["connection"], json.loads(body)) == (408, "close", timeout_body(0.001, 15))
     assert orch.started == []
     # inside the bound on requests at once (whose place it frees), outside the body's readers
     assert [m.cls for m in app.user_middleware[:3]] == [DrainGate, ConcurrencyLimit, BodyIdleTimeout]

@@ -21,18 +21,25 @@ from pdd.gateway.openai_schemas import error_body
 BODY_IDLE_S = 30.0  # seconds a request body may go without a byte before the request ends with 408
 
 
-def timeout_body(idle_s: float) -> dict:
-    """The OpenAI-style error body of a request whose body stopped arriving for ``idle_s`` seconds."""
-    return error_body(f"request body incomplete: none of it arrived for {idle_s:g} s; send the whole body "
-                      "without pausing", code="request_timeout")
+def timeout_body(idle_s: float, received: int = 0) -> dict:
+    """The OpenAI-style error body of a request whose body stopped arriving for ``idle_s`` seconds
+    after ``received`` bytes of it: "none of it arrived" when no byte came, "no more of it arrived
+    ... after N bytes" when some did."""
+    if received:
+        what = f"no more of it arrived for {idle_s:g} s after {received} byte{'s' if received != 1 else ''}"
+    else:
+        what = f"none of it arrived for {idle_s:g} s"
+    return error_body(f"request body incomplete: {what}; send the whole body without pausing",
+                      code="request_timeout")
 
 
 class BodyIdleTimeout:
     """ASGI middleware (inside ``api.ConcurrencyLimit``): while the app reads a request's body, a
     wait of more than ``idle_s`` seconds for its next part ends the request. The app is told the
     client went away (``http.disconnect``: its reads of the body stop) and whatever it answers
-    is replaced by HTTP 408 :func:`timeout_body` with ``Connection: close``. Once the body is
-    complete the receive channel is the server's, unbounded (a stream's disconnect watch)."""
+    is replaced by HTTP 408 :func:`timeout_body` (saying how many bytes had arrived) with
+    ``Connection: close``. Once the body is complete the receive channel is the server's,
+    unbounded (a stream's disconnect watch)."""
 
     def __init__(self, app, idle_s: float | None = None):
         self.app = app
@@ -42,9 +49,10 @@ class BodyIdleTimeout:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         body_done, timed_out, answered = False, False, False
+        received = 0  # bytes of the body that arrived
 
         async def timed_receive():
-            nonlocal body_done, timed_out
+            nonlocal body_done, timed_out, received
             if body_done or timed_out:
                 return await receive() if not timed_out else {"type": "http.disconnect"}
             try:
@@ -52,6 +60,8 @@ class BodyIdleTimeout:
             except asyncio.TimeoutError:
                 timed_out = True
                 return {"type": "http.disconnect"}
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
             if msg["type"] != "http.request" or not msg.get("more_body", False):
                 body_done = True
             return msg
@@ -59,7 +69,7 @@ class BodyIdleTimeout:
         async def answer_timeout():
             nonlocal answered
             answered = True
-            resp = JSONResponse(timeout_body(self.idle_s), status_code=408, headers={"Connection": "close"})
+            resp = JSONResponse(timeout_body(self.idle_s, received), status_code=408, headers={"Connection": "close"})
             await resp(scope, receive, send)
 
         async def guarded_send(msg):
