@@ -173,8 +173,8 @@ ALWAYS_SERVED = ("/health", "/metrics")  # a load balancer's probe and the scrap
 
 
 class ConcurrencyLimit:
-    """ASGI middleware, the outermost but the shutdown's drain gate: at most ``limit`` HTTP requests are served at once (a
-    stream counts until it ends); one more gets HTTP 429 with ``Retry-After: 1`` and an
+    """ASGI middleware, the outermost but HEAD's and the shutdown's drain gate: at most ``limit``
+    HTTP requests are served at once (a stream counts until it ends); one more gets HTTP 429 with ``Retry-After: 1`` and an
     OpenAI-style ``rate_limit_error`` body at once, counted in ``admission.rejected["concurrency"]``
     (``pdd_gateway_rejected_total{reason="concurrency"}``). ``ALWAYS_SERVED`` paths neither count
     nor are refused. It replaces uvicorn's ``limit_concurrency``, whose refusal past 1,024
@@ -362,7 +362,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     app.add_middleware(BodyIdleTimeout)  # a body that stops arriving frees its place below (408)
     app.add_middleware(ConcurrencyLimit, admission=adm)  # bounds everything above (inside the drain gate)
     drain = app.state.drain = Drain(cfg.shutdown_timeout_s)  # serve_gateway begins it on SIGTERM / Ctrl-C
-    app.add_middleware(DrainGate, drain=drain)  # outermost: during the drain a new request costs nothing
+    app.add_middleware(DrainGate, drain=drain)  # during the drain a new request costs nothing
+    from pdd.gateway.head import HeadAsGet
+
+    app.add_middleware(HeadAsGet)  # outermost: HEAD /health (a load balancer's probe) answers as GET, no body
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
