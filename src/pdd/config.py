@@ -715,6 +715,40 @@ _ConfigLoader.add_constructor("tag:pdd,2026:bare-non-finite",
                               lambda loader, node: _BareNonFinite(loader.construct_scalar(node)))
 
 
+class _JsonConfigDecoder(json.JSONDecoder):
+    """JSON as Python's ``json`` reads it, with the YAML loader's rules for a config: a bare
+    ``NaN`` / ``Infinity`` is :class:`_BareNonFinite`, and a key given twice in one object raises
+    ``json.JSONDecodeError`` at its second place, naming the line of its first."""
+
+    def __init__(self):
+        super().__init__(parse_constant=_BareNonFinite)
+        self.parse_object = self._object
+        self.scan_once = json.scanner.py_make_scanner(self)  # (the C scanner calls no parse_object)
+
+    @staticmethod
+    def _object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+        s, start = s_and_end
+        pairs, end = json.decoder.JSONObject(s_and_end, strict, scan_once, None, list, memo)
+        if len({k for k, _ in pairs}) == len(pairs):
+            return dict(pairs), end
+        ws, first, i = json.decoder.WHITESPACE.match, {}, start  # parsed already: walk it for the keys' places
+        while True:
+            i = ws(s, i).end()
+            key, j = json.decoder.scanstring(s, i + 1, strict)
+            if key in first:
+                line = s.count("\n", 0, first[key]) + 1
+                raise json.JSONDecodeError(f"duplicate key {key!r}, given first on line {line}", s, i)
+            first[key] = i
+            j = scan_once(s, ws(s, ws(s, j).end() + 1).end())[1]  # past ':' and the value
+            i = ws(s, j).end() + 1  # past ','
+
+
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """Python's JSON error on one line, its place as :func:`_yaml_problem` gives it (line and
+    column from 1), not "line 4 column 1 (char 43)"."""
+    return f"{e.msg} (line {e.lineno}, column {e.colno})"
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """PyYAML's error on one line: what is wrong and where (line and column from 1), not its
     several lines that show the text as "<unicode string>" with a caret under the column."""
@@ -1033,6 +1067,9 @@ class ClusterConfig(_Strict):
         is checked as the file has it all the same: ``gateway_port: 70000`` is refused whatever
         flags are given.
 
+        A file named ``*.json`` is read as JSON (its errors in JSON's words: "not valid JSON:
+        Expecting ',' delimiter (line 3, column 5)"), any other as YAML (which JSON mostly is).
+
         Raises ``pydantic.ValidationError`` naming the bad field; :class:`ConfigFileError` naming
         the file (one line) when it is not UTF-8 text, not YAML / JSON, or its top level is not a
         mapping (a list, an empty one too, a string, number or boolean); OSError when it cannot be
@@ -1045,8 +1082,13 @@ class ClusterConfig(_Strict):
             except UnicodeDecodeError:
                 raise ConfigFileError(f"{path}: not UTF-8 text (a YAML or JSON config)") from None
             try:
-                # YAML is a superset of JSON: one parser for .yaml, .yml, .json and anything else
-                data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a safe loader)
+                if Path(path).suffix.lower() == ".json":  # JSON's errors, and what YAML refuses (tabs)
+                    text = text.removeprefix("\ufeff")
+                    data = _JsonConfigDecoder().decode(text) if text.strip() else None
+                else:  # YAML is a superset of JSON: one parser for .yaml, .yml and anything else
+                    data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a safe loader)
+            except json.JSONDecodeError as e:
+                raise ConfigFileError(f"{path}: not valid JSON: {_json_problem(e)}") from None
             except yaml.YAMLError as e:
                 raise ConfigFileError(f"{path}: not valid YAML/JSON: {_yaml_problem(e)}") from None
             except ValueError:  # an integer past Python's digit limit (its message advises a sys call)

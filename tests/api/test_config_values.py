@@ -290,26 +290,30 @@ def test_api_keys_a_client_can_send_stay_accepted():
 
 
 @pytest.mark.parametrize("name,text,message", [
-    ("c.yaml", "engine: {page_size: 16, page_size: 32}\n", "duplicate key 'page_size', given first on line 1 (line 1, column 25)"),
+    ("c.yaml", "engine: {page_size: 16, page_size: 32}\n",
+     "not valid YAML/JSON: duplicate key 'page_size', given first on line 1 (line 1, column 25)"),
     ("c.yaml", "engine:\n  page_size: 16\n  num_pages: 64\n  page_size: 32\n",
-     "duplicate key 'page_size', given first on line 2 (line 4, column 3)"),
+     "not valid YAML/JSON: duplicate key 'page_size', given first on line 2 (line 4, column 3)"),
     ("c.json", '{"engine": {"page_size": 16},\n "mode": "pdd",\n "engine": {"num_pages": 64}}\n',
-     "duplicate key 'engine', given first on line 1 (line 3, column 2)"),
+     "not valid JSON: duplicate key 'engine', given first on line 1 (line 3, column 2)"),
+    ("c.json", '{"autoscale": {"min": {"prefill": 1}, "max": {"prefill": 1}},\n "engine": {"page_size": 16,\n'
+               '  "page_size": 32}}\n',  # the same key in two objects is no duplicate; twice in one is
+     "not valid JSON: duplicate key 'page_size', given first on line 2 (line 3, column 3)"),
 ])
 def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path, capsys, name, text, message):
     """Found by a new user: ``engine: {page_size: 16, page_size: 32}`` was accepted, the last one
-    silently winning (PyYAML's way; JSON files are read by the same loader)."""
+    silently winning (PyYAML's way; JSON files were read by the same loader)."""
     from pdd.config import ConfigFileError
 
     cfg = tmp_path / name
     cfg.write_text(text)
     with pytest.raises(ConfigFileError) as ex:
         ClusterConfig.load(cfg)
-    assert str(ex.value) == f"{cfg}: not valid YAML/JSON: {message}"
+    assert str(ex.value) == f"{cfg}: {message}"
     with pytest.raises(SystemExit) as ex:
         main(["certs", "--config", str(cfg), "--out", str(tmp_path / "certs")])
     assert ex.value.code == 2
-    assert capsys.readouterr().err == f"pdd certs: error: --config {cfg}: not valid YAML/JSON: {message}\n"
+    assert capsys.readouterr().err == f"pdd certs: error: --config {cfg}: {message}\n"
 
 
 def test_a_merge_key_may_still_be_overridden(tmp_path):
