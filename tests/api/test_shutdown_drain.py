@@ -161,3 +161,39 @@ async def test_a_batch_ended_by_the_shutdown_timeout_counts_as_one_request(gatew
     await _settled(orch)
     assert orch.abort_reasons == ["failed", "failed", "failed"] and app.state.drain.ended == 1
     assert orch.seqs == {} and _leaked(eng) == 0
+
+
+class _Running:
+    """A Generation still running when the timeout runs out (``shut_down`` says so)."""
+
+    def shut_down(self, message: str) -> bool:
+        return True
+
+
+def test_a_request_freed_before_another_is_made_is_not_counted_as_that_one():
+    """``Drain`` keyed a request by ``id(request)``: a request object freed (its stream ended, its
+    Generation still aborting) and the next one made at the same address were one request to
+    :meth:`Drain.expire`. Here they have the same id; each still counts, a batch's prompts once."""
+    from starlette.requests import Request
+
+    from pdd.gateway.shutdown import Drain
+
+    def request():
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []})
+
+    drain, gens = Drain(0), [_Running() for _ in range(4)]
+    for _ in range(100):  # CPython gives a new object the memory of one just freed, almost always at once
+        first = request()
+        drain.track(gens[0], first)
+        drain.track(gens[1], first)  # a batch: two prompts of one request
+        freed_at = id(first)
+        del first
+        second = request()
+        if id(second) == freed_at:
+            break
+        drain, gens = Drain(0), [_Running() for _ in range(4)]
+    else:
+        pytest.skip("no request object was made at a freed one's address")
+    drain.track(gens[2], second)
+    drain.track(gens[3], None)  # (no request: a request of its own)
+    assert drain.expire(object()) == 3 and drain.ended == 3

@@ -19,6 +19,7 @@ gateway's HTTP server stops (listening socket closed) and the process exits; ``p
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import weakref
@@ -33,6 +34,7 @@ SHUTTING_DOWN = "shutting_down"  # the error code of a request refused during th
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 END_WAIT_S = 12.0  # after the timeout: how long the ends may take (a tier's abort call waits at most 10 s)
 POLL_S = 0.05  # how often the drain looks whether what it waits for is done
+REQUEST_KEY = "pdd.drain.request"  # an HTTP request's scope key: its number in Drain.track
 
 
 def refusal_body() -> dict:
@@ -62,7 +64,10 @@ class Drain:
         self.in_flight = 0
         self.ended = 0
         self.gens: weakref.WeakSet = weakref.WeakSet()  # the running Generations (pdd.gateway.openai_run)
-        self._request_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Generation -> its request's id
+        # Generation -> its HTTP request's number (REQUEST_KEY: from a counter, never reused, unlike
+        # ``id(request)``, which a request made after an earlier one was freed can have)
+        self._request_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._numbers = itertools.count()
 
     def begin(self) -> None:
         """Refuse new generation requests from now on (idempotent)."""
@@ -73,7 +78,12 @@ class Drain:
         still runs then (at once when the timeout ran out already). ``request``: the HTTP request
         it serves (the prompts of a batch share it), so that :attr:`ended` counts requests."""
         self.gens.add(gen)
-        self._request_of[gen] = id(request if request is not None else gen)
+        if request is None:
+            self._request_of[gen] = next(self._numbers)
+        else:  # the prompts of a batch share their request's scope, so its number
+            if REQUEST_KEY not in request.scope:
+                request.scope[REQUEST_KEY] = next(self._numbers)
+            self._request_of[gen] = request.scope[REQUEST_KEY]
         if self.expired:
             gen.shut_down(expired_message(self.timeout_s))
 
@@ -103,7 +113,7 @@ class Drain:
 
         self.expired = True
         msg = expired_message(self.timeout_s)
-        n = len({self._request_of.get(gen, id(gen)) for gen in list(self.gens) if gen.shut_down(msg)})
+        n = len({self._request_of[gen] for gen in list(self.gens) if gen.shut_down(msg)})
         self.ended += n
         for st in list(getattr(orch, "reqs", {}).values()):
             if not st.finished:  # (one a Generation holds was aborted by it: abort is idempotent)
