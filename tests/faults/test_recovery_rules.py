@@ -485,6 +485,36 @@ async def test_a_start_that_lost_its_p_waits_for_it_to_come_back(orch, monkeypat
         await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s2")
 
 
+async def test_a_start_aborted_while_it_waits_for_its_p_is_not_started_again(orch, monkeypatch):
+    """A request whose start waits for its restarting P (as above) and is aborted meanwhile (its
+    client left: ``abort_starting``; the server's shutdown timeout ended it) fails at once and is
+    never launched again: a new user's 4 requests whose clients left while p0 restarted were
+    launched once p0 was back and held 289 of P's pages for good (``/pdd/flush`` leaked_pages
+    289), and under SIGTERM the drain waited for them until uvicorn cancelled them (HTTP 500)."""
+    from pdd.gateway import recovery
+    from pdd.gateway.state import ABORT_CLIENT, NoInstance, RequestFailed
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
+    tries: list = []
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        tries.append(st.trid)
+        if len(tries) == 1:
+            raise ConnectionError("instance p0 is unreachable")
+        if len(tries) == 2:
+            raise NoInstance("no prefill instance is reachable")
+        # P is back: launching the aborted request here is the leak
+
+    async def client_leaves_while_waiting(seen, timeout_s):
+        await orch.abort(orch.reqs["s1.2"], ABORT_CLIENT)
+
+    monkeypatch.setattr(orch, "_launch", launch)
+    monkeypatch.setattr(orch, "_topology_wait", client_leaves_while_waiting)
+    with pytest.raises(RequestFailed, match=r"aborted \(client_disconnect\) while it waited to start again"):
+        await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s1")
+    assert tries == ["s1", "s1.1"] and orch.totals["cancelled"] == 1 and not orch.reqs
+
+
 async def test_a_sibling_choice_that_finds_no_instance_waits_with_its_first_choice(orch, monkeypatch):
     """The other choices of an ``n`` > 1 request start after choice 0 (its first token sampled);
     if the only MD (cross_dc_pd) or P dies in between, choice 0 recovers once the supervisor

@@ -34,7 +34,8 @@ class Starts:
         tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
         and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does, at once when
         the topology changes (an instance added or reconnected); then, or for any other error,
-        RequestFailed. A tier with no instance in service at all (NoMember: every one removed by
+        RequestFailed. A request aborted meanwhile (``Orchestrator.abort``: its client left, the
+        server's shutdown timeout ended it) is not started again: RequestFailed at once. A tier with no instance in service at all (NoMember: every one removed by
         the operator, so none comes back by itself) fails it at once. A request that finds no
         instance on its first try fails at once (the client gets a 503 with Retry-After: it did
         no work), unless it is
@@ -49,18 +50,26 @@ class Starts:
         self.totals["requests"] += 1
         waited = 0.0
         while True:
+            if st.finished:
+                # aborted while it waited to start again (its client left, the server's shutdown
+                # timeout ended it): launching it now would run it on the tiers with nobody to
+                # end it there (a new user: 4 requests whose clients left while their only P
+                # restarted held 289 of P's pages for good)
+                raise RequestFailed(f"request {rid} failed while starting: it was aborted "
+                                    f"({st.end.abort_reason}) while it waited to start again")
             seen = self.topology_version  # a topology change from here on retries at once
             try:
                 st.to(Phase.PREFILL, f"attempt {st.attempt} starts")
                 await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
                 break
             except Exception as e:
-                retry = isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts
+                retry = isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts \
+                    and not st.finished
                 if retry:
                     log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
-                if isinstance(e, NoInstance) and not isinstance(e, NoMember) \
+                if isinstance(e, NoInstance) and not isinstance(e, NoMember) and not st.finished \
                         and (st.attempt > 0 or sibling_of is not None) and waited < recovery.RECOVERY_WAIT_S:
                     waited += await self._retry_later(st, e, seen)
                     continue
