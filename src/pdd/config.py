@@ -551,6 +551,20 @@ class LivenessConfig(_Strict):
         1.0, gt=0, description="the gateway tries to reach every instance whose connection is closed this often "
         "(a restarted instance rejoins, and /health recovers, without waiting for traffic)")
 
+    @model_validator(mode="after")
+    def _dead_after_spans_heartbeats(self) -> "LivenessConfig":
+        """``dead_after_s`` >= 2 x ``heartbeat_interval_s``: a quiet peer shows life only once per
+        heartbeat, and silence is looked for once per heartbeat too, so a shorter wait declares
+        live peers dead whenever one heartbeat is late (``dead_after_s: 0.1`` with
+        ``heartbeat_interval_s: 5`` dropped every idle connection every 5 s, the gateway's to each
+        instance and md0's to the gateway, and recovered their requests). Raises ValueError."""
+        if self.dead_after_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(f"dead_after_s {self.dead_after_s:g} must be at least twice heartbeat_interval_s "
+                             f"{self.heartbeat_interval_s:g} (a quiet peer shows life once per heartbeat: a "
+                             f"shorter wait declares live peers dead); raise dead_after_s or lower "
+                             f"heartbeat_interval_s")
+        return self
+
 
 class InstanceCounts(_Strict):
     """How many instances of each tier (modes without a tier ignore its count)."""

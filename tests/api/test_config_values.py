@@ -433,3 +433,20 @@ def test_a_bare_nan_config_is_named_as_not_json(tmp_path):
         ClusterConfig.load(cfg)
     assert str(ex.value) == (f"{cfg}: expected a JSON object (a YAML mapping) of config fields, got NaN (not a valid "
                              "JSON number)")
+
+
+@pytest.mark.parametrize("yaml_text,dead,hb", [
+    ("liveness: {dead_after_s: 0.1, heartbeat_interval_s: 5}\n", "0.1", "5"),
+    ("liveness: {heartbeat_interval_s: 3}\n", "5", "3"),  # the default dead_after_s under a slower heartbeat
+    ("liveness: {dead_after_s: 1.9}\n", "1.9", "1"),
+])
+def test_a_dead_peer_wait_shorter_than_two_heartbeats_is_refused(tmp_path, yaml_text, dead, hb):
+    """A peer declared dead after less than two heartbeats of silence is declared dead while
+    alive (a new user's ``dead_after_s: 0.1``, ``heartbeat_interval_s: 5`` served, and dropped
+    every idle connection every 5 s); twice the heartbeat (the tests' 0.25 / 1.5 too) passes."""
+    assert _refused(yaml_text, tmp_path) == (
+        f"liveness: dead_after_s {dead} must be at least twice heartbeat_interval_s {hb} (a quiet peer shows "
+        "life once per heartbeat: a shorter wait declares live peers dead); raise dead_after_s or lower "
+        "heartbeat_interval_s")
+    ok = ClusterConfig.model_validate({"liveness": {"dead_after_s": 2.0, "heartbeat_interval_s": 1.0}})
+    assert (ok.liveness.dead_after_s, ok.liveness.heartbeat_interval_s) == (2.0, 1.0)
