@@ -357,6 +357,9 @@ def test_exit_status_counts_modes_without_a_completed_request():
     ({"output_length": -1}, ["'output_length' must be an integer >= 0, got -1"]),
     ({"hash_ids": "1,2"}, ["'hash_ids' must be a list of integers"]),
     ({"hash_ids": [1, None]}, ["'hash_ids' must be a list of integers"]),
+    # numpy seeds a block's tokens from its id: a negative one ended the run with numpy's own
+    # "expected non-negative integer" (a new user's trace; `pdd sim run` took it)
+    ({"hash_ids": [1, -5]}, ["'hash_ids' must be a list of integers >= 0, got [1, -5]"]),
 ])
 def test_names_the_file_line_and_field_of_a_bad_trace_value(capsys, tmp_path, no_run, rec, names):
     """A record with all four fields but an unusable value was accepted by the checks and failed

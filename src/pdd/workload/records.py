@@ -30,9 +30,10 @@ def _is_int(v) -> bool:
 def _bad_field(rec: dict) -> str | None:
     """Why a record's values are unusable (None when they are fine): ``timestamp`` a finite
     number of ms >= 0 (since the trace's start; their order is not checked), ``input_length``
-    an integer >= 1, ``output_length`` an integer >= 0, ``hash_ids`` a list of integers. Without
-    this check a bad value failed later, in whatever used it, with a message naming neither the
-    file, the line nor the field (``pdd bench``: "could not convert string to float: 'x'")."""
+    an integer >= 1, ``output_length`` an integer >= 0, ``hash_ids`` a list of integers >= 0.
+    Without this check a bad value failed later, in whatever used it, with a message naming
+    neither the file, the line nor the field (``pdd bench``: "could not convert string to float:
+    'x'")."""
     ts = rec["timestamp"]
     if not ((_is_int(ts) or isinstance(ts, float)) and math.isfinite(ts)):
         return f"'timestamp' must be a number of ms, got {ts!r}"
@@ -42,8 +43,10 @@ def _bad_field(rec: dict) -> str | None:
         if not (_is_int(rec[k]) and rec[k] >= lo):
             return f"{k!r} must be an integer >= {lo}, got {rec[k]!r}"
     h = rec["hash_ids"]
-    if not (isinstance(h, list) and all(_is_int(x) for x in h)):
-        return f"'hash_ids' must be a list of integers, got {h!r}"[:200]
+    if not (isinstance(h, list) and all(_is_int(x) and x >= 0 for x in h)):
+        # a negative id seeded its token block through numpy, whose "expected non-negative
+        # integer" was all `pdd bench` said (no file, line or field)
+        return f"'hash_ids' must be a list of integers >= 0, got {h!r}"[:200]
     return None
 
 
