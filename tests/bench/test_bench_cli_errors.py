@@ -611,3 +611,10 @@ def test_the_default_model_path_is_still_made(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = ensure_model(ClusterConfig(model_path="models/tiny", model_preset="tiny"))
     assert str(path) == "models/tiny" and (tmp_path / "models" / "tiny" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("modes,dup", [("pdd,pdd", "pdd"), ("same_dc_pd, pdd+cutoff=false,pdd+cutoff=false", "pdd+cutoff=false")])
+def test_a_mode_given_twice_is_refused(capsys, tmp_path, no_run, modes, dup):
+    """`--modes pdd,pdd` ran pdd once and reported one row where two were asked (pdd demo refused it)."""
+    _refused(capsys, ["--modes", modes, "--out", str(tmp_path / "b")], f"error: --modes: {dup} given more than once")
+    assert not (tmp_path / "b").exists()

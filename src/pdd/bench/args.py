@@ -331,6 +331,9 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             parse_mode_label(m)
         except ValueError as ex:
             ap.error(f"--modes: {ex}")
+    dup = sorted({m for m in labels if labels.count(m) > 1})
+    if dup:  # as pdd demo: a mode runs once (it was dropped silently, one row where two were asked)
+        ap.error(f"--modes: {', '.join(dup)} given more than once")
     wan = [_given_flag(args, k) for k in WAN_OVERRIDES if getattr(args, k) is not None]
     if wan and not args.url and not any(parse_mode_label(m)[0] in WAN_MODES for m in labels):
         # nothing would cross the WAN: the flag would change nothing yet be recorded as if it applied
