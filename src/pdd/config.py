@@ -1011,6 +1011,11 @@ class ClusterConfig(_Strict):
     def _host(cls, v: str) -> str:
         return _check_host(v)
 
+    @field_validator("shutdown_timeout_s")
+    @classmethod
+    def _shutdown_timeout(cls, v: float) -> float:
+        return v + 0.0  # -0 is 0 ("may finish for up to -0 s")
+
     @field_validator("mode")
     @classmethod
     def _mode(cls, v: str) -> str:

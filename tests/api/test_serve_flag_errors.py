@@ -103,7 +103,9 @@ def test_the_shutdown_timeout_flag_sets_the_config_field(monkeypatch):
 
     monkeypatch.setattr(pdd.cli, "ensure_model", started)
     monkeypatch.setattr("pdd.topology.ports_taken_refusal", lambda *a, **k: None)
-    for argv in (["serve", "--shutdown-timeout", "0"], ["serve", "--shutdown-timeout", "2.5"], ["serve"]):
+    for argv in (["serve", "--shutdown-timeout", "0"], ["serve", "--shutdown-timeout", "2.5"], ["serve"],
+                 ["serve", "--shutdown-timeout=-0"]):
         with pytest.raises(SystemExit):
             main(argv)
-    assert seen == [0.0, 2.5, 30.0]
+    assert seen == [0.0, 2.5, 30.0, 0.0]
+    assert str(seen[-1]) == "0.0"  # not -0.0 ("may finish for up to -0 s")
