@@ -119,6 +119,40 @@ def test_sim_experiment_refuses_bad_set(capsys, tmp_path, sets, names):
     assert not (tmp_path / "x").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("name,kv,message", [
+    # each ran: a ZeroDivisionError / ValueError / KeyError traceback, chunk=0 never ended, and
+    # premium=-2 / hit=2 printed tables of negative prices and KV
+    ("ttft", "rate=0", "rate must be a finite number > 0, got 0"),
+    ("ttft", "rate=-1", "rate must be a finite number > 0, got -1"),
+    ("ttft", "rate=1e-9", "rate must be >= 0.001 req/s"),
+    ("ttft", "wan_gbps=0", "wan_gbps must be a finite number > 0, got 0"),
+    ("ttft", "wan_gbps=nan", "wan_gbps must be a finite number > 0, got nan"),
+    ("bathtub", "inp=0", "inp must be a finite number > 0, got 0"),
+    ("bathtub", "chunk=0", "chunk must be a finite number > 0, got 0"),
+    ("bathtub", "model=nosuch", "model 'nosuch' is not a known model; known: llama-3.1-70b, "),
+    ("cost-table", "chip_b=NOPE", "chip_b 'NOPE' is not a known chip; known: A100-SXM4-80GB, "),
+    ("cost-table", "premium=-2", "premium must be a finite number > -1 (GPU-B's price is GPU-A's x (1 + premium)), got -2"),
+    ("cost-table", "hit=2", "hit must be in [0, 1], got 2"),
+    ("cost-table", "price_a=-1", "price_a must be a finite number >= 0, got -1"),
+    ("cost-ceiling", "pairs=garbage", "pairs takes comma-separated CHIP_A/CHIP_B pairs of known chips, got 'garbage'"),
+    ("cost-ceiling", "kv_bytes=0", "kv_bytes must be a finite number > 0, got 0"),
+    ("cost-ceiling", "tpot_ms=50,0", "tpot_ms takes comma-separated numbers > 0, got '0'"),
+    ("calibrate", "profile=/nonexistent", "profile is not a file: /nonexistent"),
+])
+def test_sim_experiment_refuses_a_set_value_it_cannot_run(capsys, tmp_path, name, kv, message):
+    out = tmp_path / "x"
+    err = _refused(capsys, ["sim", "experiment", name, "--quick", "--out", str(out), "--set", kv])
+    assert err.strip().splitlines()[-1].startswith(f"pdd sim experiment: error: --set {kv!r}: {message}"), err
+    assert not out.exists()  # nothing ran
+
+
+def test_experiment_params_take_valid_edge_values():
+    assert experiment_params("cost-table", ["hit=0", "premium=-0.5", "price_a=0", "chip_a=H100-SXM5-80GB"]) == {
+        "hit": 0, "premium": -0.5, "price_a": 0, "chip_a": "H100-SXM5-80GB"}
+    assert experiment_params("cost-ceiling", ["pairs=H100-SXM5-80GB/H20-96GB", "tpot_ms=0.5,100"]) == {
+        "pairs": "H100-SXM5-80GB/H20-96GB", "tpot_ms": "0.5,100"}
+
+
 def test_experiment_params_convert_by_the_parameter_type():
     assert experiment_params("cost-table", ["premium=0.3", "chip-b=MI300X", "price_a=none", "hit=1"]) == {
         "premium": 0.3, "chip_b": "MI300X", "price_a": None, "hit": 1.0}

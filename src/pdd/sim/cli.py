@@ -531,7 +531,62 @@ def experiment_params(name: str, sets) -> dict:
                 kw[k] = float(v) if "." in v or "e" in v.lower() else int(v)
             except ValueError:
                 kw[k] = v
+        bad = _set_value_problem(k, kw[k])
+        if bad:
+            raise UsageError(f"--set {kv!r}: {k} {bad}")
     return kw
+
+
+_SET_POSITIVE = ("rate", "wan_gbps", "inp", "chunk", "slo_ttft_s", "slo_tpot_s", "tpot_ms", "kv_bytes")
+_SET_NONNEG = ("price_a", "wan_usd_per_hour")
+
+
+def _set_value_problem(key: str, value) -> str | None:
+    """Why ``--set key=value`` cannot run (to follow ``KEY ``), or None. Each experiment used the
+    value as given: ``rate=0`` or ``wan_gbps=0`` was a ZeroDivisionError traceback, ``chunk=0``
+    never ended, ``model=nosuch`` a KeyError, ``hit=2`` a table of negative costs. None (a
+    parameter's ``none``) is its default and passes."""
+    from pathlib import Path
+
+    if value is None:
+        return None
+    if key in ("tpot_ms", "kv_bytes") and isinstance(value, str):  # comma lists
+        for item in value.split(","):
+            try:
+                x = float(item)
+            except ValueError:
+                return f"takes comma-separated numbers > 0, got {item!r}"
+            if not _positive(x):
+                return f"takes comma-separated numbers > 0, got {item!r}"
+        return None
+    if key in _SET_POSITIVE or key in _SET_NONNEG or key in ("premium", "hit"):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"takes a number, got {value!r}"
+    if key in _SET_POSITIVE and not _positive(value):
+        return f"must be a finite number > 0, got {value:g}"
+    if key == "rate":
+        from pdd.load_profile import slow_rate_problem
+
+        return slow_rate_problem(value)
+    if key in _SET_NONNEG and not _nonneg(value):
+        return f"must be a finite number >= 0, got {value:g}"
+    if key == "premium" and not -1 < value < float("inf"):
+        return f"must be a finite number > -1 (GPU-B's price is GPU-A's x (1 + premium)), got {value:g}"
+    if key == "hit" and not 0 <= value <= 1:
+        return f"must be in [0, 1], got {value:g}"
+    if key == "model" and value not in _model_names():
+        return f"{value!r} is not a known model; known: {', '.join(sorted(_model_names()))}"
+    if key in ("chip_a", "chip_b") and value not in _chip_names():
+        return f"{value!r} is not a known chip; known: {', '.join(sorted(_chip_names()))}"
+    if key == "pairs":
+        for pair in str(value).split(","):
+            chips = pair.split("/")
+            if len(chips) != 2 or any(c not in _chip_names() for c in chips):
+                return (f"takes comma-separated CHIP_A/CHIP_B pairs of known chips, got {pair!r}; known: "
+                        f"{', '.join(sorted(_chip_names()))}")
+    if key == "profile" and not Path(str(value)).is_file():
+        return f"is not a file: {value}"
+    return None
 
 
 def cmd_experiment(a) -> int:
