@@ -19,12 +19,13 @@ def ensure_model(cfg, prog: str = "pdd serve") -> None:
     from pdd.cli_args import missing_model_problem, refuse
 
     if (Path(cfg.model_path) / "config.json").exists():
-        from pdd.engine.config import ModelConfig
+        from pdd.engine.checkpoint import checkpoint_problem
 
-        try:  # a config.json the engine cannot compute is refused here, naming its field
-            ModelConfig.from_pretrained(cfg.model_path)
-        except (ValueError, NotImplementedError) as e:
-            raise SystemExit(f"pdd: model_path {cfg.model_path}: {e}")
+        # a config.json the engine cannot compute, a corrupted weights file, no tokenizer: refused
+        # here, naming the file and field, before any instance starts
+        bad = checkpoint_problem(cfg.model_path)
+        if bad:
+            raise SystemExit(f"pdd: model_path {cfg.model_path}: {bad}")
         return
     missing = missing_model_problem(cfg)
     if missing:
@@ -131,6 +132,12 @@ def cmd_launch(args) -> int:
     taken = instance_ports_refusal(cfg, name)
     if taken:  # the bind failed later with a traceback (OSError: address already in use)
         _usage(args, taken)
+    if lay.get(name).role != ROLE_LINK:
+        from pdd.engine.checkpoint import checkpoint_problem
+
+        bad = checkpoint_problem(cfg.model_path)
+        if bad:  # was the instance's traceback (SafetensorError, the gateway's tokenizer, int('four'))
+            raise SystemExit(f"pdd launch: model_path {cfg.model_path}: {bad}")
     if getattr(args, "join", None):
         if lay.get(name).role in (ROLE_LINK, "gateway"):
             _usage(args, "--join: only an engine instance (prefill, relay_decode, main_decode, colocated) joins")

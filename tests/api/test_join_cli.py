@@ -13,15 +13,18 @@ from pdd.gateway.join import api_key, join_body
 from pdd.topology import free_port_block, layout
 
 
-def _config_that_must_not_run(tmp_path, monkeypatch):
+def _config_that_must_not_run(tmp_path, monkeypatch, model=None):
     """A config file for ``pdd launch`` whose instance fails the test if it is started (the
-    usage error must come first)."""
+    usage error must come first). ``model``: a real checkpoint, for a launch that gets past
+    launch's checkpoint check."""
     monkeypatch.setattr(launch, "run_instance", lambda cfg, name: (_ for _ in ()).throw(AssertionError("ran")))
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    if model is None:
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        model = str(tmp_path / "model")
     cfg = tmp_path / "c.json"
     base = free_port_block()  # launch refuses an instance whose (default) ports another process holds first
-    cfg.write_text(json.dumps({"model_path": str(tmp_path / "model"), "base_port": base, "gateway_port": base + 95,
+    cfg.write_text(json.dumps({"model_path": model, "base_port": base, "gateway_port": base + 95,
                                "security": {"tls": False, "fast_path": "plain"}}))
     return cfg
 
@@ -130,12 +133,12 @@ def test_a_join_answered_with_a_long_page_says_how_long_it_was():
 
 
 @pytest.mark.parametrize("given", ["http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1/"])
-def test_join_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(tmp_path, monkeypatch, given):
+def test_join_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(tmp_path, monkeypatch, given, tiny_model):
     """``pdd serve`` prints "serving at http://127.0.0.1:8000/v1" (the OpenAI base_url form): that
     URL given to --join was refused as having a path; its root is joined."""
     import pdd.gateway.join as join_mod
 
-    cfg = _config_that_must_not_run(tmp_path, monkeypatch)
+    cfg = _config_that_must_not_run(tmp_path, monkeypatch, model=tiny_model)
     joined, ran = [], []
     monkeypatch.setattr(join_mod, "join_when_ready", lambda cfg, spec, url: joined.append((spec.name, url)))
     monkeypatch.setattr(launch, "run_instance", lambda cfg, name: ran.append(name))

@@ -75,7 +75,7 @@ def test_launch_refuses_a_missing_model_path(capsys, tmp_path, no_instance):
              f"pdd make-model --out {missing}")
 
 
-def test_launch_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monkeypatch):
+def test_launch_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monkeypatch, tiny_model):
     def run_instance(cfg, name):
         raise SecurityError(f"{tmp_path}/ca.pem is missing")
 
@@ -83,7 +83,7 @@ def test_launch_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monk
 
     monkeypatch.setattr(launch, "run_instance", run_instance)
     base = free_port_block()  # launch refuses an instance whose (default) ports another process holds first
-    cfg = _config(tmp_path, model_path=_model(tmp_path), security={"cert_dir": str(tmp_path)}, base_port=base,
+    cfg = _config(tmp_path, model_path=tiny_model, security={"cert_dir": str(tmp_path)}, base_port=base,
                   gateway_port=base + 95)
     _refused(capsys, ["launch", "--role", "prefill", "--config", cfg], f"{tmp_path}/ca.pem is missing")
 

@@ -50,7 +50,7 @@ async def test_an_instance_refusing_the_handshake_is_named_at_once(caplog):
     assert [r for r in caplog.records if r.name == "pdd.gateway.orchestrator"] == []
 
 
-def test_pdd_launch_gateway_fails_in_one_line(capsys, monkeypatch, tmp_path):
+def test_pdd_launch_gateway_fails_in_one_line(capsys, monkeypatch, tmp_path, tiny_model):
     from pdd import launch
     from pdd.cli import main
 
@@ -59,9 +59,7 @@ def test_pdd_launch_gateway_fails_in_one_line(capsys, monkeypatch, tmp_path):
 
     monkeypatch.setattr(launch, "run_instance", run_instance)
     cfg = tmp_path / "c.json"
-    model = tmp_path / "model"  # launch checks model_path first: the default models/small is not in a fresh clone
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = tiny_model  # launch checks the checkpoint first: the default models/small is not in a fresh clone
     base = free_port_block()  # the default ports may be another process's: launch refuses taken ports first
     cfg.write_text(json.dumps({"mode": "colocated", "base_port": base, "gateway_port": base + 95,
                                "model_path": str(model), "security": {"tls": False, "fast_path": "plain"}}))

@@ -112,6 +112,10 @@ def _sliding(d: dict, mt: str, layers: int) -> tuple[int | None, list[int]]:
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+_SHAPE_FIELDS = ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 def dtype_name(dtype) -> str:
     """Normalise a dtype given as a string ("bf16", "float32") or a ``torch.dtype`` to a name."""
     s = str(dtype).replace("torch.", "")
@@ -194,9 +198,22 @@ class ModelConfig:
         for k in ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers"):
             if k not in d:
                 raise ValueError(f"config.json {k}: missing")
+        for k in _SHAPE_FIELDS:  # a string or a negative size was int()'s or torch's traceback
+            v = d.get(k)
+            if v is None and k not in ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size",
+                                       "num_hidden_layers"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"config.json {k}: expected a positive integer, got {v!r}")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         layers = int(d["num_hidden_layers"])
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"config.json num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}")
+        if not d.get("head_dim") and hidden % heads:
+            raise ValueError(f"config.json hidden_size: {hidden} is not a multiple of num_attention_heads {heads} "
+                             "(give head_dim)")
         max_pos = int(d.get("max_position_embeddings", 4096))
         rope_theta, scaling = _rope_scaling(d, max_pos)
         window, window_layers = _sliding(d, mt, layers)
