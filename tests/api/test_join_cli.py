@@ -144,3 +144,59 @@ def test_join_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(tmp_path, m
     monkeypatch.setattr(launch, "run_instance", lambda cfg, name: ran.append(name))
     assert main(["launch", "--role", "main_decode", "--config", str(cfg), "--join", given]) == 0
     assert joined == [("md0", "http://127.0.0.1:1")] and ran == ["md0"]
+
+
+@pytest.mark.parametrize("holder,printed", [
+    # md0 was killed and relaunched by hand with --join: the gateway's watcher had reconnected it,
+    # the add answered 409 and launch printed "JOIN FAILED md0: ... already a member's: md0 (active)"
+    ({"name": "md0", "state": "active", "connected": True},
+     ("JOINED md0 active (already a member: the gateway reconnected to this process)\n", "")),
+    ({"name": "md0", "state": "active", "connected": False},
+     ("JOINED md0 active (already a member: the gateway reconnects to this process)\n", "")),
+    # another member at the address: still a failure
+    ({"name": "md1", "state": "active", "connected": True},
+     ("", "JOIN FAILED md0: address '127.0.0.1:{port}' is already a member's: md1 (active)\n")),
+])
+def test_a_relaunched_member_joins_as_already_a_member(capsys, holder, printed):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from pdd.gateway.join import join_when_ready
+
+    port = None
+
+    class Gateway(BaseHTTPRequestHandler):
+        def _json(self, status, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._json(409, {"error": {"message": f"address '127.0.0.1:{port}' is already a member's: "
+                                                  f"{holder['name']} ({holder['state']})",
+                                       "type": "invalid_request_error", "param": "address",
+                                       "code": "duplicate_address"}})
+
+        def do_GET(self):
+            assert self.path == "/pdd/instances"
+            self._json(200, {"object": "list", "data": [{**holder, "address": f"127.0.0.1:{port}"}]})
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]  # the instance "listening" is the gateway's own server
+        cfg = SimpleNamespace(host="127.0.0.1", security=SimpleNamespace(api_keys=[]))
+        spec = SimpleNamespace(name="md0", role="main_decode", port=port)
+        join_when_ready(cfg, spec, f"http://127.0.0.1:{port}").join(timeout=20)
+    finally:
+        srv.shutdown()
+    out, err = capsys.readouterr()
+    assert (out, err) == (printed[0], printed[1].format(port=port))

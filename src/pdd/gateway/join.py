@@ -74,21 +74,47 @@ def join(cfg, spec, url: str, timeout_s: float = JOIN_TIMEOUT_S, poll_s: float =
         r = httpx.post(url.rstrip("/") + "/pdd/instances", json=join_body(spec, cfg.host), headers=headers,
                        timeout=max(5.0, deadline - time.monotonic()), trust_env=False)
         if r.headers.get("content-type", "").startswith("application/json"):
-            return r.json()
+            rep = r.json()
+            if r.status_code == 409 and (rep.get("error") or {}).get("code") in ("duplicate", "duplicate_address"):
+                return _already_member(url, spec, join_body(spec, cfg.host)["address"], headers) or rep
+            return rep
         return {"error": {"message": f"HTTP {r.status_code}: {shown(r.text)}"}}
     except Exception as e:
         return {"error": {"message": f"{type(e).__name__}: {e}"}}
 
 
+def _already_member(url: str, spec, address: str, headers: dict) -> dict | None:
+    """The gateway's member for ``spec`` when it is already one at ``address`` (active or
+    draining), marked ``already_member``; else None. A member that was killed and relaunched by
+    hand with ``--join`` is reconnected by the gateway's watcher, so its add answers 409: that
+    was printed as ``JOIN FAILED`` while the instance served."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/pdd/instances", headers=headers, timeout=5.0, trust_env=False)
+        members = r.json().get("data") or []
+    except Exception:
+        return None
+    for m in members:
+        if m.get("name") == spec.name and m.get("address") == address and m.get("state") in ("active", "draining"):
+            return {**m, "already_member": True}
+    return None
+
+
 def join_when_ready(cfg, spec, url: str) -> threading.Thread:
-    """:func:`join` on a daemon thread; prints ``JOINED <name>`` or ``JOIN FAILED <name>: why``."""
+    """:func:`join` on a daemon thread; prints ``JOINED <name> <state>`` (with ``(already a member:
+    ...)`` for a member relaunched after a crash, which the gateway reconnects by itself) or ``JOIN
+    FAILED <name>: why``."""
 
     def run():
         rep = join(cfg, spec, url)
         if "error" in rep:
             print(f"JOIN FAILED {spec.name}: {rep['error'].get('message')}", file=sys.stderr, flush=True)
         else:
-            print(f"JOINED {spec.name} {rep.get('state')}", flush=True)
+            again = (" (already a member: the gateway " + ("reconnected to this process)" if rep.get("connected")
+                                                           else "reconnects to this process)")
+                     if rep.get("already_member") else "")
+            print(f"JOINED {spec.name} {rep.get('state')}{again}", flush=True)
 
     t = threading.Thread(target=run, daemon=True, name=f"join-{spec.name}")
     t.start()
