@@ -31,7 +31,8 @@ def _refused(capsys, argv, *names, entry=pdd_main):
     (["--rate", "-1", "--agentic", "5"], ["--rate", "must be > 0"]),
     (["--limit", "-3"], ["--limit", "must be >= 1"]),
     (["--limit", "0"], ["--limit", "must be >= 1"]),
-    (["--agentic", "-5"], ["--agentic", "must be >= 0"]),
+    (["--agentic", "-5"], ["--agentic", "must be >= 1"]),
+    (["--agentic", "0"], ["--agentic", "must be >= 1"]),  # ran the whole bundled trace (12,031 requests)
     (["--scale-rate", "0"], ["--scale-rate", "must be > 0"]),
     # passed "> 0": with --autoscale the simulated span's decision ticks never ended
     (["--rate", "1e-9", "--agentic", "5"], ["argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),

@@ -211,7 +211,8 @@ def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
                             "are dropped until a prompt fits (no request is dropped; default: none)")
     g.add_argument("--scale-rate", type=SCALE_RATE, default=1.0,
                    help="replay this many times faster (>= 0.001: at most 1000 times slower)")
-    g.add_argument("--agentic", type=NONNEG_INT, default=0, help="generate N agentic requests instead of a trace")
+    g.add_argument("--agentic", type=POS_INT, default=None,
+                   help="generate N (>= 1) agentic requests instead of a trace")
     g.add_argument("--rate", type=RATE, default=2.0,
                    help="req/s for generated workloads (>= 0.001: one request per 1000 s on average)")
     g.add_argument("--seed", type=NONNEG_INT, default=0, help="workload seed (>= 0: numpy's generators take no negative seed)")
