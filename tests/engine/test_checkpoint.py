@@ -86,12 +86,14 @@ def test_a_config_that_disagrees_is_named(tiny_model, tmp_path, edit, message):
 
 def test_pdd_launch_refuses_a_damaged_checkpoint_in_one_line(tiny_model, tmp_path, capsys):
     from pdd.cli import main
+    from pdd.topology import free_port_block
 
     d = _copy(tiny_model, tmp_path)
     (d / "tokenizer.json").unlink()
     cfg = tmp_path / "c.yaml"
+    base = free_port_block(101)  # launch checks its ports first: a block no other run holds
     cfg.write_text(f"mode: pdd\nmodel_path: {d}\nsecurity: {{tls: false, fast_path: plain}}\n"
-                   "gateway_port: 9100\nbase_port: 9110\n")
+                   f"gateway_port: {base + 100}\nbase_port: {base}\n")
     with pytest.raises(SystemExit) as e:
         main(["launch", "--role", "gateway", "--config", str(cfg)])
     assert str(e.value) == (f"pdd launch: model_path {d}: tokenizer.json missing (the gateway tokenizes with it; "

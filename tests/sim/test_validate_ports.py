@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 from pdd.cli import main as pdd_main
+from pdd.topology import free_port_block
 from tests.cli_usage import usage_error
 
 PROFILE = Path(__file__).resolve().parents[2] / "data" / "profiles" / "this-machine.json"
-# ports of this test's own (the gateway's kept apart from the block)
-BASE, GATEWAY = 9270, 9390
+# a free block of this run's (fixed ports failed beside a topology on them): base_port .. +109
+# (the configs below move it by 10) and the gateway's kept apart from it, at +120
+BASE = free_port_block(121)
+GATEWAY = BASE + 120
 
 
 @pytest.mark.parametrize("flags,message", [
