@@ -2,6 +2,7 @@
 started); the join asks the gateway for exactly that slot, with the config's API key; a config's
 `standby` names must be engine instances of its layout, keeping one of each tier started."""
 
+import contextlib
 import json
 
 import pytest
@@ -11,6 +12,24 @@ from pdd.cli import main
 from pdd.config import ClusterConfig
 from pdd.gateway.join import api_key, join_body
 from pdd.topology import free_port_block, layout
+
+
+@contextlib.contextmanager
+def _gateway_stand_in(handler):
+    """A stand-in gateway (``handler``, a BaseHTTPRequestHandler) on a free port of 127.0.0.1,
+    serving in a thread: yields ``(cfg, port)`` for :mod:`pdd.gateway.join` (the instance
+    "listening" is the stand-in's own server)."""
+    import threading
+    from http.server import ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield SimpleNamespace(host="127.0.0.1", security=SimpleNamespace(api_keys=[])), srv.server_address[1]
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def _config_that_must_not_run(tmp_path, monkeypatch, model=None):
@@ -101,8 +120,7 @@ def test_a_join_url_with_a_path_or_query_is_refused():
 def test_a_join_answered_with_a_long_page_says_how_long_it_was():
     """A gateway (or a proxy before it) answering with a page, not JSON: the message cut the page
     at 200 characters without saying so; it is now cut by ``shown`` (120, then its length)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
     from types import SimpleNamespace
 
     from pdd.gateway.join import join
@@ -119,16 +137,9 @@ def test_a_join_answered_with_a_long_page_says_how_long_it_was():
         def log_message(self, *a):
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        port = srv.server_address[1]  # the instance "listening" is the page's own server
-        cfg = SimpleNamespace(host="127.0.0.1", security=SimpleNamespace(api_keys=[]))
+    with _gateway_stand_in(Page) as (cfg, port):
         spec = SimpleNamespace(name="md1", role="main_decode", port=port)
         rep = join(cfg, spec, f"http://127.0.0.1:{port}", timeout_s=10)
-    finally:
-        srv.shutdown()
-        srv.server_close()
     assert rep == {"error": {"message": f"HTTP 502: '<p>{'e' * 116}... (1000 characters)"}}
 
 
@@ -158,8 +169,7 @@ def test_join_takes_the_v1_url_pdd_serve_prints_as_the_gateways_root(tmp_path, m
      ("", "JOIN FAILED md0: address '127.0.0.1:{port}' is already a member's: md1 (active)\n")),
 ])
 def test_a_relaunched_member_joins_as_already_a_member(capsys, holder, printed):
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
     from types import SimpleNamespace
 
     from pdd.gateway.join import join_when_ready
@@ -189,14 +199,8 @@ def test_a_relaunched_member_joins_as_already_a_member(capsys, holder, printed):
         def log_message(self, *a):
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        port = srv.server_address[1]  # the instance "listening" is the gateway's own server
-        cfg = SimpleNamespace(host="127.0.0.1", security=SimpleNamespace(api_keys=[]))
+    with _gateway_stand_in(Gateway) as (cfg, port):
         spec = SimpleNamespace(name="md0", role="main_decode", port=port)
         join_when_ready(cfg, spec, f"http://127.0.0.1:{port}").join(timeout=20)
-    finally:
-        srv.shutdown()
     out, err = capsys.readouterr()
     assert (out, err) == (printed[0], printed[1].format(port=port))
