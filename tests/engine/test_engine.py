@@ -338,3 +338,29 @@ def test_max_running_limits_the_batch(make_engine, prompts):
     for s in seqs:
         eng.release(s)
     assert _all_free(eng)
+
+
+def test_a_cancelled_sequence_holding_pages_makes_the_others_wait_not_fail(make_engine):
+    """A request aborted on a decode tier is cancelled at once and released by a later engine
+    command. A step in between used to preempt the live sequence (the cancelled one did not
+    count as holding pages that come back) and then fail it with OutOfPages: a request lost to
+    another's abort. Now the step raises PagesHeld (the worker waits), nothing is preempted, and
+    once the cancelled one is released the other runs on to the roomy engine's tokens."""
+    eng = make_engine(num_pages=4, page_size=4, enable_prefix_cache=False)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    pa, pb = list(range(10, 17)), list(range(20, 27))  # 7 tokens each: 2 pages each, pool full
+    a, b = eng.new_sequence("a", pa, sp), eng.new_sequence("b", pb, sp)
+    eng.add(a)
+    eng.add(b)
+    eng.step()  # both prefills, both first tokens
+    eng.cancel(a)
+    assert [e.seq_id for e in eng.step()] == ["b"]  # b's token at position 7 fills its 2nd page
+    with pytest.raises(PagesHeld) as ei:
+        eng.step()  # b needs a 3rd page; a's come back once its owner releases it
+    assert ei.value.seq_id == "b" and eng.preemptions == 0 and len(b.page_table) == 2
+    eng.release(a, cache=False)
+    _run(eng, [b])
+    (ref,) = make_engine(num_pages=64, page_size=4).generate([pb], sp, use_cache=False)
+    assert b.output_ids == ref and eng.preemptions == 0
+    eng.release(b)
+    assert eng.pool.num_free == eng.pool.num_pages

@@ -303,8 +303,9 @@ class Engine:
         freed and it stays in the batch with all its tokens to compute again, so the older ones
         run on and finish instead of one of them failing (``preemptions`` counts them). With
         one such sequence left and still no page, raises ``PagesHeld`` (an ``OutOfPages``) when
-        sequences outside the batch hold pages that will come back (the caller waits and steps
-        again), else ``OutOfPages``; its ``seq_id`` names the first starved sequence. Either is
+        sequences outside the batch hold pages that will come back (waiting for KV or a handoff,
+        finished, or cancelled, each until its owner releases it: the caller waits and steps
+        again), else ``OutOfPages``; cancelled sequences are never preempted; its ``seq_id`` names the first starved sequence. Either is
         raised before any forward call and without leaking: after ``OutOfPages`` the caller must
         free pages (abort / release something) or every later step raises too."""
         self.last_step_items = []
@@ -396,15 +397,18 @@ class Engine:
 
     def _preemption_victim(self) -> Sequence | None:
         """The youngest running sequence holding pages, if at least two do (freeing the only one
-        would let nothing else run); None otherwise."""
-        holders = [s for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.page_table]
+        would let nothing else run); None otherwise. A cancelled sequence is never a victim: it
+        runs nothing and its owner's release returns its pages (a P stream may still read them)."""
+        holders = [s for s in self.seqs.values() if s.status == SeqStatus.RUNNING and s.page_table and not s.cancelled]
         return max(holders, key=lambda s: s.arrival) if len(holders) >= 2 else None
 
     def _pages_held_outside_the_batch(self) -> bool:
         """Whether a live sequence outside the running batch holds pages (waiting for its KV or
-        a handoff, or finished and not yet released): they come back without anyone failing."""
+        a handoff, finished and not yet released, or cancelled and not yet released): they come
+        back without anyone failing."""
         live = list(self._live.values())
-        return any(s.page_table and s.status in (SeqStatus.WAITING, SeqStatus.FINISHED) for s in live)
+        return any(s.page_table and (s.cancelled or s.status in (SeqStatus.WAITING, SeqStatus.FINISHED))
+                   for s in live)
 
     def _free_pages(self, seq: Sequence) -> None:
         """Unlock ``seq``'s prefix-cache match and drop its refs on every page it holds (release
