@@ -364,3 +364,15 @@ def test_a_cancelled_sequence_holding_pages_makes_the_others_wait_not_fail(make_
     assert b.output_ids == ref and eng.preemptions == 0
     eng.release(b)
     assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_generate_on_a_tight_pool_releases_each_as_it_finishes(make_engine):
+    """``generate`` held every finished sequence until all had finished, so two prompts that
+    deadlock a full pool (the younger preempted) raised PagesHeld once the older finished; now the
+    finished one is released at once and both complete with a roomy engine's tokens."""
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [list(range(10, 22)), list(range(40, 52))]  # 3 pages each of a 6-page pool
+    eng = make_engine(num_pages=6, page_size=4, enable_prefix_cache=False)
+    out = eng.generate(prompts, sp, use_cache=False)
+    assert out == make_engine(num_pages=64, page_size=4).generate(prompts, sp, use_cache=False)
+    assert eng.preemptions == 1 and eng.pool.num_free == eng.pool.num_pages

@@ -435,14 +435,20 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  use_cache: bool = True) -> list[list[int]]:
-        """Convenience (tests, demo): run prompts to completion, release with caching, return outputs."""
-        seqs = []
+        """Convenience (tests, demo): run prompts to completion, release with caching, return outputs.
+        Each sequence is released as it finishes, so on a tight pool its pages let the others
+        (a preempted one among them) run on. Raises ``OutOfPages`` as :meth:`new_sequence` and
+        :meth:`step` do when the prompts cannot fit."""
+        seqs = {}
         for p in prompts:
             s = self.new_sequence(("gen", next(self._arrival)), p, sampling, use_cache=use_cache)
             self.add(s)
-            seqs.append(s)
+            seqs[s.seq_id] = s
         while self.has_work():
-            self.step()
+            for ev in self.step():
+                if ev.finished:
+                    self.release(seqs[ev.seq_id], cache=use_cache)
+        seqs = list(seqs.values())
         for s in seqs:
             self.release(s, cache=use_cache)
         return [s.output_ids for s in seqs]
