@@ -328,11 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_launch, parser=p)
 
     p = sub.add_parser("serve", help="start the whole two-datacenter topology and keep the gateway up")
-    p.add_argument("--config")
+    p.add_argument("--config", help="cluster config (YAML or JSON; default: the embedded topology, docs/SERVE.md)")
     p.add_argument("--port", type=int, default=None, help="gateway HTTP port (default 8000)")
     p.add_argument("--base-port", type=int, default=None,
                    help="the instances use base_port .. base_port+99 (default 18000); another for a second topology")
-    p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None)
+    p.add_argument("--mode", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"], default=None,
+                   help="the topology to serve (default: the config's mode, pdd)")
     p.add_argument("--log-dir", default=None,
                    help="logs and TLS material (default: a new /tmp/pdd-<mode>-* directory, kept after exit)")
     p.add_argument("--shutdown-timeout", metavar="SECONDS", default=None,
