@@ -125,9 +125,7 @@ def ports_in_use(lay: Layout) -> list[int]:
     port, the gateway's HTTP port) that cannot be bound on its host now, ascending: another
     topology (``pdd serve``, ``make demo``) or another program holds them. Best effort: a port
     may be taken between this check and the bind."""
-    # SO_REUSEADDR as the servers themselves bind (asyncio, uvicorn): a port a closed
-    # connection left in TIME_WAIT is free for them
-    return [port for port in port_users(lay) if not _can_bind(lay.host, port, reuse_addr=True)]
+    return [port for port in port_users(lay) if port_taken(lay.host, port)]
 
 
 def ports_taken_message(busy: list[int], users: dict[int, str] | None = None) -> str:
@@ -201,7 +199,7 @@ def instance_ports_refusal(cfg: TopologyFields, name: str, prog: str = "pdd laun
         return host_problem
     lay = layout(cfg)
     ports = instance_ports(lay, name)
-    busy = [p for p in ports if not _can_bind(lay.host, p, reuse_addr=True)]
+    busy = [p for p in ports if port_taken(lay.host, p)]
     if not busy:
         return None
     users = port_users(lay)
@@ -241,7 +239,8 @@ def http_url(host: str, port: int) -> str:
 
 def port_taken(host: str, port: int) -> bool:
     """Whether something listens on (or otherwise holds) ``host:port`` now: a server could not
-    bind it (SO_REUSEADDR, as the servers bind, so a port left in TIME_WAIT reads free)."""
+    bind it. SO_REUSEADDR, as the servers themselves bind (asyncio, uvicorn), so a port a closed
+    connection left in TIME_WAIT reads free."""
     return not _can_bind(host, port, reuse_addr=True)
 
 
