@@ -455,6 +455,22 @@ async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch
     assert not orch.planned_wan and not orch.superseded_wan
 
 
+def _p_lost_then_back(tries: list, none_until: int):
+    """An ``Orchestrator._launch`` stand-in: the first try loses its P (ConnectionError), tries up
+    to ``none_until`` find no P (NoInstance: its supervisor restarts it), later ones start; each
+    try's attempt id is appended to ``tries``."""
+    from pdd.gateway.state import NoInstance
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        tries.append(st.trid)
+        if len(tries) == 1:
+            raise ConnectionError("instance p0 is unreachable")
+        if len(tries) <= none_until:
+            raise NoInstance("no prefill instance is reachable")
+
+    return launch
+
+
 async def test_a_start_that_lost_its_p_waits_for_it_to_come_back(orch, monkeypatch):
     """A request whose P died while it started is started again; if no P is up yet (its
     supervisor restarts it in seconds) it waits instead of failing with 503 (a verifying new
@@ -465,15 +481,7 @@ async def test_a_start_that_lost_its_p_waits_for_it_to_come_back(orch, monkeypat
 
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
     tries: list = []
-
-    async def launch(st, prompt, sp=None, force_relay=False):
-        tries.append(st.trid)
-        if len(tries) == 1:
-            raise ConnectionError("instance p0 is unreachable")
-        if len(tries) <= 4:
-            raise NoInstance("no prefill instance is reachable")
-
-    monkeypatch.setattr(orch, "_launch", launch)
+    monkeypatch.setattr(orch, "_launch", _p_lost_then_back(tries, none_until=4))
     st = await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s1")
     assert tries == ["s1", "s1.1", "s1.2", "s1.3", "s1.4"] and st.trid == "s1.4"
 
@@ -492,23 +500,16 @@ async def test_a_start_aborted_while_it_waits_for_its_p_is_not_started_again(orc
     launched once p0 was back and held 289 of P's pages for good (``/pdd/flush`` leaked_pages
     289), and under SIGTERM the drain waited for them until uvicorn cancelled them (HTTP 500)."""
     from pdd.gateway import recovery
-    from pdd.gateway.state import ABORT_CLIENT, NoInstance, RequestFailed
+    from pdd.gateway.state import ABORT_CLIENT, RequestFailed
 
     monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
     tries: list = []
 
-    async def launch(st, prompt, sp=None, force_relay=False):
-        tries.append(st.trid)
-        if len(tries) == 1:
-            raise ConnectionError("instance p0 is unreachable")
-        if len(tries) == 2:
-            raise NoInstance("no prefill instance is reachable")
-        # P is back: launching the aborted request here is the leak
-
     async def client_leaves_while_waiting(seen, timeout_s):
         await orch.abort(orch.reqs["s1.2"], ABORT_CLIENT)
 
-    monkeypatch.setattr(orch, "_launch", launch)
+    # P is back from the third try: launching the aborted request then is the leak
+    monkeypatch.setattr(orch, "_launch", _p_lost_then_back(tries, none_until=2))
     monkeypatch.setattr(orch, "_topology_wait", client_leaves_while_waiting)
     with pytest.raises(RequestFailed, match=r"aborted \(client_disconnect\) while it waited to start again"):
         await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s1")
