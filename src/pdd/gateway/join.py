@@ -70,13 +70,14 @@ def join(cfg, spec, url: str, timeout_s: float = JOIN_TIMEOUT_S, poll_s: float =
         return {"error": {"message": f"{spec.name} did not listen on {cfg.host}:{spec.port} in {timeout_s:.0f} s"}}
     key = api_key(cfg)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = join_body(spec, cfg.host)
     try:
-        r = httpx.post(url.rstrip("/") + "/pdd/instances", json=join_body(spec, cfg.host), headers=headers,
+        r = httpx.post(url.rstrip("/") + "/pdd/instances", json=body, headers=headers,
                        timeout=max(5.0, deadline - time.monotonic()), trust_env=False)
         if r.headers.get("content-type", "").startswith("application/json"):
             rep = r.json()
             if r.status_code == 409 and (rep.get("error") or {}).get("code") in ("duplicate", "duplicate_address"):
-                return _already_member(url, spec, join_body(spec, cfg.host)["address"], headers) or rep
+                return _already_member(url, spec, body["address"], headers) or rep
             return rep
         return {"error": {"message": f"HTTP {r.status_code}: {shown(r.text)}"}}
     except Exception as e:
