@@ -112,8 +112,9 @@ def _sliding(d: dict, mt: str, layers: int) -> tuple[int | None, list[int]]:
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-_SHAPE_FIELDS = ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+# config.json's size fields: each a positive integer; the optional ones may be left out (or null)
+_REQUIRED_SIZES = ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def dtype_name(dtype) -> str:
@@ -195,13 +196,12 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelConfig(f"config.json hidden_act={act!r} is not supported (only silu)")
-        for k in ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers"):
+        for k in _REQUIRED_SIZES:
             if k not in d:
                 raise ValueError(f"config.json {k}: missing")
-        for k in _SHAPE_FIELDS:  # a string or a negative size was int()'s or torch's traceback
+        for k in _REQUIRED_SIZES + _OPTIONAL_SIZES:  # a string or a negative size was int()'s or torch's traceback
             v = d.get(k)
-            if v is None and k not in ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size",
-                                       "num_hidden_layers"):
+            if v is None and k in _OPTIONAL_SIZES:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"config.json {k}: expected a positive integer, got {v!r}")
