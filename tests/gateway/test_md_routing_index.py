@@ -236,3 +236,23 @@ def test_a_new_attempt_takes_the_old_attempts_prompt_out():
     asyncio.run(recover(st))
     assert st.trid == "e1.1"
     assert o.prefix_index[name].match(prompt) == 0
+
+
+def test_a_claim_keeps_the_prompts_page_keys_not_its_tokens():
+    """Up to INDEX_CLAIMS_MAX claims are kept (a dropped one for a kv_ready that crossed it), each
+    outliving its request: a claim holds its prompt's whole-page keys (one per 16 tokens), not the
+    prompt's token list, whose memory grows with the prompt (a soak's gateway grew ~40 MB with
+    ~700 claims of ~1,100-token prompts); landed and dropped settle the same pages."""
+    from pdd.gateway.state import ABORT_CLIENT
+    from pdd.types import Pipeline
+
+    o = _orch(routing="load")
+    prompt = list(range(10000, 13000))  # 3,000 tokens: 187 whole pages
+    name, st = _routed(o, "k1", prompt)
+    ix = o.prefix_index[name]
+    assert o.index_claims["k1"] == (name, ix.page_keys(prompt), False) and len(ix.page_keys(prompt)) == 187
+    st.pipeline = Pipeline.P_RLD_MD
+    asyncio.run(o.abort(st, ABORT_CLIENT))  # the client went away before the KV landed
+    assert o.index_claims["k1"] == (name, ix.page_keys(prompt), True) and ix.match(prompt) == 0
+    _kv_ready(o, name, "k1")  # a kv_ready that crossed the abort: MD holds the pages after all
+    assert ix.match(prompt) == 2992 and "k1" not in o.index_claims

@@ -124,9 +124,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.prefix_index: dict[str, PrefixIndex] = {
             sp.name: PrefixIndex(cfg.engine_for(sp.name).page_size, cfg.engine_for(sp.name).num_pages)
             for sp in lay.by_role(ROLE_MAIN) if sp.dc == "B"}
-        # attempt -> (MD, prompt, dropped) its routing recorded in that MD's index, until its KV
-        # lands (gateway.routing._index_landed; a drop is kept for a kv_ready that crossed it)
-        self.index_claims: dict[str, tuple[str, list[int], bool]] = {}
+        # attempt -> (MD, its prompt's page keys in that MD's index, dropped) its routing recorded
+        # there, until its KV lands (gateway.routing._index_landed; a drop is kept for a kv_ready
+        # that crossed it). Keys, not the prompt's tokens: up to INDEX_CLAIMS_MAX claims are kept
+        self.index_claims: dict[str, tuple[str, tuple, bool]] = {}
         # KV elements per token (2 x layers x kv heads x head dim), from MD's reservation replies:
         # with each tier's page size and dtype it gives a transfer's exact bytes (_wan_page_bytes)
         self.kv_elems_per_token: int | None = mc.kv_bytes_per_token("float32") // 4 if mc is not None else None

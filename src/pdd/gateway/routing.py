@@ -133,10 +133,11 @@ class Routing:
         ix = self.prefix_index.get(name)
         if ix is None:
             return None
-        held = ix.record(prompt)
-        if trid is not None:
+        keys = ix.page_keys(prompt)
+        held = ix.record_keys(keys) * ix.page_size
+        if trid is not None:  # the page keys, not the prompt's tokens: a claim's memory is a 16th of them
             claims = self.index_claims
-            claims[trid] = (name, prompt, False)
+            claims[trid] = (name, keys, False)
             while len(claims) > INDEX_CLAIMS_MAX:
                 claims.pop(next(iter(claims)))
         return held
@@ -146,14 +147,14 @@ class Routing:
         recorded stay in that MD's index whatever becomes of other requests routed with them.
         A kv_ready that crossed the attempt's cut-off (MD had it all when the cut came, and keeps
         it) records them again."""
-        name, prompt, dropped = self.index_claims.pop(trid, (None, None, False))
+        name, keys, dropped = self.index_claims.pop(trid, (None, None, False))
         ix = self.prefix_index.get(name) if name is not None else None
         if ix is None:
             return
         if dropped:
-            ix.insert(prompt, landed=True)
+            ix.insert_keys(keys, landed=True)
         else:
-            ix.landed(prompt)
+            ix.landed_keys(keys)
 
     def _index_dropped(self, trid: str) -> None:
         """Attempt ``trid``'s KV will not be cached on its MD (the transfer was cut off, or MD's
@@ -164,11 +165,11 @@ class Routing:
         claim = self.index_claims.get(trid)
         if claim is None or claim[2]:
             return
-        name, prompt, _ = claim
-        self.index_claims[trid] = (name, prompt, True)
+        name, keys, _ = claim
+        self.index_claims[trid] = (name, keys, True)
         ix = self.prefix_index.get(name)
         if ix is not None:
-            ix.dropped(prompt)
+            ix.dropped_keys(keys)
 
     def _index_given_up(self, st: ReqState) -> None:
         """``st``'s current attempt will not bring any more of its KV to MD: aborted on every tier

@@ -42,6 +42,13 @@ class PrefixIndex:
             key = hash((key, tuple(prompt[i * ps:(i + 1) * ps])))
             yield key
 
+    def page_keys(self, prompt: list[int]) -> tuple:
+        """``prompt``'s whole pages as this index names them (one key per ``page_size`` tokens, each
+        naming the prefix up to its page): what :meth:`record_keys`, :meth:`landed_keys` and
+        :meth:`dropped_keys` take, and what a caller that settles a routed prompt later keeps
+        instead of the prompt's tokens (a 16th of their number)."""
+        return tuple(self._chain(prompt))
+
     def match(self, prompt: list[int]) -> int:
         """Tokens of ``prompt``'s longest whole-page prefix recorded here (a multiple of the page
         size), landed or on its way; the matched keys count as used."""
