@@ -250,9 +250,46 @@ def test_a_claim_keeps_the_prompts_page_keys_not_its_tokens():
     prompt = list(range(10000, 13000))  # 3,000 tokens: 187 whole pages
     name, st = _routed(o, "k1", prompt)
     ix = o.prefix_index[name]
-    assert o.index_claims["k1"] == (name, ix.page_keys(prompt), False) and len(ix.page_keys(prompt)) == 187
+    assert o.index_claims["k1"] == (name, ix.page_keys(prompt), None) and len(ix.page_keys(prompt)) == 187
     st.pipeline = Pipeline.P_RLD_MD
     asyncio.run(o.abort(st, ABORT_CLIENT))  # the client went away before the KV landed
-    assert o.index_claims["k1"] == (name, ix.page_keys(prompt), True) and ix.match(prompt) == 0
+    assert o.index_claims["k1"][:2] == (name, ix.page_keys(prompt)) and ix.match(prompt) == 0
     _kv_ready(o, name, "k1")  # a kv_ready that crossed the abort: MD holds the pages after all
     assert ix.match(prompt) == 2992 and "k1" not in o.index_claims
+
+
+async def _first_token_ended(o, st):  # in a loop: the leg's tidy-up (drops on P and MD) runs as a task
+    o._md_leg_lost(st, "finished by its first token", degraded=False)
+    await asyncio.sleep(0)
+
+
+def test_dropped_claims_are_forgotten_once_no_kv_ready_can_cross_them():
+    """Requests that end without their KV landing on MD (the client went away, a stop string, a
+    cut-off, a relayed request its first token finished) leave a dropped claim for a kv_ready that
+    crossed the drop; request_timeout_s after the drop it is forgotten, so ended requests leave
+    nothing behind (a soak's gateway held 731 claims after 14 minutes, on their way to the 1,024
+    cap, which then pushes live requests' claims out first). A live claim stays."""
+    import time
+
+    from pdd.gateway.state import ABORT_CLIENT, ABORT_STOP
+    from pdd.types import Pipeline
+
+    o = _orch(routing="load")
+    t0 = time.monotonic()
+    for i in range(40):
+        name, st = _routed(o, f"e{i}", list(range(20000 + 400 * i, 20320 + 400 * i)))
+        st.pipeline = Pipeline.P_RLD_MD
+        if i % 4 == 0:
+            asyncio.run(o.abort(st, ABORT_CLIENT))
+        elif i % 4 == 1:
+            asyncio.run(o.abort(st, ABORT_STOP))
+        elif i % 4 == 2:
+            o._count_cut_off(st)
+        else:
+            asyncio.run(_first_token_ended(o, st))
+    _routed(o, "live", list(range(90000, 90320)))
+    assert len(o.index_claims) == 41
+    assert o._expire_dropped_claims(t0 + o.cfg.request_timeout_s - 1) == 0  # a crossing kv_ready may still come
+    t1 = time.monotonic()
+    assert o._expire_dropped_claims(t1 + o.cfg.request_timeout_s) == 40
+    assert list(o.index_claims) == ["live"] and o._expire_dropped_claims(t1 + 10 * o.cfg.request_timeout_s) == 0

@@ -124,10 +124,11 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.prefix_index: dict[str, PrefixIndex] = {
             sp.name: PrefixIndex(cfg.engine_for(sp.name).page_size, cfg.engine_for(sp.name).num_pages)
             for sp in lay.by_role(ROLE_MAIN) if sp.dc == "B"}
-        # attempt -> (MD, its prompt's page keys in that MD's index, dropped) its routing recorded
-        # there, until its KV lands (gateway.routing._index_landed; a drop is kept for a kv_ready
-        # that crossed it). Keys, not the prompt's tokens: up to INDEX_CLAIMS_MAX claims are kept
-        self.index_claims: dict[str, tuple[str, tuple, bool]] = {}
+        # attempt -> (MD, its prompt's page keys in that MD's index, None or the monotonic time a
+        # drop is kept until) its routing recorded there, until its KV lands
+        # (gateway.routing._index_landed; a drop is kept request_timeout_s for a kv_ready that
+        # crossed it: _expire_dropped_claims). Keys, not the prompt's tokens; INDEX_CLAIMS_MAX at most
+        self.index_claims: dict[str, tuple[str, tuple, float | None]] = {}
         # KV elements per token (2 x layers x kv heads x head dim), from MD's reservation replies:
         # with each tier's page size and dtype it gives a transfer's exact bytes (_wan_page_bytes)
         self.kv_elems_per_token: int | None = mc.kv_bytes_per_token("float32") // 4 if mc is not None else None
@@ -164,6 +165,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             except Exception as e:  # never let the watcher die
                 log.warning("reconnecting closed instances failed: %s", e)
             self._expire_awaited_kv(time.monotonic())
+            self._expire_dropped_claims(time.monotonic())
 
     def _expire_awaited_kv(self, now: float) -> list[str]:
         """Forget the finished relayed requests whose KV MD has not reported (kv_ready) within

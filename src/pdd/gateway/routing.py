@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from pdd.gateway.state import NoInstance, NoMember, ReqState
 from pdd.policy.routing import InstanceLoad, choose_instance
@@ -137,7 +138,7 @@ class Routing:
         held = ix.record_keys(keys) * ix.page_size
         if trid is not None:  # the page keys, not the prompt's tokens: a claim's memory is a 16th of them
             claims = self.index_claims
-            claims[trid] = (name, keys, False)
+            claims[trid] = (name, keys, None)
             while len(claims) > INDEX_CLAIMS_MAX:
                 claims.pop(next(iter(claims)))
         return held
@@ -147,11 +148,11 @@ class Routing:
         recorded stay in that MD's index whatever becomes of other requests routed with them.
         A kv_ready that crossed the attempt's cut-off (MD had it all when the cut came, and keeps
         it) records them again."""
-        name, keys, dropped = self.index_claims.pop(trid, (None, None, False))
+        name, keys, dropped = self.index_claims.pop(trid, (None, None, None))
         ix = self.prefix_index.get(name) if name is not None else None
         if ix is None:
             return
-        if dropped:
+        if dropped is not None:
             ix.insert_keys(keys, landed=True)
         else:
             ix.landed_keys(keys)
@@ -161,15 +162,28 @@ class Routing:
         leg given up before it landed): its MD's index takes back the pages only its routing
         recorded (``PrefixIndex.dropped``), so that later requests are not planned on them (a
         fill when MD's reservation finds them missing) and they do not push out prefixes MD
-        does hold."""
+        does hold. The claim is kept, dropped, for a kv_ready that crossed the drop, until
+        ``request_timeout_s`` from now (:meth:`_expire_dropped_claims`)."""
         claim = self.index_claims.get(trid)
-        if claim is None or claim[2]:
+        if claim is None or claim[2] is not None:
             return
         name, keys, _ = claim
-        self.index_claims[trid] = (name, keys, True)
+        self.index_claims[trid] = (name, keys, time.monotonic() + self.cfg.request_timeout_s)
         ix = self.prefix_index.get(name)
         if ix is not None:
             ix.dropped_keys(keys)
+
+    def _expire_dropped_claims(self, now: float) -> int:
+        """Forget the dropped claims (:meth:`_index_dropped`) whose wait for a crossing kv_ready
+        ran out (``now``: ``time.monotonic()``): such a kv_ready comes within a WAN round trip of
+        the drop, and MD keeps no relayed KV awaited longer than ``request_timeout_s``. Without
+        it a dropped claim (an aborted, cut-off or first-token-finished request's) stayed until
+        INDEX_CLAIMS_MAX pushed it out, evicting live requests' claims before it. Returns the
+        claims forgotten."""
+        gone = [trid for trid, (_n, _k, until) in self.index_claims.items() if until is not None and now >= until]
+        for trid in gone:
+            del self.index_claims[trid]
+        return len(gone)
 
     def _index_given_up(self, st: ReqState) -> None:
         """``st``'s current attempt will not bring any more of its KV to MD: aborted on every tier
