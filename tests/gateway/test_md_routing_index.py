@@ -293,3 +293,26 @@ def test_dropped_claims_are_forgotten_once_no_kv_ready_can_cross_them():
     t1 = time.monotonic()
     assert o._expire_dropped_claims(t1 + o.cfg.request_timeout_s) == 40
     assert list(o.index_claims) == ["live"] and o._expire_dropped_claims(t1 + 10 * o.cfg.request_timeout_s) == 0
+
+
+def test_a_relayed_request_its_first_token_ended_is_no_warning(caplog):
+    """A relayed request whose first token ends it (EOS, a stop id, max_tokens 1) needs no decoder:
+    its MD leg is cut, nothing is lost, so the log line is INFO; a leg lost for real stays a warning."""
+    import logging
+
+    from pdd.types import Pipeline
+
+    o = _orch(routing="load")
+    caplog.set_level(logging.INFO, logger="pdd.gateway.orchestrator")
+    for trid, degraded in (("f1", False), ("f2", True)):
+        _, st = _routed(o, trid, list(range(30000, 30320)))
+        st.pipeline = Pipeline.P_RLD_MD
+
+        async def lose(st=st, degraded=degraded):
+            o._md_leg_lost(st, "test", degraded=degraded)
+            await asyncio.sleep(0)
+
+        asyncio.run(lose())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "MD leg lost" in r.getMessage()] == [
+        ("INFO", "request f1: MD leg lost (test); RLD finishes it"),
+        ("WARNING", "request f2: MD leg lost (test); RLD finishes it")]
