@@ -516,6 +516,68 @@ async def test_a_start_aborted_while_it_waits_for_its_p_is_not_started_again(orc
     assert tries == ["s1", "s1.1"] and orch.totals["cancelled"] == 1 and not orch.reqs
 
 
+def _p_lost_while_back(tries: list, lost_at: tuple, none_at: tuple):
+    """An ``Orchestrator._launch`` stand-in: try k (1-based) loses its P (ConnectionError) when
+    k is in ``lost_at``, finds no P (NoInstance: restarting) when in ``none_at``, else starts."""
+    from pdd.gateway.state import NoInstance
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        tries.append(st.trid)
+        if len(tries) in lost_at:
+            raise ConnectionError("instance p0 is unreachable")
+        if len(tries) in none_at:
+            raise NoInstance("no prefill instance is reachable")
+
+    return launch
+
+
+async def test_waiting_for_a_restarting_p_spends_no_recovery_attempt(orch, monkeypatch):
+    """The tries a start makes while its P restarts are attempts (``s1.2``, ``s1.3``, ...) but not
+    recoveries: P lost again once it is back is still started again while fewer than
+    ``liveness.recovery_attempts`` (2) new attempts were made (a start that had waited 3 tries
+    failed at once on its next lost P: the budget read ``st.attempt``). Once the budget is spent
+    the start fails at once, its error naming the budget, counted failed."""
+    from pdd.gateway import recovery
+    from pdd.gateway.state import RequestFailed
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
+    tries: list = []
+    monkeypatch.setattr(orch, "_launch", _p_lost_while_back(tries, lost_at=(1, 5), none_at=(2, 3, 4)))
+    st = await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s1")
+    assert tries == ["s1", "s1.1", "s1.2", "s1.3", "s1.4", "s1.5"] and st.trid == "s1.5"
+    assert [r["attempt"] for r in st.recovery.recoveries] == [0, 4] and orch.totals["recovered"] == 2
+
+    tries.clear()
+    monkeypatch.setattr(orch, "_launch", _p_lost_while_back(tries, lost_at=(1, 3, 4), none_at=(2,)))
+    with pytest.raises(RequestFailed) as e:
+        await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s2")
+    assert str(e.value) == ("request s2 failed while starting: instance p0 is unreachable (after 2 new attempts: "
+                            "liveness.recovery_attempts 2)")
+    assert tries == ["s2", "s2.1", "s2.2", "s2.3"] and orch.totals["failed"] == 1 and "s2.3" not in orch.reqs
+
+
+async def test_a_recovery_that_waited_for_its_p_keeps_its_budget(orch, monkeypatch):
+    """A mid-stream recovery that waited for a restarting P (3 tries) has spent 1 of its 2
+    recoveries: the next lost instance is recovered; the one after that fails the request with
+    its budget named."""
+    from pdd.gateway import recovery
+
+    monkeypatch.setattr(recovery, "RECOVERY_RETRY_S", 0.0)
+    tries: list = []
+    monkeypatch.setattr(orch, "_launch", _p_lost_while_back(tries, lost_at=(), none_at=(1, 2, 3)))
+    st = relayed(orch)
+    st.recovery.error = "instance p0 is unreachable"
+    assert await orch._recover(st)
+    assert tries == ["r1.1", "r1.2", "r1.3", "r1.4"] and len(st.recovery.recoveries) == 1
+    st.recovery.error = "instance rld0 is unreachable"
+    assert await orch._recover(st)
+    assert tries[-1] == "r1.5" and len(st.recovery.recoveries) == 2 and orch.totals["recovered"] == 2
+    st.recovery.error = "instance md0 is unreachable"
+    assert not await orch._recover(st)
+    assert tries[-1] == "r1.5" and st.recovery.error == ("instance md0 is unreachable (after 2 new attempts: "
+                                                         "liveness.recovery_attempts 2)")
+
+
 async def test_a_sibling_choice_that_finds_no_instance_waits_with_its_first_choice(orch, monkeypatch):
     """The other choices of an ``n`` > 1 request start after choice 0 (its first token sampled);
     if the only MD (cross_dc_pd) or P dies in between, choice 0 recovers once the supervisor

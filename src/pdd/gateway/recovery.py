@@ -122,10 +122,24 @@ class Recovery:
         d["output_offset"] = int(d.get("output_offset", 0)) + st.base
         return st.prompt_ids + st.emitted[: st.base], SamplingParams.from_dict(d)
 
+    def _recoveries_left(self, st: ReqState) -> bool:
+        """Whether ``st`` may make another new attempt after a lost instance: fewer than
+        ``liveness.recovery_attempts`` made (``st.recovery.recoveries``). The tries made while
+        waiting for a full tier or a restarting instance (:meth:`_retry_later`) are attempts too
+        (``st.attempt`` counts them) but spend none of this budget."""
+        return len(st.recovery.recoveries) < self.cfg.liveness.recovery_attempts
+
+    def _budget_spent(self, st: ReqState) -> str:
+        """The words an error of ``st`` ends with once its recovery budget is spent."""
+        return (f" (after {len(st.recovery.recoveries)} new attempts: liveness.recovery_attempts "
+                f"{self.cfg.liveness.recovery_attempts})")
+
     async def _recover(self, st: ReqState) -> bool:
-        """Start the next attempt of ``st`` after a lost instance; False if none is left or it
-        cannot start (``st.recovery.error`` says why)."""
-        if st.finished or st.attempt >= self.cfg.liveness.recovery_attempts:
+        """Start the next attempt of ``st`` after a lost instance; False if none is left
+        (:meth:`_recoveries_left`) or it cannot start (``st.recovery.error`` says why)."""
+        if st.finished or not self._recoveries_left(st):
+            if not st.finished:
+                st.recovery.error = f"{st.recovery.error or 'instance lost'}{self._budget_spent(st)}"
             return False
         log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.recovery.error, st.next_pos,
                     st.phase.value)
@@ -139,7 +153,7 @@ class Recovery:
                 await self._launch(st, prompt, sp, force_relay=True)
                 return True
             except Exception as e:
-                if isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts:
+                if isinstance(e, ConnectionError) and self._recoveries_left(st):
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
                 if waits_for_tier(e) and waited < RECOVERY_WAIT_S and not st.finished:
@@ -151,7 +165,8 @@ class Recovery:
                     # Not when the role has none in service (NoMember: all removed): that fails now
                     waited += await self._retry_later(st, e, seen)
                     continue
-                st.recovery.error = f"recovery failed: {e}"
+                spent = self._budget_spent(st) if isinstance(e, ConnectionError) else ""
+                st.recovery.error = f"recovery failed: {e}{spent}"
                 return False
 
     async def _retry_later(self, st: ReqState, e: BaseException, seen: int) -> float:

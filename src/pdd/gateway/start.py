@@ -30,11 +30,12 @@ class Starts:
                             sibling_of: ReqState | None = None, siblings: int = 0) -> ReqState:
         """Plan and start a request (its first token sampled on P). An instance lost while
         starting (ConnectionError) starts it again on live instances, up to
-        ``liveness.recovery_attempts`` times; a restart that then finds no live instance of a
+        ``liveness.recovery_attempts`` times (new attempts after a lost instance: the tries made
+        while waiting below do not count); a restart that then finds no live instance of a
         tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
         and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does, at once when
         the topology changes (an instance added or reconnected); then, or for any other error,
-        RequestFailed. A request aborted meanwhile (``Orchestrator.abort``: its client left, the
+        RequestFailed (its message names the budget when it was spent). A request aborted meanwhile (``Orchestrator.abort``: its client left, the
         server's shutdown timeout ended it) is not started again: RequestFailed at once. A tier with no instance in service at all (NoMember: every one removed by
         the operator, so none comes back by itself) fails it at once. A request that finds no
         instance on its first try fails at once (the client gets a 503 with Retry-After: it did
@@ -63,9 +64,8 @@ class Starts:
                 await self._launch(st, prompt_ids, force_relay=st.attempt > 0)
                 break
             except Exception as e:
-                retry = isinstance(e, ConnectionError) and st.attempt < self.cfg.liveness.recovery_attempts \
-                    and not st.finished
-                if retry:
+                lost = isinstance(e, ConnectionError)
+                if lost and self._recoveries_left(st) and not st.finished:
                     log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
@@ -73,9 +73,11 @@ class Starts:
                         and (st.attempt > 0 or sibling_of is not None) and waited < recovery.RECOVERY_WAIT_S:
                     waited += await self._retry_later(st, e, seen)
                     continue
+                spent = lost and not st.finished  # every new attempt the recovery budget allows was made
                 self._unassign(st)
                 # a tier refusing new work for now (the API answers 429) is not a failure
                 await self.abort(st, ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
-                raise RequestFailed(f"request {rid} failed while starting: {e}") from e
+                budget = self._budget_spent(st) if spent else ""
+                raise RequestFailed(f"request {rid} failed while starting: {e}{budget}") from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st
