@@ -578,6 +578,35 @@ async def test_a_recovery_that_waited_for_its_p_keeps_its_budget(orch, monkeypat
                                                          "liveness.recovery_attempts 2)")
 
 
+async def test_a_start_waiting_for_its_p_ends_at_once_when_the_drain_begins(orch, monkeypatch):
+    """SIGTERM while the only P restarts: a start waiting for it (it lost its P while starting)
+    ends as soon as the drain begins, with ShuttingDown (the API's 503 ``shutting_down``), counted
+    failed, instead of holding the drain for ``RECOVERY_WAIT_S`` (30 s) and then failing with
+    "no prefill instance is reachable" (nobody restarts P during a shutdown)."""
+    from pdd.gateway.shutdown import Drain
+    from pdd.gateway.state import ShuttingDown
+
+    tries: list = []
+    lost_then_none = _p_lost_while_back(tries, lost_at=(1,), none_at=range(2, 10 ** 6))
+    waiting = asyncio.Event()
+
+    async def launch(st, prompt, sp=None, force_relay=False):
+        if len(tries) == 1:
+            waiting.set()  # this try finds no P: the start waits for it next
+        await lost_then_none(st, prompt, sp, force_relay)
+
+    monkeypatch.setattr(orch, "_launch", launch)
+    start = asyncio.ensure_future(orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s1"))
+    await waiting.wait()
+    rep = await asyncio.wait_for(Drain(60).run(orch), 10)
+    assert (rep["ended"], rep["left"]) == (0, [])
+    with pytest.raises(ShuttingDown, match="the gateway is shutting down while it waited "
+                                           r"\(no prefill instance is reachable\)"):
+        await start
+    assert tries == ["s1", "s1.1", "s1.2"] and not orch.reqs  # woken, it tries once more: still no P
+    assert {k: orch.totals[k] for k in ("failed", "rejected")} == {"failed": 1, "rejected": 0}
+
+
 async def test_a_sibling_choice_that_finds_no_instance_waits_with_its_first_choice(orch, monkeypatch):
     """The other choices of an ``n`` > 1 request start after choice 0 (its first token sampled);
     if the only MD (cross_dc_pd) or P dies in between, choice 0 recovers once the supervisor

@@ -50,10 +50,10 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, too_many_digits, truncated_prompt)
-from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate
+from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
-                                     RequestFailed, ReqState, checkpoint_config)
+                                     RequestFailed, ReqState, ShuttingDown, checkpoint_config)
 from pdd.text import shown
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,18 @@ class Unavailable(ApiError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message, None, status=503, etype="server_error")
         self.retry_after_s = int(retry_after_s)
+
+
+class Draining(ApiError):
+    """HTTP 503 ``shutting_down`` with ``Connection: close``: the shutdown drain began while the
+    request's start waited for a restarting instance (:class:`pdd.gateway.state.ShuttingDown`);
+    the body is a request's arriving during the drain (:func:`pdd.gateway.shutdown.refusal_body`)."""
+
+    headers = {"Connection": "close"}
+
+    def __init__(self):
+        e = refusal_body()["error"]
+        super().__init__(e["message"], e["param"], status=503, code=e["code"], etype=e["type"])
 
 
 def _too_large(n: int | None) -> JSONResponse:
@@ -320,8 +332,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         retry = getattr(exc, "retry_after_s", None)
-        headers = {"Retry-After": str(retry)} if retry is not None else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        headers = dict(getattr(exc, "headers", None) or {})
+        if retry is not None:
+            headers["Retry-After"] = str(retry)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
     @app.get("/health")
     async def health():
@@ -643,6 +657,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 if not admitted:  # a batch's prompt: the batch counts its refusal once (completions)
                     adm.reject(why)
                 raise Overloaded(f"server overloaded: {ex}", adm.retry_hint(), why) from ex
+            if any(isinstance(c, ShuttingDown) for c in causes(ex)):  # it waited for an instance as the drain began
+                raise Draining() from ex
             if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
                 raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
             raise ApiError(str(ex), None, status=503, etype="server_error") from ex
@@ -1052,7 +1068,7 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
         if drain.draining:
             server.should_exit = server.force_exit = True
             return
-        drain.begin()
+        drain.begin(orch)
         drained.append(loop.create_task(_drain_then_exit()))
 
     for sig in (signal.SIGTERM, signal.SIGINT):

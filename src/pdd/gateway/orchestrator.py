@@ -42,7 +42,7 @@ from pdd.gateway.routing import ROUTING_LOAD_SLACK, ROUTING_MIN_HIT_FRAC, Routin
 from pdd.gateway.start import Starts
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
-    NoInstance, NoMember, RequestFailed, ReqState, TokenOut, extend_message)
+    NoInstance, NoMember, RequestFailed, ReqState, ShuttingDown, TokenOut, extend_message)
 from pdd.gateway.stream import Streams
 from pdd.gateway.wan_booking import WanBooking
 
@@ -98,6 +98,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         # futures of recoveries waiting for one (:meth:`topology_changed`, :meth:`_topology_wait`)
         self.topology_version = 0
         self._topology_waiters: set[asyncio.Future] = set()
+        self.draining = False  # the shutdown drain began (:meth:`begin_drain`): no start waits for an instance
         # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)
         self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
                                                  cfg.link.wan_mss_bytes, connections=cfg.link.wan_connections)
@@ -364,6 +365,17 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         or a closed connection is back): wake every recovery waiting for an instance
         (:meth:`_topology_wait`), which tries again at once."""
         self.topology_version += 1
+        self._wake_waiters()
+
+    def begin_drain(self) -> None:
+        """The gateway's shutdown drain began (:mod:`pdd.gateway.shutdown`): a start waiting for
+        an instance to come back (:mod:`pdd.gateway.start`) ends at once with
+        :class:`ShuttingDown` instead of waiting up to ``recovery.RECOVERY_WAIT_S``, as nobody
+        restarts an instance during a shutdown. Idempotent."""
+        self.draining = True
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
         waiters, self._topology_waiters = self._topology_waiters, set()
         for fut in waiters:
             if not fut.done():

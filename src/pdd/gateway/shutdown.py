@@ -5,6 +5,8 @@ On the first signal (:meth:`Drain.begin`) the gateway takes no new generation re
 (:data:`SHUTTING_DOWN`, ``Connection: close``) and ``/health`` answers 503
 ``"shutting_down"``, while the listening socket stays open (a clear refusal rather than a refused
 connection); the other endpoints (``/v1/models``, ``/pdd/stats``, ``/metrics``) keep answering.
+A request whose start is waiting for a crashed instance to come back gets the same answer at
+once (nobody restarts an instance during a shutdown; counted failed).
 The requests in flight run on for up to ``shutdown_timeout_s`` seconds (:meth:`Drain.run`), and
 so does what a finished request leaves behind on the tiers (aborts being answered, a relayed
 request's KV still crossing to MD). When the timeout runs out first (at once for 0, as vLLM's
@@ -69,9 +71,13 @@ class Drain:
         self._request_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._numbers = itertools.count()
 
-    def begin(self) -> None:
-        """Refuse new generation requests from now on (idempotent)."""
+    def begin(self, orch=None) -> None:
+        """Refuse new generation requests from now on, and tell ``orch`` (its ``begin_drain``: a
+        start waiting for a restarting instance ends at once with the same 503, as nobody
+        restarts one during a shutdown). Idempotent."""
         self.draining = True
+        if hasattr(orch, "begin_drain"):  # (a test's orchestrator may have none)
+            orch.begin_drain()
 
     def track(self, gen, request=None) -> None:
         """A :class:`pdd.gateway.openai_run.Generation` just made: ended by :meth:`expire` if it
@@ -128,7 +134,7 @@ class Drain:
         something still runs) :meth:`expire` and wait for the ends, at most ``END_WAIT_S``
         more. Returns ``{"waited_s", "ended", "left"}``: seconds spent, requests the timeout
         ended, what was still pending when the drain gave up (empty when all ended)."""
-        self.begin()
+        self.begin(orch)
         if hasattr(orch, "stop_probes"):  # no new WAN probe holds the drain up
             orch.stop_probes()
         t0 = clock()

@@ -12,7 +12,8 @@ import uuid
 from pdd.gateway import recovery
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
-from pdd.gateway.state import ABORT_FAILED, ABORT_REJECTED, NoInstance, NoMember, ReqState, RequestFailed
+from pdd.gateway.state import (ABORT_FAILED, ABORT_REJECTED, NoInstance, NoMember, ReqState, RequestFailed,
+                               ShuttingDown)
 from pdd.types import SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -35,7 +36,9 @@ class Starts:
         tier (NoInstance: the only P was killed, its supervisor restarts it in seconds) waits
         and tries again for up to ``recovery.RECOVERY_WAIT_S``, as a recovery does, at once when
         the topology changes (an instance added or reconnected); then, or for any other error,
-        RequestFailed (its message names the budget when it was spent). A request aborted meanwhile (``Orchestrator.abort``: its client left, the
+        RequestFailed (counted failed; its message names the budget when it was spent). Once the
+        gateway's shutdown drain began (``Orchestrator.begin_drain``) such a start does not wait:
+        ShuttingDown at once (the API answers 503 ``shutting_down``). A request aborted meanwhile (``Orchestrator.abort``: its client left, the
         server's shutdown timeout ended it) is not started again: RequestFailed at once. A tier with no instance in service at all (NoMember: every one removed by
         the operator, so none comes back by itself) fails it at once. A request that finds no
         instance on its first try fails at once (the client gets a 503 with Retry-After: it did
@@ -69,14 +72,19 @@ class Starts:
                     log.warning("request %s: %s while starting; starting it again elsewhere", rid, e)
                     self._new_attempt(st, f"{type(e).__name__}: {e}")
                     continue
-                if isinstance(e, NoInstance) and not isinstance(e, NoMember) and not st.finished \
-                        and (st.attempt > 0 or sibling_of is not None) and waited < recovery.RECOVERY_WAIT_S:
+                waits = isinstance(e, NoInstance) and not isinstance(e, NoMember) and not st.finished \
+                    and (st.attempt > 0 or sibling_of is not None)
+                if waits and not self.draining and waited < recovery.RECOVERY_WAIT_S:
                     waited += await self._retry_later(st, e, seen)
                     continue
                 spent = lost and not st.finished  # every new attempt the recovery budget allows was made
                 self._unassign(st)
                 # a tier refusing new work for now (the API answers 429) is not a failure
                 await self.abort(st, ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
+                if waits and self.draining:  # nobody restarts the instance during a shutdown
+                    log.warning("request %s: the gateway is shutting down; its start, waiting (%s), ends now", rid, e)
+                    raise ShuttingDown(f"request {rid} failed while starting: the gateway is shutting down "
+                                       f"while it waited ({e})") from e
                 budget = self._budget_spent(st) if spent else ""
                 raise RequestFailed(f"request {rid} failed while starting: {e}{budget}") from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1

@@ -44,6 +44,13 @@ class NoMember(NoInstance):
     message names the role and its slots' states."""
 
 
+class ShuttingDown(RequestFailed):
+    """The gateway began its shutdown drain (:mod:`pdd.gateway.shutdown`) while the request's
+    start waited for an instance that was not up (a crashed P restarting): nobody restarts it
+    during a shutdown, so the start ends at once and its client is told, as a request arriving
+    during the drain is, to send it to another server (HTTP 503 ``shutting_down``)."""
+
+
 class InstanceLost(ConnectionError):
     """An instance a request needs is unreachable (dead, or silent past its heartbeat)."""
 
