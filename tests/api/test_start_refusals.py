@@ -2,6 +2,8 @@
 instance of a tier is up: the real orchestrator's start loop and the real HTTP app (called
 through ``httpx.ASGITransport``, no socket), over a stand-in ``_launch`` (no engine process).
 
+- no P reachable on its first try: 503 with ``Retry-After``, counted ``rejected`` (it never ran
+  on any tier, as a tier's 429 refusal), not ``failed``;
 - a start that lost its P and waits for it to come back when SIGTERM's drain begins: the same
   503 ``shutting_down`` body as a request arriving during the drain, at once, so the drain is not
   held for ``RECOVERY_WAIT_S`` (30 s); counted ``failed`` (a lost P ended it)."""
@@ -63,6 +65,16 @@ def make_app(tiny_model):
 
 def _outcomes(orch) -> dict:
     return {k: orch.totals[k] for k in OUTCOMES}
+
+
+async def test_a_request_that_finds_no_p_is_refused_503_and_counted_rejected(make_app):
+    app, orch = make_app()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/completions", json=BODY)
+    assert (r.status_code, r.headers["retry-after"]) == (503, "1")
+    (rid,) = orch.tries  # tried once: the request id
+    assert r.json()["error"]["message"] == f"request {rid} failed while starting: no prefill instance is reachable"
+    assert _outcomes(orch) == {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 1}
 
 
 async def test_a_start_waiting_for_its_restarting_p_gets_the_shutdown_503_when_the_drain_begins(make_app):

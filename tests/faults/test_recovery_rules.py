@@ -391,7 +391,7 @@ async def test_recovery_refused_by_a_full_tier_waits_and_retries(orch, monkeypat
     assert await orch._recover(st)
     assert calls == ["r1.1", "r1.2", "r1.3"] and st.trid == "r1.3" and st.base == 9
     # one recovery, however many refused tries it took (a live run had counted 356 for 10)
-    assert orch.totals["recovered"] == 1 and len(st.recovery.recoveries) == 1
+    assert orch.totals["recoveries"] == 1 and len(st.recovery.recoveries) == 1
 
     calls.clear()
 
@@ -421,7 +421,7 @@ async def test_recovery_waits_for_a_restarting_tier(orch, monkeypatch):
     st = relayed(orch)
     st.recovery.error = "instance p0 is unreachable"
     assert await orch._recover(st)
-    assert calls == ["r1.1", "r1.2", "r1.3", "r1.4"] and orch.totals["recovered"] == 1
+    assert calls == ["r1.1", "r1.2", "r1.3", "r1.4"] and orch.totals["recoveries"] == 1
 
 
 async def test_wan_byte_balance_survives_recovery_and_a_lost_p(orch, monkeypatch):
@@ -491,6 +491,8 @@ async def test_a_start_that_lost_its_p_waits_for_it_to_come_back(orch, monkeypat
     monkeypatch.setattr(orch, "_launch", none_up)
     with pytest.raises(RequestFailed, match="no prefill instance"):
         await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s2")
+    # s2 was refused before any tier ran it (503 + Retry-After): rejected, as a 429 is, not failed
+    assert {k: orch.totals[k] for k in ("failed", "rejected")} == {"failed": 0, "rejected": 1}
 
 
 async def test_a_start_aborted_while_it_waits_for_its_p_is_not_started_again(orch, monkeypatch):
@@ -545,7 +547,7 @@ async def test_waiting_for_a_restarting_p_spends_no_recovery_attempt(orch, monke
     monkeypatch.setattr(orch, "_launch", _p_lost_while_back(tries, lost_at=(1, 5), none_at=(2, 3, 4)))
     st = await orch.start_request([5] * 20, SamplingParams(max_tokens=4), rid="s1")
     assert tries == ["s1", "s1.1", "s1.2", "s1.3", "s1.4", "s1.5"] and st.trid == "s1.5"
-    assert [r["attempt"] for r in st.recovery.recoveries] == [0, 4] and orch.totals["recovered"] == 2
+    assert [r["attempt"] for r in st.recovery.recoveries] == [0, 4] and orch.totals["recoveries"] == 2
 
     tries.clear()
     monkeypatch.setattr(orch, "_launch", _p_lost_while_back(tries, lost_at=(1, 3, 4), none_at=(2,)))
@@ -571,7 +573,7 @@ async def test_a_recovery_that_waited_for_its_p_keeps_its_budget(orch, monkeypat
     assert tries == ["r1.1", "r1.2", "r1.3", "r1.4"] and len(st.recovery.recoveries) == 1
     st.recovery.error = "instance rld0 is unreachable"
     assert await orch._recover(st)
-    assert tries[-1] == "r1.5" and len(st.recovery.recoveries) == 2 and orch.totals["recovered"] == 2
+    assert tries[-1] == "r1.5" and len(st.recovery.recoveries) == 2 and orch.totals["recoveries"] == 2
     st.recovery.error = "instance md0 is unreachable"
     assert not await orch._recover(st)
     assert tries[-1] == "r1.5" and st.recovery.error == ("instance md0 is unreachable (after 2 new attempts: "
@@ -604,7 +606,29 @@ async def test_a_start_waiting_for_its_p_ends_at_once_when_the_drain_begins(orch
                                            r"\(no prefill instance is reachable\)"):
         await start
     assert tries == ["s1", "s1.1", "s1.2"] and not orch.reqs  # woken, it tries once more: still no P
-    assert {k: orch.totals[k] for k in ("failed", "rejected")} == {"failed": 1, "rejected": 0}
+    assert {k: orch.totals[k] for k in ("failed", "rejected", "recovered")} == {"failed": 1, "rejected": 0,
+                                                                              "recovered": 0}
+
+
+async def test_recovered_counts_requests_that_completed_after_a_new_attempt(orch):
+    """``totals.recovered`` counts requests (once each) that completed after at least one new
+    attempt; a recovered request its client then left is cancelled, not recovered (it counted 1
+    per new attempt, whatever became of the request). ``totals.recoveries`` counts the new
+    attempts."""
+    from pdd.gateway.state import ABORT_CLIENT, ABORT_STOP
+
+    left = relayed(orch)
+    orch._new_attempt(left, "instance p0 is unreachable")
+    orch._new_attempt(left, "instance p1 is unreachable")
+    await orch.abort(left, ABORT_CLIENT)
+    done = relayed(orch)
+    done.rid = done.trid = "r2"
+    orch.reqs = {"r2": done}
+    orch._new_attempt(done, "instance md0 is unreachable")
+    await orch.abort(done, ABORT_STOP)  # a stop string completed it at the gateway
+    t = orch.totals
+    assert {k: t[k] for k in ("completed", "cancelled", "recovered", "recoveries")} == \
+        {"completed": 1, "cancelled": 1, "recovered": 1, "recoveries": 3}
 
 
 async def test_a_sibling_choice_that_finds_no_instance_waits_with_its_first_choice(orch, monkeypatch):

@@ -138,10 +138,11 @@ async def test_a_new_attempt_after_a_failed_handoff_call_starts_after_rld_s_drai
     assert st.trid == "r1.1" and st.base == 4 and st.next_pos == 4
     assert [(r["attempt"], r["pos"], r["reason"]) for r in st.recovery.recoveries] == \
         [(0, 4, "instance rld0 is unreachable (connection lost)")]
-    assert o.totals["recovered"] == 1 and o.totals["instances_lost"] == 1
+    assert o.totals["recoveries"] == 1 and o.totals["instances_lost"] == 1 and o.totals["recovered"] == 0
     o._tok(Tok("r1.1", 0, 104, "length", "rld"))  # the new attempt's first output, at position 4
     await _ends(consumer, st)
     assert got == [(3, 103, "rld"), (4, 104, "rld")]
+    assert (o.totals["completed"], o.totals["recovered"]) == (1, 1)  # a request that completed after a new attempt
     assert st.emitted == STREAMED + [103, 104]
     for name in ("p0", "md0"):
         await asyncio.wait_for(o.peers[name].seen("abort").wait(), BOUND_S)

@@ -149,7 +149,7 @@ async def test_a_waiting_recovery_uses_a_p_the_operator_adds():
     if not finished:
         await _cancel(task)
     assert finished and task.result() is True
-    assert started == ["p1"] and st.trid == "r1.2" and o.totals["recovered"] == 1
+    assert started == ["p1"] and st.trid == "r1.2" and o.totals["recoveries"] == 1
 
 
 async def test_a_waiting_recovery_fails_at_once_when_the_p_it_waits_for_is_removed():

@@ -56,7 +56,7 @@ async def test_a_new_attempt_resets_each_owner_s_attempt_part_and_keeps_the_reco
                                                      "names": {"prefill": "p0", "relay_decode": "rld0",
                                                                "main_decode": "md0"}}])
     assert st.end == EndState()
-    assert orch.reqs == {"r1.1": st} and orch.totals["recovered"] == 1
+    assert orch.reqs == {"r1.1": st} and orch.totals["recoveries"] == 1
 
 
 async def test_a_cut_off_is_the_request_s_and_outlives_a_new_attempt(orch):

@@ -29,10 +29,12 @@ class _OrchestratorCollector:
         yield c
         t = o.totals
         # each request (each choice of n) exactly once: completed (incl. ended by a stop string),
-        # failed, cancelled (the client disconnected; vLLM's finish reason "abort") or rejected (a
-        # tier refused it while starting: a 429); pdd.gateway.state.OUTCOMES
+        # failed, cancelled (the client disconnected; vLLM's finish reason "abort") or rejected
+        # (refused before any tier ran it: a tier's 429, or a 503 when no instance of a role was
+        # reachable on its first try); pdd.gateway.state.OUTCOMES
         c = CounterMetricFamily("pdd_gateway_outcomes", "requests ended, by outcome: completed, failed, "
-                                "cancelled (client disconnected) or rejected (a tier refused it while starting: 429)",
+                                "cancelled (client disconnected) or rejected (refused before any tier ran it: "
+                                "429, or 503 with no instance of a role reachable)",
                                 labels=["outcome"])
         for k in OUTCOMES:
             c.add_metric([k], t.get(k, 0))

@@ -72,9 +72,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                        "handoffs": 0, "rld_finished_first": 0, "cut_offs": 0,
                        "md_predicted_sends": 0, "md_predicted_fills": 0, "early_handoffs": 0,
                        "md_routes_by_wan": 0,  # MD routes the WAN estimates changed (gateway.routing)
-                       # requests completed after a new attempt (gateway.recovery) / ended on RLD
-                       # without MD (gateway.stream): docs/FAULTS.md reads them, 0 included
-                       "recovered": 0, "degraded": 0}
+                       # completed requests that made a new attempt after a lost instance / ended on
+                       # RLD without MD, each counted once when it completes (gateway.stream), and the
+                       # new attempts made (gateway.recovery): docs/FAULTS.md reads them, 0 included
+                       "recovered": 0, "degraded": 0, "recoveries": 0}
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done

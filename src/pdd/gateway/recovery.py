@@ -78,7 +78,8 @@ class Recovery:
         """Forget the current attempt (aborted on every tier, in the background) and make the
         next one: prompt + streamed tokens, new tier rid, per-attempt state reset. ``counted``
         False (a recovery retried because a full tier refused it): not another recovery in
-        ``st.recovery.recoveries`` or ``totals["recovered"]``."""
+        ``st.recovery.recoveries`` or ``totals["recoveries"]`` (``totals["recovered"]`` counts
+        requests, once each, when they complete: :mod:`pdd.gateway.stream`)."""
         old = st.trid
         if counted:
             st.recovery.recoveries.append({"attempt": st.attempt, "reason": reason, "phase": st.phase.value,
@@ -109,7 +110,7 @@ class Recovery:
         if not st.finished:  # an ended request (its stream's end or an abort took it out) stays out
             self.reqs[st.trid] = st
         if counted:
-            self.totals["recovered"] += 1
+            self.totals["recoveries"] += 1
 
     def _attempt_prompt(self, st: ReqState) -> tuple[list[int], SamplingParams]:
         """This attempt's prompt (the request's prompt + tokens already streamed) and sampling

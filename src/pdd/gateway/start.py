@@ -38,15 +38,17 @@ class Starts:
         the topology changes (an instance added or reconnected); then, or for any other error,
         RequestFailed (counted failed; its message names the budget when it was spent). Once the
         gateway's shutdown drain began (``Orchestrator.begin_drain``) such a start does not wait:
-        ShuttingDown at once (the API answers 503 ``shutting_down``). A request aborted meanwhile (``Orchestrator.abort``: its client left, the
-        server's shutdown timeout ended it) is not started again: RequestFailed at once. A tier with no instance in service at all (NoMember: every one removed by
-        the operator, so none comes back by itself) fails it at once. A request that finds no
-        instance on its first try fails at once (the client gets a 503 with Retry-After: it did
-        no work), unless it is
-        another choice of a request whose first choice already started (``sibling_of``): that
-        request did work, and its first choice waits for the tier (recovery), so this one waits
-        with it instead of failing the whole request. ``sibling_of``: the first of ``siblings`` + 1
-        choices of this prompt, already started (see :meth:`_sibling_md`)."""
+        ShuttingDown at once (the API answers 503 ``shutting_down``). A request aborted meanwhile
+        (``Orchestrator.abort``: its client left, the server's shutdown timeout ended it) is not
+        started again: RequestFailed at once. A tier with no instance in service at all (NoMember:
+        every one removed by the operator, so none comes back by itself) fails it at once. A
+        request that finds no instance on its first try fails at once (the client gets a 503 with
+        Retry-After: it did no work, so it is counted rejected, as a tier's 429 refusal is),
+        unless it is another choice of a request whose first choice already started
+        (``sibling_of``): that request did work, and its first choice waits for the tier
+        (recovery), so this one waits with it instead of failing the whole request.
+        ``sibling_of``: the first of ``siblings`` + 1 choices of this prompt, already started (see
+        :meth:`_sibling_md`)."""
         rid = rid or self.new_rid()
         st = ReqState(rid, len(prompt_ids), sp, trid=rid, prompt_ids=list(prompt_ids), sibling_of=sibling_of,
                       siblings=siblings)
@@ -79,8 +81,11 @@ class Starts:
                     continue
                 spent = lost and not st.finished  # every new attempt the recovery budget allows was made
                 self._unassign(st)
-                # a tier refusing new work for now (the API answers 429) is not a failure
-                await self.abort(st, ABORT_REJECTED if refusal(e) is not None else ABORT_FAILED)
+                # refused before any tier ran it (the API answers 429, or 503 with Retry-After when
+                # no instance of a role is reachable on its first try): rejected, not failed
+                first_try = st.attempt == 0 and sibling_of is None
+                rejected = refusal(e) is not None or (isinstance(e, NoInstance) and first_try)
+                await self.abort(st, ABORT_REJECTED if rejected else ABORT_FAILED)
                 if waits and self.draining:  # nobody restarts the instance during a shutdown
                     log.warning("request %s: the gateway is shutting down; its start, waiting (%s), ends now", rid, e)
                     raise ShuttingDown(f"request {rid} failed while starting: the gateway is shutting down "

@@ -60,14 +60,16 @@ class InstanceLost(ConnectionError):
 # OUTCOMES: "completed" (ran to its end, or a stop string ended it at the gateway), "failed" (a
 # tier or the gateway failed it, or a sibling choice of the same API request failed),
 # "cancelled" (the client went away or stopped reading: vLLM's finish reason "abort") or
-# "rejected" (a tier refused it for now while it was starting, its queue full or its KV pool short
-# of pages: the client got a 429 to retry later, and nothing of it was kept; docs/OVERLOAD.md).
+# "rejected" (refused before any tier ran it, and nothing of it was kept: a tier refused it for now
+# while it was starting, its queue full or its KV pool short of pages, so the client got a 429 to
+# retry later, docs/OVERLOAD.md; or no instance of a role was reachable on its first try, a 503
+# with Retry-After: pdd.gateway.start).
 # The choices of one API request end as the request did: one that finished while a sibling was
 # still starting is counted only once they all started (pdd.gateway.openai_run: held, then settled).
 ABORT_STOP = "stop"  # a stop string completed at the gateway: the request is done -> "completed"
 ABORT_CLIENT = "client_disconnect"  # the client disconnected (or stopped reading) -> "cancelled"
 ABORT_FAILED = "failed"  # the request (or a sibling choice) failed -> "failed"
-ABORT_REJECTED = "rejected"  # a tier refused it while it was starting (TierBusy, OutOfPages) -> "rejected"
+ABORT_REJECTED = "rejected"  # refused before any tier ran it (TierBusy, OutOfPages, NoInstance) -> "rejected"
 ABORT_OUTCOMES = {ABORT_STOP: "completed", ABORT_CLIENT: "cancelled", ABORT_FAILED: "failed",
                   ABORT_REJECTED: "rejected"}
 OUTCOMES = ("completed", "failed", "cancelled", "rejected")

@@ -92,8 +92,7 @@ class Streams:
                         st.to(Phase.DONE, f"finished ({t.fin})")
                     yield t
             # (a finished loop after an abort elsewhere was counted by that abort: no-op then)
-            if self._count_outcome(st, "completed") and st.recovery.degraded:  # ended on RLD: no MD was usable
-                self.totals["degraded"] += 1
+            self._count_outcome(st, "completed")
         except BaseException as e:
             if not st.finished:
                 # the client went away (the consumer cancelled or closed this stream), or the
@@ -180,13 +179,21 @@ class Streams:
 
     def _count_outcome(self, st: ReqState, outcome: str) -> bool:
         """Count ``st`` in ``totals[outcome]`` (one of :data:`OUTCOMES`) unless it was counted
-        already; True if this call counted it. Raises ``ValueError`` for another outcome."""
+        already; True if this call counted it. A completed request that made a new attempt after
+        a lost instance is counted in ``totals["recovered"]`` too, and one that ended on RLD
+        without MD in ``totals["degraded"]`` (a failed or cancelled one in neither). Raises
+        ``ValueError`` for another outcome."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown request outcome {outcome!r}; expected one of {OUTCOMES}")
         if st.end.outcome is not None:
             return False
         st.end.outcome = outcome
         self.totals[outcome] = self.totals.get(outcome, 0) + 1
+        if outcome == "completed":  # what completed requests went through, each counted once
+            if st.recovery.recoveries:  # after at least one new attempt (a lost instance)
+                self.totals["recovered"] += 1
+            if st.recovery.degraded:  # ended on RLD: no MD was usable
+                self.totals["degraded"] += 1
         return True
 
     async def abort(self, st: ReqState, reason: str) -> None:
