@@ -371,8 +371,8 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
     def begin_drain(self) -> None:
         """The gateway's shutdown drain began (:mod:`pdd.gateway.shutdown`): a start waiting for
         an instance to come back (:mod:`pdd.gateway.start`) ends at once with
-        :class:`ShuttingDown` instead of waiting up to ``recovery.RECOVERY_WAIT_S``, as nobody
-        restarts an instance during a shutdown. Idempotent."""
+        :class:`ShuttingDown` instead of waiting up to ``recovery.RECOVERY_WAIT_S`` (its client has
+        received nothing; a restart not begun may never come). Idempotent."""
         self.draining = True
         self._wake_waiters()
 

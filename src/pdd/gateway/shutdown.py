@@ -6,7 +6,7 @@ On the first signal (:meth:`Drain.begin`) the gateway takes no new generation re
 ``"shutting_down"``, while the listening socket stays open (a clear refusal rather than a refused
 connection); the other endpoints (``/v1/models``, ``/pdd/stats``, ``/metrics``) keep answering.
 A request whose start is waiting for a crashed instance to come back gets the same answer at
-once (nobody restarts an instance during a shutdown; counted failed).
+once (the drain does not wait on a restart; the client has received nothing; counted failed).
 The requests in flight run on for up to ``shutdown_timeout_s`` seconds (:meth:`Drain.run`), and
 so does what a finished request leaves behind on the tiers (aborts being answered, a relayed
 request's KV still crossing to MD). When the timeout runs out first (at once for 0, as vLLM's
@@ -73,8 +73,8 @@ class Drain:
 
     def begin(self, orch=None) -> None:
         """Refuse new generation requests from now on, and tell ``orch`` (its ``begin_drain``: a
-        start waiting for a restarting instance ends at once with the same 503, as nobody
-        restarts one during a shutdown). Idempotent."""
+        start waiting for a restarting instance ends at once with the same 503: the drain
+        does not wait on a restart). Idempotent."""
         self.draining = True
         if hasattr(orch, "begin_drain"):  # (a test's orchestrator may have none)
             orch.begin_drain()

@@ -86,7 +86,7 @@ class Starts:
                 first_try = st.attempt == 0 and sibling_of is None
                 rejected = refusal(e) is not None or (isinstance(e, NoInstance) and first_try)
                 await self.abort(st, ABORT_REJECTED if rejected else ABORT_FAILED)
-                if waits and self.draining:  # nobody restarts the instance during a shutdown
+                if waits and self.draining:  # the drain does not wait on a restart: the client has nothing yet
                     log.warning("request %s: the gateway is shutting down; its start, waiting (%s), ends now", rid, e)
                     raise ShuttingDown(f"request {rid} failed while starting: the gateway is shutting down "
                                        f"while it waited ({e})") from e

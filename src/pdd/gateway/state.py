@@ -46,8 +46,9 @@ class NoMember(NoInstance):
 
 class ShuttingDown(RequestFailed):
     """The gateway began its shutdown drain (:mod:`pdd.gateway.shutdown`) while the request's
-    start waited for an instance that was not up (a crashed P restarting): nobody restarts it
-    during a shutdown, so the start ends at once and its client is told, as a request arriving
+    start waited for an instance that was not up (a crashed P restarting). The drain does not
+    wait on a restart (one under way may finish, one not begun may never come), and the client
+    has received nothing: the start ends at once and its client is told, as a request arriving
     during the drain is, to send it to another server (HTTP 503 ``shutting_down``)."""
 
 
