@@ -90,6 +90,36 @@ def test_stop_token_ids_min_tokens_and_length(api):
     assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 12
 
 
+
+def test_stop_matcher_match_false_text_only_begins_a_stop_string():
+    m = StopMatcher(["ab", "bc"])
+    assert m.feed("xa", match=False) == ("x", None)  # "a" may begin "ab": held back
+    assert m.feed("b", match=False) == ("a", None)  # "ab" ends in text fed with match=False: no stop
+    assert m.feed("cd") == ("", "bc")  # "bc" begins there ("b", held back) and ends here: a stop
+
+
+@pytest.mark.parametrize("stop,text,fin,ntok", [
+    # greedy output: fifi|momi|sipo|vaba|unpo|xi|xiro|...; min_tokens 3 = fifi|momi|sipo
+    ("sip", "fifimomisipovabaunpoxixiro\ufffd inqude zashkego", "length", 12),  # inside token 3: not a stop
+    ("misi", "fifimomisipovabaunpoxixiro\ufffd inqude zashkego", "length", 12),  # ends in token 3
+    ("pova", "fifimomisi", "stop", 4),  # begins in token 3, ends in token 4: a stop
+    ("vab", "fifimomisipo", "stop", 4),  # in token 4
+])
+def test_stop_strings_end_only_after_min_tokens_tokens_as_vllm(api, stop, text, fin, ntok):
+    """vLLM (v1) matches stop strings from the token after the min_tokens-th on, looking back into
+    the earlier text: found by a compatibility pass, a stop string inside the min_tokens-th token
+    ended the choice there."""
+    client, _ = api
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "min_tokens": 3,
+            "stop": stop}
+    j = client.post("/v1/completions", json=body).json()
+    c = j["choices"][0]
+    assert (c["text"], c["finish_reason"], c["stop_reason"], j["usage"]["completion_tokens"]) == (
+        text, fin, stop if fin == "stop" else None, ntok)
+    chunks = _sse(client.post("/v1/completions", json={**body, "stream": True}))
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == fin and len(chunks) == ntok
+
 def _ids(client, **body) -> list[int]:
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 5, "ignore_eos": True, "stream": True,
             **body}

@@ -83,8 +83,10 @@ class Choice:
                   and (t.token_id in eos_ids or t.token_id in self.st.sampling.stop_token_ids))
         piece = self.detok.flush() if hidden else self.detok.add(t.token_id, final)
         fin, reason = t.fin, None
-        if self.ntok < self.opts.min_tokens:
-            out = piece  # stop strings count only from min_tokens on (as in vLLM)
+        if self.ntok <= self.opts.min_tokens:
+            # no stop string ends in the first min_tokens tokens' text, one may begin there (vLLM:
+            # they are matched from the token after the min_tokens-th on, looking back into it)
+            out, _ = self.stop.feed(piece, match=False)
         else:
             # the text the detokenizer holds back before a partial character counts: a stop
             # string in it ends the choice on this token (StopMatcher.feed)

@@ -73,31 +73,44 @@ class StopMatcher:
     ends the stream there, but not in its trailing U+FFFD characters (an incomplete character the
     next token may complete: a stop string holding U+FFFD would match every multi-byte character
     split across tokens); otherwise it is ignored, and fed again as ``text`` once final.
+
+    ``match=False`` feeds text in which no stop string may end (a choice's first ``min_tokens``
+    tokens, vLLM's rule): it is released or held back as any other, and a stop string that
+    begins in it and ends in text fed later still matches (vLLM looks back as far).
     """
 
     def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
         self.include = include_stop
         self.buf = ""
+        self.floor = 0  # characters at the start of buf in which no stop string may end (match=False)
         self.done = False
 
-    def feed(self, text: str, pending: str = "") -> tuple[str, str | None]:
+    def feed(self, text: str, pending: str = "", match: bool = True) -> tuple[str, str | None]:
         if self.done:
             return "", None
         self.buf += text
         if not self.stops:
             out, self.buf = self.buf, ""
             return out, None
+        if not match:
+            self.floor = len(self.buf)
+            return self._release(), None
         seen = self.buf + pending.rstrip("\ufffd")
         best, which = None, None  # the stop string that completes first (then the longer one)
         for s in self.stops:
-            i = seen.find(s)
+            i = seen.find(s, max(0, self.floor - len(s) + 1))  # it ends after the floor
             if i >= 0 and (best is None or (i + len(s), i) < best):
                 best, which = (i + len(s), i), s
         if which is not None:
             out = seen[:best[1]] + (which if self.include else "")
             self.buf, self.done = "", True
             return out, which
+        return self._release(), None
+
+    def _release(self) -> str:
+        """The text of ``buf`` that cannot begin a stop string; the longest tail that is a proper
+        prefix of one stays in ``buf``."""
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(self.buf)), hold, -1):
@@ -106,7 +119,8 @@ class StopMatcher:
                     break
         out = self.buf[:len(self.buf) - hold]
         self.buf = self.buf[len(self.buf) - hold:]
-        return out, None
+        self.floor = max(0, self.floor - len(out))
+        return out
 
     def flush(self) -> str:
         out, self.buf = ("" if self.done else self.buf), ""
