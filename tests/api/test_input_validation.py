@@ -580,6 +580,43 @@ def test_vllm_parameters_pdd_cannot_honour_are_400_naming_them(api, path, name, 
     _still_serving(client)
 
 
+REFUSED_SGLANG = [
+    ("regex", "[a-z]+"), ("ebnf", "root ::= 'a'"), ("json_schema", '{"type": "object"}'), ("stop_regex", "\\d"),
+    ("stop_regex", ["a+"]), ("custom_logit_processor", "{}"), ("lora_path", "adapter-a"),
+    ("return_hidden_states", True), ("return_hidden_states", "last"),
+]
+
+
+@pytest.mark.parametrize("path,name,value", [(p, n, v) for p in ("/v1/completions", "/v1/chat/completions")
+                                             for n, v in REFUSED_SGLANG]
+                         + [("/v1/chat/completions", "input_ids", [5, 6, 7])])
+def test_sglang_parameters_pdd_cannot_honour_are_400_naming_them(api, path, name, value):
+    """Found by a compatibility pass: SGLang's constrained decoding (regex, ebnf, json_schema),
+    stop_regex, LoRA adapters, ... were silently ignored (200 with output that did not do what
+    was asked, or chat's input_ids: another prompt than the one sent)."""
+    client, orch = api
+    body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    err = _err(client.post(path, json={**body, name: value}), 400, name)
+    assert err["message"].startswith(f"{name} is not supported: pdd does not support "), err
+    assert err["message"].endswith(f"; leave {name} out"), err
+    assert not orch.started
+    r = client.post(path, json={**body, name: None, **({name: False} if name == "return_hidden_states" else {})})
+    assert r.status_code == 200, r.text  # its default (what SGLang's client may send) is served
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_sglang_no_stop_trim_keeps_the_stop_string_as_include_stop_str_in_output(api, path):
+    client, _ = api
+    body = (dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    body.update(max_tokens=12, temperature=0, ignore_eos=True)
+    text = (lambda j: j["choices"][0]["text"] if "text" in j["choices"][0] else j["choices"][0]["message"]["content"])
+    full = text(client.post(path, json=body).json())
+    stop = full[3:5]
+    want = full[:full.index(stop) + 2]
+    assert text(client.post(path, json={**body, "stop": stop, "no_stop_trim": True}).json()) == want
+    assert text(client.post(path, json={**body, "stop": stop, "include_stop_str_in_output": True}).json()) == want
+    assert text(client.post(path, json={**body, "stop": stop, "no_stop_trim": None}).json()) == want[:-2]
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_vllm_parameters_at_their_defaults_and_unknown_fields_are_accepted(api, path):
     """What vLLM's and the openai client may send for a parameter not asked for is served, and a

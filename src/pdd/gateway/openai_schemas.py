@@ -209,6 +209,16 @@ class _Sampling(BaseModel):
     cache_salt: Any = None
     modalities: Any = None  # OpenAI's: ["text"] is all pdd outputs
     audio: Any = None
+    # SGLang's parameters pdd cannot honour (same rule)
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    stop_regex: Any = None
+    custom_logit_processor: Any = None
+    lora_path: Any = None
+    return_hidden_states: Any = None
+    # SGLang's name for include_stop_str_in_output (either keeps the stop string or token's text)
+    no_stop_trim: StrictBool = False
 
     @field_validator("*", mode="before")
     @classmethod
@@ -476,6 +486,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None  # refused (below), as vLLM without --trust-request-chat-template
     echo: StrictBool = False  # vLLM: prepend the last message to the reply; refused (below)
     best_of: int | None = Field(None, ge=1)  # refused unless equal to n (below)
+    input_ids: Any = None  # SGLang: a prompt of token ids in place of the rendered messages; refused (UNHONOURED)
 
 
 class TokenizeRequest(BaseModel):
@@ -604,7 +615,7 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
         logit_bias=bias,
     )
     sps = [SamplingParams.from_dict({**base.to_dict(), "seed": (seed + i) & _MASK64}) for i in range(body.n)]
-    opts = TextOptions(stop=stops, include_stop=body.include_stop_str_in_output,
+    opts = TextOptions(stop=stops, include_stop=body.include_stop_str_in_output or body.no_stop_trim,
                        skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens, logprobs=logprobs)
     return sps, opts
 
@@ -650,9 +661,10 @@ def _is(value):
     return test
 
 
-# vLLM's request parameters that pdd cannot honour: name -> (what it asks for, a test of the
-# values that ask nothing: vLLM's default, which vLLM's and the openai client may send; null is
-# one for each). Any other value is a 400 naming the parameter (check_unhonoured), not ignored.
+# vLLM's and SGLang's request parameters that pdd cannot honour: name -> (what it asks for, a test
+# of the values that ask nothing: their default, which vLLM's, SGLang's and the openai client may
+# send; null is one for each). Any other value is a 400 naming the parameter (check_unhonoured),
+# not ignored.
 UNHONOURED: dict[str, tuple[str, Any]] = {
     "guided_json": ("guided decoding", None),
     "guided_regex": ("guided decoding", None),
@@ -673,17 +685,28 @@ UNHONOURED: dict[str, tuple[str, Any]] = {
     "cache_salt": ("prefix-cache isolation by salt", None),
     "modalities": ("output modalities other than text", lambda v: isinstance(v, list) and all(x == "text" for x in v)),
     "audio": ("audio output", None),
+    # SGLang's
+    "regex": ("constrained decoding", None),
+    "ebnf": ("constrained decoding", None),
+    "json_schema": ("constrained decoding", None),
+    "stop_regex": ("stop regular expressions", None),
+    "custom_logit_processor": ("custom logits processors", None),
+    "lora_path": ("LoRA adapters", None),
+    "return_hidden_states": ("hidden states in the response", _is(False)),
+    "input_ids": ("a chat prompt of token ids in place of the messages (send them to /v1/completions as prompt)",
+                  None),
 }
 
 
 def check_unhonoured(body) -> None:
-    """ApiError (400, ``param`` naming it) for the first of vLLM's parameters pdd cannot honour
-    (:data:`UNHONOURED`: guided decoding, ``allowed_token_ids``, ``bad_words``, beam search, ...)
-    given with a value that asks for something; its default (``use_beam_search: false``,
-    ``length_penalty: 1.0``, ``bad_words: []``, null) passes. Silently ignoring one would answer
-    200 with output that does not do what was asked. Fields unknown to vLLM too stay ignored."""
+    """ApiError (400, ``param`` naming it) for the first of vLLM's and SGLang's parameters pdd
+    cannot honour (:data:`UNHONOURED`: guided / constrained decoding, ``allowed_token_ids``,
+    ``bad_words``, beam search, LoRA, ...) given with a value that asks for something; its default
+    (``use_beam_search: false``, ``length_penalty: 1.0``, ``bad_words: []``, null) passes.
+    Silently ignoring one would answer 200 with output that does not do what was asked. Fields
+    unknown to vLLM and SGLang too stay ignored."""
     for name, (what, harmless) in UNHONOURED.items():
-        v = getattr(body, name)
+        v = getattr(body, name, None)  # input_ids: chat's only
         if v is None or (harmless is not None and harmless(v)):
             continue
         raise ApiError(f"{name} is not supported: pdd does not support {what}; leave {name} out", name)
