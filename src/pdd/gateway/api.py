@@ -45,6 +45,7 @@ from pdd.gateway.admission import (Admission, causes, choice_refusal, kv_hint, k
                                    request_pages)
 from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unless_gone
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
+from pdd.gateway.openai_defaults import generation_defaults
 from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages,
@@ -264,6 +265,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             log.warning("no chat template: %s", e)
     token_text = TokenText(tokenizer)
     model_name = cfg.served_model_name
+    gen_defaults = generation_defaults(cfg.model_path)  # a request's sampling values left out (vLLM, SGLang)
     from pdd.topology import layout
 
     adm = Admission.from_config(cfg, getattr(orch, "layout", None) or layout(cfg))
@@ -766,7 +768,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 max_tokens = rest_of_context(len(ids), "prompt")
             check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None,
                           defaulted="max_tokens" not in body.model_fields_set)
-            plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs)))
+            plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs, defaults=gen_defaults)))
             lens.append((len(ids), max_tokens))
         check_pages(lens, body.n, "max_tokens", asked=body.max_tokens is not None)
         opts = plans[0][2]
@@ -820,7 +822,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_context(len(ids), max_tokens, param, body.n, asked, prompt_param="messages")
         check_pages([(len(ids), max_tokens)], body.n, param, asked)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sps, opts = sampling_for(body, max_tokens, model_vocab, top, param)
+        sps, opts = sampling_for(body, max_tokens, model_vocab, top, param, gen_defaults)
         gen = await start_watched(request, [(ids, sps, opts)])
         created, cid = int(time.time()), f"chatcmpl-{gen.choices[0].st.rid}"
         if body.stream:

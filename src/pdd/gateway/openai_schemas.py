@@ -162,7 +162,8 @@ class _Sampling(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's extra parameter: refused (_check_prompt_logprobs), not ignored
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)  # None: 1.0 (OpenAI's and vLLM's default)
+    # None: the checkpoint's generation_config.json value, else 1.0 (sampling_for, openai_defaults)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
@@ -575,9 +576,18 @@ def stop_list(stop) -> list[str]:
 
 
 def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | None,
-                 max_tokens_param: str = "max_tokens") -> tuple[list[SamplingParams], TextOptions]:
+                 max_tokens_param: str = "max_tokens",
+                 defaults: dict | None = None) -> tuple[list[SamplingParams], TextOptions]:
     """One :class:`SamplingParams` per choice (seeds ``seed + i``; an unseeded request gets a
-    random seed so every tier draws the same numbers) and the gateway's text options."""
+    random seed so every tier draws the same numbers) and the gateway's text options.
+    ``defaults``: the checkpoint's values for ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repetition_penalty`` the request leaves out (:func:`pdd.gateway.openai_defaults.generation_defaults`)."""
+    d = defaults or {}
+
+    def given(name: str, api_default):
+        v = getattr(body, name)
+        return d.get(name, api_default) if v is None else v
+
     if body.min_tokens > max_tokens:
         raise ApiError(f"min_tokens ({body.min_tokens}) must be at most {max_tokens_param} ({max_tokens})",
                        "min_tokens")
@@ -600,16 +610,16 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     base = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else float(body.temperature),
-        top_p=1.0 if body.top_p is None else float(body.top_p),
-        top_k=-1 if not body.top_k else int(body.top_k),
+        temperature=float(given("temperature", 1.0)),
+        top_p=float(given("top_p", 1.0)),
+        top_k=int(given("top_k", -1)) or -1,  # 0: off, as -1
         seed=seed,
         ignore_eos=body.ignore_eos,
         stop_token_ids=stop_ids,
-        min_p=float(body.min_p or 0.0),
+        min_p=float(given("min_p", 0.0)),
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
-        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        repetition_penalty=float(given("repetition_penalty", 1.0)),
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         logit_bias=bias,
