@@ -48,6 +48,19 @@ def test_models_retrieve_with_the_openai_client(api):
     assert ei.value.body["code"] == "model_not_found"
 
 
+def test_model_card_created_is_a_unix_time_with_root_and_parent(api):
+    """``created`` was 0 (1970 in a client listing models); vLLM and SGLang give a Unix time now
+    and the card's ``root`` and ``parent``."""
+    import time
+
+    client, _ = api
+    card = client.get("/v1/models").json()["data"][0]
+    assert time.time() - 300 < card["created"] <= time.time()
+    assert card == client.get("/v1/models/pdd-tiny").json() == {
+        "id": "pdd-tiny", "object": "model", "created": card["created"], "owned_by": "pdd", "root": "pdd-tiny",
+        "parent": None, "max_model_len": 512}
+
+
 def test_tokenize_detokenize_and_version_as_vllm(api, tiny_model):
     """vLLM's /tokenize, /detokenize and /version were 404s. /tokenize gives the ids the matching
     endpoint serves: a prompt with special tokens, messages through the chat template."""

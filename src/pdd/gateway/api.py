@@ -394,8 +394,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         return JSONResponse(error_body(detail, None, etype=etype), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdd",
-                  "max_model_len": cfg.engine.max_model_len}
+    # created: when this gateway began serving the model (a Unix time, as OpenAI, vLLM and SGLang
+    # give; 0 read as 1970); root / parent as vLLM's and SGLang's cards (no adapters: parent null)
+    model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pdd",
+                  "root": model_name, "parent": None, "max_model_len": cfg.engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():
