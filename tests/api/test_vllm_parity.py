@@ -48,6 +48,18 @@ def test_models_retrieve_with_the_openai_client(api):
     assert ei.value.body["code"] == "model_not_found"
 
 
+def test_an_empty_model_name_is_the_served_model_as_on_vllm(api):
+    """vLLM serves ``"model": ""`` with its model (a client with no model configured sends it);
+    pdd answered 404 model_not_found."""
+    client, orch = api
+    for path, body in [("/v1/completions", {"prompt": [5, 6], "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+                       ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})]:
+        r = client.post(path, json={**body, "model": ""})
+        assert r.status_code == 200, (path, r.text)
+        assert client.post(path, json={**body, "model": " "}).json()["error"]["code"] == "model_not_found"
+    assert len(orch.started) == 2
+
 def test_model_card_created_is_a_unix_time_with_root_and_parent(api):
     """``created`` was 0 (1970 in a client listing models); vLLM and SGLang give a Unix time now
     and the card's ``root`` and ``parent``."""

@@ -438,7 +438,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     add_autoscale_routes(app, orch)  # GET /pdd/autoscale (``{"enabled": false}`` unless pdd serve --autoscale)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        """404 ``model_not_found`` for a model this server does not serve; null or "" is the served
+        model, as vLLM takes it (a client with no model configured sends "")."""
+        if name and name != model_name:
             raise ApiError(f"model {shown(name)} does not exist; this server serves {model_name!r}", "model",
                            status=404, code="model_not_found")
 
