@@ -1,6 +1,7 @@
 """A checkpoint's generation_config.json sampling values are the defaults of a request that leaves
 them out, as vLLM (``--generation-config auto``) and SGLang serve them (found by a compatibility
-pass: pdd sampled such a request at temperature 1.0, top_p 1.0 where vLLM used the model's 0.6, 0.9)."""
+pass: pdd sampled such a request at temperature 1.0, top_p 1.0 where vLLM takes the model's, e.g.
+Llama 3.2 Instruct's 0.6, 0.9)."""
 
 from __future__ import annotations
 
