@@ -11,12 +11,14 @@ from pydantic import ValidationError
 from pdd.config import AutoscaleConfig, ClusterConfig, validation_summary
 from pdd.gateway.autoscale import Autoscaler, add_autoscale_routes
 from pdd.gateway.membership import MembershipError
+from pdd.topology import layout
 
 
 class FakeMembership:
-    def __init__(self):
-        self.members = {n: SimpleNamespace(name=n, role="main_decode", state=s, source="config")
-                        for n, s in (("md0", "active"), ("md1", "standby"))}
+    def __init__(self, full):
+        self.full = full  # the config's layout: md0, md1 in B, rld0 in A
+        self.members = {n: SimpleNamespace(name=n, role=full.get(n).role, dc=full.get(n).dc, state=s, source="config")
+                        for n, s in (("rld0", "active"), ("md0", "active"), ("md1", "standby"))}
         self._busy_ops = set()
         self.calls = []
         self.refuse = False
@@ -56,7 +58,7 @@ class Clock:
 def make(**kw):
     cfg = ClusterConfig.model_validate({"instances": {"main_decode": 2}, "standby": ["md1"],
                                         "engine": {"max_running": 4}})
-    orch = SimpleNamespace(cfg=cfg, inflight={}, reqs={}, membership=FakeMembership(), wan_gbps_live=0.5)
+    orch = SimpleNamespace(cfg=cfg, inflight={}, reqs={}, membership=FakeMembership(layout(cfg)), wan_gbps_live=0.5)
     acfg = AutoscaleConfig(enabled=True, interval_s=1.0, cooldown_s=10.0, max={"main_decode": 2}, **kw)
     clock = Clock()
     return orch, Autoscaler(orch, acfg, clock=clock), clock
@@ -134,6 +136,30 @@ def test_drain_picks_least_busy_and_never_the_last_active():
     assert a._victim("main_decode") == "md0"  # the least busy
     ms.busy = lambda name: 0
     assert a._victim("main_decode") == "md1"  # a tie: the later slot
+
+
+def test_drain_never_leaves_a_rerolled_relay_decoder_as_the_only_main_decoder():
+    """Found in review: the fewest-in-flight rule drained the only MD in datacenter B and left
+    rld0, a relay decoder re-roled to main-decode duty in A, as the only main decoder. The
+    re-roled one goes first, however busy (../shared/PDD.md: MD's place is datacenter B)."""
+    orch, a, clock = make()
+    ms = orch.membership
+    ms.members["rld0"].role = "main_decode"  # POST /pdd/instances/rld0/role {"role": "main_decode"}
+    ms.busy = lambda name: {"md0": 0, "rld0": 3, "md1": 0}[name]
+    assert a._victim("main_decode") == "rld0"
+    ms.members["md1"].state, ms.members["md1"].source = "active", "started"  # two MDs in B, both idle
+    assert a._victim("main_decode") == "rld0"
+    ms.members["rld0"].role = "relay_decode"  # back to relaying: the rule of the MDs in B alone
+    assert a._victim("main_decode") == "md1"
+    # the loop: idle after the cool-down, one MD in B and rld0 on MD duty: rld0 is drained
+    ms.members["rld0"].role, ms.members["md1"].state = "main_decode", "standby"
+    orch.inflight = {"md0": 0, "rld0": 1}
+    a.sample()
+    clock.t += 1.0
+    rec = asyncio.run(a.step())
+    assert rec["inputs"]["roles"] == [{"role": "main_decode", "active": 2, "utilisation": 0.125}]
+    assert rec["applied"] == [{"role": "main_decode", "op": "drain", "instance": "rld0", "remove_when_idle": True}]
+    assert ms.calls == [("drain", "rld0", True)]
 
 
 @pytest.mark.parametrize("block,msg", [

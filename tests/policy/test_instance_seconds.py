@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdd.bench.autoscaling import decision_counts, mode_autoscale
-from pdd.policy.autoscale import instance_seconds, pick_drain
+from pdd.policy.autoscale import instance_seconds, pick_drain, role_home_dc
 
 INITIAL = {"p0": ("prefill", "active"), "rld0": ("relay_decode", "active"), "md0": ("main_decode", "active"),
            "md1": ("main_decode", "standby")}
@@ -43,6 +43,22 @@ def test_pick_drain():
     assert pick_drain([("md0", 0, True), ("md1", 0, False)]) == "md1"  # the added one first
     assert pick_drain([("md0", 0, True), ("md1", 2, False)]) == "md0"  # fewest in flight first
     assert pick_drain([("md0", 1, False), ("md1", 1, False)]) == "md1"  # then the latest listed
+
+
+def test_pick_drain_keeps_the_last_main_decoder_in_b():
+    """A relay decoder re-roled to main-decode duty in A (rld0) is drained before any MD in B,
+    busier or not; the last MD in B never goes while it serves (../shared/PDD.md: MD in B)."""
+    assert pick_drain([("md0", 0, True, "B"), ("rld0", 5, True, "A")], "B") == "rld0"
+    assert pick_drain([("md0", 0, True, "B"), ("md1", 0, False, "B"), ("rld0", 2, True, "A")], "B") == "rld0"
+    # several in A: the rule among them; none in A: the rule as without datacenters
+    assert pick_drain([("md0", 0, True, "B"), ("rld0", 2, True, "A"), ("rld1", 1, True, "A")], "B") == "rld1"
+    assert pick_drain([("md0", 0, True, "B"), ("md1", 2, False, "B")], "B") == "md0"
+    assert pick_drain([("md0", 0, True, "B"), ("rld0", 5, True, "A")]) == "md0"  # no home given: in flight alone
+    assert pick_drain([("rld0", 5, True, "A")], "B") is None
+    assert role_home_dc([("prefill", "A"), ("relay_decode", "A"), ("main_decode", "B"), ("main_decode", "B")],
+                        "main_decode") == "B"
+    assert role_home_dc([("prefill", "A"), ("main_decode", "A")], "main_decode") == "A"  # same_dc_pd's d0
+    assert role_home_dc([("prefill", "A")], "main_decode") is None
 
 
 def _snap(t, states, events=(), decisions=(), enabled=True):

@@ -41,6 +41,8 @@ def test_ramp_scales_md_up_then_down():
     sim = autoscaled_sim(CFG, ACFG).run(retime(recs, arr))
     assert all(r.finished for r in sim.reqs)
     a = sim.autoscaler
+    # what pick_drain is given, as the gateway gives it: each tier's datacenter, MD's slots in B
+    assert (a.dc, a.slots) == ({"P": "A", "RLD": "A", "MD": "B"}, [("main_decode", "B")])
     changes = [(d["time"], o["op"], o["instance"]) for d in a.decisions for o in d["applied"]]
     assert changes == [(35.0, "add", "MD1"), (75.0, "drain", "MD1")]
     assert [(e["time"], e["op"], e["instance"], e["to"]) for e in a.events] == [

@@ -6,8 +6,9 @@ interval's means and applies the decision through the membership operations
 
 - up: add the role's first free slot (``Membership.add``; the gateway starts its process when
   ``autoscale.start``);
-- down: drain the active instance of the role with the fewest requests in flight (the latest added
-  first on a tie) with ``remove_when_idle``: no new request goes there, its in-flight ones finish
+- down: drain the active instance of the role ``pick_drain`` picks (one serving the role outside
+  its slots' datacenter first, a relay decoder re-roled to main-decode duty in A; then the fewest
+  requests in flight, the latest added first on a tie) with ``remove_when_idle``: no new request goes there, its in-flight ones finish
   where they are, and it is removed once idle. The membership refuses to drain a role's last
   active instance, and the rule never goes below ``min`` (>= 1), so no request fails because of a
   scaling change.
@@ -33,7 +34,7 @@ import time
 from collections import deque
 
 from pdd.policy.autoscale import (DOWN, UP, AutoscaleInputs, AutoscaleRule, AutoscaleWindow, decide_mix,
-                                  pick_drain)
+                                  pick_drain, role_home_dc)
 from pdd.policy.membership import ACTIVE, DRAINING
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,11 @@ class Autoscaler:
 
     # ------------------------------------------------------------------ deciding and applying
     def _victim(self, role: str) -> str | None:
+        """The instance a scale-down of ``role`` drains (``pick_drain``): one serving the role
+        outside its slots' datacenter first (a relay decoder re-roled to main-decode duty in A)."""
         ms = self.orch.membership
-        return pick_drain([(m.name, ms.busy(m.name), m.source == "config") for m in self._members(role)])
+        home = role_home_dc([(s.role, s.dc) for s in ms.full.engines], role)
+        return pick_drain([(m.name, ms.busy(m.name), m.source == "config", m.dc) for m in self._members(role)], home)
 
     async def step(self) -> dict:
         """Decide on the interval's measurements, apply, record; never raises."""

@@ -193,15 +193,34 @@ class AutoscaleWindow:
             p_hit_rate=p_hit_rate, md_hit_rate=md_hit_rate, wan_gbps=wan_gbps)
 
 
-def pick_drain(candidates: Sequence[tuple[str, int, bool]]) -> str | None:
-    """Which active instance of a role a scale-down drains: ``candidates`` = (name, requests in
-    flight, started with the topology) in the order the instances were listed; the fewest in
-    flight, then one the loop added before one started with the topology, then the latest listed.
-    None with fewer than two (a role's last active instance is never drained)."""
+def pick_drain(candidates: Sequence[tuple], home_dc: str | None = None) -> str | None:
+    """Which active instance of a role a scale-down drains. ``candidates`` = (name, requests in
+    flight, started with the topology[, datacenter]) in the order the instances were listed;
+    ``home_dc``: the datacenter the role's configured slots are in (main_decode: ``"B"`` in pdd
+    and cross_dc_pd mode, :func:`role_home_dc`), None when unknown.
+
+    An instance serving the role away from ``home_dc`` goes first: a relay decoder re-roled to
+    main-decode duty in A (docs/SERVE.md "Re-role") is a fallback next to P, while the main
+    decoder's place is datacenter B (../shared/PDD.md "The architecture": MD in datacenter B,
+    chip B; docs/SERVE.md "Re-role": the relay decoder serves as MD in A "while traffic is mostly
+    short or well-cached and the relay tier is idle"). So a scale-down never drains the last
+    main decoder in B while one in A serves the role. Among the away ones (all of them when
+    none is away): the fewest in flight, then one the loop added before one started with the
+    topology, then the latest listed. None with fewer than two (a role's last active instance
+    is never drained). A candidate without a datacenter counts as at home."""
     if len(candidates) < 2:
         return None
     order = {c[0]: i for i, c in enumerate(candidates)}
-    return min(candidates, key=lambda c: (c[1], c[2], -order[c[0]]))[0]
+    away = [c for c in candidates if home_dc is not None and len(c) > 3 and c[3] != home_dc]
+    return min(away or candidates, key=lambda c: (c[1], c[2], -order[c[0]]))[0]
+
+
+def role_home_dc(slots: Sequence[tuple[str, str]], role: str) -> str | None:
+    """The datacenter of ``role``'s configured slots: ``slots`` = (slot role, datacenter) of the
+    config's layout (a re-roled relay decoder's slot role stays ``relay_decode``); None when the
+    role has no slot or its slots are in more than one datacenter."""
+    dcs = {dc for r, dc in slots if r == role}
+    return next(iter(dcs)) if len(dcs) == 1 else None
 
 
 # ---------------------------------------------------------------- the cost proxy
@@ -248,4 +267,5 @@ def instance_seconds(initial: Mapping[str, tuple[str, str]], events: Sequence[Ma
 
 
 __all__ = ["UP", "DOWN", "HOLD", "RoleLoad", "AutoscaleInputs", "AutoscaleRule", "RoleDecision",
-           "AutoscaleDecision", "decide_mix", "AutoscaleWindow", "pick_drain", "instance_seconds", "MEMBER_STATES"]
+           "AutoscaleDecision", "decide_mix", "AutoscaleWindow", "pick_drain", "role_home_dc", "instance_seconds",
+           "MEMBER_STATES"]

@@ -14,8 +14,10 @@ same inputs, measured the same way over simulated time.
   the simulated gateway's live WAN estimate.
 - up: the role's first free slot (standby or removed) becomes active after ``start_s`` (the
   simulated start of its process; a change is pending meanwhile, as while the gateway starts
-  one); down: the active instance :func:`pdd.policy.autoscale.pick_drain` picks is drained (no
-  new request is routed there) and removed once nothing is in flight or held there; its prefix
+  one); down: the active instance :func:`pdd.policy.autoscale.pick_drain` picks, given each
+  instance's datacenter and its role's as the gateway gives them (the simulator re-roles no
+  relay decoder, so every candidate is in its role's datacenter), is drained (no new request is
+  routed there) and removed once nothing is in flight or held there; its prefix
   cache is dropped (a later add starts cold).
 - Every change is a membership event (``time``, ``op``, ``instance``, ``role``, ``from``, ``to``)
   and every decision a record (``time``, ``inputs``, ``decision``, ``applied``) as on the gateway's
@@ -29,7 +31,8 @@ start in standby (:func:`autoscaled_sim`). Only the roles of the P/RLD/MD tiers 
 
 from __future__ import annotations
 
-from pdd.policy.autoscale import DOWN, UP, AutoscaleRule, AutoscaleWindow, decide_mix, instance_seconds, pick_drain
+from pdd.policy.autoscale import (DOWN, UP, AutoscaleRule, AutoscaleWindow, decide_mix, instance_seconds, pick_drain,
+                                  role_home_dc)
 from pdd.sim.prefix_cache import PrefixCache
 from pdd.sim.sim_config import SIM_ROLE
 
@@ -83,6 +86,10 @@ class SimAutoscaler:
         self.state: dict[str, str] = {}
         self.role_of: dict[str, str] = {}
         self.from_config: dict[str, bool] = {}
+        # each tier's datacenter (its chip side: a -> A, b -> B) and the slots' (role, datacenter),
+        # what pdd.policy.autoscale.pick_drain reads as the gateway's layout
+        self.dc = {t: side.upper() for t, (_, side) in sim.cfg.tiers().items()}
+        self.slots = [(role, self.dc[SIM_ROLE[role]]) for role in self.roles]
         for role in self.roles:
             for i, inst in enumerate(sim.tiers[SIM_ROLE[role]]):
                 self.state[inst.name] = ACTIVE if i < initial[role] else STANDBY
@@ -193,7 +200,9 @@ class SimAutoscaler:
                 rec["applied"].append({"role": rd.role, "op": "add", "instance": name})
             elif rd.action == DOWN:
                 busy = self._assigned()
-                name = pick_drain([(i.name, busy.get(i.name, 0), self.from_config[i.name]) for i in self._insts(rd.role)])
+                dc = self.dc[SIM_ROLE[rd.role]]  # a simulated tier's instances share its datacenter
+                name = pick_drain([(i.name, busy.get(i.name, 0), self.from_config[i.name], dc)
+                                   for i in self._insts(rd.role)], role_home_dc(self.slots, rd.role))
                 if name is None:
                     self.applied["errors"] += 1
                     rec["applied"].append({"role": rd.role, "op": "drain",
