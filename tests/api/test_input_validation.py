@@ -479,6 +479,40 @@ def test_the_kv_refusal_of_one_prompt_names_the_tier_and_only_what_helps(tiny_mo
         assert not orch.started
 
 
+@pytest.mark.parametrize("tiers,pool", [
+    ({"rld0": {"engine": {"num_pages": 32}}, "rld1": {"engine": {"num_pages": 32}}}, "an instance's pool (32 pages)"),
+    ({"rld0": {"engine": {"num_pages": 32}}},
+     "instance rld0's pool (32 pages; any active relay_decode instance may serve it)"),
+])
+def test_choices_are_held_to_the_smallest_instance_pool_not_the_tier_blocks(tiny_model, tiers, pool):
+    """Found in review: the check held a prompt's n choices to the tier block's pool (64 pages)
+    though each RLD's own block (tiers.rld0) held 32: prompt 300 + n 3 (57 pages on RLD, 64
+    together) was admitted, two of its choices landed on one RLD (3 choices, 2 RLDs) and it
+    failed with a 429 "OutOfPages: need 19, 13 free" that no retry could cure (reproduced on
+    pdd serve). Routing may pick any active RLD, so the smallest pool counts."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from pdd.config import ClusterConfig
+    from pdd.engine.engine import Engine
+    from pdd.gateway.api import create_app
+    from tests.api.conftest import EngineOrch
+
+    orch = EngineOrch(Engine.from_pretrained(tiny_model, num_pages=64, page_size=16))
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "instances": {"prefill": 1, "relay_decode": 2, "main_decode": 1},
+                                        "engine": {"num_pages": 64, "page_size": 16}, "tiers": tiers})
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    with TestClient(app) as client:
+        body = {"prompt": list(range(10, 310)), "n": 3, "max_tokens": 20}
+        assert _err(client.post("/v1/completions", json=body), 400, "n")["message"] == (
+            "n (3) choices of prompt (300 tokens) + its first output token need 57 KV pages of 16 tokens at once on "
+            f"the relay_decode tier, more than {pool}: lower n")
+        assert not orch.started
+        r = client.post("/v1/completions", json={"prompt": list(range(10, 210)), "n": 2, "max_tokens": 20})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2  # 2 x 13 pages fit 32
+
+
 def test_the_kv_refusal_without_max_tokens_counts_the_first_token(tiny_model):
     """Found by a new user: chat with n 4 and no max_tokens was told "+ max_tokens (29) need 18
     pages" (29: the rest of the window, never sent; the pages counted one output token). Chat:

@@ -342,6 +342,21 @@ def request_pages(tier: str, prompts: list[tuple[int, int]], n: int, page_size: 
     return pages
 
 
+def short_pool(tier: str, prompts: list[tuple[int, int]], n: int, pools) -> tuple[str, int, int, int] | None:
+    """The first pool of ``pools`` (``(instance, num_pages, page_size), ...``, one tier's active
+    instances as :func:`kv_pools` lists them), smallest in tokens first, that cannot hold a
+    request's choices at once on that one instance (:func:`request_pages` at its own page
+    size): ``(instance, pages needed, num_pages, page_size)``, or None when every one holds
+    them. Routing may send a request to any active instance of a tier, whatever its pool, so a
+    request is held to the smallest: a tier block's pool larger than an instance's own
+    (``tiers: {rld0: {engine: {num_pages: 32}}}``) does not count."""
+    for name, pages, ps in sorted(pools, key=lambda p: p[1] * p[2]):
+        need = request_pages(tier, prompts, n, ps)
+        if need > pages:
+            return name, need, pages, ps
+    return None
+
+
 def kv_hint(tier: str, n: int, out: int, param: str, prompts: int = 1, output_helps: bool = True) -> str:
     """What a request refused for its KV pages on ``tier`` (:func:`kv_refusal`) can change that
     lowers them: fewer ``prompts`` (a batch), a lower ``n`` (above 1), a lower ``param``

@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect
 
 from pdd.config import ClusterConfig
 from pdd.gateway.admission import (Admission, causes, choice_refusal, kv_hint, kv_refusal, refusal,
-                                   request_pages)
+                                   request_pages, short_pool)
 from pdd.gateway.disconnect import ClientGone, client_gone as _client_gone, unless_gone
 from pdd.gateway.openai_chat import ChatTemplate, ChatTemplateError
 from pdd.gateway.openai_defaults import generation_defaults
@@ -447,10 +447,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     def check_context(n_prompt: int, max_tokens: int, param: str, n: int = 1, asked: bool = True,
                       prompt_param: str = "prompt", defaulted: bool = False) -> None:
         """400 (ApiError naming the field) for an empty or too long prompt, a prompt + output past
-        the context window, or ``n`` choices that no decoder's KV pool could hold at once even
-        with the prompt's full pages shared (in pdd mode: RLD's, which shares nothing, holds a
-        copy of the prompt per choice): its choices would preempt one another over and over
-        (Engine.step) or fail with OutOfPages after their work was done (docs/FAULTS.md).
+        the context window, or ``n`` choices that an active decoder's KV pool (the smallest of
+        its tier's: each instance's own engine block, ``tiers``, as routing may pick any) could
+        not hold at once even with the prompt's full pages shared (in pdd mode: RLD's, which
+        shares nothing, holds a copy of the prompt per choice): its choices would preempt one
+        another over and over (Engine.step) or fail with OutOfPages after their work was done
+        (docs/FAULTS.md).
         ``asked``: False when the client set no output length (``max_tokens`` is then the rest
         of the context, which choices rarely reach): the pool check then counts one output token
         per choice, as vLLM admits such requests. ``prompt_param``: the field the prompt came in
@@ -466,24 +468,28 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         if n_prompt + max_tokens > e.max_model_len:
             raise ApiError(f"prompt ({n_prompt} tokens) + {param} ({given}) exceeds the context window "
                            f"of {e.max_model_len} tokens", param, code="context_length_exceeded")
-        # the decoding tier holds every choice; each tier has its own pages (cfg.tiers)
+        # the decoding tier holds every choice; each tier and instance has its own pages (cfg.tiers),
+        # and a request may be routed to any active instance of the tier: held to the smallest pool
+        pools_now = dict(adm.limits.kv_pools)
         for tier in ("colocated",) if cfg.mode == "colocated" else (
                 ("main_decode", "relay_decode") if cfg.mode == "pdd" else ("main_decode",)):
             te = cfg.engine_for(tier)
-            ps = te.page_size
+            pools = pools_now.get(tier) or ((tier, te.num_pages, te.page_size),)  # none active: the tier's
             # RLD shares nothing between choices (no prefix cache): each choice's `expect` takes its
             # own copy of the prompt's pages (+ the first token) while the others are there too; past
             # its pool the request failed at start with a 429 that no retry could cure
-            pages = request_pages(tier, [(n_prompt, max_tokens if asked else 1)], n, ps)
-            if pages > te.num_pages:
+            short = short_pool(tier, [(n_prompt, max_tokens if asked else 1)], n, pools)
+            if short is not None:
+                name, pages, pool, ps = short
                 at_one = request_pages(tier, [(n_prompt, 1)], n, ps)  # one output token a choice
-                hint = kv_hint(tier, n, max_tokens if asked else 1, param, output_helps=at_one <= te.num_pages)
+                hint = kv_hint(tier, n, max_tokens if asked else 1, param, output_helps=at_one <= pool)
                 # what the pages count: the output given, else (not given, or RLD's copy) the first token
                 counted = (f"{param} ({given})" if asked and tier != "relay_decode"
                            else "its first output token")
+                which = (f"an instance's pool ({pool} pages)" if len({(p, s) for _, p, s in pools}) == 1 else
+                         f"instance {name}'s pool ({pool} pages; any active {tier} instance may serve it)")
                 raise ApiError(f"n ({n}) choices of prompt ({n_prompt} tokens) + {counted} need {pages} "
-                               f"KV pages of {ps} tokens at once on the {tier} tier, more than an instance's pool "
-                               f"({te.num_pages} pages): {hint}",
+                               f"KV pages of {ps} tokens at once on the {tier} tier, more than {which}: {hint}",
                                "n" if n > 1 else param if hint != "send a shorter prompt" else prompt_param)
 
     def check_choices(n: int, prompts: int = 1) -> None:
