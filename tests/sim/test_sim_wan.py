@@ -7,6 +7,7 @@ import pytest
 
 import pdd.policy.tcp_model as tcp
 from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.sim_config import SimEngine
 from pdd.workload.records import generate_agentic
 
 MB = 1 << 20
@@ -178,8 +179,8 @@ def test_sim_run_reads_the_runtime_yaml(tmp_path):
 
 def test_sim_run_says_which_config_blocks_it_does_not_simulate(tmp_path, capsys):
     """A heterogeneous config (tiers: a bf16 MD) given to `pdd sim run --config` was simulated as a
-    homogeneous topology without a word (the same WAN bytes as without the tiers): stderr now
-    names the blocks not read; a config of WAN fields alone gets no note."""
+    homogeneous topology without a word (the same WAN bytes as without the tiers): stderr names
+    what is not read (the instance counts, the KV dtype); a config of WAN fields alone gets no note."""
     import argparse
 
     from pdd.sim.cli import _cfg_args, _make_cfg
@@ -190,8 +191,41 @@ def test_sim_run_says_which_config_blocks_it_does_not_simulate(tmp_path, capsys)
     het.write_text("tiers:\n  main_decode:\n    engine: {dtype: bfloat16, page_size: 32}\ninstances: {main_decode: 2}\n")
     _make_cfg(p.parse_args(["--config", str(het)]))
     err = capsys.readouterr().err
-    assert f"--config {het}: its instances, tiers are not simulated here" in err
+    assert f"--config {het}: not simulated here: instances, tiers.main_decode.engine.dtype (" in err
     wan = tmp_path / "wan.yaml"
     wan.write_text("link:\n  wan_loss_rate: 0.001\n")
     _make_cfg(p.parse_args(["--config", str(wan)]))
     assert "not simulated" not in capsys.readouterr().err
+
+
+def test_sim_run_reads_the_configs_engine_and_tiers(tmp_path, capsys):
+    """`pdd sim run --config` read neither `engine` nor `tiers` (it said so): every tier ran the
+    flags' scheduler and the chip's KV pool. The blocks' settings now replace the flags, each tier
+    and instance with its own (SimConfig.tier_engines), as ClusterConfig.engine_for merges them."""
+    import argparse
+
+    from pdd.sim.cli import _cfg_args, _make_cfg
+    from pdd.sim.cluster import ClusterSim, RequestTooLarge
+
+    p = argparse.ArgumentParser()
+    _cfg_args(p)
+    y = tmp_path / "tiers.yaml"
+    y.write_text("instances: {prefill: 1, relay_decode: 1, main_decode: 2}\n"
+                 "engine: {max_running: 32, max_batch_tokens: 4096, page_size: 16, num_pages: 8192, device: cpu}\n"
+                 "tiers:\n"
+                 "  main_decode: {engine: {min_step_ms: 20, page_size: 32, prefill_order: short_first}}\n"
+                 "  md1: {engine: {num_pages: 128, max_running: 8}}\n")
+    cfg = _make_cfg(p.parse_args(["--config", str(y), "--n-md", "2", "--max-running-seqs", "256"]))
+    assert (cfg.max_running_seqs, cfg.max_batch_tokens, cfg.prefill_chunk_tokens, cfg.page_tokens) == (32, 4096, 8192, 16)
+    assert cfg.tier_engines == {
+        "P": SimEngine(kv_pool_tokens=131072), "RLD": SimEngine(kv_pool_tokens=131072),
+        "MD": SimEngine(kv_pool_tokens=262144, min_step_s=0.02, page_tokens=32, prefill_order="short_first"),
+        "MD1": SimEngine(kv_pool_tokens=4096, max_running_seqs=8)}
+    assert "not simulated here: instances, engine.device (" in capsys.readouterr().err
+    md0, md1 = ClusterSim(cfg).tiers["MD"]
+    assert (md0.pool, md0.max_running, md0.page, md0.min_step_s) == (262144, 32, 32, 0.02)
+    assert (md1.pool, md1.max_running, md1.page, md1.min_step_s) == (4096, 8, 32, 0.02)
+    # md1's 4,096-token pool: a 5,000-token prompt is refused before anything is simulated
+    rec = [{"timestamp": 0.0, "input_length": 5000, "output_length": 10, "hash_ids": list(range(10))}]
+    with pytest.raises(RequestTooLarge):
+        ClusterSim(cfg).run(rec)

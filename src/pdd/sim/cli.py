@@ -178,7 +178,9 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-stream-layer-group", type=POS_INT, default=1, help="layers per group (layerwise)")
     g.add_argument("--config", default=None,
                    help="a runtime cluster config (YAML/JSON): its link.wan_* (rate, RTT, loss, MSS, cross "
-                   "traffic) and policy.wan_order / kv_stream / kv_stream_layer_group replace those flags")
+                   "traffic), policy.wan_order / kv_stream / kv_stream_layer_group and the engine settings its "
+                   "engine and tiers blocks set (batch limits, step floor, KV page and pool, profile) replace "
+                   "those flags")
     g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=250.0,
                    help="pipeline TTFT budget (P->MD if the WAN fits); the server's default is 50")
     g.add_argument("--handoff", default="one_shot", choices=["one_shot", "catch_up", "auto"])
@@ -319,7 +321,9 @@ def _make_cfg(a):
         max_batch_tokens=a.max_batch_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens, max_running_seqs=a.max_running_seqs,
         slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
-    kw.update(_wan_fields(a))  # --config's WAN line replaces --wan-gbps / --wan-rtt-ms / --wan-order too
+    # --config's WAN line replaces --wan-gbps / --wan-rtt-ms / --wan-order too, its engine blocks
+    # the scheduler flags (--max-batch-tokens, --prefill-chunk-tokens, --max-running-seqs)
+    kw.update(_wan_fields(a))
     cfg = SimConfig(**kw)
     for role, (n, _) in cfg.tiers().items():  # the flag named (the simulator said "MD needs at least one instance")
         if n < 1:
@@ -327,26 +331,29 @@ def _make_cfg(a):
     return _live_fit(a, profiles, cfg)
 
 
-# a runtime config's blocks `pdd sim run` / `experiment` / `plan` do not read from --config
-NOT_SIMULATED_FROM_CONFIG = frozenset({"instances", "engine", "tiers", "model_path", "model_preset", "mode"})
+# a runtime config's blocks `pdd sim run` / `plan` do not read from --config
+NOT_SIMULATED_FROM_CONFIG = frozenset({"instances", "model_path", "model_preset", "mode"})
 
 
 def _wan_fields(a) -> dict:
     """The WAN line's loss / cross traffic and the KV streaming fields from the flags, or from
-    ``--config``'s runtime keys (``pdd.sim.sim_config.runtime_wan_fields``). UsageError naming the
-    flag for a bad value."""
+    ``--config``'s runtime keys (``pdd.sim.sim_config.runtime_wan_fields``) with its engine
+    blocks' (``pdd.sim.runtime_engines.runtime_engine_fields``: ``engine`` and ``tiers``, as
+    simulated in ``--mode``). UsageError naming the flag for a bad value."""
     from pdd.policy.tcp_model import check_loss_rate, check_schedule, parse_cross_traffic
-    from pdd.sim.sim_config import runtime_wan_fields
+    from pdd.sim.runtime_engines import runtime_engine_fields
+    from pdd.sim.sim_config import SimConfig, runtime_wan_fields
 
     if getattr(a, "config", None):
         cfg = config_or_exit(a)
-        unread = sorted(cfg.model_fields_set & NOT_SIMULATED_FROM_CONFIG)
-        if unread:  # a heterogeneous config (tiers: a bf16 MD) simulated as homogeneous, silently
-            print(f"pdd sim: --config {a.config}: its {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not simulated here: only its link.wan_* "
-                  "and policy's WAN order / KV streaming are read (instance counts: --n-p / --n-rld / --n-md; KV "
-                  "size: --kv-bytes-per-token; a live run's tiers: pdd sim validate --config with --profile-b)",
-                  file=sys.stderr)
-        return runtime_wan_fields(cfg)
+        engines, unread_engine = runtime_engine_fields(cfg, a.mode, SimConfig.block_tokens)
+        unread = sorted(cfg.model_fields_set & NOT_SIMULATED_FROM_CONFIG) + unread_engine
+        if unread:  # a config's instance counts or bf16 MD simulated otherwise, silently
+            print(f"pdd sim: --config {a.config}: not simulated here: {', '.join(unread)} (instance counts: --n-p / "
+                  "--n-rld / --n-md; the mode: --mode; the KV size: --model / --kv-bytes-per-token; the chips: "
+                  "--chip-a / --chip-b; a live run's tiers with their dtypes: pdd sim validate --config with "
+                  "--profile-b)", file=sys.stderr)
+        return {**runtime_wan_fields(cfg), **engines}
     try:
         # "" is refused (no point in it), not taken as no cross traffic
         cross = parse_cross_traffic(a.cross_traffic, "--cross-traffic") if a.cross_traffic is not None else ()
