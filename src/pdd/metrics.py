@@ -24,10 +24,19 @@ class InstanceCollector:
         e = inst.engine
         if e is None:
             return
-        g = GaugeMetricFamily("pdd_kv_pages", "KV pages of the pool by state", labels=lab + ["state"])
-        g.add_metric(lv + ["total"], e.pool.num_pages)
-        g.add_metric(lv + ["free"], e.pool.num_free)
-        g.add_metric(lv + ["in_use"], e.pool.num_pages - e.pool.num_free)
+        total, free, cached = kv_pages(e.pool)
+        g = GaugeMetricFamily("pdd_kv_pages", "KV pages of the pool: total, and by state: free, cached (held only by "
+                              "the prefix cache: reclaimed by the first allocation that needs them) and in_use (held "
+                              "by requests); free + cached + in_use = total", labels=lab + ["state"])
+        g.add_metric(lv + ["total"], total)
+        g.add_metric(lv + ["free"], free)
+        g.add_metric(lv + ["cached"], cached)
+        g.add_metric(lv + ["in_use"], total - free - cached)
+        yield g
+        g = GaugeMetricFamily("pdd_kv_cache_usage_ratio", "KV pages held by requests / the pool's pages, 0 to 1 "
+                              "(vLLM's kv_cache_usage_perc: pages only the prefix cache holds count as free)",
+                              labels=lab)
+        g.add_metric(lv, (total - free - cached) / total if total else 0.0)
         yield g
         g = GaugeMetricFamily("pdd_requests_live", "requests this instance holds (queue depth)", labels=lab)
         g.add_metric(lv, len(inst.reqs))
@@ -58,6 +67,10 @@ class InstanceCollector:
         c = CounterMetricFamily("pdd_forward_calls", "engine forward calls", labels=lab)
         c.add_metric(lv, getattr(e.runner, "forward_calls", 0))
         yield c
+        c = CounterMetricFamily("pdd_preemptions", "sequences preempted for KV pages (their pages freed, "
+                                "recomputed later)", labels=lab)
+        c.add_metric(lv, getattr(e, "preemptions", 0))
+        yield c
         if hasattr(e, "prefill_chunks"):
             c = CounterMetricFamily("pdd_prefill_chunks", "prefill chunks run (a sequence's prompt tokens in one "
                                     "forward pass)", labels=lab)
@@ -79,9 +92,21 @@ class InstanceCollector:
             yield c
 
 
+def kv_pages(pool) -> tuple[int, int, int]:
+    """``(total, free, cached)`` pages of ``pool`` (a ``KVPool``), read once each: cached pages are
+    the ones only the prefix cache holds (``KVPool.num_cached``). Read off the engine thread, the
+    three may be a step apart, so ``cached`` is capped at ``total - free``."""
+    total, free = int(pool.num_pages), int(pool.num_free)
+    return total, free, min(int(getattr(pool, "num_cached", 0)), total - free)
+
+
 def start_instance_metrics(inst, port: int, host: str = "127.0.0.1") -> CollectorRegistry:
-    """Serve ``/metrics`` for ``inst`` on ``host:port`` (a daemon thread)."""
+    """Serve ``/metrics`` for ``inst`` on ``host:port`` (a daemon thread), with the process's own
+    ``process_*`` metrics (CPU seconds, resident memory, open files) beside :class:`InstanceCollector`'s."""
+    from prometheus_client import ProcessCollector
+
     reg = CollectorRegistry()
     reg.register(InstanceCollector(inst))
+    ProcessCollector(registry=reg)
     start_http_server(port, addr=host, registry=reg)
     return reg

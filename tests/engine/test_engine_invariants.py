@@ -1,6 +1,7 @@
 """Random add / step / cancel / remove / release / import / flush sequences on a tight pool, with
 the page and cache invariants checked after every call: each page's refcount equals its holders
-(live sequences' page tables + the radix tree), the free list is exactly the pages at 0, each
+(live sequences' page tables + the radix tree), the free list is exactly the pages at 0, the
+pool's count of pages only the cache holds is exact, each
 radix node's lock equals the live matches through it, a sequence's pages are distinct and cover its
 computed tokens, and every sampled token equals a lone greedy run's (preemption, eviction, chunk
 and page boundaries never change a token)."""
@@ -59,6 +60,8 @@ def check(eng, live: dict) -> None:
     assert want == [pool.refcount(p) for p in range(pool.num_pages)]
     assert sorted(pool._free) == [p for p in range(pool.num_pages) if pool.refcount(p) == 0]
     assert eng.radix.num_nodes == len(nodes)
+    # the pages only the cache holds (what /metrics reports as pdd_kv_pages{state="cached"})
+    assert pool.num_cached == sum(1 for n in nodes if pool.refcount(n.page) == 1)
     locks = {id(n): 0 for n in nodes}
     for s in live.values():
         m = s.prefix_match

@@ -48,6 +48,25 @@ def test_match_insert_evict_basic():
     assert radix.num_nodes == 0 and pool.num_free == pool.num_pages
 
 
+def test_pages_only_the_cache_holds_are_counted_exactly():
+    """``KVPool.num_cached``: the pages the tree alone holds (what an idle instance's prefix
+    cache keeps, reclaimable), not those a sequence holds too (a match, or a sequence's own page
+    the tree adopted while it still runs)."""
+    pool, radix = _new()
+    pages = pool.alloc(3)  # a sequence of 5 tokens: 2 whole pages + 1 partial
+    radix.insert([1, 2, 3, 4, 5], pages[:2])
+    assert (pool.num_used, pool.num_cached) == (3, 0)  # the sequence still holds all three
+    pool.decref(pages)  # released: the tree alone holds its 2 whole pages
+    assert (pool.num_used, pool.num_cached) == (2, 2)
+    m = radix.match_prefix([1, 2, 3, 9])  # a new sequence shares the first page
+    assert (pool.num_used, pool.num_cached) == (2, 1)
+    radix.unlock(m)
+    pool.decref(m.pages)
+    assert pool.num_cached == 2
+    assert radix.flush() == 2
+    assert (pool.num_used, pool.num_cached, pool.num_free) == (0, 0, 64)
+
+
 def test_lru_order():
     pool, radix = _new()
     _cache_seq(pool, radix, [1, 1])
@@ -116,6 +135,7 @@ def test_random_ops_free_every_page_exactly_once(ops):
         for p in range(pool.num_pages):
             assert pool.refcount(p) == expected.get(p, 0)
         assert pool.num_free == pool.num_pages - len(expected)
+        assert pool.num_cached == sum(1 for p in tree_pages if expected[p] == 1)  # only the tree holds them
     for tokens, m, table in live:
         radix.insert(tokens, table[: len(tokens) // PS])
         radix.unlock(m)

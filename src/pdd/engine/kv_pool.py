@@ -57,6 +57,10 @@ class KVPool:
         )
         self._ref = [0] * self.num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
+        # pages the prefix cache holds a ref on (cache_hold / cache_drop), and how many of them
+        # only it holds: kept as refs change, so a metrics scrape reads one int (num_cached)
+        self._cached = bytearray(self.num_pages)
+        self._cache_only = 0
 
     # -- sizes (bytes) ---------------------------------------------------------------------
     @property
@@ -77,6 +81,12 @@ class KVPool:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Pages only the prefix cache holds (no sequence does): in use, but evicted for the
+        first allocation that needs them. ``num_used - num_cached`` pages are held by sequences."""
+        return self._cache_only
+
     def refcount(self, page: int) -> int:
         return self._ref[page]
 
@@ -92,9 +102,12 @@ class KVPool:
 
     def incref(self, pages) -> None:
         for p in pages:
-            if self._ref[p] <= 0:
+            r = self._ref[p]
+            if r <= 0:
                 raise DoubleFree(f"incref of free page {p}")
-            self._ref[p] += 1
+            self._ref[p] = r + 1
+            if r == 1 and self._cached[p]:
+                self._cache_only -= 1
 
     def decref(self, pages) -> None:
         """Drop one ref per listed page; a page reaching 0 returns to the free list."""
@@ -105,6 +118,24 @@ class KVPool:
             self._ref[p] = r - 1
             if r == 1:
                 self._free.append(p)
+            elif r == 2 and self._cached[p]:
+                self._cache_only += 1
+
+    def cache_hold(self, page: int) -> None:
+        """The prefix cache takes its ref on ``page`` (a page in use: a sequence's it adopts)."""
+        if self._cached[page]:
+            raise DoubleFree(f"page {page} is in the prefix cache already")
+        self.incref([page])
+        self._cached[page] = 1
+
+    def cache_drop(self, page: int) -> None:
+        """The prefix cache drops its ref on ``page`` (evicted)."""
+        if not self._cached[page]:
+            raise DoubleFree(f"page {page} is not in the prefix cache")
+        if self._ref[page] == 1:
+            self._cache_only -= 1
+        self._cached[page] = 0
+        self.decref([page])
 
     def copy_stream(self):
         """A context in which reads of the buffer run off the compute stream: on CUDA a side

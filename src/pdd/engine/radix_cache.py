@@ -7,9 +7,11 @@ Ref protocol:
 - ``match_prefix`` locks the matched path (not evictable) and increfs each matched page for the
   caller; the caller later ``unlock``\\ s the match and decrefs those pages (with the rest of its
   page table).
-- ``insert`` adopts pages for chunks the tree lacks (incref: the tree's own ref); chunks already
-  present keep the tree's page and the caller keeps (and later decrefs) its duplicate.
-- ``evict`` drops the tree's ref of unlocked leaves, least recently used first.
+- ``insert`` adopts pages for chunks the tree lacks (``KVPool.cache_hold``: the tree's own ref);
+  chunks already present keep the tree's page and the caller keeps (and later decrefs) its duplicate.
+- ``evict`` drops the tree's ref of unlocked leaves, least recently used first (``KVPool.cache_drop``).
+
+The pool counts the pages only the tree holds (``KVPool.num_cached``: reclaimable by eviction).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class RadixCache:
             child = node.children.get(key)
             if child is None:
                 child = _Node(key, int(pages[i]), node)
-                self.pool.incref([child.page])
+                self.pool.cache_hold(child.page)
                 node.children[key] = child
                 self.num_nodes += 1
             else:
@@ -164,7 +166,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.key]
-            self.pool.decref([node.page])
+            self.pool.cache_drop(node.page)
             self.num_nodes -= 1
             done += 1
             if parent is not self.root and not parent.children and parent.lock == 0:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdd.config import ClusterConfig
+from pdd.metrics import kv_pages
 from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
@@ -381,7 +382,8 @@ class EngineInstance:
             preemptions=getattr(e, "preemptions", 0),
             cpu_seconds=ru.ru_utime + ru.ru_stime,
             counters=dict(self.counters),
-            extra=self.extra_stats(),
+            # pages only the prefix cache holds (reclaimable): /metrics pdd_kv_pages{state="cached"}
+            extra={"pages_cached": kv_pages(e.pool)[2], **self.extra_stats()},
         ).wire(), b""
 
     def extra_stats(self) -> dict:
