@@ -606,7 +606,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         ``policy.cancel_on_disconnect`` is off): a client gone before the first byte aborts
         every choice on every tier (cancelled) and gets ClientGone (499). A prompt that cannot
         start stops the others at once (rejected when a tier refused it for now, else failed)
-        and its error is raised."""
+        and its error is raised. Once all started, their prompts' tokens (``usage.prompt_tokens``)
+        count in ``pdd_gateway_prompt_tokens_total``."""
         made: list[Generation] = []
         batch = len(plans) > 1
 
@@ -639,13 +640,16 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             return [t.result() for t in tasks]
 
         try:
-            return await unless_gone(request, run(), gone, enabled=cfg.policy.cancel_on_disconnect)
+            started = await unless_gone(request, run(), gone, enabled=cfg.policy.cancel_on_disconnect)
         except ClientGone:
             for g in made:  # a choice that started as the client left: its ticket ends now
                 end = getattr(g, "ticket_end", None)
                 if end is not None:
                     end(False)
             raise
+        if getattr(orch, "metrics", None) is not None:  # every choice started: its prompts count (usage's)
+            orch.metrics.prompt_tokens.inc(sum(len(g.prompt_ids) for g in made))
+        return started
 
     async def start(ids, sps, opts, request: Request | None = None, admitted: bool = False,
                     made: list | None = None, settle: bool = True) -> Generation:

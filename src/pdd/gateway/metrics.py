@@ -1,20 +1,25 @@
 """Prometheus metrics (prometheus-client) of the gateway, mounted on its HTTP port at ``/metrics``:
-TTFT / ITL histograms (:class:`GatewayMetrics`), the orchestrator's counters and admission
-control's (:class:`AdmissionCollector`), read at scrape time. An engine instance's metrics are
-:mod:`pdd.metrics`. Names follow Prometheus conventions: ``_total`` counters, ``_seconds``
-histograms, ``_bytes`` sizes.
+TTFT / ITL / end-to-end histograms and the prompt and generated token counters
+(:class:`GatewayMetrics`), the orchestrator's counters and admission control's
+(:class:`AdmissionCollector`), read at scrape time, and the process's own ``process_*``. An engine
+instance's metrics are :mod:`pdd.metrics`. Names follow Prometheus conventions: ``_total``
+counters, ``_seconds`` histograms, ``_bytes`` sizes. docs/SERVE.md "Metrics" lists them all.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdd.gateway.state import OUTCOMES
 
-# TTFT / ITL buckets, seconds: from a fast-path decode step to a long WAN transfer
+# TTFT / ITL buckets, seconds: from a fast-path decode step to a long WAN transfer; a gap between
+# two tokens reaches seconds when a request waits for a lost instance's recovery (up to
+# pdd.gateway.recovery.RECOVERY_WAIT_S, 30 s), which the top ITL buckets separate from +Inf
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# a request's whole life at the gateway, seconds (vLLM's e2e_request_latency_seconds spans the same)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class _OrchestratorCollector:
@@ -23,7 +28,9 @@ class _OrchestratorCollector:
 
     def collect(self):
         o = self.orch
-        c = CounterMetricFamily("pdd_gateway_requests", "requests by pipeline", labels=["pipeline"])
+        c = CounterMetricFamily("pdd_gateway_requests", "requests (each choice of n) started on the tiers, by the "
+                                "pipeline of their start (a recovery's new attempts are not counted)",
+                                labels=["pipeline"])
         for k, v in sorted(o.pipelines.items()):
             c.add_metric([k], v)
         yield c
@@ -32,13 +39,29 @@ class _OrchestratorCollector:
         # failed, cancelled (the client disconnected; vLLM's finish reason "abort") or rejected
         # (refused before any tier ran it: a tier's 429, or a 503 when no instance of a role was
         # reachable on its first try); pdd.gateway.state.OUTCOMES
-        c = CounterMetricFamily("pdd_gateway_outcomes", "requests ended, by outcome: completed, failed, "
-                                "cancelled (client disconnected) or rejected (refused before any tier ran it: "
-                                "429, or 503 with no instance of a role reachable)",
+        c = CounterMetricFamily("pdd_gateway_outcomes", "requests (each choice of n) that admission let in, by how "
+                                "they ended: completed, failed, cancelled (client disconnected) or rejected (a tier "
+                                "refused it while it started: 429; or no instance of a role reachable on its first "
+                                "try: 503); admission's own 429s are pdd_gateway_rejected_total only",
                                 labels=["outcome"])
         for k in OUTCOMES:
             c.add_metric([k], t.get(k, 0))
         yield c
+        # what faults did (docs/FAULTS.md), as /pdd/stats totals counts it
+        for key, name, help_ in (
+                ("recoveries", "pdd_gateway_recoveries", "new attempts of requests after a lost instance, whatever "
+                 "became of the requests (at most liveness.recovery_attempts per request)"),
+                ("recovered", "pdd_gateway_recovered", "completed requests (each choice of n) that made at least one "
+                 "new attempt after a lost instance"),
+                ("degraded", "pdd_gateway_degraded", "completed requests (each choice of n) that ended on RLD "
+                 "without MD (no MD usable)"),
+                ("instances_lost", "pdd_gateway_instances_lost", "connections to engine instances lost (the "
+                 "instance died, or its heartbeat went silent)"),
+                ("kv_awaited_expired", "pdd_gateway_kv_awaited_expired", "finished relayed requests whose KV MD "
+                 "did not report within request_timeout_s (dropped on MD)")):
+            c = CounterMetricFamily(name, help_)
+            c.add_metric([], t.get(key, 0))
+            yield c
         c = CounterMetricFamily("pdd_handoffs", "RLD -> MD handoffs by mode", labels=["mode"])
         for k, v in sorted(t.items()):
             if k.startswith("handoffs_"):
@@ -97,16 +120,36 @@ class _OrchestratorCollector:
 
 
 class GatewayMetrics:
-    """The gateway's registry: TTFT / ITL histograms by pipeline and tier, plus the
-    orchestrator's counters read at scrape time."""
+    """The gateway's registry: TTFT / ITL / end-to-end histograms by pipeline (and tier), the
+    prompt and generated token counters, the orchestrator's counters read at scrape time, and the
+    process's ``process_*``.
+
+    Fed by the request's life: ``ttft`` and ``itl`` as each token is streamed in position order
+    (:meth:`pdd.gateway.stream.Streams.stream`; one TTFT per choice that got a first token),
+    ``e2e`` when a choice is counted completed (``Streams._count_outcome``), ``prompt_tokens``
+    once a request's choices all started (``pdd.gateway.api``: its prompts' tokens, as its
+    ``usage.prompt_tokens``) and ``generation_tokens`` per token handed to a choice
+    (``pdd.gateway.openai_run.Generation.deltas``: ``usage.completion_tokens``)."""
 
     def __init__(self, orch):
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("pdd_ttft_seconds", "time to first token at the gateway", ["pipeline"],
+        self.ttft = Histogram("pdd_ttft_seconds", "time to first token at the gateway, from the request's start "
+                              "there, per choice that got a first token", ["pipeline"],
                               buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("pdd_itl_seconds", "inter-token latency at the gateway", ["pipeline", "tier"],
+        self.itl = Histogram("pdd_itl_seconds", "inter-token latency at the gateway: the gap before each token "
+                             "after a choice's first, by the tier that produced the token", ["pipeline", "tier"],
                              buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pdd_e2e_request_latency_seconds", "a completed choice's time at the gateway, from "
+                             "its start there to its last token", ["pipeline"], buckets=E2E_BUCKETS,
+                             registry=self.registry)
+        self.prompt_tokens = Counter("pdd_gateway_prompt_tokens", "prompt tokens of the requests started (each "
+                                     "prompt once per request, as usage.prompt_tokens counts it)",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("pdd_gateway_generation_tokens", "output tokens handed to requests' choices "
+                                         "(usage.completion_tokens), also of requests later cancelled or failed",
+                                         registry=self.registry)
         self.registry.register(_OrchestratorCollector(orch))
+        ProcessCollector(registry=self.registry)
 
 
 class AdmissionCollector:
@@ -118,11 +161,14 @@ class AdmissionCollector:
 
     def collect(self):
         a = self.adm
-        c = CounterMetricFamily("pdd_gateway_admitted", "requests admitted by admission control")
+        c = CounterMetricFamily("pdd_gateway_admitted", "API requests admitted by admission control (a request "
+                                "of n choices, or a batch of prompts, once)")
         c.add_metric([], a.admitted)
         yield c
-        c = CounterMetricFamily("pdd_gateway_rejected", "requests refused with HTTP 429, by the limit hit",
-                                labels=["reason"])
+        c = CounterMetricFamily("pdd_gateway_rejected", "API requests answered HTTP 429, by the limit hit: "
+                                "admission's (inflight, queued_tokens, queue_wait, wan_backlog, concurrency) or a "
+                                "tier's refusal while the request started (tier_busy, out_of_pages: its choices are "
+                                "pdd_gateway_outcomes_total{outcome=\"rejected\"} too)", labels=["reason"])
         for k, v in sorted(a.rejected.items()):
             c.add_metric([k], v)
         yield c

@@ -120,6 +120,8 @@ class Generation:
         self.settled = asyncio.Event()  # every choice of the API request started (settle)
         self.held: set[int] = set()  # choices at their last token, their stream's end held until settled
         self.shutdown: str | None = None  # shut_down's message: the server's shutdown timeout ended it
+        metrics = getattr(orch, "metrics", None)  # pdd.gateway.metrics.GatewayMetrics (None: a bare orchestrator)
+        self._generated = None if metrics is None else metrics.generation_tokens
 
     def _rid(self) -> str | None:
         """A rid for the next choice to start, from the orchestrator's own sequence (None: an
@@ -237,7 +239,9 @@ class Generation:
 
     async def deltas(self):
         """Yield :class:`Delta` s of all choices as tokens arrive (each choice in position
-        order), until every choice has finished. Raises ``RequestFailed`` if a tier fails.
+        order), until every choice has finished. Raises ``RequestFailed`` if a tier fails. Each
+        token handed to a choice (its ``usage.completion_tokens``) counts in the orchestrator's
+        ``pdd_gateway_generation_tokens_total``.
 
         However it ends early, the choices still running are aborted (:meth:`close`): with
         ``ABORT_CLIENT`` when the consumer cancels or closes this generator (the client went
@@ -261,6 +265,8 @@ class Generation:
                     cb, self.on_first_token = self.on_first_token, None
                     cb()
                 d = c.on_token(item, self.eos_ids)
+                if self._generated is not None:  # /metrics pdd_gateway_generation_tokens_total: usage's count
+                    self._generated.inc()
                 if d.finish_reason is not None:
                     self.live -= 1
                     if item.fin is None:  # a stop string ended it here: stop every tier

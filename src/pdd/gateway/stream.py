@@ -182,7 +182,8 @@ class Streams:
         already; True if this call counted it. A completed request that made a new attempt after
         a lost instance is counted in ``totals["recovered"]`` too, and one that ended on RLD
         without MD in ``totals["degraded"]`` (a failed or cancelled one in neither). Raises
-        ``ValueError`` for another outcome."""
+        ``ValueError`` for another outcome. A completed one's time from its start to its last token
+        goes into the ``pdd_e2e_request_latency_seconds`` histogram."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown request outcome {outcome!r}; expected one of {OUTCOMES}")
         if st.end.outcome is not None:
@@ -190,6 +191,10 @@ class Streams:
         st.end.outcome = outcome
         self.totals[outcome] = self.totals.get(outcome, 0) + 1
         if outcome == "completed":  # what completed requests went through, each counted once
+            # its time at the gateway, to its last token (a choice held at its end until its siblings
+            # started is counted later, at its settling, but ended then)
+            end = st.last_token_s or time.perf_counter()
+            self.metrics.e2e.labels(st.pipeline.value).observe(max(0.0, end - st.t_arrival))
             if st.recovery.recoveries:  # after at least one new attempt (a lost instance)
                 self.totals["recovered"] += 1
             if st.recovery.degraded:  # ended on RLD: no MD was usable

@@ -1,0 +1,138 @@
+"""The gateway's /metrics against what its clients saw, exactly: prompt and generated tokens equal
+the ``usage`` the responses carried (a cancelled stream's tokens counted too), one TTFT per choice
+that got a first token, one end-to-end latency per completed choice, admission's own 429s outside
+the outcomes; plus the fault counters of /pdd/stats totals and ITL buckets wide enough for a
+recovery's wait. The real orchestrator and HTTP app over scripted tiers (``ScriptedOrch``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdd.config import ClusterConfig
+from pdd.gateway.orchestrator import Orchestrator
+from pdd.topology import layout
+from tests.api.test_gateway_outcomes import BODY, ScriptedOrch, _settled, gateway, leave_mid_stream  # noqa: F401
+
+
+def _values(text: str) -> dict:
+    """``{"name{label=value,...}": value}`` of a Prometheus exposition, histograms' _count and
+    _bucket included (no _created)."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.endswith("_created"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+async def _scrape(client) -> dict:
+    return _values((await client.get("/metrics")).text)
+
+
+def _delta(before: dict, after: dict, *names: str) -> dict:
+    return {n: after.get(n, 0.0) - before.get(n, 0.0) for n in names}
+
+
+COUNTED = ("pdd_gateway_prompt_tokens_total", "pdd_gateway_generation_tokens_total",
+           "pdd_ttft_seconds_count{pipeline=colocated}", "pdd_e2e_request_latency_seconds_count{pipeline=colocated}",
+           "pdd_itl_seconds_count{pipeline=colocated,tier=c}")
+
+
+async def test_token_counters_and_histogram_counts_equal_what_the_clients_saw(gateway):
+    client, orch, _ = gateway
+    m0 = await _scrape(client)
+    # non-streamed, to max_tokens
+    r = await client.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 5})
+    u1 = r.json()["usage"]
+    await _settled(orch, 1)
+    m1 = await _scrape(client)
+    assert _delta(m0, m1, *COUNTED) == dict(zip(COUNTED, (u1["prompt_tokens"], 5, 1, 1, 4)))
+    # streamed, n=2, with the usage chunk
+    r = await client.post("/v1/completions", json={**BODY, "n": 2, "max_tokens": 4,
+                                                   "stream_options": {"include_usage": True}})
+    u2 = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")][-1]["usage"]
+    assert u2["completion_tokens"] == 8
+    await _settled(orch, 3)
+    m2 = await _scrape(client)
+    assert _delta(m1, m2, *COUNTED) == dict(zip(COUNTED, (u2["prompt_tokens"], 8, 2, 2, 6)))
+    # chat, non-streamed
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    u3 = r.json()["usage"]
+    await _settled(orch, 4)
+    m3 = await _scrape(client)
+    assert _delta(m2, m3, *COUNTED) == dict(zip(COUNTED, (u3["prompt_tokens"], 3, 1, 1, 2)))
+    # a stop string ends it at the gateway: the tokens its choice got (the tier may have sent more
+    # before its abort landed: not the client's, not counted)
+    r = await client.post("/v1/completions", json={**BODY, "stream": False, "stop": ["lazy dog"]})
+    u4 = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "stop" and 1 < u4["completion_tokens"] < 400
+    await _settled(orch, 5)
+    m4 = await _scrape(client)
+    assert _delta(m3, m4, *COUNTED[:4]) == dict(zip(COUNTED, (u4["prompt_tokens"], u4["completion_tokens"], 1, 1)))
+    # a refused body counts nothing
+    assert (await client.post("/v1/completions", json={**BODY, "max_tokens": -1})).status_code == 400
+    assert _delta(m4, await _scrape(client), *COUNTED) == dict.fromkeys(COUNTED, 0.0)
+    # a client gone mid-stream after 3 tokens (the tier holds the 4th): its prompt and 3 tokens
+    # count, its first token too, no end-to-end latency (it did not complete)
+    orch.hold_at = 3
+    await leave_mid_stream(client, {**BODY, "max_tokens": 50}, chunks=3)
+    await _settled(orch, 6)
+    m6 = await _scrape(client)
+    assert _delta(m4, m6, *COUNTED) == dict(zip(COUNTED, (u1["prompt_tokens"], 3, 1, 0, 2)))
+    assert m6["pdd_gateway_outcomes_total{outcome=completed}"] == 5
+    assert m6["pdd_gateway_outcomes_total{outcome=cancelled}"] == 1
+
+
+async def test_admissions_own_429_is_in_rejected_total_not_in_the_outcomes(tiny_model):
+    """max_inflight_requests 1 and one request in flight: the next gets admission's 429, counted
+    in pdd_gateway_rejected_total{reason="inflight"} (API requests), not in the outcomes (which
+    count the choices admission let in) nor in the prompt tokens."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400},
+                                        "limits": {"max_inflight_requests": 1}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = ScriptedOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
+    orch.hold_at = 1  # the first request stays in flight until its client leaves
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, orch, tok)),
+                                 base_url="http://t") as client:
+        held = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": False}))
+        while not orch.fed:  # its first token was fed: admitted and running
+            await asyncio.sleep(0.01)
+        r = await client.post("/v1/completions", json={**BODY, "stream": False, "n": 3})
+        assert r.status_code == 429, r.text
+        m = await _scrape(client)
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+    assert m["pdd_gateway_rejected_total{reason=inflight}"] == 1
+    assert m["pdd_gateway_admitted_total"] == 1
+    assert m["pdd_gateway_outcomes_total{outcome=rejected}"] == 0
+    assert m["pdd_gateway_prompt_tokens_total"] == len(tok.encode("hello there").ids)
+
+
+def test_fault_counters_itl_buckets_and_process_metrics():
+    """/pdd/stats totals' fault counters are on /metrics too; a 4 s gap between two tokens (a
+    request waiting for a lost instance's recovery) lands in a bucket of its own, not +Inf."""
+    orch = Orchestrator(ClusterConfig.model_validate({"mode": "pdd"}), layout(ClusterConfig.model_validate({"mode": "pdd"})))
+    orch.totals.update(recoveries=5, recovered=3, degraded=2, instances_lost=4, kv_awaited_expired=1)
+    orch.metrics.itl.labels("p_rld_md", "rld").observe(4.0)
+    m = _values(generate_latest(orch.metrics.registry).decode())
+    assert {k: m[k] for k in ("pdd_gateway_recoveries_total", "pdd_gateway_recovered_total",
+                              "pdd_gateway_degraded_total", "pdd_gateway_instances_lost_total",
+                              "pdd_gateway_kv_awaited_expired_total")} == {
+        "pdd_gateway_recoveries_total": 5, "pdd_gateway_recovered_total": 3, "pdd_gateway_degraded_total": 2,
+        "pdd_gateway_instances_lost_total": 4, "pdd_gateway_kv_awaited_expired_total": 1}
+    assert m["pdd_itl_seconds_bucket{le=2.5,pipeline=p_rld_md,tier=rld}"] == 0
+    assert m["pdd_itl_seconds_bucket{le=5.0,pipeline=p_rld_md,tier=rld}"] == 1
+    assert m["process_cpu_seconds_total"] > 0
