@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.topology import layout
-from tests.api.test_gateway_outcomes import BODY, ScriptedOrch, _settled, gateway, leave_mid_stream  # noqa: F401
+from tests.api.test_gateway_outcomes import (BODY, FinishedBeforeRefusalOrch, ScriptedOrch, _settled,  # noqa: F401
+                                             gateway, leave_mid_stream)
 
 
 def _values(text: str) -> dict:
@@ -70,13 +71,14 @@ async def test_token_counters_and_histogram_counts_equal_what_the_clients_saw(ga
     m3 = await _scrape(client)
     assert _delta(m2, m3, *COUNTED) == dict(zip(COUNTED, (u3["prompt_tokens"], 3, 1, 1, 2)))
     # a stop string ends it at the gateway: the tokens its choice got (the tier may have sent more
-    # before its abort landed: not the client's, not counted)
+    # before its abort landed: not the client's, not counted, nor timed)
     r = await client.post("/v1/completions", json={**BODY, "stream": False, "stop": ["lazy dog"]})
     u4 = r.json()["usage"]
     assert r.json()["choices"][0]["finish_reason"] == "stop" and 1 < u4["completion_tokens"] < 400
     await _settled(orch, 5)
     m4 = await _scrape(client)
-    assert _delta(m3, m4, *COUNTED[:4]) == dict(zip(COUNTED, (u4["prompt_tokens"], u4["completion_tokens"], 1, 1)))
+    assert _delta(m3, m4, *COUNTED) == dict(zip(COUNTED, (u4["prompt_tokens"], u4["completion_tokens"], 1, 1,
+                                                          u4["completion_tokens"] - 1)))
     # a refused body counts nothing
     assert (await client.post("/v1/completions", json={**BODY, "max_tokens": -1})).status_code == 400
     assert _delta(m4, await _scrape(client), *COUNTED) == dict.fromkeys(COUNTED, 0.0)
@@ -119,6 +121,29 @@ async def test_admissions_own_429_is_in_rejected_total_not_in_the_outcomes(tiny_
     assert m["pdd_gateway_admitted_total"] == 1
     assert m["pdd_gateway_outcomes_total{outcome=rejected}"] == 0
     assert m["pdd_gateway_prompt_tokens_total"] == len(tok.encode("hello there").ids)
+
+
+async def test_a_request_refused_while_its_choices_start_has_no_ttft(tiny_model):
+    """n=3 whose choice 0 ran to its last token (2 tokens) before choices 1 and 2 were refused for
+    now (429): the client got no token, so no TTFT, ITL or generated token is counted (a live run
+    counted 5 TTFTs for 3 requests served, its 2 others refused so)."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = FinishedBeforeRefusalOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, orch, tok)),
+                                 base_url="http://t") as client:
+        r = await client.post("/v1/completions", json={**BODY, "n": 3, "max_tokens": 2, "stream": False})
+        assert r.status_code == 429, r.text
+        await _settled(orch, 3)
+        assert orch.fed[orch.first] == 2  # the tier did make choice 0's tokens
+        m = await _scrape(client)
+    assert m["pdd_gateway_outcomes_total{outcome=rejected}"] == 3
+    assert _delta({}, m, *COUNTED) == dict.fromkeys(COUNTED, 0.0)
 
 
 def test_fault_counters_itl_buckets_and_process_metrics():

@@ -8,6 +8,8 @@ counters, ``_seconds`` histograms, ``_bytes`` sizes. docs/SERVE.md "Metrics" lis
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -124,20 +126,22 @@ class GatewayMetrics:
     prompt and generated token counters, the orchestrator's counters read at scrape time, and the
     process's ``process_*``.
 
-    Fed by the request's life: ``ttft`` and ``itl`` as each token is streamed in position order
-    (:meth:`pdd.gateway.stream.Streams.stream`; one TTFT per choice that got a first token),
-    ``e2e`` when a choice is counted completed (``Streams._count_outcome``), ``prompt_tokens``
-    once a request's choices all started (``pdd.gateway.api``: its prompts' tokens, as its
-    ``usage.prompt_tokens``) and ``generation_tokens`` per token handed to a choice
-    (``pdd.gateway.openai_run.Generation.deltas``: ``usage.completion_tokens``)."""
+    Fed by the request's life: ``ttft``, ``itl`` and ``generation_tokens`` as each token is handed
+    to the client's choice (:meth:`token_handed`, from ``pdd.gateway.openai_run.Generation.deltas``:
+    so TTFT count + ITL count = generated tokens = ``usage.completion_tokens`` summed), ``e2e``
+    when a choice is counted completed (``pdd.gateway.stream.Streams._count_outcome``: its count
+    is ``pdd_gateway_outcomes_total{outcome="completed"}``) and ``prompt_tokens`` once a
+    request's choices all started (``pdd.gateway.api``: its prompts' tokens, as its
+    ``usage.prompt_tokens``)."""
 
     def __init__(self, orch):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("pdd_ttft_seconds", "time to first token at the gateway, from the request's start "
-                              "there, per choice that got a first token", ["pipeline"],
+                              "there to its first token handed to the client, per choice", ["pipeline"],
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("pdd_itl_seconds", "inter-token latency at the gateway: the gap before each token "
-                             "after a choice's first, by the tier that produced the token", ["pipeline", "tier"],
+                             "handed to the client after a choice's first, by the tier that made the token",
+                             ["pipeline", "tier"],
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdd_e2e_request_latency_seconds", "a completed choice's time at the gateway, from "
                              "its start there to its last token", ["pipeline"], buckets=E2E_BUCKETS,
@@ -150,6 +154,19 @@ class GatewayMetrics:
                                          registry=self.registry)
         self.registry.register(_OrchestratorCollector(orch))
         ProcessCollector(registry=self.registry)
+
+    def token_handed(self, st, tier: str, last_s: float | None) -> float:
+        """A token of request ``st`` (a ``ReqState``), made by ``tier``, handed to its choice now:
+        a TTFT sample (from ``st.t_arrival``) if ``last_s`` is None (its first), else an ITL one
+        (from ``last_s``), by ``st``'s pipeline; one generated token. Returns now
+        (``time.perf_counter``), the choice's next ``last_s``."""
+        now = time.perf_counter()
+        if last_s is None:
+            self.ttft.labels(st.pipeline.value).observe(max(0.0, now - st.t_arrival))
+        else:
+            self.itl.labels(st.pipeline.value, tier).observe(max(0.0, now - last_s))
+        self.generation_tokens.inc()
+        return now
 
 
 class AdmissionCollector:

@@ -72,6 +72,7 @@ class Choice:
     tokens: list[TokenOut] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    last_s: float | None = None  # perf_counter when its last token was handed to it (None: none yet)
 
     def on_token(self, t: TokenOut, eos_ids: set[int]) -> Delta:
         self.ntok += 1
@@ -120,8 +121,7 @@ class Generation:
         self.settled = asyncio.Event()  # every choice of the API request started (settle)
         self.held: set[int] = set()  # choices at their last token, their stream's end held until settled
         self.shutdown: str | None = None  # shut_down's message: the server's shutdown timeout ended it
-        metrics = getattr(orch, "metrics", None)  # pdd.gateway.metrics.GatewayMetrics (None: a bare orchestrator)
-        self._generated = None if metrics is None else metrics.generation_tokens
+        self.metrics = getattr(orch, "metrics", None)  # pdd.gateway.metrics.GatewayMetrics (None: a bare orchestrator)
 
     def _rid(self) -> str | None:
         """A rid for the next choice to start, from the orchestrator's own sequence (None: an
@@ -240,8 +240,10 @@ class Generation:
     async def deltas(self):
         """Yield :class:`Delta` s of all choices as tokens arrive (each choice in position
         order), until every choice has finished. Raises ``RequestFailed`` if a tier fails. Each
-        token handed to a choice (its ``usage.completion_tokens``) counts in the orchestrator's
-        ``pdd_gateway_generation_tokens_total``.
+        token handed to a choice (its ``usage.completion_tokens``) is a TTFT (a choice's first) or
+        ITL sample and counts in ``pdd_gateway_generation_tokens_total``
+        (:meth:`pdd.gateway.metrics.GatewayMetrics.token_handed`): tokens a tier sent past a stop
+        string, or to a choice of a request refused while its other choices started, are not.
 
         However it ends early, the choices still running are aborted (:meth:`close`): with
         ``ABORT_CLIENT`` when the consumer cancels or closes this generator (the client went
@@ -265,8 +267,8 @@ class Generation:
                     cb, self.on_first_token = self.on_first_token, None
                     cb()
                 d = c.on_token(item, self.eos_ids)
-                if self._generated is not None:  # /metrics pdd_gateway_generation_tokens_total: usage's count
-                    self._generated.inc()
+                if self.metrics is not None:  # TTFT / ITL and the generated tokens, as the client gets them
+                    c.last_s = self.metrics.token_handed(c.st, item.tier, c.last_s)
                 if d.finish_reason is not None:
                     self.live -= 1
                     if item.fin is None:  # a stop string ended it here: stop every tier

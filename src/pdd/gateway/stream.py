@@ -83,9 +83,6 @@ class Streams:
                     now = time.perf_counter()
                     if t.pos == 0:
                         st.events["first_token"] = now
-                        self.metrics.ttft.labels(st.pipeline.value).observe(now - st.t_arrival)
-                    else:
-                        self.metrics.itl.labels(st.pipeline.value, t.tier).observe(now - st.last_token_s)
                     st.last_token_s = now
                     if t.fin is not None:
                         st.finished = True
