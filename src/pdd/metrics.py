@@ -11,6 +11,14 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
+# an instance's counters (``Instance.counters``, /pdd/stats ``counters``) that count bytes, not
+# events: each its own ``_bytes_total`` family instead of an ``event`` of pdd_events_total
+BYTE_COUNTERS = {
+    "kv_bytes_before_first_token": ("pdd_kv_before_first_token_bytes", "KV payload bytes P had written to its "
+                                    "transfers when the prefill ended (overlapped with the prefill; docs/LINK.md)"),
+}
+
+
 class InstanceCollector:
     """Gauges and counters of one engine instance (P, RLD, MD or colocated)."""
 
@@ -82,8 +90,14 @@ class InstanceCollector:
             yield c
         c = CounterMetricFamily("pdd_events", "request events on this instance", labels=lab + ["event"])
         for k, v in sorted(inst.counters.items()):
-            c.add_metric(lv + [k], v)
+            if k not in BYTE_COUNTERS:
+                c.add_metric(lv + [k], v)
         yield c
+        for k, (name, help_) in BYTE_COUNTERS.items():
+            if k in inst.counters:
+                c = CounterMetricFamily(name, help_, labels=lab)
+                c.add_metric(lv, inst.counters[k])
+                yield c
         sent = getattr(inst, "bytes_sent", None)
         if sent is not None:
             c = CounterMetricFamily("pdd_kv_sent_bytes", "KV payload bytes sent, by target", labels=lab + ["target"])

@@ -1,7 +1,8 @@
 """An engine instance's Prometheus metrics (``pdd.metrics.InstanceCollector``) over a real engine:
 ``pdd_kv_pages`` by state with pages only the prefix cache holds as ``cached``, not ``in_use`` (an
 idle MD whose cache kept two long prompts read 255 of 256 pages "in_use", as a full pool would),
-``pdd_kv_cache_usage_ratio`` as vLLM's ``kv_cache_usage_perc``, and ``pdd_preemptions_total``."""
+``pdd_kv_cache_usage_ratio`` as vLLM's ``kv_cache_usage_perc``, and ``pdd_preemptions_total``;
+an instance's counter of bytes is a ``_bytes_total`` family, not an "event"."""
 
 from __future__ import annotations
 
@@ -47,3 +48,15 @@ def test_kv_pages_count_the_prefix_cache_apart_from_pages_requests_hold(tiny_mod
     m = _samples(inst)
     assert {k[1]: v for k, v in m.items() if k[0] == "pdd_kv_pages"} == {
         "total": 16.0, "free": 16.0, "cached": 0.0, "in_use": 0.0}
+
+
+def test_a_counter_of_bytes_is_not_an_event(tiny_model):
+    """P's ``kv_bytes_before_first_token`` counts bytes: it was ``pdd_events_total{event=...}``
+    beside request counts, so a sum of events added bytes to requests."""
+    inst = _inst(Engine.from_pretrained(tiny_model, num_pages=4, page_size=PS))
+    inst.spec.role = "prefill"
+    inst.counters.update(requests=3, kv_bytes_before_first_token=12288)
+    fams = {f.name: f for f in InstanceCollector(inst).collect()}
+    assert [(s.labels["event"], s.value) for s in fams["pdd_events"].samples] == [("requests", 3)]
+    assert [s.value for s in fams["pdd_kv_before_first_token_bytes"].samples
+            if s.name == "pdd_kv_before_first_token_bytes_total"] == [12288]
