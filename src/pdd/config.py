@@ -825,6 +825,15 @@ class ClusterConfig(_Strict):
     gateway_port: int = Field(8000, ge=1, le=65535)
     served_model_name: str = "pdd-small"
     engine: EngineConfig = EngineConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_of_preset(cls, data):
+        """``model_path`` left out is ``models/<model_preset>`` (docs/SERVE.md): ``model_preset:
+        tiny`` alone looked in ``models/small`` and wrote a tiny checkpoint there."""
+        if isinstance(data, dict) and "model_path" not in data and isinstance(data.get("model_preset"), str):
+            data = {**data, "model_path": f"models/{data['model_preset']}"}
+        return data
     link: LinkConfig = LinkConfig()
     policy: PolicyConfig = PolicyConfig()
     security: SecurityConfig = SecurityConfig()

@@ -450,3 +450,14 @@ def test_a_dead_peer_wait_shorter_than_two_heartbeats_is_refused(tmp_path, yaml_
         "heartbeat_interval_s")
     ok = ClusterConfig.model_validate({"liveness": {"dead_after_s": 2.0, "heartbeat_interval_s": 1.0}})
     assert (ok.liveness.dead_after_s, ok.liveness.heartbeat_interval_s) == (2.0, 1.0)
+
+
+def test_model_path_left_out_follows_the_preset(tmp_path):
+    """``model_path`` left out is ``models/<model_preset>`` (docs/SERVE.md): ``model_preset: tiny``
+    alone looked in ``models/small`` (and `pdd serve` wrote a tiny checkpoint there)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model_preset: tiny\n")
+    assert ClusterConfig.load(f).model_path == "models/tiny"
+    f.write_text("model_preset: tiny\nmodel_path: ckpt\n")
+    assert ClusterConfig.load(f).model_path == "ckpt"
+    assert ClusterConfig().model_path == "models/small"
