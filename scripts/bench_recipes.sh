@@ -137,7 +137,7 @@ for s in $STEPS; do
       run agentic_short --trace "$W4" --session-sample 1 --requests 200 --no-progress --rate 2.5 --config "$OUT/bench.yaml" --sweep-rate 0.625,1.25,2.5 --sweep-requests 40 \
         --sweep-seconds 16 --sweep-min-requests 20 --modes "colocated,same_dc_pd,cross_dc_pd,pdd,pdd+pipeline_ttft_budget_ms=0" ;;
     mooncake)  # a slice of the shared Mooncake conversation trace (bench's default scale: 1 in 50 conversations)
-      run mooncake --trace /work/shared/traces/mooncake_conversation_trace.jsonl --requests 200 --no-progress "${REF[@]}" \
+      run mooncake --trace data/traces/mooncake_conversation_trace.jsonl --requests 200 --no-progress "${REF[@]}" \
         --config "$OUT/bench.yaml" --sweep-rate none --modes "colocated,same_dc_pd,cross_dc_pd,pdd" ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
