@@ -124,3 +124,28 @@ def test_a_fill_after_the_predicted_send_completes_md_s_kv_when_it_lands():
     assert r1.wan_bytes == 6000 * KVB and not r1.cut_off
     assert r1.t_md_kv == pytest.approx(max(main.t_end, fill.t_end) + 0.2)
     assert r1.md_tokens > 0 and sim.tiers["MD"][0].cache.match(list(range(12))) >= 8
+
+
+def test_an_md_whose_cache_fills_its_pool_still_draws_the_turns_it_holds():
+    """MD's pool of 16 blocks (8,192 tokens) filled to the last token by its prefix cache (the
+    first turn's 8 blocks and 8 others, none locked) is not full: MD evicts cache to admit, and
+    the gateway the simulator mirrors passes no page counts to routing. The second turn goes to
+    the MD whose index holds its prefix, and only the rest crosses the WAN. (Counting the
+    evictable cache as used made routing drop that MD, pool full, for the empty one: the whole
+    prompt crossed again, what saturated ``pdd sim experiment cutoff``'s line with no cut-off.)"""
+    from pdd.sim.sim_config import SimEngine
+
+    cfg = RELAY.replace(n_md=2, tier_engines={"MD": SimEngine(kv_pool_tokens=16 * 512)})
+    held = {}
+
+    def fill(s):
+        md = s.reqs[0].md
+        held["name"] = md.name
+        md.cache_insert(list(range(1000, 1008)))
+        held["used"] = (md.used, md.pool, len(md.cache.locks))
+
+    sim = run(cfg, [FIRST, SECOND], at=(10.0, fill))
+    assert held["used"] == (8192, 8192, 0)
+    r = sim.reqs[1]
+    assert r.md.name == held["name"] and (r.md_held, r.md_hit) == (4096, 4096)
+    assert r.wan_bytes == (6000 - 4096) * KVB

@@ -263,7 +263,11 @@ class ClusterSim:
             c = inst.cache
             if index:  # the gateway's index of each MD stands for its cache (as the runtime routes)
                 hit = index[inst.name].match_keys(self._page_keys(req, inst.page)) * inst.page
-                used = inst.private + (len(c.lru) * block if c is not None else 0)
+                # pages MD cannot free to admit: its private ones and locked cache blocks. Its
+                # evictable cache is not used (the runtime passes routing no page counts), else an
+                # MD whose cache had filled its pool dropped out of routing ("full") and the turns
+                # it holds went cold to another MD, the whole prompt again over the WAN
+                used = inst.private + (len(c.locks) * block if c is not None else 0)
                 loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, used, inst.pool, hit))
             elif c is None:
                 loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, inst.private,
