@@ -10,6 +10,7 @@ gets its own SDPA call (fresh K/V used directly when ctx_i = 0). On a sliding-wi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,9 @@ from .kv_pool import KVPool
 from .model import LlamaModel
 
 # cuDNN attention (chosen by default for bf16 on Hopper) rebuilds a graph for every new shape:
-# ~35 ms per call here since shapes change every step; flash / mem-efficient take ~1 ms.
+# ~35 ms per call here since shapes change every step; flash / mem-efficient take ~1 ms. Set on
+# CUDA only: on CPU these are the only backends anyway, and entering the context costs more than
+# a tiny model's attention.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -39,16 +42,18 @@ class RunItem:
 class PagedAttention:
     """Attention backend for one forward call over a :class:`KVPool`."""
 
-    def __init__(self, pool: KVPool, items: list[RunItem], sliding_window: int | None = None,
-                 sliding_window_layers=(), on_layer=None):
+    def __init__(self, pool: KVPool, items: list[RunItem], positions: torch.Tensor,
+                 sliding_window: int | None = None, sliding_window_layers=(), on_layer=None):
+        """``positions``: [T] int64 on the pool's device, the position of each new token in its
+        sequence, item after item (the model's RoPE positions)."""
         self.pool = pool
         self.on_layer = on_layer  # on_layer(layer): that layer's new K/V are stored (queued, on CUDA)
         self.window = sliding_window
         self.window_layers = frozenset(sliding_window_layers) if sliding_window else frozenset()
         self._window_masks: dict = {}
         dev, ps = pool.device, pool.page_size
-        page_idx, slot_idx = [], []
-        dec_rows, dec_tables, dec_lens = [], [], []
+        page_idx: list[int] = []  # the page of each new token
+        dec_rows, dec_pages, dec_lens = [], [], []
         self.extends = []  # (row0, n, start, page_table tensor or None)
         row = 0
         for it in items:
@@ -56,30 +61,39 @@ class PagedAttention:
             need = -(-end // ps)
             if len(it.page_table) < need:
                 raise ValueError(f"page table covers {len(it.page_table)} pages, need {need}")
-            for p in range(it.start, end):
-                page_idx.append(it.page_table[p // ps])
-                slot_idx.append(p % ps)
             if it.num_tokens == 1:
+                page_idx.append(it.page_table[it.start // ps])
                 dec_rows.append(row)
-                dec_tables.append(it.page_table[:need])
+                dec_pages.append(it.page_table[:need])
                 dec_lens.append(end)
             else:
+                first = it.start // ps
+                pages: list[int] = []
+                for p in it.page_table[first:need]:  # a list op per page, not a Python step per token
+                    pages += [p] * ps
+                off = it.start - first * ps
+                page_idx += pages[off:off + it.num_tokens]
                 pt = torch.tensor(it.page_table[:need], dtype=torch.long, device=dev) if it.start > 0 else None
                 self.extends.append((row, it.num_tokens, it.start, pt))
             row += it.num_tokens
         self.page_idx = torch.tensor(page_idx, dtype=torch.long, device=dev)
-        self.slot_idx = torch.tensor(slot_idx, dtype=torch.long, device=dev)
+        self.slot_idx = positions % ps
         self.dec = None
         if dec_rows:
-            maxp = max(len(t) for t in dec_tables)
-            padded = [t + [t[0]] * (maxp - len(t)) for t in dec_tables]
+            maxp = max(len(t) for t in dec_pages)
+            flat: list[int] = []  # the page tables, each padded to maxp pages with its first page (masked out)
+            for t in dec_pages:
+                flat += t
+                flat += t[:1] * (maxp - len(t))
             lmax = maxp * ps
             lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
             kpos = torch.arange(lmax, device=dev)[None, :]
             mask = (kpos < lens[:, None])[:, None, None, :]
+            # rows None: the batch is decodes only, row i = decode i (no gather / scatter of rows)
+            rows = None if len(dec_rows) == row else torch.tensor(dec_rows, dtype=torch.long, device=dev)
             self.dec = (
-                torch.tensor(dec_rows, dtype=torch.long, device=dev),
-                torch.tensor(padded, dtype=torch.long, device=dev),
+                rows,
+                torch.tensor(flat, dtype=torch.long, device=dev),  # [B * maxp]
                 mask,  # [B, 1, 1, Lmax] bool
             )
             if self.window_layers:  # the query at position len-1 sees keys >= len - window
@@ -98,26 +112,32 @@ class PagedAttention:
             self._window_masks[key] = mask
         return self._window_masks[key]
 
+    def _attend_decodes(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The decodes' attention over their pages: [B, H, D], decode after decode."""
+        rows, flat, mask = self.dec
+        if layer in self.window_layers:
+            mask = self.dec_window_mask
+        b, (h, d), kvh = mask.shape[0], q.shape[1:], kv.shape[3]
+        # index_select per K / V: contiguous result, no extra copy
+        kk = torch.index_select(kv[:, 0], 0, flat).view(b, -1, kvh, d).transpose(1, 2)
+        vv = torch.index_select(kv[:, 1], 0, flat).view(b, -1, kvh, d).transpose(1, 2)
+        qq = (q if rows is None else q[rows]).unsqueeze(2)  # [B, H, 1, D]
+        return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True).squeeze(2)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
         kv = self.pool.buffer[:, layer]  # [P, 2, S, KVH, D] view
         kv[self.page_idx, :, self.slot_idx] = torch.stack((k, v), dim=1).to(kv.dtype)
         if self.on_layer is not None:
             self.on_layer(layer)
-        out = torch.empty_like(q)
-        t_all, h, d = q.shape
-        kvh = k.shape[1]
         if self.dec is not None:
-            rows, tables, mask = self.dec
-            if layer in self.window_layers:
-                mask = self.dec_window_mask
-            b = tables.shape[0]
-            flat = tables.reshape(-1)  # index_select per K / V: contiguous result, no extra copy
-            kk = torch.index_select(kv[:, 0], 0, flat).view(b, -1, kvh, d).transpose(1, 2)
-            vv = torch.index_select(kv[:, 1], 0, flat).view(b, -1, kvh, d).transpose(1, 2)
-            qq = q[rows].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
-            out[rows] = o.squeeze(2)
+            dec = self._attend_decodes(layer, q, kv)
+            if self.dec[0] is None:  # decodes only
+                return dec
+        out = torch.empty_like(q)
+        if self.dec is not None:
+            out[self.dec[0]] = dec
+        kvh, d = k.shape[1:]
         windowed_layer = layer in self.window_layers
         for row0, n, start, pt in self.extends:
             qq = q[row0:row0 + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -175,8 +195,9 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         cfg = self.model.cfg
-        backend = PagedAttention(self.pool, items, cfg.sliding_window, cfg.sliding_window_layers, on_layer)
-        with sdpa_kernel(SDPA_BACKENDS):
+        backend = PagedAttention(self.pool, items, positions, cfg.sliding_window, cfg.sliding_window_layers,
+                                 on_layer)
+        with sdpa_kernel(SDPA_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
             hidden = self.model.hidden_states(input_ids, positions, backend, seq_lens)
         self.forward_calls += 1
         self.tokens_computed += len(ids)
@@ -190,4 +211,6 @@ class ModelRunner:
                 rows.append(row - 1)
         if not rows:
             return hidden.new_zeros((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+        if len(rows) < row:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
+        return self.model.logits(hidden)
