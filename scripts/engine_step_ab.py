@@ -5,10 +5,13 @@ The baseline's ``src/pdd/engine`` (``git show REF:...``) is loaded as a package 
 get the same checkpoint, settings and prompts. Their steps are then timed alternately (A B, B A,
 ...) so that a loaded machine slows both alike; the ratio printed is median(base) / median(new)
 step seconds (above 1: this checkout is faster). Every step's sampled tokens must be equal in the
-two engines (greedy), else the script stops with the first difference.
+two engines (greedy), else the script stops with the first difference; the last column is the
+largest difference between the two engines' logits in one more (untimed) step.
 
-Shapes: ``decode B C``: B sequences of C prompt tokens, prefilled untimed, then decode steps of
-one token each; ``prefill B C``: one step computing B fresh prompts of C tokens (released after).
+Shapes: ``decode:B:C``: B sequences of C prompt tokens, prefilled untimed, then decode steps of
+one token each; ``prefill:B:C``: one step computing B fresh prompts of C tokens (released after);
+``mixed:B:C``: the decode steps of ``decode:B:C``, each beside the prefill of a fresh 128-token
+prompt (released after its step).
 
     PYTHONPATH=src python scripts/engine_step_ab.py --base main --model small --reps 30
     PYTHONPATH=src python scripts/engine_step_ab.py --base main --shapes decode:32:2048,prefill:1:512
@@ -29,8 +32,9 @@ import time
 import numpy as np
 import torch
 
-DEFAULT_SHAPES = ("decode:1:64,decode:8:512,decode:32:512,decode:32:2048,"
+DEFAULT_SHAPES = ("decode:1:64,decode:8:512,decode:32:512,decode:32:2048,mixed:8:512,"
                   "prefill:1:64,prefill:1:512,prefill:1:2048,prefill:8:256")
+MIXED_PROMPT = 128
 
 
 def load_base_engine(ref: str, repo: str) -> object:
@@ -98,6 +102,17 @@ class Pair:
         if got[0] != got[1]:
             raise SystemExit(f"tokens differ: base {got[0][:8]} new {got[1][:8]}")
 
+    def logits_diff(self) -> float:
+        """One more step of each engine keeping its logits rows (untimed): the largest absolute
+        difference between the two engines' rows."""
+        for e in self.engines:
+            e.keep_logits, e.last_logits = True, {}
+        self.timed_steps(0, [[], []])
+        a, b = (e.last_logits for e in self.engines)
+        for e in self.engines:
+            e.keep_logits = False
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
     def release(self, seqs) -> None:
         for pair in seqs:
             for e, s in zip(self.engines, pair):
@@ -106,24 +121,28 @@ class Pair:
                 e.release(s, cache=False)
 
 
-def run_shape(base_mod, new_mod, path, kind, b, c, reps, page_size, dtype) -> tuple[float, float, float]:
-    pair = Pair(base_mod, new_mod, path, b, c, page_size, dtype)
+def run_shape(base_mod, new_mod, path, kind, b, c, reps, page_size, dtype) -> tuple[float, float, float, float]:
+    """(base median step s, new median step s, their ratio, max logit difference) of one shape."""
+    pair = Pair(base_mod, new_mod, path, b + 1, c, page_size, dtype)
     times: list[list[float]] = [[], []]
-    if kind == "decode":
+    if kind in ("decode", "mixed"):
         seqs = pair.add(b, c)
         while any(s.num_computed < s.prompt_len for s, _ in seqs):
             pair.timed_steps(0, [[], []])
-        for k in range(3):  # warm-up
-            pair.timed_steps(k, [[], []])
-        for k in range(reps):
-            pair.timed_steps(k, times)
+        for k in range(reps + 3):  # 3 warm-up steps
+            fresh = pair.add(1, MIXED_PROMPT) if kind == "mixed" else []
+            pair.timed_steps(k, times if k >= 3 else [[], []])
+            pair.release(fresh)
     else:
         for k in range(reps + 2):
             seqs = pair.add(b, c)
             pair.timed_steps(k, times if k >= 2 else [[], []])
             pair.release(seqs)
+        seqs = pair.add(b, c)
+    diff = pair.logits_diff()
+    pair.release(seqs)
     base, new = statistics.median(times[0]), statistics.median(times[1])
-    return base, new, base / new
+    return base, new, base / new, diff
 
 
 def main(argv=None) -> None:
@@ -143,13 +162,13 @@ def main(argv=None) -> None:
     new_mod = importlib.import_module("pdd.engine.engine")
     print(f"base {a.base} vs this checkout; {a.reps} steps each, alternated; dtype {a.dtype}, "
           f"page size {a.page_size}, {a.threads} torch thread(s)")
-    print(f"{'model':6} {'shape':>16} {'base ms':>9} {'new ms':>9} {'base/new':>9}")
+    print(f"{'model':6} {'shape':>16} {'base ms':>9} {'new ms':>9} {'base/new':>9} {'max |dlogit|':>10}")
     for preset in a.model.split(","):
         path = make_checkpoint(preset, a.family)
         for shape in a.shapes.split(","):
             kind, b, c = shape.split(":")
-            base, new, ratio = run_shape(base_mod, new_mod, path, kind, int(b), int(c), a.reps, a.page_size, a.dtype)
-            print(f"{preset:6} {shape:>16} {base * 1e3:9.2f} {new * 1e3:9.2f} {ratio:9.2f}", flush=True)
+            base, new, ratio, diff = run_shape(base_mod, new_mod, path, kind, int(b), int(c), a.reps, a.page_size, a.dtype)
+            print(f"{preset:6} {shape:>16} {base * 1e3:9.2f} {new * 1e3:9.2f} {ratio:9.2f} {diff:10.2g}", flush=True)
 
 
 if __name__ == "__main__":
