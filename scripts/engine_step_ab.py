@@ -11,7 +11,9 @@ largest difference between the two engines' logits in one more (untimed) step.
 Shapes: ``decode:B:C``: B sequences of C prompt tokens, prefilled untimed, then decode steps of
 one token each; ``prefill:B:C``: one step computing B fresh prompts of C tokens (released after);
 ``mixed:B:C``: the decode steps of ``decode:B:C``, each beside the prefill of a fresh 128-token
-prompt (released after its step).
+prompt (released after its step); ``chunked:B:C``: B prompts of C tokens prefilled in chunks of
+512 tokens (the config's default ``max_batch_tokens`` and ``prefill_chunk_tokens``): every
+chunk's step is timed, the later ones extends over the cached chunks.
 
     PYTHONPATH=src python scripts/engine_step_ab.py --base main --model small --reps 30
     PYTHONPATH=src python scripts/engine_step_ab.py --base main --shapes decode:32:2048,prefill:1:512
@@ -33,8 +35,9 @@ import numpy as np
 import torch
 
 DEFAULT_SHAPES = ("decode:1:64,decode:8:512,decode:32:512,decode:32:2048,mixed:8:512,"
-                  "prefill:1:64,prefill:1:512,prefill:1:2048,prefill:8:256")
+                  "prefill:1:64,prefill:1:512,prefill:8:256,chunked:1:2048")
 MIXED_PROMPT = 128
+CHUNK = 512
 
 
 def load_base_engine(ref: str, repo: str) -> object:
@@ -65,10 +68,11 @@ def make_checkpoint(preset: str, family: str) -> str:
 class Pair:
     """The baseline and the new engine on one checkpoint, fed the same prompts."""
 
-    def __init__(self, base_mod, new_mod, path: str, b: int, c: int, page_size: int, dtype: str):
+    def __init__(self, base_mod, new_mod, path: str, b: int, c: int, page_size: int, dtype: str,
+                 chunk: int | None = None):
         kw = dict(num_pages=2 * b * (c // page_size + 8) + 64, page_size=page_size, dtype=dtype,
-                  max_batch_tokens=max(b * c, b, 2048), prefill_chunk_tokens=max(c, 1), max_running=max(b, 1),
-                  enable_prefix_cache=False)
+                  max_batch_tokens=chunk or max(b * c, b, 2048), prefill_chunk_tokens=chunk or max(c, 1),
+                  max_running=max(b, 1), enable_prefix_cache=False)
         self.engines = [base_mod.Engine.from_pretrained(path, **kw), new_mod.Engine.from_pretrained(path, **kw)]
         self.rng = np.random.default_rng(0)
         self.ids = itertools.count()
@@ -103,11 +107,12 @@ class Pair:
             raise SystemExit(f"tokens differ: base {got[0][:8]} new {got[1][:8]}")
 
     def logits_diff(self) -> float:
-        """One more step of each engine keeping its logits rows (untimed): the largest absolute
-        difference between the two engines' rows."""
+        """More steps of each engine (untimed), up to one that samples, keeping its logits rows:
+        the largest absolute difference between the two engines' rows."""
         for e in self.engines:
             e.keep_logits, e.last_logits = True, {}
-        self.timed_steps(0, [[], []])
+        while not self.engines[0].last_logits:  # a prefill in chunks samples after its last
+            self.timed_steps(0, [[], []])
         a, b = (e.last_logits for e in self.engines)
         for e in self.engines:
             e.keep_logits = False
@@ -123,7 +128,7 @@ class Pair:
 
 def run_shape(base_mod, new_mod, path, kind, b, c, reps, page_size, dtype) -> tuple[float, float, float, float]:
     """(base median step s, new median step s, their ratio, max logit difference) of one shape."""
-    pair = Pair(base_mod, new_mod, path, b + 1, c, page_size, dtype)
+    pair = Pair(base_mod, new_mod, path, b + 1, c, page_size, dtype, CHUNK if kind == "chunked" else None)
     times: list[list[float]] = [[], []]
     if kind in ("decode", "mixed"):
         seqs = pair.add(b, c)
@@ -133,6 +138,15 @@ def run_shape(base_mod, new_mod, path, kind, b, c, reps, page_size, dtype) -> tu
             fresh = pair.add(1, MIXED_PROMPT) if kind == "mixed" else []
             pair.timed_steps(k, times if k >= 3 else [[], []])
             pair.release(fresh)
+    elif kind == "chunked":
+        k = 0
+        while len(times[0]) < reps:
+            seqs = pair.add(b, c)
+            while any(s.num_computed < s.prompt_len for s, _ in seqs):
+                pair.timed_steps(k, times if k >= 2 else [[], []])
+                k += 1
+            pair.release(seqs)
+        seqs = pair.add(b, c)
     else:
         for k in range(reps + 2):
             seqs = pair.add(b, c)

@@ -27,6 +27,12 @@ from .model import LlamaModel
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed`` (bool), -inf elsewhere, in ``dtype``: what SDPA turns a bool mask into
+    on every call (bit-equal results), made once per forward call instead of once per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 @dataclass
 class RunItem:
     """Compute ``token_ids[start : start + num_tokens]`` of a sequence whose first ``start``
@@ -42,11 +48,13 @@ class RunItem:
 class PagedAttention:
     """Attention backend for one forward call over a :class:`KVPool`."""
 
-    def __init__(self, pool: KVPool, items: list[RunItem], positions: torch.Tensor,
+    def __init__(self, pool: KVPool, items: list[RunItem], positions: torch.Tensor, dtype: torch.dtype,
                  sliding_window: int | None = None, sliding_window_layers=(), on_layer=None):
         """``positions``: [T] int64 on the pool's device, the position of each new token in its
-        sequence, item after item (the model's RoPE positions)."""
+        sequence, item after item (the model's RoPE positions); ``dtype``: the queries' (masks are
+        made in it)."""
         self.pool = pool
+        self.dtype = dtype
         self.on_layer = on_layer  # on_layer(layer): that layer's new K/V are stored (queued, on CUDA)
         self.window = sliding_window
         self.window_layers = frozenset(sliding_window_layers) if sliding_window else frozenset()
@@ -88,20 +96,20 @@ class PagedAttention:
             lmax = maxp * ps
             lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
             kpos = torch.arange(lmax, device=dev)[None, :]
-            mask = (kpos < lens[:, None])[:, None, None, :]
+            seen = (kpos < lens[:, None])[:, None, None, :]
             # rows None: the batch is decodes only, row i = decode i (no gather / scatter of rows)
             rows = None if len(dec_rows) == row else torch.tensor(dec_rows, dtype=torch.long, device=dev)
             self.dec = (
                 rows,
                 torch.tensor(flat, dtype=torch.long, device=dev),  # [B * maxp]
-                mask,  # [B, 1, 1, Lmax] bool
+                additive_mask(seen, dtype),  # [B, 1, 1, Lmax]
             )
             if self.window_layers:  # the query at position len-1 sees keys >= len - window
-                self.dec_window_mask = mask & (kpos >= lens[:, None] - self.window)[:, None, None, :]
+                self.dec_window_mask = additive_mask(seen & (kpos >= lens[:, None] - self.window)[:, None, None, :],
+                                                     dtype)
 
     def _extend_mask(self, start: int, n: int, windowed: bool, device):
-        """[n, start + n] bool: causal, and within the window when ``windowed``; None when plain
-        causal attention over fresh K/V (``is_causal``) does the same."""
+        """[n, start + n] additive mask: causal, and within the window when ``windowed``."""
         key = (start, n, windowed)
         if key not in self._window_masks:
             qpos = torch.arange(start, start + n, device=device)[:, None]
@@ -109,7 +117,7 @@ class PagedAttention:
             mask = kpos <= qpos
             if windowed:
                 mask = mask & (kpos > qpos - self.window)
-            self._window_masks[key] = mask
+            self._window_masks[key] = additive_mask(mask, self.dtype)
         return self._window_masks[key]
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -198,8 +206,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         cfg = self.model.cfg
-        backend = PagedAttention(self.pool, items, positions, cfg.sliding_window, cfg.sliding_window_layers,
-                                 on_layer)
+        backend = PagedAttention(self.pool, items, positions, self.model.dtype, cfg.sliding_window,
+                                 cfg.sliding_window_layers, on_layer)
         with sdpa_kernel(SDPA_BACKENDS) if dev.type == "cuda" else contextlib.nullcontext():
             hidden = self.model.hidden_states(input_ids, positions, backend, seq_lens)
         self.forward_calls += 1
