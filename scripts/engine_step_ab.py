@@ -3,13 +3,14 @@
 The baseline's ``src/pdd/engine`` (``git show REF:...``) is loaded as a package of its own
 (``pdd_engine_base``; it shares this checkout's ``pdd.types``), and for every shape both engines
 get the same checkpoint, settings and prompts. Their steps are then timed alternately (A B, B A,
-...) so that a loaded machine slows both alike; the ratio printed is median(base) / median(new)
-step seconds (above 1: this checkout is faster). Every step's sampled tokens must be equal in the
+...) so that a loaded machine slows both alike, on the thread's CPU clock (``--wall``: the wall clock),
+so that time slices lost to other processes do not count; the ratio printed is median(base) /
+median(new) step seconds (above 1: this checkout is faster). Every step's sampled tokens must be equal in the
 two engines (greedy), else the script stops with the first difference; the last column is the
 largest difference between the two engines' logits in one more (untimed) step.
 
 Shapes: ``decode:B:C``: B sequences of C prompt tokens, prefilled untimed, then decode steps of
-one token each; ``prefill:B:C``: one step computing B fresh prompts of C tokens (released after);
+one token each; ``ragged:B:C``: the same with prompts of C/16 to C tokens; ``prefill:B:C``: one step computing B fresh prompts of C tokens (released after);
 ``mixed:B:C``: the decode steps of ``decode:B:C``, each beside the prefill of a fresh 128-token
 prompt (released after its step); ``chunked:B:C``: B prompts of C tokens prefilled in chunks of
 512 tokens (the config's default ``max_batch_tokens`` and ``prefill_chunk_tokens``): every
@@ -37,6 +38,7 @@ import torch
 DEFAULT_SHAPES = ("decode:1:64,decode:8:512,decode:32:512,decode:32:2048,mixed:8:512,"
                   "prefill:1:64,prefill:1:512,prefill:8:256,chunked:1:2048")
 MIXED_PROMPT = 128
+CLOCK = time.thread_time  # CPU seconds of this thread: time slices lost to other processes do not count
 CHUNK = 512
 
 
@@ -78,14 +80,16 @@ class Pair:
         self.ids = itertools.count()
         self.vocab = self.engines[1].model_cfg.vocab_size
 
-    def add(self, b: int, c: int) -> list:
-        """b fresh prompts of c tokens, added to both engines; returns [(seq_a, seq_b)]."""
+    def add(self, b: int, c: int, ragged: bool = False) -> list:
+        """b fresh prompts of c tokens (``ragged``: of c/16 to c tokens, evenly spread), added to
+        both engines; returns [(seq_a, seq_b)]."""
         from pdd.types import SamplingParams
 
         sp = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
         out = []
-        for _ in range(b):
-            prompt = [int(x) for x in self.rng.integers(2, self.vocab, c)]
+        for i in range(b):
+            n = c // 16 + (c - c // 16) * i // max(1, b - 1) if ragged else c
+            prompt = [int(x) for x in self.rng.integers(2, self.vocab, n)]
             sid = next(self.ids)
             pair = tuple(e.new_sequence(sid, prompt, sp, use_cache=False) for e in self.engines)
             for e, s in zip(self.engines, pair):
@@ -99,9 +103,9 @@ class Pair:
         order = (0, 1) if k % 2 == 0 else (1, 0)
         events = [None, None]
         for i in order:
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             events[i] = self.engines[i].step()
-            times[i].append(time.perf_counter() - t0)
+            times[i].append(CLOCK() - t0)
         got = [[(ev.seq_id, ev.token_id) for ev in evs] for evs in events]
         if got[0] != got[1]:
             raise SystemExit(f"tokens differ: base {got[0][:8]} new {got[1][:8]}")
@@ -130,8 +134,8 @@ def run_shape(base_mod, new_mod, path, kind, b, c, reps, page_size, dtype) -> tu
     """(base median step s, new median step s, their ratio, max logit difference) of one shape."""
     pair = Pair(base_mod, new_mod, path, b + 1, c, page_size, dtype, CHUNK if kind == "chunked" else None)
     times: list[list[float]] = [[], []]
-    if kind in ("decode", "mixed"):
-        seqs = pair.add(b, c)
+    if kind in ("decode", "mixed", "ragged"):
+        seqs = pair.add(b, c, ragged=kind == "ragged")
         while any(s.num_computed < s.prompt_len for s, _ in seqs):
             pair.timed_steps(0, [[], []])
         for k in range(reps + 3):  # 3 warm-up steps
@@ -169,12 +173,18 @@ def main(argv=None) -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the config's torch_threads default)")
+    ap.add_argument("--wall", action="store_true", help="time steps on the wall clock (needed with --threads > 1 "
+                    "or on CUDA, whose work is not on this thread's CPU clock)")
     a = ap.parse_args(argv)
+    if a.wall:
+        global CLOCK
+        CLOCK = time.perf_counter
     torch.set_num_threads(a.threads)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base_mod = load_base_engine(a.base, repo)
     new_mod = importlib.import_module("pdd.engine.engine")
-    print(f"base {a.base} vs this checkout; {a.reps} steps each, alternated; dtype {a.dtype}, "
+    print(f"base {a.base} vs this checkout; {a.reps} steps each, alternated, {'wall' if a.wall else 'thread CPU'} "
+          f"clock; dtype {a.dtype}, "
           f"page size {a.page_size}, {a.threads} torch thread(s)")
     print(f"{'model':6} {'shape':>16} {'base ms':>9} {'new ms':>9} {'base/new':>9} {'max |dlogit|':>10}")
     for preset in a.model.split(","):

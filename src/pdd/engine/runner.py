@@ -2,8 +2,9 @@
 
 Each batch item contributes ``q_i`` new tokens on top of ``ctx_i`` tokens already in its pages.
 New K/V are written into the item's pages, then every new token attends causally over
-``[0, ctx_i + q_i)``. Decodes (q_i = 1) share one padded SDPA call; each extend / prefill chunk
-gets its own SDPA call (fresh K/V used directly when ctx_i = 0). On a sliding-window layer
+``[0, ctx_i + q_i)``. Decodes (q_i = 1) share padded SDPA calls, one per group of similar
+lengths (:func:`decode_groups`; one group on CUDA), their K/V gathered from the pages; each extend /
+prefill chunk gets its own SDPA call (fresh K/V used directly when ctx_i = 0). On a sliding-window layer
 (``ModelConfig.sliding_window_layers``) a token at position ``p`` sees only keys at positions
 ``> p - sliding_window`` (transformers' ``sliding_window_overlay``); the pages stay allocated.
 """
@@ -11,6 +12,7 @@ gets its own SDPA call (fresh K/V used directly when ctx_i = 0). On a sliding-wi
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,38 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed`` (bool), -inf elsewhere, in ``dtype``: what SDPA turns a bool mask into
     on every call (bit-equal results), made once per forward call instead of once per layer."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+# Decodes attend in groups of similar lengths, each padded to its longest (one SDPA call and two
+# gathers per group and layer). A group is split off only where that saves at least this much
+# padding (tokens x sequences), per device type: measured on CPU (``ragged`` shapes of
+# scripts/engine_step_ab.py: 1.3x a step of 32 decodes at 128-2,048 tokens); elsewhere one group
+# (not measured on CUDA, where a group's ~7 more kernel launches per layer outweigh the padding of
+# a small model).
+DECODE_SPLIT_MIN_TOKENS = {"cpu": 512}
+
+
+def decode_groups(num_pages: list[int], min_saved_pages: float) -> list[list[int]]:
+    """Indices of the decodes (``num_pages``: the pages each attends over) grouped for one padded
+    attention call each. Longest first, a group starts where the page count halves (at most half
+    the group's longest); a group that would save less than ``min_saved_pages`` of padding (its
+    members x the drop from the group before) joins the group before. One group keeps the input
+    order."""
+    if not num_pages:
+        return []
+    groups: list[list[int]] = []
+    for i in sorted(range(len(num_pages)), key=lambda i: -num_pages[i]):
+        if groups and 2 * num_pages[i] > num_pages[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    merged = groups[:1]
+    for g in groups[1:]:
+        if len(g) * (num_pages[merged[-1][0]] - num_pages[g[0]]) < min_saved_pages:
+            merged[-1] += g
+        else:
+            merged.append(g)
+    return merged if len(merged) > 1 else [list(range(len(num_pages)))]
 
 
 @dataclass
@@ -86,27 +120,26 @@ class PagedAttention:
             row += it.num_tokens
         self.page_idx = torch.tensor(page_idx, dtype=torch.long, device=dev)
         self.slot_idx = positions % ps
-        self.dec = None
-        if dec_rows:
-            maxp = max(len(t) for t in dec_pages)
+        # decodes: one SDPA call per group of similar lengths, each padded to its group's longest
+        self.dec = []  # (rows or None, flat page tables, mask, window mask or None) per group
+        min_saved = DECODE_SPLIT_MIN_TOKENS.get(dev.type, math.inf) / ps
+        for group in decode_groups([len(t) for t in dec_pages], min_saved):
+            maxp = max(len(dec_pages[i]) for i in group)
             flat: list[int] = []  # the page tables, each padded to maxp pages with its first page (masked out)
-            for t in dec_pages:
-                flat += t
-                flat += t[:1] * (maxp - len(t))
-            lmax = maxp * ps
-            lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
-            kpos = torch.arange(lmax, device=dev)[None, :]
+            for i in group:
+                flat += dec_pages[i]
+                flat += dec_pages[i][:1] * (maxp - len(dec_pages[i]))
+            lens = torch.tensor([dec_lens[i] for i in group], dtype=torch.long, device=dev)
+            kpos = torch.arange(maxp * ps, device=dev)[None, :]
             seen = (kpos < lens[:, None])[:, None, None, :]
-            # rows None: the batch is decodes only, row i = decode i (no gather / scatter of rows)
-            rows = None if len(dec_rows) == row else torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            self.dec = (
-                rows,
-                torch.tensor(flat, dtype=torch.long, device=dev),  # [B * maxp]
-                additive_mask(seen, dtype),  # [B, 1, 1, Lmax]
-            )
+            window = None
             if self.window_layers:  # the query at position len-1 sees keys >= len - window
-                self.dec_window_mask = additive_mask(seen & (kpos >= lens[:, None] - self.window)[:, None, None, :],
-                                                     dtype)
+                window = additive_mask(seen & (kpos >= lens[:, None] - self.window)[:, None, None, :], dtype)
+            # rows None: the batch is these decodes only, in order (no gather / scatter of rows)
+            rows = None if len(group) == row else torch.tensor([dec_rows[i] for i in group], dtype=torch.long,
+                                                                  device=dev)
+            self.dec.append((rows, torch.tensor(flat, dtype=torch.long, device=dev),  # [B * maxp]
+                             additive_mask(seen, dtype), window))  # [B, 1, 1, maxp * page_size]
 
     def _extend_mask(self, start: int, n: int, windowed: bool, device):
         """[n, start + n] additive mask: causal, and within the window when ``windowed``."""
@@ -120,11 +153,11 @@ class PagedAttention:
             self._window_masks[key] = additive_mask(mask, self.dtype)
         return self._window_masks[key]
 
-    def _attend_decodes(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """The decodes' attention over their pages: [B, H, D], decode after decode."""
-        rows, flat, mask = self.dec
+    def _attend_decodes(self, layer: int, q: torch.Tensor, kv: torch.Tensor, group) -> torch.Tensor:
+        """One group of decodes' attention over their pages: [B, H, D], decode after decode."""
+        rows, flat, mask, window = group
         if layer in self.window_layers:
-            mask = self.dec_window_mask
+            mask = window
         b, (h, d), kvh = mask.shape[0], q.shape[1:], kv.shape[3]
         # index_select per K / V: contiguous result, no extra copy
         kk = torch.index_select(kv[:, 0], 0, flat).view(b, -1, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
@@ -141,13 +174,11 @@ class PagedAttention:
         kv[self.page_idx, :, self.slot_idx] = torch.stack((k, v), dim=1).to(kv.dtype)
         if self.on_layer is not None:
             self.on_layer(layer)
-        if self.dec is not None:
-            dec = self._attend_decodes(layer, q, kv)
-            if self.dec[0] is None:  # decodes only
-                return dec
+        if self.dec and self.dec[0][0] is None:  # decodes only, one group
+            return self._attend_decodes(layer, q, kv, self.dec[0])
         out = torch.empty_like(q)
-        if self.dec is not None:
-            out[self.dec[0]] = dec
+        for group in self.dec:
+            out[group[0]] = self._attend_decodes(layer, q, kv, group)
         kvh, d = k.shape[1:]
         windowed_layer = layer in self.window_layers
         for row0, n, start, pt in self.extends:
