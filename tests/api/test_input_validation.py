@@ -605,13 +605,21 @@ REFUSED_VLLM = [
 def test_vllm_parameters_pdd_cannot_honour_are_400_naming_them(api, path, name, value):
     """A new user's guided_json, bad_words, use_beam_search, ... were silently ignored (200 with
     output that did not do what was asked); each is refused with a value that asks for something."""
+    client, _ = api
+    _unhonoured_refused(api, path, name, value)
+    _still_serving(client)
+
+
+def _unhonoured_refused(api, path: str, name: str, value) -> dict:
+    """Post ``name: value`` on ``path``; assert the 400 naming ``name`` (check_unhonoured's words)
+    and that nothing started. Returns the valid body the parameter was added to."""
     client, orch = api
     body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     err = _err(client.post(path, json={**body, name: value}), 400, name)
     assert err["message"].startswith(f"{name} is not supported: pdd does not support "), err
     assert err["message"].endswith(f"; leave {name} out"), err
     assert not orch.started
-    _still_serving(client)
+    return body
 
 
 REFUSED_SGLANG = [
@@ -628,12 +636,8 @@ def test_sglang_parameters_pdd_cannot_honour_are_400_naming_them(api, path, name
     """Found by a compatibility pass: SGLang's constrained decoding (regex, ebnf, json_schema),
     stop_regex, LoRA adapters, ... were silently ignored (200 with output that did not do what
     was asked, or chat's input_ids: another prompt than the one sent)."""
-    client, orch = api
-    body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    err = _err(client.post(path, json={**body, name: value}), 400, name)
-    assert err["message"].startswith(f"{name} is not supported: pdd does not support "), err
-    assert err["message"].endswith(f"; leave {name} out"), err
-    assert not orch.started
+    client, _ = api
+    body = _unhonoured_refused(api, path, name, value)
     r = client.post(path, json={**body, name: None, **({name: False} if name == "return_hidden_states" else {})})
     assert r.status_code == 200, r.text  # its default (what SGLang's client may send) is served
 
