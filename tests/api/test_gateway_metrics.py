@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.topology import layout
-from tests.api.test_gateway_outcomes import (BODY, FinishedBeforeRefusalOrch, ScriptedOrch, _settled,  # noqa: F401
+from tests.api.test_gateway_outcomes import (BODY, FinishedBeforeRefusalOrch, colocated_client, ScriptedOrch, _settled,  # noqa: F401
                                              gateway, leave_mid_stream)
 
 
@@ -99,16 +98,9 @@ async def test_admissions_own_429_is_in_rejected_total_not_in_the_outcomes(tiny_
     count the choices admission let in) nor in the prompt tokens."""
     from tokenizers import Tokenizer
 
-    from pdd.gateway.api import create_app
-
-    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
-                                        "engine": {"max_model_len": 512, "max_input_len": 400},
-                                        "limits": {"max_inflight_requests": 1}})
     tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-    orch = ScriptedOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
-    orch.hold_at = 1  # the first request stays in flight until its client leaves
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, orch, tok)),
-                                 base_url="http://t") as client:
+    async with colocated_client(tiny_model, ScriptedOrch, limits={"max_inflight_requests": 1}) as (orch, client):
+        orch.hold_at = 1  # the first request stays in flight until its client leaves
         held = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": False}))
         while not orch.fed:  # its first token was fed: admitted and running
             await asyncio.sleep(0.01)
@@ -127,16 +119,7 @@ async def test_a_request_refused_while_its_choices_start_has_no_ttft(tiny_model)
     """n=3 whose choice 0 ran to its last token (2 tokens) before choices 1 and 2 were refused for
     now (429): the client got no token, so no TTFT, ITL or generated token is counted (a live run
     counted 5 TTFTs for 3 requests served, its 2 others refused so)."""
-    from tokenizers import Tokenizer
-
-    from pdd.gateway.api import create_app
-
-    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
-                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
-    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
-    orch = FinishedBeforeRefusalOrch(cfg, tok.encode("a b c", add_special_tokens=False).ids)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, orch, tok)),
-                                 base_url="http://t") as client:
+    async with colocated_client(tiny_model, FinishedBeforeRefusalOrch) as (orch, client):
         r = await client.post("/v1/completions", json={**BODY, "n": 3, "max_tokens": 2, "stream": False})
         assert r.status_code == 429, r.text
         await _settled(orch, 3)

@@ -8,6 +8,7 @@ is aborted on the tiers too, stays completed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -281,19 +282,28 @@ async def test_a_tier_refusing_a_starting_request_counts_it_rejected_not_failed(
         assert orch.totals["failed"] == 0 and orch.totals["rejected"] == orch.totals["requests"] >= 2
 
 
-async def _three_choices(tiny_model, orch_cls):
-    """(the fake orchestrator, the response) of one non-streamed n=3 completion on a colocated
-    gateway (in process) whose orchestrator is ``orch_cls``."""
+@contextlib.asynccontextmanager
+async def colocated_client(tiny_model, orch_cls, **config):
+    """``(orch, client)``: an httpx client of a colocated gateway (in process) whose orchestrator
+    is ``orch_cls`` (a fake, given the ids of the prompt "a b c"); ``config``: more top-level
+    config fields (e.g. ``limits``)."""
     from tokenizers import Tokenizer
 
     from pdd.gateway.api import create_app
 
     cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
-                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}, **config})
     tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
     orch = orch_cls(cfg, tok.encode("a b c", add_special_tokens=False).ids)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, orch, tok)),
                                  base_url="http://t") as client:
+        yield orch, client
+
+
+async def _three_choices(tiny_model, orch_cls):
+    """(the fake orchestrator, the response) of one non-streamed n=3 completion on a colocated
+    gateway (in process) whose orchestrator is ``orch_cls``."""
+    async with colocated_client(tiny_model, orch_cls) as (orch, client):
         return orch, await client.post("/v1/completions", json={**BODY, "stream": False, "n": 3})
 
 
