@@ -40,14 +40,28 @@ NOT_SIMULATED = ("dtype", "device", "torch_threads")
 NOT_SIMULATED_TOP = NOT_SIMULATED + ("max_model_len", "max_input_len")
 
 
+def sim_engine_fields(e, block_tokens: int, kv_bytes_per_token: int) -> dict:
+    """The :class:`pdd.sim.sim_config.SimEngine` fields of a runtime engine block ``e``
+    (``pdd.config.EngineConfig``): its batch limits, step floor (s), KV page (tokens; the block
+    when it does not divide ``block_tokens``), pool (``num_pages x page_size`` tokens) and
+    ``kv_bytes_per_token`` (bytes a token of KV sent to it carries)."""
+    return dict(max_batch_tokens=e.max_batch_tokens, prefill_chunk_tokens=e.prefill_chunk_tokens,
+                max_running_seqs=e.max_running, prefill_order=e.prefill_order, min_step_s=e.min_step_ms / 1000.0,
+                page_tokens=e.page_size if block_tokens % e.page_size == 0 else block_tokens,
+                kv_pool_tokens=e.num_pages * e.page_size, kv_bytes_per_token=kv_bytes_per_token)
+
+
 def _fields(own: dict, merged, block_tokens: int) -> dict:
-    """The SimEngine fields of the engine settings ``own`` sets, ``merged`` the block's effective
-    engine (``ClusterConfig.engine_for``) for its pool."""
-    out = {SAME[k]: (v / 1000.0 if k == "min_step_ms" else v) for k, v in own.items() if k in SAME}
+    """The SimEngine fields of the engine settings ``own`` sets (:func:`sim_engine_fields` of
+    ``merged``, the block's effective engine, ``ClusterConfig.engine_for``: ``own``'s values, and
+    its pool)."""
+    full = sim_engine_fields(merged, block_tokens, 0)
+    keys = [SAME[k] for k in own if k in SAME]
     if "page_size" in own:
-        out["page_tokens"] = own["page_size"] if block_tokens % own["page_size"] == 0 else block_tokens
+        keys.append("page_tokens")
     if "num_pages" in own or "page_size" in own:
-        out["kv_pool_tokens"] = merged.num_pages * merged.page_size
+        keys.append("kv_pool_tokens")
+    out = {k: full[k] for k in keys}
     if own.get("profile") is not None:
         out["profile"] = str(own["profile"])
     return out
@@ -92,4 +106,4 @@ def runtime_engine_fields(cfg, mode: str, block_tokens: int) -> tuple[dict, list
     return kw, unread
 
 
-__all__ = ["ROLE_OF", "runtime_engine_fields"]
+__all__ = ["ROLE_OF", "runtime_engine_fields", "sim_engine_fields"]

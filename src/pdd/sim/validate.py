@@ -32,6 +32,7 @@ import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.sim_config import SIM_ROLE, with_live_fit
+from pdd.sim.runtime_engines import sim_engine_fields
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
 from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run, faults_text,
                               load_profile_checked, read_run, require_completed, run_faults)
@@ -73,17 +74,6 @@ def sim_records(requests) -> list[dict]:
     return out
 
 
-def _sim_engine_fields(e, block_tokens: int, kv_bytes_per_token: int) -> dict:
-    """The :class:`pdd.sim.sim_config.SimEngine` fields of a runtime engine block ``e``
-    (``pdd.config.EngineConfig``): its batch limits, step floor (s), KV page (tokens; the block
-    when it does not divide ``block_tokens``), pool (``num_pages x page_size`` tokens) and
-    ``kv_bytes_per_token`` (bytes a token of KV sent to it carries)."""
-    return dict(max_batch_tokens=e.max_batch_tokens, prefill_chunk_tokens=e.prefill_chunk_tokens,
-                max_running_seqs=e.max_running, prefill_order=e.prefill_order, min_step_s=e.min_step_ms / 1000.0,
-                page_tokens=e.page_size if block_tokens % e.page_size == 0 else block_tokens,
-                kv_pool_tokens=e.num_pages * e.page_size, kv_bytes_per_token=kv_bytes_per_token)
-
-
 def sim_tier_engines(cfg, base: dict, block_tokens: int, wire_kvb, profile_path) -> dict:
     """``SimConfig.tier_engines`` mirroring ``cfg``'s ``tiers`` (pdd mode): for P, RLD and MD the
     fields of its tier's effective engine (``ClusterConfig.engine_for``) that differ from
@@ -100,7 +90,7 @@ def sim_tier_engines(cfg, base: dict, block_tokens: int, wire_kvb, profile_path)
     for tier, role in SIM_ROLE.items():
         et = cfg.engine_for(tier)
         kvb = base["kv_bytes_per_token"] if role == "P" else wire_kvb(et.dtype)  # P receives no KV
-        own = _sim_engine_fields(et, block_tokens, kvb)
+        own = sim_engine_fields(et, block_tokens, kvb)
         entry = {k: v for k, v in own.items() if k == "kv_pool_tokens" or v != base[k]}
         if role == "RLD" and et.profile != ep.profile:  # RLD runs on chip A's side: P's profile unless its own
             entry["profile"] = str(et.profile or profile_path)
@@ -109,7 +99,7 @@ def sim_tier_engines(cfg, base: dict, block_tokens: int, wire_kvb, profile_path)
             ei = cfg.engine_for(spec.name)
             if ei is et:
                 continue
-            mine = _sim_engine_fields(ei, block_tokens, base["kv_bytes_per_token"] if role == "P"
+            mine = sim_engine_fields(ei, block_tokens, base["kv_bytes_per_token"] if role == "P"
                                       else wire_kvb(ei.dtype))
             diff = {k: v for k, v in mine.items() if v != own[k]}
             if ei.profile != et.profile:
