@@ -994,3 +994,24 @@ def test_check_out_file_leaves_no_file_behind(tmp_path):
     (tmp_path / "old.json").write_text("kept")
     check_out_file(str(tmp_path / "old.json"), "--json")
     assert (tmp_path / "old.json").read_text() == "kept"
+
+
+def test_sim_run_warns_of_requests_a_stalled_run_left_unfinished(capsys, tmp_path):
+    """Seven small P->MD requests hold P's pool until MD admits them; MD's pool holds the big
+    relayed request's reservation, whose prefill waits for P's: the run ended with every request
+    unfinished and printed a summary of nothing, unsaid. It says so on stderr and in --json."""
+    t = tmp_path / "t.jsonl"
+    recs = [{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [10 + i]} for i in range(7)]
+    recs.append({"timestamp": 0, "input_length": 300, "output_length": 1, "hash_ids": [99]})
+    t.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("link:\n  wan_gbps: 0.5\nengine:\n  page_size: 16\n  num_pages: 19\n")  # 304-token pools
+    out = tmp_path / "s.json"
+    assert pdd_main(["sim", "run", "--trace", str(t), "--config", str(cfg), "--n-p", "1", "--n-rld", "1", "--n-md",
+                     "1", "--json", str(out)]) == 0
+    stall = ("the simulation stalled at 0.02 s with 8 of 8 requests unfinished, their KV admissions waiting on each "
+             "other: P0 (112 of 304 tokens held, 1 queued), MD0 (301 of 304 tokens held, 7 queued); the live engine "
+             "would refuse them (OutOfPages): give the tiers larger KV pools or a lower load")
+    assert capsys.readouterr().err.endswith(f"pdd sim run: warning: {stall}\n")
+    s = json.loads(out.read_text())
+    assert (s["requests"], s["completed"], s["stalled"]) == (8, 0, stall)

@@ -493,6 +493,9 @@ def cmd_run(a) -> int:
                                 else "off"))
     print(f"simulated {len(recs)} requests ({s['duration_s']:.0f} s of traffic) in {wall:.1f} s wall, "
           f"peak RSS {s['peak_rss_mb']:.0f} MB")
+    if sim.stalled:  # requests left unfinished: the figures above are of the others
+        s["stalled"] = sim.stalled
+        print(f"pdd sim run: warning: {sim.stalled}", file=sys.stderr)
     if a.json:
         write_json(s, a.json)
     return 0

@@ -161,6 +161,7 @@ class ClusterSim:
         self.record_decisions = False  # keep each policy call's inputs and result per request
         self.decision_log: dict[int, list[dict]] = {}
         self.autoscaler = None  # pdd.sim.autoscale.SimAutoscaler: routes to its active instances only
+        self.stalled: str | None = None  # after run: why requests were left unfinished (run's docstring)
 
     def host_share(self) -> float:
         """Slow-down of a step starting now when every instance shares ``cfg.host_cores`` CPU
@@ -297,7 +298,9 @@ class ClusterSim:
     def run(self, records, until: float | None = None) -> "ClusterSim":
         """Simulate ``records`` (Mooncake format). Raises :class:`RequestTooLarge` (a ValueError)
         naming the first request whose KV can never fit one instance's pool (it would wait
-        forever, as the engine refuses it), before simulating anything."""
+        forever, as the engine refuses it), before simulating anything. A run whose KV
+        admissions come to wait on each other ends with those requests unfinished:
+        :attr:`stalled` then says so (else None)."""
         self.reqs = [Req(i, r, self.block) for i, r in enumerate(records)]
         # a tier's smallest pool (instances may have their own): routing may pick that instance
         pools = {role: min(i.pool for i in insts) for role, insts in self.tiers.items()}
@@ -312,7 +315,24 @@ class ClusterSim:
         if self.autoscaler is not None:
             self.env.process(self.autoscaler.run())
         self.env.run(until=until)
+        if until is None:
+            self.stalled = self._stall()
         return self
+
+    def _stall(self) -> str | None:
+        """One line on a run that ended with requests unfinished, else None: nothing left to
+        happen, each waits for KV pages (or a decode slot) another one holds. E.g. P's pool held
+        by prefills whose sends wait for MD's admission, MD's by reservations whose prefills
+        wait for P's pool: the simulated tiers queue an admission that does not fit, where the
+        live engine refuses it (``OutOfPages``)."""
+        left = sum(1 for r in self.reqs if not r.finished)
+        if not left:
+            return None
+        queued = ", ".join(f"{i.name} ({i.used:,} of {i.pool:,} tokens held, {len(i.waiting)} queued)"
+                           for insts in self.tiers.values() for i in insts if i.waiting)
+        return (f"the simulation stalled at {self.env.now:.6g} s with {left} of {len(self.reqs)} requests unfinished, "
+                f"their KV admissions waiting on each other: {queued or 'none queued'}; the live engine would refuse "
+                f"them (OutOfPages): give the tiers larger KV pools or a lower load")
 
     def _arrivals(self):
         env = self.env
