@@ -450,6 +450,16 @@ def _recs(*shape, block_ids=None):
             for i, (p, o) in enumerate(shape)]
 
 
+def test_a_prefill_whose_last_chunk_is_one_token_leaves_the_prefill_cap():
+    """With one prefill at a time per P (``max_prefill_inflight=1``, the bathtub experiment's
+    tail case), a 5-token prompt in 4-token chunks ends on a 1-token chunk: that step did not count
+    the prefill as done, P's prefill count stayed 1 and the second request was never admitted (the
+    run ended with it unfinished)."""
+    cfg = SimConfig(mode="pdd", prefill_chunk_tokens=4, max_batch_tokens=4, max_prefill_inflight=1, warmup_frac=0.0)
+    sim = run_checked(cfg, _recs((5, 2), (5, 2)))
+    assert [r.finished for r in sim.reqs] == [True, True] and sim.tiers["P"][0].prefilling == 0
+
+
 def test_kv_admissions_waiting_on_each_other_are_reported():
     """MD's pool holds the big relayed request's reservation (predicted send) while its prefill
     waits for P's pool, which the seven small P->MD requests hold until MD admits them: nothing can

@@ -195,9 +195,13 @@ class Instance:
         self.seqs[seq.seq_id] = seq
         if seq.kind in ("prefill", "coloc") and seq.num_tokens - seq.num_computed > 1:
             self.prefilling += 1
+            seq.in_prefill = True
 
     def remove(self, rid: int) -> Seq | None:
         s = self.seqs.pop(rid, None)
+        if s is not None and s.in_prefill:
+            self.prefilling -= 1
+            s.in_prefill = False
         return s
 
     # --- the engine loop -----------------------------------------------------------------------
@@ -316,10 +320,10 @@ class Instance:
                     s = seqs.get(it.seq_id)
                     if s is None:
                         continue
-                    was_prefill = s.kind in ("prefill", "coloc") and s.num_tokens - s.num_computed > 1
                     s.num_computed += it.num_tokens
-                    if was_prefill and s.num_computed >= s.num_tokens:
+                    if s.in_prefill and s.num_computed >= s.num_tokens:  # its last chunk (one token too)
                         self.prefilling -= 1
+                        s.in_prefill = False
                     if it.sample:
                         s.num_tokens += 1
                         self.tokens_out += 1

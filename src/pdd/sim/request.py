@@ -80,7 +80,7 @@ class Seq:
     """What the engine's scheduler sees (SeqState-compatible) plus simulator bookkeeping."""
 
     __slots__ = ("seq_id", "num_tokens", "num_computed", "arrival", "can_sample", "req", "kind",
-                 "reserved", "locked", "emit_delay")
+                 "reserved", "locked", "emit_delay", "in_prefill")
 
     def __init__(self, req: Req, num_tokens: int, num_computed: int, arrival: int, kind: str,
                  reserved: int, locked=None, emit_delay: float = 0.0):
@@ -94,3 +94,4 @@ class Seq:
         self.reserved = reserved  # private KV tokens held
         self.locked = locked  # cache blocks locked by this sequence
         self.emit_delay = emit_delay  # token latency from this instance to the gateway
+        self.in_prefill = False  # counted in its instance's prefilling (Instance.add) until its prompt is computed
