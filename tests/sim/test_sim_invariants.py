@@ -460,6 +460,20 @@ def test_a_prefill_whose_last_chunk_is_one_token_leaves_the_prefill_cap():
     assert [r.finished for r in sim.reqs] == [True, True] and sim.tiers["P"][0].prefilling == 0
 
 
+def test_layerwise_kv_lands_after_ps_reply_lag_with_its_first_token():
+    """Layer-wise, P's last layer group is written when its step ends, but its first token (and the
+    transfer's kv_done) only after P's reply lag: the fast path's KV landed first and RLD emitted
+    the first token before P had it (TTFT below P's prefill), and the early handoff read P's prefill
+    end while it was None (a TypeError: ``pdd sim run --profile data/profiles/this-machine.json
+    --kv-stream layerwise --budget-ms 0``). The transfer now ends when P seals it."""
+    cfg = SimConfig(mode="pdd", kv_stream="layerwise", p_reply_lag_s_per_token=1e-4, ttft_budget_ms=0.0,
+                    wan_gbps=100.0, warmup_frac=0.0)
+    sim = run_checked(cfg, _recs((1, 4)))
+    r = sim.reqs[0]
+    assert r.t_first == r.t_prefill_done + sim.fast["P0"].owd  # the seal, then the fast path's one-way delay
+    assert r.t_kv_written == r.t_prefill_done and sim.early_handoffs == 1
+
+
 def test_kv_admissions_waiting_on_each_other_are_reported():
     """MD's pool holds the big relayed request's reservation (predicted send) while its prefill
     waits for P's pool, which the seven small P->MD requests hold until MD admits them: nothing can

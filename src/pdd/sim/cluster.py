@@ -680,6 +680,10 @@ class ClusterSim:
             req.p_locked = ((), s.reserved)
         if self.layerwise:
             self._kv_sealed(req)
+        if req.at_seal is not None:  # sends whose bytes all left before the seal (P's reply lag)
+            waiting, req.at_seal = req.at_seal, None
+            for fn in waiting:
+                fn()
         if req.rid in self.kv_dispatched:  # layer-wise: the sends started during the prefill
             self.kv_dispatched.discard(req.rid)
             if req.pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD):
@@ -743,8 +747,9 @@ class ClusterSim:
 
             def admit_d(_n):
                 seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
-                req.fast_flow = self.fast[p.name].send(req.rid, total_d, lambda: self._kv_at_decoder(d, req, seq),
-                                                       held=self._held(req, 0, total_d, d.kvb))
+                line = self.fast[p.name]
+                req.fast_flow = line.send(req.rid, total_d, lambda: self._delivered(
+                    req, line, lambda: self._kv_at_decoder(d, req, seq)), held=self._held(req, 0, total_d, d.kvb))
 
             d.enqueue(req.prompt + req.out_len, admit_d, slot=True)
             return
@@ -756,8 +761,9 @@ class ClusterSim:
             def admit_rld(_n):
                 seq = Seq(req, req.prompt + 1, req.prompt, 0, "decode", req.prompt + req.out_len)
                 req.rld_seq = seq
-                req.fast_flow = self.fast[p.name].send(req.rid, total, lambda: self._kv_at_decoder(rld, req, seq),
-                                                       held=self._held(req, 0, total, rld.kvb))
+                line = self.fast[p.name]
+                req.fast_flow = line.send(req.rid, total, lambda: self._delivered(
+                    req, line, lambda: self._kv_at_decoder(rld, req, seq)), held=self._held(req, 0, total, rld.kvb))
 
             rld.enqueue(req.prompt + req.out_len, admit_rld, slot=True)
         if pl in (Pipeline.P_MD, Pipeline.P_RLD_MD):
@@ -780,9 +786,31 @@ class ClusterSim:
         on_sent = None
         if self.cfg.early_handoff and req.pipeline == Pipeline.P_RLD_MD:
             on_sent = lambda: self._kv_left_p(req)  # noqa: E731
-        req.wan_flow = self.wan.send(req.rid, nbytes, lambda: self._kv_at_md(req), on_sent,
+        landed = lambda: self._delivered(req, self.wan, lambda: self._kv_at_md(req))  # noqa: E731
+        req.wan_flow = self.wan.send(req.rid, nbytes, landed, on_sent,
                                      held=self._held(req, req.prompt - req.md_missing, nbytes, kvb),
                                      sent_lead=self.wan_written_lead, conn=(req.p.name, req.md.name))
+
+    def _delivered(self, req: Req, line: Line, fn: Callable[[], None]) -> None:
+        """A send of ``req``'s KV on ``line`` has landed (its last byte, ``line``'s one-way delay
+        after it left): ``fn`` (the receiver takes it) runs now, or, when its bytes all left
+        before P's prefill ended (layer-wise, P's reply lag), once the transfer's end has
+        crossed after P's seal: the runtime's ``kv_done`` (with P's first token) follows the seal
+        (``pdd.transfer.kv.LayeredTransfer``)."""
+        if not req.prefill_done:
+            self._at_seal(req, lambda: self.after(line.owd, fn))
+            return
+        wait = req.t_prefill_done + line.owd - self.env.now
+        if wait > 0:
+            self.after(wait, fn)
+        else:
+            fn()
+
+    def _at_seal(self, req: Req, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when P's prefill of ``req`` ends (its seal: :meth:`_prefill_done`)."""
+        if req.at_seal is None:
+            req.at_seal = []
+        req.at_seal.append(fn)
 
     def _flow_drained(self, req: Req) -> None:
         req.p_pending_flows -= 1
@@ -909,7 +937,11 @@ class ClusterSim:
         from P's prefill end): RLD's ids then cross the WAN beside the KV's last bytes instead of
         after MD's kv_ready crossed back, a round trip earlier. With an exact estimate and the
         send started at prefill end the wait is 0; a send that queued or shared the line has
-        waited already; an estimate below the rate the flow got waits on."""
+        waited already; an estimate below the rate the flow got waits on. Bytes that all left
+        before P's prefill ended (layer-wise, P's reply lag) are written with its seal."""
+        if not req.prefill_done:
+            self._at_seal(req, lambda: self._kv_left_p(req))
+            return
         if req.t_kv_written is None:
             req.t_kv_written = self.env.now
         if self._early_moot(req):

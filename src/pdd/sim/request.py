@@ -29,7 +29,7 @@ class Req:
         "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
         "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
         "handoff_started", "t_handoff_start", "t_handoff", "t_md_replied", "early_pending",
-        "md_held", "fill_flow", "fill_pending", "main_landed", "t_kv_written",
+        "md_held", "fill_flow", "fill_pending", "main_landed", "t_kv_written", "at_seal",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -74,6 +74,7 @@ class Req:
         self.t_kv_written = None  # when P wrote MD's KV to its sockets (the runtime's xfer_done; early handoff)
         self.early_pending = False  # an early handoff waits for that reply
         self.t_handoff = None  # when RLD ran it (after its step in flight)
+        self.at_seal = None  # what waits for P's prefill to end (ClusterSim._at_seal), or None
 
 
 class Seq:
