@@ -474,6 +474,21 @@ def test_layerwise_kv_lands_after_ps_reply_lag_with_its_first_token():
     assert r.t_kv_written == r.t_prefill_done and sim.early_handoffs == 1
 
 
+def test_a_layerwise_flow_idling_for_its_prefill_counts_the_bytes_it_sent():
+    """A layer-wise flow that has sent all its computed bytes but a microsecond's worth idles until
+    the prefill releases more; those last bytes were dropped from the line's count (50 of 6,050
+    here), so the line's bytes were below what its requests sent."""
+    from pdd.sim.cluster import Line
+
+    sim = ClusterSim(SimConfig(mode="cross_dc_pd"))
+    line = Line(sim, "x", 8.0, 0.0, "ps")  # 1 GB/s: a microsecond is 1,000 bytes
+    fa = line.send("a", 3000.0, lambda: None, held=2000.0)
+    fb = line.send("b", 3050.0, lambda: None, held=2000.0)  # 50 bytes behind a when a idles
+    sim.after(1e-3, lambda: (line.release(fa, 0.0), line.release(fb, 0.0)))
+    sim.env.run()
+    assert line.bytes_sent == pytest.approx(6050.0, rel=1e-12) and fa.done and fb.done
+
+
 def test_kv_admissions_waiting_on_each_other_are_reported():
     """MD's pool holds the big relayed request's reservation (predicted send) while its prefill
     waits for P's pool, which the seven small P->MD requests hold until MD admits them: nothing can

@@ -318,7 +318,8 @@ class Line:
             act = self._active()
             f = min(act, key=lambda f: f.remaining - f.held)
             (done if f.held == 0.0 else idle).append(f)
-        for f in idle:  # all it has so far is sent: it waits for the prefill
+        for f in idle:  # all it has so far is sent (its last bytes within eps: counted): it waits for the prefill
+            self.bytes_sent += max(0.0, f.remaining - f.held)
             f.remaining = f.held
             if f.idle_since is None:
                 f.idle_since = now
