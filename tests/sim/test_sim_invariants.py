@@ -489,6 +489,27 @@ def test_a_layerwise_flow_idling_for_its_prefill_counts_the_bytes_it_sent():
     assert line.bytes_sent == pytest.approx(6050.0, rel=1e-12) and fa.done and fb.done
 
 
+def test_a_transfer_cut_off_before_its_plan_counts_as_saved():
+    """RLD finished the request (one output token) before MD's reservation reply reached the
+    gateway: the cut-off saved the whole transfer, but its bytes were unknown then and it counted
+    0, so the line's bytes plus the saved ones fell short of what was planned."""
+    cfg = SimConfig(mode="pdd", wan_rtt_ms=30.0, ttft_budget_ms=0.0, md_predicted_send=False,
+                    cutoff_min_remaining_s=0.0, warmup_frac=0.0)
+    sim = run_checked(cfg, _recs((1, 1)))
+    assert (sim.cutoffs, sim.wan.bytes_sent, sim.wan_saved_bytes) == (1, 0.0, 131072.0)
+
+
+def test_a_fill_a_cut_off_stops_counts_as_saved():
+    """The second of two equal prompts is predicted held on MD (the gateway's index holds the
+    first, still on the line), MD lacks it, so its reply asks P for a fill; RLD finished first and
+    the cut-off dropped the fill, whose bytes counted neither as sent nor as saved."""
+    cfg = SimConfig(mode="pdd", wan_gbps=0.02, wan_rtt_ms=200.0, block_tokens=8, page_tokens=2, ttft_budget_ms=0.0,
+                    early_handoff=False, cutoff_min_remaining_s=0.0, drc=False, warmup_frac=0.0)
+    sim = run_checked(cfg, _recs((8, 1), (8, 1), block_ids=[7, 7]))
+    assert (sim.cutoffs, sim.md_predicted_short) == (2, 1)
+    assert sim.wan.bytes_sent + sim.wan_saved_bytes == pytest.approx(2 * 8 * 131072, rel=1e-12)
+
+
 def test_kv_admissions_waiting_on_each_other_are_reported():
     """MD's pool holds the big relayed request's reservation (predicted send) while its prefill
     waits for P's pool, which the seven small P->MD requests hold until MD admits them: nothing can

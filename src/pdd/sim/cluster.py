@@ -560,6 +560,9 @@ class ClusterSim:
         blocks = req.blocks[: req.md_hit // self.block]
         missing = req.prompt - req.md_hit
         req.md_missing = missing
+        req.md_queued = True
+        if req.cut_off and req.wan_flow is None:  # cut off before the plan: none of it will be sent
+            self.wan_saved_bytes += missing * md.kvb
         if missing > 0 and self.cfg.wan_backlog_in_plan:
             self.wan_planned[req.rid] = req
 
@@ -852,9 +855,11 @@ class ClusterSim:
     def _send_fill(self, req: Req, tokens: int) -> None:
         """The runtime's fill (``md_fill``): MD's reservation reply, back at the gateway, says MD
         lacks ``tokens`` of the prompt the predicted send left out; P sends them over the same
-        connection, after the predicted send. Nothing once the transfer was cut off."""
+        connection, after the predicted send. Nothing once the transfer was cut off (the cut-off
+        saved its bytes)."""
         if req.cut_off:
             req.fill_pending = False
+            self.wan_saved_bytes += tokens * req.md.kvb
             return
         nbytes = tokens * req.md.kvb
         req.wan_bytes += nbytes
@@ -1103,8 +1108,11 @@ class ClusterSim:
                         req.wan_bytes -= left
                         self._flow_drained(req)
                     elif req.wan_flow is None and req.prefill_done:
-                        # never started (MD reservation pending): nothing will be sent
-                        self.wan_saved_bytes += req.md_missing * req.md.kvb
+                        # never started (MD reservation pending): nothing will be sent. Its
+                        # missing tokens are known once the plan queued it at MD (else
+                        # _md_enqueue counts them)
+                        if req.md_queued:
+                            self.wan_saved_bytes += req.md_missing * req.md.kvb
                         self._flow_drained(req)
                     if req.fill_flow is not None and not req.fill_flow.done:  # a fill follows only a started send
                         left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)

@@ -29,7 +29,7 @@ class Req:
         "handoff_round", "handed", "rld_tokens", "md_tokens", "stall", "t_prefill_done",
         "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
         "handoff_started", "t_handoff_start", "t_handoff", "t_md_replied", "early_pending",
-        "md_held", "fill_flow", "fill_pending", "main_landed", "t_kv_written", "at_seal",
+        "md_held", "fill_flow", "fill_pending", "main_landed", "t_kv_written", "at_seal", "md_queued",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -75,6 +75,7 @@ class Req:
         self.early_pending = False  # an early handoff waits for that reply
         self.t_handoff = None  # when RLD ran it (after its step in flight)
         self.at_seal = None  # what waits for P's prefill to end (ClusterSim._at_seal), or None
+        self.md_queued = False  # the plan queued its admission at MD (its md_missing is MD's)
 
 
 class Seq:
