@@ -510,6 +510,25 @@ def test_a_fill_a_cut_off_stops_counts_as_saved():
     assert sim.wan.bytes_sent + sim.wan_saved_bytes == pytest.approx(2 * 8 * 131072, rel=1e-12)
 
 
+def test_a_drained_p_is_removed_only_once_its_cache_is_unlocked():
+    """A request that ended on RLD while its KV still crossed the WAN (no cut-off) holds P's
+    cached blocks until the send drains. The autoscaler removed its drained P before that (nothing
+    in flight, no private pages: the prompt is one whole block), dropping the cache, and the send's
+    end then unlocked a block the new cache never held (KeyError). It now waits for the locks."""
+    from pdd.config import AutoscaleConfig
+
+    cfg = SimConfig(mode="pdd", n_p=2, wan_gbps=0.02, block_tokens=8, page_tokens=8, cutoff=False, warmup_frac=0.0)
+    acfg = AutoscaleConfig(enabled=True, interval_s=0.3, sample_s=0.1, cooldown_s=0.0, max={"prefill": 2},
+                           up_at=0.75, down_at=0.05)
+    recs = _recs((8, 1), (8, 1), (8, 1))
+    recs[2]["timestamp"] = 2000  # keeps the loop running past the sends
+    sim = run_checked(cfg, recs, (acfg, 0.0))
+    assert [r.p.name for r in sim.reqs] == ["P0", "P1", "P0"]
+    assert [(e["time"], e["op"], e["instance"]) for e in sim.autoscaler.events] == [
+        (0.3, "drain", "P1"), (0.9, "remove", "P1")]  # P1's send to MD drains at 0.845 s
+    assert sim.reqs[1].wan_flow.t_end == pytest.approx(0.845322, abs=1e-6)
+
+
 def test_kv_admissions_waiting_on_each_other_are_reported():
     """MD's pool holds the big relayed request's reservation (predicted send) while its prefill
     waits for P's pool, which the seven small P->MD requests hold until MD admits them: nothing can

@@ -150,7 +150,7 @@ class SimAutoscaler:
         for role in self.roles:  # drained instances go once nothing is in flight or held there
             for inst in self._insts(role, DRAINING):
                 if (not busy.get(inst.name) and not inst.seqs and not inst.waiting and not inst.slots
-                        and not inst.routed and inst.private == 0):
+                        and not inst.routed and inst.private == 0 and (inst.cache is None or not inst.cache.locks)):
                     if inst.cache is not None:
                         inst.cache = PrefixCache(inst.cache.capacity_blocks)
                     self._set(inst.name, REMOVED, "remove")
