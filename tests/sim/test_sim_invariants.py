@@ -529,6 +529,18 @@ def test_a_drained_p_is_removed_only_once_its_cache_is_unlocked():
     assert sim.reqs[1].wan_flow.t_end == pytest.approx(0.845322, abs=1e-6)
 
 
+def test_handoff_rounds_waiting_for_kv_are_dropped_with_the_request():
+    """Catch-up rounds whose ids reached MD before its KV wait there; when RLD finished the request
+    first they stayed queued on it after MD let the request go."""
+    e = SimEngine(kv_pool_tokens=9)
+    cfg = SimConfig(mode="pdd", wan_gbps=0.02, wan_rtt_ms=0.0, tier_engines={"P": e, "RLD": e, "MD": e},
+                    ttft_budget_ms=0.0, handoff_mode="catch_up", catchup_threshold=0, md_predicted_send=False,
+                    wan_send_buffer_bytes=1e7, warmup_frac=0.0)
+    sim = run_checked(cfg, _recs((1, 5), (1, 8)))
+    assert [len(r.md_waiting) for r in sim.reqs] == [0, 0] and [r.handoff_round for r in sim.reqs] == [0, 1]
+    assert [r.rld_tokens for r in sim.reqs] == [4, 7] and sim.reqs[1].rld_finished  # RLD ended both
+
+
 def test_kv_admissions_waiting_on_each_other_are_reported():
     """MD's pool holds the big relayed request's reservation (predicted send) while its prefill
     waits for P's pool, which the seven small P->MD requests hold until MD admits them: nothing can

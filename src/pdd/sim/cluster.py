@@ -1127,6 +1127,7 @@ class ClusterSim:
         self._complete(req)
 
     def _md_release(self, req: Req, cache: bool) -> None:
+        req.md_waiting = []  # handoff rounds whose ids came before the KV: moot once MD lets go
         md = req.md
         seq = req.md_seq
         if md is None:
