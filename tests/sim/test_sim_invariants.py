@@ -440,6 +440,18 @@ def run_checked(cfg: SimConfig, recs, auto=None) -> CheckedSim | None:
     return sim
 
 
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios())
+def test_random_runs_keep_the_simulators_invariants(sc):
+    cfg, recs, auto = sc
+    note(f"cfg={cfg!r}\nrecs={recs!r}\nauto={auto!r}")
+    sim = run_checked(cfg, recs, auto)
+    if sim is not None:
+        again = build(cfg, auto).run(recs)  # the same inputs: a bit-identical run
+        assert fingerprint(again) == fingerprint(sim)
+
+
 # --- the examples the randomized runs found, each once a violation ------------------------------------
 
 def _recs(*shape, block_ids=None):
