@@ -375,11 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
         # `pdd workload agentic` (issue wording) is the simulator's generator under its own name
         w = sub.add_parser("workload", help="generate workloads (Mooncake-format JSONL)")
         wsub = w.add_subparsers(dest="workload_cmd", required=True)
-        from pdd.sim.cli import NONNEG_INT, POS_INT, RATE, cmd_agentic
+        from pdd.sim.cli import GENERATED, NONNEG_INT, RATE, cmd_agentic
 
         g = wsub.add_parser("agentic", help="agentic multi-turn workload calibrated to the PDD report; prints the "
                                             "seven-bin prefix-hit histogram")
-        g.add_argument("--n", "--requests", dest="n", type=POS_INT, default=5000)
+        g.add_argument("--n", "--requests", dest="n", type=GENERATED, default=5000)
         g.add_argument("--rate", type=RATE, default=2.0,
                        help="mean arrivals, requests/s (>= 0.001: one request per 1000 s on average)")
         g.add_argument("--seed", type=NONNEG_INT, default=0)

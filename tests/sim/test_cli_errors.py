@@ -42,6 +42,12 @@ def _refused(capsys, argv, *names, entry=pdd_main):
     (["--slo-ttft", "0"], ["--slo-ttft", "must be > 0"]),
     (["--limit", "abc"], ["--limit", "not an integer: 'abc'"]),
     (["--budget-ms", "inf"], ["--budget-ms", "must be a finite number >= 0, got inf"]),
+    # an instance count or a generated workload past these took minutes and gigabytes before the run
+    # (99999999999999999999: a hang)
+    (["--n-md", "10001", "--limit", "3"], ["argument --n-md: must be at most 10,000 (instances of one tier), got 10001"]),
+    (["--agentic", "1000001"], ["argument --agentic: must be at most 1,000,000 (requests of a generated workload), "
+                                "got 1000001"]),
+    (["--agentic", "3", "--autoscale", "md=10001"], ["--autoscale: 'md=10001': at most 10,000 instances of one tier"]),
 ])
 def test_sim_run_refuses_bad_flags(capsys, args, names):
     _refused(capsys, ["sim", "run"] + args, "pdd sim run: error:", *names)
@@ -243,6 +249,15 @@ def test_plan_refuses_bad_wan_and_rld_lists(capsys, args, names):
     (["--hit", "nan"], "argument --hit: must be in [0, 1], got nan"),
     (["--top", "0"], "argument --top: must be >= 1, got 0"),
     (["--top", "-1"], "argument --top: must be >= 1, got -1"),
+    # past these the search, the workload or its instances took hours or all the memory (1e20: a hang)
+    (["--requests", "1000001"], "argument --requests: must be at most 1,000,000 (requests of a generated workload), "
+                                "got 1000001"),
+    (["--workload", "fixed", "--input-len", "10000001"],
+     "argument --input-len: must be at most 10,000,000 (prompt tokens), got 10000001"),  # 1e20: a MemoryError
+    (["--p-max", "10001"], "argument --p-max: must be at most 10,000 (instances of one tier), got 10001"),
+    (["--requests", "3", "--md-min", "10001", "--md-max", "10001"], "--md-max 10001: at most 10,000 (instances of "
+                                                                    "one tier)"),
+    (["--requests", "3", "--rld", "10001"], "--rld '10001': at most 10,000 (instances of one tier)"),
 ])
 def test_plan_refuses_bad_numbers_naming_the_flag(capsys, args, message):
     """Found by a new user: --requests 0 searched for minutes, --hit 2 / --top 0 were tracebacks or
@@ -1015,3 +1030,10 @@ def test_sim_run_warns_of_requests_a_stalled_run_left_unfinished(capsys, tmp_pat
     assert capsys.readouterr().err.endswith(f"pdd sim run: warning: {stall}\n")
     s = json.loads(out.read_text())
     assert (s["requests"], s["completed"], s["stalled"]) == (8, 0, stall)
+
+
+@pytest.mark.parametrize("argv", [["sim", "agentic", "--n", "1000001"], ["workload", "agentic", "--n", "1000001"]])
+def test_a_generated_workload_past_a_million_requests_is_one_line(capsys, argv):
+    """A million agentic requests take about 1 GB of records; 1e20 filled the memory (a hang)."""
+    _refused(capsys, argv, "error: argument --n", "must be at most 1,000,000 (requests of a generated workload), got "
+                           "1000001")

@@ -265,8 +265,10 @@ def fixed_summary(sim, t1: float) -> dict:
 
 def parse_role_counts(text: str, flag: str = "--autoscale") -> dict[str, int]:
     """``"md=3,rld=2"`` -> ``{"main_decode": 3, "relay_decode": 2}`` (p, rld, md or the config's
-    role names, each role once); ValueError naming ``flag`` otherwise (a bad item, a role given
-    twice in either spelling)."""
+    role names, each role once, N at most ``MAX_INSTANCES``); ValueError naming ``flag`` otherwise (a
+    bad item, a role given twice in either spelling)."""
+    from pdd.sim.sim_config import MAX_INSTANCES
+
     out: dict[str, int] = {}
     given: dict[str, str] = {}
     for item in str(text).split(","):
@@ -279,6 +281,8 @@ def parse_role_counts(text: str, flag: str = "--autoscale") -> dict[str, int]:
         if not eq or role not in SIM_ROLE or n < 1:
             raise ValueError(f"{flag}: expected ROLE=N with ROLE one of p, rld, md (or prefill, relay_decode, "
                              f"main_decode) and N >= 1, e.g. md=3, got {item.strip()!r}")
+        if n > MAX_INSTANCES:
+            raise ValueError(f"{flag}: {item.strip()!r}: at most {MAX_INSTANCES:,} instances of one tier")
         if role in out:
             raise ValueError(f"{flag}: {role} given twice ({given[role]!r} and {item.strip()!r}); give each role once")
         out[role] = n

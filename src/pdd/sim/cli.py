@@ -48,8 +48,12 @@ def _rld_counts(spec: str) -> list[int]:
         out = [int(x) for x in spec.split(",")]
     except ValueError:
         out = []
+    from pdd.sim.sim_config import MAX_INSTANCES
+
     if not out or min(out) < 1:
         raise UsageError(f"--rld {spec!r}: expected comma-separated RLD counts >= 1, e.g. 1,2,4")
+    if max(out) > MAX_INSTANCES:
+        raise UsageError(f"--rld {spec!r}: at most {MAX_INSTANCES:,} (instances of one tier)")
     return out
 
 
@@ -82,6 +86,35 @@ def _nonneg(v: float) -> bool:
 
 POS_INT = _number(int, ">= 1", lambda v: v >= 1)
 NONNEG_INT = _number(int, ">= 0", lambda v: v >= 0)
+# generated requests (`--agentic`, `pdd plan --requests`, `pdd sim agentic --n`): a million take about
+# 1 GB of records; more is a typo that would fill the memory before anything is simulated
+MAX_GENERATED = 1_000_000
+MAX_PROMPT_TOKENS = 10_000_000  # `pdd plan --input-len`: 76x the largest model context in models.json
+
+
+def _int_in(lo: int, hi: int, what: str):
+    """An argparse ``type=``: an integer >= ``lo`` (refused as NONNEG_INT / POS_INT refuse) and at
+    most ``hi`` (message: ``what`` it counts)."""
+    low = _number(int, f">= {lo}", lambda v: v >= lo)
+
+    def parse(text: str) -> int:
+        v = low(text)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"must be at most {hi:,} ({what}), got {text}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _instances(lo: int):
+    from pdd.sim.sim_config import MAX_INSTANCES
+
+    return _int_in(lo, MAX_INSTANCES, "instances of one tier")
+
+
+INSTANCES = _instances(0)
+GENERATED = _int_in(1, MAX_GENERATED, "requests of a generated workload")
 POS_FLOAT = _number(float, "> 0", _positive)
 NONNEG_FLOAT = _number(float, ">= 0", _nonneg)
 FRACTION = _number(float, "in [0, 1]", lambda v: 0 <= v <= 1)
@@ -163,7 +196,7 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
                    "(role step scale and overheads, WAN send buffer, client delay, gateway RTT, fast path): "
                    "the bare engine's step times alone")
     for n, d in (("p", 4), ("rld", 2), ("md", 4), ("d", 4), ("c", 8)):
-        g.add_argument(f"--n-{n}", type=NONNEG_INT, default=d)
+        g.add_argument(f"--n-{n}", type=INSTANCES, default=d)
     g.add_argument("--wan-gbps", type=POS_FLOAT, default=25.0)
     g.add_argument("--wan-rtt-ms", type=NONNEG_FLOAT, default=30.0)
     g.add_argument("--wan-order", default="ps", choices=["ps", "fifo", "srf"])
@@ -213,8 +246,8 @@ def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
                             "are dropped until a prompt fits (no request is dropped; default: none)")
     g.add_argument("--scale-rate", type=SCALE_RATE, default=1.0,
                    help="replay this many times faster (>= 0.001: at most 1000 times slower)")
-    g.add_argument("--agentic", type=POS_INT, default=None,
-                   help="generate N (>= 1) agentic requests instead of a trace")
+    g.add_argument("--agentic", type=GENERATED, default=None,
+                   help="generate N (1 to 1,000,000) agentic requests instead of a trace")
     g.add_argument("--rate", type=RATE, default=2.0,
                    help="req/s for generated workloads (>= 0.001: one request per 1000 s on average)")
     g.add_argument("--seed", type=NONNEG_INT, default=0, help="workload seed (>= 0: numpy's generators take no negative seed)")
@@ -893,7 +926,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     cp.add_argument("--json", default=None, help="write every row and the summary here")
     cp.set_defaults(func=cmd_compare_profiles, parser=cp)
     g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
-    g.add_argument("--n", type=POS_INT, default=5000)
+    g.add_argument("--n", type=GENERATED, default=5000)
     g.add_argument("--rate", type=RATE, default=2.0, help="mean arrivals, req/s (>= 0.001)")
     g.add_argument("--seed", type=NONNEG_INT, default=0)
     g.add_argument("--out", default=None, help="Mooncake-format JSONL file to write (default: only the hit histogram is printed)")
@@ -916,9 +949,13 @@ def cmd_plan(a) -> int:
         def make(rate):
             return _records(a, rate)
 
+    from pdd.sim.sim_config import MAX_INSTANCES
+
     if a.md_step < 1 or a.md_min < 1 or a.md_max < a.md_min:
         raise UsageError(f"--md-min {a.md_min} / --md-max {a.md_max} / --md-step {a.md_step}: the MD counts searched "
                          "are empty (need 1 <= --md-min <= --md-max and --md-step >= 1)")
+    if a.md_max > MAX_INSTANCES:
+        raise UsageError(f"--md-max {a.md_max}: at most {MAX_INSTANCES:,} (instances of one tier)")
     if a.json is not None:
         check_out_file(a.json, "--json")  # before the search (minutes), not after it
     base = _make_cfg(a)
@@ -954,8 +991,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     _cfg_args(p)
     _workload_args(p, max_input=True)
     p.add_argument("--workload", default="agentic", choices=["agentic", "trace", "fixed"])
-    p.add_argument("--requests", type=POS_INT, default=1500)
-    p.add_argument("--input-len", type=POS_INT, default=63 * 1024)
+    p.add_argument("--requests", type=GENERATED, default=1500)
+    p.add_argument("--input-len", type=_int_in(1, MAX_PROMPT_TOKENS, "prompt tokens"), default=63 * 1024)
     p.add_argument("--output-len", type=NONNEG_INT, default=1024)
     p.add_argument("--hit", type=FRACTION, default=0.9, help="prefix hit rate of the fixed workload, in [0, 1]")
     p.add_argument("--wan", default="10:5,25:9,100:15", help="line options GBPS:USD_PER_HOUR, comma-separated")
@@ -963,7 +1000,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--md-max", type=int, default=16)
     p.add_argument("--md-step", type=int, default=2)
     p.add_argument("--rld", default="1,2,4")
-    p.add_argument("--p-max", type=POS_INT, default=32)
+    p.add_argument("--p-max", type=_instances(1), default=32)
     p.add_argument("--top", type=POS_INT, default=3)
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_plan, parser=p)

@@ -110,6 +110,9 @@ def _sim_engine(v, at: str) -> SimEngine:
     return SimEngine(**v)
 
 
+# the most instances of one tier the CLIs build (each a SimPy process; a deployment of more is a
+# typo, whose instances alone would take minutes and gigabytes to set up)
+MAX_INSTANCES = 10_000
 P_DISPATCH_MAX_S = 60.0  # SimConfig.p_dispatch_s above this is no trip to P (a hand-edited profile)
 P_REPLY_LAG_MAX_S = 0.01  # SimConfig.p_reply_lag_s_per_token above this (5 s a 512-token chunk): hand-edited
 
