@@ -48,6 +48,10 @@ def _refused(capsys, argv, *names, entry=pdd_main):
     (["--agentic", "1000001"], ["argument --agentic: must be at most 1,000,000 (requests of a generated workload), "
                                 "got 1000001"]),
     (["--agentic", "3", "--autoscale", "md=10001"], ["--autoscale: 'md=10001': at most 10,000 instances of one tier"]),
+    # said "the model's weights leave no KV room", as if the weights did not fit
+    (["--kv-bytes-per-token", "99999999999999999999", "--limit", "3"],
+     ["P0: no KV room on H100-SXM5-80GB: what the model's weights leave holds no token of "
+      "99,999,999,999,999,999,999 KV bytes"]),
 ])
 def test_sim_run_refuses_bad_flags(capsys, args, names):
     _refused(capsys, ["sim", "run"] + args, "pdd sim run: error:", *names)

@@ -84,7 +84,8 @@ class Instance:
         self.kvb = eng.kv_bytes_per_token or sim.model.kv_bytes_per_token
         self.pool = eng.kv_pool_tokens or cm.kv_capacity_tokens()
         if self.pool <= 0:
-            raise ValueError(f"{name}: the model's weights leave no KV room on {cm.chip.name}")
+            raise ValueError(f"{name}: no KV room on {cm.chip.name}: what the model's weights leave holds no token of "
+                             f"{cm.model.kv_bytes_per_token:,} KV bytes")
         self.cache = PrefixCache(int(self.pool * cache_frac) // sim.block) if cache else None
         self.private = 0
         self.seqs: dict[int, Seq] = {}
