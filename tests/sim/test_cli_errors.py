@@ -1041,3 +1041,126 @@ def test_a_generated_workload_past_a_million_requests_is_one_line(capsys, argv):
     """A million agentic requests take about 1 GB of records; 1e20 filled the memory (a hang)."""
     _refused(capsys, argv, "error: argument --n", "must be at most 1,000,000 (requests of a generated workload), got "
                            "1000001")
+
+
+def _pipeline_decision(**inputs) -> dict:
+    from dataclasses import asdict
+
+    from pdd.policy.pipeline import PipelineInputs
+
+    return {"policy": "pipeline", "inputs": {**asdict(PipelineInputs(mode="pdd", prompt_tokens=100)), **inputs},
+            "result": "p_rld_md"}
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _pdd_block(**fields) -> dict:
+    return {**_record()["pdd"], **fields}
+
+
+@pytest.mark.parametrize("file,value,message", [
+    ("requests", {"pdd": _pdd_block(decisions=True)}, "pdd.decisions must be a list of decisions"),
+    ("requests", {"pdd": _pdd_block(decisions=[True])},
+     "pdd.decisions[0] must be an object whose policy is pipeline or handoff"),
+    ("requests", {"pdd": _pdd_block(decisions=[{**_pipeline_decision(), "policy": {}}])},
+     "pdd.decisions[0] must be an object whose policy is pipeline or handoff"),
+    ("requests", {"pdd": _pdd_block(decisions=[{**_pipeline_decision(), "inputs": True}])},
+     "pdd.decisions[0].inputs must be an object"),
+    ("requests", {"pdd": _pdd_block(decisions=[{**_pipeline_decision(), "inputs": _without(
+        _pipeline_decision()["inputs"], "prompt_tokens")}])}, "pdd.decisions[0].inputs.prompt_tokens is missing"),
+    ("requests", {"pdd": _pdd_block(decisions=[_pipeline_decision(wan_rtt_ms=[1])])},
+     "pdd.decisions[0].inputs.wan_rtt_ms must be a number, got [1]"),
+    ("requests", {"pdd": _pdd_block(decisions=[_pipeline_decision(bogus=1)])},
+     "pdd.decisions[0].inputs has bogus, not an input of the pipeline policy"),
+    ("requests", {"pdd": _pdd_block(decisions=[{"policy": "handoff", "inputs": {"tokens_pending": 3},
+                                                "result": {"final": True}}])},
+     "pdd.decisions[0].result must be an object with a mode and final (true or false), got {'final': True}"),
+    ("requests", {"pdd": _pdd_block(p_cached_tokens="x")},
+     "pdd.p_cached_tokens must be a whole number of tokens >= 0, got 'x'"),
+    ("requests", {"tiers": [{}]}, "tiers must be a list of tier names (one a token)"),
+    ("requests", {"prompt_tokens": 1e20}, "prompt_tokens must be a whole number of tokens >= 0, got 1e+20"),
+    ("stats", {"stats": {"totals": True}}, "stats.totals must be an object"),
+    ("stats", {"stats": {"instances": {"rld0": {"role": {}}}}}, "stats.instances.rld0.role must be a role's name, got {}"),
+    ("stats", {"stats_before": {"totals": {"wan_bytes_cancelled": None}}},
+     "stats_before.totals.wan_bytes_cancelled must be a number, got None"),
+    ("validate", {"max_output_tokens": [1]}, "workload.max_output_tokens must be a number, got [1]"),
+])
+@pytest.mark.parametrize("argv,flag", [
+    (["sim", "calibrate-roles", "--run", "{run}", "--out", "{tmp}/fit.json"], "--run"),
+    (["sim", "validate", "--live-from", "{run}", "--out", "{tmp}/v"], "--live-from"),
+])
+def test_a_recorded_run_with_a_field_of_the_wrong_type_is_one_line(capsys, tmp_path, argv, flag, file, value,
+                                                                    message):
+    """Found by mutating a recorded run's files at random: a decision's inputs of the wrong type
+    or shape, a cached-token count, tier names, the gateway's totals or a workload argument that is
+    not a number were TypeError / KeyError / AttributeError tracebacks, and a prompt of 1e20 tokens
+    chunked P's prefill without end. Each is refused naming the file and field."""
+    run = _recorded_run(tmp_path / "run")
+    if file == "requests":
+        (run / "requests.jsonl").write_text(json.dumps(_record()) + "\n" + json.dumps({**_record(), **value}) + "\n")
+    elif file == "stats":
+        (run / "server_stats.json").write_text(json.dumps(value))
+    else:
+        v = json.loads((run / "validate.json").read_text())
+        v["workload"].update(value)
+        (run / "validate.json").write_text(json.dumps(v))
+    argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
+    _refused(capsys, argv + ["--profile", PROFILE, "--config", _fake_model_config(tmp_path)],
+             f"pdd {' '.join(argv[:2])}: error:", flag, message)
+
+
+def test_a_recorded_request_of_another_prompt_length_is_not_the_workload():
+    """A record whose prompt is not its request's (1e20 tokens here) is another workload, named by
+    request; before, the prefill-compute share chunked 1e20 tokens without end."""
+    from pdd.sim.recorded import WorkloadMismatch, check_same_requests
+
+    check_same_requests([{"prompt_tokens": 3}, {}], [3, 5])  # a record without it is not compared
+    with pytest.raises(WorkloadMismatch) as ex:
+        check_same_requests([{"prompt_tokens": 3}, {"prompt_tokens": 10**20}], [3, 5])
+    assert str(ex.value) == ("live run's request 1 has 100000000000000000000 prompt tokens, the workload's 5: not the "
+                             "same workload (give the run's own workload arguments: its validate.json 'workload')")
+    with pytest.raises(WorkloadMismatch, match="live run has 1 requests, the workload 2: not the same workload"):
+        check_same_requests([{}], [3, 5])
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["sim", "calibrate-roles", "--run", "{run}", "--out", "{tmp}/fit.json"], "--run"),
+    (["sim", "validate", "--live-from", "{run}", "--out", "{tmp}/v"], "--live-from"),
+])
+def test_a_recorded_run_of_other_prompts_is_refused_before_it_is_used(capsys, tmp_path, monkeypatch, argv, flag):
+    """`--live-from` / `--run` whose second record holds a 1e20-token prompt: P's prefill was
+    chunked through it without end (a hang). Refused as another workload, before anything is
+    simulated or fitted."""
+    from types import SimpleNamespace
+
+    import pdd.sim.calibrate as C
+    import pdd.sim.validate as V
+
+    run = _recorded_run(tmp_path / "run", n=2)
+    (run / "requests.jsonl").write_text(json.dumps(_record(prompt_tokens=3)) + "\n"
+                                        + json.dumps(_record(prompt_tokens=10**20)) + "\n")
+    reqs = [SimpleNamespace(prompt_ids=[1, 2, 3], max_tokens=4) for _ in range(2)]
+    for mod in (V, C):
+        monkeypatch.setattr(mod, "build_workload", lambda cfg, **kw: (reqs, SimpleNamespace(max_output_tokens=320)))
+        monkeypatch.setattr(mod, "as_sent", lambda *a: pytest.fail("used a run of other prompts"))
+    argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
+    workload = ["--rate", "0.8", "--requests", "2"] if flag == "--live-from" else []  # the run's (validate's flags)
+    _refused(capsys, argv + ["--profile", PROFILE, "--config", _fake_model_config(tmp_path)] + workload,
+             f"pdd {' '.join(argv[:2])}: error:", flag, "live run's request 1 has 100000000000000000000 prompt "
+             "tokens, the workload's 3: not the same workload")
+
+
+def test_a_completed_record_without_its_prompt_length_counts_its_requests():
+    """A completed record without ``prompt_tokens`` (the other checks pass it: the field is
+    optional) was a KeyError in `pdd sim validate --live-from`'s prefill-compute share; its
+    request's own prompt stands for it, as when it is 0."""
+    from pdd.sim.cluster import ClusterSim, SimConfig
+    from pdd.sim.validate import compute_share
+
+    sim = ClusterSim(SimConfig(mode="pdd", warmup_frac=0.0)).run(
+        [{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}])
+    rec = {"ok": True, "send_s": 0.0, "token_times_s": [0.5], "pdd": {"p_cached_tokens": 0}}
+    share = compute_share(sim, [{**rec, "prompt_tokens": 600}])
+    assert share > 0 and compute_share(sim, [rec]) == share == compute_share(sim, [{**rec, "prompt_tokens": 0}])

@@ -19,8 +19,8 @@ import numpy as np
 
 from pdd.sim.live_measures import (isolated_prefills, live_client_delay_s, live_decode_interference, live_decode_scale,
                                    live_fast_path, live_gateway_rtt_ms, live_role_steps, live_wan_payload_bytes)
-from pdd.sim.recorded import (RecordedRunError, check_same_engines, faults_text, load_profile_checked, read_run,
-                              require_completed, run_faults)
+from pdd.sim.recorded import (RecordedRunError, check_same_engines, check_same_requests, faults_text,
+                              load_profile_checked, read_run, require_completed, run_faults)
 from pdd.sim.validate import as_sent, build_workload, sim_role_steps, simulate, validate_config
 from pdd.step_profile import MeasuredStepModel
 
@@ -352,6 +352,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     requests, _ = build_workload(cfg, n_requests=w["requests"], rate=w["rate_rps"], block_tokens=w["block_tokens"],
                                  session_sample=w["session_sample"], session_seed=w.get("session_seed", 0),
                                  max_output_tokens=w.get("max_output_tokens"), seed=w.get("seed", 0))
+    check_same_requests(live_recs, [len(r.prompt_ids) for r in requests])  # fitted on the run's own requests
     requests = as_sent(requests, live_recs)  # as the live system received them
     live = live_role_steps(entry)
     live_bytes = live_wan_payload_bytes(entry)

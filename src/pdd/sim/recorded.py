@@ -52,7 +52,7 @@ def recorded_run_args(run_dir: str | Path) -> dict:
     out = {}
     for sec, key, flag in RUN_ARGS:
         x = v.get(sec).get(key) if isinstance(v, dict) and isinstance(v.get(sec), dict) else None
-        if x is not None:
+        if _number(x):  # anything else is absent here: read_run names it
             out[flag.lstrip("-").replace("-", "_")] = x
     return out
 
@@ -104,12 +104,14 @@ def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict |
 
 
 STEP_COUNTERS = ("engine_steps", "engine_busy_s")  # what live_measures.live_role_steps reads of an instance
+TOTALS_READ = ("wan_bytes_planned", "wan_bytes_cancelled")  # ... and live_wan_payload_bytes of the totals
 
 
 def check_stats(entry: dict, path: Path) -> None:
     """``server_stats.json``'s ``stats`` and ``stats_before``, when present: objects whose
-    ``instances`` is an object of name -> object, each one's step counters numbers and its
-    ``hardware`` an object. Raises :class:`RecordedRunError` naming the file and field."""
+    ``instances`` is an object of name -> object, each one's step counters numbers, its ``role`` a
+    name and its ``hardware`` an object, and whose ``totals`` is an object whose WAN byte counts
+    are numbers. Raises :class:`RecordedRunError` naming the file and field."""
     for key in ("stats", "stats_before"):
         st = entry.get(key)
         if st is None:
@@ -124,6 +126,14 @@ def check_stats(entry: dict, path: Path) -> None:
                     raise RecordedRunError(f"{path}: {key}.instances.{name}.{c} must be a number, got {inst[c]!r}")
             if "hardware" in inst and not isinstance(inst["hardware"], dict):
                 raise RecordedRunError(f"{path}: {key}.instances.{name}.hardware must be an object")
+            if inst.get("role") is not None and not isinstance(inst["role"], str):
+                raise RecordedRunError(f"{path}: {key}.instances.{name}.role must be a role's name, got {inst['role']!r}")
+        tot = st.get("totals")
+        if tot is not None and not isinstance(tot, dict):
+            raise RecordedRunError(f"{path}: {key}.totals must be an object")
+        for c in TOTALS_READ:
+            if tot and c in tot and not _number(tot[c]):
+                raise RecordedRunError(f"{path}: {key}.totals.{c} must be a number, got {tot[c]!r}")
 
 
 def run_engines(entry: dict) -> dict[str, tuple]:
@@ -136,6 +146,21 @@ def run_engines(entry: dict) -> dict[str, tuple]:
         if "dtype" in hw and "page_size" in hw:
             out[name] = (hw["dtype"], hw["page_size"])
     return out
+
+
+def check_same_requests(live: list[dict], prompt_tokens: list[int]) -> None:
+    """Raise :class:`WorkloadMismatch` when a recorded run's records are not the workload's
+    requests (``prompt_tokens``: each one's prompt length, in order): another count, or a record
+    whose ``prompt_tokens`` differs from its request's (records and requests are matched by
+    position; a record without it is not compared)."""
+    if len(live) != len(prompt_tokens):
+        raise WorkloadMismatch(f"live run has {len(live)} requests, the workload {len(prompt_tokens)}: not the same "
+                               "workload (give the run's own workload arguments: its validate.json 'workload')")
+    for i, (rec, n) in enumerate(zip(live, prompt_tokens)):
+        if rec.get("prompt_tokens") is not None and rec["prompt_tokens"] != n:
+            raise WorkloadMismatch(f"live run's request {i} has {rec['prompt_tokens']} prompt tokens, the workload's "
+                                   f"{n}: not the same workload (give the run's own workload arguments: its "
+                                   "validate.json 'workload')")
 
 
 def check_same_engines(entry: dict, cfg) -> None:
@@ -154,11 +179,71 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _whole(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _decision_inputs() -> dict:
+    """policy name -> the dataclass of its recorded ``inputs`` (the gateway records ``asdict`` of it)."""
+    from pdd.policy.handoff import HandoffInputs
+    from pdd.policy.pipeline import PipelineInputs
+
+    return {"pipeline": PipelineInputs, "handoff": HandoffInputs}
+
+
+_FIELD_TYPES = {"int": ("a whole number", lambda x: isinstance(x, int) and not isinstance(x, bool)),
+                "float": ("a number", _number), "str": ("a string", lambda x: isinstance(x, str)),
+                "bool": ("true or false", lambda x: isinstance(x, bool))}
+
+
+def check_decisions(ds, bad) -> None:
+    """``pdd.decisions`` of one record (None, or a list of ``{"policy", "inputs", "result"}``):
+    ``policy`` pipeline or handoff, ``inputs`` an object of that policy's input fields
+    (:class:`pdd.policy.pipeline.PipelineInputs`, :class:`pdd.policy.handoff.HandoffInputs`),
+    each of its type, every one without a default present and no other; ``result`` a string
+    (pipeline) or an object with ``mode`` a string and ``final`` true or false (handoff). Calls
+    ``bad(field, why)`` (which raises) for the first problem."""
+    import dataclasses
+
+    if ds is None:
+        return
+    if not isinstance(ds, list):
+        bad("pdd.decisions", "must be a list of decisions")
+    classes = _decision_inputs()
+    for k, d in enumerate(ds):
+        at = f"pdd.decisions[{k}]"
+        if not isinstance(d, dict) or not isinstance(d.get("policy"), str) or d["policy"] not in classes:
+            bad(at, f"must be an object whose policy is {' or '.join(classes)}")
+        inp = d.get("inputs")
+        if not isinstance(inp, dict):
+            bad(f"{at}.inputs", "must be an object")
+        fs = {f.name: f for f in dataclasses.fields(classes[d["policy"]])}
+        extra = sorted(str(x) for x in set(inp) - set(fs))
+        if extra:
+            bad(f"{at}.inputs", f"has {', '.join(extra)}, not an input of the {d['policy']} policy")
+        for name, f in fs.items():
+            if name not in inp:
+                if f.default is dataclasses.MISSING:
+                    bad(f"{at}.inputs.{name}", "is missing")
+                continue
+            what, ok = _FIELD_TYPES[getattr(f.type, "__name__", str(f.type))]
+            if not ok(inp[name]):
+                bad(f"{at}.inputs.{name}", f"must be {what}, got {inp[name]!r}")
+        res = d.get("result")
+        if d["policy"] == "pipeline" and not isinstance(res, str):
+            bad(f"{at}.result", f"must be a pipeline's name, got {res!r}")
+        if d["policy"] == "handoff" and not (isinstance(res, dict) and isinstance(res.get("mode"), str)
+                                             and isinstance(res.get("final"), bool)):
+            bad(f"{at}.result", f"must be an object with a mode and final (true or false), got {res!r}")
+
+
 def check_record(rec: dict, where: str) -> dict:
     """``rec`` (one ``requests.jsonl`` record) when the fields the fits read have their types:
     ``send_s`` a number (present on a completed record with token times or gateway events),
-    ``token_times_s`` a list of numbers, ``pdd`` an object whose ``events_ms`` is an object of
-    numbers, present on every completed record (``ok``): the gateway writes it on each request
+    ``token_times_s`` a list of numbers, ``prompt_tokens`` a whole number, ``tiers`` a list of
+    names, ``pdd`` an object whose ``events_ms`` is an object of numbers, whose cached token
+    counts are whole numbers, ``pipeline`` a name and ``decisions`` the gateway's
+    (:func:`check_decisions`), present on every completed record (``ok``): the gateway writes it on each request
     it completes, and a record without it would count as a request P never prefilled (its
     neighbours' prefills as isolated, the token gaps beside it as P quiet). Raises
     :class:`RecordedRunError` naming ``where`` and the field."""
@@ -177,6 +262,18 @@ def check_record(rec: dict, where: str) -> dict:
     ev = (p or {}).get("events_ms")
     if ev is not None and not (isinstance(ev, dict) and all(_number(t) for t in ev.values())):
         bad("pdd.events_ms", "must be an object of numbers")
+    for f in ("p_cached_tokens", "md_cached_tokens"):
+        x = (p or {}).get(f)
+        if x is not None and not _whole(x):
+            bad(f"pdd.{f}", f"must be a whole number of tokens >= 0, got {x!r}")
+    if (p or {}).get("pipeline") is not None and not isinstance(p["pipeline"], str):
+        bad("pdd.pipeline", f"must be a pipeline's name, got {p['pipeline']!r}")
+    check_decisions((p or {}).get("decisions"), bad)
+    if rec.get("prompt_tokens") is not None and not _whole(rec["prompt_tokens"]):
+        bad("prompt_tokens", f"must be a whole number of tokens >= 0, got {rec['prompt_tokens']!r}")
+    tiers = rec.get("tiers")
+    if tiers is not None and not (isinstance(tiers, list) and all(isinstance(t, str) for t in tiers)):
+        bad("tiers", "must be a list of tier names (one a token)")
     if "send_s" in rec:
         if not _number(rec["send_s"]):
             bad("send_s", "must be a number")

@@ -34,7 +34,7 @@ from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.sim_config import SIM_ROLE, with_live_fit
 from pdd.sim.runtime_engines import sim_engine_fields
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
-from pdd.sim.recorded import (RecordedRunError, WorkloadMismatch, check_same_engines, check_same_run, faults_text,
+from pdd.sim.recorded import (RecordedRunError, check_same_engines, check_same_requests, check_same_run, faults_text,
                               load_profile_checked, read_run, require_completed, run_faults)
 from pdd.sim.uncertainty import error_intervals
 from pdd.topology import free_port_block
@@ -333,7 +333,7 @@ def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float =
             continue
         cached = int((rec.get("pdd") or {}).get("p_cached_tokens") or 0)
         s0, t = cached, 0.0
-        prompt = rec["prompt_tokens"] or len(sim.reqs[i].blocks)
+        prompt = rec.get("prompt_tokens") or sim.reqs[i].prompt  # the record's is its request's (check_same_requests)
         while s0 < prompt:
             k = min(chunk, prompt - s0)
             t += cm.step_time([(s0, k)]) * scale + overhead_s
@@ -468,9 +468,7 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         live, entry = live_run(cfg, requests, out, seed, console)
         live_s = time.time() - t_live
     require_completed(live, "compare")  # first: an empty or all-failed run is not a workload mismatch
-    if len(live) != len(requests):
-        raise WorkloadMismatch(f"live run has {len(live)} requests, the workload {len(requests)}: not the same "
-                               "workload (give the run's own workload arguments: its validate.json 'workload')")
+    check_same_requests(live, [len(r.prompt_ids) for r in requests])
     ovh = prof.get("role_step_overhead_s") or {}
     wb = float(prof.get("wan_send_buffer_bytes", 0.0))
     sent = as_sent(requests, live)  # the requests as the live system received them
