@@ -42,6 +42,14 @@ class FakeMembership:
         m.state, m.source = "active", "started"
         return {"name": m.name}
 
+    async def rerole(self, name, role, force=False):
+        self.calls.append(("rerole", name, role))
+        if self.refuse:
+            raise MembershipError(409, f"instance {name} still has 1 request(s) in flight after draining; it is "
+                                       f"active as main_decode again", "name", "in_flight")
+        self.members[name].role = role
+        return {"name": name, "changed": True}
+
     async def drain(self, name, force=False, remove_when_idle=False):
         self.calls.append(("drain", name, remove_when_idle))
         self.members[name].state = "draining"
@@ -151,15 +159,45 @@ def test_drain_never_leaves_a_rerolled_relay_decoder_as_the_only_main_decoder():
     assert a._victim("main_decode") == "rld0"
     ms.members["rld0"].role = "relay_decode"  # back to relaying: the rule of the MDs in B alone
     assert a._victim("main_decode") == "md1"
-    # the loop: idle after the cool-down, one MD in B and rld0 on MD duty: rld0 is drained
+    # the loop: idle after the cool-down, one MD in B and rld0 on MD duty: rld0 goes first, back
+    # to relaying (its slot's role), not removed
     ms.members["rld0"].role, ms.members["md1"].state = "main_decode", "standby"
     orch.inflight = {"md0": 0, "rld0": 1}
     a.sample()
     clock.t += 1.0
     rec = asyncio.run(a.step())
     assert rec["inputs"]["roles"] == [{"role": "main_decode", "active": 2, "utilisation": 0.125}]
-    assert rec["applied"] == [{"role": "main_decode", "op": "drain", "instance": "rld0", "remove_when_idle": True}]
-    assert ms.calls == [("drain", "rld0", True)]
+    assert rec["applied"] == [{"role": "main_decode", "op": "rerole", "instance": "rld0", "to": "relay_decode"}]
+    assert ms.calls == [("rerole", "rld0", "relay_decode")]
+    assert (ms.members["rld0"].role, ms.members["rld0"].state) == ("relay_decode", "active")
+    assert a.applied == {"up": 0, "down": 1, "errors": 0}
+
+
+def test_scale_down_of_a_rerolled_relay_decoder_switches_it_back_not_removes_it():
+    """Found in review: a scale-down of MD that picked rld0 (re-roled to MD duty in A) drained and
+    removed it, so the relay tier the config declared lost an instance no rule brings back. It is
+    switched back to relay duty; a refused switch is logged as the loop's error, the instance
+    stays where it was, and nothing is drained."""
+    orch, a, clock = make()
+    ms = orch.membership
+    ms.members["rld0"].role = "main_decode"
+    ms.refuse = True
+    a.sample()
+    clock.t += 1.0
+    rec = asyncio.run(a.step())
+    assert rec["applied"] == [{"role": "main_decode", "op": "rerole", "to": "relay_decode",
+                               "error": "instance rld0 still has 1 request(s) in flight after draining; it is "
+                                        "active as main_decode again"}]
+    assert ms.calls == [("rerole", "rld0", "relay_decode")]
+    assert (ms.members["rld0"].role, ms.members["rld0"].state) == ("main_decode", "active")
+    assert a.applied == {"up": 0, "down": 0, "errors": 1}
+    # an MD of its own slot (md1 in B, started by the loop) is still drained and removed
+    ms.refuse, ms.members["rld0"].role = False, "relay_decode"
+    ms.members["md1"].state, ms.members["md1"].source = "active", "started"
+    a.sample()
+    clock.t += 11.0
+    rec = asyncio.run(a.step())
+    assert rec["applied"] == [{"role": "main_decode", "op": "drain", "instance": "md1", "remove_when_idle": True}]
 
 
 @pytest.mark.parametrize("block,msg", [

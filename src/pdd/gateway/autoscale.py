@@ -6,9 +6,12 @@ interval's means and applies the decision through the membership operations
 
 - up: add the role's first free slot (``Membership.add``; the gateway starts its process when
   ``autoscale.start``);
-- down: drain the active instance of the role ``pick_drain`` picks (one serving the role outside
+- down: the active instance of the role ``pick_drain`` picks (one serving the role outside
   its slots' datacenter first, a relay decoder re-roled to main-decode duty in A; then the fewest
-  requests in flight, the latest added first on a tie) with ``remove_when_idle``: no new request goes there, its in-flight ones finish
+  requests in flight, the latest added first on a tie). A re-roled relay decoder is switched back
+  to its slot's role (``Membership.rerole``: drained, its in-flight requests finish there, then
+  it relays again), so a scale-down of MD never shrinks the relay tier the config declared; any
+  other is drained with ``remove_when_idle``: no new request goes there, its in-flight ones finish
   where they are, and it is removed once idle. The membership refuses to drain a role's last
   active instance, and the rule never goes below ``min`` (>= 1), so no request fails because of a
   scaling change.
@@ -100,6 +103,14 @@ class Autoscaler:
         home = role_home_dc([(s.role, s.dc) for s in ms.full.engines], role)
         return pick_drain([(m.name, ms.busy(m.name), m.source == "config", m.dc) for m in self._members(role)], home)
 
+    def _slot_role(self, name: str) -> str | None:
+        """The role of ``name``'s slot in the config's layout (a re-roled relay decoder's stays
+        ``relay_decode``); None when the layout has no such slot."""
+        try:
+            return self.orch.membership.full.get(name).role
+        except (KeyError, ValueError, AttributeError):
+            return None
+
     async def step(self) -> dict:
         """Decide on the interval's measurements, apply, record; never raises."""
         x = self.inputs()
@@ -121,8 +132,14 @@ class Autoscaler:
                     if name is None:
                         raise RuntimeError(f"no {rd.role} instance can be drained (the last active one stays)")
                     entry["instance"] = name
-                    await ms.drain(name, remove_when_idle=True)
-                    entry["remove_when_idle"] = True
+                    slot_role = self._slot_role(name)
+                    if slot_role is not None and slot_role != rd.role:
+                        # a relay decoder re-roled to MD duty: back to its slot's role, not removed
+                        entry["op"], entry["to"] = "rerole", slot_role
+                        await ms.rerole(name, slot_role)
+                    else:
+                        await ms.drain(name, remove_when_idle=True)
+                        entry["remove_when_idle"] = True
                 self.applied[rd.action] += 1
                 self.last_change = self.clock()
             except Exception as e:  # MembershipError or a failed start: logged, the loop goes on
