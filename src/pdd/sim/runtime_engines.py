@@ -27,12 +27,13 @@ page that does not divide ``block_tokens`` counts as the block, as ``pdd sim val
 from __future__ import annotations
 
 from pdd.config import instance_tier
+from pdd.sim.sim_config import SIM_ROLE
 
 # runtime tier -> simulated role, per simulated mode (pdd.sim.sim_config.SimConfig.tiers)
 ROLE_OF = {"colocated": {"colocated": "C"},
            "same_dc_pd": {"prefill": "P", "main_decode": "D"},
            "cross_dc_pd": {"prefill": "P", "main_decode": "MD"},
-           "pdd": {"prefill": "P", "relay_decode": "RLD", "main_decode": "MD"}}
+           "pdd": dict(SIM_ROLE)}
 # engine fields -> SimEngine / SimConfig fields (min_step_ms is converted to seconds)
 SAME = {"max_batch_tokens": "max_batch_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
         "max_running": "max_running_seqs", "prefill_order": "prefill_order", "min_step_ms": "min_step_s"}
