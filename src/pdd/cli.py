@@ -158,7 +158,7 @@ def cmd_launch(args) -> int:
 def cmd_serve(args) -> int:
     from pdd.launch import Topology
 
-    from pdd.cli_args import seconds_flag, stop_on_sigterm, stopped_status
+    from pdd.cli_args import seconds_flag, stop_on_sigterm, stopped_status, stopping_message
     from pdd.launch import LaunchError
     from pdd.security import SecurityError
     from pdd.topology import ports_taken_refusal
@@ -207,8 +207,7 @@ def cmd_serve(args) -> int:
         print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
         return _supervise(topo)
     except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM: 130 / 143 and one line once the instances exited
-        print(f"pdd serve: stopping: requests in flight may finish for up to {cfg.shutdown_timeout_s:g} s "
-              "(--shutdown-timeout), new ones are refused; Ctrl-C again stops at once", file=sys.stderr, flush=True)
+        print(stopping_message("pdd serve", ex, cfg.shutdown_timeout_s), file=sys.stderr, flush=True)
         try:
             topo.stop()  # the gateway drains first, then the instances stop
         except KeyboardInterrupt as again:  # a second Ctrl-C / SIGTERM: everything was killed at once

@@ -241,6 +241,19 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _term)
 
 
+def stopping_message(prog: str, ex: KeyboardInterrupt, shutdown_timeout_s: float) -> str:
+    """The line a command prints when its first Ctrl-C or SIGTERM (``ex``: a :class:`Stopped`
+    carries the signal, a plain KeyboardInterrupt is SIGINT) begins the graceful stop: how long
+    requests in flight may still take, and that the same signal again (either signal, in fact)
+    stops at once. After a SIGTERM (systemd, docker, k8s: no terminal) it said "Ctrl-C again"."""
+    import signal
+
+    signum = getattr(ex, "signum", signal.SIGINT)
+    again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {signal.Signals(signum).name} (or Ctrl-C)"
+    return (f"{prog}: stopping: requests in flight may finish for up to {shutdown_timeout_s:g} s "
+            f"(--shutdown-timeout), new ones are refused; {again} stops at once")
+
+
 def stopped_status(prog: str, ex: KeyboardInterrupt) -> int:
     """For a command stopped by Ctrl-C or SIGTERM once its clean-up ran: one line on stderr
     saying so, and the shell's status for the signal (130 for SIGINT, 143 for SIGTERM)."""

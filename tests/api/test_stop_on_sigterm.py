@@ -151,3 +151,42 @@ def test_a_second_sigterm_during_the_gateway_drain_stops_serve_at_once(tmp_path)
         _kill_all([pid])
         owner.kill()
         owner.wait()
+
+
+class _Served:
+    """A Topology for ``pdd serve`` that starts nothing (the test's port range: 9270..9369, 9380)."""
+
+    def __init__(self, cfg, log_dir=None):
+        self.log_dir, self.url = Path(log_dir), "http://127.0.0.1:9380"
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+@pytest.mark.parametrize("signum,again", [(signal.SIGTERM, "a second SIGTERM (or Ctrl-C) stops at once"),
+                                          (signal.SIGINT, "Ctrl-C again stops at once")])
+def test_serve_stopping_line_names_the_signal_it_got(signum, again, tmp_path, monkeypatch, capsys):
+    """``pdd serve`` stopped while it serves says how to stop it at once: "Ctrl-C again" after a
+    SIGTERM (systemd, docker, k8s: no terminal to press it in) was wrong."""
+    import pdd.cli
+    import pdd.cli_args
+    import pdd.launch
+    from pdd.cli_args import Stopped
+
+    monkeypatch.setattr(pdd.launch, "Topology", _Served)
+    monkeypatch.setattr(pdd.cli, "ensure_model", lambda cfg: None)
+    monkeypatch.setattr(pdd.cli_args, "stop_on_sigterm", lambda: None)  # the test process keeps its handler
+
+    def serving(topo):
+        raise Stopped(signum) if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    monkeypatch.setattr(pdd.cli, "_supervise", serving)
+    rc = pdd.cli.main(["serve", "--port", "9380", "--base-port", "9270", "--shutdown-timeout", "4",
+                       "--log-dir", str(tmp_path / "logs")])
+    assert rc == 128 + signum
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"pdd serve: stopping: requests in flight may finish for up to 4 s (--shutdown-timeout), new ones are "
+        f"refused; {again}")
