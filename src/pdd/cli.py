@@ -36,6 +36,25 @@ def ensure_model(cfg, prog: str = "pdd serve") -> None:
     make_model(cfg.model_path, preset=cfg.model_preset, seed=cfg.model_seed)
 
 
+def vllm_md_refusal(cfg) -> str | None:
+    """Why ``cfg``'s main-decode instances cannot run on vLLM (``vllm.main_decode``): its venv is
+    missing or has no ``vllm`` package (:func:`pdd.vllm_tier.venv.vllm_python`,
+    :func:`~pdd.vllm_tier.venv.check_vllm_importable`), as one line naming ``make vllm`` and
+    ``vllm.python``; None when MD does not run on vLLM here (off, or a mode without MD) or the
+    venv is there. Starts nothing but the interpreter's probe."""
+    from pdd.topology import ROLE_MAIN, layout
+    from pdd.vllm_tier.venv import VllmMissing, check_vllm_importable, vllm_python
+
+    if not cfg.vllm.main_decode or not any(s.role == ROLE_MAIN for s in layout(cfg).instances):
+        return None
+    who = "vllm.main_decode (MD on vLLM)"
+    try:
+        check_vllm_importable(vllm_python(cfg.vllm.python, who=who, flag=None), who=who, knob="vllm.python")
+    except VllmMissing as e:
+        return str(e)
+    return None
+
+
 def _check_out_dir(args) -> None:
     """A usage error naming --out unless it is (or can be made, and is now) a writable directory,
     checked before the work (:func:`pdd.cli_args.out_dir_problem`)."""
@@ -182,6 +201,9 @@ def cmd_serve(args) -> int:
     taken = ports_taken_refusal([cfg], "pdd serve")
     if taken:  # one line naming the ports and their users, exit 2, as pdd demo and pdd bench refuse
         _usage(args, taken)
+    missing = vllm_md_refusal(cfg)
+    if missing:  # md0 refused it only after P and RLD had started; pdd bench checks up front too
+        _usage(args, missing)
     ensure_model(cfg)
 
     stop_on_sigterm()  # systemd / docker / k8s stop with SIGTERM: shut down like Ctrl-C (instances waited for)

