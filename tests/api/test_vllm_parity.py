@@ -3,6 +3,8 @@ each test names the behaviour vLLM has and pdd now matches (in-process engine, f
 
 from __future__ import annotations
 
+import pytest
+
 from tests.api.test_gateway_outcomes import gateway  # noqa: F401 (fixture: the real orchestrator, live server)
 
 
@@ -262,3 +264,42 @@ def test_continuous_usage_stats_on_every_chunk(api):
                 assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
             else:
                 assert all("usage" not in c for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/completions", {"prompt": [[5, 6, 7], [8, 9, 10, 11, 12]]}),  # a batch: two prompts, n each
+])
+def test_continuous_usage_counts_each_choice_as_vllm(api, path, body):
+    """With n > 1 (and a batch), vLLM's continuous usage on a chunk is its own choice's: that choice's
+    prompt tokens and its completion tokens so far. pdd put the whole request's sums there (choice 1's
+    first token said completion_tokens 5 after choice 0's four). The last chunk keeps the request's
+    sums (each prompt once), and without continuous_usage_stats no other chunk has a usage key, as in
+    vLLM (whose chunks leave it out; OpenAI's say null)."""
+    import json
+
+    client, _ = api
+    prompts = [len(p) for p in body["prompt"]] if "prompt" in body else None
+    for cont in (True, False):
+        r = client.post(path, json={**body, "n": 2, "max_tokens": 4, "ignore_eos": True, "stream": True,
+                                    "stream_options": {"include_usage": True, "continuous_usage_stats": cont}})
+        chunks = [json.loads(x[6:]) for x in r.text.split("\n") if x.startswith("data: {")]
+        last = chunks[-1]
+        n_choices = 2 * len(prompts) if prompts else 2
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 * n_choices
+        if prompts:
+            assert last["usage"]["prompt_tokens"] == sum(prompts)
+        if not cont:
+            assert all("usage" not in c for c in chunks[:-1])
+            continue
+        seen: dict[int, list[int]] = {}
+        for c in chunks[:-1]:
+            i = c["choices"][0]["index"]
+            u = c["usage"]
+            p = prompts[i // 2] if prompts else last["usage"]["prompt_tokens"]
+            assert set(u) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+            assert (u["prompt_tokens"], u["total_tokens"]) == (p, p + u["completion_tokens"])
+            seen.setdefault(i, []).append(u["completion_tokens"])
+        # chat: each choice's role chunk first (0 tokens so far), then one chunk per token
+        first = [0] if "messages" in body else []
+        assert seen == {i: first + [1, 2, 3, 4] for i in range(n_choices)}, seen

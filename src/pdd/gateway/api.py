@@ -896,6 +896,19 @@ def _usage(gen: Generation | Batch) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _choice_usage(gen: Generation | Batch, index: int, ntok: int) -> dict:
+    """``usage`` of a streamed chunk of choice ``index`` under ``continuous_usage_stats``, counted as
+    vLLM counts it: that choice's prompt tokens and ``ntok``, its own completion tokens as of that
+    chunk (with n > 1 or a batch, not the request's sums, which the last usage chunk carries; a
+    batch's prompts run ahead of the stream, so a choice's count now may be past the chunk's).
+    Raises KeyError for an index no choice has."""
+    for g in (gen.gens if isinstance(gen, Batch) else [gen]):
+        if any(c.index == index for c in g.choices):
+            n_prompt = len(g.prompt_ids)
+            return {"prompt_tokens": n_prompt, "completion_tokens": ntok, "total_tokens": n_prompt + ntok}
+    raise KeyError(f"no choice {index}")
+
+
 def _pdd(gen: Generation) -> dict[str, Any]:
     out = _pdd_summary(gen.choices[0].st)
     if len(gen.choices) > 1:
@@ -945,17 +958,20 @@ def _usage_opts(body) -> tuple[bool, bool]:
 
 
 async def _sse(gen: Generation, head: dict, chunks, usage: tuple[bool, bool]):
-    """One SSE stream: the ``chunks`` (dicts) as ``data:`` lines, then the usage chunk if asked
+    """One SSE stream: the ``chunks`` (``(tokens, dict)``) as ``data:`` lines, then the usage chunk if asked
     and ``[DONE]``; ``usage`` = (include_usage, continuous_usage_stats): with both, every chunk
-    carries the usage so far too (vLLM's extension). A failed request ends with an error chunk.
+    carries its choice's usage so far too (vLLM's extension, :func:`_choice_usage`); otherwise a
+    chunk has no ``usage`` key but the last (as vLLM; OpenAI sends ``"usage": null`` on the
+    others, which its client reads alike). A failed request ends with an error chunk.
     However the stream ends, what still runs is aborted on every tier: as cancelled when the
     client went away mid-stream (the server cancels or closes this generator), else as failed."""
     ok = False
     reason = ABORT_CLIENT
     include_usage, continuous = usage
     try:
-        async for chunk in chunks:
-            yield _data({**head, **chunk, "usage": _usage(gen)} if continuous else {**head, **chunk})
+        async for ntok, chunk in chunks:
+            yield _data({**head, **chunk, "usage": _choice_usage(gen, chunk["choices"][0]["index"], ntok)}
+                        if continuous else {**head, **chunk})
         ok = True
     except RequestFailed as ex:
         reason = ABORT_FAILED
@@ -984,20 +1000,22 @@ def _completion_sse(gen: Generation | Batch, tt: TokenText, cid: str, created: i
 
 
 async def _completion_chunks(gen: Generation | Batch, tt: TokenText, echoes: list[str]):
-    """``echoes[i]``: the prompt text choice ``i`` starts with (``echo``), else ""."""
+    """``(tokens, chunk)``: each chunk (one choice's) with its choice's completion tokens so far.
+    ``echoes[i]``: the prompt text choice ``i`` starts with (``echo``), else ""."""
     offsets = [len(e) for e in echoes]
     want_lp = gen.opts.logprobs is not None
     for c in gen.choices:
         if echoes[c.index]:
-            yield {"choices": [{"index": c.index, "text": echoes[c.index], "logprobs": None, "finish_reason": None}]}
+            yield 0, {"choices": [{"index": c.index, "text": echoes[c.index], "logprobs": None,
+                                   "finish_reason": None}]}
     async for d in gen.deltas():
         lp = None
         if want_lp:
             lp = _completion_logprobs(tt, [d.token], offsets[d.index])
             offsets[d.index] += len(lp["tokens"][0])
-        yield {"choices": [{"index": d.index, "text": d.text, "logprobs": lp,
-                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-               "pdd": _tok_ext(d)}
+        yield d.ntok, {"choices": [{"index": d.index, "text": d.text, "logprobs": lp,
+                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
+                       "pdd": _tok_ext(d)}
 
 
 def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: tuple[bool, bool]):
@@ -1006,15 +1024,16 @@ def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str
 
 
 async def _chat_chunks(gen: Generation, tt: TokenText):
+    """``(tokens, chunk)`` as :func:`_completion_chunks`: each choice's role chunk (0 tokens), then its tokens."""
     top = gen.opts.logprobs
     for c in gen.choices:
-        yield {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}]}
+        yield 0, {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}]}
     async for d in gen.deltas():
         lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
-        yield {"choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
-                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-               "pdd": _tok_ext(d)}
+        yield d.ntok, {"choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
+                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
+                       "pdd": _tok_ext(d)}
 
 
 def http_server_config(cfg: ClusterConfig, app):

@@ -51,13 +51,15 @@ def _spawn(coro) -> asyncio.Task:
 @dataclass
 class Delta:
     """What one token adds to a choice. ``text`` may be empty (held back); ``finish_reason`` is
-    set on the choice's last delta; ``stop_reason`` is the stop string or stop token id."""
+    set on the choice's last delta; ``stop_reason`` is the stop string or stop token id;
+    ``ntok``: the choice's tokens so far, this one included (its ``completion_tokens`` then)."""
 
     index: int
     token: TokenOut
     text: str
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    ntok: int = 0
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Choice:
         self.text.append(out)
         if fin is not None:
             self.finish_reason, self.stop_reason = fin, reason
-        return Delta(self.index, t, out, fin, reason)
+        return Delta(self.index, t, out, fin, reason, self.ntok)
 
 
 class Generation:
