@@ -303,3 +303,73 @@ def test_continuous_usage_counts_each_choice_as_vllm(api, path, body):
         # chat: each choice's role chunk first (0 tokens so far), then one chunk per token
         first = [0] if "messages" in body else []
         assert seen == {i: first + [1, 2, 3, 4] for i in range(n_choices)}, seen
+
+
+def test_x_request_id_names_the_response_as_vllm(api):
+    """vLLM's response ``id`` is ``cmpl-`` / ``chatcmpl-`` + the client's ``X-Request-Id`` and (with
+    ``--enable-request-id-headers``) the response carries the header back; pdd ignored it."""
+    import json
+
+    client, _ = api
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for path, body, prefix in [("/v1/completions", {"prompt": "Hello", "max_tokens": 2}, "cmpl-"),
+                               ("/v1/chat/completions", chat, "chatcmpl-")]:
+        r = client.post(path, json=body, headers={"X-Request-Id": "0f8e-ABC_1.2:x/y+z=@~"})
+        assert r.status_code == 200, r.text
+        assert (r.json()["id"], r.headers["x-request-id"]) == (f"{prefix}0f8e-ABC_1.2:x/y+z=@~", "0f8e-ABC_1.2:x/y+z=@~")
+        r = client.post(path, json={**body, "stream": True, "n": 2}, headers={"x-request-id": "trace-7"})
+        ids = {json.loads(x[6:])["id"] for x in r.text.split("\n") if x.startswith("data: {")}
+        assert (ids, r.headers["x-request-id"]) == ({f"{prefix}trace-7"}, "trace-7")
+        r = client.post(path, json=body)  # none sent: pdd's rid of the first choice, in the id and the header
+        rid = r.json()["pdd"]["rid"]
+        assert (r.json()["id"], r.headers["x-request-id"]) == (f"{prefix}{rid}", rid)
+    assert client.get("/v1/models", headers={"X-Request-Id": "m1"}).headers["x-request-id"] == "m1"
+    assert "x-request-id" not in client.get("/health").headers  # no id to name (vLLM's flag adds a random one)
+
+
+@pytest.mark.parametrize("headers,message", [
+    ([("x-request-id", "a" * 129)], "X-Request-Id header: 129 characters; at most 128"),
+    ([("x-request-id", "a b")], "X-Request-Id header: character ' ' is not allowed; use letters, digits and "
+                                ". _ ~ : / + = @ -"),
+    ([("x-request-id", 'id"};x')], "X-Request-Id header: character '\"' is not allowed; use letters, digits and "
+                                   ". _ ~ : / + = @ -"),
+    ([("x-request-id", "")], "X-Request-Id header: empty; send 1 to 128 of letters, digits and . _ ~ : / + = @ -"),
+    # two header lines, as the test client (and a proxy that folds them) sends them: "a, b"
+    ([("x-request-id", "a"), ("x-request-id", "b")], "X-Request-Id header: character ',' is not allowed; use "
+                                                     "letters, digits and . _ ~ : / + = @ -"),
+])
+def test_an_unusable_x_request_id_is_refused_before_any_work(api, headers, message):
+    import httpx
+
+    client, orch = api
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, headers=httpx.Headers(headers))
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": "x-request-id",
+                                  "code": "invalid_header"}}
+    assert "x-request-id" not in r.headers and orch.started == []
+
+
+def test_x_request_id_sent_twice_is_refused():
+    """Two ``X-Request-Id`` lines as a server hands them to the app (unfolded): which one would name
+    the request is not the client's to leave open."""
+    import asyncio
+
+    from pdd.gateway.request_id import RequestIdHeader
+
+    sent = []
+
+    async def app(scope, receive, send):
+        raise AssertionError("passed on")
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [(b"x-request-id", b"a"),
+                                                                                 (b"X-Request-Id", b"a")]}
+    asyncio.run(RequestIdHeader(app)(scope, receive, send))
+    assert sent[0]["status"] == 400
+    assert sent[1]["body"] == (b'{"error":{"message":"X-Request-Id header: sent 2 times; send one","type":'
+                               b'"invalid_request_error","param":"x-request-id","code":"invalid_header"}}')

@@ -52,6 +52,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, too_many_digits, truncated_prompt)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
+from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, ShuttingDown, checkpoint_config)
@@ -381,7 +382,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     app.add_middleware(DrainGate, drain=drain)  # during the drain a new request costs nothing
     from pdd.gateway.head import HeadAsGet
 
-    app.add_middleware(HeadAsGet)  # outermost: HEAD /health (a load balancer's probe) answers as GET, no body
+    app.add_middleware(HeadAsGet)  # HEAD /health (a load balancer's probe) answers as GET, no body
+    app.add_middleware(RequestIdHeader)  # every response (429s and 503s too) names its X-Request-Id
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -802,7 +804,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 raise
             gen = Batch(started, body.n)
             hold_ticket(gen, ticket)
-        created, cid = int(time.time()), f"cmpl-{gen.choices[0].st.rid}"
+        created, cid = int(time.time()), f"cmpl-{id_base(request, gen.choices[0].st.rid)}"
         echoes = [tokenizer.decode(p[0], skip_special_tokens=body.skip_special_tokens) if body.echo else ""
                   for p in plans for _ in range(body.n)]  # per choice index (prompt * n + i)
         if body.stream:
@@ -838,7 +840,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param, gen_defaults)
         gen = await start_watched(request, [(ids, sps, opts)])
-        created, cid = int(time.time()), f"chatcmpl-{gen.choices[0].st.rid}"
+        created, cid = int(time.time()), f"chatcmpl-{id_base(request, gen.choices[0].st.rid)}"
         if body.stream:
             return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, _usage_opts(body)),
                                      media_type="text/event-stream")
