@@ -177,13 +177,14 @@ def cmd_launch(args) -> int:
 def cmd_serve(args) -> int:
     from pdd.launch import Topology
 
-    from pdd.cli_args import seconds_flag, stop_on_sigterm, stopped_status, stopping_message
+    from pdd.cli_args import seconds_flag, stop_on_sigterm, stopped_status, stopping_message, with_cors_flags
     from pdd.launch import LaunchError
     from pdd.security import SecurityError
     from pdd.topology import ports_taken_refusal
 
     cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port,
                   shutdown_timeout_s=seconds_flag(args, "--shutdown-timeout", args.shutdown_timeout))
+    cfg = with_cors_flags(args, cfg)  # browser access (CORS), vLLM's flags over the config's cors block
     unused = cfg.unused_settings()
     if unused:  # served all the same (a config may be shared by modes), but the user is told
         print(f"pdd: note: mode {cfg.mode} has no relay tier nor pipeline choice; it does not use {', '.join(unused)} "
@@ -361,6 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on Ctrl-C / SIGTERM, seconds requests in flight may still finish (new ones get 503) "
                         "before they end with an error; 0 ends them at once (default: the config's "
                         "shutdown_timeout_s, 30); a second Ctrl-C stops at once")
+    g = p.add_argument_group("browser access (CORS; the config's cors block, vLLM's flags and defaults)")
+    g.add_argument("--allowed-origins", metavar="JSON", default=None,
+                   help="origins whose pages may call the gateway, a JSON list: '[\"https://app.example.com\"]', "
+                        "'[\"*\"]' for any (default: none)")
+    g.add_argument("--allow-credentials", action="store_true", help="let those pages send cookies / HTTP auth")
+    g.add_argument("--allowed-methods", metavar="JSON", default=None, help="methods they may use (default '[\"*\"]')")
+    g.add_argument("--allowed-headers", metavar="JSON", default=None, help="headers they may send (default '[\"*\"]')")
     p.add_argument("--autoscale", action="store_true",
                    help="run the autoscaling loop in the gateway: the config's autoscale block (interval_s, "
                         "cooldown_s, min, max per role) over its standby slots; GET /pdd/autoscale logs each decision")

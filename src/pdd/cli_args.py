@@ -99,6 +99,48 @@ def _flagged(summary: str, by_flag: set[str]) -> str:
     return "; ".join(parts)
 
 
+CORS_FLAGS = {"allowed_origins": "--allowed-origins", "allowed_methods": "--allowed-methods",
+              "allowed_headers": "--allowed-headers"}  # cors.<field>: pdd serve's flag (vLLM's names)
+
+
+def with_cors_flags(args, cfg):
+    """``cfg`` with ``pdd serve``'s CORS flags over its ``cors`` block: ``--allowed-origins``,
+    ``--allowed-methods``, ``--allowed-headers`` (each a JSON list of strings, as vLLM takes them)
+    and ``--allow-credentials``. A value that is not such a list, or that the ``cors`` block refuses
+    (:class:`pdd.config.CorsConfig`), is a usage error naming the flag and the field (one line,
+    exit 2)."""
+    import json
+
+    from pydantic import ValidationError
+
+    from pdd.config import ClusterConfig, validation_summary
+
+    given: dict = {}
+    for field, flag in CORS_FLAGS.items():
+        text = getattr(args, field, None)
+        if text is None:
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            usage_error(args, f"{flag} {text!r}: expected a JSON list of strings, e.g. "
+                              f"'[\"https://app.example.com\"]' (as vLLM takes it)")
+        given[field] = value
+    if getattr(args, "allow_credentials", False):
+        given["allow_credentials"] = True
+    if not given:
+        return cfg
+    try:
+        return ClusterConfig.model_validate({**cfg.model_dump(), "cors": {**cfg.cors.model_dump(), **given}})
+    except ValidationError as e:
+        msg = validation_summary(e)
+        for field, flag in CORS_FLAGS.items():
+            msg = msg.replace(f"cors.{field}:", f"cors.{field} ({flag}):")
+        usage_error(args, f"invalid config: {msg}")
+
+
 def seconds_flag(args, flag: str, text: str | None) -> float | None:
     """The number of seconds ``text`` given to ``flag`` (``pdd serve --shutdown-timeout``) says,
     or None when the flag was not given; a usage error naming the flag (one line, exit 2) when it

@@ -812,6 +812,63 @@ def _check_host(host: str) -> str:
                      f"dot-separated labels of letters, digits and hyphens, e.g. localhost), got {shown(host)}")
 
 
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(:[0-9]{1,5})?")
+_METHOD = re.compile(r"[A-Z]+")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token (RFC 9110 5.6.2)
+
+
+class CorsConfig(_Strict):
+    """``cors``: which web pages may call the gateway from a browser (CORS; Starlette's
+    CORSMiddleware, as vLLM's ``--allowed-origins``, ``--allow-credentials``, ``--allowed-methods``,
+    ``--allowed-headers`` and their defaults: no origin, so no cross-origin access)."""
+
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="origins (scheme://host[:port], as a browser's Origin header has it: lowercase, no path or "
+        "trailing slash) whose pages may call the gateway, or '*' for any; empty: none (vLLM's default)")
+    allow_credentials: bool = Field(
+        False, description="let those pages send cookies / HTTP auth (Access-Control-Allow-Credentials); with '*' "
+        "every origin is then answered by name")
+    allowed_methods: list[str] = Field(
+        default_factory=lambda: ["*"], description="methods a cross-origin request may use (GET, POST, ...), '*': any")
+    allowed_headers: list[str] = Field(
+        default_factory=lambda: ["*"], description="request headers it may send (Authorization, Content-Type, "
+        "X-Request-Id, ...), '*': any")
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        """Each ``*`` or an origin a browser sends: CORS compares the Origin header as a string, so
+        ``http://localhost:3000/`` (a trailing slash), a path or upper case could never match.
+        Raises ValueError naming the entry."""
+        for i, o in enumerate(v):
+            if o != "*" and not _ORIGIN.fullmatch(o):
+                raise ValueError(f"entry {i + 1} {o!r} is not an origin as a browser sends it: scheme://host[:port] "
+                                 "in lower case, without a path or trailing slash (e.g. 'https://app.example.com'), "
+                                 "or '*' for any")
+        return v
+
+    @field_validator("allowed_methods")
+    @classmethod
+    def _methods(cls, v: list[str]) -> list[str]:
+        """Each ``*`` or a method in upper case (compared as the browser sends it). Raises ValueError."""
+        for i, m in enumerate(v):
+            if m != "*" and not _METHOD.fullmatch(m):
+                raise ValueError(f"entry {i + 1} {m!r} is not an HTTP method in upper case (GET, POST, OPTIONS, ...) "
+                                 "nor '*'")
+        return v
+
+    @field_validator("allowed_headers")
+    @classmethod
+    def _headers(cls, v: list[str]) -> list[str]:
+        """Each ``*`` or a header name (an HTTP token: no spaces, commas or colons). Raises ValueError."""
+        for i, h in enumerate(v):
+            if h != "*" and not _HEADER_NAME.fullmatch(h):
+                raise ValueError(f"entry {i + 1} {h!r} is not a header name (letters, digits and !#$%&'*+.^_`|~-) "
+                                 "nor '*'")
+        return v
+
+
 class ClusterConfig(_Strict):
     """A whole topology: the instances of each tier, the links and the policies."""
 
@@ -856,6 +913,7 @@ class ClusterConfig(_Strict):
         "SSE error event and [DONE]) and are aborted on every tier. 0: end them at once (vLLM's --shutdown-timeout "
         "0). The instances stop after the gateway (docs/SERVE.md \"Stop it\")")
     liveness: LivenessConfig = LivenessConfig()
+    cors: CorsConfig = CorsConfig()
     vllm: VllmTierConfig = VllmTierConfig()
     cpu_affinity: dict[Literal["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"],
                        list[int]] = Field(

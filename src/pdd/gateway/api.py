@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from pdd.config import ClusterConfig
@@ -384,6 +385,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     app.add_middleware(HeadAsGet)  # HEAD /health (a load balancer's probe) answers as GET, no body
     app.add_middleware(RequestIdHeader)  # every response (429s and 503s too) names its X-Request-Id
+    # outermost: a browser's preflight is answered before the API key (it carries none) and every
+    # answer, a refusal too, carries the CORS headers a page needs to read it (as vLLM's server)
+    app.add_middleware(CORSMiddleware, allow_origins=cfg.cors.allowed_origins,
+                       allow_credentials=cfg.cors.allow_credentials, allow_methods=cfg.cors.allowed_methods,
+                       allow_headers=cfg.cors.allowed_headers, expose_headers=["X-Request-Id"])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
