@@ -128,3 +128,20 @@ def test_decision_margin():
     _, m = decision_margin(torch.log(probs), SamplingParams(temperature=1.0, seed=3, top_p=0.75), 0)
     assert m < 1e-9
     assert not math.isnan(m)
+
+
+@pytest.mark.parametrize("temperature", [5.0, 100.0, 1e300])
+def test_a_large_temperature_samples_valid_tokens(temperature):
+    """The API takes temperature in [0, 2] (OpenAI, vLLM 0.32), but a checkpoint's
+    generation_config.json may set more (openai_defaults takes any value >= 0, as SGLang does):
+    the sampler then draws valid ids, spread over the vocabulary, with finite logprobs and margins;
+    a logit far ahead of the rest (1e4) neither overflows nor loses its lead below 1e300."""
+    p = SamplingParams(temperature=temperature, seed=5, top_p=0.99, top_k=60, min_p=0.001, logprobs=2)
+    x = _logits(11, vocab=64)
+    toks = [sample_row(x, p, i) for i in range(400)]
+    assert all(0 <= t < 64 and math.isfinite(lp["lp"]) for t, lp in toks)
+    assert len({t for t, _ in toks}) > 30
+    assert math.isfinite(decision_margin(x, p, 0)[1])
+    x[7] = 1e4
+    picked = {sample_row(x, p, i)[0] for i in range(100)}
+    assert picked == ({7} if temperature < 1e300 else picked) and all(0 <= t < 64 for t in picked)
