@@ -124,7 +124,8 @@ def test_serve_flags_replace_the_config_fields_they_name(tmp_path):
     from pdd.cli import build_parser
     from pdd.cli_args import with_cors_flags
 
-    (tmp_path / "c.yaml").write_text("cors: {allowed_origins: ['https://a.example'], allowed_headers: [Authorization]}\n")
+    (tmp_path / "c.yaml").write_text("cors: {allowed_origins: ['https://a.example'], "
+                                     "allowed_headers: [Authorization]}\n")
     cfg = ClusterConfig.load(tmp_path / "c.yaml")
     args = build_parser().parse_args(["serve", "--allowed-origins", '["https://b.example", "http://localhost:3000"]',
                                       "--allow-credentials"])

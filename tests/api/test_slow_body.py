@@ -126,4 +126,4 @@ async def test_the_gateway_answers_a_stalled_body_408(tiny_model, monkeypatch, h
     assert (status, hdrs["connection"], json.loads(body)) == (408, "close", timeout_body(0.001, 15))
     assert orch.started == []
     # inside the bound on requests at once (whose place it frees), outside the body's readers
-    assert [m.cls for m in app.user_middleware[1:4]] == [DrainGate, ConcurrencyLimit, BodyIdleTimeout]
+    assert [m.cls for m in app.user_middleware[3:6]] == [DrainGate, ConcurrencyLimit, BodyIdleTimeout]

@@ -188,8 +188,8 @@ ALWAYS_SERVED = ("/health", "/metrics")  # a load balancer's probe and the scrap
 
 
 class ConcurrencyLimit:
-    """ASGI middleware, the outermost but HEAD's and the shutdown's drain gate: at most ``limit``
-    HTTP requests are served at once (a stream counts until it ends); one more gets HTTP 429 with ``Retry-After: 1`` and an
+    """ASGI middleware, inside CORS, X-Request-Id, HEAD's and the shutdown's drain gate: at most
+    ``limit`` HTTP requests are served at once (a stream counts until it ends); one more gets HTTP 429 with ``Retry-After: 1`` and an
     OpenAI-style ``rate_limit_error`` body at once, counted in ``admission.rejected["concurrency"]``
     (``pdd_gateway_rejected_total{reason="concurrency"}``). ``ALWAYS_SERVED`` paths neither count
     nor are refused. It replaces uvicorn's ``limit_concurrency``, whose refusal past 1,024

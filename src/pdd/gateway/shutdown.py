@@ -158,7 +158,7 @@ class Drain:
 
 
 class DrainGate:
-    """ASGI middleware, outermost but :class:`pdd.gateway.head.HeadAsGet`: counts the generation
+    """ASGI middleware, inside CORS, X-Request-Id and :class:`pdd.gateway.head.HeadAsGet`: counts the generation
     requests in flight (``Drain.in_flight``: from the gate until the response is sent) and, once
     the drain began, answers a new one 503 with :func:`refusal_body` and ``Connection: close``."""
 
