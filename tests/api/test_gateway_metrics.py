@@ -40,8 +40,8 @@ def _delta(before: dict, after: dict, *names: str) -> dict:
 
 
 COUNTED = ("pdd_gateway_prompt_tokens_total", "pdd_gateway_generation_tokens_total",
-           "pdd_ttft_seconds_count{pipeline=colocated}", "pdd_e2e_request_latency_seconds_count{pipeline=colocated}",
-           "pdd_itl_seconds_count{pipeline=colocated,tier=c}")
+           "pdd_gateway_ttft_seconds_count{pipeline=colocated}", "pdd_gateway_e2e_request_latency_seconds_count{pipeline=colocated}",
+           "pdd_gateway_itl_seconds_count{pipeline=colocated,tier=c}")
 
 
 async def test_token_counters_and_histogram_counts_equal_what_the_clients_saw(gateway):
@@ -130,17 +130,19 @@ async def test_a_request_refused_while_its_choices_start_has_no_ttft(tiny_model)
 
 
 def test_fault_counters_itl_buckets_and_process_metrics():
-    """/pdd/stats totals' fault counters are on /metrics too; a 4 s gap between two tokens (a
+    """/pdd/stats totals' fault counters are on /metrics too, the live WAN estimate in bytes/s; a 4 s gap between two tokens (a
     request waiting for a lost instance's recovery) lands in a bucket of its own, not +Inf."""
     orch = Orchestrator(ClusterConfig.model_validate({"mode": "pdd"}), layout(ClusterConfig.model_validate({"mode": "pdd"})))
     orch.totals.update(recoveries=5, recovered=3, degraded=2, instances_lost=4, kv_awaited_expired=1)
     orch.metrics.itl.labels("p_rld_md", "rld").observe(4.0)
+    orch.wan_gbps_live = 0.8  # the live WAN estimate, kept in Gbit/s: exported in bytes/s
     m = _values(generate_latest(orch.metrics.registry).decode())
+    assert m["pdd_wan_goodput_bytes_per_second"] == 1e8
     assert {k: m[k] for k in ("pdd_gateway_recoveries_total", "pdd_gateway_recovered_total",
                               "pdd_gateway_degraded_total", "pdd_gateway_instances_lost_total",
                               "pdd_gateway_kv_awaited_expired_total")} == {
         "pdd_gateway_recoveries_total": 5, "pdd_gateway_recovered_total": 3, "pdd_gateway_degraded_total": 2,
         "pdd_gateway_instances_lost_total": 4, "pdd_gateway_kv_awaited_expired_total": 1}
-    assert m["pdd_itl_seconds_bucket{le=2.5,pipeline=p_rld_md,tier=rld}"] == 0
-    assert m["pdd_itl_seconds_bucket{le=5.0,pipeline=p_rld_md,tier=rld}"] == 1
+    assert m["pdd_gateway_itl_seconds_bucket{le=2.5,pipeline=p_rld_md,tier=rld}"] == 0
+    assert m["pdd_gateway_itl_seconds_bucket{le=5.0,pipeline=p_rld_md,tier=rld}"] == 1
     assert m["process_cpu_seconds_total"] > 0

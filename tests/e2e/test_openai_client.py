@@ -145,7 +145,7 @@ def test_gateway_metrics_and_edge_input(pdd_topology):
     r = httpx.get(pdd_topology.url + "/metrics", timeout=10)
     assert r.status_code == 200
     text = r.text
-    for name in ("pdd_ttft_seconds_bucket", "pdd_itl_seconds_bucket", "pdd_gateway_requests_total",
+    for name in ("pdd_gateway_ttft_seconds_bucket", "pdd_gateway_itl_seconds_bucket", "pdd_gateway_requests_total",
                  "pdd_wan_kv_bytes_total"):
         assert name in text, name
     # a lone surrogate is not text: 400, not a 500

@@ -92,6 +92,6 @@ def test_slowed_line_flips_requests_to_the_relay(small_model, topology_factory):
     assert after["wan_estimate"] == "live" and after["wan_bytes"] == after["wan_bytes_expected"], after
     with urllib.request.urlopen(topo.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    assert 'pdd_wan_peer_gbps{instance="md0"}' in text and 'pdd_wan_peer_rtt_ms{instance="md0"}' in text
+    assert 'pdd_wan_peer_goodput_bytes_per_second{instance="md0"}' in text and 'pdd_wan_peer_rtt_seconds{instance="md0"}' in text
     assert json.dumps(after["wan_peers"])  # plain data in /pdd/stats
     assert topo.flush()["leaked_pages"] == 0

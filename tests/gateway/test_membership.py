@@ -387,7 +387,7 @@ def test_removed_md_leaves_the_wan_peer_metrics():
     o.wan_peers.add_rtt("md1", 20.0)
     o.wan_peers.add_goodput("md1", 5.0)
     text = generate_latest(o.metrics.registry).decode()
-    assert 'pdd_wan_peer_rtt_ms{instance="md1"}' in text and 'pdd_wan_peer_gbps{instance="md1"}' in text
+    assert 'pdd_wan_peer_rtt_seconds{instance="md1"}' in text and 'pdd_wan_peer_goodput_bytes_per_second{instance="md1"}' in text
 
     async def run():
         await ms.drain("md1")

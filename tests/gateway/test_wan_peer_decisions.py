@@ -62,8 +62,8 @@ def test_md_routing_moves_off_an_md_whose_estimate_dropped_and_is_exported():
     assert asyncio.run(o._route(ROLE_MAIN, session)) == "md1"
     assert o.totals["md_routes_by_wan"] == 1 and o.md_routes == {"md0": 1, "md1": 1}
     text = generate_latest(o.metrics.registry).decode()
-    assert 'pdd_wan_peer_gbps{instance="md0"} 0.0125' in text
-    assert 'pdd_wan_peer_rtt_ms{instance="md0"} 20.0' in text
+    assert 'pdd_wan_peer_goodput_bytes_per_second{instance="md0"} 1.5625e+06' in text
+    assert 'pdd_wan_peer_rtt_seconds{instance="md0"} 0.02' in text
     assert 'pdd_gateway_md_routes_total{instance="md1"} 1.0' in text
     assert "pdd_gateway_md_routes_by_wan_total 1.0" in text
     # the configured figure: the hit decides (the previous rule), nothing counted

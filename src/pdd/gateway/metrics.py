@@ -22,6 +22,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # a request's whole life at the gateway, seconds (vLLM's e2e_request_latency_seconds spans the same)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+GBPS_TO_BYTES_PER_S = 1e9 / 8  # the WAN estimates are kept in Gbit/s; exported in bytes/s (base units)
 
 
 class _OrchestratorCollector:
@@ -90,19 +91,20 @@ class _OrchestratorCollector:
             g.add_metric([k], v)
         yield g
         if o.wan_gbps_live is not None:
-            g = GaugeMetricFamily("pdd_wan_gbps_estimate", "live WAN throughput estimate, Gbit/s")
-            g.add_metric([], o.wan_gbps_live)
+            g = GaugeMetricFamily("pdd_wan_goodput_bytes_per_second", "live WAN throughput estimate, bytes/s "
+                                  "(KV payload bytes)")
+            g.add_metric([], o.wan_gbps_live * GBPS_TO_BYTES_PER_S)
             yield g
         peers = o.wan_peers.view() if getattr(o, "wan_peers", None) is not None else {}
         # per WAN peer (MD): what the pipeline choice and MD routing read (pdd.policy.wan_estimate)
-        g = GaugeMetricFamily("pdd_wan_peer_gbps", "WAN goodput estimate per MD (live median of its KV receive "
-                              "rates, or the configured line before a sample / with policy.wan_estimate config), "
-                              "Gbit/s", labels=["instance"])
-        r = GaugeMetricFamily("pdd_wan_peer_rtt_ms", "WAN round-trip estimate per MD (minimum of recent reservation "
-                              "round trips, or the configured RTT), ms", labels=["instance"])
+        g = GaugeMetricFamily("pdd_wan_peer_goodput_bytes_per_second", "WAN goodput estimate per MD (live median "
+                              "of its KV receive rates, or the configured line before a sample / with "
+                              "policy.wan_estimate config), bytes/s", labels=["instance"])
+        r = GaugeMetricFamily("pdd_wan_peer_rtt_seconds", "WAN round-trip estimate per MD (minimum of recent "
+                              "reservation round trips, or the configured RTT), seconds", labels=["instance"])
         for name, v in peers.items():
-            g.add_metric([name], v["gbps"])
-            r.add_metric([name], v["rtt_ms"])
+            g.add_metric([name], v["gbps"] * GBPS_TO_BYTES_PER_S)
+            r.add_metric([name], v["rtt_ms"] / 1000)
         yield g
         yield r
         c = CounterMetricFamily("pdd_gateway_md_routes", "requests routed to each MD", labels=["instance"])
@@ -136,14 +138,14 @@ class GatewayMetrics:
 
     def __init__(self, orch):
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("pdd_ttft_seconds", "time to first token at the gateway, from the request's start "
+        self.ttft = Histogram("pdd_gateway_ttft_seconds", "time to first token at the gateway, from the request's start "
                               "there to its first token handed to the client, per choice", ["pipeline"],
                               buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("pdd_itl_seconds", "inter-token latency at the gateway: the gap before each token "
+        self.itl = Histogram("pdd_gateway_itl_seconds", "inter-token latency at the gateway: the gap before each token "
                              "handed to the client after a choice's first, by the tier that made the token",
                              ["pipeline", "tier"],
                              buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("pdd_e2e_request_latency_seconds", "a completed choice's time at the gateway, from "
+        self.e2e = Histogram("pdd_gateway_e2e_request_latency_seconds", "a completed choice's time at the gateway, from "
                              "its start there to its last token", ["pipeline"], buckets=E2E_BUCKETS,
                              registry=self.registry)
         self.prompt_tokens = Counter("pdd_gateway_prompt_tokens", "prompt tokens of the requests started (each "

@@ -180,7 +180,7 @@ class Streams:
         a lost instance is counted in ``totals["recovered"]`` too, and one that ended on RLD
         without MD in ``totals["degraded"]`` (a failed or cancelled one in neither). Raises
         ``ValueError`` for another outcome. A completed one's time from its start to its last token
-        goes into the ``pdd_e2e_request_latency_seconds`` histogram."""
+        goes into the ``pdd_gateway_e2e_request_latency_seconds`` histogram."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown request outcome {outcome!r}; expected one of {OUTCOMES}")
         if st.end.outcome is not None:
