@@ -12,8 +12,12 @@ import json
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import pytest
+
 from pdd.config import ClusterConfig
+from pdd.gateway.metrics import request_intervals
 from pdd.gateway.orchestrator import Orchestrator
+from pdd.gateway.phase import Phase
 from pdd.topology import layout
 from tests.api.test_gateway_outcomes import (BODY, FinishedBeforeRefusalOrch, colocated_client, ScriptedOrch, _settled,  # noqa: F401
                                              gateway, leave_mid_stream)
@@ -90,6 +94,64 @@ async def test_token_counters_and_histogram_counts_equal_what_the_clients_saw(ga
     assert _delta(m4, m6, *COUNTED) == dict(zip(COUNTED, (u1["prompt_tokens"], 3, 1, 0, 2)))
     assert m6["pdd_gateway_outcomes_total{outcome=completed}"] == 5
     assert m6["pdd_gateway_outcomes_total{outcome=cancelled}"] == 1
+
+
+def test_request_intervals_split_a_choices_life_as_vllm_does():
+    """arrival 10.0, sent to the tiers (prefill) 10.25, a recovery's new attempt 11.0, first token
+    10.75, last 13.0: queue 0.25 + prefill 0.5 = TTFT 0.75, decode 2.25, inference 2.75 (from the
+    first attempt's start); never moved to prefill: queue 0; a start logged after the first token
+    (clock order lost) counts no negative prefill."""
+    hist = [(Phase.QUEUED, 10.0), (Phase.PREFILL, 10.25), (Phase.DECODE, 10.7), (Phase.RECOVERY, 10.9),
+            (Phase.PREFILL, 11.0)]
+    assert request_intervals(10.0, hist, 10.75) == {"queue": 0.25, "prefill": 0.5}
+    assert request_intervals(10.0, hist, 10.75, 13.0) == {"queue": 0.25, "prefill": 0.5, "decode": 2.25,
+                                                          "inference": 2.75}
+    assert request_intervals(10.0, [(Phase.QUEUED, 10.0)], 10.5, 11.0) == {
+        "queue": 0.0, "prefill": 0.5, "decode": 0.5, "inference": 1.0}
+    assert request_intervals(10.0, [(Phase.PREFILL, 12.0)], 11.0) == {"queue": 1.0, "prefill": 0.0}
+
+
+PHASES = ("pdd_gateway_request_queue_time_seconds_count{pipeline=colocated}",
+          "pdd_gateway_request_prefill_time_seconds_count{pipeline=colocated}",
+          "pdd_gateway_request_decode_time_seconds_count{pipeline=colocated}",
+          "pdd_gateway_request_inference_time_seconds_count{pipeline=colocated}",
+          "pdd_gateway_request_prompt_tokens_count", "pdd_gateway_request_prompt_tokens_sum",
+          "pdd_gateway_request_generation_tokens_count", "pdd_gateway_request_generation_tokens_sum",
+          "pdd_gateway_request_success_total{finished_reason=stop}",
+          "pdd_gateway_request_success_total{finished_reason=length}",
+          "pdd_gateway_request_success_total{finished_reason=abort}")
+
+
+async def test_phase_histograms_lengths_and_finish_reasons_follow_known_traffic(gateway):
+    """One choice to max_tokens (length), n=2 to max_tokens (2 x length), one ended by a stop string
+    (stop), one whose client left after 3 tokens (abort = cancelled), a refused body (nothing):
+    queue and prefill times one per choice that got a first token (5, as TTFT) and add up to its
+    TTFT; decode and inference times, prompt and output lengths one per choice that finished
+    stop / length (4), the lengths' sums the prompts' and the tokens the clients got."""
+    client, orch, _ = gateway
+    m0 = await _scrape(client)
+    r = await client.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 5})
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    r = await client.post("/v1/completions", json={**BODY, "stream": False, "n": 2, "max_tokens": 4})
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+    r = await client.post("/v1/completions", json={**BODY, "stream": False, "stop": ["lazy dog"]})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    n_stop = r.json()["usage"]["completion_tokens"]
+    assert (await client.post("/v1/completions", json={**BODY, "max_tokens": -1})).status_code == 400
+    orch.hold_at = 3
+    await leave_mid_stream(client, {**BODY, "max_tokens": 50}, chunks=3)
+    await _settled(orch, 5)
+    m = await _scrape(client)
+    assert _delta(m0, m, *PHASES) == dict(zip(PHASES, (5, 5, 4, 4, 4, 4 * n_prompt, 4, 5 + 4 + 4 + n_stop, 1, 3, 1)))
+    ttft = _delta(m0, m, "pdd_gateway_ttft_seconds_sum{pipeline=colocated}",
+                  "pdd_gateway_request_queue_time_seconds_sum{pipeline=colocated}",
+                  "pdd_gateway_request_prefill_time_seconds_sum{pipeline=colocated}")
+    assert list(ttft.values())[0] == pytest.approx(sum(list(ttft.values())[1:]))
+    # lengths land in their buckets: outputs 5, 4, 4 and n_stop (> 5) tokens, prompts of n_prompt
+    assert _delta(m0, m, "pdd_gateway_request_generation_tokens_bucket{le=5.0}")[
+        "pdd_gateway_request_generation_tokens_bucket{le=5.0}"] == 3 + (n_stop <= 5)
+    assert m["pdd_gateway_request_success_total{finished_reason=abort}"] == m[
+        "pdd_gateway_outcomes_total{outcome=cancelled}"]
 
 
 async def test_admissions_own_429_is_in_rejected_total_not_in_the_outcomes(tiny_model):

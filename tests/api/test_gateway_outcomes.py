@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from pdd.config import ClusterConfig
+from pdd.gateway.phase import Phase
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, ABORT_STOP, OUTCOMES, Orchestrator,
                                       ReqState, RequestFailed, TokenOut)
 from pdd.topology import layout
@@ -30,7 +31,8 @@ class ScriptedOrch(Orchestrator):
     """The real orchestrator, but ``start_request`` makes a colocated request whose tokens a task
     feeds (``script`` cycled, one per TICK_S, the last with fin "length"); ``fail_at``: the tier
     fails the request at that output position instead; ``hold_at``: the tier stops feeding at that
-    position until the request is aborted (a generation that cannot end on its own)."""
+    position until the request is aborted (a generation that cannot end on its own). Phases move
+    as the real one's: prefill at the start, decode at the first token."""
 
     def __init__(self, cfg: ClusterConfig, script: list[int]):
         super().__init__(cfg, layout(cfg))
@@ -46,6 +48,7 @@ class ScriptedOrch(Orchestrator):
         st = ReqState(rid, len(prompt_ids), sp, pipeline=Pipeline.COLOCATED, trid=rid, prompt_ids=list(prompt_ids))
         self.reqs[rid] = st
         self.totals["requests"] += 1
+        st.to(Phase.PREFILL, "attempt 0 starts")
         self._spawn(self._feed(st, self.fail_at))
         return st
 
@@ -62,6 +65,8 @@ class ScriptedOrch(Orchestrator):
                 st.recovery.error = "injected tier failure"
                 st.queue.put_nowait(None)
                 return
+            if pos == 0:
+                st.to(Phase.DECODE, "first token sampled")
             st.queue.put_nowait(TokenOut(pos, self.script[pos % len(self.script)], "c",
                                          "length" if pos == n - 1 else None))
             self.fed[st.rid] = pos + 1

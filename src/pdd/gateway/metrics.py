@@ -1,6 +1,8 @@
 """Prometheus metrics (prometheus-client) of the gateway, mounted on its HTTP port at ``/metrics``:
-TTFT / ITL / end-to-end histograms and the prompt and generated token counters
-(:class:`GatewayMetrics`), the orchestrator's counters and admission control's
+TTFT / ITL / end-to-end histograms, a request's queue / prefill / decode / inference times
+(:func:`request_intervals`), its prompt and output lengths, the finish reasons and the prompt and
+generated token counters (:class:`GatewayMetrics`), HTTP responses by route and status
+(:class:`pdd.gateway.http_metrics.HttpMetrics`), the orchestrator's counters and admission control's
 (:class:`AdmissionCollector`), read at scrape time, and the process's own ``process_*``. An engine
 instance's metrics are :mod:`pdd.metrics`. Names follow Prometheus conventions: ``_total``
 counters, ``_seconds`` histograms, ``_bytes`` sizes. docs/SERVE.md "Metrics" lists them all.
@@ -13,6 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdd.gateway.phase import Phase
 from pdd.gateway.state import OUTCOMES
 
 # TTFT / ITL buckets, seconds: from a fast-path decode step to a long WAN transfer; a gap between
@@ -22,7 +25,29 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # a request's whole life at the gateway, seconds (vLLM's e2e_request_latency_seconds spans the same)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# a request's prompt / output length, tokens (vLLM's request_prompt_tokens buckets: 1-2-5 steps)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+FINISHED_REASONS = ("stop", "length")  # a choice's finish_reason as its client got it (abort: cancelled)
 GBPS_TO_BYTES_PER_S = 1e9 / 8  # the WAN estimates are kept in Gbit/s; exported in bytes/s (base units)
+
+
+def request_intervals(t_arrival: float, history, t_first: float, t_last: float | None = None) -> dict:
+    """A choice's life at the gateway split as vLLM splits a request's (all ``time.perf_counter``
+    seconds of the gateway process; pure). ``t_arrival``: its start at the gateway (the TTFT
+    origin, ``ReqState.t_arrival``); ``history``: its phase log ``[(Phase, t), ...]``
+    (``PhaseLog.history``), whose first move to prefill is its first attempt sent to the tiers
+    (:meth:`pdd.gateway.start.Starts.start_request`); ``t_first`` / ``t_last``: its first and last
+    token handed to the client. Returns ``{"queue", "prefill"}`` (arrival -> sent to the tiers ->
+    first token: their sum is the TTFT) and, with ``t_last``, ``"decode"`` (first -> last token) and
+    ``"inference"`` (sent to the tiers -> last token); each at least 0. A choice never moved to
+    prefill (an orchestrator that does not keep phases) has queue 0."""
+    start = next((t for ph, t in history if ph is Phase.PREFILL), t_arrival)
+    start = min(max(start, t_arrival), t_first)
+    out = {"queue": start - t_arrival, "prefill": t_first - start}
+    if t_last is not None:
+        out["decode"] = max(0.0, t_last - t_first)
+        out["inference"] = max(0.0, t_last - start)
+    return out
 
 
 class _OrchestratorCollector:
@@ -65,6 +90,15 @@ class _OrchestratorCollector:
             c = CounterMetricFamily(name, help_)
             c.add_metric([], t.get(key, 0))
             yield c
+        c = CounterMetricFamily("pdd_gateway_request_success", "choices (each choice of n) that ended, by the "
+                                "finish_reason their client got: stop (EOS, a stop token or string), length "
+                                "(max_tokens or the context), abort (the client went away: "
+                                "pdd_gateway_outcomes_total{outcome=\"cancelled\"})", labels=["finished_reason"])
+        finished = getattr(getattr(o, "metrics", None), "finished", {})
+        for k in FINISHED_REASONS:
+            c.add_metric([k], finished.get(k, 0))
+        c.add_metric(["abort"], t.get("cancelled", 0))
+        yield c
         c = CounterMetricFamily("pdd_handoffs", "RLD -> MD handoffs by mode", labels=["mode"])
         for k, v in sorted(t.items()):
             if k.startswith("handoffs_"):
@@ -148,6 +182,28 @@ class GatewayMetrics:
         self.e2e = Histogram("pdd_gateway_e2e_request_latency_seconds", "a completed choice's time at the gateway, from "
                              "its start there to its last token", ["pipeline"], buckets=E2E_BUCKETS,
                              registry=self.registry)
+        self.queue = Histogram("pdd_gateway_request_queue_time_seconds", "a choice's time at the gateway from its "
+                               "start there (the TTFT origin) to its first attempt sent to the tiers (routing, a "
+                               "wait for an instance); an engine's own queue is in the prefill time; per choice "
+                               "that got a first token", ["pipeline"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.prefill = Histogram("pdd_gateway_request_prefill_time_seconds", "from a choice's first attempt sent to "
+                                 "the tiers to its first token handed to the client (P's queue and prefill, the KV "
+                                 "transfer, the decoder's first token); queue + prefill = TTFT; per choice that got "
+                                 "a first token", ["pipeline"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.decode = Histogram("pdd_gateway_request_decode_time_seconds", "from a choice's first token handed to "
+                                "the client to its last, per choice that ended with finish_reason stop or length",
+                                ["pipeline"], buckets=E2E_BUCKETS, registry=self.registry)
+        self.inference = Histogram("pdd_gateway_request_inference_time_seconds", "from a choice's first attempt sent "
+                                   "to the tiers to its last token handed to the client (prefill + decode), per "
+                                   "choice that ended with finish_reason stop or length", ["pipeline"],
+                                   buckets=E2E_BUCKETS, registry=self.registry)
+        self.prompt_len = Histogram("pdd_gateway_request_prompt_tokens", "the prompt tokens of each choice that "
+                                    "ended with finish_reason stop or length", buckets=TOKEN_BUCKETS,
+                                    registry=self.registry)
+        self.output_len = Histogram("pdd_gateway_request_generation_tokens", "the tokens handed to each choice that "
+                                    "ended with finish_reason stop or length (its part of usage.completion_tokens)",
+                                    buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.finished = dict.fromkeys(FINISHED_REASONS, 0)  # choices ended, by finish_reason (request_success)
         self.prompt_tokens = Counter("pdd_gateway_prompt_tokens", "prompt tokens of the requests started (each "
                                      "prompt once per request, as usage.prompt_tokens counts it)",
                                      registry=self.registry)
@@ -159,16 +215,35 @@ class GatewayMetrics:
 
     def token_handed(self, st, tier: str, last_s: float | None) -> float:
         """A token of request ``st`` (a ``ReqState``), made by ``tier``, handed to its choice now:
-        a TTFT sample (from ``st.t_arrival``) if ``last_s`` is None (its first), else an ITL one
-        (from ``last_s``), by ``st``'s pipeline; one generated token. Returns now
+        a TTFT sample (from ``st.t_arrival``) and its queue and prefill times
+        (:func:`request_intervals`) if ``last_s`` is None (its first), else an ITL one (from
+        ``last_s``), by ``st``'s pipeline; one generated token. Returns now
         (``time.perf_counter``), the choice's next ``last_s``."""
         now = time.perf_counter()
         if last_s is None:
             self.ttft.labels(st.pipeline.value).observe(max(0.0, now - st.t_arrival))
+            iv = request_intervals(st.t_arrival, st.life.history, now)
+            self.queue.labels(st.pipeline.value).observe(iv["queue"])
+            self.prefill.labels(st.pipeline.value).observe(iv["prefill"])
         else:
             self.itl.labels(st.pipeline.value, tier).observe(max(0.0, now - last_s))
         self.generation_tokens.inc()
         return now
+
+    def choice_finished(self, st, finish_reason: str, tokens: int, first_s: float, last_s: float) -> None:
+        """A choice of request ``st`` got its last token with ``finish_reason`` (``stop`` or
+        ``length``, as its client got it): counted in ``pdd_gateway_request_success_total``, its
+        decode and inference times (:func:`request_intervals`, ``first_s`` / ``last_s`` its first
+        and last token handed, ``time.perf_counter``) and its prompt and output lengths (``tokens``
+        handed to it) observed. Raises ``ValueError`` for another finish reason."""
+        if finish_reason not in FINISHED_REASONS:
+            raise ValueError(f"unknown finish_reason {finish_reason!r}; expected one of {FINISHED_REASONS}")
+        self.finished[finish_reason] += 1
+        iv = request_intervals(st.t_arrival, st.life.history, first_s, last_s)
+        self.decode.labels(st.pipeline.value).observe(iv["decode"])
+        self.inference.labels(st.pipeline.value).observe(iv["inference"])
+        self.prompt_len.observe(st.prompt_len)
+        self.output_len.observe(tokens)
 
 
 class AdmissionCollector:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pdd.gateway.openai_schemas import TextOptions
 from pdd.gateway.openai_text import Detokenizer, StopMatcher
 from pdd.gateway.admission import refusal
+from pdd.gateway.metrics import FINISHED_REASONS
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, ABORT_STOP, RequestFailed, ReqState,
                                       TokenOut)
 from pdd.types import SamplingParams
@@ -75,6 +76,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     last_s: float | None = None  # perf_counter when its last token was handed to it (None: none yet)
+    first_s: float | None = None  # perf_counter when its first token was handed to it (None: none yet)
 
     def on_token(self, t: TokenOut, eos_ids: set[int]) -> Delta:
         self.ntok += 1
@@ -245,7 +247,9 @@ class Generation:
         token handed to a choice (its ``usage.completion_tokens``) is a TTFT (a choice's first) or
         ITL sample and counts in ``pdd_gateway_generation_tokens_total``
         (:meth:`pdd.gateway.metrics.GatewayMetrics.token_handed`): tokens a tier sent past a stop
-        string, or to a choice of a request refused while its other choices started, are not.
+        string, or to a choice of a request refused while its other choices started, are not. A
+        choice's last token counts its finish reason, decode time and lengths
+        (:meth:`~pdd.gateway.metrics.GatewayMetrics.choice_finished`).
 
         However it ends early, the choices still running are aborted (:meth:`close`): with
         ``ABORT_CLIENT`` when the consumer cancels or closes this generator (the client went
@@ -271,6 +275,10 @@ class Generation:
                 d = c.on_token(item, self.eos_ids)
                 if self.metrics is not None:  # TTFT / ITL and the generated tokens, as the client gets them
                     c.last_s = self.metrics.token_handed(c.st, item.tier, c.last_s)
+                    if c.first_s is None:
+                        c.first_s = c.last_s
+                    if d.finish_reason in FINISHED_REASONS:  # its finish reason, decode time and lengths
+                        self.metrics.choice_finished(c.st, d.finish_reason, c.ntok, c.first_s, c.last_s)
                 if d.finish_reason is not None:
                     self.live -= 1
                     if item.fin is None:  # a stop string ended it here: stop every tier
