@@ -191,6 +191,41 @@ async def test_a_request_refused_while_its_choices_start_has_no_ttft(tiny_model)
     assert _delta({}, m, *COUNTED) == dict.fromkeys(COUNTED, 0.0)
 
 
+async def test_http_requests_by_route_method_and_status_follow_known_traffic(tiny_model):
+    """Every HTTP answer counted once its response ended, by route template, method and status:
+    a completion (200), a refused body (400), admission's 429 before routing (its route found by
+    path), the model cards (the {model} route by its template), an unknown path (handler none),
+    HEAD /health, a wrong method (405) and an unknown one (method other), and the scrape itself."""
+    async with colocated_client(tiny_model, ScriptedOrch, limits={"max_inflight_requests": 1}) as (orch, client):
+        m0 = await _scrape(client)
+        assert (await client.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 2})).status_code == 200
+        assert (await client.post("/v1/completions", json={**BODY, "max_tokens": -1})).status_code == 400
+        assert (await client.get("/v1/models")).status_code == 200
+        assert (await client.get("/v1/models/pdd-tiny")).status_code == 200
+        assert (await client.get("/nope")).status_code == 404
+        assert (await client.head("/health")).status_code == 200
+        assert (await client.get("/v1/completions")).status_code == 405
+        assert (await client.request("BREW", "/health")).status_code == 405
+        orch.hold_at = 1  # a request in flight until its client leaves: the next is admission's 429
+        held = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "stream": False}))
+        while len(orch.fed) < 2:  # its first token was fed: admitted and running
+            await asyncio.sleep(0.01)
+        assert (await client.post("/v1/completions", json={**BODY, "stream": False})).status_code == 429
+        m = await _scrape(client)
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+    got = {k: v - m0.get(k, 0.0) for k, v in m.items()
+           if k.startswith("pdd_gateway_http_requests_total") and v != m0.get(k, 0.0)}
+    req = "pdd_gateway_http_requests_total{{handler={},method={},status={}}}".format
+    assert got == {req("/v1/completions", "POST", 200): 1, req("/v1/completions", "POST", 400): 1,
+                   req("/v1/completions", "POST", 429): 1, req("/v1/models", "GET", 200): 1,
+                   req("/v1/models/{model:path}", "GET", 200): 1, req("none", "GET", 404): 1,
+                   req("/health", "HEAD", 200): 1, req("/v1/completions", "GET", 405): 1,
+                   req("/health", "other", 405): 1, req("/metrics", "GET", 200): 1}
+    dur = "pdd_gateway_http_request_duration_seconds_count{handler=/v1/completions,method=POST}"
+    assert m[dur] - m0.get(dur, 0.0) == 3
+
+
 def test_fault_counters_itl_buckets_and_process_metrics():
     """/pdd/stats totals' fault counters are on /metrics too, the live WAN estimate in bytes/s; a 4 s gap between two tokens (a
     request waiting for a lost instance's recovery) lands in a bucket of its own, not +Inf."""

@@ -385,11 +385,15 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     app.add_middleware(HeadAsGet)  # HEAD /health (a load balancer's probe) answers as GET, no body
     app.add_middleware(RequestIdHeader)  # every response (429s and 503s too) names its X-Request-Id
-    # outermost: a browser's preflight is answered before the API key (it carries none) and every
+    # outside the others but the HTTP metrics: a browser's preflight is answered before the API key (it carries none) and every
     # answer, a refusal too, carries the CORS headers a page needs to read it (as vLLM's server)
     app.add_middleware(CORSMiddleware, allow_origins=cfg.cors.allowed_origins,
                        allow_credentials=cfg.cors.allow_credentials, allow_methods=cfg.cors.allowed_methods,
                        allow_headers=cfg.cors.allowed_headers, expose_headers=["X-Request-Id"])
+    if getattr(orch, "metrics", None) is not None:  # outermost: every response counted (CORS preflights too), by route and status
+        from pdd.gateway.http_metrics import HttpMetrics
+
+        app.add_middleware(HttpMetrics, counters=orch.metrics.http, routes=app.router.routes)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

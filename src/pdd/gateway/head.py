@@ -11,9 +11,10 @@ from __future__ import annotations
 
 
 class HeadAsGet:
-    """ASGI middleware, outermost but CORS and X-Request-Id: a ``HEAD`` request is passed on as
-    ``GET`` (a copy of its scope: the server's own scope still says HEAD) and every body part of
-    its response is sent empty, the status and headers unchanged. Other methods pass untouched."""
+    """ASGI middleware, inside the HTTP metrics (:mod:`pdd.gateway.http_metrics`), CORS and
+    X-Request-Id: a ``HEAD`` request is passed on as ``GET`` (a copy of its scope: the server's
+    own scope still says HEAD) and every body part of its response is sent empty, the status and
+    headers unchanged. Other methods pass untouched."""
 
     def __init__(self, app):
         self.app = app

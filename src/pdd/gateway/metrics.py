@@ -15,6 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdd.gateway.http_metrics import HttpCounters
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import OUTCOMES
 
@@ -210,6 +211,7 @@ class GatewayMetrics:
         self.generation_tokens = Counter("pdd_gateway_generation_tokens", "output tokens handed to requests' choices "
                                          "(usage.completion_tokens), also of requests later cancelled or failed",
                                          registry=self.registry)
+        self.http = HttpCounters(self.registry)  # fed by pdd.gateway.http_metrics.HttpMetrics
         self.registry.register(_OrchestratorCollector(orch))
         ProcessCollector(registry=self.registry)
 

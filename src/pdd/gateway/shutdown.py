@@ -158,9 +158,10 @@ class Drain:
 
 
 class DrainGate:
-    """ASGI middleware, inside CORS, X-Request-Id and :class:`pdd.gateway.head.HeadAsGet`: counts the generation
-    requests in flight (``Drain.in_flight``: from the gate until the response is sent) and, once
-    the drain began, answers a new one 503 with :func:`refusal_body` and ``Connection: close``."""
+    """ASGI middleware, inside the HTTP metrics, CORS, X-Request-Id and
+    :class:`pdd.gateway.head.HeadAsGet`: counts the generation requests in flight
+    (``Drain.in_flight``: from the gate until the response is sent) and, once the drain began,
+    answers a new one 503 with :func:`refusal_body` and ``Connection: close``."""
 
     def __init__(self, app, drain: Drain):
         self.app, self.drain = app, drain
