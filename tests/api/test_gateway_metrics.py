@@ -9,16 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import pytest
-
 from pdd.config import ClusterConfig
-from pdd.gateway.metrics import request_intervals
+from pdd.gateway.metrics import prefill_start, request_intervals
 from pdd.gateway.orchestrator import Orchestrator
 from pdd.gateway.phase import Phase
 from pdd.topology import layout
+from pdd.types import SamplingParams
 from tests.api.test_gateway_outcomes import (BODY, FinishedBeforeRefusalOrch, colocated_client, ScriptedOrch, _settled,  # noqa: F401
                                              gateway, leave_mid_stream)
 
@@ -44,7 +44,8 @@ def _delta(before: dict, after: dict, *names: str) -> dict:
 
 
 COUNTED = ("pdd_gateway_prompt_tokens_total", "pdd_gateway_generation_tokens_total",
-           "pdd_gateway_ttft_seconds_count{pipeline=colocated}", "pdd_gateway_e2e_request_latency_seconds_count{pipeline=colocated}",
+           "pdd_gateway_ttft_seconds_count{pipeline=colocated}",
+           "pdd_gateway_e2e_request_latency_seconds_count{pipeline=colocated}",
            "pdd_gateway_itl_seconds_count{pipeline=colocated,tier=c}")
 
 
@@ -97,18 +98,47 @@ async def test_token_counters_and_histogram_counts_equal_what_the_clients_saw(ga
 
 
 def test_request_intervals_split_a_choices_life_as_vllm_does():
-    """arrival 10.0, sent to the tiers (prefill) 10.25, a recovery's new attempt 11.0, first token
-    10.75, last 13.0: queue 0.25 + prefill 0.5 = TTFT 0.75, decode 2.25, inference 2.75 (from the
-    first attempt's start); never moved to prefill: queue 0; a start logged after the first token
-    (clock order lost) counts no negative prefill."""
-    hist = [(Phase.QUEUED, 10.0), (Phase.PREFILL, 10.25), (Phase.DECODE, 10.7), (Phase.RECOVERY, 10.9),
-            (Phase.PREFILL, 11.0)]
-    assert request_intervals(10.0, hist, 10.75) == {"queue": 0.25, "prefill": 0.5}
-    assert request_intervals(10.0, hist, 10.75, 13.0) == {"queue": 0.25, "prefill": 0.5, "decode": 2.25,
-                                                          "inference": 2.75}
-    assert request_intervals(10.0, [(Phase.QUEUED, 10.0)], 10.5, 11.0) == {
-        "queue": 0.0, "prefill": 0.5, "decode": 0.5, "inference": 1.0}
-    assert request_intervals(10.0, [(Phase.PREFILL, 12.0)], 11.0) == {"queue": 1.0, "prefill": 0.0}
+    """arrival 10.0, sent to the tiers 10.25, first token 10.75, last 13.0: queue 0.25 + prefill
+    0.5 = TTFT 0.75, decode 2.25, inference 2.75; sent at arrival: queue 0; a send time outside
+    [arrival, first token] (clock order lost) counts nothing negative."""
+    assert request_intervals(10.0, 10.25, 10.75) == {"queue": 0.25, "prefill": 0.5}
+    assert request_intervals(10.0, 10.25, 10.75, 13.0) == {"queue": 0.25, "prefill": 0.5, "decode": 2.25,
+                                                           "inference": 2.75}
+    assert request_intervals(10.0, 10.0, 10.5, 11.0) == {"queue": 0.0, "prefill": 0.5, "decode": 0.5,
+                                                         "inference": 1.0}
+    assert request_intervals(10.0, 12.0, 11.0) == {"queue": 1.0, "prefill": 0.0}
+    assert request_intervals(10.0, 9.0, 11.0) == {"queue": 0.0, "prefill": 1.0}
+
+
+async def test_the_queue_time_ends_when_the_prompt_is_sent_to_its_instance():
+    """The real orchestrator's colocated start: its prompt's send to the instance is recorded once
+    (``prefill_sent``), before the instance gets it, and is where the prefill time begins; the
+    first attempt's, not a recovery's. Without it: the first move to prefill, else the arrival."""
+    from tests.gateway.fake_peer import FakePeer
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated"})
+    orch = Orchestrator(cfg, layout(cfg))
+    seen = {}
+
+    class Instance(FakePeer):
+        async def call(self, h, payload=b"", timeout=None):
+            self._record(h)
+            if h.get("t") == "generate":
+                seen[h["rid"]] = dict(orch.reqs[h["rid"]].events)
+                return {"t": "generate_ok", "rid": h["rid"], "p_cached_tokens": 0}, b""
+            return {"t": "ok"}, b""
+
+    orch.peers = {s.name: Instance() for s in orch.layout.engines}
+    st = await orch.start_request([1, 2, 3], SamplingParams(max_tokens=4))
+    assert "prefill_sent" in seen[st.rid]  # recorded before the instance got the prompt
+    sent = st.events["prefill_sent"]
+    moved = next(t for ph, t in st.life.history if ph is Phase.PREFILL)
+    assert st.t_arrival <= moved <= sent and prefill_start(st) == sent
+    orch._prefill_sent(st)  # a later attempt's send keeps the first
+    assert st.events["prefill_sent"] == sent
+    del st.events["prefill_sent"]
+    assert prefill_start(st) == moved
+    await orch.abort(st, "client_disconnect")
 
 
 PHASES = ("pdd_gateway_request_queue_time_seconds_count{pipeline=colocated}",
@@ -198,7 +228,8 @@ async def test_http_requests_by_route_method_and_status_follow_known_traffic(tin
     HEAD /health, a wrong method (405) and an unknown one (method other), and the scrape itself."""
     async with colocated_client(tiny_model, ScriptedOrch, limits={"max_inflight_requests": 1}) as (orch, client):
         m0 = await _scrape(client)
-        assert (await client.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 2})).status_code == 200
+        r = await client.post("/v1/completions", json={**BODY, "stream": False, "max_tokens": 2})
+        assert r.status_code == 200
         assert (await client.post("/v1/completions", json={**BODY, "max_tokens": -1})).status_code == 400
         assert (await client.get("/v1/models")).status_code == 200
         assert (await client.get("/v1/models/pdd-tiny")).status_code == 200
@@ -227,8 +258,9 @@ async def test_http_requests_by_route_method_and_status_follow_known_traffic(tin
 
 
 def test_fault_counters_itl_buckets_and_process_metrics():
-    """/pdd/stats totals' fault counters are on /metrics too, the live WAN estimate in bytes/s; a 4 s gap between two tokens (a
-    request waiting for a lost instance's recovery) lands in a bucket of its own, not +Inf."""
+    """/pdd/stats totals' fault counters are on /metrics too, the live WAN estimate in bytes/s; a
+    4 s gap between two tokens (a request waiting for a lost instance's recovery) lands in a bucket
+    of its own, not +Inf."""
     orch = Orchestrator(ClusterConfig.model_validate({"mode": "pdd"}), layout(ClusterConfig.model_validate({"mode": "pdd"})))
     orch.totals.update(recoveries=5, recovered=3, degraded=2, instances_lost=4, kv_awaited_expired=1)
     orch.metrics.itl.labels("p_rld_md", "rld").observe(4.0)

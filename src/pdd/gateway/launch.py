@@ -214,6 +214,7 @@ class Launchers:
         st.names[ROLE_COLOCATED] = await self._route(ROLE_COLOCATED, prompt)
         self._assign(st)
         _, c = self._peer(st, ROLE_COLOCATED)
+        self._prefill_sent(st)
         rep, _ = await c.call(Generate(st.trid, prompt, sampling).wire(), timeout=t)
         st.to(Phase.DECODE, "first token sampled")
         st.p_cached_tokens = int(rep["p_cached_tokens"])
@@ -229,6 +230,7 @@ class Launchers:
         rld_name, rld = self._peer(st, ROLE_RELAY)
         await rld.call(Expect(st.trid, prompt, sampling).wire(), timeout=t)
         st.events["rld_expect"] = time.perf_counter()
+        self._prefill_sent(st)
         rep, _ = await p.call(Prefill(st.trid, prompt, sampling,
                                       [{"name": rld_name, "first_page": 0, "relay": False}]).wire(), timeout=t)
         self._prefilled(st)
@@ -261,6 +263,7 @@ class Launchers:
         try:
             await rld.call(Expect(st.trid, prompt, sampling).wire(), timeout=t)
             st.events["rld_expect"] = time.perf_counter()
+            self._prefill_sent(st)
             p_call = asyncio.ensure_future(p.call(
                 Prefill(st.trid, prompt, sampling,
                         [{"name": rld_name, "first_page": 0, "relay": False}, {"slot": "md", "deferred": True}]
@@ -318,6 +321,7 @@ class Launchers:
                     Expect(st.trid, prompt, sampling).wire(), timeout=t))
                 expect.add_done_callback(self._event_when_done(st, "rld_expect"))
                 slots.insert(0, {"slot": "rld", "deferred": True})
+            self._prefill_sent(st)
             p_call = asyncio.ensure_future(p.call(
                 Prefill(st.trid, prompt, sampling, slots).wire(), timeout=t))
             p_call.add_done_callback(self._event_when_done(st, "p_first_token"))
@@ -416,6 +420,13 @@ class Launchers:
         except Exception:
             return
         await self._abort_on(peer, trid)
+
+    @staticmethod
+    def _prefill_sent(st: ReqState) -> None:
+        """``st``'s prompt is sent to its prefill instance (P, or the colocated one) now: recorded
+        once, for its first attempt (``st.events["prefill_sent"]``, where its queue time at the
+        gateway ends and its prefill time begins: :func:`pdd.gateway.metrics.prefill_start`)."""
+        st.events.setdefault("prefill_sent", time.perf_counter())
 
     @staticmethod
     def _event_when_done(st: ReqState, event: str):

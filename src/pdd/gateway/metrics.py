@@ -32,18 +32,25 @@ FINISHED_REASONS = ("stop", "length")  # a choice's finish_reason as its client 
 GBPS_TO_BYTES_PER_S = 1e9 / 8  # the WAN estimates are kept in Gbit/s; exported in bytes/s (base units)
 
 
-def request_intervals(t_arrival: float, history, t_first: float, t_last: float | None = None) -> dict:
-    """A choice's life at the gateway split as vLLM splits a request's (all ``time.perf_counter``
-    seconds of the gateway process; pure). ``t_arrival``: its start at the gateway (the TTFT
-    origin, ``ReqState.t_arrival``); ``history``: its phase log ``[(Phase, t), ...]``
-    (``PhaseLog.history``), whose first move to prefill is its first attempt sent to the tiers
-    (:meth:`pdd.gateway.start.Starts.start_request`); ``t_first`` / ``t_last``: its first and last
-    token handed to the client. Returns ``{"queue", "prefill"}`` (arrival -> sent to the tiers ->
-    first token: their sum is the TTFT) and, with ``t_last``, ``"decode"`` (first -> last token) and
-    ``"inference"`` (sent to the tiers -> last token); each at least 0. A choice never moved to
-    prefill (an orchestrator that does not keep phases) has queue 0."""
-    start = next((t for ph, t in history if ph is Phase.PREFILL), t_arrival)
-    start = min(max(start, t_arrival), t_first)
+def prefill_start(st) -> float:
+    """When request ``st`` (a ``ReqState``) was sent to the tiers, ``time.perf_counter`` seconds:
+    its first attempt's prompt sent to its prefill instance (``st.events["prefill_sent"]``), else
+    its first move to the prefill phase (an orchestrator that sends no prompt itself), else its
+    start at the gateway (``st.t_arrival``: one that keeps no phases)."""
+    t = st.events.get("prefill_sent")
+    if t is None:
+        t = next((t for ph, t in st.life.history if ph is Phase.PREFILL), st.t_arrival)
+    return t
+
+
+def request_intervals(t_arrival: float, t_start: float, t_first: float, t_last: float | None = None) -> dict:
+    """A choice's life at the gateway split as vLLM splits a request's (seconds of one clock;
+    pure): ``t_arrival`` its start at the gateway (the TTFT origin), ``t_start`` its prompt sent
+    to the tiers (:func:`prefill_start`), ``t_first`` / ``t_last`` its first and last token handed
+    to the client. Returns ``{"queue", "prefill"}`` (arrival -> sent -> first token: their sum is
+    the TTFT) and, with ``t_last``, ``"decode"`` (first -> last token) and ``"inference"`` (sent
+    -> last token); ``t_start`` is taken within ``[t_arrival, t_first]``, so none is negative."""
+    start = min(max(t_start, t_arrival), t_first)
     out = {"queue": start - t_arrival, "prefill": t_first - start}
     if t_last is not None:
         out["decode"] = max(0.0, t_last - t_first)
@@ -160,8 +167,10 @@ class _OrchestratorCollector:
 
 class GatewayMetrics:
     """The gateway's registry: TTFT / ITL / end-to-end histograms by pipeline (and tier), the
-    prompt and generated token counters, the orchestrator's counters read at scrape time, and the
-    process's ``process_*``.
+    queue / prefill / decode / inference times, prompt and output lengths and finish reasons of
+    the choices, the prompt and generated token counters, the HTTP counters (``http``, fed by
+    :class:`pdd.gateway.http_metrics.HttpMetrics`), the orchestrator's counters read at scrape
+    time, and the process's ``process_*``.
 
     Fed by the request's life: ``ttft``, ``itl`` and ``generation_tokens`` as each token is handed
     to the client's choice (:meth:`token_handed`, from ``pdd.gateway.openai_run.Generation.deltas``:
@@ -169,34 +178,37 @@ class GatewayMetrics:
     when a choice is counted completed (``pdd.gateway.stream.Streams._count_outcome``: its count
     is ``pdd_gateway_outcomes_total{outcome="completed"}``) and ``prompt_tokens`` once a
     request's choices all started (``pdd.gateway.api``: its prompts' tokens, as its
-    ``usage.prompt_tokens``)."""
+    ``usage.prompt_tokens``). ``queue`` and ``prefill`` with a choice's TTFT; ``decode``,
+    ``inference``, the lengths and ``finished`` at its last token (:meth:`choice_finished`, from
+    ``Generation.deltas`` too)."""
 
     def __init__(self, orch):
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("pdd_gateway_ttft_seconds", "time to first token at the gateway, from the request's start "
-                              "there to its first token handed to the client, per choice", ["pipeline"],
+        self.ttft = Histogram("pdd_gateway_ttft_seconds", "time to first token at the gateway, from the request's "
+                              "start there to its first token handed to the client, per choice", ["pipeline"],
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("pdd_gateway_itl_seconds", "inter-token latency at the gateway: the gap before each token "
                              "handed to the client after a choice's first, by the tier that made the token",
                              ["pipeline", "tier"],
                              buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("pdd_gateway_e2e_request_latency_seconds", "a completed choice's time at the gateway, from "
-                             "its start there to its last token", ["pipeline"], buckets=E2E_BUCKETS,
+        self.e2e = Histogram("pdd_gateway_e2e_request_latency_seconds", "a completed choice's time at the gateway, "
+                             "from its start there to its last token", ["pipeline"], buckets=E2E_BUCKETS,
                              registry=self.registry)
         self.queue = Histogram("pdd_gateway_request_queue_time_seconds", "a choice's time at the gateway from its "
-                               "start there (the TTFT origin) to its first attempt sent to the tiers (routing, a "
-                               "wait for an instance); an engine's own queue is in the prefill time; per choice "
-                               "that got a first token", ["pipeline"], buckets=TTFT_BUCKETS, registry=self.registry)
-        self.prefill = Histogram("pdd_gateway_request_prefill_time_seconds", "from a choice's first attempt sent to "
-                                 "the tiers to its first token handed to the client (P's queue and prefill, the KV "
-                                 "transfer, the decoder's first token); queue + prefill = TTFT; per choice that got "
-                                 "a first token", ["pipeline"], buckets=TTFT_BUCKETS, registry=self.registry)
+                               "start there (the TTFT origin) to its prompt sent to its prefill instance (routing, "
+                               "RLD's reservation, a wait for a lost instance); an engine's own queue is in the "
+                               "prefill time; per choice that got a first token", ["pipeline"], buckets=TTFT_BUCKETS,
+                               registry=self.registry)
+        self.prefill = Histogram("pdd_gateway_request_prefill_time_seconds", "from a choice's prompt sent to its "
+                                 "prefill instance to its first token handed to the client (P's queue and prefill, "
+                                 "the KV transfer, the decoder's first token); queue + prefill = TTFT; per choice "
+                                 "that got a first token", ["pipeline"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.decode = Histogram("pdd_gateway_request_decode_time_seconds", "from a choice's first token handed to "
                                 "the client to its last, per choice that ended with finish_reason stop or length",
                                 ["pipeline"], buckets=E2E_BUCKETS, registry=self.registry)
-        self.inference = Histogram("pdd_gateway_request_inference_time_seconds", "from a choice's first attempt sent "
-                                   "to the tiers to its last token handed to the client (prefill + decode), per "
-                                   "choice that ended with finish_reason stop or length", ["pipeline"],
+        self.inference = Histogram("pdd_gateway_request_inference_time_seconds", "from a choice's prompt sent to "
+                                   "its prefill instance to its last token handed to the client (prefill + decode), "
+                                   "per choice that ended with finish_reason stop or length", ["pipeline"],
                                    buckets=E2E_BUCKETS, registry=self.registry)
         self.prompt_len = Histogram("pdd_gateway_request_prompt_tokens", "the prompt tokens of each choice that "
                                     "ended with finish_reason stop or length", buckets=TOKEN_BUCKETS,
@@ -224,7 +236,7 @@ class GatewayMetrics:
         now = time.perf_counter()
         if last_s is None:
             self.ttft.labels(st.pipeline.value).observe(max(0.0, now - st.t_arrival))
-            iv = request_intervals(st.t_arrival, st.life.history, now)
+            iv = request_intervals(st.t_arrival, prefill_start(st), now)
             self.queue.labels(st.pipeline.value).observe(iv["queue"])
             self.prefill.labels(st.pipeline.value).observe(iv["prefill"])
         else:
@@ -241,7 +253,7 @@ class GatewayMetrics:
         if finish_reason not in FINISHED_REASONS:
             raise ValueError(f"unknown finish_reason {finish_reason!r}; expected one of {FINISHED_REASONS}")
         self.finished[finish_reason] += 1
-        iv = request_intervals(st.t_arrival, st.life.history, first_s, last_s)
+        iv = request_intervals(st.t_arrival, prefill_start(st), first_s, last_s)
         self.decode.labels(st.pipeline.value).observe(iv["decode"])
         self.inference.labels(st.pipeline.value).observe(iv["inference"])
         self.prompt_len.observe(st.prompt_len)
