@@ -151,3 +151,33 @@ def test_output_agreement():
     assert a["reference"] == "same_dc_pd"
     assert a["modes"]["pdd"] == {"compared": 2, "identical": 1, "diverged": [{"idx": 1, "pos": 1}]}
     assert a["modes"]["cross_dc_pd"] == {"compared": 1, "identical": 0, "diverged": [{"idx": 1, "pos": 2}]}
+
+
+def test_several_tokens_per_chunk_count_the_usage_tokens():
+    # a server streaming 2 tokens per chunk without their ids (vLLM with speculative decoding):
+    # the client timed 3 chunks, the usage says 6 tokens; TPOT = (E2E - TTFT) / (6 - 1), as
+    # vllm bench serve computes it, not per chunk (it was 2 x too high), and the throughput counts 6
+    rec = record("external", 0.0, [0.125, 0.375, 0.625], 1.0)
+    rec["usage"]["completion_tokens"] = 6
+    m = mode_metrics([rec])
+    assert m["median_tpot_ms"] == 100.0 and m["median_ttft_ms"] == 125.0 and m["median_e2el_ms"] == 625.0
+    assert m["median_itl_ms"] == 250.0  # the gaps the stream showed
+    assert m["total_output_tokens"] == 6 and m["output_throughput"] == 6.0
+    # a usage counting fewer tokens than were timed, or not an integer, changes nothing
+    for bad in (2, "6", True, None):
+        rec["usage"]["completion_tokens"] = bad
+        m = mode_metrics([rec])
+        assert m["median_tpot_ms"] == 250.0 and m["total_output_tokens"] == 3
+    rec["usage"] = "x"
+    assert mode_metrics([rec])["total_output_tokens"] == 3
+
+
+@pytest.mark.parametrize("usage", ["x", [1], {"prompt_tokens_details": [1]},
+                                   {"prompt_tokens_details": {"cached_tokens": "many"}}])
+def test_another_servers_odd_usage_is_no_crash(usage):
+    # the client keeps a usage chunk's "usage" as the server sent it; the report read it as an
+    # OpenAI usage object and raised after the whole replay (AttributeError / "invalid literal")
+    rec = record("external", 0.0, [0.125, 0.25], 0.5)
+    rec["usage"] = usage
+    m = mode_metrics([rec])
+    assert m["cached_tokens"] == 0 and m["total_output_tokens"] == 2 and m["median_tpot_ms"] == 125.0

@@ -12,8 +12,9 @@ pipeline, wan_bytes, wan_bytes_expected, md_cached_tokens, p_cached_tokens, hand
 Definitions (all latencies in ms):
 - completed: ``ok`` and at least one token; failed: every other record of the mode.
 - ttft_ms = first token time - send time; e2el_ms = last token time - send time;
-  tpot_ms = (e2el - ttft) / (n - 1) for requests with n > 1 tokens; itl_ms = every gap between
-  consecutive tokens of a request, pooled over requests.
+  tpot_ms = (e2el - ttft) / (n - 1) for requests with n > 1 output tokens (n:
+  :func:`output_tokens`, the usage's count when the stream timed fewer); itl_ms = every gap
+  between consecutive timed tokens of a request, pooled over requests.
 - duration_s = last ``end_s`` - first ``send_s`` of the mode; request_throughput = completed /
   duration (req/s); output_throughput = output tokens of completed requests / duration (tok/s).
 - wan_bytes, wan_bytes_expected: from the gateway's /pdd/stats (P's per-request transfer counts
@@ -50,13 +51,37 @@ def is_completed(rec: Mapping) -> bool:
     return bool(rec.get("ok")) and len(rec.get("token_times_s") or []) > 0
 
 
+def output_tokens(rec: Mapping) -> int:
+    """Output tokens of one record: the tokens the stream timed, or the server's
+    ``usage.completion_tokens`` when it counts more. The client times a chunk with text as one
+    token unless the server gives its token ids, so a server that streams several tokens per
+    chunk (vLLM with speculative decoding or a stream interval, without ``return_token_ids``)
+    or a token with empty text (a partial UTF-8 character held back) had that chunk timed once:
+    counted by chunks, TPOT was the time per chunk (k x too high) and the throughputs k x too
+    low. ``vllm bench serve`` counts the usage's tokens too."""
+    n = len(rec.get("token_times_s") or [])
+    usage = rec.get("usage")
+    k = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) and k > n else n
+
+
+def cached_tokens(usage: Any) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of one record, 0 where the server's usage has
+    none or not as an integer (another server's usage object: a string or list there made the
+    report raise after the whole replay)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
+    k = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) else 0
+
+
 def request_latencies(rec: Mapping) -> dict:
-    """ttft_ms, e2el_ms, tpot_ms (None when < 2 tokens) and itl_ms (list) of one completed record."""
+    """ttft_ms, e2el_ms, tpot_ms (None when < 2 output tokens, :func:`output_tokens`) and itl_ms
+    (list: the gaps between the stream's timed tokens) of one completed record."""
     times = rec["token_times_s"]
     send = rec["send_s"]
     ttft = (times[0] - send) * 1000.0
     e2el = (times[-1] - send) * 1000.0
-    n = len(times)
+    n = output_tokens(rec)
     tpot = (e2el - ttft) / (n - 1) if n > 1 else None
     itl = [(b - a) * 1000.0 for a, b in zip(times, times[1:])]
     return {"ttft_ms": ttft, "e2el_ms": e2el, "tpot_ms": tpot, "itl_ms": itl}
@@ -148,7 +173,7 @@ def mode_metrics(records: Iterable[Mapping], server: Mapping | None = None) -> d
     tpot = [x["tpot_ms"] for x in lat if x["tpot_ms"] is not None]
     itl = [g for x in lat for g in x["itl_ms"]]
 
-    out_tokens = sum(len(r["token_times_s"]) for r in done)
+    out_tokens = sum(output_tokens(r) for r in done)
     in_tokens = sum(int(r.get("prompt_tokens") or 0) for r in done)
     sends = [r["send_s"] for r in recs if r.get("send_s") is not None]
     ends = [r["end_s"] for r in recs if r.get("end_s") is not None]
@@ -167,8 +192,7 @@ def mode_metrics(records: Iterable[Mapping], server: Mapping | None = None) -> d
         p_cached += int(pd.get("p_cached_tokens") or 0)
         if pd.get("pipeline") is not None:
             pipelines[str(pd["pipeline"])] += 1
-        usage = r.get("usage") or {}
-        cached += int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        cached += cached_tokens(r.get("usage"))
 
     m: dict[str, Any] = {
         "completed": len(done),
@@ -188,7 +212,8 @@ def mode_metrics(records: Iterable[Mapping], server: Mapping | None = None) -> d
         {
             "wan_bytes": wan,
             "wan_bytes_expected": wan_expected,
-            "rld_output_token_share": tiers.get("rld", 0) / out_tokens if out_tokens else 0.0,
+            # over the tokens the stream tagged with their tier (one per timed token)
+            "rld_output_token_share": tiers.get("rld", 0) / sum(tiers.values()) if tiers else 0.0,
             "tier_tokens": dict(sorted(tiers.items())),
             "pipelines": dict(sorted(pipelines.items())),
             "cached_tokens": cached,
