@@ -352,9 +352,13 @@ def test_exit_status_counts_modes_without_a_completed_request():
     ({"timestamp": float("-inf")}, ["'timestamp' must be a number of ms, got -inf"]),
     ({"timestamp": -5}, ["'timestamp' must be >= 0 (ms since the trace's start), got -5"]),
     ({"timestamp": -0.5}, ["'timestamp' must be >= 0 (ms since the trace's start), got -0.5"]),
-    ({"input_length": 0}, ["'input_length' must be an integer >= 1, got 0"]),
-    ({"input_length": "600"}, ["'input_length' must be an integer >= 1, got '600'"]),
-    ({"output_length": -1}, ["'output_length' must be an integer >= 0, got -1"]),
+    ({"input_length": 0}, ["'input_length' must be an integer 1..1,000,000,000, got 0"]),
+    ({"input_length": "600"}, ["'input_length' must be an integer 1..1,000,000,000, got '600'"]),
+    ({"output_length": -1}, ["'output_length' must be an integer 0..1,000,000,000, got -1"]),
+    # past float's range the scaling raised OverflowError (a traceback) or math.isfinite did
+    ({"input_length": 10 ** 400}, ["'input_length' must be an integer 1..1,000,000,000, got 1000"]),
+    ({"output_length": 10 ** 400}, ["'output_length' must be an integer 0..1,000,000,000, got 1000"]),
+    ({"timestamp": 10 ** 400}, ["'timestamp' must be a number of ms, got 1000"]),
     ({"hash_ids": "1,2"}, ["'hash_ids' must be a list of integers"]),
     ({"hash_ids": [1, None]}, ["'hash_ids' must be a list of integers"]),
     # numpy seeds a block's tokens from its id: a negative one ended the run with numpy's own

@@ -21,27 +21,40 @@ HIT_BINS = [(0, 90), (90, 95), (95, 97), (97, 98), (98, 99), (99, 99.5), (99.5, 
 
 
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+# most tokens a record's input_length / output_length may give: 8,000 x the shared trace's longest
+# prompt (126,195). Past ~1e308 the scaling arithmetic overflowed float ("integer division result
+# too large for a float", a traceback); nothing real comes near either.
+MAX_TRACE_TOKENS = 10 ** 9
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _finite(v: int | float) -> bool:
+    """``math.isfinite``, False for an integer past float's range (10**400 raised OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _bad_field(rec: dict) -> str | None:
     """Why a record's values are unusable (None when they are fine): ``timestamp`` a finite
     number of ms >= 0 (since the trace's start; their order is not checked), ``input_length``
-    an integer >= 1, ``output_length`` an integer >= 0, ``hash_ids`` a list of integers >= 0.
+    an integer 1..:data:`MAX_TRACE_TOKENS`, ``output_length`` an integer 0..MAX_TRACE_TOKENS,
+    ``hash_ids`` a list of integers >= 0.
     Without this check a bad value failed later, in whatever used it, with a message naming
     neither the file, the line nor the field (``pdd bench``: "could not convert string to float:
     'x'")."""
     ts = rec["timestamp"]
-    if not ((_is_int(ts) or isinstance(ts, float)) and math.isfinite(ts)):
-        return f"'timestamp' must be a number of ms, got {ts!r}"
+    if not ((_is_int(ts) or isinstance(ts, float)) and _finite(ts)):
+        return f"'timestamp' must be a number of ms, got {ts!r}"[:200]
     if ts < 0:  # an arrival before the trace's start (it was accepted silently)
         return f"'timestamp' must be >= 0 (ms since the trace's start), got {ts!r}"
     for k, lo in (("input_length", 1), ("output_length", 0)):
-        if not (_is_int(rec[k]) and rec[k] >= lo):
-            return f"{k!r} must be an integer >= {lo}, got {rec[k]!r}"
+        if not (_is_int(rec[k]) and lo <= rec[k] <= MAX_TRACE_TOKENS):
+            return f"{k!r} must be an integer {lo}..{MAX_TRACE_TOKENS:,}, got {rec[k]!r}"[:200]
     h = rec["hash_ids"]
     if not (isinstance(h, list) and all(_is_int(x) and x >= 0 for x in h)):
         # a negative id seeded its token block through numpy, whose "expected non-negative
