@@ -266,3 +266,19 @@ def test_demo_cli_refuses_a_model_path_with_no_checkpoint_as_pdd_serve_does(caps
         f"pdd demo: error: model_path {model}: no checkpoint there (config.json missing); make one with: "
         f"pdd make-model --out {model}")
     assert not (tmp_path / "no").exists() and not (tmp_path / "d").exists()
+
+
+def test_demo_cli_refuses_blocks_longer_than_the_prompt_cap(capsys, tmp_path, monkeypatch):
+    """``pdd demo --block-tokens 1000000000`` drew 8 GB per block, then an ArrayMemoryError traceback."""
+    from pdd import topology
+    from pdd.bench.demo import main
+
+    monkeypatch.setattr(topology, "ports_in_use", lambda layout: [])
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model_path": str(fake_model(tmp_path / "model"))}))
+    with pytest.raises(SystemExit) as ex:
+        main(["--config", str(cfg), "--block-tokens", "1000000000", "--out", str(tmp_path / "d")])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "pdd demo: error: --block-tokens 1000000000 exceeds the prompt cap of 3776 tokens" in err, err
+    assert "Traceback" not in err and not (tmp_path / "d").exists()

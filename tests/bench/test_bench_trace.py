@@ -186,3 +186,26 @@ def test_sim_counts_a_trace_from_its_earliest_timestamp(tmp_path):
         runs.append({k: v for k, v in json.loads(out.read_text()).items() if k not in ("wall_s", "peak_rss_mb")})
     assert runs[0] == runs[1]  # the same simulation: duration_s was 1.7e9 s for the epoch trace
     assert runs[0]["duration_s"] < 10
+
+
+def test_output_scale_past_floats_range_is_clamped_not_an_overflow():
+    # --output-scale 1e308: output_length x scale was inf, and round(inf) raised OverflowError
+    assert Scale(output_scale=1e308).output_tokens(40) == 96
+    assert Scale(output_scale=1e308).output_tokens(0) == 8
+
+
+def test_fit_scale_refuses_no_prompt_room_and_blocks_longer_than_the_cap():
+    from pdd.config import ClusterConfig, EngineConfig
+    from pdd.workload.replay import fit_scale
+
+    cfg = ClusterConfig(engine=EngineConfig(max_model_len=1000, max_input_len=950))
+    assert fit_scale(Scale(block_tokens=1, max_output_tokens=999), cfg, 5, 0).max_input_tokens == 1
+    # --max-output 1000 (or 10**9) cut every prompt to 1 token, silently
+    with pytest.raises(ValueError, match=r"^--max-output 1000 leaves no prompt token within the engine's "
+                                         r"max_model_len 1000 \(prompt \+ output\)"):
+        fit_scale(Scale(max_output_tokens=1000), cfg, 5, 0)
+    assert fit_scale(Scale(block_tokens=904, max_output_tokens=96), cfg, 5, 0).max_input_tokens == 904
+    with pytest.raises(ValueError, match=r"^--block-tokens 905 exceeds the prompt cap of 904 tokens"):
+        fit_scale(Scale(block_tokens=905, max_output_tokens=96), cfg, 5, 0)
+    with pytest.raises(ValueError, match=r"^--block-tokens 10 exceeds the prompt cap of 9 tokens"):
+        fit_scale(Scale(block_tokens=10, max_input_tokens=9), cfg, 5, 0)

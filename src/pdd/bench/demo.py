@@ -46,7 +46,9 @@ DEMO_NICE = -10
 
 
 class NoRequests(ValueError):
-    """The demo's slice of the trace holds no request (``--start`` past its end)."""
+    """The demo's workload is refused before anything runs: its slice of the trace holds no
+    request (``--start`` past its end), or its flags leave no usable prompt
+    (:func:`pdd.workload.replay.fit_scale`: ``--max-output``, ``--block-tokens``)."""
 
 
 def run_demo(
@@ -86,7 +88,10 @@ def run_demo(
     set_nice(config.process_nice)  # the client timestamps every token: it runs as the tiers do
     model_path = ensure_model(config, console)
     tokens = TokenSpace.from_model(model_path)
-    scale = fit_scale(scale, config, n_requests, start)
+    try:
+        scale = fit_scale(scale, config, n_requests, start)
+    except ValueError as ex:  # named flag (--block-tokens 1000000000 was a traceback)
+        raise NoRequests(str(ex)) from None
     requests = build_requests(trace, scale, tokens, seed)
     if not requests:
         hint = ""
@@ -244,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = run_demo(args.out, tuple(modes), args.requests, scale, cfg, args.seed, start=args.start,
                           warmup=not args.no_warmup, request_timeout_s=args.request_timeout)
-    except NoRequests as ex:  # the slice is empty (--start past the trace), named in the message
+    except NoRequests as ex:  # the slice is empty (--start past the trace) or no prompt fits, named in the message
         ap.error(str(ex))
     except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM: the mode's topology was stopped on the way out
         return stopped_status(ap.prog, ex)

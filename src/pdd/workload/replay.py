@@ -120,8 +120,9 @@ class Scale:
 
     def output_tokens(self, output_length: int) -> int:
         """Scaled ``max_tokens`` for a record whose output was ``output_length`` tokens."""
-        n = round(output_length * self.output_scale)
-        return int(min(max(n, self.min_output_tokens), self.max_output_tokens))
+        # clamped before rounding: --output-scale 1e308 made it inf, which round() refused
+        n = min(max(output_length * self.output_scale, self.min_output_tokens), self.max_output_tokens)
+        return int(round(n))
 
     def effective_time_scale(self, timestamps_ms: Sequence[float]) -> float:
         """Speed-up actually applied to a slice with these arrival timestamps (ms)."""
@@ -396,12 +397,29 @@ def workload_summary(
 
 def fit_scale(scale: Scale, config: "ClusterConfig", n_requests: int | None, start: int | None) -> Scale:
     """``scale`` with the slice set and the prompt cap lowered to what the engine accepts
-    (``max_input_len`` and ``max_model_len - max_output_tokens``)."""
+    (``max_input_len`` and ``max_model_len - max_output_tokens``).
+
+    ValueError, naming the flag, when ``max_output_tokens`` (``--max-output``) leaves no prompt
+    token within ``max_model_len`` (every prompt was cut to 1 token, silently), or when
+    ``block_tokens`` (``--block-tokens``) exceeds the prompt cap: every prompt would then be its
+    first block cut short, so requests sharing only their first hash id (every request of the
+    shared conversation trace shares its system-prompt block) had identical prompts, and
+    ``--block-tokens 1000000000`` drew 8 GB per block before anything ran."""
     eng = config.engine
-    cap = min(eng.max_input_len, eng.max_model_len - scale.max_output_tokens)
+    room = eng.max_model_len - scale.max_output_tokens
+    if room < 1:
+        raise ValueError(f"--max-output {scale.max_output_tokens} leaves no prompt token within the engine's "
+                         f"max_model_len {eng.max_model_len} (prompt + output); give a smaller --max-output "
+                         f"(or a --config whose engine.max_model_len is the server's)")
+    cap = min(eng.max_input_len, room)
     if scale.max_input_tokens is not None:
         cap = min(cap, scale.max_input_tokens)
-    upd: dict = {"max_input_tokens": max(1, cap)}
+    if scale.block_tokens > cap:
+        raise ValueError(f"--block-tokens {scale.block_tokens} exceeds the prompt cap of {cap} tokens (--max-input, "
+                         f"the engine's max_input_len {eng.max_input_len} and max_model_len {eng.max_model_len} "
+                         f"- --max-output {scale.max_output_tokens}): every prompt would be its first block cut "
+                         f"short, so requests sharing only that block would have identical prompts")
+    upd: dict = {"max_input_tokens": cap}
     if n_requests is not None:
         upd["count"] = n_requests
     if start is not None:
