@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 # prompt[0] selects the behaviour of the fake server (anything >= 10 is OK)
-OK, HTTP_500, MID_ERROR, HANG, NO_DONE = 1, 2, 3, 4, 5
+OK, HTTP_500, MID_ERROR, HANG, NO_DONE, ODD_CHUNKS = 1, 2, 3, 4, 5, 6
 
 
 def fake_app(hang_every: int = 0) -> FastAPI:
@@ -41,6 +41,9 @@ def fake_app(hang_every: int = 0) -> FastAPI:
                     yield f"data: {json.dumps({'error': {'message': 'MD lost', 'type': 'server_error'}})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
+                if kind == ODD_CHUNKS and pos == 1:  # JSON, but no completion chunk's shape
+                    for odd in ("5", "[]", '{"choices": ["t"]}', '{"choices": [{"text": 7}]}'):
+                        yield f"data: {odd}\n\n"
                 await asyncio.sleep(0.005)
                 chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
                          "choices": [{"index": 0, "text": f"t{pos} ", "logprobs": None,

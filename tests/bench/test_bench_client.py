@@ -6,7 +6,7 @@ from pdd.bench.client import replay, run_one, run_one_sync
 from pdd.bench.report import compute_modes
 from pdd.workload.replay import ReplayRequest
 
-from bench_fakes import HANG, HTTP_500, MID_ERROR, NO_DONE, OK  # noqa: E402
+from bench_fakes import HANG, HTTP_500, MID_ERROR, NO_DONE, ODD_CHUNKS, OK  # noqa: E402
 
 
 def test_run_one_sync_ok(server_url):
@@ -29,6 +29,11 @@ async def test_failures_are_recorded(server_url):
     assert not hang.ok and hang.error.startswith("Timeout") and len(hang.token_times_s) == 1
     nodone = await run_one(server_url, [NO_DONE], 3)
     assert not nodone.ok and nodone.error.startswith("incomplete stream") and len(nodone.token_times_s) == 3
+    # chunks that are JSON but not shaped as a completion chunk: named as the data the server sent
+    # (it was "TypeError: argument of type 'int' is not iterable"); the record holds only real tokens
+    odd = await run_one(server_url, [ODD_CHUNKS], 3)
+    assert not odd.ok and odd.error == "bad chunk: 5"
+    assert odd.text == "t0 t1 t2 " and len(odd.token_times_s) == len(odd.tiers) == 3
     refused = await run_one("http://127.0.0.1:9", [OK], 3, timeout_s=5)
     assert not refused.ok and refused.error.startswith("ConnectError")
 

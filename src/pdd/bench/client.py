@@ -131,10 +131,13 @@ async def _stream_one(
                         break
                     try:
                         obj = json.loads(data)
-                    except ValueError:
+                        _absorb(rec, obj, now)
+                    except (ValueError, TypeError, AttributeError):
+                        # not JSON, or not the shape of a completion chunk (`data: 5`, a choice that
+                        # is no object, a number as text): it was "TypeError: argument of type
+                        # 'int' is not iterable", naming nothing the server sent
                         rec.error = rec.error or f"bad chunk: {_short(data, 120)}"
                         continue
-                    _absorb(rec, obj, now)
                 if not done and rec.error is None:
                     rec.error = "incomplete stream: closed before [DONE]"
     except TimeoutError:
@@ -154,7 +157,8 @@ async def _stream_one(
 
 
 def _absorb(rec: RequestRecord, obj: dict, now: float) -> None:
-    """Fold one SSE JSON object into the record (token chunk, usage chunk or error event)."""
+    """Fold one SSE JSON object into the record (token chunk, usage chunk or error event).
+    TypeError / AttributeError, before the record changed, when ``obj`` is not shaped as one."""
     if "error" in obj and not obj.get("choices"):
         err = obj["error"]
         msg = err.get("message") if isinstance(err, dict) else err
@@ -162,9 +166,13 @@ def _absorb(rec: RequestRecord, obj: dict, now: float) -> None:
         return
     pd = obj.get("pdd") or {}
     choices = obj.get("choices") or []
+    if not isinstance(pd, dict):
+        raise TypeError("pdd is not an object")
     if choices:
         ch = choices[0]
         text = ch.get("text") or ""
+        if not isinstance(text, str):
+            raise TypeError("text is not a string")
         ids = ch.get("token_ids")
         if "token_id" not in pd and "pos" not in pd and isinstance(ids, list):
             # vLLM with return_token_ids: the chunk's token ids (one per token, text or not)
