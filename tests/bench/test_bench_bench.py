@@ -6,7 +6,7 @@ import pydantic
 import pytest
 from rich.console import Console
 
-from bench_fakes import FakeTopology
+from bench_fakes import FakeTopology, serve_in_thread
 from pdd.bench import bench as bench_mod
 from pdd.bench.bench import (MODE_EXTRA_FIELDS, REPORT_FIELDS, RemoteTopology, apply_overrides, cutoff_stats,
                              handoff_stats, hit_rates, main, run_bench)
@@ -498,3 +498,23 @@ def test_remote_wait_idle_is_bounded_and_says_so(tmp_path):
     assert records[0].ok and entry["idle"] is False
     assert mode_metrics([r.to_dict() for r in records], entry)["stats_settled"] is False
     assert "pdd: the server was still busy" in (tmp_path / "console.txt").read_text()
+
+
+@pytest.mark.parametrize("body", [[], "x", 5])
+def test_remote_stats_that_are_no_json_object_are_no_stats(body):
+    # a server answering /pdd/stats and /pdd/flush with a JSON array or string: `pdd bench --url`
+    # read its mode with .get and ended with an AttributeError traceback
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+    app.get("/pdd/stats")(lambda: JSONResponse(body))
+    app.post("/pdd/flush")(lambda: JSONResponse(body))
+    app.get("/health")(lambda: JSONResponse({"mode": "pdd"}))
+    url, stop = serve_in_thread(app)
+    try:
+        remote = RemoteTopology(url)
+        assert remote.stats() == {} and remote.flush() == {}
+        assert remote.mode() == "pdd" and remote.wait_idle(timeout_s=0.1) is True
+    finally:
+        stop()

@@ -108,11 +108,19 @@ def measured_replay(
     return records, entry
 
 
+def _json_object(r: httpx.Response) -> dict:
+    """The body of an HTTP 200 answer when it is a JSON object, else ``{}`` (a server that answers
+    every path with a JSON array or string ended ``pdd bench --url`` with an AttributeError
+    traceback when it read the mode). ValueError when the body is not JSON."""
+    body = r.json() if r.status_code == 200 else {}
+    return body if isinstance(body, dict) else {}
+
+
 class RemoteTopology:
     """A running gateway at ``url`` used like a Topology (nothing started or stopped).
 
-    ``stats()``: GET /pdd/stats (``{}`` when the server has none, e.g. vLLM); ``flush()``: POST
-    /pdd/flush, best effort.
+    ``stats()``: GET /pdd/stats (``{}`` when the server has none, e.g. vLLM, or answers with
+    something other than a JSON object); ``flush()``: POST /pdd/flush, best effort (the same).
     """
 
     def __init__(self, url: str, timeout_s: float = 30.0):
@@ -128,7 +136,7 @@ class RemoteTopology:
     def stats(self) -> dict:
         try:
             r = httpx.get(f"{self.url}/pdd/stats", timeout=self.timeout_s, trust_env=False)
-            return r.json() if r.status_code == 200 else {}
+            return _json_object(r)
         except (httpx.HTTPError, ValueError):
             return {}
 
@@ -149,7 +157,7 @@ class RemoteTopology:
     def flush(self) -> dict:
         try:
             r = httpx.post(f"{self.url}/pdd/flush", timeout=60, trust_env=False)
-            return r.json() if r.status_code == 200 else {}
+            return _json_object(r)
         except (httpx.HTTPError, ValueError):
             return {}
 
