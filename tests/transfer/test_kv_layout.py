@@ -99,7 +99,7 @@ def test_the_receiver_widens_a_frame_in_the_senders_dtype_and_refuses_another_pa
     s.buffer.normal_()
     st, rt = s.alloc(3), r.alloc(2)
     data = s.export_tokens(st, 0, 20, 16, "bfloat16")  # the wire dtype: the sender's, narrower
-    ctx = SimpleNamespace(seq=SimpleNamespace(page_table=rt), extra={})
+    ctx = SimpleNamespace(seq=SimpleNamespace(page_table=rt, num_cached_tokens=0, prompt_len=20), extra={})
     inst = _receiver(r)
     slot = ELEMS * 2
     h = {"rid": "a", "first_page": 0, "n_pages": 2, "layers": None, "page_bytes": 16 * slot,

@@ -24,12 +24,18 @@ from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
 from pdd.transfer.server import Server
 from pdd.transfer.kv import KVReorder
-from pdd.transfer.layout import kv_handshake_check, wire_slot_bytes
-from pdd.transfer.messages import (OMIT, Abort, AbortOk, FlushOk, IdleOk, Kv, Peek, PeekOk, ReqError, StatsOk, Tok, Toks,
-                                   WaitIdle)
+from pdd.transfer.layout import DTYPE_BYTES, kv_handshake_check, wire_slot_bytes
+from pdd.transfer.messages import (OMIT, Abort, AbortOk, FlushOk, IdleOk, Kv, MessageError, Peek, PeekOk, ReqError,
+                                   StatsOk, Tok, Toks, WaitIdle)
 from pdd.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def shown_t(h: dict) -> str:
+    """A frame header's kind for a log line (``?`` when it has none that is a short str)."""
+    t = h.get("t") if isinstance(h, dict) else None
+    return repr(t) if isinstance(t, str) and len(t) <= 32 else "?"
 
 HIT_WINDOW_REQUESTS = 200  # window of the windowed prefix-hit-rate gauge
 ABORTED_MEMORY = 4096  # recently aborted rids remembered (refuses their late-arriving requests)
@@ -429,12 +435,33 @@ class EngineInstance:
 
     # ------------------------------------------------------------------ KV receive (RLD, MD)
     async def on_kv(self, peer, h, payload):
-        m = Kv.decode(h)
-        ctx = self.reqs.get(m.rid)
+        ctx = self.reqs.get(h.get("rid")) if isinstance(h.get("rid"), str) else None
+        try:
+            m = Kv.decode(h)
+        except MessageError as e:
+            await self.refuse_kv(ctx, h, str(e))
+            return None
         if ctx is None:
             return None  # aborted meanwhile: drop the frame
-        self.import_frame(ctx, m, payload)
+        try:
+            self.import_frame(ctx, m, payload)
+        except ValueError as e:
+            await self.refuse_kv(ctx, h, str(e))
         return None
+
+    async def refuse_kv(self, ctx: ReqCtx | None, h: dict, why: str) -> None:
+        """A ``kv`` / ``kv_done`` frame this instance cannot take (malformed, pages outside the
+        request's uncached prompt pages, the wrong page size or dtype, after the request's KV was
+        complete): one log line, counted in ``kv_refused``. The frame's request (``ctx``; None:
+        not held here, only logged) fails with ``req_error`` naming why, and its pages are freed
+        without caching anything: its prompt's KV is incomplete, so decoding it would be wrong."""
+        self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
+        log.warning("refused a %s frame of %s: %s", shown_t(h), ctx.rid if ctx is not None else "a request not held here",
+                    why)
+        if ctx is None or ctx.released:
+            return
+        ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: refused a KV frame: {why}").wire())
+        await self.release(ctx, cache=False)
 
     def import_frame(self, ctx: ReqCtx, m: Kv, payload) -> None:
         """Copy one ``kv`` frame's pages (``first_page``, ``n_pages``, ``layers``,
@@ -443,12 +470,28 @@ class EngineInstance:
         unit of a layer-wise stream carries one layer group of its pages); ``dtype`` (the
         sender's, narrower than this pool's: ``pdd.transfer.layout``) is widened on import.
         Raises ValueError for a frame whose ``page_bytes`` is not one of this pool's pages of
-        those layers in that dtype, or a partial last page that is not whole token slots."""
+        those layers in that dtype, a partial last page that is not whole token slots, pages
+        outside the request's uncached prompt pages (below its prefix-cache hit, whose pages the
+        radix cache shares, or past the prompt's last page), or a frame after the request's
+        ``kv_done``."""
         first, n = int(m.first_page), int(m.n_pages)
-        pages = ctx.seq.page_table[first : first + n]
-        layers = tuple(m.layers) if m.layers is not None else None
         pool = self.engine.pool
+        seq = ctx.seq
+        if ctx.extra.get("kv_complete") or ctx.extra.get("kv_done"):
+            raise ValueError(f"kv frame of {m.rid!r} after its kv_done (the prompt's KV is complete)")
+        # the prompt's pages this request computes: the prefix-cache hit below ``lo`` is shared
+        # with other requests (the radix cache's), never written by a transfer
+        lo, hi = int(seq.num_cached_tokens) // pool.page_size, -(-int(seq.prompt_len) // pool.page_size)
+        if n < 0 or first < lo or first + n > hi:
+            raise ValueError(f"kv frame of {m.rid!r}: pages [{first}, {first + n}) are not within its uncached "
+                             f"prompt pages [{lo}, {hi})")
+        pages = seq.page_table[first : first + n]
+        layers = tuple(m.layers) if m.layers is not None else None
+        if layers is not None and len(layers) != 2:
+            raise ValueError(f"kv frame of {m.rid!r}: layers {list(layers)} is not a range [l0, l1]")
         src = str(m.dtype if m.dtype is not OMIT and m.dtype else pool.dtype_name)
+        if src not in DTYPE_BYTES:
+            raise ValueError(f"kv frame of {m.rid!r}: dtype {src!r} is not one of {sorted(DTYPE_BYTES)}")
         slot = wire_slot_bytes(pool.slot_bytes(layers), pool.dtype_name, src)
         if int(m.page_bytes) != slot * pool.page_size:
             raise ValueError(f"kv frame of {m.rid!r}: page_bytes {m.page_bytes} is not a page of "

@@ -34,7 +34,7 @@ import asyncio
 import logging
 import time
 
-from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
+from pdd.roles.base import shown_t, EngineInstance, ReqCtx, free_sequence
 from pdd.roles.early_frames import EarlyFrames
 from pdd.topology import ROLE_COLOCATED
 from pdd.transfer.messages import (OMIT, Abort, Drop, Extend, ExtendOk, Finish, Generate, GenerateOk, Kv, KvCancel, KvDone,
@@ -90,6 +90,12 @@ class MainDecodeInstance(EngineInstance):
         self.counters["requests"] += 1
         self.record_hit(int(seq.num_cached_tokens), len(prompt))
         await self.admitted(ctx)
+        if "kv_refused" in ctx.extra:  # a frame that came before the reservation was bad: refuse it
+            h, why = ctx.extra["kv_refused"]
+            self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
+            log.warning("refused a %s frame of %s: %s", shown_t(h), rid, why)
+            await self.release(ctx, cache=False)
+            raise RuntimeError(f"{self.spec.name}: refused a KV frame of {rid}: {why}")
         return ctx
 
     async def _kv_arrived(self, rid: str, timeout_s: float) -> None:
@@ -128,19 +134,18 @@ class MainDecodeInstance(EngineInstance):
             if kind == "kv":
                 try:
                     self.import_frame(ctx, Kv.decode(h), payload)
-                except Exception:  # as a bad frame handled on arrival: logged, dropped
-                    log.exception("dropping a held kv frame of %s", ctx.rid)
+                except ValueError as e:  # as a bad frame handled on arrival (MessageError included)
+                    ctx.extra["kv_refused"] = (h, str(e))  # _admit refuses the request; the rest is dropped
+                    return
             else:
                 asyncio.get_running_loop().create_task(self.on_kv_done(peer, h, payload))
 
     async def on_kv(self, peer, h, payload):
-        m = Kv.decode(h)
-        ctx = self.reqs.get(m.rid)
-        if ctx is None:  # before its reservation (held), or ended here (dropped)
-            self.early.hold(m.rid, "kv", h, payload, time.monotonic())
+        rid = h.get("rid")
+        if isinstance(rid, str) and rid not in self.reqs:  # before its reservation (held), or ended here (dropped)
+            self.early.hold(rid, "kv", h, payload, time.monotonic())
             return None
-        self.import_frame(ctx, m, payload)
-        return None
+        return await super().on_kv(peer, h, payload)
 
     async def on_reserve(self, peer, h, payload):
         m = Reserve.decode(h)
@@ -170,6 +175,10 @@ class MainDecodeInstance(EngineInstance):
         ctx = self.reqs.get(m.rid)
         if ctx is None:
             self.early.hold(m.rid, "kv_done", h, b"", time.monotonic())
+            return None
+        if ctx.extra.get("kv_complete"):  # a second kv_done: the first already started the request
+            self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
+            log.warning("dropped a second kv_done of %s (its KV is already complete)", m.rid)
             return None
         parts = int(ctx.extra.get("kv_parts", 1)) - 1  # a predicted send with a fill: two transfers
         ctx.extra["kv_parts"] = parts
