@@ -310,6 +310,10 @@ class PrefillInstance(EngineInstance):
         p_sp = SamplingParams.from_dict({**sp.to_dict(), "max_tokens": 1, "ignore_eos": True})
         if rid in self._aborted:
             raise RuntimeError(f"request {rid} was aborted")
+        if rid in self.reqs or rid in self.first_token_waiters:
+            # one sequence per rid: a second would take the first's first-token waiter (its prefill
+            # call would never answer) and its place in ``reqs`` (its pages released by rid)
+            raise RuntimeError(f"request {rid} is already held here")
         # the waiter exists before the sequence can run, so its first token is never missed
         fut = asyncio.get_running_loop().create_future()
         self.first_token_waiters[rid] = fut
