@@ -166,10 +166,13 @@ class Engine:
 
         Bounded queue: with ``max_waiting`` set, raises :class:`TierBusy` (holding nothing) when
         ``max_running_seqs + max_waiting`` sequences already need compute (:meth:`pending_seqs`).
+        Raises ValueError (holding nothing) for an empty prompt or a token id outside the model's
+        vocabulary (it would fail the forward pass of every sequence batched with it).
         """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
+        self._check_vocab(prompt, "prompt")
         if self.max_waiting is not None:
             pending, limit = self.pending_seqs(), self.sched_cfg.max_running_seqs + self.max_waiting
             if pending >= limit:
@@ -273,12 +276,24 @@ class Engine:
             self.add(seq)
         return reason
 
+    def _check_vocab(self, ids: list[int], what: str, start: int = 0) -> None:
+        """Raise ValueError naming the first of ``ids`` outside ``[0, vocab_size)`` and its
+        position (``start`` + its index: ``what``'s position of ``ids[0]``)."""
+        vocab = int(self.model_cfg.vocab_size)
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise ValueError(f"{what} token id {t} at position {start + i} is outside the vocabulary [0, {vocab})")
+
     def append_tokens(self, seq: Sequence, token_ids, sample: bool = True) -> None:
         """Append output tokens produced elsewhere (handoff). Their KV is computed by the next
-        steps in one extend; with ``sample=False`` no token is sampled after them (catch-up)."""
+        steps in one extend; with ``sample=False`` no token is sampled after them (catch-up).
+        Raises ValueError for a finished or released sequence, or a token id outside the
+        vocabulary (nothing appended)."""
         if seq.status in (SeqStatus.FINISHED, SeqStatus.RELEASED):
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}")
-        seq.token_ids.extend(int(t) for t in token_ids)
+        ids = [int(t) for t in token_ids]
+        self._check_vocab(ids, "output", start=seq.num_outputs)
+        seq.token_ids.extend(ids)
         seq.can_sample = sample
 
     # -- stepping ----------------------------------------------------------------------------

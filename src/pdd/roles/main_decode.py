@@ -254,6 +254,8 @@ class MainDecodeInstance(EngineInstance):
         seq = ctx.seq
 
         def _extend(e):
+            if seq.is_finished:  # ended meanwhile (a replayed round): its last token is on its way
+                return None
             have = len(seq.token_ids) - seq.prompt_len
             new = ids[have:] if final else ids[have:-1]
             if new or final:
@@ -263,7 +265,15 @@ class MainDecodeInstance(EngineInstance):
 
         ctx.in_engine = True
         self.counters["extends"] = self.counters.get("extends", 0) + 1
-        target = await self.worker.call(_extend, overlap=True)
+        try:
+            target = await self.worker.call(_extend, overlap=True)
+        except ValueError as e:  # a handed-over id outside the vocabulary: nothing was appended
+            log.warning("refused an extend of %s: %s", ctx.rid, e)
+            ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: refused an extend: {e}").wire())
+            await self.release(ctx, cache=False)
+            return ExtendOk(False).wire()
+        if target is None:
+            return ExtendOk(False).wire()
         if final:
             return ExtendOk(True).wire()
         # catch-up round: wait until MD's KV covers what it was sent (not final: no sampling)

@@ -278,9 +278,11 @@ class PrefillInstance(EngineInstance):
             prog.fail(RuntimeError(error))
             for s in self.senders.values():
                 s.cancel(seq_id)
-            fut = self.first_token_waiters.pop(seq_id, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(RuntimeError(error))
+        # its prefill call fails (whole mode too), also when it failed before ``on_prefill`` put it
+        # in ``reqs`` (the engine's first step can end before the loop resumes that call)
+        fut = self.first_token_waiters.pop(seq_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(RuntimeError(error))
 
     def _watch(self, e, seq, progress: LayerProgress) -> None:
         """Engine thread: hand each layer's progress of ``seq``'s prefill to ``progress`` on the loop
@@ -357,6 +359,11 @@ class PrefillInstance(EngineInstance):
         try:
             ev = await fut
         except BaseException as e:
+            if seq.status == SeqStatus.RELEASED and self.reqs.get(rid) is ctx:
+                # the engine failed it (its pages are freed there) before on_seq_failed found it here
+                ctx.released = True
+                self.reqs.pop(rid, None)
+                self._req_gone(ctx)
             if progress is not None:  # aborted or failed while prefilling: the streams are cut
                 progress.fail(RuntimeError(f"request {rid} aborted"))
                 if isinstance(e, Exception):  # they started: P reports them in xfer_done
