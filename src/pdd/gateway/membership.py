@@ -311,7 +311,7 @@ class Membership:
         taken: one ``pdd serve`` started and a remove left running idle), which is joined instead,
         as a second process could not bind its ports; else it must be running already (``pdd
         launch --join``). Raises MembershipError (400 bad role or address, 404 no such slot, 409
-        duplicate, 503 not reachable / did not start)."""
+        duplicate or another instance answering there, 503 not reachable / did not start)."""
         m = self._slot_for(role, name, address)
         d = decide("add", m.name, m.role, m.state)
         if not d.ok or m.name in self._busy_ops:
@@ -332,6 +332,16 @@ class Membership:
                             type(e).__name__, e)
                 raise MembershipError(503, f"instance {m.name} is not reachable at {m.reached_at}: "
                                            f"{type(e).__name__}: {e}", "address", "unreachable") from None
+            who = (getattr(peer, "remote_hello", None) or {}).get("instance")
+            if who is not None and who != m.name:  # without TLS nothing else says who listens there
+                await peer.close()
+                self._stop_process(m)
+                role = (peer.remote_hello or {}).get("role")
+                log.warning("add %s (%s) refused: %s (%s) answers at %s", m.name, m.role, shown(who), shown(role),
+                            m.reached_at)
+                raise MembershipError(409, f"the instance at {m.reached_at} is {shown(who)} ({shown(role)}), not "
+                                           f"{m.name}: another instance listens at this slot's address", "address",
+                                      "identity_mismatch")
             old = self.orch.peers.get(m.name)
             self.orch.peers[m.name] = peer
             if old is not None and old is not peer:

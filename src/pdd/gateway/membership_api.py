@@ -11,7 +11,7 @@ the API keys like every other endpoint (docs/SECURITY.md):
 
 Refusals are OpenAI-style error bodies: 400 (bad body, unknown role, bad address), 403 (re-role
 not allowed by the config), 404 (no such instance), 409 (duplicate, still in flight, last active
-of its role), 503 (unreachable). Booleans are strict: ``"yes"`` or ``1`` is a 400 naming the field.
+of its role, another instance answering at the slot's address), 503 (unreachable). Booleans are strict: ``"yes"`` or ``1`` is a 400 naming the field.
 """
 
 from __future__ import annotations
