@@ -172,7 +172,7 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
-        self._check_vocab(prompt, "prompt")
+        self.check_token_ids(prompt, "prompt")
         if self.max_waiting is not None:
             pending, limit = self.pending_seqs(), self.sched_cfg.max_running_seqs + self.max_waiting
             if pending >= limit:
@@ -276,9 +276,9 @@ class Engine:
             self.add(seq)
         return reason
 
-    def _check_vocab(self, ids: list[int], what: str, start: int = 0) -> None:
-        """Raise ValueError naming the first of ``ids`` outside ``[0, vocab_size)`` and its
-        position (``start`` + its index: ``what``'s position of ``ids[0]``)."""
+    def check_token_ids(self, ids: list[int], what: str, start: int = 0) -> None:
+        """Raise ValueError naming the first of ``ids`` outside the model's vocabulary ``[0,
+        vocab_size)`` and its position (``start`` + its index: ``what``'s position of ``ids[0]``)."""
         vocab = int(self.model_cfg.vocab_size)
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
@@ -292,7 +292,7 @@ class Engine:
         if seq.status in (SeqStatus.FINISHED, SeqStatus.RELEASED):
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}")
         ids = [int(t) for t in token_ids]
-        self._check_vocab(ids, "output", start=seq.num_outputs)
+        self.check_token_ids(ids, "output", start=seq.num_outputs)
         seq.token_ids.extend(ids)
         seq.can_sample = sample
 

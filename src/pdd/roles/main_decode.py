@@ -254,8 +254,6 @@ class MainDecodeInstance(EngineInstance):
         seq = ctx.seq
 
         def _extend(e):
-            if seq.is_finished:  # ended meanwhile (a replayed round): its last token is on its way
-                return None
             have = len(seq.token_ids) - seq.prompt_len
             new = ids[have:] if final else ids[have:-1]
             if new or final:
@@ -263,17 +261,16 @@ class MainDecodeInstance(EngineInstance):
                 e.add(seq)
             return len(seq.token_ids)
 
-        ctx.in_engine = True
-        self.counters["extends"] = self.counters.get("extends", 0) + 1
         try:
-            target = await self.worker.call(_extend, overlap=True)
-        except ValueError as e:  # a handed-over id outside the vocabulary: nothing was appended
+            self.engine.check_token_ids(ids, "output")  # RLD's outputs so far, from position 0
+        except ValueError as e:  # the forward pass would fail every request batched with it
             log.warning("refused an extend of %s: %s", ctx.rid, e)
             ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: refused an extend: {e}").wire())
             await self.release(ctx, cache=False)
             return ExtendOk(False).wire()
-        if target is None:
-            return ExtendOk(False).wire()
+        ctx.in_engine = True
+        self.counters["extends"] = self.counters.get("extends", 0) + 1
+        target = await self.worker.call(_extend, overlap=True)
         if final:
             return ExtendOk(True).wire()
         # catch-up round: wait until MD's KV covers what it was sent (not final: no sampling)
