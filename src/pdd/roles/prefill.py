@@ -119,6 +119,8 @@ class PrefillInstance(EngineInstance):
                 fut.set_result({"name": m.name or m.slot, **({"skip": True} if m.skip else {"cancelled": True})})
             elif m.name is OMIT or m.first_page is OMIT:
                 raise MessageError(f"message 'target': a planned slot needs 'name' and 'first_page' ({m})")
+            elif m.first_page < 0:
+                raise MessageError(f"message 'target': first_page {m.first_page} is negative ({m})")
             else:
                 fut.set_result({"name": m.name, "first_page": m.first_page, "relay": bool(m.relay),
                                 **({"last_page": m.last_page} if m.last_page is not OMIT else {})})
@@ -304,6 +306,33 @@ class PrefillInstance(EngineInstance):
             if fut is not None and not fut.done():
                 fut.set_result(ev)
 
+    def _check_targets(self, targets: list) -> None:
+        """Raise MessageError naming the first of a ``prefill``'s ``targets`` that is neither a
+        planned target (``name`` of an instance of this topology, ``first_page`` >= 0, optional
+        ``relay`` bool and ``last_page`` int) nor a deferred slot (``slot`` str, ``deferred``
+        true), before any work is done for the request."""
+        for i, t in enumerate(targets):
+            where = f"message 'prefill': targets[{i}]"
+            if not isinstance(t, dict):
+                raise MessageError(f"{where} must be a map, got {type(t).__name__}")
+            if t.get("deferred") is True:
+                if not isinstance(t.get("slot"), str):
+                    raise MessageError(f"{where}: a deferred slot needs a str 'slot'")
+                continue
+            name, first = t.get("name"), t.get("first_page")
+            if not isinstance(name, str) or not isinstance(first, int) or isinstance(first, bool):
+                raise MessageError(f"{where}: a planned target needs a str 'name' and an int 'first_page' "
+                                   f"(or 'slot' with 'deferred': true)")
+            try:
+                self.layout.get(name)
+            except KeyError as e:
+                raise MessageError(f"{where}: {e.args[0]}") from None
+            if first < 0:
+                raise MessageError(f"{where}: first_page {first} is negative")
+            for k, tp in (("relay", bool), ("last_page", int)):
+                if k in t and not isinstance(t[k], tp):
+                    raise MessageError(f"{where}: '{k}' must be {tp.__name__}, got {type(t[k]).__name__}")
+
     async def on_prefill(self, peer, h, payload):
         m = Prefill.decode(h)
         rid = m.rid
@@ -312,6 +341,7 @@ class PrefillInstance(EngineInstance):
         p_sp = SamplingParams.from_dict({**sp.to_dict(), "max_tokens": 1, "ignore_eos": True})
         if rid in self._aborted:
             raise RuntimeError(f"request {rid} was aborted")
+        self._check_targets(m.targets)
         if rid in self.reqs or rid in self.first_token_waiters:
             # one sequence per rid: a second would take the first's first-token waiter (its prefill
             # call would never answer) and its place in ``reqs`` (its pages released by rid)

@@ -590,6 +590,8 @@ class Peer:
                 await maybe_await(h(self, header, payload))
             except asyncio.CancelledError:
                 raise
+            except messages.MessageError as e:  # a malformed message: its sender's bug, one line
+                log.warning("%r: dropped a malformed one-way %r: %s", self, header["t"], e)
             except Exception:
                 log.exception("%r: handler for one-way %r failed", self, header["t"])
             finally:
