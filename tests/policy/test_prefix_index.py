@@ -94,3 +94,25 @@ def test_record_is_match_then_insert():
         a.insert(p)
         assert b.record(p) == held
         assert list(b._keys.items()) == list(a._keys.items())
+
+
+def test_match_landed_splits_the_hit_into_landed_and_claimed():
+    """match_landed / match_landed_keys: the held prefix (landed or claimed) and, of it, the pages
+    from the first up to the first still claimed (KV on its way): what MD's own cache can match
+    now. Matching touches the keys (LRU) as match does."""
+    ix = PrefixIndex(page_size=4, capacity_pages=100)
+    turn1, turn2 = list(range(12)), list(range(20))  # 3 and 5 whole pages
+    ix.insert(turn1)  # routed: a claim
+    assert ix.match_landed(turn2) == (12, 0)
+    ix.landed(turn1)
+    assert ix.match_landed(turn2) == (12, 12)
+    ix.insert(turn2)  # the next turn routed: its two new pages are claims
+    assert ix.match_landed(turn2 + [99]) == (20, 12)
+    assert ix.match_landed(list(range(8))) == (8, 8)
+    assert ix.match_landed([7] + turn2[1:]) == (0, 0)
+    keys = ix.page_keys(turn2)
+    assert ix.match_landed_keys(keys) == (5, 3) and ix.match_keys(keys) == 5
+    ix.landed_keys([keys[4]])  # a landed page after a claimed one does not extend the landed prefix
+    assert ix.match_landed_keys(keys) == (5, 3)
+    ix.dropped(turn2)  # its claims taken back; the landed pages stay
+    assert ix.match_landed(turn2) == (12, 12)

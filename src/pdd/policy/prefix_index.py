@@ -54,6 +54,17 @@ class PrefixIndex:
         size), landed or on its way; the matched keys count as used."""
         return self.match_keys(self._chain(prompt)) * self.page_size
 
+    def match_landed(self, prompt: list[int]) -> tuple[int, int]:
+        """:meth:`match` and, of it, the tokens whose KV is known to be there, in one pass:
+        ``(held, landed)`` tokens (multiples of the page size, ``landed <= held``). ``landed``
+        counts the pages from the first up to the first still claimed (routed there, its KV on
+        its way): what the instance's own cache can match now. A new request whose prefix
+        ends in a claim reserves there once that claim's KV landed instead of shipping the
+        claimed pages again (the gateway's ``reserve {after}``, the simulator's
+        ``md_wait_claims``); what fits its TTFT budget is judged on the landed part."""
+        held, landed = self.match_landed_keys(self._chain(prompt))
+        return held * self.page_size, landed * self.page_size
+
     def insert(self, prompt: list[int], landed: bool = False) -> None:
         """Record ``prompt``'s whole pages as held (most recently used), evicting the least
         recently used keys beyond ``capacity_pages``: routed there (``landed`` False: its KV is
@@ -90,6 +101,25 @@ class PrefixIndex:
             touch(key)
             n += 1
         return n
+
+    def match_landed_keys(self, keys: Iterable[Hashable]) -> tuple[int, int]:
+        """:meth:`match_landed` for pages named by ``keys`` (as :meth:`match_keys`): ``(held,
+        landed)`` pages; the matched keys count as used."""
+        n = landed = 0
+        on_landed = True
+        held, touch = self._keys, self._keys.move_to_end
+        for key in keys:
+            v = held.get(key)
+            if v is None:
+                break
+            touch(key)
+            n += 1
+            if on_landed:
+                if v == LANDED:
+                    landed = n
+                else:
+                    on_landed = False
+        return n, landed
 
     def insert_keys(self, keys: Iterable[Hashable], landed: bool = False) -> None:
         """:meth:`insert` for pages named by ``keys`` (as :meth:`match_keys`)."""
