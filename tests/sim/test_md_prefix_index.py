@@ -73,9 +73,10 @@ def test_a_cut_off_prompt_leaves_the_index():
 def test_a_cut_off_prompt_kept_in_the_index_makes_md_s_reservation_ask_for_a_fill():
     """As before the gateway took cut-off prompts back (``md_index_drops_cut_offs`` False): the
     index recorded the prompt at routing and keeps it. The second turn is planned on the index
-    (4,096 tokens held); MD's reservation finds none and P sends the whole prompt (the runtime's
-    fill, counted in ``md_predicted_short``; the second turn's own transfer is cut off too on
-    this line)."""
+    (4,096 tokens held, all of them a claim that never landed: the relay decision reads the
+    landed part, 0, ``md_wait_claims``; the predicted send starts after the 4,096); MD's
+    reservation finds none and P sends the whole prompt (the runtime's fill, counted in
+    ``md_predicted_short``; the second turn's own transfer is cut off too on this line)."""
     first = dict(FIRST, output_length=2)
     cfg = RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0, md_index_drops_cut_offs=False)
     sim = ClusterSim(cfg)
@@ -86,7 +87,7 @@ def test_a_cut_off_prompt_kept_in_the_index_makes_md_s_reservation_ask_for_a_fil
     assert sim.tiers["MD"][0].cache.match(list(range(8))) == 0  # MD cached nothing of it
     assert r1.md_held == 4096 and sim.md_predicted_short == 1
     plan = [d for d in sim.decision_log[1] if d["policy"] == "pipeline"]
-    assert plan[0]["inputs"]["md_cached_tokens"] == 4096  # the decision read the index
+    assert plan[0]["inputs"]["md_cached_tokens"] == 0  # the decision read the index's landed prefix
     assert r1.md_hit == 0 and r1.md_missing == 6000  # MD's reservation: the whole prompt is sent
 
 
@@ -149,3 +150,50 @@ def test_an_md_whose_cache_fills_its_pool_still_draws_the_turns_it_holds():
     r = sim.reqs[1]
     assert r.md.name == held["name"] and (r.md_held, r.md_hit) == (4096, 4096)
     assert r.wan_bytes == (6000 - 4096) * KVB
+
+
+# --- a prefix whose KV is still on its way to MD (a claim): md_wait_claims --------------------------
+# turn 1 relayed (RLD finishes its 2 tokens first) with the cut-off off: its 4,096-token prompt
+# keeps crossing a 1 Gbit/s line (0.54 GB, 4.3 s); turns 2 and 3 extend the conversation by
+# 1,904 and 2,000 tokens and arrive while the copies before them are still on the line
+SLOW = RELAY.replace(wan_gbps=1.0, cutoff=False)
+TURN1 = dict(FIRST, output_length=2)
+TURN2 = {"timestamp": 1000, "input_length": 6000, "output_length": 2, "hash_ids": list(range(12))}
+TURN3 = {"timestamp": 2000, "input_length": 8000, "output_length": 2, "hash_ids": list(range(16))}
+
+
+def test_a_turn_whose_prefix_is_on_its_way_to_md_waits_for_it_and_ships_only_its_own_pages():
+    """Each turn's prefix is a claim on MD when it is routed (its KV still on the line): its
+    reservation waits for that KV to land in MD's cache, then matches it; only the turn's new
+    pages cross, and the partial last block of the turn before (turn 2's last 368 tokens: MD
+    caches whole 512-token blocks). Without the wait (``md_wait_claims`` False) MD's reservation
+    matched only what had landed and every turn shipped its whole prompt again (fills): 18,096
+    tokens of KV instead of 8,368."""
+    sim = run(SLOW, [TURN1, TURN2, TURN3])
+    r1, r2, r3 = sim.reqs
+    assert [r.md_held for r in sim.reqs] == [0, 4096, 5632]  # the index's hit at routing, claims included
+    assert [r.md_landed for r in sim.reqs] == [0, 0, 0]  # none of it had landed then
+    assert r2.md_after is r1 and r3.md_after is r2
+    assert [r.md_hit for r in sim.reqs] == [0, 4096, 5632] and sim.md_predicted_short == 0
+    assert [r.wan_bytes for r in sim.reqs] == [4096 * KVB, (6000 - 4096) * KVB, (8000 - 5632) * KVB]
+    assert sim.wan.bytes_sent == (4096 + 1904 + 2368) * KVB == 8368 * KVB
+    assert not any(r.cut_off for r in sim.reqs)
+    # each reservation reached MD only after the KV before it had landed there
+    assert r1.t_md_kv < r2.t_md_replied and r2.t_md_kv < r3.t_md_replied
+    old = run(SLOW.replace(md_wait_claims=False), [TURN1, TURN2, TURN3])
+    assert [r.md_hit for r in old.reqs] == [0, 0, 0] and old.md_predicted_short == 2
+    assert [r.wan_bytes for r in old.reqs] == [4096 * KVB, 6000 * KVB, 8000 * KVB]
+    assert old.wan.bytes_sent == 18096 * KVB
+
+
+def test_a_claim_cut_off_meanwhile_is_not_waited_for():
+    """With the cut-off on, turn 2 arrives 10 ms after turn 1, while turn 1 is in prefill: it is
+    routed on turn 1's claim (4,096 tokens held, none landed). RLD then finishes turn 1 and its
+    transfer is cut off before turn 2's reservation reaches MD, so the reservation does not wait
+    for KV that will not come: MD replies at once (one round trip of 0.4 s after arrival) with
+    nothing matched and P sends the claimed pages too (the fill)."""
+    sim = run(SLOW.replace(cutoff=True), [TURN1, dict(TURN2, timestamp=10)])
+    r1, r2 = sim.reqs
+    assert r1.cut_off and r2.md_after is r1 and (r2.md_held, r2.md_landed) == (4096, 0)
+    assert r2.t_md_replied == pytest.approx(0.01 + 0.4)
+    assert r2.md_hit == 0 and r2.md_missing == 6000 and sim.md_predicted_short == 1

@@ -135,6 +135,8 @@ class ClusterSim:
         if cfg.md_prefix_index and self.wan is not None:
             self.md_index = {md.name: PrefixIndex(md.page, max(1, md.pool // md.page))
                              for md in self.tiers.get("MD", [])}
+        # per MD, page key -> the request last routed there with that page (md_wait_claims)
+        self.md_claimer: dict[str, dict] = {name: {} for name in self.md_index}
         self.early_handoffs = 0  # handoffs started before MD's kv_ready was back (early_handoff)
         self.decode_tokens = {"RLD": 0, "MD": 0, "D": 0, "C": 0, "P": 0}
         self.decisions: list[tuple[int, str]] = []  # (rid, pipeline) for tests
@@ -263,6 +265,7 @@ class ClusterSim:
         for inst in insts:
             c = inst.cache
             if index:  # the gateway's index of each MD stands for its cache (as the runtime routes)
+                # a claim (KV still on its way) counts: the reservation waits for it (md_wait_claims)
                 hit = index[inst.name].match_keys(self._page_keys(req, inst.page)) * inst.page
                 # pages MD cannot free to admit: its private ones and locked cache blocks. Its
                 # evictable cache is not used (the runtime passes routing no page counts), else an
@@ -374,7 +377,16 @@ class ClusterSim:
         req.md = md
         ix = self.md_index.get(md.name)
         if ix is not None:  # the runtime's _record_route: what the index held, then the prompt recorded
-            req.md_held = ix.record_keys(self._page_keys(req, md.page)) * md.page
+            keys = list(self._page_keys(req, md.page))
+            if self.cfg.md_wait_claims:
+                held, landed = ix.match_landed_keys(keys)
+                req.md_landed = landed * md.page
+                claimer = self.md_claimer[md.name]
+                if landed < held:  # the prefix ends in a claim: whose KV brings its last page
+                    req.md_after = claimer.get(keys[held - 1])
+                for k in keys:
+                    claimer[k] = req
+            req.md_held = ix.record_keys(keys) * md.page
         if self._always_relay(req):
             self._decide(req)
             if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
@@ -400,6 +412,8 @@ class ClusterSim:
         if not pol_pipeline.plans_from_index(cfg.mode, cfg.ttft_budget_ms, self._allow_p_rld(req), False):
             return False
         req.md_hit = self._md_known(req)
+        if req.md_landed is not None:  # a claim is waited for: only the landed prefix fits the budget
+            req.md_hit = req.md_landed
         inp = self._pipeline_inputs(req)
         if self.decide_pipeline(inp) != Pipeline.P_RLD_MD:
             return False
@@ -425,6 +439,26 @@ class ClusterSim:
         """The prompt tokens the gateway reckons ``req``'s MD holds when it plans: its index's
         (``md_prefix_index``), else MD's cache match."""
         return req.md_held if req.md_held is not None else self._md_match(req)
+
+    def _claim_pending(self, req: Req) -> "Req | None":
+        """The request whose claim ``req`` waits for at MD (``md_wait_claims``): ``req.md_after``
+        while its KV is still on its way to the same MD (not imported there, not cut off), when
+        ``req`` was relayed at arrival (RLD serves its first token: its TTFT never waits for
+        MD's reply); else None. A request whose plan waits for MD's reply does not wait for the
+        claim: its TTFT would (it fitted its budget with the claimed pages counted as missing,
+        and ships them)."""
+        w = req.md_after
+        if (w is None or req.pipeline != Pipeline.P_RLD_MD or w.md is not req.md or w.md_kv_complete
+                or w.cut_off):
+            return None
+        return w
+
+    def _kv_settled(self, req: Req) -> None:
+        """``req``'s KV is in its MD's cache, or will not come: the reservations waiting for it
+        (``md_wait_claims``) go on now."""
+        waiters, req.kv_waiters = req.kv_waiters, []
+        for w in waiters:
+            self._md_reserve(w)
 
     def _md_match(self, req: Req) -> int:
         """Tokens of ``req``'s prompt MD's cache holds now, in whole blocks: a prompt held whole
@@ -460,7 +494,14 @@ class ClusterSim:
     def _md_reserve(self, req: Req) -> None:
         """At MD: match DRC, answer the gateway; the lock + allocation are queued at MD (at the
         reply's arrival at the gateway, when the send waits for it; at once with a predicted
-        send, whose KV MD holds until it has admitted the request, as ``roles.early_frames``)."""
+        send, whose KV MD holds until it has admitted the request, as ``roles.early_frames``).
+        With ``md_wait_claims``, a reservation whose prefix ends in another request's claim
+        on this MD waits here until that KV is in MD's cache or will not come
+        (:meth:`_claim_pending`), then matches."""
+        w = self._claim_pending(req)
+        if w is not None:
+            w.kv_waiters.append(req)
+            return
         cached = self._md_match(req)
         if req.md_predicted:
             if cached < req.md_hit:
@@ -489,6 +530,7 @@ class ClusterSim:
             self._md_enqueue(req)
         else:
             req.md = None
+            self._kv_settled(req)
         if not planned and (req.prefill_done or req.rid in self.kv_ready):
             self._dispatch_kv(req)
 
@@ -894,6 +936,8 @@ class ClusterSim:
         ix = self.md_index.get(req.md.name)
         if ix is not None:
             ix.landed_keys(self._page_keys(req, req.md.page))
+        if req.kv_waiters:  # after the cache insert below: they match it
+            self.after(0.0, self._kv_settled, req)
         req.t_md_kv = self.env.now
         md = req.md
         seq = req.md_seq
@@ -1098,6 +1142,7 @@ class ClusterSim:
             if cut or not req.md_kv_complete:
                 if cut and self.cfg.cutoff:
                     req.cut_off = True
+                    self._kv_settled(req)
                     ix = self.md_index.get(req.md.name)
                     if ix is not None and self.cfg.md_index_drops_cut_offs:
                         ix.dropped_keys(self._page_keys(req, req.md.page))

@@ -30,6 +30,7 @@ class Req:
         "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
         "handoff_started", "t_handoff_start", "t_handoff", "t_md_replied", "early_pending",
         "md_held", "fill_flow", "fill_pending", "main_landed", "t_kv_written", "at_seal", "md_queued",
+        "md_landed", "md_after", "kv_waiters",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -43,6 +44,9 @@ class Req:
         self.p = self.rld = self.md = self.d = None
         self.p_hit = self.md_hit = 0
         self.md_held = None  # prompt tokens the gateway's index of MD held when routed (md_prefix_index)
+        self.md_landed = None  # ... of them, the prefix whose KV had landed there (the rest claimed)
+        self.md_after = None  # the request whose claim on MD held the end of that prefix (md_wait_claims)
+        self.kv_waiters: list = []  # reservations waiting for this request's KV at MD (md_wait_claims)
         self.fill_flow = None  # the fill: pages the index said MD held and it lacked, sent after its reply
         self.fill_pending = False  # ... not landed yet (MD's KV is complete with both sends)
         self.main_landed = False  # the predicted send landed while the fill was still pending
