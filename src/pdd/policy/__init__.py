@@ -11,7 +11,8 @@ Modules:
     wan_order  which WAN transfer the shared line serves next (FIFO / shortest remaining first),
                and on which of P's two connections (lanes) it goes
     routing    which instance (P, RLD, MD) serves a request (cache-aware / load / round robin)
-    siblings   whether the other choices of a prompt wait for the first one's KV on MD
+    siblings   whether the other choices of a prompt wait for the first one's KV on MD (and a request
+               whose prefix another request's KV is still bringing there waits for it)
     membership the elastic topology's state machine (add / drain / remove an instance)
     autoscale  the per-role instance mix the autoscaling loop moves to (utilisation, hysteresis)
 """
@@ -20,11 +21,12 @@ from pdd.policy.cutoff import predict_rld_finishes_first, should_cut_off
 from pdd.policy.handoff import HandoffDecision, HandoffInputs, decide_handoff, effective_handoff_mode, rld_load
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens, relays_every_request
 from pdd.policy.routing import InstanceLoad, choose_instance
-from pdd.policy.siblings import sibling_waits_for_kv
+from pdd.policy.siblings import claim_waits_for_kv, sibling_waits_for_kv
 from pdd.policy.wan_order import TransferView, pick_next
 
 __all__ = [
     "sibling_waits_for_kv",
+    "claim_waits_for_kv",
     "PipelineInputs",
     "choose_pipeline",
     "expected_wan_seconds",
