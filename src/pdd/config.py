@@ -386,6 +386,12 @@ class PolicyConfig(_Strict):
         True, description="the n choices of a prompt ship its KV across the WAN once: the others reserve on the "
         "first choice's MD after its KV arrived, when copies would cost the line more than a round trip "
         "(pdd.policy.siblings); false: every choice ships its own (ablation)")
+    md_wait_claims: bool = Field(
+        True, description="a request whose prefix the gateway's index of its MD holds as another request's claim "
+        "(routed there, its KV still crossing the WAN) reserves there once that KV is in MD's cache (reserve "
+        "{after}) and ships only what MD then lacks, when relayed before MD's reservation or when that KV is "
+        "already being sent; its TTFT budget is judged on the landed prefix. false: MD matches only what landed "
+        "and the claimed pages cross again (ablation; with the cut-off off they ran the WAN away in the simulator)")
     md_predicted_send: bool = Field(
         True, description="a request relayed before MD's reservation (pdd, zero TTFT budget) also starts MD's WAN "
         "send before it: P sends the pages the gateway's prefix index says MD lacks at once, MD caps its match "

@@ -174,6 +174,7 @@ def test_a_turn_whose_prefix_is_on_its_way_to_md_waits_for_it_and_ships_only_its
     assert [r.md_held for r in sim.reqs] == [0, 4096, 5632]  # the index's hit at routing, claims included
     assert [r.md_landed for r in sim.reqs] == [0, 0, 0]  # none of it had landed then
     assert r2.md_after is r1 and r3.md_after is r2
+    assert [r.md_predicted for r in sim.reqs] == [True, False, False]  # a waiting one is not predicted
     assert [r.md_hit for r in sim.reqs] == [0, 4096, 5632] and sim.md_predicted_short == 0
     assert [r.wan_bytes for r in sim.reqs] == [4096 * KVB, (6000 - 4096) * KVB, (8000 - 5632) * KVB]
     assert sim.wan.bytes_sent == (4096 + 1904 + 2368) * KVB == 8368 * KVB
@@ -190,10 +191,41 @@ def test_a_claim_cut_off_meanwhile_is_not_waited_for():
     """With the cut-off on, turn 2 arrives 10 ms after turn 1, while turn 1 is in prefill: it is
     routed on turn 1's claim (4,096 tokens held, none landed). RLD then finishes turn 1 and its
     transfer is cut off before turn 2's reservation reaches MD, so the reservation does not wait
-    for KV that will not come: MD replies at once (one round trip of 0.4 s after arrival) with
-    nothing matched and P sends the claimed pages too (the fill)."""
+    for KV that will not come: MD matches at once (nothing) and P sends the whole prompt. Turn 2
+    was to wait for a claim when it arrived, so it is not a predicted send (as the gateway's):
+    planned on MD's reply back at 0.41 s, admitted then, its reply counted one way later."""
     sim = run(SLOW.replace(cutoff=True), [TURN1, dict(TURN2, timestamp=10)])
     r1, r2 = sim.reqs
     assert r1.cut_off and r2.md_after is r1 and (r2.md_held, r2.md_landed) == (4096, 0)
-    assert r2.t_md_replied == pytest.approx(0.01 + 0.4)
-    assert r2.md_hit == 0 and r2.md_missing == 6000 and sim.md_predicted_short == 1
+    assert not r2.md_predicted and r2.t_md_replied == pytest.approx(0.01 + 0.4 + 0.2)
+    assert r2.md_hit == 0 and r2.md_missing == 6000 and sim.md_predicted_short == 0
+
+
+CROSS = SimConfig(mode="cross_dc_pd", n_p=1, n_md=1, wan_gbps=1.0, wan_rtt_ms=400.0, warmup_frac=0.0)
+
+
+def test_a_turn_planned_on_md_s_reply_waits_for_a_claim_already_on_the_line():
+    """Cross-DC PD (each plan waits for MD's reservation reply): turn 2 arrives at 2 s, while turn
+    1's 4,096-token KV (0.54 GB on 1 Gbit/s, started at 0.4 s) is on the line. Its reservation
+    waits for that KV, then only its 1,904 new tokens cross, after it: both turns are faster
+    than when turn 2's copy of turn 1's pages shared the line with them (md_wait_claims False:
+    10,096 tokens sent, TTFTs 7.39 s and 9.39 s)."""
+    sim = run(CROSS, [TURN1, dict(TURN2, timestamp=2000)])
+    r1, r2 = sim.reqs
+    assert r2.md_after is r1 and (r2.md_held, r2.md_landed, r2.md_hit) == (4096, 0, 4096)
+    assert [r.wan_bytes for r in sim.reqs] == [4096 * KVB, 1904 * KVB] and sim.wan.bytes_sent == 6000 * KVB
+    assert r2.wan_flow.t_start == pytest.approx(r1.t_md_kv + 0.2)  # MD replies once it holds turn 1: one way later
+    assert [round(r.t_first - r.arrival, 2) for r in sim.reqs] == [5.09, 5.49]
+    old = run(CROSS.replace(md_wait_claims=False), [TURN1, dict(TURN2, timestamp=2000)])
+    assert [r.wan_bytes for r in old.reqs] == [4096 * KVB, 6000 * KVB]
+    assert [round(r.t_first - r.arrival, 2) for r in old.reqs] == [7.39, 9.39]
+
+
+def test_a_claim_not_on_the_line_yet_is_not_waited_for_by_a_turn_planned_on_md_s_reply():
+    """Turn 2 arrives 10 ms after turn 1, whose KV has not started crossing (its reservation is
+    still out): waiting could last turn 1's whole prefill, queue and transfer, so turn 2 ships
+    its whole prompt, as without md_wait_claims."""
+    sim = run(CROSS, [TURN1, dict(TURN2, timestamp=10)])
+    r2 = sim.reqs[1]
+    assert (r2.md_held, r2.md_landed, r2.md_after) == (4096, 0, None)
+    assert r2.md_hit == 0 and r2.wan_bytes == 6000 * KVB and sim.wan.bytes_sent == 10096 * KVB

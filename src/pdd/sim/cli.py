@@ -223,6 +223,9 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-md-predicted-send", action="store_true",
                    help="a request relayed at once (--budget-ms 0) sends MD's KV after MD's reservation round trip, "
                    "not when P's prefill is done (policy.md_predicted_send: false)")
+    g.add_argument("--no-md-wait-claims", action="store_true",
+                   help="MD's reservation matches only the KV that landed: a prefix still on its way to MD (another "
+                   "request's claim) is sent again instead of waited for (policy.md_wait_claims: false)")
     g.add_argument("--no-early-handoff", action="store_true",
                    help="a relayed request's handoff waits for MD's kv_ready to cross back instead of starting "
                    "when MD's KV has left P (policy.early_handoff: false)")
@@ -349,7 +352,7 @@ def _make_cfg(a):
         n_rld=a.n_rld, n_md=a.n_md, n_d=a.n_d, n_c=a.n_c, wan_gbps=a.wan_gbps, wan_rtt_ms=a.wan_rtt_ms,
         wan_order=a.wan_order, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
         handoff_mode=a.handoff, catchup_threshold=a.catchup_threshold, allow_p_rld=a.allow_p_rld,
-        cutoff=not a.no_cutoff, md_predicted_send=not a.no_md_predicted_send,
+        cutoff=not a.no_cutoff, md_predicted_send=not a.no_md_predicted_send, md_wait_claims=not a.no_md_wait_claims,
         early_handoff=not a.no_early_handoff, drc=not a.no_drc, routing=a.routing,
         max_batch_tokens=a.max_batch_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens, max_running_seqs=a.max_running_seqs,

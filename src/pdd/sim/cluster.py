@@ -51,6 +51,7 @@ import pdd.policy.cutoff as pol_cutoff
 import pdd.policy.handoff as pol_handoff
 import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.routing as pol_routing
+import pdd.policy.siblings as pol_siblings
 import pdd.policy.tcp_model as tcp_model
 import pdd.policy.wan_order as pol_wan
 from pdd.policy.prefix_index import PrefixIndex
@@ -389,11 +390,15 @@ class ClusterSim:
             req.md_held = ix.record_keys(keys) * md.page
         if self._always_relay(req):
             self._decide(req)
-            if self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD:
-                self._predict_md(req)
-        elif self._relays_by_index(req):  # a non-zero budget the index says the KV misses: relayed at once
-            if self.cfg.md_predicted_send:
-                self._predict_md(req)
+            predict = self.cfg.md_predicted_send and req.pipeline == Pipeline.P_RLD_MD
+        else:  # a non-zero budget the index says the KV misses: relayed at once
+            predict = self._relays_by_index(req) and self.cfg.md_predicted_send
+        # a reservation that waits for a claim (md_wait_claims) is not a predicted send, as the
+        # gateway's (its frames would wait at MD for as long as the claim)
+        if req.md_after is not None and self._wait_for_claim(req):
+            predict = False
+        if predict:
+            self._predict_md(req)
         self._to_p(p, req)
         self.after(self.owd, self._md_reserve, req)
 
@@ -442,17 +447,33 @@ class ClusterSim:
 
     def _claim_pending(self, req: Req) -> "Req | None":
         """The request whose claim ``req`` waits for at MD (``md_wait_claims``): ``req.md_after``
-        while its KV is still on its way to the same MD (not imported there, not cut off), when
-        ``req`` was relayed at arrival (RLD serves its first token: its TTFT never waits for
-        MD's reply); else None. A request whose plan waits for MD's reply does not wait for the
-        claim: its TTFT would (it fitted its budget with the claimed pages counted as missing,
-        and ships them)."""
+        while its KV is still on its way to ``req``'s MD (not imported there, not cut off), else
+        None (MD's ``reserve {after}``: it waits until that KV is in, or gone)."""
         w = req.md_after
-        if (w is None or req.pipeline != Pipeline.P_RLD_MD or w.md is not req.md or w.md_kv_complete
-                or w.cut_off):
+        if w is None or w.md is not req.md or w.md_kv_complete or w.cut_off:
             return None
         return w
 
+    def _wait_for_claim(self, req: Req) -> bool:
+        """Whether ``req``'s reservation waits for the claim its prefix ends in (the gateway's
+        choice when it sends the reservation, ``gateway.launch``): when the claim is still
+        pending, worth a wait rather than a copy (``policy.siblings.claim_waits_for_kv``: the
+        claimed pages' line time exceeds a round trip), and either ``req`` was relayed at arrival
+        (RLD serves its first token, so its TTFT never waits for MD's reply) or the claim's
+        transfer is already on the line (its KV lands no later than a copy sent now would: the
+        copy queues behind or beside it). A claim whose
+        transfer has not started (its prefill or its MD admission still queued) is not waited
+        for by a request whose plan waits for MD's reply: it ships those pages itself. Clears
+        ``req.md_after`` when not."""
+        w = self._claim_pending(req)
+        if w is not None and (req.pipeline == Pipeline.P_RLD_MD or w.wan_flow is not None):
+            claimed = (req.md_held - req.md_landed) * self._wan_kvb(req)
+            cfg = self.cfg
+            rtt = cfg.wan_rtt_ms if cfg.wan_rtt_estimate_ms is None else cfg.wan_rtt_estimate_ms
+            if pol_siblings.claim_waits_for_kv(claimed, self.wan_gbps_estimate(), rtt):
+                return True
+        req.md_after = None
+        return False
     def _kv_settled(self, req: Req) -> None:
         """``req``'s KV is in its MD's cache, or will not come: the reservations waiting for it
         (``md_wait_claims``) go on now."""

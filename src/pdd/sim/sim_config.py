@@ -189,10 +189,12 @@ class SimConfig:
     # gateway.routing._index_dropped); False: they stay until they age out (the gateway before)
     md_index_drops_cut_offs: bool = True
     # a request whose prefix the index holds as a claim on its MD (pages routed there whose KV is
-    # still on its way) is judged for its TTFT budget on the landed prefix only; relayed at arrival,
-    # it reserves on MD once that claim's KV landed (or was cut off), as a radix cache's in-flight
-    # insert, and ships only what MD then lacks. False: MD's reservation matches what landed and
-    # the claimed pages cross again (with the cut-off off, relayed turns ran the WAN away)
+    # still on its way) is judged for its TTFT budget on the landed prefix only, and its MD
+    # reservation waits until that claim's KV is in MD's cache (or cut off), as a radix cache's
+    # in-flight insert, shipping only what MD then lacks: when relayed at arrival, or when the
+    # claim's transfer is already on the line (ClusterSim._wait_for_claim; the gateway's reserve
+    # {after}). False: MD's reservation matched only what landed and the claimed pages crossed
+    # again (with the cut-off off, or cross-DC PD at 3 req/s, the WAN ran away)
     md_wait_claims: bool = True
     # a relayed request's handoff starts when MD's KV is expected to have left P (at the gateway's
     # WAN estimate), not when MD's kv_ready is back at the gateway (the runtime's
