@@ -35,3 +35,37 @@ async def test_a_sibling_reserve_sent_beside_the_first_waits_for_its_kv(tiny_mod
             await p.close()
         await gw.close()
         await inst.stop()
+
+
+async def test_a_reserve_after_one_that_is_itself_waiting_waits_for_its_kv(tiny_model):
+    """A chain (the gateway's claim waits: each turn of a conversation reserves after the one whose
+    KV brings its prefix): c2's ``reserve {after: c1}`` comes while c1's own ``reserve {after:
+    c0}`` waits for c0's KV. c1 counts as held then, so c2 waits for c1's KV (or for c1 to go)
+    instead of reserving at once with nothing cached."""
+    _, inst = await start_md(tiny_model)
+    gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: None}, role="gateway", instance="gateway")
+    p = None
+    sp = SamplingParams(max_tokens=2, ignore_eos=True).to_dict()
+    try:
+        first = asyncio.ensure_future(gw.call({"t": "reserve", "rid": "c0", "prompt_ids": PROMPT, "sampling": sp}))
+        c1 = asyncio.ensure_future(gw.call({"t": "reserve", "rid": "c1", "prompt_ids": PROMPT, "sampling": sp,
+                                            "after": "c0"}))
+        c2 = asyncio.ensure_future(gw.call({"t": "reserve", "rid": "c2", "prompt_ids": PROMPT, "sampling": sp,
+                                            "after": "c1"}))
+        # one more reservation behind them on the connection: once it is answered, MD has handled both waits
+        await gw.call({"t": "reserve", "rid": "x", "prompt_ids": [1, 2, 3], "sampling": sp})
+        r0, _ = await first
+        assert not c1.done() and not c2.done()
+        p = await connect("127.0.0.1", inst.server.port, role="prefill", instance="p0")
+        send_prompt_kv(p, inst, "c0", r0["page_bytes"])
+        r1, _ = await asyncio.wait_for(c1, 30)
+        assert r1["md_cached_pages"] == 4
+        assert not c2.done()  # c1's KV has not come: c2 still waits for it
+        await gw.send({"t": "drop", "rid": "c1"})  # c1's transfer cut off: it goes, c2 goes on
+        r2, _ = await asyncio.wait_for(c2, 30)
+        assert r2["md_cached_pages"] == 4  # c0's whole pages, from the DRC
+    finally:
+        if p is not None:
+            await p.close()
+        await gw.close()
+        await inst.stop()

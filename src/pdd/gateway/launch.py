@@ -29,10 +29,10 @@ from dataclasses import asdict
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import ReqState
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline, plans_from_index, relays_every_request
-from pdd.policy.siblings import sibling_waits_for_kv
+from pdd.policy.siblings import claim_waits_for_kv, sibling_waits_for_kv
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.peer import Peer, RemoteError
-from pdd.transfer.messages import Abort, Drop, Expect, Generate, Prefill, Reserve, Target
+from pdd.transfer.messages import OMIT, Abort, Drop, Expect, Generate, Prefill, Reserve, Target
 from pdd.types import Pipeline, SamplingParams
 
 
@@ -146,19 +146,28 @@ class Launchers:
         # the reservation's reply, which re-plans on what MD's cache really holds
         pre = None  # (MD's name, prompt tokens its index held), routed before P starts
         pre_relay = False
+        claim = None  # (the attempt whose KV brings the end of the held prefix, its landed tokens)
         if relay_possible and not force_relay and sib is None and not pending_sib and self._plans_from_index():
             pre = await self._route_hit(ROLE_MAIN, prompt, trid)
             self._hold(st, pre[0])
+            claim = self._claim_to_wait_for(trid)
             if pre[1] is not None:
-                inp = self._pipeline_inputs(st, len(prompt), pre[1], md=pre[0])
+                # a prefix still on its way to MD (a claim) is not there yet: the budget is judged
+                # on what landed (MD's reservation matches only that; relayed, it waits for the rest)
+                landed = pre[1] if claim is None or not self.cfg.policy.md_wait_claims else claim[1]
+                inp = self._pipeline_inputs(st, len(prompt), landed, md=pre[0])
                 pre_relay = choose_pipeline(inp) == Pipeline.P_RLD_MD
                 if pre_relay:  # the decision (a P->MD prediction is not one: MD's reply re-plans)
                     self._record_plan(st, inp, Pipeline.P_RLD_MD)
                     predicted = self.cfg.policy.md_predicted_send and self.page_bytes is not None
 
+        # relayed before MD's reservation: RLD streams the first token, so the reservation may wait
+        relay_now = relay_possible and (self._always_relay() or force_relay or relay_sibling or pre_relay)
+
         async def route_and_reserve():
             msg = Reserve(trid, prompt, sampling)
             held = None
+            claim_ = claim
             sib_ = sib
             if pending_sib:
                 try:
@@ -175,14 +184,28 @@ class Launchers:
                 md_name_, held = pre
             else:  # choosing MD may cost a WAN round trip (peek), so it runs beside P's prefill
                 md_name_, held = await self._route_hit(ROLE_MAIN, prompt, trid)
+                claim_ = self._claim_to_wait_for(trid)
             if st.trid != trid:
                 raise ConnectionError(f"attempt {trid} was given up")
+            if (sib_ is None and claim_ is not None and claim_[0] is not None and self.cfg.policy.md_wait_claims
+                    and held is not None and self._claim_worth_waiting(held - claim_[1])
+                    and (relay_now or self._claim_on_the_line(claim_[0]))):
+                # MD's index holds the prompt's prefix as another attempt's claim (its KV still
+                # crossing): MD reserves once that KV is in its cache (as a sibling does) and P
+                # sends only what MD then lacks, instead of those pages again. Relayed, the wait
+                # is off the first token's path; else only a claim whose KV is already being
+                # sent is waited for (it lands no later than a copy sent now, which would queue
+                # behind or beside it). Not a predicted send: its frames would wait at MD
+                # (EarlyFrames) for as long as the claim
+                msg.after = claim_[0]
+                self.totals["md_claim_waits"] += 1
             names[ROLE_MAIN] = md_name_
             self._assign(st, ROLE_MAIN)
             sent = time.perf_counter()
-            if not (predicted and held is not None):
+            waits = msg.after is not OMIT
+            if not (predicted and held is not None) or waits:
                 rep_, _ = await self.peer_named(md_name_).call(msg.wire(), timeout=t)
-                if sib_ is None:  # a round trip through the line (a sibling's reserve {after} waits for KV)
+                if not waits:  # a round trip through the line (a reserve {after} waits for KV)
                     self._wan_rtt_sample(md_name_, time.perf_counter() - sent)
                 return md_name_, rep_
             pred = held // self.cfg.engine_for(md_name_).page_size  # MD's pages
@@ -201,7 +224,7 @@ class Launchers:
         reserve = asyncio.ensure_future(route_and_reserve())
         # a sibling of a relayed choice is relayed at once too (relay_sibling): its MD reservation
         # waits for the first choice's KV, and the relay's first token must not
-        if relay_possible and (self._always_relay() or force_relay or relay_sibling or pre_relay):
+        if relay_now:
             await self._launch_relayed(st, prompt, sampling, p, reserve, predicted, force_relay or relay_sibling,
                                        planned=pre_relay)
             return
@@ -380,6 +403,25 @@ class Launchers:
             raise
         self._prefilled(st)
         st.p_cached_tokens = int(rep["p_cached_tokens"])
+
+    def _claim_worth_waiting(self, claimed_tokens: int) -> bool:
+        """Whether the KV of ``claimed_tokens`` prompt tokens still crossing to MD is worth a wait
+        rather than a copy (``policy.siblings.claim_waits_for_kv``, at the live WAN rate and the
+        configured RTT); KV size not known yet (no MD reply so far): waits."""
+        if not self.kv_bytes_per_token:
+            return True
+        return claim_waits_for_kv(claimed_tokens * self.kv_bytes_per_token, self.wan_gbps_live or self.cfg.link.wan_gbps,
+                                  self.cfg.link.wan_rtt_ms)
+
+    def _claim_on_the_line(self, trid: str) -> bool:
+        """Whether attempt ``trid`` (a claim in an MD's prefix index) is having its KV sent: its
+        prefill returned and P knows where to send (MD's reservation reply is in, or a predicted
+        send started at once)."""
+        for st in self.reqs.values():
+            if st.trid == trid:
+                ev = st.events
+                return "prefilled" in ev and ("md_reserved" in ev or st.wan.predicted_pages is not None)
+        return False
 
     def _sibling_md(self, st: ReqState) -> tuple[str, str, Pipeline] | None:
         """For another choice of a prompt whose first choice ``st.sibling_of`` is on its way to an

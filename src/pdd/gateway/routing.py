@@ -135,13 +135,36 @@ class Routing:
         if ix is None:
             return None
         keys = ix.page_keys(prompt)
+        n_held, n_landed = ix.match_landed_keys(keys)
         held = ix.record_keys(keys) * ix.page_size
+        if trid is not None and n_landed < n_held:  # the prefix ends in pages whose KV is on its way
+            after = self.index_after
+            after[trid] = (self._claimer(name, keys, n_held), n_landed * ix.page_size)
+            while len(after) > INDEX_CLAIMS_MAX:
+                after.pop(next(iter(after)))
         if trid is not None:  # the page keys, not the prompt's tokens: a claim's memory is a 16th of them
             claims = self.index_claims
             claims[trid] = (name, keys, None)
             while len(claims) > INDEX_CLAIMS_MAX:
                 claims.pop(next(iter(claims)))
         return held
+
+    def _claimer(self, name: str, keys: tuple, n: int) -> str | None:
+        """The attempt, newest first, whose unsettled claim on MD ``name`` holds the prompt's
+        first ``n`` pages (their ``keys``: its own keys agree up to page ``n``, a key naming its
+        whole prefix); None when no claim the gateway tracks does (it was pushed out)."""
+        if n <= 0:
+            return None
+        key = keys[n - 1]
+        for trid, (md, ks, dropped) in reversed(self.index_claims.items()):
+            if md == name and dropped is None and len(ks) >= n and ks[n - 1] == key:
+                return trid
+        return None
+
+    def _claim_to_wait_for(self, trid: str) -> tuple[str | None, int] | None:
+        """``(claimer, landed tokens)`` for attempt ``trid`` when its MD's index held its prefix
+        partly as a claim (:meth:`_record_route`), taken once; else None."""
+        return self.index_after.pop(trid, None)
 
     def _index_landed(self, trid: str) -> None:
         """Attempt ``trid``'s KV is in its MD's cache (MD's ``kv_ready``): the pages its routing

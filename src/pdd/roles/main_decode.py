@@ -5,8 +5,10 @@ Also serves as the decode instance of ``same_dc_pd`` (tier ``d``, in datacenter 
 
 Messages:
   ``reserve {rid, prompt_ids, sampling, relay, after, first_page}`` (call, gateway): with
-  ``after`` (another choice of the same prompt, pdd.policy.siblings), first wait until that
-  request's KV has been imported here (or it is gone); then match the prompt against the
+  ``after`` (another choice of the same prompt, pdd.policy.siblings, or the request whose KV,
+  still on its way here, holds this prompt's prefix: ``gateway.launch``), first wait until that
+  request's KV has been imported here (or it is gone; a reservation waiting so counts as held,
+  so a chain of them resolves in order); then match the prompt against the
   DRC, lock the matched pages, allocate the missing ones; reply ``{md_cached_tokens,
   md_cached_pages, n_pages, prompt_tokens, page_size, page_bytes, kv_dtype}`` (MD's own pages and
   pool dtype: the gateway predicts the WAN bytes with them, ``pdd.transfer.layout``). Only pages
@@ -149,14 +151,15 @@ class MainDecodeInstance(EngineInstance):
 
     async def on_reserve(self, peer, h, payload):
         m = Reserve.decode(h)
-        if m.after:  # a sibling choice: reserve once the first choice's KV is in the DRC
-            self.counters["sibling_waits"] = self.counters.get("sibling_waits", 0) + 1
-            await self._kv_arrived(m.after, self.cfg.request_timeout_s)
-        # MD may hold every whole page; a predicted send's pages [first_page, n) are on their way
         first = m.first_page
         rid = m.rid
+        # held from now (a reserve {after} on this one waits for its KV too, while it waits itself)
         self._reserving.add(rid)
         try:
+            if m.after:  # a sibling choice, or a prefix claimed by another request: reserve once its KV is in the DRC
+                self.counters["sibling_waits"] = self.counters.get("sibling_waits", 0) + 1
+                await self._kv_arrived(m.after, self.cfg.request_timeout_s)
+            # MD may hold every whole page; a predicted send's pages [first_page, n) are on their way
             ctx = await self._admit(peer, m, min_uncached=0 if first is OMIT else
                                     len(m.prompt_ids) - first * self.engine.pool.page_size)
         except BaseException:
