@@ -514,9 +514,11 @@ def test_a_transfer_cut_off_before_its_plan_counts_as_saved():
 def test_a_fill_a_cut_off_stops_counts_as_saved():
     """The second of two equal prompts is predicted held on MD (the gateway's index holds the
     first, still on the line), MD lacks it, so its reply asks P for a fill; RLD finished first and
-    the cut-off dropped the fill, whose bytes counted neither as sent nor as saved."""
+    the cut-off dropped the fill, whose bytes counted neither as sent nor as saved. (Without
+    ``md_wait_claims``: with it the second waits for the first's KV instead, no fill.)"""
     cfg = SimConfig(mode="pdd", wan_gbps=0.02, wan_rtt_ms=200.0, block_tokens=8, page_tokens=2, ttft_budget_ms=0.0,
-                    early_handoff=False, cutoff_min_remaining_s=0.0, drc=False, warmup_frac=0.0)
+                    early_handoff=False, cutoff_min_remaining_s=0.0, drc=False, warmup_frac=0.0,
+                    md_wait_claims=False)
     sim = run_checked(cfg, _recs((8, 1), (8, 1), block_ids=[7, 7]))
     assert (sim.cutoffs, sim.md_predicted_short) == (2, 1)
     assert sim.wan.bytes_sent + sim.wan_saved_bytes == pytest.approx(2 * 8 * 131072, rel=1e-12)
