@@ -127,6 +127,8 @@ def test_the_claimer_is_the_newest_unsettled_claim_holding_the_prefix():
     o = _orch(n_md=2)
     ix = o.prefix_index["md0"]
     assert o._record_route("md0", TURN1, "a") == 0 and "a" not in o.index_after
+    o.prefix_index["md1"].insert(TURN1)  # a claim no tracked attempt brings: taken as held, no wait
+    assert o._record_route("md1", TURN2, "x") == 96 and "x" not in o.index_after
     assert o._record_route("md0", TURN2, "b") == 96
     assert o.index_after["b"] == ("a", 0)  # 6 pages held, none landed: turn 1's claim brings them
     assert o._record_route("md0", TURN2 + [1] * 16, "c") == 128

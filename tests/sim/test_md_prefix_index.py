@@ -73,10 +73,9 @@ def test_a_cut_off_prompt_leaves_the_index():
 def test_a_cut_off_prompt_kept_in_the_index_makes_md_s_reservation_ask_for_a_fill():
     """As before the gateway took cut-off prompts back (``md_index_drops_cut_offs`` False): the
     index recorded the prompt at routing and keeps it. The second turn is planned on the index
-    (4,096 tokens held, all of them a claim that never landed: the relay decision reads the
-    landed part, 0, ``md_wait_claims``; the predicted send starts after the 4,096); MD's
-    reservation finds none and P sends the whole prompt (the runtime's fill, counted in
-    ``md_predicted_short``; the second turn's own transfer is cut off too on this line)."""
+    (4,096 tokens held); MD's reservation finds none and P sends the whole prompt (the runtime's
+    fill, counted in ``md_predicted_short``; the second turn's own transfer is cut off too on
+    this line)."""
     first = dict(FIRST, output_length=2)
     cfg = RELAY.replace(wan_gbps=1.0, ttft_budget_ms=40.0, md_index_drops_cut_offs=False)
     sim = ClusterSim(cfg)
@@ -87,7 +86,7 @@ def test_a_cut_off_prompt_kept_in_the_index_makes_md_s_reservation_ask_for_a_fil
     assert sim.tiers["MD"][0].cache.match(list(range(8))) == 0  # MD cached nothing of it
     assert r1.md_held == 4096 and sim.md_predicted_short == 1
     plan = [d for d in sim.decision_log[1] if d["policy"] == "pipeline"]
-    assert plan[0]["inputs"]["md_cached_tokens"] == 0  # the decision read the index's landed prefix
+    assert plan[0]["inputs"]["md_cached_tokens"] == 4096  # the decision read the index
     assert r1.md_hit == 0 and r1.md_missing == 6000  # MD's reservation: the whole prompt is sent
 
 

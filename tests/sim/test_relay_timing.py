@@ -73,10 +73,11 @@ def test_relay_timing_under_md_pressure_keeps_every_invariant(early):
     frames, then imports them), with cut-offs and requests finished on RLD meanwhile; the early
     handoff waits for MD's reservation reply (its admission) as the runtime does, so a queued
     admission never leaves RLD stopped: every early handoff starts after that reply, and any
-    ids that still reach MD before its KV wait for it."""
+    ids that still reach MD before its KV wait for it. (Without md_wait_claims, so that every
+    request is a predicted send: one waiting for another's KV on MD is not.)"""
     recs = generate_agentic(300, seed=4, rate=2.0)
     cfg = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=1, wan_gbps=50.0, ttft_budget_ms=0.0, warmup_frac=0.0,
-                    md_cache_frac=0.05, max_running_md=1, early_handoff=early)
+                    md_cache_frac=0.05, max_running_md=1, early_handoff=early, md_wait_claims=False)
     sim = run(cfg, recs)
     assert sim.md_predicted_sends == len(recs) and sim.cutoffs > 0
     held = [r for r in sim.reqs if r.wan_flow is not None and r.t_md_kv is not None

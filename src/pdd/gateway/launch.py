@@ -187,7 +187,7 @@ class Launchers:
                 claim_ = self._claim_to_wait_for(trid)
             if st.trid != trid:
                 raise ConnectionError(f"attempt {trid} was given up")
-            if (sib_ is None and claim_ is not None and claim_[0] is not None and self.cfg.policy.md_wait_claims
+            if (sib_ is None and claim_ is not None and self.cfg.policy.md_wait_claims
                     and held is not None and self._claim_worth_waiting(held - claim_[1])
                     and (relay_now or self._claim_on_the_line(claim_[0]))):
                 # MD's index holds the prompt's prefix as another attempt's claim (its KV still

@@ -134,11 +134,11 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         # (gateway.routing._index_landed; a drop is kept request_timeout_s for a kv_ready that
         # crossed it: _expire_dropped_claims). Keys, not the prompt's tokens; INDEX_CLAIMS_MAX at most
         self.index_claims: dict[str, tuple[str, tuple, float | None]] = {}
-        # attempt -> (the attempt whose claim on its MD holds the end of its indexed prefix, None if
-        # that claim is no attempt's the gateway still tracks; the prefix's landed tokens), for an
-        # attempt routed to an MD whose index held a claim (KV still on its way) in its prefix:
-        # read once by its launch (gateway.launch: reserve {after}); INDEX_CLAIMS_MAX at most
-        self.index_after: dict[str, tuple[str | None, int]] = {}
+        # attempt -> (the attempt whose unsettled claim on its MD holds the end of its indexed
+        # prefix, the prefix's landed tokens), for an attempt routed to an MD whose index held such
+        # a claim (KV still on its way): read once by its launch (gateway.launch: reserve {after});
+        # INDEX_CLAIMS_MAX at most
+        self.index_after: dict[str, tuple[str, int]] = {}
         # KV elements per token (2 x layers x kv heads x head dim), from MD's reservation replies:
         # with each tier's page size and dtype it gives a transfer's exact bytes (_wan_page_bytes)
         self.kv_elems_per_token: int | None = mc.kv_bytes_per_token("float32") // 4 if mc is not None else None

@@ -137,9 +137,10 @@ class Routing:
         keys = ix.page_keys(prompt)
         n_held, n_landed = ix.match_landed_keys(keys)
         held = ix.record_keys(keys) * ix.page_size
-        if trid is not None and n_landed < n_held:  # the prefix ends in pages whose KV is on its way
+        claimer = self._claimer(name, keys, n_held) if trid is not None and n_landed < n_held else None
+        if claimer is not None:  # the prefix ends in pages another attempt's KV is still bringing
             after = self.index_after
-            after[trid] = (self._claimer(name, keys, n_held), n_landed * ix.page_size)
+            after[trid] = (claimer, n_landed * ix.page_size)
             while len(after) > INDEX_CLAIMS_MAX:
                 after.pop(next(iter(after)))
         if trid is not None:  # the page keys, not the prompt's tokens: a claim's memory is a 16th of them
@@ -161,9 +162,11 @@ class Routing:
                 return trid
         return None
 
-    def _claim_to_wait_for(self, trid: str) -> tuple[str | None, int] | None:
+    def _claim_to_wait_for(self, trid: str) -> tuple[str, int] | None:
         """``(claimer, landed tokens)`` for attempt ``trid`` when its MD's index held its prefix
-        partly as a claim (:meth:`_record_route`), taken once; else None."""
+        partly as the unsettled claim of attempt ``claimer`` (:meth:`_record_route`), taken once;
+        else None (a claim no tracked attempt brings, e.g. pushed out of ``index_claims``, is
+        taken as held: its KV most likely landed long ago)."""
         return self.index_after.pop(trid, None)
 
     def _index_landed(self, trid: str) -> None:

@@ -383,8 +383,10 @@ class ClusterSim:
                 held, landed = ix.match_landed_keys(keys)
                 req.md_landed = landed * md.page
                 claimer = self.md_claimer[md.name]
-                if landed < held:  # the prefix ends in a claim: whose KV brings its last page
-                    req.md_after = claimer.get(keys[held - 1])
+                if landed < held:  # the prefix ends in a claim: whose KV, still coming, brings its last page
+                    w = claimer.get(keys[held - 1])
+                    if w is not None and not w.md_kv_complete and not w.cut_off:
+                        req.md_after = w
                 for k in keys:
                     claimer[k] = req
             req.md_held = ix.record_keys(keys) * md.page
@@ -417,7 +419,7 @@ class ClusterSim:
         if not pol_pipeline.plans_from_index(cfg.mode, cfg.ttft_budget_ms, self._allow_p_rld(req), False):
             return False
         req.md_hit = self._md_known(req)
-        if req.md_landed is not None:  # a claim is waited for: only the landed prefix fits the budget
+        if req.md_after is not None:  # a prefix still coming is not there yet: the landed part is judged
             req.md_hit = req.md_landed
         inp = self._pipeline_inputs(req)
         if self.decide_pipeline(inp) != Pipeline.P_RLD_MD:
