@@ -25,9 +25,11 @@ SLOT = 2048  # small preset: KV bytes per token
 
 @pytest.mark.parametrize("mode, once", [("cross_dc_pd", True), ("pdd", True), ("cross_dc_pd", False)])
 def test_choices_ship_the_prompt_kv_once(small_model, topology_factory, mode, once):
-    """... and with the ablation ``sibling_kv_once: false`` every choice ships its own copy."""
+    """... and with the ablation ``sibling_kv_once: false`` every choice ships its own copy (with
+    ``md_wait_claims: false`` too: else a choice routed once an earlier one's KV is being sent
+    waits for it, as any request whose prefix is on its way to MD)."""
     cfg = make_cfg(small_model, mode, engine={"device": "cpu", "page_size": 16},
-                   policy={"pipeline_ttft_budget_ms": 50, "sibling_kv_once": once},
+                   policy={"pipeline_ttft_budget_ms": 50, "sibling_kv_once": once, "md_wait_claims": once},
                    limits={"max_inflight_requests": 0, "max_queued_prompt_tokens": 0}, request_timeout_s=60.0)
     topo = topology_factory(cfg)
     prompt = [random.Random(5).randrange(5, 4000) for _ in range(100)]
