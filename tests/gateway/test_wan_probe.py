@@ -8,7 +8,9 @@ from prometheus_client import generate_latest
 
 from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import Orchestrator, ReqState
+from pdd.policy.cutoff import should_cut_off
 from pdd.topology import ROLE_MAIN, layout
+from pdd.transfer.messages import WanSample
 from pdd.types import Pipeline, SamplingParams
 from tests.gateway.fake_peer import FakePeer
 
@@ -82,3 +84,27 @@ def test_a_failed_probe_is_counted_and_changes_nothing():
     asyncio.run(o._probe("md0"))
     assert o.wan_probes["failures"] == 1 and o.wan_probes["probes"] == 0
     assert o.wan_peers.view() == {}
+
+
+def test_probes_bring_back_the_overall_estimate_the_cut_off_reads():
+    """The line was slow: md0's 9 KV receive rates read 0.01 Gbit/s, so did the overall
+    estimate (``wan_gbps_live``: /pdd/stats, ``pdd_wan_goodput_bytes_per_second``, the cut-off's
+    remaining time). Back at 0.05 Gbit/s, md0 idle: 5 probes at 0.05 bring both medians back, so a
+    600-token transfer (1,228,800 bytes) just begun has 196.608 ms left, under the 0.5 s
+    ``cutoff_min_remaining_s``: it is not cut off (at the stale 0.01 it read 983 ms and was; live,
+    the overall estimate stayed at 0.0093 Gbit/s while md0's read 0.041 after the restore)."""
+    o = _orch()
+    for _ in range(9):
+        asyncio.run(o.on_wan_sample(o.peers["md0"], WanSample(0.01).wire(), b""))
+    st = ReqState("r", 600, SamplingParams(max_tokens=4), trid="r")
+    st.names = {ROLE_MAIN: "md0"}
+    st.wan.expected = 600 * 2048
+    assert o.wan_gbps_live == pytest.approx(0.01) and o._remaining_wan_s(st) == pytest.approx(0.98304)
+    for _ in range(5):
+        o._probe_result("md0", 0.020, 0.040, 125_000)
+    assert o.wan_peers.gbps("md0") == pytest.approx(0.05, rel=1e-12)
+    assert o.wan_gbps_live == pytest.approx(0.05, rel=1e-12)
+    assert o._remaining_wan_s(st) == pytest.approx(0.196608, rel=1e-12)
+    assert not should_cut_off(True, False, o._remaining_wan_s(st), o.cfg.policy.cutoff_min_remaining_s)
+    text = generate_latest(o.metrics.registry).decode()
+    assert "pdd_wan_goodput_bytes_per_second 6.25e+06" in text

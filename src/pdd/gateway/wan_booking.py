@@ -147,13 +147,18 @@ class WanBooking:
         self._probe_result(name, t1 - t0, t2 - t1 if nbytes > 0 else None, nbytes)
 
     def _probe_result(self, name: str, empty_s: float, payload_s: float | None, nbytes: int) -> None:
-        """Fold a probe's timings (s) into ``name``'s estimates and count it (``wan_probes``)."""
+        """Fold a probe's timings (s) into ``name``'s estimates, its goodput also into the overall
+        one (``wan_gbps_live``), and count it (``wan_probes``)."""
         self.wan_probes["probes"] += 1
         self.wan_probes["bytes"] += nbytes if payload_s is not None else 0
         self.wan_peers.add_rtt(name, empty_s * 1000.0)
         g = probe_goodput_gbps(nbytes, payload_s, empty_s) if payload_s is not None else None
         if g is not None:
             self.wan_peers.add_goodput(name, g)
+            # the overall estimate too, as a KV receive rate (on_wan_sample): the cut-off's
+            # remaining time, the admission's WAN backlog and /metrics read it, and without this
+            # it kept a slowdown's rate after probes had brought the MD's own estimate back
+            self.wan_gbps_live = self.wan_estimate.add(g)
             self.wan_probes["goodput_samples"] += 1
 
     def _peer_name(self, peer) -> str | None:
