@@ -127,3 +127,21 @@ async def test_chunk_that_stops_moving_fails_the_transfers():
         assert 0 < t1.pages_sent < n and t2.pages_sent == 0
         link.set(outage=False)
     await server.close()
+
+
+async def test_a_dialled_peer_declared_dead_is_named_by_its_instance(caplog):
+    """The dialling side (the gateway, P) names a connection by the address it dialled; its
+    dead-peer line also names the instance behind it (``md0 at 127.0.0.1:PORT``): the gateway's
+    one line for a WAN outage said only the link's address."""
+    server = await Server(port=0, heartbeat_s=HB, dead_after_s=DEAD, role="main_decode", instance="md0").start()
+    async with Link(link_cfg(server.port, gbps=1.0, rtt_ms=2)) as link:
+        peer = await connect("127.0.0.1", link.ports[0], heartbeat_s=HB, dead_after_s=DEAD)
+        try:
+            link.set(outage=True)
+            await peer.wait_closed()
+            lines = [r.getMessage() for r in caplog.records if "peer declared dead" in r.getMessage()]
+            assert [x for x in lines if x.startswith(f"<Peer md0 at 127.0.0.1:{link.ports[0]} ")], lines
+        finally:
+            link.set(outage=False)
+            await peer.close()
+    await server.close()

@@ -230,7 +230,10 @@ class Peer:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<Peer {self.name or self.remote_instance or self.peername} {state}>"
+        who, inst = self.name or self.remote_instance or self.peername, self.remote_instance
+        if inst and inst != who:  # a dialled peer is named by its address: say which instance it is
+            who = f"{inst} at {who}"
+        return f"<Peer {who} {state}>"
 
     # ---------------------------------------------------------------- lifecycle
     def on(self, t: str, handler: Handler) -> None:
