@@ -847,32 +847,29 @@ class CorsConfig(_Strict):
         """Each ``*`` or an origin a browser sends: CORS compares the Origin header as a string, so
         ``http://localhost:3000/`` (a trailing slash), a path or upper case could never match.
         Raises ValueError naming the entry."""
-        for i, o in enumerate(v):
-            if o != "*" and not _ORIGIN.fullmatch(o):
-                raise ValueError(f"entry {i + 1} {o!r} is not an origin as a browser sends it: scheme://host[:port] "
-                                 "in lower case, without a path or trailing slash (e.g. 'https://app.example.com'), "
-                                 "or '*' for any")
-        return v
+        return _star_or(v, _ORIGIN, "an origin as a browser sends it: scheme://host[:port] in lower case, without "
+                        "a path or trailing slash (e.g. 'https://app.example.com'), or '*' for any")
 
     @field_validator("allowed_methods")
     @classmethod
     def _methods(cls, v: list[str]) -> list[str]:
         """Each ``*`` or a method in upper case (compared as the browser sends it). Raises ValueError."""
-        for i, m in enumerate(v):
-            if m != "*" and not _METHOD.fullmatch(m):
-                raise ValueError(f"entry {i + 1} {m!r} is not an HTTP method in upper case (GET, POST, OPTIONS, ...) "
-                                 "nor '*'")
-        return v
+        return _star_or(v, _METHOD, "an HTTP method in upper case (GET, POST, OPTIONS, ...) nor '*'")
 
     @field_validator("allowed_headers")
     @classmethod
     def _headers(cls, v: list[str]) -> list[str]:
         """Each ``*`` or a header name (an HTTP token: no spaces, commas or colons). Raises ValueError."""
-        for i, h in enumerate(v):
-            if h != "*" and not _HEADER_NAME.fullmatch(h):
-                raise ValueError(f"entry {i + 1} {h!r} is not a header name (letters, digits and !#$%&'*+.^_`|~-) "
-                                 "nor '*'")
-        return v
+        return _star_or(v, _HEADER_NAME, "a header name (letters, digits and !#$%&'*+.^_`|~-) nor '*'")
+
+
+def _star_or(v: list[str], pattern: "re.Pattern[str]", what: str) -> list[str]:
+    """``v`` when each entry is ``*`` or matches ``pattern`` whole; else ValueError naming the
+    first other entry (1-based) and ``what`` it should be."""
+    for i, x in enumerate(v):
+        if x != "*" and not pattern.fullmatch(x):
+            raise ValueError(f"entry {i + 1} {x!r} is not {what}")
+    return v
 
 
 class ClusterConfig(_Strict):
