@@ -113,7 +113,7 @@ def with_cors_flags(args, cfg):
 
     from pydantic import ValidationError
 
-    from pdd.config import ClusterConfig, validation_summary
+    from pdd.config import CorsConfig, validation_summary
 
     given: dict = {}
     for field, flag in CORS_FLAGS.items():
@@ -133,12 +133,15 @@ def with_cors_flags(args, cfg):
     if not given:
         return cfg
     try:
-        return ClusterConfig.model_validate({**cfg.model_dump(), "cors": {**cfg.cors.model_dump(), **given}})
+        # the cors block alone: re-validating the whole config from its dump would mark every field
+        # as given (unused_settings and the derived engine limits read which ones the user set)
+        cors = CorsConfig.model_validate({**cfg.cors.model_dump(), **given})
     except ValidationError as e:
-        msg = validation_summary(e)
+        msg = "; ".join(f"cors.{part}" for part in validation_summary(e).split("; "))
         for field, flag in CORS_FLAGS.items():
             msg = msg.replace(f"cors.{field}:", f"cors.{field} ({flag}):")
         usage_error(args, f"invalid config: {msg}")
+    return cfg.model_copy(update={"cors": cors})
 
 
 def seconds_flag(args, flag: str, text: str | None) -> float | None:

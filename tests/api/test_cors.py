@@ -133,3 +133,21 @@ def test_serve_flags_replace_the_config_fields_they_name(tmp_path):
         "allowed_origins": ["https://b.example", "http://localhost:3000"], "allow_credentials": True,
         "allowed_methods": ["*"], "allowed_headers": ["Authorization"]}
     assert with_cors_flags(build_parser().parse_args(["serve"]), cfg) is cfg
+
+
+def test_serve_flags_leave_the_rest_of_the_config_as_the_user_gave_it():
+    """Found in review: the flags re-validated the whole config from its dump, which marks every
+    field as given, so `pdd serve --mode colocated --allowed-origins ...` printed a note that the
+    config sets all nine pdd-only policy settings (it sets none), and the engine's derived limits
+    read as given. Only the cors block changes."""
+    from pdd.cli import build_parser
+    from pdd.cli_args import with_cors_flags
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated"})
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["https://a.example.com"]'])
+    out = with_cors_flags(args, cfg)
+    assert out.cors.allowed_origins == ["https://a.example.com"]
+    assert out.unused_settings() == []
+    assert out.model_fields_set == {"mode", "cors"}
+    assert out.policy.model_fields_set == cfg.policy.model_fields_set == set()
+    assert out.engine.model_fields_set == cfg.engine.model_fields_set
