@@ -165,3 +165,43 @@ async def test_a_turn_planned_on_md_s_reply_waits_only_for_a_claim_already_being
     del second.events["prefilled"]
     third = await o.start_request(TURN2 + [7] * 20, SamplingParams(max_tokens=8))
     assert "after" not in _reserves(o)[third.trid] and o.totals["md_claim_waits"] == 1
+
+
+class MDHolding(FakePeer):
+    """An MD that decodes turn 1 P->MD: once its first token is out, turn 1's 6 whole pages are
+    in its cache, so a later reservation of turn 2 finds them (no ``after`` needed)."""
+
+    async def call(self, h, payload=b"", timeout=None):
+        self._record(h)
+        if h.get("t") != "reserve":
+            return {"t": "ok"}, b""
+        n = len(h["prompt_ids"])
+        pages = 6 if n > len(TURN1) else 0
+        return {"t": "reserve_ok", "rid": h["rid"], "md_cached_tokens": pages * PAGE, "md_cached_pages": pages,
+                "n_pages": -(-n // PAGE), "prompt_tokens": n, "page_size": PAGE, "page_bytes": PAGE * SLOT}, b""
+
+
+async def test_a_p_md_turn_whose_first_token_md_streamed_has_landed_for_the_next_turn():
+    """Found in review: MD sends kv_ready only for relayed requests, so a P->MD turn's pages stayed
+    a claim until the request ended; a next turn routed while MD decoded it had its TTFT budget
+    judged on nothing landed (relayed, though MD held its prefix) and reserved ``after`` a request
+    whose KV was there already. MD's first token of a P->MD turn is its proof of landing (it is
+    emitted once the prompt's KV is all in), as the given-up path already read it."""
+    from pdd.transfer.messages import Tok
+
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "policy": {"pipeline_ttft_budget_ms": 60},
+                                        "engine": {"page_size": PAGE}, "instances": {"main_decode": 1},
+                                        "link": {"wan_gbps": 0.05, "wan_rtt_ms": 20}})
+    o = Orchestrator(cfg, layout(cfg))
+    o.peers = {"p0": P(), "rld0": FakePeer(), "md0": MDHolding()}
+    first = await _start(o, TURN1)
+    assert first.pipeline.value == "p_md"
+    assert o.prefix_index["md0"].match_landed(TURN2) == (96, 0)  # routed there, still a claim
+    stream = o.stream(first)
+    o._tok(Tok(first.trid, 0, 5, None, "md"))
+    assert (await asyncio.wait_for(stream.__anext__(), 10)).token_id == 5
+    assert o.prefix_index["md0"].match_landed(TURN2) == (96, 96)  # landed: MD emitted from it
+    second = await _start(o, TURN2)
+    assert second.pipeline.value == "p_md"  # 6 of 8 whole pages held: within the budget
+    assert "after" not in _reserves(o)[second.trid] and o.totals["md_claim_waits"] == 0
+    await stream.aclose()

@@ -314,6 +314,11 @@ class Handoffs:
         if st.phase is Phase.TRANSFER and not self._relayed_live(st):
             relay = st.pipeline in (Pipeline.P_RLD, Pipeline.P_RLD_MD)
             st.to(Phase.RLD_DECODE if relay else Phase.MD_DECODE, "first token streamed")
+        if st.pipeline == Pipeline.P_MD:
+            # MD emits P's first token once the prompt's KV is all there (it imports it into its
+            # cache, in order before any later reservation's match): the claim has landed, so a
+            # next turn is planned on it as held, not waited for (MD sends no kv_ready for P->MD)
+            self._index_landed(st.trid)
         ho = st.handoff
         if (self._relayed_live(st) and ho.kv_ready and not ho.started and not st.finished
                 and not st.recovery.lost):
