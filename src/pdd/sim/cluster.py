@@ -953,12 +953,23 @@ class ClusterSim:
             return
         self._kv_imported(req)
 
+    def _forget_claims(self, req: Req) -> None:
+        """``req``'s KV landed on its MD or was cut off: the page keys it is the last claimer of
+        are forgotten (a later request would not wait for it: its KV is complete or will not
+        come), so ``md_claimer`` holds only claims still coming, not every key ever routed."""
+        claimer = self.md_claimer.get(req.md.name)
+        if claimer:
+            for k in self._page_keys(req, req.md.page):
+                if claimer.get(k) is req:
+                    del claimer[k]
+
     def _kv_imported(self, req: Req) -> None:
         """MD holds all of the request's KV in its pool (MD's ``kv_ready``)."""
         req.md_kv_complete = True
         ix = self.md_index.get(req.md.name)
         if ix is not None:
             ix.landed_keys(self._page_keys(req, req.md.page))
+            self._forget_claims(req)
         if req.kv_waiters:  # after the cache insert below: they match it
             self.after(0.0, self._kv_settled, req)
         req.t_md_kv = self.env.now
@@ -1167,8 +1178,10 @@ class ClusterSim:
                     req.cut_off = True
                     self._kv_settled(req)
                     ix = self.md_index.get(req.md.name)
-                    if ix is not None and self.cfg.md_index_drops_cut_offs:
-                        ix.dropped_keys(self._page_keys(req, req.md.page))
+                    if ix is not None:
+                        self._forget_claims(req)
+                        if self.cfg.md_index_drops_cut_offs:
+                            ix.dropped_keys(self._page_keys(req, req.md.page))
                     self.cutoffs += 1
                     if req.wan_flow is not None and not req.wan_flow.done:
                         left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)
