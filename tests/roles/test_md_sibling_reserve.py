@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pdd.transfer.client import connect
 from pdd.types import SamplingParams
 from tests.roles.md_tiny import PROMPT, send_prompt_kv, start_md
@@ -64,6 +66,41 @@ async def test_a_reserve_after_one_that_is_itself_waiting_waits_for_its_kv(tiny_
         await gw.send({"t": "drop", "rid": "c1"})  # c1's transfer cut off: it goes, c2 goes on
         r2, _ = await asyncio.wait_for(c2, 30)
         assert r2["md_cached_pages"] == 4  # c0's whole pages, from the DRC
+    finally:
+        if p is not None:
+            await p.close()
+        await gw.close()
+        await inst.stop()
+
+
+async def test_a_drop_while_a_reservation_waits_frees_it_when_it_would_be_admitted(tiny_model):
+    """Found in review: a ``drop`` (the gateway gave MD's leg up: cut off, or its reserve call timed
+    out) for a reservation still waiting on another request's KV found no request and was
+    ignored; once that KV came the reservation was admitted and held its pages with nobody left
+    to free them (the gateway drops again only when it still reads the reply). It is refused at
+    admission now, and every page is free once the others end."""
+    _, inst = await start_md(tiny_model)
+    gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: None}, role="gateway", instance="gateway")
+    p = None
+    sp = SamplingParams(max_tokens=2, ignore_eos=True).to_dict()
+    free0 = inst.engine.pool.num_free
+    try:
+        r0, _ = await gw.call({"t": "reserve", "rid": "c0", "prompt_ids": PROMPT, "sampling": sp})
+        c1 = asyncio.ensure_future(gw.call({"t": "reserve", "rid": "c1", "prompt_ids": PROMPT + [40, 41, 42, 43, 44],
+                                            "sampling": sp, "after": "c0"}))
+        # a reservation behind c1's on the connection: once answered, MD is in c1's wait
+        await gw.call({"t": "reserve", "rid": "x", "prompt_ids": [1, 2, 3], "sampling": sp})
+        await gw.send({"t": "drop", "rid": "c1"})
+        await gw.call({"t": "abort", "rid": "x"})  # after the drop on the same connection: it was handled
+        p = await connect("127.0.0.1", inst.server.port, role="prefill", instance="p0")
+        send_prompt_kv(p, inst, "c0", r0["page_bytes"])
+        with pytest.raises(Exception, match="c1 was aborted"):
+            await asyncio.wait_for(c1, 30)
+        assert "c1" not in inst.reqs
+        await gw.call({"t": "abort", "rid": "c0"})
+        assert list(inst.reqs) == []
+        await gw.call({"t": "flush"})
+        assert inst.engine.pool.num_free == free0
     finally:
         if p is not None:
             await p.close()

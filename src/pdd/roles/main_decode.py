@@ -298,6 +298,8 @@ class MainDecodeInstance(EngineInstance):
         ctx = self.reqs.get(rid)
         if ctx is None:
             self.early.ended(rid)  # frames still on their way are dropped, not held
+            if rid in self._reserving:  # its reservation still waits (reserve {after}): refused once
+                self.note_aborted(rid)  # admitted, so no page stays held for an owner who gave it up
         elif not ctx.extra.get("kv_complete"):
             self.counters["dropped"] = self.counters.get("dropped", 0) + 1
             await self.release(ctx, cache=False)
