@@ -368,9 +368,22 @@ def test_x_request_id_sent_twice_is_refused():
     async def receive():
         return {"type": "http.request", "body": b""}
 
-    scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [(b"x-request-id", b"a"),
-                                                                                 (b"X-Request-Id", b"a")]}
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"x-request-id", b"a"), (b"X-Request-Id", b"a")]}
     asyncio.run(RequestIdHeader(app)(scope, receive, send))
     assert sent[0]["status"] == 400
     assert sent[1]["body"] == (b'{"error":{"message":"X-Request-Id header: sent 2 times; send one","type":'
                                b'"invalid_request_error","param":"x-request-id","code":"invalid_header"}}')
+
+
+def test_an_unusable_x_request_id_is_ignored_where_nothing_is_named_after_it(api):
+    """Found in review: a bad ``X-Request-Id`` was a 400 on every path, so a load balancer's probe
+    through a proxy adding an id of its own shape (``uuid#1``) failed ``/health``. Only a completion
+    or chat request is named after the header; elsewhere it is ignored and not echoed."""
+    client, _ = api
+    for path in ("/health", "/v1/models"):
+        r = client.get(path, headers={"X-Request-Id": "uuid#1"})
+        assert r.status_code == 200 and "x-request-id" not in r.headers, path
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                    headers={"X-Request-Id": "uuid#1"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_header"

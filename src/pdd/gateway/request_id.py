@@ -11,8 +11,10 @@ path), else, on a completion, the base of its ``id``. A response that has neithe
 Unlike vLLM, which takes any header value, pdd takes at most :data:`MAX_CHARS` characters of
 :data:`ALLOWED` (what UUIDs, ULIDs, base64, nginx's, Envoy's and most tracing ids are made of), so
 a hostile header can neither grow every id and log line nor put spaces, quotes or other
-delimiters into them. Another value (or the header sent twice) is refused with HTTP 400, code
-``invalid_header``, naming the header, before the request does any work.
+delimiters into them. Another value (or the header sent twice) on a completion or chat request is
+refused with HTTP 400, code ``invalid_header``, naming the header, before the request does any
+work; on any other path (``/health``, ``/metrics``, ``/v1/models``: nothing is named after it) it
+is ignored and not echoed, so a load balancer's probe through a proxy that adds its own id passes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import re
 
 from starlette.datastructures import MutableHeaders
 from starlette.responses import JSONResponse
+
+from pdd.gateway.shutdown import GENERATION_PATHS
 
 HEADER = "X-Request-Id"
 MAX_CHARS = 128  # vLLM's own ids are 32 hex digits after "cmpl-"
@@ -44,8 +48,9 @@ def request_id_problem(value: str) -> str | None:
 
 
 class RequestIdHeader:
-    """ASGI middleware, outside every other but CORS: refuses an unusable ``X-Request-Id``
-    (:func:`request_id_problem`; HTTP 400 in the OpenAI error shape), puts a usable one in
+    """ASGI middleware, outside every other but CORS and the HTTP metrics: refuses an unusable
+    ``X-Request-Id`` on a generation path (:func:`request_id_problem`; HTTP 400 in the OpenAI
+    error shape; ignored on others), puts a usable one in
     ``scope["state"][STATE_KEY]`` (an endpoint that names its response after another id writes
     that one there, :func:`id_base`), and adds ``X-Request-Id`` with that state value to the
     response when it holds one."""
@@ -62,9 +67,12 @@ class RequestIdHeader:
             value = given[0].decode("latin-1")
             bad = f"sent {len(given)} times; send one" if len(given) > 1 else request_id_problem(value)
             if bad is not None:
-                body = {"error": {"message": f"{HEADER} header: {bad}", "type": "invalid_request_error",
-                                  "param": HEADER.lower(), "code": "invalid_header"}}
-                return await JSONResponse(body, status_code=400)(scope, receive, send)
+                if scope.get("path") not in GENERATION_PATHS:
+                    value = None  # names nothing here: ignored, not echoed (a probe through a proxy still passes)
+                else:
+                    body = {"error": {"message": f"{HEADER} header: {bad}", "type": "invalid_request_error",
+                                      "param": HEADER.lower(), "code": "invalid_header"}}
+                    return await JSONResponse(body, status_code=400)(scope, receive, send)
         state = scope.setdefault("state", {})
         state[STATE_KEY] = value
 
