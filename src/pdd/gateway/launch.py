@@ -417,11 +417,11 @@ class Launchers:
         """Whether attempt ``trid`` (a claim in an MD's prefix index) is having its KV sent: its
         prefill returned and P knows where to send (MD's reservation reply is in, or a predicted
         send started at once)."""
-        for st in self.reqs.values():
-            if st.trid == trid:
-                ev = st.events
-                return "prefilled" in ev and ("md_reserved" in ev or st.wan.predicted_pages is not None)
-        return False
+        st = self.reqs.get(trid)  # keyed by the attempt's tier rid
+        if st is None or st.trid != trid:
+            return False
+        ev = st.events
+        return "prefilled" in ev and ("md_reserved" in ev or st.wan.predicted_pages is not None)
 
     def _sibling_md(self, st: ReqState) -> tuple[str, str, Pipeline] | None:
         """For another choice of a prompt whose first choice ``st.sibling_of`` is on its way to an
