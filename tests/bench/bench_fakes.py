@@ -42,7 +42,7 @@ def fake_app(hang_every: int = 0) -> FastAPI:
                     yield "data: [DONE]\n\n"
                     return
                 if kind == ODD_CHUNKS and pos == 1:  # JSON, but no completion chunk's shape
-                    for odd in ("5", "[]", '{"choices": ["t"]}', '{"choices": [{"text": 7}]}'):
+                    for odd in ('{"choices": {"a": 1}}', "5", "[]", '{"choices": ["t"]}', '{"choices": [{"text": 7}]}'):
                         yield f"data: {odd}\n\n"
                 await asyncio.sleep(0.005)
                 chunk = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],

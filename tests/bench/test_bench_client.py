@@ -32,7 +32,7 @@ async def test_failures_are_recorded(server_url):
     # chunks that are JSON but not shaped as a completion chunk: named as the data the server sent
     # (it was "TypeError: argument of type 'int' is not iterable"); the record holds only real tokens
     odd = await run_one(server_url, [ODD_CHUNKS], 3)
-    assert not odd.ok and odd.error == "bad chunk: 5"
+    assert not odd.ok and odd.error == 'bad chunk: {"choices": {"a": 1}}'
     assert odd.text == "t0 t1 t2 " and len(odd.token_times_s) == len(odd.tiers) == 3
     refused = await run_one("http://127.0.0.1:9", [OK], 3, timeout_s=5)
     assert not refused.ok and refused.error.startswith("ConnectError")

@@ -168,6 +168,8 @@ def _absorb(rec: RequestRecord, obj: dict, now: float) -> None:
     choices = obj.get("choices") or []
     if not isinstance(pd, dict):
         raise TypeError("pdd is not an object")
+    if not isinstance(choices, list):
+        raise TypeError("choices is not a list")
     if choices:
         ch = choices[0]
         text = ch.get("text") or ""
