@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 OK, HTTP_500, MID_ERROR, HANG, NO_DONE, ODD_CHUNKS = 1, 2, 3, 4, 5, 6
 
 
-def fake_app(hang_every: int = 0) -> FastAPI:
+def fake_app(hang_every: int = 0, vocab: int | None = None) -> FastAPI:
     """``hang_every`` N > 0: every N-th request (1-based, in arrival order) stalls after its first
-    token as HANG does, whatever its prompt (a mode whose requests time out)."""
+    token as HANG does, whatever its prompt (a mode whose requests time out). ``vocab``: a prompt
+    holding an id at or past it is refused with HTTP 400, as pdd's gateway words it."""
     app = FastAPI()
     arrivals = [0]
 
@@ -25,6 +26,10 @@ def fake_app(hang_every: int = 0) -> FastAPI:
     async def completions(request: Request):
         body = await request.json()
         prompt, n = body["prompt"], body["max_tokens"]
+        if vocab is not None and isinstance(prompt, list) and max(prompt) >= vocab:
+            return JSONResponse({"error": {"message": f"prompt: token id {max(prompt)} is outside the vocabulary "
+                                                      f"[0, {vocab})", "type": "invalid_request_error",
+                                           "param": "prompt", "code": None}}, status_code=400)
         kind = prompt[0] if isinstance(prompt, list) and prompt[0] < 10 else OK
         arrivals[0] += 1
         if hang_every and arrivals[0] % hang_every == 0:

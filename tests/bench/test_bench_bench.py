@@ -247,6 +247,28 @@ def test_bench_against_url(tmp_path, server_url):
     assert len(pts) == 1 and pts[0]["reused_main_run"]  # sweep = main workload at the offered rate
 
 
+def test_bench_against_url_whose_vocabulary_is_smaller_stops_first(tmp_path):
+    """Found by a new user: `pdd bench --url` at a server on pdd's tiny model (1,024 tokens) with the
+    demo's checkpoint (4,096) left locally drew prompt ids the server refused: the warm-up, the
+    reference run and every request failed (0 of 10) before it said so. One request with the
+    largest id comes first; its 400 is one line naming --config."""
+    from bench_fakes import fake_app, serve_in_thread
+
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))  # its vocabulary: 1,024 ids
+    url, stop = serve_in_thread(fake_app(vocab=512))
+    try:
+        with pytest.raises(ValueError) as ex:
+            run_bench(tmp_path / "u", ("pdd",), 4, SCALE, cfg, url=url, ref_requests=2, sweep=None,
+                      request_timeout_s=10, progress=False, console=_console(tmp_path))
+    finally:
+        stop()
+    assert str(ex.value) == (f"--url: the server refuses this run's prompt token ids (HTTP 400: prompt: token id "
+                             f"1023 is outside the vocabulary [0, 512)); they are drawn from [0, 1024) (the "
+                             f"checkpoint at {tmp_path / 'model'}): give --config with the server's model_path "
+                             f"(or model_preset)")
+    assert not (tmp_path / "u").exists()
+
+
 def test_main_cli(tmp_path, server_url, monkeypatch):
     from pdd.topology import free_port_block
 

@@ -81,7 +81,7 @@ from pdd.bench.extras import (HANDOFF_WINDOW, HANDOFF_WINDOW_BEFORE, MODE_EXTRA_
                               WIDE_WINDOW_BEFORE, bench_mode_extras, cutoff_stats, handoff_gap_ms, handoff_stats,
                               hit_rates, instance_hardware, sweep_point)
 from pdd.bench.live import (RemoteTopology, WanSampler, _default_topology, _warmup, ensure_model,  # noqa: F401
-                            measured_replay, wan_reader)
+                            check_remote_vocab, measured_replay, wan_reader)
 from pdd.bench.modes import (REFERENCE_MODE, PortsTaken, apply_overrides, check_ports_free,  # noqa: F401
                              check_vllm_tiers, mode_config, parse_mode_label)
 from pdd.bench.autoscaling import mode_autoscale, snapshot as autoscale_snapshot
@@ -221,6 +221,11 @@ def run_bench(
                       f"them: give --config with the server's model_path")
     else:
         tokens = TokenSpace.from_model(ensure_model(config, console))
+    if remote is not None:  # a server with a smaller vocabulary would refuse every request: say so first
+        have = (Path(config.model_path) / "config.json").exists()
+        check_remote_vocab(remote.url, tokens, config.served_model_name,
+                           f"the checkpoint at {config.model_path}" if have else "no local checkpoint",
+                           min(timeout_s, 120.0))
     scale = fit_scale(scale, config, n_requests, start)
     requests = build_requests(trace, scale, tokens, seed)
     if not requests:

@@ -116,6 +116,21 @@ def _json_object(r: httpx.Response) -> dict:
     return body if isinstance(body, dict) else {}
 
 
+def check_remote_vocab(url: str, tokens: TokenSpace, model: str, source: str, timeout_s: float) -> None:
+    """One request to the server at ``url`` with the largest id prompts may hold (``tokens``'s
+    ``vocab_size - 1``, one output token). Raises ValueError naming the fix (``--config`` with the
+    server's model) when the server refuses it with HTTP 400 as outside its vocabulary: every
+    request of the run would fail so (a server on pdd's tiny model, 1,024 tokens, benchmarked with
+    the demo's 4,096-token checkpoint ran its reference and main runs, 0 of 10 completed).
+    ``source``: where the ids' vocabulary came from (for the message). Any other outcome passes:
+    the run itself reports a server that fails otherwise."""
+    rec = run_one_sync(url, [tokens.vocab_size - 1, 0, 1], 1, model=model, timeout_s=timeout_s)
+    if rec.http_status == 400 and rec.error and "vocabular" in rec.error:
+        raise ValueError(f"--url: the server refuses this run's prompt token ids ({rec.error}); they are drawn "
+                         f"from [0, {tokens.vocab_size}) ({source}): give --config with the server's model_path "
+                         f"(or model_preset)")
+
+
 class RemoteTopology:
     """A running gateway at ``url`` used like a Topology (nothing started or stopped).
 
