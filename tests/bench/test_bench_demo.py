@@ -8,7 +8,7 @@ from rich.console import Console
 
 from bench_fakes import FakeTopology
 from pdd.bench.demo import run_demo
-from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf
+from pdd.bench.plots import plot_token_timeline, plot_ttft_cdf, timeline_title
 from pdd.bench.report import read_jsonl, recompute_report
 from pdd.workload.replay import Scale, fit_scale
 from pdd.config import ClusterConfig, EngineConfig
@@ -282,3 +282,9 @@ def test_demo_cli_refuses_blocks_longer_than_the_prompt_cap(capsys, tmp_path, mo
     err = capsys.readouterr().err
     assert "pdd demo: error: --block-tokens 1000000000 exceeds the prompt cap of 3776 tokens" in err, err
     assert "Traceback" not in err and not (tmp_path / "d").exists()
+
+
+def test_the_timeline_says_when_it_shows_only_the_first_requests():
+    """Found by a new user: the demo's timeline_pdd.png held 64 of its 100 requests, and nothing said so."""
+    assert timeline_title("pdd", 64, 100) == "pdd (first 64 of 100 requests)"
+    assert timeline_title("pdd", 20, 20) == "pdd"

@@ -80,6 +80,12 @@ def plot_ttft_cdf(
     return _finish(fig, ax, path, title, "lower right")
 
 
+def timeline_title(title: str, shown: int, total: int) -> str:
+    """The timeline's title: ``title``, and "(first ``shown`` of ``total`` requests)" when rows were
+    left out (a reader of the demo's 64 rows took them for its 100 requests)."""
+    return f"{title} (first {shown} of {total} requests)" if total > shown else title
+
+
 def plot_token_timeline(
     records: Iterable[Mapping], path: str | Path, title: str = "token timeline", max_requests: int = 64
 ) -> Path:
@@ -87,7 +93,9 @@ def plot_token_timeline(
     time (s since the replay start), colored by the tier that produced it (RLD orange, MD blue).
     Rows are the first ``max_requests`` records in order; writes a PNG."""
     path = Path(path)
-    recs = list(records)[:max_requests]
+    every = list(records)
+    recs = every[:max_requests]
+    title = timeline_title(title, len(recs), len(every))
     fig = _figure(9.0, max(2.5, 0.18 * len(recs) + 1.2))
     ax = fig.add_subplot(1, 1, 1)
     seen_tiers: set = set()
