@@ -449,15 +449,20 @@ class EngineInstance:
             await self.refuse_kv(ctx, h, str(e))
         return None
 
+    def note_kv_refused(self, line: str, *args) -> None:
+        """Count a ``kv`` / ``kv_done`` frame this instance does not take (``counters["kv_refused"]``)
+        and log its one warning line (``line % args``)."""
+        self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
+        log.warning(line, *args)
+
     async def refuse_kv(self, ctx: ReqCtx | None, h: dict, why: str) -> None:
         """A ``kv`` / ``kv_done`` frame this instance cannot take (malformed, pages outside the
         request's uncached prompt pages, the wrong page size or dtype, after the request's KV was
         complete): one log line, counted in ``kv_refused``. The frame's request (``ctx``; None:
         not held here, only logged) fails with ``req_error`` naming why, and its pages are freed
         without caching anything: its prompt's KV is incomplete, so decoding it would be wrong."""
-        self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
-        log.warning("refused a %s frame of %s: %s", shown_t(h), ctx.rid if ctx is not None else "a request not held here",
-                    why)
+        self.note_kv_refused("refused a %s frame of %s: %s", shown_t(h),
+                             ctx.rid if ctx is not None else "a request not held here", why)
         if ctx is None or ctx.released:
             return
         ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: refused a KV frame: {why}").wire())

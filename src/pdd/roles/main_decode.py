@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 
-from pdd.roles.base import shown_t, EngineInstance, ReqCtx, free_sequence
+from pdd.roles.base import EngineInstance, ReqCtx, free_sequence, shown_t
 from pdd.roles.early_frames import EarlyFrames
 from pdd.topology import ROLE_COLOCATED
 from pdd.transfer.messages import (OMIT, Abort, Drop, Extend, ExtendOk, Finish, Generate, GenerateOk, Kv, KvCancel, KvDone,
@@ -94,8 +94,7 @@ class MainDecodeInstance(EngineInstance):
         await self.admitted(ctx)
         if "kv_refused" in ctx.extra:  # a frame that came before the reservation was bad: refuse it
             h, why = ctx.extra["kv_refused"]
-            self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
-            log.warning("refused a %s frame of %s: %s", shown_t(h), rid, why)
+            self.note_kv_refused("refused a %s frame of %s: %s", shown_t(h), rid, why)
             await self.release(ctx, cache=False)
             raise RuntimeError(f"{self.spec.name}: refused a KV frame of {rid}: {why}")
         return ctx
@@ -180,8 +179,7 @@ class MainDecodeInstance(EngineInstance):
             self.early.hold(m.rid, "kv_done", h, b"", time.monotonic())
             return None
         if ctx.extra.get("kv_complete"):  # a second kv_done: the first already started the request
-            self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
-            log.warning("dropped a second kv_done of %s (its KV is already complete)", m.rid)
+            self.note_kv_refused("dropped a second kv_done of %s (its KV is already complete)", m.rid)
             return None
         parts = int(ctx.extra.get("kv_parts", 1)) - 1  # a predicted send with a fill: two transfers
         ctx.extra["kv_parts"] = parts

@@ -13,7 +13,6 @@ Messages:
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import asdict
 
@@ -21,8 +20,6 @@ from pdd.policy.handoff import HandoffInputs, decide_handoff, rld_load
 from pdd.roles.base import EngineInstance, ReqCtx, free_sequence
 from pdd.transfer.messages import Expect, ExpectOk, Handoff, HandoffOk, KvCancel, KvDone
 from pdd.types import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 class RelayDecodeInstance(EngineInstance):
@@ -67,8 +64,7 @@ class RelayDecodeInstance(EngineInstance):
         if ctx is None:
             return None
         if ctx.extra.get("kv_done"):  # a second kv_done: the first already started decoding
-            self.counters["kv_refused"] = self.counters.get("kv_refused", 0) + 1
-            log.warning("dropped a second kv_done of %s (its KV is already complete)", m.rid)
+            self.note_kv_refused("dropped a second kv_done of %s (its KV is already complete)", m.rid)
             return None
         t0, fin = m.first_token, m.fin or None
         seq = ctx.seq
