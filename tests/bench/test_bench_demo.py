@@ -161,7 +161,8 @@ def test_demo_cli_names_a_config_it_cannot_read_as_pdd_serve_does(capsys, tmp_pa
     assert capsys.readouterr().err.splitlines()[-1] == f"pdd demo: error: --config {path}: {says}"
 
 
-def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
+def _demo_refusal(capsys, tmp_path, monkeypatch, *argv: str) -> str:
+    """``pdd demo --config C ARGV --out tmp/d`` (a fake checkpoint, ports free) exits 2: its stderr."""
     from pdd import topology
     from pdd.bench.demo import main
 
@@ -169,9 +170,13 @@ def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model_path": str(fake_model(tmp_path / "model"))}))
     with pytest.raises(SystemExit) as ex:
-        main(["--config", str(cfg), "--start", "100000000", "--out", str(tmp_path / "d")])
+        main(["--config", str(cfg), *argv, "--out", str(tmp_path / "d")])
     assert ex.value.code == 2
-    err = capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
+    err = _demo_refusal(capsys, tmp_path, monkeypatch, "--start", "100000000")
     assert "pdd demo: error: --start 100000000: no requests in" in err and "Traceback" not in err, err
     assert not (tmp_path / "d").exists()  # run_demo made --out before it found the slice empty
 
@@ -270,16 +275,7 @@ def test_demo_cli_refuses_a_model_path_with_no_checkpoint_as_pdd_serve_does(caps
 
 def test_demo_cli_refuses_blocks_longer_than_the_prompt_cap(capsys, tmp_path, monkeypatch):
     """``pdd demo --block-tokens 1000000000`` drew 8 GB per block, then an ArrayMemoryError traceback."""
-    from pdd import topology
-    from pdd.bench.demo import main
-
-    monkeypatch.setattr(topology, "ports_in_use", lambda layout: [])
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"model_path": str(fake_model(tmp_path / "model"))}))
-    with pytest.raises(SystemExit) as ex:
-        main(["--config", str(cfg), "--block-tokens", "1000000000", "--out", str(tmp_path / "d")])
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
+    err = _demo_refusal(capsys, tmp_path, monkeypatch, "--block-tokens", "1000000000")
     assert "pdd demo: error: --block-tokens 1000000000 exceeds the prompt cap of 3776 tokens" in err, err
     assert "Traceback" not in err and not (tmp_path / "d").exists()
 

@@ -384,9 +384,8 @@ class ClusterSim:
                 req.md_landed = landed * md.page
                 claimer = self.md_claimer[md.name]
                 if landed < held:  # the prefix ends in a claim: whose KV, still coming, brings its last page
-                    w = claimer.get(keys[held - 1])
-                    if w is not None and not w.md_kv_complete and not w.cut_off:
-                        req.md_after = w
+                    req.md_after = claimer.get(keys[held - 1])
+                    req.md_after = self._claim_pending(req)  # None unless that KV is still coming
                 for k in keys:
                     claimer[k] = req
             req.md_held = ix.record_keys(keys) * md.page
