@@ -59,6 +59,19 @@ async def test_a_new_attempt_resets_each_owner_s_attempt_part_and_keeps_the_reco
     assert orch.reqs == {"r1.1": st} and orch.totals["recoveries"] == 1
 
 
+async def test_degraded_is_the_last_attempt_s(orch):
+    """Found by a new user: md0 killed (RLD finishes: degraded), then rld0 (a new attempt, planned
+    through MD, ends on MD): the request was still counted degraded ("ended on RLD without MD",
+    docs/FAULTS.md). A new attempt starts undegraded; its own plan or MD leg sets it again."""
+    st = _mid_handoff(orch)
+    orch._md_leg_lost(st, "instance md0 is unreachable")
+    assert st.recovery.degraded
+    orch._new_attempt(st, "instance rld0 is unreachable")
+    assert not st.recovery.degraded
+    orch._plan_degraded(st)  # no MD reachable for the new attempt: RLD finishes it
+    assert st.recovery.degraded
+
+
 async def test_a_cut_off_is_the_request_s_and_outlives_a_new_attempt(orch):
     st = _mid_handoff(orch)
     orch._count_cut_off(st)

@@ -102,6 +102,9 @@ class Recovery:
                 st.events[f"{k}@{st.attempt - 1}"] = st.events.pop(k)
         st.names = {}
         st.recovery.md_lost = st.recovery.lost = False
+        # how the request ends is the new attempt's: planned without MD, or its MD leg lost, sets
+        # it again (a request degraded on RLD whose next attempt ended on MD counted degraded)
+        st.recovery.degraded = False
         st.recovery.error = None
         self._handoff_new_attempt(st)
         self._wan_new_attempt(st)
