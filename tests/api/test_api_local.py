@@ -309,12 +309,33 @@ def test_usage_cached_tokens_never_exceed_the_prompt():
     from pdd.gateway.api import _usage
 
     def gen(cached):
-        st = SimpleNamespace(p_cached_tokens=cached)
+        st = SimpleNamespace(prompt_cached_tokens=cached)
         return SimpleNamespace(prompt_ids=[1] * 14, completion_tokens=lambda: 400, choices=[SimpleNamespace(st=st)])
 
     assert _usage(gen(112))["prompt_tokens_details"] == {"cached_tokens": 14}
     assert _usage(gen(8)) == {"prompt_tokens": 14, "completion_tokens": 400, "total_tokens": 414,
                               "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+def test_usage_cached_tokens_are_the_first_prefill_s_hit_after_a_recovery():
+    """A request whose first prefill hit 8 of its 14 prompt tokens and whose new attempt (prompt +
+    112 streamed tokens, after md0 was lost) hit 120 on its own earlier prefill reports the 8 its
+    prompt found cached (every prompt token hit, 14, before); ``pdd.p_cached_tokens`` is the
+    attempt's. Before P answers at all, 0."""
+    from types import SimpleNamespace
+
+    from pdd.gateway.api import _pdd_summary, _usage
+    from pdd.gateway.state import ReqState
+    from pdd.types import SamplingParams
+
+    st = ReqState("r1", 14, SamplingParams(max_tokens=400), trid="r1", prompt_ids=[1] * 14)
+    gen = SimpleNamespace(prompt_ids=[1] * 14, completion_tokens=lambda: 400, choices=[SimpleNamespace(st=st)])
+    assert _usage(gen)["prompt_tokens_details"] == {"cached_tokens": 0}
+    st.note_p_cached(8)
+    st.attempt, st.base, st.trid = 1, 112, "r1.1"  # what a recovery sets for the new attempt
+    st.note_p_cached(120)
+    assert _usage(gen)["prompt_tokens_details"] == {"cached_tokens": 8}
+    assert _pdd_summary(st)["p_cached_tokens"] == 120
 
 
 def test_eos_text_is_left_out_unless_include_stop_str_in_output(api, tiny_model):

@@ -20,7 +20,8 @@ SUB_OWNERS = {"wan": (S.WanPlan, "wan_booking"), "handoff": (S.HandoffState, "ha
 # top-level fields -> the modules that write them (ReqState's docstring); the shared channels and
 # logs (queue, events, decisions, md_settled, life) are appended to by any collaborator
 TOP_OWNERS = {"trid": {"recovery"}, "base": {"recovery"}, "attempt": {"recovery"},
-              "pipeline": {"launch"}, "p_cached_tokens": {"launch"}, "names": {"launch", "recovery"},
+              "pipeline": {"launch"}, "p_cached_tokens": {"launch"}, "prompt_cached_tokens": {"launch"},
+              "names": {"launch", "recovery"},
               "assigned": {"routing"}, "holds": {"routing"}, "md_cached_tokens": {"wan_booking"},
               "next_pos": {"handoff"}, "pending": {"handoff"}, "emitted": {"handoff"},
               "finished": {"stream"}, "last_token_s": {"stream"}}

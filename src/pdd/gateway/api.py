@@ -14,8 +14,8 @@ chat renders the checkpoint's own template (``openai_chat``).
 
 Every streamed chunk carries one token; besides the OpenAI fields it has ``"pdd": {"tier",
 "pos", "token_id"}`` (which decoder produced it). With ``stream_options.include_usage`` a last
-chunk carries ``usage`` (``prompt_tokens_details.cached_tokens`` = P's prefix-cache hits, the
-figure billing uses) and ``"pdd": {"pipeline", "wan_bytes", "wan_bytes_expected", ...}``.
+chunk carries ``usage`` (``prompt_tokens_details.cached_tokens`` = P's prefix-cache hits on the
+prompt at the request's first prefill, the figure billing uses) and ``"pdd": {"pipeline", "wan_bytes", "wan_bytes_expected", ...}``.
 Bad input gets HTTP 400 with an OpenAI-style error body before any tier does work. What the
 system cannot take now (``pdd.gateway.admission``: requests in flight, prompt tokens queued for
 prefill and their expected wait, or a tier whose bounded queue is full; :class:`ConcurrencyLimit`:
@@ -897,13 +897,19 @@ def _chat_lp(tt: TokenText, t, top: int | None) -> dict:
     return {"token": s, "logprob": _lp(lp.get("lp")), "bytes": raw, "top_logprobs": tops}
 
 
+def _prompt_cached(st: ReqState) -> int:
+    """Tokens of the client's prompt P's prefix cache held at the request's first prefill P answered
+    (:attr:`ReqState.prompt_cached_tokens`; 0 before any)."""
+    return st.prompt_cached_tokens or 0
+
+
 def _usage(gen: Generation | Batch) -> dict:
     parts = gen.gens if isinstance(gen, Batch) else [gen]  # a batch: each prompt counted once (vLLM)
     n_prompt = sum(len(g.prompt_ids) for g in parts)
     ntok = gen.completion_tokens()
-    # a recovered request's new prefill covers prompt + streamed tokens: its hits on those are
-    # not hits on the client's prompt
-    cached = sum(min(g.choices[0].st.p_cached_tokens, len(g.prompt_ids)) for g in parts)
+    # P's hit on the client's prompt at its first prefill: a recovered request's new prefill covers
+    # prompt + streamed tokens and hits the request's own earlier prefill, no saving to the client
+    cached = sum(min(_prompt_cached(g.choices[0].st), len(g.prompt_ids)) for g in parts)
     return {"prompt_tokens": n_prompt, "completion_tokens": ntok, "total_tokens": n_prompt + ntok,
             "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -240,7 +240,7 @@ class Launchers:
         self._prefill_sent(st)
         rep, _ = await c.call(Generate(st.trid, prompt, sampling).wire(), timeout=t)
         st.to(Phase.DECODE, "first token sampled")
-        st.p_cached_tokens = int(rep["p_cached_tokens"])
+        st.note_p_cached(int(rep["p_cached_tokens"]))
 
     async def _launch_p_rld(self, st: ReqState, prompt: list[int], sampling: dict, p: Peer, md_specs) -> None:
         """P->RLD, degraded: no MD is reachable, RLD completes the request (counted apart)."""
@@ -257,7 +257,7 @@ class Launchers:
         rep, _ = await p.call(Prefill(st.trid, prompt, sampling,
                                       [{"name": rld_name, "first_page": 0, "relay": False}]).wire(), timeout=t)
         self._prefilled(st)
-        st.p_cached_tokens = int(rep["p_cached_tokens"])
+        st.note_p_cached(int(rep["p_cached_tokens"]))
 
     async def _launch_relayed(self, st: ReqState, prompt: list[int], sampling: dict, p: Peer,
                               reserve: asyncio.Future, predicted: bool, at_once: bool,
@@ -310,7 +310,7 @@ class Launchers:
                 self._unplan_wan(st.trid)
             raise
         self._prefilled(st)
-        st.p_cached_tokens = int(rep["p_cached_tokens"])
+        st.note_p_cached(int(rep["p_cached_tokens"]))
 
     def _cut_md_if_first_token_ended(self, st: ReqState, rep: dict) -> None:
         """A relayed request P's reply says its first token finished (EOS, a stop id, max_tokens
@@ -402,7 +402,7 @@ class Launchers:
             _give_up(p_call, expect)
             raise
         self._prefilled(st)
-        st.p_cached_tokens = int(rep["p_cached_tokens"])
+        st.note_p_cached(int(rep["p_cached_tokens"]))
 
     def _claim_worth_waiting(self, claimed_tokens: int) -> bool:
         """Whether the KV of ``claimed_tokens`` prompt tokens still crossing to MD is worth a wait

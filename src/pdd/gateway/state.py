@@ -170,8 +170,8 @@ class ReqState:
     - ``rid``, ``prompt_len``, ``sampling``, ``prompt_ids``, ``t_arrival``, ``sibling_of``,
       ``siblings``: set when the request is made (:mod:`pdd.gateway.start`), never reassigned;
     - ``trid``, ``base``, ``attempt``: :mod:`pdd.gateway.recovery` (a new attempt);
-    - ``pipeline``, ``p_cached_tokens``, ``names`` (which recovery empties for a new attempt):
-      :mod:`pdd.gateway.launch`; ``assigned``, ``holds``: :mod:`pdd.gateway.routing`;
+    - ``pipeline``, ``p_cached_tokens``, ``names`` (which recovery empties for a new attempt) and
+      ``prompt_cached_tokens`` (set once): :mod:`pdd.gateway.launch`; ``assigned``, ``holds``: :mod:`pdd.gateway.routing`;
       ``md_cached_tokens``: :mod:`pdd.gateway.wan_booking` (MD's reservation reply);
     - ``next_pos``, ``pending``, ``emitted``: :mod:`pdd.gateway.handoff` (tokens in position
       order, whichever decoder made them); ``finished``, ``last_token_s``: :mod:`pdd.gateway.stream`;
@@ -188,7 +188,11 @@ class ReqState:
     next_pos: int = 0
     pending: dict = field(default_factory=dict)  # pos -> TokenOut from RLD (or the one decoder), not streamed yet
     finished: bool = False
-    p_cached_tokens: int = 0
+    p_cached_tokens: int = 0  # P's prefix-cache hit on this attempt's prompt (tokens)
+    # P's hit on the client's prompt at the first prefill P answered for the request (tokens; None
+    # until then; usage.prompt_tokens_details.cached_tokens): a recovery's new prefill hits the
+    # request's own earlier prefill, which saved the client nothing
+    prompt_cached_tokens: int | None = None
     md_cached_tokens: int = 0
     emitted: list = field(default_factory=list)  # token ids streamed so far
     last_token_s: float = 0.0
@@ -221,6 +225,14 @@ class ReqState:
     handoff: HandoffState = field(default_factory=HandoffState)  # RLD -> MD (handoff.py)
     recovery: RecoveryState = field(default_factory=RecoveryState)  # faults (recovery.py)
     end: EndState = field(default_factory=EndState)  # the outcome, counted once (stream.py)
+
+    def note_p_cached(self, tokens: int) -> None:
+        """P answered this attempt's prefill with a prefix-cache hit of ``tokens``: the attempt's
+        ``p_cached_tokens``; the request's ``prompt_cached_tokens`` if it is P's first answer
+        (clamped to the client's prompt, ``prompt_len`` tokens)."""
+        self.p_cached_tokens = tokens
+        if self.prompt_cached_tokens is None:
+            self.prompt_cached_tokens = min(tokens, self.prompt_len)
 
     @property
     def phase(self) -> Phase:
