@@ -145,3 +145,28 @@ async def test_a_dialled_peer_declared_dead_is_named_by_its_instance(caplog):
             link.set(outage=False)
             await peer.close()
     await server.close()
+
+
+async def test_a_frame_slower_than_the_silence_limit_does_not_kill_the_connection():
+    """At 0.4 Mbit/s one 48 KiB frame takes about 1 s on the line, more than twice the silence
+    limit, and the heartbeats queue behind it. The line delivers its bytes as it serialises
+    them (``pdd.transfer.link.SLICE_S``), so the receiver sees them arrive and the call
+    completes; when the emulator handed a chunk over whole at its end, the receiver declared
+    the sender dead first."""
+
+    async def echo(peer, h, p):
+        return {"t": "echo_r", "n": len(p)}, b""
+
+    server = await Server(port=0, handlers={"echo": echo}, heartbeat_s=HB, dead_after_s=DEAD).start()
+    async with Link(link_cfg(server.port, gbps=4e-4, rtt_ms=2)) as link:
+        peer = await connect("127.0.0.1", link.ports[0], heartbeat_s=HB, dead_after_s=DEAD)
+        try:
+            n = 48 << 10
+            assert n * 8 / 4e5 > 2 * DEAD  # the test means something: the frame outlasts the limit
+            h, _ = await peer.call({"t": "echo"}, bytes(n), timeout=10.0)
+            assert h["n"] == n
+            (sp,) = server.peers
+            assert not peer.closed and not sp.closed and not sp.dead_peer and not peer.dead_peer
+        finally:
+            await peer.close()
+    await server.close()

@@ -502,3 +502,26 @@ async def test_a_rate_drop_slows_what_the_line_still_holds():
         assert after == pytest.approx(10 * before, rel=0.01)  # the pivot is a few us after t
         w.close()
     await sink.close()
+
+
+async def test_a_slow_line_trickles_a_chunk_out_as_it_serialises_it():
+    """A 16 KiB chunk takes 2.6 s on a 5e-5 Gbit/s line: its bytes reach the receiver slice by
+    slice (``link.SLICE_S`` of line time, at least ``MIN_SLICE_BYTES``) while the line
+    serialises it, not whole at its end (then a slow line showed seconds of silence to the
+    receiver's dead-peer timeout). The accounting stays exact: admitted = delivered + in flight."""
+    sink = await SinkServer().start()
+    n = 16 << 10
+    async with Link(cfg(sink.port, gbps=5e-5, rtt_ms=0)) as link:
+        data = os.urandom(n)
+        r, w, _ = await send_all(link.ports[0], data, eof=False)  # one write: one read by the proxy
+        await wait_for(lambda: sink.conns and sink.conns[0]["bytes"] > 0, 30)
+        got = sink.conns[0]["bytes"]
+        s = link.stats()
+        assert s["admitted_a_to_b"] == n
+        assert 0 < got <= s["bytes_a_to_b"] < n  # the first slices, not the chunk
+        assert s["bytes_a_to_b"] + s["in_flight_a_to_b"] == n
+        assert bytes(sink.conns[0]["data"]) == data[:got]
+        assert linkmod._slices(n, n * 8 / 5e4) == n // linkmod.MIN_SLICE_BYTES  # 16 slices of 1 KiB
+        assert linkmod._slices(n, linkmod.SLICE_S) == 1  # a fast line's chunk goes whole
+        w.close()
+    await sink.close()

@@ -25,7 +25,11 @@ Model. Side "a" is the connecting client, side "b" the target. Each direction (a
 is one line shared by all connections through the emulator (all routes). A chunk read from a
 connection at time ``now`` is serialised onto its direction's line after everything admitted
 before it (``start = max(now, line_free)``, ``end = start + bytes*8/(gbps*1e9)``), then
-delivered to the other side at ``end + rtt_ms/2 + jitter``. Cross traffic takes its rate off the
+delivered to the other side at ``end + rtt_ms/2 + jitter``, in slices as the line serialises it:
+a chunk that takes longer than ``SLICE_S`` (5 ms) is cut into slices of about that much line
+time (at least ``MIN_SLICE_BYTES``, 1 KiB), each delivered at the instant its last byte is
+serialised plus the same delay (the last one at ``end`` plus it), so a slow line trickles bytes
+as a real one does (a receiver's dead-peer timeout sees them arrive). Cross traffic takes its rate off the
 line (``end`` integrates ``max(gbps - cross, 1% of gbps)`` over the schedule), and with loss a
 connection's chunk also cannot end sooner than its previous one plus ``bytes*8 / mathis``: one
 connection alone moves N bytes in ``N*8 / min(gbps - cross, mathis)`` s, while the line stays
@@ -38,7 +42,8 @@ back-pressures too (reading stops while its socket's write buffer is full). Conc
 connections interleave chunk by chunk: they share the line fairly.
 
 Control port messages: ``stats`` -> ``stats {bytes_a_to_b, bytes_b_to_a, connections, ...}``
-(bytes delivered, all connections, framing included); ``set {gbps?, rtt_ms?, jitter_ms?,
+(bytes delivered, all connections, framing included; ``in_flight_*``: admitted, not yet
+delivered, so admitted = delivered + in flight); ``set {gbps?, rtt_ms?, jitter_ms?,
 outage?: bool, loss_rate?, cross_gbps?}`` (:class:`pdd.transfer.messages.LinkSet`) -> the new
 stats (``cross_gbps`` replaces the schedule by that rate from now on; a rate change re-times the
 bytes the line holds but has not serialised, :meth:`Link.set`).
@@ -74,10 +79,24 @@ DEFAULT_CHUNK_BYTES = 64 << 10
 RESUME_LEAD_S = 0.004  # let a connection read its next chunk this long before the line frees
 DELIVER_SLACK_S = 0.0002  # deliver chunks due within this window together
 WRITE_HIGH_WATER = 1 << 20
+# a chunk is delivered in slices of about this much line time, so that a slow line trickles bytes
+# as a real one does instead of handing a chunk over whole after its serialisation (1.3 s for
+# 64 KiB at 0.4 Mbit/s: the receiver's dead-peer timeout could see seconds of silence)
+SLICE_S = 0.005
+MIN_SLICE_BYTES = 1024  # and of at least this many bytes
 # chunks a connection's socket may hold unread while the line is busy with other flows: what a
 # real line's bottleneck buffer holds is bounded, so a sender learns through TCP back-pressure,
 # not by filling an autotuned receive buffer of MBs that the line then drains in arrival order
 RECV_BUFFER_CHUNKS = 1
+
+
+def _slices(n: int, ser_s: float) -> int:
+    """How many slices a chunk of ``n`` bytes that the line serialises in ``ser_s`` seconds is
+    delivered in: one per :data:`SLICE_S` of line time, at most one per :data:`MIN_SLICE_BYTES`,
+    at least one (a chunk serialised within ``SLICE_S`` goes whole, as on a fast line)."""
+    if ser_s <= SLICE_S or n <= MIN_SLICE_BYTES:
+        return 1
+    return max(1, min(math.ceil(ser_s / SLICE_S), n // MIN_SLICE_BYTES))
 
 
 def normalize_config(cfg: Any) -> dict:
@@ -207,18 +226,28 @@ class _Flow:
         self.bytes_admitted += n
         line.busy_s += ser
         line.bytes_admitted += n
-        deliver = end + link._one_way_s
+        delay = link._one_way_s
         if link._jitter_s:
-            deliver += link.rng.uniform(-link._jitter_s, link._jitter_s)
-            if deliver < end:
-                deliver = end
-        if deliver < self.last_deliver:
-            deliver = self.last_deliver
-        self.last_deliver = deliver
-        self.queue.append((deliver, data, end))
+            delay += link.rng.uniform(-link._jitter_s, link._jitter_s)  # one draw per chunk
+        if delay < 0:
+            delay = 0.0  # never delivered before its bytes are serialised
+        # the line trickles a chunk's bytes out as it serialises them: slices of about
+        # SLICE_S of its time (at least MIN_SLICE_BYTES), slice i ending at the same fraction of
+        # [start, end] as its last byte of the chunk; the last one ends at ``end`` exactly
+        k = _slices(n, end - start)
+        q, last, t_ser = self.queue, self.last_deliver, start
+        for i in range(1, k + 1):
+            a, b = (i - 1) * n // k, i * n // k
+            t_ser = end if i == k else start + (end - start) * b / n
+            deliver = t_ser + delay
+            if deliver < last:
+                deliver = last  # a connection's bytes are never reordered
+            last = deliver
+            q.append((deliver, data if k == 1 else memoryview(data)[a:b], t_ser))
+        self.last_deliver = last
         self.queued_bytes += n
         if self.timer is None and not link.outage:
-            self.timer = loop.call_at(deliver, self.flush)
+            self.timer = loop.call_at(q[0][0], self.flush)
         # hold the source until the line has (nearly) serialised this chunk
         hold_until = end - RESUME_LEAD_S
         if hold_until > now:
