@@ -95,6 +95,27 @@ def test_should_cut_off_lets_short_remainders_finish():
     assert should_cut_off(False, False, remaining_wan_s=9.0, min_remaining_s=0.0) is False
 
 
+def test_the_cut_off_reads_an_in_flight_transfer_s_own_rate():
+    """The remaining time from MD's last progress report (``inflight_remaining_s``): a 4 MB
+    transfer whose finished-transfer estimate (0.05 Gbit/s) said 0.24 s left, 0.4 s in, has 1 MB
+    in and crawls at 0.4 Mbit/s: 60 s left, less the report's age; the cut-off then cancels it."""
+    from pdd.policy.handoff import early_handoff_delay_s
+    from pdd.policy.wan_estimate import inflight_remaining_s
+
+    stale = early_handoff_delay_s(4_000_000, 0.05, 0.4)
+    assert stale == pytest.approx(0.24, abs=1e-12) and not should_cut_off(True, False, stale, 0.5)
+    assert inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 0.0) == 60.0
+    assert inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 1.5) == 58.5
+    assert should_cut_off(True, False, inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 1.5), 0.5) is True
+    # at the line's rate the rest is 0.48 s: let through, MD's cache keeps the prompt
+    assert inflight_remaining_s(4_000_000, 1_000_000, 0.05, 0.0) == 0.48
+    assert should_cut_off(True, False, inflight_remaining_s(4_000_000, 1_000_000, 0.05, 0.0), 0.5) is False
+    assert inflight_remaining_s(4_000_000, 1_000_000, 0.05, 1.0) == 0.0  # the report is older than the rest
+    assert inflight_remaining_s(4_000_000, 4_000_000, 0.0, 0.0) == 0.0  # all in: nothing left, any rate
+    assert inflight_remaining_s(4_000_000, 5_000_000, 0.05, 0.0) == 0.0
+    assert inflight_remaining_s(4_000_000, 0, 0.0, 0.0) == float("inf")  # nothing moves: cut off
+
+
 def test_wan_send_buffer_is_one_bdp_with_a_floor():
     from pdd.policy.wan_order import MIN_SEND_BUFFER_BYTES, send_buffer_bytes
 

@@ -152,6 +152,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         return {"tok": self.on_tok, "toks": self.on_toks,  # stream: output tokens
                 "kv_ready": self.on_kv_ready,  # handoff: MD holds the KV
                 "xfer_done": self.on_xfer_done, "wan_sample": self.on_wan_sample,  # wan_booking
+                "kv_progress": self.on_kv_progress,
                 "req_error": self.on_req_error}  # recovery: a tier failed the attempt
 
     async def start(self, retries: int = START_RETRIES) -> None:

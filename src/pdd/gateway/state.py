@@ -107,6 +107,9 @@ class WanPlan:
     kv_sent: bool = False  # P reported MD's KV written to the WAN (xfer_done): P has no part left
     fill_slot: bool = False  # P was started with an md_fill slot, which MD's reservation reply resolves
     cut_off: bool = False  # the transfer was cut off: RLD finished first (anomaly filter) or its first token did
+    # MD's last kv_progress of this attempt: (gateway perf_counter s when it came, payload bytes
+    # received, Gbit/s lately); None before one (the cut-off then reads the goodput estimate)
+    progress: tuple | None = None
 
 
 @dataclass(slots=True)

@@ -132,7 +132,7 @@ class Streams:
             return  # dropped on every tier (the abort): no KV lands on MD, no kv_ready to await
         landed = st.trid in self.kv_landed
         cut = not landed and should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
-                                            remaining_wan_s=self._remaining_wan_s(st),
+                                            remaining_wan_s=self._cutoff_remaining_wan_s(st),
                                             min_remaining_s=self.cfg.policy.cutoff_min_remaining_s)
         if st.handoff.md_start is None and not (cut and self.cfg.policy.cutoff):
             # RLD ended it before any handoff to MD, and MD keeps the prompt's KV; counted here,

@@ -3,8 +3,8 @@ each request's KV transfer to an MD across the WAN is planned to send, booked wh
 reservation (or a predicted send) fixes them and settled when P reports the transfer
 (``xfer_done``: sent, cancelled, or written off when P dies first), so that planned = sent +
 not sent; the live WAN rate estimates (MD's ``wan_sample``, overall and per MD; MD's reservation
-round trips for each MD's RTT); the cut-off of a transfer no decoder
-needs any more (anomaly filter). The only writer of a request's
+round trips for each MD's RTT); the cut-off of a transfer no decoder needs any more (anomaly
+filter), which reads MD's ``kv_progress`` of it when there is one. The only writer of a request's
 :class:`~pdd.gateway.state.WanPlan` (and of its ``md_cached_tokens``, from MD's reply).
 """
 
@@ -16,12 +16,12 @@ import time
 
 from pdd.gateway.state import ReqState
 from pdd.policy.handoff import early_handoff_delay_s
-from pdd.policy.wan_estimate import probe_due, probe_goodput_gbps, queued_bytes
+from pdd.policy.wan_estimate import inflight_remaining_s, probe_due, probe_goodput_gbps, queued_bytes
 from pdd.topology import ROLE_MAIN, ROLE_PREFILL
 from pdd.transfer.peer import Peer
 from pdd.transfer.kv import prompt_kv_bytes
 from pdd.transfer.layout import DTYPE_BYTES, KVLayout, wire_dtype
-from pdd.transfer.messages import Cancel, Drop, WanProbe, WanSample, XferDone
+from pdd.transfer.messages import Cancel, Drop, KvProgress, WanProbe, WanSample, XferDone
 from pdd.types import Pipeline
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -102,6 +102,21 @@ class WanBooking:
         if md is not None:  # per WAN peer: what the pipeline choice and MD routing read
             self.wan_peers.add_goodput(md, gbps)
             self.wan_last_sample[md] = time.monotonic()
+        return None
+
+    async def on_kv_progress(self, peer, h, payload):
+        """MD's progress receiving a request's KV (``kv_progress``: bytes so far, its rate lately),
+        kept as the request's ``wan.progress`` for the cut-off (:meth:`_cutoff_remaining_wan_s`).
+        A report of an earlier attempt, or from another instance than the attempt's MD, is
+        ignored."""
+        m = KvProgress.decode(h)
+        st = self.reqs.get(m.rid)
+        if st is None or st.trid != m.rid:
+            return None
+        md = st.names.get(ROLE_MAIN)
+        if md is None or self.peers.get(md) is not peer:
+            return None
+        st.wan.progress = (time.perf_counter(), int(m.bytes), float(m.gbps))
         return None
 
     # ------------------------------------------------------------------ probes
@@ -200,6 +215,18 @@ class WanBooking:
         elapsed = time.perf_counter() - started if started is not None else 0.0
         return early_handoff_delay_s(st.wan.expected, self.wan_gbps_live or self.cfg.link.wan_gbps, elapsed)
 
+    def _cutoff_remaining_wan_s(self, st: ReqState) -> float:
+        """Expected seconds to finish ``st``'s WAN transfer, as the cut-off reads them: from MD's
+        last progress report when there is one (the bytes left at the transfer's own recent
+        rate, less the report's age: ``policy.wan_estimate.inflight_remaining_s``), so a line
+        that slowed while this transfer was under way counts at once; else
+        :meth:`_remaining_wan_s` (the goodput estimate of finished transfers)."""
+        p = st.wan.progress
+        if p is None:
+            return self._remaining_wan_s(st)
+        at, done, gbps = p
+        return inflight_remaining_s(st.wan.expected, done, gbps, time.perf_counter() - at)
+
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
         transfer; MD frees what it received on ``kv_cancel``."""
@@ -223,7 +250,7 @@ class WanBooking:
         """A new attempt (recovery) plans its own transfer: forget the old one's plan; what P
         reported and whether a transfer was cut off stay the request's."""
         w = st.wan
-        w.expected, w.kv_sent = 0, False
+        w.expected, w.kv_sent, w.progress = 0, False, None
         w.predicted_pages, w.predicted_bytes, w.fill_slot = None, 0, False
 
     @staticmethod

@@ -160,6 +160,21 @@ def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float, backlog_bytes: f
     return rtt_s + total * 8.0 / (gbps * 1e9)
 
 
+def inflight_remaining_s(total_bytes: float, done_bytes: float, gbps: float, age_s: float) -> float:
+    """Seconds until the last of a transfer's ``total_bytes`` is delivered, from its receiver's
+    last progress report (MD's ``kv_progress``): ``done_bytes`` had arrived ``age_s`` seconds ago,
+    lately at ``gbps`` Gbit/s, so ``max(0, (total_bytes - done_bytes) * 8 / (gbps * 1e9) - age_s)``.
+    The transfer's own rate, not the goodput estimate of finished transfers: a line that slowed
+    while it was under way shows in it at once. Nothing left: 0; bytes left at a non-positive
+    rate: ``inf``."""
+    left = max(0.0, total_bytes - max(0.0, done_bytes))
+    if left <= 0:
+        return 0.0
+    if not gbps > 0:
+        return math.inf
+    return max(0.0, left * 8.0 / (gbps * 1e9) - max(0.0, age_s))
+
+
 def queued_bytes(planned_bytes, oldest_elapsed_s: float, gbps: float) -> float:
     """Bytes still queued to a peer, from the transfers in flight to it: their planned payload
     bytes (``planned_bytes``, an iterable) less what the line can have carried since the oldest

@@ -25,8 +25,8 @@ from pdd.security import link_security
 from pdd.transfer.server import Server
 from pdd.transfer.kv import KVReorder
 from pdd.transfer.layout import DTYPE_BYTES, kv_handshake_check, wire_slot_bytes
-from pdd.transfer.messages import (OMIT, Abort, AbortOk, FlushOk, IdleOk, Kv, MessageError, Peek, PeekOk, ReqError,
-                                   StatsOk, Tok, Toks, WaitIdle)
+from pdd.transfer.messages import (OMIT, Abort, AbortOk, FlushOk, IdleOk, Kv, KvProgress, MessageError, Peek, PeekOk,
+                                   ReqError, StatsOk, Tok, Toks, WaitIdle)
 from pdd.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ def shown_t(h: dict) -> str:
 
 HIT_WINDOW_REQUESTS = 200  # window of the windowed prefix-hit-rate gauge
 ABORTED_MEMORY = 4096  # recently aborted rids remembered (refuses their late-arriving requests)
+KV_PROGRESS_INTERVAL_S = 0.5  # MD reports a KV transfer's progress at most this often (kv_progress)
 
 
 def free_sequence(engine, seq) -> None:
@@ -511,10 +512,33 @@ class EngineInstance:
                           src_dtype=None if src == pool.dtype_name else src)
         ctx.extra["pages_received"] = ctx.extra.get("pages_received", 0) + n
         if "kv_first_s" not in ctx.extra:  # the rate is measured from the end of the first frame
-            ctx.extra["kv_first_s"] = time.perf_counter()
+            now = time.perf_counter()
+            ctx.extra["kv_first_s"] = now
             ctx.extra["kv_bytes"] = 0
+            ctx.extra["kv_total"] = len(payload)
+            ctx.extra["kv_mark"] = (now, len(payload))  # kv_progress's last report: (time, bytes)
         else:
             ctx.extra["kv_bytes"] += len(payload)
+            ctx.extra["kv_total"] += len(payload)
+
+    def kv_progress(self, ctx: ReqCtx, interval_s: float = KV_PROGRESS_INTERVAL_S,
+                    now: float | None = None) -> KvProgress | None:
+        """The progress report of ``ctx``'s KV while it arrives (``kv_progress``, to the gateway's
+        cut-off): once ``interval_s`` seconds (perf_counter ``now``, default the clock's) have
+        passed since the previous report, or since the first frame arrived, the payload bytes
+        received so far and the rate since then (Gbit/s), and the next interval starts; else
+        None (also before a frame after the first, and once the KV is complete)."""
+        mark = ctx.extra.get("kv_mark")
+        if mark is None or ctx.extra.get("kv_complete"):
+            return None
+        now = time.perf_counter() if now is None else now
+        t0, b0 = mark
+        dt = now - t0
+        total = int(ctx.extra["kv_total"])
+        if dt <= 0 or dt < interval_s or total <= b0:
+            return None
+        ctx.extra["kv_mark"] = (now, total)
+        return KvProgress(ctx.rid, total, (total - b0) * 8 / dt / 1e9)
 
     def kv_rate_sample_gbps(self, ctx: ReqCtx, min_bytes: int = 256 * 1024, wait_s: float = 0.0) -> float | None:
         """Receive rate of this request's KV, Gbit/s: bytes of the frames after the first over the

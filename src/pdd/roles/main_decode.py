@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 
-from pdd.roles.base import EngineInstance, ReqCtx, free_sequence, shown_t
+from pdd.roles.base import KV_PROGRESS_INTERVAL_S, EngineInstance, ReqCtx, free_sequence, shown_t
 from pdd.roles.early_frames import EarlyFrames
 from pdd.topology import ROLE_COLOCATED
 from pdd.transfer.messages import (OMIT, Abort, Drop, Extend, ExtendOk, Finish, Generate, GenerateOk, Kv, KvCancel, KvDone,
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 
 class MainDecodeInstance(EngineInstance):
+    kv_progress_interval_s = KV_PROGRESS_INTERVAL_S  # kv_progress to the gateway at most this often, s
+
     def __init__(self, cfg, spec, lay):
         super().__init__(cfg, spec, lay)
         self.role_state()
@@ -146,7 +148,13 @@ class MainDecodeInstance(EngineInstance):
         if isinstance(rid, str) and rid not in self.reqs:  # before its reservation (held), or ended here (dropped)
             self.early.hold(rid, "kv", h, payload, time.monotonic())
             return None
-        return await super().on_kv(peer, h, payload)
+        await super().on_kv(peer, h, payload)
+        ctx = self.reqs.get(rid) if isinstance(rid, str) else None
+        if ctx is not None and not ctx.released:  # the transfer's own rate, for the gateway's cut-off
+            msg = self.kv_progress(ctx, self.kv_progress_interval_s)
+            if msg is not None:
+                ctx.sink.put(msg.wire())
+        return None
 
     async def on_reserve(self, peer, h, payload):
         m = Reserve.decode(h)

@@ -16,7 +16,7 @@ Who sends what (G: gateway, P: prefill, RLD: relay decode, MD: main decode, C: c
   G -> MD:       Reserve (-> ReserveOk), Extend (-> ExtendOk when called), Finish, Drop
   G -> C:        Generate (-> GenerateOk)
   G -> any:      Peek (-> PeekOk), Stats (-> StatsOk), Flush (-> FlushOk), WaitIdle (-> IdleOk), Abort (-> AbortOk)
-  tiers -> G:    Tok, Toks, KvReady, XferDone, ReqError, WanSample
+  tiers -> G:    Tok, Toks, KvReady, XferDone, ReqError, WanSample, KvProgress
   P -> RLD, MD:  Kv (+ payload: the pages), KvDone, KvCancel
   transport:     Hello, Heartbeat, Ok, Error (:mod:`pdd.transfer.peer`, :mod:`pdd.transfer.handshake`); LinkSet (the WAN
                  emulator's control port, :mod:`pdd.transfer.link`; its stats are asked with Stats)
@@ -425,6 +425,18 @@ class ReqError(Msg):
 class WanSample(Msg):
     """MD's receive rate of one request's KV, first frame to last, Gbit/s."""
     T = "wan_sample"
+    gbps: float
+
+
+@dataclass
+class KvProgress(Msg):
+    """MD's progress receiving ``rid``'s KV, while it arrives: ``bytes`` payload bytes received
+    so far, lately at ``gbps`` Gbit/s (over the time since its previous report, or since the
+    first frame). The cut-off reads the remaining time from it
+    (``pdd.policy.wan_estimate.inflight_remaining_s``)."""
+    T = "kv_progress"
+    rid: str
+    bytes: int
     gbps: float
 
 

@@ -1,0 +1,65 @@
+"""The cut-off reads an in-flight transfer's own progress (MD's ``kv_progress``): a line that
+slowed while a big transfer crawls over it shows at once, not only when a transfer ends and its
+receive rate enters the goodput estimate. Fake connections, no processes; the report's age is
+the only clock read, and the outcomes hold for any age under a second."""
+
+from __future__ import annotations
+
+import time
+
+from pdd.transfer.messages import KvProgress, WanSample
+from tests.faults.test_recovery_rules import orch, relayed, stream_to  # noqa: F401 (orch: a fixture)
+
+TOTAL = 4_000_000  # bytes of KV the transfer plans: 0.64 s at the estimate's 0.05 Gbit/s
+
+
+async def _fast_estimate(o) -> None:
+    """Nine finished transfers read 0.05 Gbit/s: the goodput estimate the cut-off read."""
+    for _ in range(9):
+        await o.on_wan_sample(o.peers["md0"], WanSample(0.05).wire(), b"")
+
+
+def _crawling(o, rid: str):
+    """A relayed request 0.4 s into its 4 MB transfer (0.24 s left at 0.05 Gbit/s: under the
+    0.5 s ``cutoff_min_remaining_s``, so the estimate alone lets it through)."""
+    st = relayed(o, rid=rid, trid=rid)
+    st.wan.expected = TOTAL
+    st.events["prefilled"] = time.perf_counter() - 0.4
+    return st
+
+
+async def _ended_and_settled(o, st) -> None:
+    stream_to(st, 16)
+    st.finished = True
+    o.reqs.pop(st.trid)
+    await o._settle_relayed(st)
+
+
+async def test_a_transfer_that_crawls_after_the_line_slowed_is_cut_off(orch):
+    """MD reported 1 MB in, lately at 0.4 Mbit/s: 60 s left (less the report's age), so RLD's
+    finish cuts it off (P ``cancel``, MD ``drop``). Before, the remaining time came from the
+    estimate of finished transfers only (0.24 s) and the transfer was let through to crawl on."""
+    await _fast_estimate(orch)
+    st = _crawling(orch, "r1")
+    assert orch._cutoff_remaining_wan_s(st) < 0.5  # the stale estimate alone: let through
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r1", 1_000_000, 0.0004).wire(), b"")
+    assert 59.0 < orch._cutoff_remaining_wan_s(st) <= 60.0
+    await _ended_and_settled(orch, st)
+    assert st.wan.cut_off and orch.totals["cut_offs"] == 1
+    assert [h["rid"] for h in orch.peers["p0"].of("cancel")] == ["r1"]
+    assert [h["rid"] for h in orch.peers["md0"].of("drop")] == ["r1"]
+
+
+async def test_a_transfer_moving_at_the_line_s_rate_is_let_through(orch):
+    """The same transfer reported 3.9 MB in at 0.05 Gbit/s (16 ms left): not cut off; a report
+    from another MD, or of another attempt, is not taken."""
+    await _fast_estimate(orch)
+    st = _crawling(orch, "r2")
+    await orch.on_kv_progress(orch.peers["md1"], KvProgress("r2", 0, 0.0004).wire(), b"")  # not its MD
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r2.1", 0, 0.0004).wire(), b"")  # no such attempt
+    assert st.wan.progress is None
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r2", 3_900_000, 0.05).wire(), b"")
+    assert orch._cutoff_remaining_wan_s(st) <= 0.016
+    await _ended_and_settled(orch, st)
+    assert not st.wan.cut_off and orch.totals["cut_offs"] == 0
+    assert orch.peers["p0"].of("cancel") == []
