@@ -204,6 +204,12 @@ class Handoffs:
                 rep, _ = await rld.call(Handoff(trid, sent, rounds).wire(), timeout=t)
                 if st.trid != trid or st.handoff.takeover:
                     return  # ... or RLD was lost as it answered and MD took over already (one extend only)
+                if st.recovery.md_lost:
+                    # MD's leg was given up while RLD answered (MD lost, or it failed the request):
+                    # RLD finishes it, unless this round was a one-shot final one, which stopped RLD
+                    if rep.get("final") and rep.get("mode") == "one_shot":
+                        self._fail_lost(st, "MD's leg was lost while RLD stopped for a one-shot handoff")
+                    return
             if rep.get("not_started"):
                 # RLD holds the attempt but is not decoding it yet (its KV still coming in): nothing
                 # finished, no round applied. Ask again once it streamed its first token (the loop's

@@ -6,7 +6,8 @@ longer needed is ignored; MD's leg of a relayed request before the handoff is dr
 finishes (degraded); RLD lost after MD has the KV: MD takes over from the streamed ids;
 otherwise a new attempt (tier rid ``<rid>.<n>``) prefills the prompt plus every token already
 streamed on live instances, always through a relay, and the stream continues at the next
-position; a tier's ``req_error`` fails the attempt. The only writer of a request's
+position; a tier's ``req_error`` fails the attempt (MD's, of a relayed request RLD still decodes,
+loses only MD's leg). The only writer of a request's
 :class:`~pdd.gateway.state.RecoveryState` and of its attempt's identity (``trid``, ``base``,
 ``attempt``); each other owner resets its own part for a new attempt (``_handoff_new_attempt``,
 ``_wan_new_attempt``). Also the request phases fault injection reads (:meth:`Recovery.phase`: the
@@ -46,13 +47,30 @@ class Recovery:
     instances, new attempts, aborts of an attempt on every tier."""
 
     async def on_req_error(self, peer, h, payload):
-        """A tier failed the attempt (not recoverable): the stream raises with its error."""
+        """A tier failed the attempt: the stream raises with its error. Except MD's failure of a
+        relayed request that RLD still decodes (MD refused a KV frame of it, ``refuse_kv``): that
+        is MD's leg lost, as when MD itself is (:meth:`_md_leg_lost`: RLD finishes, degraded)."""
         m = ReqError.decode(h)
         st = self.reqs.get(m.rid)
-        if st is not None:
-            st.recovery.error = m.error
-            st.queue.put_nowait(None)
+        if st is None:
+            return None
+        md_name = st.names.get(ROLE_MAIN)
+        if (md_name is not None and peer is self.peers.get(md_name) and not st.finished and not st.recovery.lost
+                and self._rld_finishes_without_md(st)):
+            self._md_leg_lost(st, m.error)
+            return None
+        st.recovery.error = m.error
+        st.queue.put_nowait(None)
         return None
+
+    @staticmethod
+    def _rld_finishes_without_md(st: ReqState) -> bool:
+        """Whether RLD can finish ``st`` alone if its MD leg goes: a relayed request the client
+        has not switched to MD for, before MD's final handoff, or after a catch-up one (RLD
+        still decodes then)."""
+        if st.pipeline != Pipeline.P_RLD_MD or st.handoff.switch_pos is not None:
+            return False
+        return st.handoff.md_start is None or st.handoff.mode == "catch_up"
 
     def phase(self, st: ReqState) -> str:
         """The held phase of ``st`` (:class:`pdd.gateway.phase.Phase`) as its string, e.g.
@@ -230,10 +248,8 @@ class Recovery:
             else:
                 self._fail_lost(st, reason)
         elif role in (ROLE_MAIN, ROLE_COLOCATED):
-            if relayed and st.handoff.md_start is None and st.handoff.switch_pos is None:
-                self._md_leg_lost(st, reason)  # RLD still decodes: it finishes the request
-            elif relayed and st.handoff.switch_pos is None and st.handoff.mode == "catch_up":
-                self._md_leg_lost(st, reason)  # catch-up: RLD is still decoding too
+            if self._rld_finishes_without_md(st):
+                self._md_leg_lost(st, reason)  # RLD still decodes (also after a catch-up final round)
             else:
                 self._fail_lost(st, reason)
 
