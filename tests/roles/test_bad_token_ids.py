@@ -1,5 +1,5 @@
 """Token ids outside the model's vocabulary in an instance message (a ``prefill`` prompt, a
-handed-over ``extend``) fail that request alone, with an error naming the id; and a P whose engine
+handed-over ``extend``, P's first token in ``kv_done``) fail that request alone, with an error naming the id; and a P whose engine
 step fails answers the prefill calls of the requests it failed. Before, such an id reached the
 forward pass: its IndexError failed the step, so every request batched with it failed too, and P's
 prefill calls of the failed requests were never answered (whole mode: the first-token waiter was
@@ -15,7 +15,7 @@ import asyncio
 import pytest
 
 from pdd.transfer.client import connect
-from pdd.transfer.messages import Extend, Kv, KvDone, Reserve
+from pdd.transfer.messages import Expect, Extend, Kv, KvDone, Reserve
 from pdd.transfer.peer import RemoteError
 from pdd.types import SamplingParams
 from tests.roles.md_tiny import PROMPT, start_instance
@@ -91,6 +91,53 @@ async def test_a_handed_over_id_outside_the_vocabulary_fails_that_request_on_md(
                                                   "1024 at position 1 is outside the vocabulary [0, 1024)")
         assert inst.reqs == {} and "Traceback" not in caplog.text
         assert await inst.worker.call(lambda e: (e.flush_cache(), e.pool.num_free)[1]) == 64
+    finally:
+        await p.close()
+        await gw.close()
+        await inst.stop()
+
+
+@pytest.mark.parametrize("name", ["md0", "rld0"])
+async def test_a_first_token_outside_the_vocabulary_in_kv_done_fails_only_its_request(tiny_model, caplog, name):
+    """P's first token comes in ``kv_done``; an id outside the vocabulary refuses that frame (as a
+    bad ``kv`` frame is: docs/LINK.md "What a receiver refuses"). Before, it was streamed as the
+    request's first token and appended, and the next decode step's forward pass raised IndexError,
+    which fails every running request: here r0, decoding since before r1's ``kv_done`` came."""
+    _, inst = await start_instance(tiny_model, name)
+    got = asyncio.Queue()
+    gw = await connect("127.0.0.1", inst.server.port, {"*": lambda p, h, b: got.put_nowait(h)}, role="gateway",
+                       instance="gateway")
+    p = await connect("127.0.0.1", inst.server.port, role="prefill", instance="p0")
+    pb = inst.engine.pool.page_bytes
+    admit = Reserve if name == "md0" else Expect
+    sp = SamplingParams(max_tokens=64, ignore_eos=True).to_dict()
+    msgs = []
+
+    async def read_until(done) -> None:
+        while not any(done(m) for m in msgs):
+            h = await asyncio.wait_for(got.get(), 30)
+            msgs.extend([(m["t"], m.get("rid"), m.get("pos"), m.get("fin")) for m in h.get("msgs", [h])]
+                        if h["t"] in ("tok", "toks") else [(h["t"], h["rid"], h.get("error"), None)])
+
+    try:
+        for rid in ("r0", "r1"):
+            await gw.call(admit(rid, PROMPT, sp).wire())
+            await p.send(Kv(rid, 0, 5, None, pb).wire(), bytes(5 * pb))
+        # P->MD at MD (it decodes at once, as RLD does)
+        await p.send(KvDone("r0", 0, 5, None, pb, None, 5 * pb, first_token=5, fin=None, relay=False).wire())
+        await read_until(lambda m: m[:3] == ("tok", "r0", 1))  # r0 decodes
+        # r1's first token is no token of the model
+        await p.send(KvDone("r1", 0, 5, None, pb, None, 5 * pb, first_token=1024, fin=None, relay=False).wire())
+        await read_until(lambda m: m[1] == "r0" and (m[0] == "req_error" or m[3] is not None))
+        assert [m for m in msgs if m[1] == "r1"] == [
+            ("req_error", "r1", f"{name}: refused a KV frame: kv_done of 'r1': output token id 1024 at position 0 "
+                                "is outside the vocabulary [0, 1024)", None)]
+        assert [(m[0], m[2], m[3]) for m in msgs if m[1] == "r0"] == \
+            [("tok", i, None) for i in range(63)] + [("tok", 63, "length")]
+        assert inst.counters["kv_refused"] == 1 and inst.counters.get("failed", 0) == 0
+        assert "Traceback" not in caplog.text and "refused a 'kv_done' frame of r1" in caplog.text
+        rep, _ = await gw.call({"t": "flush"})
+        assert (rep["pages_free"], rep["live_requests"]) == (64, 0)
     finally:
         await p.close()
         await gw.close()

@@ -469,6 +469,24 @@ class EngineInstance:
         ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: refused a KV frame: {why}").wire())
         await self.release(ctx, cache=False)
 
+    async def first_token_refused(self, ctx: ReqCtx, h: dict, token_id) -> bool:
+        """Check P's first token in a ``kv_done`` (``token_id``) against this model's vocabulary:
+        an id outside it would fail the forward pass of every request batched with it. If it is
+        outside (or missing), refuse the frame as :meth:`refuse_kv` does (one line, ``kv_refused``
+        counted, the request failed with ``req_error``, its pages freed) and return True."""
+        why = None
+        if token_id is OMIT or isinstance(token_id, bool) or not isinstance(token_id, int):
+            why = "it carries no first_token"
+        else:
+            try:
+                self.engine.check_token_ids([token_id], "output")
+            except ValueError as e:
+                why = str(e)
+        if why is None:
+            return False
+        await self.refuse_kv(ctx, h, f"kv_done of {ctx.rid!r}: {why}")
+        return True
+
     def import_frame(self, ctx: ReqCtx, m: Kv, payload) -> None:
         """Copy one ``kv`` frame's pages (``first_page``, ``n_pages``, ``layers``,
         ``last_page_bytes``, ``dtype``) into ``ctx``'s page table. The frame is in this

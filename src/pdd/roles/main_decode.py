@@ -194,6 +194,8 @@ class MainDecodeInstance(EngineInstance):
         if parts > 0:
             return None
         t0, fin = m.first_token, m.fin or None
+        if await self.first_token_refused(ctx, h, t0):
+            return None
         seq = ctx.seq
         relay = bool(m.relay)  # set by the gateway's plan, carried by P's kv_done
         start = fin is None and not relay

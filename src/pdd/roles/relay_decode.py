@@ -67,6 +67,8 @@ class RelayDecodeInstance(EngineInstance):
             self.note_kv_refused("dropped a second kv_done of %s (its KV is already complete)", m.rid)
             return None
         t0, fin = m.first_token, m.fin or None
+        if await self.first_token_refused(ctx, h, t0):
+            return None
         seq = ctx.seq
 
         def _start(e):
