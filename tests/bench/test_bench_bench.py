@@ -135,6 +135,7 @@ def test_bench_end_to_end_absolute_slo_and_sweep(tmp_path, server_url):
     assert set(REPORT_FIELDS) <= set(saved)
     assert saved["slo"]["source"] == "absolute" and saved["slo"]["ttft_ms"] == 20_000
     assert saved["seeds"]["token_seed"] == 3 and saved["bench"]["reference_requests"] == 0
+    assert not (out / "reference_requests.jsonl").exists()  # no reference run: no file (it was written empty)
     assert list(saved["modes"]) == ["cross_dc_pd", "pdd"]
     recs = read_jsonl(out / "requests.jsonl")
     assert len(recs) == 12
@@ -202,6 +203,8 @@ def test_bench_reference_run_fixes_the_slo(tmp_path, server_url):
     cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
     FakeTopology.started.clear()
     out = tmp_path / "bench"
+    out.mkdir()
+    (out / "sweep_requests.jsonl").write_text('{"idx": 0, "rate_rps": 40.0}\n')  # an earlier run's, with a sweep
     report = run_bench(out, ("pdd",), 5, SCALE, cfg, ref_requests=3, sweep=None, request_timeout_s=10,
                        progress=False, console=_console(tmp_path),
                        topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
@@ -218,6 +221,7 @@ def test_bench_reference_run_fixes_the_slo(tmp_path, server_url):
     m = report["modes"]["pdd"]
     assert m["slo_met"] is not None and 0 <= m["slo_attainment"] <= 1 and m["sla_goodput_rps"] is None
     assert report["sweep"] is None and report["bench"]["reference_requests"] == 3
+    assert not (out / "sweep_requests.jsonl").exists()  # no sweep ran: no file (it was written empty)
     # the same records and SLO give the same goodput when recomputed
     from pdd.bench.slo import goodput
     recs = read_jsonl(out / "requests.jsonl")

@@ -30,8 +30,8 @@ One invocation:
    With ``--url`` nothing is started: the one mode is the server's (GET /pdd/stats, else /health;
    an explicit ``--modes`` must name that mode, and is refused when the server reports none), and
    stats come from that endpoint;
-4. writes ``--out``: ``report.json``, ``requests.jsonl`` (main runs), ``reference_requests.jsonl``,
-   ``sweep_requests.jsonl`` (with ``rate_rps``), ``server_stats.json``, ``ttft_cdf.png``,
+4. writes ``--out``: ``report.json``, ``requests.jsonl`` (main runs), ``reference_requests.jsonl``
+   (with a reference run), ``sweep_requests.jsonl`` (with a sweep; with ``rate_rps``), ``server_stats.json``, ``ttft_cdf.png``,
    ``handoff_gaps.png``, ``wan_throughput.png``, ``sweep.png`` (with a sweep),
    ``timeline_<mode>.png``, ``autoscale.png`` (with a rate schedule or an autoscaled mode);
    prints the comparison table and the total wall time.
@@ -290,8 +290,11 @@ def run_bench(
     # ---- outputs
     out.mkdir(parents=True, exist_ok=True)
     paths = {k: out / f"{k}.jsonl" for k in ("requests", "reference_requests", "sweep_requests")}
-    for p in paths.values():
-        p.write_text("")
+    paths["requests"].write_text("")
+    # the reference run's and the sweep's records: written (appended) only by a run that happens, so
+    # none is there without it (not an empty file, nor an earlier run's in the same --out)
+    paths["reference_requests"].unlink(missing_ok=True)
+    paths["sweep_requests"].unlink(missing_ok=True)
     server_stats: dict[str, dict] = {}
     mode_errors: dict[str, str] = {}
     all_records: list[dict] = []
