@@ -338,3 +338,66 @@ def test_framestream_roundtrip_any_split(sizes, splits, crc):
     for h, _ in got:
         h.pop("crc32", None)
     assert got == frames
+
+
+async def _fed(fs, data: bytes, piece: int, hold_views: bool) -> None:
+    """Feed ``data`` to ``fs`` as a transport does, ``piece`` bytes at most per receive; with
+    ``hold_views`` the last receive's view is still alive at the next ``get_buffer`` (as in
+    :func:`_feed_framestream`), otherwise released first (asyncio's transports)."""
+    pos = 0
+    while pos < len(data):
+        buf = fs.get_buffer(-1)
+        n = min(len(buf), piece, len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        if not hold_views:
+            del buf
+        fs.buffer_updated(n)
+        pos += n
+        await asyncio.sleep(0)
+
+
+async def test_a_stalled_large_frame_holds_about_what_arrived_not_what_it_announced():
+    """A peer announcing a 64 MiB payload and stalling after 1.5 MiB: the reader's buffer grows as
+    bytes arrive (doubling from 1 MiB), so it holds 2 MiB, not 64 (it allocated the announced
+    size before any byte came: an authenticated peer could hold 256 MiB per connection)."""
+    import tracemalloc
+
+    fs = wire.FrameStream(limit=1 << 16)
+    fs.connection_made(_FakeTransport())
+    frame = wire.frame_bytes({"t": "kv"}, bytes(64 << 20))
+    sent = frame[: len(frame) - (64 << 20) + (3 << 19)]  # the prefix, the header, 1.5 MiB of payload
+    del frame
+    # a whole 3 MiB frame first: the zero bytes a buffer grows by are made once per process (calloc'd,
+    # so they cost no memory until written, which they never are; tracemalloc would count them)
+    first = asyncio.get_running_loop().create_task(wire.read_frame(fs))
+    await _fed(fs, wire.frame_bytes({"t": "kv"}, bytes(3 << 20)), 256 << 10, hold_views=False)
+    assert len((await first)[1]) == 3 << 20
+    rx0 = fs.rx_bytes
+    tracemalloc.start()
+    try:
+        read = asyncio.get_running_loop().create_task(wire.read_frame(fs, max_payload_bytes=256 << 20))
+        before = tracemalloc.get_traced_memory()[0]
+        await _fed(fs, sent, 256 << 10, hold_views=False)
+        held = tracemalloc.get_traced_memory()[1] - before
+        assert not read.done() and fs.rx_bytes - rx0 == len(sent)
+        assert (2 << 20) <= held < (2 << 20) + (512 << 10)  # the buffer, and at most one receive's bytes beside it
+        read.cancel()
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("hold_views", [False, True], ids=["views_released", "a_view_held"])
+async def test_a_large_frame_read_into_a_growing_buffer_arrives_whole(hold_views):
+    """The payload (5 MiB + 3 bytes: not a power of two) is whole and in order after the buffer
+    grew 1 -> 2 -> 4 -> 5 MiB, in place or (a view of it still held) into a new one; 100 bytes
+    were already buffered when the read began."""
+    fs = wire.FrameStream(limit=1 << 16)
+    fs.connection_made(_FakeTransport())
+    payload = bytes(range(251)) * ((5 << 20) // 251 + 1)
+    payload = payload[: (5 << 20) + 3]
+    frame = wire.frame_bytes({"t": "kv", "i": 1}, payload, crc=True)
+    await _fed(fs, frame[:100], 100, hold_views)
+    read = asyncio.get_running_loop().create_task(wire.read_frame(fs, max_payload_bytes=256 << 20))
+    await _fed(fs, frame[100:], 300_007, hold_views)
+    h, got = await asyncio.wait_for(read, 5)
+    assert h["i"] == 1 and len(got) == len(payload) and bytes(got) == payload
