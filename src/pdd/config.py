@@ -406,6 +406,11 @@ class PolicyConfig(_Strict):
         False, description="ablation: cache-aware routing asks each main-decode instance across the WAN what its "
         "cache holds (a round trip before the reservation) instead of the gateway's own record of what it routed "
         "there (pdd.policy.prefix_index)")
+    md_load_cap: int = Field(
+        0, ge=0, description="an MD with this many requests in flight is routed to only when every MD has as "
+        "many (0: no cap). Set it to the decode batch that meets the TPOT SLO at the workload's context "
+        "(pdd.sim.experiments.slo_batch): cache-aware routing's slack otherwise lets the MD holding the most "
+        "requested prefixes run past it while other MDs idle (pdd.policy.routing)")
     wan_estimate: Literal["live", "config"] = Field(
         "live", description="what the pipeline choice and cache-aware MD routing read for each MD's WAN path: "
         "live, its measured goodput (median of MD's recent KV receive rates) and RTT (minimum of recent reservation "

@@ -316,3 +316,15 @@ def test_a_relayed_request_its_first_token_ended_is_no_warning(caplog):
     assert [(r.levelname, r.getMessage()) for r in caplog.records if "MD leg lost" in r.getMessage()] == [
         ("INFO", "request f1: MD leg lost (test); RLD finishes it"),
         ("WARNING", "request f2: MD leg lost (test); RLD finishes it")]
+
+
+def test_md_load_cap_routes_a_turn_past_its_md_once_that_md_holds_the_cap():
+    """``policy.md_load_cap``: the MD whose index holds the session's prefix takes its next turn
+    while it has fewer requests in flight than the cap (within the slack either way); at the cap
+    another MD does."""
+    session = list(range(100, 420))
+    for cap, follows in ((0, True), (3, True), (2, False)):
+        o = _orch(md_load_cap=cap)
+        first = asyncio.run(o._route(ROLE_MAIN, session))
+        o.inflight[first] = 2
+        assert (asyncio.run(o._route(ROLE_MAIN, session + [7] * 40)) == first) is follows, cap

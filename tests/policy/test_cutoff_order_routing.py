@@ -71,6 +71,23 @@ def test_a_full_queue_is_chosen_only_when_every_candidate_is_full():
                                                                                           load_slack=4)
 
 
+def test_load_cap_skips_an_instance_at_its_tpot_batch_while_another_is_below():
+    """The MD holding the prompt's prefix within the slack wins until its load reaches the cap;
+    then the longest hit among those below it; every one at the cap: the policy as without one."""
+    c = [L("a", running=56, queued=1, hit=60000), L("b", running=30, hit=4096), L("c", running=10, hit=0)]
+    assert choose_instance(c, "cache_aware", load_slack=64) == 0  # 57 <= 10 + 64: the hit wins
+    assert choose_instance(c, "cache_aware", load_slack=64, load_cap=58) == 0  # 57 < 58
+    assert choose_instance(c, "cache_aware", load_slack=64, load_cap=57) == 1  # a at 57: b's hit
+    assert choose_instance(c, "cache_aware", load_slack=64, load_cap=30) == 2  # only c below (b at 30)
+    assert choose_instance(c, "cache_aware", load_slack=64, load_cap=10) == 0  # none below: no cap
+    assert choose_instance(c, "load", load_cap=11) == 2
+    assert choose_instance(c, "round_robin", rr_counter=3, load_cap=30) == 2
+    import dataclasses
+    timed = [dataclasses.replace(x, transfer_s=t) for x, t in zip(c, (0.02, 0.3, 0.6))]
+    assert choose_instance(timed, "cache_aware", load_slack=64, load_cost_s=0.001) == 0
+    assert choose_instance(timed, "cache_aware", load_slack=64, load_cost_s=0.001, load_cap=57) == 1
+
+
 def test_empty_and_bad():
     with pytest.raises(ValueError):
         choose_instance([], "load")

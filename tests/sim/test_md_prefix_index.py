@@ -242,3 +242,18 @@ def test_the_claimer_map_keeps_only_claims_still_coming():
     assert sim.stalled is None and sum(len(ix) for ix in sim.md_index.values()) > 0
     assert all(not r.md_kv_complete and not r.cut_off for m in sim.md_claimer.values() for r in m.values())
     assert sum(len(m) for m in sim.md_claimer.values()) == 0  # every transfer ended one way or the other
+
+
+def test_md_load_cap_sends_a_turn_past_the_md_holding_its_prefix():
+    """Two MDs; three requests on one prefix, each decoding long. Within the MD slack (64) the
+    second and third follow the first to the MD whose index holds the prefix; with
+    ``md_load_cap=2`` that MD has 2 requests when the third is routed, so it goes to the other
+    (the whole prompt crosses). The choices are the policy's for the loads recorded."""
+    recs = [{"timestamp": t, "input_length": 4096, "output_length": 8000, "hash_ids": list(range(8))}
+            for t in (0, 20000, 21000)]
+    cfg = RELAY.replace(n_md=2, ttft_budget_ms=1e6)
+    free = run(cfg, recs)
+    assert [r.md.name for r in free.reqs] == ["MD0", "MD0", "MD0"]
+    capped = run(cfg.replace(md_load_cap=2), recs)
+    assert [r.md.name for r in capped.reqs] == ["MD0", "MD0", "MD1"]
+    assert [r.md_hit for r in capped.reqs] == [0, 4096, 0]

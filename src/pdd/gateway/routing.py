@@ -102,7 +102,8 @@ class Routing:
                               full=self.queue_full(sp.name)) for sp, h in zip(live, hits)]
         rr = self._rr.get(role, 0)
         self._rr[role] = rr + 1
-        kw = dict(load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt), min_hit_frac=ROUTING_MIN_HIT_FRAC)
+        kw = dict(load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt), min_hit_frac=ROUTING_MIN_HIT_FRAC,
+                  load_cap=self.cfg.policy.md_load_cap if role == ROLE_MAIN else 0)
         i = choose_instance(cands, policy, rr, **kw)
         timed = self._with_transfer_times(role, policy, cands, len(prompt))
         if timed is not None:  # each MD's estimated transfer time of the KV it lacks decides

@@ -26,6 +26,15 @@ Policies, over candidate instances of one tier (P, RLD or MD):
   prefix from drawing every request to one instance); the ``min_hit_frac`` fall-back does not
   apply (it would ignore the line exactly for the cold prompts that need it most).
 
+A load cap (``load_cap`` > 0; the MD tier's ``policy.md_load_cap``): a candidate whose
+``running + queued`` has reached ``load_cap`` requests is, like a ``full`` one, chosen only when
+every candidate's has; the policy picks among the others. On MD it is the decode batch that
+still meets the TPOT SLO (``pdd.sim.experiments.slo_batch``: the largest batch whose roofline
+decode step at the workload's context per sequence is within ``slo_tpot_s``): the cache-aware
+slack alone lets the MD holding the most requested prefixes run ``load_slack`` sequences above
+the idlest, past that batch, so every sequence there misses its TPOT while other MDs idle (the
+cost-table's H100 PCIe + H200 PDD fleet, docs/SIM.md "cost-table").
+
 Whatever the policy, a candidate whose bounded queue is ``full`` (the sequences the router
 placed there that may still need compute reach its ``max_running + tier_max_waiting``: the
 engine would refuse another with ``TierBusy``) is chosen only when every candidate is full; the
@@ -70,8 +79,10 @@ def choose_instance(
     prompt_tokens: int = 0,
     min_hit_frac: float = 0.0,
     load_cost_s: float = 0.0,
+    load_cap: int = 0,
 ) -> int:
-    """Index of the chosen candidate (into ``cands``); a ``full`` candidate only when all are
+    """Index of the chosen candidate (into ``cands``); a ``full`` candidate, or one whose
+    ``running + queued`` (requests) is at least ``load_cap`` (> 0; 0: no cap), only when all are
     (module docstring). Raises ValueError if ``cands`` is empty or ``policy`` is unknown."""
     n = len(cands)
     if n == 0:
@@ -79,6 +90,8 @@ def choose_instance(
     if policy not in ROUTING_POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}; expected one of {ROUTING_POLICIES}")
     room = [i for i in range(n) if not cands[i].full] or list(range(n))
+    if load_cap > 0:
+        room = [i for i in room if cands[i].running + cands[i].queued < load_cap] or room
     if policy == "round_robin":
         return room[rr_counter % len(room)]
     if policy == "load":

@@ -226,6 +226,9 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-md-wait-claims", action="store_true",
                    help="MD's reservation matches only the KV that landed: a prefix still on its way to MD (another "
                    "request's claim) is sent again instead of waited for (policy.md_wait_claims: false)")
+    g.add_argument("--md-load-cap", type=NONNEG_INT, default=0,
+                   help="an MD with this many requests is routed to only when every MD has as many; 0: no cap "
+                   "(policy.md_load_cap)")
     g.add_argument("--no-early-handoff", action="store_true",
                    help="a relayed request's handoff waits for MD's kv_ready to cross back instead of starting "
                    "when MD's KV has left P (policy.early_handoff: false)")
@@ -353,6 +356,7 @@ def _make_cfg(a):
         wan_order=a.wan_order, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
         handoff_mode=a.handoff, catchup_threshold=a.catchup_threshold, allow_p_rld=a.allow_p_rld,
         cutoff=not a.no_cutoff, md_predicted_send=not a.no_md_predicted_send, md_wait_claims=not a.no_md_wait_claims,
+        md_load_cap=a.md_load_cap,
         early_handoff=not a.no_early_handoff, drc=not a.no_drc, routing=a.routing,
         max_batch_tokens=a.max_batch_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens, max_running_seqs=a.max_running_seqs,

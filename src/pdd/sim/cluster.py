@@ -288,9 +288,10 @@ class ClusterSim:
                     hit *= block
                 loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed,
                                       inst.private + len(lru) * block, inst.pool, hit))
-        slack = self.cfg.md_load_slack if role == "MD" else self.cfg.load_slack
-        i = pol_routing.choose_instance(loads, pol, self.rr, slack, prompt_tokens=req.prompt,
-                                        min_hit_frac=self.cfg.min_hit_frac)
+        md = role == "MD"
+        i = pol_routing.choose_instance(loads, pol, self.rr, self.cfg.md_load_slack if md else self.cfg.load_slack,
+                                        prompt_tokens=req.prompt, min_hit_frac=self.cfg.min_hit_frac,
+                                        load_cap=self.cfg.md_load_cap if md else 0)
         self.rr += 1
         return insts[i]
 

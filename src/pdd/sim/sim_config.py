@@ -208,6 +208,9 @@ class SimConfig:
     routing: str = "cache_aware"
     load_slack: int = 8  # cache-aware routing slack on P / colocated (requests)
     md_load_slack: int = 64  # on MD: decoders hold tens of sequences, affinity matters more
+    # an MD with this many requests (running + queued) is routed to only when every MD has them
+    # (0: no cap; the runtime's policy.md_load_cap, pdd.policy.routing's load_cap)
+    md_load_cap: int = 0
     min_hit_frac: float = 0.5  # cache-aware routing ignores hits below this share of the prompt
     md_cache_frac: float = 1.0  # fraction of MD's free KV pool the DRC may keep (capacity studies)
     p_cache_frac: float = 1.0
