@@ -262,7 +262,9 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
 
     1. Same-DC homogeneous PD on 88 GPU-A: best P:D split and its SLA goodput G (the load at
        which 88 GPU-A are needed to meet the SLA).
-    2. PDD on 43 GPU-A (P + RLD, best split) + 32 GPU-B + one WAN line: goodput, cost, BCR.
+    2. PDD on 43 GPU-A (P + RLD, best split) + 32 GPU-B + one WAN line: goodput, cost, BCR. MD
+       routing is capped at the decode batch that meets the TPOT SLO at the mean decode context
+       (``md_load_cap`` = :func:`slo_batch` of chip B at 63.5K tokens; recorded in the settings).
     3. The cheapest PDD configuration that meets the SLA at rate G.
     4. GPU-B price premium 20 / 25 / 30 % over GPU-A (``price_a``, default chip A's profile
        price); ``premium`` picks the row the checks and the plot use.
@@ -318,8 +320,10 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
     base = base_cfg.replace(n_p=best_p, n_d=88 - best_p)
     log(f"baseline best {best_p}P+{88 - best_p}D: {g_base:.2f} req/s")
 
-    # 2. PDD on 43 A + 32 B
-    pdd_cfg = base_cfg.replace(mode="pdd", n_md=32)
+    # 2. PDD on 43 A + 32 B; an MD takes no more requests than the batch that meets the TPOT SLO
+    # at the mean decode context (md_load_cap), while another MD has fewer
+    md_cap = slo_batch(base_cfg, "b", inp + outl // 2)[0]
+    pdd_cfg = base_cfg.replace(mode="pdd", n_md=32, md_load_cap=md_cap)
     bp, psplits = best_split(lambda n_p: pdd_cfg.replace(n_p=n_p, n_rld=43 - n_p),
                              lambda n_p: f"pdd {n_p}P+{43 - n_p}RLD+32MD",
                              range(17, 42, 8) if quick else range(17, 42, 4), 2, 43)
@@ -399,6 +403,7 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
             "input_tokens": inp, "output_tokens": outl, "prefix_hit": hit,
             "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "attainment": ATTAIN},
             "wan_gbps": wan_gbps, "wan_usd_per_hour": wan_usd_per_hour, "requests_per_run": n_req,
+            "md_load_cap": md_cap,
         },
         "baseline_splits_goodput": splits,
         "pdd_43A_splits_goodput": psplits,
