@@ -3,7 +3,7 @@ every run). Small random workloads (1-10 requests: 1-token prompts, prompts at p
 chunk boundaries, shared prefixes, outputs of 1..24 tokens, arrivals together or spread) on small
 random topologies (the four modes, 1-3 instances a role, tight or roomy KV pools, the WAN's rate,
 RTT, loss, cross traffic and send order, layer-wise streaming, budgets, handoff modes, the
-ablations, decode caps, the live-fit delays, autoscaling), each checked after its run:
+ablations, decode caps, MD routing load caps, the live-fit delays, autoscaling), each checked after its run:
 
 - every request ends exactly once (``_complete`` is called once), with ``out_len`` tokens emitted,
   or the run is refused before it starts (``RequestTooLarge``) exactly when a request cannot fit
@@ -168,6 +168,7 @@ def scenarios(draw):
         md_cache_frac=draw(st.sampled_from((1.0, 0.5))), p_cache_frac=draw(st.sampled_from((1.0, 0.5))),
         max_running_d=draw(st.integers(0, 2)), max_running_rld=draw(st.integers(0, 2)),
         max_running_md=draw(st.integers(0, 2)), max_prefill_inflight=draw(st.integers(0, 1)),
+        md_load_cap=draw(st.integers(0, 2)),
         min_step_s=draw(st.sampled_from((0.0, 0.002))),
         p_dispatch_s=draw(st.sampled_from((0.0, 0.01))),
         p_reply_lag_s_per_token=draw(st.sampled_from((0.0, 1e-4))),
