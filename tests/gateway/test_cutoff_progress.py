@@ -63,3 +63,20 @@ async def test_a_transfer_moving_at_the_line_s_rate_is_let_through(orch):
     await _ended_and_settled(orch, st)
     assert not st.wan.cut_off and orch.totals["cut_offs"] == 0
     assert orch.peers["p0"].of("cancel") == []
+
+
+async def test_a_transfer_whose_reports_stopped_is_cut_off(orch):
+    """MD reported 1 MB of 40 MB in at 0.05 Gbit/s (6.24 s left), then nothing for 10 s: no frame
+    arrived (MD reports on each frame past its 0.5 s interval), the line stalled. The remaining
+    time stays 5.74 s (one interval credited), so RLD's finish cuts the transfer off; with the
+    whole age subtracted it read 0 s and the stalled transfer was let through."""
+    await _fast_estimate(orch)
+    st = _crawling(orch, "r3")
+    st.wan.expected = 40_000_000
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r3", 1_000_000, 0.05).wire(), b"")
+    at, done, gbps = st.wan.progress
+    st.wan.progress = (at - 10.0, done, gbps)  # the report came 10 s ago
+    assert 5.7 < orch._cutoff_remaining_wan_s(st) <= 5.74 + 1e-9
+    await _ended_and_settled(orch, st)
+    assert st.wan.cut_off and orch.totals["cut_offs"] == 1
+    assert [h["rid"] for h in orch.peers["p0"].of("cancel")] == ["r3"]

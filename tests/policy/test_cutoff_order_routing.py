@@ -115,14 +115,16 @@ def test_should_cut_off_lets_short_remainders_finish():
 def test_the_cut_off_reads_an_in_flight_transfer_s_own_rate():
     """The remaining time from MD's last progress report (``inflight_remaining_s``): a 4 MB
     transfer whose finished-transfer estimate (0.05 Gbit/s) said 0.24 s left, 0.4 s in, has 1 MB
-    in and crawls at 0.4 Mbit/s: 60 s left, less the report's age; the cut-off then cancels it."""
+    in and crawls at 0.4 Mbit/s: 60 s left, less the report's age (at most one report interval);
+    the cut-off then cancels it."""
     from pdd.policy.handoff import early_handoff_delay_s
     from pdd.policy.wan_estimate import inflight_remaining_s
 
     stale = early_handoff_delay_s(4_000_000, 0.05, 0.4)
     assert stale == pytest.approx(0.24, abs=1e-12) and not should_cut_off(True, False, stale, 0.5)
     assert inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 0.0) == 60.0
-    assert inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 1.5) == 58.5
+    assert inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 0.25) == 59.75
+    assert inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 1.5) == 59.5  # one report interval credited at most
     assert should_cut_off(True, False, inflight_remaining_s(4_000_000, 1_000_000, 0.0004, 1.5), 0.5) is True
     # at the line's rate the rest is 0.48 s: let through, MD's cache keeps the prompt
     assert inflight_remaining_s(4_000_000, 1_000_000, 0.05, 0.0) == 0.48
@@ -160,3 +162,19 @@ def test_wan_lane_sends_small_transfers_on_the_express_lane():
     assert wan_lane(32_768, 0) == "bulk"  # the lane disabled
     with pytest.raises(ValueError):
         express_max_bytes(0.05, 20.0, -1.0)
+
+
+def test_a_stalled_transfer_s_remaining_time_does_not_run_down_to_zero():
+    """MD reports on a frame's arrival at most every ``KV_PROGRESS_INTERVAL_S`` (0.5 s): a report
+    older than that says no frame came since, so the age credits at most one interval of
+    progress. 40 MB planned, 1 MB in at 0.05 Gbit/s: 6.24 s left; 10 s later with no newer report
+    (an outage) still 5.74 s, so RLD's finish cuts it off. The age subtracted whole read 0 s and
+    let the stalled transfer through."""
+    from pdd.policy.wan_estimate import KV_PROGRESS_INTERVAL_S, inflight_remaining_s
+
+    assert KV_PROGRESS_INTERVAL_S == 0.5
+    assert inflight_remaining_s(40_000_000, 1_000_000, 0.05, 0.0) == pytest.approx(6.24, abs=1e-9)
+    assert inflight_remaining_s(40_000_000, 1_000_000, 0.05, 0.3) == pytest.approx(5.94, abs=1e-9)
+    assert inflight_remaining_s(40_000_000, 1_000_000, 0.05, 10.0) == pytest.approx(5.74, abs=1e-9)
+    assert should_cut_off(True, False, inflight_remaining_s(40_000_000, 1_000_000, 0.05, 10.0), 0.5) is True
+    assert inflight_remaining_s(40_000_000, 1_000_000, 0.05, 10.0, report_interval_s=2.0) == pytest.approx(4.24, abs=1e-9)

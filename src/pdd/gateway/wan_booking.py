@@ -218,7 +218,8 @@ class WanBooking:
     def _cutoff_remaining_wan_s(self, st: ReqState) -> float:
         """Expected seconds to finish ``st``'s WAN transfer, as the cut-off reads them: from MD's
         last progress report when there is one (the bytes left at the transfer's own recent
-        rate, less the report's age: ``policy.wan_estimate.inflight_remaining_s``), so a line
+        rate, less the report's age up to one report interval:
+        ``policy.wan_estimate.inflight_remaining_s``), so a line
         that slowed while this transfer was under way counts at once; else
         :meth:`_remaining_wan_s` (the goodput estimate of finished transfers)."""
         p = st.wan.progress

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 
 from pdd.policy.tcp_model import DEFAULT_MSS_BYTES, check_loss_rate, mathis_gbps
 
+# MD reports a KV transfer's progress (``kv_progress``) on a frame's arrival at most this often, s
+KV_PROGRESS_INTERVAL_S = 0.5
+
 DEFAULT_WINDOW = 9  # samples; an odd count so the median is one sample
 
 
@@ -160,19 +163,23 @@ def transfer_seconds(nbytes: float, gbps: float, rtt_ms: float, backlog_bytes: f
     return rtt_s + total * 8.0 / (gbps * 1e9)
 
 
-def inflight_remaining_s(total_bytes: float, done_bytes: float, gbps: float, age_s: float) -> float:
+def inflight_remaining_s(total_bytes: float, done_bytes: float, gbps: float, age_s: float,
+                         report_interval_s: float = KV_PROGRESS_INTERVAL_S) -> float:
     """Seconds until the last of a transfer's ``total_bytes`` is delivered, from its receiver's
     last progress report (MD's ``kv_progress``): ``done_bytes`` had arrived ``age_s`` seconds ago,
-    lately at ``gbps`` Gbit/s, so ``max(0, (total_bytes - done_bytes) * 8 / (gbps * 1e9) - age_s)``.
-    The transfer's own rate, not the goodput estimate of finished transfers: a line that slowed
-    while it was under way shows in it at once. Nothing left: 0; bytes left at a non-positive
-    rate: ``inf``."""
+    lately at ``gbps`` Gbit/s, so ``max(0, (total_bytes - done_bytes) * 8 / (gbps * 1e9) -
+    min(age_s, report_interval_s))``. The receiver reports on a frame's arrival once
+    ``report_interval_s`` passed since its previous report, so a report older than that says no
+    frame came since: the age credits at most one interval (a stalled line's remaining time does
+    not run down to 0). The transfer's own rate, not the goodput estimate of finished transfers:
+    a line that slowed while it was under way shows in it at once. Nothing left: 0; bytes left at
+    a non-positive rate: ``inf``."""
     left = max(0.0, total_bytes - max(0.0, done_bytes))
     if left <= 0:
         return 0.0
     if not gbps > 0:
         return math.inf
-    return max(0.0, left * 8.0 / (gbps * 1e9) - max(0.0, age_s))
+    return max(0.0, left * 8.0 / (gbps * 1e9) - min(max(0.0, age_s), max(0.0, report_interval_s)))
 
 
 def queued_bytes(planned_bytes, oldest_elapsed_s: float, gbps: float) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pdd.config import ClusterConfig
 from pdd.metrics import kv_pages
+from pdd.policy.wan_estimate import KV_PROGRESS_INTERVAL_S
 from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
@@ -39,7 +40,6 @@ def shown_t(h: dict) -> str:
 
 HIT_WINDOW_REQUESTS = 200  # window of the windowed prefix-hit-rate gauge
 ABORTED_MEMORY = 4096  # recently aborted rids remembered (refuses their late-arriving requests)
-KV_PROGRESS_INTERVAL_S = 0.5  # MD reports a KV transfer's progress at most this often (kv_progress)
 
 
 def free_sequence(engine, seq) -> None:
