@@ -50,3 +50,27 @@ async def test_md_reports_progress_after_frames_past_the_first(tiny_model):
     finally:
         await c.close()
         await inst.stop()
+
+
+async def test_frames_held_before_the_reservation_do_not_count_as_a_rate(tiny_model):
+    """A predicted send's frames that came before the reservation are imported at once when it is
+    admitted: they are bytes received, not bytes received since the rate's mark. The first report
+    after them measures from the replay with all three counted in (the mark was the first frame's
+    bytes, so the other two read as if they had arrived in the next interval: a rate up to
+    twice the line's, and a stalled transfer's remaining time too short)."""
+    _, inst = await start_instance(tiny_model, "md0")
+    c = await _Links(inst).open()
+    pb = inst.engine.pool.page_bytes
+    try:
+        for i in range(3):  # held: no reservation yet
+            await c.send_p(Kv("r0", i, 1, None, pb).wire(), bytes(pb))
+        await c.gw.call(Reserve("r0", PROMPT, SP, first_page=0).wire())
+        ctx = inst.reqs["r0"]
+        assert ctx.extra["kv_total"] == 3 * pb and ctx.extra["kv_mark"][1] == 3 * pb
+        inst.kv_progress_interval_s = 0.0
+        await c.send_p(Kv("r0", 3, 1, None, pb).wire(), bytes(pb))
+        h = await asyncio.wait_for(c.got.get(), 30)
+        assert (h["t"], h["bytes"]) == ("kv_progress", 4 * pb)
+    finally:
+        await c.close()
+        await inst.stop()

@@ -142,6 +142,8 @@ class MainDecodeInstance(EngineInstance):
                     return
             else:
                 asyncio.get_running_loop().create_task(self.on_kv_done(peer, h, payload))
+        if "kv_mark" in ctx.extra:  # kv_progress's rate counts the bytes that arrive from here on
+            ctx.extra["kv_mark"] = (time.perf_counter(), ctx.extra["kv_total"])
 
     async def on_kv(self, peer, h, payload):
         rid = h.get("rid")
