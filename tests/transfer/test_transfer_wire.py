@@ -401,3 +401,27 @@ async def test_a_large_frame_read_into_a_growing_buffer_arrives_whole(hold_views
     await _fed(fs, frame[100:], 300_007, hold_views)
     h, got = await asyncio.wait_for(read, 5)
     assert h["i"] == 1 and len(got) == len(payload) and bytes(got) == payload
+
+
+async def test_a_read_cancelled_after_its_buffer_filled_keeps_no_reference_to_it():
+    """The last bytes of a 2 MiB read arrive, then the read is cancelled before it resumes (its
+    connection closing): the stream holds no reference to the filled buffer afterwards (it kept
+    it, up to the reader's 256 MiB ``max_payload_bytes``, until a later large read replaced it),
+    and a next large read returns its own bytes."""
+    fs = wire.FrameStream(limit=1 << 16)
+    fs.connection_made(_FakeTransport())
+    read = asyncio.get_running_loop().create_task(fs.readexactly(2 << 20))
+    await asyncio.sleep(0)
+    await _fed(fs, b"\x01" * ((2 << 20) - 1), 256 << 10, hold_views=False)
+    buf = fs.get_buffer(-1)
+    buf[:1] = b"\x01"
+    del buf
+    fs.buffer_updated(1)  # filled: the read is woken, not run yet
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    assert fs._full is None and fs._target is None
+    nxt = asyncio.get_running_loop().create_task(fs.readexactly(64 << 10))
+    await asyncio.sleep(0)
+    await _fed(fs, b"\x02" * (64 << 10), 8 << 10, hold_views=False)
+    assert bytes(await nxt) == b"\x02" * (64 << 10)

@@ -590,6 +590,9 @@ class FrameStream(asyncio.BufferedProtocol):
                         raise asyncio.IncompleteReadError(bytes(memoryview(self._target)[: self._tpos]), n)
                     self._waiter = loop.create_future()
                     await self._waiter
+            except BaseException:
+                self._full = None  # cancelled after its buffer filled: the stream keeps no reference to it
+                raise
             finally:
                 self._waiter = None
                 self._target = None
