@@ -102,3 +102,34 @@ def test_md_without_vllm_names_what_pdd_serve_takes(tmp_path, monkeypatch):
         md_vllm_python(cfg, "md0")
     assert "--vllm-python" not in str(ei.value)
     assert str(ei.value).startswith(f"md0 (vllm.main_decode): vllm.python {tmp_path / 'nope'} is not an executable")
+
+
+def test_a_first_token_outside_the_vocabulary_in_kv_done_is_refused():
+    """MD on vLLM overrides MD's ``kv_done``: it refuses P's first token outside the vocabulary as
+    pdd's MD does (``EngineInstance.first_token_refused``: the request failed, its pages freed,
+    ``kv_refused`` counted) instead of streaming it to the client and asking vLLM to decode after
+    it. No vLLM is started: the instance's collaborators are recorders."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdd.transfer.messages import KvDone
+    from pdd.vllm_tier.md import VllmMainDecodeInstance
+
+    def check_token_ids(ids, what, start=0):
+        if any(not 0 <= i < 1024 for i in ids):
+            raise ValueError(f"{what} token id {ids[0]} at position {start} is outside the vocabulary [0, 1024)")
+
+    refused, emitted = [], []
+    inst = object.__new__(VllmMainDecodeInstance)
+    inst.reqs = {"r1": SimpleNamespace(rid="r1", extra={}, seq=None)}
+    inst.engine = SimpleNamespace(check_token_ids=check_token_ids)
+
+    async def refuse_kv(ctx, h, why):
+        refused.append(why)
+
+    inst.refuse_kv = refuse_kv
+    inst.emit = lambda *a: emitted.append(a)
+    msg = KvDone("r1", 0, 5, None, 64, None, 320, first_token=1024, fin=None, relay=False).wire()
+    assert asyncio.run(inst.on_kv_done(None, msg, b"")) is None
+    assert refused == ["kv_done of 'r1': output token id 1024 at position 0 is outside the vocabulary [0, 1024)"]
+    assert emitted == [] and "kv_complete" not in inst.reqs["r1"].extra

@@ -43,7 +43,7 @@ connections interleave chunk by chunk: they share the line fairly.
 
 Control port messages: ``stats`` -> ``stats {bytes_a_to_b, bytes_b_to_a, connections, ...}``
 (bytes delivered, all connections, framing included; ``in_flight_*``: admitted, not yet
-delivered, so admitted = delivered + in flight); ``set {gbps?, rtt_ms?, jitter_ms?,
+delivered, so admitted = delivered + in flight while no connection closed with bytes queued, which are dropped); ``set {gbps?, rtt_ms?, jitter_ms?,
 outage?: bool, loss_rate?, cross_gbps?}`` (:class:`pdd.transfer.messages.LinkSet`) -> the new
 stats (``cross_gbps`` replaces the schedule by that rate from now on; a rate change re-times the
 bytes the line holds but has not serialised, :meth:`Link.set`).

@@ -246,6 +246,8 @@ class VllmMainDecodeInstance(MainDecodeInstance):
         if parts > 0:
             return None
         t0, fin, relay = m.first_token, m.fin or None, bool(m.relay)
+        if await self.first_token_refused(ctx, h, t0):  # as pdd's MD: an id outside the vocabulary
+            return None
         seq = ctx.seq
 
         def _imported(e):
