@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from pdd.text import shown
 from pdd.topology import layout, port_conflicts
+from pdd.policy.routing import LOAD_SLACK, MD_LOAD_SLACK
 from pdd.policy.tcp_model import MAX_LINE_DELAY_MS, slow_line_problem
 
 Mode = Literal["colocated", "same_dc_pd", "cross_dc_pd", "pdd"]
@@ -406,6 +407,15 @@ class PolicyConfig(_Strict):
         False, description="ablation: cache-aware routing asks each main-decode instance across the WAN what its "
         "cache holds (a round trip before the reservation) instead of the gateway's own record of what it routed "
         "there (pdd.policy.prefix_index)")
+    load_slack: int = Field(
+        LOAD_SLACK, ge=0, description="cache-aware routing on prefill and colocated instances (requests): the one "
+        "holding the longest prefix of the prompt is chosen only while it has at most this many more requests in "
+        "flight than the idlest (pdd.policy.routing; relay-decode holds no cache and is routed by load). The "
+        "simulator's SimConfig.load_slack, one default (pdd.policy.routing.LOAD_SLACK)")
+    md_load_slack: int = Field(
+        MD_LOAD_SLACK, ge=0, description="load_slack on main-decode instances (requests): larger, since a decoder "
+        "holds tens of sequences and a prefix it holds saves that KV's transfer across the WAN. The simulator's "
+        "SimConfig.md_load_slack, one default (pdd.policy.routing.MD_LOAD_SLACK)")
     md_load_cap: int = Field(
         0, ge=0, description="an MD with this many requests in flight is routed to only when every MD has as "
         "many (0: no cap). Set it to the decode batch that meets the TPOT SLO at the workload's context "

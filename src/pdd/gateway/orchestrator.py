@@ -38,7 +38,7 @@ from pdd.gateway.handoff import Handoffs
 from pdd.gateway.launch import Launchers
 from pdd.policy.prefix_index import PrefixIndex
 from pdd.gateway.recovery import Recovery
-from pdd.gateway.routing import ROUTING_LOAD_SLACK, ROUTING_MIN_HIT_FRAC, Routing  # noqa: F401
+from pdd.gateway.routing import ROUTING_MIN_HIT_FRAC, Routing  # noqa: F401
 from pdd.gateway.start import Starts
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,

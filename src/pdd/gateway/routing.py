@@ -21,16 +21,15 @@ import dataclasses
 import time
 
 from pdd.gateway.state import NoInstance, NoMember, ReqState
-from pdd.policy.routing import InstanceLoad, choose_instance
+from pdd.policy.routing import MIN_HIT_FRAC, InstanceLoad, choose_instance
 from pdd.topology import ROLE_MAIN, ROLE_RELAY
 from pdd.transfer.messages import Peek
 from pdd.types import Pipeline
 
 # cache-aware routing (as in the simulator): affinity only for a prefix covering at least half the
-# prompt (a shared system-prompt block alone would pull all traffic to one instance), and never to
-# an instance more than this many requests busier than the idlest
-ROUTING_MIN_HIT_FRAC = 0.5
-ROUTING_LOAD_SLACK = 4
+# prompt (a shared system-prompt block alone would pull all traffic to one instance); never to an
+# instance more than policy.load_slack (MD: policy.md_load_slack) requests busier than the idlest
+ROUTING_MIN_HIT_FRAC = MIN_HIT_FRAC
 # MD routing by estimated transfer time (policy.wan_estimate live): one request in flight at an MD
 # counts as this many seconds, so a small shared prefix (16 tokens: 5 ms on the default line) does
 # not draw every request to one MD while a halved line (a cold prompt: 130 ms more) does move them
@@ -102,8 +101,9 @@ class Routing:
                               full=self.queue_full(sp.name)) for sp, h in zip(live, hits)]
         rr = self._rr.get(role, 0)
         self._rr[role] = rr + 1
-        kw = dict(load_slack=ROUTING_LOAD_SLACK, prompt_tokens=len(prompt), min_hit_frac=ROUTING_MIN_HIT_FRAC,
-                  load_cap=self.cfg.policy.md_load_cap if role == ROLE_MAIN else 0)
+        pol, md = self.cfg.policy, role == ROLE_MAIN
+        kw = dict(load_slack=pol.md_load_slack if md else pol.load_slack, prompt_tokens=len(prompt),
+                  min_hit_frac=ROUTING_MIN_HIT_FRAC, load_cap=pol.md_load_cap if md else 0)
         i = choose_instance(cands, policy, rr, **kw)
         timed = self._with_transfer_times(role, policy, cands, len(prompt))
         if timed is not None:  # each MD's estimated transfer time of the KV it lacks decides

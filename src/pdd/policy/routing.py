@@ -49,6 +49,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 ROUTING_POLICIES = ("cache_aware", "load", "round_robin")
+# cache-aware routing's defaults, one source for the gateway (``policy.load_slack``,
+# ``policy.md_load_slack``) and the simulator (``SimConfig``), whose results stand for the
+# runtime's: the load slack in requests on P, RLD and colocated instances; on MD (decoders hold
+# tens of sequences, and a prefix hit there saves its KV's WAN transfer); the share of the prompt
+# below which a hit is not worth the affinity (a shared system-prompt block alone would pull all
+# traffic to one instance)
+LOAD_SLACK = 8
+MD_LOAD_SLACK = 64
+MIN_HIT_FRAC = 0.5
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ def choose_instance(
     cands: Sequence[InstanceLoad],
     policy: str = "cache_aware",
     rr_counter: int = 0,
-    load_slack: int = 8,
+    load_slack: int = LOAD_SLACK,
     prompt_tokens: int = 0,
     min_hit_frac: float = 0.0,
     load_cost_s: float = 0.0,

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, fields, replace
 
 from pdd.engine.scheduler import PREFILL_ORDERS
+from pdd.policy.routing import LOAD_SLACK, MD_LOAD_SLACK, MIN_HIT_FRAC
 from pdd.policy.tcp_model import DEFAULT_MSS_BYTES, check_loss_rate, check_schedule
 from pdd.sim.hardware import Efficiency, get_chip
 from pdd.sim.models import get_model
@@ -206,12 +207,14 @@ class SimConfig:
     drc: bool = True  # decode-side radix cache on MD
     p_cache: bool = True
     routing: str = "cache_aware"
-    load_slack: int = 8  # cache-aware routing slack on P / colocated (requests)
-    md_load_slack: int = 64  # on MD: decoders hold tens of sequences, affinity matters more
+    # cache-aware routing slack (requests) on P / colocated, and on MD (decoders hold tens of
+    # sequences, affinity matters more): the runtime's policy.load_slack / md_load_slack defaults
+    load_slack: int = LOAD_SLACK
+    md_load_slack: int = MD_LOAD_SLACK
     # an MD with this many requests (running + queued) is routed to only when every MD has them
     # (0: no cap; the runtime's policy.md_load_cap, pdd.policy.routing's load_cap)
     md_load_cap: int = 0
-    min_hit_frac: float = 0.5  # cache-aware routing ignores hits below this share of the prompt
+    min_hit_frac: float = MIN_HIT_FRAC  # cache-aware routing ignores hits below this share of the prompt (the gateway's)
     md_cache_frac: float = 1.0  # fraction of MD's free KV pool the DRC may keep (capacity studies)
     p_cache_frac: float = 1.0
     slo_ttft_s: float = 5.0
