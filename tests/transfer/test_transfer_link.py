@@ -465,7 +465,7 @@ async def test_a_rate_restored_re_times_what_the_line_still_holds():
     the restore, not from a clock."""
     sink = await SinkServer().start()
     n = 1 << 16
-    async with Link(cfg(sink.port, gbps=1e-5, rtt_ms=0)) as link:
+    async with Link(cfg(sink.port, gbps=1e-5, rtt_ms=0, max_chunk_s=0)) as link:
         data = os.urandom(n)
         r, w, _ = await send_all(link.ports[0], data, eof=False)
         # the proxy reads what the socket holds: most of the chunk at once (the rest after the line's hold)
@@ -490,7 +490,7 @@ async def test_a_rate_drop_slows_what_the_line_still_holds():
     when the rate drops to 1e-5 take ten times as long for the rest."""
     sink = await SinkServer().start()
     n = 1 << 16
-    async with Link(cfg(sink.port, gbps=1e-4, rtt_ms=0)) as link:
+    async with Link(cfg(sink.port, gbps=1e-4, rtt_ms=0, max_chunk_s=0)) as link:
         r, w, _ = await send_all(link.ports[0], b"x" * n, eof=False)
         await wait_for(lambda: link.stats()["admitted_a_to_b"] >= n // 2)
         line = link.a_to_b
@@ -511,7 +511,7 @@ async def test_a_slow_line_trickles_a_chunk_out_as_it_serialises_it():
     receiver's dead-peer timeout). The accounting stays exact: admitted = delivered + in flight."""
     sink = await SinkServer().start()
     n = 16 << 10
-    async with Link(cfg(sink.port, gbps=5e-5, rtt_ms=0)) as link:
+    async with Link(cfg(sink.port, gbps=5e-5, rtt_ms=0, max_chunk_s=0)) as link:
         data = os.urandom(n)
         r, w, _ = await send_all(link.ports[0], data, eof=False)  # one write: one read by the proxy
         await wait_for(lambda: sink.conns and sink.conns[0]["bytes"] > 0, 30)
@@ -524,4 +524,38 @@ async def test_a_slow_line_trickles_a_chunk_out_as_it_serialises_it():
         assert linkmod._slices(n, n * 8 / 5e4) == n // linkmod.MIN_SLICE_BYTES  # 16 slices of 1 KiB
         assert linkmod._slices(n, linkmod.SLICE_S) == 1  # a fast line's chunk goes whole
         w.close()
+    await sink.close()
+
+
+def test_a_slow_line_reads_chunks_of_at_most_max_chunk_s_of_line_time():
+    """The proxy's read size (``Link.read_bytes``): ``chunk_bytes`` on a fast line, what the line
+    serialises in ``max_chunk_s`` (0.1 s) on a slow one, never below ``MIN_SLICE_BYTES``; with
+    ``max_chunk_s`` 0, ``chunk_bytes`` at any rate."""
+    assert Link(cfg(1, gbps=0.05)).read_bytes() == 65536  # 10.5 ms of line time
+    assert Link(cfg(1, gbps=1e-4)).read_bytes() == 1250  # 100 kbit/s x 0.1 s
+    assert Link(cfg(1, gbps=1e-6)).read_bytes() == linkmod.MIN_SLICE_BYTES
+    assert Link(cfg(1, gbps=1e-4, max_chunk_s=0)).read_bytes() == 65536
+    with pytest.raises(ValueError, match="max_chunk_s"):
+        Link(cfg(1, max_chunk_s=-1))
+
+
+async def test_a_connection_behind_a_long_transfer_on_a_slow_line_waits_one_short_chunk():
+    """At 2e-4 Gbit/s a 64 KiB chunk holds the line 2.6 s. A second connection's few bytes (a
+    heartbeat) written while the first streams used to be serialised after that whole chunk
+    (at 1e-4 Gbit/s, 5.2 s: past the receiver's 5 s dead-peer timeout, so a slowed WAN's
+    idle connections were declared dead); now after at most one chunk of ``max_chunk_s`` (0.1 s)
+    of line time, as TCP interleaves flows. Read from the link's schedule, not from a clock."""
+    sink = await SinkServer().start()
+    async with Link(cfg(sink.port, gbps=2e-4, rtt_ms=0)) as link:
+        r1, w1, _ = await send_all(link.ports[0], os.urandom(1 << 16), eof=False)
+        await wait_for(lambda: link.stats()["admitted_a_to_b"] > 0)
+        r2, w2 = await asyncio.open_connection("127.0.0.1", link.ports[0])
+        w2.write(b"heartbeat!")
+        await w2.drain()
+        small = lambda: [f for f in link.a_to_b.flows if f.bytes_admitted == 10]  # noqa: E731
+        await wait_for(lambda: small())
+        waits = small()[0].free_at - link.loop.time()
+        assert waits <= 0.101, waits  # one 2,500-byte chunk ahead: 0.1 s (it was 2.6 s)
+        w1.close()
+        w2.close()
     await sink.close()

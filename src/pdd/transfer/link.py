@@ -14,6 +14,10 @@ Config (dict, or an object with ``model_dump()``)::
                   at 0, never reordering a connection's bytes), from random.Random(seed)
     seed          RNG seed (default 0)
     chunk_bytes   largest chunk read and scheduled at once, bytes (default 65536)
+    max_chunk_s   on a slow line, a chunk is at most what the line serialises in this many seconds
+                  (at least ``MIN_SLICE_BYTES``; default ``MAX_CHUNK_S``, 0.1; 0: ``chunk_bytes``
+                  at any rate), so one connection's chunk never holds the others off the line
+                  for longer (:meth:`Link.read_bytes`)
     control_port  port of the control server (our wire protocol), None = none, 0 = pick
     loss_rate     packet loss probability p in [0, 1) (default 0): each connection's throughput is
                   capped at TCP's loss-limited rate (Mathis et al. 1997, ``pdd.policy.tcp_model``)
@@ -39,7 +43,10 @@ next chunk until the line has (nearly) finished its previous one, so a fast send
 back by real TCP backpressure (its socket buffers fill) instead of queueing in the proxy;
 the proxy holds at most about one bandwidth-delay product in flight. A slow receiver
 back-pressures too (reading stops while its socket's write buffer is full). Concurrent
-connections interleave chunk by chunk: they share the line fairly.
+connections interleave chunk by chunk: they share the line fairly. A chunk is at most
+``max_chunk_s`` (0.1 s) of line time (:meth:`Link.read_bytes`): 64 KiB take 5.2 s at 1e-4
+Gbit/s, and a connection with a heartbeat to send waited that long behind another's chunk,
+past the receiver's dead-peer timeout (5 s), where TCP interleaves the flows packet by packet.
 
 Control port messages: ``stats`` -> ``stats {bytes_a_to_b, bytes_b_to_a, connections, ...}``
 (bytes delivered, all connections, framing included; ``in_flight_*``: admitted, not yet
@@ -84,6 +91,7 @@ WRITE_HIGH_WATER = 1 << 20
 # 64 KiB at 0.4 Mbit/s: the receiver's dead-peer timeout could see seconds of silence)
 SLICE_S = 0.005
 MIN_SLICE_BYTES = 1024  # and of at least this many bytes
+MAX_CHUNK_S = 0.1  # a chunk read from one connection takes at most this much line time (>= MIN_SLICE_BYTES)
 # chunks a connection's socket may hold unread while the line is busy with other flows: what a
 # real line's bottleneck buffer holds is bounded, so a sender learns through TCP back-pressure,
 # not by filling an autotuned receive buffer of MBs that the line then drains in arrival order
@@ -126,6 +134,7 @@ def normalize_config(cfg: Any) -> dict:
         "jitter_ms": float(cfg.get("jitter_ms", 0.0)),
         "seed": int(cfg.get("seed", 0)),
         "chunk_bytes": int(cfg.get("chunk_bytes", DEFAULT_CHUNK_BYTES)),
+        "max_chunk_s": float(cfg.get("max_chunk_s", MAX_CHUNK_S)),
         "control_port": cfg.get("control_port"),
         "loss_rate": tcp_model.check_loss_rate(cfg.get("loss_rate", 0.0) or 0.0, "loss_rate"),
         "mss_bytes": int(cfg.get("mss_bytes", tcp_model.DEFAULT_MSS_BYTES)),
@@ -136,6 +145,8 @@ def normalize_config(cfg: Any) -> dict:
     check_line(out["gbps"], out["rtt_ms"], out["jitter_ms"])
     if out["chunk_bytes"] < 1024:
         raise ValueError("chunk_bytes must be >= 1024")
+    if not (math.isfinite(out["max_chunk_s"]) and out["max_chunk_s"] >= 0):
+        raise ValueError(f"max_chunk_s must be a number of seconds >= 0, got {out['max_chunk_s']}")
     return out
 
 
@@ -383,8 +394,9 @@ class _Side(asyncio.BufferedProtocol):
         self.conn.side_made(self)
 
     def get_buffer(self, sizehint: int):
-        if self._buf is None:
-            self._buf = bytearray(self.conn.link.chunk_bytes)
+        n = self.conn.link.read_bytes()
+        if self._buf is None or len(self._buf) != n:
+            self._buf = bytearray(n)
         return self._buf
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -536,6 +548,7 @@ class Link:
         self.cfg = normalize_config(cfg)
         self.host = self.cfg["host"]
         self.chunk_bytes = self.cfg["chunk_bytes"]
+        self.max_chunk_s = self.cfg["max_chunk_s"]
         self.rng = random.Random(self.cfg["seed"])
         self.a_to_b = _Line("a_to_b")
         self.b_to_a = _Line("b_to_a")
@@ -566,6 +579,18 @@ class Link:
         self.conn_gbps = tcp_model.mathis_gbps(self.mss_bytes, self.rtt_ms, self.loss_rate)
         # neither loss nor cross traffic: the original arithmetic, bit for bit
         self._plain = self.conn_gbps == float("inf") and not self.cross_schedule
+
+    def read_bytes(self) -> int:
+        """Bytes the proxy reads from a connection at once, the largest chunk it schedules:
+        ``chunk_bytes``, or on a slow line what the line (less cross traffic) serialises in
+        ``max_chunk_s`` seconds, at least ``MIN_SLICE_BYTES`` (1,250 bytes at 1e-4 Gbit/s; 65,536
+        from 5.3 Mbit/s up). A connection's next bytes wait for the chunks the others put on the
+        line before them, so this bounds the silence a live connection shows its receiver behind
+        a long transfer (its heartbeat one chunk per busy connection behind, not 5.2 s per 64 KiB)."""
+        if not self.max_chunk_s:
+            return self.chunk_bytes
+        line_gbps = self._rates()[0]
+        return max(MIN_SLICE_BYTES, min(self.chunk_bytes, int(line_gbps * 1e9 / 8 * self.max_chunk_s)))
 
     def cross_gbps(self) -> float:
         """Cross traffic on the line now, Gbit/s (per direction)."""
