@@ -80,3 +80,27 @@ async def test_a_transfer_whose_reports_stopped_is_cut_off(orch):
     await _ended_and_settled(orch, st)
     assert st.wan.cut_off and orch.totals["cut_offs"] == 1
     assert [h["rid"] for h in orch.peers["p0"].of("cancel")] == ["r3"]
+
+
+async def test_a_transfer_let_through_at_the_end_is_cut_off_when_a_report_shows_it_crawling(orch):
+    """RLD finished before MD's first report: the estimate of finished transfers read 0.24 s left
+    and the transfer was let through (awaited). MD's first report then shows 1 MB in at 0.4 Mbit/s
+    (60 s left): the cut-off is checked again and cuts it off (P ``cancel``, MD ``drop``, no
+    longer awaited). Before, the request had left the table and the report was ignored: a new
+    user's 571 kB at 1e-4 Gbit/s crawled on for 46 s after RLD finished. A report of a transfer
+    still moving at the line's rate leaves it be."""
+    await _fast_estimate(orch)
+    st, moving = _crawling(orch, "r4"), _crawling(orch, "r5")
+    for s in (st, moving):
+        await _ended_and_settled(orch, s)
+    assert not st.wan.cut_off and {"r4", "r5"} <= set(orch.awaiting_kv)
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r5", 3_900_000, 0.05).wire(), b"")
+    await orch.on_kv_progress(orch.peers["md1"], KvProgress("r4", 0, 0.0004).wire(), b"")  # not its MD
+    assert orch.totals["cut_offs"] == 0 and {"r4", "r5"} <= set(orch.awaiting_kv)
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r4", 1_000_000, 0.0004).wire(), b"")
+    assert st.wan.cut_off and not moving.wan.cut_off and orch.totals["cut_offs"] == 1
+    assert [h["rid"] for h in orch.peers["p0"].of("cancel")] == ["r4"]
+    assert [h["rid"] for h in orch.peers["md0"].of("drop")] == ["r4"]
+    assert "r4" not in orch.awaiting_kv and "r4" not in orch.awaiting_kv_deadline and "r5" in orch.awaiting_kv
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r4", 1_100_000, 0.0004).wire(), b"")  # once only
+    assert orch.totals["cut_offs"] == 1 and len(orch.peers["md0"].of("drop")) == 1

@@ -121,6 +121,10 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         # finished trid -> monotonic deadline (request_timeout_s after the wait began): an entry
         # still awaited then is dropped on MD and forgotten (_expire_awaited_kv)
         self.awaiting_kv_deadline: dict[str, float] = {}
+        # awaited trid -> its request (let through by the cut-off at its end): MD's kv_progress of
+        # it checks the cut-off again (gateway.wan_booking.on_kv_progress); read only while the trid
+        # is in awaiting_kv, pruned with it (_expire_awaited_kv)
+        self.cutoff_watch: dict[str, ReqState] = {}
         # trids whose kv_ready came after the request had ended (MD was told to keep the KV then): the
         # relayed request's settling must not wait for it again (gateway.stream._await_kv). Oldest
         # dropped beyond KV_LANDED_MAX, so one never settled (failed meanwhile) cannot grow it.
@@ -186,6 +190,8 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         foreseen) would keep the gateway awaiting for good, and the topology never settled.
         Returns the tier rids expired (``now``: ``time.monotonic()``)."""
         out = []
+        for trid in [t for t in self.cutoff_watch if t not in self.awaiting_kv]:
+            self.cutoff_watch.pop(trid)
         for trid, deadline in list(self.awaiting_kv_deadline.items()):
             if trid not in self.awaiting_kv:
                 self.awaiting_kv_deadline.pop(trid, None)

@@ -150,6 +150,8 @@ class Streams:
             return  # else: MD's kv_ready finds the request gone and tells MD to keep the KV
         if not st.handoff.kv_ready:
             self._await_kv(st)
+            if self.cfg.policy.cutoff and st.trid in self.awaiting_kv:
+                self.cutoff_watch[st.trid] = st  # MD's next kv_progress may show it crawling
             return  # the transfer finishes; on_kv_ready tells MD to keep the prompt's KV
         md_name, md = self._peer(st, ROLE_MAIN)
         _, rld = self._peer(st, ROLE_RELAY)

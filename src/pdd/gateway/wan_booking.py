@@ -15,6 +15,7 @@ import logging
 import time
 
 from pdd.gateway.state import ReqState
+from pdd.policy.cutoff import should_cut_off
 from pdd.policy.handoff import early_handoff_delay_s
 from pdd.policy.wan_estimate import inflight_remaining_s, probe_due, probe_goodput_gbps, queued_bytes
 from pdd.topology import ROLE_MAIN, ROLE_PREFILL
@@ -107,16 +108,29 @@ class WanBooking:
     async def on_kv_progress(self, peer, h, payload):
         """MD's progress receiving a request's KV (``kv_progress``: bytes so far, its rate lately),
         kept as the request's ``wan.progress`` for the cut-off (:meth:`_cutoff_remaining_wan_s`).
-        A report of an earlier attempt, or from another instance than the attempt's MD, is
-        ignored."""
+        Of a request that ended with its transfer let through (awaited: ``cutoff_watch``), the
+        cut-off is checked again with it, and the transfer cut off if it now has at least
+        ``policy.cutoff_min_remaining_s`` left. A report of an earlier attempt, or from another
+        instance than the attempt's MD, is ignored."""
         m = KvProgress.decode(h)
         st = self.reqs.get(m.rid)
+        ended = st is None and m.rid in self.awaiting_kv
+        if ended:  # let through by the cut-off when it ended (no report yet, or moving then)
+            st = self.cutoff_watch.get(m.rid)
         if st is None or st.trid != m.rid:
             return None
         md = st.names.get(ROLE_MAIN)
         if md is None or self.peers.get(md) is not peer:
             return None
         st.wan.progress = (time.perf_counter(), int(m.bytes), float(m.gbps))
+        if ended and should_cut_off(rld_finished=True, md_kv_complete=False,
+                                    remaining_wan_s=self._cutoff_remaining_wan_s(st),
+                                    min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
+            # it crawls now: cut off as at its end (MD drops it, so no kv_ready is awaited)
+            self.cutoff_watch.pop(m.rid, None)
+            self.awaiting_kv.pop(m.rid, None)
+            self.awaiting_kv_deadline.pop(m.rid, None)
+            await self._cut_off(st)
         return None
 
     # ------------------------------------------------------------------ probes
