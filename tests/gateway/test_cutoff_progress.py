@@ -104,3 +104,19 @@ async def test_a_transfer_let_through_at_the_end_is_cut_off_when_a_report_shows_
     assert "r4" not in orch.awaiting_kv and "r4" not in orch.awaiting_kv_deadline and "r5" in orch.awaiting_kv
     await orch.on_kv_progress(orch.peers["md0"], KvProgress("r4", 1_100_000, 0.0004).wire(), b"")  # once only
     assert orch.totals["cut_offs"] == 1 and len(orch.peers["md0"].of("drop")) == 1
+
+
+async def test_a_late_cut_off_moves_the_request_from_rld_finished_first_to_cut_offs(orch):
+    """RLD finished before any handoff and the transfer was let through: the settling counted the
+    request in ``rld_finished_first`` (MD keeps the prompt's KV). A report then shows it crawling
+    and it is cut off: MD drops the KV, so the request leaves ``rld_finished_first`` (a request RLD
+    finished first is in one of the two counts, never both: docs/BENCH.md)."""
+    await _fast_estimate(orch)
+    st, moving = _crawling(orch, "r6"), _crawling(orch, "r7")
+    for s in (st, moving):
+        await _ended_and_settled(orch, s)
+    assert orch.totals["rld_finished_first"] == 2 and st.handoff.rld_finished_first
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r6", 1_000_000, 0.0004).wire(), b"")
+    assert st.wan.cut_off and orch.totals["cut_offs"] == 1
+    assert orch.totals["rld_finished_first"] == 1 and not st.handoff.rld_finished_first
+    assert moving.handoff.rld_finished_first

@@ -255,9 +255,15 @@ class WanBooking:
                 log.warning("cut-off of %s failed: %s", st.rid, e)
 
     def _count_cut_off(self, st: ReqState) -> None:
-        """``st``'s WAN transfer is cut off (RLD finished first, or its first token ended it)."""
+        """``st``'s WAN transfer is cut off (RLD finished first, or its first token ended it). A
+        request its settling counted RLD-finished-first (let through, cut off later on MD's
+        ``kv_progress``) leaves that count: MD keeps none of its KV, and a request is in one of
+        the two counts, never both."""
         st.wan.cut_off = True
         self.totals["cut_offs"] += 1
+        if st.handoff.rld_finished_first:
+            st.handoff.rld_finished_first = False
+            self.totals["rld_finished_first"] -= 1
         self._index_given_up(st)  # MD frees what arrived, caches nothing
 
     @staticmethod
