@@ -75,6 +75,15 @@ class Handoffs:
             st.handoff.rld_finished_first = True
             self.totals["rld_finished_first"] += 1
 
+    def _rld_finished_first_undone(self, st: ReqState) -> None:
+        """``st``'s transfer is cut off after its settling counted it RLD-finished-first (let
+        through at its end, cut off on a later ``kv_progress``): MD keeps none of its KV, so it
+        leaves ``rld_finished_first`` and the total (it is counted in ``cut_offs`` instead). Its
+        response's ``pdd`` record, read at its end, said ``rld_finished_first``. No-op otherwise."""
+        if st.handoff.rld_finished_first:
+            st.handoff.rld_finished_first = False
+            self.totals["rld_finished_first"] -= 1
+
     def _handoff_new_attempt(self, st: ReqState) -> None:
         """A new attempt (recovery) starts: forget the old one's handoff and the tokens waiting
         for their position; the request's record (``pos``, ``tokens``, ``rld_finished_first``,

@@ -261,9 +261,7 @@ class WanBooking:
         the two counts, never both."""
         st.wan.cut_off = True
         self.totals["cut_offs"] += 1
-        if st.handoff.rld_finished_first:
-            st.handoff.rld_finished_first = False
-            self.totals["rld_finished_first"] -= 1
+        self._rld_finished_first_undone(st)
         self._index_given_up(st)  # MD frees what arrived, caches nothing
 
     @staticmethod
