@@ -589,7 +589,7 @@ class Link:
         a long transfer (its heartbeat one chunk per busy connection behind, not 5.2 s per 64 KiB)."""
         if not self.max_chunk_s:
             return self.chunk_bytes
-        line_gbps = self._rates()[0]
+        line_gbps = self.gbps if self._plain else self._rates()[0]  # plain: no loss, no cross traffic
         return max(MIN_SLICE_BYTES, min(self.chunk_bytes, int(line_gbps * 1e9 / 8 * self.max_chunk_s)))
 
     def cross_gbps(self) -> float:
