@@ -15,7 +15,6 @@ import time
 
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, OUTCOMES, ReqState, RequestFailed, TokenOut
-from pdd.policy.cutoff import should_cut_off
 from pdd.topology import ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.messages import OMIT, Abort, AbortOk, Finish, MessageError, Tok, Toks
 from pdd.transfer.messages import decode as decode_message
@@ -131,9 +130,7 @@ class Streams:
         if st.end.aborted:
             return  # dropped on every tier (the abort): no KV lands on MD, no kv_ready to await
         landed = st.trid in self.kv_landed
-        cut = not landed and should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
-                                            remaining_wan_s=self._cutoff_remaining_wan_s(st),
-                                            min_remaining_s=self.cfg.policy.cutoff_min_remaining_s)
+        cut = not landed and self._cut_off_due(st)
         if st.handoff.md_start is None and not (cut and self.cfg.policy.cutoff):
             # RLD ended it before any handoff to MD, and MD keeps the prompt's KV; counted here,
             # before any await, so the response's pdd record (read once this stream has ended) has it

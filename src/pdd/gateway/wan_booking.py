@@ -123,9 +123,7 @@ class WanBooking:
         if md is None or self.peers.get(md) is not peer:
             return None
         st.wan.progress = (time.perf_counter(), int(m.bytes), float(m.gbps))
-        if ended and should_cut_off(rld_finished=True, md_kv_complete=False,
-                                    remaining_wan_s=self._cutoff_remaining_wan_s(st),
-                                    min_remaining_s=self.cfg.policy.cutoff_min_remaining_s):
+        if ended and self._cut_off_due(st):
             # it crawls now: cut off as at its end (MD drops it, so no kv_ready is awaited)
             self.cutoff_watch.pop(m.rid, None)
             self.awaiting_kv.pop(m.rid, None)
@@ -241,6 +239,14 @@ class WanBooking:
             return self._remaining_wan_s(st)
         at, done, gbps = p
         return inflight_remaining_s(st.wan.expected, done, gbps, time.perf_counter() - at)
+
+    def _cut_off_due(self, st: ReqState) -> bool:
+        """Whether RLD having finished ``st`` cuts its WAN transfer off (``policy.cutoff.should_cut_off``
+        with MD's ``kv_ready`` and :meth:`_cutoff_remaining_wan_s`): at the request's end and, for a
+        transfer let through then, on each later ``kv_progress``."""
+        return should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
+                              remaining_wan_s=self._cutoff_remaining_wan_s(st),
+                              min_remaining_s=self.cfg.policy.cutoff_min_remaining_s)
 
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN
