@@ -49,19 +49,35 @@ class Recovery:
     async def on_req_error(self, peer, h, payload):
         """A tier failed the attempt: the stream raises with its error. Except MD's failure of a
         relayed request that RLD still decodes (MD refused a KV frame of it, ``refuse_kv``): that
-        is MD's leg lost, as when MD itself is (:meth:`_md_leg_lost`: RLD finishes, degraded)."""
+        is MD's leg lost, as when MD itself is (:meth:`_md_leg_lost`: RLD finishes, degraded).
+        A stale one is ignored (logged at debug), as a stale ``kv_progress`` or token is: of an
+        attempt no longer current (ended, or replaced by a recovery's), or read from a connection
+        the attempt does not depend on (one since replaced by a reconnect or an add of the same
+        instance, or an instance the attempt is not routed to: :meth:`_error_source`)."""
         m = ReqError.decode(h)
         st = self.reqs.get(m.rid)
-        if st is None:
+        if st is None or st.trid != m.rid:
+            log.debug("req_error of %s from %r ignored: not a current attempt (%s)", m.rid, peer, m.error)
             return None
-        md_name = st.names.get(ROLE_MAIN)
-        if (md_name is not None and peer is self.peers.get(md_name) and not st.finished and not st.recovery.lost
+        src = self._error_source(st, peer)
+        if src is None:
+            log.debug("req_error of %s from %r ignored: not a connection the attempt uses now (%s)", m.rid, peer,
+                      m.error)
+            return None
+        if (src == st.names.get(ROLE_MAIN) and not st.finished and not st.recovery.lost
                 and self._rld_finishes_without_md(st)):
             self._md_leg_lost(st, m.error)
             return None
         st.recovery.error = m.error
         st.queue.put_nowait(None)
         return None
+
+    def _error_source(self, st: ReqState, peer) -> str | None:
+        """The instance of ``st``'s current attempt (``st.names``) whose current connection
+        (``self.peers``) is ``peer``, else None: a message read from a connection since replaced
+        (the gateway reconnected to the instance, or an add put a new one in its place) or from an
+        instance the attempt is not routed to says nothing about the attempt now."""
+        return next((n for n in st.names.values() if self.peers.get(n) is peer), None)
 
     @staticmethod
     def _rld_finishes_without_md(st: ReqState) -> bool:
