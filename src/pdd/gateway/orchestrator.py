@@ -283,12 +283,19 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         task.add_done_callback(self._tasks.discard)
 
     def _peer_closed(self, name: str, peer: Peer | None = None) -> None:
-        """A tier's connection dropped (the instance died, or its heartbeat went silent): each
-        in-flight request routed there loses what it still needs of it, at once
-        (:meth:`_instance_lost`; no silent stall)."""
+        """A tier's connection dropped (the instance died or closed it, or its heartbeat went
+        silent): one WARNING line names the instance and why (not for a close of the gateway's
+        own, nor again for each failed reconnect: :meth:`_reconnect` logs only its success), and
+        each in-flight request routed there loses what it still needs of it, at once
+        (:meth:`_instance_lost`; no silent stall). ``/health`` lists it in ``down`` until a
+        reconnect succeeds."""
         if peer is not None and self.peers.get(name) is not peer:
             return  # an old connection, already replaced
         why = "no heartbeat" if getattr(peer, "dead_peer", False) else "connection lost"
+        if peer is not None and peer.closed and not getattr(peer, "closed_locally", False):
+            log.warning("lost the connection to instance %s (%s); it is down in /health until a reconnect "
+                        "succeeds (tried every %g s)", name, getattr(peer, "close_reason", None) or why,
+                        self.cfg.liveness.reconnect_interval_s)
         self.totals["instances_lost"] = self.totals.get("instances_lost", 0) + 1
         if name in self.prefix_index:  # a restarted instance starts with an empty cache
             self.prefix_index[name].clear()

@@ -194,6 +194,7 @@ class Peer:
         self._draining = False  # ended by the remote side; the one-way messages read are being handled
         self._reported = False  # the close was reported (on_close callbacks called)
         self._close_reason: Optional[BaseException] = None
+        self._closed_here = False  # ended by this side's close() / abort(), not by the remote or the line
         self._closed_event = asyncio.Event()
         self._on_close: list[Callable[["Peer"], Any]] = []
         # counters (bytes: payload bytes only, framing excluded)
@@ -256,6 +257,19 @@ class Peer:
         return self._closed
 
     @property
+    def close_reason(self) -> Optional[str]:
+        """Why the connection ended, in words (None while it is open): ``connection closed by
+        peer`` (EOF), ``connection lost: ConnectionResetError(...)``, ``no sign of life from ...
+        for 5.1 s (heartbeat)``, ``connection closed locally``, ..."""
+        return None if self._close_reason is None else str(self._close_reason)
+
+    @property
+    def closed_locally(self) -> bool:
+        """Whether this side ended the connection (:meth:`close` / :meth:`abort` while it was
+        open), rather than the remote side, the line or the heartbeat."""
+        return self._closed_here
+
+    @property
     def draining(self) -> bool:
         """Whether the connection ended from the remote side and the one-way messages read
         before the end are still being handled (``closed`` is true, the close not reported yet)."""
@@ -310,6 +324,7 @@ class Peer:
         Buffered frames are flushed for up to ``timeout_s`` seconds, then the socket is aborted
         (a peer that stopped reading cannot make ``close`` hang).
         """
+        self._closed_here = self._closed_here or not self._closed
         self._shutdown(ConnectionError("connection closed locally"))
         self._report_close()  # a drain under way ends: what is still queued is dropped
         try:
@@ -335,6 +350,7 @@ class Peer:
     def abort(self) -> None:
         """Drop the connection at once (RST where possible), failing pending calls; the one-way
         messages queued (or still being drained after a remote close) are dropped."""
+        self._closed_here = self._closed_here or not self._closed
         self._shutdown(ConnectionError("connection aborted locally"), abort=True)
         self._report_close()
 
