@@ -177,7 +177,7 @@ def cmd_launch(args) -> int:
 def cmd_serve(args) -> int:
     from pdd.launch import Topology
 
-    from pdd.cli_args import seconds_flag, stop_on_sigterm, stopped_status, stopping_message, with_cors_flags
+    from pdd.cli_args import say, seconds_flag, stop_on_sigterm, stopped_status, stopping_message, with_cors_flags
     from pdd.launch import LaunchError
     from pdd.security import SecurityError
     from pdd.topology import ports_taken_refusal
@@ -207,7 +207,7 @@ def cmd_serve(args) -> int:
         _usage(args, missing)
     ensure_model(cfg)
 
-    stop_on_sigterm()  # systemd / docker / k8s stop with SIGTERM: shut down like Ctrl-C (instances waited for)
+    stop_on_sigterm()  # SIGTERM (systemd, docker, k8s) or SIGHUP (its terminal closed): shut down like Ctrl-C
     try:
         topo = Topology(cfg, log_dir=args.log_dir)
     except SecurityError as e:
@@ -229,8 +229,8 @@ def cmd_serve(args) -> int:
     try:
         print(f"pdd ({cfg.mode}) serving at {topo.url}/v1  (logs in {topo.log_dir}); Ctrl-C stops")
         return _supervise(topo)
-    except KeyboardInterrupt as ex:  # Ctrl-C or SIGTERM: 130 / 143 and one line once the instances exited
-        print(stopping_message("pdd serve", ex, cfg.shutdown_timeout_s), file=sys.stderr, flush=True)
+    except KeyboardInterrupt as ex:  # Ctrl-C, SIGTERM or SIGHUP: 130 / 143 / 129, one line once the instances exited
+        say(stopping_message("pdd serve", ex, cfg.shutdown_timeout_s))
         try:
             topo.stop()  # the gateway drains first, then the instances stop
         except KeyboardInterrupt as again:  # a second Ctrl-C / SIGTERM: everything was killed at once

@@ -262,8 +262,8 @@ def out_dir_problem(path, keep: bool, flag: str = "--out") -> str | None:
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM received by a command that :func:`stop_on_sigterm` set up: raised in its main
-    thread like Ctrl-C's KeyboardInterrupt, so its clean-up runs; ``signum`` the signal."""
+    """SIGTERM or SIGHUP received by a command that :func:`stop_on_sigterm` set up: raised in its
+    main thread like Ctrl-C's KeyboardInterrupt, so its clean-up runs; ``signum`` the signal."""
 
     def __init__(self, signum: int):
         super().__init__(f"signal {signum}")
@@ -277,13 +277,17 @@ def stop_on_sigterm() -> None:
     (``Topology.stop``: SIGTERM, then SIGKILL after a grace) before it exits. Python's default
     for SIGTERM ends the process at once: ``pdd demo`` exited while its instances, each in a
     session of its own, still held their ports for ~2 s (until their parent watch saw it), and a
-    demo started right away was refused "port ... already in use". Call from the main thread."""
+    demo started right away was refused "port ... already in use". SIGHUP (the terminal it runs
+    in closed: an ssh session ended, a terminal window shut) does the same: Python's default
+    for it ends the process at once too, so ``pdd serve`` stopped without its gateway's drain and
+    its instances were left to their parent watch. Call from the main thread."""
     import signal
 
     def _term(signum, frame):
         raise Stopped(signum)
 
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGHUP, _term)
 
 
 def stopping_message(prog: str, ex: KeyboardInterrupt, shutdown_timeout_s: float) -> str:
@@ -294,16 +298,32 @@ def stopping_message(prog: str, ex: KeyboardInterrupt, shutdown_timeout_s: float
     import signal
 
     signum = getattr(ex, "signum", signal.SIGINT)
-    again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {signal.Signals(signum).name} (or Ctrl-C)"
+    if signum == signal.SIGINT:
+        again = "Ctrl-C again"
+    elif signum == signal.SIGHUP:  # its terminal is gone: no Ctrl-C to press there
+        again = "SIGTERM (or a second SIGHUP)"
+    else:
+        again = f"a second {signal.Signals(signum).name} (or Ctrl-C)"
     return (f"{prog}: stopping: requests in flight may finish for up to {shutdown_timeout_s:g} s "
             f"(--shutdown-timeout), new ones are refused; {again} stops at once")
 
 
 def stopped_status(prog: str, ex: KeyboardInterrupt) -> int:
-    """For a command stopped by Ctrl-C or SIGTERM once its clean-up ran: one line on stderr
-    saying so, and the shell's status for the signal (130 for SIGINT, 143 for SIGTERM)."""
+    """For a command stopped by Ctrl-C, SIGTERM or SIGHUP once its clean-up ran: one line on
+    stderr saying so (:func:`say`), and the shell's status for the signal (130 for SIGINT, 143
+    for SIGTERM, 129 for SIGHUP)."""
     import signal
 
     signum = getattr(ex, "signum", signal.SIGINT)
-    print(f"{prog}: stopped by {signal.Signals(signum).name}; its instances have exited", file=sys.stderr)
+    say(f"{prog}: stopped by {signal.Signals(signum).name}; its instances have exited")
     return 128 + signum
+
+
+def say(line: str) -> None:
+    """Print ``line`` on stderr if it can be written: after SIGHUP the terminal may be gone, and
+    a write to a hung-up terminal fails (EIO), which must not cut the stop short with a
+    traceback nor change its exit status."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # EIO, EPIPE; a closed stream
+        pass

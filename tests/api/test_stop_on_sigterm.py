@@ -153,6 +153,69 @@ def test_a_second_sigterm_during_the_gateway_drain_stops_serve_at_once(tmp_path)
         owner.wait()
 
 
+def test_sighup_stops_serve_with_the_gateways_drain_as_sigterm_does(tmp_path):
+    """SIGHUP (the terminal ``pdd serve`` runs in closed) stops it in SIGTERM's order: the gateway
+    is sent SIGTERM (its drain) and waited for, then serve exits 129 with one line. Before,
+    Python's default for SIGHUP ended serve at once: no drain, the instances left to their
+    parent watch."""
+    owner, pid = _owner("serve", "slow", tmp_path, name="gateway")
+    try:
+        owner.send_signal(signal.SIGHUP)
+        assert owner.wait(timeout=60) == 128 + signal.SIGHUP
+        assert not _alive(pid)
+        err = owner.stderr.read().decode()
+        assert "Traceback" not in err, err
+        assert err.splitlines()[0] == ("pdd serve: stopping: requests in flight may finish for up to 30 s "
+                                       "(--shutdown-timeout), new ones are refused; SIGTERM (or a second SIGHUP) "
+                                       "stops at once"), err
+        assert "instance got SIGTERM" in err.splitlines()  # the gateway's drain was asked for
+        assert err.splitlines()[-1] == "pdd serve: stopped by SIGHUP; its instances have exited", err
+    finally:
+        _kill_all([pid])
+        owner.kill()
+        owner.wait()
+
+
+def test_a_terminal_hang_up_stops_serve_with_the_drain(tmp_path):
+    """The real thing: ``pdd serve`` on a terminal (a pty it controls) that hangs up. The kernel
+    sends it SIGHUP, and every later write to the terminal fails (EIO): serve still stops its
+    gateway first and waits for it, and exits 129 (its lines to the dead terminal are dropped,
+    not a traceback and exit 1)."""
+    import fcntl
+    import pty
+    import termios
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
+    master, slave = pty.openpty()
+
+    def controlling_terminal():  # a session of its own whose controlling terminal is the pty
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, "serve", "slow", CHILD, str(tmp_path / "out"), "gateway"],
+                             stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=controlling_terminal)
+    os.close(slave)
+    pid = None
+    try:
+        seen, deadline = b"", time.monotonic() + 60
+        while b"topology up " not in seen or not seen.split(b"topology up ", 1)[1].count(b"\n"):
+            assert owner.poll() is None and time.monotonic() < deadline, seen
+            if select.select([master], [], [], 0.2)[0]:
+                seen += os.read(master, 65536)
+        pid = int(seen.split(b"topology up ", 1)[1].split()[0])
+        os.close(master)  # the terminal hangs up
+        master = None
+        assert owner.wait(timeout=60) == 128 + signal.SIGHUP
+        assert not _alive(pid)  # stopped and reaped by serve before it exited
+    finally:
+        if master is not None:
+            os.close(master)
+        _kill_all([pid] if pid else [])
+        owner.kill()
+        owner.wait()
+
+
 class _Served:
     """A Topology for ``pdd serve`` that starts nothing (the test's port range: 9270..9369, 9380)."""
 

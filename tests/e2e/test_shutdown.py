@@ -97,13 +97,15 @@ def test_a_stream_in_flight_at_stop_finishes_on_live_instances_and_new_requests_
         topo.stop()
 
 
-def test_timeout_0_ends_a_stream_with_the_error_event_and_frees_every_page(small_model, tmp_path):
+# SIGHUP: a `pdd launch --role gateway` whose terminal closed drains as on SIGTERM
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_timeout_0_ends_a_stream_with_the_error_event_and_frees_every_page(signum, small_model, tmp_path):
     topo = Topology(_cfg(small_model, 0.0), log_dir=tmp_path / "logs")
     topo.start()
     try:
         s = RawStream(topo.url, topo.cfg.served_model_name, k=3)
         assert s.after.wait(60) and len(s.tokens) >= 3 and not s.done.is_set(), (s.error, s.events[-2:])
-        topo.kill("gateway", signal.SIGTERM)  # the gateway alone: the instances hold what it left behind
+        topo.kill("gateway", signum)  # the gateway alone: the instances hold what it left behind
         assert s.done.wait(60) and s.error is None and s.status == 200
         assert len(s.tokens) < MAX_TOKENS
         assert json.loads(s.events[-2]) == error_body(expired_message(0), etype="server_error")

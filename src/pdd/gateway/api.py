@@ -1068,9 +1068,10 @@ def http_server_config(cfg: ClusterConfig, app):
 
 async def serve_gateway(cfg: ClusterConfig, lay) -> None:
     """Run the gateway process: connect to every tier, then serve HTTP; print ``READY gateway``.
-    The first SIGTERM or SIGINT drains (:mod:`pdd.gateway.shutdown`: new requests refused, those
-    in flight finish within ``shutdown_timeout_s`` or are ended with an error), then the server
-    stops and this returns; a second one meanwhile stops the server at once."""
+    The first SIGTERM, SIGINT or SIGHUP (a ``pdd launch --role gateway`` whose terminal closed)
+    drains (:mod:`pdd.gateway.shutdown`: new requests refused, those in flight finish within
+    ``shutdown_timeout_s`` or are ended with an error), then the server stops and this returns; a
+    second one meanwhile stops the server at once."""
     import asyncio
     import signal
 
@@ -1117,14 +1118,14 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
             server.should_exit = True
 
     def _stop():
-        """The first SIGTERM / SIGINT drains (pdd.gateway.shutdown), a second stops at once."""
+        """The first SIGTERM / SIGINT / SIGHUP drains (pdd.gateway.shutdown), a second stops at once."""
         if drain.draining:
             server.should_exit = server.force_exit = True
             return
         drain.begin(orch)
         drained.append(loop.create_task(_drain_then_exit()))
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         try:
             loop.add_signal_handler(sig, _stop)
         except NotImplementedError:
