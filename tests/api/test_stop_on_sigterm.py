@@ -160,6 +160,7 @@ def test_sighup_stops_serve_with_the_gateways_drain_as_sigterm_does(tmp_path):
     parent watch."""
     owner, pid = _owner("serve", "slow", tmp_path, name="gateway")
     try:
+        assert owner.stdout.readline().decode().startswith("pdd (pdd) serving at ")  # started: the drain's path
         owner.send_signal(signal.SIGHUP)
         assert owner.wait(timeout=60) == 128 + signal.SIGHUP
         assert not _alive(pid)
