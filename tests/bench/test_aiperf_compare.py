@@ -20,8 +20,10 @@ DATA = Path(__file__).parent / "data" / "aiperf-0.13"
 
 
 def _trace(path: Path, n: int = 8) -> Path:
-    recs = [{"timestamp": 1000 * i, "input_length": 40 + 4 * i, "output_length": 300 + 50 * i,
-             "hash_ids": [0, 100 + i // 2] + list(range(200 + 10 * i, 200 + 10 * i + i % 3))} for i in range(n)]
+    """Records of 2-4 hash ids, each with the 512-token blocks its ids name (its last one short)."""
+    hids = [[0, 100 + i // 2] + list(range(200 + 10 * i, 200 + 10 * i + i % 3)) for i in range(n)]
+    recs = [{"timestamp": 1000 * i, "input_length": 512 * (len(h) - 1) + 40 + 4 * i, "output_length": 300 + 50 * i,
+             "hash_ids": h} for i, h in enumerate(hids)]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
 

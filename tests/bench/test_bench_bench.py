@@ -180,9 +180,11 @@ def test_bench_sweep_on_flushed_caches_when_the_trace_ends(tmp_path, server_url)
     FakeTopology.started.clear()
     FakeTopology.events.clear()
     trace = tmp_path / "t.jsonl"
-    # two conversations of three turns (hash_ids[1] is the conversation key) and a one-block record
-    recs = [{"timestamp": 100.0 * i, "input_length": 8 + 4 * (i // 2), "output_length": 300,
-             "hash_ids": [1, 10 + i % 2] + [100 * (i % 2) + k for k in range(i // 2 + 1)]} for i in range(6)]
+    # two conversations of three turns (hash_ids[1] is the conversation key), each record with the
+    # 512-token blocks its ids name, and a one-block record
+    hids = [[1, 10 + i % 2] + [100 * (i % 2) + k for k in range(i // 2 + 1)] for i in range(6)]
+    recs = [{"timestamp": 100.0 * i, "input_length": 512 * (len(h) - 1) + 8, "output_length": 300, "hash_ids": h}
+            for i, h in enumerate(hids)]
     recs.append({"timestamp": 700.0, "input_length": 4, "output_length": 300, "hash_ids": [9]})
     trace.write_text("".join(json.dumps(r) + "\n" for r in recs))
     report = run_bench(tmp_path / "b", ("pdd",), 7, SCALE, cfg, trace=trace, slo={"ttft_ms": 20_000, "tpot_ms": 10_000},

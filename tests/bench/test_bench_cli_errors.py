@@ -364,6 +364,12 @@ def test_exit_status_counts_modes_without_a_completed_request():
     # numpy seeds a block's tokens from its id: a negative one ended the run with numpy's own
     # "expected non-negative integer" (a new user's trace; `pdd sim run` took it)
     ({"hash_ids": [1, -5]}, ["'hash_ids' must be a list of integers >= 0, got [1, -5]"]),
+    # one id per 512-token block: extra ids made replay's prompt longer than input_length (each id
+    # gets at least one token of its block: 5 ids on 100 tokens replayed 65 tokens, not 3)
+    ({"input_length": 100, "hash_ids": [1, 2, 3, 4, 5]},
+     ["'hash_ids' has 5 ids, more than the 1 512-token block(s) of its 'input_length' 100 (one id per block)"]),
+    ({"input_length": 1024, "hash_ids": [1, 2, 3]},
+     ["'hash_ids' has 3 ids, more than the 2 512-token block(s) of its 'input_length' 1024 (one id per block)"]),
 ])
 def test_names_the_file_line_and_field_of_a_bad_trace_value(capsys, tmp_path, no_run, rec, names):
     """A record with all four fields but an unusable value was accepted by the checks and failed

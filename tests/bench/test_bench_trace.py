@@ -209,3 +209,27 @@ def test_fit_scale_refuses_no_prompt_room_and_blocks_longer_than_the_cap():
         fit_scale(Scale(block_tokens=905, max_output_tokens=96), cfg, 5, 0)
     with pytest.raises(ValueError, match=r"^--block-tokens 10 exceeds the prompt cap of 9 tokens"):
         fit_scale(Scale(block_tokens=10, max_input_tokens=9), cfg, 5, 0)
+
+
+def test_ids_up_to_one_per_block_load_and_replay_at_their_length(tmp_path):
+    """One id per 512-token block (the last partial) or none load, and replay at
+    ``input_length`` scaled (16 tokens a block); the whole shared trace has one id per block
+    (12,031 records) and loads. More ids than blocks are refused at load
+    (tests/bench/test_bench_cli_errors.py, ``pdd sim run`` alike: ``records.read_trace``)."""
+    t = tmp_path / "t.jsonl"
+    recs = [rec(0, 513, 10, [1, 2]), rec(0, 1024, 10, [1, 2]), rec(0, 100, 10, [3]), rec(0, 64, 10, [])]
+    t.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert load_trace(t) == recs
+    reqs = build_requests(t, Scale(block_tokens=16), TS)
+    # 513 tokens: 16 + 1 (one token of the second block, so its id is represented)
+    assert [len(r.prompt_ids) for r in reqs] == [17, 32, 3, 2]
+    assert len(load_trace(DEFAULT_TRACE)) == 12031
+
+
+def test_more_ids_than_blocks_are_refused_naming_the_file_line_and_field(tmp_path):
+    t = tmp_path / "t.jsonl"
+    t.write_text(json.dumps(rec(0, 600, 10, [1, 2])) + "\n" + json.dumps(rec(5, 100, 10, [1, 2, 3, 4, 5])) + "\n")
+    with pytest.raises(ValueError) as e:
+        build_requests(t, Scale(block_tokens=16), TS)
+    assert str(e.value) == (f"{t}, line 2: 'hash_ids' has 5 ids, more than the 1 512-token block(s) of its "
+                            f"'input_length' 100 (one id per block)")

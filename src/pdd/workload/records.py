@@ -43,7 +43,11 @@ def _bad_field(rec: dict) -> str | None:
     """Why a record's values are unusable (None when they are fine): ``timestamp`` a finite
     number of ms >= 0 (since the trace's start; their order is not checked), ``input_length``
     an integer 1..:data:`MAX_TRACE_TOKENS`, ``output_length`` an integer 0..MAX_TRACE_TOKENS,
-    ``hash_ids`` a list of integers >= 0.
+    ``hash_ids`` a list of integers >= 0, at most one per ``BLOCK``-token block of the prompt
+    (``ceil(input_length / 512)``: the format's one id per block; fewer, or none, are taken as
+    they are). Replay represents every id of a record by at least one token of its block
+    (:meth:`pdd.workload.replay.Scale.input_tokens`), so extra ids made the prompt silently longer
+    than ``input_length`` (5 ids on a 100-token record: 65 tokens instead of 3 at 16 tokens a block).
     Without this check a bad value failed later, in whatever used it, with a message naming
     neither the file, the line nor the field (``pdd bench``: "could not convert string to float:
     'x'")."""
@@ -60,6 +64,10 @@ def _bad_field(rec: dict) -> str | None:
         # a negative id seeded its token block through numpy, whose "expected non-negative
         # integer" was all `pdd bench` said (no file, line or field)
         return f"'hash_ids' must be a list of integers >= 0, got {h!r}"[:200]
+    blocks = -(-rec["input_length"] // BLOCK)
+    if len(h) > blocks:
+        return (f"'hash_ids' has {len(h)} ids, more than the {blocks} {BLOCK}-token block(s) of its 'input_length' "
+                f"{rec['input_length']} (one id per block)")
     return None
 
 
