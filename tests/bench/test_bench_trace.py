@@ -233,3 +233,16 @@ def test_more_ids_than_blocks_are_refused_naming_the_file_line_and_field(tmp_pat
         build_requests(t, Scale(block_tokens=16), TS)
     assert str(e.value) == (f"{t}, line 2: 'hash_ids' has 5 ids, more than the 1 512-token block(s) of its "
                             f"'input_length' 100 (one id per block)")
+
+
+def test_fewer_ids_than_blocks_keep_the_prompt_length_with_a_tail_of_its_own():
+    """A record with fewer hash ids than 512-token blocks replays at ``input_length`` scaled (the
+    simulator counts it so too: ``sim.request.SimRequest.prompt``); its ids' blocks are shared,
+    the blocks past them its own. It was cut to its ids' blocks: 2,048 tokens with one id
+    replayed 16 tokens instead of 64."""
+    recs = [rec(0, 2048, 10, [7]), rec(0, 2048, 10, [7]), rec(0, 512, 10, [7])]
+    a, b, c = build_requests(recs, Scale(block_tokens=16), TS)
+    assert [len(r.prompt_ids) for r in (a, b, c)] == [64, 64, 16]
+    assert a.hash_ids == (7,) and a.prompt_ids[:16] == b.prompt_ids[:16] == c.prompt_ids
+    assert common_prefix(a.prompt_ids, b.prompt_ids) < 17  # the tails are each record's own
+    assert ideal_prefix_hits([a, b, c], page_size=1) == [0, 16, 16]

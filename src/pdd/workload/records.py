@@ -44,8 +44,8 @@ def _bad_field(rec: dict) -> str | None:
     number of ms >= 0 (since the trace's start; their order is not checked), ``input_length``
     an integer 1..:data:`MAX_TRACE_TOKENS`, ``output_length`` an integer 0..MAX_TRACE_TOKENS,
     ``hash_ids`` a list of integers >= 0, at most one per ``BLOCK``-token block of the prompt
-    (``ceil(input_length / 512)``: the format's one id per block; fewer, or none, are taken as
-    they are). Replay represents every id of a record by at least one token of its block
+    (``ceil(input_length / 512)``: the format's one id per block; with fewer, or none, the
+    blocks past them are the record's own, shared with no other prompt). Replay represents every id of a record by at least one token of its block
     (:meth:`pdd.workload.replay.Scale.input_tokens`), so extra ids made the prompt silently longer
     than ``input_length`` (5 ids on a 100-token record: 65 tokens instead of 3 at 16 tokens a block).
     Without this check a bad value failed later, in whatever used it, with a message naming

@@ -109,11 +109,14 @@ class Scale:
     # ---- per-record math (pure, exposed for tests and the simulator) ----
 
     def input_tokens(self, input_length: int, n_blocks: int) -> int:
-        """Scaled prompt length in tokens for a record of ``input_length`` tokens / ``n_blocks`` blocks."""
+        """Scaled prompt length in tokens for a record of ``input_length`` tokens and ``n_blocks``
+        hash ids: ``input_length`` x ``block_tokens`` / 512, rounded, at least one token of each
+        id's block (so every id is represented). Fewer ids than the prompt's 512-token blocks do
+        not shorten it: the blocks past them are the record's own (:func:`build_requests`)."""
         bt = self.block_tokens
         n = max(1, round(input_length * bt / TRACE_BLOCK_TOKENS))
         if n_blocks > 0:
-            n = min(max(n, (n_blocks - 1) * bt + 1), n_blocks * bt)
+            n = max(n, (n_blocks - 1) * bt + 1)
         if self.max_input_tokens is not None and n > self.max_input_tokens:
             n = capped_prompt_tokens(self.max_input_tokens, bt)
         return n
@@ -293,8 +296,8 @@ def build_requests(
             first_seen.setdefault((parent, blk[0]), h)
             prompt.extend(blk)
             parent = h
-        if not used:  # a record without hash ids: a private random prompt
-            prompt = block_token_ids((1 << 64) + indices[i], n_in, tokens, seed)
+        if len(prompt) < n_in:  # no hash ids, or fewer than its blocks: the rest is its own, shared by none
+            prompt.extend(block_token_ids((1 << 64) + indices[i], n_in - len(prompt), tokens, seed))
         del prompt[n_in:]
         out.append(
             ReplayRequest(
