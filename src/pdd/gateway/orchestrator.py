@@ -359,14 +359,18 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         """Try once to reach a restarted instance again (it rejoins without restarting the rest).
         The new connection replaces the closed one only if that is still the instance's: one
         removed meanwhile (``Membership.remove``), or connected again by an add, is left as it
-        is and the new connection closed, so a removal need not wait for a reconnect under way.
-        An old connection still draining (closed by the instance; the one-way messages read
+        is and the new connection closed, so a removal need not wait for a reconnect under way;
+        one asked for an instance with no connection at all (removed before it was asked: a
+        recovery routed during the removal asks for each MD of the layout it read) connects
+        nothing, so a removed instance never comes back into ``peers``. An old connection still draining (closed by the instance; the one-way messages read
         before, e.g. its last tokens, still being handled: ``Peer.draining``) is waited for first,
         at most its ``drain_timeout_s``: its close reported, :meth:`_peer_closed` declares its
         requests lost before a new connection replaces it (and would make it skip them)."""
         if name in self._reconnecting:
             return
         old = self.peers.get(name)
+        if old is None:  # no connection to replace: removed (or never added); it stays out
+            return
         self._reconnecting.add(name)
         try:
             if old is not None and getattr(old, "draining", False):
