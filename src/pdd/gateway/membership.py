@@ -370,8 +370,13 @@ class Membership:
 
     async def drain(self, name: str, force: bool = False, remove_when_idle: bool = False) -> dict:
         """Stop routing new requests to ``name``; requests in flight finish there. With
-        ``remove_when_idle`` it is removed (:meth:`remove`) once nothing is in flight."""
+        ``remove_when_idle`` it is removed (:meth:`remove`) once nothing is in flight. Raises
+        MembershipError: 404 no such instance, 409 not a member, the role's last active one
+        (unless ``force``), or an add, remove or re-role of it under way."""
         m = self._get(name)
+        if name in self._busy_ops:  # a re-role's own drain would be undone as it ends (active again)
+            raise MembershipError(409, f"instance {name} is being changed now (an add, remove or re-role): retry "
+                                       f"once that has answered", "name", "conflict")
         d = decide("drain", name, m.role, m.state, others_active=self._others_active(m), force=force)
         if not d.ok:
             raise MembershipError(d.status, d.message, "name", "conflict")

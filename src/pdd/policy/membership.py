@@ -31,7 +31,8 @@ nothing is in flight there, and it is ``active`` again in the new role. Refused 
 
 - 403 when the config does not list the instance (``rerole``), or it is not in datacenter A;
 - 400 when the target role is not ``relay_decode`` / ``main_decode``;
-- 409 when it is not a member (standby, removed), is being drained for another reason, or is
+- 409 when it is not a member (standby, removed; also to the role it has), is being drained for
+  another reason, or is
   the last active instance of its current role (unless force: a pdd topology serves without an
   RLD, P->MD, but an operator should say so);
 - ``changed=False`` (200, nothing to do) when it already has that role.
@@ -124,6 +125,8 @@ def decide_rerole(name: str, role: str, to: str, state: str, dc: str, *, allowed
     if dc != "A":
         return RoleDecision(False, False, 403, f"instance {name} is in datacenter {dc}: only an instance in A "
                                                f"changes role (an RLD's duty is the fast path next to P)")
+    if state in (STANDBY, REMOVED):  # no member: refused whatever the role asked (its slot's too)
+        return RoleDecision(False, False, 409, f"instance {name} is {state}: only an active member changes role")
     if to == role:
         return RoleDecision(True, False, 200, f"instance {name} is already {to}")
     if state != ACTIVE:
