@@ -257,7 +257,11 @@ class Membership:
         return m
 
     def _others_active(self, m: Member) -> int:
-        return sum(1 for x in self.members.values() if x.role == m.role and x.name != m.name and x.state == ACTIVE)
+        """The other active instances of ``m``'s role: one being removed (its cache flush
+        awaited, still ``active`` until it is done) is not, so two overlapping removals (or a
+        removal and a drain) cannot take a role's last instances out of service without force."""
+        return sum(1 for x in self.members.values()
+                   if x.role == m.role and x.name != m.name and x.state == ACTIVE and x.name not in self._removing)
 
     def _slot_for(self, role: str, name: str | None, address: str | None) -> Member:
         roles = sorted({m.role for m in self.members.values()})
