@@ -72,6 +72,19 @@ START_TIMEOUT_S = 120.0  # an instance the gateway starts must print READY withi
 EVENTS_KEPT = 200
 
 
+def join_budget_s(retries: int, dead_after_s: float, backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> float:
+    """Seconds a join (an add of an instance already running) is given in all: the back-off
+    between its ``retries`` + 1 connect attempts (``pdd.transfer.client.connect``: ``backoff_s``
+    doubling up to ``max_backoff_s``) plus ``dead_after_s`` (liveness) once, for an instance that
+    accepts connections but never answers (stopped, hung, behind a WAN outage), where each
+    attempt would otherwise wait out its own 10 s handshake timeout."""
+    total, delay = 0.0, backoff_s
+    for _ in range(retries):
+        total += delay
+        delay = min(delay * 2, max_backoff_s)
+    return total + dead_after_s
+
+
 class MembershipError(Exception):
     """A refused operation: HTTP ``status`` with an OpenAI-style error body."""
 
@@ -138,6 +151,8 @@ class Membership:
         self._removing: set[str] = set()  # names being removed: routed nothing from the removal's start
         self._watchers: dict[str, asyncio.Task] = {}
         self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
+        lv = getattr(getattr(orch, "cfg", None), "liveness", None)
+        self.join_timeout_s = join_budget_s(JOIN_RETRIES, lv.dead_after_s if lv is not None else 5.0)
         orch.membership = self
         self._sync_layout()
         reg = getattr(getattr(orch, "metrics", None), "registry", None)
@@ -361,9 +376,19 @@ class Membership:
 
     async def _reach(self, m, retries: int):
         """Connect to the instance being added (``retries``: see JOIN_RETRIES); raises the connect
-        error, or ConnectionError at once when a process the gateway started has exited."""
+        error, ConnectionError at once when a process the gateway started has exited, or
+        TimeoutError when one already running (a join) has not answered within
+        ``join_timeout_s`` (:func:`join_budget_s`)."""
         conn = asyncio.ensure_future(self.orch._connect(m.name, retries=retries))
         proc = getattr(m, "proc", None)
+        if proc is None:
+            try:
+                return await asyncio.wait_for(conn, self.join_timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                if conn.done() and not conn.cancelled() and conn.exception() is not None:
+                    raise conn.exception() from None  # the connect's own timeout error
+                raise TimeoutError(f"no connection to it answered the handshake within "
+                                   f"{self.join_timeout_s:g} s") from None
         while proc is not None and not conn.done():
             await asyncio.wait({conn}, timeout=0.5)
             code = proc.poll() if hasattr(proc, "poll") else None
