@@ -301,7 +301,7 @@ class Membership:
                                            f"({holder.state})", "address", "duplicate_address")
         if name is not None:
             m = self._get(name)
-            if m.role != role:
+            if role not in (m.role, self.full.get(name).role):  # its role now (re-roled) or its slot's
                 raise MembershipError(400, f"instance {name} is a {m.role} slot, not {role}", "role", "role_mismatch")
             if want is not None and want not in (int(m.address.rsplit(":", 1)[1]), int(m.reached_at.rsplit(":", 1)[1])):
                 raise MembershipError(409, f"address {shown(address)} is not instance {name}'s ({m.address}; every "
