@@ -178,3 +178,16 @@ def test_a_stalled_transfer_s_remaining_time_does_not_run_down_to_zero():
     assert inflight_remaining_s(40_000_000, 1_000_000, 0.05, 10.0) == pytest.approx(5.74, abs=1e-9)
     assert should_cut_off(True, False, inflight_remaining_s(40_000_000, 1_000_000, 0.05, 10.0), 0.5) is True
     assert inflight_remaining_s(40_000_000, 1_000_000, 0.05, 10.0, report_interval_s=2.0) == pytest.approx(4.24, abs=1e-9)
+
+
+def test_progress_report_is_due_once_an_interval_passed_with_bytes_since():
+    """MD's ``kv_progress`` (runtime and simulator alike): the bytes in and the rate since the
+    previous report, once ``interval_s`` passed since it and bytes came since; else None."""
+    from pdd.policy.wan_estimate import progress_report
+
+    assert progress_report(10.0, 1_000_000, 10.5, 1_250_000) == (1_250_000, 0.004)  # 250 kB in 0.5 s
+    assert progress_report(10.0, 1_000_000, 12.0, 1_250_000) == (1_250_000, 0.001)  # a stall: the rate since the mark
+    assert progress_report(10.0, 1_000_000, 10.4, 1_250_000) is None  # under one interval
+    assert progress_report(10.0, 1_000_000, 11.0, 1_000_000) is None  # nothing came since
+    assert progress_report(10.0, 0, 10.0, 5, interval_s=0.0) is None  # no time passed
+    assert progress_report(0.0, 0, 0.1, 125_000, interval_s=0.1) == (125_000, 0.01)

@@ -104,12 +104,14 @@ def test_cutoff_only_for_long_remainders(monkeypatch):
 
     monkeypatch.setattr(pol_cutoff, "should_cut_off", spy)
     keep = ClusterSim(cfg.replace(cutoff_min_remaining_s=0.5)).run(rec)
-    (rld_fin, kv_done, remaining, min_s), = seen
+    (rld_fin, kv_done, remaining, min_s), again = seen
     req = keep.reqs[0]
     planned_s = 60000 * 131072 * 8 / 100e9
     assert rld_fin and not kv_done and min_s == 0.5
     assert 0 < remaining < 0.5
     assert remaining == pytest.approx(planned_s - (req.t_done - req.t_prefill_done), abs=1e-3)
+    # let through, then checked again on MD's first progress report (0.5 s of the line's 12.5 GB/s in)
+    assert again[2] == pytest.approx(planned_s - 0.5, rel=1e-9) and again[2] < 0.5
     assert keep.cutoffs == 0 and keep.wan.bytes_sent == pytest.approx(60000 * 131072)
     assert all(not i.private for t in keep.tiers.values() for i in t)
     cut = ClusterSim(cfg.replace(cutoff_min_remaining_s=0.0)).run(rec)

@@ -229,3 +229,27 @@ def test_sim_run_reads_the_configs_engine_and_tiers(tmp_path, capsys):
     rec = [{"timestamp": 0.0, "input_length": 5000, "output_length": 10, "hash_ids": list(range(10))}]
     with pytest.raises(RequestTooLarge):
         ClusterSim(cfg).run(rec)
+
+
+def test_a_tracked_flow_s_bytes_over_time_follow_the_line_s_rate():
+    """``Line.sent_at``: a tracked flow's bytes on the line at any past time, linear between the
+    line's events (at each its rate changed), the current rate after the last; MD's progress
+    reports read it (``ClusterSim.md_progress``)."""
+    from pdd.sim.cluster import ClusterSim, Line, SimConfig
+
+    sim = ClusterSim(SimConfig(mode="cross_dc_pd", n_p=1, n_md=1))
+    line = Line(sim, "x", 8.0, 0.01, "ps", cross=((1.0, 6.0),))  # 1 GB/s, 0.25 GB/s from t = 1 s
+    a = line.send("a", 2e9, lambda: None, track=True)
+    b = line.send("b", 1e9, lambda: None)
+    assert b.hist_t is None and line.n_tracked == 1
+    sim.env.run(until=1.5)
+    assert line.sent_at(a, 0.0) == 0.0
+    assert line.sent_at(a, 0.5) == pytest.approx(0.25e9)  # half the line while b shares it
+    assert line.sent_at(a, 1.0) == pytest.approx(0.5e9)
+    assert line.sent_at(a, 1.5) == pytest.approx(0.5e9 + 0.0625e9)  # half of 0.25 GB/s
+    assert line.first_sent_s(a) == 0.0
+    sim.env.run()
+    assert a.done and line.n_tracked == 0
+    assert line.sent_at(a, a.t_end + 5.0) == pytest.approx(2e9)
+    with pytest.raises(ValueError, match="not tracked"):
+        line.sent_at(b, 0.5)

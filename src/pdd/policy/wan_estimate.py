@@ -182,6 +182,22 @@ def inflight_remaining_s(total_bytes: float, done_bytes: float, gbps: float, age
     return max(0.0, left * 8.0 / (gbps * 1e9) - min(max(0.0, age_s), max(0.0, report_interval_s)))
 
 
+def progress_report(mark_s: float, mark_bytes: float, now_s: float, total_bytes: float,
+                    interval_s: float = KV_PROGRESS_INTERVAL_S) -> tuple[float, float] | None:
+    """A receiver's progress report of one transfer (MD's ``kv_progress``) on a frame's arrival at
+    ``now_s``: ``total_bytes`` received so far; the previous report (or the first frame's arrival)
+    was at ``mark_s`` with ``mark_bytes`` received (seconds on one clock, payload bytes). Due once
+    ``interval_s`` seconds passed since the mark and bytes arrived since: ``(total_bytes, gbps)``
+    with ``gbps = (total_bytes - mark_bytes) * 8 / (now_s - mark_s) / 1e9`` (the rate since the
+    mark; the report is the next mark); else None. The runtime's MD
+    (``roles.base.EngineInstance.kv_progress``) and the simulated one (``pdd.sim.cluster``) both
+    report with it; :func:`inflight_remaining_s` reads the report."""
+    dt = now_s - mark_s
+    if dt <= 0 or dt < interval_s or total_bytes <= mark_bytes:
+        return None
+    return total_bytes, (total_bytes - mark_bytes) * 8 / dt / 1e9
+
+
 def queued_bytes(planned_bytes, oldest_elapsed_s: float, gbps: float) -> float:
     """Bytes still queued to a peer, from the transfers in flight to it: their planned payload
     bytes (``planned_bytes``, an iterable) less what the line can have carried since the oldest

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pdd.config import ClusterConfig
 from pdd.metrics import kv_pages
-from pdd.policy.wan_estimate import KV_PROGRESS_INTERVAL_S
+from pdd.policy.wan_estimate import KV_PROGRESS_INTERVAL_S, progress_report
 from pdd.roles.worker import EngineWorker
 from pdd.topology import InstanceSpec, Layout
 from pdd.security import link_security
@@ -551,12 +551,12 @@ class EngineInstance:
             return None
         now = time.perf_counter() if now is None else now
         t0, b0 = mark
-        dt = now - t0
         total = int(ctx.extra["kv_total"])
-        if dt <= 0 or dt < interval_s or total <= b0:
+        rep = progress_report(t0, b0, now, total, interval_s)
+        if rep is None:
             return None
         ctx.extra["kv_mark"] = (now, total)
-        return KvProgress(ctx.rid, total, (total - b0) * 8 / dt / 1e9)
+        return KvProgress(ctx.rid, total, rep[1])
 
     def kv_rate_sample_gbps(self, ctx: ReqCtx, min_bytes: int = 256 * 1024, wait_s: float = 0.0) -> float | None:
         """Receive rate of this request's KV, Gbit/s: bytes of the frames after the first over the

@@ -53,6 +53,7 @@ import pdd.policy.pipeline as pol_pipeline
 import pdd.policy.routing as pol_routing
 import pdd.policy.siblings as pol_siblings
 import pdd.policy.tcp_model as tcp_model
+import pdd.policy.wan_estimate as pol_west
 import pdd.policy.wan_order as pol_wan
 from pdd.policy.prefix_index import PrefixIndex
 from pdd.policy.wan_estimate import WanEstimate, queued_bytes
@@ -127,6 +128,7 @@ class ClusterSim:
         self.pipelines: dict[str, int] = {}
         self.handoffs: dict[str, int] = {}
         self.cutoffs = 0
+        self.late_cutoffs = 0  # of them, let through when RLD finished, cut off on MD's later progress report
         self.wan_saved_bytes = 0.0
         self.md_predicted_sends = 0  # relayed requests whose MD send started from the prediction
         self.md_predicted_short = 0  # ... whose MD matched less by the time the reservation reached it
@@ -231,6 +233,80 @@ class ClusterSim:
         elapsed = self.env.now - req.t_prefill_done if req.t_prefill_done is not None else 0.0
         return pol_handoff.early_handoff_delay_s(req.md_missing * self._wan_kvb(req),
                                                  self.wan_gbps_estimate(), elapsed)
+
+    # --- MD's progress reports of a relayed request's KV (the runtime's kv_progress) -------------
+    def _md_kv_bytes(self, req: "Req", t: float) -> float:
+        """Payload bytes of ``req``'s KV (its send and fill) that had left P on the line by line
+        time ``t``: MD has them one line delay later."""
+        b = self.wan.sent_at(req.wan_flow, t)
+        f = req.fill_flow
+        if f is not None and f.hist_t is not None:
+            b += self.wan.sent_at(f, t)
+        return b
+
+    def md_progress(self, req: "Req") -> "tuple[float, float, float] | None":
+        """MD's last ``kv_progress`` of ``req``'s WAN transfer that has reached the gateway by now:
+        (when it reached the gateway, payload bytes MD had, their rate lately in Gbit/s), or None
+        (none yet, or the transfer is not tracked: not relayed, or ``cutoff`` off).
+
+        As the runtime's MD (``roles.base.EngineInstance.kv_progress``, the same
+        ``policy.wan_estimate.progress_report``): the first frame's arrival is the first mark, and
+        each ``KV_PROGRESS_INTERVAL_S`` after it MD reports the bytes it has, at the rate since the
+        previous report, when bytes came since (a point at which none came is skipped: the mark
+        stays). The points are the interval's grid from the first frame (live, a report comes with
+        the first frame after the interval: after a stall, at the frame that ends it). Bytes at a
+        point are those the simulated line had sent one line delay before it (:meth:`Line.sent_at`);
+        the report reaches the gateway :attr:`md_owd` later. Reports end with the transfer."""
+        f = req.wan_flow
+        if f is None or f.hist_t is None:
+            return None
+        line = self.wan
+        first = line.first_sent_s(f)
+        if first is None:
+            return None
+        end = self._progress_end(req)
+        lag = line.owd + self.md_owd  # the line's send time of a byte -> MD's report of it at the gateway
+        until = self.env.now - lag + 1e-9  # a report due now counts (the clock's rounding)
+        interval = pol_west.KV_PROGRESS_INTERVAL_S
+        mark_k, mark_b = 0, 0.0  # the mark: its grid point (intervals after the first frame), bytes
+        last = None
+        k = 1
+        while True:
+            t = first + k * interval
+            if t > until or (end is not None and t > end):
+                return last
+            b = self._md_kv_bytes(req, t)
+            # on the grid's own clock, so an interval is one exactly (not first + k * interval rounded)
+            rep = pol_west.progress_report(0.0, mark_b, (k - mark_k) * interval, b, interval)
+            if rep is not None:
+                last = (t + lag, rep[0], rep[1])
+                mark_k, mark_b = k, b
+            k += 1
+
+    def _progress_end(self, req: "Req") -> "float | None":
+        """When the last of ``req``'s tracked sends left the line (MD's reports end there), or None
+        while one is still on it."""
+        flows = [x for x in (req.wan_flow, req.fill_flow) if x is not None and x.hist_t is not None]
+        return max(x.t_end for x in flows) if all(x.t_end is not None for x in flows) else None
+
+    def cutoff_remaining_wan_s(self, req: "Req") -> float:
+        """Seconds left of ``req``'s WAN transfer as the gateway's cut-off reads them
+        (``gateway.wan_booking._cutoff_remaining_wan_s``): from MD's last progress report
+        (:meth:`md_progress`) the bytes left at the transfer's own rate less the report's age up
+        to one report interval (``policy.wan_estimate.inflight_remaining_s``); before MD's first
+        report, :meth:`remaining_wan_s` (the estimate of finished transfers)."""
+        p = self.md_progress(req)
+        if p is None:
+            return self.remaining_wan_s(req)
+        at, done, gbps = p
+        return pol_west.inflight_remaining_s(req.md_missing * self._wan_kvb(req), done, gbps, self.env.now - at)
+
+    def _cut_off_due(self, req: "Req") -> bool:
+        """Whether RLD having finished ``req`` cuts its WAN transfer off (``policy.cutoff.should_cut_off``
+        with MD's KV state and :meth:`cutoff_remaining_wan_s`): when RLD finishes it and, for a
+        transfer let through then, on each later progress report (the gateway's ``_cut_off_due``)."""
+        return pol_cutoff.should_cut_off(True, req.md_kv_complete, self.cutoff_remaining_wan_s(req),
+                                         self.cfg.cutoff_min_remaining_s)
 
     # --- the policy calls (the runtime's functions; recorded live inputs can be fed here) ----------
     def decide_pipeline(self, inp: "pol_pipeline.PipelineInputs") -> Pipeline:
@@ -857,7 +933,13 @@ class ClusterSim:
         landed = lambda: self._delivered(req, self.wan, lambda: self._kv_at_md(req))  # noqa: E731
         req.wan_flow = self.wan.send(req.rid, nbytes, landed, on_sent,
                                      held=self._held(req, req.prompt - req.md_missing, nbytes, kvb),
-                                     sent_lead=self.wan_written_lead, conn=(req.p.name, req.md.name))
+                                     sent_lead=self.wan_written_lead, conn=(req.p.name, req.md.name),
+                                     track=self._tracks_progress(req))
+
+    def _tracks_progress(self, req: Req) -> bool:
+        """Whether ``req``'s WAN sends record their bytes over time for MD's progress reports
+        (:meth:`md_progress`): a relayed request's with the cut-off on (what reads them)."""
+        return self.cfg.cutoff and req.pipeline == Pipeline.P_RLD_MD
 
     def _delivered(self, req: Req, line: Line, fn: Callable[[], None]) -> None:
         """A send of ``req``'s KV on ``line`` has landed (its last byte, ``line``'s one-way delay
@@ -929,7 +1011,8 @@ class ClusterSim:
         nbytes = tokens * req.md.kvb
         req.wan_bytes += nbytes
         req.p_pending_flows += 1
-        req.fill_flow = self.wan.send(req.rid, nbytes, lambda: self._fill_at_md(req), conn=(req.p.name, req.md.name))
+        req.fill_flow = self.wan.send(req.rid, nbytes, lambda: self._fill_at_md(req), conn=(req.p.name, req.md.name),
+                                      track=self._tracks_progress(req))
 
     def _fill_at_md(self, req: Req) -> None:
         self._flow_drained(req)
@@ -1171,41 +1254,86 @@ class ClusterSim:
     def _rld_finished(self, rld: Instance, req: Req) -> None:
         req.rld_finished = True
         if req.pipeline == Pipeline.P_RLD_MD:
-            cut = pol_cutoff.should_cut_off(True, req.md_kv_complete, self.remaining_wan_s(req),
-                                            self.cfg.cutoff_min_remaining_s)
+            cut = self._cut_off_due(req)
             if cut or not req.md_kv_complete:
                 if cut and self.cfg.cutoff:
-                    req.cut_off = True
-                    self._kv_settled(req)
-                    ix = self.md_index.get(req.md.name)
-                    if ix is not None:
-                        self._forget_claims(req)
-                        if self.cfg.md_index_drops_cut_offs:
-                            ix.dropped_keys(self._page_keys(req, req.md.page))
-                    self.cutoffs += 1
-                    if req.wan_flow is not None and not req.wan_flow.done:
-                        left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)
-                        self.wan_saved_bytes += left
-                        req.wan_bytes -= left
-                        self._flow_drained(req)
-                    elif req.wan_flow is None and req.prefill_done:
-                        # never started (MD reservation pending): nothing will be sent. Its
-                        # missing tokens are known once the plan queued it at MD (else
-                        # _md_enqueue counts them)
-                        if req.md_queued:
-                            self.wan_saved_bytes += req.md_missing * req.md.kvb
-                        self._flow_drained(req)
-                    if req.fill_flow is not None and not req.fill_flow.done:  # a fill follows only a started send
-                        left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)
-                        self.wan_saved_bytes += left
-                        req.wan_bytes -= left
-                        self._flow_drained(req)
-                    self._md_release(req, cache=False)
+                    self._cut_off_wan(req)
+                elif self.cfg.cutoff:  # let through: MD's next progress report may show it crawling
+                    self._watch_cutoff(req)
                 # otherwise the transfer runs on; MD caches it on arrival
             else:
                 # MD already holds the KV: nothing to hand over; MD caches and frees
                 self._md_release(req, cache=True)
         self._complete(req)
+
+    def _cut_off_wan(self, req: Req) -> None:
+        """Anomaly filter: cancel ``req``'s WAN transfer (RLD finished it first); MD frees what it
+        received and caches nothing."""
+        req.cut_off = True
+        self._kv_settled(req)
+        ix = self.md_index.get(req.md.name)
+        if ix is not None:
+            self._forget_claims(req)
+            if self.cfg.md_index_drops_cut_offs:
+                ix.dropped_keys(self._page_keys(req, req.md.page))
+        self.cutoffs += 1
+        if req.wan_flow is not None and not req.wan_flow.done:
+            left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)
+            self.wan_saved_bytes += left
+            req.wan_bytes -= left
+            self._flow_drained(req)
+        elif req.wan_flow is None and req.prefill_done:
+            # never started (MD reservation pending): nothing will be sent. Its
+            # missing tokens are known once the plan queued it at MD (else
+            # _md_enqueue counts them)
+            if req.md_queued:
+                self.wan_saved_bytes += req.md_missing * req.md.kvb
+            self._flow_drained(req)
+        if req.fill_flow is not None and not req.fill_flow.done:  # a fill follows only a started send
+            left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)
+            self.wan_saved_bytes += left
+            req.wan_bytes -= left
+            self._flow_drained(req)
+        self._md_release(req, cache=False)
+
+    def _watch_cutoff(self, req: Req) -> None:
+        """``req`` ended with its WAN transfer let through (the gateway's ``cutoff_watch``): the
+        cut-off is checked again when each of MD's later progress reports reaches the gateway
+        (:meth:`_recheck_cutoff`), until MD has the KV. Before the transfer's first byte has left
+        P (a reservation or a send queued) it looks again an interval later."""
+        if req.cut_off or req.md_kv_complete:
+            return
+        interval = pol_west.KV_PROGRESS_INTERVAL_S
+        f = req.wan_flow
+        first = self.wan.first_sent_s(f) if f is not None and f.hist_t is not None else None
+        if first is None:
+            if f is not None and (f.hist_t is None or f.done):
+                return  # not tracked, or over without a frame: no report comes
+            self.after(interval, self._recheck_cutoff, req)
+            return
+        lag = self.wan.owd + self.md_owd
+        now = self.env.now
+        k = max(1, int((now - lag - first) // interval))
+        while first + k * interval + lag <= now + 1e-9:
+            k += 1
+        end = self._progress_end(req)
+        if end is not None and first + k * interval > end:
+            return  # the transfer is over: no report comes (MD's kv_ready settles it)
+        self.after(first + k * interval + lag - now, self._recheck_cutoff, req)
+
+    def _recheck_cutoff(self, req: Req) -> None:
+        """A progress report of a let-through transfer may have reached the gateway: a new one
+        (:meth:`md_progress`) is checked as at the request's end (a late cut-off); then watch on."""
+        if req.cut_off or req.md_kv_complete:
+            return
+        p = self.md_progress(req)
+        if p is not None and p[0] != req.progress_seen:
+            req.progress_seen = p[0]
+            if self._cut_off_due(req):
+                self.late_cutoffs += 1
+                self._cut_off_wan(req)
+                return
+        self._watch_cutoff(req)
 
     def _md_release(self, req: Req, cache: bool) -> None:
         req.md_waiting = []  # handoff rounds whose ids came before the KV: moot once MD lets go

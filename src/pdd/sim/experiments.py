@@ -766,8 +766,8 @@ def cutoff(out: Path, quick: bool = False) -> dict:
     variants = [(f"cut-off on (min remaining {base.cutoff_min_remaining_s:g} s)", base),
                 ("cut-off on (min remaining 0 s)", base.replace(cutoff_min_remaining_s=0.0)),
                 ("cut-off off", base.replace(cutoff=False))]
-    cols = [("wan_GB", _wan_gb), ("wan_util", _wan_util), "cutoffs", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
-            "slo_attainment", ("md_hit", lambda s: s["md_hit_token_weighted"])]
+    cols = [("wan_GB", _wan_gb), ("wan_util", _wan_util), "cutoffs", "late_cutoffs", "median_ttft_ms", "p90_ttft_ms",
+            "p99_ttft_ms", "slo_attainment", ("md_hit", lambda s: s["md_hit_token_weighted"])]
     rows, _ = sweep(variants, recs, cols)
     fast, _ = sweep([("cut-off off, 3 req/s", base.replace(cutoff=False)),
                      (f"cut-off on (min remaining {base.cutoff_min_remaining_s:g} s), 3 req/s", base)],

@@ -27,6 +27,7 @@ processor-sharing / send-order arithmetic, bit for bit.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from typing import Callable
 
 import pdd.policy.tcp_model as tcp_model
@@ -35,7 +36,7 @@ import pdd.policy.wan_order as pol_wan
 
 class Flow:
     __slots__ = ("rid", "remaining", "seq", "cb", "total", "line", "done", "t_start", "t_end", "t_served",
-                 "on_sent", "held", "wait_s", "idle_since", "sent_lead", "lane")
+                 "on_sent", "held", "wait_s", "idle_since", "sent_lead", "lane", "hist_t", "hist_b")
 
     def __init__(self, rid, nbytes, seq, cb, on_sent=None, held: float = 0.0, sent_lead: float = 0.0,
                  lane=None):
@@ -57,6 +58,9 @@ class Flow:
         self.wait_s = 0.0  # seconds, after its first frame, it had nothing released to send
         self.idle_since = None
         self.lane = lane  # the connection it goes over (Line.send): flows of one lane go in turn
+        # a tracked flow's bytes on the line over time (Line.send's ``track``): at each of the
+        # line's events, seconds and bytes sent so far; between two the rate was constant
+        self.hist_t = self.hist_b = None
 
 
 def _noop() -> None:
@@ -93,6 +97,7 @@ class Line:
         self.busy_s = 0.0
         self.seq = 0
         self.n_held = 0  # flows with bytes not yet released
+        self.n_tracked = 0  # flows on the line whose bytes over time are recorded (send's track)
         self.lanes: dict = {}  # connection (Flow.lane) -> how many of its flows are on the line (a send order)
         for t, _g in self.cross:
             if t > 0:
@@ -146,6 +151,8 @@ class Line:
             return
         if self._general():
             self._advance_general(now, dt)
+            if self.n_tracked:
+                self._record(now)
             return
         self.busy_s += dt
         amount = self.rate * dt
@@ -159,6 +166,44 @@ class Line:
             if f.t_served is None:
                 f.t_served = now - dt
         self.bytes_sent += amount
+        if self.n_tracked:
+            self._record(now)
+
+    def _record(self, now: float) -> None:
+        """Each tracked flow's bytes sent so far, at ``now`` (after an advance)."""
+        for f in self.flows:
+            if f.hist_t is not None:
+                f.hist_t.append(now)
+                f.hist_b.append(f.total - f.remaining)
+
+    def sent_at(self, f: Flow, t: float) -> float:
+        """Bytes of tracked flow ``f`` (``send(track=True)``) that had left on the line by time
+        ``t`` (simulated seconds, at or after its send, at most now): its record, linear between
+        two of the line's events (its rate was constant there), after the last at its current
+        rate. Its receiver has them ``owd_s`` later. ValueError for a flow not tracked."""
+        ts, bs = f.hist_t, f.hist_b
+        if ts is None:
+            raise ValueError(f"flow {f.rid!r} is not tracked (Line.send track=True)")
+        i = bisect_right(ts, t)
+        if i >= len(ts):  # after its last record: still on the line (its record is the line's last event)
+            if f.done or f not in self.flows:
+                return bs[-1]
+            return bs[-1] + min(self._rate_of(f) * (t - ts[-1]), max(0.0, f.remaining - f.held))
+        if i == 0:
+            return 0.0
+        t0, t1 = ts[i - 1], ts[i]
+        if t1 <= t0:
+            return bs[i]
+        return bs[i - 1] + (bs[i] - bs[i - 1]) * (t - t0) / (t1 - t0)
+
+    def first_sent_s(self, f: Flow) -> float | None:
+        """When the line first sent bytes of tracked flow ``f`` (its first frame left), or None
+        while none has: its ``t_served``, else the line's last event when it is served now."""
+        if f.t_served is not None:
+            return f.t_served
+        if f.done or f not in self.flows or self._rate_of(f) <= 0.0:
+            return None
+        return self.last_t
 
     def _advance_general(self, now: float, dt: float) -> None:
         act = self._active()
@@ -327,6 +372,13 @@ class Line:
             self._finish(f)
         self._reschedule()
 
+    def _untrack(self, f: Flow) -> None:
+        """``f`` leaves the line: its record ends with what it sent."""
+        if f.hist_t is not None:
+            self.n_tracked -= 1
+            f.hist_t.append(self.sim.env.now)
+            f.hist_b.append(f.total - max(0.0, f.remaining))
+
     def _finish(self, f: Flow) -> None:
         self.flows.remove(f)
         self._lane_drop(f)
@@ -334,6 +386,7 @@ class Line:
         f.t_end = self.sim.env.now
         self.bytes_sent += max(0.0, f.remaining)
         f.remaining = 0.0
+        self._untrack(f)
         self.sim.after(self.owd, f.cb)
         if f.on_sent is not None:
             cb, f.on_sent = f.on_sent, None
@@ -341,14 +394,16 @@ class Line:
 
     def send(self, rid, nbytes: float, cb: Callable[[], None],
              on_sent: Callable[[], None] | None = None, held: float = 0.0, sent_lead: float = 0.0,
-             conn=None) -> Flow:
+             conn=None, track: bool = False) -> Flow:
         """Queue ``nbytes`` on the line; ``cb`` runs when the last byte arrives (propagation
         included), ``on_sent`` (optional) once the sender has written the last byte: when at most
         ``sent_lead`` bytes (its socket buffers, >= 0) are still to go on the line, all of them
         computed; ``sent_lead`` 0: when the last byte has left. ``held``: bytes of them not
         computed yet (0 <= held <= nbytes), sent only once :meth:`release` d. ``conn``: with a
         send order, the sender and target whose connections it takes (any hashable; flows of one
-        ``conn`` share its bulk connection, or its express one when at most ``express_bytes``)."""
+        ``conn`` share its bulk connection, or its express one when at most ``express_bytes``).
+        ``track``: record its bytes on the line over time (:meth:`sent_at`, what its receiver's
+        progress reports read); off, nothing is recorded."""
         express = self.order != "ps" and 0 < nbytes <= self.express_bytes
         f = Flow(rid, nbytes, self.seq, cb, on_sent, held if nbytes > 0 else 0.0, max(0.0, float(sent_lead)),
                  (conn, express))
@@ -364,6 +419,9 @@ class Line:
         self._advance()
         self.flows.append(f)
         self._lane_add(f)
+        if track:
+            f.hist_t, f.hist_b = [f.t_start], [0.0]
+            self.n_tracked += 1
         if f.held > 0:
             self.n_held += 1
         if self.order == "ps" and not self._general():
@@ -419,5 +477,6 @@ class Line:
         self.flows.remove(f)
         self._lane_drop(f)
         f.done = True
+        self._untrack(f)
         self._reschedule()
         return left

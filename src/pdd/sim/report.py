@@ -111,6 +111,7 @@ def summarize(sim, slo_ttft_s: float | None = None, slo_tpot_s: float | None = N
         "pipelines": dict(sim.pipelines),
         "handoffs": dict(sim.handoffs),
         "cutoffs": sim.cutoffs,
+        "late_cutoffs": getattr(sim, "late_cutoffs", 0),  # of them, on a progress report after RLD finished
         "p_hit_token_weighted": float(sum(r.p_hit for r in meas) / max(1, sum(r.prompt for r in meas))),
         "md_hit_token_weighted": (float(sum(r.md_hit for r in meas) / max(1, sum(r.prompt for r in meas)))
                                   if sim.cfg.cross_dc() else None),

@@ -1,0 +1,125 @@
+"""The simulated cut-off reads MD's progress reports of the transfer in flight, as the gateway's
+(``gateway.wan_booking._cut_off_due``): ``policy.wan_estimate.inflight_remaining_s`` of MD's last
+``kv_progress`` that has reached the gateway, each ``KV_PROGRESS_INTERVAL_S`` from the first
+frame, and a transfer let through when RLD finished is checked again on each later report.
+
+One relayed request: 8,192 prompt tokens (1 GiB of KV) on a 10 Gbit/s line (0.859 s), its first
+byte on the line when P's prefill ends; cross traffic slows the line while it crosses. The
+estimate of finished transfers (none yet: the configured 10 Gbit/s) lets it through each time."""
+
+from __future__ import annotations
+
+import pytest
+
+import pdd.policy.cutoff as pol_cutoff
+from pdd.policy.wan_estimate import KV_PROGRESS_INTERVAL_S as IVL
+from pdd.policy.wan_estimate import inflight_remaining_s
+from pdd.sim.cluster import ClusterSim, SimConfig
+
+PROMPT = 8192
+TOTAL = PROMPT * 131072  # payload bytes of the missing KV (llama-3.1-8b)
+RATE = 10e9 / 8  # bytes/s of the 10 Gbit/s line
+CFG = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=10.0, warmup_frac=0.0)
+
+
+def rec(out: int) -> list[dict]:
+    return [{"timestamp": 0, "input_length": PROMPT, "output_length": out, "hash_ids": list(range(PROMPT // 512))}]
+
+
+def first_byte_s(out: int) -> float:
+    """When the request's first KV byte leaves P (its prefill's end), from a run on a quiet line."""
+    r = ClusterSim(CFG.replace(cutoff=False)).run(rec(out)).reqs[0]
+    assert r.wan_flow.t_served == r.t_prefill_done
+    return r.wan_flow.t_served
+
+
+def spy(monkeypatch, sim_box):
+    seen = []
+    real = pol_cutoff.should_cut_off
+
+    def f(*a, **k):
+        seen.append((sim_box[0].env.now, a))
+        return real(*a, **k)
+
+    monkeypatch.setattr(pol_cutoff, "should_cut_off", f)
+    return seen
+
+
+def run(cfg, recs, monkeypatch):
+    box = []
+    seen = spy(monkeypatch, box)
+    sim = ClusterSim(cfg)
+    box.append(sim)
+    return sim.run(recs), seen
+
+
+def test_a_transfer_the_line_slowed_is_cut_off_when_rld_finishes(monkeypatch):
+    """80 output tokens: RLD finishes 0.56 s after P's prefill, when the estimate leaves 0.30 s
+    (let through, as before); the line fell to 1 Gbit/s 0.1 s into the transfer, and MD's first
+    report (0.5 s in: 175 MB at 2.8 Gbit/s) says 2.5 s: cut off, the rest cancelled."""
+    t0 = first_byte_s(80)
+    tx = t0 + 0.1
+    cfg = CFG.replace(wan_cross_traffic=((tx, 9.0),))
+    sim, seen = run(cfg, rec(80), monkeypatch)
+    r = sim.reqs[0]
+    (now, (rld_fin, kv_done, remaining, min_s)), = seen
+    lag = sim.wan.owd + sim.md_owd  # a byte's send on the line -> MD's report of it at the gateway
+    done = RATE * 0.1 + RATE / 10 * (IVL - 0.1)  # bytes MD had 0.5 s after the first frame
+    assert done == pytest.approx(175e6)
+    gbps = done * 8 / IVL / 1e9
+    assert gbps == pytest.approx(2.8)
+    estimate = TOTAL * 8 / 10e9 - (now - r.t_prefill_done)
+    assert 0 < estimate < 0.5  # the estimate of finished transfers lets it through
+    assert remaining == pytest.approx(inflight_remaining_s(TOTAL, done, gbps, now - (t0 + IVL + lag)), rel=1e-12)
+    assert remaining == pytest.approx(2.5283, abs=1e-4)
+    assert rld_fin and not kv_done and min_s == 0.5
+    assert sim.cutoffs == 1 and sim.late_cutoffs == 0 and r.cut_off
+    sent = done + RATE / 10 * (now - (t0 + IVL))  # what had left P when RLD finished
+    assert sim.wan_saved_bytes == pytest.approx(TOTAL - sent, rel=1e-9)
+    assert sim.wan.bytes_sent == pytest.approx(sent, rel=1e-9)
+    assert r.wan_bytes == pytest.approx(sent, rel=1e-9)
+    assert all(not i.private for t in sim.tiers.values() for i in t)
+
+
+def test_a_transfer_let_through_is_cut_off_on_a_later_report(monkeypatch):
+    """60 output tokens: RLD finishes 0.42 s in, before MD's first report, and the estimate leaves
+    0.44 s (let through). The line falls to 0.1 Gbit/s 0.45 s in: MD's first report (563 MB at
+    9.01 Gbit/s) still says 0.45 s (let through); its second (6.25 MB more in 0.5 s: 0.1 Gbit/s)
+    says 40.3 s: cut off when it reaches the gateway, the rest cancelled."""
+    t0 = first_byte_s(60)
+    cfg = CFG.replace(wan_cross_traffic=((t0 + 0.45, 9.9),))
+    sim, seen = run(cfg, rec(60), monkeypatch)
+    r = sim.reqs[0]
+    lag = sim.wan.owd + sim.md_owd
+    assert [round(now - t0, 9) for now, _ in seen][1:] == [round(IVL + lag, 9), round(2 * IVL + lag, 9)]
+    (t_end, a_end), (t_1, a_1), (t_2, a_2) = seen
+    assert t_end - t0 < IVL + lag  # RLD finished before MD's first report reached the gateway
+    assert a_end[2] == pytest.approx(TOTAL * 8 / 10e9 - (t_end - r.t_prefill_done), rel=1e-12)  # the estimate
+    assert a_end[2] < 0.5
+    d1 = RATE * 0.45 + RATE / 100 * 0.05
+    g1 = d1 * 8 / IVL / 1e9
+    assert a_1[2] == pytest.approx(inflight_remaining_s(TOTAL, d1, g1, 0.0), abs=1e-9)
+    assert a_1[2] == pytest.approx(0.4533, abs=1e-4) and a_1[2] < 0.5
+    d2 = d1 + RATE / 100 * IVL
+    assert a_2[2] == pytest.approx(inflight_remaining_s(TOTAL, d2, 0.1, 0.0), rel=1e-9)
+    assert a_2[2] == pytest.approx(40.3, abs=0.1)
+    assert sim.cutoffs == sim.late_cutoffs == 1 and r.cut_off and r.rld_finished and not r.md_kv_complete
+    sent = d2 + RATE / 100 * lag  # what had left P when the second report reached the gateway
+    assert sim.wan_saved_bytes == pytest.approx(TOTAL - sent, rel=1e-9)
+    assert sim.wan.bytes_sent == pytest.approx(sent, rel=1e-9)
+    assert r.wan_flow.done and not sim.wan.flows  # nothing crawls on after the cut-off
+    assert all(not i.private for t in sim.tiers.values() for i in t)
+
+
+def test_reports_that_keep_it_short_let_it_finish(monkeypatch):
+    """The same request on a quiet line: MD's report says what the estimate says, and the
+    transfer finishes; MD caches the prompt (as before)."""
+    sim, seen = run(CFG, rec(60), monkeypatch)
+    r = sim.reqs[0]
+    assert sim.cutoffs == 0 and not r.cut_off and r.md_kv_complete
+    lag = sim.wan.owd + sim.md_owd
+    (t_end, _), (t_1, a_1) = seen  # at RLD's end (the estimate), then MD's first report
+    assert t_1 == pytest.approx(r.wan_flow.t_served + IVL + lag, abs=1e-9)
+    assert a_1[2] == pytest.approx((TOTAL - RATE * IVL) * 8 / 10e9, rel=1e-9) and a_1[2] < 0.5
+    assert sim.wan.bytes_sent == pytest.approx(TOTAL)
+    assert sim.tiers["MD"][0].cache.match(list(range(PROMPT // 512))) == PROMPT // 512
