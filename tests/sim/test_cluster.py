@@ -20,6 +20,7 @@ def test_modes_complete_and_free_every_page(mode):
                 assert not inst.cache.locks, inst.name
             assert not inst.seqs and not inst.waiting
             assert inst.slots == 0, inst.name  # every decode slot given back exactly once
+            assert inst.assigned == 0, inst.name  # every request left its MD's routing load
     s = summarize(sim)
     assert s["completed"] == len(RECS)
     assert s["median_ttft_ms"] > 0 and s["median_tpot_ms"] > 0

@@ -5,6 +5,7 @@ plain inputs (one relayed request on an idle cluster, event times in simulated s
 import pytest
 
 from pdd.sim.cluster import ClusterSim, SimConfig
+from pdd.sim.instance import Instance
 from pdd.types import Pipeline
 from pdd.workload.records import generate_agentic
 from tests.sim.sim_checks import check_settled
@@ -206,9 +207,11 @@ def test_early_handoff_only_for_relayed_requests():
 
 # The pre-flag simulator's results (commit 1bc6592, before md_predicted_send / early_handoff and
 # the gateway's prefix index of MD) on 150 agentic requests: with the flags off the simulator must
-# reproduce them. That simulator's cut-off read the WAN estimate only: MD's progress reports
-# (ClusterSim.md_progress, read by the cut-off since) are left out here, and with them in the
-# cut-offs differ (the second assertion).
+# reproduce them. That simulator's cut-off read the WAN estimate only, and its MD routing counted
+# an MD's sequences and queued admissions: here MD's progress reports (ClusterSim.md_progress, read
+# by the cut-off since) are left out and an MD's routing load is its sequences and queued
+# admissions again (Instance.assigned, the gateway's in-flight count since); with both as now the
+# results differ (the second assertion).
 OLD = {
     (0.0, "one_shot"): (4530.567940908989, 4747.96738196902, 12631, 15009, 64879419457.18563, 61),
     (250.0, "one_shot"): (4533.369887129273, 4747.510145402302, 12240, 15400, 64724370834.59725, 61),
@@ -222,10 +225,12 @@ def test_both_flags_off_reproduce_the_old_simulator(budget, mode, monkeypatch):
     cfg = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=2, wan_gbps=10.0, warmup_frac=0.0, ttft_budget_ms=budget,
                     handoff_mode=mode, catchup_threshold=4, md_predicted_send=False, early_handoff=False,
                     md_prefix_index=False)
-    with_reports = run(cfg, recs)
+    now = run(cfg, recs)
     monkeypatch.setattr(ClusterSim, "md_progress", lambda self, req: None)
-    sim = run(cfg, recs)
-    assert with_reports.cutoffs != sim.cutoffs
+    monkeypatch.setattr(Instance, "assigned", property(lambda self: len(self.seqs) + len(self.waiting),
+                                                       lambda self, v: None), raising=False)
+    sim = ClusterSim(cfg).run(recs)  # (check_settled reads assigned, which is no count here)
+    assert (now.cutoffs, now.wan.bytes_sent) != (sim.cutoffs, sim.wan.bytes_sent)
     rs = sim.reqs
     got = (sum(r.t_first for r in rs), sum(r.t_done for r in rs), sum(r.rld_tokens for r in rs),
            sum(r.md_tokens for r in rs), sim.wan.bytes_sent, sim.cutoffs)

@@ -338,9 +338,17 @@ class ClusterSim:
         blocks = req.blocks[: req.n_full] if with_cache else None
         new_load = load_maker()
         loads = []
-        index = self.md_index if role == "MD" and with_cache else None
+        md = role == "MD"
+        index = self.md_index if md and with_cache else None
         for inst in insts:
             c = inst.cache
+            # an MD's requests: the gateway's in-flight count there (routed, not ended), as the
+            # runtime's routing reads (its InstanceLoad running, nothing queued); P's, colocated's,
+            # RLD's and D's: the sequences, queued admissions and requests routed on their way
+            if md:
+                running, queued = inst.assigned, 0
+            else:
+                running, queued = len(inst.seqs), len(inst.waiting) + inst.routed
             if index:  # the gateway's index of each MD stands for its cache (as the runtime routes)
                 # a claim (KV still on its way) counts: the reservation waits for it (md_wait_claims)
                 hit = index[inst.name].match_keys(self._page_keys(req, inst.page)) * inst.page
@@ -349,10 +357,9 @@ class ClusterSim:
                 # MD whose cache had filled its pool dropped out of routing ("full") and the turns
                 # it holds went cold to another MD, the whole prompt again over the WAN
                 used = inst.private + (len(c.locks) * block if c is not None else 0)
-                loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, used, inst.pool, hit))
+                loads.append(new_load(inst.name, running, queued, used, inst.pool, hit))
             elif c is None:
-                loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed, inst.private,
-                                      inst.pool, 0))
+                loads.append(new_load(inst.name, running, queued, inst.private, inst.pool, 0))
             else:
                 lru = c.lru
                 hit = 0
@@ -362,9 +369,7 @@ class ClusterSim:
                             break
                         hit += 1
                     hit *= block
-                loads.append(new_load(inst.name, len(inst.seqs), len(inst.waiting) + inst.routed,
-                                      inst.private + len(lru) * block, inst.pool, hit))
-        md = role == "MD"
+                loads.append(new_load(inst.name, running, queued, inst.private + len(lru) * block, inst.pool, hit))
         i = pol_routing.choose_instance(loads, pol, self.rr, self.cfg.md_load_slack if md else self.cfg.load_slack,
                                         prompt_tokens=req.prompt, min_hit_frac=self.cfg.min_hit_frac,
                                         load_cap=self.cfg.md_load_cap if md else 0)
@@ -453,6 +458,8 @@ class ClusterSim:
         # a non-zero one when the gateway's index of MD says the missing KV does not fit it.
         md = self._route("MD", req, True)
         req.md = md
+        md.assigned += 1  # counted against MD's load from now until the request ends (the gateway's _assign)
+        req.md_counted = md
         ix = self.md_index.get(md.name)
         if ix is not None:  # the runtime's _record_route: what the index held, then the prompt recorded
             keys = list(self._page_keys(req, md.page))
@@ -1359,4 +1366,7 @@ class ClusterSim:
         if req.finished:
             return
         req.finished = True
+        if req.md_counted is not None:  # the request ends: it leaves its MD's load (the gateway's _unassign)
+            req.md_counted.assigned -= 1
+            req.md_counted = None
         req.t_done = req.t_last if req.t_last is not None else self.env.now

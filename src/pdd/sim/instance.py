@@ -99,6 +99,9 @@ class Instance:
         # RLD's current handoff mode (relay_decode: one_shot if configured so, else catch_up)
         self.handoff_state = "one_shot" if sim.cfg.handoff_mode == "one_shot" else "catch_up"
         self.routed = 0  # routed here by the gateway, not yet enqueued (in flight)
+        # MD: requests the gateway routed here and that have not ended (its in-flight count, what
+        # routing reads as MD's load: counted at routing, before the reservation reaches MD)
+        self.assigned = 0
         self.prefilling = 0
         self.step_reply_tokens = 0  # P: the reply lag's tokens of the step just ended (cluster.on_tokens)
         c = sim.cfg
@@ -144,8 +147,14 @@ class Instance:
         # memory in a real pool (the owners' private pages became the cached ones)
 
     def load(self, prefix_hit_tokens: int = 0) -> pol_routing.InstanceLoad:
-        return pol_routing.InstanceLoad(self.name, len(self.seqs), len(self.waiting) + self.routed, self.used,
-                                        self.pool, prefix_hit_tokens)
+        """What routing reads of this instance (``ClusterSim._route`` inlines it): an MD's requests
+        are the gateway's in-flight count there (:attr:`assigned`, as the runtime's), another
+        role's its sequences, queued admissions and requests routed on their way."""
+        if self.role == "MD":
+            running, queued = self.assigned, 0
+        else:
+            running, queued = len(self.seqs), len(self.waiting) + self.routed
+        return pol_routing.InstanceLoad(self.name, running, queued, self.used, self.pool, prefix_hit_tokens)
 
     # --- queueing ------------------------------------------------------------------------------
     def enqueue(self, need, admit: Callable[[int], None], prefill: bool = False, slot: bool = False) -> None:
