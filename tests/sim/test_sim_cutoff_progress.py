@@ -123,3 +123,26 @@ def test_reports_that_keep_it_short_let_it_finish(monkeypatch):
     assert a_1[2] == pytest.approx((TOTAL - RATE * IVL) * 8 / 10e9, rel=1e-9) and a_1[2] < 0.5
     assert sim.wan.bytes_sent == pytest.approx(TOTAL)
     assert sim.tiers["MD"][0].cache.match(list(range(PROMPT // 512))) == PROMPT // 512
+
+
+def test_a_transfer_let_through_before_its_send_started_is_watched_from_its_start(monkeypatch):
+    """One output token on a 200 ms line: RLD finishes (28 ms) before MD's admission starts the
+    WAN send (0.2 s), with nothing planned yet (let through). The send starts on a line already
+    down to 0.1 Gbit/s: MD's first report, 0.5 s after the first byte and a round trip (the line's
+    and MD's one-way delays) later, says 10.2 s: cut off then, the rest cancelled. (Nothing is
+    polled before the send starts: a send that never starts leaves the simulation to end.)"""
+    prompt = 1024
+    total = prompt * 131072
+    recs = [{"timestamp": 0, "input_length": prompt, "output_length": 1, "hash_ids": [0, 1]}]
+    cfg = CFG.replace(wan_rtt_ms=200.0, ttft_budget_ms=0.0, md_predicted_send=False, wan_cross_traffic=((0.15, 9.9),))
+    sim, seen = run(cfg, recs, monkeypatch)
+    r = sim.reqs[0]
+    (t_end, a_end), (t_1, a_1) = seen
+    assert t_end < r.wan_flow.t_start == r.wan_flow.t_served == pytest.approx(0.2)
+    assert a_end[2] == 0.0  # nothing planned to MD yet: let through
+    assert t_1 == pytest.approx(0.2 + IVL + 0.2, abs=1e-9)
+    done = RATE / 100 * IVL
+    assert a_1[2] == pytest.approx(inflight_remaining_s(total, done, 0.1, 0.0), rel=1e-9)
+    assert a_1[2] == pytest.approx(10.2374, abs=1e-4)
+    assert sim.cutoffs == sim.late_cutoffs == 1 and r.cut_off
+    assert sim.wan_saved_bytes == pytest.approx(total - RATE / 100 * (IVL + 0.2), rel=1e-9)  # sent from 0.2 s to the cut

@@ -942,6 +942,8 @@ class ClusterSim:
                                      held=self._held(req, req.prompt - req.md_missing, nbytes, kvb),
                                      sent_lead=self.wan_written_lead, conn=(req.p.name, req.md.name),
                                      track=self._tracks_progress(req))
+        if req.cutoff_watched:  # let through before its send started: MD's reports of it are watched
+            self._watch_cutoff(req)
 
     def _tracks_progress(self, req: Req) -> bool:
         """Whether ``req``'s WAN sends record their bytes over time for MD's progress reports
@@ -1306,17 +1308,21 @@ class ClusterSim:
     def _watch_cutoff(self, req: Req) -> None:
         """``req`` ended with its WAN transfer let through (the gateway's ``cutoff_watch``): the
         cut-off is checked again when each of MD's later progress reports reaches the gateway
-        (:meth:`_recheck_cutoff`), until MD has the KV. Before the transfer's first byte has left
-        P (a reservation or a send queued) it looks again an interval later."""
+        (:meth:`_recheck_cutoff`), until MD has the KV. A send not started yet (MD's admission
+        pending) is watched from its start (:meth:`_maybe_send_wan`); one on the line whose first
+        byte has not left P (queued behind others) is looked at again an interval later."""
         if req.cut_off or req.md_kv_complete:
             return
         interval = pol_west.KV_PROGRESS_INTERVAL_S
         f = req.wan_flow
-        first = self.wan.first_sent_s(f) if f is not None and f.hist_t is not None else None
+        if f is None:
+            req.cutoff_watched = True  # its send, when it starts, is watched
+            return
+        first = self.wan.first_sent_s(f) if f.hist_t is not None else None
         if first is None:
-            if f is not None and (f.hist_t is None or f.done):
+            if f.hist_t is None or f.done:
                 return  # not tracked, or over without a frame: no report comes
-            self.after(interval, self._recheck_cutoff, req)
+            self.after(interval, self._recheck_cutoff, req)  # the line serves it in time
             return
         lag = self.wan.owd + self.md_owd
         now = self.env.now

@@ -30,7 +30,7 @@ class Req:
         "t_md_kv", "handoff_mode", "handoff_deferred", "md_predicted", "wan_landed", "md_waiting",
         "handoff_started", "t_handoff_start", "t_handoff", "t_md_replied", "early_pending",
         "md_held", "fill_flow", "fill_pending", "main_landed", "t_kv_written", "at_seal", "md_queued",
-        "md_landed", "md_after", "kv_waiters", "progress_seen", "md_counted",
+        "md_landed", "md_after", "kv_waiters", "progress_seen", "cutoff_watched", "md_counted",
     )
 
     def __init__(self, rid: int, rec: dict, block: int = BLOCK):
@@ -81,6 +81,7 @@ class Req:
         self.at_seal = None  # what waits for P's prefill to end (ClusterSim._at_seal), or None
         self.md_queued = False  # the plan queued its admission at MD (its md_missing is MD's)
         self.progress_seen = None  # gateway time of MD's last kv_progress a let-through cut-off re-checked
+        self.cutoff_watched = False  # let through by the cut-off before its WAN send started
         self.md_counted = None  # the MD whose routing load counts this request, from routing to its end
 
 
