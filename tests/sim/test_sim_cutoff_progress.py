@@ -146,3 +146,18 @@ def test_a_transfer_let_through_before_its_send_started_is_watched_from_its_star
     assert a_1[2] == pytest.approx(10.2374, abs=1e-4)
     assert sim.cutoffs == sim.late_cutoffs == 1 and r.cut_off
     assert sim.wan_saved_bytes == pytest.approx(total - RATE / 100 * (IVL + 0.2), rel=1e-9)  # sent from 0.2 s to the cut
+
+
+def test_a_send_that_never_starts_is_not_polled(monkeypatch):
+    """A let-through request whose MD never admits it (its send never starts, as in a stalled
+    run) is not looked at again: nothing is scheduled for it, so the run ends (polling every
+    report interval kept a stalled simulation going for ever)."""
+    monkeypatch.setattr(ClusterSim, "_md_enqueue", lambda self, req, reply_owd=None: None)
+    checks = []
+    real = ClusterSim._recheck_cutoff
+    monkeypatch.setattr(ClusterSim, "_recheck_cutoff", lambda self, req: (checks.append(self.env.now), real(self, req)))
+    recs = [{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]}]
+    sim = ClusterSim(CFG.replace(wan_rtt_ms=200.0, ttft_budget_ms=0.0, md_predicted_send=False)).run(recs, until=60.0)
+    r = sim.reqs[0]
+    assert r.rld_finished and r.wan_flow is None and not r.cut_off
+    assert checks == []
