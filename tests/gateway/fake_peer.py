@@ -92,3 +92,26 @@ def consume(o, st) -> tuple[asyncio.Task, list]:
             got.append((t.pos, t.token_id, t.tier))
 
     return asyncio.get_running_loop().create_task(run()), got
+
+
+def streaming_request(o, pipeline, trid: str = "r1"):
+    """A request ``r1`` (attempt ``trid``) registered with ``o`` whose decoder streamed 3 tokens
+    (100-102) of ``max_tokens`` 6, MD reserved: relayed (``Pipeline.P_RLD_MD``: RLD decodes, MD's
+    KV not complete; p0, rld0, md0) or P->MD (p0, md0)."""
+    from pdd.gateway.phase import Phase
+    from pdd.gateway.state import ReqState
+    from pdd.types import Pipeline, SamplingParams
+
+    st = ReqState("r1", 18, SamplingParams(max_tokens=6), trid=trid, prompt_ids=list(range(10, 28)),
+                  pipeline=pipeline)
+    st.names = {"prefill": "p0", "main_decode": "md0"}
+    phases = (Phase.PREFILL, Phase.TRANSFER, Phase.MD_DECODE)
+    if pipeline == Pipeline.P_RLD_MD:
+        st.names["relay_decode"] = "rld0"
+        phases = (Phase.PREFILL, Phase.TRANSFER, Phase.RLD_DECODE)
+    for ph in phases:
+        st.to(ph)
+    st.next_pos, st.emitted = 3, [100, 101, 102]
+    st.events["md_reserved"] = 0.0
+    o.reqs[st.trid] = st
+    return st

@@ -11,31 +11,16 @@ import asyncio
 
 import pytest
 
-from pdd.gateway.phase import Phase
-from pdd.gateway.state import ReqState, RequestFailed
+from pdd.gateway.state import RequestFailed
 from pdd.transfer.messages import HandoffOk, ReqError, Tok
-from pdd.types import Pipeline, SamplingParams
-from tests.gateway.fake_peer import FakePeer, consume, fake_orchestrator
+from pdd.types import Pipeline
+from tests.gateway.fake_peer import FakePeer, consume, fake_orchestrator, streaming_request
 
 BOUND_S = 10.0  # a step taking longer is a stall (the request timeout is 300 s)
 ERROR = "md0: refused a KV frame: kv frame of 'r1': pages [0, 1) are not within its uncached prompt pages [4, 5)"
 
 
-def _request(o, pipeline: Pipeline) -> ReqState:
-    """A request whose decoder streamed 3 tokens: relayed (RLD decodes, MD's KV not complete) or P->MD."""
-    st = ReqState("r1", 18, SamplingParams(max_tokens=6), trid="r1", prompt_ids=list(range(10, 28)),
-                  pipeline=pipeline)
-    st.names = {"prefill": "p0", "main_decode": "md0"}
-    phases = (Phase.PREFILL, Phase.TRANSFER, Phase.MD_DECODE)
-    if pipeline == Pipeline.P_RLD_MD:
-        st.names["relay_decode"] = "rld0"
-        phases = (Phase.PREFILL, Phase.TRANSFER, Phase.RLD_DECODE)
-    for ph in phases:
-        st.to(ph)
-    st.next_pos, st.emitted = 3, [100, 101, 102]
-    st.events["md_reserved"] = 0.0
-    o.reqs[st.trid] = st
-    return st
+_request = streaming_request
 
 
 async def _req_error(o, name: str) -> None:
