@@ -5,7 +5,7 @@ datasheet numbers only, so these stay out of it. Usage: the ``pdd sim`` argument
         --set chip_a=ASSUMED-910B3-64GB --set chip_b=H20-96GB
 """
 import sys, json
-import pdd.sim.hardware as hw
+import pdd.sim.models as hw  # the profile tables are read through pdd.sim.models._load
 
 _orig = hw._load
 ASSUMED = {
