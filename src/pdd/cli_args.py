@@ -280,14 +280,17 @@ def stop_on_sigterm() -> None:
     demo started right away was refused "port ... already in use". SIGHUP (the terminal it runs
     in closed: an ssh session ended, a terminal window shut) does the same: Python's default
     for it ends the process at once too, so ``pdd serve`` stopped without its gateway's drain and
-    its instances were left to their parent watch. Call from the main thread."""
+    its instances were left to their parent watch. A SIGHUP already ignored (``nohup``, a
+    service manager that ignores it) stays ignored, so the command outlives its terminal as
+    asked (docs/SERVE.md "Stop it"). Call from the main thread."""
     import signal
 
     def _term(signum, frame):
         raise Stopped(signum)
 
     signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGHUP, _term)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _term)
 
 
 def stopping_message(prog: str, ex: KeyboardInterrupt, shutdown_timeout_s: float) -> str:

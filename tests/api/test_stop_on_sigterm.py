@@ -254,3 +254,20 @@ def test_serve_stopping_line_names_the_signal_it_got(signum, again, tmp_path, mo
     assert capsys.readouterr().err.splitlines()[0] == (
         f"pdd serve: stopping: requests in flight may finish for up to 4 s (--shutdown-timeout), new ones are "
         f"refused; {again}")
+
+
+def test_a_sighup_ignored_at_start_stays_ignored_so_nohup_keeps_serve_running():
+    """``nohup pdd serve`` (SIGHUP ignored when it starts) outlives its terminal, as docs/SERVE.md
+    "Stop it" says: ``stop_on_sigterm`` leaves an ignored SIGHUP ignored (it replaced nohup's
+    SIG_IGN with its stop, so a closed terminal stopped serve, exit 129) and still takes SIGTERM;
+    with SIGHUP at its default it takes both."""
+    probe = ("import signal, sys\n"
+             "if sys.argv[1] == 'nohup':\n"
+             "    signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+             "from pdd.cli_args import stop_on_sigterm\n"
+             "stop_on_sigterm()\n"
+             "print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, callable(signal.getsignal(signal.SIGHUP)),\n"
+             "      callable(signal.getsignal(signal.SIGTERM)))\n")
+    for how, expect in (("nohup", "True False True"), ("terminal", "False True True")):
+        out = subprocess.run([sys.executable, "-c", probe, how], capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stdout.strip()) == (0, expect), out.stderr

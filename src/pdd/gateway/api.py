@@ -1126,6 +1126,8 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
         drained.append(loop.create_task(_drain_then_exit()))
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # ignored (nohup, inherited through pdd serve): the gateway outlives its terminal
         try:
             loop.add_signal_handler(sig, _stop)
         except NotImplementedError:
