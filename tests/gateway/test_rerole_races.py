@@ -57,3 +57,32 @@ def test_a_rerole_of_a_removed_relay_decoder_to_its_own_role_is_refused():
     err = asyncio.run(run())
     assert (err.status, err.code, err.param) == (409, "conflict", "name")
     assert ms.members["rld0"].state == REMOVED
+
+
+def test_a_remove_while_a_rerole_drains_is_a_conflict_not_in_flight():
+    # the re-role drains rld0 with 2 relays in flight: a DELETE answered 409 in_flight ("drain it
+    # and wait until in_flight is 0"), though what stands in its way is the re-role under way
+    o, ms = _rerole_setup()
+    o.inflight["rld0"] = 2
+    o.peers["rld0"].held = 0
+
+    async def run():
+        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode", poll_s=0.001))
+        while ms.members["rld0"].state != "draining":
+            await asyncio.sleep(0)
+        errs = []
+        for force in (False, True):
+            with pytest.raises(MembershipError) as ei:
+                await ms.remove("rld0", force=force)
+            errs.append(ei.value)
+        o.inflight["rld0"] = 0
+        rep = await task
+        return errs, rep
+
+    errs, rep = asyncio.run(run())
+    for err in errs:
+        assert (err.status, err.code, err.param) == (409, "conflict", "name")
+        assert err.message == ("instance rld0 is being changed now (an add, remove or re-role): retry once that "
+                               "has answered")
+    assert (rep["role"], rep["state"]) == ("main_decode", ACTIVE)
+    assert ms.changes["remove"] == 0

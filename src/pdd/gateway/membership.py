@@ -465,7 +465,8 @@ class Membership:
         were recovered elsewhere: a ``force`` removal with nothing in flight answers False) and,
         when requests reached it while it was being removed, ``in_flight_recovered`` (those
         requests and transfers together). Raises MembershipError
-        (404 no such slot, 409 refused as above or being changed).
+        (404 no such slot, 409 ``conflict`` while an add, remove or re-role of it is under way, before
+        anything else is checked, else refused as above).
 
         An idle instance's cache is flushed over the gateway's connection, which is then closed.
         Its requests in flight (``force``, or routed there just before the call and assigned
@@ -478,13 +479,14 @@ class Membership:
         so (``flushed`` false, ``error``). The gateway's prefix index of it is forgotten; a
         process the gateway started is stopped."""
         m = self._get(name)
+        if name in self._busy_ops:  # first: a re-role's own drain is what keeps requests there (not in_flight)
+            raise MembershipError(409, f"instance {name} is being changed now (an add, remove or re-role): retry "
+                                       f"once that has answered", "name", "conflict")
         counts = self.in_flight_counts(name)
         busy = counts["requests"] + counts["transfers"]
         d = decide("remove", name, m.role, m.state, busy=busy, others_active=self._others_active(m), force=force)
         if not d.ok:
             raise MembershipError(d.status, d.message, "name", d.code)
-        if name in self._busy_ops:
-            raise MembershipError(409, f"instance {name} is being changed now", "name", "conflict")
         self._busy_ops.add(name)
         self._removing.add(name)  # no new request goes there while its cache is flushed (awaits)
         self._changed()  # a recovery waiting for the role's last instance fails now (NoMember)
