@@ -35,7 +35,9 @@ members' (active and draining) on every change, so routing (``gateway.routing`` 
   object (``pdd.roles.rerole``: same address, connections, weights) and is active again in the
   new role: as an MD in datacenter A it is routed P->MD requests over the fast path (no WAN,
   pipeline ``p_d``). Its prefix cache is flushed on the switch and the pages dropped are
-  reported (``prefix_cache``) with its leaked pages, as on remove.
+  reported (``prefix_cache``) with its leaked pages, as on remove. Removed while re-roled, the
+  slot is free again in its configured role; an add of it switches a process still running the
+  other role back first (:meth:`Membership._slot_role_back`), before it is active.
 """
 
 from __future__ import annotations
@@ -329,8 +331,10 @@ class Membership:
         block from the config's tiers), unless the slot's instance already runs (its port is
         taken: one ``pdd serve`` started and a remove left running idle), which is joined instead,
         as a second process could not bind its ports; else it must be running already (``pdd
-        launch --join``). Raises MembershipError (400 bad role or address, 404 no such slot, 409
-        duplicate or another instance answering there, 503 not reachable / did not start)."""
+        launch --join``). A slot the config's ``rerole`` lists is switched back to its role first if
+        its instance runs the other (:meth:`_slot_role_back`). Raises MembershipError (400 bad role
+        or address, 404 no such slot, 409 duplicate or another instance answering there, 503 not
+        reachable / did not start / did not switch back to the slot's role)."""
         m = self._slot_for(role, name, address)
         d = decide("add", m.name, m.role, m.state)
         if not d.ok or m.name in self._busy_ops:
@@ -361,6 +365,7 @@ class Membership:
                 raise MembershipError(409, f"the instance at {m.reached_at} is {shown(who)} ({shown(role)}), not "
                                            f"{m.name}: another instance listens at this slot's address", "address",
                                       "identity_mismatch")
+            switched = await self._slot_role_back(m, peer)
             old = self.orch.peers.get(m.name)
             self.orch.peers[m.name] = peer
             if old is not None and old is not peer:
@@ -369,10 +374,42 @@ class Membership:
                 e = self.orch.cfg.engine_for(m.name)
                 self.orch.prefix_index[m.name] = PrefixIndex(e.page_size, e.num_pages)
             m.source = "started" if start else "joined"
-            self._set(m, ACTIVE, "add", source=m.source)
+            self._set(m, ACTIVE, "add", source=m.source, **switched)
         finally:
             self._busy_ops.discard(m.name)
-        return self.view(m.name)
+        return {**self.view(m.name), **switched}
+
+    async def _slot_role_back(self, m: Member, peer) -> dict:
+        """Before slot ``m`` (one the config's ``rerole`` lists) is active again: ask its instance
+        the role it runs (``stats``) and, if not the slot's (``m.role``: re-roled, then removed,
+        its process kept running), switch it back in-process as a re-role does (``set_role``, its
+        prefix cache flushed), so no request meets a role object the gateway does not route it
+        as. Returns ``{}`` (nothing to switch, or a slot that cannot be re-roled) or
+        ``{"role_from", "prefix_cache"}``. Raises MembershipError(503, ``rerole_failed``) when
+        the instance does not answer or refuses (``peer`` closed, a process the gateway started
+        stopped): it is not added."""
+        if m.name not in getattr(self.orch.cfg, "rerole", ()):
+            return {}
+        runs = None
+        try:
+            rep, _ = await peer.call(Stats().wire(), timeout=10)
+            runs = rep.get("role")
+            if runs is None or runs == m.role:
+                return {}
+            rep, _ = await peer.call(set_role_msg(m.role), timeout=60)
+        except Exception as e:
+            await peer.close()
+            self._stop_process(m)
+            what = (f"runs as {shown(runs)} and did not switch back to its slot's role {m.role}" if runs else
+                    f"did not say the role it runs (stats; a re-roled one is switched back to its slot's role "
+                    f"{m.role} before it is added)")
+            log.warning("add %s refused: it %s: %s: %s", m.name, what, type(e).__name__, e)
+            raise MembershipError(503, f"instance {m.name} {what}: {type(e).__name__}: {e}; it is not added", "name",
+                                  "rerole_failed") from None
+        return {"role_from": runs,
+                "prefix_cache": {"fate": "flushed on the role switch back to the slot's role",
+                                 "pages_dropped": int(rep["pages_dropped"]),
+                                 "tokens_dropped": int(rep["tokens_dropped"])}}
 
     async def _reach(self, m, retries: int):
         """Connect to the instance being added (``retries``: see JOIN_RETRIES); raises the connect
@@ -518,7 +555,6 @@ class Membership:
                 o._peer_closed(name, peer)
             old = m.state
             m.state = REMOVED  # not routable from here on
-            m.role = self.full.get(name).role  # a re-roled slot starts again in its configured role
             o.peers.pop(name, None)  # a reconnect under way leaves it out (Orchestrator._reconnect)
             if peer is not None:  # the instance aborts what it still holds for the gateway (each freed once)
                 await peer.close()
@@ -529,11 +565,13 @@ class Membership:
             cache["fate"] = self._removal_fate(cache, connected, counts)
             self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=recovered,
                       in_flight_at_removal=counts, prefix_cache=cache, leaked_pages=leaked)
+            served = m.role  # the event and the answer say the role it served in
+            m.role = self.full.get(name).role  # a free slot again, of its configured role (an add switches it back)
             await asyncio.to_thread(self._stop_process, m)
         finally:
             self._busy_ops.discard(name)
             self._removing.discard(name)
-        out = self.view(name)
+        out = {**self.view(name), "role": served}
         out.update(in_flight_at_removal=counts, prefix_cache=cache, leaked_pages=leaked, forced=bool(force and busy))
         if late:
             out["in_flight_recovered"] = late
