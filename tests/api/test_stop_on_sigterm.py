@@ -80,11 +80,18 @@ sys.exit(pdd.cli.main([cmd, "--modes", "pdd", "--requests", "5", "--out", sys.ar
 """
 
 
+def _sighup_default() -> None:
+    """In the child before exec: SIGHUP at its default, whatever this test run inherited (a
+    suite started under ``nohup`` ignores it, and an ignored SIGHUP stays ignored in pdd)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _owner(cmd: str, mode: str, tmp_path: Path, name: str = "md0") -> tuple[subprocess.Popen, int]:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
     owner = subprocess.Popen([sys.executable, "-c", OWNER, cmd, mode, CHILD, str(tmp_path / "out"), name],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env,
+                             preexec_fn=_sighup_default)
     line = owner.stdout.readline().decode()
     assert line.startswith("topology up "), (line, owner.stderr.read() if owner.poll() is not None else "")
     return owner, int(line.split()[2])
@@ -191,6 +198,7 @@ def test_a_terminal_hang_up_stops_serve_with_the_drain(tmp_path):
     master, slave = pty.openpty()
 
     def controlling_terminal():  # a session of its own whose controlling terminal is the pty
+        _sighup_default()
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
@@ -262,8 +270,7 @@ def test_a_sighup_ignored_at_start_stays_ignored_so_nohup_keeps_serve_running():
     SIG_IGN with its stop, so a closed terminal stopped serve, exit 129) and still takes SIGTERM;
     with SIGHUP at its default it takes both."""
     probe = ("import signal, sys\n"
-             "if sys.argv[1] == 'nohup':\n"
-             "    signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+             "signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == 'nohup' else signal.SIG_DFL)\n"
              "from pdd.cli_args import stop_on_sigterm\n"
              "stop_on_sigterm()\n"
              "print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, callable(signal.getsignal(signal.SIGHUP)),\n"

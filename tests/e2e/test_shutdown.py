@@ -100,8 +100,14 @@ def test_a_stream_in_flight_at_stop_finishes_on_live_instances_and_new_requests_
 # SIGHUP: a `pdd launch --role gateway` whose terminal closed drains as on SIGTERM
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_timeout_0_ends_a_stream_with_the_error_event_and_frees_every_page(signum, small_model, tmp_path):
+    # the gateway at SIGHUP's default whatever this run inherited (a suite under nohup ignores it,
+    # and pdd leaves an ignored SIGHUP ignored): its processes inherit the disposition at start
     topo = Topology(_cfg(small_model, 0.0), log_dir=tmp_path / "logs")
-    topo.start()
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        topo.start()
+    finally:
+        signal.signal(signal.SIGHUP, hup)
     try:
         s = RawStream(topo.url, topo.cfg.served_model_name, k=3)
         assert s.after.wait(60) and len(s.tokens) >= 3 and not s.done.is_set(), (s.error, s.events[-2:])
