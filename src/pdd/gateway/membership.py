@@ -434,15 +434,20 @@ class Membership:
                 raise ConnectionError(f"its process exited with {code} before it listened")
         return await conn
 
+    def _refuse_while_changing(self, name: str) -> None:
+        """MembershipError(409, ``conflict``) while an add, remove or re-role of ``name`` is under
+        way (a drain or remove then would race it)."""
+        if name in self._busy_ops:
+            raise MembershipError(409, f"instance {name} is being changed now (an add, remove or re-role): retry "
+                                       f"once that has answered", "name", "conflict")
+
     async def drain(self, name: str, force: bool = False, remove_when_idle: bool = False) -> dict:
         """Stop routing new requests to ``name``; requests in flight finish there. With
         ``remove_when_idle`` it is removed (:meth:`remove`) once nothing is in flight. Raises
         MembershipError: 404 no such instance, 409 not a member, the role's last active one
         (unless ``force``), or an add, remove or re-role of it under way."""
         m = self._get(name)
-        if name in self._busy_ops:  # a re-role's own drain would be undone as it ends (active again)
-            raise MembershipError(409, f"instance {name} is being changed now (an add, remove or re-role): retry "
-                                       f"once that has answered", "name", "conflict")
+        self._refuse_while_changing(name)  # a re-role's own drain would be undone as it ends (active again)
         d = decide("drain", name, m.role, m.state, others_active=self._others_active(m), force=force)
         if not d.ok:
             raise MembershipError(d.status, d.message, "name", "conflict")
@@ -516,9 +521,7 @@ class Membership:
         so (``flushed`` false, ``error``). The gateway's prefix index of it is forgotten; a
         process the gateway started is stopped."""
         m = self._get(name)
-        if name in self._busy_ops:  # first: a re-role's own drain is what keeps requests there (not in_flight)
-            raise MembershipError(409, f"instance {name} is being changed now (an add, remove or re-role): retry "
-                                       f"once that has answered", "name", "conflict")
+        self._refuse_while_changing(name)  # first: a re-role's own drain is what keeps requests there (not in_flight)
         counts = self.in_flight_counts(name)
         busy = counts["requests"] + counts["transfers"]
         d = decide("remove", name, m.role, m.state, busy=busy, others_active=self._others_active(m), force=force)
