@@ -434,6 +434,11 @@ class PolicyConfig(_Strict):
         0.5, ge=0,
         description="cut off only when the rest of the transfer would take at least this long at the live WAN "
         "rate; shorter remainders finish, so MD's cache keeps the prompt for the next turn (0: always cut off)")
+    cutoff_max_sent_fraction: float = Field(
+        0.25, ge=0, le=1,
+        description="let a transfer finish, whatever its remaining time, once MD has reported this share of its "
+        "bytes received: a cut-off throws away what was sent and the next turn sends it all again "
+        "(pdd.policy.cutoff.should_cut_off; 1: only the remaining time decides)")
     cancel_on_disconnect: bool = Field(
         True, description="the gateway watches a request's connection while it starts (P prefilling, RLD and MD "
         "reserving): a client gone before its first byte aborts it on every tier, P at its next prefill chunk "
@@ -453,7 +458,7 @@ class PolicyConfig(_Strict):
 # request's WAN transfer): in colocated, same_dc_pd and cross_dc_pd they change nothing
 PDD_ONLY_POLICY: tuple[str, ...] = (
     "pipeline_ttft_budget_ms", "allow_p_rld", "handoff_mode", "catchup_threshold_tokens", "early_handoff",
-    "md_predicted_send", "handoff_min_tokens", "cutoff", "cutoff_min_remaining_s")
+    "md_predicted_send", "handoff_min_tokens", "cutoff", "cutoff_min_remaining_s", "cutoff_max_sent_fraction")
 
 
 class SecurityConfig(_Strict):

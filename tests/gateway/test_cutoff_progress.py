@@ -36,14 +36,14 @@ async def _ended_and_settled(o, st) -> None:
 
 
 async def test_a_transfer_that_crawls_after_the_line_slowed_is_cut_off(orch):
-    """MD reported 1 MB in, lately at 0.4 Mbit/s: 60 s left (less the report's age), so RLD's
+    """MD reported 0.5 MB in, lately at 0.4 Mbit/s: 70 s left (less the report's age), so RLD's
     finish cuts it off (P ``cancel``, MD ``drop``). Before, the remaining time came from the
     estimate of finished transfers only (0.24 s) and the transfer was let through to crawl on."""
     await _fast_estimate(orch)
     st = _crawling(orch, "r1")
     assert orch._cutoff_remaining_wan_s(st) < 0.5  # the stale estimate alone: let through
-    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r1", 1_000_000, 0.0004).wire(), b"")
-    assert 59.0 < orch._cutoff_remaining_wan_s(st) <= 60.0
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r1", 500_000, 0.0004).wire(), b"")
+    assert 69.0 < orch._cutoff_remaining_wan_s(st) <= 70.0
     await _ended_and_settled(orch, st)
     assert st.wan.cut_off and orch.totals["cut_offs"] == 1
     assert [h["rid"] for h in orch.peers["p0"].of("cancel")] == ["r1"]
@@ -84,8 +84,8 @@ async def test_a_transfer_whose_reports_stopped_is_cut_off(orch):
 
 async def test_a_transfer_let_through_at_the_end_is_cut_off_when_a_report_shows_it_crawling(orch):
     """RLD finished before MD's first report: the estimate of finished transfers read 0.24 s left
-    and the transfer was let through (awaited). MD's first report then shows 1 MB in at 0.4 Mbit/s
-    (60 s left): the cut-off is checked again and cuts it off (P ``cancel``, MD ``drop``, no
+    and the transfer was let through (awaited). MD's first report then shows 0.5 MB in at 0.4 Mbit/s
+    (70 s left): the cut-off is checked again and cuts it off (P ``cancel``, MD ``drop``, no
     longer awaited). Before, the request had left the table and the report was ignored: a new
     user's 571 kB at 1e-4 Gbit/s crawled on for 46 s after RLD finished. A report of a transfer
     still moving at the line's rate leaves it be."""
@@ -97,12 +97,12 @@ async def test_a_transfer_let_through_at_the_end_is_cut_off_when_a_report_shows_
     await orch.on_kv_progress(orch.peers["md0"], KvProgress("r5", 3_900_000, 0.05).wire(), b"")
     await orch.on_kv_progress(orch.peers["md1"], KvProgress("r4", 0, 0.0004).wire(), b"")  # not its MD
     assert orch.totals["cut_offs"] == 0 and {"r4", "r5"} <= set(orch.awaiting_kv)
-    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r4", 1_000_000, 0.0004).wire(), b"")
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r4", 500_000, 0.0004).wire(), b"")
     assert st.wan.cut_off and not moving.wan.cut_off and orch.totals["cut_offs"] == 1
     assert [h["rid"] for h in orch.peers["p0"].of("cancel")] == ["r4"]
     assert [h["rid"] for h in orch.peers["md0"].of("drop")] == ["r4"]
     assert "r4" not in orch.awaiting_kv and "r4" not in orch.awaiting_kv_deadline and "r5" in orch.awaiting_kv
-    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r4", 1_100_000, 0.0004).wire(), b"")  # once only
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r4", 600_000, 0.0004).wire(), b"")  # once only
     assert orch.totals["cut_offs"] == 1 and len(orch.peers["md0"].of("drop")) == 1
 
 
@@ -116,7 +116,30 @@ async def test_a_late_cut_off_moves_the_request_from_rld_finished_first_to_cut_o
     for s in (st, moving):
         await _ended_and_settled(orch, s)
     assert orch.totals["rld_finished_first"] == 2 and st.handoff.rld_finished_first
-    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r6", 1_000_000, 0.0004).wire(), b"")
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r6", 500_000, 0.0004).wire(), b"")
     assert st.wan.cut_off and orch.totals["cut_offs"] == 1
     assert orch.totals["rld_finished_first"] == 1 and not st.handoff.rld_finished_first
     assert moving.handoff.rld_finished_first
+
+
+async def test_a_transfer_a_quarter_received_is_let_through_however_slow(orch):
+    """``policy.cutoff_max_sent_fraction`` (0.25): MD reported 1 MB of the 4 MB in at 0.4 Mbit/s
+    (60 s left): a cut-off would throw away the quarter sent and the next turn would send all 4 MB
+    again, so RLD's finish lets it through, and so does each later report (2 MB in, 40 s left);
+    0.9 MB in (under a quarter, 62 s left) is cut off. With the fraction at 1 the remaining time
+    alone decides: the 1 MB transfer is cut off."""
+    await _fast_estimate(orch)
+    a, late, under = _crawling(orch, "r8"), _crawling(orch, "r9"), _crawling(orch, "r10")
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r8", 1_000_000, 0.0004).wire(), b"")
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r10", 900_000, 0.0004).wire(), b"")
+    assert 59.0 < orch._cutoff_remaining_wan_s(a) <= 60.0
+    for s in (a, late, under):
+        await _ended_and_settled(orch, s)
+    assert not a.wan.cut_off and under.wan.cut_off and orch.totals["cut_offs"] == 1
+    assert not late.wan.cut_off and {"r8", "r9"} <= set(orch.awaiting_kv)
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r9", 2_000_000, 0.0004).wire(), b"")
+    await orch.on_kv_progress(orch.peers["md0"], KvProgress("r8", 2_000_000, 0.0004).wire(), b"")
+    assert not late.wan.cut_off and not a.wan.cut_off and orch.totals["cut_offs"] == 1
+    assert [h["rid"] for h in orch.peers["p0"].of("cancel")] == ["r10"]
+    orch.cfg.policy.cutoff_max_sent_fraction = 1.0
+    assert orch._cut_off_due(a)

@@ -112,6 +112,21 @@ def test_should_cut_off_lets_short_remainders_finish():
     assert should_cut_off(False, False, remaining_wan_s=9.0, min_remaining_s=0.0) is False
 
 
+def test_a_transfer_mostly_received_is_let_through():
+    """``sent_fraction`` at ``max_sent_fraction`` or more lets a transfer finish however long its
+    rest: a cut-off would throw away what crossed and the next turn would send it all again."""
+    from pdd.policy.cutoff import sent_fraction
+
+    assert sent_fraction(1_000_000, 4_000_000) == 0.25
+    assert sent_fraction(5_000_000, 4_000_000) == 1.0 and sent_fraction(-1, 4_000_000) == 0.0
+    assert sent_fraction(10, 0) == 0.0
+    assert should_cut_off(True, False, 60.0, 0.5, sent_fraction=0.25, max_sent_fraction=0.25) is False
+    assert should_cut_off(True, False, 60.0, 0.5, sent_fraction=0.24, max_sent_fraction=0.25) is True
+    assert should_cut_off(True, False, None, 0.5, sent_fraction=0.9, max_sent_fraction=0.25) is False
+    assert should_cut_off(True, False, 60.0, 0.5, sent_fraction=0.9) is True  # 1 by default: time alone
+    assert should_cut_off(True, False, 0.2, 0.5, sent_fraction=0.0, max_sent_fraction=0.25) is False
+
+
 def test_the_cut_off_reads_an_in_flight_transfer_s_own_rate():
     """The remaining time from MD's last progress report (``inflight_remaining_s``): a 4 MB
     transfer whose finished-transfer estimate (0.05 Gbit/s) said 0.24 s left, 0.4 s in, has 1 MB

@@ -105,10 +105,11 @@ def test_cutoff_only_for_long_remainders(monkeypatch):
 
     monkeypatch.setattr(pol_cutoff, "should_cut_off", spy)
     keep = ClusterSim(cfg.replace(cutoff_min_remaining_s=0.5)).run(rec)
-    (rld_fin, kv_done, remaining, min_s), again = seen
+    (rld_fin, kv_done, remaining, min_s, frac, max_frac), again = seen
     req = keep.reqs[0]
     planned_s = 60000 * 131072 * 8 / 100e9
     assert rld_fin and not kv_done and min_s == 0.5
+    assert frac == 0.0 and max_frac == 0.25  # no progress report yet: nothing counted as received
     assert 0 < remaining < 0.5
     assert remaining == pytest.approx(planned_s - (req.t_done - req.t_prefill_done), abs=1e-3)
     # let through, then checked again on MD's first progress report (0.5 s of the line's 12.5 GB/s in)
@@ -266,3 +267,20 @@ def test_a_prompt_held_whole_computes_its_last_page_not_its_last_block():
     for bad in (0, 24, 2.0, -16):
         with pytest.raises(ValueError, match="page_tokens must be a whole number of tokens >= 1 dividing block_tokens"):
             SimConfig(block_tokens=64, page_tokens=bad)
+
+
+def test_a_recorded_run_is_re_simulated_with_the_cut_off_rule_it_ran():
+    """``validate_config(recorded=...)``: a recorded run's ``config.cutoff_max_sent_fraction`` is
+    the policy its re-simulation takes; a record without it ran before the rule (1: the remaining
+    time alone), a fresh run the config's default (0.25); a value that is not a share is refused."""
+    from pdd.config import ClusterConfig
+    from pdd.sim.recorded import RecordedRunError
+    from pdd.sim.validate import validate_config
+
+    cfg = ClusterConfig()
+    assert validate_config(cfg, 40.0).policy.cutoff_max_sent_fraction == 0.25
+    assert validate_config(cfg, 40.0, {}).policy.cutoff_max_sent_fraction == 1.0
+    assert validate_config(cfg, 40.0, {"cutoff_max_sent_fraction": 0.5}).policy.cutoff_max_sent_fraction == 0.5
+    for bad in (1.5, -0.1, "0.5", True, None):
+        with pytest.raises(RecordedRunError, match="cutoff_max_sent_fraction"):
+            validate_config(cfg, 40.0, {"cutoff_max_sent_fraction": bad})

@@ -62,7 +62,7 @@ def test_a_transfer_the_line_slowed_is_cut_off_when_rld_finishes(monkeypatch):
     cfg = CFG.replace(wan_cross_traffic=((tx, 9.0),))
     sim, seen = run(cfg, rec(80), monkeypatch)
     r = sim.reqs[0]
-    (now, (rld_fin, kv_done, remaining, min_s)), = seen
+    (now, (rld_fin, kv_done, remaining, min_s, frac, max_frac)), = seen
     lag = sim.wan.owd + sim.md_owd  # a byte's send on the line -> MD's report of it at the gateway
     done = RATE * 0.1 + RATE / 10 * (IVL - 0.1)  # bytes MD had 0.5 s after the first frame
     assert done == pytest.approx(175e6)
@@ -73,6 +73,7 @@ def test_a_transfer_the_line_slowed_is_cut_off_when_rld_finishes(monkeypatch):
     assert remaining == pytest.approx(inflight_remaining_s(TOTAL, done, gbps, now - (t0 + IVL + lag)), rel=1e-12)
     assert remaining == pytest.approx(2.5283, abs=1e-4)
     assert rld_fin and not kv_done and min_s == 0.5
+    assert frac == pytest.approx(done / TOTAL, rel=1e-12) and frac < max_frac == 0.25  # 16% received
     assert sim.cutoffs == 1 and sim.late_cutoffs == 0 and r.cut_off
     sent = done + RATE / 10 * (now - (t0 + IVL))  # what had left P when RLD finished
     assert sim.wan_saved_bytes == pytest.approx(TOTAL - sent, rel=1e-9)
@@ -85,9 +86,11 @@ def test_a_transfer_let_through_is_cut_off_on_a_later_report(monkeypatch):
     """60 output tokens: RLD finishes 0.42 s in, before MD's first report, and the estimate leaves
     0.44 s (let through). The line falls to 0.1 Gbit/s 0.45 s in: MD's first report (563 MB at
     9.01 Gbit/s) still says 0.45 s (let through); its second (6.25 MB more in 0.5 s: 0.1 Gbit/s)
-    says 40.3 s: cut off when it reaches the gateway, the rest cancelled."""
+    says 40.3 s: cut off when it reaches the gateway, the rest cancelled. (With
+    ``cutoff_max_sent_fraction`` at 1: by default more than a quarter received lets it finish,
+    the next test.)"""
     t0 = first_byte_s(60)
-    cfg = CFG.replace(wan_cross_traffic=((t0 + 0.45, 9.9),))
+    cfg = CFG.replace(wan_cross_traffic=((t0 + 0.45, 9.9),), cutoff_max_sent_fraction=1.0)
     sim, seen = run(cfg, rec(60), monkeypatch)
     r = sim.reqs[0]
     lag = sim.wan.owd + sim.md_owd
@@ -109,6 +112,23 @@ def test_a_transfer_let_through_is_cut_off_on_a_later_report(monkeypatch):
     assert sim.wan.bytes_sent == pytest.approx(sent, rel=1e-9)
     assert r.wan_flow.done and not sim.wan.flows  # nothing crawls on after the cut-off
     assert all(not i.private for t in sim.tiers.values() for i in t)
+
+
+def test_a_transfer_more_than_a_quarter_received_finishes_however_slow(monkeypatch):
+    """The line of the test before, at the default ``cutoff_max_sent_fraction`` (0.25): MD's
+    second report says 40.3 s left but 569 MB of the 1,074 MB received (53%), so the transfer is
+    let through on it and on every later report, and finishes; MD caches the prompt."""
+    t0 = first_byte_s(60)
+    sim, seen = run(CFG.replace(wan_cross_traffic=((t0 + 0.45, 9.9),)), rec(60), monkeypatch)
+    r = sim.reqs[0]
+    (_, a_end), (_, a_1), (_, a_2) = seen[:3]
+    d2 = RATE * 0.45 + RATE / 100 * 0.05 + RATE / 100 * IVL
+    assert a_2[2] == pytest.approx(40.3, abs=0.1) and a_2[4] == pytest.approx(d2 / TOTAL, rel=1e-9)
+    assert a_2[4] > a_2[5] == 0.25
+    assert len(seen) > 3 and all(a[4] >= 0.25 for _, a in seen[2:])  # each later report: let through
+    assert sim.cutoffs == sim.late_cutoffs == 0 and not r.cut_off and r.md_kv_complete
+    assert sim.wan.bytes_sent == pytest.approx(TOTAL)
+    assert sim.tiers["MD"][0].cache.match(list(range(PROMPT // 512))) == PROMPT // 512
 
 
 def test_reports_that_keep_it_short_let_it_finish(monkeypatch):

@@ -15,7 +15,7 @@ import logging
 import time
 
 from pdd.gateway.state import ReqState
-from pdd.policy.cutoff import should_cut_off
+from pdd.policy.cutoff import sent_fraction, should_cut_off
 from pdd.policy.handoff import early_handoff_delay_s
 from pdd.policy.wan_estimate import inflight_remaining_s, probe_due, probe_goodput_gbps, queued_bytes
 from pdd.topology import ROLE_MAIN, ROLE_PREFILL
@@ -110,7 +110,8 @@ class WanBooking:
         kept as the request's ``wan.progress`` for the cut-off (:meth:`_cutoff_remaining_wan_s`).
         Of a request that ended with its transfer let through (awaited: ``cutoff_watch``), the
         cut-off is checked again with it, and the transfer cut off if it now has at least
-        ``policy.cutoff_min_remaining_s`` left. A report of an earlier attempt, or from another
+        ``policy.cutoff_min_remaining_s`` left and MD has under ``policy.cutoff_max_sent_fraction``
+        of its bytes. A report of an earlier attempt, or from another
         instance than the attempt's MD, is ignored."""
         m = KvProgress.decode(h)
         st = self.reqs.get(m.rid)
@@ -242,11 +243,15 @@ class WanBooking:
 
     def _cut_off_due(self, st: ReqState) -> bool:
         """Whether RLD having finished ``st`` cuts its WAN transfer off (``policy.cutoff.should_cut_off``
-        with MD's ``kv_ready`` and :meth:`_cutoff_remaining_wan_s`): at the request's end and, for a
-        transfer let through then, on each later ``kv_progress``."""
+        with MD's ``kv_ready``, :meth:`_cutoff_remaining_wan_s` and the share of the bytes MD last
+        reported received): at the request's end and, for a transfer let through then, on each
+        later ``kv_progress``."""
+        pol, p = self.cfg.policy, st.wan.progress
         return should_cut_off(rld_finished=True, md_kv_complete=st.handoff.kv_ready,
                               remaining_wan_s=self._cutoff_remaining_wan_s(st),
-                              min_remaining_s=self.cfg.policy.cutoff_min_remaining_s)
+                              min_remaining_s=pol.cutoff_min_remaining_s,
+                              sent_fraction=sent_fraction(p[1], st.wan.expected) if p is not None else 0.0,
+                              max_sent_fraction=pol.cutoff_max_sent_fraction)
 
     async def _cut_off(self, st: ReqState) -> None:
         """Anomaly filter (PDD report): RLD finished before MD's KV arrived, so stop the WAN

@@ -17,7 +17,7 @@ Modules:
     autoscale  the per-role instance mix the autoscaling loop moves to (utilisation, hysteresis)
 """
 
-from pdd.policy.cutoff import predict_rld_finishes_first, should_cut_off
+from pdd.policy.cutoff import predict_rld_finishes_first, sent_fraction, should_cut_off
 from pdd.policy.handoff import HandoffDecision, HandoffInputs, decide_handoff, effective_handoff_mode, rld_load
 from pdd.policy.pipeline import PipelineInputs, choose_pipeline, expected_wan_seconds, missing_tokens, relays_every_request
 from pdd.policy.routing import InstanceLoad, choose_instance
@@ -37,6 +37,7 @@ __all__ = [
     "decide_handoff",
     "effective_handoff_mode",
     "rld_load",
+    "sent_fraction",
     "should_cut_off",
     "predict_rld_finishes_first",
     "TransferView",

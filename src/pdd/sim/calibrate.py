@@ -337,7 +337,7 @@ def calibrate_roles(run_dir: str | Path, profile: str | Path, out_profile: str |
     if missing:
         raise RecordedRunError(f"{run_dir / 'validate.json'}: workload lacks {', '.join(missing)} (not a `pdd sim "
                                "validate` output)")
-    cfg = validate_config(config, budget)
+    cfg = validate_config(config, budget, v.get("config") or {})
     check_same_engines(entry, cfg)  # fitted on the topology the run had, not the default one
     require_completed(live_recs, "fit")
     bad = faults_text(run_faults(live_recs, entry), len(live_recs))

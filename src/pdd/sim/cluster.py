@@ -304,9 +304,12 @@ class ClusterSim:
     def _cut_off_due(self, req: "Req") -> bool:
         """Whether RLD having finished ``req`` cuts its WAN transfer off (``policy.cutoff.should_cut_off``
         with MD's KV state and :meth:`cutoff_remaining_wan_s`): when RLD finishes it and, for a
-        transfer let through then, on each later progress report (the gateway's ``_cut_off_due``)."""
+        transfer let through then, on each later progress report (the gateway's ``_cut_off_due``,
+        with the share of the bytes MD last reported)."""
+        p = self.md_progress(req)
+        frac = pol_cutoff.sent_fraction(p[1], req.md_missing * self._wan_kvb(req)) if p is not None else 0.0
         return pol_cutoff.should_cut_off(True, req.md_kv_complete, self.cutoff_remaining_wan_s(req),
-                                         self.cfg.cutoff_min_remaining_s)
+                                         self.cfg.cutoff_min_remaining_s, frac, self.cfg.cutoff_max_sent_fraction)
 
     # --- the policy calls (the runtime's functions; recorded live inputs can be fed here) ----------
     def decide_pipeline(self, inp: "pol_pipeline.PipelineInputs") -> Pipeline:

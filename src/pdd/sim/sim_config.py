@@ -203,6 +203,7 @@ class SimConfig:
     early_handoff: bool = True
     cutoff: bool = True
     cutoff_min_remaining_s: float = 0.5  # config.PolicyConfig default: shorter remainders finish
+    cutoff_max_sent_fraction: float = 0.25  # config.PolicyConfig default: a transfer a quarter received finishes
     wan_estimate: str = "live"  # live: median of MD's recent receive rates (the gateway's); config: wan_gbps
     drc: bool = True  # decode-side radix cache on MD
     p_cache: bool = True

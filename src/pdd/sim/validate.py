@@ -152,6 +152,7 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
         md_wait_claims=pol.md_wait_claims, md_load_cap=pol.md_load_cap,
         load_slack=pol.load_slack, md_load_slack=pol.md_load_slack,
         cutoff=pol.cutoff, cutoff_min_remaining_s=pol.cutoff_min_remaining_s,
+        cutoff_max_sent_fraction=pol.cutoff_max_sent_fraction,
         routing=pol.routing, block_tokens=block_tokens,
         page_tokens=ep.page_size if block_tokens % ep.page_size == 0 else None, warmup_frac=0.0, slo_ttft_s=1e9, slo_tpot_s=1e9,
         host_cores=host_cores if host_cores is not None else (0.0 if e.device != "cpu" else float(os.cpu_count() or 1)))
@@ -345,19 +346,33 @@ def compute_share(sim: ClusterSim, live_records: list[dict], overhead_s: float =
     return num / den if den else 0.0
 
 
-def validate_config(config=None, budget_ms: float = 250.0):
+# a recorded run's validate.json without config.cutoff_max_sent_fraction ran before that rule: the
+# cut-off read the remaining time alone (policy.cutoff_max_sent_fraction 1)
+RECORDED_BEFORE_SENT_FRACTION = 1.0
+
+
+def validate_config(config=None, budget_ms: float = 250.0, recorded: dict | None = None):
     """The live topology's config for validation: pdd mode, the pipeline budget, and the gateway's
     429 limits off (the simulator has no admission control; a refused turn would also leave the
-    caches unlike the simulator's). Without ``config``, the embedded topology on free ports."""
+    caches unlike the simulator's). Without ``config``, the embedded topology on free ports.
+    ``recorded``: a recorded run's ``validate.json`` ``config``, whose policy it re-simulates (its
+    ``cutoff_max_sent_fraction``; :data:`RECORDED_BEFORE_SENT_FRACTION` when it has none)."""
     from pdd.config import ClusterConfig
 
     cfg = config or ClusterConfig()
     if config is None:  # the default ports may be taken (another topology): pick a free block
         base = free_port_block()
         cfg = cfg.model_copy(update={"base_port": base, "gateway_port": base + 95})
-    return cfg.model_copy(update={"mode": "pdd", "policy": cfg.policy.model_copy(
-        update={"pipeline_ttft_budget_ms": budget_ms}), "limits": cfg.limits.model_copy(
-        update={"max_queue_wait_s": 0.0, "max_queued_prompt_tokens": 0})})
+    pol = {"pipeline_ttft_budget_ms": budget_ms}
+    if recorded is not None:
+        frac = recorded.get("cutoff_max_sent_fraction", RECORDED_BEFORE_SENT_FRACTION)
+        if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac <= 1:
+            raise RecordedRunError(f"validate.json: config.cutoff_max_sent_fraction must be a number in [0, 1], "
+                                   f"not {frac!r}")
+        pol["cutoff_max_sent_fraction"] = float(frac)
+    return cfg.model_copy(update={"mode": "pdd", "policy": cfg.policy.model_copy(update=pol),
+                                  "limits": cfg.limits.model_copy(
+                                      update={"max_queue_wait_s": 0.0, "max_queued_prompt_tokens": 0})})
 
 
 def build_workload(cfg, *, n_requests: int, rate: float, block_tokens: int, session_sample: int,
@@ -441,7 +456,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
     console = console or Console(stderr=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = validate_config(config, budget_ms)
+    rec_cfg = None if recorded is None or recorded[0] is None else recorded[0].get("config") or {}
+    cfg = validate_config(config, budget_ms, rec_cfg)
     if before_model is not None:
         before_model(cfg)
     t0 = time.time()
@@ -486,7 +502,8 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         "config": {"pipeline_ttft_budget_ms": budget_ms, "wan_gbps": cfg.link.wan_gbps,
                    "wan_rtt_ms": cfg.link.wan_rtt_ms, "wan_loss_rate": cfg.link.wan_loss_rate,
                    "wan_cross_traffic": [list(x) for x in cfg.link.wan_cross_traffic],
-                   "kv_stream": cfg.policy.kv_stream, "instances": cfg.instances.model_dump(),
+                   "kv_stream": cfg.policy.kv_stream, "cutoff_max_sent_fraction": cfg.policy.cutoff_max_sent_fraction,
+                   "instances": cfg.instances.model_dump(),
                    "engine": cfg.engine.model_dump()},
         "profile": {"path": str(profile), "profile_b": str(profile_b) if profile_b is not None else None,
                     "fit": prof.get("fit"), "machine": prof.get("machine"),
