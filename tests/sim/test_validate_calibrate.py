@@ -63,11 +63,18 @@ def test_calibrate_fits_on_the_calibration_run_and_judges_both_runs_and_the_nois
     docs/SIM.md's (tests/sim/test_heldout_runs.py DOCUMENTED and NOISE)."""
     from pdd.cli import main as pdd
 
+    from pdd.topology import free_port_block
+
     work, ran, held_out = replayed_live
     held_out.extend(["seed2-a", "seed2-b"])
     out = work / "v"
+    # the recordings ran before policy.cutoff_max_sent_fraction: the cut-off read the remaining
+    # time alone (1), so the stand-in topology is configured as they ran
+    base = free_port_block()
+    (work / "as-recorded.yaml").write_text(f"base_port: {base}\ngateway_port: {base + 95}\n"
+                                           "policy: {cutoff_max_sent_fraction: 1.0}\n")
     assert pdd(["sim", "validate", "--calibrate", "--noise-floor", "--profile", str(PROFILE), "--out", str(out),
-                "--requests", "100", "--rate", "0.8", "--session-seed", "2", "--max-output-tokens", "16",
+                "--config", str(work / "as-recorded.yaml"), "--requests", "100", "--rate", "0.8", "--session-seed", "2", "--max-output-tokens", "16",
                 "--budget-ms", "40"]) == 0
     assert [r[0] for r in ran] == ["cal-a", "seed2-a", "seed2-b"] and ran[0][1] == 40.0
     # the fit is the committed profile's (fitted on the same recording of cal-a)
