@@ -247,41 +247,75 @@ class ClusterSim:
     def md_progress(self, req: "Req") -> "tuple[float, float, float] | None":
         """MD's last ``kv_progress`` of ``req``'s WAN transfer that has reached the gateway by now:
         (when it reached the gateway, payload bytes MD had, their rate lately in Gbit/s), or None
-        (none yet, or the transfer is not tracked: not relayed, or ``cutoff`` off).
+        (none yet, or the transfer is not tracked: not relayed, or ``cutoff`` off). Every report:
+        :meth:`md_reports`."""
+        reps = self._md_walk(req)[0]
+        return reps[-1] if reps else None
+
+    def md_reports(self, req: "Req") -> "list[tuple[float, float, float]]":
+        """Every ``kv_progress`` of ``req``'s WAN transfer that has reached the gateway by now, in
+        order: (when it reached the gateway, payload bytes MD had, their rate since the previous
+        one in Gbit/s).
 
         As the runtime's MD (``roles.base.EngineInstance.kv_progress``, the same
         ``policy.wan_estimate.progress_report``): the first frame's arrival is the first mark, and
-        each ``KV_PROGRESS_INTERVAL_S`` after it MD reports the bytes it has, at the rate since the
-        previous report, when bytes came since (a point at which none came is skipped: the mark
-        stays). The points are the interval's grid from the first frame (live, a report comes with
-        the first frame after the interval: after a stall, at the frame that ends it). Bytes at a
-        point are those the simulated line had sent one line delay before it (:meth:`Line.sent_at`);
-        the report reaches the gateway :attr:`md_owd` later. Reports end with the transfer."""
+        MD reports with the first frame that arrives ``KV_PROGRESS_INTERVAL_S`` or more after the
+        mark, the bytes it has at the rate since the mark; that report is the next mark. On a line
+        that keeps sending the transfer it is the interval after the mark; after a stall (the
+        line served other flows, or P had not computed the rest) the frame that ends it, as
+        live, not the next point of a grid from the first frame. A frame leaves at a time the
+        simulated line sends bytes of it (:meth:`Line.next_sent_s`), MD has it one line delay
+        later, and the report reaches the gateway :attr:`md_owd` after that. Reports end with
+        the transfer."""
+        return self._md_walk(req)[0]
+
+    def _md_walk(self, req: "Req") -> "tuple[list[tuple[float, float, float]], float | None]":
+        """(MD's reports of ``req``'s transfer that reached the gateway by now (:meth:`md_reports`),
+        the line time from which the next one is due: the mark plus an interval; None when none
+        comes: not tracked, no frame sent yet, or the transfer over)."""
         f = req.wan_flow
         if f is None or f.hist_t is None:
-            return None
+            return [], None
         line = self.wan
         first = line.first_sent_s(f)
         if first is None:
-            return None
+            return [], None
         end = self._progress_end(req)
         lag = line.owd + self.md_owd  # the line's send time of a byte -> MD's report of it at the gateway
         until = self.env.now - lag + 1e-9  # a report due now counts (the clock's rounding)
         interval = pol_west.KV_PROGRESS_INTERVAL_S
-        mark_k, mark_b = 0, 0.0  # the mark: its grid point (intervals after the first frame), bytes
-        last = None
-        k = 1
+        mark_b = 0.0  # bytes at the mark
+        due = first + interval  # the mark plus an interval: a frame from then on reports
+        since = interval  # seconds from the mark to ``due`` (exact, not due - mark rounded)
+        out = []
         while True:
-            t = first + k * interval
-            if t > until or (end is not None and t > end):
-                return last
+            if end is not None and due > end:
+                return out, None
+            if due > until:
+                return out, due
+            t = self._md_next_frame(req, due)
+            if t is None or t > until:
+                return out, due
+            if end is not None and t > end:
+                return out, None
             b = self._md_kv_bytes(req, t)
-            # on the grid's own clock, so an interval is one exactly (not first + k * interval rounded)
-            rep = pol_west.progress_report(0.0, mark_b, (k - mark_k) * interval, b, interval)
-            if rep is not None:
-                last = (t + lag, rep[0], rep[1])
-                mark_k, mark_b = k, b
-            k += 1
+            rep = pol_west.progress_report(0.0, mark_b, since + (t - due), b, interval)
+            if rep is None:  # no byte since the mark yet (it stalled there): the next frame brings some
+                nxt = self._md_next_frame(req, t + 1e-9)
+                if nxt is None:
+                    return out, due
+                since += nxt - due
+                due = nxt
+                continue
+            out.append((t + lag, rep[0], rep[1]))
+            mark_b, due, since = b, t + interval, interval
+
+    def _md_next_frame(self, req: "Req", t: float) -> "float | None":
+        """The first line time at or after ``t`` at which a byte of ``req``'s tracked WAN sends
+        (its send and fill) leaves, up to now; None if none does."""
+        got = [x for x in (self.wan.next_sent_s(g, t) for g in (req.wan_flow, req.fill_flow)
+                           if g is not None and g.hist_t is not None) if x is not None]
+        return min(got) if got else None
 
     def _progress_end(self, req: "Req") -> "float | None":
         """When the last of ``req``'s tracked sends left the line (MD's reports end there), or None
@@ -1313,7 +1347,10 @@ class ClusterSim:
         cut-off is checked again when each of MD's later progress reports reaches the gateway
         (:meth:`_recheck_cutoff`), until MD has the KV. A send not started yet (MD's admission
         pending) is watched from its start (:meth:`_maybe_send_wan`); one on the line whose first
-        byte has not left P (queued behind others) is looked at again an interval later."""
+        byte has not left P (queued behind others) is looked at again an interval later. The next
+        report reaches the gateway a line and MD delay after its frame: at the mark plus an
+        interval, or, on a line stalled then, the frame that ends the stall
+        (:meth:`Line.when_sending`; :meth:`md_reports`)."""
         if req.cut_off or req.md_kv_complete:
             return
         interval = pol_west.KV_PROGRESS_INTERVAL_S
@@ -1329,13 +1366,27 @@ class ClusterSim:
             return
         lag = self.wan.owd + self.md_owd
         now = self.env.now
-        k = max(1, int((now - lag - first) // interval))
-        while first + k * interval + lag <= now + 1e-9:
-            k += 1
-        end = self._progress_end(req)
-        if end is not None and first + k * interval > end:
+        due = self._md_walk(req)[1]
+        if due is None:
             return  # the transfer is over: no report comes (MD's kv_ready settles it)
-        self.after(first + k * interval + lag - now, self._recheck_cutoff, req)
+        if due + lag > now + 1e-9:  # the next report comes then, if a frame leaves at ``due``
+            self.after(due + lag - now, self._recheck_cutoff, req)
+            return
+        t = self._md_next_frame(req, due)
+        if t is not None:  # a frame that reports has left, its report not at the gateway yet
+            self.after(max(0.0, t + lag - now), self._recheck_cutoff, req)
+            return
+        # stalled since the report was due: the frame that ends the stall reports
+        fired = []
+
+        def resumed() -> None:
+            if not fired:
+                fired.append(True)
+                self.after(lag, self._recheck_cutoff, req)
+
+        for g in (req.wan_flow, req.fill_flow):
+            if g is not None and g.hist_t is not None and not g.done:
+                self.wan.when_sending(g, resumed)
 
     def _recheck_cutoff(self, req: Req) -> None:
         """A progress report of a let-through transfer may have reached the gateway: a new one

@@ -98,6 +98,9 @@ class Line:
         self.seq = 0
         self.n_held = 0  # flows with bytes not yet released
         self.n_tracked = 0  # flows on the line whose bytes over time are recorded (send's track)
+        # stalled flows -> a callback each, run once the line sends bytes of that flow again
+        # (:meth:`when_sending`); dropped unrun when the flow leaves the line
+        self.resume_waiters: dict[Flow, Callable[[], None]] = {}
         self.lanes: dict = {}  # connection (Flow.lane) -> how many of its flows are on the line (a send order)
         for t, _g in self.cross:
             if t > 0:
@@ -196,6 +199,28 @@ class Line:
             return bs[i]
         return bs[i - 1] + (bs[i] - bs[i - 1]) * (t - t0) / (t1 - t0)
 
+    def next_sent_s(self, f: Flow, t: float) -> float | None:
+        """The first time at or after ``t`` (simulated seconds) at which the line sends bytes of
+        tracked flow ``f`` (a frame of it leaves), up to now, or None when it sends none from
+        ``t`` to now (stalled: queued behind others, its rest not computed yet; or done). Its
+        record (:meth:`sent_at`): a stretch between two of the line's events in which its bytes
+        grew; after the last, its current rate while its computed bytes last. ValueError for a
+        flow not tracked."""
+        ts, bs = f.hist_t, f.hist_b
+        if ts is None:
+            raise ValueError(f"flow {f.rid!r} is not tracked (Line.send track=True)")
+        for j in range(max(1, bisect_right(ts, t)), len(ts)):
+            if bs[j] > bs[j - 1] and ts[j] > t:
+                return max(t, ts[j - 1])
+        if f.done or f not in self.flows:
+            return None
+        rate = self._rate_of(f)
+        room = f.remaining - f.held
+        if rate <= 0.0 or room <= 0.0:
+            return None
+        start = max(t, ts[-1])
+        return start if start < ts[-1] + room / rate and start <= self.sim.env.now else None
+
     def first_sent_s(self, f: Flow) -> float | None:
         """When the line first sent bytes of tracked flow ``f`` (its first frame left), or None
         while none has: its ``t_served``, else the line's last event when it is served now."""
@@ -230,8 +255,24 @@ class Line:
         views = [pol_wan.TransferView(f.rid, int(max(0.0, f.remaining)), f.seq) for f in self.flows]
         return pol_wan.pick_next(views, self.order)
 
+    def when_sending(self, f: Flow, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (at once, as an event) once the line sends bytes of ``f`` at one of its
+        events (now, if it does); never if ``f`` leaves the line first."""
+        self.resume_waiters[f] = fn
+        self._wake_resumed()
+
+    def _wake_resumed(self) -> None:
+        for f, fn in list(self.resume_waiters.items()):
+            if f.done or f not in self.flows:
+                del self.resume_waiters[f]
+            elif f.remaining - f.held > 0 and self._rate_of(f) > 0.0:
+                del self.resume_waiters[f]
+                self.sim.after(0.0, fn)
+
     def _reschedule(self):
         self.version += 1
+        if self.resume_waiters:
+            self._wake_resumed()
         if not self.flows:
             return
         if self._general():
