@@ -698,8 +698,8 @@ def test_validate_live_from_reads_the_runs_workload_arguments(capsys, tmp_path, 
 
     monkeypatch.setattr(V, "build_workload", workload)
     real = V.validate_config
-    monkeypatch.setattr(V, "validate_config", lambda config, budget_ms: (got.update(budget_ms=budget_ms),
-                                                                         real(config, budget_ms))[1])
+    monkeypatch.setattr(V, "validate_config", lambda config, budget_ms, recorded=None: (
+        got.update(budget_ms=budget_ms), real(config, budget_ms, recorded))[1])
     with pytest.raises(SystemExit):
         pdd_main(["sim", "validate", "--out", str(tmp_path / "v"), "--live-from", str(run), "--profile", PROFILE,
                   "--config", _fake_model_config(tmp_path)])
