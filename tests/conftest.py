@@ -18,6 +18,19 @@ import pdd.gateway.phase  # noqa: E402
 pdd.gateway.phase.STRICT = True
 
 
+@pytest.fixture(autouse=True)
+def _no_pdd_log_handler_left():
+    """A test that runs ``pdd.cli.main`` in this process configures pdd's logging
+    (``pdd.logs.configure_logging``): undone after it, so later tests see Python's defaults."""
+    yield
+    import logging
+
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if getattr(h, "_pdd", False)]:
+        root.removeHandler(h)
+    logging.getLogger("pdd").setLevel(logging.NOTSET)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Directory of the ``tiny`` checkpoint, seed 0 (weights, config, tokenizer, chat template)."""

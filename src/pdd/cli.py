@@ -347,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="once this instance listens, add it to the running gateway at GATEWAY_URL "
                         "(http://host:port, a trailing /v1 dropped; POST /pdd/instances; the API key: "
                         "PDD_API_KEY or the config's first; docs/SERVE.md)")
+    _add_log_level(p)
     p.set_defaults(fn=cmd_launch, parser=p)
 
     p = sub.add_parser("serve", help="start the whole two-datacenter topology and keep the gateway up")
@@ -372,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--autoscale", action="store_true",
                    help="run the autoscaling loop in the gateway: the config's autoscale block (interval_s, "
                         "cooldown_s, min, max per role) over its standby slots; GET /pdd/autoscale logs each decision")
+    _add_log_level(p)
     p.set_defaults(fn=cmd_serve, parser=p)
 
     p = sub.add_parser("certs", help="make a CA, per-instance TLS certificates and the fast-path MAC key for a topology",
@@ -428,8 +430,44 @@ def _deepest_parser(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Ar
     return ap
 
 
+def _log_level_flag(value: str) -> str:
+    """``--log-level``'s type: a log level in any case, upper-cased (argparse names the flag in
+    its refusal)."""
+    from pdd.logs import level_problem
+
+    if level_problem(value, "--log-level"):
+        raise argparse.ArgumentTypeError(f"{value!r}: not a log level (one of DEBUG, INFO, WARNING, ERROR, "
+                                         "CRITICAL, any case)")
+    return value.strip().upper()
+
+
+def _add_log_level(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", type=_log_level_flag, default=None, metavar="LEVEL",
+                   help="pdd's log lines shown, in this process and the ones it starts: DEBUG, INFO, WARNING, "
+                        "ERROR or CRITICAL (default: $PDD_LOG_LEVEL, else INFO)")
+
+
+def _configure_logging(level: str | None = None) -> None:
+    """pdd's log format and level for this process (:func:`pdd.logs.configure_logging`); a
+    ``level`` given (``--log-level``) is also put in ``PDD_LOG_LEVEL`` for the processes it starts
+    (``pdd serve --log-level DEBUG`` reaches its instances). Raises ValueError naming
+    ``PDD_LOG_LEVEL`` when that holds no log level."""
+    import os
+
+    from pdd.logs import LEVEL_ENV, configure_logging
+
+    set_level = configure_logging(level)
+    if level is not None:
+        os.environ[LEVEL_ENV] = set_level
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _configure_logging()  # from PDD_LOG_LEVEL; --log-level below overrides it
+    except ValueError as e:  # a bad PDD_LOG_LEVEL: one line, exit 2 as a bad flag's value
+        print(f"pdd: {e}", file=sys.stderr)
+        return 2
     if argv and argv[0] == "demo":  # the demo owns its flags (pdd demo --help)
         from pdd.bench.demo import main as demo_main
 
@@ -450,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         names = {"prefill": "p0", "relay_decode": "rld0", "main_decode": "md0", "colocated": "c0", "gateway": "gateway",
                  ROLE_LINK: "link"}
         args.name = names[args.role]
+    if getattr(args, "log_level", None):
+        _configure_logging(args.log_level)
     if getattr(args, "fn", None) is None:  # the simulator's parsers use func (and UsageError: exit 2)
         from pdd.sim.cli import run_command
 

@@ -170,7 +170,7 @@ class WanBooking:
             t2 = time.perf_counter()
         except Exception as e:  # the connection's own liveness handles a dead peer
             self.wan_probes["failures"] += 1
-            log.info("WAN probe of %s failed: %s", name, e)
+            log.debug("WAN probe of %s failed: %s", name, e)
             return
         self._probe_result(name, t1 - t0, t2 - t1 if nbytes > 0 else None, nbytes)
 

@@ -68,7 +68,6 @@ import logging
 import os
 import random
 import signal
-import sys
 from collections import deque
 from typing import Any, Optional
 
@@ -815,7 +814,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not text.lstrip().startswith("{") and os.path.exists(text):
         with open(text) as f:
             text = f.read()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s link %(levelname)s %(message)s")
+    from pdd.logs import configure_logging
+
+    try:
+        configure_logging()  # pdd's format and PDD_LOG_LEVEL, as under pdd launch --role link
+    except ValueError as e:
+        raise SystemExit(f"python -m pdd.transfer.link: {e}")
     run_link(json.loads(text))
 
 

@@ -153,7 +153,7 @@ class PddConnector(KVConnectorBase_V1):
             layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
         self.loaded_tokens += ld.end - ld.start
         self.loads += 1
-        log.info("pdd: loaded %d staged tokens [%d, %d) of %s into %d layers", ld.end - ld.start, ld.start,
+        log.debug("pdd: loaded %d staged tokens [%d, %d) of %s into %d layers", ld.end - ld.start, ld.start,
                  ld.end, ld.req_id, len(layers))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
