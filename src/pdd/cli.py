@@ -166,12 +166,15 @@ def cmd_launch(args) -> int:
     from pdd.gateway.orchestrator import TierUnreachable
 
     try:
-        run_instance(cfg, name)
+        stopped_by = run_instance(cfg, name)
     except SecurityError as e:  # a cert file missing or bad in security.cert_dir
         _usage(args, str(e))
     except TierUnreachable as e:  # the gateway launched alone: an instance of its layout never answered
         raise SystemExit(f"pdd launch: gateway: {e}")
-    return 0
+    import signal
+
+    # stopped cleanly by SIGHUP (its terminal closed): the shell's status for it, as pdd serve's
+    return 128 + signal.SIGHUP if stopped_by == signal.SIGHUP else 0
 
 
 def cmd_serve(args) -> int:

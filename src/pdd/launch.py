@@ -125,9 +125,11 @@ def set_nice(nice: int | None) -> int | None:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def run_instance(cfg: ClusterConfig, name: str) -> None:
+def run_instance(cfg: ClusterConfig, name: str) -> int | None:
     """Run one instance of ``cfg``'s topology in this process until SIGTERM (or until its owner
-    dies, when started by :class:`Topology`: :func:`watch_parent`)."""
+    dies, when started by :class:`Topology`: :func:`watch_parent`). An engine instance and the
+    gateway stop cleanly on SIGTERM, SIGINT or SIGHUP (one not ignored at start) and return the
+    signal's number; the link returns None."""
     if os.environ.get(PARENT_ENV, "").isdigit():
         watch_parent()
     lay = layout(cfg)
@@ -143,8 +145,7 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
     if spec.role == ROLE_GATEWAY:
         from pdd.gateway.api import serve_gateway
 
-        asyncio.run(serve_gateway(cfg, lay))
-        return
+        return asyncio.run(serve_gateway(cfg, lay))
     from pdd.roles.base import serve_instance
 
     if spec.role == ROLE_PREFILL:
@@ -157,7 +158,7 @@ def run_instance(cfg: ClusterConfig, name: str) -> None:
         from pdd.roles.main_decode import MainDecodeInstance as cls
     else:
         raise ValueError(f"unknown role {spec.role!r}")
-    asyncio.run(serve_instance(cls(cfg, spec, lay)))
+    return asyncio.run(serve_instance(cls(cfg, spec, lay)))
 
 
 def prepare_security(cfg: ClusterConfig, log_dir: str | Path) -> ClusterConfig:

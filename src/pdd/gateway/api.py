@@ -1066,12 +1066,13 @@ def http_server_config(cfg: ClusterConfig, app):
                           limit_concurrency=None, timeout_graceful_shutdown=SERVER_CLOSE_S)
 
 
-async def serve_gateway(cfg: ClusterConfig, lay) -> None:
+async def serve_gateway(cfg: ClusterConfig, lay) -> int | None:
     """Run the gateway process: connect to every tier, then serve HTTP; print ``READY gateway``.
     The first SIGTERM, SIGINT or SIGHUP (a ``pdd launch --role gateway`` whose terminal closed)
     drains (:mod:`pdd.gateway.shutdown`: new requests refused, those in flight finish within
-    ``shutdown_timeout_s`` or are ended with an error), then the server stops and this returns; a
-    second one meanwhile stops the server at once."""
+    ``shutdown_timeout_s`` or are ended with an error), then the server stops and this returns
+    that first signal's number (None: the server stopped by itself); a second one meanwhile
+    stops the server at once."""
     import asyncio
     import signal
 
@@ -1101,7 +1102,6 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
             task.result()
             raise RuntimeError("gateway HTTP server did not start")
         await asyncio.sleep(0.05)
-    print("READY gateway", flush=True)
     if scaler is not None:
         scaler.start()
 
@@ -1117,8 +1117,11 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
         finally:
             server.should_exit = True
 
-    def _stop():
+    got: list[int] = []
+
+    def _stop(sig: int):
         """The first SIGTERM / SIGINT / SIGHUP drains (pdd.gateway.shutdown), a second stops at once."""
+        got.append(sig)
         if drain.draining:
             server.should_exit = server.force_exit = True
             return
@@ -1129,9 +1132,10 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
         if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
             continue  # ignored (nohup, inherited through pdd serve): the gateway outlives its terminal
         try:
-            loop.add_signal_handler(sig, _stop)
+            loop.add_signal_handler(sig, _stop, sig)
         except NotImplementedError:
             pass
+    print("READY gateway", flush=True)  # after the handlers: a signal sent on READY drains
     await task
     for t in drained:
         t.cancel()
@@ -1139,3 +1143,4 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> None:
         await scaler.stop()
     await orch.close()
     orch.membership.stop_all()
+    return got[0] if got else None

@@ -592,18 +592,30 @@ def weights_digest(model_path: str) -> str:
     return h.hexdigest()[:16]
 
 
-async def serve_instance(inst) -> None:
-    """Start an instance, print ``READY <name>`` and run until cancelled / SIGTERM."""
+async def serve_instance(inst) -> int | None:
+    """Start an instance, print ``READY <name>`` (its signal handlers in place), run until
+    SIGTERM, SIGINT or SIGHUP (the terminal of a ``pdd launch`` typed by hand closed), then stop
+    it cleanly (``inst.stop``) and return the signal's number (None: cancelled). A SIGHUP ignored
+    when it starts (``nohup pdd launch``) stays ignored, so the instance outlives its terminal."""
     import signal
 
     await inst.start()
-    print(f"READY {inst.spec.name}", flush=True)
     stop = asyncio.Event()
+    got: list[int] = []
+
+    def _stop(sig: int) -> None:
+        got.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # nohup: the instance outlives its terminal
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _stop, sig)
         except NotImplementedError:
             pass
+    print(f"READY {inst.spec.name}", flush=True)  # after the handlers: a signal sent on READY stops it cleanly
     await stop.wait()
     await inst.stop()
+    return got[0] if got else None
