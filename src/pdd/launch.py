@@ -298,13 +298,15 @@ class Topology:
         self.procs.clear()
 
     def _terminate(self, names: list[str], timeout_s: float) -> None:
-        """SIGTERM the process group of each of ``names`` still running (in that order), then wait
+        """SIGTERM the process group of each of ``names`` still running (in that order), then
+        SIGCONT (one stopped, SIGSTOP, runs its clean stop rather than sitting out the timeout), then wait
         for each to exit, all within ``timeout_s`` seconds; SIGKILL those still running then."""
         for name in names:
             p = self.procs[name]
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
+                    os.killpg(p.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + timeout_s
