@@ -438,9 +438,9 @@ def _log_level_flag(value: str) -> str:
     its refusal)."""
     from pdd.logs import level_problem
 
-    if level_problem(value, "--log-level"):
-        raise argparse.ArgumentTypeError(f"{value!r}: not a log level (one of DEBUG, INFO, WARNING, ERROR, "
-                                         "CRITICAL, any case)")
+    bad = level_problem(value)
+    if bad:
+        raise argparse.ArgumentTypeError(bad)
     return value.strip().upper()
 
 

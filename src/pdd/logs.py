@@ -40,12 +40,13 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def level_problem(value: str, where: str) -> str | None:
-    """Why ``value`` is not a log level (case-insensitive: ``debug``, ``INFO``, ...), as one line
-    naming ``where`` (the flag or variable it came from); None when it is one."""
+def level_problem(value: str) -> str | None:
+    """Why ``value`` is not a log level (case-insensitive: ``debug``, ``INFO``, ...), as the end
+    of a one-line refusal (``'loud': not a log level (one of DEBUG, ...)``) that its caller
+    prefixes with the flag or variable it came from; None when it is one."""
     if str(value).strip().upper() in LEVELS:
         return None
-    return f"{where} {value!r}: not a log level (one of {', '.join(LEVELS)}, any case)"
+    return f"{value!r}: not a log level (one of {', '.join(LEVELS)}, any case)"
 
 
 def configure_logging(level: str | None = None) -> str:
@@ -57,9 +58,9 @@ def configure_logging(level: str | None = None) -> str:
     value is checked by its parser (:func:`level_problem`)."""
     if level is None:
         level = os.environ.get(LEVEL_ENV, "").strip() or DEFAULT_LEVEL
-        bad = level_problem(level, LEVEL_ENV)
+        bad = level_problem(level)
         if bad:
-            raise ValueError(bad)
+            raise ValueError(f"{LEVEL_ENV} {bad}")
     level = level.strip().upper()
     root = logging.getLogger()
     for h in [h for h in root.handlers if getattr(h, "_pdd", False)]:
