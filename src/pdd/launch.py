@@ -127,9 +127,8 @@ def set_nice(nice: int | None) -> int | None:
 
 def run_instance(cfg: ClusterConfig, name: str) -> int | None:
     """Run one instance of ``cfg``'s topology in this process until SIGTERM (or until its owner
-    dies, when started by :class:`Topology`: :func:`watch_parent`). An engine instance and the
-    gateway stop cleanly on SIGTERM, SIGINT or SIGHUP (one not ignored at start) and return the
-    signal's number; the link returns None."""
+    dies, when started by :class:`Topology`: :func:`watch_parent`). Every role stops cleanly on
+    SIGTERM, SIGINT or SIGHUP (one not ignored at start) and returns the signal's number."""
     if os.environ.get(PARENT_ENV, "").isdigit():
         watch_parent()
     lay = layout(cfg)
@@ -139,8 +138,7 @@ def run_instance(cfg: ClusterConfig, name: str) -> int | None:
     if spec.role == ROLE_LINK:
         from pdd.transfer.link import run_link
 
-        run_link(link_config(cfg, lay))
-        return
+        return run_link(link_config(cfg, lay))
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.engine_for(name).torch_threads))
     if spec.role == ROLE_GATEWAY:
         from pdd.gateway.api import serve_gateway

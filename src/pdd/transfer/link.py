@@ -782,15 +782,24 @@ async def set_link(host: str, port: int, timeout: float = 5.0, **kw) -> dict:
 
 
 # ---------------------------------------------------------------- process entry
-async def serve_link(cfg: Any, ready_line: str = "LINK READY") -> None:
-    """Start the link, print ``ready_line`` on stdout, serve until SIGTERM/SIGINT."""
+async def serve_link(cfg: Any, ready_line: str = "LINK READY") -> int | None:
+    """Start the link, print ``ready_line`` on stdout, serve until SIGTERM, SIGINT or SIGHUP (one
+    ignored at start, ``nohup``, stays ignored); returns that signal's number (None: cancelled)."""
     link = Link(cfg)
     await link.start()
     stop = asyncio.Event()
+    got: list[int] = []
+
+    def _stop(sig: int) -> None:
+        got.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _stop, sig)
         except (NotImplementedError, RuntimeError):
             pass
     log.info("link %s gbps=%s rtt_ms=%s ports=%s control=%s", link.host, link.gbps, link.rtt_ms, link.ports, link.control_port)
@@ -799,11 +808,12 @@ async def serve_link(cfg: Any, ready_line: str = "LINK READY") -> None:
         await stop.wait()
     finally:
         await link.close()
+    return got[0] if got else None
 
 
-def run_link(cfg: Any) -> None:
-    """Blocking: run the link in this process until SIGTERM/SIGINT."""
-    asyncio.run(serve_link(cfg))
+def run_link(cfg: Any) -> int | None:
+    """Blocking: run the link in this process until SIGTERM, SIGINT or SIGHUP; returns the signal."""
+    return asyncio.run(serve_link(cfg))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
