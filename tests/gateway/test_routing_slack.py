@@ -74,11 +74,12 @@ def test_with_live_wan_estimates_the_slack_bounds_the_mds_weighed_by_transfer_ti
 @pytest.mark.parametrize("busier, policy, chosen", [(5, {}, "p1"), (8, {}, "p1"), (9, {}, "p0"),
                                                     (5, {"load_slack": 4}, "p0"), (9, {"md_load_slack": 100}, "p0")])
 def test_a_prefill_holding_the_prefix_takes_it_within_load_slack(busier, policy, chosen):
-    """p1's cache holds the whole prompt (its peek), p0 none; p1 has ``busier`` more requests in
-    flight: p1 within ``policy.load_slack`` (default 8), else p0. MD's slack does not apply to P."""
+    """p1's cache holds the whole prompt (its peek), p0 none; p1 runs ``busier`` more prefills
+    (its :attr:`holding`): p1 within ``policy.load_slack`` (default 8), else p0. MD's slack does
+    not apply to P."""
     o = _orch(**policy)
     o.peers["p1"].hit = len(SESSION)
-    o.inflight["p1"] = busier
+    o.holding["p1"] = busier
     assert asyncio.run(o._route(ROLE_PREFILL, SESSION)) == chosen
 
 

@@ -22,7 +22,7 @@ import time
 
 from pdd.gateway.state import NoInstance, NoMember, ReqState
 from pdd.policy.routing import MIN_HIT_FRAC, InstanceLoad, choose_instance
-from pdd.topology import ROLE_MAIN, ROLE_RELAY
+from pdd.topology import ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.messages import Peek
 from pdd.types import Pipeline
 
@@ -64,8 +64,13 @@ class Routing:
         cache holds (``peek``, no lock) and ``choose_instance`` takes the longest prefix within a
         load slack; RLD holds no cache, so it is chosen by load. An MD across the WAN is not
         asked (a round trip before the reservation): the gateway's record of what it routed there
-        (:class:`PrefixIndex`) stands for its cache, unless ``policy.md_route_peek``. Load =
-        requests the gateway has in flight there. Instances whose connection is down are skipped
+        (:class:`PrefixIndex`) stands for its cache, unless ``policy.md_route_peek``. Load: on
+        RLD and MD the requests the gateway has in flight there (``inflight``: they decode there
+        until they end); on P the prefills it runs (:attr:`holding`: from routing until P's
+        prefill returns), so a P whose earlier requests decode on RLD / MD is not busy, as the
+        simulator counts P (``pdd.sim.cluster.ClusterSim._route``: sequences, queued admissions
+        and requests routed on their way). P's KV sends after its prefill do not count: they
+        share the line, not P's compute. Instances whose connection is down are skipped
         (and reconnected). Raises NoInstance when none of ``role`` is reachable (down or
         restarting), NoMember when none is in service at all (every one removed or drained by
         the operator). ``trid``: the attempt whose KV the routed MD's index now expects
@@ -97,7 +102,8 @@ class Routing:
             hits = [peeked[sp.name] if sp.name in peeked else self.prefix_index[sp.name].match(prompt) for sp in live]
         elif policy == "cache_aware":
             policy = "load"
-        cands = [InstanceLoad(sp.name, running=self.inflight.get(sp.name, 0), prefix_hit_tokens=max(0, h),
+        load = self.holding if role == ROLE_PREFILL else self.inflight  # P: its prefills (docstring)
+        cands = [InstanceLoad(sp.name, running=load.get(sp.name, 0), prefix_hit_tokens=max(0, h),
                               full=self.queue_full(sp.name)) for sp, h in zip(live, hits)]
         rr = self._rr.get(role, 0)
         self._rr[role] = rr + 1
