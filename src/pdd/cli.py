@@ -500,5 +500,26 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.fn(args) or 0)
 
 
+def exit_now(code: int) -> None:
+    """End this process with ``code`` once its output is flushed, skipping the interpreter's
+    teardown (``os._exit``): an engine instance or gateway that has stopped cleanly spent about
+    a second more tearing down torch's and pdd's modules (no syscalls: pure CPU), which every
+    topology stop (``pdd serve``'s Ctrl-C, a test's teardown) waited for. Only for processes a
+    topology starts (``python -m pdd.cli launch``, ``pdd.spawn``): pdd registers no atexit work."""
+    import logging
+    import os
+
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):  # a closed or hung-up stream: nothing more to write
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if len(sys.argv) > 1 and sys.argv[1] == "launch":
+        exit_now(status)
+    sys.exit(status)
