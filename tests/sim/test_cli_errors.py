@@ -1164,3 +1164,34 @@ def test_a_completed_record_without_its_prompt_length_counts_its_requests():
     rec = {"ok": True, "send_s": 0.0, "token_times_s": [0.5], "pdd": {"p_cached_tokens": 0}}
     share = compute_share(sim, [{**rec, "prompt_tokens": 600}])
     assert share > 0 and compute_share(sim, [rec]) == share == compute_share(sim, [{**rec, "prompt_tokens": 0}])
+
+
+def test_sim_run_reads_the_cut_off_policy_of_its_config_and_flags(tmp_path):
+    """``--config``'s ``policy.cutoff`` / ``cutoff_min_remaining_s`` / ``cutoff_max_sent_fraction``
+    are simulated (they were read nowhere: ``cutoff: false`` in a config still cut transfers
+    off), as ``--no-cutoff`` / ``--cutoff-*`` are without a config; a bad flag value is one line."""
+    t = tmp_path / "t.jsonl"
+    t.write_text(json.dumps({"timestamp": 0, "input_length": 8192, "output_length": 2,
+                             "hash_ids": list(range(16))}) + "\n")
+    base = ["sim", "run", "--trace", str(t), "--mode", "pdd", "--n-p", "1", "--n-rld", "1", "--n-md", "1",
+            "--budget-ms", "0", "--wan-gbps", "1"]
+
+    def cut_offs(*extra: str, config: str | None = None) -> int:
+        out = tmp_path / "s.json"
+        argv = base + list(extra) + ["--json", str(out)]
+        if config is not None:
+            c = tmp_path / "c.yaml"
+            c.write_text("link:\n  wan_gbps: 1.0\npolicy:\n" + config)
+            argv += ["--config", str(c)]
+        assert pdd_main(argv) == 0
+        return json.loads(out.read_text())["cutoffs"]
+
+    assert cut_offs() == 1  # RLD finishes 2 tokens long before 1 GiB crosses 1 Gbit/s
+    assert cut_offs("--no-cutoff") == 0
+    assert cut_offs(config="  cutoff: false\n") == 0
+    assert cut_offs(config="  cutoff_min_remaining_s: 1000\n") == 0
+    assert cut_offs("--cutoff-min-remaining-s", "1000") == 0
+    assert cut_offs(config="  cutoff: true\n") == 1
+    with pytest.raises(SystemExit) as e:
+        pdd_main(base + ["--cutoff-max-sent-fraction", "2"])
+    assert e.value.code == 2

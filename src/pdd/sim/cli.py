@@ -211,7 +211,8 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-stream-layer-group", type=POS_INT, default=1, help="layers per group (layerwise)")
     g.add_argument("--config", default=None,
                    help="a runtime cluster config (YAML/JSON): its link.wan_* (rate, RTT, loss, MSS, cross "
-                   "traffic), policy.wan_order / kv_stream / kv_stream_layer_group and the engine settings its "
+                   "traffic), policy.wan_order / kv_stream / kv_stream_layer_group / cutoff / cutoff_min_remaining_s "
+                   "/ cutoff_max_sent_fraction and the engine settings its "
                    "engine and tiers blocks set (batch limits, step floor, KV page and pool, profile) replace "
                    "those flags")
     g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=250.0,
@@ -220,6 +221,12 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--catchup-threshold", type=NONNEG_INT, default=64)
     g.add_argument("--allow-p-rld", action="store_true")
     g.add_argument("--no-cutoff", action="store_true")
+    g.add_argument("--cutoff-min-remaining-s", type=NONNEG_FLOAT, default=0.5,
+                   help="cut a relayed request's WAN transfer off only when its rest takes at least this long "
+                   "(policy.cutoff_min_remaining_s)")
+    g.add_argument("--cutoff-max-sent-fraction", type=FRACTION, default=0.25,
+                   help="let a transfer finish once MD has reported this share of its bytes "
+                   "(policy.cutoff_max_sent_fraction; 1: the remaining time alone)")
     g.add_argument("--no-md-predicted-send", action="store_true",
                    help="a request relayed at once (--budget-ms 0) sends MD's KV after MD's reservation round trip, "
                    "not when P's prefill is done (policy.md_predicted_send: false)")
@@ -355,7 +362,8 @@ def _make_cfg(a):
         n_rld=a.n_rld, n_md=a.n_md, n_d=a.n_d, n_c=a.n_c, wan_gbps=a.wan_gbps, wan_rtt_ms=a.wan_rtt_ms,
         wan_order=a.wan_order, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
         handoff_mode=a.handoff, catchup_threshold=a.catchup_threshold, allow_p_rld=a.allow_p_rld,
-        cutoff=not a.no_cutoff, md_predicted_send=not a.no_md_predicted_send, md_wait_claims=not a.no_md_wait_claims,
+        cutoff=not a.no_cutoff, cutoff_min_remaining_s=a.cutoff_min_remaining_s,
+        cutoff_max_sent_fraction=a.cutoff_max_sent_fraction, md_predicted_send=not a.no_md_predicted_send, md_wait_claims=not a.no_md_wait_claims,
         md_load_cap=a.md_load_cap,
         early_handoff=not a.no_early_handoff, drc=not a.no_drc, routing=a.routing,
         max_batch_tokens=a.max_batch_tokens,
@@ -379,7 +387,9 @@ def _wan_fields(a) -> dict:
     """The WAN line's loss / cross traffic and the KV streaming fields from the flags, or from
     ``--config``'s runtime keys (``pdd.sim.sim_config.runtime_wan_fields``) with its engine
     blocks' (``pdd.sim.runtime_engines.runtime_engine_fields``: ``engine`` and ``tiers``, as
-    simulated in ``--mode``). UsageError naming the flag for a bad value."""
+    simulated in ``--mode``) and its cut-off policy (``cutoff``, ``cutoff_min_remaining_s``,
+    ``cutoff_max_sent_fraction``, replacing ``--no-cutoff`` / ``--cutoff-*``). UsageError naming
+    the flag for a bad value."""
     from pdd.policy.tcp_model import check_loss_rate, check_schedule, parse_cross_traffic
     from pdd.sim.runtime_engines import runtime_engine_fields
     from pdd.sim.sim_config import SimConfig, runtime_wan_fields
@@ -393,7 +403,10 @@ def _wan_fields(a) -> dict:
                   "--n-rld / --n-md; the mode: --mode; the KV size: --model / --kv-bytes-per-token; the chips: "
                   "--chip-a / --chip-b; a live run's tiers with their dtypes: pdd sim validate --config with "
                   "--profile-b)", file=sys.stderr)
-        return {**runtime_wan_fields(cfg), **engines}
+        pol = cfg.policy  # its cut-off replaces --no-cutoff / --cutoff-* (it was read nowhere, silently)
+        return {**runtime_wan_fields(cfg), **engines, "cutoff": pol.cutoff,
+                "cutoff_min_remaining_s": pol.cutoff_min_remaining_s,
+                "cutoff_max_sent_fraction": pol.cutoff_max_sent_fraction}
     try:
         # "" is refused (no point in it), not taken as no cross traffic
         cross = parse_cross_traffic(a.cross_traffic, "--cross-traffic") if a.cross_traffic is not None else ()
