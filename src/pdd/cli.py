@@ -441,7 +441,9 @@ def _log_level_flag(value: str) -> str:
     bad = level_problem(value)
     if bad:
         raise argparse.ArgumentTypeError(bad)
-    return value.strip().upper()
+    from pdd.logs import _normal
+
+    return _normal(value)
 
 
 def _add_log_level(p: argparse.ArgumentParser) -> None:
@@ -468,8 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _configure_logging()  # from PDD_LOG_LEVEL; --log-level below overrides it
-    except ValueError as e:  # a bad PDD_LOG_LEVEL: one line, exit 2 as a bad flag's value
-        print(f"pdd: {e}", file=sys.stderr)
+        env_problem = None
+    except ValueError as e:  # a bad PDD_LOG_LEVEL: refused below unless --log-level replaces it (or --help)
+        from pdd.logs import configure_logging
+
+        env_problem = f"pdd: {e}"
+        configure_logging("INFO")  # meanwhile (the variable left as it is: not passed on as INFO)
+    if env_problem and argv and argv[0] in ("demo", "bench") and not {"-h", "--help"} & set(argv):
+        print(env_problem, file=sys.stderr)  # they take no --log-level: one line, exit 2 as a bad flag's value
         return 2
     if argv and argv[0] == "demo":  # the demo owns its flags (pdd demo --help)
         from pdd.bench.demo import main as demo_main
@@ -493,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         args.name = names[args.role]
     if getattr(args, "log_level", None):
         _configure_logging(args.log_level)
+    elif env_problem:
+        print(env_problem, file=sys.stderr)
+        return 2
     if getattr(args, "fn", None) is None:  # the simulator's parsers use func (and UsageError: exit 2)
         from pdd.sim.cli import run_command
 

@@ -40,13 +40,19 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+def _normal(value) -> str:
+    """``value`` as a level name: stripped, upper case, ``WARN`` (Python's alias) as ``WARNING``."""
+    v = str(value).strip().upper()
+    return "WARNING" if v == "WARN" else v
+
+
 def level_problem(value: str) -> str | None:
     """Why ``value`` is not a log level (case-insensitive: ``debug``, ``INFO``, ...), as the end
     of a one-line refusal (``'loud': not a log level (one of DEBUG, ...)``) that its caller
     prefixes with the flag or variable it came from; None when it is one."""
-    if str(value).strip().upper() in LEVELS:
+    if _normal(value) in LEVELS:
         return None
-    return f"{value!r}: not a log level (one of {', '.join(LEVELS)}, any case)"
+    return f"{value!r}: not a log level (one of {', '.join(LEVELS)}, any case; WARN for WARNING)"
 
 
 def configure_logging(level: str | None = None) -> str:
@@ -61,7 +67,7 @@ def configure_logging(level: str | None = None) -> str:
         bad = level_problem(level)
         if bad:
             raise ValueError(f"{LEVEL_ENV} {bad}")
-    level = level.strip().upper()
+    level = _normal(level)
     root = logging.getLogger()
     for h in [h for h in root.handlers if getattr(h, "_pdd", False)]:
         root.removeHandler(h)

@@ -81,11 +81,29 @@ def test_a_warning_names_its_level_and_logger(capsys, tmp_path, monkeypatch):
 def test_a_bad_log_level_flag_is_a_usage_error_naming_it(capsys):
     err = usage_error(capsys, main, ["launch", "--role", "link", "--log-level", "loud"])
     assert err.endswith("pdd launch: error: argument --log-level: 'loud': not a log level (one of DEBUG, INFO, "
-                        "WARNING, ERROR, CRITICAL, any case)\n"), err
+                        "WARNING, ERROR, CRITICAL, any case; WARN for WARNING)\n"), err
 
 
 def test_a_bad_log_level_variable_is_refused_in_one_line(capsys, monkeypatch):
     monkeypatch.setenv("PDD_LOG_LEVEL", "loud")
     assert main(["serve", "--config", "/nonexistent/pdd.yaml"]) == 2  # refused before the config is read
     assert capsys.readouterr().err == ("pdd: PDD_LOG_LEVEL 'loud': not a log level (one of DEBUG, INFO, WARNING, "
-                                       "ERROR, CRITICAL, any case)\n")
+                                       "ERROR, CRITICAL, any case; WARN for WARNING)\n")
+
+
+def test_a_log_level_flag_replaces_a_bad_variable_and_help_still_prints(capsys, monkeypatch):
+    """A bad ``PDD_LOG_LEVEL`` is refused only where nothing replaces it: ``--log-level warn``
+    (Python's alias of WARNING) overrides it, and ``--help`` prints (both exited 2 on the
+    variable); ``pdd demo``, which takes no flag, refuses it in one line."""
+    monkeypatch.setenv("PDD_LOG_LEVEL", "loud")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--config", "/nonexistent/pdd.yaml", "--log-level", "warn"])
+    err = capsys.readouterr().err
+    assert "PDD_LOG_LEVEL" not in err and "/nonexistent/pdd.yaml" in err and e.value.code != 0, err
+    assert logging.getLogger("pdd").level == logging.WARNING
+    monkeypatch.setenv("PDD_LOG_LEVEL", "loud")  # --log-level put WARNING there (for serve's instances)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0 and "--log-level" in capsys.readouterr().out
+    assert main(["demo", "--requests", "1"]) == 2
+    assert capsys.readouterr().err.startswith("pdd: PDD_LOG_LEVEL 'loud': not a log level")
