@@ -1074,10 +1074,11 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> int | None:
     that first signal's number (None: the server stopped by itself); a second one meanwhile
     stops the server at once."""
     import asyncio
-    import signal
 
     import uvicorn
     from tokenizers import Tokenizer
+
+    from pdd.stop_signals import add_stop_handlers
 
     tokenizer = Tokenizer.from_file(f"{cfg.model_path}/tokenizer.json")
     orch = Orchestrator(cfg, lay)
@@ -1128,13 +1129,7 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> int | None:
         drain.begin(orch)
         drained.append(loop.create_task(_drain_then_exit()))
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-            continue  # ignored (nohup, inherited through pdd serve): the gateway outlives its terminal
-        try:
-            loop.add_signal_handler(sig, _stop, sig)
-        except NotImplementedError:
-            pass
+    add_stop_handlers(loop, _stop)  # a SIGHUP ignored (nohup, inherited through pdd serve) stays so
     print("READY gateway", flush=True)  # after the handlers: a signal sent on READY drains
     await task
     for t in drained:

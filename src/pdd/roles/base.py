@@ -597,7 +597,7 @@ async def serve_instance(inst) -> int | None:
     SIGTERM, SIGINT or SIGHUP (the terminal of a ``pdd launch`` typed by hand closed), then stop
     it cleanly (``inst.stop``) and return the signal's number (None: cancelled). A SIGHUP ignored
     when it starts (``nohup pdd launch``) stays ignored, so the instance outlives its terminal."""
-    import signal
+    from pdd.stop_signals import add_stop_handlers
 
     await inst.start()
     stop = asyncio.Event()
@@ -607,14 +607,7 @@ async def serve_instance(inst) -> int | None:
         got.append(sig)
         stop.set()
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-            continue  # nohup: the instance outlives its terminal
-        try:
-            loop.add_signal_handler(sig, _stop, sig)
-        except NotImplementedError:
-            pass
+    add_stop_handlers(asyncio.get_running_loop(), _stop)
     print(f"READY {inst.spec.name}", flush=True)  # after the handlers: a signal sent on READY stops it cleanly
     await stop.wait()
     await inst.stop()

@@ -67,11 +67,11 @@ import json
 import logging
 import os
 import random
-import signal
 from collections import deque
 from typing import Any, Optional
 
 from pdd.policy import tcp_model
+from pdd.stop_signals import add_stop_handlers
 
 from . import messages
 from .client import connect
@@ -794,14 +794,7 @@ async def serve_link(cfg: Any, ready_line: str = "LINK READY") -> int | None:
         got.append(sig)
         stop.set()
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-            continue
-        try:
-            loop.add_signal_handler(sig, _stop, sig)
-        except (NotImplementedError, RuntimeError):
-            pass
+    add_stop_handlers(asyncio.get_running_loop(), _stop)
     log.info("link %s gbps=%s rtt_ms=%s ports=%s control=%s", link.host, link.gbps, link.rtt_ms, link.ports, link.control_port)
     print(ready_line, flush=True)
     try:
