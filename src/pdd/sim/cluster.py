@@ -329,20 +329,26 @@ class ClusterSim:
         (:meth:`md_progress`) the bytes left at the transfer's own rate less the report's age up
         to one report interval (``policy.wan_estimate.inflight_remaining_s``); before MD's first
         report, :meth:`remaining_wan_s` (the estimate of finished transfers)."""
+        return self._cutoff_inputs(req)[0]
+
+    def _cutoff_inputs(self, req: "Req") -> "tuple[float, float]":
+        """(:meth:`cutoff_remaining_wan_s`, the share of the planned bytes MD last reported
+        received: 0 before its first report), from one walk of MD's reports."""
         p = self.md_progress(req)
         if p is None:
-            return self.remaining_wan_s(req)
+            return self.remaining_wan_s(req), 0.0
         at, done, gbps = p
-        return pol_west.inflight_remaining_s(req.md_missing * self._wan_kvb(req), done, gbps, self.env.now - at)
+        planned = req.md_missing * self._wan_kvb(req)
+        return (pol_west.inflight_remaining_s(planned, done, gbps, self.env.now - at),
+                pol_cutoff.sent_fraction(done, planned))
 
     def _cut_off_due(self, req: "Req") -> bool:
         """Whether RLD having finished ``req`` cuts its WAN transfer off (``policy.cutoff.should_cut_off``
         with MD's KV state and :meth:`cutoff_remaining_wan_s`): when RLD finishes it and, for a
         transfer let through then, on each later progress report (the gateway's ``_cut_off_due``,
         with the share of the bytes MD last reported)."""
-        p = self.md_progress(req)
-        frac = pol_cutoff.sent_fraction(p[1], req.md_missing * self._wan_kvb(req)) if p is not None else 0.0
-        return pol_cutoff.should_cut_off(True, req.md_kv_complete, self.cutoff_remaining_wan_s(req),
+        remaining, frac = self._cutoff_inputs(req)
+        return pol_cutoff.should_cut_off(True, req.md_kv_complete, remaining,
                                          self.cfg.cutoff_min_remaining_s, frac, self.cfg.cutoff_max_sent_fraction)
 
     # --- the policy calls (the runtime's functions; recorded live inputs can be fed here) ----------
