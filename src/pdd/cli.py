@@ -441,9 +441,9 @@ def _log_level_flag(value: str) -> str:
     bad = level_problem(value)
     if bad:
         raise argparse.ArgumentTypeError(bad)
-    from pdd.logs import _normal
+    from pdd.logs import level_name
 
-    return _normal(value)
+    return level_name(value)
 
 
 def _add_log_level(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-__all__ = ["DATEFMT", "FORMAT", "LEVELS", "LEVEL_ENV", "configure_logging", "level_problem"]
+__all__ = ["DATEFMT", "FORMAT", "LEVELS", "LEVEL_ENV", "configure_logging", "level_name", "level_problem"]
 
 LEVEL_ENV = "PDD_LOG_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -40,7 +40,7 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def _normal(value) -> str:
+def level_name(value) -> str:
     """``value`` as a level name: stripped, upper case, ``WARN`` (Python's alias) as ``WARNING``."""
     v = str(value).strip().upper()
     return "WARNING" if v == "WARN" else v
@@ -50,7 +50,7 @@ def level_problem(value: str) -> str | None:
     """Why ``value`` is not a log level (case-insensitive: ``debug``, ``INFO``, ...), as the end
     of a one-line refusal (``'loud': not a log level (one of DEBUG, ...)``) that its caller
     prefixes with the flag or variable it came from; None when it is one."""
-    if _normal(value) in LEVELS:
+    if level_name(value) in LEVELS:
         return None
     return f"{value!r}: not a log level (one of {', '.join(LEVELS)}, any case; WARN for WARNING)"
 
@@ -67,7 +67,7 @@ def configure_logging(level: str | None = None) -> str:
         bad = level_problem(level)
         if bad:
             raise ValueError(f"{LEVEL_ENV} {bad}")
-    level = _normal(level)
+    level = level_name(level)
     root = logging.getLogger()
     for h in [h for h in root.handlers if getattr(h, "_pdd", False)]:
         root.removeHandler(h)
