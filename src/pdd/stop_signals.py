@@ -25,3 +25,18 @@ def add_stop_handlers(loop: asyncio.AbstractEventLoop, on_stop: Callable[[int], 
             loop.add_signal_handler(sig, on_stop, sig)
         except (NotImplementedError, RuntimeError):
             pass
+
+
+def stop_waiter() -> "asyncio.Future[int]":
+    """Install :func:`add_stop_handlers` on the running loop now and return a future holding the
+    first stop signal's number once one arrives (later ones are ignored). Call it before
+    printing a ``READY`` line, so a signal sent on READY stops the process cleanly."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[int] = loop.create_future()
+
+    def _first(sig: int) -> None:
+        if not fut.done():
+            fut.set_result(sig)
+
+    add_stop_handlers(loop, _first)
+    return fut

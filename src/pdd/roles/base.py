@@ -592,23 +592,16 @@ def weights_digest(model_path: str) -> str:
     return h.hexdigest()[:16]
 
 
-async def serve_instance(inst) -> int | None:
+async def serve_instance(inst) -> int:
     """Start an instance, print ``READY <name>`` (its signal handlers in place), run until
     SIGTERM, SIGINT or SIGHUP (the terminal of a ``pdd launch`` typed by hand closed), then stop
-    it cleanly (``inst.stop``) and return the signal's number (None: cancelled). A SIGHUP ignored
+    it cleanly (``inst.stop``) and return the signal's number. A SIGHUP ignored
     when it starts (``nohup pdd launch``) stays ignored, so the instance outlives its terminal."""
-    from pdd.stop_signals import add_stop_handlers
+    from pdd.stop_signals import stop_waiter
 
     await inst.start()
-    stop = asyncio.Event()
-    got: list[int] = []
-
-    def _stop(sig: int) -> None:
-        got.append(sig)
-        stop.set()
-
-    add_stop_handlers(asyncio.get_running_loop(), _stop)
+    stop = stop_waiter()
     print(f"READY {inst.spec.name}", flush=True)  # after the handlers: a signal sent on READY stops it cleanly
-    await stop.wait()
+    sig = await stop
     await inst.stop()
-    return got[0] if got else None
+    return sig

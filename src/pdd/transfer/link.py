@@ -71,7 +71,7 @@ from collections import deque
 from typing import Any, Optional
 
 from pdd.policy import tcp_model
-from pdd.stop_signals import add_stop_handlers
+from pdd.stop_signals import stop_waiter
 
 from . import messages
 from .client import connect
@@ -782,26 +782,18 @@ async def set_link(host: str, port: int, timeout: float = 5.0, **kw) -> dict:
 
 
 # ---------------------------------------------------------------- process entry
-async def serve_link(cfg: Any, ready_line: str = "LINK READY") -> int | None:
+async def serve_link(cfg: Any, ready_line: str = "LINK READY") -> int:
     """Start the link, print ``ready_line`` on stdout, serve until SIGTERM, SIGINT or SIGHUP (one
-    ignored at start, ``nohup``, stays ignored); returns that signal's number (None: cancelled)."""
+    ignored at start, ``nohup``, stays ignored); returns that signal's number."""
     link = Link(cfg)
     await link.start()
-    stop = asyncio.Event()
-    got: list[int] = []
-
-    def _stop(sig: int) -> None:
-        got.append(sig)
-        stop.set()
-
-    add_stop_handlers(asyncio.get_running_loop(), _stop)
+    stop = stop_waiter()
     log.info("link %s gbps=%s rtt_ms=%s ports=%s control=%s", link.host, link.gbps, link.rtt_ms, link.ports, link.control_port)
     print(ready_line, flush=True)
     try:
-        await stop.wait()
+        return await stop
     finally:
         await link.close()
-    return got[0] if got else None
 
 
 def run_link(cfg: Any) -> int | None:
