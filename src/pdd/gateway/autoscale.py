@@ -150,7 +150,9 @@ class Autoscaler:
             finally:
                 rec.pop("under_way", None)
                 rec["applied"].append(entry)
-        log.warning("autoscale: %s", json.dumps(rec, sort_keys=True, default=str))
+        # a decision is routine (INFO); one whose operation was refused or failed is a WARNING
+        level = logging.WARNING if any("error" in e for e in rec["applied"]) else logging.INFO
+        log.log(level, "autoscale: %s", json.dumps(rec, sort_keys=True, default=str))
         return rec
 
     async def run(self) -> None:

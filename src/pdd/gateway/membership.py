@@ -87,6 +87,21 @@ def join_budget_s(retries: int, dead_after_s: float, backoff_s: float = 0.1, max
     return total + dead_after_s
 
 
+def event_level(ev: dict) -> int:
+    """The log level of a membership event ``ev`` (as :meth:`Membership._set` records it): INFO
+    for a change done as asked (an add, drain, remove or re-role, a forced removal whose requests
+    were recovered elsewhere included); WARNING for a refusal (``rerole_refused``) and for a
+    removal or re-role that left something behind: its cache flush failed (``prefix_cache.error``)
+    or pages stayed in use (``leaked_pages`` > 0)."""
+    if ev.get("op") == "rerole_refused":
+        return logging.WARNING
+    cache = ev.get("prefix_cache")
+    if isinstance(cache, dict) and cache.get("error"):
+        return logging.WARNING
+    leaked = ev.get("leaked_pages")
+    return logging.WARNING if isinstance(leaked, int) and leaked > 0 else logging.INFO
+
+
 class MembershipError(Exception):
     """A refused operation: HTTP ``status`` with an OpenAI-style error body."""
 
@@ -257,7 +272,7 @@ class Membership:
         self._sync_layout()
         self.sync_admission()
         self._changed()
-        log.warning("membership: %s", json.dumps(ev, sort_keys=True))
+        log.log(event_level(ev), "membership: %s", json.dumps(ev, sort_keys=True))
 
     def _changed(self) -> None:
         """Wake the recoveries waiting for an instance (``Orchestrator.topology_changed``): one
@@ -737,7 +752,7 @@ class Membership:
                 self._kill(p)
                 raise MembershipError(503, f"instance {m.name} did not start: "
                                            f"{start_failure_cause(d / f'{m.name}.log')}", "start", "start_failed")
-        log.warning("membership: started %s (%s), log %s", m.name, m.role, d / f"{m.name}.log")
+        log.info("membership: started %s (%s), log %s", m.name, m.role, d / f"{m.name}.log")
         return p
 
     @staticmethod

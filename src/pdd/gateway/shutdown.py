@@ -138,8 +138,8 @@ class Drain:
         if hasattr(orch, "stop_probes"):  # no new WAN probe holds the drain up
             orch.stop_probes()
         t0 = clock()
-        log.warning("shutting down: new requests are refused (503 %s); waiting up to %g s (shutdown_timeout_s) "
-                    "for %s", SHUTTING_DOWN, self.timeout_s, ", ".join(self.pending(orch)) or "nothing")
+        log.info("shutting down: new requests are refused (503 %s); waiting up to %g s (shutdown_timeout_s) "
+                 "for %s", SHUTTING_DOWN, self.timeout_s, ", ".join(self.pending(orch)) or "nothing")
         while self.pending(orch) and clock() - t0 < self.timeout_s:
             await asyncio.sleep(POLL_S)
         if self.pending(orch):
@@ -153,7 +153,9 @@ class Drain:
         if left:
             log.warning("shutdown: still pending after the drain: %s", ", ".join(left))
         out = {"waited_s": round(clock() - t0, 3), "ended": self.ended, "left": left}
-        log.warning("shutdown: drained in %.2f s (%d requests ended by the timeout)", out["waited_s"], self.ended)
+        # a clean drain is routine (INFO); one that ended requests or left work pending is not
+        level = logging.WARNING if self.ended or left else logging.INFO
+        log.log(level, "shutdown: drained in %.2f s (%d requests ended by the timeout)", out["waited_s"], self.ended)
         return out
 
 
