@@ -166,7 +166,8 @@ class Membership:
         self.changes: dict[str, int] = {"add": 0, "drain": 0, "remove": 0}  # and "rerole" once one happens
         self._busy_ops: set[str] = set()  # names with an add or remove under way
         self._removing: set[str] = set()  # names being removed: routed nothing from the removal's start
-        self._watchers: dict[str, asyncio.Task] = {}
+        self._watchers: dict[str, asyncio.Task] = {}  # name -> its _remove_when_idle
+        self._idle_wakers: dict[str, asyncio.Event] = {}  # name -> set when something there may have ended
         self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
         lv = getattr(getattr(orch, "cfg", None), "liveness", None)
         self.join_timeout_s = join_budget_s(JOIN_RETRIES, lv.dead_after_s if lv is not None else 5.0)
@@ -272,6 +273,7 @@ class Membership:
         self._sync_layout()
         self.sync_admission()
         self._changed()
+        self.in_flight_fell()  # a watcher of it stops waiting once it is no longer draining
         log.log(event_level(ev), "membership: %s", json.dumps(ev, sort_keys=True))
 
     def _changed(self) -> None:
@@ -479,7 +481,18 @@ class Membership:
             out["remove_when_idle"] = True
         return out
 
-    async def _remove_when_idle(self, name: str, poll_s: float = 0.1) -> None:
+    def in_flight_fell(self) -> None:
+        """Something in flight left the orchestrator's bookkeeping (``Orchestrator._released``),
+        or a member's state changed (:meth:`_set`): wake every removal waiting for its instance to
+        go idle (:meth:`_remove_when_idle`), which looks again. Cheap: no count is taken here."""
+        for ev in self._idle_wakers.values():
+            ev.set()
+
+    async def _remove_when_idle(self, name: str) -> None:
+        """Remove ``name`` (draining) as soon as nothing is in flight there (:meth:`busy` 0), woken
+        by :meth:`in_flight_fell` as each request or transfer there ends, not by a poll; stop
+        waiting once it is no longer draining (removed, added back). A refused removal is logged."""
+        wake = self._idle_wakers.setdefault(name, asyncio.Event())
         try:
             while self.members[name].state == DRAINING:
                 if self.busy(name) == 0:
@@ -488,8 +501,10 @@ class Membership:
                     except MembershipError as e:
                         log.warning("membership: removing drained %s when idle failed: %s", name, e.message)
                     return
-                await asyncio.sleep(poll_s)
+                wake.clear()  # (nothing ran since the look: an end sets it again)
+                await wake.wait()
         finally:
+            self._idle_wakers.pop(name, None)
             self._watchers.pop(name, None)
 
     async def _cache_view(self, name: str) -> dict:

@@ -42,7 +42,7 @@ from pdd.gateway.routing import ROUTING_MIN_HIT_FRAC, Routing  # noqa: F401
 from pdd.gateway.start import Starts
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
-    NoInstance, NoMember, RequestFailed, ReqState, ShuttingDown, TokenOut, extend_message)
+    NoInstance, NoMember, ReleaseDict, RequestFailed, ReqState, ShuttingDown, TokenOut, extend_message)
 from pdd.gateway.stream import Streams
 from pdd.gateway.wan_booking import WanBooking
 
@@ -65,7 +65,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
     def __init__(self, cfg: ClusterConfig, lay: Layout):
         self.cfg, self.layout = cfg, lay
         self.peers: dict[str, Peer] = {}
-        self.reqs: dict[str, ReqState] = {}
+        # what Membership.busy counts is kept in ReleaseDicts: whatever leaves them wakes a removal
+        # waiting for an instance to go idle (_released)
+        self.reqs: dict[str, ReqState] = ReleaseDict(self._released)
         self.totals = {"wan_bytes_expected": 0, "wan_bytes_planned": 0, "wan_bytes_cancelled": 0, "wan_bytes_sent": 0,
                        "wan_bytes_unreported": 0, "requests": 0,
                        "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,  # OUTCOMES: each request once
@@ -82,9 +84,9 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.pipelines: dict[str, int] = {}
         self.page_bytes: int | None = None
         self.planned_wan: dict[str, int] = {}  # rid -> planned WAN bytes, until P's xfer_done
-        self.planned_src: dict[str, str] = {}  # rid -> the P that will report it (forgotten if P dies)
+        self.planned_src: dict[str, str] = ReleaseDict(self._released)  # rid -> the P that will report it (forgotten if P dies)
         # replaced attempts' plans (recovery): (planned bytes, P), until P reports them or dies
-        self.superseded_wan: dict[str, tuple[int, str]] = {}
+        self.superseded_wan: dict[str, tuple[int, str]] = ReleaseDict(self._released)
         self._ids = itertools.count()
         # from the checkpoint's config, so the first request is planned with it too (a new user saw 0
         # there); MD's first reservation reply confirms it from its pool (_reserved)
@@ -92,7 +94,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.kv_bytes_per_token: int | None = mc.kv_bytes_per_token(  # as it crosses: the narrower dtype
             wire_dtype(cfg.engine_for("prefill").dtype, cfg.engine_for("main_decode").dtype)) if mc is not None else None
         self._tasks: set = set()
-        self.inflight: dict[str, int] = {}  # instance -> requests routed there and not finished
+        self.inflight: dict[str, int] = ReleaseDict(self._released)  # instance -> requests routed there and not finished
         # instance -> places of its bounded queue the gateway holds there: attempts routed to it that
         # may still need compute (gateway.routing's module docstring; ReqState.holds)
         self.holding: dict[str, int] = {}
@@ -117,7 +119,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.wan_last_sample: dict[str, float] = {}
         self.wan_last_probe: dict[str, float] = {}
         self.wan_probes = {"probes": 0, "failures": 0, "bytes": 0, "goodput_samples": 0}
-        self.awaiting_kv: dict[str, tuple[str, str]] = {}  # finished trid -> (P, MD) until MD's kv_ready
+        self.awaiting_kv: dict[str, tuple[str, str]] = ReleaseDict(self._released)  # finished trid -> (P, MD) until MD's kv_ready
         # finished trid -> monotonic deadline (request_timeout_s after the wait began): an entry
         # still awaited then is dropped on MD and forgotten (_expire_awaited_kv)
         self.awaiting_kv_deadline: dict[str, float] = {}
@@ -386,6 +388,15 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             pass
         finally:
             self._reconnecting.discard(name)
+
+    def _released(self) -> None:
+        """Something in flight left the bookkeeping (a request, a planned or superseded
+        transfer, KV awaited on MD, an instance's in-flight count lowered: the ReleaseDicts):
+        the membership wakes a removal waiting for an instance to go idle
+        (``Membership.in_flight_fell``)."""
+        ms = getattr(self, "membership", None)
+        if ms is not None:
+            ms.in_flight_fell()
 
     def topology_changed(self) -> None:
         """The instances a request can be routed to changed (added, drained, removed, re-roled,

@@ -26,6 +26,53 @@ def extend_message(rid: str, token_ids: list[int], final: bool = True) -> dict:
     return Extend(rid, [int(t) for t in token_ids], bool(final)).wire()
 
 
+class ReleaseDict(dict):
+    """A dict of the orchestrator's in-flight bookkeeping (``reqs``, ``inflight``,
+    ``planned_src``, ``superseded_wan``, ``awaiting_kv``: what ``Membership.busy`` counts) that
+    calls ``on_release()`` after anything may have left it: an entry deleted or popped, the dict
+    cleared, or an ``int`` value lowered. Additions call nothing. ``on_release`` must not raise;
+    it is how a removal waiting for an instance to go idle is woken as its last request or
+    transfer ends (``Membership._remove_when_idle``), with no poll."""
+
+    __slots__ = ("on_release",)
+
+    def __init__(self, on_release, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_release = on_release
+
+    def __setitem__(self, key, value):
+        old = dict.get(self, key)
+        dict.__setitem__(self, key, value)
+        if isinstance(old, int) and isinstance(value, int) and value < old:
+            self.on_release()
+
+    def __delitem__(self, key):
+        dict.__delitem__(self, key)
+        self.on_release()
+
+    _MISSING = object()
+
+    def pop(self, key, default=_MISSING):
+        if key in self:
+            value = dict.pop(self, key)
+            self.on_release()
+            return value
+        if default is ReleaseDict._MISSING:
+            raise KeyError(key)
+        return default
+
+    def popitem(self):
+        item = dict.popitem(self)
+        self.on_release()
+        return item
+
+    def clear(self):
+        had = bool(self)
+        dict.clear(self)
+        if had:
+            self.on_release()
+
+
 class RequestFailed(RuntimeError):
     """A tier failed the request; the message says which and why."""
 
