@@ -158,7 +158,8 @@ def test_forced_removal_with_a_request_in_flight_flushes_and_frees_every_page_on
 def test_a_forced_removal_whose_flush_fails_says_the_cache_was_not_flushed():
     """The instance refuses the fresh connection: the answer says the cache was not flushed and
     why, and leaked_pages is unknown; the request's pages are freed once all the same (its owner
-    gone), the cache pages stay with the instance."""
+    gone), the cache pages stay with the instance. The fate does not claim the freeing: nothing
+    confirmed it (a frozen instance would free nothing)."""
     o, ms, inst, conn, opened = _with_instance()
     inst.admit("r1", 3, sorted(inst.cache)[:2], conn)
     inst.refuse = True
@@ -168,10 +169,12 @@ def test_a_forced_removal_whose_flush_fails_says_the_cache_was_not_flushed():
     assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, None)
     assert rep["prefix_cache"] == {
         "flushed": False, "gateway_index_pages_forgotten": 0, "error": "ConnectionRefusedError: connection refused",
-        "fate": "not flushed: the flush failed (ConnectionRefusedError: connection refused); the instance freed the "
-                "pages of the 1 request(s) in flight there itself as the gateway's connection closed; "
-                "its cache stays with its process (stopped if the gateway started it), its pages unknown here; the "
-                "gateway's prefix index of it is forgotten, so routing counts no hits there"}
+        "fate": "not flushed: the flush failed (ConnectionRefusedError: connection refused); the gateway closed its "
+                "connection, on which the instance aborts the 1 request(s) in flight there and frees their pages once "
+                "it reads that close, which it did not confirm (a frozen instance frees nothing until it is resumed); "
+                "its cache pages are unknown here: the gateway did not start its process and does not stop it: "
+                "running, or frozen (SIGSTOP) until it is resumed, it keeps them (stop it yourself); the gateway's "
+                "prefix index of it is forgotten, so routing counts no hits there"}
     assert len(inst.cache) == 5 and inst.reqs == {} and sorted(inst.freed) == [5, 6, 7] and _freed_once(inst)
 
 

@@ -567,6 +567,7 @@ class Membership:
             connected = peer is not None and not peer.closed
             cache: dict = {"flushed": False}
             leaked = None
+            freed = False  # whether the instance confirmed it freed the requests it aborted (wait_idle)
             reachable = connected
             if connected and not busy:  # idle: flushed over the gateway's connection
                 try:
@@ -594,8 +595,8 @@ class Membership:
             if reachable and (recovered or cache.get("live_requests")):
                 # the flush (if any) ran beside requests, whose cache pages it could not evict:
                 # again, once the instance has freed them
-                leaked = await self._flush_after_close(name, cache)
-            cache["fate"] = self._removal_fate(cache, connected, counts)
+                leaked, freed = await self._flush_after_close(name, cache)
+            cache["fate"] = self._removal_fate(cache, connected, counts, freed=freed, started=m.proc is not None)
             self._set(m, REMOVED, "remove", frm=old, forced=bool(force and busy), in_flight=recovered,
                       in_flight_at_removal=counts, prefix_cache=cache, leaked_pages=leaked)
             served = m.role  # the event and the answer say the role it served in
@@ -632,14 +633,15 @@ class Membership:
         cache.pop("live_requests", None)
         return left
 
-    async def _flush_after_close(self, name: str, cache: dict, settle_s: float = 10.0) -> int | None:
+    async def _flush_after_close(self, name: str, cache: dict, settle_s: float = 10.0) -> tuple[int | None, bool]:
         """Flush ``name``'s cache over a fresh connection after the gateway's own one closed with
         requests in flight there (the instance aborts them, each freed once, as its owner is
         gone): once the instance says the requests it held are gone, their pages freed
         (``WaitIdle``: it answers on their release, at most ``settle_s`` seconds later), so the
         pages they shared with the cache are flushed too. Returns the leaked pages as
         :meth:`_flush_cache` (None when requests still ran there or the flush failed:
-        ``cache["error"]`` says why). Raises nothing."""
+        ``cache["error"]`` says why) and whether the instance confirmed it had freed the requests
+        it held (its ``WaitIdle`` answer: ``left`` 0). Raises nothing."""
         o = self.orch
         dead_s = o.cfg.liveness.dead_after_s
         try:  # an instance that does not answer (across a WAN outage) costs dead_after_s, once
@@ -647,42 +649,69 @@ class Membership:
         except (asyncio.TimeoutError, TimeoutError):
             cache["error"] = (f"TimeoutError: instance {name} did not answer a new connection within "
                               f"{dead_s:g} s (liveness.dead_after_s)")
-            return None
+            return None, False
         except Exception as e:
             cache["error"] = f"{type(e).__name__}: {e}"
-            return None
+            return None, False
+        freed = False
         try:  # connected: its heartbeat finds it dead within dead_after_s should it go silent now
-            await peer.call(WaitIdle(settle_s).wire(), timeout=settle_s + dead_s)
+            rep, _ = await peer.call(WaitIdle(settle_s).wire(), timeout=settle_s + dead_s)
+            freed = int(rep.get("left", 0)) == 0
             cache.pop("error", None)
-            return await self._flush_cache(name, peer, cache)
+            return await self._flush_cache(name, peer, cache), freed
         except Exception as e:
             cache["error"] = f"{type(e).__name__}: {e}"
-            return None
+            return None, freed
         finally:
             await peer.close()
 
     @staticmethod
-    def _removal_fate(cache: dict, connected: bool, counts: dict[str, int]) -> str:
-        """What became of a removed instance's prefix cache, in words (``prefix_cache.fate``):
-        ``cache`` as :meth:`remove` filled it, ``connected`` whether the gateway was connected to
-        it, ``counts`` what was in flight there (:meth:`in_flight_counts`: the requests,
-        recovered elsewhere, and the KV transfers, given up), each kind counted and named."""
+    def _removal_fate(cache: dict, connected: bool, counts: dict[str, int], freed: bool = False,
+                      started: bool = False) -> str:
+        """What became of a removed instance's prefix cache and pages, in words
+        (``prefix_cache.fate``), from what the gateway knows: ``cache`` as :meth:`remove` filled
+        it, ``connected`` whether the gateway was connected to it, ``counts`` what was in flight
+        there (:meth:`in_flight_counts`: the requests, recovered elsewhere, and the KV transfers,
+        given up), each kind counted and named, ``freed`` whether the instance confirmed it had
+        freed the pages of the requests it aborted as the gateway's connection closed
+        (``wait_idle`` answered), ``started`` whether the gateway started its process (it stops
+        it next: SIGTERM, then SIGCONT, so a frozen one, which frees nothing while stopped, runs
+        its clean stop too)."""
         index = "the gateway's prefix index of it is forgotten, so routing counts no hits there"
         err = cache.get("error")
         r, t = counts.get("requests", 0), counts.get("transfers", 0)
         what = " and ".join(x for x in (f"{r} request(s)" if r else "", f"{t} KV transfer(s)" if t else "") if x)
+        stopped = ("the gateway stops the process it started (SIGTERM, then SIGCONT so that a frozen one runs its "
+                   "clean stop too; SIGKILL if it has not exited 10 s later), and its pages go with it")
+        kept = ("the gateway did not start its process and does not stop it: running, or frozen (SIGSTOP) until it "
+                "is resumed, it keeps them (stop it yourself)")
+        unconfirmed = ("frees their pages once it reads that close, which it did not confirm (a frozen instance "
+                       "frees nothing until it is resumed)")
         if not connected:
-            return (f"not flushed: the instance was not connected (its pages died with its process, or a restarted "
-                    f"one started empty); {index}")
+            proc = stopped if started else (
+                "the gateway did not start its process and does not stop it: one that died took its pages with it, "
+                "one restarted since started empty, one still running, or frozen (SIGSTOP) until it is resumed, "
+                "keeps them (stop it yourself)")
+            return (f"not flushed: the gateway was not connected to the instance (its connection lost: the instance "
+                    f"dead, frozen or cut off), so it neither flushed its cache nor learned its pages; {proc}; "
+                    f"{index}")
+        proc = stopped if started else kept
         if not cache.get("flushed"):
-            freed = (f"; the instance freed the pages of the {what} in flight there itself as the gateway's "
-                     f"connection closed") if what else ""
-            return (f"not flushed: the flush failed ({err}){freed}; its cache stays with its process (stopped if "
-                    f"the gateway started it), its pages unknown here; {index}")
+            if not what:
+                aborted = ""
+            elif freed:
+                aborted = (f"; the instance said it had aborted the {what} in flight there and freed their pages "
+                           f"(the gateway closed its connection first)")
+            else:
+                aborted = (f"; the gateway closed its connection, on which the instance aborts the {what} in flight "
+                           f"there and {unconfirmed}")
+            return f"not flushed: the flush failed ({err}){aborted}; its cache pages are unknown here: {proc}; {index}"
         if err:  # flushed before requests reached it, not once they were freed
-            how = (f"flushed, but not again once the requests that ran there during that flush were freed ({err}): "
-                   f"the cache pages they held stay with its process")
-        elif what:
+            them = ("the instance said it had aborted them and freed their pages" if freed else
+                    f"the gateway closed its connection, on which the instance aborts them and {unconfirmed}")
+            return (f"flushed, but not again after the {what or 'requests'} that reached it during that flush "
+                    f"({err}): {them}; the cache pages they held are unknown here: {proc}; {index}")
+        if what:
             fate = {(True, False): "recovered elsewhere", (False, True): "given up",
                     (True, True): "the requests recovered elsewhere, the transfers given up"}[(r > 0, t > 0)]
             how = (f"flushed once the instance had freed the pages of the {what} in flight there ({fate}: the "
