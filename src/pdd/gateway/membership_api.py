@@ -4,7 +4,8 @@ the API keys like every other endpoint (docs/SECURITY.md):
 - ``GET /pdd/instances``: every slot with its role, address, state, in-flight count, routed count.
 - ``POST /pdd/instances`` ``{"role", "name"?, "address"?, "start"?}``: add one.
 - ``POST /pdd/instances/{name}/drain`` ``{"force"?, "remove_when_idle"?}``: stop routing to it.
-- ``DELETE /pdd/instances/{name}`` (``?force=true``): remove it.
+- ``DELETE /pdd/instances/{name}`` (``?force=true``): remove it (``force``: ``true`` / ``1`` or
+  ``false`` / ``0``; anything else is a 400 ``invalid_query``, :func:`query_flag`).
 - ``POST /pdd/instances/{name}/role`` ``{"role", "force"?}``: re-role a relay decoder the config's
   ``rerole`` lists to main-decode duty in datacenter A (``main_decode``) or back
   (``relay_decode``); answers once it serves in the new role (it is drained first).
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from pdd.gateway.membership import Membership, MembershipError
 from pdd.gateway.openai_schemas import error_body, media_type, not_utf8, too_deep, too_many_digits
+from pdd.text import shown
 
 
 class AddInstance(BaseModel):
@@ -76,6 +78,23 @@ async def _body(request: Request, model):
         raise MembershipError(400, f"{where or 'body'}: {err.get('msg')}", where, "invalid_body") from None
 
 
+QUERY_TRUE, QUERY_FALSE = ("1", "true"), ("0", "false")
+
+
+def query_flag(request: Request, field: str) -> bool:
+    """The boolean query flag ``field`` of ``request`` (``?force=1``): ``1`` or ``true`` is True,
+    ``0`` or ``false`` (or no such flag) False; the last one counts when repeated. Raises
+    MembershipError(400, ``invalid_query``, naming ``field``) for any other value (``yes``,
+    ``TRUE``, empty), as the operator bodies' booleans are strict."""
+    raw = request.query_params.get(field)
+    if raw is None or raw in QUERY_FALSE:
+        return False
+    if raw in QUERY_TRUE:
+        return True
+    raise MembershipError(400, f"{field}: must be true or false (or 1 or 0), got {shown(raw)}", field,
+                          "invalid_query")
+
+
 def add_membership_routes(app: FastAPI, ms: Membership) -> None:
     @app.get("/pdd/instances")
     async def list_instances():
@@ -106,8 +125,8 @@ def add_membership_routes(app: FastAPI, ms: Membership) -> None:
             return _error(e)
 
     @app.delete("/pdd/instances/{name}")
-    async def remove_instance(name: str, force: bool = False):
+    async def remove_instance(name: str, request: Request):
         try:
-            return await ms.remove(name, force=force)
+            return await ms.remove(name, force=query_flag(request, "force"))
         except MembershipError as e:
             return _error(e)
