@@ -281,6 +281,7 @@ def test_a_recorded_run_is_re_simulated_with_the_cut_off_rule_it_ran():
     assert validate_config(cfg, 40.0).policy.cutoff_max_sent_fraction == 0.25
     assert validate_config(cfg, 40.0, {}).policy.cutoff_max_sent_fraction == 1.0
     assert validate_config(cfg, 40.0, {"cutoff_max_sent_fraction": 0.5}).policy.cutoff_max_sent_fraction == 0.5
-    for bad in (1.5, -0.1, "0.5", True, None):
-        with pytest.raises(RecordedRunError, match="cutoff_max_sent_fraction"):
+    for bad in (1.5, -0.1, "0.5", True, None, float("nan")):
+        with pytest.raises(RecordedRunError, match=r"^validate\.json: config\.cutoff_max_sent_fraction must be a "
+                                                   r"number in \[0, 1\], not "):
             validate_config(cfg, 40.0, {"cutoff_max_sent_fraction": bad})

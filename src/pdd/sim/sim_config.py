@@ -31,7 +31,7 @@ def runtime_wan_fields(cfg) -> dict:
                 kv_stream_layer_group=pol.kv_stream_layer_group)
 
 
-def _in_range(x, lo: float, hi: float, closed_hi: bool = False) -> bool:
+def in_range(x, lo: float, hi: float, closed_hi: bool = False) -> bool:
     """``x`` is a number (not a bool) with ``lo <= x < hi`` (``<= hi`` when ``closed_hi``); NaN is not."""
     return (not isinstance(x, bool) and isinstance(x, (int, float))
             and lo <= x and (x <= hi if closed_hi else x < hi))
@@ -84,7 +84,7 @@ class SimEngine:
         if self.prefill_order is not None and self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"{at}.prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
         v = self.min_step_s
-        if v is not None and not (_in_range(v, 0.0, math.inf)):
+        if v is not None and not (in_range(v, 0.0, math.inf)):
             raise ValueError(f"{at}.min_step_s must be a finite number of seconds >= 0, got {v!r}")
         v = self.page_tokens
         if v is not None and not (whole(v) and block_tokens % v == 0):
@@ -304,24 +304,24 @@ class SimConfig:
             if role not in DECODE_ROLES:  # P's own steps are the prefills: no factor applies to them
                 raise ValueError(f"decode_interference has role {role!r}; it applies to the decoding roles "
                                  f"{', '.join(DECODE_ROLES)}")
-            if not _in_range(f, 1.0, float("inf")):
+            if not in_range(f, 1.0, float("inf")):
                 raise ValueError(f"decode_interference[{role!r}] must be a finite factor >= 1, got {f!r}")
-        if not _in_range(self.p_dispatch_s, 0.0, P_DISPATCH_MAX_S, closed_hi=True):
+        if not in_range(self.p_dispatch_s, 0.0, P_DISPATCH_MAX_S, closed_hi=True):
             raise ValueError(f"p_dispatch_s must be a number of seconds in [0, {P_DISPATCH_MAX_S:g}] (a request's "
                              f"trip to P, milliseconds when measured), got {self.p_dispatch_s!r}")
         if self.page_tokens is not None and not (isinstance(self.page_tokens, int) and self.page_tokens >= 1
                                                  and self.block_tokens % self.page_tokens == 0):
             raise ValueError(f"page_tokens must be a whole number of tokens >= 1 dividing block_tokens "
                              f"({self.block_tokens}), got {self.page_tokens!r}")
-        if not _in_range(self.p_reply_lag_s_per_token, 0.0, P_REPLY_LAG_MAX_S, closed_hi=True):
+        if not in_range(self.p_reply_lag_s_per_token, 0.0, P_REPLY_LAG_MAX_S, closed_hi=True):
             raise ValueError(f"p_reply_lag_s_per_token must be a number of seconds in [0, {P_REPLY_LAG_MAX_S:g}] "
                              f"(microseconds when measured), got {self.p_reply_lag_s_per_token!r}")
-        if self.wan_written_lead_bytes is not None and not _in_range(self.wan_written_lead_bytes, 0.0, float("inf")):
+        if self.wan_written_lead_bytes is not None and not in_range(self.wan_written_lead_bytes, 0.0, float("inf")):
             raise ValueError(f"wan_written_lead_bytes must be a finite number of bytes >= 0 or None, got "
                              f"{self.wan_written_lead_bytes!r}")
-        if not _in_range(self.prefill_interference, 1.0, float("inf")):
+        if not in_range(self.prefill_interference, 1.0, float("inf")):
             raise ValueError(f"prefill_interference must be a finite factor >= 1, got {self.prefill_interference!r}")
-        if not _in_range(self.min_step_s, 0.0, math.inf):
+        if not in_range(self.min_step_s, 0.0, math.inf):
             raise ValueError(f"min_step_s must be a finite number of seconds >= 0, got {self.min_step_s!r}")
         if self.tier_engines is not None:
             if not isinstance(self.tier_engines, dict):

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pdd.sim.cluster import ClusterSim, SimConfig
-from pdd.sim.sim_config import SIM_ROLE, with_live_fit
+from pdd.sim.sim_config import SIM_ROLE, in_range, with_live_fit
 from pdd.sim.runtime_engines import sim_engine_fields
 from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
 from pdd.sim.recorded import (RecordedRunError, check_same_engines, check_same_requests, check_same_run, faults_text,
@@ -366,7 +366,7 @@ def validate_config(config=None, budget_ms: float = 250.0, recorded: dict | None
     pol = {"pipeline_ttft_budget_ms": budget_ms}
     if recorded is not None:
         frac = recorded.get("cutoff_max_sent_fraction", RECORDED_BEFORE_SENT_FRACTION)
-        if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac <= 1:
+        if not in_range(frac, 0, 1, closed_hi=True):
             raise RecordedRunError(f"validate.json: config.cutoff_max_sent_fraction must be a number in [0, 1], "
                                    f"not {frac!r}")
         pol["cutoff_max_sent_fraction"] = float(frac)
