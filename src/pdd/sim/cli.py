@@ -371,7 +371,7 @@ def _make_cfg(a):
         slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     # --config's WAN line replaces --wan-gbps / --wan-rtt-ms / --wan-order too, its engine blocks
     # the scheduler flags (--max-batch-tokens, --prefill-chunk-tokens, --max-running-seqs)
-    kw.update(_wan_fields(a))
+    kw.update(_wan_kv_engine_cutoff_fields(a))
     cfg = SimConfig(**kw)
     for role, (n, _) in cfg.tiers().items():  # the flag named (the simulator said "MD needs at least one instance")
         if n < 1:
@@ -383,7 +383,7 @@ def _make_cfg(a):
 NOT_SIMULATED_FROM_CONFIG = frozenset({"instances", "model_path", "model_preset", "mode"})
 
 
-def _wan_fields(a) -> dict:
+def _wan_kv_engine_cutoff_fields(a) -> dict:
     """The WAN line's loss / cross traffic and the KV streaming fields from the flags, or from
     ``--config``'s runtime keys (``pdd.sim.sim_config.runtime_wan_fields``) with its engine
     blocks' (``pdd.sim.runtime_engines.runtime_engine_fields``: ``engine`` and ``tiers``, as
