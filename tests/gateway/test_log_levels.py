@@ -159,3 +159,18 @@ def test_an_autoscale_decision_is_info_and_a_refused_one_a_warning(caplog):
         (INFO, ["up"], [{"role": "main_decode", "op": "add", "instance": "md1"}]),
         (INFO, ["hold"], []),
         (WARNING, ["up"], [{"role": "main_decode", "op": "add", "error": "instance md1 did not start"}])]
+
+
+def test_an_add_that_joins_the_slots_running_process_is_info(caplog, monkeypatch):
+    """``start: true`` for a slot whose instance still runs (one ``pdd serve`` started, a removal
+    left running idle) joins it, as docs/SERVE.md says it does: routine, not a warning."""
+    import pdd.gateway.membership as membership
+
+    caplog.set_level(logging.DEBUG)
+    o, ms, _ = _setup()
+    monkeypatch.setattr(membership, "port_taken", lambda host, port: True)
+    rep = asyncio.run(ms.add("main_decode", "md1", start=True))
+    assert (rep["state"], rep["source"]) == ("active", "joined")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pdd.gateway.membership"][0] == (
+        INFO, "membership: md1 already listens at 127.0.0.1:18071: joining it rather than starting a second process")
+    assert _ops(caplog) == [(INFO, "add")]

@@ -359,8 +359,8 @@ class Membership:
         self._busy_ops.add(m.name)
         try:
             if start and port_taken(self.full.host, int(m.address.rsplit(":", 1)[1])):
-                log.warning("membership: %s already listens at %s: joining it rather than starting a second "
-                            "process", m.name, m.address)
+                log.info("membership: %s already listens at %s: joining it rather than starting a second "
+                         "process", m.name, m.address)
                 start = False
             if start:
                 m.proc = await asyncio.to_thread(self._start_process, m)
