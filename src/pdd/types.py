@@ -52,6 +52,13 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked while fewer outputs exist
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + top k
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's allowed_token_ids: only these ids can be sampled (None: every id)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words as the gateway tokenised them (each word with and without a leading space):
+    # a sequence's last id is masked when the outputs so far end with the ids before it
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # the words themselves, for a tier that hands them to vLLM (pdd.vllm_tier.md), which tokenises them
+    bad_words: list[str] = field(default_factory=list)
     # recovery (gateway.orchestrator): the prompt's last ``output_offset`` tokens are outputs an
     # earlier attempt streamed. Draws, min_tokens and presence/frequency penalties then count
     # them as outputs (output position = output_offset + this attempt's index), so a recovered
@@ -77,6 +84,13 @@ class SamplingParams:
         }
         if self.logit_bias:  # msgpack maps need str-or-int keys; a list of pairs is unambiguous
             d["logit_bias"] = [[int(k), float(v)] for k, v in self.logit_bias.items()]
+        # sent only when set: a request that does not use them carries no extra header bytes
+        if self.allowed_token_ids is not None:
+            d["allowed_token_ids"] = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words_token_ids:
+            d["bad_words_token_ids"] = [[int(t) for t in w] for w in self.bad_words_token_ids]
+        if self.bad_words:
+            d["bad_words"] = list(self.bad_words)
         return d
 
     @classmethod
@@ -85,4 +99,8 @@ class SamplingParams:
         lb = kw.get("logit_bias")
         if lb is not None:
             kw["logit_bias"] = {int(k): float(v) for k, v in (lb.items() if isinstance(lb, dict) else lb)}
+        if kw.get("allowed_token_ids") is not None:
+            kw["allowed_token_ids"] = [int(t) for t in kw["allowed_token_ids"]]
+        if kw.get("bad_words_token_ids"):
+            kw["bad_words_token_ids"] = [[int(t) for t in w] for w in kw["bad_words_token_ids"]]
         return cls(**kw)

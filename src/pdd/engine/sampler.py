@@ -3,7 +3,9 @@
 Every tier (P for the first token, RLD, MD, a single engine) samples a position the same way:
 
 1. the raw float32 logits row goes to the CPU as float64;
-2. logit processors, in vLLM's order: ``logit_bias``; ``min_tokens`` (EOS and
+2. logit processors, in vLLM's order: ``allowed_token_ids`` (every other id to -inf);
+   ``bad_words`` (:func:`banned_ids`: a word's last token id to -inf when the outputs so far
+   end with its other ids); ``logit_bias``; ``min_tokens`` (EOS and
    ``stop_token_ids`` masked while fewer outputs exist); penalties that depend only on the
    sequence's tokens so far: ``repetition_penalty`` over prompt + outputs (positive logits
    divided, negative multiplied), ``frequency_penalty`` x count and ``presence_penalty`` x
@@ -59,10 +61,31 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
+def _has_mask(p: SamplingParams) -> bool:
+    return p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
+
+
 def needs_processing(p: SamplingParams, position: int) -> bool:
-    """False when the row is a plain argmax (batched on the device)."""
+    """False when the row is a plain argmax (batched on the device). A request without
+    ``allowed_token_ids`` / ``bad_words`` pays two attribute tests for them, nothing more."""
     return (not is_greedy(p) or _has_penalties(p) or position < p.min_tokens or bool(p.logit_bias)
-            or p.logprobs is not None)
+            or p.logprobs is not None or _has_mask(p))
+
+
+def banned_ids(bad_words_token_ids: list[list[int]], history: list[int] | None, prompt_len: int = 0) -> list[int]:
+    """Token ids ``bad_words`` bans at the next position (vLLM's bad-words processor): the last id
+    of each sequence in ``bad_words_token_ids`` whose other ids are the last outputs (a one-id
+    sequence: always). ``history``: the sequence's tokens so far, of which the first ``prompt_len``
+    are the prompt (only outputs count; None: no outputs). Cost: O(sum of the sequences' lengths)."""
+    n_out = len(history) - prompt_len if history is not None else 0
+    out = []
+    for w in bad_words_token_ids:
+        k = len(w) - 1
+        if k < 0 or k > n_out:
+            continue
+        if k == 0 or history[len(history) - k:] == w[:-1]:
+            out.append(int(w[-1]))
+    return out
 
 
 def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history: list[int] | None = None,
@@ -73,6 +96,15 @@ def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history:
     the first ``prompt_len`` are the prompt."""
     x = row.detach().to("cpu", torch.float64).clone()
     vocab = x.shape[0]
+    if p.allowed_token_ids is not None:
+        keep = torch.tensor([t for t in p.allowed_token_ids if 0 <= t < vocab], dtype=torch.long)
+        masked = torch.full_like(x, -math.inf)
+        masked[keep] = x[keep]
+        x = masked
+    if p.bad_words_token_ids:
+        ban = [t for t in banned_ids(p.bad_words_token_ids, history, prompt_len) if 0 <= t < vocab]
+        if ban:
+            x[torch.tensor(ban, dtype=torch.long)] = -math.inf
     if p.logit_bias:
         for t, b in p.logit_bias.items():
             if 0 <= int(t) < vocab:
@@ -102,6 +134,8 @@ def _nucleus(x: torch.Tensor, p: SamplingParams):
     vals, idx = torch.sort(x / p.temperature, descending=True)
     full = torch.softmax(vals, dim=0)
     keep = int(full.shape[0])
+    if _has_mask(p):  # masked ids (-inf, probability 0) are never kept, whatever top_k says
+        keep = max(1, int(torch.isfinite(vals).sum().item()))
     if p.min_p > 0.0:
         keep = min(keep, max(1, int((full >= p.min_p * full[0]).sum().item())))
     if p.top_k and p.top_k > 0:
