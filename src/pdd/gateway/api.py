@@ -571,6 +571,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         except (TypeError, ValueError, UnicodeError) as e:
             raise ApiError(f"{param}: not valid Unicode text ({e})", field) from None
 
+    def bare_ids(text: str) -> list[int]:
+        """``text``'s token ids without special tokens (``bad_words``, as vLLM tokenises them)."""
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
     def prompt_ids(prompt, add_special_tokens: bool, param: str = "prompt", truncating: bool = False) -> list[int]:
         """Token ids of one prompt (text or token ids; ``truncating``: see :func:`encode`)."""
         if not prompt:  # a text refused even where the tokenizer would add a BOS to it
@@ -794,7 +798,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 max_tokens = rest_of_context(len(ids), "prompt")
             check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None,
                           defaulted="max_tokens" not in body.model_fields_set)
-            plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs, defaults=gen_defaults)))
+            plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs, defaults=gen_defaults,
+                                             encode=bare_ids)))
             lens.append((len(ids), max_tokens))
         check_pages(lens, body.n, "max_tokens", asked=body.max_tokens is not None)
         opts = plans[0][2]
@@ -817,9 +822,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         created, cid = int(time.time()), f"cmpl-{id_base(request, gen.choices[0].st.rid)}"
         echoes = [tokenizer.decode(p[0], skip_special_tokens=body.skip_special_tokens) if body.echo else ""
                   for p in plans for _ in range(body.n)]  # per choice index (prompt * n + i)
+        # return_token_ids (vLLM): each choice's prompt ids, per choice index (prompt * n + i)
+        prompts = [p[0] for p in plans for _ in range(body.n)] if body.return_token_ids else None
         if body.stream:
             return StreamingResponse(_completion_sse(gen, token_text, cid, created, model_name,
-                                                     _usage_opts(body), echoes), media_type="text/event-stream")
+                                                     _usage_opts(body), echoes, prompts),
+                                     media_type="text/event-stream")
         failed = await collect(gen, request)
         if failed is not None:
             return failed
@@ -827,6 +835,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                     "logprobs": (_completion_logprobs(token_text, c.tokens, len(echoes[c.index]))
                                  if opts.logprobs is not None else None),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in gen.choices]
+        if prompts is not None:  # vLLM's places: both on each choice
+            for ch, c in zip(choices, gen.choices):
+                ch["prompt_token_ids"] = list(prompts[c.index])
+                ch["token_ids"] = [t.token_id for t in c.tokens]
         return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
 
@@ -848,11 +860,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_context(len(ids), max_tokens, param, body.n, asked, prompt_param="messages")
         check_pages([(len(ids), max_tokens)], body.n, param, asked)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sps, opts = sampling_for(body, max_tokens, model_vocab, top, param, gen_defaults)
+        sps, opts = sampling_for(body, max_tokens, model_vocab, top, param, gen_defaults, encode=bare_ids)
         gen = await start_watched(request, [(ids, sps, opts)])
         created, cid = int(time.time()), f"chatcmpl-{id_base(request, gen.choices[0].st.rid)}"
         if body.stream:
-            return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, _usage_opts(body)),
+            return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, _usage_opts(body),
+                                               ids if body.return_token_ids else None),
                                      media_type="text/event-stream")
         failed = await collect(gen, request)
         if failed is not None:
@@ -861,8 +874,13 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                     "logprobs": ({"content": [_chat_lp(token_text, t, top) for t in c.tokens]}
                                  if top is not None else None),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in gen.choices]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
+        out = {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+               "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
+        if body.return_token_ids:  # vLLM's places: prompt_token_ids on the response, token_ids on each choice
+            out["prompt_token_ids"] = list(ids)
+            for ch, c in zip(choices, gen.choices):
+                ch["token_ids"] = [t.token_id for t in c.tokens]
+        return out
 
     return app
 
@@ -1012,46 +1030,69 @@ async def _sse(gen: Generation, head: dict, chunks, usage: tuple[bool, bool]):
 
 
 def _completion_sse(gen: Generation | Batch, tt: TokenText, cid: str, created: int, model: str,
-                    include_usage: tuple[bool, bool], echoes: list[str] | None = None):
+                    include_usage: tuple[bool, bool], echoes: list[str] | None = None,
+                    prompts: list[list[int]] | None = None):
     head = {"id": cid, "object": "text_completion", "created": created, "model": model}
-    return _sse(gen, head, _completion_chunks(gen, tt, echoes or [""] * len(gen.choices)), include_usage)
+    return _sse(gen, head, _completion_chunks(gen, tt, echoes or [""] * len(gen.choices), prompts), include_usage)
 
 
-async def _completion_chunks(gen: Generation | Batch, tt: TokenText, echoes: list[str]):
+async def _completion_chunks(gen: Generation | Batch, tt: TokenText, echoes: list[str],
+                             prompts: list[list[int]] | None = None):
     """``(tokens, chunk)``: each chunk (one choice's) with its choice's completion tokens so far.
-    ``echoes[i]``: the prompt text choice ``i`` starts with (``echo``), else ""."""
+    ``echoes[i]``: the prompt text choice ``i`` starts with (``echo``), else "". ``prompts``
+    (``return_token_ids``): choice ``i``'s prompt ids, sent as ``prompt_token_ids`` on its first
+    chunk, and every chunk's choice carries ``token_ids``, the ids it adds (vLLM); None: neither."""
     offsets = [len(e) for e in echoes]
     want_lp = gen.opts.logprobs is not None
+    first = set(range(len(gen.choices))) if prompts is not None else set()
     for c in gen.choices:
         if echoes[c.index]:
-            yield 0, {"choices": [{"index": c.index, "text": echoes[c.index], "logprobs": None,
-                                   "finish_reason": None}]}
+            ch = {"index": c.index, "text": echoes[c.index], "logprobs": None, "finish_reason": None}
+            if prompts is not None:
+                ch["prompt_token_ids"], ch["token_ids"] = list(prompts[c.index]), []
+                first.discard(c.index)
+            yield 0, {"choices": [ch]}
     async for d in gen.deltas():
         lp = None
         if want_lp:
             lp = _completion_logprobs(tt, [d.token], offsets[d.index])
             offsets[d.index] += len(lp["tokens"][0])
-        yield d.ntok, {"choices": [{"index": d.index, "text": d.text, "logprobs": lp,
-                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-                       "pdd": _tok_ext(d)}
+        ch = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
+              "stop_reason": d.stop_reason}
+        if prompts is not None:
+            if d.index in first:
+                first.discard(d.index)
+                ch["prompt_token_ids"] = list(prompts[d.index])
+            ch["token_ids"] = [d.token.token_id]
+        yield d.ntok, {"choices": [ch], "pdd": _tok_ext(d)}
 
 
-def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: tuple[bool, bool]):
+def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: tuple[bool, bool],
+              prompt: list[int] | None = None):
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-    return _sse(gen, head, _chat_chunks(gen, tt), include_usage)
+    return _sse(gen, head, _chat_chunks(gen, tt, prompt), include_usage)
 
 
-async def _chat_chunks(gen: Generation, tt: TokenText):
-    """``(tokens, chunk)`` as :func:`_completion_chunks`: each choice's role chunk (0 tokens), then its tokens."""
+async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None = None):
+    """``(tokens, chunk)`` as :func:`_completion_chunks`: each choice's role chunk (0 tokens), then its
+    tokens. ``prompt`` (``return_token_ids``): the prompt's ids, sent as the chunk's
+    ``prompt_token_ids`` with each role chunk, and each choice's ``token_ids`` (the ids it adds) on
+    every chunk (vLLM); None: neither."""
     top = gen.opts.logprobs
     for c in gen.choices:
-        yield 0, {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}]}
+        chunk = {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]}
+        if prompt is not None:
+            chunk["prompt_token_ids"] = list(prompt)
+            chunk["choices"][0]["token_ids"] = []
+        yield 0, chunk
     async for d in gen.deltas():
         lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
-        yield d.ntok, {"choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
-                                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-                       "pdd": _tok_ext(d)}
+        ch = {"index": d.index, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": d.finish_reason,
+              "stop_reason": d.stop_reason}
+        if prompt is not None:
+            ch["token_ids"] = [d.token.token_id]
+        yield d.ntok, {"choices": [ch], "pdd": _tok_ext(d)}
 
 
 def http_server_config(cfg: ClusterConfig, app):

@@ -32,6 +32,9 @@ MAX_STOP = 64  # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids entries per request
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (OpenAI: typically up to 300 tokens)
+MAX_ALLOWED_TOKEN_IDS = 1024  # allowed_token_ids entries per request (as MAX_LOGIT_BIAS)
+MAX_BAD_WORDS = 64  # bad_words per request
+MAX_BAD_WORD_CHARS = 1024  # characters per bad word
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions batch (each is admitted as a request of n choices)
 
 _MASK64 = (1 << 64) - 1
@@ -189,6 +192,13 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep only the prompt's last k tokens (vLLM: left truncation); -1: the "
                                  "maximum input length; 0 is refused (nothing would be left)")
+    allowed_token_ids: list[StrictInt] | None = Field(
+        None, description="only these token ids can be sampled: 1 to 1,024 ids (MAX_ALLOWED_TOKEN_IDS), each "
+                          "in the vocabulary")
+    bad_words: list[StrictStr] | None = Field(
+        None, description="words never generated (each tokenised with and without a leading space, as vLLM): "
+                          "at most 64 words (MAX_BAD_WORDS), each 1 to 1,024 characters (MAX_BAD_WORD_CHARS)")
+    return_token_ids: StrictBool = False  # vLLM: prompt_token_ids and each choice's token_ids in the response
     # vLLM's parameters pdd cannot honour: refused with a value that asks for something
     # (check_unhonoured, UNHONOURED), accepted with their defaults (what clients may send)
     guided_json: Any = None
@@ -198,13 +208,10 @@ class _Sampling(BaseModel):
     guided_whitespace_pattern: Any = None
     guided_decoding_backend: Any = None
     structured_outputs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     return_tokens_as_token_ids: Any = None
-    return_token_ids: Any = None
     spaces_between_special_tokens: Any = None
     priority: Any = None
     cache_salt: Any = None
@@ -285,6 +292,33 @@ class _Sampling(BaseModel):
         """``logit_bias``: at most ``MAX_LOGIT_BIAS`` (1,024) token ids (OpenAI: typically up to
         300), each bias in [-100, 100] (checked by :func:`sampling_for`)."""
         return _at_most(v, MAX_LOGIT_BIAS, "logit_bias entries")
+
+    @field_validator("allowed_token_ids", mode="before")
+    @classmethod
+    def _bound_allowed_token_ids(cls, v):
+        """``allowed_token_ids``: at least one and at most ``MAX_ALLOWED_TOKEN_IDS`` (1,024) token
+        ids (vLLM refuses an empty list too; ids outside the vocabulary: :func:`sampling_for`)."""
+        if isinstance(v, list) and not v:
+            raise ValueError("must hold at least one token id (an empty list would allow none)")
+        return _at_most(v, MAX_ALLOWED_TOKEN_IDS, "allowed token ids")
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bound_bad_words(cls, v):
+        """``bad_words``: at most ``MAX_BAD_WORDS`` (64) strings, each 1 to ``MAX_BAD_WORD_CHARS``
+        (1,024) characters of valid Unicode text, not only white space (it would tokenise to
+        nothing)."""
+        words = _at_most(v, MAX_BAD_WORDS, "bad words")
+        for i, w in enumerate(words if isinstance(words, list) else []):
+            if not isinstance(w, str):
+                raise ValueError(f"bad_words[{i}]: must be a string, got {type(w).__name__} {shown(w)}")
+            if not w.strip():
+                raise ValueError(f"bad_words[{i}]: must not be empty or only white space")
+            if len(w) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad word {i} has {len(w)} characters; at most {MAX_BAD_WORD_CHARS} are allowed")
+            if (bad := lone_surrogate(w)) is not None:
+                raise ValueError(f"bad word {i} is not valid Unicode text (a lone surrogate at character {bad})")
+        return v
 
 
 @functools.lru_cache(maxsize=None)
@@ -575,13 +609,38 @@ def stop_list(stop) -> list[str]:
     return stops
 
 
+def bad_words_token_ids(words: list[str], encode: typing.Callable[[str], list[int]], vocab: int) -> list[list[int]]:
+    """The token-id sequences ``bad_words`` bans, as vLLM's ``SamplingParams.update_from_tokenizer``
+    makes them: each word, left-stripped, tokenised without special tokens by ``encode``; then
+    with a leading space too, kept when that gives a different first id and as many ids (the
+    word as it appears inside a text). ApiError (param ``bad_words``) for a word that tokenises to
+    nothing or to an id outside ``[0, vocab)``."""
+    out: list[list[int]] = []
+    for i, w in enumerate(words):
+        bare = list(encode(w.lstrip()))
+        if not bare:
+            raise ApiError(f"bad_words[{i}]: {shown(w)} tokenises to no tokens", "bad_words")
+        out.append(bare)
+        spaced = list(encode(" " + w.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    for seq in out:
+        for t in seq:
+            if not 0 <= t < vocab:
+                raise ApiError(f"bad_words: token id {t} is outside the vocabulary [0, {vocab})", "bad_words")
+    return out
+
+
 def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | None,
                  max_tokens_param: str = "max_tokens",
-                 defaults: dict | None = None) -> tuple[list[SamplingParams], TextOptions]:
+                 defaults: dict | None = None,
+                 encode: typing.Callable[[str], list[int]] | None = None) -> tuple[list[SamplingParams], TextOptions]:
     """One :class:`SamplingParams` per choice (seeds ``seed + i``; an unseeded request gets a
     random seed so every tier draws the same numbers) and the gateway's text options.
     ``defaults``: the checkpoint's values for ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-    ``repetition_penalty`` the request leaves out (:func:`pdd.gateway.openai_defaults.generation_defaults`)."""
+    ``repetition_penalty`` the request leaves out (:func:`pdd.gateway.openai_defaults.generation_defaults`).
+    ``encode``: text -> token ids without special tokens, for ``bad_words``
+    (:func:`bad_words_token_ids`); ApiError when a request has bad words and none is given."""
     d = defaults or {}
 
     def given(name: str, api_default):
@@ -606,6 +665,18 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
         if not -100.0 <= v <= 100.0:
             raise ApiError(f"logit_bias: bias {v} for token {t} is outside [-100, 100]", "logit_bias")
         bias[t] = float(v)
+    allowed = None
+    if body.allowed_token_ids is not None:
+        for t in body.allowed_token_ids:
+            if not 0 <= t < vocab:
+                raise ApiError(f"allowed_token_ids: token id {t} is outside the vocabulary [0, {vocab})",
+                               "allowed_token_ids")
+        allowed = sorted(set(body.allowed_token_ids))
+    bad_ids: list[list[int]] = []
+    if body.bad_words:
+        if encode is None:
+            raise ApiError("bad_words: this endpoint has no tokenizer to tokenise them", "bad_words")
+        bad_ids = bad_words_token_ids(body.bad_words, encode, vocab)
     stops = stop_list(body.stop)
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     base = SamplingParams(
@@ -623,6 +694,9 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         logit_bias=bias,
+        allowed_token_ids=allowed,
+        bad_words_token_ids=bad_ids,
+        bad_words=list(body.bad_words or []),
     )
     sps = [SamplingParams.from_dict({**base.to_dict(), "seed": (seed + i) & _MASK64}) for i in range(body.n)]
     opts = TextOptions(stop=stops, include_stop=body.include_stop_str_in_output or body.no_stop_trim,
@@ -683,13 +757,10 @@ UNHONOURED: dict[str, tuple[str, Any]] = {
     "guided_whitespace_pattern": ("guided decoding", None),
     "guided_decoding_backend": ("guided decoding", None),
     "structured_outputs": ("guided decoding", None),
-    "allowed_token_ids": ("restricting the vocabulary", None),
-    "bad_words": ("banned words", _empty),
     "logits_processors": ("custom logits processors", _empty),
     "use_beam_search": ("beam search", _is(False)),
     "length_penalty": ("beam search's length penalty", _is(1.0)),
     "return_tokens_as_token_ids": ("tokens as token ids in logprobs", _is(False)),
-    "return_token_ids": ("token ids in the response", _is(False)),
     "spaces_between_special_tokens": ("detokenizing without spaces between special tokens", _is(True)),
     "priority": ("priority scheduling", _is(0)),
     "cache_salt": ("prefix-cache isolation by salt", None),
@@ -710,9 +781,9 @@ UNHONOURED: dict[str, tuple[str, Any]] = {
 
 def check_unhonoured(body) -> None:
     """ApiError (400, ``param`` naming it) for the first of vLLM's and SGLang's parameters pdd
-    cannot honour (:data:`UNHONOURED`: guided / constrained decoding, ``allowed_token_ids``,
-    ``bad_words``, beam search, LoRA, ...) given with a value that asks for something; its default
-    (``use_beam_search: false``, ``length_penalty: 1.0``, ``bad_words: []``, null) passes.
+    cannot honour (:data:`UNHONOURED`: guided / constrained decoding, custom logits processors,
+    beam search, LoRA, ...) given with a value that asks for something; its default
+    (``use_beam_search: false``, ``length_penalty: 1.0``, ``logits_processors: []``, null) passes.
     Silently ignoring one would answer 200 with output that does not do what was asked. Fields
     unknown to vLLM and SGLang too stay ignored."""
     for name, (what, harmless) in UNHONOURED.items():
