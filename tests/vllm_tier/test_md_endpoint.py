@@ -37,6 +37,18 @@ def test_sampling_body_continues_after_the_handed_over_ids():
     assert "seed" not in sampling_body(SamplingParams(max_tokens=4), 1)
 
 
+def test_sampling_body_passes_allowed_token_ids_and_bad_words_into_vllms_sampling_params():
+    """vLLM's completion request takes both as its own (CompletionRequest.to_sampling_params puts
+    them in SamplingParams; bad_words it tokenises with the same tokenizer as the gateway); a
+    request without them sends neither."""
+    sp = SamplingParams(max_tokens=8, allowed_token_ids=[3, 9], bad_words=["hello", "the"],
+                        bad_words_token_ids=[[77, 501], [384, 501], [302, 74]])
+    b = sampling_body(SamplingParams.from_dict(sp.to_dict()), 2)
+    assert b["allowed_token_ids"] == [3, 9] and b["bad_words"] == ["hello", "the"]
+    plain = sampling_body(SamplingParams(max_tokens=8), 2)
+    assert "allowed_token_ids" not in plain and "bad_words" not in plain
+
+
 def test_config_block_defaults_off():
     assert ClusterConfig().vllm.main_decode is False
     with pytest.raises(ValueError):

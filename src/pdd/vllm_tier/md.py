@@ -104,7 +104,8 @@ def md_vllm_python(cfg, name: str) -> Path:
 
 
 def sampling_body(sp, have: int) -> dict:
-    """vLLM completion fields for pdd's ``SamplingParams`` after ``have`` outputs exist."""
+    """vLLM completion fields for pdd's ``SamplingParams`` after ``have`` outputs exist
+    (``allowed_token_ids`` and ``bad_words`` as vLLM's own, into its SamplingParams)."""
     body = {"max_tokens": sp.max_tokens - have, "temperature": sp.temperature, "top_p": sp.top_p,
             "top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "stop_token_ids": list(sp.stop_token_ids),
             "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,
@@ -114,6 +115,13 @@ def sampling_body(sp, have: int) -> dict:
         body["seed"] = int(sp.seed) % (1 << 63)
     if sp.logit_bias:
         body["logit_bias"] = {str(k): float(v) for k, v in sp.logit_bias.items()}
+    if sp.allowed_token_ids is not None:
+        body["allowed_token_ids"] = [int(t) for t in sp.allowed_token_ids]
+    if sp.bad_words:
+        # vLLM tokenises them itself (the same tokenizer: the ids the gateway made). Its history for
+        # a multi-token word is the outputs vLLM itself generated: the prompt it is sent holds the
+        # ``have`` outputs before, so a word begun before the handoff and ended after is not seen.
+        body["bad_words"] = list(sp.bad_words)
     return body
 
 
