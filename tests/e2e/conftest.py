@@ -18,10 +18,11 @@ from pdd.topology import free_port_block
 TEST_DEVICE = os.environ.get("PDD_TEST_DEVICE", "cpu")  # "cuda" runs every engine of a topology on the GPU
 
 
-def greedy_oracle(model_dir: str, prompts: list[list[int]], max_tokens: int):
+def greedy_oracle(model_dir: str, prompts: list[list[int]], max_tokens: int, **sampling):
     """The single-engine oracle: greedy outputs of ``prompts`` on one in-process engine
-    (``max_tokens`` each, EOS ignored) and ``margin(prompt, prefix)``, the top-2 logit gap of the
-    next token after ``prompt + prefix`` (a small gap marks a numerical near-tie)."""
+    (``max_tokens`` each, EOS ignored; ``sampling``: more SamplingParams fields, e.g.
+    ``allowed_token_ids``) and ``margin(prompt, prefix)``, the top-2 logit gap of the next token
+    after ``prompt + prefix`` (a small gap marks a numerical near-tie; unmasked logits)."""
     import torch
 
     from pdd.engine.engine import Engine
@@ -30,8 +31,8 @@ def greedy_oracle(model_dir: str, prompts: list[list[int]], max_tokens: int):
     torch.set_num_threads(1)
     eng = Engine.from_pretrained(model_dir, num_pages=1024, page_size=16, device=TEST_DEVICE)
 
-    def run(rid: str, ids: list[int], n: int) -> list[int]:
-        s = eng.new_sequence(rid, ids, SamplingParams(max_tokens=n, ignore_eos=True), use_cache=False)
+    def run(rid: str, ids: list[int], n: int, **extra) -> list[int]:
+        s = eng.new_sequence(rid, ids, SamplingParams(max_tokens=n, ignore_eos=True, **extra), use_cache=False)
         eng.add(s)
         while eng.has_work():
             eng.step()
@@ -39,7 +40,7 @@ def greedy_oracle(model_dir: str, prompts: list[list[int]], max_tokens: int):
         eng.release(s, cache=False)
         return out
 
-    outs = [run(f"ref{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    outs = [run(f"ref{i}", p, max_tokens, **sampling) for i, p in enumerate(prompts)]
 
     def margin(prompt: list[int], prefix: list[int]) -> float:
         eng.keep_logits = True
