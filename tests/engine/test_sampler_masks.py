@@ -81,3 +81,29 @@ def test_the_masks_travel_in_the_wire_dict_only_when_set():
     d = SamplingParams().to_dict()
     assert not {"allowed_token_ids", "bad_words_token_ids", "bad_words"} & set(d)
     assert SamplingParams.from_dict(d).allowed_token_ids is None
+
+
+def test_mixed_requests_decode_in_one_batch_and_only_masked_rows_leave_the_argmax(make_engine, prompts,
+                                                                                   monkeypatch):
+    """A plain request and masked ones in the same engine decode together: every step samples all
+    three rows, and only the masked rows go through the per-row (CPU) path."""
+    import pdd.engine.sampler as sampler
+
+    eng = make_engine(page_size=4)
+    plain = SamplingParams(max_tokens=6, ignore_eos=True)
+    (free,) = eng.generate([prompts[1]], plain)
+    sps = [plain, SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=[free[0], 300]),
+           SamplingParams(max_tokens=6, ignore_eos=True, bad_words_token_ids=[[free[0]]])]
+    seqs = [eng.new_sequence(f"m{i}", prompts[1], sp, use_cache=False) for i, sp in enumerate(sps)]
+    for s in seqs:
+        eng.add(s)
+    rows = []
+    real = sampler.sample_row
+    monkeypatch.setattr(sampler, "sample_row", lambda row, p, *a, **k: (rows.append(p), real(row, p, *a, **k))[1])
+    per_step = []
+    while eng.has_work():
+        per_step.append(len(eng.step()))
+    assert per_step[-6:] == [3] * 6  # the decode steps: one batch of all three
+    assert all(p is not plain for p in rows) and len(rows) == 12
+    outs = [list(s.output_ids) for s in seqs]
+    assert outs[0] == free and set(outs[1]) <= {free[0], 300} and free[0] not in outs[2]
