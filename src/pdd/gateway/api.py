@@ -5,7 +5,9 @@
 Parameters (OpenAI names plus vLLM's extensions): temperature, top_p, top_k, min_p,
 presence/frequency/repetition penalties, logit_bias, seed, stop (strings), stop_token_ids,
 min_tokens, max_tokens / max_completion_tokens, ignore_eos, include_stop_str_in_output,
-skip_special_tokens, logprobs (+ top_logprobs for chat), n, echo (completions); a completion ``prompt``
+skip_special_tokens, logprobs (+ top_logprobs for chat), n, echo (completions), allowed_token_ids, bad_words
+(tokenised here, sent to the tiers as id sequences) and return_token_ids (``prompt_token_ids`` and
+``token_ids`` where vLLM puts them); a completion ``prompt``
 may be a batch (a list of texts or token-id lists: choice ``index = prompt * n + i``, as vLLM), and
 ``/tokenize``, ``/detokenize``, ``/version`` and ``/v1/models/{id}`` answer as vLLM / OpenAI. Sampling runs on
 the tiers (``pdd.engine.sampler``: the same draw for a position on every tier); stop strings,
