@@ -1,0 +1,250 @@
+"""Tool calls parsed out of a chat choice's generated text, as vLLM's and SGLang's
+``--tool-call-parser`` do: pure text in, ``(content, tool calls)`` out, no I/O.
+
+Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
+``entrypoints/openai/tool_parsers/{hermes,llama,mistral}_tool_parser.py``):
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, the last one's closing tag optional; ``content`` is the text before the first
+  ``<tool_call>`` (None when empty), the text between and after the blocks is dropped.
+- ``llama3_json`` (Llama 3.1+): the text is, after an optional ``<|python_tag|>``, one or more JSON
+  objects ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) separated by ``;``
+  (whitespace allowed around them and at the end); ``content`` is None. Text that does not start
+  with ``{`` (or ``<|python_tag|>``) is no call, as vLLM's streaming parser decides.
+- ``mistral`` (Mistral v0.3 and later instruct models): ``[TOOL_CALLS]`` then a JSON array of
+  ``{"name": ..., "arguments": {...}}``; ``content`` is the text before ``[TOOL_CALLS]``.
+
+A text whose call cannot be parsed (malformed JSON, a call without a string ``name``, arguments
+that are not an object) has no calls: it is all content, unchanged, as vLLM returns it.
+``arguments`` is the call's arguments as a JSON string (``json.dumps(..., ensure_ascii=False)``);
+an absent one is ``"{}"``.
+
+Ids: ``call_`` + 24 lowercase hex digits (OpenAI's ``call_...`` shape; the openai client takes
+any string); ``mistral``: 9 letters and digits, which Mistral's chat templates require of the
+ids sent back to them (vLLM's ``MistralToolCall``).
+
+Streaming (:class:`ToolStream`): content is passed on as it comes, except text that may be the
+beginning of a call marker, which is held back; from the marker on, the rest of the choice is
+held and parsed at its end. What a stream hands out, whatever the chunks, is exactly what
+:func:`parse` returns for the whole text (the content in pieces, then the calls).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Callable
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_START = "[TOOL_CALLS]"
+_ALNUM = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: ``id``, the function's ``name``, its ``arguments`` as a JSON string."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        """The ``message.tool_calls`` item of OpenAI's chat API."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """``content``: the message's text (None: none); ``calls``: the tool calls (empty: none, and
+    ``content`` is then the whole text)."""
+
+    content: str | None
+    calls: tuple[ToolCall, ...] = ()
+
+
+def new_call_id() -> str:
+    """``call_`` + 24 random lowercase hex digits."""
+    return "call_" + secrets.token_hex(12)
+
+
+def new_mistral_id() -> str:
+    """9 random letters and digits (Mistral's templates check ids are ``[a-zA-Z0-9]{9}``)."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+def default_ids(parser: str) -> Callable[[], str]:
+    return new_mistral_id if parser == "mistral" else new_call_id
+
+
+class _NoCall(ValueError):
+    """The text's call cannot be parsed: it is all content."""
+
+
+def _call(obj, ids: Callable[[], str], args_key: tuple[str, ...] = ("arguments",)) -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise _NoCall("a call needs a non-empty string name")
+    keys = [k for k in args_key if k in obj]
+    if len(keys) > 1:
+        raise _NoCall("both parameters and arguments")
+    args = obj[keys[0]] if keys else {}
+    if args is None:
+        args = {}
+    if isinstance(args, str):  # some models write the arguments as a JSON string already
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise _NoCall("arguments string is not JSON") from None
+    if not isinstance(args, dict):
+        raise _NoCall("arguments must be an object")
+    return ToolCall(ids(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _loads(s: str):
+    try:
+        return json.loads(s)
+    except ValueError:
+        raise _NoCall("malformed JSON") from None
+
+
+def _hermes(text: str, ids) -> Parsed:
+    start = text.find(HERMES_START)
+    if start < 0:
+        return Parsed(text)
+    calls, pos = [], start
+    while pos >= 0:
+        body_at = pos + len(HERMES_START)
+        end = text.find(HERMES_END, body_at)
+        body = text[body_at:] if end < 0 else text[body_at:end]
+        calls.append(_call(_loads(body), ids))
+        if end < 0:
+            break
+        pos = text.find(HERMES_START, end + len(HERMES_END))
+    return Parsed(text[:start] or None, tuple(calls))
+
+
+def _llama3_json(text: str, ids) -> Parsed:
+    if not (text.startswith("{") or text.startswith(PYTHON_TAG)):
+        return Parsed(text)
+    dec = json.JSONDecoder()
+    pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
+    calls = []
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except ValueError:
+            raise _NoCall("malformed JSON") from None
+        calls.append(_call(obj, ids, ("arguments", "parameters")))
+        rest = text[pos:].lstrip()
+        if not rest:
+            return Parsed(None, tuple(calls))
+        if not rest.startswith(";"):
+            raise _NoCall("text after a call")
+        pos = len(text) - len(rest) + 1
+
+
+def _mistral(text: str, ids) -> Parsed:
+    start = text.find(MISTRAL_START)
+    if start < 0:
+        return Parsed(text)
+    arr = _loads(text[start + len(MISTRAL_START):])
+    if isinstance(arr, dict):
+        arr = [arr]
+    if not isinstance(arr, list) or not arr:
+        raise _NoCall("[TOOL_CALLS] needs a list of calls")
+    return Parsed(text[:start] or None, tuple(_call(o, ids) for o in arr))
+
+
+_PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
+
+
+def parse(parser: str, text: str, ids: Callable[[], str] | None = None) -> Parsed:
+    """The tool calls in ``text``, a choice's whole generated text, by ``parser`` (one of
+    :data:`PARSERS`). ``ids``: makes each call's id (default :func:`default_ids`). Raises
+    KeyError for an unknown parser; a text whose calls do not parse is ``Parsed(text)``."""
+    fn = _PARSE[parser]
+    try:
+        return fn(text, ids or default_ids(parser))
+    except (_NoCall, RecursionError):
+        return Parsed(text)
+
+
+def _held(text: str, marker: str) -> int:
+    """Characters at the end of ``text`` that may begin ``marker`` (its longest proper prefix
+    ending ``text``)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ToolStream:
+    """One streamed choice's text through ``parser``: :meth:`feed` each text delta, send what
+    it returns as content; at the choice's end :meth:`finish` gives the rest of the content and
+    the calls. Together they give exactly ``parse(parser, whole_text)``: the content pieces join
+    to its content ("" for None) and the calls are its calls."""
+
+    def __init__(self, parser: str, ids: Callable[[], str] | None = None):
+        if parser not in _PARSE:
+            raise KeyError(parser)
+        self.parser, self.ids = parser, ids
+        self.text = ""
+        self.sent = 0  # characters of text handed out as content
+        self.held_from: int | None = None  # a call may start here: the rest is held to the end
+        self.plain = False  # llama3_json: the text cannot be a call, all of it is content
+
+    def feed(self, delta: str) -> str:
+        """The content to send for ``delta`` ("" when it is held back)."""
+        self.text += delta
+        if self.held_from is not None:
+            return ""
+        t = self.text
+        if self.parser == "llama3_json":
+            if not self.plain:
+                if t.startswith("{") or t.startswith(PYTHON_TAG):
+                    self.held_from = 0
+                    return ""
+                if PYTHON_TAG.startswith(t):
+                    return ""  # "" or a beginning of <|python_tag|>
+                self.plain = True
+            upto = len(t)
+        else:
+            marker = HERMES_START if self.parser == "hermes" else MISTRAL_START
+            at = t.find(marker, max(0, self.sent - len(marker)))
+            if at >= 0:
+                self.held_from = at
+                upto = at
+            else:
+                upto = len(t) - _held(t, marker)
+        out, self.sent = t[self.sent:upto], max(self.sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
+        """(the content not yet sent, the calls) at the choice's end."""
+        p = parse(self.parser, self.text, self.ids)
+        if p.calls:
+            return "", p.calls  # the content before the marker was sent already
+        return self.text[self.sent:], ()
+
+
+def family_default(model_type: str | None, tokens: set[str] | frozenset[str]) -> str | None:
+    """The parser a checkpoint's family writes its calls for, or None: ``hermes`` for Qwen2 /
+    Qwen3 (``model_type`` qwen2, qwen3, qwen2_moe, qwen3_moe) whose vocabulary has
+    ``<tool_call>``; ``llama3_json`` for Llama (llama) whose vocabulary has ``<|python_tag|>``
+    (Llama 3.1+); ``mistral`` for Mistral (mistral, mixtral) whose vocabulary has
+    ``[TOOL_CALLS]`` (v0.3+; Mistral-7B v0.1 has none and calls no tools). ``tokens``: the
+    tokenizer's added / special tokens."""
+    mt = (model_type or "").lower()
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and HERMES_START in tokens:
+        return "hermes"
+    if mt == "llama" and PYTHON_TAG in tokens:
+        return "llama3_json"
+    if mt in ("mistral", "mixtral") and MISTRAL_START in tokens:
+        return "mistral"
+    return None

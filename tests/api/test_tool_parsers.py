@@ -1,0 +1,206 @@
+"""pdd.gateway.tool_parsers: tool calls parsed out of generated text (vLLM's hermes, llama3_json
+and mistral formats), whole and streamed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdd.gateway.tool_parsers import (PARSERS, Parsed, ToolCall, ToolStream, family_default, new_call_id,
+                                      new_mistral_id, parse)
+
+
+def _ids():
+    n = itertools.count()
+    return lambda: f"id{next(n)}"
+
+
+def P(parser, text):
+    return parse(parser, text, _ids())
+
+
+W = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+W_ARGS = '{"city": "Paris", "unit": "c"}'
+
+
+# ---------------------------------------------------------------- hermes
+def test_hermes_one_call():
+    assert P("hermes", f"<tool_call>\n{W}\n</tool_call>") == Parsed(None, (ToolCall("id0", "get_weather", W_ARGS),))
+
+
+def test_hermes_text_before_the_call_is_content():
+    assert P("hermes", f"Let me check.\n<tool_call>{W}</tool_call>") == Parsed(
+        "Let me check.\n", (ToolCall("id0", "get_weather", W_ARGS),))
+
+
+def test_hermes_several_calls_text_between_and_after_dropped():
+    t = f'<tool_call>{W}</tool_call>\n<tool_call>{{"name": "f", "arguments": {{}}}}</tool_call>\nbye'
+    assert P("hermes", t) == Parsed(None, (ToolCall("id0", "get_weather", W_ARGS), ToolCall("id1", "f", "{}")))
+
+
+def test_hermes_last_call_unclosed_is_parsed():
+    assert P("hermes", f"<tool_call>{W}") == Parsed(None, (ToolCall("id0", "get_weather", W_ARGS),))
+
+
+def test_hermes_arguments_keep_non_ascii_and_absent_arguments_are_empty():
+    assert P("hermes", '<tool_call>{"name": "é", "arguments": {"q": "café 東京"}}</tool_call>').calls == (
+        ToolCall("id0", "é", '{"q": "café 東京"}'),)
+    assert P("hermes", '<tool_call>{"name": "now"}</tool_call>').calls == (ToolCall("id0", "now", "{}"),)
+
+
+@pytest.mark.parametrize("text", [
+    "no call here",
+    "",
+    "<tool_call>{not json}</tool_call>",
+    f"<tool_call>{W}</tool_call><tool_call>{{bad</tool_call>",  # one bad call: all content (vLLM)
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+    "<tool_call>[1, 2]</tool_call>",
+    "<tool_call>",
+    "text <tool_call>{\"name\": \"f\"",  # cut off mid-call (max_tokens)
+])
+def test_hermes_unparsable_is_all_content(text):
+    assert P("hermes", text) == Parsed(text)
+
+
+# ---------------------------------------------------------------- llama3_json
+def test_llama3_json_parameters():
+    t = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+    assert P("llama3_json", t) == Parsed(None, (ToolCall("id0", "get_weather", W_ARGS),))
+
+
+def test_llama3_json_python_tag_arguments_and_several_calls():
+    t = '<|python_tag|>{"name": "a", "arguments": {"x": 1}} ; {"name": "b", "parameters": {}}\n'
+    assert P("llama3_json", t) == Parsed(None, (ToolCall("id0", "a", '{"x": 1}'), ToolCall("id1", "b", "{}")))
+
+
+@pytest.mark.parametrize("text", [
+    "Sure, here it is: " + W,  # text first: no call (as vLLM's streaming parser)
+    " " + W,
+    W + " and more",
+    W + ";",
+    '{"name": "a", "parameters": {}, "arguments": {}}',
+    '{"x": 1}',
+    "{",
+    "<|python_tag|>",
+    "plain",
+    "",
+])
+def test_llama3_json_unparsable_is_all_content(text):
+    assert P("llama3_json", text) == Parsed(text)
+
+
+# ---------------------------------------------------------------- mistral
+def test_mistral_calls():
+    t = 'ok [TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
+    assert P("mistral", t) == Parsed("ok ", (ToolCall("id0", "a", '{"x": 1}'), ToolCall("id1", "b", "{}")))
+
+
+@pytest.mark.parametrize("text", ["[TOOL_CALLS]", "[TOOL_CALLS][]", "[TOOL_CALLS][{\"name\": ", "x [TOOL_CALLS]1"])
+def test_mistral_unparsable_is_all_content(text):
+    assert P("mistral", text) == Parsed(text)
+
+
+# ---------------------------------------------------------------- ids, openai shape, families
+def test_ids_shapes():
+    assert re.fullmatch(r"call_[0-9a-f]{24}", new_call_id())
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", new_mistral_id())
+    assert re.fullmatch(r"call_[0-9a-f]{24}", parse("hermes", f"<tool_call>{W}</tool_call>").calls[0].id)
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", parse("mistral", f"[TOOL_CALLS][{W}]").calls[0].id)
+
+
+def test_to_openai():
+    assert ToolCall("call_1", "f", "{}").to_openai() == {"id": "call_1", "type": "function",
+                                                         "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("model_type,tokens,want", [
+    ("qwen2", {"<tool_call>", "</tool_call>"}, "hermes"),
+    ("qwen3", {"<tool_call>"}, "hermes"),
+    ("qwen2", set(), None),
+    ("llama", {"<|python_tag|>", "<|eot_id|>"}, "llama3_json"),
+    ("llama", {"<s>"}, None),  # Llama 2 / pdd's own tiny checkpoints
+    ("mistral", {"<s>", "</s>"}, None),  # Mistral-7B v0.1: no tool calls
+    ("mistral", {"[TOOL_CALLS]"}, "mistral"),
+    (None, {"<tool_call>"}, None),
+])
+def test_family_default(model_type, tokens, want):
+    assert family_default(model_type, tokens) == want
+
+
+def test_unknown_parser_is_key_error():
+    with pytest.raises(KeyError):
+        parse("pythonic", "x")
+    with pytest.raises(KeyError):
+        ToolStream("pythonic")
+
+
+# ---------------------------------------------------------------- streaming == whole
+def _stream(parser, pieces):
+    s = ToolStream(parser, _ids())
+    out = [s.feed(p) for p in pieces]
+    rest, calls = s.finish()
+    return out, rest, calls
+
+
+def _split(text, cuts):
+    cuts = sorted({c % (len(text) + 1) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+SAMPLES = [
+    f"Let me check.\n<tool_call>\n{W}\n</tool_call>",
+    f"<tool_call>{W}</tool_call><tool_call>{W}</tool_call>",
+    "a < b <tool_ and <tool_call>{bad}</tool_call> tail",
+    "text that ends with <tool_c",
+    '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}',
+    "<|python_tag|>" + W,
+    "<|python_tag",
+    "{ not a call",
+    'intro [TOOL_CALLS][{"name": "a", "arguments": {}}]',
+    "[TOOL_CALLS nope",
+    "plain text, no calls at all",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(SAMPLES), st.sampled_from(PARSERS), st.lists(st.integers(0, 200), max_size=12))
+def test_streamed_equals_whole(text, parser, cuts):
+    out, rest, calls = _stream(parser, _split(text, cuts))
+    whole = P(parser, text)
+    assert "".join(out) + rest == (whole.content or "")
+    assert calls == whole.calls
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="<>/_{}[]\":;, toolcaTOLCAS|pythng\n", max_size=60), st.sampled_from(PARSERS),
+       st.lists(st.integers(0, 60), max_size=8))
+def test_streamed_equals_whole_any_text(text, parser, cuts):
+    out, rest, calls = _stream(parser, _split(text, cuts))
+    whole = P(parser, text)
+    assert "".join(out) + rest == (whole.content or "")
+    assert calls == whole.calls
+
+
+def test_stream_holds_only_a_possible_marker():
+    assert _stream("hermes", ["Hi <tool", "_x more", " <tool_call>{", '"name": "f"}']) == (
+        ["Hi ", "<tool_x more", " ", ""], "", (ToolCall("id0", "f", "{}"),))
+
+
+def test_stream_llama_text_is_content_at_once():
+    assert _stream("llama3_json", ["Hello", " there"]) == (["Hello", " there"], "", ())
+    assert _stream("llama3_json", ["<|py", "thon_tag|>{\"name\": \"f\"}"]) == (["", ""], "", (ToolCall("id0", "f", "{}"),))
+
+
+@given(st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), st.text(max_size=5), st.none()), max_size=4),
+       st.text(min_size=1, max_size=8))
+def test_hermes_round_trips_any_arguments(args, name):
+    t = "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+    (call,) = P("hermes", t).calls
+    assert (call.name, json.loads(call.arguments)) == (name, args)
