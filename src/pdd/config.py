@@ -904,6 +904,11 @@ class ClusterConfig(_Strict):
     base_port: int = Field(18000, ge=1024, le=65400, description="the topology uses base_port .. base_port+99")
     gateway_port: int = Field(8000, ge=1, le=65535)
     served_model_name: str = "pdd-small"
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "none"] = Field(
+        "auto", description="how /v1/chat/completions parses tool calls out of the generated text (vLLM's "
+        "--tool-call-parser): hermes (Qwen2.5 / Qwen3 <tool_call> blocks), llama3_json (Llama 3.1+ JSON), mistral "
+        "([TOOL_CALLS]), none (tool_choice auto refused); auto: the checkpoint's family's "
+        "(pdd.gateway.tool_parsers.family_default)")
     engine: EngineConfig = EngineConfig()
 
     @model_validator(mode="before")

@@ -195,7 +195,7 @@ def test_stream_holds_only_a_possible_marker():
 
 def test_stream_llama_text_is_content_at_once():
     assert _stream("llama3_json", ["Hello", " there"]) == (["Hello", " there"], "", ())
-    assert _stream("llama3_json", ["<|py", "thon_tag|>{\"name\": \"f\"}"]) == (["", ""], "", (ToolCall("id0", "f", "{}"),))
+    assert _stream("llama3_json", ["<|py", 'thon_tag|>{"name": "f"}']) == (["", ""], "", (ToolCall("id0", "f", "{}"),))
 
 
 @given(st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), st.text(max_size=5), st.none()), max_size=4),

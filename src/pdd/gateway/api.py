@@ -57,6 +57,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
+from pdd.gateway import tool_parsers
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, Orchestrator,
                                      RequestFailed, ReqState, ShuttingDown, checkpoint_config)
 from pdd.text import shown
@@ -270,6 +271,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     token_text = TokenText(tokenizer)
     model_name = cfg.served_model_name
     gen_defaults = generation_defaults(cfg.model_path)  # a request's sampling values left out (vLLM, SGLang)
+    tool_parser = chat_tool_parser(cfg.tool_call_parser, mc.model_type if mc is not None else None, tokenizer)
+    log.info("tool calls: %s", f"parsed as {tool_parser} (tool_call_parser {cfg.tool_call_parser})"
+             if tool_parser else f"not parsed (tool_call_parser {cfg.tool_call_parser}): tool_choice auto is refused")
     from pdd.topology import layout
 
     adm = Admission.from_config(cfg, getattr(orch, "layout", None) or layout(cfg))
@@ -847,8 +851,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        check_chat(body)
+        check_chat(body, tool_parser)
         check_choices(body.n)
+        # tools the model may call, tool_choice "auto": its calls are parsed out of the text
+        tools_parsed = tool_parser if body.tools and body.tool_choice in (None, "auto") else None
+        if tools_parsed is not None:
+            body.skip_special_tokens = False  # the call markers may be special tokens (as SGLang does)
         check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)
         text = render_chat(body)
         ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages",
@@ -867,15 +875,19 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         created, cid = int(time.time()), f"chatcmpl-{id_base(request, gen.choices[0].st.rid)}"
         if body.stream:
             return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, _usage_opts(body),
-                                               ids if body.return_token_ids else None),
+                                               ids if body.return_token_ids else None, tools_parsed,
+                                               body.parallel_tool_calls is not False),
                                      media_type="text/event-stream")
         failed = await collect(gen, request)
         if failed is not None:
             return failed
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+        parallel = body.parallel_tool_calls is not False
+        choices = [{"index": c.index, "message": msg,
                     "logprobs": ({"content": [_chat_lp(token_text, t, top) for t in c.tokens]}
                                  if top is not None else None),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in gen.choices]
+                    "finish_reason": finish, "stop_reason": c.stop_reason}
+                   for c in gen.choices
+                   for msg, finish in [_chat_message("".join(c.text), c.finish_reason, tools_parsed, parallel)]]
         out = {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
                "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
         if body.return_token_ids:  # vLLM's places: prompt_token_ids on the response, token_ids on each choice
@@ -885,6 +897,33 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         return out
 
     return app
+
+
+def chat_tool_parser(setting: str, model_type: str | None, tokenizer) -> str | None:
+    """The tool-call parser chat requests use (``pdd.gateway.tool_parsers.PARSERS``), None for
+    none: ``setting`` is the config's ``tool_call_parser``; ``auto`` picks the checkpoint's
+    family's (:func:`pdd.gateway.tool_parsers.family_default`, from ``model_type`` and the
+    markers ``tokenizer`` has as tokens), ``none`` none."""
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return setting
+    markers = (tool_parsers.HERMES_START, tool_parsers.PYTHON_TAG, tool_parsers.MISTRAL_START)
+    return tool_parsers.family_default(model_type, {m for m in markers if tokenizer.token_to_id(m) is not None})
+
+
+def _chat_message(text: str, finish_reason: str | None, parser: str | None, parallel: bool) -> tuple[dict, str | None]:
+    """A chat choice's ``(message, finish_reason)``: with ``parser`` (tools given, tool_choice
+    auto), the tool calls in ``text`` (``message.tool_calls``, ``content`` the text before them or
+    null, ``finish_reason`` "tool_calls"; ``parallel`` False: the first call only, as vLLM); a
+    text without calls, or no parser, is the message it always was."""
+    if parser is not None:
+        p = tool_parsers.parse(parser, text)
+        if p.calls:
+            calls = p.calls if parallel else p.calls[:1]
+            return ({"role": "assistant", "content": p.content, "tool_calls": [c.to_openai() for c in calls]},
+                    "tool_calls")
+    return {"role": "assistant", "content": text}, finish_reason
 
 
 def _lp(v) -> float:
@@ -1070,17 +1109,25 @@ async def _completion_chunks(gen: Generation | Batch, tt: TokenText, echoes: lis
 
 
 def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: tuple[bool, bool],
-              prompt: list[int] | None = None):
+              prompt: list[int] | None = None, parser: str | None = None, parallel: bool = True):
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-    return _sse(gen, head, _chat_chunks(gen, tt, prompt), include_usage)
+    return _sse(gen, head, _chat_chunks(gen, tt, prompt, parser, parallel), include_usage)
 
 
-async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None = None):
+async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None = None, parser: str | None = None,
+                       parallel: bool = True):
     """``(tokens, chunk)`` as :func:`_completion_chunks`: each choice's role chunk (0 tokens), then its
     tokens. ``prompt`` (``return_token_ids``): the prompt's ids, sent as the chunk's
     ``prompt_token_ids`` with each role chunk, and each choice's ``token_ids`` (the ids it adds) on
-    every chunk (vLLM); None: neither."""
+    every chunk (vLLM); None: neither.
+    With ``parser`` (tools given, tool_choice auto), each choice's text goes through a
+    :class:`~pdd.gateway.tool_parsers.ToolStream`: its content as it comes, held back from where
+    a call may begin; at the choice's last token, if its text holds calls, one chunk per call
+    with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments`` ""), one with its
+    ``function.arguments``, and a last chunk with ``finish_reason`` "tool_calls" (``parallel``
+    False: the first call only); these add no token ids."""
     top = gen.opts.logprobs
+    streams = {}
     for c in gen.choices:
         chunk = {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}]}
@@ -1088,13 +1135,39 @@ async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None 
             chunk["prompt_token_ids"] = list(prompt)
             chunk["choices"][0]["token_ids"] = []
         yield 0, chunk
+        if parser is not None:
+            streams[c.index] = tool_parsers.ToolStream(parser)
     async for d in gen.deltas():
         lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
-        ch = {"index": d.index, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": d.finish_reason,
-              "stop_reason": d.stop_reason}
+        ts = streams.get(d.index)
+        text, calls = d.text, ()
+        if ts is not None:
+            text = ts.feed(d.text)
+            if d.finish_reason is not None:
+                rest, calls = ts.finish()
+                text += rest
+        ch = {"index": d.index, "delta": {"content": text}, "logprobs": lp,
+              "finish_reason": None if calls else d.finish_reason}
+        if not calls:
+            ch["stop_reason"] = d.stop_reason
         if prompt is not None:
             ch["token_ids"] = [d.token.token_id]
         yield d.ntok, {"choices": [ch], "pdd": _tok_ext(d)}
+        if not calls:
+            continue
+        ends = []  # per call: its name (with id and type), then its arguments
+        for i, call in enumerate(calls if parallel else calls[:1]):
+            ends += [{"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                      "function": {"name": call.name, "arguments": ""}}]},
+                     {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}]
+        for k, delta in enumerate([*ends, {}]):
+            last = k == len(ends)
+            ch = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls" if last else None}
+            if last:
+                ch["stop_reason"] = d.stop_reason
+            if prompt is not None:
+                ch["token_ids"] = []
+            yield d.ntok, {"choices": [ch], "pdd": _tok_ext(d)}
 
 
 def http_server_config(cfg: ClusterConfig, app):

@@ -829,8 +829,9 @@ def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[
     return ids[-k:] if len(ids) > k else ids
 
 
-def check_chat(body: ChatCompletionRequest) -> None:
-    """Chat-only checks (ApiError naming the parameter)."""
+def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> None:
+    """Chat-only checks (ApiError naming the parameter). ``tool_parser``: the gateway's tool-call
+    parser for the model (``pdd.gateway.tool_parsers.PARSERS``), None when it parses none."""
     _check_stream_options(body)
     if not body.messages:
         raise ApiError("messages: must contain at least one message", "messages")
@@ -839,15 +840,19 @@ def check_chat(body: ChatCompletionRequest) -> None:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     tc = body.tool_choice
     if tc is not None and tc not in ("none", "auto"):
-        raise ApiError("tool_choice other than 'none' or 'auto' is not supported (no tool-call parsing)",
+        # "required" and a named function force a call: vLLM does it with guided decoding, which
+        # pdd has not; answering with whatever the model wrote would not be what was asked
+        raise ApiError(f"tool_choice {shown(tc)} is not supported: forcing a tool call needs guided decoding, "
+                       "which pdd does not have; send tool_choice 'auto' (the model decides) or 'none'",
                        "tool_choice")
-    if body.tools and tc in (None, "auto"):
+    if body.tools and tc in (None, "auto") and tool_parser is None:
         # tools with "auto" (also the default when tools are given) asks for tool calls parsed out
         # of the output (message.tool_calls, finish_reason "tool_calls"); without a parser the
         # call would come back as plain content. vLLM refuses it too unless started with a parser.
-        raise ApiError("tool_choice 'auto' (the default when tools are given) is not supported: the server does "
-                       "not parse tool calls; send tool_choice 'none' to render the tools into the prompt only",
-                       "tool_choice")
+        raise ApiError("tool_choice 'auto' (the default when tools are given) is not supported for this model: "
+                       "the server parses no tool calls for it; set tool_call_parser (hermes, llama3_json or "
+                       "mistral) in the gateway's config, or send tool_choice 'none' to render the tools into "
+                       "the prompt only", "tool_choice")
     if body.chat_template is not None:
         # a request's own Jinja template is code run on the server; vLLM refuses it unless started
         # with --trust-request-chat-template

@@ -1,0 +1,344 @@
+"""Tool calls in /v1/chat/completions through the official openai client: the real gateway app
+and orchestrator on a live uvicorn server, over scripted tiers whose choices generate known
+texts (tool-call strings in the tiny checkpoint's tokens, then EOS), so what the gateway parses
+out of them is exact. The tiny checkpoint is a plain llama (no tool-call tokens): its family
+default is no parser, and ``tool_call_parser`` in the config picks one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+
+import httpx
+import pytest
+
+from pdd.config import ClusterConfig
+from pdd.gateway.orchestrator import Orchestrator, ReqState, TokenOut
+from pdd.gateway.phase import Phase
+from pdd.topology import layout
+from pdd.types import Pipeline
+from tests.gateway.fake_peer import FakePeer
+
+W = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+T = '{"name": "get_time", "arguments": {"tz": "CET"}}'
+HERMES_ONE = f"Let me check.\n<tool_call>\n{W}\n</tool_call>"
+HERMES_TWO = f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{T}\n</tool_call>"
+PLAIN = "It is sunny in Paris today."
+MALFORMED = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+MSGS = [{"role": "user", "content": "weather in Paris?"}]
+W_CALL = ("get_weather", '{"city": "Paris", "unit": "c"}')
+T_CALL = ("get_time", '{"tz": "CET"}')
+
+
+class TextOrch(Orchestrator):
+    """The real orchestrator; ``start_request`` makes a colocated request whose tokens are
+    ``texts[seed % len(texts)]`` (so choice i of a request seeded 0 generates text i) then EOS
+    (fin "stop"), cut at max_tokens (fin "length")."""
+
+    def __init__(self, cfg: ClusterConfig, tok, texts: list[str], eos: int):
+        super().__init__(cfg, layout(cfg))
+        self.peers = {s.name: FakePeer() for s in self.layout.engines}
+        self.tok, self.texts, self.eos = tok, texts, eos
+
+    async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
+        rid = rid or f"r{next(self._ids)}"
+        st = ReqState(rid, len(prompt_ids), sp, pipeline=Pipeline.COLOCATED, trid=rid, prompt_ids=list(prompt_ids))
+        self.reqs[rid] = st
+        self.totals["requests"] += 1
+        st.to(Phase.PREFILL, "attempt 0 starts")
+        ids = self.tok.encode(self.texts[sp.seed % len(self.texts)], add_special_tokens=False).ids + [self.eos]
+        self._spawn(self._feed(st, ids[:sp.max_tokens]))
+        return st
+
+    async def _feed(self, st: ReqState, ids: list[int]) -> None:
+        for pos, t in enumerate(ids):
+            if st.end.aborted:
+                return
+            if pos == 0:
+                st.to(Phase.DECODE, "first token sampled")
+            fin = None if pos < len(ids) - 1 else "stop" if t == self.eos else "length"
+            st.queue.put_nowait(TokenOut(pos, t, "c", fin))
+            await asyncio.sleep(0)
+
+
+class Server:
+    def __init__(self, base_url, orch):
+        from openai import AsyncOpenAI
+
+        self.base_url, self.orch = base_url, orch
+        self.oa = AsyncOpenAI(base_url=self.base_url + "/v1", api_key="none", max_retries=0)
+
+    def client(self):
+        return self.oa
+
+
+async def _serve(tiny_model, texts, parser="hermes"):
+    import uvicorn
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "tool_call_parser": parser,
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = TextOrch(cfg, tok, texts, json.load(open(f"{tiny_model}/config.json"))["eos_token_id"])
+    app = create_app(cfg, orch, tok)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.01)
+
+    srv = Server(f"http://127.0.0.1:{sock.getsockname()[1]}", orch)
+
+    async def stop():
+        await srv.oa.close()
+        server.should_exit = True
+        await task
+        sock.close()
+
+    return srv, stop
+
+
+@pytest.fixture
+async def serve(tiny_model):
+    stops = []
+
+    async def start(texts, parser="hermes"):
+        s, stop = await _serve(tiny_model, texts, parser)
+        stops.append(stop)
+        return s
+
+    yield start
+    for stop in stops:
+        await stop()
+
+
+def _calls(tool_calls):
+    for c in tool_calls:
+        assert re.fullmatch(r"call_[0-9a-f]{24}", c.id) and c.type == "function", c
+    return [(c.function.name, c.function.arguments) for c in tool_calls]
+
+
+async def test_non_streamed_call_with_text_before_it(serve):
+    s = await serve([HERMES_ONE])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0)
+    (c,) = r.choices
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == ("Let me check.\n", [W_CALL],
+                                                                                   "tool_calls")
+
+
+async def test_non_streamed_several_calls_content_null_and_parallel_false_keeps_the_first(serve):
+    s = await serve([HERMES_TWO])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, tool_choice="auto",
+                                                 seed=0)
+    m = r.choices[0].message
+    assert (m.content, _calls(m.tool_calls), r.choices[0].finish_reason) == (None, [W_CALL, T_CALL], "tool_calls")
+    assert len({c.id for c in m.tool_calls}) == 2
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0,
+                                                 parallel_tool_calls=False)
+    assert _calls(r.choices[0].message.tool_calls) == [W_CALL]
+
+
+async def test_no_call_and_malformed_call_are_plain_content(serve):
+    s = await serve([PLAIN, MALFORMED])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0, n=2)
+    got = [(c.message.content, c.message.tool_calls, c.finish_reason) for c in r.choices]
+    assert got == [(PLAIN, None, "stop"), (MALFORMED, None, "stop")]
+
+
+async def test_n_choices_are_parsed_each(serve):
+    s = await serve([HERMES_ONE, PLAIN, HERMES_TWO])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0, n=3)
+    got = [(c.index, c.message.content, _calls(c.message.tool_calls or []), c.finish_reason) for c in r.choices]
+    assert got == [(0, "Let me check.\n", [W_CALL], "tool_calls"), (1, PLAIN, [], "stop"),
+                   (2, None, [W_CALL, T_CALL], "tool_calls")]
+
+
+async def _streamed(s, **kw):
+    """The stream's chunks, and per choice: its content, its calls as the openai client's
+    stream accumulates them, its finish_reason."""
+    client = s.client()
+    chunks = []
+    async with client.beta.chat.completions.stream(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0,
+                                                   **kw) as stream:
+        async for ev in stream:
+            if ev.type == "chunk":
+                chunks.append(ev.chunk)
+        final = await stream.get_final_completion()
+    return chunks, final
+
+
+async def test_streamed_calls_accumulate_in_the_openai_client(serve):
+    s = await serve([HERMES_ONE, HERMES_TWO, PLAIN])
+    chunks, final = await _streamed(s, n=3)
+    got = [(c.index, c.message.content, _calls(c.message.tool_calls or []), c.finish_reason) for c in final.choices]
+    # content: the role chunk's "" (as vLLM's), accumulated
+    assert got == [(0, "Let me check.\n", [W_CALL], "tool_calls"), (1, "", [W_CALL, T_CALL], "tool_calls"),
+                   (2, PLAIN, [], "stop")]
+    # per choice: name first (with id and type, arguments ""), then the arguments, then the finish
+    for index, calls in ((0, [W_CALL]), (1, [W_CALL, T_CALL])):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        deltas = [(tc.index, tc.id is not None, tc.type, tc.function.name, tc.function.arguments)
+                  for ch in mine for tc in (ch.delta.tool_calls or [])]
+        want = []
+        for i, (name, args) in enumerate(calls):
+            want += [(i, True, "function", name, ""), (i, False, None, None, args)]
+        assert deltas == want
+        assert [ch.finish_reason for ch in mine if ch.finish_reason] == ["tool_calls"]
+        assert mine[-1].finish_reason == "tool_calls" and mine[-1].delta.tool_calls is None
+        # no content of the call's text was streamed
+        assert "".join(ch.delta.content or "" for ch in mine) == ("Let me check.\n" if index == 0 else "")
+
+
+async def test_streamed_parallel_false_keeps_the_first_call(serve):
+    s = await serve([HERMES_TWO])
+    _, final = await _streamed(s, parallel_tool_calls=False)
+    assert _calls(final.choices[0].message.tool_calls) == [W_CALL]
+
+
+async def test_streamed_malformed_call_is_content(serve):
+    s = await serve([MALFORMED])
+    _, final = await _streamed(s)
+    c = final.choices[0]
+    assert (c.message.content, c.message.tool_calls, c.finish_reason) == (MALFORMED, None, "stop")
+
+
+def _no_created(body: str) -> str:
+    return re.sub(r'"created": \d+', '"created": 0', body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_without_tools_is_unchanged_by_a_parser(serve, stream):
+    """The same request (no tools) to a gateway with and without a parser: the same bytes, tool-call
+    text and all (but the time in ``created``, and a whole response's ``pdd`` block, which has
+    timings and a random rid suffix)."""
+    bodies = []
+    for parser in ("hermes", "none"):
+        s = await serve([HERMES_ONE], parser)
+        async with httpx.AsyncClient(base_url=s.base_url) as http:
+            r = await http.post("/v1/chat/completions", headers={"X-Request-Id": "same"},
+                                json={"model": "pdd-tiny", "messages": MSGS, "seed": 0, "stream": stream,
+                                      "logprobs": True, "top_logprobs": 1})
+            assert r.status_code == 200, r.text
+            body = re.sub(r'"created": ?\d+', '"created": 0', r.text)
+            bodies.append(body if stream else body[:body.index(',"pdd":')])
+    assert bodies[0] == bodies[1]
+    if stream:
+        chunks = [json.loads(x[6:]) for x in bodies[0].split("\n\n") if x.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert all("tool_calls" not in c["choices"][0]["delta"] for c in chunks)
+    else:
+        msg = json.loads(bodies[0] + "}")["choices"][0]["message"]
+        assert list(msg) == ["role", "content"]
+        text = msg["content"]
+    assert text == HERMES_ONE
+
+
+async def test_tool_choice_none_renders_tools_but_parses_nothing(serve):
+    s = await serve([HERMES_ONE])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, tool_choice="none",
+                                                 seed=0)
+    c = r.choices[0]
+    assert (c.message.content, c.message.tool_calls, c.finish_reason) == (HERMES_ONE, None, "stop")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_forced_tool_choice_is_refused(serve, tool_choice):
+    from openai import BadRequestError
+
+    s = await serve([HERMES_ONE])
+    with pytest.raises(BadRequestError) as e:
+        await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS,
+                                                 tool_choice=tool_choice)
+    err = e.value.body
+    assert err["param"] == "tool_choice" and "guided decoding" in err["message"], err
+
+
+async def test_auto_without_a_parser_is_refused_saying_how_to_set_one(serve):
+    """The tiny checkpoint's family (a plain llama, no <|python_tag|>) has no default parser."""
+    from openai import BadRequestError
+
+    s = await serve([HERMES_ONE], "auto")
+    with pytest.raises(BadRequestError) as e:
+        await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS)
+    err = e.value.body
+    assert err["param"] == "tool_choice" and "tool_call_parser" in err["message"], err
+
+
+async def test_llama3_json_parser(serve):
+    s = await serve(['{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'], "llama3_json")
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0)
+    c = r.choices[0]
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == (None, [W_CALL], "tool_calls")
+    _, final = await _streamed(s)
+    c = final.choices[0]
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == ("", [W_CALL], "tool_calls")
+
+
+async def test_special_token_text_is_kept_while_calls_are_parsed(serve, tiny_model):
+    """Call markers may be special tokens (Qwen's <tool_call> in pdd's make-model checkpoints,
+    Llama's <|python_tag|>): with tools parsed, special tokens are not skipped (as SGLang does);
+    without tools they are, as before."""
+    s = await serve(["<s>" + PLAIN])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0)
+    assert r.choices[0].message.content == "<s>" + PLAIN
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, seed=0)
+    assert r.choices[0].message.content == PLAIN
+
+
+class _Vocab:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def token_to_id(self, t):
+        return 7 if t in self.tokens else None
+
+
+@pytest.mark.parametrize("setting,model_type,tokens,want", [
+    ("auto", "qwen2", {"<tool_call>"}, "hermes"),
+    ("auto", "qwen3", {"<tool_call>"}, "hermes"),
+    ("auto", "llama", {"<|python_tag|>"}, "llama3_json"),
+    ("auto", "llama", set(), None),
+    ("auto", "mistral", set(), None),
+    ("none", "qwen2", {"<tool_call>"}, None),
+    ("hermes", "llama", set(), "hermes"),
+    ("mistral", "qwen2", set(), "mistral"),
+])
+def test_chat_tool_parser_family_default_and_override(setting, model_type, tokens, want):
+    from pdd.gateway.api import chat_tool_parser
+
+    assert chat_tool_parser(setting, model_type, _Vocab(tokens)) == want
+
+
+def test_config_refuses_an_unknown_parser():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="tool_call_parser"):
+        ClusterConfig.model_validate({"tool_call_parser": "pythonic"})
+
+
+@pytest.mark.parametrize("like,want", [("qwen2.5-0.5b", "hermes"), ("qwen3-0.6b", "hermes"),
+                                       ("llama-3.2-1b", "llama3_json"), ("mistral-7b", None)])
+def test_family_default_of_like_checkpoints(tmp_path, like, want):
+    """``tool_call_parser: auto`` (the default) on ``pdd make-model --like`` checkpoints: their
+    config.json model_type and tokenizer pick the family's parser (Mistral-7B v0.1 calls no tools)."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import chat_tool_parser
+    from pdd.gateway.orchestrator import checkpoint_config
+    from pdd.modelgen import make_like
+
+    path = make_like(str(tmp_path / like), like, seed=0)
+    cfg = ClusterConfig.model_validate({"model_path": path})
+    assert cfg.tool_call_parser == "auto"
+    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    assert chat_tool_parser(cfg.tool_call_parser, checkpoint_config(cfg).model_type, tok) == want
