@@ -12,9 +12,10 @@ may be a batch (a list of texts or token-id lists: choice ``index = prompt * n +
 ``/tokenize``, ``/detokenize``, ``/version`` and ``/v1/models/{id}`` answer as vLLM / OpenAI. Sampling runs on
 the tiers (``pdd.engine.sampler``: the same draw for a position on every tier); stop strings,
 detokenization and the choices of ``n`` are the gateway's (``openai_run``, ``openai_text``);
-chat renders the checkpoint's own template (``openai_chat``).
+chat renders the checkpoint's own template (``openai_chat``) and, for ``tools`` with ``tool_choice``
+"auto", parses the calls out of each choice's text (``tool_parsers``, the config's ``tool_call_parser``).
 
-Every streamed chunk carries one token; besides the OpenAI fields it has ``"pdd": {"tier",
+Every streamed chunk carries one token (a chat choice's tool-call chunks share its last token); besides the OpenAI fields it has ``"pdd": {"tier",
 "pos", "token_id"}`` (which decoder produced it). With ``stream_options.include_usage`` a last
 chunk carries ``usage`` (``prompt_tokens_details.cached_tokens`` = P's prefix-cache hits on the
 prompt at the request's first prefill, the figure billing uses) and ``"pdd": {"pipeline", "wan_bytes", "wan_bytes_expected", ...}``.
@@ -909,7 +910,9 @@ def chat_tool_parser(setting: str, model_type: str | None, tokenizer) -> str | N
     if setting != "auto":
         return setting
     markers = (tool_parsers.HERMES_START, tool_parsers.PYTHON_TAG, tool_parsers.MISTRAL_START)
-    return tool_parsers.family_default(model_type, {m for m in markers if tokenizer.token_to_id(m) is not None})
+    token_id = getattr(tokenizer, "token_to_id", None)  # a stand-in tokenizer without one: no markers
+    return tool_parsers.family_default(model_type, {m for m in markers
+                                                    if token_id is not None and token_id(m) is not None})
 
 
 def _chat_message(text: str, finish_reason: str | None, parser: str | None, parallel: bool) -> tuple[dict, str | None]:
