@@ -186,7 +186,8 @@ def cmd_serve(args) -> int:
     from pdd.topology import ports_taken_refusal
 
     cfg = _config(args, gateway_port=args.port, mode=args.mode, base_port=args.base_port,
-                  shutdown_timeout_s=seconds_flag(args, "--shutdown-timeout", args.shutdown_timeout))
+                  shutdown_timeout_s=seconds_flag(args, "--shutdown-timeout", args.shutdown_timeout),
+                  tool_call_parser=args.tool_call_parser)
     cfg = with_cors_flags(args, cfg)  # browser access (CORS), vLLM's flags over the config's cors block
     unused = cfg.unused_settings()
     if unused:  # served all the same (a config may be shared by modes), but the user is told
@@ -366,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on Ctrl-C / SIGTERM, seconds requests in flight may still finish (new ones get 503) "
                         "before they end with an error; 0 ends them at once (default: the config's "
                         "shutdown_timeout_s, 30); a second Ctrl-C stops at once")
+    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral", "none"], default=None,
+                   help="how chat parses tool calls (tools with tool_choice auto) out of the text, as vLLM's flag: "
+                        "hermes (Qwen2.5 / Qwen3), llama3_json (Llama 3.1+), mistral, none (refused); auto: the "
+                        "checkpoint family's (default: the config's tool_call_parser, auto)")
     g = p.add_argument_group("browser access (CORS; the config's cors block, vLLM's flags and defaults)")
     g.add_argument("--allowed-origins", metavar="JSON", default=None,
                    help="origins whose pages may call the gateway, a JSON list: '[\"https://app.example.com\"]', "

@@ -109,3 +109,23 @@ def test_the_shutdown_timeout_flag_sets_the_config_field(monkeypatch):
             main(argv)
     assert seen == [0.0, 2.5, 30.0, 0.0]
     assert str(seen[-1]) == "0.0"  # not -0.0 ("may finish for up to -0 s")
+
+
+def test_the_tool_call_parser_flag_sets_the_config_field(monkeypatch, capsys):
+    """``--tool-call-parser NAME`` (vLLM's flag) reaches the topology's config; left out, the
+    config's (``auto``); another name is a usage error naming the choices."""
+    import pdd.cli
+
+    seen = []
+
+    def started(cfg, *a, **k):
+        seen.append(cfg.tool_call_parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pdd.cli, "ensure_model", started)
+    monkeypatch.setattr("pdd.topology.ports_taken_refusal", lambda *a, **k: None)
+    for argv in (["serve", "--tool-call-parser", "hermes"], ["serve", "--tool-call-parser=none"], ["serve"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert seen == ["hermes", "none", "auto"]
+    assert "invalid choice: 'pythonic'" in usage_error(capsys, main, ["serve", "--tool-call-parser", "pythonic"])
