@@ -342,3 +342,25 @@ def test_family_default_of_like_checkpoints(tmp_path, like, want):
     assert cfg.tool_call_parser == "auto"
     tok = Tokenizer.from_file(f"{path}/tokenizer.json")
     assert chat_tool_parser(cfg.tool_call_parser, checkpoint_config(cfg).model_type, tok) == want
+
+
+async def test_return_token_ids_with_tool_calls(serve, tiny_model):
+    """vLLM's ``return_token_ids`` with calls parsed: the choice's ids are those of its text (and
+    EOS), whole or streamed (the tool-call chunks add none: ``token_ids: []``)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    want = tok.encode(HERMES_ONE, add_special_tokens=False).ids + [json.load(open(f"{tiny_model}/config.json"))[
+        "eos_token_id"]]
+    s = await serve([HERMES_ONE])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        body = {"model": "pdd-tiny", "messages": MSGS, "tools": TOOLS, "seed": 0, "return_token_ids": True}
+        r = (await http.post("/v1/chat/completions", json=body)).json()
+        (c,) = r["choices"]
+        assert (c["finish_reason"], c["token_ids"]) == ("tool_calls", want)
+        r = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == want
+    tail = [ch["choices"][0] for ch in chunks if "tool_calls" in ch["choices"][0]["delta"] or
+            ch["choices"][0]["finish_reason"]]
+    assert [(x["token_ids"], x["finish_reason"]) for x in tail] == [([], None), ([], None), ([], "tool_calls")]
