@@ -27,8 +27,8 @@ HERMES_ONE = f"Let me check.\n<tool_call>\n{W}\n</tool_call>"
 HERMES_TWO = f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{T}\n</tool_call>"
 PLAIN = "It is sunny in Paris today."
 MALFORMED = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": CITY}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
 MSGS = [{"role": "user", "content": "weather in Paris?"}]
 W_CALL = ("get_weather", '{"city": "Paris", "unit": "c"}')
