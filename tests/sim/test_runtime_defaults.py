@@ -1,0 +1,92 @@
+"""SimConfig's defaults are the runtime's (pdd.config): `pdd sim run` and the experiments
+simulate the pdd that `pdd serve` runs unless a setting is changed on purpose."""
+
+from dataclasses import fields
+
+import pytest
+
+from pdd.config import EngineConfig, LinkConfig, PolicyConfig
+from pdd.policy.wan_order import send_buffer_bytes
+from pdd.sim.sim_config import RUNTIME_MIRRORS, SimConfig, runtime_default
+
+
+def _runtime(model, name):
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+def _sim_default(name):
+    return {f.name: f.default for f in fields(SimConfig)}[name]
+
+
+# SimConfig field -> the runtime's default, read here independently of RUNTIME_MIRRORS
+EXPECTED = {
+    "wan_order": "fifo",
+    "wan_express_lane_bdp": 2.0,
+    "wan_send_buffer_bdp": 1.0,
+    "ttft_budget_ms": 50.0,
+    "handoff_mode": "one_shot",
+    "catchup_threshold": 64,
+    "allow_p_rld": False,
+    "md_predicted_send": True,
+    "md_wait_claims": True,
+    "early_handoff": True,
+    "cutoff": True,
+    "cutoff_min_remaining_s": 0.5,
+    "cutoff_max_sent_fraction": 0.25,
+    "wan_estimate": "live",
+    "routing": "cache_aware",
+    "load_slack": _runtime(PolicyConfig, "load_slack"),
+    "md_load_slack": _runtime(PolicyConfig, "md_load_slack"),
+    "md_load_cap": 0,
+    "kv_stream": "whole",
+    "kv_stream_layer_group": 1,
+    "wan_loss_rate": 0.0,
+    "wan_mss_bytes": 1460,
+    "wan_cross_traffic": (),
+    "prefill_order": "fcfs",
+    "min_step_s": 0.0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_mirrored_default_is_the_runtimes(name):
+    assert _sim_default(name) == EXPECTED[name]
+    model, rt_name, conv = RUNTIME_MIRRORS[name]
+    assert _sim_default(name) == conv(_runtime(model, rt_name))
+    assert runtime_default(name) == _sim_default(name)
+
+
+def test_every_mirror_is_listed_and_every_runtime_field_it_names_exists():
+    assert set(RUNTIME_MIRRORS) == set(EXPECTED)
+    for name, (model, rt_name, _) in RUNTIME_MIRRORS.items():
+        assert model in (PolicyConfig, LinkConfig, EngineConfig)
+        assert rt_name in model.model_fields, (name, rt_name)
+
+
+def test_the_runtimes_defaults_themselves():
+    # the three the simulator used to differ on (ps, no express lane, 250 ms)
+    assert _runtime(PolicyConfig, "wan_order") == "fifo"
+    assert _runtime(PolicyConfig, "wan_express_lane_bdp") == 2.0
+    assert _runtime(PolicyConfig, "pipeline_ttft_budget_ms") == 50.0
+
+
+def test_gateway_always_plans_with_the_wan_backlog():
+    # the runtime gateway has no switch: its pipeline inputs always carry the backlog
+    assert SimConfig().wan_backlog_in_plan is True
+
+
+def test_send_buffer_is_the_runtimes_bdp_of_the_line_unless_set():
+    c = SimConfig(wan_gbps=15.0, wan_rtt_ms=30.0)
+    assert c.wan_send_buffer_bytes is None
+    assert c.committed_bytes() == send_buffer_bytes(15.0, 30.0, 1.0) == 56_250_000
+    # follows the line when it is replaced
+    assert c.replace(wan_gbps=0.05, wan_rtt_ms=20.0).committed_bytes() == 125_000
+    assert SimConfig(wan_gbps=0.01, wan_rtt_ms=1.0).committed_bytes() == 65_536  # the 64 KiB floor
+    assert SimConfig(wan_send_buffer_bdp=0.0).committed_bytes() == 0.0
+    assert SimConfig(wan_send_buffer_bytes=1234.0).committed_bytes() == 1234.0
+
+
+def test_ps_is_still_a_modelling_choice():
+    assert SimConfig(wan_order="ps").wan_order == "ps"
+    with pytest.raises(ValueError, match="wan_order"):
+        SimConfig(wan_order="lifo")
