@@ -90,3 +90,32 @@ def test_ps_is_still_a_modelling_choice():
     assert SimConfig(wan_order="ps").wan_order == "ps"
     with pytest.raises(ValueError, match="wan_order"):
         SimConfig(wan_order="lifo")
+
+
+def test_validation_simulates_the_recorded_runs_policy_not_the_simulators_defaults():
+    """pdd sim validate re-simulates a run with its recorded config's settings: every mirrored
+    field set away from its default in the config reaches the SimConfig (the send buffer is the
+    live fit's measurement instead: 0 bytes without one)."""
+    from pathlib import Path
+
+    from pdd import step_profile as P
+    from pdd.config import ClusterConfig
+    from pdd.sim import validate as V
+
+    odd = dict(wan_order="srf", wan_express_lane_bdp=0.5, pipeline_ttft_budget_ms=123.0, handoff_mode="catch_up",
+               catchup_threshold_tokens=7, allow_p_rld=True, md_predicted_send=False, md_wait_claims=False,
+               early_handoff=False, cutoff=False, cutoff_min_remaining_s=0.25, cutoff_max_sent_fraction=0.5,
+               wan_estimate="config", routing="load", load_slack=3, md_load_slack=5, md_load_cap=9,
+               kv_stream="layerwise", kv_stream_layer_group=2)
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "policy": odd,
+                                        "link": {"wan_loss_rate": 0.001, "wan_mss_bytes": 1200,
+                                                 "wan_cross_traffic": [[0.0, 0.01]]},
+                                        "engine": {"prefill_order": "short_first", "min_step_ms": 2.0}})
+    path = Path(__file__).parents[2] / "data" / "profiles" / "this-machine.json"
+    s = V.sim_config(cfg, path, P.load(path), 64, host_cores=2.0)
+    names = {v[1]: k for k, v in RUNTIME_MIRRORS.items() if v[0] is PolicyConfig}
+    for rt, v in odd.items():
+        assert getattr(s, names[rt]) == v, rt
+    assert (s.wan_loss_rate, s.wan_mss_bytes, s.wan_cross_traffic) == (0.001, 1200, ((0.0, 0.01),))
+    assert (s.prefill_order, s.min_step_s) == ("short_first", 0.002)
+    assert s.wan_send_buffer_bytes == 0.0 and s.committed_bytes() == 0.0
