@@ -119,3 +119,20 @@ def test_validation_simulates_the_recorded_runs_policy_not_the_simulators_defaul
     assert (s.wan_loss_rate, s.wan_mss_bytes, s.wan_cross_traffic) == (0.001, 1200, ((0.0, 0.01),))
     assert (s.prefill_order, s.min_step_s) == ("short_first", 0.002)
     assert s.wan_send_buffer_bytes == 0.0 and s.committed_bytes() == 0.0
+
+
+def test_pdd_sim_run_without_flags_simulates_the_runtimes_policy():
+    """`pdd sim run`'s flags default to SimConfig's, so a run without them simulates the
+    runtime's defaults (its --budget-ms was 250 and --wan-order ps)."""
+    import argparse
+
+    from pdd.sim import cli
+
+    ap = argparse.ArgumentParser(prog="pdd")
+    cli.add_sim_parser(ap.add_subparsers(dest="cmd", required=True))
+    c = cli._make_cfg(ap.parse_args(["sim", "run"]))
+    for name in RUNTIME_MIRRORS:
+        assert getattr(c, name) == runtime_default(name), name
+    assert c.wan_backlog_in_plan is True and c.wan_send_buffer_bytes is None
+    c = cli._make_cfg(ap.parse_args(["sim", "run", "--wan-order", "ps", "--wan-express-lane-bdp", "0"]))
+    assert (c.wan_order, c.wan_express_lane_bdp) == ("ps", 0.0)
