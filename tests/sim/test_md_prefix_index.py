@@ -206,9 +206,10 @@ CROSS = SimConfig(mode="cross_dc_pd", n_p=1, n_md=1, wan_gbps=1.0, wan_rtt_ms=40
 def test_a_turn_planned_on_md_s_reply_waits_for_a_claim_already_on_the_line():
     """Cross-DC PD (each plan waits for MD's reservation reply): turn 2 arrives at 2 s, while turn
     1's 4,096-token KV (0.54 GB on 1 Gbit/s, started at 0.4 s) is on the line. Its reservation
-    waits for that KV, then only its 1,904 new tokens cross, after it: both turns are faster
-    than when turn 2's copy of turn 1's pages shared the line with them (md_wait_claims False:
-    10,096 tokens sent, TTFTs 7.39 s and 9.39 s)."""
+    waits for that KV, then only its 1,904 new tokens cross, after it: turn 2 is faster than
+    when it sent its own copy of turn 1's pages (md_wait_claims False: 10,096 tokens sent, the
+    copy queued behind turn 1 on the runtime's fifo line: TTFTs 5.09 s and 9.39 s; on a
+    processor-shared line, wan_order ps, the copy also slowed turn 1: 7.39 s and 9.39 s)."""
     sim = run(CROSS, [TURN1, dict(TURN2, timestamp=2000)])
     r1, r2 = sim.reqs
     assert r2.md_after is r1 and (r2.md_held, r2.md_landed, r2.md_hit) == (4096, 0, 4096)
@@ -217,7 +218,10 @@ def test_a_turn_planned_on_md_s_reply_waits_for_a_claim_already_on_the_line():
     assert [round(r.t_first - r.arrival, 2) for r in sim.reqs] == [5.09, 5.49]
     old = run(CROSS.replace(md_wait_claims=False), [TURN1, dict(TURN2, timestamp=2000)])
     assert [r.wan_bytes for r in old.reqs] == [4096 * KVB, 6000 * KVB]
-    assert [round(r.t_first - r.arrival, 2) for r in old.reqs] == [7.39, 9.39]
+    assert [round(r.t_first - r.arrival, 2) for r in old.reqs] == [5.09, 9.39]
+    ps = run(CROSS.replace(md_wait_claims=False, wan_order="ps", wan_express_lane_bdp=0.0),
+             [TURN1, dict(TURN2, timestamp=2000)])
+    assert [round(r.t_first - r.arrival, 2) for r in ps.reqs] == [7.39, 9.39]
 
 
 def test_a_claim_not_on_the_line_yet_is_not_waited_for_by_a_turn_planned_on_md_s_reply():

@@ -8,7 +8,7 @@ from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.instance import Instance
 from pdd.types import Pipeline
 from pdd.workload.records import generate_agentic
-from tests.sim.sim_checks import check_settled
+from tests.sim.sim_checks import PRE_RUNTIME_LINE, check_settled
 
 KVB = 131072  # llama-3.1-8b KV bytes per token
 # one 4,096-token prompt (8 blocks) relayed at once over a 10 Gbit/s, 400 ms RTT line: P's prefill
@@ -104,8 +104,11 @@ def test_early_handoff_asks_rld_when_the_kv_has_left_p():
     RLD stops a round trip earlier and decodes fewer tokens; MD's extend still starts when the
     KV lands, so the client's switch gap is the same (within RLD's step in flight)."""
     owd = 0.2
-    old = run(RELAY.replace(md_predicted_send=False, early_handoff=False))
-    new = run(RELAY.replace(md_predicted_send=False, early_handoff=True))
+    # nothing committed to the sockets ahead of the line, so P has written the KV when its last
+    # byte leaves (with the runtime's 1-BDP send buffer, a BDP before: wan_written_lead)
+    base = RELAY.replace(wan_send_buffer_bytes=0.0)
+    old = run(base.replace(md_predicted_send=False, early_handoff=False))
+    new = run(base.replace(md_predicted_send=False, early_handoff=True))
     ro, rn = old.reqs[0], new.reqs[0]
     assert (old.early_handoffs, new.early_handoffs) == (0, 1)
     assert rn.t_md_kv == ro.t_md_kv  # the KV's transfer is unchanged
@@ -222,9 +225,11 @@ OLD = {
 @pytest.mark.parametrize("budget,mode", sorted(OLD))
 def test_both_flags_off_reproduce_the_old_simulator(budget, mode, monkeypatch):
     recs = generate_agentic(150, seed=4, rate=2.0)
+    # that simulator's line and plan (PRE_RUNTIME_LINE: processor-shared, one connection, no
+    # committed bytes, no WAN backlog in the plan)
     cfg = SimConfig(mode="pdd", n_p=2, n_rld=1, n_md=2, wan_gbps=10.0, warmup_frac=0.0, ttft_budget_ms=budget,
                     handoff_mode=mode, catchup_threshold=4, md_predicted_send=False, early_handoff=False,
-                    md_prefix_index=False)
+                    md_prefix_index=False, **PRE_RUNTIME_LINE)
     now = run(cfg, recs)
     monkeypatch.setattr(ClusterSim, "md_progress", lambda self, req: None)
     monkeypatch.setattr(Instance, "assigned", property(lambda self: len(self.seqs) + len(self.waiting),

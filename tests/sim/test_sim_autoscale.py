@@ -19,7 +19,10 @@ from pdd.sim.sim_config import SimConfig
 
 ACFG = AutoscaleConfig(enabled=True, interval_s=5, sample_s=0.5, cooldown_s=10, max={"main_decode": 3},
                        up_at=0.75, down_at=0.25)
-CFG = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, max_running_md=4, wan_gbps=25, wan_rtt_ms=30)
+# a 250 ms pipeline budget (not the runtime's 50 ms): the ramp's 1024-token prompts go P->MD, so
+# the MD added at the peak still decodes when it is drained (75 -> 75.5 s) and the drain is seen
+# waiting for it; at 50 ms they are relayed and the idle MD0 goes at once
+CFG = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, max_running_md=4, wan_gbps=25, wan_rtt_ms=30, ttft_budget_ms=250.0)
 
 
 def _records():

@@ -15,11 +15,14 @@ import pdd.policy.cutoff as pol_cutoff
 from pdd.policy.wan_estimate import KV_PROGRESS_INTERVAL_S as IVL
 from pdd.policy.wan_estimate import inflight_remaining_s
 from pdd.sim.cluster import ClusterSim, SimConfig
+from tests.sim.sim_checks import PRE_RUNTIME_DEFAULTS
 
 PROMPT = 8192
 TOTAL = PROMPT * 131072  # payload bytes of the missing KV (llama-3.1-8b)
 RATE = 10e9 / 8  # bytes/s of the 10 Gbit/s line
-CFG = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=10.0, warmup_frac=0.0)
+# the timings below are derived on one processor-shared connection with nothing committed to
+# the sockets (a cut-off stops a flow at once): PRE_RUNTIME_DEFAULTS
+CFG = SimConfig(mode="pdd", n_p=1, n_rld=1, n_md=1, wan_gbps=10.0, warmup_frac=0.0, **PRE_RUNTIME_DEFAULTS)
 
 
 def rec(out: int) -> list[dict]:

@@ -562,8 +562,10 @@ def test_kv_admissions_waiting_on_each_other_are_reported():
     move. The run ended with every request unfinished and said nothing; it now says so
     (``ClusterSim.stalled``; ``pdd sim run`` prints it as a warning)."""
     e = SimEngine(kv_pool_tokens=304)
+    # the seven small requests go P->MD: a 250 ms budget, and the gateway's plan without the WAN
+    # backlog (with it, as the runtime's, they are relayed and finish on RLD: pdd sim run's test)
     cfg = SimConfig(mode="pdd", wan_gbps=0.5, page_tokens=16, tier_engines={"P": e, "RLD": e, "MD": e},
-                    warmup_frac=0.0)
+                    warmup_frac=0.0, ttft_budget_ms=250.0, wan_backlog_in_plan=False)
     recs = [{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [10 + i]} for i in range(7)]
     recs.append({"timestamp": 0, "input_length": 300, "output_length": 1, "hash_ids": [99]})
     sim = run_checked(cfg, recs)

@@ -33,7 +33,9 @@ def test_lossy_flow_moves_at_the_mathis_rate(order):
 
 def test_lossy_flows_share_the_line_only_when_it_is_the_bottleneck():
     # conn = 0.0715 Gbit/s; 4 flows on a 0.2 Gbit/s line: each min(0.05, conn) = 0.05 (line-bound)
-    cfg = SimConfig(mode="cross_dc_pd", wan_gbps=0.2, wan_rtt_ms=20.0, wan_loss_rate=1e-4)
+    # flows sharing the line at once: processor sharing (the runtime's fifo sends them in turn)
+    cfg = SimConfig(mode="cross_dc_pd", wan_gbps=0.2, wan_rtt_ms=20.0, wan_loss_rate=1e-4, wan_order="ps",
+                    wan_express_lane_bdp=0.0)
     ts = _alone(cfg, MB, flows=4)
     assert ts == pytest.approx([4 * MB * 8 / 0.2e9] * 4, rel=1e-9)
     # 2 flows: each min(0.1, conn) = conn: the line is not saturated

@@ -140,6 +140,16 @@ RATE = _rate(False)
 SCALE_RATE = _rate(True)
 
 
+def _sim_default(name: str):
+    """SimConfig's default of field ``name``: the runtime's, for the fields that mirror its config
+    (``pdd.sim.sim_config.RUNTIME_MIRRORS``)."""
+    from dataclasses import fields
+
+    from pdd.sim.sim_config import SimConfig
+
+    return {f.name: f.default for f in fields(SimConfig)}[name]
+
+
 def _known(kind: str, load):
     """An argparse ``type=`` accepting the names ``load()`` knows (a dict), listing them otherwise."""
     def parse(text: str) -> str:
@@ -175,6 +185,8 @@ def _existing_file(text: str) -> str:
 
 
 def _cfg_args(p: argparse.ArgumentParser) -> None:
+    from pdd.sim.sim_config import WAN_ORDERS
+
     g = p.add_argument_group("cluster")
     g.add_argument("--mode", default="pdd", choices=["colocated", "same_dc_pd", "cross_dc_pd", "pdd"])
     g.add_argument("--model", default="llama-3.1-8b", type=_known("model", _model_names),
@@ -199,32 +211,38 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--n-{n}", type=INSTANCES, default=d)
     g.add_argument("--wan-gbps", type=POS_FLOAT, default=25.0)
     g.add_argument("--wan-rtt-ms", type=NONNEG_FLOAT, default=30.0)
-    g.add_argument("--wan-order", default="ps", choices=["ps", "fifo", "srf"])
+    g.add_argument("--wan-order", default=_sim_default("wan_order"), choices=list(WAN_ORDERS),
+                   help="the WAN send order (default: the runtime's policy.wan_order, %(default)s); ps is processor "
+                   "sharing, an idealisation no runtime mode implements")
+    g.add_argument("--wan-express-lane-bdp", type=NONNEG_FLOAT, default=_sim_default("wan_express_lane_bdp"),
+                   help="WAN transfers of at most this many bandwidth-delay products take a connection of their own "
+                   "(policy.wan_express_lane_bdp, default %(default)s; 0: one connection per target)")
     g.add_argument("--wan-usd-per-hour", type=NONNEG_FLOAT, default=0.0)
-    g.add_argument("--wan-loss-rate", type=float, default=0.0,
+    g.add_argument("--wan-loss-rate", type=float, default=_sim_default("wan_loss_rate"),
                    help="packet loss p in [0, 1): each WAN transfer at most TCP's Mathis rate (pdd.policy.tcp_model)")
-    g.add_argument("--wan-mss-bytes", type=POS_INT, default=1460, help="TCP segment of that formula, bytes")
+    g.add_argument("--wan-mss-bytes", type=POS_INT, default=_sim_default("wan_mss_bytes"), help="TCP segment of that formula, bytes")
     g.add_argument("--cross-traffic", default=None, metavar="T:GBPS,...",
                    help="cross traffic on the WAN line from T seconds of simulated time, e.g. 0:5,60:10")
-    g.add_argument("--kv-stream", default="whole", choices=["whole", "layerwise"],
+    g.add_argument("--kv-stream", default=_sim_default("kv_stream"), choices=["whole", "layerwise"],
                    help="P sends a request's KV after its prefill, or layer group by layer group during it")
-    g.add_argument("--kv-stream-layer-group", type=POS_INT, default=1, help="layers per group (layerwise)")
+    g.add_argument("--kv-stream-layer-group", type=POS_INT, default=_sim_default("kv_stream_layer_group"), help="layers per group (layerwise)")
     g.add_argument("--config", default=None,
                    help="a runtime cluster config (YAML/JSON): its link.wan_* (rate, RTT, loss, MSS, cross "
                    "traffic), policy.wan_order / kv_stream / kv_stream_layer_group / cutoff / cutoff_min_remaining_s "
                    "/ cutoff_max_sent_fraction and the engine settings its "
                    "engine and tiers blocks set (batch limits, step floor, KV page and pool, profile) replace "
                    "those flags")
-    g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=250.0,
-                   help="pipeline TTFT budget (P->MD if the WAN fits); the server's default is 50")
-    g.add_argument("--handoff", default="one_shot", choices=["one_shot", "catch_up", "auto"])
-    g.add_argument("--catchup-threshold", type=NONNEG_INT, default=64)
+    g.add_argument("--budget-ms", type=NONNEG_FLOAT, default=_sim_default("ttft_budget_ms"),
+                   help="pipeline TTFT budget (P->MD if the WAN fits; policy.pipeline_ttft_budget_ms, default "
+                   "%(default)s)")
+    g.add_argument("--handoff", default=_sim_default("handoff_mode"), choices=["one_shot", "catch_up", "auto"])
+    g.add_argument("--catchup-threshold", type=NONNEG_INT, default=_sim_default("catchup_threshold"))
     g.add_argument("--allow-p-rld", action="store_true")
     g.add_argument("--no-cutoff", action="store_true")
-    g.add_argument("--cutoff-min-remaining-s", type=NONNEG_FLOAT, default=0.5,
+    g.add_argument("--cutoff-min-remaining-s", type=NONNEG_FLOAT, default=_sim_default("cutoff_min_remaining_s"),
                    help="cut a relayed request's WAN transfer off only when its rest takes at least this long "
                    "(policy.cutoff_min_remaining_s)")
-    g.add_argument("--cutoff-max-sent-fraction", type=FRACTION, default=0.25,
+    g.add_argument("--cutoff-max-sent-fraction", type=FRACTION, default=_sim_default("cutoff_max_sent_fraction"),
                    help="let a transfer finish once MD has reported this share of its bytes "
                    "(policy.cutoff_max_sent_fraction; 1: the remaining time alone)")
     g.add_argument("--no-md-predicted-send", action="store_true",
@@ -233,14 +251,14 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-md-wait-claims", action="store_true",
                    help="MD's reservation matches only the KV that landed: a prefix still on its way to MD (another "
                    "request's claim) is sent again instead of waited for (policy.md_wait_claims: false)")
-    g.add_argument("--md-load-cap", type=NONNEG_INT, default=0,
+    g.add_argument("--md-load-cap", type=NONNEG_INT, default=_sim_default("md_load_cap"),
                    help="an MD with this many requests is routed to only when every MD has as many; 0: no cap "
                    "(policy.md_load_cap)")
     g.add_argument("--no-early-handoff", action="store_true",
                    help="a relayed request's handoff waits for MD's kv_ready to cross back instead of starting "
                    "when MD's KV has left P (policy.early_handoff: false)")
     g.add_argument("--no-drc", action="store_true")
-    g.add_argument("--routing", default="cache_aware", choices=["cache_aware", "load", "round_robin"])
+    g.add_argument("--routing", default=_sim_default("routing"), choices=["cache_aware", "load", "round_robin"])
     g.add_argument("--max-batch-tokens", type=POS_INT, default=8192)
     g.add_argument("--prefill-chunk-tokens", type=POS_INT, default=8192)
     g.add_argument("--max-running-seqs", type=POS_INT, default=256)
@@ -360,7 +378,7 @@ def _make_cfg(a):
         mode=a.mode, model="measured" if spec else a.model, model_spec=spec, kv_bytes_per_token=a.kv_bytes_per_token, chip_a=a.chip_a, chip_b=a.chip_b,
         price_a=a.price_a, price_b=a.price_b, profile_a=profile_a, profile_b=profile_b, n_p=a.n_p,
         n_rld=a.n_rld, n_md=a.n_md, n_d=a.n_d, n_c=a.n_c, wan_gbps=a.wan_gbps, wan_rtt_ms=a.wan_rtt_ms,
-        wan_order=a.wan_order, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
+        wan_order=a.wan_order, wan_express_lane_bdp=a.wan_express_lane_bdp, wan_usd_per_hour=a.wan_usd_per_hour, ttft_budget_ms=a.budget_ms,
         handoff_mode=a.handoff, catchup_threshold=a.catchup_threshold, allow_p_rld=a.allow_p_rld,
         cutoff=not a.no_cutoff, cutoff_min_remaining_s=a.cutoff_min_remaining_s,
         cutoff_max_sent_fraction=a.cutoff_max_sent_fraction, md_predicted_send=not a.no_md_predicted_send, md_wait_claims=not a.no_md_wait_claims,

@@ -1173,7 +1173,7 @@ class ClusterSim:
         """Bytes of MD's KV still to go on the line when P has written it (its ``xfer_done``):
         ``SimConfig.wan_written_lead_bytes``, else ``wan_send_buffer_bytes``."""
         lead = self.cfg.wan_written_lead_bytes
-        return self.cfg.wan_send_buffer_bytes if lead is None else lead
+        return self.cfg.committed_bytes() if lead is None else lead
 
     def _early_moot(self, req: Req) -> bool:
         return req.handoff_started or req.finished or req.rld_finished or req.cut_off
@@ -1330,7 +1330,7 @@ class ClusterSim:
                 ix.dropped_keys(self._page_keys(req, req.md.page))
         self.cutoffs += 1
         if req.wan_flow is not None and not req.wan_flow.done:
-            left = self.wan.cancel(req.wan_flow, self.cfg.wan_send_buffer_bytes)
+            left = self.wan.cancel(req.wan_flow, self.cfg.committed_bytes())
             self.wan_saved_bytes += left
             req.wan_bytes -= left
             self._flow_drained(req)
@@ -1342,7 +1342,7 @@ class ClusterSim:
                 self.wan_saved_bytes += req.md_missing * req.md.kvb
             self._flow_drained(req)
         if req.fill_flow is not None and not req.fill_flow.done:  # a fill follows only a started send
-            left = self.wan.cancel(req.fill_flow, self.cfg.wan_send_buffer_bytes)
+            left = self.wan.cancel(req.fill_flow, self.cfg.committed_bytes())
             self.wan_saved_bytes += left
             req.wan_bytes -= left
             self._flow_drained(req)

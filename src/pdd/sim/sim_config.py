@@ -7,15 +7,64 @@ import math
 import re
 from dataclasses import dataclass, fields, replace
 
+from pdd.config import EngineConfig, LinkConfig, PolicyConfig
 from pdd.engine.scheduler import PREFILL_ORDERS
-from pdd.policy.routing import LOAD_SLACK, MD_LOAD_SLACK, MIN_HIT_FRAC
-from pdd.policy.tcp_model import DEFAULT_MSS_BYTES, check_loss_rate, check_schedule
+from pdd.policy.routing import MIN_HIT_FRAC
+from pdd.policy.tcp_model import check_loss_rate, check_schedule
+from pdd.policy.wan_order import send_buffer_bytes
 from pdd.sim.hardware import Efficiency, get_chip
 from pdd.sim.models import get_model
 
 
 BLOCK = 512  # tokens per trace block (Mooncake hash granularity)
 KV_STREAMS = ("whole", "layerwise")  # config.PolicyConfig.kv_stream
+# the WAN send orders the simulator models: the runtime's (config.PolicyConfig.wan_order: fifo,
+# srf) and "ps", processor sharing (every queued transfer gets an equal share of the line at
+# once), an idealisation no runtime mode implements, kept as an explicit modelling choice
+WAN_ORDERS = ("fifo", "srf", "ps")
+
+
+def _same(v):
+    return v
+
+
+# SimConfig field -> (runtime config model, its field, conversion to the simulator's units): the
+# fields whose defaults are the runtime's (`pdd serve` with no such key in its config), read from
+# the runtime's field defaults so that they cannot drift apart (tests/sim/test_runtime_defaults.py)
+RUNTIME_MIRRORS = {
+    "wan_order": (PolicyConfig, "wan_order", _same),
+    "wan_express_lane_bdp": (PolicyConfig, "wan_express_lane_bdp", _same),
+    "wan_send_buffer_bdp": (PolicyConfig, "wan_send_buffer_bdp", _same),
+    "ttft_budget_ms": (PolicyConfig, "pipeline_ttft_budget_ms", _same),
+    "handoff_mode": (PolicyConfig, "handoff_mode", _same),
+    "catchup_threshold": (PolicyConfig, "catchup_threshold_tokens", _same),
+    "allow_p_rld": (PolicyConfig, "allow_p_rld", _same),
+    "md_predicted_send": (PolicyConfig, "md_predicted_send", _same),
+    "md_wait_claims": (PolicyConfig, "md_wait_claims", _same),
+    "early_handoff": (PolicyConfig, "early_handoff", _same),
+    "cutoff": (PolicyConfig, "cutoff", _same),
+    "cutoff_min_remaining_s": (PolicyConfig, "cutoff_min_remaining_s", _same),
+    "cutoff_max_sent_fraction": (PolicyConfig, "cutoff_max_sent_fraction", _same),
+    "wan_estimate": (PolicyConfig, "wan_estimate", _same),
+    "routing": (PolicyConfig, "routing", _same),
+    "load_slack": (PolicyConfig, "load_slack", _same),
+    "md_load_slack": (PolicyConfig, "md_load_slack", _same),
+    "md_load_cap": (PolicyConfig, "md_load_cap", _same),
+    "kv_stream": (PolicyConfig, "kv_stream", _same),
+    "kv_stream_layer_group": (PolicyConfig, "kv_stream_layer_group", _same),
+    "wan_loss_rate": (LinkConfig, "wan_loss_rate", _same),
+    "wan_mss_bytes": (LinkConfig, "wan_mss_bytes", _same),
+    "wan_cross_traffic": (LinkConfig, "wan_cross_traffic", lambda v: tuple(tuple(p) for p in v)),
+    "prefill_order": (EngineConfig, "prefill_order", _same),
+    "min_step_s": (EngineConfig, "min_step_ms", lambda ms: ms / 1000.0),
+}
+
+
+def runtime_default(name: str):
+    """The runtime's default of SimConfig field ``name`` (one of ``RUNTIME_MIRRORS``), in the
+    simulator's units. KeyError for a field that mirrors no runtime setting."""
+    model, rt_name, conv = RUNTIME_MIRRORS[name]
+    return conv(model.model_fields[rt_name].get_default(call_default_factory=True))
 DECODE_ROLES = ("RLD", "MD", "D", "C")  # the simulator's roles that run decode steps (SimConfig.tiers)
 
 
@@ -136,32 +185,34 @@ class SimConfig:
     n_c: int = 1  # colocated instances (chip A)
     wan_gbps: float = 100.0
     wan_rtt_ms: float = 20.0
-    wan_order: str = "ps"  # ps | fifo | srf
+    # the WAN send order (the runtime's policy.wan_order: fifo | srf), or "ps" (WAN_ORDERS):
+    # processor sharing, an idealisation the runtime cannot run, for explicit what-ifs only
+    wan_order: str = runtime_default("wan_order")
     # the runtime's express lane (policy.wan_express_lane_bdp, pdd.policy.wan_order.wan_lane): a
     # WAN transfer of at most this many bandwidth-delay products has a connection of its own, so
     # with a send order it is written to its sockets without waiting for the queue ahead of it
     # (its xfer_done); 0: every transfer on one connection per target
-    wan_express_lane_bdp: float = 0.0
+    wan_express_lane_bdp: float = runtime_default("wan_express_lane_bdp")
     # the WAN line as the runtime's link emulator models it (pdd.policy.tcp_model, docs/SIM.md):
     # packet loss probability p in [0, 1) capping each transfer at one TCP connection's Mathis rate
     # (MSS wan_mss_bytes, RTT wan_rtt_ms), and cross traffic ((t_s, gbps), ...) taking its rate off
     # the line from t_s seconds of simulated time (the runtime's link.wan_loss_rate, wan_mss_bytes,
     # wan_cross_traffic)
-    wan_loss_rate: float = 0.0
-    wan_mss_bytes: int = DEFAULT_MSS_BYTES
-    wan_cross_traffic: tuple = ()
+    wan_loss_rate: float = runtime_default("wan_loss_rate")
+    wan_mss_bytes: int = runtime_default("wan_mss_bytes")
+    wan_cross_traffic: tuple = runtime_default("wan_cross_traffic")
     # when P sends a request's KV (the runtime's policy.kv_stream, kv_stream_layer_group): whole,
     # after its prefill; layerwise, each group of this many layers as P's step writes it
-    kv_stream: str = "whole"
-    kv_stream_layer_group: int = 1
+    kv_stream: str = runtime_default("kv_stream")
+    kv_stream_layer_group: int = runtime_default("kv_stream_layer_group")
     wan_usd_per_hour: float = 0.0  # the cross-DC line's price
     fast_gbps: float | None = None  # per P instance; default chip nic_gbps x gpus
     fast_rtt_ms: float = 0.02
     max_batch_tokens: int = 8192
     max_running_seqs: int = 256
     prefill_chunk_tokens: int = 8192
-    prefill_order: str = "fcfs"  # the engine scheduler's (pdd.engine.scheduler.PREFILL_ORDERS)
-    min_step_s: float = 0.0  # every engine step takes at least this long, seconds (engine.min_step_ms)
+    prefill_order: str = runtime_default("prefill_order")  # the engine scheduler's (pdd.engine.scheduler.PREFILL_ORDERS)
+    min_step_s: float = runtime_default("min_step_s")  # every engine step takes at least this long, seconds (engine.min_step_ms)
     # each tier's (key "MD") or instance's ("MD1") own engine settings over the fields above and
     # page_tokens (the runtime's tiers.<tier>.engine): role or instance name -> SimEngine (or a
     # dict of its fields). None: every instance runs the top-level ones
@@ -173,15 +224,15 @@ class SimConfig:
     max_running_d: int = 0
     max_running_rld: int = 0
     max_running_md: int = 0
-    ttft_budget_ms: float = 250.0  # pipeline policy budget (pdd: P->MD if the WAN fits it)
-    handoff_mode: str = "one_shot"
-    catchup_threshold: int = 64
-    allow_p_rld: bool = False
+    ttft_budget_ms: float = runtime_default("ttft_budget_ms")  # pipeline budget (pdd: P->MD if the WAN fits it)
+    handoff_mode: str = runtime_default("handoff_mode")
+    catchup_threshold: int = runtime_default("catchup_threshold")
+    allow_p_rld: bool = runtime_default("allow_p_rld")
     allow_p_rld_after_s: float = 0.0  # the ablation applies to arrivals from this time on
     # MD's WAN send of a request relayed at once (pdd, zero TTFT budget) starts when P's prefill
     # is done, from the gateway's predicted MD prefix, instead of after MD's reservation round
     # trip (the runtime's policy.md_predicted_send)
-    md_predicted_send: bool = True
+    md_predicted_send: bool = runtime_default("md_predicted_send")
     # the gateway plans and routes on its prefix index of each MD (pdd.policy.prefix_index: every
     # prompt routed there and every output decoded there, LRU at MD's pool size), as the runtime
     # does, and MD caps its match at a predicted send's first page; False: on MD's cache itself
@@ -196,25 +247,25 @@ class SimConfig:
     # claim's transfer is already on the line (ClusterSim._wait_for_claim; the gateway's reserve
     # {after}). False: MD's reservation matched only what landed and the claimed pages crossed
     # again (with the cut-off off, or cross-DC PD at 3 req/s, the WAN ran away)
-    md_wait_claims: bool = True
+    md_wait_claims: bool = runtime_default("md_wait_claims")
     # a relayed request's handoff starts when MD's KV is expected to have left P (at the gateway's
     # WAN estimate), not when MD's kv_ready is back at the gateway (the runtime's
     # policy.early_handoff)
-    early_handoff: bool = True
-    cutoff: bool = True
-    cutoff_min_remaining_s: float = 0.5  # config.PolicyConfig default: shorter remainders finish
-    cutoff_max_sent_fraction: float = 0.25  # config.PolicyConfig default: a transfer a quarter received finishes
-    wan_estimate: str = "live"  # live: median of MD's recent receive rates (the gateway's); config: wan_gbps
+    early_handoff: bool = runtime_default("early_handoff")
+    cutoff: bool = runtime_default("cutoff")
+    cutoff_min_remaining_s: float = runtime_default("cutoff_min_remaining_s")  # shorter remainders finish
+    cutoff_max_sent_fraction: float = runtime_default("cutoff_max_sent_fraction")  # a transfer that share received finishes
+    wan_estimate: str = runtime_default("wan_estimate")  # live: median of MD's recent receive rates (the gateway's); config: wan_gbps
     drc: bool = True  # decode-side radix cache on MD
     p_cache: bool = True
-    routing: str = "cache_aware"
+    routing: str = runtime_default("routing")
     # cache-aware routing slack (requests) on P / colocated, and on MD (decoders hold tens of
     # sequences, affinity matters more): the runtime's policy.load_slack / md_load_slack defaults
-    load_slack: int = LOAD_SLACK
-    md_load_slack: int = MD_LOAD_SLACK
+    load_slack: int = runtime_default("load_slack")
+    md_load_slack: int = runtime_default("md_load_slack")
     # an MD with this many requests (running + queued) is routed to only when every MD has them
     # (0: no cap; the runtime's policy.md_load_cap, pdd.policy.routing's load_cap)
-    md_load_cap: int = 0
+    md_load_cap: int = runtime_default("md_load_cap")
     min_hit_frac: float = MIN_HIT_FRAC  # cache-aware routing ignores hits below this share of the prompt (the gateway's)
     md_cache_frac: float = 1.0  # fraction of MD's free KV pool the DRC may keep (capacity studies)
     p_cache_frac: float = 1.0
@@ -275,12 +326,17 @@ class SimConfig:
     wan_rtt_estimate_ms: float | None = None
     # the gateway's pipeline inputs carry the WAN backlog to the chosen MD (the runtime's
     # gateway.wan_booking._wan_backlog_bytes: planned bytes of transfers to it not yet delivered,
-    # less what the line can have carried since the oldest started). Off: 0, as before
-    wan_backlog_in_plan: bool = False
+    # less what the line can have carried since the oldest started), as the runtime gateway always
+    # does (it has no switch). Off: 0 (the simulator before 2026-12-07)
+    wan_backlog_in_plan: bool = True
     # bytes of a WAN transfer already handed to the sockets (P's send buffer, the link's receive
     # buffer) that a cut-off cannot recall: they still cross the line, ahead of later transfers.
     # 0 = a cut-off stops the flow at once. Measured on a live run (calibrate.calibrate_wan_buffer).
-    wan_send_buffer_bytes: float = 0.0
+    # None: P's kernel send buffer as the runtime sizes it, wan_send_buffer_bdp bandwidth-delay
+    # products of the line (policy.wan_send_buffer_bdp, pdd.policy.wan_order.send_buffer_bytes;
+    # :meth:`committed_bytes`)
+    wan_send_buffer_bytes: float | None = None
+    wan_send_buffer_bdp: float = runtime_default("wan_send_buffer_bdp")
     # P's xfer_done of MD's KV (which starts an early handoff's wait) comes when its sockets took
     # the last byte: this many bytes before the flow's last byte leaves the line (0: when it
     # leaves). Measured on a live run's xfer_done events (calibrate.calibrate_wan_written_lead);
@@ -292,6 +348,8 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         """Checks the WAN and streaming fields; raises ValueError naming the field."""
+        if self.wan_order not in WAN_ORDERS:
+            raise ValueError(f"wan_order must be one of {WAN_ORDERS}, got {self.wan_order!r}")
         self.wan_loss_rate = check_loss_rate(self.wan_loss_rate, "wan_loss_rate")
         if not (self.wan_mss_bytes >= 1):
             raise ValueError(f"wan_mss_bytes must be >= 1, got {self.wan_mss_bytes!r}")
@@ -338,6 +396,16 @@ class SimConfig:
 
     def replace(self, **kw) -> "SimConfig":
         return replace(self, **kw)
+
+    def committed_bytes(self) -> float:
+        """Bytes of a WAN transfer handed to the sockets that a cut-off cannot recall:
+        ``wan_send_buffer_bytes``, or when None the runtime's send buffer of this line
+        (``wan_send_buffer_bdp`` BDPs of ``wan_gbps`` x ``wan_rtt_ms``, at least 64 KiB; 0 when
+        the factor is 0, which leaves the runtime's buffer to the OS)."""
+        if self.wan_send_buffer_bytes is not None:
+            return float(self.wan_send_buffer_bytes)
+        b = send_buffer_bytes(self.wan_gbps, self.wan_rtt_ms, self.wan_send_buffer_bdp)
+        return float(b or 0)
 
     def engine_of(self, name: str) -> SimEngine:
         """The engine settings of instance ``name`` (``"MD1"``) or role (``"MD"``): the top-level

@@ -153,7 +153,11 @@ def sim_config(cfg, profile_path: str | Path, prof: dict, block_tokens: int,
         load_slack=pol.load_slack, md_load_slack=pol.md_load_slack,
         cutoff=pol.cutoff, cutoff_min_remaining_s=pol.cutoff_min_remaining_s,
         cutoff_max_sent_fraction=pol.cutoff_max_sent_fraction,
-        routing=pol.routing, block_tokens=block_tokens,
+        routing=pol.routing, wan_estimate=pol.wan_estimate, block_tokens=block_tokens,
+        # the bytes a cut-off cannot recall are the live-run fit's measurement
+        # (calibrate.calibrate_wan_buffer, applied by with_live_fit), none without one: the
+        # calibration is fitted on that, not on the runtime's nominal send buffer
+        wan_send_buffer_bytes=0.0,
         page_tokens=ep.page_size if block_tokens % ep.page_size == 0 else None, warmup_frac=0.0, slo_ttft_s=1e9, slo_tpot_s=1e9,
         host_cores=host_cores if host_cores is not None else (0.0 if e.device != "cpu" else float(os.cpu_count() or 1)))
 
