@@ -157,3 +157,51 @@ def test_return_token_ids_chat_places_as_vllm(api):
     for i in range(2):
         toks = [c["choices"][0]["token_ids"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
         assert sum(toks, []) == j["choices"][i]["token_ids"]
+
+
+# Masks that leave no allowed id: refused when the request alone shows it (400 naming the field),
+# and served from the allowed ids when the outputs make it so (a multi-token bad word's ending).
+HELLO = {"prompt": "hello world", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra,param,message", [
+    ({"allowed_token_ids": [1], "min_tokens": 5}, "min_tokens",
+     "min_tokens (5): EOS and stop_token_ids are masked for the first 5 outputs, which leaves no id of "
+     "allowed_token_ids (1)"),
+    ({"allowed_token_ids": [77], "stop_token_ids": [77], "min_tokens": 5}, "min_tokens",
+     "min_tokens (5): EOS and stop_token_ids are masked for the first 5 outputs, which leaves no id of "
+     "allowed_token_ids (77)"),
+    ({"allowed_token_ids": [1, 77], "stop_token_ids": [5], "bad_words": ["hello", "!"], "min_tokens": 1},
+     None, None),  # "!" is [6]: 77 is left
+    ({"allowed_token_ids": [1, 6], "bad_words": ["!"], "min_tokens": 2}, "min_tokens",
+     "min_tokens (2): EOS and stop_token_ids are masked for the first 2 outputs, which leaves no id of "
+     "allowed_token_ids (1, 6) that is not a single-token bad word"),
+    ({"allowed_token_ids": [1], "bad_words": ["</s>"]}, "bad_words",
+     "bad_words: every id of allowed_token_ids (1) is a single-token bad word, so no token could be generated"),
+    ({"allowed_token_ids": [6, 6], "bad_words": ["!"], "temperature": 1, "seed": 2}, "bad_words",
+     "bad_words: every id of allowed_token_ids (6) is a single-token bad word, so no token could be generated"),
+    ({"stop_token_ids": list(range(2, 1024)), "bad_words": ["<s>"], "min_tokens": 1, "ignore_eos": True},
+     "min_tokens", "min_tokens (1): EOS and stop_token_ids are masked for the first 1 outputs, which leaves no "
+     "id of the vocabulary that is not a single-token bad word"),
+])
+def test_masks_leaving_no_allowed_id_are_400_naming_the_field(api, path, extra, param, message):
+    client, orch = api
+    body = HELLO if path == "/v1/completions" else {**CHAT, "temperature": 0, "max_tokens": 8}
+    r = client.post(path, json={**body, **extra})
+    if param is None:
+        assert r.status_code == 200, r.text
+        return
+    assert _err(r, param)["message"] == message
+    assert not orch.started
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_a_bad_word_ending_that_masks_every_allowed_id_serves_allowed_ids(api, temperature):
+    """"!!" is [6, 6]: after a first 6, the ending 6 is banned, which leaves no allowed id; the
+    sampler drops that ban (docs/SERVE.md), never id 0 or a NaN draw."""
+    client, _ = api
+    r = client.post("/v1/completions", json={**HELLO, "temperature": temperature, "seed": 5,
+                                             "allowed_token_ids": [6], "bad_words": ["!!"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [6] * 8

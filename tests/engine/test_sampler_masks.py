@@ -3,6 +3,7 @@ the expected token, greedy and sampled, and rows that use neither stay on the ba
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdd.engine.sampler import Sampler, banned_ids, needs_processing, process_logits, sample_one
@@ -107,3 +108,55 @@ def test_mixed_requests_decode_in_one_batch_and_only_masked_rows_leave_the_argma
     assert all(p is not plain for p in rows) and len(rows) == 12
     outs = [list(s.output_ids) for s in seqs]
     assert outs[0] == free and set(outs[1]) <= {free[0], 300} and free[0] not in outs[2]
+
+
+# When the other masks leave none of a row's ids (vLLM would argmax an all -inf row: id 0, or
+# softmax it to NaN), the sampler falls back (docs/SERVE.md): the multi-token bad-word endings are
+# dropped first, then the single-token bad words and the min_tokens mask; never an id outside
+# allowed_token_ids, never an all -inf row.
+def _all_positions(p: SamplingParams, eos=(1,), n: int = 8, history_of=None) -> list[int]:
+    return [sample_one(ROW, p, pos, history=history_of(pos) if history_of else None, eos_ids=eos)
+            for pos in range(n)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masking_every_allowed_id_falls_back_to_the_allowed_ids(temperature):
+    # EOS 1 is the only allowed id and min_tokens masks it: 1, never id 0 (greedy) or NaN (sampled)
+    p = SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[1], min_tokens=5)
+    assert _all_positions(p) == [1] * 8
+    p = SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=5)
+    assert _all_positions(p) == [5] * 8
+    x = process_logits(ROW, p, 0, eos_ids=(1,))
+    assert x.tolist() == [float("-inf")] * 5 + [-1.0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_single_token_bad_words_masking_every_allowed_id_fall_back(temperature):
+    p = SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[1], bad_words_token_ids=[[1]])
+    assert _all_positions(p) == [1] * 8
+    p = SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[0, 4],
+                       bad_words_token_ids=[[0], [4]], logit_bias={0: 5.0})
+    assert set(_all_positions(p)) <= {0, 4}
+    if temperature == 0.0:
+        assert _all_positions(p) == [0] * 8  # the bias still applies to the fallback row
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_multi_token_ending_is_dropped_before_the_static_masks(temperature):
+    # allowed {3, 5}; min_tokens masks the stop id 5; after output 4, bad word [4, 3] bans 3:
+    # the dynamic ban goes first, so 3 (min_tokens still honoured), not 5
+    p = SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[3, 5], stop_token_ids=[5],
+                       min_tokens=4, bad_words_token_ids=[[4, 3]])
+    assert _all_positions(p, n=3, history_of=lambda pos: [0, 4]) == [3, 3, 3]
+    x = process_logits(ROW, p, 0, history=[0, 4], prompt_len=1)
+    assert x.tolist() == [float("-inf")] * 3 + [2.0] + [float("-inf")] * 2
+
+
+def test_a_batch_with_an_impossible_row_keeps_the_others_exact():
+    s = Sampler([1])
+    logits = torch.stack([ROW, ROW, ROW])
+    sps = [SamplingParams(), SamplingParams(allowed_token_ids=[1], min_tokens=5),
+           SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[1], bad_words_token_ids=[[1]])]
+    assert s.sample(logits, sps, [0, 0, 0], [([], 0)] * 3) == [1, 1, 1]
+    sps[0] = SamplingParams(allowed_token_ids=[2, 1], min_tokens=5)  # not impossible: 2
+    assert s.sample(logits, sps, [0, 0, 0], [([], 0)] * 3) == [2, 1, 1]

@@ -9,7 +9,8 @@ Every tier (P for the first token, RLD, MD, a single engine) samples a position 
    ``stop_token_ids`` masked while fewer outputs exist); penalties that depend only on the
    sequence's tokens so far: ``repetition_penalty`` over prompt + outputs (positive logits
    divided, negative multiplied), ``frequency_penalty`` x count and ``presence_penalty`` x
-   [count > 0] over the outputs;
+   [count > 0] over the outputs; when the masks leave no id, the fallback of
+   :func:`process_logits` (never an id outside ``allowed_token_ids``, never an all -inf row);
 3. greedy (``temperature < GREEDY_EPS``): argmax. Otherwise divide by the temperature, softmax,
    keep the tokens with ``p >= min_p * p_max``, then the ``top_k`` most likely, renormalise,
    then the smallest prefix whose cumulative probability reaches ``top_p``, renormalise;
@@ -93,27 +94,28 @@ def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history:
     """Float64 CPU copy of ``row`` with logit bias, min_tokens mask and penalties applied.
 
     ``history`` = the sequence's tokens so far (prompt + outputs before ``position``), of which
-    the first ``prompt_len`` are the prompt."""
+    the first ``prompt_len`` are the prompt.
+
+    Never a row without a finite logit (vLLM would take the argmax of an all -inf row, id 0, or
+    sample NaNs): when the masks leave none of the ids ``allowed_token_ids`` allows (the whole
+    vocabulary without it), the multi-token ``bad_words`` endings banned at this position are
+    dropped; if that still leaves none, the single-token ``bad_words`` and the ``min_tokens``
+    mask are dropped too (the allowed ids with bias and penalties); and if the logits themselves
+    leave none finite, the allowed ids are equally likely. A row whose masks leave an id pays one
+    ``isfinite`` pass over the vocabulary for this check; rows without masks pay nothing."""
     x = row.detach().to("cpu", torch.float64).clone()
     vocab = x.shape[0]
+    keep = None
     if p.allowed_token_ids is not None:
         keep = torch.tensor([t for t in p.allowed_token_ids if 0 <= t < vocab], dtype=torch.long)
         masked = torch.full_like(x, -math.inf)
         masked[keep] = x[keep]
         x = masked
-    if p.bad_words_token_ids:
-        ban = [t for t in banned_ids(p.bad_words_token_ids, history, prompt_len) if 0 <= t < vocab]
-        if ban:
-            x[torch.tensor(ban, dtype=torch.long)] = -math.inf
+    # bias and penalties leave -inf at -inf, so the bans are applied after them (same values)
     if p.logit_bias:
         for t, b in p.logit_bias.items():
             if 0 <= int(t) < vocab:
                 x[int(t)] += float(b)
-    if position < p.min_tokens:
-        stop = {int(t) for t in p.stop_token_ids} | {int(t) for t in eos_ids}
-        stop = [t for t in stop if 0 <= t < vocab]
-        if stop:
-            x[torch.tensor(stop, dtype=torch.long)] = -math.inf
     if history is not None and _has_penalties(p):
         hist = torch.tensor([t for t in history if 0 <= t < vocab], dtype=torch.long)
         if p.repetition_penalty != 1.0 and hist.numel():
@@ -125,6 +127,35 @@ def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history:
             if out.numel():
                 counts = torch.bincount(out, minlength=vocab).to(torch.float64)
                 x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(torch.float64)
+    static: set[int] = set()  # single-token bad words and the min_tokens mask: known from the request
+    dynamic: set[int] = set()  # multi-token bad-word endings: known from the outputs so far
+    if p.bad_words_token_ids:
+        static = {int(w[-1]) for w in p.bad_words_token_ids if len(w) == 1}
+        multi = [w for w in p.bad_words_token_ids if len(w) > 1]
+        dynamic = set(banned_ids(multi, history, prompt_len)) if multi else set()
+    if position < p.min_tokens:
+        static |= {int(t) for t in p.stop_token_ids} | {int(t) for t in eos_ids}
+    static = sorted(t for t in static if 0 <= t < vocab)
+    dynamic = sorted(t for t in dynamic if 0 <= t < vocab)
+    if not static and not dynamic and keep is None:
+        return x
+    s_idx = torch.tensor(static, dtype=torch.long)
+    s_old = x[s_idx].clone()
+    x[s_idx] = -math.inf
+    d_idx = torch.tensor(dynamic, dtype=torch.long)
+    d_old = x[d_idx].clone()
+    x[d_idx] = -math.inf
+    if bool(torch.isfinite(x).any()):
+        return x
+    x[d_idx] = d_old  # nothing left: the dynamic bans go first
+    if bool(torch.isfinite(x).any()):
+        return x
+    x[s_idx] = s_old  # then the static ones: the allowed ids with bias and penalties
+    if not bool(torch.isfinite(x).any()):
+        if keep is None:
+            x.zero_()
+        else:
+            x[keep] = 0.0
     return x
 
 

@@ -806,7 +806,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None,
                           defaulted="max_tokens" not in body.model_fields_set)
             plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs, defaults=gen_defaults,
-                                             encode=bare_ids)))
+                                             encode=bare_ids, eos_ids=eos_ids)))
             lens.append((len(ids), max_tokens))
         check_pages(lens, body.n, "max_tokens", asked=body.max_tokens is not None)
         opts = plans[0][2]
@@ -871,7 +871,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_context(len(ids), max_tokens, param, body.n, asked, prompt_param="messages")
         check_pages([(len(ids), max_tokens)], body.n, param, asked)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        sps, opts = sampling_for(body, max_tokens, model_vocab, top, param, gen_defaults, encode=bare_ids)
+        sps, opts = sampling_for(body, max_tokens, model_vocab, top, param, gen_defaults, encode=bare_ids,
+                                 eos_ids=eos_ids)
         gen = await start_watched(request, [(ids, sps, opts)])
         created, cid = int(time.time()), f"chatcmpl-{id_base(request, gen.choices[0].st.rid)}"
         if body.stream:

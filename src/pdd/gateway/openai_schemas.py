@@ -631,16 +631,53 @@ def bad_words_token_ids(words: list[str], encode: typing.Callable[[str], list[in
     return out
 
 
+def _ids(ids) -> str:
+    ids = sorted(ids)
+    return ", ".join(map(str, ids[:8])) + (f", ... ({len(ids)} ids)" if len(ids) > 8 else "")
+
+
+def check_something_allowed(allowed: list[int] | None, bad_ids: list[list[int]], min_tokens: int,
+                            stop_ids: list[int], eos_ids: typing.Iterable[int], vocab: int) -> None:
+    """ApiError (400) when the request's masks leave no id to generate from its first output on,
+    which the engine would otherwise meet with its fallback (``process_logits``): every id
+    ``allowed_token_ids`` allows (the whole vocabulary ``[0, vocab)`` without it) is a
+    single-token ``bad_words`` id (param ``bad_words``), or, with ``min_tokens`` > 0, one of
+    those, an EOS id (``eos_ids``) or a ``stop_token_ids`` id (param ``min_tokens``: the engine
+    masks EOS and the stop ids for the first ``min_tokens`` outputs, ``ignore_eos`` or not).
+    Multi-token bad words ban an id only after their other ids: not refused here."""
+    single = {w[0] for w in bad_ids if len(w) == 1}
+    what = f"allowed_token_ids ({_ids(allowed)})" if allowed is not None else "the vocabulary"
+
+    def none_left(banned: set[int]) -> bool:
+        if allowed is not None:
+            return set(allowed) <= banned
+        return len({t for t in banned if 0 <= t < vocab}) >= vocab
+
+    if single and none_left(single):
+        raise ApiError(f"bad_words: every id of {what} is a single-token bad word, so no token could be "
+                       "generated", "bad_words")
+    if min_tokens > 0:
+        stops = set(stop_ids) | {int(t) for t in eos_ids}
+        if none_left(single | stops):
+            raise ApiError(f"min_tokens ({min_tokens}): EOS and stop_token_ids are masked for the first "
+                           f"{min_tokens} outputs, which leaves no id of {what}"
+                           + (" that is not a single-token bad word" if single else ""),
+                           "min_tokens")
+
+
 def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | None,
                  max_tokens_param: str = "max_tokens",
                  defaults: dict | None = None,
-                 encode: typing.Callable[[str], list[int]] | None = None) -> tuple[list[SamplingParams], TextOptions]:
+                 encode: typing.Callable[[str], list[int]] | None = None,
+                 eos_ids: typing.Iterable[int] = ()) -> tuple[list[SamplingParams], TextOptions]:
     """One :class:`SamplingParams` per choice (seeds ``seed + i``; an unseeded request gets a
     random seed so every tier draws the same numbers) and the gateway's text options.
     ``defaults``: the checkpoint's values for ``temperature``, ``top_p``, ``top_k``, ``min_p``,
     ``repetition_penalty`` the request leaves out (:func:`pdd.gateway.openai_defaults.generation_defaults`).
     ``encode``: text -> token ids without special tokens, for ``bad_words``
-    (:func:`bad_words_token_ids`); ApiError when a request has bad words and none is given."""
+    (:func:`bad_words_token_ids`); ApiError when a request has bad words and none is given.
+    ``eos_ids``: the checkpoint's EOS ids, which ``min_tokens`` masks as the engine does
+    (:func:`check_something_allowed`)."""
     d = defaults or {}
 
     def given(name: str, api_default):
@@ -677,6 +714,7 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
         if encode is None:
             raise ApiError("bad_words: this endpoint has no tokenizer to tokenise them", "bad_words")
         bad_ids = bad_words_token_ids(body.bad_words, encode, vocab)
+    check_something_allowed(allowed, bad_ids, body.min_tokens, stop_ids, eos_ids, vocab)
     stops = stop_list(body.stop)
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     base = SamplingParams(
