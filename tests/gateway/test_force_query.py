@@ -27,7 +27,7 @@ def _clients():
     for whole in (True, False):
         o, ms, _ = _setup(standby=())
         o.inflight["md1"] = 1
-        o._peer_closed = lambda name, peer=None: None
+        o._peer_closed = lambda name, peer=None, removed=None: None
         if whole:
             app = create_app(o.cfg, o, Tok())
         else:

@@ -85,9 +85,9 @@ def _count_losses(o) -> list:
     calls: list = []
     real = o._instance_lost
 
-    def spy(st, name, reason):
+    def spy(st, name, reason, asked=False):
         calls.append((st.rid, name))
-        return real(st, name, reason)
+        return real(st, name, reason, asked)
 
     o._instance_lost = spy
     return calls

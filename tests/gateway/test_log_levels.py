@@ -52,7 +52,7 @@ def test_a_forced_removal_whose_requests_were_recovered_is_info(caplog):
     caplog.set_level(logging.DEBUG)
     o, ms, _ = _setup(standby=())
     o.inflight["md1"] = 2
-    o._peer_closed = lambda name, peer=None: None
+    o._peer_closed = lambda name, peer=None, removed=None: None
     rep = asyncio.run(ms.remove("md1", force=True))
     assert (rep["forced"], rep["leaked_pages"], "error" in rep["prefix_cache"]) == (True, 0, False)
     assert _ops(caplog) == [(INFO, "remove")]

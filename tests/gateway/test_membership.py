@@ -119,7 +119,7 @@ def test_forced_remove_recovers_its_requests_as_after_a_loss():
     fresh connection (the gateway's own is gone)."""
     o, ms, connects = _setup(standby=())
     lost = []
-    o._peer_closed = lambda name, peer=None: lost.append(name)
+    o._peer_closed = lambda name, peer=None, removed=None: lost.append(name)
     o.inflight["md1"] = 1
     peer1 = o.peers["md1"]
 
@@ -535,7 +535,7 @@ def test_a_request_that_reached_an_instance_during_its_removal_is_recovered():
     instance whose connection the removal closes."""
     o, ms, _ = _setup(standby=())
     lost = []
-    o._peer_closed = lambda name, peer=None: lost.append(name)
+    o._peer_closed = lambda name, peer=None, removed=None: lost.append(name)
 
     async def run():
         slow = o.peers["md1"] = SlowFlushPeer()

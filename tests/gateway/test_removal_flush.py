@@ -138,7 +138,7 @@ def test_forced_removal_with_a_request_in_flight_flushes_and_frees_every_page_on
     inst.admit("r1", 3, cache_pages[:2], conn)  # its prompt hit 2 cache pages; 3 pages of its own
     o.inflight["md1"] = 1
     lost = []
-    o._peer_closed = lambda name, peer=None: lost.append((name, peer.closed))
+    o._peer_closed = lambda name, peer=None, removed=None: lost.append((name, peer.closed))
     rep = asyncio.run(ms.remove("md1", force=True))
     assert lost == [("md1", False)]  # recovered before its connection closed
     assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, 0)
@@ -164,7 +164,7 @@ def test_a_forced_removal_whose_flush_fails_says_the_cache_was_not_flushed():
     inst.admit("r1", 3, sorted(inst.cache)[:2], conn)
     inst.refuse = True
     o.inflight["md1"] = 1
-    o._peer_closed = lambda name, peer=None: None
+    o._peer_closed = lambda name, peer=None, removed=None: None
     rep = asyncio.run(ms.remove("md1", force=True))
     assert (rep["state"], rep["forced"], rep["leaked_pages"]) == (REMOVED, True, None)
     assert rep["prefix_cache"] == {
@@ -184,7 +184,7 @@ def test_a_request_reaching_an_instance_during_its_removal_leaves_nothing_cached
     flushed again once it freed that request (the gateway's connection closed): every cache
     page dropped, each page freed once, leaked_pages exact."""
     o, ms, inst, conn, opened = _with_instance()
-    o._peer_closed = lambda name, peer=None: None
+    o._peer_closed = lambda name, peer=None, removed=None: None
     first = sorted(inst.cache)[0]
 
     async def arrives():  # during the first flush
@@ -222,7 +222,7 @@ def test_a_forced_removal_flushes_once_the_instance_has_aborted_its_requests_how
     o, ms, inst, conn, opened = _with_instance()
     inst.admit("r1", 3, sorted(inst.cache)[:2], conn)
     o.inflight["md1"] = 1
-    o._peer_closed = lambda name, peer=None: None
+    o._peer_closed = lambda name, peer=None, removed=None: None
     noticed = asyncio.Event()  # the instance has read the gateway's close
 
     async def late_close():  # the close is read later: the abort waits for the test
@@ -264,7 +264,7 @@ def _silent_instance(dead_after_s: float = 0.01):
             tries["cancelled"] += 1
             raise
     o._connect = never_answers
-    o._peer_closed = lambda name, peer=None: None
+    o._peer_closed = lambda name, peer=None, removed=None: None
     return o, ms, inst, conn, tries
 
 
@@ -340,7 +340,7 @@ def test_a_forced_removal_counts_requests_and_their_transfers_apart():
     requests and names the transfers, and ``in_flight_at_removal`` (answer and event) gives both."""
     o, ms, _connects = _setup(standby=(), prefill=2)
     lost = []
-    o._peer_closed = lambda name, peer=None: lost.append(name)
+    o._peer_closed = lambda name, peer=None, removed=None: lost.append(name)
     for i in range(6):
         o.planned_src[f"r{i}"] = "p0"  # P has not reported the transfer's outcome yet
     o.inflight["p0"] = 6
@@ -360,7 +360,7 @@ def test_the_fate_of_a_removal_with_only_transfers_in_flight_names_them():
     """MD removed while a finished request's KV was still on its way there: no request is
     counted, the transfer is named."""
     o, ms, _connects = _setup(standby=())
-    o._peer_closed = lambda name, peer=None: None
+    o._peer_closed = lambda name, peer=None, removed=None: None
     o.awaiting_kv["t1"] = ("p0", "md1")
     rep = asyncio.run(ms.remove("md1", force=True))
     assert rep["in_flight_at_removal"] == {"requests": 0, "transfers": 1}

@@ -65,7 +65,7 @@ def test_the_watcher_ends_as_the_instance_leaves_draining_otherwise():
     removal, not a second one later)."""
     o, ms, _ = _setup(standby=())
     o.inflight["md1"] = 1
-    o._peer_closed = lambda name, peer=None: None
+    o._peer_closed = lambda name, peer=None, removed=None: None
 
     async def run():
         await ms.drain("md1", remove_when_idle=True)

@@ -585,8 +585,8 @@ class Membership:
             wp = getattr(o, "wan_peers", None)
             if wp is not None:  # its WAN estimates (pdd_wan_peer_* on /metrics) go with it
                 wp.forget(name)
-            if recovered and peer is not None:  # forced (or late): recovered as after a loss
-                o._peer_closed(name, peer)
+            if recovered and peer is not None:  # forced (or late): recovered as after a loss, asked for
+                o._peer_closed(name, peer, removed="force" if force and busy else "")
             old = m.state
             m.state = REMOVED  # not routable from here on
             o.peers.pop(name, None)  # a reconnect under way leaves it out (Orchestrator._reconnect)

@@ -284,13 +284,15 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _peer_closed(self, name: str, peer: Peer | None = None) -> None:
+    def _peer_closed(self, name: str, peer: Peer | None = None, removed: str | None = None) -> None:
         """A tier's connection dropped (the instance died or closed it, or its heartbeat went
         silent): one WARNING line names the instance and why (not for a close of the gateway's
         own, nor again for each failed reconnect: :meth:`_reconnect` logs only its success), and
         each in-flight request routed there loses what it still needs of it, at once
         (:meth:`_instance_lost`; no silent stall). ``/health`` lists it in ``down`` until a
-        reconnect succeeds."""
+        reconnect succeeds. ``removed``: the operator removed the instance (Membership.remove,
+        ``"force"`` when forced): its requests' error says so, and their recovery is logged at
+        INFO (:meth:`_recover`), not as a lost connection."""
         if peer is not None and self.peers.get(name) is not peer:
             return  # an old connection, already replaced
         why = "no heartbeat" if getattr(peer, "dead_peer", False) else "connection lost"
@@ -314,8 +316,12 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
                 self._kv_source_lost(trid)  # the KV will never arrive: MD drops what it holds
             elif md_name == name:
                 self.awaiting_kv.pop(trid, None)
+        if removed is not None:
+            reason = f"instance {name} was removed by the operator" + (f" ({removed})" if removed else "")
+        else:
+            reason = f"instance {name} is unreachable ({why})"
         for st in list(self.reqs.values()):
-            self._instance_lost(st, name, f"instance {name} is unreachable ({why})")
+            self._instance_lost(st, name, reason, asked=removed is not None)
 
     def health(self) -> dict:
         """{"status": "ok" | "degraded" | "unavailable", "down": [instances whose connection is

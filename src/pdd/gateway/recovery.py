@@ -140,6 +140,7 @@ class Recovery:
         # it again (a request degraded on RLD whose next attempt ended on MD counted degraded)
         st.recovery.degraded = False
         st.recovery.error = None
+        st.recovery.asked = False
         self._handoff_new_attempt(st)
         self._wan_new_attempt(st)
         while not st.queue.empty():  # stale tokens / failure marks of the old attempt
@@ -179,8 +180,9 @@ class Recovery:
             if not st.finished:
                 st.recovery.error = f"{st.recovery.error or 'instance lost'}{self._budget_spent(st)}"
             return False
-        log.warning("request %s: %s at position %d (phase %s); recovering", st.rid, st.recovery.error, st.next_pos,
-                    st.phase.value)
+        # the operator's removal (force) is asked for, and recovered: INFO; a real loss: WARNING
+        log.log(logging.INFO if st.recovery.asked else logging.WARNING, "request %s: %s at position %d (phase %s); "
+                "recovering", st.rid, st.recovery.error, st.next_pos, st.phase.value)
         self._new_attempt(st, st.recovery.error or "instance lost")
         waited = 0.0
         while True:
@@ -220,16 +222,19 @@ class Recovery:
         await self._topology_wait(seen, RECOVERY_RETRY_S)
         return loop.time() - t0
 
-    def _fail_lost(self, st: ReqState, reason: str) -> None:
-        """The request needs an instance that is gone: wake its stream, which recovers it."""
+    def _fail_lost(self, st: ReqState, reason: str, asked: bool = False) -> None:
+        """The request needs an instance that is gone: wake its stream, which recovers it.
+        ``asked``: gone because the operator removed it (its recovery is logged at INFO)."""
         if st.finished or st.recovery.lost:
             return
         st.recovery.lost = True
         st.recovery.error = reason
+        st.recovery.asked = asked
         st.queue.put_nowait(None)
 
-    def _instance_lost(self, st: ReqState, name: str, reason: str) -> None:
-        """Instance ``name`` is unreachable: act on ``st`` only if it still needs it (module doc)."""
+    def _instance_lost(self, st: ReqState, name: str, reason: str, asked: bool = False) -> None:
+        """Instance ``name`` is unreachable: act on ``st`` only if it still needs it (module doc).
+        ``asked``: the operator removed it (``Orchestrator._peer_closed``'s ``removed``)."""
         if st.finished or st.recovery.lost:
             return
         role = next((r for r, n in st.names.items() if n == name), None)
@@ -239,35 +244,35 @@ class Recovery:
         started = st.next_pos > st.base  # the decoder streamed this attempt's first token
         if role == ROLE_PREFILL:
             if not started:  # the decoder (RLD when relayed) has not got its KV yet
-                self._fail_lost(st, reason)
+                self._fail_lost(st, reason, asked)
             elif relayed and not st.handoff.kv_ready:
                 # P's xfer_done (kv_sent) only says its sockets took the bytes: what the line had
                 # not read yet died with P, so MD may never get the KV
                 if "handoff_call" in st.events:  # RLD was asked for its ids (early handoff): it may
-                    self._fail_lost(st, reason)  # have stopped, and MD waits for that KV: a new attempt
+                    self._fail_lost(st, reason, asked)  # have stopped, and MD waits for that KV: a new attempt
                 else:
                     self._md_leg_lost(st, reason)  # RLD finishes the request
         elif role == ROLE_RELAY:
             if not relayed:
-                self._fail_lost(st, reason)
+                self._fail_lost(st, reason, asked)
             elif st.handoff.switch_pos is not None:
                 return  # MD streams: RLD is no longer needed
             elif st.handoff.md_diverged:
-                self._fail_lost(st, reason)  # MD's tokens differed: RLD was to finish it
+                self._fail_lost(st, reason, asked)  # MD's tokens differed: RLD was to finish it
             elif st.handoff.md_start is not None:
                 # MD has the final handoff: RLD is needed only for its tokens below it not yet streamed
                 self._rld_lost_after_final(st, reason)
             elif st.recovery.md_lost:
-                self._fail_lost(st, reason)
+                self._fail_lost(st, reason, asked)
             elif st.handoff.kv_ready and started and st.handoff.rounds == 0:
                 self._spawn(self._md_takeover(st, reason))
             else:
-                self._fail_lost(st, reason)
+                self._fail_lost(st, reason, asked)
         elif role in (ROLE_MAIN, ROLE_COLOCATED):
             if self._rld_finishes_without_md(st):
                 self._md_leg_lost(st, reason)  # RLD still decodes (also after a catch-up final round)
             else:
-                self._fail_lost(st, reason)
+                self._fail_lost(st, reason, asked)
 
     def _md_leg_lost(self, st: ReqState, reason: str, degraded: bool = True) -> None:
         """MD's leg of a relayed request is gone before MD's stream went live: RLD finishes the

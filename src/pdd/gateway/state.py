@@ -195,6 +195,7 @@ class RecoveryState:
 
     lost: bool = False  # error is an unreachable instance: recoverable (the stream starts a new attempt)
     error: str | None = None  # why the current attempt failed (a tier's req_error, a lost instance)
+    asked: bool = False  # error is the operator's removal of the instance, not a fault (logged at INFO)
     md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
     degraded: bool = False  # ended (or will end) on RLD because no MD was usable
     recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline", "names"}]
