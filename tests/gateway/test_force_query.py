@@ -65,3 +65,21 @@ def test_no_force_is_false():
     for c in _clients():
         r = c.delete("/pdd/instances/md1")
         assert (r.status_code, r.json()["error"]["code"]) == (409, "in_flight"), r.text
+
+
+@pytest.mark.parametrize("query,shown", [
+    ("force=maybe&force=0", "'maybe', '0'"),
+    ("force=true&force=maybe", "'true', 'maybe'"),
+    ("force=1&force=1", "'1', '1'"),
+    ("force=0&force=true", "'0', 'true'"),
+    ("&".join(["force=1"] * 6), "'1', '1', '1', '1', ... (6 values)"),
+])
+def test_a_repeated_force_is_a_400_naming_force(query, shown):
+    """Before, the last value counted: ``?force=maybe&force=0`` removed (the typo ignored) while
+    ``?force=true&force=maybe`` was a 400. Either is ambiguous for an operator."""
+    for c in _clients():
+        r = c.delete(f"/pdd/instances/md1?{query}")
+        assert r.status_code == 400, r.text
+        assert r.json() == {"error": {
+            "message": f"force: given more than once ({shown}); give it once", "type": "invalid_request_error",
+            "param": "force", "code": "invalid_query"}}

@@ -5,7 +5,7 @@ the API keys like every other endpoint (docs/SECURITY.md):
 - ``POST /pdd/instances`` ``{"role", "name"?, "address"?, "start"?}``: add one.
 - ``POST /pdd/instances/{name}/drain`` ``{"force"?, "remove_when_idle"?}``: stop routing to it.
 - ``DELETE /pdd/instances/{name}`` (``?force=true``): remove it (``force``: ``true`` / ``1`` or
-  ``false`` / ``0``; anything else is a 400 ``invalid_query``, :func:`query_flag`).
+  ``false`` / ``0``; anything else, or ``force`` given twice, is a 400 ``invalid_query``, :func:`query_flag`).
 - ``POST /pdd/instances/{name}/role`` ``{"role", "force"?}``: re-role a relay decoder the config's
   ``rerole`` lists to main-decode duty in datacenter A (``main_decode``) or back
   (``relay_decode``); answers once it serves in the new role (it is drained first).
@@ -83,10 +83,15 @@ QUERY_TRUE, QUERY_FALSE = ("1", "true"), ("0", "false")
 
 def query_flag(request: Request, field: str) -> bool:
     """The boolean query flag ``field`` of ``request`` (``?force=1``): ``1`` or ``true`` is True,
-    ``0`` or ``false`` (or no such flag) False; the last one counts when repeated. Raises
-    MembershipError(400, ``invalid_query``, naming ``field``) for any other value (``yes``,
-    ``TRUE``, empty), as the operator bodies' booleans are strict."""
-    raw = request.query_params.get(field)
+    ``0`` or ``false`` (or no such flag) False. Raises MembershipError(400, ``invalid_query``,
+    naming ``field``) for any other value (``yes``, ``TRUE``, empty), as the operator bodies'
+    booleans are strict, and for a flag given more than once (``?force=maybe&force=0``: which
+    one the operator meant is not for the gateway to guess)."""
+    given = request.query_params.getlist(field)
+    if len(given) > 1:
+        vals = ", ".join(shown(v) for v in given[:4]) + (f", ... ({len(given)} values)" if len(given) > 4 else "")
+        raise MembershipError(400, f"{field}: given more than once ({vals}); give it once", field, "invalid_query")
+    raw = given[0] if given else None
     if raw is None or raw in QUERY_FALSE:
         return False
     if raw in QUERY_TRUE:
