@@ -20,16 +20,17 @@ from tests.gateway.fake_peer import FakePeer
 
 
 class PoolPeer(FakePeer):
-    """Answers ``stats`` with ``held`` pages in use of 64, ``flush`` with ``leaked`` left."""
+    """Answers ``stats`` with ``held`` pages not free of 64, ``cached`` of them held only by the
+    prefix cache (``pages_cached``, as an instance's ``StatsOk``), ``flush`` with ``leaked`` left."""
 
-    def __init__(self, held=5, leaked=0):
+    def __init__(self, held=5, leaked=0, cached=0):
         super().__init__()
-        self.held, self.leaked = held, leaked
+        self.held, self.leaked, self.cached = held, leaked, cached
 
     async def call(self, h, payload=b"", timeout=None):
         self.sent.append(dict(h))
         if h.get("t") == "stats":
-            return {"pages_total": 64, "pages_free": 64 - self.held, "running": 0}, b""
+            return {"pages_total": 64, "pages_free": 64 - self.held, "running": 0, "pages_cached": self.cached}, b""
         if h.get("t") == "flush":
             return {"pages_total": 64, "pages_free": 64 - self.leaked, "live_requests": 0}, b""
         return {"t": "ok"}, b""
@@ -76,7 +77,8 @@ def test_add_drain_remove_and_routing_follows():
         o.inflight["md0"] = 2  # two requests still decoding there
         rep = await ms.drain("md0")
         assert (rep["state"], rep["in_flight"]) == (DRAINING, 2)
-        assert rep["prefix_cache"]["pages_in_use"] == 5
+        assert {k: v for k, v in rep["prefix_cache"].items() if k.startswith("pages_")} == {
+            "pages_in_use": 5, "pages_cached": 0, "pages_free": 59, "pages_total": 64}
         for i in range(3):  # every new request goes to md1, whatever the cache says
             assert await o._route(ROLE_MAIN, [1] * 40) == "md1"
         with pytest.raises(MembershipError) as ei:
@@ -733,3 +735,33 @@ def test_start_on_a_slot_whose_instance_already_runs_joins_it():
             assert ms.members["md1"].proc is None  # not the gateway's: a later remove leaves it running
 
         asyncio.run(run())
+
+
+def test_drain_reports_pages_held_by_requests_and_cached_apart_as_the_engine_metrics():
+    """``prefix_cache`` of a drain: ``pages_in_use`` held by requests, ``pages_cached`` held only
+    by the prefix cache, as ``pdd_kv_pages{state}`` (free + cached + in_use = total); it counted
+    the cached pages as in use (total - free)."""
+    o, ms, _ = _setup(standby=())
+    o.peers["md0"] = PoolPeer(held=12, cached=9)
+    o.inflight["md0"] = 1
+    rep = asyncio.run(ms.drain("md0"))
+    cache = rep["prefix_cache"]
+    assert {k: v for k, v in cache.items() if k.startswith("pages_")} == {
+        "pages_in_use": 3, "pages_cached": 9, "pages_free": 52, "pages_total": 64}
+
+
+def test_drain_of_an_instance_that_does_not_report_its_cached_pages_leaves_the_split_unknown():
+    o, ms, _ = _setup(standby=())
+    peer = o.peers["md0"] = PoolPeer(held=12)
+    real = peer.call
+
+    async def older(h, payload=b"", timeout=None):
+        rep, b = await real(h, payload, timeout)
+        rep.pop("pages_cached", None)
+        return rep, b
+
+    peer.call = older
+    o.inflight["md0"] = 1
+    cache = asyncio.run(ms.drain("md0"))["prefix_cache"]
+    assert {k: v for k, v in cache.items() if k.startswith("pages_")} == {
+        "pages_in_use": None, "pages_cached": None, "pages_free": 52, "pages_total": 64}

@@ -508,19 +508,27 @@ class Membership:
             self._watchers.pop(name, None)
 
     async def _cache_view(self, name: str) -> dict:
-        """What ``name``'s prefix cache holds now (its used pages while nothing runs there) and
-        what happens to it."""
+        """What ``name``'s pool holds now, split as the instance's ``pdd_kv_pages{state}``
+        (``StatsOk``): ``pages_in_use`` held by requests, ``pages_cached`` held only by the prefix
+        cache (``pages_cached``; both None from an instance that does not report it), and
+        ``pages_free``, ``pages_total`` (free + cached + in_use = total; all None when it cannot
+        be asked); ``running``; and what happens to the cache (``fate``)."""
         out: dict = {"fate": "kept while draining (no new request reads it); dropped with the instance on remove"}
+        unknown = dict.fromkeys(("pages_in_use", "pages_cached", "pages_free", "pages_total"))
         peer = self.orch.peers.get(name)
         if peer is None or peer.closed:
-            out["pages_in_use"] = None
+            out.update(unknown)
             return out
         try:
             rep, _ = await peer.call(Stats().wire(), timeout=10)
-            out["pages_in_use"] = int(rep["pages_total"]) - int(rep["pages_free"])
+            total, free = int(rep["pages_total"]), int(rep["pages_free"])
+            cached = rep.get("pages_cached")
+            cached = None if cached is None else min(int(cached), total - free)  # as metrics.kv_pages
+            out.update(pages_in_use=None if cached is None else total - free - cached, pages_cached=cached,
+                       pages_free=free, pages_total=total)
             out["running"] = int(rep.get("running", 0))
         except Exception as e:
-            out["pages_in_use"] = None
+            out.update(unknown)
             out["error"] = f"{type(e).__name__}: {e}"
         ix = self.orch.prefix_index.get(name)
         if ix is not None:
