@@ -205,3 +205,16 @@ def test_a_bad_word_ending_that_masks_every_allowed_id_serves_allowed_ids(api, t
                                              "allowed_token_ids": [6], "bad_words": ["!!"]})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == [6] * 8
+
+
+def test_a_special_token_s_text_as_a_bad_word_bans_that_token_as_vllm(api):
+    """vLLM tokenises bad words with ``add_special_tokens=False``, which adds none but still reads a
+    special token's text as that token: ``"</s>"`` is ``[1]``, EOS on the tiny checkpoint, so the
+    request is never ended by EOS (docs/SERVE.md)."""
+    client, orch = api
+    r = client.post("/v1/completions", json={**HELLO, "max_tokens": 6, "bad_words": ["</s>"],
+                                             "allowed_token_ids": [1, 300], "logit_bias": {"1": 100}})
+    assert r.status_code == 200, r.text
+    assert orch.started[-1][1].bad_words_token_ids == [[1]]
+    ch = r.json()["choices"][0]
+    assert (ch["token_ids"], ch["finish_reason"]) == ([300] * 6, "length")
