@@ -282,7 +282,10 @@ def stop_on_sigterm() -> None:
     for it ends the process at once too, so ``pdd serve`` stopped without its gateway's drain and
     its instances were left to their parent watch. A SIGHUP already ignored (``nohup``, a
     service manager that ignores it) stays ignored, so the command outlives its terminal as
-    asked (docs/SERVE.md "Stop it"). Call from the main thread."""
+    asked (docs/SERVE.md "Stop it"). A SIGINT ignored at start is taken back (Python's own
+    KeyboardInterrupt): a non-interactive shell ignores it in every background job (``pdd serve
+    ... &`` in a script), so ``kill -INT`` did nothing, and that is the shell's habit, not a
+    request as nohup's is. Call from the main thread."""
     import signal
 
     def _term(signum, frame):
@@ -291,6 +294,8 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _term)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, _term)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stopping_message(prog: str, ex: KeyboardInterrupt, shutdown_timeout_s: float) -> str:

@@ -86,12 +86,20 @@ def _sighup_default() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
-def _owner(cmd: str, mode: str, tmp_path: Path, name: str = "md0") -> tuple[subprocess.Popen, int]:
+def _sigint_ignored() -> None:
+    """In the child before exec: SIGINT ignored, as a non-interactive shell starts a background
+    job (``pdd serve ... &`` in a script), SIGHUP at its default."""
+    _sighup_default()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _owner(cmd: str, mode: str, tmp_path: Path, name: str = "md0",
+           preexec=_sighup_default) -> tuple[subprocess.Popen, int]:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
     owner = subprocess.Popen([sys.executable, "-c", OWNER, cmd, mode, CHILD, str(tmp_path / "out"), name],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env,
-                             preexec_fn=_sighup_default)
+                             preexec_fn=preexec)
     line = owner.stdout.readline().decode()
     assert line.startswith("topology up "), (line, owner.stderr.read() if owner.poll() is not None else "")
     return owner, int(line.split()[2])
@@ -278,3 +286,35 @@ def test_a_sighup_ignored_at_start_stays_ignored_so_nohup_keeps_serve_running():
     for how, expect in (("nohup", "True False True"), ("terminal", "False True True")):
         out = subprocess.run([sys.executable, "-c", probe, how], capture_output=True, text=True, timeout=60)
         assert (out.returncode, out.stdout.strip()) == (0, expect), out.stderr
+
+
+def test_sigint_ignored_at_start_still_stops_serve_with_the_drain(tmp_path):
+    """``pdd serve ... &`` in a script starts with SIGINT ignored (a non-interactive shell does
+    that to background jobs), and Python leaves an ignored SIGINT ignored, so ``kill -INT`` did
+    nothing. That is not a user's request, as nohup's SIGHUP is: ``stop_on_sigterm`` takes SIGINT
+    back, and serve stops as on Ctrl-C (the gateway's drain, then exit 130)."""
+    owner, pid = _owner("serve", "slow", tmp_path, name="gateway", preexec=_sigint_ignored)
+    try:
+        assert owner.stdout.readline().decode().startswith("pdd (pdd) serving at ")  # READY: the drain's path
+        owner.send_signal(signal.SIGINT)
+        assert owner.wait(timeout=60) == 128 + signal.SIGINT
+        assert not _alive(pid)
+        err = owner.stderr.read().decode()
+        assert "Traceback" not in err, err
+        assert "instance got SIGTERM" in err.splitlines()  # the gateway's drain was asked for
+        assert err.splitlines()[-1] == "pdd serve: stopped by SIGINT; its instances have exited", err
+    finally:
+        _kill_all([pid])
+        owner.kill()
+        owner.wait()
+
+
+def test_stop_on_sigterm_takes_an_ignored_sigint_back():
+    probe = ("import signal, sys\n"
+             "signal.signal(signal.SIGINT, signal.SIG_IGN if sys.argv[1] == 'ignored' else signal.default_int_handler)\n"
+             "from pdd.cli_args import stop_on_sigterm\n"
+             "stop_on_sigterm()\n"
+             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    for how in ("ignored", "default"):
+        out = subprocess.run([sys.executable, "-c", probe, how], capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stdout.strip()) == (0, "True"), out.stderr
