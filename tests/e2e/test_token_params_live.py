@@ -151,3 +151,27 @@ def test_every_pipeline_honours_the_three(mode, tiny_model, topology_factory):
                     "return_token_ids": True})
     assert [ids_ for ids_, _ in _choices(r)] == [want, want]
     assert [c.model_extra["prompt_token_ids"] for c in r.choices] == [prompt, prompt]
+
+
+def test_masks_leaving_no_allowed_id_across_the_handoff(pdd_topo):
+    """What the request alone makes impossible is a 400 naming the field; what the outputs make
+    so (``"!!"`` is ``[6, 6]``: after a 6, the only allowed id is banned) is served from the
+    allowed ids on RLD and MD alike, greedy and sampled: never id 0 or a NaN draw."""
+    import openai
+
+    c = _client(pdd_topo)
+    name = pdd_topo.cfg.served_model_name
+    for extra, param in (({"allowed_token_ids": [1], "min_tokens": 5}, "min_tokens"),
+                         ({"allowed_token_ids": [77], "stop_token_ids": [77], "min_tokens": 5}, "min_tokens"),
+                         ({"allowed_token_ids": [1], "bad_words": ["</s>"]}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            c.completions.create(model=name, prompt="hello world", max_tokens=8, temperature=0,
+                                 extra_body={"return_token_ids": True, **extra})
+        assert ei.value.body["param"] == param, ei.value.body
+    for temperature in (0, 1):
+        r = c.completions.create(model=name, prompt=_prompt(3), max_tokens=MAX_TOKENS, temperature=temperature,
+                                 seed=7, extra_body={"ignore_eos": True, "allowed_token_ids": [6],
+                                                     "bad_words": ["!!"], "return_token_ids": True})
+        ((got, s),) = _choices(r)
+        assert got == [6] * MAX_TOKENS, s
+        assert s["handoff_pos"] is not None, s

@@ -91,18 +91,19 @@ def banned_ids(bad_words_token_ids: list[list[int]], history: list[int] | None, 
 
 def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history: list[int] | None = None,
                    prompt_len: int = 0, eos_ids=()) -> torch.Tensor:
-    """Float64 CPU copy of ``row`` with logit bias, min_tokens mask and penalties applied.
+    """Float64 CPU copy of ``row`` with the masks (``allowed_token_ids``, ``bad_words``,
+    ``min_tokens``), logit bias and penalties applied.
 
     ``history`` = the sequence's tokens so far (prompt + outputs before ``position``), of which
     the first ``prompt_len`` are the prompt.
 
-    Never a row without a finite logit (vLLM would take the argmax of an all -inf row, id 0, or
-    sample NaNs): when the masks leave none of the ids ``allowed_token_ids`` allows (the whole
-    vocabulary without it), the multi-token ``bad_words`` endings banned at this position are
-    dropped; if that still leaves none, the single-token ``bad_words`` and the ``min_tokens``
+    Never a row without a finite logit (its argmax is id 0, whatever ``allowed_token_ids`` says,
+    and its softmax NaN): when the masks leave none of the ids ``allowed_token_ids`` allows (the
+    whole vocabulary without it), the multi-token ``bad_words`` endings banned at this position
+    are dropped; if that still leaves none, the single-token ``bad_words`` and the ``min_tokens``
     mask are dropped too (the allowed ids with bias and penalties); and if the logits themselves
-    leave none finite, the allowed ids are equally likely. A row whose masks leave an id pays one
-    ``isfinite`` pass over the vocabulary for this check; rows without masks pay nothing."""
+    leave none finite, the allowed ids are equally likely. A row with any of these masks pays one
+    ``isfinite`` pass over the vocabulary for the check; a row with none pays nothing."""
     x = row.detach().to("cpu", torch.float64).clone()
     vocab = x.shape[0]
     keep = None
