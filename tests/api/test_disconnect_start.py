@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 
@@ -17,6 +16,7 @@ from pdd.config import ClusterConfig
 from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_REJECTED, OUTCOMES, Orchestrator, TokenOut
 from pdd.topology import layout
 from pdd.transfer.peer import RemoteError
+from tests.api.live_app import served
 from tests.gateway.fake_peer import FakePeer
 
 PROMPT_LONG = list(range(10, 60))  # held in "prefill" until aborted
@@ -66,37 +66,19 @@ class HeldOrch(Orchestrator):
         self.aborted.set()
 
 
-async def _serve(orch, cfg, tok):
-    import uvicorn
-
-    from pdd.gateway.api import create_app
-
-    app = create_app(cfg, orch, tok)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done(), task.result()
-        await asyncio.sleep(0.01)
-    return app, server, task, sock
-
-
 @pytest.fixture
 async def held(tiny_model):
     from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
 
     cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model, "served_model_name": "pdd-tiny",
                                         "engine": {"max_model_len": 512, "max_input_len": 400}})
     tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
     orch = HeldOrch(cfg)
-    app, server, task, sock = await _serve(orch, cfg, tok)
-    try:
-        yield orch, app, sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    app = create_app(cfg, orch, tok)
+    async with served(app) as port:
+        yield orch, app, port
 
 
 async def _post(port: int, body: dict):

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED
                                       ReqState, RequestFailed, TokenOut)
 from pdd.topology import layout
 from pdd.types import Pipeline, SamplingParams
+from tests.api.live_app import served
 from tests.gateway.fake_peer import FakePeer
 
 TICK_S = 0.01  # seconds between two scripted tokens
@@ -80,7 +80,6 @@ class ScriptedOrch(Orchestrator):
 @pytest.fixture
 async def gateway(tiny_model):
     """(httpx.AsyncClient on a live uvicorn server, ScriptedOrch, tokenizer)."""
-    import uvicorn
     from tokenizers import Tokenizer
 
     from pdd.gateway.api import create_app
@@ -92,21 +91,9 @@ async def gateway(tiny_model):
                         add_special_tokens=False).ids
     orch = ScriptedOrch(cfg, script)
     app = create_app(cfg, orch, tok)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done(), task.result()
-        await asyncio.sleep(0.01)
-    try:
+    async with served(app) as port:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             yield client, orch, tok
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 async def _settled(orch: ScriptedOrch, want: int) -> dict:

@@ -7,9 +7,9 @@ default is no parser, and ``tool_call_parser`` in the config picks one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
-import socket
 
 import httpx
 import pytest
@@ -19,6 +19,7 @@ from pdd.gateway.orchestrator import Orchestrator, ReqState, TokenOut
 from pdd.gateway.phase import Phase
 from pdd.topology import layout
 from pdd.types import Pipeline
+from tests.api.live_app import served
 from tests.gateway.fake_peer import FakePeer
 
 W = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
@@ -77,8 +78,7 @@ class Server:
         return self.oa
 
 
-async def _serve(tiny_model, texts, parser="hermes"):
-    import uvicorn
+async def _serve(tiny_model, texts, parser, stack: contextlib.AsyncExitStack) -> "Server":
     from tokenizers import Tokenizer
 
     from pdd.gateway.api import create_app
@@ -88,38 +88,19 @@ async def _serve(tiny_model, texts, parser="hermes"):
                                         "engine": {"max_model_len": 512, "max_input_len": 400}})
     tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
     orch = TextOrch(cfg, tok, texts, json.load(open(f"{tiny_model}/config.json"))["eos_token_id"])
-    app = create_app(cfg, orch, tok)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done(), task.result()
-        await asyncio.sleep(0.01)
-
-    srv = Server(f"http://127.0.0.1:{sock.getsockname()[1]}", orch)
-
-    async def stop():
-        await srv.oa.close()
-        server.should_exit = True
-        await task
-        sock.close()
-
-    return srv, stop
+    port = await stack.enter_async_context(served(create_app(cfg, orch, tok)))
+    srv = Server(f"http://127.0.0.1:{port}", orch)
+    stack.push_async_callback(srv.oa.close)
+    return srv
 
 
 @pytest.fixture
 async def serve(tiny_model):
-    stops = []
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(texts, parser="hermes"):
+            return await _serve(tiny_model, texts, parser, stack)
 
-    async def start(texts, parser="hermes"):
-        s, stop = await _serve(tiny_model, texts, parser)
-        stops.append(stop)
-        return s
-
-    yield start
-    for stop in stops:
-        await stop()
+        yield start
 
 
 def _calls(tool_calls):
