@@ -156,3 +156,16 @@ def test_openai_content_parts_and_errors(tiny_model):
 
 def test_make_model_writes_a_chat_template(tiny_model):
     assert ChatTemplate.from_model_dir(tiny_model) is not None
+
+
+def test_a_tool_call_turn_without_content_renders_as_empty_content():
+    """The second turn of a tool flow: the assistant's turn carries only ``tool_calls`` (content
+    null or left out), then the tool's result. Templates that read ``message.content`` failed
+    on it (a 400 "'dict object' has no attribute 'content'"); vLLM renders the content as ""."""
+    ct = ChatTemplate(QWEN_STYLE, {})  # '<|' + message.role + '|>\n' + message.content + ...
+    call = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    want = ct.render([{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": call},
+                      tool])
+    for turn in ({"role": "assistant", "content": None, "tool_calls": call}, {"role": "assistant", "tool_calls": call}):
+        assert ct.render([{"role": "user", "content": "weather?"}, turn, tool]) == want

@@ -244,6 +244,31 @@ async def test_forced_tool_choice_is_refused(serve, tool_choice):
     assert err["param"] == "tool_choice" and "guided decoding" in err["message"], err
 
 
+@pytest.mark.parametrize("extra,param,message", [
+    ({"tool_choice": "sometimes"}, "tool_choice",
+     "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
+     "got 'sometimes'"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice",
+     "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
+     "got {'type': 'function'}"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice", "tool_choice 'required' needs tools: the request has none"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0].function: must be an object with a non-empty string name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0]: must be an object with type 'function', got {'type': "
+     "'retrieval'}"),
+])
+async def test_malformed_tools_and_tool_choice_are_400s_saying_what_is_wrong(serve, extra, param, message):
+    """Before, any tool_choice other than none / auto got the guided-decoding message (an unknown
+    word, required without tools) and a tool without a function was served."""
+    s = await serve([HERMES_ONE])
+    body = {"model": "pdd-tiny", "messages": MSGS, "tools": TOOLS, **extra}
+    body = {k: v for k, v in body.items() if v is not None}
+    async with httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["message"]) == (param, message)
+
+
 async def test_auto_without_a_parser_is_refused_saying_how_to_set_one(serve):
     """The tiny checkpoint's family (a plain llama, no <|python_tag|>) has no default parser."""
     from openai import BadRequestError

@@ -204,3 +204,22 @@ def test_hermes_round_trips_any_arguments(args, name):
     t = "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
     (call,) = P("hermes", t).calls
     assert (call.name, json.loads(call.arguments)) == (name, args)
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"y\\": Infinity}"}</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": -Infinity}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": "\\ud800"}}]'),
+])
+def test_calls_no_response_could_carry_are_content(parser, text):
+    """A lone surrogate (a ``\\ud800`` escape: the non-streamed response could not be encoded,
+    a 500) or NaN / Infinity (no JSON for a client's parser) makes the text no call: content."""
+    p = parse(parser, text)
+    assert (p.content, p.calls) == (text, ())
+    ts = ToolStream(parser)
+    out = "".join(ts.feed(ch) for ch in text)
+    rest, calls = ts.finish()
+    assert (out + rest, calls) == (text, ())

@@ -12,7 +12,8 @@ Rendering matches transformers: a sandboxed Jinja2 environment with ``trim_block
 (``ensure_ascii=False``), ``raise_exception``, ``strftime_now``, ``namespace`` and ``dict``
 globals, the ``{% generation %}`` tag; the variables ``messages``, ``tools``, ``documents``,
 ``add_generation_prompt``, the named special tokens (``bos_token``, ``eos_token``, ...) and any
-``chat_template_kwargs``; message keys whose value is null are dropped; ``reasoning_content`` /
+``chat_template_kwargs``; message keys whose value is null are dropped, but a missing or null
+``content`` is the empty string (vLLM's rendering: an assistant turn of tool calls alone); ``reasoning_content`` /
 ``thinking`` / ``reasoning`` alias each other. The rendered text is tokenized without adding
 special tokens (the template writes them).
 
@@ -209,8 +210,9 @@ class ChatTemplate:
             if not isinstance(m, dict):
                 raise ChatTemplateError(f"messages[{i}]: must be an object", f"messages[{i}]")
             m = {k: v for k, v in m.items() if v is not None}
-            if "content" in m:
-                m["content"] = flatten_content(m["content"], f"messages[{i}].content")
+            # a missing or null content is the empty string, as vLLM renders it: an assistant turn
+            # that only calls tools (content null) reaches templates that read message.content
+            m["content"] = flatten_content(m.get("content", ""), f"messages[{i}].content")
             reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
             if reasoning is not None:
                 m = {"thinking": reasoning, **m, "reasoning_content": reasoning}

@@ -867,6 +867,18 @@ def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[
     return ids[-k:] if len(ids) > k else ids
 
 
+def _check_tools(tools) -> None:
+    """``tools``: each an OpenAI function tool, ``{"type": "function", "function": {"name": a
+    non-empty string, ...}}`` (the only kind chat completions define); ApiError naming
+    ``tools`` otherwise."""
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise ApiError(f"tools[{i}]: must be an object with type 'function', got {shown(t)}", "tools")
+        fn = t.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(f"tools[{i}].function: must be an object with a non-empty string name", "tools")
+
+
 def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> None:
     """Chat-only checks (ApiError naming the parameter). ``tool_parser``: the gateway's tool-call
     parser for the model (``pdd.gateway.tool_parsers.PARSERS``), None when it parses none."""
@@ -877,6 +889,14 @@ def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> N
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     tc = body.tool_choice
+    _check_tools(body.tools)
+    named = (isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict)
+             and isinstance(tc["function"].get("name"), str) and tc["function"]["name"] != "")
+    if tc is not None and tc not in ("none", "auto", "required") and not named:
+        raise ApiError(f"tool_choice: must be 'none', 'auto', 'required' or "
+                       f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {shown(tc)}", "tool_choice")
+    if (tc == "required" or named) and not body.tools:
+        raise ApiError(f"tool_choice {shown(tc)} needs tools: the request has none", "tool_choice")
     if tc is not None and tc not in ("none", "auto"):
         # "required" and a named function force a call: vLLM does it with guided decoding, which
         # pdd has not; answering with whatever the model wrote would not be what was asked
@@ -889,8 +909,8 @@ def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> N
         # call would come back as plain content. vLLM refuses it too unless started with a parser.
         raise ApiError("tool_choice 'auto' (the default when tools are given) is not supported for this model: "
                        "the server parses no tool calls for it; set tool_call_parser (hermes, llama3_json or "
-                       "mistral) in the gateway's config, or send tool_choice 'none' to render the tools into "
-                       "the prompt only", "tool_choice")
+                       "mistral) in the gateway's config, or send tool_choice 'none' to pass the tools to the "
+                       "model's chat template only", "tool_choice")
     if body.chat_template is not None:
         # a request's own Jinja template is code run on the server; vLLM refuses it unless started
         # with --trust-request-chat-template

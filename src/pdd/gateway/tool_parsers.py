@@ -14,8 +14,9 @@ Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
 - ``mistral`` (Mistral v0.3 and later instruct models): ``[TOOL_CALLS]`` then a JSON array of
   ``{"name": ..., "arguments": {...}}``; ``content`` is the text before ``[TOOL_CALLS]``.
 
-A text whose call cannot be parsed (malformed JSON, a call without a string ``name``, arguments
-that are not an object) has no calls: it is all content, unchanged, as vLLM returns it.
+A text whose call cannot be parsed (malformed JSON, ``NaN`` / ``Infinity`` included, a call
+without a string ``name``, arguments that are not an object, a ``\ud800``-style escape of a lone
+surrogate, which no response could encode) has no calls: it is all content, unchanged, as vLLM returns it.
 ``arguments`` is the call's arguments as a JSON string (``json.dumps(..., ensure_ascii=False)``);
 an absent one is ``"{}"``.
 
@@ -36,6 +37,8 @@ import secrets
 import string
 from dataclasses import dataclass
 from typing import Callable
+
+from pdd.gateway.openai_schemas import lone_surrogate
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -85,6 +88,15 @@ class _NoCall(ValueError):
     """The text's call cannot be parsed: it is all content."""
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+# strict JSON: Python's NaN / Infinity / -Infinity extensions are no JSON (JavaScript's JSON.parse
+# refuses them in the arguments a client reads)
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
 def _call(obj, ids: Callable[[], str], args_key: tuple[str, ...] = ("arguments",)) -> ToolCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         raise _NoCall("a call needs a non-empty string name")
@@ -96,17 +108,21 @@ def _call(obj, ids: Callable[[], str], args_key: tuple[str, ...] = ("arguments",
         args = {}
     if isinstance(args, str):  # some models write the arguments as a JSON string already
         try:
-            args = json.loads(args)
+            args = _DECODER.decode(args)
         except ValueError:
             raise _NoCall("arguments string is not JSON") from None
     if not isinstance(args, dict):
         raise _NoCall("arguments must be an object")
-    return ToolCall(ids(), obj["name"], json.dumps(args, ensure_ascii=False))
+    arguments = json.dumps(args, ensure_ascii=False)
+    if lone_surrogate(obj["name"]) is not None or lone_surrogate(arguments) is not None:
+        # a "\ud800" escape decodes to text no response can encode as UTF-8
+        raise _NoCall("a lone surrogate in the call")
+    return ToolCall(ids(), obj["name"], arguments)
 
 
 def _loads(s: str):
     try:
-        return json.loads(s)
+        return _DECODER.decode(s)
     except ValueError:
         raise _NoCall("malformed JSON") from None
 
@@ -130,7 +146,7 @@ def _hermes(text: str, ids) -> Parsed:
 def _llama3_json(text: str, ids) -> Parsed:
     if not (text.startswith("{") or text.startswith(PYTHON_TAG)):
         return Parsed(text)
-    dec = json.JSONDecoder()
+    dec = _DECODER
     pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
     calls = []
     while True:
