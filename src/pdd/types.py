@@ -59,6 +59,12 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # the words themselves, for a tier that hands them to vLLM (pdd.vllm_tier.md), which tokenises them
     bad_words: list[str] = field(default_factory=list)
+    # structured outputs (pdd.structured): llguidance grammar text compiled by the gateway; every
+    # tier masks each position to the ids it allows after the outputs so far (None: no constraint)
+    grammar: str | None = None
+    # the constraint as the request gave it ({kind: value}, pdd.structured.KINDS), for a tier
+    # that hands it to vLLM (pdd.vllm_tier.md)
+    structured: dict | None = None
     # recovery (gateway.orchestrator): the prompt's last ``output_offset`` tokens are outputs an
     # earlier attempt streamed. Draws, min_tokens and presence/frequency penalties then count
     # them as outputs (output position = output_offset + this attempt's index), so a recovered
@@ -91,6 +97,9 @@ class SamplingParams:
             d["bad_words_token_ids"] = [[int(t) for t in w] for w in self.bad_words_token_ids]
         if self.bad_words:
             d["bad_words"] = list(self.bad_words)
+        if self.grammar is not None:
+            d["grammar"] = self.grammar
+            d["structured"] = self.structured
         return d
 
     @classmethod

@@ -14,7 +14,7 @@ one completing it, once the replacement character is final (as vLLM's held-back 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from pdd.token_bytes import is_byte_level, token_bytes
 
 
 class Detokenizer:
@@ -127,27 +127,12 @@ class StopMatcher:
         return out
 
 
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2 ByteLevel: the printable character standing for each byte, inverted."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 class TokenText:
     """Strings and raw bytes of single tokens (for logprobs), cached per id."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
-        dec = getattr(tokenizer, "decoder", None)
-        self.byte_level = type(dec).__name__ == "ByteLevel"
+        self.byte_level = is_byte_level(tokenizer)
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
@@ -155,14 +140,7 @@ class TokenText:
         if hit is not None:
             return hit
         text = self.tok.decode([token_id], skip_special_tokens=False)
-        raw = None
-        if self.byte_level:
-            piece = self.tok.id_to_token(token_id)
-            bd = _byte_decoder()
-            if piece is not None and all(c in bd for c in piece):
-                raw = [bd[c] for c in piece]
-        if raw is None:
-            raw = list(text.encode("utf-8"))
+        raw = list(token_bytes(self.tok, token_id, self.byte_level))
         if "\ufffd" in text and raw is not None:
             try:
                 text = bytes(raw).decode("utf-8")
