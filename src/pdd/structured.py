@@ -42,14 +42,23 @@ def _llg():
     return llguidance
 
 
-def grammar_for(kind: str, value=None) -> str:
+# JSON as ``json.dumps`` writes it (``{"a": 1, "b": [2, 3]}``): the form models write unprompted,
+# and no run of free whitespace for a weak model to fill to max_tokens (vLLM added
+# ``disable_any_whitespace`` for the same reason). A schema's own ``x-guidance`` options apply
+# over these (llguidance's JsonCompileOptions).
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) -> str:
     """llguidance grammar text for one constraint.
 
     ``kind`` (:data:`KINDS`) and ``value``: ``json`` a JSON schema (a dict, or its JSON text);
     ``json_object`` none (any JSON object); ``regex`` a regular expression (Rust ``regex``
     syntax, matched against the whole output); ``choice`` a non-empty list of strings (the
     output is exactly one of them); ``grammar`` a Lark grammar (llguidance's dialect) or a GBNF
-    grammar (llama.cpp's).
+    grammar (llama.cpp's). JSON is laid out as :data:`JSON_LAYOUT`; ``whitespace_pattern`` (a
+    regex, vLLM's ``guided_whitespace_pattern``) allows that whitespace around ``,`` and ``:``
+    instead.
 
     Raises :class:`GrammarError` (a ``ValueError``) naming what is wrong: an unknown kind, a
     value of the wrong type, a schema / regex / grammar llguidance rejects."""
@@ -66,9 +75,11 @@ def grammar_for(kind: str, value=None) -> str:
                     raise GrammarError(f"the JSON schema is not JSON: {e}") from None
                 if not isinstance(value, dict):
                     raise GrammarError("a JSON schema must be an object")
-            g = M.grammar_from_json_schema(json.dumps(value))
+            g = M.grammar_from_json_schema(json.dumps(value), defaults=dict(JSON_LAYOUT),
+                                           overrides=_whitespace(whitespace_pattern))
         elif kind == "json_object":
-            g = M.grammar_from_json_schema('{"type": "object"}')
+            g = M.grammar_from_json_schema('{"type": "object"}', defaults=dict(JSON_LAYOUT),
+                                           overrides=_whitespace(whitespace_pattern))
         elif kind == "regex":
             if not isinstance(value, str) or not value:
                 raise GrammarError("a regex must be a non-empty string")
@@ -92,6 +103,15 @@ def grammar_for(kind: str, value=None) -> str:
     if err:
         raise GrammarError(err.strip().splitlines()[0] if err.strip() else "invalid grammar")
     return g
+
+
+def _whitespace(pattern: str | None) -> dict | None:
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError("a whitespace pattern must be a non-empty string (a regex)")
+    return {"item_separator": ",", "key_separator": ":", "whitespace_flexible": True,
+            "whitespace_pattern": pattern}
 
 
 class _Vocab:
@@ -148,7 +168,9 @@ class Guide:
     ``bytes`` of ``ceil(vocab / 32)`` little-endian 32-bit words, bit ``i % 32`` of word
     ``i // 32`` set when id ``i`` may come next. A token the grammar rejects (possible only if
     a tier sampled without the mask) puts the guide in error: from then on only EOS is allowed
-    and :attr:`error` says why."""
+    and :attr:`error` says why.
+
+    Raises :class:`GrammarError` when ``grammar`` does not compile for ``lltok``."""
 
     def __init__(self, lltok, grammar: str):
         llg = _llg()
@@ -156,7 +178,9 @@ class Guide:
         self._eos = list(lltok.eos_tokens) or [lltok.eos_token]
         self._vocab = int(lltok.vocab_size)
         self.consumed = 0  # outputs the matcher has consumed
-        self.error: str | None = self._m.get_error() or None
+        self.error: str | None = None
+        if self._m.is_error():
+            raise GrammarError(self._m.get_error() or "invalid grammar")
 
     def _eos_only(self) -> bytes:
         words = [0] * ((self._vocab + 31) // 32)
@@ -177,7 +201,8 @@ class Guide:
         if self._m.is_stopped():  # complete: only EOS came after it (it ends the request)
             return
         if not self._m.consume_tokens([int(t) for t in new]):
-            self.error = self._m.get_error() or "a token the grammar does not allow"
+            err = (self._m.get_error() or "").strip()
+            self.error = err.splitlines()[0] if err else "a token the grammar does not allow"
             log.warning("structured output: %s; only EOS is allowed from here", self.error)
 
     def allowed(self, outputs: list[int]) -> bytes:
