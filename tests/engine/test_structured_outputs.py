@@ -131,3 +131,30 @@ def test_guide_mask_and_replay(tiny_model):
     assert [i for i in range(1024) if bits[i // 8] >> (i % 8) & 1] == [1] and g.complete
     with pytest.raises(ValueError):
         g.advance(ids[:1])
+
+
+def test_the_batched_greedy_mask_picks_what_the_per_row_path_picks(tiny_model):
+    """Greedy rows with only a grammar take one masked argmax over the batch; a row that asks
+    for logprobs too goes through process_logits. Both pick the same ids, row by row."""
+    import torch
+
+    from pdd.engine.sampler import Sampler
+
+    tok = load_tokenizer(tiny_model)
+    lt = ll_tokenizer(tok, [1], 1024)
+    g = grammar_for("json", SCHEMA)
+    gen = torch.Generator().manual_seed(3)
+    fast, slow = Sampler([1]), Sampler([1])
+    hists_f = [([5, 6], 2) for _ in range(8)]
+    hists_s = [([5, 6], 2) for _ in range(8)]
+    gf, gs = [Guide(lt, g) for _ in range(8)], [Guide(lt, g) for _ in range(8)]
+    for step in range(12):
+        logits = torch.randn(8, 1024, generator=gen)
+        a = fast.sample(logits, [SamplingParams(grammar=g)] * 8, [step] * 8, hists_f, gf)
+        b = slow.sample(logits, [SamplingParams(grammar=g, logprobs=0)] * 8, [step] * 8, hists_s, gs)
+        assert a == b, step
+        for (h, _), t in zip(hists_f, a):
+            h.append(t)
+        for (h, _), t in zip(hists_s, b):
+            h.append(t)
+    assert fast.last_logprobs == [None] * 8 and all(x is not None for x in slow.last_logprobs)

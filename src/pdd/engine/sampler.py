@@ -77,6 +77,13 @@ def grammar_mask(bits: bytes, vocab: int) -> torch.Tensor:
     return out
 
 
+def _grammar_only(p: SamplingParams, position: int) -> bool:
+    """A greedy row whose grammar is its only processing (the batched masked argmax)."""
+    return (p.grammar is not None and is_greedy(p) and not _has_penalties(p) and position >= p.min_tokens
+            and not p.logit_bias and p.logprobs is None and p.allowed_token_ids is None
+            and not p.bad_words_token_ids)
+
+
 def needs_processing(p: SamplingParams, position: int) -> bool:
     """False when the row is a plain argmax (batched on the device). A request without
     ``allowed_token_ids`` / ``bad_words`` pays two attribute tests for them, nothing more."""
@@ -293,16 +300,34 @@ class Sampler:
         if not slow:
             return torch.argmax(logits, dim=-1).tolist()
         out = torch.argmax(logits, dim=-1).tolist() if len(slow) < n else [0] * n
-        rows = logits[torch.tensor(slow, dtype=torch.long, device=logits.device)].detach().to("cpu", torch.float64)
         vocab = logits.shape[-1]
+
+        def _bits(i):
+            guide = guides[i] if guides is not None else None
+            if guide is None:
+                raise ValueError("a row with a grammar needs its guide (Sampler.sample guides=)")
+            hist, plen = histories[i] if histories is not None else (None, 0)
+            return guide.allowed(hist[plen:] if hist is not None else [])
+
+        # greedy rows whose only processing is their grammar: one masked argmax over them all,
+        # on the logits' device (what process_logits + argmax give, without a float64 row each)
+        masked = [i for i in slow if _grammar_only(params[i], positions[i])]
+        if masked:
+            idx = torch.tensor(masked, dtype=torch.long, device=logits.device)
+            words = torch.frombuffer(bytearray(b"".join(_bits(i) for i in masked)), dtype=torch.int32)
+            words = words.view(len(masked), -1).to(logits.device)
+            shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+            allow = ((words.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+            rows = logits[idx].masked_fill(~allow, -math.inf)
+            for i, t in zip(masked, torch.argmax(rows, dim=-1).tolist()):
+                out[i] = t
+            slow = [i for i in slow if not _grammar_only(params[i], positions[i])]
+            if not slow:
+                return out
+        rows = logits[torch.tensor(slow, dtype=torch.long, device=logits.device)].detach().to("cpu", torch.float64)
         for r, i in enumerate(slow):
             hist, plen = histories[i] if histories is not None else (None, 0)
-            allowed = None
-            if params[i].grammar is not None:
-                guide = guides[i] if guides is not None else None
-                if guide is None:
-                    raise ValueError("a row with a grammar needs its guide (Sampler.sample guides=)")
-                allowed = grammar_mask(guide.allowed(hist[plen:] if hist is not None else []), vocab)
+            allowed = grammar_mask(_bits(i), vocab) if params[i].grammar is not None else None
             out[i], self.last_logprobs[i] = sample_row(rows[r], params[i], positions[i], hist, plen,
                                                        self.eos_token_ids, allowed)
         return out
