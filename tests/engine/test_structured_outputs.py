@@ -158,3 +158,21 @@ def test_the_batched_greedy_mask_picks_what_the_per_row_path_picks(tiny_model):
         for (h, _), t in zip(hists_s, b):
             h.append(t)
     assert fast.last_logprobs == [None] * 8 and all(x is not None for x in slow.last_logprobs)
+
+
+def test_compiled_grammars_are_reused_and_each_guide_starts_fresh(tiny_model, monkeypatch):
+    import pdd.structured as st
+
+    tok = load_tokenizer(tiny_model)
+    lt = ll_tokenizer(tok, [1], 1024)
+    monkeypatch.setattr(st, "TEMPLATES", 2)
+    monkeypatch.setattr(st, "_TEMPLATES", type(st._TEMPLATES)())
+    g1, g2, g3 = (grammar_for("choice", [w]) for w in ("ab", "cd", "ef"))
+    a = Guide(lt, g1)
+    a.advance(tok.encode("ab", add_special_tokens=False).ids)
+    assert a.complete
+    b = Guide(lt, g1)  # from the cached template: at the start, not where ``a`` is
+    assert not b.complete and b.consumed == 0 and list(st._TEMPLATES) == [(id(lt), g1)]
+    Guide(lt, g2)
+    Guide(lt, g3)  # the least recently used (g1) goes
+    assert [k[1] for k in st._TEMPLATES] == [g2, g3]
