@@ -568,6 +568,14 @@ def cmd_run(a) -> int:
         s["stalled"] = sim.stalled
         print(f"pdd sim run: warning: {sim.stalled}", file=sys.stderr)
     if a.json:
+        # what it ran with (docs/SIM.md "Run one deployment"): the deployment as simulated, the
+        # autoscaling loop's settings and the command's flags (the workload's among them)
+        from pdd.sim.sim_config import settings_of
+
+        s["settings"] = settings_of(cfg)
+        if acfg is not None:
+            s["settings"]["autoscale"] = {**acfg.model_dump(mode="json"), "start_s": a.autoscale_start_s}
+        s["arguments"] = {k: v for k, v in vars(a).items() if k not in ("func", "parser")}
         write_json(s, a.json)
     return 0
 
