@@ -2,8 +2,8 @@
 
 Each writes ``DIR/result.json`` (its parameters as ``setting``, rows, the checks against the PDD
 report's anchors, and ``settings``: each deployment it simulated, every field as used, by
-``pdd.sim.sim_config.settings_of``) and ``DIR/NAME.png``, and returns the result dict. Every number comes from running the
-simulator; nothing here encodes an outcome.
+``pdd.sim.sim_config.settings_of``) and ``DIR/NAME.png``, and returns the result dict. Every
+number comes from running the simulator; nothing here encodes an outcome.
 """
 
 from __future__ import annotations
@@ -589,7 +589,8 @@ def drc(out: Path, quick: bool = False) -> dict:
     ax.set_xlabel("average prefix hit rate")
     ax.set_ylabel("WAN GB")
     ax.legend()
-    _save(fig, res, out, "drc", {key: base.replace(drc=drc_on, md_cache_frac=frac) for key, drc_on, frac in DRC_VARIANTS},
+    _save(fig, res, out, "drc",
+          {key: base.replace(drc=drc_on, md_cache_frac=frac) for key, drc_on, frac in DRC_VARIANTS},
           {"measure_from_s": "each hit rate's workload's warm-up end (warm_start)"})
     return res
 
