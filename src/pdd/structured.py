@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 
@@ -101,8 +102,23 @@ def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) ->
         raise GrammarError(str(e)) from None
     err = M.validate_grammar(g)
     if err:
-        raise GrammarError(err.strip().splitlines()[0] if err.strip() else "invalid grammar")
+        msg = one_line(err) or "invalid grammar"
+        if kind != "grammar":  # a position in the grammar pdd wrapped the value in: meaningless to the client
+            msg = re.sub(r"^at \d+\(\d+\):\s*", "", msg)
+        raise GrammarError(msg)
     return g
+
+
+def one_line(err: str | None) -> str:
+    """llguidance's error text in one line: its first line with the ``error:`` line of a
+    multi-line report (``invalid regex "[a-z" (in regex): regex parse error: unclosed character
+    class``), without the source excerpt and carets; "" for none."""
+    lines = [ln.strip() for ln in (err or "").strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    head = lines[0].rstrip(":").strip()
+    detail = next((ln[len("error:"):].strip() for ln in lines[1:] if ln.startswith("error:")), "")
+    return f"{head}: {detail}" if detail else head
 
 
 def _whitespace(pattern: str | None) -> dict | None:
@@ -205,10 +221,12 @@ class Guide:
         self.consumed = 0  # outputs the matcher has consumed
         self.error: str | None = None
         if self._m.is_error():
-            raise GrammarError(self._m.get_error() or "invalid grammar")
+            raise GrammarError(one_line(self._m.get_error()) or "invalid grammar")
+        self._width = len(self._m.compute_bitmask())  # llguidance's own mask width, in bytes
 
     def _eos_only(self) -> bytes:
-        words = [0] * ((self._vocab + 31) // 32)
+        """A mask of EOS alone, as wide as the matcher's own (every row of a batch stacks)."""
+        words = [0] * (self._width // 4)
         for e in self._eos:
             if 0 <= e < self._vocab:
                 words[e // 32] |= 1 << (e % 32)
@@ -226,8 +244,7 @@ class Guide:
         if self._m.is_stopped():  # complete: only EOS came after it (it ends the request)
             return
         if not self._m.consume_tokens([int(t) for t in new]):
-            err = (self._m.get_error() or "").strip()
-            self.error = err.splitlines()[0] if err else "a token the grammar does not allow"
+            self.error = one_line(self._m.get_error()) or "a token the grammar does not allow"
             log.warning("structured output: %s; only EOS is allowed from here", self.error)
 
     def allowed(self, outputs: list[int]) -> bytes:
