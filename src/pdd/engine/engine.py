@@ -167,12 +167,15 @@ class Engine:
         Bounded queue: with ``max_waiting`` set, raises :class:`TierBusy` (holding nothing) when
         ``max_running_seqs + max_waiting`` sequences already need compute (:meth:`pending_seqs`).
         Raises ValueError (holding nothing) for an empty prompt or a token id outside the model's
-        vocabulary (it would fail the forward pass of every sequence batched with it).
+        vocabulary (it would fail the forward pass of every sequence batched with it), and for a
+        ``sampling.grammar`` (structured outputs) that does not compile or a checkpoint without
+        the tokenizer or EOS id it needs (:meth:`guide_for`).
         """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
         self.check_token_ids(prompt, "prompt")
+        guide = self.guide_for(sampling) if sampling is not None and sampling.grammar is not None else None
         if self.max_waiting is not None:
             pending, limit = self.pending_seqs(), self.sched_cfg.max_running_seqs + self.max_waiting
             if pending >= limit:
@@ -193,9 +196,22 @@ class Engine:
         cached = len(pages) * self.page_size
         seq = Sequence(seq_id=seq_id, token_ids=prompt, prompt_len=len(prompt),
                        sampling=sampling or SamplingParams(), num_computed=cached,
-                       page_table=pages + new, num_cached_tokens=cached, prefix_match=match)
+                       page_table=pages + new, num_cached_tokens=cached, prefix_match=match, guide=guide)
         self._live[id(seq)] = seq
         return seq
+
+    def guide_for(self, sampling: SamplingParams):
+        """A fresh ``pdd.structured.Guide`` for ``sampling.grammar`` over this checkpoint's
+        tokenizer and EOS ids, at the start of the outputs (it advances over them as they come,
+        :meth:`Sampler.sample`). Raises ValueError (a ``GrammarError`` for the grammar itself)
+        when the grammar does not compile, or the checkpoint has no ``tokenizer.json`` or no
+        EOS id."""
+        from pdd.structured import Guide, ll_tokenizer
+
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("structured outputs need the checkpoint's tokenizer.json")
+        return Guide(ll_tokenizer(tok, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size), sampling.grammar)
 
     def pending_seqs(self) -> int:
         """Sequences that still need compute: created by :meth:`new_sequence`, neither finished
@@ -372,7 +388,8 @@ class Engine:
         # (SamplingParams.output_offset) as outputs
         toks = self.sampler.sample(logits, [s.sampling for s in sampled],
                                    [s.sampling.output_offset + s.num_outputs for s in sampled],
-                                   histories=[(s.token_ids, s.prompt_len - s.sampling.output_offset) for s in sampled])
+                                   histories=[(s.token_ids, s.prompt_len - s.sampling.output_offset) for s in sampled],
+                                   guides=[s.guide for s in sampled])
         lps = self.sampler.last_logprobs
         events = []
         for i, (seq, tok) in enumerate(zip(sampled, toks)):

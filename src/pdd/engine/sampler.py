@@ -63,7 +63,25 @@ def _has_penalties(p: SamplingParams) -> bool:
 
 
 def _has_mask(p: SamplingParams) -> bool:
-    return p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
+    return p.allowed_token_ids is not None or bool(p.bad_words_token_ids) or p.grammar is not None
+
+
+def grammar_mask(bits: bytes, vocab: int) -> torch.Tensor:
+    """A structured-output guide's bitmask (``pdd.structured.Guide.allowed``: little-endian
+    32-bit words, bit ``i % 32`` of word ``i // 32`` for id ``i``) as a bool tensor [vocab]."""
+    words = torch.frombuffer(bytearray(bits), dtype=torch.int32)
+    flat = ((words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+    out = torch.zeros(vocab, dtype=torch.bool)
+    n = min(vocab, flat.numel())
+    out[:n] = flat[:n].bool()
+    return out
+
+
+def _grammar_only(p: SamplingParams, position: int) -> bool:
+    """A greedy row whose grammar is its only processing (the batched masked argmax)."""
+    return (p.grammar is not None and is_greedy(p) and not _has_penalties(p) and position >= p.min_tokens
+            and not p.logit_bias and p.logprobs is None and p.allowed_token_ids is None
+            and not p.bad_words_token_ids)
 
 
 def needs_processing(p: SamplingParams, position: int) -> bool:
@@ -90,12 +108,15 @@ def banned_ids(bad_words_token_ids: list[list[int]], history: list[int] | None, 
 
 
 def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history: list[int] | None = None,
-                   prompt_len: int = 0, eos_ids=()) -> torch.Tensor:
-    """Float64 CPU copy of ``row`` with the masks (``allowed_token_ids``, ``bad_words``,
-    ``min_tokens``), logit bias and penalties applied.
+                   prompt_len: int = 0, eos_ids=(), allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 CPU copy of ``row`` with the masks (structured outputs' ``allowed``,
+    ``allowed_token_ids``, ``bad_words``, ``min_tokens``), logit bias and penalties applied.
 
     ``history`` = the sequence's tokens so far (prompt + outputs before ``position``), of which
-    the first ``prompt_len`` are the prompt.
+    the first ``prompt_len`` are the prompt. ``allowed``: bool [vocab], the ids a structured
+    output's grammar allows here (:func:`grammar_mask`; None: no grammar). With both it and
+    ``allowed_token_ids``, the ids both allow; when they share none, the grammar's (a grammar's
+    output is never broken).
 
     Never a row without a finite logit (its argmax is id 0, whatever ``allowed_token_ids`` says,
     and its softmax NaN): when the masks leave none of the ids ``allowed_token_ids`` allows (the
@@ -109,6 +130,12 @@ def process_logits(row: torch.Tensor, p: SamplingParams, position: int, history:
     keep = None
     if p.allowed_token_ids is not None:
         keep = torch.tensor([t for t in p.allowed_token_ids if 0 <= t < vocab], dtype=torch.long)
+    if allowed is not None:
+        ids = torch.nonzero(allowed[:vocab]).flatten()
+        if ids.numel():  # (a guide always allows some id: EOS at least)
+            both = keep[allowed[keep]] if keep is not None else ids
+            keep = both if both.numel() else ids
+    if keep is not None:
         masked = torch.full_like(x, -math.inf)
         masked[keep] = x[keep]
         x = masked
@@ -200,9 +227,9 @@ def logprob_info(row: torch.Tensor, token_id: int, k: int) -> dict:
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: list[int] | None = None,
-               prompt_len: int = 0, eos_ids=()) -> tuple[int, dict | None]:
-    """One row: (token id, logprob info or None)."""
-    x = process_logits(logits, params, position, history, prompt_len, eos_ids)
+               prompt_len: int = 0, eos_ids=(), allowed: torch.Tensor | None = None) -> tuple[int, dict | None]:
+    """One row: (token id, logprob info or None); ``allowed`` as :func:`process_logits`."""
+    x = process_logits(logits, params, position, history, prompt_len, eos_ids, allowed)
     if is_greedy(params):
         tok = int(torch.argmax(x).item())
     else:
@@ -213,22 +240,22 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, hist
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, position: int, history: list[int] | None = None,
-               prompt_len: int = 0, eos_ids=()) -> int:
+               prompt_len: int = 0, eos_ids=(), allowed: torch.Tensor | None = None) -> int:
     """logits: [vocab] (any device/dtype) -> token id; ``position`` = output index (0-based)."""
     if not needs_processing(params, position):
         return int(torch.argmax(logits).item())
-    return sample_row(logits, params, position, history, prompt_len, eos_ids)[0]
+    return sample_row(logits, params, position, history, prompt_len, eos_ids, allowed)[0]
 
 
 def decision_margin(logits: torch.Tensor, params: SamplingParams, position: int, history: list[int] | None = None,
-                    prompt_len: int = 0, eos_ids=()) -> tuple[str, float]:
+                    prompt_len: int = 0, eos_ids=(), allowed: torch.Tensor | None = None) -> tuple[str, float]:
     """How close the choice at this position was to going another way (for excusing numerical
     divergences): greedy -> ``("logit_gap", top1 - top2)`` of the processed logits; sampled ->
     ``("prob", d)`` with d the smallest distance, in probability, between the draw and a
     cumulative-probability boundary of the kept tokens, or between ``top_p`` and the nucleus
     boundary, or between a probability and the ``min_p`` threshold, or between the k-th and
-    (k+1)-th probabilities at the ``top_k`` cut."""
-    x = process_logits(logits, params, position, history, prompt_len, eos_ids)
+    (k+1)-th probabilities at the ``top_k`` cut. ``allowed`` as :func:`process_logits`."""
+    x = process_logits(logits, params, position, history, prompt_len, eos_ids, allowed)
     if is_greedy(params):
         v = torch.topk(x, 2).values
         return "logit_gap", float(v[0] - v[1])
@@ -260,21 +287,49 @@ class Sampler:
         self.last_logprobs: list[dict | None] = []  # per row of the last sample() call
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-               histories: list[tuple[list[int], int]] | None = None) -> list[int]:
+               histories: list[tuple[list[int], int]] | None = None, guides: list | None = None) -> list[int]:
         """logits: [N, vocab] float32; params/positions: one per row (position = output index
         of the token being sampled); histories: per row ``(token_ids so far, prompt_len)`` for
-        penalties (None: no history, penalties see no tokens). Returns N token ids; the rows'
-        logprob info (or None) is left in ``last_logprobs``."""
+        penalties (None: no history, penalties see no tokens); guides: per row the structured
+        output's ``pdd.structured.Guide`` or None, advanced here over the row's outputs (the
+        history past ``prompt_len``). Returns N token ids; the rows' logprob info (or None) is
+        left in ``last_logprobs``. Raises ValueError for a row with a grammar and no guide."""
         n = len(params)
         self.last_logprobs = [None] * n
         slow = [i for i, p in enumerate(params) if needs_processing(p, positions[i])]
         if not slow:
             return torch.argmax(logits, dim=-1).tolist()
         out = torch.argmax(logits, dim=-1).tolist() if len(slow) < n else [0] * n
+        vocab = logits.shape[-1]
+
+        def _bits(i):
+            guide = guides[i] if guides is not None else None
+            if guide is None:
+                raise ValueError("a row with a grammar needs its guide (Sampler.sample guides=)")
+            hist, plen = histories[i] if histories is not None else (None, 0)
+            return guide.allowed(hist[plen:] if hist is not None else [])
+
+        # greedy rows whose only processing is their grammar: one masked argmax over them all,
+        # on the logits' device (what process_logits + argmax give, without a float64 row each)
+        masked = [i for i in slow if _grammar_only(params[i], positions[i])]
+        if masked:
+            idx = torch.tensor(masked, dtype=torch.long, device=logits.device)
+            words = torch.frombuffer(bytearray(b"".join(_bits(i) for i in masked)), dtype=torch.int32)
+            words = words.view(len(masked), -1).to(logits.device)
+            shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+            allow = ((words.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+            rows = logits[idx].masked_fill(~allow, -math.inf)
+            for i, t in zip(masked, torch.argmax(rows, dim=-1).tolist()):
+                out[i] = t
+            slow = [i for i in slow if not _grammar_only(params[i], positions[i])]
+            if not slow:
+                return out
         rows = logits[torch.tensor(slow, dtype=torch.long, device=logits.device)].detach().to("cpu", torch.float64)
         for r, i in enumerate(slow):
             hist, plen = histories[i] if histories is not None else (None, 0)
-            out[i], self.last_logprobs[i] = sample_row(rows[r], params[i], positions[i], hist, plen, self.eos_token_ids)
+            allowed = grammar_mask(_bits(i), vocab) if params[i].grammar is not None else None
+            out[i], self.last_logprobs[i] = sample_row(rows[r], params[i], positions[i], hist, plen,
+                                                       self.eos_token_ids, allowed)
         return out
 
     def check_stop(self, token_id: int, num_outputs: int, params: SamplingParams) -> FinishReason | None:

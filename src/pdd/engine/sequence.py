@@ -42,6 +42,9 @@ class Sequence:
     # set (from any thread) when its request was aborted: the engine schedules none of its
     # tokens from the next step on; its owner still releases it (pages freed once, by release)
     cancelled: bool = False
+    # structured outputs: the pdd.structured.Guide of ``sampling.grammar`` (engine-private; None
+    # without a grammar), advanced over the outputs at each sampled position
+    guide: object = None
 
     @property
     def num_tokens(self) -> int:
