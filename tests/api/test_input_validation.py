@@ -589,8 +589,8 @@ def test_non_finite_floats_and_unsupported_options_are_400_naming_them(api, path
 
 
 REFUSED_VLLM = [
-    # guided_json, structured_outputs, ... are served (test_structured_outputs.py); these two are not
-    ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "xgrammar"),
+    # guided_json, structured_outputs, ... are served (test_structured_outputs.py); other backends are not
+    ("guided_decoding_backend", "xgrammar"),
     ("guided_decoding_backend", "outlines"), ("guided_decoding_backend", "guidance:disable-any-whitespace"),
     ("use_beam_search", True), ("length_penalty", 0.5), ("length_penalty", True),
     ("logits_processors", ["my.module:Proc"]), ("return_tokens_as_token_ids", True),
@@ -663,7 +663,8 @@ def test_vllm_parameters_at_their_defaults_and_unknown_fields_are_accepted(api, 
     body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     defaults = {name: None for name, _ in REFUSED_VLLM}
     defaults.update({"guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-                     "structured_outputs": None, "response_format": {"type": "text"}})
+                     "guided_whitespace_pattern": None, "structured_outputs": None,
+                     "response_format": {"type": "text"}})
     defaults.update({"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "logits_processors": [],
                      "return_tokens_as_token_ids": False, "return_token_ids": False,
                      "spaces_between_special_tokens": True, "priority": 0, "modalities": ["text"],

@@ -50,6 +50,21 @@ def test_each_form_is_one_compiled_constraint(make, extra, param, kind, value):
     assert c.grammar == grammar_for(kind, None if kind == "json_object" else value)
 
 
+@pytest.mark.parametrize("extra,param,kind,value,ws", [
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ \n]*"}, "guided_json", "json", SCHEMA, "[ \n]*"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " ?"}}, "structured_outputs", "json_object",
+     True, " ?"),
+    ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": " "}, "response_format",
+     "json_object", True, " "),
+])
+def test_a_whitespace_pattern_lays_out_json(extra, param, kind, value, ws):
+    """vLLM 0.11's guided_whitespace_pattern is its structured_outputs.whitespace_pattern."""
+    c = structured_constraint(_chat(**extra))
+    assert (c.param, c.kind, c.value, c.structured) == (param, kind, value, {kind: value, "whitespace_pattern": ws})
+    assert c.grammar == grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
+    assert c.grammar != grammar_for(kind, None if kind == "json_object" else value)
+
+
 @pytest.mark.parametrize("extra", [{}, {"response_format": {"type": "text"}}, {"response_format": None},
                                    {"structured_outputs": None, "guided_json": None},
                                    {"guided_decoding_backend": "auto"}])
@@ -125,9 +140,18 @@ BAD = [
     ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "structured_outputs",
      "structured_outputs.disable_any_whitespace: True is not supported: pdd's structured outputs (llguidance) "
      "honour only its default; leave disable_any_whitespace out"),
-    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " *"}}, "structured_outputs",
-     "structured_outputs.whitespace_pattern: ' *' is not supported: pdd's structured outputs (llguidance) honour "
-     "only its default; leave whitespace_pattern out"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "structured_outputs",
+     "structured_outputs: a whitespace pattern lays out JSON output, and structured_outputs gives a regex "
+     "constraint"),
+    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": 3}}, "structured_outputs",
+     "structured_outputs.whitespace_pattern: must be a non-empty string (a regex), got 3"),
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern: a whitespace pattern lays out JSON output, and the request has no JSON constraint"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ "}, "guided_whitespace_pattern",
+     'guided_whitespace_pattern: at 1(8): invalid regex "[ " (in regex): regex parse error:'),
+    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}, "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern",
+     "guided_whitespace_pattern: structured_outputs.whitespace_pattern gives one already"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs",
      "structured_outputs.json_object: must be true, got 'yes'"),
     ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs",
@@ -150,8 +174,8 @@ BAD = [
      "guided_json: only one structured-output constraint can be used in a request, and structured_outputs gives "
      "one already"),
     ({"guided_regex": "a", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
-     "guided_whitespace_pattern is not supported: pdd does not support a whitespace pattern for JSON output (its "
-     "JSON grammar has its own); leave guided_whitespace_pattern out"),
+     "guided_whitespace_pattern: a whitespace pattern lays out JSON output, and guided_regex gives a regex "
+     "constraint"),
     ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
      "guided_decoding_backend is not supported: pdd does not support structured-output backends other than "
      "llguidance (vLLM's 'guidance'; 'auto' picks it); leave guided_decoding_backend out"),

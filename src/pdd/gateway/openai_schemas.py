@@ -206,9 +206,9 @@ class _Sampling(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None  # vLLM 0.11's structured_outputs.whitespace_pattern
     # vLLM's parameters pdd cannot honour: refused with a value that asks for something
     # (check_unhonoured, UNHONOURED), accepted with their defaults (what clients may send)
-    guided_whitespace_pattern: Any = None
     guided_decoding_backend: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
@@ -794,9 +794,6 @@ def _is(value):
 # send; null is one for each). Any other value is a 400 naming the parameter (check_unhonoured),
 # not ignored.
 UNHONOURED: dict[str, tuple[str, Any]] = {
-    # vLLM 0.11 maps it to structured_outputs.whitespace_pattern, which only its outlines backend
-    # reads; llguidance's JSON grammar has its own whitespace rule
-    "guided_whitespace_pattern": ("a whitespace pattern for JSON output (its JSON grammar has its own)", None),
     # vLLM 0.11 ignores it (the backend is the server's --structured-outputs-config); pdd's is
     # llguidance, vLLM's "guidance": those names ask for what is done, any other for what is not
     "guided_decoding_backend": ("structured-output backends other than llguidance (vLLM's 'guidance'; "
@@ -851,7 +848,7 @@ STRUCTURED_BACKENDS = ("auto", "guidance")
 # pdd honours: their defaults (disable_fallback: pdd has one backend, so never falls back)
 _STRUCTURED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "disable_any_whitespace": (None, False), "disable_additional_properties": (None, False),
-    "whitespace_pattern": (None,), "structural_tag": (None,), "disable_fallback": (None, False, True)}
+    "structural_tag": (None,), "disable_fallback": (None, False, True)}
 # the older extras, each one constraint kind (vLLM 0.11 folds them into structured_outputs)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -892,7 +889,8 @@ def _structured_outputs(so) -> tuple[str, Any] | None:
     """vLLM's ``structured_outputs`` as ``(kind, value)``; None for null. ApiError (param
     ``structured_outputs``) for a value that is not an object, a key vLLM does not define, an
     option pdd cannot honour (``disable_any_whitespace``, ``disable_additional_properties``,
-    ``whitespace_pattern``, ``structural_tag``), no constraint or more than one (vLLM's rule:
+    ``structural_tag``; ``whitespace_pattern`` is :func:`structured_constraint`'s), no
+    constraint or more than one (vLLM's rule:
     ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
     from pdd.structured import KINDS
 
@@ -902,7 +900,7 @@ def _structured_outputs(so) -> tuple[str, Any] | None:
         raise ApiError(f"structured_outputs: must be an object with one of {', '.join(KINDS)}, got "
                        f"{type(so).__name__} {shown(so)}", "structured_outputs")
     for k, v in so.items():
-        if k in KINDS:
+        if k in KINDS or k == "whitespace_pattern":
             continue
         if k not in _STRUCTURED_OPTIONS:
             raise ApiError(f"structured_outputs.{k}: unknown key (constraints: {', '.join(KINDS)})",
@@ -982,11 +980,16 @@ class Constraint:
     kind: str
     value: Any
     grammar: str
+    whitespace_pattern: str | None = None
 
     @property
     def structured(self) -> dict:
-        """``{kind: value}``, :attr:`pdd.types.SamplingParams.structured`."""
-        return {self.kind: self.value}
+        """``{kind: value}`` (and ``whitespace_pattern`` when given: vLLM's structured_outputs
+        shape), :attr:`pdd.types.SamplingParams.structured`."""
+        out = {self.kind: self.value}
+        if self.whitespace_pattern is not None:
+            out["whitespace_pattern"] = self.whitespace_pattern
+        return out
 
 
 def structured_constraint(body) -> Constraint | None:
@@ -1021,17 +1024,50 @@ def structured_constraint(body) -> Constraint | None:
     if len(found) > 1:
         raise ApiError(f"{found[1][0]}: only one structured-output constraint can be used in a request, and "
                        f"{found[0][0]} gives one already", found[1][0])
+    ws, ws_param = _whitespace_pattern(body)
     if not found:
+        if ws is not None:
+            raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and the request has no JSON "
+                           "constraint", ws_param)
         return None
     param, kind, value = found[0]
+    if ws is not None and kind not in ("json", "json_object"):
+        raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and {param} gives a {kind} "
+                       "constraint", ws_param)
     try:
-        g = grammar_for(kind, None if kind == "json_object" else value)
+        g = grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
     except GrammarError as e:
         where = {"response_format": "response_format.json_schema.schema",
                  "structured_outputs": f"structured_outputs.{kind}",
                  "tool_choice": "the tools' parameters"}.get(param, param)
         raise ApiError(f"{where}: {e}", "tools" if param == "tool_choice" else param) from None
-    return Constraint(param, kind, value, g)
+    return Constraint(param, kind, value, g, ws)
+
+
+def _whitespace_pattern(body) -> tuple[str | None, str | None]:
+    """``(pattern, the field it came in)`` of ``structured_outputs.whitespace_pattern`` or vLLM
+    0.11's ``guided_whitespace_pattern`` (the whitespace JSON output may have around ``,`` and
+    ``:``, a regex), ``(None, None)`` for neither. ApiError (param the field) for both, a value
+    that is not a non-empty string, or a regex llguidance rejects."""
+    from pdd.structured import GrammarError, grammar_for
+
+    so = body.structured_outputs if isinstance(body.structured_outputs, dict) else {}
+    given = [(v, name) for v, name in ((so.get("whitespace_pattern"), "structured_outputs"),
+                                       (body.guided_whitespace_pattern, "guided_whitespace_pattern")) if v is not None]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise ApiError("guided_whitespace_pattern: structured_outputs.whitespace_pattern gives one already",
+                       "guided_whitespace_pattern")
+    (ws, param), = given
+    where = "structured_outputs.whitespace_pattern" if param == "structured_outputs" else param
+    if not isinstance(ws, str) or not ws:
+        raise ApiError(f"{where}: must be a non-empty string (a regex), got {shown(ws)}", param)
+    try:
+        grammar_for("regex", ws)
+    except GrammarError as e:
+        raise ApiError(f"{where}: {e}", param) from None
+    return ws, param
 
 
 def check_truncate(k: int | None, max_input_len: int) -> None:
