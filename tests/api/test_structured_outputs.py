@@ -84,9 +84,9 @@ def test_tool_schema_named_is_the_functions_parameters_and_required_an_array_of_
     assert tool_schema({"type": "function", "function": {"name": "get_time"}}, TOOLS) == EMPTY
     want = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
         {"properties": {"name": {"type": "string", "enum": ["get_weather"]}, "parameters": CITY},
-         "required": ["name", "parameters"]},
+         "required": ["name", "parameters"], "additionalProperties": False},
         {"properties": {"name": {"type": "string", "enum": ["get_time"]}, "parameters": EMPTY},
-         "required": ["name", "parameters"]}]}}
+         "required": ["name", "parameters"], "additionalProperties": False}]}}
     assert tool_schema("required", TOOLS) == want
     assert tool_schema("required", TOOLS, parallel=False) == {**want, "maxItems": 1}
     for tc in (None, "none", "auto"):

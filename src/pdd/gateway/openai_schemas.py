@@ -927,8 +927,8 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
     (``get_json_schema_from_tools``): a named function (``{"type": "function", "function":
     {"name": F}}``): F's ``parameters`` (the output is its arguments; none: an object with no
     properties); ``"required"``: a JSON array of at least one ``{"name": one tool's name,
-    "parameters": its parameters}`` object (at most one with ``parallel`` False), each tool's
-    ``$defs`` gathered at the top. None for ``none`` / ``auto`` / null. ``tools`` is not
+    "parameters": its parameters}`` object with no other key (vLLM's allows others; at most one
+    with ``parallel`` False), each tool's ``$defs`` gathered at the top. None for ``none`` / ``auto`` / null. ``tools`` is not
     changed. ApiError (400) for a named function no tool has (param ``tool_choice``),
     ``parameters`` that are not an object, or two tools defining one ``$defs`` name differently
     (param ``tools``)."""
@@ -961,8 +961,10 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
                 raise ApiError(f"tools[{i}].function.parameters.$defs.{dname}: another tool defines {dname!r} "
                                "differently; one schema per name is supported", "tools")
             defs[dname] = dschema
+        # additionalProperties false: vLLM's schema leaves it out, which lets a weak model write keys
+        # beside name and parameters until max_tokens (the call is the same without them)
         alts.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": p or empty},
-                     "required": ["name", "parameters"]})
+                     "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alts}}
     if not parallel:
         schema["maxItems"] = 1
