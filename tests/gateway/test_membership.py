@@ -274,7 +274,7 @@ def test_rerole_drains_then_switches_and_routing_follows():
     o.inflight["rld0"] = 1  # a relay still decoding there
 
     async def run():
-        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode", poll_s=0.001))
+        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode"))
         await asyncio.sleep(0.01)
         assert ms.members["rld0"].state == DRAINING and not task.done()  # waits for the relay
         assert await o._route("relay_decode", [1] * 40) == "rld1"  # no new relay goes there
@@ -322,7 +322,7 @@ def test_rerole_refusals():
         # still busy after the wait: active again in its old role
         o.inflight["rld0"] = 1
         with pytest.raises(MembershipError) as ei:
-            await ms.rerole("rld0", "main_decode", force=True, wait_s=0.0, poll_s=0.001)
+            await ms.rerole("rld0", "main_decode", force=True, wait_s=0.0)
         assert ei.value.status == 409 and ei.value.code == "in_flight"
         assert (ms.members["rld0"].state, ms.members["rld0"].role) == (ACTIVE, "relay_decode")
         assert ms.changes["rerole_refused"] == 1 and "rerole" not in ms.changes

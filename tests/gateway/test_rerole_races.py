@@ -21,7 +21,7 @@ def test_a_drain_while_a_rerole_runs_is_refused_not_undone():
     o.inflight["rld0"] = 1  # a relay still decoding there: the re-role waits for it
 
     async def run():
-        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode", poll_s=0.001))
+        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode"))
         while ms.members["rld0"].state != "draining":
             await asyncio.sleep(0)
         with pytest.raises(MembershipError) as ei:
@@ -67,7 +67,7 @@ def test_a_remove_while_a_rerole_drains_is_a_conflict_not_in_flight():
     o.peers["rld0"].held = 0
 
     async def run():
-        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode", poll_s=0.001))
+        task = asyncio.ensure_future(ms.rerole("rld0", "main_decode"))
         while ms.members["rld0"].state != "draining":
             await asyncio.sleep(0)
         errs = []

@@ -26,20 +26,20 @@ def _refused(capsys, argv, *names, entry=pdd_main):
     (["--model", "nosuch"], ["--model", "unknown model 'nosuch'", "llama-3.1-8b"]),
     (["--chip-a", "NOPE"], ["--chip-a", "unknown chip 'NOPE'", "H100-SXM5-80GB"]),
     (["--chip-b", "NOPE"], ["--chip-b", "unknown chip 'NOPE'"]),
-    (["--wan-gbps", "0", "--limit", "5"], ["--wan-gbps", "must be > 0"]),
-    (["--wan-gbps", "nan"], ["--wan-gbps", "must be > 0"]),
-    (["--rate", "-1", "--agentic", "5"], ["--rate", "must be > 0"]),
+    (["--wan-gbps", "0", "--limit", "5"], ["--wan-gbps", "must be a finite number > 0, got 0"]),
+    (["--wan-gbps", "nan"], ["--wan-gbps", "must be a finite number > 0, got nan"]),
+    (["--rate", "-1", "--agentic", "5"], ["--rate", "must be a finite number > 0, got -1"]),
     (["--limit", "-3"], ["--limit", "must be >= 1"]),
     (["--limit", "0"], ["--limit", "must be >= 1"]),
     (["--agentic", "-5"], ["--agentic", "must be >= 1"]),
     (["--agentic", "0"], ["--agentic", "must be >= 1"]),  # ran the whole bundled trace (12,031 requests)
-    (["--scale-rate", "0"], ["--scale-rate", "must be > 0"]),
+    (["--scale-rate", "0"], ["--scale-rate", "must be a finite number > 0, got 0"]),
     # passed "> 0": with --autoscale the simulated span's decision ticks never ended
     (["--rate", "1e-9", "--agentic", "5"], ["argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
     (["--scale-rate", "1e-9"], ["argument --scale-rate: must be >= 0.001 (a replay at most 1000 times slower than "
                                 "the trace; a slower one's run would not end), got 1e-09"]),
     (["--n-md", "-1"], ["--n-md", "must be >= 0"]),
-    (["--slo-ttft", "0"], ["--slo-ttft", "must be > 0"]),
+    (["--slo-ttft", "0"], ["--slo-ttft", "must be a finite number > 0, got 0"]),
     (["--limit", "abc"], ["--limit", "not an integer: 'abc'"]),
     (["--budget-ms", "inf"], ["--budget-ms", "must be a finite number >= 0, got inf"]),
     # an instance count or a generated workload past these took minutes and gigabytes before the run
@@ -180,7 +180,7 @@ def test_experiment_params_convert_by_the_parameter_type():
 
 @pytest.mark.parametrize("argv,names", [
     (["workload", "agentic", "--n", "0", "--out", "x.jsonl"], ["pdd workload agentic: error:", "--n", ">= 1"]),
-    (["workload", "agentic", "--rate", "0"], ["--rate", "must be > 0"]),
+    (["workload", "agentic", "--rate", "0"], ["--rate", "must be a finite number > 0, got 0"]),
     (["workload", "agentic", "--rate", "1e-9"], ["pdd workload agentic: error: argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
     (["sim", "agentic", "--rate", "1e-9"], ["pdd sim agentic: error: argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
     (["plan", "--rate", "1e-9"], ["pdd plan: error: argument --rate: must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"]),
@@ -248,9 +248,9 @@ def test_plan_refuses_bad_wan_and_rld_lists(capsys, args, names):
     (["--input-len", "-5"], "argument --input-len: must be >= 1, got -5"),
     (["--output-len", "-1"], "argument --output-len: must be >= 0, got -1"),
     (["--p-max", "0"], "argument --p-max: must be >= 1, got 0"),
-    (["--hit", "2"], "argument --hit: must be in [0, 1], got 2"),
-    (["--hit", "-0.5"], "argument --hit: must be in [0, 1], got -0.5"),
-    (["--hit", "nan"], "argument --hit: must be in [0, 1], got nan"),
+    (["--hit", "2"], "argument --hit: must be a finite number in [0, 1], got 2"),
+    (["--hit", "-0.5"], "argument --hit: must be a finite number in [0, 1], got -0.5"),
+    (["--hit", "nan"], "argument --hit: must be a finite number in [0, 1], got nan"),
     (["--top", "0"], "argument --top: must be >= 1, got 0"),
     (["--top", "-1"], "argument --top: must be >= 1, got -1"),
     # past these the search, the workload or its instances took hours or all the memory (1e20: a hang)

@@ -168,6 +168,7 @@ class Membership:
         self._removing: set[str] = set()  # names being removed: routed nothing from the removal's start
         self._watchers: dict[str, asyncio.Task] = {}  # name -> its _remove_when_idle
         self._idle_wakers: dict[str, asyncio.Event] = {}  # name -> set when something there may have ended
+        self._idle_waits: set[asyncio.Event] = set()  # the re-roles' (_until_idle), set alike
         self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
         lv = getattr(getattr(orch, "cfg", None), "liveness", None)
         self.join_timeout_s = join_budget_s(JOIN_RETRIES, lv.dead_after_s if lv is not None else 5.0)
@@ -484,9 +485,35 @@ class Membership:
     def in_flight_fell(self) -> None:
         """Something in flight left the orchestrator's bookkeeping (``Orchestrator._released``),
         or a member's state changed (:meth:`_set`): wake every removal waiting for its instance to
-        go idle (:meth:`_remove_when_idle`), which looks again. Cheap: no count is taken here."""
+        go idle (:meth:`_remove_when_idle`) and every re-role waiting for its drain
+        (:meth:`_until_idle`), which look again. Cheap: no count is taken here."""
         for ev in self._idle_wakers.values():
             ev.set()
+        for ev in self._idle_waits:
+            ev.set()
+
+    async def _until_idle(self, name: str, wait_s: float) -> bool:
+        """Wait until nothing is in flight on ``name`` (:meth:`busy` 0), woken by
+        :meth:`in_flight_fell` as each request or transfer there ends, not by a poll; at most
+        ``wait_s`` seconds of the event loop's clock. True once idle, False when the time ran out
+        first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        wake = asyncio.Event()
+        self._idle_waits.add(wake)
+        try:
+            while self.busy(name) > 0:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                wake.clear()  # (nothing ran since the look: an end sets it again)
+                try:
+                    await asyncio.wait_for(wake.wait(), left)
+                except asyncio.TimeoutError:
+                    pass  # looked at once more: it may have gone idle as the time ran out
+            return True
+        finally:
+            self._idle_waits.discard(wake)
 
     async def _remove_when_idle(self, name: str) -> None:
         """Remove ``name`` (draining) as soon as nothing is in flight there (:meth:`busy` 0), woken
@@ -731,11 +758,11 @@ class Membership:
                     f"are not counted")
         return f"{how} and dropped with the instance; {index}"
 
-    async def rerole(self, name: str, role: str, force: bool = False, wait_s: float | None = None,
-                     poll_s: float = 0.05) -> dict:
+    async def rerole(self, name: str, role: str, force: bool = False, wait_s: float | None = None) -> dict:
         """Give instance ``name`` (a relay decoder the config's ``rerole`` lists) ``role``
         (main_decode: MD duty in datacenter A; relay_decode: back). Drains it, waits until nothing
-        is in flight there (at most ``wait_s``, default the request timeout), switches the role in
+        is in flight there (:meth:`_until_idle`: woken as the last request or transfer there ends;
+        at most ``wait_s`` seconds, default the request timeout), switches the role in
         the same process (``pdd.roles.rerole``) and makes it active again in the new role.
         Returns its view with ``prefix_cache`` (pages flushed on the switch), ``leaked_pages`` and
         ``drained_in_flight``. Raises MembershipError: 400 bad role, 403 not allowed by the config,
@@ -758,13 +785,11 @@ class Membership:
         try:
             in_flight = self.busy(name)
             self._set(m, DRAINING, "drain", in_flight=in_flight, reason=f"rerole to {role}")
-            deadline = time.monotonic() + (o.cfg.request_timeout_s if wait_s is None else wait_s)
-            while self.busy(name) > 0:  # in-flight relays finish (or hand off to MD) where they are
-                if time.monotonic() > deadline:
-                    self._set(m, ACTIVE, "rerole_refused", frm=DRAINING, refused=f"still {self.busy(name)} in flight")
-                    raise MembershipError(409, f"instance {name} still has {self.busy(name)} request(s) in flight "
-                                               f"after draining; it is active as {frm} again", "name", "in_flight")
-                await asyncio.sleep(poll_s)
+            # in-flight relays finish (or hand off to MD) where they are
+            if not await self._until_idle(name, o.cfg.request_timeout_s if wait_s is None else wait_s):
+                self._set(m, ACTIVE, "rerole_refused", frm=DRAINING, refused=f"still {self.busy(name)} in flight")
+                raise MembershipError(409, f"instance {name} still has {self.busy(name)} request(s) in flight "
+                                           f"after draining; it is active as {frm} again", "name", "in_flight")
             peer = o.peers.get(name)
             try:
                 if peer is None or peer.closed:

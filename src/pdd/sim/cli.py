@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import resource
 import sys
 import time
@@ -58,16 +60,16 @@ def _rld_counts(spec: str) -> list[int]:
 
 
 def _number(conv, what: str, ok):
-    """An argparse ``type=``: ``conv`` of the string, refused unless ``ok(value)`` (message: ``what``)."""
+    """An argparse ``type=``: ``conv`` of the string, refused unless ``ok(value)`` (message: ``what``).
+    A float must also be finite: NaN, inf and -inf are refused as any value out of range is, with
+    ``must be a finite number WHAT, got TEXT`` (an integer's: ``must be WHAT, got TEXT``)."""
     def parse(text: str):
         try:
             v = conv(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {'an integer' if conv is int else 'a number'}: {text!r}") from None
-        if v in (float("inf"), float("-inf")) and not ok(v):
-            raise argparse.ArgumentTypeError(f"must be a finite number {what}, got {text}")
-        if v != v or not ok(v):  # NaN passes no comparison
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        if conv is float and not math.isfinite(v) or not ok(v):  # NaN passes no comparison
+            raise argparse.ArgumentTypeError(f"must be {'a finite number ' if conv is float else ''}{what}, got {text}")
         return v
 
     parse.__name__ = conv.__name__  # argparse names the type in its own messages
@@ -118,6 +120,18 @@ GENERATED = _int_in(1, MAX_GENERATED, "requests of a generated workload")
 POS_FLOAT = _number(float, "> 0", _positive)
 NONNEG_FLOAT = _number(float, ">= 0", _nonneg)
 FRACTION = _number(float, "in [0, 1]", lambda v: 0 <= v <= 1)
+LOSS_RATE = _number(float, "in [0, 1)", lambda v: 0 <= v < 1)  # a packet loss probability (tcp_model.check_loss_rate)
+# a negative number as a flag's value, not an option: argparse's own pattern takes -1 and -.5
+# but read -1e3, -inf and -nan as unknown options ("expected one argument"), before the flag's
+# type could refuse them by name
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
+def _numbers_as_values(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``p``, reading any negative number (``-1e3``, ``-inf``) after a flag as its value (none of
+    the simulator's flags looks like a number)."""
+    p._negative_number_matcher = _NEGATIVE_NUMBER
+    return p
 
 
 def _rate(factor: bool):
@@ -218,7 +232,7 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
                    help="WAN transfers of at most this many bandwidth-delay products take a connection of their own "
                    "(policy.wan_express_lane_bdp, default %(default)s; 0: one connection per target)")
     g.add_argument("--wan-usd-per-hour", type=NONNEG_FLOAT, default=0.0)
-    g.add_argument("--wan-loss-rate", type=float, default=_sim_default("wan_loss_rate"),
+    g.add_argument("--wan-loss-rate", type=LOSS_RATE, default=_sim_default("wan_loss_rate"),
                    help="packet loss p in [0, 1): each WAN transfer at most TCP's Mathis rate (pdd.policy.tcp_model)")
     g.add_argument("--wan-mss-bytes", type=POS_INT, default=_sim_default("wan_mss_bytes"), help="TCP segment of that formula, bytes")
     g.add_argument("--cross-traffic", default=None, metavar="T:GBPS,...",
@@ -568,6 +582,14 @@ def cmd_run(a) -> int:
         s["stalled"] = sim.stalled
         print(f"pdd sim run: warning: {sim.stalled}", file=sys.stderr)
     if a.json:
+        # what it ran with (docs/SIM.md "Run one deployment"): the deployment as simulated, the
+        # autoscaling loop's settings and the command's flags (the workload's among them)
+        from pdd.sim.sim_config import settings_of
+
+        s["settings"] = settings_of(cfg)
+        if acfg is not None:
+            s["settings"]["autoscale"] = {**acfg.model_dump(mode="json"), "start_s": a.autoscale_start_s}
+        s["arguments"] = {k: v for k, v in vars(a).items() if k not in ("func", "parser")}
         write_json(s, a.json)
     return 0
 
@@ -915,7 +937,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     client, which the simulator does not import); without it there is no ``pdd sim validate``."""
     p = subparsers.add_parser("sim", help="discrete-event simulator of a two-datacenter cluster")
     sp = p.add_subparsers(dest="sim_cmd", required=True)
-    r = sp.add_parser("run", help="simulate one deployment on a workload")
+    r = _numbers_as_values(sp.add_parser("run", help="simulate one deployment on a workload"))
     _cfg_args(r)
     _workload_args(r, max_input=True)
     _autoscale_args(r)
@@ -963,7 +985,7 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
                     help="a measured step profile (default: the H200 calibration)")
     cp.add_argument("--json", default=None, help="write every row and the summary here")
     cp.set_defaults(func=cmd_compare_profiles, parser=cp)
-    g = sp.add_parser("agentic", help="generate an agentic Mooncake-format workload")
+    g = _numbers_as_values(sp.add_parser("agentic", help="generate an agentic Mooncake-format workload"))
     g.add_argument("--n", type=GENERATED, default=5000)
     g.add_argument("--rate", type=RATE, default=2.0, help="mean arrivals, req/s (>= 0.001)")
     g.add_argument("--seed", type=NONNEG_INT, default=0)
@@ -1025,7 +1047,8 @@ def cmd_plan(a) -> int:
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="size P / RLD / MD counts and the WAN line for a workload and SLO")
+    p = _numbers_as_values(subparsers.add_parser("plan", help="size P / RLD / MD counts and the WAN line for a "
+                                                              "workload and SLO"))
     _cfg_args(p)
     _workload_args(p, max_input=True)
     p.add_argument("--workload", default="agentic", choices=["agentic", "trace", "fixed"])

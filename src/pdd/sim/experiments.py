@@ -1,8 +1,9 @@
 """Named simulator experiments: ``pdd sim experiment NAME --out DIR``.
 
-Each writes ``DIR/result.json`` (settings, rows, the checks against the PDD report's anchors)
-and ``DIR/NAME.png``, and returns the result dict. Every number comes from running the
-simulator; nothing here encodes an outcome.
+Each writes ``DIR/result.json`` (its parameters as ``setting``, rows, the checks against the PDD
+report's anchors, and ``settings``: each deployment it simulated, every field as used, by
+``pdd.sim.sim_config.settings_of``) and ``DIR/NAME.png``, and returns the result dict. Every
+number comes from running the simulator; nothing here encodes an outcome.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 
 from pdd.sim.cluster import ClusterSim, SimConfig
 from pdd.sim.report import summarize, table, write_json
+from pdd.sim.sim_config import settings_of
 from pdd.workload.records import generate_agentic, generate_fixed, hit_histogram, prefix_hits, warm_start
 
 ATTAIN = 0.9  # a rate "meets the SLA" when >= 90% of its requests meet TTFT and TPOT
@@ -229,11 +231,12 @@ def cost_ceilings(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp
     ``tpot_ms``, ``kv_bytes``: comma lists."""
     inp, outl = 63 * 1024, 1024
     prs = [tuple(x.split("/")) for x in pairs.split(",")] if isinstance(pairs, str) else list(pairs or CHIP_PAIRS)
-    rows = []
+    rows, cfgs = [], {}
     for a, b in prs:
         for t in _csv(tpot_ms, float):
             for kv in _csv(kv_bytes, int):
                 cfg = _cost_cfg(model, a, b, price_a, premium, wan_gbps, wan_usd_per_hour, slo_ttft_s, t / 1e3, kv)
+                cfgs[f"{a}/{b} tpot {t:g} ms kv {kv} B"] = cfg
                 rows.append({**cost_ceiling(cfg, inp, outl, hit, 48), "price_a": cfg.price_a,
                              "price_b": cfg.price_b})
     res = {"experiment": "cost-ceiling", "rows": rows,
@@ -251,7 +254,9 @@ def cost_ceilings(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp
                         f"{r['kv_bytes_per_token'] // 1024}K" for r in rows], fontsize=6)
     ax.axhline(1.3, color="r", alpha=0.4)
     ax.set_ylabel(f"BCR ceiling, premium {premium:.0%}")
-    _save(fig, res, out, "cost-ceiling")
+    _save(fig, res, out, "cost-ceiling", cfgs,
+          {"n_p, n_d, n_rld, n_md": "the analytic bound's fleets (cost_ceiling: 88 A same-DC PD split, 43 A + 32 B "
+           "PDD split; the rows name the best)"})
     return res
 
 
@@ -439,12 +444,23 @@ def cost_table(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv
     ax[1].bar(names, vals)
     ax[1].set_ylabel("BCR (req/s per $/h)")
     ax[1].set_title(f"A = {chip_a} ${price_a:g}/h, B = {chip_b} +{main['premium']:.0%}, {model}", fontsize=8)
-    _save(fig, res, out, "cost-table")
+    _save(fig, res, out, "cost-table", {"baseline": base, "pdd": pdd},
+          {"measure_from_s": "each run's workload's warm-up end (warm_start)",
+           "n_p, n_d, n_rld, n_md": "the split searches and the cheapest search (baseline_splits_goodput, "
+           "pdd_43A_splits_goodput, cheapest_search); the deployments above are the best splits",
+           "price_b": "price_a x (1 + premium) of each row"})
     return res
 
 
-def _save(fig, res: dict, out: Path, name: str) -> None:
-    """Lay ``fig`` out and write it as ``out/<name>.png``, and ``res`` as ``out/result.json``."""
+def _save(fig, res: dict, out: Path, name: str, configs: dict[str, SimConfig],
+          per_run: dict[str, str] | None = None) -> None:
+    """Lay ``fig`` out and write it as ``out/<name>.png``, and ``res`` as ``out/result.json`` with
+    ``settings``: each deployment of ``configs`` (name -> SimConfig as simulated) as
+    :func:`pdd.sim.sim_config.settings_of` gives it, and ``settings_per_run`` (``per_run``): the
+    fields the experiment sets run by run over those (field -> how)."""
+    res["settings"] = {k: settings_of(c) for k, c in configs.items()}
+    if per_run:
+        res["settings_per_run"] = dict(per_run)
     fig.tight_layout()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -488,9 +504,10 @@ def ttft(out: Path, quick: bool = False, rate: float = 2.0, wan_gbps: float = 15
                        ["config", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms",
                         "slo_attainment", ("wan_GB", _wan_gb)], label="mode")
     ratio = sums["pdd"]["p90_ttft_ms"] / sums["cross_dc_pd"]["p90_ttft_ms"]
-    sens = []
+    sens, sens_cfgs = [], {}
     for w in (10.0, 20.0, 25.0, 40.0):
         c = _agentic_cluster(w)
+        sens_cfgs.update({f"cross_dc_pd at {w:g} Gbit/s": c["cross_dc_pd"], f"pdd at {w:g} Gbit/s": c["pdd"]})
         a, b = run(c["cross_dc_pd"], recs), run(c["pdd"], recs)
         sens.append({"wan_gbps": w, "cross_dc_p90_ttft_ms": a["p90_ttft_ms"], "pdd_p90_ttft_ms": b["p90_ttft_ms"],
                      "ratio": b["p90_ttft_ms"] / a["p90_ttft_ms"], "cross_dc_wan_util": a["wan"]["utilisation"],
@@ -520,12 +537,16 @@ def ttft(out: Path, quick: bool = False, rate: float = 2.0, wan_gbps: float = 15
     ax.set_yscale("log")
     ax.set_ylabel("TTFT ms (bar p90, black p50, red p99)")
     ax.set_title(f"agentic workload, {n} requests at {rate} req/s")
-    _save(fig, res, out, "ttft")
+    _save(fig, res, out, "ttft", {**cfgs, **extra, **sens_cfgs})
     return res
 
 
 # ----------------------------------------------------------------------------------------------
 # drc
+
+
+# the drc experiment's variants: (name, MD's decode-side radix cache on, share of MD's pool it may keep)
+DRC_VARIANTS = (("drc", True, 0.5), ("drc_tight", True, 0.25), ("no_drc", False, 1.0))
 
 
 def drc(out: Path, quick: bool = False) -> dict:
@@ -545,7 +566,7 @@ def drc(out: Path, quick: bool = False) -> dict:
         r = {"hit": h, "workload_hit": float(
             (prefix_hits(recs)[-len(meas):] * [x["input_length"] for x in meas]).sum()
             / sum(x["input_length"] for x in meas))}
-        for key, drc_on, frac in (("drc", True, 0.5), ("drc_tight", True, 0.25), ("no_drc", False, 1.0)):
+        for key, drc_on, frac in DRC_VARIANTS:
             s = run(base.replace(drc=drc_on, md_cache_frac=frac, measure_from_s=warm_start(recs)), recs)
             r[f"{key}_wan_GB"] = s["wan"]["bytes_measured_requests"] / 1e9
             if drc_on:
@@ -568,7 +589,9 @@ def drc(out: Path, quick: bool = False) -> dict:
     ax.set_xlabel("average prefix hit rate")
     ax.set_ylabel("WAN GB")
     ax.legend()
-    _save(fig, res, out, "drc")
+    _save(fig, res, out, "drc",
+          {key: base.replace(drc=drc_on, md_cache_frac=frac) for key, drc_on, frac in DRC_VARIANTS},
+          {"measure_from_s": "each hit rate's workload's warm-up end (warm_start)"})
     return res
 
 
@@ -603,7 +626,7 @@ def goodput(out: Path, quick: bool = False) -> dict:
     ax.set_xlabel("offered rate (req/s)")
     ax.set_ylabel("goodput within SLA (req/s)")
     ax.legend()
-    _save(fig, res, out, "goodput")
+    _save(fig, res, out, "goodput", cfgs)
     return res
 
 
@@ -705,7 +728,8 @@ def bathtub(out: Path, quick: bool = False, model: str = "qwen3-30b-a3b-fp8kv", 
     ax[1].set_xlabel("prefix hit rate")
     ax[1].set_ylabel("relative prefill throughput")
     ax[1].legend(fontsize=8)
-    _save(fig, res, out, "bathtub")
+    _save(fig, res, out, "bathtub", {"tail": base.replace(max_prefill_inflight=1), "packed": base},
+          {"measure_from_s": "each hit rate's workload's warm-up end (warm_start)"})
     return res
 
 
@@ -724,7 +748,8 @@ def p_rld_collapse(out: Path, quick: bool = False) -> dict:
     t_on = recs[len(recs) // 4]["timestamp"] / 1000.0  # warm, aligned caches first
     rows = []
     series = {}
-    for name, c in (("pdd", base), ("allow P->RLD", base.replace(allow_p_rld=True, allow_p_rld_after_s=t_on))):
+    variants = {"pdd": base, "allow P->RLD": base.replace(allow_p_rld=True, allow_p_rld_after_s=t_on)}
+    for name, c in variants.items():
         sim = ClusterSim(c).run(recs)
         s = summarize(sim)
         reqs = sorted(sim.reqs, key=lambda r: r.arrival)
@@ -757,7 +782,7 @@ def p_rld_collapse(out: Path, quick: bool = False) -> dict:
     ax[1].set_xlabel("time decile")
     ax[1].set_ylabel("share of requests finishing on RLD")
     ax[1].legend()
-    _save(fig, res, out, "p-rld-collapse")
+    _save(fig, res, out, "p-rld-collapse", variants)
     return res
 
 
@@ -779,9 +804,9 @@ def cutoff(out: Path, quick: bool = False) -> dict:
     cols = [("wan_GB", _wan_gb), ("wan_util", _wan_util), "cutoffs", "late_cutoffs", "median_ttft_ms", "p90_ttft_ms",
             "p99_ttft_ms", "slo_attainment", ("md_hit", lambda s: s["md_hit_token_weighted"])]
     rows, _ = sweep(variants, recs, cols)
-    fast, _ = sweep([("cut-off off, 3 req/s", base.replace(cutoff=False)),
-                     (f"cut-off on (min remaining {base.cutoff_min_remaining_s:g} s), 3 req/s", base)],
-                    generate_agentic(n, seed=21, rate=3.0), cols)
+    fast_variants = [("cut-off off, 3 req/s", base.replace(cutoff=False)),
+                     (f"cut-off on (min remaining {base.cutoff_min_remaining_s:g} s), 3 req/s", base)]
+    fast, _ = sweep(fast_variants, generate_agentic(n, seed=21, rate=3.0), cols)
     res = {"experiment": "cutoff", "rows": rows + fast,
            "setting": {"workload": "generate_agentic", "requests": n, "rate": 2.0, "rate_last_rows": 3.0,
                        "config": base.describe(), "wan_gbps": base.wan_gbps,
@@ -798,7 +823,7 @@ def cutoff(out: Path, quick: bool = False) -> dict:
     ax[1].set_ylabel("P90 TTFT ms")
     for a in ax:
         a.tick_params(axis="x", labelsize=7)
-    _save(fig, res, out, "cutoff")
+    _save(fig, res, out, "cutoff", dict(variants + fast_variants))
     return res
 
 
@@ -820,7 +845,7 @@ def calibrate(out: Path, quick: bool = False, profile: str | None = None) -> dic
     ax.plot(lim, lim, "k--")
     ax.set_xlabel("measured ms (H200)")
     ax.set_ylabel("roofline ms")
-    _save(fig, res, out, "calibrate")
+    _save(fig, res, out, "calibrate", {})  # the step model alone: no deployment simulated
     return res
 
 

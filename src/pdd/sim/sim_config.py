@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 from pdd.config import EngineConfig, LinkConfig, PolicyConfig
 from pdd.engine.scheduler import PREFILL_ORDERS
@@ -473,6 +473,72 @@ class SimConfig:
         t = self.tiers()
         parts = [f"{n}{r}" for r, (n, _) in t.items()]
         return f"{self.mode}[{'+'.join(parts)}]"
+
+
+# the runtime config's block of each model RUNTIME_MIRRORS reads (pdd.config.ClusterConfig's fields)
+RUNTIME_SECTION = {PolicyConfig: "policy", LinkConfig: "link", EngineConfig: "engine"}
+# SimConfig field -> its value in the runtime's units, where RUNTIME_MIRRORS converts (the inverse)
+_TO_RUNTIME = {"min_step_s": lambda s: s * 1000.0}
+
+
+def _json(v):
+    """``v`` as plain JSON values: a dataclass as a dict of its fields, a tuple as a list."""
+    if is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _json(getattr(v, f.name)) for f in fields(v)}
+    if isinstance(v, (list, tuple)):
+        return [_json(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json(x) for k, x in v.items()}
+    return v
+
+
+def settings_of(cfg: SimConfig) -> dict:
+    """The settings a simulation of ``cfg`` runs with, as plain JSON values (what ``pdd sim run
+    --json`` and ``pdd sim experiment``'s ``result.json`` record as ``settings``):
+
+    - ``sim_config``: every :class:`SimConfig` field by name, as set (tuples as lists,
+      ``SimEngine`` / ``Efficiency`` as dicts of their fields); :func:`config_from_settings`
+      rebuilds the SimConfig from it;
+    - ``runtime``: each ``RUNTIME_MIRRORS`` field under the runtime config key it mirrors
+      (``policy.pipeline_ttft_budget_ms``, ``engine.min_step_ms``, ...), in the runtime's units;
+    - ``resolved``: what a field left None (or 0) defers to, as the simulation uses it:
+      ``wan_send_buffer_bytes`` (:meth:`SimConfig.committed_bytes`), ``wan_written_lead_bytes``,
+      ``wan_rtt_estimate_ms``, ``fast_gbps`` (chip A's NIC x GPUs an instance), ``page_tokens``,
+      ``kv_bytes_per_token`` (the model's), ``price_a`` / ``price_b`` (USD per GPU-hour) and
+      ``engines``: :meth:`SimConfig.engine_of` of each simulated role and of each instance
+      ``tier_engines`` names."""
+    rt = {}
+    for name, (model, rt_name, _) in RUNTIME_MIRRORS.items():
+        v = getattr(cfg, name)
+        rt[f"{RUNTIME_SECTION[model]}.{rt_name}"] = _json(_TO_RUNTIME.get(name, _same)(v))
+    m = cfg.model_profile()
+    committed = cfg.committed_bytes()
+    names = list(cfg.tiers()) + [k for k in (cfg.tier_engines or {}) if _ENGINE_KEY.fullmatch(k).group(2)]
+    resolved = {
+        "wan_send_buffer_bytes": committed,
+        "wan_written_lead_bytes": committed if cfg.wan_written_lead_bytes is None else cfg.wan_written_lead_bytes,
+        "wan_rtt_estimate_ms": cfg.wan_rtt_ms if cfg.wan_rtt_estimate_ms is None else cfg.wan_rtt_estimate_ms,
+        "fast_gbps": cfg.fast_gbps or cfg.chip("a").nic_gbps * m.gpus_per_instance,  # as ClusterSim reads it
+        "page_tokens": cfg.page_tokens or cfg.block_tokens,
+        "kv_bytes_per_token": m.kv_bytes_per_token,
+        "price_a": cfg.chip("a").usd_per_hour,
+        "price_b": cfg.chip("b").usd_per_hour,
+        "engines": {n: _json(cfg.engine_of(n)) for n in names},
+    }
+    return {"sim_config": {f.name: _json(getattr(cfg, f.name)) for f in fields(SimConfig)},
+            "runtime": rt, "resolved": resolved}
+
+
+def config_from_settings(sim_config: dict) -> SimConfig:
+    """The :class:`SimConfig` of a record's ``settings["sim_config"]`` (:func:`settings_of`):
+    its lists back to tuples, its ``efficiency`` to an ``Efficiency``. ValueError (TypeError for
+    a field SimConfig lacks) as SimConfig raises them."""
+    kw = dict(sim_config)
+    if kw.get("wan_cross_traffic") is not None:
+        kw["wan_cross_traffic"] = tuple(tuple(p) for p in kw["wan_cross_traffic"])
+    if isinstance(kw.get("efficiency"), dict):
+        kw["efficiency"] = Efficiency(**kw["efficiency"])
+    return SimConfig(**kw)
 
 
 # what ``pdd sim calibrate-roles`` writes into a profile from a live run (pdd.sim.calibrate) and
