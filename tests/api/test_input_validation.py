@@ -561,7 +561,7 @@ def test_a_requests_own_chat_template_is_refused(api):
     ("/v1/completions", {"temperature": float("nan")}, "temperature"),
     ("/v1/chat/completions", {"top_p": float("inf")}, "top_p"),
     ("/v1/completions", {"logit_bias": {"5": float("nan")}}, "logit_bias"),
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "structural_tag", "format": {}}}, "response_format"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/chat/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt_logprobs": 2}, "prompt_logprobs"),  # was 200 with none (ignored)
@@ -589,9 +589,9 @@ def test_non_finite_floats_and_unsupported_options_are_400_naming_them(api, path
 
 
 REFUSED_VLLM = [
-    ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]),
-    ("guided_grammar", "root ::= 'a'"), ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "xgrammar"),
-    ("structured_outputs", {"json": {"type": "object"}}),
+    # guided_json, structured_outputs, ... are served (test_structured_outputs.py); other backends are not
+    ("guided_decoding_backend", "xgrammar"),
+    ("guided_decoding_backend", "outlines"), ("guided_decoding_backend", "guidance:disable-any-whitespace"),
     ("use_beam_search", True), ("length_penalty", 0.5), ("length_penalty", True),
     ("logits_processors", ["my.module:Proc"]), ("return_tokens_as_token_ids", True),
     ("spaces_between_special_tokens", False), ("priority", 1), ("priority", False), ("cache_salt", "tenant-a"),
@@ -662,6 +662,9 @@ def test_vllm_parameters_at_their_defaults_and_unknown_fields_are_accepted(api, 
     client, orch = api
     body = dict(OK) if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     defaults = {name: None for name, _ in REFUSED_VLLM}
+    defaults.update({"guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+                     "guided_whitespace_pattern": None, "structured_outputs": None,
+                     "response_format": {"type": "text"}})
     defaults.update({"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "logits_processors": [],
                      "return_tokens_as_token_ids": False, "return_token_ids": False,
                      "spaces_between_special_tokens": True, "priority": 0, "modalities": ["text"],

@@ -45,9 +45,11 @@ class TextOrch(Orchestrator):
         super().__init__(cfg, layout(cfg))
         self.peers = {s.name: FakePeer() for s in self.layout.engines}
         self.tok, self.texts, self.eos = tok, texts, eos
+        self.sps = []  # the SamplingParams of every choice started, in order
 
     async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0) -> ReqState:
         rid = rid or f"r{next(self._ids)}"
+        self.sps.append(sp)
         st = ReqState(rid, len(prompt_ids), sp, pipeline=Pipeline.COLOCATED, trid=rid, prompt_ids=list(prompt_ids))
         self.reqs[rid] = st
         self.totals["requests"] += 1
@@ -232,16 +234,126 @@ async def test_tool_choice_none_renders_tools_but_parses_nothing(serve):
     assert (c.message.content, c.message.tool_calls, c.finish_reason) == (HERMES_ONE, None, "stop")
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-async def test_forced_tool_choice_is_refused(serve, tool_choice):
-    from openai import BadRequestError
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+W_ARGS = '{"city": "Paris", "unit": "c"}'
+REQUIRED_TWO = f'[{{"name": "get_weather", "parameters": {W_ARGS}}}, {{"name": "get_time", "parameters": {{"tz": "CET"}}}}]'
 
-    s = await serve([HERMES_ONE])
-    with pytest.raises(BadRequestError) as e:
-        await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS,
-                                                 tool_choice=tool_choice)
-    err = e.value.body
-    assert err["param"] == "tool_choice" and "guided decoding" in err["message"], err
+
+def _forced_constraint(tool_choice, parallel=True):
+    from pdd.gateway.openai_schemas import tool_schema
+    from pdd.structured import grammar_for
+
+    schema = tool_schema(tool_choice, TOOLS, parallel)
+    return grammar_for("json", schema), {"json": schema}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "auto"])  # auto: this checkpoint has no parser; none is needed
+async def test_named_tool_choice_constrains_to_the_arguments_and_calls_it(serve, parser):
+    """As vLLM: the output is the function's arguments (its parameters' schema), the message one
+    call of it with content null, finish_reason the choice's own ("stop": OpenAI's for a named
+    call)."""
+    s = await serve([W_ARGS], parser)
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, tool_choice=NAMED,
+                                                 seed=0, n=2)
+    assert [(c.message.content, _calls(c.message.tool_calls), c.finish_reason) for c in r.choices] == [
+        (None, [W_CALL], "stop")] * 2
+    grammar, structured = _forced_constraint(NAMED)
+    assert structured == {"json": CITY}
+    assert [(sp.grammar, sp.structured) for sp in s.orch.sps] == [(grammar, structured)] * 2
+
+
+async def test_named_tool_choice_cut_by_max_tokens_keeps_length(serve, tiny_model):
+    from tokenizers import Tokenizer
+
+    n = len(Tokenizer.from_file(f"{tiny_model}/tokenizer.json").encode(W_ARGS, add_special_tokens=False).ids)
+    s = await serve([W_ARGS])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, tool_choice=NAMED,
+                                                 seed=0, max_tokens=n)  # the arguments, no EOS
+    c = r.choices[0]
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == (None, [W_CALL], "length")
+
+
+async def test_required_tool_choice_constrains_to_an_array_of_calls(serve):
+    s = await serve([REQUIRED_TWO])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS,
+                                                 tool_choice="required", seed=0)
+    c = r.choices[0]
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == (None, [W_CALL, T_CALL],
+                                                                                   "tool_calls")
+    assert [(sp.grammar, sp.structured) for sp in s.orch.sps] == [_forced_constraint("required")]
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS,
+                                                 tool_choice="required", seed=0, parallel_tool_calls=False)
+    assert _calls(r.choices[0].message.tool_calls) == [W_CALL]
+    assert s.orch.sps[-1].structured == _forced_constraint("required", parallel=False)[1]
+    assert s.orch.sps[-1].structured["json"]["maxItems"] == 1
+
+
+async def test_required_output_that_is_no_array_is_content(serve):
+    """Cut by max_tokens: no calls; the text is the content, finish_reason "length" (vLLM answers
+    an empty message)."""
+    s = await serve([REQUIRED_TWO])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS,
+                                                 tool_choice="required", seed=0, max_tokens=5)
+    c = r.choices[0]
+    assert c.message.tool_calls is None and c.finish_reason == "length"
+    assert REQUIRED_TWO.startswith(c.message.content) and c.message.content
+
+
+@pytest.mark.parametrize("tool_choice,text,calls,finish", [
+    (NAMED, W_ARGS, [W_CALL], "stop"),
+    ("required", REQUIRED_TWO, [W_CALL, T_CALL], "tool_calls"),
+])
+async def test_forced_tool_choice_streamed(serve, tool_choice, text, calls, finish):
+    """No content while the choice generates (its text is the call); at its end the calls as
+    with auto (name chunk, arguments chunk), then the finish_reason vLLM's stream gives."""
+    s = await serve([text])
+    chunks, final = await _streamed(s, tool_choice=tool_choice)
+    c = final.choices[0]
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == ("", calls, finish)
+    mine = [ch.choices[0] for ch in chunks if ch.choices]
+    assert "".join(ch.delta.content or "" for ch in mine) == ""
+    deltas = [(tc.index, tc.id is not None, tc.function.name, tc.function.arguments)
+              for ch in mine for tc in (ch.delta.tool_calls or [])]
+    want = []
+    for i, (name, args) in enumerate(calls):
+        want += [(i, True, name, ""), (i, False, None, args)]
+    assert deltas == want
+    assert [ch.finish_reason for ch in mine if ch.finish_reason] == [finish]
+    assert [(sp.grammar, sp.structured) for sp in s.orch.sps] == [_forced_constraint(tool_choice)]
+
+
+async def test_forced_tool_choice_is_refused_when_md_runs_on_vllm(tiny_model):
+    """MD on vLLM continues every request after P's first token: it cannot resume a grammar."""
+    from openai import BadRequestError
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "vllm": {"main_decode": True},
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    orch = TextOrch(cfg, tok, [W_ARGS], json.load(open(f"{tiny_model}/config.json"))["eos_token_id"])
+    async with served(create_app(cfg, orch, tok)) as port:
+        from openai import AsyncOpenAI
+
+        oa = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        try:
+            for kw, param in (({"tools": TOOLS, "tool_choice": NAMED}, "tool_choice"),
+                              ({"response_format": {"type": "json_object"}}, "response_format"),
+                              ({"extra_body": {"guided_regex": "[a-z]+"}}, "guided_regex")):
+                with pytest.raises(BadRequestError) as e:
+                    await oa.chat.completions.create(model="pdd-tiny", messages=MSGS, **kw)
+                assert e.value.body["param"] == param
+                assert e.value.body["message"] == (
+                    f"{param}: structured outputs are not supported with MD on vLLM (vllm.main_decode): vLLM "
+                    "continues each request after P's first token and would start the constraint there; serve it "
+                    "with pdd's MD (vllm.main_decode: false)")
+            r = await oa.chat.completions.create(model="pdd-tiny", messages=MSGS, seed=0)  # no constraint: served
+            assert r.choices[0].message.content == W_ARGS
+        finally:
+            await oa.close()
+    assert [sp.grammar for sp in orch.sps] == [None]
 
 
 @pytest.mark.parametrize("extra,param,message", [

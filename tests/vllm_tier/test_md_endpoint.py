@@ -49,6 +49,15 @@ def test_sampling_body_passes_allowed_token_ids_and_bad_words_into_vllms_samplin
     assert "allowed_token_ids" not in plain and "bad_words" not in plain
 
 
+def test_sampling_body_refuses_a_structured_output():
+    """vLLM would start the constraint at its first token, after the handed-over outputs (the
+    gateway refuses such a request before; this is the endpoint's own guard)."""
+    sp = SamplingParams(max_tokens=8, grammar="start: \"a\"", structured={"regex": "a"})
+    with pytest.raises(ValueError, match="^a structured output \\(regex\\) cannot continue on vLLM after 2 "
+                                         "outputs: vLLM starts a constraint at its own first token$"):
+        sampling_body(sp, 2)
+
+
 def test_config_block_defaults_off():
     assert ClusterConfig().vllm.main_decode is False
     with pytest.raises(ValueError):

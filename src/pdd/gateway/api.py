@@ -14,6 +14,9 @@ the tiers (``pdd.engine.sampler``: the same draw for a position on every tier); 
 detokenization and the choices of ``n`` are the gateway's (``openai_run``, ``openai_text``);
 chat renders the checkpoint's own template (``openai_chat``) and, for ``tools`` with ``tool_choice``
 "auto", parses the calls out of each choice's text (``tool_parsers``, the config's ``tool_call_parser``).
+Structured outputs (``response_format`` json_object / json_schema, vLLM's ``structured_outputs`` and
+``guided_*``, a forced ``tool_choice``) are compiled here into each choice's ``SamplingParams.grammar``
+(``openai_schemas.structured_constraint``), which every tier masks by (``pdd.structured``).
 
 Every streamed chunk carries one token (a chat choice's tool-call chunks share its last token); besides the OpenAI fields it has ``"pdd": {"tier",
 "pos", "token_id"}`` (which decoder produced it). With ``stream_options.include_usage`` a last
@@ -54,7 +57,8 @@ from pdd.gateway.openai_run import Batch, Delta, Generation
 from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
-                                        too_deep, prompt_batch, sampling_for, too_many_digits, truncated_prompt)
+                                        too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
+                                        truncated_prompt)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -456,6 +460,24 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     add_autoscale_routes(app, orch)  # GET /pdd/autoscale (``{"enabled": false}`` unless pdd serve --autoscale)
 
+    from pdd.topology import ROLE_MAIN
+
+    # MD on vLLM (vllm.main_decode, pdd.vllm_tier.md): it always continues a request that has
+    # outputs already (P samples the first token, RLD more), and vLLM's structured outputs would
+    # start the grammar at its own first token, so it cannot honour a constraint
+    vllm_md = cfg.vllm.main_decode and any(s.role == ROLE_MAIN for s in (getattr(orch, "layout", None)
+                                                                          or layout(cfg)).instances)
+
+    def structured(body):
+        """The request's structured-output constraint (``openai_schemas.structured_constraint``:
+        ApiError for a bad one), else None; ApiError (400 naming its field) when MD runs on vLLM."""
+        c = structured_constraint(body)
+        if c is not None and vllm_md:
+            raise ApiError(f"{c.param}: structured outputs are not supported with MD on vLLM (vllm.main_decode): "
+                           "vLLM continues each request after P's first token and would start the constraint "
+                           "there; serve it with pdd's MD (vllm.main_decode: false)", c.param)
+        return c
+
     def check_model(name: str | None) -> None:
         """404 ``model_not_found`` for a model this server does not serve; null or "" is the served
         model, as vLLM takes it (a client with no model configured sends "")."""
@@ -793,6 +815,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
+        constraint = structured(body)
         check_choices(body.n, len(prompt_batch(body.prompt)))
         check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)  # before the tokenizer's work
         batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens,  # off the event loop
@@ -806,7 +829,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             check_context(len(ids), max_tokens, "max_tokens", body.n, asked=body.max_tokens is not None,
                           defaulted="max_tokens" not in body.model_fields_set)
             plans.append((ids, *sampling_for(body, max_tokens, model_vocab, body.logprobs, defaults=gen_defaults,
-                                             encode=bare_ids, eos_ids=eos_ids)))
+                                             encode=bare_ids, eos_ids=eos_ids, constraint=constraint)))
             lens.append((len(ids), max_tokens))
         check_pages(lens, body.n, "max_tokens", asked=body.max_tokens is not None)
         opts = plans[0][2]
@@ -853,11 +876,18 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat(body, tool_parser)
+        constraint = structured(body)
         check_choices(body.n)
-        # tools the model may call, tool_choice "auto": its calls are parsed out of the text
-        tools_parsed = tool_parser if body.tools and body.tool_choice in (None, "auto") else None
-        if tools_parsed is not None:
+        parallel = body.parallel_tool_calls is not False
+        calls = None  # how tool calls are read out of each choice's text (tool_parsers.CallMode)
+        if body.tools and body.tool_choice in (None, "auto"):
+            # tools the model may call, tool_choice "auto": its calls are parsed out of the text
+            calls = tool_parsers.CallMode(parser=tool_parser, parallel=parallel)
             body.skip_special_tokens = False  # the call markers may be special tokens (as SGLang does)
+        elif constraint is not None and constraint.param == "tool_choice":
+            # a forced call: the text is the named function's arguments, or "required"'s JSON array
+            named = body.tool_choice["function"]["name"] if isinstance(body.tool_choice, dict) else None
+            calls = tool_parsers.CallMode(forced=True, function=named, parallel=parallel)
         check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)
         text = render_chat(body)
         ids = await asyncio.to_thread(encode, text, body.add_special_tokens, "messages",
@@ -872,24 +902,22 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         check_pages([(len(ids), max_tokens)], body.n, param, asked)
         top = (body.top_logprobs or 0) if body.logprobs else None
         sps, opts = sampling_for(body, max_tokens, model_vocab, top, param, gen_defaults, encode=bare_ids,
-                                 eos_ids=eos_ids)
+                                 eos_ids=eos_ids, constraint=constraint)
         gen = await start_watched(request, [(ids, sps, opts)])
         created, cid = int(time.time()), f"chatcmpl-{id_base(request, gen.choices[0].st.rid)}"
         if body.stream:
             return StreamingResponse(_chat_sse(gen, token_text, cid, created, model_name, _usage_opts(body),
-                                               ids if body.return_token_ids else None, tools_parsed,
-                                               body.parallel_tool_calls is not False),
+                                               ids if body.return_token_ids else None, calls),
                                      media_type="text/event-stream")
         failed = await collect(gen, request)
         if failed is not None:
             return failed
-        parallel = body.parallel_tool_calls is not False
         choices = [{"index": c.index, "message": msg,
                     "logprobs": ({"content": [_chat_lp(token_text, t, top) for t in c.tokens]}
                                  if top is not None else None),
                     "finish_reason": finish, "stop_reason": c.stop_reason}
                    for c in gen.choices
-                   for msg, finish in [_chat_message("".join(c.text), c.finish_reason, tools_parsed, parallel)]]
+                   for msg, finish in [_chat_message("".join(c.text), c.finish_reason, calls)]]
         out = {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
                "choices": choices, "usage": _usage(gen), "pdd": _pdd(gen)}
         if body.return_token_ids:  # vLLM's places: prompt_token_ids on the response, token_ids on each choice
@@ -916,17 +944,18 @@ def chat_tool_parser(setting: str, model_type: str | None, tokenizer) -> str | N
                                                     if token_id is not None and token_id(m) is not None})
 
 
-def _chat_message(text: str, finish_reason: str | None, parser: str | None, parallel: bool) -> tuple[dict, str | None]:
-    """A chat choice's ``(message, finish_reason)``: with ``parser`` (tools given, tool_choice
-    auto), the tool calls in ``text`` (``message.tool_calls``, ``content`` the text before them or
-    null, ``finish_reason`` "tool_calls"; ``parallel`` False: the first call only, as vLLM); a
-    text without calls, or no parser, is the message it always was."""
-    if parser is not None:
-        p = tool_parsers.parse(parser, text)
+def _chat_message(text: str, finish_reason: str | None,
+                  calls: tool_parsers.CallMode | None) -> tuple[dict, str | None]:
+    """A chat choice's ``(message, finish_reason)``: with ``calls`` (tools given and tool_choice
+    auto, or a forced tool_choice), the tool calls in ``text`` (``message.tool_calls``,
+    ``content`` the text before them or null, ``finish_reason`` as :meth:`CallMode.finish_reason`;
+    ``parallel_tool_calls`` false: the first call only, as vLLM); a text without calls, or no
+    ``calls``, is the message it always was."""
+    if calls is not None:
+        p = calls.parse(text)
         if p.calls:
-            calls = p.calls if parallel else p.calls[:1]
-            return ({"role": "assistant", "content": p.content, "tool_calls": [c.to_openai() for c in calls]},
-                    "tool_calls")
+            return ({"role": "assistant", "content": p.content, "tool_calls": [c.to_openai() for c in p.calls]},
+                    calls.finish_reason(finish_reason))
     return {"role": "assistant", "content": text}, finish_reason
 
 
@@ -1113,23 +1142,26 @@ async def _completion_chunks(gen: Generation | Batch, tt: TokenText, echoes: lis
 
 
 def _chat_sse(gen: Generation, tt: TokenText, cid: str, created: int, model: str, include_usage: tuple[bool, bool],
-              prompt: list[int] | None = None, parser: str | None = None, parallel: bool = True):
+              prompt: list[int] | None = None, calls: tool_parsers.CallMode | None = None):
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-    return _sse(gen, head, _chat_chunks(gen, tt, prompt, parser, parallel), include_usage)
+    return _sse(gen, head, _chat_chunks(gen, tt, prompt, calls), include_usage)
 
 
-async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None = None, parser: str | None = None,
-                       parallel: bool = True):
+async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None = None,
+                       calls: tool_parsers.CallMode | None = None):
     """``(tokens, chunk)`` as :func:`_completion_chunks`: each choice's role chunk (0 tokens), then its
     tokens. ``prompt`` (``return_token_ids``): the prompt's ids, sent as the chunk's
     ``prompt_token_ids`` with each role chunk, and each choice's ``token_ids`` (the ids it adds) on
     every chunk (vLLM); None: neither.
-    With ``parser`` (tools given, tool_choice auto), each choice's text goes through a
-    :class:`~pdd.gateway.tool_parsers.ToolStream`: its content as it comes, held back from where
-    a call may begin; at the choice's last token, if its text holds calls, one chunk per call
+    With ``calls`` (tools given and tool_choice auto: a
+    :class:`~pdd.gateway.tool_parsers.ToolStream`; a forced tool_choice: a ``ForcedStream``),
+    each choice's content comes as it is generated, held back from where a call may begin (all
+    of it when forced); at the choice's last token, if its text holds calls, one chunk per call
     with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments`` ""), one with its
-    ``function.arguments``, and a last chunk with ``finish_reason`` "tool_calls" (``parallel``
-    False: the first call only); these add no token ids."""
+    ``function.arguments``, and a last chunk with the ``finish_reason`` of
+    :meth:`~pdd.gateway.tool_parsers.CallMode.finish_reason` ("tool_calls", or a named
+    function's own); ``parallel_tool_calls`` false: the first call only. These add no token
+    ids."""
     top = gen.opts.logprobs
     streams = {}
     for c in gen.choices:
@@ -1139,34 +1171,35 @@ async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None 
             chunk["prompt_token_ids"] = list(prompt)
             chunk["choices"][0]["token_ids"] = []
         yield 0, chunk
-        if parser is not None:
-            streams[c.index] = tool_parsers.ToolStream(parser)
+        if calls is not None:
+            streams[c.index] = calls.stream()
     async for d in gen.deltas():
         lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
         ts = streams.get(d.index)
-        text, calls = d.text, ()
+        text, made = d.text, ()
         if ts is not None:
             text = ts.feed(d.text)
             if d.finish_reason is not None:
-                rest, calls = ts.finish()
+                rest, made = ts.finish()
                 text += rest
         ch = {"index": d.index, "delta": {"content": text}, "logprobs": lp,
-              "finish_reason": None if calls else d.finish_reason}
-        if not calls:
+              "finish_reason": None if made else d.finish_reason}
+        if not made:
             ch["stop_reason"] = d.stop_reason
         if prompt is not None:
             ch["token_ids"] = [d.token.token_id]
         yield d.ntok, {"choices": [ch], "pdd": _tok_ext(d)}
-        if not calls:
+        if not made:
             continue
         ends = []  # per call: its name (with id and type), then its arguments
-        for i, call in enumerate(calls if parallel else calls[:1]):
+        for i, call in enumerate(made if calls.parallel else made[:1]):
             ends += [{"tool_calls": [{"index": i, "id": call.id, "type": "function",
                                       "function": {"name": call.name, "arguments": ""}}]},
                      {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}]
         for k, delta in enumerate([*ends, {}]):
             last = k == len(ends)
-            ch = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls" if last else None}
+            ch = {"index": d.index, "delta": delta, "logprobs": None,
+                  "finish_reason": calls.finish_reason(d.finish_reason) if last else None}
             if last:
                 ch["stop_reason"] = d.stop_reason
             if prompt is not None:

@@ -199,15 +199,17 @@ class _Sampling(BaseModel):
         None, description="words never generated (each tokenised with and without a leading space, as vLLM): "
                           "at most 64 words (MAX_BAD_WORDS), each 1 to 1,024 characters (MAX_BAD_WORD_CHARS)")
     return_token_ids: StrictBool = False  # vLLM: prompt_token_ids and each choice's token_ids in the response
-    # vLLM's parameters pdd cannot honour: refused with a value that asks for something
-    # (check_unhonoured, UNHONOURED), accepted with their defaults (what clients may send)
+    # structured outputs (structured_constraint): vLLM's structured_outputs and its older guided_*
+    # extras; at most one constraint a request (response_format's included)
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    guided_whitespace_pattern: Any = None
+    guided_whitespace_pattern: Any = None  # vLLM 0.11's structured_outputs.whitespace_pattern
+    # vLLM's parameters pdd cannot honour: refused with a value that asks for something
+    # (check_unhonoured, UNHONOURED), accepted with their defaults (what clients may send)
     guided_decoding_backend: Any = None
-    structured_outputs: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -669,7 +671,8 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
                  max_tokens_param: str = "max_tokens",
                  defaults: dict | None = None,
                  encode: typing.Callable[[str], list[int]] | None = None,
-                 eos_ids: typing.Iterable[int] = ()) -> tuple[list[SamplingParams], TextOptions]:
+                 eos_ids: typing.Iterable[int] = (),
+                 constraint: "Constraint | None" = None) -> tuple[list[SamplingParams], TextOptions]:
     """One :class:`SamplingParams` per choice (seeds ``seed + i``; an unseeded request gets a
     random seed so every tier draws the same numbers) and the gateway's text options.
     ``defaults``: the checkpoint's values for ``temperature``, ``top_p``, ``top_k``, ``min_p``,
@@ -677,7 +680,8 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
     ``encode``: text -> token ids without special tokens, for ``bad_words``
     (:func:`bad_words_token_ids`); ApiError when a request has bad words and none is given.
     ``eos_ids``: the checkpoint's EOS ids, which ``min_tokens`` masks as the engine does
-    (:func:`check_something_allowed`)."""
+    (:func:`check_something_allowed`). ``constraint``: the request's structured output
+    (:func:`structured_constraint`), set on every choice (``grammar``, ``structured``)."""
     d = defaults or {}
 
     def given(name: str, api_default):
@@ -735,6 +739,8 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
         allowed_token_ids=allowed,
         bad_words_token_ids=bad_ids,
         bad_words=list(body.bad_words or []),
+        grammar=constraint.grammar if constraint is not None else None,
+        structured=constraint.structured if constraint is not None else None,
     )
     sps = [SamplingParams.from_dict({**base.to_dict(), "seed": (seed + i) & _MASK64}) for i in range(body.n)]
     opts = TextOptions(stop=stops, include_stop=body.include_stop_str_in_output or body.no_stop_trim,
@@ -788,13 +794,10 @@ def _is(value):
 # send; null is one for each). Any other value is a 400 naming the parameter (check_unhonoured),
 # not ignored.
 UNHONOURED: dict[str, tuple[str, Any]] = {
-    "guided_json": ("guided decoding", None),
-    "guided_regex": ("guided decoding", None),
-    "guided_choice": ("guided decoding", None),
-    "guided_grammar": ("guided decoding", None),
-    "guided_whitespace_pattern": ("guided decoding", None),
-    "guided_decoding_backend": ("guided decoding", None),
-    "structured_outputs": ("guided decoding", None),
+    # vLLM 0.11 ignores it (the backend is the server's --structured-outputs-config); pdd's is
+    # llguidance, vLLM's "guidance": those names ask for what is done, any other for what is not
+    "guided_decoding_backend": ("structured-output backends other than llguidance (vLLM's 'guidance'; "
+                                "'auto' picks it)", lambda v: v in STRUCTURED_BACKENDS),
     "logits_processors": ("custom logits processors", _empty),
     "use_beam_search": ("beam search", _is(False)),
     "length_penalty": ("beam search's length penalty", _is(1.0)),
@@ -838,11 +841,235 @@ def _check_prompt_logprobs(body) -> None:
                        "prompt_logprobs")
 
 
-def _check_response_format(rf: dict | None) -> None:
-    """Only plain text output: a JSON schema or object format needs guided decoding (ApiError)."""
-    if rf is not None and rf.get("type", "text") != "text":
-        raise ApiError(f"response_format {shown(rf.get('type'))} is not supported (no guided decoding)",
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# guided_decoding_backend values that ask for what pdd does (pdd.structured compiles with llguidance)
+STRUCTURED_BACKENDS = ("auto", "guidance")
+# structured_outputs keys (vLLM's StructuredOutputsParams) that are no constraint, and the values
+# pdd honours: their defaults (disable_fallback: pdd has one backend, so never falls back)
+_STRUCTURED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "disable_any_whitespace": (None, False), "disable_additional_properties": (None, False),
+    "structural_tag": (None,), "disable_fallback": (None, False, True)}
+# the older extras, each one constraint kind (vLLM 0.11 folds them into structured_outputs)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _check_response_format(rf: dict | None) -> tuple[str, Any] | None:
+    """``response_format``'s constraint as ``(kind, value)`` of :data:`pdd.structured.KINDS`:
+    ``{"type": "json_object"}`` any JSON object, ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}}`` the schema; None for ``{"type": "text"}`` or
+    no format. ApiError (param ``response_format``) for another type (``structural_tag``
+    included), a ``json_schema`` without a string ``name`` or an object ``schema``, or a
+    ``strict`` that is not a boolean (the grammar is enforced either way)."""
+    if rf is None:
+        return None
+    t = rf.get("type")
+    if t not in RESPONSE_FORMATS:
+        raise ApiError(f"response_format.type: must be one of {', '.join(map(repr, RESPONSE_FORMATS))}, got "
+                       f"{shown(t)}", "response_format")
+    if t == "text":
+        return None
+    if t == "json_object":
+        return "json_object", True
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise ApiError("response_format.json_schema: required for type 'json_schema': an object with name and "
+                       "schema", "response_format")
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise ApiError("response_format.json_schema.name: required, a non-empty string", "response_format")
+    if not isinstance(js.get("schema"), dict):
+        raise ApiError(f"response_format.json_schema.schema: required, a JSON schema object, got "
+                       f"{shown(js.get('schema'))}", "response_format")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise ApiError(f"response_format.json_schema.strict: must be a boolean, got {shown(js['strict'])}",
                        "response_format")
+    return "json", js["schema"]
+
+
+def _structured_outputs(so) -> tuple[str, Any] | None:
+    """vLLM's ``structured_outputs`` as ``(kind, value)``; None for null. ApiError (param
+    ``structured_outputs``) for a value that is not an object, a key vLLM does not define, an
+    option pdd cannot honour (``disable_any_whitespace``, ``disable_additional_properties``,
+    ``structural_tag``; ``whitespace_pattern`` is :func:`structured_constraint`'s), no
+    constraint or more than one (vLLM's rule:
+    ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
+    from pdd.structured import KINDS
+
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise ApiError(f"structured_outputs: must be an object with one of {', '.join(KINDS)}, got "
+                       f"{type(so).__name__} {shown(so)}", "structured_outputs")
+    for k, v in so.items():
+        if k in KINDS or k == "whitespace_pattern":
+            continue
+        if k not in _STRUCTURED_OPTIONS:
+            raise ApiError(f"structured_outputs.{k}: unknown key (constraints: {', '.join(KINDS)})",
+                           "structured_outputs")
+        if not any(v is x for x in _STRUCTURED_OPTIONS[k]):
+            raise ApiError(f"structured_outputs.{k}: {shown(v)} is not supported: pdd's structured outputs "
+                           f"(llguidance) honour only its default; leave {k} out", "structured_outputs")
+    # json_object: false asks for nothing (vLLM reads it as a boolean)
+    given = [k for k in KINDS if so.get(k) is not None and not (k == "json_object" and so[k] is False)]
+    if len(given) > 1:
+        raise ApiError(f"structured_outputs: only one kind of constraint can be used, got {', '.join(given)}",
+                       "structured_outputs")
+    if not given:
+        raise ApiError(f"structured_outputs: must give one constraint, one of {', '.join(KINDS)}",
+                       "structured_outputs")
+    k = given[0]
+    if k == "json_object" and so[k] is not True:
+        raise ApiError(f"structured_outputs.json_object: must be true, got {shown(so[k])}", "structured_outputs")
+    return k, so[k]
+
+
+def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict | None:
+    """The JSON schema a forced ``tool_choice`` constrains a chat choice to, as vLLM builds it
+    (``get_json_schema_from_tools``): a named function (``{"type": "function", "function":
+    {"name": F}}``): F's ``parameters`` (the output is its arguments; none: an object with no
+    properties); ``"required"``: a JSON array of at least one ``{"name": one tool's name,
+    "parameters": its parameters}`` object with no other key (vLLM's allows others; at most one
+    with ``parallel`` False), each tool's ``$defs`` gathered at the top. None for ``none`` / ``auto`` / null. ``tools`` is not
+    changed. ApiError (400) for a named function no tool has (param ``tool_choice``),
+    ``parameters`` that are not an object, or two tools defining one ``$defs`` name differently
+    (param ``tools``)."""
+    import copy
+
+    if tool_choice in (None, "none", "auto"):
+        return None
+    empty = {"type": "object", "properties": {}}
+
+    def params(i: int, fn: dict) -> dict | None:
+        p = fn.get("parameters")
+        if p is not None and not isinstance(p, dict):
+            raise ApiError(f"tools[{i}].function.parameters: must be a JSON schema object, got {shown(p)}", "tools")
+        return copy.deepcopy(p) if p else None
+
+    fns = [t["function"] for t in tools]
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        for i, fn in enumerate(fns):
+            if fn["name"] == name:
+                return params(i, fn) or empty
+        raise ApiError(f"tool_choice: function {shown(name)} is not one of the tools "
+                       f"({', '.join(repr(f['name']) for f in fns)})", "tool_choice")
+    defs: dict[str, Any] = {}
+    alts = []
+    for i, fn in enumerate(fns):
+        p = params(i, fn)
+        for dname, dschema in (p.pop("$defs", None) or {}).items() if p else ():
+            if dname in defs and defs[dname] != dschema:
+                raise ApiError(f"tools[{i}].function.parameters.$defs.{dname}: another tool defines {dname!r} "
+                               "differently; one schema per name is supported", "tools")
+            defs[dname] = dschema
+        # additionalProperties false: vLLM's schema leaves it out, which lets a weak model write keys
+        # beside name and parameters until max_tokens (the call is the same without them)
+        alts.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": p or empty},
+                     "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alts}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's structured-output constraint: ``param`` the field it came in, ``kind`` and
+    ``value`` as :func:`pdd.structured.grammar_for` takes them, ``grammar`` its llguidance text."""
+
+    param: str
+    kind: str
+    value: Any
+    grammar: str
+    whitespace_pattern: str | None = None
+
+    @property
+    def structured(self) -> dict:
+        """``{kind: value}`` (and ``whitespace_pattern`` when given: vLLM's structured_outputs
+        shape), :attr:`pdd.types.SamplingParams.structured`."""
+        out = {self.kind: self.value}
+        if self.whitespace_pattern is not None:
+            out["whitespace_pattern"] = self.whitespace_pattern
+        return out
+
+
+def structured_constraint(body) -> Constraint | None:
+    """The one structured-output constraint of a completion or chat request, compiled, else None.
+
+    Where one comes from: ``response_format`` (``json_object``, ``json_schema``), vLLM's
+    ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``), its
+    older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and for chat
+    a forced ``tool_choice`` (:func:`tool_schema`). ApiError (400, ``param`` the field, the
+    message why) for a malformed one (:func:`_check_response_format`, :func:`_structured_outputs`),
+    one llguidance cannot compile (``GrammarError``'s reason), or more than one: vLLM refuses two
+    kinds in ``structured_outputs`` and constraints with a forced tool choice; pdd refuses any
+    two, where vLLM 0.11 would let one field silently override another. Compiling costs about
+    a millisecond for a small schema (llguidance compiles lazily)."""
+    from pdd.structured import GrammarError, grammar_for
+
+    found: list[tuple[str, str, Any]] = []
+    rf = _check_response_format(getattr(body, "response_format", None))
+    if rf is not None:
+        found.append(("response_format", *rf))
+    so = _structured_outputs(body.structured_outputs)
+    if so is not None:
+        found.append(("structured_outputs", *so))
+    found += [(name, kind, getattr(body, name)) for name, kind in _GUIDED.items() if getattr(body, name) is not None]
+    tc = getattr(body, "tool_choice", None)
+    ts = tool_schema(tc, body.tools or [], body.parallel_tool_calls is not False) if tc is not None else None
+    if ts is not None:
+        if found:
+            raise ApiError(f"tool_choice {shown(tc)} forces a tool call, which is a constraint of its own: it cannot be "
+                           f"combined with {found[0][0]}; send one or the other", "tool_choice")
+        found.append(("tool_choice", "json", ts))
+    if len(found) > 1:
+        raise ApiError(f"{found[1][0]}: only one structured-output constraint can be used in a request, and "
+                       f"{found[0][0]} gives one already", found[1][0])
+    ws, ws_param = _whitespace_pattern(body)
+    if not found:
+        if ws is not None:
+            raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and the request has no JSON "
+                           "constraint", ws_param)
+        return None
+    param, kind, value = found[0]
+    if ws is not None and kind not in ("json", "json_object"):
+        raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and {param} gives a {kind} "
+                       "constraint", ws_param)
+    try:
+        g = grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
+    except GrammarError as e:
+        where = {"response_format": "response_format.json_schema.schema",
+                 "structured_outputs": f"structured_outputs.{kind}",
+                 "tool_choice": "the tools' parameters"}.get(param, param)
+        raise ApiError(f"{where}: {e}", "tools" if param == "tool_choice" else param) from None
+    return Constraint(param, kind, value, g, ws)
+
+
+def _whitespace_pattern(body) -> tuple[str | None, str | None]:
+    """``(pattern, the field it came in)`` of ``structured_outputs.whitespace_pattern`` or vLLM
+    0.11's ``guided_whitespace_pattern`` (the whitespace JSON output may have around ``,`` and
+    ``:``, a regex), ``(None, None)`` for neither. ApiError (param the field) for both, a value
+    that is not a non-empty string, or a regex llguidance rejects."""
+    from pdd.structured import GrammarError, grammar_for
+
+    so = body.structured_outputs if isinstance(body.structured_outputs, dict) else {}
+    given = [(v, name) for v, name in ((so.get("whitespace_pattern"), "structured_outputs"),
+                                       (body.guided_whitespace_pattern, "guided_whitespace_pattern")) if v is not None]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise ApiError("guided_whitespace_pattern: structured_outputs.whitespace_pattern gives one already",
+                       "guided_whitespace_pattern")
+    (ws, param), = given
+    where = "structured_outputs.whitespace_pattern" if param == "structured_outputs" else param
+    if not isinstance(ws, str) or not ws:
+        raise ApiError(f"{where}: must be a non-empty string (a regex), got {shown(ws)}", param)
+    try:
+        grammar_for("regex", ws)
+    except GrammarError as e:
+        raise ApiError(f"{where}: {e}", param) from None
+    return ws, param
 
 
 def check_truncate(k: int | None, max_input_len: int) -> None:
@@ -897,12 +1124,7 @@ def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> N
                        f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {shown(tc)}", "tool_choice")
     if (tc == "required" or named) and not body.tools:
         raise ApiError(f"tool_choice {shown(tc)} needs tools: the request has none", "tool_choice")
-    if tc is not None and tc not in ("none", "auto"):
-        # "required" and a named function force a call: vLLM does it with guided decoding, which
-        # pdd has not; answering with whatever the model wrote would not be what was asked
-        raise ApiError(f"tool_choice {shown(tc)} is not supported: forcing a tool call needs guided decoding, "
-                       "which pdd does not have; send tool_choice 'auto' (the model decides) or 'none'",
-                       "tool_choice")
+    # "required" and a named function force a call: a JSON-schema constraint (structured_constraint)
     if body.tools and tc in (None, "auto") and tool_parser is None:
         # tools with "auto" (also the default when tools are given) asks for tool calls parsed out
         # of the output (message.tool_calls, finish_reason "tool_calls"); without a parser the

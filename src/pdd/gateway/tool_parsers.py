@@ -249,6 +249,74 @@ class ToolStream:
         return self.text[self.sent:], ()
 
 
+def parse_forced(function: str | None, text: str, ids: Callable[[], str] | None = None) -> Parsed:
+    """The calls of a choice generated under a forced ``tool_choice`` (its output constrained to
+    :func:`pdd.gateway.openai_schemas.tool_schema`), as vLLM reads them: ``function`` named (the
+    ``{"type": "function", "function": {"name": F}}`` form): one call of F whose ``arguments``
+    are ``text`` itself; None (``"required"``): ``text`` is a JSON array of ``{"name",
+    "parameters"}`` objects, one call each (``arguments`` the parameters as JSON text). Content
+    is None when there are calls. A ``required`` text that is no such array (cut by
+    ``max_tokens``) has no calls and is all content (vLLM answers no calls and no content)."""
+    ids = ids or new_call_id
+    if function is not None:
+        return Parsed(None, (ToolCall(ids(), function, text),))
+    try:
+        arr = _loads(text)
+        if not isinstance(arr, list) or not arr:
+            raise _NoCall("not a list of calls")
+        return Parsed(None, tuple(_call(o, ids, ("parameters",)) for o in arr))
+    except (_NoCall, RecursionError):
+        return Parsed(text)
+
+
+class ForcedStream:
+    """:class:`ToolStream`'s interface for a forced ``tool_choice``: nothing is content while
+    the choice generates (its text is the call); :meth:`finish` gives :func:`parse_forced`'s
+    calls, or the whole text as content when it has none."""
+
+    def __init__(self, function: str | None, ids: Callable[[], str] | None = None):
+        self.function, self.ids = function, ids
+        self.text = ""
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        return ""
+
+    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
+        p = parse_forced(self.function, self.text, self.ids)
+        return ("", p.calls) if p.calls else (self.text, ())
+
+
+@dataclass(frozen=True)
+class CallMode:
+    """How a chat request's choices are read for tool calls: by ``parser`` (tools given,
+    ``tool_choice`` auto), or ``forced`` (``"required"``, or the named ``function``); with
+    ``parallel`` False only the first call is kept. ``finish_reason`` as vLLM's serving_chat
+    gives it: "tool_calls" for parsed calls under auto, and under required when the choice
+    ended by "stop"; a named function's choice keeps its own ("stop", "length")."""
+
+    parser: str | None = None
+    forced: bool = False
+    function: str | None = None
+    parallel: bool = True
+
+    def parse(self, text: str, ids: Callable[[], str] | None = None) -> Parsed:
+        p = parse_forced(self.function, text, ids) if self.forced else parse(self.parser, text, ids)
+        return Parsed(p.content, p.calls[:1]) if p.calls and not self.parallel else p
+
+    def stream(self, ids: Callable[[], str] | None = None):
+        """A :class:`ForcedStream` or :class:`ToolStream` for one streamed choice."""
+        return ForcedStream(self.function, ids) if self.forced else ToolStream(self.parser, ids)
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """The finish_reason of a choice that made calls and ended with ``finish_reason``."""
+        if not self.forced:
+            return "tool_calls"
+        if self.function is None and finish_reason == "stop":
+            return "tool_calls"
+        return finish_reason
+
+
 def family_default(model_type: str | None, tokens: set[str] | frozenset[str]) -> str | None:
     """The parser a checkpoint's family writes its calls for, or None: ``hermes`` for Qwen2 /
     Qwen3 (``model_type`` qwen2, qwen3, qwen2_moe, qwen3_moe) whose vocabulary has

@@ -105,7 +105,12 @@ def md_vllm_python(cfg, name: str) -> Path:
 
 def sampling_body(sp, have: int) -> dict:
     """vLLM completion fields for pdd's ``SamplingParams`` after ``have`` outputs exist
-    (``allowed_token_ids`` and ``bad_words`` as vLLM's own, into its SamplingParams)."""
+    (``allowed_token_ids`` and ``bad_words`` as vLLM's own, into its SamplingParams). Raises
+    ``ValueError`` for a structured output (``sp.grammar``): vLLM would start the constraint at
+    its own first token, after the ``have`` outputs (the gateway refuses such requests first)."""
+    if sp.grammar is not None:
+        raise ValueError(f"a structured output ({', '.join(sp.structured or {})}) cannot continue on vLLM after "
+                         f"{have} outputs: vLLM starts a constraint at its own first token")
     body = {"max_tokens": sp.max_tokens - have, "temperature": sp.temperature, "top_p": sp.top_p,
             "top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "stop_token_ids": list(sp.stop_token_ids),
             "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,

@@ -1,0 +1,279 @@
+"""Structured outputs in the HTTP API: ``response_format``, vLLM's ``structured_outputs`` and its
+older ``guided_*`` extras become one compiled constraint (``SamplingParams.grammar`` and
+``.structured`` on every choice); every bad one is a 400 naming its field, before any tier works.
+The tool_choice side (forced calls) is in test_tool_calls.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, structured_constraint,
+                                        tool_schema)
+from pdd.structured import grammar_for
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+          "required": ["city"]}
+MSGS = [{"role": "user", "content": "weather?"}]
+CMPL = {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+CHAT = {"messages": MSGS, "max_tokens": 2, "ignore_eos": True}
+
+
+def _chat(**kw):
+    return ChatCompletionRequest.model_validate({"messages": MSGS, **kw})
+
+
+def _cmpl(**kw):
+    return CompletionRequest.model_validate({"prompt": "x", **kw})
+
+
+@pytest.mark.parametrize("extra,param,kind,value", [
+    ({"response_format": {"type": "json_object"}}, "response_format", "json_object", True),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}},
+     "response_format", "json", SCHEMA),
+    ({"structured_outputs": {"json": SCHEMA}}, "structured_outputs", "json", SCHEMA),
+    ({"structured_outputs": {"json": '{"type": "integer"}'}}, "structured_outputs", "json", '{"type": "integer"}'),
+    ({"structured_outputs": {"regex": "[a-z]{3}"}}, "structured_outputs", "regex", "[a-z]{3}"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs", "choice", ["yes", "no"]),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, "structured_outputs", "grammar", 'root ::= "a" | "b"'),
+    ({"structured_outputs": {"json_object": True, "regex": None, "disable_fallback": True}}, "structured_outputs",
+     "json_object", True),
+    ({"guided_json": SCHEMA}, "guided_json", "json", SCHEMA),
+    ({"guided_regex": "\\d+"}, "guided_regex", "regex", "\\d+"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice", "choice", ["a", "b"]),
+    ({"guided_grammar": 'start: "x"'}, "guided_grammar", "grammar", 'start: "x"'),
+    ({"guided_json": SCHEMA, "guided_decoding_backend": "guidance"}, "guided_json", "json", SCHEMA),
+])
+@pytest.mark.parametrize("make", [_chat, _cmpl])
+def test_each_form_is_one_compiled_constraint(make, extra, param, kind, value):
+    c = structured_constraint(make(**extra))
+    assert (c.param, c.kind, c.value, c.structured) == (param, kind, value, {kind: value})
+    assert c.grammar == grammar_for(kind, None if kind == "json_object" else value)
+
+
+@pytest.mark.parametrize("extra,param,kind,value,ws", [
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ \n]*"}, "guided_json", "json", SCHEMA, "[ \n]*"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " ?"}}, "structured_outputs", "json_object",
+     True, " ?"),
+    ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": " "}, "response_format",
+     "json_object", True, " "),
+])
+def test_a_whitespace_pattern_lays_out_json(extra, param, kind, value, ws):
+    """vLLM 0.11's guided_whitespace_pattern is its structured_outputs.whitespace_pattern."""
+    c = structured_constraint(_chat(**extra))
+    assert (c.param, c.kind, c.value, c.structured) == (param, kind, value, {kind: value, "whitespace_pattern": ws})
+    assert c.grammar == grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
+    assert c.grammar != grammar_for(kind, None if kind == "json_object" else value)
+
+
+@pytest.mark.parametrize("extra", [{}, {"response_format": {"type": "text"}}, {"response_format": None},
+                                   {"structured_outputs": None, "guided_json": None},
+                                   {"guided_decoding_backend": "auto"}])
+def test_no_constraint(extra):
+    assert structured_constraint(_chat(**extra)) is None
+    assert structured_constraint(_cmpl(**extra)) is None
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time"}}]
+EMPTY = {"type": "object", "properties": {}}
+
+
+def test_tool_schema_named_is_the_functions_parameters_and_required_an_array_of_calls():
+    assert tool_schema({"type": "function", "function": {"name": "get_weather"}}, TOOLS) == CITY
+    assert tool_schema({"type": "function", "function": {"name": "get_time"}}, TOOLS) == EMPTY
+    want = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": ["get_weather"]}, "parameters": CITY},
+         "required": ["name", "parameters"], "additionalProperties": False},
+        {"properties": {"name": {"type": "string", "enum": ["get_time"]}, "parameters": EMPTY},
+         "required": ["name", "parameters"], "additionalProperties": False}]}}
+    assert tool_schema("required", TOOLS) == want
+    assert tool_schema("required", TOOLS, parallel=False) == {**want, "maxItems": 1}
+    for tc in (None, "none", "auto"):
+        assert tool_schema(tc, TOOLS) is None
+
+
+def test_tool_schema_gathers_defs_without_changing_the_tools():
+    import copy
+
+    p = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "go", "parameters": p}},
+             {"type": "function", "function": {"name": "stay", "parameters": copy.deepcopy(p)}}]
+    before = copy.deepcopy(tools)
+    s = tool_schema("required", tools)
+    assert s["$defs"] == {"Place": {"type": "string"}}
+    assert s["items"]["anyOf"][0]["properties"]["parameters"] == {"type": "object",
+                                                                  "properties": {"at": {"$ref": "#/$defs/Place"}}}
+    assert tools == before
+    grammar_for("json", s)  # compiles: the refs resolve at the top
+    tools[1]["function"]["parameters"]["$defs"]["Place"] = {"type": "integer"}
+    with pytest.raises(ApiError) as e:
+        tool_schema("required", tools)
+    assert (e.value.param, e.value.message) == (
+        "tools", "tools[1].function.parameters.$defs.Place: another tool defines 'Place' differently; one schema "
+                 "per name is supported")
+
+
+BAD = [
+    ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format",
+     "response_format.type: must be one of 'text', 'json_object', 'json_schema', got 'structural_tag'"),
+    ({"response_format": {"json_schema": {"name": "w", "schema": SCHEMA}}}, "response_format",
+     "response_format.type: must be one of 'text', 'json_object', 'json_schema', got None"),
+    ({"response_format": {"type": "json_schema"}}, "response_format",
+     "response_format.json_schema: required for type 'json_schema': an object with name and schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format",
+     "response_format.json_schema.name: required, a non-empty string"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}}, "response_format",
+     "response_format.json_schema.schema: required, a JSON schema object, got None"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": "yes"}}},
+     "response_format", "response_format.json_schema.strict: must be a boolean, got 'yes'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "nonsense"}}}},
+     "response_format", "response_format.json_schema.schema: Invalid type: nonsense"),
+    ({"structured_outputs": "json"}, "structured_outputs",
+     "structured_outputs: must be an object with one of json, regex, choice, grammar, json_object, got str 'json'"),
+    ({"structured_outputs": {}}, "structured_outputs",
+     "structured_outputs: must give one constraint, one of json, regex, choice, grammar, json_object"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "structured_outputs: only one kind of constraint can be used, got regex, choice"),
+    ({"structured_outputs": {"jsn": SCHEMA}}, "structured_outputs",
+     "structured_outputs.jsn: unknown key (constraints: json, regex, choice, grammar, json_object)"),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "structured_outputs",
+     "structured_outputs.disable_any_whitespace: True is not supported: pdd's structured outputs (llguidance) "
+     "honour only its default; leave disable_any_whitespace out"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "structured_outputs",
+     "structured_outputs: a whitespace pattern lays out JSON output, and structured_outputs gives a regex "
+     "constraint"),
+    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": 3}}, "structured_outputs",
+     "structured_outputs.whitespace_pattern: must be a non-empty string (a regex), got 3"),
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern: a whitespace pattern lays out JSON output, and the request has no JSON constraint"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ "}, "guided_whitespace_pattern",
+     'guided_whitespace_pattern: at 1(8): invalid regex "[ " (in regex): regex parse error:'),
+    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}, "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern",
+     "guided_whitespace_pattern: structured_outputs.whitespace_pattern gives one already"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs",
+     "structured_outputs.json_object: must be true, got 'yes'"),
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs",
+     'structured_outputs.regex: at 1(8): invalid regex "[a-z" (in regex): regex parse error:'),
+    ({"structured_outputs": {"json": "{x"}}, "structured_outputs",
+     "structured_outputs.json: the JSON schema is not JSON: Expecting property name enclosed in double quotes: "
+     "line 1 column 2 (char 1)"),
+    ({"structured_outputs": {"grammar": "start: %%%"}}, "structured_outputs",
+     "structured_outputs.grammar: 1(9): lexer error"),
+    ({"guided_choice": []}, "guided_choice",
+     "guided_choice: choices must be a non-empty list of non-empty strings"),
+    ({"guided_json": 5}, "guided_json", "guided_json: a JSON schema must be an object, not int"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
+     "guided_choice: only one structured-output constraint can be used in a request, and guided_regex gives "
+     "one already"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "structured_outputs: only one structured-output constraint can be used in a request, and response_format "
+     "gives one already"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json",
+     "guided_json: only one structured-output constraint can be used in a request, and structured_outputs gives "
+     "one already"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern: a whitespace pattern lays out JSON output, and guided_regex gives a regex "
+     "constraint"),
+    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
+     "guided_decoding_backend is not supported: pdd does not support structured-output backends other than "
+     "llguidance (vLLM's 'guidance'; 'auto' picks it); leave guided_decoding_backend out"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra,param,message", BAD)
+def test_every_bad_constraint_is_a_400_naming_its_field_and_why(api, path, extra, param, message):
+    client, orch = api
+    body = CMPL if path == "/v1/completions" else CHAT
+    r = client.post(path, json={**body, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["message"], err["code"]) == ("invalid_request_error", param, message, None)
+    assert not orch.started
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "get_tme"}}}, "tool_choice",
+     "tool_choice: function 'get_tme' is not one of the tools ('get_weather', 'get_time')"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "tool_choice 'required' forces a tool call, which is a constraint of its own: it cannot be combined with "
+     "response_format; send one or the other"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "guided_regex": "a"}, "tool_choice",
+     "tool_choice {'type': 'function', 'function': {'name': 'get_weather'}} forces a tool call, which is a "
+     "constraint of its own: it cannot be combined with guided_regex; send one or the other"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+     "tools", "tools[0].function.parameters: must be a JSON schema object, got 3"),
+    ({"tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools", "the tools' parameters: Invalid type: nonsense"),
+])
+def test_bad_forced_tool_choice_is_a_400(api, extra, param, message):
+    client, orch = api
+    r = client.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["message"]) == (param, message)
+    assert not orch.started
+
+
+def test_completions_every_choice_and_prompt_carries_the_grammar(api):
+    client, orch = api
+    r = client.post("/v1/completions", json={**CMPL, "prompt": [[5, 6, 7], [8, 9]], "n": 2,
+                                             "structured_outputs": {"regex": "[a-z]+"}})
+    assert r.status_code == 200, r.text
+    assert len(orch.started) == 4
+    g = grammar_for("regex", "[a-z]+")
+    assert [(sp.grammar, sp.structured) for _, sp in orch.started] == [(g, {"regex": "[a-z]+"})] * 4
+    assert len({sp.seed for _, sp in orch.started}) == 4  # still a seed a choice
+
+
+def test_chat_response_format_json_schema_reaches_every_choice(api):
+    client, orch = api
+    rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    r = client.post("/v1/chat/completions", json={**CHAT, "n": 3, "response_format": rf})
+    assert r.status_code == 200, r.text
+    g = grammar_for("json", SCHEMA)
+    assert [(sp.grammar, sp.structured) for _, sp in orch.started] == [(g, {"json": SCHEMA})] * 3
+
+
+def test_a_request_without_a_constraint_has_no_grammar(api):
+    client, orch = api
+    assert client.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}}).status_code == 200
+    assert client.post("/v1/completions", json=CMPL).status_code == 200
+    assert [(sp.grammar, sp.structured) for _, sp in orch.started] == [(None, None)] * 2
+    assert "grammar" not in orch.started[0][1].to_dict()
+
+
+@pytest.mark.parametrize("backend", ["auto", "guidance", None])
+def test_a_backend_name_that_asks_for_llguidance_is_served(api, backend):
+    """vLLM 0.11 ignores guided_decoding_backend (the backend is the server's); pdd compiles with
+    llguidance, vLLM's "guidance": those names ask for what is done ("xgrammar" is a 400, BAD)."""
+    client, orch = api
+    r = client.post("/v1/completions", json={**CMPL, "guided_regex": "[a-z]+", "guided_decoding_backend": backend})
+    assert r.status_code == 200, r.text
+    assert orch.started[0][1].structured == {"regex": "[a-z]+"}
+
+
+def test_parse_forced_and_its_stream():
+    from pdd.gateway.tool_parsers import CallMode, ForcedStream, Parsed, ToolCall, parse_forced
+
+    ids = iter(f"call_{i}" for i in range(100)).__next__
+    assert parse_forced("f", '{"a": 1}', ids) == Parsed(None, (ToolCall("call_0", "f", '{"a": 1}'),))
+    text = '[{"name": "f", "parameters": {"a": "é"}}, {"name": "g", "parameters": null}, {"name": "h"}]'
+    assert parse_forced(None, text, ids) == Parsed(None, (ToolCall("call_1", "f", '{"a": "é"}'),
+                                                          ToolCall("call_2", "g", "{}"), ToolCall("call_3", "h", "{}")))
+    for bad in ('[{"name": "f", "parameters": {"a": ', "[]", '{"name": "f"}', '[{"parameters": {}}]'):
+        assert parse_forced(None, bad, ids) == Parsed(bad)
+    s = ForcedStream(None, ids)
+    assert [s.feed(x) for x in ('[{"name": ', '"f"}]')] == ["", ""]
+    assert s.finish() == ("", (ToolCall("call_4", "f", "{}"),))
+    s = ForcedStream(None, ids)
+    s.feed('[{"na')
+    assert s.finish() == ('[{"na', ())
+    named, required = CallMode(forced=True, function="f"), CallMode(forced=True)
+    assert [named.finish_reason(f) for f in ("stop", "length")] == ["stop", "length"]
+    assert [required.finish_reason(f) for f in ("stop", "length")] == ["tool_calls", "length"]
+    assert CallMode(parser="hermes").finish_reason("stop") == "tool_calls"
+    assert CallMode(forced=True, parallel=False).parse(text, ids).calls == (ToolCall("call_5", "f", '{"a": "é"}'),)

@@ -1,0 +1,160 @@
+"""Structured outputs through the official openai client on a live pdd topology (P -> RLD -> MD
+over the WAN, the tiny model): greedy outputs under a ``response_format`` JSON schema and under a
+forced tool_choice are valid JSON of the schema, finish by EOS, and equal the single engine's
+under the same grammar, across the RLD -> MD token-id handoff (MD replays RLD's outputs into its
+own matcher)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.conftest import make_cfg
+
+pytestmark = pytest.mark.slow
+
+K = 8  # handoff_min_tokens: RLD samples outputs 0..K-1, MD from K on (once MD's KV is there)
+MAX_TOKENS = 128  # the outputs below take 60 to 70 tokens of the tiny tokenizer, then EOS
+FAST_WAN = {"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0}
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0, "maximum": 9999},
+    "ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+    "required": ["name", "n", "ok", "tags"], "additionalProperties": False}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+        "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": CITY}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                 "additionalProperties": False}}}]
+
+
+def _valid(v, schema) -> bool:
+    """``v`` (parsed JSON) against the keywords the schemas here use."""
+    t = schema.get("type")
+    if "enum" in schema and v not in schema["enum"]:
+        return False
+    if t == "object":
+        props = schema.get("properties", {})
+        return (isinstance(v, dict) and set(schema.get("required", [])) <= set(v)
+                and (schema.get("additionalProperties", True) or set(v) <= set(props))
+                and all(_valid(v[k], props[k]) for k in v if k in props))
+    if t == "array":
+        return (isinstance(v, list) and len(v) <= schema.get("maxItems", len(v))
+                and all(_valid(x, schema.get("items", {})) for x in v))
+    if t == "string":
+        return isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
+    if t == "integer":
+        return (isinstance(v, int) and not isinstance(v, bool)
+                and schema.get("minimum", v) <= v <= schema.get("maximum", v))
+    if t == "boolean":
+        return isinstance(v, bool)
+    return t is None
+
+
+def test_validator():
+    good = {"name": "ab", "n": 3, "ok": True, "tags": ["red"]}
+    assert _valid(good, SCHEMA)
+    for bad in ({**good, "n": -1}, {**good, "x": 1}, {**good, "tags": ["pink"]}, {**good, "ok": 1},
+                {k: v for k, v in good.items() if k != "n"}, {**good, "name": "x" * 13}, [good]):
+        assert not _valid(bad, SCHEMA), bad
+
+
+@pytest.fixture(scope="module")
+def pdd_topo(tiny_model, tmp_path_factory):
+    from pdd.launch import Topology
+
+    # as test_token_params_live: a fast WAN, so MD's KV is there early and the handoff point is
+    # set by handoff_min_tokens; RLD's step held to >= 20 ms, so its K tokens outlast MD's KV
+    cfg = make_cfg(tiny_model, "pdd", link=FAST_WAN, policy={"handoff_min_tokens": K},
+                   tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}})
+    topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
+    topo.start()
+    yield topo
+    topo.stop()
+
+
+def _single_engine(model_dir: str, prompt: list[int], constraint) -> list[int]:
+    """Greedy outputs of one in-process engine under ``constraint``'s grammar (EOS ends it)."""
+    import torch
+
+    from pdd.engine.engine import Engine
+    from pdd.types import SamplingParams
+    from tests.e2e.conftest import TEST_DEVICE
+
+    torch.set_num_threads(1)
+    eng = Engine.from_pretrained(model_dir, num_pages=1024, page_size=16, device=TEST_DEVICE)
+    s = eng.new_sequence("ref", prompt, SamplingParams(max_tokens=MAX_TOKENS, grammar=constraint.grammar,
+                                                      structured=constraint.structured), use_cache=False)
+    eng.add(s)
+    while eng.has_work():
+        eng.step()
+    return list(s.output_ids)
+
+
+def _chat(topo, **kw) -> dict:
+    """The raw JSON response (``token_ids`` and ``pdd`` are pdd's / vLLM's extensions)."""
+    import httpx
+
+    body = {"model": topo.cfg.served_model_name, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, **kw}
+    r = httpx.post(topo.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _handed_over(r: dict) -> None:
+    per = r["pdd"].get("choices", [r["pdd"]])
+    assert all(s["handoff_pos"] is not None and s["handoff_pos"] >= K for s in per), per
+
+
+# n=2: the choices reach MD at their own handoff positions, so one grammar may complete a step
+# before the other's: tests/engine/test_structured_rows.py (not strict here: timing decides)
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.xfail(
+    reason="engine: a complete and an open grammar in one step (tests/engine/test_structured_rows.py)"))])
+def test_response_format_json_schema_equals_the_single_engine_across_the_handoff(pdd_topo, tiny_model, n):
+    from openai import OpenAI
+
+    from pdd.gateway.openai_schemas import ChatCompletionRequest, structured_constraint
+
+    msgs = [{"role": "user", "content": "Describe the weather as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    r = _chat(pdd_topo, messages=msgs, response_format=rf, n=n)
+    assert len(r["choices"]) == n
+    want = _single_engine(tiny_model, r["prompt_token_ids"], structured_constraint(
+        ChatCompletionRequest.model_validate({"messages": msgs, "response_format": rf})))
+    eos = json.load(open(f"{tiny_model}/config.json"))["eos_token_id"]
+    assert want[-1] == eos and len(want) > K
+    for c in r["choices"]:
+        assert (c["token_ids"], c["finish_reason"]) == (want, "stop")
+        assert _valid(json.loads(c["message"]["content"]), SCHEMA), c["message"]["content"]
+    _handed_over(r)
+    # the openai client's own parse of the same request
+    oa = OpenAI(base_url=pdd_topo.url + "/v1", api_key="none")
+    got = oa.chat.completions.create(model=pdd_topo.cfg.served_model_name, messages=msgs, response_format=rf,
+                                     temperature=0, max_tokens=MAX_TOKENS)
+    assert got.choices[0].message.content == r["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "forecast"}}, "required"])
+def test_forced_tool_choice_calls_valid_json_across_the_handoff(pdd_topo, tiny_model, tool_choice):
+    from pdd.gateway.openai_schemas import ChatCompletionRequest, structured_constraint
+
+    msgs = [{"role": "user", "content": "Weather in Oslo for the week?"}]
+    # one call (maxItems 1): random weights would repeat calls in the array up to max_tokens
+    extra = {"tools": TOOLS, "tool_choice": tool_choice, "parallel_tool_calls": False}
+    r = _chat(pdd_topo, messages=msgs, **extra)
+    c = structured_constraint(ChatCompletionRequest.model_validate({"messages": msgs, **extra}))
+    want = _single_engine(tiny_model, r["prompt_token_ids"], c)
+    for ch in r["choices"]:
+        assert ch["token_ids"] == want
+        calls = ch["message"]["tool_calls"]
+        assert ch["message"]["content"] is None and calls, ch
+        for call in calls:
+            name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+            assert _valid(args, next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name))
+        if tool_choice == "required":
+            assert ch["finish_reason"] == "tool_calls"
+        else:
+            assert ch["finish_reason"] == "stop" and [x["function"]["name"] for x in calls] == ["forecast"]
+    _handed_over(r)
