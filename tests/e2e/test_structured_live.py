@@ -109,9 +109,8 @@ def _handed_over(r: dict) -> None:
 
 
 # n=2: the choices reach MD at their own handoff positions, so one grammar may complete a step
-# before the other's: tests/engine/test_structured_rows.py (not strict here: timing decides)
-@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.xfail(
-    reason="engine: a complete and an open grammar in one step (tests/engine/test_structured_rows.py)"))])
+# before the other's (tests/engine/test_structured_rows.py holds that case exactly)
+@pytest.mark.parametrize("n", [1, 2])
 def test_response_format_json_schema_equals_the_single_engine_across_the_handoff(pdd_topo, tiny_model, n):
     from openai import OpenAI
 

@@ -3,16 +3,10 @@ is not (what MD meets when a request's n choices were handed over at different p
 
 from __future__ import annotations
 
-import pytest
-
 from pdd.structured import grammar_for
 from pdd.types import FinishReason, SamplingParams
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="Sampler.sample joins the rows' guide bitmasks: a grammar in progress gives 132 bytes "
-                          "(llguidance's compute_bitmask) and a complete one 128 (Guide._eos_only) on the tiny "
-                          "vocab of 1024, so view(2, -1) fails")
 def test_a_complete_and_an_open_grammar_in_one_step(make_engine):
     eng = make_engine()
     prompt = eng.tokenizer.encode("hello").ids
