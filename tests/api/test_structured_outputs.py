@@ -42,6 +42,10 @@ def _cmpl(**kw):
     ({"guided_choice": ["a", "b"]}, "guided_choice", "choice", ["a", "b"]),
     ({"guided_grammar": 'start: "x"'}, "guided_grammar", "grammar", 'start: "x"'),
     ({"guided_json": SCHEMA, "guided_decoding_backend": "guidance"}, "guided_json", "json", SCHEMA),
+    # SGLang's
+    ({"regex": "[a-z]+"}, "regex", "regex", "[a-z]+"),
+    ({"ebnf": 'root ::= "a" | "b"'}, "ebnf", "grammar", 'root ::= "a" | "b"'),
+    ({"json_schema": '{"type": "object"}'}, "json_schema", "json", '{"type": "object"}'),
 ])
 @pytest.mark.parametrize("make", [_chat, _cmpl])
 def test_each_form_is_one_compiled_constraint(make, extra, param, kind, value):

@@ -219,10 +219,11 @@ class _Sampling(BaseModel):
     cache_salt: Any = None
     modalities: Any = None  # OpenAI's: ["text"] is all pdd outputs
     audio: Any = None
-    # SGLang's parameters pdd cannot honour (same rule)
+    # SGLang's structured outputs (structured_constraint): a regex, an EBNF grammar, a JSON schema's text
     regex: Any = None
     ebnf: Any = None
     json_schema: Any = None
+    # SGLang's parameters pdd cannot honour (check_unhonoured, UNHONOURED)
     stop_regex: Any = None
     custom_logit_processor: Any = None
     lora_path: Any = None
@@ -808,9 +809,6 @@ UNHONOURED: dict[str, tuple[str, Any]] = {
     "modalities": ("output modalities other than text", lambda v: isinstance(v, list) and all(x == "text" for x in v)),
     "audio": ("audio output", None),
     # SGLang's
-    "regex": ("constrained decoding", None),
-    "ebnf": ("constrained decoding", None),
-    "json_schema": ("constrained decoding", None),
     "stop_regex": ("stop regular expressions", None),
     "custom_logit_processor": ("custom logits processors", None),
     "lora_path": ("LoRA adapters", None),
@@ -849,8 +847,10 @@ STRUCTURED_BACKENDS = ("auto", "guidance")
 _STRUCTURED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "disable_any_whitespace": (None, False), "disable_additional_properties": (None, False),
     "structural_tag": (None,), "disable_fallback": (None, False, True)}
-# the older extras, each one constraint kind (vLLM 0.11 folds them into structured_outputs)
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# the older extras, each one constraint kind (vLLM 0.11 folds them into structured_outputs), and
+# SGLang's three (its EBNF is a GBNF-style grammar; its json_schema the schema's JSON text)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+           "regex": "regex", "ebnf": "grammar", "json_schema": "json"}
 
 
 def _check_response_format(rf: dict | None) -> tuple[str, Any] | None:
