@@ -102,7 +102,25 @@ def test_mistral_calls():
     assert P("mistral", t) == Parsed("ok ", (ToolCall("id0", "a", '{"x": 1}'), ToolCall("id1", "b", "{}")))
 
 
-@pytest.mark.parametrize("text", ["[TOOL_CALLS]", "[TOOL_CALLS][]", "[TOOL_CALLS][{\"name\": ", "x [TOOL_CALLS]1"])
+@pytest.mark.parametrize("text,calls", [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', [("get_weather", '{"city": "Paris"}')]),
+    ('ok [TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b-2[ARGS]{} ', [("a", '{"x": 1}'), ("b-2", "{}")]),
+    ('[TOOL_CALLS]a[CALL_ID]Ab3dE6gh9[ARGS]{"x": [1, 2]}', [("a", '{"x": [1, 2]}')]),  # v13
+    ('[TOOL_CALLS]a{"x": 1}[TOOL_CALLS] b {}', [("a", '{"x": 1}'), ("b", "{}")]),  # special tokens decoded away
+    ('[TOOL_CALLS]a[ARGS]"{\\"x\\": 1}"', [("a", '{"x": 1}')]),  # arguments written as a JSON string
+])
+def test_mistral_v11_calls(text, calls):
+    """Tokenizer v11+ (Mistral Small 3.1+, Devstral, Magistral): a [TOOL_CALLS] marker before each
+    call, ``name[ARGS]{...}``."""
+    got = P("mistral", text)
+    assert [(c.name, c.arguments) for c in got.calls] == calls
+    assert got.content == (text[:text.index("[TOOL_CALLS]")] or None)
+
+
+@pytest.mark.parametrize("text", ["[TOOL_CALLS]", "[TOOL_CALLS][]", "[TOOL_CALLS][{\"name\": ", "x [TOOL_CALLS]1",
+                                  "[TOOL_CALLS]a[ARGS]", "[TOOL_CALLS]a[ARGS]{\"x\": ", "[TOOL_CALLS]a b[ARGS]{}",
+                                  "[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS]a[ARGS][1]", "[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]",
+                                  "[TOOL_CALLS]" + "f" * 65 + "[ARGS]{}", "[TOOL_CALLS]a[ARGS]{} tail"])
 def test_mistral_unparsable_is_all_content(text):
     assert P("mistral", text) == Parsed(text)
 

@@ -12,7 +12,11 @@ Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
   (whitespace allowed around them and at the end); ``content`` is None. Text that does not start
   with ``{`` (or ``<|python_tag|>``) is no call, as vLLM's streaming parser decides.
 - ``mistral`` (Mistral v0.3 and later instruct models): ``[TOOL_CALLS]`` then a JSON array of
-  ``{"name": ..., "arguments": {...}}``; ``content`` is the text before ``[TOOL_CALLS]``.
+  ``{"name": ..., "arguments": {...}}`` (tokenizers before v11), or, from tokenizer v11 on
+  (Mistral Small 3.1+, Devstral, Magistral), one ``[TOOL_CALLS]name[ARGS]{...}`` per call
+  (v13 puts ``[CALL_ID]id`` before ``[ARGS]``; decoded without special tokens, ``name{...}``);
+  a name is 1 to 64 letters, digits, ``_`` or ``-`` (OpenAI's rule); ``content`` is the text
+  before the first ``[TOOL_CALLS]``.
 
 A text whose call cannot be parsed (malformed JSON, ``NaN`` / ``Infinity`` included, a call
 without a string ``name``, arguments that are not an object, a ``\ud800``-style escape of a lone
@@ -33,6 +37,7 @@ held and parsed at its end. What a stream hands out, whatever the chunks, is exa
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass
@@ -45,6 +50,8 @@ PARSERS = ("hermes", "llama3_json", "mistral")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_START = "[TOOL_CALLS]"
+MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"  # tokenizer v11+ (v13: the call id)
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -165,11 +172,30 @@ def _llama3_json(text: str, ids) -> Parsed:
         pos = len(text) - len(rest) + 1
 
 
+def _mistral_v11(seg: str, ids) -> ToolCall:
+    """One call of tokenizer v11+: ``name[ARGS]{...}``, ``name[CALL_ID]id[ARGS]{...}`` or, with
+    the special tokens decoded away, ``name{...}``."""
+    if MISTRAL_ARGS in seg:
+        head, args = seg.split(MISTRAL_ARGS, 1)
+    else:
+        brace = seg.find("{")
+        if brace < 0:
+            raise _NoCall("a call needs [ARGS] or its arguments")
+        head, args = seg[:brace], seg[brace:]
+    name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
+    if not _FUNCTION_NAME.fullmatch(name):
+        raise _NoCall("not a function name")
+    return _call({"name": name, "arguments": _loads(args.strip())}, ids)
+
+
 def _mistral(text: str, ids) -> Parsed:
     start = text.find(MISTRAL_START)
     if start < 0:
         return Parsed(text)
-    arr = _loads(text[start + len(MISTRAL_START):])
+    body = text[start + len(MISTRAL_START):]
+    if body.lstrip()[:1] not in ("[", "{"):  # tokenizer v11+: a marker before each call
+        return Parsed(text[:start] or None, tuple(_mistral_v11(seg, ids) for seg in body.split(MISTRAL_START)))
+    arr = _loads(body)
     if isinstance(arr, dict):
         arr = [arr]
     if not isinstance(arr, list) or not arr:
