@@ -176,3 +176,13 @@ def test_compiled_grammars_are_reused_and_each_guide_starts_fresh(tiny_model, mo
     Guide(lt, g2)
     Guide(lt, g3)  # the least recently used (g1) goes
     assert [k[1] for k in st._TEMPLATES] == [g2, g3]
+
+
+def test_warm_structured_builds_the_one_structured_tokenizer_off_the_calling_thread(make_engine):
+    eng = make_engine()
+    t = eng.warm_structured()
+    t.join(30)
+    assert not t.is_alive()
+    built = eng.structured_tokenizer()
+    assert eng.structured_tokenizer() is built  # one build a process, reused by every guide
+    assert built.vocab_size == eng.model_cfg.vocab_size and built.eos_tokens == eng.eos_token_ids

@@ -204,6 +204,7 @@ class EngineInstance:
         ec = self.engine_cfg
         torch.set_num_threads(ec.torch_threads)
         self.engine = self.load_engine()
+        self.engine.warm_structured()  # structured outputs' tokenizer, off the engine thread
         self.eos_ids = set(self.engine.eos_token_ids)
         loop = asyncio.get_running_loop()
         step_time = None
