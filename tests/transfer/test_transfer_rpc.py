@@ -433,6 +433,9 @@ async def test_call_timeout_covers_blocked_write():
         with pytest.raises(TimeoutError):  # the call's own timeout, not the hour the handler sleeps
             await asyncio.wait_for(peer.call({"t": "block"}, timeout=0.2), 60)
         filler.cancel()
+        # retrieved here: a cancelled gather left alone is logged ("exception was never retrieved",
+        # with a traceback) when it is collected, in whichever later test that happens
+        await asyncio.gather(filler, return_exceptions=True)
     finally:
         await peer.close(timeout_s=0.2)
         await server.close()
