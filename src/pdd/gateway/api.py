@@ -322,7 +322,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             return bad_request(f"Unsupported Media Type: the request body must be JSON sent with "
                                f"Content-Type: application/json ({got})", None, status=415)
         if not loc and first.get("type") == "missing":  # no body at all
-            field = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
+            field = {"/v1/chat/completions": "messages", "/v1/responses": "input"}.get(request.url.path, "prompt")
             return bad_request(f"request body is missing: send a JSON object with at least {field!r}", field)
         if not loc and first.get("type") == "model_attributes_type":  # JSON null, an array, a string, a number
             got = first.get("input")
@@ -926,6 +926,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 ch["token_ids"] = [t.token_id for t in c.tokens]
         return out
 
+    from pdd.gateway.openai_responses import add_responses_route
+
+    add_responses_route(app, chat_completions)  # POST /v1/responses, run as a chat request
     return app
 
 

@@ -33,7 +33,7 @@ from pdd.gateway.openai_schemas import error_body
 log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "shutting_down"  # the error code of a request refused during the drain
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 END_WAIT_S = 12.0  # after the timeout: how long the ends may take (a tier's abort call waits at most 10 s)
 POLL_S = 0.05  # how often the drain looks whether what it waits for is done
 REQUEST_KEY = "pdd.drain.request"  # an HTTP request's scope key: its number in Drain.track

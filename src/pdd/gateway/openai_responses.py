@@ -1,0 +1,564 @@
+"""OpenAI's Responses API, ``POST /v1/responses``, served through the chat path.
+
+A Responses request becomes a ``/v1/chat/completions`` request (:func:`chat_body`: the same chat
+template, sampling, tool-call parsing and orchestrator call), and the chat result is turned back
+into a Responses object (:func:`response_from_chat`) or, streamed, into the Responses API's
+semantic SSE events (:func:`response_events`). Nothing about the tiers differs from chat.
+
+Taken (OpenAI's names, as vLLM's ``/v1/responses``): ``model``, ``input`` (a string: one user
+message; or a list of items: messages ``{role, content}`` whose content is a string or
+``input_text`` / ``output_text`` parts, ``function_call`` items the model made before, and
+``function_call_output`` items answering them), ``instructions`` (a system message first),
+``max_output_tokens``, ``temperature``, ``top_p``, ``tools`` (function tools in the flat
+Responses form ``{type: "function", name, description, parameters}``), ``tool_choice``
+``"auto"`` / ``"none"``, ``parallel_tool_calls``, ``metadata`` and ``user`` (echoed),
+``stream``, and ``store`` / ``background`` / ``reasoning`` / ``text`` / ``include`` /
+``truncation`` at the values that ask for nothing.
+
+Refused with HTTP 400 naming the parameter (:func:`check_responses`), never ignored: what needs
+state pdd does not keep (``previous_response_id``, ``store: true``, ``conversation``,
+``background: true``, ``prompt``, an ``item_reference``), built-in tools (``web_search``,
+``file_search``, ``computer_use_preview``, ...), image / file / audio inputs, a ``reasoning``
+effort (the served models have no reasoning mode), output formats other than text
+(``text.format``), a forced tool call (``tool_choice`` ``"required"`` or a named function: no
+guided decoding on this path), ``include``, ``top_logprobs``, ``truncation: "auto"``.
+
+The response (non-streamed, and in ``response.completed`` / ``response.incomplete``): ``id``
+``resp_<base>`` (the chat id's base: the client's ``X-Request-Id`` or pdd's rid), ``object``
+"response", ``created_at`` (Unix seconds), ``status`` "completed", or "incomplete" with
+``incomplete_details.reason`` "max_output_tokens" when the output hit ``max_output_tokens``,
+``output``: a ``message`` item (``output_text`` content) when the model wrote text, then one
+``function_call`` item (``call_id``, ``name``, ``arguments`` as a JSON string) per parsed call;
+``usage``: ``input_tokens`` (with ``input_tokens_details.cached_tokens``), ``output_tokens``
+(``output_tokens_details.reasoning_tokens`` 0), ``total_tokens``. ``output_text`` is not sent:
+the official client computes it from ``output``, as OpenAI's server leaves it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+
+from pdd.gateway.openai_schemas import ApiError, ChatCompletionRequest, lone_surrogate
+from pdd.text import shown
+
+MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_INPUT_ITEMS = 4096  # items in one input list (chat's messages have no bound but the body's size)
+
+# Responses tool types that are built-in tools, run by OpenAI's servers: pdd runs no tools
+BUILTIN_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                           "web_search_2025_08_26", "file_search", "computer_use_preview", "computer_use",
+                           "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch",
+                           "custom"})
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text")
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+
+class ResponsesRequest(BaseModel):
+    """The body of ``POST /v1/responses`` (OpenAI's names). Unknown fields are ignored (as chat's
+    body); the ones pdd cannot honour are declared so :func:`check_responses` refuses them."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: StrictStr | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    stream: StrictBool | None = None
+    # asked for nothing at their defaults; any other value is refused (check_responses)
+    store: StrictBool | None = None
+    background: StrictBool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    include: list[Any] | None = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+    # hints that change nothing pdd does: accepted (max_tool_calls bounds built-in tool calls, of which there are none)
+    max_tool_calls: int | None = Field(None, ge=1)
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("max_output_tokens", "max_tool_calls", "top_logprobs", mode="before")
+    @classmethod
+    def _json_integer(cls, v):
+        """A JSON ``true`` or a string for an integer is refused (a 400 naming the field), as
+        chat's body refuses them: pydantic's lax mode reads ``true`` as 1 and ``"5"`` as 5."""
+        if isinstance(v, bool):
+            raise ValueError(f"must be an integer, got {str(v).lower()}")
+        if isinstance(v, str):
+            raise ValueError(f"must be an integer, got a string {shown(v)}")
+        return v
+
+
+def _refuse(param: str, message: str) -> ApiError:
+    return ApiError(message, param)
+
+
+def check_responses(body: ResponsesRequest) -> None:
+    """ApiError (400, ``param`` naming the field) for what pdd cannot honour (module docstring)
+    and for bad ``metadata``; ``input``, ``tools`` and ``tool_choice`` are checked as they are
+    converted (:func:`chat_messages`, :func:`chat_tools`)."""
+    if body.previous_response_id is not None:
+        raise _refuse("previous_response_id", "previous_response_id is not supported: pdd keeps no response store; "
+                      "send the whole conversation in input (earlier output items included)")
+    if body.store:
+        raise _refuse("store", "store: true is not supported: pdd keeps no response store; send store: false "
+                      "(or leave it out)")
+    if body.background:
+        raise _refuse("background", "background: true is not supported: pdd keeps no response store to poll; "
+                      "leave background out (stream: true gives the output as it is made)")
+    if body.conversation is not None:
+        raise _refuse("conversation", "conversation is not supported: pdd keeps no conversation state; send the "
+                      "whole conversation in input")
+    if body.prompt is not None:
+        raise _refuse("prompt", "prompt (a stored prompt template) is not supported: pdd stores no prompts; send "
+                      "instructions and input")
+    r = body.reasoning or {}
+    if r.get("effort") not in (None, "none") or r.get("summary") is not None or r.get("generate_summary") is not None:
+        raise _refuse("reasoning", f"reasoning {shown(r)} is not supported: the served model has no reasoning "
+                      "mode; leave reasoning out")
+    fmt = (body.text or {}).get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise _refuse("text", f"text.format {shown(kind)} is not supported on /v1/responses: only plain text "
+                      "output (text.format type 'text')")
+    verbosity = (body.text or {}).get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise _refuse("text", f"text.verbosity {shown(verbosity)} is not supported: leave it out")
+    if body.include:
+        raise _refuse("include", f"include {shown(body.include)} is not supported: pdd adds no extra output data; "
+                      "leave include out")
+    if body.top_logprobs:
+        raise _refuse("top_logprobs", "top_logprobs is not supported on /v1/responses (use /v1/chat/completions "
+                      "with logprobs)")
+    if body.truncation not in (None, "disabled"):
+        raise _refuse("truncation", f"truncation {shown(body.truncation)} is not supported: a conversation "
+                      "longer than the context window is refused, never cut; send truncation 'disabled'")
+    md = body.metadata
+    if md is not None:
+        if len(md) > MAX_METADATA_KEYS:
+            raise _refuse("metadata", f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(md)}")
+        for k, v in md.items():
+            if len(k) > MAX_METADATA_KEY_CHARS:
+                raise _refuse("metadata", f"metadata: key {shown(k)} is longer than {MAX_METADATA_KEY_CHARS} "
+                              "characters")
+            if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE_CHARS:
+                raise _refuse("metadata", f"metadata[{shown(k)}]: must be a string of at most "
+                              f"{MAX_METADATA_VALUE_CHARS} characters")
+
+
+def _text_of(content, where: str, kinds: tuple[str, ...]) -> str:
+    """A message's content (a string, or a list of text parts of ``kinds``) as one string (parts
+    joined with newlines, as chat joins its text parts). ApiError naming ``input`` for media
+    parts, a lone surrogate (not Unicode text) and anything else."""
+    if isinstance(content, str):
+        bad = lone_surrogate(content)
+        if bad is not None:
+            raise _refuse("input", f"{where}: not valid Unicode text (a lone surrogate at character {bad})")
+        return content
+    if not isinstance(content, list):
+        raise _refuse("input", f"{where}: must be a string or a list of content parts, got "
+                      f"{type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise _refuse("input", f"{where}[{j}]: content of type {kind!r} is not supported: the served model "
+                          "takes text only")
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise _refuse("input", f"{where}[{j}]: must be a text part ({' or '.join(kinds)} with a string "
+                          f"'text'), got {shown(part)}")
+        texts.append(_text_of(part["text"], f"{where}[{j}].text", kinds))
+    return "\n".join(texts)
+
+
+def chat_messages(body: ResponsesRequest) -> list[dict]:
+    """The chat messages of a Responses request: ``instructions`` as a system message, then
+    ``input`` (a string: one user message; a list: each message item as a chat message, runs of
+    ``function_call`` items as one assistant message's ``tool_calls``, each
+    ``function_call_output`` as a ``tool`` message). ApiError naming ``input`` for an item pdd
+    cannot take (module docstring)."""
+    msgs: list[dict] = []
+    if body.instructions:
+        bad = lone_surrogate(body.instructions)
+        if bad is not None:
+            raise _refuse("instructions", f"instructions: not valid Unicode text (a lone surrogate at character "
+                          f"{bad})")
+        msgs.append({"role": "system", "content": body.instructions})
+    items = body.input
+    if isinstance(items, str):
+        return msgs + [{"role": "user", "content": _text_of(items, "input", ())}]
+    if not items:
+        raise _refuse("input", "input: must be a string or a non-empty list of items")
+    if len(items) > MAX_INPUT_ITEMS:
+        raise _refuse("input", f"input: at most {MAX_INPUT_ITEMS} items, got {len(items)}")
+    for i, it in enumerate(items):
+        at = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise _refuse("input", f"{at}: must be an object (a message or a function call item), got "
+                          f"{type(it).__name__}")
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in MESSAGE_ROLES:
+                raise _refuse("input", f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {shown(role)}")
+            if "content" not in it:
+                raise _refuse("input", f"{at}.content: required")
+            kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
+            msgs.append({"role": role, "content": _text_of(it["content"], f"{at}.content", kinds)})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(it.get(key), str) or (key != "arguments" and not it[key]):
+                    raise _refuse("input", f"{at}.{key}: required, a string")
+                _text_of(it[key], f"{at}.{key}", ())  # valid Unicode text
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+            last = msgs[-1] if msgs else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(it.get("call_id"), str) or not it["call_id"]:
+                raise _refuse("input", f"{at}.call_id: required, a string")
+            _text_of(it["call_id"], f"{at}.call_id", ())
+            if "output" not in it:
+                raise _refuse("input", f"{at}.output: required")
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"],
+                         "content": _text_of(it["output"], f"{at}.output", ("input_text",))})
+        elif kind == "item_reference":
+            raise _refuse("input", f"{at}: item_reference is not supported: pdd keeps no response store; send "
+                          "the item itself")
+        elif kind == "reasoning":
+            raise _refuse("input", f"{at}: a reasoning item is not supported: the served model has no reasoning "
+                          "mode")
+        else:
+            raise _refuse("input", f"{at}: item type {shown(kind)} is not supported (message, function_call and "
+                          "function_call_output are)")
+    return msgs
+
+
+def chat_tools(tools: list | None) -> list[dict] | None:
+    """Responses function tools (flat: ``{type, name, description, parameters, strict}``) as
+    chat's (``{type: "function", function: {...}}``); ApiError naming ``tools`` for a built-in
+    tool or a malformed one."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind in BUILTIN_TOOLS or (isinstance(kind, str) and kind.startswith(("web_search", "computer_use"))):
+            raise _refuse("tools", f"tools[{i}]: the built-in tool {kind!r} is not supported: pdd runs no tools; "
+                          "only function tools (type 'function'), which the client runs")
+        if kind != "function":
+            raise _refuse("tools", f"tools[{i}]: must be a function tool (type 'function'), got {shown(t)}")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise _refuse("tools", f"tools[{i}].name: required, a non-empty string")
+        fn = {"name": t["name"]}
+        for key in ("description", "parameters", "strict"):
+            if t.get(key) is not None:
+                fn[key] = t[key]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def check_tool_choice(tc, tools: list | None) -> None:
+    """``tool_choice``: "auto" or "none" (or left out); a forced call ("required", a named function)
+    needs guided decoding, which this path has not; ApiError naming ``tool_choice``."""
+    if tc is None or tc in ("auto", "none"):
+        return
+    if tc == "required" or (isinstance(tc, dict) and tc.get("type") in ("function", "allowed_tools")):
+        raise _refuse("tool_choice", f"tool_choice {shown(tc)} is not supported: forcing a tool call needs guided "
+                      "decoding, which pdd does not have here; send tool_choice 'auto' (the model decides) or "
+                      "'none'")
+    if isinstance(tc, dict):
+        raise _refuse("tool_choice", f"tool_choice {shown(tc)} is not supported: pdd runs no built-in tools; send "
+                      "'auto' or 'none'")
+    raise _refuse("tool_choice", f"tool_choice: must be 'auto', 'none', 'required' or an object, got {shown(tc)}")
+
+
+def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The ``/v1/chat/completions`` request a Responses request runs as (one choice; streamed
+    with usage when ``stream``). ApiError (400) for what :func:`check_responses` refuses and for
+    bad ``input``, ``tools`` or ``tool_choice``."""
+    check_responses(body)
+    messages = chat_messages(body)
+    tools = chat_tools(body.tools)
+    check_tool_choice(body.tool_choice, tools)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
+    for src, dst in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                     ("top_p", "top_p"), ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls")):
+        v = getattr(body, src)
+        if v is not None:
+            chat[dst] = v
+    if tools is not None:
+        chat["tools"] = tools
+        if body.tool_choice is not None:
+            chat["tool_choice"] = body.tool_choice
+    if body.stream:
+        chat["stream_options"] = {"include_usage": True}
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:  # checked above; a difference between the two bodies' rules still says so
+        err = e.errors()[0]
+        raise ApiError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", None) from None
+
+
+# chat's names in an error raised by the chat path -> the Responses request's
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+
+
+def renamed(e: ApiError) -> ApiError:
+    """``e`` (raised by the chat path) with chat's parameter names replaced by the Responses
+    request's (``messages`` -> ``input``, ``max_completion_tokens`` -> ``max_output_tokens``),
+    in ``param`` and in the message."""
+    param = e.param
+    if param is not None:
+        head, sep, tail = param.partition("[")
+        param = _PARAMS.get(head, head) + sep + tail
+    msg = e.message
+    for old, new in _PARAMS.items():
+        msg = msg.replace(old, new)
+    e.message, e.param = msg, param
+    e.args = (msg,)
+    return e
+
+
+def _rid(chat_id: str) -> str:
+    return "resp_" + chat_id.removeprefix("chatcmpl-")
+
+
+def _hex() -> str:
+    return secrets.token_hex(12)
+
+
+class Shell:
+    """What a response object repeats from its request, and the request's ids."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.body, self.model = body, model
+
+    def response(self, rid: str, created: int, status: str, output: list, usage: dict | None,
+                 incomplete: str | None = None, error: dict | None = None) -> dict:
+        b = self.body
+        tc = b.tool_choice if b.tool_choice is not None else "auto"
+        return {"id": rid, "object": "response", "created_at": created, "status": status, "background": False,
+                "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+                "max_tool_calls": b.max_tool_calls, "model": self.model, "output": output,
+                "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
+                "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": b.temperature,
+                "text": {"format": {"type": "text"}}, "tool_choice": tc, "tools": list(b.tools or []),
+                "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
+                "metadata": dict(b.metadata or {})}
+
+
+def usage_from_chat(u: dict | None) -> dict | None:
+    """Chat's ``usage`` in the Responses API's names."""
+    if u is None:
+        return None
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"]}
+
+
+def _status(finish_reason: str | None) -> tuple[str, str | None]:
+    """(status, incomplete_details.reason) for a chat choice's finish reason: "length" is the
+    output cut at max_output_tokens; "abort" (its stream ended without a finish token) is
+    incomplete with no reason OpenAI names."""
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    if finish_reason == "abort":
+        return "incomplete", None
+    return "completed", None
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def response_from_chat(shell: Shell, chat: dict) -> dict:
+    """The Responses object of a non-streamed chat completion ``chat`` (one choice)."""
+    (choice,) = chat["choices"]
+    msg = choice["message"]
+    status, reason = _status(choice["finish_reason"])
+    item_status = "incomplete" if status == "incomplete" else "completed"
+    output = []
+    calls = msg.get("tool_calls") or []
+    if msg.get("content") or not calls:
+        output.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", item_status))
+    for c in calls:
+        output.append(_call_item(f"fc_{_hex()}", c["id"], c["function"]["name"], c["function"]["arguments"],
+                                 "completed"))
+    return shell.response(_rid(chat["id"]), chat["created"], status, output, usage_from_chat(chat.get("usage")),
+                          reason)
+
+
+def _event(kind: str, seq: int, **fields) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n"
+
+
+async def response_events(shell: Shell, chat_sse, created: int):
+    """The Responses API's SSE events (``event: <type>`` then ``data: {type, sequence_number,
+    ...}``, sequence numbers 0, 1, ...) of a streamed chat completion ``chat_sse`` (its
+    ``data:`` lines, one choice, usage chunk included): ``response.created``,
+    ``response.in_progress``; for text, ``response.output_item.added`` (a message item),
+    ``response.content_part.added``, one ``response.output_text.delta`` per chat content delta,
+    then ``response.output_text.done``, ``response.content_part.done``,
+    ``response.output_item.done``; per tool call, ``response.output_item.added`` (a
+    function_call item), ``response.function_call_arguments.delta`` / ``.done``,
+    ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when
+    the output hit ``max_output_tokens``) with the whole response. A chat error chunk ends it
+    with ``response.failed`` (``error.code`` "server_error"). However the stream ends, the chat
+    stream is closed, which aborts what still runs on the tiers (as chat does)."""
+    seq = 0
+    rid = None
+    output: list[dict] = []
+    msg: dict | None = None  # the open message item
+    texts: list[str] = []
+    calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
+    finish = None
+    usage = None
+
+    def ev(kind, **fields):
+        nonlocal seq
+        s = _event(kind, seq, **fields)
+        seq += 1
+        return s
+
+    def close_message():
+        nonlocal msg
+        if msg is None:
+            return []
+        text = "".join(texts)
+        i = output.index(msg)
+        status = "incomplete" if _status(finish)[0] == "incomplete" else "completed"
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        done = _message_item(msg["id"], text, status)
+        output[i] = done
+        out = [ev("response.output_text.done", item_id=msg["id"], output_index=i, content_index=0, text=text,
+                  logprobs=[]),
+               ev("response.content_part.done", item_id=msg["id"], output_index=i, content_index=0, part=part),
+               ev("response.output_item.done", output_index=i, item=done)]
+        msg = None
+        return out
+
+    async with contextlib.aclosing(chat_sse) as chunks:
+        async for raw in chunks:
+            line = raw.decode() if isinstance(raw, bytes) else raw
+            if not line.startswith("data: ") or line.startswith("data: [DONE]"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                err = chunk["error"]
+                if rid is None:  # failed before its first chunk: nothing was sent yet
+                    rid = f"resp_{_hex()}"
+                    yield ev("response.created", response=shell.response(rid, created, "in_progress", [], None))
+                for s in close_message():
+                    yield s
+                yield ev("response.failed", response=shell.response(
+                    rid, created, "failed", output, None,
+                    error={"code": "server_error", "message": err.get("message", "")}))
+                return
+            if rid is None:
+                rid, shell.model = _rid(chunk["id"]), chunk.get("model", shell.model)
+                head = shell.response(rid, created, "in_progress", [], None)
+                yield ev("response.created", response=head)
+                yield ev("response.in_progress", response=head)
+            if chunk.get("usage") is not None and not chunk.get("choices"):
+                usage = usage_from_chat(chunk["usage"])
+                continue
+            for ch in chunk.get("choices", ()):
+                delta = ch.get("delta") or {}
+                if ch.get("finish_reason") is not None:
+                    finish = ch["finish_reason"]
+                text = delta.get("content")
+                if text:
+                    if msg is None:
+                        msg = {"id": f"msg_{_hex()}", "type": "message", "role": "assistant",
+                               "status": "in_progress", "content": []}
+                        output.append(msg)
+                        i = len(output) - 1
+                        yield ev("response.output_item.added", output_index=i, item=dict(msg))
+                        yield ev("response.content_part.added", item_id=msg["id"], output_index=i, content_index=0,
+                                 part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                    texts.append(text)
+                    yield ev("response.output_text.delta", item_id=msg["id"], output_index=output.index(msg),
+                             content_index=0, delta=text, logprobs=[])
+                for tc in delta.get("tool_calls") or ():
+                    fn = tc.get("function") or {}
+                    if tc.get("id") is not None:  # a call's first chunk: its id and name
+                        for s in close_message():
+                            yield s
+                        item = _call_item(f"fc_{_hex()}", tc["id"], fn.get("name", ""), "", "in_progress")
+                        calls[tc["index"]] = item
+                        output.append(item)
+                        yield ev("response.output_item.added", output_index=len(output) - 1, item=dict(item))
+                    if fn.get("arguments"):
+                        item = calls[tc["index"]]
+                        i = output.index(item)
+                        item["arguments"] += fn["arguments"]
+                        yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                                 delta=fn["arguments"])
+                        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                 arguments=item["arguments"])
+                        item["status"] = "completed"
+                        yield ev("response.output_item.done", output_index=i, item=dict(item))
+    for s in close_message():
+        yield s
+    if rid is None:  # the chat stream ended with no chunk at all (it always sends its role chunk first)
+        return
+    status, reason = _status(finish)
+    done = shell.response(rid, created, status, output, usage, reason)
+    yield ev("response.incomplete" if status == "incomplete" else "response.completed", response=done)
+
+
+def add_responses_route(app: FastAPI, chat_completions) -> None:
+    """Register ``POST /v1/responses`` on ``app``: each request runs as ``chat_completions(body,
+    request)`` (the gateway's chat endpoint, :func:`chat_body`) and its answer is turned back
+    (:func:`response_from_chat`, :func:`response_events`); the chat path's errors come back
+    with the Responses request's parameter names (:func:`renamed`)."""
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        chat = chat_body(body)
+        try:
+            out = await chat_completions(chat, request)
+        except ApiError as e:
+            raise renamed(e) from None
+        if isinstance(out, StreamingResponse):
+            shell = Shell(body, chat.model or "")  # the served model's name, from the first chunk on
+            return StreamingResponse(response_events(shell, out.body_iterator, int(time.time())),
+                                     media_type="text/event-stream")
+        if isinstance(out, JSONResponse):  # the chat path's failure (503) or a client gone (499)
+            return out
+        return response_from_chat(Shell(body, out["model"]), out)

@@ -1,0 +1,372 @@
+"""``POST /v1/responses`` through the official openai client (``client.responses.create``,
+streamed and not): the real gateway app and orchestrator on a live uvicorn server over scripted
+tiers whose single choice generates a known text (tests/api/test_tool_calls.py's ``TextOrch``),
+so the output, the events and the prompt the chat path built are exact."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+
+import httpx
+import pytest
+
+from pdd.config import ClusterConfig
+from tests.api.live_app import served
+from tests.api.test_tool_calls import HERMES_ONE, HERMES_TWO, PLAIN, T_CALL, W_CALL, Server, TextOrch
+
+MODEL = "pdd-tiny"
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+R_TOOLS = [{"type": "function", "name": "get_weather", "description": "weather", "parameters": CITY},
+           {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+C_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": CITY}},
+           {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+# renders what a tool-aware template does with tools, an assistant's tool calls and tool results
+TOOL_TEMPLATE = (
+    "{% if tools %}[tools {% for t in tools %}{{ t.function.name }}:{{ t.function.description }};{% endfor %}]"
+    "{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments }}]{% endfor %}"
+    "{% if m.tool_call_id %}(for {{ m.tool_call_id }}){% endif %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+class PromptOrch(TextOrch):
+    """``TextOrch`` that records each request's prompt ids and sampling parameters."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.started: list[tuple[list[int], object]] = []
+
+    async def start_request(self, prompt_ids, sp, rid=None, sibling_of=None, siblings=0):
+        self.started.append((list(prompt_ids), sp))
+        return await super().start_request(prompt_ids, sp, rid, sibling_of, siblings)
+
+
+@pytest.fixture
+async def serve(tiny_model):
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(texts, parser="hermes", template=None):
+            cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model,
+                                                "served_model_name": MODEL, "tool_call_parser": parser,
+                                                "engine": {"max_model_len": 512, "max_input_len": 400}})
+            tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+            orch = PromptOrch(cfg, tok, texts, json.load(open(f"{tiny_model}/config.json"))["eos_token_id"])
+            port = await stack.enter_async_context(served(create_app(cfg, orch, tok, template)))
+            srv = Server(f"http://127.0.0.1:{port}", orch)
+            stack.push_async_callback(srv.oa.close)
+            return srv
+
+        yield start
+
+
+async def _chat_prompt(s, **chat) -> list[int]:
+    """The prompt ids the chat endpoint builds for ``chat`` (the same gateway's)."""
+    await s.client().chat.completions.create(model=MODEL, **chat)
+    return s.orch.started[-1][0]
+
+
+async def test_string_input_is_one_user_message_and_the_answer_a_message_item(serve):
+    s = await serve([PLAIN])
+    r = await s.client().responses.create(model=MODEL, input="weather in Paris?")
+    got = s.orch.started[-1][0]
+    assert got == await _chat_prompt(s, messages=[{"role": "user", "content": "weather in Paris?"}])
+    assert re.fullmatch(r"resp_\S+", r.id) and r.object == "response" and r.model == MODEL
+    assert (r.status, r.incomplete_details, r.error, r.output_text) == ("completed", None, None, PLAIN)
+    (item,) = r.output
+    assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
+    assert re.fullmatch(r"msg_[0-9a-f]{24}", item.id)
+    assert [(c.type, c.text, c.annotations) for c in item.content] == [("output_text", PLAIN, [])]
+    n_out = len(s.orch.tok.encode(PLAIN, add_special_tokens=False).ids) + 1  # and EOS
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (len(got), n_out, len(got) + n_out)
+    assert (r.usage.input_tokens_details.cached_tokens, r.usage.output_tokens_details.reasoning_tokens) == (0, 0)
+    assert (r.tools, r.tool_choice, r.parallel_tool_calls, r.store, r.previous_response_id) == ([], "auto", True,
+                                                                                               False, None)
+
+
+async def test_instructions_items_and_sampling_become_the_chat_request(serve):
+    """instructions: a system message first; message items (string or input_text parts); the
+    sampling values and the echoed fields."""
+    s = await serve([PLAIN])
+    r = await s.client().responses.create(
+        model=MODEL, instructions="Be brief.", temperature=0.5, top_p=0.9, max_output_tokens=40, user="u1",
+        metadata={"k": "v"},
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"},
+                                            {"type": "input_text", "text": "there"}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+               {"type": "message", "role": "user", "content": "weather?"}])
+    got, sp = s.orch.started[-1]
+    assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.5, 0.9, 40)
+    assert got == await _chat_prompt(s, messages=[{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "hi\nthere"},
+                                                  {"role": "assistant", "content": "Hello."},
+                                                  {"role": "user", "content": "weather?"}])
+    assert (r.instructions, r.temperature, r.top_p, r.max_output_tokens, r.user, r.metadata) == (
+        "Be brief.", 0.5, 0.9, 40, "u1", {"k": "v"})
+    assert r.output_text == PLAIN
+
+
+async def test_function_calls_and_their_outputs_are_the_chat_tool_turns(serve):
+    """Under a template that renders tools, tool calls and tool results: the prompt is exact,
+    and chat's for the same conversation."""
+    from pdd.gateway.openai_chat import ChatTemplate
+
+    s = await serve([PLAIN], template=ChatTemplate(TOOL_TEMPLATE, {}))
+    await s.client().responses.create(model=MODEL, tools=R_TOOLS, input=[
+        {"role": "user", "content": "weather and time?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "noon"}]}])
+    got = s.orch.started[-1][0]
+    calls = [{"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    assert got == await _chat_prompt(s, tools=C_TOOLS, messages=[
+        {"role": "user", "content": "weather and time?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "noon"}])
+    want = ("[tools get_weather:weather;get_time:;]<|user|>weather and time?</s>"
+            '<|assistant|>[call call_1 get_weather {"city": "Paris"}][call call_2 get_time {}]</s>'
+            "<|tool|>sunny(for call_1)</s><|tool|>noon(for call_2)</s><|assistant|>")
+    assert got == s.orch.tok.encode(want, add_special_tokens=False).ids
+
+
+def _calls(output):
+    out = []
+    for o in output:
+        if o.type == "function_call":
+            assert re.fullmatch(r"fc_[0-9a-f]{24}", o.id) and re.fullmatch(r"call_[0-9a-f]{24}", o.call_id), o
+            assert o.status == "completed"
+            out.append((o.name, o.arguments))
+    return out
+
+
+async def test_tool_calls_are_function_call_items(serve):
+    s = await serve([HERMES_ONE])
+    r = await s.client().responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS)
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    assert (r.output_text, _calls(r.output), r.status) == ("Let me check.\n", [W_CALL], "completed")
+    s = await serve([HERMES_TWO])
+    r = await s.client().responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS, tool_choice="auto")
+    assert [o.type for o in r.output] == ["function_call", "function_call"]
+    assert (r.output_text, _calls(r.output)) == ("", [W_CALL, T_CALL])
+    assert len({o.call_id for o in r.output}) == 2
+    r = await s.client().responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS,
+                                          parallel_tool_calls=False)
+    assert (_calls(r.output), r.parallel_tool_calls) == ([W_CALL], False)
+    r = await s.client().responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS, tool_choice="none")
+    assert (r.output_text, _calls(r.output), r.tool_choice) == (HERMES_TWO, [], "none")
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"]
+
+
+async def test_max_output_tokens_reached_is_incomplete(serve):
+    s = await serve([PLAIN])
+    r = await s.client().responses.create(model=MODEL, input="weather?", max_output_tokens=3)
+    want = s.orch.tok.decode(s.orch.tok.encode(PLAIN, add_special_tokens=False).ids[:3])
+    assert (r.status, r.incomplete_details.reason, r.output[0].status, r.usage.output_tokens) == (
+        "incomplete", "max_output_tokens", "incomplete", 3)
+    assert r.output_text == want
+
+
+async def _events(s, **kw):
+    stream = await s.client().responses.create(model=MODEL, stream=True, **kw)
+    return [ev async for ev in stream]
+
+
+async def test_streamed_text_events(serve):
+    s = await serve([PLAIN])
+    evs = await _events(s, input="weather in Paris?", metadata={"k": "v"})
+    kinds = [e.type for e in evs]
+    n_tok = len(s.orch.tok.encode(PLAIN, add_special_tokens=False).ids)
+    deltas = [e for e in evs if e.type == "response.output_text.delta"]
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.output_text.delta"] * len(deltas)
+                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                        "response.completed"])
+    assert 0 < len(deltas) <= n_tok and "".join(d.delta for d in deltas) == PLAIN
+    assert [e.sequence_number for e in evs] == list(range(len(evs)))
+    created, last = evs[0].response, evs[-1].response
+    assert (created.status, created.output, created.usage) == ("in_progress", [], None)
+    assert created.id == last.id and re.fullmatch(r"resp_\S+", last.id)
+    item_id = evs[2].item.id
+    assert (evs[2].item.type, evs[2].item.status, evs[2].output_index) == ("message", "in_progress", 0)
+    assert {e.item_id for e in evs[3:-2] if hasattr(e, "item_id")} == {item_id}
+    assert (evs[-4].text, evs[-3].part.text, evs[-2].item.content[0].text) == (PLAIN, PLAIN, PLAIN)
+    assert (last.status, last.output_text, last.metadata, last.usage.output_tokens) == ("completed", PLAIN,
+                                                                                         {"k": "v"}, n_tok + 1)
+    # the same response as the non-streamed one, but its ids and time
+    r = await s.client().responses.create(model=MODEL, input="weather in Paris?", metadata={"k": "v"})
+    same = lambda x: re.sub(r'"(resp|msg)_[^"]*"', '""', json.dumps({**x.model_dump(), "created_at": 0}))  # noqa
+    assert same(last) == same(r)
+
+
+async def test_streamed_tool_calls(serve):
+    s = await serve([HERMES_ONE])
+    evs = await _events(s, input="weather in Paris?", tools=R_TOOLS)
+    kinds = [e.type for e in evs if e.type != "response.output_text.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert "".join(e.delta for e in evs if e.type == "response.output_text.delta") == "Let me check.\n"
+    added = [e for e in evs if e.type == "response.output_item.added"][1]
+    assert (added.output_index, added.item.type, added.item.name, added.item.arguments, added.item.status) == (
+        1, "function_call", "get_weather", "", "in_progress")
+    done = [e for e in evs if e.type == "response.function_call_arguments.done"][0]
+    assert (done.item_id, done.arguments) == (added.item.id, W_CALL[1])
+    last = evs[-1].response
+    assert (last.output_text, _calls(last.output)) == ("Let me check.\n", [W_CALL])
+    assert [e.sequence_number for e in evs] == list(range(len(evs)))
+    s = await serve([HERMES_TWO])
+    evs = await _events(s, input="weather in Paris?", tools=R_TOOLS)
+    assert [e.type for e in evs if e.type.startswith("response.output_text")] == []
+    assert _calls(evs[-1].response.output) == [W_CALL, T_CALL]
+    assert [e.output_index for e in evs if e.type == "response.output_item.done"] == [0, 1]
+
+
+async def test_streamed_incomplete_ends_with_response_incomplete(serve):
+    s = await serve([PLAIN])
+    evs = await _events(s, input="weather?", max_output_tokens=2)
+    last = evs[-1]
+    assert (last.type, last.response.status, last.response.incomplete_details.reason) == (
+        "response.incomplete", "incomplete", "max_output_tokens")
+    assert [e.item.status for e in evs if e.type == "response.output_item.done"] == ["incomplete"]
+
+
+async def test_streamed_with_the_stream_helper(serve):
+    """The client's ``responses.stream`` helper accumulates the events into the final response."""
+    s = await serve([HERMES_ONE])
+    async with s.client().responses.stream(model=MODEL, input="weather in Paris?", tools=R_TOOLS) as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_response()
+    assert (final.output_text, _calls(final.output), final.status) == ("Let me check.\n", [W_CALL], "completed")
+
+
+BASE = {"model": MODEL, "input": "hi"}
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "pdd keeps no response store"),
+    ({"store": True}, "store", "pdd keeps no response store"),
+    ({"background": True}, "background", "background: true is not supported"),
+    ({"conversation": "conv_1"}, "conversation", "no conversation state"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "stored prompt template"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "the built-in tool 'web_search' is not supported"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}]}, "tools", "'file_search' is not supported"),
+    ({"tools": [{"type": "computer_use_preview"}]}, "tools", "'computer_use_preview' is not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0].name: required"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools[0].name: required"),
+    ({"tools": R_TOOLS, "tool_choice": "required"}, "tool_choice", "needs guided decoding"),
+    ({"tools": R_TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
+     "needs guided decoding"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "no built-in tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none'"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning mode"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "'json_schema' is not"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "include ['reasoning.encrypted_content'] is not"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs is not supported"),
+    ({"truncation": "auto"}, "truncation", "truncation 'auto' is not supported"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 keys, got 17"),
+    ({"metadata": {"k": 1}}, "metadata", "must be a string of at most 512 characters"),
+    ({"input": []}, "input", "input: must be a string or a non-empty list of items"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input",
+     "input[0].content[0]: content of type 'input_image' is not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input",
+     "'input_file' is not supported"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input", "input[0].role: must be one of"),
+    ({"input": [{"role": "user"}]}, "input", "input[0].content: required"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "input[0].call_id: required"),
+    ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input", "input[0].name: required"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference is not supported"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "a reasoning item is not supported"),
+    ({"input": [{"type": "web_search_call"}]}, "input", "item type 'web_search_call' is not supported"),
+    ({"input": ["hi"]}, "input", "input[0]: must be an object"),
+    ({"input": 5}, "input", "Input should be a valid"),
+    ({"temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ({"max_output_tokens": 1000}, "max_output_tokens", "max_output_tokens (1000) exceeds the context window"),
+    ({"input": "x " * 500}, "input", "input (as a prompt)"),
+])
+async def test_what_cannot_be_honoured_is_a_400_naming_it(serve, extra, param, words):
+    s = await serve([PLAIN])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", json={**BASE, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["type"]) == (param, "invalid_request_error"), err
+    assert words in err["message"], err
+    assert s.orch.started == []
+
+
+async def test_refusals_through_the_client(serve):
+    from openai import BadRequestError, NotFoundError
+
+    s = await serve([PLAIN])
+    with pytest.raises(BadRequestError) as e:
+        await s.client().responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    assert e.value.status_code == 400 and e.value.body["param"] == "previous_response_id"
+    with pytest.raises(NotFoundError) as e:
+        await s.client().responses.create(model="other", input="hi")
+    assert e.value.body["code"] == "model_not_found"
+
+
+async def test_missing_input_and_tools_without_a_parser(serve):
+    s = await serve([PLAIN], parser="none")
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", json={"model": MODEL})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "input")
+        r = await http.post("/v1/responses", content=b"")
+        assert r.status_code in (400, 415), r.text
+        r = await http.post("/v1/responses", json={**BASE, "tools": R_TOOLS})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "tool_choice")
+        assert "tool_call_parser" in r.json()["error"]["message"]
+        r = await http.post("/v1/responses", json={**BASE, "tools": R_TOOLS, "tool_choice": "none"})
+        assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == PLAIN
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": "x"}, {"tools": ["x"]}, {"tools": [None]}, {"tool_choice": 5}, {"tool_choice": {}},
+    {"reasoning": "high"}, {"reasoning": {"effort": 5}}, {"text": {"format": "text"}}, {"text": "x"},
+    {"text": {"verbosity": "low"}}, {"include": "x"}, {"metadata": []}, {"metadata": {"k": None}},
+    {"input": [{"role": "user", "content": None}]}, {"input": [{"role": "user", "content": [None]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+    {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+    {"input": [{"type": "function_call_output", "call_id": "c", "output": None}]},
+    {"input": [{"type": 5}]}, {"input": [{"role": ["user"], "content": "x"}]}, {"input": None},
+    {"instructions": 5}, {"user": 5}, {"stream": "yes"}, {"store": "no"},
+    {"temperature": True}, {"top_p": 0}, {"max_output_tokens": "5"}, {"truncation": 5}, {"previous_response_id": 5},
+])
+async def test_malformed_fields_are_400s_never_500s(serve, extra):
+    s = await serve([PLAIN])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", json={**BASE, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"input": "a\ud800"}, "input", "input: not valid Unicode text (a lone surrogate at character 1)"),
+    ({"instructions": "a\ud800"}, "instructions", "instructions: not valid Unicode text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "\ud800"}]}]}, "input",
+     "input[0].content[0].text: not valid Unicode text"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "\ud800"}]}, "input",
+     "not valid Unicode text"),
+])
+async def test_a_lone_surrogate_is_a_400_naming_its_field(serve, extra, param, words):
+    s = await serve([PLAIN])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:  # json.dumps escapes it: \ud800
+        r = await http.post("/v1/responses", content=json.dumps({**BASE, **extra}),
+                            headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err

@@ -1,0 +1,68 @@
+"""``POST /v1/responses`` ends as chat does: a client gone mid-stream is cancelled on every tier,
+a tier's failure mid-stream is a ``response.failed`` event (503 when not streamed), each
+request counted once (tests/api/test_gateway_outcomes.py's scripted tiers and live server)."""
+
+from __future__ import annotations
+
+import json
+
+from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED
+from tests.api.test_gateway_outcomes import _settled, gateway  # noqa: F401 (a fixture)
+
+BODY = {"model": "pdd-tiny", "input": "hello there", "max_output_tokens": 400}
+
+
+def _events(text: str) -> list[dict]:
+    """The ``data:`` objects of an SSE body, each checked against its ``event:`` line."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        obj = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {obj['type']}", block
+        out.append(obj)
+    return out
+
+
+async def test_client_gone_mid_stream_is_cancelled_on_every_tier(gateway):  # noqa: F811
+    client, orch, _ = gateway
+    async with client.stream("POST", "/v1/responses", json={**BODY, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        deltas = 0
+        async for line in r.aiter_lines():
+            deltas += line == "event: response.output_text.delta"
+            if deltas >= 5:
+                break
+    assert await _settled(orch, 1) == {"completed": 0, "failed": 0, "cancelled": 1, "rejected": 0}
+    assert orch.abort_reasons == [ABORT_CLIENT]
+
+
+async def test_a_tier_failing_mid_stream_is_response_failed(gateway):  # noqa: F811
+    client, orch, _ = gateway
+    orch.fail_at = 3
+    r = await client.post("/v1/responses", json={**BODY, "stream": True})
+    evs = _events(r.text)
+    assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    assert [e["type"] for e in evs[-5:]] == ["response.output_text.delta", "response.output_text.done",
+                                             "response.content_part.done", "response.output_item.done",
+                                             "response.failed"]
+    failed = evs[-1]["response"]
+    assert (failed["status"], failed["error"]["code"]) == ("failed", "server_error")
+    assert "injected tier failure" in failed["error"]["message"]
+    assert failed["id"] == evs[0]["response"]["id"] and failed["output"][0]["content"][0]["text"] == evs[-4]["text"]
+    assert await _settled(orch, 1) == {"completed": 0, "failed": 1, "cancelled": 0, "rejected": 0}
+    r = await client.post("/v1/responses", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+    assert await _settled(orch, 2) == {"completed": 0, "failed": 2, "cancelled": 0, "rejected": 0}
+    assert ABORT_FAILED in orch.abort_reasons and ABORT_CLIENT not in orch.abort_reasons
+
+
+async def test_x_request_id_names_the_response(gateway):  # noqa: F811
+    client, orch, _ = gateway
+    r = await client.post("/v1/responses", json={**BODY, "max_output_tokens": 4}, headers={"X-Request-Id": "abc-1"})
+    assert (r.status_code, r.json()["id"], r.headers["x-request-id"]) == (200, "resp_abc-1", "abc-1")
+    r = await client.post("/v1/responses", json={**BODY, "max_output_tokens": 4, "stream": True},
+                          headers={"X-Request-Id": "abc-2"})
+    evs = _events(r.text)
+    assert {e["response"]["id"] for e in evs if "response" in e} == {"resp_abc-2"}
+    assert evs[-1]["type"] == "response.incomplete"
+    assert await _settled(orch, 2) == {"completed": 2, "failed": 0, "cancelled": 0, "rejected": 0}
