@@ -102,7 +102,8 @@ async def test_a_new_request_during_the_drain_is_refused_with_503(gateway):
     app.state.drain.begin()
     body = {"prompt": [5, 6, 7], "max_tokens": 4}
     for path, req in (("/v1/completions", body), ("/v1/chat/completions", {"messages": [{"role": "user",
-                                                                                        "content": "hi"}]})):
+                                                                                        "content": "hi"}]}),
+                      ("/v1/responses", {"input": "hi"})):
         status, headers, raw = await call(app, "POST", path, req)
         assert (status, headers["connection"], json.loads(raw)) == (503, "close", refusal_body())
     assert refusal_body() == {"error": {"message": "the server is shutting down and takes no new requests; send "
