@@ -138,6 +138,30 @@ async def test_function_calls_and_their_outputs_are_the_chat_tool_turns(serve):
     assert got == s.orch.tok.encode(want, add_special_tokens=False).ids
 
 
+async def test_output_items_fed_back_as_input_are_the_models_turn(serve):
+    """The agent loop (the Agents SDK's): a response's output items, as the client returns them,
+    then the call's output, as the next input; the message item and its function calls are one
+    assistant turn, as chat would send it."""
+    from pdd.gateway.openai_chat import ChatTemplate
+
+    s = await serve([HERMES_ONE], template=ChatTemplate(TOOL_TEMPLATE, {}))
+    r1 = await s.client().responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS)
+    call_id = r1.output[1].call_id
+    await s.client().responses.create(model=MODEL, tools=R_TOOLS, input=[
+        {"role": "user", "content": "weather in Paris?"}, *[o.model_dump(exclude_none=True) for o in r1.output],
+        {"type": "function_call_output", "call_id": call_id, "output": "sunny"}])
+    got = s.orch.started[-1][0]
+    call = {"id": call_id, "type": "function", "function": {"name": W_CALL[0], "arguments": W_CALL[1]}}
+    assert got == await _chat_prompt(s, tools=C_TOOLS, messages=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "Let me check.\n", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"}])
+    want = ("[tools get_weather:weather;get_time:;]<|user|>weather in Paris?</s>"
+            f"<|assistant|>Let me check.\n[call {call_id} {W_CALL[0]} {W_CALL[1]}]</s>"
+            f"<|tool|>sunny(for {call_id})</s><|assistant|>")
+    assert got == s.orch.tok.encode(want, add_special_tokens=False).ids
+
+
 def _calls(output):
     out = []
     for o in output:

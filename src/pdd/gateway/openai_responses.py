@@ -196,8 +196,9 @@ def _text_of(content, where: str, kinds: tuple[str, ...]) -> str:
 
 def chat_messages(body: ResponsesRequest) -> list[dict]:
     """The chat messages of a Responses request: ``instructions`` as a system message, then
-    ``input`` (a string: one user message; a list: each message item as a chat message, runs of
-    ``function_call`` items as one assistant message's ``tool_calls``, each
+    ``input`` (a string: one user message; a list: each message item as a chat message, a run of
+    ``function_call`` items as the ``tool_calls`` of one assistant message, the assistant message
+    item just before them if there is one (the model's turn: its text, then its calls), each
     ``function_call_output`` as a ``tool`` message). ApiError naming ``input`` for an item pdd
     cannot take (module docstring)."""
     msgs: list[dict] = []
@@ -236,8 +237,8 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
             last = msgs[-1] if msgs else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the model's turn: its text, then its calls
+                last.setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
