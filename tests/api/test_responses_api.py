@@ -87,7 +87,7 @@ async def test_string_input_is_one_user_message_and_the_answer_a_message_item(se
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (len(got), n_out, len(got) + n_out)
     assert (r.usage.input_tokens_details.cached_tokens, r.usage.output_tokens_details.reasoning_tokens) == (0, 0)
     assert (r.tools, r.tool_choice, r.parallel_tool_calls, r.store, r.previous_response_id) == ([], "auto", True,
-                                                                                               False, None)
+                                                                                               True, None)
 
 
 async def test_instructions_items_and_sampling_become_the_chat_request(serve):
@@ -279,8 +279,6 @@ BASE = {"model": MODEL, "input": "hi"}
 
 
 @pytest.mark.parametrize("extra,param,words", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "pdd keeps no response store"),
-    ({"store": True}, "store", "pdd keeps no response store"),
     ({"background": True}, "background", "background: true is not supported"),
     ({"conversation": "conv_1"}, "conversation", "no conversation state"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "stored prompt template"),
@@ -336,8 +334,8 @@ async def test_refusals_through_the_client(serve):
 
     s = await serve([PLAIN])
     with pytest.raises(BadRequestError) as e:
-        await s.client().responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
-    assert e.value.status_code == 400 and e.value.body["param"] == "previous_response_id"
+        await s.client().responses.create(model=MODEL, input="hi", background=True)
+    assert e.value.status_code == 400 and e.value.body["param"] == "background"
     with pytest.raises(NotFoundError) as e:
         await s.client().responses.create(model="other", input="hi")
     assert e.value.body["code"] == "model_not_found"
@@ -394,3 +392,85 @@ async def test_a_lone_surrogate_is_a_400_naming_its_field(serve, extra, param, w
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+async def test_previous_response_id_continues_the_stored_conversation(serve):
+    """A response is kept (store left out: OpenAI's default); the next request's
+    previous_response_id puts its conversation (input and output, not its instructions) before
+    the new input; GET returns it as it was sent; DELETE drops it."""
+    s = await serve([PLAIN])
+    c = s.client()
+    r1 = await c.responses.create(model=MODEL, instructions="Old.", input="weather?")
+    assert r1.store is True
+    assert (await c.responses.retrieve(r1.id)).model_dump() == r1.model_dump()
+    r2 = await c.responses.create(model=MODEL, instructions="New.", input="and tomorrow?", previous_response_id=r1.id)
+    assert (r2.previous_response_id, r2.output_text) == (r1.id, PLAIN)
+    assert s.orch.started[-1][0] == await _chat_prompt(s, messages=[
+        {"role": "system", "content": "New."}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": PLAIN}, {"role": "user", "content": "and tomorrow?"}])
+    # a chain: r3 continues r2, which continued r1
+    await c.responses.create(model=MODEL, input="thanks", previous_response_id=r2.id, store=False)
+    assert s.orch.started[-1][0] == await _chat_prompt(s, messages=[
+        {"role": "user", "content": "weather?"}, {"role": "assistant", "content": PLAIN},
+        {"role": "user", "content": "and tomorrow?"}, {"role": "assistant", "content": PLAIN},
+        {"role": "user", "content": "thanks"}])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.delete(f"/v1/responses/{r1.id}")
+        assert (r.status_code, r.json()) == (200, {"id": r1.id, "object": "response", "deleted": True})
+        for method in ("GET", "DELETE"):
+            r = await http.request(method, f"/v1/responses/{r1.id}")
+            err = r.json()["error"]
+            assert (r.status_code, err["code"], err["param"]) == (404, "response_not_found", None)
+        r = await http.post("/v1/responses", json={**BASE, "previous_response_id": r1.id})
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["param"]) == (404, "response_not_found", "previous_response_id")
+        assert "keeps the last 1024 responses" in err["message"]
+
+
+async def test_store_false_is_not_kept_and_a_streamed_response_is(serve):
+    from openai import NotFoundError
+
+    s = await serve([PLAIN])
+    c = s.client()
+    r = await c.responses.create(model=MODEL, input="weather?", store=False)
+    assert r.store is False
+    with pytest.raises(NotFoundError):
+        await c.responses.retrieve(r.id)
+    evs = await _events(s, input="weather?")
+    last = evs[-1].response
+    assert (evs[0].response.store, last.store) == (True, True)
+    assert (await c.responses.retrieve(last.id)).model_dump() == last.model_dump()
+
+
+async def test_previous_response_with_a_tool_call_then_its_output(serve):
+    from pdd.gateway.openai_chat import ChatTemplate
+
+    s = await serve([HERMES_ONE], template=ChatTemplate(TOOL_TEMPLATE, {}))
+    c = s.client()
+    r1 = await c.responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS)
+    call_id = r1.output[1].call_id
+    await c.responses.create(model=MODEL, tools=R_TOOLS, previous_response_id=r1.id,
+                             input=[{"type": "function_call_output", "call_id": call_id, "output": "sunny"}])
+    call = {"id": call_id, "type": "function", "function": {"name": W_CALL[0], "arguments": W_CALL[1]}}
+    assert s.orch.started[-1][0] == await _chat_prompt(s, tools=C_TOOLS, messages=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "Let me check.\n", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"}])
+
+
+def test_the_store_is_bounded_oldest_first():
+    from pdd.gateway.openai_responses import ResponseStore
+
+    st = ResponseStore(max_items=2, max_chars=10_000)
+    for i in range(3):
+        st.put({"id": f"r{i}"}, [{"role": "user", "content": "x"}])
+    assert list(st.items) == ["r1", "r2"] and st.get("r0") is None
+    assert st.get("r2") == ({"id": "r2"}, [{"role": "user", "content": "x"}])
+    size = st.chars // 2
+    st = ResponseStore(max_items=10, max_chars=2 * size)
+    for i in range(3):
+        st.put({"id": f"r{i}"}, [{"role": "user", "content": "x"}])
+    assert list(st.items) == ["r1", "r2"] and st.chars == 2 * size
+    st.put({"id": "big"}, [{"role": "user", "content": "x" * 3 * size}])  # larger than the bound alone: not kept
+    assert list(st.items) == ["r1", "r2"] and st.get("big") is None
+    assert st.delete("r1") and not st.delete("r1") and st.chars == size

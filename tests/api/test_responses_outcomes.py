@@ -50,6 +50,7 @@ async def test_a_tier_failing_mid_stream_is_response_failed(gateway):  # noqa: F
     assert "injected tier failure" in failed["error"]["message"]
     assert failed["id"] == evs[0]["response"]["id"] and failed["output"][0]["content"][0]["text"] == evs[-4]["text"]
     assert await _settled(orch, 1) == {"completed": 0, "failed": 1, "cancelled": 0, "rejected": 0}
+    assert (await client.get(f"/v1/responses/{failed['id']}")).status_code == 404  # a failed response is not kept
     r = await client.post("/v1/responses", json=BODY)
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
     assert await _settled(orch, 2) == {"completed": 0, "failed": 2, "cancelled": 0, "rejected": 0}

@@ -12,12 +12,13 @@ message; or a list of items: messages ``{role, content}`` whose content is a str
 ``max_output_tokens``, ``temperature``, ``top_p``, ``tools`` (function tools in the flat
 Responses form ``{type: "function", name, description, parameters}``), ``tool_choice``
 ``"auto"`` / ``"none"``, ``parallel_tool_calls``, ``metadata`` and ``user`` (echoed),
-``stream``, and ``store`` / ``background`` / ``reasoning`` / ``text`` / ``include`` /
-``truncation`` at the values that ask for nothing.
+``stream``, ``store`` and ``previous_response_id`` (:class:`ResponseStore`: responses kept in
+the gateway's memory, bounded; ``GET`` / ``DELETE /v1/responses/{id}``), and ``background`` /
+``reasoning`` / ``text`` / ``include`` / ``truncation`` at the values that ask for nothing.
 
 Refused with HTTP 400 naming the parameter (:func:`check_responses`), never ignored: what needs
-state pdd does not keep (``previous_response_id``, ``store: true``, ``conversation``,
-``background: true``, ``prompt``, an ``item_reference``), built-in tools (``web_search``,
+state pdd does not keep (``conversation``, ``background: true``, ``prompt``, an
+``item_reference``), built-in tools (``web_search``,
 ``file_search``, ``computer_use_preview``, ...), image / file / audio inputs, a ``reasoning``
 effort (the served models have no reasoning mode), output formats other than text
 (``text.format``), a forced tool call (``tool_choice`` ``"required"`` or a named function: no
@@ -120,15 +121,9 @@ def check_responses(body: ResponsesRequest) -> None:
     """ApiError (400, ``param`` naming the field) for what pdd cannot honour (module docstring)
     and for bad ``metadata``; ``input``, ``tools`` and ``tool_choice`` are checked as they are
     converted (:func:`chat_messages`, :func:`chat_tools`)."""
-    if body.previous_response_id is not None:
-        raise _refuse("previous_response_id", "previous_response_id is not supported: pdd keeps no response store; "
-                      "send the whole conversation in input (earlier output items included)")
-    if body.store:
-        raise _refuse("store", "store: true is not supported: pdd keeps no response store; send store: false "
-                      "(or leave it out)")
     if body.background:
-        raise _refuse("background", "background: true is not supported: pdd keeps no response store to poll; "
-                      "leave background out (stream: true gives the output as it is made)")
+        raise _refuse("background", "background: true is not supported: pdd runs a request only while its "
+                      "client waits; leave background out (stream: true gives the output as it is made)")
     if body.conversation is not None:
         raise _refuse("conversation", "conversation is not supported: pdd keeps no conversation state; send the "
                       "whole conversation in input")
@@ -194,13 +189,10 @@ def _text_of(content, where: str, kinds: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(body: ResponsesRequest) -> list[dict]:
+def chat_messages(body: ResponsesRequest, prior: list[dict] | None = None) -> list[dict]:
     """The chat messages of a Responses request: ``instructions`` as a system message, then
-    ``input`` (a string: one user message; a list: each message item as a chat message, a run of
-    ``function_call`` items as the ``tool_calls`` of one assistant message, the assistant message
-    item just before them if there is one (the model's turn: its text, then its calls), each
-    ``function_call_output`` as a ``tool`` message). ApiError naming ``input`` for an item pdd
-    cannot take (module docstring)."""
+    ``prior`` (the conversation of the ``previous_response_id``, :class:`ResponseStore`: its
+    instructions are not carried over, as OpenAI's), then :func:`input_messages`."""
     msgs: list[dict] = []
     if body.instructions:
         bad = lone_surrogate(body.instructions)
@@ -208,9 +200,19 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
             raise _refuse("instructions", f"instructions: not valid Unicode text (a lone surrogate at character "
                           f"{bad})")
         msgs.append({"role": "system", "content": body.instructions})
+    return msgs + [dict(m) for m in prior or ()] + input_messages(body)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict]:
+    """``input`` as chat messages (a string: one user message; a list: each message item as a
+    chat message, a run of ``function_call`` items as the ``tool_calls`` of one assistant message, the assistant message
+    item just before them if there is one (the model's turn: its text, then its calls), each
+    ``function_call_output`` as a ``tool`` message). ApiError naming ``input`` for an item pdd
+    cannot take (module docstring)."""
+    msgs: list[dict] = []
     items = body.input
     if isinstance(items, str):
-        return msgs + [{"role": "user", "content": _text_of(items, "input", ())}]
+        return [{"role": "user", "content": _text_of(items, "input", ())}]
     if not items:
         raise _refuse("input", "input: must be a string or a non-empty list of items")
     if len(items) > MAX_INPUT_ITEMS:
@@ -250,8 +252,8 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
                          "content": _text_of(it["output"], f"{at}.output", ("input_text",))})
         elif kind == "item_reference":
-            raise _refuse("input", f"{at}: item_reference is not supported: pdd keeps no response store; send "
-                          "the item itself")
+            raise _refuse("input", f"{at}: item_reference is not supported: send the item itself (or the "
+                          "response's id as previous_response_id)")
         elif kind == "reasoning":
             raise _refuse("input", f"{at}: a reasoning item is not supported: the served model has no reasoning "
                           "mode")
@@ -300,12 +302,13 @@ def check_tool_choice(tc, tools: list | None) -> None:
     raise _refuse("tool_choice", f"tool_choice: must be 'auto', 'none', 'required' or an object, got {shown(tc)}")
 
 
-def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
+def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCompletionRequest:
     """The ``/v1/chat/completions`` request a Responses request runs as (one choice; streamed
-    with usage when ``stream``). ApiError (400) for what :func:`check_responses` refuses and for
-    bad ``input``, ``tools`` or ``tool_choice``."""
+    with usage when ``stream``); ``prior``: the previous response's conversation (chat messages,
+    :class:`ResponseStore`). ApiError (400) for what :func:`check_responses` refuses and for bad
+    ``input``, ``tools`` or ``tool_choice``."""
     check_responses(body)
-    messages = chat_messages(body)
+    messages = chat_messages(body, prior)
     tools = chat_tools(body.tools)
     check_tool_choice(body.tool_choice, tools)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
@@ -358,8 +361,8 @@ def _hex() -> str:
 class Shell:
     """What a response object repeats from its request, and the request's ids."""
 
-    def __init__(self, body: ResponsesRequest, model: str):
-        self.body, self.model = body, model
+    def __init__(self, body: ResponsesRequest, model: str, stored: bool = False):
+        self.body, self.model, self.stored = body, model, stored
 
     def response(self, rid: str, created: int, status: str, output: list, usage: dict | None,
                  incomplete: str | None = None, error: dict | None = None) -> dict:
@@ -369,8 +372,9 @@ class Shell:
                 "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
                 "max_tool_calls": b.max_tool_calls, "model": self.model, "output": output,
-                "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
-                "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": b.temperature,
+                "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "store": self.stored, "temperature": b.temperature,
                 "text": {"format": {"type": "text"}}, "tool_choice": tc, "tools": list(b.tools or []),
                 "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
                 "metadata": dict(b.metadata or {})}
@@ -428,7 +432,7 @@ def _event(kind: str, seq: int, **fields) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n"
 
 
-async def response_events(shell: Shell, chat_sse, created: int):
+async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     """The Responses API's SSE events (``event: <type>`` then ``data: {type, sequence_number,
     ...}``, sequence numbers 0, 1, ...) of a streamed chat completion ``chat_sse`` (its
     ``data:`` lines, one choice, usage chunk included): ``response.created``,
@@ -438,8 +442,9 @@ async def response_events(shell: Shell, chat_sse, created: int):
     ``response.output_item.done``; per tool call, ``response.output_item.added`` (a
     function_call item), ``response.function_call_arguments.delta`` / ``.done``,
     ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when
-    the output hit ``max_output_tokens``) with the whole response. A chat error chunk ends it
-    with ``response.failed`` (``error.code`` "server_error"). However the stream ends, the chat
+    the output hit ``max_output_tokens``) with the whole response, which is handed to
+    ``on_done`` first (the store's, when stored). A chat error chunk ends it with
+    ``response.failed`` (``error.code`` "server_error"). However the stream ends, the chat
     stream is closed, which aborts what still runs on the tiers (as chat does)."""
     seq = 0
     rid = None
@@ -540,26 +545,119 @@ async def response_events(shell: Shell, chat_sse, created: int):
         return
     status, reason = _status(finish)
     done = shell.response(rid, created, status, output, usage, reason)
+    if on_done is not None:
+        on_done(done)
     yield ev("response.incomplete" if status == "incomplete" else "response.completed", response=done)
 
 
-def add_responses_route(app: FastAPI, chat_completions) -> None:
+MAX_STORED_RESPONSES = 1024  # responses kept for previous_response_id and GET /v1/responses/{id}
+MAX_STORED_CHARS = 64 * 1024 * 1024  # their JSON (response and conversation), characters in all
+
+
+def output_turn(output: list[dict]) -> dict:
+    """A response's ``output`` items as the assistant chat message the model's turn was: its
+    text (``content``, "" for none) and its ``function_call`` items as ``tool_calls``."""
+    text = "".join(p.get("text", "") for o in output if o["type"] == "message" for p in o["content"])
+    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
+             for o in output if o["type"] == "function_call"]
+    msg: dict = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+class ResponseStore:
+    """Responses kept in this gateway's memory (not across gateways or restarts), newest last:
+    at most ``max_items`` and ``max_chars`` characters of JSON (each response and its
+    conversation, the chat messages after its instructions, its output turn included); the
+    oldest go first, and one larger than ``max_chars`` alone is not kept. OpenAI's ``store``
+    default is true: a response is kept unless its request sends ``store: false``."""
+
+    def __init__(self, max_items: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS):
+        self.max_items, self.max_chars = max_items, max_chars
+        self.items: dict[str, tuple[dict, list[dict], int]] = {}  # id -> (response, conversation, chars)
+        self.chars = 0
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        if size > self.max_chars:
+            return
+        self.delete(response["id"])
+        self.items[response["id"]] = (response, conversation, size)
+        self.chars += size
+        while len(self.items) > self.max_items or self.chars > self.max_chars:
+            self.delete(next(iter(self.items)))
+
+    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        """(response, conversation) of ``rid``, None when it is not kept."""
+        got = self.items.get(rid)
+        return None if got is None else got[:2]
+
+    def delete(self, rid: str) -> bool:
+        got = self.items.pop(rid, None)
+        if got is not None:
+            self.chars -= got[2]
+        return got is not None
+
+
+def _not_found(rid: str, param: str | None) -> ApiError:
+    return ApiError(f"response {shown(rid)} not found: this gateway keeps the last {MAX_STORED_RESPONSES} responses "
+                    "sent without store: false, in memory (not across gateways or restarts)", param, status=404,
+                    code="response_not_found")
+
+
+def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | None = None) -> ResponseStore:
     """Register ``POST /v1/responses`` on ``app``: each request runs as ``chat_completions(body,
     request)`` (the gateway's chat endpoint, :func:`chat_body`) and its answer is turned back
     (:func:`response_from_chat`, :func:`response_events`); the chat path's errors come back
-    with the Responses request's parameter names (:func:`renamed`)."""
+    with the Responses request's parameter names (:func:`renamed`). A completed or incomplete
+    response is kept in ``store`` (a new :class:`ResponseStore` if None; returned) unless its
+    request sent ``store: false``: ``previous_response_id`` continues its conversation, and
+    ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it (404 ``response_not_found`` for one
+    not kept)."""
+    store = store if store is not None else ResponseStore()
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        chat = chat_body(body)
+        prior: list[dict] = []
+        if body.previous_response_id is not None:
+            got = store.get(body.previous_response_id)
+            if got is None:
+                raise _not_found(body.previous_response_id, "previous_response_id")
+            prior = got[1]
+        chat = chat_body(body, prior)
+        keep = body.store is not False
+        turns = [*prior, *input_messages(body)]  # the conversation after the instructions
+
+        def kept(response: dict) -> None:
+            if keep and response["status"] in ("completed", "incomplete"):
+                store.put(response, [*turns, output_turn(response["output"])])
+
         try:
             out = await chat_completions(chat, request)
         except ApiError as e:
             raise renamed(e) from None
         if isinstance(out, StreamingResponse):
-            shell = Shell(body, chat.model or "")  # the served model's name, from the first chunk on
-            return StreamingResponse(response_events(shell, out.body_iterator, int(time.time())),
+            shell = Shell(body, chat.model or "", keep)  # the served model's name, from the first chunk on
+            return StreamingResponse(response_events(shell, out.body_iterator, int(time.time()), kept),
                                      media_type="text/event-stream")
         if isinstance(out, JSONResponse):  # the chat path's failure (503) or a client gone (499)
             return out
-        return response_from_chat(Shell(body, out["model"]), out)
+        response = response_from_chat(Shell(body, out["model"], keep), out)
+        kept(response)
+        return response
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        got = store.get(response_id)
+        if got is None:
+            raise _not_found(response_id, None)
+        return got[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not store.delete(response_id):
+            raise _not_found(response_id, None)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return store
