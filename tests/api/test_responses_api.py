@@ -474,3 +474,18 @@ def test_the_store_is_bounded_oldest_first():
     st.put({"id": "big"}, [{"role": "user", "content": "x" * 3 * size}])  # larger than the bound alone: not kept
     assert list(st.items) == ["r1", "r2"] and st.get("big") is None
     assert st.delete("r1") and not st.delete("r1") and st.chars == size
+
+
+def test_chat_errors_are_renamed_to_the_responses_fields():
+    from pdd.gateway.openai_responses import renamed
+    from pdd.gateway.openai_schemas import ApiError
+
+    e = renamed(ApiError("prompt (10 tokens) + max_completion_tokens (9) exceeds ...", "max_completion_tokens"))
+    want = "prompt (10 tokens) + max_output_tokens (9) exceeds ..."
+    assert (e.message, e.param, str(e)) == (want, "max_output_tokens", want)
+    e = renamed(ApiError("messages[1].content: bad", "messages[1].content"))
+    assert (e.message, e.param) == ("input[1].content: bad", "input[1].content")
+    e = renamed(ApiError("n (1) choices ... max_tokens (500)", "max_tokens"))
+    assert (e.message, e.param) == ("n (1) choices ... max_output_tokens (500)", "max_output_tokens")
+    e = renamed(ApiError("server overloaded", None, status=429))
+    assert (e.message, e.param, e.status) == ("server overloaded", None, 429)

@@ -331,13 +331,13 @@ def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCo
 
 
 # chat's names in an error raised by the chat path -> the Responses request's
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
 
 
 def renamed(e: ApiError) -> ApiError:
     """``e`` (raised by the chat path) with chat's parameter names replaced by the Responses
-    request's (``messages`` -> ``input``, ``max_completion_tokens`` -> ``max_output_tokens``),
-    in ``param`` and in the message."""
+    request's (``messages`` -> ``input``, ``max_completion_tokens`` and ``max_tokens`` ->
+    ``max_output_tokens``), in ``param`` and in the message."""
     param = e.param
     if param is not None:
         head, sep, tail = param.partition("[")
