@@ -45,3 +45,18 @@ def test_responses_match_chat_streamed_and_not(pdd_topology):
     last = events[-1]
     assert last.type in ("response.completed", "response.incomplete")
     assert (last.response.output_text, last.response.usage.output_tokens) == (want, chat.usage.completion_tokens)
+
+
+def test_previous_response_id_continues_on_a_live_topology(pdd_topology):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=pdd_topology.url + "/v1", api_key="none", max_retries=0)
+    r1 = client.responses.create(model="pdd-small", input="The decode stage", max_output_tokens=12, temperature=0)
+    r2 = client.responses.create(model="pdd-small", input="and then", previous_response_id=r1.id,
+                                 max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model="pdd-small", max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": "The decode stage"}, {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": "and then"}])
+    assert r2.output_text == chat.choices[0].message.content
+    assert r2.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(r2.id).output_text == r2.output_text
