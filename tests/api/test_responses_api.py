@@ -293,7 +293,15 @@ BASE = {"model": MODEL, "input": "hi"}
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "no built-in tools"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none'"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning mode"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "'json_schema' is not"),
+    # refused by the chat path (no guided decoding), named as the Responses field
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text",
+     "text.format 'json_schema' is not supported"),
+    ({"text": {"format": {"type": "json_object"}}}, "text", "text.format 'json_object' is not supported"),
+    ({"text": {"format": {"type": "grammar"}}}, "text", "text.format: must be an object of type 'text'"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "tool_choice.name: required"),
+    ({"tools": R_TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
+     "allowed_tools is not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools: the request has none"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "include ['reasoning.encrypted_content'] is not"),
     ({"top_logprobs": 3}, "top_logprobs", "top_logprobs is not supported"),
     ({"truncation": "auto"}, "truncation", "truncation 'auto' is not supported"),
@@ -489,3 +497,27 @@ def test_chat_errors_are_renamed_to_the_responses_fields():
     assert (e.message, e.param) == ("n (1) choices ... max_output_tokens (500)", "max_output_tokens")
     e = renamed(ApiError("server overloaded", None, status=429))
     assert (e.message, e.param, e.status) == ("server overloaded", None, 429)
+
+
+def test_text_format_and_tool_choice_become_chats():
+    """What the chat path gets for them (it refuses a forced call and a JSON format while it has
+    no guided decoding: the 400s above)."""
+    from pdd.gateway.openai_responses import ResponsesRequest, chat_body
+
+    def chat(**kw):
+        return chat_body(ResponsesRequest.model_validate({**BASE, "tools": R_TOOLS, **kw}))
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    c = chat(text={"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}})
+    assert c.response_format == {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema,
+                                                                        "strict": True}}
+    assert chat(text={"format": {"type": "json_object"}}).response_format == {"type": "json_object"}
+    assert chat(text={"format": {"type": "text"}}).response_format is None
+    assert chat(tool_choice={"type": "function", "name": "get_weather"}).tool_choice == {
+        "type": "function", "function": {"name": "get_weather"}}
+    assert [chat(tool_choice=t).tool_choice for t in ("auto", "none", "required", None)] == [
+        "auto", "none", "required", None]
+    assert chat(max_output_tokens=7, temperature=0.25, top_p=0.5, user="u", parallel_tool_calls=False).model_dump(
+        include={"max_completion_tokens", "temperature", "top_p", "user", "parallel_tool_calls", "stream"}) == {
+        "max_completion_tokens": 7, "temperature": 0.25, "top_p": 0.5, "user": "u", "parallel_tool_calls": False,
+        "stream": False}

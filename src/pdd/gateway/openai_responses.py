@@ -10,19 +10,20 @@ message; or a list of items: messages ``{role, content}`` whose content is a str
 ``input_text`` / ``output_text`` parts, ``function_call`` items the model made before, and
 ``function_call_output`` items answering them), ``instructions`` (a system message first),
 ``max_output_tokens``, ``temperature``, ``top_p``, ``tools`` (function tools in the flat
-Responses form ``{type: "function", name, description, parameters}``), ``tool_choice``
-``"auto"`` / ``"none"``, ``parallel_tool_calls``, ``metadata`` and ``user`` (echoed),
-``stream``, ``store`` and ``previous_response_id`` (:class:`ResponseStore`: responses kept in
-the gateway's memory, bounded; ``GET`` / ``DELETE /v1/responses/{id}``), and ``background`` /
-``reasoning`` / ``text`` / ``include`` / ``truncation`` at the values that ask for nothing.
+Responses form ``{type: "function", name, description, parameters}``), ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` (as chat's ``response_format``), ``metadata`` and
+``user`` (echoed), ``stream``, ``store`` and ``previous_response_id`` (:class:`ResponseStore`:
+responses kept in the gateway's memory, bounded; ``GET`` / ``DELETE /v1/responses/{id}``), and
+``background`` / ``reasoning`` / ``include`` / ``truncation`` at the values that ask for
+nothing. What the chat path refuses (a forced tool call, a format other than text: guided
+decoding) it refuses here too, naming the Responses field (:func:`renamed`).
 
 Refused with HTTP 400 naming the parameter (:func:`check_responses`), never ignored: what needs
 state pdd does not keep (``conversation``, ``background: true``, ``prompt``, an
-``item_reference``), built-in tools (``web_search``,
-``file_search``, ``computer_use_preview``, ...), image / file / audio inputs, a ``reasoning``
-effort (the served models have no reasoning mode), output formats other than text
-(``text.format``), a forced tool call (``tool_choice`` ``"required"`` or a named function: no
-guided decoding on this path), ``include``, ``top_logprobs``, ``truncation: "auto"``.
+``item_reference``), built-in tools (``web_search``, ``file_search``, ``computer_use_preview``,
+...) and a ``tool_choice`` naming one or ``allowed_tools``, image / file / audio inputs, a
+``reasoning`` effort (the served models have no reasoning mode), ``include``, ``top_logprobs``,
+``truncation: "auto"``.
 
 The response (non-streamed, and in ``response.completed`` / ``response.incomplete``): ``id``
 ``resp_<base>`` (the chat id's base: the client's ``X-Request-Id`` or pdd's rid), ``object``
@@ -119,8 +120,9 @@ def _refuse(param: str, message: str) -> ApiError:
 
 def check_responses(body: ResponsesRequest) -> None:
     """ApiError (400, ``param`` naming the field) for what pdd cannot honour (module docstring)
-    and for bad ``metadata``; ``input``, ``tools`` and ``tool_choice`` are checked as they are
-    converted (:func:`chat_messages`, :func:`chat_tools`)."""
+    and for bad ``metadata``; ``input``, ``tools``, ``tool_choice`` and ``text.format`` are
+    checked as they are converted (:func:`chat_messages`, :func:`chat_tools`,
+    :func:`chat_tool_choice`, :func:`chat_response_format`)."""
     if body.background:
         raise _refuse("background", "background: true is not supported: pdd runs a request only while its "
                       "client waits; leave background out (stream: true gives the output as it is made)")
@@ -134,11 +136,6 @@ def check_responses(body: ResponsesRequest) -> None:
     if r.get("effort") not in (None, "none") or r.get("summary") is not None or r.get("generate_summary") is not None:
         raise _refuse("reasoning", f"reasoning {shown(r)} is not supported: the served model has no reasoning "
                       "mode; leave reasoning out")
-    fmt = (body.text or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise _refuse("text", f"text.format {shown(kind)} is not supported on /v1/responses: only plain text "
-                      "output (text.format type 'text')")
     verbosity = (body.text or {}).get("verbosity")
     if verbosity not in (None, "medium"):
         raise _refuse("text", f"text.verbosity {shown(verbosity)} is not supported: leave it out")
@@ -287,19 +284,43 @@ def chat_tools(tools: list | None) -> list[dict] | None:
     return out
 
 
-def check_tool_choice(tc, tools: list | None) -> None:
-    """``tool_choice``: "auto" or "none" (or left out); a forced call ("required", a named function)
-    needs guided decoding, which this path has not; ApiError naming ``tool_choice``."""
-    if tc is None or tc in ("auto", "none"):
-        return
-    if tc == "required" or (isinstance(tc, dict) and tc.get("type") in ("function", "allowed_tools")):
-        raise _refuse("tool_choice", f"tool_choice {shown(tc)} is not supported: forcing a tool call needs guided "
-                      "decoding, which pdd does not have here; send tool_choice 'auto' (the model decides) or "
-                      "'none'")
+def chat_tool_choice(tc):
+    """``tool_choice`` as chat's: "auto", "none" and "required" as they are, ``{"type": "function",
+    "name": N}`` as ``{"type": "function", "function": {"name": N}}``; the chat path decides what
+    it honours (a forced call needs guided decoding). ApiError naming ``tool_choice`` for
+    ``allowed_tools``, a built-in tool's and anything else."""
+    if tc is None or tc in ("auto", "none", "required"):
+        return tc
+    kind = tc.get("type") if isinstance(tc, dict) else None
+    if kind == "function":
+        if not isinstance(tc.get("name"), str) or not tc["name"]:
+            raise _refuse("tool_choice", "tool_choice.name: required, a non-empty string (the function to call)")
+        return {"type": "function", "function": {"name": tc["name"]}}
+    if kind == "allowed_tools":
+        raise _refuse("tool_choice", "tool_choice allowed_tools is not supported: send 'auto' with the tools the "
+                      "model may call")
     if isinstance(tc, dict):
         raise _refuse("tool_choice", f"tool_choice {shown(tc)} is not supported: pdd runs no built-in tools; send "
                       "'auto' or 'none'")
     raise _refuse("tool_choice", f"tool_choice: must be 'auto', 'none', 'required' or an object, got {shown(tc)}")
+
+
+def chat_response_format(text: dict | None) -> dict | None:
+    """``text.format`` as chat's ``response_format`` (None for plain text): ``json_schema`` (its
+    ``name``, ``schema``, ``strict``, ``description``) as ``{"type": "json_schema", "json_schema":
+    {...}}``, ``json_object`` as it is; the chat path decides what it honours. ApiError naming
+    ``text`` for another type."""
+    fmt = (text or {}).get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if fmt.get(k) is not None}}
+    raise _refuse("text", f"text.format: must be an object of type 'text', 'json_schema' or 'json_object', got "
+                  f"{shown(fmt)}")
 
 
 def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCompletionRequest:
@@ -310,7 +331,8 @@ def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCo
     check_responses(body)
     messages = chat_messages(body, prior)
     tools = chat_tools(body.tools)
-    check_tool_choice(body.tool_choice, tools)
+    tool_choice = chat_tool_choice(body.tool_choice)
+    response_format = chat_response_format(body.text)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
     for src, dst in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                      ("top_p", "top_p"), ("user", "user"), ("parallel_tool_calls", "parallel_tool_calls")):
@@ -319,8 +341,10 @@ def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCo
             chat[dst] = v
     if tools is not None:
         chat["tools"] = tools
-        if body.tool_choice is not None:
-            chat["tool_choice"] = body.tool_choice
+    if tool_choice is not None:
+        chat["tool_choice"] = tool_choice
+    if response_format is not None:
+        chat["response_format"] = response_format
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     try:
@@ -330,20 +354,23 @@ def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCo
         raise ApiError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", None) from None
 
 
-# chat's names in an error raised by the chat path -> the Responses request's
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
+# chat's names in an error raised by the chat path -> the Responses request's: in its param, in its message
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format": "text"}
+_WORDS = {**_PARAMS, "response_format": "text.format"}
 
 
 def renamed(e: ApiError) -> ApiError:
     """``e`` (raised by the chat path) with chat's parameter names replaced by the Responses
     request's (``messages`` -> ``input``, ``max_completion_tokens`` and ``max_tokens`` ->
-    ``max_output_tokens``), in ``param`` and in the message."""
+    ``max_output_tokens``, ``response_format`` -> ``text`` / ``text.format``), in ``param`` and
+    in the message."""
     param = e.param
     if param is not None:
         head, sep, tail = param.partition("[")
         param = _PARAMS.get(head, head) + sep + tail
     msg = e.message
-    for old, new in _PARAMS.items():
+    for old, new in _WORDS.items():
         msg = msg.replace(old, new)
     e.message, e.param = msg, param
     e.args = (msg,)
@@ -375,8 +402,8 @@ class Shell:
                 "parallel_tool_calls": b.parallel_tool_calls is not False,
                 "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
                 "store": self.stored, "temperature": b.temperature,
-                "text": {"format": {"type": "text"}}, "tool_choice": tc, "tools": list(b.tools or []),
-                "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
+                "text": {"format": (b.text or {}).get("format") or {"type": "text"}}, "tool_choice": tc,
+                "tools": list(b.tools or []), "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
                 "metadata": dict(b.metadata or {})}
 
 
