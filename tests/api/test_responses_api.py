@@ -302,8 +302,10 @@ BASE = {"model": MODEL, "input": "hi"}
     ({"tools": R_TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
      "allowed_tools is not supported"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools: the request has none"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "include ['reasoning.encrypted_content'] is not"),
-    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs is not supported"),
+    ({"include": ["message.output_text.logprobs", "x.y"]}, "include",
+     "include[1]: 'x.y' is not one of 'message.output_text.logprobs', "),
+    ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"top_logprobs": -1}, "top_logprobs", "greater than or equal to 0"),
     ({"truncation": "auto"}, "truncation", "truncation 'auto' is not supported"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 keys, got 17"),
     ({"metadata": {"k": 1}}, "metadata", "must be a string of at most 512 characters"),
@@ -521,3 +523,39 @@ def test_text_format_and_tool_choice_become_chats():
         include={"max_completion_tokens", "temperature", "top_p", "user", "parallel_tool_calls", "stream"}) == {
         "max_completion_tokens": 7, "temperature": 0.25, "top_p": 0.5, "user": "u", "parallel_tool_calls": False,
         "stream": False}
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(b.split("\n", 1)[1].removeprefix("data: ")) for b in text.strip().split("\n\n")]
+
+
+@pytest.mark.parametrize("ask", [{"include": ["message.output_text.logprobs"], "top_logprobs": 2},
+                                 {"include": ["message.output_text.logprobs"]}, {"top_logprobs": 3}])
+def test_logprobs_are_chats_on_the_output_text(api, ask):
+    """On the real engine (tests/api/conftest.py), greedy: the message's logprobs are chat's for
+    the same conversation, streamed (spread over the deltas, whole at the end) and not."""
+    client, _ = api
+    top = ask.get("top_logprobs", 0)
+    chat = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "The prefill stage"}], "max_tokens": 8,
+        "temperature": 0, "logprobs": True, "top_logprobs": top}).json()["choices"][0]
+    want = chat["logprobs"]["content"]
+    assert len(want) == 8 and all(len(e["top_logprobs"]) == top for e in want)
+    body = {"model": MODEL, "input": "The prefill stage", "max_output_tokens": 8, "temperature": 0, **ask}
+    r = client.post("/v1/responses", json=body).json()
+    part = r["output"][0]["content"][0]
+    assert (part["text"], part["logprobs"], r["top_logprobs"]) == (chat["message"]["content"], want,
+                                                                  ask.get("top_logprobs"))
+    evs = _sse_events(client.post("/v1/responses", json={**body, "stream": True}).text)
+    deltas = [e for e in evs if e["type"] == "response.output_text.delta"]
+    assert [x for d in deltas for x in d["logprobs"]] == want[:sum(len(d["logprobs"]) for d in deltas)]
+    done = next(e for e in evs if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == want and evs[-1]["response"]["output"][0]["content"][0]["logprobs"] == want
+
+
+def test_no_logprobs_unless_asked(api):
+    client, _ = api
+    body = {"model": MODEL, "input": "The prefill stage", "max_output_tokens": 4, "temperature": 0}
+    for extra in ({}, {"top_logprobs": 0}, {"include": ["reasoning.encrypted_content"]}):
+        r = client.post("/v1/responses", json={**body, **extra})
+        assert r.status_code == 200 and r.json()["output"][0]["content"][0]["logprobs"] == [], r.text

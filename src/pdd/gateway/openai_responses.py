@@ -11,18 +11,19 @@ message; or a list of items: messages ``{role, content}`` whose content is a str
 ``function_call_output`` items answering them), ``instructions`` (a system message first),
 ``max_output_tokens``, ``temperature``, ``top_p``, ``tools`` (function tools in the flat
 Responses form ``{type: "function", name, description, parameters}``), ``tool_choice``,
-``parallel_tool_calls``, ``text.format`` (as chat's ``response_format``), ``metadata`` and
-``user`` (echoed), ``stream``, ``store`` and ``previous_response_id`` (:class:`ResponseStore`:
+``parallel_tool_calls``, ``text.format`` (as chat's ``response_format``), ``top_logprobs`` and
+``include`` ``"message.output_text.logprobs"`` (chat's logprobs, on the ``output_text``),
+``metadata`` and ``user`` (echoed), ``stream``, ``store`` and ``previous_response_id`` (:class:`ResponseStore`:
 responses kept in the gateway's memory, bounded; ``GET`` / ``DELETE /v1/responses/{id}``), and
-``background`` / ``reasoning`` / ``include`` / ``truncation`` at the values that ask for
-nothing. What the chat path refuses (a forced tool call, a format other than text: guided
+``background`` / ``reasoning`` / ``truncation`` and ``include`` values at the values that ask
+for nothing. What the chat path refuses (a forced tool call, a format other than text: guided
 decoding) it refuses here too, naming the Responses field (:func:`renamed`).
 
 Refused with HTTP 400 naming the parameter (:func:`check_responses`), never ignored: what needs
 state pdd does not keep (``conversation``, ``background: true``, ``prompt``, an
 ``item_reference``), built-in tools (``web_search``, ``file_search``, ``computer_use_preview``,
 ...) and a ``tool_choice`` naming one or ``allowed_tools``, image / file / audio inputs, a
-``reasoning`` effort (the served models have no reasoning mode), ``include``, ``top_logprobs``,
+``reasoning`` effort (the served models have no reasoning mode), an unknown ``include`` value,
 ``truncation: "auto"``.
 
 The response (non-streamed, and in ``response.completed`` / ``response.incomplete``): ``id``
@@ -48,7 +49,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
-from pdd.gateway.openai_schemas import ApiError, ChatCompletionRequest, lone_surrogate
+from pdd.gateway.openai_schemas import MAX_LOGPROBS, ApiError, ChatCompletionRequest, lone_surrogate
 from pdd.text import shown
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -62,6 +63,11 @@ BUILTIN_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_previ
                            "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch",
                            "custom"})
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+LOGPROBS = "message.output_text.logprobs"  # the include value that asks for the output's logprobs
+# include values that ask for data of items pdd never outputs (or refuses as input): nothing to add
+INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                             "web_search_call.action.sources", "message.input_image.image_url",
+                             "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
 TEXT_PARTS = ("input_text", "output_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 
@@ -93,7 +99,7 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     include: list[Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncation: str | None = None
     # hints that change nothing pdd does: accepted (max_tool_calls bounds built-in tool calls, of which there are none)
     max_tool_calls: int | None = Field(None, ge=1)
@@ -139,12 +145,10 @@ def check_responses(body: ResponsesRequest) -> None:
     verbosity = (body.text or {}).get("verbosity")
     if verbosity not in (None, "medium"):
         raise _refuse("text", f"text.verbosity {shown(verbosity)} is not supported: leave it out")
-    if body.include:
-        raise _refuse("include", f"include {shown(body.include)} is not supported: pdd adds no extra output data; "
-                      "leave include out")
-    if body.top_logprobs:
-        raise _refuse("top_logprobs", "top_logprobs is not supported on /v1/responses (use /v1/chat/completions "
-                      "with logprobs)")
+    for i, v in enumerate(body.include or ()):
+        if v != LOGPROBS and v not in INCLUDE_NOTHING:
+            raise _refuse("include", f"include[{i}]: {shown(v)} is not one of {LOGPROBS!r}, "
+                          f"{', '.join(repr(x) for x in sorted(INCLUDE_NOTHING))}")
     if body.truncation not in (None, "disabled"):
         raise _refuse("truncation", f"truncation {shown(body.truncation)} is not supported: a conversation "
                       "longer than the context window is refused, never cut; send truncation 'disabled'")
@@ -345,6 +349,8 @@ def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCo
         chat["tool_choice"] = tool_choice
     if response_format is not None:
         chat["response_format"] = response_format
+    if wants_logprobs(body):
+        chat["logprobs"], chat["top_logprobs"] = True, body.top_logprobs or 0
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     try:
@@ -352,6 +358,13 @@ def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCo
     except ValidationError as e:  # checked above; a difference between the two bodies' rules still says so
         err = e.errors()[0]
         raise ApiError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", None) from None
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output's logprobs are asked for: ``include`` has
+    ``"message.output_text.logprobs"``, or ``top_logprobs`` is above 0 (which asks for them:
+    never dropped silently)."""
+    return LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
 
 
 # chat's names in an error raised by the chat path -> the Responses request's: in its param, in its message
@@ -403,7 +416,7 @@ class Shell:
                 "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
                 "store": self.stored, "temperature": b.temperature,
                 "text": {"format": (b.text or {}).get("format") or {"type": "text"}}, "tool_choice": tc,
-                "tools": list(b.tools or []), "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
+                "tools": list(b.tools or []), "top_logprobs": b.top_logprobs, "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
                 "metadata": dict(b.metadata or {})}
 
 
@@ -428,9 +441,13 @@ def _status(finish_reason: str | None) -> tuple[str, str | None]:
     return "completed", None
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def _text_part(text: str, logprobs: list) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [_text_part(text, list(logprobs or []))]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -439,15 +456,19 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 
 def response_from_chat(shell: Shell, chat: dict) -> dict:
-    """The Responses object of a non-streamed chat completion ``chat`` (one choice)."""
+    """The Responses object of a non-streamed chat completion ``chat`` (one choice). Its
+    logprobs (when asked: :func:`wants_logprobs`) are the message's ``output_text.logprobs``,
+    chat's entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``) for every generated
+    token, a tool call's text included; [] when not asked."""
     (choice,) = chat["choices"]
+    lps = (choice.get("logprobs") or {}).get("content") or []
     msg = choice["message"]
     status, reason = _status(choice["finish_reason"])
     item_status = "incomplete" if status == "incomplete" else "completed"
     output = []
     calls = msg.get("tool_calls") or []
     if msg.get("content") or not calls:
-        output.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", item_status))
+        output.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", item_status, lps))
     for c in calls:
         output.append(_call_item(f"fc_{_hex()}", c["id"], c["function"]["name"], c["function"]["arguments"],
                                  "completed"))
@@ -464,7 +485,8 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     ...}``, sequence numbers 0, 1, ...) of a streamed chat completion ``chat_sse`` (its
     ``data:`` lines, one choice, usage chunk included): ``response.created``,
     ``response.in_progress``; for text, ``response.output_item.added`` (a message item),
-    ``response.content_part.added``, one ``response.output_text.delta`` per chat content delta,
+    ``response.content_part.added``, one ``response.output_text.delta`` per chat content delta
+    (its ``logprobs``: those of its tokens and of tokens held back before it, when asked),
     then ``response.output_text.done``, ``response.content_part.done``,
     ``response.output_item.done``; per tool call, ``response.output_item.added`` (a
     function_call item), ``response.function_call_arguments.delta`` / ``.done``,
@@ -478,6 +500,8 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     output: list[dict] = []
     msg: dict | None = None  # the open message item
     texts: list[str] = []
+    lps: list[dict] = []  # every token's logprobs (when asked), the message's at its end
+    pending: list[dict] = []  # those of tokens whose text is not out yet (held back), sent with the next delta
     calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
     finish = None
     usage = None
@@ -495,11 +519,11 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
         text = "".join(texts)
         i = output.index(msg)
         status = "incomplete" if _status(finish)[0] == "incomplete" else "completed"
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        done = _message_item(msg["id"], text, status)
+        part = _text_part(text, list(lps))
+        done = _message_item(msg["id"], text, status, lps)
         output[i] = done
         out = [ev("response.output_text.done", item_id=msg["id"], output_index=i, content_index=0, text=text,
-                  logprobs=[]),
+                  logprobs=list(lps)),
                ev("response.content_part.done", item_id=msg["id"], output_index=i, content_index=0, part=part),
                ev("response.output_item.done", output_index=i, item=done)]
         msg = None
@@ -535,6 +559,9 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                 if ch.get("finish_reason") is not None:
                     finish = ch["finish_reason"]
                 text = delta.get("content")
+                got = (ch.get("logprobs") or {}).get("content") or []
+                lps.extend(got)
+                pending.extend(got)
                 if text:
                     if msg is None:
                         msg = {"id": f"msg_{_hex()}", "type": "message", "role": "assistant",
@@ -543,10 +570,11 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                         i = len(output) - 1
                         yield ev("response.output_item.added", output_index=i, item=dict(msg))
                         yield ev("response.content_part.added", item_id=msg["id"], output_index=i, content_index=0,
-                                 part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                                 part=_text_part("", []))
                     texts.append(text)
                     yield ev("response.output_text.delta", item_id=msg["id"], output_index=output.index(msg),
-                             content_index=0, delta=text, logprobs=[])
+                             content_index=0, delta=text, logprobs=pending)
+                    pending = []
                 for tc in delta.get("tool_calls") or ():
                     fn = tc.get("function") or {}
                     if tc.get("id") is not None:  # a call's first chunk: its id and name
