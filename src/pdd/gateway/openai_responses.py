@@ -416,8 +416,8 @@ class Shell:
                 "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
                 "store": self.stored, "temperature": b.temperature,
                 "text": {"format": (b.text or {}).get("format") or {"type": "text"}}, "tool_choice": tc,
-                "tools": list(b.tools or []), "top_logprobs": b.top_logprobs, "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": b.user,
-                "metadata": dict(b.metadata or {})}
+                "tools": list(b.tools or []), "top_logprobs": b.top_logprobs, "top_p": b.top_p,
+                "truncation": "disabled", "usage": usage, "user": b.user, "metadata": dict(b.metadata or {})}
 
 
 def usage_from_chat(u: dict | None) -> dict | None:
