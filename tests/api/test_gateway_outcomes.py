@@ -204,6 +204,7 @@ async def test_abort_counts_once_with_its_first_reason():
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": "hello there"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}]}),
+    ("/v1/responses", {"input": "hello there"}),
 ])
 async def test_client_disconnect_non_streamed_counts_cancelled(gateway, path, body):
     """Starlette does not cancel a non-streaming endpoint whose client went away: the gateway
