@@ -206,10 +206,10 @@ def chat_messages(body: ResponsesRequest, prior: list[dict] | None = None) -> li
 
 def input_messages(body: ResponsesRequest) -> list[dict]:
     """``input`` as chat messages (a string: one user message; a list: each message item as a
-    chat message, a run of ``function_call`` items as the ``tool_calls`` of one assistant message, the assistant message
-    item just before them if there is one (the model's turn: its text, then its calls), each
-    ``function_call_output`` as a ``tool`` message). ApiError naming ``input`` for an item pdd
-    cannot take (module docstring)."""
+    chat message, a run of ``function_call`` items as the ``tool_calls`` of one assistant
+    message, the assistant message item just before them if there is one (the model's turn: its
+    text, then its calls), each ``function_call_output`` as a ``tool`` message). ApiError naming
+    ``input`` for an item pdd cannot take (module docstring)."""
     msgs: list[dict] = []
     items = body.input
     if isinstance(items, str):
