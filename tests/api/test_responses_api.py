@@ -14,7 +14,8 @@ import pytest
 
 from pdd.config import ClusterConfig
 from tests.api.live_app import served
-from tests.api.test_tool_calls import HERMES_ONE, HERMES_TWO, PLAIN, T_CALL, W_CALL, Server, TextOrch
+from tests.api.test_tool_calls import (HERMES_ONE, HERMES_TWO, PLAIN, REQUIRED_TWO, T_CALL, W_ARGS, W_CALL, Server,
+                                      TextOrch)
 
 MODEL = "pdd-tiny"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -287,16 +288,14 @@ BASE = {"model": MODEL, "input": "hi"}
     ({"tools": [{"type": "computer_use_preview"}]}, "tools", "'computer_use_preview' is not supported"),
     ({"tools": [{"type": "function"}]}, "tools", "tools[0].name: required"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools[0].name: required"),
-    ({"tools": R_TOOLS, "tool_choice": "required"}, "tool_choice", "needs guided decoding"),
-    ({"tools": R_TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
-     "needs guided decoding"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "no built-in tools"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none'"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning mode"),
-    # refused by the chat path (no guided decoding), named as the Responses field
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text",
-     "text.format 'json_schema' is not supported"),
-    ({"text": {"format": {"type": "json_object"}}}, "text", "text.format 'json_object' is not supported"),
+    # the chat path's structured-output refusals, named as the Responses field
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text",
+     "text.format.name: required, a non-empty string"),
+    ({"tools": R_TOOLS, "tool_choice": {"type": "function", "name": "get_tme"}}, "tool_choice",
+     "function 'get_tme' is not one of the tools ('get_weather', 'get_time')"),
     ({"text": {"format": {"type": "grammar"}}}, "text", "text.format: must be an object of type 'text'"),
     ({"tool_choice": {"type": "function"}}, "tool_choice", "tool_choice.name: required"),
     ({"tools": R_TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
@@ -502,8 +501,7 @@ def test_chat_errors_are_renamed_to_the_responses_fields():
 
 
 def test_text_format_and_tool_choice_become_chats():
-    """What the chat path gets for them (it refuses a forced call and a JSON format while it has
-    no guided decoding: the 400s above)."""
+    """What the chat path gets for them (its structured outputs constrain the output to them)."""
     from pdd.gateway.openai_responses import ResponsesRequest, chat_body
 
     def chat(**kw):
@@ -559,3 +557,44 @@ def test_no_logprobs_unless_asked(api):
     for extra in ({}, {"top_logprobs": 0}, {"include": ["reasoning.encrypted_content"]}):
         r = client.post("/v1/responses", json={**body, **extra})
         assert r.status_code == 200 and r.json()["output"][0]["content"][0]["logprobs"] == [], r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice,chat_choice,text,calls", [
+    ({"type": "function", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}}, W_ARGS,
+     [W_CALL]),
+    ("required", "required", REQUIRED_TWO, [W_CALL, T_CALL]),
+])
+async def test_a_forced_tool_call_is_chats_structured_output(serve, stream, tool_choice, chat_choice, text, calls):
+    """tool_choice "required" or a named function: the chat path's constraint (the same grammar
+    as chat's for the same tools) and its calls, as function_call items."""
+    s = await serve([text])
+    if stream:
+        evs = await _events(s, input="weather in Paris?", tools=R_TOOLS, tool_choice=tool_choice)
+        r = evs[-1].response
+        assert [e.type for e in evs if "output_text" in e.type or "content_part" in e.type] == []
+    else:
+        r = await s.client().responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS,
+                                              tool_choice=tool_choice)
+    assert (r.status, r.output_text, _calls(r.output)) == ("completed", "", calls)
+    sp = s.orch.started[-1][1]
+    await s.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}],
+                                             tools=C_TOOLS, tool_choice=chat_choice)
+    want = s.orch.started[-1][1]
+    assert sp.structured is not None and (sp.grammar, sp.structured) == (want.grammar, want.structured)
+
+
+@pytest.mark.parametrize("fmt,rf", [
+    ({"type": "json_schema", "name": "thing", "schema": CITY, "strict": True},
+     {"type": "json_schema", "json_schema": {"name": "thing", "schema": CITY, "strict": True}}),
+    ({"type": "json_object"}, {"type": "json_object"}),
+])
+async def test_text_format_is_chats_response_format(serve, fmt, rf):
+    s = await serve(['{"city": "Paris"}'])
+    r = await s.client().responses.create(model=MODEL, input="weather?", text={"format": fmt})
+    assert (r.output_text, r.text.format.type) == ('{"city": "Paris"}', fmt["type"])
+    sp = s.orch.started[-1][1]
+    await s.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                             response_format=rf)
+    want = s.orch.started[-1][1]
+    assert sp.structured is not None and (sp.grammar, sp.structured) == (want.grammar, want.structured)

@@ -16,8 +16,9 @@ Responses form ``{type: "function", name, description, parameters}``), ``tool_ch
 ``metadata`` and ``user`` (echoed), ``stream``, ``store`` and ``previous_response_id`` (:class:`ResponseStore`:
 responses kept in the gateway's memory, bounded; ``GET`` / ``DELETE /v1/responses/{id}``), and
 ``background`` / ``reasoning`` / ``truncation`` and ``include`` values at the values that ask
-for nothing. What the chat path refuses (a forced tool call, a format other than text: guided
-decoding) it refuses here too, naming the Responses field (:func:`renamed`).
+for nothing. A forced tool call (``tool_choice`` "required" or a named function) and a JSON
+``text.format`` are the chat path's structured outputs; what it refuses it refuses here too,
+naming the Responses field (:func:`renamed`).
 
 Refused with HTTP 400 naming the parameter (:func:`check_responses`), never ignored: what needs
 state pdd does not keep (``conversation``, ``background: true``, ``prompt``, an
@@ -290,8 +291,8 @@ def chat_tools(tools: list | None) -> list[dict] | None:
 
 def chat_tool_choice(tc):
     """``tool_choice`` as chat's: "auto", "none" and "required" as they are, ``{"type": "function",
-    "name": N}`` as ``{"type": "function", "function": {"name": N}}``; the chat path decides what
-    it honours (a forced call needs guided decoding). ApiError naming ``tool_choice`` for
+    "name": N}`` as ``{"type": "function", "function": {"name": N}}`` (a forced call: the chat
+    path's structured output, whose checks hold). ApiError naming ``tool_choice`` for
     ``allowed_tools``, a built-in tool's and anything else."""
     if tc is None or tc in ("auto", "none", "required"):
         return tc
@@ -312,8 +313,8 @@ def chat_tool_choice(tc):
 def chat_response_format(text: dict | None) -> dict | None:
     """``text.format`` as chat's ``response_format`` (None for plain text): ``json_schema`` (its
     ``name``, ``schema``, ``strict``, ``description``) as ``{"type": "json_schema", "json_schema":
-    {...}}``, ``json_object`` as it is; the chat path decides what it honours. ApiError naming
-    ``text`` for another type."""
+    {...}}``, ``json_object`` as it is (the chat path's structured outputs, whose checks hold).
+    ApiError naming ``text`` for another type."""
     fmt = (text or {}).get("format")
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
@@ -370,14 +371,15 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
 # chat's names in an error raised by the chat path -> the Responses request's: in its param, in its message
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text"}
-_WORDS = {**_PARAMS, "response_format": "text.format"}
+_WORDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+          "response_format.json_schema": "text.format", "response_format": "text.format"}
 
 
 def renamed(e: ApiError) -> ApiError:
     """``e`` (raised by the chat path) with chat's parameter names replaced by the Responses
     request's (``messages`` -> ``input``, ``max_completion_tokens`` and ``max_tokens`` ->
-    ``max_output_tokens``, ``response_format`` -> ``text`` / ``text.format``), in ``param`` and
-    in the message."""
+    ``max_output_tokens``, ``response_format`` -> ``text`` / ``text.format``, its
+    ``json_schema`` fields being ``text.format``'s own), in ``param`` and in the message."""
     param = e.param
     if param is not None:
         head, sep, tail = param.partition("[")
