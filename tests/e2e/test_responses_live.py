@@ -60,3 +60,24 @@ def test_previous_response_id_continues_on_a_live_topology(pdd_topology):
     assert r2.output_text == chat.choices[0].message.content
     assert r2.usage.input_tokens == chat.usage.prompt_tokens
     assert client.responses.retrieve(r2.id).output_text == r2.output_text
+
+
+def test_forced_tool_call_matches_chat_on_a_live_topology(pdd_topology):
+    """A named tool_choice is chat's structured output on every tier: the same call (or, cut by
+    max_output_tokens, the same text) as chat's for the same tools, greedy."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=pdd_topology.url + "/v1", api_key="none", max_retries=0)
+    params = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    chat = client.chat.completions.create(
+        model="pdd-small", messages=[{"role": "user", "content": "is it sunny?"}], max_tokens=40, temperature=0,
+        tools=[{"type": "function", "function": {"name": "check", "parameters": params}}],
+        tool_choice={"type": "function", "function": {"name": "check"}})
+    r = client.responses.create(model="pdd-small", input="is it sunny?", max_output_tokens=40, temperature=0,
+                                tools=[{"type": "function", "name": "check", "parameters": params}],
+                                tool_choice={"type": "function", "name": "check"})
+    m = chat.choices[0].message
+    got = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
+    assert got == [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    assert r.output_text == (m.content or "")
+    assert got and got[0][1] in ('{"ok": true}', '{"ok": false}')
