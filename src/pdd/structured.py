@@ -37,6 +37,52 @@ class GrammarError(ValueError):
     """A constraint llguidance cannot compile; the message says why (for an HTTP 400)."""
 
 
+# A constraint's text (a regex, grammar, the choices' or a schema's JSON) is at most this many
+# characters. llguidance compiles recursively: on a thread's usual 8 MiB stack a chain of
+# 3,000 Lark rules (92 KB) or of 1,000 $defs (75 KB) overflowed it and killed the process
+# (SIGSEGV); compiling runs on :func:`compiler`'s threads (a 256 MiB stack) and the cap keeps
+# every constraint far inside that, and its compile time to about a second.
+MAX_CONSTRAINT_CHARS = 32 * 1024
+COMPILER_STACK_BYTES = 256 << 20
+_COMPILER_LOCK = threading.Lock()
+_COMPILER = None
+
+
+def compiler():
+    """The executor that compiles grammars (:func:`grammar_for`, a guide's matcher): one thread
+    with a :data:`COMPILER_STACK_BYTES` stack, made on first use (``threading.stack_size`` is
+    set only while it starts). Use ``compiler().submit(fn, ...).result()`` from a thread, or
+    ``loop.run_in_executor(compiler(), fn, ...)`` from the event loop."""
+    global _COMPILER
+    with _COMPILER_LOCK:
+        if _COMPILER is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            old = threading.stack_size(COMPILER_STACK_BYTES)
+            try:
+                ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+                ex.submit(int).result()  # its one thread starts now, with the large stack
+            finally:
+                threading.stack_size(old)
+            _COMPILER = ex
+        return _COMPILER
+
+
+def on_compiler(fn, *args, **kw):
+    """``fn(*args, **kw)`` on :func:`compiler`'s thread (directly when already on it)."""
+    if threading.current_thread().name.startswith("grammar-compile"):
+        return fn(*args, **kw)
+    return compiler().submit(fn, *args, **kw).result()
+
+
+def _text_of(kind: str, value) -> str:
+    if kind == "json" and not isinstance(value, str):
+        return json.dumps(value)
+    if kind == "choice" and isinstance(value, list):
+        return json.dumps(value)
+    return value if isinstance(value, str) else ""
+
+
 def _llg():
     import llguidance
 
@@ -62,7 +108,15 @@ def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) ->
     instead.
 
     Raises :class:`GrammarError` (a ``ValueError``) naming what is wrong: an unknown kind, a
-    value of the wrong type, a schema / regex / grammar llguidance rejects."""
+    value of the wrong type, a text over :data:`MAX_CONSTRAINT_CHARS`, a schema / regex /
+    grammar llguidance rejects. Compiles on :func:`compiler`'s thread (this call waits)."""
+    n = len(_text_of(kind, value)) + len(whitespace_pattern or "")
+    if n > MAX_CONSTRAINT_CHARS:
+        raise GrammarError(f"the constraint is {n:,} characters; at most {MAX_CONSTRAINT_CHARS:,} are compiled")
+    return on_compiler(_grammar_for, kind, value, whitespace_pattern)
+
+
+def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
     llg = _llg()
     M = llg.LLMatcher
     try:
@@ -104,9 +158,16 @@ def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) ->
     if err:
         msg = one_line(err) or "invalid grammar"
         if kind != "grammar":  # a position in the grammar pdd wrapped the value in: meaningless to the client
-            msg = re.sub(r"^at \d+\(\d+\):\s*", "", msg)
+            msg = re.sub(r"^(at )?\d+\(\d+\):\s*", "", msg)
         raise GrammarError(msg)
     return g
+
+
+def _reason(m, no_extension: str) -> str:
+    """Why matcher ``m`` is in error, in one line; ``no_extension`` when llguidance's reason is
+    only that nothing can follow (its stop reasons ``NoExtension`` / ``NoExtensionBias``)."""
+    msg = one_line(m.get_error())
+    return no_extension if msg in ("", "NoExtension", "NoExtensionBias") else msg
 
 
 def one_line(err: str | None) -> str:
@@ -192,7 +253,7 @@ def _fresh_matcher(lltok, grammar: str):
         if hit is not None and hit[0] is lltok:
             _TEMPLATES.move_to_end(key)
             return hit[1].deep_copy()
-    m = _llg().LLMatcher(lltok, grammar, log_level=0)
+    m = on_compiler(_llg().LLMatcher, lltok, grammar, log_level=0)
     if m.is_error():
         return m
     with _LOCK:
@@ -248,11 +309,33 @@ class Guide:
             log.warning("structured output: %s; only EOS is allowed from here", self.error)
 
     def allowed(self, outputs: list[int]) -> bytes:
-        """The bitmask of the ids allowed after ``outputs`` (see the class)."""
+        """The bitmask of the ids allowed after ``outputs`` (see the class). A matcher that fails
+        computing it (a run-time limit of llguidance: ``Current row has 50001 items; max is
+        2000`` for 2,000 choices of one shared prefix) sets :attr:`error`: the engine then fails
+        the request with it rather than end it with output the grammar does not hold."""
         self.advance(outputs)
         if self.error is not None or self._m.is_stopped():
             return self._eos_only()
-        return self._m.compute_bitmask()
+        bits = self._m.compute_bitmask()
+        if self._m.is_error() or not any(bits):
+            self.error = _reason(self._m, "the grammar allows no token after these outputs")
+            log.warning("structured output: %s", self.error)
+            return self._eos_only()
+        return bits
+
+    def check_start(self) -> None:
+        """Raise :class:`GrammarError` unless the grammar allows some token at its start, EOS
+        aside (a grammar whose language is empty or only the empty output: ``start: start``, a
+        ``$ref`` cycle, ``[^\\s\\S]``), or when llguidance fails computing that first mask."""
+        bits = self._m.compute_bitmask()
+        if self._m.is_error():
+            raise GrammarError(_reason(self._m, "the constraint allows no output: no token can begin it"))
+        words = [int.from_bytes(bits[i:i + 4], "little") for i in range(0, len(bits), 4)]
+        for e in self._eos:
+            if 0 <= e < self._vocab:
+                words[e // 32] &= ~(1 << (e % 32))
+        if not any(words):
+            raise GrammarError("the constraint allows no output: no token can begin it")
 
     @property
     def complete(self) -> bool:

@@ -158,6 +158,18 @@ BAD = [
      "guided_whitespace_pattern: structured_outputs.whitespace_pattern gives one already"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs",
      "structured_outputs.json_object: must be true, got 'yes'"),
+    # no output can satisfy them: refused before any tier works (they ended at once with "stop")
+    ({"guided_grammar": "start: start"}, "guided_grammar",
+     "guided_grammar: the constraint allows no output: no token can begin it"),
+    ({"guided_regex": "[^\\s\\S]"}, "guided_regex",
+     "guided_regex: the constraint allows no output: no token can begin it"),
+    ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}},
+     "guided_json", "guided_json: the constraint allows no output: no token can begin it"),
+    # bounded: a longer one could overflow llguidance's recursion (it killed the gateway)
+    ({"guided_regex": "a" * 32769}, "guided_regex",
+     "guided_regex: the constraint is 32,769 characters; at most 32,768 are compiled"),
+    ({"guided_choice": ["x" * 40] * 800}, "guided_choice",
+     "guided_choice: the constraint is 35,200 characters; at most 32,768 are compiled"),
     ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs",
      'structured_outputs.regex: invalid regex "[a-z" (in regex): regex parse error: unclosed character class'),
     ({"structured_outputs": {"json": "{x"}}, "structured_outputs",
@@ -281,3 +293,18 @@ def test_parse_forced_and_its_stream():
     assert [required.finish_reason(f) for f in ("stop", "length")] == ["tool_calls", "length"]
     assert CallMode(parser="hermes").finish_reason("stop") == "tool_calls"
     assert CallMode(forced=True, parallel=False).parse(text, ids).calls == (ToolCall("call_5", "f", '{"a": "é"}'),)
+
+
+def test_a_deep_grammar_compiles_on_the_large_stack_instead_of_killing_the_process(tmp_path):
+    """A chain of 3,000 Lark rules (77 KB, past the size cap) overflowed an 8 MiB thread stack in
+    llguidance's compiler (SIGSEGV: the gateway died). On ``pdd.structured.compiler``'s thread it
+    compiles; run in a process of its own, so a regression fails this test, not the suite."""
+    import subprocess
+    import sys
+
+    code = ("from pdd.structured import _grammar_for, on_compiler\n"
+            "g = 'start: r0\\n' + ''.join(f'r{i}: \"a{i}\" r{i+1} | \"b\"\\n' for i in range(3000)) + 'r3000: \"z\"\\n'\n"
+            "assert len(g) > 32768\n"
+            "print(len(on_compiler(_grammar_for, 'grammar', g, None)) > 0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout.strip()) == (0, "True"), r.stderr[-2000:]

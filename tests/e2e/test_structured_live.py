@@ -157,3 +157,29 @@ def test_forced_tool_choice_calls_valid_json_across_the_handoff(pdd_topo, tiny_m
         else:
             assert ch["finish_reason"] == "stop" and [x["function"]["name"] for x in calls] == ["forecast"]
     _handed_over(r)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_fails_at_run_time_fails_the_request_naming_why(pdd_topo, stream):
+    """2,000 choices sharing a prefix compile, and llguidance's parser refuses the next row after
+    the first token (``max is 2000``): the request ends with an error saying so, never a 200 with
+    "stop" and output outside the choices; every page is free after it."""
+    import httpx
+
+    body = {"model": pdd_topo.cfg.served_model_name, "prompt": [5, 6, 7, 8], "max_tokens": 16,
+            "temperature": 0, "guided_choice": [f"7-{i}" for i in range(2000)], "stream": stream}
+    with httpx.Client(timeout=300) as c:
+        if stream:
+            with c.stream("POST", pdd_topo.url + "/v1/completions", json=body) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            assert r.status_code == 200
+            errors = [json.loads(ln[6:])["error"] for ln in lines if ln.startswith('data: {"error"')]
+            assert len(errors) == 1 and lines[-1] == "data: [DONE]", lines
+            err = errors[0]
+        else:
+            r = c.post(pdd_topo.url + "/v1/completions", json=body)
+            assert r.status_code >= 500, r.text
+            err = r.json()["error"]
+    assert "structured output failed at output 1: " in err["message"] and "max is 2000" in err["message"], err
+    assert pdd_topo.wait_idle(timeout_s=30), pdd_topo.last_busy
+    assert pdd_topo.flush()["leaked_pages"] == 0

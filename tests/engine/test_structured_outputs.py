@@ -81,17 +81,39 @@ def test_handoff_and_recovery_continue_the_grammar_exactly(make_engine, prompts)
         assert ref[:k] + rec == ref, k
 
 
-def test_a_handed_over_token_the_grammar_rejects_allows_only_eos(make_engine, prompts):
+def test_a_handed_over_token_the_grammar_rejects_fails_the_request(make_engine, prompts):
+    """Never an output the grammar does not hold, ended as if it did: the sequence leaves the
+    batch and the step reports it (``Engine.pop_failed``) for its owner to fail the request."""
     eng = make_engine()
     sp = _sp("regex", "[0-9]+")
     seq = eng.new_sequence("bad", prompts[0], sp, use_cache=False)
-    letter = eng.tokenizer.encode("q", add_special_tokens=False).ids
-    eng.append_tokens(seq, letter)
+    other = eng.new_sequence("ok", prompts[1], _sp("regex", "[0-9]{3}"), use_cache=False)
+    eng.append_tokens(seq, eng.tokenizer.encode("q", add_special_tokens=False).ids)
+    eng.add(seq)
+    eng.add(other)
+    while eng.has_work():
+        eng.step()
+    (failed, why), = eng.pop_failed()
+    assert failed is seq and seq.num_outputs == 1 and seq.finish_reason == FinishReason.ABORT
+    assert why.startswith("structured output failed at output 1: ") and "doesn't satisfy the grammar" in why
+    assert other.finish_reason == FinishReason.STOP and re.fullmatch("[0-9]{3}", _text(eng, other.output_ids))
+    assert eng.pop_failed() == []
+    eng.release(seq, cache=False)
+    eng.release(other, cache=False)
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_a_grammar_that_fails_at_run_time_fails_the_request(make_engine, prompts):
+    """2,000 choices sharing a prefix compile, and llguidance's parser refuses the row after it
+    (``Current row has ... items; max is 2000``): the request fails with that, not "stop"."""
+    eng = make_engine()
+    sp = _sp("choice", [f"7-{i}" for i in range(2000)])
+    seq = eng.new_sequence("many", prompts[0], sp, use_cache=False)
     eng.add(seq)
     while eng.has_work():
         eng.step()
-    assert seq.output_ids[-1] in eng.eos_token_ids and seq.num_outputs == 2
-    assert seq.guide.error
+    (failed, why), = eng.pop_failed()
+    assert failed is seq and "max is 2000" in why, why
     eng.release(seq, cache=False)
 
 

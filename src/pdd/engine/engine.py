@@ -97,6 +97,9 @@ class Engine:
         # its pages are gone (never on P, whose sequences hold their prompt's pages from the start).
         # Set with :meth:`watch_kv`; removed on release.
         self.kv_listeners: dict = {}
+        # sequences a step failed on their own (a structured output's grammar failed), with why:
+        # out of the batch, not released; the caller takes them (:meth:`pop_failed`)
+        self.failed: list[tuple[Sequence, str]] = []
 
     @classmethod
     def from_pretrained(cls, path: str, num_pages: int = 1024, page_size: int = 16, dtype="float32",
@@ -200,6 +203,12 @@ class Engine:
                        page_table=pages + new, num_cached_tokens=cached, prefix_match=match, guide=guide)
         self._live[id(seq)] = seq
         return seq
+
+    def pop_failed(self) -> list[tuple[Sequence, str]]:
+        """The sequences steps have failed since the last call, with why (:attr:`failed`); the
+        caller releases each and fails its request."""
+        out, self.failed = self.failed, []
+        return out
 
     def guide_for(self, sampling: SamplingParams):
         """A fresh ``pdd.structured.Guide`` for ``sampling.grammar`` over this checkpoint's
@@ -420,6 +429,14 @@ class Engine:
         lps = self.sampler.last_logprobs
         events = []
         for i, (seq, tok) in enumerate(zip(sampled, toks)):
+            if seq.guide is not None and seq.guide.error is not None:
+                # its grammar failed (a run-time limit of llguidance, a token it rejects): the
+                # request fails with why, never ends as if its output held the grammar
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
+                del self.seqs[seq.seq_id]  # leaves the batch; its owner releases it
+                self.failed.append((seq, f"structured output failed at output {seq.num_outputs}: "
+                                         f"{seq.guide.error}"))
+                continue
             seq.token_ids.append(tok)
             n_out = seq.num_outputs
             if self.keep_logits:

@@ -468,10 +468,22 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     vllm_md = cfg.vllm.main_decode and any(s.role == ROLE_MAIN for s in (getattr(orch, "layout", None)
                                                                           or layout(cfg)).instances)
 
-    def structured(body):
+    def _constraint(body):
+        from pdd.structured import ll_tokenizer
+
+        lltok = None
+        if mc is not None and mc.eos_token_ids:
+            lltok = ll_tokenizer(tokenizer, list(mc.eos_token_ids), model_vocab)
+        return structured_constraint(body, lltok)
+
+    async def structured(body):
         """The request's structured-output constraint (``openai_schemas.structured_constraint``:
-        ApiError for a bad one), else None; ApiError (400 naming its field) when MD runs on vLLM."""
-        c = structured_constraint(body)
+        ApiError for a bad one, or one no token can begin), else None; ApiError (400 naming its
+        field) when MD runs on vLLM. Compiled on ``pdd.structured.compiler``'s thread (a large
+        stack), so the event loop serves other requests meanwhile."""
+        from pdd.structured import compiler
+
+        c = await asyncio.get_running_loop().run_in_executor(compiler(), _constraint, body)
         if c is not None and vllm_md:
             raise ApiError(f"{c.param}: structured outputs are not supported with MD on vLLM (vllm.main_decode): "
                            "vLLM continues each request after P's first token and would start the constraint "
@@ -815,7 +827,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
-        constraint = structured(body)
+        constraint = await structured(body)
         check_choices(body.n, len(prompt_batch(body.prompt)))
         check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)  # before the tokenizer's work
         batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens,  # off the event loop
@@ -876,7 +888,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat(body, tool_parser)
-        constraint = structured(body)
+        constraint = await structured(body)
         check_choices(body.n)
         parallel = body.parallel_tool_calls is not False
         calls = None  # how tool calls are read out of each choice's text (tool_parsers.CallMode)

@@ -994,7 +994,7 @@ class Constraint:
         return out
 
 
-def structured_constraint(body) -> Constraint | None:
+def structured_constraint(body, lltok=None) -> Constraint | None:
     """The one structured-output constraint of a completion or chat request, compiled, else None.
 
     Where one comes from: ``response_format`` (``json_object``, ``json_schema``), vLLM's
@@ -1004,9 +1004,12 @@ def structured_constraint(body) -> Constraint | None:
     message why) for a malformed one (:func:`_check_response_format`, :func:`_structured_outputs`),
     one llguidance cannot compile (``GrammarError``'s reason), or more than one: vLLM refuses two
     kinds in ``structured_outputs`` and constraints with a forced tool choice; pdd refuses any
-    two, where vLLM 0.11 would let one field silently override another. Compiling costs about
-    a millisecond for a small schema (llguidance compiles lazily)."""
-    from pdd.structured import GrammarError, grammar_for
+    two, where vLLM 0.11 would let one field silently override another. With ``lltok`` (the
+    model's ``pdd.structured.ll_tokenizer``) a constraint no token can begin is refused too
+    (``Guide.check_start``: an empty language, ``start: start``, a ``$ref`` cycle). Compiling
+    costs about a millisecond for a small schema, a second for a 32 KiB GBNF grammar (whose
+    conversion to Lark is Python): call it off the event loop (``pdd.structured.compiler``)."""
+    from pdd.structured import GrammarError, Guide, grammar_for
 
     found: list[tuple[str, str, Any]] = []
     rf = _check_response_format(getattr(body, "response_format", None))
@@ -1038,6 +1041,8 @@ def structured_constraint(body) -> Constraint | None:
                        "constraint", ws_param)
     try:
         g = grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
+        if lltok is not None:  # over the model's vocabulary: some token must be able to begin it
+            Guide(lltok, g).check_start()
     except GrammarError as e:
         where = {"response_format": "response_format.json_schema.schema",
                  "structured_outputs": f"structured_outputs.{kind}",

@@ -247,6 +247,15 @@ class EngineWorker:
             self.steps += 1
             if events:
                 self.loop.call_soon_threadsafe(self.on_events, events)
+            for seq, why in self.engine.pop_failed():  # failed alone (a structured output's grammar)
+                self._fail_seq(seq, why)
+
+    def _fail_seq(self, seq, why: str) -> None:
+        """Release ``seq`` (out of the engine's batch already) and fail its request with ``why``."""
+        log.warning("request %s failed: %s", seq.seq_id, why)
+        self.engine.release(seq, cache=False)
+        if self.on_seq_failed is not None:
+            self.loop.call_soon_threadsafe(self.on_seq_failed, seq.seq_id, why)
 
     def _fail_step(self, e: Exception) -> None:
         """A step that raised fails the sequence it names (OutOfPages carries ``seq_id``), or
