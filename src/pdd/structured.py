@@ -25,12 +25,17 @@ import json
 import logging
 import re
 import threading
-from collections import OrderedDict
+from functools import lru_cache
 
 log = logging.getLogger(__name__)
 
 # the constraint kinds of vLLM's StructuredOutputsParams (``json_object``: any JSON object)
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+# how a sequence whose grammar failed at run time fails its request (pdd.engine), which the
+# gateway reads back as the request's own fault: a 400, not a 503 a client would retry
+FAILED_AT = "structured output failed at output"
 
 
 class GrammarError(ValueError):
@@ -113,7 +118,19 @@ def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) ->
     n = len(_text_of(kind, value)) + len(whitespace_pattern or "")
     if n > MAX_CONSTRAINT_CHARS:
         raise GrammarError(f"the constraint is {n:,} characters; at most {MAX_CONSTRAINT_CHARS:,} are compiled")
-    return on_compiler(_grammar_for, kind, value, whitespace_pattern)
+    try:
+        key = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # not JSON: compiled (and refused) as it is
+        return on_compiler(_grammar_for, kind, value, whitespace_pattern)
+    return _grammar_cached(kind, key, whitespace_pattern)
+
+
+@lru_cache(maxsize=256)
+def _grammar_cached(kind: str, key: str, whitespace_pattern: str | None) -> str:
+    """:func:`grammar_for` of the value whose JSON is ``key``, kept for the 256 most recent
+    constraints: the same 31 KB GBNF grammar sent again compiled again (1.4 s each) and held
+    the one compiler thread from every other constrained request. Errors are not kept."""
+    return on_compiler(_grammar_for, kind, json.loads(key), whitespace_pattern)
 
 
 def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
@@ -152,9 +169,13 @@ def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
             raise GrammarError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
     except GrammarError:
         raise
+    except RecursionError:
+        raise GrammarError("the grammar nests too deeply to convert") from None
     except (ValueError, TypeError, RuntimeError) as e:
+        if "maximum recursion depth" in str(e):  # GBNF -> Lark (Python) wraps its RecursionError
+            raise GrammarError("the grammar nests too deeply to convert") from None
         raise GrammarError(str(e)) from None
-    err = M.validate_grammar(g)
+    err = M.validate_grammar(g, limits=limits())
     if err:
         msg = one_line(err) or "invalid grammar"
         if kind != "grammar":  # a position in the grammar pdd wrapped the value in: meaningless to the client
@@ -202,9 +223,9 @@ class _Vocab:
         self.eos_token_id = int(eos_id)
         self.bos_token_id = None
         n = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.tokens = [token_bytes(tokenizer, i) if i < n else b"" for i in range(vocab_size)]
         self.special_token_ids = sorted(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special and i < vocab_size)
+        self.tokens = [token_bytes(tokenizer, i) if i < n else b"" for i in range(vocab_size)]
         self.is_tokenizer_wrapper = True
 
     def __call__(self, text) -> list[int]:
@@ -237,30 +258,36 @@ def ll_tokenizer(tokenizer, eos_ids, vocab_size: int):
         return t
 
 
-TEMPLATES = 128  # compiled grammars kept per process (a deep copy starts each request's matcher)
-_TEMPLATES: OrderedDict = OrderedDict()
+def limits():
+    """llguidance's parser limits for every matcher pdd builds: its defaults, but 200,000 of
+    initial lexer fuel (its default 1,000,000): a 21-character regex such as
+    ``((a{100}){100}){110}`` spent about a second of an engine's step thread on its first mask
+    before failing ("too many expressions constructed"); with this it fails in tens of ms,
+    while a 5,000-way alternation, 2,000 choices or a 300-property schema take 10 to 20 ms."""
+    return _llg().LLParserLimits(initial_lexer_fuel=200_000)
+
+
+_SPECIALS: dict = {}  # id(LLTokenizer) -> (it, its special token ids but EOS)
+
+
+def _specials(lltok) -> tuple[int, ...]:
+    """The special token ids of ``lltok`` other than its EOS ids, found once per tokenizer."""
+    hit = _SPECIALS.get(id(lltok))
+    if hit is not None and hit[0] is lltok:
+        return hit[1]
+    eos = set(lltok.eos_tokens)
+    ids = tuple(i for i in range(lltok.vocab_size) if i not in eos and lltok.is_special_token(i))
+    with _LOCK:
+        _SPECIALS[id(lltok)] = (lltok, ids)
+    return ids
 
 
 def _fresh_matcher(lltok, grammar: str):
-    """A matcher at the start of ``grammar``: a deep copy of a cached compiled one (a few us)
-    when this process compiled the same text for the same tokenizer recently, else a new
-    compile (about 1.3 ms for a 30-property JSON schema; up to a second for huge grammars),
-    kept for the next request (least recently used of :data:`TEMPLATES` dropped). Each tier
-    of a request compiles once: the same schema sent again costs the copy."""
-    key = (id(lltok), grammar)
-    with _LOCK:
-        hit = _TEMPLATES.get(key)
-        if hit is not None and hit[0] is lltok:
-            _TEMPLATES.move_to_end(key)
-            return hit[1].deep_copy()
-    m = on_compiler(_llg().LLMatcher, lltok, grammar, log_level=0)
-    if m.is_error():
-        return m
-    with _LOCK:
-        _TEMPLATES[key] = (lltok, m.deep_copy())
-        while len(_TEMPLATES) > TEMPLATES:
-            _TEMPLATES.popitem(last=False)
-    return m
+    """A matcher at the start of ``grammar``, compiled on :func:`compiler`'s thread (about a
+    millisecond for a small schema, 40 ms for a 1,500-rule grammar). Never a copy of another
+    request's: copies share the lexer's budget of built expressions, so one request's use of
+    it failed the next copies of a grammar near llguidance's limit."""
+    return on_compiler(_llg().LLMatcher, lltok, grammar, log_level=0, limits=limits())
 
 
 class Guide:
@@ -277,6 +304,7 @@ class Guide:
 
     def __init__(self, lltok, grammar: str):
         self._m = _fresh_matcher(lltok, grammar)
+        self._special = _specials(lltok)  # special ids but EOS: checked one by one in a mask
         self._eos = list(lltok.eos_tokens) or [lltok.eos_token]
         self._vocab = int(lltok.vocab_size)
         self.consumed = 0  # outputs the matcher has consumed
@@ -317,11 +345,24 @@ class Guide:
         if self.error is not None or self._m.is_stopped():
             return self._eos_only()
         bits = self._m.compute_bitmask()
+        if not self._m.is_error():
+            bits = self._without_refused_specials(bits)
         if self._m.is_error() or not any(bits):
             self.error = _reason(self._m, "the grammar allows no token after these outputs")
             log.warning("structured output: %s", self.error)
             return self._eos_only()
         return bits
+
+    def _without_refused_specials(self, bits: bytes) -> bytes:
+        """``bits`` without the special tokens the matcher would refuse: llguidance's mask allows
+        a special token whose text a literal spells (``"<|system|>"``: token 5 on pdd's tiny
+        checkpoint) and consuming it then fails the grammar; one written as ``<[5]>`` stays."""
+        words = None
+        for t in self._special:
+            if bits[t // 8] >> (t % 8) & 1 and self._m.validate_tokens([t]) == 0:
+                words = words if words is not None else bytearray(bits)
+                words[t // 8] &= ~(1 << (t % 8)) & 0xFF
+        return bytes(words) if words is not None else bits
 
     def check_start(self) -> None:
         """Raise :class:`GrammarError` unless the grammar allows some token at its start, EOS
@@ -330,6 +371,7 @@ class Guide:
         bits = self._m.compute_bitmask()
         if self._m.is_error():
             raise GrammarError(_reason(self._m, "the constraint allows no output: no token can begin it"))
+        bits = self._without_refused_specials(bits)
         words = [int.from_bytes(bits[i:i + 4], "little") for i in range(0, len(bits), 4)]
         for e in self._eos:
             if 0 <= e < self._vocab:

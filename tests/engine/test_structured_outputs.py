@@ -182,22 +182,38 @@ def test_the_batched_greedy_mask_picks_what_the_per_row_path_picks(tiny_model):
     assert fast.last_logprobs == [None] * 8 and all(x is not None for x in slow.last_logprobs)
 
 
-def test_compiled_grammars_are_reused_and_each_guide_starts_fresh(tiny_model, monkeypatch):
-    import pdd.structured as st
-
+def test_a_repeated_constraint_is_compiled_once_and_each_guide_starts_fresh(tiny_model):
     tok = load_tokenizer(tiny_model)
     lt = ll_tokenizer(tok, [1], 1024)
-    monkeypatch.setattr(st, "TEMPLATES", 2)
-    monkeypatch.setattr(st, "_TEMPLATES", type(st._TEMPLATES)())
-    g1, g2, g3 = (grammar_for("choice", [w]) for w in ("ab", "cd", "ef"))
+    g1 = grammar_for("choice", ["ab", "cd"])
+    assert grammar_for("choice", ["ab", "cd"]) is g1  # the compiled text, kept
     a = Guide(lt, g1)
     a.advance(tok.encode("ab", add_special_tokens=False).ids)
     assert a.complete
-    b = Guide(lt, g1)  # from the cached template: at the start, not where ``a`` is
-    assert not b.complete and b.consumed == 0 and list(st._TEMPLATES) == [(id(lt), g1)]
-    Guide(lt, g2)
-    Guide(lt, g3)  # the least recently used (g1) goes
-    assert [k[1] for k in st._TEMPLATES] == [g2, g3]
+    b = Guide(lt, g1)  # a matcher of its own, at the start
+    assert not b.complete and b.consumed == 0
+
+
+def test_a_special_tokens_text_as_a_literal_is_refused_and_its_id_form_works(make_engine, prompts):
+    """llguidance's mask allowed the special token a literal spells (``"<|system|>"``: id 5 on
+    the tiny checkpoint) and then refused it: the guide leaves out special tokens the matcher
+    would refuse, so such a literal at the start allows no output (a 400 at the gateway), one
+    later fails the request; ``<[5]>`` in Lark is the token itself."""
+    eng = make_engine()
+    lt = eng.structured_tokenizer()
+    with pytest.raises(GrammarError, match="allows no output"):
+        Guide(lt, grammar_for("choice", ["<|system|>"])).check_start()
+    out, reason = _run_one(eng, prompts[0], _sp("grammar", 'start: <[5]> "ok"'))
+    assert out[0] == 5 and reason == FinishReason.STOP and eng.tokenizer.decode(out[1:-1]) == "ok"
+    seq = eng.new_sequence("late", prompts[0], _sp("choice", ["hi<|assistant|>"]), use_cache=False)
+    eng.add(seq)
+    while eng.has_work():
+        eng.step()
+    (failed, why), = eng.pop_failed()
+    assert failed is seq and why.startswith("structured output failed at output ")
+    assert 4 not in seq.output_ids and 0 not in seq.output_ids  # never a special token it refuses
+    eng.release(seq, cache=False)
+
 
 
 def test_warm_structured_builds_the_one_structured_tokenizer_off_the_calling_thread(make_engine):

@@ -434,8 +434,9 @@ class Engine:
                 # request fails with why, never ends as if its output held the grammar
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
                 del self.seqs[seq.seq_id]  # leaves the batch; its owner releases it
-                self.failed.append((seq, f"structured output failed at output {seq.num_outputs}: "
-                                         f"{seq.guide.error}"))
+                from pdd.structured import FAILED_AT
+
+                self.failed.append((seq, f"{FAILED_AT} {seq.num_outputs}: {seq.guide.error}"))
                 continue
             seq.token_ids.append(tok)
             n_out = seq.num_outputs

@@ -96,6 +96,16 @@ class Overloaded(ApiError):
         self.reason = reason
 
 
+def _failure(ex: BaseException) -> tuple[int, str]:
+    """HTTP status and error type of a request that failed after it started: a structured
+    output whose grammar failed at run time (``pdd.structured.FAILED_AT``: the same request fails
+    the same way again) is the request's own, 400 ``invalid_request_error``; any other failure
+    the server's, 503 ``server_error`` (a client may retry it)."""
+    from pdd.structured import FAILED_AT
+
+    return (400, "invalid_request_error") if FAILED_AT in str(ex) else (503, "server_error")
+
+
 class Unavailable(ApiError):
     """HTTP 503 with ``Retry-After``: no instance of a role the request needs is reachable now
     (dead or restarting); the request did no work."""
@@ -764,7 +774,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             run.result()
             ok = True
         except RequestFailed as ex:
-            return JSONResponse(error_body(str(ex), etype="server_error"), status_code=503)
+            status, etype = _failure(ex)
+            return JSONResponse(error_body(str(ex), etype=etype), status_code=status)
         finally:
             for t in (run, watch):
                 if not t.done():
@@ -1100,7 +1111,7 @@ async def _sse(gen: Generation, head: dict, chunks, usage: tuple[bool, bool]):
         ok = True
     except RequestFailed as ex:
         reason = ABORT_FAILED
-        yield _data(error_body(str(ex), etype="server_error"))
+        yield _data(error_body(str(ex), etype=_failure(ex)[1]))
         yield "data: [DONE]\n\n"
         return
     except (asyncio.CancelledError, GeneratorExit):

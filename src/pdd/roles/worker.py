@@ -247,8 +247,9 @@ class EngineWorker:
             self.steps += 1
             if events:
                 self.loop.call_soon_threadsafe(self.on_events, events)
-            for seq, why in self.engine.pop_failed():  # failed alone (a structured output's grammar)
-                self._fail_seq(seq, why)
+            pop_failed = getattr(self.engine, "pop_failed", None)  # (an engine stand-in may have none)
+            for seq, why in (pop_failed() if pop_failed is not None else ()):
+                self._fail_seq(seq, why)  # failed alone (a structured output's grammar)
 
     def _fail_seq(self, seq, why: str) -> None:
         """Release ``seq`` (out of the engine's batch already) and fail its request with ``why``."""
