@@ -10,13 +10,12 @@ import json
 
 import pytest
 
-from tests.e2e.conftest import make_cfg
+from tests.e2e.conftest import handoff_topology
 
 pytestmark = pytest.mark.slow
 
 K = 8  # handoff_min_tokens: RLD samples outputs 0..K-1, MD from K on (once MD's KV is there)
 MAX_TOKENS = 128  # the outputs below take 60 to 70 tokens of the tiny tokenizer, then EOS
-FAST_WAN = {"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0}
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0, "maximum": 9999},
     "ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
@@ -62,16 +61,8 @@ def test_validator():
 
 @pytest.fixture(scope="module")
 def pdd_topo(tiny_model, tmp_path_factory):
-    from pdd.launch import Topology
-
-    # as test_token_params_live: a fast WAN, so MD's KV is there early and the handoff point is
-    # set by handoff_min_tokens; RLD's step held to >= 20 ms, so its K tokens outlast MD's KV
-    cfg = make_cfg(tiny_model, "pdd", link=FAST_WAN, policy={"handoff_min_tokens": K},
-                   tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}})
-    topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
-    topo.start()
-    yield topo
-    topo.stop()
+    with handoff_topology(tiny_model, tmp_path_factory.mktemp("logs"), K) as topo:
+        yield topo
 
 
 def _single_engine(model_dir: str, prompt: list[int], constraint) -> list[int]:

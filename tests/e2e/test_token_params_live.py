@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pdd.gateway.openai_schemas import bad_words_token_ids
-from tests.e2e.conftest import greedy_oracle, make_cfg
+from tests.e2e.conftest import greedy_oracle, handoff_topology, make_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +26,8 @@ def _prompt(seed: int, n: int = 48) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pdd_topo(tiny_model, tmp_path_factory):
-    from pdd.launch import Topology
-
-    # a fast WAN so MD's KV is there early and the handoff point is set by handoff_min_tokens;
-    # RLD's step held to >= 20 ms, so its K tokens take far longer than MD's KV needs
-    cfg = make_cfg(tiny_model, "pdd", link=FAST_WAN, policy={"handoff_min_tokens": K},
-                   tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}})
-    topo = Topology(cfg, log_dir=tmp_path_factory.mktemp("logs"))
-    topo.start()
-    yield topo
-    topo.stop()
+    with handoff_topology(tiny_model, tmp_path_factory.mktemp("logs"), K) as topo:
+        yield topo
 
 
 def _client(topo):
