@@ -125,11 +125,40 @@ def _refuse(param: str, message: str) -> ApiError:
     return ApiError(message, param)
 
 
+def _surrogate_at(v, path: str) -> tuple[str, int] | None:
+    """``(path, index)`` of the first lone surrogate in ``v``'s strings (dict keys included)."""
+    if isinstance(v, str):
+        i = lone_surrogate(v)
+        return (path, i) if i is not None else None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if isinstance(k, str) and lone_surrogate(k) is not None:  # named by its ascii(): no surrogate in the reply
+                return f"{path} key {ascii(k)}", lone_surrogate(k)
+            here = f"{path}.{k}"
+            found = _surrogate_at(x, here)
+            if found is not None:
+                return found
+    if isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _surrogate_at(x, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def check_responses(body: ResponsesRequest) -> None:
-    """ApiError (400, ``param`` naming the field) for what pdd cannot honour (module docstring)
-    and for bad ``metadata``; ``input``, ``tools``, ``tool_choice`` and ``text.format`` are
-    checked as they are converted (:func:`chat_messages`, :func:`chat_tools`,
-    :func:`chat_tool_choice`, :func:`chat_response_format`)."""
+    """ApiError (400, ``param`` naming the field) for what pdd cannot honour (module docstring),
+    for bad ``metadata`` and for a lone surrogate in any field but ``input`` and
+    ``instructions`` (checked as they are converted): the response echoes ``user``,
+    ``metadata``, ``tools``, ``text``, and a surrogate there made its rendering a 500 after the
+    model had run, and its stored copy a 500 on every ``GET``. ``input``, ``tools``,
+    ``tool_choice`` and ``text.format`` are checked as they are converted
+    (:func:`chat_messages`, :func:`chat_tools`, :func:`chat_tool_choice`,
+    :func:`chat_response_format`)."""
+    for name, value in body.model_dump(exclude={"input", "instructions"}).items():
+        found = _surrogate_at(value, name)
+        if found is not None:
+            raise _refuse(name, f"{found[0]}: not valid Unicode text (a lone surrogate at character {found[1]})")
     if body.background:
         raise _refuse("background", "background: true is not supported: pdd runs a request only while its "
                       "client waits; leave background out (stream: true gives the output as it is made)")
