@@ -93,20 +93,9 @@ def test_a_bad_shutdown_timeout_is_refused_in_one_line_naming_the_flag(capsys, v
 def test_the_shutdown_timeout_flag_sets_the_config_field(monkeypatch):
     """``--shutdown-timeout 0`` (end requests in flight at once) reaches the topology's config; left
     out, the config's (30 s by default)."""
-    import pdd.cli
-
-    seen = []
-
-    def started(cfg, *a, **k):
-        seen.append(cfg.shutdown_timeout_s)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(pdd.cli, "ensure_model", started)
-    monkeypatch.setattr("pdd.topology.ports_taken_refusal", lambda *a, **k: None)
-    for argv in (["serve", "--shutdown-timeout", "0"], ["serve", "--shutdown-timeout", "2.5"], ["serve"],
-                 ["serve", "--shutdown-timeout=-0"]):
-        with pytest.raises(SystemExit):
-            main(argv)
+    seen = _configs_serve_starts(monkeypatch, "shutdown_timeout_s", [
+        ["serve", "--shutdown-timeout", "0"], ["serve", "--shutdown-timeout", "2.5"], ["serve"],
+        ["serve", "--shutdown-timeout=-0"]])
     assert seen == [0.0, 2.5, 30.0, 0.0]
     assert str(seen[-1]) == "0.0"  # not -0.0 ("may finish for up to -0 s")
 
@@ -114,18 +103,26 @@ def test_the_shutdown_timeout_flag_sets_the_config_field(monkeypatch):
 def test_the_tool_call_parser_flag_sets_the_config_field(monkeypatch, capsys):
     """``--tool-call-parser NAME`` (vLLM's flag) reaches the topology's config; left out, the
     config's (``auto``); another name is a usage error naming the choices."""
+    seen = _configs_serve_starts(monkeypatch, "tool_call_parser", [
+        ["serve", "--tool-call-parser", "hermes"], ["serve", "--tool-call-parser=none"], ["serve"]])
+    assert seen == ["hermes", "none", "auto"]
+    assert "invalid choice: 'pythonic'" in usage_error(capsys, main, ["serve", "--tool-call-parser", "pythonic"])
+
+
+def _configs_serve_starts(monkeypatch, field: str, argvs: list[list[str]]) -> list:
+    """``field`` of the config ``pdd serve`` would start each of ``argvs`` with (it stops where it
+    would make the model: nothing is started, no port is checked)."""
     import pdd.cli
 
     seen = []
 
     def started(cfg, *a, **k):
-        seen.append(cfg.tool_call_parser)
+        seen.append(getattr(cfg, field))
         raise SystemExit(0)
 
     monkeypatch.setattr(pdd.cli, "ensure_model", started)
     monkeypatch.setattr("pdd.topology.ports_taken_refusal", lambda *a, **k: None)
-    for argv in (["serve", "--tool-call-parser", "hermes"], ["serve", "--tool-call-parser=none"], ["serve"]):
+    for argv in argvs:
         with pytest.raises(SystemExit):
             main(argv)
-    assert seen == ["hermes", "none", "auto"]
-    assert "invalid choice: 'pythonic'" in usage_error(capsys, main, ["serve", "--tool-call-parser", "pythonic"])
+    return seen

@@ -168,6 +168,18 @@ def test_a_second_sigterm_during_the_gateway_drain_stops_serve_at_once(tmp_path)
         owner.wait()
 
 
+def _serving_then_stopped(owner, pid: int, sig: int) -> str:
+    """Once ``pdd serve`` (``owner``) says it serves (the drain's path), send it ``sig``: it exits
+    128 + ``sig``, its gateway (``pid``) gone, with no traceback. Returns its stderr."""
+    assert owner.stdout.readline().decode().startswith("pdd (pdd) serving at ")
+    owner.send_signal(sig)
+    assert owner.wait(timeout=60) == 128 + sig
+    assert not _alive(pid)
+    err = owner.stderr.read().decode()
+    assert "Traceback" not in err, err
+    return err
+
+
 def test_sighup_stops_serve_with_the_gateways_drain_as_sigterm_does(tmp_path):
     """SIGHUP (the terminal ``pdd serve`` runs in closed) stops it in SIGTERM's order: the gateway
     is sent SIGTERM (its drain) and waited for, then serve exits 129 with one line. Before,
@@ -175,12 +187,7 @@ def test_sighup_stops_serve_with_the_gateways_drain_as_sigterm_does(tmp_path):
     parent watch."""
     owner, pid = _owner("serve", "slow", tmp_path, name="gateway")
     try:
-        assert owner.stdout.readline().decode().startswith("pdd (pdd) serving at ")  # started: the drain's path
-        owner.send_signal(signal.SIGHUP)
-        assert owner.wait(timeout=60) == 128 + signal.SIGHUP
-        assert not _alive(pid)
-        err = owner.stderr.read().decode()
-        assert "Traceback" not in err, err
+        err = _serving_then_stopped(owner, pid, signal.SIGHUP)
         assert err.splitlines()[0] == ("pdd serve: stopping: requests in flight may finish for up to 30 s "
                                        "(--shutdown-timeout), new ones are refused; SIGTERM (or a second SIGHUP) "
                                        "stops at once"), err
@@ -295,12 +302,7 @@ def test_sigint_ignored_at_start_still_stops_serve_with_the_drain(tmp_path):
     back, and serve stops as on Ctrl-C (the gateway's drain, then exit 130)."""
     owner, pid = _owner("serve", "slow", tmp_path, name="gateway", preexec=_sigint_ignored)
     try:
-        assert owner.stdout.readline().decode().startswith("pdd (pdd) serving at ")  # READY: the drain's path
-        owner.send_signal(signal.SIGINT)
-        assert owner.wait(timeout=60) == 128 + signal.SIGINT
-        assert not _alive(pid)
-        err = owner.stderr.read().decode()
-        assert "Traceback" not in err, err
+        err = _serving_then_stopped(owner, pid, signal.SIGINT)
         assert "instance got SIGTERM" in err.splitlines()  # the gateway's drain was asked for
         assert err.splitlines()[-1] == "pdd serve: stopped by SIGINT; its instances have exited", err
     finally:
