@@ -58,7 +58,7 @@ serve: $(VENV)/.installed
 # test-fast: in a random order (pytest-randomly prints the seed it used; repeat an order with
 # `$(PY) -m pytest -p randomly --randomly-seed=N ...`).
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -p no:cacheprovider -p no:randomly --timeout=900
+	$(PY) -m pytest -q -p no:cacheprovider -p no:randomly --timeout=900 --durations=25
 
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not faults" --timeout=300
