@@ -5,6 +5,7 @@ request counted once (tests/api/test_gateway_outcomes.py's scripted tiers and li
 from __future__ import annotations
 
 import json
+import re
 
 from pdd.gateway.orchestrator import ABORT_CLIENT, ABORT_FAILED
 from tests.api.test_gateway_outcomes import _settled, gateway  # noqa: F401 (a fixture)
@@ -57,13 +58,20 @@ async def test_a_tier_failing_mid_stream_is_response_failed(gateway):  # noqa: F
     assert ABORT_FAILED in orch.abort_reasons and ABORT_CLIENT not in orch.abort_reasons
 
 
-async def test_x_request_id_names_the_response(gateway):  # noqa: F811
+async def test_x_request_id_is_echoed_and_the_response_id_its_own(gateway):  # noqa: F811
+    """X-Request-Id correlates the request (echoed in the header); the response's id is new for
+    each response, streamed or not (one header sent twice made one id, the second replacing the
+    first in the store)."""
     client, orch, _ = gateway
     r = await client.post("/v1/responses", json={**BODY, "max_output_tokens": 4}, headers={"X-Request-Id": "abc-1"})
-    assert (r.status_code, r.json()["id"], r.headers["x-request-id"]) == (200, "resp_abc-1", "abc-1")
+    assert (r.status_code, r.headers["x-request-id"]) == (200, "abc-1")
+    first = r.json()["id"]
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", first)
     r = await client.post("/v1/responses", json={**BODY, "max_output_tokens": 4, "stream": True},
-                          headers={"X-Request-Id": "abc-2"})
+                          headers={"X-Request-Id": "abc-1"})
     evs = _events(r.text)
-    assert {e["response"]["id"] for e in evs if "response" in e} == {"resp_abc-2"}
+    (streamed,) = {e["response"]["id"] for e in evs if "response" in e}
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", streamed) and streamed != first
+    assert r.headers["x-request-id"] == "abc-1"
     assert evs[-1]["type"] == "response.incomplete"
     assert await _settled(orch, 2) == {"completed": 2, "failed": 0, "cancelled": 0, "rejected": 0}

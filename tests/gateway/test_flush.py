@@ -164,3 +164,127 @@ def test_stats_and_flush_ask_every_instance_at_once():
         rep = await o.flush(settle_s=0.05)
         assert rep["leaked_pages"] == 0 and rep["unreachable"] == [] and st["asked"] == 6
     asyncio.run(run())
+
+
+class AbortingPeer(FlushPeer):
+    """An instance holding one request (``held`` pages) that the gateway aborts: ``abort`` is
+    answered once ``freed`` is set (an instance frees the pages, then answers, as
+    ``pdd.roles.base`` does); until then a ``flush`` finds the pages in use and, as an instance
+    did while the release waited for its engine thread, no live request."""
+
+    def __init__(self):
+        super().__init__(held=5)
+        self.freed = asyncio.Event()
+        self.aborted = asyncio.Event()
+
+    async def call(self, h, payload=b"", timeout=None):
+        if h.get("t") == "abort":
+            self.sent.append(dict(h))
+            self.aborted.set()
+            await self.freed.wait()
+            return {"t": "abort_ok", "rid": h["rid"], "streams": True}, b""
+        if h.get("t") == "flush":
+            self.sent.append(dict(h))
+            return {"pages_total": 64, "pages_free": 64 if self.freed.is_set() else 64 - self.held,
+                    "live_requests": 0}, b""
+        return await super().call(h, payload, timeout)
+
+
+class Watched(set):
+    """``Orchestrator._abort_waiters``: ``waiting`` is set once a flush waits for the aborts."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = asyncio.Event()
+
+    def add(self, fut):
+        super().add(fut)
+        self.waiting.set()
+
+
+def test_flush_after_a_disconnect_waits_for_its_abort_to_release():
+    """A burst of client disconnects, then /pdd/flush: each aborted request had left the
+    gateway's table (``reqs``) before its instances answered the abort, so the flush found the
+    gateway idle and their pages in use, and reported them leaked (2-40 pages, free 1-3 s
+    later). Now the flush waits for every abort still under way to be answered, then flushes:
+    no instance is flushed before then, and nothing is leaked. The order is the test's
+    (events), not a clock's."""
+    from pdd.gateway.state import ABORT_CLIENT
+
+    async def run():
+        peers = [AbortingPeer(), AbortingPeer(), AbortingPeer()]
+        o = _orch(peers)
+        o._abort_waiters = Watched()
+        st = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
+        o.reqs["r1"] = st
+        abort = asyncio.ensure_future(o.abort(st, ABORT_CLIENT))
+        for p in peers:
+            await p.aborted.wait()
+        assert not o.reqs and o.aborting == {"r1": 1}  # out of the table, its abort not answered
+        flush = asyncio.ensure_future(o.flush(settle_s=30.0))
+        waiting = asyncio.ensure_future(o._abort_waiters.waiting.wait())
+        done, _ = await asyncio.wait({flush, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        assert flush not in done, flush.result()
+        assert [p.of("flush") for p in peers] == [[], [], []]
+        for p in peers:
+            p.freed.set()
+        await abort
+        rep = await flush
+        assert (rep["leaked_pages"], rep["busy"], rep["aborting"]) == (0, [], [])
+        assert [[h["t"] for h in p.sent] for p in peers] == [["abort", "flush"]] * 3
+        assert o.aborting == {} and len(o._abort_waiters) == 0
+    asyncio.run(run())
+
+
+def test_flush_reports_an_abort_not_answered_in_settle_s_as_in_flight():
+    """An abort still unanswered after ``settle_s`` (an instance slow to answer): the flush goes
+    on, names it in ``aborting`` and counts the instances holding pages as busy, not leaked."""
+    from pdd.gateway.state import ABORT_CLIENT
+
+    async def run():
+        peers = [AbortingPeer(), AbortingPeer(), AbortingPeer()]
+        o = _orch(peers)
+        st = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
+        o.reqs["r1"] = st
+        abort = asyncio.ensure_future(o.abort(st, ABORT_CLIENT))
+        for p in peers:
+            await p.aborted.wait()
+        rep = await o.flush(settle_s=0.0)
+        assert (rep["leaked_pages"], rep["aborting"]) == (0, ["r1"])
+        assert rep["busy"] == ["md0", "p0", "rld0"]
+        for p in peers:
+            p.freed.set()
+        await abort
+        rep = await o.flush(settle_s=0.0)
+        assert (rep["leaked_pages"], rep["aborting"], rep["busy"]) == (0, [], [])
+    asyncio.run(run())
+
+
+def test_a_stream_closed_by_its_client_is_aborting_before_its_abort_task_runs():
+    """The client goes away mid-stream: the stream forgets the request (``reqs``) at once and
+    aborts it in a task of its own; from that moment, before the task first runs, the abort is
+    under way (``aborting``), so a flush that begins in between waits for it too."""
+    from pdd.transfer.messages import Tok
+
+    async def run():
+        peers = [AbortingPeer(), AbortingPeer(), AbortingPeer()]
+        o = _orch(peers)
+        o._abort_waiters = Watched()
+        st = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
+        o.reqs["r1"] = st
+        stream = o.stream(st)
+        o._tok(Tok("r1", 0, 5, None, "md"))
+        assert (await stream.__anext__()).token_id == 5
+        await stream.aclose()  # the client went away
+        assert (dict(o.reqs), o.aborting, [p.of("abort") for p in peers]) == ({}, {"r1": 1}, [[], [], []])
+        flush = asyncio.ensure_future(o.flush(settle_s=30.0))
+        waiting = asyncio.ensure_future(o._abort_waiters.waiting.wait())
+        done, _ = await asyncio.wait({flush, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        assert flush not in done, flush.result()
+        for p in peers:
+            await p.aborted.wait()
+            p.freed.set()
+        rep = await flush
+        assert (rep["leaked_pages"], rep["busy"], rep["aborting"], o.totals["cancelled"]) == (0, [], [], 1)
+        assert [[h["t"] for h in p.sent] for p in peers] == [["abort", "flush"]] * 3
+    asyncio.run(run())

@@ -14,7 +14,8 @@ Responses form ``{type: "function", name, description, parameters}``), ``tool_ch
 ``parallel_tool_calls``, ``text.format`` (as chat's ``response_format``), ``top_logprobs`` and
 ``include`` ``"message.output_text.logprobs"`` (chat's logprobs, on the ``output_text``),
 ``metadata`` and ``user`` (echoed), ``stream``, ``store`` and ``previous_response_id`` (:class:`ResponseStore`:
-responses kept in the gateway's memory, bounded; ``GET`` / ``DELETE /v1/responses/{id}``), and
+responses kept in the gateway's memory, bounded; ``GET`` / ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``; ``POST /v1/responses/{id}/cancel`` is a 400), and
 ``background`` / ``reasoning`` / ``truncation`` and ``include`` values at the values that ask
 for nothing. A forced tool call (``tool_choice`` "required" or a named function) and a JSON
 ``text.format`` are the chat path's structured outputs; what it refuses it refuses here too,
@@ -28,7 +29,8 @@ state pdd does not keep (``conversation``, ``background: true``, ``prompt``, an
 ``truncation: "auto"``.
 
 The response (non-streamed, and in ``response.completed`` / ``response.incomplete``): ``id``
-``resp_<base>`` (the chat id's base: the client's ``X-Request-Id`` or pdd's rid), ``object``
+``resp_`` + 32 hex digits, new for each response (:func:`new_response_id`; the client's
+``X-Request-Id`` names the request, as for chat, not the response), ``object``
 "response", ``created_at`` (Unix seconds), ``status`` "completed", or "incomplete" with
 ``incomplete_details.reason`` "max_output_tokens" when the output hit ``max_output_tokens``,
 ``output``: a ``message`` item (``output_text`` content) when the model wrote text, then one
@@ -44,6 +46,7 @@ import contextlib
 import json
 import secrets
 import time
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -231,15 +234,26 @@ def chat_messages(body: ResponsesRequest, prior: list[dict] | None = None) -> li
             raise _refuse("instructions", f"instructions: not valid Unicode text (a lone surrogate at character "
                           f"{bad})")
         msgs.append({"role": "system", "content": body.instructions})
-    return msgs + [dict(m) for m in prior or ()] + input_messages(body)
+    msgs += [dict(m) for m in prior or ()]
+    return msgs + input_messages(body, called_ids(prior))
 
 
-def input_messages(body: ResponsesRequest) -> list[dict]:
+def called_ids(conversation: list[dict] | None) -> set[str]:
+    """The ``call_id`` of every tool call the assistant turns of ``conversation`` (chat
+    messages: a stored response chain's) made."""
+    return {c["id"] for m in conversation or () if m.get("role") == "assistant" for c in m.get("tool_calls") or ()}
+
+
+def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = frozenset()) -> list[dict]:
     """``input`` as chat messages (a string: one user message; a list: each message item as a
     chat message, a run of ``function_call`` items as the ``tool_calls`` of one assistant
     message, the assistant message item just before them if there is one (the model's turn: its
     text, then its calls), each ``function_call_output`` as a ``tool`` message). ApiError naming
-    ``input`` for an item pdd cannot take (module docstring)."""
+    ``input`` for an item pdd cannot take (module docstring); naming ``input[i].arguments`` for
+    a ``function_call`` whose ``arguments`` is not JSON text, and ``input[i].call_id`` for a
+    ``function_call_output`` whose ``call_id`` is no ``function_call`` item's in ``input`` nor
+    in ``prior_calls`` (the call ids of the ``previous_response_id`` chain: :func:`called_ids`),
+    as OpenAI refuses both."""
     msgs: list[dict] = []
     items = body.input
     if isinstance(items, str):
@@ -267,6 +281,11 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                 if not isinstance(it.get(key), str) or (key != "arguments" and not it[key]):
                     raise _refuse("input", f"{at}.{key}: required, a string")
                 _text_of(it[key], f"{at}.{key}", ())  # valid Unicode text
+            try:
+                json.loads(it["arguments"])
+            except ValueError:
+                raise _refuse(f"{at}.arguments", f"{at}.arguments: must be a JSON string (the call's arguments as "
+                              f"JSON text), got {shown(it['arguments'])}") from None
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
             last = msgs[-1] if msgs else None
@@ -291,6 +310,11 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
         else:
             raise _refuse("input", f"{at}: item type {shown(kind)} is not supported (message, function_call and "
                           "function_call_output are)")
+    calls = set(prior_calls) | {it["call_id"] for it in items if it.get("type") == "function_call"}
+    for i, it in enumerate(items):
+        if it.get("type") == "function_call_output" and it["call_id"] not in calls:
+            raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: No tool call found for function call output "
+                          f"with call_id {shown(it['call_id'])}")
     return msgs
 
 
@@ -421,8 +445,11 @@ def renamed(e: ApiError) -> ApiError:
     return e
 
 
-def _rid(chat_id: str) -> str:
-    return "resp_" + chat_id.removeprefix("chatcmpl-")
+def new_response_id() -> str:
+    """A response's id: ``resp_`` + a fresh uuid4's 32 hex digits, unique per response (the
+    client's ``X-Request-Id`` correlates the request in logs and headers, but one header sent
+    twice must not make two responses one id: the second would replace the first in the store)."""
+    return "resp_" + uuid.uuid4().hex
 
 
 def _hex() -> str:
@@ -430,10 +457,12 @@ def _hex() -> str:
 
 
 class Shell:
-    """What a response object repeats from its request, and the request's ids."""
+    """What a response object repeats from its request, and the response's id (``rid``:
+    :func:`new_response_id` when None)."""
 
-    def __init__(self, body: ResponsesRequest, model: str, stored: bool = False):
+    def __init__(self, body: ResponsesRequest, model: str, stored: bool = False, rid: str | None = None):
         self.body, self.model, self.stored = body, model, stored
+        self.rid = rid if rid is not None else new_response_id()
 
     def response(self, rid: str, created: int, status: str, output: list, usage: dict | None,
                  incomplete: str | None = None, error: dict | None = None) -> dict:
@@ -503,8 +532,7 @@ def response_from_chat(shell: Shell, chat: dict) -> dict:
     for c in calls:
         output.append(_call_item(f"fc_{_hex()}", c["id"], c["function"]["name"], c["function"]["arguments"],
                                  "completed"))
-    return shell.response(_rid(chat["id"]), chat["created"], status, output, usage_from_chat(chat.get("usage")),
-                          reason)
+    return shell.response(shell.rid, chat["created"], status, output, usage_from_chat(chat.get("usage")), reason)
 
 
 def _event(kind: str, seq: int, **fields) -> str:
@@ -569,7 +597,7 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
             if "error" in chunk:
                 err = chunk["error"]
                 if rid is None:  # failed before its first chunk: nothing was sent yet
-                    rid = f"resp_{_hex()}"
+                    rid = shell.rid
                     yield ev("response.created", response=shell.response(rid, created, "in_progress", [], None))
                 for s in close_message():
                     yield s
@@ -578,7 +606,7 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                     error={"code": "server_error", "message": err.get("message", "")}))
                 return
             if rid is None:
-                rid, shell.model = _rid(chunk["id"]), chunk.get("model", shell.model)
+                rid, shell.model = shell.rid, chunk.get("model", shell.model)
                 head = shell.response(rid, created, "in_progress", [], None)
                 yield ev("response.created", response=head)
                 yield ev("response.in_progress", response=head)
@@ -652,24 +680,93 @@ def output_turn(output: list[dict]) -> dict:
     return msg
 
 
+def listed_items(body: ResponsesRequest) -> list[dict]:
+    """A request's ``input`` as ``GET /v1/responses/{id}/input_items`` lists it, in input order
+    (``input`` already checked: :func:`input_messages`). Each item keeps the ``id`` the client
+    sent (a response's output items fed back), else gets one: ``msg_`` for a message (a string
+    ``input`` is one user message), ``fc_`` for a ``function_call``, ``fco_`` for a
+    ``function_call_output`` (+ 24 hex digits); ``status`` "completed". A message's string
+    content is one ``input_text`` part (``output_text``, with ``annotations`` [], an
+    assistant's), its parts as sent otherwise."""
+    items = body.input
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for it in items:
+        kind = it.get("type", "message")
+        given = it.get("id") if isinstance(it.get("id"), str) and it.get("id") else None
+        if kind == "message":
+            content = it["content"]
+            if isinstance(content, str):
+                content = [{"type": "output_text", "text": content, "annotations": []} if it["role"] == "assistant"
+                           else {"type": "input_text", "text": content}]
+            else:
+                content = [{**p, "annotations": p.get("annotations") or []} if p.get("type") == "output_text"
+                           else dict(p) for p in content]
+            out.append({"id": given or f"msg_{_hex()}", "type": "message", "role": it["role"], "status": "completed",
+                        "content": content})
+        elif kind == "function_call":
+            out.append({"id": given or f"fc_{_hex()}", "type": "function_call", "status": "completed",
+                        "call_id": it["call_id"], "name": it["name"], "arguments": it["arguments"]})
+        else:  # function_call_output (input_messages refused every other kind)
+            output = it["output"]
+            out.append({"id": given or f"fco_{_hex()}", "type": "function_call_output", "status": "completed",
+                        "call_id": it["call_id"], "output": output if isinstance(output, str) else list(output)})
+    return out
+
+
+MAX_LIST_LIMIT = 100  # input_items' limit: 1 to 100, 20 by default (OpenAI's)
+DEFAULT_LIST_LIMIT = 20
+
+
+def list_page(items: list[dict], query, rid: str) -> dict:
+    """OpenAI's list object (``object`` "list", ``data``, ``first_id``, ``last_id``,
+    ``has_more``) of ``items`` (input order) for the query parameters ``query`` (a mapping of
+    strings): ``limit`` (1 to 100, default 20), ``order`` ("asc": input order, or "desc", the
+    default), ``after`` (an item id: the page starts after it). ApiError (400) naming the
+    parameter for a bad value, an ``after`` no item of response ``rid`` has included."""
+    raw = query.get("limit")
+    limit = DEFAULT_LIST_LIMIT
+    if raw is not None:
+        if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+            raise _refuse("limit", f"limit: must be an integer from 1 to {MAX_LIST_LIMIT}, got {shown(raw)}")
+        limit = int(raw)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise _refuse("order", f"order: must be 'asc' or 'desc', got {shown(order)}")
+    seq = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        at = next((i for i, it in enumerate(seq) if it["id"] == after), None)
+        if at is None:
+            raise _refuse("after", f"after: {shown(after)} is not an input item of response {shown(rid)}")
+        seq = seq[at + 1:]
+    data = seq[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(seq) > limit}
+
+
 class ResponseStore:
     """Responses kept in this gateway's memory (not across gateways or restarts), newest last:
-    at most ``max_items`` and ``max_chars`` characters of JSON (each response and its
-    conversation, the chat messages after its instructions, its output turn included); the
-    oldest go first, and one larger than ``max_chars`` alone is not kept. OpenAI's ``store``
-    default is true: a response is kept unless its request sends ``store: false``."""
+    at most ``max_items`` and ``max_chars`` characters of JSON (each response, its
+    conversation, the chat messages after its instructions, its output turn included, and its
+    input items as ``input_items`` lists them: :func:`listed_items`); the oldest go first, and
+    one larger than ``max_chars`` alone is not kept. OpenAI's ``store`` default is true: a
+    response is kept unless its request sends ``store: false``."""
 
     def __init__(self, max_items: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS):
         self.max_items, self.max_chars = max_items, max_chars
-        self.items: dict[str, tuple[dict, list[dict], int]] = {}  # id -> (response, conversation, chars)
+        # id -> (response, conversation, input items, chars)
+        self.items: dict[str, tuple[dict, list[dict], list[dict], int]] = {}
         self.chars = 0
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> None:
+        input_items = list(input_items or ())
+        size = len(json.dumps(response)) + len(json.dumps(conversation)) + len(json.dumps(input_items))
         if size > self.max_chars:
             return
         self.delete(response["id"])
-        self.items[response["id"]] = (response, conversation, size)
+        self.items[response["id"]] = (response, conversation, input_items, size)
         self.chars += size
         while len(self.items) > self.max_items or self.chars > self.max_chars:
             self.delete(next(iter(self.items)))
@@ -679,10 +776,15 @@ class ResponseStore:
         got = self.items.get(rid)
         return None if got is None else got[:2]
 
+    def input_items(self, rid: str) -> list[dict] | None:
+        """The input items of ``rid`` (input order), None when it is not kept."""
+        got = self.items.get(rid)
+        return None if got is None else got[2]
+
     def delete(self, rid: str) -> bool:
         got = self.items.pop(rid, None)
         if got is not None:
-            self.chars -= got[2]
+            self.chars -= got[3]
         return got is not None
 
 
@@ -698,9 +800,11 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
     (:func:`response_from_chat`, :func:`response_events`); the chat path's errors come back
     with the Responses request's parameter names (:func:`renamed`). A completed or incomplete
     response is kept in ``store`` (a new :class:`ResponseStore` if None; returned) unless its
-    request sent ``store: false``: ``previous_response_id`` continues its conversation, and
-    ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it (404 ``response_not_found`` for one
-    not kept)."""
+    request sent ``store: false``: ``previous_response_id`` continues its conversation, ``GET`` /
+    ``DELETE /v1/responses/{id}`` read and drop it, ``GET /v1/responses/{id}/input_items`` lists
+    its input items (:func:`listed_items`, :func:`list_page`) and ``POST
+    /v1/responses/{id}/cancel`` is a 400 (only a background response can be cancelled, and
+    ``background: true`` is refused); each a 404 ``response_not_found`` for one not kept."""
     store = store if store is not None else ResponseStore()
 
     @app.post("/v1/responses")
@@ -713,23 +817,25 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
             prior = got[1]
         chat = chat_body(body, prior)
         keep = body.store is not False
-        turns = [*prior, *input_messages(body)]  # the conversation after the instructions
+        turns = [*prior, *input_messages(body, called_ids(prior))]  # the conversation after the instructions
+        listed = listed_items(body) if keep else []
+        rid = new_response_id()
 
         def kept(response: dict) -> None:
             if keep and response["status"] in ("completed", "incomplete"):
-                store.put(response, [*turns, output_turn(response["output"])])
+                store.put(response, [*turns, output_turn(response["output"])], listed)
 
         try:
             out = await chat_completions(chat, request)
         except ApiError as e:
             raise renamed(e) from None
         if isinstance(out, StreamingResponse):
-            shell = Shell(body, chat.model or "", keep)  # the served model's name, from the first chunk on
+            shell = Shell(body, chat.model or "", keep, rid)  # the served model's name, from the first chunk on
             return StreamingResponse(response_events(shell, out.body_iterator, int(time.time()), kept),
                                      media_type="text/event-stream")
         if isinstance(out, JSONResponse):  # the chat path's failure (503) or a client gone (499)
             return out
-        response = response_from_chat(Shell(body, out["model"], keep), out)
+        response = response_from_chat(Shell(body, out["model"], keep, rid), out)
         kept(response)
         return response
 
@@ -739,6 +845,20 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
         if got is None:
             raise _not_found(response_id, None)
         return got[0]
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request):
+        items = store.input_items(response_id)
+        if items is None:
+            raise _not_found(response_id, None)
+        return list_page(items, request.query_params, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        if store.get(response_id) is None:
+            raise _not_found(response_id, None)
+        raise ApiError(f"response {shown(response_id)} cannot be cancelled: only background responses can be "
+                       "cancelled, and pdd refuses background: true", None)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

@@ -33,7 +33,7 @@ from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY, La
 from pdd.transfer.client import connect
 from pdd.transfer.peer import Peer
 from pdd.transfer.layout import wire_dtype
-from pdd.transfer.messages import Drop, Flush, Stats, WaitIdle
+from pdd.transfer.messages import Abort, Drop, Flush, Stats, WaitIdle
 from pdd.gateway.handoff import Handoffs
 from pdd.gateway.launch import Launchers
 from pdd.policy.prefix_index import PrefixIndex
@@ -104,6 +104,12 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         # futures of recoveries waiting for one (:meth:`topology_changed`, :meth:`_topology_wait`)
         self.topology_version = 0
         self._topology_waiters: set[asyncio.Future] = set()
+        # aborts under way (:meth:`_abort_begun`): tier rid -> aborts of it not finished (a
+        # request out of ``reqs`` whose instances may still hold its pages), instance -> abort
+        # calls to it not answered yet, and the futures of flushes waiting for none to be left
+        self.aborting: dict[str, int] = {}
+        self.aborts_out: dict[str, int] = {}
+        self._abort_waiters: set[asyncio.Future] = set()
         self.draining = False  # the shutdown drain began (:meth:`begin_drain`): no start waits for an instance
         # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)
         self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
@@ -283,6 +289,64 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _abort_begun(self, trid: str) -> None:
+        """An abort of tier rid ``trid`` began (or is about to, in a task of its own): until its
+        :meth:`_abort_ended`, the instances may still hold ``trid``'s pages although the request
+        has left ``reqs``; :meth:`flush` waits for it."""
+        self.aborting[trid] = self.aborting.get(trid, 0) + 1
+
+    def _abort_ended(self, trid: str) -> None:
+        """An abort of ``trid`` begun by :meth:`_abort_begun` is over (its instances answered,
+        or their calls failed): the last one wakes the flushes waiting for aborts."""
+        n = self.aborting.get(trid, 0) - 1
+        if n > 0:
+            self.aborting[trid] = n
+        else:
+            self.aborting.pop(trid, None)
+        if not self.aborting:
+            waiters, self._abort_waiters = self._abort_waiters, set()
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _spawn_abort(self, trid: str, coro) -> None:
+        """Run ``coro`` (an abort of ``trid``) in a task of its own, counted under way
+        (:meth:`_abort_begun`) from now, before the task first runs, to its end."""
+        self._abort_begun(trid)
+
+        async def run():
+            try:
+                await coro
+            finally:
+                self._abort_ended(trid)
+        self._spawn(run())
+
+    async def _call_abort(self, name: str, peer: Peer, trid: str, timeout: float = 10):
+        """``peer.call(Abort(trid))`` (instance ``name``), counted in ``aborts_out[name]``
+        until it is answered or fails: an instance answers an abort once it freed the pages."""
+        self.aborts_out[name] = self.aborts_out.get(name, 0) + 1
+        try:
+            return await peer.call(Abort(trid).wire(), timeout=timeout)
+        finally:
+            left = self.aborts_out.get(name, 0) - 1
+            if left > 0:
+                self.aborts_out[name] = left
+            else:
+                self.aborts_out.pop(name, None)
+
+    async def _aborts_settled(self, timeout_s: float) -> None:
+        """Return once no abort is under way (``aborting`` empty: woken by the last one's end,
+        no poll), or after ``timeout_s`` seconds."""
+        if not self.aborting:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._abort_waiters.add(fut)
+        try:
+            await asyncio.wait({fut}, timeout=timeout_s)
+        finally:
+            self._abort_waiters.discard(fut)
+            fut.cancel()
 
     def _peer_closed(self, name: str, peer: Peer | None = None, removed: str | None = None) -> None:
         """A tier's connection dropped (the instance died or closed it, or its heartbeat went
@@ -501,31 +565,40 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
 
         A request the client has seen finish may still be live on an instance for a while (a
         cut-off transfer's cancel crossing the WAN behind bytes already on the line, an MD
-        releasing after its last token): those pages are not leaked. So when the gateway has no
-        request in flight, each instance whose flush found live requests is asked to answer once
-        those requests are gone (``WaitIdle``: it answers on their release, at most ``settle_s``
-        seconds later; one arriving meanwhile is not waited for) and is flushed again then; a
-        live request left after that, with the gateway idle, is orphaned and its pages count as
-        leaked. With requests in flight there is no wait: instances holding live requests are
-        listed in ``busy`` and only the others' pages are counted. An instance that cannot be
+        releasing after its last token, a request whose client went away and whose abort the
+        instances have not answered yet): those pages are not leaked. So the flush first waits
+        (at most ``settle_s`` seconds, woken by the last one's end) for every abort under way
+        (``aborting``: a request leaves ``reqs`` when its abort begins, before its instances
+        free its pages and answer); then, when the gateway has no request in flight nor abort
+        under way, each instance whose flush found live requests (an instance counts those
+        whose pages it is still freeing) is asked to answer once those requests are gone
+        (``WaitIdle``: it answers on their release, at most ``settle_s`` seconds later; one
+        arriving meanwhile is not waited for) and is flushed again then; a live request left
+        after that, with the gateway idle, is orphaned and its pages count as leaked. With
+        requests in flight there is no wait: instances holding live requests, and those an
+        abort is still out to, are listed in ``busy`` and only the others' pages are counted;
+        ``aborting`` lists the tier rids whose abort was still under way. An instance that cannot be
         asked (down, silent) is listed in ``unreachable`` and ``leaked_pages`` is None
         (unknown): its pages cannot be counted, and a 0 that left them out would read as
         "nothing leaked"."""
         await self._reconnect_closed()
+        await self._aborts_settled(settle_s)
         inst = await self._flush_instances()
         live = [n for n, v in inst.items() if v.get("live_requests")]
-        if live and not self.reqs:
+        if live and not self.reqs and not self.aborting:
             await self._ask_every_instance(lambda: WaitIdle(settle_s).wire(),
                                            timeout=settle_s + self.cfg.liveness.dead_after_s, names=live)
             inst.update(await self._flush_instances(live))
             inst = {n: v for n, v in inst.items() if n in self.peers}  # one removed meanwhile is no member
         for ix in self.prefix_index.values():  # the instances' caches are empty now
             ix.clear()
-        busy = sorted(n for n, v in inst.items() if v.get("live_requests")) if self.reqs else []
+        in_flight = bool(self.reqs) or bool(self.aborting)
+        busy = sorted(n for n, v in inst.items() if (in_flight and v.get("live_requests")) or self.aborts_out.get(n))
         unreachable = sorted(n for n, v in inst.items() if "pages_total" not in v)
         leaked = None if unreachable else sum(int(v["pages_total"]) - int(v["pages_free"])
                                               for n, v in inst.items() if n not in busy)
-        return {"instances": inst, "leaked_pages": leaked, "busy": busy, "unreachable": unreachable}
+        return {"instances": inst, "leaked_pages": leaked, "busy": busy, "unreachable": unreachable,
+                "aborting": sorted(self.aborting)}
 
     async def _flush_instances(self, names: list[str] | None = None) -> dict:
         """Flush every connected instance's prefix cache (or those of ``names``) at once:

@@ -25,7 +25,7 @@ from pdd.gateway.phase import Phase
 from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, NoMember, ReqState
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.peer import Peer
-from pdd.transfer.messages import Abort, Cancel, Drop, ReqError, Target
+from pdd.transfer.messages import Cancel, Drop, ReqError, Target
 from pdd.types import Pipeline, SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -126,7 +126,7 @@ class Recovery:
             while len(self.superseded_wan) > 10000:  # ... unless it never streamed: bounded
                 self.superseded_wan.pop(next(iter(self.superseded_wan)))
         self._index_given_up(st)  # the old attempt's KV not landed on MD never will
-        self._spawn(self._abort_everywhere(old))
+        self._spawn_abort(old, self._abort_everywhere(old))
         self._unassign(st)
         st.attempt += 1
         st.trid = f"{st.rid}.{st.attempt}"
@@ -335,11 +335,17 @@ class Recovery:
         await asyncio.gather(*(self._abort_on(p, trid) for p in list(self.peers.values()) if not p.closed))
 
     async def _abort_on(self, peer: Peer, trid: str) -> None:
-        """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it already)."""
+        """Abort tier rid ``trid`` on one instance (best effort: a lost instance freed it
+        already), counted under way until it is answered (``aborting``, ``aborts_out``:
+        :meth:`Orchestrator.flush` waits for it)."""
+        name = next((n for n, p in list(self.peers.items()) if p is peer), str(peer))
+        self._abort_begun(trid)
         try:
-            await peer.call(Abort(trid).wire(), timeout=10)
+            await self._call_abort(name, peer, trid)
         except Exception as e:
             log.warning("abort %s on %s failed: %s", trid, peer, e)
+        finally:
+            self._abort_ended(trid)
 
     def _kv_source_lost(self, trid: str) -> None:
         _p, md_name = self.awaiting_kv.pop(trid, (None, None))

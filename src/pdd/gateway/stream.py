@@ -97,7 +97,8 @@ class Streams:
                 # this line, at once, in case the loop closes before the task runs)
                 reason = ABORT_CLIENT if isinstance(e, (asyncio.CancelledError, GeneratorExit)) else ABORT_FAILED
                 self._count_outcome(st, ABORT_OUTCOMES[reason])
-                self._spawn(self.abort(st, reason))
+                # under way from now (flush waits for it): reqs forgets st below, before the task runs
+                self._spawn_abort(st.trid, self.abort(st, reason))
             elif not st.end.aborted:  # its last token was yielded; the consumer just did not ask again
                 self._count_outcome(st, "completed")
             raise
@@ -207,6 +208,14 @@ class Streams:
         for an unknown ``reason`` (before anything is changed)."""
         if reason not in ABORT_OUTCOMES:
             raise ValueError(f"unknown abort reason {reason!r}; expected one of {tuple(ABORT_OUTCOMES)}")
+        trid = st.trid
+        self._abort_begun(trid)  # st leaves reqs below; its instances free its pages when they answer
+        try:
+            await self._abort(st, reason)
+        finally:
+            self._abort_ended(trid)
+
+    async def _abort(self, st: ReqState, reason: str) -> None:
         if st.end.abort_reason is None:
             st.end.abort_reason = reason
         self._count_outcome(st, ABORT_OUTCOMES[reason])
@@ -234,7 +243,7 @@ class Streams:
         now (``_unplan_wan``; idempotent)."""
         trid, p_name = st.trid, st.names.get(ROLE_PREFILL)
         names = [n for n, p in list(self.peers.items()) if not p.closed]
-        reps = await asyncio.gather(*(self.peers[n].call(Abort(trid).wire(), timeout=10) for n in names),
+        reps = await asyncio.gather(*(self._call_abort(n, self.peers[n], trid) for n in names),
                                     return_exceptions=True)
         for n, r in zip(names, reps):
             if isinstance(r, BaseException):

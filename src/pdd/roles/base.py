@@ -114,6 +114,9 @@ class ReqCtx:
     released: bool = False
     in_engine: bool = False
     extra: dict = field(default_factory=dict)
+    # set on the engine thread once :meth:`EngineInstance.release` freed the pages there: a
+    # ``flush`` (run on that thread too) reads it to count the requests still holding pages
+    pages_freed: bool = False
 
 
 class EngineInstance:
@@ -334,6 +337,7 @@ class EngineInstance:
 
         def _rel(e):
             e.release(seq, cache=cache)  # also takes it out of the running batch
+            ctx.pages_freed = True
 
         try:
             await self.worker.call(_rel, overlap=not ctx.in_engine)  # out of the batch: not the step's outputs
@@ -405,13 +409,23 @@ class EngineInstance:
                 "page_size": int(pool.page_size), "num_pages": int(pool.num_pages)}
 
     async def on_flush(self, peer, h, payload):
+        """``flush``: evict every unlocked prefix-cache page; :class:`FlushOk` with the pages
+        then free and ``live_requests``: the requests in ``reqs`` after it, and those out of
+        ``reqs`` whose pages were not yet freed when the engine thread counted the free pages
+        (``_freeing``: an abort's or a finish's release still waiting for the engine thread;
+        ``ReqCtx.pages_freed``, read on that thread), so a release under way is live there,
+        never read as leaked pages (the gateway waits for it: ``wait_idle``)."""
+        before = {id(c): c for c in [*self.reqs.values(), *self._freeing.values()]}
+
         def _flush(e):
             free0 = e.pool.num_free
             e.flush_cache()
-            return e.pool.num_pages, e.pool.num_free, e.pool.num_free - free0
+            held = {k for k, c in before.items() if not c.pages_freed}
+            return e.pool.num_pages, e.pool.num_free, e.pool.num_free - free0, held
 
-        total, free, dropped = await self.worker.call(_flush)
-        return FlushOk(self.spec.name, total, free, len(self.reqs), dropped).wire(), b""
+        total, free, dropped, held = await self.worker.call(_flush)
+        live = held | {id(c) for c in self.reqs.values()}
+        return FlushOk(self.spec.name, total, free, len(live), dropped).wire(), b""
 
     def note_aborted(self, rid: str) -> None:
         self._aborted[rid] = None
