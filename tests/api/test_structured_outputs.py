@@ -280,7 +280,8 @@ def test_parse_forced_and_its_stream():
     text = '[{"name": "f", "parameters": {"a": "é"}}, {"name": "g", "parameters": null}, {"name": "h"}]'
     assert parse_forced(None, text, ids) == Parsed(None, (ToolCall("call_1", "f", '{"a": "é"}'),
                                                           ToolCall("call_2", "g", "{}"), ToolCall("call_3", "h", "{}")))
-    for bad in ('[{"name": "f", "parameters": {"a": ', "[]", '{"name": "f"}', '[{"parameters": {}}]'):
+    for bad in ('[{"name": "f", "parameters": {"a": ', "[]", '{"name": "f"}', '[{"parameters": {}}]',
+                '[{"name": "f", "parameters": {"a": 1e400}}]'):  # json.dumps would write Infinity
         assert parse_forced(None, bad, ids) == Parsed(bad)
     s = ForcedStream(None, ids)
     assert [s.feed(x) for x in ('[{"name": ', '"f"}]')] == [Emit(), Emit()]

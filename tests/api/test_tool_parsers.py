@@ -236,6 +236,8 @@ def test_hermes_round_trips_any_arguments(args, name):
     ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"y\\": Infinity}"}</tool_call>'),
     ("llama3_json", '{"name": "f", "parameters": {"x": -Infinity}}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>'),  # a float's inf
+    ("llama3_json", '{"name": "f", "parameters": {"x": [-1E999]}}'),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": "\\ud800"}}]'),
 ])
 def test_calls_no_response_could_carry_are_content(parser, text):

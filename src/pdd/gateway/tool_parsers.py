@@ -18,7 +18,8 @@ Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
   a name is 1 to 64 letters, digits, ``_`` or ``-`` (OpenAI's rule); ``content`` is the text
   before the first ``[TOOL_CALLS]``.
 
-A text whose call cannot be parsed (malformed JSON, ``NaN`` / ``Infinity`` included, a call
+A text whose call cannot be parsed (malformed JSON, ``NaN`` / ``Infinity`` included, a number
+beyond a float's range such as ``1e400``, which ``json.dumps`` would write ``Infinity``, a call
 without a string ``name``, arguments that are not an object, a ``\ud800``-style escape of a lone
 surrogate, which no response could encode) has no calls: it is all content, unchanged, as vLLM returns it.
 ``arguments`` is the call's arguments as a JSON string (``json.dumps(..., ensure_ascii=False)``);
@@ -187,7 +188,10 @@ def _call(obj, ids: Callable[[], str], args_key: tuple[str, ...] = ("arguments",
             raise _NoCall("arguments string is not JSON") from None
     if not isinstance(args, dict):
         raise _NoCall("arguments must be an object")
-    arguments = json.dumps(args, ensure_ascii=False)
+    try:  # a number beyond a float's range (1e400) loads as inf, which json.dumps would write Infinity
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise _NoCall("a number out of range") from None
     if lone_surrogate(obj["name"]) is not None or lone_surrogate(arguments) is not None:
         # a "\ud800" escape decodes to text no response can encode as UTF-8
         raise _NoCall("a lone surrogate in the call")
