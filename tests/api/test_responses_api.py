@@ -606,3 +606,55 @@ async def test_text_format_is_chats_response_format(serve, fmt, rf):
                                              response_format=rf)
     want = s.orch.started[-1][1]
     assert sp.structured is not None and (sp.grammar, sp.structured) == (want.grammar, want.structured)
+
+
+async def test_streamed_named_function_arguments_come_piece_by_piece(serve):
+    """A named function's arguments come from chat piece by piece: one
+    ``function_call_arguments.delta`` per piece, ``.done`` (the whole arguments) and the item's
+    ``output_item.done`` once, at the end; the final response is the non-streamed one's."""
+    s = await serve([W_ARGS])
+    named = {"type": "function", "name": "get_weather"}
+    evs = await _events(s, input="weather in Paris?", tools=R_TOOLS, tool_choice=named)
+    kinds = [e.type for e in evs]
+    deltas = [e for e in evs if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(d.delta for d in deltas) == W_ARGS
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added"]
+                     + ["response.function_call_arguments.delta"] * len(deltas)
+                     + ["response.function_call_arguments.done", "response.output_item.done", "response.completed"])
+    item = evs[2].item
+    assert {d.item_id for d in deltas} == {item.id} and evs[-3].arguments == W_ARGS
+    assert (evs[-2].item.status, evs[-2].item.arguments) == ("completed", W_ARGS)
+    r = await s.client().responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS, tool_choice=named)
+    assert (evs[-1].response.status, _calls(evs[-1].response.output)) == (r.status, _calls(r.output)) == (
+        "completed", [W_CALL])
+    async with s.client().responses.stream(model=MODEL, input="weather in Paris?", tools=R_TOOLS,
+                                           tool_choice=named) as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_response()
+    assert _calls(final.output) == [W_CALL]
+
+
+async def test_a_failure_mid_arguments_leaves_the_call_incomplete():
+    """response_events over a chat stream that fails after a call's first arguments piece: no
+    ``.done`` for it, and the failed response's item is ``incomplete`` with the pieces so far."""
+    from pdd.gateway.openai_responses import ResponsesRequest, Shell, response_events
+
+    def chunk(delta, finish=None):
+        return "data: " + json.dumps({"id": "chatcmpl-x", "model": MODEL, "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}) + "\n\n"
+
+    async def chat():
+        yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": '{"ci'}}]})
+        yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "P'}}]})
+        yield "data: " + json.dumps({"error": {"message": "tier failed"}}) + "\n\n"
+
+    shell = Shell(ResponsesRequest.model_validate({"model": MODEL, "input": "x"}), MODEL)
+    evs = [json.loads(e.split("\n", 1)[1].removeprefix("data: ")) async for e in response_events(shell, chat(), 0)]
+    assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.delta", "response.failed"]
+    (item,) = evs[-1]["response"]["output"]
+    assert (item["status"], item["arguments"], item["call_id"]) == ("incomplete", '{"city": "P', "call_1")

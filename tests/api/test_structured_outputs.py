@@ -273,21 +273,22 @@ def test_a_backend_name_that_asks_for_llguidance_is_served(api, backend):
 
 
 def test_parse_forced_and_its_stream():
-    from pdd.gateway.tool_parsers import CallMode, ForcedStream, Parsed, ToolCall, parse_forced
+    from pdd.gateway.tool_parsers import CallDelta, CallMode, Emit, ForcedStream, Parsed, ToolCall, parse_forced
 
     ids = iter(f"call_{i}" for i in range(100)).__next__
     assert parse_forced("f", '{"a": 1}', ids) == Parsed(None, (ToolCall("call_0", "f", '{"a": 1}'),))
     text = '[{"name": "f", "parameters": {"a": "é"}}, {"name": "g", "parameters": null}, {"name": "h"}]'
     assert parse_forced(None, text, ids) == Parsed(None, (ToolCall("call_1", "f", '{"a": "é"}'),
                                                           ToolCall("call_2", "g", "{}"), ToolCall("call_3", "h", "{}")))
-    for bad in ('[{"name": "f", "parameters": {"a": ', "[]", '{"name": "f"}', '[{"parameters": {}}]'):
+    for bad in ('[{"name": "f", "parameters": {"a": ', "[]", '{"name": "f"}', '[{"parameters": {}}]',
+                '[{"name": "f", "parameters": {"a": 1e400}}]'):  # json.dumps would write Infinity
         assert parse_forced(None, bad, ids) == Parsed(bad)
     s = ForcedStream(None, ids)
-    assert [s.feed(x) for x in ('[{"name": ', '"f"}]')] == ["", ""]
-    assert s.finish() == ("", (ToolCall("call_4", "f", "{}"),))
+    assert [s.feed(x) for x in ('[{"name": ', '"f"}]')] == [Emit(), Emit()]
+    assert s.finish() == Emit("", (CallDelta(0, "{}", "call_4", "f"),))
     s = ForcedStream(None, ids)
     s.feed('[{"na')
-    assert s.finish() == ('[{"na', ())
+    assert s.finish() == Emit('[{"na', ())
     named, required = CallMode(forced=True, function="f"), CallMode(forced=True)
     assert [named.finish_reason(f) for f in ("stop", "length")] == ["stop", "length"]
     assert [required.finish_reason(f) for f in ("stop", "length")] == ["tool_calls", "length"]

@@ -147,17 +147,18 @@ async def test_n_choices_are_parsed_each(serve):
 
 
 async def _streamed(s, **kw):
-    """The stream's chunks, and per choice: its content, its calls as the openai client's
-    stream accumulates them, its finish_reason."""
-    client = s.client()
+    """The stream's chunks, and the completion the openai client's stream state accumulates
+    from them (per choice: its content, its calls, its finish_reason; a choice cut by
+    max_tokens too, where ``get_final_completion`` raises)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState(input_tools=TOOLS)
     chunks = []
-    async with client.beta.chat.completions.stream(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0,
-                                                   **kw) as stream:
-        async for ev in stream:
-            if ev.type == "chunk":
-                chunks.append(ev.chunk)
-        final = await stream.get_final_completion()
-    return chunks, final
+    async for chunk in await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0,
+                                                                stream=True, **kw):
+        chunks.append(chunk)
+        state.handle_chunk(chunk)
+    return chunks, state.current_completion_snapshot
 
 
 async def test_streamed_calls_accumulate_in_the_openai_client(serve):
@@ -167,17 +168,16 @@ async def test_streamed_calls_accumulate_in_the_openai_client(serve):
     # content: the role chunk's "" (as vLLM's), accumulated
     assert got == [(0, "Let me check.\n", [W_CALL], "tool_calls"), (1, "", [W_CALL, T_CALL], "tool_calls"),
                    (2, PLAIN, [], "stop")]
-    # per choice: name first (with id and type, arguments ""), then the arguments, then the finish
+    # per choice: the calls at the choice's last token, each whole in one item (id, type, name,
+    # arguments), in the chunk that has the finish_reason
     for index, calls in ((0, [W_CALL]), (1, [W_CALL, T_CALL])):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         deltas = [(tc.index, tc.id is not None, tc.type, tc.function.name, tc.function.arguments)
                   for ch in mine for tc in (ch.delta.tool_calls or [])]
-        want = []
-        for i, (name, args) in enumerate(calls):
-            want += [(i, True, "function", name, ""), (i, False, None, None, args)]
-        assert deltas == want
+        assert deltas == [(i, True, "function", name, args) for i, (name, args) in enumerate(calls)]
         assert [ch.finish_reason for ch in mine if ch.finish_reason] == ["tool_calls"]
-        assert mine[-1].finish_reason == "tool_calls" and mine[-1].delta.tool_calls is None
+        assert mine[-1].finish_reason == "tool_calls" and len(mine[-1].delta.tool_calls) == len(calls)
+        assert mine[-1].delta.content is None
         # no content of the call's text was streamed
         assert "".join(ch.delta.content or "" for ch in mine) == ("Let me check.\n" if index == 0 else "")
 
@@ -299,27 +299,72 @@ async def test_required_output_that_is_no_array_is_content(serve):
     assert REQUIRED_TWO.startswith(c.message.content) and c.message.content
 
 
-@pytest.mark.parametrize("tool_choice,text,calls,finish", [
-    (NAMED, W_ARGS, [W_CALL], "stop"),
-    ("required", REQUIRED_TWO, [W_CALL, T_CALL], "tool_calls"),
-])
-async def test_forced_tool_choice_streamed(serve, tool_choice, text, calls, finish):
-    """No content while the choice generates (its text is the call); at its end the calls as
-    with auto (name chunk, arguments chunk), then the finish_reason vLLM's stream gives."""
-    s = await serve([text])
-    chunks, final = await _streamed(s, tool_choice=tool_choice)
+def _arguments_items(chunks, index=0):
+    """The ``delta.tool_calls`` items of choice ``index``'s chunks: (call index, has id, name, arguments)."""
+    return [(tc.index, tc.id is not None, tc.function.name, tc.function.arguments)
+            for ch in chunks for c in ch.choices if c.index == index for tc in (c.delta.tool_calls or [])]
+
+
+async def _same_as_not_streamed(s, final, **kw):
+    """The streamed choices, accumulated by the openai client, against the non-streamed response
+    to the same request: content ("" for null), each call's name and arguments, finish_reason."""
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0, **kw)
+    norm = lambda c: (c.index, c.message.content or "", _calls(c.message.tool_calls or []),  # noqa: E731
+                      c.finish_reason)
+    assert [norm(c) for c in final.choices] == [norm(c) for c in r.choices]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_forced_named_function_streams_its_arguments_as_generated(serve, tiny_model, n):
+    """A named function's output is its arguments: each token's text goes out as an arguments
+    piece (the first with the call's id, type and name); accumulated, exactly the non-streamed
+    call; finish_reason the choice's own."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tiny_model}/tokenizer.json")
+    pieces = [tok.decode([t]) for t in tok.encode(W_ARGS, add_special_tokens=False).ids]
+    s = await serve([W_ARGS])
+    chunks, final = await _streamed(s, tool_choice=NAMED, n=n)
+    for index in range(n):
+        items = _arguments_items(chunks, index)
+        assert len(items) > 1 and "".join(a for *_, a in items) == W_ARGS
+        assert items[0][:3] == (0, True, "get_weather") and all(i[:3] == (0, False, None) for i in items[1:])
+        assert [a for *_, a in items] == pieces  # one piece per token, as generated (this text decodes alike)
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == index]
+        assert "".join(ch.delta.content or "" for ch in mine) == ""
+        assert [ch.finish_reason for ch in mine if ch.finish_reason] == ["stop"]
+    assert [(c.message.content, _calls(c.message.tool_calls), c.finish_reason) for c in final.choices] == [
+        ("", [W_CALL], "stop")] * n
+    await _same_as_not_streamed(s, final, tool_choice=NAMED, n=n)
+
+
+async def test_forced_named_function_cut_by_max_tokens_streamed(serve):
+    s = await serve([W_ARGS])
+    chunks, final = await _streamed(s, tool_choice=NAMED, max_tokens=4)
+    assert len(_arguments_items(chunks)) == 4
     c = final.choices[0]
-    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == ("", calls, finish)
+    assert c.finish_reason == "length" and W_ARGS.startswith(c.message.tool_calls[0].function.arguments)
+    await _same_as_not_streamed(s, final, tool_choice=NAMED, max_tokens=4)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_required_streamed_calls_come_at_the_end(serve, parallel):
+    """``"required"``: an array cut by max_tokens is no call (content), which is known only at
+    the choice's end, so its calls come whole at the last token, in the finish_reason's chunk."""
+    s = await serve([REQUIRED_TWO])
+    kw = {"tool_choice": "required"} if parallel else {"tool_choice": "required", "parallel_tool_calls": False}
+    chunks, final = await _streamed(s, **kw)
+    calls = [W_CALL, T_CALL] if parallel else [W_CALL]
+    assert _arguments_items(chunks) == [(i, True, name, args) for i, (name, args) in enumerate(calls)]
     mine = [ch.choices[0] for ch in chunks if ch.choices]
     assert "".join(ch.delta.content or "" for ch in mine) == ""
-    deltas = [(tc.index, tc.id is not None, tc.function.name, tc.function.arguments)
-              for ch in mine for tc in (ch.delta.tool_calls or [])]
-    want = []
-    for i, (name, args) in enumerate(calls):
-        want += [(i, True, name, ""), (i, False, None, args)]
-    assert deltas == want
-    assert [ch.finish_reason for ch in mine if ch.finish_reason] == [finish]
-    assert [(sp.grammar, sp.structured) for sp in s.orch.sps] == [_forced_constraint(tool_choice)]
+    assert [(ch.finish_reason, len(ch.delta.tool_calls or [])) for ch in mine if ch.finish_reason] == [
+        ("tool_calls", len(calls))]
+    assert [(sp.grammar, sp.structured) for sp in s.orch.sps] == [_forced_constraint("required", parallel)]
+    await _same_as_not_streamed(s, final, **kw)
+    chunks, final = await _streamed(s, tool_choice="required", max_tokens=5)  # cut: content, at the end
+    assert _arguments_items(chunks) == [] and final.choices[0].message.content
+    await _same_as_not_streamed(s, final, tool_choice="required", max_tokens=5)
 
 
 async def test_forced_tool_choice_is_refused_when_md_runs_on_vllm(tiny_model):
@@ -481,4 +526,6 @@ async def test_return_token_ids_with_tool_calls(serve, tiny_model):
     assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == want
     tail = [ch["choices"][0] for ch in chunks if "tool_calls" in ch["choices"][0]["delta"] or
             ch["choices"][0]["finish_reason"]]
-    assert [(x["token_ids"], x["finish_reason"]) for x in tail] == [([], None), ([], None), ([], "tool_calls")]
+    # the calls come in the last token's chunk (EOS's), with the finish_reason
+    assert [(x["token_ids"], x["finish_reason"], len(x["delta"]["tool_calls"])) for x in tail] == [
+        ([want[-1]], "tool_calls", 1)]

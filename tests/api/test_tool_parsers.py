@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdd.gateway.tool_parsers import (PARSERS, Parsed, ToolCall, ToolStream, family_default, new_call_id,
-                                      new_mistral_id, parse)
+from pdd.gateway.tool_parsers import (PARSERS, CallDelta, CallMode, Emit, ForcedStream, Parsed, ToolCall, ToolStream,
+                                      accumulate, family_default, merge, new_call_id, new_mistral_id, parse,
+                                      parse_forced)
 
 
 def _ids():
@@ -161,10 +162,15 @@ def test_unknown_parser_is_key_error():
 
 # ---------------------------------------------------------------- streaming == whole
 def _stream(parser, pieces):
+    """(the content of each feed, the content finish sends, the calls), checking the calls all
+    come at the end."""
     s = ToolStream(parser, _ids())
-    out = [s.feed(p) for p in pieces]
-    rest, calls = s.finish()
-    return out, rest, calls
+    fed = [s.feed(p) for p in pieces]
+    assert all(e.calls == () for e in fed)
+    end = s.finish()
+    content, calls = accumulate([*fed, end])
+    assert s.called == bool(calls) and content == "".join(e.content for e in fed) + end.content
+    return [e.content for e in fed], end.content, calls
 
 
 def _split(text, cuts):
@@ -230,6 +236,8 @@ def test_hermes_round_trips_any_arguments(args, name):
     ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"y\\": Infinity}"}</tool_call>'),
     ("llama3_json", '{"name": "f", "parameters": {"x": -Infinity}}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>'),  # a float's inf
+    ("llama3_json", '{"name": "f", "parameters": {"x": [-1E999]}}'),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": "\\ud800"}}]'),
 ])
 def test_calls_no_response_could_carry_are_content(parser, text):
@@ -238,6 +246,77 @@ def test_calls_no_response_could_carry_are_content(parser, text):
     p = parse(parser, text)
     assert (p.content, p.calls) == (text, ())
     ts = ToolStream(parser)
-    out = "".join(ts.feed(ch) for ch in text)
-    rest, calls = ts.finish()
-    assert (out + rest, calls) == (text, ())
+    assert accumulate([*(ts.feed(ch) for ch in text), ts.finish()]) == (text, ())
+
+
+# ---------------------------------------------------------------- stream items
+def test_call_delta_openai_shapes_and_merge():
+    assert CallDelta(0, '{"a', "call_1", "f").to_openai() == {"index": 0, "id": "call_1", "type": "function",
+                                                             "function": {"name": "f", "arguments": '{"a'}}
+    assert CallDelta(1, "x").to_openai() == {"index": 1, "function": {"arguments": "x"}}
+    assert merge((CallDelta(0, "{", "i", "f"), CallDelta(0, "}"), CallDelta(1, "", "j", "g"), CallDelta(1, "{}"))) == (
+        CallDelta(0, "{}", "i", "f"), CallDelta(1, "{}", "j", "g"))
+    assert Emit("a", (CallDelta(0, "{", "i", "f"),)) + Emit("b", (CallDelta(0, "}"),)) == Emit(
+        "ab", (CallDelta(0, "{}", "i", "f"),))
+
+
+def test_accumulate_is_the_openai_clients_join():
+    assert accumulate([Emit("hi "), Emit("", (CallDelta(0, "", "i", "f"),)), Emit("", (CallDelta(0, '{"a": 1'),)),
+                       Emit("", (CallDelta(0, "}"), CallDelta(1, "{}", "j", "g")))]) == (
+        "hi ", (ToolCall("i", "f", '{"a": 1}'), ToolCall("j", "g", "{}")))
+    with pytest.raises(ValueError):
+        accumulate([Emit("", (CallDelta(0, "x"),))])
+
+
+# ---------------------------------------------------------------- forced tool_choice, streamed == whole
+def _forced(function, pieces, parallel=True):
+    s = CallMode(forced=True, function=function, parallel=parallel).stream(_ids())
+    fed = [s.feed(p) for p in pieces]
+    end = s.finish()
+    return fed, end, s.called
+
+
+def _whole_forced(function, text, parallel=True):
+    p = CallMode(forced=True, function=function, parallel=parallel).parse(text, _ids())
+    return (p.content or "", p.calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.sampled_from(['{"city": "Paris", "unit": "c"}', "", "{", '{"q": "café 東京\\n"}']),
+                 st.text(max_size=40)),
+       st.lists(st.integers(0, 60), max_size=10))
+def test_forced_named_streams_the_arguments_as_they_come(text, cuts):
+    """A named function's text is its arguments: each delta is a piece of them, the first with
+    the call's id and name; accumulated, exactly the non-streamed call, whatever the split."""
+    pieces = _split(text, cuts)
+    fed, end, called = _forced("get_weather", pieces)
+    assert called and accumulate([*fed, end]) == _whole_forced("get_weather", text)
+    assert all(e.content == "" for e in [*fed, end])
+    # the first feed carries the call's first item, each later one its own piece (if any)
+    first = (fed or [end])[0].calls[0]
+    assert (first.index, first.id, first.name) == (0, "id0", "get_weather")
+    assert [e.calls for e in fed[1:]] == [((CallDelta(0, p),) if p else ()) for p in pieces[1:]]
+    assert end == (Emit("", (CallDelta(0, "", "id0", "get_weather"),)) if not pieces else Emit())
+
+
+def test_forced_named_with_parallel_false_and_no_text():
+    fed, end, called = _forced("f", ['{"a"', ": 1}"], parallel=False)
+    assert [e.calls for e in fed] == [(CallDelta(0, '{"a"', "id0", "f"),), (CallDelta(0, ": 1}"),)]
+    fed, end, called = _forced("f", [])
+    assert (fed, end, called) == ([], Emit("", (CallDelta(0, "", "id0", "f"),)), True)
+
+
+REQUIRED = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.sampled_from([REQUIRED, REQUIRED[:20], "[]", "", '[{"name": "a"}]']),
+                 st.text(alphabet='[]{}":, nameparts1', max_size=40)),
+       st.booleans(), st.lists(st.integers(0, 80), max_size=10))
+def test_forced_required_streamed_equals_whole(text, parallel, cuts):
+    """``"required"``: the calls (or, for no array of calls, the text as content) at the end."""
+    fed, end, called = _forced(None, _split(text, cuts), parallel)
+    assert all(e == Emit() for e in fed)
+    whole = _whole_forced(None, text, parallel)
+    assert accumulate([*fed, end]) == whole and called == bool(whole[1])
+    assert parse_forced(None, text).calls or end == Emit(text)

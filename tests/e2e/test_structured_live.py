@@ -150,6 +150,30 @@ def test_forced_tool_choice_calls_valid_json_across_the_handoff(pdd_topo, tiny_m
     _handed_over(r)
 
 
+def test_a_named_tool_choice_streams_its_arguments_across_the_handoff(pdd_topo):
+    """Streamed, a named function's arguments come one piece per token, through the RLD -> MD
+    handoff; the openai client's accumulation is exactly the non-streamed call (greedy)."""
+    from openai import OpenAI
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    msgs = [{"role": "user", "content": "Weather in Oslo for the week?"}]
+    kw = {"model": pdd_topo.cfg.served_model_name, "messages": msgs, "tools": TOOLS, "temperature": 0,
+          "max_tokens": MAX_TOKENS, "tool_choice": {"type": "function", "function": {"name": "forecast"}}}
+    oa = OpenAI(base_url=pdd_topo.url + "/v1", api_key="none", max_retries=0)
+    whole = oa.chat.completions.create(**kw).choices[0]
+    state, pieces = ChatCompletionStreamState(input_tools=TOOLS), []
+    for chunk in oa.chat.completions.create(stream=True, **kw):
+        state.handle_chunk(chunk)
+        pieces += [tc.function.arguments for c in chunk.choices for tc in (c.delta.tool_calls or [])]
+    got = state.current_completion_snapshot.choices[0]
+    call, want = got.message.tool_calls[0], whole.message.tool_calls[0]
+    assert (call.function.name, call.function.arguments, got.finish_reason, got.message.content or None) == (
+        want.function.name, want.function.arguments, whole.finish_reason, whole.message.content) == (
+        "forecast", want.function.arguments, "stop", None)
+    assert len(pieces) > K and "".join(pieces) == want.function.arguments
+    assert _valid(json.loads(want.function.arguments), CITY)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_grammar_that_fails_at_run_time_fails_the_request_naming_why(pdd_topo, stream):
     """2,000 choices sharing a prefix compile, and llguidance's parser refuses the next row after

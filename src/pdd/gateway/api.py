@@ -18,7 +18,7 @@ Structured outputs (``response_format`` json_object / json_schema, vLLM's ``stru
 ``guided_*``, a forced ``tool_choice``) are compiled here into each choice's ``SamplingParams.grammar``
 (``openai_schemas.structured_constraint``), which every tier masks by (``pdd.structured``).
 
-Every streamed chunk carries one token (a chat choice's tool-call chunks share its last token); besides the OpenAI fields it has ``"pdd": {"tier",
+Every streamed chunk (but a choice's first, its role) carries one token; besides the OpenAI fields it has ``"pdd": {"tier",
 "pos", "token_id"}`` (which decoder produced it). With ``stream_options.include_usage`` a last
 chunk carries ``usage`` (``prompt_tokens_details.cached_tokens`` = P's prefix-cache hits on the
 prompt at the request's first prefill, the figure billing uses) and ``"pdd": {"pipeline", "wan_bytes", "wan_bytes_expected", ...}``.
@@ -1181,13 +1181,15 @@ async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None 
     every chunk (vLLM); None: neither.
     With ``calls`` (tools given and tool_choice auto: a
     :class:`~pdd.gateway.tool_parsers.ToolStream`; a forced tool_choice: a ``ForcedStream``),
-    each choice's content comes as it is generated, held back from where a call may begin (all
-    of it when forced); at the choice's last token, if its text holds calls, one chunk per call
-    with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments`` ""), one with its
-    ``function.arguments``, and a last chunk with the ``finish_reason`` of
-    :meth:`~pdd.gateway.tool_parsers.CallMode.finish_reason` ("tool_calls", or a named
-    function's own); ``parallel_tool_calls`` false: the first call only. These add no token
-    ids."""
+    each token's chunk carries what its choice's stream hands out for it: ``delta.content``
+    (held back from where a call may begin; none when forced) and ``delta.tool_calls`` (one
+    item per call: its first with ``index``, ``id``, ``type`` and ``function.name``, each a
+    ``function.arguments`` piece; a named forced function's arguments as they are generated,
+    a parser's and ``"required"``'s calls whole at the choice's last token); a chunk with
+    calls has no ``content`` key unless it has content too. The last token's chunk has the
+    ``finish_reason``, :meth:`~pdd.gateway.tool_parsers.CallMode.finish_reason` ("tool_calls",
+    or a named function's own) when the choice made calls; ``parallel_tool_calls`` false: the
+    first call only."""
     top = gen.opts.logprobs
     streams = {}
     for c in gen.choices:
@@ -1202,35 +1204,21 @@ async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None 
     async for d in gen.deltas():
         lp = {"content": [_chat_lp(tt, d.token, top)]} if top is not None else None
         ts = streams.get(d.index)
-        text, made = d.text, ()
+        delta, finish = {"content": d.text}, d.finish_reason
         if ts is not None:
-            text = ts.feed(d.text)
+            out = ts.feed(d.text)
             if d.finish_reason is not None:
-                rest, made = ts.finish()
-                text += rest
-        ch = {"index": d.index, "delta": {"content": text}, "logprobs": lp,
-              "finish_reason": None if made else d.finish_reason}
-        if not made:
-            ch["stop_reason"] = d.stop_reason
+                out = out + ts.finish()
+                if ts.called:
+                    finish = calls.finish_reason(d.finish_reason)
+            delta = {"content": out.content} if out.content or not out.calls else {}
+            if out.calls:
+                delta["tool_calls"] = [c.to_openai() for c in out.calls]
+        ch = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+              "stop_reason": d.stop_reason}
         if prompt is not None:
             ch["token_ids"] = [d.token.token_id]
         yield d.ntok, {"choices": [ch], "pdd": _tok_ext(d)}
-        if not made:
-            continue
-        ends = []  # per call: its name (with id and type), then its arguments
-        for i, call in enumerate(made if calls.parallel else made[:1]):
-            ends += [{"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                      "function": {"name": call.name, "arguments": ""}}]},
-                     {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}]
-        for k, delta in enumerate([*ends, {}]):
-            last = k == len(ends)
-            ch = {"index": d.index, "delta": delta, "logprobs": None,
-                  "finish_reason": calls.finish_reason(d.finish_reason) if last else None}
-            if last:
-                ch["stop_reason"] = d.stop_reason
-            if prompt is not None:
-                ch["token_ids"] = []
-            yield d.ntok, {"choices": [ch], "pdd": _tok_ext(d)}
 
 
 def http_server_config(cfg: ClusterConfig, app):

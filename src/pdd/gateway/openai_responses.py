@@ -548,11 +548,13 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     (its ``logprobs``: those of its tokens and of tokens held back before it, when asked),
     then ``response.output_text.done``, ``response.content_part.done``,
     ``response.output_item.done``; per tool call, ``response.output_item.added`` (a
-    function_call item), ``response.function_call_arguments.delta`` / ``.done``,
-    ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when
-    the output hit ``max_output_tokens``) with the whole response, which is handed to
-    ``on_done`` first (the store's, when stored). A chat error chunk ends it with
-    ``response.failed`` (``error.code`` "server_error"). However the stream ends, the chat
+    function_call item), ``response.function_call_arguments.delta`` per chat arguments piece,
+    then, once the call is whole (the next call starts or the stream ends),
+    ``response.function_call_arguments.done`` and ``response.output_item.done``; last
+    ``response.completed`` (``response.incomplete`` when the output hit ``max_output_tokens``)
+    with the whole response, which is handed to ``on_done`` first (the store's, when stored). A
+    chat error chunk ends it with ``response.failed`` (``error.code`` "server_error"; a call
+    still open is ``incomplete``). However the stream ends, the chat
     stream is closed, which aborts what still runs on the tiers (as chat does)."""
     seq = 0
     rid = None
@@ -588,6 +590,18 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
         msg = None
         return out
 
+    def close_calls():
+        """``.done`` events of the calls whose arguments are whole (every open one)."""
+        out = []
+        for item in calls.values():
+            if item["status"] == "in_progress":
+                i = output.index(item)
+                out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                              arguments=item["arguments"]))
+                item["status"] = "completed"
+                out.append(ev("response.output_item.done", output_index=i, item=dict(item)))
+        return out
+
     async with contextlib.aclosing(chat_sse) as chunks:
         async for raw in chunks:
             line = raw.decode() if isinstance(raw, bytes) else raw
@@ -601,6 +615,9 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                     yield ev("response.created", response=shell.response(rid, created, "in_progress", [], None))
                 for s in close_message():
                     yield s
+                for item in calls.values():  # arguments cut by the failure
+                    if item["status"] == "in_progress":
+                        item["status"] = "incomplete"
                 yield ev("response.failed", response=shell.response(
                     rid, created, "failed", output, None,
                     error={"code": "server_error", "message": err.get("message", "")}))
@@ -639,21 +656,20 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                     if tc.get("id") is not None:  # a call's first chunk: its id and name
                         for s in close_message():
                             yield s
+                        for s in close_calls():  # a call starts once the ones before it are whole
+                            yield s
                         item = _call_item(f"fc_{_hex()}", tc["id"], fn.get("name", ""), "", "in_progress")
                         calls[tc["index"]] = item
                         output.append(item)
                         yield ev("response.output_item.added", output_index=len(output) - 1, item=dict(item))
                     if fn.get("arguments"):
                         item = calls[tc["index"]]
-                        i = output.index(item)
                         item["arguments"] += fn["arguments"]
-                        yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                                 delta=fn["arguments"])
-                        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                                 arguments=item["arguments"])
-                        item["status"] = "completed"
-                        yield ev("response.output_item.done", output_index=i, item=dict(item))
+                        yield ev("response.function_call_arguments.delta", item_id=item["id"],
+                                 output_index=output.index(item), delta=fn["arguments"])
     for s in close_message():
+        yield s
+    for s in close_calls():
         yield s
     if rid is None:  # the chat stream ended with no chunk at all (it always sends its role chunk first)
         return

@@ -18,7 +18,8 @@ Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
   a name is 1 to 64 letters, digits, ``_`` or ``-`` (OpenAI's rule); ``content`` is the text
   before the first ``[TOOL_CALLS]``.
 
-A text whose call cannot be parsed (malformed JSON, ``NaN`` / ``Infinity`` included, a call
+A text whose call cannot be parsed (malformed JSON, ``NaN`` / ``Infinity`` included, a number
+beyond a float's range such as ``1e400``, which ``json.dumps`` would write ``Infinity``, a call
 without a string ``name``, arguments that are not an object, a ``\ud800``-style escape of a lone
 surrogate, which no response could encode) has no calls: it is all content, unchanged, as vLLM returns it.
 ``arguments`` is the call's arguments as a JSON string (``json.dumps(..., ensure_ascii=False)``);
@@ -28,10 +29,15 @@ Ids: ``call_`` + 24 lowercase hex digits (OpenAI's ``call_...`` shape; the opena
 any string); ``mistral``: 9 letters and digits, which Mistral's chat templates require of the
 ids sent back to them (vLLM's ``MistralToolCall``).
 
-Streaming (:class:`ToolStream`): content is passed on as it comes, except text that may be the
-beginning of a call marker, which is held back; from the marker on, the rest of the choice is
-held and parsed at its end. What a stream hands out, whatever the chunks, is exactly what
-:func:`parse` returns for the whole text (the content in pieces, then the calls).
+Streaming (:class:`ToolStream`, :class:`ForcedStream`): each text delta gives an :class:`Emit`,
+content and ``delta.tool_calls`` items (:class:`CallDelta`: a call's first one carries its id and
+name, each one a piece of its arguments text). Under a parser, content is passed on as it comes,
+except text that may be the beginning of a call marker, which is held back; from the marker on,
+the rest of the choice is held and parsed at its end (any later call may be malformed, which
+makes the whole text content, so no call is certain before the end). A named forced function's
+text is its arguments: each delta is an arguments piece as it comes. What a stream hands out,
+whatever the chunks, accumulated as the openai client does (:func:`accumulate`), is exactly what
+:func:`parse` / :func:`parse_forced` return for the whole text.
 """
 
 from __future__ import annotations
@@ -77,6 +83,68 @@ class Parsed:
     calls: tuple[ToolCall, ...] = ()
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """One ``delta.tool_calls`` item of a streamed chat choice: the call's ``index`` (0, 1, ...
+    in the choice), a piece of its ``arguments`` text; a call's first item carries its ``id``
+    and ``name`` too (None on the later ones)."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def to_openai(self) -> dict:
+        """The ``delta.tool_calls`` item of OpenAI's chat stream (``type`` "function" on the first)."""
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Emit:
+    """What a streamed choice sends for some text: ``content`` ("" none) and ``calls`` (in order)."""
+
+    content: str = ""
+    calls: tuple[CallDelta, ...] = ()
+
+    def __add__(self, other: "Emit") -> "Emit":
+        return Emit(self.content + other.content, merge(self.calls + other.calls))
+
+
+def merge(calls: tuple[CallDelta, ...]) -> tuple[CallDelta, ...]:
+    """``calls`` with each run of items of one index joined into one (their arguments joined,
+    the first's id and name kept): one chunk's ``delta.tool_calls``, one item per call."""
+    out: list[CallDelta] = []
+    for c in calls:
+        if out and out[-1].index == c.index and c.id is None:
+            last = out[-1]
+            out[-1] = CallDelta(last.index, last.arguments + c.arguments, last.id, last.name)
+        else:
+            out.append(c)
+    return tuple(out)
+
+
+def accumulate(emits) -> tuple[str, tuple[ToolCall, ...]]:
+    """(content, calls) of a choice's :class:`Emit` s, joined as the openai client's stream
+    accumulation does (a call by its index: the id and name of its first item, its arguments
+    pieces joined). Raises ValueError on a piece of a call whose first item was not sent."""
+    content, calls = "", {}
+    for e in emits:
+        content += e.content
+        for c in e.calls:
+            if c.id is not None:
+                if c.index in calls:
+                    raise ValueError(f"call {c.index} started twice")
+                calls[c.index] = [c.id, c.name, c.arguments]
+            elif c.index not in calls:
+                raise ValueError(f"a piece of call {c.index} before its first item")
+            else:
+                calls[c.index][2] += c.arguments
+    return content, tuple(ToolCall(*calls[i]) for i in sorted(calls))
+
+
 def new_call_id() -> str:
     """``call_`` + 24 random lowercase hex digits."""
     return "call_" + secrets.token_hex(12)
@@ -120,7 +188,10 @@ def _call(obj, ids: Callable[[], str], args_key: tuple[str, ...] = ("arguments",
             raise _NoCall("arguments string is not JSON") from None
     if not isinstance(args, dict):
         raise _NoCall("arguments must be an object")
-    arguments = json.dumps(args, ensure_ascii=False)
+    try:  # a number beyond a float's range (1e400) loads as inf, which json.dumps would write Infinity
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise _NoCall("a number out of range") from None
     if lone_surrogate(obj["name"]) is not None or lone_surrogate(arguments) is not None:
         # a "\ud800" escape decodes to text no response can encode as UTF-8
         raise _NoCall("a lone surrogate in the call")
@@ -227,10 +298,11 @@ def _held(text: str, marker: str) -> int:
 
 
 class ToolStream:
-    """One streamed choice's text through ``parser``: :meth:`feed` each text delta, send what
-    it returns as content; at the choice's end :meth:`finish` gives the rest of the content and
-    the calls. Together they give exactly ``parse(parser, whole_text)``: the content pieces join
-    to its content ("" for None) and the calls are its calls."""
+    """One streamed choice's text through ``parser``: :meth:`feed` each text delta, send the
+    :class:`Emit` it returns; at the choice's end :meth:`finish` gives the rest. Together,
+    accumulated (:func:`accumulate`), they give exactly ``parse(parser, whole_text)``: the
+    content ("" for None) and its calls, which all come at the end (each in one item: id, name
+    and the whole arguments). ``called``: whether the choice made calls (known at its end)."""
 
     def __init__(self, parser: str, ids: Callable[[], str] | None = None):
         if parser not in _PARSE:
@@ -240,20 +312,21 @@ class ToolStream:
         self.sent = 0  # characters of text handed out as content
         self.held_from: int | None = None  # a call may start here: the rest is held to the end
         self.plain = False  # llama3_json: the text cannot be a call, all of it is content
+        self.called = False
 
-    def feed(self, delta: str) -> str:
-        """The content to send for ``delta`` ("" when it is held back)."""
+    def feed(self, delta: str) -> Emit:
+        """What to send for ``delta`` (its content, "" when it is held back)."""
         self.text += delta
         if self.held_from is not None:
-            return ""
+            return Emit()
         t = self.text
         if self.parser == "llama3_json":
             if not self.plain:
                 if t.startswith("{") or t.startswith(PYTHON_TAG):
                     self.held_from = 0
-                    return ""
+                    return Emit()
                 if PYTHON_TAG.startswith(t):
-                    return ""  # "" or a beginning of <|python_tag|>
+                    return Emit()  # "" or a beginning of <|python_tag|>
                 self.plain = True
             upto = len(t)
         else:
@@ -265,14 +338,15 @@ class ToolStream:
             else:
                 upto = len(t) - _held(t, marker)
         out, self.sent = t[self.sent:upto], max(self.sent, upto)
-        return out
+        return Emit(out)
 
-    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """(the content not yet sent, the calls) at the choice's end."""
+    def finish(self) -> Emit:
+        """At the choice's end: the content not yet sent, or the calls."""
         p = parse(self.parser, self.text, self.ids)
         if p.calls:
-            return "", p.calls  # the content before the marker was sent already
-        return self.text[self.sent:], ()
+            self.called = True  # the content before the marker was sent already
+            return Emit("", tuple(CallDelta(i, c.arguments, c.id, c.name) for i, c in enumerate(p.calls)))
+        return Emit(self.text[self.sent:])
 
 
 def parse_forced(function: str | None, text: str, ids: Callable[[], str] | None = None) -> Parsed:
@@ -297,20 +371,57 @@ def parse_forced(function: str | None, text: str, ids: Callable[[], str] | None 
 
 class ForcedStream:
     """:class:`ToolStream`'s interface for a forced ``tool_choice``: nothing is content while
-    the choice generates (its text is the call); :meth:`finish` gives :func:`parse_forced`'s
-    calls, or the whole text as content when it has none."""
+    the choice generates (its text is the call). A named ``function``: the text is the call's
+    arguments (:func:`parse_forced`), so its first delta sends the call's first item (id, name,
+    the delta as the first arguments piece) and each later one an arguments piece; the call is
+    made whatever the text (:meth:`finish` sends the first item, arguments "", if no delta came).
+    ``"required"`` (``function`` None): the calls come at :meth:`finish`, one item each, or
+    the whole text as content when it has none (an array cut by ``max_tokens``)."""
 
     def __init__(self, function: str | None, ids: Callable[[], str] | None = None):
         self.function, self.ids = function, ids
         self.text = ""
+        self.called = False
 
-    def feed(self, delta: str) -> str:
+    def _piece(self, delta: str) -> Emit:
+        if not self.called:
+            self.called = True
+            return Emit("", (CallDelta(0, delta, (self.ids or new_call_id)(), self.function),))
+        return Emit("", (CallDelta(0, delta),) if delta else ())
+
+    def feed(self, delta: str) -> Emit:
         self.text += delta
-        return ""
+        return self._piece(delta) if self.function is not None else Emit()
 
-    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        p = parse_forced(self.function, self.text, self.ids)
-        return ("", p.calls) if p.calls else (self.text, ())
+    def finish(self) -> Emit:
+        if self.function is not None:
+            return Emit() if self.called else self._piece("")
+        p = parse_forced(None, self.text, self.ids)
+        if not p.calls:
+            return Emit(self.text)
+        self.called = True
+        return Emit("", tuple(CallDelta(i, c.arguments, c.id, c.name) for i, c in enumerate(p.calls)))
+
+
+class _FirstCall:
+    """A stream that hands out only call 0's items (``parallel_tool_calls`` false)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    @property
+    def called(self) -> bool:
+        return self.stream.called
+
+    @staticmethod
+    def _first(e: Emit) -> Emit:
+        return Emit(e.content, tuple(c for c in e.calls if c.index == 0))
+
+    def feed(self, delta: str) -> Emit:
+        return self._first(self.stream.feed(delta))
+
+    def finish(self) -> Emit:
+        return self._first(self.stream.finish())
 
 
 @dataclass(frozen=True)
@@ -331,8 +442,10 @@ class CallMode:
         return Parsed(p.content, p.calls[:1]) if p.calls and not self.parallel else p
 
     def stream(self, ids: Callable[[], str] | None = None):
-        """A :class:`ForcedStream` or :class:`ToolStream` for one streamed choice."""
-        return ForcedStream(self.function, ids) if self.forced else ToolStream(self.parser, ids)
+        """A :class:`ForcedStream` or :class:`ToolStream` for one streamed choice (``parallel``
+        False: handing out only the first call)."""
+        s = ForcedStream(self.function, ids) if self.forced else ToolStream(self.parser, ids)
+        return s if self.parallel else _FirstCall(s)
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         """The finish_reason of a choice that made calls and ended with ``finish_reason``."""
