@@ -26,7 +26,7 @@ class EngineWorker:
     """Owns the engine thread.
 
     ``on_events(events)`` runs on the event loop after every forward pass that produced
-    token events (a list of ``TokenEvent``).
+    token events (a list of ``TokenEvent``). The engine has ``pop_failed()``.
 
     ``min_step_s`` (seconds, 0 = off) emulates an accelerator's step time: a forward pass that
     finishes sooner is held until that long after it started, and only then are its token events
@@ -247,8 +247,7 @@ class EngineWorker:
             self.steps += 1
             if events:
                 self.loop.call_soon_threadsafe(self.on_events, events)
-            pop_failed = getattr(self.engine, "pop_failed", None)  # (an engine stand-in may have none)
-            for seq, why in (pop_failed() if pop_failed is not None else ()):
+            for seq, why in self.engine.pop_failed():
                 self._fail_seq(seq, why)  # failed alone (a structured output's grammar)
 
     def _fail_seq(self, seq, why: str) -> None:
