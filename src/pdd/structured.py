@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-# how a sequence whose grammar failed at run time fails its request (pdd.engine), which the
-# gateway reads back as the request's own fault: a 400, not a 503 a client would retry
+# how a sequence whose grammar failed at run time fails its request (pdd.engine: the text of
+# ``Engine.pop_failed``'s why; the gateway's 400 comes from the typed ``client_error`` it travels
+# with, ``pdd.transfer.messages.ReqError``, never from this text)
 FAILED_AT = "structured output failed at output"
 
 
