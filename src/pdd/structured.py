@@ -291,6 +291,24 @@ def _fresh_matcher(lltok, grammar: str):
     return on_compiler(_llg().LLMatcher, lltok, grammar, log_level=0, limits=limits())
 
 
+def has_id(bits: bytes, i: int) -> bool:
+    """Whether llguidance's bitmask ``bits`` (:class:`Guide`'s layout: little-endian 32-bit
+    words, bit ``i % 32`` of word ``i // 32``, i.e. bit ``i % 8`` of byte ``i // 8``) allows id ``i``."""
+    return bool(bits[i // 8] >> (i % 8) & 1)
+
+
+def with_ids(bits: bytes, ids, allowed: bool) -> bytes:
+    """``bits`` (as :func:`has_id`) with each of ``ids`` allowed (``allowed``) or not; the
+    torch side of this layout is ``pdd.engine.sampler.unpack_masks``."""
+    out = bytearray(bits)
+    for i in ids:
+        if allowed:
+            out[i // 8] |= 1 << (i % 8)
+        else:
+            out[i // 8] &= ~(1 << (i % 8)) & 0xFF
+    return bytes(out)
+
+
 class Guide:
     """One sequence's place in its grammar, advanced over the outputs it has so far.
 
@@ -316,11 +334,7 @@ class Guide:
 
     def _eos_only(self) -> bytes:
         """A mask of EOS alone, as wide as the matcher's own (every row of a batch stacks)."""
-        words = [0] * (self._width // 4)
-        for e in self._eos:
-            if 0 <= e < self._vocab:
-                words[e // 32] |= 1 << (e % 32)
-        return b"".join(w.to_bytes(4, "little") for w in words)
+        return with_ids(bytes(self._width), [e for e in self._eos if 0 <= e < self._vocab], True)
 
     def advance(self, outputs: list[int]) -> None:
         """Consume ``outputs[self.consumed:]``. Raises ``ValueError`` if ``outputs`` is shorter
@@ -358,12 +372,8 @@ class Guide:
         """``bits`` without the special tokens the matcher would refuse: llguidance's mask allows
         a special token whose text a literal spells (``"<|system|>"``: token 5 on pdd's tiny
         checkpoint) and consuming it then fails the grammar; one written as ``<[5]>`` stays."""
-        words = None
-        for t in self._special:
-            if bits[t // 8] >> (t % 8) & 1 and self._m.validate_tokens([t]) == 0:
-                words = words if words is not None else bytearray(bits)
-                words[t // 8] &= ~(1 << (t % 8)) & 0xFF
-        return bytes(words) if words is not None else bits
+        refused = [t for t in self._special if has_id(bits, t) and self._m.validate_tokens([t]) == 0]
+        return with_ids(bits, refused, False) if refused else bits
 
     def check_start(self) -> None:
         """Raise :class:`GrammarError` unless the grammar allows some token at its start, EOS
@@ -373,11 +383,7 @@ class Guide:
         if self._m.is_error():
             raise GrammarError(_reason(self._m, "the constraint allows no output: no token can begin it"))
         bits = self._without_refused_specials(bits)
-        words = [int.from_bytes(bits[i:i + 4], "little") for i in range(0, len(bits), 4)]
-        for e in self._eos:
-            if 0 <= e < self._vocab:
-                words[e // 32] &= ~(1 << (e % 32))
-        if not any(words):
+        if not any(with_ids(bits, [e for e in self._eos if 0 <= e < self._vocab], False)):
             raise GrammarError("the constraint allows no output: no token can begin it")
 
     @property
