@@ -134,6 +134,27 @@ def _grammar_cached(kind: str, key: str, whitespace_pattern: str | None) -> str:
     return on_compiler(_grammar_for, kind, json.loads(key), whitespace_pattern)
 
 
+def check_start(lltok, grammar: str) -> None:
+    """:meth:`Guide.check_start` of ``grammar`` over ``lltok`` (raises :class:`GrammarError`
+    when no token can begin it, or ``grammar`` does not compile for ``lltok``), its answer kept
+    for the 256 most recent (``lltok``, grammar text) pairs as :func:`_grammar_cached` keeps the
+    compiled text: it depends on nothing else, and a fresh matcher per constrained request cost
+    the compiler thread a compile each time (40 ms for a 1,500-rule grammar)."""
+    refused = _start_refusal(lltok, grammar)
+    if refused is not None:
+        raise GrammarError(refused)
+
+
+@lru_cache(maxsize=256)
+def _start_refusal(lltok, grammar: str) -> str | None:
+    """Why :func:`check_start` refuses ``grammar`` over ``lltok`` (None: it does not)."""
+    try:
+        Guide(lltok, grammar).check_start()
+    except GrammarError as e:
+        return str(e)
+    return None
+
+
 def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
     llg = _llg()
     M = llg.LLMatcher
