@@ -23,9 +23,7 @@ def _reference(bits: bytes, vocab: int) -> list[bool]:
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 1024, 1030])
 @pytest.mark.parametrize("extra_words", [-1, 0, 2])
 def test_the_torch_and_the_bytes_readings_are_the_documented_layout(vocab, extra_words):
-    n_words = (vocab + 31) // 32 + extra_words
-    if n_words < 1:
-        pytest.skip("no mask narrower than one word")
+    n_words = max(1, (vocab + 31) // 32 + extra_words)  # (never narrower than one word)
     rng = random.Random(vocab * 7 + extra_words)
     rows = [bytes(rng.randrange(256) for _ in range(4 * n_words)) for _ in range(3)]
     ref = [_reference(b, vocab) for b in rows]
