@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-# how a sequence whose grammar failed at run time fails its request (pdd.engine), which the
-# gateway reads back as the request's own fault: a 400, not a 503 a client would retry
+# how a sequence whose grammar failed at run time fails its request (pdd.engine: the text of
+# ``Engine.pop_failed``'s why; the gateway's 400 comes from the typed ``client_error`` it travels
+# with, ``pdd.transfer.messages.ReqError``, never from this text)
 FAILED_AT = "structured output failed at output"
 
 
@@ -131,6 +132,27 @@ def _grammar_cached(kind: str, key: str, whitespace_pattern: str | None) -> str:
     constraints: the same 31 KB GBNF grammar sent again compiled again (1.4 s each) and held
     the one compiler thread from every other constrained request. Errors are not kept."""
     return on_compiler(_grammar_for, kind, json.loads(key), whitespace_pattern)
+
+
+def check_start(lltok, grammar: str) -> None:
+    """:meth:`Guide.check_start` of ``grammar`` over ``lltok`` (raises :class:`GrammarError`
+    when no token can begin it, or ``grammar`` does not compile for ``lltok``), its answer kept
+    for the 256 most recent (``lltok``, grammar text) pairs as :func:`_grammar_cached` keeps the
+    compiled text: it depends on nothing else, and a fresh matcher per constrained request cost
+    the compiler thread a compile each time (40 ms for a 1,500-rule grammar)."""
+    refused = _start_refusal(lltok, grammar)
+    if refused is not None:
+        raise GrammarError(refused)
+
+
+@lru_cache(maxsize=256)
+def _start_refusal(lltok, grammar: str) -> str | None:
+    """Why :func:`check_start` refuses ``grammar`` over ``lltok`` (None: it does not)."""
+    try:
+        Guide(lltok, grammar).check_start()
+    except GrammarError as e:
+        return str(e)
+    return None
 
 
 def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
@@ -290,6 +312,24 @@ def _fresh_matcher(lltok, grammar: str):
     return on_compiler(_llg().LLMatcher, lltok, grammar, log_level=0, limits=limits())
 
 
+def has_id(bits: bytes, i: int) -> bool:
+    """Whether llguidance's bitmask ``bits`` (:class:`Guide`'s layout: little-endian 32-bit
+    words, bit ``i % 32`` of word ``i // 32``, i.e. bit ``i % 8`` of byte ``i // 8``) allows id ``i``."""
+    return bool(bits[i // 8] >> (i % 8) & 1)
+
+
+def with_ids(bits: bytes, ids, allowed: bool) -> bytes:
+    """``bits`` (as :func:`has_id`) with each of ``ids`` allowed (``allowed``) or not; the
+    torch side of this layout is ``pdd.engine.sampler.unpack_masks``."""
+    out = bytearray(bits)
+    for i in ids:
+        if allowed:
+            out[i // 8] |= 1 << (i % 8)
+        else:
+            out[i // 8] &= ~(1 << (i % 8)) & 0xFF
+    return bytes(out)
+
+
 class Guide:
     """One sequence's place in its grammar, advanced over the outputs it has so far.
 
@@ -315,11 +355,7 @@ class Guide:
 
     def _eos_only(self) -> bytes:
         """A mask of EOS alone, as wide as the matcher's own (every row of a batch stacks)."""
-        words = [0] * (self._width // 4)
-        for e in self._eos:
-            if 0 <= e < self._vocab:
-                words[e // 32] |= 1 << (e % 32)
-        return b"".join(w.to_bytes(4, "little") for w in words)
+        return with_ids(bytes(self._width), [e for e in self._eos if 0 <= e < self._vocab], True)
 
     def advance(self, outputs: list[int]) -> None:
         """Consume ``outputs[self.consumed:]``. Raises ``ValueError`` if ``outputs`` is shorter
@@ -357,12 +393,8 @@ class Guide:
         """``bits`` without the special tokens the matcher would refuse: llguidance's mask allows
         a special token whose text a literal spells (``"<|system|>"``: token 5 on pdd's tiny
         checkpoint) and consuming it then fails the grammar; one written as ``<[5]>`` stays."""
-        words = None
-        for t in self._special:
-            if bits[t // 8] >> (t % 8) & 1 and self._m.validate_tokens([t]) == 0:
-                words = words if words is not None else bytearray(bits)
-                words[t // 8] &= ~(1 << (t % 8)) & 0xFF
-        return bytes(words) if words is not None else bits
+        refused = [t for t in self._special if has_id(bits, t) and self._m.validate_tokens([t]) == 0]
+        return with_ids(bits, refused, False) if refused else bits
 
     def check_start(self) -> None:
         """Raise :class:`GrammarError` unless the grammar allows some token at its start, EOS
@@ -372,11 +404,7 @@ class Guide:
         if self._m.is_error():
             raise GrammarError(_reason(self._m, "the constraint allows no output: no token can begin it"))
         bits = self._without_refused_specials(bits)
-        words = [int.from_bytes(bits[i:i + 4], "little") for i in range(0, len(bits), 4)]
-        for e in self._eos:
-            if 0 <= e < self._vocab:
-                words[e // 32] &= ~(1 << (e % 32))
-        if not any(words):
+        if not any(with_ids(bits, [e for e in self._eos if 0 <= e < self._vocab], False)):
             raise GrammarError("the constraint allows no output: no token can begin it")
 
     @property

@@ -53,6 +53,9 @@ class _LayeredEngine:
         self.t0 = None
         self.last_step_items = [(0, 8)]
 
+    def pop_failed(self) -> list:
+        return []  # (no sequence fails alone here)
+
     def has_work(self):
         return self.left > 0
 

@@ -18,6 +18,9 @@ class _Engine:
         self.left = steps
         self.started: list[float] = []
 
+    def pop_failed(self) -> list:
+        return []  # (no sequence fails alone here)
+
     def has_work(self) -> bool:
         return self.left > 0
 

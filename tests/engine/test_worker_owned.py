@@ -117,6 +117,9 @@ class _HeldEngine:
         self.held, self.steps, self.released = held, 0, []
         self.seqs = {"s": object()}
 
+    def pop_failed(self) -> list:
+        return []  # (no sequence fails alone here)
+
     def has_work(self) -> bool:
         return self.steps < self.held + 1 and bool(self.seqs)
 

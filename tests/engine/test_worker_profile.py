@@ -18,6 +18,9 @@ class _Engine:
         self.started: list[float] = []
         self.last_step_items: list = []
 
+    def pop_failed(self) -> list:
+        return []  # (no sequence fails alone here)
+
     def has_work(self) -> bool:
         return bool(self.batches)
 

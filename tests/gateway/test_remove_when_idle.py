@@ -78,3 +78,28 @@ def test_the_watcher_ends_as_the_instance_leaves_draining_otherwise():
         assert [e["op"] for e in ms.events] == ["drain", "remove"]
 
     _run(run())
+
+
+def test_a_watcher_holds_one_waker_while_it_waits_and_none_once_it_ended():
+    """Removals and re-roles wait on one set of wakers (``Membership._idle_waits``, all set by
+    ``in_flight_fell``): a watcher's is in it while it waits, gone once it removed its instance
+    and gone when it is cancelled (nothing is left to be set for a wait that is over)."""
+    o, ms, _ = _setup(standby=(), main_decode=3)
+    o.inflight["md1"] = 1
+    o.inflight["md2"] = 1
+
+    async def run():
+        await ms.drain("md1", remove_when_idle=True)
+        await ms.drain("md2", remove_when_idle=True)
+        md1, md2 = ms._watchers["md1"], ms._watchers["md2"]
+        await _turns()
+        assert len(ms._idle_waits) == 2
+        o.inflight["md1"] = 0
+        ms.in_flight_fell()
+        await md1
+        assert ms.members["md1"].state == REMOVED and len(ms._idle_waits) == 1
+        md2.cancel()
+        await asyncio.gather(md2, return_exceptions=True)
+        assert ms._idle_waits == set() and ms._watchers == {}
+
+    _run(run())

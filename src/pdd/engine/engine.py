@@ -98,7 +98,8 @@ class Engine:
         # Set with :meth:`watch_kv`; removed on release.
         self.kv_listeners: dict = {}
         # sequences a step failed on their own (a structured output's grammar failed), with why:
-        # out of the batch, not released; the caller takes them (:meth:`pop_failed`)
+        # out of the batch, not released; the caller takes them (:meth:`pop_failed`). Each is the
+        # request's own failure (the same request fails the same way again): a client error
         self.failed: list[tuple[Sequence, str]] = []
 
     @classmethod
@@ -206,7 +207,8 @@ class Engine:
 
     def pop_failed(self) -> list[tuple[Sequence, str]]:
         """The sequences steps have failed since the last call, with why (:attr:`failed`); the
-        caller releases each and fails its request."""
+        caller releases each and fails its request as the client's (``EngineWorker._fail_seq``:
+        ``client_error``), never the server's: only the request's own grammar fails one here."""
         out, self.failed = self.failed, []
         return out
 

@@ -66,15 +66,21 @@ def _has_mask(p: SamplingParams) -> bool:
     return p.allowed_token_ids is not None or bool(p.bad_words_token_ids) or p.grammar is not None
 
 
+def unpack_masks(bits: list[bytes], vocab: int, device=None) -> torch.Tensor:
+    """Structured-output guides' bitmasks (``pdd.structured.Guide.allowed``, one per row, all of
+    one width: little-endian 32-bit words, bit ``i % 32`` of word ``i // 32`` for id ``i``) as a
+    bool tensor [rows, vocab] on ``device`` (None: the CPU); ids past a mask's width are False."""
+    words = torch.frombuffer(bytearray(b"".join(bits)), dtype=torch.int32).view(len(bits), -1).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    flat = ((words.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    if flat.shape[1] < vocab:
+        flat = torch.cat([flat, flat.new_zeros(len(bits), vocab - flat.shape[1])], dim=1)
+    return flat
+
+
 def grammar_mask(bits: bytes, vocab: int) -> torch.Tensor:
-    """A structured-output guide's bitmask (``pdd.structured.Guide.allowed``: little-endian
-    32-bit words, bit ``i % 32`` of word ``i // 32`` for id ``i``) as a bool tensor [vocab]."""
-    words = torch.frombuffer(bytearray(bits), dtype=torch.int32)
-    flat = ((words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
-    out = torch.zeros(vocab, dtype=torch.bool)
-    n = min(vocab, flat.numel())
-    out[:n] = flat[:n].bool()
-    return out
+    """One guide's bitmask as a bool tensor [vocab] (:func:`unpack_masks` of one row)."""
+    return unpack_masks([bits], vocab)[0]
 
 
 def _grammar_only(p: SamplingParams, position: int) -> bool:
@@ -314,10 +320,7 @@ class Sampler:
         masked = [i for i in slow if _grammar_only(params[i], positions[i])]
         if masked:
             idx = torch.tensor(masked, dtype=torch.long, device=logits.device)
-            words = torch.frombuffer(bytearray(b"".join(_bits(i) for i in masked)), dtype=torch.int32)
-            words = words.view(len(masked), -1).to(logits.device)
-            shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-            allow = ((words.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+            allow = unpack_masks([_bits(i) for i in masked], vocab, logits.device)
             rows = logits[idx].masked_fill(~allow, -math.inf)
             for i, t in zip(masked, torch.argmax(rows, dim=-1).tolist()):
                 out[i] = t

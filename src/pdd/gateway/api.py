@@ -97,13 +97,11 @@ class Overloaded(ApiError):
 
 
 def _failure(ex: BaseException) -> tuple[int, str]:
-    """HTTP status and error type of a request that failed after it started: a structured
-    output whose grammar failed at run time (``pdd.structured.FAILED_AT``: the same request fails
-    the same way again) is the request's own, 400 ``invalid_request_error``; any other failure
-    the server's, 503 ``server_error`` (a client may retry it)."""
-    from pdd.structured import FAILED_AT
-
-    return (400, "invalid_request_error") if FAILED_AT in str(ex) else (503, "server_error")
+    """HTTP status and error type of a request that failed after it started: the request's own
+    failure (``RequestFailed.client_error``: a structured output whose grammar failed at run
+    time, so the same request fails the same way again) is 400 ``invalid_request_error``; any
+    other failure the server's, 503 ``server_error`` (a client may retry it)."""
+    return (400, "invalid_request_error") if getattr(ex, "client_error", False) is True else (503, "server_error")
 
 
 class Unavailable(ApiError):

@@ -43,6 +43,7 @@ members' (active and draining) on every change, so routing (``gateway.routing`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -167,8 +168,9 @@ class Membership:
         self._busy_ops: set[str] = set()  # names with an add or remove under way
         self._removing: set[str] = set()  # names being removed: routed nothing from the removal's start
         self._watchers: dict[str, asyncio.Task] = {}  # name -> its _remove_when_idle
-        self._idle_wakers: dict[str, asyncio.Event] = {}  # name -> set when something there may have ended
-        self._idle_waits: set[asyncio.Event] = set()  # the re-roles' (_until_idle), set alike
+        # one per wait for an instance to go idle (a re-role's _until_idle, a _remove_when_idle):
+        # in_flight_fell sets them all when something in flight may have ended (:meth:`_idle_waker`)
+        self._idle_waits: set[asyncio.Event] = set()
         self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
         lv = getattr(getattr(orch, "cfg", None), "liveness", None)
         self.join_timeout_s = join_budget_s(JOIN_RETRIES, lv.dead_after_s if lv is not None else 5.0)
@@ -487,10 +489,19 @@ class Membership:
         or a member's state changed (:meth:`_set`): wake every removal waiting for its instance to
         go idle (:meth:`_remove_when_idle`) and every re-role waiting for its drain
         (:meth:`_until_idle`), which look again. Cheap: no count is taken here."""
-        for ev in self._idle_wakers.values():
-            ev.set()
         for ev in self._idle_waits:
             ev.set()
+
+    @contextlib.contextmanager
+    def _idle_waker(self):
+        """An event :meth:`in_flight_fell` sets, while the ``with`` block lasts (a waiter clears
+        it before each look, so an end after the look sets it again)."""
+        wake = asyncio.Event()
+        self._idle_waits.add(wake)
+        try:
+            yield wake
+        finally:
+            self._idle_waits.discard(wake)
 
     async def _until_idle(self, name: str, wait_s: float) -> bool:
         """Wait until nothing is in flight on ``name`` (:meth:`busy` 0), woken by
@@ -499,9 +510,7 @@ class Membership:
         first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        wake = asyncio.Event()
-        self._idle_waits.add(wake)
-        try:
+        with self._idle_waker() as wake:
             while self.busy(name) > 0:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -512,26 +521,23 @@ class Membership:
                 except asyncio.TimeoutError:
                     pass  # looked at once more: it may have gone idle as the time ran out
             return True
-        finally:
-            self._idle_waits.discard(wake)
 
     async def _remove_when_idle(self, name: str) -> None:
         """Remove ``name`` (draining) as soon as nothing is in flight there (:meth:`busy` 0), woken
         by :meth:`in_flight_fell` as each request or transfer there ends, not by a poll; stop
         waiting once it is no longer draining (removed, added back). A refused removal is logged."""
-        wake = self._idle_wakers.setdefault(name, asyncio.Event())
         try:
-            while self.members[name].state == DRAINING:
-                if self.busy(name) == 0:
-                    try:
-                        await self.remove(name)
-                    except MembershipError as e:
-                        log.warning("membership: removing drained %s when idle failed: %s", name, e.message)
-                    return
-                wake.clear()  # (nothing ran since the look: an end sets it again)
-                await wake.wait()
+            with self._idle_waker() as wake:
+                while self.members[name].state == DRAINING:
+                    if self.busy(name) == 0:
+                        try:
+                            await self.remove(name)
+                        except MembershipError as e:
+                            log.warning("membership: removing drained %s when idle failed: %s", name, e.message)
+                        return
+                    wake.clear()  # (nothing ran since the look: an end sets it again)
+                    await wake.wait()
         finally:
-            self._idle_wakers.pop(name, None)
             self._watchers.pop(name, None)
 
     async def _cache_view(self, name: str) -> dict:

@@ -1006,10 +1006,10 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
     kinds in ``structured_outputs`` and constraints with a forced tool choice; pdd refuses any
     two, where vLLM 0.11 would let one field silently override another. With ``lltok`` (the
     model's ``pdd.structured.ll_tokenizer``) a constraint no token can begin is refused too
-    (``Guide.check_start``: an empty language, ``start: start``, a ``$ref`` cycle). Compiling
+    (``pdd.structured.check_start``: an empty language, ``start: start``, a ``$ref`` cycle). Compiling
     costs about a millisecond for a small schema, a second for a 32 KiB GBNF grammar (whose
     conversion to Lark is Python): call it off the event loop (``pdd.structured.compiler``)."""
-    from pdd.structured import GrammarError, Guide, grammar_for
+    from pdd.structured import GrammarError, check_start, grammar_for
 
     found: list[tuple[str, str, Any]] = []
     rf = _check_response_format(getattr(body, "response_format", None))
@@ -1042,7 +1042,7 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
     try:
         g = grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
         if lltok is not None:  # over the model's vocabulary: some token must be able to begin it
-            Guide(lltok, g).check_start()
+            check_start(lltok, g)  # (kept per grammar text, beside the compiled grammars)
     except GrammarError as e:
         where = {"response_format": "response_format.json_schema.schema",
                  "structured_outputs": f"structured_outputs.{kind}",

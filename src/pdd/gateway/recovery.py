@@ -22,7 +22,7 @@ import logging
 
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
-from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, NoMember, ReqState
+from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, NoMember, ReqState, client_error_of
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.peer import Peer
 from pdd.transfer.messages import Cancel, Drop, ReqError, Target
@@ -69,6 +69,7 @@ class Recovery:
             self._md_leg_lost(st, m.error)
             return None
         st.recovery.error = m.error
+        st.recovery.client_error = m.client_error is True
         st.queue.put_nowait(None)
         return None
 
@@ -140,6 +141,7 @@ class Recovery:
         # it again (a request degraded on RLD whose next attempt ended on MD counted degraded)
         st.recovery.degraded = False
         st.recovery.error = None
+        st.recovery.client_error = False
         st.recovery.asked = False
         self._handoff_new_attempt(st)
         self._wan_new_attempt(st)
@@ -207,6 +209,7 @@ class Recovery:
                     continue
                 spent = self._budget_spent(st) if isinstance(e, ConnectionError) else ""
                 st.recovery.error = f"recovery failed: {e}{spent}"
+                st.recovery.client_error = client_error_of(e)  # its grammar failed on the new attempt's P
                 return False
 
     async def _retry_later(self, st: ReqState, e: BaseException, seen: int) -> float:

@@ -74,7 +74,29 @@ class ReleaseDict(dict):
 
 
 class RequestFailed(RuntimeError):
-    """A tier failed the request; the message says which and why."""
+    """A tier failed the request; the message says which and why. ``client_error`` True: the
+    request's own failure (a tier's ``ReqError.client_error``, or a failed call's
+    ``detail.client_error``: its structured output's grammar failed), which the API answers
+    400 ``invalid_request_error``; else the server's."""
+
+    def __init__(self, message: str, client_error: bool = False):
+        super().__init__(message)
+        self.client_error = client_error
+
+
+def client_error_of(e: BaseException | None) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is a request's own failure: a
+    :class:`RequestFailed` with ``client_error``, or a call a tier failed with
+    ``detail.client_error`` (``pdd.transfer.peer.RemoteError``)."""
+    from pdd.gateway.admission import causes
+
+    for c in causes(e):
+        if getattr(c, "client_error", False) is True:
+            return True
+        header = getattr(c, "header", None)
+        if isinstance(header, dict) and (header.get("detail") or {}).get("client_error") is True:
+            return True
+    return False
 
 
 class NoInstance(RequestFailed):
@@ -196,6 +218,7 @@ class RecoveryState:
     lost: bool = False  # error is an unreachable instance: recoverable (the stream starts a new attempt)
     error: str | None = None  # why the current attempt failed (a tier's req_error, a lost instance)
     asked: bool = False  # error is the operator's removal of the instance, not a fault (logged at INFO)
+    client_error: bool = False  # error is the request's own (ReqError.client_error): the API's 400
     md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
     degraded: bool = False  # ended (or will end) on RLD because no MD was usable
     recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline", "names"}]

@@ -75,7 +75,7 @@ class Streams:
                 if tok is None:
                     if st.recovery.lost and await self._recover(st):
                         continue  # a new attempt streams on from st.next_pos
-                    raise RequestFailed(f"request {st.rid} failed: {st.recovery.error}")
+                    raise RequestFailed(f"request {st.rid} failed: {st.recovery.error}", st.recovery.client_error)
                 if pacer is not None and tok is not False:
                     pacer.feed(st, tok, 1000 * time.perf_counter(), self._next_tokens)
                 for t in (self._next_tokens(st, tok) if pacer is None else pacer.due(1000 * time.perf_counter())):

@@ -316,15 +316,16 @@ class EngineInstance:
 
     cache_on_finish = True
 
-    def on_seq_failed(self, seq_id, error: str) -> None:
-        """The engine dropped a request (e.g. out of KV pages): tell its owner, forget it."""
+    def on_seq_failed(self, seq_id, error: str, client_error: bool = False) -> None:
+        """The engine dropped a request (e.g. out of KV pages): tell its owner, forget it.
+        ``client_error``: the request's own failure (``ReqError.client_error``)."""
         ctx = self.reqs.pop(seq_id, None)
         if ctx is None:
             return
         ctx.released = True  # the engine thread already released its pages
         self._req_gone(ctx)
         self.counters["failed"] = self.counters.get("failed", 0) + 1
-        ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: {error}").wire())
+        ctx.sink.put(ReqError(ctx.rid, f"{self.spec.name}: {error}", True if client_error else OMIT).wire())
 
     async def release(self, ctx: ReqCtx, cache: bool) -> None:
         """Free the request's pages exactly once (inserting whole pages into the radix cache)."""

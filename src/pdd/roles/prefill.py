@@ -270,11 +270,12 @@ class PrefillInstance(EngineInstance):
             self.senders[key] = s
         return s, wan
 
-    def on_seq_failed(self, seq_id, error: str) -> None:
+    def on_seq_failed(self, seq_id, error: str, client_error: bool = False) -> None:
         """The engine dropped a request (its pages are already freed there): a layer-wise stream of
-        it is cancelled (no frame reads those pages again) and its prefill call fails."""
+        it is cancelled (no frame reads those pages again) and its prefill call fails (with
+        ``detail.client_error`` when it is the request's own failure: ``client_error``)."""
         ctx = self.reqs.get(seq_id)
-        super().on_seq_failed(seq_id, error)
+        super().on_seq_failed(seq_id, error, client_error)
         prog = ctx.extra.get("progress") if ctx is not None else None
         if prog is not None:
             prog.fail(RuntimeError(error))
@@ -284,7 +285,7 @@ class PrefillInstance(EngineInstance):
         # in ``reqs`` (the engine's first step can end before the loop resumes that call)
         fut = self.first_token_waiters.pop(seq_id, None)
         if fut is not None and not fut.done():
-            fut.set_exception(RuntimeError(error))
+            fut.set_exception(CallFailed(error, client_error=True) if client_error else RuntimeError(error))
 
     def _watch(self, e, seq, progress: LayerProgress) -> None:
         """Engine thread: hand each layer's progress of ``seq``'s prefill to ``progress`` on the loop
@@ -397,7 +398,7 @@ class PrefillInstance(EngineInstance):
             if progress is not None:  # aborted or failed while prefilling: the streams are cut
                 progress.fail(RuntimeError(f"request {rid} aborted"))
                 if isinstance(e, Exception):  # they started: P reports them in xfer_done
-                    raise CallFailed(str(e), streams=True) from e
+                    raise CallFailed(str(e), streams=True, **(e.detail if isinstance(e, CallFailed) else {})) from e
             raise
         ctx.in_engine = False
         if ctx.released:

@@ -26,7 +26,10 @@ class EngineWorker:
     """Owns the engine thread.
 
     ``on_events(events)`` runs on the event loop after every forward pass that produced
-    token events (a list of ``TokenEvent``).
+    token events (a list of ``TokenEvent``). ``on_seq_failed(seq_id, error)`` runs there for a
+    sequence a step failed (released here already); ``on_seq_failed(seq_id, error, True)`` when
+    the failure is the request's own (``Engine.pop_failed``: a client error, the gateway's 400).
+    The engine has ``pop_failed()``.
 
     ``min_step_s`` (seconds, 0 = off) emulates an accelerator's step time: a forward pass that
     finishes sooner is held until that long after it started, and only then are its token events
@@ -47,7 +50,7 @@ class EngineWorker:
     """
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_events: Callable[[list], None],
-                 on_seq_failed: Callable[[object, str], None] | None = None, min_step_s: float = 0.0,
+                 on_seq_failed: Callable[..., None] | None = None, min_step_s: float = 0.0,
                  step_time_s: Callable[[list], float] | None = None):
         self.engine = engine
         self.loop = loop
@@ -247,16 +250,17 @@ class EngineWorker:
             self.steps += 1
             if events:
                 self.loop.call_soon_threadsafe(self.on_events, events)
-            pop_failed = getattr(self.engine, "pop_failed", None)  # (an engine stand-in may have none)
-            for seq, why in (pop_failed() if pop_failed is not None else ()):
+            for seq, why in self.engine.pop_failed():
                 self._fail_seq(seq, why)  # failed alone (a structured output's grammar)
 
     def _fail_seq(self, seq, why: str) -> None:
-        """Release ``seq`` (out of the engine's batch already) and fail its request with ``why``."""
+        """Release ``seq`` (out of the engine's batch already) and fail its request with ``why``,
+        as the client's (``on_seq_failed(seq_id, why, True)``: ``Engine.pop_failed`` holds only
+        a request's own failures)."""
         log.warning("request %s failed: %s", seq.seq_id, why)
         self.engine.release(seq, cache=False)
         if self.on_seq_failed is not None:
-            self.loop.call_soon_threadsafe(self.on_seq_failed, seq.seq_id, why)
+            self.loop.call_soon_threadsafe(self.on_seq_failed, seq.seq_id, why, True)
 
     def _fail_step(self, e: Exception) -> None:
         """A step that raised fails the sequence it names (OutOfPages carries ``seq_id``), or

@@ -415,10 +415,13 @@ class XferDone(Msg):
 
 @dataclass
 class ReqError(Msg):
-    """A tier failed ``rid``: ``error`` says why."""
+    """A tier failed ``rid``: ``error`` says why. ``client_error`` True: the request's own failure
+    (its structured output's grammar failed: the same request fails the same way again; the
+    gateway answers 400); absent: the server's (503, a client may retry)."""
     T = "req_error"
     rid: str
     error: str
+    client_error: bool = OMIT
 
 
 @dataclass
