@@ -87,3 +87,36 @@ async def test_a_start_waiting_for_its_restarting_p_gets_the_shutdown_503_when_t
     assert (r.status_code, r.headers["connection"], r.json()) == (503, "close", refusal_body())
     assert (rep["ended"], rep["left"]) == (0, []) and len(orch.tries) == 3 and not orch.reqs
     assert _outcomes(orch) == {"completed": 0, "failed": 1, "cancelled": 0, "rejected": 0}
+
+
+class GrammarFailsOnP(NoPOrch):
+    """P's prefill call fails because the request's own grammar failed on its first token: the
+    RemoteError a tier's ``CallFailed(..., client_error=True)`` arrives as."""
+
+    async def _launch(self, st, prompt, sp=None, force_relay=False):
+        from pdd.transfer.peer import RemoteError
+
+        self.tries.append(st.trid)
+        raise RemoteError("CallFailed: p0: structured output failed at token 0: row limit",
+                          {"t": "error", "error": "x", "detail": {"client_error": True}})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_grammar_failing_on_ps_first_token_is_a_400_not_a_503(tiny_model, stream):
+    """A structured output whose grammar fails while the request starts (P samples its first
+    token) is the request's own failure: 400, as when it fails later (a 503 made the openai
+    client send it again, to fail the same way)."""
+    from tokenizers import Tokenizer
+
+    from pdd.gateway.api import create_app
+
+    cfg = ClusterConfig.model_validate({"mode": "pdd", "model_path": tiny_model, "served_model_name": "pdd-tiny",
+                                        "engine": {"max_model_len": 512, "max_input_len": 400}})
+    orch = GrammarFailsOnP(cfg)
+    app = create_app(cfg, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await asyncio.wait_for(client.post("/v1/completions", json={**BODY, "stream": stream}), BOUND_S)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "structured output failed at token 0" in err["message"]

@@ -742,7 +742,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                 raise Draining() from ex
             if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
                 raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
-            raise ApiError(str(ex), None, status=503, etype="server_error") from ex
+            status, etype = _failure(ex)  # 503, or 400 when it was the request's own (its grammar failed)
+            raise ApiError(str(ex), None, status=status, etype=etype) from ex
         except BaseException:
             if ticket is not None:
                 adm.release(ticket)

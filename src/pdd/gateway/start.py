@@ -13,7 +13,7 @@ from pdd.gateway import recovery
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import (ABORT_FAILED, ABORT_REJECTED, NoInstance, NoMember, ReqState, RequestFailed,
-                               ShuttingDown)
+                               ShuttingDown, client_error_of)
 from pdd.types import SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -91,6 +91,7 @@ class Starts:
                     raise ShuttingDown(f"request {rid} failed while starting: the gateway is shutting down "
                                        f"while it waited ({e})") from e
                 budget = self._budget_spent(st) if spent else ""
-                raise RequestFailed(f"request {rid} failed while starting: {e}{budget}") from e
+                # the request's own failure (its grammar failed on P's first token) stays its own: a 400
+                raise RequestFailed(f"request {rid} failed while starting: {e}{budget}", client_error_of(e)) from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st
