@@ -170,3 +170,25 @@ def test_a_restarted_gateway_leaves_out_a_process_it_cannot_switch_back(caplog):
     assert view["role_error"].startswith("instance rld0 runs as main_decode and did not switch to relay_decode, the "
                                          "role the gateway records for it after gateway start: RuntimeError: rld0 "
                                          "still holds 2 request(s)")
+
+
+def test_a_restarted_gateway_warns_of_a_standby_slot_whose_port_is_taken(caplog, monkeypatch):
+    """md1 added at run time (standby in the config), then the gateway restarted: it is no member
+    now, which the start says rather than routing nothing there silently."""
+    import pdd.topology
+
+    caplog.set_level(logging.INFO)
+    o, ms, procs, joined, _ = _setup()
+    md1_port = int(ms.members["md1"].address.rsplit(":", 1)[1])
+    monkeypatch.setattr(pdd.topology, "port_taken", lambda host, port: port == md1_port)
+
+    async def run():
+        await o.start(retries=0)
+        await o.close()
+
+    asyncio.run(run())
+    assert "md1" not in joined
+    assert _warnings(caplog) == [
+        f"membership: standby slot md1 (main_decode): something listens at its address 127.0.0.1:{md1_port} (an "
+        f"instance added at run time before the gateway started, still running?); it is no member until added "
+        f"again (POST /pdd/instances)"]
