@@ -71,9 +71,9 @@ def test_a_rerolled_instance_restarted_in_its_launch_role_is_switched_back_befor
         ("role_restored", "rld0", "main_decode", "relay_decode", "reconnect", ACTIVE)
     assert ms.changes["role_restored"] == 1
     assert _warnings(caplog) == [
-        "membership: instance rld0 ran as relay_decode after reconnect, not as main_decode, the role the gateway "
-        "records for it (a restarted instance runs its launch role; a restarted gateway records the slot's role): "
-        "switched it to main_decode before routing to it"]
+        "membership: instance rld0 ran as relay_decode, not as main_decode (the role the gateway records for it), "
+        "found at reconnect (a restarted instance runs its launch role; a restarted gateway records the slot's "
+        "role): switched it to main_decode before routing to it"]
     v = ms.view("rld0")
     assert (v["role"], v["state"], v["connected"], "role_error" in v) == ("main_decode", ACTIVE, True, False)
 
@@ -112,9 +112,9 @@ def test_a_restarted_instance_that_cannot_be_switched_is_not_routed_and_says_why
         return health, view
 
     health, view = asyncio.run(run())
-    why = ("instance rld0 runs as relay_decode and did not switch to main_decode, the role the gateway records for "
-           "it after reconnect: RuntimeError: rld0 still holds 1 request(s): drain it first; no request is routed "
-           "to it; tried again at each reconnect (every 1 s)")
+    why = ("instance rld0 runs as relay_decode, not as main_decode (the role the gateway records for it), found at "
+           "reconnect, and did not switch: RuntimeError: rld0 still holds 1 request(s): drain it first; no request "
+           "is routed to it; tried again at each reconnect (every 1 s)")
     assert [p.closed for p in joined["rld0"]] == [True, True, False]
     assert (view["role"], view["connected"], view["role_error"]) == ("main_decode", False, why)
     assert (health["status"], health["down"]) == ("degraded", ["rld0"])
@@ -147,9 +147,9 @@ def test_a_restarted_gateway_switches_a_rerolled_process_back_to_its_slots_role(
     assert (ev["op"], ev["role"], ev["role_from"], ev["after"]) == ("role_restored", "relay_decode", "main_decode",
                                                                     "gateway start")
     assert _warnings(caplog) == [
-        "membership: instance rld0 ran as main_decode after gateway start, not as relay_decode, the role the gateway "
-        "records for it (a restarted instance runs its launch role; a restarted gateway records the slot's role): "
-        "switched it to relay_decode before routing to it"]
+        "membership: instance rld0 ran as main_decode, not as relay_decode (the role the gateway records for it), "
+        "found at gateway start (a restarted instance runs its launch role; a restarted gateway records the slot's "
+        "role): switched it to relay_decode before routing to it"]
 
 
 def test_a_restarted_gateway_leaves_out_a_process_it_cannot_switch_back(caplog):
@@ -167,9 +167,10 @@ def test_a_restarted_gateway_leaves_out_a_process_it_cannot_switch_back(caplog):
     health, view = asyncio.run(run())
     assert o.peers["rld0"] is joined["rld0"][0] and joined["rld0"][0].closed
     assert (health["status"], health["down"]) == ("degraded", ["rld0"])
-    assert view["role_error"].startswith("instance rld0 runs as main_decode and did not switch to relay_decode, the "
-                                         "role the gateway records for it after gateway start: RuntimeError: rld0 "
-                                         "still holds 2 request(s)")
+    assert view["role_error"] == (
+        "instance rld0 runs as main_decode, not as relay_decode (the role the gateway records for it), found at "
+        "gateway start, and did not switch: RuntimeError: rld0 still holds 2 request(s): drain it first; no request "
+        "is routed to it; tried again at each reconnect (every 1 s)")
 
 
 def test_a_restarted_gateway_warns_of_a_standby_slot_whose_port_is_taken(caplog, monkeypatch):

@@ -37,7 +37,12 @@ members' (active and draining) on every change, so routing (``gateway.routing`` 
   pipeline ``p_d``). Its prefix cache is flushed on the switch and the pages dropped are
   reported (``prefix_cache``) with its leaked pages, as on remove. Removed while re-roled, the
   slot is free again in its configured role; an add of it switches a process still running the
-  other role back first (:meth:`Membership._slot_role_back`), before it is active.
+  other role back first (:meth:`Membership._slot_role_back`), before it is active. A re-roled
+  instance's process restarted (in its launch role), and every ``rerole`` slot at the gateway's
+  own start (which records the config's roles), are switched to the recorded role before they
+  are routed to (:meth:`Membership.match_role`).
+- a gateway restart keeps none of this: the membership lives in the gateway process, and a new
+  one starts from the config (docs/SERVE.md "A restarted gateway starts from the config").
 """
 
 from __future__ import annotations
@@ -463,10 +468,10 @@ class Membership:
                 return True
             rep, _ = await peer.call(set_role_msg(m.role), timeout=60)
         except Exception as e:
-            what = (f"runs as {runs} and did not switch to {m.role}, the role the gateway records for it" if runs else
-                    "did not say the role it runs (stats)")
-            why = (f"instance {name} {what} after {after}: {type(e).__name__}: {e}; no request is routed to it; "
-                   f"tried again at each reconnect (every {self.orch.cfg.liveness.reconnect_interval_s:g} s)")
+            what = (f"runs as {runs}, not as {m.role} (the role the gateway records for it), found at {after}, and "
+                    f"did not switch" if runs else f"did not say the role it runs (stats) at {after}")
+            why = (f"instance {name} {what}: {type(e).__name__}: {e}; no request is routed to it; tried again at "
+                   f"each reconnect (every {self.orch.cfg.liveness.reconnect_interval_s:g} s)")
             if self.role_errors.get(name) != why:
                 log.warning("membership: %s", why)
             self.role_errors[name] = why
@@ -474,9 +479,9 @@ class Membership:
         self._role_ok(name)
         cache = {"fate": f"flushed on the role switch to {m.role}", "pages_dropped": int(rep["pages_dropped"]),
                  "tokens_dropped": int(rep["tokens_dropped"])}
-        log.warning("membership: instance %s ran as %s after %s, not as %s, the role the gateway records for it (a "
-                    "restarted instance runs its launch role; a restarted gateway records the slot's role): switched "
-                    "it to %s before routing to it", name, runs, after, m.role, m.role)
+        log.warning("membership: instance %s ran as %s, not as %s (the role the gateway records for it), found at %s "
+                    "(a restarted instance runs its launch role; a restarted gateway records the slot's role): "
+                    "switched it to %s before routing to it", name, runs, m.role, after, m.role)
         self._set(m, m.state, "role_restored", role_from=runs, after=after, prefix_cache=cache)
         return True
 

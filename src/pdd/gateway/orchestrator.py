@@ -464,7 +464,11 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         nothing, so a removed instance never comes back into ``peers``. An old connection still draining (closed by the instance; the one-way messages read
         before, e.g. its last tokens, still being handled: ``Peer.draining``) is waited for first,
         at most its ``drain_timeout_s``: its close reported, :meth:`_peer_closed` declares its
-        requests lost before a new connection replaces it (and would make it skip them)."""
+        requests lost before a new connection replaces it (and would make it skip them). A
+        restarted instance of a ``rerole`` slot runs its launch role: the role the membership
+        records (an operator's re-role) is applied to it first (``Membership.match_role``); one
+        that refuses is not swapped in (it stays down, ``role_error`` says why) and is tried
+        again at the next reconnect."""
         if name in self._reconnecting:
             return
         old = self.peers.get(name)
