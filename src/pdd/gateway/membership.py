@@ -37,7 +37,12 @@ members' (active and draining) on every change, so routing (``gateway.routing`` 
   pipeline ``p_d``). Its prefix cache is flushed on the switch and the pages dropped are
   reported (``prefix_cache``) with its leaked pages, as on remove. Removed while re-roled, the
   slot is free again in its configured role; an add of it switches a process still running the
-  other role back first (:meth:`Membership._slot_role_back`), before it is active.
+  other role back first (:meth:`Membership._slot_role_back`), before it is active. A re-roled
+  instance's process restarted (in its launch role), and every ``rerole`` slot at the gateway's
+  own start (which records the config's roles), are switched to the recorded role before they
+  are routed to (:meth:`Membership.match_role`).
+- a gateway restart keeps none of this: the membership lives in the gateway process, and a new
+  one starts from the config (docs/SERVE.md "A restarted gateway starts from the config").
 """
 
 from __future__ import annotations
@@ -171,6 +176,9 @@ class Membership:
         # one per wait for an instance to go idle (a re-role's _until_idle, a _remove_when_idle):
         # in_flight_fell sets them all when something in flight may have ended (:meth:`_idle_waker`)
         self._idle_waits: set[asyncio.Event] = set()
+        # instance -> why its process runs another role than the one recorded here and could not
+        # be switched (:meth:`match_role`): not routed to until a reconnect switches it
+        self.role_errors: dict[str, str] = {}
         self.admission = None  # the gateway's Admission once its HTTP app exists (its capacities follow)
         lv = getattr(getattr(orch, "cfg", None), "liveness", None)
         self.join_timeout_s = join_budget_s(JOIN_RETRIES, lv.dead_after_s if lv is not None else 5.0)
@@ -236,7 +244,8 @@ class Membership:
                 "address": m.address, "reached_at": m.reached_at,
                 "state": m.state, "source": m.source, "in_flight": self.busy(name) if m.state != STANDBY else 0,
                 "routed": int(self.orch.routed.get(name, 0)),
-                "connected": bool(peer is not None and not peer.closed), "since": round(m.since, 3)}
+                "connected": bool(peer is not None and not peer.closed), "since": round(m.since, 3),
+                **({"role_error": self.role_errors[name]} if name in self.role_errors else {})}
 
     def listing(self) -> dict:
         return {"object": "list", "data": [self.view(n) for n in self.members],
@@ -430,6 +439,57 @@ class Membership:
                 "prefix_cache": {"fate": "flushed on the role switch back to the slot's role",
                                  "pages_dropped": int(rep["pages_dropped"]),
                                  "tokens_dropped": int(rep["tokens_dropped"])}}
+
+    async def match_role(self, name: str, peer, after: str) -> bool:
+        """Make the role instance ``name``'s process runs agree with the role the gateway records
+        for it (``Member.role``) before ``peer``, a new connection to it, is routed to: for a slot
+        the config's ``rerole`` lists, ask it the role it runs (``stats``) and, if not the recorded
+        one, switch it in-process as a re-role does (``set_role``, its prefix cache flushed). A
+        restarted instance runs its launch role (its supervisor restarts it as the slot's role,
+        not as the operator re-roled it), and a restarted gateway records the slot's role while
+        the process may still run the other. ``after``: what brought the new connection
+        ("reconnect", "gateway start"), named in the log line and the event. A switch is logged
+        at WARNING (its event line at INFO) and recorded as event ``role_restored`` (``role_from``, ``after``,
+        ``prefix_cache``). Returns True when the roles agree (nothing to do, the switch made, a
+        slot that cannot be re-roled, or an instance that does not say its role); False when the
+        instance did not answer or refused the switch: then ``role_errors[name]`` says why
+        (``/pdd/instances`` shows it as ``role_error``), one WARNING is logged per new reason, and
+        the caller must not route to it (it closes ``peer``; the reconnect watcher tries again).
+        Raises nothing."""
+        m = self.members.get(name)
+        if m is None or name not in getattr(self.orch.cfg, "rerole", ()):
+            return True
+        runs = None
+        try:
+            rep, _ = await peer.call(Stats().wire(), timeout=10)
+            runs = rep.get("role")
+            if runs is None or runs == m.role:
+                self._role_ok(name)
+                return True
+            rep, _ = await peer.call(set_role_msg(m.role), timeout=60)
+        except Exception as e:
+            what = (f"runs as {runs}, not as {m.role} (the role the gateway records for it), found at {after}, and "
+                    f"did not switch" if runs else f"did not say the role it runs (stats) at {after}")
+            why = (f"instance {name} {what}: {type(e).__name__}: {e}; no request is routed to it; tried again at "
+                   f"each reconnect (every {self.orch.cfg.liveness.reconnect_interval_s:g} s)")
+            if self.role_errors.get(name) != why:
+                log.warning("membership: %s", why)
+            self.role_errors[name] = why
+            return False
+        self._role_ok(name)
+        cache = {"fate": f"flushed on the role switch to {m.role}", "pages_dropped": int(rep["pages_dropped"]),
+                 "tokens_dropped": int(rep["tokens_dropped"])}
+        log.warning("membership: instance %s ran as %s, not as %s (the role the gateway records for it), found at %s "
+                    "(a restarted instance runs its launch role; a restarted gateway records the slot's role): "
+                    "switched it to %s before routing to it", name, runs, m.role, after, m.role)
+        self._set(m, m.state, "role_restored", role_from=runs, after=after, prefix_cache=cache)
+        return True
+
+    def _role_ok(self, name: str) -> None:
+        """Instance ``name``'s process runs the role the gateway records: its ``role_errors``
+        entry (:meth:`match_role`) goes, logged at INFO once it was there."""
+        if self.role_errors.pop(name, None) is not None:
+            log.info("membership: instance %s runs the role the gateway records for it again", name)
 
     async def _reach(self, m, retries: int):
         """Connect to the instance being added (``retries``: see JOIN_RETRIES); raises the connect

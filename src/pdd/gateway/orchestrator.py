@@ -172,9 +172,36 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         apart); raises :class:`TierUnreachable` naming the one that did not answer or refused."""
         for s in self.layout.engines:
             self.peers[s.name] = await self._connect_at_start(s.name, retries)
+        await self._match_roles_at_start()
         self._watch = asyncio.get_running_loop().create_task(self._watch_closed())
         if self.cfg.policy.wan_probe_interval_s > 0:
             self._probes = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _match_roles_at_start(self) -> None:
+        """After :meth:`start` connected: the membership of a (re)started gateway records each
+        slot as the config has it (its run-time changes, re-roles included, are not kept), while
+        an instance's process may still run a role the gateway before it gave it. Each slot the
+        config's ``rerole`` lists is brought back to its recorded role
+        (``Membership.match_role``: logged at WARNING when it ran another); one that cannot be is
+        disconnected (``/health`` lists it down, ``/pdd/instances`` says why in ``role_error``)
+        and the reconnect watcher tries again. A standby slot whose port is taken (an instance
+        added at run time before the gateway restarted, still running) is logged at WARNING: it
+        is no member until added again."""
+        ms = getattr(self, "membership", None)
+        if ms is None:
+            return
+        for name in list(self.peers):
+            peer = self.peers[name]
+            if not await ms.match_role(name, peer, "gateway start"):
+                await peer.close()
+        from pdd.policy.membership import STANDBY
+        from pdd.topology import port_taken
+
+        for m in ms.members.values():
+            if m.state == STANDBY and port_taken(ms.full.host, int(m.address.rsplit(":", 1)[1])):
+                log.warning("membership: standby slot %s (%s): something listens at its address %s (an instance "
+                            "added at run time before the gateway started, still running?); it is no member until "
+                            "added again (POST /pdd/instances)", m.name, m.role, m.address)
 
     async def _watch_closed(self) -> None:
         """Every ``liveness.reconnect_interval_s`` seconds, try once to reach each instance whose
@@ -437,7 +464,11 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         nothing, so a removed instance never comes back into ``peers``. An old connection still draining (closed by the instance; the one-way messages read
         before, e.g. its last tokens, still being handled: ``Peer.draining``) is waited for first,
         at most its ``drain_timeout_s``: its close reported, :meth:`_peer_closed` declares its
-        requests lost before a new connection replaces it (and would make it skip them)."""
+        requests lost before a new connection replaces it (and would make it skip them). A
+        restarted instance of a ``rerole`` slot runs its launch role: the role the membership
+        records (an operator's re-role) is applied to it first (``Membership.match_role``); one
+        that refuses is not swapped in (it stays down, ``role_error`` says why) and is tried
+        again at the next reconnect."""
         if name in self._reconnecting:
             return
         old = self.peers.get(name)
@@ -448,6 +479,12 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
             if old is not None and getattr(old, "draining", False):
                 await old.wait_close_reported()
             peer = await self._connect(name, retries=0)
+            ms = getattr(self, "membership", None)
+            # a restarted instance runs its launch role: the role recorded here (an operator's
+            # re-role) is applied to it before it is routed to; one that cannot be is left out
+            if ms is not None and self.peers.get(name) is old and not await ms.match_role(name, peer, "reconnect"):
+                await peer.close()
+                return
             if self.peers.get(name) is not old:
                 await peer.close()
                 return

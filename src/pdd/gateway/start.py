@@ -92,6 +92,9 @@ class Starts:
                                        f"while it waited ({e})") from e
                 budget = self._budget_spent(st) if spent else ""
                 # the request's own failure (its grammar failed on P's first token) stays its own: a 400
-                raise RequestFailed(f"request {rid} failed while starting: {e}{budget}", client_error_of(e)) from e
+                msg = f"request {rid} failed while starting: {e}{budget}"
+                if rejected:  # a 429, or a 503 with Retry-After: refused, not failed (no WARNING per request)
+                    raise RequestFailed(msg, client_error_of(e)) from e
+                raise self._request_failed(msg, client_error_of(e)) from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st

@@ -70,12 +70,14 @@ class Streams:
                             st.queue.get(), timeout=self.cfg.request_timeout_s if wait is None else max(wait, 0.2) / 1000)
                 except asyncio.TimeoutError:
                     if wait is None:
-                        raise RequestFailed(f"request {st.rid}: no token for {self.cfg.request_timeout_s:.0f} s")
+                        raise self._request_failed(f"request {st.rid}: no token for "
+                                                   f"{self.cfg.request_timeout_s:.0f} s")
                     tok = False  # a buffered token is due
                 if tok is None:
                     if st.recovery.lost and await self._recover(st):
                         continue  # a new attempt streams on from st.next_pos
-                    raise RequestFailed(f"request {st.rid} failed: {st.recovery.error}", st.recovery.client_error)
+                    raise self._request_failed(f"request {st.rid} failed: {st.recovery.error}",
+                                               st.recovery.client_error)
                 if pacer is not None and tok is not False:
                     pacer.feed(st, tok, 1000 * time.perf_counter(), self._next_tokens)
                 for t in (self._next_tokens(st, tok) if pacer is None else pacer.due(1000 * time.perf_counter())):
@@ -173,6 +175,18 @@ class Streams:
         if p_name and md_name:
             self.awaiting_kv[st.trid] = (p_name, md_name)
             self.awaiting_kv_deadline[st.trid] = time.monotonic() + self.cfg.request_timeout_s
+
+    def _request_failed(self, message: str, client_error: bool = False) -> RequestFailed:
+        """The :class:`RequestFailed` a request ends with (``message`` names it: "request <rid>
+        failed..."), logged once as it is made: at WARNING when it is the server's failure (the
+        API answers 503 ``server_error``: nothing else in the gateway's log said the request
+        failed), at INFO when it is the request's own (``client_error``: a 400, which a client's
+        bad request should not raise to WARNING)."""
+        if client_error:
+            log.info("%s (the request's own failure: the client gets 400 invalid_request_error)", message)
+        else:
+            log.warning("%s (the client gets 503 server_error)", message)
+        return RequestFailed(message, client_error)
 
     def _count_outcome(self, st: ReqState, outcome: str) -> bool:
         """Count ``st`` in ``totals[outcome]`` (one of :data:`OUTCOMES`) unless it was counted
