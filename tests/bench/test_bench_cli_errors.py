@@ -643,3 +643,17 @@ def test_a_start_past_the_trace_names_start_and_the_trace_s_count(capsys, tmp_pa
     err = _refused(capsys, argv)
     assert err.splitlines()[-1] == f"pdd bench: error: --start 99999999: past the end of {tmp_path / 't.jsonl'}, {why}"
     assert "kept none" not in err
+
+
+@pytest.mark.parametrize("spec,requests,why", [
+    ("kill:md@prefill#4", "3", "--fault 'kill:md@prefill#4': #4 is past the run's 3 requests (--requests): "
+                               "it would never fire"),
+    ("kill:md@prefill#99999999999999999999", "3",
+     "fault 'kill:md@prefill#99999999999999999999': #N must be at most 1,000,000 (the most requests a run "
+     "counts to), got 99999999999999999999"),
+])
+def test_a_fault_count_past_the_run_is_refused(capsys, tmp_path, no_run, spec, requests, why):
+    """``--fault kill:md@prefill#99999999999999999999`` passed the checks: the fault could never fire."""
+    err = _refused(capsys, ["--fault", spec, "--requests", requests, "--modes", "pdd", "--out", str(tmp_path / "b")])
+    assert err.splitlines()[-1] == f"pdd bench: error: {why}"
+    assert not (tmp_path / "b").exists()

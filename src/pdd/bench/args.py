@@ -175,14 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) -> tuple[list[str], float | None]:
-    """``--fault`` specs (checked) and ``--fault-recover-after`` (None = 'end'); ValueError if bad."""
+def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None,
+                     n_requests: int | None = None) -> tuple[list[str], float | None]:
+    """``--fault`` specs (checked) and ``--fault-recover-after`` (None = 'end'); ValueError if bad,
+    a spec's ``#N`` past ``n_requests`` (the run's ``--requests``) too: it would never fire."""
     from pdd.bench.faults import parse_bench_fault
     from pdd.faults import FaultError
 
     try:
         for f in specs:
-            parse_bench_fault(f)
+            nth = parse_bench_fault(f).nth
+            if n_requests is not None and nth > n_requests:
+                raise ValueError(f"--fault {f.strip()!r}: #{nth} is past the run's {n_requests} requests "
+                                 "(--requests): it would never fire")
     except FaultError as ex:
         raise ValueError(str(ex)) from None
     if specs and url:

@@ -606,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         slo = parse_slo(args.slo)
         sweep = parse_sweep(args.sweep_rate, start_rps=args.rate, max_points=args.sweep_points,
                             bisect_steps=args.sweep_bisect)
-        faults, recover_after = parse_fault_args(args.fault, args.fault_recover_after, args.url)
+        faults, recover_after = parse_fault_args(args.fault, args.fault_recover_after, args.url, args.requests)
         rate_schedule = load_schedule(args)
     except ValueError as ex:
         ap.error(str(ex))
