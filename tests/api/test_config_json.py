@@ -74,11 +74,12 @@ def test_a_config_file_larger_than_the_cap_or_not_a_regular_file_is_one_line(tmp
     with pytest.raises(ConfigFileError) as ex:
         ClusterConfig.load(big)
     assert str(ex.value) == f"{big}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large"
-    for argv in (["serve"], ["sim", "run"]):
+    for argv in (["serve"], ["sim", "run"], ["bench", "--modes", "colocated", "--out", str(tmp_path / "o")]):
+        prog = " ".join(argv[:2]) if argv[0] == "sim" else argv[0]
         for path, why in ((str(big), f"larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large"),
                           ("/dev/zero", "not a regular file (a device, FIFO or socket); give a YAML or JSON file")):
-            err = usage_error(capsys, main, argv + ["--config", path])
-            assert err.splitlines()[-1] == f"pdd {' '.join(argv)}: error: --config {path}: {why}"
+            err = usage_error(capsys, main, argv + ["--config", path])  # (bench said "no such file")
+            assert err.splitlines()[-1] == f"pdd {prog}: error: --config {path}: {why}"
     fifo = tmp_path / "fifo.yaml"
     import os
     os.mkfifo(fifo)

@@ -366,7 +366,8 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--trace: {ex}")
     if not records:
         ap.error(f"--trace: {args.trace} holds no trace records")
-    if args.config is not None and not Path(args.config).is_file():
+    if args.config is not None and (Path(args.config).is_dir() or not Path(args.config).exists()):  # (a device:
+        # ClusterConfig.load names it)
         ap.error(f"--config {args.config}: "
                  + ("is a directory, not a config file (YAML or JSON)" if Path(args.config).is_dir() else "no such file"))
     if args.url:
