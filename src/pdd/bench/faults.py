@@ -6,8 +6,8 @@ once, when the N-th request (default 1st) of the run that can take it reaches ``
 role (``prefill``/``p``, ``relay_decode``/``rld``, ``main_decode``/``md``/``d``: the instance of
 that role serving the request); a request counts only if it has an instance of that role.
 ``N`` is at most :data:`MAX_FAULT_NTH` (1,000,000), and ``pdd bench`` refuses one past its
-``--requests``: such a fault could never fire. ``client_disconnect`` is not offered (the bench client owns its streams; tests use
-:class:`pdd.faults.StreamClient`).
+``--requests``: such a fault could never fire. ``client_disconnect`` is not offered (the bench
+client owns its streams; tests use :class:`pdd.faults.StreamClient`).
 
 A spec applies to every benchmarked mode whose topology has its phase and its target
 (:func:`applicable`); the others record why not. ``recover_after_s`` seconds after an injection a
