@@ -755,6 +755,59 @@ _ConfigLoader.add_constructor("tag:pdd,2026:bare-non-finite",
                               lambda loader, node: _BareNonFinite(loader.construct_scalar(node)))
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file's size; the largest in the repo is a few KiB
+MAX_CONFIG_DEPTH = 64  # lists and mappings nested in a config file (its fields nest at most 4)
+_TOO_DEEP = (f"nested too deeply: lists and mappings (JSON arrays and objects) may nest at most {MAX_CONFIG_DEPTH} "
+             "levels deep")
+
+
+def _read_config_text(path) -> bytes:
+    """The bytes of config file ``path``, read with a bound: ConfigFileError (one line naming the
+    file) when it is not a regular file (``/dev/zero`` was read until memory ran out; a FIFO with
+    no writer hung) or holds more than :data:`MAX_CONFIG_BYTES` (at most that + 1 bytes are
+    read); IsADirectoryError for a directory; OSError when it cannot be opened."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: opening a FIFO waits for no writer
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, "Is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise ConfigFileError(f"{path}: not a regular file (a device, FIFO or socket); give a YAML or JSON file")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigFileError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large")
+    return data
+
+
+def _height(data) -> float:
+    """How deeply lists and dicts nest in ``data`` (a scalar 0, ``[]`` 1, ``{"a": [1]}`` 2);
+    infinite for a cycle (YAML ``&a [*a]``). Iterative, and each shared object (a YAML alias) is
+    walked once: no RecursionError, no blow-up on nested aliases."""
+    memo: dict[int, float] = {}
+    path: set[int] = set()
+    stack: list = [(data, False)]
+    while stack:
+        o, done = stack.pop()
+        if not isinstance(o, (dict, list)):
+            continue
+        kids = [k for k in (o.values() if isinstance(o, dict) else o) if isinstance(k, (dict, list))]
+        if done:
+            path.discard(id(o))
+            memo[id(o)] = 1 + max((memo[id(k)] for k in kids), default=0)
+            if memo[id(o)] > MAX_CONFIG_DEPTH:
+                return memo[id(o)]
+        elif id(o) in path:
+            return float("inf")
+        elif id(o) not in memo:
+            path.add(id(o))
+            stack.append((o, True))
+            stack.extend((k, False) for k in kids)
+    return memo.get(id(data), 0)
+
+
 class _JsonConfigDecoder(json.JSONDecoder):
     """JSON as Python's ``json`` reads it, with the YAML loader's rules for a config: a bare
     ``NaN`` / ``Infinity`` is :class:`_BareNonFinite`, and a key given twice in one object raises
@@ -1186,13 +1239,14 @@ class ClusterConfig(_Strict):
 
         Raises ``pydantic.ValidationError`` naming the bad field; :class:`ConfigFileError` naming
         the file (one line) when it is not UTF-8 text, not YAML / JSON, or its top level is not a
-        mapping (a list, an empty one too, a string, number or boolean); OSError when it cannot be
-        read.
+        mapping (a list, an empty one too, a string, number or boolean), is not a regular file, is
+        larger than :data:`MAX_CONFIG_BYTES` or nests more than :data:`MAX_CONFIG_DEPTH` levels;
+        OSError when it cannot be read.
         """
         data: dict = {}
         if path is not None:
             try:
-                text = Path(path).read_text()
+                text = _read_config_text(path).decode().replace("\r\n", "\n").replace("\r", "\n")  # as read_text
             except UnicodeDecodeError:
                 raise ConfigFileError(f"{path}: not UTF-8 text (a YAML or JSON config)") from None
             try:
@@ -1208,6 +1262,10 @@ class ClusterConfig(_Strict):
             except ValueError:  # an integer past Python's digit limit (its message advises a sys call)
                 raise ConfigFileError(f"{path}: a number in it has more than {sys.get_int_max_str_digits()} "
                                       f"digits; no setting takes one that large") from None
+            except RecursionError:  # the parsers recurse per level: past a few hundred, Python's stack limit
+                raise ConfigFileError(f"{path}: {_TOO_DEEP}") from None
+            if _height(data) > MAX_CONFIG_DEPTH:
+                raise ConfigFileError(f"{path}: {_TOO_DEEP}")
             if data is None:
                 data = {}
             if not isinstance(data, dict):  # `[]` and `false` too: they are not "no settings"

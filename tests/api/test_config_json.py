@@ -62,3 +62,63 @@ def test_a_yaml_file_is_read_as_before(tmp_path):
                              "got '<scalar>' (line 1, column 22)")
     cfg.write_text(TRAILING_COMMA)  # YAML's flow mappings allow a trailing comma
     assert (ClusterConfig.load(cfg).mode, ClusterConfig.load(cfg).gateway_port) == ("colocated", 9100)
+
+
+def test_a_config_file_larger_than_the_cap_or_not_a_regular_file_is_one_line(tmp_path, capsys):
+    """``--config /dev/zero`` read forever (22 GB); a FIFO would hang: the size is capped
+    (1 MiB, at most cap + 1 bytes read) and only a regular file is read."""
+    from pdd.config import MAX_CONFIG_BYTES
+
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigFileError) as ex:
+        ClusterConfig.load(big)
+    assert str(ex.value) == f"{big}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large"
+    for argv in (["serve"], ["sim", "run"], ["bench", "--modes", "colocated", "--out", str(tmp_path / "o")]):
+        prog = " ".join(argv[:2]) if argv[0] == "sim" else argv[0]
+        for path, why in ((str(big), f"larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large"),
+                          ("/dev/zero", "not a regular file (a device, FIFO or socket); give a YAML or JSON file")):
+            err = usage_error(capsys, main, argv + ["--config", path])  # (bench said "no such file")
+            assert err.splitlines()[-1] == f"pdd {prog}: error: --config {path}: {why}"
+    fifo = tmp_path / "fifo.yaml"
+    import os
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigFileError) as ex:
+        ClusterConfig.load(fifo)  # opened non-blocking: no writer, no hang
+    assert str(ex.value) == f"{fifo}: not a regular file (a device, FIFO or socket); give a YAML or JSON file"
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("mode: colocated\n" + "#" * (MAX_CONFIG_BYTES - 17) + "\n")  # exactly the cap
+    assert ClusterConfig.load(ok).mode == "colocated"
+
+
+@pytest.mark.parametrize("name,text", [
+    ("deep.yaml", "x: " + "[" * 5000 + "]" * 5000 + "\n"),
+    ("deep.json", '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    ("deep2.json", '{"x": ' + '{"a": ' * 64 + "1" + "}" * 64 + "}"),  # 65 levels: parses, refused after
+    ("cycle.yaml", "x: &a [*a]\n"),
+])
+def test_a_config_nested_too_deeply_is_one_line(tmp_path, capsys, name, text):
+    """A RecursionError traceback (exit 1) before. The gateway's 512 levels for a body would be
+    past the parsers' own depth (PyYAML's recursion fails near 450): a config nests at most 4."""
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    why = "nested too deeply: lists and mappings (JSON arrays and objects) may nest at most 64 levels deep"
+    with pytest.raises(ConfigFileError) as ex:
+        ClusterConfig.load(cfg)
+    assert str(ex.value) == f"{cfg}: {why}"
+    err = usage_error(capsys, main, ["serve", "--config", str(cfg)])
+    assert err.splitlines()[-1] == f"pdd serve: error: --config {cfg}: {why}"
+
+
+def test_a_yaml_block_nesting_past_the_parser_s_depth_is_one_line(tmp_path):
+    """Block style nests by indentation, not brackets: the parser's RecursionError is caught."""
+    cfg = tmp_path / "deep.yaml"
+    cfg.write_text("x:\n  " + "- " * 5000 + "1\n")
+    with pytest.raises(ConfigFileError) as ex:
+        ClusterConfig.load(cfg)
+    assert str(ex.value) == (f"{cfg}: nested too deeply: lists and mappings (JSON arrays and objects) may nest "
+                             "at most 64 levels deep")
+    cfg.write_text("x:\n  " + "- " * 63 + "1\n")  # 64 levels: not refused for its depth
+    with pytest.raises(Exception) as ex:
+        ClusterConfig.load(cfg)
+    assert "nested too deeply" not in str(ex.value) and "x" in str(ex.value)

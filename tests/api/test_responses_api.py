@@ -288,6 +288,8 @@ BASE = {"model": MODEL, "input": "hi"}
     ({"tools": [{"type": "computer_use_preview"}]}, "tools", "'computer_use_preview' is not supported"),
     ({"tools": [{"type": "function"}]}, "tools", "tools[0].name: required"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools[0].name: required"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools",
+     "tools[1].name: 'f' is tools[0]'s too; function names must be unique"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "no built-in tools"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none'"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning mode"),

@@ -412,6 +412,10 @@ async def test_forced_tool_choice_is_refused_when_md_runs_on_vllm(tiny_model):
     ({"tools": [{"type": "function"}]}, "tools", "tools[0].function: must be an object with a non-empty string name"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0]: must be an object with type 'function', got {'type': "
      "'retrieval'}"),
+    # two functions of one name were served: a call names one of them, which the client cannot tell apart
+    ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}},
+                {"type": "function", "function": {"name": "f", "description": "other"}}]}, "tools",
+     "tools[2].function.name: 'f' is tools[0]'s too; function names must be unique"),
 ])
 async def test_malformed_tools_and_tool_choice_are_400s_saying_what_is_wrong(serve, extra, param, message):
     """Before, any tool_choice other than none / auto got the guided-decoding message (an unknown

@@ -628,3 +628,32 @@ def test_a_mode_given_twice_is_refused(capsys, tmp_path, no_run, modes, dup):
     """`--modes pdd,pdd` ran pdd once and reported one row where two were asked (pdd demo refused it)."""
     _refused(capsys, ["--modes", modes, "--out", str(tmp_path / "b")], f"error: --modes: {dup} given more than once")
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("sample,why", [
+    ("1", "which has 3 requests (give --start below 3)"),
+    ("2", "which has 3 requests, 2 of them kept by --session-sample 2 (--start counts kept requests; "
+          "give --start below 2)"),
+])
+def test_a_start_past_the_trace_names_start_and_the_trace_s_count(capsys, tmp_path, gateway, sample, why):
+    """``--start 99999999`` was blamed on --session-sample ("kept none of this trace's")."""
+    url = gateway("pdd")
+    argv = _url_argv(tmp_path, url, "--start", "99999999")
+    argv[argv.index("--session-sample") + 1] = sample
+    err = _refused(capsys, argv)
+    assert err.splitlines()[-1] == f"pdd bench: error: --start 99999999: past the end of {tmp_path / 't.jsonl'}, {why}"
+    assert "kept none" not in err
+
+
+@pytest.mark.parametrize("spec,requests,why", [
+    ("kill:md@prefill#4", "3", "--fault 'kill:md@prefill#4': #4 is past the run's 3 requests (--requests): "
+                               "it would never fire"),
+    ("kill:md@prefill#99999999999999999999", "3",
+     "fault 'kill:md@prefill#99999999999999999999': #N must be at most 1,000,000 (the most requests a run "
+     "counts to), got 99999999999999999999"),
+])
+def test_a_fault_count_past_the_run_is_refused(capsys, tmp_path, no_run, spec, requests, why):
+    """``--fault kill:md@prefill#99999999999999999999`` passed the checks: the fault could never fire."""
+    err = _refused(capsys, ["--fault", spec, "--requests", requests, "--modes", "pdd", "--out", str(tmp_path / "b")])
+    assert err.splitlines()[-1] == f"pdd bench: error: {why}"
+    assert not (tmp_path / "b").exists()

@@ -177,7 +177,12 @@ def _demo_refusal(capsys, tmp_path, monkeypatch, *argv: str) -> str:
 
 def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
     err = _demo_refusal(capsys, tmp_path, monkeypatch, "--start", "100000000")
-    assert "pdd demo: error: --start 100000000: no requests in" in err and "Traceback" not in err, err
+    from pdd.workload.replay import DEFAULT_TRACE
+
+    assert err.splitlines()[-1] == (
+        f"pdd demo: error: --start 100000000: past the end of {DEFAULT_TRACE}, "
+        "which has 12031 requests, 147 of them kept by --session-sample 100 (--start counts kept requests; "
+        "give --start below 147)") and "Traceback" not in err, err
     assert not (tmp_path / "d").exists()  # run_demo made --out before it found the slice empty
 
 

@@ -402,12 +402,14 @@ def test_calibrate_roles_names_a_bad_run_or_profile_before_the_missing_model(cap
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--requests", "0"], "--requests must be a finite number > 0, got 0"),  # was exit 1, no `error:`
+    # a count: "a finite number > 0" read as if 0.5 would do
+    (["--requests", "0"], "--requests must be an integer >= 1, got 0"),  # was exit 1, no `error:`
+    (["--block-tokens", "-2"], "--block-tokens must be an integer >= 1, got -2"),
     (["--rate", "nan"], "--rate must be a finite number > 0, got nan"),
     (["--rate", "1e-9"], "--rate must be >= 0.001 req/s (one request per 1000 s on average; a lower rate's run would take hours), got 1e-09"),  # passed "> 0": a live run spanning centuries
     # these were tracebacks from the workload's Scale: `ValueError: session_sample must be >= 1`, ...
-    (["--session-sample", "0"], "--session-sample must be a finite number > 0, got 0"),
-    (["--max-output-tokens", "0"], "--max-output-tokens must be a finite number > 0, got 0"),
+    (["--session-sample", "0"], "--session-sample must be an integer >= 1, got 0"),
+    (["--max-output-tokens", "0"], "--max-output-tokens must be an integer >= 1, got 0"),
     # the live topology's pipeline budget: NaN or negative reached its config unchecked
     (["--budget-ms", "nan"], "--budget-ms must be a finite number >= 0, got nan"),
     (["--budget-ms", "-1"], "--budget-ms must be a finite number >= 0, got -1.0"),

@@ -175,14 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None) -> tuple[list[str], float | None]:
-    """``--fault`` specs (checked) and ``--fault-recover-after`` (None = 'end'); ValueError if bad."""
+def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None,
+                     n_requests: int | None = None) -> tuple[list[str], float | None]:
+    """``--fault`` specs (checked) and ``--fault-recover-after`` (None = 'end'); ValueError if bad,
+    a spec's ``#N`` past ``n_requests`` (the run's ``--requests``) too: it would never fire."""
     from pdd.bench.faults import parse_bench_fault
     from pdd.faults import FaultError
 
     try:
         for f in specs:
-            parse_bench_fault(f)
+            nth = parse_bench_fault(f).nth
+            if n_requests is not None and nth > n_requests:
+                raise ValueError(f"--fault {f.strip()!r}: #{nth} is past the run's {n_requests} requests "
+                                 "(--requests): it would never fire")
     except FaultError as ex:
         raise ValueError(str(ex)) from None
     if specs and url:
@@ -361,7 +366,8 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--trace: {ex}")
     if not records:
         ap.error(f"--trace: {args.trace} holds no trace records")
-    if args.config is not None and not Path(args.config).is_file():
+    if args.config is not None and (Path(args.config).is_dir() or not Path(args.config).exists()):  # (a device:
+        # ClusterConfig.load names it)
         ap.error(f"--config {args.config}: "
                  + ("is a directory, not a config file (YAML or JSON)" if Path(args.config).is_dir() else "no such file"))
     if args.url:

@@ -229,6 +229,11 @@ def run_bench(
     scale = fit_scale(scale, config, n_requests, start)
     requests = build_requests(trace, scale, tokens, seed)
     if not requests:
+        from pdd.workload.replay import past_the_end
+
+        beyond = past_the_end(trace, scale)
+        if beyond:  # --start 99999999 was blamed on --session-sample
+            raise ValueError(beyond)
         hint = ""
         if scale.session_sample > 1:  # the default keeps 1 in 50 conversations: a small trace may keep none
             hint = (f": --session-sample {scale.session_sample} keeps 1 in {scale.session_sample} conversations "
@@ -601,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         slo = parse_slo(args.slo)
         sweep = parse_sweep(args.sweep_rate, start_rps=args.rate, max_points=args.sweep_points,
                             bisect_steps=args.sweep_bisect)
-        faults, recover_after = parse_fault_args(args.fault, args.fault_recover_after, args.url)
+        faults, recover_after = parse_fault_args(args.fault, args.fault_recover_after, args.url, args.requests)
         rate_schedule = load_schedule(args)
     except ValueError as ex:
         ap.error(str(ex))

@@ -94,6 +94,11 @@ def run_demo(
         raise NoRequests(str(ex)) from None
     requests = build_requests(trace, scale, tokens, seed)
     if not requests:
+        from pdd.workload.replay import past_the_end
+
+        beyond = past_the_end(trace, scale)
+        if beyond:
+            raise NoRequests(beyond)
         hint = ""
         if scale.session_sample > 1:
             hint = (f"; --session-sample {scale.session_sample} keeps 1 in {scale.session_sample} conversations "

@@ -5,8 +5,9 @@ once, when the N-th request (default 1st) of the run that can take it reaches ``
 (the gateway's view, ``GET /pdd/requests``). ``kill:ARG`` takes an instance name (``md0``) or a
 role (``prefill``/``p``, ``relay_decode``/``rld``, ``main_decode``/``md``/``d``: the instance of
 that role serving the request); a request counts only if it has an instance of that role.
-``client_disconnect`` is not offered (the bench client owns its streams; tests use
-:class:`pdd.faults.StreamClient`).
+``N`` is at most :data:`MAX_FAULT_NTH` (1,000,000), and ``pdd bench`` refuses one past its
+``--requests``: such a fault could never fire. ``client_disconnect`` is not offered (the bench
+client owns its streams; tests use :class:`pdd.faults.StreamClient`).
 
 A spec applies to every benchmarked mode whose topology has its phase and its target
 (:func:`applicable`); the others record why not. ``recover_after_s`` seconds after an injection a
@@ -35,6 +36,7 @@ from pdd.topology import ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 ROLE_ALIASES = {"p": ROLE_PREFILL, "prefill": ROLE_PREFILL, "rld": ROLE_RELAY, "relay_decode": ROLE_RELAY,
                 "md": ROLE_MAIN, "d": ROLE_MAIN, "main_decode": ROLE_MAIN}
 DEFAULT_RECOVER_AFTER_S = 5.0
+MAX_FAULT_NTH = 1_000_000  # #N: past a million requests no bench run counts (pdd sim's generated-workload cap)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ def parse_bench_fault(text: str) -> BenchFault:
             raise FaultError(f"fault {text!r}: #N must be a request count >= 1") from None
         if nth < 1:
             raise FaultError(f"fault {text!r}: #N must be a request count >= 1")
+        if nth > MAX_FAULT_NTH:  # #99999999999999999999 passed: a fault that could never fire
+            raise FaultError(f"fault {text!r}: #N must be at most {MAX_FAULT_NTH:,} (the most requests a run counts "
+                             f"to), got {nth}")
     spec = parse_fault(head)
     if spec.kind == "client_disconnect":
         raise FaultError(f"fault {text!r}: client_disconnect is not offered by pdd bench (its client owns the "

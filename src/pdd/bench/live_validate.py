@@ -177,9 +177,12 @@ def _cmd_validate(a) -> int:
     w = {k: getattr(a, k) if getattr(a, k) is not None else rec.get(k, d) for k, d in WORKLOAD_DEFAULTS.items()}
     from pdd.sim.cli import UsageError
 
-    for k in ("requests", "rate", "block_tokens", "session_sample", "max_output_tokens"):
-        if w[k] is not None and not (math.isfinite(w[k]) and w[k] > 0):  # nan / inf gave arrival times of nan / None
-            raise UsageError(f"--{k.replace('_', '-')} must be a finite number > 0, got {w[k]}")
+    for k in ("requests", "block_tokens", "session_sample", "max_output_tokens"):  # counts (a recorded run's too)
+        x = w[k]  # (a recorded run's 220.0 is 220)
+        if x is not None and not (not isinstance(x, bool) and math.isfinite(x) and x >= 1 and x == int(x)):
+            raise UsageError(f"--{k.replace('_', '-')} must be an integer >= 1, got {w[k]}")
+    if w["rate"] is not None and not (math.isfinite(w["rate"]) and w["rate"] > 0):  # nan gave arrival times of nan
+        raise UsageError(f"--rate must be a finite number > 0, got {w['rate']}")
     from pdd.load_profile import slow_rate_problem
 
     slow = w["rate"] is not None and slow_rate_problem(w["rate"])

@@ -53,7 +53,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
-from pdd.gateway.openai_schemas import MAX_LOGPROBS, ApiError, ChatCompletionRequest, lone_surrogate
+from pdd.gateway.openai_schemas import MAX_LOGPROBS, ApiError, ChatCompletionRequest, duplicate_name, lone_surrogate
 from pdd.text import shown
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -325,6 +325,7 @@ def chat_tools(tools: list | None) -> list[dict] | None:
     if not tools:
         return None
     out = []
+    first: dict[str, int] = {}
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
         if kind in BUILTIN_TOOLS or (isinstance(kind, str) and kind.startswith(("web_search", "computer_use"))):
@@ -334,6 +335,9 @@ def chat_tools(tools: list | None) -> list[dict] | None:
             raise _refuse("tools", f"tools[{i}]: must be a function tool (type 'function'), got {shown(t)}")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise _refuse("tools", f"tools[{i}].name: required, a non-empty string")
+        dup = duplicate_name(first, t["name"], i, f"tools[{i}].name")
+        if dup:
+            raise _refuse("tools", dup)
         fn = {"name": t["name"]}
         for key in ("description", "parameters", "strict"):
             if t.get(key) is not None:

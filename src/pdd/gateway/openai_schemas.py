@@ -1102,13 +1102,25 @@ def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[
 def _check_tools(tools) -> None:
     """``tools``: each an OpenAI function tool, ``{"type": "function", "function": {"name": a
     non-empty string, ...}}`` (the only kind chat completions define); ApiError naming
-    ``tools`` otherwise."""
+    ``tools`` otherwise, or for a function name two tools share (a call names one of them: the
+    client could not tell which; Anthropic's and Gemini's APIs refuse that too)."""
+    first: dict[str, int] = {}
     for i, t in enumerate(tools or []):
         if not isinstance(t, dict) or t.get("type") != "function":
             raise ApiError(f"tools[{i}]: must be an object with type 'function', got {shown(t)}", "tools")
         fn = t.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ApiError(f"tools[{i}].function: must be an object with a non-empty string name", "tools")
+        dup = duplicate_name(first, fn["name"], i, f"tools[{i}].function.name")
+        if dup:
+            raise ApiError(dup, "tools")
+
+
+def duplicate_name(first: dict[str, int], name: str, i: int, where: str) -> str | None:
+    """Why tool ``i``'s function ``name`` is refused, named as ``where`` (``tools[2].function.name``),
+    when an earlier tool has it (``first``: name -> index, updated here); else None."""
+    j = first.setdefault(name, i)
+    return None if j == i else f"{where}: {shown(name)} is tools[{j}]'s too; function names must be unique"
 
 
 def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> None:

@@ -254,6 +254,29 @@ def load_trace(path: str | Path = DEFAULT_TRACE, start: int = 0, count: int | No
     return list(read_trace(path, start, None if count is None else start + count))
 
 
+def past_the_end(records: Iterable[dict] | str | Path, scale: Scale) -> str | None:
+    """Why ``scale.start`` selects nothing from ``records`` (a trace path or loaded records),
+    naming ``--start`` and the trace's request count, e.g. ``--start 99: past the end of t.jsonl,
+    which has 3 requests``; with ``--session-sample`` above 1 also how many it keeps (``--start``
+    counts those). None when ``start`` is inside the kept requests, or is 0 (an empty or all
+    sampled-out trace is not --start's doing). Reads the whole trace: meant for a refused run."""
+    if scale.start <= 0:
+        return None
+    allrecs = load_trace(records) if isinstance(records, (str, Path)) else list(records)
+    kept = sum(1 for i, r in enumerate(allrecs) if scale.keeps_session(r, i))
+    if scale.start < kept:
+        return None
+    where = str(records) if isinstance(records, (str, Path)) else "the trace"
+    msg = f"--start {scale.start}: past the end of {where}, which has {len(allrecs)} requests"
+    if scale.session_sample > 1:
+        msg += (f", {kept} of them kept by --session-sample {scale.session_sample} (--start counts kept requests; "
+                f"give --start below {kept})" if kept else
+                f", none of them kept by --session-sample {scale.session_sample}")
+    else:
+        msg += f" (give --start below {kept})"
+    return msg
+
+
 def build_requests(
     records: Iterable[dict] | str | Path,
     scale: Scale = Scale(),
