@@ -305,6 +305,7 @@ BASE = {"model": MODEL, "input": "hi"}
     ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools: the request has none"),
     ({"include": ["message.output_text.logprobs", "x.y"]}, "include",
      "include[1]: 'x.y' is not one of 'message.output_text.logprobs', "),
+    ({"include": [[1], None]}, "include", "include[0]: [1] is not one of 'message.output_text.logprobs', "),
     ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"top_logprobs": -1}, "top_logprobs", "greater than or equal to 0"),
     ({"truncation": "auto"}, "truncation", "truncation 'auto' is not supported"),

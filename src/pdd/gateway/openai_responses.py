@@ -179,7 +179,7 @@ def check_responses(body: ResponsesRequest) -> None:
     if verbosity not in (None, "medium"):
         raise _refuse("text", f"text.verbosity {shown(verbosity)} is not supported: leave it out")
     for i, v in enumerate(body.include or ()):
-        if v != LOGPROBS and v not in INCLUDE_NOTHING:
+        if not isinstance(v, str) or (v != LOGPROBS and v not in INCLUDE_NOTHING):  # a list is unhashable
             raise _refuse("include", f"include[{i}]: {shown(v)} is not one of {LOGPROBS!r}, "
                           f"{', '.join(repr(x) for x in sorted(INCLUDE_NOTHING))}")
     if body.truncation not in (None, "disabled"):
