@@ -202,6 +202,17 @@ class Watched(set):
         self.waiting.set()
 
 
+
+def _aborting_topology():
+    """Three instances that hold an abort until released, a gateway over them whose flush waits
+    are watched, and one request r1 in flight: (peers, orchestrator, r1's state)."""
+    peers = [AbortingPeer(), AbortingPeer(), AbortingPeer()]
+    o = _orch(peers)
+    o._abort_waiters = Watched()
+    st = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
+    o.reqs["r1"] = st
+    return peers, o, st
+
 def test_flush_after_a_disconnect_waits_for_its_abort_to_release():
     """A burst of client disconnects, then /pdd/flush: each aborted request had left the
     gateway's table (``reqs``) before its instances answered the abort, so the flush found the
@@ -212,11 +223,7 @@ def test_flush_after_a_disconnect_waits_for_its_abort_to_release():
     from pdd.gateway.state import ABORT_CLIENT
 
     async def run():
-        peers = [AbortingPeer(), AbortingPeer(), AbortingPeer()]
-        o = _orch(peers)
-        o._abort_waiters = Watched()
-        st = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
-        o.reqs["r1"] = st
+        peers, o, st = _aborting_topology()
         abort = asyncio.ensure_future(o.abort(st, ABORT_CLIENT))
         for p in peers:
             await p.aborted.wait()
@@ -267,11 +274,7 @@ def test_a_stream_closed_by_its_client_is_aborting_before_its_abort_task_runs():
     from pdd.transfer.messages import Tok
 
     async def run():
-        peers = [AbortingPeer(), AbortingPeer(), AbortingPeer()]
-        o = _orch(peers)
-        o._abort_waiters = Watched()
-        st = ReqState("r1", 4, SamplingParams(max_tokens=4), trid="r1", prompt_ids=[1] * 4)
-        o.reqs["r1"] = st
+        peers, o, st = _aborting_topology()
         stream = o.stream(st)
         o._tok(Tok("r1", 0, 5, None, "md"))
         assert (await stream.__anext__()).token_id == 5
