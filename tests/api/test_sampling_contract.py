@@ -1,6 +1,6 @@
 """Sampling contract across the handoff: seeded sampling (temperature > 0 with top-p / top-k,
 min-p and penalties) through pdd gives the same tokens as one monolithic engine, whatever the
-handoff point (right after the first token, mid-stream, never); stop strings end the stream at
+handoff point (right after the first token, mid-stream); stop strings end the stream at
 the same place; logprobs agree. fp32, 20 prompts.
 
 Tolerances (stated):
@@ -127,7 +127,9 @@ def _stop_for(pieces: list[str], start: int) -> tuple[int, str] | None:
 
 
 @pytest.mark.parametrize("handoff_min_tokens,label,stop_from",
-                         [(1, "after-first-token", 2), (12, "mid-stream", 14), (10**6, "never", 14)])
+                         # no "never" (RLD decodes all): "mid-stream"'s first 12 tokens are RLD's alone, and the
+                         # suite must stay within CI's 30 minutes
+                         [(1, "after-first-token", 2), (12, "mid-stream", 14)])
 def test_seeded_sampling_equals_single_engine_across_handoff(small_model, reference, topology_factory,
                                                               handoff_min_tokens, label, stop_from):
     refs, margin, tok = reference

@@ -1,5 +1,5 @@
 """Output contract: greedy output through pdd equals one monolithic engine's, whatever the
-handoff point (right after the first token, mid-stream, never). fp32, >= 20 prompts.
+handoff point (right after the first token, mid-stream). fp32, >= 20 prompts.
 
 A prompt may be excused only for a detected near-tie: at the first differing position the
 reference engine's top-two logits are within ``TIE_TOL`` (MD recomputes the handed-over
@@ -35,7 +35,9 @@ def reference(small_model):
     return greedy_oracle(small_model, _prompts(), MAX_TOKENS)
 
 
-@pytest.mark.parametrize("handoff_min_tokens,label", [(1, "after-first-token"), (12, "mid-stream"), (10**6, "never")])
+# no "never" (RLD decodes all): "mid-stream"'s first 12 tokens are RLD's alone, and the suite must stay
+# within CI's 30 minutes
+@pytest.mark.parametrize("handoff_min_tokens,label", [(1, "after-first-token"), (12, "mid-stream")])
 def test_greedy_equals_single_engine_across_handoff(small_model, reference, topology_factory, handoff_min_tokens,
                                                      label):
     ref_outs, margin = reference
