@@ -58,7 +58,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt)
+                                        truncated_prompt, first_error)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -307,8 +307,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
+        first = first_error(exc.errors())  # a union field's error names none of pydantic's branches
         # where the bad value sits (body, query string, path) is not the parameter's name
         outer = {"body", "query", "path", "header"}
         raw_loc = list(first.get("loc", []))

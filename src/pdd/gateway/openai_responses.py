@@ -53,7 +53,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
-from pdd.gateway.openai_schemas import MAX_LOGPROBS, ApiError, ChatCompletionRequest, duplicate_name, lone_surrogate
+from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_function_name, duplicate_name,
+                                        lone_surrogate)
 from pdd.text import shown
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -83,13 +84,13 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[Any]
+    input: Any  # a string or a list of items: checked by input_messages (a 400 naming what is allowed)
     instructions: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
     tools: list[Any] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Any = None  # checked by chat_tool_choice
     parallel_tool_calls: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     user: StrictStr | None = None
@@ -252,14 +253,15 @@ def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = f
     ``input`` for an item pdd cannot take (module docstring); naming ``input[i].arguments`` for
     a ``function_call`` whose ``arguments`` is not JSON text, and ``input[i].call_id`` for a
     ``function_call_output`` whose ``call_id`` is no ``function_call`` item's in ``input`` nor
-    in ``prior_calls`` (the call ids of the ``previous_response_id`` chain: :func:`called_ids`),
-    as OpenAI refuses both."""
+    in ``prior_calls`` (the call ids of the ``previous_response_id`` chain: :func:`called_ids`)
+    or that an earlier ``function_call_output`` answers already, as OpenAI refuses them."""
     msgs: list[dict] = []
     items = body.input
     if isinstance(items, str):
         return [{"role": "user", "content": _text_of(items, "input", ())}]
-    if not items:
-        raise _refuse("input", "input: must be a string or a non-empty list of items")
+    if not isinstance(items, list) or not items:
+        got = "" if isinstance(items, list) else f", got {shown(items)}"
+        raise _refuse("input", f"input: must be a string or a non-empty list of items{got}")
     if len(items) > MAX_INPUT_ITEMS:
         raise _refuse("input", f"input: at most {MAX_INPUT_ITEMS} items, got {len(items)}")
     for i, it in enumerate(items):
@@ -311,10 +313,18 @@ def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = f
             raise _refuse("input", f"{at}: item type {shown(kind)} is not supported (message, function_call and "
                           "function_call_output are)")
     calls = set(prior_calls) | {it["call_id"] for it in items if it.get("type") == "function_call"}
+    answered: dict[str, int] = {}  # call id -> the input item answering it
     for i, it in enumerate(items):
-        if it.get("type") == "function_call_output" and it["call_id"] not in calls:
+        if it.get("type") != "function_call_output":
+            continue
+        cid = it["call_id"]
+        if cid not in calls:
             raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: No tool call found for function call output "
-                          f"with call_id {shown(it['call_id'])}")
+                          f"with call_id {shown(cid)}")
+        j = answered.setdefault(cid, i)
+        if j != i:
+            raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: Duplicate function call output for call_id "
+                          f"{shown(cid)}: input[{j}] answers it already")
     return msgs
 
 
@@ -335,6 +345,9 @@ def chat_tools(tools: list | None) -> list[dict] | None:
             raise _refuse("tools", f"tools[{i}]: must be a function tool (type 'function'), got {shown(t)}")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise _refuse("tools", f"tools[{i}].name: required, a non-empty string")
+        bad = bad_function_name(t["name"], f"tools[{i}].name")
+        if bad:
+            raise _refuse(f"tools[{i}].name", bad)
         dup = duplicate_name(first, t["name"], i, f"tools[{i}].name")
         if dup:
             raise _refuse("tools", dup)
