@@ -524,7 +524,7 @@ def test_text_format_and_tool_choice_become_chats():
     from pdd.gateway.openai_responses import ResponsesRequest, chat_body
 
     def chat(**kw):
-        return chat_body(ResponsesRequest.model_validate({**BASE, "tools": R_TOOLS, **kw}))
+        return chat_body(ResponsesRequest.model_validate({**BASE, "tools": R_TOOLS, **kw}))[0]
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     c = chat(text={"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}})
