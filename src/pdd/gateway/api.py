@@ -266,6 +266,30 @@ class BodyLimit:
         return await self.app(scope, receive_again, send)
 
 
+class JsonCORS(CORSMiddleware):
+    """Starlette's CORS middleware whose refused preflight (400, "Disallowed CORS origin" as
+    plain text) is an OpenAI-style JSON error naming what was refused and the ``cors`` field
+    (and ``pdd serve`` flag) that would allow it; status and CORS headers as Starlette gives them."""
+
+    _WHAT = {"origin": ("origin", "is not in cors.allowed_origins", "--allowed-origins"),
+             "method": ("access-control-request-method", "is not in cors.allowed_methods", "--allowed-methods"),
+             "headers": ("access-control-request-headers", "are not all in cors.allowed_headers",
+                         "--allowed-headers")}
+
+    def preflight_response(self, request_headers):
+        r = super().preflight_response(request_headers)
+        if r.status_code != 400:
+            return r
+        why = []
+        for failure in r.body.decode().removeprefix("Disallowed CORS ").split(", "):
+            header, rule, flag = self._WHAT.get(failure, (None, "not allowed", None))
+            sent = f" {shown(request_headers.get(header))}" if header else ""
+            where = f" (the gateway's config; pdd serve {flag})" if flag else ""
+            why.append(f"Disallowed CORS {failure}:{sent} {rule}{where}")
+        headers = {k: v for k, v in r.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return JSONResponse(error_body("; ".join(why)), status_code=400, headers=headers)
+
+
 def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
     # no 307 to the path without its trailing slash (FastAPI's redirect_slashes: an empty body, and
     # a client that follows it with its method changed may get a 405): ``/pdd/instances/`` is an
@@ -405,7 +429,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     app.add_middleware(RequestIdHeader)  # every response (429s and 503s too) names its X-Request-Id
     # outside the others but the HTTP metrics: a browser's preflight is answered before the API key (it carries none) and every
     # answer, a refusal too, carries the CORS headers a page needs to read it (as vLLM's server)
-    app.add_middleware(CORSMiddleware, allow_origins=cfg.cors.allowed_origins,
+    app.add_middleware(JsonCORS, allow_origins=cfg.cors.allowed_origins,
                        allow_credentials=cfg.cors.allow_credentials, allow_methods=cfg.cors.allowed_methods,
                        allow_headers=cfg.cors.allowed_headers, expose_headers=["X-Request-Id"])
     if getattr(orch, "metrics", None) is not None:  # outermost: every response counted (CORS preflights too), by route and status
