@@ -766,7 +766,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
                 raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
             status, etype = _failure(ex)  # 503, or 400 when it was the request's own (its grammar failed)
-            raise ApiError(str(ex), None, status=status, etype=etype) from ex
+            raise ApiError(ex.client_message, None, status=status, etype=etype) from ex
         except BaseException:
             if ticket is not None:
                 adm.release(ticket)
@@ -797,7 +797,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             ok = True
         except RequestFailed as ex:
             status, etype = _failure(ex)
-            return JSONResponse(error_body(str(ex), etype=etype), status_code=status)
+            return JSONResponse(error_body(ex.client_message, etype=etype), status_code=status)
         finally:
             for t in (run, watch):
                 if not t.done():
@@ -1133,7 +1133,7 @@ async def _sse(gen: Generation, head: dict, chunks, usage: tuple[bool, bool]):
         ok = True
     except RequestFailed as ex:
         reason = ABORT_FAILED
-        yield _data(error_body(str(ex), etype=_failure(ex)[1]))
+        yield _data(error_body(ex.client_message, etype=_failure(ex)[1]))
         yield "data: [DONE]\n\n"
         return
     except (asyncio.CancelledError, GeneratorExit):

@@ -612,8 +612,9 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     ``response.function_call_arguments.done`` and ``response.output_item.done``; last
     ``response.completed`` (``response.incomplete`` when the output hit ``max_output_tokens``)
     with the whole response, which is handed to ``on_done`` first (the store's, when stored). A
-    chat error chunk ends it with ``response.failed`` (``error.code`` "server_error"; a call
-    still open is ``incomplete``). However the stream ends, the chat
+    chat error chunk ends it with ``response.failed`` (``error.code`` the chunk's type when it is
+    the request's own failure, "invalid_request_error" as the non-streamed 400's, else
+    "server_error"; a call still open is ``incomplete``). However the stream ends, the chat
     stream is closed, which aborts what still runs on the tiers (as chat does)."""
     seq = 0
     rid = None
@@ -677,9 +678,10 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                 for item in calls.values():  # arguments cut by the failure
                     if item["status"] == "in_progress":
                         item["status"] = "incomplete"
+                # the request's own failure (its grammar failed) reads as the non-streamed 400 does
+                code = "invalid_request_error" if err.get("type") == "invalid_request_error" else "server_error"
                 yield ev("response.failed", response=shell.response(
-                    rid, created, "failed", output, None,
-                    error={"code": "server_error", "message": err.get("message", "")}))
+                    rid, created, "failed", output, None, error={"code": code, "message": err.get("message", "")}))
                 return
             if rid is None:
                 rid, shell.model = shell.rid, chunk.get("model", shell.model)
