@@ -1353,4 +1353,8 @@ def test_a_plain_error_is_the_first_as_pydantic_gives_it():
     errs = [{"loc": ("messages", 0, "role"), "msg": "Field required", "type": "missing", "input": {}},
             {"loc": ("messages", 0, "content"), "msg": "Field required", "type": "missing", "input": {}}]
     assert first_error(errs) == errs[0]
+    # two keys of a dict (capitalised as a model's class name would be): not a union's branches
+    errs = [{"loc": ("logit_bias", "A", "x"), "msg": "bad", "type": "float_type", "input": "x"},
+            {"loc": ("logit_bias", "B", "y"), "msg": "bad", "type": "float_type", "input": "y"}]
+    assert first_error(errs) == errs[0]
     assert first_error([]) == {}

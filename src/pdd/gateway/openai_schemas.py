@@ -150,7 +150,9 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 # how pydantic names a union's branch in an error's loc: a type (``str``, ``dict[any,any]``,
 # ``list[int]``, ``constrained-str``, ``function-after[f(), str]``) or a model's class name; no
-# request field is spelt so (OpenAI's names are lower-case words joined by underscores)
+# request field is spelt so (OpenAI's names are lower-case words joined by underscores), and a
+# dict's keys (``logit_bias``'s) are told apart from a union's branches by first_error: among
+# a union's, some branch is a type
 _BRANCH = re.compile(r"(str|int|float|bool|bytes|none|constrained-[a-z]+|[a-z][a-z-]*\[.*\]|[A-Z][A-Za-z0-9_]*)",
                      re.S)
 _KIND_WORDS = (("list", "an array"), ("tuple", "an array"), ("set", "an array"), ("dict", "an object"),
@@ -187,8 +189,9 @@ def first_error(errs: list[dict]) -> dict:
             continue
         branches = [e for e in errs if tuple(e.get("loc", ()))[:k] == loc[:k] and len(e.get("loc", ())) > k
                     and isinstance(e["loc"][k], str) and _BRANCH.fullmatch(e["loc"][k])]
-        if len({e["loc"][k] for e in branches}) < 2:
-            continue  # one error there: a field's own name, not a union's branches
+        tags = {e["loc"][k] for e in branches}
+        if len(tags) < 2 or all(t[:1].isupper() for t in tags):
+            continue  # one error there (a field's own name), or a dict's keys: not a union's branches
         inside = [e for e in branches if len(e["loc"]) > k + 1
                   or not str(e.get("type", "")).endswith(("_type", "_parsing"))]
         if inside:
