@@ -12,7 +12,8 @@ from pdd.cli_args import ShortUsageParser, config_or_exit as _config, usage_erro
 
 def ensure_model(cfg, prog: str = "pdd serve") -> None:
     """Write the configured random-weight checkpoint if the model directory has none and the
-    path is the embedded default (``models/<preset>``); any other missing path is a usage error
+    path is the embedded default (``models/<preset>``); any other missing path, or a checkpoint
+    the engine cannot use (:func:`pdd.engine.checkpoint.checkpoint_problem`), is a usage error
     naming ``model_path`` (exit 2, :func:`pdd.cli_args.missing_model_problem`)."""
     from pathlib import Path
 
@@ -25,7 +26,7 @@ def ensure_model(cfg, prog: str = "pdd serve") -> None:
         # here, naming the file and field, before any instance starts
         bad = checkpoint_problem(cfg.model_path)
         if bad:
-            raise SystemExit(f"pdd: model_path {cfg.model_path}: {bad}")
+            refuse(prog, f"model_path {cfg.model_path}: {bad}")
         return
     missing = missing_model_problem(cfg)
     if missing:
@@ -156,7 +157,7 @@ def cmd_launch(args) -> int:
 
         bad = checkpoint_problem(cfg.model_path)
         if bad:  # was the instance's traceback (SafetensorError, the gateway's tokenizer, int('four'))
-            raise SystemExit(f"pdd launch: model_path {cfg.model_path}: {bad}")
+            _usage(args, f"model_path {cfg.model_path}: {bad}")
     if getattr(args, "join", None):
         if lay.get(name).role in (ROLE_LINK, "gateway"):
             _usage(args, "--join: only an engine instance (prefill, relay_decode, main_decode, colocated) joins")
@@ -202,7 +203,7 @@ def cmd_serve(args) -> int:
             cfg = ClusterConfig.model_validate({**cfg.model_dump(), "autoscale": {**cfg.autoscale.model_dump(),
                                                                                   "enabled": True}})
         except ValidationError as e:
-            raise SystemExit(f"pdd: invalid config (--autoscale): {validation_summary(e)}")
+            _usage(args, f"--autoscale: invalid config: {validation_summary(e)}")
     taken = ports_taken_refusal([cfg], "pdd serve")
     if taken:  # one line naming the ports and their users, exit 2, as pdd demo and pdd bench refuse
         _usage(args, taken)

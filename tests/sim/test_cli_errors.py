@@ -345,8 +345,11 @@ def test_validate_and_profile_name_a_bad_config_field_without_a_traceback(capsys
     argv = [a.replace("OUT", str(tmp_path / "out")) for a in argv]
     with pytest.raises(SystemExit) as ex:
         pdd_main(argv + ["--config", str(cfg)])
-    assert str(ex.value.code).startswith("pdd: invalid config: policy.md_predicted_send: "), ex.value.code
-    assert "Traceback" not in capsys.readouterr().err
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    prog = "pdd sim validate" if argv[0] == "sim" else "pdd profile"
+    assert err.startswith(f"{prog}: error: --config {cfg}: invalid config: policy.md_predicted_send: "), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("args,message", [

@@ -839,8 +839,9 @@ def cmd_profile(a) -> int:
 
     cfg = config_or_exit(a)
     if not (Path(cfg.model_path) / "config.json").exists():
-        raise SystemExit(f"pdd profile: no checkpoint at {cfg.model_path}; make one with: pdd make-model "
-                         f"--out {cfg.model_path}")
+        from pdd.cli_args import no_checkpoint_message
+
+        raise UsageError(no_checkpoint_message(cfg.model_path))  # exit 2, as pdd serve and pdd launch say it
     out = Path(a.out)
     if not out.parent.exists():  # made now, so the check below (and the write after minutes) can pass
         try:
