@@ -888,6 +888,11 @@ def test_the_run_and_the_profile_are_read_once(capsys, tmp_path, monkeypatch, ar
     real = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (reads.append(Path(self).resolve()),
                                                                   real(self, *a, **k))[1])
+    import pdd.files
+
+    bounded = pdd.files.read_text  # how the run's files and the profile are read (regular files, bounded)
+    monkeypatch.setattr(pdd.files, "read_text", lambda path, *a, **k: (reads.append(Path(path).resolve()),
+                                                                       bounded(path, *a, **k))[1])
     argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
     _refused(capsys, argv + ["--profile", str(profile), "--config", cfg], message)
     for f in (run / "requests.jsonl", run / "server_stats.json", profile):

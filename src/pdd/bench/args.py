@@ -356,7 +356,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--modes: {ex}")
     if Path(args.trace).is_dir():
         ap.error(f"--trace: {args.trace} is a directory, not a trace file")
-    if not Path(args.trace).is_file():
+    if not Path(args.trace).exists():  # a device or FIFO exists: load_trace names it as no regular file
         ap.error(f"--trace: no such file: {args.trace}")
     from pdd.workload.replay import load_trace
 

@@ -189,12 +189,16 @@ def _chip_names():
 
 
 def _existing_file(text: str) -> str:
+    """An input file flag's type (``--trace``, ``--op-profile``): a regular file that exists.
+    ``/dev/zero`` was "no such file" (it exists; read, it never ends)."""
     from pathlib import Path
 
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
-    if not Path(text).is_file():
+    if not Path(text).exists():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a regular file (a device, FIFO or socket)")
     return text
 
 
@@ -312,6 +316,7 @@ def _read_profiles(a) -> list[tuple[str, dict]]:
     fit. UsageError naming the flag and file otherwise."""
     from pathlib import Path
 
+    from pdd.files import InputFileError, read_text
     from pdd.sim.recorded import RecordedRunError, check_step_rows, load_profile_checked
     from pdd.sim.sim_config import live_fit_of
 
@@ -320,7 +325,9 @@ def _read_profiles(a) -> list[tuple[str, dict]]:
     for p in dict.fromkeys(x for x in _profiles(a) if x):
         flag = flags.get(p, "--profile")
         try:
-            prof = json.loads(Path(p).read_text())
+            prof = json.loads(read_text(p, what="give a JSON profile (pdd profile) or a roofline calibration file"))
+        except InputFileError as e:  # a device, FIFO or socket (/dev/zero was read until memory ran out)
+            raise UsageError(f"{flag} {e}") from None
         except (OSError, ValueError) as e:
             raise UsageError(f"{flag} {p}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
         if not isinstance(prof, dict):
