@@ -194,6 +194,14 @@ def cmd_serve(args) -> int:
     if unused:  # served all the same (a config may be shared by modes), but the user is told
         print(f"pdd: note: mode {cfg.mode} has no relay tier nor pipeline choice; it does not use {', '.join(unused)} "
               f"(pdd mode only)", file=sys.stderr)
+    unused = cfg.unused_sections()
+    if unused:  # tiers.prefill in colocated mode was ignored silently
+        from pdd.config import instance_tier
+        from pdd.topology import layout
+
+        runs = [f"{s.name} (tier {instance_tier(s.name)})" for s in layout(cfg).instances if instance_tier(s.name)]
+        print(f"pdd: note: mode {cfg.mode} runs {', '.join(runs)}; no instance of it uses {', '.join(unused)}",
+              file=sys.stderr)
     if getattr(args, "autoscale", False):  # the planner in the loop (docs/SERVE.md "Autoscaling")
         from pydantic import ValidationError
 

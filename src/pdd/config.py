@@ -1142,6 +1142,22 @@ class ClusterConfig(_Strict):
             return []
         return [f"policy.{k}" for k in PDD_ONLY_POLICY if k in self.policy.model_fields_set]
 
+    def unused_sections(self) -> list[str]:
+        """The ``tiers`` blocks and ``instances`` counts the config sets (explicitly) that name no
+        instance of its mode's topology (:func:`pdd.topology.layout`): ``tiers.prefill`` in
+        colocated mode (its one tier is ``colocated``, instances ``c0``..), ``tiers.md0`` in
+        same_dc_pd (its decoders are ``d0``..), ``tiers.d0`` outside it, ``instances.relay_decode``
+        outside pdd, ``instances.main_decode`` in colocated mode (which counts ``c0``.. by
+        ``instances.prefill``). Their settings apply to nothing in this mode; ``pdd serve`` notes
+        them (a config shared by modes may set them). In the order the config gives them."""
+        from pdd.topology import layout
+
+        names = {s.name for s in layout(self).instances}
+        tiers = {instance_tier(n) for n in names} - {None}
+        out = [f"tiers.{k}" for k in self.tiers if k not in names and k not in tiers]
+        return out + [f"instances.{f}" for f in ("relay_decode", "main_decode")
+                      if f in self.instances.model_fields_set and f not in tiers]
+
     def hardware_profile(self, name: str) -> dict:
         """What ``/pdd/stats`` and the bench report show of an instance's emulated hardware."""
         e = self.engine_for(name)
