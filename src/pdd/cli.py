@@ -300,8 +300,8 @@ def cmd_certs(args) -> int:
     _check_out_dir(args)
     try:
         rep = ensure_topology_certs(cfg, args.out, force=args.force)
-    except SecurityError as e:
-        raise SystemExit(f"pdd: {e}")
+    except SecurityError as e:  # --out holds a CA certificate without its key: bad input, as every refusal
+        _usage(args, f"--out {e}")
     except OSError as e:  # what the check cannot see (a full disk)
         _usage(args, f"--out {args.out}: cannot write the certificates: {e.strerror or e}")
     print(f"certificates for the {cfg.mode} topology in {rep['dir']}: CA {rep['ca']}, "

@@ -38,3 +38,19 @@ def test_serve_autoscale_without_roles_is_exit_2_naming_the_flag(capsys):
     err = usage_error(capsys, main, ["serve", "--autoscale"])
     assert err == ("pdd serve: error: --autoscale: invalid config: autoscale: max: name the roles to scale and "
                    "their most active instances (e.g. {main_decode: 2}); with none the loop would change nothing\n")
+
+
+def test_certs_without_the_ca_key_to_issue_with_is_exit_2_naming_out(capsys, tmp_path):
+    """An --out holding a CA certificate but not its key (copied without it) was exit 1."""
+    import shutil
+
+    from pdd.cli import main as pdd_main
+
+    assert pdd_main(["certs", "--out", str(tmp_path / "a")]) == 0
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "ca.pem", tmp_path / "b" / "ca.pem")
+    capsys.readouterr()
+    out = tmp_path / "b"
+    assert usage_error(capsys, main, ["certs", "--out", str(out)]) == (
+        f"pdd certs: error: --out {out}: no certificate for 'p0' and no ca.key to issue one; run `pdd certs --out "
+        f"{out}` where the CA key is\n")
