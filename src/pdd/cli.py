@@ -12,7 +12,8 @@ from pdd.cli_args import ShortUsageParser, config_or_exit as _config, usage_erro
 
 def ensure_model(cfg, prog: str = "pdd serve") -> None:
     """Write the configured random-weight checkpoint if the model directory has none and the
-    path is the embedded default (``models/<preset>``); any other missing path is a usage error
+    path is the embedded default (``models/<preset>``); any other missing path, or a checkpoint
+    the engine cannot use (:func:`pdd.engine.checkpoint.checkpoint_problem`), is a usage error
     naming ``model_path`` (exit 2, :func:`pdd.cli_args.missing_model_problem`)."""
     from pathlib import Path
 
@@ -25,7 +26,7 @@ def ensure_model(cfg, prog: str = "pdd serve") -> None:
         # here, naming the file and field, before any instance starts
         bad = checkpoint_problem(cfg.model_path)
         if bad:
-            raise SystemExit(f"pdd: model_path {cfg.model_path}: {bad}")
+            refuse(prog, f"model_path {cfg.model_path}: {bad}")
         return
     missing = missing_model_problem(cfg)
     if missing:
@@ -156,7 +157,7 @@ def cmd_launch(args) -> int:
 
         bad = checkpoint_problem(cfg.model_path)
         if bad:  # was the instance's traceback (SafetensorError, the gateway's tokenizer, int('four'))
-            raise SystemExit(f"pdd launch: model_path {cfg.model_path}: {bad}")
+            _usage(args, f"model_path {cfg.model_path}: {bad}")
     if getattr(args, "join", None):
         if lay.get(name).role in (ROLE_LINK, "gateway"):
             _usage(args, "--join: only an engine instance (prefill, relay_decode, main_decode, colocated) joins")
@@ -193,6 +194,14 @@ def cmd_serve(args) -> int:
     if unused:  # served all the same (a config may be shared by modes), but the user is told
         print(f"pdd: note: mode {cfg.mode} has no relay tier nor pipeline choice; it does not use {', '.join(unused)} "
               f"(pdd mode only)", file=sys.stderr)
+    unused = cfg.unused_sections()
+    if unused:  # tiers.prefill in colocated mode was ignored silently
+        from pdd.config import instance_tier
+        from pdd.topology import layout
+
+        runs = [f"{s.name} (tier {instance_tier(s.name)})" for s in layout(cfg).instances if instance_tier(s.name)]
+        print(f"pdd: note: mode {cfg.mode} runs {', '.join(runs)}; no instance of it uses {', '.join(unused)}",
+              file=sys.stderr)
     if getattr(args, "autoscale", False):  # the planner in the loop (docs/SERVE.md "Autoscaling")
         from pydantic import ValidationError
 
@@ -202,7 +211,7 @@ def cmd_serve(args) -> int:
             cfg = ClusterConfig.model_validate({**cfg.model_dump(), "autoscale": {**cfg.autoscale.model_dump(),
                                                                                   "enabled": True}})
         except ValidationError as e:
-            raise SystemExit(f"pdd: invalid config (--autoscale): {validation_summary(e)}")
+            _usage(args, f"--autoscale: invalid config: {validation_summary(e)}")
     taken = ports_taken_refusal([cfg], "pdd serve")
     if taken:  # one line naming the ports and their users, exit 2, as pdd demo and pdd bench refuse
         _usage(args, taken)
@@ -291,8 +300,8 @@ def cmd_certs(args) -> int:
     _check_out_dir(args)
     try:
         rep = ensure_topology_certs(cfg, args.out, force=args.force)
-    except SecurityError as e:
-        raise SystemExit(f"pdd: {e}")
+    except SecurityError as e:  # --out holds a CA certificate without its key: bad input, as every refusal
+        _usage(args, f"--out {e}")
     except OSError as e:  # what the check cannot see (a full disk)
         _usage(args, f"--out {args.out}: cannot write the certificates: {e.strerror or e}")
     print(f"certificates for the {cfg.mode} topology in {rep['dir']}: CA {rep['ca']}, "

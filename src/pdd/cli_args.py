@@ -20,9 +20,12 @@ class ShortUsageParser(argparse.ArgumentParser):
 
 
 def config_or_exit(args, **over):
-    """``ClusterConfig.load(args.config, **over)``, or exit with one line naming the field, the
-    file or the flag (SystemExit: status 1 for a bad config file, 2 via :func:`usage_error` for a
-    bad --config path or a flag's value out of range), never a traceback."""
+    """``ClusterConfig.load(args.config, **over)``, or a usage error (:func:`usage_error`: one
+    line ``PROG: error: ...`` on stderr, SystemExit(2)) naming the field, the file or the flag,
+    never a traceback. Every bad input is exit 2, as argparse's: a --config path that is no
+    config file, a file that is not YAML/JSON, a field out of range in it (``--config F: invalid
+    config: gateway_port: ...``; this was exit 1) and a flag's value out of range
+    (``invalid config: gateway_port (--port): ...``)."""
     from pydantic import ValidationError
 
     from pdd.config import ClusterConfig, ConfigFileError, validation_summary
@@ -32,18 +35,25 @@ def config_or_exit(args, **over):
     except ValidationError as e:
         by_flag = {str(err["loc"][0]) for err in e.errors() if _by_flag(err, over)}
         msg = f"invalid config: {_flagged(validation_summary(e), by_flag)}"
-        if by_flag:  # a flag's value out of range (--port 0): bad CLI input, exit 2
+        if by_flag:  # a flag's value out of range (--port 0)
             usage_error(args, msg)
         flags = [f for k, f in _OVERRIDE_FLAGS.items() if over.get(k) is not None]
         if flags and _loads(args, {k: v for k, v in over.items() if k not in _OVERRIDE_FLAGS}):
             # valid without the flags: their values made it invalid (--port inside --base-port's block,
-            # "ports collide"), bad CLI input as in pdd demo and pdd bench, exit 2
+            # "ports collide"), as in pdd demo and pdd bench
             usage_error(args, f"{' / '.join(flags)}: {msg}")
-        raise SystemExit(f"pdd: {msg}")
+        usage_error(args, config_value_problem(getattr(args, "config", None), msg))
     except (OSError, ConfigFileError) as e:  # the only file load reads is --config itself
         usage_error(args, config_file_problem(args.config, e))
     except ValueError as e:
-        raise SystemExit(f"pdd: invalid config: {e}")
+        usage_error(args, config_value_problem(getattr(args, "config", None), f"invalid config: {e}"))
+
+
+def config_value_problem(path, msg: str) -> str:
+    """``msg`` (``invalid config: FIELD: ...``) with the ``--config PATH`` it came from in front,
+    as every command names a refused field of a config file (``pdd bench`` did first); ``msg``
+    as it is when no file was given (the embedded defaults with a flag's value)."""
+    return f"--config {path}: {msg}" if path else msg
 
 
 def config_file_problem(path, ex: Exception) -> str | None:

@@ -757,6 +757,11 @@ _ConfigLoader.add_constructor("tag:pdd,2026:bare-non-finite",
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file's size; the largest in the repo is a few KiB
 MAX_CONFIG_DEPTH = 64  # lists and mappings nested in a config file (its fields nest at most 4)
+# values (lists, mappings, scalars) in a config once YAML aliases are expanded: more than an alias-free
+# file of MAX_CONFIG_BYTES could hold of any real config (the largest in the repo has a few hundred)
+MAX_CONFIG_NODES = 100_000
+_TOO_MANY = (f"holds more than {MAX_CONFIG_NODES:,} values once its YAML aliases are expanded (lists, mappings and "
+             "scalars); no config is that large (an alias bomb?)")
 _TOO_DEEP = (f"nested too deeply: lists and mappings (JSON arrays and objects) may nest at most {MAX_CONFIG_DEPTH} "
              "levels deep")
 
@@ -806,6 +811,28 @@ def _height(data) -> float:
             stack.append((o, True))
             stack.extend((k, False) for k in kids)
     return memo.get(id(data), 0)
+
+
+def _expanded_size(data, cap: int = MAX_CONFIG_NODES) -> int:
+    """How many values (each list, dict, key and scalar) ``data`` holds with every shared object (a
+    YAML alias) counted each time it appears, as pydantic's validation walks it; stops counting
+    past ``cap`` (returns a number above it). ``data`` must hold no cycle (:func:`_height` finds
+    them). Iterative; each shared object is sized once, so a "billion laughs" file of a few
+    hundred bytes is sized in microseconds."""
+    memo: dict[int, int] = {}
+    stack: list = [(data, False)]
+    while stack:
+        o, done = stack.pop()
+        if not isinstance(o, (dict, list)) or (id(o) in memo and not done):
+            continue
+        kids = [k for k in (o.values() if isinstance(o, dict) else o) if isinstance(k, (dict, list))]
+        if done:
+            n = 1 + (2 * len(o) if isinstance(o, dict) else len(o)) - len(kids)  # itself, its keys and scalars
+            memo[id(o)] = min(cap + 1, n + sum(memo[id(k)] for k in kids))
+        else:
+            stack.append((o, True))
+            stack.extend((k, False) for k in kids)
+    return memo.get(id(data), 1)
 
 
 class _JsonConfigDecoder(json.JSONDecoder):
@@ -1142,6 +1169,22 @@ class ClusterConfig(_Strict):
             return []
         return [f"policy.{k}" for k in PDD_ONLY_POLICY if k in self.policy.model_fields_set]
 
+    def unused_sections(self) -> list[str]:
+        """The ``tiers`` blocks and ``instances`` counts the config sets (explicitly) that name no
+        instance of its mode's topology (:func:`pdd.topology.layout`): ``tiers.prefill`` in
+        colocated mode (its one tier is ``colocated``, instances ``c0``..), ``tiers.md0`` in
+        same_dc_pd (its decoders are ``d0``..), ``tiers.d0`` outside it, ``instances.relay_decode``
+        outside pdd, ``instances.main_decode`` in colocated mode (which counts ``c0``.. by
+        ``instances.prefill``). Their settings apply to nothing in this mode; ``pdd serve`` notes
+        them (a config shared by modes may set them). In the order the config gives them."""
+        from pdd.topology import layout
+
+        names = {s.name for s in layout(self).instances}
+        tiers = {instance_tier(n) for n in names} - {None}
+        out = [f"tiers.{k}" for k in self.tiers if k not in names and k not in tiers]
+        return out + [f"instances.{f}" for f in ("relay_decode", "main_decode")
+                      if f in self.instances.model_fields_set and f not in tiers]
+
     def hardware_profile(self, name: str) -> dict:
         """What ``/pdd/stats`` and the bench report show of an instance's emulated hardware."""
         e = self.engine_for(name)
@@ -1240,7 +1283,8 @@ class ClusterConfig(_Strict):
         Raises ``pydantic.ValidationError`` naming the bad field; :class:`ConfigFileError` naming
         the file (one line) when it is not UTF-8 text, not YAML / JSON, or its top level is not a
         mapping (a list, an empty one too, a string, number or boolean), is not a regular file, is
-        larger than :data:`MAX_CONFIG_BYTES` or nests more than :data:`MAX_CONFIG_DEPTH` levels;
+        larger than :data:`MAX_CONFIG_BYTES`, nests more than :data:`MAX_CONFIG_DEPTH` levels or
+        holds more than :data:`MAX_CONFIG_NODES` values once its YAML aliases are expanded;
         OSError when it cannot be read.
         """
         data: dict = {}
@@ -1266,6 +1310,8 @@ class ClusterConfig(_Strict):
                 raise ConfigFileError(f"{path}: {_TOO_DEEP}") from None
             if _height(data) > MAX_CONFIG_DEPTH:
                 raise ConfigFileError(f"{path}: {_TOO_DEEP}")
+            if _expanded_size(data) > MAX_CONFIG_NODES:  # after _height: no cycle left to size
+                raise ConfigFileError(f"{path}: {_TOO_MANY}")
             if data is None:
                 data = {}
             if not isinstance(data, dict):  # `[]` and `false` too: they are not "no settings"

@@ -231,8 +231,11 @@ def _chunk_residuals(prof: dict, model):
 
 def load(path: str | Path) -> dict:
     """The ``pdd profile`` JSON at ``path``. Raises OSError (unreadable), json.JSONDecodeError, or
-    ValueError naming the file when it is not a pdd-profile/1 object."""
-    prof = json.loads(Path(path).read_text())
+    ValueError naming the file when it is not a pdd-profile/1 object, not a regular file, larger
+    than :data:`pdd.files.MAX_JSON_BYTES` or not UTF-8 (:func:`pdd.files.read_text`)."""
+    from pdd.files import read_text
+
+    prof = json.loads(read_text(path, what=f"give a {FORMAT} JSON file (pdd profile)"))
     if not isinstance(prof, dict):
         raise ValueError(f"{path}: not a {FORMAT} profile (a JSON {type(prof).__name__}, not an object)")
     if prof.get("format") != FORMAT:

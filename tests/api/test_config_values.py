@@ -13,8 +13,14 @@ from pydantic import ValidationError
 
 from pdd.cli import main
 from pdd.config import ClusterConfig, validation_summary
+from tests.cli_usage import usage_error
 
 BOOL = "must be a number, got {} (YAML reads true/false, yes/no and on/off as booleans)"
+
+
+def _cli_refusal(capsys, argv) -> str:
+    """The one line ``pdd ARGV`` printed refusing its config (exit 2, no traceback)."""
+    return usage_error(capsys, main, argv).rstrip("\n")
 
 
 def _refused(yaml_text: str, tmp_path) -> str:
@@ -156,7 +162,7 @@ NOT_JSON = "must be a finite number; {} is not a valid JSON number (JSON has no 
      f"policy.cutoff: {NOT_BOOL.format('NaN (not a valid JSON number: JSON has no NaN or Infinity)')}"),
     ('{"engine": {"page_size": "NaN"}}', f"engine.page_size: {TEXT.format(repr('NaN'))}"),  # quoted: a string
 ])
-def test_nan_in_a_json_config_is_named_as_not_json(tmp_path, json_text, message):
+def test_nan_in_a_json_config_is_named_as_not_json(tmp_path, capsys, json_text, message):
     """Found in user testing: ``{"page_size": NaN}`` (what Python's json.dumps writes for a NaN) was
     refused as "the string 'NaN'", which the file did not quote; JSON has no NaN nor Infinity."""
     cfg = tmp_path / "c.json"
@@ -164,9 +170,8 @@ def test_nan_in_a_json_config_is_named_as_not_json(tmp_path, json_text, message)
     with pytest.raises(ValidationError) as ex:
         ClusterConfig.load(cfg)
     assert validation_summary(ex.value) == message
-    with pytest.raises(SystemExit) as ex:
-        main(["serve", "--config", str(cfg)])
-    assert ex.value.code == f"pdd: invalid config: {message}"
+    assert _cli_refusal(capsys, ["serve", "--config", str(cfg)]) == (
+        f"pdd serve: error: --config {cfg}: invalid config: {message}")
 
 
 def test_nan_stays_text_where_a_field_takes_text(tmp_path):
@@ -193,24 +198,22 @@ def test_mode_label_text_is_read_as_its_fields_type():
         assert str(ex.value) == f"mode {label!r}: {msg}"
 
 
-def test_serve_prints_the_field_not_a_traceback(tmp_path):
+def test_serve_prints_the_field_not_a_traceback(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("policy:\n  pipeline_ttft_budget_ms: true\n")
-    with pytest.raises(SystemExit) as ex:
-        main(["serve", "--config", str(cfg)])
-    assert ex.value.code == f"pdd: invalid config: policy.pipeline_ttft_budget_ms: {BOOL.format('true')}"
+    assert _cli_refusal(capsys, ["serve", "--config", str(cfg)]) == (
+        f"pdd serve: error: --config {cfg}: invalid config: policy.pipeline_ttft_budget_ms: {BOOL.format('true')}")
 
 
 @pytest.mark.parametrize("name", ["", "  ", "\t\n"])
-def test_an_empty_served_model_name_is_refused(tmp_path, name):
+def test_an_empty_served_model_name_is_refused(tmp_path, capsys, name):
     """An empty or blank served_model_name was served: /v1/models listed '' and a client could not
     name the model. pdd serve and pdd bench (its --model, and a config file's) refuse it alike."""
     msg = (f'served_model_name must be the name clients send as "model", not empty nor only whitespace; '
            f"got {name!r}")
     assert _refused(f"served_model_name: {json.dumps(name)}\n", tmp_path) == f"served_model_name: {msg}"
-    with pytest.raises(SystemExit) as ex:
-        main(["serve", "--config", str(tmp_path / "c.yaml")])  # the file _refused wrote
-    assert ex.value.code == f"pdd: invalid config: served_model_name: {msg}"
+    assert _cli_refusal(capsys, ["serve", "--config", str(tmp_path / "c.yaml")]) == (
+        f"pdd serve: error: --config {tmp_path / 'c.yaml'}: invalid config: served_model_name: {msg}")
     assert ClusterConfig.model_validate({"served_model_name": " a b "}).served_model_name == " a b "
 
 
@@ -230,9 +233,9 @@ def test_serve_notes_pdd_only_settings_a_mode_ignores(tmp_path, capsys):
     cfg.write_text("policy: {pipeline_ttft_budget_ms: 100, handoff_mode: auto}\n")
     with pytest.raises(SystemExit):
         main(["serve", "--config", str(cfg), "--mode", "colocated", "--autoscale"])
-    assert capsys.readouterr().err == (
+    assert capsys.readouterr().err.splitlines()[0] == (
         "pdd: note: mode colocated has no relay tier nor pipeline choice; it does not use "
-        "policy.pipeline_ttft_budget_ms, policy.handoff_mode (pdd mode only)\n")
+        "policy.pipeline_ttft_budget_ms, policy.handoff_mode (pdd mode only)")
 
 
 HOST = ("must be an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a hostname (RFC 1123: dot-separated labels of "
@@ -242,15 +245,14 @@ HOST = ("must be an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) or a hostname (RFC
 @pytest.mark.parametrize("host", ["not a host!", "", " 127.0.0.1", "999.1.1.1", "1.2.3", "-a.example", "a..b",
                                   "under_score", "x" * 64, "y" * 300, "http://127.0.0.1", "localhost:8000", "[::1]",
                                   "."])
-def test_a_host_that_is_neither_an_ip_nor_a_hostname_is_refused_at_load(tmp_path, host):
+def test_a_host_that_is_neither_an_ip_nor_a_hostname_is_refused_at_load(tmp_path, capsys, host):
     """``host: 'not a host!'`` was reported as its ports "already in use", and ``host: ''``
     started the topology and failed later with socket.gaierror."""
     # a long one cut to 120 characters, then its length (pdd.text.shown, as the HTTP API's refusals)
     shown = repr(host) if len(repr(host)) <= 120 else f"'{host[:119]}... ({len(host)} characters)"
     assert _refused(f"host: {json.dumps(host)}\n", tmp_path) == f"host: {HOST.format(shown)}"
-    with pytest.raises(SystemExit) as ex:
-        main(["serve", "--config", str(tmp_path / "c.yaml")])  # the file _refused wrote
-    assert ex.value.code == f"pdd: invalid config: host: {HOST.format(shown)}"
+    assert _cli_refusal(capsys, ["serve", "--config", str(tmp_path / "c.yaml")]) == (
+        f"pdd serve: error: --config {tmp_path / 'c.yaml'}: invalid config: host: {HOST.format(shown)}")
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0", "::1", "10.1.2.3", "node-1.dc.example",
@@ -273,14 +275,13 @@ SPACED_KEY = ("has whitespace before or after it, which no Authorization header 
     (["sk-1", "sk-2\n"], f"key 2 of 2 {SPACED_KEY}"),
     (["sk\x001"], "key 1 of 1 holds a control character, which no HTTP header can carry: it could never match"),
 ])
-def test_an_api_key_no_client_can_send_is_refused_at_load(tmp_path, keys, message):
+def test_an_api_key_no_client_can_send_is_refused_at_load(tmp_path, capsys, keys, message):
     """``security.api_keys: ['']`` passed the config; the gateway drops empty keys, so it served
     without auth until pdd serve's start-up check, after the whole topology started, refused it.
     The message names the key by position, never its text."""
     assert _refused(f"security: {{api_keys: {json.dumps(keys)}}}\n", tmp_path) == f"security.api_keys: {message}"
-    with pytest.raises(SystemExit) as ex:
-        main(["serve", "--config", str(tmp_path / "c.yaml")])  # the file _refused wrote
-    assert ex.value.code == f"pdd: invalid config: security.api_keys: {message}"
+    assert _cli_refusal(capsys, ["serve", "--config", str(tmp_path / "c.yaml")]) == (
+        f"pdd serve: error: --config {tmp_path / 'c.yaml'}: invalid config: security.api_keys: {message}")
 
 
 def test_api_keys_a_client_can_send_stay_accepted():
@@ -325,25 +326,24 @@ def test_a_merge_key_may_still_be_overridden(tmp_path):
     assert (c.tiers["main_decode"].engine.page_size, c.tiers["main_decode"].engine.num_pages) == (32, 64)
 
 
-def test_a_max_input_len_above_max_model_len_is_refused_naming_both(tmp_path):
+def test_a_max_input_len_above_max_model_len_is_refused_naming_both(tmp_path, capsys):
     """Found by a new user: ``max_input_len`` above ``max_model_len`` was accepted; a prompt between
     the two passed the gateway's input check only to be refused as over the context."""
-    _refused_on_load_and_by_the_cli(tmp_path, "engine: {max_model_len: 512, max_input_len: 600}\n", (
+    _refused_on_load_and_by_the_cli(tmp_path, capsys, "engine: {max_model_len: 512, max_input_len: 600}\n", (
         "engine: max_input_len 600 is above max_model_len 512 (prompt + output tokens): no prompt that long fits; "
         "lower max_input_len or raise max_model_len"))
 
 
-def _refused_on_load_and_by_the_cli(tmp_path, text: str, message: str) -> None:
+def _refused_on_load_and_by_the_cli(tmp_path, capsys, text: str, message: str) -> None:
     """The config ``text`` is refused with ``message`` by ``ClusterConfig.load`` and by a command
-    (``pdd certs``: exit with that line, nothing written)."""
+    (``pdd certs``: exit 2 with that line, nothing written)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
     with pytest.raises(ValidationError) as ex:
         ClusterConfig.load(cfg)
     assert validation_summary(ex.value) == message
-    with pytest.raises(SystemExit) as ex:
-        main(["certs", "--config", str(cfg), "--out", str(tmp_path / "certs")])
-    assert ex.value.code == f"pdd: invalid config: {message}"
+    assert _cli_refusal(capsys, ["certs", "--config", str(cfg), "--out", str(tmp_path / "certs")]) == (
+        f"pdd certs: error: --config {cfg}: invalid config: {message}")
     assert not (tmp_path / "certs").exists()
 
 
@@ -362,11 +362,11 @@ def test_a_lowered_max_model_len_alone_lowers_the_default_max_input_len(tmp_path
 POOL = "the KV pool (num_pages {} x page_size 16 = {} tokens)"
 
 
-def test_a_max_model_len_above_the_kv_pool_is_refused_naming_both(tmp_path):
+def test_a_max_model_len_above_the_kv_pool_is_refused_naming_both(tmp_path, capsys):
     """Found by a new user: ``num_pages: 32`` with ``max_model_len: 1024`` (a pool of 512 tokens)
     was accepted; a request with no max_tokens was admitted and failed part-way with a 503
     OutOfPages (a stream: 200, some tokens, then an error). vLLM refuses such a config at start."""
-    _refused_on_load_and_by_the_cli(tmp_path, "engine: {num_pages: 32, max_model_len: 1024}\n", (
+    _refused_on_load_and_by_the_cli(tmp_path, capsys, "engine: {num_pages: 32, max_model_len: 1024}\n", (
         "engine: max_model_len 1024 is above the KV pool (num_pages 32 x page_size 16 = 512 tokens): one sequence "
         "that long cannot be held; raise num_pages or lower max_model_len"))
     assert ClusterConfig.model_validate({"engine": {"num_pages": 32, "max_model_len": 512}}).engine.max_model_len == 512

@@ -6,6 +6,7 @@ so the output, the events and the prompt the chat path built are exact."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 
@@ -235,12 +236,15 @@ async def test_streamed_text_events(serve):
 async def test_streamed_tool_calls(serve):
     s = await serve([HERMES_ONE])
     evs = await _events(s, input="weather in Paris?", tools=R_TOOLS)
-    kinds = [e.type for e in evs if e.type != "response.output_text.delta"]
+    kinds = [k for k, _ in itertools.groupby(e.type for e in evs if e.type != "response.output_text.delta")]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", "response.output_text.done", "response.content_part.done",
                      "response.output_item.done", "response.output_item.added",
                      "response.function_call_arguments.delta", "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
+    # the arguments as generated: a delta per token's piece
+    pieces = [e.delta for e in evs if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == W_CALL[1]
     assert "".join(e.delta for e in evs if e.type == "response.output_text.delta") == "Let me check.\n"
     added = [e for e in evs if e.type == "response.output_item.added"][1]
     assert (added.output_index, added.item.type, added.item.name, added.item.arguments, added.item.status) == (

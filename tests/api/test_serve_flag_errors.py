@@ -1,6 +1,6 @@
 """``pdd serve``: a flag out of the config's range names the flag beside the field it sets (the user
 typed ``--port``, not ``gateway_port``) and is a usage error (exit 2); a value from the config file
-names the field only (exit 1). Refused before anything is started."""
+names the file and the field only (exit 2 too). Refused before anything is started."""
 
 import pytest
 
@@ -8,10 +8,9 @@ from pdd.cli import main
 from tests.cli_usage import usage_error
 
 
-def _exit_message(argv):
-    with pytest.raises(SystemExit) as ex:
-        main(argv)
-    return ex.value.code
+def _exit_message(capsys, argv):
+    """The one line a refused ``pdd`` command printed (exit 2, no traceback)."""
+    return usage_error(capsys, main, argv).rstrip("\n")
 
 
 def test_a_bad_port_flag_is_named(capsys):
@@ -26,25 +25,25 @@ def test_two_bad_flags_are_both_named(capsys):
         "gateway_port (--port): Input should be greater than or equal to 1\n")
 
 
-def test_a_bad_port_in_the_file_names_the_field_only(tmp_path):
+def test_a_bad_port_in_the_file_names_the_field_only(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("gateway_port: 99999\n")
-    assert _exit_message(["serve", "--config", str(cfg)]) == (
-        "pdd: invalid config: gateway_port: Input should be less than or equal to 65535")
+    assert _exit_message(capsys, ["serve", "--config", str(cfg)]) == (
+        f"pdd serve: error: --config {cfg}: invalid config: gateway_port: Input should be less than or equal to 65535")
 
 
-def test_autoscale_without_roles_to_scale_is_refused():
-    assert _exit_message(["serve", "--autoscale"]) == (
-        "pdd: invalid config (--autoscale): autoscale: max: name the roles to scale and their most active "
+def test_autoscale_without_roles_to_scale_is_refused(capsys):
+    assert _exit_message(capsys, ["serve", "--autoscale"]) == (
+        "pdd serve: error: --autoscale: invalid config: autoscale: max: name the roles to scale and their most active "
         "instances (e.g. {main_decode: 2}); with none the loop would change nothing")
 
 
-def test_autoscale_bad_block_names_the_field(tmp_path):
+def test_autoscale_bad_block_names_the_field(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("autoscale: {max: {main_decode: 2}}\n")
-    assert _exit_message(["serve", "--config", str(cfg), "--autoscale"]) == (
-        "pdd: invalid config: autoscale.max.main_decode: 2 is more than the role's 1 slot(s); raise instances and "
-        "list the extra ones in standby")
+    assert _exit_message(capsys, ["serve", "--config", str(cfg), "--autoscale"]) == (
+        f"pdd serve: error: --config {cfg}: invalid config: autoscale.max.main_decode: 2 is more than the role's 1 "
+        "slot(s); raise instances and list the extra ones in standby")
 
 
 @pytest.mark.parametrize("text,flags,message", [
@@ -53,11 +52,11 @@ def test_autoscale_bad_block_names_the_field(tmp_path):
     ("gateway_port: 0\nbase_port: 80\n", ["--port", "9300", "--base-port", "18000"],
      "base_port: Input should be greater than or equal to 1024; gateway_port: Input should be greater than or equal to 1"),
 ])
-def test_a_bad_port_in_the_file_is_refused_under_the_flag_that_overrides_it(tmp_path, monkeypatch, text, flags,
-                                                                           message):
+def test_a_bad_port_in_the_file_is_refused_under_the_flag_that_overrides_it(tmp_path, monkeypatch, capsys, text,
+                                                                           flags, message):
     """Found by a new user: ``gateway_port: 70000`` with ``--port 9300`` was accepted (the flag
     replaced the value before the check), where pdd bench and serve without --port refuse the file.
-    The file's field is named, not the flag, as without it (exit 1)."""
+    The file's field is named, not the flag, as without it (exit 2)."""
     import pdd.cli
     import pdd.topology
 
@@ -68,7 +67,8 @@ def test_a_bad_port_in_the_file_is_refused_under_the_flag_that_overrides_it(tmp_
     monkeypatch.setattr(pdd.cli, "ensure_model", started)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
-    assert _exit_message(["serve", "--config", str(cfg), *flags]) == f"pdd: invalid config: {message}"
+    assert _exit_message(capsys, ["serve", "--config", str(cfg), *flags]) == (
+        f"pdd serve: error: --config {cfg}: invalid config: {message}")
 
 
 def test_a_flag_may_still_move_a_port_the_file_sets_to_a_valid_one(tmp_path):

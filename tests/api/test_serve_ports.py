@@ -90,13 +90,14 @@ def test_config_refuses_an_unsupported_device():
         assert ClusterConfig.model_validate({"engine": {"device": ok}}).engine.device == ok
 
 
-def test_serve_names_colliding_ports_without_an_empty_location(tmp_path):
+def test_serve_names_colliding_ports_without_an_empty_location(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("gateway_port: 18012\nbase_port: 18002\n")
     with pytest.raises(SystemExit) as e:
         main(["serve", "--config", str(cfg)])
-    assert str(e.value) == ("pdd: invalid config: ports collide: 18012: p0, gateway (move gateway_port or "
-                            "base_port, or use fewer instances)")
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"pdd serve: error: --config {cfg}: invalid config: ports collide: 18012: p0, "
+                                       "gateway (move gateway_port or base_port, or use fewer instances)\n")
 
 
 @pytest.mark.parametrize("argv,flags,clash", [

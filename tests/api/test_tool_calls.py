@@ -27,7 +27,8 @@ T = '{"name": "get_time", "arguments": {"tz": "CET"}}'
 HERMES_ONE = f"Let me check.\n<tool_call>\n{W}\n</tool_call>"
 HERMES_TWO = f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{T}\n</tool_call>"
 PLAIN = "It is sunny in Paris today."
-MALFORMED = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+MALFORMED = '<tool_call>{"name": get_weather, "arguments": {"city": "Paris"}}</tool_call>'  # no call: content
+BROKEN = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'  # a call, its arguments cut
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": CITY}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
@@ -138,6 +139,18 @@ async def test_no_call_and_malformed_call_are_plain_content(serve):
     assert got == [(PLAIN, None, "stop"), (MALFORMED, None, "stop")]
 
 
+async def test_a_call_made_before_its_text_breaks_keeps_its_arguments_so_far(serve):
+    """A call is made once its name and its arguments' start are read (as a stream must send
+    it): text after that which breaks the format cuts its arguments there."""
+    s = await serve([BROKEN])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0)
+    c = r.choices[0]
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == (
+        None, [("get_weather", '{"city": ')], "tool_calls")
+    _, final = await _streamed(s)
+    await _same_as_not_streamed(s, final)
+
+
 async def test_n_choices_are_parsed_each(serve):
     s = await serve([HERMES_ONE, PLAIN, HERMES_TWO])
     r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0, n=3)
@@ -168,18 +181,32 @@ async def test_streamed_calls_accumulate_in_the_openai_client(serve):
     # content: the role chunk's "" (as vLLM's), accumulated
     assert got == [(0, "Let me check.\n", [W_CALL], "tool_calls"), (1, "", [W_CALL, T_CALL], "tool_calls"),
                    (2, PLAIN, [], "stop")]
-    # per choice: the calls at the choice's last token, each whole in one item (id, type, name,
-    # arguments), in the chunk that has the finish_reason
+    # per choice: each call's first item (id, type, name) once its name and the arguments'
+    # opening brace are generated, then a piece of its arguments per token, as generated
     for index, calls in ((0, [W_CALL]), (1, [W_CALL, T_CALL])):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
-        deltas = [(tc.index, tc.id is not None, tc.type, tc.function.name, tc.function.arguments)
-                  for ch in mine for tc in (ch.delta.tool_calls or [])]
-        assert deltas == [(i, True, "function", name, args) for i, (name, args) in enumerate(calls)]
+        assert _pieces_per_call(_arguments_items(chunks, index)) == calls
+        assert all(len(ch.delta.tool_calls or []) <= 1 for ch in mine)  # one token: one item
+        assert len([ch for ch in mine if ch.delta.tool_calls]) > len(calls)  # arguments in several pieces
         assert [ch.finish_reason for ch in mine if ch.finish_reason] == ["tool_calls"]
-        assert mine[-1].finish_reason == "tool_calls" and len(mine[-1].delta.tool_calls) == len(calls)
-        assert mine[-1].delta.content is None
+        assert mine[-1].delta.tool_calls is None  # EOS's chunk: no text
         # no content of the call's text was streamed
         assert "".join(ch.delta.content or "" for ch in mine) == ("Let me check.\n" if index == 0 else "")
+    await _same_as_not_streamed(s, final, n=3)
+
+
+def _pieces_per_call(items):
+    """(name, arguments) per call of ``_arguments_items``, checking each call's first item has
+    its id and name and every later one a piece of its arguments alone, calls in order."""
+    calls = []
+    for index, has_id, name, args in items:
+        if has_id:
+            assert (index, name is not None) == (len(calls), True)
+            calls.append([name, args])
+        else:
+            assert (index, name) == (len(calls) - 1, None)
+            calls[-1][1] += args
+    return [tuple(c) for c in calls]
 
 
 async def test_streamed_parallel_false_keeps_the_first_call(serve):
@@ -348,18 +375,20 @@ async def test_forced_named_function_cut_by_max_tokens_streamed(serve):
 
 
 @pytest.mark.parametrize("parallel", [True, False])
-async def test_required_streamed_calls_come_at_the_end(serve, parallel):
-    """``"required"``: an array cut by max_tokens is no call (content), which is known only at
-    the choice's end, so its calls come whole at the last token, in the finish_reason's chunk."""
+async def test_required_streamed_calls_come_as_generated(serve, parallel):
+    """``"required"``: each call's first item once its name and its arguments' start are
+    generated, then its arguments piece by piece; an array cut before its first call is made
+    is no call: its text is the content, at the end."""
     s = await serve([REQUIRED_TWO])
     kw = {"tool_choice": "required"} if parallel else {"tool_choice": "required", "parallel_tool_calls": False}
     chunks, final = await _streamed(s, **kw)
     calls = [W_CALL, T_CALL] if parallel else [W_CALL]
-    assert _arguments_items(chunks) == [(i, True, name, args) for i, (name, args) in enumerate(calls)]
+    items = _arguments_items(chunks)
+    assert _pieces_per_call(items) == calls and len(items) > len(calls)
     mine = [ch.choices[0] for ch in chunks if ch.choices]
     assert "".join(ch.delta.content or "" for ch in mine) == ""
     assert [(ch.finish_reason, len(ch.delta.tool_calls or [])) for ch in mine if ch.finish_reason] == [
-        ("tool_calls", len(calls))]
+        ("tool_calls", 0)]
     assert [(sp.grammar, sp.structured) for sp in s.orch.sps] == [_forced_constraint("required", parallel)]
     await _same_as_not_streamed(s, final, **kw)
     chunks, final = await _streamed(s, tool_choice="required", max_tokens=5)  # cut: content, at the end
@@ -545,8 +574,8 @@ async def test_return_token_ids_with_tool_calls(serve, tiny_model):
         r = await http.post("/v1/chat/completions", json={**body, "stream": True})
         chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
     assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == want
-    tail = [ch["choices"][0] for ch in chunks if "tool_calls" in ch["choices"][0]["delta"] or
-            ch["choices"][0]["finish_reason"]]
-    # the calls come in the last token's chunk (EOS's), with the finish_reason
-    assert [(x["token_ids"], x["finish_reason"], len(x["delta"]["tool_calls"])) for x in tail] == [
-        ([want[-1]], "tool_calls", 1)]
+    calls = [ch["choices"][0] for ch in chunks if "tool_calls" in ch["choices"][0]["delta"]]
+    # each token's chunk carries its own id, a call's pieces included; EOS's has the finish_reason
+    assert calls and all(len(x["token_ids"]) == 1 and x["finish_reason"] is None for x in calls)
+    assert [(x["token_ids"], x["finish_reason"]) for x in (ch["choices"][0] for ch in chunks)
+            if x["finish_reason"]] == [([want[-1]], "tool_calls")]

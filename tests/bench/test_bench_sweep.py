@@ -140,6 +140,29 @@ def test_ramp_arrivals_rise_linearly():
         ramp_arrivals(reqs, 0.0, 1.0)
 
 
+def test_a_falling_ramp_is_a_ramp_down():
+    """``--ramp 9:1`` (START above END) is a supported load shape, a ramp down (scale-in, a
+    drain), mirror of ``--ramp 1:9``: the rate falls linearly from 9 to 1 req/s over the requests."""
+    import dataclasses as dc
+    import math
+
+    from pdd.bench.sweep import parse_ramp, ramp_arrivals
+
+    @dc.dataclass(frozen=True)
+    class R:
+        arrival_s: float
+
+    assert parse_ramp("9:1") == (9.0, 1.0)
+    reqs = [R(float(i)) for i in range(101)]
+    out = ramp_arrivals(reqs, 9.0, 1.0)
+    n = 101
+    # t(u) = n / (end - start) * ln(r(u) / start): at u = 1, n / -8 * ln(1 / 9), the rising ramp's span
+    assert out[0].arrival_s == 0.0 and out[-1].arrival_s == pytest.approx(n / 8 * math.log(9.0))
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(out, out[1:])]
+    assert all(g1 < g2 for g1, g2 in zip(gaps, gaps[1:]))  # falling rate
+    assert 1 / gaps[0] == pytest.approx(9.0 * n / 100, rel=0.05) and 1 / gaps[-1] == pytest.approx(1.0 * n / 100, rel=0.05)
+
+
 def conv_req(i, t, conv):
     """A request of conversation ``conv`` (hash_ids[1] is the conversation key)."""
     return ReplayRequest(idx=i, arrival_s=t, prompt_ids=[10 + i], max_tokens=2,

@@ -124,13 +124,13 @@ def topology_factory(tmp_path):
 
 
 @contextlib.contextmanager
-def handoff_topology(model: str, log_dir, k: int):
+def handoff_topology(model: str, log_dir, k: int, **over):
     """A started pdd-mode topology whose handoff point is set by ``handoff_min_tokens`` = ``k``:
     a fast WAN, so MD's KV is there early, and RLD's step held to >= 20 ms, so its ``k`` tokens
-    take far longer than MD's KV needs (RLD samples outputs 0..k-1, MD from k on). Stopped on
-    exit."""
+    take far longer than MD's KV needs (RLD samples outputs 0..k-1, MD from k on); ``over``:
+    more config keys. Stopped on exit."""
     cfg = make_cfg(model, "pdd", link={"wan_gbps": 5.0, "wan_rtt_ms": 1.0, "wan_jitter_ms": 0.0},
-                   policy={"handoff_min_tokens": k}, tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}})
+                   policy={"handoff_min_tokens": k}, tiers={"relay_decode": {"engine": {"min_step_ms": 20.0}}}, **over)
     topo = Topology(cfg, log_dir=log_dir)
     topo.start()
     try:

@@ -61,7 +61,8 @@ def test_validator():
 
 @pytest.fixture(scope="module")
 def pdd_topo(tiny_model, tmp_path_factory):
-    with handoff_topology(tiny_model, tmp_path_factory.mktemp("logs"), K) as topo:
+    # hermes: tools with tool_choice auto are parsed (the tiny checkpoint's family has no parser)
+    with handoff_topology(tiny_model, tmp_path_factory.mktemp("logs"), K, tool_call_parser="hermes") as topo:
         yield topo
 
 
@@ -150,27 +151,40 @@ def test_forced_tool_choice_calls_valid_json_across_the_handoff(pdd_topo, tiny_m
     _handed_over(r)
 
 
-def test_a_named_tool_choice_streams_its_arguments_across_the_handoff(pdd_topo):
-    """Streamed, a named function's arguments come one piece per token, through the RLD -> MD
-    handoff; the openai client's accumulation is exactly the non-streamed call (greedy)."""
+# a hermes call forced by a regex (the tiny model writes no calls of its own): its arguments
+# begin past K tokens, so MD generates them
+HERMES_CALL = r'<tool_call>\{"name": "forecast", "arguments": \{"city": "[a-z]{3,8}", "days": [1-9]\}\}</tool_call>'
+
+
+@pytest.mark.parametrize("how", ["named", "required", "parser"])
+def test_a_call_streams_its_arguments_across_the_handoff(pdd_topo, how):
+    """Streamed, a call's arguments come a piece per token, through the RLD -> MD handoff: a
+    named function's, ``required``'s and a parser's (hermes, tool_choice auto); the openai
+    client's accumulation is exactly the non-streamed call (greedy)."""
     from openai import OpenAI
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
     msgs = [{"role": "user", "content": "Weather in Oslo for the week?"}]
     kw = {"model": pdd_topo.cfg.served_model_name, "messages": msgs, "tools": TOOLS, "temperature": 0,
-          "max_tokens": MAX_TOKENS, "tool_choice": {"type": "function", "function": {"name": "forecast"}}}
+          "max_tokens": MAX_TOKENS, "parallel_tool_calls": False}
+    kw.update({"named": {"tool_choice": {"type": "function", "function": {"name": "forecast"}}},
+               "required": {"tool_choice": "required"},
+               "parser": {"extra_body": {"guided_regex": HERMES_CALL}}}[how])
     oa = OpenAI(base_url=pdd_topo.url + "/v1", api_key="none", max_retries=0)
     whole = oa.chat.completions.create(**kw).choices[0]
-    state, pieces = ChatCompletionStreamState(input_tools=TOOLS), []
+    state, items = ChatCompletionStreamState(input_tools=TOOLS), []
     for chunk in oa.chat.completions.create(stream=True, **kw):
         state.handle_chunk(chunk)
-        pieces += [tc.function.arguments for c in chunk.choices for tc in (c.delta.tool_calls or [])]
+        items += [(tc.id, tc.function.name, tc.function.arguments)
+                  for c in chunk.choices for tc in (c.delta.tool_calls or [])]
     got = state.current_completion_snapshot.choices[0]
     call, want = got.message.tool_calls[0], whole.message.tool_calls[0]
     assert (call.function.name, call.function.arguments, got.finish_reason, got.message.content or None) == (
         want.function.name, want.function.arguments, whole.finish_reason, whole.message.content) == (
-        "forecast", want.function.arguments, "stop", None)
-    assert len(pieces) > K and "".join(pieces) == want.function.arguments
+        "forecast", want.function.arguments, "stop" if how == "named" else "tool_calls", None)
+    # the first item has the id and name, each later one a piece of the arguments alone
+    assert items[0][:2] == (call.id, "forecast") and all(i[:2] == (None, None) for i in items[1:])
+    assert len(items) > (K if how == "named" else 3) and "".join(a for *_, a in items) == want.function.arguments
     assert _valid(json.loads(want.function.arguments), CITY)
 
 

@@ -96,5 +96,6 @@ def test_pdd_launch_refuses_a_damaged_checkpoint_in_one_line(tiny_model, tmp_pat
                    f"gateway_port: {base + 100}\nbase_port: {base}\n")
     with pytest.raises(SystemExit) as e:
         main(["launch", "--role", "gateway", "--config", str(cfg)])
-    assert str(e.value) == (f"pdd launch: model_path {d}: tokenizer.json missing (the gateway tokenizes with it; "
-                            "pdd make-model writes one)")
+    assert e.value.code == 2  # bad input, as every refused config field
+    assert capsys.readouterr().err == (f"pdd launch: error: model_path {d}: tokenizer.json missing (the gateway "
+                                       "tokenizes with it; pdd make-model writes one)\n")

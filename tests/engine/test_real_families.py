@@ -228,7 +228,7 @@ def test_make_model_like_cli(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "bad" / "config.json")
 
 
-def test_serve_refuses_an_unsupported_checkpoint(tmp_path, ckpts):
+def test_serve_refuses_an_unsupported_checkpoint(tmp_path, ckpts, capsys):
     import shutil
     from types import SimpleNamespace
 
@@ -239,5 +239,9 @@ def test_serve_refuses_an_unsupported_checkpoint(tmp_path, ckpts):
     d = json.load(open(path / "config.json"))
     d["rope_scaling"] = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
     (path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(SystemExit, match="rope_scaling.rope_type='longrope' is not supported"):
+    with pytest.raises(SystemExit) as ex:
         ensure_model(SimpleNamespace(model_path=str(path), model_preset="small", model_seed=0))
+    assert ex.value.code == 2  # bad input (the config's model_path), as every refusal of one
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdd serve: error: model_path {path}: ") and len(err.splitlines()) == 1, err
+    assert "rope_scaling.rope_type='longrope' is not supported" in err

@@ -345,8 +345,11 @@ def test_validate_and_profile_name_a_bad_config_field_without_a_traceback(capsys
     argv = [a.replace("OUT", str(tmp_path / "out")) for a in argv]
     with pytest.raises(SystemExit) as ex:
         pdd_main(argv + ["--config", str(cfg)])
-    assert str(ex.value.code).startswith("pdd: invalid config: policy.md_predicted_send: "), ex.value.code
-    assert "Traceback" not in capsys.readouterr().err
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    prog = "pdd sim validate" if argv[0] == "sim" else "pdd profile"
+    assert err.startswith(f"{prog}: error: --config {cfg}: invalid config: policy.md_predicted_send: "), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("args,message", [
@@ -885,6 +888,11 @@ def test_the_run_and_the_profile_are_read_once(capsys, tmp_path, monkeypatch, ar
     real = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (reads.append(Path(self).resolve()),
                                                                   real(self, *a, **k))[1])
+    import pdd.files
+
+    bounded = pdd.files.read_text  # how the run's files and the profile are read (regular files, bounded)
+    monkeypatch.setattr(pdd.files, "read_text", lambda path, *a, **k: (reads.append(Path(path).resolve()),
+                                                                       bounded(path, *a, **k))[1])
     argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
     _refused(capsys, argv + ["--profile", str(profile), "--config", cfg], message)
     for f in (run / "requests.jsonl", run / "server_stats.json", profile):

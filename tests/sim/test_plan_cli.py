@@ -27,3 +27,33 @@ def test_cli_run_and_agentic(tmp_path, capsys):
     assert main(["sim", "agentic", "--n", "300", "--out", str(trace)]) == 0
     assert len(trace.read_text().splitlines()) == 300
     assert "99.5-100%" in capsys.readouterr().out
+
+
+def test_search_reports_each_candidate_evaluated():
+    """``pdd plan`` ran 100 s and more without a line; the search now reports (done, total) after
+    each candidate (WAN option x RLD count x MD count), which the CLI's progress bar shows."""
+    recs = generate_agentic(60, seed=3, rate=1.0)
+    base = SimConfig(mode="pdd", wan_gbps=25.0, slo_ttft_s=3.0, slo_tpot_s=0.1, warmup_frac=0.0)
+    calls = []
+    search(recs, base, md_counts=(1, 2), rld_counts=(1,), wans=(WanOption(10.0, 5.0), WanOption(25.0, 9.0)),
+           p_max=2, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+PLAN = ["plan", "--requests", "60", "--rate", "1", "--md-min", "1", "--md-max", "2", "--md-step", "1", "--rld", "1",
+        "--wan", "25:9", "--p-max", "2", "--top", "1", "--slo-ttft", "3", "--slo-tpot", "0.1"]
+
+
+def test_plan_shows_a_progress_bar_on_a_terminal_only_and_leaves_stdout_alone(capsys, monkeypatch):
+    import sys
+
+    rc = main(PLAN)  # stderr is not a terminal here (captured): no bar, as with --no-progress
+    plain = capsys.readouterr()
+    assert "candidates evaluated" not in plain.err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(PLAN) == rc
+    shown = capsys.readouterr()
+    assert "candidates evaluated" in shown.err and shown.out == plain.out
+    assert main(PLAN + ["--no-progress"]) == rc
+    quiet = capsys.readouterr()
+    assert "candidates evaluated" not in quiet.err and quiet.out == plain.out

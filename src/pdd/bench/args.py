@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offered rate, mean req/s (>= 0.001: one request per 1000 s on average; below that a "
                         "run takes hours)")
     g.add_argument("--ramp", metavar="START:END",
-                   help="load ramp: the main run's rate rises linearly from START to END req/s (overrides --rate "
-                        "for the main run; the sweep, if any, still starts at --rate)")
+                   help="load ramp: the main run's rate goes linearly from START to END req/s, rising or (START "
+                        "above END) falling (overrides --rate for the main run; the sweep, if any, still starts at "
+                        "--rate)")
     g.add_argument("--load-profile", choices=("ramp",),
                    help="offered load over time: 'ramp' = --low-rate, rising to --peak-rate, held, falling back "
                         "(--phase-seconds); Poisson arrivals drawn with --seed, prompts and outputs from the trace's "
@@ -356,7 +357,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--modes: {ex}")
     if Path(args.trace).is_dir():
         ap.error(f"--trace: {args.trace} is a directory, not a trace file")
-    if not Path(args.trace).is_file():
+    if not Path(args.trace).exists():  # a device or FIFO exists: load_trace names it as no regular file
         ap.error(f"--trace: no such file: {args.trace}")
     from pdd.workload.replay import load_trace
 

@@ -14,7 +14,7 @@ One invocation:
    benchmarked, on a topology of its own; with ``--url`` it runs on the external server;
 3. for each mode, on a fresh topology (new processes, empty caches): a warm-up request then a
    cache flush; the *main run* (all requests at the offered rate, open loop, or rising with
-   ``--ramp START:END``); then, with ``--sweep-rate``, the *sweep*: the point at the offered
+   ``--ramp START:END``, or falling with START above END); then, with ``--sweep-rate``, the *sweep*: the point at the offered
    rate is the main run itself; other rates (picked by :mod:`pdd.bench.sweep`) run on the same
    topology. When the trace holds enough requests after the main run's (``--requests`` of a
    longer trace: points x ``--sweep-requests`` more), each rate replays the **next requests of
@@ -154,8 +154,8 @@ def run_bench(
 ) -> dict:
     """Run the benchmark (see the module docstring); returns the report dict (also in ``out_dir``).
 
-    ``ramp``: ``(start_rps, end_rps)``: the main run's arrival rate rises linearly from the first to
-    the second (:func:`pdd.bench.sweep.ramp_arrivals`, the trace's gap pattern kept) instead of
+    ``ramp``: ``(start_rps, end_rps)``: the main run's arrival rate goes linearly from the first to
+    the second (rising, or falling when the first is larger) (:func:`pdd.bench.sweep.ramp_arrivals`, the trace's gap pattern kept) instead of
     the constant ``scale.target_rate_rps``.
     ``slo``: absolute bounds ``{"ttft_ms", "tpot_ms"}`` (either or both; :func:`pdd.bench.slo.parse_slo`).
     ``sweep``: None = no sweep. ``sweep_requests``: the sweep's requests (N of whole

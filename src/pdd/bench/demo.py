@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = ClusterConfig.load(args.config)
     except pydantic.ValidationError as ex:  # one line per field, not pydantic's text
-        ap.error(f"--config: invalid config: {validation_summary(ex)}")
+        ap.error(f"--config {args.config}: invalid config: {validation_summary(ex)}")
     except (OSError, ValueError) as ex:  # missing file, a directory, bad YAML/JSON: as pdd serve says it
         ap.error(config_file_problem(args.config, ex) or f"--config {args.config}: {ex}")
     flags = {"gateway_port": "--port", "base_port": "--base-port", "process_nice": "--nice"}

@@ -219,7 +219,8 @@ def point_size(available: int, rate_rps: float, max_arrival_s: float | None = No
 
 
 def parse_ramp(spec: str | None) -> tuple[float, float] | None:
-    """``"1:8"`` -> ``(1.0, 8.0)`` (req/s, start and end rate of a load ramp); None/"" -> None.
+    """``"1:8"`` -> ``(1.0, 8.0)`` (req/s, start and end rate of a load ramp; ``"8:1"`` a ramp
+    down, as supported: :func:`ramp_arrivals`); None/"" -> None.
     Raises ValueError naming the flag for anything else (rates must be finite and at least
     :data:`pdd.load_profile.MIN_RATE_RPS`)."""
     if spec is None or not spec.strip():

@@ -997,8 +997,8 @@ def _chat_message(text: str, finish_reason: str | None,
     """A chat choice's ``(message, finish_reason)``: with ``calls`` (tools given and tool_choice
     auto, or a forced tool_choice), the tool calls in ``text`` (``message.tool_calls``,
     ``content`` the text before them or null, ``finish_reason`` as :meth:`CallMode.finish_reason`;
-    ``parallel_tool_calls`` false: the first call only, as vLLM); a text without calls, or no
-    ``calls``, is the message it always was."""
+    ``parallel_tool_calls`` false: the first call only, as vLLM; :meth:`CallMode.parse`, the
+    stream's rules); a text without calls, or no ``calls``, is the message it always was."""
     if calls is not None:
         p = calls.parse(text)
         if p.calls:
@@ -1201,17 +1201,16 @@ async def _chat_chunks(gen: Generation, tt: TokenText, prompt: list[int] | None 
     tokens. ``prompt`` (``return_token_ids``): the prompt's ids, sent as the chunk's
     ``prompt_token_ids`` with each role chunk, and each choice's ``token_ids`` (the ids it adds) on
     every chunk (vLLM); None: neither.
-    With ``calls`` (tools given and tool_choice auto: a
-    :class:`~pdd.gateway.tool_parsers.ToolStream`; a forced tool_choice: a ``ForcedStream``),
-    each token's chunk carries what its choice's stream hands out for it: ``delta.content``
-    (held back from where a call may begin; none when forced) and ``delta.tool_calls`` (one
-    item per call: its first with ``index``, ``id``, ``type`` and ``function.name``, each a
-    ``function.arguments`` piece; a named forced function's arguments as they are generated,
-    a parser's and ``"required"``'s calls whole at the choice's last token); a chunk with
-    calls has no ``content`` key unless it has content too. The last token's chunk has the
-    ``finish_reason``, :meth:`~pdd.gateway.tool_parsers.CallMode.finish_reason` ("tool_calls",
-    or a named function's own) when the choice made calls; ``parallel_tool_calls`` false: the
-    first call only."""
+    With ``calls`` (tools given and tool_choice auto, or a forced tool_choice: a
+    :class:`~pdd.gateway.tool_parsers.ToolStream` per choice), each token's chunk carries what
+    its choice's stream hands out for it: ``delta.content`` (held back from where a call may
+    begin; none when forced) and ``delta.tool_calls`` (one item per call: its first with
+    ``index``, ``id``, ``type`` and ``function.name`` once the call is made, then
+    ``function.arguments`` pieces as they are generated); a chunk with calls has no
+    ``content`` key unless it has content too. The last token's chunk has the
+    ``finish_reason``, :meth:`~pdd.gateway.tool_parsers.CallMode.finish_reason` when the
+    choice made calls; ``parallel_tool_calls`` false: the first call only. Accumulated, the
+    stream is exactly :func:`_chat_message`'s answer (the same parse)."""
     top = gen.opts.logprobs
     streams = {}
     for c in gen.choices:

@@ -1,5 +1,5 @@
-"""Tool calls parsed out of a chat choice's generated text, as vLLM's and SGLang's
-``--tool-call-parser`` do: pure text in, ``(content, tool calls)`` out, no I/O.
+"""Tool calls read out of a chat choice's generated text, as vLLM's and SGLang's
+``--tool-call-parser`` do, as it is generated: pure text in, content and calls out, no I/O.
 
 Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
 ``entrypoints/openai/tool_parsers/{hermes,llama,mistral}_tool_parser.py``):
@@ -8,9 +8,9 @@ Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
   blocks, the last one's closing tag optional; ``content`` is the text before the first
   ``<tool_call>`` (None when empty), the text between and after the blocks is dropped.
 - ``llama3_json`` (Llama 3.1+): the text is, after an optional ``<|python_tag|>``, one or more JSON
-  objects ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) separated by ``;``
-  (whitespace allowed around them and at the end); ``content`` is None. Text that does not start
-  with ``{`` (or ``<|python_tag|>``) is no call, as vLLM's streaming parser decides.
+  objects ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``; the first of the two) separated
+  by ``;``; ``content`` is None. Text that does not start with ``{`` (or ``<|python_tag|>``) is no
+  call, as vLLM's streaming parser decides.
 - ``mistral`` (Mistral v0.3 and later instruct models): ``[TOOL_CALLS]`` then a JSON array of
   ``{"name": ..., "arguments": {...}}`` (tokenizers before v11), or, from tokenizer v11 on
   (Mistral Small 3.1+, Devstral, Magistral), one ``[TOOL_CALLS]name[ARGS]{...}`` per call
@@ -18,27 +18,40 @@ Parsers (:data:`PARSERS`), by the format the model writes (sources: vLLM's
   a name is 1 to 64 letters, digits, ``_`` or ``-`` (OpenAI's rule); ``content`` is the text
   before the first ``[TOOL_CALLS]``.
 
-A text whose call cannot be parsed (malformed JSON, ``NaN`` / ``Infinity`` included, a number
-beyond a float's range such as ``1e400``, which ``json.dumps`` would write ``Infinity``, a call
-without a string ``name``, arguments that are not an object, a ``\ud800``-style escape of a lone
-surrogate, which no response could encode) has no calls: it is all content, unchanged, as vLLM returns it.
-``arguments`` is the call's arguments as a JSON string (``json.dumps(..., ensure_ascii=False)``);
-an absent one is ``"{}"``.
+A forced ``tool_choice`` (:func:`parse_forced`): a named function's text is its arguments, the
+call made whatever the text; ``"required"``'s is a JSON array of ``{"name", "parameters"}``.
+
+When a call is made (the rule a stream can keep, the same for the whole text): a call object is
+read strictly as JSON, one character at a time. The call is made (committed: its id and name go
+out) once its ``name`` (a non-empty string with no ``\ud800``-style lone surrogate) and the start
+of its arguments are read: the ``{`` of an object (then its text goes out as it is read, exactly
+as the model wrote it), a whole ``null`` (``"{}"``), or a whole string holding an object's JSON
+text (that text: some models write the arguments so); a call object that closes without
+arguments is made with ``"{}"``. Once made, a call stands: text after it that breaks the format
+(malformed JSON, ``NaN`` / ``Infinity``, nesting deeper than :data:`MAX_DEPTH`, the text cut by
+``max_tokens``) ends its arguments where the JSON breaks off (they are then no whole JSON object,
+as OpenAI's may not be) and the text from there is dropped; in ``hermes`` and ``mistral`` v11,
+whose calls each have a marker, the calls after the next marker are read on. Text that breaks
+the format before any call is made makes the whole text content, unchanged (the held text goes
+out then), and so does a text that ends before any call is made. ``parallel`` False: the first
+call only, the text after it dropped. vLLM's streaming parsers commit a call once its name is
+read too; its non-streamed parse, which makes the whole text content when any call is
+malformed, can disagree with its own stream, which pdd's cannot: the non-streamed answer
+(:func:`parse`) is the stream's accumulation (:class:`ToolStream`).
 
 Ids: ``call_`` + 24 lowercase hex digits (OpenAI's ``call_...`` shape; the openai client takes
 any string); ``mistral``: 9 letters and digits, which Mistral's chat templates require of the
 ids sent back to them (vLLM's ``MistralToolCall``).
 
-Streaming (:class:`ToolStream`, :class:`ForcedStream`): each text delta gives an :class:`Emit`,
-content and ``delta.tool_calls`` items (:class:`CallDelta`: a call's first one carries its id and
-name, each one a piece of its arguments text). Under a parser, content is passed on as it comes,
-except text that may be the beginning of a call marker, which is held back; from the marker on,
-the rest of the choice is held and parsed at its end (any later call may be malformed, which
-makes the whole text content, so no call is certain before the end). A named forced function's
-text is its arguments: each delta is an arguments piece as it comes. What a stream hands out,
-whatever the chunks, accumulated as the openai client does (:func:`accumulate`), is exactly what
-:func:`parse` / :func:`parse_forced` return for the whole text.
+Streaming (:class:`ToolStream`): each text delta gives an :class:`Emit`, content and
+``delta.tool_calls`` items (:class:`CallDelta`: a call's first one carries its id and name and
+the arguments text read so far, each later one a piece of its arguments). Content is passed on
+as it comes, except text that may be the beginning of a call marker, which is held back, and the
+text from the marker on, which is read for calls. What a stream hands out, whatever the chunks,
+accumulated as the openai client does (:func:`accumulate`), is exactly what :func:`parse` /
+:func:`parse_forced` return for the whole text.
 """
+
 
 from __future__ import annotations
 
@@ -159,133 +172,479 @@ def default_ids(parser: str) -> Callable[[], str]:
     return new_mistral_id if parser == "mistral" else new_call_id
 
 
-class _NoCall(ValueError):
-    """The text's call cannot be parsed: it is all content."""
+class _Bad(ValueError):
+    """The call text breaks its format at character ``args[0]`` (that character included)."""
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+class _Stop(Exception):
+    """The choice's text ended (thrown into a reader by :meth:`ToolStream.finish`)."""
 
 
 # strict JSON: Python's NaN / Infinity / -Infinity extensions are no JSON (JavaScript's JSON.parse
 # refuses them in the arguments a client reads)
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_WS, _DIGITS, _HEX = " \t\n\r", "0123456789", "0123456789abcdefABCDEF"
+MAX_DEPTH = 64  # arrays and objects nested deeper in a call's arguments are malformed
 
 
-def _call(obj, ids: Callable[[], str], args_key: tuple[str, ...] = ("arguments",)) -> ToolCall:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        raise _NoCall("a call needs a non-empty string name")
-    keys = [k for k in args_key if k in obj]
-    if len(keys) > 1:
-        raise _NoCall("both parameters and arguments")
-    args = obj[keys[0]] if keys else {}
-    if args is None:
-        args = {}
-    if isinstance(args, str):  # some models write the arguments as a JSON string already
-        try:
-            args = _DECODER.decode(args)
-        except ValueError:
-            raise _NoCall("arguments string is not JSON") from None
-    if not isinstance(args, dict):
-        raise _NoCall("arguments must be an object")
-    try:  # a number beyond a float's range (1e400) loads as inf, which json.dumps would write Infinity
-        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        raise _NoCall("a number out of range") from None
-    if lone_surrogate(obj["name"]) is not None or lone_surrogate(arguments) is not None:
-        # a "\ud800" escape decodes to text no response can encode as UTF-8
-        raise _NoCall("a lone surrogate in the call")
-    return ToolCall(ids(), obj["name"], arguments)
+def _drop(ch: str) -> None:
+    pass
 
 
-def _loads(s: str):
-    try:
-        return _DECODER.decode(s)
-    except ValueError:
-        raise _NoCall("malformed JSON") from None
+# The readers below are generators that take the call text one character at a time (``ch =
+# yield``), so what they hand out is the same whatever the text's split into deltas. Each one
+# that reads a JSON value is given its first character and returns the first character after it
+# (``_call_object`` reads nothing past its closing brace). ``sink`` gets each character of the
+# value once it is known to keep the text a prefix of valid JSON.
+def _ws(ch: str, sink):
+    while ch in _WS:
+        sink(ch)
+        ch = yield
+    return ch
 
 
-def _hermes(text: str, ids) -> Parsed:
-    start = text.find(HERMES_START)
-    if start < 0:
-        return Parsed(text)
-    calls, pos = [], start
-    while pos >= 0:
-        body_at = pos + len(HERMES_START)
-        end = text.find(HERMES_END, body_at)
-        body = text[body_at:] if end < 0 else text[body_at:end]
-        calls.append(_call(_loads(body), ids))
-        if end < 0:
-            break
-        pos = text.find(HERMES_START, end + len(HERMES_END))
-    return Parsed(text[:start] or None, tuple(calls))
-
-
-def _llama3_json(text: str, ids) -> Parsed:
-    if not (text.startswith("{") or text.startswith(PYTHON_TAG)):
-        return Parsed(text)
-    dec = _DECODER
-    pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
-    calls = []
+def _string(ch: str, sink, done=None):
+    """A JSON string at ``ch``; ``done()`` is called once its closing quote is read."""
+    if ch != '"':
+        raise _Bad(ch)
+    sink(ch)
     while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
+        ch = yield
+        if ch == '"':
+            sink(ch)
+            if done is not None:
+                done()
+            return (yield)
+        if ch == "\\":
+            sink(ch)
+            ch = yield
+            if ch == "u":
+                sink(ch)
+                for _ in range(4):
+                    ch = yield
+                    if ch not in _HEX:
+                        raise _Bad(ch)
+                    sink(ch)
+                continue
+            if ch not in '"\\/bfnrt':
+                raise _Bad(ch)
+        elif ch < " ":  # a control character must be escaped
+            raise _Bad(ch)
+        sink(ch)
+
+
+def _value(ch: str, sink, depth: int = 0, done=None):
+    """A JSON value at ``ch``; ``done()`` (a string or a literal's) is called once its last
+    character is read."""
+    if ch == "{" or ch == "[":
+        if depth >= MAX_DEPTH:
+            raise _Bad(ch)
+        close = "}" if ch == "{" else "]"
+        sink(ch)
+        ch = yield from _ws((yield), sink)
+        if ch == close:
+            sink(ch)
+            return (yield)
+        while True:
+            if close == "}":
+                ch = yield from _string(ch, sink)
+                ch = yield from _ws(ch, sink)
+                if ch != ":":
+                    raise _Bad(ch)
+                sink(ch)
+                ch = yield from _ws((yield), sink)
+            ch = yield from _value(ch, sink, depth + 1)
+            ch = yield from _ws(ch, sink)
+            if ch == close:
+                sink(ch)
+                return (yield)
+            if ch != ",":
+                raise _Bad(ch)
+            sink(ch)
+            ch = yield from _ws((yield), sink)
+    if ch == '"':
+        return (yield from _string(ch, sink, done))
+    if ch == "-" or ch in _DIGITS:
+        if ch == "-":
+            sink(ch)
+            ch = yield
+        if ch == "0":
+            sink(ch)
+            ch = yield
+        elif ch in "123456789":
+            while ch in _DIGITS:
+                sink(ch)
+                ch = yield
+        else:
+            raise _Bad(ch)
+        if ch == ".":
+            sink(ch)
+            ch = yield
+            if ch not in _DIGITS:
+                raise _Bad(ch)
+            while ch in _DIGITS:
+                sink(ch)
+                ch = yield
+        if ch == "e" or ch == "E":
+            sink(ch)
+            ch = yield
+            if ch == "+" or ch == "-":
+                sink(ch)
+                ch = yield
+            if ch not in _DIGITS:
+                raise _Bad(ch)
+            while ch in _DIGITS:
+                sink(ch)
+                ch = yield
+        return ch
+    for lit in ("true", "false", "null"):
+        if ch == lit[0]:
+            sink(ch)
+            for want in lit[1:]:
+                ch = yield
+                if ch != want:
+                    raise _Bad(ch)
+                sink(ch)
+            if done is not None:
+                done()
+            return (yield)
+    raise _Bad(ch)
+
+
+def _until(marker: str, tail: str = ""):
+    """Reads (drops) text until ``marker`` has been read (``tail``: the text just read before)."""
+    while not tail.endswith(marker):
+        tail = (tail + (yield))[-len(marker):]
+
+
+class _Call:
+    """One call being read: committed (its first :class:`CallDelta` handed out) once its name
+    and the start of its arguments are read; its arguments text before that is kept here."""
+
+    def __init__(self, stream: "ToolStream"):
+        self.stream = stream
+        self.name: str | None = None
+        self.args: list[str] | None = None  # None: no arguments read yet
+        self.committed = False
+
+    def sink(self, ch: str) -> None:
+        if self.committed:
+            self.stream.piece(ch)
+        else:
+            self.args.append(ch)
+
+    def commit(self) -> None:
+        if not self.committed and self.name is not None and self.args is not None:
+            self.committed = True
+            self.stream.begin(self.name, "".join(self.args))
+
+    def set_name(self, name: str) -> None:
+        if not name or lone_surrogate(name) is not None:
+            raise _Bad('"')
+        self.name = name
+        self.commit()
+
+    def arguments(self, ch: str):
+        """Reads the arguments value at ``ch``: an object (its text as written, handed out as it
+        comes once the call is committed), null (``{}``) or a string holding an object's JSON
+        text (that text, once the string is whole)."""
+        if ch == "{":
+            self.args = []
+            self.commit()
+            return (yield from _value(ch, self.sink))
+        if ch == "n":
+            return (yield from _value(ch, _drop, done=lambda: self.whole("{}")))
+        if ch == '"':  # some models write the arguments as a JSON string of them
+            buf: list[str] = []
+            return (yield from _string(ch, buf.append, lambda: self.whole(_DECODER.decode("".join(buf)), True)))
+        raise _Bad(ch)
+
+    def whole(self, text: str, check: bool = False) -> None:
+        """The arguments read whole: ``text`` (``check``: only if it is a JSON object's text)."""
+        if check:
+            try:
+                ok = isinstance(_DECODER.decode(text), dict) and lone_surrogate(text) is None
+            except (ValueError, RecursionError):
+                ok = False
+            if not ok:
+                raise _Bad('"')
+        self.args = [text]
+        self.commit()
+
+
+def _call_object(ch: str, stream: "ToolStream", keys: tuple[str, ...]):
+    """Reads one call object ``{"name": ..., <key>: {...}}`` at ``ch`` (``keys``: the names its
+    arguments may have, the first one read is taken; other keys are skipped); nothing after
+    its closing brace."""
+    if ch != "{":
+        raise _Bad(ch)
+    call = _Call(stream)
+    ch = yield from _ws((yield), _drop)
+    if ch != "}":
+        while True:
+            buf: list[str] = []
+            ch = yield from _string(ch, buf.append)
+            key = _DECODER.decode("".join(buf))
+            ch = yield from _ws(ch, _drop)
+            if ch != ":":
+                raise _Bad(ch)
+            ch = yield from _ws((yield), _drop)
+            if key == "name" and call.name is None:
+                buf = []
+                ch = yield from _string(ch, buf.append, lambda: call.set_name(_DECODER.decode("".join(buf))))
+            elif key in keys and call.args is None:
+                ch = yield from call.arguments(ch)
+            else:
+                ch = yield from _value(ch, _drop)
+            ch = yield from _ws(ch, _drop)
+            if ch == "}":
+                break
+            if ch != ",":
+                raise _Bad(ch)
+            ch = yield from _ws((yield), _drop)
+    if call.name is None:
+        raise _Bad(ch)
+    if call.args is None:
+        call.args = ["{}"]
+        call.commit()
+
+
+def _hermes(stream: "ToolStream"):
+    """After the first ``<tool_call>``: a call object per block; text outside blocks dropped."""
+    while True:
+        tail = ""
         try:
-            obj, pos = dec.raw_decode(text, pos)
-        except ValueError:
-            raise _NoCall("malformed JSON") from None
-        calls.append(_call(obj, ids, ("arguments", "parameters")))
-        rest = text[pos:].lstrip()
-        if not rest:
-            return Parsed(None, tuple(calls))
-        if not rest.startswith(";"):
-            raise _NoCall("text after a call")
-        pos = len(text) - len(rest) + 1
+            ch = yield from _ws((yield), _drop)
+            yield from _call_object(ch, stream, ("arguments",))
+        except _Bad as e:
+            if not stream.n:
+                raise
+            tail = e.args[0]
+        if stream.full:
+            return
+        yield from _until(HERMES_START, tail)
 
 
-def _mistral_v11(seg: str, ids) -> ToolCall:
-    """One call of tokenizer v11+: ``name[ARGS]{...}``, ``name[CALL_ID]id[ARGS]{...}`` or, with
-    the special tokens decoded away, ``name{...}``."""
-    if MISTRAL_ARGS in seg:
-        head, args = seg.split(MISTRAL_ARGS, 1)
-    else:
-        brace = seg.find("{")
-        if brace < 0:
-            raise _NoCall("a call needs [ARGS] or its arguments")
-        head, args = seg[:brace], seg[brace:]
-    name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
-    if not _FUNCTION_NAME.fullmatch(name):
-        raise _NoCall("not a function name")
-    return _call({"name": name, "arguments": _loads(args.strip())}, ids)
+def _llama3_json(stream: "ToolStream"):
+    """After an opening ``<|python_tag|>`` if any: call objects separated by ``;``."""
+    ch = yield
+    while True:
+        ch = yield from _ws(ch, _drop)
+        yield from _call_object(ch, stream, ("arguments", "parameters"))
+        if stream.full:
+            return
+        ch = yield from _ws((yield), _drop)
+        if ch != ";":
+            raise _Bad(ch)
+        ch = yield
 
 
-def _mistral(text: str, ids) -> Parsed:
-    start = text.find(MISTRAL_START)
-    if start < 0:
-        return Parsed(text)
-    body = text[start + len(MISTRAL_START):]
-    if body.lstrip()[:1] not in ("[", "{"):  # tokenizer v11+: a marker before each call
-        return Parsed(text[:start] or None, tuple(_mistral_v11(seg, ids) for seg in body.split(MISTRAL_START)))
-    arr = _loads(body)
-    if isinstance(arr, dict):
-        arr = [arr]
-    if not isinstance(arr, list) or not arr:
-        raise _NoCall("[TOOL_CALLS] needs a list of calls")
-    return Parsed(text[:start] or None, tuple(_call(o, ids) for o in arr))
+def _array(ch: str, stream: "ToolStream", keys: tuple[str, ...]):
+    """A JSON array of call objects at ``ch`` (``[``); nothing after its ``]``."""
+    if ch != "[":
+        raise _Bad(ch)
+    ch = yield from _ws((yield), _drop)
+    while True:
+        yield from _call_object(ch, stream, keys)
+        if stream.full:
+            return
+        ch = yield from _ws((yield), _drop)
+        if ch == "]":
+            return
+        if ch != ",":
+            raise _Bad(ch)
+        ch = yield from _ws((yield), _drop)
 
 
-_PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
+def _required(stream: "ToolStream"):
+    ch = yield from _ws((yield), _drop)
+    yield from _array(ch, stream, ("parameters",))
 
 
-def parse(parser: str, text: str, ids: Callable[[], str] | None = None) -> Parsed:
-    """The tool calls in ``text``, a choice's whole generated text, by ``parser`` (one of
-    :data:`PARSERS`). ``ids``: makes each call's id (default :func:`default_ids`). Raises
-    KeyError for an unknown parser; a text whose calls do not parse is ``Parsed(text)``."""
-    fn = _PARSE[parser]
+def _mistral_v11(ch: str, stream: "ToolStream"):
+    """One call of tokenizer v11+ at ``ch``: ``name[ARGS]{...}``, ``name[CALL_ID]id[ARGS]{...}``
+    or, with the special tokens decoded away, ``name{...}``; returns the character after it."""
+    head = ""
+    while ch != "{":
+        head += ch
+        if head.endswith(MISTRAL_ARGS):
+            head = head[:-len(MISTRAL_ARGS)]
+            ch = yield from _ws((yield), _drop)
+            break
+        if len(head) > 256:
+            raise _Bad(ch)
+        ch = yield
+    call = _Call(stream)
+    call.name = head.split(MISTRAL_CALL_ID, 1)[0].strip()
+    if not _FUNCTION_NAME.fullmatch(call.name):
+        raise _Bad(ch)
+    return (yield from call.arguments(ch))
+
+
+def _mistral(stream: "ToolStream"):
+    """After the first ``[TOOL_CALLS]``: a JSON array of call objects (or one object), or
+    tokenizer v11+'s calls, each after its own ``[TOOL_CALLS]`` (text between them dropped)."""
+    ch = yield from _ws((yield), _drop)
+    if ch == "[":
+        return (yield from _array(ch, stream, ("arguments",)))
+    if ch == "{":
+        return (yield from _call_object(ch, stream, ("arguments",)))
+    while True:
+        try:
+            tail = yield from _mistral_v11(ch, stream)
+        except _Bad as e:
+            if not stream.n:
+                raise
+            tail = e.args[0]
+        if stream.full:
+            return
+        yield from _until(MISTRAL_START, tail)
+        ch = yield
+
+
+_READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
+_MARKERS = {"hermes": HERMES_START, "mistral": MISTRAL_START}
+
+
+def _reader(stream: "ToolStream", body):
+    """``body`` run until the text ends: a malformed call before any call was committed makes the
+    whole text content (``stream.plain``); after one, the rest of the text is dropped."""
     try:
-        return fn(text, ids or default_ids(parser))
-    except (_NoCall, RecursionError):
-        return Parsed(text)
+        yield from body
+    except _Bad:
+        if not stream.n:
+            stream.plain = True
+    except _Stop:
+        pass
+
+
+def _named(stream: "ToolStream", function: str):
+    """A named forced function: the call is made at once, the whole text is its arguments."""
+    stream.begin(function, "")
+    while True:
+        stream.piece((yield))
+
+
+class ToolStream:
+    """One choice's text read for tool calls as it is generated: :meth:`feed` each text delta
+    and send the :class:`Emit` it returns; at the choice's end :meth:`finish` gives the rest.
+    ``parser`` (one of :data:`PARSERS`; KeyError otherwise), or ``forced``: ``function`` the
+    named function (its text is the arguments) or None (``"required"``: a JSON array of
+    ``{"name", "parameters"}``). ``parallel`` False: the first call only (the text after it is
+    dropped). ``ids`` makes each call's id (default :func:`default_ids` / :func:`new_call_id`).
+    The rules (the module's docstring) depend on the text alone, read one character at a time,
+    so the Emits of any split of a text, accumulated (:func:`accumulate`), are the same;
+    :func:`parse` is that accumulation for the whole text. ``called``: whether a call was made
+    (committed) so far."""
+
+    def __init__(self, parser: str | None = None, ids: Callable[[], str] | None = None, parallel: bool = True,
+                 *, forced: bool = False, function: str | None = None):
+        if not forced and parser not in _READERS:
+            raise KeyError(parser)
+        self.parser = None if forced else parser
+        self.ids = ids or (new_call_id if forced else default_ids(parser))
+        self.limit = None if parallel else 1
+        self.text = ""
+        self.sent = 0  # characters of text handed out as content
+        self.held_from: int | None = None  # calls begin here: the text from here is read by the reader
+        self.reader = None
+        self.plain = False  # no call can come: the whole text is content
+        self.n = 0  # calls committed
+        self._out: list = []  # CallDeltas (a call's first item) and arguments pieces not yet handed out
+        self._cur = -1  # the call the first pending piece belongs to
+        if forced:
+            self._start(0, _named(self, function) if function is not None else _required(self))
+
+    @property
+    def called(self) -> bool:
+        return self.n > 0
+
+    @property
+    def full(self) -> bool:
+        return self.limit is not None and self.n >= self.limit
+
+    def begin(self, name: str, arguments: str) -> None:
+        """Commits the next call: its first item (id, name, ``arguments`` read so far)."""
+        self._out.append(CallDelta(self.n, arguments, self.ids(), name))
+        self.n += 1
+
+    def piece(self, s: str) -> None:
+        """A piece of the last committed call's arguments."""
+        self._out.append(s)
+
+    def _start(self, at: int, body) -> None:
+        self.held_from = at
+        self.reader = _reader(self, body)
+        next(self.reader)
+
+    def _read(self, s: str) -> None:
+        if self.reader is None:
+            return
+        send = self.reader.send
+        try:
+            for ch in s:
+                send(ch)
+        except StopIteration:
+            self.reader = None  # no more calls: the rest is dropped (or content, plain)
+
+    def _calls(self) -> tuple[CallDelta, ...]:
+        items: list[list] = []
+        for o in self._out:
+            if isinstance(o, CallDelta):
+                items.append([o.index, o.id, o.name, [o.arguments]])
+            elif items:
+                items[-1][3].append(o)
+            else:
+                items.append([self._cur, None, None, [o]])
+        self._out, self._cur = [], self.n - 1
+        return tuple(CallDelta(i, "".join(a), id_, name) for i, id_, name, a in items if id_ is not None or any(a))
+
+    def _content(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return out
+
+    def feed(self, delta: str) -> Emit:
+        """What to send for ``delta``: its content ("" while held back) and call items."""
+        start = len(self.text)
+        self.text += delta
+        t, content = self.text, ""
+        if self.held_from is not None:
+            self._read(delta)
+        elif self.parser == "llama3_json":
+            if t.startswith("{") or t.startswith(PYTHON_TAG):
+                at = len(PYTHON_TAG) if t.startswith(PYTHON_TAG) else 0
+                self._start(0, _llama3_json(self))
+                self._read(t[at:])
+            elif not PYTHON_TAG.startswith(t):  # "" or a beginning of <|python_tag|> may still be a call
+                self.plain = True
+        else:
+            marker = _MARKERS[self.parser]
+            at = t.find(marker, max(0, min(self.sent, start) - len(marker)))
+            if at >= 0:
+                content = self._content(at)
+                self._start(at, _READERS[self.parser](self))
+                self._read(t[at + len(marker):])
+            else:
+                content = self._content(len(t) - _held(t, marker))
+        if self.plain:
+            content += self._content(len(t))
+        return Emit(content, self._calls())
+
+    def finish(self) -> Emit:
+        """At the choice's end: the text held back as content when no call was made, and the
+        call items not yet handed out."""
+        if self.reader is not None:
+            try:
+                self.reader.throw(_Stop)
+            except StopIteration:
+                pass
+            self.reader = None
+        calls = self._calls()
+        return Emit(self._content(len(self.text)) if not self.n else "", calls)
 
 
 def _held(text: str, marker: str) -> int:
@@ -297,160 +656,61 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-class ToolStream:
-    """One streamed choice's text through ``parser``: :meth:`feed` each text delta, send the
-    :class:`Emit` it returns; at the choice's end :meth:`finish` gives the rest. Together,
-    accumulated (:func:`accumulate`), they give exactly ``parse(parser, whole_text)``: the
-    content ("" for None) and its calls, which all come at the end (each in one item: id, name
-    and the whole arguments). ``called``: whether the choice made calls (known at its end)."""
-
-    def __init__(self, parser: str, ids: Callable[[], str] | None = None):
-        if parser not in _PARSE:
-            raise KeyError(parser)
-        self.parser, self.ids = parser, ids
-        self.text = ""
-        self.sent = 0  # characters of text handed out as content
-        self.held_from: int | None = None  # a call may start here: the rest is held to the end
-        self.plain = False  # llama3_json: the text cannot be a call, all of it is content
-        self.called = False
-
-    def feed(self, delta: str) -> Emit:
-        """What to send for ``delta`` (its content, "" when it is held back)."""
-        self.text += delta
-        if self.held_from is not None:
-            return Emit()
-        t = self.text
-        if self.parser == "llama3_json":
-            if not self.plain:
-                if t.startswith("{") or t.startswith(PYTHON_TAG):
-                    self.held_from = 0
-                    return Emit()
-                if PYTHON_TAG.startswith(t):
-                    return Emit()  # "" or a beginning of <|python_tag|>
-                self.plain = True
-            upto = len(t)
-        else:
-            marker = HERMES_START if self.parser == "hermes" else MISTRAL_START
-            at = t.find(marker, max(0, self.sent - len(marker)))
-            if at >= 0:
-                self.held_from = at
-                upto = at
-            else:
-                upto = len(t) - _held(t, marker)
-        out, self.sent = t[self.sent:upto], max(self.sent, upto)
-        return Emit(out)
-
-    def finish(self) -> Emit:
-        """At the choice's end: the content not yet sent, or the calls."""
-        p = parse(self.parser, self.text, self.ids)
-        if p.calls:
-            self.called = True  # the content before the marker was sent already
-            return Emit("", tuple(CallDelta(i, c.arguments, c.id, c.name) for i, c in enumerate(p.calls)))
-        return Emit(self.text[self.sent:])
+def ForcedStream(function: str | None, ids: Callable[[], str] | None = None, parallel: bool = True) -> ToolStream:
+    """The :class:`ToolStream` of a forced ``tool_choice``: ``function`` named, or None (``"required"``)."""
+    return ToolStream(None, ids, parallel, forced=True, function=function)
 
 
-def parse_forced(function: str | None, text: str, ids: Callable[[], str] | None = None) -> Parsed:
+def _whole(stream: ToolStream, text: str) -> Parsed:
+    content, calls = accumulate([stream.feed(text), stream.finish()])
+    return Parsed(content or None, calls) if calls else Parsed(content)
+
+
+def parse(parser: str, text: str, ids: Callable[[], str] | None = None, parallel: bool = True) -> Parsed:
+    """The tool calls in ``text``, a choice's whole generated text, by ``parser`` (one of
+    :data:`PARSERS`): what :class:`ToolStream` hands out for it, accumulated, so a stream and the
+    non-streamed response cannot differ. Raises KeyError for an unknown parser; a text without
+    calls is ``Parsed(text)``."""
+    return _whole(ToolStream(parser, ids, parallel), text)
+
+
+def parse_forced(function: str | None, text: str, ids: Callable[[], str] | None = None,
+                 parallel: bool = True) -> Parsed:
     """The calls of a choice generated under a forced ``tool_choice`` (its output constrained to
-    :func:`pdd.gateway.openai_schemas.tool_schema`), as vLLM reads them: ``function`` named (the
+    :func:`pdd.gateway.openai_schemas.tool_schema`), as :func:`parse`: ``function`` named (the
     ``{"type": "function", "function": {"name": F}}`` form): one call of F whose ``arguments``
-    are ``text`` itself; None (``"required"``): ``text`` is a JSON array of ``{"name",
-    "parameters"}`` objects, one call each (``arguments`` the parameters as JSON text). Content
-    is None when there are calls. A ``required`` text that is no such array (cut by
-    ``max_tokens``) has no calls and is all content (vLLM answers no calls and no content)."""
-    ids = ids or new_call_id
-    if function is not None:
-        return Parsed(None, (ToolCall(ids(), function, text),))
-    try:
-        arr = _loads(text)
-        if not isinstance(arr, list) or not arr:
-            raise _NoCall("not a list of calls")
-        return Parsed(None, tuple(_call(o, ids, ("parameters",)) for o in arr))
-    except (_NoCall, RecursionError):
-        return Parsed(text)
-
-
-class ForcedStream:
-    """:class:`ToolStream`'s interface for a forced ``tool_choice``: nothing is content while
-    the choice generates (its text is the call). A named ``function``: the text is the call's
-    arguments (:func:`parse_forced`), so its first delta sends the call's first item (id, name,
-    the delta as the first arguments piece) and each later one an arguments piece; the call is
-    made whatever the text (:meth:`finish` sends the first item, arguments "", if no delta came).
-    ``"required"`` (``function`` None): the calls come at :meth:`finish`, one item each, or
-    the whole text as content when it has none (an array cut by ``max_tokens``)."""
-
-    def __init__(self, function: str | None, ids: Callable[[], str] | None = None):
-        self.function, self.ids = function, ids
-        self.text = ""
-        self.called = False
-
-    def _piece(self, delta: str) -> Emit:
-        if not self.called:
-            self.called = True
-            return Emit("", (CallDelta(0, delta, (self.ids or new_call_id)(), self.function),))
-        return Emit("", (CallDelta(0, delta),) if delta else ())
-
-    def feed(self, delta: str) -> Emit:
-        self.text += delta
-        return self._piece(delta) if self.function is not None else Emit()
-
-    def finish(self) -> Emit:
-        if self.function is not None:
-            return Emit() if self.called else self._piece("")
-        p = parse_forced(None, self.text, self.ids)
-        if not p.calls:
-            return Emit(self.text)
-        self.called = True
-        return Emit("", tuple(CallDelta(i, c.arguments, c.id, c.name) for i, c in enumerate(p.calls)))
-
-
-class _FirstCall:
-    """A stream that hands out only call 0's items (``parallel_tool_calls`` false)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    @property
-    def called(self) -> bool:
-        return self.stream.called
-
-    @staticmethod
-    def _first(e: Emit) -> Emit:
-        return Emit(e.content, tuple(c for c in e.calls if c.index == 0))
-
-    def feed(self, delta: str) -> Emit:
-        return self._first(self.stream.feed(delta))
-
-    def finish(self) -> Emit:
-        return self._first(self.stream.finish())
+    are ``text`` itself, whatever it is; None (``"required"``): ``text`` is a JSON array of
+    ``{"name", "parameters"}`` objects, one call each (read as the parsers read theirs: a text
+    cut before its first call is committed has no calls and is all content)."""
+    return _whole(ForcedStream(function, ids, parallel), text)
 
 
 @dataclass(frozen=True)
 class CallMode:
     """How a chat request's choices are read for tool calls: by ``parser`` (tools given,
     ``tool_choice`` auto), or ``forced`` (``"required"``, or the named ``function``); with
-    ``parallel`` False only the first call is kept. ``finish_reason`` as vLLM's serving_chat
-    gives it: "tool_calls" for parsed calls under auto, and under required when the choice
-    ended by "stop"; a named function's choice keeps its own ("stop", "length")."""
+    ``parallel`` False only the first call is made (one mechanism, :class:`ToolStream`'s, for
+    the stream and the whole text alike). ``finish_reason``: "tool_calls" for a choice that made
+    calls and ended by "stop", else its own ("length", "abort"); a named function's choice keeps
+    its own."""
 
     parser: str | None = None
     forced: bool = False
     function: str | None = None
     parallel: bool = True
 
-    def parse(self, text: str, ids: Callable[[], str] | None = None) -> Parsed:
-        p = parse_forced(self.function, text, ids) if self.forced else parse(self.parser, text, ids)
-        return Parsed(p.content, p.calls[:1]) if p.calls and not self.parallel else p
+    def stream(self, ids: Callable[[], str] | None = None) -> ToolStream:
+        """The :class:`ToolStream` of one streamed choice."""
+        if self.forced:
+            return ForcedStream(self.function, ids, self.parallel)
+        return ToolStream(self.parser, ids, self.parallel)
 
-    def stream(self, ids: Callable[[], str] | None = None):
-        """A :class:`ForcedStream` or :class:`ToolStream` for one streamed choice (``parallel``
-        False: handing out only the first call)."""
-        s = ForcedStream(self.function, ids) if self.forced else ToolStream(self.parser, ids)
-        return s if self.parallel else _FirstCall(s)
+    def parse(self, text: str, ids: Callable[[], str] | None = None) -> Parsed:
+        """A whole choice's calls: :meth:`stream`'s, accumulated."""
+        return _whole(self.stream(ids), text)
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         """The finish_reason of a choice that made calls and ended with ``finish_reason``."""
-        if not self.forced:
-            return "tool_calls"
         if self.function is None and finish_reason == "stop":
             return "tool_calls"
         return finish_reason

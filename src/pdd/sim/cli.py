@@ -189,12 +189,16 @@ def _chip_names():
 
 
 def _existing_file(text: str) -> str:
+    """An input file flag's type (``--trace``, ``--op-profile``): a regular file that exists.
+    ``/dev/zero`` was "no such file" (it exists; read, it never ends)."""
     from pathlib import Path
 
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
-    if not Path(text).is_file():
+    if not Path(text).exists():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a regular file (a device, FIFO or socket)")
     return text
 
 
@@ -312,6 +316,7 @@ def _read_profiles(a) -> list[tuple[str, dict]]:
     fit. UsageError naming the flag and file otherwise."""
     from pathlib import Path
 
+    from pdd.files import InputFileError, read_text
     from pdd.sim.recorded import RecordedRunError, check_step_rows, load_profile_checked
     from pdd.sim.sim_config import live_fit_of
 
@@ -320,7 +325,9 @@ def _read_profiles(a) -> list[tuple[str, dict]]:
     for p in dict.fromkeys(x for x in _profiles(a) if x):
         flag = flags.get(p, "--profile")
         try:
-            prof = json.loads(Path(p).read_text())
+            prof = json.loads(read_text(p, what="give a JSON profile (pdd profile) or a roofline calibration file"))
+        except InputFileError as e:  # a device, FIFO or socket (/dev/zero was read until memory ran out)
+            raise UsageError(f"{flag} {e}") from None
         except (OSError, ValueError) as e:
             raise UsageError(f"{flag} {p}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
         if not isinstance(prof, dict):
@@ -839,8 +846,9 @@ def cmd_profile(a) -> int:
 
     cfg = config_or_exit(a)
     if not (Path(cfg.model_path) / "config.json").exists():
-        raise SystemExit(f"pdd profile: no checkpoint at {cfg.model_path}; make one with: pdd make-model "
-                         f"--out {cfg.model_path}")
+        from pdd.cli_args import no_checkpoint_message
+
+        raise UsageError(no_checkpoint_message(cfg.model_path))  # exit 2, as pdd serve and pdd launch say it
     out = Path(a.out)
     if not out.parent.exists():  # made now, so the check below (and the write after minutes) can pass
         try:
@@ -1022,16 +1030,19 @@ def cmd_plan(a) -> int:
     wans = _wan_options(a.wan)
     rlds = _rld_counts(a.rld)
     recs = make(a.rate)
+    bar = PlanProgress(enabled=not a.no_progress and sys.stderr.isatty())
     try:
-        found = search(recs, base, md_counts=range(a.md_min, a.md_max + 1, a.md_step),
-                       rld_counts=rlds, wans=wans, p_max=a.p_max,
-                       d_counts=range(a.md_min, a.md_max + 1, a.md_step),
-                       log=lambda r: print(f"  feasible: {r['config']} WAN {r['wan_gbps']} "
-                                           f"${r['cost_per_hour']:.1f}/h", file=sys.stderr))
+        with bar:
+            found = search(recs, base, md_counts=range(a.md_min, a.md_max + 1, a.md_step),
+                           rld_counts=rlds, wans=wans, p_max=a.p_max,
+                           d_counts=range(a.md_min, a.md_max + 1, a.md_step),
+                           log=lambda r: bar.say(f"  feasible: {r['config']} WAN {r['wan_gbps']} "
+                                                 f"${r['cost_per_hour']:.1f}/h"),
+                           progress=bar.candidates)
+            rows = best_with_goodput(found, make, a.rate, a.top, progress=bar.goodput) if found else []
         if not found:
             print("no configuration in the search space meets the SLO at this rate")
             return 1
-        rows = best_with_goodput(found, make, a.rate, a.top)
     except RequestTooLarge as e:  # e.g. the agentic workload's 57k-token prompts on a CPU profile's pool
         cap = ("lower --input-len" if a.workload == "fixed" else
                f"cap the prompts with --max-input {e.max_prompt} or less") if e.max_prompt >= 1 else \
@@ -1044,6 +1055,54 @@ def cmd_plan(a) -> int:
         write_json({"rows": rows, "all_feasible": [{k: v for k, v in r.items() if k != "_cfg"} for r in found]},
                    a.json)
     return 0
+
+
+class PlanProgress:
+    """``pdd plan``'s progress on stderr: a rich bar of the candidates evaluated (each a P
+    bisection of simulator runs), then of the cheapest configurations' SLA goodput searches; the
+    search ran 100 s and more without a line. Off (``enabled`` False) when stderr is not a
+    terminal or with ``--no-progress``; stdout is never written to. ``say(line)``: a line on
+    stderr, above the bar while it shows. A context manager: the bar is removed on exit."""
+
+    def __init__(self, enabled: bool):
+        self.prog = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                                 redirect_stdout=False, redirect_stderr=False)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        if self.prog is not None:
+            self.prog.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prog is not None:
+            self.prog.stop()
+        return False
+
+    def _update(self, what: str, done: int, total: int) -> None:
+        if self.prog is None:
+            return
+        if what not in self.tasks:
+            self.tasks[what] = self.prog.add_task(what, total=total)
+        self.prog.update(self.tasks[what], completed=done, total=total)
+
+    def candidates(self, done: int, total: int) -> None:
+        self._update("candidates evaluated", done, total)
+
+    def goodput(self, done: int, total: int) -> None:
+        self._update("SLA goodput of the cheapest", done, total)
+
+    def say(self, line: str) -> None:
+        if self.prog is not None:
+            self.prog.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr)
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -1064,6 +1123,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--p-max", type=_instances(1), default=32)
     p.add_argument("--top", type=POS_INT, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar of the candidates evaluated on stderr (it shows only when stderr is a "
+                        "terminal)")
     p.set_defaults(func=cmd_plan, parser=p)
     return p
 

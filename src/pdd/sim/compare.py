@@ -32,8 +32,10 @@ _SHAPE_KEYS = ("layers", "n_head", "n_kv_head", "n_embd", "n_expanded_embd", "ga
 def load_op_profile(path: str | Path = DEFAULT_OP_PROFILE) -> dict:
     """Read a ``pdd-op-profile/1`` JSON; ValueError naming the field when it is malformed."""
     try:
-        prof = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        from pdd.files import read_text
+
+        prof = json.loads(read_text(path, what="give a pdd-op-profile/1 JSON file"))
+    except (OSError, ValueError) as e:  # json.JSONDecodeError, pdd.files.InputFileError
         raise ValueError(f"{path}: cannot read an op profile: {e}") from None
     if not isinstance(prof, dict) or prof.get("format") != "pdd-op-profile/1":
         raise ValueError(f"{path}: format must be 'pdd-op-profile/1'")

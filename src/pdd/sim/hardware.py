@@ -141,7 +141,11 @@ def _profile_rows(prof: dict) -> list[tuple[str, list[tuple[int, int]], float]]:
 
 
 def load_profile(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
+    """The JSON of a calibration or measured profile file (:func:`pdd.files.read_text`: a regular
+    file, bounded). Raises OSError, json.JSONDecodeError or pdd.files.InputFileError."""
+    from pdd.files import read_text
+
+    return json.loads(read_text(path, what="give a profile JSON file"))
 
 
 def fit_profile(prof: dict, chip: Chip, model: ModelProfile) -> tuple[Efficiency, float]:

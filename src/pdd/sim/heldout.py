@@ -102,20 +102,25 @@ def live_vs_live(a: list[dict], b: list[dict]) -> dict:
 
 def read_records(run_dir: str | Path) -> list[dict]:
     """``requests.jsonl`` of a ``pdd sim validate`` directory (ValueError naming the file)."""
+    from pdd.files import MAX_DATA_BYTES, read_text
+
     p = Path(run_dir) / "requests.jsonl"
     try:
-        return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-    except (OSError, json.JSONDecodeError) as e:
+        return [json.loads(x) for x in read_text(p, MAX_DATA_BYTES, "give a `pdd sim validate --out` directory's file")
+                .splitlines() if x.strip()]
+    except (OSError, ValueError) as e:  # json.JSONDecodeError, pdd.files.InputFileError
         raise ValueError(f"{p}: cannot read the live run's requests: {e}") from None
 
 
 def read_validate(run_dir: str | Path) -> dict:
     """``validate.json`` of a ``pdd sim validate`` directory, with its ``workload``, ``live``
     and ``sim`` objects and decision match (ValueError naming the file and field)."""
+    from pdd.files import MAX_DATA_BYTES, read_text
+
     p = Path(run_dir) / "validate.json"
     try:
-        v = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        v = json.loads(read_text(p, MAX_DATA_BYTES, "give a `pdd sim validate --out` directory's file"))
+    except (OSError, ValueError) as e:  # json.JSONDecodeError, pdd.files.InputFileError
         raise ValueError(f"{p}: cannot read a validate result: {e}") from None
     if not isinstance(v, dict):
         raise ValueError(f"{p}: not a JSON object")

@@ -40,9 +40,13 @@ def _min_p(meets: Callable[[int], bool], p_max: int) -> int | None:
 
 def search(records: list, base: SimConfig, *, md_counts: Iterable[int] = range(2, 41, 2),
            rld_counts: Sequence[int] = (1, 2, 4), wans: Sequence[WanOption] = (WanOption(100.0, 15.0),),
-           p_max: int = 64, d_counts: Iterable[int] | None = None, log=None) -> list[dict]:
+           p_max: int = 64, d_counts: Iterable[int] | None = None, log=None,
+           progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """All feasible configurations found (each the minimal P for its other counts), cheapest
-    first. ``base.mode`` selects pdd / cross_dc_pd (MD counts) or same_dc_pd (``d_counts``)."""
+    first. ``base.mode`` selects pdd / cross_dc_pd (MD counts) or same_dc_pd (``d_counts``).
+    ``log(row)`` is called with each feasible row as it is found; ``progress(done, total)`` after
+    each candidate (a WAN option, RLD count and MD count, or a D count: one P bisection of up to
+    log2(``p_max``) + 1 simulator runs) is evaluated, ``total`` the candidates searched."""
     ms = warm_start(records)
     found = []
     memo: dict = {}
@@ -64,14 +68,14 @@ def search(records: list, base: SimConfig, *, md_counts: Iterable[int] = range(2
                 log(found[-1])
 
     if base.mode == "same_dc_pd":
-        for n_d in d_counts or range(2, 89, 2):
-            add_cheapest(base.replace(n_d=n_d))
+        candidates = [base.replace(n_d=n_d) for n_d in (d_counts or range(2, 89, 2))]
     else:
-        for w in wans:
-            for n_rld in (rld_counts if base.mode == "pdd" else (0,)):
-                for n_md in md_counts:
-                    add_cheapest(base.replace(n_md=n_md, n_rld=max(1, n_rld), wan_gbps=w.gbps,
-                                              wan_usd_per_hour=w.usd_per_hour))
+        candidates = [base.replace(n_md=n_md, n_rld=max(1, n_rld), wan_gbps=w.gbps, wan_usd_per_hour=w.usd_per_hour)
+                      for w in wans for n_rld in (rld_counts if base.mode == "pdd" else (0,)) for n_md in md_counts]
+    for i, c in enumerate(candidates, 1):
+        add_cheapest(c)
+        if progress:
+            progress(i, len(candidates))
     found.sort(key=lambda r: r["cost_per_hour"])
     return found
 
@@ -83,14 +87,17 @@ def _row(cfg: SimConfig, s: dict) -> dict:
             "p90_tpot_ms": s["p90_tpot_ms"], "_cfg": cfg}
 
 
-def best_with_goodput(found: list[dict], make: Callable[[float], list], target_rate: float, top: int = 3) -> list[dict]:
+def best_with_goodput(found: list[dict], make: Callable[[float], list], target_rate: float, top: int = 3,
+                      progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """The ``top`` cheapest configurations with their SLA goodput (bisection up to 2x the
-    target) and BCR = SLA goodput / cost."""
+    target) and BCR = SLA goodput / cost. ``progress(done, total)`` after each configuration."""
     out = []
-    for r in found[:top]:
+    for i, r in enumerate(found[:top], 1):
         g, _ = sla_goodput(r["_cfg"], make, max(0.1, target_rate * 0.5), target_rate * 2.0, 6)
         out.append({**{k: v for k, v in r.items() if k != "_cfg"}, "sla_goodput_rps": g,
                     "bcr": g / r["cost_per_hour"] if r["cost_per_hour"] else None})
+        if progress:
+            progress(i, len(found[:top]))
     return out
 
 

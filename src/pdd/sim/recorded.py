@@ -45,8 +45,10 @@ def recorded_run_args(run_dir: str | Path) -> dict:
     ``max_output_tokens``, ``seed``, ``budget_ms``: :data:`RUN_ARGS`), read from its
     ``validate.json``; those it lacks are absent. Empty when the file is missing or not a JSON
     object (:func:`read_run` names that problem when the run is read)."""
+    from pdd.files import MAX_DATA_BYTES, read_text
+
     try:
-        v = json.loads((Path(run_dir) / "validate.json").read_text())
+        v = json.loads(read_text(Path(run_dir) / "validate.json", MAX_DATA_BYTES))
     except (OSError, ValueError):
         return {}
     out = {}
@@ -69,9 +71,13 @@ def read_run(run_dir: str | Path, *, need_validate: bool = True) -> tuple[dict |
     if not d.is_dir():
         raise RecordedRunError(f"{d}: not a directory; give {what}")
 
+    from pdd.files import MAX_DATA_BYTES, InputFileError, read_text
+
     def text(name: str) -> str:
         try:
-            return (d / name).read_text()
+            return read_text(d / name, MAX_DATA_BYTES, f"give {what}'s file")
+        except InputFileError as e:  # a device or FIFO in its place, too large, not UTF-8: named as it is
+            raise RecordedRunError(str(e)) from None
         except FileNotFoundError:
             raise RecordedRunError(f"{d}: no {name} in it (not {what})") from None
         except (OSError, UnicodeDecodeError) as e:

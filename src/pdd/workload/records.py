@@ -25,6 +25,9 @@ TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 # prompt (126,195). Past ~1e308 the scaling arithmetic overflowed float ("integer division result
 # too large for a float", a traceback); nothing real comes near either.
 MAX_TRACE_TOKENS = 10 ** 9
+MAX_TRACE_BYTES = 1 << 30  # a trace file's size (the bundled Mooncake trace is 3 MB)
+# one line's characters: a record of MAX_TRACE_TOKENS tokens has ~2M hash ids of up to 20 digits
+MAX_TRACE_LINE_CHARS = 64 << 20
 
 
 def _is_int(v) -> bool:
@@ -75,18 +78,28 @@ def read_trace(path: str | Path, start: int = 0, stop: int | None = None) -> Ite
     """The Mooncake JSONL records ``[start, stop)`` of ``path`` (blank lines skipped; records
     before ``start`` are skipped unparsed). ValueError naming the file and line when a record read
     is not a JSON object with the four fields (``README.md`` given as a trace, a truncated file),
-    a field's value is unusable (:func:`_bad_field`), or the file is not UTF-8 text; OSError when
-    it cannot be read."""
-    with open(path, encoding="utf-8") as f:
+    a field's value is unusable (:func:`_bad_field`), the file is not UTF-8 text, a line is longer
+    than :data:`MAX_TRACE_LINE_CHARS`, or ``path`` is not a regular file or is larger than
+    :data:`MAX_TRACE_BYTES` (:func:`pdd.files.open_regular`: ``/dev/zero`` was read without end, a
+    FIFO waited for a writer); OSError when it cannot be read (IsADirectoryError, FileNotFoundError)."""
+    import io
+
+    from pdd.files import open_regular
+
+    with io.TextIOWrapper(open_regular(path, MAX_TRACE_BYTES, "give a Mooncake-format JSONL trace"),
+                          encoding="utf-8") as f:
         i = lineno = 0
         while stop is None or i < stop:
             try:
-                line = f.readline()
+                line = f.readline(MAX_TRACE_LINE_CHARS)
             except UnicodeDecodeError:
                 raise ValueError(f"{path}: not UTF-8 text (a binary file?)") from None
             if not line:
                 return
             lineno += 1
+            if len(line) >= MAX_TRACE_LINE_CHARS and not line.endswith("\n"):
+                raise ValueError(f"{path}, line {lineno}: longer than {MAX_TRACE_LINE_CHARS:,} characters; "
+                                 "not a trace record")
             if not line.strip():
                 continue
             if i >= start:
