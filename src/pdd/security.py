@@ -339,7 +339,8 @@ def link_security(cfg, name: str) -> LinkSecurity:
 # ------------------------------------------------------------------------ gateway API keys
 class ApiKeyMiddleware:
     """ASGI middleware: HTTP requests need ``Authorization: Bearer <key>`` (or ``x-api-key:
-    <key>``) with one of ``keys``, else 401 with an OpenAI-style error body. ``exempt`` paths
+    <key>``) with one of ``keys``, else 401 with an OpenAI-style error body (also for either
+    header sent twice: ambiguous credentials). ``exempt`` paths
     (health checks) pass. No keys: everything passes. Use ``app.add_middleware(ApiKeyMiddleware,
     keys=cfg.security.api_keys)``."""
 
@@ -360,13 +361,30 @@ class ApiKeyMiddleware:
             ok |= hmac.compare_digest(tok, k)
         return ok
 
+    @staticmethod
+    def ambiguous(raw: list) -> str | None:
+        """Why the credentials of a request's ``raw`` headers (ASGI's name-value pairs) are
+        ambiguous: ``Authorization`` or ``x-api-key`` sent twice (which one counts would be this
+        server's silent choice); else None. ``Authorization: Bearer`` beside ``x-api-key`` is
+        not: the Bearer key decides (docs/SECURITY.md)."""
+        names = {b"authorization": "Authorization", b"x-api-key": "x-api-key"}
+        seen: dict[bytes, list[bytes]] = {}
+        for k, v in raw:
+            if k.lower() in names:
+                seen.setdefault(k.lower(), []).append(v)
+        for k, name in names.items():
+            if len(seen.get(k, ())) > 1:
+                return f"ambiguous credentials: the request has {len(seen[k])} {name} headers; send one"
+        return None
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keys or scope.get("path") in self.exempt:
             return await self.app(scope, receive, send)
-        headers = {k.lower(): v for k, v in scope.get("headers", ())}
-        if self.allowed(headers):
+        raw = list(scope.get("headers", ()))
+        why = self.ambiguous(raw)
+        if why is None and self.allowed({k.lower(): v for k, v in raw}):
             return await self.app(scope, receive, send)
-        body = json.dumps({"error": {"message": "missing or invalid API key (Authorization: Bearer <key>)",
+        body = json.dumps({"error": {"message": why or "missing or invalid API key (Authorization: Bearer <key>)",
                                      "type": "invalid_request_error", "param": None,
                                      "code": "invalid_api_key"}}).encode()
         await send({"type": "http.response.start", "status": 401,

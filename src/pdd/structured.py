@@ -155,6 +155,129 @@ def _start_refusal(lltok, grammar: str) -> str | None:
     return None
 
 
+MAX_EMPTINESS_REFS = 256  # a schema with more distinct $refs is not checked by endless_required (it compiles)
+
+
+def _pointer(root, ref: str):
+    """The node of ``root`` a local ``$ref`` names (``#``, ``#/$defs/X``, any JSON pointer), or
+    None for one it does not (a remote ``$ref``, a missing node)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def endless_required(schema) -> str | None:
+    """Why JSON schema ``schema`` has no finite instance, when a required property or the items
+    of an array of ``minItems`` >= 1 must hold a value of a schema that requires the same again
+    (``{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}``: ``{"a": {"a":
+    ...``): llguidance compiles it and the request fails only at run time, after prefill, once
+    its parser gives up (``Too many items``). None when it has one, when this cannot tell
+    (keywords it does not read count as satisfiable: it only ever refuses a schema that has no
+    finite instance), and for a bare ``$ref`` cycle (no token can begin it: ``check_start``).
+
+    Which nodes have a finite instance is the least fixpoint over the local ``$ref`` targets
+    (each assumed to have none, then re-evaluated until nothing changes); a schema with more
+    than :data:`MAX_EMPTINESS_REFS` distinct ``$ref``s, or nested past the recursion limit, is
+    not checked. Raises nothing."""
+    refs: set[str] = set()
+
+    def collect(node) -> None:
+        if isinstance(node, dict):
+            r = node.get("$ref")
+            if isinstance(r, str):
+                refs.add(r)
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+
+    def types(node: dict) -> list:
+        t = node.get("type")
+        return [t] if isinstance(t, str) else list(t) if isinstance(t, list) else []
+
+    def sat(node, table: dict) -> bool:
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            return True
+        r = node.get("$ref")
+        if isinstance(r, str) and not table.get(r, True):
+            return False
+        if not all(sat(m, table) for m in node.get("allOf") or () if isinstance(node.get("allOf"), list)):
+            return False
+        for k in ("anyOf", "oneOf"):
+            alts = node.get(k)
+            if isinstance(alts, list) and alts and not any(sat(m, table) for m in alts):
+                return False
+        if "enum" in node or "const" in node or not types(node):
+            return True  # no type: a value of another type satisfies an object's or array's keywords
+        return any(_kind_sat(node, t, table) for t in types(node))
+
+    def _kind_sat(node: dict, t, table: dict) -> bool:
+        if t == "object":
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            req = node.get("required") if isinstance(node.get("required"), list) else []
+            return all(sat(props.get(k, True), table) for k in req if isinstance(k, str))
+        if t == "array":
+            n = node.get("minItems", 0)
+            return not (isinstance(n, int) and n >= 1 and isinstance(node.get("items"), (dict, bool))
+                        and not sat(node["items"], table))
+        return True
+
+    def why(node, table: dict, seen: set) -> str | None:
+        """The first required property (or array items) of ``node`` with no finite value."""
+        while isinstance(node, dict) and isinstance(node.get("$ref"), str) and id(node) not in seen:
+            seen.add(id(node))
+            target = _pointer(schema, node["$ref"])
+            if target is None or not isinstance(target, dict) or set(node) - {"$ref", "$defs", "definitions"}:
+                break
+            node = target
+        if not isinstance(node, dict) or sat(node, table):
+            return None
+        if "object" in types(node):
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            for k in node.get("required") or ():
+                if isinstance(k, str) and not sat(props.get(k, True), table):
+                    return (f"required property {k!r} can hold no finite value: its schema requires a value of "
+                            "the same schema again, without end")
+        if "array" in types(node) and isinstance(node.get("items"), dict) and not sat(node["items"], table):
+            return (f"an array of minItems {node.get('minItems')} whose items can hold no finite value: their schema "
+                    "requires a value of the same schema again, without end")
+        return None
+
+    try:
+        collect(schema)
+        if not refs or len(refs) > MAX_EMPTINESS_REFS:
+            return None
+        table = {r: False for r in refs}
+        changed = True
+        while changed:
+            changed = False
+            for r in refs:
+                target = _pointer(schema, r)
+                v = True if target is None else sat(target, table)
+                if v != table[r]:
+                    table[r], changed = v, True
+        if sat(schema, table):
+            return None
+        reason = why(schema, table, set())
+        return f"no finite JSON value satisfies the schema: {reason}" if reason else None
+    except RecursionError:
+        return None
+
+
 def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
     llg = _llg()
     M = llg.LLMatcher
@@ -169,6 +292,9 @@ def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
                     raise GrammarError(f"the JSON schema is not JSON: {e}") from None
                 if not isinstance(value, dict):
                     raise GrammarError("a JSON schema must be an object")
+            endless = endless_required(value)  # llguidance compiles it and fails it at run time
+            if endless is not None:
+                raise GrammarError(endless)
             g = M.grammar_from_json_schema(json.dumps(value), defaults=dict(JSON_LAYOUT),
                                            overrides=_whitespace(whitespace_pattern))
         elif kind == "json_object":

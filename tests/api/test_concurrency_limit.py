@@ -84,14 +84,13 @@ def test_the_gateway_bounds_requests_itself_and_uvicorn_refuses_none(tiny_model)
     cfg = ClusterConfig.model_validate({"mode": "colocated", "model_path": tiny_model})
     app = create_app(cfg, object(), Tokenizer.from_file(f"{tiny_model}/tokenizer.json"))
     assert http_server_config(cfg, app).limit_concurrency is None
-    # Starlette runs the first of this list outermost: CORS, X-Request-Id, HEAD as GET, the drain gate
-    # (shutdown), then this bound
-    from starlette.middleware.cors import CORSMiddleware
-
+    # Starlette runs the first of this list outermost: CORS (Starlette's, its refusals in JSON),
+    # X-Request-Id, HEAD as GET, the drain gate (shutdown), then this bound
+    from pdd.gateway.api import JsonCORS
     from pdd.gateway.head import HeadAsGet
     from pdd.gateway.request_id import RequestIdHeader
     from pdd.gateway.shutdown import DrainGate
 
-    assert [m.cls for m in app.user_middleware[:5]] == [CORSMiddleware, RequestIdHeader, HeadAsGet, DrainGate,
+    assert [m.cls for m in app.user_middleware[:5]] == [JsonCORS, RequestIdHeader, HeadAsGet, DrainGate,
                                                         ConcurrencyLimit]
     assert app.user_middleware[4].kwargs["admission"] is app.state.admission

@@ -30,6 +30,10 @@ def _client(tiny_model, **cfg):
     return TestClient(create_app(conf, orch, Tokenizer.from_file(f"{tiny_model}/tokenizer.json")))
 
 
+def _refusal(message: str) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+
+
 def test_an_allowed_origin_gets_its_preflight_and_its_response_headers(tiny_model):
     """The preflight is answered before the API key (a browser sends none with it); the request
     itself, refused or served, carries the headers the page needs to read the answer."""
@@ -51,14 +55,19 @@ def test_an_allowed_origin_gets_its_preflight_and_its_response_headers(tiny_mode
         assert (r.headers["access-control-allow-origin"], r.headers["x-request-id"]) == (APP, "page-2")
         assert r.headers["vary"] == "Origin"
         r = client.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
-        assert (r.status_code, r.text) == (400, "Disallowed CORS origin")
+        # an OpenAI-style body (it was Starlette's plain text), Starlette's 400 kept
+        assert (r.status_code, r.headers["content-type"], r.json()) == (400, "application/json", _refusal(
+            "Disallowed CORS origin: 'https://evil.example' is not in cors.allowed_origins (the gateway's "
+            "config; pdd serve --allowed-origins)"))
         assert "access-control-allow-origin" not in r.headers
 
 
 def test_the_default_allows_no_origin_as_vllm(tiny_model):
     with _client(tiny_model) as client:
         r = client.options("/v1/completions", headers=PREFLIGHT)
-        assert (r.status_code, r.text) == (400, "Disallowed CORS origin")
+        assert (r.status_code, r.json()) == (400, _refusal(
+            "Disallowed CORS origin: 'https://app.example.com' is not in cors.allowed_origins (the gateway's "
+            "config; pdd serve --allowed-origins)"))
         r = client.get("/v1/models", headers={"Origin": APP})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
@@ -72,10 +81,14 @@ def test_credentials_methods_and_headers_narrow_the_preflight(tiny_model):
         assert (r.headers["access-control-allow-origin"], r.headers["access-control-allow-credentials"],
                 r.headers["access-control-allow-methods"]) == (APP, "true", "GET, POST")
         r = client.options("/v1/completions", headers=PREFLIGHT)  # authorization is not allowed
-        assert (r.status_code, r.text) == (400, "Disallowed CORS headers")
+        assert (r.status_code, r.json()) == (400, _refusal(
+            "Disallowed CORS headers: 'authorization, content-type, x-request-id' are not all in "
+            "cors.allowed_headers (the gateway's config; pdd serve --allowed-headers)"))
         r = client.options("/v1/completions", headers={**PREFLIGHT, "Access-Control-Request-Method": "PUT",
                                                        "Access-Control-Request-Headers": "content-type"})
-        assert (r.status_code, r.text) == (400, "Disallowed CORS method")
+        assert (r.status_code, r.json()) == (400, _refusal(
+            "Disallowed CORS method: 'PUT' is not in cors.allowed_methods (the gateway's config; pdd serve "
+            "--allowed-methods)"))
 
 
 @pytest.mark.parametrize("cors,message", [

@@ -30,7 +30,8 @@ TICK_S = 0.01  # seconds between two scripted tokens
 class ScriptedOrch(Orchestrator):
     """The real orchestrator, but ``start_request`` makes a colocated request whose tokens a task
     feeds (``script`` cycled, one per TICK_S, the last with fin "length"); ``fail_at``: the tier
-    fails the request at that output position instead; ``hold_at``: the tier stops feeding at that
+    fails the request at that output position instead (as the request's own failure, with
+    ``fail_as_client`` its why, when set); ``hold_at``: the tier stops feeding at that
     position until the request is aborted (a generation that cannot end on its own). Phases move
     as the real one's: prefill at the start, decode at the first token."""
 
@@ -39,6 +40,7 @@ class ScriptedOrch(Orchestrator):
         self.peers = {s.name: FakePeer() for s in self.layout.engines}
         self.script = script
         self.fail_at: int | None = None
+        self.fail_as_client: str | None = None  # fail_at's failure is the request's own, this its why
         self.hold_at: int | None = None
         self.fed: dict[str, int] = {}  # rid -> tokens fed
         self.abort_reasons: list[str] = []
@@ -63,6 +65,9 @@ class ScriptedOrch(Orchestrator):
                 return
             if pos == fail_at:
                 st.recovery.error = "injected tier failure"
+                if self.fail_as_client is not None:  # the request's own failure, as a tier's req_error gives it
+                    st.recovery.error = f"c0: {self.fail_as_client}"
+                    st.recovery.client_error, st.recovery.client_reason = True, self.fail_as_client
                 st.queue.put_nowait(None)
                 return
             if pos == 0:

@@ -5,7 +5,9 @@ here: max_input_len 400 < max_model_len 512 (the ``api`` fixture)."""
 from __future__ import annotations
 
 import json
+import typing
 
+import pydantic
 import pytest
 
 OK = {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
@@ -1298,3 +1300,61 @@ def test_a_compressed_body_is_415_naming_its_content_encoding(api, coding):
     r = client.post("/v1/completions", content=json.dumps(OK).encode(),
                     headers={"content-type": "application/json", "content-encoding": "identity"})
     assert r.status_code == 200, r.text
+
+
+def _no_bad(v: str) -> str:
+    if v == "bad":
+        raise ValueError("bad one")
+    return v
+
+
+class _Unions(pydantic.BaseModel):
+    """Union fields as pydantic names their branches in an error's loc (``str``,
+    ``dict[any,any]``, ``function-after[...]``, a model's class name, ``constrained-str``)."""
+
+    class Inner(pydantic.BaseModel):
+        a: int
+
+    x: int | list[int] | None = None
+    y: pydantic.StrictStr | dict | None = None
+    z: typing.Annotated[str, pydantic.AfterValidator(_no_bad)] | int | None = None
+    w: list[int | str] | None = None
+    v: Inner | str | None = None
+    u: typing.Annotated[str, pydantic.Field(max_length=2)] | float | None = None
+
+
+@pytest.mark.parametrize("body,loc,message", [
+    # every branch refused the value's type: one message naming the types, no branch's name
+    ({"x": "a"}, ["x"], "must be an integer or an array, got 'a'"),
+    ({"y": 5}, ["y"], "must be a string or an object, got 5"),
+    ({"z": [1]}, ["z"], "must be a string or an integer, got [1]"),
+    ({"w": [None]}, ["w", 0], "must be an integer or a string, got None"),
+    # a branch took the type and refused something inside it: that branch's error, without its name
+    ({"x": [1, "a"]}, ["x", 1], "Input should be a valid integer, unable to parse string as an integer"),
+    ({"z": "bad"}, ["z"], "Value error, bad one"),
+    ({"v": {"a": "q"}}, ["v", "a"], "Input should be a valid integer, unable to parse string as an integer"),
+    ({"u": "abc"}, ["u"], "String should have at most 2 characters"),
+])
+def test_a_union_fields_error_names_no_pydantic_branch(body, loc, message):
+    """Before, ``tool_choice: 5`` was "tool_choice.str: Input should be a valid string": the loc
+    of pydantic's first union branch, in the message a client reads."""
+    from pdd.gateway.openai_schemas import first_error
+
+    with pytest.raises(pydantic.ValidationError) as e:
+        _Unions.model_validate(body)
+    got = first_error(e.value.errors())
+    assert (list(got["loc"]), got["msg"]) == (loc, message)
+
+
+def test_a_plain_error_is_the_first_as_pydantic_gives_it():
+    """Two fields' errors (not a union's branches) are left as they are: the first."""
+    from pdd.gateway.openai_schemas import first_error
+
+    errs = [{"loc": ("messages", 0, "role"), "msg": "Field required", "type": "missing", "input": {}},
+            {"loc": ("messages", 0, "content"), "msg": "Field required", "type": "missing", "input": {}}]
+    assert first_error(errs) == errs[0]
+    # two keys of a dict (capitalised as a model's class name would be): not a union's branches
+    errs = [{"loc": ("logit_bias", "A", "x"), "msg": "bad", "type": "float_type", "input": "x"},
+            {"loc": ("logit_bias", "B", "y"), "msg": "bad", "type": "float_type", "input": "y"}]
+    assert first_error(errs) == errs[0]
+    assert first_error([]) == {}

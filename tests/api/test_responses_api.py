@@ -296,6 +296,15 @@ BASE = {"model": MODEL, "input": "hi"}
      "tools[1].name: 'f' is tools[0]'s too; function names must be unique"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "no built-in tools"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none'"),
+    # a number was "tool_choice.str: Input should be a valid string" (pydantic's union branch)
+    ({"tool_choice": 5}, "tool_choice", "tool_choice: must be 'auto', 'none', 'required' or an object, got 5"),
+    ({"input": 5}, "input", "input: must be a string or a non-empty list of items, got 5"),
+    ({"tools": [{"type": "function", "name": "get weather"}]}, "tools[0].name",
+     "tools[0].name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), got "
+     "'get weather'"),
+    ({"tools": [*R_TOOLS, {"type": "function", "name": "x" * 65}]}, "tools[2].name",
+     "tools[2].name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), got "
+     f"{'x' * 65!r}"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning mode"),
     # the chat path's structured-output refusals, named as the Responses field
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text",
@@ -328,7 +337,6 @@ BASE = {"model": MODEL, "input": "hi"}
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "a reasoning item is not supported"),
     ({"input": [{"type": "web_search_call"}]}, "input", "item type 'web_search_call' is not supported"),
     ({"input": ["hi"]}, "input", "input[0]: must be an object"),
-    ({"input": 5}, "input", "Input should be a valid"),
     ({"temperature": 3}, "temperature", "less than or equal to 2"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({"max_output_tokens": 1000}, "max_output_tokens", "max_output_tokens (1000) exceeds the context window"),
@@ -520,7 +528,7 @@ def test_text_format_and_tool_choice_become_chats():
     from pdd.gateway.openai_responses import ResponsesRequest, chat_body
 
     def chat(**kw):
-        return chat_body(ResponsesRequest.model_validate({**BASE, "tools": R_TOOLS, **kw}))
+        return chat_body(ResponsesRequest.model_validate({**BASE, "tools": R_TOOLS, **kw}))[0]
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     c = chat(text={"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}})

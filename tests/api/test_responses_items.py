@@ -26,6 +26,11 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "ar
     ([CALL, {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
       {"type": "function_call_output", "call_id": "call_2", "output": "noon"}],
      "input[2].call_id", "input[2].call_id: No tool call found for function call output with call_id 'call_2'"),
+    # two outputs of one call: OpenAI refuses it (which is the call's result?)
+    ([CALL, {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+      {"role": "user", "content": "and?"}, {"type": "function_call_output", "call_id": "call_1", "output": "rain"}],
+     "input[3].call_id", "input[3].call_id: Duplicate function call output for call_id 'call_1': input[1] "
+     "answers it already"),
     ([{**CALL, "arguments": '{"city": '}], "input[0].arguments",
      "input[0].arguments: must be a JSON string (the call's arguments as JSON text), got '{\"city\": '"),
     ([{"role": "user", "content": "hi"}, {**CALL, "arguments": ""}], "input[1].arguments",

@@ -58,6 +58,27 @@ async def test_a_tier_failing_mid_stream_is_response_failed(gateway):  # noqa: F
     assert ABORT_FAILED in orch.abort_reasons and ABORT_CLIENT not in orch.abort_reasons
 
 
+
+async def test_the_requests_own_failure_mid_stream_reads_as_its_400(gateway):  # noqa: F811
+    """A request failed by its own grammar (``client_error``) is a 400 ``invalid_request_error``
+    not streamed; streamed, its ``response.failed`` said ``server_error``."""
+    client, orch, _ = gateway
+    orch.fail_at, orch.fail_as_client = 3, "structured output failed at output 3: parser error"
+    r = await client.post("/v1/responses", json={**BODY, "stream": True})
+    failed = _events(r.text)[-1]
+    assert (failed["type"], failed["response"]["status"], failed["response"]["error"]) == (
+        "response.failed", "failed", {"code": "invalid_request_error",
+                                      "message": "structured output failed at output 3: parser error"})
+    r = await client.post("/v1/responses", json=BODY)
+    assert (r.status_code, r.json()) == (400, {"error": {
+        "message": "structured output failed at output 3: parser error", "type": "invalid_request_error",
+        "param": None, "code": None}})
+    r = await client.post("/v1/chat/completions", json={"model": "pdd-tiny", "max_tokens": 40, "stream": True,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+    errors = [json.loads(ln[6:])["error"] for ln in r.text.splitlines() if ln.startswith('data: {"error"')]
+    assert errors == [{"message": "structured output failed at output 3: parser error",
+                       "type": "invalid_request_error", "param": None, "code": None}]
+
 async def test_x_request_id_is_echoed_and_the_response_id_its_own(gateway):  # noqa: F811
     """X-Request-Id correlates the request (echoed in the header); the response's id is new for
     each response, streamed or not (one header sent twice made one id, the second replacing the

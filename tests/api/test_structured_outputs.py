@@ -118,6 +118,7 @@ def test_tool_schema_gathers_defs_without_changing_the_tools():
                  "per name is supported")
 
 
+SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # {"a": {"a": ...: no end
 BAD = [
     ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format",
      "response_format.type: must be one of 'text', 'json_object', 'json_schema', got 'structural_tag'"),
@@ -165,6 +166,19 @@ BAD = [
      "guided_regex: the constraint allows no output: no token can begin it"),
     ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}},
      "guided_json", "guided_json: the constraint allows no output: no token can begin it"),
+    # no finite JSON text: llguidance compiles them and the request failed only after prefill, at
+    # run time ("Too many items"); refused up front, naming the property
+    ({"guided_json": SELF}, "guided_json",
+     "guided_json: no finite JSON value satisfies the schema: required property 'a' can hold no finite value: its "
+     "schema requires a value of the same schema again, without end"),
+    ({"structured_outputs": {"json": {"$ref": "#/$defs/N", "$defs": {"N": {
+        "type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}, "required": ["next"]}}}}},
+     "structured_outputs",
+     "structured_outputs.json: no finite JSON value satisfies the schema: required property 'next' can hold no "
+     "finite value: its schema requires a value of the same schema again, without end"),
+    ({"guided_json": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}}, "guided_json",
+     "guided_json: no finite JSON value satisfies the schema: an array of minItems 1 whose items can hold no "
+     "finite value: their schema requires a value of the same schema again, without end"),
     # bounded: a longer one could overflow llguidance's recursion (it killed the gateway)
     ({"guided_regex": "a" * 32769}, "guided_regex",
      "guided_regex: the constraint is 32,769 characters; at most 32,768 are compiled"),
@@ -208,6 +222,30 @@ def test_every_bad_constraint_is_a_400_naming_its_field_and_why(api, path, extra
     err = r.json()["error"]
     assert (err["type"], err["param"], err["message"], err["code"]) == ("invalid_request_error", param, message, None)
     assert not orch.started
+
+
+def test_a_chat_response_format_with_no_finite_value_is_a_400_before_any_tier_works(api):
+    client, orch = api
+    r = client.post("/v1/chat/completions", json={**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "self", "schema": SELF}}})
+    assert (r.status_code, r.json()) == (400, {"error": {
+        "message": "response_format.json_schema.schema: no finite JSON value satisfies the schema: required "
+                   "property 'a' can hold no finite value: its schema requires a value of the same schema again, "
+                   "without end", "type": "invalid_request_error", "param": "response_format", "code": None}})
+    assert not orch.started
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},  # optional: {} ends it
+    {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+    {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["next"]},
+    {"properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # no type: a string satisfies it
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},  # check_start's
+])
+def test_a_recursive_schema_with_a_finite_value_is_not_refused_as_endless(schema):
+    from pdd.structured import endless_required
+
+    assert endless_required(schema) is None
 
 
 @pytest.mark.parametrize("extra,param,message", [

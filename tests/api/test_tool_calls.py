@@ -445,6 +445,23 @@ async def test_forced_tool_choice_is_refused_when_md_runs_on_vllm(tiny_model):
     ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}},
                 {"type": "function", "function": {"name": "f", "description": "other"}}]}, "tools",
      "tools[2].function.name: 'f' is tools[0]'s too; function names must be unique"),
+    # OpenAI's pattern for a function name: a space, a dot or a 65th character is a 400 naming the field
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "get weather"}}]}, "tools[2].function.name",
+     "tools[2].function.name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), "
+     "got 'get weather'"),
+    ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0].function.name",
+     "tools[0].function.name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), "
+     "got 'a.b'"),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools[0].function.name",
+     "tools[0].function.name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), "
+     f"got {'f' * 65!r}"),
+    # a number was "tool_choice.str: Input should be a valid string" (pydantic's union branch)
+    ({"tool_choice": 5}, "tool_choice",
+     "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
+     "got 5"),
+    ({"tool_choice": ["auto"]}, "tool_choice",
+     "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
+     "got ['auto']"),
 ])
 async def test_malformed_tools_and_tool_choice_are_400s_saying_what_is_wrong(serve, extra, param, message):
     """Before, any tool_choice other than none / auto got the guided-decoding message (an unknown

@@ -213,3 +213,49 @@ def test_a_grammar_that_fails_at_run_time_fails_the_request_naming_why(pdd_topo,
     assert err["type"] == "invalid_request_error"
     assert pdd_topo.wait_idle(timeout_s=30), pdd_topo.last_busy
     assert pdd_topo.flush()["leaked_pages"] == 0
+
+
+# {"a": {"a": ...}}: no end. Its only property is "a" and minProperties 1 requires it: what
+# pdd.structured.endless_required does not read (a "required" "a" it refuses up front), so llguidance
+# compiles it and the request fails at run time
+SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "minProperties": 1, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+                                         ("/v1/responses", False), ("/v1/responses", True)])
+def test_an_unsatisfiable_schema_fails_as_the_requests_own_error_naming_no_internals(pdd_topo, path, stream):
+    """A schema whose one property must be there and is the schema itself has no finite JSON
+    text. A non-streamed answer's 400 named a tier's request id and instance; a streamed /v1/responses failed with
+    ``server_error`` (the request's own error must read the same streamed or not)."""
+    import httpx
+
+    base = {"model": pdd_topo.cfg.served_model_name, "temperature": 0, "stream": stream}
+    if path == "/v1/responses":
+        body = {**base, "input": "JSON please", "max_output_tokens": 64,
+                "text": {"format": {"type": "json_schema", "name": "self", "schema": SELF}}}
+    else:
+        body = {**base, "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 64,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "self", "schema": SELF}}}
+    with httpx.Client(timeout=300) as c:
+        if stream:
+            with c.stream("POST", pdd_topo.url + path, json=body) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            assert r.status_code == 200
+            events = [json.loads(ln[6:]) for ln in lines if ln != "data: [DONE]"]
+            if path == "/v1/responses":
+                last = events[-1]
+                assert last["type"] == "response.failed", last
+                err = last["response"]["error"]
+            else:
+                errors = [e["error"] for e in events if "error" in e]
+                assert len(errors) == 1 and lines[-1] == "data: [DONE]", lines
+                err = errors[0]
+        else:
+            r = c.post(pdd_topo.url + path, json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+    assert err["type" if "type" in err else "code"] == "invalid_request_error", err
+    assert err["message"].startswith("structured output failed at output "), err
+    for internal in ("request ", "p0", "rld0", "md0", "trid", "attempt"):
+        assert internal not in err["message"], err
+    assert pdd_topo.wait_idle(timeout_s=30), pdd_topo.last_busy

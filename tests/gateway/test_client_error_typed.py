@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from pdd.gateway.api import _failure
-from pdd.gateway.state import RequestFailed, client_error_of
+from pdd.gateway.state import RequestFailed, client_error_of, client_reason_of
 from pdd.structured import FAILED_AT
 from pdd.transfer.messages import OMIT, ReqError
 from pdd.transfer.peer import CallFailed, RemoteError
@@ -64,6 +64,26 @@ async def test_a_tiers_req_error_fails_the_stream_with_its_kind(client_error, st
         await asyncio.wait_for(consumer, BOUND_S)
     assert str(ex.value) == f"request r1 failed: {text}"
     assert ex.value.client_error is client_error and _failure(ex.value)[0] == status
+    # what the client reads: its own failure's why, without the gateway's request id nor the tier's
+    # name (the server's, for its log); the server's failure as it is
+    assert ex.value.client_message == (GRAMMAR.removeprefix("md0: ") if client_error else str(ex.value))
+
+
+def test_a_failed_calls_reason_is_its_text_without_the_exceptions_name():
+    """P's prefill call failed by the request's grammar: "CallFailed: <why>" (pdd.transfer.peer's
+    error text); the client reads <why>, however the failure was wrapped."""
+    why = f"{FAILED_AT} 0: parser error: too many items"
+    remote = RemoteError(f"CallFailed: {why}", {"t": "error", "error": "x", "detail": {"client_error": True}})
+    try:
+        try:
+            raise remote
+        except RemoteError as e:
+            raise RequestFailed(f"request r1 failed while starting: {e}", client_error_of(e),
+                                client_reason_of(e)) from e
+    except RequestFailed as wrapped:
+        assert (wrapped.client_message, client_reason_of(wrapped)) == (why, why)
+    assert client_reason_of(RemoteError(f"RuntimeError: {why}", {"t": "error", "error": "x"})) is None
+    assert RequestFailed("request r1 failed: p0: x", client_error=True).client_message == "request r1 failed: p0: x"
 
 
 async def test_the_worker_fails_a_popped_sequence_as_the_clients_and_a_raising_step_as_the_servers():

@@ -91,3 +91,27 @@ async def test_api_key_middleware():
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_app), base_url="http://t") as c:
         assert (await c.get("/v1/models")).text == "ok"
     assert json.loads(json.dumps(ClusterConfig.model_validate({"security": {"api_keys": ["x"]}}).model_dump()))
+
+
+@pytest.mark.parametrize("headers,message", [
+    # the second of two was taken silently (a dict of the headers kept the last)
+    ([("Authorization", "Bearer nope"), ("Authorization", "Bearer k1")],
+     "ambiguous credentials: the request has 2 Authorization headers; send one"),
+    ([("Authorization", "Bearer k1"), ("Authorization", "Bearer k1")],
+     "ambiguous credentials: the request has 2 Authorization headers; send one"),
+    ([("x-api-key", "k1"), ("X-Api-Key", "nope")],
+     "ambiguous credentials: the request has 2 x-api-key headers; send one"),
+])
+async def test_two_credentials_are_a_401_saying_so(headers, message):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guarded = ApiKeyMiddleware(app, keys=["k1", "k2"])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://t") as c:
+        r = await c.get("/v1/models", headers=headers)
+        assert (r.status_code, r.json()) == (401, {"error": {"message": message, "type": "invalid_request_error",
+                                                             "param": None, "code": "invalid_api_key"}})
+        assert r.headers["www-authenticate"] == "Bearer"
+        # one of each header is no ambiguity: the Bearer key decides (docs/SECURITY.md)
+        assert (await c.get("/v1/models", headers=[("Authorization", "Bearer k1"), ("x-api-key", "nope")])).text == "ok"

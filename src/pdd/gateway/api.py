@@ -58,7 +58,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt)
+                                        truncated_prompt, first_error)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -266,6 +266,30 @@ class BodyLimit:
         return await self.app(scope, receive_again, send)
 
 
+class JsonCORS(CORSMiddleware):
+    """Starlette's CORS middleware whose refused preflight (400, "Disallowed CORS origin" as
+    plain text) is an OpenAI-style JSON error naming what was refused and the ``cors`` field
+    (and ``pdd serve`` flag) that would allow it; status and CORS headers as Starlette gives them."""
+
+    _WHAT = {"origin": ("origin", "is not in cors.allowed_origins", "--allowed-origins"),
+             "method": ("access-control-request-method", "is not in cors.allowed_methods", "--allowed-methods"),
+             "headers": ("access-control-request-headers", "are not all in cors.allowed_headers",
+                         "--allowed-headers")}
+
+    def preflight_response(self, request_headers):
+        r = super().preflight_response(request_headers)
+        if r.status_code != 400:
+            return r
+        why = []
+        for failure in r.body.decode().removeprefix("Disallowed CORS ").split(", "):
+            header, rule, flag = self._WHAT.get(failure, (None, "not allowed", None))
+            sent = f" {shown(request_headers.get(header))}" if header else ""
+            where = f" (the gateway's config; pdd serve {flag})" if flag else ""
+            why.append(f"Disallowed CORS {failure}:{sent} {rule}{where}")
+        headers = {k: v for k, v in r.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return JSONResponse(error_body("; ".join(why)), status_code=400, headers=headers)
+
+
 def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template: ChatTemplate | None = None) -> FastAPI:
     # no 307 to the path without its trailing slash (FastAPI's redirect_slashes: an empty body, and
     # a client that follows it with its method changed may get a 405): ``/pdd/instances/`` is an
@@ -307,8 +331,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
+        first = first_error(exc.errors())  # a union field's error names none of pydantic's branches
         # where the bad value sits (body, query string, path) is not the parameter's name
         outer = {"body", "query", "path", "header"}
         raw_loc = list(first.get("loc", []))
@@ -406,7 +429,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     app.add_middleware(RequestIdHeader)  # every response (429s and 503s too) names its X-Request-Id
     # outside the others but the HTTP metrics: a browser's preflight is answered before the API key (it carries none) and every
     # answer, a refusal too, carries the CORS headers a page needs to read it (as vLLM's server)
-    app.add_middleware(CORSMiddleware, allow_origins=cfg.cors.allowed_origins,
+    app.add_middleware(JsonCORS, allow_origins=cfg.cors.allowed_origins,
                        allow_credentials=cfg.cors.allow_credentials, allow_methods=cfg.cors.allowed_methods,
                        allow_headers=cfg.cors.allowed_headers, expose_headers=["X-Request-Id"])
     if getattr(orch, "metrics", None) is not None:  # outermost: every response counted (CORS preflights too), by route and status
@@ -743,7 +766,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
                 raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
             status, etype = _failure(ex)  # 503, or 400 when it was the request's own (its grammar failed)
-            raise ApiError(str(ex), None, status=status, etype=etype) from ex
+            raise ApiError(ex.client_message, None, status=status, etype=etype) from ex
         except BaseException:
             if ticket is not None:
                 adm.release(ticket)
@@ -774,7 +797,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             ok = True
         except RequestFailed as ex:
             status, etype = _failure(ex)
-            return JSONResponse(error_body(str(ex), etype=etype), status_code=status)
+            return JSONResponse(error_body(ex.client_message, etype=etype), status_code=status)
         finally:
             for t in (run, watch):
                 if not t.done():
@@ -1110,7 +1133,7 @@ async def _sse(gen: Generation, head: dict, chunks, usage: tuple[bool, bool]):
         ok = True
     except RequestFailed as ex:
         reason = ABORT_FAILED
-        yield _data(error_body(str(ex), etype=_failure(ex)[1]))
+        yield _data(error_body(ex.client_message, etype=_failure(ex)[1]))
         yield "data: [DONE]\n\n"
         return
     except (asyncio.CancelledError, GeneratorExit):

@@ -43,17 +43,20 @@ the official client computes it from ``output``, as OpenAI's server leaves it ou
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
-from pdd.gateway.openai_schemas import MAX_LOGPROBS, ApiError, ChatCompletionRequest, duplicate_name, lone_surrogate
+from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_function_name, duplicate_name,
+                                        lone_surrogate)
 from pdd.text import shown
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -83,13 +86,13 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[Any]
+    input: Any  # a string or a list of items: checked by read_input (a 400 naming what is allowed)
     instructions: StrictStr | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
     tools: list[Any] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Any = None  # checked by chat_tool_choice
     parallel_tool_calls: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     user: StrictStr | None = None
@@ -156,7 +159,7 @@ def check_responses(body: ResponsesRequest) -> None:
     ``metadata``, ``tools``, ``text``, and a surrogate there made its rendering a 500 after the
     model had run, and its stored copy a 500 on every ``GET``. ``input``, ``tools``,
     ``tool_choice`` and ``text.format`` are checked as they are converted
-    (:func:`chat_messages`, :func:`chat_tools`, :func:`chat_tool_choice`,
+    (:func:`read_input`, :func:`chat_tools`, :func:`chat_tool_choice`,
     :func:`chat_response_format`)."""
     for name, value in body.model_dump(exclude={"input", "instructions"}).items():
         found = _surrogate_at(value, name)
@@ -223,10 +226,21 @@ def _text_of(content, where: str, kinds: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(body: ResponsesRequest, prior: list[dict] | None = None) -> list[dict]:
+@dataclass
+class Input:
+    """A Responses request's ``input``, read once (:func:`read_input`): ``messages`` its chat
+    messages, ``listed`` its items as ``GET /v1/responses/{id}/input_items`` lists them."""
+
+    messages: list[dict]
+    listed: list[dict]
+
+
+def chat_messages(body: ResponsesRequest, prior: list[dict] | None = None,
+                  read: Input | None = None) -> list[dict]:
     """The chat messages of a Responses request: ``instructions`` as a system message, then
     ``prior`` (the conversation of the ``previous_response_id``, :class:`ResponseStore`: its
-    instructions are not carried over, as OpenAI's), then :func:`input_messages`."""
+    instructions are not carried over, as OpenAI's), then ``read``'s messages (``input`` read
+    here, :func:`read_input`, when None)."""
     msgs: list[dict] = []
     if body.instructions:
         bad = lone_surrogate(body.instructions)
@@ -235,39 +249,63 @@ def chat_messages(body: ResponsesRequest, prior: list[dict] | None = None) -> li
                           f"{bad})")
         msgs.append({"role": "system", "content": body.instructions})
     msgs += [dict(m) for m in prior or ()]
-    return msgs + input_messages(body, called_ids(prior))
+    read = read if read is not None else read_input(body, prior)
+    return msgs + copy.deepcopy(read.messages)
 
 
-def called_ids(conversation: list[dict] | None) -> set[str]:
-    """The ``call_id`` of every tool call the assistant turns of ``conversation`` (chat
-    messages: a stored response chain's) made."""
-    return {c["id"] for m in conversation or () if m.get("role") == "assistant" for c in m.get("tool_calls") or ()}
+def _listed_message(given: str | None, role: str, content) -> dict:
+    """A message item as ``input_items`` lists it: string content as one ``input_text`` part
+    (``output_text``, with ``annotations`` [], an assistant's), parts as sent otherwise."""
+    if isinstance(content, str):
+        content = [{"type": "output_text", "text": content, "annotations": []} if role == "assistant"
+                   else {"type": "input_text", "text": content}]
+    else:
+        content = [{**p, "annotations": p.get("annotations") or []} if p.get("type") == "output_text"
+                   else dict(p) for p in content]
+    return {"id": given or f"msg_{_hex()}", "type": "message", "role": role, "status": "completed",
+            "content": content}
 
 
-def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = frozenset()) -> list[dict]:
-    """``input`` as chat messages (a string: one user message; a list: each message item as a
-    chat message, a run of ``function_call`` items as the ``tool_calls`` of one assistant
-    message, the assistant message item just before them if there is one (the model's turn: its
-    text, then its calls), each ``function_call_output`` as a ``tool`` message). ApiError naming
-    ``input`` for an item pdd cannot take (module docstring); naming ``input[i].arguments`` for
-    a ``function_call`` whose ``arguments`` is not JSON text, and ``input[i].call_id`` for a
-    ``function_call_output`` whose ``call_id`` is no ``function_call`` item's in ``input`` nor
-    in ``prior_calls`` (the call ids of the ``previous_response_id`` chain: :func:`called_ids`),
-    as OpenAI refuses both."""
-    msgs: list[dict] = []
+def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input:
+    """``input`` read in one walk, as chat messages and as its listed items (:class:`Input`).
+
+    Messages: a string is one user message; in a list, each message item is a chat message, a
+    run of ``function_call`` items the ``tool_calls`` of one assistant message (the assistant
+    message item just before them if there is one: the model's turn, its text, then its
+    calls), each ``function_call_output`` a ``tool`` message. Listed items (input order): each
+    keeps the ``id`` the client sent (a response's output items fed back), else gets one:
+    ``msg_`` for a message (a string ``input`` is one user message), ``fc_`` for a
+    ``function_call``, ``fco_`` for a ``function_call_output`` (+ 24 hex digits); ``status``
+    "completed"; a message's string content one ``input_text`` part (``output_text``, with
+    ``annotations`` [], an assistant's), its parts as sent otherwise.
+
+    ApiError naming ``input`` for an item pdd cannot take (module docstring); naming
+    ``input[i].arguments`` for a ``function_call`` whose ``arguments`` is not JSON text, and
+    ``input[i].call_id`` for a ``function_call_output`` whose ``call_id`` is no
+    ``function_call`` item's in ``input`` nor a tool call of ``prior``'s assistant turns (the
+    ``previous_response_id`` chain's conversation, chat messages), or that an earlier
+    ``function_call_output`` answers already, as OpenAI refuses them."""
     items = body.input
     if isinstance(items, str):
-        return [{"role": "user", "content": _text_of(items, "input", ())}]
-    if not items:
-        raise _refuse("input", "input: must be a string or a non-empty list of items")
+        return Input([{"role": "user", "content": _text_of(items, "input", ())}],
+                     [_listed_message(None, "user", items)])
+    if not isinstance(items, list) or not items:
+        got = "" if isinstance(items, list) else f", got {shown(items)}"
+        raise _refuse("input", f"input: must be a string or a non-empty list of items{got}")
     if len(items) > MAX_INPUT_ITEMS:
         raise _refuse("input", f"input: at most {MAX_INPUT_ITEMS} items, got {len(items)}")
+    msgs: list[dict] = []
+    listed: list[dict] = []
+    # the call ids an output may answer: the prior turns' tool calls, then input's function_call items
+    calls = {c["id"] for m in prior or () if m.get("role") == "assistant" for c in m.get("tool_calls") or ()}
+    outputs: list[tuple[int, str]] = []  # (input index, call id) of each function_call_output
     for i, it in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(it, dict):
             raise _refuse("input", f"{at}: must be an object (a message or a function call item), got "
                           f"{type(it).__name__}")
         kind = it.get("type", "message")
+        given = it.get("id") if isinstance(it.get("id"), str) and it.get("id") else None
         if kind == "message":
             role = it.get("role")
             if role not in MESSAGE_ROLES:
@@ -276,6 +314,7 @@ def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = f
                 raise _refuse("input", f"{at}.content: required")
             kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
             msgs.append({"role": role, "content": _text_of(it["content"], f"{at}.content", kinds)})
+            listed.append(_listed_message(given, role, it["content"]))
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(it.get(key), str) or (key != "arguments" and not it[key]):
@@ -286,6 +325,7 @@ def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = f
             except ValueError:
                 raise _refuse(f"{at}.arguments", f"{at}.arguments: must be a JSON string (the call's arguments as "
                               f"JSON text), got {shown(it['arguments'])}") from None
+            calls.add(it["call_id"])
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
             last = msgs[-1] if msgs else None
@@ -293,14 +333,20 @@ def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = f
                 last.setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            listed.append({"id": given or f"fc_{_hex()}", "type": "function_call", "status": "completed",
+                           "call_id": it["call_id"], "name": it["name"], "arguments": it["arguments"]})
         elif kind == "function_call_output":
             if not isinstance(it.get("call_id"), str) or not it["call_id"]:
                 raise _refuse("input", f"{at}.call_id: required, a string")
             _text_of(it["call_id"], f"{at}.call_id", ())
             if "output" not in it:
                 raise _refuse("input", f"{at}.output: required")
+            output = it["output"]
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
-                         "content": _text_of(it["output"], f"{at}.output", ("input_text",))})
+                         "content": _text_of(output, f"{at}.output", ("input_text",))})
+            listed.append({"id": given or f"fco_{_hex()}", "type": "function_call_output", "status": "completed",
+                           "call_id": it["call_id"], "output": output if isinstance(output, str) else list(output)})
+            outputs.append((i, it["call_id"]))
         elif kind == "item_reference":
             raise _refuse("input", f"{at}: item_reference is not supported: send the item itself (or the "
                           "response's id as previous_response_id)")
@@ -310,12 +356,16 @@ def input_messages(body: ResponsesRequest, prior_calls: set[str] | frozenset = f
         else:
             raise _refuse("input", f"{at}: item type {shown(kind)} is not supported (message, function_call and "
                           "function_call_output are)")
-    calls = set(prior_calls) | {it["call_id"] for it in items if it.get("type") == "function_call"}
-    for i, it in enumerate(items):
-        if it.get("type") == "function_call_output" and it["call_id"] not in calls:
+    answered: dict[str, int] = {}  # call id -> the input item answering it
+    for i, cid in outputs:  # after the walk: a call may come after its output in input
+        if cid not in calls:
             raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: No tool call found for function call output "
-                          f"with call_id {shown(it['call_id'])}")
-    return msgs
+                          f"with call_id {shown(cid)}")
+        j = answered.setdefault(cid, i)
+        if j != i:
+            raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: Duplicate function call output for call_id "
+                          f"{shown(cid)}: input[{j}] answers it already")
+    return Input(msgs, listed)
 
 
 def chat_tools(tools: list | None) -> list[dict] | None:
@@ -335,6 +385,9 @@ def chat_tools(tools: list | None) -> list[dict] | None:
             raise _refuse("tools", f"tools[{i}]: must be a function tool (type 'function'), got {shown(t)}")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise _refuse("tools", f"tools[{i}].name: required, a non-empty string")
+        bad = bad_function_name(t["name"], f"tools[{i}].name")
+        if bad:
+            raise _refuse(f"tools[{i}].name", bad)
         dup = duplicate_name(first, t["name"], i, f"tools[{i}].name")
         if dup:
             raise _refuse("tools", dup)
@@ -385,13 +438,15 @@ def chat_response_format(text: dict | None) -> dict | None:
                   f"{shown(fmt)}")
 
 
-def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCompletionRequest:
+def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> tuple[ChatCompletionRequest, Input]:
     """The ``/v1/chat/completions`` request a Responses request runs as (one choice; streamed
-    with usage when ``stream``); ``prior``: the previous response's conversation (chat messages,
-    :class:`ResponseStore`). ApiError (400) for what :func:`check_responses` refuses and for bad
-    ``input``, ``tools`` or ``tool_choice``."""
+    with usage when ``stream``), and its ``input`` as read (:func:`read_input`); ``prior``: the
+    previous response's conversation (chat messages, :class:`ResponseStore`). ApiError (400)
+    for what :func:`check_responses` refuses and for bad ``input``, ``tools`` or
+    ``tool_choice``."""
     check_responses(body)
-    messages = chat_messages(body, prior)
+    read = read_input(body, prior)
+    messages = chat_messages(body, prior, read)
     tools = chat_tools(body.tools)
     tool_choice = chat_tool_choice(body.tool_choice)
     response_format = chat_response_format(body.text)
@@ -412,7 +467,7 @@ def chat_body(body: ResponsesRequest, prior: list[dict] | None = None) -> ChatCo
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     try:
-        return ChatCompletionRequest.model_validate(chat)
+        return ChatCompletionRequest.model_validate(chat), read
     except ValidationError as e:  # checked above; a difference between the two bodies' rules still says so
         err = e.errors()[0]
         raise ApiError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", None) from None
@@ -557,8 +612,9 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     ``response.function_call_arguments.done`` and ``response.output_item.done``; last
     ``response.completed`` (``response.incomplete`` when the output hit ``max_output_tokens``)
     with the whole response, which is handed to ``on_done`` first (the store's, when stored). A
-    chat error chunk ends it with ``response.failed`` (``error.code`` "server_error"; a call
-    still open is ``incomplete``). However the stream ends, the chat
+    chat error chunk ends it with ``response.failed`` (``error.code`` the chunk's type when it is
+    the request's own failure, "invalid_request_error" as the non-streamed 400's, else
+    "server_error"; a call still open is ``incomplete``). However the stream ends, the chat
     stream is closed, which aborts what still runs on the tiers (as chat does)."""
     seq = 0
     rid = None
@@ -622,9 +678,10 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                 for item in calls.values():  # arguments cut by the failure
                     if item["status"] == "in_progress":
                         item["status"] = "incomplete"
+                # the request's own failure (its grammar failed) reads as the non-streamed 400 does
+                code = "invalid_request_error" if err.get("type") == "invalid_request_error" else "server_error"
                 yield ev("response.failed", response=shell.response(
-                    rid, created, "failed", output, None,
-                    error={"code": "server_error", "message": err.get("message", "")}))
+                    rid, created, "failed", output, None, error={"code": code, "message": err.get("message", "")}))
                 return
             if rid is None:
                 rid, shell.model = shell.rid, chunk.get("model", shell.model)
@@ -700,41 +757,6 @@ def output_turn(output: list[dict]) -> dict:
     return msg
 
 
-def listed_items(body: ResponsesRequest) -> list[dict]:
-    """A request's ``input`` as ``GET /v1/responses/{id}/input_items`` lists it, in input order
-    (``input`` already checked: :func:`input_messages`). Each item keeps the ``id`` the client
-    sent (a response's output items fed back), else gets one: ``msg_`` for a message (a string
-    ``input`` is one user message), ``fc_`` for a ``function_call``, ``fco_`` for a
-    ``function_call_output`` (+ 24 hex digits); ``status`` "completed". A message's string
-    content is one ``input_text`` part (``output_text``, with ``annotations`` [], an
-    assistant's), its parts as sent otherwise."""
-    items = body.input
-    if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": items}]
-    out = []
-    for it in items:
-        kind = it.get("type", "message")
-        given = it.get("id") if isinstance(it.get("id"), str) and it.get("id") else None
-        if kind == "message":
-            content = it["content"]
-            if isinstance(content, str):
-                content = [{"type": "output_text", "text": content, "annotations": []} if it["role"] == "assistant"
-                           else {"type": "input_text", "text": content}]
-            else:
-                content = [{**p, "annotations": p.get("annotations") or []} if p.get("type") == "output_text"
-                           else dict(p) for p in content]
-            out.append({"id": given or f"msg_{_hex()}", "type": "message", "role": it["role"], "status": "completed",
-                        "content": content})
-        elif kind == "function_call":
-            out.append({"id": given or f"fc_{_hex()}", "type": "function_call", "status": "completed",
-                        "call_id": it["call_id"], "name": it["name"], "arguments": it["arguments"]})
-        else:  # function_call_output (input_messages refused every other kind)
-            output = it["output"]
-            out.append({"id": given or f"fco_{_hex()}", "type": "function_call_output", "status": "completed",
-                        "call_id": it["call_id"], "output": output if isinstance(output, str) else list(output)})
-    return out
-
-
 MAX_LIST_LIMIT = 100  # input_items' limit: 1 to 100, 20 by default (OpenAI's)
 DEFAULT_LIST_LIMIT = 20
 
@@ -770,7 +792,7 @@ class ResponseStore:
     """Responses kept in this gateway's memory (not across gateways or restarts), newest last:
     at most ``max_items`` and ``max_chars`` characters of JSON (each response, its
     conversation, the chat messages after its instructions, its output turn included, and its
-    input items as ``input_items`` lists them: :func:`listed_items`); the oldest go first, and
+    input items as ``input_items`` lists them: :func:`read_input`); the oldest go first, and
     one larger than ``max_chars`` alone is not kept. OpenAI's ``store`` default is true: a
     response is kept unless its request sends ``store: false``."""
 
@@ -822,7 +844,7 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
     response is kept in ``store`` (a new :class:`ResponseStore` if None; returned) unless its
     request sent ``store: false``: ``previous_response_id`` continues its conversation, ``GET`` /
     ``DELETE /v1/responses/{id}`` read and drop it, ``GET /v1/responses/{id}/input_items`` lists
-    its input items (:func:`listed_items`, :func:`list_page`) and ``POST
+    its input items (:func:`read_input`, :func:`list_page`) and ``POST
     /v1/responses/{id}/cancel`` is a 400 (only a background response can be cancelled, and
     ``background: true`` is refused); each a 404 ``response_not_found`` for one not kept."""
     store = store if store is not None else ResponseStore()
@@ -835,10 +857,10 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
             if got is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             prior = got[1]
-        chat = chat_body(body, prior)
+        chat, read = chat_body(body, prior)
         keep = body.store is not False
-        turns = [*prior, *input_messages(body, called_ids(prior))]  # the conversation after the instructions
-        listed = listed_items(body) if keep else []
+        turns = [*prior, *read.messages]  # the conversation after the instructions
+        listed = read.listed if keep else []
         rid = new_response_id()
 
         def kept(response: dict) -> None:

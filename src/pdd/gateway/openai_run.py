@@ -35,7 +35,7 @@ from pdd.gateway.admission import refusal
 from pdd.gateway.metrics import FINISHED_REASONS
 from pdd.gateway.orchestrator import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, ABORT_STOP, RequestFailed, ReqState,
                                       TokenOut)
-from pdd.gateway.state import client_error_of
+from pdd.gateway.state import client_error_of, client_reason_of
 from pdd.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,9 @@ class Generation:
                         self.live -= 1
                     continue
                 if isinstance(item, BaseException):
-                    raise item if isinstance(item, RequestFailed) else RequestFailed(str(item), client_error_of(item))
+                    if not isinstance(item, RequestFailed):
+                        item = RequestFailed(str(item), client_error_of(item), client_reason_of(item))
+                    raise item
                 if self.on_first_token is not None:
                     cb, self.on_first_token = self.on_first_token, None
                     cb()

@@ -148,6 +148,63 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
+# how pydantic names a union's branch in an error's loc: a type (``str``, ``dict[any,any]``,
+# ``list[int]``, ``constrained-str``, ``function-after[f(), str]``) or a model's class name; no
+# request field is spelt so (OpenAI's names are lower-case words joined by underscores), and a
+# dict's keys (``logit_bias``'s) are told apart from a union's branches by first_error: among
+# a union's, some branch is a type
+_BRANCH = re.compile(r"(str|int|float|bool|bytes|none|constrained-[a-z]+|[a-z][a-z-]*\[.*\]|[A-Z][A-Za-z0-9_]*)",
+                     re.S)
+_KIND_WORDS = (("list", "an array"), ("tuple", "an array"), ("set", "an array"), ("dict", "an object"),
+               ("str", "a string"), ("int", "an integer"), ("float", "a number"), ("bool", "a boolean"),
+               ("none", "null"))
+
+
+def _kind_of(tag: str) -> str | None:
+    """The JSON kind a union branch ``tag`` takes ("a string", "an object", ...), None if unknown.
+    ``function-after[f(), str]`` (a validator over a type) takes its type's."""
+    inner = re.fullmatch(r"function-(?:after|before|wrap|plain)\[.*, (.+)\]", tag, re.S)
+    if inner:
+        return _kind_of(inner.group(1))
+    if tag[:1].isupper():
+        return "an object"  # a model
+    head = tag.removeprefix("constrained-").split("[", 1)[0]
+    return next((w for k, w in _KIND_WORDS if head == k), None)
+
+
+def first_error(errs: list[dict]) -> dict:
+    """The error a 400 reports out of pydantic's ``errs`` (``ValidationError.errors()``), its
+    ``loc`` holding no union branch's name (``tool_choice.str`` was what a client read). Where
+    the first error is one branch of a union field's: the branch that took the value's type and
+    refused something inside it (a deeper ``loc``, or not a type error), its branch name dropped
+    from ``loc``; else, every branch refusing the type, one error at the field, ``msg`` "must
+    be a string or an object, got 5" (type ``union_type``). Any other first error as it is;
+    ``{}`` for none. Raises nothing."""
+    if not errs:
+        return {}
+    first = errs[0]
+    loc = tuple(first.get("loc", ()))
+    for k, tag in enumerate(loc):
+        if not isinstance(tag, str) or not _BRANCH.fullmatch(tag):
+            continue
+        branches = [e for e in errs if tuple(e.get("loc", ()))[:k] == loc[:k] and len(e.get("loc", ())) > k
+                    and isinstance(e["loc"][k], str) and _BRANCH.fullmatch(e["loc"][k])]
+        tags = {e["loc"][k] for e in branches}
+        if len(tags) < 2 or all(t[:1].isupper() for t in tags):
+            continue  # one error there (a field's own name), or a dict's keys: not a union's branches
+        inside = [e for e in branches if len(e["loc"]) > k + 1
+                  or not str(e.get("type", "")).endswith(("_type", "_parsing"))]
+        if inside:
+            e = inside[0]
+            return first_error([{**e, "loc": (*loc[:k], *e["loc"][k + 1:])}])  # a union inside it too
+        kinds = list(dict.fromkeys(_kind_of(e["loc"][k]) for e in branches))
+        if None in kinds:  # a branch of a kind not known here: the first branch's message, unnamed
+            return {**first, "loc": loc[:k]}
+        return {"loc": loc[:k], "type": "union_type", "input": first.get("input"),
+                "msg": f"must be {' or '.join(kinds)}, got {shown(first.get('input'))}"}
+    return first
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -514,7 +571,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Any = None  # checked by check_chat: its 400 names the values allowed
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
@@ -1102,7 +1159,8 @@ def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[
 def _check_tools(tools) -> None:
     """``tools``: each an OpenAI function tool, ``{"type": "function", "function": {"name": a
     non-empty string, ...}}`` (the only kind chat completions define); ApiError naming
-    ``tools`` otherwise, or for a function name two tools share (a call names one of them: the
+    ``tools`` otherwise, ``tools[i].function.name`` for a name that is not OpenAI's
+    ``^[a-zA-Z0-9_-]{1,64}$`` (:func:`bad_function_name`), ``tools`` for a function name two tools share (a call names one of them: the
     client could not tell which; Anthropic's and Gemini's APIs refuse that too)."""
     first: dict[str, int] = {}
     for i, t in enumerate(tools or []):
@@ -1111,9 +1169,26 @@ def _check_tools(tools) -> None:
         fn = t.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ApiError(f"tools[{i}].function: must be an object with a non-empty string name", "tools")
+        bad = bad_function_name(fn["name"], f"tools[{i}].function.name")
+        if bad:
+            raise ApiError(bad, f"tools[{i}].function.name")
         dup = duplicate_name(first, fn["name"], i, f"tools[{i}].function.name")
         if dup:
             raise ApiError(dup, "tools")
+
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def bad_function_name(name: str, where: str) -> str | None:
+    """Why a tool's function ``name`` is refused, named as ``where``
+    (``tools[2].function.name``), when it is not OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` (the
+    pattern OpenAI's API enforces; a model's chat template and a client's dispatch assume it);
+    else None."""
+    if _FUNCTION_NAME.fullmatch(name):
+        return None
+    return (f"{where}: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{{1,64}}$), "
+            f"got {shown(name)}")
 
 
 def duplicate_name(first: dict[str, int], name: str, i: int, where: str) -> str | None:

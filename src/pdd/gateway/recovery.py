@@ -22,7 +22,8 @@ import logging
 
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
-from pdd.gateway.state import ATTEMPT_EVENTS, NoInstance, NoMember, ReqState, client_error_of
+from pdd.gateway.state import (ATTEMPT_EVENTS, NoInstance, NoMember, ReqState, client_error_of,
+                               client_reason_of)
 from pdd.topology import ROLE_COLOCATED, ROLE_MAIN, ROLE_PREFILL, ROLE_RELAY
 from pdd.transfer.peer import Peer
 from pdd.transfer.messages import Cancel, Drop, ReqError, Target
@@ -70,6 +71,8 @@ class Recovery:
             return None
         st.recovery.error = m.error
         st.recovery.client_error = m.client_error is True
+        # the tier's why without its name ("rld0: "): the instance is the server's, not the client's
+        st.recovery.client_reason = m.error.removeprefix(f"{src}: ") if m.client_error is True else None
         st.queue.put_nowait(None)
         return None
 
@@ -142,6 +145,7 @@ class Recovery:
         st.recovery.degraded = False
         st.recovery.error = None
         st.recovery.client_error = False
+        st.recovery.client_reason = None
         st.recovery.asked = False
         self._handoff_new_attempt(st)
         self._wan_new_attempt(st)
@@ -210,6 +214,7 @@ class Recovery:
                 spent = self._budget_spent(st) if isinstance(e, ConnectionError) else ""
                 st.recovery.error = f"recovery failed: {e}{spent}"
                 st.recovery.client_error = client_error_of(e)  # its grammar failed on the new attempt's P
+                st.recovery.client_reason = client_reason_of(e)
                 return False
 
     async def _retry_later(self, st: ReqState, e: BaseException, seen: int) -> float:

@@ -13,7 +13,7 @@ from pdd.gateway import recovery
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
 from pdd.gateway.state import (ABORT_FAILED, ABORT_REJECTED, NoInstance, NoMember, ReqState, RequestFailed,
-                               ShuttingDown, client_error_of)
+                               ShuttingDown, client_error_of, client_reason_of)
 from pdd.types import SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -94,7 +94,7 @@ class Starts:
                 # the request's own failure (its grammar failed on P's first token) stays its own: a 400
                 msg = f"request {rid} failed while starting: {e}{budget}"
                 if rejected:  # a 429, or a 503 with Retry-After: refused, not failed (no WARNING per request)
-                    raise RequestFailed(msg, client_error_of(e)) from e
-                raise self._request_failed(msg, client_error_of(e)) from e
+                    raise RequestFailed(msg, client_error_of(e), client_reason_of(e)) from e
+                raise self._request_failed(msg, client_error_of(e), client_reason_of(e)) from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st

@@ -77,11 +77,20 @@ class RequestFailed(RuntimeError):
     """A tier failed the request; the message says which and why. ``client_error`` True: the
     request's own failure (a tier's ``ReqError.client_error``, or a failed call's
     ``detail.client_error``: its structured output's grammar failed), which the API answers
-    400 ``invalid_request_error``; else the server's."""
+    400 ``invalid_request_error``; else the server's. ``reason``: what the client reads of a
+    request's own failure (the tier's why, without the gateway's request id nor an instance's
+    name: those are the server's, for its log); None when it is the message itself."""
 
-    def __init__(self, message: str, client_error: bool = False):
+    def __init__(self, message: str, client_error: bool = False, reason: str | None = None):
         super().__init__(message)
         self.client_error = client_error
+        self.reason = reason
+
+    @property
+    def client_message(self) -> str:
+        """The message the API answers with: ``reason`` for the request's own failure, when
+        given, else the whole message."""
+        return self.reason if self.client_error and self.reason else str(self)
 
 
 def client_error_of(e: BaseException | None) -> bool:
@@ -97,6 +106,22 @@ def client_error_of(e: BaseException | None) -> bool:
         if isinstance(header, dict) and (header.get("detail") or {}).get("client_error") is True:
             return True
     return False
+
+
+def client_reason_of(e: BaseException | None) -> str | None:
+    """What the client reads of ``e`` when it is a request's own failure (:func:`client_error_of`):
+    a :class:`RequestFailed`'s ``reason``, or the text of a call a tier failed with
+    ``detail.client_error`` without its exception's name (``pdd.transfer.peer`` sends
+    "CallFailed: <why>"). None when ``e`` holds none."""
+    from pdd.gateway.admission import causes
+
+    for c in causes(e):
+        if isinstance(c, RequestFailed) and c.client_error and c.reason:
+            return c.reason
+        header = getattr(c, "header", None)
+        if isinstance(header, dict) and (header.get("detail") or {}).get("client_error") is True:
+            return str(c).removeprefix("CallFailed: ")
+    return None
 
 
 class NoInstance(RequestFailed):
@@ -219,6 +244,7 @@ class RecoveryState:
     error: str | None = None  # why the current attempt failed (a tier's req_error, a lost instance)
     asked: bool = False  # error is the operator's removal of the instance, not a fault (logged at INFO)
     client_error: bool = False  # error is the request's own (ReqError.client_error): the API's 400
+    client_reason: str | None = None  # then what its client reads: the tier's why, no instance named
     md_lost: bool = False  # MD's leg of a relayed request is gone: RLD finishes it
     degraded: bool = False  # ended (or will end) on RLD because no MD was usable
     recoveries: list = field(default_factory=list)  # [{"attempt", "reason", "phase", "pos", "pipeline", "names"}]

@@ -77,7 +77,7 @@ class Streams:
                     if st.recovery.lost and await self._recover(st):
                         continue  # a new attempt streams on from st.next_pos
                     raise self._request_failed(f"request {st.rid} failed: {st.recovery.error}",
-                                               st.recovery.client_error)
+                                               st.recovery.client_error, st.recovery.client_reason)
                 if pacer is not None and tok is not False:
                     pacer.feed(st, tok, 1000 * time.perf_counter(), self._next_tokens)
                 for t in (self._next_tokens(st, tok) if pacer is None else pacer.due(1000 * time.perf_counter())):
@@ -176,7 +176,7 @@ class Streams:
             self.awaiting_kv[st.trid] = (p_name, md_name)
             self.awaiting_kv_deadline[st.trid] = time.monotonic() + self.cfg.request_timeout_s
 
-    def _request_failed(self, message: str, client_error: bool = False) -> RequestFailed:
+    def _request_failed(self, message: str, client_error: bool = False, reason: str | None = None) -> RequestFailed:
         """The :class:`RequestFailed` a request ends with (``message`` names it: "request <rid>
         failed..."), logged once as it is made: at WARNING when it is the server's failure (the
         API answers 503 ``server_error``: nothing else in the gateway's log said the request
@@ -186,7 +186,7 @@ class Streams:
             log.info("%s (the request's own failure: the client gets 400 invalid_request_error)", message)
         else:
             log.warning("%s (the client gets 503 server_error)", message)
-        return RequestFailed(message, client_error)
+        return RequestFailed(message, client_error, reason)
 
     def _count_outcome(self, st: ReqState, outcome: str) -> bool:
         """Count ``st`` in ``totals[outcome]`` (one of :data:`OUTCOMES`) unless it was counted
