@@ -1,11 +1,13 @@
 """Start instances as OS processes: one (``pdd launch``) or a whole topology (:class:`Topology`).
 
 Each instance is ``python -m pdd.cli launch --role ROLE --name NAME --config FILE``; it prints
-``READY NAME`` (or ``LINK READY``) on stdout once it serves. :class:`Topology` starts them in
-dependency order (link and MD first, the gateway last), waits for each, and stops them all on
-exit: the gateway first (it drains its requests in flight: ``shutdown_timeout_s``), then the
-others (SIGTERM, then SIGKILL after a grace period). Logs go to ``<log_dir>/<name>.log``; a
-restart (:meth:`Topology.restart`) continues its instance's log after a ``--- restart N ...`` line.
+``READY NAME`` (or ``LINK READY``) on stdout once it serves. :class:`Topology` launches the
+engines and the link side by side (none connects to another while it starts: KV senders connect
+on first use), in dependency order (link and MD first), waits until each is ready, then starts the
+gateway (it connects to every engine at start), and stops them all on exit: the gateway first (it
+drains its requests in flight: ``shutdown_timeout_s``), then the others (SIGTERM, then SIGKILL
+after a grace period). Logs go to ``<log_dir>/<name>.log``; a restart (:meth:`Topology.restart`)
+continues its instance's log after a ``--- restart N ...`` line.
 
 No orphans: each instance runs in a session of its own (so a signal to the owner's terminal does
 not reach it twice), and so would outlive an owner killed with SIGKILL (which runs no clean-up).
@@ -209,6 +211,7 @@ class Topology:
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}  # name -> times restarted (its log is continued, not replaced)
+        self._ready: dict[str, threading.Event] = {}  # name -> set once its current run printed READY
         self._cfg_file: Path | None = None
         self.last_busy: list[str] = []  # busy_reasons at wait_idle's last poll (a timed-out wait's cause)
 
@@ -226,8 +229,16 @@ class Topology:
         self._cfg_file = self.log_dir / "cluster.json"
         self._cfg_file.write_text(self.cfg.model_dump_json(indent=1))
         try:
-            for spec in _start_order(self.layout):
-                if spec.name not in self.cfg.standby:  # started later, when an operator adds it
+            specs = [s for s in _start_order(self.layout) if s.name not in self.cfg.standby]  # standby: added later
+            engines = [s for s in specs if s.role != ROLE_GATEWAY]
+            # side by side: each pays its imports and model load at once (one by one, a pdd topology
+            # took ~12 s, most of it waiting); the first in start order that fails is the one named
+            for spec in engines:
+                self._launch(spec)
+            for spec in engines:
+                self._wait_ready(spec)
+            for spec in specs:
+                if spec.role == ROLE_GATEWAY:
                     self._spawn(spec)
             self._check_api_keys()
         except BaseException:
@@ -247,9 +258,22 @@ class Topology:
                               "a key (expected 401): refusing to serve unprotected")
 
     def _spawn(self, spec: InstanceSpec, previous_exit: int | None = None) -> None:
+        """Start ``spec``'s instance and wait until it is ready (:meth:`_wait_ready`)."""
+        self._launch(spec, previous_exit)
+        self._wait_ready(spec)
+
+    def _launch(self, spec: InstanceSpec, previous_exit: int | None = None) -> None:
+        """Start ``spec``'s instance (``pdd.spawn.spawn_instance``) without waiting for it."""
         p, ready = spawn_instance(self.cfg, spec.role, spec.name, self._cfg_file, self.log_dir / f"{spec.name}.log",
                                   restart=self.restarts.get(spec.name, 0), previous_exit=previous_exit)
         self.procs[spec.name] = p
+        self._ready[spec.name] = ready
+
+    def _wait_ready(self, spec: InstanceSpec) -> None:
+        """Wait until launched ``spec`` printed READY: ``start_timeout_s`` seconds from now (plus
+        ``vllm.start_timeout_s`` for an MD on vLLM); raises LaunchError naming it and its log's cause
+        when it exits first or the time runs out."""
+        p, ready = self.procs[spec.name], self._ready[spec.name]
         wait_s = self.start_timeout_s
         if spec.role == ROLE_MAIN and self.cfg.vllm.main_decode:  # it starts a vLLM server first
             wait_s += self.cfg.vllm.start_timeout_s

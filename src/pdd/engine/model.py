@@ -111,7 +111,11 @@ class DecoderLayer(nn.Module):
 class _Inner(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given its (uninitialised) weight rather than drawing one: the model is only built on the meta
+        # device (load_model), its weights then assigned from the checkpoint, and Embedding's normal_
+        # there imports torch._dynamo (its meta decomposition), ~1.5 s of CPU in every engine's start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
