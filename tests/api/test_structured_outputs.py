@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, structured_constraint,
-                                        tool_schema)
+from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, constraint_requested,
+                                        structured_constraint, tool_schema)
 from pdd.structured import grammar_for
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -298,6 +298,47 @@ def test_a_request_without_a_constraint_has_no_grammar(api):
     assert client.post("/v1/completions", json=CMPL).status_code == 200
     assert [(sp.grammar, sp.structured) for _, sp in orch.started] == [(None, None)] * 2
     assert "grammar" not in orch.started[0][1].to_dict()
+
+
+def test_a_request_without_a_constraint_does_not_wait_for_the_grammar_compiler(api):
+    """The compiler is one thread: a plain request sent while it compiles other clients' grammars
+    waited behind them (a plain 1-token request took 3 s beside four clients sending 25 KB
+    grammars). With the compiler held busy, requests without a constraint are served; one with a
+    constraint waits for it."""
+    import threading
+
+    from pdd.structured import compiler
+
+    client, orch = api
+    release = threading.Event()
+    busy = compiler().submit(release.wait, 60)  # the compiler's one thread, held until released
+    try:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        assert client.post("/v1/completions", json=CMPL).status_code == 200
+        assert client.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}}).status_code == 200
+        r = client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": "none"})
+        assert r.status_code == 200, r.text
+        assert [(sp.grammar, sp.structured) for _, sp in orch.started] == [(None, None)] * 3
+        assert not busy.done()
+    finally:
+        release.set()
+    busy.result(60)
+    assert client.post("/v1/completions", json={**CMPL, "guided_regex": "a"}).status_code == 200
+
+
+@pytest.mark.parametrize("extra", [{}, {"response_format": {"type": "text"}}, {"response_format": None},
+                                   {"structured_outputs": None, "guided_json": None},
+                                   {"guided_decoding_backend": "auto"}, {"tool_choice": "auto"},
+                                   {"tool_choice": "none"}, {"tool_choice": None}])
+def test_constraint_requested_is_false_only_where_there_is_none(extra):
+    """A request the gateway serves without the compiler (constraint_requested False) has no
+    constraint; each form that gives one is requested."""
+    assert not constraint_requested(_chat(**extra)) and structured_constraint(_chat(**extra)) is None
+    for form in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a"}},
+                 {"guided_regex": "a"}, {"regex": "a"}, {"ebnf": 'root ::= "a"'}, {"json_schema": "{}"},
+                 {"guided_whitespace_pattern": " "}, {"tool_choice": "required"},
+                 {"tool_choice": {"type": "function", "function": {"name": "f"}}}):
+        assert constraint_requested(_chat(**form)), form
 
 
 @pytest.mark.parametrize("backend", ["auto", "guidance", None])

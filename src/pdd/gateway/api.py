@@ -58,7 +58,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt, first_error)
+                                        truncated_prompt, first_error, constraint_requested)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -511,9 +511,12 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         """The request's structured-output constraint (``openai_schemas.structured_constraint``:
         ApiError for a bad one, or one no token can begin), else None; ApiError (400 naming its
         field) when MD runs on vLLM. Compiled on ``pdd.structured.compiler``'s thread (a large
-        stack), so the event loop serves other requests meanwhile."""
+        stack), so the event loop serves other requests meanwhile; a request that asks for none
+        (``constraint_requested``) does not wait for that thread."""
         from pdd.structured import compiler
 
+        if not constraint_requested(body):  # nothing to compile: no wait behind other clients' grammars
+            return None
         c = await asyncio.get_running_loop().run_in_executor(compiler(), _constraint, body)
         if c is not None and vllm_md:
             raise ApiError(f"{c.param}: structured outputs are not supported with MD on vLLM (vllm.main_decode): "

@@ -1051,6 +1051,25 @@ class Constraint:
         return out
 
 
+def constraint_requested(body) -> bool:
+    """Whether a completion or chat request sets a field :func:`structured_constraint` reads a
+    constraint (or a whitespace pattern) from: a ``response_format`` other than ``text``,
+    ``structured_outputs``, a ``guided_*`` field or SGLang's ``regex`` / ``ebnf`` /
+    ``json_schema``, a whitespace pattern, or a ``tool_choice`` that forces a call (``required``,
+    a named function). False: :func:`structured_constraint` returns None without compiling, so
+    the gateway serves such a request without waiting for the compiler thread
+    (``pdd.structured.compiler``: one thread, which other clients' grammars may hold for
+    seconds). Pure and cheap: no validation, no compiling."""
+    rf = getattr(body, "response_format", None)
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        return True
+    if body.structured_outputs is not None or body.guided_whitespace_pattern is not None:
+        return True
+    if any(getattr(body, name) is not None for name in _GUIDED):
+        return True
+    return getattr(body, "tool_choice", None) not in (None, "none", "auto")
+
+
 def structured_constraint(body, lltok=None) -> Constraint | None:
     """The one structured-output constraint of a completion or chat request, compiled, else None.
 
