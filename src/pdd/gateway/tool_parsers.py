@@ -237,6 +237,16 @@ def _string(ch: str, sink, done=None):
         sink(ch)
 
 
+def _digits(ch: str, sink):
+    """One or more digits at ``ch`` (a fraction's or an exponent's)."""
+    if ch not in _DIGITS:
+        raise _Bad(ch)
+    while ch in _DIGITS:
+        sink(ch)
+        ch = yield
+    return ch
+
+
 def _value(ch: str, sink, depth: int = 0, done=None):
     """A JSON value at ``ch``; ``done()`` (a string or a literal's) is called once its last
     character is read."""
@@ -283,23 +293,14 @@ def _value(ch: str, sink, depth: int = 0, done=None):
             raise _Bad(ch)
         if ch == ".":
             sink(ch)
-            ch = yield
-            if ch not in _DIGITS:
-                raise _Bad(ch)
-            while ch in _DIGITS:
-                sink(ch)
-                ch = yield
+            ch = yield from _digits((yield), sink)
         if ch == "e" or ch == "E":
             sink(ch)
             ch = yield
             if ch == "+" or ch == "-":
                 sink(ch)
                 ch = yield
-            if ch not in _DIGITS:
-                raise _Bad(ch)
-            while ch in _DIGITS:
-                sink(ch)
-                ch = yield
+            ch = yield from _digits(ch, sink)
         return ch
     for lit in ("true", "false", "null"):
         if ch == lit[0]:
