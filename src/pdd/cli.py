@@ -481,7 +481,35 @@ def _configure_logging(level: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``pdd``'s entry: run the subcommand ``argv`` names (default ``sys.argv[1:]``) and return
+    its exit status. A Ctrl-C (KeyboardInterrupt) or a :class:`pdd.cli_args.Stopped` that the
+    subcommand did not handle itself (``pdd plan``, ``pdd sim run``, ``pdd profile`` ...) is one
+    line on stderr, ``pdd plan: interrupted`` (``stopped by SIGTERM`` for a Stopped), and the
+    shell's status 128 + signal (130 for SIGINT), not a traceback of wherever it landed.
+    ``pdd serve`` and ``pdd bench`` stop their topologies and return their own status first."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as ex:
+        return _interrupted(argv, ex)
+
+
+def _interrupted(argv: list[str], ex: KeyboardInterrupt) -> int:
+    """One line naming the subcommand ``argv`` reaches and how it was stopped; 128 + signal."""
+    import signal
+
+    from pdd.cli_args import say
+
+    try:
+        prog = _deepest_parser(build_parser(), argv).prog
+    except Exception:  # noqa: BLE001 - the line must still be printed
+        prog = "pdd"
+    signum = getattr(ex, "signum", signal.SIGINT)
+    say(f"{prog}: interrupted" if signum == signal.SIGINT else f"{prog}: stopped by {signal.Signals(signum).name}")
+    return 128 + signum
+
+
+def _main(argv: list[str]) -> int:
     try:
         _configure_logging()  # from PDD_LOG_LEVEL; --log-level below overrides it
         env_problem = None

@@ -546,3 +546,26 @@ def test_remote_stats_that_are_no_json_object_are_no_stats(body):
         assert remote.mode() == "pdd" and remote.wait_idle(timeout_s=0.1) is True
     finally:
         stop()
+
+
+@pytest.mark.parametrize("ramp,text", [((5.0, 1.0), "ramp 5 -> 1 req/s"), ((0.5, 8.0), "ramp 0.5 -> 8 req/s")])
+def test_a_ramped_run_says_its_ramp_where_it_prints_its_rate(tmp_path, server_url, monkeypatch, ramp, text):
+    """``--ramp 5:1`` printed "pdd @ 2.36 req/s" (the mean) on its workload line and progress bar,
+    never the ramp; both now name it, the mean after it."""
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    labels = []
+    real = bench_mod.measured_replay
+
+    def spy(*a, **k):
+        labels.append(k.get("label"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench_mod, "measured_replay", spy)
+    report = run_bench(tmp_path / "bench", ("pdd",), 6, SCALE, cfg, seed=3, slo={"ttft_ms": 20_000, "tpot_ms": 10_000},
+                       request_timeout_s=10, progress=False, console=_console(tmp_path), ramp=ramp,
+                       topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    mean = report["workload"]["rate_rps"]
+    assert report["workload"]["ramp_rps"] == list(ramp)
+    assert labels == [f"pdd @ {text} (mean {mean:.2f})"]
+    lines = [ln for ln in (tmp_path / "console.txt").read_text().splitlines() if ln.startswith("workload:")]
+    assert len(lines) == 1 and f" of arrivals ({text}, mean {mean:.2f} req/s), prompt mean " in lines[0]

@@ -57,3 +57,47 @@ def test_plan_shows_a_progress_bar_on_a_terminal_only_and_leaves_stdout_alone(ca
     assert main(PLAN + ["--no-progress"]) == rc
     quiet = capsys.readouterr()
     assert "candidates evaluated" not in quiet.err and quiet.out == plain.out
+
+
+def _small_trace(tmp_path):
+    from pdd.workload.records import write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(generate_agentic(60, seed=5, rate=1.0), path)
+    return str(path)
+
+
+def test_plan_trace_without_workload_replays_the_trace(tmp_path, monkeypatch, capsys):
+    """``pdd plan --trace FILE`` ran the default agentic workload and never read FILE; a --trace
+    given with no --workload now means --workload trace."""
+    from pdd.workload import records as W
+
+    path, read = _small_trace(tmp_path), []
+    real = W.load_trace
+    monkeypatch.setattr(W, "load_trace", lambda p, limit=None: read.append(p) or real(p, limit=limit))
+    assert main(PLAN + ["--trace", path, "--no-progress"]) == 0
+    assert read and set(read) == {path}
+
+
+def test_plan_trace_with_another_workload_is_refused_naming_both_flags(tmp_path, capsys):
+    import pytest
+
+    path = _small_trace(tmp_path)
+    for w in ("agentic", "fixed"):
+        with pytest.raises(SystemExit) as e:
+            main(PLAN + ["--trace", path, "--workload", w])
+        assert e.value.code == 2
+        assert capsys.readouterr().err == (
+            f"pdd plan: error: --trace and --workload {w} exclude each other: --trace FILE replays a trace "
+            "(--workload trace, which --trace alone implies)\n")
+
+
+def test_sim_run_trace_with_agentic_is_refused_naming_both_flags(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "run", "--trace", _small_trace(tmp_path), "--agentic", "50"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "pdd sim run: error: --trace and --agentic exclude each other: --agentic N generates the requests, "
+        "--trace FILE replays a file\n")

@@ -274,7 +274,7 @@ def run_bench(
     offered = workload["rate_rps"]
     console.print(
         f"workload: {workload['requests']} requests from {workload['trace']}, {workload['duration_s']:.1f} s of "
-        f"arrivals ({f'{offered:.2f} req/s' if offered else 'all at once'}), prompt mean "
+        f"arrivals ({rate_text(workload)}), prompt mean "
         f"{workload['input_tokens_mean']:.0f} / max {workload['input_tokens_max']} tokens, output mean "
         f"{workload['output_tokens_mean']:.0f} tokens, ideal prefix hit rate {100 * workload['ideal_prefix_hit_rate']:.1f}%"
     )
@@ -398,7 +398,7 @@ def run_bench(
                 try:
                     records, entry = measured_replay(
                         topo, requests, model=cfg.served_model_name, mode=mode, timeout_s=timeout_s,
-                        progress=progress, console=console, label=f"{mode} @ {_fmt(offered, 2)} req/s",
+                        progress=progress, console=console, label=f"{mode} @ {rate_label(workload)}",
                         after_replay=after_main_replay, flush=not warm_sweep)
                 finally:
                     if runner is not None:
@@ -529,6 +529,26 @@ def continuation_requests(trace, scale: Scale, tokens: TokenSpace, seed: int, pl
     need = n_points * per_point
     more = build_requests(trace, dataclasses.replace(scale, count=scale.count + need), tokens, seed)[scale.count:]
     return more if len(more) >= need else None
+
+
+def rate_text(workload: dict) -> str:
+    """How a bench's workload line states its main run's rate: ``"2.36 req/s"`` (the mean,
+    ``workload["rate_rps"]``), ``"ramp 5 -> 1 req/s, mean 2.36 req/s"`` for a ``--ramp`` run
+    (``workload["ramp_rps"]``, rising or falling), ``"all at once"`` when the mean is undefined."""
+    offered = workload.get("rate_rps")
+    mean = f"{offered:.2f} req/s" if offered else "all at once"
+    ramp = workload.get("ramp_rps")
+    return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s, mean {mean}" if ramp else mean
+
+
+def rate_label(workload: dict) -> str:
+    """The main run's rate in its progress bar's title: ``"2.36 req/s"``, or for a ``--ramp``
+    run ``"ramp 5 -> 1 req/s (mean 2.36)"``."""
+    offered = workload.get("rate_rps")
+    ramp = workload.get("ramp_rps")
+    if ramp:
+        return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s (mean {_fmt(offered, 2)})"
+    return f"{_fmt(offered, 2)} req/s"
 
 
 def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequence, slo: SLO,

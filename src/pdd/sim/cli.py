@@ -461,6 +461,9 @@ def _records(a, rate=None):
     from pdd.workload import records as W
 
     cap = getattr(a, "max_input", None)  # pdd sim run and pdd plan
+    if a.agentic and a.trace:  # the trace was never read, silently
+        raise UsageError("--trace and --agentic exclude each other: --agentic N generates the requests, "
+                         "--trace FILE replays a file")
     if a.agentic:
         recs = W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
         return W.cap_input(recs, cap) if cap else recs
@@ -1007,6 +1010,10 @@ def cmd_plan(a) -> int:
     from pdd.sim.plan import WanOption, best_with_goodput, format_plan, search
     from pdd.workload.records import generate_fixed
 
+    if a.trace and a.workload not in (None, "trace"):  # it ran that workload and never read the file
+        raise UsageError(f"--trace and --workload {a.workload} exclude each other: --trace FILE replays a trace "
+                         "(--workload trace, which --trace alone implies)")
+    a.workload = a.workload or ("trace" if a.trace else "agentic")
     if a.workload == "fixed":
         def make(rate):
             return generate_fixed(a.requests, rate, a.input_len, a.output_len, a.hit, n_prefixes=48, seed=a.seed,
@@ -1110,7 +1117,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                                                               "workload and SLO"))
     _cfg_args(p)
     _workload_args(p, max_input=True)
-    p.add_argument("--workload", default="agentic", choices=["agentic", "trace", "fixed"])
+    p.add_argument("--workload", default=None, choices=["agentic", "trace", "fixed"],
+                   help="agentic: --requests generated agentic requests; trace: --trace FILE (default: the bundled "
+                        "conversation trace); fixed: --input-len / --output-len / --hit (default: trace when "
+                        "--trace is given, else agentic)")
     p.add_argument("--requests", type=GENERATED, default=1500)
     p.add_argument("--input-len", type=_int_in(1, MAX_PROMPT_TOKENS, "prompt tokens"), default=63 * 1024)
     p.add_argument("--output-len", type=NONNEG_INT, default=1024)
