@@ -55,8 +55,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
-from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_function_name, duplicate_name,
-                                        lone_surrogate)
+from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_function_name,
+                                        bad_parameters, duplicate_name, lone_surrogate)
 from pdd.text import shown
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -160,7 +160,13 @@ def check_responses(body: ResponsesRequest) -> None:
     model had run, and its stored copy a 500 on every ``GET``. ``input``, ``tools``,
     ``tool_choice`` and ``text.format`` are checked as they are converted
     (:func:`read_input`, :func:`chat_tools`, :func:`chat_tool_choice`,
-    :func:`chat_response_format`)."""
+    :func:`chat_response_format`); a function tool's name first (:func:`bad_function_name`,
+    naming ``tools[i].name``: a lone surrogate there is a name OpenAI's pattern refuses)."""
+    for i, t in enumerate(body.tools or ()):
+        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str) and t["name"]:
+            bad = bad_function_name(t["name"], f"tools[{i}].name")
+            if bad:
+                raise _refuse(f"tools[{i}].name", bad)
     for name, value in body.model_dump(exclude={"input", "instructions"}).items():
         found = _surrogate_at(value, name)
         if found is not None:
@@ -371,7 +377,9 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
 def chat_tools(tools: list | None) -> list[dict] | None:
     """Responses function tools (flat: ``{type, name, description, parameters, strict}``) as
     chat's (``{type: "function", function: {...}}``); ApiError naming ``tools`` for a built-in
-    tool or a malformed one."""
+    tool or a malformed one, ``tools[i].name`` for a name that is not OpenAI's
+    (:func:`bad_function_name`), ``tools[i].parameters`` for ``parameters`` that are not a JSON
+    object (:func:`bad_parameters`, whatever ``tool_choice`` is)."""
     if not tools:
         return None
     out = []
@@ -388,6 +396,9 @@ def chat_tools(tools: list | None) -> list[dict] | None:
         bad = bad_function_name(t["name"], f"tools[{i}].name")
         if bad:
             raise _refuse(f"tools[{i}].name", bad)
+        bad = bad_parameters(t.get("parameters"), f"tools[{i}].parameters")
+        if bad:
+            raise _refuse(f"tools[{i}].parameters", bad)
         dup = duplicate_name(first, t["name"], i, f"tools[{i}].name")
         if dup:
             raise _refuse("tools", dup)
