@@ -32,6 +32,14 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "ar
       {"role": "user", "content": "and?"}, {"type": "function_call_output", "call_id": "call_1", "output": "rain"}],
      "input[3].call_id", "input[3].call_id: Duplicate function call output for call_id 'call_1': input[1] "
      "answers it already"),
+    # two calls of one call_id: an output could not tell which it answers
+    ([{"role": "user", "content": "weather?"}, CALL, {**CALL, "arguments": "{}"}], "input[2].call_id",
+     "input[2].call_id: Duplicate function call with call_id 'call_1': input[1] has it already"),
+    # an output before its call: the conversation would show the result before the model asked for it
+    ([{"role": "user", "content": "weather?"}, {"type": "function_call_output", "call_id": "call_1", "output": "x"},
+      CALL], "input[1].call_id",
+     "input[1].call_id: the function call output for call_id 'call_1' comes before its function call (input[2]); "
+     "an output must follow its call"),
     ([{**CALL, "arguments": '{"city": '}], "input[0].arguments",
      "input[0].arguments: must be a JSON string (the call's arguments as JSON text), got '{\"city\": '"),
     ([{"role": "user", "content": "hi"}, {**CALL, "arguments": ""}], "input[1].arguments",

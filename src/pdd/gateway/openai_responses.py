@@ -287,10 +287,12 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
 
     ApiError naming ``input`` for an item pdd cannot take (module docstring); naming
     ``input[i].arguments`` for a ``function_call`` whose ``arguments`` is not JSON text, and
-    ``input[i].call_id`` for a ``function_call_output`` whose ``call_id`` is no
-    ``function_call`` item's in ``input`` nor a tool call of ``prior``'s assistant turns (the
-    ``previous_response_id`` chain's conversation, chat messages), or that an earlier
-    ``function_call_output`` answers already, as OpenAI refuses them."""
+    ``input[i].call_id`` for a ``function_call`` whose ``call_id`` an earlier ``function_call``
+    item of ``input`` has, and for a ``function_call_output`` whose ``call_id`` is no
+    ``function_call`` item's before it in ``input`` nor a tool call of ``prior``'s assistant
+    turns (the ``previous_response_id`` chain's conversation, chat messages), or that an earlier
+    ``function_call_output`` answers already, as OpenAI refuses them (an output before its call
+    would put the result before the model asked for it in the rendered conversation)."""
     items = body.input
     if isinstance(items, str):
         return Input([{"role": "user", "content": _text_of(items, "input", ())}],
@@ -304,7 +306,8 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
     listed: list[dict] = []
     # the call ids an output may answer: the prior turns' tool calls, then input's function_call items
     calls = {c["id"] for m in prior or () if m.get("role") == "assistant" for c in m.get("tool_calls") or ()}
-    outputs: list[tuple[int, str]] = []  # (input index, call id) of each function_call_output
+    made: dict[str, int] = {}  # call id -> the function_call item of input making it
+    outputs: list[tuple[int, str, bool]] = []  # (input index, call id, its call came before) per function_call_output
     for i, it in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(it, dict):
@@ -331,6 +334,10 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
             except ValueError:
                 raise _refuse(f"{at}.arguments", f"{at}.arguments: must be a JSON string (the call's arguments as "
                               f"JSON text), got {shown(it['arguments'])}") from None
+            j = made.setdefault(it["call_id"], i)
+            if j != i:
+                raise _refuse(f"{at}.call_id", f"{at}.call_id: Duplicate function call with call_id "
+                              f"{shown(it['call_id'])}: input[{j}] has it already")
             calls.add(it["call_id"])
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
@@ -352,7 +359,7 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
                          "content": _text_of(output, f"{at}.output", ("input_text",))})
             listed.append({"id": given or f"fco_{_hex()}", "type": "function_call_output", "status": "completed",
                            "call_id": it["call_id"], "output": output if isinstance(output, str) else list(output)})
-            outputs.append((i, it["call_id"]))
+            outputs.append((i, it["call_id"], it["call_id"] in calls))
         elif kind == "item_reference":
             raise _refuse("input", f"{at}: item_reference is not supported: send the item itself (or the "
                           "response's id as previous_response_id)")
@@ -363,7 +370,11 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
             raise _refuse("input", f"{at}: item type {shown(kind)} is not supported (message, function_call and "
                           "function_call_output are)")
     answered: dict[str, int] = {}  # call id -> the input item answering it
-    for i, cid in outputs:  # after the walk: a call may come after its output in input
+    for i, cid, before in outputs:  # after the walk: an output before its call is named as such
+        if cid in made and not before:
+            raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: the function call output for call_id "
+                          f"{shown(cid)} comes before its function call (input[{made[cid]}]); an output must "
+                          "follow its call")
         if cid not in calls:
             raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: No tool call found for function call output "
                           f"with call_id {shown(cid)}")
