@@ -597,7 +597,9 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 
 def response_from_chat(shell: Shell, chat: dict) -> dict:
-    """The Responses object of a non-streamed chat completion ``chat`` (one choice). Its
+    """The Responses object of a non-streamed chat completion ``chat`` (one choice): when it is
+    ``incomplete`` (cut by ``max_output_tokens``), its last output item (a call's arguments cut,
+    or the message) is ``incomplete``, the items before it ``completed``, as streamed. Its
     logprobs (when asked: :func:`wants_logprobs`) are the message's ``output_text.logprobs``,
     chat's entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``) for every generated
     token, a tool call's text included; [] when not asked."""
@@ -605,14 +607,15 @@ def response_from_chat(shell: Shell, chat: dict) -> dict:
     lps = (choice.get("logprobs") or {}).get("content") or []
     msg = choice["message"]
     status, reason = _status(choice["finish_reason"])
-    item_status = "incomplete" if status == "incomplete" else "completed"
     output = []
     calls = msg.get("tool_calls") or []
     if msg.get("content") or not calls:
-        output.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", item_status, lps))
+        output.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", "completed", lps))
     for c in calls:
         output.append(_call_item(f"fc_{_hex()}", c["id"], c["function"]["name"], c["function"]["arguments"],
                                  "completed"))
+    if status == "incomplete":  # the item the output was cut in (a message before a call was whole)
+        output[-1]["status"] = "incomplete"
     return shell.response(shell.rid, chat["created"], status, output, usage_from_chat(chat.get("usage")), reason)
 
 
@@ -631,7 +634,8 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     ``response.output_item.done``; per tool call, ``response.output_item.added`` (a
     function_call item), ``response.function_call_arguments.delta`` per chat arguments piece,
     then, once the call is whole (the next call starts or the stream ends),
-    ``response.function_call_arguments.done`` and ``response.output_item.done``; last
+    ``response.function_call_arguments.done`` and ``response.output_item.done`` (the item
+    ``incomplete`` when the output was cut by ``max_output_tokens`` in it); last
     ``response.completed`` (``response.incomplete`` when the output hit ``max_output_tokens``)
     with the whole response, which is handed to ``on_done`` first (the store's, when stored). A
     chat error chunk ends it with ``response.failed`` (``error.code`` the chunk's type when it is
@@ -672,15 +676,16 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
         msg = None
         return out
 
-    def close_calls():
-        """``.done`` events of the calls whose arguments are whole (every open one)."""
+    def close_calls(cut: bool = False):
+        """``.done`` events of the open calls: whole (the next call starts), or, ``cut``, the
+        output's end, which leaves an ``incomplete`` response's open call ``incomplete``."""
         out = []
         for item in calls.values():
             if item["status"] == "in_progress":
                 i = output.index(item)
                 out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                               arguments=item["arguments"]))
-                item["status"] = "completed"
+                item["status"] = "incomplete" if cut and _status(finish)[0] == "incomplete" else "completed"
                 out.append(ev("response.output_item.done", output_index=i, item=dict(item)))
         return out
 
@@ -752,7 +757,7 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                                  output_index=output.index(item), delta=fn["arguments"])
     for s in close_message():
         yield s
-    for s in close_calls():
+    for s in close_calls(cut=True):
         yield s
     if rid is None:  # the chat stream ended with no chunk at all (it always sends its role chunk first)
         return
