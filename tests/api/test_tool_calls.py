@@ -132,6 +132,16 @@ async def test_non_streamed_several_calls_content_null_and_parallel_false_keeps_
     assert _calls(r.choices[0].message.tool_calls) == [W_CALL]
 
 
+async def test_a_call_of_a_function_not_in_tools_is_passed_on_as_vllm_does(serve):
+    """vLLM's hermes parser (vllm/tool_parsers/hermes_tool_parser.py) reads the name as written,
+    never matched against the request's tools; the client sees the name and decides."""
+    s = await serve(['<tool_call>{"name": "get_tme", "arguments": {"tz": "CET"}}</tool_call>'])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0)
+    (c,) = r.choices
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == (
+        None, [("get_tme", '{"tz": "CET"}')], "tool_calls")
+
+
 async def test_no_call_and_malformed_call_are_plain_content(serve):
     s = await serve([PLAIN, MALFORMED])
     r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0, n=2)
