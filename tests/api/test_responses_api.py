@@ -201,6 +201,31 @@ async def test_max_output_tokens_reached_is_incomplete(serve):
     assert r.output_text == want
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", {"type": "function", "name": "get_weather"}])
+async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item(serve, tool_choice):
+    """The call the output ended in is ``incomplete``, streamed (its ``output_item.done`` too) and
+    not; a message before it is whole. It was ``completed``, with arguments cut mid-JSON."""
+    text = HERMES_ONE if tool_choice == "auto" else W_ARGS
+    s = await serve([text])
+    n = len(s.orch.tok.encode(text[:text.index('"unit"')], add_special_tokens=False).ids)  # cut in the arguments
+    kw = dict(input="weather in Paris?", tools=R_TOOLS, tool_choice=tool_choice, max_output_tokens=n)
+    chat = await s.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=C_TOOLS, max_tokens=n,
+        tool_choice=tool_choice if tool_choice == "auto" else {"type": "function", "function": {"name": "get_weather"}})
+    (call,) = chat.choices[0].message.tool_calls
+    cut = call.function.arguments
+    assert W_ARGS.startswith(cut) and cut != W_ARGS
+    want = ([("message", "completed")] if tool_choice == "auto" else []) + [("function_call", "incomplete")]
+    r = await s.client().responses.create(model=MODEL, **kw)
+    assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert ([(o.type, o.status) for o in r.output], r.output[-1].arguments) == (want, cut)
+    evs = await _events(s, **kw)
+    assert [(e.item.type, e.item.status) for e in evs if e.type == "response.output_item.done"] == want
+    last = evs[-1].response
+    assert (evs[-1].type, [(o.type, o.status) for o in last.output], last.output[-1].arguments) == (
+        "response.incomplete", want, cut)
+
+
 async def _events(s, **kw):
     stream = await s.client().responses.create(model=MODEL, stream=True, **kw)
     return [ev async for ev in stream]

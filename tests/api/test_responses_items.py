@@ -6,6 +6,7 @@ real gateway app over tests/api/test_responses_api.py's scripted orchestrator.""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -31,6 +32,14 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "ar
       {"role": "user", "content": "and?"}, {"type": "function_call_output", "call_id": "call_1", "output": "rain"}],
      "input[3].call_id", "input[3].call_id: Duplicate function call output for call_id 'call_1': input[1] "
      "answers it already"),
+    # two calls of one call_id: an output could not tell which it answers
+    ([{"role": "user", "content": "weather?"}, CALL, {**CALL, "arguments": "{}"}], "input[2].call_id",
+     "input[2].call_id: Duplicate function call with call_id 'call_1': input[1] has it already"),
+    # an output before its call: the conversation would show the result before the model asked for it
+    ([{"role": "user", "content": "weather?"}, {"type": "function_call_output", "call_id": "call_1", "output": "x"},
+      CALL], "input[1].call_id",
+     "input[1].call_id: the function call output for call_id 'call_1' comes before its function call (input[2]); "
+     "an output must follow its call"),
     ([{**CALL, "arguments": '{"city": '}], "input[0].arguments",
      "input[0].arguments: must be a JSON string (the call's arguments as JSON text), got '{\"city\": '"),
     ([{"role": "user", "content": "hi"}, {**CALL, "arguments": ""}], "input[1].arguments",
@@ -45,6 +54,32 @@ async def test_function_call_items_that_cannot_be_a_conversation_are_400s(serve,
     assert e.value.status_code == 400
     assert (e.value.body["param"], e.value.body["type"], e.value.body["message"]) == (
         param, "invalid_request_error", message)
+    assert s.orch.started == []
+
+
+NAME_RULE = "must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$)"
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    # parameters that are no JSON object: refused whatever tool_choice is (it was only when a call was forced)
+    *[({"tools": [{"type": "function", "name": "f", "parameters": 5}], "tool_choice": tc}, "tools[0].parameters",
+       "tools[0].parameters: must be a JSON schema object, got 5")
+      for tc in (None, "auto", "none", "required", {"type": "function", "name": "f"})],
+    ({"tools": [*R_TOOLS, {"type": "function", "name": "f", "parameters": "{}"}]}, "tools[2].parameters",
+     "tools[2].parameters: must be a JSON schema object, got '{}'"),
+    # a lone surrogate in a name: the name check's 400 (it was the surrogate walk's, naming tools)
+    ({"tools": [{"type": "function", "name": "f\ud800"}]}, "tools[0].name",
+     f"tools[0].name: {NAME_RULE}, got 'f\\ud800'"),
+    ({"tools": [{"type": "function", "name": "f\ud800"}], "tool_choice": "required"}, "tools[0].name",
+     f"tools[0].name: {NAME_RULE}, got 'f\\ud800'"),
+])
+async def test_malformed_function_tools_are_400s_naming_the_field(serve, extra, param, message):
+    s = await serve([PLAIN])
+    body = {k: v for k, v in {**BASE, **extra}.items() if v is not None}
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert (r.status_code, r.json()) == (400, {"error": {"message": message, "type": "invalid_request_error",
+                                                         "param": param, "code": None}})
     assert s.orch.started == []
 
 

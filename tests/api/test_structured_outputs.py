@@ -258,7 +258,7 @@ def test_a_recursive_schema_with_a_finite_value_is_not_refused_as_endless(schema
      "tool_choice {'type': 'function', 'function': {'name': 'get_weather'}} forces a tool call, which is a "
      "constraint of its own: it cannot be combined with guided_regex; send one or the other"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
-     "tools", "tools[0].function.parameters: must be a JSON schema object, got 3"),
+     "tools[0].function.parameters", "tools[0].function.parameters: must be a JSON schema object, got 3"),
     ({"tool_choice": "required",
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
      "tools", "the tools' parameters: Invalid type: nonsense"),

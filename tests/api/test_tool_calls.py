@@ -132,6 +132,16 @@ async def test_non_streamed_several_calls_content_null_and_parallel_false_keeps_
     assert _calls(r.choices[0].message.tool_calls) == [W_CALL]
 
 
+async def test_a_call_of_a_function_not_in_tools_is_passed_on_as_vllm_does(serve):
+    """vLLM's hermes parser (vllm/tool_parsers/hermes_tool_parser.py) reads the name as written,
+    never matched against the request's tools; the client sees the name and decides."""
+    s = await serve(['<tool_call>{"name": "get_tme", "arguments": {"tz": "CET"}}</tool_call>'])
+    r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0)
+    (c,) = r.choices
+    assert (c.message.content, _calls(c.message.tool_calls), c.finish_reason) == (
+        None, [("get_tme", '{"tz": "CET"}')], "tool_calls")
+
+
 async def test_no_call_and_malformed_call_are_plain_content(serve):
     s = await serve([PLAIN, MALFORMED])
     r = await s.client().chat.completions.create(model="pdd-tiny", messages=MSGS, tools=TOOLS, seed=0, n=2)
@@ -455,6 +465,12 @@ async def test_forced_tool_choice_is_refused_when_md_runs_on_vllm(tiny_model):
     ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools[0].function.name",
      "tools[0].function.name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), "
      f"got {'f' * 65!r}"),
+    # parameters that are no JSON object: refused whatever tool_choice is (it was only when a call was forced)
+    *[({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}], "tool_choice": tc},
+       "tools[0].function.parameters", "tools[0].function.parameters: must be a JSON schema object, got 5")
+      for tc in (None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}})],
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": ["x"]}}], "tool_choice": "none"},
+     "tools[2].function.parameters", "tools[2].function.parameters: must be a JSON schema object, got ['x']"),
     # a number was "tool_choice.str: Input should be a valid string" (pydantic's union branch)
     ({"tool_choice": 5}, "tool_choice",
      "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
@@ -474,6 +490,23 @@ async def test_malformed_tools_and_tool_choice_are_400s_saying_what_is_wrong(ser
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["message"]) == (param, message)
+
+
+@pytest.mark.parametrize("tool_choice", [None, "required", {"type": "function", "function": {"name": "f\ud800"}}])
+async def test_a_lone_surrogate_in_a_tool_name_is_the_name_check_s_400(serve, tool_choice):
+    """A forced call compiled the name into its grammar first: "the tools' parameters: unexpected
+    end of hex escape"."""
+    s = await serve([HERMES_ONE])
+    body = {"model": "pdd-tiny", "messages": MSGS, "tools": [{"type": "function", "function": {"name": "f\ud800"}}]}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    async with httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+        r = await c.post("/v1/chat/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {
+        "message": "tools[0].function.name: must be 1 to 64 letters, digits, underscores or dashes "
+                   "(^[a-zA-Z0-9_-]{1,64}$), got 'f\\ud800'",
+        "type": "invalid_request_error", "param": "tools[0].function.name", "code": None}}
 
 
 async def test_auto_without_a_parser_is_refused_saying_how_to_set_one(serve):

@@ -55,8 +55,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
-from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_function_name, duplicate_name,
-                                        lone_surrogate)
+from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_function_name,
+                                        bad_parameters, duplicate_name, lone_surrogate)
 from pdd.text import shown
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -160,7 +160,13 @@ def check_responses(body: ResponsesRequest) -> None:
     model had run, and its stored copy a 500 on every ``GET``. ``input``, ``tools``,
     ``tool_choice`` and ``text.format`` are checked as they are converted
     (:func:`read_input`, :func:`chat_tools`, :func:`chat_tool_choice`,
-    :func:`chat_response_format`)."""
+    :func:`chat_response_format`); a function tool's name first (:func:`bad_function_name`,
+    naming ``tools[i].name``: a lone surrogate there is a name OpenAI's pattern refuses)."""
+    for i, t in enumerate(body.tools or ()):
+        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str) and t["name"]:
+            bad = bad_function_name(t["name"], f"tools[{i}].name")
+            if bad:
+                raise _refuse(f"tools[{i}].name", bad)
     for name, value in body.model_dump(exclude={"input", "instructions"}).items():
         found = _surrogate_at(value, name)
         if found is not None:
@@ -281,10 +287,12 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
 
     ApiError naming ``input`` for an item pdd cannot take (module docstring); naming
     ``input[i].arguments`` for a ``function_call`` whose ``arguments`` is not JSON text, and
-    ``input[i].call_id`` for a ``function_call_output`` whose ``call_id`` is no
-    ``function_call`` item's in ``input`` nor a tool call of ``prior``'s assistant turns (the
-    ``previous_response_id`` chain's conversation, chat messages), or that an earlier
-    ``function_call_output`` answers already, as OpenAI refuses them."""
+    ``input[i].call_id`` for a ``function_call`` whose ``call_id`` an earlier ``function_call``
+    item of ``input`` has, and for a ``function_call_output`` whose ``call_id`` is no
+    ``function_call`` item's before it in ``input`` nor a tool call of ``prior``'s assistant
+    turns (the ``previous_response_id`` chain's conversation, chat messages), or that an earlier
+    ``function_call_output`` answers already, as OpenAI refuses them (an output before its call
+    would put the result before the model asked for it in the rendered conversation)."""
     items = body.input
     if isinstance(items, str):
         return Input([{"role": "user", "content": _text_of(items, "input", ())}],
@@ -298,7 +306,8 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
     listed: list[dict] = []
     # the call ids an output may answer: the prior turns' tool calls, then input's function_call items
     calls = {c["id"] for m in prior or () if m.get("role") == "assistant" for c in m.get("tool_calls") or ()}
-    outputs: list[tuple[int, str]] = []  # (input index, call id) of each function_call_output
+    made: dict[str, int] = {}  # call id -> the function_call item of input making it
+    outputs: list[tuple[int, str, bool]] = []  # (input index, call id, its call came before) per function_call_output
     for i, it in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(it, dict):
@@ -325,6 +334,10 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
             except ValueError:
                 raise _refuse(f"{at}.arguments", f"{at}.arguments: must be a JSON string (the call's arguments as "
                               f"JSON text), got {shown(it['arguments'])}") from None
+            j = made.setdefault(it["call_id"], i)
+            if j != i:
+                raise _refuse(f"{at}.call_id", f"{at}.call_id: Duplicate function call with call_id "
+                              f"{shown(it['call_id'])}: input[{j}] has it already")
             calls.add(it["call_id"])
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
@@ -346,7 +359,7 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
                          "content": _text_of(output, f"{at}.output", ("input_text",))})
             listed.append({"id": given or f"fco_{_hex()}", "type": "function_call_output", "status": "completed",
                            "call_id": it["call_id"], "output": output if isinstance(output, str) else list(output)})
-            outputs.append((i, it["call_id"]))
+            outputs.append((i, it["call_id"], it["call_id"] in calls))
         elif kind == "item_reference":
             raise _refuse("input", f"{at}: item_reference is not supported: send the item itself (or the "
                           "response's id as previous_response_id)")
@@ -357,7 +370,11 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
             raise _refuse("input", f"{at}: item type {shown(kind)} is not supported (message, function_call and "
                           "function_call_output are)")
     answered: dict[str, int] = {}  # call id -> the input item answering it
-    for i, cid in outputs:  # after the walk: a call may come after its output in input
+    for i, cid, before in outputs:  # after the walk: an output before its call is named as such
+        if cid in made and not before:
+            raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: the function call output for call_id "
+                          f"{shown(cid)} comes before its function call (input[{made[cid]}]); an output must "
+                          "follow its call")
         if cid not in calls:
             raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: No tool call found for function call output "
                           f"with call_id {shown(cid)}")
@@ -371,7 +388,9 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
 def chat_tools(tools: list | None) -> list[dict] | None:
     """Responses function tools (flat: ``{type, name, description, parameters, strict}``) as
     chat's (``{type: "function", function: {...}}``); ApiError naming ``tools`` for a built-in
-    tool or a malformed one."""
+    tool or a malformed one, ``tools[i].name`` for a name that is not OpenAI's
+    (:func:`bad_function_name`), ``tools[i].parameters`` for ``parameters`` that are not a JSON
+    object (:func:`bad_parameters`, whatever ``tool_choice`` is)."""
     if not tools:
         return None
     out = []
@@ -388,6 +407,9 @@ def chat_tools(tools: list | None) -> list[dict] | None:
         bad = bad_function_name(t["name"], f"tools[{i}].name")
         if bad:
             raise _refuse(f"tools[{i}].name", bad)
+        bad = bad_parameters(t.get("parameters"), f"tools[{i}].parameters")
+        if bad:
+            raise _refuse(f"tools[{i}].parameters", bad)
         dup = duplicate_name(first, t["name"], i, f"tools[{i}].name")
         if dup:
             raise _refuse("tools", dup)
@@ -575,7 +597,9 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 
 def response_from_chat(shell: Shell, chat: dict) -> dict:
-    """The Responses object of a non-streamed chat completion ``chat`` (one choice). Its
+    """The Responses object of a non-streamed chat completion ``chat`` (one choice): when it is
+    ``incomplete`` (cut by ``max_output_tokens``), its last output item (a call's arguments cut,
+    or the message) is ``incomplete``, the items before it ``completed``, as streamed. Its
     logprobs (when asked: :func:`wants_logprobs`) are the message's ``output_text.logprobs``,
     chat's entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``) for every generated
     token, a tool call's text included; [] when not asked."""
@@ -583,14 +607,15 @@ def response_from_chat(shell: Shell, chat: dict) -> dict:
     lps = (choice.get("logprobs") or {}).get("content") or []
     msg = choice["message"]
     status, reason = _status(choice["finish_reason"])
-    item_status = "incomplete" if status == "incomplete" else "completed"
     output = []
     calls = msg.get("tool_calls") or []
     if msg.get("content") or not calls:
-        output.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", item_status, lps))
+        output.append(_message_item(f"msg_{_hex()}", msg.get("content") or "", "completed", lps))
     for c in calls:
         output.append(_call_item(f"fc_{_hex()}", c["id"], c["function"]["name"], c["function"]["arguments"],
                                  "completed"))
+    if status == "incomplete":  # the item the output was cut in (a message before a call was whole)
+        output[-1]["status"] = "incomplete"
     return shell.response(shell.rid, chat["created"], status, output, usage_from_chat(chat.get("usage")), reason)
 
 
@@ -609,7 +634,8 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
     ``response.output_item.done``; per tool call, ``response.output_item.added`` (a
     function_call item), ``response.function_call_arguments.delta`` per chat arguments piece,
     then, once the call is whole (the next call starts or the stream ends),
-    ``response.function_call_arguments.done`` and ``response.output_item.done``; last
+    ``response.function_call_arguments.done`` and ``response.output_item.done`` (the item
+    ``incomplete`` when the output was cut by ``max_output_tokens`` in it); last
     ``response.completed`` (``response.incomplete`` when the output hit ``max_output_tokens``)
     with the whole response, which is handed to ``on_done`` first (the store's, when stored). A
     chat error chunk ends it with ``response.failed`` (``error.code`` the chunk's type when it is
@@ -650,15 +676,16 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
         msg = None
         return out
 
-    def close_calls():
-        """``.done`` events of the calls whose arguments are whole (every open one)."""
+    def close_calls(cut: bool = False):
+        """``.done`` events of the open calls: whole (the next call starts), or, ``cut``, the
+        output's end, which leaves an ``incomplete`` response's open call ``incomplete``."""
         out = []
         for item in calls.values():
             if item["status"] == "in_progress":
                 i = output.index(item)
                 out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                               arguments=item["arguments"]))
-                item["status"] = "completed"
+                item["status"] = "incomplete" if cut and _status(finish)[0] == "incomplete" else "completed"
                 out.append(ev("response.output_item.done", output_index=i, item=dict(item)))
         return out
 
@@ -730,7 +757,7 @@ async def response_events(shell: Shell, chat_sse, created: int, on_done=None):
                                  output_index=output.index(item), delta=fn["arguments"])
     for s in close_message():
         yield s
-    for s in close_calls():
+    for s in close_calls(cut=True):
         yield s
     if rid is None:  # the chat stream ended with no chunk at all (it always sends its role chunk first)
         return

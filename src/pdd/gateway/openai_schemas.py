@@ -987,7 +987,8 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
     "parameters": its parameters}`` object with no other key (vLLM's allows others; at most one
     with ``parallel`` False), each tool's ``$defs`` gathered at the top. None for ``none`` / ``auto`` / null. ``tools`` is not
     changed. ApiError (400) for a named function no tool has (param ``tool_choice``),
-    ``parameters`` that are not an object, or two tools defining one ``$defs`` name differently
+    ``parameters`` that are not an object (param ``tools[i].function.parameters``; chat's
+    :func:`check_chat` refuses them first), or two tools defining one ``$defs`` name differently
     (param ``tools``)."""
     import copy
 
@@ -998,7 +999,8 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
     def params(i: int, fn: dict) -> dict | None:
         p = fn.get("parameters")
         if p is not None and not isinstance(p, dict):
-            raise ApiError(f"tools[{i}].function.parameters: must be a JSON schema object, got {shown(p)}", "tools")
+            raise ApiError(f"tools[{i}].function.parameters: must be a JSON schema object, got {shown(p)}",
+                           f"tools[{i}].function.parameters")
         return copy.deepcopy(p) if p else None
 
     fns = [t["function"] for t in tools]
@@ -1179,7 +1181,9 @@ def _check_tools(tools) -> None:
     """``tools``: each an OpenAI function tool, ``{"type": "function", "function": {"name": a
     non-empty string, ...}}`` (the only kind chat completions define); ApiError naming
     ``tools`` otherwise, ``tools[i].function.name`` for a name that is not OpenAI's
-    ``^[a-zA-Z0-9_-]{1,64}$`` (:func:`bad_function_name`), ``tools`` for a function name two tools share (a call names one of them: the
+    ``^[a-zA-Z0-9_-]{1,64}$`` (:func:`bad_function_name`), ``tools[i].function.parameters`` for
+    ``parameters`` given (not null) that is not a JSON object (:func:`bad_parameters`; whatever
+    ``tool_choice`` is: the chat template renders them), ``tools`` for a function name two tools share (a call names one of them: the
     client could not tell which; Anthropic's and Gemini's APIs refuse that too)."""
     first: dict[str, int] = {}
     for i, t in enumerate(tools or []):
@@ -1191,6 +1195,9 @@ def _check_tools(tools) -> None:
         bad = bad_function_name(fn["name"], f"tools[{i}].function.name")
         if bad:
             raise ApiError(bad, f"tools[{i}].function.name")
+        bad = bad_parameters(fn.get("parameters"), f"tools[{i}].function.parameters")
+        if bad:
+            raise ApiError(bad, f"tools[{i}].function.parameters")
         dup = duplicate_name(first, fn["name"], i, f"tools[{i}].function.name")
         if dup:
             raise ApiError(dup, "tools")
@@ -1208,6 +1215,15 @@ def bad_function_name(name: str, where: str) -> str | None:
         return None
     return (f"{where}: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{{1,64}}$), "
             f"got {shown(name)}")
+
+
+def bad_parameters(parameters, where: str) -> str | None:
+    """Why a tool's function ``parameters``, named as ``where``
+    (``tools[2].function.parameters``), is refused: given (not None) and not a JSON object (a
+    JSON schema; OpenAI's API refuses others too); else None."""
+    if parameters is None or isinstance(parameters, dict):
+        return None
+    return f"{where}: must be a JSON schema object, got {shown(parameters)}"
 
 
 def duplicate_name(first: dict[str, int], name: str, i: int, where: str) -> str | None:
