@@ -414,20 +414,34 @@ def _call_object(ch: str, stream: "ToolStream", keys: tuple[str, ...]):
         call.commit()
 
 
-def _hermes(stream: "ToolStream"):
-    """After the first ``<tool_call>``: a call object per block; text outside blocks dropped."""
+def _marked_calls(ch: str, stream: "ToolStream", marker: str, read_one):
+    """Calls each after its own ``marker``, the first at ``ch`` (its marker read already):
+    ``read_one(ch, stream)`` reads one and returns the text it read past it (searched for the
+    next marker). A call that breaks the format before any call is made raises :class:`_Bad`;
+    after one, the text to the next marker is dropped and the reading goes on there."""
     while True:
-        tail = ""
         try:
-            ch = yield from _ws((yield), _drop)
-            yield from _call_object(ch, stream, ("arguments",))
+            tail = yield from read_one(ch, stream)
         except _Bad as e:
             if not stream.n:
                 raise
             tail = e.args[0]
         if stream.full:
             return
-        yield from _until(HERMES_START, tail)
+        yield from _until(marker, tail)
+        ch = yield
+
+
+def _hermes_block(ch: str, stream: "ToolStream"):
+    """One ``<tool_call>`` block's call object at ``ch``; reads nothing past its closing brace."""
+    ch = yield from _ws(ch, _drop)
+    yield from _call_object(ch, stream, ("arguments",))
+    return ""
+
+
+def _hermes(stream: "ToolStream"):
+    """After the first ``<tool_call>``: a call object per block; text outside blocks dropped."""
+    return (yield from _marked_calls((yield), stream, HERMES_START, _hermes_block))
 
 
 def _llama3_json(stream: "ToolStream"):
@@ -494,17 +508,7 @@ def _mistral(stream: "ToolStream"):
         return (yield from _array(ch, stream, ("arguments",)))
     if ch == "{":
         return (yield from _call_object(ch, stream, ("arguments",)))
-    while True:
-        try:
-            tail = yield from _mistral_v11(ch, stream)
-        except _Bad as e:
-            if not stream.n:
-                raise
-            tail = e.args[0]
-        if stream.full:
-            return
-        yield from _until(MISTRAL_START, tail)
-        ch = yield
+    return (yield from _marked_calls(ch, stream, MISTRAL_START, _mistral_v11))
 
 
 _READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
