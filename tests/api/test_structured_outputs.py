@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, constraint_requested,
+from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, constraint_chars,
+                                        constraint_requested,
                                         structured_constraint, tool_schema)
 from pdd.structured import grammar_for
 
@@ -339,6 +340,22 @@ def test_constraint_requested_is_false_only_where_there_is_none(extra):
                  {"guided_whitespace_pattern": " "}, {"tool_choice": "required"},
                  {"tool_choice": {"type": "function", "function": {"name": "f"}}}):
         assert constraint_requested(_chat(**form)), form
+
+
+def test_constraint_chars_counts_the_constraint_text_a_request_sends():
+    """What orders the compile queue (pdd.structured.compile_cost_s): a string's length, another
+    value's JSON, the tools' JSON when tool_choice forces a call; 0 without a constraint."""
+    import json
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert constraint_chars(_chat()) == 0
+    assert constraint_chars(_chat(tools=tools, tool_choice="auto")) == 0
+    assert constraint_chars(_cmpl(guided_regex="[a-z]{1,3}")) == 10
+    assert constraint_chars(_cmpl(guided_grammar='root ::= "a"')) == 12
+    assert constraint_chars(_chat(response_format={"type": "json_object"})) == len('{"type": "json_object"}')
+    assert constraint_chars(_chat(structured_outputs={"choice": ["a", "b"]})) == len('{"choice": ["a", "b"]}')
+    assert constraint_chars(_chat(guided_json={"type": "object"}, guided_whitespace_pattern=" ")) == len('{"type": "object"}') + 1
+    assert constraint_chars(_chat(tools=tools, tool_choice="required")) == len(json.dumps(tools))
 
 
 @pytest.mark.parametrize("backend", ["auto", "guidance", None])

@@ -58,7 +58,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt, first_error, constraint_requested)
+                                        truncated_prompt, first_error, constraint_requested, constraint_chars)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -507,17 +507,22 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             lltok = ll_tokenizer(tokenizer, list(mc.eos_token_ids), model_vocab)
         return structured_constraint(body, lltok)
 
-    async def structured(body):
+    async def structured(body, request=None):
         """The request's structured-output constraint (``openai_schemas.structured_constraint``:
         ApiError for a bad one, or one no token can begin), else None; ApiError (400 naming its
         field) when MD runs on vLLM. Compiled on ``pdd.structured.compiler``'s thread (a large
         stack), so the event loop serves other requests meanwhile; a request that asks for none
-        (``constraint_requested``) does not wait for that thread."""
-        from pdd.structured import compiler
+        (``constraint_requested``) does not wait for that thread. The queue runs the highest
+        response ratio next (``pdd.compile_queue.next_job``; cost: ``compile_cost_s`` of the
+        request's ``constraint_chars``): a small constraint overtakes large ones queued before it. A client that disconnects while
+        its compile waits (``request``'s connection, unless ``policy.cancel_on_disconnect`` is
+        off) drops it from the queue and gets ClientGone (499, to nobody)."""
+        from pdd.structured import compile_cost_s, compiler
 
         if not constraint_requested(body):  # nothing to compile: no wait behind other clients' grammars
             return None
-        c = await asyncio.get_running_loop().run_in_executor(compiler(), _constraint, body)
+        job = asyncio.wrap_future(compiler().submit_costed(compile_cost_s(constraint_chars(body)), _constraint, body))
+        c = await unless_gone(request, job, job.cancel, enabled=cfg.policy.cancel_on_disconnect)
         if c is not None and vllm_md:
             raise ApiError(f"{c.param}: structured outputs are not supported with MD on vLLM (vllm.main_decode): "
                            "vLLM continues each request after P's first token and would start the constraint "
@@ -863,7 +868,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
-        constraint = await structured(body)
+        constraint = await structured(body, request)
         check_choices(body.n, len(prompt_batch(body.prompt)))
         check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)  # before the tokenizer's work
         batch = await asyncio.to_thread(batch_ids, body.prompt, body.add_special_tokens,  # off the event loop
@@ -924,7 +929,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat(body, tool_parser)
-        constraint = await structured(body)
+        constraint = await structured(body, request)
         check_choices(body.n)
         parallel = body.parallel_tool_calls is not False
         calls = None  # how tool calls are read out of each choice's text (tool_parsers.CallMode)

@@ -1072,6 +1072,32 @@ def constraint_requested(body) -> bool:
     return getattr(body, "tool_choice", None) not in (None, "none", "auto")
 
 
+def constraint_chars(body) -> int:
+    """Characters of constraint text a completion or chat request sends: the JSON of each field
+    :func:`constraint_requested` reads (a grammar or regex string counted as its length), and of
+    ``tools`` when ``tool_choice`` forces a call (the call's schema is built from them); 0 for a
+    request with none. What the compile queue's cost estimate reads
+    (``pdd.structured.compile_cost_s``). Pure and cheap: no validation, no compiling."""
+    if not constraint_requested(body):
+        return 0
+
+    def size(v) -> int:
+        if v is None:
+            return 0
+        if isinstance(v, str):
+            return len(v)
+        try:
+            return len(json.dumps(v, ensure_ascii=False, default=str))
+        except (TypeError, ValueError, RecursionError):
+            return 0
+
+    fields = ["response_format", "structured_outputs", "guided_whitespace_pattern", *_GUIDED]
+    n = sum(size(getattr(body, name, None)) for name in fields)
+    if getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+        n += size(getattr(body, "tools", None))
+    return n
+
+
 def structured_constraint(body, lltok=None) -> Constraint | None:
     """The one structured-output constraint of a completion or chat request, compiled, else None.
 

@@ -1,0 +1,86 @@
+"""The gateway's constraint compiles (``pdd.structured.compiler``, a
+``pdd.compile_queue.CompileQueue``): a small constraint overtakes a large one queued before it,
+and a client that disconnects while its compile waits drops the compile (it never runs) and its
+request never starts. The real HTTP app on a real uvicorn server over the held orchestrator of
+``test_disconnect_start``; the queue's clock is the test's, so the order is exact, and its one thread
+is held by a job of the test's while requests queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from pdd import structured
+from pdd.compile_queue import CompileQueue
+from pdd.gateway.orchestrator import OUTCOMES
+from tests.api.test_disconnect_start import PROMPT_LONG, _post, _until, held  # noqa: F401 - the fixture
+
+BIG = "root ::= " + " | ".join(f'"w{i}"' for i in range(400))  # a GBNF grammar of 4,179 characters
+
+
+@pytest.fixture
+def queue(monkeypatch):
+    """The gateway's compiler replaced by a queue on a frozen clock, its thread held until ``go``;
+    the constraints compiled (the guided field's value, in order)."""
+    import pdd.gateway.api as gapi
+
+    clock = [0.0]
+    q = CompileQueue(threads=1, stack_bytes=structured.COMPILER_STACK_BYTES, clock=lambda: clock[0],
+                     name="grammar-compile")
+    monkeypatch.setattr(structured, "_COMPILER", q)
+    compiled: list[str] = []
+    real = gapi.structured_constraint
+
+    def spy(body, lltok=None):
+        compiled.append(body.guided_regex or body.guided_grammar)
+        return real(body, lltok)
+
+    monkeypatch.setattr(gapi, "structured_constraint", spy)
+    go, started = threading.Event(), threading.Event()
+    busy = q.submit(lambda: (started.set(), go.wait(60)))
+    assert started.wait(60)
+    yield q, go, compiled, clock
+    go.set()
+    busy.result(60)
+    q.shutdown()
+
+
+async def _status(reader) -> str:
+    return (await asyncio.wait_for(reader.readline(), 30)).decode()
+
+
+async def test_a_small_constraint_overtakes_a_large_one_queued_before_it(held, queue):
+    orch, app, port = held
+    q, go, compiled, clock = queue
+    orch.go.set()  # every request that starts streams its tokens
+    big = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, "guided_grammar": BIG})
+    await _until(lambda: q.pending() == 1, "the large compile to queue")
+    small = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, "guided_regex": "w[0-9]"})
+    await _until(lambda: q.pending() == 2, "the small compile to queue")
+    clock[0] = 1.0  # both have waited 1 s: the small one's ratio is the higher
+    go.set()
+    for reader, writer in (small, big):
+        assert (await _status(reader)).startswith("HTTP/1.1 200")
+        writer.close()
+    assert compiled == ["w[0-9]", BIG]
+
+
+async def test_a_client_gone_while_its_compile_waits_drops_the_compile(held, queue):
+    orch, app, port = held
+    q, go, compiled, clock = queue
+    reader, writer = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, "guided_regex": "gone"})
+    await _until(lambda: q.pending() == 1, "the compile to queue")
+    writer.close()
+    await writer.wait_closed()
+    await _until(lambda: q.pending() == 0, "the queued compile to be cancelled")
+    go.set()
+    orch.go.set()
+    reader, writer = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, "guided_regex": "kept"})
+    assert (await _status(reader)).startswith("HTTP/1.1 200")
+    writer.close()
+    await _until(lambda: not orch.reqs, "the kept request to end")
+    assert compiled == ["kept"]  # the gone client's constraint was never compiled
+    assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 1, "failed": 0, "cancelled": 0, "rejected": 0}
