@@ -1021,6 +1021,11 @@ class ClusterConfig(_Strict):
         "SSE error event and [DONE]) and are aborted on every tier. 0: end them at once (vLLM's --shutdown-timeout "
         "0). The instances stop after the gateway (docs/SERVE.md \"Stop it\")")
     liveness: LivenessConfig = LivenessConfig()
+    gateway_switch_interval_ms: float = Field(
+        1.0, gt=0, le=100,
+        description="the gateway process's Python thread switch interval (sys.setswitchinterval), ms: the longest "
+        "the event loop waits for the interpreter lock while the grammar compiler thread runs Python (a GBNF "
+        "grammar's conversion to Lark), i.e. what each streamed token can be delayed then. Python's default is 5")
     cors: CorsConfig = CorsConfig()
     vllm: VllmTierConfig = VllmTierConfig()
     cpu_affinity: dict[Literal["prefill", "relay_decode", "main_decode", "colocated", "gateway", "link"],

@@ -35,6 +35,7 @@ import asyncio
 import json
 import logging
 import math
+import sys
 import time
 import weakref
 from typing import Any
@@ -1262,6 +1263,18 @@ def http_server_config(cfg: ClusterConfig, app):
                           limit_concurrency=None, timeout_graceful_shutdown=SERVER_CLOSE_S)
 
 
+def set_switch_interval(cfg: ClusterConfig) -> float:
+    """Set this process's thread switch interval (``sys.setswitchinterval``) to
+    ``cfg.gateway_switch_interval_ms`` (ms); returns it in seconds. Each event-loop wakeup (a
+    streamed token) waits for the interpreter lock while the compiler thread converts a GBNF
+    grammar to Lark (Python) for up to this long: a 2 ms timer woke a median 6.6-10 ms late at
+    Python's 5 ms and 1.2 ms late at 1 ms (``scripts/gateway_switch_interval.py``; docs/SERVE.md,
+    the compiler thread)."""
+    s = cfg.gateway_switch_interval_ms / 1000
+    sys.setswitchinterval(s)
+    return s
+
+
 async def serve_gateway(cfg: ClusterConfig, lay) -> int | None:
     """Run the gateway process: connect to every tier, then serve HTTP; print ``READY gateway``.
     The first SIGTERM, SIGINT or SIGHUP (a ``pdd launch --role gateway`` whose terminal closed)
@@ -1276,6 +1289,7 @@ async def serve_gateway(cfg: ClusterConfig, lay) -> int | None:
 
     from pdd.stop_signals import add_stop_handlers
 
+    set_switch_interval(cfg)
     tokenizer = Tokenizer.from_file(f"{cfg.model_path}/tokenizer.json")
     orch = Orchestrator(cfg, lay)
     from pdd.gateway.membership import Membership
