@@ -1005,6 +1005,9 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     return p
 
 
+PLAN_REQUESTS = 1500  # `pdd plan`'s generated requests when neither --requests nor --agentic gives a count
+
+
 def cmd_plan(a) -> int:
     from pdd.sim.cluster import RequestTooLarge
     from pdd.sim.plan import WanOption, best_with_goodput, format_plan, search
@@ -1013,13 +1016,24 @@ def cmd_plan(a) -> int:
     if a.trace and a.workload not in (None, "trace"):  # it ran that workload and never read the file
         raise UsageError(f"--trace and --workload {a.workload} exclude each other: --trace FILE replays a trace "
                          "(--workload trace, which --trace alone implies)")
+    if a.agentic:  # --agentic N is the agentic workload's count; it was overwritten by --requests' (default)
+        if a.trace:
+            raise UsageError("--trace and --agentic exclude each other: --agentic N generates the requests, "
+                             "--trace FILE replays a file")
+        if a.workload not in (None, "agentic"):
+            raise UsageError(f"--agentic and --workload {a.workload} exclude each other: --agentic N generates N "
+                             "agentic requests (--workload agentic, which --agentic alone implies)")
+        if a.requests is not None and a.requests != a.agentic:
+            raise UsageError(f"--agentic {a.agentic} and --requests {a.requests} disagree: both give the agentic "
+                             "workload's request count (give one)")
     a.workload = a.workload or ("trace" if a.trace else "agentic")
+    requests = a.agentic or a.requests or PLAN_REQUESTS
     if a.workload == "fixed":
         def make(rate):
-            return generate_fixed(a.requests, rate, a.input_len, a.output_len, a.hit, n_prefixes=48, seed=a.seed,
+            return generate_fixed(requests, rate, a.input_len, a.output_len, a.hit, n_prefixes=48, seed=a.seed,
                                   warm_s=40.0)
     else:
-        a.agentic = a.requests if a.workload == "agentic" else 0
+        a.agentic = requests if a.workload == "agentic" else None
 
         def make(rate):
             return _records(a, rate)
@@ -1121,7 +1135,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="agentic: --requests generated agentic requests; trace: --trace FILE (default: the bundled "
                         "conversation trace); fixed: --input-len / --output-len / --hit (default: trace when "
                         "--trace is given, else agentic)")
-    p.add_argument("--requests", type=GENERATED, default=1500)
+    p.add_argument("--requests", type=GENERATED, default=None,
+                   help=f"requests of a generated workload (agentic or fixed; default {PLAN_REQUESTS}); "
+                        "--agentic N is the same count for the agentic workload")
     p.add_argument("--input-len", type=_int_in(1, MAX_PROMPT_TOKENS, "prompt tokens"), default=63 * 1024)
     p.add_argument("--output-len", type=NONNEG_INT, default=1024)
     p.add_argument("--hit", type=FRACTION, default=0.9, help="prefix hit rate of the fixed workload, in [0, 1]")
