@@ -537,20 +537,33 @@ def continuation_requests(trace, scale: Scale, tokens: TokenSpace, seed: int, pl
 def rate_text(workload: dict) -> str:
     """How a bench's workload line states its main run's rate: ``"2.36 req/s"`` (the mean,
     ``workload["rate_rps"]``), ``"ramp 5 -> 1 req/s, mean 2.36 req/s"`` for a ``--ramp`` run
-    (``workload["ramp_rps"]``, rising or falling), ``"all at once"`` when the mean is undefined."""
+    (``workload["ramp_rps"]``, rising or falling), ``"schedule 0s:1, 10s:4, 20s:1 req/s, mean
+    2.36 req/s"`` for a ``--rate-schedule`` / ``--load-profile`` run (``workload["rate_schedule"]``,
+    :func:`pdd.load_profile.describe`), ``"all at once"`` when the mean is undefined."""
+    from pdd.load_profile import describe
+
     offered = workload.get("rate_rps")
     mean = f"{offered:.2f} req/s" if offered else "all at once"
-    ramp = workload.get("ramp_rps")
-    return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s, mean {mean}" if ramp else mean
+    ramp, sched = workload.get("ramp_rps"), workload.get("rate_schedule")
+    if ramp:
+        return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s, mean {mean}"
+    if sched:
+        return f"schedule {describe(sched)} req/s, mean {mean}"
+    return mean
 
 
 def rate_label(workload: dict) -> str:
-    """The main run's rate in its progress bar's title: ``"2.36 req/s"``, or for a ``--ramp``
-    run ``"ramp 5 -> 1 req/s (mean 2.36)"``."""
+    """The main run's rate in its progress bar's title: ``"2.36 req/s"``, for a ``--ramp`` run
+    ``"ramp 5 -> 1 req/s (mean 2.36)"``, for a rate schedule ``"schedule 1 -> 4 -> 1 req/s over
+    70 s (mean 2.36)"`` (:func:`pdd.load_profile.shape`)."""
+    from pdd.load_profile import shape
+
     offered = workload.get("rate_rps")
-    ramp = workload.get("ramp_rps")
+    ramp, sched = workload.get("ramp_rps"), workload.get("rate_schedule")
     if ramp:
         return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s (mean {_fmt(offered, 2)})"
+    if sched:
+        return f"schedule {shape(sched)} (mean {_fmt(offered, 2)})"
     return f"{_fmt(offered, 2)} req/s"
 
 

@@ -544,6 +544,7 @@ def _autoscale_config(a):
 
 
 def cmd_run(a) -> int:
+    from pdd.load_profile import describe
     from pdd.sim.autoscale import autoscaled_sim, fixed_summary
     from pdd.sim.cluster import ClusterSim, RequestTooLarge
     from pdd.sim.report import print_summary, summarize, write_json
@@ -586,7 +587,8 @@ def cmd_run(a) -> int:
                                                             auto["instance_seconds_by_role"].items())
           + f"); autoscale " + (f"{auto['scale_ups']} up, {auto['scale_downs']} down" if sim.autoscaler is not None
                                 else "off"))
-    print(f"simulated {len(recs)} requests ({s['duration_s']:.0f} s of traffic) in {wall:.1f} s wall, "
+    at = f" at rate schedule {describe(sched)} req/s" if sched is not None else ""  # not just the rates measured
+    print(f"simulated {len(recs)} requests ({s['duration_s']:.0f} s of traffic{at}) in {wall:.1f} s wall, "
           f"peak RSS {s['peak_rss_mb']:.0f} MB")
     if sim.stalled:  # requests left unfinished: the figures above are of the others
         s["stalled"] = sim.stalled
