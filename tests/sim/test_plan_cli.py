@@ -75,8 +75,24 @@ def test_plan_trace_without_workload_replays_the_trace(tmp_path, monkeypatch, ca
     path, read = _small_trace(tmp_path), []
     real = W.load_trace
     monkeypatch.setattr(W, "load_trace", lambda p, limit=None: read.append(p) or real(p, limit=limit))
-    assert main(PLAN + ["--trace", path, "--no-progress"]) == 0
+    no_count = [x for x in PLAN if x not in ("--requests", "60")]  # a trace's requests are its records
+    assert main(no_count + ["--trace", path, "--no-progress"]) == 0
     assert read and set(read) == {path}
+
+
+def test_plan_requests_with_a_trace_is_refused_naming_both_flags(tmp_path, capsys):
+    """``pdd plan --trace FILE --requests 60`` replayed the whole trace: --requests sizes a
+    generated workload only, and was ignored silently."""
+    import pytest
+
+    path = _small_trace(tmp_path)
+    for extra in (["--trace", path], ["--workload", "trace"]):
+        with pytest.raises(SystemExit) as e:
+            main(PLAN + extra)
+        assert e.value.code == 2
+        assert capsys.readouterr().err == (
+            "pdd plan: error: --requests and --workload trace exclude each other: --requests N sizes a generated "
+            "workload (agentic or fixed); a trace's first N records: --limit N\n")
 
 
 def test_plan_trace_with_another_workload_is_refused_naming_both_flags(tmp_path, capsys):

@@ -1029,6 +1029,9 @@ def cmd_plan(a) -> int:
             raise UsageError(f"--agentic {a.agentic} and --requests {a.requests} disagree: both give the agentic "
                              "workload's request count (give one)")
     a.workload = a.workload or ("trace" if a.trace else "agentic")
+    if a.workload == "trace" and a.requests is not None:  # the whole trace was replayed, silently
+        raise UsageError("--requests and --workload trace exclude each other: --requests N sizes a generated "
+                         "workload (agentic or fixed); a trace's first N records: --limit N")
     requests = a.agentic or a.requests or PLAN_REQUESTS
     if a.workload == "fixed":
         def make(rate):
