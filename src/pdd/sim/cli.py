@@ -457,13 +457,18 @@ def _wan_kv_engine_cutoff_fields(a) -> dict:
                 kv_stream=a.kv_stream, kv_stream_layer_group=a.kv_stream_layer_group)
 
 
+def _trace_or_agentic(a) -> None:
+    """UsageError naming both flags when --trace and --agentic are given (the trace was never read)."""
+    if a.agentic and a.trace:
+        raise UsageError("--trace and --agentic exclude each other: --agentic N generates the requests, "
+                         "--trace FILE replays a file")
+
+
 def _records(a, rate=None):
     from pdd.workload import records as W
 
     cap = getattr(a, "max_input", None)  # pdd sim run and pdd plan
-    if a.agentic and a.trace:  # the trace was never read, silently
-        raise UsageError("--trace and --agentic exclude each other: --agentic N generates the requests, "
-                         "--trace FILE replays a file")
+    _trace_or_agentic(a)
     if a.agentic:
         recs = W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
         return W.cap_input(recs, cap) if cap else recs
@@ -1019,9 +1024,7 @@ def cmd_plan(a) -> int:
         raise UsageError(f"--trace and --workload {a.workload} exclude each other: --trace FILE replays a trace "
                          "(--workload trace, which --trace alone implies)")
     if a.agentic:  # --agentic N is the agentic workload's count; it was overwritten by --requests' (default)
-        if a.trace:
-            raise UsageError("--trace and --agentic exclude each other: --agentic N generates the requests, "
-                             "--trace FILE replays a file")
+        _trace_or_agentic(a)
         if a.workload not in (None, "agentic"):
             raise UsageError(f"--agentic and --workload {a.workload} exclude each other: --agentic N generates N "
                              "agentic requests (--workload agentic, which --agentic alone implies)")
