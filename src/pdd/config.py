@@ -766,25 +766,16 @@ _TOO_DEEP = (f"nested too deeply: lists and mappings (JSON arrays and objects) m
              "levels deep")
 
 
-def _read_config_text(path) -> bytes:
-    """The bytes of config file ``path``, read with a bound: ConfigFileError (one line naming the
-    file) when it is not a regular file (``/dev/zero`` was read until memory ran out; a FIFO with
-    no writer hung) or holds more than :data:`MAX_CONFIG_BYTES` (at most that + 1 bytes are
-    read); IsADirectoryError for a directory; OSError when it cannot be opened."""
-    import os
-    import stat
+def _read_config_bytes(path) -> bytes:
+    """The bytes of config file ``path``, at most :data:`MAX_CONFIG_BYTES` (``pdd.files.read_bytes``):
+    ConfigFileError (one line naming the file) when it is not a regular file or is larger;
+    IsADirectoryError for a directory; OSError when it cannot be opened."""
+    from pdd import files
 
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: opening a FIFO waits for no writer
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(21, "Is a directory", str(path))
-        if not stat.S_ISREG(mode):
-            raise ConfigFileError(f"{path}: not a regular file (a device, FIFO or socket); give a YAML or JSON file")
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigFileError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large")
-    return data
+    try:
+        return files.read_bytes(path, MAX_CONFIG_BYTES, what="give a YAML or JSON file")
+    except files.InputFileError as e:
+        raise ConfigFileError(str(e)) from None
 
 
 def _height(data) -> float:
@@ -1295,7 +1286,7 @@ class ClusterConfig(_Strict):
         data: dict = {}
         if path is not None:
             try:
-                text = _read_config_text(path).decode().replace("\r\n", "\n").replace("\r", "\n")  # as read_text
+                text = _read_config_bytes(path).decode().replace("\r\n", "\n").replace("\r", "\n")
             except UnicodeDecodeError:
                 raise ConfigFileError(f"{path}: not UTF-8 text (a YAML or JSON config)") from None
             try:

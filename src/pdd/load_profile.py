@@ -224,9 +224,18 @@ def offered_series(points: Schedule, step_s: float = 1.0) -> tuple[list[float], 
 
 
 def describe(points: Schedule) -> str:
+    """The points as ``"0s:1, 10s:4, 20s:1"`` (seconds:req/s)."""
     return ", ".join(f"{t:g}s:{r:g}" for t, r in points)
+
+
+def shape(points: Schedule) -> str:
+    """The schedule's rates in turn, a held rate once, and its span: ``"1 -> 4 -> 1 req/s over
+    70 s"`` (the ramp profile 0s:1, 10s:1, 30s:4, 40s:4, 60s:1, 70s:1), ``"2 req/s over 10 s"``.
+    What a progress bar names beside the mean; :func:`describe` gives every point."""
+    rates = [r for i, (_, r) in enumerate(points) if i == 0 or r != points[i - 1][1]]
+    return f"{' -> '.join(f'{r:g}' for r in rates)} req/s over {duration_s(points):g} s"
 
 
 __all__ = ["Schedule", "DEFAULT_RAMP_PHASES_S", "check_schedule", "parse_rate_schedule", "ramp_schedule", "parse_phases",
            "schedule_from_flags",
-           "duration_s", "rate_at", "expected_arrivals", "invert", "schedule_arrivals", "offered_series", "describe"]
+           "duration_s", "rate_at", "expected_arrivals", "invert", "schedule_arrivals", "offered_series", "describe", "shape"]

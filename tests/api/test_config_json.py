@@ -73,10 +73,11 @@ def test_a_config_file_larger_than_the_cap_or_not_a_regular_file_is_one_line(tmp
     big.write_text("#" * MAX_CONFIG_BYTES + "\n")
     with pytest.raises(ConfigFileError) as ex:
         ClusterConfig.load(big)
-    assert str(ex.value) == f"{big}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large"
+    too_large = f"larger than the cap of 1,048,576 bytes ({MAX_CONFIG_BYTES + 1:,} bytes); give a YAML or JSON file"
+    assert str(ex.value) == f"{big}: {too_large}"  # the message of every capped input file (pdd.files)
     for argv in (["serve"], ["sim", "run"], ["bench", "--modes", "colocated", "--out", str(tmp_path / "o")]):
         prog = " ".join(argv[:2]) if argv[0] == "sim" else argv[0]
-        for path, why in ((str(big), f"larger than {MAX_CONFIG_BYTES} bytes (1 MiB); no config is that large"),
+        for path, why in ((str(big), too_large),
                           ("/dev/zero", "not a regular file (a device, FIFO or socket); give a YAML or JSON file")):
             err = usage_error(capsys, main, argv + ["--config", path])  # (bench said "no such file")
             assert err.splitlines()[-1] == f"pdd {prog}: error: --config {path}: {why}"

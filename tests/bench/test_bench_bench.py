@@ -569,3 +569,49 @@ def test_a_ramped_run_says_its_ramp_where_it_prints_its_rate(tmp_path, server_ur
     assert labels == [f"pdd @ {text} (mean {mean:.2f})"]
     lines = [ln for ln in (tmp_path / "console.txt").read_text().splitlines() if ln.startswith("workload:")]
     assert len(lines) == 1 and f" of arrivals ({text}, mean {mean:.2f} req/s), prompt mean " in lines[0]
+
+
+@pytest.mark.parametrize("shape", [{"ramp": (80.0, 20.0)}, {"rate_schedule": ((0.0, 80.0), (1.0, 20.0))}])
+def test_a_sweep_point_at_a_shaped_main_run_s_mean_rate_is_run_not_reused(tmp_path, server_url, monkeypatch, shape):
+    """A sweep point whose rate equalled the main run's mean took the main run's records as its
+    own ("reused_main_run"), though a ``--ramp`` / ``--rate-schedule`` main run is not a
+    constant-rate run at that rate: the point is run now; only a constant-rate main run is reused."""
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    kw = dict(slo={"ttft_ms": 20_000, "tpot_ms": 10_000}, request_timeout_s=10, progress=False,
+              topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    mean = run_bench(tmp_path / "a", ("pdd",), 6, SCALE, cfg, seed=3, console=_console(tmp_path), **shape,
+                     **kw)["workload"]["rate_rps"]
+    labels = []
+    real = bench_mod.measured_replay
+    monkeypatch.setattr(bench_mod, "measured_replay", lambda *a, **k: labels.append(k.get("label")) or real(*a, **k))
+    report = run_bench(tmp_path / "b", ("pdd",), 6, SCALE, cfg, seed=3, console=_console(tmp_path), **shape,
+                       sweep=SweepPlan(rates=(mean,)), sweep_requests=4, **kw)
+    assert report["workload"]["rate_rps"] == mean
+    (pt,) = report["sweep"]["modes"]["pdd"]["points"]
+    assert pt["reused_main_run"] is False and pt["rate_rps"] == mean and pt["requests"] == 4
+    assert labels[1:] == [f"pdd sweep @ {mean:g} req/s"]
+    # a constant-rate main run at the point's rate is still the point (test_bench_against_url)
+
+
+@pytest.mark.parametrize("sched,label,points", [
+    (((0.0, 80.0), (1.0, 20.0)), "schedule 80 -> 20 req/s over 1 s", "schedule 0s:80, 1s:20 req/s"),
+    # --load-profile ramp --low-rate 20 --peak-rate 80 --phase-seconds 0.1:0.1:0.1:0.1
+    (((0.0, 20.0), (0.1, 20.0), (0.2, 80.0), (0.3, 80.0), (0.4, 20.0), (0.5, 20.0)),
+     "schedule 20 -> 80 -> 20 req/s over 0.5 s", "schedule 0s:20, 0.1s:20, 0.2s:80, 0.3s:80, 0.4s:20, 0.5s:20 req/s"),
+])
+def test_a_scheduled_run_says_its_schedule_where_it_prints_its_rate(tmp_path, server_url, monkeypatch, sched, label,
+                                                                      points):
+    """``--rate-schedule`` / ``--load-profile ramp`` printed "pdd @ 47.3 req/s" (the mean) on the
+    progress bar and the workload line; both now name the schedule, the mean after it."""
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    labels = []
+    real = bench_mod.measured_replay
+    monkeypatch.setattr(bench_mod, "measured_replay", lambda *a, **k: labels.append(k.get("label")) or real(*a, **k))
+    report = run_bench(tmp_path / "bench", ("pdd",), 6, SCALE, cfg, seed=3, slo={"ttft_ms": 20_000, "tpot_ms": 10_000},
+                       request_timeout_s=10, progress=False, console=_console(tmp_path), rate_schedule=sched,
+                       topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    mean = report["workload"]["rate_rps"]
+    assert report["workload"]["requests"] == 6 and report["workload"]["rate_schedule"] == [list(p) for p in sched]
+    assert labels == [f"pdd @ {label} (mean {mean:.2f})"]
+    lines = [ln for ln in (tmp_path / "console.txt").read_text().splitlines() if ln.startswith("workload:")]
+    assert len(lines) == 1 and f" of arrivals ({points}, mean {mean:.2f} req/s), prompt mean " in lines[0]

@@ -141,3 +141,13 @@ def test_the_rate_floor_is_inclusive_and_leaves_other_values_to_their_checks():
     assert slow_rate_problem(5e-324, factor=True) == (
         "must be >= 0.001 (a replay at most 1000 times slower than the trace; a slower one's run would not end), "
         "got 4.94066e-324")
+
+
+def test_a_schedule_s_shape_names_its_rates_in_turn_and_its_span():
+    """What a run's progress bar and summary line say of a rate schedule (the mean alone hid it)."""
+    from pdd.load_profile import shape
+
+    assert shape(ramp_schedule(1, 4, (2, 4, 2, 4))) == "1 -> 4 -> 1 req/s over 14 s"
+    assert shape(parse_rate_schedule("0:0.5,20:4,40:0.5")) == "0.5 -> 4 -> 0.5 req/s over 40 s"
+    assert shape(parse_rate_schedule("0:2,10:2")) == "2 req/s over 10 s"
+    assert shape(parse_rate_schedule("0:0,5:3,7.5:3")) == "0 -> 3 req/s over 7.5 s"

@@ -48,7 +48,7 @@ def test_a_trace_above_the_size_cap_is_named(capsys, tmp_path, monkeypatch):
     t = tmp_path / "t.jsonl"
     t.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}) + "\n" * 100)
     assert _last(capsys, ["bench", "--trace", str(t), "--out", str(tmp_path / "o")]) == (
-        f"pdd bench: error: --trace: {t}: larger than 100 bytes ({t.stat().st_size}); {TRACE}")
+        f"pdd bench: error: --trace: {t}: larger than the cap of 100 bytes ({t.stat().st_size} bytes); {TRACE}")
 
 
 def test_a_trace_line_above_the_line_cap_names_its_line(capsys, tmp_path, monkeypatch):
@@ -103,8 +103,33 @@ def test_read_text_caps_its_bytes(tmp_path):
     assert read_text(p, 200) == "{}" + " " * 100
     with pytest.raises(InputFileError) as ex:
         read_text(p, 50)
-    assert str(ex.value) == f"{p}: larger than 50 bytes (102); give a JSON file"
+    assert str(ex.value) == f"{p}: larger than the cap of 50 bytes (102 bytes); give a JSON file"
     with pytest.raises(IsADirectoryError):
         read_text(tmp_path)
     with pytest.raises(FileNotFoundError):
         read_text(tmp_path / "nope")
+
+
+def test_read_bytes_caps_its_bytes_and_a_config_file_is_read_through_it(tmp_path, monkeypatch):
+    """``ClusterConfig.load`` had its own copy of the regular-file check and the capped read
+    (``config._read_config_text``), with its own too-large message; it reads through
+    ``pdd.files.read_bytes`` now, which says the same as for every capped file."""
+    import pdd.files as files
+    from pdd.config import MAX_CONFIG_BYTES, ClusterConfig, ConfigFileError
+    from pdd.files import read_bytes
+
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"mode: colocated\n\xff")
+    assert read_bytes(p, 17) == b"mode: colocated\n\xff"  # bytes: no UTF-8 check
+    with pytest.raises(InputFileError) as ex:
+        read_bytes(p, 16)
+    assert str(ex.value) == f"{p}: larger than the cap of 16 bytes (17 bytes); give a JSON file"
+    seen, real = [], files.read_bytes
+    monkeypatch.setattr(files, "read_bytes", lambda *a, **k: seen.append((a, k)) or real(*a, **k))
+    p.write_text("mode: colocated\n")
+    assert ClusterConfig.load(p).mode == "colocated"
+    assert seen == [((p, MAX_CONFIG_BYTES), {"what": "give a YAML or JSON file"})]
+    monkeypatch.setattr(files, "read_bytes", lambda *a, **k: real(p, 3, what=k["what"]))
+    with pytest.raises(ConfigFileError) as ex:  # the CLIs print a ConfigFileError naming --config
+        ClusterConfig.load(p)
+    assert str(ex.value) == f"{p}: larger than the cap of 3 bytes (16 bytes); give a YAML or JSON file"

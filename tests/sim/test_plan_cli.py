@@ -75,8 +75,24 @@ def test_plan_trace_without_workload_replays_the_trace(tmp_path, monkeypatch, ca
     path, read = _small_trace(tmp_path), []
     real = W.load_trace
     monkeypatch.setattr(W, "load_trace", lambda p, limit=None: read.append(p) or real(p, limit=limit))
-    assert main(PLAN + ["--trace", path, "--no-progress"]) == 0
+    no_count = [x for x in PLAN if x not in ("--requests", "60")]  # a trace's requests are its records
+    assert main(no_count + ["--trace", path, "--no-progress"]) == 0
     assert read and set(read) == {path}
+
+
+def test_plan_requests_with_a_trace_is_refused_naming_both_flags(tmp_path, capsys):
+    """``pdd plan --trace FILE --requests 60`` replayed the whole trace: --requests sizes a
+    generated workload only, and was ignored silently."""
+    import pytest
+
+    path = _small_trace(tmp_path)
+    for extra in (["--trace", path], ["--workload", "trace"]):
+        with pytest.raises(SystemExit) as e:
+            main(PLAN + extra)
+        assert e.value.code == 2
+        assert capsys.readouterr().err == (
+            "pdd plan: error: --requests and --workload trace exclude each other: --requests N sizes a generated "
+            "workload (agentic or fixed); a trace's first N records: --limit N\n")
 
 
 def test_plan_trace_with_another_workload_is_refused_naming_both_flags(tmp_path, capsys):
@@ -101,3 +117,50 @@ def test_sim_run_trace_with_agentic_is_refused_naming_both_flags(tmp_path, capsy
     assert capsys.readouterr().err == (
         "pdd sim run: error: --trace and --agentic exclude each other: --agentic N generates the requests, "
         "--trace FILE replays a file\n")
+
+
+def _generated_counts(monkeypatch):
+    """Spy on the agentic generator: the request counts ``pdd plan`` asked it for."""
+    from pdd.workload import records as W
+
+    counts, real = [], W.generate_agentic
+    monkeypatch.setattr(W, "generate_agentic", lambda n, **k: counts.append(n) or real(n, **k))
+    return counts
+
+
+def test_plan_agentic_n_generates_n_requests(monkeypatch, capsys):
+    """``pdd plan --agentic 40`` generated ``--requests``' count (its default, 1500) instead:
+    ``a.agentic`` was overwritten. N holds, with or without --workload agentic, and with
+    --requests N (the same count)."""
+    base = [x for x in PLAN if x not in ("--requests", "60")] + ["--no-progress"]
+    for extra in ([], ["--workload", "agentic"], ["--requests", "40"]):
+        counts = _generated_counts(monkeypatch)
+        assert main(base + ["--agentic", "40"] + extra) in (0, 1)
+        assert counts and set(counts) == {40}
+    counts = _generated_counts(monkeypatch)  # --requests alone still sizes it
+    assert main(base + ["--requests", "30"]) in (0, 1)
+    assert counts and set(counts) == {30}
+
+
+def test_plan_agentic_refuses_a_conflicting_flag_naming_both(tmp_path, capsys):
+    import pytest
+
+    path = _small_trace(tmp_path)
+    cases = [
+        (["--agentic", "40", "--requests", "60"],
+         "--agentic 40 and --requests 60 disagree: both give the agentic workload's request count (give one)"),
+        (["--agentic", "40", "--workload", "fixed"],
+         "--agentic and --workload fixed exclude each other: --agentic N generates N agentic requests "
+         "(--workload agentic, which --agentic alone implies)"),
+        (["--agentic", "40", "--workload", "trace"],
+         "--agentic and --workload trace exclude each other: --agentic N generates N agentic requests "
+         "(--workload agentic, which --agentic alone implies)"),
+        (["--agentic", "40", "--trace", path],
+         "--trace and --agentic exclude each other: --agentic N generates the requests, --trace FILE replays a file"),
+    ]
+    base = [x for x in PLAN if x not in ("--requests", "60")]
+    for extra, line in cases:
+        with pytest.raises(SystemExit) as e:
+            main(base + extra)
+        assert e.value.code == 2
+        assert capsys.readouterr().err == f"pdd plan: error: {line}\n"

@@ -125,3 +125,18 @@ def test_pdd_sim_run_autoscale_cli(capsys, tmp_path):
             pdd_main(["sim", "run", "--agentic", "20"] + argv)
         assert ex.value.code == 2
         assert msg in capsys.readouterr().err
+
+
+def test_pdd_sim_run_names_its_rate_schedule_in_its_summary_line(capsys):
+    """With ``--rate-schedule`` / ``--load-profile ramp`` the output said only the rates measured;
+    the summary line names the schedule that was run."""
+    from pdd.cli import main as pdd_main
+
+    assert pdd_main(["sim", "run", "--agentic", "20", "--rate-schedule", "0:1,4:3,8:1"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("simulated ")]
+    assert len(line) == 1 and line[0].startswith("simulated 10 requests (") and (
+        " s of traffic at rate schedule 0s:1, 4s:3, 8s:1 req/s) in " in line[0])
+    assert pdd_main(["sim", "run", "--agentic", "20", "--load-profile", "ramp", "--peak-rate", "2",
+                     "--phase-seconds", "1:2:1:2"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("simulated ")]
+    assert " s of traffic at rate schedule 0s:0.5, 1s:0.5, 3s:2, 4s:2, 6s:0.5, 7s:0.5 req/s) in " in line[0]

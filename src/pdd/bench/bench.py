@@ -358,6 +358,9 @@ def run_bench(
             console.print(f"[red]{slo_info['error']}")
 
     warm_sweep = sweep is not None and sweep_next is not None
+    # a sweep point at the offered rate is the main run only when that run's rate was constant: a
+    # ramped or scheduled run's mean is not the load a constant-rate point puts on the topology
+    constant_rate = ramp is None and rate_schedule is None
     for k, mode in enumerate(run_order, 1):
         cfg = config if remote is not None else mode_config(config, mode, vllm_python)
         console.rule(f"[bold]{mode}[/] ({k}/{len(run_order)})")
@@ -424,7 +427,7 @@ def run_bench(
                 try:
                     if sweep is not None and slo_obj is not None:
                         points = _sweep_mode(topo, cfg, mode, sweep, sweep_next if warm_sweep else sweep_reqs,
-                                             slo_obj, main_dicts, entry, offered,
+                                             slo_obj, main_dicts if constant_rate else None, entry, offered,
                                              min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
                                              sweep_min_requests, progress, console, warm=warm_sweep,
                                              per_point=sweep_requests, main_before=requests)
@@ -534,20 +537,33 @@ def continuation_requests(trace, scale: Scale, tokens: TokenSpace, seed: int, pl
 def rate_text(workload: dict) -> str:
     """How a bench's workload line states its main run's rate: ``"2.36 req/s"`` (the mean,
     ``workload["rate_rps"]``), ``"ramp 5 -> 1 req/s, mean 2.36 req/s"`` for a ``--ramp`` run
-    (``workload["ramp_rps"]``, rising or falling), ``"all at once"`` when the mean is undefined."""
+    (``workload["ramp_rps"]``, rising or falling), ``"schedule 0s:1, 10s:4, 20s:1 req/s, mean
+    2.36 req/s"`` for a ``--rate-schedule`` / ``--load-profile`` run (``workload["rate_schedule"]``,
+    :func:`pdd.load_profile.describe`), ``"all at once"`` when the mean is undefined."""
+    from pdd.load_profile import describe
+
     offered = workload.get("rate_rps")
     mean = f"{offered:.2f} req/s" if offered else "all at once"
-    ramp = workload.get("ramp_rps")
-    return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s, mean {mean}" if ramp else mean
+    ramp, sched = workload.get("ramp_rps"), workload.get("rate_schedule")
+    if ramp:
+        return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s, mean {mean}"
+    if sched:
+        return f"schedule {describe(sched)} req/s, mean {mean}"
+    return mean
 
 
 def rate_label(workload: dict) -> str:
-    """The main run's rate in its progress bar's title: ``"2.36 req/s"``, or for a ``--ramp``
-    run ``"ramp 5 -> 1 req/s (mean 2.36)"``."""
+    """The main run's rate in its progress bar's title: ``"2.36 req/s"``, for a ``--ramp`` run
+    ``"ramp 5 -> 1 req/s (mean 2.36)"``, for a rate schedule ``"schedule 1 -> 4 -> 1 req/s over
+    70 s (mean 2.36)"`` (:func:`pdd.load_profile.shape`)."""
+    from pdd.load_profile import shape
+
     offered = workload.get("rate_rps")
-    ramp = workload.get("ramp_rps")
+    ramp, sched = workload.get("ramp_rps"), workload.get("rate_schedule")
     if ramp:
         return f"ramp {ramp[0]:g} -> {ramp[1]:g} req/s (mean {_fmt(offered, 2)})"
+    if sched:
+        return f"schedule {shape(sched)} (mean {_fmt(offered, 2)})"
     return f"{_fmt(offered, 2)} req/s"
 
 
@@ -556,7 +572,9 @@ def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequ
                 max_arrival_s: float | None, path: Path, min_requests: int, progress: bool,
                 console, warm: bool = False, per_point: int | None = None,
                 main_before: Sequence = ()) -> list[dict]:
-    """The sweep on a running topology; returns its points. ``warm``: ``reqs`` is the trace's
+    """The sweep on a running topology; returns its points. ``main_records``: the main run's
+    records, taken as the point at rate ``offered`` (``reused_main_run``); None when the main
+    run's rate was not constant (``--ramp``, a rate schedule): every point is run. ``warm``: ``reqs`` is the trace's
     continuation after the main run, each point replays its next requests on the caches the main
     run (and earlier points) left; else every point replays whole conversations of ``reqs``
     (:func:`pdd.bench.sweep.point_requests`) on flushed caches. ``per_point``: most requests of a

@@ -457,13 +457,18 @@ def _wan_kv_engine_cutoff_fields(a) -> dict:
                 kv_stream=a.kv_stream, kv_stream_layer_group=a.kv_stream_layer_group)
 
 
+def _trace_or_agentic(a) -> None:
+    """UsageError naming both flags when --trace and --agentic are given (the trace was never read)."""
+    if a.agentic and a.trace:
+        raise UsageError("--trace and --agentic exclude each other: --agentic N generates the requests, "
+                         "--trace FILE replays a file")
+
+
 def _records(a, rate=None):
     from pdd.workload import records as W
 
     cap = getattr(a, "max_input", None)  # pdd sim run and pdd plan
-    if a.agentic and a.trace:  # the trace was never read, silently
-        raise UsageError("--trace and --agentic exclude each other: --agentic N generates the requests, "
-                         "--trace FILE replays a file")
+    _trace_or_agentic(a)
     if a.agentic:
         recs = W.generate_agentic(a.agentic, seed=a.seed, rate=rate or a.rate)
         return W.cap_input(recs, cap) if cap else recs
@@ -544,6 +549,7 @@ def _autoscale_config(a):
 
 
 def cmd_run(a) -> int:
+    from pdd.load_profile import describe
     from pdd.sim.autoscale import autoscaled_sim, fixed_summary
     from pdd.sim.cluster import ClusterSim, RequestTooLarge
     from pdd.sim.report import print_summary, summarize, write_json
@@ -586,7 +592,8 @@ def cmd_run(a) -> int:
                                                             auto["instance_seconds_by_role"].items())
           + f"); autoscale " + (f"{auto['scale_ups']} up, {auto['scale_downs']} down" if sim.autoscaler is not None
                                 else "off"))
-    print(f"simulated {len(recs)} requests ({s['duration_s']:.0f} s of traffic) in {wall:.1f} s wall, "
+    at = f" at rate schedule {describe(sched)} req/s" if sched is not None else ""  # not just the rates measured
+    print(f"simulated {len(recs)} requests ({s['duration_s']:.0f} s of traffic{at}) in {wall:.1f} s wall, "
           f"peak RSS {s['peak_rss_mb']:.0f} MB")
     if sim.stalled:  # requests left unfinished: the figures above are of the others
         s["stalled"] = sim.stalled
@@ -1005,6 +1012,9 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
     return p
 
 
+PLAN_REQUESTS = 1500  # `pdd plan`'s generated requests when neither --requests nor --agentic gives a count
+
+
 def cmd_plan(a) -> int:
     from pdd.sim.cluster import RequestTooLarge
     from pdd.sim.plan import WanOption, best_with_goodput, format_plan, search
@@ -1013,13 +1023,25 @@ def cmd_plan(a) -> int:
     if a.trace and a.workload not in (None, "trace"):  # it ran that workload and never read the file
         raise UsageError(f"--trace and --workload {a.workload} exclude each other: --trace FILE replays a trace "
                          "(--workload trace, which --trace alone implies)")
+    if a.agentic:  # --agentic N is the agentic workload's count; it was overwritten by --requests' (default)
+        _trace_or_agentic(a)
+        if a.workload not in (None, "agentic"):
+            raise UsageError(f"--agentic and --workload {a.workload} exclude each other: --agentic N generates N "
+                             "agentic requests (--workload agentic, which --agentic alone implies)")
+        if a.requests is not None and a.requests != a.agentic:
+            raise UsageError(f"--agentic {a.agentic} and --requests {a.requests} disagree: both give the agentic "
+                             "workload's request count (give one)")
     a.workload = a.workload or ("trace" if a.trace else "agentic")
+    if a.workload == "trace" and a.requests is not None:  # the whole trace was replayed, silently
+        raise UsageError("--requests and --workload trace exclude each other: --requests N sizes a generated "
+                         "workload (agentic or fixed); a trace's first N records: --limit N")
+    requests = a.agentic or a.requests or PLAN_REQUESTS
     if a.workload == "fixed":
         def make(rate):
-            return generate_fixed(a.requests, rate, a.input_len, a.output_len, a.hit, n_prefixes=48, seed=a.seed,
+            return generate_fixed(requests, rate, a.input_len, a.output_len, a.hit, n_prefixes=48, seed=a.seed,
                                   warm_s=40.0)
     else:
-        a.agentic = a.requests if a.workload == "agentic" else 0
+        a.agentic = requests if a.workload == "agentic" else None
 
         def make(rate):
             return _records(a, rate)
@@ -1121,7 +1143,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="agentic: --requests generated agentic requests; trace: --trace FILE (default: the bundled "
                         "conversation trace); fixed: --input-len / --output-len / --hit (default: trace when "
                         "--trace is given, else agentic)")
-    p.add_argument("--requests", type=GENERATED, default=1500)
+    p.add_argument("--requests", type=GENERATED, default=None,
+                   help=f"requests of a generated workload (agentic or fixed; default {PLAN_REQUESTS}); "
+                        "--agentic N is the same count for the agentic workload")
     p.add_argument("--input-len", type=_int_in(1, MAX_PROMPT_TOKENS, "prompt tokens"), default=63 * 1024)
     p.add_argument("--output-len", type=NONNEG_INT, default=1024)
     p.add_argument("--hit", type=FRACTION, default=0.9, help="prefix hit rate of the fixed workload, in [0, 1]")
