@@ -548,6 +548,19 @@ def renamed(e: ApiError) -> ApiError:
     return e
 
 
+def _renamed_failure(out: JSONResponse) -> JSONResponse:
+    """The chat path's failed-after-start answer ``out`` with its ``param`` (a 400's: the field
+    of the constraint whose grammar failed at run time) and message in the Responses request's
+    names (:func:`renamed`: ``response_format`` -> ``text``); ``out`` itself when it names no
+    field."""
+    err = json.loads(out.body).get("error") or {}
+    if err.get("param") is None:
+        return out
+    e = renamed(ApiError(err.get("message", ""), err["param"], out.status_code, err.get("code"),
+                         err.get("type", "invalid_request_error")))
+    return JSONResponse(e.body(), status_code=out.status_code)
+
+
 def new_response_id() -> str:
     """A response's id: ``resp_`` + a fresh uuid4's 32 hex digits, unique per response (the
     client's ``X-Request-Id`` correlates the request in logs and headers, but one header sent
@@ -924,8 +937,8 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
             shell = Shell(body, chat.model or "", keep, rid)  # the served model's name, from the first chunk on
             return StreamingResponse(response_events(shell, out.body_iterator, int(time.time()), kept),
                                      media_type="text/event-stream")
-        if isinstance(out, JSONResponse):  # the chat path's failure (503) or a client gone (499)
-            return out
+        if isinstance(out, JSONResponse):  # the chat path's failure (503; 400: its grammar failed) or a client gone (499)
+            return _renamed_failure(out)
         response = response_from_chat(Shell(body, out["model"], keep, rid), out)
         kept(response)
         return response

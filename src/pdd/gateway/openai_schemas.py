@@ -683,6 +683,10 @@ class TextOptions:
     skip_special_tokens: bool
     min_tokens: int
     logprobs: int | None  # None: no logprobs in the response
+    # the field the request's structured-output constraint came in (Constraint.param: response_format,
+    # structured_outputs, guided_json, tool_choice, ...), None for none: the param of its 400 when its
+    # grammar fails at run time (the API's _failure_param)
+    constraint_param: str | None = None
 
 
 def stop_list(stop) -> list[str]:
@@ -828,7 +832,8 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
     )
     sps = [SamplingParams.from_dict({**base.to_dict(), "seed": (seed + i) & _MASK64}) for i in range(body.n)]
     opts = TextOptions(stop=stops, include_stop=body.include_stop_str_in_output or body.no_stop_trim,
-                       skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens, logprobs=logprobs)
+                       skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens, logprobs=logprobs,
+                       constraint_param=constraint.param if constraint is not None else None)
     return sps, opts
 
 
