@@ -44,6 +44,15 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "ar
      "input[0].arguments: must be a JSON string (the call's arguments as JSON text), got '{\"city\": '"),
     ([{"role": "user", "content": "hi"}, {**CALL, "arguments": ""}], "input[1].arguments",
      "input[1].arguments: must be a JSON string (the call's arguments as JSON text), got ''"),
+    # NaN / Infinity (and a number too large for a float) are Python's json's, not JSON: they were accepted
+    *[([{"role": "user", "content": "hi"}, {**CALL, "arguments": f'{{"x": {bad}}}'}], "input[1].arguments",
+        f"input[1].arguments: must be strict JSON text: {bad} is not a JSON number (JSON numbers are finite), got "
+        f"'{{\"x\": {bad}}}'")
+      for bad in ("NaN", "Infinity", "-Infinity", "1e999")],
+    # a call's name is held to the tools' name pattern (it was not checked)
+    *[([{**CALL, "name": name}], "input[0].name",
+        f"input[0].name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{{1,64}}$), got "
+        f"{name!r}") for name in ("get weather", "a.b", "x" * 65)],
 ])
 async def test_function_call_items_that_cannot_be_a_conversation_are_400s(serve, items, param, message):
     from openai import BadRequestError
@@ -72,6 +81,19 @@ NAME_RULE = "must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9
      f"tools[0].name: {NAME_RULE}, got 'f\\ud800'"),
     ({"tools": [{"type": "function", "name": "f\ud800"}], "tool_choice": "required"}, "tools[0].name",
      f"tools[0].name: {NAME_RULE}, got 'f\\ud800'"),
+    # a name that is no non-empty string names the name (it named tools)
+    ({"tools": [{"type": "function", "name": ""}]}, "tools[0].name", f"tools[0].name: {NAME_RULE}, got ''"),
+    ({"tools": [*R_TOOLS, {"type": "function", "name": 5}]}, "tools[2].name",
+     "tools[2].name: required, a string of 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), "
+     "got 5"),
+    ({"tools": [{"type": "function", "name": None}]}, "tools[0].name",
+     "tools[0].name: required, a string of 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), "
+     "got None"),
+    # a description that is no string: refused (it was accepted)
+    ({"tools": [{"type": "function", "name": "f", "description": 5}]}, "tools[0].description",
+     "tools[0].description: must be a string, got 5"),
+    ({"tools": [*R_TOOLS, {"type": "function", "name": "f", "description": ["d"]}], "tool_choice": "none"},
+     "tools[2].description", "tools[2].description: must be a string, got ['d']"),
 ])
 async def test_malformed_function_tools_are_400s_naming_the_field(serve, extra, param, message):
     s = await serve([PLAIN])
@@ -102,6 +124,38 @@ async def test_an_output_answers_a_call_of_the_previous_response_chain_only(serv
     r3 = await c.responses.create(model=MODEL, tools=R_TOOLS, previous_response_id=r2.id,
                                   input=[{"type": "function_call_output", "call_id": call1, "output": "sunny"}])
     assert r3.status == "completed" and len(s.orch.started) == n + 1
+
+
+async def test_a_call_id_the_previous_response_chain_has_cannot_be_made_or_answered_again(serve):
+    """A function_call item repeating a call id of the previous_response_id chain, or a
+    function_call_output answering a call the chain answered already, is refused as the same
+    repeat inside one input is (they were accepted: the conversation then had two calls, or two
+    results, of one id)."""
+    from openai import BadRequestError
+
+    s = await serve([HERMES_ONE])
+    c = s.client()
+    r1 = await c.responses.create(model=MODEL, input="weather in Paris?", tools=R_TOOLS)
+    call1 = r1.output[1].call_id
+    n = len(s.orch.started)
+    with pytest.raises(BadRequestError) as e:
+        await c.responses.create(model=MODEL, tools=R_TOOLS, previous_response_id=r1.id, input=[
+            {"role": "user", "content": "again?"}, {**CALL, "call_id": call1}])
+    assert (e.value.status_code, e.value.body["param"], e.value.body["message"]) == (
+        400, "input[1].call_id", f"input[1].call_id: Duplicate function call with call_id {call1!r}: the "
+        "previous_response_id chain has it already")
+    r2 = await c.responses.create(model=MODEL, tools=R_TOOLS, previous_response_id=r1.id,
+                                  input=[{"type": "function_call_output", "call_id": call1, "output": "sunny"}])
+    assert len(s.orch.started) == n + 1
+    r3 = await c.responses.create(model=MODEL, input="and tomorrow?", tools=R_TOOLS, previous_response_id=r2.id)
+    for prev in (r2.id, r3.id):  # answered one response back, and two
+        with pytest.raises(BadRequestError) as e:
+            await c.responses.create(model=MODEL, tools=R_TOOLS, previous_response_id=prev, input=[
+                {"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": call1, "output": "rain"}])
+        assert (e.value.status_code, e.value.body["param"], e.value.body["message"]) == (
+            400, "input[1].call_id", f"input[1].call_id: Duplicate function call output for call_id {call1!r}: the "
+            "previous_response_id chain answers it already")
+    assert len(s.orch.started) == n + 2
 
 
 # ---------------------------------------------------------------- response ids

@@ -448,12 +448,29 @@ async def test_forced_tool_choice_is_refused_when_md_runs_on_vllm(tiny_model):
      "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
      "got {'type': 'function'}"),
     ({"tool_choice": "required", "tools": None}, "tool_choice", "tool_choice 'required' needs tools: the request has none"),
-    ({"tools": [{"type": "function"}]}, "tools", "tools[0].function: must be an object with a non-empty string name"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function",
+     "tools[0].function: must be an object with a non-empty string name, got None"),
+    # a name that is no non-empty string names the name (it named tools)
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name",
+     "tools[0].function.name: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{1,64}$), "
+     "got ''"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": 5}}]}, "tools[2].function.name",
+     "tools[2].function.name: required, a string of 1 to 64 letters, digits, underscores or dashes "
+     "(^[a-zA-Z0-9_-]{1,64}$), got 5"),
+    ({"tools": [{"type": "function", "function": {"name": None}}]}, "tools[0].function.name",
+     "tools[0].function.name: required, a string of 1 to 64 letters, digits, underscores or dashes "
+     "(^[a-zA-Z0-9_-]{1,64}$), got None"),
+    # a description the chat template would render as a number or an object: refused (it was accepted)
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+     "tools[0].function.description", "tools[0].function.description: must be a string, got 5"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "f", "description": {"a": 1}}}],
+      "tool_choice": "none"}, "tools[2].function.description",
+     "tools[2].function.description: must be a string, got {'a': 1}"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0]: must be an object with type 'function', got {'type': "
      "'retrieval'}"),
     # two functions of one name were served: a call names one of them, which the client cannot tell apart
     ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}},
-                {"type": "function", "function": {"name": "f", "description": "other"}}]}, "tools",
+                {"type": "function", "function": {"name": "f", "description": "other"}}]}, "tools[2].function.name",
      "tools[2].function.name: 'f' is tools[0]'s too; function names must be unique"),
     # OpenAI's pattern for a function name: a space, a dot or a 65th character is a 400 naming the field
     ({"tools": [*TOOLS, {"type": "function", "function": {"name": "get weather"}}]}, "tools[2].function.name",

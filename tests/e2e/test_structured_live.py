@@ -210,7 +210,7 @@ def test_a_grammar_that_fails_at_run_time_fails_the_request_naming_why(pdd_topo,
             assert r.status_code == 400, r.text  # the request's own: the same one fails again
             err = r.json()["error"]
     assert "structured output failed at output 1: " in err["message"] and "max is 2000" in err["message"], err
-    assert err["type"] == "invalid_request_error"
+    assert (err["type"], err["param"]) == ("invalid_request_error", "guided_choice")  # the constraint's field
     assert pdd_topo.wait_idle(timeout_s=30), pdd_topo.last_busy
     assert pdd_topo.flush()["leaked_pages"] == 0
 
@@ -255,6 +255,8 @@ def test_an_unsatisfiable_schema_fails_as_the_requests_own_error_naming_no_inter
             assert r.status_code == 400, r.text
             err = r.json()["error"]
     assert err["type" if "type" in err else "code"] == "invalid_request_error", err
+    if "type" in err:  # the constraint's field (response.failed's error has code and message only)
+        assert err["param"] == ("text" if path == "/v1/responses" else "response_format"), err
     assert err["message"].startswith("structured output failed at output "), err
     for internal in ("request ", "p0", "rld0", "md0", "trid", "attempt"):
         assert internal not in err["message"], err

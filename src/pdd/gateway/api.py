@@ -105,6 +105,15 @@ def _failure(ex: BaseException) -> tuple[int, str]:
     return (400, "invalid_request_error") if getattr(ex, "client_error", False) is True else (503, "server_error")
 
 
+def _failure_param(ex: BaseException, opts) -> str | None:
+    """The ``param`` of a request's failed-after-start error: for the request's own failure (its
+    grammar failed at run time, :func:`_failure`'s 400) the field it gave its constraint in
+    (``opts``: its :class:`TextOptions`, ``constraint_param``: ``response_format``,
+    ``structured_outputs``, ``guided_json``, ``tool_choice``, ...), as the 400 of a constraint
+    refused up front names it; None for the server's failure, or a request without one."""
+    return getattr(opts, "constraint_param", None) if getattr(ex, "client_error", False) is True else None
+
+
 class Unavailable(ApiError):
     """HTTP 503 with ``Retry-After``: no instance of a role the request needs is reachable now
     (dead or restarting); the request did no work."""
@@ -775,7 +784,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             if any(isinstance(c, NoInstance) for c in causes(ex)):  # nothing was done: a client may retry once it rejoins
                 raise Unavailable(str(ex), max(1, math.ceil(cfg.liveness.reconnect_interval_s))) from ex
             status, etype = _failure(ex)  # 503, or 400 when it was the request's own (its grammar failed)
-            raise ApiError(ex.client_message, None, status=status, etype=etype) from ex
+            raise ApiError(ex.client_message, _failure_param(ex, opts), status=status, etype=etype) from ex
         except BaseException:
             if ticket is not None:
                 adm.release(ticket)
@@ -806,7 +815,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             ok = True
         except RequestFailed as ex:
             status, etype = _failure(ex)
-            return JSONResponse(error_body(ex.client_message, etype=etype), status_code=status)
+            return JSONResponse(error_body(ex.client_message, _failure_param(ex, gen.opts), etype=etype),
+                                status_code=status)
         finally:
             for t in (run, watch):
                 if not t.done():
@@ -1142,7 +1152,7 @@ async def _sse(gen: Generation, head: dict, chunks, usage: tuple[bool, bool]):
         ok = True
     except RequestFailed as ex:
         reason = ABORT_FAILED
-        yield _data(error_body(ex.client_message, etype=_failure(ex)[1]))
+        yield _data(error_body(ex.client_message, _failure_param(ex, gen.opts), etype=_failure(ex)[1]))
         yield "data: [DONE]\n\n"
         return
     except (asyncio.CancelledError, GeneratorExit):

@@ -55,8 +55,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
-from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_function_name,
-                                        bad_parameters, duplicate_name, lone_surrogate)
+from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_description,
+                                        bad_function_name, bad_parameters, duplicate_name, lone_surrogate, not_strict_json)
 from pdd.text import shown
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -209,24 +209,25 @@ def check_responses(body: ResponsesRequest) -> None:
 
 def _text_of(content, where: str, kinds: tuple[str, ...]) -> str:
     """A message's content (a string, or a list of text parts of ``kinds``) as one string (parts
-    joined with newlines, as chat joins its text parts). ApiError naming ``input`` for media
-    parts, a lone surrogate (not Unicode text) and anything else."""
+    joined with newlines, as chat joins its text parts). ApiError whose ``param`` is the field
+    (``where``, e.g. ``input[2].content``, or its part ``input[2].content[1]``) for media parts,
+    a lone surrogate (not Unicode text) and anything else."""
     if isinstance(content, str):
         bad = lone_surrogate(content)
         if bad is not None:
-            raise _refuse("input", f"{where}: not valid Unicode text (a lone surrogate at character {bad})")
+            raise _refuse(where, f"{where}: not valid Unicode text (a lone surrogate at character {bad})")
         return content
     if not isinstance(content, list):
-        raise _refuse("input", f"{where}: must be a string or a list of content parts, got "
+        raise _refuse(where, f"{where}: must be a string or a list of content parts, got "
                       f"{type(content).__name__}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in MEDIA_PARTS:
-            raise _refuse("input", f"{where}[{j}]: content of type {kind!r} is not supported: the served model "
-                          "takes text only")
+            raise _refuse(f"{where}[{j}]", f"{where}[{j}]: content of type {kind!r} is not supported: the served "
+                          "model takes text only")
         if kind not in kinds or not isinstance(part.get("text"), str):
-            raise _refuse("input", f"{where}[{j}]: must be a text part ({' or '.join(kinds)} with a string "
+            raise _refuse(f"{where}[{j}]", f"{where}[{j}]: must be a text part ({' or '.join(kinds)} with a string "
                           f"'text'), got {shown(part)}")
         texts.append(_text_of(part["text"], f"{where}[{j}].text", kinds))
     return "\n".join(texts)
@@ -285,14 +286,20 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
     "completed"; a message's string content one ``input_text`` part (``output_text``, with
     ``annotations`` [], an assistant's), its parts as sent otherwise.
 
-    ApiError naming ``input`` for an item pdd cannot take (module docstring); naming
-    ``input[i].arguments`` for a ``function_call`` whose ``arguments`` is not JSON text, and
-    ``input[i].call_id`` for a ``function_call`` whose ``call_id`` an earlier ``function_call``
-    item of ``input`` has, and for a ``function_call_output`` whose ``call_id`` is no
-    ``function_call`` item's before it in ``input`` nor a tool call of ``prior``'s assistant
-    turns (the ``previous_response_id`` chain's conversation, chat messages), or that an earlier
-    ``function_call_output`` answers already, as OpenAI refuses them (an output before its call
-    would put the result before the model asked for it in the rendered conversation)."""
+    ApiError (400) whose ``param`` is the field at fault, as its message names it: ``input``
+    for an ``input`` that is no string or non-empty list; ``input[i]`` for an item pdd cannot
+    take (module docstring), ``input[i].type`` for an unknown item type, ``input[i].role`` /
+    ``.content`` / ``.content[j]`` for a message's; for a ``function_call``, ``input[i].name``
+    for a name that is not the tools' ``^[a-zA-Z0-9_-]{1,64}$`` (:func:`bad_function_name`),
+    ``input[i].arguments`` for ``arguments`` that are not strict JSON text (``NaN``,
+    ``Infinity``, a number too large for a float: :func:`not_strict_json`), ``input[i].call_id``
+    for a ``call_id`` an earlier ``function_call`` item of ``input`` or a tool call of ``prior``'s
+    assistant turns (the ``previous_response_id`` chain's conversation, chat messages) has; for a
+    ``function_call_output``, ``input[i].call_id`` for a ``call_id`` that is no ``function_call``
+    item's before it in ``input`` nor a tool call of ``prior``'s, or that an earlier
+    ``function_call_output`` of ``input`` or a ``tool`` message of ``prior`` answers already, as
+    OpenAI refuses them (an output before its call would put the result before the model asked
+    for it in the rendered conversation)."""
     items = body.input
     if isinstance(items, str):
         return Input([{"role": "user", "content": _text_of(items, "input", ())}],
@@ -306,34 +313,47 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
     listed: list[dict] = []
     # the call ids an output may answer: the prior turns' tool calls, then input's function_call items
     calls = {c["id"] for m in prior or () if m.get("role") == "assistant" for c in m.get("tool_calls") or ()}
+    chained = frozenset(calls)  # the chain's calls: input may answer them, not make them again
+    done = {m.get("tool_call_id") for m in prior or () if m.get("role") == "tool"}  # the chain's answered calls
     made: dict[str, int] = {}  # call id -> the function_call item of input making it
     outputs: list[tuple[int, str, bool]] = []  # (input index, call id, its call came before) per function_call_output
     for i, it in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(it, dict):
-            raise _refuse("input", f"{at}: must be an object (a message or a function call item), got "
+            raise _refuse(at, f"{at}: must be an object (a message or a function call item), got "
                           f"{type(it).__name__}")
         kind = it.get("type", "message")
         given = it.get("id") if isinstance(it.get("id"), str) and it.get("id") else None
         if kind == "message":
             role = it.get("role")
             if role not in MESSAGE_ROLES:
-                raise _refuse("input", f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got {shown(role)}")
+                raise _refuse(f"{at}.role", f"{at}.role: must be one of {', '.join(MESSAGE_ROLES)}, got "
+                              f"{shown(role)}")
             if "content" not in it:
-                raise _refuse("input", f"{at}.content: required")
+                raise _refuse(f"{at}.content", f"{at}.content: required")
             kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
             msgs.append({"role": role, "content": _text_of(it["content"], f"{at}.content", kinds)})
             listed.append(_listed_message(given, role, it["content"]))
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(it.get(key), str) or (key != "arguments" and not it[key]):
-                    raise _refuse("input", f"{at}.{key}: required, a string")
+                    raise _refuse(f"{at}.{key}", f"{at}.{key}: required, a string")
                 _text_of(it[key], f"{at}.{key}", ())  # valid Unicode text
+            bad = bad_function_name(it["name"], f"{at}.name")  # the tools' names' rule: a call names one
+            if bad:
+                raise _refuse(f"{at}.name", bad)
+            bad = not_strict_json(it["arguments"])
+            if bad is not None:
+                raise _refuse(f"{at}.arguments", f"{at}.arguments: must be strict JSON text: {bad} is not a JSON "
+                              f"number (JSON numbers are finite), got {shown(it['arguments'])}")
             try:
                 json.loads(it["arguments"])
             except ValueError:
                 raise _refuse(f"{at}.arguments", f"{at}.arguments: must be a JSON string (the call's arguments as "
                               f"JSON text), got {shown(it['arguments'])}") from None
+            if it["call_id"] in chained:
+                raise _refuse(f"{at}.call_id", f"{at}.call_id: Duplicate function call with call_id "
+                              f"{shown(it['call_id'])}: the previous_response_id chain has it already")
             j = made.setdefault(it["call_id"], i)
             if j != i:
                 raise _refuse(f"{at}.call_id", f"{at}.call_id: Duplicate function call with call_id "
@@ -350,10 +370,10 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
                            "call_id": it["call_id"], "name": it["name"], "arguments": it["arguments"]})
         elif kind == "function_call_output":
             if not isinstance(it.get("call_id"), str) or not it["call_id"]:
-                raise _refuse("input", f"{at}.call_id: required, a string")
+                raise _refuse(f"{at}.call_id", f"{at}.call_id: required, a string")
             _text_of(it["call_id"], f"{at}.call_id", ())
             if "output" not in it:
-                raise _refuse("input", f"{at}.output: required")
+                raise _refuse(f"{at}.output", f"{at}.output: required")
             output = it["output"]
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
                          "content": _text_of(output, f"{at}.output", ("input_text",))})
@@ -361,13 +381,13 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
                            "call_id": it["call_id"], "output": output if isinstance(output, str) else list(output)})
             outputs.append((i, it["call_id"], it["call_id"] in calls))
         elif kind == "item_reference":
-            raise _refuse("input", f"{at}: item_reference is not supported: send the item itself (or the "
+            raise _refuse(at, f"{at}: item_reference is not supported: send the item itself (or the "
                           "response's id as previous_response_id)")
         elif kind == "reasoning":
-            raise _refuse("input", f"{at}: a reasoning item is not supported: the served model has no reasoning "
+            raise _refuse(at, f"{at}: a reasoning item is not supported: the served model has no reasoning "
                           "mode")
         else:
-            raise _refuse("input", f"{at}: item type {shown(kind)} is not supported (message, function_call and "
+            raise _refuse(f"{at}.type", f"{at}.type: item type {shown(kind)} is not supported (message, function_call and "
                           "function_call_output are)")
     answered: dict[str, int] = {}  # call id -> the input item answering it
     for i, cid, before in outputs:  # after the walk: an output before its call is named as such
@@ -378,6 +398,9 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
         if cid not in calls:
             raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: No tool call found for function call output "
                           f"with call_id {shown(cid)}")
+        if cid in done:
+            raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: Duplicate function call output for call_id "
+                          f"{shown(cid)}: the previous_response_id chain answers it already")
         j = answered.setdefault(cid, i)
         if j != i:
             raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: Duplicate function call output for call_id "
@@ -388,9 +411,11 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
 def chat_tools(tools: list | None) -> list[dict] | None:
     """Responses function tools (flat: ``{type, name, description, parameters, strict}``) as
     chat's (``{type: "function", function: {...}}``); ApiError naming ``tools`` for a built-in
-    tool or a malformed one, ``tools[i].name`` for a name that is not OpenAI's
-    (:func:`bad_function_name`), ``tools[i].parameters`` for ``parameters`` that are not a JSON
-    object (:func:`bad_parameters`, whatever ``tool_choice`` is)."""
+    tool or one of another type, ``tools[i].name`` for a name that is no string or not OpenAI's
+    (:func:`bad_function_name`) or an earlier tool's, ``tools[i].description`` for a
+    ``description`` that is no string (:func:`bad_description`), ``tools[i].parameters`` for
+    ``parameters`` that are not a JSON object (:func:`bad_parameters`, whatever ``tool_choice``
+    is)."""
     if not tools:
         return None
     out = []
@@ -402,17 +427,14 @@ def chat_tools(tools: list | None) -> list[dict] | None:
                           "only function tools (type 'function'), which the client runs")
         if kind != "function":
             raise _refuse("tools", f"tools[{i}]: must be a function tool (type 'function'), got {shown(t)}")
-        if not isinstance(t.get("name"), str) or not t["name"]:
-            raise _refuse("tools", f"tools[{i}].name: required, a non-empty string")
-        bad = bad_function_name(t["name"], f"tools[{i}].name")
-        if bad:
-            raise _refuse(f"tools[{i}].name", bad)
-        bad = bad_parameters(t.get("parameters"), f"tools[{i}].parameters")
-        if bad:
-            raise _refuse(f"tools[{i}].parameters", bad)
+        for field, check in (("name", bad_function_name), ("description", bad_description),
+                             ("parameters", bad_parameters)):
+            bad = check(t.get(field), f"tools[{i}].{field}")
+            if bad:
+                raise _refuse(f"tools[{i}].{field}", bad)
         dup = duplicate_name(first, t["name"], i, f"tools[{i}].name")
         if dup:
-            raise _refuse("tools", dup)
+            raise _refuse(f"tools[{i}].name", dup)
         fn = {"name": t["name"]}
         for key in ("description", "parameters", "strict"):
             if t.get(key) is not None:
@@ -524,6 +546,19 @@ def renamed(e: ApiError) -> ApiError:
     e.message, e.param = msg, param
     e.args = (msg,)
     return e
+
+
+def _renamed_failure(out: JSONResponse) -> JSONResponse:
+    """The chat path's failed-after-start answer ``out`` with its ``param`` (a 400's: the field
+    of the constraint whose grammar failed at run time) and message in the Responses request's
+    names (:func:`renamed`: ``response_format`` -> ``text``); ``out`` itself when it names no
+    field."""
+    err = json.loads(out.body).get("error") or {}
+    if err.get("param") is None:
+        return out
+    e = renamed(ApiError(err.get("message", ""), err["param"], out.status_code, err.get("code"),
+                         err.get("type", "invalid_request_error")))
+    return JSONResponse(e.body(), status_code=out.status_code)
 
 
 def new_response_id() -> str:
@@ -902,8 +937,8 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
             shell = Shell(body, chat.model or "", keep, rid)  # the served model's name, from the first chunk on
             return StreamingResponse(response_events(shell, out.body_iterator, int(time.time()), kept),
                                      media_type="text/event-stream")
-        if isinstance(out, JSONResponse):  # the chat path's failure (503) or a client gone (499)
-            return out
+        if isinstance(out, JSONResponse):  # the chat path's failure (503; 400: its grammar failed) or a client gone (499)
+            return _renamed_failure(out)
         response = response_from_chat(Shell(body, out["model"], keep, rid), out)
         kept(response)
         return response

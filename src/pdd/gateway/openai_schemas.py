@@ -131,6 +131,32 @@ def too_many_digits(body: bytes, limit: int | None = None) -> str | None:
             "digits")
 
 
+def not_strict_json(text: str) -> str | None:
+    """The first number of JSON text ``text`` that strict JSON (RFC 8259) has no value for, as
+    written: ``NaN``, ``Infinity`` or ``-Infinity`` (Python's ``json.loads`` accepts them, no
+    JSON parser elsewhere does) or a literal too large for a float (``1e999``, which
+    ``json.loads`` reads as infinity); None when there is none, and for text that is no JSON
+    at all (``json.loads`` says why). Parses ``text`` once; raises nothing."""
+    import math
+
+    found: list[str] = []
+
+    def constant(tok: str):
+        found.append(tok)
+
+    def number(tok: str) -> float:
+        v = float(tok)
+        if not math.isfinite(v):
+            found.append(tok)
+        return v
+
+    try:
+        json.loads(text, parse_constant=constant, parse_float=number)
+    except (ValueError, RecursionError):
+        return None
+    return found[0] if found else None
+
+
 class ApiError(Exception):
     """An OpenAI-style error: ``status`` (400 unless said), ``param``, ``code``."""
 
@@ -657,6 +683,10 @@ class TextOptions:
     skip_special_tokens: bool
     min_tokens: int
     logprobs: int | None  # None: no logprobs in the response
+    # the field the request's structured-output constraint came in (Constraint.param: response_format,
+    # structured_outputs, guided_json, tool_choice, ...), None for none: the param of its 400 when its
+    # grammar fails at run time (the API's _failure_param)
+    constraint_param: str | None = None
 
 
 def stop_list(stop) -> list[str]:
@@ -802,7 +832,8 @@ def sampling_for(body: _Sampling, max_tokens: int, vocab: int, logprobs: int | N
     )
     sps = [SamplingParams.from_dict({**base.to_dict(), "seed": (seed + i) & _MASK64}) for i in range(body.n)]
     opts = TextOptions(stop=stops, include_stop=body.include_stop_str_in_output or body.no_stop_trim,
-                       skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens, logprobs=logprobs)
+                       skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens, logprobs=logprobs,
+                       constraint_param=constraint.param if constraint is not None else None)
     return sps, opts
 
 
@@ -1206,41 +1237,56 @@ def truncated_prompt(ids: list[int], k: int | None, max_input_len: int) -> list[
 def _check_tools(tools) -> None:
     """``tools``: each an OpenAI function tool, ``{"type": "function", "function": {"name": a
     non-empty string, ...}}`` (the only kind chat completions define); ApiError naming
-    ``tools`` otherwise, ``tools[i].function.name`` for a name that is not OpenAI's
-    ``^[a-zA-Z0-9_-]{1,64}$`` (:func:`bad_function_name`), ``tools[i].function.parameters`` for
-    ``parameters`` given (not null) that is not a JSON object (:func:`bad_parameters`; whatever
-    ``tool_choice`` is: the chat template renders them), ``tools`` for a function name two tools share (a call names one of them: the
-    client could not tell which; Anthropic's and Gemini's APIs refuse that too)."""
+    ``tools`` otherwise, ``tools[i].function`` for a ``function`` that is no object,
+    ``tools[i].function.name`` for a name that is no string or not OpenAI's
+    ``^[a-zA-Z0-9_-]{1,64}$`` (:func:`bad_function_name`) or that an earlier tool has (a call
+    names one of them: the client could not tell which; Anthropic's and Gemini's APIs refuse
+    that too), ``tools[i].function.description`` for a ``description`` given (not null) that is
+    no string (:func:`bad_description`), ``tools[i].function.parameters`` for ``parameters``
+    given (not null) that is not a JSON object (:func:`bad_parameters`; whatever
+    ``tool_choice`` is: the chat template renders them)."""
     first: dict[str, int] = {}
     for i, t in enumerate(tools or []):
         if not isinstance(t, dict) or t.get("type") != "function":
             raise ApiError(f"tools[{i}]: must be an object with type 'function', got {shown(t)}", "tools")
         fn = t.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ApiError(f"tools[{i}].function: must be an object with a non-empty string name", "tools")
-        bad = bad_function_name(fn["name"], f"tools[{i}].function.name")
-        if bad:
-            raise ApiError(bad, f"tools[{i}].function.name")
-        bad = bad_parameters(fn.get("parameters"), f"tools[{i}].function.parameters")
-        if bad:
-            raise ApiError(bad, f"tools[{i}].function.parameters")
-        dup = duplicate_name(first, fn["name"], i, f"tools[{i}].function.name")
+        at = f"tools[{i}].function"
+        if not isinstance(fn, dict):
+            raise ApiError(f"{at}: must be an object with a non-empty string name, got {shown(fn)}", at)
+        for field, check in (("name", bad_function_name), ("description", bad_description),
+                             ("parameters", bad_parameters)):
+            bad = check(fn.get(field), f"{at}.{field}")
+            if bad:
+                raise ApiError(bad, f"{at}.{field}")
+        dup = duplicate_name(first, fn["name"], i, f"{at}.name")
         if dup:
-            raise ApiError(dup, "tools")
+            raise ApiError(dup, f"{at}.name")
 
 
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
-def bad_function_name(name: str, where: str) -> str | None:
+def bad_function_name(name, where: str) -> str | None:
     """Why a tool's function ``name`` is refused, named as ``where``
-    (``tools[2].function.name``), when it is not OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` (the
-    pattern OpenAI's API enforces; a model's chat template and a client's dispatch assume it);
-    else None."""
+    (``tools[2].function.name``), when it is no string (absent: None) or not OpenAI's
+    ``^[a-zA-Z0-9_-]{1,64}$`` (the pattern OpenAI's API enforces; a model's chat template and a
+    client's dispatch assume it); else None."""
+    if not isinstance(name, str):
+        return (f"{where}: required, a string of 1 to 64 letters, digits, underscores or dashes "
+                f"(^[a-zA-Z0-9_-]{{1,64}}$), got {shown(name)}")
     if _FUNCTION_NAME.fullmatch(name):
         return None
     return (f"{where}: must be 1 to 64 letters, digits, underscores or dashes (^[a-zA-Z0-9_-]{{1,64}}$), "
             f"got {shown(name)}")
+
+
+def bad_description(description, where: str) -> str | None:
+    """Why a tool's ``description``, named as ``where`` (``tools[2].function.description``), is
+    refused: given (not None) and no string (the chat template renders it as text; OpenAI's
+    API refuses others too); else None."""
+    if description is None or isinstance(description, str):
+        return None
+    return f"{where}: must be a string, got {shown(description)}"
 
 
 def bad_parameters(parameters, where: str) -> str | None:
