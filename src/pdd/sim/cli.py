@@ -303,7 +303,8 @@ def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
         g.add_argument("--max-input", type=POS_INT, default=None,
                        help="prompt cap in tokens, as pdd bench --max-input: whole trailing 512-token blocks "
                             "are dropped until a prompt fits (no request is dropped; default: none)")
-    # None: not typed (a flag typed where its workload does not read it is refused, _workload_flags)
+    # None: not typed (typed where its workload does not read it, it is refused: _sim_run_workload_flags,
+    # _plan_workload_flags)
     g.add_argument("--scale-rate", type=SCALE_RATE, default=None,
                    help="replay the trace this many times faster (>= 0.001: at most 1000 times slower; default 1)")
     g.add_argument("--agentic", type=GENERATED, default=None,
