@@ -593,6 +593,68 @@ def test_a_sweep_point_at_a_shaped_main_run_s_mean_rate_is_run_not_reused(tmp_pa
     # a constant-rate main run at the point's rate is still the point (test_bench_against_url)
 
 
+class _FakeFaultRunner:
+    """A FaultRunner that injects nothing into the fake topology and reports its spec injected
+    (``injected``) or never injected: the bench records the run as faulted or not."""
+    injected = True
+
+    def __init__(self, topo, faults, recover_after_s=None):
+        self.faults, self.injections, self.not_injected = list(faults), [], {}
+
+    def start(self):
+        for f in self.faults:
+            if self.injected:
+                self.injections.append({"spec": f.text, "kind": f.spec.kind, "nth": f.nth, "rid": None,
+                                        "target": "rld0", "phase": f.spec.phase})
+            else:
+                self.not_injected[f.text] = "no eligible request reached rld_decode"
+        return self
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("injected", [True, False])
+def test_a_faulted_main_run_is_not_taken_as_a_sweep_point(tmp_path, server_url, monkeypatch, injected):
+    """A ``--fault`` main run at a constant rate was taken as the sweep point at its rate
+    ("reused_main_run"), though faults were injected in it: the point is run now, without faults.
+    A main run whose fault was never injected is still the point."""
+    from pdd.bench import faults as faults_mod
+
+    cfg = ClusterConfig(model_path=str(fake_model(tmp_path / "model")))
+    trace = tmp_path / "t.jsonl"  # spread arrivals: a constant offered rate (40 req/s, SCALE's)
+    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 1024 + 512 * i, "output_length": 300,
+                                         "hash_ids": [7, 8, 9 + i][: 2 + i % 2]}) + "\n" for i in range(6)))
+    kw = dict(slo={"ttft_ms": 20_000, "tpot_ms": 10_000}, request_timeout_s=10, progress=False, trace=trace,
+              topology_factory=lambda c, log_dir=None: FakeTopology(server_url, c, log_dir))
+    offered = run_bench(tmp_path / "a", ("pdd",), 6, SCALE, cfg, seed=3, console=_console(tmp_path),
+                        **kw)["workload"]["rate_rps"]
+    monkeypatch.setattr(_FakeFaultRunner, "injected", injected)
+    monkeypatch.setattr(faults_mod, "FaultRunner", _FakeFaultRunner)
+    labels = []
+    real = bench_mod.measured_replay
+    monkeypatch.setattr(bench_mod, "measured_replay", lambda *a, **k: labels.append(k.get("label")) or real(*a, **k))
+    report = run_bench(tmp_path / "b", ("pdd",), 6, SCALE, cfg, seed=3, console=_console(tmp_path),
+                       faults=["kill:rld@rld_decode"], sweep=SweepPlan(rates=(offered,)), sweep_requests=4, **kw)
+    assert len(report["faults"]["modes"]["pdd"]["injections"]) == (1 if injected else 0)
+    (pt,) = report["sweep"]["modes"]["pdd"]["points"]
+    assert pt["reused_main_run"] is (not injected) and pt["rate_rps"] == offered
+    assert labels[1:] == ([f"pdd sweep @ {offered:g} req/s"] if injected else [])
+
+
+def test_main_run_as_sweep_point_only_constant_rate_and_fault_free():
+    """The decision alone: the main run's records stand in for the point at its rate only when
+    its rate was constant and no fault was injected in it."""
+    from pdd.bench.bench import main_run_as_point
+
+    recs = [{"rid": "a"}]
+    assert main_run_as_point(recs, constant_rate=True, injections=()) is recs
+    assert main_run_as_point(recs, constant_rate=False, injections=()) is None
+    assert main_run_as_point(recs, constant_rate=True, injections=[{"spec": "kill:rld@rld_decode"}]) is None
+    assert main_run_as_point(recs, constant_rate=True,  # an injection that failed may still have taken effect
+                             injections=[{"spec": "kill:rld@rld_decode", "error": "RuntimeError: x"}]) is None
+
+
 @pytest.mark.parametrize("sched,label,points", [
     (((0.0, 80.0), (1.0, 20.0)), "schedule 80 -> 20 req/s over 1 s", "schedule 0s:80, 1s:20 req/s"),
     # --load-profile ramp --low-rate 20 --peak-rate 80 --phase-seconds 0.1:0.1:0.1:0.1

@@ -164,3 +164,120 @@ def test_plan_agentic_refuses_a_conflicting_flag_naming_both(tmp_path, capsys):
             main(base + extra)
         assert e.value.code == 2
         assert capsys.readouterr().err == f"pdd plan: error: {line}\n"
+
+
+def _refused(capsys, argv) -> str:
+    """The one error line of ``argv`` (exit 2), without its ``PROG: error: `` head."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    prog = "pdd plan" if argv[0] == "plan" else "pdd sim run"
+    assert err.startswith(f"{prog}: error: ") and err.count("\n") == 1
+    return err[len(f"{prog}: error: "):-1]
+
+
+def test_plan_refuses_a_workload_flag_its_workload_does_not_read(tmp_path, capsys):
+    """``pdd plan`` took --limit and --scale-rate with a generated workload, --input-len /
+    --output-len / --hit with any but the fixed one, and --max-input with the fixed one, and ran
+    without them. Each is refused naming the flag; its default (not typed) is not."""
+    path = _small_trace(tmp_path)
+    no_count = [x for x in PLAN if x not in ("--requests", "60")]
+    trace_only = ("--limit: only with a trace workload (--trace FILE or --workload trace): it takes the trace's "
+                  "first N records; the {w} workload is generated (its count: --requests N)")
+    fixed_only = ("{f}: only with --workload fixed (the fixed workload's prompt tokens, output tokens and prefix "
+                  "hit rate); the {w} workload's requests are its own")
+    cases = [
+        (PLAN + ["--limit", "10"], trace_only.format(w="agentic")),
+        (PLAN + ["--workload", "fixed", "--limit", "10"], trace_only.format(w="fixed")),
+        (PLAN + ["--input-len", "2048"], fixed_only.format(f="--input-len", w="agentic")),
+        (PLAN + ["--output-len", "64", "--hit", "0.5"], fixed_only.format(f="--output-len, --hit", w="agentic")),
+        (no_count + ["--trace", path, "--hit", "0.5"], fixed_only.format(f="--hit", w="trace")),
+        (PLAN + ["--workload", "fixed", "--max-input", "4096"],
+         "--max-input and --workload fixed exclude each other: --max-input caps the agentic or trace workload's "
+         "prompts; the fixed workload's prompt is --input-len"),
+    ]
+    for scaled in (PLAN, no_count + ["--trace", path], PLAN + ["--workload", "fixed"]):
+        cases.append((scaled + ["--scale-rate", "2"],
+                      "--scale-rate: pdd plan runs its workload at --rate (and at each rate its goodput search "
+                      "tries), a trace retimed to it: a scale factor would not be read (give --rate)"))
+    for argv, line in cases:
+        assert _refused(capsys, argv) == line, argv
+
+
+def test_plan_flags_of_the_workload_run_hold(tmp_path, monkeypatch, capsys):
+    """The flags each workload reads still apply: --limit to a trace, --input-len / --output-len /
+    --hit to the fixed workload."""
+    from pdd.workload import records as W
+
+    path, limits = _small_trace(tmp_path), []
+    real = W.load_trace
+    monkeypatch.setattr(W, "load_trace", lambda p, limit=None: limits.append(limit) or real(p, limit=limit))
+    no_count = [x for x in PLAN if x not in ("--requests", "60")] + ["--no-progress"]
+    assert main(no_count + ["--trace", path, "--limit", "30"]) in (0, 1)
+    assert limits and set(limits) == {30}
+    import pdd.workload.records as R
+
+    fixed, real_fixed = [], R.generate_fixed
+    monkeypatch.setattr(R, "generate_fixed", lambda *a, **k: fixed.append(a[2:5]) or real_fixed(*a, **k))
+    assert main(PLAN + ["--no-progress", "--workload", "fixed", "--input-len", "2048", "--output-len", "64",
+                        "--hit", "0.5"]) in (0, 1)
+    assert fixed and set(fixed) == {(2048, 64, 0.5)}
+    fixed.clear()
+    assert main(PLAN + ["--no-progress", "--workload", "fixed"]) in (0, 1)  # the defaults
+    assert fixed and set(fixed) == {(63 * 1024, 1024, 0.9)}
+
+
+RUN = ["sim", "run", "--mode", "pdd", "--n-p", "1", "--n-rld", "1", "--n-md", "1"]
+
+
+def test_sim_run_refuses_a_workload_flag_its_workload_does_not_read(tmp_path, capsys):
+    """``pdd sim run --agentic N`` ignored --limit and --scale-rate; a trace replay ignored --rate
+    (unless it is --load-profile ramp's peak) and --seed (unless a schedule draws arrivals); a
+    rate schedule ignored --scale-rate. Each is refused naming the flag."""
+    path = _small_trace(tmp_path)
+    cases = [
+        (RUN + ["--agentic", "50", "--limit", "10"],
+         "--limit and --agentic exclude each other: --limit N takes a trace's first N records; --agentic N "
+         "generates N requests"),
+        (RUN + ["--agentic", "50", "--scale-rate", "2"],
+         "--scale-rate and --agentic exclude each other: --scale-rate replays a trace faster; generated requests "
+         "arrive at --rate"),
+        (RUN + ["--trace", path, "--rate", "4"],
+         "--rate: a trace replays at its own timestamps (faster or slower: --scale-rate); --rate is a generated "
+         "workload's (--agentic N) or --load-profile ramp's default peak"),
+        (RUN + ["--trace", path, "--load-profile", "ramp", "--peak-rate", "3", "--rate", "4"],
+         "--rate: a trace replays at its own timestamps (faster or slower: --scale-rate); --rate is a generated "
+         "workload's (--agentic N) or --load-profile ramp's default peak"),
+        (RUN + ["--trace", path, "--seed", "3"],
+         "--seed: a trace replays as recorded; --seed draws a generated workload (--agentic N) or a load "
+         "profile's arrivals"),
+        (RUN + ["--rate-schedule", "0:1,10:2", "--scale-rate", "2"],
+         "--scale-rate and --rate-schedule exclude each other: the schedule sets every arrival time"),
+        (RUN + ["--agentic", "50", "--load-profile", "ramp", "--scale-rate", "2"],
+         "--scale-rate and --agentic exclude each other: --scale-rate replays a trace faster; generated requests "
+         "arrive at --rate"),
+        (RUN + ["--load-profile", "ramp", "--scale-rate", "2"],
+         "--scale-rate and --load-profile exclude each other: the schedule sets every arrival time"),
+    ]
+    for argv, line in cases:
+        assert _refused(capsys, argv) == line, argv
+
+
+def test_sim_run_workload_flags_that_apply_hold(tmp_path, capsys):
+    """--rate as a trace ramp's peak, --seed with a schedule, --scale-rate and --limit on a trace:
+    each runs, and the summary's arguments hold what ran (the defaults where none was typed)."""
+    path = _small_trace(tmp_path)
+    out = tmp_path / "s.json"
+    for extra in (["--trace", path, "--load-profile", "ramp", "--phase-seconds", "1:1:1:1", "--rate", "4",
+                   "--seed", "2"],
+                  ["--trace", path, "--limit", "20", "--scale-rate", "2"],
+                  ["--agentic", "30", "--rate", "3", "--seed", "1"]):
+        assert main(RUN + extra + ["--json", str(out)]) == 0
+    args = json.loads(out.read_text())["arguments"]
+    assert (args["agentic"], args["rate"], args["seed"], args["scale_rate"], args["limit"]) == (30, 3.0, 1, 1.0, None)
+    assert main(RUN + ["--trace", path, "--json", str(out)]) == 0
+    args = json.loads(out.read_text())["arguments"]
+    assert (args["rate"], args["seed"], args["scale_rate"]) == (2.0, 0, 1.0)

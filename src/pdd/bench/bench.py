@@ -358,9 +358,7 @@ def run_bench(
             console.print(f"[red]{slo_info['error']}")
 
     warm_sweep = sweep is not None and sweep_next is not None
-    # a sweep point at the offered rate is the main run only when that run's rate was constant: a
-    # ramped or scheduled run's mean is not the load a constant-rate point puts on the topology
-    constant_rate = ramp is None and rate_schedule is None
+    constant_rate = ramp is None and rate_schedule is None  # main_run_as_point
     for k, mode in enumerate(run_order, 1):
         cfg = config if remote is not None else mode_config(config, mode, vllm_python)
         console.rule(f"[bold]{mode}[/] ({k}/{len(run_order)})")
@@ -427,7 +425,9 @@ def run_bench(
                 try:
                     if sweep is not None and slo_obj is not None:
                         points = _sweep_mode(topo, cfg, mode, sweep, sweep_next if warm_sweep else sweep_reqs,
-                                             slo_obj, main_dicts if constant_rate else None, entry, offered,
+                                             slo_obj, main_run_as_point(main_dicts, constant_rate,
+                                                                        runner.injections if runner else ()),
+                                             entry, offered,
                                              min(timeout_s, sweep_timeout_s), sweep_seconds, paths["sweep_requests"],
                                              sweep_min_requests, progress, console, warm=warm_sweep,
                                              per_point=sweep_requests, main_before=requests)
@@ -567,14 +567,26 @@ def rate_label(workload: dict) -> str:
     return f"{_fmt(offered, 2)} req/s"
 
 
+def main_run_as_point(main_records: list[dict], constant_rate: bool, injections: Sequence) -> list[dict] | None:
+    """The main run's records (dicts) if they may stand in for the sweep point at its offered rate
+    (``reused_main_run``), else None (the point is run). They may only when the run's rate was
+    constant (``constant_rate``: not ``--ramp`` or a rate schedule, whose mean is not the load a
+    constant-rate point puts on the topology) and no ``--fault`` was injected in it
+    (``injections``: :class:`pdd.bench.faults.FaultRunner`'s, one failed to inject included: it
+    may have taken effect); a fault that never fired left the run as a plain one."""
+    if not constant_rate or len(injections):
+        return None
+    return main_records
+
+
 def _sweep_mode(topo, cfg: ClusterConfig, mode: str, plan: SweepPlan, reqs: Sequence, slo: SLO,
                 main_records: list[dict] | None, main_entry: dict, offered: float | None, timeout_s: float,
                 max_arrival_s: float | None, path: Path, min_requests: int, progress: bool,
                 console, warm: bool = False, per_point: int | None = None,
                 main_before: Sequence = ()) -> list[dict]:
     """The sweep on a running topology; returns its points. ``main_records``: the main run's
-    records, taken as the point at rate ``offered`` (``reused_main_run``); None when the main
-    run's rate was not constant (``--ramp``, a rate schedule): every point is run. ``warm``: ``reqs`` is the trace's
+    records, taken as the point at rate ``offered`` (``reused_main_run``); None when they may not
+    stand in (:func:`main_run_as_point`: a ``--ramp``, rate-schedule or faulted main run): every point is run. ``warm``: ``reqs`` is the trace's
     continuation after the main run, each point replays its next requests on the caches the main
     run (and earlier points) left; else every point replays whole conversations of ``reqs``
     (:func:`pdd.bench.sweep.point_requests`) on flushed caches. ``per_point``: most requests of a

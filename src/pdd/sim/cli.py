@@ -284,6 +284,16 @@ def _cfg_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-tpot", type=POS_FLOAT, default=0.05, help="seconds")
 
 
+DEFAULT_RATE = 2.0  # --rate when none is typed (req/s)
+
+
+def _workload_defaults(a) -> None:
+    """Fill in --rate, --seed and --scale-rate left untyped (None) once the flags were checked."""
+    a.rate = DEFAULT_RATE if a.rate is None else a.rate
+    a.seed = 0 if a.seed is None else a.seed
+    a.scale_rate = 1.0 if a.scale_rate is None else a.scale_rate
+
+
 def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--trace", default=None, type=_existing_file,
@@ -293,13 +303,17 @@ def _workload_args(p: argparse.ArgumentParser, max_input: bool = False) -> None:
         g.add_argument("--max-input", type=POS_INT, default=None,
                        help="prompt cap in tokens, as pdd bench --max-input: whole trailing 512-token blocks "
                             "are dropped until a prompt fits (no request is dropped; default: none)")
-    g.add_argument("--scale-rate", type=SCALE_RATE, default=1.0,
-                   help="replay this many times faster (>= 0.001: at most 1000 times slower)")
+    # None: not typed (typed where its workload does not read it, it is refused: _sim_run_workload_flags,
+    # _plan_workload_flags)
+    g.add_argument("--scale-rate", type=SCALE_RATE, default=None,
+                   help="replay the trace this many times faster (>= 0.001: at most 1000 times slower; default 1)")
     g.add_argument("--agentic", type=GENERATED, default=None,
                    help="generate N (1 to 1,000,000) agentic requests instead of a trace")
-    g.add_argument("--rate", type=RATE, default=2.0,
-                   help="req/s for generated workloads (>= 0.001: one request per 1000 s on average)")
-    g.add_argument("--seed", type=NONNEG_INT, default=0, help="workload seed (>= 0: numpy's generators take no negative seed)")
+    g.add_argument("--rate", type=RATE, default=None,
+                   help=f"req/s for generated workloads (>= 0.001: one request per 1000 s on average; default "
+                        f"{DEFAULT_RATE:g})")
+    g.add_argument("--seed", type=NONNEG_INT, default=None,
+                   help="workload seed (>= 0: numpy's generators take no negative seed; default 0)")
 
 
 def _profiles(a) -> tuple[str | None, str | None]:
@@ -464,6 +478,32 @@ def _trace_or_agentic(a) -> None:
                          "--trace FILE replays a file")
 
 
+def _sim_run_workload_flags(a) -> None:
+    """UsageError naming a workload flag of ``pdd sim run`` that its workload would not read
+    (it ran without it): --limit / --scale-rate with --agentic, --scale-rate with a rate
+    schedule, --rate with a trace (unless it is --load-profile ramp's default peak), --seed with
+    a trace and no schedule. Untyped flags are None here (:func:`_workload_defaults` fills them)."""
+    schedule = "--rate-schedule" if a.rate_schedule is not None else "--load-profile" if a.load_profile else None
+    if a.agentic:
+        if a.limit is not None:
+            raise UsageError("--limit and --agentic exclude each other: --limit N takes a trace's first N records; "
+                             "--agentic N generates N requests")
+        if a.scale_rate is not None:
+            raise UsageError("--scale-rate and --agentic exclude each other: --scale-rate replays a trace faster; "
+                             "generated requests arrive at --rate")
+    if schedule and a.scale_rate is not None:
+        raise UsageError(f"--scale-rate and {schedule} exclude each other: the schedule sets every arrival time")
+    if a.agentic:
+        return
+    ramp_peak = a.load_profile == "ramp" and a.peak_rate is None  # schedule_from_flags' default peak
+    if a.rate is not None and not ramp_peak:
+        raise UsageError("--rate: a trace replays at its own timestamps (faster or slower: --scale-rate); --rate is "
+                         "a generated workload's (--agentic N) or --load-profile ramp's default peak")
+    if a.seed is not None and not schedule:
+        raise UsageError("--seed: a trace replays as recorded; --seed draws a generated workload (--agentic N) or "
+                         "a load profile's arrivals")
+
+
 def _records(a, rate=None):
     from pdd.workload import records as W
 
@@ -556,6 +596,9 @@ def cmd_run(a) -> int:
 
     if a.autoscale is None and a.autoscale_min is not None:
         raise UsageError("--autoscale-min: only with --autoscale (the loop's most active instances per role)")
+    _trace_or_agentic(a)
+    _sim_run_workload_flags(a)
+    _workload_defaults(a)
     acfg = _autoscale_config(a) if a.autoscale is not None else None  # refused before the workload is read
     if a.json is not None:
         check_out_file(a.json, "--json")  # before the simulation, not after it
@@ -1015,6 +1058,30 @@ def add_sim_parser(subparsers, add_validate=None) -> argparse.ArgumentParser:
 PLAN_REQUESTS = 1500  # `pdd plan`'s generated requests when neither --requests nor --agentic gives a count
 
 
+PLAN_INPUT_LEN, PLAN_OUTPUT_LEN, PLAN_HIT = 63 * 1024, 1024, 0.9  # the fixed workload's defaults
+
+
+def _plan_workload_flags(a) -> None:
+    """UsageError naming a workload flag of ``pdd plan`` that its workload (``a.workload``, set)
+    would not read: --scale-rate (every workload runs at --rate), --limit with a generated
+    workload, --input-len / --output-len / --hit with any but the fixed one, --max-input with the
+    fixed one. Untyped flags are None here."""
+    if a.scale_rate is not None:
+        raise UsageError("--scale-rate: pdd plan runs its workload at --rate (and at each rate its goodput search "
+                         "tries), a trace retimed to it: a scale factor would not be read (give --rate)")
+    if a.limit is not None and a.workload != "trace":
+        raise UsageError("--limit: only with a trace workload (--trace FILE or --workload trace): it takes the "
+                         f"trace's first N records; the {a.workload} workload is generated (its count: --requests N)")
+    fixed = [f for f, v in (("--input-len", a.input_len), ("--output-len", a.output_len), ("--hit", a.hit))
+             if v is not None]
+    if fixed and a.workload != "fixed":
+        raise UsageError(f"{', '.join(fixed)}: only with --workload fixed (the fixed workload's prompt tokens, "
+                         f"output tokens and prefix hit rate); the {a.workload} workload's requests are its own")
+    if a.max_input is not None and a.workload == "fixed":
+        raise UsageError("--max-input and --workload fixed exclude each other: --max-input caps the agentic or "
+                         "trace workload's prompts; the fixed workload's prompt is --input-len")
+
+
 def cmd_plan(a) -> int:
     from pdd.sim.cluster import RequestTooLarge
     from pdd.sim.plan import WanOption, best_with_goodput, format_plan, search
@@ -1035,6 +1102,11 @@ def cmd_plan(a) -> int:
     if a.workload == "trace" and a.requests is not None:  # the whole trace was replayed, silently
         raise UsageError("--requests and --workload trace exclude each other: --requests N sizes a generated "
                          "workload (agentic or fixed); a trace's first N records: --limit N")
+    _plan_workload_flags(a)
+    _workload_defaults(a)
+    a.input_len = PLAN_INPUT_LEN if a.input_len is None else a.input_len
+    a.output_len = PLAN_OUTPUT_LEN if a.output_len is None else a.output_len
+    a.hit = PLAN_HIT if a.hit is None else a.hit
     requests = a.agentic or a.requests or PLAN_REQUESTS
     if a.workload == "fixed":
         def make(rate):
@@ -1146,9 +1218,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--requests", type=GENERATED, default=None,
                    help=f"requests of a generated workload (agentic or fixed; default {PLAN_REQUESTS}); "
                         "--agentic N is the same count for the agentic workload")
-    p.add_argument("--input-len", type=_int_in(1, MAX_PROMPT_TOKENS, "prompt tokens"), default=63 * 1024)
-    p.add_argument("--output-len", type=NONNEG_INT, default=1024)
-    p.add_argument("--hit", type=FRACTION, default=0.9, help="prefix hit rate of the fixed workload, in [0, 1]")
+    p.add_argument("--input-len", type=_int_in(1, MAX_PROMPT_TOKENS, "prompt tokens"), default=None,
+                   help=f"prompt tokens of the fixed workload (default {PLAN_INPUT_LEN})")
+    p.add_argument("--output-len", type=NONNEG_INT, default=None,
+                   help=f"output tokens of the fixed workload (default {PLAN_OUTPUT_LEN})")
+    p.add_argument("--hit", type=FRACTION, default=None,
+                   help=f"prefix hit rate of the fixed workload, in [0, 1] (default {PLAN_HIT})")
     p.add_argument("--wan", default="10:5,25:9,100:15", help="line options GBPS:USD_PER_HOUR, comma-separated")
     p.add_argument("--md-min", type=int, default=2)
     p.add_argument("--md-max", type=int, default=16)
