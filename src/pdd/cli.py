@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -70,6 +71,28 @@ _LIKE_SCALE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter
                      "max_positions", "original_max_positions", "sliding_window", "rope_scaling")
 
 
+def _rmdir_made(path: str, existed: bool) -> None:
+    """Remove ``path`` if this run made it (``existed`` False) and it is empty: a refused or failed
+    ``pdd make-model`` leaves nothing behind, not even the empty --out directory."""
+    if not existed:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def _write_failed(args, e: Exception, existed: bool) -> int:
+    """Writing the checkpoint failed midway (:func:`pdd.modelgen.make_like` has removed the
+    files it wrote): one line naming --out and the cause, exit status 1."""
+    from pdd.cli_args import say
+
+    _rmdir_made(args.out, existed)
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else (str(e) or type(e).__name__)
+    say(f"{args.parser.prog}: error: --out {args.out}: writing the checkpoint failed: {cause}; "
+        "the files this run wrote were removed")
+    return 1
+
+
 def cmd_make_model(args) -> int:
     from pdd.modelgen import make_like, make_model
 
@@ -77,9 +100,13 @@ def cmd_make_model(args) -> int:
     if args.like is None:
         if given:
             _usage(args, f"--{given[0].replace('_', '-')} shapes a --like checkpoint; give --like NAME")
+        existed = os.path.exists(args.out)
         _check_out_dir(args)
         preset, family = args.preset or "small", args.family or "llama"
-        make_model(args.out, preset=preset, seed=args.seed, family=family, tie_word_embeddings=args.tie_embeddings)
+        try:
+            make_model(args.out, preset=preset, seed=args.seed, family=family, tie_word_embeddings=args.tie_embeddings)
+        except Exception as e:  # noqa: BLE001 - a full disk, ...: one line, not a traceback
+            return _write_failed(args, e, existed)
         print(f"wrote {preset} {family} checkpoint to {args.out}")
         return 0
     for flag, val in (("--preset", args.preset), ("--family", args.family)):
@@ -98,8 +125,6 @@ def cmd_make_model(args) -> int:
             _usage(args, f"--rope-scaling: not JSON ({e.msg}); e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4.0}}'")
         if scale["rope_scaling"] is not None and not isinstance(scale["rope_scaling"], dict):
             _usage(args, "--rope-scaling: expected a JSON object or null")
-    import os
-
     existed = os.path.exists(args.out)
     _check_out_dir(args)
     try:
@@ -108,12 +133,10 @@ def cmd_make_model(args) -> int:
 
         cfg = ModelConfig.from_pretrained(args.out)
     except (ValueError, NotImplementedError) as e:
-        if not existed:  # a refused shape leaves nothing behind, not even the empty --out directory
-            try:
-                os.rmdir(args.out)
-            except OSError:
-                pass
+        _rmdir_made(args.out, existed)
         _usage(args, str(e))
+    except Exception as e:  # noqa: BLE001 - a full disk, ...: one line, not a traceback
+        return _write_failed(args, e, existed)
     print(f"wrote a {args.like}-shaped checkpoint ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}, random weights) to {args.out}")
     return 0

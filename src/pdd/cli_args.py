@@ -236,6 +236,32 @@ def refuse(prog: str, msg: str):
     raise SystemExit(2)
 
 
+def file_in_the_way(path):
+    """The nearest existing ancestor of ``path`` (str or Path) when it is a file (or anything but
+    a directory), so that nothing can be made under it: ``/etc/passwd`` for ``/etc/passwd/a/x.json``;
+    None when that ancestor is a directory. Out-path checks name it ("/etc/passwd is a file, not
+    a directory") rather than saying "no such directory" of a path that exists."""
+    import os
+    from pathlib import Path
+
+    for p in Path(os.path.abspath(path)).parents:
+        if os.path.lexists(p):
+            return None if p.is_dir() else _as_given(path, p)
+    return None
+
+
+def _as_given(path, ancestor):
+    """``ancestor`` (absolute) spelled as ``path`` spells its parents: relative when it is."""
+    import os
+    from pathlib import Path
+
+    given = Path(path)
+    for p in given.parents:
+        if Path(os.path.abspath(p)) == ancestor:
+            return p
+    return ancestor
+
+
 def out_dir_problem(path, keep: bool, flag: str = "--out") -> str | None:
     """None when ``path`` (str or Path) is, or can be made, a writable directory (parents too);
     else the one line naming ``flag`` that says why not, e.g. ``--out F: cannot create the output
@@ -260,6 +286,10 @@ def out_dir_problem(path, keep: bool, flag: str = "--out") -> str | None:
             return f"{flag} {path}: the output directory is not writable"
     except FileExistsError:
         return f"{flag} {path}: cannot create the output directory: a file of that name exists"
+    except NotADirectoryError as ex:
+        if (f := file_in_the_way(path)) is not None:
+            return f"{flag} {path}: cannot create the output directory: {f} is a file, not a directory"
+        return f"{flag} {path}: cannot create the output directory: {ex.strerror or ex}"
     except OSError as ex:
         return f"{flag} {path}: cannot create the output directory: {ex.strerror or ex}"
     finally:

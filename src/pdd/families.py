@@ -18,6 +18,7 @@ branches.
 from __future__ import annotations
 
 import copy
+import math
 
 _LLAMA3_RESERVED = [f"<|reserved_special_token_{i}|>" for i in range(248)]
 # Llama 3.1 / 3.2: ids 128000..128255, in this order.
@@ -230,12 +231,19 @@ def scaled_config(name: str, layers: int = 2, hidden: int = 128, heads: int | No
         raise ValueError(f"--heads {heads} is not a multiple of --kv-heads {kv_heads}")
     ratio = p_hd * p_heads / p_hidden
     if head_dim is None:
-        derived = ratio * hidden / heads
-        if derived != int(derived) or int(derived) < 2 or int(derived) % 2:
-            # no silent truncation, and no error naming a --head-dim the user did not give
-            raise ValueError(f"--hidden {hidden} / --heads {heads}: head_dim {ratio:g} * hidden / heads = "
-                             f"{derived:g} for {name}, must be an even integer >= 2 (or give --head-dim)")
-        head_dim = int(derived)
+        from fractions import Fraction
+
+        # head_dim = ratio * hidden / heads = a * hidden / b (a/b in lowest terms) is an even integer
+        # (so >= 2) exactly when hidden is a multiple of 2b / gcd(a, 2)
+        step = Fraction(p_hd * p_heads, p_hidden) / heads
+        multiple = 2 * step.denominator // math.gcd(step.numerator, 2)
+        if hidden % multiple:
+            # no silent truncation, no error naming a --head-dim the user did not give, and no
+            # fractional head_dim to puzzle over: what --hidden must be
+            raise ValueError(f"--hidden {hidden}: must be a multiple of {multiple} for {name} with --heads {heads} "
+                             f"(head_dim is {ratio:g} * hidden / heads and must be an even integer), "
+                             "or give --head-dim")
+        head_dim = int(step * hidden)
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"--head-dim {head_dim}: must be even and >= 2")
     intermediate = intermediate or max(8, round(pub["intermediate_size"] / p_hidden * hidden / 8) * 8)

@@ -12,10 +12,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 # an instance's counters (``Instance.counters``, /pdd/stats ``counters``) that count bytes, not
-# events: each its own ``_bytes_total`` family instead of an ``event`` of pdd_events_total
+# events: each its own ``_bytes_total`` family instead of an ``event`` of pdd_events_total,
+# exported (at 0 until the first count) on the roles that count it
 BYTE_COUNTERS = {
     "kv_bytes_before_first_token": ("pdd_kv_before_first_token_bytes", "KV payload bytes P had written to its "
-                                    "transfers when the prefill ended (overlapped with the prefill; docs/LINK.md)"),
+                                    "transfers when the prefill ended (overlapped with the prefill; docs/LINK.md)",
+                                    ("prefill",)),
 }
 
 
@@ -93,10 +95,10 @@ class InstanceCollector:
             if k not in BYTE_COUNTERS:
                 c.add_metric(lv + [k], v)
         yield c
-        for k, (name, help_) in BYTE_COUNTERS.items():
-            if k in inst.counters:
+        for k, (name, help_, roles) in BYTE_COUNTERS.items():
+            if k in inst.counters or inst.spec.role in roles:  # a counter is there from the start, at 0
                 c = CounterMetricFamily(name, help_, labels=lab)
-                c.add_metric(lv, inst.counters[k])
+                c.add_metric(lv, inst.counters.get(k, 0))
                 yield c
         sent = getattr(inst, "bytes_sent", None)
         if sent is not None:

@@ -163,7 +163,13 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset]
-    os.makedirs(out_dir, exist_ok=True)
+    with _Writing(out_dir) as w:
+        _write_preset(w, out_dir, p, preset, seed, family, tie_word_embeddings)
+    return out_dir
+
+
+def _write_preset(w: "_Writing", out_dir: str, p: dict, preset: str, seed: int, family: str,
+                  tie_word_embeddings: bool) -> None:
     tok = build_tokenizer(p["vocab_size"])
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
     config = {
@@ -184,10 +190,9 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
         "pdd_preset": preset,
         "pdd_seed": seed,
     }
-    _dump(os.path.join(out_dir, "config.json"), config)
-    _dump(os.path.join(out_dir, "generation_config.json"),
-          {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False})
-    _dump(os.path.join(out_dir, "tokenizer_config.json"), {
+    w.dump("config.json", config)
+    w.dump("generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False})
+    w.dump("tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS, "eos_token": EOS, "unk_token": "<unk>", "pad_token": EOS,
         "add_bos_token": True, "add_eos_token": False,
@@ -195,15 +200,13 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0, family: str = 
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     })
-    _dump(os.path.join(out_dir, "special_tokens_map.json"),
-          {"bos_token": BOS, "eos_token": EOS, "unk_token": "<unk>", "pad_token": EOS})
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    w.dump("special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "unk_token": "<unk>", "pad_token": EOS})
+    tok.save(w.path("tokenizer.json"))
     weights = _weights(p, seed)
     weights.update(_family_weights(p, seed, family))
     if tie_word_embeddings:
         del weights["lm_head.weight"]
-    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
+    save_file(weights, w.path("model.safetensors"), metadata={"format": "pt"})
 
 
 def build_family_tokenizer(spec: dict, base_vocab: int):
@@ -258,16 +261,25 @@ def make_like(out_dir: str, like: str, seed: int = 0, vocab: int = 1024, **scale
 
     # refuse what the engine cannot load before anything is written (message names the field)
     ModelConfig.from_dict({**cfg, "vocab_size": vocab + len(spec["specials"])})
-    os.makedirs(out_dir, exist_ok=True)
+    # ... and weights that cannot be held in memory to be written (was: a torch allocator
+    # traceback after config.json and the tokenizer were written)
+    _check_fits(like, {**scale, "vocab": vocab}, config_shape({**cfg, "vocab_size": vocab + len(spec["specials"])}),
+                cfg["model_type"], bool(cfg.get("tie_word_embeddings")))
+    with _Writing(out_dir) as w:
+        _write_like(w, like, pub, cfg, spec, seed, vocab)
+    return out_dir
+
+
+def _write_like(w: "_Writing", like: str, pub: dict, cfg: dict, spec: dict, seed: int, vocab: int) -> None:
     tok = build_family_tokenizer(spec, vocab)
     ids = {t: tok.token_to_id(t) for t in spec["specials"]}
     # the published bos / eos ids name tokens (PUBLISHED[...]["ids"]); use this vocabulary's ids
     bos_id, eos_id = ids[pub["ids"]["bos_token_id"]], ids[pub["ids"]["eos_token_id"]]
     cfg.update(vocab_size=tok.get_vocab_size(), bos_token_id=bos_id, eos_token_id=eos_id,
                torch_dtype="float32", pdd_like=like, pdd_seed=seed)
-    _dump(os.path.join(out_dir, "config.json"), cfg)
+    w.dump("config.json", cfg)
     gen_eos = [ids[t] for t in pub["generation_eos"]]
-    _dump(os.path.join(out_dir, "generation_config.json"),
+    w.dump("generation_config.json",
           {"bos_token_id": bos_id, "eos_token_id": gen_eos if len(gen_eos) > 1 else gen_eos[0],
            "do_sample": False})
     tc = {
@@ -279,27 +291,123 @@ def make_like(out_dir: str, like: str, seed: int = 0, vocab: int = 1024, **scale
     }
     if spec["specials_first"]:
         tc["unk_token"] = "<unk>"
-    _dump(os.path.join(out_dir, "tokenizer_config.json"), tc)
-    _dump(os.path.join(out_dir, "special_tokens_map.json"),
-          {k: tc[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if tc.get(k)})
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    shape = dict(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                 num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-                 num_key_value_heads=cfg["num_key_value_heads"],
-                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-                 vocab_size=cfg["vocab_size"])
+    w.dump("tokenizer_config.json", tc)
+    w.dump("special_tokens_map.json",
+           {k: tc[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if tc.get(k)})
+    tok.save(w.path("tokenizer.json"))
+    shape = config_shape(cfg)
     weights = _weights(shape, seed)
     weights.update(_family_weights(shape, seed, cfg["model_type"]))
     if cfg.get("tie_word_embeddings"):
         del weights["lm_head.weight"]
-    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
+    save_file(weights, w.path("model.safetensors"), metadata={"format": "pt"})
 
 
-def _dump(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
+def config_shape(cfg: dict) -> dict:
+    """The size fields of a config.json ``cfg`` that :func:`_weights` reads (``head_dim``
+    defaults to hidden / heads)."""
+    return dict(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+                num_key_value_heads=cfg["num_key_value_heads"],
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                vocab_size=cfg["vocab_size"])
+
+
+def like_shape(like: str, vocab: int = 1024, **scale) -> dict:
+    """:func:`config_shape` of the checkpoint ``make_like(out, like, vocab=vocab, **scale)``
+    writes, without writing it. KeyError / ValueError as :func:`make_like`."""
+    from pdd import families
+
+    spec = families.TOKENIZERS[families.published(like)["tokenizer"]]
+    return config_shape({**families.scaled_config(like, **scale), "vocab_size": vocab + len(spec["specials"])})
+
+
+def weight_bytes(shape: dict, family: str, tied: bool) -> int:
+    """Bytes (float32) of the tensors :func:`_weights` + :func:`_family_weights` make for ``shape``
+    (:func:`config_shape`) and ``family`` (``model_type``), less ``lm_head.weight`` when ``tied``."""
+    h, inter, v, n = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    nh, nkv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    layer = 2 * nh * hd * h + 2 * nkv * hd * h + 3 * inter * h + 2 * h
+    if family == "qwen2":
+        layer += (nh + 2 * nkv) * hd
+    elif family == "qwen3":
+        layer += 2 * hd
+    return 4 * (v * h * (1 if tied else 2) + n * layer + h)
+
+
+MEMORY_SOURCE = "MemAvailable, /proc/meminfo"
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where there is no such file (then
+    :func:`make_like` does not bound the weights)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+_SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+
+
+def _check_fits(like: str, given: dict, shape: dict, family: str, tied: bool) -> None:
+    """ValueError naming the size flags ``given`` (with their values) and the bytes when the
+    weights of ``shape``, plus the serialised copy ``safetensors`` makes of them while writing
+    (about as much again), exceed :func:`available_memory_bytes`."""
+    need = weight_bytes(shape, family, tied)
+    avail = available_memory_bytes()
+    if avail is None or 2 * need <= avail:
+        return
+    named = [f"--{f.replace('_', '-')} {given[f]}" for f in _SIZE_FLAGS
+             if given.get(f) is not None and not (f == "vocab" and given[f] == 1024)]
+    raise ValueError(f"{' '.join(named) or f'--like {like}'}: the weights would take {need:,} bytes (float32) "
+                     f"and writing them about twice that, over the {avail:,} bytes of memory available "
+                     f"({MEMORY_SOURCE}); give smaller --layers / --hidden / --intermediate / --vocab")
+
+
+class _Writing:
+    """The files one run writes into ``out_dir`` (made if missing). If the ``with`` block raises
+    (a full disk, Ctrl-C, ...), every file it wrote is removed, and ``out_dir`` too when this run
+    made it and it is then empty: no directory is left that looks like a checkpoint but lacks
+    its weights. Files it did not write stay. The exception propagates."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.made_dir = not os.path.exists(out_dir)
+        self.written: list[str] = []
+
+    def __enter__(self) -> "_Writing":
+        os.makedirs(self.out_dir, exist_ok=True)
+        return self
+
+    def path(self, name: str) -> str:
+        """The path of ``name`` in ``out_dir``, noted as written by this run (before it is)."""
+        p = os.path.join(self.out_dir, name)
+        self.written.append(p)
+        return p
+
+    def dump(self, name: str, obj: dict) -> None:
+        with open(self.path(name), "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            for p in self.written:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            if self.made_dir:
+                try:
+                    os.rmdir(self.out_dir)
+                except OSError:
+                    pass
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,11 +86,12 @@ def test_the_gateway_bounds_requests_itself_and_uvicorn_refuses_none(tiny_model)
     assert http_server_config(cfg, app).limit_concurrency is None
     # Starlette runs the first of this list outermost: CORS (Starlette's, its refusals in JSON),
     # X-Request-Id, HEAD as GET, the drain gate (shutdown), then this bound
-    from pdd.gateway.api import JsonCORS
+    # (and, outside those, the Connection: close of a refusal made before the body was read)
+    from pdd.gateway.api import CloseUnreadBody, JsonCORS
     from pdd.gateway.head import HeadAsGet
     from pdd.gateway.request_id import RequestIdHeader
     from pdd.gateway.shutdown import DrainGate
 
-    assert [m.cls for m in app.user_middleware[:5]] == [JsonCORS, RequestIdHeader, HeadAsGet, DrainGate,
-                                                        ConcurrencyLimit]
-    assert app.user_middleware[4].kwargs["admission"] is app.state.admission
+    assert [m.cls for m in app.user_middleware[:6]] == [JsonCORS, CloseUnreadBody, RequestIdHeader, HeadAsGet,
+                                                        DrainGate, ConcurrencyLimit]
+    assert app.user_middleware[5].kwargs["admission"] is app.state.admission

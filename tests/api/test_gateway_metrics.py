@@ -275,3 +275,18 @@ def test_fault_counters_itl_buckets_and_process_metrics():
     assert m["pdd_gateway_itl_seconds_bucket{le=2.5,pipeline=p_rld_md,tier=rld}"] == 0
     assert m["pdd_gateway_itl_seconds_bucket{le=5.0,pipeline=p_rld_md,tier=rld}"] == 1
     assert m["process_cpu_seconds_total"] > 0
+
+
+async def test_counters_with_known_labels_are_exported_at_zero_before_anything_counts(gateway):
+    """A Prometheus counter is there from the start (at 0), so ``rate()`` and alerts see its first
+    increment: the reasons of a 429, the handoff modes and the pipelines were missing until used."""
+    client, _, _ = gateway
+    m = await _scrape(client)
+    assert {k: v for k, v in m.items() if k.startswith("pdd_gateway_rejected_total")} == {
+        f"pdd_gateway_rejected_total{{reason={r}}}": 0.0 for r in
+        ("concurrency", "inflight", "out_of_pages", "queue_wait", "queued_tokens", "tier_busy", "wan_backlog")}
+    assert {k: v for k, v in m.items() if k.startswith("pdd_handoffs_total")} == {
+        "pdd_handoffs_total{mode=catch_up}": 0.0, "pdd_handoffs_total{mode=one_shot}": 0.0}
+    assert {k: v for k, v in m.items() if k.startswith("pdd_gateway_requests_total")} == {
+        f"pdd_gateway_requests_total{{pipeline={p}}}": 0.0 for p in
+        ("colocated", "p_d", "p_md", "p_rld", "p_rld_md")}

@@ -188,6 +188,9 @@ def test_100_mb_body_is_413_unread_then_still_serving(api):
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     err = _err(r, 413, None, "body_too_large")
     assert str(len(body)) in err["message"] and str(MAX_BODY_BYTES) in err["message"]
+    # the body was not read: the connection closes, or a client still sending it waits in vain
+    # (found by a new user: the 408s closed, this 413 did not)
+    assert r.headers.get("connection") == "close"
     del body
     _still_serving(client)
 
@@ -207,11 +210,25 @@ def test_chunked_body_over_the_limit_is_413_without_content_length(api):
 
     r = client.post("/v1/completions", content=gen(), headers={"content-type": "application/json"})
     _err(r, 413, None, "body_too_large")
+    assert r.headers.get("connection") == "close"  # the rest of the body was not read
     assert not orch.started
     # a small chunked body is served as usual
     r = client.post("/v1/completions", content=iter([b'{"prompt": [5, 6, 7], ', b'"max_tokens": 2}']),
                     headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_refusal_before_the_body_is_read_closes_the_connection_and_others_do_not(api):
+    """Content-Encoding gzip is refused (415) before the body is read: ``Connection: close`` as the
+    413 and 408 have it; a refusal after the whole body was read (400) keeps the connection."""
+    client, orch = api
+    r = client.post("/v1/completions", content=b"\x1f\x8b" + b"x" * 1000,
+                    headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415 and r.headers.get("connection") == "close", r.headers
+    r = client.post("/v1/completions", json={"prompt": 12})
+    assert r.status_code == 400 and "connection" not in r.headers, r.headers
+    r = client.post("/v1/completions", json=OK)
+    assert r.status_code == 200 and "connection" not in r.headers, r.headers
 
 
 def test_unknown_model_404_then_still_serving(api):

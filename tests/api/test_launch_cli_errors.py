@@ -107,7 +107,7 @@ def test_serve_turns_a_security_error_into_a_usage_error(capsys, tmp_path, monke
 @pytest.mark.parametrize("cmd", [["make-model", "--preset", "tiny"], ["certs"]])
 @pytest.mark.parametrize("out,message", [
     ("FILE", "--out FILE: cannot create the output directory: a file of that name exists"),
-    ("FILE/x", "--out FILE/x: cannot create the output directory: Not a directory"),
+    ("FILE/x", "--out FILE/x: cannot create the output directory: FILE is a file, not a directory"),
     ("/proc/pdd-test/x", "--out /proc/pdd-test/x: cannot create the output directory: No such file or directory"),
     ("", "--out '': empty; give the output directory"),  # wrote into the current directory
 ])

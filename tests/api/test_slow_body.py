@@ -126,4 +126,29 @@ async def test_the_gateway_answers_a_stalled_body_408(tiny_model, monkeypatch, h
     assert (status, hdrs["connection"], json.loads(body)) == (408, "close", timeout_body(0.001, 15))
     assert orch.started == []
     # inside the bound on requests at once (whose place it frees), outside the body's readers
-    assert [m.cls for m in app.user_middleware[3:6]] == [DrainGate, ConcurrencyLimit, BodyIdleTimeout]
+    assert [m.cls for m in app.user_middleware[4:7]] == [DrainGate, ConcurrencyLimit, BodyIdleTimeout]
+
+
+async def test_an_answer_before_the_body_was_read_closes_the_connection():
+    """``pdd.gateway.api.CloseUnreadBody``: a response that starts while the request's body is
+    still unread (a 413 on Content-Length, a 429 of the concurrency limit, ...) carries
+    ``Connection: close`` (a client still sending the body would otherwise wait for its own
+    timeout); one after the whole body arrived, or of a request with no body, does not."""
+    from pdd.gateway.api import CloseUnreadBody
+
+    async def early(scope, receive, send):
+        return await JSONResponse({"no": 1}, status_code=413)(scope, receive, send)
+
+    async def late(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        return await JSONResponse({"ok": 1})(scope, receive, send)
+
+    status, headers, _ = await _call(CloseUnreadBody(early), _stalled())
+    assert (status, headers.get("connection")) == (413, "close")
+    status, headers, _ = await _call(CloseUnreadBody(late), _whole)
+    assert (status, headers.get("connection")) == (200, None)
+    status, headers, _ = await _call(CloseUnreadBody(early), _whole, headers=[(b"content-length", b"0")])
+    assert (status, headers.get("connection")) == (413, None)  # no body: nothing left unread
+    status, headers, _ = await _call(CloseUnreadBody(early), _whole, headers=[(b"transfer-encoding", b"chunked")])
+    assert (status, headers.get("connection")) == (413, "close")

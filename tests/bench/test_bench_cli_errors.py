@@ -130,13 +130,13 @@ def test_refuses_an_empty_output_dir(capsys, tmp_path, monkeypatch, no_run):
 
 @pytest.mark.parametrize("out,names", [
     ("/proc/pdd-bench-test/x", ["cannot create the output directory"]),
-    ("FILE/x", ["cannot create the output directory", "Not a directory"]),
+    ("FILE/x", ["cannot create the output directory: FILE is a file, not a directory"]),
     ("FILE", ["cannot create the output directory: a file of that name exists"]),
 ])
 def test_refuses_an_output_dir_it_cannot_create(capsys, tmp_path, no_run, out, names):
     (tmp_path / "FILE").write_text("x")
     out = out.replace("FILE", str(tmp_path / "FILE"))
-    _refused(capsys, ["--out", out], f"--out {out}", *names)
+    _refused(capsys, ["--out", out], f"--out {out}", *[n.replace("FILE", str(tmp_path / "FILE")) for n in names])
 
 
 def test_the_output_dir_check_makes_nothing(tmp_path):
@@ -161,7 +161,8 @@ def test_one_output_dir_check_for_every_command(tmp_path):
         assert out_dir_problem(tmp_path / "f", keep) == (
             f"--out {tmp_path / 'f'}: cannot create the output directory: a file of that name exists")
         assert out_dir_problem(tmp_path / "f" / "x", keep, flag="--dir") == (
-            f"--dir {tmp_path / 'f' / 'x'}: cannot create the output directory: Not a directory")
+            f"--dir {tmp_path / 'f' / 'x'}: cannot create the output directory: {tmp_path / 'f'} is a file, "
+                "not a directory")
         assert out_dir_problem("", keep) == "--out '': empty; give the output directory"
         assert out_dir_problem(" ", keep) == "--out ' ': empty; give the output directory"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "f"]
@@ -649,8 +650,12 @@ def test_a_start_past_the_trace_names_start_and_the_trace_s_count(capsys, tmp_pa
     ("kill:md@prefill#4", "3", "--fault 'kill:md@prefill#4': #4 is past the run's 3 requests (--requests): "
                                "it would never fire"),
     ("kill:md@prefill#99999999999999999999", "3",
-     "fault 'kill:md@prefill#99999999999999999999': #N must be at most 1,000,000 (the most requests a run "
+     "--fault 'kill:md@prefill#99999999999999999999': #N must be at most 1,000,000 (the most requests a run "
      "counts to), got 99999999999999999999"),
+    # said "fault 'bogus': ..." without naming --fault (found by a new user)
+    ("bogus", "3", "--fault 'bogus': expected KIND[:ARG]@PHASE, e.g. wan_outage:3@transfer"),
+    ("nope@prefill", "3", "--fault 'nope@prefill': kind must be one of "
+                          "('wan_outage', 'wan_slowdown', 'cross_traffic', 'kill', 'client_disconnect')"),
 ])
 def test_a_fault_count_past_the_run_is_refused(capsys, tmp_path, no_run, spec, requests, why):
     """``--fault kill:md@prefill#99999999999999999999`` passed the checks: the fault could never fire."""

@@ -189,7 +189,7 @@ def test_demo_cli_refuses_a_start_past_the_trace(capsys, tmp_path, monkeypatch):
 def test_demo_cli_refuses_an_out_it_cannot_create(capsys, tmp_path, demo_cli):
     """``pdd demo --out FILE`` was a FileExistsError traceback from run_demo."""
     (tmp_path / "FILE").write_text("x")
-    for out, message in ((tmp_path / "FILE", "a file of that name exists"), (tmp_path / "FILE" / "x", "Not a directory")):
+    for out, message in ((tmp_path / "FILE", "a file of that name exists"), (tmp_path / "FILE" / "x", f"{tmp_path / 'FILE'} is a file, not a directory")):
         with pytest.raises(SystemExit) as ex:
             demo_cli.main(["--out", str(out)])
         assert ex.value.code == 2

@@ -94,3 +94,22 @@ def test_an_argument_out_of_range_names_the_range(spec, want):
     the range nor what FACTOR does."""
     with pytest.raises(FaultError, match=want):
         parse_bench_fault(spec)
+
+
+def test_the_fault_line_reads_cleanly():
+    """``pdd bench`` printed "faults pdd: 2 injected ; not injected -; requests {...}": the
+    injections, in square brackets, were eaten as console markup, and the outcomes were a dict."""
+    from pdd.bench.faults import fault_line
+
+    fr = {"injections": [{"spec": "kill:rld@rld_decode", "target": "rld0", "phase": "rld_decode"},
+                         {"spec": "wan_outage:3@transfer", "target": None, "phase": "transfer",
+                          "error": "FaultError: no link"}],
+          "not_injected": {}, "requests": {"requests": 3, "completed": 2, "failed": 1, "recovered": 1, "degraded": 0}}
+    assert fault_line("pdd", fr) == (
+        "faults pdd: 2 injected (kill:rld@rld_decode -> rld0 in rld_decode; wan_outage:3@transfer in transfer: "
+        "FaultError: no link); requests: 3, 2 completed, 1 failed, 1 recovered, 0 degraded")
+    fr = {"injections": [], "not_injected": {"wan_outage:1@handoff": "no eligible request reached handoff"},
+          "requests": {"requests": 2, "completed": 2, "failed": 0, "recovered": 0, "degraded": 0}}
+    assert fault_line("cross_dc_pd", fr) == (
+        "faults cross_dc_pd: 0 injected; not injected: wan_outage:1@handoff (no eligible request reached "
+        "handoff); requests: 2, 2 completed, 0 failed, 0 recovered, 0 degraded")

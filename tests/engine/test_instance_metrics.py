@@ -60,3 +60,16 @@ def test_a_counter_of_bytes_is_not_an_event(tiny_model):
     assert [(s.labels["event"], s.value) for s in fams["pdd_events"].samples] == [("requests", 3)]
     assert [s.value for s in fams["pdd_kv_before_first_token_bytes"].samples
             if s.name == "pdd_kv_before_first_token_bytes_total"] == [12288]
+
+
+def test_p_exports_its_bytes_counter_at_zero_from_the_start(tiny_model):
+    """docs/SERVE.md lists ``pdd_kv_before_first_token_bytes_total`` on P: it was missing from P's
+    /metrics until it was non-zero (a counter is exported at 0 from the start); other roles never
+    count it and do not export it."""
+    inst = _inst(Engine.from_pretrained(tiny_model, num_pages=4, page_size=PS))
+    inst.spec.role = "prefill"
+    fams = {f.name: f for f in InstanceCollector(inst).collect()}
+    assert [(s.name, s.value) for s in fams["pdd_kv_before_first_token_bytes"].samples
+            if s.name.endswith("_total")] == [("pdd_kv_before_first_token_bytes_total", 0)]
+    inst.spec.role = "main_decode"
+    assert "pdd_kv_before_first_token_bytes" not in {f.name for f in InstanceCollector(inst).collect()}

@@ -30,3 +30,20 @@ async def test_the_drain_stops_the_wan_probes():
     rep = await Drain(0).run(o)
     await asyncio.gather(o._probes, return_exceptions=True)
     assert o._probes.cancelled() and rep["left"] == []
+
+
+async def test_the_drain_line_says_when_nothing_is_in_flight(caplog):
+    """It read "waiting up to 30 s (shutdown_timeout_s) for nothing" (found by a new user)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="pdd.gateway.shutdown")
+    await Drain(30).run(fake_orchestrator())
+    assert caplog.records[0].getMessage() == ("shutting down: new requests are refused (503 shutting_down); "
+                                              "nothing in flight, nothing to wait for")
+    caplog.clear()
+    o = fake_orchestrator()
+    o.awaiting_kv["r7"] = ("p0", "md0")
+    o.awaiting_kv_deadline["r7"] = 1e18
+    await Drain(0).run(o)
+    assert caplog.records[0].getMessage() == ("shutting down: new requests are refused (503 shutting_down); "
+                                              "waiting up to 0 s (shutdown_timeout_s) for kv_awaited 1")

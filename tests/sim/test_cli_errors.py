@@ -972,7 +972,7 @@ def test_a_negative_workload_seed_is_a_usage_error(capsys, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("out,message", [
     ("FILE", "--out FILE: cannot create the output directory: a file of that name exists"),
-    ("FILE/sub", "--out FILE/sub: cannot create the output directory: Not a directory"),
+    ("FILE/sub", "--out FILE/sub: cannot create the output directory: FILE is a file, not a directory"),
     ("", "--out '': empty; give the output directory")])  # '' wrote into the current directory
 def test_sim_experiment_refuses_an_out_that_cannot_be_a_directory(capsys, tmp_path, monkeypatch, out, message):
     # `pdd sim experiment ttft --out FILE` was a FileExistsError traceback from the experiment's mkdir;
@@ -1208,3 +1208,22 @@ def test_sim_run_reads_the_cut_off_policy_of_its_config_and_flags(tmp_path):
     with pytest.raises(SystemExit) as e:
         pdd_main(base + ["--cutoff-max-sent-fraction", "2"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["profile", "--config", "{cfg}", "--out", "OUT"], "--out"),
+    (["plan", "--json", "OUT"], "--json"),
+    (["workload", "agentic", "--n", "5", "--out", "OUT"], "--out"),
+])
+@pytest.mark.parametrize("below", ["x.json", "a/x.json"])
+def test_an_out_path_under_a_file_says_the_file_is_not_a_directory(capsys, tmp_path, argv, flag, below):
+    """``pdd profile --out /etc/passwd/x.json`` said "no such directory: /etc/passwd", though
+    /etc/passwd is there: a file, not a directory (found by a new user)."""
+    f = tmp_path / "passwd"
+    f.write_text("root:x:0:0\n")
+    out = f"{f}/{below}"
+    cfg = _fake_model_config(tmp_path)
+    argv = [a.replace("OUT", out).replace("{cfg}", cfg) for a in argv]
+    err = _refused(capsys, argv)
+    assert err.splitlines()[-1].endswith(f"error: {flag} {out}: {f} is a file, not a directory"), err
+    assert f.read_text() == "root:x:0:0\n"

@@ -189,8 +189,8 @@ def parse_fault_args(specs: Sequence[str], recover_after: str, url: str | None,
             if n_requests is not None and nth > n_requests:
                 raise ValueError(f"--fault {f.strip()!r}: #{nth} is past the run's {n_requests} requests "
                                  "(--requests): it would never fire")
-    except FaultError as ex:
-        raise ValueError(str(ex)) from None
+    except FaultError as ex:  # "fault 'bogus': ..." -> "--fault 'bogus': ...": the line names the flag
+        raise ValueError(f"--{ex}" if str(ex).startswith("fault ") else f"--fault: {ex}") from None
     if specs and url:
         raise ValueError("--fault needs topologies pdd bench starts (not --url)")
     if str(recover_after).strip().lower() == "end":

@@ -175,7 +175,7 @@ def run_bench(
     :func:`pdd.vllm_tier.venv.vllm_python`'s search); ``vllm_factory(cfg, log_dir=...)`` replaces
     :class:`pdd.bench.vllm_mode.VllmServer` for that mode.
     """
-    from pdd.bench.faults import FaultRunner, fault_report, parse_bench_fault
+    from pdd.bench.faults import FaultRunner, fault_line, fault_report, parse_bench_fault
     from rich.console import Console
 
     t_wall = time.monotonic()
@@ -416,11 +416,7 @@ def run_bench(
                     fault_out[mode] = fault_report(runner, [r.to_dict() for r in records], skipped,
                                                    fault_recover_after_s)
                     fr = fault_out[mode]
-                    console.print(f"faults {mode}: {len(fr['injections'])} injected "
-                                  + "".join(f"[{i['spec']} -> {i.get('target') or ''} in {i.get('phase')}"
-                                            f"{' ERROR ' + i['error'] if i.get('error') else ''}]"
-                                            for i in fr["injections"])
-                                  + f"; not injected {fr['not_injected'] or '-'}; requests {fr['requests']}")
+                    console.print(fault_line(mode, fr), markup=False, highlight=False)
                 main_dicts = [r.to_dict() for r in records]
                 try:
                     if sweep is not None and slo_obj is not None:

@@ -235,6 +235,20 @@ def request_outcomes(records: Sequence[Mapping]) -> dict:
             "errors": sorted({str(r.get("error"))[:200] for r in records if not r.get("ok")})}
 
 
+def fault_line(mode: str, fr: Mapping) -> str:
+    """The console line of ``fr`` (a :func:`fault_report`) for ``mode``: each injection as
+    ``SPEC -> TARGET in PHASE`` (``: ERROR`` when it failed), the specs not injected and why, and
+    the requests' outcomes. Plain text: print it without console markup (its specs are not tags)."""
+    inj = [f"{i['spec']}{' -> ' + i['target'] if i.get('target') else ''} in {i.get('phase')}"
+           f"{': ' + i['error'] if i.get('error') else ''}" for i in fr["injections"]]
+    line = f"faults {mode}: {len(inj)} injected" + (f" ({'; '.join(inj)})" if inj else "")
+    if fr["not_injected"]:
+        line += "; not injected: " + "; ".join(f"{k} ({v})" for k, v in fr["not_injected"].items())
+    q = fr["requests"]
+    return line + (f"; requests: {q['requests']}, {q['completed']} completed, {q['failed']} failed, "
+                   f"{q['recovered']} recovered, {q['degraded']} degraded")
+
+
 def fault_report(runner: Optional[FaultRunner], records: Sequence[Mapping], skipped: Mapping[str, str],
                  recover_after_s: Optional[float]) -> dict:
     """report.json ``faults[mode]`` (module docstring)."""

@@ -45,6 +45,10 @@ from dataclasses import dataclass, field
 
 TIER_BUSY = "TierBusy"  # class name of pdd.engine.scheduler.TierBusy: the remote error text starts with it
 OUT_OF_PAGES = "OutOfPages"  # class name of pdd.engine.kv_pool.OutOfPages (same convention)
+# why an API request was answered 429 (pdd_gateway_rejected_total{reason}): admission's limits,
+# the concurrency limit (pdd.gateway.api) and a tier's refusal while the request started (refusal())
+REJECT_REASONS = ("inflight", "queued_tokens", "queue_wait", "wan_backlog", "concurrency", "tier_busy",
+                  "out_of_pages")
 RATE_WINDOW = 64  # prefill completions the rate estimate spans
 SERVICE_EWMA = 0.1  # weight of the newest request duration in the mean service time
 DECREASE = 0.85  # multiplicative decrease of the adaptive limit (TCP halves; a gentler step wastes less capacity)
@@ -547,6 +551,7 @@ class Admission:
                 self._observe(t, False)
 
     def reject(self, reason: str) -> None:
+        """Count one API request answered 429 for ``reason`` (one of :data:`REJECT_REASONS`)."""
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def prefilled(self, t: Ticket, measured: bool = True) -> None:

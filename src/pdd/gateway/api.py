@@ -138,7 +138,7 @@ class Draining(ApiError):
 def _too_large(n: int | None) -> JSONResponse:
     what = f"request body of {n} bytes" if n is not None else "request body"
     return JSONResponse(error_body(f"{what} exceeds the limit of {MAX_BODY_BYTES} bytes", None,
-                                   code="body_too_large"), status_code=413)
+                                   code="body_too_large"), status_code=413, headers={"Connection": "close"})
 
 
 def _json_body(request: Request) -> bool:
@@ -242,6 +242,52 @@ class ConcurrencyLimit:
             return await self.app(scope, receive, send)
         finally:
             self.serving -= 1
+
+
+class CloseUnreadBody:
+    """ASGI middleware, outermost: a response that starts while the request's body is still
+    unread gets ``Connection: close`` (if it has no ``Connection`` header of its own), so the
+    server closes the connection after it instead of waiting to read (and drop) the rest of the
+    body. Found by a new user: a body over the limit got its 413 at once on the ``Content-Length``
+    alone, but a client still sending it hung until its own timeout. Covers every refusal made
+    before the body is read (413 on the header or past the limit of a chunked body, 415 for a
+    content coding, the concurrency limit's 429, ...); the 408 of a stalled body and the drain's
+    503 set it themselves. A request without a body (no ``Content-Length`` above 0 and no
+    ``Transfer-Encoding``) keeps its connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not _has_body(scope.get("headers", ())):
+            return await self.app(scope, receive, send)
+        unread = True
+
+        async def receive_tracked():
+            nonlocal unread
+            msg = await receive()
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                unread = False  # the last part of the body arrived (or the client left)
+            return msg
+
+        async def send_closing(msg):
+            if msg["type"] == "http.response.start" and unread:
+                headers = list(msg.get("headers", ()))
+                if not any(k.lower() == b"connection" for k, _ in headers):
+                    msg = {**msg, "headers": headers + [(b"connection", b"close")]}
+            await send(msg)
+
+        return await self.app(scope, receive_tracked, send_closing)
+
+
+def _has_body(headers) -> bool:
+    """Whether a request with these ASGI ``headers`` sends a body: ``Transfer-Encoding`` present,
+    or a ``Content-Length`` that is not 0 (one that is not a number counts as a body)."""
+    for k, v in headers:
+        k = k.lower()
+        if k == b"transfer-encoding" or (k == b"content-length" and v.strip() != b"0"):
+            return True
+    return False
 
 
 class BodyLimit:
@@ -437,6 +483,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     app.add_middleware(HeadAsGet)  # HEAD /health (a load balancer's probe) answers as GET, no body
     app.add_middleware(RequestIdHeader)  # every response (429s and 503s too) names its X-Request-Id
+    app.add_middleware(CloseUnreadBody)  # a refusal before the body was read closes the connection
     # outside the others but the HTTP metrics: a browser's preflight is answered before the API key (it carries none) and every
     # answer, a refusal too, carries the CORS headers a page needs to read it (as vLLM's server)
     app.add_middleware(JsonCORS, allow_origins=cfg.cors.allowed_origins,

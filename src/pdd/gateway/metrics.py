@@ -17,7 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdd.gateway.http_metrics import HttpCounters
 from pdd.gateway.phase import Phase
+from pdd.gateway.admission import REJECT_REASONS
 from pdd.gateway.state import OUTCOMES
+from pdd.types import Pipeline
 
 # TTFT / ITL buckets, seconds: from a fast-path decode step to a long WAN transfer; a gap between
 # two tokens reaches seconds when a request waits for a lost instance's recovery (up to
@@ -28,6 +30,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # a request's prompt / output length, tokens (vLLM's request_prompt_tokens buckets: 1-2-5 steps)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+HANDOFF_MODES_APPLIED = ("one_shot", "catch_up")  # pdd.policy.handoff.decide_handoff's modes ("auto" picks one)
 FINISHED_REASONS = ("stop", "length")  # a choice's finish_reason as its client got it (abort: cancelled)
 GBPS_TO_BYTES_PER_S = 1e9 / 8  # the WAN estimates are kept in Gbit/s; exported in bytes/s (base units)
 
@@ -67,8 +70,8 @@ class _OrchestratorCollector:
         c = CounterMetricFamily("pdd_gateway_requests", "requests (each choice of n) started on the tiers, by the "
                                 "pipeline of their start (a recovery's new attempts are not counted)",
                                 labels=["pipeline"])
-        for k, v in sorted(o.pipelines.items()):
-            c.add_metric([k], v)
+        for k in sorted({*(p.value for p in Pipeline), *o.pipelines}):  # each at 0 from the start
+            c.add_metric([k], o.pipelines.get(k, 0))
         yield c
         t = o.totals
         # each request (each choice of n) exactly once: completed (incl. ended by a stop string),
@@ -108,9 +111,9 @@ class _OrchestratorCollector:
         c.add_metric(["abort"], t.get("cancelled", 0))
         yield c
         c = CounterMetricFamily("pdd_handoffs", "RLD -> MD handoffs by mode", labels=["mode"])
-        for k, v in sorted(t.items()):
-            if k.startswith("handoffs_"):
-                c.add_metric([k[len("handoffs_"):]], v)
+        modes = {*HANDOFF_MODES_APPLIED, *(k[len("handoffs_"):] for k in t if k.startswith("handoffs_"))}
+        for k in sorted(modes):  # each mode at 0 from the start
+            c.add_metric([k], t.get(f"handoffs_{k}", 0))
         yield c
         c = CounterMetricFamily("pdd_cut_offs", "WAN transfers cut off because RLD finished first")
         c.add_metric([], t.get("cut_offs", 0))
@@ -277,8 +280,8 @@ class AdmissionCollector:
                                 "admission's (inflight, queued_tokens, queue_wait, wan_backlog, concurrency) or a "
                                 "tier's refusal while the request started (tier_busy, out_of_pages: its choices are "
                                 "pdd_gateway_outcomes_total{outcome=\"rejected\"} too)", labels=["reason"])
-        for k, v in sorted(a.rejected.items()):
-            c.add_metric([k], v)
+        for k in sorted({*REJECT_REASONS, *a.rejected}):  # each reason at 0 from the start
+            c.add_metric([k], a.rejected.get(k, 0))
         yield c
         g = GaugeMetricFamily("pdd_gateway_inflight", "requests (choices) admitted and not yet ended")
         g.add_metric([], a.inflight)

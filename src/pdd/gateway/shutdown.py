@@ -138,8 +138,13 @@ class Drain:
         if hasattr(orch, "stop_probes"):  # no new WAN probe holds the drain up
             orch.stop_probes()
         t0 = clock()
-        log.info("shutting down: new requests are refused (503 %s); waiting up to %g s (shutdown_timeout_s) "
-                 "for %s", SHUTTING_DOWN, self.timeout_s, ", ".join(self.pending(orch)) or "nothing")
+        pending = self.pending(orch)
+        if pending:
+            log.info("shutting down: new requests are refused (503 %s); waiting up to %g s (shutdown_timeout_s) "
+                     "for %s", SHUTTING_DOWN, self.timeout_s, ", ".join(pending))
+        else:
+            log.info("shutting down: new requests are refused (503 %s); nothing in flight, nothing to wait for",
+                     SHUTTING_DOWN)
         while self.pending(orch) and clock() - t0 < self.timeout_s:
             await asyncio.sleep(POLL_S)
         if self.pending(orch):

@@ -904,6 +904,10 @@ def cmd_profile(a) -> int:
         raise UsageError(no_checkpoint_message(cfg.model_path))  # exit 2, as pdd serve and pdd launch say it
     out = Path(a.out)
     if not out.parent.exists():  # made now, so the check below (and the write after minutes) can pass
+        from pdd.cli_args import file_in_the_way
+
+        if file_in_the_way(a.out) is not None:
+            check_out_file(a.out)  # names the file in the way, as every out-path check does
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -963,6 +967,10 @@ def check_out_file(path: str, flag: str = "--out") -> None:
         raise UsageError(f"{flag} {path}: is a directory; give a file path")
     parent = p.parent
     if not parent.is_dir():
+        from pdd.cli_args import file_in_the_way
+
+        if (f := file_in_the_way(path)) is not None:  # /etc/passwd/x.json: not "no such directory: /etc/passwd"
+            raise UsageError(f"{flag} {path}: {f} is a file, not a directory")
         raise UsageError(f"{flag} {path}: no such directory: {parent}")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
