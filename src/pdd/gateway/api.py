@@ -248,8 +248,8 @@ class CloseUnreadBody:
     """ASGI middleware, outermost: a response that starts while the request's body is still
     unread gets ``Connection: close`` (if it has no ``Connection`` header of its own), so the
     server closes the connection after it instead of waiting to read (and drop) the rest of the
-    body. Found by a new user: a body over the limit got its 413 at once on the ``Content-Length``
-    alone, but a client still sending it hung until its own timeout. Covers every refusal made
+    body (a client still sending a body refused on its ``Content-Length`` alone would wait for
+    its own timeout). Covers every refusal made
     before the body is read (413 on the header or past the limit of a chunked body, 415 for a
     content coding, the concurrency limit's 429, ...); the 408 of a stalled body and the drain's
     503 set it themselves. A request without a body (no ``Content-Length`` above 0 and no
