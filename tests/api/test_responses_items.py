@@ -12,6 +12,7 @@ import re
 import httpx
 import pytest
 
+from pdd.text import shown
 from tests.api.test_responses_api import HERMES_ONE, MODEL, PLAIN, R_TOOLS, serve  # noqa: F401  (fixture)
 
 BASE = {"model": MODEL, "input": "hi"}
@@ -44,6 +45,14 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "ar
      "input[0].arguments: must be a JSON string (the call's arguments as JSON text), got '{\"city\": '"),
     ([{"role": "user", "content": "hi"}, {**CALL, "arguments": ""}], "input[1].arguments",
      "input[1].arguments: must be a JSON string (the call's arguments as JSON text), got ''"),
+    # nested past the decoder's recursion: a 500 and a reset connection
+    ([{"role": "user", "content": "hi"}, {**CALL, "arguments": "[" * 1000 + "]" * 1000}], "input[1].arguments",
+     "input[1].arguments: JSON nested too deeply to read (the call's arguments as JSON text), got "
+     + shown("[" * 1000 + "]" * 1000)),
+    # valid JSON Python's int cannot read (over 4,300 digits): said so, not "not JSON"
+    ([{"role": "user", "content": "hi"}, {**CALL, "arguments": "1" * 5000}], "input[1].arguments",
+     "input[1].arguments: must be a JSON string (the call's arguments as JSON text) (it holds an integer of more "
+     "than 4,300 digits), got " + shown("1" * 5000)),
     # NaN / Infinity (and a number too large for a float) are Python's json's, not JSON: they were accepted
     *[([{"role": "user", "content": "hi"}, {**CALL, "arguments": f'{{"x": {bad}}}'}], "input[1].arguments",
         f"input[1].arguments: must be strict JSON text: {bad} is not a JSON number (JSON numbers are finite), got "

@@ -348,9 +348,14 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
                               f"number (JSON numbers are finite), got {shown(it['arguments'])}")
             try:
                 json.loads(it["arguments"])
-            except ValueError:
+            except RecursionError:  # deeper than the decoder's recursion: never a 500
+                raise _refuse(f"{at}.arguments", f"{at}.arguments: JSON nested too deeply to read (the call's "
+                              f"arguments as JSON text), got {shown(it['arguments'])}") from None
+            except ValueError as e:
+                # valid JSON Python's int() refuses (sys.get_int_max_str_digits: 4,300 digits)
+                why = "" if isinstance(e, json.JSONDecodeError) else " (it holds an integer of more than 4,300 digits)"
                 raise _refuse(f"{at}.arguments", f"{at}.arguments: must be a JSON string (the call's arguments as "
-                              f"JSON text), got {shown(it['arguments'])}") from None
+                              f"JSON text){why}, got {shown(it['arguments'])}") from None
             if it["call_id"] in chained:
                 raise _refuse(f"{at}.call_id", f"{at}.call_id: Duplicate function call with call_id "
                               f"{shown(it['call_id'])}: the previous_response_id chain has it already")
