@@ -261,6 +261,13 @@ def test_sim_run_refuses_a_workload_flag_its_workload_does_not_read(tmp_path, ca
          "arrive at --rate"),
         (RUN + ["--load-profile", "ramp", "--scale-rate", "2"],
          "--scale-rate and --load-profile exclude each other: the schedule sets every arrival time"),
+        # generated requests on a schedule: --rate changed nothing (the same output at 0.5, 3 and 50 req/s)
+        (RUN + ["--agentic", "20", "--rate", "3", "--rate-schedule", "0:1,4:2"],
+         "--rate: --rate-schedule sets every arrival time of the generated requests; --rate is read only as "
+         "--load-profile ramp's peak when --peak-rate is not given"),
+        (RUN + ["--agentic", "20", "--rate", "3", "--load-profile", "ramp", "--peak-rate", "2"],
+         "--rate: --load-profile sets every arrival time of the generated requests; --rate is read only as "
+         "--load-profile ramp's peak when --peak-rate is not given"),
     ]
     for argv, line in cases:
         assert _refused(capsys, argv) == line, argv
@@ -274,6 +281,7 @@ def test_sim_run_workload_flags_that_apply_hold(tmp_path, capsys):
     for extra in (["--trace", path, "--load-profile", "ramp", "--phase-seconds", "1:1:1:1", "--rate", "4",
                    "--seed", "2"],
                   ["--trace", path, "--limit", "20", "--scale-rate", "2"],
+                  ["--agentic", "30", "--load-profile", "ramp", "--phase-seconds", "1:1:1:1", "--rate", "3"],
                   ["--agentic", "30", "--rate", "3", "--seed", "1"]):
         assert main(RUN + extra + ["--json", str(out)]) == 0
     args = json.loads(out.read_text())["arguments"]

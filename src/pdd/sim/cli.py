@@ -481,7 +481,8 @@ def _trace_or_agentic(a) -> None:
 def _sim_run_workload_flags(a) -> None:
     """UsageError naming a workload flag of ``pdd sim run`` that its workload would not read
     (it ran without it): --limit / --scale-rate with --agentic, --scale-rate with a rate
-    schedule, --rate with a trace (unless it is --load-profile ramp's default peak), --seed with
+    schedule, --rate with a trace or with --agentic and a schedule (unless it is --load-profile
+    ramp's default peak), --seed with
     a trace and no schedule. Untyped flags are None here (:func:`_workload_defaults` fills them)."""
     schedule = "--rate-schedule" if a.rate_schedule is not None else "--load-profile" if a.load_profile else None
     if a.agentic:
@@ -493,9 +494,12 @@ def _sim_run_workload_flags(a) -> None:
                              "generated requests arrive at --rate")
     if schedule and a.scale_rate is not None:
         raise UsageError(f"--scale-rate and {schedule} exclude each other: the schedule sets every arrival time")
-    if a.agentic:
-        return
     ramp_peak = a.load_profile == "ramp" and a.peak_rate is None  # schedule_from_flags' default peak
+    if a.agentic:
+        if schedule and a.rate is not None and not ramp_peak:
+            raise UsageError(f"--rate: {schedule} sets every arrival time of the generated requests; --rate is "
+                             "read only as --load-profile ramp's peak when --peak-rate is not given")
+        return
     if a.rate is not None and not ramp_peak:
         raise UsageError("--rate: a trace replays at its own timestamps (faster or slower: --scale-rate); --rate is "
                          "a generated workload's (--agentic N) or --load-profile ramp's default peak")
