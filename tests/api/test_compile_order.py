@@ -84,3 +84,31 @@ async def test_a_client_gone_while_its_compile_waits_drops_the_compile(held, que
     await _until(lambda: not orch.reqs, "the kept request to end")
     assert compiled == ["kept"]  # the gone client's constraint was never compiled
     assert {k: orch.totals[k] for k in OUTCOMES} == {"completed": 1, "failed": 0, "cancelled": 0, "rejected": 0}
+
+
+async def test_a_constraint_compiled_before_queues_as_a_small_one(held, queue):
+    """Sent again, a large constraint compiles from pdd.structured's cache in milliseconds: it
+    queues at the least cost, ahead of a new large one queued before it."""
+    orch, app, port = held
+    q, go, compiled, clock = queue
+    orch.go.set()
+    go.set()  # the first BIG compiles at once
+    reader, writer = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, "guided_grammar": BIG})
+    assert (await _status(reader)).startswith("HTTP/1.1 200")
+    writer.close()
+    go.clear()
+    started = threading.Event()
+    busy = q.submit(lambda: (started.set(), go.wait(60)))
+    assert started.wait(60)
+    other = BIG.replace('"w0"', '"v0"')  # as large, never compiled
+    new = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, "guided_grammar": other})
+    await _until(lambda: q.pending() == 1, "the new large compile to queue")
+    again = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, "guided_grammar": BIG})
+    await _until(lambda: q.pending() == 2, "the cached one to queue")
+    clock[0] += 1.0
+    go.set()
+    busy.result(60)
+    for reader, writer in (again, new):
+        assert (await _status(reader)).startswith("HTTP/1.1 200")
+        writer.close()
+    assert compiled == [BIG, BIG, other]

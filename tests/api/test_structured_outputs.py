@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, constraint_chars,
+from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, constraint_chars, constraint_key,
                                         constraint_requested,
                                         structured_constraint, tool_schema)
 from pdd.structured import grammar_for
@@ -356,6 +356,17 @@ def test_constraint_chars_counts_the_constraint_text_a_request_sends():
     assert constraint_chars(_chat(structured_outputs={"choice": ["a", "b"]})) == len('{"choice": ["a", "b"]}')
     assert constraint_chars(_chat(guided_json={"type": "object"}, guided_whitespace_pattern=" ")) == len('{"type": "object"}') + 1
     assert constraint_chars(_chat(tools=tools, tool_choice="required")) == len(json.dumps(tools))
+
+
+def test_constraint_key_is_equal_for_equal_constraints_only():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert constraint_key(_chat()) is None and constraint_key(_chat(tools=tools, tool_choice="auto")) is None
+    assert constraint_key(_cmpl(guided_regex="a+", max_tokens=3)) == constraint_key(_cmpl(guided_regex="a+"))
+    assert constraint_key(_cmpl(guided_regex="a+")) != constraint_key(_cmpl(guided_regex="a*"))
+    assert constraint_key(_cmpl(guided_regex="a+")) != constraint_key(_cmpl(regex="a+"))  # the field counts
+    assert (constraint_key(_chat(guided_json={"a": 1, "b": 2})) == constraint_key(_chat(guided_json={"b": 2, "a": 1})))
+    assert constraint_key(_chat(tools=tools, tool_choice="required")) != constraint_key(
+        _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}))
 
 
 @pytest.mark.parametrize("backend", ["auto", "guidance", None])

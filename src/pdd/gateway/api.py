@@ -32,6 +32,7 @@ more HTTP requests at once than ``MAX_CONCURRENT_REQUESTS``) gets HTTP 429 with
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -59,7 +60,8 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt, first_error, constraint_requested, constraint_chars)
+                                        truncated_prompt, first_error, constraint_requested, constraint_chars,
+                                        constraint_key)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -70,6 +72,9 @@ from pdd.text import shown
 
 log = logging.getLogger(__name__)
 
+# the constraints the gateway remembers having compiled (its compile-queue cost), as many as
+# pdd.structured keeps compiled (its lru_cache of 256)
+COMPILED_KEYS = 256
 SERVER_CLOSE_S = 3.0  # after the drain: uvicorn's own wait for responses still being sent, seconds
 LP_FLOOR = -9999.0  # a logprob of -inf is reported as this (JSON has no infinity; vLLM does the same)
 
@@ -564,6 +569,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
             lltok = ll_tokenizer(tokenizer, list(mc.eos_token_ids), model_vocab)
         return structured_constraint(body, lltok)
 
+    compiled_keys: collections.OrderedDict[str, None] = collections.OrderedDict()  # constraint_key, LRU
+
     async def structured(body, request=None):
         """The request's structured-output constraint (``openai_schemas.structured_constraint``:
         ApiError for a bad one, or one no token can begin), else None; ApiError (400 naming its
@@ -571,15 +578,23 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         stack), so the event loop serves other requests meanwhile; a request that asks for none
         (``constraint_requested``) does not wait for that thread. The queue runs the highest
         response ratio next (``pdd.compile_queue.next_job``; cost: ``compile_cost_s`` of the
-        request's ``constraint_chars``): a small constraint overtakes large ones queued before it. A client that disconnects while
+        request's ``constraint_chars``, or none for a constraint compiled before, whose compile
+        ``pdd.structured`` caches): a small constraint overtakes large ones queued before it. A client that disconnects while
         its compile waits (``request``'s connection, unless ``policy.cancel_on_disconnect`` is
         off) drops it from the queue and gets ClientGone (499, to nobody)."""
         from pdd.structured import compile_cost_s, compiler
 
         if not constraint_requested(body):  # nothing to compile: no wait behind other clients' grammars
             return None
-        job = asyncio.wrap_future(compiler().submit_costed(compile_cost_s(constraint_chars(body)), _constraint, body))
+        key = constraint_key(body)  # compiled before: cached (pdd.structured), queued at the least cost
+        chars = 0 if key is not None and key in compiled_keys else constraint_chars(body)
+        job = asyncio.wrap_future(compiler().submit_costed(compile_cost_s(chars), _constraint, body))
         c = await unless_gone(request, job, job.cancel, enabled=cfg.policy.cancel_on_disconnect)
+        if key is not None:
+            compiled_keys[key] = None
+            compiled_keys.move_to_end(key)
+            while len(compiled_keys) > COMPILED_KEYS:
+                compiled_keys.popitem(last=False)
         if c is not None and vllm_md:
             raise ApiError(f"{c.param}: structured outputs are not supported with MD on vLLM (vllm.main_decode): "
                            "vLLM continues each request after P's first token and would start the constraint "

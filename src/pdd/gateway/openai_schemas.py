@@ -1103,14 +1103,24 @@ def constraint_requested(body) -> bool:
     return getattr(body, "tool_choice", None) not in (None, "none", "auto")
 
 
+def _constraint_fields(body) -> list[tuple[str, Any]]:
+    """``(field, value)`` of each field a request's constraint comes from (:func:`constraint_requested`'s),
+    ``tools`` when ``tool_choice`` forces a call; [] for a request with none."""
+    if not constraint_requested(body):
+        return []
+    names = ["response_format", "structured_outputs", "guided_whitespace_pattern", *_GUIDED]
+    out = [(name, getattr(body, name, None)) for name in names if getattr(body, name, None) is not None]
+    if getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+        out += [("tool_choice", body.tool_choice), ("tools", getattr(body, "tools", None))]
+    return out
+
+
 def constraint_chars(body) -> int:
     """Characters of constraint text a completion or chat request sends: the JSON of each field
     :func:`constraint_requested` reads (a grammar or regex string counted as its length), and of
     ``tools`` when ``tool_choice`` forces a call (the call's schema is built from them); 0 for a
     request with none. What the compile queue's cost estimate reads
     (``pdd.structured.compile_cost_s``). Pure and cheap: no validation, no compiling."""
-    if not constraint_requested(body):
-        return 0
 
     def size(v) -> int:
         if v is None:
@@ -1122,11 +1132,21 @@ def constraint_chars(body) -> int:
         except (TypeError, ValueError, RecursionError):
             return 0
 
-    fields = ["response_format", "structured_outputs", "guided_whitespace_pattern", *_GUIDED]
-    n = sum(size(getattr(body, name, None)) for name in fields)
-    if getattr(body, "tool_choice", None) not in (None, "none", "auto"):
-        n += size(getattr(body, "tools", None))
-    return n
+    return sum(size(v) for name, v in _constraint_fields(body) if name != "tool_choice")
+
+
+def constraint_key(body) -> str | None:
+    """A request's constraint fields as one JSON text (keys sorted): equal for two requests whose
+    constraints compile alike; None for a request with none or fields JSON cannot hold. The
+    gateway remembers the keys it compiled, so a constraint sent again queues at the cost of a
+    cached one. Pure."""
+    fields = _constraint_fields(body)
+    if not fields:
+        return None
+    try:
+        return json.dumps(fields, ensure_ascii=False, sort_keys=True, default=str)
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 def structured_constraint(body, lltok=None) -> Constraint | None:
