@@ -119,6 +119,24 @@ async def test_a_client_gone_while_prefilling_aborts_it_on_every_tier(held, stre
     assert app.state.admission.queued_tokens == 0 and not orch.go.is_set()
 
 
+async def test_a_client_gone_while_starting_is_not_logged_as_a_server_failure(held, caplog):
+    """Its start ends because its client left: logged at INFO, not as a WARNING saying the client
+    gets a 503 (nobody gets anything; the request is counted cancelled)."""
+    import logging
+
+    orch, app, port = held
+    caplog.set_level(logging.INFO, logger="pdd")
+    reader, writer = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 8})
+    await asyncio.wait_for(orch.prefilling.wait(), 10)
+    writer.close()
+    await writer.wait_closed()
+    await _until(lambda: not orch.reqs and app.state.admission.inflight == 0, "the request to end")
+    await _until(lambda: any("its client disconnected while it started" in r.getMessage() for r in caplog.records),
+                 "the start's end to be logged")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "503" in r.getMessage()] == []
+    assert orch.totals["cancelled"] == 1
+
+
 async def test_the_other_prompts_of_a_batch_stop_when_one_is_refused_while_starting(held):
     """A batch of two prompts: one is refused by a tier at once (429), the other is still
     prefilling; it is aborted then (counted rejected), not prefilled to its end first."""

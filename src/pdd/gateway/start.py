@@ -12,8 +12,8 @@ import uuid
 from pdd.gateway import recovery
 from pdd.gateway.admission import refusal
 from pdd.gateway.phase import Phase
-from pdd.gateway.state import (ABORT_FAILED, ABORT_REJECTED, NoInstance, NoMember, ReqState, RequestFailed,
-                               ShuttingDown, client_error_of, client_reason_of)
+from pdd.gateway.state import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoInstance, NoMember, ReqState,
+                               RequestFailed, ShuttingDown, client_error_of, client_reason_of)
 from pdd.types import SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
@@ -93,6 +93,9 @@ class Starts:
                 budget = self._budget_spent(st) if spent else ""
                 # the request's own failure (its grammar failed on P's first token) stays its own: a 400
                 msg = f"request {rid} failed while starting: {e}{budget}"
+                if st.end.abort_reason == ABORT_CLIENT:  # its client left (counted cancelled; 499 to nobody)
+                    log.info("request %s: its client disconnected while it started; its start ended (%s)", rid, e)
+                    raise RequestFailed(msg) from e
                 if rejected:  # a 429, or a 503 with Retry-After: refused, not failed (no WARNING per request)
                     raise RequestFailed(msg, client_error_of(e), client_reason_of(e)) from e
                 raise self._request_failed(msg, client_error_of(e), client_reason_of(e)) from e
