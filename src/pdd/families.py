@@ -241,7 +241,7 @@ def scaled_config(name: str, layers: int = 2, hidden: int = 128, heads: int | No
             # no silent truncation, no error naming a --head-dim the user did not give, and no
             # fractional head_dim to puzzle over: what --hidden must be
             raise ValueError(f"--hidden {hidden}: must be a multiple of {multiple} for {name} with --heads {heads} "
-                             f"(head_dim is {ratio:g} * hidden / heads and must be an even integer), "
+                             f"(head_dim is {'' if ratio == 1 else f'{ratio:g} * '}hidden / heads and must be an even integer), "
                              "or give --head-dim")
         head_dim = int(step * hidden)
     if head_dim < 2 or head_dim % 2:

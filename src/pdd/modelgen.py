@@ -366,7 +366,8 @@ def _check_fits(like: str, given: dict, shape: dict, family: str, tied: bool) ->
              if given.get(f) is not None and not (f == "vocab" and given[f] == 1024)]
     raise ValueError(f"{' '.join(named) or f'--like {like}'}: the weights would take {need:,} bytes (float32) "
                      f"and writing them about twice that, over the {avail:,} bytes of memory available "
-                     f"({MEMORY_SOURCE}); give smaller --layers / --hidden / --intermediate / --vocab")
+                     f"({MEMORY_SOURCE}); give smaller --layers / --hidden / --intermediate / --vocab"
+                     + (" / --head-dim" if given.get("head_dim") is not None else ""))
 
 
 class _Writing:

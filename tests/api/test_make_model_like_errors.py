@@ -16,7 +16,7 @@ def _refused(capsys, argv, message):
     # hidden 100 / 8 heads was silently truncated to head_dim 12
     ("llama-3.2-1b", ["--hidden", "100", "--heads", "8"],
      "--hidden 100: must be a multiple of 16 for llama-3.2-1b with --heads 8 "
-     "(head_dim is 1 * hidden / heads and must be an even integer), or give --head-dim"),
+     "(head_dim is hidden / heads and must be an even integer), or give --head-dim"),
     # named a --head-dim 25 that was never given
     ("qwen3-0.6b", ["--hidden", "100", "--heads", "8"],
      "--hidden 100: must be a multiple of 8 for qwen3-0.6b with --heads 8 "
@@ -42,7 +42,7 @@ def test_a_refused_shape_keeps_an_existing_out_directory(capsys, tmp_path):
     (out / "keep.txt").write_text("x")
     _refused(capsys, ["make-model", "--like", "llama-3.2-1b", "--out", str(out), "--hidden", "100", "--heads", "8"],
              "--hidden 100: must be a multiple of 16 for llama-3.2-1b with --heads 8 "
-             "(head_dim is 1 * hidden / heads and must be an even integer), or give --head-dim")
+             "(head_dim is hidden / heads and must be an even integer), or give --head-dim")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
@@ -72,6 +72,15 @@ def test_weights_larger_than_memory_are_refused_before_anything_is_written(capsy
                         f"memory available (MemAvailable, /proc/meminfo); give smaller --layers / --hidden / "
                         f"--intermediate / --vocab\n"), err
     assert not out.exists()
+
+
+def test_a_given_head_dim_is_among_the_flags_to_shrink(capsys, tmp_path, monkeypatch):
+    import pdd.modelgen as mg
+
+    monkeypatch.setattr(mg, "available_memory_bytes", lambda: 1_000_000)
+    err = usage_error(capsys, main, ["make-model", "--like", "qwen3-0.6b", "--out", str(tmp_path / "m"),
+                                     "--head-dim", "100000000"])
+    assert err.endswith("; give smaller --layers / --hidden / --intermediate / --vocab / --head-dim\n"), err
 
 
 def test_layers_have_the_same_bound(capsys, tmp_path, monkeypatch):
