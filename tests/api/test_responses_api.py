@@ -358,6 +358,8 @@ BASE = {"model": MODEL, "input": "hi"}
      "input[1].content[0]", "input[1].content[0]: content of type 'input_file' is not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "x"}]}]},
      "input[0].content[1]", "input[0].content[1]: must be a text part (input_text with a string 'text'), got "),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input[0].content[0].text", "input[0].content[0].text: must be a string, got 5"),
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content",
      "input[0].content: must be a string or a list of content parts, got int"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "input[0].role: must be one of"),

@@ -226,6 +226,8 @@ def _text_of(content, where: str, kinds: tuple[str, ...]) -> str:
         if kind in MEDIA_PARTS:
             raise _refuse(f"{where}[{j}]", f"{where}[{j}]: content of type {kind!r} is not supported: the served "
                           "model takes text only")
+        if kind in kinds and "text" in part and not isinstance(part["text"], str):  # the part's own field
+            raise _refuse(f"{where}[{j}].text", f"{where}[{j}].text: must be a string, got {shown(part['text'])}")
         if kind not in kinds or not isinstance(part.get("text"), str):
             raise _refuse(f"{where}[{j}]", f"{where}[{j}]: must be a text part ({' or '.join(kinds)} with a string "
                           f"'text'), got {shown(part)}")
