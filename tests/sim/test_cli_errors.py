@@ -362,7 +362,13 @@ def test_validate_and_profile_name_a_bad_config_field_without_a_traceback(capsys
     (["--autoscale", ""], "--autoscale: expected ROLE=N with ROLE one of p, rld, md (or prefill, relay_decode, "
                           "main_decode) and N >= 1, e.g. md=3, got ''"),  # "" ran without the loop
     (["--autoscale-min", "md=1"],  # was ignored
-     "--autoscale-min: only with --autoscale (the loop's most active instances per role)"),
+     "--autoscale-min: only with --autoscale (the autoscaling loop's settings; without --autoscale no loop runs)"),
+    # the loop's other settings were ignored too without --autoscale
+    (["--autoscale-interval", "10", "--autoscale-cooldown", "5"],
+     "--autoscale-interval, --autoscale-cooldown: only with --autoscale (the autoscaling loop's settings; without "
+     "--autoscale no loop runs)"),
+    (["--autoscale-start-s", "0"],
+     "--autoscale-start-s: only with --autoscale (the autoscaling loop's settings; without --autoscale no loop runs)"),
     (["--cross-traffic", ""], "--cross-traffic: no seconds:Gbit/s point in ''"),  # "" ran with none
     (["--rate-schedule", "0:1,inf:2"], "--rate-schedule: times must be finite seconds, got inf"),
 ])

@@ -546,13 +546,31 @@ def _autoscale_args(p: argparse.ArgumentParser) -> None:
                         "or md=3,rld=2; a role once); the --n-* counts are the initial ones")
     g.add_argument("--autoscale-min", default=None, nargs="+", metavar="ROLE=MIN",
                    help="fewest active per role (default 1)")
-    g.add_argument("--autoscale-interval", type=POS_FLOAT, default=5.0, help="seconds between decisions")
-    g.add_argument("--autoscale-sample", type=POS_FLOAT, default=0.25, help="seconds between load samples")
-    g.add_argument("--autoscale-cooldown", type=NONNEG_FLOAT, default=30.0, help="no change within this many s")
-    g.add_argument("--autoscale-up-at", type=POS_FLOAT, default=0.75, help="scale up at this mean utilisation")
-    g.add_argument("--autoscale-down-at", type=NONNEG_FLOAT, default=0.25, help="scale down at or below this")
-    g.add_argument("--autoscale-start-s", type=NONNEG_FLOAT, default=0.0,
-                   help="seconds from an add decision to the new instance serving")
+    # None when not typed (AUTOSCALE_DEFAULTS fills them): typed without --autoscale they are refused
+    g.add_argument("--autoscale-interval", type=POS_FLOAT, default=None, help="seconds between decisions (5)")
+    g.add_argument("--autoscale-sample", type=POS_FLOAT, default=None, help="seconds between load samples (0.25)")
+    g.add_argument("--autoscale-cooldown", type=NONNEG_FLOAT, default=None, help="no change within this many s (30)")
+    g.add_argument("--autoscale-up-at", type=POS_FLOAT, default=None, help="scale up at this mean utilisation (0.75)")
+    g.add_argument("--autoscale-down-at", type=NONNEG_FLOAT, default=None, help="scale down at or below this (0.25)")
+    g.add_argument("--autoscale-start-s", type=NONNEG_FLOAT, default=None,
+                   help="seconds from an add decision to the new instance serving (0)")
+
+
+# the autoscaling loop's settings when --autoscale is given and the flag is not
+AUTOSCALE_DEFAULTS = {"autoscale_interval": 5.0, "autoscale_sample": 0.25, "autoscale_cooldown": 30.0,
+                      "autoscale_up_at": 0.75, "autoscale_down_at": 0.25, "autoscale_start_s": 0.0}
+
+
+def _autoscale_flags(a) -> None:
+    """UsageError naming the --autoscale-* flags typed without --autoscale (they tune a loop that
+    does not run); else each one not typed gets its :data:`AUTOSCALE_DEFAULTS` value."""
+    typed = ["--" + k.replace("_", "-") for k in ("autoscale_min", *AUTOSCALE_DEFAULTS) if getattr(a, k) is not None]
+    if a.autoscale is None and typed:
+        raise UsageError(f"{', '.join(typed)}: only with --autoscale (the autoscaling loop's settings; without "
+                         "--autoscale no loop runs)")
+    for k, v in AUTOSCALE_DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
 
 
 def _apply_load_profile(a, recs):
@@ -583,9 +601,10 @@ def _autoscale_config(a):
     try:
         mx = parse_role_counts(_joined(a.autoscale))
         mn = parse_role_counts(_joined(a.autoscale_min), "--autoscale-min") if a.autoscale_min is not None else {}
-        return AutoscaleConfig(enabled=True, interval_s=a.autoscale_interval, sample_s=a.autoscale_sample,
-                               cooldown_s=a.autoscale_cooldown, min=mn, max=mx, up_at=a.autoscale_up_at,
-                               down_at=a.autoscale_down_at)
+        v = {k: AUTOSCALE_DEFAULTS[k] if getattr(a, k, None) is None else getattr(a, k) for k in AUTOSCALE_DEFAULTS}
+        return AutoscaleConfig(enabled=True, interval_s=v["autoscale_interval"], sample_s=v["autoscale_sample"],
+                               cooldown_s=v["autoscale_cooldown"], min=mn, max=mx, up_at=v["autoscale_up_at"],
+                               down_at=v["autoscale_down_at"])
     except ValidationError as e:  # a field of the loop's config: named as the flag's setting
         raise UsageError(f"--autoscale: {validation_summary(e)}") from None
     except ValueError as e:  # parse_role_counts names its flag
@@ -598,8 +617,7 @@ def cmd_run(a) -> int:
     from pdd.sim.cluster import ClusterSim, RequestTooLarge
     from pdd.sim.report import print_summary, summarize, write_json
 
-    if a.autoscale is None and a.autoscale_min is not None:
-        raise UsageError("--autoscale-min: only with --autoscale (the loop's most active instances per role)")
+    _autoscale_flags(a)
     _trace_or_agentic(a)
     _sim_run_workload_flags(a)
     _workload_defaults(a)
