@@ -454,12 +454,12 @@ async def test_malformed_fields_are_400s_never_500s(serve, extra):
      "input[0].call_id", "input[0].call_id: not valid Unicode text"),
     # echoed in the response: its rendering was a 500 after the model ran, its stored copy too
     ({"user": "\ud83d"}, "user", "user: not valid Unicode text (a lone surrogate at character 0)"),
-    ({"metadata": {"k": "v\ud83d"}}, "metadata", "metadata.k: not valid Unicode text"),
-    ({"metadata": {"k\ud83d": "v"}}, "metadata", "not valid Unicode text"),
+    ({"metadata": {"k": "v\ud83d"}}, "metadata.k", "metadata.k: not valid Unicode text"),
+    ({"metadata": {"k\ud83d": "v"}}, "metadata", "metadata key 'k\\ud83d': not valid Unicode text"),
     ({"tools": [{"type": "function", "name": "f", "description": "d\ud83d", "parameters": {}}],
-      "tool_choice": "none"}, "tools", "tools[0].description: not valid Unicode text"),
-    ({"text": {"format": {"type": "json_schema", "name": "n\ud83d", "schema": {"type": "object"}}}}, "text",
-     "text.format.name: not valid Unicode text"),
+      "tool_choice": "none"}, "tools[0].description", "tools[0].description: not valid Unicode text"),
+    ({"text": {"format": {"type": "json_schema", "name": "n\ud83d", "schema": {"type": "object"}}}},
+     "text.format.name", "text.format.name: not valid Unicode text"),
 ])
 async def test_a_lone_surrogate_is_a_400_naming_its_field(serve, extra, param, words):
     s = await serve([PLAIN])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, constraint_chars, constraint_key,
+from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, CompletionRequest, constraint_chars, constraint_key, constraint_summary,
                                         constraint_requested,
                                         structured_constraint, tool_schema)
 from pdd.structured import grammar_for
@@ -367,6 +367,17 @@ def test_constraint_key_is_equal_for_equal_constraints_only():
     assert (constraint_key(_chat(guided_json={"a": 1, "b": 2})) == constraint_key(_chat(guided_json={"b": 2, "a": 1})))
     assert constraint_key(_chat(tools=tools, tool_choice="required")) != constraint_key(
         _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}))
+
+
+def test_constraint_summary_is_the_key_and_the_chars_at_once():
+    """The gateway's compile queue reads both from one walk of the fields (constraint_summary)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for body in (_chat(), _chat(tools=tools, tool_choice="auto"), _cmpl(guided_regex="[a-z]{1,3}"),
+                 _chat(guided_json={"type": "object"}, guided_whitespace_pattern=" "),
+                 _chat(tools=tools, tool_choice="required")):
+        assert constraint_summary(body) == (constraint_key(body), constraint_chars(body))
+    assert constraint_summary(_chat()) == (None, 0)
+    assert constraint_summary(_cmpl(guided_regex="[a-z]{1,3}"))[1] == 10
 
 
 @pytest.mark.parametrize("backend", ["auto", "guidance", None])

@@ -380,12 +380,13 @@ def test_sim_run_autoscale_takes_both_role_spellings():
     """p/rld/md and the config's role names, comma- or space-separated."""
     import argparse
 
-    from pdd.sim.cli import _autoscale_config, add_sim_parser
+    from pdd.sim.cli import _autoscale_config, _autoscale_flags, add_sim_parser
 
     ap = argparse.ArgumentParser()
     add_sim_parser(ap.add_subparsers())
     for spec in (["md=3", "relay_decode=2"], ["main_decode=3,rld=2"]):
         a = ap.parse_args(["sim", "run", "--autoscale", *spec, "--autoscale-min", "prefill=1"])
+        _autoscale_flags(a)
         acfg = _autoscale_config(a)
         assert acfg.max == {"main_decode": 3, "relay_decode": 2} and acfg.min == {"prefill": 1}
 

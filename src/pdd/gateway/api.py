@@ -60,8 +60,7 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt, first_error, constraint_requested, constraint_chars,
-                                        constraint_key)
+                                        truncated_prompt, first_error, constraint_requested, constraint_summary)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -578,7 +577,7 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         stack), so the event loop serves other requests meanwhile; a request that asks for none
         (``constraint_requested``) does not wait for that thread. The queue runs the highest
         response ratio next (``pdd.compile_queue.next_job``; cost: ``compile_cost_s`` of the
-        request's ``constraint_chars``, or none for a constraint compiled before, whose compile
+        request's constraint characters (``constraint_summary``), or none for a constraint compiled before, whose compile
         ``pdd.structured`` caches): a small constraint overtakes large ones queued before it. A client that disconnects while
         its compile waits (``request``'s connection, unless ``policy.cancel_on_disconnect`` is
         off) drops it from the queue and gets ClientGone (499, to nobody)."""
@@ -586,8 +585,9 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
         if not constraint_requested(body):  # nothing to compile: no wait behind other clients' grammars
             return None
-        key = constraint_key(body)  # compiled before: cached (pdd.structured), queued at the least cost
-        chars = 0 if key is not None and key in compiled_keys else constraint_chars(body)
+        key, chars = constraint_summary(body)
+        if key is not None and key in compiled_keys:  # compiled before: cached (pdd.structured), the least cost
+            chars = 0
         job = asyncio.wrap_future(compiler().submit_costed(compile_cost_s(chars), _constraint, body))
         c = await unless_gone(request, job, job.cancel, enabled=cfg.policy.cancel_on_disconnect)
         if key is not None:

@@ -131,17 +131,18 @@ def _refuse(param: str, message: str) -> ApiError:
     return ApiError(message, param)
 
 
-def _surrogate_at(v, path: str) -> tuple[str, int] | None:
-    """``(path, index)`` of the first lone surrogate in ``v``'s strings (dict keys included)."""
+def _surrogate_at(v, path: str) -> tuple[str, str, int] | None:
+    """``(where, param, index)`` of the first lone surrogate in ``v``'s strings (dict keys
+    included): ``where`` names it for the message (a key by its ``ascii()``), ``param`` is the
+    field's path (the object holding the key, for a key), ``index`` the character."""
     if isinstance(v, str):
         i = lone_surrogate(v)
-        return (path, i) if i is not None else None
+        return (path, path, i) if i is not None else None
     if isinstance(v, dict):
         for k, x in v.items():
             if isinstance(k, str) and lone_surrogate(k) is not None:  # named by its ascii(): no surrogate in the reply
-                return f"{path} key {ascii(k)}", lone_surrogate(k)
-            here = f"{path}.{k}"
-            found = _surrogate_at(x, here)
+                return f"{path} key {ascii(k)}", path, lone_surrogate(k)
+            found = _surrogate_at(x, f"{path}.{k}")
             if found is not None:
                 return found
     if isinstance(v, list):
@@ -170,7 +171,8 @@ def check_responses(body: ResponsesRequest) -> None:
     for name, value in body.model_dump(exclude={"input", "instructions"}).items():
         found = _surrogate_at(value, name)
         if found is not None:
-            raise _refuse(name, f"{found[0]}: not valid Unicode text (a lone surrogate at character {found[1]})")
+            where, param, at = found
+            raise _refuse(param, f"{where}: not valid Unicode text (a lone surrogate at character {at})")
     if body.background:
         raise _refuse("background", "background: true is not supported: pdd runs a request only while its "
                       "client waits; leave background out (stream: true gives the output as it is made)")

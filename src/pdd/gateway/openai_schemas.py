@@ -1115,24 +1115,39 @@ def _constraint_fields(body) -> list[tuple[str, Any]]:
     return out
 
 
+def _field_chars(v) -> int:
+    """Characters of one constraint field: a string's length, else its JSON's; 0 for None or a
+    value JSON cannot hold."""
+    if v is None:
+        return 0
+    if isinstance(v, str):
+        return len(v)
+    try:
+        return len(json.dumps(v, ensure_ascii=False, default=str))
+    except (TypeError, ValueError, RecursionError):
+        return 0
+
+
+def constraint_summary(body) -> tuple[str | None, int]:
+    """``(constraint_key(body), constraint_chars(body))`` from one walk of the request's
+    constraint fields: what the gateway's compile queue reads per constrained request. Pure."""
+    fields = _constraint_fields(body)
+    if not fields:
+        return None, 0
+    try:
+        key = json.dumps(fields, ensure_ascii=False, sort_keys=True, default=str)
+    except (TypeError, ValueError, RecursionError):
+        key = None
+    return key, sum(_field_chars(v) for name, v in fields if name != "tool_choice")
+
+
 def constraint_chars(body) -> int:
     """Characters of constraint text a completion or chat request sends: the JSON of each field
     :func:`constraint_requested` reads (a grammar or regex string counted as its length), and of
     ``tools`` when ``tool_choice`` forces a call (the call's schema is built from them); 0 for a
     request with none. What the compile queue's cost estimate reads
     (``pdd.structured.compile_cost_s``). Pure and cheap: no validation, no compiling."""
-
-    def size(v) -> int:
-        if v is None:
-            return 0
-        if isinstance(v, str):
-            return len(v)
-        try:
-            return len(json.dumps(v, ensure_ascii=False, default=str))
-        except (TypeError, ValueError, RecursionError):
-            return 0
-
-    return sum(size(v) for name, v in _constraint_fields(body) if name != "tool_choice")
+    return constraint_summary(body)[1]
 
 
 def constraint_key(body) -> str | None:
@@ -1140,13 +1155,7 @@ def constraint_key(body) -> str | None:
     constraints compile alike; None for a request with none or fields JSON cannot hold. The
     gateway remembers the keys it compiled, so a constraint sent again queues at the cost of a
     cached one. Pure."""
-    fields = _constraint_fields(body)
-    if not fields:
-        return None
-    try:
-        return json.dumps(fields, ensure_ascii=False, sort_keys=True, default=str)
-    except (TypeError, ValueError, RecursionError):
-        return None
+    return constraint_summary(body)[0]
 
 
 def structured_constraint(body, lltok=None) -> Constraint | None:

@@ -593,6 +593,9 @@ def _joined(items) -> str:
 
 
 def _autoscale_config(a):
+    """The autoscaling loop's :class:`~pdd.config.AutoscaleConfig` from ``--autoscale`` and the
+    ``--autoscale-*`` values :func:`_autoscale_flags` filled; UsageError naming the flag or the
+    setting that is wrong."""
     from pydantic import ValidationError
 
     from pdd.config import AutoscaleConfig, validation_summary
@@ -601,7 +604,7 @@ def _autoscale_config(a):
     try:
         mx = parse_role_counts(_joined(a.autoscale))
         mn = parse_role_counts(_joined(a.autoscale_min), "--autoscale-min") if a.autoscale_min is not None else {}
-        v = {k: AUTOSCALE_DEFAULTS[k] if getattr(a, k, None) is None else getattr(a, k) for k in AUTOSCALE_DEFAULTS}
+        v = {k: getattr(a, k) for k in AUTOSCALE_DEFAULTS}  # each filled by _autoscale_flags
         return AutoscaleConfig(enabled=True, interval_s=v["autoscale_interval"], sample_s=v["autoscale_sample"],
                                cooldown_s=v["autoscale_cooldown"], min=mn, max=mx, up_at=v["autoscale_up_at"],
                                down_at=v["autoscale_down_at"])
