@@ -7,8 +7,8 @@
 
 A calibration run is only good for runs of its own day on its own machine (docs/SIM.md "Fit on
 one day, judged on another"), so the committed set cannot judge the simulator on another
-machine; this records a set there. Each run named in data/validation's manifest (default: all
-ten, in the order they were recorded) runs live again through `pdd sim validate`, with the
+machine; this records a set there. Each run named in data/validation's manifest (``--source``:
+another set's, e.g. data/validation-400; default: all ten, in the order they were recorded) runs live again through `pdd sim validate`, with the
 workload arguments and pipeline budget of its committed ``validate.json`` and its config (the
 heterogeneous runs' ``cluster.yaml``), one at a time, each once the machine's one-minute load
 average is below ``--quiet-load`` (after ``--wait-s`` it runs anyway, and the manifest says so).
@@ -104,7 +104,9 @@ def main(argv=None, pdd=None, load=os.getloadavg, sleep=time.sleep) -> int:
     ap.add_argument("--quiet-load", type=float, default=0.5, help="one-minute load average to wait for before each "
                     "run (0.5)")
     ap.add_argument("--wait-s", type=float, default=300.0, help="longest wait for it, seconds (300)")
-    ap.add_argument("--source", default=str(SOURCE), help=argparse.SUPPRESS)  # tests: another manifest
+    ap.add_argument("--source", default=str(SOURCE), help="the set whose workloads are recorded again: a manifest.json "
+                    "and a validate.json per run, as data/validation's (default: it; data/validation-400 is the "
+                    "400-request set)")
     a = ap.parse_args(argv)
     if pdd is None:
         from pdd.cli import main as pdd

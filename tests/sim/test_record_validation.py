@@ -51,6 +51,30 @@ def test_a_subset_is_recorded_in_order_with_each_runs_own_arguments(tmp_path, mo
     assert list(man["recorded_with"]) == ["cal-a", "seed3", "seed4-het"]
 
 
+def test_source_records_another_committed_sets_workloads(tmp_path, monkeypatch):
+    """--source data/validation-400: its five runs in its order, 400 requests from 1 in 25
+    conversations, the heterogeneous run with its config; the noise pair kept."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def pdd(argv):
+        calls.append(argv)
+        return 0
+
+    out = tmp_path / "o"
+    rc = _mod().main(["--out", str(out), "--source", str(ROOT / "data" / "validation-400")], pdd=pdd,
+                     load=lambda: (0.1, 0, 0), sleep=lambda s: pytest.fail("waited on a quiet machine"))
+    assert rc == 0
+    validates = [c for c in calls if c[:2] == ["sim", "validate"]]
+    assert [c[c.index("--out") + 1] for c in validates] == [str(out / n) for n in
+                                                             ("cal", "seed5", "seed6", "seed7-het", "seed5-b")]
+    assert validates[2][6:] == ["--requests", "400", "--rate", "0.8", "--block-tokens", "64", "--session-sample", "25",
+                                "--session-seed", "6", "--max-output-tokens", "32", "--budget-ms", "40.0"]
+    assert validates[3][-2:] == ["--config", str(out / "seed7-het" / "cluster.yaml")]
+    man = json.loads((out / "manifest.json").read_text())
+    assert (man["calibration"], man["noise"]) == ("cal", [["seed5", "seed5-b"]])
+
+
 def test_a_noise_pair_is_kept_when_both_runs_are_recorded(tmp_path):
     mod = _mod()
     man = json.loads((ROOT / "data" / "validation" / "manifest.json").read_text())
