@@ -230,6 +230,28 @@ def test_at_live_p_speed_needs_a_fitted_p_step():
     assert at_live_p_speed(None, "x", {"role_step_scale": {"P": 1.3}}, 64, [], [], None, {}) is None
 
 
+def test_at_live_speed_needs_a_fitted_p_step_and_every_roles_live_step():
+    from pdd.sim.p_speed import at_live_speed
+
+    steps = {"P": 0.09, "RLD": 0.006, "MD": 0.005}
+    assert at_live_speed(None, "x", {}, 64, [], [], steps, {}) is None
+    for role in steps:  # a role without a live mean step: nothing to set its speed to
+        assert at_live_speed(None, "x", {"role_step_scale": {"P": 1.3}}, 64, [], [], {**steps, role: None}, {}) is None
+
+
+def test_the_report_shows_every_role_at_its_own_speed(tmp_path):
+    from pdd.sim.heldout import format_report, held_out_report
+
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    v = json.loads((ho / "validate.json").read_text())
+    v["at_live_p_speed"] = {"level": 0.95, "err_p50_ttft_ms": 0.061, "err_p90_ttft_ms": -0.008}
+    v["at_live_speed"] = {"factors": {"P": 0.95, "RLD": 0.9, "MD": 1.1}, "err_p50_ttft_ms": 0.062,
+                          "err_p90_ttft_ms": -0.006}
+    (ho / "validate.json").write_text(json.dumps(v))
+    assert "| +6.1% / -0.8% (x0.950); every role: +6.2% / -0.6% |" in format_report(held_out_report(cal, [ho]))
+
+
 def test_noise_floor_intervals_of_a_copy_and_of_a_uniformly_slower_run(tmp_path):
     """The noise floor carries each error's paired-bootstrap interval (pdd.sim.uncertainty): zero
     wide at zero for a copy of the run; for every TTFT x1.25, +25% at both ends and TPOT at 0."""
@@ -391,6 +413,8 @@ def test_a_band_edge_on_the_interval_counts_as_reached(tmp_path):
                                         ("pipeline_match_share", 1.5), ("live_failed", -1),
                                         ("ttft_error_per_request", 0.5), ("ttft_error_per_request.median", "x"),
                                         ("at_live_p_speed", "x"), ("at_live_p_speed.level", None),
+                                        ("at_live_speed", "x"), ("at_live_speed.factors.P", 0),
+                                        ("at_live_speed.err_p50_ttft_ms", float("inf")),
                                         ("decision_match_share", "x"), ("decision_match_share", 1.5),
                                         ("decision_match_share", True), ("requests_compared", -1),
                                         ("requests_compared", 2.5), ("requests_compared", "100")])
@@ -403,6 +427,8 @@ def test_every_number_the_report_reads_is_checked(tmp_path, capsys, field, bad):
     v = json.loads((ho / "validate.json").read_text())
     v.setdefault("ttft_error_per_request", {"median": 0.0, "abs_p50": 0.1, "abs_p90": 0.2})
     v.setdefault("at_live_p_speed", {"level": 1.0, "err_p50_ttft_ms": 0.0, "err_p90_ttft_ms": 0.0})
+    v.setdefault("at_live_speed", {"factors": {"P": 1.0, "RLD": 1.0, "MD": 1.0}, "err_p50_ttft_ms": 0.0,
+                                   "err_p90_ttft_ms": 0.0})
     *parents, leaf = field.split(".")
     d = v
     for k in parents:

@@ -32,6 +32,12 @@ TPOT = {"seed2-a": -0.137, "seed2-b": 0.016, "seed3": -0.031, "seed4": -0.02, "s
 # held-out run -> (P step factor, TTFT P50 error, TTFT P90 error) re-simulated at the run's own
 # live P step (pdd.sim.p_speed, a diagnostic)
 AT_LIVE_P_SPEED = {"seed2-a": (0.972, -0.056, 0.004), "seed2-b": (0.949, -0.016, -0.002), "seed3": (0.975, 0.016, 0.08), "seed4": (0.983, -0.025, -0.033), "seed4-het": (0.957, 0.038, -0.022), "seed4-het-b": (0.98, -0.07, 0.011), "seed2-long-a": (1.001, -0.064, -0.008), "seed2-long-b": (1.01, -0.005, 0.052)}
+# held-out run -> (TTFT P50 error, TTFT P90 error, decision match) re-simulated with every role's
+# mean step at the run's own (pdd.sim.p_speed.at_live_speed, a diagnostic)
+AT_LIVE_SPEED = {"seed2-a": (-0.053, 0.006, 0.98), "seed2-b": (-0.015, -0.001, 0.94), "seed3": (0.015, 0.079, 0.98),
+                 "seed4": (-0.025, -0.034, 0.99), "seed4-het": (0.039, -0.022, 0.96),
+                 "seed4-het-b": (-0.069, 0.012, 0.95), "seed2-long-a": (-0.064, -0.008, 0.9669),
+                 "seed2-long-b": (-0.006, 0.053, 0.9793)}
 # noise pair -> (TTFT P50, TTFT P90) of its second run against its first
 NOISE = {0: (-0.239, -0.009), 1: (0.033, -0.03), 2: (0.037, -0.046), 3: (0.219, 0.026)}
 
@@ -208,6 +214,20 @@ def test_at_the_run_s_own_p_speed(resim):
         got[Path(r["run"]).name] = (round(ps["level"], 3), round(ps["err_p50_ttft_ms"], 3),
                                     round(ps["err_p90_ttft_ms"], 3))
     assert got == AT_LIVE_P_SPEED
+
+
+def test_with_every_role_at_the_run_s_own_speed(resim):
+    """Every role's simulated mean step is the run's own live one (to 1e-4), and the errors left
+    are the model's at that run's speed."""
+    rep = json.loads((resim / "report-0.json").read_text())
+    got = {}
+    for r in rep["held_out"]:
+        sp = r["at_live_speed"]
+        for role in ("P", "RLD", "MD"):
+            assert sp["sim_step_ms"][role] == pytest.approx(sp["live_step_ms"][role], rel=1e-4), (r["run"], role)
+        got[Path(r["run"]).name] = (round(sp["err_p50_ttft_ms"], 3), round(sp["err_p90_ttft_ms"], 3),
+                                    round(sp["decision_match_share"], 4))
+    assert got == AT_LIVE_SPEED
 
 
 def test_re_simulating_a_run_in_place_keeps_its_recorded_wall_time(resim, tmp_path):

@@ -146,11 +146,12 @@ REPORTED = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms")
 def _check_numbers(p, v: dict) -> None:
     """ValueError naming the file and field unless every other number the report reads is what
     `pdd sim validate` writes (each may be absent or null: not recorded): ``live`` / ``sim``
-    latencies finite ms >= 0; ``err_*`` and ``at_live_p_speed``'s errors finite; shares
+    latencies finite ms >= 0; ``err_*``, ``at_live_p_speed``'s and ``at_live_speed``'s errors finite; shares
     (``decision_match_share``, ``pipeline_match_share``, ``ttft_error_per_request.within_*``) in
     [0, 1]; ``requests_compared`` and ``live_failed`` whole numbers >= 0; ``ttft_error_per_request`` an object with finite
     ``median`` and ``abs_p50`` / ``abs_p90`` >= 0; ``at_live_p_speed`` an object with a finite
-    ``level`` > 0 (what the report prints)."""
+    ``level`` > 0, ``at_live_speed`` one whose ``factors`` are finite numbers > 0 (what the report
+    prints)."""
     def bad(field, what, x):
         raise ValueError(f"{p}: {field} must be {what}, got {json.dumps(x)}")
 
@@ -199,6 +200,17 @@ def _check_numbers(p, v: dict) -> None:
             x = ps.get(k)
             if x is not None and not _is_num(x):
                 bad(f"at_live_p_speed.{k}", "null or a finite number", x)
+    sp = v.get("at_live_speed")
+    if sp is not None:
+        if not isinstance(sp, dict) or not isinstance(sp.get("factors"), dict):
+            bad("at_live_speed", "null or an object with 'factors'", sp)
+        for r, x in sp["factors"].items():
+            if not (_is_num(x) and x > 0):
+                bad(f"at_live_speed.factors.{r}", "a finite number > 0", x)
+        for k in ("err_p50_ttft_ms", "err_p90_ttft_ms"):
+            x = sp.get(k)
+            if x is not None and not _is_num(x):
+                bad(f"at_live_speed.{k}", "null or a finite number", x)
 
 
 def _check_err_ci(p, ci) -> None:
@@ -320,7 +332,7 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
                "ttft_error_per_request": v.get("ttft_error_per_request"),
                "err_ci": v.get("err_ci"),  # absent in a validate.json written before it was reported
                "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from"),
-               "at_live_p_speed": v.get("at_live_p_speed")}
+               "at_live_p_speed": v.get("at_live_p_speed"), "at_live_speed": v.get("at_live_speed")}
         for k in REPORTED:
             lv, sv = v["live"].get(k), v["sim"].get(k)
             row[f"err_{k}"] = v.get(f"err_{k}", None if not lv or sv is None else sv / lv - 1.0)
@@ -386,10 +398,11 @@ def format_report(rep: dict) -> str:
     """Markdown: one row per held-out run (and the noise floor), then the goals."""
     head = ("| run | changed | requests compared | TTFT P50 live / sim ms (error [95% interval]; noise floor: run 1 / run 2) | P90 | P99 | TPOT P50 | per-request "
             "TTFT error: median, \\|e\\| P50 / P90 / P99, within 10% | decision match | pipeline match | goals met | "
-            "TTFT P50 / P90 error at the run's own P speed (P step factor; a diagnostic, pdd.sim.p_speed) |")
+            "TTFT P50 / P90 error at the run's own P speed (P step factor); every role at its own speed (diagnostics, "
+            "pdd.sim.p_speed) |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed="", ps=None, ci=None, dmci=None):
+    def row(name, changed, n, x, y, errs, per, dm, pm, meets, failed="", ps=None, ci=None, dmci=None, sp=None):
         cells = [f"{_ms(x.get(k))} / {_ms(y.get(k))} ({_pct(errs.get(k))}{_ci((ci or {}).get(k) if k in CI_NAMES else None)})"
                  for k in REPORTED]
         pr = "-" if not per else (f"{_pct(per['median'])}, {per['abs_p50'] * 100:.1f}% / {per['abs_p90'] * 100:.1f}% / "
@@ -399,6 +412,8 @@ def format_report(rep: dict) -> str:
         pms = "-" if pm is None else f"{pm * 100:.1f}%"
         pss = "-" if not ps else (f"{_pct(ps.get('err_p50_ttft_ms'))} / {_pct(ps.get('err_p90_ttft_ms'))} "
                                   f"(x{ps['level']:.3f})")
+        if sp:
+            pss += f"; every role: {_pct(sp.get('err_p50_ttft_ms'))} / {_pct(sp.get('err_p90_ttft_ms'))}"
         lines.append(f"| {name} | {changed} | {n}{failed} | " + " | ".join(cells)
                      + f" | {pr} | {dms} | {pms} | {meets} | {pss} |")
 
@@ -409,7 +424,7 @@ def format_report(rep: dict) -> str:
         nf_ = r.get("live_failed") or 0
         row(r["run"], changed, r["requests_compared"], r["live"], r["sim"], errs, r["ttft_error_per_request"],
             r["decision_match_share"], r["pipeline_match_share"], met, f" ({nf_} failed live)" if nf_ else "",
-            r.get("at_live_p_speed"), r.get("err_ci"), r.get("decision_match_ci"))
+            r.get("at_live_p_speed"), r.get("err_ci"), r.get("decision_match_ci"), r.get("at_live_speed"))
     nf = rep.get("noise_floor")
     if nf:
         errs = {k: nf.get(f"err_{k}") for k in REPORTED}

@@ -10,6 +10,7 @@ simulated mean P step equals the run's own (live ``engine_busy_s / engine_steps`
 fit unchanged, and reports the TTFT errors there. It is a diagnostic, never the simulator's
 result: it reads the run it is judged on. An error that vanishes at the run's own P speed is
 P's speed; one that stays is elsewhere in the model (decode, transfer, handoff, routing).
+:func:`at_live_speed` sets every role (P, RLD, MD) to its own live mean step the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +46,48 @@ def at_live_p_speed(cfg, profile: str | Path, prof: dict, block_tokens: int, req
     c = compare(live_records, sim)
     return {"level": lam, "live_p_step_ms": live_p_step_s * 1e3,
             "sim_p_step_ms": (sim_role_steps(sim)["P"]["mean_step_s"] or 0.0) * 1e3,
+            **{k: c[k] for k in ("err_p50_ttft_ms", "err_p90_ttft_ms", "err_p99_ttft_ms", "decision_match_share")}}
+
+
+SPEED_ROLES = ("P", "RLD", "MD")
+SPEED_ROUNDS = 4  # fixed-point rounds; the mean steps then agree to well under 0.1% on the recorded runs
+
+
+def at_live_speed(cfg, profile: str | Path, prof: dict, block_tokens: int, requests, live_records: list[dict],
+                  live_steps_s: dict, overheads: dict, profile_b: str | Path | None = None,
+                  rounds: int = SPEED_ROUNDS) -> dict | None:
+    """The run re-simulated with every role at its own speed in that run: each role's fitted
+    step (``role_step_scale`` and ``overheads`` alike) times a factor, found by ``rounds``
+    fixed-point rounds of factor x= live mean step / simulated mean step, so that the simulated
+    mean P, RLD and MD steps equal the run's live ones (``live_steps_s``: role -> seconds, the
+    live ``engine_busy_s / engine_steps``). A diagnostic, like :func:`at_live_p_speed`, never the
+    simulator's result: it reads the run it is judged on. What it leaves is the model's error at
+    the machine's speed of that run, the part that is not the machine moving between the
+    calibration run and this one (docs/SIM.md "The 400-request set"). Returns ``factors`` (role
+    -> factor), ``live_step_ms`` and ``sim_step_ms`` (role -> ms, after the last round), the TTFT
+    P50 / P90 / P99 errors (``err_*``, (sim - live) / live) and the decision match; None when the
+    profile has no fitted P step or the run lacks a live mean step of a role."""
+    scale = dict(prof.get("role_step_scale") or {})
+    live = {r: (live_steps_s or {}).get(r) for r in SPEED_ROLES}
+    if not scale.get("P") or not all(live.values()):
+        return None
+    f = dict.fromkeys(SPEED_ROLES, 1.0)
+
+    def run():
+        p = {**prof, "role_step_scale": {**scale, **{r: scale.get(r, 1.0) * f[r] for r in SPEED_ROLES}}}
+        ovh = {**overheads, **{r: overheads.get(r, 0.0) * f[r] for r in SPEED_ROLES}}
+        sim = simulate(cfg, profile, p, block_tokens, requests, ovh, profile_b=profile_b)
+        return sim, sim_role_steps(sim)
+
+    for _ in range(rounds):
+        _, steps = run()
+        for r in SPEED_ROLES:
+            if steps[r]["mean_step_s"]:
+                f[r] *= live[r] / steps[r]["mean_step_s"]
+    sim, steps = run()
+    c = compare(live_records, sim)
+    return {"factors": f, "live_step_ms": {r: live[r] * 1e3 for r in SPEED_ROLES},
+            "sim_step_ms": {r: (steps[r]["mean_step_s"] or 0.0) * 1e3 for r in SPEED_ROLES},
             **{k: c[k] for k in ("err_p50_ttft_ms", "err_p90_ttft_ms", "err_p99_ttft_ms", "decision_match_share")}}
 
 

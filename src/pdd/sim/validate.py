@@ -537,11 +537,14 @@ def run_validate(out: str | Path, config=None, *, n_requests: int = 220, rate: f
         ((recorded[0] or {}).get("live_wall_s") or (recorded[0] or {}).get("recorded_live_wall_s")),
         "sim_pipelines": dict(sim.pipelines), "sim_handoffs": dict(sim.handoffs),
     }
-    from pdd.sim.p_speed import at_live_p_speed  # imports this module
+    from pdd.sim.p_speed import at_live_p_speed, at_live_speed  # imports this module
 
     res["at_live_p_speed"] = at_live_p_speed(cfg, profile, prof, block_tokens, sent, live,
                                              (res["role_steps"]["live"].get("P") or {}).get("mean_step_s"), ovh,
                                              profile_b=profile_b)
+    res["at_live_speed"] = at_live_speed(cfg, profile, prof, block_tokens, sent, live,
+                                         {r: (x or {}).get("mean_step_s") for r, x in res["role_steps"]["live"].items()},
+                                         ovh, profile_b=profile_b)
     (out / "validate.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
@@ -601,6 +604,12 @@ def format_validate(res: dict) -> str:
         paths += (f"\nat the run's own P speed (diagnostic: P's step x{ps['level']:.3f}, mean {ps['sim_p_step_ms']:.1f} "
                   f"ms, live {ps['live_p_step_ms']:.1f}): TTFT P50 error {ps['err_p50_ttft_ms'] * 100:+.1f}%, P90 "
                   f"{ps['err_p90_ttft_ms'] * 100:+.1f}% (pdd.sim.p_speed)")
+    sp = res.get("at_live_speed")
+    if sp:
+        paths += ("\nat the run's own speed, every role (diagnostic: steps " + ", ".join(
+            f"{r} x{sp['factors'][r]:.3f}" for r in sp["factors"]) + f"): TTFT P50 error {sp['err_p50_ttft_ms'] * 100:+.1f}%, "
+                  f"P90 {sp['err_p90_ttft_ms'] * 100:+.1f}%, decision match {sp['decision_match_share'] * 100:.1f}% "
+                  "(pdd.sim.p_speed.at_live_speed)")
     from pdd.sim.p_speed import speed_warning, unfitted_warning  # imports this module
 
     drift = speed_warning(ps, (res.get("profile") or {}).get("role_overhead_from"))
