@@ -661,8 +661,9 @@ class AutoscaleConfig(_Strict):
     rule of ``pdd.policy.autoscale``; docs/SERVE.md "Autoscaling"). Off by default."""
 
     enabled: bool = Field(False, description="run the autoscaling loop in the gateway (pdd serve --autoscale)")
-    interval_s: float = Field(5.0, gt=0, description="seconds between decisions")
-    sample_s: float = Field(0.25, gt=0, description="seconds between load samples within an interval")
+    interval_s: float = Field(5.0, ge=0.1, description="seconds between decisions (>= 0.1)")
+    sample_s: float = Field(0.25, ge=0.01, description="seconds between load samples within an interval (>= 0.01, "
+                            "at most interval_s)")
     cooldown_s: float = Field(30.0, ge=0, description="no change within this many seconds of the last one")
     min: dict[Literal["prefill", "relay_decode", "main_decode", "colocated"], int] = Field(
         default_factory=dict, description="fewest active instances per role (default 1; at least 1)")
@@ -686,6 +687,9 @@ class AutoscaleConfig(_Strict):
         if self.enabled and not self.max:
             raise ValueError("max: name the roles to scale and their most active instances (e.g. {main_decode: 2}); "
                              "with none the loop would change nothing")
+        if self.sample_s > self.interval_s:
+            raise ValueError(f"sample_s: {self.sample_s:g} must be <= interval_s ({self.interval_s:g}): a decision "
+                             "reads the load sampled within its interval")
         if self.down_at >= self.up_at / 2:
             raise ValueError(f"down_at: {self.down_at} must be < up_at / 2 = {self.up_at / 2} (hysteresis: no "
                              "flapping)")

@@ -123,6 +123,20 @@ def test_anything_but_a_boolean_for_a_boolean_names_the_field(tmp_path, yaml_tex
     assert _refused(yaml_text, tmp_path) == message
 
 
+@pytest.mark.parametrize("yaml_text,message", [
+    # the gateway sat at 100% CPU sampling every 1e-9 s
+    ("autoscale: {enabled: true, sample_s: 1.0e-9, max: {main_decode: 2}}\n",
+     "autoscale.sample_s: Input should be greater than or equal to 0.01"),
+    ("autoscale: {enabled: true, interval_s: 0.01, sample_s: 0.01, max: {main_decode: 2}}\n",
+     "autoscale.interval_s: Input should be greater than or equal to 0.1"),
+    # a decision with no sample in its interval read utilisation 0 and drained an instance
+    ("autoscale: {enabled: true, interval_s: 1, sample_s: 100, max: {main_decode: 2}}\n",
+     "autoscale: sample_s: 100 must be <= interval_s (1): a decision reads the load sampled within its interval"),
+])
+def test_the_autoscaling_loop_s_periods_are_bounded(tmp_path, yaml_text, message):
+    assert _refused(yaml_text, tmp_path) == message
+
+
 def test_unquoted_booleans_and_numbers_stay_accepted(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("policy: {cutoff: off, allow_p_rld: yes, early_handoff: no, sibling_kv_once: on, kv_whole_pages: true,"

@@ -369,6 +369,19 @@ def test_validate_and_profile_name_a_bad_config_field_without_a_traceback(capsys
      "--autoscale no loop runs)"),
     (["--autoscale-start-s", "0"],
      "--autoscale-start-s: only with --autoscale (the autoscaling loop's settings; without --autoscale no loop runs)"),
+    # the loop's settings name the flag that set them (they named AutoscaleConfig's fields)
+    (["--autoscale", "md=3", "--autoscale-down-at", "0.5"],
+     "--autoscale-down-at: 0.5 must be < --autoscale-up-at / 2 = 0.375 (hysteresis: no flapping)"),
+    (["--autoscale", "md=3", "--autoscale-up-at", "1.5"], "--autoscale-up-at: Input should be less than or equal to 1"),
+    # a vanishing sample period or interval ran on for minutes (a sample event every 1e-9 s)
+    (["--autoscale", "md=3", "--autoscale-sample", "1e-9"],
+     "--autoscale-sample: Input should be greater than or equal to 0.01"),
+    (["--autoscale", "md=3", "--autoscale-interval", "1e-6"],
+     "--autoscale-interval: Input should be greater than or equal to 0.1"),
+    # a sample period past the interval decided on no sample (utilisation 0: a drain)
+    (["--autoscale", "md=3", "--autoscale-sample", "100", "--autoscale-interval", "1"],
+     "--autoscale-sample: 100 must be <= --autoscale-interval (1): a decision reads the load sampled within its "
+     "interval"),
     (["--cross-traffic", ""], "--cross-traffic: no seconds:Gbit/s point in ''"),  # "" ran with none
     (["--rate-schedule", "0:1,inf:2"], "--rate-schedule: times must be finite seconds, got inf"),
 ])

@@ -118,7 +118,7 @@ def test_pdd_sim_run_autoscale_cli(capsys, tmp_path):
     adds = [e for e in a["events"] if e["op"] == "add"]
     assert [e["time"] for e in adds] == [round(d["time"] + 60, 6) for d in ups][:len(adds)]
     for argv, msg in ((["--autoscale", "md=0"], "--autoscale: expected ROLE=N"),
-                      (["--autoscale", "md=2", "--autoscale-down-at", "0.5"], "--autoscale: down_at: 0.5"),
+                      (["--autoscale", "md=2", "--autoscale-down-at", "0.5"], "--autoscale-down-at: 0.5"),
                       (["--autoscale", "md=1", "--n-md", "2"], "below its 2"),
                       (["--peak-rate", "3"], "--peak-rate: only with --load-profile ramp")):
         with pytest.raises(SystemExit) as ex:

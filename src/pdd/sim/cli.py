@@ -592,13 +592,42 @@ def _joined(items) -> str:
     return items if isinstance(items, str) else ",".join(items)
 
 
+# AutoscaleConfig's fields -> the `pdd sim run` flag that sets each
+AUTOSCALE_FIELD_FLAGS = {"interval_s": "--autoscale-interval", "sample_s": "--autoscale-sample",
+                         "cooldown_s": "--autoscale-cooldown", "up_at": "--autoscale-up-at",
+                         "down_at": "--autoscale-down-at", "min": "--autoscale-min", "max": "--autoscale"}
+
+
+def _autoscale_error(e) -> str:
+    """The message of an :class:`~pdd.config.AutoscaleConfig` ValidationError built from the
+    flags, each error naming the flag that set its field (``--autoscale-down-at: 0.5 must be <
+    --autoscale-up-at / 2 = 0.375 ...``), not the config field; ``;``-joined."""
+    import re
+
+    def flags(text: str) -> str:
+        return re.sub(r"\b(" + "|".join(k for k in AUTOSCALE_FIELD_FLAGS if k not in ("min", "max")) + r")\b",
+                      lambda m: AUTOSCALE_FIELD_FLAGS[m.group(1)], text)
+
+    out = []
+    for err in e.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        field = str(err["loc"][0]) if err["loc"] else re.match(r"[a-z_]*", msg).group(0)
+        flag = AUTOSCALE_FIELD_FLAGS.get(field, "--autoscale")
+        if not err["loc"] and msg.startswith(field + ":"):
+            msg = msg[len(field) + 1:].lstrip()
+        elif err["loc"]:
+            msg = ".".join(str(x) for x in err["loc"][1:]) + (": " if len(err["loc"]) > 1 else "") + msg
+        out.append(f"{flag}: {flags(msg)}")
+    return "; ".join(out)
+
+
 def _autoscale_config(a):
     """The autoscaling loop's :class:`~pdd.config.AutoscaleConfig` from ``--autoscale`` and the
     ``--autoscale-*`` values :func:`_autoscale_flags` filled; UsageError naming the flag or the
     setting that is wrong."""
     from pydantic import ValidationError
 
-    from pdd.config import AutoscaleConfig, validation_summary
+    from pdd.config import AutoscaleConfig
     from pdd.sim.autoscale import parse_role_counts
 
     try:
@@ -608,8 +637,8 @@ def _autoscale_config(a):
         return AutoscaleConfig(enabled=True, interval_s=v["autoscale_interval"], sample_s=v["autoscale_sample"],
                                cooldown_s=v["autoscale_cooldown"], min=mn, max=mx, up_at=v["autoscale_up_at"],
                                down_at=v["autoscale_down_at"])
-    except ValidationError as e:  # a field of the loop's config: named as the flag's setting
-        raise UsageError(f"--autoscale: {validation_summary(e)}") from None
+    except ValidationError as e:  # a field of the loop's config: named as the flag that set it
+        raise UsageError(_autoscale_error(e)) from None
     except ValueError as e:  # parse_role_counts names its flag
         raise UsageError(str(e)) from None
 
