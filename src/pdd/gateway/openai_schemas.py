@@ -1019,8 +1019,9 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
     with ``parallel`` False), each tool's ``$defs`` gathered at the top. None for ``none`` / ``auto`` / null. ``tools`` is not
     changed. ApiError (400) for a named function no tool has (param ``tool_choice``),
     ``parameters`` that are not an object (param ``tools[i].function.parameters``; chat's
-    :func:`check_chat` refuses them first), or two tools defining one ``$defs`` name differently
-    (param ``tools``)."""
+    :func:`check_chat` refuses them first), ``parameters`` nested past the recursion limit (param
+    ``tools``, as llguidance's refusal of shallower ones is), or two tools defining one ``$defs``
+    name differently (param ``tools``)."""
     import copy
 
     if tool_choice in (None, "none", "auto"):
@@ -1032,7 +1033,11 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
         if p is not None and not isinstance(p, dict):
             raise ApiError(f"tools[{i}].function.parameters: must be a JSON schema object, got {shown(p)}",
                            f"tools[{i}].function.parameters")
-        return copy.deepcopy(p) if p else None
+        try:
+            return copy.deepcopy(p) if p else None
+        except RecursionError:  # deeper than copying can recurse (within the body's depth): never a 500
+            raise ApiError("the tools' parameters: recursion limit exceeded (nested too deeply to compile)",
+                           "tools") from None
 
     fns = [t["function"] for t in tools]
     if isinstance(tool_choice, dict):
