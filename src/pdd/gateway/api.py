@@ -709,7 +709,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         ``truncating``, the request's truncate_prompt_tokens set: longer than that or
         MAX_TRUNCATED_PROMPT_CHARS, whichever is more), or one with lone surrogates (not valid
         Unicode). ``param`` names the text in the message (a batch's ``prompt[1]``); the error's
-        ``param`` is the field (``prompt``)."""
+        ``param`` is the field (``prompt``) for a length, the text's own path (``prompt[1]``) for
+        text that is not valid Unicode."""
         field = param.partition("[")[0]
         fits = cfg.engine.max_input_len * MAX_CHARS_PER_TOKEN
         if truncating and len(text) > max(fits, MAX_TRUNCATED_PROMPT_CHARS):
@@ -721,11 +722,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                            f"{cfg.engine.max_input_len} tokens", field, code="context_length_exceeded")
         bad = lone_surrogate(text)
         if bad is not None:
-            raise ApiError(f"{param}: not valid Unicode text (a lone surrogate at character {bad})", field)
+            raise ApiError(f"{param}: not valid Unicode text (a lone surrogate at character {bad})", param)
         try:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except (TypeError, ValueError, UnicodeError) as e:
-            raise ApiError(f"{param}: not valid Unicode text ({e})", field) from None
+            raise ApiError(f"{param}: not valid Unicode text ({e})", param) from None
 
     def bare_ids(text: str) -> list[int]:
         """``text``'s token ids without special tokens (``bad_words``, as vLLM tokenises them)."""
