@@ -131,14 +131,25 @@ def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) ->
     Raises :class:`GrammarError` (a ``ValueError``) naming what is wrong: an unknown kind, a
     value of the wrong type, a text over :data:`MAX_CONSTRAINT_CHARS`, a schema / regex /
     grammar llguidance rejects. Compiles on :func:`compiler`'s thread (this call waits)."""
-    n = len(_text_of(kind, value)) + len(whitespace_pattern or "")
-    if n > MAX_CONSTRAINT_CHARS:
-        raise GrammarError(f"the constraint is {n:,} characters; at most {MAX_CONSTRAINT_CHARS:,} are compiled")
+    too_large = size_refusal(kind, value, whitespace_pattern)
+    if too_large is not None:
+        raise GrammarError(too_large)
     try:
         key = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):  # not JSON: compiled (and refused) as it is
         return on_compiler(_grammar_for, kind, value, whitespace_pattern)
     return _grammar_cached(kind, key, whitespace_pattern)
+
+
+def size_refusal(kind: str, value=None, whitespace_pattern: str | None = None) -> str | None:
+    """Why :func:`grammar_for` refuses the constraint for its size (its text, a schema's or the
+    choices' JSON, plus ``whitespace_pattern``, over :data:`MAX_CONSTRAINT_CHARS` characters),
+    else None. Pure: nothing compiled, so the gateway refuses it before it queues for
+    :func:`compiler`. Raises what ``json.dumps`` raises for a value that is no JSON."""
+    n = len(_text_of(kind, value)) + len(whitespace_pattern or "")
+    if n > MAX_CONSTRAINT_CHARS:
+        return f"the constraint is {n:,} characters; at most {MAX_CONSTRAINT_CHARS:,} are compiled"
+    return None
 
 
 @lru_cache(maxsize=256)

@@ -112,3 +112,47 @@ async def test_a_constraint_compiled_before_queues_as_a_small_one(held, queue):
         assert (await _status(reader)).startswith("HTTP/1.1 200")
         writer.close()
     assert compiled == [BIG, BIG, other]
+
+
+async def _answer(reader) -> tuple[str, dict]:
+    """The status line and JSON body of one HTTP/1.1 response."""
+    status = await _status(reader)
+    length = 0
+    while (line := (await asyncio.wait_for(reader.readline(), 30)).decode()) != "\r\n":
+        name, _, value = line.partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    return status, json.loads(await asyncio.wait_for(reader.readexactly(length), 30))
+
+
+OVER = "root ::= " + " | ".join(f'"x{i}"' for i in range(6000))  # a GBNF grammar of 58,896 characters
+
+
+@pytest.mark.parametrize("field,param,where,n", [
+    ({"guided_grammar": OVER}, "guided_grammar", "guided_grammar", len(OVER)),
+    ({"structured_outputs": {"grammar": OVER}}, "structured_outputs", "structured_outputs.grammar", len(OVER)),
+    ({"guided_regex": "a" * 40_000}, "guided_regex", "guided_regex", 40_000),
+    ({"guided_choice": ["c" * 20_000, "d" * 20_000]}, "guided_choice", "guided_choice", 40_008),
+    ({"guided_json": {"enum": ["e" * 40_000]}}, "guided_json", "guided_json", 40_014),
+    ({"guided_json": {"enum": ["e" * 40_000]}, "guided_whitespace_pattern": "[ ]{0,2}"}, None, None, None),
+    ({"guided_regex": "w", "guided_whitespace_pattern": " " * 40_000}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern", 40_000),
+])
+async def test_a_constraint_over_the_size_limit_is_refused_before_it_queues(held, queue, field, param, where, n):
+    """Refused only when its compile ran, a constraint over pdd.structured.MAX_CONSTRAINT_CHARS
+    waited behind every compile queued before it (4-5 s behind large grammars) for its 400; the
+    size is known without compiling. The compiler's thread is held throughout."""
+    orch, app, port = held
+    q, go, compiled, clock = queue
+    reader, writer = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, **field})
+    queued = param is None
+    if queued:  # a whitespace pattern's regex compiles before the size is refused: it queues
+        await _until(lambda: q.pending() == 1, "the compile to queue")
+        go.set()
+        param, where, n = "guided_json", "guided_json", 40_014 + len("[ ]{0,2}")
+    status, body = await _answer(reader)
+    writer.close()
+    assert status.startswith("HTTP/1.1 400"), (status, body)
+    assert body["error"] == {"message": f"{where}: the constraint is {n:,} characters; at most 32,768 are compiled",
+                             "type": "invalid_request_error", "param": param, "code": None}
+    assert q.pending() == 0 and compiled == ([None] if queued else []) and not orch.reqs  # (the spy's guided_json)

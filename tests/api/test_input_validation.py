@@ -923,6 +923,8 @@ def test_a_batch_past_the_pool_together_is_400_and_one_that_fits_is_served(tiny_
     ({"prompt": None}, "prompt", "prompt: must be a text, a list of token ids, a list of texts or a list of "
                                  "token-id lists, got NoneType None"),
     ({"prompt": "ab\ud800c"}, "prompt", "prompt: not valid Unicode text (a lone surrogate at character 2)"),
+    # in a batch: param is the text's own path, as the message (and chat's messages[i].content) says
+    ({"prompt": ["ok", "a\ud800"]}, "prompt[1]", "prompt[1]: not valid Unicode text (a lone surrogate at character 1)"),
     ({"prompt": "hi", "stop": ["ok", "\udc00"]}, "stop",
      "stop string 1 is not valid Unicode text (a lone surrogate at character 0)"),
 ])

@@ -471,6 +471,46 @@ async def test_a_lone_surrogate_is_a_400_naming_its_field(serve, extra, param, w
     assert err["param"] == param and words in err["message"], err
 
 
+# not checked as input was converted, yet kept as sent: stored, then every GET of
+# /v1/responses/{id}/input_items was a plain-text 500 (UnicodeEncodeError)
+_CALL = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("items,param,at", [
+    ([{"id": "m\ud800", "role": "user", "content": "x"}], "input[0].id", 1),
+    ([{"role": "user", "content": "x"}, {**_CALL, "id": "\ud800fc"}], "input[1].id", 0),
+    ([_CALL, {"type": "function_call_output", "call_id": "c", "output": "y", "id": "o\ud800"}], "input[1].id", 1),
+    ([{"role": "user", "content": [{"type": "input_text", "text": "ok", "x": "\ud800"}]}], "input[0].content[0].x", 0),
+    ([{"role": "user", "content": "x"},
+      {"role": "assistant", "content": [{"type": "output_text", "text": "ok", "annotations": ["\ud800"]}]}],
+     "input[1].content[0].annotations[0]", 0),
+    ([_CALL, {"type": "function_call_output", "call_id": "c",
+              "output": [{"type": "input_text", "text": "y", "x": ["ab\ud800"]}]}], "input[1].output[0].x[0]", 2),
+])
+async def test_a_lone_surrogate_in_an_input_field_kept_as_sent_is_a_400_naming_its_path(serve, items, param, at):
+    s = await serve([PLAIN])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:  # json.dumps escapes it: \ud800
+        r = await http.post("/v1/responses", content=json.dumps({**BASE, "input": items}),
+                            headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": f"{param}: not valid Unicode text (a lone surrogate at character {at})",
+                                 "type": "invalid_request_error", "param": param, "code": None}
+    assert s.orch.started == []
+
+
+async def test_a_lone_surrogate_in_an_input_key_is_a_400_naming_the_key(serve):
+    s = await serve([PLAIN])
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "ok", "k\ud800": 1}]}]
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", content=json.dumps({**BASE, "input": items}),
+                            headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["message"]) == (
+        "input[0].content[0]",
+        "input[0].content[0] key 'k\\ud800': not valid Unicode text (a lone surrogate at character 1)")
+    assert s.orch.started == []
+
+
 async def test_previous_response_id_continues_the_stored_conversation(serve):
     """A response is kept (store left out: OpenAI's default); the next request's
     previous_response_id puts its conversation (input and output, not its instructions) before

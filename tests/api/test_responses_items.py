@@ -293,3 +293,20 @@ async def test_a_streamed_response_lists_its_input_items(serve):
     last = [ev async for ev in stream][-1].response
     page = await c.responses.input_items.list(last.id)
     assert [(i.type, i.role, i.content[0].text) for i in page.data] == [("message", "user", "streamed?")]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "f"}])
+async def test_a_forced_call_whose_parameters_nest_past_the_recursion_limit_is_a_400(serve, tool_choice):
+    """Parameters 250 levels deep (within the body's 512 JSON levels) were a 500 (a RecursionError
+    copying them into the call's schema); the chat path's 400, as shallower ones get."""
+    from tests.api.test_tool_calls import _nested_parameters
+
+    s = await serve([PLAIN])
+    body = {**BASE, "tool_choice": tool_choice,
+            "tools": [{"type": "function", "name": "f", "parameters": _nested_parameters(250)}]}
+    async with httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+        r = await c.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "the tools' parameters: recursion limit exceeded (nested too deeply to "
+                                 "compile)", "type": "invalid_request_error", "param": "tools", "code": None}
+    assert s.orch.started == []

@@ -429,3 +429,53 @@ def test_a_deep_grammar_compiles_on_the_large_stack_instead_of_killing_the_proce
             "print(len(on_compiler(_grammar_for, 'grammar', g, None)) > 0)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stdout.strip()) == (0, "True"), r.stderr[-2000:]
+
+
+def _big_tools(n_props: int) -> list[dict]:
+    props = {f"p{i}": {"type": "string"} for i in range(n_props)}
+    return [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]
+
+
+_BIG = "e" * 40_000
+
+
+@pytest.mark.parametrize("body", [
+    _cmpl(guided_grammar="root ::= " + " | ".join(f'"x{i}"' for i in range(6000))),
+    _cmpl(guided_regex=_BIG), _cmpl(guided_choice=[_BIG]), _cmpl(guided_json={"enum": [_BIG]}),
+    _cmpl(structured_outputs={"regex": _BIG}),
+    _chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": [_BIG]}}}),
+    _chat(tools=_big_tools(2000), tool_choice="required"),
+    _chat(tools=_big_tools(2000), tool_choice={"type": "function", "function": {"name": "f"}}),
+    _cmpl(guided_regex="w", guided_whitespace_pattern=_BIG),
+    # refused by the checks before the size: the same refusal
+    _cmpl(guided_regex=_BIG, guided_grammar="root ::= \"a\""),
+    _chat(tools=_big_tools(2000), tool_choice="required", response_format={"type": "json_object"}),
+])
+def test_check_constraint_size_refuses_as_the_compile_does_without_compiling(body, monkeypatch):
+    """What the gateway checks before queueing for the compiler: the same 400 (message and
+    param) structured_constraint gives, with nothing compiled."""
+    import pdd.structured as st
+    from pdd.gateway.openai_schemas import check_constraint_size
+
+    with pytest.raises(ApiError) as want:
+        structured_constraint(body)
+    monkeypatch.setattr(st, "on_compiler", lambda *a, **kw: pytest.fail("compiled"))
+    with pytest.raises(ApiError) as got:
+        check_constraint_size(body)
+    assert (got.value.message, got.value.param) == (want.value.message, want.value.param)
+
+
+@pytest.mark.parametrize("body", [
+    _cmpl(guided_regex="[a-z]+"), _chat(tools=_big_tools(3), tool_choice="required"), _cmpl(prompt="x"),
+    _cmpl(guided_json={"enum": [_BIG]}, guided_whitespace_pattern="[ ]?"),  # the pattern compiles first
+])
+def test_check_constraint_size_passes_what_it_cannot_refuse_without_compiling(body, monkeypatch):
+    import copy
+
+    import pdd.structured as st
+    from pdd.gateway.openai_schemas import check_constraint_size
+
+    tools = copy.deepcopy(getattr(body, "tools", None))
+    monkeypatch.setattr(st, "on_compiler", lambda *a, **kw: pytest.fail("compiled"))
+    assert check_constraint_size(body) is None
+    assert getattr(body, "tools", None) == tools

@@ -629,3 +629,30 @@ async def test_return_token_ids_with_tool_calls(serve, tiny_model):
     assert calls and all(len(x["token_ids"]) == 1 and x["finish_reason"] is None for x in calls)
     assert [(x["token_ids"], x["finish_reason"]) for x in (ch["choices"][0] for ch in chunks)
             if x["finish_reason"]] == [([want[-1]], "tool_calls")]
+
+
+def _nested_parameters(levels: int) -> dict:
+    """An object schema whose property nests ``levels`` deep (two JSON levels each)."""
+    p: dict = {"type": "object"}
+    for _ in range(levels):
+        p = {"type": "object", "properties": {"a": p}}
+    return p
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "f"}}])
+async def test_a_forced_call_whose_parameters_nest_past_the_recursion_limit_is_a_400(serve, tool_choice):
+    """Parameters 250 levels deep (about 505 JSON levels: within the body's 512) were a 500: a
+    RecursionError copying them into the call's schema. 120 levels is llguidance's own refusal."""
+    s = await serve([HERMES_ONE])
+    got = []
+    for levels in (120, 250):
+        body = {"model": "pdd-tiny", "messages": MSGS, "tool_choice": tool_choice,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested_parameters(levels)}}]}
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+            r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        got.append(r.json()["error"])
+    assert got[0]["param"] == "tools" and got[0]["message"].startswith("the tools' parameters: recursion limit exceeded")
+    assert got[1] == {"message": "the tools' parameters: recursion limit exceeded (nested too deeply to compile)",
+                      "type": "invalid_request_error", "param": "tools", "code": None}
+    assert s.orch.sps == []

@@ -60,7 +60,8 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt, first_error, constraint_requested, constraint_summary)
+                                        truncated_prompt, first_error, constraint_requested, constraint_summary,
+                                        check_constraint_size)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -580,11 +581,14 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         request's constraint characters (``constraint_summary``), or none for a constraint compiled before, whose compile
         ``pdd.structured`` caches): a small constraint overtakes large ones queued before it. A client that disconnects while
         its compile waits (``request``'s connection, unless ``policy.cancel_on_disconnect`` is
-        off) drops it from the queue and gets ClientGone (499, to nobody)."""
+        off) drops it from the queue and gets ClientGone (499, to nobody). A constraint over
+        ``pdd.structured.MAX_CONSTRAINT_CHARS`` is refused before it queues
+        (``check_constraint_size``)."""
         from pdd.structured import compile_cost_s, compiler
 
         if not constraint_requested(body):  # nothing to compile: no wait behind other clients' grammars
             return None
+        check_constraint_size(body)  # too large (or malformed): refused without waiting for the compiler
         key, chars = constraint_summary(body)
         if key is not None and key in compiled_keys:  # compiled before: cached (pdd.structured), the least cost
             chars = 0
@@ -705,7 +709,8 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         ``truncating``, the request's truncate_prompt_tokens set: longer than that or
         MAX_TRUNCATED_PROMPT_CHARS, whichever is more), or one with lone surrogates (not valid
         Unicode). ``param`` names the text in the message (a batch's ``prompt[1]``); the error's
-        ``param`` is the field (``prompt``)."""
+        ``param`` is the field (``prompt``) for a length, the text's own path (``prompt[1]``) for
+        text that is not valid Unicode."""
         field = param.partition("[")[0]
         fits = cfg.engine.max_input_len * MAX_CHARS_PER_TOKEN
         if truncating and len(text) > max(fits, MAX_TRUNCATED_PROMPT_CHARS):
@@ -717,11 +722,11 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
                            f"{cfg.engine.max_input_len} tokens", field, code="context_length_exceeded")
         bad = lone_surrogate(text)
         if bad is not None:
-            raise ApiError(f"{param}: not valid Unicode text (a lone surrogate at character {bad})", field)
+            raise ApiError(f"{param}: not valid Unicode text (a lone surrogate at character {bad})", param)
         try:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except (TypeError, ValueError, UnicodeError) as e:
-            raise ApiError(f"{param}: not valid Unicode text ({e})", field) from None
+            raise ApiError(f"{param}: not valid Unicode text ({e})", param) from None
 
     def bare_ids(text: str) -> list[int]:
         """``text``'s token ids without special tokens (``bad_words``, as vLLM tokenises them)."""

@@ -303,7 +303,9 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
     item's before it in ``input`` nor a tool call of ``prior``'s, or that an earlier
     ``function_call_output`` of ``input`` or a ``tool`` message of ``prior`` answers already, as
     OpenAI refuses them (an output before its call would put the result before the model asked
-    for it in the rendered conversation)."""
+    for it in the rendered conversation); after those, the path of the first lone surrogate in any
+    other string of the items or key (``input[0].id``, ``input[0].content[0].x``; a key: the
+    object holding it, :func:`_surrogate_at`), which ``input_items`` would list as sent."""
     items = body.input
     if isinstance(items, str):
         return Input([{"role": "user", "content": _text_of(items, "input", ())}],
@@ -414,6 +416,12 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
         if j != i:
             raise _refuse(f"input[{i}].call_id", f"input[{i}].call_id: Duplicate function call output for call_id "
                           f"{shown(cid)}: input[{j}] answers it already")
+    # what the walk above did not read as text (an item's id, a part's other keys, annotations) is
+    # kept as sent and listed by input_items: a lone surrogate there made every GET of it a 500
+    found = _surrogate_at(items, "input")
+    if found is not None:
+        where, param, at = found
+        raise _refuse(param, f"{where}: not valid Unicode text (a lone surrogate at character {at})")
     return Input(msgs, listed)
 
 

@@ -1010,7 +1010,7 @@ def _structured_outputs(so) -> tuple[str, Any] | None:
     return k, so[k]
 
 
-def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict | None:
+def tool_schema(tool_choice, tools: list[dict], parallel: bool = True, copied: bool = True) -> dict | None:
     """The JSON schema a forced ``tool_choice`` constrains a chat choice to, as vLLM builds it
     (``get_json_schema_from_tools``): a named function (``{"type": "function", "function":
     {"name": F}}``): F's ``parameters`` (the output is its arguments; none: an object with no
@@ -1019,8 +1019,11 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
     with ``parallel`` False), each tool's ``$defs`` gathered at the top. None for ``none`` / ``auto`` / null. ``tools`` is not
     changed. ApiError (400) for a named function no tool has (param ``tool_choice``),
     ``parameters`` that are not an object (param ``tools[i].function.parameters``; chat's
-    :func:`check_chat` refuses them first), or two tools defining one ``$defs`` name differently
-    (param ``tools``)."""
+    :func:`check_chat` refuses them first), ``parameters`` nested past the recursion limit (param
+    ``tools``, as llguidance's refusal of shallower ones is), or two tools defining one ``$defs``
+    name differently (param ``tools``). ``copied`` False: the schema shares the tools' nested
+    objects (not copied, so never the recursion refusal; for reading only, as
+    :func:`check_constraint_size` measures it)."""
     import copy
 
     if tool_choice in (None, "none", "auto"):
@@ -1032,7 +1035,15 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True) -> dict |
         if p is not None and not isinstance(p, dict):
             raise ApiError(f"tools[{i}].function.parameters: must be a JSON schema object, got {shown(p)}",
                            f"tools[{i}].function.parameters")
-        return copy.deepcopy(p) if p else None
+        if not p:
+            return None
+        if not copied:
+            return dict(p)  # its own top level: $defs is popped from it
+        try:
+            return copy.deepcopy(p)
+        except RecursionError:  # deeper than copying can recurse (within the body's depth): never a 500
+            raise ApiError("the tools' parameters: recursion limit exceeded (nested too deeply to compile)",
+                           "tools") from None
 
     fns = [t["function"] for t in tools]
     if isinstance(tool_choice, dict):
@@ -1175,6 +1186,69 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
     conversion to Lark is Python): call it off the event loop (``pdd.structured.compiler``)."""
     from pdd.structured import GrammarError, check_start, grammar_for
 
+    chosen = _chosen_constraint(body)
+    ws, ws_param = _whitespace_pattern(body)
+    if chosen is None:
+        if ws is not None:
+            raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and the request has no JSON "
+                           "constraint", ws_param)
+        return None
+    param, kind, value = chosen
+    if ws is not None and kind not in ("json", "json_object"):
+        raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and {param} gives a {kind} "
+                       "constraint", ws_param)
+    try:
+        g = grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
+        if lltok is not None:  # over the model's vocabulary: some token must be able to begin it
+            check_start(lltok, g)  # (kept per grammar text, beside the compiled grammars)
+    except GrammarError as e:
+        raise _grammar_refusal(param, kind, str(e)) from None
+    return Constraint(param, kind, value, g, ws)
+
+
+def _grammar_refusal(param: str, kind: str, why: str) -> ApiError:
+    """The 400 for a constraint of ``kind`` from field ``param`` that does not compile (``why``)."""
+    where = {"response_format": "response_format.json_schema.schema",
+             "structured_outputs": f"structured_outputs.{kind}",
+             "tool_choice": "the tools' parameters"}.get(param, param)
+    return ApiError(f"{where}: {why}", "tools" if param == "tool_choice" else param)
+
+
+def check_constraint_size(body) -> None:
+    """The refusal :func:`structured_constraint` would give ``body`` before compiling its
+    constraint, found without compiling, so the gateway refuses it before queueing for the
+    compiler thread (a constraint over ``pdd.structured.MAX_CONSTRAINT_CHARS`` waited behind
+    every compile queued before it for its 400): ApiError for a malformed or second constraint
+    (the same checks, in the same order), a whitespace pattern over the limit, or a constraint
+    over the limit (the same message and param as the compile's). Returns None when those pass,
+    and when a whitespace pattern within the limit is given (its regex compiles before the
+    constraint's size is read). Pure: no compiling; a forced tool call's schema is measured
+    without copying the tools."""
+    from pdd.structured import size_refusal
+
+    chosen = _chosen_constraint(body, copied=False)
+    given = _whitespace_given(body)
+    if given is not None:
+        ws, param, where = given
+        why = size_refusal("regex", ws)
+        if why is not None:
+            raise ApiError(f"{where}: {why}", param)
+        return None
+    if chosen is None:
+        return None
+    param, kind, value = chosen
+    try:
+        why = size_refusal(kind, None if kind == "json_object" else value)
+    except (TypeError, ValueError, RecursionError):  # not JSON text: the compile refuses it as it does
+        return None
+    if why is not None:
+        raise _grammar_refusal(param, kind, why)
+
+
+def _chosen_constraint(body, copied: bool = True) -> tuple[str, str, Any] | None:
+    """``(field, kind, value)`` of a request's one constraint (:func:`structured_constraint`),
+    None for none; ApiError for a malformed one or more than one. Pure. ``copied``: as
+    :func:`tool_schema`'s."""
     found: list[tuple[str, str, Any]] = []
     rf = _check_response_format(getattr(body, "response_format", None))
     if rf is not None:
@@ -1184,7 +1258,8 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
         found.append(("structured_outputs", *so))
     found += [(name, kind, getattr(body, name)) for name, kind in _GUIDED.items() if getattr(body, name) is not None]
     tc = getattr(body, "tool_choice", None)
-    ts = tool_schema(tc, body.tools or [], body.parallel_tool_calls is not False) if tc is not None else None
+    ts = tool_schema(tc, body.tools or [], body.parallel_tool_calls is not False,
+                     copied) if tc is not None else None
     if ts is not None:
         if found:
             raise ApiError(f"tool_choice {shown(tc)} forces a tool call, which is a constraint of its own: it cannot be "
@@ -1193,26 +1268,26 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
     if len(found) > 1:
         raise ApiError(f"{found[1][0]}: only one structured-output constraint can be used in a request, and "
                        f"{found[0][0]} gives one already", found[1][0])
-    ws, ws_param = _whitespace_pattern(body)
-    if not found:
-        if ws is not None:
-            raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and the request has no JSON "
-                           "constraint", ws_param)
+    return found[0] if found else None
+
+
+def _whitespace_given(body) -> tuple[str, str, str] | None:
+    """``(pattern, its field, its name in a message)`` of the whitespace pattern a request gives,
+    not compiled (:func:`_whitespace_pattern`); None for none. ApiError for both fields, or a value
+    that is not a non-empty string. Pure."""
+    so = body.structured_outputs if isinstance(body.structured_outputs, dict) else {}
+    given = [(v, name) for v, name in ((so.get("whitespace_pattern"), "structured_outputs"),
+                                       (body.guided_whitespace_pattern, "guided_whitespace_pattern")) if v is not None]
+    if not given:
         return None
-    param, kind, value = found[0]
-    if ws is not None and kind not in ("json", "json_object"):
-        raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and {param} gives a {kind} "
-                       "constraint", ws_param)
-    try:
-        g = grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
-        if lltok is not None:  # over the model's vocabulary: some token must be able to begin it
-            check_start(lltok, g)  # (kept per grammar text, beside the compiled grammars)
-    except GrammarError as e:
-        where = {"response_format": "response_format.json_schema.schema",
-                 "structured_outputs": f"structured_outputs.{kind}",
-                 "tool_choice": "the tools' parameters"}.get(param, param)
-        raise ApiError(f"{where}: {e}", "tools" if param == "tool_choice" else param) from None
-    return Constraint(param, kind, value, g, ws)
+    if len(given) > 1:
+        raise ApiError("guided_whitespace_pattern: structured_outputs.whitespace_pattern gives one already",
+                       "guided_whitespace_pattern")
+    (ws, param), = given
+    where = "structured_outputs.whitespace_pattern" if param == "structured_outputs" else param
+    if not isinstance(ws, str) or not ws:
+        raise ApiError(f"{where}: must be a non-empty string (a regex), got {shown(ws)}", param)
+    return ws, param, where
 
 
 def _whitespace_pattern(body) -> tuple[str | None, str | None]:
@@ -1222,18 +1297,10 @@ def _whitespace_pattern(body) -> tuple[str | None, str | None]:
     that is not a non-empty string, or a regex llguidance rejects."""
     from pdd.structured import GrammarError, grammar_for
 
-    so = body.structured_outputs if isinstance(body.structured_outputs, dict) else {}
-    given = [(v, name) for v, name in ((so.get("whitespace_pattern"), "structured_outputs"),
-                                       (body.guided_whitespace_pattern, "guided_whitespace_pattern")) if v is not None]
-    if not given:
+    given = _whitespace_given(body)
+    if given is None:
         return None, None
-    if len(given) > 1:
-        raise ApiError("guided_whitespace_pattern: structured_outputs.whitespace_pattern gives one already",
-                       "guided_whitespace_pattern")
-    (ws, param), = given
-    where = "structured_outputs.whitespace_pattern" if param == "structured_outputs" else param
-    if not isinstance(ws, str) or not ws:
-        raise ApiError(f"{where}: must be a non-empty string (a regex), got {shown(ws)}", param)
+    ws, param, where = given
     try:
         grammar_for("regex", ws)
     except GrammarError as e:
