@@ -261,8 +261,8 @@ def make_like(out_dir: str, like: str, seed: int = 0, vocab: int = 1024, **scale
 
     # refuse what the engine cannot load before anything is written (message names the field)
     ModelConfig.from_dict({**cfg, "vocab_size": vocab + len(spec["specials"])})
-    # ... and weights that cannot be held in memory to be written (was: a torch allocator
-    # traceback after config.json and the tokenizer were written)
+    # ... and weights that cannot be held in memory to be written (else a torch allocator
+    # traceback after config.json and the tokenizer are written)
     _check_fits(like, {**scale, "vocab": vocab}, config_shape({**cfg, "vocab_size": vocab + len(spec["specials"])}),
                 cfg["model_type"], bool(cfg.get("tie_word_embeddings")))
     with _Writing(out_dir) as w:

@@ -633,10 +633,9 @@ def _autoscale_config(a):
     try:
         mx = parse_role_counts(_joined(a.autoscale))
         mn = parse_role_counts(_joined(a.autoscale_min), "--autoscale-min") if a.autoscale_min is not None else {}
-        v = {k: getattr(a, k) for k in AUTOSCALE_DEFAULTS}  # each filled by _autoscale_flags
-        return AutoscaleConfig(enabled=True, interval_s=v["autoscale_interval"], sample_s=v["autoscale_sample"],
-                               cooldown_s=v["autoscale_cooldown"], min=mn, max=mx, up_at=v["autoscale_up_at"],
-                               down_at=v["autoscale_down_at"])
+        return AutoscaleConfig(enabled=True, interval_s=a.autoscale_interval, sample_s=a.autoscale_sample,
+                               cooldown_s=a.autoscale_cooldown, min=mn, max=mx, up_at=a.autoscale_up_at,
+                               down_at=a.autoscale_down_at)
     except ValidationError as e:  # a field of the loop's config: named as the flag that set it
         raise UsageError(_autoscale_error(e)) from None
     except ValueError as e:  # parse_role_counts names its flag
