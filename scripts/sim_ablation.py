@@ -6,7 +6,9 @@
 Each variant reruns ``scripts/sim_heldout.py`` (the fit on the calibration run, every run
 re-simulated, the report) with ``pdd.sim`` patched in a process of its own, and prints one row of
 the ablation table: TTFT P50 and P90 error, per-request TTFT error's median and |error|'s median
-(%) and decision match (%), the calibration run first, then the held-out runs in the manifest's order. Variants:
+(%) and decision match (%), the calibration run first, then the held-out runs in the manifest's order,
+and the mean |error| (ms) of the two TTFT phases over every run's prompt-size buckets
+(``pdd.sim.ttft_phases``: to P's reply, then to the first token). Variants:
 
 - ``all``: nothing taken out (the held-out table);
 - ``one-lane``: one WAN connection per sender, no express lane of its own (``links.Line.send``
@@ -43,7 +45,10 @@ the ablation table: TTFT P50 and P90 error, per-request TTFT error's median and 
 - ``fast-path-alone``: the P -> RLD path fitted on the requests that had it to themselves
   (``live_measures.live_fast_path`` with ``alone`` True: no other request at P or on its way to
   its decoder around this one's KV trip) instead of on every relayed request, whose other half
-  waited on P's next step, on another request's KV or on the cores.
+  waited on P's next step, on another request's KV or on the cores;
+- ``fast-path-median``: the P -> RLD path fitted on every relayed request as the median
+  (least-absolute-deviations) line rather than least squares (``live_measures.live_fast_path``
+  with ``fit`` ``"median"``): the typical request's trip, which the ones that waited do not pull up.
 
 Nothing live is started; about 10 s of CPU a variant. Exit status 2 for an unknown variant, else
 that of the first variant that fails.
@@ -60,7 +65,8 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("all", "one-lane", "no-reply-lag", "no-decode-scale", "no-interference", "block-hits", "schedule",
-            "no-index", "pairs-as-live", "rtt-as-live", "fast-path-alone", "chunk-grid", "written-at-committed")
+            "no-index", "pairs-as-live", "rtt-as-live", "fast-path-alone", "fast-path-median", "chunk-grid",
+            "written-at-committed")
 PAIR_WITHIN_S = 0.002  # pairs-as-live: two requests sent at most this far apart ...
 PAIR_SLOWER_S = 0.025  # ... the first one's live prefill interval this much longer than simulated
 
@@ -172,6 +178,21 @@ def patch(variant: str) -> None:
         import functools
 
         cal.live_fast_path = functools.partial(cal.live_fast_path, alone=True)
+    elif variant == "fast-path-median":
+        import functools
+
+        cal.live_fast_path = functools.partial(cal.live_fast_path, fit="median")
+
+
+def phase_errors(validates: list[dict]) -> tuple[float, float] | None:
+    """Mean |simulated - live| (ms) of each TTFT phase's median, to P's reply and after it, over
+    every prompt-size bucket of every run (their ``validate.json``'s ``ttft_phases``,
+    :mod:`pdd.sim.ttft_phases`); None when no run has one."""
+    cells = [ph for v in validates for ph in v.get("ttft_phases") or []]
+    if not cells:
+        return None
+    return tuple(sum(abs(ph[k]["sim"] - ph[k]["live"]) for ph in cells) / len(cells)
+                 for k in ("to_p_reply_ms", "after_p_reply_ms"))
 
 
 def row(variant: str, out: Path) -> str:
@@ -179,6 +200,8 @@ def row(variant: str, out: Path) -> str:
     rep = json.loads((out / "report-0.json").read_text())
     cal = json.loads((out / Path(rep["calibration"]).name / "validate.json").read_text())
     rows = [cal] + rep["held_out"]
+    pe = phase_errors([cal] + [json.loads((out / Path(r["run"]).name / "validate.json").read_text())
+                               for r in rep["held_out"]])
 
     def col(f):
         return f"{f(rows[0])}; " + ", ".join(f(r) for r in rows[1:])
@@ -187,7 +210,8 @@ def row(variant: str, out: Path) -> str:
                               col(lambda r: f"{r['err_p90_ttft_ms'] * 100:+.1f}"),
                               col(lambda r: f"{r['ttft_error_per_request']['median'] * 100:+.1f}"),
                               col(lambda r: f"{r['ttft_error_per_request']['abs_p50'] * 100:.1f}"),
-                              col(lambda r: f"{r['decision_match_share'] * 100:.0f}")]) + " |"
+                              col(lambda r: f"{r['decision_match_share'] * 100:.0f}"),
+                              "-" if pe is None else f"{pe[0]:.1f} / {pe[1]:.1f}"]) + " |"
 
 
 def main(argv=None) -> int:
@@ -236,8 +260,8 @@ def main(argv=None) -> int:
             print(row(variant, out / variant), flush=True)
         return rc
     print("| model | TTFT P50 error | TTFT P90 error | per-request median | per-request \\|error\\| median | "
-          "decision match |")
-    print("|---|---|---|---|---|---|", flush=True)
+          "decision match | TTFT phases, mean \\|error\\| ms: to P's reply / after |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     for v in variants:
         rc = subprocess.call([sys.executable, __file__, "--one", "--variant", v, "--out", str(out), "--runs", a.runs]
                              + (["--profile", a.profile] if a.profile else []))

@@ -322,3 +322,18 @@ def test_the_scripts_refuse_an_unusable_out_or_runs_in_one_line(capsys, tmp_path
     flag = "--runs" if case == "runs_empty" else "--out"
     assert f"error: {flag}" in cap.err.strip().splitlines()[-1], cap.err
     assert "Traceback" not in cap.err
+
+
+# seed3's TTFT split at P's reply, by the prompt tokens P computed (pdd.sim.ttft_phases): bucket,
+# relayed requests, to P's reply live / sim ms, after it live / sim ms (docs/SIM.md "Where the TTFT
+# error sits")
+SEED3_PHASES = [("0-127", 33, 25.0, 22.1, 24.8, 31.6), ("128-511", 18, 58.6, 56.6, 14.2, 20.0),
+                ("512-1023", 19, 125.5, 123.1, 13.5, 19.9), (">=1024", 22, 528.3, 581.0, 26.4, 28.4)]
+
+
+def test_a_run_s_ttft_phases_are_the_documented_ones(resim):
+    v = json.loads((resim / "seed3" / "validate.json").read_text())
+    got = [(p["prompt_tokens_computed"], p["requests"], round(p["to_p_reply_ms"]["live"], 1),
+            round(p["to_p_reply_ms"]["sim"], 1), round(p["after_p_reply_ms"]["live"], 1),
+            round(p["after_p_reply_ms"]["sim"], 1)) for p in v["ttft_phases"]]
+    assert got == SEED3_PHASES

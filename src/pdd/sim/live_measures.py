@@ -215,8 +215,22 @@ def live_decode_scale(live_records: list[dict], step_models: dict, min_samples: 
     return {"factors": factors, "tiers": tiers} if factors else None
 
 
+def _median_line(xs: np.ndarray, ys: np.ndarray, iters: int = 100) -> tuple[float, float]:
+    """Intercept and slope of the least-absolute-deviations line through (xs, ys): the median
+    regression, by iteratively reweighted least squares (weights 1 / |residual|, floored at 1e-9 of
+    the ys' scale so an exact fit stays finite)."""
+    a = np.vstack([np.ones(len(xs)), xs]).T
+    w = np.ones(len(ys))
+    floor = 1e-9 * max(float(np.max(np.abs(ys))), 1e-30)
+    for _ in range(iters):
+        sw = np.sqrt(w)
+        (c0, c1), *_ = np.linalg.lstsq(a * sw[:, None], ys * sw, rcond=None)
+        w = 1.0 / np.maximum(np.abs(ys - (c0 + c1 * xs)), floor)
+    return float(c0), float(c1)
+
+
 def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: float,
-                   min_samples: int = 20, alone: bool = False) -> dict | None:
+                   min_samples: int = 20, alone: bool = False, fit: str = "least_squares") -> dict | None:
     """The in-datacenter KV path P -> RLD as the live run shows it: least squares of (gateway's
     first token - P's prefill reply) over the prompt's KV bytes, for relayed requests whose plan
     was known before P finished (``md_reserved`` before ``p_first_token``), so the interval is
@@ -230,12 +244,20 @@ def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: 
     median 23 ms against 10, holds P's next step, a queue behind another request's KV and the
     cores the other requests take; docs/SIM.md "The P -> RLD path has two regimes").
 
+    ``fit``: ``"least_squares"`` (the default), or ``"median"``, the least-absolute-deviations
+    line: the typical request's trip, which the requests that waited (on P's next step, on another
+    request's KV) do not pull up, as the simulator queues them on its own fast line (a diagnostic:
+    ``scripts/sim_ablation.py --variant fast-path-median``; docs/SIM.md "Where the TTFT error
+    sits"). ValueError for another ``fit``.
+
     Returns ``{"latency_s", "gbps", "samples", "median_s"}`` (latency >= 0, rate capped at
     ``max_gbps``, the configured pacing), or None with fewer than ``min_samples`` such requests
     or a non-positive fitted per-byte cost. The simulator then uses it as its fast line (rate,
     and twice the latency as RTT) instead of the configured rate: on this CPU the Python sender
     and receiver, not the 4 Gbit/s pacing, set the pace (2026-12-01: ~1.9-2.8 Gbit/s effective
     and a median of 18 ms for ~1,000-token prompts, against 4 ms at the configured rate)."""
+    if fit not in ("least_squares", "median"):
+        raise ValueError(f"fit must be 'least_squares' or 'median', got {fit!r}")
     spans = []  # alone: (index, send, gateway first token) of every request P answered, in seconds
     for i, rec in enumerate(live_records if alone else ()):
         ev = (rec.get("pdd") or {}).get("events_ms") or {}
@@ -260,8 +282,11 @@ def live_fast_path(live_records: list[dict], kv_bytes_per_token: int, max_gbps: 
         ys.append((ev["first_token"] - ev["p_first_token"]) / 1000.0)
     if len(xs) < min_samples:
         return None
-    a = np.vstack([np.ones(len(xs)), np.array(xs)]).T
-    (c0, c1), *_ = np.linalg.lstsq(a, np.array(ys), rcond=None)
+    if fit == "median":
+        c0, c1 = _median_line(np.array(xs), np.array(ys))
+    else:
+        a = np.vstack([np.ones(len(xs)), np.array(xs)]).T
+        (c0, c1), *_ = np.linalg.lstsq(a, np.array(ys), rcond=None)
     if c1 <= 0:
         return None
     gbps = min(max_gbps, 8.0 / c1 / 1e9)

@@ -37,6 +37,7 @@ from pdd.sim.live_measures import live_role_steps, live_wan_payload_bytes
 from pdd.sim.recorded import (RecordedRunError, check_same_engines, check_same_requests, check_same_run, faults_text,
                               load_profile_checked, read_run, require_completed, run_faults)
 from pdd.sim.uncertainty import error_intervals
+from pdd.sim.ttft_phases import format_ttft_phases, ttft_phases
 from pdd.topology import free_port_block
 from pdd.workload.replay import Scale
 
@@ -271,6 +272,7 @@ def compare(live_records: list[dict], sim: ClusterSim) -> dict:
     # what the errors above could have been with other requests of the same workload
     out["err_ci"] = error_intervals(pairs, tpot_pairs)
     out["tpot_by_path"] = tpot_by_path(live_records, sim)
+    out["ttft_phases"] = ttft_phases(live_records, sim)
     return out
 
 
@@ -599,6 +601,7 @@ def format_validate(res: dict) -> str:
                     f"sim {g['p50_tpot_ms']['sim']:.2f} ms, longest token gap P50 live "
                     f"{g['p50_max_gap_ms']['live']:.1f} / sim {g['p50_max_gap_ms']['sim']:.1f} ms"
                     for name, g in (res.get("tpot_by_path") or {}).items() if g.get("requests"))
+    paths += format_ttft_phases(res.get("ttft_phases") or [])
     ps = res.get("at_live_p_speed")
     if ps:
         paths += (f"\nat the run's own P speed (diagnostic: P's step x{ps['level']:.3f}, mean {ps['sim_p_step_ms']:.1f} "
