@@ -494,3 +494,21 @@ def test_validate_warns_when_the_profile_has_no_live_run_fit():
     assert "--profile (data/profiles/this-machine.json for the committed runs)" in line
     assert format_validate(v).endswith(line)
     assert unfitted_warning(None) is None
+
+
+def test_the_report_lists_each_run_s_ttft_phase_errors(tmp_path):
+    cal = _run_dir(tmp_path, "cal")
+    run = _run_dir(tmp_path, "seed2", {"session_seed": 2})
+    old = _run_dir(tmp_path, "seed3", {"session_seed": 3})  # a validate.json written before phases were reported
+    v = json.loads((run / "validate.json").read_text())
+    v["ttft_phases"] = [{"prompt_tokens_computed": "0-127", "requests": 5, "to_p_reply_ms": {"live": 20.0, "sim": 18.5},
+                         "after_p_reply_ms": {"live": 15.0, "sim": 21.25}},
+                        {"prompt_tokens_computed": ">=1024", "requests": 2, "to_p_reply_ms": {"live": 500.0, "sim": 540.0},
+                         "after_p_reply_ms": {"live": 30.0, "sim": 29.0}}]
+    (run / "validate.json").write_text(json.dumps(v))
+    rep = held_out_report(cal, [run, old])
+    assert rep["held_out"][0]["ttft_phases"] == v["ttft_phases"] and rep["held_out"][1]["ttft_phases"] is None
+    lines = format_report(rep).splitlines()
+    assert f"- {run}: to P's reply 0-127 -1.5, >=1024 +40.0; after it +6.2, -1.0" in lines
+    assert not any(line.startswith(f"- {old}:") for line in lines)
+    assert "TTFT phases" not in format_report(held_out_report(cal, [old]))

@@ -332,7 +332,8 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
                "ttft_error_per_request": v.get("ttft_error_per_request"),
                "err_ci": v.get("err_ci"),  # absent in a validate.json written before it was reported
                "profile_fitted_on": (v.get("profile") or {}).get("role_overhead_from"),
-               "at_live_p_speed": v.get("at_live_p_speed"), "at_live_speed": v.get("at_live_speed")}
+               "at_live_p_speed": v.get("at_live_p_speed"), "at_live_speed": v.get("at_live_speed"),
+               "ttft_phases": v.get("ttft_phases")}  # absent in a validate.json written before it was reported
         for k in REPORTED:
             lv, sv = v["live"].get(k), v["sim"].get(k)
             row[f"err_{k}"] = v.get(f"err_{k}", None if not lv or sv is None else sv / lv - 1.0)
@@ -444,6 +445,15 @@ def format_report(rep: dict) -> str:
         lines.append("judged against each run's 95% interval (met / not met, but the interval reaches the goal / "
                      "missed beyond the interval), of " + f"{len(rep['held_out'])} held-out run(s): "
                      + "; ".join(f"{names[g]} {' / '.join(str(jd[g][v_]) for v_ in VERDICTS)}" for g in names))
+    phased = [r for r in rep["held_out"] if r.get("ttft_phases")]
+    if phased:
+        lines.append("TTFT phases, simulated - live of each phase's median (ms) by prompt tokens P computed, of the "
+                     "requests both runs relayed (pdd.sim.ttft_phases):")
+        lines.extend(f"- {r['run']}: to P's reply " + ", ".join(
+            f"{ph['prompt_tokens_computed']} {ph['to_p_reply_ms']['sim'] - ph['to_p_reply_ms']['live']:+.1f}"
+            for ph in r["ttft_phases"]) + "; after it " + ", ".join(
+            f"{ph['after_p_reply_ms']['sim'] - ph['after_p_reply_ms']['live']:+.1f}" for ph in r["ttft_phases"])
+            for r in phased)
     if any(r.get("err_ci") for r in rep["held_out"]) or (nf or {}).get("err_ci"):
         lines.append("95% interval: the error's paired bootstrap over the run's requests (each drawn with its live "
                      "and simulated value; 2,000 resamples): what a run of this size could have shown with other "
