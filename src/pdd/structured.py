@@ -146,7 +146,12 @@ def size_refusal(kind: str, value=None, whitespace_pattern: str | None = None) -
     choices' JSON, plus ``whitespace_pattern``, over :data:`MAX_CONSTRAINT_CHARS` characters),
     else None. Pure: nothing compiled, so the gateway refuses it before it queues for
     :func:`compiler`. Raises what ``json.dumps`` raises for a value that is no JSON."""
-    n = len(_text_of(kind, value)) + len(whitespace_pattern or "")
+    return chars_refusal(len(_text_of(kind, value)) + len(whitespace_pattern or ""))
+
+
+def chars_refusal(n: int) -> str | None:
+    """:func:`size_refusal`'s answer for a constraint of ``n`` characters (counted as it counts
+    them). Pure."""
     if n > MAX_CONSTRAINT_CHARS:
         return f"the constraint is {n:,} characters; at most {MAX_CONSTRAINT_CHARS:,} are compiled"
     return None

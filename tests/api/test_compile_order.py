@@ -128,31 +128,37 @@ async def _answer(reader) -> tuple[str, dict]:
 OVER = "root ::= " + " | ".join(f'"x{i}"' for i in range(6000))  # a GBNF grammar of 58,896 characters
 
 
-@pytest.mark.parametrize("field,param,where,n", [
-    ({"guided_grammar": OVER}, "guided_grammar", "guided_grammar", len(OVER)),
-    ({"structured_outputs": {"grammar": OVER}}, "structured_outputs", "structured_outputs.grammar", len(OVER)),
-    ({"guided_regex": "a" * 40_000}, "guided_regex", "guided_regex", 40_000),
-    ({"guided_choice": ["c" * 20_000, "d" * 20_000]}, "guided_choice", "guided_choice", 40_008),
-    ({"guided_json": {"enum": ["e" * 40_000]}}, "guided_json", "guided_json", 40_014),
-    ({"guided_json": {"enum": ["e" * 40_000]}, "guided_whitespace_pattern": "[ ]{0,2}"}, None, None, None),
+WS_KIND = ("guided_whitespace_pattern: a whitespace pattern lays out JSON output, and guided_regex gives a regex "
+           "constraint")
+
+
+def _too_large(where: str, n: int) -> str:
+    return f"{where}: the constraint is {n:,} characters; at most 32,768 are compiled"
+
+
+@pytest.mark.parametrize("field,param,message", [
+    ({"guided_grammar": OVER}, "guided_grammar", _too_large("guided_grammar", len(OVER))),
+    ({"structured_outputs": {"grammar": OVER}}, "structured_outputs", _too_large("structured_outputs.grammar", len(OVER))),
+    ({"guided_regex": "a" * 40_000}, "guided_regex", _too_large("guided_regex", 40_000)),
+    ({"guided_choice": ["c" * 20_000, "d" * 20_000]}, "guided_choice", _too_large("guided_choice", 40_008)),
+    ({"guided_json": {"enum": ["e" * 40_000]}}, "guided_json", _too_large("guided_json", 40_014)),
+    # with a whitespace pattern within the limit (it compiles after what is refused without compiling)
+    ({"guided_json": {"enum": ["e" * 40_000]}, "guided_whitespace_pattern": "[ ]{0,2}"}, "guided_json",
+     _too_large("guided_json", 40_014 + len("[ ]{0,2}"))),
+    ({"guided_regex": "a" * 40_000, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", WS_KIND),
     ({"guided_regex": "w", "guided_whitespace_pattern": " " * 40_000}, "guided_whitespace_pattern",
-     "guided_whitespace_pattern", 40_000),
+     _too_large("guided_whitespace_pattern", 40_000)),
 ])
-async def test_a_constraint_over_the_size_limit_is_refused_before_it_queues(held, queue, field, param, where, n):
+async def test_a_constraint_over_the_size_limit_is_refused_before_it_queues(held, queue, field, param, message):
     """Refused only when its compile ran, a constraint over pdd.structured.MAX_CONSTRAINT_CHARS
     waited behind every compile queued before it (4-5 s behind large grammars) for its 400; the
-    size is known without compiling. The compiler's thread is held throughout."""
+    size is known without compiling, with a whitespace pattern too (whose regex compiled before
+    the size was read: it queued). The compiler's thread is held throughout."""
     orch, app, port = held
     q, go, compiled, clock = queue
     reader, writer = await _post(port, {"prompt": PROMPT_LONG, "max_tokens": 2, **field})
-    queued = param is None
-    if queued:  # a whitespace pattern's regex compiles before the size is refused: it queues
-        await _until(lambda: q.pending() == 1, "the compile to queue")
-        go.set()
-        param, where, n = "guided_json", "guided_json", 40_014 + len("[ ]{0,2}")
     status, body = await _answer(reader)
     writer.close()
     assert status.startswith("HTTP/1.1 400"), (status, body)
-    assert body["error"] == {"message": f"{where}: the constraint is {n:,} characters; at most 32,768 are compiled",
-                             "type": "invalid_request_error", "param": param, "code": None}
-    assert q.pending() == 0 and compiled == ([None] if queued else []) and not orch.reqs  # (the spy's guided_json)
+    assert body["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    assert q.pending() == 0 and compiled == [] and not orch.reqs

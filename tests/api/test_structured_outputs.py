@@ -450,6 +450,13 @@ _BIG = "e" * 40_000
     # refused by the checks before the size: the same refusal
     _cmpl(guided_regex=_BIG, guided_grammar="root ::= \"a\""),
     _chat(tools=_big_tools(2000), tool_choice="required", response_format={"type": "json_object"}),
+    # with a whitespace pattern: refused before its regex compiles (it queued for the compiler)
+    _cmpl(guided_json={"enum": [_BIG]}, guided_whitespace_pattern="[ ]?"),
+    _chat(structured_outputs={"json": {"enum": [_BIG]}, "whitespace_pattern": "[ ]?"}),
+    _cmpl(guided_regex=_BIG, guided_whitespace_pattern=" "),  # the pattern's own refusal first, as it was
+    _cmpl(guided_json={"enum": [_BIG]}, guided_whitespace_pattern=" " * 40_000),  # the pattern's size first
+    _cmpl(guided_json={"enum": [_BIG]}, guided_whitespace_pattern=" ", guided_regex="a"),  # two constraints first
+    _cmpl(guided_whitespace_pattern=" "),
 ])
 def test_check_constraint_size_refuses_as_the_compile_does_without_compiling(body, monkeypatch):
     """What the gateway checks before queueing for the compiler: the same 400 (message and
@@ -467,7 +474,7 @@ def test_check_constraint_size_refuses_as_the_compile_does_without_compiling(bod
 
 @pytest.mark.parametrize("body", [
     _cmpl(guided_regex="[a-z]+"), _chat(tools=_big_tools(3), tool_choice="required"), _cmpl(prompt="x"),
-    _cmpl(guided_json={"enum": [_BIG]}, guided_whitespace_pattern="[ ]?"),  # the pattern compiles first
+    _cmpl(guided_json={"enum": ["e"]}, guided_whitespace_pattern="[ "),  # the pattern's regex: compiled
 ])
 def test_check_constraint_size_passes_what_it_cannot_refuse_without_compiling(body, monkeypatch):
     import copy
@@ -479,3 +486,21 @@ def test_check_constraint_size_passes_what_it_cannot_refuse_without_compiling(bo
     monkeypatch.setattr(st, "on_compiler", lambda *a, **kw: pytest.fail("compiled"))
     assert check_constraint_size(body) is None
     assert getattr(body, "tools", None) == tools
+
+
+def test_an_oversized_constraint_is_refused_before_its_whitespace_patterns_regex_compiles():
+    """Both wrong, the pattern's regex (known only by compiling it) and the constraint's size
+    (known before the compile queue): the size's 400, from the gateway's check and the compile
+    alike, so the gateway refuses it without queueing for the compiler. A pattern that does not
+    compile beside a constraint within the limit is its own 400, as it was."""
+    from pdd.gateway.openai_schemas import check_constraint_size
+
+    body = _cmpl(guided_json={"enum": [_BIG]}, guided_whitespace_pattern="[ ")
+    want = ("guided_json: the constraint is 40,016 characters; at most 32,768 are compiled", "guided_json")
+    for check in (structured_constraint, check_constraint_size):
+        with pytest.raises(ApiError) as ex:
+            check(body)
+        assert (ex.value.message, ex.value.param) == want
+    with pytest.raises(ApiError) as ex:
+        structured_constraint(_cmpl(guided_json={"enum": ["e"]}, guided_whitespace_pattern="[ "))
+    assert ex.value.param == "guided_whitespace_pattern" and "invalid regex" in ex.value.message

@@ -1,8 +1,9 @@
 """A request that fails at the server (the API answers 503 ``server_error``) writes one WARNING
 line naming it and why; it wrote none, so a gateway failing every request (a re-roled instance
 running another role: ``LookupError: no handler for message type 'reserve'``) had a silent log
-while ``/health`` said ok. The request's own failure (a 400) is logged at INFO, and a refusal
-(429, or 503 with Retry-After: no instance reachable on the first try) not per request."""
+while ``/health`` said ok. The request's own failure (a 400) is logged at INFO, a tier's refusal
+(429) not at all, and a refusal for lack of an instance (503 with Retry-After: none reachable on
+the first try) once per ``pdd.gateway.start.UNAVAILABLE_LOG_EVERY_S`` at most."""
 
 from __future__ import annotations
 
@@ -40,17 +41,38 @@ async def test_a_request_failing_while_it_starts_is_one_warning(caplog):
     assert o.totals["failed"] == 1
 
 
-async def test_a_request_refused_on_its_first_try_is_not_a_warning(caplog):
+async def test_a_request_a_tier_refuses_for_now_is_not_a_warning(caplog):
+    """A tier's 429 (its queue full): counted rejected and in pdd_gateway_rejected_total, no line."""
     caplog.set_level(logging.INFO)
     o = fake_orchestrator()
 
     async def launch(st, prompt_ids, force_relay=False):
-        raise NoInstance("no prefill instance is reachable")
+        raise RuntimeError("TierBusy: p0's queue is full (3 of 3)")
 
     o._launch = launch
     with pytest.raises(RequestFailed):
         await o.start_request(list(range(10, 28)), SamplingParams(max_tokens=4), rid="r8")
     assert _lines(caplog) == [] and o.totals["rejected"] == 1
+
+
+async def test_a_request_no_instance_can_take_is_one_warning_and_a_flood_one_line(caplog):
+    """No instance reachable on its first try (503 with Retry-After): capacity is lost, which the
+    log says; the requests refused right after it are counted, not logged one by one."""
+    caplog.set_level(logging.INFO)
+    o = fake_orchestrator()
+    o.unavailable_log.clock = lambda: 5.0
+
+    async def launch(st, prompt_ids, force_relay=False):
+        raise NoInstance("no prefill instance is reachable")
+
+    o._launch = launch
+    for rid in ("r8", "r9"):
+        with pytest.raises(RequestFailed):
+            await o.start_request(list(range(10, 28)), SamplingParams(max_tokens=4), rid=rid)
+    assert _lines(caplog) == [(logging.WARNING, "request r8 failed while starting: no prefill instance is reachable "
+                               "(the client gets 503 with Retry-After; refused for lack of an instance: logged at "
+                               "most once every 10 s)")]
+    assert (o.totals["rejected"], o.totals["failed"], o.unavailable_log.unlogged) == (2, 0, 1)
 
 
 @pytest.mark.parametrize("client_error,level,tail", [

@@ -60,8 +60,8 @@ from pdd.gateway.openai_schemas import (ApiError, ChatCompletionRequest, Complet
                                         TokenizeRequest, check_chat, check_completion, check_messages,
                                         check_truncate, error_body, int_range, lone_surrogate, media_type, not_utf8,
                                         too_deep, prompt_batch, sampling_for, structured_constraint, too_many_digits,
-                                        truncated_prompt, first_error, constraint_requested, constraint_summary,
-                                        check_constraint_size)
+                                        truncated_prompt, first_error, constraint_requested,
+                                        checked_constraint_summary)
 from pdd.gateway.shutdown import GENERATION_PATHS, Drain, DrainGate, refusal_body
 from pdd.gateway.request_id import RequestIdHeader, id_base
 from pdd.gateway.openai_text import TokenText
@@ -578,18 +578,18 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         stack), so the event loop serves other requests meanwhile; a request that asks for none
         (``constraint_requested``) does not wait for that thread. The queue runs the highest
         response ratio next (``pdd.compile_queue.next_job``; cost: ``compile_cost_s`` of the
-        request's constraint characters (``constraint_summary``), or none for a constraint compiled before, whose compile
+        request's constraint characters (``checked_constraint_summary``), or none for a constraint compiled before, whose compile
         ``pdd.structured`` caches): a small constraint overtakes large ones queued before it. A client that disconnects while
         its compile waits (``request``'s connection, unless ``policy.cancel_on_disconnect`` is
         off) drops it from the queue and gets ClientGone (499, to nobody). A constraint over
         ``pdd.structured.MAX_CONSTRAINT_CHARS`` is refused before it queues
-        (``check_constraint_size``)."""
+        (``checked_constraint_summary``: the constraint's JSON written once on the event loop)."""
         from pdd.structured import compile_cost_s, compiler
 
         if not constraint_requested(body):  # nothing to compile: no wait behind other clients' grammars
             return None
-        check_constraint_size(body)  # too large (or malformed): refused without waiting for the compiler
-        key, chars = constraint_summary(body)
+        # too large (or malformed): refused without waiting for the compiler; else its key and size
+        key, chars = checked_constraint_summary(body)
         if key is not None and key in compiled_keys:  # compiled before: cached (pdd.structured), the least cost
             chars = 0
         job = asyncio.wrap_future(compiler().submit_costed(compile_cost_s(chars), _constraint, body))

@@ -1141,15 +1141,123 @@ def _field_chars(v) -> int:
 
 def constraint_summary(body) -> tuple[str | None, int]:
     """``(constraint_key(body), constraint_chars(body))`` from one walk of the request's
-    constraint fields: what the gateway's compile queue reads per constrained request. Pure."""
-    fields = _constraint_fields(body)
+    constraint fields, each field's JSON written once: what the gateway's compile queue reads per
+    constrained request (:func:`checked_constraint_summary` reads them with the size check).
+    Pure."""
+    return _summary(_constraint_fields(body), {})
+
+
+def _dumps(v) -> str:
+    """``v``'s JSON as :func:`constraint_key` writes it: keys sorted, characters unescaped."""
+    return json.dumps(v, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def _summary(fields: list[tuple[str, Any]], written: dict[str, str]) -> tuple[str | None, int]:
+    """:func:`constraint_summary` of ``fields``; ``written``: field -> its JSON text (:func:`_dumps`),
+    written already, not again. The key is ``json.dumps(fields)`` (keys sorted, characters
+    unescaped), built from each field's text; the count each field's length (a string's own),
+    ``tool_choice`` not counted."""
     if not fields:
         return None, 0
+    texts: list[str | None] = []
+    chars = 0
+    for name, v in fields:
+        try:
+            text = written[name] if name in written else _dumps(v)
+        except (TypeError, ValueError, RecursionError):
+            text = None
+        texts.append(text)
+        if name != "tool_choice":
+            chars += len(v) if isinstance(v, str) else len(text) if text is not None else _field_chars(v)
+    if any(t is None for t in texts):
+        return None, chars
+    return "[" + ", ".join(f'["{name}", {t}]' for (name, _), t in zip(fields, texts)) + "]", chars
+
+
+class _MarkFound(Exception):
+    """A value holds the text :func:`_spliced` marks a hole with: it is written whole instead."""
+
+
+_HOLE = "\x00pdd-constraint-hole-{}\x00"  # a value's place in its container's JSON while that is written
+
+
+def _spliced(v, holes: dict[tuple, str]) -> str:
+    """``v``'s JSON (:func:`_dumps`) with the value at each path of ``holes`` written as the text
+    given there (written already, not again): the containers along the paths are copied (one
+    level each), the rest of ``v`` written here. A path ``()`` is ``v`` itself. :class:`_MarkFound`
+    when ``v`` holds a hole's mark itself."""
+    if () in holes:
+        return holes[()]
+    if not holes:
+        return _dumps(v)
+    root = dict(v) if isinstance(v, dict) else list(v)
+    marks: dict[str, str] = {}
+    for i, (path, text) in enumerate(holes.items()):
+        node = root
+        for k in path[:-1]:
+            node[k] = dict(node[k]) if isinstance(node[k], dict) else list(node[k])
+            node = node[k]
+        node[path[-1]] = _HOLE.format(i)
+        marks[json.dumps(_HOLE.format(i))] = text
+    out = _dumps(root)
+    if any(out.count(m) != 1 for m in marks):
+        raise _MarkFound()
+    return re.sub("|".join(map(re.escape, marks)), lambda m: marks[m.group()], out)
+
+
+def _written(param: str, value, fields: list[tuple[str, Any]]) -> tuple[str, dict[str, str]]:
+    """The JSON text (:func:`_dumps`, without ``default``: TypeError for a value JSON cannot
+    hold) of the constraint ``value`` from field ``param``, and ``{field: its JSON text}`` of the
+    constraint field holding it, written around that text (:func:`_spliced`; :func:`_summary`'s
+    ``written``). A forced tool call's schema is built from ``tools``: each tool's ``parameters``
+    that the schema holds as they are is written once, for both."""
+    text_of = functools.partial(json.dumps, ensure_ascii=False, sort_keys=True)
+    found = dict(fields)
+    if param == "tool_choice":
+        tools = found.get("tools") or []
+        params = [t["function"].get("parameters") for t in tools]
+        if isinstance(found["tool_choice"], str):  # "required": every tool's (those with $defs lose them there)
+            own = {i: text_of(p) for i, p in enumerate(params) if isinstance(p, dict) and p and "$defs" not in p}
+            in_value = {("items", "anyOf", i, "properties", "parameters"): t for i, t in own.items()}
+        else:  # a named function: its parameters are the schema
+            name = found["tool_choice"]["function"]["name"]
+            i = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
+            own = {i: text_of(params[i])} if isinstance(params[i], dict) and params[i] else {}
+            in_value = {(): own[i]} if own else {}
+        if not own:  # nothing written twice
+            return text_of(value), {}
+        try:
+            text = _spliced(value, in_value)
+        except _MarkFound:
+            text = text_of(value)
+        try:
+            return text, {"tools": _spliced(tools, {(i, "function", "parameters"): t for i, t in own.items()})}
+        except _MarkFound:
+            return text, {}
+    text = text_of(value)
+    if param == "response_format":
+        path = ("json_schema", "schema")
+    elif param == "structured_outputs":
+        path = next((k,) for k, v in found[param].items() if v is value)
+    else:  # a guided_* field: the value itself
+        path = ()
     try:
-        key = json.dumps(fields, ensure_ascii=False, sort_keys=True, default=str)
-    except (TypeError, ValueError, RecursionError):
-        key = None
-    return key, sum(_field_chars(v) for name, v in fields if name != "tool_choice")
+        return text, {param: _spliced(found[param], {path: text})}
+    except _MarkFound:
+        return text, {}
+
+
+def _escaped_len(text: str) -> int:
+    """The length of ``text`` (JSON written with characters unescaped, :func:`_dumps`) as
+    ``json.dumps`` writes it by default (``ensure_ascii``): each character outside ASCII and DEL
+    as ``\\uXXXX``, one past U+FFFF as two of them. Key order does not change a length."""
+    n = len(text)
+    extra = 5 * text.count("\x7f")
+    if not text.isascii():
+        astral = len(text.encode("utf-16-le", "surrogatepass")) // 2 - n
+        wide = n - len(text.encode("ascii", "ignore"))
+        extra += 5 * (wide - astral) + 11 * astral
+    return n + extra
 
 
 def constraint_chars(body) -> int:
@@ -1187,16 +1295,11 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
     from pdd.structured import GrammarError, check_start, grammar_for
 
     chosen = _chosen_constraint(body)
-    ws, ws_param = _whitespace_pattern(body)
+    _refuse_uncompiled(body, chosen, _size_refusal)  # as the gateway did before queueing it
+    ws, _ = _whitespace_pattern(body)  # its regex compiles
     if chosen is None:
-        if ws is not None:
-            raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and the request has no JSON "
-                           "constraint", ws_param)
         return None
     param, kind, value = chosen
-    if ws is not None and kind not in ("json", "json_object"):
-        raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and {param} gives a {kind} "
-                       "constraint", ws_param)
     try:
         g = grammar_for(kind, None if kind == "json_object" else value, whitespace_pattern=ws)
         if lltok is not None:  # over the model's vocabulary: some token must be able to begin it
@@ -1204,6 +1307,16 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
     except GrammarError as e:
         raise _grammar_refusal(param, kind, str(e)) from None
     return Constraint(param, kind, value, g, ws)
+
+
+def _size_refusal(kind: str, value, ws: str | None) -> str | None:
+    """``pdd.structured.size_refusal``, None for a value that is no JSON (its compile refuses it)."""
+    from pdd.structured import size_refusal
+
+    try:
+        return size_refusal(kind, value, ws)
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 def _grammar_refusal(param: str, kind: str, why: str) -> ApiError:
@@ -1219,28 +1332,69 @@ def check_constraint_size(body) -> None:
     constraint, found without compiling, so the gateway refuses it before queueing for the
     compiler thread (a constraint over ``pdd.structured.MAX_CONSTRAINT_CHARS`` waited behind
     every compile queued before it for its 400): ApiError for a malformed or second constraint
-    (the same checks, in the same order), a whitespace pattern over the limit, or a constraint
-    over the limit (the same message and param as the compile's). Returns None when those pass,
-    and when a whitespace pattern within the limit is given (its regex compiles before the
-    constraint's size is read). Pure: no compiling; a forced tool call's schema is measured
-    without copying the tools."""
+    (the same checks, in the same order), a whitespace pattern given twice, not a string, over the
+    limit, with no JSON constraint or beside another kind, or a constraint over the limit (with
+    the pattern's characters: the same message and param as the compile's). A whitespace
+    pattern's regex compiles after these (:func:`structured_constraint`). Returns None when they
+    pass. Pure: no compiling; a forced tool call's schema is measured without copying the tools.
+    :func:`checked_constraint_summary` is this and :func:`constraint_summary` at once."""
+    checked_constraint_summary(body)
+
+
+def checked_constraint_summary(body) -> tuple[str | None, int]:
+    """:func:`check_constraint_size`'s refusals (ApiError, the same ones in the same order), then
+    :func:`constraint_summary`'s ``(key, chars)``, from one JSON writing of the constraint: what
+    the gateway does on its event loop per constrained request before the compile queue. The
+    constraint's value is written once (keys sorted, characters unescaped), its size read from
+    that text as ``pdd.structured.size_refusal`` counts it (:func:`_escaped_len`), and each
+    constraint field's JSON written around it (:func:`_spliced`). Pure. Only a tool whose
+    ``parameters`` have ``$defs`` (moved to the call's schema) is written twice."""
+    chosen = _chosen_constraint(body, copied=False)
+    fields = _constraint_fields(body)
+    written: dict[str, str] = {}
+
+    def size(kind: str, value, ws: str | None) -> str | None:
+        from pdd.structured import chars_refusal, size_refusal
+
+        if not ((kind == "json" and not isinstance(value, str)) or (kind == "choice" and isinstance(value, list))):
+            return size_refusal(kind, value, ws)  # a text's own length: nothing written
+        try:
+            text, around = _written(chosen[0], value, fields)
+        except (TypeError, ValueError, RecursionError):  # not JSON: the compile refuses it as it does
+            return None
+        written.update(around)
+        return chars_refusal(_escaped_len(text) + len(ws or ""))
+
+    _refuse_uncompiled(body, chosen, size)
+    return _summary(fields, written)
+
+
+def _refuse_uncompiled(body, chosen: tuple[str, str, Any] | None, size) -> None:
+    """What :func:`structured_constraint` refuses without compiling, after
+    :func:`_chosen_constraint`'s checks (``chosen`` its answer), in this order: a whitespace
+    pattern given twice or not a non-empty string (:func:`_whitespace_given`), over the size
+    limit, with no JSON constraint or beside a constraint of another kind; then the constraint
+    over the limit, its pattern's characters counted (``size(kind, value, pattern)``: why, as
+    ``pdd.structured.size_refusal`` says it, or None). ApiError naming the field."""
     from pdd.structured import size_refusal
 
-    chosen = _chosen_constraint(body, copied=False)
     given = _whitespace_given(body)
+    ws = None
     if given is not None:
-        ws, param, where = given
+        ws, ws_param, where = given
         why = size_refusal("regex", ws)
         if why is not None:
-            raise ApiError(f"{where}: {why}", param)
-        return None
+            raise ApiError(f"{where}: {why}", ws_param)
+        if chosen is None:
+            raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and the request has no JSON "
+                           "constraint", ws_param)
+        if chosen[1] not in ("json", "json_object"):
+            raise ApiError(f"{ws_param}: a whitespace pattern lays out JSON output, and {chosen[0]} gives a "
+                           f"{chosen[1]} constraint", ws_param)
     if chosen is None:
-        return None
+        return
     param, kind, value = chosen
-    try:
-        why = size_refusal(kind, None if kind == "json_object" else value)
-    except (TypeError, ValueError, RecursionError):  # not JSON text: the compile refuses it as it does
-        return None
+    why = size(kind, None if kind == "json_object" else value, ws)
     if why is not None:
         raise _grammar_refusal(param, kind, why)
 

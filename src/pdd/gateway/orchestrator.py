@@ -39,7 +39,7 @@ from pdd.gateway.launch import Launchers
 from pdd.policy.prefix_index import PrefixIndex
 from pdd.gateway.recovery import Recovery
 from pdd.gateway.routing import ROUTING_MIN_HIT_FRAC, Routing  # noqa: F401
-from pdd.gateway.start import Starts
+from pdd.gateway.start import Starts, UnavailableLog
 from pdd.gateway.state import (  # noqa: F401  (re-exported: the API layer and tests import them from here)
     ABORT_CLIENT, ABORT_FAILED, ABORT_OUTCOMES, ABORT_REJECTED, ABORT_STOP, ATTEMPT_EVENTS, OUTCOMES, PHASES, InstanceLost,
     NoInstance, NoMember, ReleaseDict, RequestFailed, ReqState, ShuttingDown, TokenOut, extend_message)
@@ -111,6 +111,7 @@ class Orchestrator(Starts, Streams, Routing, Launchers, WanBooking, Handoffs, Re
         self.aborts_out: dict[str, int] = {}
         self._abort_waiters: set[asyncio.Future] = set()
         self.draining = False  # the shutdown drain began (:meth:`begin_drain`): no start waits for an instance
+        self.unavailable_log = UnavailableLog()  # requests refused for lack of an instance: logged, a flood summarised
         # MD's measured KV receive rates, capped at the configured loss's TCP rate (policy.wan_estimate)
         self.wan_estimate = WanEstimate.for_line(cfg.link.wan_gbps, cfg.link.wan_rtt_ms, cfg.link.wan_loss_rate,
                                                  cfg.link.wan_mss_bytes, connections=cfg.link.wan_connections)

@@ -7,6 +7,7 @@ makes the new attempt). Moves a request from queued to prefill.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from pdd.gateway import recovery
@@ -17,6 +18,33 @@ from pdd.gateway.state import (ABORT_CLIENT, ABORT_FAILED, ABORT_REJECTED, NoIns
 from pdd.types import SamplingParams
 
 log = logging.getLogger("pdd.gateway.orchestrator")  # one logger for the gateway's request life
+
+UNAVAILABLE_LOG_EVERY_S = 10.0  # a refusal for lack of an instance is logged at most this often
+
+
+class UnavailableLog:
+    """The gateway's log of requests refused because no instance of a role they need is
+    reachable (the client gets 503 with Retry-After; counted ``rejected``): one WARNING line for
+    the first, then at most one per ``every_s`` seconds of ``clock`` (``time.monotonic``), which
+    names how many were refused since the last line, so a flood while the only P restarts leaves
+    a line every ``every_s`` s instead of one per request."""
+
+    def __init__(self, every_s: float = UNAVAILABLE_LOG_EVERY_S, clock=time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self.last: float | None = None  # clock seconds of the last line, None before the first
+        self.unlogged = 0  # refusals since the last line, not logged
+
+    def refused(self, message: str) -> None:
+        """Note one refusal (``message``: what the client reads); log it unless a line was
+        written less than ``every_s`` s ago."""
+        now = self.clock()
+        if self.last is not None and now - self.last < self.every_s:
+            self.unlogged += 1
+            return
+        more = f"; {self.unlogged} more refused so since the last such line" if self.unlogged else ""
+        log.warning("%s (the client gets 503 with Retry-After; refused for lack of an instance: logged at most "
+                    "once every %g s%s)", message, self.every_s, more)
+        self.last, self.unlogged = now, 0
 
 
 class Starts:
@@ -43,7 +71,8 @@ class Starts:
         started again: RequestFailed at once. A tier with no instance in service at all (NoMember:
         every one removed by the operator, so none comes back by itself) fails it at once. A
         request that finds no instance on its first try fails at once (the client gets a 503 with
-        Retry-After: it did no work, so it is counted rejected, as a tier's 429 refusal is),
+        Retry-After: it did no work, so it is counted rejected, as a tier's 429 refusal is; and
+        logged, unlike a 429: :class:`UnavailableLog`, a flood summarised),
         unless it is another choice of a request whose first choice already started
         (``sibling_of``): that request did work, and its first choice waits for the tier
         (recovery), so this one waits with it instead of failing the whole request.
@@ -97,6 +126,8 @@ class Starts:
                     log.info("request %s: its client disconnected while it started; its start ended (%s)", rid, e)
                     raise RequestFailed(msg) from e
                 if rejected:  # a 429, or a 503 with Retry-After: refused, not failed (no WARNING per request)
+                    if refusal(e) is None:  # no instance reachable: capacity lost, logged (a flood summarised)
+                        self.unavailable_log.refused(msg)
                     raise RequestFailed(msg, client_error_of(e), client_reason_of(e)) from e
                 raise self._request_failed(msg, client_error_of(e), client_reason_of(e)) from e
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
