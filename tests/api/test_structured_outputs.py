@@ -479,3 +479,23 @@ def test_check_constraint_size_passes_what_it_cannot_refuse_without_compiling(bo
     monkeypatch.setattr(st, "on_compiler", lambda *a, **kw: pytest.fail("compiled"))
     assert check_constraint_size(body) is None
     assert getattr(body, "tools", None) == tools
+
+
+@pytest.mark.parametrize("kind,value,ws,message", [
+    ("regex", "a\ud800", None, "not valid Unicode text (a lone surrogate at character 1)"),
+    ("grammar", 'start: "\udfff"', None, "not valid Unicode text (a lone surrogate at character 8)"),
+    ("choice", ["a", "b\ud800"], None, "choice 1 is not valid Unicode text (a lone surrogate at character 1)"),
+    ("json", {"enum": ["ok", "\ud800"]}, None, "the schema's enum[1] is not valid Unicode text (a lone surrogate at "
+                                               "character 0)"),
+    ("json", '{"properties": {"k\\ud800": {}}}', None,
+     "the schema's properties key 'k\\ud800' is not valid Unicode text (a lone surrogate at character 1)"),
+    ("json", {}, " \ud800", "the whitespace pattern is not valid Unicode text (a lone surrogate at character 1)"),
+])
+def test_grammar_for_refuses_a_lone_surrogate_in_the_words_of_the_api(kind, value, ws, message):
+    """Python's codec ("'utf-8' codec can't encode character") or llguidance ("unexpected end of
+    hex escape") was the reason; a schema's JSON text's own \\ud800 escapes are found too."""
+    from pdd.structured import GrammarError, grammar_for
+
+    with pytest.raises(GrammarError) as e:
+        grammar_for(kind, value, whitespace_pattern=ws)
+    assert str(e.value) == message
