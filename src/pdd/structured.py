@@ -133,7 +133,8 @@ def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) ->
     Raises :class:`GrammarError` (a ``ValueError``) naming what is wrong: an unknown kind, a
     value of the wrong type, a text over :data:`MAX_CONSTRAINT_CHARS`, a lone surrogate (no
     Unicode text: the regex, grammar or choice, or a schema's string or key by its path, its
-    JSON text's ``\\ud800`` escapes included), a schema / regex / grammar llguidance rejects. Compiles on :func:`compiler`'s thread (this call waits)."""
+    JSON text's ``\\ud800`` escapes included), a schema / regex / grammar llguidance rejects.
+    Compiles on :func:`compiler`'s thread (this call waits)."""
     too_large = size_refusal(kind, value, whitespace_pattern)
     if too_large is not None:
         raise GrammarError(too_large)
