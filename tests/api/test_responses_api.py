@@ -394,6 +394,22 @@ async def test_what_cannot_be_honoured_is_a_400_naming_it(serve, extra, param, w
     assert s.orch.started == []
 
 
+@pytest.mark.parametrize("extra,param,message", [
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "nonsense"}}}}, "text.format.schema",
+     "text.format.schema: Invalid type: nonsense"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"enum": ["e" * 40_000]}}}},
+     "text.format.schema", "text.format.schema: the constraint is 40,014 characters; at most 32,768 are compiled"),
+])
+async def test_a_schema_its_compile_refuses_is_a_400_whose_param_is_the_path_named(serve, extra, param, message):
+    """param was the top-level field (text) while the message named the schema's path."""
+    s = await serve([PLAIN])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", json={**BASE, **extra})
+    assert (r.status_code, r.json()["error"]) == (400, {"message": message, "type": "invalid_request_error",
+                                                        "param": param, "code": None})
+    assert s.orch.started == []
+
+
 async def test_refusals_through_the_client(serve):
     from openai import BadRequestError, NotFoundError
 

@@ -134,7 +134,11 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": "yes"}}},
      "response_format", "response_format.json_schema.strict: must be a boolean, got 'yes'"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "nonsense"}}}},
-     "response_format", "response_format.json_schema.schema: Invalid type: nonsense"),
+     "response_format.json_schema.schema", "response_format.json_schema.schema: Invalid type: nonsense"),
+    # over the size limit: param the schema the message names (it was response_format)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"enum": ["e" * 40_000]}}}},
+     "response_format.json_schema.schema",
+     "response_format.json_schema.schema: the constraint is 40,014 characters; at most 32,768 are compiled"),
     ({"structured_outputs": "json"}, "structured_outputs",
      "structured_outputs: must be an object with one of json, regex, choice, grammar, json_object, got str 'json'"),
     ({"structured_outputs": {}}, "structured_outputs",
@@ -232,7 +236,8 @@ def test_a_chat_response_format_with_no_finite_value_is_a_400_before_any_tier_wo
     assert (r.status_code, r.json()) == (400, {"error": {
         "message": "response_format.json_schema.schema: no finite JSON value satisfies the schema: required "
                    "property 'a' can hold no finite value: its schema requires a value of the same schema again, "
-                   "without end", "type": "invalid_request_error", "param": "response_format", "code": None}})
+                   "without end", "type": "invalid_request_error", "param": "response_format.json_schema.schema",
+        "code": None}})
     assert not orch.started
 
 

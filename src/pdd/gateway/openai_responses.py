@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import secrets
 import time
 import uuid
@@ -525,16 +526,24 @@ _WORDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "ma
           "response_format.json_schema": "text.format", "response_format": "text.format"}
 
 
+# chat's tools[i].function.parameters is Responses' tools[i].parameters (its tools are flat)
+_CHAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\.")
+
+
 def renamed(e: ApiError) -> ApiError:
     """``e`` (raised by the chat path) with chat's parameter names replaced by the Responses
     request's (``messages`` -> ``input``, ``max_completion_tokens`` and ``max_tokens`` ->
     ``max_output_tokens``, ``response_format`` -> ``text`` / ``text.format``, its
-    ``json_schema`` fields being ``text.format``'s own), in ``param`` and in the message."""
+    ``json_schema`` fields being ``text.format``'s own, a tool's ``tools[i].function.X`` ->
+    ``tools[i].X``), in ``param`` and in the message: ``param``
+    ``response_format.json_schema.schema`` is ``text.format.schema``."""
     param = e.param
-    if param is not None:
+    if param is not None and param.startswith("response_format."):
+        param = "text.format." + param.removeprefix("response_format.").removeprefix("json_schema.")
+    elif param is not None:
         head, sep, tail = param.partition("[")
-        param = _PARAMS.get(head, head) + sep + tail
-    msg = e.message
+        param = _CHAT_TOOL.sub(r"tools[\1].", _PARAMS.get(head, head) + sep + tail)
+    msg = _CHAT_TOOL.sub(r"tools[\1].", e.message)
     for old, new in _WORDS.items():
         msg = msg.replace(old, new)
     e.message, e.param = msg, param

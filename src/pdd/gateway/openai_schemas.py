@@ -1040,7 +1040,7 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True, copied: b
     changed. ApiError (400) for a named function no tool has (param ``tool_choice``),
     ``parameters`` that are not an object (param ``tools[i].function.parameters``; chat's
     :func:`check_chat` refuses them first), ``parameters`` nested past the recursion limit (param
-    ``tools``, as llguidance's refusal of shallower ones is), or two tools defining one ``$defs``
+    ``tools[i].function.parameters``), or two tools defining one ``$defs``
     name differently (param ``tools``). ``copied`` False: the schema shares the tools' nested
     objects (not copied, so never the recursion refusal; for reading only, as
     :func:`check_constraint_size` measures it)."""
@@ -1062,8 +1062,8 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True, copied: b
         try:
             return copy.deepcopy(p)
         except RecursionError:  # deeper than copying can recurse (within the body's depth): never a 500
-            raise ApiError("the tools' parameters: recursion limit exceeded (nested too deeply to compile)",
-                           "tools") from None
+            raise ApiError(f"tools[{i}].function.parameters: recursion limit exceeded (nested too deeply to "
+                           "compile)", f"tools[{i}].function.parameters") from None
 
     fns = [t["function"] for t in tools]
     if isinstance(tool_choice, dict):
@@ -1227,11 +1227,14 @@ def structured_constraint(body, lltok=None) -> Constraint | None:
 
 
 def _grammar_refusal(param: str, kind: str, why: str) -> ApiError:
-    """The 400 for a constraint of ``kind`` from field ``param`` that does not compile (``why``)."""
+    """The 400 for a constraint of ``kind`` from field ``param`` that does not compile (``why``):
+    a response format's names its schema (``response_format.json_schema.schema``) in the
+    message and ``param``; a forced call's names ``the tools' parameters`` (param ``tools``: its
+    schema is made of them); ``structured_outputs.KIND`` in the message only."""
     where = {"response_format": "response_format.json_schema.schema",
              "structured_outputs": f"structured_outputs.{kind}",
              "tool_choice": "the tools' parameters"}.get(param, param)
-    return ApiError(f"{where}: {why}", "tools" if param == "tool_choice" else param)
+    return ApiError(f"{where}: {why}", {"tool_choice": "tools", "response_format": where}.get(param, param))
 
 
 def check_constraint_size(body) -> None:
