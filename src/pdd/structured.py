@@ -27,6 +27,8 @@ import re
 import threading
 from functools import lru_cache
 
+from pdd.text import lone_surrogate, surrogate_at
+
 log = logging.getLogger(__name__)
 
 # the constraint kinds of vLLM's StructuredOutputsParams (``json_object``: any JSON object)
@@ -129,8 +131,10 @@ def grammar_for(kind: str, value=None, whitespace_pattern: str | None = None) ->
     instead.
 
     Raises :class:`GrammarError` (a ``ValueError``) naming what is wrong: an unknown kind, a
-    value of the wrong type, a text over :data:`MAX_CONSTRAINT_CHARS`, a schema / regex /
-    grammar llguidance rejects. Compiles on :func:`compiler`'s thread (this call waits)."""
+    value of the wrong type, a text over :data:`MAX_CONSTRAINT_CHARS`, a lone surrogate (no
+    Unicode text: the regex, grammar or choice, or a schema's string or key by its path, its
+    JSON text's ``\\ud800`` escapes included), a schema / regex / grammar llguidance rejects.
+    Compiles on :func:`compiler`'s thread (this call waits)."""
     too_large = size_refusal(kind, value, whitespace_pattern)
     if too_large is not None:
         raise GrammarError(too_large)
@@ -323,6 +327,11 @@ def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
                     raise GrammarError(f"the JSON schema is not JSON: {e}") from None
                 if not isinstance(value, dict):
                     raise GrammarError("a JSON schema must be an object")
+            found = surrogate_at(value)  # (llguidance: "unexpected end of hex escape")
+            if found is not None:
+                where, _, at = found
+                raise GrammarError(f"the schema's {where} is not valid Unicode text (a lone surrogate at character "
+                                   f"{at})")
             endless = endless_required(value)  # llguidance compiles it and fails it at run time
             if endless is not None:
                 raise GrammarError(endless)
@@ -334,15 +343,19 @@ def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
         elif kind == "regex":
             if not isinstance(value, str) or not value:
                 raise GrammarError("a regex must be a non-empty string")
+            _check_unicode(value)
             g = M.grammar_from_regex(value)
         elif kind == "choice":
             if (not isinstance(value, list) or not value
                     or not all(isinstance(c, str) and c for c in value)):
                 raise GrammarError("choices must be a non-empty list of non-empty strings")
+            for j, c in enumerate(value):
+                _check_unicode(c, f"choice {j} is ")
             g = M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
         elif kind == "grammar":
             if not isinstance(value, str) or not value.strip():
                 raise GrammarError("a grammar must be a non-empty string (Lark or GBNF)")
+            _check_unicode(value)
             g = llg.grammar_from("grammar", value)
         else:
             raise GrammarError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
@@ -361,6 +374,15 @@ def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
             msg = re.sub(r"^(at )?\d+\(\d+\):\s*", "", msg)
         raise GrammarError(msg)
     return g
+
+
+def _check_unicode(text: str, what: str = "") -> None:
+    """GrammarError "``what``not valid Unicode text (a lone surrogate at character N)" for a
+    lone surrogate in ``text`` (Python's codec's words, or llguidance's "unexpected end of hex
+    escape", were the message)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise GrammarError(f"{what}not valid Unicode text (a lone surrogate at character {at})")
 
 
 def _reason(m, no_extension: str) -> str:
@@ -387,6 +409,7 @@ def _whitespace(pattern: str | None) -> dict | None:
         return None
     if not isinstance(pattern, str) or not pattern:
         raise GrammarError("a whitespace pattern must be a non-empty string (a regex)")
+    _check_unicode(pattern, "the whitespace pattern is ")
     return {"item_separator": ",", "key_separator": ":", "whitespace_flexible": True,
             "whitespace_pattern": pattern}
 

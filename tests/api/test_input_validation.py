@@ -960,6 +960,114 @@ def test_a_stop_of_another_type_and_a_lone_surrogate_in_a_message_say_where(api)
     assert not orch.started
 
 
+_HI = {"role": "user", "content": "hi"}
+_CALLED = {"role": "assistant", "tool_calls": [TOOL_CALL]}
+_NONE = {"tool_choice": "none"}
+
+
+def _tool(**function) -> dict:
+    return {"type": "function", "function": {"name": "f", **function}}
+
+
+@pytest.mark.parametrize("path,body,param,at", [
+    # a message's other strings: each was served (200); the template renders them
+    ("/v1/chat/completions", {"messages": [_HI, {"role": "user", "content": "x", "name": "a\ud800"}]},
+     "messages[1].name", 1),
+    ("/v1/chat/completions", {"messages": [_HI], "user": "\ud800"}, "user", 0),
+    ("/v1/chat/completions", {"messages": [_HI, _HI, {"role": "assistant", "tool_calls": [{**TOOL_CALL, "id": "c\ud800"}]}]},
+     "messages[2].tool_calls[0].id", 1),
+    ("/v1/chat/completions", {"messages": [_HI, _HI, _CALLED, {"role": "tool", "tool_call_id": "ca\udfff", "content": "x"}]},
+     "messages[3].tool_call_id", 2),
+    ("/v1/chat/completions", {"messages": [_HI, {"role": "assistant", "tool_calls": [
+        {**TOOL_CALL, "function": {"name": "g", "arguments": "{\"a\": \"\ud800\"}"}}]}]},
+     "messages[1].tool_calls[0].function.arguments", 7),
+    ("/v1/chat/completions", {"messages": [_HI, {"role": "assistant", "content": "x", "reasoning_content": "\ud800"}]},
+     "messages[1].reasoning_content", 0),
+    ("/v1/chat/completions", {"messages": [_HI], "chat_template_kwargs": {"x": ["ok", "\ud800"]}},
+     "chat_template_kwargs.x[1]", 0),
+    ("/v1/chat/completions", {"messages": [_HI], "documents": [{"text": "\ud800"}]}, "documents[0].text", 0),
+    ("/v1/chat/completions", {"messages": [_HI], "tools": [_tool(description="d\ud800")], **_NONE},
+     "tools[0].function.description", 1),
+    ("/v1/chat/completions", {"messages": [_HI], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n\ud800", "schema": {}}}}, "response_format.json_schema.name", 1),
+    ("/v1/completions", {"prompt": "hi", "user": "u\ud800"}, "user", 1),
+    # /tokenize renders messages (with tools and chat_template_kwargs) as chat does
+    ("/tokenize", {"messages": [_HI], "chat_template_kwargs": {"k": "\ud800"}}, "chat_template_kwargs.k", 0),
+    ("/tokenize", {"messages": [_HI, {"role": "user", "content": "x", "name": "\ud800"}]}, "messages[1].name", 0),
+])
+def test_a_lone_surrogate_in_any_field_is_a_400_naming_its_path(api, path, body, param, at):
+    """A lone surrogate (JSON's \\ud800: no UTF-8 text) in these fields was served, 200, or
+    (rendered by a template that shows it) refused at its position in the prompt, naming
+    ``messages``; each is the 400 the other text fields get, ``param`` its exact path."""
+    client, orch = api
+    r = client.post(path, content=json.dumps({"max_tokens": 2, **body}), headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()) == (400, {"error": {
+        "message": f"{param}: not valid Unicode text (a lone surrogate at character {at})",
+        "type": "invalid_request_error", "param": param, "code": None}})
+    assert not orch.started
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": [_HI]}), ("/v1/completions", OK)])
+def test_a_lone_surrogate_in_model_is_a_400_not_a_404_echoing_it(api, path, body):
+    client, orch = api
+    r = client.post(path, content=json.dumps({**body, "model": "pdd\udc00"}), headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]) == (400, {
+        "message": "model: not valid Unicode text (a lone surrogate at character 3)",
+        "type": "invalid_request_error", "param": "model", "code": None})
+    assert not orch.started
+
+
+@pytest.mark.parametrize("body,param,message", [
+    # raw in the request: the field's path (it was Python's codec's words or llguidance's
+    # "unexpected end of hex escape", param the field)
+    ({"guided_regex": "a\ud800"}, "guided_regex", "guided_regex: not valid Unicode text (a lone surrogate at character 1)"),
+    ({"guided_grammar": 'start: "\ud800"'}, "guided_grammar",
+     "guided_grammar: not valid Unicode text (a lone surrogate at character 8)"),
+    ({"regex": "\ud800"}, "regex", "regex: not valid Unicode text (a lone surrogate at character 0)"),
+    ({"ebnf": 'root ::= "\ud800"'}, "ebnf", "ebnf: not valid Unicode text (a lone surrogate at character 10)"),
+    ({"guided_json": {"enum": ["\ud800"]}}, "guided_json.enum[0]",
+     "guided_json.enum[0]: not valid Unicode text (a lone surrogate at character 0)"),
+    ({"guided_choice": ["a", "b\ud800"]}, "guided_choice[1]",
+     "guided_choice[1]: not valid Unicode text (a lone surrogate at character 1)"),
+    ({"structured_outputs": {"regex": "\ud800"}}, "structured_outputs.regex",
+     "structured_outputs.regex: not valid Unicode text (a lone surrogate at character 0)"),
+    ({"guided_json": {}, "guided_whitespace_pattern": " \ud800"}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern: not valid Unicode text (a lone surrogate at character 1)"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"k\ud800": {}}}}}}, "response_format.json_schema.schema.properties",
+     "response_format.json_schema.schema.properties key 'k\\ud800': not valid Unicode text (a lone surrogate at "
+     "character 1)"),
+    # escaped in a schema's JSON text: the compiler's check names the schema's path
+    ({"json_schema": '{"enum": ["ok", "a\\ud800"]}'}, "json_schema",
+     "json_schema: the schema's enum[1] is not valid Unicode text (a lone surrogate at character 1)"),
+    ({"guided_json": '{"properties": {"\\udfff": {}}}'}, "guided_json",
+     "guided_json: the schema's properties key '\\udfff' is not valid Unicode text (a lone surrogate at character 0)"),
+    ({"structured_outputs": {"json": '{"enum": ["\\ud800"]}'}}, "structured_outputs",
+     "structured_outputs.json: the schema's enum[0] is not valid Unicode text (a lone surrogate at character 0)"),
+])
+def test_a_lone_surrogate_in_a_constraint_is_a_400_in_the_same_words(api, body, param, message):
+    client, orch = api
+    r = client.post("/v1/completions", content=json.dumps({**OK, **body}), headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]) == (400, {"message": message, "type": "invalid_request_error",
+                                                        "param": param, "code": None})
+    assert not orch.started
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "required", {"type": "function", "function": {"name": "f"}}])
+def test_a_lone_surrogate_in_a_tool_s_parameters_is_a_400_naming_its_path(api, tool_choice):
+    """A forced call compiled it: "the tools' parameters: unexpected end of hex escape", param
+    ``tools``; with tool_choice none it was served."""
+    client, orch = api
+    body = {"messages": [_HI], "max_tokens": 2, "tool_choice": tool_choice,
+            "tools": [_tool(parameters={"type": "object", "properties": {"a": {"description": "x\ud800"}}})]}
+    r = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+    param = "tools[0].function.parameters.properties.a.description"
+    assert (r.status_code, r.json()["error"]) == (400, {
+        "message": f"{param}: not valid Unicode text (a lone surrogate at character 1)",
+        "type": "invalid_request_error", "param": param, "code": None})
+    assert not orch.started
+
+
 @pytest.mark.parametrize("body,offset", [(b'{"prompt": "\xff\xfe", "max_tokens": 2}', 12), (b"\xff\xfe\x00", 0)])
 def test_a_body_that_is_not_utf8_is_400_naming_the_byte(api, body, offset):
     """Found by a new user: such a body got FastAPI's bare "There was an error parsing the body"."""

@@ -394,6 +394,22 @@ async def test_what_cannot_be_honoured_is_a_400_naming_it(serve, extra, param, w
     assert s.orch.started == []
 
 
+@pytest.mark.parametrize("extra,param,message", [
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "nonsense"}}}}, "text.format.schema",
+     "text.format.schema: Invalid type: nonsense"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"enum": ["e" * 40_000]}}}},
+     "text.format.schema", "text.format.schema: the constraint is 40,014 characters; at most 32,768 are compiled"),
+])
+async def test_a_schema_its_compile_refuses_is_a_400_whose_param_is_the_path_named(serve, extra, param, message):
+    """param was the top-level field (text) while the message named the schema's path."""
+    s = await serve([PLAIN])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", json={**BASE, **extra})
+    assert (r.status_code, r.json()["error"]) == (400, {"message": message, "type": "invalid_request_error",
+                                                        "param": param, "code": None})
+    assert s.orch.started == []
+
+
 async def test_refusals_through_the_client(serve):
     from openai import BadRequestError, NotFoundError
 
@@ -460,6 +476,12 @@ async def test_malformed_fields_are_400s_never_500s(serve, extra):
       "tool_choice": "none"}, "tools[0].description", "tools[0].description: not valid Unicode text"),
     ({"text": {"format": {"type": "json_schema", "name": "n\ud83d", "schema": {"type": "object"}}}},
      "text.format.name", "text.format.name: not valid Unicode text"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"enum": ["a\ud83d"]}}}},
+     "text.format.schema.enum[0]", "text.format.schema.enum[0]: not valid Unicode text (a lone surrogate at character 1)"),
+    *[({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"\udc00": {}}}}],
+        "tool_choice": tc}, "tools[0].parameters.properties",
+       "tools[0].parameters.properties key '\\udc00': not valid Unicode text (a lone surrogate at character 0)")
+      for tc in ("none", "required", {"type": "function", "name": "f"})],
 ])
 async def test_a_lone_surrogate_is_a_400_naming_its_field(serve, extra, param, words):
     s = await serve([PLAIN])
@@ -495,6 +517,17 @@ async def test_a_lone_surrogate_in_an_input_field_kept_as_sent_is_a_400_naming_i
     assert r.status_code == 400, r.text
     assert r.json()["error"] == {"message": f"{param}: not valid Unicode text (a lone surrogate at character {at})",
                                  "type": "invalid_request_error", "param": param, "code": None}
+    assert s.orch.started == []
+
+
+async def test_a_lone_surrogate_in_previous_response_id_is_a_400_not_a_404_echoing_it(serve):
+    s = await serve([PLAIN])
+    async with httpx.AsyncClient(base_url=s.base_url) as http:
+        r = await http.post("/v1/responses", content=json.dumps({**BASE, "previous_response_id": "resp_\ud800"}),
+                            headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]) == (400, {
+        "message": "previous_response_id: not valid Unicode text (a lone surrogate at character 5)",
+        "type": "invalid_request_error", "param": "previous_response_id", "code": None})
     assert s.orch.started == []
 
 

@@ -307,6 +307,7 @@ async def test_a_forced_call_whose_parameters_nest_past_the_recursion_limit_is_a
     async with httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
         r = await c.post("/v1/responses", json=body)
     assert r.status_code == 400, r.text
-    assert r.json()["error"] == {"message": "the tools' parameters: recursion limit exceeded (nested too deeply to "
-                                 "compile)", "type": "invalid_request_error", "param": "tools", "code": None}
+    assert r.json()["error"] == {"message": "tools[0].parameters: recursion limit exceeded (nested too deeply to "
+                                 "compile)", "type": "invalid_request_error", "param": "tools[0].parameters",
+                                 "code": None}
     assert s.orch.started == []

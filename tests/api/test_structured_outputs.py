@@ -134,7 +134,11 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": "yes"}}},
      "response_format", "response_format.json_schema.strict: must be a boolean, got 'yes'"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "nonsense"}}}},
-     "response_format", "response_format.json_schema.schema: Invalid type: nonsense"),
+     "response_format.json_schema.schema", "response_format.json_schema.schema: Invalid type: nonsense"),
+    # over the size limit: param the schema the message names (it was response_format)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"enum": ["e" * 40_000]}}}},
+     "response_format.json_schema.schema",
+     "response_format.json_schema.schema: the constraint is 40,014 characters; at most 32,768 are compiled"),
     ({"structured_outputs": "json"}, "structured_outputs",
      "structured_outputs: must be an object with one of json, regex, choice, grammar, json_object, got str 'json'"),
     ({"structured_outputs": {}}, "structured_outputs",
@@ -232,7 +236,8 @@ def test_a_chat_response_format_with_no_finite_value_is_a_400_before_any_tier_wo
     assert (r.status_code, r.json()) == (400, {"error": {
         "message": "response_format.json_schema.schema: no finite JSON value satisfies the schema: required "
                    "property 'a' can hold no finite value: its schema requires a value of the same schema again, "
-                   "without end", "type": "invalid_request_error", "param": "response_format", "code": None}})
+                   "without end", "type": "invalid_request_error", "param": "response_format.json_schema.schema",
+        "code": None}})
     assert not orch.started
 
 
@@ -504,3 +509,23 @@ def test_an_oversized_constraint_is_refused_before_its_whitespace_patterns_regex
     with pytest.raises(ApiError) as ex:
         structured_constraint(_cmpl(guided_json={"enum": ["e"]}, guided_whitespace_pattern="[ "))
     assert ex.value.param == "guided_whitespace_pattern" and "invalid regex" in ex.value.message
+
+
+@pytest.mark.parametrize("kind,value,ws,message", [
+    ("regex", "a\ud800", None, "not valid Unicode text (a lone surrogate at character 1)"),
+    ("grammar", 'start: "\udfff"', None, "not valid Unicode text (a lone surrogate at character 8)"),
+    ("choice", ["a", "b\ud800"], None, "choice 1 is not valid Unicode text (a lone surrogate at character 1)"),
+    ("json", {"enum": ["ok", "\ud800"]}, None, "the schema's enum[1] is not valid Unicode text (a lone surrogate at "
+                                               "character 0)"),
+    ("json", '{"properties": {"k\\ud800": {}}}', None,
+     "the schema's properties key 'k\\ud800' is not valid Unicode text (a lone surrogate at character 1)"),
+    ("json", {}, " \ud800", "the whitespace pattern is not valid Unicode text (a lone surrogate at character 1)"),
+])
+def test_grammar_for_refuses_a_lone_surrogate_in_the_words_of_the_api(kind, value, ws, message):
+    """Python's codec ("'utf-8' codec can't encode character") or llguidance ("unexpected end of
+    hex escape") was the reason; a schema's JSON text's own \\ud800 escapes are found too."""
+    from pdd.structured import GrammarError, grammar_for
+
+    with pytest.raises(GrammarError) as e:
+        grammar_for(kind, value, whitespace_pattern=ws)
+    assert str(e.value) == message

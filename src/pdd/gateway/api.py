@@ -607,7 +607,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
 
     def check_model(name: str | None) -> None:
         """404 ``model_not_found`` for a model this server does not serve; null or "" is the served
-        model, as vLLM takes it (a client with no model configured sends "")."""
+        model, as vLLM takes it (a client with no model configured sends ""); 400 for a name
+        that is no Unicode text (a lone surrogate: no model's name), as any other field's."""
+        if name and (bad := lone_surrogate(name)) is not None:
+            raise ApiError(f"model: not valid Unicode text (a lone surrogate at character {bad})", "model")
         if name and name != model_name:
             raise ApiError(f"model {shown(name)} does not exist; this server serves {model_name!r}", "model",
                            status=404, code="model_not_found")
@@ -919,7 +922,10 @@ def create_app(cfg: ClusterConfig, orch: Orchestrator, tokenizer, chat_template:
         endpoint would serve, with the same defaults (special tokens added to a text prompt, the
         chat template for messages) and the same ``truncate_prompt_tokens`` (its last k ids; it
         was ignored, so ``count`` was not what the endpoint serves)."""
+        from pdd.gateway.openai_schemas import check_unicode
+
         check_model(body.model)
+        check_unicode(body, frozenset({"prompt", "messages"}))  # those: encode's and check_messages' checks
         check_truncate(body.truncate_prompt_tokens, cfg.engine.max_input_len)  # before the tokenizer's work
         if body.messages is not None:
             check_messages(body.messages)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import secrets
 import time
 import uuid
@@ -56,8 +57,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
 from pdd.gateway.openai_schemas import (MAX_LOGPROBS, ApiError, ChatCompletionRequest, bad_description,
-                                        bad_function_name, bad_parameters, duplicate_name, lone_surrogate, not_strict_json)
-from pdd.text import shown
+                                        bad_function_name, bad_parameters, duplicate_name, lone_surrogate, not_strict_json,
+                                        not_unicode)
+from pdd.text import shown, surrogate_at
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY_CHARS = 64
@@ -131,28 +133,6 @@ def _refuse(param: str, message: str) -> ApiError:
     return ApiError(message, param)
 
 
-def _surrogate_at(v, path: str) -> tuple[str, str, int] | None:
-    """``(where, param, index)`` of the first lone surrogate in ``v``'s strings (dict keys
-    included): ``where`` names it for the message (a key by its ``ascii()``), ``param`` is the
-    field's path (the object holding the key, for a key), ``index`` the character."""
-    if isinstance(v, str):
-        i = lone_surrogate(v)
-        return (path, path, i) if i is not None else None
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if isinstance(k, str) and lone_surrogate(k) is not None:  # named by its ascii(): no surrogate in the reply
-                return f"{path} key {ascii(k)}", path, lone_surrogate(k)
-            found = _surrogate_at(x, f"{path}.{k}")
-            if found is not None:
-                return found
-    if isinstance(v, list):
-        for i, x in enumerate(v):
-            found = _surrogate_at(x, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
 def check_responses(body: ResponsesRequest) -> None:
     """ApiError (400, ``param`` naming the field) for what pdd cannot honour (module docstring),
     for bad ``metadata`` and for a lone surrogate in any field but ``input`` and
@@ -169,10 +149,9 @@ def check_responses(body: ResponsesRequest) -> None:
             if bad:
                 raise _refuse(f"tools[{i}].name", bad)
     for name, value in body.model_dump(exclude={"input", "instructions"}).items():
-        found = _surrogate_at(value, name)
+        found = surrogate_at(value, name)
         if found is not None:
-            where, param, at = found
-            raise _refuse(param, f"{where}: not valid Unicode text (a lone surrogate at character {at})")
+            raise not_unicode(*found)
     if body.background:
         raise _refuse("background", "background: true is not supported: pdd runs a request only while its "
                       "client waits; leave background out (stream: true gives the output as it is made)")
@@ -305,7 +284,7 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
     OpenAI refuses them (an output before its call would put the result before the model asked
     for it in the rendered conversation); after those, the path of the first lone surrogate in any
     other string of the items or key (``input[0].id``, ``input[0].content[0].x``; a key: the
-    object holding it, :func:`_surrogate_at`), which ``input_items`` would list as sent."""
+    object holding it, :func:`pdd.text.surrogate_at`), which ``input_items`` would list as sent."""
     items = body.input
     if isinstance(items, str):
         return Input([{"role": "user", "content": _text_of(items, "input", ())}],
@@ -418,10 +397,9 @@ def read_input(body: ResponsesRequest, prior: list[dict] | None = None) -> Input
                           f"{shown(cid)}: input[{j}] answers it already")
     # what the walk above did not read as text (an item's id, a part's other keys, annotations) is
     # kept as sent and listed by input_items: a lone surrogate there made every GET of it a 500
-    found = _surrogate_at(items, "input")
+    found = surrogate_at(items, "input")
     if found is not None:
-        where, param, at = found
-        raise _refuse(param, f"{where}: not valid Unicode text (a lone surrogate at character {at})")
+        raise not_unicode(*found)
     return Input(msgs, listed)
 
 
@@ -548,16 +526,24 @@ _WORDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "ma
           "response_format.json_schema": "text.format", "response_format": "text.format"}
 
 
+# chat's tools[i].function.parameters is Responses' tools[i].parameters (its tools are flat)
+_CHAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\.")
+
+
 def renamed(e: ApiError) -> ApiError:
     """``e`` (raised by the chat path) with chat's parameter names replaced by the Responses
     request's (``messages`` -> ``input``, ``max_completion_tokens`` and ``max_tokens`` ->
     ``max_output_tokens``, ``response_format`` -> ``text`` / ``text.format``, its
-    ``json_schema`` fields being ``text.format``'s own), in ``param`` and in the message."""
+    ``json_schema`` fields being ``text.format``'s own, a tool's ``tools[i].function.X`` ->
+    ``tools[i].X``), in ``param`` and in the message: ``param``
+    ``response_format.json_schema.schema`` is ``text.format.schema``."""
     param = e.param
-    if param is not None:
+    if param is not None and param.startswith("response_format."):
+        param = "text.format." + param.removeprefix("response_format.").removeprefix("json_schema.")
+    elif param is not None:
         head, sep, tail = param.partition("[")
-        param = _PARAMS.get(head, head) + sep + tail
-    msg = e.message
+        param = _CHAT_TOOL.sub(r"tools[\1].", _PARAMS.get(head, head) + sep + tail)
+    msg = _CHAT_TOOL.sub(r"tools[\1].", e.message)
     for old, new in _WORDS.items():
         msg = msg.replace(old, new)
     e.message, e.param = msg, param
@@ -932,6 +918,9 @@ def add_responses_route(app: FastAPI, chat_completions, store: ResponseStore | N
     async def responses(body: ResponsesRequest, request: Request):
         prior: list[dict] = []
         if body.previous_response_id is not None:
+            found = surrogate_at(body.previous_response_id, "previous_response_id")
+            if found is not None:  # no response's id: a 400, not a 404 echoing it
+                raise not_unicode(*found)
             got = store.get(body.previous_response_id)
             if got is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       field_validator, model_validator)
 
-from pdd.text import shown
+from pdd.text import lone_surrogate, shown, surrogate_at
 from pdd.types import SamplingParams
 
 MAX_N = 16  # choices per request
@@ -38,16 +38,6 @@ MAX_BAD_WORD_CHARS = 1024  # characters per bad word
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions batch (each is admitted as a request of n choices)
 
 _MASK64 = (1 << 64) - 1
-
-
-def lone_surrogate(text: str) -> int | None:
-    """Index of the first lone surrogate (U+D800-U+DFFF, which JSON's ``\\ud800`` escapes can
-    carry but no UTF-8 text can) in ``text``, or None when it is valid Unicode text."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as e:
-        return e.start
 
 
 def media_type(content_type: str | None) -> str:
@@ -559,11 +549,33 @@ _MESSAGES: dict[str, type[_Message]] = {"system": _ContentMessage, "developer": 
 assert set(_MESSAGES) == CHAT_ROLES
 
 
+def not_unicode(where: str, param: str, at: int) -> ApiError:
+    """The 400 for a lone surrogate at character ``at`` of the string ``where`` names (its path,
+    or an object's key), ``param`` the field's path (:func:`pdd.text.surrogate_at`'s triple)."""
+    return ApiError(f"{where}: not valid Unicode text (a lone surrogate at character {at})", param)
+
+
+def check_unicode(body: BaseModel, skip: frozenset[str] = frozenset()) -> None:
+    """ApiError (400, :func:`not_unicode`) for the first lone surrogate in the strings (keys
+    included) of ``body``'s fields, in their declared order, but those in ``skip`` (checked
+    where they are read: a prompt by the tokenizer's check, messages by :func:`check_messages`);
+    ``param`` is its exact path (``user``, ``tools[0].function.parameters.properties.a``,
+    ``guided_choice[1]``). A lone surrogate (JSON's ``\\ud800``) is no UTF-8 text: in ``user``
+    it was served, in a constraint it got the compiler's words ("unexpected end of hex escape")."""
+    for name in type(body).model_fields:
+        if name in skip:
+            continue
+        found = surrogate_at(getattr(body, name), name)
+        if found is not None:
+            raise not_unicode(*found)
+
+
 def check_messages(messages: list) -> None:
     """Each chat message has the shape OpenAI's API requires for its role (:class:`_Message`
     and its subclasses): a known ``role``; ``content`` for system, developer, user and tool;
     ``tool_call_id`` for tool; ``content`` or ``tool_calls`` for assistant; ``name`` for function;
-    each of the right type. ApiError (400) whose ``param`` is the field, e.g.
+    each of the right type; every string of it (keys included) valid Unicode text
+    (:func:`not_unicode`). ApiError (400) whose ``param`` is the field, e.g.
     ``messages[2].tool_call_id``, and whose message says what is wrong with it."""
     for i, m in enumerate(messages):
         at = f"messages[{i}]"
@@ -588,6 +600,12 @@ def check_messages(messages: list) -> None:
         if isinstance(msg, _AssistantMessage) and msg.content is None and msg.tool_calls is None \
                 and msg.function_call is None:
             raise ApiError(f"{at}.content: required for role 'assistant' unless tool_calls is given", f"{at}.content")
+        # every string of the message (its name, tool call ids, a tool_call_id, a template's own
+        # keys) reaches the chat template: a lone surrogate was served (200) or refused at its
+        # position in the rendered prompt, naming no field
+        found = surrogate_at(m, at)
+        if found is not None:
+            raise not_unicode(*found)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -850,7 +868,8 @@ def prompt_batch(prompt) -> list:
 
 
 def check_completion(body: CompletionRequest) -> None:
-    """Completion-only checks (ApiError naming the parameter)."""
+    """Completion-only checks (ApiError naming the parameter), then a lone surrogate in any
+    field but ``prompt`` (:func:`check_unicode`)."""
     _check_stream_options(body)
     if body.suffix:
         raise ApiError("suffix is not supported", "suffix")
@@ -861,6 +880,7 @@ def check_completion(body: CompletionRequest) -> None:
     _check_prompt_logprobs(body)
     _check_response_format(body.response_format)
     check_unhonoured(body)
+    check_unicode(body, frozenset({"prompt"}))  # a prompt's own check says where in a batch, after its length
 
 
 def _empty(v) -> bool:
@@ -1020,7 +1040,7 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True, copied: b
     changed. ApiError (400) for a named function no tool has (param ``tool_choice``),
     ``parameters`` that are not an object (param ``tools[i].function.parameters``; chat's
     :func:`check_chat` refuses them first), ``parameters`` nested past the recursion limit (param
-    ``tools``, as llguidance's refusal of shallower ones is), or two tools defining one ``$defs``
+    ``tools[i].function.parameters``), or two tools defining one ``$defs``
     name differently (param ``tools``). ``copied`` False: the schema shares the tools' nested
     objects (not copied, so never the recursion refusal; for reading only, as
     :func:`check_constraint_size` measures it)."""
@@ -1042,8 +1062,8 @@ def tool_schema(tool_choice, tools: list[dict], parallel: bool = True, copied: b
         try:
             return copy.deepcopy(p)
         except RecursionError:  # deeper than copying can recurse (within the body's depth): never a 500
-            raise ApiError("the tools' parameters: recursion limit exceeded (nested too deeply to compile)",
-                           "tools") from None
+            raise ApiError(f"tools[{i}].function.parameters: recursion limit exceeded (nested too deeply to "
+                           "compile)", f"tools[{i}].function.parameters") from None
 
     fns = [t["function"] for t in tools]
     if isinstance(tool_choice, dict):
@@ -1320,11 +1340,14 @@ def _size_refusal(kind: str, value, ws: str | None) -> str | None:
 
 
 def _grammar_refusal(param: str, kind: str, why: str) -> ApiError:
-    """The 400 for a constraint of ``kind`` from field ``param`` that does not compile (``why``)."""
+    """The 400 for a constraint of ``kind`` from field ``param`` that does not compile (``why``):
+    a response format's names its schema (``response_format.json_schema.schema``) in the
+    message and ``param``; a forced call's names ``the tools' parameters`` (param ``tools``: its
+    schema is made of them); ``structured_outputs.KIND`` in the message only."""
     where = {"response_format": "response_format.json_schema.schema",
              "structured_outputs": f"structured_outputs.{kind}",
              "tool_choice": "the tools' parameters"}.get(param, param)
-    return ApiError(f"{where}: {why}", "tools" if param == "tool_choice" else param)
+    return ApiError(f"{where}: {why}", {"tool_choice": "tools", "response_format": where}.get(param, param))
 
 
 def check_constraint_size(body) -> None:
@@ -1556,7 +1579,8 @@ def duplicate_name(first: dict[str, int], name: str, i: int, where: str) -> str 
 
 
 def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> None:
-    """Chat-only checks (ApiError naming the parameter). ``tool_parser``: the gateway's tool-call
+    """Chat-only checks (ApiError naming the parameter), then a lone surrogate in any field
+    (:func:`check_messages`, :func:`check_unicode`). ``tool_parser``: the gateway's tool-call
     parser for the model (``pdd.gateway.tool_parsers.PARSERS``), None when it parses none."""
     _check_stream_options(body)
     if not body.messages:
@@ -1594,3 +1618,4 @@ def check_chat(body: ChatCompletionRequest, tool_parser: str | None = None) -> N
         raise ApiError("echo (prepending the last message to the reply) is not supported", "echo")
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError("best_of other than n is not supported", "best_of")
+    check_unicode(body, frozenset({"messages"}))  # check_messages checked the messages
