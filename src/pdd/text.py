@@ -50,12 +50,14 @@ def surrogate_at(v, path: str = "") -> tuple[str, str, int] | None:
         for k, x in v.items():
             if isinstance(k, str) and (i := lone_surrogate(k)) is not None:
                 return f"{path} key {ascii(k)}" if path else f"key {ascii(k)}", path, i
-            found = surrogate_at(x, f"{path}.{k}" if path else str(k))
-            if found is not None:
-                return found
+            if isinstance(x, (str, dict, list)):  # a path is written only where a string can be
+                found = surrogate_at(x, f"{path}.{k}" if path else str(k))
+                if found is not None:
+                    return found
     elif isinstance(v, list):
         for i, x in enumerate(v):
-            found = surrogate_at(x, f"{path}[{i}]")
-            if found is not None:
-                return found
+            if isinstance(x, (str, dict, list)):
+                found = surrogate_at(x, f"{path}[{i}]")
+                if found is not None:
+                    return found
     return None
