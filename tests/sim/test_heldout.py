@@ -512,3 +512,44 @@ def test_the_report_lists_each_run_s_ttft_phase_errors(tmp_path):
     assert f"- {run}: to P's reply 0-127 -1.5, >=1024 +40.0; after it +6.2, -1.0" in lines
     assert not any(line.startswith(f"- {old}:") for line in lines)
     assert "TTFT phases" not in format_report(held_out_report(cal, [old]))
+
+
+_PHASE = {"prompt_tokens_computed": "0-127", "requests": 5, "to_p_reply_ms": {"live": 20.0, "sim": 18.5},
+          "after_p_reply_ms": {"live": 15.0, "sim": 21.0}}
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("ttft_phases", "oops", 'ttft_phases must be null or a list, got "oops"'),
+    ("ttft_phases", [7], "ttft_phases[0] must be an object with a prompt_tokens_computed bucket name, got 7"),
+    ("ttft_phases", [{**_PHASE, "requests": "5"}], 'ttft_phases[0].requests must be a whole number >= 0, got "5"'),
+    ("ttft_phases", [{**_PHASE, "to_p_reply_ms": {"live": "x", "sim": 1.0}}],
+     'ttft_phases[0].to_p_reply_ms.live must be a finite number of ms, got "x"'),
+    ("ttft_phases", [{**_PHASE, "after_p_reply_ms": 3.0}], "ttft_phases[0].after_p_reply_ms.live must be a finite "
+                                                           "number of ms, got 3.0"),
+    ("config", "c", "config must be an object, got 'c'"),
+])
+@pytest.mark.parametrize("which", ["cal", "ho"])
+def test_a_malformed_phase_or_config_is_one_line_naming_the_field(tmp_path, capsys, field, value, named, which):
+    """Hand-edited: exit 2, one line naming the file and field, in the calibration run's file too
+    (it was a TypeError traceback from the report's formatting, or read on)."""
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    d = cal if which == "cal" else ho
+    v = json.loads((d / "validate.json").read_text())
+    v[field] = value
+    (d / "validate.json").write_text(json.dumps(v))
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{which}/validate.json: {named}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_held_out_run_given_twice_is_refused(tmp_path, capsys):
+    cal = _run_dir(tmp_path, "cal")
+    ho = _run_dir(tmp_path, "ho", {"session_seed": 2})
+    with pytest.raises(ValueError, match=f"--held-out: {ho}/ is given twice; each held-out run once"):
+        held_out_report(cal, [ho, f"{ho}/"])
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho), str(ho)])
+    assert ex.value.code == 2 and "is given twice" in capsys.readouterr().err

@@ -130,6 +130,8 @@ def read_validate(run_dir: str | Path) -> dict:
     for k in ("workload", "live", "sim"):
         if not isinstance(v[k], dict):
             raise ValueError(f"{p}: {k} must be an object, got {v[k]!r}")
+    if v.get("config") is not None and not isinstance(v["config"], dict):
+        raise ValueError(f"{p}: config must be an object, got {v['config']!r}")
     _check_err_ci(p, v.get("err_ci"))
     _check_numbers(p, v)
     return v
@@ -200,6 +202,22 @@ def _check_numbers(p, v: dict) -> None:
             x = ps.get(k)
             if x is not None and not _is_num(x):
                 bad(f"at_live_p_speed.{k}", "null or a finite number", x)
+    phases = v.get("ttft_phases")
+    if phases is not None:
+        if not isinstance(phases, list):
+            bad("ttft_phases", "null or a list", phases)
+        for i, ph in enumerate(phases):
+            if not isinstance(ph, dict) or not isinstance(ph.get("prompt_tokens_computed"), str):
+                bad(f"ttft_phases[{i}]", "an object with a prompt_tokens_computed bucket name", ph)
+            x = ph.get("requests")
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                bad(f"ttft_phases[{i}].requests", "a whole number >= 0", x)
+            for k in ("to_p_reply_ms", "after_p_reply_ms"):
+                for side in ("live", "sim"):
+                    d = ph.get(k)
+                    x = d.get(side) if isinstance(d, dict) else d
+                    if not (isinstance(d, dict) and _is_num(x)):
+                        bad(f"ttft_phases[{i}].{k}.{side}", "a finite number of ms", x)
     sp = v.get("at_live_speed")
     if sp is not None:
         if not isinstance(sp, dict) or not isinstance(sp.get("factors"), dict):
@@ -312,6 +330,9 @@ def held_out_report(calibration: str | Path, held_out: list[str | Path], noise: 
     pipeline match, and the goal checks (``GOALS``). ``noise``: two directories of one workload,
     run live twice, compared with ``live_vs_live``."""
     goals = {**GOALS, **(goals or {})}
+    for i, d in enumerate(held_out):
+        if any(_same_path(d, e) for e in held_out[:i]):
+            raise ValueError(f"--held-out: {d} is given twice; each held-out run once")
     cal = read_validate(calibration)
     cw = _workload(cal)
     runs = []
