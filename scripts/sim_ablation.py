@@ -234,6 +234,8 @@ def main(argv=None) -> int:
     import sim_heldout
 
     if not a.one:  # the runs and --out checked once, before the table's head (each variant would refuse them)
+        if a.profile is not None and not Path(a.profile).is_file():
+            ap.error(f"--profile: no such file {a.profile}")
         try:
             sim_heldout.load_runs(Path(a.runs))
         except ValueError as e:

@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="data/profiles/this-machine.json",
                     help="the bare-engine profile calibrate-roles starts from")
     a = ap.parse_args(argv)
+    if not Path(a.profile).is_file():  # named here, not by the calibrate-roles it runs
+        ap.error(f"--profile: no such file {a.profile}")
     runs, out = Path(a.runs), Path(a.out)
     try:
         man = load_runs(runs)

@@ -81,3 +81,23 @@ async def test_a_request_no_instance_can_take_is_counted_rejected_and_logged_onc
         f"{msgs[4]} (the client gets 503 with Retry-After; refused for lack of an instance: logged at most once "
         f"every {every:g} s; 3 more refused so since the last such line)"]
     assert not orch.reqs
+
+
+def test_refusals_left_unlogged_when_requests_start_again_get_their_line(caplog):
+    """An outage shorter than the interval after its first line: the refusals after that line are
+    logged when the next request starts, not left to a line that never comes."""
+    from pdd.gateway.start import UnavailableLog
+
+    caplog.set_level(logging.INFO)
+    now = [0.0]
+    ul = UnavailableLog(every_s=10.0, clock=lambda: now[0])
+    ul.started()  # nothing refused: no line
+    for _ in range(3):
+        ul.refused("request r1 failed while starting: no prefill instance is reachable")
+        now[0] += 1.0
+    ul.started()
+    ul.started()  # told once
+    assert _warnings(caplog) == [
+        "request r1 failed while starting: no prefill instance is reachable (the client gets 503 with Retry-After; "
+        "refused for lack of an instance: logged at most once every 10 s)",
+        "2 more request(s) refused for lack of an instance since the last such line; requests start again"]

@@ -302,11 +302,12 @@ def test_rtt_as_live_reads_each_requests_first_pipeline_decision():
 
 
 @pytest.mark.parametrize("script", ["sim_heldout", "sim_ablation"])
-@pytest.mark.parametrize("case", ["out_a_file", "out_under_a_file", "runs_empty"])
+@pytest.mark.parametrize("case", ["out_a_file", "out_under_a_file", "runs_empty", "profile_missing"])
 def test_the_scripts_refuse_an_unusable_out_or_runs_in_one_line(capsys, tmp_path, script, case):
-    """An --out that is a file (or under one) or a --runs without a manifest: one usage line
-    naming the flag (exit 2), before the ablation table's head; was a FileExistsError /
-    NotADirectoryError traceback (exit 1) after the head."""
+    """An --out that is a file (or under one), a --runs without a manifest or a --profile that
+    is no file: one usage line naming the flag (exit 2), before the ablation table's head; was a
+    FileExistsError / NotADirectoryError traceback (exit 1) after the head, or calibrate-roles'
+    line naming another program."""
     spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -314,12 +315,13 @@ def test_the_scripts_refuse_an_unusable_out_or_runs_in_one_line(capsys, tmp_path
     (tmp_path / "empty").mkdir()
     out = {"out_a_file": tmp_path / "f", "out_under_a_file": tmp_path / "f" / "out"}.get(case, tmp_path / "out")
     runs = tmp_path / "empty" if case == "runs_empty" else RUNS
+    prof = ["--profile", str(tmp_path / "nope.json")] if case == "profile_missing" else []
     with pytest.raises(SystemExit) as e:
-        mod.main(["--out", str(out), "--runs", str(runs)])
+        mod.main(["--out", str(out), "--runs", str(runs), *prof])
     assert e.value.code == 2
     cap = capsys.readouterr()
     assert cap.out == ""
-    flag = "--runs" if case == "runs_empty" else "--out"
+    flag = {"runs_empty": "--runs", "profile_missing": "--profile"}.get(case, "--out")
     assert f"error: {flag}" in cap.err.strip().splitlines()[-1], cap.err
     assert "Traceback" not in cap.err
 

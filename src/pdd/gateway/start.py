@@ -46,6 +46,14 @@ class UnavailableLog:
                     "once every %g s%s)", message, self.every_s, more)
         self.last, self.unlogged = now, 0
 
+    def started(self) -> None:
+        """A request started: the refusals not logged since the last line (the outage ended
+        within ``every_s`` of it) get their line now, so none goes unlogged."""
+        if self.unlogged:
+            log.warning("%d more request(s) refused for lack of an instance since the last such line; requests "
+                        "start again", self.unlogged)
+            self.unlogged = 0
+
 
 class Starts:
     """Mixin of the orchestrator: name and start a request."""
@@ -130,5 +138,6 @@ class Starts:
                         self.unavailable_log.refused(msg)
                     raise RequestFailed(msg, client_error_of(e), client_reason_of(e)) from e
                 raise self._request_failed(msg, client_error_of(e), client_reason_of(e)) from e
+        self.unavailable_log.started()
         self.pipelines[st.pipeline.value] = self.pipelines.get(st.pipeline.value, 0) + 1
         return st
