@@ -28,6 +28,14 @@ def _slower(recs, factor):
     return out
 
 
+def _refused(cal, ho, capsys) -> str:
+    """`pdd sim validate-report` on ``cal`` and ``ho``: exit 2; its stderr."""
+    with pytest.raises(SystemExit) as ex:
+        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
+    assert ex.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_error_distribution_exact():
     e = error_distribution([-0.5, 0.0, 0.125, 0.25])
     # |e| sorted 0, 0.125, 0.25, 0.5 (linear interpolation: P90 at 2.7, P99 at 2.97)
@@ -296,10 +304,7 @@ def test_a_malformed_err_ci_is_one_line_naming_the_field(tmp_path, capsys, bad):
     v = json.loads((ho / "validate.json").read_text())
     v["err_ci"] = bad
     (ho / "validate.json").write_text(json.dumps(v))
-    with pytest.raises(SystemExit) as ex:
-        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(cal, ho, capsys)
     assert "ho/validate.json: err_ci" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
@@ -435,10 +440,7 @@ def test_every_number_the_report_reads_is_checked(tmp_path, capsys, field, bad):
         d = d[k]
     d[leaf] = bad
     (ho / "validate.json").write_text(json.dumps(v))
-    with pytest.raises(SystemExit) as ex:
-        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(cal, ho, capsys)
     assert f"ho/validate.json: {field} must be" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
@@ -538,10 +540,7 @@ def test_a_malformed_phase_or_config_is_one_line_naming_the_field(tmp_path, caps
     v = json.loads((d / "validate.json").read_text())
     v[field] = value
     (d / "validate.json").write_text(json.dumps(v))
-    with pytest.raises(SystemExit) as ex:
-        pdd_main(["sim", "validate-report", "--calibration", str(cal), "--held-out", str(ho)])
-    assert ex.value.code == 2
-    err = capsys.readouterr().err
+    err = _refused(cal, ho, capsys)
     assert f"{which}/validate.json: {named}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
