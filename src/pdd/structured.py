@@ -351,7 +351,10 @@ def _grammar_for(kind: str, value, whitespace_pattern: str | None) -> str:
                 raise GrammarError("choices must be a non-empty list of non-empty strings")
             for j, c in enumerate(value):
                 _check_unicode(c, f"choice {j} is ")
-            g = M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+            # one lexeme matching any choice: the lexer's automaton shares their prefixes, where a
+            # rule of one alternative per choice put them all in one parser row (llguidance's limit
+            # of 2,000 items: 2,000 choices of one prefix failed after the first token)
+            g = M.grammar_from_regex("|".join(re.escape(c) for c in value))
         elif kind == "grammar":
             if not isinstance(value, str) or not value.strip():
                 raise GrammarError("a grammar must be a non-empty string (Lark or GBNF)")
@@ -555,7 +558,7 @@ class Guide:
     def allowed(self, outputs: list[int]) -> bytes:
         """The bitmask of the ids allowed after ``outputs`` (see the class). A matcher that fails
         computing it (a run-time limit of llguidance: ``Current row has 50001 items; max is
-        2000`` for 2,000 choices of one shared prefix) sets :attr:`error`: the engine then fails
+        2000`` for a rule of 2,000 alternatives of one shared prefix) sets :attr:`error`: the engine then fails
         the request with it rather than end it with output the grammar does not hold."""
         self.advance(outputs)
         if self.error is not None or self._m.is_stopped():

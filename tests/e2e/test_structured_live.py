@@ -190,13 +190,13 @@ def test_a_call_streams_its_arguments_across_the_handoff(pdd_topo, how):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_grammar_that_fails_at_run_time_fails_the_request_naming_why(pdd_topo, stream):
-    """2,000 choices sharing a prefix compile, and llguidance's parser refuses the next row after
-    the first token (``max is 2000``): the request ends with an error saying so, never a 200 with
-    "stop" and output outside the choices; every page is free after it."""
+    """A grammar of 2,000 alternatives sharing a prefix compiles, and llguidance's parser refuses
+    the next row after the first token (``max is 2000``): the request ends with an error saying
+    so, never a 200 with "stop" and output outside the grammar; every page is free after it."""
     import httpx
 
     body = {"model": pdd_topo.cfg.served_model_name, "prompt": [5, 6, 7, 8], "max_tokens": 16,
-            "temperature": 0, "guided_choice": [f"7-{i}" for i in range(2000)], "stream": stream}
+            "temperature": 0, "guided_grammar": "start: " + " | ".join(json.dumps(f"7-{i}") for i in range(2000)), "stream": stream}
     with httpx.Client(timeout=300) as c:
         if stream:
             with c.stream("POST", pdd_topo.url + "/v1/completions", json=body) as r:
@@ -210,7 +210,7 @@ def test_a_grammar_that_fails_at_run_time_fails_the_request_naming_why(pdd_topo,
             assert r.status_code == 400, r.text  # the request's own: the same one fails again
             err = r.json()["error"]
     assert "structured output failed at output 1: " in err["message"] and "max is 2000" in err["message"], err
-    assert (err["type"], err["param"]) == ("invalid_request_error", "guided_choice")  # the constraint's field
+    assert (err["type"], err["param"]) == ("invalid_request_error", "guided_grammar")  # the constraint's field
     assert pdd_topo.wait_idle(timeout_s=30), pdd_topo.last_busy
     assert pdd_topo.flush()["leaked_pages"] == 0
 

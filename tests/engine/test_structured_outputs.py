@@ -104,16 +104,31 @@ def test_a_handed_over_token_the_grammar_rejects_fails_the_request(make_engine, 
 
 
 def test_a_grammar_that_fails_at_run_time_fails_the_request(make_engine, prompts):
-    """2,000 choices sharing a prefix compile, and llguidance's parser refuses the row after it
-    (``Current row has ... items; max is 2000``): the request fails with that, not "stop"."""
+    """A grammar of 2,000 alternatives sharing a prefix compiles, and llguidance's parser refuses
+    the row after it (``Current row has ... items; max is 2000``): the request fails with that,
+    not "stop"."""
     eng = make_engine()
-    sp = _sp("choice", [f"7-{i}" for i in range(2000)])
+    sp = _sp("grammar", "start: " + " | ".join(json.dumps(f"7-{i}") for i in range(2000)))
     seq = eng.new_sequence("many", prompts[0], sp, use_cache=False)
     eng.add(seq)
     while eng.has_work():
         eng.step()
     (failed, why), = eng.pop_failed()
     assert failed is seq and "max is 2000" in why, why
+    eng.release(seq, cache=False)
+
+
+def test_many_choices_sharing_a_prefix_are_one_lexeme(make_engine, prompts):
+    """3,000 choices of one prefix (a rule of one alternative each failed after the first token,
+    as above): greedy output is one of them, whole, ended by EOS or its end."""
+    eng = make_engine()
+    choices = [f"7-{i}" for i in range(3000)]
+    seq = eng.new_sequence("many", prompts[0], _sp("choice", choices), use_cache=False)
+    eng.add(seq)
+    while eng.has_work():
+        eng.step()
+    assert eng.pop_failed() == []
+    assert _text(eng, seq.output_ids) in choices
     eng.release(seq, cache=False)
 
 
